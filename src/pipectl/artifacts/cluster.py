@@ -1,0 +1,72 @@
+"""Cluster descriptions (configs/clusters/*.yaml): node types, counts, prices, link figures."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from pipectl.artifacts.base import Artifact, Strict
+
+
+class LinkSpec(Strict):
+    """Link figures that override the device catalog, or a links.json to read them from."""
+
+    intra_node_bandwidth_gbytes_per_second: float | None = Field(default=None, gt=0)
+    intra_node_latency_us: float | None = Field(default=None, ge=0)
+    inter_node_bandwidth_gbytes_per_second: float | None = Field(default=None, gt=0)
+    inter_node_latency_us: float | None = Field(default=None, ge=0)
+    links_file: str | None = Field(
+        default=None, description="Path to a links.json from `pipectl profile links` (relative to the YAML)."
+    )
+
+
+class NodeType(Strict):
+    """A group of identical nodes."""
+
+    name: str = Field(description="Name of this node group, e.g. 'a100-nodes'.")
+    device: str = Field(description="Device kind, a key of the device catalog (configs/devices.yaml).")
+    devices_per_node: int = Field(gt=0, description="Accelerators (or CPU ranks) per node.")
+    nodes: int = Field(gt=0, description="Nodes of this type available.")
+    price_per_device_hour_on_demand: float = Field(default=0.0, ge=0, description="USD per device-hour.")
+    price_per_device_hour_spot: float | None = Field(default=None, ge=0, description="USD, spot/pre-emptible.")
+    links: LinkSpec = Field(default_factory=LinkSpec, description="Overrides of the catalog's link figures.")
+
+    @property
+    def devices(self) -> int:
+        return self.devices_per_node * self.nodes
+
+
+class ClusterSpec(Artifact):
+    """A cluster: one or more node types. Several device kinds make it heterogeneous."""
+
+    schema_version: Literal[1] = 1
+    name: str = Field(description="Cluster name.")
+    description: str = Field(default="", description="Free text.")
+    node_types: list[NodeType] = Field(min_length=1, description="The node groups.")
+    pricing: Literal["on_demand", "spot"] = Field(default="on_demand", description="Which price to plan with.")
+    local: bool = Field(
+        default=False,
+        description="Local CPU ranks on this machine: `--devices N` sets how many (devices_per_node is the default).",
+    )
+    inter_node_links: LinkSpec = Field(default_factory=LinkSpec, description="Links between node groups.")
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> "ClusterSpec":
+        names = [n.name for n in self.node_types]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"node type names must be unique, repeated: {', '.join(dupes)}")
+        return self
+
+    @property
+    def total_devices(self) -> int:
+        return sum(n.devices for n in self.node_types)
+
+    @property
+    def device_kinds(self) -> list[str]:
+        return sorted({n.device for n in self.node_types})
+
+    @property
+    def heterogeneous(self) -> bool:
+        return len(self.device_kinds) > 1

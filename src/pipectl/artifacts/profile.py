@@ -1,0 +1,131 @@
+"""The profile artifact (profile.json, links.json): per-layer costs of a model and per-link costs.
+
+Nothing in a profile depends on the device count of a future job (scale-invariant calibration,
+Varuna §4): layer costs are per micro-batch on one device, link costs are fits of
+latency + bytes / bandwidth that the planner evaluates for any ring size.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Literal
+
+from pydantic import Field
+
+from pipectl.artifacts.base import Artifact, Strict
+
+
+class ProfileSource(str, Enum):
+    MEASURED = "measured"
+    DERIVED = "derived"
+
+
+class LinkClass(str, Enum):
+    INTRA_NODE = "intra_node"
+    INTER_NODE = "inter_node"
+
+
+class LayerCost(Strict):
+    """Costs of one layer at one micro-batch size."""
+
+    micro_batch_size: int = Field(gt=0, description="Samples per micro-batch b.")
+    forward_seconds: float = Field(ge=0, description="Median forward time of the layer.")
+    backward_seconds: float = Field(ge=0, description="Median backward time of the layer.")
+    output_activation_bytes: int = Field(ge=0, description="Bytes of the output (crosses a stage cut).")
+    saved_activation_bytes: int = Field(
+        ge=0, description="Bytes the layer keeps for backward; recomputation frees them."
+    )
+    peak_memory_bytes: int = Field(ge=0, description="Peak memory while running forward+backward.")
+    forward_flops: float = Field(default=0.0, ge=0, description="Forward FLOPs (analytic), 0 if unknown.")
+
+
+class LayerProfile(Strict):
+    """One cuttable layer of the model."""
+
+    index: int = Field(ge=0, description="Position in the layer list.")
+    name: str = Field(description="Layer name, e.g. 'embed', 'block.3', 'head'.")
+    kind: str = Field(description="Layer type, e.g. 'embedding', 'transformer_block', 'lm_head'.")
+    parameter_count: int = Field(ge=0, description="Parameters held by the layer.")
+    parameter_bytes: int = Field(ge=0, description="Bytes of the layer's parameters as profiled.")
+    shared_group: str | None = Field(
+        default=None, description="Name of a parameter group shared with other layers (tied embeddings)."
+    )
+    shared_parameter_count: int = Field(
+        default=0, ge=0, description="How many of parameter_count belong to shared_group (each holder has a copy)."
+    )
+    costs: list[LayerCost] = Field(description="One entry per profiled micro-batch size, ascending.")
+
+    def cost(self, micro_batch_size: int) -> LayerCost:
+        for entry in self.costs:
+            if entry.micro_batch_size == micro_batch_size:
+                return entry
+        raise KeyError(f"layer {self.name} has no cost for micro-batch size {micro_batch_size}")
+
+
+class LinkClassFit(Strict):
+    """Fitted cost of one link class: time(bytes) = latency + bytes / bandwidth."""
+
+    link_class: LinkClass
+    p2p_latency_seconds: float = Field(ge=0, description="Point-to-point latency (intercept).")
+    p2p_bandwidth_bytes_per_second: float = Field(gt=0, description="Point-to-point bandwidth (1/slope).")
+    p2p_jitter_seconds: float = Field(default=0.0, ge=0, description="Std. dev. of residuals of p2p.")
+    allreduce_latency_seconds: float = Field(
+        ge=0, description="Ring all-reduce per-hop latency alpha: time = 2(D-1)(alpha + bytes/(D*bw))."
+    )
+    allreduce_bandwidth_bytes_per_second: float = Field(gt=0, description="Ring all-reduce bus bandwidth.")
+
+
+class LinkSample(Strict):
+    """One raw calibration measurement."""
+
+    op: Literal["p2p", "allreduce"]
+    link_class: LinkClass
+    ring_size: int = Field(ge=2)
+    message_bytes: int = Field(gt=0)
+    seconds: float = Field(ge=0, description="Median time of one operation.")
+
+
+class LinksProfile(Artifact):
+    """links.json: calibrated link costs per link class, with the raw samples they came from."""
+
+    schema_version: Literal[1] = 1
+    backend: str = Field(description="torch.distributed backend used: gloo or nccl.")
+    device: str = Field(description="Catalog name of the device the links were measured between.")
+    fits: list[LinkClassFit] = Field(description="One fit per measured link class.")
+    samples: list[LinkSample] = Field(default_factory=list, description="Raw measurements.")
+
+    def fit(self, link_class: LinkClass) -> LinkClassFit | None:
+        return next((f for f in self.fits if f.link_class == link_class), None)
+
+
+class ModelProfile(Artifact):
+    """profile.json: the model layer by layer on one device type."""
+
+    schema_version: Literal[1] = 1
+    model: str = Field(description="Model name (config name or 'module:factory').")
+    source: ProfileSource = Field(description="measured on hardware, or derived from shape + datasheet.")
+    device: str = Field(description="Catalog name of the device profiled on (e.g. 'cpu', 'a100-80gb').")
+    dtype: str = Field(description="Parameter/activation dtype profiled: float32, bfloat16, float16.")
+    micro_batch_sizes: list[int] = Field(description="Micro-batch sizes with costs, ascending.")
+    not_fitting_micro_batch_size: int | None = Field(
+        default=None, description="First micro-batch size tried that did not fit, if any."
+    )
+    seq_len: int | None = Field(default=None, description="Sequence length (transformers).")
+    hidden: int | None = Field(default=None, description="Hidden size (transformers).")
+    vocab: int | None = Field(default=None, description="Vocabulary size (transformers).")
+    layers: list[LayerProfile] = Field(description="The cuttable layers, in order.")
+    links: LinksProfile | None = Field(default=None, description="Link calibration, when included.")
+    notes: list[str] = Field(default_factory=list, description="What happened while profiling.")
+
+    @property
+    def parameter_count(self) -> int:
+        """Parameters of the model, counting each shared group once."""
+        seen: set[str] = set()
+        total = 0
+        for layer in self.layers:
+            total += layer.parameter_count
+            if layer.shared_group:
+                if layer.shared_group in seen:
+                    total -= layer.shared_parameter_count
+                seen.add(layer.shared_group)
+        return total

@@ -1,0 +1,1 @@
+"""Thin Typer commands: they parse options, call domain code, and render results."""

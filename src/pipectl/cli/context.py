@@ -1,0 +1,26 @@
+"""What every command shares: the consoles and the common option types."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from pydantic import BaseModel
+from rich.console import Console
+
+console = Console()
+err_console = Console(stderr=True)
+
+JsonFlag = Annotated[bool, typer.Option("--json", help="Print the result as JSON instead of a table.")]
+OutputPath = Annotated[Path, typer.Option("--output", "-o", help="Where to write the artifact.")]
+
+
+def print_json(payload: BaseModel | dict[str, Any] | list[Any]) -> None:
+    """Plain JSON on stdout (no Rich markup), for scripts."""
+    if isinstance(payload, BaseModel):
+        text = payload.model_dump_json(indent=2)
+    else:
+        text = json.dumps(payload, indent=2)
+    typer.echo(text)

@@ -1,0 +1,50 @@
+"""The `pipectl` entry point: wires the commands and turns typed errors into messages.
+
+Every `PipectlError` becomes one red line (plus a hint) and its exit code (2 for bad input); set
+PIPECTL_DEBUG=1 to see the traceback. Anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import typer
+
+from pipectl import __version__
+from pipectl.cli import launch, plan, profile, resize, simulate, status
+from pipectl.cli.groups import ErrorReportingGroup
+
+app = typer.Typer(
+    name="pipectl",
+    cls=ErrorReportingGroup,
+    help="Profile, plan, launch and resize pipeline-parallel training jobs. The global batch never changes.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+app.add_typer(profile.app, name="profile")
+plan.register(app)
+simulate.register(app)
+launch.register(app)
+status.register(app)
+resize.register(app)
+
+
+@app.callback(invoke_without_command=True)
+def _main(
+    ctx: typer.Context,
+    version: bool = typer.Option(False, "--version", help="Print the version and exit."),
+) -> None:
+    if version:
+        typer.echo(f"pipectl {__version__}")
+        raise typer.Exit()
+    if ctx.invoked_subcommand is None:
+        typer.echo(ctx.get_help())
+        raise typer.Exit()
+
+
+def run() -> None:
+    """Console-script entry point."""
+    app()
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,57 @@
+"""The layer-list contract shared by the profiler and the runtime.
+
+A model is an ordered list of `LayerDef`s, the units a pipeline can cut between. Each maps 1:1 to
+a DeepSpeed `LayerSpec` (or `TiedLayerSpec` when `tie_key` is set), so the profiler measures
+exactly the modules the pipeline engine will run:
+
+    embed -> block.0 -> ... -> block.{L-1} -> final_norm -> head(tied to embed)
+
+Batches are made by `make_batch(batch_size, generator)` -> (inputs, labels); the first layer
+consumes `inputs`, `loss_fn(last_output, labels)` gives the scalar loss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class LayerDef:
+    """One cuttable layer: how to build it, and whether it shares weights with another layer."""
+
+    name: str
+    kind: str
+    module_cls: type[nn.Module]
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    tie_key: str | None = None
+    # For a tied layer that is not the first holder: forward(module, x) using the shared module.
+    tied_forward: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None
+    tied_weight_attr: str = "weight"
+
+    def build(self) -> nn.Module:
+        return self.module_cls(*self.args, **self.kwargs)
+
+    def forward(self, module: nn.Module, x: Any) -> Any:
+        return self.tied_forward(module, x) if self.tied_forward is not None else module(x)
+
+
+@dataclass(frozen=True)
+class ModelLayers:
+    """A model as pipectl sees it: the layer list, how to make a batch, and the loss."""
+
+    name: str
+    layers: list[LayerDef]
+    make_batch: Callable[[int, torch.Generator], tuple[torch.Tensor, torch.Tensor]]
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    # Shape facts for profiles (None for user models).
+    seq_len: int | None = None
+    hidden: int | None = None
+    vocab: int | None = None
+
+    def __len__(self) -> int:
+        return len(self.layers)

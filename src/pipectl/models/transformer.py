@@ -1,0 +1,74 @@
+"""GPT-style decoder and BERT-style encoder layers (pre-LayerNorm blocks).
+
+Shapes: tokens [b, s] (int64) -> hidden [b, s, h] -> logits [b, s, V].
+Parameters per block: 12h^2 + 13h (SPEC §3; attention 4h^2+4h, MLP 8h^2+5h, two LayerNorms 4h).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Embedding(nn.Module):
+    """Token + learned position embeddings. `weight` is the token table (tied with the head)."""
+
+    def __init__(self, vocab: int, hidden: int, seq_len: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab, hidden))
+        self.position = nn.Parameter(torch.empty(seq_len, hidden))
+        nn.init.normal_(self.weight, std=0.02)
+        nn.init.normal_(self.position, std=0.02)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return F.embedding(tokens, self.weight) + self.position[: tokens.shape[1]]
+
+
+def tied_head_forward(embedding: Embedding, hidden_states: torch.Tensor) -> torch.Tensor:
+    """The output head reuses the token table: logits = x @ W^T (GPT-2, Megatron)."""
+    return F.linear(hidden_states, embedding.weight)
+
+
+class TransformerBlock(nn.Module):
+    """Pre-LN block: x + attn(ln(x)); x + mlp(ln(x)). `causal` selects decoder vs encoder."""
+
+    def __init__(self, hidden: int, heads: int, ffn_multiplier: int = 4, causal: bool = True) -> None:
+        super().__init__()
+        self.heads = heads
+        self.causal = causal
+        self.ln_attn = nn.LayerNorm(hidden)
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.proj = nn.Linear(hidden, hidden)
+        self.ln_mlp = nn.LayerNorm(hidden)
+        self.fc_in = nn.Linear(hidden, ffn_multiplier * hidden)
+        self.fc_out = nn.Linear(ffn_multiplier * hidden, hidden)
+        for lin in (self.qkv, self.fc_in):
+            nn.init.normal_(lin.weight, std=0.02)
+            nn.init.zeros_(lin.bias)
+        for lin in (self.proj, self.fc_out):
+            nn.init.normal_(lin.weight, std=0.02 / math.sqrt(2))
+            nn.init.zeros_(lin.bias)
+
+    def attention(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        q, k, v = self.qkv(x).split(h, dim=-1)
+        shape = (b, s, self.heads, h // self.heads)
+        q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+        return self.proj(out.transpose(1, 2).reshape(b, s, h))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.ln_attn(x))
+        return x + self.fc_out(F.gelu(self.fc_in(self.ln_mlp(x))))
+
+
+class FinalNorm(nn.LayerNorm):
+    """The LayerNorm before the head, as its own cuttable layer."""
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean token cross-entropy."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))

@@ -1,0 +1,34 @@
+"""Where pipectl finds its shipped configuration files (`configs/`)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from pipectl.errors import UserInputError
+
+
+def configs_dir() -> Path:
+    """The `configs/` folder: `$PIPECTL_CONFIGS`, else the one beside the source tree."""
+    override = os.environ.get("PIPECTL_CONFIGS")
+    if override:
+        return Path(override)
+    return Path(__file__).resolve().parents[2] / "configs"
+
+
+def resolve_config(name_or_path: str | os.PathLike[str], kind: str) -> Path:
+    """A YAML file given by path, or by a shipped name (`gpt-tiny` -> configs/models/gpt-tiny.yaml).
+
+    `kind` is the sub-folder of `configs/`: "models" or "clusters".
+    """
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    shipped = configs_dir() / kind / f"{name_or_path}.yaml"
+    if shipped.is_file():
+        return shipped
+    known = sorted(p.stem for p in (configs_dir() / kind).glob("*.yaml"))
+    raise UserInputError(
+        f"{kind[:-1]} '{name_or_path}' is neither a file nor a shipped name",
+        hint=f"shipped {kind}: {', '.join(known) or '(none)'}",
+    )

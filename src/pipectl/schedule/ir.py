@@ -1,0 +1,147 @@
+"""The schedule IR: one typed representation read by the simulator, the validator, the Gantt chart
+and the DeepSpeed runtime adapter.
+
+An `Action` is a frozen value with a compact text form that parses back exactly:
+
+    >>> Action.parse("2F0")
+    Action(stage=2, kind=<ActionKind.FORWARD: 'F'>, microbatch=0)
+    >>> str(Action(stage=1, kind=ActionKind.SEND_FORWARD, microbatch=3))
+    '1SF3'
+    >>> str(Action(stage=0, kind=ActionKind.OPTIMIZER_STEP))
+    '0STEP'
+
+`stage` is the *virtual* stage: with v model chunks per rank and p ranks, virtual stage s lives on
+rank s % p as its chunk s // p (device k holds chunks k, k+p, k+2p, ...). With v = 1 the virtual
+stage is the rank.
+
+A `Schedule` maps every rank to its ordered list of actions for one optimizer step. Generators
+produce compute actions only (F, B, R, and the per-rank all-reduce and optimizer step); a separate
+pass adds the sends and receives (`pipectl.schedule.comm`).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class ActionKind(str, Enum):
+    FORWARD = "F"
+    BACKWARD = "B"
+    RECOMPUTE = "R"
+    SEND_FORWARD = "SF"  # send this micro-batch's output activation to the next stage
+    RECV_FORWARD = "RF"  # receive this micro-batch's input activation from the previous stage
+    SEND_BACKWARD = "SB"  # send the gradient of this micro-batch's input to the previous stage
+    RECV_BACKWARD = "RB"  # receive the gradient of this micro-batch's output from the next stage
+    ALL_REDUCE = "AR"  # data-parallel gradient all-reduce of this stage's parameters
+    OPTIMIZER_STEP = "STEP"
+
+    @property
+    def is_compute(self) -> bool:
+        return self in (ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.RECOMPUTE)
+
+    @property
+    def is_p2p(self) -> bool:
+        return self in (
+            ActionKind.SEND_FORWARD,
+            ActionKind.RECV_FORWARD,
+            ActionKind.SEND_BACKWARD,
+            ActionKind.RECV_BACKWARD,
+        )
+
+    @property
+    def has_microbatch(self) -> bool:
+        return self not in (ActionKind.ALL_REDUCE, ActionKind.OPTIMIZER_STEP)
+
+
+# Longest kinds first so "SF" is not read as "S" + "F".
+_KINDS = "|".join(sorted((k.value for k in ActionKind), key=len, reverse=True))
+_ACTION_RE = re.compile(rf"^(\d+)({_KINDS})(\d*)$")
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    stage: int
+    kind: ActionKind
+    microbatch: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.stage < 0:
+            raise ValueError(f"stage must be >= 0, got {self.stage}")
+        if self.kind.has_microbatch and (self.microbatch is None or self.microbatch < 0):
+            raise ValueError(f"{self.kind.name} needs a micro-batch index >= 0, got {self.microbatch}")
+        if not self.kind.has_microbatch and self.microbatch is not None:
+            raise ValueError(f"{self.kind.name} takes no micro-batch index, got {self.microbatch}")
+
+    def __str__(self) -> str:
+        mb = "" if self.microbatch is None else str(self.microbatch)
+        return f"{self.stage}{self.kind.value}{mb}"
+
+    @classmethod
+    def parse(cls, text: str) -> "Action":
+        match = _ACTION_RE.match(text.strip())
+        if not match:
+            raise ValueError(f"not an action: {text!r} (expected e.g. '2F0', '1SB3', '0STEP')")
+        stage, kind, mb = match.groups()
+        return cls(int(stage), ActionKind(kind), int(mb) if mb else None)
+
+
+class ScheduleKind(str, Enum):
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED = "interleaved"
+    VARUNA = "varuna"
+    PIPEDREAM_2BW = "2bw"
+
+    @property
+    def changes_optimizer_semantics(self) -> bool:
+        """PipeDream-2BW updates with 1-stale gradients: a different optimizer, never chosen silently."""
+        return self is ScheduleKind.PIPEDREAM_2BW
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """One optimizer step of a pipeline: per rank, the ordered actions it performs.
+
+    `pipeline_parallel` ranks, `micro_batches` micro-batches per step, `chunks` model chunks per
+    rank (v; 1 unless interleaved). Virtual stage s runs on rank s % p.
+    """
+
+    kind: ScheduleKind
+    pipeline_parallel: int
+    micro_batches: int
+    chunks: int
+    actions: dict[int, tuple[Action, ...]] = field(hash=False)
+
+    @property
+    def virtual_stages(self) -> int:
+        return self.pipeline_parallel * self.chunks
+
+    def rank_of(self, stage: int) -> int:
+        return stage % self.pipeline_parallel
+
+    def compute_order(self, rank: int) -> list[Action]:
+        """The rank's forward/backward/recompute actions in order (what the runtime records)."""
+        return [a for a in self.actions[rank] if a.kind.is_compute]
+
+    def to_text(self) -> str:
+        """One line per rank: `rank: action action ...`; `Schedule.from_text` reads it back."""
+        header = f"# {self.kind.value} p={self.pipeline_parallel} m={self.micro_batches} v={self.chunks}"
+        lines = [header] + [
+            f"{rank}: " + " ".join(str(a) for a in self.actions[rank]) for rank in sorted(self.actions)
+        ]
+        return "\n".join(lines) + "\n"
+
+    @classmethod
+    def from_text(cls, text: str) -> "Schedule":
+        lines = [line for line in text.strip().splitlines() if line.strip()]
+        match = re.match(r"^# (\S+) p=(\d+) m=(\d+) v=(\d+)$", lines[0]) if lines else None
+        if not match:
+            raise ValueError("schedule text must start with '# KIND p=P m=M v=V'")
+        kind, p, m, v = match.groups()
+        actions: dict[int, tuple[Action, ...]] = {}
+        for line in lines[1:]:
+            rank, _, rest = line.partition(":")
+            actions[int(rank)] = tuple(Action.parse(tok) for tok in rest.split())
+        return cls(ScheduleKind(kind), int(p), int(m), int(v), actions)
