@@ -1,0 +1,63 @@
+import json
+
+import pytest
+
+from pipectl.artifacts import ClusterSpec, ModelConfig
+from pipectl.errors import ArtifactError, UserInputError
+from pipectl.io import load_model, read_mapping, write_json_atomic
+from pipectl.paths import resolve_config
+
+
+def test_missing_file_names_the_path(tmp_path):
+    with pytest.raises(UserInputError, match="nope.yaml"):
+        read_mapping(tmp_path / "nope.yaml")
+
+
+def test_bad_yaml_is_an_artifact_error(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("name: [unclosed\n")
+    with pytest.raises(ArtifactError, match="not valid YAML"):
+        read_mapping(path)
+
+
+def test_validation_error_names_field_and_value(tmp_path):
+    path = tmp_path / "m.yaml"
+    path.write_text("name: x\nfamily: gpt\nlayers: -3\nhidden: 64\n")
+    with pytest.raises(ArtifactError, match=r"layers.*-3"):
+        load_model(ModelConfig, path)
+
+
+def test_unknown_field_is_rejected_not_dropped(tmp_path):
+    path = tmp_path / "m.yaml"
+    path.write_text("name: x\nfamily: gpt\nlayers: 2\nhidden: 64\nhiden: 32\n")
+    with pytest.raises(ArtifactError, match="hiden"):
+        load_model(ModelConfig, path)
+
+
+def test_heads_must_divide_hidden(tmp_path):
+    path = tmp_path / "m.yaml"
+    path.write_text("name: x\nfamily: gpt\nlayers: 2\nhidden: 64\nheads: 5\n")
+    with pytest.raises(ArtifactError, match="hidden 64 is not divisible by heads 5"):
+        load_model(ModelConfig, path)
+
+
+def test_write_json_atomic_round_trips(tmp_path):
+    cluster = ClusterSpec.model_validate(
+        {"name": "c", "node_types": [{"name": "n", "device": "cpu", "devices_per_node": 2, "nodes": 1}]}
+    )
+    out = write_json_atomic(tmp_path / "sub" / "c.json", cluster)
+    assert ClusterSpec.model_validate(json.loads(out.read_text())) == cluster
+    assert [p.name for p in out.parent.iterdir()] == ["c.json"]  # no temporary left behind
+
+
+def test_every_shipped_model_config_validates():
+    for name in ["gpt-tiny", "gpt-small", "gpt2-2.5b", "gpt3-175b", "gpt-1t", "bert-tiny", "mlp-tiny"]:
+        config = load_model(ModelConfig, resolve_config(name, "models"))
+        assert config.name == name
+
+
+def test_unknown_shipped_name_lists_known_ones():
+    with pytest.raises(UserInputError) as info:
+        resolve_config("gpt-huge", "models")
+    assert "gpt-huge" in info.value.message
+    assert "gpt-tiny" in (info.value.hint or "")
