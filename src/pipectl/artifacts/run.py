@@ -1,0 +1,164 @@
+"""The run directory's artifacts: job.json (`JobSpec`), metrics.jsonl lines (`StepMetrics`) and the
+per-checkpoint manifest.json (`CheckpointManifest`).
+
+A run directory `runs/NAME/` holds everything one training job needs and produces:
+
+    plan.json          copy of the plan (the worker cuts the model at `chosen.stage_layers`)
+    job.json           JobSpec: what to train, for how long, where to checkpoint, which engine
+    ds_config.json     the DeepSpeed config, validated by DeepSpeed's parser before launch
+    launch.sh          the exact command that was (or would be) run
+    hostfile           deepspeed engine only;  job.sbatch: slurm engine only
+    metrics.jsonl      one StepMetrics line per optimizer step (rank 0 writes it)
+    checkpoints/       TAG/ (DeepSpeed universal checkpoint + manifest.json, written last), latest
+    schedule_rank{R}.txt  the compute order rank R executed
+    logs/              engine and per-rank output
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from pipectl.artifacts.base import Artifact, Strict
+from pipectl.schedule.ir import ScheduleKind
+
+JOB_FILE = "job.json"
+PLAN_FILE = "plan.json"
+DS_CONFIG_FILE = "ds_config.json"
+LAUNCH_SCRIPT = "launch.sh"
+HOSTFILE = "hostfile"
+SBATCH_FILE = "job.sbatch"
+METRICS_FILE = "metrics.jsonl"
+CHECKPOINTS_DIR = "checkpoints"
+LOGS_DIR = "logs"
+MANIFEST_FILE = "manifest.json"
+
+
+class Engine(str, Enum):
+    """How the ranks are started."""
+
+    LOCAL = "local"  # torchrun --standalone on this machine (the embedded default)
+    TORCHRUN = "torchrun"  # torchrun with a c10d rendezvous, static or elastic
+    DEEPSPEED = "deepspeed"  # DeepSpeed's launcher with a hostfile (multi-node)
+    SLURM = "slurm"  # an sbatch script running srun torchrun
+
+
+class Precision(str, Enum):
+    FP32 = "fp32"
+    BF16 = "bf16"
+
+
+class DataKind(str, Enum):
+    BUILTIN = "builtin"  # a corpus that ships with pipectl (no download)
+    SYNTHETIC = "synthetic"  # random tokens/features from the model's `make_batch` (benchmarks)
+    FILE = "file"  # the user's token file (`--data PATH`)
+
+
+class DataSpec(Strict):
+    """Where the training samples come from. The samples of step s depend on (seed, s, B) only."""
+
+    kind: DataKind = Field(default=DataKind.BUILTIN, description="builtin corpus, synthetic, or a file.")
+    path: str | None = Field(default=None, description="Absolute path of the token file (kind=file).")
+
+    @model_validator(mode="after")
+    def _path_iff_file(self) -> "DataSpec":
+        if (self.kind is DataKind.FILE) != (self.path is not None):
+            raise ValueError(f"data kind {self.kind.value!r} {'needs' if self.path is None else 'takes no'} path")
+        return self
+
+
+class ElasticRange(Strict):
+    """torchrun elastic membership: between `min_nodes` and `max_nodes` agents of `ranks_per_node`."""
+
+    min_nodes: int = Field(gt=0)
+    max_nodes: int = Field(gt=0)
+    max_restarts: int = Field(default=3, ge=0, description="Group restarts torchrun allows.")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "ElasticRange":
+        if self.min_nodes > self.max_nodes:
+            raise ValueError(f"elastic range {self.min_nodes}:{self.max_nodes} has MIN > MAX")
+        return self
+
+
+class JobSpec(Artifact):
+    """job.json: everything the worker needs besides the plan and the DeepSpeed config.
+
+    Paths of sibling files are relative to the run directory.
+    """
+
+    schema_version: Literal[1] = 1
+    name: str = Field(description="Run name (the run directory's name).")
+    model: str = Field(description="Model reference for pipectl.models.build_model: name, YAML or module:factory.")
+    steps: int = Field(gt=0, description="Optimizer steps to train in total (a resumed run stops here too).")
+    checkpoint_every: int = Field(
+        default=0, ge=0, description="Checkpoint every K optimizer steps; 0 = only at the end (and on SIGTERM)."
+    )
+    keep_checkpoints: int = Field(default=3, gt=0, description="Verified checkpoints kept; older ones are removed.")
+    seed: int = Field(default=0, description="Seed of weights init and of the data order.")
+    data: DataSpec = Field(default_factory=DataSpec)
+    engine: Engine = Field(default=Engine.LOCAL)
+    schedule: ScheduleKind = Field(description="Schedule kind the worker executes (from plan.chosen).")
+    world_size: int = Field(gt=0, description="Ranks at launch: t * p * d of plan.chosen.")
+    nodes: int = Field(default=1, gt=0, description="Nodes (agents) at launch.")
+    ranks_per_node: int = Field(gt=0, description="Processes per node.")
+    master_addr: str = Field(default="127.0.0.1", description="Rendezvous / master address.")
+    master_port: int = Field(gt=0, lt=65536, description="Rendezvous / master port (distinct per concurrent job).")
+    precision: Precision = Field(default=Precision.FP32)
+    elastic: ElasticRange | None = Field(default=None, description="Elastic torchrun membership, if any.")
+    plan_file: str = Field(default=PLAN_FILE)
+    ds_config_file: str = Field(default=DS_CONFIG_FILE)
+    pipectl_version: str = Field(default="", description="pipectl version that wrote the file.")
+
+    @model_validator(mode="after")
+    def _ranks_cover_world(self) -> "JobSpec":
+        if self.elastic is None and self.nodes * self.ranks_per_node != self.world_size:
+            raise ValueError(
+                f"nodes {self.nodes} x ranks_per_node {self.ranks_per_node} != world_size {self.world_size}"
+            )
+        return self
+
+
+class RankTiming(Strict):
+    """One rank's compute time in one step: the heartbeat used to spot stragglers."""
+
+    rank: int = Field(ge=0)
+    stage: int = Field(ge=0, description="Pipeline stage the rank runs.")
+    forward_seconds: float = Field(ge=0, description="Sum of the rank's forward (and recompute) time this step.")
+    backward_seconds: float = Field(ge=0, description="Sum of the rank's backward time this step.")
+
+
+class StepMetrics(Strict):
+    """One line of metrics.jsonl: one optimizer step."""
+
+    step: int = Field(ge=1, description="Optimizer step just completed (1-based).")
+    loss: float = Field(description="Mean loss over the step's micro-batches (the global batch).")
+    step_seconds: float = Field(ge=0, description="Measured wall time of the step.")
+    predicted_step_seconds: float | None = Field(default=None, description="Plan's prediction for this layout.")
+    samples_per_second: float = Field(ge=0, description="global batch / step_seconds.")
+    global_batch: int = Field(gt=0)
+    world_size: int = Field(gt=0)
+    layout: str = Field(default="", description="Layout label, e.g. 't1p2d1 1f1b b2 m4'.")
+    time_unix: float = Field(default=0.0, description="When the step finished (seconds since the epoch).")
+    ranks: list[RankTiming] = Field(default_factory=list, description="Per-rank heartbeats.")
+
+
+class CheckpointManifest(Artifact):
+    """TAG/manifest.json, written LAST: a checkpoint without a verifying manifest does not exist."""
+
+    schema_version: Literal[1] = 1
+    tag: str = Field(description="Checkpoint tag (its directory name).")
+    step: int = Field(ge=0, description="Optimizer steps completed when it was taken.")
+    format: Literal["deepspeed-universal"] = "deepspeed-universal"
+    layout: dict[str, int | str] = Field(
+        default_factory=dict, description="Layout that wrote it: pipeline/data/tensor degrees, stage cuts."
+    )
+    data_position: dict[str, int] = Field(
+        default_factory=dict, description="Where the data order stands (e.g. samples consumed)."
+    )
+    files: dict[str, str] = Field(description="sha256 of every file, keyed by path relative to the tag dir.")
+    bytes: int = Field(ge=0, description="Total size of the files.")
+    time_unix: float = Field(default=0.0)
+    save_seconds: float = Field(default=0.0, ge=0, description="Save + convert + hash wall time.")

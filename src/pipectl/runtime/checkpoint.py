@@ -1,0 +1,450 @@
+"""Atomic, checksummed checkpoints that any later layout can load: weights AND optimizer state.
+
+DeepSpeed's native pipeline checkpoint cannot re-cut optimizer state across a different pipeline
+degree, cut or data-parallel degree; its *universal* checkpoint can (measured here, see
+shared/DEEPSPEED-ON-CPU.md): ZeRO stage 1, `ds_to_universal --inject_missing_state`, then load
+with `{"checkpoint": {"load_universal": true}}`. Weights and Adam moments are stored per
+parameter name (one folder per parameter under `zero/`), independent of which stage held them.
+pipectl uses that converter and adds what it lacks: atomic commits and checksums.
+
+Layout of RUN/checkpoints/:
+
+    .staging/TAG/             DeepSpeed's native save (all ranks write; removed after conversion)
+    .staging/TAG_universal/   converter output, hashed, then renamed to TAG/
+    TAG/                      the universal checkpoint (zero/<param>/{fp32,exp_avg,exp_avg_sq}.pt,
+                              mp_rank_XX_model_states.pt with client state) + manifest.json (LAST)
+    latest, latest_universal  the newest committed tag (written after its manifest)
+
+A save, collectively on every rank:
+
+    >>> path = save_checkpoint(engine, run_dir, step=10, client_state={"samples": 80})  # doctest: +SKIP
+    >>> path.name                                                                         # doctest: +SKIP
+    'step00000010'
+
+A load picks the newest tag whose manifest verifies; a corrupted file is reported by name and the
+previous checkpoint is used:
+
+    >>> loaded = load_latest(engine, run_dir)                                             # doctest: +SKIP
+    >>> loaded.step, loaded.client_state["samples"], loaded.warnings                      # doctest: +SKIP
+    (10, 80, [])
+
+DeepSpeed reads its own files with `torch.load(weights_only=False)`; pipectl only lets it read a
+tag whose every file matches the sha256 recorded when this run wrote it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import logging
+import os
+import random
+import shutil
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipectl.artifacts.run import CHECKPOINTS_DIR, LOGS_DIR, MANIFEST_FILE, CheckpointManifest
+from pipectl.errors import CheckpointError
+from pipectl.io import load_model, write_json_atomic
+
+log = logging.getLogger(__name__)
+
+STAGING_DIR = ".staging"
+LATEST_FILE = "latest"
+# DeepSpeed's own pointer for `load_checkpoint(dir)` with load_universal (engine.load_checkpoint).
+DEEPSPEED_LATEST_FILE = "latest_universal"
+STOP_FILE = "stop_requested"  # RUN/stop_requested: stop at the next step boundary (resize)
+PIPECTL_STATE_KEY = "pipectl"
+DEFAULT_KEEP = 3
+
+
+def tag_for_step(step: int) -> str:
+    """`step00000010` for step 10: tags sort by name in step order."""
+    return f"step{step:08d}"
+
+
+def checkpoints_dir(run_dir: str | os.PathLike[str]) -> Path:
+    return Path(run_dir) / CHECKPOINTS_DIR
+
+
+# --------------------------------------------------------------------------- verification (pure)
+
+
+def sha256_file(path: Path, chunk_bytes: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(chunk_bytes):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def hash_tree(root: Path) -> dict[str, str]:
+    """sha256 of every file under `root` (except a manifest), keyed by relative POSIX path."""
+    return {
+        path.relative_to(root).as_posix(): sha256_file(path)
+        for path in sorted(root.rglob("*"))
+        if path.is_file() and path.name != MANIFEST_FILE
+    }
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """One checkpoint directory and what verification found (`problems` empty = usable)."""
+
+    tag: str
+    path: Path
+    step: int | None
+    manifest: CheckpointManifest | None
+    problems: tuple[str, ...] = ()
+
+    @property
+    def verified(self) -> bool:
+        return not self.problems and self.manifest is not None
+
+
+def verify_checkpoint(tag_dir: str | os.PathLike[str], *, hash_files: bool = True) -> CheckpointInfo:
+    """Check a tag directory against its manifest: every file present, sizes and sha256 equal.
+
+    With `hash_files=False` only presence is checked (fast; for listings).
+    """
+    tag_dir = Path(tag_dir)
+    manifest_path = tag_dir / MANIFEST_FILE
+    if not manifest_path.is_file():
+        return CheckpointInfo(tag_dir.name, tag_dir, None, None, (f"{manifest_path}: no manifest (incomplete save)",))
+    try:
+        manifest = load_model(CheckpointManifest, manifest_path)
+    except Exception as exc:  # a torn or edited manifest is a corrupted checkpoint, not a crash
+        return CheckpointInfo(tag_dir.name, tag_dir, None, None, (f"{manifest_path}: unreadable manifest ({exc})",))
+    problems: list[str] = []
+    for relative, expected in manifest.files.items():
+        path = tag_dir / relative
+        if not path.is_file():
+            problems.append(f"{path}: missing")
+        elif hash_files and sha256_file(path) != expected:
+            problems.append(f"{path}: sha256 mismatch (file corrupted or modified)")
+    on_disk = {p.relative_to(tag_dir).as_posix() for p in tag_dir.rglob("*") if p.is_file()}
+    for extra in sorted(on_disk - set(manifest.files) - {MANIFEST_FILE}):
+        problems.append(f"{tag_dir / extra}: not in the manifest")
+    return CheckpointInfo(manifest.tag, tag_dir, manifest.step, manifest, tuple(problems))
+
+
+def list_checkpoints(run_dir: str | os.PathLike[str], *, hash_files: bool = False) -> list[CheckpointInfo]:
+    """Every tag directory under RUN/checkpoints, oldest first (staging excluded)."""
+    root = checkpoints_dir(run_dir)
+    if not root.is_dir():
+        return []
+    tags = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    return [verify_checkpoint(tag, hash_files=hash_files) for tag in tags]
+
+
+def find_latest_verified(run_dir: str | os.PathLike[str]) -> tuple[CheckpointInfo | None, list[str]]:
+    """The newest checkpoint whose every file matches its manifest, and warnings for newer bad ones.
+
+    >>> find_latest_verified("/nonexistent/run")
+    (None, [])
+    """
+    warnings: list[str] = []
+    for info in reversed(list_checkpoints(run_dir, hash_files=False)):
+        checked = verify_checkpoint(info.path, hash_files=True)
+        if checked.verified:
+            return checked, warnings
+        warnings.append(f"checkpoint {checked.tag} skipped: " + "; ".join(checked.problems))
+    return None, warnings
+
+
+# --------------------------------------------------------------------------- RNG state
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """Python, NumPy and torch RNG states (stored in the checkpoint's client state)."""
+    import numpy as np
+    import torch
+
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    import numpy as np
+    import torch
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+
+
+# --------------------------------------------------------------------------- collective helpers
+
+
+def _rank_and_world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _broadcast_from_rank0(value: Any) -> Any:
+    """Rank 0's `value` on every rank (identity without a process group)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+# --------------------------------------------------------------------------- save
+
+
+def convert_to_universal(native_dir: Path, universal_dir: Path, log_path: Path | None = None) -> None:
+    """Run DeepSpeed's `ds_to_universal` in this process (one worker: no process pool).
+
+    Its progress output goes to `log_path` (library code does not print).
+    """
+    from deepspeed.checkpoint import ds_to_universal
+
+    args = argparse.Namespace(
+        input_folder=str(native_dir),
+        output_folder=str(universal_dir),
+        num_extract_workers=1,
+        num_merge_workers=1,
+        keep_temp_folder=False,
+        strict=True,
+        # ZeRO-1 pipeline checkpoints lack some state the converter requires; DeepSpeed's flag
+        # fills it in (without it the conversion fails: shared/DEEPSPEED-ON-CPU.md).
+        inject_missing_state=True,
+    )
+    sink = open(log_path, "a") if log_path else open(os.devnull, "w")
+    with sink, contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+        ds_to_universal.main(args)
+
+
+def _commit(root: Path, staged: Path, tag: str, manifest: CheckpointManifest) -> Path:
+    """Rename the staged tag into place, then write its manifest, then move the pointers."""
+    final = root / tag
+    if final.exists():  # re-saving a step (e.g. after a resume): move the old one aside first
+        retired = root / STAGING_DIR / f"{tag}_retired"
+        shutil.rmtree(retired, ignore_errors=True)
+        os.replace(final, retired)
+        shutil.rmtree(retired, ignore_errors=True)
+    os.replace(staged, final)
+    write_json_atomic(final / MANIFEST_FILE, manifest)
+    for pointer in (LATEST_FILE, DEEPSPEED_LATEST_FILE):
+        _write_text_atomic(root / pointer, tag)
+    return final
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+def prune_checkpoints(run_dir: str | os.PathLike[str], keep: int) -> list[Path]:
+    """Remove all but the newest `keep` verified tags, and incomplete tags older than the newest one."""
+    infos = list_checkpoints(run_dir, hash_files=False)
+    good = [i for i in infos if i.verified]
+    keep_paths = {i.path for i in good[-keep:]} if keep > 0 else set()
+    newest_good_step = good[-1].step if good else None
+    removed = []
+    for info in infos:
+        stale_incomplete = not info.verified and newest_good_step is not None and info.path.name < good[-1].tag
+        if (info.verified and info.path not in keep_paths) or stale_incomplete:
+            shutil.rmtree(info.path, ignore_errors=True)
+            removed.append(info.path)
+    return removed
+
+
+def save_checkpoint(
+    engine: Any,
+    run_dir: str | os.PathLike[str],
+    step: int,
+    client_state: dict[str, Any] | None = None,
+    *,
+    keep: int = DEFAULT_KEEP,
+    layout: dict[str, int | str] | None = None,
+    data_position: dict[str, int] | None = None,
+) -> Path:
+    """Save a checkpoint of `engine` after `step` optimizer steps. Call on EVERY rank, at a step boundary.
+
+    1. every rank: DeepSpeed `save_checkpoint` into `.staging/TAG` (native ZeRO-1 layout);
+    2. rank 0: convert to a universal checkpoint, drop the native one, hash every file;
+    3. rank 0: rename into `checkpoints/TAG`, write `manifest.json` LAST, then `latest`;
+    4. rank 0: keep the newest `keep`; every rank waits for rank 0's verdict, so a failure on rank 0
+       raises `CheckpointError` everywhere instead of hanging the others.
+
+    `client_state` must hold plain values (numbers, strings, lists, tensors): it is stored in every
+    stage's `mp_rank_XX_model_states.pt` and returned by `load_latest`. pipectl adds its own entry
+    (step, RNG states, data position) under the key "pipectl".
+    """
+    started = time.perf_counter()
+    rank, _ = _rank_and_world()
+    root = checkpoints_dir(run_dir)
+    staging = root / STAGING_DIR
+    tag = tag_for_step(step)
+    native = staging / tag
+    universal = staging / f"{tag}_universal"
+    if rank == 0:
+        staging.mkdir(parents=True, exist_ok=True)
+        for leftover in (native, universal):  # from an interrupted save
+            shutil.rmtree(leftover, ignore_errors=True)
+    state = dict(client_state or {})
+    state[PIPECTL_STATE_KEY] = {
+        "step": step,
+        "rng": capture_rng_state(),
+        "data_position": dict(data_position or {}),
+    }
+    # DeepSpeed's save starts and ends with a barrier, so rank 0's clean-up above happens first.
+    engine.save_checkpoint(str(staging), tag=tag, client_state=state, save_latest=False)
+
+    verdict: str | None = None
+    if rank == 0:
+        try:
+            logs = Path(run_dir) / LOGS_DIR
+            logs.mkdir(parents=True, exist_ok=True)
+            convert_to_universal(native, universal, logs / "checkpoint_convert.log")
+            shutil.rmtree(native, ignore_errors=True)
+            (staging / DEEPSPEED_LATEST_FILE).unlink(missing_ok=True)  # the converter's own pointer
+            files = hash_tree(universal)
+            manifest = CheckpointManifest(
+                tag=tag,
+                step=step,
+                layout=dict(layout or {}),
+                data_position=dict(data_position or {}),
+                files=files,
+                bytes=sum((universal / rel).stat().st_size for rel in files),
+                time_unix=time.time(),
+                save_seconds=time.perf_counter() - started,
+            )
+            _commit(root, universal, tag, manifest)
+            prune_checkpoints(run_dir, keep)
+        except Exception as exc:  # reported on every rank below
+            verdict = f"checkpoint {tag} failed on rank 0: {type(exc).__name__}: {exc}"
+            log.exception(verdict)
+    verdict = _broadcast_from_rank0(verdict)
+    if verdict is not None:
+        raise CheckpointError(verdict)
+    return root / tag
+
+
+# --------------------------------------------------------------------------- load
+
+
+@dataclass
+class LoadedCheckpoint:
+    """What `load_latest` restored."""
+
+    tag: str
+    step: int
+    path: Path
+    client_state: dict[str, Any]
+    data_position: dict[str, int] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+
+def load_latest(
+    engine: Any, run_dir: str | os.PathLike[str], *, restore_rng: bool = True
+) -> LoadedCheckpoint | None:
+    """Load the newest verified checkpoint into `engine` (weights, optimizer state, RNG). EVERY rank.
+
+    Returns None when the run has no usable checkpoint (a fresh start). Corrupted newer checkpoints
+    are skipped with a warning naming the bad file (in `.warnings`, also logged). The engine must
+    have been created with `{"checkpoint": {"load_universal": true}}` (pipectl's ds_config has it):
+    this is what lets a checkpoint written by another layout load here.
+    """
+    if not engine.load_universal_checkpoint():
+        raise CheckpointError(
+            "the DeepSpeed config lacks checkpoint.load_universal = true; pipectl checkpoints are universal",
+            hint="regenerate the run's ds_config.json with pipectl launch",
+        )
+    rank, _ = _rank_and_world()
+    choice: tuple[str | None, int | None, list[str]] = (None, None, [])
+    if rank == 0:  # one rank hashes; all load the same tag
+        info, warnings = find_latest_verified(run_dir)
+        for warning in warnings:
+            log.warning(warning)
+        choice = (info.tag if info else None, info.step if info else None, warnings)
+    tag, step, warnings = _broadcast_from_rank0(choice)
+    if tag is None:
+        return None
+    root = checkpoints_dir(run_dir)
+    load_path, client_state = engine.load_checkpoint(
+        str(root), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
+    )
+    if load_path is None:
+        raise CheckpointError(f"DeepSpeed could not load checkpoint {root / tag}")
+    client_state = dict(client_state or {})
+    ours = client_state.pop(PIPECTL_STATE_KEY, {})
+    if restore_rng and "rng" in ours:
+        restore_rng_state(ours["rng"])
+    return LoadedCheckpoint(
+        tag=tag,
+        step=int(ours.get("step", step)),
+        path=root / tag,
+        client_state=client_state,
+        data_position=dict(ours.get("data_position", {})),
+        warnings=list(warnings),
+    )
+
+
+# --------------------------------------------------------------------------- stopping
+
+
+class StopFlag:
+    """Set by SIGTERM/SIGINT (or a RUN/stop_requested file): stop at the next step boundary."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self.reason = ""
+
+    def set(self, reason: str) -> None:
+        self.reason = self.reason or reason
+        self._event.set()
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+
+def install_sigterm_handler(signals: tuple[int, ...] = (signal.SIGTERM,)) -> StopFlag:
+    """Turn SIGTERM (a spot VM's pre-emption warning) into a flag the training loop polls.
+
+    The worker finishes the current step, checkpoints, and exits 0 (see `should_stop`).
+    Must be called from the main thread.
+    """
+    flag = StopFlag()
+
+    def _handler(signum: int, _frame: Any) -> None:
+        flag.set(signal.Signals(signum).name)
+
+    for signum in signals:
+        signal.signal(signum, _handler)
+    return flag
+
+
+def should_stop(flag: StopFlag, run_dir: str | os.PathLike[str] | None = None) -> bool:
+    """Collective: True on every rank if ANY rank was signalled or RUN/stop_requested exists.
+
+    Call once per step boundary on every rank: one rank stopping alone would deadlock the others.
+    """
+    import torch
+    import torch.distributed as dist
+
+    if run_dir is not None and (Path(run_dir) / STOP_FILE).exists():
+        flag.set(STOP_FILE)
+    local = 1.0 if flag.is_set() else 0.0
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return bool(local)
+    votes = torch.tensor([local])
+    dist.all_reduce(votes, op=dist.ReduceOp.MAX)
+    if votes.item() and not flag.is_set():
+        flag.set("another rank")
+    return bool(votes.item())
