@@ -1,0 +1,51 @@
+"""Schedules as data: the typed IR, the generators, the communication pass and the validator.
+
+    >>> from pipectl.schedule import ScheduleKind, generate
+    >>> generate(ScheduleKind.ONE_F_ONE_B, 2, 2).actions[1][:2]
+    (Action(stage=1, kind=<ActionKind.FORWARD: 'F'>, microbatch=0), Action(stage=1, kind=<ActionKind.BACKWARD: 'B'>, microbatch=0))
+"""
+
+from __future__ import annotations
+
+from pipectl.schedule.generators import (
+    generate,
+    gpipe,
+    interleaved,
+    one_f_one_b,
+    pipedream_2bw,
+    varuna,
+    weight_version,
+)
+from pipectl.schedule.ir import Action, ActionKind, Schedule, ScheduleKind
+
+
+def deepspeed_runnable(kind: ScheduleKind, chunks: int = 1) -> bool:
+    """Whether DeepSpeed's pipeline engine can execute this schedule.
+
+    DeepSpeed's `PipelineModule` holds one contiguous chunk of layers per rank, so interleaved
+    schedules with v > 1 cannot run there. PipeDream-2BW needs two weight versions and no flush,
+    which the engine does not keep, so it is planned and simulated only.
+
+    >>> deepspeed_runnable(ScheduleKind.INTERLEAVED, 2), deepspeed_runnable(ScheduleKind.VARUNA)
+    (False, True)
+    """
+    kind = ScheduleKind(kind)
+    if kind is ScheduleKind.INTERLEAVED and chunks > 1:
+        return False
+    return kind is not ScheduleKind.PIPEDREAM_2BW
+
+
+__all__ = [
+    "Action",
+    "ActionKind",
+    "Schedule",
+    "ScheduleKind",
+    "deepspeed_runnable",
+    "generate",
+    "gpipe",
+    "interleaved",
+    "one_f_one_b",
+    "pipedream_2bw",
+    "varuna",
+    "weight_version",
+]

@@ -1,0 +1,343 @@
+"""Schedule generators: pure functions `(p, m, v) -> Schedule` with compute actions only.
+
+Each generator returns, for every rank, the ordered forward (F), backward (B) and recompute (R)
+actions of one optimizer step, followed by one all-reduce (AR) and one optimizer step (STEP).
+Sends and receives are added by a separate pass (`pipectl.schedule.comm.add_communication`); timing
+by the simulator (`pipectl.plan.simulate`). SPEC §4 describes every schedule here.
+
+The AR and STEP actions carry the rank as their stage (the rank's chunk-0 virtual stage).
+
+Worked example, 1F1B with flush on p=2 ranks and m=3 micro-batches (stage 0 warms up with
+p - 0 - 1 = 1 forward, stage 1 with none):
+
+    >>> print(one_f_one_b(2, 3).to_text(), end="")
+    # 1f1b p=2 m=3 v=1
+    0: 0F0 0F1 0B0 0F2 0B1 0B2 0AR 0STEP
+    1: 1F0 1B0 1F1 1B1 1F2 1B2 1AR 1STEP
+
+`generate` is the single dispatch everyone uses; it is cached, so the returned `Schedule` is shared:
+treat it (and its `actions` mapping) as immutable.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from pipectl.errors import ScheduleError
+from pipectl.schedule.ir import Action, ActionKind, Schedule, ScheduleKind
+
+F = ActionKind.FORWARD
+B = ActionKind.BACKWARD
+R = ActionKind.RECOMPUTE
+
+
+def _check_degrees(pipeline_parallel: int, micro_batches: int, chunks: int = 1) -> None:
+    for name, value in (
+        ("pipeline-parallel degree p", pipeline_parallel),
+        ("micro-batches per step m", micro_batches),
+        ("chunks per rank v", chunks),
+    ):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ScheduleError(f"{name} must be a whole number >= 1, got {value!r}")
+
+
+def _finish(
+    kind: ScheduleKind,
+    pipeline_parallel: int,
+    micro_batches: int,
+    chunks: int,
+    compute: list[list[Action]],
+) -> Schedule:
+    """Append AR and STEP to every rank's compute order and freeze it into a `Schedule`."""
+    actions = {
+        rank: tuple(order)
+        + (Action(rank, ActionKind.ALL_REDUCE), Action(rank, ActionKind.OPTIMIZER_STEP))
+        for rank, order in enumerate(compute)
+    }
+    return Schedule(kind, pipeline_parallel, micro_batches, chunks, actions)
+
+
+def _insert_recompute(compute: list[list[Action]], last_stage: int) -> list[list[Action]]:
+    """Put R(i) right before every B(i), except on the last (virtual) stage.
+
+    The last stage runs its backward straight after its forward, so its activations are never
+    dropped; recomputing them would only cost time (Varuna §3.2, Megatron's checkpointing).
+    """
+    out = []
+    for order in compute:
+        with_r: list[Action] = []
+        for action in order:
+            if action.kind is B and action.stage != last_stage:
+                with_r.append(Action(action.stage, R, action.microbatch))
+            with_r.append(action)
+        out.append(with_r)
+    return out
+
+
+def _gpipe_order(p: int, m: int) -> list[list[Action]]:
+    return [[Action(s, F, i) for i in range(m)] + [Action(s, B, i) for i in range(m)] for s in range(p)]
+
+
+def _one_f_one_b_order(p: int, m: int) -> list[list[Action]]:
+    """PipeDream-Flush: min(p - s - 1, m) warm-up forwards, then F/B pairs, then drain backwards."""
+    compute = []
+    for s in range(p):
+        warmup = min(p - s - 1, m)
+        order = [Action(s, F, i) for i in range(warmup)]
+        for i in range(m - warmup):
+            order.append(Action(s, F, warmup + i))
+            order.append(Action(s, B, i))
+        order.extend(Action(s, B, i) for i in range(m - warmup, m))
+        compute.append(order)
+    return compute
+
+
+def gpipe(pipeline_parallel: int, micro_batches: int, recompute: bool = False) -> Schedule:
+    """GPipe: all m forwards, then all m backwards (in micro-batch order); flush; step.
+
+    >>> print(gpipe(2, 2).to_text(), end="")
+    # gpipe p=2 m=2 v=1
+    0: 0F0 0F1 0B0 0B1 0AR 0STEP
+    1: 1F0 1F1 1B0 1B1 1AR 1STEP
+    """
+    _check_degrees(pipeline_parallel, micro_batches)
+    compute = _gpipe_order(pipeline_parallel, micro_batches)
+    if recompute:
+        compute = _insert_recompute(compute, pipeline_parallel - 1)
+    return _finish(ScheduleKind.GPIPE, pipeline_parallel, micro_batches, 1, compute)
+
+
+def one_f_one_b(pipeline_parallel: int, micro_batches: int, recompute: bool = False) -> Schedule:
+    """1F1B with flush (PipeDream-Flush, Narayanan et al. 2021 §3.1); see the module docstring."""
+    _check_degrees(pipeline_parallel, micro_batches)
+    compute = _one_f_one_b_order(pipeline_parallel, micro_batches)
+    if recompute:
+        compute = _insert_recompute(compute, pipeline_parallel - 1)
+    return _finish(ScheduleKind.ONE_F_ONE_B, pipeline_parallel, micro_batches, 1, compute)
+
+
+def interleaved(
+    pipeline_parallel: int, micro_batches: int, chunks: int, recompute: bool = False
+) -> Schedule:
+    """Interleaved 1F1B (Narayanan et al. 2021 §2.2), in Megatron-LM's order.
+
+    Rank k holds chunks c = 0..v-1, i.e. virtual stages k, k+p, k+2p, ...; virtual stage
+    s = c·p + k. The m·v "virtual micro-batches" of a rank are visited in groups of p: virtual
+    micro-batch j runs chunk (j mod p·v) // p (reversed for backwards) on micro-batch
+    (j // (p·v))·p + j mod p. Rank k warms up with 2(p-k-1) + (v-1)·p forwards (all of them when
+    m == p, as Megatron does), then alternates one forward and one backward, then drains.
+    Requires m to be a multiple of p when v > 1; with v == 1 this is plain 1F1B.
+
+    >>> print(interleaved(2, 2, 2).to_text(), end="")
+    # interleaved p=2 m=2 v=2
+    0: 0F0 0F1 2F0 2F1 2B0 2B1 0B0 0B1 0AR 0STEP
+    1: 1F0 1F1 3F0 3F1 3B0 3B1 1B0 1B1 1AR 1STEP
+    """
+    p, m, v = pipeline_parallel, micro_batches, chunks
+    _check_degrees(p, m, v)
+    if v == 1:
+        compute = _one_f_one_b_order(p, m)
+    else:
+        if m % p != 0:
+            raise ScheduleError(
+                f"interleaved schedule needs micro-batches m={m} to be a multiple of the "
+                f"pipeline-parallel degree p={p} (v={v} chunks)",
+                hint=f"use m in {{{p}, {2 * p}, {3 * p}, ...}} or the 1f1b schedule",
+            )
+        compute = [_interleaved_rank_order(p, m, v, rank) for rank in range(p)]
+    if recompute:
+        compute = _insert_recompute(compute, p * v - 1)
+    return _finish(ScheduleKind.INTERLEAVED, p, m, v, compute)
+
+
+def _interleaved_rank_order(p: int, m: int, v: int, rank: int) -> list[Action]:
+    total = m * v
+    group = p * v
+
+    def action(j: int, kind: ActionKind) -> Action:
+        chunk = (j % group) // p
+        if kind is B:
+            chunk = v - 1 - chunk
+        microbatch = (j // group) * p + j % p
+        return Action(chunk * p + rank, kind, microbatch)
+
+    if m == p:
+        warmup = total
+    else:
+        warmup = min(2 * (p - rank - 1) + (v - 1) * p, total)
+    order = [action(j, F) for j in range(warmup)]
+    for j in range(total - warmup):
+        order.append(action(warmup + j, F))
+        order.append(action(j, B))
+    order.extend(action(j, B) for j in range(total - warmup, total))
+    return order
+
+
+def pipedream_2bw(pipeline_parallel: int, micro_batches: int, recompute: bool = False) -> Schedule:
+    """PipeDream-2BW (Narayanan et al. 2021 §3.1): 1F1B order, no flush, two weight versions.
+
+    One step's representation is the 1F1B order; what differs is the semantics, which the runtime
+    and the planner must honour: there is no pipeline flush between steps, and micro-batch k
+    (1-based, counted over the whole run) uses weight version `weight_version(k, m)` =
+    max(⌊(k−1)/m⌋ − 1, 0), so updates are 1-stale: W(t+1) = W(t) − ν·∇f(W(t−1)). This is a
+    different optimizer: `ScheduleKind.PIPEDREAM_2BW.changes_optimizer_semantics` is True and it
+    must never be chosen silently.
+    """
+    _check_degrees(pipeline_parallel, micro_batches)
+    compute = _one_f_one_b_order(pipeline_parallel, micro_batches)
+    if recompute:
+        compute = _insert_recompute(compute, pipeline_parallel - 1)
+    return _finish(ScheduleKind.PIPEDREAM_2BW, pipeline_parallel, micro_batches, 1, compute)
+
+
+def weight_version(microbatch_number: int, micro_batches: int) -> int:
+    """PipeDream-2BW: the weight version used by micro-batch k (1-based): max(⌊(k−1)/m⌋ − 1, 0).
+
+    >>> [weight_version(k, 2) for k in range(1, 9)]
+    [0, 0, 0, 0, 1, 1, 2, 2]
+    """
+    if microbatch_number < 1:
+        raise ScheduleError(f"micro-batch numbers are 1-based, got {microbatch_number}")
+    if micro_batches < 1:
+        raise ScheduleError(f"micro-batches per step m must be >= 1, got {micro_batches}")
+    return max((microbatch_number - 1) // micro_batches - 1, 0)
+
+
+def varuna(
+    pipeline_parallel: int,
+    micro_batches: int,
+    forward_seconds: float = 1.0,
+    backward_seconds: float = 2.0,
+) -> Schedule:
+    """Varuna's rule-based schedule with recomputation (Athlur et al., EuroSys 2022, §3.2).
+
+    Derived as Varuna does, from a simulation of one step with uniform stage times (one forward
+    `forward_seconds` = T_f, one backward `backward_seconds`, one recompute = T_f, free
+    communication). Whenever a stage is idle it picks, in this order:
+
+    1. a recompute R(i) of its oldest pending backward i, once the next stage is known to finish
+       B(i) at time t and now >= t − T_f (SPEC §4 rule 1 with "≥": the recompute ends as the
+       gradient arrives);
+    2. after R(i) has run, only B(i) (rule 2: no forward between R(i) and B(i));
+    3. B(i) if its gradient is there (rule 3: backward before forward), else the next forward.
+
+    The last stage does not recompute: it runs B(i) right after F(i).
+
+    >>> print(varuna(2, 3).to_text(), end="")
+    # varuna p=2 m=3 v=1
+    0: 0F0 0F1 0F2 0R0 0B0 0R1 0B1 0R2 0B2 0AR 0STEP
+    1: 1F0 1B0 1F1 1B1 1F2 1B2 1AR 1STEP
+    """
+    p, m = pipeline_parallel, micro_batches
+    _check_degrees(p, m)
+    if not (forward_seconds > 0 and backward_seconds > 0):
+        raise ScheduleError(
+            f"Varuna's schedule needs positive stage times, got forward {forward_seconds!r} s, "
+            f"backward {backward_seconds!r} s"
+        )
+    return _finish(ScheduleKind.VARUNA, p, m, 1, _varuna_order(p, m, forward_seconds, backward_seconds))
+
+
+def _varuna_order(p: int, m: int, tf: float, tb: float) -> list[list[Action]]:
+    last = p - 1
+    never = float("inf")
+    forward_end = [[never] * m for _ in range(p)]
+    backward_end = [[never] * m for _ in range(p)]  # known once the backward has started
+    next_forward = [0] * p
+    next_backward = [0] * p
+    recomputed = [False] * p
+    free_at = [0.0] * p
+    orders: list[list[Action]] = [[] for _ in range(p)]
+    now = 0.0
+    while any(nb < m for nb in next_backward):
+        for s in range(p):
+            if free_at[s] > now or next_backward[s] >= m:
+                continue
+            i = next_backward[s]
+            choice: tuple[ActionKind, int, float] | None = None
+            if s == last:
+                if forward_end[s][i] <= now:
+                    choice = (B, i, tb)
+            elif recomputed[s]:
+                if backward_end[s + 1][i] <= now:
+                    choice = (B, i, tb)
+            elif forward_end[s][i] <= now and backward_end[s + 1][i] - tf <= now:
+                choice = (R, i, tf)
+            if choice is None and not (s != last and recomputed[s]):
+                j = next_forward[s]
+                if j < m and (s == 0 or forward_end[s - 1][j] <= now):
+                    choice = (F, j, tf)
+            if choice is None:
+                continue
+            kind, microbatch, seconds = choice
+            orders[s].append(Action(s, kind, microbatch))
+            free_at[s] = now + seconds
+            if kind is F:
+                forward_end[s][microbatch] = free_at[s]
+                next_forward[s] += 1
+            elif kind is R:
+                recomputed[s] = True
+            else:
+                backward_end[s][microbatch] = free_at[s]
+                next_backward[s] += 1
+                recomputed[s] = False
+        # Advance to the next moment anything can change: a stage frees up, or a recompute
+        # becomes eligible (T_f before a known backward end).
+        upcoming = [t for t in free_at if t > now]
+        upcoming += [
+            backward_end[s + 1][next_backward[s]] - tf
+            for s in range(last)
+            if next_backward[s] < m and backward_end[s + 1][next_backward[s]] - tf > now
+        ]
+        upcoming = [t for t in upcoming if t != never]
+        if not upcoming:
+            if any(nb < m for nb in next_backward):  # pragma: no cover - would be a bug above
+                raise ScheduleError(f"Varuna schedule generation stalled at t={now} (p={p}, m={m})")
+            break
+        now = min(upcoming)
+    if any(nf < m for nf in next_forward):  # pragma: no cover - B(i) implies F(i)
+        raise ScheduleError(f"Varuna schedule generation left forwards unscheduled (p={p}, m={m})")
+    return orders
+
+
+@lru_cache(maxsize=4096)
+def generate(
+    kind: ScheduleKind,
+    pipeline_parallel: int,
+    micro_batches: int,
+    chunks: int = 1,
+    recompute: bool = False,
+    *,
+    forward_seconds: float = 1.0,
+    backward_seconds: float = 2.0,
+) -> Schedule:
+    """The one dispatch everyone uses: `generate(ScheduleKind.ONE_F_ONE_B, p, m)`.
+
+    `chunks` (v) is only meaningful for the interleaved schedule. Varuna always recomputes (it is
+    defined with recomputation; `recompute` is ignored for it), and its order is derived with
+    uniform stage times `forward_seconds`/`backward_seconds` (only their ratio matters). The result
+    is cached and shared: do not mutate it.
+
+    >>> generate(ScheduleKind.GPIPE, 4, 8, recompute=True).actions[0][8]
+    Action(stage=0, kind=<ActionKind.RECOMPUTE: 'R'>, microbatch=0)
+    """
+    try:
+        kind = ScheduleKind(kind)
+    except ValueError:
+        known = ", ".join(k.value for k in ScheduleKind)
+        raise ScheduleError(f"unknown schedule {kind!r}", hint=f"known schedules: {known}") from None
+    _check_degrees(pipeline_parallel, micro_batches, chunks)
+    if chunks != 1 and kind is not ScheduleKind.INTERLEAVED:
+        raise ScheduleError(
+            f"chunks v={chunks} needs the interleaved schedule, not {kind.value}",
+            hint="pass --schedule interleaved, or v=1",
+        )
+    if kind is ScheduleKind.GPIPE:
+        return gpipe(pipeline_parallel, micro_batches, recompute)
+    if kind is ScheduleKind.ONE_F_ONE_B:
+        return one_f_one_b(pipeline_parallel, micro_batches, recompute)
+    if kind is ScheduleKind.INTERLEAVED:
+        return interleaved(pipeline_parallel, micro_batches, chunks, recompute)
+    if kind is ScheduleKind.VARUNA:
+        return varuna(pipeline_parallel, micro_batches, forward_seconds, backward_seconds)
+    return pipedream_2bw(pipeline_parallel, micro_batches, recompute)
