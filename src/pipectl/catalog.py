@@ -1,0 +1,163 @@
+"""Device datasheets (configs/devices.yaml): peak FLOP/s, memory, links, achievable efficiency.
+
+A `DeviceSpec` is what the planner and the derived profiles know about an accelerator without
+running anything on it. Figures come from vendor datasheets (cited per device in the YAML); the
+achievable fraction of peak is data too (`efficiency_by_micro_batch`), because a datasheet peak is
+never reached and small micro-batches reach less of it than large ones.
+
+    >>> a100 = get_device("a100-80gb")
+    >>> a100.peak_flops_per_second("bfloat16")
+    312000000000000.0
+    >>> a100.efficiency(8) > a100.efficiency(1)
+    True
+"""
+
+from __future__ import annotations
+
+import os
+from bisect import bisect_left
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, ValidationError, field_validator
+
+from pipectl.artifacts.base import Artifact, Strict
+from pipectl.errors import ArtifactError, UserInputError
+from pipectl.io import read_mapping, validation_message
+from pipectl.paths import configs_dir
+
+GIB = 1024**3
+
+# Bytes per element of the dtypes a profile can be made for.
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+class DeviceSpec(Strict):
+    """One accelerator kind (or one CPU rank), as its datasheet describes it.
+
+    Link figures are per device and per direction: what one device can push to one peer while
+    its neighbours do the same (a node's NICs are shared out among its devices).
+    """
+
+    name: str = Field(description="Catalog key, e.g. 'a100-80gb'.")
+    description: str = Field(default="", description="What the device is, in words.")
+    source: str = Field(default="", description="Where the figures come from (datasheet, measurement).")
+    memory_gib: float = Field(gt=0, description="Device memory usable by one rank, GiB.")
+    peak_tflops_bf16: float = Field(
+        gt=0, description="Dense peak for 16-bit training (bf16, or fp16 where bf16 is absent), TFLOP/s."
+    )
+    peak_tflops_fp32: float = Field(gt=0, description="Dense fp32 peak (no TF32), TFLOP/s.")
+    memory_bandwidth_gbytes_per_second: float | None = Field(
+        default=None, gt=0, description="Device memory bandwidth, GB/s; bounds element-wise layers."
+    )
+    intra_node_bandwidth_gbytes_per_second: float = Field(
+        gt=0, description="Per-direction bandwidth to a peer in the same node (NVLink, PCIe), GB/s."
+    )
+    intra_node_latency_us: float = Field(ge=0, description="Point-to-point latency within a node, µs.")
+    inter_node_bandwidth_gbytes_per_second: float = Field(
+        gt=0, description="Per-device share of the node's network bandwidth (InfiniBand, Ethernet), GB/s."
+    )
+    inter_node_latency_us: float = Field(ge=0, description="Point-to-point latency across nodes, µs.")
+    efficiency_by_micro_batch: list[tuple[int, float]] = Field(
+        min_length=1,
+        description="[micro_batch_size, achievable fraction of peak] points, micro-batch ascending.",
+    )
+
+    @field_validator("efficiency_by_micro_batch")
+    @classmethod
+    def _curve_is_sane(cls, points: list[tuple[int, float]]) -> list[tuple[int, float]]:
+        sizes = [size for size, _ in points]
+        if any(size <= 0 for size in sizes) or sizes != sorted(set(sizes)):
+            raise ValueError(f"micro-batch sizes must be positive and strictly ascending, got {sizes}")
+        fractions = [fraction for _, fraction in points]
+        if any(not 0 < fraction <= 1 for fraction in fractions):
+            raise ValueError(f"efficiency fractions must lie in (0, 1], got {fractions}")
+        return points
+
+    @property
+    def memory_bytes(self) -> int:
+        return int(self.memory_gib * GIB)
+
+    def efficiency(self, micro_batch_size: float) -> float:
+        """Achievable fraction of peak at this micro-batch size.
+
+        Linear between the catalog's points, flat beyond the first and the last:
+
+            points [(1, 0.3), (4, 0.5)] -> efficiency(2) = 0.3 + (2-1)/(4-1) * 0.2 = 0.3667
+        """
+        points = self.efficiency_by_micro_batch
+        sizes = [size for size, _ in points]
+        if micro_batch_size <= sizes[0]:
+            return points[0][1]
+        if micro_batch_size >= sizes[-1]:
+            return points[-1][1]
+        upper = bisect_left(sizes, micro_batch_size)
+        (low_size, low_fraction), (high_size, high_fraction) = points[upper - 1], points[upper]
+        weight = (micro_batch_size - low_size) / (high_size - low_size)
+        return low_fraction + weight * (high_fraction - low_fraction)
+
+    def peak_flops_per_second(self, dtype: str) -> float:
+        """Dense peak FLOP/s for training in `dtype` (float32 -> fp32 peak; 16-bit -> bf16/fp16 peak)."""
+        if dtype not in DTYPE_BYTES:
+            raise UserInputError(f"unknown dtype '{dtype}'", hint=f"known dtypes: {', '.join(DTYPE_BYTES)}")
+        tflops = self.peak_tflops_fp32 if dtype == "float32" else self.peak_tflops_bf16
+        return tflops * 1e12
+
+    def achievable_flops_per_second(self, dtype: str, micro_batch_size: float) -> float:
+        """Peak x efficiency(b): what a large transformer layer reaches at micro-batch b."""
+        return self.peak_flops_per_second(dtype) * self.efficiency(micro_batch_size)
+
+
+class DeviceCatalog(Artifact):
+    """configs/devices.yaml: the device datasheets."""
+
+    schema_version: Literal[1] = 1
+    devices: list[DeviceSpec] = Field(min_length=1, description="One entry per device kind.")
+
+    @field_validator("devices")
+    @classmethod
+    def _unique_names(cls, devices: list[DeviceSpec]) -> list[DeviceSpec]:
+        names = [device.name for device in devices]
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise ValueError(f"device names must be unique, repeated: {', '.join(repeated)}")
+        return devices
+
+
+def catalog_path() -> Path:
+    """configs/devices.yaml (follows `$PIPECTL_CONFIGS`)."""
+    return configs_dir() / "devices.yaml"
+
+
+@lru_cache(maxsize=8)
+def _load_catalog_file(path: str, modified_ns: int) -> dict[str, DeviceSpec]:
+    # Cached by path and modification time: the planner looks devices up many times.
+    data = read_mapping(path)
+    try:
+        catalog = DeviceCatalog.model_validate(data)
+    except ValidationError as exc:
+        raise ArtifactError(f"{path}: {validation_message(exc)}") from exc
+    return {device.name: device for device in catalog.devices}
+
+
+def load_catalog(path: str | os.PathLike[str] | None = None) -> dict[str, DeviceSpec]:
+    """Every device of the catalog by name (configs/devices.yaml unless `path` is given)."""
+    path = Path(path) if path is not None else catalog_path()
+    if not path.is_file():
+        raise UserInputError(f"device catalog not found: {path}")
+    return dict(_load_catalog_file(str(path.resolve()), path.stat().st_mtime_ns))
+
+
+def get_device(name: str, catalog: dict[str, DeviceSpec] | None = None) -> DeviceSpec:
+    """One device by catalog name; an unknown name is a user error that lists the known ones."""
+    devices = catalog if catalog is not None else load_catalog()
+    if name not in devices:
+        raise UserInputError(
+            f"unknown device kind '{name}'", hint=f"known device kinds: {', '.join(sorted(devices))}"
+        )
+    return devices[name]
+
+
+def known_devices() -> list[str]:
+    return sorted(load_catalog())
