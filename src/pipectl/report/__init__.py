@@ -1,0 +1,4 @@
+"""Rendering: Rich tables and pictures built from artifacts. Functions return renderables or write
+files; the CLI decides where they go. Import the sub-modules you need (`report.tables`, ...): this
+package imports nothing heavy by itself.
+"""

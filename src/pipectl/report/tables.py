@@ -1,0 +1,199 @@
+"""Rich tables for profiles (profile.json) and link calibrations (links.json).
+
+Functions here build renderables and return them; the CLI prints them. Nothing here measures.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+from pipectl.artifacts.profile import LinksProfile, ModelProfile
+
+
+def format_bytes(count: float) -> str:
+    """Binary units, 3 significant digits: 1536 -> '1.50 KiB', 0 -> '0 B'.
+
+        >>> format_bytes(0), format_bytes(1536), format_bytes(3 * 1024**3)
+        ('0 B', '1.50 KiB', '3.00 GiB')
+    """
+    units = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+    value = float(count)
+    for unit in units:
+        if abs(value) < 1024 or unit == units[-1]:
+            if unit == "B":
+                return f"{int(value)} B"
+            return f"{value:.3g} {unit}" if value >= 100 else f"{value:.2f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def format_count(count: float) -> str:
+    """Parameters and similar counts: 318464 -> '318.5 k', 175e9 -> '175.0 G'.
+
+        >>> format_count(999), format_count(318464), format_count(175e9)
+        ('999', '318.5 k', '175.0 G')
+    """
+    for threshold, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(count) >= threshold:
+            return f"{count / threshold:.1f} {suffix}"
+    return f"{int(count)}"
+
+
+def format_seconds_ms(seconds: float) -> str:
+    """Milliseconds with 3 significant digits (at least 3 decimals below 1 ms)."""
+    ms = seconds * 1e3
+    if ms >= 100:
+        return f"{ms:.0f}"
+    if ms >= 1:
+        return f"{ms:.3g}"
+    return f"{ms:.3f}"
+
+
+def profile_summary(profile: ModelProfile) -> Text:
+    """One header line: model, source, device, dtype, parameters, sizes, and what did not fit."""
+    parts = [
+        f"[bold]{profile.model}[/]",
+        f"{profile.source.value} on {profile.device}",
+        profile.dtype,
+        f"{format_count(profile.parameter_count)} parameters",
+        f"{len(profile.layers)} layers",
+        "micro-batch sizes " + ", ".join(str(b) for b in profile.micro_batch_sizes),
+    ]
+    if profile.not_fitting_micro_batch_size is not None:
+        parts.append(f"[yellow]b={profile.not_fitting_micro_batch_size} does not fit[/]")
+    return Text.from_markup(" · ".join(parts))
+
+
+def profile_table(profile: ModelProfile, micro_batch_sizes: Sequence[int] | None = None) -> Table:
+    """Per layer and per micro-batch size: forward/backward ms, output and saved bytes; then totals.
+
+    The totals row per size sums times and saved bytes over all layers (a one-stage pipeline), and
+    counts shared parameters once.
+    """
+    sizes = list(micro_batch_sizes) if micro_batch_sizes else list(profile.micro_batch_sizes)
+    table = Table(title=f"{profile.model} profile", title_justify="left", header_style="bold")
+    table.add_column("#", justify="right", style="dim")
+    table.add_column("layer")
+    table.add_column("kind", style="dim")
+    table.add_column("params", justify="right")
+    table.add_column("b", justify="right")
+    table.add_column("fwd ms", justify="right")
+    table.add_column("bwd ms", justify="right")
+    table.add_column("activation", justify="right")
+    table.add_column("saved", justify="right")
+    table.add_column("peak mem", justify="right")
+    for layer in profile.layers:
+        params = format_bytes(layer.parameter_bytes)
+        if layer.shared_group:
+            params += f" [dim](shared: {layer.shared_group})[/]"
+        costs = [c for c in layer.costs if c.micro_batch_size in sizes]
+        for position, cost in enumerate(costs):
+            first = position == 0
+            table.add_row(
+                str(layer.index) if first else "",
+                layer.name if first else "",
+                layer.kind if first else "",
+                params if first else "",
+                str(cost.micro_batch_size),
+                format_seconds_ms(cost.forward_seconds),
+                format_seconds_ms(cost.backward_seconds),
+                format_bytes(cost.output_activation_bytes),
+                format_bytes(cost.saved_activation_bytes),
+                format_bytes(cost.peak_memory_bytes),
+                end_section=position == len(costs) - 1,
+            )
+    unique_parameter_bytes = _unique_parameter_bytes(profile)
+    for position, size in enumerate(s for s in sizes if s in profile.micro_batch_sizes):
+        costs = [layer.cost(size) for layer in profile.layers]
+        table.add_row(
+            "",
+            "[bold]total[/]" if position == 0 else "",
+            "",
+            format_bytes(unique_parameter_bytes) if position == 0 else "",
+            str(size),
+            format_seconds_ms(sum(c.forward_seconds for c in costs)),
+            format_seconds_ms(sum(c.backward_seconds for c in costs)),
+            "",
+            format_bytes(sum(c.saved_activation_bytes for c in costs)),
+            "",
+            style="bold",
+        )
+    return table
+
+
+def _unique_parameter_bytes(profile: ModelProfile) -> int:
+    """Parameter bytes of the model with each shared group counted once."""
+    seen: set[str] = set()
+    total = 0
+    for layer in profile.layers:
+        total += layer.parameter_bytes
+        if layer.shared_group:
+            if layer.shared_group in seen and layer.parameter_count:
+                total -= layer.parameter_bytes * layer.shared_parameter_count // layer.parameter_count
+            seen.add(layer.shared_group)
+    return total
+
+
+def links_fit_table(links: LinksProfile) -> Table:
+    """The fitted model per link class."""
+    table = Table(
+        title=f"links ({links.backend}, {links.device})", title_justify="left", header_style="bold"
+    )
+    table.add_column("link class")
+    table.add_column("p2p latency µs", justify="right")
+    table.add_column("p2p bandwidth GB/s", justify="right")
+    table.add_column("p2p jitter µs", justify="right")
+    table.add_column("all-reduce α µs", justify="right")
+    table.add_column("all-reduce bandwidth GB/s", justify="right")
+    for fit in links.fits:
+        table.add_row(
+            fit.link_class.value,
+            f"{fit.p2p_latency_seconds * 1e6:.1f}",
+            f"{fit.p2p_bandwidth_bytes_per_second / 1e9:.3g}",
+            f"{fit.p2p_jitter_seconds * 1e6:.1f}",
+            f"{fit.allreduce_latency_seconds * 1e6:.1f}",
+            f"{fit.allreduce_bandwidth_bytes_per_second / 1e9:.3g}",
+        )
+    return table
+
+
+def links_samples_table(links: LinksProfile) -> Table:
+    """The raw measurements: median time and effective rate per operation, ring size and message size."""
+    table = Table(title="measurements", title_justify="left", header_style="bold")
+    table.add_column("op")
+    table.add_column("ranks", justify="right")
+    table.add_column("message", justify="right")
+    table.add_column("median µs", justify="right")
+    table.add_column("GB/s", justify="right")
+    for sample in links.samples:
+        rate = sample.message_bytes / sample.seconds / 1e9 if sample.seconds > 0 else float("inf")
+        table.add_row(
+            sample.op,
+            str(sample.ring_size),
+            format_bytes(sample.message_bytes),
+            f"{sample.seconds * 1e6:.1f}",
+            f"{rate:.3g}",
+        )
+    return table
+
+
+def links_view(links: LinksProfile) -> Group:
+    """Fit table, then the raw samples."""
+    return Group(links_fit_table(links), links_samples_table(links))
+
+
+def profile_view(profile: ModelProfile, micro_batch_sizes: Sequence[int] | None = None) -> Group:
+    """Header line, per-layer table, notes, and the embedded link calibration when present."""
+    parts: list = [profile_summary(profile), profile_table(profile, micro_batch_sizes)]
+    parts += _notes(profile.notes)
+    if profile.links is not None:
+        parts.append(links_fit_table(profile.links))
+    return Group(*parts)
+
+
+def _notes(notes: Iterable[str]) -> list[Text]:
+    return [Text(f"note: {note}", style="dim") for note in notes]
