@@ -1,0 +1,467 @@
+"""Event-driven simulation of one pipeline step (Varuna §4.2's simulator; SPEC §5 "Simulator").
+
+`simulate(schedule, costs) -> Timeline` is a pure function. It reads the same `Schedule` the
+runtime executes and times every compute action (F, B, R), the data-parallel all-reduce and the
+optimizer step. An action starts when both
+
+* the previous action on its rank has ended (ranks run one action at a time), and
+* its cross-stage input has arrived: F(s, i) needs F(s−1, i) plus the activation transfer
+  s−1 → s; B(s, i) needs B(s+1, i) plus the gradient transfer s+1 → s
+  (transfer = latency + bytes / bandwidth, precomputed per boundary by the caller, plus an
+  optional seeded random jitter per transfer, |N(0, σ)|).
+
+So the earliest start of every action is max(end of its predecessor on the rank, end of its
+dependency + transfer): a longest-path pass over a DAG. Sends and receives are not timed as
+actions of their own: p2p actions in a schedule (after `add_communication`) are skipped and the
+transfer is an edge delay, i.e. transfers overlap with compute (asynchronous p2p, as on GPUs).
+The all-reduce starts after the rank's last backward (no overlap with backward assumed), then
+the optimizer step runs; the step ends when the last rank's optimizer step ends.
+
+Units. Every cost is seconds per micro-batch per *virtual stage*. With v chunks per rank, a chunk
+holds 1/v of the rank's layers, so if a rank's whole share costs t_f forward and t_b backward per
+micro-batch, each chunk costs t_f/v and t_b/v (`uniform_costs` does this division). In that uniform,
+free-communication case the simulator reproduces the closed forms exactly (SPEC §4; Narayanan et
+al. 2021 §2.2):
+
+    GPipe, 1F1B:   step = (m + p − 1)(t_f + t_b)
+    interleaved:   step = (m + (p − 1)/v)(t_f + t_b)
+
+Bubble conventions. `Timeline.bubble_fraction[r]` is idle / step (idle = step − the rank's busy
+time, all-reduce and optimizer step counted as busy), in [0, 1]. SPEC's (p − 1)/m and
+(p − 1)/(v·m) are idle / useful compute: that is `Timeline.bubble_ratio[r]`. For GPipe/1F1B in the
+uniform case, bubble_fraction = (p − 1)/(m + p − 1) and bubble_ratio = (p − 1)/m.
+
+Worked example (p=2, m=2, 1F1B, t_f=1, t_b=2 per micro-batch, free communication):
+
+    >>> from pipectl.schedule import ScheduleKind, generate
+    >>> timeline = simulate(generate(ScheduleKind.ONE_F_ONE_B, 2, 2), uniform_costs(2, 1, 1.0, 2.0))
+    >>> timeline.step_seconds, (2 + 2 - 1) * (1.0 + 2.0)
+    (9.0, 9.0)
+    >>> timeline.bubble_ratio
+    (0.5, 0.5)
+    >>> [(str(r.action), r.start, r.end) for r in timeline.records if r.rank == 1][:2]
+    [('1F0', 1.0, 2.0), ('1B0', 2.0, 4.0)]
+
+Speed. The dependency structure of a schedule (topological order, predecessor and dependency
+indices, which cost each action reads) is compiled once per `Schedule` object and cached (and
+`generate` itself is cached), so a call costs one tight list pass over the actions;
+`simulate_step_seconds` skips building records. See benchmarks/simulator_speed.py.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from operator import itemgetter
+
+from pipectl.errors import ScheduleError, UserInputError
+from pipectl.schedule.ir import Action, ActionKind, Schedule
+
+__all__ = [
+    "StageCosts",
+    "TimedAction",
+    "Timeline",
+    "simulate",
+    "simulate_step_seconds",
+    "uniform_costs",
+]
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """Costs of one step, per virtual stage s in 0..p*v-1 (rank = s % p). Seconds throughout."""
+
+    forward_seconds: Sequence[float]  # len p*v, per micro-batch
+    backward_seconds: Sequence[float]  # len p*v, per micro-batch
+    recompute_seconds: Sequence[float]  # len p*v (used only by R actions)
+    send_forward_seconds: Sequence[float]  # len p*v-1: activation s -> s+1 (latency + bytes/bw)
+    send_backward_seconds: Sequence[float]  # len p*v-1: gradient s+1 -> s
+    allreduce_seconds: Sequence[float]  # len p: data-parallel gradient all-reduce per rank (0 if d=1)
+    optimizer_seconds: Sequence[float]  # len p
+    jitter_seconds: float = 0.0  # std. dev. of a p2p transfer's extra delay
+    seed: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class TimedAction:
+    rank: int
+    action: Action
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """The simulated step. Per-rank tuples are indexed by rank."""
+
+    records: tuple[TimedAction, ...]  # every timed action, in a valid execution order
+    step_seconds: float
+    bubble_fraction: tuple[float, ...]  # per rank: idle / step
+    communication_seconds: float  # exposed (non-overlapped) p2p + all-reduce time, max over ranks
+    peak_in_flight: tuple[int, ...]  # per rank: max (chunk, micro-batch) pairs holding full activations
+    bubble_ratio: tuple[float, ...] = ()  # per rank: idle / compute (F+B+R) -- SPEC's (p-1)/m
+    communication_seconds_per_rank: tuple[float, ...] = ()  # exposed p2p wait + all-reduce, per rank
+    peak_stashed_inputs: tuple[int, ...] = ()  # per rank: max micro-batches forwarded, not yet backwarded
+
+    def rank_records(self, rank: int) -> list[TimedAction]:
+        return [r for r in self.records if r.rank == rank]
+
+
+def uniform_costs(
+    pipeline_parallel: int,
+    chunks: int,
+    forward: float,
+    backward: float,
+    *,
+    recompute: float | None = None,
+    send: float = 0.0,
+    allreduce: float = 0.0,
+    optimizer: float = 0.0,
+    jitter: float = 0.0,
+    seed: int = 0,
+) -> StageCosts:
+    """Equal stages: `forward`/`backward` are one micro-batch through a rank's whole share of the
+    model (t_f, t_b); each of its v chunks costs 1/v of that. `recompute` defaults to the chunk's
+    forward time (recomputation re-runs the forward, Megatron's ×4/3 rule); `send` is the time of
+    one p2p transfer at every boundary, in either direction.
+
+    >>> uniform_costs(2, 2, 1.0, 2.0).forward_seconds
+    (0.5, 0.5, 0.5, 0.5)
+    """
+    stages = pipeline_parallel * chunks
+    forward_chunk = forward / chunks
+    backward_chunk = backward / chunks
+    recompute_chunk = forward_chunk if recompute is None else recompute / chunks
+    return StageCosts(
+        forward_seconds=(forward_chunk,) * stages,
+        backward_seconds=(backward_chunk,) * stages,
+        recompute_seconds=(recompute_chunk,) * stages,
+        send_forward_seconds=(send,) * (stages - 1),
+        send_backward_seconds=(send,) * (stages - 1),
+        allreduce_seconds=(allreduce,) * pipeline_parallel,
+        optimizer_seconds=(optimizer,) * pipeline_parallel,
+        jitter_seconds=jitter,
+        seed=seed,
+    )
+
+
+# --------------------------------------------------------------------------- compiled structure
+
+
+@dataclass(frozen=True)
+class _Compiled:
+    """A schedule's dependency DAG, flattened into lists over a topological order of its actions.
+
+    Position k reads `end[prev[k]]` (previous action on its rank) and `end[dep[k]]` (cross-stage
+    dependency); index -1 is a sentinel slot whose end is 0. Costs are looked up through
+    `durations` (into forward|backward|recompute|allreduce|optimizer concatenated) and `delays`
+    (into [0]|send_forward|send_backward).
+    """
+
+    pipeline_parallel: int
+    virtual_stages: int
+    ranks: tuple[int, ...]
+    actions: tuple[Action, ...]
+    prev: tuple[int, ...]
+    dep: tuple[int, ...]
+    duration_index: tuple[int, ...]
+    delay_index: tuple[int, ...]
+    durations: itemgetter
+    delays: itemgetter
+    transfer_positions: tuple[int, ...]  # positions whose dependency crosses ranks (jitter applies)
+    rank_last: tuple[int, ...]  # position of each rank's last action
+    compute_kinds: tuple[bool, ...]  # F/B/R (counts toward bubble_ratio's denominator)
+    allreduce_positions: tuple[int, ...]
+    peak_in_flight: tuple[int, ...]
+    peak_stashed_inputs: tuple[int, ...]
+
+
+_TIMED = (
+    ActionKind.FORWARD,
+    ActionKind.BACKWARD,
+    ActionKind.RECOMPUTE,
+    ActionKind.ALL_REDUCE,
+    ActionKind.OPTIMIZER_STEP,
+)
+
+# id(schedule) -> (weak reference to it, compiled form). Verified through the weak reference, so a
+# recycled id never returns a stale entry; entries die with their schedule.
+_CACHE: dict[int, tuple[weakref.ref, _Compiled]] = {}
+
+
+def _compiled(schedule: Schedule) -> _Compiled:
+    key = id(schedule)
+    hit = _CACHE.get(key)
+    if hit is not None and hit[0]() is schedule:
+        return hit[1]
+    compiled = _compile(schedule)
+    _CACHE[key] = (weakref.ref(schedule, lambda _ref, key=key: _CACHE.pop(key, None)), compiled)
+    return compiled
+
+
+def _compile(schedule: Schedule) -> _Compiled:
+    p = schedule.pipeline_parallel
+    stages = schedule.virtual_stages
+    last_stage = stages - 1
+    per_rank = {
+        rank: [a for a in schedule.actions.get(rank, ()) if a.kind in _TIMED] for rank in range(p)
+    }
+    if set(schedule.actions) - set(range(p)):
+        raise ScheduleError(
+            f"schedule has ranks {sorted(schedule.actions)} but pipeline-parallel degree p={p}"
+        )
+    _check_compute_structure(schedule, per_rank)
+
+    # Topological order: sweep the ranks, advancing each while its head's dependency is placed.
+    position: dict[tuple[ActionKind, int, int], int] = {}
+    heads = [0] * p
+    order: list[tuple[int, Action]] = []
+    remaining = sum(len(v) for v in per_rank.values())
+    while remaining:
+        progressed = False
+        for rank in range(p):
+            actions = per_rank[rank]
+            while heads[rank] < len(actions):
+                action = actions[heads[rank]]
+                needed = _dependency(action, last_stage)
+                if needed is not None and needed not in position:
+                    break
+                if action.microbatch is not None:
+                    position[(action.kind, action.stage, action.microbatch)] = len(order)
+                order.append((rank, action))
+                heads[rank] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            from pipectl.schedule.validate import format_grid
+
+            stuck = {rank: heads[rank] for rank in range(p) if heads[rank] < len(per_rank[rank])}
+            raise ScheduleError(
+                "schedule deadlocks: every unfinished rank waits for an action that comes later "
+                "on another rank (marked)\n" + format_grid(schedule, stuck)
+            )
+
+    n = len(order)
+    last_on_rank = [-1] * p
+    prev, dep, duration_index, delay_index, transfer_positions = [], [], [], [], []
+    allreduce_offset = 3 * stages
+    optimizer_offset = allreduce_offset + p
+    for k, (rank, action) in enumerate(order):
+        prev.append(last_on_rank[rank])
+        last_on_rank[rank] = k
+        kind, s = action.kind, action.stage
+        needed = _dependency(action, last_stage)
+        if needed is None:
+            dep.append(-1)
+            delay_index.append(0)
+        else:
+            dep.append(position[needed])
+            # delays: [0] + send_forward[0..S-2] + send_backward[0..S-2]
+            delay_index.append(s if kind is ActionKind.FORWARD else stages + s)
+            if schedule.rank_of(needed[1]) != rank:
+                transfer_positions.append(k)
+        if kind is ActionKind.FORWARD:
+            duration_index.append(s)
+        elif kind is ActionKind.BACKWARD:
+            duration_index.append(stages + s)
+        elif kind is ActionKind.RECOMPUTE:
+            duration_index.append(2 * stages + s)
+        elif kind is ActionKind.ALL_REDUCE:
+            duration_index.append(allreduce_offset + rank)
+        else:
+            duration_index.append(optimizer_offset + rank)
+
+    peaks = [_peak_memory_counts(per_rank[rank]) for rank in range(p)]
+    return _Compiled(
+        pipeline_parallel=p,
+        virtual_stages=stages,
+        ranks=tuple(rank for rank, _ in order),
+        actions=tuple(action for _, action in order),
+        prev=tuple(prev),
+        dep=tuple(dep),
+        duration_index=tuple(duration_index),
+        delay_index=tuple(delay_index),
+        durations=itemgetter(*duration_index) if n > 1 else (lambda table: (table[duration_index[0]],)),
+        delays=itemgetter(*delay_index) if n > 1 else (lambda table: (table[delay_index[0]],)),
+        transfer_positions=tuple(transfer_positions),
+        rank_last=tuple(last_on_rank),
+        compute_kinds=tuple(a.kind.is_compute for _, a in order),
+        allreduce_positions=tuple(k for k, (_, a) in enumerate(order) if a.kind is ActionKind.ALL_REDUCE),
+        peak_in_flight=tuple(full for full, _ in peaks),
+        peak_stashed_inputs=tuple(stashed for _, stashed in peaks),
+    )
+
+
+def _dependency(action: Action, last_stage: int) -> tuple[ActionKind, int, int] | None:
+    """The cross-stage action this one waits for: F(s-1, i) for F(s, i), B(s+1, i) for B(s, i)."""
+    if action.kind is ActionKind.FORWARD and action.stage > 0:
+        return (ActionKind.FORWARD, action.stage - 1, action.microbatch)  # type: ignore[return-value]
+    if action.kind is ActionKind.BACKWARD and action.stage < last_stage:
+        return (ActionKind.BACKWARD, action.stage + 1, action.microbatch)  # type: ignore[return-value]
+    return None
+
+
+def _check_compute_structure(schedule: Schedule, per_rank: dict[int, list[Action]]) -> None:
+    """What the DAG cannot see by itself: F, B exactly once; R at most once and between them."""
+    p, m, stages = schedule.pipeline_parallel, schedule.micro_batches, schedule.virtual_stages
+    seen: dict[tuple[ActionKind, int, int], int] = {}
+    for rank, actions in per_rank.items():
+        for index, action in enumerate(actions):
+            if action.microbatch is None:
+                continue
+            if action.stage >= stages or action.stage % p != rank or action.microbatch >= m:
+                raise ScheduleError(
+                    f"rank {rank} has {action}: stage must be < {stages} and live on this rank "
+                    f"(stage % {p} == {rank}), micro-batch < {m}"
+                )
+            key = (action.kind, action.stage, action.microbatch)
+            if key in seen:
+                raise ScheduleError(f"rank {rank} runs {action} twice")
+            seen[key] = index
+    for s in range(stages):
+        for i in range(m):
+            f = seen.get((ActionKind.FORWARD, s, i))
+            b = seen.get((ActionKind.BACKWARD, s, i))
+            r = seen.get((ActionKind.RECOMPUTE, s, i))
+            if f is None or b is None:
+                missing = f"{s}F{i}" if f is None else f"{s}B{i}"
+                raise ScheduleError(f"rank {s % p} never runs {missing}")
+            if not f < b or (r is not None and not f < r < b):
+                raise ScheduleError(f"rank {s % p} must run {s}F{i} before {s}R{i} before {s}B{i}")
+
+
+def _peak_memory_counts(actions: list[Action]) -> tuple[int, int]:
+    """(peak full activations, peak stashed inputs) held by a rank, in (chunk, micro-batch) pairs.
+
+    Without recomputation a micro-batch holds its full activations from F until B. With it (an R
+    before its B) only the stage's input is kept from F until R, and full activations from R until
+    B (SPEC §3 memory model).
+    """
+    recomputed = {(a.stage, a.microbatch) for a in actions if a.kind is ActionKind.RECOMPUTE}
+    full = stashed = peak_full = peak_stashed = 0
+    for a in actions:
+        key = (a.stage, a.microbatch)
+        if a.kind is ActionKind.FORWARD:
+            stashed += 1
+            if key not in recomputed:
+                full += 1
+        elif a.kind is ActionKind.RECOMPUTE:
+            full += 1
+        elif a.kind is ActionKind.BACKWARD:
+            stashed -= 1
+            full -= 1
+        peak_full = max(peak_full, full)
+        peak_stashed = max(peak_stashed, stashed)
+    return peak_full, peak_stashed
+
+
+# --------------------------------------------------------------------------------- simulation
+
+
+def _cost_tables(compiled: _Compiled, costs: StageCosts) -> tuple[list[float], list[float]]:
+    stages, p = compiled.virtual_stages, compiled.pipeline_parallel
+    expected = {
+        "forward_seconds": stages,
+        "backward_seconds": stages,
+        "recompute_seconds": stages,
+        "send_forward_seconds": stages - 1,
+        "send_backward_seconds": stages - 1,
+        "allreduce_seconds": p,
+        "optimizer_seconds": p,
+    }
+    for name, length in expected.items():
+        values = getattr(costs, name)
+        if len(values) != length:
+            raise UserInputError(
+                f"costs.{name} has {len(values)} entries, expected {length} "
+                f"(p={p}, {stages} virtual stages)"
+            )
+        if values and not min(values) >= 0:
+            raise UserInputError(f"costs.{name} must be >= 0, got {list(values)}")
+    if not costs.jitter_seconds >= 0:
+        raise UserInputError(f"costs.jitter_seconds must be >= 0, got {costs.jitter_seconds}")
+    duration_table = [
+        *costs.forward_seconds,
+        *costs.backward_seconds,
+        *costs.recompute_seconds,
+        *costs.allreduce_seconds,
+        *costs.optimizer_seconds,
+    ]
+    delay_table = [0.0, *costs.send_forward_seconds, *costs.send_backward_seconds]
+    durations = list(compiled.durations(duration_table))
+    delays = list(compiled.delays(delay_table))
+    if costs.jitter_seconds > 0:
+        draw = random.Random(costs.seed).gauss
+        sigma = costs.jitter_seconds
+        for k in compiled.transfer_positions:
+            delays[k] += abs(draw(0.0, sigma))
+    return durations, delays
+
+
+def _ends(compiled: _Compiled, durations: list[float], delays: list[float]) -> list[float]:
+    """The longest-path pass: end[k] = max(end[prev], end[dep] + delay) + duration."""
+    end = [0.0] * (len(durations) + 1)  # slot -1 is the sentinel "time zero"
+    k = 0
+    for before, needed, delay, duration in zip(compiled.prev, compiled.dep, delays, durations):
+        ready = end[needed] + delay
+        free = end[before]
+        end[k] = (free if free > ready else ready) + duration
+        k += 1
+    return end
+
+
+def simulate_step_seconds(schedule: Schedule, costs: StageCosts) -> float:
+    """The step time only (no records): the fast path the planner calls for every candidate.
+
+    Always equal to `simulate(schedule, costs).step_seconds`.
+    """
+    compiled = _compiled(schedule)
+    durations, delays = _cost_tables(compiled, costs)
+    end = _ends(compiled, durations, delays)
+    return max(end[k] for k in compiled.rank_last if k >= 0)
+
+
+def simulate(schedule: Schedule, costs: StageCosts) -> Timeline:
+    """Time one step of `schedule` under `costs`; see the module docstring for the model."""
+    compiled = _compiled(schedule)
+    durations, delays = _cost_tables(compiled, costs)
+    end = _ends(compiled, durations, delays)
+    p = compiled.pipeline_parallel
+    step = max((end[k] for k in compiled.rank_last if k >= 0), default=0.0)
+
+    busy = [0.0] * p
+    compute = [0.0] * p
+    exposed = [0.0] * p
+    records = []
+    for k, (rank, action) in enumerate(zip(compiled.ranks, compiled.actions)):
+        start = end[k] - durations[k]
+        records.append(TimedAction(rank, action, start, end[k]))
+        busy[rank] += durations[k]
+        if compiled.compute_kinds[k]:
+            compute[rank] += durations[k]
+        needed = compiled.dep[k]
+        if needed >= 0:
+            # Waiting that started once the producer had finished is transfer time, not bubble
+            # caused by the pipeline's shape: count it as exposed communication.
+            waiting_since = max(end[compiled.prev[k]], end[needed])
+            if start > waiting_since:
+                exposed[rank] += start - waiting_since
+    for k in compiled.allreduce_positions:
+        exposed[compiled.ranks[k]] += durations[k]
+
+    idle = [max(step - busy[rank], 0.0) for rank in range(p)]
+    return Timeline(
+        records=tuple(records),
+        step_seconds=step,
+        bubble_fraction=tuple(i / step if step > 0 else 0.0 for i in idle),
+        communication_seconds=max(exposed, default=0.0),
+        peak_in_flight=compiled.peak_in_flight,
+        bubble_ratio=tuple(
+            i / c if c > 0 else (0.0 if i == 0 else math.inf) for i, c in zip(idle, compute)
+        ),
+        communication_seconds_per_rank=tuple(exposed),
+        peak_stashed_inputs=compiled.peak_stashed_inputs,
+    )
