@@ -1,9 +1,322 @@
-"""`pipectl profile` (being built; see docs/ARCHITECTURE.md)."""
+"""`pipectl profile`: measure or derive a model profile, calibrate links, show either.
+
+    pipectl profile gpt-tiny -o profile.json                        # measure on this CPU
+    pipectl profile gpt3-175b --derive --device a100-80gb -o p.json # derive from shape + datasheet
+    pipectl profile examples.custom_model:build                     # a user factory
+    pipectl profile links -o links.json --ranks 2                   # calibrate p2p and all-reduce
+    pipectl profile show profile.json                               # Rich table (or --json)
+
+`model` is the default sub-command: `pipectl profile MODEL` is `pipectl profile model MODEL`.
+"""
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+from typing import Annotated, Optional
+
 import typer
 
+from pipectl.cli.context import JsonFlag, console, err_console, print_json
 from pipectl.cli.groups import DefaultCommandGroup
+from pipectl.errors import UserInputError
 
-app = typer.Typer(cls=DefaultCommandGroup, no_args_is_help=True, help="Measure or derive a model profile.")
+app = typer.Typer(
+    cls=DefaultCommandGroup,
+    no_args_is_help=True,
+    help="Measure or derive a model profile (default sub-command: model), calibrate links, show a profile.",
+)
+
+_MEASURE_DEVICES = ("cpu", "cuda")
+
+
+def parse_micro_batch_sizes(text: str) -> list[int]:
+    """'1,2,4,8' -> [1, 2, 4, 8]; any entry that is not a positive integer is named in the error."""
+    sizes = []
+    for entry in text.split(","):
+        entry = entry.strip()
+        if not entry.isdigit() or int(entry) <= 0:
+            raise UserInputError(
+                f"micro-batch size '{entry}' in '{text}' is not a positive integer",
+                hint="give a comma-separated list such as 1,2,4,8",
+            )
+        sizes.append(int(entry))
+    return sorted(set(sizes))
+
+
+_SIZE_RE = re.compile(r"^(\d+)\s*(b|k|kib|kb|m|mib|mb)?$", re.IGNORECASE)
+_SIZE_UNITS = {None: 1, "b": 1, "k": 1024, "kib": 1024, "kb": 1024, "m": 1024**2, "mib": 1024**2, "mb": 1024**2}
+
+
+def parse_message_sizes(text: str) -> list[int]:
+    """'1KiB,64KiB,1MiB' (or plain bytes, or 4k, 16m) -> sizes in bytes, ascending."""
+    sizes = []
+    for entry in text.split(","):
+        match = _SIZE_RE.match(entry.strip())
+        if not match or int(match.group(1)) <= 0:
+            raise UserInputError(
+                f"message size '{entry.strip()}' in '{text}' is not a positive size",
+                hint="e.g. 1KiB,64KiB,1MiB or plain byte counts",
+            )
+        unit = match.group(2).lower() if match.group(2) else None
+        sizes.append(int(match.group(1)) * _SIZE_UNITS[unit])
+    return sorted(set(sizes))
+
+
+ModelArgument = Annotated[
+    str,
+    typer.Argument(
+        help="A shipped model name (gpt-tiny), a model YAML path, or a factory 'package.module:function'.",
+        show_default=False,
+    ),
+]
+
+
+@app.command("model")
+def model_command(
+    model: ModelArgument,
+    output: Annotated[Path, typer.Option("--output", "-o", help="Where to write profile.json.")] = Path(
+        "profile.json"
+    ),
+    micro_batch_sizes: Annotated[
+        str, typer.Option("--micro-batch-sizes", "-b", help="Comma-separated micro-batch sizes, ascending.")
+    ] = "1,2,4,8",
+    device: Annotated[
+        str,
+        typer.Option(
+            "--device",
+            help="Measure on cpu or cuda; with --derive, the catalog device kind (e.g. a100-80gb).",
+        ),
+    ] = "cpu",
+    derive: Annotated[
+        bool, typer.Option("--derive", help="Derive the profile from the model's shape and a device datasheet.")
+    ] = False,
+    device_kind: Annotated[
+        Optional[str],
+        typer.Option(
+            "--device-kind",
+            help="Catalog name of the device: what --derive models, or what a measured profile is recorded as.",
+        ),
+    ] = None,
+    dtype: Annotated[
+        Optional[str],
+        typer.Option("--dtype", help="float32, bfloat16 or float16 (default: float32 measured, bfloat16 derived)."),
+    ] = None,
+    warmup: Annotated[int, typer.Option(help="Discarded runs per layer and size.")] = 2,
+    repeats: Annotated[int, typer.Option(help="Timed runs per layer and size (the median is kept).")] = 5,
+    threads: Annotated[
+        int, typer.Option(help="CPU threads while measuring (1 = one pipeline rank with OMP_NUM_THREADS=1).")
+    ] = 1,
+    memory_budget_gib: Annotated[
+        Optional[float],
+        typer.Option(
+            "--memory-budget-gib",
+            help="CPU only: stop at the first size whose estimated memory exceeds this "
+            "(default: the catalog's per-rank memory of the device kind).",
+        ),
+    ] = None,
+    links: Annotated[
+        Optional[Path], typer.Option("--links", help="A links.json (pipectl profile links) to embed.")
+    ] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Profile MODEL layer by layer (measured here, or derived with --derive) and write profile.json."""
+    from pipectl.io import write_json_atomic
+
+    sizes = parse_micro_batch_sizes(micro_batch_sizes)
+    links_profile = _load_links(links) if links is not None else None
+    if derive:
+        profile = _derive(model, device_kind or device, sizes, dtype or "bfloat16")
+    else:
+        profile = _measure(model, device, device_kind, sizes, dtype or "float32", warmup, repeats, threads,
+                           memory_budget_gib)
+    if links_profile is not None:
+        profile = profile.model_copy(update={"links": links_profile})
+    write_json_atomic(output, profile)
+    if as_json:
+        print_json(profile)
+    else:
+        from pipectl.report.tables import profile_view
+
+        console.print(profile_view(profile))
+    err_console.print(f"wrote {output}", highlight=False)
+
+
+def _derive(model: str, kind: str, sizes: list[int], dtype: str):
+    from pipectl.catalog import get_device
+    from pipectl.models.registry import load_model_config
+    from pipectl.profile.derive import derive_profile
+
+    if ":" in model and not Path(model).exists() and not model.endswith((".yaml", ".yml")):
+        raise UserInputError(
+            f"cannot derive a profile for the factory '{model}': derived profiles need a model config",
+            hint="derive a built-in gpt/bert config, or measure the factory's model: pipectl profile " + model,
+        )
+    if kind == "cuda" or kind.startswith("cuda:"):
+        raise UserInputError(
+            f"--derive needs a catalog device kind, got '{kind}'",
+            hint="e.g. pipectl profile gpt3-175b --derive --device a100-80gb",
+        )
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise UserInputError(f"unknown dtype '{dtype}'", hint="choose one of: float32, bfloat16, float16")
+    return derive_profile(load_model_config(model), get_device(kind), sizes, dtype)
+
+
+def _measure(
+    model: str,
+    device: str,
+    device_kind: str | None,
+    sizes: list[int],
+    dtype_text: str,
+    warmup: int,
+    repeats: int,
+    threads: int,
+    memory_budget_gib: float | None,
+):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from pipectl.models import build_model
+    from pipectl.profile.measure import parse_dtype, profile_model, resolve_device
+
+    torch_device = resolve_device(device)  # before building: a bad device fails fast
+    dtype = parse_dtype(dtype_text)
+    if threads < 1:
+        raise UserInputError(f"--threads must be at least 1, got {threads}")
+    if memory_budget_gib is not None and memory_budget_gib <= 0:
+        raise UserInputError(f"--memory-budget-gib must be positive, got {memory_budget_gib}")
+    kind = device_kind or ("cpu" if torch_device.type == "cpu" else "cuda")
+    if device_kind is not None or torch_device.type == "cpu":
+        budget_bytes = _memory_budget_bytes(kind, memory_budget_gib, required=device_kind is not None)
+    else:
+        budget_bytes = None
+    layers = build_model(model)
+
+    with Progress(
+        TextColumn("[bold]profiling[/] {task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=err_console,
+        transient=True,
+    ) as bar:
+        task = bar.add_task(layers.name, total=len(layers) * len(sizes))
+
+        def on_progress(update) -> None:
+            bar.update(
+                task,
+                completed=update.done,
+                total=update.total,
+                description=f"{layers.name}: {update.layer} at b={update.micro_batch_size}",
+            )
+
+        return profile_model(
+            layers,
+            sizes,
+            device=device,
+            warmup=warmup,
+            repeats=repeats,
+            dtype=dtype,
+            progress=on_progress,
+            memory_budget_bytes=budget_bytes,
+            cpu_threads=threads,
+            device_name=kind,
+        )
+
+
+def _memory_budget_bytes(kind: str, memory_budget_gib: float | None, *, required: bool) -> int | None:
+    """The CPU memory budget: the option, else the catalog's per-rank memory for `kind`."""
+    if memory_budget_gib is not None:
+        return int(memory_budget_gib * 1024**3)
+    from pipectl.catalog import get_device, load_catalog
+
+    if required:
+        return get_device(kind).memory_bytes
+    spec = load_catalog().get(kind)
+    return spec.memory_bytes if spec is not None else None
+
+
+def _load_links(path: Path):
+    from pipectl.artifacts.profile import LinksProfile
+    from pipectl.io import load_model
+
+    return load_model(LinksProfile, path)
+
+
+@app.command("links")
+def links_command(
+    output: Annotated[Path, typer.Option("--output", "-o", help="Where to write links.json.")] = Path("links.json"),
+    ranks: Annotated[int, typer.Option("--ranks", help="Processes to start; all-reduce rings of 2..ranks.")] = 2,
+    message_sizes: Annotated[
+        str, typer.Option("--message-sizes", help="Comma-separated sizes (1KiB, 64KiB, 16MiB or bytes).")
+    ] = "1KiB,4KiB,16KiB,64KiB,256KiB,1MiB,4MiB,16MiB",
+    device: Annotated[str, typer.Option("--device", help="cpu (gloo) or cuda (nccl, one GPU per rank).")] = "cpu",
+    device_kind: Annotated[
+        Optional[str], typer.Option("--device-kind", help="Catalog name recorded in links.json (default: cpu/cuda).")
+    ] = None,
+    warmup: Annotated[int, typer.Option(help="Discarded operations per size.")] = 3,
+    repeats: Annotated[int, typer.Option(help="Timed operations per size (the median is kept).")] = 10,
+    timeout: Annotated[float, typer.Option(help="Seconds before the calibration is abandoned.")] = 120.0,
+    as_json: JsonFlag = False,
+) -> None:
+    """Calibrate point-to-point and all-reduce costs between real processes and write links.json."""
+    from pipectl.io import write_json_atomic
+    from pipectl.profile.links import CalibrationRequest, calibrate_links
+
+    if device not in _MEASURE_DEVICES:
+        raise UserInputError(f"unknown device '{device}' for link calibration", hint="use cpu or cuda")
+    if ranks < 2:
+        raise UserInputError(f"--ranks must be at least 2, got {ranks}")
+    if timeout <= 0:
+        raise UserInputError(f"--timeout must be positive, got {timeout}")
+    request = CalibrationRequest(
+        ranks=ranks,
+        message_sizes=tuple(parse_message_sizes(message_sizes)),
+        warmup=warmup,
+        repeats=repeats,
+        backend="gloo" if device == "cpu" else "nccl",
+        timeout_seconds=timeout,
+    )
+    with err_console.status(f"calibrating links between {ranks} {device} processes ({request.backend})"):
+        links = calibrate_links(request, device_name=device_kind or device)
+    write_json_atomic(output, links)
+    if as_json:
+        print_json(links)
+    else:
+        from pipectl.report.tables import links_view
+
+        console.print(links_view(links))
+        console.print("[dim]note: all ranks ran on this machine, so these are intra_node figures[/]")
+    err_console.print(f"wrote {output}", highlight=False)
+
+
+@app.command("show")
+def show_command(
+    path: Annotated[Path, typer.Argument(help="A profile.json or links.json.", show_default=False)],
+    micro_batch_sizes: Annotated[
+        Optional[str], typer.Option("--micro-batch-sizes", "-b", help="Only these sizes (comma-separated).")
+    ] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Print a profile.json or links.json as a table (or as JSON)."""
+    from pipectl.artifacts.profile import LinksProfile, ModelProfile
+    from pipectl.io import parse_model, read_mapping
+    from pipectl.report.tables import links_view, profile_view
+
+    data = read_mapping(path)
+    artifact_type = LinksProfile if "fits" in data and "layers" not in data else ModelProfile
+    artifact = parse_model(artifact_type, data, source=str(path))
+    if as_json:
+        print_json(artifact)
+        return
+    if isinstance(artifact, LinksProfile):
+        console.print(links_view(artifact))
+        return
+    sizes = parse_micro_batch_sizes(micro_batch_sizes) if micro_batch_sizes else None
+    if sizes:
+        missing = [b for b in sizes if b not in artifact.micro_batch_sizes]
+        if missing:
+            raise UserInputError(
+                f"{path} has no costs for micro-batch size {missing[0]}",
+                hint=f"profiled sizes: {', '.join(map(str, artifact.micro_batch_sizes))}",
+            )
+    console.print(profile_view(artifact, sizes))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
+from rich import box
 from rich.console import Group
 from rich.table import Table
 from rich.text import Text
@@ -15,20 +16,21 @@ from pipectl.artifacts.profile import LinksProfile, ModelProfile
 
 
 def format_bytes(count: float) -> str:
-    """Binary units, 3 significant digits: 1536 -> '1.50 KiB', 0 -> '0 B'.
+    """Binary units, 3 significant digits: 1536 -> '1.5 KiB', 0 -> '0 B'.
 
-        >>> format_bytes(0), format_bytes(1536), format_bytes(3 * 1024**3)
-        ('0 B', '1.50 KiB', '3.00 GiB')
+        >>> format_bytes(0), format_bytes(1536), format_bytes(1034240), format_bytes(3 * 1024**3)
+        ('0 B', '1.5 KiB', '1010 KiB', '3 GiB')
     """
-    units = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+    units = ("B", "KiB", "MiB", "GiB", "TiB")
     value = float(count)
+    unit = units[0]
     for unit in units:
         if abs(value) < 1024 or unit == units[-1]:
-            if unit == "B":
-                return f"{int(value)} B"
-            return f"{value:.3g} {unit}" if value >= 100 else f"{value:.2f} {unit}"
+            break
         value /= 1024
-    raise AssertionError("unreachable")  # pragma: no cover
+    if unit == "B":
+        return f"{int(value)} B"
+    return f"{value:.0f} {unit}" if abs(value) >= 1000 else f"{value:.3g} {unit}"
 
 
 def format_count(count: float) -> str:
@@ -44,12 +46,18 @@ def format_count(count: float) -> str:
 
 
 def format_seconds_ms(seconds: float) -> str:
-    """Milliseconds with 3 significant digits (at least 3 decimals below 1 ms)."""
+    """Milliseconds, 3 decimals below 1 ms, 3-4 significant digits above.
+
+        >>> format_seconds_ms(0.0000251), format_seconds_ms(0.0031), format_seconds_ms(0.01234), format_seconds_ms(1.5)
+        ('0.025', '3.10', '12.3', '1500')
+    """
     ms = seconds * 1e3
     if ms >= 100:
         return f"{ms:.0f}"
+    if ms >= 10:
+        return f"{ms:.1f}"
     if ms >= 1:
-        return f"{ms:.3g}"
+        return f"{ms:.2f}"
     return f"{ms:.3f}"
 
 
@@ -75,28 +83,24 @@ def profile_table(profile: ModelProfile, micro_batch_sizes: Sequence[int] | None
     counts shared parameters once.
     """
     sizes = list(micro_batch_sizes) if micro_batch_sizes else list(profile.micro_batch_sizes)
-    table = Table(title=f"{profile.model} profile", title_justify="left", header_style="bold")
-    table.add_column("#", justify="right", style="dim")
-    table.add_column("layer")
-    table.add_column("kind", style="dim")
-    table.add_column("params", justify="right")
-    table.add_column("b", justify="right")
-    table.add_column("fwd ms", justify="right")
-    table.add_column("bwd ms", justify="right")
-    table.add_column("activation", justify="right")
-    table.add_column("saved", justify="right")
-    table.add_column("peak mem", justify="right")
+    table = Table(
+        title=f"{profile.model} profile", title_justify="left", header_style="bold", box=box.SIMPLE_HEAD,
+        caption="* shares parameters with the other layers of its group (tied); the model counts them once",
+        caption_justify="left",
+    )
+    table.add_column("layer", no_wrap=True)
+    table.add_column("params", justify="right", no_wrap=True)
+    for heading in ("b", "fwd ms", "bwd ms", "output", "saved", "peak mem"):
+        table.add_column(heading, justify="right", no_wrap=True)
     for layer in profile.layers:
         params = format_bytes(layer.parameter_bytes)
         if layer.shared_group:
-            params += f" [dim](shared: {layer.shared_group})[/]"
+            params = f"*{params}"
         costs = [c for c in layer.costs if c.micro_batch_size in sizes]
         for position, cost in enumerate(costs):
             first = position == 0
             table.add_row(
-                str(layer.index) if first else "",
                 layer.name if first else "",
-                layer.kind if first else "",
                 params if first else "",
                 str(cost.micro_batch_size),
                 format_seconds_ms(cost.forward_seconds),
@@ -104,15 +108,13 @@ def profile_table(profile: ModelProfile, micro_batch_sizes: Sequence[int] | None
                 format_bytes(cost.output_activation_bytes),
                 format_bytes(cost.saved_activation_bytes),
                 format_bytes(cost.peak_memory_bytes),
-                end_section=position == len(costs) - 1,
+                end_section=len(costs) > 1 and position == len(costs) - 1,
             )
     unique_parameter_bytes = _unique_parameter_bytes(profile)
     for position, size in enumerate(s for s in sizes if s in profile.micro_batch_sizes):
         costs = [layer.cost(size) for layer in profile.layers]
         table.add_row(
-            "",
             "[bold]total[/]" if position == 0 else "",
-            "",
             format_bytes(unique_parameter_bytes) if position == 0 else "",
             str(size),
             format_seconds_ms(sum(c.forward_seconds for c in costs)),
@@ -141,7 +143,8 @@ def _unique_parameter_bytes(profile: ModelProfile) -> int:
 def links_fit_table(links: LinksProfile) -> Table:
     """The fitted model per link class."""
     table = Table(
-        title=f"links ({links.backend}, {links.device})", title_justify="left", header_style="bold"
+        title=f"links ({links.backend}, {links.device})", title_justify="left", header_style="bold",
+        box=box.SIMPLE_HEAD,
     )
     table.add_column("link class")
     table.add_column("p2p latency µs", justify="right")
@@ -163,7 +166,7 @@ def links_fit_table(links: LinksProfile) -> Table:
 
 def links_samples_table(links: LinksProfile) -> Table:
     """The raw measurements: median time and effective rate per operation, ring size and message size."""
-    table = Table(title="measurements", title_justify="left", header_style="bold")
+    table = Table(title="measurements", title_justify="left", header_style="bold", box=box.SIMPLE_HEAD)
     table.add_column("op")
     table.add_column("ranks", justify="right")
     table.add_column("message", justify="right")
