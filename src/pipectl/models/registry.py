@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from functools import partial
 from pathlib import Path
 
@@ -104,6 +106,10 @@ def from_config(config: ModelConfig) -> ModelLayers:
 def from_factory(reference: str) -> ModelLayers:
     """`package.module:factory`; see examples/custom_model.py for the contract."""
     module_name, _, attr = reference.partition(":")
+    # Resolve modules beside the user, as `python -m` does: the console script's sys.path[0] is
+    # the venv's bin/, not the current directory.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
         factory = getattr(module, attr)
