@@ -1,0 +1,323 @@
+"""Clusters: load a cluster description and resolve the link figures the planner uses.
+
+A link figure comes from the first of these that has it (most specific first):
+
+1. the cluster YAML: the node type's `links`, then (inter-node only) the cluster's `inter_node_links`;
+2. a links.json measured by `pipectl profile links` (`links_file` of the node type, then of the
+   cluster's `inter_node_links`), which also supplies the all-reduce fit and the p2p jitter;
+3. the device catalog (configs/devices.yaml).
+
+All figures are per device and per direction (see configs/devices.yaml), converted here to SI units
+(seconds, bytes per second) so that no caller converts µs or GB/s again.
+
+    >>> cluster = load_cluster("a100-8x8")
+    >>> links = resolve_links(cluster, "a100-nodes")
+    >>> links.inter_bandwidth_bytes_per_second
+    25000000000.0
+    >>> round(links.inter.seconds(100e6) * 1e3, 3)   # 100 MB across nodes: 5 µs + 100e6 / 25e9 s
+    4.005
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+from pipectl.artifacts.cluster import ClusterSpec, LinkSpec, NodeType
+from pipectl.artifacts.profile import LinkClass, LinkClassFit, LinksProfile
+from pipectl.catalog import DeviceSpec, get_device, load_catalog
+from pipectl.errors import UserInputError
+from pipectl.io import load_model
+from pipectl.paths import resolve_config
+
+
+
+def _microseconds_to_seconds(value: float) -> float:
+    return value / 1e6  # division keeps 90 µs -> 9e-05 exact (90 * 1e-6 is not)
+
+
+def _gigabytes_to_bytes(value: float) -> float:
+    return value * 1e9
+
+# Where a resolved figure came from, for explanations ("inter bandwidth 25 GB/s from the cluster YAML").
+FROM_CLUSTER = "cluster"
+FROM_LINKS_FILE = "links.json"
+FROM_CATALOG = "catalog"
+
+
+@dataclass(frozen=True)
+class LinkCost:
+    """One link class: time(bytes) = latency + bytes / bandwidth (+ jitter as a spread)."""
+
+    latency_seconds: float
+    bandwidth_bytes_per_second: float
+    jitter_seconds: float = 0.0
+
+    def seconds(self, message_bytes: float) -> float:
+        """Point-to-point time of one message (the alpha-beta model; Hockney 1994)."""
+        return self.latency_seconds + message_bytes / self.bandwidth_bytes_per_second
+
+    def ring_allreduce_seconds(self, message_bytes: float, ring_size: int) -> float:
+        """Ring all-reduce of `message_bytes` over `ring_size` ranks: 2(D-1) steps of bytes/D each.
+
+        Patarasuk & Yuan 2009 ("Bandwidth optimal all-reduce algorithms"); the same model as
+        `LinkClassFit`. One rank needs no communication:
+
+            latency 5 µs, 25 GB/s, 1 GB over 8 ranks: 2*7*(5e-6 + 1e9/8/25e9) = 0.070 s
+        """
+        if ring_size <= 1:
+            return 0.0
+        steps = 2 * (ring_size - 1)
+        return steps * (self.latency_seconds + message_bytes / ring_size / self.bandwidth_bytes_per_second)
+
+
+@dataclass(frozen=True)
+class ResolvedLinks:
+    """Link costs of one node type, in seconds and bytes per second, after the precedence above.
+
+    `intra_*` is between devices of one node, `inter_*` between nodes; `allreduce_*` are the
+    ring all-reduce per-hop latency and bus bandwidth (equal to the p2p figures unless a
+    links.json measured them separately). `sources` names where each figure came from.
+    """
+
+    node_type: str
+    device: str
+    intra_latency_seconds: float
+    intra_bandwidth_bytes_per_second: float
+    inter_latency_seconds: float
+    inter_bandwidth_bytes_per_second: float
+    allreduce_intra_latency_seconds: float
+    allreduce_intra_bandwidth_bytes_per_second: float
+    allreduce_inter_latency_seconds: float
+    allreduce_inter_bandwidth_bytes_per_second: float
+    intra_jitter_seconds: float = 0.0
+    inter_jitter_seconds: float = 0.0
+    sources: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def intra(self) -> LinkCost:
+        return LinkCost(self.intra_latency_seconds, self.intra_bandwidth_bytes_per_second, self.intra_jitter_seconds)
+
+    @property
+    def inter(self) -> LinkCost:
+        return LinkCost(self.inter_latency_seconds, self.inter_bandwidth_bytes_per_second, self.inter_jitter_seconds)
+
+    @property
+    def allreduce_intra(self) -> LinkCost:
+        return LinkCost(self.allreduce_intra_latency_seconds, self.allreduce_intra_bandwidth_bytes_per_second)
+
+    @property
+    def allreduce_inter(self) -> LinkCost:
+        return LinkCost(self.allreduce_inter_latency_seconds, self.allreduce_inter_bandwidth_bytes_per_second)
+
+
+# --- loading -----------------------------------------------------------------------------------
+
+
+def load_cluster(name_or_path: str | os.PathLike[str]) -> ClusterSpec:
+    """A shipped cluster name (`local`, `a100-8x8`) or a YAML path -> validated `ClusterSpec`.
+
+    Checks what the schema alone cannot: every device kind is in the catalog, every `links_file`
+    exists (a relative one is taken relative to the YAML's folder and returned absolute), and a
+    spot-priced cluster has spot prices.
+    """
+    path = resolve_config(name_or_path, "clusters")
+    cluster = load_model(ClusterSpec, path)
+    return _checked(_with_absolute_links_files(cluster, path.resolve().parent), source=str(path))
+
+
+def local_cluster(devices: int, base: ClusterSpec | None = None) -> ClusterSpec:
+    """The local cluster (`configs/clusters/local.yaml`, or `base`) with `devices` CPU ranks.
+
+        >>> local_cluster(4).total_devices
+        4
+    """
+    cluster = base if base is not None else load_cluster("local")
+    if not cluster.local:
+        raise UserInputError(f"cluster '{cluster.name}' is not local: its device count is fixed by its nodes")
+    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+        raise UserInputError(f"a local cluster needs at least 1 device, got {devices!r}")
+    node_type = cluster.node_types[0].model_copy(update={"devices_per_node": devices, "nodes": 1})
+    return cluster.model_copy(update={"node_types": [node_type]})
+
+
+def _with_absolute_links_files(cluster: ClusterSpec, folder: Path) -> ClusterSpec:
+    def absolute(links: LinkSpec) -> LinkSpec:
+        if links.links_file is None or Path(links.links_file).is_absolute():
+            return links
+        return links.model_copy(update={"links_file": str(folder / links.links_file)})
+
+    node_types = [n.model_copy(update={"links": absolute(n.links)}) for n in cluster.node_types]
+    return cluster.model_copy(update={"node_types": node_types, "inter_node_links": absolute(cluster.inter_node_links)})
+
+
+def _checked(cluster: ClusterSpec, *, source: str) -> ClusterSpec:
+    catalog = load_catalog()
+    for node_type in cluster.node_types:
+        if node_type.device not in catalog:
+            raise UserInputError(
+                f"{source}: node type '{node_type.name}' uses unknown device kind '{node_type.device}'",
+                hint=f"known device kinds: {', '.join(sorted(catalog))}",
+            )
+        if cluster.pricing == "spot" and node_type.price_per_device_hour_spot is None:
+            raise UserInputError(
+                f"{source}: cluster pricing is 'spot' but node type '{node_type.name}' has no "
+                "price_per_device_hour_spot"
+            )
+    if cluster.local and (len(cluster.node_types) != 1 or cluster.node_types[0].nodes != 1):
+        raise UserInputError(f"{source}: a local cluster is one machine: one node type with nodes: 1")
+    for links in [cluster.inter_node_links, *(n.links for n in cluster.node_types)]:
+        if links.links_file is not None and not Path(links.links_file).is_file():
+            raise UserInputError(f"{source}: links_file not found: {links.links_file}")
+    return cluster
+
+
+# --- look-ups ----------------------------------------------------------------------------------
+
+
+def node_type_named(cluster: ClusterSpec, name: str) -> NodeType:
+    for node_type in cluster.node_types:
+        if node_type.name == name:
+            return node_type
+    known = ", ".join(n.name for n in cluster.node_types)
+    raise UserInputError(f"cluster '{cluster.name}' has no node type '{name}'", hint=f"node types: {known}")
+
+
+def device_of(node_type: NodeType) -> DeviceSpec:
+    """The catalog entry of a node type's device."""
+    return get_device(node_type.device)
+
+
+def price_per_device_hour(cluster: ClusterSpec, node_type: NodeType | str) -> float:
+    """USD per device-hour at the cluster's pricing (spot or on-demand)."""
+    if isinstance(node_type, str):
+        node_type = node_type_named(cluster, node_type)
+    if cluster.pricing == "spot" and node_type.price_per_device_hour_spot is not None:
+        return node_type.price_per_device_hour_spot
+    return node_type.price_per_device_hour_on_demand
+
+
+def _read_links_file(path: str | None) -> LinksProfile | None:
+    if path is None:
+        return None
+    if not Path(path).is_file():
+        raise UserInputError(f"links_file not found: {path}")
+    return _read_links_file_cached(str(Path(path).resolve()), Path(path).stat().st_mtime_ns)
+
+
+@lru_cache(maxsize=16)
+def _read_links_file_cached(path: str, modified_ns: int) -> LinksProfile:
+    # Cached by path and modification time: the planner resolves links for many candidates.
+    return load_model(LinksProfile, path)
+
+
+def _fit(links_files: list[LinksProfile | None], link_class: LinkClass) -> LinkClassFit | None:
+    for links in links_files:
+        if links is not None and (fit := links.fit(link_class)) is not None:
+            return fit
+    return None
+
+
+def _pick(
+    name: str,
+    overrides: list[float | None],
+    fit_p2p: float | None,
+    fit_allreduce: float | None,
+    catalog_value: float,
+    to_si: Callable[[float], float],
+    sources: dict[str, str],
+) -> tuple[float, float]:
+    """(p2p value, all-reduce value) in SI units from the first source that has the figure."""
+    for value in overrides:
+        if value is not None:
+            sources[name] = FROM_CLUSTER
+            return to_si(value), to_si(value)
+    if fit_p2p is not None and fit_allreduce is not None:
+        sources[name] = FROM_LINKS_FILE
+        return fit_p2p, fit_allreduce
+    sources[name] = FROM_CATALOG
+    return to_si(catalog_value), to_si(catalog_value)
+
+
+def resolve_links(cluster: ClusterSpec, node_type: NodeType | str) -> ResolvedLinks:
+    """The link costs of one node type: cluster YAML override > links.json > catalog.
+
+    A figure set in the YAML replaces both the p2p and the all-reduce figure of that link class;
+    a links.json supplies its p2p fit, its all-reduce fit and its measured jitter.
+    """
+    if isinstance(node_type, str):
+        node_type = node_type_named(cluster, node_type)
+    device = device_of(node_type)
+    own, shared = node_type.links, cluster.inter_node_links
+    intra_fit = _fit([_read_links_file(own.links_file)], LinkClass.INTRA_NODE)
+    inter_fit = _fit([_read_links_file(own.links_file), _read_links_file(shared.links_file)], LinkClass.INTER_NODE)
+    sources: dict[str, str] = {}
+
+    intra_latency, allreduce_intra_latency = _pick(
+        "intra_latency",
+        [own.intra_node_latency_us],
+        intra_fit.p2p_latency_seconds if intra_fit else None,
+        intra_fit.allreduce_latency_seconds if intra_fit else None,
+        device.intra_node_latency_us,
+        _microseconds_to_seconds,
+        sources,
+    )
+    intra_bandwidth, allreduce_intra_bandwidth = _pick(
+        "intra_bandwidth",
+        [own.intra_node_bandwidth_gbytes_per_second],
+        intra_fit.p2p_bandwidth_bytes_per_second if intra_fit else None,
+        intra_fit.allreduce_bandwidth_bytes_per_second if intra_fit else None,
+        device.intra_node_bandwidth_gbytes_per_second,
+        _gigabytes_to_bytes,
+        sources,
+    )
+    inter_latency, allreduce_inter_latency = _pick(
+        "inter_latency",
+        [own.inter_node_latency_us, shared.inter_node_latency_us],
+        inter_fit.p2p_latency_seconds if inter_fit else None,
+        inter_fit.allreduce_latency_seconds if inter_fit else None,
+        device.inter_node_latency_us,
+        _microseconds_to_seconds,
+        sources,
+    )
+    inter_bandwidth, allreduce_inter_bandwidth = _pick(
+        "inter_bandwidth",
+        [own.inter_node_bandwidth_gbytes_per_second, shared.inter_node_bandwidth_gbytes_per_second],
+        inter_fit.p2p_bandwidth_bytes_per_second if inter_fit else None,
+        inter_fit.allreduce_bandwidth_bytes_per_second if inter_fit else None,
+        device.inter_node_bandwidth_gbytes_per_second,
+        _gigabytes_to_bytes,
+        sources,
+    )
+    return ResolvedLinks(
+        node_type=node_type.name,
+        device=device.name,
+        intra_latency_seconds=intra_latency,
+        intra_bandwidth_bytes_per_second=intra_bandwidth,
+        inter_latency_seconds=inter_latency,
+        inter_bandwidth_bytes_per_second=inter_bandwidth,
+        allreduce_intra_latency_seconds=allreduce_intra_latency,
+        allreduce_intra_bandwidth_bytes_per_second=allreduce_intra_bandwidth,
+        allreduce_inter_latency_seconds=allreduce_inter_latency,
+        allreduce_inter_bandwidth_bytes_per_second=allreduce_inter_bandwidth,
+        intra_jitter_seconds=intra_fit.p2p_jitter_seconds if intra_fit else 0.0,
+        inter_jitter_seconds=inter_fit.p2p_jitter_seconds if inter_fit else 0.0,
+        sources=sources,
+    )
+
+
+def link_between_node_types(cluster: ClusterSpec, first: NodeType | str, second: NodeType | str) -> LinkCost:
+    """The p2p link between a device of `first` and one of `second` (different nodes).
+
+    Both sides' inter-node figures resolve as above; the transfer goes no faster than the slower
+    side, so this is the larger latency and the smaller bandwidth (heterogeneous clusters).
+    """
+    a, b = resolve_links(cluster, first), resolve_links(cluster, second)
+    return LinkCost(
+        latency_seconds=max(a.inter_latency_seconds, b.inter_latency_seconds),
+        bandwidth_bytes_per_second=min(a.inter_bandwidth_bytes_per_second, b.inter_bandwidth_bytes_per_second),
+        jitter_seconds=max(a.inter_jitter_seconds, b.inter_jitter_seconds),
+    )
