@@ -58,6 +58,7 @@ from dataclasses import dataclass
 from operator import itemgetter
 
 from pipectl.errors import ScheduleError, UserInputError
+from pipectl.schedule.dag import dependency, execution_order
 from pipectl.schedule.ir import Action, ActionKind, Schedule
 
 __all__ = [
@@ -215,34 +216,10 @@ def _compile(schedule: Schedule) -> _Compiled:
         )
     _check_compute_structure(schedule, per_rank)
 
-    # Topological order: sweep the ranks, advancing each while its head's dependency is placed.
-    position: dict[tuple[ActionKind, int, int], int] = {}
-    heads = [0] * p
-    order: list[tuple[int, Action]] = []
-    remaining = sum(len(v) for v in per_rank.values())
-    while remaining:
-        progressed = False
-        for rank in range(p):
-            actions = per_rank[rank]
-            while heads[rank] < len(actions):
-                action = actions[heads[rank]]
-                needed = _dependency(action, last_stage)
-                if needed is not None and needed not in position:
-                    break
-                if action.microbatch is not None:
-                    position[(action.kind, action.stage, action.microbatch)] = len(order)
-                order.append((rank, action))
-                heads[rank] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            from pipectl.schedule.validate import format_grid
-
-            stuck = {rank: heads[rank] for rank in range(p) if heads[rank] < len(per_rank[rank])}
-            raise ScheduleError(
-                "schedule deadlocks: every unfinished rank waits for an action that comes later "
-                "on another rank (marked)\n" + format_grid(schedule, stuck)
-            )
+    order = [(rank, a) for rank, a in execution_order(schedule) if a.kind in _TIMED]
+    position = {
+        (a.kind, a.stage, a.microbatch): k for k, (_, a) in enumerate(order) if a.microbatch is not None
+    }
 
     n = len(order)
     last_on_rank = [-1] * p
@@ -253,7 +230,7 @@ def _compile(schedule: Schedule) -> _Compiled:
         prev.append(last_on_rank[rank])
         last_on_rank[rank] = k
         kind, s = action.kind, action.stage
-        needed = _dependency(action, last_stage)
+        needed = dependency(action, last_stage)
         if needed is None:
             dep.append(-1)
             delay_index.append(0)
@@ -293,15 +270,6 @@ def _compile(schedule: Schedule) -> _Compiled:
         peak_in_flight=tuple(full for full, _ in peaks),
         peak_stashed_inputs=tuple(stashed for _, stashed in peaks),
     )
-
-
-def _dependency(action: Action, last_stage: int) -> tuple[ActionKind, int, int] | None:
-    """The cross-stage action this one waits for: F(s-1, i) for F(s, i), B(s+1, i) for B(s, i)."""
-    if action.kind is ActionKind.FORWARD and action.stage > 0:
-        return (ActionKind.FORWARD, action.stage - 1, action.microbatch)  # type: ignore[return-value]
-    if action.kind is ActionKind.BACKWARD and action.stage < last_stage:
-        return (ActionKind.BACKWARD, action.stage + 1, action.microbatch)  # type: ignore[return-value]
-    return None
 
 
 def _check_compute_structure(schedule: Schedule, per_rank: dict[int, list[Action]]) -> None:
