@@ -216,8 +216,10 @@ def varuna(
     communication). Whenever a stage is idle it picks, in this order:
 
     1. a recompute R(i) of its oldest pending backward i, once the next stage is known to finish
-       B(i) at time t and now >= t − T_f (SPEC §4 rule 1 with "≥": the recompute ends as the
-       gradient arrives);
+       B(i) at time t and now >= t − T_f. t − T_f is the latest start that still has the
+       recompute done when the gradient arrives (SPEC §4 rule 1, t − t' ≥ T_f), and starting
+       exactly then keeps the activations alive for the shortest time: an idle stage gets
+       t − t' = T_f, the equality the "≥" allows and Varuna's own generator produces;
     2. after R(i) has run, only B(i) (rule 2: no forward between R(i) and B(i));
     3. B(i) if its gradient is there (rule 3: backward before forward), else the next forward.
 
