@@ -1,9 +1,171 @@
-"""`pipectl launch` (being built; see docs/ARCHITECTURE.md)."""
+"""`pipectl launch PLAN.json --run-dir runs/NAME`: validate, write the run directory, train."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Annotated, Optional
+
 import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from pipectl.artifacts.plan import Plan
+from pipectl.artifacts.run import LOGS_DIR, DataKind, DataSpec, ElasticRange, Engine, Precision
+from pipectl.cli.context import JsonFlag, console, err_console, print_json
+from pipectl.errors import LaunchError, UserInputError
+from pipectl.io import load_model
+
+
+def parse_elastic(text: str) -> ElasticRange:
+    """`MIN:MAX` node counts, e.g. `1:2`."""
+    low, sep, high = text.partition(":")
+    if not sep or not low.isdigit() or not high.isdigit() or int(low) < 1 or int(low) > int(high):
+        raise UserInputError(f"--elastic {text!r} is not MIN:MAX node counts with 1 <= MIN <= MAX (e.g. 1:2)")
+    return ElasticRange(min_nodes=int(low), max_nodes=int(high))
+
+
+def parse_data(text: str) -> DataSpec:
+    """`builtin` (default corpus), `synthetic`, or a path to a token file."""
+    if text in (DataKind.BUILTIN.value, DataKind.SYNTHETIC.value):
+        return DataSpec(kind=DataKind(text))
+    path = Path(text)
+    if not path.is_file():
+        raise UserInputError(f"--data {text!r} is neither 'builtin', 'synthetic' nor an existing file")
+    return DataSpec(kind=DataKind.FILE, path=str(path.resolve()))
+
+
+def _engine_log_tail(run_dir: Path, lines: int = 15) -> str:
+    log = run_dir / LOGS_DIR / "engine.log"
+    if not log.is_file():
+        return ""
+    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
 
 
 def register(app: typer.Typer) -> None:
-    """Add this module's command(s) to the root app."""
+    """Add `pipectl launch` to the root app."""
+
+    @app.command("launch")
+    def launch_command(
+        plan_path: Annotated[Path, typer.Argument(help="plan.json from `pipectl plan`.", metavar="PLAN.json")],
+        run_dir: Annotated[Path, typer.Option("--run-dir", help="Run directory to create, e.g. runs/demo.")],
+        engine: Annotated[Engine, typer.Option(help="How to start the ranks.")] = Engine.LOCAL,
+        model: Annotated[Optional[str], typer.Option(help="Model reference (default: the plan's model).")] = None,
+        steps: Annotated[int, typer.Option(min=1, help="Optimizer steps in total.")] = 20,
+        checkpoint_every: Annotated[
+            int, typer.Option(min=0, help="Checkpoint every K steps (0: only at the end and on SIGTERM).")
+        ] = 0,
+        keep_checkpoints: Annotated[int, typer.Option(min=1, help="Verified checkpoints to keep.")] = 3,
+        data: Annotated[str, typer.Option(help="'builtin' corpus, 'synthetic', or a token file path.")] = "builtin",
+        seed: Annotated[int, typer.Option(help="Seed of weights and data order.")] = 0,
+        lr: Annotated[float, typer.Option(min=0.0, help="AdamW learning rate.")] = 1e-3,
+        bf16: Annotated[bool, typer.Option("--bf16", help="Train in bfloat16 (default fp32).")] = False,
+        elastic: Annotated[
+            Optional[str], typer.Option(help="torchrun elastic node range MIN:MAX (engine torchrun).")
+        ] = None,
+        nodes: Annotated[int, typer.Option(min=1, help="Nodes for torchrun/deepspeed/slurm.")] = 1,
+        hosts: Annotated[
+            Optional[str], typer.Option(help="Comma-separated hosts for the deepspeed hostfile.")
+        ] = None,
+        master_addr: Annotated[str, typer.Option(help="Rendezvous/master address.")] = "127.0.0.1",
+        master_port: Annotated[Optional[int], typer.Option(help="Rendezvous/master port (default: a free one).")] = None,
+        resume: Annotated[bool, typer.Option("--resume", help="Continue an existing run from its checkpoint.")] = False,
+        force: Annotated[bool, typer.Option("--force", help="Delete an existing run directory first.")] = False,
+        dry_run: Annotated[
+            bool, typer.Option("--dry-run", help="Validate and print the config and command; write and run nothing.")
+        ] = False,
+        timeout: Annotated[
+            Optional[float], typer.Option(min=1.0, help="Stop the job after this many seconds.")
+        ] = None,
+        json_output: JsonFlag = False,
+    ) -> None:
+        """Run a plan inside DeepSpeed's pipeline engine, with checkpoints and metrics."""
+        from pipectl.launch import LaunchOptions, prepare_launch, run_engine
+
+        plan = load_model(Plan, plan_path)
+        elastic_range = parse_elastic(elastic) if elastic else None
+        if elastic_range is not None and engine is not Engine.TORCHRUN:
+            raise UserInputError(f"--elastic needs --engine torchrun, not {engine.value}")
+        options = LaunchOptions(
+            engine=engine,
+            model=model,
+            steps=steps,
+            checkpoint_every=checkpoint_every,
+            keep_checkpoints=keep_checkpoints,
+            seed=seed,
+            data=parse_data(data),
+            precision=Precision.BF16 if bf16 else Precision.FP32,
+            learning_rate=lr,
+            elastic=elastic_range,
+            nodes=nodes,
+            hosts=[h.strip() for h in hosts.split(",") if h.strip()] if hosts else None,
+            master_addr=master_addr,
+            master_port=master_port,
+            resume=resume,
+            force=force,
+        )
+        prepared = prepare_launch(plan, run_dir, options, write=not dry_run)
+        described = {
+            "run_dir": str(prepared.run_dir),
+            "engine": prepared.job.engine.value,
+            "command": prepared.command.shell_line(),
+            "job": prepared.job.model_dump(mode="json"),
+            "ds_config": prepared.ds_config,
+        }
+        if dry_run:
+            if json_output:
+                print_json(described)
+            else:
+                console.print_json(data=prepared.ds_config)
+                console.print(f"[bold]command:[/] {prepared.command.shell_line()}", soft_wrap=True, highlight=False)
+                console.print("[dim]dry run: nothing written, nothing started[/]")
+            return
+        if not prepared.command.runnable_here:
+            if json_output:
+                print_json({**described, "submitted": False, "hint": prepared.command.submit_hint})
+            else:
+                console.print(f"wrote {prepared.run_dir}; {prepared.command.submit_hint}")
+            return
+        exit_code = _run_with_progress(prepared, run_engine, timeout, quiet=json_output)
+        from pipectl.launch.rundir import run_status
+
+        status = run_status(prepared.run_dir)
+        if exit_code != 0:
+            tail = _engine_log_tail(prepared.run_dir)
+            if tail and not json_output:
+                err_console.print(tail, highlight=False, markup=False)
+            raise LaunchError(
+                f"the job exited with code {exit_code} after {status.steps_done} of {prepared.job.steps} steps",
+                hint=f"logs: {prepared.run_dir / LOGS_DIR}; resume with --resume",
+            )
+        if json_output:
+            print_json({**described, "exit_code": exit_code, "status": status.to_dict()})
+            return
+        from pipectl.cli.status import status_table
+
+        console.print(status_table(status))
+
+
+def _run_with_progress(prepared, run_engine, timeout: float | None, *, quiet: bool) -> int:
+    """Run the engine; tail metrics.jsonl into a Rich progress bar with loss and samples/s."""
+    from pipectl.runtime.metrics import read_metrics
+
+    total = prepared.job.steps
+    with Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[stats]}"),
+        TimeElapsedColumn(),
+        console=console,
+        disable=quiet,
+        transient=False,
+    ) as progress:
+        task = progress.add_task(f"training {prepared.run_dir.name}", total=total, stats="starting ranks…")
+
+        def tick() -> None:
+            metrics = read_metrics(prepared.run_dir)
+            if metrics:
+                last = metrics[-1]
+                stats = f"loss {last.loss:.4f}  {last.samples_per_second:.1f} samples/s"
+                progress.update(task, completed=min(last.step, total), stats=stats)
+
+        return run_engine(prepared.command, prepared.run_dir, on_tick=tick, timeout_seconds=timeout)

@@ -1,0 +1,251 @@
+"""A plan candidate -> the DeepSpeed config, validated by DeepSpeed's own parser before anything starts.
+
+The batch arithmetic is the virtual-node mapping (SPEC §2, VirtualFlow): every data-parallel
+replica runs m micro-batches of b samples and accumulates their gradients, so
+
+    train_batch_size                = B = b * m * d
+    train_micro_batch_size_per_gpu  = b
+    gradient_accumulation_steps     = m          (DeepSpeed's pipeline engine: one step = m micro-batches)
+
+    >>> from pipectl.launch.dsconfig import batch_section
+    >>> batch_section(micro_batch_size=2, micro_batches=4, data_parallel=2)
+    {'train_batch_size': 16, 'train_micro_batch_size_per_gpu': 2, 'gradient_accumulation_steps': 4}
+
+Choices and why:
+- ZeRO stage 1 always (also when the plan says 0): DeepSpeed's universal checkpoint, the only way
+  to re-cut optimizer state across layouts, cannot be made from a ZeRO-0 checkpoint; at d=1 ZeRO-1
+  gave bit-identical losses to ZeRO-0 (shared/DEEPSPEED-ON-CPU.md), and at d>1 it only lowers
+  memory. ZeRO-2/3 are rejected by DeepSpeed's pipeline engine, so such a plan is an error here.
+- `"torch_adam": true`: otherwise DeepSpeed JIT-compiles its fused Adam (101 s on this machine);
+  the losses are identical.
+- `checkpoint.load_universal = true`: pipectl's checkpoints are universal ones; the flag is only
+  read when loading.
+- `pipeline.stages`/`partition` are written for the record, but DeepSpeed ignores them (a 2-stage
+  module passes with `stages: 4`), so they are checked here against the plan and the runtime passes
+  the cut to the PipelineModule itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from typing import Any, Iterator
+
+from pipectl.artifacts.plan import Candidate, Plan
+from pipectl.artifacts.run import Precision
+from pipectl.errors import UserInputError
+
+DEFAULT_LEARNING_RATE = 1e-3
+# Print DeepSpeed's own step log practically never: pipectl writes metrics.jsonl instead.
+STEPS_PER_PRINT = 1_000_000_000
+UNIVERSAL_CHECKPOINT_ZERO_STAGE = 1
+
+
+class DeepSpeedConfigRejected(UserInputError):
+    """DeepSpeed's parser (or pipectl's checks of what DeepSpeed ignores) refused the config."""
+
+
+def batch_section(*, micro_batch_size: int, micro_batches: int, data_parallel: int) -> dict[str, int]:
+    """The three batch keys DeepSpeed cross-checks (train = micro x accumulation x data-parallel)."""
+    return {
+        "train_batch_size": micro_batch_size * micro_batches * data_parallel,
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "gradient_accumulation_steps": micro_batches,
+    }
+
+
+def stage_partition(stage_layers: list[tuple[int, int]]) -> list[int]:
+    """Half-open stage ranges -> DeepSpeed's `parts` boundaries: [(0,3),(3,9)] -> [0, 3, 9]."""
+    return [start for start, _ in stage_layers] + [stage_layers[-1][1]]
+
+
+def deepspeed_config(
+    candidate: Candidate,
+    *,
+    global_batch: int | None = None,
+    precision: Precision = Precision.FP32,
+    learning_rate: float = DEFAULT_LEARNING_RATE,
+    weight_decay: float = 0.0,
+    gradient_clipping: float = 1.0,
+) -> dict[str, Any]:
+    """The DeepSpeed config dict for one plan candidate (not yet validated: see `validated_config`).
+
+    `global_batch` defaults to the candidate's b * m * d; pass the plan's B so that a plan whose
+    numbers disagree is caught by the validation rather than silently re-derived.
+    """
+    config: dict[str, Any] = batch_section(
+        micro_batch_size=candidate.micro_batch_size,
+        micro_batches=candidate.micro_batches,
+        data_parallel=candidate.data_parallel,
+    )
+    if global_batch is not None:
+        config["train_batch_size"] = global_batch
+    config.update(
+        {
+            "steps_per_print": STEPS_PER_PRINT,
+            "wall_clock_breakdown": False,
+            "gradient_clipping": gradient_clipping,
+            "optimizer": {
+                "type": "AdamW",
+                "params": {
+                    "lr": learning_rate,
+                    "betas": [0.9, 0.999],
+                    "eps": 1e-8,
+                    "weight_decay": weight_decay,
+                    "torch_adam": True,
+                },
+            },
+            "zero_optimization": {"stage": max(candidate.zero_stage, UNIVERSAL_CHECKPOINT_ZERO_STAGE)},
+            "checkpoint": {"load_universal": True},
+            "pipeline": {
+                "stages": candidate.pipeline_parallel,
+                "partition": stage_partition(candidate.stage_layers),
+                "seed_layers": False,
+                # Recomputation is the schedule's R actions (the runtime's executor), not DeepSpeed's.
+                "activation_checkpoint_interval": 0,
+            },
+        }
+    )
+    if precision is Precision.BF16:
+        config["bf16"] = {"enabled": True}
+    return config
+
+
+def check_candidate(candidate: Candidate, *, global_batch: int, layers: int) -> None:
+    """What DeepSpeed cannot run or silently ignores, checked against the plan (errors name values)."""
+    b, m, d = candidate.micro_batch_size, candidate.micro_batches, candidate.data_parallel
+    if b * m * d != global_batch:
+        raise DeepSpeedConfigRejected(
+            f"train_batch_size {global_batch} != micro-batch {b} x accumulation {m} x data-parallel {d} "
+            f"(= {b * m * d})",
+            hint="re-plan: every candidate must keep the global batch exactly",
+        )
+    if candidate.zero_stage > UNIVERSAL_CHECKPOINT_ZERO_STAGE:
+        raise DeepSpeedConfigRejected(
+            f"ZeRO stage {candidate.zero_stage} cannot run with DeepSpeed's pipeline engine (stages 0-1 only)",
+            hint="re-plan with --zero-stages 0,1",
+        )
+    if candidate.chunks != 1 or not candidate.deepspeed_runnable:
+        raise DeepSpeedConfigRejected(
+            f"schedule {candidate.schedule.value} with v={candidate.chunks} chunks per device cannot run in "
+            f"DeepSpeed's pipeline engine (one contiguous layer range per rank)",
+            hint="re-plan for a DeepSpeed launch (interleaved with v > 1 is excluded there)",
+        )
+    if candidate.replicas and len({(r.micro_batch_size, r.micro_batches) for r in candidate.replicas}) > 1:
+        shares = ", ".join(f"replica {r.replica}: {r.micro_batch_size}x{r.micro_batches}" for r in candidate.replicas)
+        raise DeepSpeedConfigRejected(
+            f"uneven replica shares ({shares}) cannot be expressed in one DeepSpeed config "
+            f"(one micro-batch size and accumulation count for every rank)"
+        )
+    if len(candidate.stage_layers) != candidate.pipeline_parallel:
+        raise DeepSpeedConfigRejected(
+            f"{len(candidate.stage_layers)} stage ranges for pipeline degree {candidate.pipeline_parallel}"
+        )
+    first, last = candidate.stage_layers[0][0], candidate.stage_layers[-1][1]
+    if first != 0 or last != layers:
+        raise DeepSpeedConfigRejected(
+            f"stage_layers {candidate.stage_layers} cover layers [{first}, {last}), the model has {layers}"
+        )
+    empty = [i for i, (start, end) in enumerate(candidate.stage_layers) if end <= start]
+    if empty:
+        raise DeepSpeedConfigRejected(f"stage(s) {empty} hold no layer: {candidate.stage_layers}")
+
+
+def check_pipeline_section(config: dict[str, Any], candidate: Candidate) -> None:
+    """DeepSpeed ignores `pipeline.stages`/`partition`; make sure they say what the plan says."""
+    pipeline = config.get("pipeline", {})
+    stages = pipeline.get("stages")
+    if stages != candidate.pipeline_parallel:
+        raise DeepSpeedConfigRejected(
+            f"pipeline.stages {stages!r} != the plan's pipeline degree {candidate.pipeline_parallel}"
+        )
+    partition = pipeline.get("partition")
+    expected = stage_partition(candidate.stage_layers)
+    if partition != expected:
+        raise DeepSpeedConfigRejected(f"pipeline.partition {partition!r} != the plan's cut {expected}")
+
+
+@contextlib.contextmanager
+def _quiet_deepspeed_logger() -> Iterator[None]:
+    """DeepSpeed logs its parsed config at INFO; library code stays silent."""
+    from deepspeed.utils import logger
+
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def parse_with_deepspeed(config: dict[str, Any], data_parallel: int) -> Any:
+    """Run DeepSpeed's own `DeepSpeedConfig` parser as the engine would see it, without processes.
+
+    Inside the pipeline engine the parser's `world_size` is the data-parallel degree (the engine
+    passes its grid as `mpu`). Without an initialised process group the parser falls back to
+    world_size 1, so a subclass sets the planned degree before DeepSpeed's own checks run
+    (`_configure_train_batch_size`: train_batch_size == micro x accumulation x world_size).
+    Errors become `DeepSpeedConfigRejected` naming DeepSpeed's message.
+    """
+    if "DS_ACCELERATOR" not in os.environ and not _cuda_available():
+        os.environ["DS_ACCELERATOR"] = "cpu"  # quiet DeepSpeed's accelerator auto-detection warning
+    from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS, DeepSpeedConfig
+
+    class PlannedDeepSpeedConfig(DeepSpeedConfig):
+        def _initialize_params(self, param_dict: dict[str, Any]) -> None:
+            self.world_size = data_parallel  # what the engine's mpu reports
+            super()._initialize_params(param_dict)
+
+    optimizer = config.get("optimizer", {}).get("type")
+    if optimizer is not None and optimizer.lower() not in DEEPSPEED_OPTIMIZERS:
+        raise DeepSpeedConfigRejected(
+            f"optimizer type {optimizer!r} is not one of DeepSpeed's: {', '.join(DEEPSPEED_OPTIMIZERS)}"
+        )
+    try:
+        with _quiet_deepspeed_logger():
+            return PlannedDeepSpeedConfig(dict(config))
+    except Exception as exc:  # DeepSpeed raises AssertionError, ValueError and pydantic errors alike
+        detail = str(exc).strip().splitlines()
+        raise DeepSpeedConfigRejected(
+            f"DeepSpeed rejected the config (data-parallel {data_parallel}): "
+            f"{type(exc).__name__}: {' '.join(detail)[:600]}"
+        ) from exc
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def validated_config(
+    plan: Plan,
+    candidate: Candidate | None = None,
+    *,
+    precision: Precision = Precision.FP32,
+    learning_rate: float = DEFAULT_LEARNING_RATE,
+) -> dict[str, Any]:
+    """The DeepSpeed config for `plan.chosen` (or `candidate`), checked by pipectl and by DeepSpeed.
+
+    Raises `DeepSpeedConfigRejected` (a user error: exit 2) naming the offending values.
+    """
+    candidate = candidate or plan.chosen
+    check_candidate(candidate, global_batch=plan.global_batch, layers=plan.layers)
+    config = deepspeed_config(
+        candidate, global_batch=plan.global_batch, precision=precision, learning_rate=learning_rate
+    )
+    check_pipeline_section(config, candidate)
+    parsed = parse_with_deepspeed(config, candidate.data_parallel)
+    derived = (parsed.train_batch_size, parsed.train_micro_batch_size_per_gpu, parsed.gradient_accumulation_steps)
+    wanted = (config["train_batch_size"], candidate.micro_batch_size, candidate.micro_batches)
+    if derived != wanted:
+        raise DeepSpeedConfigRejected(
+            f"DeepSpeed derived (train, micro, accumulation) = {derived}, the plan says {wanted}"
+        )
+    if parsed.zero_optimization_stage != config["zero_optimization"]["stage"]:
+        raise DeepSpeedConfigRejected(
+            f"DeepSpeed parsed ZeRO stage {parsed.zero_optimization_stage}, the config says "
+            f"{config['zero_optimization']['stage']}"
+        )
+    return config
