@@ -1,0 +1,240 @@
+"""Derived profiles: parameter counts against closed forms and public sizes, FLOPs, and the layer
+list against the real modules (and the measured profiler) of the same config."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipectl.artifacts.model import ModelConfig
+from pipectl.catalog import DeviceSpec, get_device
+from pipectl.errors import UserInputError
+from pipectl.io import load_model
+from pipectl.paths import resolve_config
+from pipectl.profile.derive import derive_profile, gpt_parameters_closed_form, transformer_block_saved_bytes
+
+
+def _config(name: str) -> ModelConfig:
+    return load_model(ModelConfig, resolve_config(name, "models"))
+
+
+def _flat_device(peak_tflops: float = 100.0, efficiency: float = 0.5) -> DeviceSpec:
+    return DeviceSpec(
+        name="flat",
+        memory_gib=80,
+        peak_tflops_bf16=peak_tflops,
+        peak_tflops_fp32=peak_tflops / 4,
+        intra_node_bandwidth_gbytes_per_second=100,
+        intra_node_latency_us=1,
+        inter_node_bandwidth_gbytes_per_second=10,
+        inter_node_latency_us=5,
+        efficiency_by_micro_batch=[(1, efficiency)],
+    )
+
+
+A100 = get_device("a100-80gb")
+
+
+def test_gpt3_175b_is_175_billion_parameters():
+    profile = derive_profile(_config("gpt3-175b"), A100, [1])
+    assert profile.parameter_count == pytest.approx(175e9, rel=0.01)
+
+
+def test_gpt_1t_is_about_one_trillion_parameters():
+    # 128 layers, h = 25600: 12 l h^2 = 1.0066e12, plus embeddings: 1.008e12.
+    profile = derive_profile(_config("gpt-1t"), A100, [1])
+    assert profile.parameter_count == pytest.approx(1.0e12, rel=0.03)
+
+
+@pytest.mark.parametrize("name", ["gpt-tiny", "gpt-small", "gpt2-2.5b", "gpt3-175b", "gpt-1t", "bert-tiny"])
+def test_parameter_count_is_the_closed_form_plus_the_final_layer_norm(name):
+    config = _config(name)
+    profile = derive_profile(config, A100, [1])
+    closed = gpt_parameters_closed_form(config.layers, config.hidden, config.vocab, config.seq_len)
+    assert profile.parameter_count == pytest.approx(closed + 2 * config.hidden, rel=1e-12, abs=1)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    layers=st.integers(1, 200),
+    heads=st.integers(1, 64),
+    head_dim=st.integers(1, 256),
+    vocab=st.integers(1, 300_000),
+    seq_len=st.integers(1, 8192),
+)
+def test_closed_form_holds_for_any_gpt_shape(layers, heads, head_dim, vocab, seq_len):
+    hidden = heads * head_dim
+    config = ModelConfig(name="g", family="gpt", layers=layers, hidden=hidden, heads=heads, seq_len=seq_len, vocab=vocab)
+    profile = derive_profile(config, A100, [1])
+    closed = gpt_parameters_closed_form(layers, hidden, vocab, seq_len)
+    assert profile.parameter_count == pytest.approx(closed + 2 * hidden, rel=1e-12)
+
+
+def test_block_and_logit_flops_and_time():
+    config = _config("gpt-small")
+    device = _flat_device(peak_tflops=100, efficiency=0.5)
+    profile = derive_profile(config, device, [4])
+    b, s, h, V = 4, config.seq_len, config.hidden, config.vocab
+    block = profile.layers[1].cost(4)
+    assert block.forward_flops == 24 * b * s * h * h + 4 * b * s * s * h
+    assert block.forward_seconds == pytest.approx(block.forward_flops / 50e12)
+    assert block.backward_seconds == pytest.approx(2 * block.forward_seconds)
+    head = profile.layers[-1].cost(4)
+    assert head.forward_flops == 2 * b * s * h * V
+    assert head.output_activation_bytes == b * s * V * 2  # bf16 logits
+
+
+def test_step_flops_with_recomputation_match_the_closed_form():
+    # SPEC §3: with recomputation a step costs F = 96 B s l h^2 (1 + s/(6h) + V/(16 l h)):
+    # blocks run forward, recompute and a 2x backward (4 forwards), the head 3 forwards.
+    config = _config("gpt3-175b")
+    batch = 8
+    profile = derive_profile(config, A100, [batch])
+    blocks = sum(layer.cost(batch).forward_flops for layer in profile.layers if layer.kind == "transformer_block")
+    head = profile.layers[-1].cost(batch).forward_flops
+    l, h, s, V = config.layers, config.hidden, config.seq_len, config.vocab
+    closed = 96 * batch * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
+    assert 4 * blocks + 3 * head == pytest.approx(closed, rel=1e-12)
+
+
+def test_larger_micro_batches_are_no_slower_per_sample():
+    profile = derive_profile(_config("gpt2-2.5b"), get_device("v100-32gb"), [1, 2, 4, 8, 16])
+    block = profile.layers[1]
+    per_sample = [block.cost(b).forward_seconds / b for b in profile.micro_batch_sizes]
+    assert per_sample == sorted(per_sample, reverse=True)
+    assert per_sample[0] > per_sample[-1]
+
+
+def test_saved_activations_follow_korthikanti_eq1():
+    config = _config("gpt3-175b")
+    s, h, a, b = config.seq_len, config.hidden, config.heads, 2
+    bf16 = derive_profile(config, A100, [b], dtype="bfloat16").layers[1].cost(b)
+    assert bf16.saved_activation_bytes == pytest.approx(s * b * h * (34 + 5 * a * s / h))
+    fp32 = derive_profile(config, A100, [b], dtype="float32").layers[1].cost(b)
+    assert fp32.saved_activation_bytes == transformer_block_saved_bytes(b, s, h, a, 4)
+    assert 1.8 < fp32.saved_activation_bytes / bf16.saved_activation_bytes < 2.0  # masks stay 1 byte
+
+
+def test_dtype_sets_the_bytes_and_the_peak():
+    config = _config("gpt-small")
+    bf16 = derive_profile(config, A100, [2], dtype="bfloat16")
+    fp32 = derive_profile(config, A100, [2], dtype="float32")
+    for half, full in zip(bf16.layers, fp32.layers):
+        assert half.parameter_bytes == 2 * half.parameter_count
+        assert full.parameter_bytes == 4 * full.parameter_count
+    # 312 vs 19.5 TFLOP/s: fp32 blocks are 16x slower.
+    assert fp32.layers[1].cost(2).forward_seconds == pytest.approx(16 * bf16.layers[1].cost(2).forward_seconds)
+
+
+def test_element_wise_layers_are_memory_bound_on_fast_devices():
+    config = _config("gpt-small")
+    cost = derive_profile(config, A100, [8]).layers[-2].cost(8)  # final_norm
+    memory_seconds = 2 * 8 * config.seq_len * config.hidden * 2 / (A100.memory_bandwidth_gbytes_per_second * 1e9)
+    assert cost.forward_seconds == pytest.approx(memory_seconds)
+
+
+def test_micro_batch_sizes_are_sorted_and_named_when_bad():
+    profile = derive_profile(_config("gpt-tiny"), "cpu", [4, 1, 2, 4], dtype="float32")
+    assert profile.micro_batch_sizes == [1, 2, 4]
+    assert [c.micro_batch_size for c in profile.layers[0].costs] == [1, 2, 4]
+    for bad in ([], [0], [2, -1], [1.5]):
+        with pytest.raises(UserInputError):
+            derive_profile(_config("gpt-tiny"), "cpu", bad)
+
+
+def test_unknown_dtype_and_device_are_user_errors():
+    with pytest.raises(UserInputError, match="float8"):
+        derive_profile(_config("gpt-tiny"), "cpu", [1], dtype="float8")
+    with pytest.raises(UserInputError, match="gpu-9000"):
+        derive_profile(_config("gpt-tiny"), "gpu-9000", [1])
+
+
+def test_profile_metadata():
+    profile = derive_profile(_config("gpt-tiny"), "cpu", [1, 2], dtype="float32")
+    assert profile.source.value == "derived"
+    assert (profile.device, profile.dtype, profile.model) == ("cpu", "float32", "gpt-tiny")
+    assert (profile.seq_len, profile.hidden, profile.vocab) == (32, 64, 256)
+    assert [layer.index for layer in profile.layers] == list(range(len(profile.layers)))
+
+
+# --- the layer list against the real modules (needs torch) ------------------------------------------
+
+
+def _built_layers(config: ModelConfig):
+    """(name, kind, parameter_count, shared_group, shared_count) of the real modules.
+
+    Tied layers share the first holder's module, as DeepSpeed's TiedLayerSpec does on one stage; a
+    later holder is charged the tied tensor it uses, all of it shared.
+    """
+    from pipectl.models.registry import from_config
+
+    model = from_config(config)
+    first_holder = {}
+    rows = []
+    for layer in model.layers:
+        if layer.tie_key is not None and layer.tie_key in first_holder:
+            tied = getattr(first_holder[layer.tie_key], layer.tied_weight_attr)
+            rows.append((layer.name, layer.kind, tied.numel(), layer.tie_key, tied.numel()))
+            continue
+        module = layer.build()
+        count = sum(p.numel() for p in module.parameters())
+        shared = 0
+        if layer.tie_key is not None:
+            first_holder[layer.tie_key] = module
+            shared = getattr(module, layer.tied_weight_attr).numel()
+        rows.append((layer.name, layer.kind, count, layer.tie_key, shared))
+    return model, rows
+
+
+def _derived_rows(profile):
+    return [
+        (l.name, l.kind, l.parameter_count, l.shared_group, l.shared_parameter_count) for l in profile.layers
+    ]
+
+
+@pytest.mark.parametrize("name", ["gpt-tiny", "bert-tiny", "mlp-tiny"])
+def test_layer_list_lines_up_with_the_built_model(name):
+    config = _config(name)
+    _, rows = _built_layers(config)
+    assert _derived_rows(derive_profile(config, "cpu", [1], dtype="float32")) == rows
+
+
+def test_untied_head_lines_up_with_the_built_model():
+    config = _config("gpt-tiny").model_copy(update={"tied_embeddings": False})
+    _, rows = _built_layers(config)
+    profile = derive_profile(config, "cpu", [1], dtype="float32")
+    assert _derived_rows(profile) == rows
+    assert profile.layers[-1].shared_group is None and profile.layers[0].shared_group is None
+
+
+def test_output_bytes_equal_the_real_outputs():
+    import torch
+
+    config = _config("gpt-tiny")
+    model, _ = _built_layers(config)
+    profile = derive_profile(config, "cpu", [3], dtype="float32")
+    modules = {}
+    x, _ = model.make_batch(3, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for layer, derived in zip(model.layers, profile.layers):
+            module = modules.get(layer.tie_key) if layer.tie_key else None
+            if module is None:
+                module = layer.build()
+                if layer.tie_key:
+                    modules[layer.tie_key] = module
+            x = layer.forward(module, x)
+            assert derived.cost(3).output_activation_bytes == x.numel() * x.element_size(), layer.name
+
+
+def test_derived_and_measured_profiles_line_up():
+    from pipectl.models import build_model
+    from pipectl.profile.measure import profile_model
+
+    measured = profile_model(build_model("gpt-tiny"), [2], warmup=0, repeats=1)
+    derived = derive_profile(_config("gpt-tiny"), "cpu", [2], dtype=measured.dtype)
+    assert _derived_rows(derived) == _derived_rows(measured)
+    assert derived.parameter_count == measured.parameter_count
+    for d, m in zip(derived.layers, measured.layers):
+        assert d.parameter_bytes == m.parameter_bytes, d.name
+        assert d.cost(2).output_activation_bytes == m.cost(2).output_activation_bytes, d.name
