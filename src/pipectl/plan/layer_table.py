@@ -1,0 +1,186 @@
+"""Per-layer figures of a profile at any micro-batch size, as flat arrays with prefix sums.
+
+The planner asks the same questions millions of times ("how long does layers [i, j) take at
+b = 4?", "how many parameters do they hold?"). A `LayerTable` answers each in O(1) from prefix
+sums instead of walking the profile's pydantic objects.
+
+Micro-batch sizes the profile did not measure are interpolated linearly between the two nearest
+measured sizes, and extrapolated linearly from the last two beyond the largest (clamped to be no
+smaller than the largest measured value); below the smallest the value is scaled in proportion to b.
+Linear in b is what the layers' work is (FLOPs and activation bytes grow with b); the measured
+points carry the efficiency curve.
+
+    >>> from pipectl.plan.synthetic import synthetic_profile
+    >>> profile = synthetic_profile(blocks=2, micro_batch_sizes=[1, 4])  # linear in b
+    >>> table = layer_table(profile, 2)  # b = 2 was not measured: interpolated
+    >>> round(table.forward_seconds[1] / layer_table(profile, 1).forward_seconds[1], 3)
+    2.0
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import accumulate
+from typing import Sequence
+
+from pipectl.artifacts.profile import LayerCost, LayerProfile, ModelProfile
+from pipectl.errors import UserInputError
+
+# The cost fields interpolated over b, in LayerTable order.
+_COST_FIELDS = (
+    "forward_seconds",
+    "backward_seconds",
+    "output_activation_bytes",
+    "saved_activation_bytes",
+    "forward_flops",
+)
+
+
+def interpolate(points: Sequence[tuple[int, float]], micro_batch_size: float) -> float:
+    """Value at b from (b, value) points, ascending in b: linear inside, linear beyond the ends.
+
+    >>> interpolate([(1, 1.0), (4, 2.5)], 2)
+    1.5
+    >>> interpolate([(1, 1.0), (4, 2.5)], 8)
+    4.5
+    >>> interpolate([(2, 4.0)], 1)
+    2.0
+    """
+    if micro_batch_size <= 0:
+        raise UserInputError(f"micro-batch size must be positive, got {micro_batch_size}")
+    sizes = [size for size, _ in points]
+    if len(points) == 1 or micro_batch_size < sizes[0]:
+        size, value = points[0]
+        return value * micro_batch_size / size
+    for (low_size, low_value), (high_size, high_value) in zip(points, points[1:]):
+        if micro_batch_size <= high_size:
+            weight = (micro_batch_size - low_size) / (high_size - low_size)
+            return low_value + weight * (high_value - low_value)
+    (low_size, low_value), (high_size, high_value) = points[-2], points[-1]
+    slope = (high_value - low_value) / (high_size - low_size)
+    return max(high_value, high_value + slope * (micro_batch_size - high_size))
+
+
+def _cost_at(layer: LayerProfile, micro_batch_size: int, field: str) -> float:
+    exact = next((c for c in layer.costs if c.micro_batch_size == micro_batch_size), None)
+    if exact is not None:
+        return float(getattr(exact, field))
+    points = [(c.micro_batch_size, float(getattr(c, field))) for c in layer.costs]
+    return interpolate(points, micro_batch_size)
+
+
+def _prefix(values: Sequence[float]) -> tuple[float, ...]:
+    return (0.0, *accumulate(values))
+
+
+@dataclass(frozen=True)
+class LayerTable:
+    """Per-layer figures at one micro-batch size, plus prefix sums for O(1) range queries.
+
+    Ranges are half-open: `range_sum(prefix, i, j)` covers layers i..j-1.
+    """
+
+    micro_batch_size: int
+    names: tuple[str, ...]
+    kinds: tuple[str, ...]
+    forward_seconds: tuple[float, ...]
+    backward_seconds: tuple[float, ...]
+    output_activation_bytes: tuple[float, ...]
+    saved_activation_bytes: tuple[float, ...]
+    forward_flops: tuple[float, ...]
+    parameter_count: tuple[int, ...]
+    shared_group: tuple[str | None, ...]
+    shared_parameter_count: tuple[int, ...]
+    # Prefix sums (length layers + 1).
+    forward_prefix: tuple[float, ...]
+    backward_prefix: tuple[float, ...]
+    saved_prefix: tuple[float, ...]
+    parameter_prefix: tuple[float, ...]
+    shared_layer_indices: tuple[int, ...]
+
+    @property
+    def layers(self) -> int:
+        return len(self.names)
+
+    def forward(self, start: int, end: int) -> float:
+        return self.forward_prefix[end] - self.forward_prefix[start]
+
+    def backward(self, start: int, end: int) -> float:
+        return self.backward_prefix[end] - self.backward_prefix[start]
+
+    def saved(self, start: int, end: int) -> float:
+        return self.saved_prefix[end] - self.saved_prefix[start]
+
+    def parameters(self, start: int, end: int) -> int:
+        """Parameters held by a stage of layers [start, end): a shared group counts once per stage."""
+        total = int(self.parameter_prefix[end] - self.parameter_prefix[start])
+        seen: set[str] = set()
+        for index in self._shared_indices_in(start, end):
+            group = self.shared_group[index]
+            if group in seen:
+                total -= self.shared_parameter_count[index]
+            seen.add(group)  # type: ignore[arg-type]
+        return total
+
+    def _shared_indices_in(self, start: int, end: int) -> list[int]:
+        return [i for i in self.shared_layer_indices if start <= i < end]
+
+    def input_activation_bytes(self, start: int) -> float:
+        """Bytes a stage starting at `start` receives (0 for the first stage: its input is tokens)."""
+        return self.output_activation_bytes[start - 1] if start > 0 else 0.0
+
+    def total_forward_flops(self) -> float:
+        return sum(self.forward_flops)
+
+
+def build_layer_table(layers: Sequence[LayerProfile], micro_batch_size: int) -> LayerTable:
+    columns = {
+        field: tuple(_cost_at(layer, micro_batch_size, field) for layer in layers) for field in _COST_FIELDS
+    }
+    parameters = tuple(layer.parameter_count for layer in layers)
+    return LayerTable(
+        micro_batch_size=micro_batch_size,
+        names=tuple(layer.name for layer in layers),
+        kinds=tuple(layer.kind for layer in layers),
+        forward_seconds=columns["forward_seconds"],
+        backward_seconds=columns["backward_seconds"],
+        output_activation_bytes=columns["output_activation_bytes"],
+        saved_activation_bytes=columns["saved_activation_bytes"],
+        forward_flops=columns["forward_flops"],
+        parameter_count=parameters,
+        shared_group=tuple(layer.shared_group for layer in layers),
+        shared_parameter_count=tuple(layer.shared_parameter_count for layer in layers),
+        forward_prefix=_prefix(columns["forward_seconds"]),
+        backward_prefix=_prefix(columns["backward_seconds"]),
+        saved_prefix=_prefix(columns["saved_activation_bytes"]),
+        parameter_prefix=_prefix(parameters),
+        shared_layer_indices=tuple(i for i, layer in enumerate(layers) if layer.shared_group),
+    )
+
+
+# (id(profile), b) -> (profile, table). The profile is kept so its id cannot be reused while cached.
+_TABLES: dict[tuple[int, int], tuple[ModelProfile, LayerTable]] = {}
+_TABLES_MAX = 512
+
+
+def layer_table(profile: ModelProfile, micro_batch_size: int) -> LayerTable:
+    """The profile's layers at micro-batch size b (measured, or interpolated; cached per profile)."""
+    if not profile.layers:
+        raise UserInputError(f"profile of '{profile.model}' has no layers")
+    empty = [layer.name for layer in profile.layers if not layer.costs]
+    if empty:
+        raise UserInputError(f"profile of '{profile.model}': layer '{empty[0]}' has no costs")
+    key = (id(profile), micro_batch_size)
+    hit = _TABLES.get(key)
+    if hit is not None and hit[0] is profile:
+        return hit[1]
+    if len(_TABLES) >= _TABLES_MAX:
+        _TABLES.clear()
+    table = build_layer_table(profile.layers, micro_batch_size)
+    _TABLES[key] = (profile, table)
+    return table
+
+
+def measured_cost(layer: LayerProfile, micro_batch_size: int) -> LayerCost | None:
+    """The measured entry at exactly b, if the profile has one."""
+    return next((c for c in layer.costs if c.micro_batch_size == micro_batch_size), None)

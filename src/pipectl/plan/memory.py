@@ -1,0 +1,236 @@
+"""Memory per device of a pipeline stage: model state plus the activations its schedule keeps.
+
+Model state (SPEC §3; ZeRO, Rajbhandari et al. 2020, §5.1): mixed-precision Adam holds 16 bytes per
+parameter, 2 for the 16-bit weights, 2 for their gradients and 12 for the fp32 optimizer state
+(master weights, momentum, variance); fp32 training holds 4 + 4 + 8 = 16 as well. ZeRO stage 1
+shards the optimizer part over the d data-parallel replicas. PipeDream-2BW keeps a second copy of
+the weights (Narayanan et al. 2021, §3.1). Tensor parallelism (Megatron) splits a stage's
+parameters over its t devices.
+
+Activations: each micro-batch a stage has run forward on but not yet backward ("in flight") keeps
+the stage's saved activations (SPEC §3). How many are in flight is a property of the schedule:
+
+    GPipe                 m on every stage
+    1F1B, 2BW             min(p - k, m) on stage k (0-based): warm-up forwards + 1
+    interleaved (v > 1)   min(2(p - k - 1) + (v - 1) p + 1, m v) chunk-micro-batches on rank k
+                          (all m v when m == p), each holding one chunk (Megatron-LM's warm-up)
+    Varuna                counted from the generated schedule (`peak_in_flight_units`)
+
+With recomputation an in-flight micro-batch keeps only the stage's input activation, and the stage
+needs one micro-batch's full activations while it recomputes (SPEC §3). The last stage never
+recomputes (its backward follows its forward), so it keeps full activations.
+
+Activation bytes are divided by t, a slight under-estimate: Megatron's layer norms and dropout
+masks are replicated across the tensor group (Korthikanti et al. 2022, §4.1); the stage's input
+activation is replicated and is not divided.
+
+    >>> from pipectl.plan.synthetic import synthetic_profile
+    >>> from pipectl.plan.layer_table import layer_table
+    >>> table = layer_table(synthetic_profile(blocks=4, micro_batch_sizes=[1]), 1)
+    >>> stages = StageMemory.build(table, [(0, 3), (3, 7)], tensor_parallel=1, recompute=False)
+    >>> units = in_flight_units(ScheduleKind.ONE_F_ONE_B, 2, 4)
+    >>> units
+    (2, 1)
+    >>> estimate = stages.estimate(state_bytes_per_parameter("bfloat16", 0, 1), units, capacity_bytes=10**9)
+    >>> estimate.feasible, estimate.per_rank_bytes[0] == 16 * table.parameters(0, 3) + 2 * table.saved(0, 3)
+    (True, True)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from pipectl.plan.layer_table import LayerTable
+from pipectl.schedule.ir import ActionKind, Schedule, ScheduleKind
+
+GIB = 1024**3
+
+# Bytes per parameter: (weights, gradients, optimizer state). SPEC §3.
+_STATE_BYTES = {
+    "bfloat16": (2.0, 2.0, 12.0),
+    "float16": (2.0, 2.0, 12.0),
+    "float32": (4.0, 4.0, 8.0),
+}
+
+
+def state_bytes_per_parameter(dtype: str, zero_stage: int, data_parallel: int, weight_versions: int = 1) -> float:
+    """Bytes of model state per parameter held on a device.
+
+    >>> state_bytes_per_parameter("bfloat16", 0, 8)
+    16.0
+    >>> state_bytes_per_parameter("bfloat16", 1, 4)  # 2 + 2 + 12/4
+    7.0
+    >>> state_bytes_per_parameter("float32", 0, 1, weight_versions=2)  # 2BW: a second weight copy
+    20.0
+    """
+    weights, gradients, optimizer = _STATE_BYTES.get(dtype, _STATE_BYTES["float32"])
+    if zero_stage >= 1:
+        optimizer /= data_parallel
+    return weights * weight_versions + gradients + optimizer
+
+
+def weight_versions(kind: ScheduleKind) -> int:
+    """PipeDream-2BW stashes two weight versions; every other schedule one."""
+    return 2 if kind is ScheduleKind.PIPEDREAM_2BW else 1
+
+
+def in_flight_units(kind: ScheduleKind, pipeline_parallel: int, micro_batches: int, chunks: int = 1) -> tuple[int, ...]:
+    """Peak chunk-micro-batches with activations held, per rank, by the closed forms above.
+
+    Varuna's counts depend on its generated order: use `peak_in_flight_units(schedule)`.
+
+    >>> in_flight_units(ScheduleKind.GPIPE, 3, 5)
+    (5, 5, 5)
+    >>> in_flight_units(ScheduleKind.ONE_F_ONE_B, 4, 2)
+    (2, 2, 2, 1)
+    >>> in_flight_units(ScheduleKind.INTERLEAVED, 2, 4, 2)
+    (5, 3)
+    """
+    p, m, v = pipeline_parallel, micro_batches, chunks
+    if kind is ScheduleKind.GPIPE:
+        return (m,) * p
+    if kind is ScheduleKind.INTERLEAVED and v > 1:
+        if m == p:
+            return (m * v,) * p
+        return tuple(min(2 * (p - k - 1) + (v - 1) * p + 1, m * v) for k in range(p))
+    return tuple(min(p - k, m) for k in range(p))
+
+
+def peak_in_flight_units(schedule: Schedule) -> tuple[int, ...]:
+    """Per rank: the most chunk-micro-batches forwarded but not yet backwarded at any point."""
+    peaks = []
+    for rank in range(schedule.pipeline_parallel):
+        live = peak = 0
+        for action in schedule.actions[rank]:
+            if action.kind is ActionKind.FORWARD:
+                live += 1
+                peak = max(peak, live)
+            elif action.kind is ActionKind.BACKWARD:
+                live -= 1
+        peaks.append(peak)
+    return tuple(peaks)
+
+
+def format_gib(num_bytes: float) -> str:
+    return f"{num_bytes / GIB:.1f} GiB"
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Peak bytes per rank (device) and whether every rank fits; `reason` says which does not."""
+
+    per_rank_bytes: tuple[int, ...]
+    capacity_bytes: int
+
+    @property
+    def feasible(self) -> bool:
+        return max(self.per_rank_bytes) <= self.capacity_bytes
+
+    @property
+    def worst_rank(self) -> int:
+        return int(np.argmax(self.per_rank_bytes))
+
+    @property
+    def reason(self) -> str | None:
+        """E.g. "stage 0 needs 21.3 GiB > 16.0 GiB"; None when everything fits."""
+        if self.feasible:
+            return None
+        worst = self.worst_rank
+        return f"stage {worst} needs {format_gib(self.per_rank_bytes[worst])} > {format_gib(self.capacity_bytes)}"
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """What one partition keeps per rank, independent of d, ZeRO and the schedule's counts.
+
+    `parameters[k]`: parameters on rank k's devices (after the tensor-parallel split);
+    `unit_bytes[k]`: bytes one in-flight chunk-micro-batch keeps (full, or input only when
+    recomputing); `recompute_buffer_bytes[k]`: one chunk's full activations while recomputing.
+    """
+
+    parameters: np.ndarray
+    unit_bytes: np.ndarray
+    recompute_buffer_bytes: np.ndarray
+
+    @classmethod
+    def build(
+        cls,
+        table: LayerTable,
+        stage_layers: Sequence[tuple[int, int]],
+        *,
+        tensor_parallel: int,
+        recompute: bool,
+        pipeline_parallel: int | None = None,
+    ) -> "StageMemory":
+        """Per-rank figures; virtual stage s (of p*v) lives on rank s % p."""
+        p = pipeline_parallel or len(stage_layers)
+        last = len(stage_layers) - 1
+        chunks_of: list[list[tuple[int, int, int]]] = [[] for _ in range(p)]
+        for stage, (start, end) in enumerate(stage_layers):
+            chunks_of[stage % p].append((stage, start, end))
+        parameters = np.zeros(p)
+        unit = np.zeros(p)
+        buffer = np.zeros(p)
+        for rank, chunks in enumerate(chunks_of):
+            parameters[rank] = _parameters_on_rank(table, chunks) / tensor_parallel
+            for stage, start, end in chunks:
+                full = table.saved(start, end) / tensor_parallel
+                recomputes = recompute and stage != last
+                per_unit = table.input_activation_bytes(start) if recomputes else full
+                unit[rank] = max(unit[rank], per_unit)
+                if recomputes:
+                    buffer[rank] = max(buffer[rank], full)
+        return cls(parameters, unit, buffer)
+
+    def per_rank_bytes(self, state_bytes: float, units: Sequence[int]) -> np.ndarray:
+        return self.parameters * state_bytes + np.asarray(units) * self.unit_bytes + self.recompute_buffer_bytes
+
+    def estimate(self, state_bytes: float, units: Sequence[int], capacity_bytes: int) -> MemoryEstimate:
+        per_rank = self.per_rank_bytes(state_bytes, units)
+        return MemoryEstimate(tuple(int(x) for x in np.ceil(per_rank)), int(capacity_bytes))
+
+    def fits(self, state_bytes: float, units: Sequence[int], capacity_bytes: float) -> bool:
+        return bool(np.all(self.per_rank_bytes(state_bytes, units) <= capacity_bytes))
+
+
+def _parameters_on_rank(table: LayerTable, chunks: list[tuple[int, int, int]]) -> int:
+    """Parameters over a rank's chunks; a shared group (tied embedding) is held once per rank."""
+    total = sum(table.parameters(start, end) for _, start, end in chunks)
+    if len(chunks) > 1 and table.shared_layer_indices:
+        seen: set[str] = set()
+        for _, start, end in chunks:
+            groups = {table.shared_group[i] for i in table.shared_layer_indices if start <= i < end}
+            for group in groups:
+                if group in seen:
+                    total -= max(
+                        table.shared_parameter_count[i]
+                        for i in table.shared_layer_indices
+                        if table.shared_group[i] == group
+                    )
+                seen.add(group)  # type: ignore[arg-type]
+    return total
+
+
+def stage_memory_bytes(
+    table: LayerTable,
+    start: int,
+    end: int,
+    *,
+    state_bytes: float,
+    units: int,
+    tensor_parallel: int = 1,
+    recompute: bool = False,
+    last_stage: bool = False,
+) -> float:
+    """Peak bytes of one stage holding layers [start, end) with `units` micro-batches in flight.
+
+    The single-stage form the partitioner's memory constraint uses.
+    """
+    full = table.saved(start, end) / tensor_parallel
+    parameters = table.parameters(start, end) / tensor_parallel
+    if recompute and not last_stage:
+        return parameters * state_bytes + units * table.input_activation_bytes(start) + full
+    return parameters * state_bytes + units * full

@@ -1,0 +1,413 @@
+"""Cutting layers into pipeline stages (PipeDream, Narayanan et al., SOSP 2019, §3.1; SPEC §5).
+
+Two partitioners live here:
+
+1. `balanced_partition` / `min_bottlenecks` — the "parallel pipelines" case the search uses: p
+   stages, each replicated the same d times, so replication drops out and the problem is to cut L
+   non-uniform layers into p contiguous non-empty stages minimising the slowest stage, subject to
+   a memory limit per stage and a transfer cost per cut. The optimum is found by a binary search
+   over the candidate bottleneck values (every optimum is the sum of some range of layers, or a
+   cut's transfer time) with a greedy feasibility test (fill each stage as far as it may go). The
+   greedy test is exact: by induction its i-th cut is never left of any feasible partition's i-th
+   cut, because a stage that is a sub-range of a feasible stage is feasible too (time and memory
+   only grow with the range). `min_bottlenecks` answers every p at once with a vectorised greedy.
+
+2. `pipedream_partition` — PipeDream's dynamic program with per-stage replication on a
+   hierarchical topology (devices in a node, nodes in a cluster):
+
+       A(i→j, m) = min over i ≤ s < j, 1 ≤ m' < m of max(A(i→s, m − m'), 2·a_s / Bw, T(s+1→j, m'))
+       T(i→j, m) = (1/m) · max(C(i→j), 2 (m − 1) · W(i→j) / Bw)
+
+   where C(i→j) is the compute of layers i..j in one replica (at the lowest level the layers' own
+   time; one level up, the best pipeline of layers i..j inside one group of the level below),
+   W(i→j) their weight bytes and a_s the activation bytes crossing a cut after layer s.
+
+Layer indices are 0-based; stages are half-open ranges [start, end).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from dataclasses import dataclass, field
+from functools import lru_cache
+from itertools import accumulate
+from typing import Callable, Sequence
+
+import numpy as np
+
+# fits(stage_index, start, end) -> whether a stage of layers [start, end) at that position fits in memory.
+FitsFn = Callable[[int, int, int], bool]
+
+# Relative slack when comparing sums: candidate values are differences of prefix sums, and
+# prefix[i] + (prefix[j] - prefix[i]) may round below prefix[j].
+_SLACK = 1e-12
+
+
+@dataclass(frozen=True)
+class Partition:
+    """Stages as half-open layer ranges and the slowest stage's (or cut's) time."""
+
+    stage_layers: tuple[tuple[int, int], ...]
+    bottleneck_seconds: float
+
+    @property
+    def stages(self) -> int:
+        return len(self.stage_layers)
+
+
+def _prefix(values: Sequence[float]) -> list[float]:
+    return [0.0, *accumulate(float(v) for v in values)]
+
+
+def _tolerance(value: float) -> float:
+    return value * (1 + _SLACK) + 1e-300
+
+
+def stage_sums(weights: Sequence[float], stage_layers: Sequence[tuple[int, int]]) -> list[float]:
+    prefix = _prefix(weights)
+    return [prefix[end] - prefix[start] for start, end in stage_layers]
+
+
+def greedy_cuts(
+    prefix: Sequence[float],
+    stages: int,
+    limit: float,
+    *,
+    from_right: bool = False,
+    fits: FitsFn | None = None,
+    cut_seconds: Sequence[float] | None = None,
+) -> tuple[tuple[int, int], ...] | None:
+    """Exactly `stages` stages whose sums stay within `limit`; None if there are none.
+
+    First every stage is filled as far as it may go (the fewest stages that cover the layers);
+    then, while there are fewer than `stages`, the slowest stage that can be split is cut in two
+    near its middle. `cut_seconds[e]` is the cost of a cut before layer e (index 0 unused); a cut
+    costing more than `limit` is never taken. `fits(i, start, end)` is the memory test of stage i.
+    With `from_right` the last stage is filled first, leaving the first stages lighter (what
+    1F1B's memory prefers: early stages hold more micro-batches in flight).
+
+    Exact (finds a partition whenever one exists) when `fits` only grows stricter with the range
+    and no stricter with the stage index, which holds for per-stage memory under GPipe, 1F1B and
+    interleaved schedules (in-flight counts never grow with the stage index).
+
+    >>> greedy_cuts([0, 1, 2, 3, 4, 5], 2, 3.0)
+    ((0, 3), (3, 5))
+    >>> greedy_cuts([0, 1, 2, 3, 4, 5], 2, 3.0, from_right=True)
+    ((0, 2), (2, 5))
+    >>> greedy_cuts([0, 1, 2, 3, 4, 5], 4, 3.0)
+    ((0, 1), (1, 2), (2, 3), (3, 5))
+    """
+    layers = len(prefix) - 1
+    if stages > layers:
+        return None
+    if from_right:
+        mirrored = [prefix[-1] - x for x in reversed(prefix)]
+        mirrored_fits = None
+        if fits is not None:
+            original_fits = fits
+
+            def mirrored_fits(i: int, start: int, end: int) -> bool:
+                return original_fits(stages - 1 - i, layers - end, layers - start)
+        mirrored_cuts = None
+        if cut_seconds is not None:
+            # cut_seconds[e] (the cut before layer e) is the mirrored cut before layer L - e.
+            mirrored_cuts = [0.0] + [cut_seconds[layers - e] for e in range(1, layers)] + [0.0]
+        result = greedy_cuts(mirrored, stages, limit, fits=mirrored_fits, cut_seconds=mirrored_cuts)
+        if result is None:
+            return None
+        return tuple((layers - e, layers - s) for s, e in reversed(result))
+    bound = _tolerance(limit)
+
+    def allowed(position: int) -> bool:
+        return position == layers or cut_seconds is None or cut_seconds[position] <= bound
+
+    cuts: list[tuple[int, int]] = []
+    start = 0
+    while start < layers:
+        if len(cuts) == stages:
+            return None
+        end = bisect_right(prefix, prefix[start] + bound, lo=start) - 1
+        if fits is not None:
+            # Memory grows with the range: the furthest end that fits, by bisection.
+            low, high = start, end
+            while low < high:
+                middle = (low + high + 1) // 2
+                if fits(len(cuts), start, middle):
+                    low = middle
+                else:
+                    high = middle - 1
+            end = low
+        while end > start and not allowed(end):
+            end -= 1
+        if end <= start:
+            return None
+        cuts.append((start, end))
+        start = end
+    while len(cuts) < stages:
+        if not _split_slowest(prefix, cuts, allowed):
+            return None
+    if fits is not None and not all(fits(i, s, e) for i, (s, e) in enumerate(cuts)):
+        return None
+    return tuple(cuts)
+
+
+def _split_slowest(prefix: Sequence[float], cuts: list[tuple[int, int]], allowed) -> bool:
+    """Split the slowest stage that has an allowed inner cut, as evenly as possible, in place."""
+    order = sorted(range(len(cuts)), key=lambda i: prefix[cuts[i][1]] - prefix[cuts[i][0]], reverse=True)
+    for index in order:
+        start, end = cuts[index]
+        inner = [e for e in range(start + 1, end) if allowed(e)]
+        if inner:
+            middle = (prefix[start] + prefix[end]) / 2
+            cut = min(inner, key=lambda e: abs(prefix[e] - middle))
+            cuts[index : index + 1] = [(start, cut), (cut, end)]
+            return True
+    return False
+
+
+def _candidate_values(prefix: Sequence[float], cut_seconds: Sequence[float] | None = None) -> np.ndarray:
+    """Every range sum (and cut cost): the optimum bottleneck is one of them."""
+    values = np.asarray(prefix, dtype=float)
+    sums = (values[None, :] - values[:, None])[np.triu_indices(len(values), k=1)]
+    if cut_seconds is not None:
+        sums = np.concatenate([sums, np.asarray(cut_seconds, dtype=float)])
+    return np.unique(sums)
+
+
+def balanced_partition(
+    weights: Sequence[float],
+    stages: int,
+    *,
+    fits: FitsFn | None = None,
+    cut_seconds: Sequence[float] | None = None,
+    from_right: bool = False,
+) -> Partition | None:
+    """The p-stage cut minimising max(slowest stage, dearest cut), or None if nothing fits.
+
+    `weights[l]` is layer l's time per micro-batch; `fits` the per-stage memory test;
+    `cut_seconds[e]` the transfer time of a cut before layer e (index 0 unused).
+
+    >>> balanced_partition([4, 1, 1, 1, 1, 4], 3)
+    Partition(stage_layers=((0, 1), (1, 5), (5, 6)), bottleneck_seconds=4.0)
+    >>> balanced_partition([4, 1, 1, 1, 1, 4], 3, fits=lambda i, s, e: e - s <= 2).stage_layers
+    ((0, 2), (2, 4), (4, 6))
+    >>> balanced_partition([4, 1, 1, 1, 1, 4], 3, fits=lambda i, s, e: e - s <= 1) is None
+    True
+    """
+    layers = len(weights)
+    if stages < 1 or stages > layers:
+        return None
+    prefix = _prefix(weights)
+    candidates = _candidate_values(prefix, cut_seconds)
+    lower = max(prefix[-1] / stages, max(weights))
+    candidates = candidates[candidates >= lower * (1 - 1e-9)]
+
+    def attempt(limit: float):
+        return greedy_cuts(prefix, stages, limit, from_right=from_right, fits=fits, cut_seconds=cut_seconds)
+
+    if len(candidates) == 0 or attempt(float(candidates[-1])) is None:
+        return None
+    low, high = 0, len(candidates) - 1
+    while low < high:
+        middle = (low + high) // 2
+        if attempt(float(candidates[middle])) is not None:
+            high = middle
+        else:
+            low = middle + 1
+    cuts = attempt(float(candidates[low]))
+    assert cuts is not None  # high always stays feasible
+    return Partition(cuts, _bottleneck(prefix, cuts, cut_seconds))
+
+
+def _bottleneck(prefix: Sequence[float], cuts: Sequence[tuple[int, int]], cut_seconds: Sequence[float] | None) -> float:
+    slowest = max(prefix[end] - prefix[start] for start, end in cuts)
+    if cut_seconds is not None and len(cuts) > 1:
+        slowest = max(slowest, max(cut_seconds[start] for start, _ in cuts[1:]))
+    return slowest
+
+
+def min_bottlenecks(weights: Sequence[float], stage_counts: Sequence[int]) -> dict[int, float]:
+    """The optimal slowest-stage time for each p in `stage_counts`, all at once (no memory limit).
+
+    A parallel binary search: for every p the optimum lies among the range sums in
+    [max(total/p, max layer), total/p + max layer] (filling greedily up to total/p + max layer
+    never needs more than p stages), and each round tests one candidate per p with a greedy pass
+    vectorised over all p.
+
+    >>> min_bottlenecks([4, 1, 1, 1, 1, 4], [1, 2, 3, 6])
+    {1: 12.0, 2: 6.0, 3: 4.0, 6: 4.0}
+    """
+    layers = len(weights)
+    counts = sorted({p for p in stage_counts if 1 <= p <= layers})
+    if not counts:
+        return {}
+    prefix = np.asarray(_prefix(weights))
+    candidates = _candidate_values(prefix)
+    total, largest = prefix[-1], float(max(weights))
+    ps = np.asarray(counts)
+    low = np.searchsorted(candidates, np.maximum(total / ps, largest) * (1 - 1e-9), side="left")
+    high = np.searchsorted(candidates, (total / ps + largest) * (1 + 1e-9), side="right") - 1
+    high = np.clip(high, low, len(candidates) - 1)
+    while True:
+        active = low < high
+        if not active.any():
+            break
+        middle = (low + high) // 2
+        limits = candidates[np.where(active, middle, high)]
+        ok = _stages_needed(prefix, limits, ps.max() + 1) <= ps
+        high = np.where(active & ok, middle, high)
+        low = np.where(active & ~ok, middle + 1, low)
+    return {int(p): float(candidates[i]) for p, i in zip(ps, low)}
+
+
+def _stages_needed(prefix: np.ndarray, limits: np.ndarray, cap: int) -> np.ndarray:
+    """Greedy stage count for each limit (capped at `cap`), vectorised over limits."""
+    layers = len(prefix) - 1
+    position = np.zeros(len(limits), dtype=np.int64)
+    count = np.zeros(len(limits), dtype=np.int64)
+    bound = limits * (1 + _SLACK) + 1e-300
+    for _ in range(cap):
+        open_ = position < layers
+        if not open_.any():
+            break
+        reach = np.searchsorted(prefix, prefix[position] + bound, side="right") - 1
+        stuck = reach <= position  # one layer above the limit: never feasible
+        position = np.where(open_, np.where(stuck, layers, reach), position)
+        count = np.where(open_, count + np.where(stuck, cap, 1), count)
+    count[position < layers] = cap
+    return count
+
+
+# --------------------------------------------------------------------------------------------
+# PipeDream's dynamic program with replication (hierarchical).
+
+
+@dataclass(frozen=True)
+class Level:
+    """One level of the topology: groups of `workers` units joined by links of `bandwidth`."""
+
+    workers: int
+    bandwidth_bytes_per_second: float
+
+
+@dataclass(frozen=True)
+class PipeDreamStage:
+    """Layers [start, end) on `replicas` units of this level; `inner` is the pipeline inside a unit."""
+
+    start: int
+    end: int
+    replicas: int
+    inner: tuple["PipeDreamStage", ...] = field(default_factory=tuple)
+
+    def flatten(self, outer_replicas: int = 1) -> list[tuple[int, int, int]]:
+        """(start, end, devices) of the lowest-level stages."""
+        if not self.inner:
+            return [(self.start, self.end, self.replicas * outer_replicas)]
+        return [part for stage in self.inner for part in stage.flatten(self.replicas * outer_replicas)]
+
+
+@dataclass(frozen=True)
+class PipeDreamPlan:
+    stages: tuple[PipeDreamStage, ...]
+    slowest_seconds: float
+
+    def flat_stages(self) -> list[tuple[int, int, int]]:
+        """(start, end, devices holding it) per lowest-level stage, in pipeline order."""
+        return [part for stage in self.stages for part in stage.flatten()]
+
+
+_INF = float("inf")
+
+
+def pipedream_partition(
+    compute_seconds: Sequence[float],
+    activation_bytes: Sequence[float],
+    parameter_bytes: Sequence[float],
+    levels: Sequence[Level],
+    *,
+    fits: Callable[[int, int, int], bool] | None = None,
+) -> PipeDreamPlan | None:
+    """PipeDream's optimiser over a hierarchy of `levels` (lowest first): stages with replication.
+
+    `activation_bytes[s]` is the output of layer s (crossing a cut after it); `fits(start, end,
+    replicas)` says whether a lowest-level stage of layers [start, end) fits one device (replicas
+    is its data-parallel width, for ZeRO-style sharding). Not every worker has to be used: like
+    PipeDream's A(i→j, m) recursion, m workers may host one stage replicated m ways.
+
+    >>> plan = pipedream_partition([1, 1, 1, 1], [0, 0, 0, 0], [0, 0, 0, 0], [Level(2, 1e9)])
+    >>> plan.slowest_seconds, plan.flat_stages()
+    (2.0, [(0, 4, 2)])
+    """
+    layers = len(compute_seconds)
+    prefix_compute = _prefix(compute_seconds)
+    prefix_weights = _prefix(parameter_bytes)
+
+    def base_block(i: int, j: int) -> tuple[float, tuple[PipeDreamStage, ...]]:
+        if fits is not None and not fits(i, j, 1):
+            return _INF, ()
+        return prefix_compute[j] - prefix_compute[i], ()
+
+    block = base_block
+    table_fn = None
+    for depth, level in enumerate(levels):
+        table_fn = _solve_level(
+            layers,
+            block,
+            prefix_weights,
+            activation_bytes,
+            level,
+            fits=fits if depth == 0 else None,
+        )
+        block = _block_from(table_fn, level.workers)
+    assert table_fn is not None
+    seconds, stages = table_fn(0, layers, levels[-1].workers)
+    if seconds == _INF:
+        return None
+    return PipeDreamPlan(stages, seconds)
+
+
+def _block_from(table_fn, workers: int):
+    def block(i: int, j: int):
+        return table_fn(i, j, workers)
+
+    return block
+
+
+def _solve_level(layers, block, prefix_weights, activation_bytes, level: Level, *, fits):
+    """A(i→j, m) of one level, memoised; returns a function (i, j, m) -> (seconds, stages)."""
+    bandwidth = level.bandwidth_bytes_per_second
+
+    @lru_cache(maxsize=None)
+    def single(i: int, j: int, m: int) -> tuple[float, tuple[PipeDreamStage, ...]]:
+        # T(i→j, m): one stage of layers [i, j), its unit replicated m times.
+        inner_seconds, inner = block(i, j)
+        if inner_seconds == _INF:
+            return _INF, ()
+        if fits is not None and m > 1 and not fits(i, j, m):
+            return _INF, ()
+        sync = 2 * (m - 1) * (prefix_weights[j] - prefix_weights[i]) / bandwidth
+        return max(inner_seconds, sync) / m, (PipeDreamStage(i, j, m, inner),)
+
+    @lru_cache(maxsize=None)
+    def best(i: int, j: int, m: int) -> tuple[float, tuple[PipeDreamStage, ...]]:
+        # Best pipeline of layers [i, j) on at most m units (unused units allowed).
+        result = single(i, j, m)
+        if m > 1:
+            fewer = best(i, j, m - 1)
+            if fewer[0] < result[0]:
+                result = fewer
+        for s in range(i + 1, j):
+            cut = 2 * activation_bytes[s - 1] / bandwidth
+            if cut >= result[0]:
+                continue
+            for last_units in range(1, m):
+                head_seconds, head = best(i, s, m - last_units)
+                if head_seconds >= result[0]:
+                    continue
+                tail_seconds, tail = single(s, j, last_units)
+                candidate = max(head_seconds, cut, tail_seconds)
+                if candidate < result[0]:
+                    result = (candidate, head + tail)
+        return result
+
+    return best

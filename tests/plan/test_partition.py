@@ -1,0 +1,188 @@
+"""The partitioners against brute force over every cut on small non-uniform cases."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipectl.plan.partition import (
+    Level,
+    balanced_partition,
+    greedy_cuts,
+    min_bottlenecks,
+    pipedream_partition,
+)
+
+
+def all_cuts(layers: int, stages: int):
+    for cut_points in itertools.combinations(range(1, layers), stages - 1):
+        bounds = (0, *cut_points, layers)
+        yield tuple(zip(bounds, bounds[1:]))
+
+
+def brute_force(weights, stages, fits=None, cut_seconds=None):
+    best = None
+    for cuts in all_cuts(len(weights), stages):
+        if fits and not all(fits(i, s, e) for i, (s, e) in enumerate(cuts)):
+            continue
+        value = max(sum(weights[s:e]) for s, e in cuts)
+        if cut_seconds is not None and stages > 1:
+            value = max(value, max(cut_seconds[s] for s, _ in cuts[1:]))
+        if best is None or value < best:
+            best = value
+    return best
+
+
+weights_strategy = st.lists(st.integers(min_value=1, max_value=50), min_size=1, max_size=9)
+
+
+@settings(max_examples=150, deadline=None)
+@given(weights=weights_strategy, data=st.data())
+def test_balanced_partition_matches_brute_force(weights, data):
+    stages = data.draw(st.integers(min_value=1, max_value=len(weights)))
+    from_right = data.draw(st.booleans())
+    result = balanced_partition(weights, stages, from_right=from_right)
+    expected = brute_force(weights, stages)
+    assert result is not None
+    assert result.bottleneck_seconds == pytest.approx(expected)
+    assert len(result.stage_layers) == stages
+    assert result.stage_layers[0][0] == 0 and result.stage_layers[-1][1] == len(weights)
+    assert all(end > start for start, end in result.stage_layers)
+
+
+@settings(max_examples=150, deadline=None)
+@given(weights=weights_strategy, data=st.data())
+def test_memory_limit_is_respected_and_optimal(weights, data):
+    stages = data.draw(st.integers(min_value=1, max_value=len(weights)))
+    # Memory of a stage: its layer count, plus more for early stages (like 1F1B's in-flight count).
+    capacity = data.draw(st.integers(min_value=1, max_value=len(weights) + stages))
+
+    def fits(index, start, end):
+        return (end - start) + (stages - index) <= capacity
+
+    result = balanced_partition(weights, stages, fits=fits)
+    expected = brute_force(weights, stages, fits=fits)
+    if expected is None:
+        assert result is None
+    else:
+        assert result is not None
+        assert result.bottleneck_seconds == pytest.approx(expected)
+        assert all(fits(i, s, e) for i, (s, e) in enumerate(result.stage_layers))
+
+
+@settings(max_examples=100, deadline=None)
+@given(weights=weights_strategy, data=st.data())
+def test_cut_costs_count_in_the_bottleneck(weights, data):
+    stages = data.draw(st.integers(min_value=1, max_value=len(weights)))
+    cut_seconds = [0.0] + [data.draw(st.integers(min_value=0, max_value=80)) for _ in range(len(weights) - 1)] + [0.0]
+    result = balanced_partition(weights, stages, cut_seconds=cut_seconds)
+    expected = brute_force(weights, stages, cut_seconds=cut_seconds)
+    assert result is not None
+    assert result.bottleneck_seconds == pytest.approx(expected)
+
+
+@settings(max_examples=100, deadline=None)
+@given(weights=st.lists(st.floats(min_value=0.01, max_value=5.0), min_size=1, max_size=10))
+def test_min_bottlenecks_for_every_p_at_once(weights):
+    counts = list(range(1, len(weights) + 1))
+    found = min_bottlenecks(weights, counts)
+    for stages in counts:
+        assert found[stages] == pytest.approx(brute_force(weights, stages), rel=1e-9)
+        # And the greedy cut at that bottleneck gives exactly p stages.
+        prefix = [0.0]
+        for w in weights:
+            prefix.append(prefix[-1] + w)
+        cuts = greedy_cuts(prefix, stages, found[stages])
+        assert cuts is not None and len(cuts) == stages
+
+
+def test_embedding_and_head_unlike_blocks():
+    # A GPT-like model: a cheap embedding, 8 equal blocks, a norm and an expensive logit layer.
+    weights = [0.2] + [1.0] * 8 + [0.05, 2.5]
+    result = balanced_partition(weights, 4)
+    assert result.bottleneck_seconds == pytest.approx(brute_force(weights, 4))
+    assert result.stage_layers[-1][1] - result.stage_layers[-1][0] <= 2  # the head stage stays short
+
+
+def test_big_model_is_fast():
+    rng = random.Random(0)
+    weights = [0.3] + [1.0 + rng.random() * 0.01 for _ in range(128)] + [0.01, 1.7]
+    found = min_bottlenecks(weights, range(1, 132))
+    assert found[128] >= max(weights)
+    assert found[1] == pytest.approx(sum(weights))
+
+
+# --- PipeDream's DP with replication ----------------------------------------------------------
+
+
+def brute_force_pipedream(compute, activation, weights, workers, bandwidth):
+    """Every cut and every split of at most `workers` devices over the stages."""
+    layers = len(compute)
+    best = float("inf")
+    for stages in range(1, layers + 1):
+        for cuts in all_cuts(layers, stages):
+            for replicas in itertools.product(range(1, workers + 1), repeat=stages):
+                if sum(replicas) > workers:
+                    continue
+                value = 0.0
+                for (start, end), r in zip(cuts, replicas):
+                    sync = 2 * (r - 1) * sum(weights[start:end]) / bandwidth
+                    value = max(value, max(sum(compute[start:end]), sync) / r)
+                for start, _ in cuts[1:]:
+                    value = max(value, 2 * activation[start - 1] / bandwidth)
+                best = min(best, value)
+    return best
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    compute=st.lists(st.integers(min_value=1, max_value=20), min_size=1, max_size=5),
+    data=st.data(),
+)
+def test_pipedream_dp_matches_brute_force(compute, data):
+    layers = len(compute)
+    activation = [data.draw(st.integers(min_value=0, max_value=30)) for _ in range(layers)]
+    weights = [data.draw(st.integers(min_value=0, max_value=30)) for _ in range(layers)]
+    workers = data.draw(st.integers(min_value=1, max_value=4))
+    plan = pipedream_partition(compute, activation, weights, [Level(workers, 4.0)])
+    expected = brute_force_pipedream(compute, activation, weights, workers, 4.0)
+    assert plan is not None
+    assert plan.slowest_seconds == pytest.approx(expected)
+    flat = plan.flat_stages()
+    assert flat[0][0] == 0 and flat[-1][1] == layers
+    assert sum(devices for _, _, devices in flat) <= workers
+
+
+def test_pipedream_replicates_a_stage_with_cheap_weights():
+    # One heavy layer with few weights: replicating it beats pipelining.
+    plan = pipedream_partition([10.0, 1.0], [100.0, 0.0], [0.0, 0.0], [Level(4, 1e3)])
+    assert plan.slowest_seconds < 10.0
+    assert max(devices for _, _, devices in plan.flat_stages()) > 1
+
+
+def test_pipedream_respects_memory():
+    # Layers of 1 byte each; a device holds at most 2 layers.
+    plan = pipedream_partition(
+        [1.0] * 6, [0.0] * 6, [1.0] * 6, [Level(4, 1e9)], fits=lambda start, end, replicas: end - start <= 2
+    )
+    assert plan is not None
+    assert all(end - start <= 2 for start, end, _ in plan.flat_stages())
+    assert plan.slowest_seconds == pytest.approx(2.0)
+
+
+def test_pipedream_hierarchical_uses_fast_links_inside_nodes():
+    # 2 nodes x 2 devices; inside a node links are fast, across nodes slow: heavy activations
+    # should not cross nodes, while a cheap-weight replica across nodes is fine.
+    compute = [4.0, 4.0, 4.0, 4.0]
+    activation = [1e6, 1.0, 1e6, 0.0]
+    weights = [1.0] * 4
+    plan = pipedream_partition(compute, activation, weights, [Level(2, 1e9), Level(2, 1e3)])
+    assert plan is not None
+    flat = plan.flat_stages()
+    assert sum(devices for _, _, devices in flat) <= 4
+    # The cross-node cut (if any) is after layer 1, where the activation is small.
+    assert plan.slowest_seconds <= 8.0
