@@ -1,0 +1,129 @@
+"""DeepSpeed config emission: the numbers come from the plan, DeepSpeed's parser accepts them, and
+plans DeepSpeed cannot run (or would silently misread) are rejected with the values named."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipectl.artifacts.plan import Candidate, Plan
+from pipectl.artifacts.run import Precision
+from pipectl.launch.dsconfig import (
+    DeepSpeedConfigRejected,
+    check_pipeline_section,
+    deepspeed_config,
+    parse_with_deepspeed,
+    stage_partition,
+    validated_config,
+)
+from pipectl.schedule.ir import ScheduleKind
+
+
+def make_candidate(p=2, d=1, b=2, m=4, cuts=None, **extra) -> Candidate:
+    cuts = cuts or [(0, 4), (4, 9)] if p == 2 else cuts or [(0, 9)]
+    fields = dict(
+        devices=p * d, device="cpu", tensor_parallel=1, pipeline_parallel=p, data_parallel=d,
+        micro_batch_size=b, micro_batches=m, schedule=ScheduleKind.ONE_F_ONE_B, recompute=False,
+        zero_stage=0, stage_layers=cuts, predicted_step_seconds=0.05, samples_per_second=100.0,
+        tflops_per_device=0.0, peak_memory_bytes=[1] * len(cuts), bubble_fraction=0.1,
+        communication_fraction=0.0, cost_per_million_samples=0.0,
+    )  # fmt: skip
+    fields.update(extra)
+    return Candidate(**fields)
+
+
+def make_plan(candidate: Candidate, global_batch: int | None = None) -> Plan:
+    batch = global_batch or candidate.global_batch
+    # model_construct: skip the artifact's own batch check to reach launch's checks with a bad plan.
+    builder = Plan if global_batch is None else Plan.model_construct
+    return builder(
+        model="gpt-tiny", cluster="local", global_batch=batch, objective="time", layers=9, chosen=candidate,
+        candidates=[], infeasible={}, morph_table=[], notes=[],
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("p,d,b,m", [(2, 1, 2, 4), (1, 2, 4, 3), (2, 2, 1, 8), (1, 1, 8, 1)])
+def test_batch_numbers_follow_the_plan_and_deepspeed_accepts_them(p, d, b, m):
+    cuts = [(0, 4), (4, 9)] if p == 2 else [(0, 9)]
+    candidate = make_candidate(p=p, d=d, b=b, m=m, cuts=cuts)
+    config = validated_config(make_plan(candidate))
+    assert config["train_batch_size"] == b * m * d
+    assert config["train_micro_batch_size_per_gpu"] == b
+    assert config["gradient_accumulation_steps"] == m
+    assert config["pipeline"]["stages"] == p
+    assert config["pipeline"]["partition"] == stage_partition(cuts)
+    parsed = parse_with_deepspeed(config, data_parallel=d)
+    assert (parsed.train_batch_size, parsed.gradient_accumulation_steps) == (b * m * d, m)
+
+
+def test_universal_checkpoint_prerequisites_are_always_set():
+    config = deepspeed_config(make_candidate(zero_stage=0))
+    assert config["zero_optimization"]["stage"] == 1  # ZeRO-0 checkpoints cannot become universal
+    assert config["checkpoint"]["load_universal"] is True
+    assert config["optimizer"]["params"]["torch_adam"] is True
+    assert "bf16" not in config
+    assert deepspeed_config(make_candidate(), precision=Precision.BF16)["bf16"] == {"enabled": True}
+
+
+def test_deepspeed_parser_rejects_a_batch_that_does_not_multiply_out():
+    config = deepspeed_config(make_candidate(d=2, b=2, m=4, devices=4))
+    config["train_batch_size"] = 20  # 2 x 4 x 2 = 16
+    with pytest.raises(DeepSpeedConfigRejected, match=r"20 != 2 \* 4 \* 2"):
+        parse_with_deepspeed(config, data_parallel=2)
+
+
+def test_parser_sees_the_data_parallel_degree_not_world_size_one():
+    config = deepspeed_config(make_candidate(d=1, b=2, m=4))
+    parse_with_deepspeed(config, data_parallel=1)
+    with pytest.raises(DeepSpeedConfigRejected, match=r"8 != 2 \* 4 \* 3"):
+        parse_with_deepspeed(config, data_parallel=3)
+
+
+def test_plan_whose_global_batch_disagrees_is_rejected_before_deepspeed():
+    candidate = make_candidate(b=2, m=4)
+    with pytest.raises(DeepSpeedConfigRejected, match=r"train_batch_size 12 != micro-batch 2 x accumulation 4"):
+        validated_config(make_plan(candidate, global_batch=12))
+
+
+def test_unknown_optimizer_is_rejected():
+    config = deepspeed_config(make_candidate())
+    config["optimizer"]["type"] = "SuperAdam"
+    with pytest.raises(DeepSpeedConfigRejected, match="SuperAdam"):
+        parse_with_deepspeed(config, data_parallel=1)
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        ({"zero_stage": 2}, "ZeRO stage 2"),
+        ({"deepspeed_runnable": False}, "cannot run in DeepSpeed"),
+    ],
+)
+def test_plans_deepspeed_cannot_run_are_rejected(extra, message):
+    with pytest.raises(DeepSpeedConfigRejected, match=message):
+        validated_config(make_plan(make_candidate(**extra)))
+
+
+def test_interleaved_chunks_are_rejected():
+    candidate = make_candidate(
+        p=2, chunks=2, schedule=ScheduleKind.INTERLEAVED, cuts=[(0, 2), (2, 4), (4, 6), (6, 9)]
+    )
+    with pytest.raises(DeepSpeedConfigRejected, match="v=2"):
+        validated_config(make_plan(candidate))
+
+
+def test_cut_that_does_not_cover_the_model_is_rejected():
+    candidate = make_candidate(cuts=[(0, 4), (4, 8)])
+    with pytest.raises(DeepSpeedConfigRejected, match=r"the model has 9"):
+        validated_config(make_plan(candidate))
+
+
+def test_pipeline_section_that_deepspeed_would_ignore_is_checked():
+    candidate = make_candidate()
+    config = deepspeed_config(candidate)
+    config["pipeline"]["stages"] = 4  # DeepSpeed itself would accept this silently
+    with pytest.raises(DeepSpeedConfigRejected, match="pipeline.stages 4"):
+        check_pipeline_section(config, candidate)
+    config = deepspeed_config(candidate)
+    config["pipeline"]["partition"] = [0, 5, 9]
+    with pytest.raises(DeepSpeedConfigRejected, match=r"\[0, 5, 9\]"):
+        check_pipeline_section(config, candidate)

@@ -1,0 +1,114 @@
+"""The run directory: written completely, never clobbered by accident, read back and summarised."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pipectl.artifacts.plan import Candidate, Plan
+from pipectl.artifacts.run import DataKind, DataSpec, Engine, StepMetrics
+from pipectl.errors import UserInputError
+from pipectl.launch import LaunchOptions, build_job, prepare_launch
+from pipectl.launch.rundir import prepare_run_dir, read_run, run_status
+from pipectl.runtime.metrics import MetricsWriter
+from pipectl.schedule.ir import ScheduleKind
+
+
+def tiny_plan(p=2, d=1, b=2, m=4, layers=9, cuts=((0, 4), (4, 9))) -> Plan:
+    candidate = Candidate(
+        devices=p * d, device="cpu", tensor_parallel=1, pipeline_parallel=p, data_parallel=d,
+        micro_batch_size=b, micro_batches=m, schedule=ScheduleKind.ONE_F_ONE_B, recompute=False,
+        zero_stage=0, stage_layers=list(cuts), predicted_step_seconds=0.05, samples_per_second=160.0,
+        tflops_per_device=0.0, peak_memory_bytes=[1] * p, bubble_fraction=0.1,
+        communication_fraction=0.0, cost_per_million_samples=0.0,
+    )  # fmt: skip
+    return Plan(model="gpt-tiny", cluster="local", global_batch=b * m * d, objective="time", layers=layers, chosen=candidate)
+
+
+def test_prepare_writes_every_file(tmp_path):
+    run = tmp_path / "runs" / "demo"
+    prepared = prepare_launch(tiny_plan(), run, LaunchOptions(steps=7, checkpoint_every=3, master_port=29123))
+    for name in ("plan.json", "job.json", "ds_config.json", "launch.sh"):
+        assert (run / name).is_file(), name
+    assert (run / "logs").is_dir() and (run / "checkpoints").is_dir()
+    files = read_run(run)
+    assert files.job.steps == 7 and files.job.checkpoint_every == 3
+    assert files.job.world_size == 2 and files.job.master_port == 29123
+    assert files.plan == tiny_plan()
+    assert files.ds_config == prepared.ds_config
+    assert "--nproc_per_node 2" in (run / "launch.sh").read_text()
+
+
+def test_dry_run_writes_nothing(tmp_path):
+    run = tmp_path / "dry"
+    prepare_launch(tiny_plan(), run, LaunchOptions(), write=False)
+    assert not run.exists()
+
+
+def test_deepspeed_engine_writes_a_hostfile(tmp_path):
+    prepare_launch(tiny_plan(), tmp_path / "ds", LaunchOptions(engine=Engine.DEEPSPEED))
+    assert (tmp_path / "ds" / "hostfile").read_text() == "localhost slots=2\n"
+
+
+def test_existing_run_is_not_clobbered_without_resume_or_force(tmp_path):
+    run = tmp_path / "r"
+    prepare_launch(tiny_plan(), run, LaunchOptions(steps=5))
+    (run / "metrics.jsonl").write_text("{}\n")
+    with pytest.raises(UserInputError, match="already exists") as info:
+        prepare_launch(tiny_plan(), run, LaunchOptions(steps=5))
+    assert "--resume" in info.value.hint and "--force" in info.value.hint
+    prepare_launch(tiny_plan(), run, LaunchOptions(steps=9, resume=True))
+    assert (run / "metrics.jsonl").is_file() and read_run(run).job.steps == 9
+    prepare_launch(tiny_plan(), run, LaunchOptions(steps=5, force=True))
+    assert not (run / "metrics.jsonl").exists()
+
+
+def test_foreign_folder_and_bad_flags_are_refused(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(UserInputError, match="not a pipectl run"):
+        prepare_run_dir(tmp_path)
+    with pytest.raises(UserInputError, match="contradict"):
+        prepare_run_dir(tmp_path / "x", resume=True, force=True)
+    with pytest.raises(UserInputError, match="no such run"):
+        prepare_run_dir(tmp_path / "missing", resume=True)
+
+
+def test_model_must_have_the_plans_layer_count(tmp_path):
+    with pytest.raises(UserInputError, match="has 9 layers but the plan cuts 10"):
+        prepare_launch(tiny_plan(layers=10, cuts=((0, 4), (4, 10))), tmp_path / "r", LaunchOptions())
+
+
+def test_job_options_are_checked(tmp_path):
+    with pytest.raises(UserInputError, match="exceeds --steps"):
+        build_job(tiny_plan(), "r", LaunchOptions(steps=3, checkpoint_every=5))
+    with pytest.raises(UserInputError, match="data file not found"):
+        build_job(tiny_plan(), "r", LaunchOptions(data=DataSpec(kind=DataKind.FILE, path=str(tmp_path / "no.bin"))))
+    with pytest.raises(UserInputError, match="evenly over 3 nodes"):
+        build_job(tiny_plan(), "r", LaunchOptions(engine=Engine.TORCHRUN, nodes=3))
+
+
+def test_read_run_names_what_is_missing(tmp_path):
+    with pytest.raises(UserInputError, match="no run directory"):
+        read_run(tmp_path / "nope")
+    with pytest.raises(UserInputError, match="no job.json"):
+        read_run(tmp_path)
+
+
+def test_status_summarises_metrics_and_layout_changes(tmp_path):
+    run = tmp_path / "r"
+    prepare_launch(tiny_plan(), run, LaunchOptions(steps=6))
+    writer = MetricsWriter(run, rank=0)
+    for step, (seconds, layout) in enumerate([(0.5, "A"), (0.1, "A"), (0.05, "A"), (0.04, "B")], start=1):
+        writer.write(
+            StepMetrics(step=step, loss=5.0 - step, step_seconds=seconds, predicted_step_seconds=0.05,
+                        samples_per_second=8 / seconds, global_batch=8, world_size=2, layout=layout)
+        )  # fmt: skip
+    status = run_status(run)
+    assert status.steps_done == 4 and not status.finished
+    assert status.last_loss == pytest.approx(1.0)
+    assert status.layouts == ["A", "B"]
+    assert status.prediction.steps == 3  # the first (warm-up) step is excluded
+    assert status.prediction.max_abs_error == pytest.approx(0.5)  # |0.1 - 0.05| / 0.1
+    payload = json.loads(json.dumps(status.to_dict()))
+    assert payload["steps_done"] == 4 and payload["checkpoints"] == []
