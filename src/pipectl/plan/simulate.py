@@ -405,16 +405,17 @@ def simulate(schedule: Schedule, costs: StageCosts) -> Timeline:
     exposed = [0.0] * p
     records = []
     for k, (rank, action) in enumerate(zip(compiled.ranks, compiled.actions)):
-        start = end[k] - durations[k]
+        needed, before = compiled.dep[k], compiled.prev[k]
+        ready = end[needed] + delays[k]
+        start = end[before] if end[before] > ready else ready  # as in _ends, so start + duration == end
         records.append(TimedAction(rank, action, start, end[k]))
         busy[rank] += durations[k]
         if compiled.compute_kinds[k]:
             compute[rank] += durations[k]
-        needed = compiled.dep[k]
         if needed >= 0:
             # Waiting that started once the producer had finished is transfer time, not bubble
             # caused by the pipeline's shape: count it as exposed communication.
-            waiting_since = max(end[compiled.prev[k]], end[needed])
+            waiting_since = max(end[before], end[needed])
             if start > waiting_since:
                 exposed[rank] += start - waiting_since
     for k in compiled.allreduce_positions:
