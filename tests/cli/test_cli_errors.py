@@ -1,0 +1,120 @@
+"""The CLI's contract: `--help` for every registered command; a user's mistake is one message, exit 2.
+
+Commands are discovered from the root app, so every command registered in cli/main.py is covered.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from pipectl.cli.main import app
+
+runner = CliRunner()
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _command_paths(command, prefix=()):
+    """Every command path below the root group, e.g. ('profile', 'links')."""
+    for name, sub in sorted(getattr(command, "commands", {}).items()):
+        path = (*prefix, name)
+        yield path
+        yield from _command_paths(sub, path)
+
+
+COMMAND_PATHS = list(_command_paths(typer.main.get_command(app)))
+
+
+def test_the_profile_commands_are_registered():
+    assert {("profile",), ("profile", "model"), ("profile", "links"), ("profile", "show")} <= set(COMMAND_PATHS)
+
+
+def test_root_help():
+    result = runner.invoke(app, ["--help"], catch_exceptions=False)
+    assert result.exit_code == 0 and "Usage" in result.output
+
+
+@pytest.mark.parametrize("path", COMMAND_PATHS, ids=[" ".join(p) for p in COMMAND_PATHS])
+def test_help_for_every_command(path):
+    result = runner.invoke(app, [*path, "--help"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert "Usage" in result.output
+
+
+def _bad_yaml(tmp_path: Path) -> Path:
+    path = tmp_path / "broken.yaml"
+    path.write_text("name: x\nfamily: [gpt\n")
+    return path
+
+
+def _bad_field_yaml(tmp_path: Path) -> Path:
+    path = tmp_path / "weird.yaml"
+    path.write_text("name: weird\nfamily: gpt\nlayers: -3\nhidden: 64\n")
+    return path
+
+
+def _not_a_profile(tmp_path: Path) -> Path:
+    path = tmp_path / "profile.json"
+    path.write_text('{"model": "x", "layers": "nope"}')
+    return path
+
+
+CASES = {
+    "missing model file": (lambda t: ["profile", str(t / "nowhere.yaml")], "nowhere.yaml"),
+    "unknown model": (lambda t: ["profile", "gpt-huge"], "gpt-huge"),
+    "bad yaml": (lambda t: ["profile", str(_bad_yaml(t))], "broken.yaml"),
+    "bad field": (lambda t: ["profile", str(_bad_field_yaml(t))], "-3"),
+    "impossible micro-batch sizes": (lambda t: ["profile", "gpt-tiny", "--micro-batch-sizes", "0,x"], "'0'"),
+    "non-numeric micro-batch size": (lambda t: ["profile", "gpt-tiny", "-b", "1,x"], "'x'"),
+    "unknown device": (lambda t: ["profile", "gpt-tiny", "--device", "tpu"], "tpu"),
+    "unknown dtype": (lambda t: ["profile", "gpt-tiny", "--dtype", "int3"], "int3"),
+    "bad factory": (lambda t: ["profile", "no_such_pkg.mod:build"], "no_such_pkg.mod:build"),
+    "shape-only model measured": (lambda t: ["profile", "gpt3-175b"], "gpt3-175b"),
+    "unknown derive device": (lambda t: ["profile", "gpt-tiny", "--derive", "--device", "z80"], "z80"),
+    "derive a factory": (lambda t: ["profile", "examples.custom_model:build", "--derive"], "examples.custom_model"),
+    "missing links to embed": (lambda t: ["profile", "gpt-tiny", "--links", str(t / "l.json")], "l.json"),
+    "show missing file": (lambda t: ["profile", "show", str(t / "none.json")], "none.json"),
+    "show invalid profile": (lambda t: ["profile", "show", str(_not_a_profile(t))], "layers"),
+    "links one rank": (lambda t: ["profile", "links", "--ranks", "1"], "got 1"),
+    "links bad size": (lambda t: ["profile", "links", "--message-sizes", "1KiB,lots"], "lots"),
+    "links bad device": (lambda t: ["profile", "links", "--device", "fpga"], "fpga"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_input_exits_2_and_names_the_value(case, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # nothing is written into the repository
+    make_args, named = CASES[case]
+    result = runner.invoke(app, make_args(tmp_path), catch_exceptions=False)
+    assert result.exit_code == 2, result.output
+    assert "error:" in result.output
+    assert named in result.output
+    assert "Traceback" not in result.output
+
+
+def test_real_process_prints_one_message_and_no_traceback(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("PIPECTL_DEBUG", None)
+    completed = subprocess.run(
+        [sys.executable, "-m", "pipectl.cli.main", "profile", "show", str(tmp_path / "missing.json")],
+        capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path,
+    )
+    assert completed.returncode == 2
+    assert "missing.json" in completed.stderr
+    assert "Traceback" not in completed.stderr + completed.stdout
+
+
+def test_debug_variable_shows_the_traceback(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PIPECTL_DEBUG": "1"}
+    completed = subprocess.run(
+        [sys.executable, "-m", "pipectl.cli.main", "profile", "show", str(tmp_path / "missing.json")],
+        capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path,
+    )
+    assert completed.returncode != 0
+    assert "Traceback" in completed.stderr

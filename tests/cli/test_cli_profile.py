@@ -1,0 +1,142 @@
+"""`pipectl profile` end to end: the real commands, their files and their output."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from pipectl.artifacts.profile import LinkClass, LinkClassFit, LinkSample, LinksProfile, ModelProfile
+from pipectl.cli.main import app
+from pipectl.io import load_model, write_json_atomic
+
+runner = CliRunner()
+REPO = Path(__file__).resolve().parents[2]
+QUICK = ["--warmup", "0", "--repeats", "1"]
+
+
+def _invoke(*args: str):
+    result = runner.invoke(app, list(args), catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return result
+
+
+@pytest.fixture
+def links_file(tmp_path: Path) -> Path:
+    links = LinksProfile(
+        backend="gloo",
+        device="cpu",
+        fits=[
+            LinkClassFit(
+                link_class=LinkClass.INTRA_NODE,
+                p2p_latency_seconds=5e-5,
+                p2p_bandwidth_bytes_per_second=3e9,
+                allreduce_latency_seconds=7e-5,
+                allreduce_bandwidth_bytes_per_second=1.5e9,
+            )
+        ],
+        samples=[
+            LinkSample(op="p2p", link_class=LinkClass.INTRA_NODE, ring_size=2, message_bytes=4096, seconds=6e-5)
+        ],
+    )
+    return write_json_atomic(tmp_path / "links.json", links)
+
+
+def test_measure_gpt_tiny_writes_profile_and_prints_table(tmp_path):
+    out = tmp_path / "p.json"
+    result = _invoke("profile", "gpt-tiny", "-o", str(out), "-b", "1,2", *QUICK)
+    profile = load_model(ModelProfile, out)
+    assert profile.source.value == "measured" and profile.device == "cpu"
+    assert profile.micro_batch_sizes == [1, 2]
+    assert [layer.name for layer in profile.layers][0] == "embed"
+    for name in ("embed", "block.5", "final_norm", "head", "total"):
+        assert name in result.stdout
+    assert f"wrote {out}" in result.stderr.replace("\n", "")
+
+
+def test_json_flag_prints_exactly_the_written_profile(tmp_path):
+    out = tmp_path / "p.json"
+    result = _invoke("profile", "model", "mlp-tiny", "-o", str(out), "-b", "2", *QUICK, "--json")
+    printed = ModelProfile.model_validate(json.loads(result.stdout))
+    assert printed == load_model(ModelProfile, out)
+
+
+def test_show_profile_table_json_and_size_filter(tmp_path):
+    out = tmp_path / "p.json"
+    _invoke("profile", "gpt-tiny", "-o", str(out), "-b", "1,2", *QUICK)
+    table = _invoke("profile", "show", str(out)).stdout
+    assert "block.0" in table and "fwd ms" in table
+    as_json = json.loads(_invoke("profile", "show", str(out), "--json").stdout)
+    assert as_json["model"] == "gpt-tiny"
+    only_two = _invoke("profile", "show", str(out), "-b", "2").stdout
+    # One row per block, all for b=2 (the row is: name, params value, unit, b, ...).
+    rows = [line.split() for line in only_two.splitlines() if line.strip().startswith("block.")]
+    assert len(rows) == 6 and all(row[3] == "2" for row in rows)
+
+
+def test_show_rejects_a_size_that_was_not_profiled(tmp_path):
+    out = tmp_path / "p.json"
+    _invoke("profile", "gpt-tiny", "-o", str(out), "-b", "1", *QUICK)
+    result = runner.invoke(app, ["profile", "show", str(out), "-b", "4"], catch_exceptions=False)
+    assert result.exit_code == 2 and "micro-batch size 4" in result.output
+
+
+def test_show_links_file(links_file):
+    result = _invoke("profile", "show", str(links_file))
+    assert "intra_node" in result.stdout and "3" in result.stdout  # 3 GB/s p2p
+
+
+def test_links_are_embedded_in_the_profile(tmp_path, links_file):
+    out = tmp_path / "p.json"
+    _invoke("profile", "gpt-tiny", "-o", str(out), "-b", "1", *QUICK, "--links", str(links_file))
+    profile = load_model(ModelProfile, out)
+    assert profile.links == load_model(LinksProfile, links_file)
+
+
+def test_derive_with_device_as_in_the_issue(tmp_path):
+    out = tmp_path / "d.json"
+    _invoke("profile", "gpt3-175b", "--derive", "--device", "a100-80gb", "-o", str(out), "-b", "1,2")
+    profile = load_model(ModelProfile, out)
+    assert profile.source.value == "derived" and profile.device == "a100-80gb"
+    assert profile.dtype == "bfloat16"
+    assert profile.parameter_count == pytest.approx(175e9, rel=0.01)
+
+
+def test_derive_with_device_kind(tmp_path):
+    out = tmp_path / "d.json"
+    _invoke("profile", "gpt-tiny", "--derive", "--device-kind", "v100-16gb", "-o", str(out), "-b", "4")
+    assert load_model(ModelProfile, out).device == "v100-16gb"
+
+
+def test_user_factory_from_the_repo_root(tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    out = tmp_path / "c.json"
+    _invoke("profile", "examples.custom_model:build", "-o", str(out), "-b", "1", *QUICK)
+    profile = load_model(ModelProfile, out)
+    assert profile.model == "residual-mlp"
+    assert [layer.name for layer in profile.layers][-1] == "classifier"
+
+
+def test_memory_budget_stops_the_sweep_and_says_so(tmp_path):
+    out = tmp_path / "p.json"
+    # gpt-tiny's weights and gradients alone are ~2.4 MiB; 0.004 GiB (4.1 MiB) fits b=1 (3.3 MiB) only.
+    result = _invoke("profile", "gpt-tiny", "-o", str(out), "-b", "1,8", *QUICK, "--memory-budget-gib", "0.004")
+    profile = load_model(ModelProfile, out)
+    assert profile.micro_batch_sizes == [1]
+    assert profile.not_fitting_micro_batch_size == 8
+    assert "b=8 does not fit" in result.stdout
+
+
+@pytest.mark.multiprocess
+def test_links_command_calibrates_two_real_processes(tmp_path):
+    out = tmp_path / "links.json"
+    result = _invoke(
+        "profile", "links", "-o", str(out), "--ranks", "2", "--message-sizes", "1KiB,256KiB",
+        "--warmup", "1", "--repeats", "2", "--timeout", "45",
+    )
+    links = load_model(LinksProfile, out)
+    fit = links.fit(LinkClass.INTRA_NODE)
+    assert fit is not None and fit.p2p_bandwidth_bytes_per_second > 0 and fit.allreduce_latency_seconds >= 0
+    assert "intra_node" in result.stdout

@@ -1,0 +1,150 @@
+"""Measured layer profiles: real modules, exact bytes, positive times, the fit limit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipectl.errors import UserInputError
+from pipectl.models import build_model
+from pipectl.profile.measure import layer_parameter_tensors, profile_model, tensor_bytes
+
+
+@pytest.fixture(scope="module")
+def gpt_tiny():
+    return build_model("gpt-tiny")
+
+
+@pytest.fixture(scope="module")
+def tiny_profile(gpt_tiny):
+    return profile_model(gpt_tiny, [1, 2], warmup=1, repeats=2)
+
+
+def test_every_layer_has_positive_times_at_every_size(tiny_profile, gpt_tiny):
+    assert [layer.name for layer in tiny_profile.layers] == [d.name for d in gpt_tiny.layers]
+    assert tiny_profile.micro_batch_sizes == [1, 2]
+    for layer in tiny_profile.layers:
+        assert [c.micro_batch_size for c in layer.costs] == [1, 2]
+        for cost in layer.costs:
+            assert cost.forward_seconds > 0, layer.name
+            assert cost.backward_seconds > 0, layer.name
+
+
+def test_parameter_bytes_equal_the_real_tensors(tiny_profile, gpt_tiny):
+    # Rebuild the layers independently of the profiler and count every parameter tensor.
+    for index, layer_def in enumerate(gpt_tiny.layers):
+        module = layer_def.build()
+        if layer_def.tied_forward is not None:
+            tensors = [getattr(module, layer_def.tied_weight_attr)]
+        else:
+            tensors = list(module.parameters())
+        expected = sum(t.numel() * t.element_size() for t in tensors)
+        layer = tiny_profile.layers[index]
+        assert layer.parameter_bytes == expected, layer.name
+        assert layer.parameter_count == sum(t.numel() for t in tensors), layer.name
+    # and the helper agrees with the profile
+    charged = layer_parameter_tensors(gpt_tiny)
+    assert [sum(t.numel() * 4 for t in ts) for ts in charged] == [l.parameter_bytes for l in tiny_profile.layers]
+
+
+def test_tied_head_is_counted_once_in_the_model(tiny_profile, gpt_tiny):
+    embed, head = tiny_profile.layers[0], tiny_profile.layers[-1]
+    assert embed.shared_group == head.shared_group == "embed"
+    vocab, hidden = gpt_tiny.vocab, gpt_tiny.hidden
+    assert head.shared_parameter_count == embed.shared_parameter_count == vocab * hidden
+    modules = {}
+    unique = 0
+    for layer_def in gpt_tiny.layers:
+        if layer_def.tie_key and layer_def.tie_key in modules:
+            continue
+        module = layer_def.build()
+        if layer_def.tie_key:
+            modules[layer_def.tie_key] = module
+        unique += sum(p.numel() for p in module.parameters())
+    assert tiny_profile.parameter_count == unique
+
+
+def test_activation_bytes_equal_the_real_outputs(tiny_profile, gpt_tiny):
+    torch.manual_seed(0)
+    modules = {}
+    built = []
+    for layer_def in gpt_tiny.layers:
+        if layer_def.tie_key and layer_def.tie_key in modules:
+            built.append(modules[layer_def.tie_key])
+            continue
+        module = layer_def.build()
+        if layer_def.tie_key:
+            modules[layer_def.tie_key] = module
+        built.append(module)
+    for size in (1, 2):
+        x, _ = gpt_tiny.make_batch(size, torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            for index, (layer_def, module) in enumerate(zip(gpt_tiny.layers, built)):
+                x = layer_def.forward(module, x)
+                assert tiny_profile.layers[index].cost(size).output_activation_bytes == tensor_bytes(x)
+    # Shape check on one number: block output is b x s x h float32.
+    assert tiny_profile.layers[1].cost(2).output_activation_bytes == 2 * gpt_tiny.seq_len * gpt_tiny.hidden * 4
+
+
+def test_saved_bytes_grow_with_micro_batch_and_exclude_parameters(tiny_profile):
+    block = tiny_profile.layers[1]
+    saved_1, saved_2 = block.cost(1).saved_activation_bytes, block.cost(2).saved_activation_bytes
+    # A block keeps at least its input and several b*s*h intermediates, and nothing of its weights:
+    # doubling b doubles what it saves.
+    assert saved_1 >= block.cost(1).output_activation_bytes
+    assert saved_2 == 2 * saved_1
+    assert saved_1 < block.parameter_bytes  # weights (195 KiB) are not counted as saved activations
+
+
+def test_memory_budget_stops_at_first_size_that_does_not_fit(gpt_tiny, tiny_profile):
+    # The CPU estimate of the whole model at b: parameters + gradients + every layer's saved bytes
+    # + the last output. A budget just above b=2's estimate admits 1 and 2 and stops at 4.
+    def estimate(size: int) -> int:
+        saved = sum(layer.cost(size).saved_activation_bytes for layer in tiny_profile.layers)
+        return 2 * 4 * tiny_profile.parameter_count + saved + tiny_profile.layers[-1].cost(size).output_activation_bytes
+
+    budget = estimate(2) + 1
+    profile = profile_model(gpt_tiny, [1, 2, 4, 8], warmup=0, repeats=1, memory_budget_bytes=budget)
+    assert profile.micro_batch_sizes == [1, 2]
+    assert profile.not_fitting_micro_batch_size == 4
+    assert any("micro-batch size 4 does not fit" in note for note in profile.notes)
+
+
+def test_nothing_fits_is_a_user_error(gpt_tiny):
+    with pytest.raises(UserInputError, match="does not fit even at micro-batch size 1"):
+        profile_model(gpt_tiny, [1], warmup=0, repeats=1, memory_budget_bytes=1024)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"micro_batch_sizes": [0, 2]}, "must be positive, got 0"),
+        ({"repeats": 0}, "repeats must be >= 1, got 0"),
+        ({"device": "tpu"}, "tpu"),
+    ],
+)
+def test_bad_arguments_are_user_errors(gpt_tiny, kwargs, message):
+    with pytest.raises(UserInputError, match=message):
+        profile_model(gpt_tiny, **{"micro_batch_sizes": [1], **kwargs})
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on machines without CUDA")
+def test_cuda_without_cuda_is_a_clear_error(gpt_tiny):
+    with pytest.raises(UserInputError, match="CUDA is not available"):
+        profile_model(gpt_tiny, [1], device="cuda")
+
+
+def test_progress_reports_every_layer_and_size(gpt_tiny):
+    seen = []
+    profile_model(build_model("mlp-tiny"), [1, 2], warmup=0, repeats=1, progress=seen.append)
+    assert [(u.done, u.total) for u in seen] == [(i, 20) for i in range(1, 21)]
+    assert seen[-1].layer == "classifier" and seen[-1].micro_batch_size == 2
+
+
+def test_last_layer_backward_includes_the_loss(gpt_tiny):
+    # The head's backward starts from the loss: its saved bytes include what the loss keeps
+    # (log-softmax of the b*s*V logits), more than the head's own input and output alone keep.
+    profile = profile_model(gpt_tiny, [1], warmup=0, repeats=1)
+    head = profile.layers[-1].cost(1)
+    logits_bytes = head.output_activation_bytes
+    assert head.saved_activation_bytes > logits_bytes
