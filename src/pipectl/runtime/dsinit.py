@@ -1,0 +1,74 @@
+"""Starting DeepSpeed inside a rank: the work-arounds measured on CPU machines, in one place.
+
+See /work/shared/DEEPSPEED-ON-CPU.md for the measurements behind each step:
+
+- DeepSpeed's first `init_distributed()` JIT-compiles a shared-memory all-reduce op (43-90 s on
+  two cores, and 66 MiB of /dev/shm leaked per master port under its launcher). Training never
+  uses it (it serves inference all-reduce only), so we replace `build_shm_op` in
+  `deepspeed.comm.torch` with a function that returns None, which DeepSpeed already treats as
+  "op not available". The module must be fetched with `importlib.import_module`: the package
+  re-exports the name `torch`, so `import deepspeed.comm.torch as m` yields torch itself.
+- One OpenMP thread per rank: with two threads, 20 steps at p=2 went from 1.3 s to 6.3 s.
+- `DS_ACCELERATOR=cpu` when no GPU is visible, which silences the accelerator warning.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+_SHM_PATCHED = False
+
+
+def set_rank_environment() -> None:
+    """Environment defaults every rank needs before torch/DeepSpeed do real work.
+
+    Existing values win: a launcher (torchrun) or the user may have chosen differently.
+    """
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if "DS_ACCELERATOR" not in os.environ:
+        import torch
+
+        if not torch.cuda.is_available():
+            os.environ["DS_ACCELERATOR"] = "cpu"
+    import torch
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+def skip_shared_memory_op_build() -> None:
+    """Make DeepSpeed skip the JIT build of its shared-memory all-reduce op (idempotent)."""
+    global _SHM_PATCHED
+    if _SHM_PATCHED:
+        return
+    comm_torch = importlib.import_module("deepspeed.comm.torch")
+
+    def no_shm_op():
+        return None
+
+    comm_torch.build_shm_op = no_shm_op
+    _SHM_PATCHED = True
+
+
+def init_distributed(timeout_seconds: float | None = None) -> None:
+    """Environment, shm-op skip, then `deepspeed.init_distributed()` from the env:// variables.
+
+    Expects RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT (torchrun, DeepSpeed's
+    launcher and our spawn helper all set them).
+    """
+    from datetime import timedelta
+
+    set_rank_environment()
+    skip_shared_memory_op_build()
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    kwargs = {}
+    if timeout_seconds is not None:
+        kwargs["timeout"] = timedelta(seconds=timeout_seconds)
+    deepspeed.init_distributed(
+        dist_backend=get_accelerator().communication_backend_name(),
+        auto_mpi_discovery=False,
+        verbose=False,
+        **kwargs,
+    )

@@ -1,0 +1,193 @@
+"""A DeepSpeed `PipelineModule` built from a `ModelLayers`, cut exactly where the plan says.
+
+Two things DeepSpeed does not offer out of the box, and why we need them:
+
+- **Explicit cuts.** `PipelineModule(partition_method=...)` accepts only `parameters`, `uniform`
+  and `type:regex`; the planner's cut (PipeDream's dynamic program over profiled layer costs) is
+  a list of half-open layer ranges. `PlannedPipelineModule` overrides the module's partitioning
+  step to install those boundaries verbatim.
+- **Initialisation independent of the layout.** Each layer is built under its own seed
+  (`seed + layer index`) inside a forked RNG, so p=1, p=2 or any other cut start from the very
+  same weights and the global RNG is left untouched. DeepSpeed's own `seed_layers=True` also
+  re-seeds the global RNG before every layer of every forward pass, and its default seed function
+  fails on numpy integer seeds under Python 3.11 (DEEPSPEED-ON-CPU.md), so we do not use it.
+  A tied layer (the GPT head sharing the embedding table) is seeded with the index of the first
+  layer holding that tie, so every stage builds the same table; DeepSpeed then broadcasts it from
+  the lowest rank anyway.
+
+Example: gpt-tiny has 9 layers (embed, block.0..5, final_norm, head); a plan cutting it after
+block.1 gives DeepSpeed the boundaries
+
+    >>> stage_boundaries([(0, 3), (3, 9)], num_layers=9)
+    [0, 3, 9]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+from deepspeed.runtime.pipe.topology import PipeDataParallelTopology, ProcessTopology
+
+from pipectl.errors import UserInputError
+from pipectl.models.base import LayerDef, ModelLayers
+
+
+def stage_boundaries(stage_layers: Sequence[Sequence[int]], num_layers: int) -> list[int]:
+    """Half-open `[start, end)` ranges per stage -> DeepSpeed's `parts` list (p + 1 boundaries).
+
+    The ranges must be non-empty, contiguous, start at 0 and end at `num_layers`.
+
+        >>> stage_boundaries([(0, 2), (2, 5), (5, 8)], num_layers=8)
+        [0, 2, 5, 8]
+    """
+    ranges = [tuple(r) for r in stage_layers]
+    if not ranges:
+        raise UserInputError("stage_layers is empty: a pipeline needs at least one stage")
+    for index, layer_range in enumerate(ranges):
+        if len(layer_range) != 2:
+            raise UserInputError(f"stage {index} range {list(layer_range)} is not a [start, end) pair")
+        start, end = layer_range
+        if start >= end:
+            raise UserInputError(f"stage {index} range [{start}, {end}) holds no layer")
+    if ranges[0][0] != 0:
+        raise UserInputError(f"the first stage must start at layer 0, got {ranges[0][0]}")
+    for index, ((_, end), (start, _)) in enumerate(zip(ranges, ranges[1:])):
+        if end != start:
+            raise UserInputError(
+                f"stage {index} ends at layer {end} but stage {index + 1} starts at {start}: "
+                f"ranges must be contiguous"
+            )
+    if ranges[-1][1] != num_layers:
+        raise UserInputError(
+            f"the last stage ends at layer {ranges[-1][1]} but the model has {num_layers} layers"
+        )
+    return [start for start, _ in ranges] + [num_layers]
+
+
+class SeededLayerSpec(LayerSpec):
+    """A `LayerSpec` that builds its module under a fixed seed, leaving the global RNG as it was."""
+
+    def __init__(self, seed: int, typename: type[torch.nn.Module], *args: Any, **kwargs: Any) -> None:
+        super().__init__(typename, *args, **kwargs)
+        self.seed = int(seed)
+
+    def build(self, log: bool = False) -> torch.nn.Module:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.seed)
+            return super().build(log=log)
+
+
+class SeededTiedLayerSpec(TiedLayerSpec):
+    """A `TiedLayerSpec` seeded like `SeededLayerSpec` (same seed on every stage holding the tie)."""
+
+    def __init__(self, seed: int, key: str, typename: type[torch.nn.Module], *args: Any, **kwargs: Any) -> None:
+        super().__init__(key, typename, *args, **kwargs)
+        self.seed = int(seed)
+
+    def build(self, log: bool = False) -> torch.nn.Module:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.seed)
+            return super().build(log=log)
+
+
+def layer_specs(model: ModelLayers, seed: int) -> list[LayerSpec]:
+    """One (Tied)LayerSpec per `LayerDef`, seeded by `seed + layer index` (ties: first holder's index)."""
+    first_holder: dict[str, int] = {}
+    specs: list[LayerSpec] = []
+    for index, layer in enumerate(model.layers):
+        specs.append(_spec(layer, index, seed, first_holder))
+    return specs
+
+
+def _spec(layer: LayerDef, index: int, seed: int, first_holder: dict[str, int]) -> LayerSpec:
+    if layer.tie_key is None:
+        return SeededLayerSpec(seed + index, layer.module_cls, *layer.args, **layer.kwargs)
+    owner = first_holder.setdefault(layer.tie_key, index)
+    return SeededTiedLayerSpec(
+        seed + owner,
+        layer.tie_key,
+        layer.module_cls,
+        *layer.args,
+        forward_fn=layer.tied_forward,
+        tied_weight_attr=layer.tied_weight_attr,
+        **layer.kwargs,
+    )
+
+
+class PlannedPipelineModule(PipelineModule):
+    """A `PipelineModule` whose stage boundaries are given, not computed.
+
+    `boundaries` is DeepSpeed's `parts` list: stage s holds layers [boundaries[s], boundaries[s+1]).
+    """
+
+    def __init__(self, layers: Sequence[LayerSpec], boundaries: Sequence[int], **kwargs: Any) -> None:
+        # Set before PipelineModule.__init__, which calls _partition_layers() from inside itself.
+        object.__setattr__(self, "planned_boundaries", [int(b) for b in boundaries])
+        super().__init__(layers=layers, **kwargs)
+
+    def _partition_layers(self, method: str = "uniform") -> None:
+        stages = self.num_stages
+        if len(self.planned_boundaries) != stages + 1:
+            raise UserInputError(
+                f"the plan cuts the model into {len(self.planned_boundaries) - 1} stages but the "
+                f"topology has {stages} pipeline stages"
+            )
+        # Plain ints: DeepSpeed's own partitioners leave numpy integers here, which JSON rejects.
+        self.parts = list(self.planned_boundaries)
+        stage_id = self._topo.get_coord(self.global_rank).pipe
+        self._set_bounds(start=self.parts[stage_id], stop=self.parts[stage_id + 1])
+
+
+def build_pipeline_module(
+    model: ModelLayers,
+    stage_layers: Sequence[Sequence[int]],
+    *,
+    topology: ProcessTopology | None = None,
+    num_stages: int | None = None,
+    seed: int = 0,
+    chunks: int = 1,
+) -> PlannedPipelineModule:
+    """The model as a DeepSpeed `PipelineModule`, cut at the plan's half-open `stage_layers`.
+
+    Give either `topology` (pipe x data, or pipe x data x model) or `num_stages` (data
+    parallelism then fills the rest of the world). torch.distributed must be initialised.
+    `chunks` > 1 (interleaved schedules: several model chunks per rank) cannot run in DeepSpeed's
+    pipeline engine, which holds one contiguous range of layers per rank; it is refused here.
+
+    Example: gpt-tiny (9 layers) on two stages, the first holding the embedding and 3 blocks:
+
+        module = build_pipeline_module(build_model("gpt-tiny"), [(0, 4), (4, 9)], num_stages=2)
+    """
+    if chunks != 1:
+        raise UserInputError(
+            f"the plan uses {chunks} model chunks per device (interleaved schedule); DeepSpeed's "
+            f"pipeline engine holds one contiguous layer range per rank and cannot run it",
+            hint="re-plan for a DeepSpeed launch, which excludes interleaved schedules with v > 1",
+        )
+    if topology is None and num_stages is None:
+        raise UserInputError("give the pipeline topology or the number of stages")
+    stages = topology.get_dim("pipe") if topology is not None else int(num_stages)
+    if len(stage_layers) != stages:
+        raise UserInputError(
+            f"the plan has {len(stage_layers)} stage ranges {list(map(list, stage_layers))} for "
+            f"{stages} pipeline stages",
+            hint="with several ranges per rank the plan is interleaved (v > 1): not runnable in DeepSpeed",
+        )
+    boundaries = stage_boundaries(stage_layers, len(model.layers))
+    if topology is None:
+        import torch.distributed as torch_dist
+
+        world = torch_dist.get_world_size()
+        if world % stages:
+            raise UserInputError(f"{stages} pipeline stages do not divide the world size {world}")
+        topology = PipeDataParallelTopology(num_pp=stages, num_dp=world // stages)
+    return PlannedPipelineModule(
+        layer_specs(model, seed),
+        boundaries,
+        topology=topology,
+        loss_fn=model.loss_fn,
+        partition_method="uniform",  # ignored: _partition_layers installs the planned cut
+    )
