@@ -58,7 +58,7 @@ from dataclasses import dataclass
 from operator import itemgetter
 
 from pipectl.errors import ScheduleError, UserInputError
-from pipectl.schedule.dag import dependency, execution_order
+from pipectl.schedule.dag import execution_order
 from pipectl.schedule.ir import Action, ActionKind, Schedule
 
 __all__ = [
@@ -188,6 +188,8 @@ _TIMED = (
     ActionKind.OPTIMIZER_STEP,
 )
 
+_COMPUTE = frozenset((ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.RECOMPUTE))
+
 # id(schedule) -> (weak reference to it, compiled form). Verified through the weak reference, so a
 # recycled id never returns a stale entry; entries die with their schedule.
 _CACHE: dict[int, tuple[weakref.ref, _Compiled]] = {}
@@ -222,6 +224,8 @@ def _compile(schedule: Schedule) -> _Compiled:
     }
 
     n = len(order)
+    forward, backward, recompute = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.RECOMPUTE
+    allreduce = ActionKind.ALL_REDUCE
     last_on_rank = [-1] * p
     prev, dep, duration_index, delay_index, transfer_positions = [], [], [], [], []
     allreduce_offset = 3 * stages
@@ -230,26 +234,32 @@ def _compile(schedule: Schedule) -> _Compiled:
         prev.append(last_on_rank[rank])
         last_on_rank[rank] = k
         kind, s = action.kind, action.stage
-        needed = dependency(action, last_stage)
-        if needed is None:
-            dep.append(-1)
-            delay_index.append(0)
-        else:
-            dep.append(position[needed])
-            # delays: [0] + send_forward[0..S-2] + send_backward[0..S-2]
-            delay_index.append(s if kind is ActionKind.FORWARD else stages + s)
-            if schedule.rank_of(needed[1]) != rank:
-                transfer_positions.append(k)
-        if kind is ActionKind.FORWARD:
+        # Dependencies as in pipectl.schedule.dag.dependency; delays index
+        # [0] + send_forward[0..S-2] + send_backward[0..S-2].
+        if kind is forward:
             duration_index.append(s)
-        elif kind is ActionKind.BACKWARD:
+            if s > 0:
+                dep.append(position[(forward, s - 1, action.microbatch)])
+                delay_index.append(s)
+                if (s - 1) % p != rank:
+                    transfer_positions.append(k)
+                continue
+        elif kind is backward:
             duration_index.append(stages + s)
-        elif kind is ActionKind.RECOMPUTE:
+            if s < last_stage:
+                dep.append(position[(backward, s + 1, action.microbatch)])
+                delay_index.append(stages + s)
+                if (s + 1) % p != rank:
+                    transfer_positions.append(k)
+                continue
+        elif kind is recompute:
             duration_index.append(2 * stages + s)
-        elif kind is ActionKind.ALL_REDUCE:
+        elif kind is allreduce:
             duration_index.append(allreduce_offset + rank)
         else:
             duration_index.append(optimizer_offset + rank)
+        dep.append(-1)
+        delay_index.append(0)
 
     peaks = [_peak_memory_counts(per_rank[rank]) for rank in range(p)]
     return _Compiled(
@@ -265,7 +275,7 @@ def _compile(schedule: Schedule) -> _Compiled:
         delays=itemgetter(*delay_index) if n > 1 else (lambda table: (table[delay_index[0]],)),
         transfer_positions=tuple(transfer_positions),
         rank_last=tuple(last_on_rank),
-        compute_kinds=tuple(a.kind.is_compute for _, a in order),
+        compute_kinds=tuple(a.kind in _COMPUTE for _, a in order),
         allreduce_positions=tuple(k for k, (_, a) in enumerate(order) if a.kind is ActionKind.ALL_REDUCE),
         peak_in_flight=tuple(full for full, _ in peaks),
         peak_stashed_inputs=tuple(stashed for _, stashed in peaks),

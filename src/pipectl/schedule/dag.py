@@ -29,44 +29,70 @@ def dependency(action: Action, last_stage: int) -> ActionKey | None:
     return None
 
 
+_P2P = frozenset(kind for kind in ActionKind if kind.is_p2p)
+
+
 def execution_order(schedule: Schedule) -> list[tuple[int, Action]]:
     """(rank, action) pairs of every non-p2p action in an order that respects all dependencies.
 
-    Sweeps the ranks, advancing each one while the dependency of its next action is done; a sweep
-    without progress means a cycle (a deadlock), reported as a grid with each stuck rank marked.
+    Runs each rank until its next action waits for an input not yet produced, and resumes it when
+    that input is produced; ranks left waiting mean a cycle (a deadlock), reported as a grid with
+    each stuck rank marked.
     """
+    forward, backward = ActionKind.FORWARD, ActionKind.BACKWARD
     last_stage = schedule.virtual_stages - 1
     ranks = sorted(schedule.actions)
-    per_rank = {r: [a for a in schedule.actions[r] if not a.kind.is_p2p] for r in ranks}
-    steps = {r: [k for k, a in enumerate(schedule.actions[r]) if not a.kind.is_p2p] for r in ranks}
+    # per rank: (action, its own key or None, the key it waits for or None, index in the rank's list)
+    per_rank: dict[int, list[tuple[Action, ActionKey | None, ActionKey | None, int]]] = {}
+    for rank in ranks:
+        entries = []
+        for step, action in enumerate(schedule.actions[rank]):
+            kind = action.kind
+            if kind in _P2P:
+                continue
+            stage, microbatch = action.stage, action.microbatch
+            own = None if microbatch is None else (kind, stage, microbatch)
+            if kind is forward and stage > 0:
+                needed: ActionKey | None = (forward, stage - 1, microbatch)  # type: ignore[assignment]
+            elif kind is backward and stage < last_stage:
+                needed = (backward, stage + 1, microbatch)  # type: ignore[assignment]
+            else:
+                needed = None
+            entries.append((action, own, needed, step))
+        per_rank[rank] = entries
+    # Kahn's algorithm with one waiter per key: a rank runs until its next action needs a key not
+    # yet done, parks on that key, and is woken when the key's action is placed.
     done: set[ActionKey] = set()
+    waiting: dict[ActionKey, int] = {}
     heads = dict.fromkeys(ranks, 0)
+    runnable = list(reversed(ranks))
     order: list[tuple[int, Action]] = []
-    remaining = sum(len(v) for v in per_rank.values())
-    while remaining:
-        progressed = False
-        for rank in ranks:
-            actions = per_rank[rank]
-            head = heads[rank]
-            while head < len(actions):
-                action = actions[head]
-                needed = dependency(action, last_stage)
-                if needed is not None and needed not in done:
-                    break
-                if action.microbatch is not None:
-                    done.add((action.kind, action.stage, action.microbatch))
-                order.append((rank, action))
-                head += 1
-                remaining -= 1
-                progressed = True
-            heads[rank] = head
-        if not progressed:
-            stuck = {r: steps[r][heads[r]] for r in ranks if heads[r] < len(per_rank[r])}
-            waits = ", ".join(
-                f"rank {r} waits at {per_rank[r][heads[r]]}" for r in ranks if heads[r] < len(per_rank[r])
-            )
-            raise ScheduleError(
-                f"schedule deadlocks: no rank can go on ({waits}); each waits for an input that "
-                "another rank produces only later\n" + format_grid(schedule, stuck)
-            )
+    append = order.append
+    while runnable:
+        rank = runnable.pop()
+        entries = per_rank[rank]
+        head = heads[rank]
+        end = len(entries)
+        while head < end:
+            action, own, needed, _ = entries[head]
+            if needed is not None and needed not in done:
+                waiting[needed] = rank
+                break
+            if own is not None:
+                done.add(own)
+                woken = waiting.pop(own, None)
+                if woken is not None:
+                    runnable.append(woken)
+            append((rank, action))
+            head += 1
+        heads[rank] = head
+    if len(order) != sum(len(v) for v in per_rank.values()):
+        stuck = {r: per_rank[r][heads[r]][3] for r in ranks if heads[r] < len(per_rank[r])}
+        waits = ", ".join(
+            f"rank {r} waits at {per_rank[r][heads[r]][0]}" for r in ranks if heads[r] < len(per_rank[r])
+        )
+        raise ScheduleError(
+            f"schedule deadlocks: no rank can go on ({waits}); each waits for an input that "
+            "another rank produces only later\n" + format_grid(schedule, stuck)
+        )
     return order
