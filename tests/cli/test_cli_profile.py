@@ -129,14 +129,26 @@ def test_memory_budget_stops_the_sweep_and_says_so(tmp_path):
     assert "b=8 does not fit" in result.stdout
 
 
-@pytest.mark.multiprocess
-def test_links_command_calibrates_two_real_processes(tmp_path):
-    out = tmp_path / "links.json"
+def test_links_command_passes_its_options_and_writes_the_result(tmp_path, monkeypatch, links_file):
+    # The real 2-process calibration is tested in tests/profile/test_links.py; here the command's
+    # wiring: options -> CalibrationRequest, result -> links.json + table.
+    import pipectl.profile.links as links_module
+
+    requests = []
+
+    def fake_calibrate(request, device_name):
+        requests.append((request, device_name))
+        return load_model(LinksProfile, links_file)
+
+    monkeypatch.setattr(links_module, "calibrate_links", fake_calibrate)
+    out = tmp_path / "out.json"
     result = _invoke(
-        "profile", "links", "-o", str(out), "--ranks", "2", "--message-sizes", "1KiB,256KiB",
+        "profile", "links", "-o", str(out), "--ranks", "3", "--message-sizes", "1KiB,4m,512",
         "--warmup", "1", "--repeats", "2", "--timeout", "45",
     )
-    links = load_model(LinksProfile, out)
-    fit = links.fit(LinkClass.INTRA_NODE)
-    assert fit is not None and fit.p2p_bandwidth_bytes_per_second > 0 and fit.allreduce_latency_seconds >= 0
+    (request, device_name), = requests
+    assert request.ranks == 3 and request.backend == "gloo" and device_name == "cpu"
+    assert request.message_sizes == (512, 1024, 4 * 1024**2)
+    assert (request.warmup, request.repeats, request.timeout_seconds) == (1, 2, 45.0)
+    assert load_model(LinksProfile, out) == load_model(LinksProfile, links_file)
     assert "intra_node" in result.stdout
