@@ -1,9 +1,234 @@
-"""`pipectl simulate` (being built; see docs/ARCHITECTURE.md)."""
+"""`pipectl simulate`: time one step of a plan (or of a uniform pipeline) and draw it.
+
+    pipectl simulate plan.json --gantt step.png          # the plan's chosen candidate
+    pipectl simulate plan.json --devices 4 --terminal    # its morph-table entry for 4 devices
+    pipectl simulate --schedule 1f1b --pipeline-parallel 4 --micro-batches 8 --terminal
+"""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
 import typer
+from rich.table import Table
+
+from pipectl.cli.context import JsonFlag, console, print_json
+from pipectl.errors import UserInputError
+from pipectl.plan.simulate import StageCosts, Timeline, simulate, uniform_costs
+from pipectl.schedule import ScheduleKind, generate
+from pipectl.schedule.comm import add_communication
+from pipectl.schedule.ir import Schedule
+
+
+def _uniform_options_given(**options: Any) -> list[str]:
+    return [name for name, value in options.items() if value is not None]
+
+
+def _from_plan(
+    plan_path: Path, profile_path: Optional[Path], cluster_name: Optional[str], devices: Optional[int]
+) -> tuple[Schedule, StageCosts, dict[str, Any]]:
+    """The schedule and cost table of a plan's candidate (the chosen one, or the morph entry)."""
+    from pipectl.artifacts.plan import Plan
+    from pipectl.artifacts.profile import ModelProfile
+    from pipectl.cluster import load_cluster
+    from pipectl.io import load_model
+
+    try:
+        from pipectl.plan.costs import stage_costs_for
+    except ImportError as exc:  # the cost model ships with the planner
+        raise UserInputError(
+            f"this installation cannot re-cost plans ({exc})",
+            hint="simulate a uniform pipeline: pipectl simulate --schedule 1f1b --pipeline-parallel 4 --micro-batches 8",
+        ) from exc
+
+    plan = load_model(Plan, plan_path)
+    candidate = plan.chosen
+    if devices is not None:
+        entry = plan.for_devices(devices)
+        if entry is None:
+            counts = [e.devices for e in plan.morph_table]
+            raise UserInputError(
+                f"the plan's morph table has no entry for {devices} devices",
+                hint=f"entries: {counts[0]}..{counts[-1]}" if counts else "the plan has no morph table",
+            )
+        if entry.candidate is None:
+            raise UserInputError(f"nothing fits on {devices} devices: {entry.note or 'no feasible candidate'}")
+        candidate = entry.candidate
+    if profile_path is None:
+        if not plan.profile_path:
+            raise UserInputError(f"{plan_path} does not name its profile", hint="pass --profile PROFILE.json")
+        recorded = Path(plan.profile_path)
+        profile_path = recorded if recorded.is_file() else plan_path.parent / recorded
+    profile = load_model(ModelProfile, profile_path)
+    cluster = load_cluster(cluster_name or plan.cluster)
+    costs = stage_costs_for(candidate, profile, cluster)
+    schedule = generate(
+        candidate.schedule,
+        candidate.pipeline_parallel,
+        candidate.micro_batches,
+        candidate.chunks,
+        candidate.recompute,
+    )
+    context = {
+        "source": str(plan_path),
+        "devices": candidate.devices,
+        "tensor_parallel": candidate.tensor_parallel,
+        "data_parallel": candidate.data_parallel,
+        "micro_batch_size": candidate.micro_batch_size,
+        "predicted_step_seconds": candidate.predicted_step_seconds,
+    }
+    return schedule, costs, context
+
+
+def _timeline_payload(schedule: Schedule, timeline: Timeline, context: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "schedule": schedule.kind.value,
+        "pipeline_parallel": schedule.pipeline_parallel,
+        "micro_batches": schedule.micro_batches,
+        "chunks": schedule.chunks,
+        **context,
+        "step_seconds": timeline.step_seconds,
+        "bubble_fraction": list(timeline.bubble_fraction),
+        "bubble_ratio": list(timeline.bubble_ratio),
+        "communication_seconds": timeline.communication_seconds,
+        "communication_seconds_per_rank": list(timeline.communication_seconds_per_rank),
+        "peak_in_flight": list(timeline.peak_in_flight),
+        "peak_stashed_inputs": list(timeline.peak_stashed_inputs),
+        "records": [
+            {"rank": r.rank, "action": str(r.action), "start": r.start, "end": r.end} for r in timeline.records
+        ],
+    }
+
+
+def _summary_table(schedule: Schedule, timeline: Timeline, context: dict[str, Any]) -> Table:
+    title = (
+        f"{schedule.kind.value}  p={schedule.pipeline_parallel} m={schedule.micro_batches} "
+        f"v={schedule.chunks}  step {timeline.step_seconds:.6g} s"
+    )
+    if context.get("predicted_step_seconds"):
+        title += f" (plan predicted {context['predicted_step_seconds']:.6g} s)"
+    table = Table(title=title)
+    for column in ("rank", "busy s", "bubble % of step", "idle / compute", "exposed comm s", "peak in flight"):
+        table.add_column(column, justify="right")
+    for rank in range(schedule.pipeline_parallel):
+        busy = sum(r.end - r.start for r in timeline.rank_records(rank))
+        table.add_row(
+            str(rank),
+            f"{busy:.6g}",
+            f"{100 * timeline.bubble_fraction[rank]:.1f}",
+            f"{timeline.bubble_ratio[rank]:.3f}",
+            f"{timeline.communication_seconds_per_rank[rank]:.6g}",
+            str(timeline.peak_in_flight[rank]),
+        )
+    return table
 
 
 def register(app: typer.Typer) -> None:
-    """Add this module's command(s) to the root app."""
+    """Add `pipectl simulate` to the root app."""
+
+    @app.command("simulate")
+    def simulate_command(
+        plan_path: Annotated[
+            Optional[Path], typer.Argument(help="plan.json from `pipectl plan`.", metavar="[PLAN.json]")
+        ] = None,
+        profile: Annotated[
+            Optional[Path], typer.Option(help="Profile to cost the plan with (default: the plan's own).")
+        ] = None,
+        cluster: Annotated[
+            Optional[str], typer.Option(help="Cluster name or YAML (default: the plan's cluster).")
+        ] = None,
+        devices: Annotated[
+            Optional[int], typer.Option(min=1, help="Simulate the plan's morph-table entry for N devices.")
+        ] = None,
+        schedule_kind: Annotated[
+            Optional[ScheduleKind], typer.Option("--schedule", help="Without a plan: the schedule to simulate.")
+        ] = None,
+        pipeline_parallel: Annotated[Optional[int], typer.Option(min=1, help="Without a plan: ranks p.")] = None,
+        micro_batches: Annotated[Optional[int], typer.Option(min=1, help="Without a plan: micro-batches m.")] = None,
+        chunks: Annotated[Optional[int], typer.Option(min=1, help="Without a plan: chunks per rank v (interleaved).")] = None,
+        recompute: Annotated[
+            Optional[bool], typer.Option("--recompute/--no-recompute", help="Without a plan: recompute before backward.")
+        ] = None,
+        forward_ms: Annotated[
+            Optional[float], typer.Option(min=0.0, help="Forward of one micro-batch through a rank's share, ms (default 1).")
+        ] = None,
+        backward_ms: Annotated[
+            Optional[float], typer.Option(min=0.0, help="Backward of one micro-batch through a rank's share, ms (default 2).")
+        ] = None,
+        send_ms: Annotated[Optional[float], typer.Option(min=0.0, help="One p2p transfer per boundary, ms (default 0).")] = None,
+        allreduce_ms: Annotated[Optional[float], typer.Option(min=0.0, help="Data-parallel all-reduce per rank, ms (default 0).")] = None,
+        optimizer_ms: Annotated[Optional[float], typer.Option(min=0.0, help="Optimizer step per rank, ms (default 0).")] = None,
+        jitter_ms: Annotated[float, typer.Option(min=0.0, help="Std. dev. of extra delay per p2p transfer, ms.")] = 0.0,
+        seed: Annotated[int, typer.Option(help="Seed of the jitter.")] = 0,
+        gantt: Annotated[
+            Optional[Path], typer.Option(help="Write the Gantt chart here (.png or .svg).", metavar="FILE")
+        ] = None,
+        terminal: Annotated[bool, typer.Option("--terminal", help="Draw the Gantt chart in the terminal.")] = False,
+        width: Annotated[int, typer.Option(min=10, help="Characters per row of the terminal chart.")] = 100,
+        print_schedule: Annotated[
+            bool, typer.Option("--print-schedule", help="Print each rank's actions, sends and receives included.")
+        ] = False,
+        as_json: JsonFlag = False,
+    ) -> None:
+        """Simulate one step: step time, bubbles, exposed communication, in-flight micro-batches."""
+        uniform = _uniform_options_given(
+            schedule=schedule_kind, pipeline_parallel=pipeline_parallel, micro_batches=micro_batches,
+            chunks=chunks, recompute=recompute, forward_ms=forward_ms, backward_ms=backward_ms,
+            send_ms=send_ms, allreduce_ms=allreduce_ms, optimizer_ms=optimizer_ms,
+        )
+        if plan_path is not None:
+            if uniform:
+                raise UserInputError(
+                    f"--{uniform[0].replace('_', '-')} describes a uniform pipeline; it cannot be combined with a plan",
+                    hint="drop PLAN.json, or drop the uniform-pipeline options",
+                )
+            schedule, costs, context = _from_plan(plan_path, profile, cluster, devices)
+            if jitter_ms:
+                from dataclasses import replace
+
+                costs = replace(costs, jitter_seconds=jitter_ms / 1e3, seed=seed)
+        else:
+            plan_only = [n for n, v in (("profile", profile), ("cluster", cluster), ("devices", devices)) if v is not None]
+            if plan_only:
+                raise UserInputError(f"--{plan_only[0]} needs a PLAN.json")
+            if schedule_kind is None or pipeline_parallel is None or micro_batches is None:
+                raise UserInputError(
+                    "give a PLAN.json, or --schedule, --pipeline-parallel and --micro-batches",
+                    hint="pipectl simulate --schedule 1f1b --pipeline-parallel 4 --micro-batches 8 --terminal",
+                )
+            v = chunks or 1
+            schedule = generate(schedule_kind, pipeline_parallel, micro_batches, v, bool(recompute))
+            costs = uniform_costs(
+                pipeline_parallel, v,
+                (1.0 if forward_ms is None else forward_ms) / 1e3,
+                (2.0 if backward_ms is None else backward_ms) / 1e3,
+                send=(send_ms or 0.0) / 1e3,
+                allreduce=(allreduce_ms or 0.0) / 1e3,
+                optimizer=(optimizer_ms or 0.0) / 1e3,
+                jitter=jitter_ms / 1e3,
+                seed=seed,
+            )
+            context = {"source": "uniform"}
+        timeline = simulate(schedule, costs)
+        if gantt is not None:
+            from pipectl.report.gantt import write_gantt
+
+            title = f"{schedule.kind.value} p={schedule.pipeline_parallel} m={schedule.micro_batches}"
+            title += f" v={schedule.chunks}" if schedule.chunks > 1 else ""
+            written = write_gantt(timeline, gantt, title=title)
+        if as_json:
+            payload = _timeline_payload(schedule, timeline, context)
+            if gantt is not None:
+                payload["gantt"] = str(written)
+            print_json(payload)
+            return
+        if print_schedule:
+            console.print(add_communication(schedule).to_text(), highlight=False, end="")
+        console.print(_summary_table(schedule, timeline, context))
+        if terminal:
+            from pipectl.report.gantt import terminal_gantt
+
+            console.print(terminal_gantt(timeline, width=width), soft_wrap=True)
+        if gantt is not None:
+            console.print(f"Gantt chart written to {written}")

@@ -1,0 +1,104 @@
+"""`pipectl simulate` end to end: the real command, its output, files and exit codes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from pipectl.cli.main import app
+
+runner = CliRunner()
+UNIFORM = ["simulate", "--schedule", "1f1b", "--pipeline-parallel", "4", "--micro-batches", "8"]
+
+
+def invoke(*args: str, code: int = 0):
+    result = runner.invoke(app, list(args))
+    assert result.exit_code == code, result.output
+    return result
+
+
+def test_uniform_json_reports_the_closed_form():
+    payload = json.loads(invoke(*UNIFORM, "--forward-ms", "1", "--backward-ms", "2", "--json").stdout)
+    assert payload["step_seconds"] == pytest.approx((8 + 4 - 1) * 3e-3, rel=1e-12)
+    assert payload["bubble_ratio"] == pytest.approx([3 / 8] * 4)
+    assert payload["peak_in_flight"] == [4, 3, 2, 1]
+    assert len(payload["records"]) == 4 * (2 * 8 + 2)
+    assert payload["records"][0] == {"rank": 0, "action": "0F0", "start": 0.0, "end": 0.001}
+
+
+def test_table_and_terminal_chart():
+    out = invoke(*UNIFORM, "--terminal", "--width", "50").stdout
+    assert "1f1b  p=4 m=8 v=1" in out
+    for rank in range(4):
+        assert f"rank {rank} " in out
+    assert "bubble 27.3%" in out  # (p-1)/(m+p-1) = 3/11
+
+
+def test_interleaved_with_chunks_and_gantt_file(tmp_path: Path):
+    picture = tmp_path / "step.svg"
+    out = invoke("simulate", "--schedule", "interleaved", "--pipeline-parallel", "2", "--micro-batches", "4",
+                 "--chunks", "2", "--gantt", str(picture)).stdout
+    assert "Gantt chart written to" in out
+    assert picture.read_text().lstrip().startswith("<?xml")
+
+
+def test_print_schedule_shows_sends_and_receives():
+    out = invoke("simulate", "--schedule", "gpipe", "--pipeline-parallel", "2", "--micro-batches", "2",
+                 "--print-schedule").stdout
+    assert "0: 0F0 0SF0 0F1 0SF1" in out
+    assert "1: 1RF0 1F0" in out
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["simulate"], "give a PLAN.json, or --schedule"),
+        (["simulate", "--schedule", "interleaved", "--pipeline-parallel", "4", "--micro-batches", "6", "--chunks", "2"],
+         "m=6 to be a multiple of the pipeline-parallel degree p=4"),
+        (UNIFORM + ["--gantt", "step.pdf"], "must end in .png or .svg"),
+        (["simulate", "missing-plan.json"], "file not found: missing-plan.json"),
+        (["simulate", "plan.json", "--schedule", "1f1b"], "cannot be combined with a plan"),
+        (UNIFORM + ["--devices", "4"], "--devices needs a PLAN.json"),
+        (["simulate", "--schedule", "gpipe", "--pipeline-parallel", "2", "--micro-batches", "2", "--chunks", "2"],
+         "chunks v=2 needs the interleaved schedule"),
+    ],
+)
+def test_bad_input_is_one_red_line_and_exit_code_2(args, message):
+    result = invoke(*args, code=2)
+    assert message in result.output
+    assert "Traceback" not in result.output
+
+
+def test_simulates_a_plan_candidate(tmp_path: Path):
+    costs = pytest.importorskip("pipectl.plan.costs")
+    from pipectl.artifacts.plan import Candidate, Objective, Plan
+    from pipectl.cluster import load_cluster
+    from pipectl.io import write_json_atomic
+    from pipectl.plan.simulate import simulate_step_seconds
+    from pipectl.plan.synthetic import synthetic_profile
+    from pipectl.schedule import ScheduleKind, generate
+
+    profile = synthetic_profile(blocks=4, micro_batch_sizes=[1, 2], device="cpu")
+    profile_path = write_json_atomic(tmp_path / "profile.json", profile)
+    candidate = Candidate(
+        devices=2, device="cpu", tensor_parallel=1, pipeline_parallel=2, data_parallel=1,
+        micro_batch_size=2, micro_batches=4, schedule=ScheduleKind.ONE_F_ONE_B, recompute=False,
+        zero_stage=0, stage_layers=[(0, 3), (3, len(profile.layers))], predicted_step_seconds=1.0,
+        samples_per_second=8.0, tflops_per_device=0.0, peak_memory_bytes=[1, 1], bubble_fraction=0.2,
+        communication_fraction=0.0, cost_per_million_samples=0.0,
+    )
+    plan = Plan(model=profile.model, profile_path="profile.json", cluster="local", global_batch=8,
+                objective=Objective.TIME, layers=len(profile.layers), chosen=candidate)
+    plan_path = write_json_atomic(tmp_path / "plan.json", plan)
+    payload = json.loads(invoke("simulate", str(plan_path), "--json").stdout)
+    expected = simulate_step_seconds(
+        generate(ScheduleKind.ONE_F_ONE_B, 2, 4),
+        costs.stage_costs_for(candidate, profile, load_cluster("local")),
+    )
+    assert payload["step_seconds"] == pytest.approx(expected, rel=1e-12)
+    assert payload["predicted_step_seconds"] == 1.0
+    assert payload["source"] == str(plan_path)
+    assert Path(profile_path).is_file()

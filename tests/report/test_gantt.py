@@ -1,0 +1,69 @@
+import pytest
+
+from pipectl.errors import UserInputError
+from pipectl.plan.simulate import simulate, uniform_costs
+from pipectl.report.gantt import KIND_COLOURS, describe, gantt_figure, terminal_gantt, write_gantt
+from pipectl.schedule import ScheduleKind, generate
+
+
+@pytest.fixture(scope="module")
+def timeline():
+    return simulate(generate(ScheduleKind.ONE_F_ONE_B, 3, 4), uniform_costs(3, 1, 1.0, 2.0, allreduce=0.5, optimizer=0.5))
+
+
+def test_terminal_rows_are_one_per_rank_and_proportional(timeline):
+    width = 60
+    lines = terminal_gantt(timeline, width=width).plain.splitlines()
+    assert len(lines) == 3 + 1
+    for rank, line in enumerate(lines[:3]):
+        assert line.startswith(f"rank {rank} ")
+        assert len(line) == len("rank 0 ") + width
+    # rank 2 (last stage) starts after two forwards: 2/19 of the step idle, ~6 cells
+    idle_cells = len(lines[2]) - len(lines[2][len("rank 2 "):].lstrip("·")) - len("rank 2 ")
+    assert idle_cells == round(2 / timeline.step_seconds * width)
+    assert lines[0][len("rank 0 "):].startswith("F0")
+    assert lines[-1] == describe(timeline)
+
+
+def test_terminal_cells_carry_the_kind_colours():
+    costs = uniform_costs(3, 1, 1.0, 2.0, allreduce=0.5, optimizer=0.5)
+    text = terminal_gantt(simulate(generate(ScheduleKind.GPIPE, 3, 4, recompute=True), costs), width=60)
+    styles = {str(span.style) for span in text.spans}
+    for kind, colour in KIND_COLOURS.items():
+        assert f"white on {colour}" in styles, kind
+
+
+def test_terminal_marks_later_chunks_in_lower_case():
+    interleaved = simulate(generate(ScheduleKind.INTERLEAVED, 2, 4, 2), uniform_costs(2, 2, 1.0, 2.0))
+    plain = terminal_gantt(interleaved, width=200).plain
+    assert "f0" in plain and "b0" in plain and "F0" in plain
+
+
+def test_describe_gives_step_and_mean_bubble(timeline):
+    assert describe(timeline) == f"step {timeline.step_seconds:.4g} s, bubble {100 * sum(timeline.bubble_fraction) / 3:.1f}%"
+
+
+def test_figure_has_one_bar_per_record_and_a_titled_axis(timeline):
+    figure = gantt_figure(timeline, title="1f1b p=3 m=4")
+    axes = figure.axes[0]
+    assert len(axes.patches) == len(timeline.records)
+    assert axes.get_title().startswith("1f1b p=3 m=4: step ")
+    assert [t.get_text() for t in axes.get_yticklabels()] == ["rank 0", "rank 1", "rank 2"]
+    numbers = sorted(t.get_text() for t in axes.texts)
+    assert numbers.count("0") == 6  # F0 and B0 on each of 3 ranks
+
+
+@pytest.mark.parametrize("suffix, magic", [(".png", b"\x89PNG"), (".svg", b"<?xml")])
+def test_write_gantt_picks_the_format_from_the_suffix(tmp_path, timeline, suffix, magic):
+    path = write_gantt(timeline, tmp_path / f"step{suffix}")
+    assert path.read_bytes().startswith(magic)
+
+
+def test_write_gantt_rejects_other_suffixes(tmp_path, timeline):
+    with pytest.raises(UserInputError, match=r"must end in .png or .svg, not '.pdf'"):
+        write_gantt(timeline, tmp_path / "step.pdf")
+
+
+def test_terminal_width_must_be_usable(timeline):
+    with pytest.raises(UserInputError, match="at least 10"):
+        terminal_gantt(timeline, width=3)
