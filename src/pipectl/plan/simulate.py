@@ -56,6 +56,7 @@ import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from operator import itemgetter
+from typing import NamedTuple
 
 from pipectl.errors import ScheduleError, UserInputError
 from pipectl.schedule.dag import execution_order
@@ -86,8 +87,9 @@ class StageCosts:
     seed: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class TimedAction:
+class TimedAction(NamedTuple):
+    """One action of the step with its simulated start and end (seconds from the step's start)."""
+
     rank: int
     action: Action
     start: float
