@@ -10,6 +10,7 @@ from pipectl.artifacts.profile import LinkClass, LinkSample
 from pipectl.errors import UserInputError
 from pipectl.profile.links import (
     CalibrationRequest,
+    LinkMeasurements,
     calibrate_links,
     fit_link_class,
     fit_nonnegative_line,
@@ -82,6 +83,18 @@ def test_negative_intercept_is_clamped_to_zero():
     assert fit.residual_std > 0
 
 
+def test_jitter_comes_from_the_spread_of_small_messages():
+    sizes = [1024, 4096, 65536, 1 << 20]
+    measured = LinkMeasurements(
+        samples=_p2p_samples(1e-5, 1e9, sizes) + _ring_samples(1e-5, 1e9, [2], sizes),
+        spreads_seconds=[2e-6, 4e-6, 9e-4, 5e-3] + [1.0] * 4,  # all-reduce spreads are ignored
+    )
+    # The smaller half of the p2p sweep (1 KiB, 4 KiB): median of 2 and 4 µs.
+    assert measured.p2p_jitter_seconds() == pytest.approx(3e-6)
+    fit = fit_link_class(measured.samples, INTRA, measured.p2p_jitter_seconds())
+    assert fit.p2p_jitter_seconds == pytest.approx(3e-6)
+
+
 def test_fit_needs_two_message_sizes():
     with pytest.raises(UserInputError, match="2 or more message sizes"):
         fit_link_class(_ring_samples(1e-6, 1e9, [2], [4096]) + _p2p_samples(1e-6, 1e9, [4096]), INTRA)
@@ -116,4 +129,5 @@ def test_two_gloo_processes_give_positive_bandwidth_and_non_negative_latency():
     assert fit is not None
     assert fit.p2p_bandwidth_bytes_per_second > 0 and fit.p2p_latency_seconds >= 0
     assert fit.allreduce_bandwidth_bytes_per_second > 0 and fit.allreduce_latency_seconds >= 0
+    assert fit.p2p_jitter_seconds >= 0
     assert predict_p2p_seconds(fit, 1 << 20) > predict_p2p_seconds(fit, 1024)

@@ -6,7 +6,9 @@ devices and fitted so that the planner can evaluate any ring size (scale-invaria
 Here:
 
 - p2p: a ping-pong between ranks 0 and 1; one-way time = round trip / 2 (no clock sync needed).
-  Fit: time(bytes) = latency + bytes / bandwidth, least squares with latency >= 0.
+  Fit: time(bytes) = latency + bytes / bandwidth, least squares with latency >= 0 (weighted by
+  1/time^2, so every size counts by its relative error). Jitter: the spread of repeated transfers
+  of the smaller, latency-bound messages.
 - all-reduce over rings of D = 2..N ranks (sub-groups of the spawned world). Fit the ring model
   (Patarasuk & Yuan 2009; Thakur et al. 2005, "Optimization of Collective Communication Operations
   in MPICH"): time(bytes, D) = 2(D-1) * (alpha + bytes / (D * bandwidth)), i.e. 2(D-1) steps, each
@@ -62,6 +64,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _spread(times: list[float]) -> float:
+    """Root-mean-square deviation of repeated timings from their median."""
+    middle = statistics.median(times)
+    return math.sqrt(sum((t - middle) ** 2 for t in times) / len(times))
+
+
 def _worker(rank: int, world_size: int, port: int, request: CalibrationRequest, results) -> None:
     """One calibration process. Rank 0 times and reports; every rank takes part in every operation."""
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -102,7 +110,7 @@ def _worker(rank: int, world_size: int, port: int, request: CalibrationRequest, 
                 sync()
                 if attempt >= request.warmup:
                     times.append((time.perf_counter() - start) / 2)
-            samples.append(("p2p", 2, buffer.numel() * 4, statistics.median(times)))
+            samples.append(("p2p", 2, buffer.numel() * 4, statistics.median(times), _spread(times)))
 
         for ring_size in range(2, world_size + 1):
             members = list(range(ring_size))
@@ -119,7 +127,7 @@ def _worker(rank: int, world_size: int, port: int, request: CalibrationRequest, 
                         sync()
                     if attempt >= request.warmup:
                         times.append(time.perf_counter() - start)
-                samples.append(("allreduce", ring_size, buffer.numel() * 4, statistics.median(times)))
+                samples.append(("allreduce", ring_size, buffer.numel() * 4, statistics.median(times), _spread(times)))
         dist.barrier()
         dist.destroy_process_group()
         if rank == 0:
@@ -128,8 +136,28 @@ def _worker(rank: int, world_size: int, port: int, request: CalibrationRequest, 
         results.put(("error", rank, traceback.format_exc()))
 
 
-def measure_links(request: CalibrationRequest) -> list[LinkSample]:
-    """Spawn `request.ranks` processes, run the sweep, return rank 0's raw samples."""
+@dataclass(frozen=True)
+class LinkMeasurements:
+    """Rank 0's medians, and the spread of the repeats behind each median (same order)."""
+
+    samples: list[LinkSample]
+    spreads_seconds: list[float]
+
+    def p2p_jitter_seconds(self) -> float:
+        """Jitter of a p2p transfer: the median spread of repeats over the latency-bound half of the
+        sweep (the smaller messages), where a transfer's extra delay is not hidden by its size."""
+        p2p = sorted(
+            (sample.message_bytes, spread)
+            for sample, spread in zip(self.samples, self.spreads_seconds)
+            if sample.op == "p2p"
+        )
+        if not p2p:
+            return 0.0
+        return statistics.median(spread for _, spread in p2p[: max(1, len(p2p) // 2)])
+
+
+def measure_links(request: CalibrationRequest) -> LinkMeasurements:
+    """Spawn `request.ranks` processes, run the sweep, return rank 0's measurements."""
     if request.ranks < 2:
         raise UserInputError(f"link calibration needs at least 2 ranks, got {request.ranks}")
     if not request.message_sizes or min(request.message_sizes) <= 0:
@@ -193,10 +221,13 @@ def measure_links(request: CalibrationRequest) -> list[LinkSample]:
             os.environ.pop("OMP_NUM_THREADS", None)
         else:
             os.environ["OMP_NUM_THREADS"] = previous
-    return [
-        LinkSample(op=op, link_class=LinkClass.INTRA_NODE, ring_size=ring, message_bytes=nbytes, seconds=seconds)
-        for op, ring, nbytes, seconds in payload
-    ]
+    return LinkMeasurements(
+        samples=[
+            LinkSample(op=op, link_class=LinkClass.INTRA_NODE, ring_size=ring, message_bytes=nbytes, seconds=seconds)
+            for op, ring, nbytes, seconds, _ in payload
+        ],
+        spreads_seconds=[spread for *_, spread in payload],
+    )
 
 
 @dataclass(frozen=True)
@@ -246,12 +277,17 @@ def _bandwidth(slope: float, x: Sequence[float], y: Sequence[float]) -> float:
     return max(xi / yi for xi, yi in zip(x, y) if yi > 0)
 
 
-def fit_link_class(samples: Sequence[LinkSample], link_class: LinkClass) -> LinkClassFit:
+def fit_link_class(
+    samples: Sequence[LinkSample], link_class: LinkClass, p2p_jitter_seconds: float | None = None
+) -> LinkClassFit:
     """Fit p2p latency + bytes/bandwidth and the ring all-reduce model from raw samples.
 
     The all-reduce model time = 2(D-1)(alpha + bytes/(D*bw)) is linear in alpha and 1/bw once both
     sides are divided by 2(D-1): time / (2(D-1)) = alpha + (bytes/D) / bw. So the same line fit
     applies with x = bytes/D and y = time/(2(D-1)), pooling every ring size.
+
+    `p2p_jitter_seconds` is the measured spread of repeated transfers; without it, the standard
+    deviation of the p2p medians about the fitted line stands in.
 
     Example: samples that follow the model exactly give back its parameters.
 
@@ -283,7 +319,7 @@ def fit_link_class(samples: Sequence[LinkSample], link_class: LinkClass) -> Link
         link_class=link_class,
         p2p_latency_seconds=p2p_fit.intercept,
         p2p_bandwidth_bytes_per_second=_bandwidth(p2p_fit.slope, p2p_x, p2p_y),
-        p2p_jitter_seconds=p2p_fit.residual_std,
+        p2p_jitter_seconds=p2p_fit.residual_std if p2p_jitter_seconds is None else p2p_jitter_seconds,
         allreduce_latency_seconds=ring_fit.intercept,
         allreduce_bandwidth_bytes_per_second=_bandwidth(ring_fit.slope, ring_x, ring_y),
     )
@@ -295,12 +331,12 @@ def calibrate_links(request: CalibrationRequest = CalibrationRequest(), device_n
     `device_name` is the catalog name of the devices linked (`cpu` here). All ranks share this
     machine, so the one fit is of the intra_node class.
     """
-    samples = measure_links(request)
+    measured = measure_links(request)
     return LinksProfile(
         backend=request.backend,
         device=device_name,
-        fits=[fit_link_class(samples, LinkClass.INTRA_NODE)],
-        samples=samples,
+        fits=[fit_link_class(measured.samples, LinkClass.INTRA_NODE, measured.p2p_jitter_seconds())],
+        samples=measured.samples,
     )
 
 
