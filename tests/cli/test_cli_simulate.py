@@ -102,3 +102,15 @@ def test_simulates_a_plan_candidate(tmp_path: Path):
     assert payload["predicted_step_seconds"] == 1.0
     assert payload["source"] == str(plan_path)
     assert Path(profile_path).is_file()
+
+
+def test_varuna_order_follows_the_given_stage_times():
+    from pipectl.schedule import ScheduleKind, generate
+
+    out = invoke("simulate", "--schedule", "varuna", "--pipeline-parallel", "3", "--micro-batches", "6",
+                 "--forward-ms", "1", "--backward-ms", "3", "--print-schedule").stdout
+    expected = generate(ScheduleKind.VARUNA, 3, 6, forward_seconds=1.0, backward_seconds=3.0)
+    assert expected.actions != generate(ScheduleKind.VARUNA, 3, 6).actions  # the ratio matters here
+    first_rank = " ".join(str(a) for a in expected.compute_order(0))
+    shown = next(line for line in out.splitlines() if line.startswith("0: "))
+    assert " ".join(t for t in shown[3:].split() if t[1] in "FBR" and t[1:3] not in ("SF", "SB", "RF", "RB")) == first_rank

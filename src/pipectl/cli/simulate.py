@@ -130,7 +130,7 @@ def register(app: typer.Typer) -> None:
     @app.command("simulate")
     def simulate_command(
         plan_path: Annotated[
-            Optional[Path], typer.Argument(help="plan.json from `pipectl plan`.", metavar="[PLAN.json]")
+            Optional[Path], typer.Argument(help="plan.json from `pipectl plan`.", metavar="PLAN.json")
         ] = None,
         profile: Annotated[
             Optional[Path], typer.Option(help="Profile to cost the plan with (default: the plan's own).")
@@ -198,11 +198,20 @@ def register(app: typer.Typer) -> None:
                     hint="pipectl simulate --schedule 1f1b --pipeline-parallel 4 --micro-batches 8 --terminal",
                 )
             v = chunks or 1
-            schedule = generate(schedule_kind, pipeline_parallel, micro_batches, v, bool(recompute))
+            forward_s = (1.0 if forward_ms is None else forward_ms) / 1e3
+            backward_s = (2.0 if backward_ms is None else backward_ms) / 1e3
+            if schedule_kind is ScheduleKind.VARUNA and forward_s > 0 and backward_s > 0:
+                # Varuna's order is derived from the stage times themselves
+                schedule = generate(
+                    schedule_kind, pipeline_parallel, micro_batches,
+                    forward_seconds=forward_s, backward_seconds=backward_s,
+                )
+            else:
+                schedule = generate(schedule_kind, pipeline_parallel, micro_batches, v, bool(recompute))
             costs = uniform_costs(
                 pipeline_parallel, v,
-                (1.0 if forward_ms is None else forward_ms) / 1e3,
-                (2.0 if backward_ms is None else backward_ms) / 1e3,
+                forward_s,
+                backward_s,
                 send=(send_ms or 0.0) / 1e3,
                 allreduce=(allreduce_ms or 0.0) / 1e3,
                 optimizer=(optimizer_ms or 0.0) / 1e3,
@@ -224,7 +233,7 @@ def register(app: typer.Typer) -> None:
             print_json(payload)
             return
         if print_schedule:
-            console.print(add_communication(schedule).to_text(), highlight=False, end="")
+            typer.echo(add_communication(schedule).to_text(), nl=False)
         console.print(_summary_table(schedule, timeline, context))
         if terminal:
             from pipectl.report.gantt import terminal_gantt
