@@ -1,0 +1,64 @@
+"""The morph history of a run: RUN/morphs.jsonl, one `MorphRecord` per resize (job morphing, SPEC §7).
+
+A record is appended when a resize relaunches the job, before the new layout has run a step;
+its downtime is filled in once metrics.jsonl shows the first step completed on the new layout:
+
+    requested_unix ──(stop at a step boundary, checkpoint)──► relaunched_unix ──► first_step_unix
+    └──────────────────────────── downtime_seconds ──────────────────────────────┘
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from pipectl.artifacts.base import Artifact
+
+MORPHS_FILE = "morphs.jsonl"
+
+
+class MorphTrigger(str, Enum):
+    """Who asked for the new layout."""
+
+    RESIZE = "resize"  # `pipectl resize` (a user or a scheduler)
+    ELASTIC = "elastic"  # the elastic engine re-formed the group with another world size
+
+
+class MorphRecord(Artifact):
+    """One line of RUN/morphs.jsonl: the job moved from one layout to another."""
+
+    schema_version: Literal[1] = 1
+    trigger: MorphTrigger = Field(default=MorphTrigger.RESIZE, description="Who asked for the new layout.")
+    requested_unix: float = Field(description="When the resize was requested (seconds since the epoch).")
+    requested_devices: int = Field(gt=0, description="Devices asked for (before leaving out stragglers).")
+    from_devices: int = Field(gt=0, description="Ranks of the layout that ran before.")
+    from_layout: str = Field(description="Layout label before, e.g. 't1p2d1 1f1b b2 m4'.")
+    to_devices: int = Field(gt=0, description="Ranks of the new layout (may be fewer than requested).")
+    to_layout: str = Field(description="Layout label after.")
+    global_batch: int = Field(gt=0, description="B: the same before and after, by construction.")
+    resume_step: int = Field(ge=0, description="Optimizer steps in the checkpoint the new layout starts from.")
+    target_steps: int = Field(gt=0, description="Total steps the relaunched job trains up to.")
+    stopped_running_job: bool = Field(description="Whether a running job had to be stopped first.")
+    stop_seconds: float | None = Field(
+        default=None, ge=0, description="Request -> the old job's ranks exited (after their checkpoint)."
+    )
+    relaunched_unix: float | None = Field(default=None, description="When the new layout's launcher started.")
+    first_step_unix: float | None = Field(
+        default=None, description="When the first step on the new layout completed (from metrics.jsonl)."
+    )
+    downtime_seconds: float | None = Field(
+        default=None, ge=0, description="requested -> first completed step on the new layout."
+    )
+    plan_source: Literal["morph-table", "re-planned", "chosen"] = Field(
+        description="Where the new layout came from."
+    )
+    excluded_ranks: list[int] = Field(default_factory=list, description="Straggler ranks left out.")
+    notes: list[str] = Field(default_factory=list, description="What the user should know (fewer devices, ...).")
+
+    @model_validator(mode="after")
+    def _downtime_matches_times(self) -> "MorphRecord":
+        if self.first_step_unix is not None and self.downtime_seconds is None:
+            raise ValueError("first_step_unix is set but downtime_seconds is not")
+        return self

@@ -1,0 +1,170 @@
+"""Which layout a job gets on N devices: a morph-table look-up, a re-plan only when the table lacks N.
+
+The global batch B never changes (SPEC §1, §7). When B cannot be split over N devices (e.g.
+B = 8 on 3 devices: no d·b·m = 8 with t·p·d = 3 fits), the planner's morph-table entry for N
+holds the best plan that keeps B on *fewer* devices; the choice says so in its notes.
+
+    >>> from pipectl.artifacts.plan import Candidate, MorphEntry, Plan
+    >>> def cand(p, d, m):
+    ...     cuts = [(0, 9)] if p == 1 else [(0, 4), (4, 9)]
+    ...     return Candidate(devices=p * d, device="cpu", tensor_parallel=1, pipeline_parallel=p,
+    ...         data_parallel=d, micro_batch_size=2, micro_batches=m, schedule="1f1b", recompute=False,
+    ...         zero_stage=1, stage_layers=cuts, predicted_step_seconds=0.1, samples_per_second=80.0,
+    ...         tflops_per_device=0.0, peak_memory_bytes=[1] * p, bubble_fraction=0.0,
+    ...         communication_fraction=0.0, cost_per_million_samples=0.0)
+    >>> plan = Plan(model="gpt-tiny", cluster="local", global_batch=8, objective="time", layers=9,
+    ...     chosen=cand(2, 1, 4), morph_table=[MorphEntry(devices=1, candidate=cand(1, 1, 4)),
+    ...     MorphEntry(devices=2, candidate=cand(2, 1, 4)), MorphEntry(devices=3, candidate=cand(2, 1, 4))])
+    >>> choice = choose_candidate(plan, 3)
+    >>> choice.candidate.devices, choice.source, choice.fewer_devices
+    (2, 'morph-table', True)
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Callable, Literal
+
+from pipectl.artifacts.plan import Candidate, MorphEntry, Plan
+from pipectl.errors import InfeasibleError, UserInputError
+
+log = logging.getLogger(__name__)
+
+PlanSource = Literal["morph-table", "re-planned"]
+# Re-plans `plan` for a device count; returns the entry for it (see `replan_for_devices`).
+Replanner = Callable[[Plan, int], MorphEntry]
+
+
+@dataclass(frozen=True)
+class LayoutChoice:
+    """The candidate a job gets on `requested_devices`, where it came from, and what to tell the user."""
+
+    requested_devices: int
+    candidate: Candidate
+    source: PlanSource
+    entry: MorphEntry
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def fewer_devices(self) -> bool:
+        return self.candidate.devices < self.requested_devices
+
+
+def cluster_capacity(plan: Plan) -> int | None:
+    """Devices the plan's cluster has, or None when it has no fixed size (the local cluster: any
+    number of CPU ranks) or its description cannot be read any more."""
+    from pipectl.cluster import load_cluster
+
+    try:
+        cluster = load_cluster(plan.cluster)
+    except UserInputError:
+        return None
+    return None if cluster.local else cluster.total_devices
+
+
+def _fewer_devices_note(plan: Plan, entry: MorphEntry, requested: int) -> str:
+    used = entry.candidate.devices if entry.candidate else 0
+    reason = entry.note or (
+        f"the global batch {plan.global_batch} cannot be split over {requested} devices "
+        f"(d x b x m = {plan.global_batch} with t x p x d = {requested})"
+    )
+    return f"{reason}; the best plan that keeps B = {plan.global_batch} uses {used} of {requested} devices"
+
+
+def choose_candidate(plan: Plan, devices: int, *, replan: Replanner | None = None) -> LayoutChoice:
+    """The plan for `devices` from `plan.morph_table`, or from `replan` when the table lacks it.
+
+    Errors name the value: `devices` < 1, beyond a fixed-size cluster and not in the table, a
+    table entry where nothing fits, or a missing entry with no way to re-plan.
+    """
+    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+        raise UserInputError(f"--devices must be a positive number of devices, got {devices!r}")
+    entry = plan.for_devices(devices)
+    source: PlanSource = "morph-table"
+    if entry is None:
+        capacity = cluster_capacity(plan)
+        known = sorted(e.devices for e in plan.morph_table)
+        if capacity is not None and devices > capacity:
+            raise UserInputError(
+                f"--devices {devices} exceeds cluster '{plan.cluster}' ({capacity} devices) and the plan's "
+                f"morph table has no entry for it (it covers {_ranges(known) or 'no counts'})",
+                hint="re-plan for a bigger cluster with pipectl plan, then resize",
+            )
+        if replan is None:
+            raise UserInputError(
+                f"the plan's morph table has no entry for {devices} devices "
+                f"(it covers {_ranges(known) or 'no counts'}) and the plan cannot be re-planned here",
+                hint="re-plan with pipectl plan --devices ... and launch that plan",
+            )
+        entry = replan(plan, devices)
+        source = "re-planned"
+    if entry.candidate is None:
+        raise InfeasibleError(
+            f"no layout fits on {devices} devices: {entry.note or 'the planner found none'}",
+            hint="pick another --devices count (see the plan's morph table)",
+        )
+    notes = []
+    if source == "re-planned":
+        notes.append(f"the morph table had no entry for {devices} devices: re-planned from {plan.profile_path}")
+    if entry.candidate.devices < devices:
+        notes.append(_fewer_devices_note(plan, entry, devices))
+    elif entry.note:
+        notes.append(entry.note)
+    return LayoutChoice(devices, entry.candidate, source, entry, notes)
+
+
+def _ranges(counts: list[int]) -> str:
+    """Device counts as ranges: [1, 2, 3, 5, 8, 9] -> '1-3, 5, 8-9'."""
+    runs: list[list[int]] = []
+    for count in sorted(counts):
+        if runs and runs[-1][1] == count - 1:
+            runs[-1][1] = count
+        else:
+            runs.append([count, count])
+    return ", ".join(str(low) if low == high else f"{low}-{high}" for low, high in runs)
+
+
+def replan_for_devices(plan: Plan, devices: int) -> MorphEntry:
+    """Re-plan with the plan's own profile and cluster for exactly `devices` (B and objective kept).
+
+    Used only when the morph table lacks the count (the table is meant to make a resize a look-up).
+    """
+    from pathlib import Path
+
+    from pipectl.artifacts.profile import ModelProfile
+    from pipectl.cluster import load_cluster, local_cluster
+    from pipectl.io import load_model
+
+    if not plan.profile_path or not Path(plan.profile_path).is_file():
+        raise UserInputError(
+            f"the morph table has no entry for {devices} devices and the plan's profile "
+            f"{plan.profile_path!r} is not available to re-plan from",
+            hint="re-plan with pipectl plan and launch that plan",
+        )
+    try:
+        from pipectl.plan.search import PlanRequest, plan as search_plan
+    except ImportError as exc:  # the planner is not installed in this build
+        raise UserInputError(f"cannot re-plan for {devices} devices: {exc}") from exc
+    profile = load_model(ModelProfile, plan.profile_path)
+    cluster = load_cluster(plan.cluster)
+    if cluster.local:
+        cluster = local_cluster(devices, base=cluster)
+    request = PlanRequest(global_batch=plan.global_batch, objective=plan.objective, devices=devices)
+    try:
+        replanned = search_plan(profile, cluster, request)
+    except InfeasibleError as exc:
+        return MorphEntry(devices=devices, candidate=None, note=exc.message)
+    entry = replanned.for_devices(devices)
+    if entry is not None:
+        return entry
+    note = "" if replanned.chosen.devices == devices else (
+        f"the best plan that keeps B = {plan.global_batch} uses {replanned.chosen.devices} of {devices} devices"
+    )
+    return MorphEntry(devices=devices, candidate=replanned.chosen, note=note)
+
+
+def with_entry(plan: Plan, entry: MorphEntry) -> list[MorphEntry]:
+    """The morph table with `entry` added (or replacing the one for its count), sorted by count."""
+    others = [e for e in plan.morph_table if e.devices != entry.devices]
+    return sorted([*others, entry], key=lambda e: e.devices)

@@ -1,0 +1,124 @@
+"""The morph history of a run (RUN/morphs.jsonl): append, read back, and fill in downtimes.
+
+A resize appends its record before the new layout has trained a step; the downtime is known only
+once metrics.jsonl shows the first step completed after the relaunch. `read_history` fills it in
+from the metrics whenever it can, so `pipectl status` shows it even if the resizing process is
+gone; `update_downtimes` also writes it back.
+
+    >>> import tempfile
+    >>> from pipectl.artifacts.morph import MorphRecord
+    >>> from pipectl.artifacts.run import StepMetrics
+    >>> record = MorphRecord(requested_unix=100.0, requested_devices=1, from_devices=2,
+    ...     from_layout="t1p2d1 1f1b b2 m4", to_devices=1, to_layout="t1p1d1 1f1b b2 m4",
+    ...     global_batch=8, resume_step=10, target_steps=20, stopped_running_job=True,
+    ...     relaunched_unix=103.0, plan_source="morph-table")
+    >>> step = StepMetrics(step=11, loss=4.5, step_seconds=0.1, samples_per_second=80.0,
+    ...     global_batch=8, world_size=1, layout="t1p1d1 1f1b b2 m4", time_unix=109.5)
+    >>> with_downtime(record, [step]).downtime_seconds
+    9.5
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Sequence
+
+from pydantic import ValidationError
+
+from pipectl.artifacts.morph import MORPHS_FILE, MorphRecord
+from pipectl.artifacts.run import StepMetrics
+from pipectl.io import validation_message
+
+log = logging.getLogger(__name__)
+
+
+def history_path(run_dir: str | os.PathLike[str]) -> Path:
+    return Path(run_dir) / MORPHS_FILE
+
+
+def append_record(run_dir: str | os.PathLike[str], record: MorphRecord) -> Path:
+    """Append one record to RUN/morphs.jsonl (flushed and fsync'ed: a crash keeps it)."""
+    path = history_path(run_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as handle:
+        handle.write(record.model_dump_json() + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+    return path
+
+
+def write_history(run_dir: str | os.PathLike[str], records: Sequence[MorphRecord]) -> Path:
+    """Replace RUN/morphs.jsonl atomically (write a sibling, fsync, rename)."""
+    path = history_path(run_dir)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("w") as handle:
+        handle.writelines(record.model_dump_json() + "\n" for record in records)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def read_records(run_dir: str | os.PathLike[str]) -> list[MorphRecord]:
+    """The records as written, oldest first; a torn or invalid line is skipped with a warning."""
+    path = history_path(run_dir)
+    if not path.is_file():
+        return []
+    records = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append(MorphRecord.model_validate(json.loads(line)))
+        except json.JSONDecodeError as exc:
+            log.warning("%s line %d skipped: %s", path, number, exc)
+        except ValidationError as exc:
+            log.warning("%s line %d skipped: %s", path, number, validation_message(exc))
+    return records
+
+
+def first_step_after(metrics: Sequence[StepMetrics], since_unix: float, resume_step: int) -> StepMetrics | None:
+    """The first step completed after `since_unix` beyond `resume_step`: the new layout's first step.
+
+    Matching on time (not on the layout label) also works when a resize keeps the same layout.
+    """
+    later = [m for m in metrics if m.step > resume_step and m.time_unix >= since_unix]
+    return min(later, key=lambda m: m.time_unix) if later else None
+
+
+def with_downtime(record: MorphRecord, metrics: Sequence[StepMetrics]) -> MorphRecord:
+    """`record` with first_step_unix and downtime_seconds filled from `metrics`, when they show it."""
+    if record.downtime_seconds is not None or record.relaunched_unix is None:
+        return record
+    first = first_step_after(metrics, record.relaunched_unix, record.resume_step)
+    if first is None:
+        return record
+    return record.model_copy(
+        update={
+            "first_step_unix": first.time_unix,
+            "downtime_seconds": max(0.0, first.time_unix - record.requested_unix),
+        }
+    )
+
+
+def read_history(run_dir: str | os.PathLike[str]) -> list[MorphRecord]:
+    """Every morph of the run, oldest first, downtimes filled from metrics.jsonl where known."""
+    from pipectl.runtime.metrics import read_metrics
+
+    records = read_records(run_dir)
+    if not records or all(r.downtime_seconds is not None for r in records):
+        return records
+    metrics = read_metrics(run_dir)
+    return [with_downtime(r, metrics) for r in records]
+
+
+def update_downtimes(run_dir: str | os.PathLike[str]) -> list[MorphRecord]:
+    """Fill in known downtimes and write them back (only if something changed)."""
+    stored = read_records(run_dir)
+    filled = read_history(run_dir)
+    if filled != stored:
+        write_history(run_dir, filled)
+    return filled

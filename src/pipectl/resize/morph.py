@@ -1,0 +1,450 @@
+"""Resize a run: the same job, the same global batch, on another number of devices (SPEC §7).
+
+    resize_run("runs/demo", devices=1)
+
+1. decide the new layout first, so a bad request never disturbs a running job: the morph-table
+   entry for N (re-planned from the plan's profile only if the table lacks N; fewer devices when
+   B cannot be split over N, said so), minus straggler ranks when asked;
+2. if the job is running, ask it to stop at the next step boundary (RUN/stop_requested; SIGTERM
+   as a fallback) and wait, bounded, until its ranks have written their checkpoint and exited;
+3. rewrite plan.json (chosen = the new candidate; the morph table is kept), ds_config.json (the
+   launch part's validated config for it) and job.json (world size, schedule, total steps);
+4. append a morph record to RUN/morphs.jsonl and relaunch with the same engine. The worker loads
+   the newest verified checkpoint: a DeepSpeed universal checkpoint, stored per parameter name,
+   which DeepSpeed re-cuts into the new stages with the Adam state; RNG and data position come
+   from the checkpoint's client state, and the data order depends on (seed, step, B) only;
+5. the record's downtime (request -> first step completed on the new layout) is filled in as
+   soon as metrics.jsonl shows that step.
+
+A stopped or finished run is resized the same way (step 2 is skipped); it then trains up to
+`steps` in total (default: the job's own total).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from pipectl.artifacts.morph import MorphRecord, MorphTrigger
+from pipectl.artifacts.plan import Candidate, Plan
+from pipectl.artifacts.run import HOSTFILE, Engine, JobSpec
+from pipectl.errors import CheckpointError, UserInputError
+from pipectl.resize.choose import LayoutChoice, Replanner, choose_candidate, replan_for_devices, with_entry
+from pipectl.resize.history import append_record, read_records, update_downtimes, with_downtime, write_history
+from pipectl.resize.stop import RunProcess, StopOutcome, find_run_processes, stop_run
+from pipectl.resize.stragglers import StragglerPolicy, StragglerReport, find_stragglers
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def layout_label(candidate: Candidate) -> str:
+    """The label the worker writes into metrics.jsonl for this candidate, e.g. 't1p2d1 1f1b b2 m4'."""
+    from pipectl.runtime.worker import Layout
+
+    return Layout.from_candidate(candidate).label()
+
+
+@dataclass(frozen=True)
+class ResizeDecision:
+    """What a resize will do, decided before anything is stopped or written."""
+
+    run_dir: Path
+    requested_devices: int  # what the user asked for
+    usable_devices: int  # after leaving out stragglers
+    choice: LayoutChoice
+    previous: Candidate
+    target_steps: int
+    stragglers: StragglerReport | None
+    excluded_ranks: list[int]
+    notes: list[str]
+
+    @property
+    def candidate(self) -> Candidate:
+        return self.choice.candidate
+
+
+def decide_resize(
+    run_dir: str | os.PathLike[str],
+    devices: int,
+    *,
+    steps: int | None = None,
+    exclude_stragglers: bool = False,
+    straggler_policy: StragglerPolicy | None = None,
+    replan: Replanner | None = replan_for_devices,
+) -> ResizeDecision:
+    """Read the run and choose the new layout; raises `UserInputError` naming any bad value."""
+    from pipectl.launch.rundir import read_run
+    from pipectl.runtime.checkpoint import find_latest_verified
+    from pipectl.runtime.metrics import read_metrics
+
+    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+        raise UserInputError(f"--devices must be a positive number of devices, got {devices!r}")
+    files = read_run(run_dir)
+    job = files.job
+    target_steps = job.steps if steps is None else steps
+    if target_steps < 1:
+        raise UserInputError(f"--steps must be a positive total number of steps, got {target_steps}")
+    notes: list[str] = []
+    stragglers = None
+    excluded: list[int] = []
+    usable = devices
+    if exclude_stragglers:
+        stragglers = find_stragglers(read_metrics(files.path), straggler_policy)
+        excluded = stragglers.straggler_ranks
+        if excluded:
+            usable = devices - len(excluded)
+            notes += stragglers.describe()
+            notes.append(
+                f"leaving out straggler rank(s) {', '.join(map(str, excluded))}: "
+                f"{usable} of the {devices} requested devices are used"
+            )
+            if usable < 1:
+                raise UserInputError(
+                    f"--devices {devices} minus {len(excluded)} straggler(s) leaves no device",
+                    hint="ask for more devices or resize without --exclude-stragglers",
+                )
+        elif stragglers.reason:
+            notes.append(f"no straggler left out: {stragglers.reason}")
+        else:
+            notes.append("no straggler found")
+    choice = choose_candidate(files.plan, usable, replan=replan)
+    notes += choice.notes
+    latest, _ = find_latest_verified(files.path)
+    done = latest.step if latest is not None else 0
+    if target_steps <= done:
+        raise UserInputError(
+            f"--steps {target_steps} is not beyond the {done} steps already in the run's checkpoint",
+            hint=f"pass a larger total, e.g. --steps {done + job.steps}",
+        )
+    return ResizeDecision(
+        run_dir=files.path,
+        requested_devices=devices,
+        usable_devices=usable,
+        choice=choice,
+        previous=files.plan.chosen,
+        target_steps=target_steps,
+        stragglers=stragglers,
+        excluded_ranks=excluded,
+        notes=notes,
+    )
+
+
+# --------------------------------------------------------------------------- rewriting the run
+
+
+def resized_plan(plan: Plan, choice: LayoutChoice) -> Plan:
+    """plan.json after the resize: chosen = the new candidate, the morph table kept (and completed
+    with a re-planned entry), a note of the change."""
+    morph_table = with_entry(plan, choice.entry) if choice.source == "re-planned" else plan.morph_table
+    note = (
+        f"resized to {choice.candidate.devices} devices ({layout_label(choice.candidate)}) "
+        f"from the {choice.source} entry for {choice.requested_devices}"
+    )
+    data = plan.model_dump()
+    data.update(chosen=choice.candidate.model_dump(), morph_table=[e.model_dump() for e in morph_table])
+    data["notes"] = [*plan.notes, note]
+    return Plan.model_validate(data)
+
+
+def resized_job(job: JobSpec, candidate: Candidate, target_steps: int) -> JobSpec:
+    """job.json for the new layout: world size, ranks per node, schedule and total steps."""
+    from pipectl.launch.engines import free_port
+
+    world = candidate.devices
+    nodes = 1 if job.engine is Engine.LOCAL else job.nodes
+    if world % nodes:
+        raise UserInputError(
+            f"the new layout's {world} ranks cannot be split evenly over the job's {nodes} nodes",
+            hint="resize to a multiple of the node count",
+        )
+    port = free_port() if job.master_addr in LOOPBACK else job.master_port
+    data = job.model_dump()
+    data.update(
+        world_size=world,
+        nodes=nodes,
+        ranks_per_node=world // nodes,
+        schedule=candidate.schedule,
+        steps=target_steps,
+        checkpoint_every=min(job.checkpoint_every, target_steps),
+        master_port=port,
+    )
+    return JobSpec.model_validate(data)
+
+
+def learning_rate_of(ds_config: dict[str, Any]) -> float | None:
+    """The optimizer's learning rate in a DeepSpeed config, if it has one."""
+    value = ds_config.get("optimizer", {}).get("params", {}).get("lr")
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+def resized_ds_config(plan: Plan, job: JobSpec, previous: dict[str, Any]) -> dict[str, Any]:
+    """The launch part's validated DeepSpeed config for the new chosen candidate (batch keys,
+    pipeline cut), keeping the run's precision and learning rate."""
+    from pipectl.launch.dsconfig import DEFAULT_LEARNING_RATE, validated_config
+
+    learning_rate = learning_rate_of(previous)
+    return validated_config(
+        plan,
+        precision=job.precision,
+        learning_rate=DEFAULT_LEARNING_RATE if learning_rate is None else learning_rate,
+    )
+
+
+def hosts_of(run_dir: Path) -> list[str] | None:
+    """Hosts in the run's DeepSpeed hostfile (`host slots=N` lines), if it has one."""
+    path = run_dir / HOSTFILE
+    if not path.is_file():
+        return None
+    hosts = [line.split()[0] for line in path.read_text().splitlines() if line.strip() and not line.startswith("#")]
+    return hosts or None
+
+
+@dataclass(frozen=True)
+class PreparedRelaunch:
+    plan: Plan
+    job: JobSpec
+    ds_config: dict[str, Any]
+    command: Any  # pipectl.launch.engines.LaunchCommand
+
+
+def rewrite_run(decision: ResizeDecision) -> PreparedRelaunch:
+    """Validate the new plan/config/job, then write them and the engine command into the run."""
+    from pipectl.launch.engines import build_command
+    from pipectl.launch.rundir import read_run, write_run_files
+
+    files = read_run(decision.run_dir)
+    plan = resized_plan(files.plan, decision.choice)
+    job = resized_job(files.job, decision.candidate, decision.target_steps)
+    ds_config = resized_ds_config(plan, job, files.ds_config)
+    command = build_command(job, files.path, hosts=hosts_of(files.path))
+    write_run_files(files.path, plan=plan, job=job, ds_config=ds_config, command=command)
+    return PreparedRelaunch(plan, job, ds_config, command)
+
+
+# --------------------------------------------------------------------------- the whole resize
+
+
+@dataclass
+class ResizeResult:
+    """What a resize did."""
+
+    run_dir: Path
+    decision: ResizeDecision
+    record: MorphRecord
+    stopped: StopOutcome | None
+    prepared: PreparedRelaunch
+    exit_code: int | None = None  # None: not relaunched here (slurm, or relaunch=False)
+    submit_hint: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "run_dir": str(self.run_dir),
+            "requested_devices": self.decision.requested_devices,
+            "devices": self.decision.candidate.devices,
+            "from_layout": self.record.from_layout,
+            "to_layout": self.record.to_layout,
+            "plan_source": self.record.plan_source,
+            "resume_step": self.record.resume_step,
+            "target_steps": self.record.target_steps,
+            "stopped_running_job": self.record.stopped_running_job,
+            "stop_seconds": self.record.stop_seconds,
+            "downtime_seconds": self.record.downtime_seconds,
+            "excluded_ranks": self.record.excluded_ranks,
+            "exit_code": self.exit_code,
+            "command": self.prepared.command.shell_line(),
+            "submit_hint": self.submit_hint or None,
+            "notes": self.notes,
+        }
+
+
+Phase = Callable[[str], None]
+
+
+def resize_run(
+    run_dir: str | os.PathLike[str],
+    devices: int,
+    steps: int | None = None,
+    exclude_stragglers: bool = False,
+    *,
+    straggler_policy: StragglerPolicy | None = None,
+    replan: Replanner | None = replan_for_devices,
+    relaunch: bool = True,
+    stop_timeout_seconds: float = 300.0,
+    signal_after_seconds: float = 60.0,
+    run_timeout_seconds: float | None = None,
+    on_phase: Phase | None = None,
+    on_tick: Callable[[], None] | None = None,
+) -> ResizeResult:
+    """Resize the run at `run_dir` to `devices` devices and (unless `relaunch=False`) train it there.
+
+    Blocks until the relaunched job exits (its exit code is in the result; a non-zero code is
+    not raised here: the caller reports it). `on_phase` receives one line per phase (stopping,
+    relaunching), `on_tick` is called while the new job runs (to tail metrics).
+    """
+    from pipectl.launch.engines import run_engine
+    from pipectl.runtime.checkpoint import STOP_FILE, find_latest_verified
+
+    requested_unix = time.time()
+    say = on_phase or (lambda _line: None)
+    decision = decide_resize(
+        run_dir,
+        devices,
+        steps=steps,
+        exclude_stragglers=exclude_stragglers,
+        straggler_policy=straggler_policy,
+        replan=replan,
+    )
+    path = decision.run_dir
+    notes = list(decision.notes)
+
+    processes: list[RunProcess] = find_run_processes(path)
+    stopped = None
+    if processes:
+        say(f"stopping the running job at its next step boundary ({len(processes)} processes)")
+        stopped = stop_run(
+            path,
+            processes,
+            stop_file=STOP_FILE,
+            signal_after_seconds=signal_after_seconds,
+            timeout_seconds=stop_timeout_seconds,
+        )
+        say(f"stopped in {stopped.seconds:.1f} s" + (" (SIGTERM was needed)" if stopped.signalled else ""))
+    # A stop request left behind (by this resize or an earlier one) would stop the new job at once.
+    (path / STOP_FILE).unlink(missing_ok=True)
+
+    latest, warnings = find_latest_verified(path)
+    notes += warnings
+    resume_step = latest.step if latest is not None and latest.step is not None else 0
+    if latest is None:
+        notes.append("the run has no verified checkpoint: the new layout starts from step 0")
+    if decision.target_steps <= resume_step:
+        raise CheckpointError(
+            f"the job reached step {resume_step} while stopping: nothing is left to train up to "
+            f"--steps {decision.target_steps} on the new layout",
+            hint=f"resize again with --steps larger than {resume_step}",
+        )
+
+    prepared = rewrite_run(decision)
+    record = MorphRecord(
+        trigger=MorphTrigger.RESIZE,
+        requested_unix=requested_unix,
+        requested_devices=decision.requested_devices,
+        from_devices=decision.previous.devices,
+        from_layout=layout_label(decision.previous),
+        to_devices=decision.candidate.devices,
+        to_layout=layout_label(decision.candidate),
+        global_batch=prepared.plan.global_batch,
+        resume_step=resume_step,
+        target_steps=decision.target_steps,
+        stopped_running_job=stopped is not None,
+        stop_seconds=stopped.seconds if stopped else None,
+        plan_source=decision.choice.source,
+        excluded_ranks=decision.excluded_ranks,
+        notes=notes,
+    )
+    result = ResizeResult(path, decision, record, stopped, prepared, notes=notes)
+    if not relaunch or not prepared.command.runnable_here:
+        result.submit_hint = prepared.command.submit_hint
+        append_record(path, record)
+        return result
+
+    say(f"relaunching on {decision.candidate.devices} ranks ({record.to_layout}) from step {resume_step}")
+    record = record.model_copy(update={"relaunched_unix": time.time()})
+    append_record(path, record)
+    result.record = record
+    index = len(read_records(path)) - 1
+
+    def tick() -> None:
+        if result.record.downtime_seconds is None:
+            _fill_downtime(path, result, index)
+        if on_tick is not None:
+            on_tick()
+
+    result.exit_code = run_engine(prepared.command, path, on_tick=tick, timeout_seconds=run_timeout_seconds)
+    records = update_downtimes(path)
+    if index < len(records):
+        result.record = records[index]
+    return result
+
+
+def _fill_downtime(run_dir: Path, result: ResizeResult, index: int) -> None:
+    """Once metrics show the new layout's first step, store the downtime in the record."""
+    from pipectl.runtime.metrics import read_metrics
+
+    filled = with_downtime(result.record, read_metrics(run_dir))
+    if filled.downtime_seconds is None:
+        return
+    result.record = filled
+    records = read_records(run_dir)
+    if index < len(records):
+        records[index] = filled
+        write_history(run_dir, records)
+
+
+# --------------------------------------------------------------------------- elastic restarts
+
+
+def plan_for_world_size(run_dir: str | os.PathLike[str], world_size: int) -> Candidate:
+    """The layout for `world_size` ranks: plan.chosen if it has that size, else the morph table's
+    entry (it must use exactly `world_size` ranks: every started rank needs a place).
+
+    For the worker on an elastic restart, where torchrun re-formed the group with another size.
+    """
+    from pipectl.launch.rundir import read_run
+
+    plan = read_run(run_dir).plan
+    if plan.chosen.devices == world_size:
+        return plan.chosen
+    entry = plan.for_devices(world_size)
+    if entry is None or entry.candidate is None:
+        known = sorted(e.devices for e in plan.morph_table if e.candidate is not None)
+        raise UserInputError(
+            f"the plan has no layout for {world_size} ranks (morph table: {known or 'empty'})",
+            hint="plan with a morph table that covers every size the elastic range allows",
+        )
+    if entry.candidate.devices != world_size:
+        raise UserInputError(
+            f"the morph table's plan for {world_size} ranks uses only {entry.candidate.devices} "
+            f"(the global batch {plan.global_batch} cannot be split over {world_size}); an elastic group "
+            f"of {world_size} ranks cannot run it",
+            hint="choose an elastic range whose sizes divide the global batch",
+        )
+    return entry.candidate
+
+
+def ds_config_for_candidate(ds_config: dict[str, Any], candidate: Candidate, global_batch: int) -> dict[str, Any]:
+    """`ds_config` with the batch keys and the pipeline section of `candidate`; everything else
+    (optimizer, precision, clipping, ZeRO stage) kept. For the worker on an elastic restart.
+
+        >>> from pipectl.artifacts.plan import Candidate
+        >>> c = Candidate(devices=1, device="cpu", tensor_parallel=1, pipeline_parallel=1, data_parallel=1,
+        ...     micro_batch_size=2, micro_batches=8, schedule="1f1b", recompute=False, zero_stage=1,
+        ...     stage_layers=[(0, 9)], predicted_step_seconds=1.0, samples_per_second=16.0,
+        ...     tflops_per_device=0.0, peak_memory_bytes=[1], bubble_fraction=0.0,
+        ...     communication_fraction=0.0, cost_per_million_samples=0.0)
+        >>> old = {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2,
+        ...        "gradient_accumulation_steps": 4, "optimizer": {"type": "AdamW"},
+        ...        "pipeline": {"stages": 2, "partition": [0, 4, 9]}}
+        >>> new = ds_config_for_candidate(old, c, 16)
+        >>> new["gradient_accumulation_steps"], new["pipeline"]["partition"], new["optimizer"]
+        (8, [0, 9], {'type': 'AdamW'})
+    """
+    from pipectl.launch.dsconfig import batch_section, check_candidate, stage_partition
+
+    check_candidate(candidate, global_batch=global_batch, layers=candidate.stage_layers[-1][1])
+    config = dict(ds_config)
+    config.update(
+        batch_section(
+            micro_batch_size=candidate.micro_batch_size,
+            micro_batches=candidate.micro_batches,
+            data_parallel=candidate.data_parallel,
+        )
+    )
+    pipeline = dict(config.get("pipeline", {}))
+    pipeline.update(stages=candidate.pipeline_parallel, partition=stage_partition(candidate.stage_layers))
+    config["pipeline"] = pipeline
+    return config

@@ -1,0 +1,157 @@
+"""Find a run's live processes and stop them at a step boundary (after their checkpoint).
+
+A run is running when a process on this machine was started for it: every engine runs
+`... pipectl.runtime.worker --run-dir RUN` (the launcher's own argv carries it as well), so the
+processes are found from their command lines (`/proc/PID/cmdline`), with no pid file to go stale.
+
+Stopping is the runtime's own path: the file RUN/stop_requested is polled collectively at every
+step boundary; the ranks finish the step, write a checkpoint and exit 0 (and then so does their
+launcher). Ranks that do not react within `signal_after_seconds` also get SIGTERM, which the
+worker turns into the same stop at the next step boundary.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from pipectl.errors import LaunchError
+
+WORKER_MODULE = "pipectl.runtime.worker"
+PROC = Path("/proc")
+
+
+@dataclass(frozen=True)
+class RunProcess:
+    """A live process started for a run: a launcher (torchrun, deepspeed) or a rank."""
+
+    pid: int
+    argv: tuple[str, ...]
+
+    @property
+    def is_worker(self) -> bool:
+        """A rank itself (the worker module is what it runs), not a launcher that starts ranks."""
+        return _module_of(self.argv) == WORKER_MODULE
+
+
+def _module_of(argv: tuple[str, ...]) -> str | None:
+    """The `-m MODULE` the interpreter runs (the first one: a launcher's own module)."""
+    for flag, value in zip(argv, argv[1:]):
+        if flag == "-m":
+            return value
+    return None
+
+
+def run_dir_argument(argv: tuple[str, ...]) -> str | None:
+    """The value after the last `--run-dir` (or `--run-dir=...`), if the argv starts the worker."""
+    if WORKER_MODULE not in argv:
+        return None
+    found = None
+    for index, arg in enumerate(argv):
+        if arg == "--run-dir" and index + 1 < len(argv):
+            found = argv[index + 1]
+        elif arg.startswith("--run-dir="):
+            found = arg.split("=", 1)[1]
+    return found
+
+
+def _read_argv(pid_dir: Path) -> tuple[str, ...] | None:
+    try:
+        raw = (pid_dir / "cmdline").read_bytes()
+    except OSError:
+        return None
+    return tuple(part.decode(errors="replace") for part in raw.split(b"\0") if part)
+
+
+def _resolve(argument: str, pid_dir: Path) -> Path:
+    path = Path(argument)
+    if not path.is_absolute():
+        try:
+            path = Path(os.readlink(pid_dir / "cwd")) / path
+        except OSError:
+            pass
+    return path.resolve()
+
+
+def find_run_processes(run_dir: str | os.PathLike[str], proc_root: Path = PROC) -> list[RunProcess]:
+    """Live processes on this machine started for `run_dir` (empty when it is not running here)."""
+    target = Path(run_dir).resolve()
+    found = []
+    if not proc_root.is_dir():
+        return found
+    for pid_dir in proc_root.iterdir():
+        if not pid_dir.name.isdigit() or int(pid_dir.name) == os.getpid():
+            continue
+        argv = _read_argv(pid_dir)
+        if not argv:
+            continue
+        argument = run_dir_argument(argv)
+        if argument is not None and _resolve(argument, pid_dir) == target:
+            found.append(RunProcess(int(pid_dir.name), argv))
+    return sorted(found, key=lambda p: p.pid)
+
+
+def _alive(process: RunProcess, proc_root: Path = PROC) -> bool:
+    """Still running and still the same program (a recycled pid does not count)."""
+    argv = _read_argv(proc_root / str(process.pid))
+    if argv != process.argv:
+        return False
+    try:
+        state = (proc_root / str(process.pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"  # a zombie has exited; only its parent has not collected it yet
+
+
+@dataclass(frozen=True)
+class StopOutcome:
+    processes: tuple[RunProcess, ...]
+    seconds: float  # request -> every process gone
+    signalled: bool  # SIGTERM had to be sent too
+
+
+def stop_run(
+    run_dir: str | os.PathLike[str],
+    processes: list[RunProcess],
+    *,
+    stop_file: str,
+    signal_after_seconds: float = 60.0,
+    timeout_seconds: float = 300.0,
+    poll_seconds: float = 0.1,
+    on_wait: Callable[[float], None] | None = None,
+) -> StopOutcome:
+    """Ask the run to stop at its next step boundary and wait until all `processes` are gone.
+
+    Raises `LaunchError` if they are still alive after `timeout_seconds` (nothing is killed: a
+    rank that is writing its checkpoint must not be cut off; the message names the pids).
+    """
+    started = time.monotonic()
+    stop_path = Path(run_dir) / stop_file
+    stop_path.write_text(f"requested at {time.time():.3f} by pid {os.getpid()}\n")
+    signalled = False
+    while True:
+        alive = [p for p in processes if _alive(p)]
+        elapsed = time.monotonic() - started
+        if not alive:
+            return StopOutcome(tuple(processes), elapsed, signalled)
+        if not signalled and elapsed >= signal_after_seconds:
+            for process in alive:
+                if process.is_worker:
+                    try:
+                        os.kill(process.pid, signal.SIGTERM)
+                    except (ProcessLookupError, PermissionError):
+                        pass
+            signalled = True
+        if elapsed >= timeout_seconds:
+            pids = ", ".join(str(p.pid) for p in alive)
+            raise LaunchError(
+                f"the run at {run_dir} did not stop within {timeout_seconds:.0f} s (pids {pids} still alive)",
+                hint=f"wait for its checkpoint and retry, or stop it yourself; {stop_path} is still in place",
+            )
+        if on_wait is not None:
+            on_wait(elapsed)
+        time.sleep(poll_seconds)
