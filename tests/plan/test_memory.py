@@ -41,6 +41,12 @@ def test_interleaved_in_flight_matches_the_generated_schedule(p, m, v):
     )
 
 
+@pytest.mark.parametrize("p", [1, 2, 3, 5, 8, 13])
+@pytest.mark.parametrize("m", [1, 2, 4, 7, 16, 40])
+def test_varuna_in_flight_matches_the_generated_schedule(p, m):
+    assert in_flight_units(ScheduleKind.VARUNA, p, m) == peak_in_flight_units(generate(ScheduleKind.VARUNA, p, m))
+
+
 def test_one_f_one_b_holds_fewer_than_gpipe():
     gpipe = in_flight_units(ScheduleKind.GPIPE, 4, 16)
     one_f_one_b = in_flight_units(ScheduleKind.ONE_F_ONE_B, 4, 16)

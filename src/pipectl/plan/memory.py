@@ -14,7 +14,10 @@ the stage's saved activations (SPEC §3). How many are in flight is a property o
     1F1B, 2BW             min(p - k, m) on stage k (0-based): warm-up forwards + 1
     interleaved (v > 1)   min(2(p - k - 1) + (v - 1) p + 1, m v) chunk-micro-batches on rank k
                           (all m v when m == p), each holding one chunk (Megatron-LM's warm-up)
-    Varuna                counted from the generated schedule (`peak_in_flight_units`)
+    Varuna                min(3 (p - 1 - k), m) on stage k < p - 1, 1 on the last stage: the
+                          generated order (`generate`'s default, backward = 2 x forward) runs
+                          forwards ahead until its first recompute is due; tests check this
+                          closed form against `peak_in_flight_units` of the generated schedule
 
 With recomputation an in-flight micro-batch keeps only the stage's input activation, and the stage
 needs one micro-batch's full activations while it recomputes (SPEC §3). The last stage never
@@ -80,8 +83,6 @@ def weight_versions(kind: ScheduleKind) -> int:
 def in_flight_units(kind: ScheduleKind, pipeline_parallel: int, micro_batches: int, chunks: int = 1) -> tuple[int, ...]:
     """Peak chunk-micro-batches with activations held, per rank, by the closed forms above.
 
-    Varuna's counts depend on its generated order: use `peak_in_flight_units(schedule)`.
-
     >>> in_flight_units(ScheduleKind.GPIPE, 3, 5)
     (5, 5, 5)
     >>> in_flight_units(ScheduleKind.ONE_F_ONE_B, 4, 2)
@@ -92,6 +93,8 @@ def in_flight_units(kind: ScheduleKind, pipeline_parallel: int, micro_batches: i
     p, m, v = pipeline_parallel, micro_batches, chunks
     if kind is ScheduleKind.GPIPE:
         return (m,) * p
+    if kind is ScheduleKind.VARUNA:
+        return tuple(min(3 * (p - 1 - k), m) if k < p - 1 else 1 for k in range(p))
     if kind is ScheduleKind.INTERLEAVED and v > 1:
         if m == p:
             return (m * v,) * p

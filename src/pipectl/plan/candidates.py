@@ -1,0 +1,345 @@
+"""The search space: pipeline shapes, the candidates built on them, and why others are rejected.
+
+A *shape* fixes what the partition depends on: tensor-parallel degree t, micro-batch size b,
+recomputation, and the number of (virtual) stages p*v; it holds the stage cut and per-stage costs.
+A *spec* adds what only changes the step's arithmetic: data-parallel degree d (hence the micro-
+batches m = B/(d*b), never rounded), the schedule and the ZeRO stage. Every spec gets a memory
+check and a closed-form lower bound on its step time before anything is simulated:
+
+    LB = max over ranks k of  F-chain(k) + m * work(k) + max(AR(k) + opt(k), B-chain(k) + AR(0) + opt(0))
+
+where work(k) is the rank's forward+backward(+recompute) time per micro-batch, F-chain(k) the
+forwards (and transfers) of micro-batch 0 through the stages before k, which must precede rank k's
+first action, and B-chain(k) the backwards through the stages before k, which must follow its
+last one (then rank 0 still all-reduces and steps). Every schedule runs each rank's actions one
+at a time and respects those dependencies, so no simulated step is shorter. With equal stages and
+free communication it is exactly (m + p − 1)(t_f + t_b) (SPEC §4), so pruning by it is tight.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Sequence
+
+import numpy as np
+
+from pipectl.artifacts.profile import ModelProfile
+from pipectl.catalog import DTYPE_BYTES
+from pipectl.plan.costs import (
+    ADAM_BYTES_PER_PARAMETER,
+    Hardware,
+    LayerSeconds,
+    layer_seconds,
+    ranks_share_node,
+    replicas_share_node,
+)
+from pipectl.plan.layer_table import LayerTable, layer_table
+from pipectl.plan.memory import (
+    StageMemory,
+    in_flight_units,
+    state_bytes_per_parameter,
+    weight_versions,
+)
+from pipectl.plan.partition import greedy_cuts, min_bottlenecks
+from pipectl.schedule import ScheduleKind, deepspeed_runnable
+
+
+class Rejection(str, Enum):
+    """Why a point of the search space is not a candidate (counted in plan.json's `infeasible`)."""
+
+    BATCH_NOT_DIVISIBLE = "global batch not divisible by data-parallel degree x micro-batch size"
+    MEMORY = "a stage does not fit in device memory"
+    INTERLEAVED_MICRO_BATCHES = "interleaved schedule needs micro-batches to be a multiple of p"
+    TOO_FEW_LAYERS = "fewer layers than (virtual) stages"
+    DEADLINE = "misses the deadline"
+
+
+@dataclass(frozen=True)
+class ScheduleVariant:
+    kind: ScheduleKind
+    chunks: int = 1
+
+    @property
+    def label(self) -> str:
+        return f"{self.kind.value}(v={self.chunks})" if self.chunks > 1 else self.kind.value
+
+
+@dataclass
+class Shape:
+    """A partition of the layers into p*v virtual stages for one (t, b, recompute)."""
+
+    tensor_parallel: int
+    micro_batch_size: int
+    recompute: bool
+    pipeline_parallel: int
+    chunks: int
+    stage_layers: tuple[tuple[int, int], ...]
+    seconds: LayerSeconds
+    table: LayerTable
+    memory: StageMemory
+    # Per virtual stage, per micro-batch.
+    forward: np.ndarray
+    backward: np.ndarray
+    recompute_seconds: np.ndarray
+    send_lower_bound: np.ndarray  # len p*v - 1: the cheaper link's transfer time
+    parameters_per_rank: np.ndarray  # after the tensor split
+    _partition_cache: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def virtual_stages(self) -> int:
+        return self.pipeline_parallel * self.chunks
+
+    def work_per_rank(self, recomputes: Sequence[bool]) -> np.ndarray:
+        """Per rank: one micro-batch's F + B (+ R where the schedule recomputes that stage)."""
+        per_stage = self.forward + self.backward + np.where(recomputes, self.recompute_seconds, 0.0)
+        p = self.pipeline_parallel
+        return per_stage.reshape(self.chunks, p).sum(axis=0)
+
+
+@dataclass(frozen=True)
+class Spec:
+    """A candidate before simulation."""
+
+    shape: Shape
+    data_parallel: int
+    micro_batches: int
+    variant: ScheduleVariant
+    zero_stage: int
+    lower_bound_seconds: float
+    peak_memory_bytes: tuple[int, ...]
+    allreduce_seconds: tuple[float, ...]
+    optimizer_seconds: tuple[float, ...]
+
+    @property
+    def devices(self) -> int:
+        return self.shape.tensor_parallel * self.shape.pipeline_parallel * self.data_parallel
+
+    @property
+    def recompute(self) -> bool:
+        return self.shape.recompute or self.variant.kind is ScheduleKind.VARUNA
+
+    @property
+    def deepspeed_runnable(self) -> bool:
+        return deepspeed_runnable(self.variant.kind, self.variant.chunks)
+
+    @property
+    def key(self) -> tuple:
+        s = self.shape
+        return (
+            s.tensor_parallel,
+            s.pipeline_parallel,
+            self.data_parallel,
+            s.micro_batch_size,
+            self.variant.kind.value,
+            self.variant.chunks,
+            self.recompute,
+            self.zero_stage,
+        )
+
+    def describe(self) -> str:
+        s = self.shape
+        return (
+            f"t={s.tensor_parallel} p={s.pipeline_parallel} d={self.data_parallel} "
+            f"b={s.micro_batch_size} m={self.micro_batches} {self.variant.label}"
+            f"{' recompute' if self.recompute else ''} zero={self.zero_stage}"
+        )
+
+
+@dataclass
+class Rejections:
+    counts: dict[Rejection, int] = field(default_factory=dict)
+    examples: dict[Rejection, str] = field(default_factory=dict)
+
+    def add(self, reason: Rejection, example: str | None = None, count: int = 1) -> None:
+        self.counts[reason] = self.counts.get(reason, 0) + count
+        if example and reason not in self.examples:
+            self.examples[reason] = example
+
+    def summary(self) -> dict[str, int]:
+        return {reason.value: count for reason, count in sorted(self.counts.items(), key=lambda kv: -kv[1])}
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """The degrees, sizes and schedules to enumerate (already checked against the request)."""
+
+    global_batch: int
+    tensor_parallel: tuple[int, ...]
+    micro_batch_sizes: tuple[int, ...]
+    recompute: tuple[bool, ...]
+    variants: tuple[ScheduleVariant, ...]
+    zero_stages: tuple[int, ...]
+    pipeline_parallel: int | None = None
+    data_parallel: int | None = None
+
+
+def divisors(n: int) -> list[int]:
+    small = [i for i in range(1, math.isqrt(n) + 1) if n % i == 0]
+    return sorted(set(small + [n // i for i in small]))
+
+
+class ShapeBuilder:
+    """Builds (and caches) shapes: partitions per (t, b, recompute, stage count)."""
+
+    def __init__(self, profile: ModelProfile, hardware: Hardware) -> None:
+        self.profile = profile
+        self.hardware = hardware
+        self.layers = len(profile.layers)
+        self._bottlenecks: dict[tuple[int, int, bool], dict[int, float]] = {}
+        self._shapes: dict[tuple[int, int, bool, int, int], Shape] = {}
+        self._seconds: dict[tuple[int, int], LayerSeconds] = {}
+        # Memory-constrained cuts by (t, b, recompute, p, v, state bytes, in-flight units, schedule).
+        self.fitted: dict[tuple, Shape | None] = {}
+
+    @property
+    def shapes_built(self) -> int:
+        return len(self._shapes) + sum(1 for shape in self.fitted.values() if shape is not None)
+
+    def seconds(self, micro_batch_size: int, tensor_parallel: int) -> LayerSeconds:
+        key = (micro_batch_size, tensor_parallel)
+        if key not in self._seconds:
+            table = layer_table(self.profile, micro_batch_size)
+            self._seconds[key] = layer_seconds(table, self.hardware, tensor_parallel)
+        return self._seconds[key]
+
+    def bottleneck(self, t: int, b: int, recompute: bool, stages: int) -> float:
+        key = (t, b, recompute)
+        if key not in self._bottlenecks:
+            work = self.seconds(b, t).work(recompute)
+            self._bottlenecks[key] = min_bottlenecks(work, range(1, self.layers + 1))
+        return self._bottlenecks[key][stages]
+
+    def shape(self, t: int, b: int, recompute: bool, p: int, v: int, from_right: bool = False) -> Shape:
+        key = (t, b, recompute, p, v, from_right)
+        shape = self._shapes.get(key)
+        if shape is None:
+            seconds = self.seconds(b, t)
+            prefix = (0.0, *np.cumsum(seconds.work(recompute)).tolist())
+            cuts = greedy_cuts(prefix, p * v, self.bottleneck(t, b, recompute, p * v), from_right=from_right)
+            if cuts is None:  # pragma: no cover - min_bottlenecks guarantees a cut exists
+                raise RuntimeError(f"no {p * v}-stage cut at the optimal bottleneck")
+            shape = self.shape_from_cuts(t, b, recompute, p, v, cuts)
+            self._shapes[key] = shape
+        return shape
+
+    def shape_from_cuts(
+        self, t: int, b: int, recompute: bool, p: int, v: int, cuts: Sequence[tuple[int, int]]
+    ) -> Shape:
+        seconds = self.seconds(b, t)
+        table = layer_table(self.profile, b)
+        forward = np.array([seconds.stage_forward(s, e) for s, e in cuts])
+        backward = np.array([seconds.stage_backward(s, e) for s, e in cuts])
+        links = self.hardware.links
+        fastest = links.intra if links.intra.seconds(1e6) <= links.inter.seconds(1e6) else links.inter
+        sends = np.array([fastest.seconds(table.output_activation_bytes[e - 1]) for _, e in cuts[:-1]])
+        memory = StageMemory.build(table, cuts, tensor_parallel=t, recompute=recompute, pipeline_parallel=p)
+        return Shape(
+            tensor_parallel=t,
+            micro_batch_size=b,
+            recompute=recompute,
+            pipeline_parallel=p,
+            chunks=v,
+            stage_layers=tuple(cuts),
+            seconds=seconds,
+            table=table,
+            memory=memory,
+            forward=forward,
+            backward=backward,
+            recompute_seconds=forward.copy(),
+            send_lower_bound=sends,
+            parameters_per_rank=memory.parameters,
+        )
+
+
+def recomputing_stages(shape: Shape, kind: ScheduleKind) -> np.ndarray:
+    """Which virtual stages run R actions: all but the last, with recompute (Varuna always)."""
+    stages = shape.virtual_stages
+    flags = np.zeros(stages, dtype=bool)
+    if shape.recompute or kind is ScheduleKind.VARUNA:
+        flags[: stages - 1] = True
+    return flags
+
+
+def chains(shape: Shape) -> tuple[np.ndarray, np.ndarray]:
+    """Per rank k < p: forwards (+ transfers) before it, and backwards (+ transfers) after it."""
+    p = shape.pipeline_parallel
+    forward_chain = np.zeros(p)
+    backward_chain = np.zeros(p)
+    if p > 1:
+        hop_forward = shape.forward[: p - 1] + shape.send_lower_bound[: p - 1]
+        hop_backward = shape.backward[: p - 1] + shape.send_lower_bound[: p - 1]
+        forward_chain[1:] = np.cumsum(hop_forward)
+        backward_chain[1:] = np.cumsum(hop_backward)
+    return forward_chain, backward_chain
+
+
+def lower_bound_seconds(
+    shape: Shape,
+    kind: ScheduleKind,
+    micro_batches: int,
+    allreduce: np.ndarray,
+    optimizer: np.ndarray,
+) -> float:
+    """The closed-form bound of the module docstring."""
+    work = shape.work_per_rank(recomputing_stages(shape, kind))
+    forward_chain, backward_chain = chains(shape)
+    tail = np.maximum(allreduce + optimizer, backward_chain + allreduce[0] + optimizer[0])
+    return float(np.max(forward_chain + micro_batches * work + tail))
+
+
+def data_parallel_costs(
+    shape: Shape, hardware: Hardware, data_parallel: int, zero_stage: int, dtype: str
+) -> tuple[np.ndarray, np.ndarray]:
+    """(all-reduce, optimizer) seconds per rank, as `costs.stage_costs` computes them."""
+    p, t, d = shape.pipeline_parallel, shape.tensor_parallel, data_parallel
+    n = hardware.devices_per_node
+    element = DTYPE_BYTES.get(dtype, 4)
+    held = shape.parameters_per_rank
+    links = hardware.links
+    allreduce = np.zeros(p)
+    if d > 1:
+        for rank in range(p):
+            ring = links.allreduce_intra if replicas_share_node(rank, p, t, d, n) else links.allreduce_inter
+            allreduce[rank] = ring.ring_allreduce_seconds(held[rank] * element, d)
+    allreduce += _tied_seconds(shape, hardware, d, element)
+    bandwidth = (hardware.device.memory_bandwidth_gbytes_per_second or 100.0) * 1e9
+    updated = held / d if zero_stage >= 1 else held
+    return allreduce, updated * ADAM_BYTES_PER_PARAMETER / bandwidth
+
+
+def _tied_seconds(shape: Shape, hardware: Hardware, d: int, element: int) -> np.ndarray:
+    table, p, t = shape.table, shape.pipeline_parallel, shape.tensor_parallel
+    extra = np.zeros(p)
+    if not table.shared_layer_indices or p == 1:
+        return extra
+    groups: dict[str, set[int]] = {}
+    sizes: dict[str, int] = {}
+    for stage, (start, end) in enumerate(shape.stage_layers):
+        for index in table.shared_layer_indices:
+            if start <= index < end:
+                groups.setdefault(table.shared_group[index], set()).add(stage % p)  # type: ignore[arg-type]
+                sizes[table.shared_group[index]] = table.shared_parameter_count[index]  # type: ignore[index]
+    for group, ranks in groups.items():
+        if len(ranks) < 2:
+            continue
+        ordered = sorted(ranks)
+        inside = all(
+            ranks_share_node(ordered[0], r, p, t, d, hardware.devices_per_node) for r in ordered[1:]
+        )
+        link = hardware.links.allreduce_intra if inside else hardware.links.allreduce_inter
+        seconds = link.ring_allreduce_seconds(sizes[group] / t * element, len(ordered))
+        for rank in ordered:
+            extra[rank] += seconds
+    return extra
+
+
+def in_flight(shape: Shape, variant: ScheduleVariant, micro_batches: int) -> tuple[int, ...]:
+    """Peak in-flight chunk-micro-batches per rank for this schedule."""
+    kind = variant.kind
+    return in_flight_units(kind, shape.pipeline_parallel, micro_batches, variant.chunks)
+
+
+def state_bytes(dtype: str, zero_stage: int, data_parallel: int, kind: ScheduleKind) -> float:
+    return state_bytes_per_parameter(dtype, zero_stage, data_parallel, weight_versions(kind))

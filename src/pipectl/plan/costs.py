@@ -1,0 +1,331 @@
+"""From a profile, a cluster and candidate degrees to the simulator's cost table (`StageCosts`).
+
+Placement rule (Narayanan et al. 2021, §3.2: "put the heavy communication on the fast links"):
+devices are numbered node by node, and a candidate's ranks take them in the order
+
+    device = (replica * p + stage) * t + tensor_rank
+
+so a tensor-parallel group (t | devices per node) always sits inside one node, consecutive
+pipeline stages are neighbours (inside a node while the pipeline fits in one), and data-parallel
+replicas of a stage are p*t devices apart (the all-reduce crosses nodes first).
+
+Per virtual stage and micro-batch (all seconds):
+
+- compute: the profile's forward/backward time of the stage's layers at micro-batch b (interpolated,
+  `layer_table`), scaled from the profiled device to the target by the ratio of their peak FLOP/s;
+  tensor parallelism divides it by t and charges the smaller per-device matrix products as a micro-
+  batch t times smaller: x efficiency(b) / efficiency(b / t) from the device catalog;
+- tensor-parallel communication (Megatron, Shoeybi et al. 2019 §3; Narayanan et al. 2021 §3.3): per
+  transformer block two all-reduces of the b*s*h activation in the forward and two in the backward,
+  ring all-reduces over the t devices of a node;
+- recompute: one more forward, communication included (SPEC §5: x4/3 of forward+backward);
+- point-to-point: latency + bytes / bandwidth of the activation crossing each cut (the same bytes
+  for its gradient on the way back), intra-node or inter-node by the placement rule (inter-node
+  if any replica's cut crosses a node); SPEC §5: 2 a / Bw per boundary, one a / Bw each way;
+- data-parallel all-reduce, once per step per rank: ring all-reduce (Patarasuk & Yuan 2009) of the
+  rank's gradient bytes over its d replicas; ZeRO-1's reduce-scatter + all-gather moves the same
+  bytes. Tied embeddings add an all-reduce of the shared table's gradient between the first and
+  the last stage (Megatron's embedding group);
+- optimizer step: Adam is memory-bound: it reads fp32 master weights, momentum, variance and the
+  gradient and writes the first three and the 16-bit weights, about 28 bytes per parameter,
+  at the device's memory bandwidth (ZeRO-1: each replica updates 1/d of them).
+
+    >>> from pipectl.plan.synthetic import synthetic_profile
+    >>> from pipectl.cluster import local_cluster
+    >>> profile = synthetic_profile(blocks=4, micro_batch_sizes=[1, 2], device="cpu")
+    >>> hardware = hardware_for(local_cluster(2), profile)
+    >>> costs = stage_costs(profile, hardware, [(0, 3), (3, 7)], micro_batch_size=2, tensor_parallel=1, data_parallel=1)
+    >>> [round(x, 4) for x in costs.forward_seconds]
+    [0.048, 0.0488]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from pipectl.artifacts.cluster import ClusterSpec, NodeType
+from pipectl.artifacts.plan import Candidate
+from pipectl.artifacts.profile import ModelProfile
+from pipectl.catalog import DTYPE_BYTES, DeviceSpec, get_device, load_catalog
+from pipectl.cluster import LinkCost, ResolvedLinks, price_per_device_hour, resolve_links
+from pipectl.errors import UserInputError
+from pipectl.plan.layer_table import LayerTable, layer_table
+from pipectl.plan.simulate import StageCosts
+
+# Bytes of memory traffic per parameter of one Adam step (read 4+4+4+2, write 4+4+4+2).
+ADAM_BYTES_PER_PARAMETER = 28
+# All-reduces of a transformer block's activation per forward and per backward (Megatron).
+TENSOR_PARALLEL_ALLREDUCES_FORWARD = 2
+TENSOR_PARALLEL_ALLREDUCES_BACKWARD = 2
+TRANSFORMER_BLOCK = "transformer_block"
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One homogeneous pool of devices, as the cost model needs it."""
+
+    device: DeviceSpec
+    devices_per_node: int
+    devices: int
+    links: ResolvedLinks
+    price_per_device_hour: float
+    compute_scale: float = 1.0  # profiled device's time -> this device's time
+    node_type: str = ""
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.device.memory_bytes
+
+
+def compute_scale(profile: ModelProfile, device: DeviceSpec) -> float:
+    """How much longer (>1) or shorter (<1) a profiled layer takes on `device`: peak FLOP/s ratio.
+
+    1.0 when the profile was made on this device kind (or on a device the catalog does not know).
+    """
+    if profile.device == device.name:
+        return 1.0
+    catalog = load_catalog()
+    if profile.device not in catalog:
+        return 1.0
+    dtype = profile.dtype if profile.dtype in DTYPE_BYTES else "float32"
+    source = catalog[profile.device].peak_flops_per_second(dtype)
+    return source / device.peak_flops_per_second(dtype)
+
+
+def hardware_for(cluster: ClusterSpec, profile: ModelProfile, node_type: NodeType | str | None = None) -> Hardware:
+    """The pool of one node type (the first one by default); every node type of a homogeneous
+    cluster has the same device, and the pool counts all of them."""
+    if node_type is None:
+        node_type = cluster.node_types[0]
+    elif isinstance(node_type, str):
+        node_type = next((n for n in cluster.node_types if n.name == node_type), None)  # type: ignore[assignment]
+        if node_type is None:
+            raise UserInputError(f"cluster '{cluster.name}' has no node type '{node_type}'")
+    same_kind = [n for n in cluster.node_types if n.device == node_type.device]
+    device = get_device(node_type.device)
+    return Hardware(
+        device=device,
+        devices_per_node=min(n.devices_per_node for n in same_kind),
+        devices=sum(n.devices for n in same_kind),
+        links=resolve_links(cluster, node_type),
+        price_per_device_hour=price_per_device_hour(cluster, node_type),
+        compute_scale=compute_scale(profile, device),
+        node_type=node_type.name,
+    )
+
+
+def tensor_parallel_slowdown(device: DeviceSpec, micro_batch_size: int, tensor_parallel: int) -> float:
+    """Extra time of a t-way split matrix product: efficiency(b) / efficiency(b / t) >= 1.
+
+    Each device multiplies matrices t times narrower, about as efficient as a micro-batch t times
+    smaller (the catalog's efficiency curve):
+
+        >>> tensor_parallel_slowdown(get_device("a100-80gb"), 8, 1)
+        1.0
+    """
+    if tensor_parallel == 1:
+        return 1.0
+    return device.efficiency(micro_batch_size) / device.efficiency(micro_batch_size / tensor_parallel)
+
+
+@dataclass(frozen=True)
+class LayerSeconds:
+    """Per-layer forward and backward seconds on the target, for one (b, t); prefix sums included."""
+
+    forward: tuple[float, ...]
+    backward: tuple[float, ...]
+    forward_prefix: tuple[float, ...]
+    backward_prefix: tuple[float, ...]
+
+    def stage_forward(self, start: int, end: int) -> float:
+        return self.forward_prefix[end] - self.forward_prefix[start]
+
+    def stage_backward(self, start: int, end: int) -> float:
+        return self.backward_prefix[end] - self.backward_prefix[start]
+
+    def work(self, recompute: bool) -> list[float]:
+        """Per-layer time of one micro-batch's forward + backward (+ recompute forward)."""
+        factor = 2.0 if recompute else 1.0
+        return [factor * f + b for f, b in zip(self.forward, self.backward)]
+
+
+def _prefix(values: Sequence[float]) -> tuple[float, ...]:
+    out = [0.0]
+    for value in values:
+        out.append(out[-1] + value)
+    return tuple(out)
+
+
+def layer_seconds(table: LayerTable, hardware: Hardware, tensor_parallel: int) -> LayerSeconds:
+    """Per-layer time on the target device at the table's b with t-way tensor parallelism."""
+    t = tensor_parallel
+    scale = hardware.compute_scale / t * tensor_parallel_slowdown(hardware.device, table.micro_batch_size, t)
+    forward = [f * scale for f in table.forward_seconds]
+    backward = [b * scale for b in table.backward_seconds]
+    if t > 1:
+        ring = hardware.links.allreduce_intra
+        for index, kind in enumerate(table.kinds):
+            if kind == TRANSFORMER_BLOCK:
+                allreduce = ring.ring_allreduce_seconds(table.output_activation_bytes[index], t)
+                forward[index] += TENSOR_PARALLEL_ALLREDUCES_FORWARD * allreduce
+                backward[index] += TENSOR_PARALLEL_ALLREDUCES_BACKWARD * allreduce
+    return LayerSeconds(tuple(forward), tuple(backward), _prefix(forward), _prefix(backward))
+
+
+# --- placement ---------------------------------------------------------------------------------
+
+
+def _node(device: int, devices_per_node: int) -> int:
+    return device // devices_per_node
+
+
+def ranks_share_node(rank_a: int, rank_b: int, p: int, t: int, d: int, devices_per_node: int) -> bool:
+    """Whether pipeline ranks a and b sit in one node in every replica (placement rule above)."""
+    for replica in range(min(d, devices_per_node)):  # the pattern repeats with the node size
+        first = (replica * p + rank_a) * t
+        second = (replica * p + rank_b) * t
+        if _node(first, devices_per_node) != _node(second, devices_per_node):
+            return False
+    return True
+
+
+def replicas_share_node(rank: int, p: int, t: int, d: int, devices_per_node: int) -> bool:
+    """Whether all d replicas of pipeline rank `rank` sit in one node (their ring stays inside)."""
+    first = rank * t
+    last = ((d - 1) * p + rank) * t
+    return _node(first, devices_per_node) == _node(last, devices_per_node)
+
+
+# --- the cost table ----------------------------------------------------------------------------
+
+
+def stage_costs(
+    profile: ModelProfile,
+    hardware: Hardware,
+    stage_layers: Sequence[tuple[int, int]],
+    *,
+    micro_batch_size: int,
+    tensor_parallel: int,
+    data_parallel: int,
+    pipeline_parallel: int | None = None,
+    zero_stage: int = 0,
+    seconds: LayerSeconds | None = None,
+) -> StageCosts:
+    """The simulator's `StageCosts` for one candidate; `stage_layers` holds p*v virtual stages."""
+    table = layer_table(profile, micro_batch_size)
+    t, d = tensor_parallel, data_parallel
+    p = pipeline_parallel or len(stage_layers)
+    seconds = seconds or layer_seconds(table, hardware, t)
+    n = hardware.devices_per_node
+    links = hardware.links
+
+    forward = [seconds.stage_forward(s, e) for s, e in stage_layers]
+    backward = [seconds.stage_backward(s, e) for s, e in stage_layers]
+
+    sends = []
+    jitter = 0.0
+    for stage in range(len(stage_layers) - 1):
+        crossing = table.output_activation_bytes[stage_layers[stage][1] - 1]
+        inside = ranks_share_node(stage % p, (stage + 1) % p, p, t, d, n)
+        link = links.intra if inside else links.inter
+        jitter = max(jitter, link.jitter_seconds)
+        sends.append(link.seconds(crossing))
+
+    element_bytes = DTYPE_BYTES.get(profile.dtype, 4)
+    parameters = _parameters_per_rank(table, stage_layers, p)
+    allreduce = []
+    optimizer = []
+    memory_bandwidth = (hardware.device.memory_bandwidth_gbytes_per_second or 100.0) * 1e9
+    for rank in range(p):
+        held = parameters[rank] / t
+        ring = links.allreduce_intra if replicas_share_node(rank, p, t, d, n) else links.allreduce_inter
+        allreduce.append(ring.ring_allreduce_seconds(held * element_bytes, d))
+        updated = held / d if zero_stage >= 1 else held
+        optimizer.append(updated * ADAM_BYTES_PER_PARAMETER / memory_bandwidth)
+    tied = _tied_allreduce_seconds(table, stage_layers, p, t, d, n, links, element_bytes)
+    for rank, extra in tied.items():
+        allreduce[rank] += extra
+
+    return StageCosts(
+        forward_seconds=tuple(forward),
+        backward_seconds=tuple(backward),
+        recompute_seconds=tuple(forward),
+        send_forward_seconds=tuple(sends),
+        send_backward_seconds=tuple(sends),
+        allreduce_seconds=tuple(allreduce),
+        optimizer_seconds=tuple(optimizer),
+        jitter_seconds=jitter,
+    )
+
+
+def _parameters_per_rank(table: LayerTable, stage_layers: Sequence[tuple[int, int]], p: int) -> list[int]:
+    held = [0] * p
+    for stage, (start, end) in enumerate(stage_layers):
+        held[stage % p] += table.parameters(start, end)
+    return held
+
+
+def _tied_allreduce_seconds(
+    table: LayerTable,
+    stage_layers: Sequence[tuple[int, int]],
+    p: int,
+    t: int,
+    d: int,
+    devices_per_node: int,
+    links: ResolvedLinks,
+    element_bytes: int,
+) -> dict[int, float]:
+    """Shared groups held by several ranks: their gradients are all-reduced among the holders."""
+    holders: dict[str, set[int]] = {}
+    shared_count: dict[str, int] = {}
+    for stage, (start, end) in enumerate(stage_layers):
+        for index in table.shared_layer_indices:
+            if start <= index < end:
+                group = table.shared_group[index]
+                holders.setdefault(group, set()).add(stage % p)  # type: ignore[arg-type]
+                shared_count[group] = table.shared_parameter_count[index]  # type: ignore[index]
+    extra: dict[int, float] = {}
+    for group, ranks in holders.items():
+        if len(ranks) < 2:
+            continue
+        ordered = sorted(ranks)
+        inside = all(ranks_share_node(ordered[0], r, p, t, d, devices_per_node) for r in ordered[1:])
+        link: LinkCost = links.allreduce_intra if inside else links.allreduce_inter
+        seconds = link.ring_allreduce_seconds(shared_count[group] / t * element_bytes, len(ordered))
+        for rank in ordered:
+            extra[rank] = extra.get(rank, 0.0) + seconds
+    return extra
+
+
+def stage_costs_for(candidate: Candidate, profile: ModelProfile, cluster: ClusterSpec) -> StageCosts:
+    """Re-build the cost table of a plan's candidate (what `pipectl simulate` re-simulates).
+
+    Heterogeneous candidates are costed on the node type of their first replica.
+    """
+    if candidate.device == "mixed":
+        kind = candidate.replicas[0].device if candidate.replicas else cluster.node_types[0].device
+    else:
+        kind = candidate.device
+    node_type = next((n for n in cluster.node_types if n.device == kind), None)
+    if node_type is None:
+        raise UserInputError(
+            f"cluster '{cluster.name}' has no '{kind}' devices, which the plan's candidate uses",
+            hint=f"device kinds in the cluster: {', '.join(cluster.device_kinds)}",
+        )
+    if candidate.stage_layers[-1][1] != len(profile.layers):
+        raise UserInputError(
+            f"the plan cuts {candidate.stage_layers[-1][1]} layers but the profile has {len(profile.layers)}",
+            hint="simulate with the profile the plan was made from",
+        )
+    hardware = hardware_for(cluster, profile, node_type)
+    return stage_costs(
+        profile,
+        hardware,
+        candidate.stage_layers,
+        micro_batch_size=candidate.micro_batch_size,
+        tensor_parallel=candidate.tensor_parallel,
+        data_parallel=candidate.data_parallel,
+        pipeline_parallel=candidate.pipeline_parallel,
+        zero_stage=candidate.zero_stage,
+    )

@@ -1,0 +1,137 @@
+"""Simulate a spec and turn it into a `Candidate` (the predicted figures plan.json records).
+
+The step time comes from the event-driven simulator (`pipectl.plan.simulate`) run on the very
+schedule the runtime executes (`pipectl.schedule.generate`) with the spec's cost table; nothing
+here estimates a step time any other way.
+
+Reported figures:
+
+- samples/s = B / step;
+- TFLOP/s per device = model FLOPs of the step / (step * devices), model FLOPs being the profile's
+  forward FLOPs x 3 (forward + backward, SPEC §3) or x 4 with recomputation (hardware FLOPs,
+  Narayanan et al. 2021 §5.1);
+- cost per million samples = price per device-hour * devices * step / 3600 / B * 1e6;
+- bubble % = mean over ranks of the simulator's idle / step; communication % = the simulator's
+  exposed (not overlapped) transfer and all-reduce time / step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipectl.artifacts.plan import Candidate
+from pipectl.plan.candidates import Spec
+from pipectl.plan.costs import Hardware, ranks_share_node
+from pipectl.plan.simulate import StageCosts, simulate, simulate_step_seconds
+from pipectl.schedule import Schedule, generate
+
+TWO_BW_NOTE = "PipeDream-2BW: 1-stale weight updates (a different optimizer than data-parallel Adam)"
+NOT_DEEPSPEED_NOTE = "DeepSpeed's pipeline engine cannot run this schedule (plan and simulate only)"
+
+
+def schedule_of(spec: Spec) -> Schedule:
+    """The schedule the runtime will execute for this spec (cached by `generate`)."""
+    shape = spec.shape
+    return generate(
+        spec.variant.kind,
+        shape.pipeline_parallel,
+        spec.micro_batches,
+        spec.variant.chunks,
+        shape.recompute,
+    )
+
+
+def costs_of(spec: Spec, hardware: Hardware) -> StageCosts:
+    """The simulator's cost table for a spec (same rules as `costs.stage_costs`, from the shape)."""
+    shape = spec.shape
+    p, t, d = shape.pipeline_parallel, shape.tensor_parallel, spec.data_parallel
+    sends = []
+    jitter = 0.0
+    for stage, (_, end) in enumerate(shape.stage_layers[:-1]):
+        inside = ranks_share_node(stage % p, (stage + 1) % p, p, t, d, hardware.devices_per_node)
+        link = hardware.links.intra if inside else hardware.links.inter
+        jitter = max(jitter, link.jitter_seconds)
+        sends.append(link.seconds(shape.table.output_activation_bytes[end - 1]))
+    forward = tuple(shape.forward.tolist())
+    return StageCosts(
+        forward_seconds=forward,
+        backward_seconds=tuple(shape.backward.tolist()),
+        recompute_seconds=forward,
+        send_forward_seconds=tuple(sends),
+        send_backward_seconds=tuple(sends),
+        allreduce_seconds=spec.allreduce_seconds,
+        optimizer_seconds=spec.optimizer_seconds,
+        jitter_seconds=jitter,
+    )
+
+
+class Evaluator:
+    """Simulates specs, caching step times by spec key (the search asks again for the morph table)."""
+
+    def __init__(self, hardware: Hardware, global_batch: int) -> None:
+        self.hardware = hardware
+        self.global_batch = global_batch
+        self._steps: dict[tuple, float] = {}
+        self.simulations = 0
+        self.simulated_actions = 0
+
+    def step_seconds(self, spec: Spec) -> float:
+        key = spec.key
+        step = self._steps.get(key)
+        if step is None:
+            schedule = schedule_of(spec)
+            step = simulate_step_seconds(schedule, costs_of(spec, self.hardware))
+            self._steps[key] = step
+            self.simulations += 1
+            self.simulated_actions += sum(len(actions) for actions in schedule.actions.values())
+        return step
+
+    def cost_per_sample(self, spec: Spec, step: float) -> float:
+        return self.hardware.price_per_device_hour * spec.devices * step / 3600 / self.global_batch
+
+    def candidate(self, spec: Spec, notes: list[str] | None = None) -> Candidate:
+        """The full record: one more simulation with the timeline for bubble and communication."""
+        timeline = simulate(schedule_of(spec), costs_of(spec, self.hardware))
+        step = timeline.step_seconds
+        self._steps.setdefault(spec.key, step)
+        shape = spec.shape
+        flops_factor = 4 if spec.recompute else 3
+        step_flops = shape.table.total_forward_flops() * flops_factor * spec.micro_batches * spec.data_parallel
+        bubble = sum(timeline.bubble_fraction) / len(timeline.bubble_fraction)
+        notes = list(notes or [])
+        if spec.variant.kind.changes_optimizer_semantics:
+            notes.append(TWO_BW_NOTE)
+        if not spec.deepspeed_runnable:
+            notes.append(NOT_DEEPSPEED_NOTE)
+        return Candidate(
+            devices=spec.devices,
+            device=self.hardware.device.name,
+            tensor_parallel=shape.tensor_parallel,
+            pipeline_parallel=shape.pipeline_parallel,
+            data_parallel=spec.data_parallel,
+            micro_batch_size=shape.micro_batch_size,
+            micro_batches=spec.micro_batches,
+            chunks=spec.variant.chunks,
+            schedule=spec.variant.kind,
+            recompute=spec.recompute,
+            zero_stage=spec.zero_stage,
+            stage_layers=[tuple(stage) for stage in shape.stage_layers],
+            predicted_step_seconds=step,
+            samples_per_second=self.global_batch / step,
+            tflops_per_device=step_flops / step / spec.devices / 1e12,
+            peak_memory_bytes=list(spec.peak_memory_bytes),
+            bubble_fraction=min(max(bubble, 0.0), 1.0),
+            communication_fraction=min(timeline.communication_seconds / step, 1.0) if step > 0 else 0.0,
+            cost_per_million_samples=self.cost_per_sample(spec, step) * 1e6,
+            deepspeed_runnable=spec.deepspeed_runnable,
+            notes=notes,
+        )
+
+
+@dataclass(frozen=True)
+class Ranked:
+    """A simulated spec with its objective key (smaller is better)."""
+
+    key: tuple
+    spec: Spec
+    step_seconds: float

@@ -1,0 +1,572 @@
+"""The planner's search: every (t, p, d, b, v, schedule, recompute, ZeRO) that keeps B exactly.
+
+    plan(profile, cluster, PlanRequest(global_batch=B)) -> Plan
+
+1. Enumerate (`candidates.py`): t divides the node size (and the hidden size), p ≤ layers,
+   d with t*p*d ≤ devices, b from the profile, m = B/(d*b) whole (a (d, b) that does not divide B
+   is rejected, never rounded), schedules 1f1b, gpipe, interleaved (v ∈ {2, 4} when p*v ≤ layers
+   and p | m) and Varuna; PipeDream-2BW only when asked for (always flagged). The cut of each
+   (t, b, recompute, p*v) is the balanced partition; a spec that does not fit in memory tries the
+   cut that fills later stages first and then the memory-constrained partition before it is
+   rejected with its reason.
+2. Rank: specs are visited in the order of a closed-form lower bound on their objective; each is
+   simulated until the lower bound of the next one cannot beat the k-th best found (branch and
+   bound: the pruned ones provably cannot enter the top k, see `candidates.lower_bound_seconds`).
+3. The morph table (`morph.py`): the fastest spec for every device count, from the same specs.
+
+Objectives (SPEC §5): `time` (step seconds), `cost` (USD per sample = price * devices * step / B),
+`cost-deadline` (cheapest that finishes the requested samples or tokens before the deadline;
+when none does, the fastest, with a note).
+
+    >>> from pipectl.plan.synthetic import synthetic_profile
+    >>> from pipectl.cluster import load_cluster
+    >>> result = plan(synthetic_profile(blocks=8), load_cluster("a100-8x8"), PlanRequest(global_batch=64, devices=8))
+    >>> result.chosen.global_batch, result.chosen.devices <= 8
+    (64, True)
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from pydantic import Field
+
+from pipectl.artifacts.base import Strict
+from pipectl.artifacts.cluster import ClusterSpec
+from pipectl.artifacts.plan import Candidate, Objective, Plan
+from pipectl.artifacts.profile import ModelProfile
+from pipectl.errors import InfeasibleError, UserInputError
+from pipectl.plan.candidates import (
+    Rejection,
+    Rejections,
+    ScheduleVariant,
+    SearchSpace,
+    Shape,
+    ShapeBuilder,
+    Spec,
+    data_parallel_costs,
+    divisors,
+    in_flight,
+    lower_bound_seconds,
+    recomputing_stages,
+    state_bytes,
+)
+from pipectl.plan.costs import TRANSFORMER_BLOCK, Hardware, hardware_for
+from pipectl.plan.evaluate import Evaluator
+from pipectl.plan.memory import format_gib, stage_memory_bytes
+from pipectl.plan.partition import balanced_partition
+from pipectl.schedule import ScheduleKind
+
+DEFAULT_SCHEDULES = (ScheduleKind.ONE_F_ONE_B, ScheduleKind.GPIPE, ScheduleKind.INTERLEAVED, ScheduleKind.VARUNA)
+SUPPORTED_ZERO_STAGES = (0, 1)  # DeepSpeed's pipeline engine runs ZeRO 0 and 1 only
+
+
+class PlanRequest(Strict):
+    """What the user asks of the planner (the job part of the three inputs)."""
+
+    global_batch: int = Field(description="B: samples per optimizer step; never changed by the planner.")
+    objective: Objective = Objective.TIME
+    schedules: list[ScheduleKind] | None = Field(
+        default=None, description="Schedules to consider; default 1f1b, gpipe, interleaved, varuna (2bw only if listed)."
+    )
+    chunks: list[int] = Field(default_factory=lambda: [2, 4], description="v values tried for interleaved.")
+    max_tensor_parallel: int | None = Field(default=None, description="Upper bound on t.")
+    tensor_parallel: int | None = Field(default=None, description="Pinned t.")
+    pipeline_parallel: int | None = Field(default=None, description="Pinned p.")
+    data_parallel: int | None = Field(default=None, description="Pinned d.")
+    micro_batch_size: int | None = Field(default=None, description="Pinned b.")
+    schedule: ScheduleKind | None = Field(default=None, description="Pinned schedule.")
+    devices: int | None = Field(default=None, description="Devices to plan for (default: the whole cluster).")
+    deadline_hours: float | None = Field(default=None, description="cost-deadline: hours available.")
+    samples: int | None = Field(default=None, description="cost-deadline: samples to train on.")
+    tokens: int | None = Field(default=None, description="cost-deadline: tokens to train on (samples = tokens / seq_len).")
+    allow_recompute: bool = True
+    zero_stages: list[int] = Field(default_factory=lambda: [0, 1])
+    include_all: bool = Field(default=False, description="Simulate and keep every feasible candidate.")
+    for_deepspeed: bool = Field(default=True, description="Choose only schedules DeepSpeed's engine can run.")
+    top: int = Field(default=10, description="Candidates kept in the ranking (without include_all).")
+    morph: bool = Field(default=True, description="Compute the morph table.")
+
+
+# --- validation ----------------------------------------------------------------------------------
+
+
+def _positive(name: str, value: int | float | None) -> None:
+    if value is not None and (isinstance(value, bool) or value <= 0):
+        raise UserInputError(f"{name} must be positive, got {value}")
+
+
+def check_request(request: PlanRequest, profile: ModelProfile, hardware: Hardware) -> None:
+    """Bad input names the value: B <= 0, impossible pinned degrees, a missing deadline figure."""
+    B = request.global_batch
+    if B <= 0:
+        raise UserInputError(f"global batch must be a positive number of samples, got {B}")
+    for name in ("max_tensor_parallel", "tensor_parallel", "pipeline_parallel", "data_parallel",
+                 "micro_batch_size", "devices", "deadline_hours", "samples", "tokens", "top"):
+        _positive(name.replace("_", " "), getattr(request, name))
+    if request.devices is not None and request.devices > hardware.devices:
+        raise UserInputError(
+            f"--devices {request.devices} is more than the cluster's {hardware.devices} '{hardware.device.name}' devices"
+        )
+    layers = len(profile.layers)
+    if request.pipeline_parallel is not None and request.pipeline_parallel > layers:
+        raise UserInputError(
+            f"pipeline-parallel degree {request.pipeline_parallel} exceeds the model's {layers} layers"
+        )
+    t = request.tensor_parallel
+    if t is not None:
+        if t > hardware.devices_per_node or hardware.devices_per_node % t:
+            raise UserInputError(
+                f"tensor-parallel degree {t} must divide the {hardware.devices_per_node} devices of a node"
+            )
+        if t > 1 and not _tensor_parallel_possible(profile, t):
+            raise UserInputError(
+                f"tensor-parallel degree {t} does not divide the model's hidden size {profile.hidden} "
+                "(or the model has no transformer blocks to split)"
+            )
+    d, b = request.data_parallel, request.micro_batch_size
+    if d is not None and B % d:
+        raise UserInputError(f"global batch {B} is not divisible by data-parallel degree {d}")
+    if b is not None and B % b:
+        raise UserInputError(f"global batch {B} is not divisible by micro-batch size {b}")
+    if d is not None and b is not None and B % (d * b):
+        raise UserInputError(f"global batch {B} is not divisible by data-parallel degree {d} x micro-batch {b}")
+    pinned = [x for x in (request.tensor_parallel, request.pipeline_parallel, request.data_parallel) if x]
+    if math.prod(pinned) > (request.devices or hardware.devices):
+        raise UserInputError(
+            f"pinned degrees t x p x d = {math.prod(pinned)} need more than the "
+            f"{request.devices or hardware.devices} devices available"
+        )
+    bad_zero = [z for z in request.zero_stages if z not in SUPPORTED_ZERO_STAGES]
+    if bad_zero or not request.zero_stages:
+        raise UserInputError(
+            f"ZeRO stage {bad_zero[0] if bad_zero else '(none)'} is not supported with pipeline parallelism",
+            hint="use ZeRO stages 0 and/or 1",
+        )
+    bad_chunks = [v for v in request.chunks if v < 2]
+    if bad_chunks:
+        raise UserInputError(f"interleaved chunks v must be >= 2, got {bad_chunks[0]}")
+    if request.objective is Objective.COST_DEADLINE:
+        if request.deadline_hours is None or (request.samples is None and request.tokens is None):
+            raise UserInputError(
+                "the cost-deadline objective needs --deadline-hours and --samples or --tokens"
+            )
+        if request.tokens is not None and not profile.seq_len:
+            raise UserInputError("--tokens needs a profile with a sequence length; give --samples instead")
+    if request.schedule is not None and request.schedules is not None and request.schedule not in request.schedules:
+        raise UserInputError(
+            f"pinned schedule '{request.schedule.value}' is not among --schedules "
+            f"{','.join(s.value for s in request.schedules)}"
+        )
+
+
+def _tensor_parallel_possible(profile: ModelProfile, t: int) -> bool:
+    has_blocks = any(layer.kind == TRANSFORMER_BLOCK for layer in profile.layers)
+    return has_blocks and (profile.hidden is None or profile.hidden % t == 0)
+
+
+def search_space(request: PlanRequest, profile: ModelProfile, hardware: Hardware) -> SearchSpace:
+    if request.tensor_parallel is not None:
+        ts: tuple[int, ...] = (request.tensor_parallel,)
+    else:
+        limit = min(hardware.devices_per_node, request.max_tensor_parallel or hardware.devices_per_node)
+        ts = tuple(
+            t for t in divisors(hardware.devices_per_node)
+            if t <= limit and (t == 1 or _tensor_parallel_possible(profile, t))
+        )
+    bs = (request.micro_batch_size,) if request.micro_batch_size else tuple(profile.micro_batch_sizes)
+    kinds = [request.schedule] if request.schedule else list(request.schedules or DEFAULT_SCHEDULES)
+    variants: list[ScheduleVariant] = []
+    for kind in kinds:
+        if kind is ScheduleKind.INTERLEAVED:
+            variants += [ScheduleVariant(kind, v) for v in sorted(set(request.chunks))]
+        else:
+            variants.append(ScheduleVariant(kind))
+    return SearchSpace(
+        global_batch=request.global_batch,
+        tensor_parallel=ts,
+        micro_batch_sizes=bs,
+        recompute=(False, True) if request.allow_recompute else (False,),
+        variants=tuple(variants),
+        zero_stages=tuple(sorted(set(request.zero_stages))),
+        pipeline_parallel=request.pipeline_parallel,
+        data_parallel=request.data_parallel,
+    )
+
+
+# --- enumeration ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Enumeration:
+    specs: list[Spec] = field(default_factory=list)
+    rejections: Rejections = field(default_factory=Rejections)
+    shapes: int = 0
+
+
+def enumerate_specs(
+    profile: ModelProfile, hardware: Hardware, space: SearchSpace, max_devices: int
+) -> Enumeration:
+    """Every feasible spec with at most `max_devices` devices, and counted rejections."""
+    builder = ShapeBuilder(profile, hardware)
+    out = Enumeration()
+    B = space.global_batch
+    layers = len(profile.layers)
+    capacity = hardware.memory_bytes
+    for t in space.tensor_parallel:
+        for b in space.micro_batch_sizes:
+            for recompute in space.recompute:
+                ps = [space.pipeline_parallel] if space.pipeline_parallel else range(1, layers + 1)
+                for p in ps:
+                    if t * p > max_devices:
+                        break
+                    ds = []
+                    for d in ([space.data_parallel] if space.data_parallel else divisors(B)):
+                        if t * p * d > max_devices:
+                            continue
+                        if B % (d * b):
+                            out.rejections.add(
+                                Rejection.BATCH_NOT_DIVISIBLE, f"B={B} is not divisible by d={d} x b={b}"
+                            )
+                            continue
+                        ds.append(d)
+                    if not ds:
+                        continue
+                    for variant in _variants_for(space.variants, p, recompute):
+                        _specs_for(builder, out, profile, hardware, space, t, b, recompute, p, variant, ds, capacity)
+    out.shapes = builder.shapes_built
+    return out
+
+
+def _variants_for(variants: Iterable[ScheduleVariant], p: int, recompute: bool) -> list[ScheduleVariant]:
+    chosen = []
+    for variant in variants:
+        if variant.kind is ScheduleKind.VARUNA and not recompute:
+            continue  # Varuna is defined with recomputation
+        if p == 1 and (variant.chunks > 1 or variant.kind is ScheduleKind.VARUNA):
+            continue
+        chosen.append(variant)
+    if p == 1:
+        # One stage: every flush schedule is the same gradient accumulation; keep the first.
+        plain = [v for v in chosen if v.kind is not ScheduleKind.PIPEDREAM_2BW]
+        return plain[:1] or chosen[:1]
+    return chosen
+
+
+def _specs_for(builder, out, profile, hardware, space, t, b, recompute, p, variant, ds, capacity) -> None:
+    B = space.global_batch
+    v = variant.chunks
+    kind = variant.kind
+    if p * v > builder.layers:
+        out.rejections.add(Rejection.TOO_FEW_LAYERS, f"p={p} x v={v} stages > {builder.layers} layers", len(ds))
+        return
+    shape = builder.shape(t, b, recompute, p, v)
+    for d in ds:
+        m = B // (d * b)
+        if v > 1 and m % p:
+            out.rejections.add(
+                Rejection.INTERLEAVED_MICRO_BATCHES, f"m={m} is not a multiple of p={p}", len(_zeros(d, space.zero_stages))
+            )
+            continue
+        units = in_flight(shape, variant, m)
+        for zero in _zeros(d, space.zero_stages):
+            per_device = state_bytes(profile.dtype, zero, d, kind)
+            fitted = _fitting_shape(builder, shape, per_device, units, capacity, kind)
+            if fitted is None:
+                worst = shape.memory.per_rank_bytes(per_device, units)
+                rank = int(worst.argmax())
+                out.rejections.add(
+                    Rejection.MEMORY,
+                    f"t={t} p={p} d={d} b={b} {variant.label}{' recompute' if recompute else ''} zero={zero}: "
+                    f"stage {rank} needs {format_gib(worst[rank])} > {format_gib(capacity)}",
+                )
+                continue
+            peak = fitted.memory.per_rank_bytes(per_device, units)
+            allreduce, optimizer = data_parallel_costs(fitted, hardware, d, zero, profile.dtype)
+            bound = lower_bound_seconds(fitted, kind, m, allreduce, optimizer)
+            out.specs.append(
+                Spec(
+                    shape=fitted,
+                    data_parallel=d,
+                    micro_batches=m,
+                    variant=variant,
+                    zero_stage=zero,
+                    lower_bound_seconds=bound,
+                    peak_memory_bytes=tuple(int(x) for x in peak),
+                    allreduce_seconds=tuple(allreduce.tolist()),
+                    optimizer_seconds=tuple(optimizer.tolist()),
+                )
+            )
+
+
+def _zeros(d: int, zero_stages: tuple[int, ...]) -> tuple[int, ...]:
+    # ZeRO-1 without data parallelism shards nothing: the same candidate as ZeRO-0.
+    return tuple(z for z in zero_stages if d > 1 or z == 0) or (0,)
+
+
+def _fitting_shape(
+    builder: ShapeBuilder, shape: Shape, per_device: float, units, capacity: int, kind: ScheduleKind
+) -> Shape | None:
+    """This cut if it fits; else the right-filled cut; else the memory-constrained cut; else None."""
+    memory = shape.memory
+    if memory.fits(per_device, units, capacity):
+        return shape
+    # No cut can help when the average rank's model state alone is too big.
+    if memory.parameters.sum() / len(memory.parameters) * per_device > capacity:
+        return None
+    t, b, rec, p, v = (shape.tensor_parallel, shape.micro_batch_size, shape.recompute,
+                       shape.pipeline_parallel, shape.chunks)
+    right = builder.shape(t, b, rec, p, v, from_right=True)
+    if right.memory.fits(per_device, units, capacity):
+        return right
+    key = (t, b, rec, p, v, round(per_device, 9), tuple(units), kind)
+    if key in builder.fitted:
+        return builder.fitted[key]
+    stages = p * v
+    recomputes = recomputing_stages(shape, kind)
+    table = shape.table
+
+    def fits(index: int, start: int, end: int) -> bool:
+        return stage_memory_bytes(
+            table, start, end,
+            state_bytes=per_device,
+            units=units[index % p],
+            tensor_parallel=t,
+            recompute=bool(recomputes[index]),
+            last_stage=index == stages - 1,
+        ) <= capacity
+
+    work = shape.seconds.work(rec)
+    partition = balanced_partition(work, stages, fits=fits)
+    fitted = None
+    if partition is not None:
+        candidate = builder.shape_from_cuts(t, b, rec, p, v, partition.stage_layers)
+        if candidate.memory.fits(per_device, units, capacity):
+            fitted = candidate
+    builder.fitted[key] = fitted
+    return fitted
+
+
+# --- ranking -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Goal:
+    """The objective as keys: smaller is better; `bound_key` never exceeds the true key."""
+
+    objective: Objective
+    hardware: Hardware
+    global_batch: int
+    steps_needed: int | None = None
+    deadline_seconds: float | None = None
+
+    def cost_per_sample(self, spec: Spec, step: float) -> float:
+        return self.hardware.price_per_device_hour * spec.devices * step / 3600 / self.global_batch
+
+    def key(self, spec: Spec, step: float) -> tuple:
+        if self.objective is Objective.TIME:
+            return (step,)
+        cost = self.cost_per_sample(spec, step)
+        if self.objective is Objective.COST:
+            return (cost, step)
+        if self.meets_deadline(step):
+            return (0, cost, step)
+        return (1, step)
+
+    def bound_key(self, spec: Spec) -> tuple:
+        return self.key(spec, spec.lower_bound_seconds)
+
+    def meets_deadline(self, step: float) -> bool:
+        if self.steps_needed is None or self.deadline_seconds is None:
+            return True
+        return step * self.steps_needed <= self.deadline_seconds
+
+
+def goal_for(request: PlanRequest, profile: ModelProfile, hardware: Hardware) -> Goal:
+    if request.objective is not Objective.COST_DEADLINE:
+        return Goal(request.objective, hardware, request.global_batch)
+    samples = request.samples if request.samples is not None else math.ceil(request.tokens / profile.seq_len)  # type: ignore[operator]
+    return Goal(
+        request.objective,
+        hardware,
+        request.global_batch,
+        steps_needed=math.ceil(samples / request.global_batch),
+        deadline_seconds=request.deadline_hours * 3600,  # type: ignore[operator]
+    )
+
+
+@dataclass
+class Ranking:
+    """The top specs by the goal (simulated), and how many were simulated."""
+
+    top: list[tuple[tuple, Spec, float]]
+    best_runnable: tuple[tuple, Spec, float] | None
+    simulated: int
+
+
+def rank(specs: list[Spec], goal: Goal, evaluator: Evaluator, *, keep: int, exhaustive: bool,
+         need_runnable: bool) -> Ranking:
+    """Branch and bound over specs sorted by their bound key; see the module docstring."""
+    ordered = sorted(specs, key=goal.bound_key)
+    heap: list[tuple] = []  # max-heap of the kept keys (negated), with a tie-breaking counter
+    best_runnable = None
+    simulated = 0
+    for index, spec in enumerate(ordered):
+        bound = goal.bound_key(spec)
+        if not exhaustive and len(heap) >= keep:
+            kth = _unnegate(heap[0][0])
+            if bound >= kth and (not need_runnable or (best_runnable is not None and bound >= best_runnable[0])):
+                break
+        step = evaluator.step_seconds(spec)
+        simulated += 1
+        key = goal.key(spec, step)
+        entry = (_negate(key), index, spec, step)
+        if exhaustive or len(heap) < keep:
+            heapq.heappush(heap, entry)
+        elif key < _unnegate(heap[0][0]):
+            heapq.heapreplace(heap, entry)
+        if spec.deepspeed_runnable and (best_runnable is None or key < best_runnable[0]):
+            best_runnable = (key, spec, step)
+    top = sorted(((_unnegate(k), s, step) for k, _, s, step in heap), key=lambda item: item[0])
+    return Ranking(top, best_runnable, simulated)
+
+
+def _negate(key: tuple) -> tuple:
+    return tuple(-x for x in key)
+
+
+def _unnegate(key: tuple) -> tuple:
+    return tuple(-x for x in key)
+
+
+# --- the plan ------------------------------------------------------------------------------------
+
+
+@dataclass
+class SearchStats:
+    """What the search did (the benchmark reports these)."""
+
+    specs: int = 0
+    shapes: int = 0
+    simulations: int = 0
+    simulated_actions: int = 0
+    rejected: int = 0
+
+
+def plan(
+    profile: ModelProfile,
+    cluster: ClusterSpec,
+    request: PlanRequest,
+    *,
+    profile_path: str | None = None,
+    stats: SearchStats | None = None,
+) -> Plan:
+    """The ranked candidates, the chosen one and the morph table (see the module docstring)."""
+    if cluster.heterogeneous:
+        from pipectl.plan.hetero import plan_heterogeneous
+
+        return plan_heterogeneous(profile, cluster, request, profile_path=profile_path, stats=stats)
+    hardware = hardware_for(cluster, profile)
+    return plan_homogeneous(profile, cluster.name, hardware, request, profile_path=profile_path, stats=stats)
+
+
+def plan_homogeneous(
+    profile: ModelProfile,
+    cluster_name: str,
+    hardware: Hardware,
+    request: PlanRequest,
+    *,
+    profile_path: str | None = None,
+    stats: SearchStats | None = None,
+    notes: list[str] | None = None,
+) -> Plan:
+    from pipectl.plan.morph import morph_table
+
+    check_request(request, profile, hardware)
+    space = search_space(request, profile, hardware)
+    devices = request.devices or hardware.devices
+    max_devices = hardware.devices if request.morph else devices
+    enumeration = enumerate_specs(profile, hardware, space, max_devices)
+    evaluator = Evaluator(hardware, request.global_batch)
+    goal = goal_for(request, profile, hardware)
+    pool = [spec for spec in enumeration.specs if spec.devices <= devices]
+    plan_notes = list(notes or [])
+    if profile.device != hardware.device.name and hardware.compute_scale != 1.0:
+        plan_notes.append(
+            f"profile measured on '{profile.device}', planned for '{hardware.device.name}': layer times "
+            f"scaled by {hardware.compute_scale:.3g} (ratio of peak FLOP/s)"
+        )
+    if not pool:
+        raise InfeasibleError(_nothing_fits(request, enumeration.rejections, devices))
+    ranking = rank(
+        pool, goal, evaluator, keep=request.top, exhaustive=request.include_all, need_runnable=request.for_deepspeed
+    )
+    chosen_entry = ranking.top[0]
+    if request.for_deepspeed and not chosen_entry[1].deepspeed_runnable:
+        if ranking.best_runnable is None:
+            raise InfeasibleError(
+                "only schedules DeepSpeed's pipeline engine cannot run fit "
+                f"(best: {chosen_entry[1].describe()})",
+                hint="plan without --for-deepspeed to see them, or allow 1f1b/gpipe/varuna",
+            )
+        plan_notes.append(
+            f"fastest overall is {chosen_entry[1].describe()} ({chosen_entry[2]:.4g} s/step), which DeepSpeed "
+            "cannot run; chose the best DeepSpeed-runnable candidate"
+        )
+        chosen_entry = ranking.best_runnable
+    if goal.objective is Objective.COST_DEADLINE and not goal.meets_deadline(chosen_entry[2]):
+        plan_notes.append(
+            f"no candidate finishes {goal.steps_needed} steps within {request.deadline_hours} h: chose the fastest"
+        )
+    if goal.objective is Objective.COST_DEADLINE:
+        missed = sum(1 for key, _, _ in ranking.top if key[0] == 1)
+        if missed:
+            enumeration.rejections.add(Rejection.DEADLINE, count=missed)
+    chosen = evaluator.candidate(chosen_entry[1], _device_note(chosen_entry[1], devices))
+    candidates = [
+        chosen if spec is chosen_entry[1] else evaluator.candidate(spec, _device_note(spec, devices))
+        for _, spec, _ in ranking.top
+    ]
+    if not any(c is chosen for c in candidates):
+        candidates.insert(0, chosen)
+    morph = morph_table(enumeration.specs, evaluator, hardware.devices, request) if request.morph else []
+    for reason, example in enumeration.rejections.examples.items():
+        if reason is Rejection.MEMORY:
+            plan_notes.append(f"e.g. {example}")
+    if stats is not None:
+        stats.specs = len(enumeration.specs)
+        stats.shapes = enumeration.shapes
+        stats.simulations = evaluator.simulations
+        stats.simulated_actions = evaluator.simulated_actions
+        stats.rejected = sum(enumeration.rejections.counts.values())
+    return Plan(
+        model=profile.model,
+        profile_path=profile_path,
+        cluster=cluster_name,
+        global_batch=request.global_batch,
+        objective=request.objective,
+        layers=len(profile.layers),
+        chosen=chosen,
+        candidates=candidates,
+        infeasible=enumeration.rejections.summary(),
+        morph_table=morph,
+        notes=plan_notes,
+    )
+
+
+def _device_note(spec: Spec, devices: int) -> list[str]:
+    if spec.devices < devices:
+        return [f"uses {spec.devices} of the {devices} devices"]
+    return []
+
+
+def _nothing_fits(request: PlanRequest, rejections: Rejections, devices: int) -> str:
+    reasons = "; ".join(f"{count} x {reason}" for reason, count in rejections.summary().items()) or "no candidates"
+    examples = "; ".join(rejections.examples.values())
+    message = f"nothing fits global batch {request.global_batch} on {devices} devices: {reasons}"
+    if examples:
+        message += f" (e.g. {examples})"
+    return message
