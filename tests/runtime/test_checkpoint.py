@@ -1,0 +1,197 @@
+"""Checkpoints: atomic commit with a manifest written last, checksum verification with fallback to
+the previous checkpoint, pruning, stop signals; and, with real processes, a checkpoint written at
+p=2 that loads (weights and optimizer state) into p=1 and into another cut and continues with the
+exact losses of the uninterrupted run."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+from pathlib import Path
+
+import pytest
+
+from pipectl.artifacts.plan import Candidate, Plan
+from pipectl.artifacts.run import CheckpointManifest
+from pipectl.errors import CheckpointError
+from pipectl.runtime import checkpoint as ckpt
+from pipectl.schedule.ir import ScheduleKind
+
+
+def fake_checkpoint(run_dir: Path, step: int, payload: bytes = b"weights") -> Path:
+    """Stage a few files and commit them the way save_checkpoint does after conversion."""
+    root = ckpt.checkpoints_dir(run_dir)
+    staged = root / ckpt.STAGING_DIR / f"{ckpt.tag_for_step(step)}_universal"
+    (staged / "zero" / "0.weight").mkdir(parents=True)
+    (staged / "zero" / "0.weight" / "fp32.pt").write_bytes(payload + bytes([step]))
+    (staged / "zero" / "0.weight" / "exp_avg.pt").write_bytes(b"moments" + bytes([step]))
+    (staged / "mp_rank_00_model_states.pt").write_bytes(b"client state")
+    files = ckpt.hash_tree(staged)
+    manifest = CheckpointManifest(tag=ckpt.tag_for_step(step), step=step, files=files, bytes=0)
+    return ckpt.commit_tag(root, staged, ckpt.tag_for_step(step), manifest)
+
+
+def flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[0] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_committed_checkpoint_verifies_and_latest_points_at_it(tmp_path):
+    fake_checkpoint(tmp_path, 5)
+    path = fake_checkpoint(tmp_path, 10)
+    info = ckpt.verify_checkpoint(path)
+    assert info.verified and info.step == 10
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "step00000010"
+    assert (tmp_path / "checkpoints" / "latest_universal").read_text() == "step00000010"
+    latest, warnings = ckpt.find_latest_verified(tmp_path)
+    assert latest.tag == "step00000010" and warnings == []
+
+
+def test_corrupted_file_is_named_and_the_previous_checkpoint_is_used(tmp_path):
+    fake_checkpoint(tmp_path, 5)
+    newest = fake_checkpoint(tmp_path, 10)
+    bad = newest / "zero" / "0.weight" / "fp32.pt"
+    flip_a_byte(bad)
+    assert ckpt.verify_checkpoint(newest, hash_files=False).verified  # presence alone cannot tell
+    latest, warnings = ckpt.find_latest_verified(tmp_path)
+    assert latest.tag == "step00000005"
+    assert len(warnings) == 1 and str(bad) in warnings[0] and "sha256 mismatch" in warnings[0]
+
+
+def test_missing_manifest_missing_file_and_stray_file_are_problems(tmp_path):
+    first = fake_checkpoint(tmp_path, 1)
+    second = fake_checkpoint(tmp_path, 2)
+    third = fake_checkpoint(tmp_path, 3)
+    (first / "manifest.json").unlink()  # a save interrupted before its manifest
+    (second / "mp_rank_00_model_states.pt").unlink()
+    (third / "extra.pt").write_bytes(b"?")
+    assert "no manifest" in ckpt.verify_checkpoint(first).problems[0]
+    assert "missing" in ckpt.verify_checkpoint(second).problems[0]
+    assert "not in the manifest" in ckpt.verify_checkpoint(third).problems[0]
+    latest, warnings = ckpt.find_latest_verified(tmp_path)
+    assert latest is None and len(warnings) == 3
+
+
+def test_prune_keeps_the_newest_verified_and_drops_stale_incomplete(tmp_path):
+    paths = [fake_checkpoint(tmp_path, step) for step in (1, 2, 3, 4)]
+    (paths[0] / "manifest.json").unlink()
+    removed = ckpt.prune_checkpoints(tmp_path, keep=2)
+    assert sorted(p.name for p in removed) == ["step00000001", "step00000002"]
+    assert [i.tag for i in ckpt.list_checkpoints(tmp_path)] == ["step00000003", "step00000004"]
+
+
+def test_recommitting_a_step_replaces_it(tmp_path):
+    fake_checkpoint(tmp_path, 7, payload=b"old")
+    path = fake_checkpoint(tmp_path, 7, payload=b"new")
+    assert (path / "zero" / "0.weight" / "fp32.pt").read_bytes().startswith(b"new")
+    assert ckpt.verify_checkpoint(path).verified
+
+
+def test_failed_conversion_raises_checkpoint_error_and_commits_nothing(tmp_path):
+    class EngineThatSavesNothing:
+        module = None
+
+        def save_checkpoint(self, save_dir, tag, client_state, save_latest):
+            Path(save_dir, tag).mkdir(parents=True)
+
+    with pytest.raises(CheckpointError, match="step00000003 failed on rank 0"):
+        ckpt.save_checkpoint(EngineThatSavesNothing(), tmp_path, 3)
+    assert ckpt.list_checkpoints(tmp_path) == []
+    assert not (tmp_path / "checkpoints" / "latest").exists()
+
+
+def test_sigterm_sets_the_stop_flag_and_a_stop_file_does_too(tmp_path):
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        flag = ckpt.install_sigterm_handler()
+        assert not ckpt.should_stop(flag, tmp_path)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert flag.is_set() and flag.reason == "SIGTERM"
+        assert ckpt.should_stop(flag)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    other = ckpt.StopFlag()
+    (tmp_path / ckpt.STOP_FILE).touch()
+    assert ckpt.should_stop(other, tmp_path) and other.reason == ckpt.STOP_FILE
+
+
+# --------------------------------------------------------------------------- real processes
+
+
+def plan_for(p: int, cuts: list[tuple[int, int]], b: int = 2, m: int = 4) -> Plan:
+    candidate = Candidate(
+        devices=p, device="cpu", tensor_parallel=1, pipeline_parallel=p, data_parallel=1,
+        micro_batch_size=b, micro_batches=m, schedule=ScheduleKind.ONE_F_ONE_B, recompute=False,
+        zero_stage=1, stage_layers=cuts, predicted_step_seconds=0.05, samples_per_second=160.0,
+        tflops_per_device=0.0, peak_memory_bytes=[1] * p, bubble_fraction=0.1,
+        communication_fraction=0.0, cost_per_million_samples=0.0,
+    )  # fmt: skip
+    return Plan(model="gpt-tiny", cluster="local", global_batch=b * m, objective="time", layers=9, chosen=candidate)
+
+
+def launch(plan: Plan, run_dir: Path, steps: int, checkpoint_every: int = 0, prepare=None) -> dict[int, float]:
+    """Write the run directory, let `prepare(run_dir)` add to it, run it on real ranks, read the losses."""
+    from pipectl.launch import LaunchOptions, prepare_launch, run_engine
+    from pipectl.runtime.metrics import read_metrics
+
+    prepared = prepare_launch(plan, run_dir, LaunchOptions(steps=steps, checkpoint_every=checkpoint_every))
+    if prepare is not None:
+        prepare(run_dir)
+    code = run_engine(prepared.command, prepared.run_dir, timeout_seconds=240)
+    assert code == 0, (run_dir / "logs" / "engine.log").read_text()[-3000:]
+    return {m.step: m.loss for m in read_metrics(run_dir)}
+
+
+def copy_checkpoints(source_run: Path, tags: list[str]):
+    """Give a new run another run's checkpoints (what a resize to a new layout starts from)."""
+
+    def prepare(run_dir: Path) -> None:
+        for tag in tags:
+            shutil.copytree(source_run / "checkpoints" / tag, run_dir / "checkpoints" / tag)
+        (run_dir / "checkpoints" / "latest").write_text(tags[-1])
+
+    return prepare
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory) -> tuple[Path, dict[int, float]]:
+    """p=2 for 8 steps, checkpointing every 4: the uninterrupted trajectory and its checkpoints."""
+    run = tmp_path_factory.mktemp("ckpt") / "p2"
+    losses = launch(plan_for(2, [(0, 4), (4, 9)]), run, steps=8, checkpoint_every=4)
+    return run, losses
+
+
+@pytest.mark.multiprocess
+def test_p2_checkpoint_continues_exactly_in_p1_past_a_corrupted_newer_checkpoint(reference_run, tmp_path):
+    source, reference = reference_run
+    assert sorted(reference) == list(range(1, 9)) and reference[8] < reference[1]
+    run = tmp_path / "p1"
+    corrupted: list[Path] = []
+
+    def prepare(run_dir: Path) -> None:
+        copy_checkpoints(source, ["step00000004", "step00000008"])(run_dir)
+        corrupted.append(next((run_dir / "checkpoints" / "step00000008" / "zero").rglob("fp32.pt")))
+        flip_a_byte(corrupted[0])
+
+    losses = launch(plan_for(1, [(0, 9)]), run, steps=8, prepare=prepare)
+    bad = corrupted[0]
+    # Steps 5..8 are retrained from step 4 on one rank: step 5 checks the weights, steps 6..8 the
+    # restored Adam moments (fresh moments would give a different update).
+    assert sorted(losses) == [5, 6, 7, 8]
+    for step in range(5, 9):
+        assert losses[step] == pytest.approx(reference[step], rel=1e-6, abs=0), step
+    log = (run / "logs" / "engine.log").read_text()
+    assert "step00000008 skipped" in log and bad.name in log and "sha256 mismatch" in log
+
+
+@pytest.mark.multiprocess
+def test_p2_checkpoint_continues_exactly_in_another_cut(reference_run, tmp_path):
+    source, reference = reference_run
+    run = tmp_path / "recut"
+    losses = launch(plan_for(2, [(0, 2), (2, 9)]), run, steps=8, prepare=copy_checkpoints(source, ["step00000004"]))
+    for step in range(5, 9):
+        assert losses[step] == pytest.approx(reference[step], rel=1e-6, abs=0), step
+    final = ckpt.verify_checkpoint(run / "checkpoints" / "step00000008")
+    assert final.verified and final.manifest.layout["stage_layers"] == "[[0, 2], [2, 9]]"
