@@ -1,9 +1,124 @@
-"""`pipectl plan` (being built; see docs/ARCHITECTURE.md)."""
+"""`pipectl plan`: the best configuration for these devices, and for every other count.
+
+    pipectl plan --profile profile.json --cluster local --devices 2 --global-batch 16 -o plan.json
+    pipectl plan --profile gpt1t.json --cluster a100-384x8 --global-batch 3072 --schedules 1f1b,gpipe
+    pipectl plan ... --objective cost-deadline --deadline-hours 24 --tokens 3e11
+"""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Annotated, Optional
+
 import typer
+
+from pipectl.artifacts.plan import Objective
+from pipectl.artifacts.profile import ModelProfile
+from pipectl.cli.context import JsonFlag, OutputPath, console, print_json
+from pipectl.errors import UserInputError
+from pipectl.io import load_model, write_json_atomic
+from pipectl.schedule import ScheduleKind
+
+
+def parse_schedules(text: str | None) -> list[ScheduleKind] | None:
+    """'1f1b,gpipe' -> [ScheduleKind.ONE_F_ONE_B, ScheduleKind.GPIPE]; unknown names are named."""
+    if text is None:
+        return None
+    kinds = []
+    for entry in text.split(","):
+        kinds.append(parse_schedule(entry.strip()))
+    return kinds
+
+
+def parse_schedule(text: str) -> ScheduleKind:
+    try:
+        return ScheduleKind(text)
+    except ValueError:
+        known = ", ".join(k.value for k in ScheduleKind)
+        raise UserInputError(f"unknown schedule '{text}'", hint=f"known schedules: {known}") from None
+
+
+def parse_amount(text: str | None, name: str) -> int | None:
+    """'3e11' or '300000000000' -> 300000000000; a bad number is named."""
+    if text is None:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise UserInputError(f"{name} '{text}' is not a number") from None
+    if value <= 0 or value != int(value):
+        raise UserInputError(f"{name} must be a positive whole number, got {text}")
+    return int(value)
+
+
+def plan_command(
+    profile: Annotated[Path, typer.Option("--profile", help="profile.json from `pipectl profile`.")],
+    cluster: Annotated[str, typer.Option("--cluster", help="A shipped cluster name (local, a100-8x8) or a YAML path.")],
+    global_batch: Annotated[int, typer.Option("--global-batch", help="B: samples per optimizer step (never changed).")],
+    output: OutputPath = Path("plan.json"),
+    objective: Annotated[Objective, typer.Option("--objective", help="time, cost or cost-deadline.")] = Objective.TIME,
+    deadline_hours: Annotated[Optional[float], typer.Option("--deadline-hours", help="cost-deadline: hours available.")] = None,
+    samples: Annotated[Optional[str], typer.Option("--samples", help="cost-deadline: samples to train on.")] = None,
+    tokens: Annotated[Optional[str], typer.Option("--tokens", help="cost-deadline: tokens to train on.")] = None,
+    schedules: Annotated[Optional[str], typer.Option("--schedules", help="Comma list: 1f1b,gpipe,interleaved,varuna,2bw.")] = None,
+    max_tensor_parallel: Annotated[Optional[int], typer.Option("--max-tensor-parallel", help="Largest t to try.")] = None,
+    pipeline_parallel: Annotated[Optional[int], typer.Option("--pipeline-parallel", help="Pin p.")] = None,
+    tensor_parallel: Annotated[Optional[int], typer.Option("--tensor-parallel", help="Pin t.")] = None,
+    data_parallel: Annotated[Optional[int], typer.Option("--data-parallel", help="Pin d.")] = None,
+    micro_batch_size: Annotated[Optional[int], typer.Option("--micro-batch-size", help="Pin b.")] = None,
+    schedule: Annotated[Optional[str], typer.Option("--schedule", help="Pin the schedule.")] = None,
+    devices: Annotated[Optional[int], typer.Option("--devices", help="Plan for G devices (default: the whole cluster; a local cluster: its default).")] = None,
+    no_recompute: Annotated[bool, typer.Option("--no-recompute", help="Never recompute activations.")] = False,
+    zero_stages: Annotated[str, typer.Option("--zero-stages", help="ZeRO stages to try (0,1).")] = "0,1",
+    include_all: Annotated[bool, typer.Option("--all", help="Simulate and keep every feasible candidate.")] = False,
+    any_engine: Annotated[bool, typer.Option("--any-engine", help="Also choose schedules DeepSpeed cannot run.")] = False,
+    no_morph: Annotated[bool, typer.Option("--no-morph", help="Skip the morph table.")] = False,
+    top: Annotated[int, typer.Option("--top", help="Candidates to show.")] = 10,
+    as_json: JsonFlag = False,
+) -> None:
+    """Search t, p, d, b, v, schedule, recomputation and ZeRO stage; write plan.json."""
+    from pipectl.cluster import load_cluster, local_cluster
+    from pipectl.plan.search import PlanRequest, plan
+    from pipectl.report.plan_table import plan_view
+
+    model_profile = load_model(ModelProfile, profile)
+    cluster_spec = load_cluster(cluster)
+    if cluster_spec.local and devices is not None:
+        cluster_spec = local_cluster(devices, cluster_spec)
+    try:
+        zeros = [int(z) for z in zero_stages.split(",")]
+    except ValueError:
+        raise UserInputError(f"--zero-stages '{zero_stages}' is not a comma list of numbers") from None
+    request = PlanRequest(
+        global_batch=global_batch,
+        objective=objective,
+        schedules=parse_schedules(schedules),
+        max_tensor_parallel=max_tensor_parallel,
+        tensor_parallel=tensor_parallel,
+        pipeline_parallel=pipeline_parallel,
+        data_parallel=data_parallel,
+        micro_batch_size=micro_batch_size,
+        schedule=parse_schedule(schedule) if schedule else None,
+        devices=devices,
+        deadline_hours=deadline_hours,
+        samples=parse_amount(samples, "--samples"),
+        tokens=parse_amount(tokens, "--tokens"),
+        allow_recompute=not no_recompute,
+        zero_stages=zeros,
+        include_all=include_all,
+        for_deepspeed=not any_engine,
+        top=max(top, 1),
+        morph=not no_morph,
+    )
+    result = plan(model_profile, cluster_spec, request, profile_path=str(profile))
+    write_json_atomic(output, result)
+    if as_json:
+        print_json(result)
+        return
+    console.print(plan_view(result, top=top))
+    console.print(f"wrote {output}", style="dim")
 
 
 def register(app: typer.Typer) -> None:
-    """Add this module's command(s) to the root app."""
+    """Add `pipectl plan` to the root app."""
+    app.command("plan")(plan_command)

@@ -223,6 +223,8 @@ def enumerate_specs(
                 for p in ps:
                     if t * p > max_devices:
                         break
+                    if recompute and p == 1:
+                        continue  # one stage is the last stage: it never recomputes
                     ds = []
                     for d in ([space.data_parallel] if space.data_parallel else divisors(B)):
                         if t * p * d > max_devices:

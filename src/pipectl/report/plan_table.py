@@ -1,0 +1,130 @@
+"""Rich tables for plans (plan.json): the ranked candidates, the morph table, the rejections.
+
+Functions build renderables and return them; the CLI prints them.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from rich import box
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+from pipectl.artifacts.plan import Candidate, Plan
+
+GIB = 1024**3
+
+
+def _schedule_label(candidate: Candidate) -> str:
+    label = candidate.schedule.value
+    if candidate.chunks > 1:
+        label += f" v={candidate.chunks}"
+    if candidate.replicas:
+        label += " (uneven)"
+    return label
+
+
+def _gib(num_bytes: float) -> str:
+    return f"{num_bytes / GIB:.3g} GiB"
+
+
+def format_step(seconds: float) -> str:
+    """Seconds with 4 significant digits: 0.01234 -> '0.01234 s', 12.3456 -> '12.35 s'."""
+    return f"{seconds:.4g} s"
+
+
+def candidates_table(candidates: Sequence[Candidate], *, chosen: Candidate | None = None, title: str = "") -> Table:
+    """One row per candidate: degrees, b, m, schedule, recompute, predicted figures and cost."""
+    table = Table(title=title or None, box=box.SIMPLE_HEAD, title_justify="left")
+    for header, justify in (
+        ("t·p·d", "left"), ("b×m", "left"), ("schedule", "left"), ("rc", "left"), ("Z", "right"),
+        ("step", "right"), ("samples/s", "right"), ("TFLOP/s", "right"), ("mem/dev", "right"),
+        ("bubble", "right"), ("comm", "right"), ("$/1M", "right"),
+    ):
+        table.add_column(header, justify=justify, no_wrap=True)
+    for c in candidates:
+        style = "bold green" if chosen is not None and c == chosen else None
+        flag = "" if c.deepspeed_runnable else "*"
+        table.add_row(
+            f"{c.tensor_parallel}·{c.pipeline_parallel}·{c.data_parallel}",
+            f"{c.micro_batch_size}×{c.micro_batches}",
+            _schedule_label(c) + flag,
+            "R" if c.recompute else "",
+            str(c.zero_stage),
+            format_step(c.predicted_step_seconds),
+            f"{c.samples_per_second:,.1f}",
+            f"{c.tflops_per_device:.3g}",
+            _gib(max(c.peak_memory_bytes)),
+            f"{c.bubble_fraction * 100:.1f}%",
+            f"{c.communication_fraction * 100:.1f}%",
+            f"{c.cost_per_million_samples:,.2f}",
+            style=style,
+        )
+    return table
+
+
+def morph_table_view(plan: Plan, *, every: int | None = None) -> Table:
+    """The morph table, compressed to the rows where the best configuration changes."""
+    table = Table(title="morph table (fastest plan per device count; rows where it changes)",
+                  box=box.SIMPLE_HEAD, title_justify="left")
+    for header in ("devices", "uses", "t·p·d", "b×m", "schedule", "step", "note"):
+        table.add_column(header, no_wrap=header != "note")
+    previous = None
+    for entry in plan.morph_table:
+        c = entry.candidate
+        if c is None:
+            continue
+        signature = (c.devices, c.tensor_parallel, c.pipeline_parallel, c.data_parallel, c.micro_batch_size,
+                     c.schedule, c.chunks)
+        if signature == previous and (every is None or entry.devices % every):
+            continue
+        previous = signature
+        table.add_row(
+            str(entry.devices), str(c.devices), f"{c.tensor_parallel}·{c.pipeline_parallel}·{c.data_parallel}",
+            f"{c.micro_batch_size}×{c.micro_batches}", _schedule_label(c),
+            format_step(c.predicted_step_seconds), entry.note,
+        )
+    return table
+
+
+def rejections_view(plan: Plan) -> Text:
+    if not plan.infeasible:
+        return Text("")
+    parts = ", ".join(f"{count} {reason}" for reason, count in plan.infeasible.items())
+    return Text(f"rejected: {parts}", style="dim")
+
+
+def plan_view(plan: Plan, *, top: int = 10, show_morph: bool = True) -> Group:
+    """Everything `pipectl plan` prints: the ranking, the chosen plan, notes, the morph table."""
+    c = plan.chosen
+    headline = Text.assemble(
+        ("chosen: ", "bold"),
+        f"t={c.tensor_parallel} p={c.pipeline_parallel} d={c.data_parallel} b={c.micro_batch_size} "
+        f"m={c.micro_batches} {_schedule_label(c)}{' recompute' if c.recompute else ''} zero={c.zero_stage} "
+        f"on {c.devices} x {c.device}: {format_step(c.predicted_step_seconds)} per step of "
+        f"{plan.global_batch} samples",
+    )
+    parts: list = [
+        candidates_table(plan.candidates[:top], chosen=c,
+                         title=f"{plan.model} on {plan.cluster}, global batch {plan.global_batch}, "
+                               f"objective {plan.objective.value}"),
+        headline,
+    ]
+    if any(not cand.deepspeed_runnable for cand in plan.candidates[:top]):
+        parts.append(Text("* DeepSpeed's pipeline engine cannot run this schedule (plan and simulate only)", style="dim"))
+    for note in [*plan.notes, *c.notes]:
+        parts.append(Text(f"note: {note}", style="yellow"))
+    if c.replicas:
+        replicas = Table(title="batch split over replicas", box=box.SIMPLE_HEAD, title_justify="left")
+        for header in ("replica", "device", "b", "m", "samples", "gradient weight"):
+            replicas.add_column(header)
+        for r in c.replicas:
+            replicas.add_row(str(r.replica), r.device, str(r.micro_batch_size), str(r.micro_batches),
+                             str(r.samples), f"{r.gradient_weight:.4f}")
+        parts.append(replicas)
+    parts.append(rejections_view(plan))
+    if show_morph and plan.morph_table:
+        parts.append(morph_table_view(plan))
+    return Group(*parts)
