@@ -1,0 +1,107 @@
+"""`pipectl launch`: dry run, refusals with exit 2 and no traceback, slurm emission, and one real run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from pipectl.artifacts.plan import Candidate, Plan
+from pipectl.cli.main import app
+from pipectl.io import write_json_atomic
+from pipectl.schedule.ir import ScheduleKind
+
+runner = CliRunner()
+
+
+def write_plan(path: Path, p=2, b=2, m=4, zero_stage=0) -> Path:
+    cuts = [(0, 4), (4, 9)] if p == 2 else [(0, 9)]
+    candidate = Candidate(
+        devices=p, device="cpu", tensor_parallel=1, pipeline_parallel=p, data_parallel=1,
+        micro_batch_size=b, micro_batches=m, schedule=ScheduleKind.ONE_F_ONE_B, recompute=False,
+        zero_stage=zero_stage, stage_layers=cuts, predicted_step_seconds=0.05, samples_per_second=160.0,
+        tflops_per_device=0.0, peak_memory_bytes=[1] * p, bubble_fraction=0.1,
+        communication_fraction=0.0, cost_per_million_samples=0.0,
+    )  # fmt: skip
+    plan = Plan(model="gpt-tiny", cluster="local", global_batch=b * m, objective="time", layers=9, chosen=candidate)
+    return write_json_atomic(path, plan)
+
+
+def invoke(*args: str):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def test_dry_run_prints_validated_config_and_command_and_writes_nothing(tmp_path):
+    plan = write_plan(tmp_path / "plan.json")
+    result = invoke("launch", plan, "--run-dir", tmp_path / "run", "--dry-run", "--json", "--steps", "5")
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.output)
+    assert payload["ds_config"]["train_batch_size"] == 8
+    assert payload["ds_config"]["gradient_accumulation_steps"] == 4
+    assert "--nproc_per_node 2" in payload["command"]
+    assert payload["job"]["steps"] == 5
+    assert not (tmp_path / "run").exists()
+
+
+def test_plan_deepspeed_cannot_run_exits_2_without_traceback(tmp_path):
+    plan = write_plan(tmp_path / "plan.json", zero_stage=3)
+    result = invoke("launch", plan, "--run-dir", tmp_path / "run")
+    assert result.exit_code == 2
+    assert "ZeRO stage 3" in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "run").exists()
+
+
+def test_plan_with_broken_batch_arithmetic_exits_2(tmp_path):
+    path = write_plan(tmp_path / "plan.json")
+    data = json.loads(path.read_text())
+    data["global_batch"] = 12  # b 2 x m 4 x d 1 = 8
+    path.write_text(json.dumps(data))
+    result = invoke("launch", path, "--run-dir", tmp_path / "run")
+    assert result.exit_code == 2 and "12" in result.output and "Traceback" not in result.output
+
+
+def test_existing_run_is_refused_and_bad_options_name_their_value(tmp_path):
+    plan = write_plan(tmp_path / "plan.json")
+    run = tmp_path / "run"
+    assert invoke("launch", plan, "--run-dir", run, "--engine", "slurm").exit_code == 0
+    again = invoke("launch", plan, "--run-dir", run, "--engine", "slurm")
+    assert again.exit_code == 2 and "already exists" in again.output
+    bad_elastic = invoke("launch", plan, "--run-dir", tmp_path / "x", "--engine", "torchrun", "--elastic", "3:1")
+    assert bad_elastic.exit_code == 2 and "'3:1'" in bad_elastic.output
+    bad_data = invoke("launch", plan, "--run-dir", tmp_path / "y", "--data", "nowhere.bin")
+    assert bad_data.exit_code == 2 and "nowhere.bin" in bad_data.output
+    missing = invoke("launch", tmp_path / "missing.json", "--run-dir", tmp_path / "z")
+    assert missing.exit_code == 2 and "missing.json" in missing.output
+
+
+def test_slurm_engine_writes_the_script_and_says_how_to_submit(tmp_path):
+    plan = write_plan(tmp_path / "plan.json")
+    run = tmp_path / "run"
+    result = invoke("launch", plan, "--run-dir", run, "--engine", "slurm")
+    assert result.exit_code == 0, result.output
+    assert "sbatch" in result.output
+    script = (run / "job.sbatch").read_text()
+    assert "srun" in script and "--nproc_per_node 2" in script
+    assert (run / "job.json").is_file() and (run / "ds_config.json").is_file()
+
+
+@pytest.mark.multiprocess
+def test_real_launch_trains_checkpoints_and_reports_prediction_error(tmp_path):
+    plan = write_plan(tmp_path / "plan.json")
+    run = tmp_path / "run"
+    result = invoke(
+        "launch", plan, "--run-dir", run, "--steps", "6", "--checkpoint-every", "3", "--timeout", "240"
+    )
+    assert result.exit_code == 0, result.output + (run / "logs" / "engine.log").read_text()[-2000:]
+    assert "prediction error" in result.output
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [1, 2, 3, 4, 5, 6]
+    assert lines[-1]["loss"] < lines[0]["loss"]
+    assert {r["rank"] for r in lines[-1]["ranks"]} == {0, 1}
+    assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("step")) == [
+        "step00000003",
+        "step00000006",
+    ]
+    assert (run / "schedule_rank0.txt").read_text().split() == ["0F0", "0F1", "0B0", "0F2", "0B1", "0F3", "0B2", "0B3"]

@@ -1,0 +1,83 @@
+"""`pipectl status`: progress, loss, prediction summary and checkpoints, as a table, JSON and a plot."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from pipectl.artifacts.plan import Candidate, Plan
+from pipectl.artifacts.run import CheckpointManifest, StepMetrics
+from pipectl.cli.main import app
+from pipectl.launch import LaunchOptions, prepare_launch
+from pipectl.runtime import checkpoint as ckpt
+from pipectl.runtime.metrics import MetricsWriter
+from pipectl.schedule.ir import ScheduleKind
+
+runner = CliRunner()
+
+
+def make_run(tmp_path: Path, steps_done: int = 4) -> Path:
+    candidate = Candidate(
+        devices=2, device="cpu", tensor_parallel=1, pipeline_parallel=2, data_parallel=1,
+        micro_batch_size=2, micro_batches=4, schedule=ScheduleKind.ONE_F_ONE_B, recompute=False,
+        zero_stage=0, stage_layers=[(0, 4), (4, 9)], predicted_step_seconds=0.05, samples_per_second=160.0,
+        tflops_per_device=0.0, peak_memory_bytes=[1, 1], bubble_fraction=0.1,
+        communication_fraction=0.0, cost_per_million_samples=0.0,
+    )  # fmt: skip
+    plan = Plan(model="gpt-tiny", cluster="local", global_batch=8, objective="time", layers=9, chosen=candidate)
+    run = tmp_path / "run"
+    prepare_launch(plan, run, LaunchOptions(steps=10))
+    writer = MetricsWriter(run, rank=0)
+    for step in range(1, steps_done + 1):
+        seconds = 0.04 + 0.01 * step
+        writer.write(
+            StepMetrics(step=step, loss=6.0 - 0.5 * step, step_seconds=seconds, predicted_step_seconds=0.05,
+                        samples_per_second=8 / seconds, global_batch=8, world_size=2, layout="t1p2d1 1f1b b2 m4")
+        )  # fmt: skip
+    staged = run / "checkpoints" / ckpt.STAGING_DIR / "x"
+    staged.mkdir(parents=True)
+    (staged / "fp32.pt").write_bytes(b"w")
+    manifest = CheckpointManifest(tag="step00000004", step=4, files=ckpt.hash_tree(staged), bytes=1)
+    ckpt.commit_tag(run / "checkpoints", staged, "step00000004", manifest)
+    return run
+
+
+def test_status_json_reports_progress_loss_prediction_and_checkpoints(tmp_path):
+    run = make_run(tmp_path)
+    result = runner.invoke(app, ["status", str(run), "--json"])
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.output)
+    assert payload["steps_done"] == 4 and payload["steps"] == 10 and not payload["finished"]
+    assert payload["last_loss"] == 4.0 and payload["first_loss"] == 5.5
+    # steps 2..4 measured 0.06, 0.07, 0.08 s against 0.05 s predicted
+    assert payload["prediction"]["steps_compared"] == 3
+    assert abs(payload["prediction"]["max_abs_error"] - 0.375) < 1e-9
+    assert payload["checkpoints"][0]["tag"] == "step00000004" and payload["checkpoints"][0]["verified"]
+
+
+def test_status_table_and_verify_flags_a_corrupted_checkpoint(tmp_path):
+    run = make_run(tmp_path)
+    (run / "checkpoints" / "step00000004" / "fp32.pt").write_bytes(b"x")
+    plain = runner.invoke(app, ["status", str(run)])
+    assert plain.exit_code == 0 and "4 / 10 steps" in plain.output and "prediction error" in plain.output
+    verified = runner.invoke(app, ["status", str(run), "--verify", "--json"])
+    checkpoint = json.loads(verified.output)["checkpoints"][0]
+    assert not checkpoint["verified"] and "sha256 mismatch" in checkpoint["problems"][0]
+
+
+def test_status_plot_writes_a_png(tmp_path):
+    run = make_run(tmp_path)
+    out = tmp_path / "plots" / "run.png"
+    result = runner.invoke(app, ["status", str(run), "--plot", str(out)])
+    assert result.exit_code == 0, result.output
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_status_of_something_that_is_not_a_run_exits_2(tmp_path):
+    result = runner.invoke(app, ["status", str(tmp_path)])
+    assert result.exit_code == 2 and "not a pipectl run" in result.output
+    empty = make_run(tmp_path / "b", steps_done=0)
+    plot = runner.invoke(app, ["status", str(empty), "--plot", str(tmp_path / "p.png")])
+    assert plot.exit_code == 2 and "no metrics" in plot.output
