@@ -1,0 +1,189 @@
+"""Heterogeneous clusters: split the global batch unevenly over replicas on different device kinds.
+
+VirtualFlow (Or et al. 2022, §4; SPEC §2): with n_i devices of kind i, each replica processes v_i
+virtual nodes (here: micro-batches of size b) and the split solves
+
+    minimise max_i t_i(b, v_i)   subject to   Σ_i n_i · b · v_i = B.
+
+Every replica runs the same pipeline (t, p and the stage cut of the best homogeneous plan), so
+the data-parallel all-reduce still pairs stage with stage; only the number of micro-batches per
+replica differs. The split is found by water-filling: each of the B/b micro-batches goes to the
+replica that would finish it earliest under the closed-form bound (m + p − 1)-style of
+`candidates.lower_bound_seconds`; then every distinct (kind, m) is simulated and the step is the
+slowest replica. Gradients must then be averaged with weights samples_r / B (`ReplicaShare`),
+which the runtime applies; plain averaging of replica means would over-weight slow replicas.
+
+If the split is not faster (or, for the cost objectives, not cheaper) than the best homogeneous
+subset, the plan recommends the homogeneous subset and says why.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+from pipectl.artifacts.cluster import ClusterSpec
+from pipectl.artifacts.plan import Candidate, Objective, Plan, ReplicaShare
+from pipectl.artifacts.profile import ModelProfile
+from pipectl.errors import InfeasibleError
+from pipectl.plan.candidates import ScheduleVariant, ShapeBuilder, Spec, data_parallel_costs, in_flight, lower_bound_seconds, state_bytes
+from pipectl.plan.costs import Hardware, hardware_for
+from pipectl.plan.evaluate import Evaluator
+from pipectl.plan.search import PlanRequest, SearchStats, plan_homogeneous
+
+
+def _sub_cluster(cluster: ClusterSpec, kind: str) -> ClusterSpec:
+    return cluster.model_copy(update={"node_types": [n for n in cluster.node_types if n.device == kind]})
+
+
+def plan_heterogeneous(
+    profile: ModelProfile,
+    cluster: ClusterSpec,
+    request: PlanRequest,
+    *,
+    profile_path: str | None = None,
+    stats: SearchStats | None = None,
+) -> Plan:
+    """The best homogeneous subset, or an uneven split over every kind when that is better."""
+    homogeneous: list[tuple[Plan, Hardware]] = []
+    failures = []
+    for kind in cluster.device_kinds:
+        sub = _sub_cluster(cluster, kind)
+        hardware = hardware_for(sub, profile)
+        sub_request = request.model_copy(update={"devices": None})
+        try:
+            result = plan_homogeneous(profile, f"{cluster.name}[{kind}]", hardware, sub_request, profile_path=profile_path)
+        except InfeasibleError as exc:
+            failures.append(f"{kind}: {exc.message}")
+            continue
+        homogeneous.append((result, hardware))
+    if not homogeneous:
+        raise InfeasibleError("nothing fits on any device kind: " + "; ".join(failures))
+    key = _objective_key(request.objective)
+    best_plan, best_hardware = min(homogeneous, key=lambda item: key(item[0].chosen))
+    split = uneven_split(profile, cluster, best_plan.chosen, request)
+    notes = list(best_plan.notes)
+    chosen = best_plan.chosen
+    candidates = list(best_plan.candidates)
+    if split is not None and key(split) < key(chosen) and (split.deepspeed_runnable or not request.for_deepspeed):
+        notes.append(
+            f"uneven split over {', '.join(cluster.device_kinds)} beats the best homogeneous subset "
+            f"({chosen.device}: {chosen.predicted_step_seconds:.4g} s/step)"
+        )
+        chosen = split
+        candidates.insert(0, split)
+    else:
+        if split is not None:
+            candidates.append(split)
+            notes.append(
+                f"homogeneous subset of {chosen.devices} x {chosen.device} recommended: the uneven split over "
+                f"{', '.join(cluster.device_kinds)} predicts {split.predicted_step_seconds:.4g} s/step "
+                f"(${split.cost_per_million_samples:.2f} per 1M samples)"
+                + ("" if split.deepspeed_runnable else " and needs weighted gradients DeepSpeed does not apply")
+            )
+        else:
+            notes.append("no uneven split over the device kinds fits the global batch and memory")
+    return best_plan.model_copy(update={"cluster": cluster.name, "chosen": chosen, "candidates": candidates, "notes": notes})
+
+
+def _objective_key(objective: Objective):
+    if objective is Objective.TIME:
+        return lambda c: (c.predicted_step_seconds,)
+    return lambda c: (c.cost_per_million_samples, c.predicted_step_seconds)
+
+
+def uneven_split(
+    profile: ModelProfile, cluster: ClusterSpec, template: Candidate, request: PlanRequest
+) -> Candidate | None:
+    """Replicas of `template`'s pipeline on every device kind, with micro-batches water-filled."""
+    t, p, b = template.tensor_parallel, template.pipeline_parallel, template.micro_batch_size
+    variant = ScheduleVariant(template.schedule, template.chunks)
+    B = request.global_batch
+    if B % b:
+        return None
+    total = B // b
+    kinds = []
+    for kind in cluster.device_kinds:
+        hardware = hardware_for(_sub_cluster(cluster, kind), profile)
+        replicas = hardware.devices // (t * p)
+        if replicas == 0 or hardware.devices_per_node % t:
+            continue
+        builder = ShapeBuilder(profile, hardware)
+        shape = builder.shape_from_cuts(t, b, template.recompute, p, template.chunks,
+                                        [tuple(s) for s in template.stage_layers])
+        kinds.append((kind, hardware, shape, replicas))
+    if len(kinds) < 2:
+        return None
+    d_total = sum(replicas for *_, replicas in kinds)
+    # Water-filling with the closed-form bound as each replica's time for m micro-batches.
+    def bound(index: int, m: int) -> float:
+        _, hardware, shape, _ = kinds[index]
+        allreduce, optimizer = data_parallel_costs(shape, hardware, d_total, template.zero_stage, profile.dtype)
+        return lower_bound_seconds(shape, variant.kind, m, allreduce, optimizer)
+
+    counts = [[0] * replicas for *_, replicas in kinds]
+    heap = [(bound(i, 1), i, r) for i, (*_, replicas) in enumerate(kinds) for r in range(replicas)]
+    heapq.heapify(heap)
+    for _ in range(total):
+        _, i, r = heapq.heappop(heap)
+        counts[i][r] += 1
+        heapq.heappush(heap, (bound(i, counts[i][r] + 1), i, r))
+    # Simulate every distinct (kind, m) and check memory on that kind.
+    shares: list[ReplicaShare] = []
+    slowest = 0.0
+    slowest_run = None
+    peak = [0] * p
+    price = 0.0
+    used_devices = 0
+    for i, (kind, hardware, shape, _) in enumerate(kinds):
+        evaluator = Evaluator(hardware, B)
+        for m in sorted({m for m in counts[i] if m > 0}):
+            units = in_flight(shape, variant, m)
+            per_device = state_bytes(profile.dtype, template.zero_stage, d_total, variant.kind)
+            if not shape.memory.fits(per_device, units, hardware.memory_bytes):
+                return None
+            allreduce, optimizer = data_parallel_costs(shape, hardware, d_total, template.zero_stage, profile.dtype)
+            spec = Spec(shape, d_total, m, variant, template.zero_stage, 0.0,
+                        tuple(int(x) for x in shape.memory.per_rank_bytes(per_device, units)),
+                        tuple(allreduce.tolist()), tuple(optimizer.tolist()))
+            step = evaluator.step_seconds(spec)
+            if step > slowest:
+                slowest, slowest_run = step, (evaluator, spec)
+            peak = [max(a, x) for a, x in zip(peak, spec.peak_memory_bytes)]
+        for m in counts[i]:
+            if m == 0:
+                continue
+            shares.append(ReplicaShare(replica=len(shares), device=kind, micro_batch_size=b, micro_batches=m,
+                                       samples=b * m, gradient_weight=b * m / B))
+            price += hardware.price_per_device_hour * t * p
+            used_devices += t * p
+    even = len({s.micro_batches for s in shares}) == 1
+    # The template's step does the same model FLOPs for the same B.
+    step_flops = template.tflops_per_device * template.predicted_step_seconds * template.devices * 1e12
+    slowest_record = slowest_run[0].candidate(slowest_run[1]) if slowest_run else template
+    notes = ["gradients are averaged with weights samples / B (VirtualFlow); data shards follow the split"]
+    if not even:
+        notes.append("uneven micro-batch counts: DeepSpeed's engine runs one count on every rank")
+    return Candidate(
+        devices=used_devices,
+        device="mixed",
+        tensor_parallel=t,
+        pipeline_parallel=p,
+        data_parallel=len(shares),
+        micro_batch_size=b,
+        micro_batches=max(s.micro_batches for s in shares),
+        chunks=template.chunks,
+        schedule=template.schedule,
+        recompute=template.recompute,
+        zero_stage=template.zero_stage,
+        stage_layers=template.stage_layers,
+        predicted_step_seconds=slowest,
+        samples_per_second=B / slowest,
+        tflops_per_device=step_flops / slowest / used_devices / 1e12,
+        peak_memory_bytes=peak,
+        bubble_fraction=slowest_record.bubble_fraction,  # of the slowest replica
+        communication_fraction=slowest_record.communication_fraction,
+        cost_per_million_samples=price * slowest / 3600 / B * 1e6,
+        replicas=shares,
+        deepspeed_runnable=even and template.deepspeed_runnable,
+        notes=notes,
+    )

@@ -1,0 +1,122 @@
+"""Cost tables: interpolation, tensor-parallel charges, placement of links, all-reduce, recompute."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipectl.cluster import load_cluster, local_cluster
+from pipectl.plan.costs import (
+    hardware_for,
+    layer_seconds,
+    ranks_share_node,
+    replicas_share_node,
+    stage_costs,
+    tensor_parallel_slowdown,
+)
+from pipectl.plan.layer_table import interpolate, layer_table
+from pipectl.plan.simulate import simulate
+from pipectl.plan.synthetic import synthetic_profile
+from pipectl.schedule import ScheduleKind, generate
+
+
+def test_interpolation_between_and_beyond_profiled_sizes():
+    points = [(1, 2.0), (4, 5.0), (8, 13.0)]
+    assert interpolate(points, 2) == pytest.approx(3.0)
+    assert interpolate(points, 6) == pytest.approx(9.0)
+    assert interpolate(points, 16) == pytest.approx(29.0)  # slope of the last two
+    assert interpolate(points, 0.5) == pytest.approx(1.0)  # proportional below the first
+
+
+def test_profile_times_are_used_on_their_own_device():
+    profile = synthetic_profile(blocks=4, micro_batch_sizes=[1, 2], device="a100-80gb")
+    hardware = hardware_for(load_cluster("a100-8x8"), profile)
+    assert hardware.compute_scale == 1.0
+    costs = stage_costs(profile, hardware, [(0, 7)], micro_batch_size=2, tensor_parallel=1, data_parallel=1)
+    table = layer_table(profile, 2)
+    assert costs.forward_seconds[0] == pytest.approx(sum(table.forward_seconds))
+    assert costs.backward_seconds[0] == pytest.approx(sum(table.backward_seconds))
+    assert costs.recompute_seconds == costs.forward_seconds  # recompute = one more forward
+
+
+def test_other_device_scales_by_peak_flops():
+    profile = synthetic_profile(blocks=2, micro_batch_sizes=[1], device="v100-16gb")
+    hardware = hardware_for(load_cluster("a100-8x8"), profile)
+    assert hardware.compute_scale == pytest.approx(125 / 312)
+
+
+def test_tensor_parallel_divides_compute_and_adds_two_allreduces_each_way():
+    profile = synthetic_profile(blocks=2, micro_batch_sizes=[8], device="a100-80gb")
+    hardware = hardware_for(load_cluster("a100-8x8"), profile)
+    table = layer_table(profile, 8)
+    one = layer_seconds(table, hardware, 1)
+    four = layer_seconds(table, hardware, 4)
+    slowdown = tensor_parallel_slowdown(hardware.device, 8, 4)
+    assert slowdown > 1
+    block = 1
+    ring = hardware.links.allreduce_intra.ring_allreduce_seconds(table.output_activation_bytes[block], 4)
+    assert four.forward[block] == pytest.approx(one.forward[block] / 4 * slowdown + 2 * ring)
+    assert four.backward[block] == pytest.approx(one.backward[block] / 4 * slowdown + 2 * ring)
+    # The embedding is not a block: no tensor-parallel all-reduce charged.
+    assert four.forward[0] == pytest.approx(one.forward[0] / 4 * slowdown)
+
+
+def test_placement_tensor_groups_then_stages_then_replicas():
+    # 8 devices per node, t=2, p=4: one pipeline fills a node; replicas go to other nodes.
+    assert ranks_share_node(0, 3, p=4, t=2, d=2, devices_per_node=8)
+    assert not replicas_share_node(0, p=4, t=2, d=2, devices_per_node=8)
+    # t=2, p=8: a pipeline spans two nodes; the cut between rank 3 and 4 crosses.
+    assert ranks_share_node(2, 3, p=8, t=2, d=1, devices_per_node=8)
+    assert not ranks_share_node(3, 4, p=8, t=2, d=1, devices_per_node=8)
+    # Two replicas of a 2-device pipeline fit in one node.
+    assert replicas_share_node(1, p=2, t=1, d=2, devices_per_node=8)
+
+
+def test_p2p_over_inter_node_links_when_the_cut_crosses_nodes():
+    profile = synthetic_profile(blocks=14, micro_batch_sizes=[1], device="a100-80gb")
+    hardware = hardware_for(load_cluster("a100-8x8"), profile)
+    stages = [(0, 2)] + [(i, i + 1) for i in range(2, 16)] + [(16, 17)]
+    assert len(stages) == 16
+    costs = stage_costs(profile, hardware, stages, micro_batch_size=1, tensor_parallel=1, data_parallel=1)
+    table = layer_table(profile, 1)
+    intra = hardware.links.intra.seconds(table.output_activation_bytes[1])
+    inter = hardware.links.inter.seconds(table.output_activation_bytes[8])
+    assert costs.send_forward_seconds[0] == pytest.approx(intra)
+    assert costs.send_forward_seconds[7] == pytest.approx(inter)  # rank 7 -> 8: next node
+    assert inter > intra
+
+
+def test_data_parallel_allreduce_and_zero_optimizer():
+    profile = synthetic_profile(blocks=4, micro_batch_sizes=[1], device="a100-80gb", tied=False)
+    hardware = hardware_for(load_cluster("a100-8x8"), profile)
+    table = layer_table(profile, 1)
+    single = stage_costs(profile, hardware, [(0, 7)], micro_batch_size=1, tensor_parallel=1, data_parallel=1)
+    assert single.allreduce_seconds == (0.0,)
+    eight = stage_costs(profile, hardware, [(0, 7)], micro_batch_size=1, tensor_parallel=1, data_parallel=8)
+    gradient_bytes = table.parameters(0, 7) * 2  # bf16 gradients
+    expected = hardware.links.allreduce_intra.ring_allreduce_seconds(gradient_bytes, 8)
+    assert eight.allreduce_seconds[0] == pytest.approx(expected)
+    sharded = stage_costs(profile, hardware, [(0, 7)], micro_batch_size=1, tensor_parallel=1, data_parallel=8, zero_stage=1)
+    assert sharded.optimizer_seconds[0] == pytest.approx(eight.optimizer_seconds[0] / 8)
+
+
+def test_tied_embedding_gradients_are_all_reduced_between_first_and_last_stage():
+    profile = synthetic_profile(blocks=4, micro_batch_sizes=[1], device="cpu")
+    hardware = hardware_for(local_cluster(2), profile)
+    costs = stage_costs(profile, hardware, [(0, 3), (3, 7)], micro_batch_size=1, tensor_parallel=1, data_parallel=1)
+    assert costs.allreduce_seconds[0] > 0 and costs.allreduce_seconds[1] > 0
+    untied = synthetic_profile(blocks=4, micro_batch_sizes=[1], device="cpu", tied=False)
+    costs = stage_costs(untied, hardware_for(local_cluster(2), untied), [(0, 3), (3, 7)],
+                        micro_batch_size=1, tensor_parallel=1, data_parallel=1)
+    assert costs.allreduce_seconds == (0.0, 0.0)
+
+
+def test_recompute_costs_one_more_forward_in_the_simulated_step():
+    profile = synthetic_profile(blocks=4, micro_batch_sizes=[1], device="cpu", edge_forward_seconds=0.0)
+    hardware = hardware_for(local_cluster(2), profile)
+    costs = stage_costs(profile, hardware, [(0, 3), (3, 7)], micro_batch_size=1, tensor_parallel=1, data_parallel=1)
+    plain = simulate(generate(ScheduleKind.GPIPE, 2, 4), costs)
+    recomputed = simulate(generate(ScheduleKind.GPIPE, 2, 4, recompute=True), costs)
+    # Stage 0 (not last) recomputes 4 micro-batches; the first hides in the wait for stage 1's
+    # backward, the other 3 add to the step.
+    extra = recomputed.step_seconds - plain.step_seconds
+    assert 3 * costs.forward_seconds[0] * 0.999 <= extra <= 4 * costs.forward_seconds[0] * 1.001

@@ -1,0 +1,63 @@
+"""Heterogeneous clusters: uneven split by VirtualFlow's rule, or the homogeneous subset."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from pipectl.cluster import load_cluster
+from pipectl.plan.hetero import uneven_split
+from pipectl.plan.search import PlanRequest, plan
+from pipectl.plan.synthetic import synthetic_profile
+
+
+def _cluster(tmp_path, fast: str, slow: str, nodes=(1, 1)):
+    spec = {
+        "schema_version": 1,
+        "name": "two-kinds",
+        "node_types": [
+            {"name": "fast", "device": fast, "devices_per_node": 4, "nodes": nodes[0], "price_per_device_hour_on_demand": 2.0},
+            {"name": "slow", "device": slow, "devices_per_node": 4, "nodes": nodes[1], "price_per_device_hour_on_demand": 1.0},
+        ],
+    }
+    path = tmp_path / "two-kinds.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return load_cluster(path)
+
+
+def _profile():
+    return synthetic_profile(blocks=4, micro_batch_sizes=[1, 2, 4], device="v100-16gb")
+
+
+def test_similar_kinds_split_the_batch_and_weights_sum_to_one(tmp_path):
+    cluster = _cluster(tmp_path, "v100-32gb", "v100-16gb")
+    result = plan(_profile(), cluster, PlanRequest(global_batch=64, morph=False))
+    chosen = result.chosen
+    assert chosen.device == "mixed"
+    assert chosen.replicas is not None and chosen.global_batch == 64
+    assert sum(r.gradient_weight for r in chosen.replicas) == pytest.approx(1.0)
+    assert {r.device for r in chosen.replicas} == {"v100-32gb", "v100-16gb"}
+    assert any("beats the best homogeneous subset" in n for n in result.notes)
+
+
+def test_faster_kind_gets_more_micro_batches(tmp_path):
+    cluster = _cluster(tmp_path, "a100-80gb", "v100-16gb")
+    profile = _profile()
+    homogeneous = plan(profile, cluster.model_copy(update={"node_types": cluster.node_types[:1]}),
+                       PlanRequest(global_batch=64, morph=False, tensor_parallel=1, pipeline_parallel=1))
+    split = uneven_split(profile, cluster, homogeneous.chosen, PlanRequest(global_batch=64))
+    assert split is not None
+    per_kind = {}
+    for share in split.replicas:
+        per_kind.setdefault(share.device, []).append(share.samples)
+    assert min(per_kind["a100-80gb"]) > max(per_kind["v100-16gb"])
+    assert sum(s.samples for s in split.replicas) == 64
+
+
+def test_much_slower_kind_means_homogeneous_subset(tmp_path):
+    cluster = load_cluster("mixed-v100-p100")
+    result = plan(_profile(), cluster, PlanRequest(global_batch=32, morph=False))
+    # P100s are 6.7x slower at 16-bit and the VMs talk over 1 GB/s: the V100 subset wins.
+    assert result.chosen.device == "v100-16gb"
+    assert any("homogeneous subset" in n for n in result.notes)
+    assert result.chosen.global_batch == 32

@@ -1,0 +1,75 @@
+"""Morph table: every count covered, fastest at each, B fixed, fewer devices explained."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipectl.cluster import load_cluster, local_cluster
+from pipectl.plan.costs import hardware_for
+from pipectl.plan.evaluate import Evaluator
+from pipectl.plan.morph import PrefixMinimum, fastest_per_device_count
+from pipectl.plan.search import PlanRequest, enumerate_specs, plan, search_space
+from pipectl.plan.synthetic import synthetic_profile
+
+
+def _profile():
+    return synthetic_profile(blocks=6, micro_batch_sizes=[1, 2, 4],
+                             block_forward_seconds=[0.01, 0.012, 0.01, 0.015, 0.01, 0.011])
+
+
+def test_prefix_minimum():
+    tree = PrefixMinimum(10)
+    for position, value in [(7, 3.0), (2, 5.0), (9, 1.0), (2, 4.0)]:
+        tree.lower(position, value)
+    expected = {1: float("inf"), 2: 4.0, 6: 4.0, 7: 3.0, 8: 3.0, 9: 1.0, 10: 1.0}
+    for position, value in expected.items():
+        assert tree.minimum(position) == value
+
+
+def test_morph_entries_cover_every_count_and_keep_the_batch():
+    result = plan(_profile(), load_cluster("a100-8x8"), PlanRequest(global_batch=24, devices=8))
+    counts = [e.devices for e in result.morph_table]
+    assert counts == list(range(counts[0], 65))
+    assert result.for_devices(8).candidate.devices <= 8
+    for entry in result.morph_table:
+        assert entry.candidate.global_batch == 24
+        assert entry.candidate.devices <= entry.devices
+        if entry.candidate.devices < entry.devices:
+            assert f"uses {entry.candidate.devices} of {entry.devices}" in entry.note
+    steps = [e.candidate.predicted_step_seconds for e in result.morph_table]
+    assert all(b <= a for a, b in zip(steps, steps[1:]))  # more devices never slower
+
+
+def test_morph_entry_is_the_exhaustive_fastest_at_each_count():
+    profile = _profile()
+    cluster = local_cluster(6)
+    request = PlanRequest(global_batch=12)
+    hardware = hardware_for(cluster, profile)
+    specs = enumerate_specs(profile, hardware, search_space(request, profile, hardware), 6).specs
+    runnable = [s for s in specs if s.deepspeed_runnable]
+    evaluator = Evaluator(hardware, 12)
+    steps = {s.key: evaluator.step_seconds(s) for s in runnable}
+    result = plan(profile, cluster, request)
+    for entry in result.morph_table:
+        best = min(steps[s.key] for s in runnable if s.devices <= entry.devices)
+        assert entry.candidate.predicted_step_seconds == pytest.approx(best)
+
+
+def test_pruned_morph_search_simulates_less_than_everything():
+    profile = _profile()
+    hardware = hardware_for(load_cluster("a100-8x8"), profile)
+    request = PlanRequest(global_batch=48)
+    specs = enumerate_specs(profile, hardware, search_space(request, profile, hardware), 64).specs
+    evaluator = Evaluator(hardware, 48)
+    best = fastest_per_device_count(specs, evaluator, 64)
+    assert best
+    assert evaluator.simulations < len(specs) / 4
+
+
+def test_prime_batch_uses_fewer_devices_and_says_why():
+    result = plan(_profile(), local_cluster(6), PlanRequest(global_batch=5))
+    entry = result.for_devices(6)
+    assert entry.candidate.data_parallel in (1, 5)
+    assert entry.candidate.devices <= 6
+    if entry.candidate.devices < 6:
+        assert "uses" in entry.note

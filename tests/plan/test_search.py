@@ -1,0 +1,174 @@
+"""The search: B kept exactly, pruning never drops the exhaustive optimum, typed rejections."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipectl.artifacts.plan import Objective
+from pipectl.cluster import load_cluster, local_cluster
+from pipectl.errors import InfeasibleError, UserInputError
+from pipectl.plan.candidates import lower_bound_seconds, recomputing_stages
+from pipectl.plan.costs import hardware_for
+from pipectl.plan.evaluate import Evaluator
+from pipectl.plan.search import PlanRequest, enumerate_specs, goal_for, plan, rank, search_space
+from pipectl.plan.synthetic import synthetic_profile
+from pipectl.schedule import ScheduleKind
+
+
+def _profile(blocks=6, **kwargs):
+    kwargs.setdefault("block_forward_seconds", [0.01 * (1 + 0.3 * (i % 3)) for i in range(blocks)])
+    return synthetic_profile(blocks=blocks, micro_batch_sizes=[1, 2, 4], **kwargs)
+
+
+def _search_parts(profile, cluster, request):
+    hardware = hardware_for(cluster, profile)
+    space = search_space(request, profile, hardware)
+    enumeration = enumerate_specs(profile, hardware, space, request.devices or hardware.devices)
+    return hardware, enumeration
+
+
+@pytest.mark.parametrize("objective", [Objective.TIME, Objective.COST])
+@pytest.mark.parametrize("batch", [12, 16, 24])
+def test_pruning_never_drops_the_exhaustive_optimum(objective, batch):
+    profile = _profile()
+    cluster = load_cluster("a100-8x8")
+    request = PlanRequest(global_batch=batch, devices=8, objective=objective, top=3)
+    hardware, enumeration = _search_parts(profile, cluster, request)
+    goal = goal_for(request, profile, hardware)
+    evaluator = Evaluator(hardware, batch)
+    exhaustive = rank(enumeration.specs, goal, evaluator, keep=3, exhaustive=True, need_runnable=False)
+    pruned = rank(enumeration.specs, goal, Evaluator(hardware, batch), keep=3, exhaustive=False, need_runnable=False)
+    assert pruned.top[0][0] == exhaustive.top[0][0]
+    assert [k for k, _, _ in pruned.top] == [k for k, _, _ in exhaustive.top[:3]]
+    assert pruned.simulated < exhaustive.simulated  # it did prune
+
+
+def test_lower_bound_never_exceeds_the_simulated_step():
+    profile = _profile(blocks=8)
+    cluster = load_cluster("a100-8x8")
+    request = PlanRequest(global_batch=32, devices=16, schedules=list(ScheduleKind))
+    hardware, enumeration = _search_parts(profile, cluster, request)
+    evaluator = Evaluator(hardware, 32)
+    assert len(enumeration.specs) > 50
+    for spec in enumeration.specs[::3]:
+        assert spec.lower_bound_seconds <= evaluator.step_seconds(spec) * (1 + 1e-9), spec.describe()
+
+
+def test_lower_bound_is_exact_for_equal_stages_without_communication():
+    from pipectl.plan.candidates import ShapeBuilder
+    import numpy as np
+
+    profile = synthetic_profile(blocks=8, micro_batch_sizes=[1], edge_forward_seconds=0.0)
+    hardware = hardware_for(local_cluster(4), profile)
+    shape = ShapeBuilder(profile, hardware).shape(1, 1, False, 4, 1)
+    # Blocks are equal; free transfers: (m + p - 1)(t_f + t_b).
+    shape.send_lower_bound[:] = 0.0
+    zeros = np.zeros(4)
+    forward, backward = shape.forward.max(), shape.backward.max()
+    bound = lower_bound_seconds(shape, ScheduleKind.ONE_F_ONE_B, 8, zeros, zeros)
+    assert bound == pytest.approx((8 + 4 - 1) * (forward + backward), rel=1e-6)
+    assert not recomputing_stages(shape, ScheduleKind.ONE_F_ONE_B).any()
+
+
+def test_every_candidate_keeps_the_global_batch_and_fits():
+    profile = _profile()
+    result = plan(profile, load_cluster("a100-8x8"), PlanRequest(global_batch=48, devices=16, include_all=True))
+    memory = 80 * 1024**3
+    assert result.candidates
+    for candidate in result.candidates:
+        assert candidate.data_parallel * candidate.micro_batch_size * candidate.micro_batches == 48
+        assert candidate.devices <= 16
+        assert max(candidate.peak_memory_bytes) <= memory
+        assert candidate.stage_layers[0][0] == 0 and candidate.stage_layers[-1][1] == len(profile.layers)
+    steps = [c.predicted_step_seconds for c in result.candidates]
+    assert steps == sorted(steps)
+    assert result.chosen.deepspeed_runnable
+
+
+def test_batch_that_nothing_divides_uses_fewer_devices():
+    # B = 7 (prime): only d in {1, 7} with b in {1, 7}; with 4 devices d=7 is impossible.
+    profile = _profile()
+    result = plan(profile, local_cluster(4), PlanRequest(global_batch=7))
+    assert result.chosen.data_parallel == 1
+    assert result.chosen.global_batch == 7
+    assert result.infeasible["global batch not divisible by data-parallel degree x micro-batch size"] > 0
+
+
+def test_memory_rejections_are_typed_and_explained():
+    # A model far too big for one CPU rank's 8 GiB budget unless it is cut.
+    profile = synthetic_profile(blocks=8, hidden=4096, seq_len=512, vocab=1000, device="cpu", micro_batch_sizes=[1])
+    result = plan(profile, local_cluster(4), PlanRequest(global_batch=4))
+    assert result.infeasible["a stage does not fit in device memory"] > 0
+    assert any("needs" in note and "GiB >" in note for note in result.notes)
+    assert result.chosen.pipeline_parallel * result.chosen.tensor_parallel > 1
+
+
+def test_nothing_fits_is_an_infeasible_error_with_reasons():
+    profile = synthetic_profile(blocks=2, hidden=16384, seq_len=2048, vocab=1000, device="cpu", micro_batch_sizes=[1])
+    with pytest.raises(InfeasibleError, match="does not fit in device memory"):
+        plan(profile, local_cluster(2), PlanRequest(global_batch=4))
+
+
+@pytest.mark.parametrize(
+    "request_fields, message",
+    [
+        ({"global_batch": 0}, "global batch must be a positive"),
+        ({"global_batch": 16, "pipeline_parallel": 99}, "pipeline-parallel degree 99"),
+        ({"global_batch": 16, "tensor_parallel": 3}, "tensor-parallel degree 3"),
+        ({"global_batch": 16, "data_parallel": 3}, "not divisible by data-parallel degree 3"),
+        ({"global_batch": 16, "data_parallel": 4, "micro_batch_size": 8}, "data-parallel degree 4 x micro-batch 8"),
+        ({"global_batch": 16, "devices": 1000}, "--devices 1000"),
+        ({"global_batch": 16, "zero_stages": [3]}, "ZeRO stage 3"),
+        ({"global_batch": 16, "objective": "cost-deadline"}, "deadline"),
+    ],
+)
+def test_bad_requests_name_the_value(request_fields, message):
+    with pytest.raises(UserInputError, match=message):
+        plan(_profile(), load_cluster("a100-8x8"), PlanRequest(**request_fields))
+
+
+def test_pinned_degrees_are_honoured():
+    result = plan(
+        _profile(),
+        load_cluster("a100-8x8"),
+        PlanRequest(global_batch=32, pipeline_parallel=2, data_parallel=2, micro_batch_size=2, schedule="gpipe", morph=False),
+    )
+    c = result.chosen
+    assert (c.pipeline_parallel, c.data_parallel, c.micro_batch_size, c.schedule) == (2, 2, 2, ScheduleKind.GPIPE)
+    assert c.micro_batches == 8
+
+
+def test_two_bw_only_when_asked_and_always_flagged():
+    default = plan(_profile(), local_cluster(4), PlanRequest(global_batch=16, include_all=True, morph=False))
+    assert all(c.schedule is not ScheduleKind.PIPEDREAM_2BW for c in default.candidates)
+    asked = plan(
+        _profile(), local_cluster(4),
+        PlanRequest(global_batch=16, schedules=["2bw", "1f1b"], include_all=True, morph=False),
+    )
+    flagged = [c for c in asked.candidates if c.schedule is ScheduleKind.PIPEDREAM_2BW]
+    assert flagged and all(any("1-stale" in n for n in c.notes) and not c.deepspeed_runnable for c in flagged)
+    assert asked.chosen.schedule is not ScheduleKind.PIPEDREAM_2BW
+
+
+def test_interleaved_is_not_chosen_for_deepspeed_but_listed():
+    profile = _profile(blocks=8)
+    request = PlanRequest(global_batch=32, schedules=["interleaved"], pipeline_parallel=2, devices=2, morph=False)
+    with pytest.raises(InfeasibleError, match="DeepSpeed"):
+        plan(profile, load_cluster("a100-8x8"), request)
+    anywhere = plan(profile, load_cluster("a100-8x8"), request.model_copy(update={"for_deepspeed": False}))
+    assert anywhere.chosen.schedule is ScheduleKind.INTERLEAVED and anywhere.chosen.chunks in (2, 4)
+    assert anywhere.chosen.micro_batches % 2 == 0
+
+
+def test_cost_deadline_picks_the_cheapest_meeting_it():
+    profile = _profile()
+    cluster = load_cluster("a100-8x8")
+    fast = plan(profile, cluster, PlanRequest(global_batch=64, include_all=True, morph=False))
+    slowest_needed = max(c.predicted_step_seconds for c in fast.candidates)
+    request = PlanRequest(
+        global_batch=64, objective="cost-deadline", deadline_hours=slowest_needed * 10 / 3600, samples=640,
+        include_all=True, morph=False,
+    )
+    result = plan(profile, cluster, request)
+    meeting = [c for c in result.candidates if c.predicted_step_seconds * 10 <= slowest_needed * 10]
+    assert result.chosen.cost_per_million_samples == pytest.approx(min(c.cost_per_million_samples for c in meeting))
