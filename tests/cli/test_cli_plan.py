@@ -1,0 +1,76 @@
+"""`pipectl plan` end to end: writes plan.json, prints the table, names bad input, exit codes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from pipectl.artifacts.plan import Plan
+from pipectl.cli.main import app
+from pipectl.io import load_model, write_json_atomic
+from pipectl.plan.synthetic import synthetic_profile
+
+runner = CliRunner()
+
+
+@pytest.fixture()
+def profile_path(tmp_path):
+    path = tmp_path / "profile.json"
+    write_json_atomic(path, synthetic_profile(blocks=6, micro_batch_sizes=[1, 2, 4], device="cpu"))
+    return path
+
+
+def test_plan_writes_plan_json_and_prints_a_table(profile_path, tmp_path):
+    out = tmp_path / "plan.json"
+    result = runner.invoke(app, ["plan", "--profile", str(profile_path), "--cluster", "local", "--devices", "4",
+                                 "--global-batch", "16", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "chosen:" in result.output and "morph table" in result.output
+    written = load_model(Plan, out)
+    assert written.global_batch == 16 and written.chosen.global_batch == 16
+    assert [e.devices for e in written.morph_table][-1] == 4
+
+
+def test_plan_json_output(profile_path, tmp_path):
+    result = runner.invoke(app, ["plan", "--profile", str(profile_path), "--cluster", "a100-8x8",
+                                 "--global-batch", "32", "--json", "--no-morph", "-o", str(tmp_path / "p.json")])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["chosen"]["data_parallel"] * data["chosen"]["micro_batch_size"] * data["chosen"]["micro_batches"] == 32
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--global-batch", "0"], "global batch must be a positive"),
+        (["--global-batch", "16", "--schedules", "1f1b,zigzag"], "unknown schedule 'zigzag'"),
+        (["--global-batch", "16", "--pipeline-parallel", "50"], "pipeline-parallel degree 50"),
+        (["--global-batch", "16", "--data-parallel", "3"], "data-parallel degree 3"),
+        (["--global-batch", "16", "--objective", "cost-deadline"], "deadline"),
+    ],
+)
+def test_bad_input_exits_2_naming_the_value(profile_path, tmp_path, extra, message):
+    result = runner.invoke(app, ["plan", "--profile", str(profile_path), "--cluster", "local", "--devices", "2",
+                                 "-o", str(tmp_path / "p.json"), *extra])
+    assert result.exit_code == 2
+    assert message in result.output
+    assert "Traceback" not in result.output
+
+
+def test_nothing_feasible_exits_2_with_reasons(tmp_path):
+    path = tmp_path / "huge.json"
+    write_json_atomic(path, synthetic_profile(blocks=2, hidden=16384, seq_len=2048, vocab=1000, device="cpu",
+                                              micro_batch_sizes=[1]))
+    result = runner.invoke(app, ["plan", "--profile", str(path), "--cluster", "local", "--devices", "2",
+                                 "--global-batch", "4", "-o", str(tmp_path / "p.json")])
+    assert result.exit_code == 2
+    assert "nothing fits" in result.output and "memory" in result.output
+
+
+def test_missing_profile_is_a_user_error(tmp_path):
+    result = runner.invoke(app, ["plan", "--profile", str(tmp_path / "nope.json"), "--cluster", "local",
+                                 "--global-batch", "4", "-o", str(tmp_path / "p.json")])
+    assert result.exit_code == 2
+    assert "not found" in result.output
