@@ -136,11 +136,13 @@ def replan_for_devices(plan: Plan, devices: int) -> MorphEntry:
     from pipectl.cluster import load_cluster, local_cluster
     from pipectl.io import load_model
 
+    covered = _ranges([e.devices for e in plan.morph_table]) or "no counts"
     if not plan.profile_path or not Path(plan.profile_path).is_file():
+        missing = "records no profile" if not plan.profile_path else f"profile {plan.profile_path} is gone"
         raise UserInputError(
-            f"the morph table has no entry for {devices} devices and the plan's profile "
-            f"{plan.profile_path!r} is not available to re-plan from",
-            hint="re-plan with pipectl plan and launch that plan",
+            f"the plan's morph table has no entry for {devices} devices (it covers {covered}) and the "
+            f"plan {missing} to re-plan from",
+            hint="re-plan with pipectl plan --devices ... and launch that plan",
         )
     try:
         from pipectl.plan.search import PlanRequest, plan as search_plan

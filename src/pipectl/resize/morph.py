@@ -278,26 +278,31 @@ def resize_run(
     run_timeout_seconds: float | None = None,
     on_phase: Phase | None = None,
     on_tick: Callable[[], None] | None = None,
+    decision: ResizeDecision | None = None,
+    requested_unix: float | None = None,
 ) -> ResizeResult:
     """Resize the run at `run_dir` to `devices` devices and (unless `relaunch=False`) train it there.
 
     Blocks until the relaunched job exits (its exit code is in the result; a non-zero code is
     not raised here: the caller reports it). `on_phase` receives one line per phase (stopping,
-    relaunching), `on_tick` is called while the new job runs (to tail metrics).
+    relaunching), `on_tick` is called while the new job runs (to tail metrics). A `decision`
+    from `decide_resize` (e.g. shown to the user first) is used as is; `requested_unix` is when
+    the resize was asked for (default: now), the start of its downtime.
     """
     from pipectl.launch.engines import run_engine
     from pipectl.runtime.checkpoint import STOP_FILE, find_latest_verified
 
-    requested_unix = time.time()
+    requested_unix = time.time() if requested_unix is None else requested_unix
     say = on_phase or (lambda _line: None)
-    decision = decide_resize(
-        run_dir,
-        devices,
-        steps=steps,
-        exclude_stragglers=exclude_stragglers,
-        straggler_policy=straggler_policy,
-        replan=replan,
-    )
+    if decision is None:
+        decision = decide_resize(
+            run_dir,
+            devices,
+            steps=steps,
+            exclude_stragglers=exclude_stragglers,
+            straggler_policy=straggler_policy,
+            replan=replan,
+        )
     path = decision.run_dir
     notes = list(decision.notes)
 
