@@ -174,3 +174,29 @@ def test_slurm_is_not_run_by_pipectl(tmp_path):
     cmd = build_command(job(Engine.SLURM), tmp_path, python="py", gpus=False)
     with pytest.raises(LaunchError, match="sbatch"):
         run_engine(cmd, tmp_path)
+
+
+def test_graceful_stop_targets_worker_ranks_below_the_launcher(tmp_path):
+    """torchrun puts each worker in its own session: workers are found by descent, not by group."""
+    import subprocess
+
+    from pipectl.launch.engines import worker_pids
+
+    child = (
+        "import subprocess, sys\n"
+        "subprocess.run([sys.executable, '-c', 'import time; time.sleep(20)', 'pipectl.runtime.worker'],"
+        " start_new_session=True)\n"
+    )
+    launcher = subprocess.Popen([sys.executable, "-c", child])
+    try:
+        deadline = time.monotonic() + 10
+        found = []
+        while time.monotonic() < deadline and not found:
+            found = worker_pids(launcher.pid)
+            time.sleep(0.05)
+        assert len(found) == 1 and found[0] != launcher.pid
+        os.kill(found[0], signal.SIGTERM)
+        launcher.wait(timeout=10)
+    finally:
+        launcher.kill()
+    assert worker_pids(os.getpid()) == []

@@ -142,6 +142,11 @@ def register(app: typer.Typer) -> None:
         from pipectl.cli.status import status_table
 
         console.print(status_table(status))
+        if not status.finished:
+            console.print(
+                f"stopped at step {status.steps_done} of {prepared.job.steps} (signal or stop request), "
+                f"checkpoint written; continue with: pipectl launch {plan_path} --run-dir {run_dir} --resume"
+            )
 
 
 def _run_with_progress(prepared, run_engine, timeout: float | None, *, quiet: bool) -> int:

@@ -262,8 +262,9 @@ def run_engine(
 ) -> int:
     """Run the launcher, its output in RUN/logs/engine.log; return its exit code.
 
-    The launcher gets its own process group; SIGINT/SIGTERM sent to pipectl are forwarded to that
-    group (workers then finish the step, checkpoint and exit). `on_tick` is called every
+    The launcher gets its own process group. A first SIGINT/SIGTERM sent to pipectl becomes SIGTERM
+    to the worker ranks (they finish the step, checkpoint and exit 0); a second one goes to the
+    whole group, a third is SIGKILL. `on_tick` is called every
     `tick_seconds` while it runs (the CLI tails metrics.jsonl there). Past `timeout_seconds` the
     group gets SIGTERM, then SIGKILL after 30 s, and a `LaunchError` is raised.
     """
@@ -295,6 +296,48 @@ def _signal_group(proc: subprocess.Popen, signum: int) -> None:
         pass
 
 
+def worker_pids(launcher_pid: int) -> list[int]:
+    """Descendants of `launcher_pid` running the pipectl worker (Linux /proc; [] elsewhere).
+
+    Descendants, not the process group: torchrun starts each worker in a session of its own.
+    """
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            # /proc/PID/stat: "pid (comm) state ppid ..."; comm may hold spaces, so split after ')'.
+            parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # the process ended while we looked
+    children: dict[int, list[int]] = {}
+    for pid, ppid in parents.items():
+        children.setdefault(ppid, []).append(pid)
+    found, frontier = [], list(children.get(launcher_pid, []))
+    while frontier:
+        pid = frontier.pop()
+        frontier.extend(children.get(pid, []))
+        try:
+            if WORKER_MODULE.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(pid)
+        except OSError:
+            continue
+    return sorted(found)
+
+
+def stop_gracefully(proc: subprocess.Popen) -> None:
+    """SIGTERM to the worker ranks only: each finishes its step, checkpoints and exits 0, so the
+    launcher (torchrun, DeepSpeed's) sees its workers succeed and exits 0 as well. Signalling the
+    launcher itself makes torchrun exit 1 even after a clean stop (measured). With no worker
+    started yet, the whole group gets SIGTERM."""
+    pids = worker_pids(proc.pid)
+    if not pids:
+        _signal_group(proc, signal.SIGTERM)
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+
+
 def _supervise(
     proc: subprocess.Popen,
     on_tick: Callable[[], None] | None,
@@ -303,9 +346,15 @@ def _supervise(
 ) -> int:
     forwarded = (signal.SIGINT, signal.SIGTERM)
     previous = {}
+    signals_seen = []
 
     def forward(signum: int, _frame: object) -> None:
-        _signal_group(proc, signum)
+        # First signal: graceful stop at the step boundary; a second one: the whole group, now.
+        signals_seen.append(signum)
+        if len(signals_seen) == 1:
+            stop_gracefully(proc)
+        else:
+            _signal_group(proc, signal.SIGKILL if len(signals_seen) > 2 else signum)
 
     in_main_thread = _in_main_thread()
     if in_main_thread:
