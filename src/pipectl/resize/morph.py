@@ -34,7 +34,7 @@ from pipectl.artifacts.run import HOSTFILE, Engine, JobSpec
 from pipectl.errors import CheckpointError, UserInputError
 from pipectl.resize.choose import LayoutChoice, Replanner, choose_candidate, replan_for_devices, with_entry
 from pipectl.resize.history import append_record, read_records, update_downtimes, with_downtime, write_history
-from pipectl.resize.stop import RunProcess, StopOutcome, find_run_processes, stop_run
+from pipectl.resize.stop import RunProcess, StopOutcome, find_run_processes, request_stop, wait_for_exit
 from pipectl.resize.stragglers import StragglerPolicy, StragglerReport, find_stragglers
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -57,6 +57,8 @@ class ResizeDecision:
     choice: LayoutChoice
     previous: Candidate
     target_steps: int
+    global_batch: int  # B, unchanged
+    layers: int  # cuttable layers of the model
     stragglers: StragglerReport | None
     excluded_ranks: list[int]
     notes: list[str]
@@ -113,11 +115,13 @@ def decide_resize(
     choice = choose_candidate(files.plan, usable, replan=replan)
     notes += choice.notes
     latest, _ = find_latest_verified(files.path)
-    done = latest.step if latest is not None else 0
-    if target_steps <= done:
+    metrics = read_metrics(files.path)
+    checkpointed = latest.step if latest is not None and latest.step is not None else 0
+    trained = max(checkpointed, metrics[-1].step if metrics else 0)
+    if target_steps <= trained:
         raise UserInputError(
-            f"--steps {target_steps} is not beyond the {done} steps already in the run's checkpoint",
-            hint=f"pass a larger total, e.g. --steps {done + job.steps}",
+            f"--steps {target_steps} is not beyond the {trained} steps the run has already trained",
+            hint=f"pass a larger total, e.g. --steps {trained + job.steps}",
         )
     return ResizeDecision(
         run_dir=files.path,
@@ -126,6 +130,8 @@ def decide_resize(
         choice=choice,
         previous=files.plan.chosen,
         target_steps=target_steps,
+        global_batch=files.plan.global_batch,
+        layers=files.plan.layers,
         stragglers=stragglers,
         excluded_ranks=excluded,
         notes=notes,
@@ -210,18 +216,27 @@ class PreparedRelaunch:
     command: Any  # pipectl.launch.engines.LaunchCommand
 
 
-def rewrite_run(decision: ResizeDecision) -> PreparedRelaunch:
-    """Validate the new plan/config/job, then write them and the engine command into the run."""
+def prepare_relaunch(decision: ResizeDecision) -> PreparedRelaunch:
+    """The new plan, job, DeepSpeed config (validated by DeepSpeed's parser) and engine command.
+    Nothing is written."""
     from pipectl.launch.engines import build_command
-    from pipectl.launch.rundir import read_run, write_run_files
+    from pipectl.launch.rundir import read_run
 
     files = read_run(decision.run_dir)
     plan = resized_plan(files.plan, decision.choice)
     job = resized_job(files.job, decision.candidate, decision.target_steps)
     ds_config = resized_ds_config(plan, job, files.ds_config)
     command = build_command(job, files.path, hosts=hosts_of(files.path))
-    write_run_files(files.path, plan=plan, job=job, ds_config=ds_config, command=command)
     return PreparedRelaunch(plan, job, ds_config, command)
+
+
+def write_relaunch(run_dir: Path, prepared: PreparedRelaunch) -> None:
+    """plan.json, job.json, ds_config.json, launch.sh (and the engine's side files) of the new layout."""
+    from pipectl.launch.rundir import write_run_files
+
+    write_run_files(
+        run_dir, plan=prepared.plan, job=prepared.job, ds_config=prepared.ds_config, command=prepared.command
+    )
 
 
 # --------------------------------------------------------------------------- the whole resize
@@ -289,6 +304,7 @@ def resize_run(
     from `decide_resize` (e.g. shown to the user first) is used as is; `requested_unix` is when
     the resize was asked for (default: now), the start of its downtime.
     """
+    from pipectl.launch.dsconfig import check_candidate
     from pipectl.launch.engines import run_engine
     from pipectl.runtime.checkpoint import STOP_FILE, find_latest_verified
 
@@ -305,17 +321,28 @@ def resize_run(
         )
     path = decision.run_dir
     notes = list(decision.notes)
+    # What pipectl itself can check is checked before the running job is disturbed.
+    check_candidate(decision.candidate, global_batch=decision.global_batch, layers=decision.layers)
 
     processes: list[RunProcess] = find_run_processes(path)
     stopped = None
+    stop_started = time.monotonic()
     if processes:
         say(f"stopping the running job at its next step boundary ({len(processes)} processes)")
-        stopped = stop_run(
+        request_stop(path, STOP_FILE)
+    try:
+        # DeepSpeed's parser validates the new config while the old ranks finish their step.
+        prepared = prepare_relaunch(decision)
+    except Exception:
+        (path / STOP_FILE).unlink(missing_ok=True)  # withdraw the request if it is not too late
+        raise
+    if processes:
+        stopped = wait_for_exit(
             path,
             processes,
-            stop_file=STOP_FILE,
             signal_after_seconds=signal_after_seconds,
             timeout_seconds=stop_timeout_seconds,
+            started=stop_started,
         )
         say(f"stopped in {stopped.seconds:.1f} s" + (" (SIGTERM was needed)" if stopped.signalled else ""))
     # A stop request left behind (by this resize or an earlier one) would stop the new job at once.
@@ -333,7 +360,7 @@ def resize_run(
             hint=f"resize again with --steps larger than {resume_step}",
         )
 
-    prepared = rewrite_run(decision)
+    write_relaunch(path, prepared)
     record = MorphRecord(
         trigger=MorphTrigger.RESIZE,
         requested_unix=requested_unix,

@@ -17,8 +17,6 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
-
 from pipectl.errors import LaunchError
 
 WORKER_MODULE = "pipectl.runtime.worker"
@@ -114,24 +112,29 @@ class StopOutcome:
     signalled: bool  # SIGTERM had to be sent too
 
 
-def stop_run(
+def request_stop(run_dir: str | os.PathLike[str], stop_file: str) -> Path:
+    """Create RUN/<stop_file>: the ranks stop at their next step boundary, after a checkpoint."""
+    stop_path = Path(run_dir) / stop_file
+    stop_path.write_text(f"requested at {time.time():.3f} by pid {os.getpid()}\n")
+    return stop_path
+
+
+def wait_for_exit(
     run_dir: str | os.PathLike[str],
     processes: list[RunProcess],
     *,
-    stop_file: str,
     signal_after_seconds: float = 60.0,
     timeout_seconds: float = 300.0,
     poll_seconds: float = 0.1,
-    on_wait: Callable[[float], None] | None = None,
+    started: float | None = None,
 ) -> StopOutcome:
-    """Ask the run to stop at its next step boundary and wait until all `processes` are gone.
+    """Wait until all `processes` are gone; SIGTERM the ranks still alive after `signal_after_seconds`.
 
     Raises `LaunchError` if they are still alive after `timeout_seconds` (nothing is killed: a
     rank that is writing its checkpoint must not be cut off; the message names the pids).
+    `started` is the `time.monotonic()` of the stop request (default: now).
     """
-    started = time.monotonic()
-    stop_path = Path(run_dir) / stop_file
-    stop_path.write_text(f"requested at {time.time():.3f} by pid {os.getpid()}\n")
+    started = time.monotonic() if started is None else started
     signalled = False
     while True:
         alive = [p for p in processes if _alive(p)]
@@ -150,8 +153,28 @@ def stop_run(
             pids = ", ".join(str(p.pid) for p in alive)
             raise LaunchError(
                 f"the run at {run_dir} did not stop within {timeout_seconds:.0f} s (pids {pids} still alive)",
-                hint=f"wait for its checkpoint and retry, or stop it yourself; {stop_path} is still in place",
+                hint="wait for its checkpoint and resize again, or stop it yourself",
             )
-        if on_wait is not None:
-            on_wait(elapsed)
         time.sleep(poll_seconds)
+
+
+def stop_run(
+    run_dir: str | os.PathLike[str],
+    processes: list[RunProcess],
+    *,
+    stop_file: str,
+    signal_after_seconds: float = 60.0,
+    timeout_seconds: float = 300.0,
+    poll_seconds: float = 0.1,
+) -> StopOutcome:
+    """Ask the run to stop at its next step boundary and wait until all `processes` are gone."""
+    started = time.monotonic()
+    request_stop(run_dir, stop_file)
+    return wait_for_exit(
+        run_dir,
+        processes,
+        signal_after_seconds=signal_after_seconds,
+        timeout_seconds=timeout_seconds,
+        poll_seconds=poll_seconds,
+        started=started,
+    )
