@@ -1,0 +1,75 @@
+"""Morph history: records round-trip, downtime filled from the first step after the relaunch."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipectl.artifacts.morph import MORPHS_FILE, MorphRecord
+from pipectl.artifacts.run import StepMetrics
+from pipectl.resize.history import append_record, read_history, read_records, update_downtimes, with_downtime
+from pipectl.runtime.metrics import MetricsWriter
+
+
+def record(**overrides) -> MorphRecord:
+    fields = dict(
+        requested_unix=1000.0, requested_devices=1, from_devices=2, from_layout="t1p2d1 1f1b b2 m4",
+        to_devices=1, to_layout="t1p1d1 1f1b b2 m4", global_batch=8, resume_step=10, target_steps=20,
+        stopped_running_job=True, stop_seconds=2.5, relaunched_unix=1003.0, plan_source="morph-table",
+    )  # fmt: skip
+    fields.update(overrides)
+    return MorphRecord(**fields)
+
+
+def metrics(step: int, time_unix: float, layout: str = "t1p1d1 1f1b b2 m4") -> StepMetrics:
+    return StepMetrics(
+        step=step, loss=4.0, step_seconds=0.1, samples_per_second=80.0, global_batch=8,
+        world_size=1, layout=layout, time_unix=time_unix,
+    )  # fmt: skip
+
+
+def test_records_round_trip_in_order(tmp_path):
+    first, second = record(), record(requested_unix=2000.0, relaunched_unix=2004.0, resume_step=20)
+    append_record(tmp_path, first)
+    append_record(tmp_path, second)
+    assert read_records(tmp_path) == [first, second]
+
+
+def test_downtime_is_request_to_first_step_after_relaunch():
+    rows = [metrics(9, 990.0, "t1p2d1 1f1b b2 m4"), metrics(10, 1001.0, "t1p2d1 1f1b b2 m4"), metrics(12, 1011.0), metrics(11, 1009.25)]
+    filled = with_downtime(record(), rows)
+    assert filled.first_step_unix == 1009.25
+    assert filled.downtime_seconds == pytest.approx(9.25)
+
+
+def test_no_step_yet_leaves_downtime_unknown():
+    assert with_downtime(record(), [metrics(10, 1001.0)]).downtime_seconds is None
+    assert with_downtime(record(relaunched_unix=None), [metrics(11, 1009.0)]).downtime_seconds is None
+
+
+def test_recomputed_steps_after_a_crash_count_too():
+    # The old job trained to step 12 but its checkpoint is at 10: step 11 is trained again.
+    rows = [metrics(11, 1008.0)]
+    assert with_downtime(record(resume_step=10), rows).downtime_seconds == pytest.approx(8.0)
+
+
+def test_read_history_fills_and_update_writes_back(tmp_path):
+    append_record(tmp_path, record())
+    writer = MetricsWriter(tmp_path, rank=0)
+    writer.write(metrics(11, 1007.5))
+    assert read_records(tmp_path)[0].downtime_seconds is None
+    assert read_history(tmp_path)[0].downtime_seconds == pytest.approx(7.5)
+    update_downtimes(tmp_path)
+    assert read_records(tmp_path)[0].downtime_seconds == pytest.approx(7.5)
+
+
+def test_a_torn_line_is_skipped(tmp_path):
+    append_record(tmp_path, record())
+    with (tmp_path / MORPHS_FILE).open("a") as handle:
+        handle.write('{"schema_version": 1, "trigger": "res')
+    assert len(read_records(tmp_path)) == 1
+    assert read_history(tmp_path / "missing") == []
+
+
+def test_first_step_time_without_downtime_is_rejected():
+    with pytest.raises(ValueError, match="downtime_seconds"):
+        record(first_step_unix=1009.0)

@@ -1,0 +1,106 @@
+"""The layout for N devices: morph-table look-up, fewer devices when B cannot be split, re-plan,
+and errors that name the value."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipectl.artifacts.plan import Candidate, MorphEntry, Plan
+from pipectl.cluster import local_cluster
+from pipectl.errors import InfeasibleError, UserInputError
+from pipectl.io import write_json_atomic
+from pipectl.plan.search import PlanRequest, plan as search_plan
+from pipectl.plan.synthetic import synthetic_profile
+from pipectl.resize.choose import choose_candidate, replan_for_devices, with_entry
+
+
+def candidate(p=2, d=1, b=2, m=4) -> Candidate:
+    cuts = [(0, 9)] if p == 1 else [(0, 4), (4, 9)]
+    return Candidate(
+        devices=p * d, device="cpu", tensor_parallel=1, pipeline_parallel=p, data_parallel=d,
+        micro_batch_size=b, micro_batches=m, schedule="1f1b", recompute=False, zero_stage=1,
+        stage_layers=cuts, predicted_step_seconds=0.05, samples_per_second=160.0, tflops_per_device=0.0,
+        peak_memory_bytes=[1] * p, bubble_fraction=0.0, communication_fraction=0.0,
+        cost_per_million_samples=0.0,
+    )  # fmt: skip
+
+
+def hand_plan(table, cluster="local", **extra) -> Plan:
+    return Plan(
+        model="gpt-tiny", cluster=cluster, global_batch=8, objective="time", layers=9, chosen=candidate(),
+        morph_table=[MorphEntry(devices=n, candidate=c, note=note) for n, (c, note) in sorted(table.items())],
+        **extra,
+    )  # fmt: skip
+
+
+def gpt_tiny_profile():
+    return synthetic_profile(blocks=6, micro_batch_sizes=[1, 2, 4, 8], device="cpu", dtype="float32", name="gpt-tiny")
+
+
+def test_table_entry_is_taken_as_is():
+    plan = hand_plan({1: (candidate(1, m=4), ""), 2: (candidate(2), "")})
+    choice = choose_candidate(plan, 1)
+    assert choice.candidate == plan.for_devices(1).candidate
+    assert choice.source == "morph-table" and not choice.fewer_devices and choice.notes == []
+
+
+def test_batch_that_cannot_be_split_uses_fewer_devices_and_says_so():
+    # The real planner, data-parallel only: B = 8 over 3 devices has no d with 8 % d == 0 and d = 3.
+    plan = search_plan(
+        gpt_tiny_profile(), local_cluster(4), PlanRequest(global_batch=8, pipeline_parallel=1, max_tensor_parallel=1)
+    )
+    choice = choose_candidate(plan, 3)
+    assert choice.fewer_devices and choice.candidate.devices < 3
+    assert choice.candidate.global_batch == 8  # B kept exactly
+    assert any(f"uses {choice.candidate.devices} of 3 devices" in note for note in choice.notes)
+    # Every count the table covers keeps B; the entries that fit exactly are not flagged.
+    for entry in plan.morph_table:
+        assert entry.candidate.global_batch == 8
+        assert choose_candidate(plan, entry.devices).fewer_devices == (entry.candidate.devices < entry.devices)
+
+
+def test_fewer_devices_note_without_planner_note_names_the_batch():
+    plan = hand_plan({3: (candidate(2), "")})
+    (note,) = choose_candidate(plan, 3).notes
+    assert "global batch 8 cannot be split over 3 devices" in note and "uses 2 of 3" in note
+
+
+@pytest.mark.parametrize("devices", [0, -2])
+def test_non_positive_counts_are_refused(devices):
+    with pytest.raises(UserInputError, match=f"got {devices}"):
+        choose_candidate(hand_plan({1: (candidate(1), "")}), devices)
+
+
+def test_beyond_a_fixed_cluster_and_not_in_the_table_is_refused():
+    plan = hand_plan({1: (candidate(1), ""), 2: (candidate(2), "")}, cluster="a100-8x8")
+    with pytest.raises(UserInputError, match=r"--devices 100 exceeds cluster 'a100-8x8' \(64 devices\).*covers 1-2"):
+        choose_candidate(plan, 100, replan=replan_for_devices)
+
+
+def test_missing_entry_without_a_profile_cannot_be_replanned():
+    plan = hand_plan({1: (candidate(1), ""), 2: (candidate(2), "")})
+    with pytest.raises(UserInputError, match="no entry for 5 devices.*covers 1-2.*records no profile"):
+        choose_candidate(plan, 5, replan=replan_for_devices)
+    with pytest.raises(UserInputError, match="no entry for 5 devices"):
+        choose_candidate(plan, 5, replan=None)
+
+
+def test_an_entry_where_nothing_fits_is_infeasible():
+    plan = hand_plan({1: (None, "stage 0 needs 21.3 GiB > 16 GiB"), 2: (candidate(2), "")})
+    with pytest.raises(InfeasibleError, match="no layout fits on 1 devices: stage 0 needs 21.3 GiB"):
+        choose_candidate(plan, 1)
+
+
+def test_missing_entry_is_replanned_from_the_plans_profile(tmp_path):
+    profile_path = tmp_path / "profile.json"
+    write_json_atomic(profile_path, gpt_tiny_profile())
+    request = PlanRequest(global_batch=8, max_tensor_parallel=1)
+    plan = search_plan(gpt_tiny_profile(), local_cluster(2), request, profile_path=str(profile_path))
+    assert plan.for_devices(4) is None
+    choice = choose_candidate(plan, 4, replan=replan_for_devices)
+    assert choice.source == "re-planned" and choice.requested_devices == 4
+    assert choice.candidate.global_batch == 8 and choice.candidate.devices <= 4
+    assert "re-planned from" in choice.notes[0]
+    # The re-planned entry completes the morph table, in order.
+    table = with_entry(plan, choice.entry)
+    assert [e.devices for e in table] == [1, 2, 4]
