@@ -1,0 +1,290 @@
+"""Resizing a run without training: the decision, the rewritten plan/job/config, the record, the
+stop of a running job (stand-in processes), and the hooks for elastic restarts."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pipectl.artifacts.plan import Candidate, MorphEntry, Plan
+from pipectl.artifacts.run import CheckpointManifest, RankTiming, StepMetrics
+from pipectl.errors import LaunchError, UserInputError
+from pipectl.launch import LaunchOptions, prepare_launch
+from pipectl.launch.rundir import read_run
+from pipectl.resize.history import read_records
+from pipectl.resize.morph import (
+    decide_resize,
+    ds_config_for_candidate,
+    layout_label,
+    plan_for_world_size,
+    prepare_relaunch,
+    resize_run,
+)
+from pipectl.resize.stop import find_run_processes, run_dir_argument, stop_run
+from pipectl.runtime import checkpoint as ckpt
+from pipectl.runtime.metrics import MetricsWriter
+
+
+def candidate(p=2, d=1, b=2, m=4) -> Candidate:
+    cuts = [(0, 9)] if p == 1 else [(0, 4), (4, 9)]
+    return Candidate(
+        devices=p * d, device="cpu", tensor_parallel=1, pipeline_parallel=p, data_parallel=d,
+        micro_batch_size=b, micro_batches=m, schedule="1f1b", recompute=False, zero_stage=1,
+        stage_layers=cuts, predicted_step_seconds=0.05, samples_per_second=160.0, tflops_per_device=0.0,
+        peak_memory_bytes=[1] * p, bubble_fraction=0.0, communication_fraction=0.0,
+        cost_per_million_samples=0.0,
+    )  # fmt: skip
+
+
+def table_plan(chosen: Candidate) -> Plan:
+    """B = 8: 1 -> p1 m8, 2 -> p2 m4, 3 -> the 2-device plan (8 cannot be split over 3), 4 -> p2 d2 m2."""
+    table = {1: candidate(1, m=4, b=2), 2: candidate(2), 3: candidate(2), 4: candidate(2, 2, m=2)}
+    entries = [
+        MorphEntry(devices=n, candidate=c, note="" if c.devices == n else "uses 2 of 3 devices: 8 % 3 != 0")
+        for n, c in table.items()
+    ]
+    return Plan(model="gpt-tiny", cluster="local", global_batch=8, objective="time", layers=9, chosen=chosen, morph_table=entries)
+
+
+def make_run(tmp_path: Path, chosen: Candidate | None = None, steps: int = 10, checkpoint_step: int | None = 10, lr=3e-4) -> Path:
+    run = tmp_path / "runs" / "demo"
+    prepare_launch(table_plan(chosen or candidate()), run, LaunchOptions(steps=steps, learning_rate=lr))
+    if checkpoint_step is not None:
+        fake_checkpoint(run, checkpoint_step)
+        writer = MetricsWriter(run, rank=0)
+        for s in range(1, checkpoint_step + 1):
+            writer.write(
+                StepMetrics(
+                    step=s, loss=5.0 - 0.1 * s, step_seconds=0.1, samples_per_second=80.0, global_batch=8,
+                    world_size=2, layout="t1p2d1 1f1b b2 m4", time_unix=time.time(),
+                )  # fmt: skip
+            )
+    return run
+
+
+def fake_checkpoint(run: Path, step: int) -> None:
+    root = ckpt.checkpoints_dir(run)
+    staged = root / ckpt.STAGING_DIR / f"{ckpt.tag_for_step(step)}_universal"
+    (staged / "zero").mkdir(parents=True)
+    (staged / "zero" / "weights.pt").write_bytes(b"w" + bytes([step]))
+    manifest = CheckpointManifest(tag=ckpt.tag_for_step(step), step=step, files=ckpt.hash_tree(staged), bytes=2)
+    ckpt.commit_tag(root, staged, ckpt.tag_for_step(step), manifest)
+
+
+# --------------------------------------------------------------------------- decision
+
+
+def test_decision_takes_the_table_entry_and_keeps_the_batch(tmp_path):
+    run = make_run(tmp_path)
+    decision = decide_resize(run, 1, steps=20)
+    assert decision.candidate.devices == 1 and decision.choice.source == "morph-table"
+    assert decision.previous.devices == 2 and decision.target_steps == 20
+    assert decision.candidate.global_batch == decision.global_batch == 8
+
+
+def test_bad_requests_name_the_value(tmp_path):
+    run = make_run(tmp_path)
+    with pytest.raises(UserInputError, match="got 0"):
+        decide_resize(run, 0, steps=20)
+    with pytest.raises(UserInputError, match="no run directory at .*nope"):
+        decide_resize(tmp_path / "nope", 1)
+    with pytest.raises(UserInputError, match="--steps 10 is not beyond the 10 steps"):
+        decide_resize(run, 1)  # the job's own total, already reached
+    with pytest.raises(UserInputError, match="no entry for 7 devices"):
+        decide_resize(run, 7, steps=20, replan=None)
+
+
+def test_default_total_is_the_jobs_own(tmp_path):
+    run = make_run(tmp_path, steps=30)
+    assert decide_resize(run, 1).target_steps == 30
+
+
+# --------------------------------------------------------------------------- rewrite
+
+
+def test_relaunch_files_for_fewer_devices(tmp_path):
+    run = make_run(tmp_path, lr=3e-4)
+    prepared = prepare_relaunch(decide_resize(run, 1, steps=20))
+    assert prepared.plan.chosen == candidate(1, m=4)
+    assert prepared.plan.morph_table == read_run(run).plan.morph_table  # kept
+    assert prepared.job.world_size == 1 and prepared.job.ranks_per_node == 1 and prepared.job.steps == 20
+    config = prepared.ds_config
+    assert config["train_batch_size"] == 8 and config["gradient_accumulation_steps"] == 4
+    assert config["pipeline"]["stages"] == 1 and config["pipeline"]["partition"] == [0, 9]
+    assert config["optimizer"]["params"]["lr"] == 3e-4  # the run's learning rate, not the default
+    assert "--nproc_per_node 1" in prepared.command.shell_line()
+
+
+def test_micro_batches_per_replica_follow_the_data_parallel_degree(tmp_path):
+    run = make_run(tmp_path)
+    config = prepare_relaunch(decide_resize(run, 4, steps=20)).ds_config
+    assert (config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"]) == (2, 2)
+    assert config["train_batch_size"] == 8
+
+
+def test_resize_without_relaunch_rewrites_the_run_and_records_it(tmp_path):
+    run = make_run(tmp_path)
+    (run / ckpt.STOP_FILE).write_text("left over")  # would stop the new job at once
+    result = resize_run(run, 3, steps=20, relaunch=False)
+    files = read_run(run)
+    assert files.plan.chosen.devices == 2 and files.job.world_size == 2  # 8 cannot be split over 3
+    assert any("uses 2 of 3 devices" in note for note in result.notes)
+    assert not (run / ckpt.STOP_FILE).exists()
+    (record,) = read_records(run)
+    assert record.requested_devices == 3 and record.to_devices == 2 and record.resume_step == 10
+    assert record.from_layout == layout_label(candidate()) and not record.stopped_running_job
+    assert record.relaunched_unix is None and result.exit_code is None
+    assert "uses 2 of 3 devices" in " ".join(record.notes)
+
+
+def test_a_run_without_checkpoint_starts_from_step_zero_and_says_so(tmp_path):
+    run = make_run(tmp_path, checkpoint_step=None)
+    result = resize_run(run, 1, relaunch=False)
+    assert result.record.resume_step == 0
+    assert any("no verified checkpoint" in note for note in result.notes)
+
+
+def test_stragglers_are_left_out_on_request(tmp_path):
+    run = make_run(tmp_path, chosen=candidate(2, 2, m=2), checkpoint_step=None)
+    writer = MetricsWriter(run, rank=0)
+    for s in range(1, 9):  # rank 3 (stage 1, replica 1) computes 3x as long as rank 1
+        ranks = [
+            RankTiming(rank=r, stage=r % 2, forward_seconds=0.1 * (3 if r == 3 else 1), backward_seconds=0.0)
+            for r in range(4)
+        ]
+        writer.write(
+            StepMetrics(step=s, loss=4.0, step_seconds=0.3, samples_per_second=26.0, global_batch=8, world_size=4,
+                        layout="t1p2d2 1f1b b2 m2", time_unix=time.time(), ranks=ranks)  # fmt: skip
+        )
+    decision = decide_resize(run, 4, steps=20, exclude_stragglers=True)
+    assert decision.excluded_ranks == [3] and decision.usable_devices == 3
+    assert decision.candidate.devices == 2  # the entry for 3: B = 8 cannot use 3
+    assert any("rank 3 (stage 1)" in note for note in decision.notes)
+    kept = decide_resize(run, 4, steps=20)
+    assert kept.excluded_ranks == [] and kept.candidate.devices == 4
+
+
+# --------------------------------------------------------------------------- running jobs
+
+STAND_IN = """
+import os, sys, time, pathlib
+stop = pathlib.Path(sys.argv[-1]) / "stop_requested"
+ignore = os.environ.get("IGNORE_STOP") == "1"
+import signal
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+deadline = time.time() + 20
+while time.time() < deadline:
+    if stop.exists() and not ignore:
+        time.sleep(0.2)   # "finish the step and checkpoint"
+        sys.exit(0)
+    time.sleep(0.05)
+"""
+
+
+def start_stand_in(run: Path, **env) -> subprocess.Popen:
+    """A process whose command line looks like a rank of `run` and that honours the stop file."""
+    argv = [sys.executable, "-c", STAND_IN, "-m", "pipectl.runtime.worker", "--run-dir", str(run)]
+    proc = subprocess.Popen(argv, env={**os.environ, **env})
+    for _ in range(100):
+        if find_run_processes(run):
+            return proc
+        time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError("stand-in process did not show up")
+
+
+def test_run_dir_argument_parsing():
+    assert run_dir_argument(("python", "-m", "pipectl.runtime.worker", "--run-dir", "runs/a")) == "runs/a"
+    assert run_dir_argument(("torchrun", "-m", "pipectl.runtime.worker", "--run-dir=/x/y")) == "/x/y"
+    assert run_dir_argument(("python", "train.py", "--run-dir", "runs/a")) is None
+
+
+def test_a_running_job_is_found_and_stopped_through_the_stop_file(tmp_path):
+    run = make_run(tmp_path)
+    other = make_run(tmp_path / "other")
+    proc = start_stand_in(run)
+    try:
+        assert find_run_processes(other) == []
+        (found,) = find_run_processes(run)
+        assert found.pid == proc.pid and found.is_worker
+        outcome = stop_run(run, [found], stop_file=ckpt.STOP_FILE, signal_after_seconds=10, timeout_seconds=10)
+        assert not outcome.signalled and outcome.seconds < 5
+        assert proc.wait(timeout=5) == 0
+    finally:
+        proc.kill()
+
+
+def test_a_rank_ignoring_the_stop_file_gets_sigterm(tmp_path):
+    run = make_run(tmp_path)
+    proc = start_stand_in(run, IGNORE_STOP="1")
+    try:
+        outcome = stop_run(run, find_run_processes(run), stop_file=ckpt.STOP_FILE, signal_after_seconds=0.3, timeout_seconds=10)
+        assert outcome.signalled
+    finally:
+        proc.kill()
+
+
+def test_a_job_that_does_not_stop_is_reported_not_killed(tmp_path):
+    run = make_run(tmp_path)
+    proc = start_stand_in(run, IGNORE_STOP="1")
+    try:
+        processes = find_run_processes(run)
+        with pytest.raises(LaunchError, match=f"did not stop within 1 s \\(pids {proc.pid} still alive\\)"):
+            stop_run(run, [p for p in processes], stop_file=ckpt.STOP_FILE, signal_after_seconds=60, timeout_seconds=1)
+        assert proc.poll() is None  # still running: nothing was killed
+    finally:
+        proc.kill()
+
+
+def test_resize_stops_a_running_job_before_rewriting(tmp_path):
+    run = make_run(tmp_path)
+    proc = start_stand_in(run)
+    try:
+        result = resize_run(run, 1, steps=20, relaunch=False, stop_timeout_seconds=10)
+        assert proc.wait(timeout=5) == 0
+        assert result.record.stopped_running_job and result.record.stop_seconds is not None
+        assert read_run(run).job.world_size == 1
+        assert not (run / ckpt.STOP_FILE).exists()
+    finally:
+        proc.kill()
+
+
+def test_a_bad_request_leaves_a_running_job_alone(tmp_path):
+    run = make_run(tmp_path)
+    proc = start_stand_in(run)
+    try:
+        with pytest.raises(UserInputError):
+            resize_run(run, 0, steps=20, relaunch=False)
+        assert not (run / ckpt.STOP_FILE).exists() and proc.poll() is None
+    finally:
+        proc.kill()
+
+
+# --------------------------------------------------------------------------- elastic hooks
+
+
+def test_plan_for_world_size_uses_the_table(tmp_path):
+    run = make_run(tmp_path)
+    assert plan_for_world_size(run, 2) == candidate()
+    assert plan_for_world_size(run, 4) == candidate(2, 2, m=2)
+    with pytest.raises(UserInputError, match="uses only 2"):
+        plan_for_world_size(run, 3)
+    with pytest.raises(UserInputError, match="no layout for 6 ranks"):
+        plan_for_world_size(run, 6)
+
+
+def test_ds_config_for_candidate_changes_only_batch_and_pipeline(tmp_path):
+    run = make_run(tmp_path)
+    before = read_run(run).ds_config
+    after = ds_config_for_candidate(before, candidate(2, 2, m=2), global_batch=8)
+    changed = {k for k in before if before[k] != after[k]}
+    assert changed == {"gradient_accumulation_steps"}  # p stays 2; B and b unchanged
+    after_p1 = ds_config_for_candidate(before, candidate(1, m=4), global_batch=8)
+    assert after_p1["pipeline"]["partition"] == [0, 9] and after_p1["optimizer"] == before["optimizer"]
+    assert json.dumps(after_p1)  # still plain JSON
