@@ -188,10 +188,20 @@ def build_engine(job: TrainingJob):
     else:
         topology = PipeDataParallelTopology(num_pp=layout.pipeline_parallel, num_dp=layout.data_parallel)
     model = build_model(job.model)
+    ds_config = job.ds_config
+    if layout.tensor_parallel > 1:
+        from pipectl.models.tensor_parallel import new_tensor_parallel_groups, shard_model
+
+        model = shard_model(model, new_tensor_parallel_groups(topology))
+        # DeepSpeed's default with a 'model' axis splits the activations it sends between stages
+        # across the tensor group (written for Megatron's tuple outputs); our stages send one
+        # replicated tensor, so send it whole unless the config says otherwise.
+        pipeline = {"pipe_partitioned": False, "grad_partitioned": False, **ds_config.get("pipeline", {})}
+        ds_config = {**ds_config, "pipeline": pipeline}
     module = build_pipeline_module(model, layout.stage_layers, topology=topology, seed=job.seed, chunks=layout.chunks)
     engine, *_ = deepspeed.initialize(
         model=module,
-        config=job.ds_config,
+        config=ds_config,
         model_parameters=[p for p in module.parameters() if p.requires_grad],
     )
     schedule = job.schedule or generate(
