@@ -1,0 +1,129 @@
+"""Continuity, the central promise of a resize (SPEC §7, issue 5): gpt-tiny trained 20 steps without
+interruption, and again with a resize after step 10, must give the same losses for steps 11..20
+(within 1e-4 relative, fp32) and the same final weights.
+
+Real ranks (torchrun, gloo) through the run-directory contract: `prepare_launch` + `run_engine`
+for the first 10 steps, `resize_run` for the rest. Cases: 2 ranks p=2 -> 1 rank; 1 rank -> 2 ranks
+p=2; 2 ranks p=2 -> 2 ranks d=2 (the plan's morph table says so for 2 devices). One uninterrupted
+baseline and one first half per starting layout are shared across cases (module fixtures).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipectl.artifacts.plan import Candidate, MorphEntry, Plan
+from pipectl.launch import LaunchOptions, prepare_launch, run_engine
+from pipectl.resize.history import read_history
+from pipectl.resize.morph import resize_run
+from pipectl.runtime.checkpoint import find_latest_verified
+from pipectl.runtime.metrics import read_metrics
+
+pytestmark = pytest.mark.multiprocess
+
+STEPS, RESIZE_AT = 20, 10
+RUN_TIMEOUT_SECONDS = 150
+RELATIVE_TOLERANCE = 1e-4
+
+
+def candidate(p=2, d=1, b=2, m=4) -> Candidate:
+    cuts = [(0, 9)] if p == 1 else [(0, 4), (4, 9)]
+    return Candidate(
+        devices=p * d, device="cpu", tensor_parallel=1, pipeline_parallel=p, data_parallel=d,
+        micro_batch_size=b, micro_batches=m, schedule="1f1b", recompute=False, zero_stage=1,
+        stage_layers=cuts, predicted_step_seconds=0.05, samples_per_second=160.0, tflops_per_device=0.0,
+        peak_memory_bytes=[1] * p, bubble_fraction=0.0, communication_fraction=0.0,
+        cost_per_million_samples=0.0,
+    )  # fmt: skip
+
+
+P1 = candidate(1, 1, m=4)
+P2 = candidate(2, 1, m=4)
+D2 = candidate(1, 2, m=2)  # B = 8 = b 2 x m 2 x d 2
+
+
+def plan_with(chosen: Candidate, table: dict[int, Candidate]) -> Plan:
+    return Plan(
+        model="gpt-tiny", cluster="local", global_batch=8, objective="time", layers=9, chosen=chosen,
+        morph_table=[MorphEntry(devices=n, candidate=c) for n, c in sorted(table.items())],
+    )  # fmt: skip
+
+
+def train(plan: Plan, run_dir: Path, steps: int) -> Path:
+    prepared = prepare_launch(plan, run_dir, LaunchOptions(steps=steps, seed=0))
+    exit_code = run_engine(prepared.command, prepared.run_dir, timeout_seconds=RUN_TIMEOUT_SECONDS)
+    assert exit_code == 0, (run_dir / "logs" / "engine.log").read_text()[-3000:]
+    return prepared.run_dir
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {m.step: m.loss for m in read_metrics(run_dir)}
+
+
+def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    """fp32 weights by parameter name from the newest universal checkpoint (any layout writes the same names)."""
+    info, _ = find_latest_verified(run_dir)
+    assert info is not None and info.step == STEPS
+    return {
+        path.parent.name: torch.load(path, weights_only=True)["param"]
+        for path in sorted((info.path / "zero").glob("*/fp32.pt"))
+    }
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("continuity")
+
+
+@pytest.fixture(scope="module")
+def baseline(workspace):
+    run = train(plan_with(P2, {1: P1, 2: P2}), workspace / "uninterrupted", STEPS)
+    return losses(run), final_weights(run)
+
+
+@pytest.fixture(scope="module")
+def first_halves(workspace):
+    """Runs stopped after 10 steps, by starting layout. The p=2 run's plan says d=2 for 2 devices."""
+    return {
+        "p2": train(plan_with(P2, {1: P1, 2: D2}), workspace / "half-p2", RESIZE_AT),
+        "p1": train(plan_with(P1, {1: P1, 2: P2}), workspace / "half-p1", RESIZE_AT),
+    }
+
+
+@pytest.mark.parametrize(
+    "start, devices, expected_layout",
+    [("p2", 1, "t1p1d1 1f1b b2 m4"), ("p1", 2, "t1p2d1 1f1b b2 m4"), ("p2", 2, "t1p1d2 1f1b b2 m2")],
+    ids=["p2-to-1-rank", "1-rank-to-p2", "p2-to-d2"],
+)
+def test_losses_and_weights_continue_across_a_resize(baseline, first_halves, workspace, start, devices, expected_layout):
+    expected_losses, expected_weights = baseline
+    run = workspace / f"resized-{start}-{devices}"
+    shutil.copytree(first_halves[start], run)
+
+    result = resize_run(run, devices, steps=STEPS, run_timeout_seconds=RUN_TIMEOUT_SECONDS)
+    assert result.exit_code == 0, (run / "logs" / "engine.log").read_text()[-3000:]
+
+    resumed = read_metrics(run)
+    assert [m.step for m in resumed] == list(range(1, STEPS + 1))  # none skipped, none repeated
+    assert {m.layout for m in resumed if m.step > RESIZE_AT} == {expected_layout}
+    assert all(m.global_batch == 8 for m in resumed)
+    got = losses(run)
+    for step in range(RESIZE_AT + 1, STEPS + 1):
+        assert got[step] == pytest.approx(expected_losses[step], rel=RELATIVE_TOLERANCE), step
+
+    # Per tensor, relative to its norm: elements near zero (Adam moves them by ~lr whatever their
+    # gradient's size) make an element-wise relative test meaningless there.
+    weights = final_weights(run)
+    assert weights.keys() == expected_weights.keys()
+    for name, tensor in weights.items():
+        reference = expected_weights[name]
+        difference = torch.linalg.vector_norm(tensor - reference) / torch.linalg.vector_norm(reference)
+        assert difference.item() <= RELATIVE_TOLERANCE, (name, difference.item())
+
+    (record,) = read_history(run)
+    assert record.resume_step == RESIZE_AT and record.to_layout == expected_layout
+    assert record.downtime_seconds is not None and record.downtime_seconds > 0
