@@ -9,13 +9,11 @@ module (about 5 s each on two cores).
 
 from __future__ import annotations
 
-import os
-import socket
 from dataclasses import dataclass
 
 import pytest
 
-from pipectl.runtime.worker import Layout, TrainingJob
+from pipectl.runtime.worker import Layout, TrainingJob, spawn_ranks
 from pipectl.schedule import generate
 from pipectl.schedule.ir import ScheduleKind
 
@@ -53,65 +51,16 @@ CASES = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _rank_main(rank: int, world: int, port: int, job: TrainingJob, results) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        OMP_NUM_THREADS="1",
-    )
-    from pipectl.runtime.worker import train
-
-    result = train(job)
-    results.put((rank, result.stage, result.losses, result.executed_order))
-
-
-def run_ranks(job: TrainingJob) -> dict[int, tuple[int, list[float], list[str]]]:
-    """Start world-size spawned ranks, wait (bounded), return rank -> (stage, losses, order)."""
-    import queue
-
-    import torch.multiprocessing as mp
-
-    # A fork server that has imported torch and DeepSpeed once starts each rank in well under a
-    # second (a fresh spawn re-imports them: ~3 s per rank here). It never runs torch ops itself,
-    # so forking it is safe.
-    context = mp.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "deepspeed", "pipectl.runtime.worker", "pipectl.runtime.executor"])
-    results = context.Queue()
-    world = job.layout.world_size
-    port = _free_port()
-    procs = [context.Process(target=_rank_main, args=(r, world, port, job, results)) for r in range(world)]
-    for proc in procs:
-        proc.start()
-    out: dict[int, tuple[int, list[float], list[str]]] = {}
-    try:
-        for _ in procs:
-            rank, stage, losses, order = results.get(timeout=TIMEOUT_SECONDS)
-            out[rank] = (stage, losses, order)
-    except queue.Empty:
-        pytest.fail(f"ranks of {job.layout.label()} did not finish within {TIMEOUT_SECONDS} s")
-    finally:
-        for proc in procs:
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.kill()
-    return out
-
-
 @pytest.fixture(scope="module")
 def runs() -> dict[str, dict[int, tuple[int, list[float], list[str]]]]:
     return {
-        case.name: run_ranks(
-            TrainingJob(model="gpt-tiny", layout=case.layout, ds_config=ds_config(case.layout, case.zero_stage), steps=STEPS, seed=7)
-        )
+        case.name: {
+            rank: (outcome.stage, outcome.losses, outcome.executed_order)
+            for rank, outcome in spawn_ranks(
+                TrainingJob("gpt-tiny", case.layout, ds_config(case.layout, case.zero_stage), steps=STEPS, seed=7),
+                timeout_seconds=TIMEOUT_SECONDS,
+            ).items()
+        }
         for case in CASES
     }
 

@@ -332,6 +332,77 @@ def _write_executed_order(run_dir: Path, rank: int, order: Sequence[str]) -> Non
     os.replace(tmp, path)
 
 
+@dataclass(frozen=True)
+class RankOutcome:
+    """What `spawn_ranks` brings back from one rank."""
+
+    rank: int
+    stage: int
+    losses: list[float]
+    executed_order: list[str]
+
+
+def _spawned_rank(rank: int, world: int, port: int, job: TrainingJob, results) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        OMP_NUM_THREADS="1",
+    )
+    try:
+        result = train(job)
+        results.put(RankOutcome(rank, result.stage, result.losses, result.executed_order))
+    except BaseException as exc:  # report, don't leave the parent waiting for the timeout
+        results.put(RuntimeError(f"rank {rank}: {type(exc).__name__}: {exc}"))
+        raise
+
+
+def spawn_ranks(job: TrainingJob, timeout_seconds: float = 120) -> dict[int, RankOutcome]:
+    """Train `job` on world-size local processes and return each rank's outcome (tests, benchmarks).
+
+    Not a launch engine (those are torchrun / DeepSpeed's launcher, in `pipectl.launch`): a fork
+    server that imported torch and DeepSpeed once starts each rank in well under a second, where a
+    fresh interpreter re-imports them (about 3 s per rank on two cores). Ranks still running after
+    `timeout_seconds` are killed and a `LaunchError` is raised.
+    """
+    import multiprocessing
+    import queue
+    import socket
+
+    from pipectl.errors import LaunchError
+
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "deepspeed", "pipectl.runtime.worker", "pipectl.runtime.executor"])
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    world = job.layout.world_size
+    results = context.Queue()
+    procs = [context.Process(target=_spawned_rank, args=(r, world, port, job, results)) for r in range(world)]
+    for proc in procs:
+        proc.start()
+    outcomes: dict[int, RankOutcome] = {}
+    deadline = time.monotonic() + timeout_seconds
+    try:
+        while len(outcomes) < world:
+            try:
+                item = results.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                raise LaunchError(f"{job.layout.label()}: ranks did not finish within {timeout_seconds} s") from None
+            if isinstance(item, Exception):
+                raise LaunchError(str(item))
+            outcomes[item.rank] = item
+    finally:
+        for proc in procs:
+            proc.join(timeout=5 if len(outcomes) == world else 0.1)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+    return outcomes
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pipectl.runtime.worker", description=__doc__.splitlines()[0])
     parser.add_argument("--run-dir", required=True, type=Path, help="the run directory (job.json, plan.json, ...)")
