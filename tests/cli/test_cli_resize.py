@@ -1,0 +1,152 @@
+"""`pipectl resize`: bad input exits 2 naming the value, dry run, a slurm run rewritten for
+submission, and the morph-history/straggler renderables `pipectl status` shows."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from rich.console import Console
+from typer.testing import CliRunner
+
+from pipectl.artifacts.morph import MorphRecord
+from pipectl.artifacts.plan import Candidate, MorphEntry, Plan
+from pipectl.artifacts.run import CheckpointManifest, Engine, RankTiming, StepMetrics
+from pipectl.cli.main import app
+from pipectl.cli.resize import morph_history_table, status_renderables, straggler_table
+from pipectl.launch import LaunchOptions, prepare_launch
+from pipectl.launch.rundir import read_run
+from pipectl.resize.history import append_record
+from pipectl.resize.stragglers import find_stragglers
+from pipectl.runtime import checkpoint as ckpt
+from pipectl.runtime.metrics import MetricsWriter
+
+runner = CliRunner()
+
+
+def candidate(p=2, d=1, b=2, m=4) -> Candidate:
+    cuts = [(0, 9)] if p == 1 else [(0, 4), (4, 9)]
+    return Candidate(
+        devices=p * d, device="cpu", tensor_parallel=1, pipeline_parallel=p, data_parallel=d,
+        micro_batch_size=b, micro_batches=m, schedule="1f1b", recompute=False, zero_stage=1,
+        stage_layers=cuts, predicted_step_seconds=0.05, samples_per_second=160.0, tflops_per_device=0.0,
+        peak_memory_bytes=[1] * p, bubble_fraction=0.0, communication_fraction=0.0,
+        cost_per_million_samples=0.0,
+    )  # fmt: skip
+
+
+def make_run(tmp_path: Path, engine: Engine = Engine.LOCAL, cluster: str = "local") -> Path:
+    plan = Plan(
+        model="gpt-tiny", cluster=cluster, global_batch=8, objective="time", layers=9, chosen=candidate(),
+        morph_table=[
+            MorphEntry(devices=1, candidate=candidate(1)),
+            MorphEntry(devices=2, candidate=candidate()),
+            MorphEntry(devices=3, candidate=candidate(), note="uses 2 of 3 devices: 8 cannot be split over 3"),
+        ],
+    )  # fmt: skip
+    run = tmp_path / "runs" / "demo"
+    prepare_launch(plan, run, LaunchOptions(engine=engine, steps=10))
+    root = ckpt.checkpoints_dir(run)
+    staged = root / ckpt.STAGING_DIR / "step00000010_universal"
+    staged.mkdir(parents=True)
+    (staged / "weights.pt").write_bytes(b"w")
+    manifest = CheckpointManifest(tag="step00000010", step=10, files=ckpt.hash_tree(staged), bytes=1)
+    ckpt.commit_tag(root, staged, "step00000010", manifest)
+    return run
+
+
+def invoke(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def test_no_such_run_exits_2_naming_it(tmp_path):
+    result = invoke("resize", tmp_path / "runs" / "ghost", "--devices", "1")
+    assert result.exit_code == 2
+    assert "ghost" in result.output and "Traceback" not in result.output
+
+
+def test_non_positive_devices_exit_2(tmp_path):
+    run = make_run(tmp_path)
+    result = invoke("resize", run, "--devices", "0", "--steps", "20")
+    assert result.exit_code == 2 and "got 0" in result.output
+
+
+def test_beyond_the_cluster_and_not_in_the_table_exits_2(tmp_path):
+    run = make_run(tmp_path, cluster="a100-8x8")
+    result = invoke("resize", run, "--devices", "65", "--steps", "20")
+    assert result.exit_code == 2
+    assert "--devices 65 exceeds cluster 'a100-8x8' (64 devices)" in result.output
+
+
+def test_steps_already_trained_exit_2(tmp_path):
+    run = make_run(tmp_path)
+    result = invoke("resize", run, "--devices", "1")
+    assert result.exit_code == 2 and "--steps 10 is not beyond the 10 steps" in result.output
+
+
+def test_dry_run_shows_the_new_layout_and_changes_nothing(tmp_path):
+    run = make_run(tmp_path)
+    before = {name: (run / name).read_text() for name in ("plan.json", "job.json", "ds_config.json")}
+    result = invoke("resize", run, "--devices", "3", "--steps", "20", "--dry-run", "--json")
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.output)
+    assert payload["requested_devices"] == 3 and payload["devices"] == 2
+    chosen = payload["candidate"]
+    assert chosen["data_parallel"] * chosen["micro_batch_size"] * chosen["micro_batches"] == 8  # B kept
+    assert any("uses 2 of 3 devices" in note for note in payload["notes"])
+    assert {name: (run / name).read_text() for name in before} == before
+
+    table = invoke("resize", run, "--devices", "1", "--steps", "20", "--dry-run")
+    assert table.exit_code == 0 and "t1p1d1 1f1b b2 m4" in table.output and "dry run" in table.output
+
+
+def test_slurm_run_is_rewritten_for_submission(tmp_path):
+    run = make_run(tmp_path, engine=Engine.SLURM)
+    result = invoke("resize", run, "--devices", "1", "--steps", "20", "--json")
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.output)
+    assert payload["exit_code"] is None and "sbatch" in payload["submit_hint"]
+    assert payload["to_layout"] == "t1p1d1 1f1b b2 m4" and payload["resume_step"] == 10
+    files = read_run(run)
+    assert files.job.world_size == 1 and files.job.steps == 20
+    assert "--nproc_per_node 1" in (run / "job.sbatch").read_text()
+
+
+def render(renderable) -> str:
+    console = Console(record=True, width=200)
+    console.print(renderable)
+    return console.export_text()
+
+
+def test_status_renderables_show_morphs_and_stragglers(tmp_path):
+    run = make_run(tmp_path)
+    append_record(
+        run,
+        MorphRecord(
+            requested_unix=time.time(), requested_devices=3, from_devices=2, from_layout="t1p2d1 1f1b b2 m4",
+            to_devices=2, to_layout="t1p1d2 1f1b b2 m2", global_batch=8, resume_step=10, target_steps=20,
+            stopped_running_job=True, stop_seconds=3.25, relaunched_unix=time.time(), plan_source="morph-table",
+            notes=["uses 2 of 3 devices"],
+        ),  # fmt: skip
+    )
+    writer = MetricsWriter(run, rank=0)
+    for s in range(11, 17):
+        ranks = [RankTiming(rank=r, stage=0, forward_seconds=0.1 * (4 if r == 1 else 1), backward_seconds=0.1) for r in range(2)]
+        writer.write(
+            StepMetrics(step=s, loss=4.0, step_seconds=0.5, samples_per_second=16.0, global_batch=8, world_size=2,
+                        layout="t1p1d2 1f1b b2 m2", time_unix=time.time() + s, ranks=ranks)  # fmt: skip
+        )
+    text = render(status_renderables(run))
+    assert "morph history" in text and "t1p1d2 1f1b b2 m2" in text and "3.2 s" in text
+    assert "uses 2 of 3 devices" in text
+    assert "straggler" in text and "2.50x" in text
+
+    report = find_stragglers([])
+    assert "no per-rank heartbeats" in render(straggler_table(report))
+    assert "not relaunched" in render(morph_history_table([
+        MorphRecord(
+            requested_unix=0.0, requested_devices=1, from_devices=2, from_layout="a", to_devices=1, to_layout="b",
+            global_batch=8, resume_step=0, target_steps=1, stopped_running_job=False, plan_source="morph-table",
+        )  # fmt: skip
+    ]))
