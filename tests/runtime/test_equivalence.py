@@ -1,6 +1,6 @@
 """The virtual-node promise with real DeepSpeed ranks: the same global batch and seed give the same
 loss at every step whatever the layout (pipeline degree, cut, data-parallel degree, schedule,
-recomputation, ZeRO stage); each rank executes exactly the planned compute order; and gpt-tiny
+recomputation, ZeRO stage, even or uneven data-parallel replicas); each rank executes exactly the planned compute order; and gpt-tiny
 learns (its loss falls) on a two-stage pipeline.
 
 All layouts train gpt-tiny on the built-in byte corpus, B = 8, fp32, 12 steps, and run once per
@@ -48,6 +48,8 @@ CASES = [
     Case("p2 d1 gpipe cut 2, ZeRO-0", Layout(2, 1, 2, 4, ((0, 2), (2, 9)), ScheduleKind.GPIPE), zero_stage=0),
     Case("p2 d1 varuna b4 m2", Layout(2, 1, 4, 2, ((0, 5), (5, 9)), ScheduleKind.VARUNA, recompute=True)),
     Case("p1 d2", Layout(1, 2, 2, 2, ((0, 9),), ScheduleKind.ONE_F_ONE_B)),
+    # A heterogeneous plan: replica 0 takes 6 of the 8 samples, replica 1 the other 2.
+    Case("p1 d2 uneven 3x2 + 1x2", Layout(1, 2, 2, 2, ((0, 9),), replica_shares=((3, 2), (1, 2)))),
 ]
 
 

@@ -49,6 +49,9 @@ class Layout:
     recompute: bool = False
     tensor_parallel: int = 1
     chunks: int = 1
+    # Heterogeneous plans: (micro_batch_size, micro_batches) of every data-parallel replica, in
+    # replica order; None when every replica does micro_batch_size x micro_batches.
+    replica_shares: tuple[tuple[int, int], ...] | None = None
 
     @classmethod
     def from_candidate(cls, candidate: Candidate) -> "Layout":
@@ -62,6 +65,11 @@ class Layout:
             recompute=candidate.recompute,
             tensor_parallel=candidate.tensor_parallel,
             chunks=candidate.chunks,
+            replica_shares=(
+                tuple((r.micro_batch_size, r.micro_batches) for r in sorted(candidate.replicas, key=lambda r: r.replica))
+                if candidate.replicas
+                else None
+            ),
         )
 
     @property
@@ -70,11 +78,22 @@ class Layout:
 
     @property
     def global_batch(self) -> int:
+        if self.replica_shares:
+            return sum(b * m for b, m in self.replica_shares)
         return self.data_parallel * self.micro_batch_size * self.micro_batches
+
+    def replica_share(self, replica: int) -> tuple[int, int]:
+        """(micro_batch_size, micro_batches) of data-parallel replica `replica`."""
+        if self.replica_shares:
+            return self.replica_shares[replica]
+        return self.micro_batch_size, self.micro_batches
 
     def label(self) -> str:
         """e.g. 't1p2d1 1f1b b2 m4' (metrics lines carry it)."""
         recompute = " +R" if self.recompute else ""
+        if self.replica_shares:
+            shares = "+".join(f"{b}x{m}" for b, m in self.replica_shares)
+            return f"t{self.tensor_parallel}p{self.pipeline_parallel}d{self.data_parallel} {self.schedule.value}{recompute} {shares}"
         return (
             f"t{self.tensor_parallel}p{self.pipeline_parallel}d{self.data_parallel} "
             f"{self.schedule.value}{recompute} b{self.micro_batch_size} m{self.micro_batches}"
@@ -189,6 +208,10 @@ def build_engine(job: TrainingJob):
         topology = PipeDataParallelTopology(num_pp=layout.pipeline_parallel, num_dp=layout.data_parallel)
     model = build_model(job.model)
     ds_config = job.ds_config
+    replica = topology.get_coord(torch_dist.get_rank()).data
+    _, micro_batches = layout.replica_share(replica)
+    if layout.replica_shares:
+        model, ds_config = _weighted_replica(model, ds_config, layout, replica)
     if layout.tensor_parallel > 1:
         from pipectl.models.tensor_parallel import new_tensor_parallel_groups, shard_model
 
@@ -205,9 +228,49 @@ def build_engine(job: TrainingJob):
         model_parameters=[p for p in module.parameters() if p.requires_grad],
     )
     schedule = job.schedule or generate(
-        layout.schedule, layout.pipeline_parallel, layout.micro_batches, recompute=layout.recompute
+        layout.schedule, layout.pipeline_parallel, micro_batches, recompute=layout.recompute
     )
     return model, plan_engine(engine, schedule)
+
+
+class WeightedLoss:
+    """The model's loss times a constant: replica r's share of the global-batch mean (see below)."""
+
+    def __init__(self, loss_fn: Callable, weight: float) -> None:
+        self.loss_fn = loss_fn
+        self.weight = weight
+        self.__name__ = f"{getattr(loss_fn, '__name__', 'loss')} x {weight:g}"
+
+    def __call__(self, outputs, labels):
+        return self.loss_fn(outputs, labels) * self.weight
+
+
+def _weighted_replica(model, ds_config: dict[str, Any], layout: Layout, replica: int):
+    """Uneven replicas (heterogeneous plans): this replica's DeepSpeed batch keys and loss weight.
+
+    VirtualFlow / SPEC §2: replica r with s_r = b_r * m_r of the B samples must contribute
+    (s_r / B) x its mean gradient, so that every sample counts equally. DeepSpeed divides each
+    micro-batch loss by the replica's accumulation count m_r and averages the replicas' gradients
+    (and reported losses) over d, giving (1/d) x (1/m_r) x sum_j grad L_rj. Multiplying the loss by
+    w_r = d * s_r / B turns that into (s_r / B) x (1/m_r) x sum_j grad L_rj = (b_r / B) x sum_j
+    grad L_rj: the gradient of the mean loss over all B samples, and the reported loss becomes that
+    mean too. Each rank gets a config with its own b_r and m_r (DeepSpeed checks the batch keys per
+    rank only: train_batch_size = b_r * m_r * d there).
+
+        d = 2, shares 3x2 and 1x2 (B = 8): w_0 = 2 * 6 / 8 = 1.5, w_1 = 2 * 2 / 8 = 0.5
+    """
+    from dataclasses import replace
+
+    micro_batch_size, micro_batches = layout.replica_share(replica)
+    samples = micro_batch_size * micro_batches
+    weight = layout.data_parallel * samples / layout.global_batch
+    config = {
+        **ds_config,
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "gradient_accumulation_steps": micro_batches,
+        "train_batch_size": samples * layout.data_parallel,
+    }
+    return replace(model, loss_fn=WeightedLoss(model.loss_fn, weight)), config
 
 
 def train(job: TrainingJob, on_step: Callable[[StepRecord], None] | None = None) -> TrainResult:
@@ -224,7 +287,11 @@ def train(job: TrainingJob, on_step: Callable[[StepRecord], None] | None = None)
 
     batches = DeterministicBatches(make_source(model, job.data, job.seed), layout.global_batch, job.seed)
     replica = replica_slices(
-        layout.global_batch, layout.data_parallel, layout.micro_batch_size, layout.micro_batches
+        layout.global_batch,
+        layout.data_parallel,
+        layout.micro_batch_size,
+        layout.micro_batches,
+        uneven=layout.replica_shares,
     )[dp_rank]
 
     start_step = 0
@@ -247,7 +314,7 @@ def train(job: TrainingJob, on_step: Callable[[StepRecord], None] | None = None)
         if stop_flag is not None and checkpoint.should_stop(stop_flag, job.run_dir):
             result.stopped_early = stop_flag.reason
             break
-        micro_batches = batches.micro_batches(step, replica) if needs_data else [None] * layout.micro_batches
+        micro_batches = batches.micro_batches(step, replica) if needs_data else [None] * replica.micro_batches
         started = time.perf_counter()
         loss = engine.train_step(micro_batches)
         elapsed = time.perf_counter() - started
