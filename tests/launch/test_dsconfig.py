@@ -127,3 +127,18 @@ def test_pipeline_section_that_deepspeed_would_ignore_is_checked():
     config["pipeline"]["partition"] = [0, 5, 9]
     with pytest.raises(DeepSpeedConfigRejected, match=r"\[0, 5, 9\]"):
         check_pipeline_section(config, candidate)
+
+
+def test_uneven_replica_shares_are_validated_per_replica():
+    from pipectl.artifacts.plan import ReplicaShare
+
+    def share(replica, b, m):
+        return ReplicaShare(replica=replica, device="cpu", micro_batch_size=b, micro_batches=m, samples=b * m,
+                            gradient_weight=b * m / 8)  # fmt: skip
+
+    candidate = make_candidate(p=1, d=2, b=2, m=2, devices=2, cuts=[(0, 9)], replicas=[share(0, 3, 2), share(1, 1, 2)])
+    config = validated_config(make_plan(candidate))  # B = 6 + 2 = 8, not b*m*d
+    assert config["train_batch_size"] == 8 and config["gradient_accumulation_steps"] == 2
+    lopsided = make_candidate(p=1, d=2, b=2, m=2, devices=2, cuts=[(0, 9)], replicas=[share(0, 3, 2)])
+    with pytest.raises(DeepSpeedConfigRejected, match="1 replica shares covering 6 samples for data-parallel 2"):
+        validated_config(make_plan(lopsided, global_batch=8))

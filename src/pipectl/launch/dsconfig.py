@@ -115,7 +115,14 @@ def deepspeed_config(
 def check_candidate(candidate: Candidate, *, global_batch: int, layers: int) -> None:
     """What DeepSpeed cannot run or silently ignores, checked against the plan (errors name values)."""
     b, m, d = candidate.micro_batch_size, candidate.micro_batches, candidate.data_parallel
-    if b * m * d != global_batch:
+    if candidate.replicas:
+        samples = sum(r.samples for r in candidate.replicas)
+        if len(candidate.replicas) != d or samples != global_batch:
+            raise DeepSpeedConfigRejected(
+                f"{len(candidate.replicas)} replica shares covering {samples} samples for data-parallel {d} "
+                f"and global batch {global_batch}"
+            )
+    if not has_uneven_replicas(candidate) and b * m * d != global_batch:
         raise DeepSpeedConfigRejected(
             f"train_batch_size {global_batch} != micro-batch {b} x accumulation {m} x data-parallel {d} "
             f"(= {b * m * d})",
@@ -132,12 +139,6 @@ def check_candidate(candidate: Candidate, *, global_batch: int, layers: int) -> 
             f"DeepSpeed's pipeline engine (one contiguous layer range per rank)",
             hint="re-plan for a DeepSpeed launch (interleaved with v > 1 is excluded there)",
         )
-    if candidate.replicas and len({(r.micro_batch_size, r.micro_batches) for r in candidate.replicas}) > 1:
-        shares = ", ".join(f"replica {r.replica}: {r.micro_batch_size}x{r.micro_batches}" for r in candidate.replicas)
-        raise DeepSpeedConfigRejected(
-            f"uneven replica shares ({shares}) cannot be expressed in one DeepSpeed config "
-            f"(one micro-batch size and accumulation count for every rank)"
-        )
     if len(candidate.stage_layers) != candidate.pipeline_parallel:
         raise DeepSpeedConfigRejected(
             f"{len(candidate.stage_layers)} stage ranges for pipeline degree {candidate.pipeline_parallel}"
@@ -150,6 +151,18 @@ def check_candidate(candidate: Candidate, *, global_batch: int, layers: int) -> 
     empty = [i for i, (start, end) in enumerate(candidate.stage_layers) if end <= start]
     if empty:
         raise DeepSpeedConfigRejected(f"stage(s) {empty} hold no layer: {candidate.stage_layers}")
+
+
+def has_uneven_replicas(candidate: Candidate) -> bool:
+    """Heterogeneous plans: replicas with different (micro-batch size, accumulation) shares."""
+    return bool(candidate.replicas) and len({(r.micro_batch_size, r.micro_batches) for r in candidate.replicas}) > 1
+
+
+def replica_config(config: dict[str, Any], micro_batch_size: int, micro_batches: int, data_parallel: int) -> dict[str, Any]:
+    """One replica's batch keys (uneven replicas): each rank's engine sees its own b_r and m_r, and
+    DeepSpeed checks train_batch_size = b_r x m_r x d per rank; the worker weights the replica's
+    loss by d x s_r / B so that the averaged gradient is the global-batch mean (SPEC §2)."""
+    return {**config, **batch_section(micro_batch_size=micro_batch_size, micro_batches=micro_batches, data_parallel=data_parallel)}
 
 
 def check_pipeline_section(config: dict[str, Any], candidate: Candidate) -> None:
@@ -232,13 +245,22 @@ def validated_config(
     """
     candidate = candidate or plan.chosen
     check_candidate(candidate, global_batch=plan.global_batch, layers=plan.layers)
+    uneven = has_uneven_replicas(candidate)
     config = deepspeed_config(
-        candidate, global_batch=plan.global_batch, precision=precision, learning_rate=learning_rate
+        candidate,
+        global_batch=None if uneven else plan.global_batch,
+        precision=precision,
+        learning_rate=learning_rate,
     )
     check_pipeline_section(config, candidate)
+    for share in (candidate.replicas or []) if uneven else []:
+        parse_with_deepspeed(
+            replica_config(config, share.micro_batch_size, share.micro_batches, candidate.data_parallel),
+            candidate.data_parallel,
+        )
     parsed = parse_with_deepspeed(config, candidate.data_parallel)
     derived = (parsed.train_batch_size, parsed.train_micro_batch_size_per_gpu, parsed.gradient_accumulation_steps)
-    wanted = (config["train_batch_size"], candidate.micro_batch_size, candidate.micro_batches)
+    wanted = (config["train_batch_size"], candidate.micro_batch_size, candidate.micro_batches)  # base config
     if derived != wanted:
         raise DeepSpeedConfigRejected(
             f"DeepSpeed derived (train, micro, accumulation) = {derived}, the plan says {wanted}"
