@@ -141,6 +141,14 @@ class PlannedPipelineModule(PipelineModule):
         self._set_bounds(start=self.parts[stage_id], stop=self.parts[stage_id + 1])
 
 
+    def _synchronize_tied_weights(self) -> None:
+        # DeepSpeed broadcasts the tied parameters in place with autograd on, which records the
+        # broadcast in their history (torch warns at every backward that c10d::broadcast_ has no
+        # autograd kernel). Copying weights is not part of the model: do it without autograd.
+        with torch.no_grad():
+            super()._synchronize_tied_weights()
+
+
 def build_pipeline_module(
     model: ModelLayers,
     stage_layers: Sequence[Sequence[int]],
