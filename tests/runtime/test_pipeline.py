@@ -59,3 +59,15 @@ def test_tied_layers_share_the_first_holders_seed():
     assert [s.key for s in tied] == ["embed", "embed"]
     assert tied[0].seed == tied[1].seed == 0
     assert torch.equal(tied[0].build().weight, tied[1].build().weight)
+
+
+def test_docstring_examples_hold():
+    import doctest
+
+    import pipectl.models.tensor_parallel
+    import pipectl.runtime.data
+    import pipectl.runtime.pipeline
+
+    for module in (pipectl.runtime.pipeline, pipectl.runtime.data, pipectl.models.tensor_parallel):
+        result = doctest.testmod(module)
+        assert result.attempted > 0 and result.failed == 0, module.__name__
