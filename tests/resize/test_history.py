@@ -6,7 +6,14 @@ import pytest
 
 from pipectl.artifacts.morph import MORPHS_FILE, MorphRecord
 from pipectl.artifacts.run import StepMetrics
-from pipectl.resize.history import append_record, read_history, read_records, update_downtimes, with_downtime
+from pipectl.resize.history import (
+    append_record,
+    read_history,
+    read_records,
+    record_layout_change,
+    update_downtimes,
+    with_downtime,
+)
 from pipectl.runtime.metrics import MetricsWriter
 
 
@@ -73,3 +80,31 @@ def test_a_torn_line_is_skipped(tmp_path):
 def test_first_step_time_without_downtime_is_rejected():
     with pytest.raises(ValueError, match="downtime_seconds"):
         record(first_step_unix=1009.0)
+
+
+def test_an_elastic_relaunch_on_another_layout_is_recorded_once(tmp_path):
+    writer = MetricsWriter(tmp_path, rank=0)
+    writer.write(metrics(11, 1011.0, "t1p2d1 1f1b b2 m4"))
+    writer.write(metrics(12, 1012.0, "t1p2d1 1f1b b2 m4"))
+    kwargs = dict(to_layout="t1p1d1 1f1b b2 m4", to_devices=1, global_batch=8, resume_step=10, target_steps=30)
+    record = record_layout_change(tmp_path, now_unix=1020.0, **kwargs)
+    assert record.trigger.value == "elastic" and record.from_layout == "t1p2d1 1f1b b2 m4"
+    assert record.requested_unix == 1012.0 and record.relaunched_unix == 1020.0
+    assert "steps after 10 are trained again" in record.notes[0]
+    writer.write(metrics(11, 1025.0))
+    (stored,) = read_history(tmp_path)
+    assert stored.downtime_seconds == pytest.approx(13.0)  # 1012 -> 1025
+    # A restart on the layout that ran last is no morph.
+    assert record_layout_change(tmp_path, now_unix=1030.0, **kwargs) is None
+    assert len(read_records(tmp_path)) == 1
+
+
+def test_a_relaunch_already_recorded_by_resize_is_not_recorded_again(tmp_path):
+    MetricsWriter(tmp_path, rank=0).write(metrics(10, 1001.0, "t1p2d1 1f1b b2 m4"))
+    append_record(tmp_path, record(relaunched_unix=1003.0))
+    assert record_layout_change(
+        tmp_path, to_layout="t1p1d1 1f1b b2 m4", to_devices=1, global_batch=8, resume_step=10, target_steps=20
+    ) is None
+    assert record_layout_change(
+        tmp_path / "empty", to_layout="x", to_devices=1, global_batch=8, resume_step=0, target_steps=1
+    ) is None

@@ -122,3 +122,57 @@ def update_downtimes(run_dir: str | os.PathLike[str]) -> list[MorphRecord]:
     if filled != stored:
         write_history(run_dir, filled)
     return filled
+
+
+def record_layout_change(
+    run_dir: str | os.PathLike[str],
+    *,
+    to_layout: str,
+    to_devices: int,
+    global_batch: int,
+    resume_step: int,
+    target_steps: int,
+    now_unix: float | None = None,
+) -> MorphRecord | None:
+    """For rank 0 of a (re)started job, after loading its checkpoint: record an elastic morph.
+
+    When the last step in metrics.jsonl ran on another layout and no resize already recorded this
+    relaunch, the group was re-formed by the elastic engine (a node left or joined). The record's
+    downtime then runs from the last step completed on the old layout to the first on the new one
+    (failure detection, re-rendezvous, restart, checkpoint load). Returns the record, or None.
+    """
+    import time
+
+    from pipectl.artifacts.morph import MorphTrigger
+    from pipectl.runtime.metrics import read_metrics
+
+    metrics = read_metrics(run_dir)
+    if not metrics:
+        return None
+    last = max(metrics, key=lambda m: m.time_unix)
+    if last.layout == to_layout:
+        return None
+    records = read_records(run_dir)
+    if records and records[-1].to_layout == to_layout and (records[-1].relaunched_unix or 0) >= last.time_unix:
+        return None  # `pipectl resize` relaunched it and recorded it already
+    record = MorphRecord(
+        trigger=MorphTrigger.ELASTIC,
+        requested_unix=last.time_unix,
+        requested_devices=to_devices,
+        from_devices=last.world_size,
+        from_layout=last.layout,
+        to_devices=to_devices,
+        to_layout=to_layout,
+        global_batch=global_batch,
+        resume_step=resume_step,
+        target_steps=target_steps,
+        stopped_running_job=False,
+        relaunched_unix=time.time() if now_unix is None else now_unix,
+        plan_source="morph-table",
+        notes=[
+            f"elastic restart: {last.world_size} -> {to_devices} ranks; downtime counted from the last "
+            f"step on the old layout (step {last.step}); steps after {resume_step} are trained again"
+        ],
+    )
+    append_record(run_dir, record)
+    return record
