@@ -42,7 +42,7 @@ from pipectl.plan.memory import (
     state_bytes_per_parameter,
     weight_versions,
 )
-from pipectl.plan.partition import greedy_cuts, min_bottlenecks
+from pipectl.plan.partition import candidate_values, greedy_cuts, min_bottlenecks
 from pipectl.schedule import ScheduleKind, deepspeed_runnable
 
 
@@ -192,6 +192,16 @@ class ShapeBuilder:
         self._seconds: dict[tuple[int, int], LayerSeconds] = {}
         # Memory-constrained cuts by (t, b, recompute, p, v, state bytes, in-flight units, schedule).
         self.fitted: dict[tuple, Shape | None] = {}
+        # Memory demands (bytes per parameter, units per rank) no cut satisfied, per shape family.
+        self.unfittable: dict[tuple, list[tuple[float, tuple[int, ...]]]] = {}
+        self._candidates: dict[tuple[int, int, bool], np.ndarray] = {}
+
+    def candidates(self, t: int, b: int, recompute: bool) -> np.ndarray:
+        """Sorted range sums of the per-layer work (the partitioner's candidate bottlenecks)."""
+        key = (t, b, recompute)
+        if key not in self._candidates:
+            self._candidates[key] = candidate_values(self.seconds(b, t).work(recompute))
+        return self._candidates[key]
 
     @property
     def shapes_built(self) -> int:

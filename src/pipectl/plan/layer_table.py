@@ -19,6 +19,7 @@ points carry the efficiency curve.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import Sequence
@@ -114,6 +115,9 @@ class LayerTable:
     def parameters(self, start: int, end: int) -> int:
         """Parameters held by a stage of layers [start, end): a shared group counts once per stage."""
         total = int(self.parameter_prefix[end] - self.parameter_prefix[start])
+        shared = self.shared_layer_indices
+        if bisect_left(shared, end) - bisect_left(shared, start) < 2:
+            return total  # at most one holder of a shared group here: nothing counted twice
         seen: set[str] = set()
         for index in self._shared_indices_in(start, end):
             group = self.shared_group[index]

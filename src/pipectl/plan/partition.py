@@ -79,9 +79,10 @@ def greedy_cuts(
 ) -> tuple[tuple[int, int], ...] | None:
     """Exactly `stages` stages whose sums stay within `limit`; None if there are none.
 
-    First every stage is filled as far as it may go (the fewest stages that cover the layers);
-    then, while there are fewer than `stages`, the slowest stage that can be split is cut in two
-    near its middle. `cut_seconds[e]` is the cost of a cut before layer e (index 0 unused); a cut
+    Without cut costs every stage is filled as far as it may go while leaving one layer for each
+    later stage. With cut costs, stages are first filled as far as they may go (the fewest stages
+    that cover the layers), then the slowest stage that has an allowed inner cut is split in two
+    near its middle until there are `stages` of them. `cut_seconds[e]` is the cost of a cut before layer e (index 0 unused); a cut
     costing more than `limit` is never taken. `fits(i, start, end)` is the memory test of stage i.
     With `from_right` the last stage is filled first, leaving the first stages lighter (what
     1F1B's memory prefers: early stages hold more micro-batches in flight).
@@ -95,7 +96,7 @@ def greedy_cuts(
     >>> greedy_cuts([0, 1, 2, 3, 4, 5], 2, 3.0, from_right=True)
     ((0, 2), (2, 5))
     >>> greedy_cuts([0, 1, 2, 3, 4, 5], 4, 3.0)
-    ((0, 1), (1, 2), (2, 3), (3, 5))
+    ((0, 2), (2, 3), (3, 4), (4, 5))
     """
     layers = len(prefix) - 1
     if stages > layers:
@@ -117,26 +118,18 @@ def greedy_cuts(
             return None
         return tuple((layers - e, layers - s) for s, e in reversed(result))
     bound = _tolerance(limit)
+    if cut_seconds is None:
+        return _greedy_leaving_room(prefix, stages, bound, fits)
 
     def allowed(position: int) -> bool:
-        return position == layers or cut_seconds is None or cut_seconds[position] <= bound
+        return position == layers or cut_seconds[position] <= bound
 
     cuts: list[tuple[int, int]] = []
     start = 0
     while start < layers:
         if len(cuts) == stages:
             return None
-        end = bisect_right(prefix, prefix[start] + bound, lo=start) - 1
-        if fits is not None:
-            # Memory grows with the range: the furthest end that fits, by bisection.
-            low, high = start, end
-            while low < high:
-                middle = (low + high + 1) // 2
-                if fits(len(cuts), start, middle):
-                    low = middle
-                else:
-                    high = middle - 1
-            end = low
+        end = _furthest_end(prefix, start, prefix[start] + bound, layers, len(cuts), fits)
         while end > start and not allowed(end):
             end -= 1
         if end <= start:
@@ -149,6 +142,35 @@ def greedy_cuts(
     if fits is not None and not all(fits(i, s, e) for i, (s, e) in enumerate(cuts)):
         return None
     return tuple(cuts)
+
+
+def _furthest_end(prefix, start: int, reach: float, last: int, stage: int, fits: FitsFn | None) -> int:
+    """The furthest end within `reach` (and `last`) whose stage fits, by bisection (memory grows with the range)."""
+    end = min(bisect_right(prefix, reach, lo=start) - 1, last)
+    if fits is None or end <= start or fits(stage, start, end):
+        return end
+    low, high = start, end - 1
+    while low < high:
+        middle = (low + high + 1) // 2
+        if fits(stage, start, middle):
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
+def _greedy_leaving_room(prefix, stages: int, bound: float, fits: FitsFn | None):
+    """Without cut costs: fill each stage as far as it may go, leaving a layer per later stage."""
+    layers = len(prefix) - 1
+    cuts = []
+    start = 0
+    for stage in range(stages):
+        end = _furthest_end(prefix, start, prefix[start] + bound, layers - (stages - stage - 1), stage, fits)
+        if end <= start:
+            return None
+        cuts.append((start, end))
+        start = end
+    return tuple(cuts) if start == layers else None
 
 
 def _split_slowest(prefix: Sequence[float], cuts: list[tuple[int, int]], allowed) -> bool:
@@ -165,8 +187,12 @@ def _split_slowest(prefix: Sequence[float], cuts: list[tuple[int, int]], allowed
     return False
 
 
+def candidate_values(weights: Sequence[float], cut_seconds: Sequence[float] | None = None) -> np.ndarray:
+    """Every range sum (and cut cost), sorted: the optimum bottleneck is one of them."""
+    return _candidate_values(_prefix(weights), cut_seconds)
+
+
 def _candidate_values(prefix: Sequence[float], cut_seconds: Sequence[float] | None = None) -> np.ndarray:
-    """Every range sum (and cut cost): the optimum bottleneck is one of them."""
     values = np.asarray(prefix, dtype=float)
     sums = (values[None, :] - values[:, None])[np.triu_indices(len(values), k=1)]
     if cut_seconds is not None:
@@ -181,11 +207,13 @@ def balanced_partition(
     fits: FitsFn | None = None,
     cut_seconds: Sequence[float] | None = None,
     from_right: bool = False,
+    candidates: np.ndarray | None = None,
 ) -> Partition | None:
     """The p-stage cut minimising max(slowest stage, dearest cut), or None if nothing fits.
 
     `weights[l]` is layer l's time per micro-batch; `fits` the per-stage memory test;
-    `cut_seconds[e]` the transfer time of a cut before layer e (index 0 unused).
+    `cut_seconds[e]` the transfer time of a cut before layer e (index 0 unused); `candidates`
+    the sorted range sums from `candidate_values` when the caller reuses them across calls.
 
     >>> balanced_partition([4, 1, 1, 1, 1, 4], 3)
     Partition(stage_layers=((0, 1), (1, 5), (5, 6)), bottleneck_seconds=4.0)
@@ -198,7 +226,8 @@ def balanced_partition(
     if stages < 1 or stages > layers:
         return None
     prefix = _prefix(weights)
-    candidates = _candidate_values(prefix, cut_seconds)
+    if candidates is None or cut_seconds is not None:
+        candidates = candidate_values(weights, cut_seconds)
     lower = max(prefix[-1] / stages, max(weights))
     candidates = candidates[candidates >= lower * (1 - 1e-9)]
 

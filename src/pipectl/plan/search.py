@@ -56,6 +56,7 @@ from pipectl.plan.candidates import (
 )
 from pipectl.plan.costs import TRANSFORMER_BLOCK, Hardware, hardware_for
 from pipectl.plan.evaluate import Evaluator
+from pipectl.plan.layer_table import layer_table
 from pipectl.plan.memory import format_gib, stage_memory_bytes
 from pipectl.plan.partition import balanced_partition
 from pipectl.schedule import ScheduleKind
@@ -216,6 +217,12 @@ def enumerate_specs(
     B = space.global_batch
     layers = len(profile.layers)
     capacity = hardware.memory_bytes
+    # The least model state a device can hold: every parameter once, ZeRO-1 over the largest d.
+    model_parameters = layer_table(profile, space.micro_batch_sizes[0]).parameters(0, layers)
+    lightest_state = min(
+        state_bytes(profile.dtype, zero, max(divisors(B)), variant.kind)
+        for zero in space.zero_stages for variant in space.variants
+    )
     for t in space.tensor_parallel:
         for b in space.micro_batch_sizes:
             for recompute in space.recompute:
@@ -225,6 +232,13 @@ def enumerate_specs(
                         break
                     if recompute and p == 1:
                         continue  # one stage is the last stage: it never recomputes
+                    if model_parameters / (t * p) * lightest_state > capacity:
+                        out.rejections.add(
+                            Rejection.MEMORY,
+                            f"t={t} p={p}: model state alone needs "
+                            f"{format_gib(model_parameters / (t * p) * lightest_state)} > {format_gib(capacity)} per device",
+                        )
+                        continue
                     ds = []
                     for d in ([space.data_parallel] if space.data_parallel else divisors(B)):
                         if t * p * d > max_devices:
@@ -266,7 +280,9 @@ def _specs_for(builder, out, profile, hardware, space, t, b, recompute, p, varia
         out.rejections.add(Rejection.TOO_FEW_LAYERS, f"p={p} x v={v} stages > {builder.layers} layers", len(ds))
         return
     shape = builder.shape(t, b, recompute, p, v)
-    for d in ds:
+    # Largest d first: the least memory per device (smaller m, more ZeRO sharding), so a demand
+    # that does not fit rules out every stricter one without partitioning again.
+    for d in sorted(ds, reverse=True):
         m = B // (d * b)
         if v > 1 and m % p:
             out.rejections.add(
@@ -274,7 +290,7 @@ def _specs_for(builder, out, profile, hardware, space, t, b, recompute, p, varia
             )
             continue
         units = in_flight(shape, variant, m)
-        for zero in _zeros(d, space.zero_stages):
+        for zero in sorted(_zeros(d, space.zero_stages), reverse=True):
             per_device = state_bytes(profile.dtype, zero, d, kind)
             fitted = _fitting_shape(builder, shape, per_device, units, capacity, kind)
             if fitted is None:
@@ -312,7 +328,11 @@ def _zeros(d: int, zero_stages: tuple[int, ...]) -> tuple[int, ...]:
 def _fitting_shape(
     builder: ShapeBuilder, shape: Shape, per_device: float, units, capacity: int, kind: ScheduleKind
 ) -> Shape | None:
-    """This cut if it fits; else the right-filled cut; else the memory-constrained cut; else None."""
+    """This cut if it fits; else the right-filled cut; else the memory-constrained cut; else None.
+
+    A memory demand (bytes per parameter, in-flight units per rank) that no cut satisfies is
+    remembered: any demand at least as large in every part cannot be satisfied either.
+    """
     memory = shape.memory
     if memory.fits(per_device, units, capacity):
         return shape
@@ -321,10 +341,14 @@ def _fitting_shape(
         return None
     t, b, rec, p, v = (shape.tensor_parallel, shape.micro_batch_size, shape.recompute,
                        shape.pipeline_parallel, shape.chunks)
+    family = (t, b, rec, p, v, kind)
+    hopeless = builder.unfittable.setdefault(family, [])
+    if any(per_device >= bytes_ and all(u >= w for u, w in zip(units, units_)) for bytes_, units_ in hopeless):
+        return None
     right = builder.shape(t, b, rec, p, v, from_right=True)
     if right.memory.fits(per_device, units, capacity):
         return right
-    key = (t, b, rec, p, v, round(per_device, 9), tuple(units), kind)
+    key = (*family, round(per_device, 9), tuple(units))
     if key in builder.fitted:
         return builder.fitted[key]
     stages = p * v
@@ -342,12 +366,14 @@ def _fitting_shape(
         ) <= capacity
 
     work = shape.seconds.work(rec)
-    partition = balanced_partition(work, stages, fits=fits)
+    partition = balanced_partition(work, stages, fits=fits, candidates=builder.candidates(t, b, rec))
     fitted = None
     if partition is not None:
         candidate = builder.shape_from_cuts(t, b, rec, p, v, partition.stage_layers)
         if candidate.memory.fits(per_device, units, capacity):
             fitted = candidate
+    if fitted is None:
+        hopeless.append((per_device, tuple(units)))
     builder.fitted[key] = fitted
     return fitted
 
