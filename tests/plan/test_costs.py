@@ -120,3 +120,18 @@ def test_recompute_costs_one_more_forward_in_the_simulated_step():
     # backward, the other 3 add to the step.
     extra = recomputed.step_seconds - plain.step_seconds
     assert 3 * costs.forward_seconds[0] * 0.999 <= extra <= 4 * costs.forward_seconds[0] * 1.001
+
+
+@pytest.mark.parametrize("cluster_name, devices, batch", [("a100-8x8", 16, 64), ("local", 4, 16)])
+def test_stage_costs_for_reproduces_the_plans_prediction(cluster_name, devices, batch):
+    from pipectl.plan.costs import stage_costs_for
+    from pipectl.plan.search import PlanRequest, plan
+
+    profile = synthetic_profile(blocks=6, micro_batch_sizes=[1, 2, 4], device="a100-80gb" if cluster_name != "local" else "cpu")
+    cluster = load_cluster(cluster_name) if cluster_name != "local" else local_cluster(devices)
+    result = plan(profile, cluster, PlanRequest(global_batch=batch, devices=devices, include_all=True, morph=False))
+    for candidate in result.candidates[:8]:
+        costs = stage_costs_for(candidate, profile, cluster)
+        schedule = generate(candidate.schedule, candidate.pipeline_parallel, candidate.micro_batches,
+                            candidate.chunks, candidate.recompute)
+        assert simulate(schedule, costs).step_seconds == pytest.approx(candidate.predicted_step_seconds, rel=1e-9)
