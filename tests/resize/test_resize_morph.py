@@ -187,12 +187,14 @@ while time.time() < deadline:
 """
 
 
-def start_stand_in(run: Path, **env) -> subprocess.Popen:
-    """A process whose command line looks like a rank of `run` and that honours the stop file."""
-    argv = [sys.executable, "-c", STAND_IN, "-m", "pipectl.runtime.worker", "--run-dir", str(run)]
+def start_stand_in(run: Path, launcher: bool = False, **env) -> subprocess.Popen:
+    """A process whose command line looks like a rank of `run` (or its torchrun launcher) and that
+    honours the stop file (unless IGNORE_STOP=1)."""
+    module = ["-m", "torch.distributed.run"] if launcher else []
+    argv = [sys.executable, "-c", STAND_IN, *module, "-m", "pipectl.runtime.worker", "--run-dir", str(run)]
     proc = subprocess.Popen(argv, env={**os.environ, **env})
     for _ in range(100):
-        if find_run_processes(run):
+        if any(p.pid == proc.pid for p in find_run_processes(run)):
             return proc
         time.sleep(0.05)
     proc.kill()
@@ -240,6 +242,33 @@ def test_a_job_that_does_not_stop_is_reported_not_killed(tmp_path):
         assert proc.poll() is None  # still running: nothing was killed
     finally:
         proc.kill()
+
+
+def test_ranks_are_waited_for_not_a_launcher_that_outlives_them(tmp_path):
+    run = make_run(tmp_path)
+    launcher = start_stand_in(run, launcher=True, IGNORE_STOP="1")
+    rank = start_stand_in(run)
+    try:
+        processes = find_run_processes(run)
+        assert sorted(p.is_worker for p in processes) == [False, True]
+        outcome = stop_run(run, processes, stop_file=ckpt.STOP_FILE, signal_after_seconds=10, timeout_seconds=10)
+        assert rank.poll() == 0 and launcher.poll() is None and outcome.seconds < 5
+        # An elastic launcher could restart ranks: then it is waited for as well (here: in vain).
+        with pytest.raises(LaunchError, match=str(launcher.pid)):
+            stop_run(run, processes, stop_file=ckpt.STOP_FILE, timeout_seconds=0.5, include_launchers=True)
+    finally:
+        launcher.kill()
+        rank.kill()
+
+
+def test_a_launcher_without_ranks_yet_is_waited_for(tmp_path):
+    run = make_run(tmp_path)
+    launcher = start_stand_in(run, launcher=True)
+    try:
+        outcome = stop_run(run, find_run_processes(run), stop_file=ckpt.STOP_FILE, timeout_seconds=10)
+        assert launcher.poll() == 0 and outcome.seconds >= 0.2  # it exited, after the stand-in's pause
+    finally:
+        launcher.kill()
 
 
 def test_resize_stops_a_running_job_before_rewriting(tmp_path):

@@ -343,6 +343,7 @@ def resize_run(
             signal_after_seconds=signal_after_seconds,
             timeout_seconds=stop_timeout_seconds,
             started=stop_started,
+            include_launchers=prepared.job.elastic is not None,
         )
         say(f"stopped in {stopped.seconds:.1f} s" + (" (SIGTERM was needed)" if stopped.signalled else ""))
     # A stop request left behind (by this resize or an earlier one) would stop the new job at once.

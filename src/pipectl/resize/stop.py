@@ -125,32 +125,43 @@ def wait_for_exit(
     *,
     signal_after_seconds: float = 60.0,
     timeout_seconds: float = 300.0,
-    poll_seconds: float = 0.1,
+    poll_seconds: float = 0.05,
     started: float | None = None,
+    include_launchers: bool = False,
 ) -> StopOutcome:
-    """Wait until all `processes` are gone; SIGTERM the ranks still alive after `signal_after_seconds`.
+    """Wait until the run's ranks are gone; SIGTERM the ranks still alive after `signal_after_seconds`.
 
-    Raises `LaunchError` if they are still alive after `timeout_seconds` (nothing is killed: a
+    The ranks are what holds devices and writes the checkpoint; a launcher (torchrun, DeepSpeed's
+    runner) exits by itself once its ranks have exited 0 (about 0.6 s later here), so it is waited
+    for only while it has no rank yet (it could still start one), or with `include_launchers` (an
+    elastic launcher may restart ranks that failed). Ranks that appear meanwhile are waited for too.
+
+    Raises `LaunchError` if ranks are still alive after `timeout_seconds` (nothing is killed: a
     rank that is writing its checkpoint must not be cut off; the message names the pids).
     `started` is the `time.monotonic()` of the stop request (default: now).
     """
     started = time.monotonic() if started is None else started
     signalled = False
+    seen = {p.pid: p for p in processes}
     while True:
-        alive = [p for p in processes if _alive(p)]
+        current = [p for p in find_run_processes(run_dir)]
+        for process in current:
+            seen.setdefault(process.pid, process)
+        alive = [p for p in seen.values() if _alive(p)]
+        ranks = [p for p in alive if p.is_worker]
+        blocking = alive if include_launchers else (ranks or alive)  # a launcher alone may start ranks
         elapsed = time.monotonic() - started
-        if not alive:
-            return StopOutcome(tuple(processes), elapsed, signalled)
+        if not blocking or (not include_launchers and not ranks and any(p.is_worker for p in seen.values())):
+            return StopOutcome(tuple(seen.values()), elapsed, signalled)
         if not signalled and elapsed >= signal_after_seconds:
-            for process in alive:
-                if process.is_worker:
-                    try:
-                        os.kill(process.pid, signal.SIGTERM)
-                    except (ProcessLookupError, PermissionError):
-                        pass
+            for process in ranks:
+                try:
+                    os.kill(process.pid, signal.SIGTERM)
+                except (ProcessLookupError, PermissionError):
+                    pass
             signalled = True
         if elapsed >= timeout_seconds:
-            pids = ", ".join(str(p.pid) for p in alive)
+            pids = ", ".join(str(p.pid) for p in blocking)
             raise LaunchError(
                 f"the run at {run_dir} did not stop within {timeout_seconds:.0f} s (pids {pids} still alive)",
                 hint="wait for its checkpoint and resize again, or stop it yourself",
@@ -165,9 +176,10 @@ def stop_run(
     stop_file: str,
     signal_after_seconds: float = 60.0,
     timeout_seconds: float = 300.0,
-    poll_seconds: float = 0.1,
+    poll_seconds: float = 0.05,
+    include_launchers: bool = False,
 ) -> StopOutcome:
-    """Ask the run to stop at its next step boundary and wait until all `processes` are gone."""
+    """Ask the run to stop at its next step boundary and wait until its ranks are gone."""
     started = time.monotonic()
     request_stop(run_dir, stop_file)
     return wait_for_exit(
@@ -177,4 +189,5 @@ def stop_run(
         timeout_seconds=timeout_seconds,
         poll_seconds=poll_seconds,
         started=started,
+        include_launchers=include_launchers,
     )
