@@ -317,3 +317,14 @@ def test_ds_config_for_candidate_changes_only_batch_and_pipeline(tmp_path):
     after_p1 = ds_config_for_candidate(before, candidate(1, m=4), global_batch=8)
     assert after_p1["pipeline"]["partition"] == [0, 9] and after_p1["optimizer"] == before["optimizer"]
     assert json.dumps(after_p1)  # still plain JSON
+
+
+def test_ds_config_for_another_data_parallel_degree_passes_deepspeeds_parser(tmp_path):
+    from pipectl.launch.dsconfig import DeepSpeedConfigRejected, parse_with_deepspeed
+
+    run = make_run(tmp_path)
+    before = read_run(run).ds_config  # p=2, d=1: accumulation 4
+    with pytest.raises(DeepSpeedConfigRejected):  # what an elastic group of 4 would hit unchanged
+        parse_with_deepspeed(before, 2)
+    parsed = parse_with_deepspeed(ds_config_for_candidate(before, candidate(2, 2, m=2), global_batch=8), 2)
+    assert (parsed.train_batch_size, parsed.gradient_accumulation_steps) == (8, 2)
