@@ -79,7 +79,6 @@ def decide_resize(
 ) -> ResizeDecision:
     """Read the run and choose the new layout; raises `UserInputError` naming any bad value."""
     from pipectl.launch.rundir import read_run
-    from pipectl.runtime.checkpoint import find_latest_verified
     from pipectl.runtime.metrics import read_metrics
 
     if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
@@ -114,7 +113,7 @@ def decide_resize(
             notes.append("no straggler found")
     choice = choose_candidate(files.plan, usable, replan=replan)
     notes += choice.notes
-    latest, _ = find_latest_verified(files.path)
+    latest = newest_complete_checkpoint(files.path)
     metrics = read_metrics(files.path)
     checkpointed = latest.step if latest is not None and latest.step is not None else 0
     trained = max(checkpointed, metrics[-1].step if metrics else 0)
@@ -136,6 +135,18 @@ def decide_resize(
         excluded_ranks=excluded,
         notes=notes,
     )
+
+
+def newest_complete_checkpoint(run_dir: Path) -> Any:
+    """The newest checkpoint with a manifest and all its files (`CheckpointInfo`), or None.
+
+    Only presence is checked here: hashing a large model's checkpoint takes long, and the ranks
+    verify every sha256 when they load it anyway (falling back to an older one if it is corrupted).
+    """
+    from pipectl.runtime.checkpoint import list_checkpoints
+
+    complete = [info for info in list_checkpoints(run_dir, hash_files=False) if info.verified]
+    return complete[-1] if complete else None
 
 
 # --------------------------------------------------------------------------- rewriting the run
@@ -306,7 +317,7 @@ def resize_run(
     """
     from pipectl.launch.dsconfig import check_candidate
     from pipectl.launch.engines import run_engine
-    from pipectl.runtime.checkpoint import STOP_FILE, find_latest_verified
+    from pipectl.runtime.checkpoint import STOP_FILE
 
     requested_unix = time.time() if requested_unix is None else requested_unix
     say = on_phase or (lambda _line: None)
@@ -349,8 +360,7 @@ def resize_run(
     # A stop request left behind (by this resize or an earlier one) would stop the new job at once.
     (path / STOP_FILE).unlink(missing_ok=True)
 
-    latest, warnings = find_latest_verified(path)
-    notes += warnings
+    latest = newest_complete_checkpoint(path)
     resume_step = latest.step if latest is not None and latest.step is not None else 0
     if latest is None:
         notes.append("the run has no verified checkpoint: the new layout starts from step 0")
