@@ -8,6 +8,11 @@ Stopping is the runtime's own path: the file RUN/stop_requested is polled collec
 step boundary; the ranks finish the step, write a checkpoint and exit 0 (and then so does their
 launcher). Ranks that do not react within `signal_after_seconds` also get SIGTERM, which the
 worker turns into the same stop at the next step boundary.
+
+Only this machine's processes are visible. On a multi-node job, resize from a node that hosts
+ranks: the stop decision is collective (every rank stops at the same step boundary), so once the
+ranks here have checkpointed and exited, so have the others; the stop file reaches them through
+the shared run directory.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
 from pipectl.errors import LaunchError
 
 WORKER_MODULE = "pipectl.runtime.worker"
@@ -144,8 +150,7 @@ def wait_for_exit(
     signalled = False
     seen = {p.pid: p for p in processes}
     while True:
-        current = [p for p in find_run_processes(run_dir)]
-        for process in current:
+        for process in find_run_processes(run_dir):
             seen.setdefault(process.pid, process)
         alive = [p for p in seen.values() if _alive(p)]
         ranks = [p for p in alive if p.is_worker]
