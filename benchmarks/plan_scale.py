@@ -83,8 +83,10 @@ def main() -> None:
             "step_seconds": round(chosen.predicted_step_seconds, 3),
             "tflops_per_device": round(chosen.tflops_per_device, 1),
         },
+        "under_cprofile": bool(args.profile_out),
         "machine": f"{platform.processor() or platform.machine()}, python {platform.python_version()}",
-        "command": "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/plan_scale.py",
+        "command": "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/plan_scale.py"
+        + (f" --profile-out {args.profile_out}" if args.profile_out else ""),
     }
     print(json.dumps(figures, indent=2))
     if not args.no_write:
