@@ -32,3 +32,15 @@ def resolve_config(name_or_path: str | os.PathLike[str], kind: str) -> Path:
         f"{kind[:-1]} '{name_or_path}' is neither a file nor a shipped name",
         hint=f"shipped {kind}: {', '.join(known) or '(none)'}",
     )
+
+
+# Set by `pipectl launch` for every rank: the folder the user launched from, where a user model
+# factory (`package.module:factory`) is imported from (ranks run inside the run directory).
+MODEL_PATH_VARIABLE = "PIPECTL_MODEL_PATH"
+
+
+def factory_search_path() -> list[str]:
+    """The launch folder (if any), then the current directory, as `python -m` would use."""
+    folders = [os.environ[MODEL_PATH_VARIABLE]] if os.environ.get(MODEL_PATH_VARIABLE) else []
+    folders.append(os.getcwd())
+    return list(dict.fromkeys(folders))

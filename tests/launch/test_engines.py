@@ -44,7 +44,7 @@ def test_local_is_standalone_torchrun_of_the_worker_with_one_thread_per_rank():
     assert "--standalone" in cmd.argv
     assert option(cmd.argv, "--nproc_per_node") == "4"
     assert cmd.argv[-4:] == ["-m", "pipectl.runtime.worker", "--run-dir", "/runs/demo"]
-    assert cmd.env == {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    assert cmd.env == {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PIPECTL_MODEL_PATH": os.getcwd()}
     assert "DS_ACCELERATOR" not in build_command(job(), RUN, python="py", gpus=True).env
 
 

@@ -37,6 +37,7 @@ from typing import Callable
 
 from pipectl.artifacts.run import HOSTFILE, LOGS_DIR, SBATCH_FILE, Engine, JobSpec
 from pipectl.errors import LaunchError, UserInputError
+from pipectl.paths import MODEL_PATH_VARIABLE
 
 WORKER_MODULE = "pipectl.runtime.worker"
 ENGINE_LOG = "engine.log"
@@ -69,8 +70,10 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def rank_environment(*, gpus: bool) -> dict[str, str]:
     """Variables every rank needs: one OpenMP thread (2 threads made 20 steps 5x slower on 2 cores),
-    and DeepSpeed's CPU accelerator when there is no GPU (silences its auto-detection warning)."""
-    env = {"OMP_NUM_THREADS": "1"}
+    DeepSpeed's CPU accelerator when there is no GPU (silences its auto-detection warning), and the
+    folder `pipectl launch` ran in, where a user's `package.module:factory` model is imported from
+    (ranks run inside the run directory)."""
+    env = {"OMP_NUM_THREADS": "1", MODEL_PATH_VARIABLE: os.getcwd()}
     if not gpus:
         env["DS_ACCELERATOR"] = "cpu"
     return env

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import sys
@@ -15,6 +16,7 @@ from pipectl.artifacts.model import ModelConfig, ModelFamily
 from pipectl.errors import UserInputError
 from pipectl.io import load_model
 from pipectl.models.base import LayerDef, ModelLayers
+
 from pipectl.models.mlp import Classifier, DenseReLU, classification_loss
 from pipectl.models.transformer import (
     Embedding,
@@ -23,7 +25,7 @@ from pipectl.models.transformer import (
     lm_loss,
     tied_head_forward,
 )
-from pipectl.paths import resolve_config
+from pipectl.paths import factory_search_path, resolve_config
 
 
 def load_model_config(name_or_path: str | Path) -> ModelConfig:
@@ -103,23 +105,75 @@ def from_config(config: ModelConfig) -> ModelLayers:
     return transformer_layers(config)
 
 
-def from_factory(reference: str) -> ModelLayers:
-    """`package.module:factory`; see examples/custom_model.py for the contract."""
+def _import_factory(reference: str):
     module_name, _, attr = reference.partition(":")
     # Resolve modules beside the user, as `python -m` does: the console script's sys.path[0] is
     # the venv's bin/, not the current directory.
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
+    for folder in factory_search_path():
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
     try:
         module = importlib.import_module(module_name)
-        factory = getattr(module, attr)
+        return module, getattr(module, attr)
     except (ImportError, AttributeError) as exc:
         raise UserInputError(f"cannot load model factory '{reference}': {exc}") from exc
-    result = factory()
-    if isinstance(result, ModelLayers):
-        return result
+
+
+@functools.lru_cache(maxsize=None)
+def _sequential_layers(reference: str) -> tuple[nn.Module, ...]:
+    """The modules a factory returns as an `nn.Sequential` or a list, built once per process.
+
+    Built under a fixed seed, whichever layer asks first, so every pipeline rank of every layout
+    holds the same initial weights.
+    """
+    _, factory = _import_factory(reference)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        result = factory()
+    return tuple(result)
+
+
+class FactoryLayer(nn.Module):
+    """Layer `index` of a factory that returns plain modules; built from plain values on each rank."""
+
+    def __init__(self, reference: str, index: int) -> None:
+        super().__init__()
+        self.inner = _sequential_layers(reference)[index]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+
+def from_factory(reference: str) -> ModelLayers:
+    """`package.module:factory`; see examples/custom_model.py for the contract.
+
+    The factory returns a `ModelLayers`, or an `nn.Sequential` / list of modules; in the latter
+    case its module must also define `make_batch(batch_size, generator)` and `loss_fn(output,
+    labels)` (examples/sequential_model.py).
+    """
+    module, factory = _import_factory(reference)
+    if isinstance(factory, type) and issubclass(factory, nn.Module):
+        raise UserInputError(f"model factory '{reference}' is a module class; give a function that builds the model")
+    probe = factory()
+    if isinstance(probe, ModelLayers):
+        return probe
+    if isinstance(probe, (nn.Sequential, list, tuple)) and all(isinstance(m, nn.Module) for m in probe):
+        missing = [name for name in ("make_batch", "loss_fn") if not callable(getattr(module, name, None))]
+        if missing:
+            raise UserInputError(
+                f"model factory '{reference}' returns plain modules, so {module.__name__} must also "
+                f"define {' and '.join(missing)}",
+                hint="see examples/sequential_model.py",
+            )
+        layers = [
+            LayerDef(f"layer.{i}", type(m).__name__, FactoryLayer, (reference, i)) for i, m in enumerate(probe)
+        ]
+        if not layers:
+            raise UserInputError(f"model factory '{reference}' returned no layers")
+        return ModelLayers(name=reference, layers=layers, make_batch=module.make_batch, loss_fn=module.loss_fn)
     raise UserInputError(
-        f"model factory '{reference}' returned {type(result).__name__}, expected pipectl.models.ModelLayers",
+        f"model factory '{reference}' returned {type(probe).__name__}, expected pipectl.models.ModelLayers, "
+        "an nn.Sequential or a list of modules",
         hint="see examples/custom_model.py",
     )
 

@@ -85,7 +85,11 @@ def profile_table(profile: ModelProfile, micro_batch_sizes: Sequence[int] | None
     sizes = list(micro_batch_sizes) if micro_batch_sizes else list(profile.micro_batch_sizes)
     table = Table(
         title=f"{profile.model} profile", title_justify="left", header_style="bold", box=box.SIMPLE_HEAD,
-        caption="* shares parameters with the other layers of its group (tied); the model counts them once",
+        caption=(
+            "* shares parameters with the other layers of its group (tied); the model counts them once"
+            if any(layer.shared_group for layer in profile.layers)
+            else None
+        ),
         caption_justify="left",
     )
     table.add_column("layer", no_wrap=True)

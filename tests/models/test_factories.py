@@ -1,0 +1,63 @@
+"""User model factories: ModelLayers, or plain modules plus make_batch/loss_fn in the same module."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipectl.errors import UserInputError
+from pipectl.models import build_model
+from pipectl.models.registry import _sequential_layers
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True)
+def _from_repo_root(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    monkeypatch.delenv("PIPECTL_MODEL_PATH", raising=False)
+
+
+def test_sequential_factory_becomes_one_layer_per_child():
+    model = build_model("examples.sequential_model:build")
+    assert [layer.kind for layer in model.layers] == ["Linear", "ReLU", "Linear", "ReLU", "Linear"]
+    x, y = model.make_batch(3, torch.Generator().manual_seed(0))
+    h = x
+    for layer in model.layers:
+        h = layer.forward(layer.build(), h)
+    assert h.shape == (3, 4)
+    assert model.loss_fn(h, y).ndim == 0
+
+
+def test_sequential_layers_start_from_the_same_weights_whatever_the_global_seed():
+    _sequential_layers.cache_clear()
+    torch.manual_seed(123)
+    first = build_model("examples.sequential_model:build").layers[4].build().inner.weight.detach().clone()
+    _sequential_layers.cache_clear()
+    torch.manual_seed(456)
+    again = build_model("examples.sequential_model:build").layers[4].build().inner.weight.detach().clone()
+    assert torch.equal(first, again)
+
+
+def test_plain_modules_without_batch_maker_are_refused(tmp_path, monkeypatch):
+    (tmp_path / "bare_model.py").write_text(
+        "from torch import nn\n\ndef build():\n    return nn.Sequential(nn.Linear(2, 2))\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserInputError, match="must also define make_batch and loss_fn"):
+        build_model("bare_model:build")
+
+
+def test_factory_returning_something_else_is_refused(tmp_path, monkeypatch):
+    (tmp_path / "odd_model.py").write_text("def build():\n    return 42\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserInputError, match="returned int"):
+        build_model("odd_model:build")
+
+
+def test_launch_folder_is_searched(tmp_path, monkeypatch):
+    (tmp_path / "far_model.py").write_text(
+        "from examples.sequential_model import build, make_batch, loss_fn\n"
+    )
+    monkeypatch.setenv("PIPECTL_MODEL_PATH", str(tmp_path))
+    assert len(build_model("far_model:build").layers) == 5
