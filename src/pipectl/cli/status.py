@@ -53,6 +53,9 @@ def status_table(status: RunStatus) -> Group:
             state = "[green]ok[/]" if ckpt.verified else "[red]" + "; ".join(ckpt.problems) + "[/]"
             table.add_row(ckpt.tag, str(ckpt.step if ckpt.step is not None else "?"), state, f"{ckpt.bytes / 1024:.0f} KiB")
         parts.append(table)
+    from pipectl.cli.resize import status_renderables
+
+    parts.append(status_renderables(status.path))
     return Group(*parts)
 
 
@@ -78,7 +81,10 @@ def register(app: typer.Typer) -> None:
 
             plot_path = plot_run(status.metrics, plot, title=status.path.name)
         if json_output:
+            from pipectl.resize.history import read_history
+
             payload = status.to_dict()
+            payload["morphs"] = [record.model_dump(mode="json") for record in read_history(status.path)]
             payload["plot"] = str(plot_path) if plot_path else None
             print_json(payload)
             return

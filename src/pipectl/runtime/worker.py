@@ -147,7 +147,6 @@ class TrainingJob:
     @classmethod
     def from_run_dir(cls, run_dir: str | os.PathLike[str]) -> "TrainingJob":
         from pipectl.artifacts.run import DataKind, JobSpec
-        from pipectl.errors import UserInputError
         from pipectl.io import load_model, read_mapping
 
         run_dir = Path(run_dir)
@@ -158,10 +157,10 @@ class TrainingJob:
         # The worker on an elastic restart may see another world size: take the morph table's plan.
         world = int(os.environ.get("WORLD_SIZE", candidate.devices))
         if world != candidate.devices:
-            entry = plan.for_devices(world)
-            if entry is None or entry.candidate is None:
-                raise UserInputError(f"the plan has no layout for {world} ranks (morph table lacks it)")
-            candidate = entry.candidate
+            from pipectl.resize.morph import ds_config_for_candidate, plan_for_world_size
+
+            candidate = plan_for_world_size(run_dir, world)
+            ds_config = ds_config_for_candidate(ds_config, candidate, plan.global_batch)
         data = {DataKind.BUILTIN: "corpus", DataKind.SYNTHETIC: "synthetic"}.get(job.data.kind, job.data.path)
         return cls(
             model=job.model,
@@ -305,6 +304,18 @@ def train(job: TrainingJob, on_step: Callable[[StepRecord], None] | None = None)
             start_step = loaded.step
             for warning in loaded.warnings:
                 log.warning(warning)
+        if rank == 0:
+            # An elastic engine may have re-formed the group on another layout: record the morph.
+            from pipectl.resize.history import record_layout_change
+
+            record_layout_change(
+                job.run_dir,
+                to_layout=layout.label(),
+                to_devices=layout.world_size,
+                global_batch=layout.global_batch,
+                resume_step=start_step,
+                target_steps=job.steps,
+            )
         stop_flag = checkpoint.install_sigterm_handler()
         writer = MetricsWriter(job.run_dir, rank)
 
