@@ -26,7 +26,7 @@ from pipectl.launch import LaunchOptions, prepare_launch, run_engine
 from pipectl.runtime.checkpoint import STOP_FILE
 from pipectl.runtime.metrics import read_metrics
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+pytestmark = pytest.mark.multiprocess  # about a minute: CI runs it (issue 5 asks for it)
 
 EVENT_TIMEOUT_SECONDS = 120
 RELATIVE_TOLERANCE = 1e-4
