@@ -69,7 +69,14 @@ def plan_command(
     schedule: Annotated[Optional[str], typer.Option("--schedule", help="Pin the schedule.")] = None,
     devices: Annotated[Optional[int], typer.Option("--devices", help="Plan for G devices (default: the whole cluster; a local cluster: its default).")] = None,
     no_recompute: Annotated[bool, typer.Option("--no-recompute", help="Never recompute activations.")] = False,
-    zero_stages: Annotated[str, typer.Option("--zero-stages", help="ZeRO stages to try (0,1).")] = "0,1",
+    zero_stages: Annotated[
+        str,
+        typer.Option(
+            "--zero-stages",
+            help="ZeRO stages to try (0,1). Default 1: launch always runs ZeRO-1, the stage whose "
+            "universal checkpoints re-cut optimizer state for resize.",
+        ),
+    ] = "1",
     include_all: Annotated[bool, typer.Option("--all", help="Simulate and keep every feasible candidate.")] = False,
     any_engine: Annotated[bool, typer.Option("--any-engine", help="Also choose schedules DeepSpeed cannot run.")] = False,
     no_morph: Annotated[bool, typer.Option("--no-morph", help="Skip the morph table.")] = False,
