@@ -75,6 +75,54 @@ class LinkClassFit(Strict):
     allreduce_bandwidth_bytes_per_second: float = Field(gt=0, description="Ring all-reduce bus bandwidth.")
 
 
+class EngineComputeRatio(Strict):
+    """How much slower the layers run inside the training engine than alone, at one micro-batch size.
+
+    The profiler times each layer alone, over and over on the same input (its weights and
+    activations stay in cache); inside the engine a stage runs all its layers, then all their
+    backwards. ratio = (engine's per-micro-batch time - the engine's fixed overhead) / the
+    profiled layers' sum, measured on the whole model on one rank.
+    """
+
+    micro_batch_size: int = Field(gt=0, description="Samples per micro-batch b.")
+    forward_ratio: float = Field(gt=0, description="Engine forward compute / sum of profiled layer forwards.")
+    backward_ratio: float = Field(gt=0, description="Engine backward compute / sum of profiled layer backwards.")
+
+
+class RuntimeCosts(Strict):
+    """What a real training step pays besides the layers' own compute, measured once on one rank.
+
+    Scale-invariant calibration (Varuna §4): every term is per micro-batch per stage, per step per
+    rank, or per parameter held, so the planner can evaluate it for any layout. Measured by running
+    the training engine (DeepSpeed's pipeline engine with pipectl's schedule executor, the launch's
+    optimizer and ZeRO stage) on one rank for a model with a single near-free layer (the fixed
+    overheads) and for the profiled model (the per-parameter slope and the compute ratios).
+    """
+
+    engine: str = Field(description="What was measured, e.g. 'deepspeed 0.19.8 pipeline engine, ZeRO-1, torch AdamW'.")
+    forward_overhead_seconds: float = Field(
+        ge=0, description="Per micro-batch and stage: the engine's forward instruction (+ micro-batch load) "
+        "around a near-free layer."
+    )
+    backward_overhead_seconds: float = Field(
+        ge=0, description="Per micro-batch and stage: the engine's backward instruction around a near-free layer."
+    )
+    step_fixed_seconds: float = Field(
+        ge=0, description="Per step and rank: gradient reduction, optimizer step and loss bookkeeping of a "
+        "near-empty model on one rank."
+    )
+    step_seconds_per_parameter: float = Field(
+        ge=0, description="Per step and rank: extra end-of-step time per parameter the rank holds "
+        "(gradient flattening, clipping, Adam update, copy-back)."
+    )
+    compute_ratios: list[EngineComputeRatio] = Field(
+        default_factory=list, description="Per profiled micro-batch size, ascending; empty means 1."
+    )
+    calibration_parameter_count: int = Field(
+        default=0, ge=0, description="Parameters of the model the slope was measured on."
+    )
+
+
 class LinkSample(Strict):
     """One raw calibration measurement."""
 
@@ -115,6 +163,10 @@ class ModelProfile(Artifact):
     vocab: int | None = Field(default=None, description="Vocabulary size (transformers).")
     layers: list[LayerProfile] = Field(description="The cuttable layers, in order.")
     links: LinksProfile | None = Field(default=None, description="Link calibration, when included.")
+    runtime: RuntimeCosts | None = Field(
+        default=None,
+        description="Training-engine overheads measured on one rank (measured profiles); None: not measured.",
+    )
     notes: list[str] = Field(default_factory=list, description="What happened while profiling.")
 
     @property

@@ -27,6 +27,11 @@ reported as shared, so `ModelProfile.parameter_count` counts the table once.
 
 Sizes are tried in ascending order; the first that does not fit (CUDA out of memory, or on CPU a
 whole-model estimate above `memory_budget_bytes`) stops the sweep and is recorded.
+
+Then, by default on CPU, the training engine itself is calibrated on one rank
+(`runtime_calibration`): its per-micro-batch overheads, its end-of-step cost (fixed and per
+parameter) and how much slower the layers run inside a real step than alone. These go into
+`ModelProfile.runtime`; the planner adds them to the layer times (`plan.costs`).
 """
 
 from __future__ import annotations
@@ -44,6 +49,9 @@ from pipectl.errors import UserInputError
 from pipectl.models.base import ModelLayers
 
 DEFAULT_MICRO_BATCH_SIZES = (1, 2, 4, 8)
+# Engine calibration (runtime terms): warm-up and timed steps per micro-batch size.
+CALIBRATION_WARMUP = 2
+CALIBRATION_STEPS = 5
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -239,6 +247,7 @@ def profile_model(
     cpu_threads: int | None = 1,
     device_name: str | None = None,
     seed: int = 0,
+    runtime: bool = True,
 ) -> ModelProfile:
     """Measure every layer of `model` at every micro-batch size that fits.
 
@@ -246,7 +255,9 @@ def profile_model(
     (parameters + gradients + every layer's saved bytes + the last output) exceeds it; None means no
     CPU limit. `cpu_threads` pins torch's intra-op threads while profiling on CPU (1 matches a
     pipeline rank started with OMP_NUM_THREADS=1); None leaves them alone. `device_name` is the
-    catalog name written into the profile (default: the torch device type).
+    catalog name written into the profile (default: the torch device type). `runtime` also
+    calibrates the training engine on one rank (CPU only for now; about 3 s for gpt-tiny) and
+    records `ModelProfile.runtime`; a failed calibration is noted, not raised.
 
     Example (gpt-tiny, 9 layers, on this 2-core CPU in about a second):
 
@@ -274,10 +285,39 @@ def profile_model(
     try:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            return _profile(model, sizes, torch_device, warmup, repeats, dtype, progress,
-                            memory_budget_bytes, cpu_threads, device_name, seed)
+            profile = _profile(model, sizes, torch_device, warmup, repeats, dtype, progress,
+                               memory_budget_bytes, cpu_threads, device_name, seed)
     finally:
         torch.set_num_threads(previous_threads)
+    if runtime:
+        profile = _with_runtime_costs(profile, model, torch_device, dtype, seed)
+    return profile
+
+
+def _with_runtime_costs(
+    profile: ModelProfile, model: ModelLayers, device: torch.device, dtype: torch.dtype, seed: int
+) -> ModelProfile:
+    """The profile with `runtime` measured (see `runtime_calibration`), or a note saying why not."""
+    from pipectl.errors import PipectlError
+    from pipectl.profile.runtime_calibration import calibrate_runtime
+
+    if device.type != "cpu":
+        note = f"runtime terms not measured: the engine calibration runs on CPU only (device {device})"
+        return profile.model_copy(update={"notes": [*profile.notes, note]})
+    if dtype != torch.float32:
+        note = f"runtime terms not measured: the engine calibration runs in float32 (profiled {dtype_name(dtype)})"
+        return profile.model_copy(update={"notes": [*profile.notes, note]})
+    started = time.perf_counter()
+    try:
+        costs = calibrate_runtime(model, profile, warmup=CALIBRATION_WARMUP, steps=CALIBRATION_STEPS, seed=seed)
+    except PipectlError as exc:
+        return profile.model_copy(update={"notes": [*profile.notes, f"runtime terms not measured: {exc.message}"]})
+    note = (
+        f"runtime terms: {costs.engine}; one 1x1-layer model and this model at every size, "
+        f"{CALIBRATION_STEPS} timed steps of m=2 after {CALIBRATION_WARMUP} warm-up steps, medians "
+        f"({time.perf_counter() - started:.1f} s)"
+    )
+    return profile.model_copy(update={"runtime": costs, "notes": [*profile.notes, note]})
 
 
 def _profile(
