@@ -20,48 +20,65 @@ GIB = 1024**3
 def _schedule_label(candidate: Candidate) -> str:
     label = candidate.schedule.value
     if candidate.chunks > 1:
-        label += f" v={candidate.chunks}"
+        label += f"-{candidate.chunks}"
     if candidate.replicas:
         label += " (uneven)"
     return label
 
 
 def _gib(num_bytes: float) -> str:
+    if num_bytes < GIB:
+        return f"{num_bytes / 1024**2:.3g} MiB"
     return f"{num_bytes / GIB:.3g} GiB"
 
 
 def format_step(seconds: float) -> str:
-    """Seconds with 4 significant digits: 0.01234 -> '0.01234 s', 12.3456 -> '12.35 s'."""
-    return f"{seconds:.4g} s"
+    """4 significant digits, in ms below one second: 0.01234 -> '12.34 ms', 12.3456 -> '12.35 s'."""
+    return f"{seconds * 1e3:.4g} ms" if seconds < 1 else f"{seconds:.4g} s"
 
 
 def candidates_table(candidates: Sequence[Candidate], *, chosen: Candidate | None = None, title: str = "") -> Table:
-    """One row per candidate: degrees, b, m, schedule, recompute, predicted figures and cost."""
-    table = Table(title=title or None, box=box.SIMPLE_HEAD, title_justify="left")
-    for header, justify in (
-        ("t·p·d", "left"), ("b×m", "left"), ("schedule", "left"), ("rc", "left"), ("Z", "right"),
-        ("step", "right"), ("samples/s", "right"), ("TFLOP/s", "right"), ("mem/dev", "right"),
-        ("bubble", "right"), ("comm", "right"), ("$/1M", "right"),
-    ):
+    """One row per candidate: degrees, b, m, schedule (+R: recompute), ZeRO, predicted figures, cost.
+
+    Columns that say nothing for these candidates (ZeRO when all share one stage, TFLOP/s without
+    FLOP counts, cost without prices) are left out so the table fits an 80-column terminal.
+    """
+    zero_stages = {c.zero_stage for c in candidates}
+    columns: list[tuple[str, str, object]] = [
+        ("t·p·d", "left", lambda c: f"{c.tensor_parallel}·{c.pipeline_parallel}·{c.data_parallel}"),
+        ("b×m", "left", lambda c: f"{c.micro_batch_size}×{c.micro_batches}"),
+        ("schedule", "left", lambda c: _schedule_label(c) + ("+R" if c.recompute else "")
+         + ("" if c.deepspeed_runnable else "*")),
+    ]
+    if len(zero_stages) > 1:
+        columns.append(("Z", "right", lambda c: str(c.zero_stage)))
+    columns += [
+        ("step", "right", lambda c: format_step(c.predicted_step_seconds)),
+        ("samples/s", "right", lambda c: f"{c.samples_per_second:,.1f}"),
+    ]
+    if any(c.tflops_per_device > 0 for c in candidates):
+        columns.append(("TFLOP/s", "right", lambda c: f"{c.tflops_per_device:.3g}"))
+    columns += [
+        ("mem/dev", "right", lambda c: _gib(max(c.peak_memory_bytes))),
+        ("bubble", "right", lambda c: f"{c.bubble_fraction * 100:.1f}%"),
+        ("comm", "right", lambda c: f"{c.communication_fraction * 100:.1f}%"),
+    ]
+    if any(c.cost_per_million_samples > 0 for c in candidates):
+        columns.append(("$/1M", "right", lambda c: f"{c.cost_per_million_samples:,.2f}"))
+    caption = "interleaved-v: v chunks per device; +R: recomputes activations"
+    if len(zero_stages) > 1:
+        caption += "; Z: ZeRO stage"
+    if len(zero_stages) == 1:
+        caption += f"; all ZeRO-{zero_stages.pop()}"
+    table = Table(
+        title=title or None, box=box.SIMPLE_HEAD, title_justify="left", pad_edge=False, collapse_padding=True,
+        caption=caption, caption_justify="left",
+    )
+    for header, justify, _ in columns:
         table.add_column(header, justify=justify, no_wrap=True)
     for c in candidates:
         style = "bold green" if chosen is not None and c == chosen else None
-        flag = "" if c.deepspeed_runnable else "*"
-        table.add_row(
-            f"{c.tensor_parallel}·{c.pipeline_parallel}·{c.data_parallel}",
-            f"{c.micro_batch_size}×{c.micro_batches}",
-            _schedule_label(c) + flag,
-            "R" if c.recompute else "",
-            str(c.zero_stage),
-            format_step(c.predicted_step_seconds),
-            f"{c.samples_per_second:,.1f}",
-            f"{c.tflops_per_device:.3g}",
-            _gib(max(c.peak_memory_bytes)),
-            f"{c.bubble_fraction * 100:.1f}%",
-            f"{c.communication_fraction * 100:.1f}%",
-            f"{c.cost_per_million_samples:,.2f}",
-            style=style,
-        )
+        table.add_row(*(render(c) for _, _, render in columns), style=style)
     return table
 
 
