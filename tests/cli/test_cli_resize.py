@@ -11,7 +11,7 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from pipectl.artifacts.morph import MorphRecord
-from pipectl.artifacts.plan import Candidate, MorphEntry, Plan
+from pipectl.artifacts.plan import MorphEntry, Plan
 from pipectl.artifacts.run import CheckpointManifest, Engine, RankTiming, StepMetrics
 from pipectl.cli.main import app
 from pipectl.cli.resize import morph_history_table, status_renderables, straggler_table
@@ -21,19 +21,12 @@ from pipectl.resize.history import append_record
 from pipectl.resize.stragglers import find_stragglers
 from pipectl.runtime import checkpoint as ckpt
 from pipectl.runtime.metrics import MetricsWriter
+from builders import gpt_tiny_candidate
 
 runner = CliRunner()
 
 
-def candidate(p=2, d=1, b=2, m=4) -> Candidate:
-    cuts = [(0, 9)] if p == 1 else [(0, 4), (4, 9)]
-    return Candidate(
-        devices=p * d, device="cpu", tensor_parallel=1, pipeline_parallel=p, data_parallel=d,
-        micro_batch_size=b, micro_batches=m, schedule="1f1b", recompute=False, zero_stage=1,
-        stage_layers=cuts, predicted_step_seconds=0.05, samples_per_second=160.0, tflops_per_device=0.0,
-        peak_memory_bytes=[1] * p, bubble_fraction=0.0, communication_fraction=0.0,
-        cost_per_million_samples=0.0,
-    )  # fmt: skip
+candidate = gpt_tiny_candidate
 
 
 def make_run(tmp_path: Path, engine: Engine = Engine.LOCAL, cluster: str = "local") -> Path:

@@ -5,24 +5,17 @@ from __future__ import annotations
 
 import pytest
 
-from pipectl.artifacts.plan import Candidate, MorphEntry, Plan
+from pipectl.artifacts.plan import MorphEntry, Plan
 from pipectl.cluster import local_cluster
 from pipectl.errors import InfeasibleError, UserInputError
 from pipectl.io import write_json_atomic
 from pipectl.plan.search import PlanRequest, plan as search_plan
 from pipectl.plan.synthetic import synthetic_profile
 from pipectl.resize.choose import choose_candidate, replan_for_devices, with_entry
+from builders import gpt_tiny_candidate
 
 
-def candidate(p=2, d=1, b=2, m=4) -> Candidate:
-    cuts = [(0, 9)] if p == 1 else [(0, 4), (4, 9)]
-    return Candidate(
-        devices=p * d, device="cpu", tensor_parallel=1, pipeline_parallel=p, data_parallel=d,
-        micro_batch_size=b, micro_batches=m, schedule="1f1b", recompute=False, zero_stage=1,
-        stage_layers=cuts, predicted_step_seconds=0.05, samples_per_second=160.0, tflops_per_device=0.0,
-        peak_memory_bytes=[1] * p, bubble_fraction=0.0, communication_fraction=0.0,
-        cost_per_million_samples=0.0,
-    )  # fmt: skip
+candidate = gpt_tiny_candidate
 
 
 def hand_plan(table, cluster="local", **extra) -> Plan:

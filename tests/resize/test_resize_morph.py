@@ -30,16 +30,10 @@ from pipectl.resize.stop import find_run_processes, run_dir_argument, stop_run
 from pipectl.runtime import checkpoint as ckpt
 from pipectl.runtime.metrics import MetricsWriter
 
+from builders import gpt_tiny_candidate
 
-def candidate(p=2, d=1, b=2, m=4) -> Candidate:
-    cuts = [(0, 9)] if p == 1 else [(0, 4), (4, 9)]
-    return Candidate(
-        devices=p * d, device="cpu", tensor_parallel=1, pipeline_parallel=p, data_parallel=d,
-        micro_batch_size=b, micro_batches=m, schedule="1f1b", recompute=False, zero_stage=1,
-        stage_layers=cuts, predicted_step_seconds=0.05, samples_per_second=160.0, tflops_per_device=0.0,
-        peak_memory_bytes=[1] * p, bubble_fraction=0.0, communication_fraction=0.0,
-        cost_per_million_samples=0.0,
-    )  # fmt: skip
+
+candidate = gpt_tiny_candidate
 
 
 def table_plan(chosen: Candidate) -> Plan:
