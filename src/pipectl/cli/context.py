@@ -9,6 +9,7 @@ from typing import Annotated, Any
 import typer
 from pydantic import BaseModel
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 console = Console()
 err_console = Console(stderr=True)
@@ -24,3 +25,16 @@ def print_json(payload: BaseModel | dict[str, Any] | list[Any]) -> None:
     else:
         text = json.dumps(payload, indent=2)
     typer.echo(text)
+
+
+def training_progress(*, quiet: bool = False) -> Progress:
+    """The progress bar of a training run: steps done of total, plus a free `stats` field."""
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[stats]}"),
+        TimeElapsedColumn(),
+        console=console,
+        disable=quiet,
+    )

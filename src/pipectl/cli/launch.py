@@ -6,11 +6,10 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from pipectl.artifacts.plan import Plan
 from pipectl.artifacts.run import LOGS_DIR, DataKind, DataSpec, ElasticRange, Engine, Precision
-from pipectl.cli.context import JsonFlag, console, err_console, print_json
+from pipectl.cli.context import JsonFlag, console, err_console, print_json, training_progress
 from pipectl.errors import LaunchError, UserInputError
 from pipectl.io import load_model
 
@@ -154,16 +153,7 @@ def _run_with_progress(prepared, run_engine, timeout: float | None, *, quiet: bo
     from pipectl.runtime.metrics import read_metrics
 
     total = prepared.job.steps
-    with Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[stats]}"),
-        TimeElapsedColumn(),
-        console=console,
-        disable=quiet,
-        transient=False,
-    ) as progress:
+    with training_progress(quiet=quiet) as progress:
         task = progress.add_task(f"training {prepared.run_dir.name}", total=total, stats="starting ranks…")
 
         def tick() -> None:

@@ -11,11 +11,10 @@ from typing import Annotated, Optional, Sequence
 import typer
 from rich import box
 from rich.console import Group
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from pipectl.artifacts.morph import MorphRecord
-from pipectl.cli.context import JsonFlag, console, err_console, print_json
+from pipectl.cli.context import JsonFlag, console, err_console, print_json, training_progress
 from pipectl.errors import LaunchError
 from pipectl.resize.stragglers import StragglerPolicy, StragglerReport
 
@@ -121,7 +120,7 @@ def register(app: typer.Typer) -> None:
         checkpoint, relaunch with the same engine. Works on running, stopped and finished runs."""
         import time
 
-        from pipectl.resize.morph import decide_resize, resize_run
+        from pipectl.resize.morph import decide_resize
 
         requested_unix = time.time()
         policy = StragglerPolicy(slowdown_threshold=straggler_slowdown)
@@ -182,15 +181,7 @@ def _resize_with_progress(decision, *, requested_unix: float, stop_timeout: floa
     from pipectl.runtime.metrics import read_metrics
 
     run_dir = decision.run_dir
-    with Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[stats]}"),
-        TimeElapsedColumn(),
-        console=console,
-        disable=quiet,
-    ) as progress:
+    with training_progress(quiet=quiet) as progress:
         task = None
 
         def phase(line: str) -> None:
