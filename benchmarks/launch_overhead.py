@@ -1,6 +1,7 @@
 """pipectl launch vs a hand-written DeepSpeed job: throughput ratio and prediction error.
 
-For each layout that fits this machine (p=1 d=1 on one rank; p=2 and d=2 on two ranks):
+For each layout that fits this machine (p=1 d=1 on one rank; p=2 and d=2 on two ranks; micro-batch
+sizes 2 and 8 at a global batch of 16; p=2 also with GPipe and Varuna):
 
 (a) `pipectl plan` pins the layout, `pipectl launch`'s code path trains it (local engine: torchrun,
     pipectl's worker running the planned schedule inside DeepSpeed's engine, metrics every step);
@@ -9,10 +10,16 @@ For each layout that fits this machine (p=1 d=1 on one rank; p=2 and d=2 on two 
 
 Both use synthetic data and the same model, batch and cut, so the ratio measures what pipectl adds
 around DeepSpeed (schedule executor, heartbeat gathering, metrics). Step times are medians over the
-steps after `--warmup`. The prediction error compares (a)'s measured step time with the plan's
-predicted step time, step by step.
+steps after `--warmup`, and each layout is run `--repeats` times (the machine is shared: the load
+average is recorded next to every run).
 
-    .venv/bin/python benchmarks/launch_overhead.py --steps 30
+Prediction error of (a), per layout: |predicted - measured| / measured, the measured step being the
+median over the layout's repeats. Two predictions are reported: the plan's (what `pipectl plan`
+wrote, from the search's own cost arithmetic) and the cost model's (`plan.costs.stage_costs_for`
+re-simulated, what `pipectl simulate` shows). The profile is measured first with `pipectl
+profile`, which includes the engine calibration (`ModelProfile.runtime`).
+
+    .venv/bin/python benchmarks/launch_overhead.py --steps 30 --repeats 2
     -> benchmarks/results/launch_overhead.json
 """
 
@@ -26,13 +33,29 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYOUTS = [  # (devices, pinned pipeline degree)
-    (1, 1),
-    (2, 2),
-    (2, 1),
+
+
+@dataclass(frozen=True)
+class LayoutRequest:
+    devices: int
+    pipeline: int
+    micro_batch_size: int
+    schedule: str = "1f1b"
+
+
+LAYOUTS = [
+    LayoutRequest(1, 1, 2),
+    LayoutRequest(1, 1, 8),
+    LayoutRequest(2, 2, 2),
+    LayoutRequest(2, 2, 8),
+    LayoutRequest(2, 1, 2),
+    LayoutRequest(2, 1, 8),
+    LayoutRequest(2, 2, 2, "gpipe"),
+    LayoutRequest(2, 2, 2, "varuna"),
 ]
 
 
@@ -45,12 +68,31 @@ def run_pipectl_cli(*args: str) -> str:
     return result.stdout
 
 
-def make_plan(profile: Path, devices: int, pipeline: int, global_batch: int, out: Path) -> dict:
+def make_plan(profile: Path, layout: LayoutRequest, global_batch: int, out: Path) -> dict:
     run_pipectl_cli(
         "plan", "--profile", str(profile), "--cluster", "local", "--global-batch", str(global_batch),
-        "--devices", str(devices), "--pipeline-parallel", str(pipeline), "--schedules", "1f1b", "-o", str(out),
+        "--devices", str(layout.devices), "--pipeline-parallel", str(layout.pipeline),
+        "--micro-batch-size", str(layout.micro_batch_size), "--schedules", layout.schedule, "--no-morph",
+        "-o", str(out),
     )  # fmt: skip
     return json.loads(out.read_text())
+
+
+def cost_model_step_seconds(plan_path: Path, profile_path: Path) -> float:
+    """The chosen candidate re-simulated with `plan.costs` (what `pipectl simulate` shows)."""
+    from pipectl.artifacts.plan import Plan
+    from pipectl.artifacts.profile import ModelProfile
+    from pipectl.cluster import local_cluster
+    from pipectl.io import load_model
+    from pipectl.plan.costs import stage_costs_for
+    from pipectl.plan.simulate import simulate_step_seconds
+    from pipectl.schedule import generate
+
+    chosen = load_model(Plan, plan_path).chosen
+    profile = load_model(ModelProfile, profile_path)
+    costs = stage_costs_for(chosen, profile, local_cluster(chosen.devices))
+    schedule = generate(chosen.schedule, chosen.pipeline_parallel, chosen.micro_batches, chosen.chunks, chosen.recompute)
+    return simulate_step_seconds(schedule, costs)
 
 
 def median_after(values: list[float], warmup: int) -> float:
@@ -78,13 +120,8 @@ def run_pipectl(plan_path: Path, work: Path, steps: int, warmup: int) -> dict:
         raise SystemExit(f"pipectl run failed with exit code {code}; its log is kept in {kept}")
     metrics = read_metrics(prepared.run_dir)
     measured = [m.step_seconds for m in metrics]
-    predicted = plan.chosen.predicted_step_seconds
-    errors = [abs(m - predicted) / m for m in measured[warmup:]]
     return {
         "median_step_seconds": median_after(measured, warmup),
-        "predicted_step_seconds": predicted,
-        "prediction_median_abs_error": statistics.median(errors),
-        "prediction_max_abs_error": max(errors),
         "first_loss": metrics[0].loss,
         "last_loss": metrics[-1].loss,
         "wall_seconds_including_start": wall,
@@ -151,11 +188,62 @@ def baseline_worker(plan_path: Path, out: Path, steps: int) -> None:
         out.write_text(json.dumps({"step_seconds": times, "losses": losses}))
 
 
+def relative_error(predicted: float, measured: float) -> float:
+    return abs(predicted - measured) / measured
+
+
+def load_average() -> float:
+    return os.getloadavg()[0]
+
+
+def measure_layout(layout: LayoutRequest, profile: Path, work: Path, args) -> dict:
+    tag = f"t{layout.devices}_p{layout.pipeline}_b{layout.micro_batch_size}_{layout.schedule}"
+    plan_path = work / f"plan_{tag}.json"
+    chosen = make_plan(profile, layout, args.global_batch, plan_path)["chosen"]
+    label = (f"p{chosen['pipeline_parallel']}d{chosen['data_parallel']} {chosen['schedule']}"
+             f"{' +R' if chosen['recompute'] else ''} b{chosen['micro_batch_size']} m{chosen['micro_batches']}")  # fmt: skip
+    runs = []
+    for repeat in range(args.repeats):
+        load_before = load_average()
+        ours = run_pipectl(plan_path, work / f"{tag}_{repeat}", args.steps, args.warmup)
+        theirs = run_baseline(plan_path, work / f"{tag}_{repeat}", args.steps, args.warmup) if args.baseline else None
+        runs.append({"pipectl": ours, "deepspeed_baseline": theirs,
+                     "load_average_1min": [round(load_before, 2), round(load_average(), 2)]})  # fmt: skip
+    measured = statistics.median(r["pipectl"]["median_step_seconds"] for r in runs)
+    planned = chosen["predicted_step_seconds"]
+    modelled = cost_model_step_seconds(plan_path, profile)
+    row = {
+        "layout": label,
+        "request": asdict(layout),
+        "measured_step_seconds": measured,
+        "plan_predicted_step_seconds": planned,
+        "cost_model_predicted_step_seconds": modelled,
+        "plan_abs_error": relative_error(planned, measured),
+        "cost_model_abs_error": relative_error(modelled, measured),
+        "runs": runs,
+    }
+    if args.baseline:
+        baseline = statistics.median(r["deepspeed_baseline"]["median_step_seconds"] for r in runs)
+        row["baseline_step_seconds"] = baseline
+        row["throughput_ratio"] = baseline / measured
+    print(f"{label}: measured {measured * 1e3:.1f} ms/step, plan {planned * 1e3:.1f} ms "
+          f"({100 * row['plan_abs_error']:.0f} %), cost model {modelled * 1e3:.1f} ms "
+          f"({100 * row['cost_model_abs_error']:.0f} %)"
+          + (f", baseline {row['baseline_step_seconds'] * 1e3:.1f} ms, ratio {row['throughput_ratio']:.3f}"
+             if args.baseline else "")
+          + f", load {[r['load_average_1min'] for r in runs]}", flush=True)  # fmt: skip
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--global-batch", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--global-batch", type=int, default=16)
+    parser.add_argument("--layouts", type=str, default=None,
+                        help="comma-separated indices into LAYOUTS (default: all)")  # fmt: skip
+    parser.add_argument("--no-baseline", dest="baseline", action="store_false", help="skip the DeepSpeed baseline")
     parser.add_argument("--profile", type=Path, default=None, help="profile.json of gpt-tiny (default: measure)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "launch_overhead.json")
     parser.add_argument("--baseline-worker", nargs=2, type=Path, metavar=("PLAN", "OUT"), help=argparse.SUPPRESS)
@@ -164,37 +252,42 @@ def main() -> None:
         baseline_worker(*args.baseline_worker, steps=args.steps)
         return
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    layouts = LAYOUTS if args.layouts is None else [LAYOUTS[int(i)] for i in args.layouts.split(",")]
+    started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="launch_overhead_") as tmp:
         work = Path(tmp)
         profile = args.profile
+        profile_load = load_average()
         if profile is None:
             profile = work / "profile.json"
             run_pipectl_cli("profile", "gpt-tiny", "-o", str(profile))
-        rows = []
-        for devices, pipeline in LAYOUTS:
-            plan_path = work / f"plan_{devices}_{pipeline}.json"
-            chosen = make_plan(profile, devices, pipeline, args.global_batch, plan_path)["chosen"]
-            layout = (f"p{chosen['pipeline_parallel']}d{chosen['data_parallel']} "
-                      f"b{chosen['micro_batch_size']} m{chosen['micro_batches']}")  # fmt: skip
-            ours = run_pipectl(plan_path, work / layout.replace(" ", "_"), args.steps, args.warmup)
-            theirs = run_baseline(plan_path, work / layout.replace(" ", "_"), args.steps, args.warmup)
-            ratio = theirs["median_step_seconds"] / ours["median_step_seconds"]
-            rows.append({"layout": layout, "pipectl": ours, "deepspeed_baseline": theirs, "throughput_ratio": ratio})
-            print(f"{layout}: pipectl {ours['median_step_seconds'] * 1e3:.1f} ms/step, "
-                  f"baseline {theirs['median_step_seconds'] * 1e3:.1f} ms/step, ratio {ratio:.3f}, "
-                  f"predicted {ours['predicted_step_seconds'] * 1e3:.1f} ms "
-                  f"(median abs error {100 * ours['prediction_median_abs_error']:.0f} %)")  # fmt: skip
-    errors = [r["pipectl"]["prediction_median_abs_error"] for r in rows]
+        runtime = json.loads(profile.read_text()).get("runtime")
+        rows = [measure_layout(layout, profile, work, args) for layout in layouts]
+    plan_errors = [r["plan_abs_error"] for r in rows]
+    model_errors = [r["cost_model_abs_error"] for r in rows]
     summary = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "machine": f"{os.cpu_count()} CPU cores, shared; load average (1 min) is recorded per run",
         "steps": args.steps,
         "warmup_steps_excluded": args.warmup,
+        "repeats": args.repeats,
         "global_batch": args.global_batch,
+        "profile_runtime_terms": runtime,
+        "profile_load_average_1min": round(profile_load, 2),
         "layouts": rows,
-        "throughput_ratio_min": min(r["throughput_ratio"] for r in rows),
-        "prediction_median_abs_error_over_layouts": statistics.median(errors),
-        "prediction_max_abs_error_over_layouts": max(r["pipectl"]["prediction_max_abs_error"] for r in rows),
+        "plan_prediction_median_abs_error": statistics.median(plan_errors),
+        "plan_prediction_max_abs_error": max(plan_errors),
+        "cost_model_prediction_median_abs_error": statistics.median(model_errors),
+        "cost_model_prediction_max_abs_error": max(model_errors),
+        "wall_seconds": time.perf_counter() - started,
     }
+    if args.baseline:
+        summary["throughput_ratio_min"] = min(r["throughput_ratio"] for r in rows)
+        summary["throughput_ratio_median"] = statistics.median(r["throughput_ratio"] for r in rows)
+    print(f"prediction error over {len(rows)} layouts: plan median {100 * summary['plan_prediction_median_abs_error']:.0f} % "
+          f"(max {100 * summary['plan_prediction_max_abs_error']:.0f} %), cost model median "
+          f"{100 * summary['cost_model_prediction_median_abs_error']:.0f} % "
+          f"(max {100 * summary['cost_model_prediction_max_abs_error']:.0f} %)")  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(summary, indent=2) + "\n")
     print(f"wrote {args.out}")

@@ -30,6 +30,22 @@ Per virtual stage and micro-batch (all seconds):
   gradient and writes the first three and the 16-bit weights, about 28 bytes per parameter,
   at the device's memory bandwidth (ZeRO-1: each replica updates 1/d of them).
 
+When the profile carries measured engine terms (`ModelProfile.runtime`, from
+`profile.runtime_calibration`; used only on the device kind they were measured on) the step is
+costed as the training engine really runs it (Varuna §4: calibrate once, scale-invariantly):
+
+- each layer's forward/backward time x the engine's compute ratio at b (layers run colder inside a
+  step than alone in the profiler's loop), plus per micro-batch and stage the engine's fixed
+  forward and backward overhead (`LayerSeconds.stage_forward`/`stage_backward`);
+- the end of the step per rank, replacing the bandwidth estimate of Adam: the measured fixed cost
+  plus the measured cost per parameter held (gradient flattening, clipping, AdamW, copy-back);
+- the collectives the engine adds at the end of a step, counted by instrumenting
+  torch.distributed in real runs of DeepSpeed 0.19.8 with ZeRO-1 (which `pipectl launch`
+  always uses): with d > 1 an all-gather of the updated parameters over the replicas (ring
+  all-gather: half a ring all-reduce; Thakur et al. 2005) and two latency-bound all-reduces (the
+  gradient norm and the loss); with p > 1 one latency-bound all-reduce of the gradient norm over
+  the stages and one broadcast of the loss from the last stage.
+
     >>> from pipectl.plan.synthetic import synthetic_profile
     >>> from pipectl.cluster import local_cluster
     >>> profile = synthetic_profile(blocks=4, micro_batch_sizes=[1, 2], device="cpu")
@@ -46,11 +62,11 @@ from typing import Sequence
 
 from pipectl.artifacts.cluster import ClusterSpec, NodeType
 from pipectl.artifacts.plan import Candidate
-from pipectl.artifacts.profile import ModelProfile
+from pipectl.artifacts.profile import ModelProfile, RuntimeCosts
 from pipectl.catalog import DTYPE_BYTES, DeviceSpec, get_device, load_catalog
 from pipectl.cluster import LinkCost, ResolvedLinks, price_per_device_hour, resolve_links
 from pipectl.errors import UserInputError
-from pipectl.plan.layer_table import LayerTable, layer_table
+from pipectl.plan.layer_table import LayerTable, interpolate, layer_table
 from pipectl.plan.simulate import StageCosts
 
 # Bytes of memory traffic per parameter of one Adam step (read 4+4+4+2, write 4+4+4+2).
@@ -59,6 +75,13 @@ ADAM_BYTES_PER_PARAMETER = 28
 TENSOR_PARALLEL_ALLREDUCES_FORWARD = 2
 TENSOR_PARALLEL_ALLREDUCES_BACKWARD = 2
 TRANSFORMER_BLOCK = "transformer_block"
+# Latency-bound collectives DeepSpeed's ZeRO-1 pipeline engine adds at the end of a step (counted by
+# instrumenting torch.distributed in real runs, DeepSpeed 0.19.8): per data-parallel group (d > 1)
+# the gradient-norm and loss all-reduces, per pipeline (p > 1) the gradient-norm all-reduce and the
+# loss broadcast (costed as an all-reduce of a few bytes).
+SMALL_COLLECTIVES_PER_DATA_PARALLEL_GROUP = 2
+SMALL_COLLECTIVES_PER_PIPELINE = 2
+SMALL_COLLECTIVE_BYTES = 8
 
 
 @dataclass(frozen=True)
@@ -72,6 +95,7 @@ class Hardware:
     price_per_device_hour: float
     compute_scale: float = 1.0  # profiled device's time -> this device's time
     node_type: str = ""
+    runtime: RuntimeCosts | None = None  # measured engine terms (same device kind only)
 
     @property
     def memory_bytes(self) -> int:
@@ -112,7 +136,20 @@ def hardware_for(cluster: ClusterSpec, profile: ModelProfile, node_type: NodeTyp
         price_per_device_hour=price_per_device_hour(cluster, node_type),
         compute_scale=compute_scale(profile, device),
         node_type=node_type.name,
+        runtime=runtime_for(profile, device),
     )
+
+
+def runtime_for(profile: ModelProfile, device: DeviceSpec) -> RuntimeCosts | None:
+    """The profile's measured engine terms if they apply to `device`: they were measured on it.
+
+    An engine's overheads on one machine say little about another (other host CPU, other kernels
+    and collectives), so a profile measured on `cpu` and planned for A100s keeps the datasheet
+    model alone.
+    """
+    if profile.runtime is None or profile.device != device.name:
+        return None
+    return profile.runtime
 
 
 def tensor_parallel_slowdown(device: DeviceSpec, micro_batch_size: int, tensor_parallel: int) -> float:
@@ -137,12 +174,16 @@ class LayerSeconds:
     backward: tuple[float, ...]
     forward_prefix: tuple[float, ...]
     backward_prefix: tuple[float, ...]
+    # The engine's fixed cost per micro-batch of any stage (0 without measured runtime terms).
+    forward_overhead: float = 0.0
+    backward_overhead: float = 0.0
 
     def stage_forward(self, start: int, end: int) -> float:
-        return self.forward_prefix[end] - self.forward_prefix[start]
+        """One micro-batch's forward through layers [start, end) as a stage: layers + overhead."""
+        return self.forward_prefix[end] - self.forward_prefix[start] + self.forward_overhead
 
     def stage_backward(self, start: int, end: int) -> float:
-        return self.backward_prefix[end] - self.backward_prefix[start]
+        return self.backward_prefix[end] - self.backward_prefix[start] + self.backward_overhead
 
     def work(self, recompute: bool) -> list[float]:
         """Per-layer time of one micro-batch's forward + backward (+ recompute forward)."""
@@ -157,12 +198,43 @@ def _prefix(values: Sequence[float]) -> tuple[float, ...]:
     return tuple(out)
 
 
+def engine_compute_ratios(runtime: RuntimeCosts | None, micro_batch_size: int) -> tuple[float, float]:
+    """(forward, backward) ratio of the engine's compute to the profiled layers' at b.
+
+    Linear between the measured sizes, flat beyond them (a ratio, unlike a time, does not grow
+    with b); (1, 1) without measured terms.
+
+        >>> from pipectl.artifacts.profile import EngineComputeRatio
+        >>> runtime = RuntimeCosts(engine="e", forward_overhead_seconds=0, backward_overhead_seconds=0,
+        ...     step_fixed_seconds=0, step_seconds_per_parameter=0, compute_ratios=[
+        ...     EngineComputeRatio(micro_batch_size=2, forward_ratio=1.0, backward_ratio=1.2),
+        ...     EngineComputeRatio(micro_batch_size=8, forward_ratio=1.3, backward_ratio=1.2)])
+        >>> [round(r, 3) for r in engine_compute_ratios(runtime, 4)], engine_compute_ratios(runtime, 16)
+        ([1.1, 1.2], (1.3, 1.2))
+    """
+    if runtime is None or not runtime.compute_ratios:
+        return 1.0, 1.0
+    points = sorted(runtime.compute_ratios, key=lambda r: r.micro_batch_size)
+    low, high = points[0], points[-1]
+    b = min(max(micro_batch_size, low.micro_batch_size), high.micro_batch_size)
+    forward = interpolate([(r.micro_batch_size, r.forward_ratio) for r in points], b)
+    backward = interpolate([(r.micro_batch_size, r.backward_ratio) for r in points], b)
+    if b == low.micro_batch_size:  # interpolate scales in proportion below the first point
+        forward, backward = low.forward_ratio, low.backward_ratio
+    return forward, backward
+
+
 def layer_seconds(table: LayerTable, hardware: Hardware, tensor_parallel: int) -> LayerSeconds:
-    """Per-layer time on the target device at the table's b with t-way tensor parallelism."""
+    """Per-layer time on the target device at the table's b with t-way tensor parallelism.
+
+    With measured engine terms (`hardware.runtime`) the layers take the engine's compute ratio at
+    b and every stage the engine's fixed per-micro-batch overhead (module docstring).
+    """
     t = tensor_parallel
     scale = hardware.compute_scale / t * tensor_parallel_slowdown(hardware.device, table.micro_batch_size, t)
-    forward = [f * scale for f in table.forward_seconds]
-    backward = [b * scale for b in table.backward_seconds]
+    forward_ratio, backward_ratio = engine_compute_ratios(hardware.runtime, table.micro_batch_size)
+    forward = [f * scale * forward_ratio for f in table.forward_seconds]
+    backward = [b * scale * backward_ratio for b in table.backward_seconds]
     if t > 1:
         ring = hardware.links.allreduce_intra
         for index, kind in enumerate(table.kinds):
@@ -170,7 +242,15 @@ def layer_seconds(table: LayerTable, hardware: Hardware, tensor_parallel: int) -
                 allreduce = ring.ring_allreduce_seconds(table.output_activation_bytes[index], t)
                 forward[index] += TENSOR_PARALLEL_ALLREDUCES_FORWARD * allreduce
                 backward[index] += TENSOR_PARALLEL_ALLREDUCES_BACKWARD * allreduce
-    return LayerSeconds(tuple(forward), tuple(backward), _prefix(forward), _prefix(backward))
+    runtime = hardware.runtime
+    return LayerSeconds(
+        tuple(forward),
+        tuple(backward),
+        _prefix(forward),
+        _prefix(backward),
+        forward_overhead=runtime.forward_overhead_seconds if runtime else 0.0,
+        backward_overhead=runtime.backward_overhead_seconds if runtime else 0.0,
+    )
 
 
 # --- placement ---------------------------------------------------------------------------------
@@ -234,15 +314,10 @@ def stage_costs(
 
     element_bytes = DTYPE_BYTES.get(profile.dtype, 4)
     parameters = _parameters_per_rank(table, stage_layers, p)
-    allreduce = []
-    optimizer = []
-    memory_bandwidth = (hardware.device.memory_bandwidth_gbytes_per_second or 100.0) * 1e9
-    for rank in range(p):
-        held = parameters[rank] / t
-        ring = links.allreduce_intra if replicas_share_node(rank, p, t, d, n) else links.allreduce_inter
-        allreduce.append(ring.ring_allreduce_seconds(held * element_bytes, d))
-        updated = held / d if zero_stage >= 1 else held
-        optimizer.append(updated * ADAM_BYTES_PER_PARAMETER / memory_bandwidth)
+    allreduce, optimizer = data_parallel_seconds(
+        [held / t for held in parameters], hardware, pipeline_parallel=p, tensor_parallel=t,
+        data_parallel=d, zero_stage=zero_stage, element_bytes=element_bytes,
+    )  # fmt: skip
     tied = _tied_allreduce_seconds(table, stage_layers, p, t, d, n, links, element_bytes)
     for rank, extra in tied.items():
         allreduce[rank] += extra
@@ -257,6 +332,52 @@ def stage_costs(
         optimizer_seconds=tuple(optimizer),
         jitter_seconds=jitter,
     )
+
+
+def data_parallel_seconds(
+    parameters_per_rank: Sequence[float],
+    hardware: Hardware,
+    *,
+    pipeline_parallel: int,
+    tensor_parallel: int,
+    data_parallel: int,
+    zero_stage: int,
+    element_bytes: int,
+) -> tuple[list[float], list[float]]:
+    """(all-reduce, optimizer) seconds per pipeline rank at the end of a step (tied weights aside).
+
+    `parameters_per_rank` are the parameters each rank holds after the tensor split. All-reduce:
+    the ring all-reduce of the rank's gradient over its d replicas, plus, with measured engine
+    terms, the engine's extra collectives (module docstring). Optimizer: with measured engine
+    terms, fixed + per-parameter seconds of the end of a step; otherwise Adam's memory traffic
+    at the device's bandwidth. Worked example (gpt-tiny's 318 k parameters on one CPU rank, a
+    measured 1.2 ms fixed and 22 ns per parameter):
+
+        1.2 ms + 318e3 x 22e-9 s = 8.2 ms of optimizer step, no all-reduce (d = 1)
+    """
+    p, t, d = pipeline_parallel, tensor_parallel, data_parallel
+    n = hardware.devices_per_node
+    links = hardware.links
+    runtime = hardware.runtime
+    memory_bandwidth = (hardware.device.memory_bandwidth_gbytes_per_second or 100.0) * 1e9
+    allreduce: list[float] = []
+    optimizer: list[float] = []
+    pipeline_ring = links.allreduce_intra if ranks_share_node(0, p - 1, p, t, d, n) else links.allreduce_inter
+    for rank, held in enumerate(parameters_per_rank):
+        ring = links.allreduce_intra if replicas_share_node(rank, p, t, d, n) else links.allreduce_inter
+        gradient_bytes = held * element_bytes
+        seconds = ring.ring_allreduce_seconds(gradient_bytes, d)
+        if runtime is None:
+            updated = held / d if zero_stage >= 1 else held
+            optimizer.append(updated * ADAM_BYTES_PER_PARAMETER / memory_bandwidth)
+        else:
+            optimizer.append(runtime.step_fixed_seconds + runtime.step_seconds_per_parameter * held)
+            small = ring.ring_allreduce_seconds(SMALL_COLLECTIVE_BYTES, d)
+            seconds += ring.ring_allreduce_seconds(gradient_bytes, d) / 2  # ZeRO-1 parameter all-gather
+            seconds += SMALL_COLLECTIVES_PER_DATA_PARALLEL_GROUP * small
+            seconds += SMALL_COLLECTIVES_PER_PIPELINE * pipeline_ring.ring_allreduce_seconds(SMALL_COLLECTIVE_BYTES, p)
+        allreduce.append(seconds)
+    return allreduce, optimizer
 
 
 def _parameters_per_rank(table: LayerTable, stage_layers: Sequence[tuple[int, int]], p: int) -> list[int]:
