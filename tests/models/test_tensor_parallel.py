@@ -52,12 +52,12 @@ def test_shards_are_slices_of_the_unsplit_block():
     for rank in range(2):
         torch.manual_seed(0)
         shards.append(TensorParallelBlock(64, 4, 4, True, tensor_group=TensorParallelGroup(None, rank, 2)))
-    assert torch.equal(torch.cat([s.fc_in_weight for s in shards]), full.fc_in.weight)
-    assert torch.equal(torch.cat([s.proj_weight for s in shards], dim=1), full.proj.weight)
-    q_rows = torch.cat([s.qkv_weight[:32] for s in shards])  # each shard: [q; k; v] of its 2 heads
+    assert torch.equal(torch.cat([s.fc_in.weight for s in shards]), full.fc_in.weight)
+    assert torch.equal(torch.cat([s.proj.weight for s in shards], dim=1), full.proj.weight)
+    q_rows = torch.cat([s.qkv.weight[:32] for s in shards])  # each shard: [q; k; v] of its 2 heads
     assert torch.equal(q_rows, full.qkv.weight[:64])
-    assert all(getattr(s.fc_out_weight, "tensor_model_parallel", False) for s in shards)
-    assert not getattr(shards[0].fc_out_bias, "tensor_model_parallel", False)
+    assert all(getattr(s.fc_out.weight, "tensor_model_parallel", False) for s in shards)
+    assert not getattr(shards[0].fc_out.bias, "tensor_model_parallel", False)
 
 
 def _job(layout: Layout) -> TrainingJob:
@@ -87,3 +87,12 @@ def test_t2_gives_the_t1_losses_alone_and_in_a_pipeline():
             for step, (got, want) in enumerate(zip(outcome.losses, reference, strict=True), start=1):
                 assert abs(got - want) <= 1e-4 * want, f"{layout.label()} rank {rank} step {step}: {got} vs {want}"
     assert reference[-1] < reference[0]
+
+
+def test_split_block_names_its_parameters_like_the_unsplit_block():
+    full = TransformerBlock(64, 4, 4, True)
+    split = TensorParallelBlock(64, 4, 4, True, tensor_group=TensorParallelGroup(None, 1, 2))
+    assert list(dict(split.named_parameters())) == list(dict(full.named_parameters()))
+    shapes = {name: tuple(p.shape) for name, p in split.named_parameters()}
+    assert shapes["qkv.weight"] == (96, 64) and shapes["proj.weight"] == (64, 32)
+    assert shapes["proj.bias"] == (64,) and shapes["ln_attn.weight"] == (64,)

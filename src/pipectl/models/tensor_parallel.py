@@ -107,6 +107,23 @@ def _sharded(tensor: torch.Tensor) -> nn.Parameter:
     return parameter
 
 
+def _replicated(tensor: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(tensor.detach().clone())
+
+
+class LinearSlice(nn.Module):
+    """This rank's slice of an `nn.Linear`: holds `weight` and `bias` under nn.Linear's names.
+
+    The block applies them itself (with F.linear, around the group's reductions); the module only
+    gives the parameters the names `TransformerBlock` uses.
+    """
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter) -> None:
+        super().__init__()
+        self.weight = weight
+        self.bias = bias
+
+
 class TensorParallelBlock(nn.Module):
     """A pre-LN transformer block split over a tensor-parallel group (same maths as TransformerBlock)."""
 
@@ -129,35 +146,43 @@ class TensorParallelBlock(nn.Module):
         self.causal = causal
         self.local_heads = heads // t
         self.head_dim = hidden // heads
+        # Parameter names and order are those of TransformerBlock (`qkv.weight`, `proj.bias`, ...):
+        # a universal checkpoint stores one folder per name, so the same folder serves every t.
         self.ln_attn = full.ln_attn
-        self.ln_mlp = full.ln_mlp
         # QKV rows are [q; k; v], each head-major: take this rank's heads from each of the three.
         q, k, v = full.qkv.weight.split(hidden)
         qb, kb, vb = full.qkv.bias.split(hidden)
-        self.qkv_weight = _sharded(torch.cat([shard_rows(w, t, rank) for w in (q, k, v)]))
-        self.qkv_bias = _sharded(torch.cat([shard_rows(b, t, rank) for b in (qb, kb, vb)]))
-        self.proj_weight = _sharded(shard_rows(full.proj.weight.t(), t, rank).t())
-        self.proj_bias = nn.Parameter(full.proj.bias.detach().clone())  # added once, after the reduce
-        self.fc_in_weight = _sharded(shard_rows(full.fc_in.weight, t, rank))
-        self.fc_in_bias = _sharded(shard_rows(full.fc_in.bias, t, rank))
-        self.fc_out_weight = _sharded(shard_rows(full.fc_out.weight.t(), t, rank).t())
-        self.fc_out_bias = nn.Parameter(full.fc_out.bias.detach().clone())
+        self.qkv = LinearSlice(
+            _sharded(torch.cat([shard_rows(w, t, rank) for w in (q, k, v)])),
+            _sharded(torch.cat([shard_rows(b, t, rank) for b in (qb, kb, vb)])),
+        )
+        # Row-parallel: the bias is added once, after the reduce, so it stays whole and replicated.
+        self.proj = LinearSlice(
+            _sharded(shard_rows(full.proj.weight.t(), t, rank).t()), _replicated(full.proj.bias)
+        )
+        self.ln_mlp = full.ln_mlp
+        self.fc_in = LinearSlice(
+            _sharded(shard_rows(full.fc_in.weight, t, rank)), _sharded(shard_rows(full.fc_in.bias, t, rank))
+        )
+        self.fc_out = LinearSlice(
+            _sharded(shard_rows(full.fc_out.weight.t(), t, rank).t()), _replicated(full.fc_out.bias)
+        )
 
     def attention(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
         x = _CopyToTensorGroup.apply(x, self.group)
         local = self.local_heads * self.head_dim
-        q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split(local, dim=-1)
+        q, k, v = F.linear(x, self.qkv.weight, self.qkv.bias).split(local, dim=-1)
         shape = (b, s, self.local_heads, self.head_dim)
         q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
         out = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
-        partial = F.linear(out.transpose(1, 2).reshape(b, s, local), self.proj_weight)
-        return _ReduceFromTensorGroup.apply(partial, self.group) + self.proj_bias
+        partial = F.linear(out.transpose(1, 2).reshape(b, s, local), self.proj.weight)
+        return _ReduceFromTensorGroup.apply(partial, self.group) + self.proj.bias
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         x = _CopyToTensorGroup.apply(x, self.group)
-        partial = F.linear(F.gelu(F.linear(x, self.fc_in_weight, self.fc_in_bias)), self.fc_out_weight)
-        return _ReduceFromTensorGroup.apply(partial, self.group) + self.fc_out_bias
+        partial = F.linear(F.gelu(F.linear(x, self.fc_in.weight, self.fc_in.bias)), self.fc_out.weight)
+        return _ReduceFromTensorGroup.apply(partial, self.group) + self.fc_out.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.ln_attn(x))
@@ -183,3 +208,76 @@ def shard_model(model: ModelLayers, tensor_group: TensorParallelGroup) -> ModelL
     if not any(layer.module_cls is TensorParallelBlock for layer in layers):
         raise UserInputError(f"model {model.name} has no transformer blocks to split over {tensor_group.size} ranks")
     return replace(model, layers=layers)
+
+
+def block_hidden_sizes(layer_specs) -> dict[int, int]:
+    """Layer index -> hidden size of every transformer block (plain or tensor-parallel) in a spec list.
+
+    Reads the specs (DeepSpeed LayerSpec: `typename`, `module_args`, `module_kwargs`), not built
+    modules, so any stage can describe the whole model.
+    """
+    import inspect
+
+    sizes = {}
+    for index, spec in enumerate(layer_specs):
+        typename = getattr(spec, "typename", None)
+        if typename in (TransformerBlock, TensorParallelBlock):
+            bound = inspect.signature(typename).bind(*spec.module_args, **spec.module_kwargs)
+            sizes[index] = int(bound.arguments["hidden"])
+    return sizes
+
+
+def universal_checkpoint_patterns(block_hidden: dict[int, int], tensor_parallel: int) -> dict[str, Any]:
+    """How DeepSpeed's universal checkpoint merges (at save) and slices (at load) each parameter.
+
+    Keys are DeepSpeed's `universal_checkpoint_info` entries (deepspeed/checkpoint/constants.py),
+    read by `ds_to_universal.merge_tp_slices` when it joins the t slices of a parameter into one
+    tensor, and recorded in each merged file (`cat_dim`, `sub_param_shape`) for
+    `universal_checkpoint.load_hp_checkpoint_state`, which cuts rank r's slice for the loading t.
+    The same patterns are declared at every t (t=1 included), so any checkpoint can be re-cut:
+
+    - column-parallel `fc_in.weight`/`fc_in.bias`: DeepSpeed's default (concatenate on dim 0);
+    - row-parallel `proj.weight`, `fc_out.weight`: concatenate on dim 1;
+    - fused `qkv.weight`/`qkv.bias`: three sub-parameters q, k, v (rows h each); rank r holds
+      [q_r; k_r; v_r], so the merge concatenates the q slices, then k, then v (not the ranks'
+      slices one after the other), and the load cuts each of q, k, v into t blocks;
+    - everything else (LayerNorms, the row-parallel biases added after the reduce, embeddings, the
+      head) is whole on every tensor rank: averaged over the t copies. The copies are bitwise
+      equal in our runs; the average keeps a save from failing if they ever differ by rounding.
+
+    >>> info = universal_checkpoint_patterns({1: 64, 2: 64}, tensor_parallel=2)
+    >>> info["parameter_with_row_parallelism_patterns"]
+    ['^(?:1|2)\\\\.(?:proj|fc_out)\\\\.weight$']
+    >>> info["sub_param_shard_widths"]['^(?:1|2)\\\\.qkv\\\\.weight$']
+    [[32, 32], [32, 32], [32, 32]]
+    """
+    from deepspeed.checkpoint.constants import (
+        PARAMETER_TO_AVERAGE_PATTERNS,
+        PARAMETER_WITH_ROW_PARALLELISM_PATTERNS,
+        PARAMETER_WITH_SUB_PARAMS,
+        SUB_PARAM_SHARD_WIDTHS,
+    )
+
+    if not block_hidden:
+        return {}
+    by_hidden: dict[int, list[int]] = {}
+    for index, hidden in sorted(block_hidden.items()):
+        by_hidden.setdefault(hidden, []).append(index)
+    every_block = "|".join(str(index) for index in sorted(block_hidden))
+    split = r"(?:qkv|fc_in)\.(?:weight|bias)|(?:proj|fc_out)\.weight"
+    sub_params, widths = [], {}
+    for hidden, indices in by_hidden.items():
+        if hidden % tensor_parallel:
+            raise UserInputError(f"hidden size {hidden} is not divisible by tensor-parallel degree {tensor_parallel}")
+        blocks = "|".join(str(index) for index in indices)
+        thirds = (hidden, hidden, hidden)
+        for suffix, shape in (("weight", (thirds, -1)), ("bias", (thirds,))):
+            pattern = rf"^(?:{blocks})\.qkv\.{suffix}$"
+            sub_params.append({"patterns": [pattern], "shape": shape, "partition_dim": 0})
+            widths[pattern] = [[hidden // tensor_parallel] * tensor_parallel for _ in thirds]
+    return {
+        PARAMETER_WITH_ROW_PARALLELISM_PATTERNS: [rf"^(?:{every_block})\.(?:proj|fc_out)\.weight$"],
+        PARAMETER_WITH_SUB_PARAMS: sub_params,
+        SUB_PARAM_SHARD_WIDTHS: widths,
+        PARAMETER_TO_AVERAGE_PATTERNS: [rf"^(?!(?:{every_block})\.(?:{split})$)"],
+    }

@@ -263,6 +263,40 @@ def declare_pipeline_replicated_parameters(module: Any) -> list[str]:
     return patterns
 
 
+def declare_tensor_parallel_parameters(module: Any) -> dict[str, Any]:
+    """Tell DeepSpeed's converter how each transformer-block parameter is split over tensor ranks.
+
+    A universal checkpoint holds every parameter whole (one folder per name); the converter joins
+    the t slices of a checkpoint written at t ranks, and a load at another t cuts this rank's slice
+    again, both by the patterns in the module's `universal_checkpoint_info`
+    (`pipectl.models.tensor_parallel.universal_checkpoint_patterns`). Declared at every t, t=1
+    included: the merged files record how to cut them (`cat_dim`, `sub_param_shape`), which is what
+    lets a t=1 checkpoint load into t=2. Returns the entries set (empty for a model without
+    transformer blocks, which never runs with t > 1).
+    """
+    from deepspeed.checkpoint.constants import (
+        UNIVERSAL_CHECKPOINT_INFO,
+        UNIVERSAL_CHECKPOINT_VERSION_KEY,
+        UNIVERSAL_CHECKPOINT_VERSION_VALUE,
+    )
+
+    from pipectl.models.tensor_parallel import block_hidden_sizes, universal_checkpoint_patterns
+
+    specs = getattr(module, "_layer_specs", None)
+    topology = getattr(module, "_topo", None)
+    if not specs or topology is None:
+        return {}
+    axes = topology.get_axis_names()
+    tensor_parallel = topology.get_dim("model") if "model" in axes else 1
+    entries = universal_checkpoint_patterns(block_hidden_sizes(specs), tensor_parallel)
+    if entries:
+        info = dict(getattr(module, UNIVERSAL_CHECKPOINT_INFO, None) or {})
+        info.setdefault(UNIVERSAL_CHECKPOINT_VERSION_KEY, UNIVERSAL_CHECKPOINT_VERSION_VALUE)
+        info.update(entries)
+        setattr(module, UNIVERSAL_CHECKPOINT_INFO, info)
+    return entries
+
+
 def commit_tag(root: Path, staged: Path, tag: str, manifest: CheckpointManifest) -> Path:
     """Rename the staged tag into place, then write its manifest, then move the pointers."""
     final = root / tag
@@ -342,6 +376,7 @@ def save_checkpoint(
         "data_position": dict(data_position or {}),
     }
     declare_pipeline_replicated_parameters(engine.module)
+    declare_tensor_parallel_parameters(engine.module)
     # DeepSpeed's save starts and ends with a barrier, so rank 0's clean-up above happens first.
     engine.save_checkpoint(str(staging), tag=tag, client_state=state, save_latest=False)
 
