@@ -297,6 +297,46 @@ def declare_tensor_parallel_parameters(module: Any) -> dict[str, Any]:
     return entries
 
 
+def tensor_slicing_problem(tag_dir: str | os.PathLike[str], module: Any) -> str | None:
+    """Why the checkpoint in `tag_dir` cannot be cut for `module`'s tensor-parallel ranks, or None.
+
+    DeepSpeed cuts a rank's slice by the metadata each merged file carries (`cat_dim`,
+    `sub_param_shape`); a file without it is cut on dim 0 into equal blocks, which for a
+    row-parallel weight or the fused QKV silently gives wrong weights. Checkpoints written before
+    `declare_tensor_parallel_parameters` lack it, and those written by older tensor-parallel
+    blocks used other names (`qkv_weight`). The converter treats every block alike, so the first
+    block's two special parameters stand for all of them. With t=1 every parameter loads whole
+    and nothing is cut: only the names are checked.
+    """
+    import torch
+    from deepspeed.checkpoint.constants import CAT_DIM, SUB_PARAM_SHAPE
+    from deepspeed.checkpoint.universal_checkpoint import SubparamShape
+
+    from pipectl.models.tensor_parallel import block_hidden_sizes
+
+    topology = getattr(module, "_topo", None)
+    blocks = block_hidden_sizes(getattr(module, "_layer_specs", None) or [])
+    if topology is None or not blocks:
+        return None
+    tensor_parallel = topology.get_dim("model") if "model" in topology.get_axis_names() else 1
+    first = min(blocks)
+    for name, key, wanted in ((f"{first}.proj.weight", CAT_DIM, 1), (f"{first}.qkv.weight", SUB_PARAM_SHAPE, None)):
+        path = Path(tag_dir) / "zero" / name / "fp32.pt"
+        if not path.is_file():
+            return f"{path.parent}: missing (checkpoint {Path(tag_dir).name} names the block parameters otherwise)"
+        if tensor_parallel == 1:
+            continue
+        # The file holds a tensor, ints and DeepSpeed's SubparamShape record: allow that one class.
+        with torch.serialization.safe_globals([SubparamShape]):
+            stored = torch.load(path, map_location="cpu", weights_only=True)
+        if key not in stored or (wanted is not None and stored[key] != wanted):
+            return (
+                f"{path}: no record of how {name} is split over tensor-parallel ranks; checkpoint "
+                f"{Path(tag_dir).name} cannot be re-cut for {tensor_parallel} tensor ranks"
+            )
+    return None
+
+
 def commit_tag(root: Path, staged: Path, tag: str, manifest: CheckpointManifest) -> Path:
     """Rename the staged tag into place, then write its manifest, then move the pointers."""
     final = root / tag
@@ -441,13 +481,16 @@ def load_latest(
             hint="regenerate the run's ds_config.json with pipectl launch",
         )
     rank, _ = _rank_and_world()
-    choice: tuple[str | None, int | None, list[str]] = (None, None, [])
+    choice: tuple[str | None, int | None, list[str], str | None] = (None, None, [], None)
     if rank == 0:  # one rank hashes; all load the same tag
         info, warnings = find_latest_verified(run_dir)
         for warning in warnings:
             log.warning(warning)
-        choice = (info.tag if info else None, info.step if info else None, warnings)
-    tag, step, warnings = _broadcast_from_rank0(choice)
+        problem = tensor_slicing_problem(info.path, engine.module) if info else None
+        choice = (info.tag if info else None, info.step if info else None, warnings, problem)
+    tag, step, warnings, problem = _broadcast_from_rank0(choice)
+    if problem is not None:  # raised on every rank, before any of them enters DeepSpeed's load
+        raise CheckpointError(problem, hint="resume it with the tensor-parallel degree it was written with")
     if tag is None:
         return None
     root = checkpoints_dir(run_dir)
