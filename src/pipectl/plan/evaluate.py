@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pipectl.artifacts.plan import Candidate
 from pipectl.plan.candidates import Spec
 from pipectl.plan.costs import Hardware, ranks_share_node
-from pipectl.plan.simulate import StageCosts, simulate, simulate_step_seconds
+from pipectl.plan.simulate import StageCosts, actions_per_step, step_seconds_of, summary_of
 from pipectl.schedule import Schedule, generate
 
 TWO_BW_NOTE = "PipeDream-2BW: 1-stale weight updates (a different optimizer than data-parallel Adam)"
@@ -39,6 +39,12 @@ def schedule_of(spec: Spec) -> Schedule:
         spec.variant.chunks,
         shape.recompute,
     )
+
+
+def _schedule_args(spec: Spec) -> tuple:
+    """(kind, p, m, v, recompute) of `schedule_of(spec)`, for the simulator's by-kind entry points."""
+    shape = spec.shape
+    return (spec.variant.kind, shape.pipeline_parallel, spec.micro_batches, spec.variant.chunks, shape.recompute)
 
 
 def costs_of(spec: Spec, hardware: Hardware) -> StageCosts:
@@ -79,19 +85,18 @@ class Evaluator:
         key = spec.key
         step = self._steps.get(key)
         if step is None:
-            schedule = schedule_of(spec)
-            step = simulate_step_seconds(schedule, costs_of(spec, self.hardware))
+            step = step_seconds_of(*_schedule_args(spec), costs_of(spec, self.hardware))
             self._steps[key] = step
             self.simulations += 1
-            self.simulated_actions += sum(len(actions) for actions in schedule.actions.values())
+            self.simulated_actions += actions_per_step(*_schedule_args(spec))
         return step
 
     def cost_per_sample(self, spec: Spec, step: float) -> float:
         return self.hardware.price_per_device_hour * spec.devices * step / 3600 / self.global_batch
 
     def candidate(self, spec: Spec, notes: list[str] | None = None) -> Candidate:
-        """The full record: one more simulation with the timeline for bubble and communication."""
-        timeline = simulate(schedule_of(spec), costs_of(spec, self.hardware))
+        """The full record: one more simulation for the bubble and the exposed communication."""
+        timeline = summary_of(*_schedule_args(spec), costs_of(spec, self.hardware))
         step = timeline.step_seconds
         self._steps.setdefault(spec.key, step)
         shape = spec.shape

@@ -59,11 +59,18 @@ from operator import itemgetter
 from typing import NamedTuple
 
 from pipectl.errors import ScheduleError, UserInputError
+from pipectl.plan import waves
+from pipectl.plan.waves import StepSummary
 from pipectl.schedule.dag import execution_order
-from pipectl.schedule.ir import Action, ActionKind, Schedule
+from pipectl.schedule.generators import generate
+from pipectl.schedule.ir import Action, ActionKind, Schedule, ScheduleKind
 
 __all__ = [
     "StageCosts",
+    "StepSummary",
+    "actions_per_step",
+    "step_seconds_of",
+    "summary_of",
     "TimedAction",
     "Timeline",
     "simulate",
@@ -341,8 +348,8 @@ def _peak_memory_counts(actions: list[Action]) -> tuple[int, int]:
 # --------------------------------------------------------------------------------- simulation
 
 
-def _cost_tables(compiled: _Compiled, costs: StageCosts) -> tuple[list[float], list[float]]:
-    stages, p = compiled.virtual_stages, compiled.pipeline_parallel
+def _check_costs(pipeline_parallel: int, stages: int, costs: StageCosts) -> None:
+    p = pipeline_parallel
     expected = {
         "forward_seconds": stages,
         "backward_seconds": stages,
@@ -359,10 +366,14 @@ def _cost_tables(compiled: _Compiled, costs: StageCosts) -> tuple[list[float], l
                 f"costs.{name} has {len(values)} entries, expected {length} "
                 f"(p={p}, {stages} virtual stages)"
             )
-        if values and not min(values) >= 0:
+        if len(values) and not min(values) >= 0:
             raise UserInputError(f"costs.{name} must be >= 0, got {list(values)}")
     if not costs.jitter_seconds >= 0:
         raise UserInputError(f"costs.jitter_seconds must be >= 0, got {costs.jitter_seconds}")
+
+
+def _cost_tables(compiled: _Compiled, costs: StageCosts) -> tuple[list[float], list[float]]:
+    _check_costs(compiled.pipeline_parallel, compiled.virtual_stages, costs)
     duration_table = [
         *costs.forward_seconds,
         *costs.backward_seconds,
@@ -446,3 +457,54 @@ def simulate(schedule: Schedule, costs: StageCosts) -> Timeline:
         communication_seconds_per_rank=tuple(exposed),
         peak_stashed_inputs=compiled.peak_stashed_inputs,
     )
+
+
+# ------------------------------------------------------------------ by schedule kind (the planner)
+
+
+def step_seconds_of(
+    kind: ScheduleKind, pipeline_parallel: int, micro_batches: int, chunks: int, recompute: bool,
+    costs: StageCosts,
+) -> float:
+    """`simulate_step_seconds(generate(kind, p, m, v, recompute), costs)` without building it.
+
+    GPipe, 1F1B, PipeDream-2BW and interleaved without jitter are timed by `pipectl.plan.waves`
+    (equal to the event-driven simulation up to rounding, ~1e-14 relative); Varuna, whose order
+    comes from its own rules, and any jittered cost table take the event-driven path.
+
+    >>> step_seconds_of(ScheduleKind.GPIPE, 4, 8, 1, False, uniform_costs(4, 1, 1.0, 2.0))
+    33.0
+    """
+    _check_costs(pipeline_parallel, pipeline_parallel * chunks, costs)
+    if waves.supported(kind, costs.jitter_seconds):
+        return waves.step_seconds(kind, pipeline_parallel, micro_batches, chunks, recompute, costs)
+    return simulate_step_seconds(generate(kind, pipeline_parallel, micro_batches, chunks, recompute), costs)
+
+
+def summary_of(
+    kind: ScheduleKind, pipeline_parallel: int, micro_batches: int, chunks: int, recompute: bool,
+    costs: StageCosts,
+) -> StepSummary:
+    """Step time, idle fraction and exposed communication of `simulate(generate(...), costs)`."""
+    _check_costs(pipeline_parallel, pipeline_parallel * chunks, costs)
+    if waves.supported(kind, costs.jitter_seconds):
+        return waves.summary(kind, pipeline_parallel, micro_batches, chunks, recompute, costs)
+    timeline = simulate(generate(kind, pipeline_parallel, micro_batches, chunks, recompute), costs)
+    return StepSummary(
+        step_seconds=timeline.step_seconds,
+        bubble_fraction=timeline.bubble_fraction,
+        communication_seconds=timeline.communication_seconds,
+        communication_seconds_per_rank=timeline.communication_seconds_per_rank,
+    )
+
+
+def actions_per_step(kind: ScheduleKind, pipeline_parallel: int, micro_batches: int, chunks: int,
+                     recompute: bool) -> int:
+    """Timed actions of one step (F, B, R, AR, STEP), without building the schedule.
+
+    >>> actions_per_step(ScheduleKind.ONE_F_ONE_B, 2, 3, 1, True), len(_compiled(generate(ScheduleKind.ONE_F_ONE_B, 2, 3, 1, True)).actions)
+    (19, 19)
+    """
+    stages = pipeline_parallel * chunks
+    recomputing = stages - 1 if recompute or kind is ScheduleKind.VARUNA else 0
+    return micro_batches * (2 * stages + recomputing) + 2 * pipeline_parallel

@@ -1,0 +1,349 @@
+"""Step time of the synchronous schedules without building them: waves and a periodic jump.
+
+The planner times schedules of up to thousands of micro-batches on up to a hundred stages, many
+times over (the ranking and the morph table). The event-driven simulator (`simulate.py`) walks every
+action; this module gives the same step time (to rounding: the test holds it to 1e-12 relative on
+random non-uniform costs) from the structure of GPipe, 1F1B (and PipeDream-2BW, same order) and
+interleaved 1F1B, in far fewer operations. It relies on two facts:
+
+1. **Waves.** 1F1B-like orders are "warm-up forwards, then forward/backward pairs, then drain
+   backwards" on every rank. Number rank k's forwards j = 0, 1, ... and backwards i = 0, 1, ... in
+   its own order and put forward j in wave j + α_k and backward i in wave i + β_k, with
+   α_k = β_k − W_k (W_k = the rank's warm-up forwards), so a pair's forward and backward share a
+   wave and a rank's actions come in wave order, forward before backward. The offsets are chosen
+   so that every cross-stage input comes from the previous wave, except in plain 1F1B where a
+   backward's input comes from the next rank in the same wave (a chain over the ranks, solved as
+   one running maximum). One wave is a handful of vector operations over the ranks.
+
+2. **Periodicity.** Every micro-batch of a stage costs the same, so in the steady part of the
+   step one wave (a period of p·v waves for interleaved) maps the ranks' state (end of the
+   last action, of the last forward, of the last backward) to the next by the same max-plus
+   linear map x ↦ A ⊗ x. Such a map commutes with adding a constant to every entry, so once
+   x(k) = x(k − period) + λ for every entry, it stays so: the remaining steady waves are skipped
+   by adding λ per period, exactly (Baccelli, Cohen, Olsder, Quadrat, "Synchronization and
+   Linearity", 1992, ch. 3: eventual periodicity of max-plus linear recurrences). The check
+   allows a few units in the last place of rounding; the warm-up and the drain are simulated.
+
+GPipe needs no simulation at all: with constant per-stage costs the longest path through its
+forward grid (and its backward grid) puts every extra micro-batch on the slowest stage, which gives
+the closed form in `gpipe_compute_ends`.
+
+Communication is an edge delay, as in the simulator; jitter (random per-transfer delays) is not
+periodic, so callers use the event-driven simulator when `jitter_seconds > 0`. Varuna's
+rule-based order has no fixed wave structure and is simulated too.
+
+    >>> from pipectl.plan.simulate import uniform_costs
+    >>> from pipectl.schedule import ScheduleKind
+    >>> step_seconds(ScheduleKind.ONE_F_ONE_B, 4, 1000, 1, False, uniform_costs(4, 1, 1.0, 2.0))
+    3009.0
+    >>> (1000 + 4 - 1) * (1.0 + 2.0)
+    3009.0
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from pipectl.schedule.ir import ScheduleKind
+
+__all__ = ["StepSummary", "gpipe_compute_ends", "pair_schedule_ends", "step_seconds", "summary", "supported"]
+
+# Deviation from an exact period tolerated, in units of the largest end time's spacing
+# (np.spacing): a few roundings per wave, far below any difference between candidates.
+_PERIOD_ULPS = 16.0
+_CHECK_EVERY = 4  # steady waves between two searches for a repeat
+
+
+@dataclass(frozen=True)
+class StepSummary:
+    """What the planner records of a simulated step (as `Timeline` computes it, without records)."""
+
+    step_seconds: float
+    bubble_fraction: tuple[float, ...]  # per rank: idle / step
+    communication_seconds: float  # exposed p2p waits + all-reduce, max over ranks
+    communication_seconds_per_rank: tuple[float, ...]
+
+
+def supported(kind: ScheduleKind, jitter_seconds: float) -> bool:
+    """Whether this module handles the schedule kind (Varuna and jitter: simulate instead)."""
+    return jitter_seconds == 0 and kind in (
+        ScheduleKind.GPIPE,
+        ScheduleKind.ONE_F_ONE_B,
+        ScheduleKind.PIPEDREAM_2BW,
+        ScheduleKind.INTERLEAVED,
+    )
+
+
+@dataclass(frozen=True)
+class _Tables:
+    forward: np.ndarray
+    backward: np.ndarray
+    recomputes: np.ndarray  # 0 where the stage does not recompute
+    send_forward: np.ndarray  # padded with a trailing 0 (index -1 and the last stage read it)
+    send_backward: np.ndarray
+    allreduce: np.ndarray
+    optimizer: np.ndarray
+
+
+def _tables(stages: int, recompute: bool, costs) -> _Tables:
+    recomputes = np.zeros(stages)
+    if recompute and stages > 1:
+        recomputes[: stages - 1] = np.asarray(costs.recompute_seconds, dtype=float)[: stages - 1]
+    return _Tables(
+        forward=np.asarray(costs.forward_seconds, dtype=float),
+        backward=np.asarray(costs.backward_seconds, dtype=float),
+        recomputes=recomputes,
+        send_forward=np.append(np.asarray(costs.send_forward_seconds, dtype=float), 0.0),
+        send_backward=np.append(np.asarray(costs.send_backward_seconds, dtype=float), 0.0),
+        allreduce=np.asarray(costs.allreduce_seconds, dtype=float),
+        optimizer=np.asarray(costs.optimizer_seconds, dtype=float),
+    )
+
+
+def _warmup(kind: ScheduleKind, p: int, m: int, v: int) -> np.ndarray:
+    """Forwards each rank runs before its first backward (as the generators order them)."""
+    ranks = np.arange(p)
+    if kind is ScheduleKind.GPIPE:
+        return np.full(p, m)
+    if kind is ScheduleKind.INTERLEAVED and v > 1:
+        if m == p:
+            return np.full(p, m * v)
+        return np.minimum(2 * (p - 1 - ranks) + (v - 1) * p, m * v)
+    return np.minimum(p - 1 - ranks, m)
+
+
+def step_seconds(kind: ScheduleKind, pipeline_parallel: int, micro_batches: int, chunks: int,
+                 recompute: bool, costs) -> float:
+    """The step time the event-driven simulator gives for `generate(kind, p, m, v, recompute)`.
+
+    `costs` is a `pipectl.plan.simulate.StageCosts` (already checked by the caller) with no jitter.
+    """
+    p, m, v = pipeline_parallel, micro_batches, chunks
+    t = _tables(p * v, recompute, costs)
+    if kind is ScheduleKind.GPIPE:
+        ends = gpipe_compute_ends(m, t.forward, t.backward, t.recomputes, t.send_forward, t.send_backward)
+    else:
+        ends, _ = pair_schedule_ends(kind, p, m, v, t)
+    # The all-reduce follows the rank's last compute action, the optimizer step follows it.
+    return float(np.max((ends + t.allreduce) + t.optimizer))
+
+
+def summary(kind: ScheduleKind, pipeline_parallel: int, micro_batches: int, chunks: int,
+            recompute: bool, costs) -> StepSummary:
+    """Step time, idle fraction and exposed communication per rank, as `simulate` reports them."""
+    p, m, v = pipeline_parallel, micro_batches, chunks
+    t = _tables(p * v, recompute, costs)
+    ends, exposed = pair_schedule_ends(kind, p, m, v, t)
+    if kind is ScheduleKind.GPIPE:
+        # The same figure `step_seconds` gives (the closed form), so rankings and records agree.
+        ends = gpipe_compute_ends(m, t.forward, t.backward, t.recomputes, t.send_forward, t.send_backward)
+    step = float(np.max((ends + t.allreduce) + t.optimizer))
+    per_stage = m * (t.forward + t.backward + t.recomputes)
+    busy = per_stage.reshape(v, p).sum(axis=0) + t.allreduce + t.optimizer
+    idle = np.maximum(step - busy, 0.0)
+    exposed = exposed + t.allreduce
+    return StepSummary(
+        step_seconds=step,
+        bubble_fraction=tuple((idle / step).tolist()) if step > 0 else (0.0,) * p,
+        communication_seconds=float(np.max(exposed)),
+        communication_seconds_per_rank=tuple(exposed.tolist()),
+    )
+
+
+def gpipe_compute_ends(m, forward, backward, recomputes, send_forward, send_backward) -> np.ndarray:
+    """Per rank: the end of its last backward under GPipe (all forwards, then all backwards).
+
+    Forward grid: F(s, i) ends at max(F(s, i−1), F(s−1, i) + c_{s−1}) + f_s. Its longest path
+    from F(0, 0) to F(s, m−1) crosses every stage up to s once and spends the other m − 1
+    micro-batches on the slowest of them:
+
+        E_s = Σ_{s'≤s} f_{s'} + Σ_{s'<s} c_{s'} + (m − 1) · max_{s'≤s} f_{s'}.
+
+    Backward grid (R(s, i) before B(s, i) when recomputing, never on the last stage):
+    B(s, i) ends at max(B(s, i−1) + r_s, B(s+1, i) + c'_s) + b_s, with B(s, −1) = E_s. A longest
+    path enters at some stage s0 ≥ s after its forwards and climbs to s, so
+
+        B(s, m−1) = max_{s0≥s} [E_{s0} + r_{s0} + b_{s0} + Σ_{s≤s'<s0} (c'_{s'} + b_{s'})
+                                 + (m − 1) · max_{s≤s'≤s0} (r_{s'} + b_{s'})].
+    """
+    p = len(forward)
+    extra = m - 1
+    forward_ends = np.cumsum(forward) + np.concatenate(([0.0], np.cumsum(send_forward[:-1]))) \
+        + extra * np.maximum.accumulate(forward)
+    # climb[s, s0] = Σ_{s≤s'<s0} (c'_{s'} + b_{s'}) for s0 ≥ s
+    hop = np.concatenate(([0.0], np.cumsum(send_backward[:-1] + backward[:-1])))
+    climb = hop[None, :] - hop[:, None]
+    per_micro_batch = recomputes + backward
+    upper = np.triu(np.ones((p, p), dtype=bool))
+    range_max = np.maximum.accumulate(np.where(upper, per_micro_batch[None, :], 0.0), axis=1)  # costs >= 0
+    entry = (forward_ends + recomputes + backward)[None, :]
+    paths = np.where(upper, entry + climb + extra * range_max, -np.inf)
+    return paths.max(axis=1)
+
+
+def pair_schedule_ends(kind: ScheduleKind, p: int, m: int, v: int, t: _Tables) -> tuple[np.ndarray, np.ndarray]:
+    """Per rank: the end of its last compute action, and its exposed p2p waiting time.
+
+    Rank k runs forwards j = 0..W_k−1, then pairs (forward W_k + i, backward i), then the
+    remaining backwards (GPipe: W_k = m, no pairs). Forward j of rank k is virtual stage c·p + k
+    with chunk c = (j mod p·v) // p, on micro-batch (j // (p·v))·p + j mod p; backwards visit the
+    chunks in reverse (Megatron-LM's interleaved order; with v = 1 it is 1F1B).
+
+    Waiting counts as exposed communication as in `simulate`: the part of an action's wait that
+    lies after its producer had finished (the transfer not hidden behind the rank's own work).
+    """
+    warmup = _warmup(kind, p, m, v)
+    ranks = np.arange(p)
+    total = m * v  # forwards (and backwards) per rank
+    group = p * v
+    last_stage = p * v - 1
+    # 1F1B (pairs right after a warm-up of p - k - 1) numbers backwards so that a backward's
+    # input comes from the next rank in the same wave: solved as a chain over the ranks.
+    chain = bool(np.all(warmup == np.minimum(p - 1 - ranks, m))) and v == 1 and p > 1
+    if chain:
+        backward_offset = np.zeros(p, dtype=np.int64)
+        forward_offset = -(p - 1 - ranks)
+    elif np.all(warmup == total):
+        # Everything is warm-up: all forwards, then all backwards (GPipe; interleaved with m == p).
+        forward_offset = ranks.copy()
+        backward_offset = (total + 2 * p - 2) - ranks
+    else:
+        backward_offset = -ranks
+        forward_offset = backward_offset - warmup
+    first_wave = int(min(forward_offset.min(), backward_offset.min()))
+    last_wave = int(max(forward_offset.max(), backward_offset.max())) + total - 1
+    period = 1 if v == 1 else group
+    previous_rank = (ranks - 1) % p
+    next_rank = (ranks + 1) % p
+    forward, backward, recomputes = t.forward, t.backward, t.recomputes
+    send_forward, send_backward = t.send_forward, t.send_backward
+
+    last = np.zeros(p)  # end of the rank's latest action
+    forward_end = np.zeros(p)  # end of the rank's forward in the latest wave that had one
+    backward_end = np.zeros(p)
+    exposed = np.zeros(p)
+    steady_from, steady_to = _steady_waves(forward_offset, backward_offset, total)
+    history = _History(p, period, steady_from, steady_to)
+    wave = first_wave
+    while wave <= last_wave:
+        j = wave - forward_offset
+        has_forward = (j >= 0) & (j < total)
+        i = wave - backward_offset
+        has_backward = (i >= 0) & (i < total)
+        if has_forward.any():
+            stage = ((j % group) // p) * p + ranks if v > 1 else ranks
+            stage = np.where(has_forward, stage, 0)
+            produced = forward_end[previous_rank]
+            has_input = has_forward & (stage > 0)
+            ready = np.where(has_input, produced + send_forward[stage - 1], 0.0)
+            start = np.maximum(last, ready)
+            exposed += np.where(has_input, np.maximum(start - np.maximum(last, produced), 0.0), 0.0)
+            new_forward = start + forward[stage]
+            last = np.where(has_forward, new_forward, last)
+            forward_end = np.where(has_forward, new_forward, forward_end)
+        if has_backward.any():
+            stage = (v - 1 - (i % group) // p) * p + ranks if v > 1 else ranks
+            stage = np.where(has_backward, stage, 0)
+            free = last + recomputes[stage]  # the recompute (if any) runs before the backward
+            has_input = has_backward & (stage < last_stage)
+            if chain:
+                new_backward = _backward_chain(free, backward, send_backward)
+                produced = np.append(new_backward[1:], 0.0)
+            else:
+                produced = backward_end[next_rank]
+            ready = np.where(has_input, produced + send_backward[stage], 0.0)
+            start = np.maximum(free, ready)
+            exposed += np.where(has_input, np.maximum(start - np.maximum(free, produced), 0.0), 0.0)
+            if not chain:
+                new_backward = start + backward[stage]
+            last = np.where(has_backward, new_backward, last)
+            backward_end = np.where(has_backward, new_backward, backward_end)
+        if steady_from <= wave <= steady_to:
+            found = history.record(wave, np.concatenate((last, forward_end, backward_end)), exposed)
+            if found is not None:
+                # Every later cycle repeats this one, shifted by `shift` (module docstring).
+                cycle, shift, exposed_per_cycle = found
+                cycles = (steady_to - wave) // cycle
+                exposed = exposed + cycles * exposed_per_cycle
+                advance = cycles * shift
+                last = last + advance
+                forward_end = forward_end + advance
+                backward_end = backward_end + advance
+                wave += cycles * cycle
+                history.disable()
+        wave += 1
+    return last, exposed
+
+
+def _steady_waves(forward_offset, backward_offset, total) -> tuple[int, int]:
+    """Waves in which every rank runs a forward and a backward (the repeating part), as a range.
+
+    A period-aligned jump must land inside it; outside it nothing is skipped.
+    """
+    start = int(max(forward_offset.max(), backward_offset.max()))
+    end = int(min(forward_offset.min(), backward_offset.min())) + total - 1
+    return start, end
+
+
+class _History:
+    """The steady waves' states, to find x(k) = x(k − c) + λ (c a multiple of the period).
+
+    A max-plus system may repeat itself only after several periods (its cyclicity: e.g. a
+    critical loop through j ranks takes j waves), so every `_CHECK_EVERY` waves the state is
+    compared with each of the last `depth` states at a multiple of the period.
+    """
+
+    def __init__(self, ranks: int, period: int, steady_from: int, steady_to: int) -> None:
+        self.period = period
+        self.depth = min(max(4 * ranks, 2 * period, 16) // period * period, max(steady_to - steady_from, 0))
+        self.states = np.zeros((self.depth, 3 * ranks))
+        self.exposed = np.zeros((self.depth, ranks))
+        self.stored = 0
+        self.enabled = self.depth >= period and steady_to - steady_from > 2 * period
+        self.steady_to = steady_to
+
+    def disable(self) -> None:
+        self.enabled = False
+
+    def record(self, wave: int, state: np.ndarray, exposed: np.ndarray) -> tuple[int, float, np.ndarray] | None:
+        """(cycle length in waves, shift per cycle, exposed time per cycle) once one repeats."""
+        if not self.enabled:
+            return None
+        slot = self.stored % self.depth
+        found = None
+        if self.stored >= self.period and self.stored % _CHECK_EVERY == 0:
+            found = self._repeat(slot, state, exposed)
+        self.states[slot] = state
+        self.exposed[slot] = exposed
+        self.stored += 1
+        if found is not None and (self.steady_to - wave) // found[0] == 0:
+            return None
+        return found
+
+    def _repeat(self, slot: int, state: np.ndarray, exposed: np.ndarray):
+        available = min(self.stored, self.depth)
+        lags = np.arange(self.period, available + 1, self.period)
+        rows = (slot - lags) % self.depth
+        differences = state[None, :] - self.states[rows]
+        shifts = differences[:, 0]
+        tolerance = _PERIOD_ULPS * float(np.spacing(np.max(np.abs(state))))
+        uniform = np.max(np.abs(differences - shifts[:, None]), axis=1) <= tolerance
+        if not uniform.any():
+            return None
+        first = int(np.argmax(uniform))
+        return int(lags[first]), float(shifts[first]), exposed - self.exposed[rows[first]]
+
+
+def _backward_chain(after_recompute, backward, send_backward) -> np.ndarray:
+    """1F1B: B(k, i) = max(own rank ready, B(k+1, i) + c'_k) + b_k, from the last rank down.
+
+    As a running maximum: B(k) = H_k + max_{k0≥k} (A_{k0} + b_{k0} − H_{k0}) with
+    H_k = Σ_{k'≥k} b_{k'} + Σ_{k≤k'<p−1} c'_{k'} (every rank has a backward in these waves).
+    """
+    suffix = np.cumsum((backward + send_backward)[::-1])[::-1] - send_backward[-1]
+    # send_backward[-1] is the padding zero; suffix[k] = Σ_{k'≥k} b + Σ_{k≤k'<p-1} c'
+    candidates = after_recompute + backward - suffix
+    best = np.maximum.accumulate(candidates[::-1])[::-1]
+    return suffix + best
