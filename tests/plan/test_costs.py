@@ -135,3 +135,151 @@ def test_stage_costs_for_reproduces_the_plans_prediction(cluster_name, devices, 
         schedule = generate(candidate.schedule, candidate.pipeline_parallel, candidate.micro_batches,
                             candidate.chunks, candidate.recompute)
         assert simulate(schedule, costs).step_seconds == pytest.approx(candidate.predicted_step_seconds, rel=1e-9)
+
+
+# --- measured engine terms (profile.runtime) ---------------------------------------------------
+
+
+def _runtime(**overrides):
+    from pipectl.artifacts.profile import EngineComputeRatio, RuntimeCosts
+
+    values = dict(
+        engine="test engine",
+        forward_overhead_seconds=0.001,
+        backward_overhead_seconds=0.002,
+        step_fixed_seconds=0.004,
+        step_seconds_per_parameter=1e-8,
+        compute_ratios=[
+            EngineComputeRatio(micro_batch_size=1, forward_ratio=1.5, backward_ratio=1.25),
+            EngineComputeRatio(micro_batch_size=2, forward_ratio=1.5, backward_ratio=1.25),
+        ],
+    )
+    values.update(overrides)
+    return RuntimeCosts(**values)
+
+
+def _cpu_profile_with_runtime(**overrides):
+    profile = synthetic_profile(blocks=4, micro_batch_sizes=[1, 2], device="cpu", dtype="float32")
+    return profile.model_copy(update={"runtime": _runtime(**overrides)})
+
+
+def test_runtime_terms_apply_only_on_the_device_they_were_measured_on():
+    profile = _cpu_profile_with_runtime()
+    assert hardware_for(local_cluster(2), profile).runtime is profile.runtime
+    assert hardware_for(load_cluster("a100-8x8"), profile).runtime is None
+
+
+def test_engine_ratio_and_overhead_enter_every_stage_per_micro_batch():
+    profile = _cpu_profile_with_runtime()
+    plain = profile.model_copy(update={"runtime": None})
+    cuts = [(0, 3), (3, 7)]
+    with_terms = stage_costs(profile, hardware_for(local_cluster(2), profile), cuts,
+                             micro_batch_size=2, tensor_parallel=1, data_parallel=1)  # fmt: skip
+    without = stage_costs(plain, hardware_for(local_cluster(2), plain), cuts,
+                          micro_batch_size=2, tensor_parallel=1, data_parallel=1)  # fmt: skip
+    for stage in range(2):
+        assert with_terms.forward_seconds[stage] == pytest.approx(1.5 * without.forward_seconds[stage] + 0.001)
+        assert with_terms.backward_seconds[stage] == pytest.approx(1.25 * without.backward_seconds[stage] + 0.002)
+    assert with_terms.recompute_seconds == with_terms.forward_seconds  # R re-runs the engine's forward
+
+
+def test_engine_end_of_step_replaces_the_bandwidth_estimate_of_adam():
+    profile = _cpu_profile_with_runtime()
+    hardware = hardware_for(local_cluster(2), profile)
+    table = layer_table(profile, 2)
+    costs = stage_costs(profile, hardware, [(0, 3), (3, 7)], micro_batch_size=2, tensor_parallel=1, data_parallel=1)
+    for rank, (start, end) in enumerate([(0, 3), (3, 7)]):
+        held = table.parameters(start, end)
+        assert costs.optimizer_seconds[rank] == pytest.approx(0.004 + 1e-8 * held)
+
+
+def test_engine_collectives_with_data_and_pipeline_parallelism():
+    from pipectl.plan.costs import (
+        SMALL_COLLECTIVE_BYTES,
+        SMALL_COLLECTIVES_PER_DATA_PARALLEL_GROUP,
+        SMALL_COLLECTIVES_PER_PIPELINE,
+        data_parallel_seconds,
+    )
+
+    profile = _cpu_profile_with_runtime()
+    hardware = hardware_for(local_cluster(4), profile)
+    ring = hardware.links.allreduce_intra
+    held = [1e5, 2e5]
+    allreduce, optimizer = data_parallel_seconds(
+        held, hardware, pipeline_parallel=2, tensor_parallel=1, data_parallel=2, zero_stage=1, element_bytes=4
+    )
+    small_d = ring.ring_allreduce_seconds(SMALL_COLLECTIVE_BYTES, 2)
+    for rank in range(2):
+        gradient = ring.ring_allreduce_seconds(held[rank] * 4, 2)
+        expected = 1.5 * gradient + (SMALL_COLLECTIVES_PER_DATA_PARALLEL_GROUP + SMALL_COLLECTIVES_PER_PIPELINE) * small_d
+        assert allreduce[rank] == pytest.approx(expected)
+        assert optimizer[rank] == pytest.approx(0.004 + 1e-8 * held[rank])
+    # One rank: nothing to communicate, only the engine's own end of step.
+    alone, _ = data_parallel_seconds(
+        [1e5], hardware, pipeline_parallel=1, tensor_parallel=1, data_parallel=1, zero_stage=1, element_bytes=4
+    )
+    assert alone == [0.0]
+
+
+def test_one_rank_step_is_micro_batches_times_engine_work_plus_end_of_step():
+    # p = d = 1: the simulated step is m x (ratio x layers + overhead, forward and backward) plus the
+    # measured end of step: the calibration's own decomposition, recomposed.
+    profile = _cpu_profile_with_runtime()
+    hardware = hardware_for(local_cluster(1), profile)
+    table = layer_table(profile, 2)
+    costs = stage_costs(profile, hardware, [(0, 7)], micro_batch_size=2, tensor_parallel=1, data_parallel=1)
+    m = 4
+    step = simulate(generate(ScheduleKind.ONE_F_ONE_B, 1, m), costs).step_seconds
+    per_micro_batch = 1.5 * sum(table.forward_seconds) + 0.001 + 1.25 * sum(table.backward_seconds) + 0.002
+    assert step == pytest.approx(m * per_micro_batch + 0.004 + 1e-8 * table.parameters(0, 7))
+
+
+def test_engine_ratio_is_flat_beyond_the_measured_sizes():
+    from pipectl.artifacts.profile import EngineComputeRatio
+    from pipectl.plan.costs import engine_compute_ratios
+
+    runtime = _runtime(compute_ratios=[
+        EngineComputeRatio(micro_batch_size=2, forward_ratio=1.2, backward_ratio=1.0),
+        EngineComputeRatio(micro_batch_size=8, forward_ratio=1.8, backward_ratio=1.6),
+    ])  # fmt: skip
+    assert engine_compute_ratios(runtime, 1) == (1.2, 1.0)
+    assert engine_compute_ratios(runtime, 4) == pytest.approx((1.4, 1.2))
+    assert engine_compute_ratios(runtime, 32) == (1.8, 1.6)
+    assert engine_compute_ratios(None, 4) == (1.0, 1.0)
+
+
+def test_busy_handoff_raises_the_intra_node_latency_and_each_collective():
+    from pipectl.plan.costs import data_parallel_seconds
+
+    slow = _cpu_profile_with_runtime(busy_handoff_seconds=0.003)
+    fast = _cpu_profile_with_runtime(busy_handoff_seconds=1e-6)
+    catalog_latency = hardware_for(local_cluster(2), fast).links.intra_latency_seconds
+    assert catalog_latency > 1e-6  # a handoff below the link latency changes nothing
+    hardware = hardware_for(local_cluster(2), slow)
+    assert hardware.links.intra_latency_seconds == 0.003
+    assert hardware.links.intra.seconds(0) == 0.003
+    assert hardware.links.allreduce_intra_latency_seconds == hardware_for(local_cluster(2), fast).links.allreduce_intra_latency_seconds
+    # d = 2, p = 1: gradient all-reduce, parameter all-gather and the two small all-reduces each wait one handoff.
+    with_handoff, _ = data_parallel_seconds([1e5], hardware, pipeline_parallel=1, tensor_parallel=1,
+                                            data_parallel=2, zero_stage=1, element_bytes=4)  # fmt: skip
+    plain = hardware_for(local_cluster(2), _cpu_profile_with_runtime())
+    without, _ = data_parallel_seconds([1e5], plain, pipeline_parallel=1, tensor_parallel=1,
+                                       data_parallel=2, zero_stage=1, element_bytes=4)  # fmt: skip
+    assert with_handoff[0] - without[0] == pytest.approx(4 * 0.003)
+
+
+def test_concurrent_slowdown_applies_only_when_a_node_runs_several_ranks():
+    profile = _cpu_profile_with_runtime(concurrent_compute_slowdown=1.5, concurrent_ranks=2)
+    plain = _cpu_profile_with_runtime()
+    one_rank = stage_costs(profile, hardware_for(local_cluster(1), profile), [(0, 7)],
+                           micro_batch_size=2, tensor_parallel=1, data_parallel=1)  # fmt: skip
+    baseline = stage_costs(plain, hardware_for(local_cluster(1), plain), [(0, 7)],
+                           micro_batch_size=2, tensor_parallel=1, data_parallel=1)  # fmt: skip
+    assert one_rank.forward_seconds == baseline.forward_seconds
+    two = stage_costs(profile, hardware_for(local_cluster(2), profile), [(0, 7)],
+                      micro_batch_size=2, tensor_parallel=1, data_parallel=2)  # fmt: skip
+    two_plain = stage_costs(plain, hardware_for(local_cluster(2), plain), [(0, 7)],
+                            micro_batch_size=2, tensor_parallel=1, data_parallel=2)  # fmt: skip
+    assert two.forward_seconds[0] == pytest.approx(1.5 * two_plain.forward_seconds[0])
+    assert two.backward_seconds[0] == pytest.approx(1.5 * two_plain.backward_seconds[0])
+    assert two.optimizer_seconds[0] == pytest.approx(1.5 * two_plain.optimizer_seconds[0])

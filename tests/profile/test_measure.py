@@ -17,7 +17,7 @@ def gpt_tiny():
 
 @pytest.fixture(scope="module")
 def tiny_profile(gpt_tiny):
-    return profile_model(gpt_tiny, [1, 2], warmup=1, repeats=2)
+    return profile_model(gpt_tiny, [1, 2], warmup=1, repeats=2, runtime=False)
 
 
 def test_every_layer_has_positive_times_at_every_size(tiny_profile, gpt_tiny):
@@ -104,7 +104,7 @@ def test_memory_budget_stops_at_first_size_that_does_not_fit(gpt_tiny, tiny_prof
         return 2 * 4 * tiny_profile.parameter_count + saved + tiny_profile.layers[-1].cost(size).output_activation_bytes
 
     budget = estimate(2) + 1
-    profile = profile_model(gpt_tiny, [1, 2, 4, 8], warmup=0, repeats=1, memory_budget_bytes=budget)
+    profile = profile_model(gpt_tiny, [1, 2, 4, 8], warmup=0, repeats=1, memory_budget_bytes=budget, runtime=False)
     assert profile.micro_batch_sizes == [1, 2]
     assert profile.not_fitting_micro_batch_size == 4
     assert any("micro-batch size 4 does not fit" in note for note in profile.notes)
@@ -136,7 +136,7 @@ def test_cuda_without_cuda_is_a_clear_error(gpt_tiny):
 
 def test_progress_reports_every_layer_and_size(gpt_tiny):
     seen = []
-    profile_model(build_model("mlp-tiny"), [1, 2], warmup=0, repeats=1, progress=seen.append)
+    profile_model(build_model("mlp-tiny"), [1, 2], warmup=0, repeats=1, progress=seen.append, runtime=False)
     assert [(u.done, u.total) for u in seen] == [(i, 20) for i in range(1, 21)]
     assert seen[-1].layer == "classifier" and seen[-1].micro_batch_size == 2
 
@@ -144,7 +144,27 @@ def test_progress_reports_every_layer_and_size(gpt_tiny):
 def test_last_layer_backward_includes_the_loss(gpt_tiny):
     # The head's backward starts from the loss: its saved bytes include what the loss keeps
     # (log-softmax of the b*s*V logits), more than the head's own input and output alone keep.
-    profile = profile_model(gpt_tiny, [1], warmup=0, repeats=1)
+    profile = profile_model(gpt_tiny, [1], warmup=0, repeats=1, runtime=False)
     head = profile.layers[-1].cost(1)
     logits_bytes = head.output_activation_bytes
     assert head.saved_activation_bytes > logits_bytes
+
+
+def test_profile_measures_the_engine_runtime_terms_by_default(gpt_tiny):
+    # One real engine calibration (a forked one-rank DeepSpeed run, about 3 s): every term is
+    # there, positive and of a plausible size for a CPU rank.
+    profile = profile_model(gpt_tiny, [1, 2], warmup=0, repeats=1)
+    runtime = profile.runtime
+    assert runtime is not None, profile.notes
+    assert "deepspeed" in runtime.engine and any(note.startswith("runtime terms:") for note in profile.notes)
+    for overhead in (runtime.forward_overhead_seconds, runtime.backward_overhead_seconds, runtime.step_fixed_seconds):
+        assert 1e-6 < overhead < 0.05
+    # AdamW + gradient flattening + copy-back: more than a memory pass, far less than a microsecond.
+    assert 1e-10 < runtime.step_seconds_per_parameter < 1e-6
+    assert runtime.calibration_parameter_count == profile.parameter_count
+    assert [r.micro_batch_size for r in runtime.compute_ratios] == [1, 2]
+    for ratio in runtime.compute_ratios:
+        assert 0.5 <= ratio.forward_ratio < 5 and 0.5 <= ratio.backward_ratio < 5
+    # Two forked ranks measured how they share this host.
+    assert runtime.concurrent_ranks == 2 and runtime.concurrent_compute_slowdown >= 1.0
+    assert 0.0 <= runtime.busy_handoff_seconds < 0.5

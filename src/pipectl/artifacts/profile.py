@@ -121,6 +121,20 @@ class RuntimeCosts(Strict):
     calibration_parameter_count: int = Field(
         default=0, ge=0, description="Parameters of the model the slope was measured on."
     )
+    busy_handoff_seconds: float = Field(
+        default=0.0,
+        ge=0,
+        description="One blocking message between two ranks of this host after both had been computing: from "
+        "both being ready until the receiver runs again (p2p and collectives alike). About the link latency "
+        "when the host has idle cores; the scheduler's wait when it is over-subscribed. 0: not measured.",
+    )
+    concurrent_compute_slowdown: float = Field(
+        default=1.0,
+        gt=0,
+        description="Compute time of a rank while `concurrent_ranks` ranks of this host compute at once / its "
+        "time alone (a host shared with other work gives each rank less than a core). 1: not measured.",
+    )
+    concurrent_ranks: int = Field(default=1, ge=1, description="Ranks computing at once in that measurement.")
 
 
 class LinkSample(Strict):

@@ -44,7 +44,13 @@ costed as the training engine really runs it (Varuna §4: calibrate once, scale-
   always uses): with d > 1 an all-gather of the updated parameters over the replicas (ring
   all-gather: half a ring all-reduce; Thakur et al. 2005) and two latency-bound all-reduces (the
   gradient norm and the loss); with p > 1 one latency-bound all-reduce of the gradient norm over
-  the stages and one broadcast of the loss from the last stage.
+  the stages and one broadcast of the loss from the last stage;
+- the host's sharing between ranks (measured with two ranks, `measure_host_sharing`): a blocking
+  message or collective between ranks of one node costs at least the measured *busy handoff*
+  (the p2p latency of the node's links is raised to it in `hardware_for`, and each intra-node
+  collective at the end of a step adds it), and when a layout runs more than one rank on a node
+  every rank's compute (layers, engine overheads, end of step) takes the measured concurrent-
+  compute slowdown (`stage_costs`; measured for two ranks, used for any number).
 
     >>> from pipectl.plan.synthetic import synthetic_profile
     >>> from pipectl.cluster import local_cluster
@@ -57,7 +63,7 @@ costed as the training engine really runs it (Varuna §4: calibrate once, scale-
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 from pipectl.artifacts.cluster import ClusterSpec, NodeType
@@ -128,16 +134,44 @@ def hardware_for(cluster: ClusterSpec, profile: ModelProfile, node_type: NodeTyp
             raise UserInputError(f"cluster '{cluster.name}' has no node type '{node_type}'")
     same_kind = [n for n in cluster.node_types if n.device == node_type.device]
     device = get_device(node_type.device)
+    runtime = runtime_for(profile, device)
     return Hardware(
         device=device,
         devices_per_node=min(n.devices_per_node for n in same_kind),
         devices=sum(n.devices for n in same_kind),
-        links=resolve_links(cluster, node_type),
+        links=with_busy_handoff(resolve_links(cluster, node_type), runtime),
         price_per_device_hour=price_per_device_hour(cluster, node_type),
         compute_scale=compute_scale(profile, device),
         node_type=node_type.name,
-        runtime=runtime_for(profile, device),
+        runtime=runtime,
     )
+
+
+def with_busy_handoff(links: ResolvedLinks, runtime: RuntimeCosts | None) -> ResolvedLinks:
+    """Intra-node p2p latency raised to the measured busy handoff, when that is larger.
+
+    A stage's message arrives when the receiving rank runs again, not when the bytes land: that
+    is what the handoff measures (module docstring). Bandwidths and all-reduce figures are kept.
+    """
+    if runtime is None or runtime.busy_handoff_seconds <= links.intra_latency_seconds:
+        return links
+    sources = {**links.sources, "intra_latency": "profile runtime (busy handoff)"}
+    return replace(links, intra_latency_seconds=runtime.busy_handoff_seconds, sources=sources)
+
+
+def concurrent_slowdown(hardware: Hardware, ranks: int) -> float:
+    """Compute slowdown of a layout with `ranks` ranks (t*p*d): the measured one if a node runs
+    more than one of them, else 1."""
+    if hardware.runtime is None or min(ranks, hardware.devices_per_node) < 2:
+        return 1.0
+    return hardware.runtime.concurrent_compute_slowdown
+
+
+def collective_handoff_seconds(hardware: Hardware, ring_size: int, inside_node: bool) -> float:
+    """The busy handoff one blocking collective over `ring_size` ranks of one node waits (0 else)."""
+    if hardware.runtime is None or ring_size < 2 or not inside_node:
+        return 0.0
+    return hardware.runtime.busy_handoff_seconds
 
 
 def runtime_for(profile: ModelProfile, device: DeviceSpec) -> RuntimeCosts | None:
@@ -300,8 +334,9 @@ def stage_costs(
     n = hardware.devices_per_node
     links = hardware.links
 
-    forward = [seconds.stage_forward(s, e) for s, e in stage_layers]
-    backward = [seconds.stage_backward(s, e) for s, e in stage_layers]
+    slowdown = concurrent_slowdown(hardware, t * p * d)
+    forward = [seconds.stage_forward(s, e) * slowdown for s, e in stage_layers]
+    backward = [seconds.stage_backward(s, e) * slowdown for s, e in stage_layers]
 
     sends = []
     jitter = 0.0
@@ -318,7 +353,8 @@ def stage_costs(
         [held / t for held in parameters], hardware, pipeline_parallel=p, tensor_parallel=t,
         data_parallel=d, zero_stage=zero_stage, element_bytes=element_bytes,
     )  # fmt: skip
-    tied = _tied_allreduce_seconds(table, stage_layers, p, t, d, n, links, element_bytes)
+    optimizer = [end_of_step * slowdown for end_of_step in optimizer]
+    tied = _tied_allreduce_seconds(table, stage_layers, p, t, d, n, links, element_bytes, hardware)
     for rank, extra in tied.items():
         allreduce[rank] += extra
 
@@ -362,20 +398,26 @@ def data_parallel_seconds(
     memory_bandwidth = (hardware.device.memory_bandwidth_gbytes_per_second or 100.0) * 1e9
     allreduce: list[float] = []
     optimizer: list[float] = []
-    pipeline_ring = links.allreduce_intra if ranks_share_node(0, p - 1, p, t, d, n) else links.allreduce_inter
+    pipeline_inside = ranks_share_node(0, p - 1, p, t, d, n)
+    pipeline_ring = links.allreduce_intra if pipeline_inside else links.allreduce_inter
+    pipeline_handoff = collective_handoff_seconds(hardware, p, pipeline_inside)
     for rank, held in enumerate(parameters_per_rank):
-        ring = links.allreduce_intra if replicas_share_node(rank, p, t, d, n) else links.allreduce_inter
+        inside = replicas_share_node(rank, p, t, d, n)
+        ring = links.allreduce_intra if inside else links.allreduce_inter
+        handoff = collective_handoff_seconds(hardware, d, inside)
         gradient_bytes = held * element_bytes
-        seconds = ring.ring_allreduce_seconds(gradient_bytes, d)
+        seconds = ring.ring_allreduce_seconds(gradient_bytes, d) + handoff
         if runtime is None:
             updated = held / d if zero_stage >= 1 else held
             optimizer.append(updated * ADAM_BYTES_PER_PARAMETER / memory_bandwidth)
         else:
             optimizer.append(runtime.step_fixed_seconds + runtime.step_seconds_per_parameter * held)
-            small = ring.ring_allreduce_seconds(SMALL_COLLECTIVE_BYTES, d)
-            seconds += ring.ring_allreduce_seconds(gradient_bytes, d) / 2  # ZeRO-1 parameter all-gather
+            small = ring.ring_allreduce_seconds(SMALL_COLLECTIVE_BYTES, d) + handoff
+            seconds += ring.ring_allreduce_seconds(gradient_bytes, d) / 2 + handoff  # ZeRO-1 parameter all-gather
             seconds += SMALL_COLLECTIVES_PER_DATA_PARALLEL_GROUP * small
-            seconds += SMALL_COLLECTIVES_PER_PIPELINE * pipeline_ring.ring_allreduce_seconds(SMALL_COLLECTIVE_BYTES, p)
+            seconds += SMALL_COLLECTIVES_PER_PIPELINE * (
+                pipeline_ring.ring_allreduce_seconds(SMALL_COLLECTIVE_BYTES, p) + pipeline_handoff
+            )
         allreduce.append(seconds)
     return allreduce, optimizer
 
@@ -396,6 +438,7 @@ def _tied_allreduce_seconds(
     devices_per_node: int,
     links: ResolvedLinks,
     element_bytes: int,
+    hardware: Hardware | None = None,
 ) -> dict[int, float]:
     """Shared groups held by several ranks: their gradients are all-reduced among the holders."""
     holders: dict[str, set[int]] = {}
@@ -414,6 +457,8 @@ def _tied_allreduce_seconds(
         inside = all(ranks_share_node(ordered[0], r, p, t, d, devices_per_node) for r in ordered[1:])
         link: LinkCost = links.allreduce_intra if inside else links.allreduce_inter
         seconds = link.ring_allreduce_seconds(shared_count[group] / t * element_bytes, len(ordered))
+        if hardware is not None:
+            seconds += collective_handoff_seconds(hardware, len(ordered), inside)
         for rank in ordered:
             extra[rank] = extra.get(rank, 0.0) + seconds
     return extra

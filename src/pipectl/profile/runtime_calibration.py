@@ -18,8 +18,23 @@ Varuna §4's answer is a one-off, scale-invariant calibration; here it is one ra
                                                  step than alone in a loop)
 
 Every term is per micro-batch per stage, per step per rank or per parameter, so `plan.costs` can
-evaluate it for any pipeline/data-parallel layout (p2p and all-reduce times come from the link
-calibration, not from here: one rank has no peer).
+evaluate it for any pipeline/data-parallel layout (p2p bandwidth and all-reduce figures come from
+the link calibration).
+
+One more term needs two ranks: the *busy handoff*. Link calibration times a tight ping-pong, where
+both processes spend their time waiting and wake at once (about 0.1 ms with gloo here). In a
+pipeline both ranks compute, then one blocks on a message; on a host with more runnable processes
+than cores its core goes to another process, and when the message arrives it waits for the
+scheduler (measured here, with other jobs on the machine: 3-4 ms per message, the same for a
+gradient all-reduce). `measure_host_sharing` reproduces that pattern with two forked ranks:
+
+    rank 0:  compute ~W ------------| send ->
+    rank 1:  compute ~W ----------| recv ...........| running again
+                                  |<- handoff ----->|   (from both ready; one clock, CLOCK_MONOTONIC)
+
+and, in the same run, how much slower the same compute is while both ranks run it than on one
+rank alone (a host shared with other jobs gives two ranks less than two cores; one rank alone, as
+the layer profiler runs, gets more).
 
 The engine runs in a forked child process (torch already imported, so it starts in about a
 second), with its output silenced, one thread, gloo on 127.0.0.1 with a world of one; the
@@ -246,6 +261,140 @@ def run_engine_calibration(
     return payload
 
 
+# Two-rank host measurement: the compute each rank does before a message (tanh(x @ w) on 64 x 64,
+# about 2.5 ms on one core here), the message (small: latency, not bandwidth, is measured), and
+# how many rounds of each phase are timed after the warm-up rounds.
+HOST_COMPUTE_REPEATS = 300
+HOST_MESSAGE_BYTES = 16 * 1024
+HOST_WARMUP = 3
+HOST_ROUNDS = 30
+
+
+@dataclass(frozen=True)
+class HostSharing:
+    """What two ranks of this host see of each other (see the module docstring)."""
+
+    busy_handoff_seconds: float
+    concurrent_compute_slowdown: float
+    ranks: int = 2
+
+
+def _compute(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    for _ in range(HOST_COMPUTE_REPEATS):
+        x = torch.tanh(x @ w)
+    return x
+
+
+def _host_rank(rank: int, port: int, rounds: int, connection) -> None:
+    """One of the two ranks: compute alone (rank 0), compute together, then hand messages off."""
+    import torch.distributed as dist
+
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.dup2(devnull, 2)
+    torch.set_num_threads(1)
+    try:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=2)
+        x = torch.randn(64, 64, generator=torch.Generator().manual_seed(rank))
+        w = torch.randn(64, 64, generator=torch.Generator().manual_seed(2)) * 0.1
+        alone: list[float] = []
+        together: list[float] = []
+        handoffs: list[tuple[float, float]] = []
+        if rank == 0:  # rank 1 sleeps in the barrier meanwhile
+            for attempt in range(HOST_WARMUP + rounds):
+                start = time.perf_counter()
+                x = _compute(x, w)
+                if attempt >= HOST_WARMUP:
+                    alone.append(time.perf_counter() - start)
+        dist.barrier()
+        for attempt in range(HOST_WARMUP + rounds):
+            start = time.perf_counter()
+            x = _compute(x, w)
+            if attempt >= HOST_WARMUP:
+                together.append(time.perf_counter() - start)
+        dist.barrier()
+        message = torch.zeros(HOST_MESSAGE_BYTES // 4)
+        for attempt in range(HOST_WARMUP + rounds):
+            x = _compute(x, w)
+            ready = time.perf_counter()
+            if rank == 0:
+                dist.send(message, 1)
+            else:
+                dist.recv(message, 0)
+            if attempt >= HOST_WARMUP:
+                handoffs.append((ready, time.perf_counter()))
+            dist.barrier()
+        dist.destroy_process_group()
+        connection.send(("ok", (alone, together, handoffs)))
+    except BaseException as exc:
+        connection.send(("error", f"{type(exc).__name__}: {exc}"))
+    finally:
+        connection.close()
+
+
+def trimmed_mean(values: Sequence[float], cut: float = 0.1) -> float:
+    """Mean of the values without the lowest and highest `cut` fraction (one stall must not rule).
+
+    A step pays the sum of many handoffs, so their mean (not median) is what it adds up to.
+
+        >>> trimmed_mean([1.0, 2.0, 3.0, 4.0, 100.0, 0.0, 2.0, 3.0, 2.0, 3.0])
+        2.5
+    """
+    ordered = sorted(values)
+    drop = int(len(ordered) * cut)
+    kept = ordered[drop : len(ordered) - drop] or ordered
+    return sum(kept) / len(kept)
+
+
+def measure_host_sharing(rounds: int = HOST_ROUNDS, timeout_seconds: float = 60.0) -> HostSharing:
+    """Two forked ranks (gloo on 127.0.0.1, one thread each) measure how they share this host.
+
+    - concurrent compute slowdown: the mean time of the same compute while both ranks run it, over
+      its mean time on rank 0 alone;
+    - busy handoff: after both computed, rank 0 sends a small message to rank 1; from both being
+      ready (the later of the two) to rank 1 running again, trimmed mean over `rounds` messages.
+
+    Raises `LaunchError` if a rank fails or runs past `timeout_seconds`.
+    """
+    from pipectl.launch.engines import free_port
+
+    context = multiprocessing.get_context("fork")
+    port = free_port()
+    pipes = [context.Pipe(duplex=False) for _ in range(2)]
+    ranks = [context.Process(target=_host_rank, args=(rank, port, rounds, pipes[rank][1])) for rank in range(2)]
+    for process in ranks:
+        process.start()
+    results = []
+    try:
+        for rank, (receiver, sender) in enumerate(pipes):
+            sender.close()
+            if not receiver.poll(timeout_seconds):
+                raise LaunchError(f"host measurement: rank {rank} did not finish within {timeout_seconds:.0f} s")
+            try:
+                status, payload = receiver.recv()
+            except EOFError:
+                raise LaunchError(f"host measurement: rank {rank} exited without a result") from None
+            if status != "ok":
+                raise LaunchError(f"host measurement failed on rank {rank}: {payload}")
+            results.append(payload)
+    finally:
+        for process in ranks:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=5)
+        for receiver, _ in pipes:
+            receiver.close()
+    (alone, together_0, sent), (_, together_1, received) = results
+    handoffs = [
+        max(0.0, done - max(send_ready, receive_ready))
+        for (send_ready, _), (receive_ready, done) in zip(sent, received)
+    ]
+    slowdown = statistics.mean(together_0 + together_1) / statistics.mean(alone)
+    return HostSharing(busy_handoff_seconds=trimmed_mean(handoffs), concurrent_compute_slowdown=max(1.0, slowdown))
+
+
 def engine_description() -> str:
     """What was calibrated (from package metadata: importing DeepSpeed here would cost a second)."""
     from importlib.metadata import PackageNotFoundError, version
@@ -311,14 +460,25 @@ def calibrate_runtime(
     null_timings, timings = run_engine_calibration(
         model, profile.micro_batch_sizes, warmup=warmup, steps=steps, seed=seed, timeout_seconds=timeout_seconds
     )
-    return runtime_costs(profile, null_timings, timings, engine_description())
+    costs = runtime_costs(profile, null_timings, timings, engine_description())
+    sharing = measure_host_sharing()
+    return costs.model_copy(
+        update={
+            "busy_handoff_seconds": sharing.busy_handoff_seconds,
+            "concurrent_compute_slowdown": sharing.concurrent_compute_slowdown,
+            "concurrent_ranks": sharing.ranks,
+        }
+    )
 
 
 __all__ = [
     "EngineTimings",
     "calibrate_runtime",
+    "HostSharing",
+    "measure_host_sharing",
     "measure_engine",
     "null_model",
     "run_engine_calibration",
     "runtime_costs",
+    "trimmed_mean",
 ]

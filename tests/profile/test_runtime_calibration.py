@@ -1,0 +1,83 @@
+"""Engine calibration arithmetic: raw one-rank timings -> the profile's scale-invariant terms."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipectl.plan.synthetic import synthetic_profile
+from pipectl.profile.runtime_calibration import (
+    MINIMUM_COMPUTE_RATIO,
+    EngineTimings,
+    null_model,
+    runtime_costs,
+)
+
+
+def _profile():
+    return synthetic_profile(blocks=2, micro_batch_sizes=[1, 4], device="cpu", dtype="float32")
+
+
+def _sums(profile, size):
+    costs = [layer.cost(size) for layer in profile.layers]
+    return sum(c.forward_seconds for c in costs), sum(c.backward_seconds for c in costs)
+
+
+def test_terms_come_from_the_null_model_and_the_difference_to_the_real_one():
+    profile = _profile()
+    null = EngineTimings(1, 2, forward_seconds=0.001, backward_seconds=0.002, step_end_seconds=0.003, step_seconds=0.01)
+    forward_1, backward_1 = _sums(profile, 1)
+    forward_4, backward_4 = _sums(profile, 4)
+    timings = [
+        EngineTimings(1, 1_000_002, 0.001 + 1.5 * forward_1, 0.002 + 1.2 * backward_1, 0.013, 0.1),
+        EngineTimings(4, 1_000_002, 0.001 + 1.1 * forward_4, 0.002 + 1.0 * backward_4, 0.015, 0.2),
+    ]
+    runtime = runtime_costs(profile, null, timings, "test engine")
+    assert runtime.forward_overhead_seconds == 0.001
+    assert runtime.backward_overhead_seconds == 0.002
+    assert runtime.step_fixed_seconds == 0.003
+    # Median end of step 14 ms, 11 ms more than the null model, over 1e6 more parameters.
+    assert runtime.step_seconds_per_parameter == pytest.approx(0.011 / 1_000_000)
+    assert [(r.micro_batch_size, round(r.forward_ratio, 6), round(r.backward_ratio, 6)) for r in runtime.compute_ratios] == [
+        (1, 1.5, 1.2),
+        (4, 1.1, 1.0),
+    ]
+    assert runtime.calibration_parameter_count == 1_000_002
+
+
+def test_noise_cannot_make_compute_vanish_or_the_slope_negative():
+    profile = _profile()
+    null = EngineTimings(1, 2, forward_seconds=1.0, backward_seconds=1.0, step_end_seconds=0.02, step_seconds=3.0)
+    timings = [EngineTimings(1, 1000, 0.5, 0.5, 0.01, 1.0)]  # faster than the null model: noise
+    runtime = runtime_costs(profile, null, timings, "test engine")
+    assert runtime.compute_ratios[0].forward_ratio == MINIMUM_COMPUTE_RATIO
+    assert runtime.compute_ratios[0].backward_ratio == MINIMUM_COMPUTE_RATIO
+    assert runtime.step_seconds_per_parameter == 0.0
+
+
+def test_null_model_is_one_cheap_layer_with_a_loss():
+    import torch
+
+    model = null_model()
+    assert [layer.name for layer in model.layers] == ["null"]
+    inputs, labels = model.make_batch(3, torch.Generator().manual_seed(0))
+    module = model.layers[0].build()
+    assert sum(p.numel() for p in module.parameters()) == 2
+    loss = model.loss_fn(model.layers[0].forward(module, inputs), labels)
+    assert loss.ndim == 0
+
+
+def test_trimmed_mean_drops_the_extremes():
+    from pipectl.profile.runtime_calibration import trimmed_mean
+
+    assert trimmed_mean([0.0] + [1.0] * 8 + [100.0]) == 1.0
+    assert trimmed_mean([2.0, 4.0]) == 3.0  # too few values to drop any
+
+
+@pytest.mark.multiprocess
+def test_two_ranks_measure_how_they_share_the_host():
+    from pipectl.profile.runtime_calibration import measure_host_sharing
+
+    sharing = measure_host_sharing(rounds=5, timeout_seconds=60)
+    assert sharing.ranks == 2
+    assert 0.0 <= sharing.busy_handoff_seconds < 0.5
+    assert 1.0 <= sharing.concurrent_compute_slowdown < 10.0
