@@ -283,3 +283,12 @@ def test_concurrent_slowdown_applies_only_when_a_node_runs_several_ranks():
     assert two.forward_seconds[0] == pytest.approx(1.5 * two_plain.forward_seconds[0])
     assert two.backward_seconds[0] == pytest.approx(1.5 * two_plain.backward_seconds[0])
     assert two.optimizer_seconds[0] == pytest.approx(1.5 * two_plain.optimizer_seconds[0])
+
+
+@pytest.mark.parametrize("name", ["pipectl.plan.costs", "pipectl.plan.layer_table"])
+def test_docstring_examples_hold(name):
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(name))
+    assert result.attempted > 0 and result.failed == 0

@@ -81,3 +81,12 @@ def test_two_ranks_measure_how_they_share_the_host():
     assert sharing.ranks == 2
     assert 0.0 <= sharing.busy_handoff_seconds < 0.5
     assert 1.0 <= sharing.concurrent_compute_slowdown < 10.0
+
+
+def test_docstring_examples_hold():
+    import doctest
+
+    import pipectl.profile.runtime_calibration as module
+
+    result = doctest.testmod(module)
+    assert result.attempted > 0 and result.failed == 0
