@@ -66,6 +66,7 @@ def main() -> None:
         "simulated_actions": stats.simulated_actions,
         "specs_per_second": round(stats.specs / wall),
         "simulator_actions_per_second_of_wall": round(stats.simulated_actions / wall),
+        "phase_seconds": stats.phase_seconds,
         "morph_table_entries": len(result.morph_table),
         "morph_table_distinct_plans": len(distinct_morph),
         "morph_table_first_count": result.morph_table[0].devices if result.morph_table else None,

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -482,6 +483,7 @@ class SearchStats:
     simulations: int = 0
     simulated_actions: int = 0
     rejected: int = 0
+    phase_seconds: dict[str, float] = field(default_factory=dict)  # enumerate, rank, morph, records
 
 
 def plan(
@@ -517,7 +519,10 @@ def plan_homogeneous(
     space = search_space(request, profile, hardware)
     devices = request.devices or hardware.devices
     max_devices = hardware.devices if request.morph else devices
+    clock = time.perf_counter()
+    phases: dict[str, float] = {}
     enumeration = enumerate_specs(profile, hardware, space, max_devices)
+    phases["enumerate"], clock = time.perf_counter() - clock, time.perf_counter()
     evaluator = Evaluator(hardware, request.global_batch)
     goal = goal_for(request, profile, hardware)
     pool = [spec for spec in enumeration.specs if spec.devices <= devices]
@@ -532,6 +537,7 @@ def plan_homogeneous(
     ranking = rank(
         pool, goal, evaluator, keep=request.top, exhaustive=request.include_all, need_runnable=request.for_deepspeed
     )
+    phases["rank"], clock = time.perf_counter() - clock, time.perf_counter()
     chosen_entry = ranking.top[0]
     if request.for_deepspeed and not chosen_entry[1].deepspeed_runnable:
         if ranking.best_runnable is None:
@@ -560,7 +566,9 @@ def plan_homogeneous(
     ]
     if not any(c is chosen for c in candidates):
         candidates.insert(0, chosen)
+    phases["records"], clock = time.perf_counter() - clock, time.perf_counter()
     morph = morph_table(enumeration.specs, evaluator, hardware.devices, request) if request.morph else []
+    phases["morph"] = time.perf_counter() - clock
     for reason, example in enumeration.rejections.examples.items():
         if reason is Rejection.MEMORY:
             plan_notes.append(f"e.g. {example}")
@@ -570,6 +578,7 @@ def plan_homogeneous(
         stats.simulations = evaluator.simulations
         stats.simulated_actions = evaluator.simulated_actions
         stats.rejected = sum(enumeration.rejections.counts.values())
+        stats.phase_seconds = {name: round(seconds, 3) for name, seconds in phases.items()}
     return Plan(
         model=profile.model,
         profile_path=profile_path,
