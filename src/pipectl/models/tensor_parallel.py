@@ -210,74 +210,77 @@ def shard_model(model: ModelLayers, tensor_group: TensorParallelGroup) -> ModelL
     return replace(model, layers=layers)
 
 
-def block_hidden_sizes(layer_specs) -> dict[int, int]:
-    """Layer index -> hidden size of every transformer block (plain or tensor-parallel) in a spec list.
+def block_layer_indices(layer_specs) -> list[int]:
+    """Layer indices of the transformer blocks (plain or tensor-parallel) in a spec list.
 
-    Reads the specs (DeepSpeed LayerSpec: `typename`, `module_args`, `module_kwargs`), not built
-    modules, so any stage can describe the whole model.
+    Reads the specs (DeepSpeed LayerSpec `typename`), not built modules, so any stage can describe
+    the whole model.
     """
-    import inspect
-
-    sizes = {}
-    for index, spec in enumerate(layer_specs):
-        typename = getattr(spec, "typename", None)
-        if typename in (TransformerBlock, TensorParallelBlock):
-            bound = inspect.signature(typename).bind(*spec.module_args, **spec.module_kwargs)
-            sizes[index] = int(bound.arguments["hidden"])
-    return sizes
+    return [
+        index
+        for index, spec in enumerate(layer_specs)
+        if getattr(spec, "typename", None) in (TransformerBlock, TensorParallelBlock)
+    ]
 
 
-def universal_checkpoint_patterns(block_hidden: dict[int, int], tensor_parallel: int) -> dict[str, Any]:
+def universal_checkpoint_patterns(block_indices) -> dict[str, Any]:
     """How DeepSpeed's universal checkpoint merges (at save) and slices (at load) each parameter.
 
     Keys are DeepSpeed's `universal_checkpoint_info` entries (deepspeed/checkpoint/constants.py),
     read by `ds_to_universal.merge_tp_slices` when it joins the t slices of a parameter into one
-    tensor, and recorded in each merged file (`cat_dim`, `sub_param_shape`) for
-    `universal_checkpoint.load_hp_checkpoint_state`, which cuts rank r's slice for the loading t.
+    tensor and recorded in each merged file (`cat_dim`), which
+    `universal_checkpoint.load_hp_checkpoint_state` reads to cut rank r's slice for the loading t.
     The same patterns are declared at every t (t=1 included), so any checkpoint can be re-cut:
 
     - column-parallel `fc_in.weight`/`fc_in.bias`: DeepSpeed's default (concatenate on dim 0);
     - row-parallel `proj.weight`, `fc_out.weight`: concatenate on dim 1;
-    - fused `qkv.weight`/`qkv.bias`: three sub-parameters q, k, v (rows h each); rank r holds
-      [q_r; k_r; v_r], so the merge concatenates the q slices, then k, then v (not the ranks'
-      slices one after the other), and the load cuts each of q, k, v into t blocks;
+    - fused `qkv.weight`/`qkv.bias`: the default too, which gives the ranks' [q_r; k_r; v_r] one
+      after the other; `regroup_rank_slices` then reorders them to [q; k; v] (see there);
     - everything else (LayerNorms, the row-parallel biases added after the reduce, embeddings, the
       head) is whole on every tensor rank: averaged over the t copies. The copies are bitwise
       equal in our runs; the average keeps a save from failing if they ever differ by rounding.
 
-    >>> info = universal_checkpoint_patterns({1: 64, 2: 64}, tensor_parallel=2)
-    >>> info["parameter_with_row_parallelism_patterns"]
-    ['^(?:1|2)\\\\.(?:proj|fc_out)\\\\.weight$']
-    >>> info["sub_param_shard_widths"]['^(?:1|2)\\\\.qkv\\\\.weight$']
-    [[32, 32], [32, 32], [32, 32]]
+    >>> import re
+    >>> info = universal_checkpoint_patterns([1, 2])
+    >>> row, = info["parameter_with_row_parallelism_patterns"]
+    >>> [bool(re.match(row, name)) for name in ("2.proj.weight", "2.proj.bias", "3.proj.weight")]
+    [True, False, False]
     """
-    from deepspeed.checkpoint.constants import (
-        PARAMETER_TO_AVERAGE_PATTERNS,
-        PARAMETER_WITH_ROW_PARALLELISM_PATTERNS,
-        PARAMETER_WITH_SUB_PARAMS,
-        SUB_PARAM_SHARD_WIDTHS,
-    )
+    from deepspeed.checkpoint.constants import PARAMETER_TO_AVERAGE_PATTERNS, PARAMETER_WITH_ROW_PARALLELISM_PATTERNS
 
-    if not block_hidden:
+    if not block_indices:
         return {}
-    by_hidden: dict[int, list[int]] = {}
-    for index, hidden in sorted(block_hidden.items()):
-        by_hidden.setdefault(hidden, []).append(index)
-    every_block = "|".join(str(index) for index in sorted(block_hidden))
+    every_block = "|".join(str(index) for index in sorted(block_indices))
     split = r"(?:qkv|fc_in)\.(?:weight|bias)|(?:proj|fc_out)\.weight"
-    sub_params, widths = [], {}
-    for hidden, indices in by_hidden.items():
-        if hidden % tensor_parallel:
-            raise UserInputError(f"hidden size {hidden} is not divisible by tensor-parallel degree {tensor_parallel}")
-        blocks = "|".join(str(index) for index in indices)
-        thirds = (hidden, hidden, hidden)
-        for suffix, shape in (("weight", (thirds, -1)), ("bias", (thirds,))):
-            pattern = rf"^(?:{blocks})\.qkv\.{suffix}$"
-            sub_params.append({"patterns": [pattern], "shape": shape, "partition_dim": 0})
-            widths[pattern] = [[hidden // tensor_parallel] * tensor_parallel for _ in thirds]
     return {
         PARAMETER_WITH_ROW_PARALLELISM_PATTERNS: [rf"^(?:{every_block})\.(?:proj|fc_out)\.weight$"],
-        PARAMETER_WITH_SUB_PARAMS: sub_params,
-        SUB_PARAM_SHARD_WIDTHS: widths,
         PARAMETER_TO_AVERAGE_PATTERNS: [rf"^(?!(?:{every_block})\.(?:{split})$)"],
     }
+
+
+QKV_SUB_PARAMETERS = 3  # q, k, v
+
+
+def qkv_parameter_names(block_indices) -> list[str]:
+    """The fused QKV parameters of the blocks at these layer indices (universal checkpoint names)."""
+    return [f"{index}.qkv.{kind}" for index in sorted(block_indices) for kind in ("weight", "bias")]
+
+
+def regroup_rank_slices(joined: torch.Tensor, tensor_parallel: int) -> torch.Tensor:
+    """Rank slices of a fused QKV joined one after the other -> the unsplit [q; k; v] order.
+
+    Rank r holds [q_r; k_r; v_r] (its heads of each of the three); DeepSpeed's converter joins the
+    ranks' slices on dim 0. Its loader can cut [q; k; v] for any t when the file says the tensor
+    holds 3 sub-parameters (`param_n_sub_params`: each third is cut into t blocks), but its
+    converter builds that order only for 2 sub-parameters, and the general sub-parameter record it
+    offers for more is a pickled class that `torch.load(weights_only=True)` refuses. So pipectl
+    reorders the joined tensor itself. Two ranks, one row per q/k/v head block:
+
+    >>> regroup_rank_slices(torch.tensor([0, 10, 20, 1, 11, 21]), tensor_parallel=2).tolist()
+    [0, 1, 10, 11, 20, 21]
+    """
+    rows = joined.shape[0]
+    if rows % (tensor_parallel * QKV_SUB_PARAMETERS):
+        raise UserInputError(f"{rows} QKV rows do not split into 3 x {tensor_parallel} blocks")
+    blocks = joined.reshape(tensor_parallel, QKV_SUB_PARAMETERS, rows // (tensor_parallel * QKV_SUB_PARAMETERS), -1)
+    return blocks.transpose(0, 1).reshape(joined.shape)

@@ -5,6 +5,10 @@ degree, cut or data-parallel degree; its *universal* checkpoint can (measured he
 shared/DEEPSPEED-ON-CPU.md): ZeRO stage 1, `ds_to_universal --inject_missing_state`, then load
 with `{"checkpoint": {"load_universal": true}}`. Weights and Adam moments are stored per
 parameter name (one folder per parameter under `zero/`), independent of which stage held them.
+The tensor-parallel degree re-cuts too: each save declares how the transformer-block parameters
+are split over tensor ranks (`declare_tensor_parallel_parameters`), the converter joins the slices
+into whole tensors, and a load at any t takes its rank's slice (a t=2 checkpoint resumes at t=1,
+at t=2 x p=2, and a t=1 one at t=2, with the uninterrupted losses).
 pipectl uses that converter and adds what it lacks: atomic commits and checksums.
 
 Layout of RUN/checkpoints/:
@@ -270,9 +274,9 @@ def declare_tensor_parallel_parameters(module: Any) -> dict[str, Any]:
     the t slices of a checkpoint written at t ranks, and a load at another t cuts this rank's slice
     again, both by the patterns in the module's `universal_checkpoint_info`
     (`pipectl.models.tensor_parallel.universal_checkpoint_patterns`). Declared at every t, t=1
-    included: the merged files record how to cut them (`cat_dim`, `sub_param_shape`), which is what
-    lets a t=1 checkpoint load into t=2. Returns the entries set (empty for a model without
-    transformer blocks, which never runs with t > 1).
+    included: the merged files record how to cut them (`cat_dim`), which is what lets a t=1
+    checkpoint load into t=2. Returns the entries set (empty for a model without transformer
+    blocks, which never runs with t > 1).
     """
     from deepspeed.checkpoint.constants import (
         UNIVERSAL_CHECKPOINT_INFO,
@@ -280,15 +284,9 @@ def declare_tensor_parallel_parameters(module: Any) -> dict[str, Any]:
         UNIVERSAL_CHECKPOINT_VERSION_VALUE,
     )
 
-    from pipectl.models.tensor_parallel import block_hidden_sizes, universal_checkpoint_patterns
+    from pipectl.models.tensor_parallel import block_layer_indices, universal_checkpoint_patterns
 
-    specs = getattr(module, "_layer_specs", None)
-    topology = getattr(module, "_topo", None)
-    if not specs or topology is None:
-        return {}
-    axes = topology.get_axis_names()
-    tensor_parallel = topology.get_dim("model") if "model" in axes else 1
-    entries = universal_checkpoint_patterns(block_hidden_sizes(specs), tensor_parallel)
+    entries = universal_checkpoint_patterns(block_layer_indices(getattr(module, "_layer_specs", None) or []))
     if entries:
         info = dict(getattr(module, UNIVERSAL_CHECKPOINT_INFO, None) or {})
         info.setdefault(UNIVERSAL_CHECKPOINT_VERSION_KEY, UNIVERSAL_CHECKPOINT_VERSION_VALUE)
@@ -297,39 +295,73 @@ def declare_tensor_parallel_parameters(module: Any) -> dict[str, Any]:
     return entries
 
 
+def tensor_parallel_degree(module: Any) -> int:
+    """t of a PipelineModule: the size of its topology's 'model' axis (1 without one)."""
+    topology = getattr(module, "_topo", None)
+    if topology is None or "model" not in topology.get_axis_names():
+        return 1
+    return topology.get_dim("model")
+
+
+def regroup_fused_qkv(zero_dir: Path, parameter_names: list[str], tensor_parallel: int) -> list[Path]:
+    """Rewrite the converter's fused-QKV files in [q; k; v] order, marked as 3 sub-parameters.
+
+    Run once on each fresh conversion of a checkpoint written at `tensor_parallel` ranks (see
+    `pipectl.models.tensor_parallel.regroup_rank_slices` for why). The marks are DeepSpeed's own
+    (`param_n_sub_params` = 3, `cat_dim` = 0): its loader then gives rank r of any t its
+    [q_r; k_r; v_r]. Weights and both Adam moments alike; returns the files rewritten.
+    """
+    import torch
+    from deepspeed.checkpoint.constants import CAT_DIM, PARAM, PARAM_N_SUB_PARAMS
+
+    from pipectl.models.tensor_parallel import QKV_SUB_PARAMETERS, regroup_rank_slices
+
+    rewritten = []
+    for name in parameter_names:
+        for state in ("fp32", "exp_avg", "exp_avg_sq"):
+            path = zero_dir / name / f"{state}.pt"
+            if not path.is_file():  # the converter writes no moments for a parameter never updated
+                continue
+            stored = torch.load(path, map_location="cpu", weights_only=True)
+            stored[PARAM] = regroup_rank_slices(stored[PARAM], tensor_parallel)
+            stored[CAT_DIM] = 0
+            stored[PARAM_N_SUB_PARAMS] = QKV_SUB_PARAMETERS
+            torch.save(stored, path)
+            rewritten.append(path)
+    return rewritten
+
+
 def tensor_slicing_problem(tag_dir: str | os.PathLike[str], module: Any) -> str | None:
     """Why the checkpoint in `tag_dir` cannot be cut for `module`'s tensor-parallel ranks, or None.
 
-    DeepSpeed cuts a rank's slice by the metadata each merged file carries (`cat_dim`,
-    `sub_param_shape`); a file without it is cut on dim 0 into equal blocks, which for a
+    DeepSpeed cuts a rank's slice by the marks each merged file carries (`cat_dim`,
+    `param_n_sub_params`); a file without them is cut on dim 0 into equal blocks, which for a
     row-parallel weight or the fused QKV silently gives wrong weights. Checkpoints written before
-    `declare_tensor_parallel_parameters` lack it, and those written by older tensor-parallel
-    blocks used other names (`qkv_weight`). The converter treats every block alike, so the first
-    block's two special parameters stand for all of them. With t=1 every parameter loads whole
-    and nothing is cut: only the names are checked.
+    `declare_tensor_parallel_parameters` lack them, and those written by older tensor-parallel
+    blocks used other names (`qkv_weight`). Every block is converted alike, so the first block's
+    two special parameters stand for all of them. With t=1 every parameter loads whole and nothing
+    is cut: only the names are checked.
     """
     import torch
-    from deepspeed.checkpoint.constants import CAT_DIM, SUB_PARAM_SHAPE
-    from deepspeed.checkpoint.universal_checkpoint import SubparamShape
+    from deepspeed.checkpoint.constants import CAT_DIM, PARAM_N_SUB_PARAMS
 
-    from pipectl.models.tensor_parallel import block_hidden_sizes
+    from pipectl.models.tensor_parallel import QKV_SUB_PARAMETERS, block_layer_indices
 
-    topology = getattr(module, "_topo", None)
-    blocks = block_hidden_sizes(getattr(module, "_layer_specs", None) or [])
-    if topology is None or not blocks:
+    blocks = block_layer_indices(getattr(module, "_layer_specs", None) or [])
+    if not blocks:
         return None
-    tensor_parallel = topology.get_dim("model") if "model" in topology.get_axis_names() else 1
-    first = min(blocks)
-    for name, key, wanted in ((f"{first}.proj.weight", CAT_DIM, 1), (f"{first}.qkv.weight", SUB_PARAM_SHAPE, None)):
+    tensor_parallel = tensor_parallel_degree(module)
+    expected = (
+        (f"{blocks[0]}.proj.weight", CAT_DIM, 1),
+        (f"{blocks[0]}.qkv.weight", PARAM_N_SUB_PARAMS, QKV_SUB_PARAMETERS),
+    )
+    for name, key, wanted in expected:
         path = Path(tag_dir) / "zero" / name / "fp32.pt"
         if not path.is_file():
             return f"{path.parent}: missing (checkpoint {Path(tag_dir).name} names the block parameters otherwise)"
         if tensor_parallel == 1:
             continue
-        # The file holds a tensor, ints and DeepSpeed's SubparamShape record: allow that one class.
-        with torch.serialization.safe_globals([SubparamShape]):
-            stored = torch.load(path, map_location="cpu", weights_only=True)
-        if key not in stored or (wanted is not None and stored[key] != wanted):
+        if torch.load(path, map_location="cpu", weights_only=True).get(key) != wanted:
             return (
                 f"{path}: no record of how {name} is split over tensor-parallel ranks; checkpoint "
                 f"{Path(tag_dir).name} cannot be re-cut for {tensor_parallel} tensor ranks"
@@ -426,6 +458,14 @@ def save_checkpoint(
             logs = Path(run_dir) / LOGS_DIR
             logs.mkdir(parents=True, exist_ok=True)
             convert_to_universal(native, universal, logs / "checkpoint_convert.log")
+            from pipectl.models.tensor_parallel import block_layer_indices, qkv_parameter_names
+
+            specs = getattr(engine.module, "_layer_specs", None) or []
+            regroup_fused_qkv(
+                universal / "zero",
+                qkv_parameter_names(block_layer_indices(specs)),
+                tensor_parallel_degree(engine.module),
+            )
             shutil.rmtree(native, ignore_errors=True)
             (staging / DEEPSPEED_LATEST_FILE).unlink(missing_ok=True)  # the converter's own pointer
             files = hash_tree(universal)
