@@ -59,7 +59,7 @@ from operator import itemgetter
 from typing import NamedTuple
 
 from pipectl.errors import ScheduleError, UserInputError
-from pipectl.plan import waves
+from pipectl.plan import varuna_step, waves
 from pipectl.plan.waves import StepSummary
 from pipectl.schedule.dag import execution_order
 from pipectl.schedule.generators import generate
@@ -469,8 +469,9 @@ def step_seconds_of(
     """`simulate_step_seconds(generate(kind, p, m, v, recompute), costs)` without building it.
 
     GPipe, 1F1B, PipeDream-2BW and interleaved without jitter are timed by `pipectl.plan.waves`
-    (equal to the event-driven simulation up to rounding, ~1e-14 relative); Varuna, whose order
-    comes from its own rules, and any jittered cost table take the event-driven path.
+    (equal to the event-driven simulation up to rounding, ~1e-14 relative); Varuna without jitter
+    by `pipectl.plan.varuna_step` (the same recurrence on flat arrays); any jittered cost table
+    takes the event-driven path.
 
     >>> step_seconds_of(ScheduleKind.GPIPE, 4, 8, 1, False, uniform_costs(4, 1, 1.0, 2.0))
     33.0
@@ -478,6 +479,8 @@ def step_seconds_of(
     _check_costs(pipeline_parallel, pipeline_parallel * chunks, costs)
     if waves.supported(kind, costs.jitter_seconds):
         return waves.step_seconds(kind, pipeline_parallel, micro_batches, chunks, recompute, costs)
+    if kind is ScheduleKind.VARUNA and costs.jitter_seconds == 0:
+        return varuna_step.step_seconds(pipeline_parallel, micro_batches, costs)
     return simulate_step_seconds(generate(kind, pipeline_parallel, micro_batches, chunks, recompute), costs)
 
 
@@ -489,6 +492,8 @@ def summary_of(
     _check_costs(pipeline_parallel, pipeline_parallel * chunks, costs)
     if waves.supported(kind, costs.jitter_seconds):
         return waves.summary(kind, pipeline_parallel, micro_batches, chunks, recompute, costs)
+    if kind is ScheduleKind.VARUNA and costs.jitter_seconds == 0:
+        return varuna_step.summary(pipeline_parallel, micro_batches, costs)
     timeline = simulate(generate(kind, pipeline_parallel, micro_batches, chunks, recompute), costs)
     return StepSummary(
         step_seconds=timeline.step_seconds,

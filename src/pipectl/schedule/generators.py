@@ -241,6 +241,36 @@ def varuna(
 
 
 def _varuna_order(p: int, m: int, tf: float, tb: float) -> list[list[Action]]:
+    """Varuna's order as actions, expanded from `varuna_forward_flags`."""
+    orders: list[list[Action]] = []
+    last = p - 1
+    for s, flags in enumerate(varuna_forward_flags(p, m, tf, tb)):
+        order: list[Action] = []
+        forwards = backwards = 0
+        for is_forward in flags:
+            if is_forward:
+                order.append(Action(s, F, forwards))
+                forwards += 1
+            else:
+                if s != last:
+                    order.append(Action(s, R, backwards))
+                order.append(Action(s, B, backwards))
+                backwards += 1
+        orders.append(order)
+    return orders
+
+
+@lru_cache(maxsize=256)
+def varuna_forward_flags(p: int, m: int, tf: float = 1.0, tb: float = 2.0) -> tuple[tuple[bool, ...], ...]:
+    """Varuna's order per stage, compactly: True for the next forward, False for the next backward.
+
+    Forwards and backwards each run in micro-batch order, and every backward of a stage other than
+    the last is preceded by its recompute (rules 1-2), so this sequence is the whole order; the
+    planner times it without building actions (`pipectl.plan.varuna_step`). Cached and shared.
+
+    >>> [''.join('F' if f else 'B' for f in flags) for flags in varuna_forward_flags(2, 3)]
+    ['FFFBBB', 'FBFBFB']
+    """
     last = p - 1
     never = float("inf")
     forward_end = [[never] * m for _ in range(p)]
@@ -249,57 +279,61 @@ def _varuna_order(p: int, m: int, tf: float, tb: float) -> list[list[Action]]:
     next_backward = [0] * p
     recomputed = [False] * p
     free_at = [0.0] * p
-    orders: list[list[Action]] = [[] for _ in range(p)]
+    orders: list[list[bool]] = [[] for _ in range(p)]
+    unfinished = p  # stages with backwards left
     now = 0.0
-    while any(nb < m for nb in next_backward):
+    while unfinished:
         for s in range(p):
             if free_at[s] > now or next_backward[s] >= m:
                 continue
             i = next_backward[s]
-            choice: tuple[ActionKind, int, float] | None = None
             if s == last:
-                if forward_end[s][i] <= now:
-                    choice = (B, i, tb)
+                if forward_end[s][i] <= now:  # B
+                    free_at[s] = now + tb
+                    backward_end[s][i] = free_at[s]
+                    orders[s].append(False)
+                    next_backward[s] += 1
+                    unfinished -= next_backward[s] == m
+                    continue
             elif recomputed[s]:
-                if backward_end[s + 1][i] <= now:
-                    choice = (B, i, tb)
-            elif forward_end[s][i] <= now and backward_end[s + 1][i] - tf <= now:
-                choice = (R, i, tf)
-            if choice is None and not (s != last and recomputed[s]):
-                j = next_forward[s]
-                if j < m and (s == 0 or forward_end[s - 1][j] <= now):
-                    choice = (F, j, tf)
-            if choice is None:
-                continue
-            kind, microbatch, seconds = choice
-            orders[s].append(Action(s, kind, microbatch))
-            free_at[s] = now + seconds
-            if kind is F:
-                forward_end[s][microbatch] = free_at[s]
-                next_forward[s] += 1
-            elif kind is R:
+                if backward_end[s + 1][i] <= now:  # B after its R
+                    free_at[s] = now + tb
+                    backward_end[s][i] = free_at[s]
+                    next_backward[s] += 1
+                    unfinished -= next_backward[s] == m
+                    recomputed[s] = False
+                continue  # rule 2: nothing else between R(i) and B(i)
+            elif forward_end[s][i] <= now and backward_end[s + 1][i] - tf <= now:  # R
+                free_at[s] = now + tf
                 recomputed[s] = True
-            else:
-                backward_end[s][microbatch] = free_at[s]
-                next_backward[s] += 1
-                recomputed[s] = False
+                orders[s].append(False)
+                continue
+            j = next_forward[s]
+            if j < m and (s == 0 or forward_end[s - 1][j] <= now):  # F
+                free_at[s] = now + tf
+                forward_end[s][j] = free_at[s]
+                next_forward[s] += 1
+                orders[s].append(True)
         # Advance to the next moment anything can change: a stage frees up, or a recompute
         # becomes eligible (T_f before a known backward end).
-        upcoming = [t for t in free_at if t > now]
-        upcoming += [
-            backward_end[s + 1][next_backward[s]] - tf
-            for s in range(last)
-            if next_backward[s] < m and backward_end[s + 1][next_backward[s]] - tf > now
-        ]
-        upcoming = [t for t in upcoming if t != never]
-        if not upcoming:
-            if any(nb < m for nb in next_backward):  # pragma: no cover - would be a bug above
+        upcoming = never
+        for t in free_at:
+            if now < t < upcoming:
+                upcoming = t
+        for s in range(last):
+            i = next_backward[s]
+            if i < m:
+                t = backward_end[s + 1][i] - tf
+                if now < t < upcoming:
+                    upcoming = t
+        if upcoming == never:
+            if unfinished:  # pragma: no cover - would be a bug above
                 raise ScheduleError(f"Varuna schedule generation stalled at t={now} (p={p}, m={m})")
             break
-        now = min(upcoming)
+        now = upcoming
     if any(nf < m for nf in next_forward):  # pragma: no cover - B(i) implies F(i)
         raise ScheduleError(f"Varuna schedule generation left forwards unscheduled (p={p}, m={m})")
-    return orders
+    return tuple(tuple(order) for order in orders)
 
 
 @lru_cache(maxsize=4096)

@@ -1,0 +1,59 @@
+"""Varuna's flat-array timing gives the event-driven simulator's figures on non-uniform costs."""
+
+import math
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipectl.plan import varuna_step
+from pipectl.plan.simulate import StageCosts, simulate, step_seconds_of, summary_of
+from pipectl.schedule import generate
+from pipectl.schedule.ir import ScheduleKind
+
+
+def random_costs(p, rng, spread):
+    return StageCosts(
+        forward_seconds=[1.0 + spread * rng.uniform(-0.5, 1.0) for _ in range(p)],
+        backward_seconds=[2.0 + spread * rng.uniform(-1.0, 2.0) for _ in range(p)],
+        recompute_seconds=[1.0 + spread * rng.uniform(-0.5, 1.0) for _ in range(p)],
+        send_forward_seconds=[rng.uniform(0.0, 0.5) for _ in range(p - 1)],
+        send_backward_seconds=[rng.uniform(0.0, 0.5) for _ in range(p - 1)],
+        allreduce_seconds=[rng.uniform(0.0, 3.0) for _ in range(p)],
+        optimizer_seconds=[rng.uniform(0.0, 1.0) for _ in range(p)],
+    )
+
+
+def same(a, b, rel=1e-12):
+    return math.isclose(a, b, rel_tol=rel, abs_tol=1e-12)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(1, 10), st.integers(1, 50), st.sampled_from([1.0, 0.05, 0.0]), st.randoms(use_true_random=False))
+def test_equals_the_event_driven_simulator(p, m, spread, rng):
+    costs = random_costs(p, rng, spread)
+    timeline = simulate(generate(ScheduleKind.VARUNA, p, m), costs)
+    fast = varuna_step.summary(p, m, costs)
+    assert same(fast.step_seconds, timeline.step_seconds)
+    assert same(varuna_step.step_seconds(p, m, costs), timeline.step_seconds)
+    assert same(fast.communication_seconds, timeline.communication_seconds, 1e-9)
+    for mine, theirs in zip(fast.bubble_fraction, timeline.bubble_fraction, strict=True):
+        assert math.isclose(mine, theirs, rel_tol=1e-9, abs_tol=1e-12)
+    for mine, theirs in zip(fast.communication_seconds_per_rank, timeline.communication_seconds_per_rank, strict=True):
+        assert math.isclose(mine, theirs, rel_tol=1e-9, abs_tol=1e-12)
+
+
+def test_planner_entry_points_take_the_flat_path_and_agree():
+    rng = random.Random(7)
+    costs = random_costs(6, rng, 1.0)
+    timeline = simulate(generate(ScheduleKind.VARUNA, 6, 40), costs)
+    assert same(step_seconds_of(ScheduleKind.VARUNA, 6, 40, 1, True, costs), timeline.step_seconds)
+    assert same(summary_of(ScheduleKind.VARUNA, 6, 40, 1, True, costs).step_seconds, timeline.step_seconds)
+
+
+def test_a_slow_link_shows_as_exposed_communication():
+    rng = random.Random(3)
+    costs = random_costs(4, rng, 0.0)
+    slow = StageCosts(**{**costs.__dict__, "send_forward_seconds": [5.0, 5.0, 5.0]})
+    assert varuna_step.summary(4, 12, slow).communication_seconds > varuna_step.summary(4, 12, costs).communication_seconds
+    assert varuna_step.step_seconds(4, 12, slow) > varuna_step.step_seconds(4, 12, costs)
