@@ -227,3 +227,39 @@ def test_a_checkpoint_without_split_records_is_refused_by_name(references, tmp_p
     write_json_atomic(tag_dir / MANIFEST_FILE, manifest.model_copy(update={"files": ckpt.hash_tree(tag_dir)}))
     with pytest.raises(LaunchError, match=r"1\.proj\.weight.*no record of how .* is split"):
         run(T2, run_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_resize_moves_a_t2_job_to_one_rank_at_t1(tmp_path):
+    """`pipectl resize` end to end (torchrun, run directory, morph table): t=2 on 2 ranks for 4
+    steps, then 1 device, where the plan's morph table says t=1; steps 5..8 give the losses of the
+    uninterrupted t=2 run."""
+    from builders import gpt_tiny_candidate
+
+    from pipectl.artifacts.plan import MorphEntry, Plan
+    from pipectl.launch import LaunchOptions, prepare_launch, run_engine
+    from pipectl.resize.morph import resize_run
+    from pipectl.runtime.metrics import read_metrics
+
+    one_rank = gpt_tiny_candidate(1, 1)
+    two_tensor_ranks = one_rank.model_copy(update={"devices": 2, "tensor_parallel": 2})
+    plan = Plan(
+        model="gpt-tiny", cluster="local", global_batch=8, objective="time", layers=9, chosen=two_tensor_ranks,
+        morph_table=[MorphEntry(devices=1, candidate=one_rank), MorphEntry(devices=2, candidate=two_tensor_ranks)],
+    )  # fmt: skip
+
+    def launch(run_dir: Path, steps: int) -> Path:
+        prepared = prepare_launch(plan, run_dir, LaunchOptions(steps=steps, seed=0))
+        assert run_engine(prepared.command, prepared.run_dir, timeout_seconds=150) == 0
+        return prepared.run_dir
+
+    reference = {m.step: m.loss for m in read_metrics(launch(tmp_path / "uninterrupted", 8))}
+    run = launch(tmp_path / "resized", 4)
+    result = resize_run(run, 1, steps=8, run_timeout_seconds=150)
+    assert result.exit_code == 0, (run / "logs" / "engine.log").read_text()[-3000:]
+    resumed = read_metrics(run)
+    expected_layouts = [(step, "t2p1d1" if step <= 4 else "t1p1d1") for step in range(1, 9)]
+    assert [(m.step, m.layout.split()[0]) for m in resumed] == expected_layouts
+    for metric in resumed[4:]:
+        assert abs(metric.loss - reference[metric.step]) <= 1e-4 * reference[metric.step], metric.step
