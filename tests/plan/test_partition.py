@@ -186,3 +186,11 @@ def test_pipedream_hierarchical_uses_fast_links_inside_nodes():
     assert sum(devices for _, _, devices in flat) <= 4
     # The cross-node cut (if any) is after layer 1, where the activation is small.
     assert plan.slowest_seconds <= 8.0
+
+
+def test_pipedream_partition_without_levels_is_a_typed_error():
+    from pipectl.errors import UserInputError
+    from pipectl.plan.partition import pipedream_partition
+
+    with pytest.raises(UserInputError, match="at least one topology level"):
+        pipedream_partition([1, 1], [0, 0], [0, 0], [])

@@ -83,11 +83,11 @@ def morph_table(specs: list[Spec], evaluator: Evaluator, max_devices: int, reque
     exact_counts = {spec.devices for spec in pool}
     entries: list[MorphEntry] = []
     candidates: dict[tuple, Candidate] = {}
-    running: tuple[float, Spec] | None = None
-    for count in range(min(best), max_devices + 1):
-        if count in best and (running is None or best[count][0] < running[0]):
+    first = min(best)
+    running = best[first]  # the fastest plan on at most `count` devices so far
+    for count in range(first, max_devices + 1):
+        if count in best and best[count][0] < running[0]:
             running = best[count]
-        assert running is not None
         spec = running[1]
         if spec.key not in candidates:
             candidates[spec.key] = evaluator.candidate(spec)

@@ -35,6 +35,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from pipectl.errors import UserInputError
+
 # fits(stage_index, start, end) -> whether a stage of layers [start, end) at that position fits in memory.
 FitsFn = Callable[[int, int, int], bool]
 
@@ -234,17 +236,20 @@ def balanced_partition(
     def attempt(limit: float):
         return greedy_cuts(prefix, stages, limit, from_right=from_right, fits=fits, cut_seconds=cut_seconds)
 
-    if len(candidates) == 0 or attempt(float(candidates[-1])) is None:
+    if len(candidates) == 0:
         return None
+    cuts = attempt(float(candidates[-1]))
+    if cuts is None:
+        return None
+    # Binary search for the smallest feasible limit; `cuts` always holds the cut at `high`.
     low, high = 0, len(candidates) - 1
     while low < high:
         middle = (low + high) // 2
-        if attempt(float(candidates[middle])) is not None:
-            high = middle
+        tried = attempt(float(candidates[middle]))
+        if tried is not None:
+            high, cuts = middle, tried
         else:
             low = middle + 1
-    cuts = attempt(float(candidates[low]))
-    assert cuts is not None  # high always stays feasible
     return Partition(cuts, _bottleneck(prefix, cuts, cut_seconds))
 
 
@@ -376,6 +381,8 @@ def pipedream_partition(
             return _INF, ()
         return prefix_compute[j] - prefix_compute[i], ()
 
+    if not levels:
+        raise UserInputError("PipeDream's partitioner needs at least one topology level, got none")
     block = base_block
     table_fn = None
     for depth, level in enumerate(levels):
@@ -388,7 +395,6 @@ def pipedream_partition(
             fits=fits if depth == 0 else None,
         )
         block = _block_from(table_fn, level.workers)
-    assert table_fn is not None
     seconds, stages = table_fn(0, layers, levels[-1].workers)
     if seconds == _INF:
         return None
