@@ -19,6 +19,11 @@ Initialisation does not depend on t: a `TensorParallelBlock` builds the full `Tr
 from the RNG state its layer spec seeded, then keeps its rank's slices. So t=2 starts from the
 t=1 weights and gives the t=1 losses (up to summation order).
 
+Checkpoints do not depend on t either: the split block names its parameters like the unsplit one
+(`qkv.weight` holds this rank's [q_r; k_r; v_r] rows), and `universal_checkpoint_patterns` /
+`regroup_rank_slices` tell the universal checkpoint how to join the slices into the unsplit
+tensors and cut them again for another t (`pipectl.runtime.checkpoint`).
+
     >>> shard_rows(torch.arange(12.).view(6, 2), parts=3, rank=1).tolist()
     [[4.0, 5.0], [6.0, 7.0]]
 """
