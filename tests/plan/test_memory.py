@@ -117,3 +117,22 @@ def test_infeasible_reason_names_the_stage_and_sizes():
     assert not estimate.feasible
     assert estimate.reason == "stage 0 needs 21.3 GiB > 16.0 GiB"
     assert MemoryEstimate((1, 2), 10).reason is None
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("t", [1, 2, 4])
+def test_range_rows_give_stage_memory_bytes_exactly(tied, t):
+    from pipectl.plan.memory import RangeMemory
+
+    table = layer_table(synthetic_profile(blocks=6, micro_batch_sizes=[1, 2], tied=tied, hidden=96), 2)
+    rows = RangeMemory.build(table, t)
+    layers = table.layers
+    for start in range(layers):
+        for end in range(start + 1, layers + 1):
+            for recompute, last in ((True, False), (False, False), (True, True)):
+                expected = stage_memory_bytes(
+                    table, start, end, state_bytes=12.5, units=3, tensor_parallel=t, recompute=recompute,
+                    last_stage=last,
+                )
+                got = rows.stage_bytes(start, end, state_bytes=12.5, units=3, recompute=recompute and not last)
+                assert got == expected, (start, end, recompute, last)

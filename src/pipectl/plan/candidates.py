@@ -37,6 +37,7 @@ from pipectl.plan.costs import (
 )
 from pipectl.plan.layer_table import LayerTable, layer_table
 from pipectl.plan.memory import (
+    RangeMemory,
     StageMemory,
     in_flight_units,
     state_bytes_per_parameter,
@@ -195,6 +196,14 @@ class ShapeBuilder:
         # Memory demands (bytes per parameter, units per rank) no cut satisfied, per shape family.
         self.unfittable: dict[tuple, list[tuple[float, tuple[int, ...]]]] = {}
         self._candidates: dict[tuple[int, int, bool], np.ndarray] = {}
+        self._range_memory: dict[tuple[int, int], RangeMemory] = {}
+
+    def range_memory(self, t: int, b: int) -> RangeMemory:
+        """Per layer range: the stage memory terms at micro-batch size b and tensor split t."""
+        key = (t, b)
+        if key not in self._range_memory:
+            self._range_memory[key] = RangeMemory.build(layer_table(self.profile, b), t)
+        return self._range_memory[key]
 
     def candidates(self, t: int, b: int, recompute: bool) -> np.ndarray:
         """Sorted range sums of the per-layer work (the partitioner's candidate bottlenecks)."""

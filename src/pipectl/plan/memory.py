@@ -237,3 +237,42 @@ def stage_memory_bytes(
     if recompute and not last_stage:
         return parameters * state_bytes + units * table.input_activation_bytes(start) + full
     return parameters * state_bytes + units * full
+
+
+@dataclass(frozen=True)
+class RangeMemory:
+    """`stage_memory_bytes`'s terms for every layer range [start, end) of one table and t, as lists.
+
+    The memory-constrained partitioner asks "does layers [start, end) fit on stage i?" millions of
+    times at scale; reading these rows costs a few list look-ups instead of the table's range
+    queries. Values are computed with the same operations as `stage_memory_bytes` (parameter
+    counts are exact in float64 below 2**53), so the answers are exactly the same.
+    """
+
+    parameters: list[list[float]]  # [start][end]: parameters / t (0 where end <= start)
+    saved: list[list[float]]  # [start][end]: saved activations / t
+    input_bytes: list[float]  # [start]: the activation a stage starting there receives
+
+    @classmethod
+    def build(cls, table, tensor_parallel: int) -> "RangeMemory":
+        layers = table.layers
+        parameter_prefix = np.asarray(table.parameter_prefix, dtype=float)
+        saved_prefix = np.asarray(table.saved_prefix, dtype=float)
+        parameters = (parameter_prefix[None, :] - parameter_prefix[:, None]) / tensor_parallel
+        saved = (saved_prefix[None, :] - saved_prefix[:, None]) / tensor_parallel
+        rows = parameters.tolist()
+        # Ranges holding two members of a shared group (a tied embedding) count it once.
+        shared = np.zeros(layers + 1, dtype=int)
+        for index in table.shared_layer_indices:
+            shared[index + 1:] += 1
+        for start, end in zip(*np.nonzero(shared[None, :] - shared[:, None] >= 2)):
+            rows[start][end] = table.parameters(int(start), int(end)) / tensor_parallel
+        inputs = [table.input_activation_bytes(start) for start in range(layers)] + [0.0]
+        return cls(rows, saved.tolist(), inputs)
+
+    def stage_bytes(self, start: int, end: int, *, state_bytes: float, units: int, recompute: bool) -> float:
+        """`stage_memory_bytes(table, start, end, ..., recompute=recompute)` for a non-last stage
+        when `recompute` (pass False for the last stage)."""
+        if recompute:
+            return self.parameters[start][end] * state_bytes + units * self.input_bytes[start] + self.saved[start][end]
+        return self.parameters[start][end] * state_bytes + units * self.saved[start][end]

@@ -58,7 +58,7 @@ from pipectl.plan.candidates import (
 from pipectl.plan.costs import TRANSFORMER_BLOCK, Hardware, hardware_for
 from pipectl.plan.evaluate import Evaluator
 from pipectl.plan.layer_table import layer_table
-from pipectl.plan.memory import format_gib, stage_memory_bytes
+from pipectl.plan.memory import format_gib
 from pipectl.plan.partition import balanced_partition
 from pipectl.schedule import ScheduleKind
 
@@ -354,17 +354,18 @@ def _fitting_shape(
         return builder.fitted[key]
     stages = p * v
     recomputes = recomputing_stages(shape, kind)
-    table = shape.table
+    # `stage_memory_bytes` on precomputed per-range rows (the same arithmetic, a few look-ups).
+    rows = builder.range_memory(t, b)
+    parameters, saved, inputs = rows.parameters, rows.saved, rows.input_bytes
+    keeps_input_only = [bool(recomputes[i]) and i != stages - 1 for i in range(stages)]
+    units_of = [units[i % p] for i in range(stages)]
 
     def fits(index: int, start: int, end: int) -> bool:
-        return stage_memory_bytes(
-            table, start, end,
-            state_bytes=per_device,
-            units=units[index % p],
-            tensor_parallel=t,
-            recompute=bool(recomputes[index]),
-            last_stage=index == stages - 1,
-        ) <= capacity
+        if keeps_input_only[index]:
+            held = parameters[start][end] * per_device + units_of[index] * inputs[start] + saved[start][end]
+        else:
+            held = parameters[start][end] * per_device + units_of[index] * saved[start][end]
+        return held <= capacity
 
     work = shape.seconds.work(rec)
     partition = balanced_partition(work, stages, fits=fits, candidates=builder.candidates(t, b, rec))
