@@ -136,3 +136,21 @@ def test_range_rows_give_stage_memory_bytes_exactly(tied, t):
                 )
                 got = rows.stage_bytes(start, end, state_bytes=12.5, units=3, recompute=recompute and not last)
                 assert got == expected, (start, end, recompute, last)
+
+
+@pytest.mark.parametrize("recompute", [True, False])
+@pytest.mark.parametrize("t", [1, 4])
+def test_stage_memory_from_range_rows_is_the_same(recompute, t):
+    from pipectl.plan.memory import RangeMemory
+
+    table = layer_table(synthetic_profile(blocks=7, micro_batch_sizes=[1, 2], hidden=80), 1)
+    rows = RangeMemory.build(table, t)
+    layers = table.layers
+    for cuts in (((0, layers),), ((0, 1), (1, layers)), ((0, 3), (3, 4), (4, 8), (8, layers))):
+        slow = StageMemory.build(table, cuts, tensor_parallel=t, recompute=recompute)
+        fast = StageMemory.build(table, cuts, tensor_parallel=t, recompute=recompute, rows=rows)
+        for mine, theirs in zip(
+            (fast.parameters, fast.unit_bytes, fast.recompute_buffer_bytes),
+            (slow.parameters, slow.unit_bytes, slow.recompute_buffer_bytes),
+        ):
+            assert mine.tolist() == theirs.tolist()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import lru_cache
 from enum import Enum
 from typing import Sequence
 
@@ -253,7 +254,10 @@ class ShapeBuilder:
         links = self.hardware.links
         fastest = links.intra if links.intra.seconds(1e6) <= links.inter.seconds(1e6) else links.inter
         sends = np.array([fastest.seconds(table.output_activation_bytes[e - 1]) for _, e in cuts[:-1]])
-        memory = StageMemory.build(table, cuts, tensor_parallel=t, recompute=recompute, pipeline_parallel=p)
+        memory = StageMemory.build(
+            table, cuts, tensor_parallel=t, recompute=recompute, pipeline_parallel=p,
+            rows=self.range_memory(t, b),
+        )
         return Shape(
             tensor_parallel=t,
             micro_batch_size=b,
@@ -319,13 +323,24 @@ def data_parallel_costs(
     links = hardware.links
     allreduce = np.zeros(p)
     if d > 1:
-        for rank in range(p):
-            ring = links.allreduce_intra if replicas_share_node(rank, p, t, d, n) else links.allreduce_inter
-            allreduce[rank] = ring.ring_allreduce_seconds(held[rank] * element, d)
+        # LinkCost.ring_allreduce_seconds (Patarasuk & Yuan 2009) on every rank at once, the same
+        # operations in the same order: 2(d-1) * (latency + bytes / d / bandwidth).
+        inside = np.array(_replicas_inside(p, t, d, n))
+        message = held * element
+        steps = 2 * (d - 1)
+        for ring, where in ((links.allreduce_intra, inside), (links.allreduce_inter, ~inside)):
+            seconds = steps * (ring.latency_seconds + message / d / ring.bandwidth_bytes_per_second)
+            allreduce = np.where(where, seconds, allreduce)
     allreduce += _tied_seconds(shape, hardware, d, element)
     bandwidth = (hardware.device.memory_bandwidth_gbytes_per_second or 100.0) * 1e9
     updated = held / d if zero_stage >= 1 else held
     return allreduce, updated * ADAM_BYTES_PER_PARAMETER / bandwidth
+
+
+@lru_cache(maxsize=65536)
+def _replicas_inside(p: int, t: int, d: int, devices_per_node: int) -> tuple[bool, ...]:
+    """Per pipeline rank: whether its d replicas share a node (`costs.replicas_share_node`)."""
+    return tuple(replicas_share_node(rank, p, t, d, devices_per_node) for rank in range(p))
 
 
 def _tied_seconds(shape: Shape, hardware: Hardware, d: int, element: int) -> np.ndarray:

@@ -167,10 +167,25 @@ class StageMemory:
         tensor_parallel: int,
         recompute: bool,
         pipeline_parallel: int | None = None,
+        rows: "RangeMemory | None" = None,
     ) -> "StageMemory":
-        """Per-rank figures; virtual stage s (of p*v) lives on rank s % p."""
+        """Per-rank figures; virtual stage s (of p*v) lives on rank s % p.
+
+        `rows` (the same table's `RangeMemory` at this t) reads one-chunk ranks from it.
+        """
         p = pipeline_parallel or len(stage_layers)
         last = len(stage_layers) - 1
+        if rows is not None and len(stage_layers) == p:
+            # One chunk per rank: the same figures as the loop below, looked up.
+            parameters_rows, saved_rows, inputs = rows.parameters, rows.saved, rows.input_bytes
+            parameters = np.array([parameters_rows[start][end] for start, end in stage_layers])
+            full = np.array([saved_rows[start][end] for start, end in stage_layers])
+            if not recompute:
+                return cls(parameters, full, np.zeros(p))
+            unit = np.array([inputs[start] for start, _ in stage_layers])
+            unit[last], buffer = full[last], full.copy()
+            buffer[last] = 0.0
+            return cls(parameters, unit, buffer)
         chunks_of: list[list[tuple[int, int, int]]] = [[] for _ in range(p)]
         for stage, (start, end) in enumerate(stage_layers):
             chunks_of[stage % p].append((stage, start, end))
