@@ -90,3 +90,13 @@ def test_compact_order_expands_to_the_reference_derivation(p, m, times):
 def test_flags_count_every_forward_and_backward_once():
     for flags in varuna_forward_flags(6, 25):
         assert sum(flags) == 25 and len(flags) == 50
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.integers(1, 9), st.integers(1, 40), st.integers(1, 40), st.sampled_from([(1.0, 2.0), (1.0, 1.0), (0.7, 2.3)]))
+def test_order_cut_from_a_longer_derivation_is_the_direct_one(p, m, extra, times):
+    from pipectl.schedule.generators import _first_forwards, _varuna_flags
+
+    tf, tb = times
+    longer = _varuna_flags(p, m + extra, tf, tb)
+    assert tuple(_first_forwards(order, m) for order in longer) == _varuna_flags(p, m, tf, tb)

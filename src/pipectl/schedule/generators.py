@@ -268,9 +268,45 @@ def varuna_forward_flags(p: int, m: int, tf: float = 1.0, tb: float = 2.0) -> tu
     the last is preceded by its recompute (rules 1-2), so this sequence is the whole order; the
     planner times it without building actions (`pipectl.plan.varuna_step`). Cached and shared.
 
+    The order for m is read off a derivation for more micro-batches M > m when one is at hand:
+    each stage's choices up to its m-th forward are the same in both (a choice depends on fewer
+    than m forwards of the previous stage, and on backwards of the next stage, which differ only
+    once that stage has run its m-th forward, later), and after it only backwards are left. So
+    the order for m is the M order up to each stage's m-th forward, then backwards.
+
     >>> [''.join('F' if f else 'B' for f in flags) for flags in varuna_forward_flags(2, 3)]
     ['FFFBBB', 'FBFBFB']
     """
+    key = (p, tf, tb)
+    longest = _VARUNA_LONGEST.get(key)
+    if longest is None or longest[0] < m:
+        longest_m = max(m, 2 * longest[0]) if longest is not None else m
+        longest = (longest_m, _varuna_flags(p, longest_m, tf, tb))
+        _VARUNA_LONGEST[key] = longest
+    longest_m, flags = longest
+    if longest_m == m:
+        return flags
+    return tuple(_first_forwards(order, m) for order in flags)
+
+
+# (p, T_f, T_b) -> (M, order for M micro-batches): the longest derivation so far, see above.
+_VARUNA_LONGEST: dict[tuple[int, float, float], tuple[int, tuple[tuple[bool, ...], ...]]] = {}
+
+
+def _first_forwards(order: tuple[bool, ...], m: int) -> tuple[bool, ...]:
+    """A stage's order cut after its m-th forward, then the backwards it still owes."""
+    forwards = 0
+    for position, is_forward in enumerate(order):
+        if is_forward:
+            forwards += 1
+            if forwards == m:
+                prefix = order[: position + 1]
+                return prefix + (False,) * (2 * m - len(prefix))
+    raise ScheduleError(f"Varuna order has fewer than {m} forwards")  # pragma: no cover - M > m
+
+
+def _varuna_flags(p: int, m: int, tf: float, tb: float) -> tuple[tuple[bool, ...], ...]:
+    """The rule-based derivation of `varuna_forward_flags` for exactly m micro-batches."""
     last = p - 1
     never = float("inf")
     forward_end = [[never] * m for _ in range(p)]
