@@ -196,6 +196,9 @@ class ShapeBuilder:
         self.fitted: dict[tuple, Shape | None] = {}
         # Memory demands (bytes per parameter, units per rank) no cut satisfied, per shape family.
         self.unfittable: dict[tuple, list[tuple[float, tuple[int, ...]]]] = {}
+        # Memory demands that were partitioned, with the optimum bottleneck, per shape family:
+        # a stricter demand cannot do better (its feasible cuts are a subset).
+        self.partitioned: dict[tuple, list[tuple[float, tuple[int, ...], float]]] = {}
         self._candidates: dict[tuple[int, int, bool], np.ndarray] = {}
         self._range_memory: dict[tuple[int, int], RangeMemory] = {}
 

@@ -210,12 +210,15 @@ def balanced_partition(
     cut_seconds: Sequence[float] | None = None,
     from_right: bool = False,
     candidates: np.ndarray | None = None,
+    at_least: float = 0.0,
 ) -> Partition | None:
     """The p-stage cut minimising max(slowest stage, dearest cut), or None if nothing fits.
 
     `weights[l]` is layer l's time per micro-batch; `fits` the per-stage memory test;
     `cut_seconds[e]` the transfer time of a cut before layer e (index 0 unused); `candidates`
-    the sorted range sums from `candidate_values` when the caller reuses them across calls.
+    the sorted range sums from `candidate_values` when the caller reuses them across calls;
+    `at_least` a bottleneck known to be unbeatable (e.g. the optimum under a laxer memory test),
+    so smaller limits are not tried.
 
     >>> balanced_partition([4, 1, 1, 1, 1, 4], 3)
     Partition(stage_layers=((0, 1), (1, 5), (5, 6)), bottleneck_seconds=4.0)
@@ -230,7 +233,7 @@ def balanced_partition(
     prefix = _prefix(weights)
     if candidates is None or cut_seconds is not None:
         candidates = candidate_values(weights, cut_seconds)
-    lower = max(prefix[-1] / stages, max(weights))
+    lower = max(prefix[-1] / stages, max(weights), at_least)
     candidates = candidates[candidates >= lower * (1 - 1e-9)]
 
     def attempt(limit: float):
@@ -241,8 +244,18 @@ def balanced_partition(
     cuts = attempt(float(candidates[-1]))
     if cuts is None:
         return None
-    # Binary search for the smallest feasible limit; `cuts` always holds the cut at `high`.
+    # The smallest feasible limit: gallop up from the lowest candidate (the optimum is usually
+    # near it), then bisect; `cuts` always holds the cut at `high`, every index below `low` fails.
     low, high = 0, len(candidates) - 1
+    stride = 1
+    while low < high:
+        probe = min(low + stride - 1, high - 1)
+        tried = attempt(float(candidates[probe]))
+        if tried is not None:
+            high, cuts = probe, tried
+            break
+        low = probe + 1
+        stride *= 2
     while low < high:
         middle = (low + high) // 2
         tried = attempt(float(candidates[middle]))

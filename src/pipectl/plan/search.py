@@ -368,9 +368,18 @@ def _fitting_shape(
         return held <= capacity
 
     work = shape.seconds.work(rec)
-    partition = balanced_partition(work, stages, fits=fits, candidates=builder.candidates(t, b, rec))
+    solved = builder.partitioned.setdefault(family, [])
+    at_least = max(
+        (seconds for bytes_, units_, seconds in solved
+         if bytes_ <= per_device and all(w <= u for u, w in zip(units, units_))),
+        default=0.0,
+    )
+    partition = balanced_partition(
+        work, stages, fits=fits, candidates=builder.candidates(t, b, rec), at_least=at_least
+    )
     fitted = None
     if partition is not None:
+        solved.append((per_device, tuple(units), partition.bottleneck_seconds))
         candidate = builder.shape_from_cuts(t, b, rec, p, v, partition.stage_layers)
         if candidate.memory.fits(per_device, units, capacity):
             fitted = candidate
