@@ -268,21 +268,22 @@ def test_busy_handoff_raises_the_intra_node_latency_and_each_collective():
     assert with_handoff[0] - without[0] == pytest.approx(4 * 0.003)
 
 
-def test_concurrent_slowdown_applies_only_when_a_node_runs_several_ranks():
-    profile = _cpu_profile_with_runtime(concurrent_compute_slowdown=1.5, concurrent_ranks=2)
+def test_host_slowdown_is_the_one_rank_or_the_two_rank_figure():
+    profile = _cpu_profile_with_runtime(alone_compute_slowdown=1.2, concurrent_compute_slowdown=1.5, concurrent_ranks=2)
     plain = _cpu_profile_with_runtime()
-    one_rank = stage_costs(profile, hardware_for(local_cluster(1), profile), [(0, 7)],
-                           micro_batch_size=2, tensor_parallel=1, data_parallel=1)  # fmt: skip
-    baseline = stage_costs(plain, hardware_for(local_cluster(1), plain), [(0, 7)],
-                           micro_batch_size=2, tensor_parallel=1, data_parallel=1)  # fmt: skip
-    assert one_rank.forward_seconds == baseline.forward_seconds
-    two = stage_costs(profile, hardware_for(local_cluster(2), profile), [(0, 7)],
-                      micro_batch_size=2, tensor_parallel=1, data_parallel=2)  # fmt: skip
-    two_plain = stage_costs(plain, hardware_for(local_cluster(2), plain), [(0, 7)],
-                            micro_batch_size=2, tensor_parallel=1, data_parallel=2)  # fmt: skip
+
+    def costs(which, devices, d):
+        return stage_costs(which, hardware_for(local_cluster(devices), which), [(0, 7)],
+                           micro_batch_size=2, tensor_parallel=1, data_parallel=d)  # fmt: skip
+
+    one_rank, one_plain = costs(profile, 1, 1), costs(plain, 1, 1)
+    assert one_rank.forward_seconds[0] == pytest.approx(1.2 * one_plain.forward_seconds[0])
+    two, two_plain = costs(profile, 2, 2), costs(plain, 2, 2)
     assert two.forward_seconds[0] == pytest.approx(1.5 * two_plain.forward_seconds[0])
     assert two.backward_seconds[0] == pytest.approx(1.5 * two_plain.backward_seconds[0])
     assert two.optimizer_seconds[0] == pytest.approx(1.5 * two_plain.optimizer_seconds[0])
+    # One rank of a two-device pool still has the host to itself.
+    assert costs(profile, 2, 1).forward_seconds == one_rank.forward_seconds
 
 
 @pytest.mark.parametrize("name", ["pipectl.plan.costs", "pipectl.plan.layer_table"])

@@ -167,4 +167,5 @@ def test_profile_measures_the_engine_runtime_terms_by_default(gpt_tiny):
         assert 0.5 <= ratio.forward_ratio < 5 and 0.5 <= ratio.backward_ratio < 5
     # Two forked ranks measured how they share this host.
     assert runtime.concurrent_ranks == 2 and runtime.concurrent_compute_slowdown >= 1.0
+    assert runtime.alone_compute_slowdown >= 1.0
     assert 0.0 <= runtime.busy_handoff_seconds < 0.5

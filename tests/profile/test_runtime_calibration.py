@@ -73,6 +73,15 @@ def test_trimmed_mean_drops_the_extremes():
     assert trimmed_mean([2.0, 4.0]) == 3.0  # too few values to drop any
 
 
+def test_wall_over_cpu_is_never_below_one():
+    from pipectl.profile.runtime_calibration import wall_over_cpu
+
+    assert wall_over_cpu([(0.004, 0.002), (0.002, 0.002)]) == 1.5
+    assert wall_over_cpu([(0.002, 0.002)] * 9 + [(0.022, 0.002)]) == pytest.approx(2.0)  # a preempted round counts
+    assert wall_over_cpu([(0.001, 0.002)]) == 1.0  # clock granularity: never faster than the CPU
+    assert wall_over_cpu([]) == 1.0
+
+
 @pytest.mark.multiprocess
 def test_two_ranks_measure_how_they_share_the_host():
     from pipectl.profile.runtime_calibration import measure_host_sharing
@@ -80,6 +89,7 @@ def test_two_ranks_measure_how_they_share_the_host():
     sharing = measure_host_sharing(rounds=5, timeout_seconds=60)
     assert sharing.ranks == 2
     assert 0.0 <= sharing.busy_handoff_seconds < 0.5
+    assert 1.0 <= sharing.alone_compute_slowdown < 10.0
     assert 1.0 <= sharing.concurrent_compute_slowdown < 10.0
 
 

@@ -128,11 +128,18 @@ class RuntimeCosts(Strict):
         "both being ready until the receiver runs again (p2p and collectives alike). About the link latency "
         "when the host has idle cores; the scheduler's wait when it is over-subscribed. 0: not measured.",
     )
+    alone_compute_slowdown: float = Field(
+        default=1.0,
+        gt=0,
+        description="Wall-clock / CPU time of one rank computing on this host: 1 when it has a core to itself, "
+        "1.5 when other jobs take a third of it (the profile's medians of short runs are close to CPU time). "
+        "1: not measured.",
+    )
     concurrent_compute_slowdown: float = Field(
         default=1.0,
         gt=0,
-        description="Compute time of a rank while `concurrent_ranks` ranks of this host compute at once / its "
-        "time alone (a host shared with other work gives each rank less than a core). 1: not measured.",
+        description="Wall-clock / CPU time of each rank while `concurrent_ranks` ranks of this host compute at "
+        "once (they share the cores left by other jobs). 1: not measured.",
     )
     concurrent_ranks: int = Field(default=1, ge=1, description="Ranks computing at once in that measurement.")
 

@@ -48,9 +48,11 @@ costed as the training engine really runs it (Varuna §4: calibrate once, scale-
 - the host's sharing between ranks (measured with two ranks, `measure_host_sharing`): a blocking
   message or collective between ranks of one node costs at least the measured *busy handoff*
   (the p2p latency of the node's links is raised to it in `hardware_for`, and each intra-node
-  collective at the end of a step adds it), and when a layout runs more than one rank on a node
-  every rank's compute (layers, engine overheads, end of step) takes the measured concurrent-
-  compute slowdown (`stage_costs`; measured for two ranks, used for any number).
+  collective at the end of a step adds it), and every rank's compute (layers, engine overheads,
+  end of step) is divided by the share of a core it gets: x wall-clock / CPU time measured for one
+  rank alone, or for two ranks at once when the layout runs more than one rank on a node
+  (`stage_costs`; measured for two ranks, used for any number). The profile's medians are close
+  to CPU time; a step pays for the slices other jobs take.
 
     >>> from pipectl.plan.synthetic import synthetic_profile
     >>> from pipectl.cluster import local_cluster
@@ -159,12 +161,16 @@ def with_busy_handoff(links: ResolvedLinks, runtime: RuntimeCosts | None) -> Res
     return replace(links, intra_latency_seconds=runtime.busy_handoff_seconds, sources=sources)
 
 
-def concurrent_slowdown(hardware: Hardware, ranks: int) -> float:
-    """Compute slowdown of a layout with `ranks` ranks (t*p*d): the measured one if a node runs
-    more than one of them, else 1."""
-    if hardware.runtime is None or min(ranks, hardware.devices_per_node) < 2:
+def host_compute_slowdown(hardware: Hardware, ranks: int) -> float:
+    """Wall-clock / CPU time of a rank's compute in a layout of `ranks` ranks (t*p*d): measured for
+    two ranks at once if a node runs more than one of them, for one rank alone otherwise; 1
+    without measured terms."""
+    runtime = hardware.runtime
+    if runtime is None:
         return 1.0
-    return hardware.runtime.concurrent_compute_slowdown
+    if min(ranks, hardware.devices_per_node) >= 2:
+        return runtime.concurrent_compute_slowdown
+    return runtime.alone_compute_slowdown
 
 
 def collective_handoff_seconds(hardware: Hardware, ring_size: int, inside_node: bool) -> float:
@@ -334,7 +340,7 @@ def stage_costs(
     n = hardware.devices_per_node
     links = hardware.links
 
-    slowdown = concurrent_slowdown(hardware, t * p * d)
+    slowdown = host_compute_slowdown(hardware, t * p * d)
     forward = [seconds.stage_forward(s, e) * slowdown for s, e in stage_layers]
     backward = [seconds.stage_backward(s, e) * slowdown for s, e in stage_layers]
 

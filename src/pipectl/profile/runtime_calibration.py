@@ -32,9 +32,10 @@ gradient all-reduce). `measure_host_sharing` reproduces that pattern with two fo
     rank 1:  compute ~W ----------| recv ...........| running again
                                   |<- handoff ----->|   (from both ready; one clock, CLOCK_MONOTONIC)
 
-and, in the same run, how much slower the same compute is while both ranks run it than on one
-rank alone (a host shared with other jobs gives two ranks less than two cores; one rank alone, as
-the layer profiler runs, gets more).
+and, in the same run, how much of a core a rank gets: wall-clock over CPU time of the same compute
+on one rank alone and on both ranks at once. The layer profile keeps medians of short runs, which
+are close to CPU time; a step lasts long enough to pay for every time slice other jobs take (a
+one-rank step measured 35 ms at a load average of 3 and 63 ms at 5 on this 2-core machine).
 
 The engine runs in a forked child process (torch already imported, so it starts in about a
 second), with its output silenced, one thread, gloo on 127.0.0.1 with a world of one; the
@@ -48,7 +49,8 @@ with the machine's load):
     profile.runtime.step_fixed_seconds            # 0.0013   per step and rank
     profile.runtime.step_seconds_per_parameter    # 2.2e-08  (7 ms for 318 k parameters)
     profile.runtime.busy_handoff_seconds          # 0.0001 .. 0.004 (other jobs' load)
-    profile.runtime.concurrent_compute_slowdown   # 1.4 .. 1.55
+    profile.runtime.alone_compute_slowdown        # 1.0 .. 1.5  wall / CPU time, one rank
+    profile.runtime.concurrent_compute_slowdown   # 1.4 .. 2.5  wall / CPU time, two ranks at once
 """
 
 from __future__ import annotations
@@ -269,7 +271,8 @@ def run_engine_calibration(
 HOST_COMPUTE_REPEATS = 300
 HOST_MESSAGE_BYTES = 16 * 1024
 HOST_WARMUP = 3
-HOST_ROUNDS = 30
+HOST_ROUNDS = 30  # messages handed off
+HOST_COMPUTE_ROUNDS = 100  # compute rounds per phase (alone, together): about 0.25 s each
 
 
 @dataclass(frozen=True)
@@ -277,7 +280,8 @@ class HostSharing:
     """What two ranks of this host see of each other (see the module docstring)."""
 
     busy_handoff_seconds: float
-    concurrent_compute_slowdown: float
+    alone_compute_slowdown: float  # wall / CPU time, one rank computing
+    concurrent_compute_slowdown: float  # wall / CPU time, both ranks computing
     ranks: int = 2
 
 
@@ -300,21 +304,21 @@ def _host_rank(rank: int, port: int, rounds: int, connection) -> None:
         dist.init_process_group("gloo", rank=rank, world_size=2)
         x = torch.randn(64, 64, generator=torch.Generator().manual_seed(rank))
         w = torch.randn(64, 64, generator=torch.Generator().manual_seed(2)) * 0.1
-        alone: list[float] = []
-        together: list[float] = []
+        alone: list[tuple[float, float]] = []  # (wall, CPU) seconds per round
+        together: list[tuple[float, float]] = []
         handoffs: list[tuple[float, float]] = []
         if rank == 0:  # rank 1 sleeps in the barrier meanwhile
-            for attempt in range(HOST_WARMUP + rounds):
-                start = time.perf_counter()
+            for attempt in range(HOST_WARMUP + HOST_COMPUTE_ROUNDS):
+                start, cpu_start = time.perf_counter(), time.thread_time()
                 x = _compute(x, w)
                 if attempt >= HOST_WARMUP:
-                    alone.append(time.perf_counter() - start)
+                    alone.append((time.perf_counter() - start, time.thread_time() - cpu_start))
         dist.barrier()
-        for attempt in range(HOST_WARMUP + rounds):
-            start = time.perf_counter()
+        for attempt in range(HOST_WARMUP + HOST_COMPUTE_ROUNDS):
+            start, cpu_start = time.perf_counter(), time.thread_time()
             x = _compute(x, w)
             if attempt >= HOST_WARMUP:
-                together.append(time.perf_counter() - start)
+                together.append((time.perf_counter() - start, time.thread_time() - cpu_start))
         dist.barrier()
         message = torch.zeros(HOST_MESSAGE_BYTES // 4)
         for attempt in range(HOST_WARMUP + rounds):
@@ -352,8 +356,9 @@ def trimmed_mean(values: Sequence[float], cut: float = 0.1) -> float:
 def measure_host_sharing(rounds: int = HOST_ROUNDS, timeout_seconds: float = 60.0) -> HostSharing:
     """Two forked ranks (gloo on 127.0.0.1, one thread each) measure how they share this host.
 
-    - concurrent compute slowdown: the mean time of the same compute while both ranks run it, over
-      its mean time on rank 0 alone;
+    - compute slowdowns: wall-clock over CPU time (one thread: `time.thread_time`) of the same
+      compute on rank 0 alone (rank 1 sleeps), then on both ranks at once, `HOST_COMPUTE_ROUNDS`
+      rounds each;
     - busy handoff: after both computed, rank 0 sends a small message to rank 1; from both being
       ready (the later of the two) to rank 1 running again, trimmed mean over `rounds` messages.
 
@@ -393,8 +398,24 @@ def measure_host_sharing(rounds: int = HOST_ROUNDS, timeout_seconds: float = 60.
         max(0.0, done - max(send_ready, receive_ready))
         for (send_ready, _), (receive_ready, done) in zip(sent, received)
     ]
-    slowdown = statistics.mean(together_0 + together_1) / statistics.mean(alone)
-    return HostSharing(busy_handoff_seconds=trimmed_mean(handoffs), concurrent_compute_slowdown=max(1.0, slowdown))
+    return HostSharing(
+        busy_handoff_seconds=trimmed_mean(handoffs),
+        alone_compute_slowdown=wall_over_cpu(alone),
+        concurrent_compute_slowdown=wall_over_cpu(together_0 + together_1),
+    )
+
+
+def wall_over_cpu(rounds: Sequence[tuple[float, float]]) -> float:
+    """Total wall-clock / total CPU seconds of (wall, CPU) rounds, at least 1.
+
+    Totals, not a typical round: a step pays for every time slice another job takes, so the rare
+    preempted rounds count in full (a trimmed mean would drop exactly them).
+
+        >>> wall_over_cpu([(0.003, 0.002), (0.002, 0.002)])
+        1.25
+    """
+    cpu = sum(c for _, c in rounds)
+    return max(1.0, sum(w for w, _ in rounds) / cpu) if cpu > 0 else 1.0
 
 
 def engine_description() -> str:
@@ -467,6 +488,7 @@ def calibrate_runtime(
     return costs.model_copy(
         update={
             "busy_handoff_seconds": sharing.busy_handoff_seconds,
+            "alone_compute_slowdown": sharing.alone_compute_slowdown,
             "concurrent_compute_slowdown": sharing.concurrent_compute_slowdown,
             "concurrent_ranks": sharing.ranks,
         }
@@ -483,4 +505,5 @@ __all__ = [
     "run_engine_calibration",
     "runtime_costs",
     "trimmed_mean",
+    "wall_over_cpu",
 ]
