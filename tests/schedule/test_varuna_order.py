@@ -100,3 +100,12 @@ def test_order_cut_from_a_longer_derivation_is_the_direct_one(p, m, extra, times
     tf, tb = times
     longer = _varuna_flags(p, m + extra, tf, tb)
     assert tuple(_first_forwards(order, m) for order in longer) == _varuna_flags(p, m, tf, tb)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(1, 12), st.integers(1, 300), st.sampled_from([(1.0, 2.0), (1.0, 1.0), (1.0, 3.0), (2.0, 3.0)]))
+def test_cycle_found_in_the_derivation_gives_the_full_derivation(p, m, times):
+    from pipectl.schedule.generators import _varuna_flags
+
+    tf, tb = times
+    assert _varuna_flags(p, m, tf, tb) == _varuna_flags(p, m, tf, tb, periodic=False)

@@ -305,8 +305,20 @@ def _first_forwards(order: tuple[bool, ...], m: int) -> tuple[bool, ...]:
     raise ScheduleError(f"Varuna order has fewer than {m} forwards")  # pragma: no cover - M > m
 
 
-def _varuna_flags(p: int, m: int, tf: float, tb: float) -> tuple[tuple[bool, ...], ...]:
-    """The rule-based derivation of `varuna_forward_flags` for exactly m micro-batches."""
+def _varuna_flags(p: int, m: int, tf: float, tb: float, periodic: bool = True) -> tuple[tuple[bool, ...], ...]:
+    """The rule-based derivation of `varuna_forward_flags` for exactly m micro-batches.
+
+    With whole-number stage times (every time is then an exact float) the derivation watches for
+    its state to repeat: every stage's remaining busy time, recompute flag, progress and the
+    forward/backward ends its neighbours will still read, all relative to now and to stage 0's
+    next forward. The derivation is deterministic, so from the first repeat on it cycles, and
+    each stage's order is its order so far followed by the cycle's choices, repeated; the order
+    for m is then cut as in `varuna_forward_flags` (the run is the same as for unboundedly many
+    micro-batches while stage 0 has forwards left).
+    """
+    watch = periodic and float(tf).is_integer() and float(tb).is_integer()
+    seen: dict[tuple, list[int]] = {}  # full state -> each stage's order length then
+    seen_summaries: set[tuple] = set()
     last = p - 1
     never = float("inf")
     forward_end = [[never] * m for _ in range(p)]
@@ -366,10 +378,66 @@ def _varuna_flags(p: int, m: int, tf: float, tb: float) -> tuple[tuple[bool, ...
             if unfinished:  # pragma: no cover - would be a bug above
                 raise ScheduleError(f"Varuna schedule generation stalled at t={now} (p={p}, m={m})")
             break
+        if watch and next_forward[0] < m:
+            # A cheap summary first; the full state only once the summary has come round before.
+            base = next_forward[0]
+            summary = (
+                tuple(max(t - now, 0.0) for t in free_at), tuple(recomputed),
+                tuple(n - base for n in next_forward), tuple(n - base for n in next_backward),
+            )
+            if summary in seen_summaries:
+                state = _varuna_state(now, free_at, recomputed, next_forward, next_backward, forward_end, backward_end)
+                earlier = seen.get(state)
+                if earlier is not None:
+                    return _varuna_cycled(orders, earlier, m)
+                seen[state] = [len(order) for order in orders]
+            seen_summaries.add(summary)
         now = upcoming
     if any(nf < m for nf in next_forward):  # pragma: no cover - B(i) implies F(i)
         raise ScheduleError(f"Varuna schedule generation left forwards unscheduled (p={p}, m={m})")
     return tuple(tuple(order) for order in orders)
+
+
+def _varuna_state(now, free_at, recomputed, next_forward, next_backward, forward_end, backward_end) -> tuple:
+    """The derivation's state relative to now and to stage 0's progress (see `_varuna_flags`).
+
+    Times at or before now only matter as "done" (every test is `<= now`), so they read as 0.
+    """
+    p = len(free_at)
+    base = next_forward[0]
+    parts: list = []
+    for s in range(p):
+        nf, nb = next_forward[s], next_backward[s]
+        # Forward ends still read: by this stage's R/B (from nb on) and the next stage's F.
+        first_forward = min(nb, next_forward[s + 1]) if s < p - 1 else nb
+        # Backward ends still read by the previous stage's R/B.
+        first_backward = next_backward[s - 1] if s > 0 else nb
+        ends_f = forward_end[s]
+        ends_b = backward_end[s]
+        parts.append((
+            max(free_at[s] - now, 0.0), recomputed[s], nf - base, nb - base,
+            tuple(max(ends_f[i] - now, 0.0) for i in range(first_forward, nf)),
+            tuple(max(ends_b[i] - now, 0.0) for i in range(first_backward, nb)),
+        ))
+    return tuple(parts)
+
+
+def _varuna_cycled(orders: list[list[bool]], cycle_start: list[int], m: int) -> tuple[tuple[bool, ...], ...]:
+    """Each stage's order so far, its cycle (the choices since `cycle_start`) repeated until it
+    has m forwards, then the backwards it still owes."""
+    out = []
+    for order, start in zip(orders, cycle_start):
+        cycle = order[start:]
+        forwards_per_cycle = sum(cycle)
+        flags = list(order)
+        forwards = sum(flags)
+        if forwards < m:
+            # The cycle's net progress is the same for every stage (the state's indices are
+            # relative to stage 0), and stage 0 still has forwards left, so it holds one.
+            repeats = -(-(m - forwards) // forwards_per_cycle)
+            flags.extend(cycle * repeats)
+        out.append(_first_forwards(tuple(flags), m))
+    return tuple(out)
 
 
 @lru_cache(maxsize=4096)
