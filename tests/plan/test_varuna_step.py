@@ -57,3 +57,31 @@ def test_a_slow_link_shows_as_exposed_communication():
     slow = StageCosts(**{**costs.__dict__, "send_forward_seconds": [5.0, 5.0, 5.0]})
     assert varuna_step.summary(4, 12, slow).communication_seconds > varuna_step.summary(4, 12, costs).communication_seconds
     assert varuna_step.step_seconds(4, 12, slow) > varuna_step.step_seconds(4, 12, costs)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(2, 8), st.integers(40, 400), st.sampled_from([1.0, 0.05, 0.0]), st.randoms(use_true_random=False))
+def test_skipping_repeated_cycles_keeps_the_simulated_figures(p, m, spread, rng):
+    costs = random_costs(p, rng, spread)
+    timeline = simulate(generate(ScheduleKind.VARUNA, p, m), costs)
+    fast = varuna_step.summary(p, m, costs)
+    assert same(fast.step_seconds, timeline.step_seconds)
+    assert same(fast.communication_seconds, timeline.communication_seconds, 1e-9)
+    for mine, theirs in zip(fast.communication_seconds_per_rank, timeline.communication_seconds_per_rank, strict=True):
+        assert math.isclose(mine, theirs, rel_tol=1e-9, abs_tol=1e-9)
+
+
+def test_long_steps_skip_cycles():
+    from pipectl.schedule.generators import varuna_cycle, varuna_forward_flags
+
+    p, m = 6, 600
+    flags = varuna_forward_flags(p, m)
+    starts, q = varuna_cycle(p)
+    run = varuna_step._Run(p, m, flags, random_costs(p, random.Random(5), 1.0))
+    walked = []
+    advance = run.advance
+    run.advance = lambda stop: walked.append(stop) or advance(stop)
+    varuna_step._run_with_cycle_jump(run, flags, starts, q)
+    # A handful of cycles walked, then the rest of the periodic part skipped in one go.
+    assert len(walked) < m // (4 * q)
+    assert min(run.forwards_done) > m - 8 * q * p

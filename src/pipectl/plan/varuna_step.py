@@ -24,8 +24,10 @@ floating-point operation is the simulator's, in the same order, so the step time
 
 from __future__ import annotations
 
+import math
+
 from pipectl.plan.waves import StepSummary
-from pipectl.schedule.generators import varuna_forward_flags
+from pipectl.schedule.generators import varuna_cycle, varuna_forward_flags
 
 __all__ = ["step_seconds", "summary"]
 
@@ -43,75 +45,13 @@ def summary(pipeline_parallel: int, micro_batches: int, costs) -> StepSummary:
     p, m = pipeline_parallel, micro_batches
     last_stage = p - 1
     flags = varuna_forward_flags(p, m)
-    forward = list(costs.forward_seconds)
-    backward = list(costs.backward_seconds)
-    recompute = list(costs.recompute_seconds)
-    send_forward = list(costs.send_forward_seconds)
-    send_backward = list(costs.send_backward_seconds)
-    forward_end = [[0.0] * m for _ in range(p)]
-    backward_end = [[0.0] * m for _ in range(p)]
-    forwards_done = [0] * p
-    backwards_done = [0] * p
-    head = [0] * p
-    last = [0.0] * p  # end of the stage's latest action
-    exposed = [0.0] * p
-    waiting_for = [-1] * p  # the neighbour a stopped stage waits for
-    runnable = list(range(p - 1, -1, -1))
-    while runnable:
-        s = runnable.pop()
-        waiting_for[s] = -1
-        order = flags[s]
-        position = head[s]
-        end_time = last[s]
-        own_forward_ends = forward_end[s]
-        own_backward_ends = backward_end[s]
-        progressed = False
-        while position < len(order):
-            if order[position]:
-                j = forwards_done[s]
-                if s > 0:
-                    if forwards_done[s - 1] <= j:
-                        waiting_for[s] = s - 1
-                        break
-                    produced = forward_end[s - 1][j]
-                    ready = produced + send_forward[s - 1]
-                    start = end_time if end_time > ready else ready
-                    waited_from = end_time if end_time > produced else produced
-                    if start > waited_from:
-                        exposed[s] += start - waited_from
-                else:
-                    start = end_time if end_time > 0.0 else 0.0
-                end_time = start + forward[s]
-                own_forward_ends[j] = end_time
-                forwards_done[s] = j + 1
-            else:
-                i = backwards_done[s]
-                if s < last_stage:
-                    if backwards_done[s + 1] <= i:
-                        waiting_for[s] = s + 1
-                        break
-                    # R(s, i) right before B(s, i): no cross-stage input, starts when the rank is free.
-                    free = (end_time if end_time > 0.0 else 0.0) + recompute[s]
-                    produced = backward_end[s + 1][i]
-                    ready = produced + send_backward[s]
-                    start = free if free > ready else ready
-                    waited_from = free if free > produced else produced
-                    if start > waited_from:
-                        exposed[s] += start - waited_from
-                else:
-                    start = end_time if end_time > 0.0 else 0.0
-                end_time = start + backward[s]
-                own_backward_ends[i] = end_time
-                backwards_done[s] = i + 1
-            position += 1
-            progressed = True
-        head[s] = position
-        last[s] = end_time
-        if progressed:
-            for neighbour in (s - 1, s + 1):
-                if 0 <= neighbour < p and waiting_for[neighbour] == s:
-                    waiting_for[neighbour] = -1
-                    runnable.append(neighbour)
+    run = _Run(p, m, flags, costs)
+    cycle = varuna_cycle(p)
+    if cycle is not None:
+        _run_with_cycle_jump(run, flags, *cycle)
+    run.advance([len(order) for order in flags])
+    last, exposed = run.last, run.exposed
+    forward, backward, recompute = run.forward, run.backward, run.recompute
     # All-reduce after the rank's last backward, then the optimizer step (as `simulate`).
     allreduce = list(costs.allreduce_seconds)
     optimizer = list(costs.optimizer_seconds)
@@ -129,3 +69,185 @@ def summary(pipeline_parallel: int, micro_batches: int, costs) -> StepSummary:
         communication_seconds=max(exposed),
         communication_seconds_per_rank=tuple(exposed),
     )
+
+
+class _Run:
+    """The evaluation state: per stage, its position in its order, the ends its neighbours read."""
+
+    def __init__(self, p: int, m: int, flags, costs) -> None:
+        self.p, self.m, self.flags = p, m, flags
+        self.forward = list(costs.forward_seconds)
+        self.backward = list(costs.backward_seconds)
+        self.recompute = list(costs.recompute_seconds)
+        self.send_forward = list(costs.send_forward_seconds)
+        self.send_backward = list(costs.send_backward_seconds)
+        self.forward_end = [[0.0] * m for _ in range(p)]
+        self.backward_end = [[0.0] * m for _ in range(p)]
+        self.forwards_done = [0] * p
+        self.backwards_done = [0] * p
+        self.head = [0] * p
+        self.last = [0.0] * p  # end of the stage's latest action
+        self.exposed = [0.0] * p
+
+    def advance(self, stop: list[int]) -> bool:
+        """Run every stage s up to position stop[s] of its order; False if one could not get there
+        (it needs an action beyond a neighbour's stop)."""
+        p, flags = self.p, self.flags
+        last_stage = p - 1
+        forward, backward, recompute = self.forward, self.backward, self.recompute
+        send_forward, send_backward = self.send_forward, self.send_backward
+        forward_end, backward_end = self.forward_end, self.backward_end
+        forwards_done, backwards_done = self.forwards_done, self.backwards_done
+        head, last, exposed = self.head, self.last, self.exposed
+        waiting_for = [-1] * p  # the neighbour a stopped stage waits for
+        runnable = list(range(p - 1, -1, -1))
+        while runnable:
+            s = runnable.pop()
+            waiting_for[s] = -1
+            order = flags[s]
+            position = head[s]
+            end_time = last[s]
+            own_forward_ends = forward_end[s]
+            own_backward_ends = backward_end[s]
+            progressed = False
+            limit = stop[s]
+            while position < limit:
+                if order[position]:
+                    j = forwards_done[s]
+                    if s > 0:
+                        if forwards_done[s - 1] <= j:
+                            waiting_for[s] = s - 1
+                            break
+                        produced = forward_end[s - 1][j]
+                        ready = produced + send_forward[s - 1]
+                        start = end_time if end_time > ready else ready
+                        waited_from = end_time if end_time > produced else produced
+                        if start > waited_from:
+                            exposed[s] += start - waited_from
+                    else:
+                        start = end_time if end_time > 0.0 else 0.0
+                    end_time = start + forward[s]
+                    own_forward_ends[j] = end_time
+                    forwards_done[s] = j + 1
+                else:
+                    i = backwards_done[s]
+                    if s < last_stage:
+                        if backwards_done[s + 1] <= i:
+                            waiting_for[s] = s + 1
+                            break
+                        # R(s, i) right before B(s, i): no cross-stage input, starts when the rank is free.
+                        free = (end_time if end_time > 0.0 else 0.0) + recompute[s]
+                        produced = backward_end[s + 1][i]
+                        ready = produced + send_backward[s]
+                        start = free if free > ready else ready
+                        waited_from = free if free > produced else produced
+                        if start > waited_from:
+                            exposed[s] += start - waited_from
+                    else:
+                        start = end_time if end_time > 0.0 else 0.0
+                    end_time = start + backward[s]
+                    own_backward_ends[i] = end_time
+                    backwards_done[s] = i + 1
+                position += 1
+                progressed = True
+            head[s] = position
+            last[s] = end_time
+            if progressed:
+                for neighbour in (s - 1, s + 1):
+                    if 0 <= neighbour < p and waiting_for[neighbour] == s:
+                        waiting_for[neighbour] = -1
+                        runnable.append(neighbour)
+        return all(head[s] >= stop[s] for s in range(p))
+
+    def live_state(self) -> list[float]:
+        """The values later actions read: each rank's last end, the forward ends the next stage
+        has not consumed, the backward ends the previous stage has not consumed."""
+        p = self.p
+        state = list(self.last)
+        for s in range(p - 1):
+            state.extend(self.forward_end[s][self.forwards_done[s + 1]: self.forwards_done[s]])
+        for s in range(1, p):
+            state.extend(self.backward_end[s][self.backwards_done[s - 1]: self.backwards_done[s]])
+        return state
+
+    def shift(self, cycles: int, forwards_per_cycle: int, seconds: float, exposed: list[float]) -> None:
+        """Skip `cycles` cycles: every live end moves `seconds` later and q·cycles micro-batches on."""
+        p = self.p
+        moved = cycles * forwards_per_cycle
+        for s in range(p):
+            self.head[s] += 2 * moved
+            self.last[s] += seconds
+            self.exposed[s] += exposed[s]
+        for s in range(p - 1):
+            ends = self.forward_end[s]
+            for j in range(self.forwards_done[s + 1], self.forwards_done[s]):
+                ends[j + moved] = ends[j] + seconds
+        for s in range(1, p):
+            ends = self.backward_end[s]
+            for i in range(self.backwards_done[s - 1], self.backwards_done[s]):
+                ends[i + moved] = ends[i] + seconds
+        for s in range(p):
+            self.forwards_done[s] += moved
+            self.backwards_done[s] += moved
+
+
+def _run_with_cycle_jump(run: _Run, flags, starts: tuple[int, ...], q: int) -> None:
+    """Evaluate cycle by cycle until the live state repeats shifted by a constant, then skip.
+
+    Cycle k of every stage needs only actions of cycles up to k (`varuna_cycle`), so the live
+    state after cycle k is a max-plus linear function of the one after cycle k − 1, the same
+    function every cycle (same order, same costs per micro-batch). Once x(k) = x(k − c) + λ in
+    every entry it stays so (max-plus homogeneity; see `pipectl.plan.waves`), and the cycles up
+    to the last one inside the periodic part of every stage's order are skipped by adding λ.
+    """
+    p, m = run.p, run.m
+    # The order of stage s is periodic from starts[s] up to its m-th forward.
+    periodic_end = [_after_forward(order, m) for order in flags]
+    last_cycle = min((periodic_end[s] - starts[s]) // (2 * q) for s in range(p)) if q > 0 else 0
+    if last_cycle < 4:
+        return
+    if not run.advance(list(starts)):
+        return
+    history: list[tuple[list[float], list[float]]] = []
+    depth = max(2 * p, 16)
+    for k in range(1, last_cycle + 1):
+        if not run.advance([starts[s] + 2 * q * k for s in range(p)]):
+            return
+        state = run.live_state()
+        exposed = list(run.exposed)
+        found = _repeat(state, history)
+        if found is not None:
+            c, seconds = found
+            earlier_exposed = history[-c][1]
+            cycles_left = (last_cycle - k) // c
+            if cycles_left > 0:
+                run.shift(cycles_left * c, q, cycles_left * seconds,
+                          [cycles_left * (now - then) for now, then in zip(exposed, earlier_exposed)])
+            return
+        history.append((state, exposed))
+        if len(history) > depth:
+            history.pop(0)
+
+
+_PERIOD_ULPS = 16.0  # as in pipectl.plan.waves
+
+
+def _after_forward(order, m: int) -> int:
+    """The position right after a stage's m-th forward."""
+    count = 0
+    for index, is_forward in enumerate(order):
+        count += is_forward
+        if count == m:
+            return index + 1
+    return len(order)
+
+
+def _repeat(state: list[float], history) -> tuple[int, float] | None:
+    """(c, λ) for the smallest c with state = history[-c] + λ in every entry, to rounding."""
+    tolerance = _PERIOD_ULPS * math.ulp(max(abs(x) for x in state))
+    for c in range(1, len(history) + 1):
+        earlier = history[-c][0]
+        shift = state[0] - earlier[0]
+        if all(abs((x - y) - shift) <= tolerance for x, y in zip(state, earlier)):
+            return c, shift
+    return None

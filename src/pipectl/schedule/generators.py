@@ -291,6 +291,19 @@ def varuna_forward_flags(p: int, m: int, tf: float = 1.0, tb: float = 2.0) -> tu
 
 # (p, T_f, T_b) -> (M, order for M micro-batches): the longest derivation so far, see above.
 _VARUNA_LONGEST: dict[tuple[int, float, float], tuple[int, tuple[tuple[bool, ...], ...]]] = {}
+# (p, T_f, T_b) -> (where each stage's cycle starts in its order, forwards per cycle), once found.
+_VARUNA_CYCLES: dict[tuple[int, float, float], tuple[tuple[int, ...], int]] = {}
+
+
+def varuna_cycle(p: int, tf: float = 1.0, tb: float = 2.0) -> tuple[tuple[int, ...], int] | None:
+    """Where Varuna's order for p stages turns periodic, if a derivation found it (see `_varuna_flags`).
+
+    (starts, q): from position starts[s] on, stage s repeats a cycle of q forwards and q backwards
+    (2q flags) for as long as it has forwards left; cycle k of every stage only needs actions of
+    cycles up to k (they are the choices between two moments of the derivation). None when no
+    derivation for this p has run or none found a cycle.
+    """
+    return _VARUNA_CYCLES.get((p, tf, tb))
 
 
 def _first_forwards(order: tuple[bool, ...], m: int) -> tuple[bool, ...]:
@@ -317,7 +330,7 @@ def _varuna_flags(p: int, m: int, tf: float, tb: float, periodic: bool = True) -
     micro-batches while stage 0 has forwards left).
     """
     watch = periodic and float(tf).is_integer() and float(tb).is_integer()
-    seen: dict[tuple, list[int]] = {}  # full state -> each stage's order length then
+    seen: dict[tuple, tuple[list[int], int]] = {}  # full state -> (each stage's order length, base)
     seen_summaries: set[tuple] = set()
     last = p - 1
     never = float("inf")
@@ -389,8 +402,10 @@ def _varuna_flags(p: int, m: int, tf: float, tb: float, periodic: bool = True) -
                 state = _varuna_state(now, free_at, recomputed, next_forward, next_backward, forward_end, backward_end)
                 earlier = seen.get(state)
                 if earlier is not None:
-                    return _varuna_cycled(orders, earlier, m)
-                seen[state] = [len(order) for order in orders]
+                    starts, earlier_base = earlier
+                    _VARUNA_CYCLES[(p, tf, tb)] = (tuple(starts), base - earlier_base)
+                    return _varuna_cycled(orders, starts, m)
+                seen[state] = ([len(order) for order in orders], base)
             seen_summaries.add(summary)
         now = upcoming
     if any(nf < m for nf in next_forward):  # pragma: no cover - B(i) implies F(i)
