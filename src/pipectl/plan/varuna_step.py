@@ -24,7 +24,7 @@ floating-point operation is the simulator's, in the same order, so the step time
 
 from __future__ import annotations
 
-import math
+import numpy as np
 
 from pipectl.plan.waves import StepSummary
 from pipectl.schedule.generators import varuna_cycle, varuna_forward_flags
@@ -208,12 +208,12 @@ def _run_with_cycle_jump(run: _Run, flags, starts: tuple[int, ...], q: int) -> N
         return
     if not run.advance(list(starts)):
         return
-    history: list[tuple[list[float], list[float]]] = []
+    history: list[tuple[np.ndarray, list[float]]] = []
     depth = max(2 * p, 16)
     for k in range(1, last_cycle + 1):
         if not run.advance([starts[s] + 2 * q * k for s in range(p)]):
             return
-        state = run.live_state()
+        state = np.asarray(run.live_state())
         exposed = list(run.exposed)
         found = _repeat(state, history)
         if found is not None:
@@ -242,12 +242,16 @@ def _after_forward(order, m: int) -> int:
     return len(order)
 
 
-def _repeat(state: list[float], history) -> tuple[int, float] | None:
-    """(c, λ) for the smallest c with state = history[-c] + λ in every entry, to rounding."""
-    tolerance = _PERIOD_ULPS * math.ulp(max(abs(x) for x in state))
-    for c in range(1, len(history) + 1):
-        earlier = history[-c][0]
-        shift = state[0] - earlier[0]
-        if all(abs((x - y) - shift) <= tolerance for x, y in zip(state, earlier)):
-            return c, shift
-    return None
+def _repeat(current: np.ndarray, history) -> tuple[int, float] | None:
+    """(c, λ) for the smallest c with current = history[-c] + λ in every entry, to rounding."""
+    if not history:
+        return None
+    earlier = np.stack([entry[0] for entry in reversed(history)])  # row c - 1 is history[-c]
+    differences = current[None, :] - earlier
+    shifts = differences[:, 0]
+    tolerance = _PERIOD_ULPS * float(np.spacing(np.max(np.abs(current))))
+    uniform = np.max(np.abs(differences - shifts[:, None]), axis=1) <= tolerance
+    if not uniform.any():
+        return None
+    c = int(np.argmax(uniform)) + 1
+    return c, float(shifts[c - 1])
