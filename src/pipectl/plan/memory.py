@@ -42,6 +42,7 @@ activation is replicated and is not divided.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Sequence
 
 import numpy as np
@@ -80,8 +81,9 @@ def weight_versions(kind: ScheduleKind) -> int:
     return 2 if kind is ScheduleKind.PIPEDREAM_2BW else 1
 
 
+@lru_cache(maxsize=65536)
 def in_flight_units(kind: ScheduleKind, pipeline_parallel: int, micro_batches: int, chunks: int = 1) -> tuple[int, ...]:
-    """Peak chunk-micro-batches with activations held, per rank, by the closed forms above.
+    """Peak chunk-micro-batches with activations held, per rank, by the closed forms above (cached).
 
     >>> in_flight_units(ScheduleKind.GPIPE, 3, 5)
     (5, 5, 5)
