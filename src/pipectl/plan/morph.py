@@ -55,6 +55,9 @@ class PrefixMinimum:
         return best
 
 
+_TIE = 1e-12  # relative: step times closer than this are equal
+
+
 def fastest_per_device_count(specs: list[Spec], evaluator: Evaluator, max_devices: int) -> dict[int, tuple[float, Spec]]:
     """For each device count n that some spec uses exactly: its fastest spec, if it can matter.
 
@@ -68,7 +71,7 @@ def fastest_per_device_count(specs: list[Spec], evaluator: Evaluator, max_device
         if n > max_devices or known.minimum(n) <= spec.lower_bound_seconds:
             continue
         step = evaluator.step_seconds(spec)
-        if n not in best or step < best[n][0]:
+        if n not in best or step < best[n][0] * (1 - _TIE):  # a tie keeps the first found
             best[n] = (step, spec)
             known.lower(n, step)
     return best
@@ -86,7 +89,9 @@ def morph_table(specs: list[Spec], evaluator: Evaluator, max_devices: int, reque
     first = min(best)
     running = best[first]  # the fastest plan on at most `count` devices so far
     for count in range(first, max_devices + 1):
-        if count in best and best[count][0] < running[0]:
+        # More devices only when faster beyond rounding: the step times come from different
+        # evaluation orders (waves, skipped cycles), and a tie must keep the smaller job.
+        if count in best and best[count][0] < running[0] * (1 - _TIE):
             running = best[count]
         spec = running[1]
         if spec.key not in candidates:
