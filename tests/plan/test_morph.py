@@ -73,3 +73,17 @@ def test_prime_batch_uses_fewer_devices_and_says_why():
     assert entry.candidate.devices <= 6
     if entry.candidate.devices < 6:
         assert "uses" in entry.note
+
+
+def test_a_rounding_level_tie_keeps_the_first_found_plan():
+    from types import SimpleNamespace
+
+    from pipectl.plan.morph import fastest_per_device_count
+
+    first = SimpleNamespace(devices=8, lower_bound_seconds=1.0, step=10.0)
+    tied = SimpleNamespace(devices=8, lower_bound_seconds=2.0, step=10.0 * (1 - 1e-14))
+    faster = SimpleNamespace(devices=16, lower_bound_seconds=3.0, step=9.0)
+    evaluator = SimpleNamespace(step_seconds=lambda spec: spec.step)
+    best = fastest_per_device_count([tied, faster, first], evaluator, 16)
+    assert best[8][1] is first
+    assert best[16][1] is faster
