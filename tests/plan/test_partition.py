@@ -194,3 +194,24 @@ def test_pipedream_partition_without_levels_is_a_typed_error():
 
     with pytest.raises(UserInputError, match="at least one topology level"):
         pipedream_partition([1, 1], [0, 0], [0, 0], [])
+
+
+@settings(max_examples=150, deadline=None)
+@given(weights=weights_strategy, data=st.data())
+def test_starting_from_a_laxer_demands_optimum_keeps_the_optimum(weights, data):
+    stages = data.draw(st.integers(min_value=1, max_value=len(weights)))
+    lax = data.draw(st.integers(min_value=1, max_value=len(weights) + stages))
+    strict = data.draw(st.integers(min_value=1, max_value=lax))
+
+    def fits_under(capacity):
+        return lambda index, start, end: (end - start) + (stages - index) <= capacity
+
+    laxer = balanced_partition(weights, stages, fits=fits_under(lax))
+    at_least = laxer.bottleneck_seconds if laxer is not None else 0.0
+    result = balanced_partition(weights, stages, fits=fits_under(strict), at_least=at_least)
+    expected = brute_force(weights, stages, fits=fits_under(strict))
+    if expected is None:
+        assert result is None
+    else:
+        assert result is not None and result.bottleneck_seconds == pytest.approx(expected)
+        assert result == balanced_partition(weights, stages, fits=fits_under(strict))
