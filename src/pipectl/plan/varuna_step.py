@@ -24,6 +24,8 @@ floating-point operation is the simulator's, in the same order, so the step time
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import numpy as np
 
 from pipectl.plan.waves import StepSummary
@@ -202,7 +204,7 @@ def _run_with_cycle_jump(run: _Run, flags, starts: tuple[int, ...], q: int) -> N
     """
     p, m = run.p, run.m
     # The order of stage s is periodic from starts[s] up to its m-th forward.
-    periodic_end = [_after_forward(order, m) for order in flags]
+    periodic_end = _after_forwards(p, m)
     last_cycle = min((periodic_end[s] - starts[s]) // (2 * q) for s in range(p)) if q > 0 else 0
     if last_cycle < 4:
         return
@@ -232,14 +234,20 @@ def _run_with_cycle_jump(run: _Run, flags, starts: tuple[int, ...], q: int) -> N
 _PERIOD_ULPS = 16.0  # as in pipectl.plan.waves
 
 
-def _after_forward(order, m: int) -> int:
-    """The position right after a stage's m-th forward."""
+@lru_cache(maxsize=256)
+def _after_forwards(p: int, m: int) -> tuple[int, ...]:
+    """Per stage: the position right after its m-th forward in `varuna_forward_flags(p, m)`."""
+    return tuple(len(order) - _trailing_backwards(order) for order in varuna_forward_flags(p, m))
+
+
+def _trailing_backwards(order) -> int:
+    """Backwards after the last forward of an order."""
     count = 0
-    for index, is_forward in enumerate(order):
-        count += is_forward
-        if count == m:
-            return index + 1
-    return len(order)
+    for is_forward in reversed(order):
+        if is_forward:
+            break
+        count += 1
+    return count
 
 
 def _repeat(current: np.ndarray, history) -> tuple[int, float] | None:

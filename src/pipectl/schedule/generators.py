@@ -281,16 +281,23 @@ def varuna_forward_flags(p: int, m: int, tf: float = 1.0, tb: float = 2.0) -> tu
     longest = _VARUNA_LONGEST.get(key)
     if longest is None or longest[0] < m:
         longest_m = max(m, 2 * longest[0]) if longest is not None else m
-        longest = (longest_m, _varuna_flags(p, longest_m, tf, tb))
+        flags = _varuna_flags(p, longest_m, tf, tb)
+        forwards_at = tuple(tuple(i for i, is_forward in enumerate(order) if is_forward) for order in flags)
+        longest = (longest_m, flags, forwards_at)
         _VARUNA_LONGEST[key] = longest
-    longest_m, flags = longest
+    longest_m, flags, forwards_at = longest
     if longest_m == m:
         return flags
-    return tuple(_first_forwards(order, m) for order in flags)
+    out = []
+    for order, positions in zip(flags, forwards_at):
+        prefix = order[: positions[m - 1] + 1]  # up to the m-th forward, then backwards only
+        out.append(prefix + (False,) * (2 * m - len(prefix)))
+    return tuple(out)
 
 
-# (p, T_f, T_b) -> (M, order for M micro-batches): the longest derivation so far, see above.
-_VARUNA_LONGEST: dict[tuple[int, float, float], tuple[int, tuple[tuple[bool, ...], ...]]] = {}
+# (p, T_f, T_b) -> (M, order for M micro-batches, positions of each stage's forwards in it): the
+# longest derivation so far, see above.
+_VARUNA_LONGEST: dict[tuple[int, float, float], tuple[int, tuple[tuple[bool, ...], ...], tuple[tuple[int, ...], ...]]] = {}
 # (p, T_f, T_b) -> (where each stage's cycle starts in its order, forwards per cycle), once found.
 _VARUNA_CYCLES: dict[tuple[int, float, float], tuple[tuple[int, ...], int]] = {}
 
