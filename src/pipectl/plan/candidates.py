@@ -32,6 +32,9 @@ from pipectl.plan.costs import (
     ADAM_BYTES_PER_PARAMETER,
     Hardware,
     LayerSeconds,
+    collective_handoff_seconds,
+    data_parallel_seconds,
+    host_compute_slowdown,
     layer_seconds,
     ranks_share_node,
     replicas_share_node,
@@ -318,12 +321,25 @@ def lower_bound_seconds(
 def data_parallel_costs(
     shape: Shape, hardware: Hardware, data_parallel: int, zero_stage: int, dtype: str
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(all-reduce, optimizer) seconds per rank, as `costs.stage_costs` computes them."""
+    """(all-reduce, optimizer) seconds per rank, as `costs.stage_costs` computes them.
+
+    With measured engine terms (a profile calibrated on this device) it is `costs`' own
+    `data_parallel_seconds`; without them, the same ring formula vectorised over ranks (the
+    search at scale runs it for every candidate).
+    """
     p, t, d = shape.pipeline_parallel, shape.tensor_parallel, data_parallel
     n = hardware.devices_per_node
     element = DTYPE_BYTES.get(dtype, 4)
     held = shape.parameters_per_rank
     links = hardware.links
+    if hardware.runtime is not None:
+        allreduce_list, optimizer_list = data_parallel_seconds(
+            [float(x) for x in held], hardware, pipeline_parallel=p, tensor_parallel=t,
+            data_parallel=d, zero_stage=zero_stage, element_bytes=element,
+        )  # fmt: skip
+        slowdown = host_compute_slowdown(hardware, t * p * d)
+        allreduce_measured = np.array(allreduce_list) + _tied_seconds(shape, hardware, d, element)
+        return allreduce_measured, np.array(optimizer_list) * slowdown
     allreduce = np.zeros(p)
     if d > 1:
         # LinkCost.ring_allreduce_seconds (Patarasuk & Yuan 2009) on every rank at once, the same
@@ -367,6 +383,7 @@ def _tied_seconds(shape: Shape, hardware: Hardware, d: int, element: int) -> np.
         )
         link = hardware.links.allreduce_intra if inside else hardware.links.allreduce_inter
         seconds = link.ring_allreduce_seconds(sizes[group] / t * element, len(ordered))
+        seconds += collective_handoff_seconds(hardware, len(ordered), inside)
         for rank in ordered:
             extra[rank] += seconds
     return extra

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from pipectl.artifacts.plan import Candidate
 from pipectl.plan.candidates import Spec
-from pipectl.plan.costs import Hardware, ranks_share_node
+from pipectl.plan.costs import Hardware, host_compute_slowdown, ranks_share_node
 from pipectl.plan.simulate import StageCosts, actions_per_step, step_seconds_of, summary_of
 from pipectl.schedule import Schedule, generate
 
@@ -58,10 +58,12 @@ def costs_of(spec: Spec, hardware: Hardware) -> StageCosts:
         link = hardware.links.intra if inside else hardware.links.inter
         jitter = max(jitter, link.jitter_seconds)
         sends.append(link.seconds(shape.table.output_activation_bytes[end - 1]))
-    forward = tuple(shape.forward.tolist())
+    # Measured engine terms: a rank computes slower when the host runs several ranks at once.
+    slowdown = host_compute_slowdown(hardware, p * t * d)
+    forward = tuple((shape.forward * slowdown).tolist())
     return StageCosts(
         forward_seconds=forward,
-        backward_seconds=tuple(shape.backward.tolist()),
+        backward_seconds=tuple((shape.backward * slowdown).tolist()),
         recompute_seconds=forward,
         send_forward_seconds=tuple(sends),
         send_backward_seconds=tuple(sends),
