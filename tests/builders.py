@@ -15,3 +15,23 @@ def gpt_tiny_candidate(p: int = 2, d: int = 1, b: int = 2, m: int = 4) -> Candid
         peak_memory_bytes=[1] * p, bubble_fraction=0.0, communication_fraction=0.0,
         cost_per_million_samples=0.0,
     )  # fmt: skip
+
+
+def training_config(layout, *, zero_stage: int = 1, weight_decay: float | None = None, universal: bool = False) -> dict:
+    """The parts of `pipectl launch`'s DeepSpeed config that matter to loss tests: the layout's
+    batch keys, AdamW (torch implementation) at lr 3e-3, clipping at 1.0, the ZeRO stage."""
+    params: dict = {"lr": 3e-3, "torch_adam": True}
+    if weight_decay is not None:
+        params["weight_decay"] = weight_decay
+    config = {
+        "train_batch_size": layout.global_batch,
+        "train_micro_batch_size_per_gpu": layout.micro_batch_size,
+        "gradient_accumulation_steps": layout.micro_batches,
+        "steps_per_print": 1_000_000,
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": params},
+        "zero_optimization": {"stage": zero_stage},
+    }
+    if universal:
+        config["checkpoint"] = {"load_universal": True}
+    return config

@@ -17,6 +17,7 @@ from pipectl.models.tensor_parallel import (
 from pipectl.models.transformer import TransformerBlock
 from pipectl.runtime.worker import Layout, TrainingJob, spawn_ranks
 from pipectl.schedule.ir import ScheduleKind
+from builders import training_config
 
 STEPS = 8
 
@@ -61,16 +62,7 @@ def test_shards_are_slices_of_the_unsplit_block():
 
 
 def _job(layout: Layout) -> TrainingJob:
-    config = {
-        "train_batch_size": layout.global_batch,
-        "train_micro_batch_size_per_gpu": layout.micro_batch_size,
-        "gradient_accumulation_steps": layout.micro_batches,
-        "steps_per_print": 1_000_000,
-        "gradient_clipping": 1.0,
-        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "torch_adam": True}},
-        "zero_optimization": {"stage": 1},
-    }
-    return TrainingJob("gpt-tiny", layout, config, steps=STEPS, seed=1)
+    return TrainingJob("gpt-tiny", layout, training_config(layout), steps=STEPS, seed=1)
 
 
 @pytest.mark.multiprocess

@@ -32,6 +32,7 @@ from pipectl.models.tensor_parallel import (
 from pipectl.models.transformer import TransformerBlock
 from pipectl.runtime import checkpoint as ckpt
 from pipectl.runtime.worker import Layout, TrainingJob, spawn_ranks
+from builders import training_config
 
 HIDDEN, HEADS = 64, 4
 STATES = ("fp32", "exp_avg", "exp_avg_sq")
@@ -141,16 +142,7 @@ T2_P2 = Layout(2, 1, 2, 4, ((0, 5), (5, 9)), tensor_parallel=2)
 
 
 def run(layout: Layout, run_dir: Path, checkpoint_every: int = 0) -> list[float]:
-    config = {
-        "train_batch_size": layout.global_batch,
-        "train_micro_batch_size_per_gpu": layout.micro_batch_size,
-        "gradient_accumulation_steps": layout.micro_batches,
-        "steps_per_print": 1_000_000,
-        "gradient_clipping": 1.0,
-        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "torch_adam": True}},
-        "zero_optimization": {"stage": 1},
-        "checkpoint": {"load_universal": True},
-    }
+    config = training_config(layout, universal=True)
     job = TrainingJob(
         "gpt-tiny", layout, config, steps=STEPS, seed=1, run_dir=run_dir, checkpoint_every=checkpoint_every
     )

@@ -16,6 +16,7 @@ import pytest
 from pipectl.runtime.worker import Layout, TrainingJob, spawn_ranks
 from pipectl.schedule import generate
 from pipectl.schedule.ir import ScheduleKind
+from builders import training_config
 
 STEPS = 12
 GLOBAL_BATCH = 8
@@ -24,15 +25,7 @@ TIMEOUT_SECONDS = 120
 
 def ds_config(layout: Layout, zero_stage: int) -> dict:
     """What `pipectl launch` emits, in the parts that matter here (AdamW, clipping at 1.0)."""
-    return {
-        "train_batch_size": layout.global_batch,
-        "train_micro_batch_size_per_gpu": layout.micro_batch_size,
-        "gradient_accumulation_steps": layout.micro_batches,
-        "steps_per_print": 1_000_000,
-        "gradient_clipping": 1.0,
-        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01, "torch_adam": True}},
-        "zero_optimization": {"stage": zero_stage},
-    }
+    return training_config(layout, zero_stage=zero_stage, weight_decay=0.01)
 
 
 @dataclass(frozen=True)

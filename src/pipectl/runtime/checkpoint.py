@@ -32,7 +32,7 @@ previous checkpoint is used:
     >>> loaded.step, loaded.client_state["samples"], loaded.warnings                      # doctest: +SKIP
     (10, 80, [])
 
-DeepSpeed reads its own files with `torch.load(weights_only=False)`; pipectl only lets it read a
+DeepSpeed unpickles its own files (`weights_only=False`); pipectl only lets it read a
 tag whose every file matches the sha256 recorded when this run wrote it.
 """
 
