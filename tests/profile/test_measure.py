@@ -169,3 +169,18 @@ def test_profile_measures_the_engine_runtime_terms_by_default(gpt_tiny):
     assert runtime.concurrent_ranks == 2 and runtime.concurrent_compute_slowdown >= 1.0
     assert runtime.alone_compute_slowdown >= 1.0
     assert 0.0 <= runtime.busy_handoff_seconds < 0.5
+
+
+def test_forward_flops_are_counted_by_pytorch_on_the_real_forward():
+    """The head's matmul is exactly 2·b·s·h·V; a block at least its four GEMMs' 24·b·s·h² (the
+    attention's 4·b·s²·h is counted where PyTorch's counter knows the kernel)."""
+    from pipectl.models import build_model
+    from pipectl.profile.measure import profile_model
+
+    profile = profile_model(build_model("gpt-tiny"), [2], warmup=0, repeats=1, runtime=False)
+    h, s, vocab, b = 64, 32, 256, 2
+    head = profile.layers[-1].cost(b)
+    block = profile.layers[1].cost(b)
+    assert head.forward_flops == 2 * b * s * h * vocab
+    assert 24 * b * s * h * h <= block.forward_flops <= 24 * b * s * h * h + 4 * b * s * s * h
+    assert profile.layers[0].cost(b).forward_flops == 0  # an embedding look-up is no FLOP

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 from torch import nn
 
 from pipectl.artifacts.profile import LayerCost, LayerProfile, ModelProfile, ProfileSource
@@ -76,6 +77,7 @@ class _LayerRun:
     output: Any
     output_bytes: int
     saved_bytes: int
+    forward_flops: float = 0.0
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -439,12 +441,16 @@ def _untimed_pass(
     for index in range(len(under_test.defs)):
         layer_input = _detached_input(x)
         hooks, saved = _saved_bytes_hooks(under_test.parameter_storages)
-        with hooks:
+        # PyTorch's own FLOP counter (matmuls, attention, convolutions) on the same real forward:
+        # what the plan's TFLOP/s per device is computed from.
+        flops = FlopCounterMode(display=False)
+        with hooks, flops:
             output = under_test.forward(index, layer_input)
             if index == last:
                 loss_fn(output, labels)
         runs.append(_LayerRun(output=output.detach() if isinstance(output, torch.Tensor) else output,
-                              output_bytes=tensor_bytes(output), saved_bytes=saved[0]))
+                              output_bytes=tensor_bytes(output), saved_bytes=saved[0],
+                              forward_flops=float(flops.get_total_flops())))
         x = output
     return runs
 
@@ -499,6 +505,7 @@ def _measure_layer(
         output_activation_bytes=run.output_bytes,
         saved_activation_bytes=run.saved_bytes,
         peak_memory_bytes=peak,
+        forward_flops=run.forward_flops,
     )
 
 

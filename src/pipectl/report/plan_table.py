@@ -43,7 +43,8 @@ def candidates_table(candidates: Sequence[Candidate], *, chosen: Candidate | Non
     Columns that say nothing for these candidates (ZeRO when all share one stage, TFLOP/s without
     FLOP counts, cost without prices) are left out so the table fits an 80-column terminal.
     """
-    zero_stages = {c.zero_stage for c in candidates}
+    # At d = 1 ZeRO shards nothing, so only replicated candidates tell ZeRO stages apart.
+    zero_stages = {c.zero_stage for c in candidates if c.data_parallel > 1} or {c.zero_stage for c in candidates}
     columns: list[tuple[str, str, object]] = [
         ("t·p·d", "left", lambda c: f"{c.tensor_parallel}·{c.pipeline_parallel}·{c.data_parallel}"),
         ("b×m", "left", lambda c: f"{c.micro_batch_size}×{c.micro_batches}"),
@@ -54,14 +55,14 @@ def candidates_table(candidates: Sequence[Candidate], *, chosen: Candidate | Non
         columns.append(("Z", "right", lambda c: str(c.zero_stage)))
     columns += [
         ("step", "right", lambda c: format_step(c.predicted_step_seconds)),
-        ("samples/s", "right", lambda c: f"{c.samples_per_second:,.1f}"),
+        ("samp/s", "right", lambda c: f"{c.samples_per_second:,.0f}"),
     ]
     if any(c.tflops_per_device > 0 for c in candidates):
         columns.append(("TFLOP/s", "right", lambda c: f"{c.tflops_per_device:.3g}"))
     columns += [
         ("mem/dev", "right", lambda c: _gib(max(c.peak_memory_bytes))),
-        ("bubble", "right", lambda c: f"{c.bubble_fraction * 100:.1f}%"),
-        ("comm", "right", lambda c: f"{c.communication_fraction * 100:.1f}%"),
+        ("bubble", "right", lambda c: f"{c.bubble_fraction * 100:.0f}%"),
+        ("comm", "right", lambda c: f"{c.communication_fraction * 100:.0f}%"),
     ]
     if any(c.cost_per_million_samples > 0 for c in candidates):
         columns.append(("$/1M", "right", lambda c: f"{c.cost_per_million_samples:,.2f}"))
@@ -72,6 +73,7 @@ def candidates_table(candidates: Sequence[Candidate], *, chosen: Candidate | Non
         caption += f"; all ZeRO-{zero_stages.pop()}"
     table = Table(
         title=title or None, box=box.SIMPLE_HEAD, title_justify="left", pad_edge=False, collapse_padding=True,
+        show_edge=False,
         caption=caption, caption_justify="left",
     )
     for header, justify, _ in columns:
