@@ -152,3 +152,24 @@ def test_links_command_passes_its_options_and_writes_the_result(tmp_path, monkey
     assert (request.warmup, request.repeats, request.timeout_seconds) == (1, 2, 45.0)
     assert load_model(LinksProfile, out) == load_model(LinksProfile, links_file)
     assert "intra_node" in result.stdout
+
+
+def test_show_prints_the_engine_costs_of_a_calibrated_profile(tmp_path):
+    from pipectl.artifacts.profile import EngineComputeRatio, RuntimeCosts
+    from pipectl.plan.synthetic import synthetic_profile
+
+    profile = synthetic_profile(2).model_copy(
+        update={
+            "runtime": RuntimeCosts(
+                engine="test engine", forward_overhead_seconds=0.0002, backward_overhead_seconds=0.0003,
+                step_fixed_seconds=0.004, step_seconds_per_parameter=2.2e-8,
+                compute_ratios=[EngineComputeRatio(micro_batch_size=1, forward_ratio=1.1, backward_ratio=1.3)],
+            )  # fmt: skip
+        }
+    )
+    path = tmp_path / "p.json"
+    path.write_text(profile.model_dump_json())
+    result = runner.invoke(app, ["profile", "show", str(path)], env={"COLUMNS": "120"})
+    assert result.exit_code == 0, result.output
+    assert "engine costs on this host (test engine)" in result.output
+    assert "4.00 ms" in result.output and "22 ns" in result.output and "1.10 fwd, 1.30 bwd" in result.output

@@ -12,7 +12,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from pipectl.artifacts.profile import LinksProfile, ModelProfile
+from pipectl.artifacts.profile import LinksProfile, ModelProfile, RuntimeCosts
 
 
 def format_bytes(count: float) -> str:
@@ -193,10 +193,36 @@ def links_view(links: LinksProfile) -> Group:
     return Group(links_fit_table(links), links_samples_table(links))
 
 
+def runtime_table(runtime: RuntimeCosts) -> Table:
+    """The training engine's own measured costs (profile.runtime), one term per row."""
+    table = Table(
+        title=f"engine costs on this host ({runtime.engine})", title_justify="left",
+        box=box.SIMPLE_HEAD, show_header=False,
+    )  # fmt: skip
+    table.add_column("term", no_wrap=True)
+    table.add_column("value", justify="right", no_wrap=True)
+    table.add_row("forward overhead per micro-batch and stage", format_seconds_ms(runtime.forward_overhead_seconds) + " ms")
+    table.add_row("backward overhead per micro-batch and stage", format_seconds_ms(runtime.backward_overhead_seconds) + " ms")
+    table.add_row("end of step, fixed", format_seconds_ms(runtime.step_fixed_seconds) + " ms")
+    table.add_row("end of step, per parameter", f"{runtime.step_seconds_per_parameter * 1e9:.3g} ns")
+    for ratio in runtime.compute_ratios:
+        table.add_row(
+            f"engine / profiled compute at b={ratio.micro_batch_size}",
+            f"{ratio.forward_ratio:.2f} fwd, {ratio.backward_ratio:.2f} bwd",
+        )
+    if runtime.busy_handoff_seconds:
+        table.add_row("blocking hand-off between busy ranks", format_seconds_ms(runtime.busy_handoff_seconds) + " ms")
+    table.add_row("wall / CPU time, one rank alone", f"{runtime.alone_compute_slowdown:.2f}")
+    table.add_row(f"wall / CPU time, {runtime.concurrent_ranks} ranks at once", f"{runtime.concurrent_compute_slowdown:.2f}")
+    return table
+
+
 def profile_view(profile: ModelProfile, micro_batch_sizes: Sequence[int] | None = None) -> Group:
-    """Header line, per-layer table, notes, and the embedded link calibration when present."""
+    """Header line, per-layer table, notes, engine costs and link calibration when present."""
     parts: list = [profile_summary(profile), profile_table(profile, micro_batch_sizes)]
     parts += _notes(profile.notes)
+    if profile.runtime is not None:
+        parts.append(runtime_table(profile.runtime))
     if profile.links is not None:
         parts.append(links_fit_table(profile.links))
     return Group(*parts)
