@@ -295,6 +295,10 @@ def _specs_for(builder, out, profile, hardware, space, t, b, recompute, p, varia
             per_device = state_bytes(profile.dtype, zero, d, kind)
             fitted = _fitting_shape(builder, shape, per_device, units, capacity, kind)
             if fitted is None:
+                if Rejection.MEMORY in out.rejections.examples:
+                    # Only the first example is kept: skip building the message (most demands end here).
+                    out.rejections.add(Rejection.MEMORY)
+                    continue
                 worst = shape.memory.per_rank_bytes(per_device, units)
                 rank = int(worst.argmax())
                 out.rejections.add(
