@@ -19,6 +19,7 @@ free communication it is exactly (m + p − 1)(t_f + t_b) (SPEC §4), so pruning
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from dataclasses import dataclass, field
 from functools import lru_cache
 from enum import Enum
@@ -369,11 +370,17 @@ def _tied_seconds(shape: Shape, hardware: Hardware, d: int, element: int) -> np.
         return extra
     groups: dict[str, set[int]] = {}
     sizes: dict[str, int] = {}
-    for stage, (start, end) in enumerate(shape.stage_layers):
-        for index in table.shared_layer_indices:
-            if start <= index < end:
-                groups.setdefault(table.shared_group[index], set()).add(stage % p)  # type: ignore[arg-type]
-                sizes[table.shared_group[index]] = table.shared_parameter_count[index]  # type: ignore[index]
+    # The stage holding each shared layer, found by bisection over the stage starts (stages are
+    # contiguous), visited in (stage, index) order as a scan over every stage would visit them.
+    starts = [start for start, _ in shape.stage_layers]
+    holders = sorted(
+        (bisect_right(starts, index) - 1, position, index)
+        for position, index in enumerate(table.shared_layer_indices)
+        if 0 <= index < shape.stage_layers[-1][1]
+    )
+    for stage, _, index in holders:
+        groups.setdefault(table.shared_group[index], set()).add(stage % p)  # type: ignore[arg-type]
+        sizes[table.shared_group[index]] = table.shared_parameter_count[index]  # type: ignore[index]
     for group, ranks in groups.items():
         if len(ranks) < 2:
             continue

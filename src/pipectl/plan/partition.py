@@ -174,7 +174,9 @@ def _greedy_leaving_room(prefix, stages: int, bound: float, fits: FitsFn | None)
     for stage in range(stages):
         # `_furthest_end` inlined for its common outcome (the reachable end fits): this loop runs
         # for every stage of every limit tried, over ~10^4 partitions per search.
-        end = min(bisect_right(prefix, prefix[start] + bound, lo=start) - 1, layers - (stages - stage - 1))
+        end = bisect_right(prefix, prefix[start] + bound, lo=start) - 1
+        if end > layers - (stages - stage - 1):
+            end = layers - (stages - stage - 1)
         if end <= start:
             return None
         if fits is not None and not fits(stage, start, end):
