@@ -205,6 +205,7 @@ class ShapeBuilder:
         self.partitioned: dict[tuple, list[tuple[float, tuple[int, ...], float]]] = {}
         self._candidates: dict[tuple[int, int, bool], np.ndarray] = {}
         self._range_memory: dict[tuple[int, int], RangeMemory] = {}
+        self._arrays: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
     def range_memory(self, t: int, b: int) -> RangeMemory:
         """Per layer range: the stage memory terms at micro-batch size b and tensor split t."""
@@ -251,16 +252,36 @@ class ShapeBuilder:
             self._shapes[key] = shape
         return shape
 
+    def _stage_arrays(self, b: int, t: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Forward and backward prefix sums and per-layer output bytes as arrays, per (b, t)."""
+        key = (b, t)
+        arrays = self._arrays.get(key)
+        if arrays is None:
+            seconds = self.seconds(b, t)
+            table = layer_table(self.profile, b)
+            arrays = (
+                np.asarray(seconds.forward_prefix, dtype=float),
+                np.asarray(seconds.backward_prefix, dtype=float),
+                np.asarray(table.output_activation_bytes, dtype=float),
+            )
+            self._arrays[key] = arrays
+        return arrays
+
     def shape_from_cuts(
         self, t: int, b: int, recompute: bool, p: int, v: int, cuts: Sequence[tuple[int, int]]
     ) -> Shape:
         seconds = self.seconds(b, t)
         table = layer_table(self.profile, b)
-        forward = np.array([seconds.stage_forward(s, e) for s, e in cuts])
-        backward = np.array([seconds.stage_backward(s, e) for s, e in cuts])
+        # `LayerSeconds.stage_forward/backward` and `LinkCost.seconds` over every stage at once:
+        # the same float64 operations in the same order, so the same values.
+        forward_prefix, backward_prefix, output_bytes = self._stage_arrays(b, t)
+        starts = np.fromiter((start for start, _ in cuts), dtype=np.intp, count=len(cuts))
+        ends = np.fromiter((end for _, end in cuts), dtype=np.intp, count=len(cuts))
+        forward = forward_prefix[ends] - forward_prefix[starts] + seconds.forward_overhead
+        backward = backward_prefix[ends] - backward_prefix[starts] + seconds.backward_overhead
         links = self.hardware.links
         fastest = links.intra if links.intra.seconds(1e6) <= links.inter.seconds(1e6) else links.inter
-        sends = np.array([fastest.seconds(table.output_activation_bytes[e - 1]) for _, e in cuts[:-1]])
+        sends = fastest.latency_seconds + output_bytes[ends[:-1] - 1] / fastest.bandwidth_bytes_per_second
         memory = StageMemory.build(
             table, cuts, tensor_parallel=t, recompute=recompute, pipeline_parallel=p,
             rows=self.range_memory(t, b),
