@@ -205,6 +205,8 @@ class ShapeBuilder:
         self.partitioned: dict[tuple, list[tuple[float, tuple[int, ...], float]]] = {}
         self._candidates: dict[tuple[int, int, bool], np.ndarray] = {}
         self._range_memory: dict[tuple[int, int], RangeMemory] = {}
+        self._work: dict[tuple[int, int, bool], list[float]] = {}
+        self._prefixes: dict[tuple[int, int, bool], tuple[float, ...]] = {}
         self._arrays: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
     def range_memory(self, t: int, b: int) -> RangeMemory:
@@ -243,14 +245,28 @@ class ShapeBuilder:
         key = (t, b, recompute, p, v, from_right)
         shape = self._shapes.get(key)
         if shape is None:
-            seconds = self.seconds(b, t)
-            prefix = (0.0, *np.cumsum(seconds.work(recompute)).tolist())
+            prefix = self._work_prefix(t, b, recompute)
             cuts = greedy_cuts(prefix, p * v, self.bottleneck(t, b, recompute, p * v), from_right=from_right)
             if cuts is None:  # pragma: no cover - min_bottlenecks guarantees a cut exists
                 raise RuntimeError(f"no {p * v}-stage cut at the optimal bottleneck")
             shape = self.shape_from_cuts(t, b, recompute, p, v, cuts)
             self._shapes[key] = shape
         return shape
+
+    def work(self, t: int, b: int, recompute: bool) -> list[float]:
+        """Per-layer work (`LayerSeconds.work`), cached per (t, b, recompute); callers must not mutate it."""
+        key = (t, b, recompute)
+        work = self._work.get(key)
+        if work is None:
+            work = self._work[key] = self.seconds(b, t).work(recompute)
+        return work
+
+    def _work_prefix(self, t: int, b: int, recompute: bool) -> tuple[float, ...]:
+        key = (t, b, recompute)
+        prefix = self._prefixes.get(key)
+        if prefix is None:
+            prefix = self._prefixes[key] = (0.0, *np.cumsum(self.work(t, b, recompute)).tolist())
+        return prefix
 
     def _stage_arrays(self, b: int, t: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Forward and backward prefix sums and per-layer output bytes as arrays, per (b, t)."""

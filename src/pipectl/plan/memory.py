@@ -213,7 +213,7 @@ class StageMemory:
         return MemoryEstimate(tuple(int(x) for x in np.ceil(per_rank)), int(capacity_bytes))
 
     def fits(self, state_bytes: float, units: Sequence[int], capacity_bytes: float) -> bool:
-        return bool(np.all(self.per_rank_bytes(state_bytes, units) <= capacity_bytes))
+        return bool((self.per_rank_bytes(state_bytes, units) <= capacity_bytes).all())
 
 
 def _parameters_on_rank(table: LayerTable, chunks: list[tuple[int, int, int]]) -> int:

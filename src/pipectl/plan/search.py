@@ -34,6 +34,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterable
 
+import numpy as np
 from pydantic import Field
 
 from pipectl.artifacts.base import Strict
@@ -319,7 +320,7 @@ def _specs_for(builder, out, profile, hardware, space, t, b, recompute, p, varia
                     variant=variant,
                     zero_stage=zero,
                     lower_bound_seconds=bound,
-                    peak_memory_bytes=tuple(int(x) for x in peak),
+                    peak_memory_bytes=tuple(peak.astype(np.int64).tolist()),  # truncation, as int() does
                     allreduce_seconds=tuple(allreduce.tolist()),
                     optimizer_seconds=tuple(optimizer.tolist()),
                 )
@@ -373,7 +374,7 @@ def _fitting_shape(
             held = parameters[start][end] * per_device + units_of[index] * saved[start][end]
         return held <= capacity
 
-    work = shape.seconds.work(rec)
+    work = builder.work(t, b, rec)
     solved = builder.partitioned.setdefault(family, [])
     at_least = max(
         (seconds for bytes_, units_, seconds in solved
