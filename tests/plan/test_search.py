@@ -172,3 +172,28 @@ def test_cost_deadline_picks_the_cheapest_meeting_it():
     result = plan(profile, cluster, request)
     meeting = [c for c in result.candidates if c.predicted_step_seconds * 10 <= slowest_needed * 10]
     assert result.chosen.cost_per_million_samples == pytest.approx(min(c.cost_per_million_samples for c in meeting))
+
+
+def test_shape_stage_times_match_the_per_stage_definitions():
+    from pipectl.plan.candidates import ShapeBuilder, _tied_seconds
+    from pipectl.plan.layer_table import layer_table
+
+    profile = synthetic_profile(blocks=8, micro_batch_sizes=[2])
+    hardware = hardware_for(local_cluster(8), profile)
+    builder = ShapeBuilder(profile, hardware)
+    shape = builder.shape_from_cuts(2, 2, False, 2, 2, [(0, 2), (2, 5), (5, 8), (8, 11)])
+    seconds = builder.seconds(2, 2)
+    table = layer_table(profile, 2)
+    assert shape.forward.tolist() == [seconds.stage_forward(s, e) for s, e in shape.stage_layers]
+    assert shape.backward.tolist() == [seconds.stage_backward(s, e) for s, e in shape.stage_layers]
+    links = hardware.links
+    fastest = links.intra if links.intra.seconds(1e6) <= links.inter.seconds(1e6) else links.inter
+    expected_sends = [fastest.seconds(table.output_activation_bytes[e - 1]) for _, e in shape.stage_layers[:-1]]
+    assert shape.send_lower_bound.tolist() == expected_sends
+    # The tied embedding (layer 0, stage 0 on rank 0) and head (last layer, stage 3 on rank 1)
+    # sit on different ranks: both ranks pay the tied all-reduce, the same amount.
+    tied = _tied_seconds(shape, hardware, 2, 2)
+    assert tied[0] > 0 and tied[0] == tied[1]
+    # On one rank (p = 1 with two chunks) there is nothing to synchronise.
+    one_rank = builder.shape_from_cuts(2, 2, False, 1, 2, [(0, 5), (5, 11)])
+    assert not _tied_seconds(one_rank, hardware, 2, 2).any()
