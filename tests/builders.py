@@ -35,3 +35,20 @@ def training_config(layout, *, zero_stage: int = 1, weight_decay: float | None =
     if universal:
         config["checkpoint"] = {"load_universal": True}
     return config
+
+
+def random_stage_costs(p: int, v: int, rng, spread: float = 1.0):
+    """Non-uniform stages and links for p ranks of v chunks; `spread` < 1 makes stages nearly
+    equal (long transients), 0 makes them equal."""
+    from pipectl.plan.simulate import StageCosts
+
+    s = p * v
+    return StageCosts(
+        forward_seconds=[1.0 + spread * rng.uniform(-0.5, 1.0) for _ in range(s)],
+        backward_seconds=[2.0 + spread * rng.uniform(-1.0, 2.0) for _ in range(s)],
+        recompute_seconds=[1.0 + spread * rng.uniform(-0.5, 1.0) for _ in range(s)],
+        send_forward_seconds=[rng.uniform(0.0, 0.5) for _ in range(s - 1)],
+        send_backward_seconds=[rng.uniform(0.0, 0.5) for _ in range(s - 1)],
+        allreduce_seconds=[rng.uniform(0.0, 3.0) for _ in range(p)],
+        optimizer_seconds=[rng.uniform(0.0, 1.0) for _ in range(p)],
+    )

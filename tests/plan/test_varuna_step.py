@@ -10,18 +10,11 @@ from pipectl.plan import varuna_step
 from pipectl.plan.simulate import StageCosts, simulate, step_seconds_of, summary_of
 from pipectl.schedule import generate
 from pipectl.schedule.ir import ScheduleKind
+from builders import random_stage_costs
 
 
 def random_costs(p, rng, spread):
-    return StageCosts(
-        forward_seconds=[1.0 + spread * rng.uniform(-0.5, 1.0) for _ in range(p)],
-        backward_seconds=[2.0 + spread * rng.uniform(-1.0, 2.0) for _ in range(p)],
-        recompute_seconds=[1.0 + spread * rng.uniform(-0.5, 1.0) for _ in range(p)],
-        send_forward_seconds=[rng.uniform(0.0, 0.5) for _ in range(p - 1)],
-        send_backward_seconds=[rng.uniform(0.0, 0.5) for _ in range(p - 1)],
-        allreduce_seconds=[rng.uniform(0.0, 3.0) for _ in range(p)],
-        optimizer_seconds=[rng.uniform(0.0, 1.0) for _ in range(p)],
-    )
+    return random_stage_costs(p, 1, rng, spread)
 
 
 def same(a, b, rel=1e-12):

@@ -9,7 +9,6 @@ from hypothesis import strategies as st
 
 from pipectl.plan import waves
 from pipectl.plan.simulate import (
-    StageCosts,
     actions_per_step,
     simulate,
     simulate_step_seconds,
@@ -19,22 +18,12 @@ from pipectl.plan.simulate import (
 )
 from pipectl.schedule import generate
 from pipectl.schedule.ir import ScheduleKind
+from builders import random_stage_costs
 
 WAVE_KINDS = [ScheduleKind.GPIPE, ScheduleKind.ONE_F_ONE_B, ScheduleKind.PIPEDREAM_2BW, ScheduleKind.INTERLEAVED]
 
 
-def random_costs(p, v, rng, spread=1.0):
-    """Non-uniform stages and links; `spread` < 1 makes stages nearly equal (long transients)."""
-    s = p * v
-    return StageCosts(
-        forward_seconds=[1.0 + spread * rng.uniform(-0.5, 1.0) for _ in range(s)],
-        backward_seconds=[2.0 + spread * rng.uniform(-1.0, 2.0) for _ in range(s)],
-        recompute_seconds=[1.0 + spread * rng.uniform(-0.5, 1.0) for _ in range(s)],
-        send_forward_seconds=[rng.uniform(0.0, 0.5) for _ in range(s - 1)],
-        send_backward_seconds=[rng.uniform(0.0, 0.5) for _ in range(s - 1)],
-        allreduce_seconds=[rng.uniform(0.0, 3.0) for _ in range(p)],
-        optimizer_seconds=[rng.uniform(0.0, 1.0) for _ in range(p)],
-    )
+random_costs = random_stage_costs
 
 
 def same(a, b, rel=1e-12):
