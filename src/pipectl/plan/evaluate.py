@@ -22,8 +22,9 @@ from dataclasses import dataclass
 from pipectl.artifacts.plan import Candidate
 from pipectl.plan.candidates import Spec
 from pipectl.plan.costs import Hardware, host_compute_slowdown, ranks_share_node
-from pipectl.plan.simulate import StageCosts, actions_per_step, step_seconds_of, summary_of
-from pipectl.schedule import Schedule, generate
+from pipectl.plan import waves
+from pipectl.plan.simulate import StageCosts, StepSummary, actions_per_step, step_seconds_of, summary_of
+from pipectl.schedule import Schedule, ScheduleKind, generate
 
 TWO_BW_NOTE = "PipeDream-2BW: 1-stale weight updates (a different optimizer than data-parallel Adam)"
 NOT_DEEPSPEED_NOTE = "DeepSpeed's pipeline engine cannot run this schedule (plan and simulate only)"
@@ -74,12 +75,18 @@ def costs_of(spec: Spec, hardware: Hardware) -> StageCosts:
 
 
 class Evaluator:
-    """Simulates specs, caching step times by spec key (the search asks again for the morph table)."""
+    """Simulates specs, caching step times by spec key (the search asks again for the morph table).
+
+    Where the step time's own pass already yields the bubble and the exposed communication (the
+    wave pass of 1F1B-like schedules, Varuna's flat pass; no jitter), that summary is kept too, so
+    recording a ranked or morph-table spec as a `Candidate` costs no second simulation.
+    """
 
     def __init__(self, hardware: Hardware, global_batch: int) -> None:
         self.hardware = hardware
         self.global_batch = global_batch
         self._steps: dict[tuple, float] = {}
+        self._summaries: dict[tuple, StepSummary] = {}
         self.simulations = 0
         self.simulated_actions = 0
 
@@ -87,10 +94,17 @@ class Evaluator:
         key = spec.key
         step = self._steps.get(key)
         if step is None:
-            step = step_seconds_of(*_schedule_args(spec), costs_of(spec, self.hardware))
+            args = _schedule_args(spec)
+            costs = costs_of(spec, self.hardware)
+            if _summary_comes_free(spec.variant.kind, costs):
+                summary = summary_of(*args, costs)
+                self._summaries[key] = summary
+                step = summary.step_seconds
+            else:
+                step = step_seconds_of(*args, costs)
             self._steps[key] = step
             self.simulations += 1
-            self.simulated_actions += actions_per_step(*_schedule_args(spec))
+            self.simulated_actions += actions_per_step(*args)
         return step
 
     def cost_per_sample(self, spec: Spec, step: float) -> float:
@@ -98,7 +112,7 @@ class Evaluator:
 
     def candidate(self, spec: Spec, notes: list[str] | None = None) -> Candidate:
         """The full record: one more simulation for the bubble and the exposed communication."""
-        timeline = summary_of(*_schedule_args(spec), costs_of(spec, self.hardware))
+        timeline = self._summaries.get(spec.key) or summary_of(*_schedule_args(spec), costs_of(spec, self.hardware))
         step = timeline.step_seconds
         self._steps.setdefault(spec.key, step)
         shape = spec.shape
@@ -133,6 +147,17 @@ class Evaluator:
             deepspeed_runnable=spec.deepspeed_runnable,
             notes=notes,
         )
+
+
+def _summary_comes_free(kind: ScheduleKind, costs: StageCosts) -> bool:
+    """Whether `summary_of` costs what `step_seconds_of` does (and gives the same step time).
+
+    GPipe's step time is a closed form while its summary walks the waves; with jitter the summary
+    keeps every record of the event-driven simulation.
+    """
+    if costs.jitter_seconds > 0:
+        return False
+    return kind is ScheduleKind.VARUNA or (kind is not ScheduleKind.GPIPE and waves.supported(kind, 0.0))
 
 
 @dataclass(frozen=True)
