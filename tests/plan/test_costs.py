@@ -268,6 +268,26 @@ def test_busy_handoff_raises_the_intra_node_latency_and_each_collective():
     assert with_handoff[0] - without[0] == pytest.approx(4 * 0.003)
 
 
+def test_busy_allreduce_fit_prices_intra_node_collectives_without_a_separate_handoff():
+    from pipectl.plan.costs import data_parallel_seconds
+
+    measured = _cpu_profile_with_runtime(
+        busy_handoff_seconds=0.003, busy_allreduce_latency_seconds=0.0005,
+        busy_allreduce_bandwidth_bytes_per_second=5e8,
+    )  # fmt: skip
+    hardware = hardware_for(local_cluster(2), measured)
+    links = hardware.links
+    assert (links.allreduce_intra_latency_seconds, links.allreduce_intra_bandwidth_bytes_per_second) == (0.0005, 5e8)
+    assert links.sources["allreduce_intra"] == "profile runtime (busy all-reduce)"
+    assert links.intra_latency_seconds == 0.003  # p2p still waits the busy handoff
+    seconds, _ = data_parallel_seconds([1e5], hardware, pipeline_parallel=1, tensor_parallel=1,
+                                       data_parallel=2, zero_stage=1, element_bytes=4)  # fmt: skip
+    # d = 2 ring: gradient all-reduce + half of one for the parameter all-gather + two 8-byte
+    # all-reduces, each 2 (alpha + bytes / 2 / bw), and no handoff on top.
+    ring = lambda nbytes: 2 * (0.0005 + nbytes / 2 / 5e8)  # noqa: E731
+    assert seconds[0] == pytest.approx(ring(4e5) + ring(4e5) / 2 + 2 * ring(8))
+
+
 def test_host_slowdown_is_the_one_rank_or_the_two_rank_figure():
     profile = _cpu_profile_with_runtime(alone_compute_slowdown=1.2, concurrent_compute_slowdown=1.5, concurrent_ranks=2)
     plain = _cpu_profile_with_runtime()

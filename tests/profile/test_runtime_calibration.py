@@ -91,6 +91,35 @@ def test_two_ranks_measure_how_they_share_the_host():
     assert 0.0 <= sharing.busy_handoff_seconds < 0.5
     assert 1.0 <= sharing.alone_compute_slowdown < 10.0
     assert 1.0 <= sharing.concurrent_compute_slowdown < 10.0
+    # Without a gradient size only the small all-reduce is timed: a latency, no bandwidth.
+    assert 0.0 < sharing.busy_allreduce_latency_seconds < 0.5
+    assert sharing.busy_allreduce_bandwidth_bytes_per_second == 0.0
+
+
+@pytest.mark.multiprocess
+def test_host_sharing_runs_the_model_and_times_a_gradient_sized_all_reduce():
+    from pipectl.models import build_model
+    from pipectl.profile.runtime_calibration import measure_host_sharing, model_compute
+
+    compute = model_compute(build_model("gpt-tiny"), 1)
+    sharing = measure_host_sharing(compute, compute_seconds=0.05, gradient_bytes=1 << 20, rounds=4, timeout_seconds=60)
+    assert 1.0 <= sharing.concurrent_compute_slowdown < 10.0
+    assert 0.0 < sharing.busy_allreduce_latency_seconds < 0.5
+    # A 1 MiB all-reduce over loopback: between 1 MB/s and 1 TB/s whatever the load.
+    assert 1e6 < sharing.busy_allreduce_bandwidth_bytes_per_second < 1e12
+
+
+def test_model_compute_runs_a_forward_and_backward_and_leaves_no_gradients():
+    from pipectl.models import build_model
+    from pipectl.profile.runtime_calibration import host_plan, model_compute
+
+    compute = model_compute(build_model("mlp-tiny"), 2)
+    compute()
+    compute()  # twice: gradients are cleared, nothing accumulates or breaks
+    # Round counts follow the compute's length, within their bounds.
+    assert host_plan(0.001, 4096).compute_rounds == 100
+    assert host_plan(10.0, 4096).compute_rounds == 5 and host_plan(10.0, 4096).message_rounds == 8
+    assert host_plan(0.04, 4096).compute_rounds == 10
 
 
 def test_docstring_examples_hold():

@@ -138,8 +138,21 @@ class RuntimeCosts(Strict):
     concurrent_compute_slowdown: float = Field(
         default=1.0,
         gt=0,
-        description="Wall-clock / CPU time of each rank while `concurrent_ranks` ranks of this host compute at "
-        "once (they share the cores left by other jobs). 1: not measured.",
+        description="Wall-clock time of each rank's compute while `concurrent_ranks` ranks of this host compute "
+        "at once, over its CPU time alone: the cores other jobs leave, and what the ranks take from each other "
+        "(shared cache and memory bandwidth). 1: not measured.",
+    )
+    busy_allreduce_latency_seconds: float = Field(
+        default=0.0,
+        ge=0,
+        description="Ring all-reduce per-hop latency between two ranks of this host right after both computed "
+        "(from both having arrived to both done). 0: not measured.",
+    )
+    busy_allreduce_bandwidth_bytes_per_second: float = Field(
+        default=0.0,
+        ge=0,
+        description="Ring all-reduce bus bandwidth in the same measurement, from a gradient-sized buffer. "
+        "0: not measured.",
     )
     concurrent_ranks: int = Field(default=1, ge=1, description="Ranks computing at once in that measurement.")
 

@@ -45,14 +45,18 @@ costed as the training engine really runs it (Varuna §4: calibrate once, scale-
   all-gather: half a ring all-reduce; Thakur et al. 2005) and two latency-bound all-reduces (the
   gradient norm and the loss); with p > 1 one latency-bound all-reduce of the gradient norm over
   the stages and one broadcast of the loss from the last stage;
-- the host's sharing between ranks (measured with two ranks, `measure_host_sharing`): a blocking
-  message or collective between ranks of one node costs at least the measured *busy handoff*
-  (the p2p latency of the node's links is raised to it in `hardware_for`, and each intra-node
-  collective at the end of a step adds it), and every rank's compute (layers, engine overheads,
-  end of step) is divided by the share of a core it gets: x wall-clock / CPU time measured for one
-  rank alone, or for two ranks at once when the layout runs more than one rank on a node
-  (`stage_costs`; measured for two ranks, used for any number). The profile's medians are close
-  to CPU time; a step pays for the slices other jobs take.
+- the host's sharing between ranks (measured with two ranks running the profiled model,
+  `measure_host_sharing`): a blocking message between ranks of one node costs at least the
+  measured *busy handoff* (the p2p latency of the node's links is raised to it in
+  `hardware_for`); an intra-node all-reduce follows the ring model fitted to all-reduces timed
+  right after both ranks computed (`busy_allreduce_*`, which replace the node's all-reduce
+  figures; profiles without them add the busy handoff to each collective instead); and every
+  rank's compute (layers, engine overheads, end of step) is multiplied by its measured slowdown:
+  wall-clock / CPU time for one rank alone, or wall-clock with two ranks computing at once over
+  the CPU time alone when the layout runs more than one rank on a node (`stage_costs`; measured
+  for two ranks, used for any number). The profile's medians are close to CPU time; a step pays
+  for the slices other jobs take and for what ranks sharing a host's caches and memory take from
+  each other.
 
     >>> from pipectl.plan.synthetic import synthetic_profile
     >>> from pipectl.cluster import local_cluster
@@ -150,15 +154,36 @@ def hardware_for(cluster: ClusterSpec, profile: ModelProfile, node_type: NodeTyp
 
 
 def with_busy_handoff(links: ResolvedLinks, runtime: RuntimeCosts | None) -> ResolvedLinks:
-    """Intra-node p2p latency raised to the measured busy handoff, when that is larger.
+    """Intra-node p2p latency raised to the measured busy handoff, when that is larger; intra-node
+    all-reduce figures replaced by the busy all-reduce fit, when the profile has one.
 
     A stage's message arrives when the receiving rank runs again, not when the bytes land: that
-    is what the handoff measures (module docstring). Bandwidths and all-reduce figures are kept.
+    is what the handoff measures (module docstring). Likewise a collective after compute: the
+    busy all-reduce was timed from both ranks having arrived, in the state a step reaches it.
     """
-    if runtime is None or runtime.busy_handoff_seconds <= links.intra_latency_seconds:
+    if runtime is None:
         return links
-    sources = {**links.sources, "intra_latency": "profile runtime (busy handoff)"}
-    return replace(links, intra_latency_seconds=runtime.busy_handoff_seconds, sources=sources)
+    sources = dict(links.sources)
+    if runtime.busy_handoff_seconds > links.intra_latency_seconds:
+        links = replace(links, intra_latency_seconds=runtime.busy_handoff_seconds)
+        sources["intra_latency"] = "profile runtime (busy handoff)"
+    if busy_allreduce_measured(runtime):
+        links = replace(
+            links,
+            allreduce_intra_latency_seconds=runtime.busy_allreduce_latency_seconds,
+            allreduce_intra_bandwidth_bytes_per_second=runtime.busy_allreduce_bandwidth_bytes_per_second,
+        )
+        sources["allreduce_intra"] = "profile runtime (busy all-reduce)"
+    return replace(links, sources=sources)
+
+
+def busy_allreduce_measured(runtime: RuntimeCosts | None) -> bool:
+    """Whether the profile has the busy all-reduce fit (latency and bandwidth)."""
+    return (
+        runtime is not None
+        and runtime.busy_allreduce_latency_seconds > 0
+        and runtime.busy_allreduce_bandwidth_bytes_per_second > 0
+    )
 
 
 def host_compute_slowdown(hardware: Hardware, ranks: int) -> float:
@@ -174,8 +199,9 @@ def host_compute_slowdown(hardware: Hardware, ranks: int) -> float:
 
 
 def collective_handoff_seconds(hardware: Hardware, ring_size: int, inside_node: bool) -> float:
-    """The busy handoff one blocking collective over `ring_size` ranks of one node waits (0 else)."""
-    if hardware.runtime is None or ring_size < 2 or not inside_node:
+    """The busy handoff one blocking collective over `ring_size` ranks of one node waits (0 else;
+    0 too when the busy all-reduce fit, which includes it, prices the collective)."""
+    if hardware.runtime is None or ring_size < 2 or not inside_node or busy_allreduce_measured(hardware.runtime):
         return 0.0
     return hardware.runtime.busy_handoff_seconds
 

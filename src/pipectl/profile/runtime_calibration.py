@@ -60,7 +60,7 @@ import os
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -265,14 +265,22 @@ def run_engine_calibration(
     return payload
 
 
-# Two-rank host measurement: the compute each rank does before a message (tanh(x @ w) on 64 x 64,
-# about 2.5 ms on one core here), the message (small: latency, not bandwidth, is measured), and
-# how many rounds of each phase are timed after the warm-up rounds.
-HOST_COMPUTE_REPEATS = 300
-HOST_MESSAGE_BYTES = 16 * 1024
+# Two-rank host measurement. What each rank computes between messages: one forward and backward of
+# the profiled model (`model_compute`). A kernel that stays in a core's own cache (a 64 x 64 matrix
+# product) hides how two ranks slow each other down through the shared cache and memory: measured
+# here, two ranks at once made gpt-tiny's forward and backward 20-29 % slower than one rank alone,
+# and a 64 x 64 product 0-5 %.
 HOST_WARMUP = 3
-HOST_ROUNDS = 30  # messages handed off
-HOST_COMPUTE_ROUNDS = 100  # compute rounds per phase (alone, together): about 0.25 s each
+HOST_ROUNDS = 30  # messages handed off, and all-reduces timed per size
+HOST_MIN_ROUNDS = 8  # when the model's compute is long
+HOST_PHASE_SECONDS = 0.4  # compute time per phase (alone, together) and for the messages
+HOST_MIN_COMPUTE_ROUNDS = 5
+HOST_MAX_COMPUTE_ROUNDS = 100
+HOST_MESSAGE_BYTES = 16 * 1024
+SMALL_ALLREDUCE_BYTES = 1024
+MATRIX_REPEATS = 300  # the stand-in compute without a model: tanh(x @ w) on 64 x 64, ~2.5 ms here
+
+ComputeFn = Callable[[], None]
 
 
 @dataclass(frozen=True)
@@ -281,18 +289,55 @@ class HostSharing:
 
     busy_handoff_seconds: float
     alone_compute_slowdown: float  # wall / CPU time, one rank computing
-    concurrent_compute_slowdown: float  # wall / CPU time, both ranks computing
+    concurrent_compute_slowdown: float  # wall time with both ranks computing / CPU time alone
+    busy_allreduce_latency_seconds: float = 0.0  # ring per-hop latency right after computing (0: not measured)
+    busy_allreduce_bandwidth_bytes_per_second: float = 0.0  # ring bus bandwidth then (0: not measured)
     ranks: int = 2
 
 
-def _compute(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    for _ in range(HOST_COMPUTE_REPEATS):
-        x = torch.tanh(x @ w)
-    return x
+def matrix_compute(repeats: int = MATRIX_REPEATS) -> ComputeFn:
+    """A model-free stand-in: `repeats` products of 64 x 64 matrices (fits in a core's cache)."""
+    x0 = torch.randn(64, 64, generator=torch.Generator().manual_seed(1))
+    w = torch.randn(64, 64, generator=torch.Generator().manual_seed(2)) * 0.1
+
+    def compute() -> None:
+        x = x0
+        for _ in range(repeats):
+            x = torch.tanh(x @ w)
+
+    return compute
 
 
-def _host_rank(rank: int, port: int, rounds: int, connection) -> None:
-    """One of the two ranks: compute alone (rank 0), compute together, then hand messages off."""
+def model_compute(model: ModelLayers, micro_batch_size: int, seed: int = 0) -> ComputeFn:
+    """One forward and backward of the whole model at `micro_batch_size` (the layers built once).
+
+    Tied layers get their own copy of the shared weight: the arithmetic is the same.
+    """
+    modules = [layer.build() for layer in model.layers]
+    inputs, labels = model.make_batch(micro_batch_size, torch.Generator().manual_seed(seed))
+
+    def compute() -> None:
+        x = inputs
+        for layer, module in zip(model.layers, modules):
+            x = layer.forward(module, x)
+        model.loss_fn(x, labels).backward()
+        for module in modules:
+            module.zero_grad(set_to_none=True)
+
+    return compute
+
+
+@dataclass(frozen=True)
+class _HostPlan:
+    """How many rounds each phase of the host measurement runs (the same on both ranks)."""
+
+    compute_rounds: int
+    message_rounds: int
+    gradient_bytes: int
+
+
+def _host_rank(rank: int, port: int, compute: ComputeFn, plan: _HostPlan, connection) -> None:
+    """One of the two ranks: compute alone (rank 0), compute together, hand messages off, all-reduce."""
     import torch.distributed as dist
 
     devnull = os.open(os.devnull, os.O_WRONLY)
@@ -302,27 +347,26 @@ def _host_rank(rank: int, port: int, rounds: int, connection) -> None:
     try:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group("gloo", rank=rank, world_size=2)
-        x = torch.randn(64, 64, generator=torch.Generator().manual_seed(rank))
-        w = torch.randn(64, 64, generator=torch.Generator().manual_seed(2)) * 0.1
         alone: list[tuple[float, float]] = []  # (wall, CPU) seconds per round
         together: list[tuple[float, float]] = []
-        handoffs: list[tuple[float, float]] = []
+        handoffs: list[tuple[float, float]] = []  # (ready, done) per message
+        reduces: dict[int, list[tuple[float, float]]] = {}  # bytes -> (arrived, done) per all-reduce
         if rank == 0:  # rank 1 sleeps in the barrier meanwhile
-            for attempt in range(HOST_WARMUP + HOST_COMPUTE_ROUNDS):
+            for attempt in range(HOST_WARMUP + plan.compute_rounds):
                 start, cpu_start = time.perf_counter(), time.thread_time()
-                x = _compute(x, w)
+                compute()
                 if attempt >= HOST_WARMUP:
                     alone.append((time.perf_counter() - start, time.thread_time() - cpu_start))
         dist.barrier()
-        for attempt in range(HOST_WARMUP + HOST_COMPUTE_ROUNDS):
+        for attempt in range(HOST_WARMUP + plan.compute_rounds):
             start, cpu_start = time.perf_counter(), time.thread_time()
-            x = _compute(x, w)
+            compute()
             if attempt >= HOST_WARMUP:
                 together.append((time.perf_counter() - start, time.thread_time() - cpu_start))
         dist.barrier()
         message = torch.zeros(HOST_MESSAGE_BYTES // 4)
-        for attempt in range(HOST_WARMUP + rounds):
-            x = _compute(x, w)
+        for attempt in range(HOST_WARMUP + plan.message_rounds):
+            compute()
             ready = time.perf_counter()
             if rank == 0:
                 dist.send(message, 1)
@@ -331,8 +375,19 @@ def _host_rank(rank: int, port: int, rounds: int, connection) -> None:
             if attempt >= HOST_WARMUP:
                 handoffs.append((ready, time.perf_counter()))
             dist.barrier()
+        sizes = [SMALL_ALLREDUCE_BYTES] + ([plan.gradient_bytes] if plan.gradient_bytes > SMALL_ALLREDUCE_BYTES else [])
+        for size in sizes:
+            buffer = torch.ones(size // 4)
+            timed = reduces.setdefault(size, [])
+            for attempt in range(HOST_WARMUP + plan.message_rounds):
+                compute()
+                arrived = time.perf_counter()
+                dist.all_reduce(buffer)
+                if attempt >= HOST_WARMUP:
+                    timed.append((arrived, time.perf_counter()))
+                dist.barrier()
         dist.destroy_process_group()
-        connection.send(("ok", (alone, together, handoffs)))
+        connection.send(("ok", (alone, together, handoffs, reduces)))
     except BaseException as exc:
         connection.send(("error", f"{type(exc).__name__}: {exc}"))
     finally:
@@ -353,23 +408,58 @@ def trimmed_mean(values: Sequence[float], cut: float = 0.1) -> float:
     return sum(kept) / len(kept)
 
 
-def measure_host_sharing(rounds: int = HOST_ROUNDS, timeout_seconds: float = 60.0) -> HostSharing:
+def host_plan(compute_seconds: float, gradient_bytes: int) -> _HostPlan:
+    """Round counts for a compute of about `compute_seconds`: each phase about HOST_PHASE_SECONDS.
+
+        >>> host_plan(0.0025, 0), host_plan(0.2, 0).compute_rounds
+        (_HostPlan(compute_rounds=100, message_rounds=30, gradient_bytes=0), 5)
+    """
+    per_phase = HOST_PHASE_SECONDS / max(compute_seconds, 1e-6)
+    return _HostPlan(
+        compute_rounds=int(min(HOST_MAX_COMPUTE_ROUNDS, max(HOST_MIN_COMPUTE_ROUNDS, per_phase))),
+        message_rounds=int(min(HOST_ROUNDS, max(HOST_MIN_ROUNDS, per_phase))),
+        gradient_bytes=max(0, int(gradient_bytes)),
+    )
+
+
+def measure_host_sharing(
+    compute: ComputeFn | None = None,
+    *,
+    compute_seconds: float = 0.0025,
+    gradient_bytes: int = 0,
+    rounds: int | None = None,
+    timeout_seconds: float = 60.0,
+) -> HostSharing:
     """Two forked ranks (gloo on 127.0.0.1, one thread each) measure how they share this host.
 
-    - compute slowdowns: wall-clock over CPU time (one thread: `time.thread_time`) of the same
-      compute on rank 0 alone (rank 1 sleeps), then on both ranks at once, `HOST_COMPUTE_ROUNDS`
-      rounds each;
+    `compute` is what each rank runs between messages (default: `matrix_compute()`; the
+    calibration passes `model_compute` of the profiled model), `compute_seconds` about how long
+    it takes on one core (sets the round counts), `gradient_bytes` the size of the gradient
+    all-reduce to time besides a small one (0: only the small one). `rounds` overrides the number
+    of messages and all-reduces timed per size.
+
+    - compute slowdowns: rank 0 computes alone (rank 1 sleeps), then both at once. Alone:
+      wall-clock over CPU time (`time.thread_time`), what other jobs take of the core. Together:
+      wall-clock over the CPU time alone, which adds what the two ranks take from each other;
     - busy handoff: after both computed, rank 0 sends a small message to rank 1; from both being
-      ready (the later of the two) to rank 1 running again, trimmed mean over `rounds` messages.
+      ready (the later of the two) to rank 1 running again, trimmed mean;
+    - busy all-reduce: after both computed, an all-reduce, from both having arrived to both
+      done (trimmed mean per size), fitted to the two-rank ring 2 * (alpha + bytes / 2 / bw).
 
     Raises `LaunchError` if a rank fails or runs past `timeout_seconds`.
     """
     from pipectl.launch.engines import free_port
 
+    plan = host_plan(compute_seconds, gradient_bytes)
+    if rounds is not None:
+        plan = _HostPlan(plan.compute_rounds, rounds, plan.gradient_bytes)
+    work = compute if compute is not None else matrix_compute()
     context = multiprocessing.get_context("fork")
     port = free_port()
     pipes = [context.Pipe(duplex=False) for _ in range(2)]
-    ranks = [context.Process(target=_host_rank, args=(rank, port, rounds, pipes[rank][1])) for rank in range(2)]
+    ranks = [
+        context.Process(target=_host_rank, args=(rank, port, work, plan, pipes[rank][1])) for rank in range(2)
+    ]
     for process in ranks:
         process.start()
     results = []
@@ -393,16 +483,52 @@ def measure_host_sharing(rounds: int = HOST_ROUNDS, timeout_seconds: float = 60.
                 process.join(timeout=5)
         for receiver, _ in pipes:
             receiver.close()
-    (alone, together_0, sent), (_, together_1, received) = results
+    (alone, together_0, sent, reduces_0), (_, together_1, received, reduces_1) = results
     handoffs = [
         max(0.0, done - max(send_ready, receive_ready))
         for (send_ready, _), (receive_ready, done) in zip(sent, received)
     ]
+    reduce_seconds = {
+        size: trimmed_mean(
+            [max(0.0, max(d0, d1) - max(a0, a1)) for (a0, d0), (a1, d1) in zip(reduces_0[size], reduces_1[size])]
+        )
+        for size in reduces_0
+    }
+    latency, bandwidth = fit_two_rank_ring(reduce_seconds)
+    alone_cpu = sum(cpu for _, cpu in alone) / len(alone) if alone else 0.0
+    both = together_0 + together_1
+    together_wall = sum(wall for wall, _ in both) / len(both) if both else 0.0
     return HostSharing(
         busy_handoff_seconds=trimmed_mean(handoffs),
         alone_compute_slowdown=wall_over_cpu(alone),
-        concurrent_compute_slowdown=wall_over_cpu(together_0 + together_1),
+        concurrent_compute_slowdown=max(1.0, together_wall / alone_cpu) if alone_cpu > 0 else wall_over_cpu(both),
+        busy_allreduce_latency_seconds=latency,
+        busy_allreduce_bandwidth_bytes_per_second=bandwidth,
     )
+
+
+def fit_two_rank_ring(seconds_by_bytes: dict[int, float]) -> tuple[float, float]:
+    """(per-hop latency, bus bandwidth) of the ring model from two-rank all-reduce times.
+
+    Two ranks: time = 2 * (latency + bytes / 2 / bandwidth) = 2 * latency + bytes / bandwidth
+    (`LinkCost.ring_allreduce_seconds` with D = 2). The smallest size gives the latency, the
+    slope to the largest the bandwidth; one size gives the latency only (bandwidth 0: unknown).
+
+        >>> latency, bandwidth = fit_two_rank_ring({1024: 0.0004, 1_001_024: 0.0024})
+        >>> latency, round(bandwidth)
+        (0.0002, 500000000)
+    """
+    sizes = sorted(seconds_by_bytes)
+    if not sizes:
+        return 0.0, 0.0
+    small = sizes[0]
+    latency = seconds_by_bytes[small] / 2
+    if len(sizes) < 2:
+        return latency, 0.0
+    large = sizes[-1]
+    extra = seconds_by_bytes[large] - seconds_by_bytes[small]
+    bandwidth = (large - small) / extra if extra > 0 else large / max(seconds_by_bytes[large], 1e-12)
+    return latency, bandwidth
 
 
 def wall_over_cpu(rounds: Sequence[tuple[float, float]]) -> float:
@@ -484,13 +610,26 @@ def calibrate_runtime(
         model, profile.micro_batch_sizes, warmup=warmup, steps=steps, seed=seed, timeout_seconds=timeout_seconds
     )
     costs = runtime_costs(profile, null_timings, timings, engine_description())
-    sharing = measure_host_sharing()
+    # The two ranks run the model itself, at the middle profiled micro-batch size, and all-reduce
+    # a buffer the size of its fp32 gradient (what ZeRO-1's gradient reduction moves).
+    sizes = sorted(profile.micro_batch_sizes)
+    micro_batch_size = sizes[len(sizes) // 2]
+    layer_costs = [layer.cost(micro_batch_size) for layer in profile.layers]
+    compute_seconds = sum(c.forward_seconds + c.backward_seconds for c in layer_costs)
+    sharing = measure_host_sharing(
+        model_compute(model, micro_batch_size, seed),
+        compute_seconds=compute_seconds,
+        gradient_bytes=4 * costs.calibration_parameter_count,
+        timeout_seconds=timeout_seconds,
+    )
     return costs.model_copy(
         update={
             "busy_handoff_seconds": sharing.busy_handoff_seconds,
             "alone_compute_slowdown": sharing.alone_compute_slowdown,
             "concurrent_compute_slowdown": sharing.concurrent_compute_slowdown,
             "concurrent_ranks": sharing.ranks,
+            "busy_allreduce_latency_seconds": sharing.busy_allreduce_latency_seconds,
+            "busy_allreduce_bandwidth_bytes_per_second": sharing.busy_allreduce_bandwidth_bytes_per_second,
         }
     )
 
@@ -501,6 +640,10 @@ __all__ = [
     "HostSharing",
     "measure_host_sharing",
     "measure_engine",
+    "fit_two_rank_ring",
+    "host_plan",
+    "matrix_compute",
+    "model_compute",
     "null_model",
     "run_engine_calibration",
     "runtime_costs",

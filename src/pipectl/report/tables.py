@@ -212,8 +212,13 @@ def runtime_table(runtime: RuntimeCosts) -> Table:
         )
     if runtime.busy_handoff_seconds:
         table.add_row("blocking hand-off between busy ranks", format_seconds_ms(runtime.busy_handoff_seconds) + " ms")
+    if runtime.busy_allreduce_latency_seconds:
+        table.add_row("all-reduce after compute, per ring hop", format_seconds_ms(runtime.busy_allreduce_latency_seconds) + " ms")
+    if runtime.busy_allreduce_bandwidth_bytes_per_second:
+        table.add_row("all-reduce after compute, bus bandwidth",
+                      f"{runtime.busy_allreduce_bandwidth_bytes_per_second / 1e9:.3g} GB/s")  # fmt: skip
     table.add_row("wall / CPU time, one rank alone", f"{runtime.alone_compute_slowdown:.2f}")
-    table.add_row(f"wall / CPU time, {runtime.concurrent_ranks} ranks at once", f"{runtime.concurrent_compute_slowdown:.2f}")
+    table.add_row(f"compute slowdown, {runtime.concurrent_ranks} ranks at once", f"{runtime.concurrent_compute_slowdown:.2f}")
     return table
 
 
