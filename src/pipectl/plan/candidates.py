@@ -42,6 +42,7 @@ from pipectl.plan.costs import (
 )
 from pipectl.plan.layer_table import LayerTable, layer_table
 from pipectl.plan.memory import (
+    FurthestFittingEnds,
     RangeMemory,
     StageMemory,
     in_flight_units,
@@ -205,6 +206,7 @@ class ShapeBuilder:
         self.partitioned: dict[tuple, list[tuple[float, tuple[int, ...], float]]] = {}
         self._candidates: dict[tuple[int, int, bool], np.ndarray] = {}
         self._range_memory: dict[tuple[int, int], RangeMemory] = {}
+        self._furthest_ends: dict[tuple[int, int, float], FurthestFittingEnds] = {}
         self._work: dict[tuple[int, int, bool], list[float]] = {}
         self._prefixes: dict[tuple[int, int, bool], tuple[float, ...]] = {}
         self._arrays: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
@@ -215,6 +217,14 @@ class ShapeBuilder:
         if key not in self._range_memory:
             self._range_memory[key] = RangeMemory.build(layer_table(self.profile, b), t)
         return self._range_memory[key]
+
+    def furthest_fitting_ends(self, t: int, b: int, capacity_bytes: float) -> FurthestFittingEnds:
+        """The memoised furthest fitting stage ends at (t, b), shared by every pipeline of that size."""
+        key = (t, b, capacity_bytes)
+        ends = self._furthest_ends.get(key)
+        if ends is None:
+            ends = self._furthest_ends[key] = FurthestFittingEnds(self.range_memory(t, b), capacity_bytes)
+        return ends
 
     def candidates(self, t: int, b: int, recompute: bool) -> np.ndarray:
         """Sorted range sums of the per-layer work (the partitioner's candidate bottlenecks)."""
@@ -439,5 +449,89 @@ def in_flight(shape: Shape, variant: ScheduleVariant, micro_batches: int) -> tup
     return in_flight_units(kind, shape.pipeline_parallel, micro_batches, variant.chunks)
 
 
+@lru_cache(maxsize=4096)
 def state_bytes(dtype: str, zero_stage: int, data_parallel: int, kind: ScheduleKind) -> float:
     return state_bytes_per_parameter(dtype, zero_stage, data_parallel, weight_versions(kind))
+
+
+def specs_on_shape(
+    shape: Shape, variant: ScheduleVariant, hardware: Hardware, dtype: str,
+    points: Sequence[tuple[int, int, int, float, tuple[int, ...]]],
+) -> list[Spec]:
+    """The specs of several (d, m, ZeRO stage, state bytes per parameter, in-flight units) on one shape.
+
+    Each gets what `data_parallel_costs`, `lower_bound_seconds` and `StageMemory.per_rank_bytes`
+    give it alone, computed for all of them at once: one row per point, the same float64
+    operations in the same order on every element (a row's maximum does not depend on the
+    order), so the same values. The search at scale builds ~10^4 specs on a few thousand shapes.
+
+        >>> from pipectl.plan.synthetic import synthetic_profile
+        >>> from pipectl.cluster import local_cluster
+        >>> from pipectl.plan.costs import hardware_for
+        >>> profile = synthetic_profile(blocks=4, micro_batch_sizes=[1])
+        >>> hardware = hardware_for(local_cluster(4), profile)
+        >>> shape = ShapeBuilder(profile, hardware).shape(1, 1, False, 2, 1)
+        >>> variant = ScheduleVariant(ScheduleKind.ONE_F_ONE_B)
+        >>> one, two = specs_on_shape(shape, variant, hardware, profile.dtype, [(2, 4, 1, 7.0, (2, 1)), (1, 8, 0, 16.0, (2, 1))])
+        >>> (one.data_parallel, one.micro_batches, one.zero_stage), two.peak_memory_bytes[0] > one.peak_memory_bytes[0]
+        ((2, 4, 1), True)
+    """
+    ds = np.array([point[0] for point in points], dtype=np.int64)[:, None]
+    micro_batches = np.array([point[1] for point in points], dtype=np.int64)[:, None]
+    sharded = np.array([point[2] >= 1 for point in points])[:, None]
+    per_device = np.array([point[3] for point in points], dtype=float)[:, None]
+    units = np.array([point[4] for point in points], dtype=np.int64)
+    memory = shape.memory
+    peak = memory.parameters * per_device + units * memory.unit_bytes + memory.recompute_buffer_bytes
+    if hardware.runtime is not None:
+        costs = [data_parallel_costs(shape, hardware, d, zero, dtype) for d, _, zero, _, _ in points]
+        allreduce = np.array([row for row, _ in costs])
+        optimizer = np.array([row for _, row in costs])
+    else:
+        allreduce, optimizer = _data_parallel_costs_over(shape, hardware, ds, sharded, dtype)
+    work = shape.work_per_rank(recomputing_stages(shape, variant.kind))
+    forward_chain, backward_chain = chains(shape)
+    tail = np.maximum(allreduce + optimizer, backward_chain + allreduce[:, :1] + optimizer[:, :1])
+    bounds = np.max(forward_chain + micro_batches * work + tail, axis=1).tolist()
+    peaks = peak.astype(np.int64).tolist()  # truncation, as int() does
+    allreduce_rows, optimizer_rows = allreduce.tolist(), optimizer.tolist()
+    return [
+        Spec(
+            shape=shape,
+            data_parallel=d,
+            micro_batches=m,
+            variant=variant,
+            zero_stage=zero,
+            lower_bound_seconds=bounds[i],
+            peak_memory_bytes=tuple(peaks[i]),
+            allreduce_seconds=tuple(allreduce_rows[i]),
+            optimizer_seconds=tuple(optimizer_rows[i]),
+        )
+        for i, (d, m, zero, _, _) in enumerate(points)
+    ]
+
+
+def _data_parallel_costs_over(
+    shape: Shape, hardware: Hardware, ds: np.ndarray, sharded: np.ndarray, dtype: str
+) -> tuple[np.ndarray, np.ndarray]:
+    """`data_parallel_costs` without measured engine terms, one row per (d, ZeRO-sharded) in columns `ds`, `sharded`."""
+    p, t = shape.pipeline_parallel, shape.tensor_parallel
+    n = hardware.devices_per_node
+    element = DTYPE_BYTES.get(dtype, 4)
+    held = shape.parameters_per_rank
+    links = hardware.links
+    degrees = ds[:, 0].tolist()
+    # d = 1 rows: 0 steps, so 0.0 on every rank, as the unreplicated case's zeros.
+    inside = np.array([_replicas_inside(p, t, d, n) for d in degrees])
+    message = held * element
+    steps = 2 * (ds - 1)
+    allreduce = np.zeros((len(degrees), p))
+    for ring, where in ((links.allreduce_intra, inside), (links.allreduce_inter, ~inside)):
+        seconds = steps * (ring.latency_seconds + message / ds / ring.bandwidth_bytes_per_second)
+        allreduce = np.where(where, seconds, allreduce)
+    if shape.table.shared_layer_indices and p > 1:
+        tied = {d: _tied_seconds(shape, hardware, d, element) for d in set(degrees)}
+        allreduce += np.array([tied[d] for d in degrees])
+    bandwidth = (hardware.device.memory_bandwidth_gbytes_per_second or 100.0) * 1e9
+    updated = held / np.where(sharded, ds, 1)
+    return allreduce, updated * ADAM_BYTES_PER_PARAMETER / bandwidth

@@ -293,3 +293,61 @@ class RangeMemory:
         if recompute:
             return self.parameters[start][end] * state_bytes + units * self.input_bytes[start] + self.saved[start][end]
         return self.parameters[start][end] * state_bytes + units * self.saved[start][end]
+
+
+class FurthestFittingEnds:
+    """For a stage starting at a layer: the furthest end whose stage still fits, memoised.
+
+    `end(start, state_bytes, units, keeps_input_only)` is the largest `end` in (start, layers]
+    with `RangeMemory.stage_bytes(start, end, ...) <= capacity` (the same float expression the
+    partitioner's memory test evaluates), or `start` when not even one layer fits. A stage's
+    bytes never shrink as its range grows (parameters and saved activations are non-negative;
+    a shared group counts once), so bisection finds it. The search asks the same question for
+    many pipelines of one (t, b): the stage memory only depends on the start, the bytes per
+    parameter, the in-flight units and whether the stage keeps only its input — so the answers
+    are remembered by exactly those values.
+
+        >>> from pipectl.plan.synthetic import synthetic_profile
+        >>> from pipectl.plan.layer_table import layer_table
+        >>> rows = RangeMemory.build(layer_table(synthetic_profile(blocks=4, micro_batch_sizes=[1]), 1), 1)
+        >>> ends = FurthestFittingEnds(rows, capacity_bytes=10**12)
+        >>> ends.end(0, 16.0, 1, False)  # everything fits: up to the last layer
+        7
+        >>> FurthestFittingEnds(rows, capacity_bytes=0).end(0, 16.0, 1, False)  # nothing fits
+        0
+    """
+
+    def __init__(self, rows: RangeMemory, capacity_bytes: float) -> None:
+        self.rows = rows
+        self.capacity_bytes = capacity_bytes
+        self.layers = len(rows.input_bytes) - 1
+        # (state bytes, units, keeps input only, start) -> end; callers may read it directly.
+        self.known: dict[tuple[float, int, bool, int], int] = {}
+
+    def end(self, start: int, state_bytes: float, units: int, keeps_input_only: bool) -> int:
+        key = (state_bytes, units, keeps_input_only, start)
+        end = self.known.get(key)
+        if end is None:
+            end = self.known[key] = self._bisect(start, state_bytes, units, keeps_input_only)
+        return end
+
+    def _bisect(self, start: int, state_bytes: float, units: int, keeps_input_only: bool) -> int:
+        parameters, saved = self.rows.parameters[start], self.rows.saved[start]
+        capacity = self.capacity_bytes
+        low, high = start, self.layers  # low fits (or is `start`); every end above `high` fails
+        if keeps_input_only:
+            held_input = units * self.rows.input_bytes[start]
+            while low < high:
+                middle = (low + high + 1) // 2
+                if parameters[middle] * state_bytes + held_input + saved[middle] <= capacity:
+                    low = middle
+                else:
+                    high = middle - 1
+        else:
+            while low < high:
+                middle = (low + high + 1) // 2
+                if parameters[middle] * state_bytes + units * saved[middle] <= capacity:
+                    low = middle
+                else:
+                    high = middle - 1
+        return low

@@ -32,9 +32,9 @@ import math
 import operator
 import time
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Iterable
 
-import numpy as np
 from pydantic import Field
 
 from pipectl.artifacts.base import Strict
@@ -50,17 +50,14 @@ from pipectl.plan.candidates import (
     Shape,
     ShapeBuilder,
     Spec,
-    data_parallel_costs,
     divisors,
-    in_flight,
-    lower_bound_seconds,
-    recomputing_stages,
+    specs_on_shape,
     state_bytes,
 )
 from pipectl.plan.costs import TRANSFORMER_BLOCK, Hardware, hardware_for
 from pipectl.plan.evaluate import Evaluator
 from pipectl.plan.layer_table import layer_table
-from pipectl.plan.memory import format_gib
+from pipectl.plan.memory import format_gib, in_flight_units
 from pipectl.plan.partition import balanced_partition
 from pipectl.schedule import ScheduleKind
 
@@ -282,26 +279,35 @@ def _specs_for(builder, out, profile, hardware, space, t, b, recompute, p, varia
     if p * v > builder.layers:
         out.rejections.add(Rejection.TOO_FEW_LAYERS, f"p={p} x v={v} stages > {builder.layers} layers", len(ds))
         return
-    shape = builder.shape(t, b, recompute, p, v)
+    family = _Family(builder, t, b, recompute, p, variant, capacity)
+    accepted: list[tuple[Shape, tuple[int, int, int, float, tuple[int, ...]]]] = []
     # Largest d first: the least memory per device (smaller m, more ZeRO sharding), so a demand
     # that does not fit rules out every stricter one without partitioning again.
     for d in sorted(ds, reverse=True):
         m = B // (d * b)
+        zeros = _zeros_descending(d, space.zero_stages)
         if v > 1 and m % p:
             out.rejections.add(
-                Rejection.INTERLEAVED_MICRO_BATCHES, f"m={m} is not a multiple of p={p}", len(_zeros(d, space.zero_stages))
+                Rejection.INTERLEAVED_MICRO_BATCHES, f"m={m} is not a multiple of p={p}", len(zeros)
             )
             continue
-        units = in_flight(shape, variant, m)
-        for zero in sorted(_zeros(d, space.zero_stages), reverse=True):
+        units = in_flight_units(kind, p, m, v)
+        if family.without_cut and Rejection.MEMORY in out.rejections.examples:
+            # Every ZeRO stage of this d at once when even its lightest demand has no cut (what
+            # `_fitting_shape` would answer for each): most points of a large search end here.
+            lightest = min(state_bytes(profile.dtype, zero, d, kind) for zero in zeros)
+            if family.without_cut_below(lightest, units):
+                out.rejections.add(Rejection.MEMORY, count=len(zeros))
+                continue
+        for zero in zeros:
             per_device = state_bytes(profile.dtype, zero, d, kind)
-            fitted = _fitting_shape(builder, shape, per_device, units, capacity, kind)
+            fitted = _fitting_shape(family, per_device, units)
             if fitted is None:
                 if Rejection.MEMORY in out.rejections.examples:
                     # Only the first example is kept: skip building the message (most demands end here).
                     out.rejections.add(Rejection.MEMORY)
                     continue
-                worst = shape.memory.per_rank_bytes(per_device, units)
+                worst = family.shape.memory.per_rank_bytes(per_device, units)
                 rank = int(worst.argmax())
                 out.rejections.add(
                     Rejection.MEMORY,
@@ -309,87 +315,156 @@ def _specs_for(builder, out, profile, hardware, space, t, b, recompute, p, varia
                     f"stage {rank} needs {format_gib(worst[rank])} > {format_gib(capacity)}",
                 )
                 continue
-            peak = fitted.memory.per_rank_bytes(per_device, units)
-            allreduce, optimizer = data_parallel_costs(fitted, hardware, d, zero, profile.dtype)
-            bound = lower_bound_seconds(fitted, kind, m, allreduce, optimizer)
-            out.specs.append(
-                Spec(
-                    shape=fitted,
-                    data_parallel=d,
-                    micro_batches=m,
-                    variant=variant,
-                    zero_stage=zero,
-                    lower_bound_seconds=bound,
-                    peak_memory_bytes=tuple(peak.astype(np.int64).tolist()),  # truncation, as int() does
-                    allreduce_seconds=tuple(allreduce.tolist()),
-                    optimizer_seconds=tuple(optimizer.tolist()),
-                )
-            )
+            accepted.append((fitted, (d, m, zero, per_device, units)))
+    # The specs' arithmetic for every point on the same cut at once, kept in the order found.
+    by_shape: dict[int, list[int]] = {}
+    for index, (fitted, _) in enumerate(accepted):
+        by_shape.setdefault(id(fitted), []).append(index)
+    specs: list[Spec | None] = [None] * len(accepted)
+    for indices in by_shape.values():
+        fitted = accepted[indices[0]][0]
+        built = specs_on_shape(fitted, variant, hardware, profile.dtype, [accepted[i][1] for i in indices])
+        for index, spec in zip(indices, built):
+            specs[index] = spec
+    out.specs.extend(specs)  # type: ignore[arg-type]
 
 
-def _zeros(d: int, zero_stages: tuple[int, ...]) -> tuple[int, ...]:
+@lru_cache(maxsize=1024)
+def _zeros_descending(d: int, zero_stages: tuple[int, ...]) -> tuple[int, ...]:
+    """The ZeRO stages tried at d, largest (least memory) first."""
     # ZeRO-1 without data parallelism shards nothing: the same candidate as ZeRO-0.
-    return tuple(z for z in zero_stages if d > 1 or z == 0) or (0,)
+    return tuple(sorted((z for z in zero_stages if d > 1 or z == 0), reverse=True)) or (0,)
 
 
-def _fitting_shape(
-    builder: ShapeBuilder, shape: Shape, per_device: float, units, capacity: int, kind: ScheduleKind
-) -> Shape | None:
+class _Family:
+    """One (t, b, recompute, p, schedule variant): its balanced cut, built on first need, and the
+    memory demands (bytes per parameter, in-flight units per rank) that no cut satisfies."""
+
+    def __init__(self, builder: ShapeBuilder, t: int, b: int, recompute: bool, p: int,
+                 variant: ScheduleVariant, capacity: int) -> None:
+        self.builder = builder
+        self.t, self.b, self.recompute, self.p, self.v = t, b, recompute, p, variant.chunks
+        self.kind = variant.kind
+        self.capacity = capacity
+        self.stages = p * variant.chunks
+        self._shape: Shape | None = None
+        # Demands without any cut whose every virtual stage fits: a demand at least as large in
+        # every part has none either, whatever cut is tried (the balanced one included).
+        self.without_cut: list[tuple[float, tuple[int, ...]]] = []
+        # Which virtual stages keep only their input per in-flight micro-batch
+        # (`recomputing_stages`: all but the last, when the schedule recomputes).
+        recomputes = recompute or variant.kind is ScheduleKind.VARUNA
+        self.keeps_input_only = [recomputes and i != self.stages - 1 for i in range(self.stages)]
+        self.ends = builder.furthest_fitting_ends(t, b, capacity)
+
+    @property
+    def shape(self) -> Shape:
+        if self._shape is None:
+            self._shape = self.builder.shape(self.t, self.b, self.recompute, self.p, self.v)
+        return self._shape
+
+    @property
+    def shape_built(self) -> bool:
+        return self._shape is not None
+
+    def has_memory_fitting_cut(self, per_device: float, units: tuple[int, ...]) -> bool:
+        """Whether `balanced_partition(..., fits=...)` finds any cut for this demand.
+
+        Its first attempt is the greedy pass at the largest limit, where time never binds: each
+        stage ends at the furthest end that fits, leaving a layer for every later stage. It
+        succeeds exactly when that pass reaches the last layer, so the same pass over memoised
+        furthest ends gives the same answer.
+        """
+        ends, p, stages, keeps = self.ends, self.p, self.stages, self.keeps_input_only
+        layers = ends.layers
+        known = ends.known  # `ends.end`'s memo, read here first: this loop runs ~10^6 times
+        start = 0
+        for stage in range(stages):
+            end = known.get((per_device, units[stage % p], keeps[stage], start))
+            if end is None:
+                end = ends.end(start, per_device, units[stage % p], keeps[stage])
+            room = layers - (stages - stage - 1)
+            if end > room:
+                end = room
+            if end <= start:
+                return False
+            start = end
+        return start == layers
+
+    def without_cut_below(self, per_device: float, units: tuple[int, ...]) -> bool:
+        return any(
+            per_device >= bytes_ and all(map(operator.ge, units, units_)) for bytes_, units_ in self.without_cut
+        )
+
+
+def _fitting_shape(family: _Family, per_device: float, units: tuple[int, ...]) -> Shape | None:
     """This cut if it fits; else the right-filled cut; else the memory-constrained cut; else None.
 
     A memory demand (bytes per parameter, in-flight units per rank) that no cut satisfies is
     remembered: any demand at least as large in every part cannot be satisfied either.
     """
+    builder, capacity, kind = family.builder, family.capacity, family.kind
+    if family.without_cut_below(per_device, units):
+        return None
+    t, b, rec, p, v = family.t, family.b, family.recompute, family.p, family.v
+    demand_family = (t, b, rec, p, v, kind)
+    hopeless = builder.unfittable.setdefault(demand_family, [])
+    key = (*demand_family, round(per_device, 9), tuple(units))
+    if not family.shape_built and not family.has_memory_fitting_cut(per_device, units):
+        # Until some demand has a cut, test that first: most families of a large search have none,
+        # and then neither the balanced cut nor the partitioner is needed to reject them.
+        family.without_cut.append((per_device, tuple(units)))
+        hopeless.append((per_device, tuple(units)))
+        builder.fitted[key] = None
+        return None
+    shape = family.shape
     memory = shape.memory
     if memory.fits(per_device, units, capacity):
         return shape
     # No cut can help when the average rank's model state alone is too big.
     if memory.parameters.sum() / len(memory.parameters) * per_device > capacity:
         return None
-    t, b, rec, p, v = (shape.tensor_parallel, shape.micro_batch_size, shape.recompute,
-                       shape.pipeline_parallel, shape.chunks)
-    family = (t, b, rec, p, v, kind)
-    hopeless = builder.unfittable.setdefault(family, [])
     # (`map(operator.ge, ...)` is the element-wise `u >= w` without a generator frame: this runs ~10^5 times.)
     if any(per_device >= bytes_ and all(map(operator.ge, units, units_)) for bytes_, units_ in hopeless):
         return None
     right = builder.shape(t, b, rec, p, v, from_right=True)
     if right.memory.fits(per_device, units, capacity):
         return right
-    key = (*family, round(per_device, 9), tuple(units))
     if key in builder.fitted:
         return builder.fitted[key]
     stages = p * v
-    recomputes = recomputing_stages(shape, kind)
-    # `stage_memory_bytes` on precomputed per-range rows (the same arithmetic, a few look-ups).
-    rows = builder.range_memory(t, b)
-    parameters, saved, inputs = rows.parameters, rows.saved, rows.input_bytes
-    keeps_input_only = [bool(recomputes[i]) and i != stages - 1 for i in range(stages)]
-    units_of = [units[i % p] for i in range(stages)]
-
-    def fits(index: int, start: int, end: int) -> bool:
-        if keeps_input_only[index]:
-            held = parameters[start][end] * per_device + units_of[index] * inputs[start] + saved[start][end]
-        else:
-            held = parameters[start][end] * per_device + units_of[index] * saved[start][end]
-        return held <= capacity
-
-    work = builder.work(t, b, rec)
-    solved = builder.partitioned.setdefault(family, [])
-    at_least = max(
-        (seconds for bytes_, units_, seconds in solved
-         if bytes_ <= per_device and all(map(operator.ge, units, units_))),
-        default=0.0,
-    )
-    partition = balanced_partition(
-        work, stages, fits=fits, candidates=builder.candidates(t, b, rec), at_least=at_least
-    )
     fitted = None
-    if partition is not None:
-        solved.append((per_device, tuple(units), partition.bottleneck_seconds))
-        candidate = builder.shape_from_cuts(t, b, rec, p, v, partition.stage_layers)
-        if candidate.memory.fits(per_device, units, capacity):
-            fitted = candidate
+    if family.has_memory_fitting_cut(per_device, units):
+        # `stage_memory_bytes` on precomputed per-range rows (the same arithmetic, a few look-ups).
+        rows = builder.range_memory(t, b)
+        parameters, saved, inputs = rows.parameters, rows.saved, rows.input_bytes
+        keeps_input_only = family.keeps_input_only
+        units_of = [units[i % p] for i in range(stages)]
+
+        def fits(index: int, start: int, end: int) -> bool:
+            if keeps_input_only[index]:
+                held = parameters[start][end] * per_device + units_of[index] * inputs[start] + saved[start][end]
+            else:
+                held = parameters[start][end] * per_device + units_of[index] * saved[start][end]
+            return held <= capacity
+
+        work = builder.work(t, b, rec)
+        solved = builder.partitioned.setdefault(demand_family, [])
+        at_least = max(
+            (seconds for bytes_, units_, seconds in solved
+             if bytes_ <= per_device and all(map(operator.ge, units, units_))),
+            default=0.0,
+        )
+        partition = balanced_partition(
+            work, stages, fits=fits, candidates=builder.candidates(t, b, rec), at_least=at_least
+        )
+        if partition is not None:  # pragma: no branch - the memory-only pass above found a cut
+            solved.append((per_device, tuple(units), partition.bottleneck_seconds))
+            candidate = builder.shape_from_cuts(t, b, rec, p, v, partition.stage_layers)
+            if candidate.memory.fits(per_device, units, capacity):
+                fitted = candidate
+    else:
+        family.without_cut.append((per_device, tuple(units)))
     if fitted is None:
         hopeless.append((per_device, tuple(units)))
     builder.fitted[key] = fitted

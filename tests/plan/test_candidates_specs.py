@@ -1,0 +1,57 @@
+"""Specs built for many points of one shape at once equal the per-point definitions exactly."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipectl.cluster import load_cluster
+from pipectl.plan.candidates import (
+    ScheduleVariant,
+    ShapeBuilder,
+    data_parallel_costs,
+    in_flight,
+    lower_bound_seconds,
+    specs_on_shape,
+    state_bytes,
+)
+from pipectl.plan.costs import hardware_for
+from pipectl.plan.synthetic import synthetic_profile
+from pipectl.schedule import ScheduleKind
+
+VARIANTS = [
+    ScheduleVariant(ScheduleKind.ONE_F_ONE_B),
+    ScheduleVariant(ScheduleKind.GPIPE),
+    ScheduleVariant(ScheduleKind.INTERLEAVED, 2),
+    ScheduleVariant(ScheduleKind.VARUNA),
+    ScheduleVariant(ScheduleKind.PIPEDREAM_2BW),
+]
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.label)
+def test_specs_on_a_shape_match_each_points_own_costs(tied, variant):
+    profile = synthetic_profile(
+        blocks=10, micro_batch_sizes=[1, 2], tied=tied,
+        block_forward_seconds=[0.01 * (1 + 0.4 * (i % 4)) for i in range(10)],
+    )
+    hardware = hardware_for(load_cluster("a100-8x8"), profile)
+    builder = ShapeBuilder(profile, hardware)
+    for t, b, recompute, p in ((1, 1, False, 2), (2, 2, True, 3), (4, 1, True, 4), (1, 2, False, 5)):
+        shape = builder.shape(t, b, recompute, p, variant.chunks)
+        points = []
+        for d, zero in ((16, 1), (16, 0), (8, 1), (4, 0), (2, 1), (1, 0), (3, 1)):
+            m = p * (1 + d % 3)
+            per_device = state_bytes(profile.dtype, zero, d, variant.kind)
+            points.append((d, m, zero, per_device, in_flight(shape, variant, m)))
+        specs = specs_on_shape(shape, variant, hardware, profile.dtype, points)
+        assert len(specs) == len(points)
+        for spec, (d, m, zero, per_device, units) in zip(specs, points):
+            allreduce, optimizer = data_parallel_costs(shape, hardware, d, zero, profile.dtype)
+            bound = lower_bound_seconds(shape, variant.kind, m, allreduce, optimizer)
+            peak = shape.memory.per_rank_bytes(per_device, units)
+            assert spec.shape is shape and spec.variant == variant
+            assert (spec.data_parallel, spec.micro_batches, spec.zero_stage) == (d, m, zero)
+            assert spec.lower_bound_seconds == bound
+            assert spec.allreduce_seconds == tuple(allreduce.tolist())
+            assert spec.optimizer_seconds == tuple(optimizer.tolist())
+            assert spec.peak_memory_bytes == tuple(int(x) for x in peak)

@@ -1,0 +1,128 @@
+"""The enumeration's exact shortcuts against the plain definitions on small, memory-tight cases."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+
+from pipectl.cluster import load_cluster
+from pipectl.plan.candidates import ScheduleVariant, ShapeBuilder, divisors, in_flight, recomputing_stages, state_bytes
+from pipectl.plan.costs import hardware_for
+from pipectl.plan.partition import balanced_partition
+from pipectl.plan.search import PlanRequest, _Family, _variants_for, enumerate_specs, search_space
+from pipectl.plan.synthetic import synthetic_profile
+from pipectl.schedule import ScheduleKind
+
+
+def _profile(blocks: int, seed: int):
+    rng = random.Random(seed)
+    return synthetic_profile(
+        blocks=blocks, micro_batch_sizes=[1, 2], hidden=128, seq_len=256,
+        block_forward_seconds=[0.01 * rng.uniform(0.5, 2.0) for _ in range(blocks)],
+    )
+
+
+def _hardware(profile, memory_gib: float):
+    hardware = hardware_for(load_cluster("a100-8x8"), profile)
+    return dataclasses.replace(hardware, device=hardware.device.model_copy(update={"memory_gib": memory_gib}))
+
+
+def _memory_fits(builder, shape, kind, per_device, units, capacity):
+    """`balanced_partition`'s per-virtual-stage memory test, written out."""
+    rows = builder.range_memory(shape.tensor_parallel, shape.micro_batch_size)
+    stages, p = shape.virtual_stages, shape.pipeline_parallel
+    recomputes = recomputing_stages(shape, kind)
+
+    def fits(index, start, end):
+        keeps = bool(recomputes[index]) and index != stages - 1
+        return rows.stage_bytes(start, end, state_bytes=per_device, units=units[index % p], recompute=keeps) <= capacity
+
+    return fits
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_memory_fitting_cut_exists_exactly_when_the_partitioner_finds_one(seed):
+    profile = _profile(blocks=9, seed=seed)
+    hardware = _hardware(profile, memory_gib=0.004 * (seed + 1))
+    builder = ShapeBuilder(profile, hardware)
+    capacity = hardware.memory_bytes
+    rng = random.Random(seed)
+    answers = set()
+    for _ in range(150):
+        t, b, recompute = rng.choice((1, 2)), rng.choice((1, 2)), rng.random() < 0.5
+        variant = rng.choice([ScheduleVariant(ScheduleKind.ONE_F_ONE_B), ScheduleVariant(ScheduleKind.GPIPE),
+                              ScheduleVariant(ScheduleKind.INTERLEAVED, 2), ScheduleVariant(ScheduleKind.VARUNA)])
+        p = rng.randint(1, builder.layers // variant.chunks)
+        m = p * rng.randint(1, 4)
+        zero, d = rng.choice(((0, 1), (1, 2), (1, 8), (0, 4)))
+        family = _Family(builder, t, b, recompute, p, variant, capacity)
+        shape = builder.shape(t, b, recompute, p, variant.chunks)
+        units = in_flight(shape, variant, m)
+        per_device = state_bytes(profile.dtype, zero, d, variant.kind)
+        fits = _memory_fits(builder, shape, variant.kind, per_device, units, capacity)
+        partition = balanced_partition(builder.work(t, b, recompute), p * variant.chunks, fits=fits)
+        answer = family.has_memory_fitting_cut(per_device, units)
+        assert answer == (partition is not None), (t, b, recompute, p, variant.label, m, zero, d)
+        answers.add(answer)
+    assert answers == {True, False}  # both outcomes were exercised
+
+
+def _reference_specs(profile, hardware, space, max_devices):
+    """Every point judged on its own, without the caches and dominance shortcuts: the balanced
+    cut, else the right-filled cut, else the optimal memory-constrained cut, if it fits."""
+    builder = ShapeBuilder(profile, hardware)
+    capacity = hardware.memory_bytes
+    B = space.global_batch
+    found = []
+    for t in space.tensor_parallel:
+        for b in space.micro_batch_sizes:
+            for recompute in space.recompute:
+                for p in range(1, builder.layers + 1):
+                    if t * p > max_devices or (recompute and p == 1):
+                        continue
+                    ds = [d for d in divisors(B) if t * p * d <= max_devices and B % (d * b) == 0]
+                    for variant in _variants_for(space.variants, p, recompute):
+                        if p * variant.chunks > builder.layers:
+                            continue
+                        for d in sorted(ds, reverse=True):
+                            m = B // (d * b)
+                            for zero in sorted({z for z in space.zero_stages if d > 1 or z == 0}, reverse=True):
+                                shape = _reference_fit(builder, t, b, recompute, p, variant, m, zero, d, capacity)
+                                if shape is not None:
+                                    found.append((t, b, recompute, p, variant.label, d, m, zero, shape.stage_layers))
+    return found
+
+
+def _reference_fit(builder, t, b, recompute, p, variant, m, zero, d, capacity):
+    kind = variant.kind
+    per_device = state_bytes(builder.profile.dtype, zero, d, kind)
+    balanced = builder.shape(t, b, recompute, p, variant.chunks)
+    units = in_flight(balanced, variant, m)
+    for shape in (balanced, builder.shape(t, b, recompute, p, variant.chunks, from_right=True)):
+        if shape.memory.fits(per_device, units, capacity):
+            return shape
+    fits = _memory_fits(builder, balanced, kind, per_device, units, capacity)
+    partition = balanced_partition(builder.work(t, b, recompute), p * variant.chunks, fits=fits)
+    if partition is None:
+        return None
+    shape = builder.shape_from_cuts(t, b, recompute, p, variant.chunks, partition.stage_layers)
+    return shape if shape.memory.fits(per_device, units, capacity) else None
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_enumeration_keeps_exactly_the_points_judged_one_by_one(seed):
+    profile = _profile(blocks=8, seed=seed)
+    hardware = _hardware(profile, memory_gib=0.003 * (seed + 2))
+    request = PlanRequest(global_batch=16, schedules=[ScheduleKind.ONE_F_ONE_B, ScheduleKind.GPIPE, ScheduleKind.VARUNA])
+    space = search_space(request, profile, hardware)
+    enumeration = enumerate_specs(profile, hardware, space, 32)
+    got = [
+        (s.shape.tensor_parallel, s.shape.micro_batch_size, s.shape.recompute, s.shape.pipeline_parallel,
+         s.variant.label, s.data_parallel, s.micro_batches, s.zero_stage, s.shape.stage_layers)
+        for s in enumeration.specs
+    ]
+    expected = _reference_specs(profile, hardware, space, 32)
+    assert got == expected
+    assert got and enumeration.rejections.counts  # some points fit and some did not
