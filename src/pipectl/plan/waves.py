@@ -23,6 +23,10 @@ interleaved 1F1B, in far fewer operations. It relies on two facts:
    by adding λ per period, exactly (Baccelli, Cohen, Olsder, Quadrat, "Synchronization and
    Linearity", 1992, ch. 3: eventual periodicity of max-plus linear recurrences). The check
    allows a few units in the last place of rounding; the warm-up and the drain are simulated.
+   Before that repeat, nearly equal stages can spend more waves than the step has using up
+   the head start the upstream ranks took in the warm-up, each group of ranks growing at its
+   own rate; those stretches are skipped too, up to the wave where some max could change its
+   choice (`_LinearRegime`).
 
 GPipe needs no simulation at all: with constant per-stage costs the longest path through its
 forward grid (and its backward grid) puts every extra micro-batch on the slowest stage, which gives
@@ -220,14 +224,8 @@ def pair_schedule_ends(kind: ScheduleKind, p: int, m: int, v: int, t: _Tables) -
     forward, backward, recomputes = t.forward, t.backward, t.recomputes
     send_forward, send_backward = t.send_forward, t.send_backward
 
-    last = np.zeros(p)  # end of the rank's latest action
-    forward_end = np.zeros(p)  # end of the rank's forward in the latest wave that had one
-    backward_end = np.zeros(p)
-    exposed = np.zeros(p)
-    steady_from, steady_to = _steady_waves(forward_offset, backward_offset, total)
-    history = _History(p, period, steady_from, steady_to)
-    wave = first_wave
-    while wave <= last_wave:
+    def run_wave(wave, last, forward_end, backward_end, exposed, margins):
+        """One wave over all ranks; with a `margins` list, append every max's two-sided margin."""
         j = wave - forward_offset
         has_forward = (j >= 0) & (j < total)
         i = wave - backward_offset
@@ -239,7 +237,11 @@ def pair_schedule_ends(kind: ScheduleKind, p: int, m: int, v: int, t: _Tables) -
             has_input = has_forward & (stage > 0)
             ready = np.where(has_input, produced + send_forward[stage - 1], 0.0)
             start = np.maximum(last, ready)
-            exposed += np.where(has_input, np.maximum(start - np.maximum(last, produced), 0.0), 0.0)
+            waited_from = np.maximum(last, produced)
+            exposed = exposed + np.where(has_input, np.maximum(start - waited_from, 0.0), 0.0)
+            if margins is not None:
+                margins.extend(np.where(has_input, margin, 1.0)
+                               for margin in (last - ready, last - produced, start - waited_from))
             new_forward = start + forward[stage]
             last = np.where(has_forward, new_forward, last)
             forward_end = np.where(has_forward, new_forward, forward_end)
@@ -249,20 +251,38 @@ def pair_schedule_ends(kind: ScheduleKind, p: int, m: int, v: int, t: _Tables) -
             free = last + recomputes[stage]  # the recompute (if any) runs before the backward
             has_input = has_backward & (stage < last_stage)
             if chain:
-                new_backward = _backward_chain(free, backward, send_backward)
+                new_backward = _backward_chain(free, backward, send_backward, margins)
                 produced = np.append(new_backward[1:], 0.0)
             else:
                 produced = backward_end[next_rank]
             ready = np.where(has_input, produced + send_backward[stage], 0.0)
             start = np.maximum(free, ready)
-            exposed += np.where(has_input, np.maximum(start - np.maximum(free, produced), 0.0), 0.0)
+            waited_from = np.maximum(free, produced)
+            exposed = exposed + np.where(has_input, np.maximum(start - waited_from, 0.0), 0.0)
+            if margins is not None:
+                margins.extend(np.where(has_input, margin, 1.0)
+                               for margin in (free - ready, free - produced, start - waited_from))
             if not chain:
                 new_backward = start + backward[stage]
             last = np.where(has_backward, new_backward, last)
             backward_end = np.where(has_backward, new_backward, backward_end)
-        if steady_from <= wave <= steady_to:
-            found = history.record(wave, np.concatenate((last, forward_end, backward_end)), exposed)
-            if found is not None:
+        return last, forward_end, backward_end, exposed
+
+    last = np.zeros(p)  # end of the rank's latest action
+    forward_end = np.zeros(p)  # end of the rank's forward in the latest wave that had one
+    backward_end = np.zeros(p)
+    exposed = np.zeros(p)
+    steady_from, steady_to = _steady_waves(forward_offset, backward_offset, total)
+    history = _History(p, period, steady_from, steady_to)
+    regime: _LinearRegime | None = None  # a per-rank-rate regime being checked
+    wave = first_wave
+    while wave <= last_wave:
+        margins = regime.margins if regime is not None else None
+        last, forward_end, backward_end, exposed = run_wave(wave, last, forward_end, backward_end, exposed, margins)
+        if steady_from <= wave <= steady_to and history.enabled:
+            state = np.concatenate((last, forward_end, backward_end))
+            found = history.record(wave, state, exposed)
+            if found is not None and found[1] is not None:
                 # Every later cycle repeats this one, shifted by `shift` (module docstring).
                 cycle, shift, exposed_per_cycle = found
                 cycles = (steady_to - wave) // cycle
@@ -273,8 +293,99 @@ def pair_schedule_ends(kind: ScheduleKind, p: int, m: int, v: int, t: _Tables) -
                 backward_end = backward_end + advance
                 wave += cycles * cycle
                 history.disable()
+                regime = None
+            elif regime is not None:
+                jump = regime.observe(wave, state, exposed, steady_to)
+                if jump is not None:
+                    cycles, advance, exposed_advance = jump
+                    last, forward_end, backward_end = np.split(state + advance, 3)
+                    exposed = exposed + exposed_advance
+                    wave += cycles * regime.cycle
+                    history.restart()
+                    regime = None
+                elif regime.done:
+                    regime = None
+            elif found is not None:
+                regime = _LinearRegime(wave, found[0], state, exposed)
         wave += 1
     return last, exposed
+
+
+class _LinearRegime:
+    """A stretch where every entry of the state grows at its own constant rate per cycle.
+
+    Before the slowest stage's chain dominates, ranks upstream of it may still run on the head
+    start they took in the warm-up: their ends grow by a different amount per cycle than the
+    others', so the state never repeats shifted by one constant until that head start is used
+    up, which can take more waves than the step has. While every max in a wave keeps choosing
+    the same operand, though, one cycle maps x to x + Δ with a fixed vector Δ, and every
+    operand of every max grows by its own fixed amount per cycle: a margin a − b changes by
+    the same drift each cycle. So after two checked cycles (the same Δ twice, every margin
+    keeping its side), the next n cycles are skipped exactly, n being the last cycle before a
+    margin that shrinks could change sides (kept below its zero by one more cycle and the
+    rounding tolerance). Exposed time per cycle is a sum of such margins (or zeros), so it
+    changes linearly and its total over n cycles is n·δ + dd·n(n+1)/2.
+
+    A margin within rounding of zero that does not drift is a tie (both operands give the same
+    value); one within rounding of zero that drifts is about to change sides: no skip.
+    """
+
+    def __init__(self, wave: int, cycle: int, state: np.ndarray, exposed: np.ndarray) -> None:
+        self.cycle = cycle
+        self.start = wave
+        self.states = [state]
+        self.exposed = [exposed]
+        self.margins: list[np.ndarray] = []
+        self.done = False
+
+    def observe(self, wave: int, state: np.ndarray, exposed: np.ndarray, steady_to: int):
+        """After each wave: (cycles to skip, state advance, exposed advance), or None."""
+        if (wave - self.start) % self.cycle:
+            return None
+        self.states.append(state)
+        self.exposed.append(exposed)
+        if len(self.states) < 3:
+            return None
+        self.done = True
+        first, second, third = self.states
+        advance = third - second
+        tolerance = _PERIOD_ULPS * float(np.spacing(np.max(np.abs(third))))
+        if np.max(np.abs(advance - (second - first))) > tolerance:
+            return None
+        half = len(self.margins) // 2
+        earlier = np.concatenate(self.margins[:half])
+        later = np.concatenate(self.margins[half:])
+        cycles = min(_cycles_keeping_sides(earlier, later, tolerance), (steady_to - wave) // self.cycle)
+        if cycles < 1:
+            return None
+        per_cycle = self.exposed[2] - self.exposed[1]
+        change = per_cycle - (self.exposed[1] - self.exposed[0])
+        # Waits within rounding of zero come and go with rounding: no trend to extrapolate.
+        change = np.where(np.abs(change) > tolerance, change, 0.0)
+        exposed_advance = cycles * per_cycle + (cycles * (cycles + 1) // 2) * change
+        return cycles, cycles * advance, exposed_advance
+
+
+def _cycles_keeping_sides(earlier: np.ndarray, later: np.ndarray, tolerance: float) -> int:
+    """Cycles after `later` for which every margin surely keeps its side (see `_LinearRegime`).
+
+    >>> _cycles_keeping_sides(np.array([5.0, 1.0]), np.array([4.0, 1.0]), 1e-12)
+    2
+    """
+    drift = later - earlier
+    moving = np.abs(drift) > tolerance
+    if not moving.any():
+        return 1 << 62
+    earlier, later, drift = earlier[moving], later[moving], drift[moving]
+    one_side = ((earlier > tolerance) & (later > tolerance)) | ((earlier < -tolerance) & (later < -tolerance))
+    if not one_side.all():
+        return 0
+    closing = (later > 0) != (drift > 0)
+    if not closing.any():
+        return 1 << 62
+    # A drift known to within the tolerance closes a margin by at most |drift| + tolerance a cycle.
+    room = (np.abs(later[closing]) - tolerance) / (np.abs(drift[closing]) + tolerance)
+    return max(int(np.floor(np.min(room))) - 1, 0)
 
 
 def _steady_waves(forward_offset, backward_offset, total) -> tuple[int, int]:
@@ -292,7 +403,9 @@ class _History:
 
     A max-plus system may repeat itself only after several periods (its cyclicity: e.g. a
     critical loop through j ranks takes j waves), so every `_CHECK_EVERY` waves the state is
-    compared with each of the last `depth` states at a multiple of the period.
+    compared with each of the last `depth` states at a multiple of the period. Where no such
+    repeat exists yet, it also looks for a per-entry linear stretch, x(k) − x(k − c) =
+    x(k − c) − x(k − 2c) (see `_LinearRegime`).
     """
 
     def __init__(self, ranks: int, period: int, steady_from: int, steady_to: int) -> None:
@@ -307,8 +420,13 @@ class _History:
     def disable(self) -> None:
         self.enabled = False
 
-    def record(self, wave: int, state: np.ndarray, exposed: np.ndarray) -> tuple[int, float, np.ndarray] | None:
-        """(cycle length in waves, shift per cycle, exposed time per cycle) once one repeats."""
+    def restart(self) -> None:
+        """Forget the stored states (the waves after a skip do not follow them)."""
+        self.stored = 0
+
+    def record(self, wave: int, state: np.ndarray, exposed: np.ndarray) -> tuple[int, float | None, np.ndarray | None] | None:
+        """(cycle length in waves, shift per cycle, exposed time per cycle) once one repeats;
+        (cycle length, None, None) for a per-entry linear stretch (no repeat yet)."""
         if not self.enabled:
             return None
         slot = self.stored % self.depth
@@ -330,20 +448,30 @@ class _History:
         shifts = differences[:, 0]
         tolerance = _PERIOD_ULPS * float(np.spacing(np.max(np.abs(state))))
         uniform = np.max(np.abs(differences - shifts[:, None]), axis=1) <= tolerance
-        if not uniform.any():
+        if uniform.any():
+            first = int(np.argmax(uniform))
+            return int(lags[first]), float(shifts[first]), exposed - self.exposed[rows[first]]
+        # Lag c at index i, lag 2c at index 2i + 1: x(k) − x(k−c) against x(k−c) − x(k−2c).
+        halves = np.arange(len(lags) // 2)
+        if not len(halves):
             return None
-        first = int(np.argmax(uniform))
-        return int(lags[first]), float(shifts[first]), exposed - self.exposed[rows[first]]
+        linear = np.max(np.abs(2 * differences[halves] - differences[2 * halves + 1]), axis=1) <= 2 * tolerance
+        if not linear.any():
+            return None
+        return int(lags[int(np.argmax(linear))]), None, None
 
 
-def _backward_chain(after_recompute, backward, send_backward) -> np.ndarray:
+def _backward_chain(after_recompute, backward, send_backward, margins=None) -> np.ndarray:
     """1F1B: B(k, i) = max(own rank ready, B(k+1, i) + c'_k) + b_k, from the last rank down.
 
     As a running maximum: B(k) = H_k + max_{k0≥k} (A_{k0} + b_{k0} − H_{k0}) with
     H_k = Σ_{k'≥k} b_{k'} + Σ_{k≤k'<p−1} c'_{k'} (every rank has a backward in these waves).
+    With a `margins` list, appends each rank's term minus the best term after it.
     """
     suffix = np.cumsum((backward + send_backward)[::-1])[::-1] - send_backward[-1]
     # send_backward[-1] is the padding zero; suffix[k] = Σ_{k'≥k} b + Σ_{k≤k'<p-1} c'
     candidates = after_recompute + backward - suffix
     best = np.maximum.accumulate(candidates[::-1])[::-1]
+    if margins is not None:
+        margins.append(candidates[:-1] - best[1:])
     return suffix + best
