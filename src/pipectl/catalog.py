@@ -63,6 +63,11 @@ class DeviceSpec(Strict):
         min_length=1,
         description="[micro_batch_size, achievable fraction of peak] points, micro-batch ascending.",
     )
+    blocking_p2p: bool = Field(
+        default=False,
+        description="Whether a point-to-point send returns only once the peer's receive runs (gloo, the CPU "
+        "backend); the simulator then times sends and receives as rendezvous.",
+    )
 
     @field_validator("efficiency_by_micro_batch")
     @classmethod

@@ -94,3 +94,37 @@ def test_mismatched_sends_are_a_deadlock():
     )
     with pytest.raises(ScheduleError, match="deadlocks: rank 0 at 0SF1, rank 1 at 1RF0"):
         simulate_rendezvous(schedule, uniform_costs(2, 1, 1.0, 2.0))
+
+
+@pytest.mark.parametrize("kind", RUNNABLE)
+def test_blocking_costs_route_every_entry_point_to_the_rendezvous_timing(kind):
+    from dataclasses import replace
+
+    from pipectl.plan.simulate import simulate_step_seconds, step_seconds_of, summary_of
+
+    p, m = 3, 5
+    recompute = kind is ScheduleKind.VARUNA
+    costs = replace(random_stage_costs(p, 1, random.Random(7)), blocking_p2p=True)
+    schedule = generate(kind, p, m, 1, recompute)
+    expected = simulate_rendezvous(executed_schedule(kind, p, m, 1, recompute), costs)
+    assert simulate(schedule, costs).step_seconds == expected.step_seconds
+    assert simulate_step_seconds(schedule, costs) == expected.step_seconds
+    assert step_seconds_of(kind, p, m, 1, recompute, costs) == expected.step_seconds
+    summary = summary_of(kind, p, m, 1, recompute, costs)
+    assert summary.step_seconds == expected.step_seconds
+    assert summary.bubble_fraction == expected.bubble_fraction
+    # The asynchronous timing of the same table is faster here: the flag matters.
+    assert step_seconds_of(kind, p, m, 1, recompute, replace(costs, blocking_p2p=False)) < expected.step_seconds
+
+
+def test_cpu_links_block_and_gpu_links_do_not():
+    from pipectl.cluster import load_cluster, local_cluster
+    from pipectl.plan.costs import hardware_for, stage_costs
+    from pipectl.plan.synthetic import synthetic_profile
+
+    profile = synthetic_profile(blocks=4, micro_batch_sizes=[1], device="cpu", dtype="float32")
+    local = stage_costs(profile, hardware_for(local_cluster(2), profile), [(0, 3), (3, 6)],
+                        micro_batch_size=1, tensor_parallel=1, data_parallel=1)  # fmt: skip
+    assert local.blocking_p2p
+    a100 = hardware_for(load_cluster("a100-8x8"), profile)
+    assert not a100.device.blocking_p2p

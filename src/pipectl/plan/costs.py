@@ -399,6 +399,7 @@ def stage_costs(
         allreduce_seconds=tuple(allreduce),
         optimizer_seconds=tuple(optimizer),
         jitter_seconds=jitter,
+        blocking_p2p=hardware.device.blocking_p2p,
     )
 
 

@@ -71,6 +71,7 @@ def costs_of(spec: Spec, hardware: Hardware) -> StageCosts:
         allreduce_seconds=spec.allreduce_seconds,
         optimizer_seconds=spec.optimizer_seconds,
         jitter_seconds=jitter,
+        blocking_p2p=hardware.device.blocking_p2p,
     )
 
 

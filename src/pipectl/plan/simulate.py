@@ -14,6 +14,8 @@ So the earliest start of every action is max(end of its predecessor on the rank,
 dependency + transfer): a longest-path pass over a DAG. Sends and receives are not timed as
 actions of their own: p2p actions in a schedule (after `add_communication`) are skipped and the
 transfer is an edge delay, i.e. transfers overlap with compute (asynchronous p2p, as on GPUs).
+Cost tables with `blocking_p2p` (gloo, where a send returns only once its receive runs) are timed
+by `pipectl.plan.rendezvous` instead, on the schedule with its sends and receives.
 The all-reduce starts after the rank's last backward (no overlap with backward assumed), then
 the optimizer step runs; the step ends when the last rank's optimizer step ends.
 
@@ -92,6 +94,8 @@ class StageCosts:
     optimizer_seconds: Sequence[float]  # len p
     jitter_seconds: float = 0.0  # std. dev. of a p2p transfer's extra delay
     seed: int = 0
+    # Sends return only once the matching receive runs (gloo): timed by `pipectl.plan.rendezvous`.
+    blocking_p2p: bool = False
 
 
 class TimedAction(NamedTuple):
@@ -409,14 +413,28 @@ def simulate_step_seconds(schedule: Schedule, costs: StageCosts) -> float:
 
     Always equal to `simulate(schedule, costs).step_seconds`.
     """
+    if _blocking(schedule.pipeline_parallel, costs):
+        return simulate(schedule, costs).step_seconds
     compiled = _compiled(schedule)
     durations, delays = _cost_tables(compiled, costs)
     end = _ends(compiled, durations, delays)
     return max(end[k] for k in compiled.rank_last if k >= 0)
 
 
+def _blocking(pipeline_parallel: int, costs: StageCosts) -> bool:
+    return costs.blocking_p2p and pipeline_parallel > 1
+
+
 def simulate(schedule: Schedule, costs: StageCosts) -> Timeline:
-    """Time one step of `schedule` under `costs`; see the module docstring for the model."""
+    """Time one step of `schedule` under `costs`; see the module docstring for the model.
+
+    With `costs.blocking_p2p` (and more than one stage) the transfers are rendezvous instead of
+    edge delays: `pipectl.plan.rendezvous`.
+    """
+    if _blocking(schedule.pipeline_parallel, costs):
+        from pipectl.plan.rendezvous import simulate_rendezvous
+
+        return simulate_rendezvous(schedule, costs)
     compiled = _compiled(schedule)
     durations, delays = _cost_tables(compiled, costs)
     end = _ends(compiled, durations, delays)
@@ -477,6 +495,10 @@ def step_seconds_of(
     33.0
     """
     _check_costs(pipeline_parallel, pipeline_parallel * chunks, costs)
+    if _blocking(pipeline_parallel, costs):
+        from pipectl.plan.rendezvous import rendezvous_step_seconds
+
+        return rendezvous_step_seconds(kind, pipeline_parallel, micro_batches, chunks, recompute, costs)
     if waves.supported(kind, costs.jitter_seconds):
         return waves.step_seconds(kind, pipeline_parallel, micro_batches, chunks, recompute, costs)
     if kind is ScheduleKind.VARUNA and costs.jitter_seconds == 0:
@@ -490,6 +512,16 @@ def summary_of(
 ) -> StepSummary:
     """Step time, idle fraction and exposed communication of `simulate(generate(...), costs)`."""
     _check_costs(pipeline_parallel, pipeline_parallel * chunks, costs)
+    if _blocking(pipeline_parallel, costs):
+        from pipectl.plan.rendezvous import executed_schedule, simulate_rendezvous
+
+        timeline = simulate_rendezvous(executed_schedule(kind, pipeline_parallel, micro_batches, chunks, recompute), costs)
+        return StepSummary(
+            step_seconds=timeline.step_seconds,
+            bubble_fraction=timeline.bubble_fraction,
+            communication_seconds=timeline.communication_seconds,
+            communication_seconds_per_rank=timeline.communication_seconds_per_rank,
+        )
     if waves.supported(kind, costs.jitter_seconds):
         return waves.summary(kind, pipeline_parallel, micro_batches, chunks, recompute, costs)
     if kind is ScheduleKind.VARUNA and costs.jitter_seconds == 0:
