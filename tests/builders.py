@@ -52,3 +52,26 @@ def random_stage_costs(p: int, v: int, rng, spread: float = 1.0):
         allreduce_seconds=[rng.uniform(0.0, 3.0) for _ in range(p)],
         optimizer_seconds=[rng.uniform(0.0, 1.0) for _ in range(p)],
     )
+
+
+def head_start_costs(stages: int, p: int, slower: float, heavier_last: float, rng=None, *,
+                     alternating_links: bool = True) -> StageCosts:
+    """Equal stages but a first one `slower` (relative) and a last one `heavier_last` seconds
+    heavier; links alternate between a fast and a slow one (ranks inside / across nodes), or
+    are all the slow one."""
+    forward = [0.15] * stages
+    backward = [0.3] * stages
+    forward[0] *= 1 + slower
+    backward[0] *= 1 + slower
+    forward[-1] += heavier_last / 3
+    backward[-1] += 2 * heavier_last / 3
+    if rng is not None:  # tiny per-stage noise: nearly equal, not equal
+        forward = [f * (1 + rng.uniform(0, 1e-5)) for f in forward]
+    sends = [0.0004 if s % 2 and alternating_links else 0.004 for s in range(stages - 1)]
+    from pipectl.plan.simulate import StageCosts
+
+    return StageCosts(
+        forward_seconds=forward, backward_seconds=backward, recompute_seconds=forward,
+        send_forward_seconds=sends, send_backward_seconds=sends,
+        allreduce_seconds=[0.5] * p, optimizer_seconds=[0.1] * p,
+    )  # fmt: skip

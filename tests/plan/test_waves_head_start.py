@@ -13,28 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipectl.plan import waves
-from pipectl.plan.simulate import StageCosts, simulate, summary_of
+from builders import head_start_costs
+from pipectl.plan.simulate import simulate, summary_of
 from pipectl.schedule import generate
 from pipectl.schedule.ir import ScheduleKind
-
-
-def head_start_costs(stages: int, p: int, slower: float, heavier_last: float, rng=None) -> StageCosts:
-    """Equal stages but a first one `slower` (relative) and a last one `heavier_last` seconds
-    heavier; links alternate between a fast and a slow one (ranks inside / across nodes)."""
-    forward = [0.15] * stages
-    backward = [0.3] * stages
-    forward[0] *= 1 + slower
-    backward[0] *= 1 + slower
-    forward[-1] += heavier_last / 3
-    backward[-1] += 2 * heavier_last / 3
-    if rng is not None:  # tiny per-stage noise: nearly equal, not equal
-        forward = [f * (1 + rng.uniform(0, 1e-5)) for f in forward]
-    sends = [0.0004 if s % 2 else 0.004 for s in range(stages - 1)]
-    return StageCosts(
-        forward_seconds=forward, backward_seconds=backward, recompute_seconds=forward,
-        send_forward_seconds=sends, send_backward_seconds=sends,
-        allreduce_seconds=[0.5] * p, optimizer_seconds=[0.1] * p,
-    )  # fmt: skip
 
 
 def assert_as_simulated(kind, p, m, v, recompute, costs):

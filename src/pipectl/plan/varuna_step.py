@@ -28,7 +28,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from pipectl.plan.waves import StepSummary
+from pipectl.plan.waves import _PERIOD_ULPS, StepSummary, _LinearRegime
 from pipectl.schedule.generators import varuna_cycle, varuna_forward_flags
 
 __all__ = ["step_seconds", "summary"]
@@ -90,6 +90,7 @@ class _Run:
         self.head = [0] * p
         self.last = [0.0] * p  # end of the stage's latest action
         self.exposed = [0.0] * p
+        self.margins: list[list[float]] | None = None  # per stage, every max's margin, when set
 
     def advance(self, stop: list[int]) -> bool:
         """Run every stage s up to position stop[s] of its order; False if one could not get there
@@ -101,6 +102,7 @@ class _Run:
         forward_end, backward_end = self.forward_end, self.backward_end
         forwards_done, backwards_done = self.forwards_done, self.backwards_done
         head, last, exposed = self.head, self.last, self.exposed
+        margins = self.margins
         waiting_for = [-1] * p  # the neighbour a stopped stage waits for
         runnable = list(range(p - 1, -1, -1))
         while runnable:
@@ -126,6 +128,8 @@ class _Run:
                         waited_from = end_time if end_time > produced else produced
                         if start > waited_from:
                             exposed[s] += start - waited_from
+                        if margins is not None:
+                            margins[s].extend((end_time - ready, end_time - produced, start - waited_from))
                     else:
                         start = end_time if end_time > 0.0 else 0.0
                     end_time = start + forward[s]
@@ -145,6 +149,8 @@ class _Run:
                         waited_from = free if free > produced else produced
                         if start > waited_from:
                             exposed[s] += start - waited_from
+                        if margins is not None:
+                            margins[s].extend((free - ready, free - produced, start - waited_from))
                     else:
                         start = end_time if end_time > 0.0 else 0.0
                     end_time = start + backward[s]
@@ -172,22 +178,27 @@ class _Run:
             state.extend(self.backward_end[s][self.backwards_done[s - 1]: self.backwards_done[s]])
         return state
 
-    def shift(self, cycles: int, forwards_per_cycle: int, seconds: float, exposed: list[float]) -> None:
-        """Skip `cycles` cycles: every live end moves `seconds` later and q·cycles micro-batches on."""
+    def shift(self, cycles: int, forwards_per_cycle: int, advance, exposed: list[float]) -> None:
+        """Skip `cycles` cycles: every live end moves q·cycles micro-batches on and later by its
+        entry of `advance` (laid out as `live_state`)."""
         p = self.p
         moved = cycles * forwards_per_cycle
+        entry = 0
         for s in range(p):
             self.head[s] += 2 * moved
-            self.last[s] += seconds
+            self.last[s] += advance[entry]
             self.exposed[s] += exposed[s]
+            entry += 1
         for s in range(p - 1):
             ends = self.forward_end[s]
             for j in range(self.forwards_done[s + 1], self.forwards_done[s]):
-                ends[j + moved] = ends[j] + seconds
+                ends[j + moved] = ends[j] + advance[entry]
+                entry += 1
         for s in range(1, p):
             ends = self.backward_end[s]
             for i in range(self.backwards_done[s - 1], self.backwards_done[s]):
-                ends[i + moved] = ends[i] + seconds
+                ends[i + moved] = ends[i] + advance[entry]
+                entry += 1
         for s in range(p):
             self.forwards_done[s] += moved
             self.backwards_done[s] += moved
@@ -201,6 +212,8 @@ def _run_with_cycle_jump(run: _Run, flags, starts: tuple[int, ...], q: int) -> N
     function every cycle (same order, same costs per micro-batch). Once x(k) = x(k − c) + λ in
     every entry it stays so (max-plus homogeneity; see `pipectl.plan.waves`), and the cycles up
     to the last one inside the periodic part of every stage's order are skipped by adding λ.
+    Before that, stretches where each entry grows at its own fixed rate are skipped up to where
+    a max could change its choice (`waves._LinearRegime`, margins recorded per stage).
     """
     p, m = run.p, run.m
     # The order of stage s is periodic from starts[s] up to its m-th forward.
@@ -212,7 +225,11 @@ def _run_with_cycle_jump(run: _Run, flags, starts: tuple[int, ...], q: int) -> N
         return
     history: list[tuple[np.ndarray, list[float]]] = []
     depth = max(2 * p, 16)
-    for k in range(1, last_cycle + 1):
+    regime: _LinearRegime | None = None
+    k = 0
+    while k < last_cycle:
+        k += 1
+        run.margins = regime.margins if regime is not None else None
         if not run.advance([starts[s] + 2 * q * k for s in range(p)]):
             return
         state = np.asarray(run.live_state())
@@ -223,15 +240,31 @@ def _run_with_cycle_jump(run: _Run, flags, starts: tuple[int, ...], q: int) -> N
             earlier_exposed = history[-c][1]
             cycles_left = (last_cycle - k) // c
             if cycles_left > 0:
-                run.shift(cycles_left * c, q, cycles_left * seconds,
+                run.shift(cycles_left * c, q, [cycles_left * seconds] * len(state),
                           [cycles_left * (now - then) for now, then in zip(exposed, earlier_exposed)])
+            run.margins = None
             return
+        if regime is not None:
+            jump = regime.observe(k, state, np.asarray(exposed), last_cycle)
+            if jump is not None:
+                cycles, advance, exposed_advance = jump
+                run.shift(cycles * regime.cycle, q, advance.tolist(), exposed_advance.tolist())
+                k += cycles * regime.cycle
+                history.clear()
+                regime = None
+                continue
+            if regime.done:
+                regime = None
+        else:
+            c = _linear(state, history)
+            if c is not None:
+                regime = _LinearRegime(k, c, state, np.asarray(exposed), streams=p)
         history.append((state, exposed))
         if len(history) > depth:
             history.pop(0)
+    run.margins = None
 
 
-_PERIOD_ULPS = 16.0  # as in pipectl.plan.waves
 
 
 @lru_cache(maxsize=256)
@@ -263,3 +296,13 @@ def _repeat(current: np.ndarray, history) -> tuple[int, float] | None:
         return None
     c = int(np.argmax(uniform)) + 1
     return c, float(shifts[c - 1])
+
+
+def _linear(current: np.ndarray, history) -> int | None:
+    """The smallest c with current − history[-c] = history[-c] − history[-2c], to rounding."""
+    tolerance = 2 * _PERIOD_ULPS * float(np.spacing(np.max(np.abs(current))))
+    for c in range(1, len(history) // 2 + 1):
+        middle, first = history[-c][0], history[-2 * c][0]
+        if len(middle) == len(first) == len(current) and np.max(np.abs(current - 2 * middle + first)) <= tolerance:
+            return c
+    return None

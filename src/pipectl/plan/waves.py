@@ -53,6 +53,7 @@ import numpy as np
 from pipectl.schedule.ir import ScheduleKind
 
 __all__ = ["StepSummary", "gpipe_compute_ends", "pair_schedule_ends", "step_seconds", "summary", "supported"]
+# `_LinearRegime` and `_PERIOD_ULPS` are shared with `pipectl.plan.varuna_step`.
 
 # Deviation from an exact period tolerated, in units of the largest end time's spacing
 # (np.spacing): a few roundings per wave, far below any difference between candidates.
@@ -277,7 +278,7 @@ def pair_schedule_ends(kind: ScheduleKind, p: int, m: int, v: int, t: _Tables) -
     regime: _LinearRegime | None = None  # a per-rank-rate regime being checked
     wave = first_wave
     while wave <= last_wave:
-        margins = regime.margins if regime is not None else None
+        margins = regime.margins[0] if regime is not None else None
         last, forward_end, backward_end, exposed = run_wave(wave, last, forward_end, backward_end, exposed, margins)
         if steady_from <= wave <= steady_to and history.enabled:
             state = np.concatenate((last, forward_end, backward_end))
@@ -330,17 +331,19 @@ class _LinearRegime:
     value); one within rounding of zero that drifts is about to change sides: no skip.
     """
 
-    def __init__(self, wave: int, cycle: int, state: np.ndarray, exposed: np.ndarray) -> None:
+    def __init__(self, position: int, cycle: int, state: np.ndarray, exposed: np.ndarray, streams: int = 1) -> None:
         self.cycle = cycle
-        self.start = wave
+        self.start = position
         self.states = [state]
         self.exposed = [exposed]
-        self.margins: list[np.ndarray] = []
+        # Margins in evaluation order, per stream (the same count every cycle in each stream).
+        self.margins: list[list] = [[] for _ in range(streams)]
         self.done = False
 
-    def observe(self, wave: int, state: np.ndarray, exposed: np.ndarray, steady_to: int):
-        """After each wave: (cycles to skip, state advance, exposed advance), or None."""
-        if (wave - self.start) % self.cycle:
+    def observe(self, position: int, state: np.ndarray, exposed: np.ndarray, last_position: int):
+        """After each step (a wave, or a Varuna cycle): (cycles to skip, state advance, exposed
+        advance) once two cycles are checked and a skip is safe, else None (`done` once checked)."""
+        if (position - self.start) % self.cycle:
             return None
         self.states.append(state)
         self.exposed.append(exposed)
@@ -348,14 +351,18 @@ class _LinearRegime:
             return None
         self.done = True
         first, second, third = self.states
+        if not len(first) == len(second) == len(third):
+            return None
         advance = third - second
         tolerance = _PERIOD_ULPS * float(np.spacing(np.max(np.abs(third))))
         if np.max(np.abs(advance - (second - first))) > tolerance:
             return None
-        half = len(self.margins) // 2
-        earlier = np.concatenate(self.margins[:half])
-        later = np.concatenate(self.margins[half:])
-        cycles = min(_cycles_keeping_sides(earlier, later, tolerance), (steady_to - wave) // self.cycle)
+        halves = [_halves(stream) for stream in self.margins]
+        earlier = np.concatenate([half for half, _ in halves])
+        later = np.concatenate([half for _, half in halves])
+        if earlier.shape != later.shape:
+            return None
+        cycles = min(_cycles_keeping_sides(earlier, later, tolerance), (last_position - position) // self.cycle)
         if cycles < 1:
             return None
         per_cycle = self.exposed[2] - self.exposed[1]
@@ -364,6 +371,14 @@ class _LinearRegime:
         change = np.where(np.abs(change) > tolerance, change, 0.0)
         exposed_advance = cycles * per_cycle + (cycles * (cycles + 1) // 2) * change
         return cycles, cycles * advance, exposed_advance
+
+
+def _halves(stream: list) -> tuple[np.ndarray, np.ndarray]:
+    """A stream's margins of the first and of the second checked cycle, flat."""
+    half = len(stream) // 2
+    if stream and isinstance(stream[0], np.ndarray):
+        return np.concatenate(stream[:half]), np.concatenate(stream[half: 2 * half])
+    return np.asarray(stream[:half], dtype=float), np.asarray(stream[half: 2 * half], dtype=float)
 
 
 def _cycles_keeping_sides(earlier: np.ndarray, later: np.ndarray, tolerance: float) -> int:
