@@ -156,7 +156,7 @@ def _summary_comes_free(kind: ScheduleKind, costs: StageCosts) -> bool:
     GPipe's step time is a closed form while its summary walks the waves; with jitter the summary
     keeps every record of the event-driven simulation.
     """
-    if costs.jitter_seconds > 0:
+    if costs.jitter_seconds > 0 or costs.blocking_p2p:  # jitter, rendezvous: the full timeline
         return False
     return kind is ScheduleKind.VARUNA or (kind is not ScheduleKind.GPIPE and waves.supported(kind, 0.0))
 
