@@ -169,6 +169,10 @@ def test_profile_measures_the_engine_runtime_terms_by_default(gpt_tiny):
     assert runtime.concurrent_ranks == 2 and runtime.concurrent_compute_slowdown >= 1.0
     assert runtime.alone_compute_slowdown >= 1.0
     assert 0.0 <= runtime.busy_handoff_seconds < 0.5
+    # ... and how a collective after compute costs: a per-hop latency and, from the two-rank
+    # engine's gradient reduction (or the gradient-sized all-reduce), a bus bandwidth.
+    assert 0.0 < runtime.busy_allreduce_latency_seconds < 0.5
+    assert 1e6 < runtime.busy_allreduce_bandwidth_bytes_per_second < 1e12
 
 
 def test_forward_flops_are_counted_by_pytorch_on_the_real_forward():

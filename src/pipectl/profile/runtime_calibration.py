@@ -86,6 +86,7 @@ class EngineTimings:
     backward_seconds: float  # per micro-batch: backward instruction
     step_end_seconds: float  # per step: the step minus its load/forward/backward instructions
     step_seconds: float
+    reduce_seconds: float = 0.0  # per step: the gradient reduction instructions (ReduceGrads, ReduceTiedGrads)
 
 
 def _null_batch(batch_size: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,8 +104,9 @@ def null_model() -> ModelLayers:
     )
 
 
-def _one_rank_config(model: ModelLayers, micro_batch_size: int) -> dict[str, Any]:
-    """The DeepSpeed config `pipectl launch` would write for this model on one rank."""
+def _one_rank_config(model: ModelLayers, micro_batch_size: int, data_parallel: int = 1) -> dict[str, Any]:
+    """The DeepSpeed config `pipectl launch` would write for this model on one rank (one stage,
+    `data_parallel` replicas)."""
     from pipectl.artifacts.plan import Candidate
     from pipectl.launch.dsconfig import deepspeed_config
 
@@ -112,7 +114,7 @@ def _one_rank_config(model: ModelLayers, micro_batch_size: int) -> dict[str, Any
     candidate = Candidate.model_construct(
         micro_batch_size=micro_batch_size,
         micro_batches=CALIBRATION_MICRO_BATCHES,
-        data_parallel=1,
+        data_parallel=data_parallel,
         pipeline_parallel=1,
         zero_stage=0,
         stage_layers=[(0, len(model.layers))],
@@ -144,7 +146,7 @@ def _timed_engine_class():
     return TimedEngine
 
 
-def _engine(model: ModelLayers, micro_batch_size: int):
+def _engine(model: ModelLayers, micro_batch_size: int, data_parallel: int = 1):
     import deepspeed
     from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
@@ -153,11 +155,11 @@ def _engine(model: ModelLayers, micro_batch_size: int):
     from pipectl.schedule import ScheduleKind, generate
 
     module = build_pipeline_module(
-        model, [(0, len(model.layers))], topology=PipeDataParallelTopology(num_pp=1, num_dp=1)
+        model, [(0, len(model.layers))], topology=PipeDataParallelTopology(num_pp=1, num_dp=data_parallel)
     )
     engine, *_ = deepspeed.initialize(
         model=module,
-        config=_one_rank_config(model, micro_batch_size),
+        config=_one_rank_config(model, micro_batch_size, data_parallel),
         model_parameters=[p for p in module.parameters() if p.requires_grad],
     )
     engine = plan_engine(engine, generate(ScheduleKind.ONE_F_ONE_B, 1, CALIBRATION_MICRO_BATCHES))
@@ -170,7 +172,7 @@ def _time_steps(engine, model: ModelLayers, micro_batch_size: int, parameters: i
                 seed: int) -> EngineTimings:
     generator = torch.Generator().manual_seed(seed + micro_batch_size)
     batches = [model.make_batch(micro_batch_size, generator) for _ in range(CALIBRATION_MICRO_BATCHES)]
-    forward, backward, step_end, step_seconds = [], [], [], []
+    forward, backward, step_end, step_seconds, reduce = [], [], [], [], []
     for attempt in range(warmup + steps):
         engine.instruction_seconds = {}
         start = time.perf_counter()
@@ -185,6 +187,7 @@ def _time_steps(engine, model: ModelLayers, micro_batch_size: int, parameters: i
         backward.append(backward_total / CALIBRATION_MICRO_BATCHES)
         step_end.append(max(0.0, elapsed - load_and_forward - backward_total))
         step_seconds.append(elapsed)
+        reduce.append(seconds.get("ReduceGrads", 0.0) + seconds.get("ReduceTiedGrads", 0.0))
     return EngineTimings(
         micro_batch_size=micro_batch_size,
         parameter_count=parameters,
@@ -192,6 +195,7 @@ def _time_steps(engine, model: ModelLayers, micro_batch_size: int, parameters: i
         backward_seconds=statistics.median(backward),
         step_end_seconds=statistics.median(step_end),
         step_seconds=statistics.median(step_seconds),
+        reduce_seconds=statistics.median(reduce),
     )
 
 
@@ -263,6 +267,78 @@ def run_engine_calibration(
     if status != "ok":
         raise LaunchError(f"engine calibration failed: {payload}")
     return payload
+
+
+def _pair_child(connection, rank: int, port: int, model: ModelLayers, micro_batch_size: int, warmup: int,
+                steps: int, seed: int) -> None:
+    """One of two data-parallel engine ranks (see `run_engine_pair_calibration`)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.dup2(devnull, 2)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    try:
+        from pipectl.runtime import dsinit
+
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2"
+        )
+        dsinit.init_distributed()
+        engine, parameters = _engine(model, micro_batch_size, data_parallel=2)
+        timings = _time_steps(engine, model, micro_batch_size, parameters, warmup, steps, seed + rank)
+        connection.send(("ok", timings))
+    except BaseException as exc:
+        connection.send(("error", f"{type(exc).__name__}: {exc}"))
+    finally:
+        connection.close()
+
+
+def run_engine_pair_calibration(
+    model: ModelLayers, micro_batch_size: int, *, warmup: int = 3, steps: int = 6, seed: int = 0,
+    timeout_seconds: float = 300.0,
+) -> list[EngineTimings]:
+    """The engine on two data-parallel ranks of this host at once (p = 1, d = 2), one timing per rank.
+
+    Compared with the one-rank run at the same micro-batch size it gives what two ranks of a
+    host cost each other (compute per micro-batch: measured 25-40 % slower on gpt-tiny here, where
+    two plain loops of the same forward and backward in two processes showed none) and what the
+    gradient all-reduce of ZeRO-1's reduction costs after compute. Raises `LaunchError` on failure.
+    """
+    from pipectl.launch.engines import free_port
+
+    context = multiprocessing.get_context("fork")
+    port = free_port()
+    pipes = [context.Pipe(duplex=False) for _ in range(2)]
+    children = [
+        context.Process(
+            target=_pair_child, args=(pipes[rank][1], rank, port, model, micro_batch_size, warmup, steps, seed)
+        )
+        for rank in range(2)
+    ]
+    for child in children:
+        child.start()
+    results = []
+    try:
+        for rank, (receiver, sender) in enumerate(pipes):
+            sender.close()
+            if not receiver.poll(timeout_seconds):
+                raise LaunchError(f"two-rank engine calibration: rank {rank} did not finish within {timeout_seconds:.0f} s")
+            try:
+                status, payload = receiver.recv()
+            except EOFError:
+                raise LaunchError(f"two-rank engine calibration: rank {rank} exited without a result") from None
+            if status != "ok":
+                raise LaunchError(f"two-rank engine calibration failed on rank {rank}: {payload}")
+            results.append(payload)
+    finally:
+        for child in children:
+            child.join(timeout=10)
+            if child.is_alive():
+                child.kill()
+                child.join(timeout=5)
+        for receiver, _ in pipes:
+            receiver.close()
+    return results
 
 
 # Two-rank host measurement. What each rank computes between messages: one forward and backward of
@@ -610,28 +686,69 @@ def calibrate_runtime(
         model, profile.micro_batch_sizes, warmup=warmup, steps=steps, seed=seed, timeout_seconds=timeout_seconds
     )
     costs = runtime_costs(profile, null_timings, timings, engine_description())
-    # The two ranks run the model itself, at the middle profiled micro-batch size, and all-reduce
-    # a buffer the size of its fp32 gradient (what ZeRO-1's gradient reduction moves).
+    # The two-rank measurements run the model itself at the middle profiled micro-batch size, and
+    # all-reduce a buffer the size of its fp32 gradient (what ZeRO-1's gradient reduction moves).
     sizes = sorted(profile.micro_batch_sizes)
     micro_batch_size = sizes[len(sizes) // 2]
     layer_costs = [layer.cost(micro_batch_size) for layer in profile.layers]
     compute_seconds = sum(c.forward_seconds + c.backward_seconds for c in layer_costs)
+    gradient_bytes = 4 * costs.calibration_parameter_count
     sharing = measure_host_sharing(
         model_compute(model, micro_batch_size, seed),
         compute_seconds=compute_seconds,
-        gradient_bytes=4 * costs.calibration_parameter_count,
+        gradient_bytes=gradient_bytes,
         timeout_seconds=timeout_seconds,
     )
+    single = next(t for t in timings if t.micro_batch_size == micro_batch_size)
+    pair = run_engine_pair_calibration(
+        model, micro_batch_size, warmup=warmup, steps=steps, seed=seed, timeout_seconds=timeout_seconds
+    )
+    concurrent = max(sharing.concurrent_compute_slowdown, sharing.alone_compute_slowdown * engine_pair_slowdown(single, pair))
+    bandwidth = engine_allreduce_bandwidth(single, pair, gradient_bytes, sharing.busy_allreduce_latency_seconds)
     return costs.model_copy(
         update={
             "busy_handoff_seconds": sharing.busy_handoff_seconds,
             "alone_compute_slowdown": sharing.alone_compute_slowdown,
-            "concurrent_compute_slowdown": sharing.concurrent_compute_slowdown,
+            "concurrent_compute_slowdown": concurrent,
             "concurrent_ranks": sharing.ranks,
             "busy_allreduce_latency_seconds": sharing.busy_allreduce_latency_seconds,
-            "busy_allreduce_bandwidth_bytes_per_second": sharing.busy_allreduce_bandwidth_bytes_per_second,
+            "busy_allreduce_bandwidth_bytes_per_second": bandwidth or sharing.busy_allreduce_bandwidth_bytes_per_second,
         }
     )
+
+
+def engine_pair_slowdown(single: EngineTimings, pair: Sequence[EngineTimings]) -> float:
+    """Per-micro-batch forward + backward of two data-parallel engine ranks over one rank's, >= 1.
+
+        >>> one = EngineTimings(2, 100, 0.002, 0.004, 0.01, 0.03)
+        >>> two = [EngineTimings(2, 100, 0.0025, 0.005, 0.02, 0.04), EngineTimings(2, 100, 0.0025, 0.0049, 0.02, 0.04)]
+        >>> round(engine_pair_slowdown(one, two), 4)
+        1.2417
+    """
+    alone = single.forward_seconds + single.backward_seconds
+    if alone <= 0 or not pair:
+        return 1.0
+    together = sum(t.forward_seconds + t.backward_seconds for t in pair) / len(pair)
+    return max(1.0, together / alone)
+
+
+def engine_allreduce_bandwidth(
+    single: EngineTimings, pair: Sequence[EngineTimings], gradient_bytes: int, latency_seconds: float
+) -> float:
+    """Ring bus bandwidth that makes a two-rank all-reduce of the gradient cost what the engine's
+    gradient reduction gained going from one rank to two (0 when that gain is within the latency).
+
+    Two ranks: extra = 2 * latency + bytes / bandwidth (`fit_two_rank_ring`).
+
+        >>> one = EngineTimings(2, 100, 0.002, 0.004, 0.01, 0.03, reduce_seconds=0.001)
+        >>> two = [EngineTimings(2, 100, 0.002, 0.004, 0.02, 0.04, reduce_seconds=0.006)] * 2
+        >>> round(engine_allreduce_bandwidth(one, two, 1_000_000, 0.0005))
+        250000000
+    """
+    if not pair or gradient_bytes <= 0:
+        return 0.0
+    extra = sum(t.reduce_seconds for t in pair) / len(pair) - single.reduce_seconds - 2 * latency_seconds
+    return gradient_bytes / extra if extra > 0 else 0.0
 
 
 __all__ = [
@@ -640,7 +757,10 @@ __all__ = [
     "HostSharing",
     "measure_host_sharing",
     "measure_engine",
+    "engine_allreduce_bandwidth",
+    "engine_pair_slowdown",
     "fit_two_rank_ring",
+    "run_engine_pair_calibration",
     "host_plan",
     "matrix_compute",
     "model_compute",
