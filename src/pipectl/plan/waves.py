@@ -59,6 +59,7 @@ __all__ = ["StepSummary", "gpipe_compute_ends", "pair_schedule_ends", "step_seco
 # (np.spacing): a few roundings per wave, far below any difference between candidates.
 _PERIOD_ULPS = 16.0
 _CHECK_EVERY = 4  # steady waves between two searches for a repeat
+_ZERO = np.zeros(1)
 
 
 @dataclass(frozen=True)
@@ -222,41 +223,53 @@ def pair_schedule_ends(kind: ScheduleKind, p: int, m: int, v: int, t: _Tables) -
     period = 1 if v == 1 else group
     previous_rank = (ranks - 1) % p
     next_rank = (ranks + 1) % p
-    forward, backward, recomputes = t.forward, t.backward, t.recomputes
-    send_forward, send_backward = t.send_forward, t.send_backward
+    backward, send_backward = t.backward, t.send_backward
+    # Per wave phase (wave mod p·v; one phase without chunks), each rank's stage and the costs it
+    # reads; looked up instead of recomputed every wave.
+    phases = np.arange(group)[:, None]
+    forward_stage = (((phases - forward_offset[None, :]) % group) // p) * p + ranks[None, :]
+    backward_stage = (v - 1 - ((phases - backward_offset[None, :]) % group) // p) * p + ranks[None, :]
+    forward_cost = t.forward[forward_stage]
+    forward_send = t.send_forward[forward_stage - 1]  # stage 0 reads the padding
+    forward_fed = forward_stage > 0
+    backward_cost = backward[backward_stage]
+    backward_send = send_backward[backward_stage]
+    backward_fed = backward_stage < last_stage
+    recompute_cost = t.recomputes[backward_stage]
+    forward_waves = _Active(forward_offset, total)
+    suffix = _backward_suffix(backward, send_backward) if chain else None
+    backward_waves = _Active(backward_offset, total)
 
     def run_wave(wave, last, forward_end, backward_end, exposed, margins):
         """One wave over all ranks; with a `margins` list, append every max's two-sided margin."""
-        j = wave - forward_offset
-        has_forward = (j >= 0) & (j < total)
-        i = wave - backward_offset
-        has_backward = (i >= 0) & (i < total)
-        if has_forward.any():
-            stage = ((j % group) // p) * p + ranks if v > 1 else ranks
-            stage = np.where(has_forward, stage, 0)
+        phase = wave % group
+        has_forward = forward_waves.at(wave)
+        if has_forward is not False:
             produced = forward_end[previous_rank]
-            has_input = has_forward & (stage > 0)
-            ready = np.where(has_input, produced + send_forward[stage - 1], 0.0)
+            has_input = forward_fed[phase] if has_forward is True else has_forward & forward_fed[phase]
+            ready = np.where(has_input, produced + forward_send[phase], 0.0)
             start = np.maximum(last, ready)
             waited_from = np.maximum(last, produced)
             exposed = exposed + np.where(has_input, np.maximum(start - waited_from, 0.0), 0.0)
             if margins is not None:
                 margins.extend(np.where(has_input, margin, 1.0)
                                for margin in (last - ready, last - produced, start - waited_from))
-            new_forward = start + forward[stage]
-            last = np.where(has_forward, new_forward, last)
-            forward_end = np.where(has_forward, new_forward, forward_end)
-        if has_backward.any():
-            stage = (v - 1 - (i % group) // p) * p + ranks if v > 1 else ranks
-            stage = np.where(has_backward, stage, 0)
-            free = last + recomputes[stage]  # the recompute (if any) runs before the backward
-            has_input = has_backward & (stage < last_stage)
+            new_forward = start + forward_cost[phase]
+            if has_forward is True:
+                last = forward_end = new_forward
+            else:
+                last = np.where(has_forward, new_forward, last)
+                forward_end = np.where(has_forward, new_forward, forward_end)
+        has_backward = backward_waves.at(wave)
+        if has_backward is not False:
+            free = last + recompute_cost[phase]  # the recompute (if any) runs before the backward
+            has_input = backward_fed[phase] if has_backward is True else has_backward & backward_fed[phase]
             if chain:
-                new_backward = _backward_chain(free, backward, send_backward, margins)
-                produced = np.append(new_backward[1:], 0.0)
+                new_backward = _backward_chain(free, backward, suffix, margins)
+                produced = np.concatenate((new_backward[1:], _ZERO))
             else:
                 produced = backward_end[next_rank]
-            ready = np.where(has_input, produced + send_backward[stage], 0.0)
+            ready = np.where(has_input, produced + backward_send[phase], 0.0)
             start = np.maximum(free, ready)
             waited_from = np.maximum(free, produced)
             exposed = exposed + np.where(has_input, np.maximum(start - waited_from, 0.0), 0.0)
@@ -264,9 +277,12 @@ def pair_schedule_ends(kind: ScheduleKind, p: int, m: int, v: int, t: _Tables) -
                 margins.extend(np.where(has_input, margin, 1.0)
                                for margin in (free - ready, free - produced, start - waited_from))
             if not chain:
-                new_backward = start + backward[stage]
-            last = np.where(has_backward, new_backward, last)
-            backward_end = np.where(has_backward, new_backward, backward_end)
+                new_backward = start + backward_cost[phase]
+            if has_backward is True:
+                last = backward_end = new_backward
+            else:
+                last = np.where(has_backward, new_backward, last)
+                backward_end = np.where(has_backward, new_backward, backward_end)
         return last, forward_end, backward_end, exposed
 
     last = np.zeros(p)  # end of the rank's latest action
@@ -403,6 +419,27 @@ def _cycles_keeping_sides(earlier: np.ndarray, later: np.ndarray, tolerance: flo
     return max(int(np.floor(np.min(room))) - 1, 0)
 
 
+class _Active:
+    """Which ranks run their n-th action of a kind in wave n + offset (0 <= n < total)."""
+
+    def __init__(self, offsets: np.ndarray, total: int) -> None:
+        self.offsets = offsets
+        self.total = total
+        self.any_from = int(offsets.min())
+        self.any_to = int(offsets.max()) + total - 1
+        self.all_from = int(offsets.max())
+        self.all_to = int(offsets.min()) + total - 1
+
+    def at(self, wave: int) -> np.ndarray | bool:
+        """True (every rank), False (none) or the per-rank mask."""
+        if self.all_from <= wave <= self.all_to:
+            return True
+        if wave < self.any_from or wave > self.any_to:
+            return False
+        n = wave - self.offsets
+        return (n >= 0) & (n < self.total)
+
+
 def _steady_waves(forward_offset, backward_offset, total) -> tuple[int, int]:
     """Waves in which every rank runs a forward and a backward (the repeating part), as a range.
 
@@ -476,15 +513,18 @@ class _History:
         return int(lags[int(np.argmax(linear))]), None, None
 
 
-def _backward_chain(after_recompute, backward, send_backward, margins=None) -> np.ndarray:
+def _backward_suffix(backward, send_backward) -> np.ndarray:
+    """H_k = Σ_{k'≥k} b_{k'} + Σ_{k≤k'<p−1} c'_{k'} of `_backward_chain` (send_backward padded)."""
+    return np.cumsum((backward + send_backward)[::-1])[::-1] - send_backward[-1]
+
+
+def _backward_chain(after_recompute, backward, suffix, margins=None) -> np.ndarray:
     """1F1B: B(k, i) = max(own rank ready, B(k+1, i) + c'_k) + b_k, from the last rank down.
 
     As a running maximum: B(k) = H_k + max_{k0≥k} (A_{k0} + b_{k0} − H_{k0}) with
-    H_k = Σ_{k'≥k} b_{k'} + Σ_{k≤k'<p−1} c'_{k'} (every rank has a backward in these waves).
-    With a `margins` list, appends each rank's term minus the best term after it.
+    H_k = Σ_{k'≥k} b_{k'} + Σ_{k≤k'<p−1} c'_{k'} (`_backward_suffix`; every rank has a backward
+    in these waves). With a `margins` list, appends each rank's term minus the best term after it.
     """
-    suffix = np.cumsum((backward + send_backward)[::-1])[::-1] - send_backward[-1]
-    # send_backward[-1] is the padding zero; suffix[k] = Σ_{k'≥k} b + Σ_{k≤k'<p-1} c'
     candidates = after_recompute + backward - suffix
     best = np.maximum.accumulate(candidates[::-1])[::-1]
     if margins is not None:
