@@ -52,3 +52,28 @@ def test_prediction_summary_skips_warmup_and_missing_predictions():
     assert summary.median_abs_error == pytest.approx(0.25)
     assert summary.median_predicted_seconds == pytest.approx(0.1)
     assert prediction_summary([metrics(1)]) is None
+
+
+def test_metrics_tail_reads_only_appended_lines_and_restarts_on_a_rewritten_file(tmp_path):
+    from pipectl.artifacts.run import METRICS_FILE, StepMetrics
+    from pipectl.runtime.metrics import MetricsTail
+
+    def line(step: int) -> str:
+        return StepMetrics(step=step, loss=1.0 / step, step_seconds=0.1, samples_per_second=10.0,
+                           global_batch=1, world_size=1).model_dump_json() + "\n"  # fmt: skip
+
+    path = tmp_path / METRICS_FILE
+    tail = MetricsTail(tmp_path)
+    assert tail.latest() is None  # no file yet
+    path.write_text(line(1) + line(2))
+    assert tail.latest().step == 2
+    offset = tail.offset
+    with path.open("a") as handle:
+        handle.write(line(3)[:20])  # torn: the rank is still writing it
+    assert tail.latest().step == 2 and tail.offset == offset
+    with path.open("a") as handle:
+        handle.write(line(3)[20:])
+    assert tail.latest().step == 3
+    assert tail.latest().step == 3  # nothing new: the last step stays
+    path.write_text(line(1))  # rewritten shorter
+    assert tail.latest().step == 1

@@ -28,7 +28,11 @@ def print_json(payload: BaseModel | dict[str, Any] | list[Any]) -> None:
 
 
 def training_progress(*, quiet: bool = False) -> Progress:
-    """The progress bar of a training run: steps done of total, plus a free `stats` field."""
+    """The progress bar of a training run: steps done of total, plus a free `stats` field.
+
+    Redrawn twice a second (the launch polls its metrics as often): the ranks train on this
+    machine's cores, so the bar takes as little of them as it can.
+    """
     return Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
@@ -37,4 +41,5 @@ def training_progress(*, quiet: bool = False) -> Progress:
         TimeElapsedColumn(),
         console=console,
         disable=quiet,
+        refresh_per_second=2,
     )

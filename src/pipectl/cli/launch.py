@@ -150,16 +150,16 @@ def register(app: typer.Typer) -> None:
 
 def _run_with_progress(prepared, run_engine, timeout: float | None, *, quiet: bool) -> int:
     """Run the engine; tail metrics.jsonl into a Rich progress bar with loss and samples/s."""
-    from pipectl.runtime.metrics import read_metrics
+    from pipectl.runtime.metrics import MetricsTail
 
     total = prepared.job.steps
+    tail = MetricsTail(prepared.run_dir)
     with training_progress(quiet=quiet) as progress:
         task = progress.add_task(f"training {prepared.run_dir.name}", total=total, stats="starting ranks…")
 
         def tick() -> None:
-            metrics = read_metrics(prepared.run_dir)
-            if metrics:
-                last = metrics[-1]
+            last = tail.latest()
+            if last is not None:
                 stats = f"loss {last.loss:.4f}  {last.samples_per_second:.1f} samples/s"
                 progress.update(task, completed=min(last.step, total), stats=stats)
 

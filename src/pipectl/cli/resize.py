@@ -178,9 +178,10 @@ def register(app: typer.Typer) -> None:
 def _resize_with_progress(decision, *, requested_unix: float, stop_timeout: float, timeout: float | None, quiet: bool):
     """Run the resize; once relaunched, tail metrics.jsonl into a progress bar."""
     from pipectl.resize.morph import resize_run
-    from pipectl.runtime.metrics import read_metrics
+    from pipectl.runtime.metrics import MetricsTail
 
     run_dir = decision.run_dir
+    tail = MetricsTail(run_dir)
     with training_progress(quiet=quiet) as progress:
         task = None
 
@@ -194,9 +195,8 @@ def _resize_with_progress(decision, *, requested_unix: float, stop_timeout: floa
                 )
 
         def tick() -> None:
-            metrics = read_metrics(run_dir)
-            if task is not None and metrics:
-                last = metrics[-1]
+            last = tail.latest()
+            if task is not None and last is not None:
                 stats = f"loss {last.loss:.4f}  {last.samples_per_second:.1f} samples/s"
                 progress.update(task, completed=min(last.step, decision.target_steps), stats=stats)
 

@@ -79,6 +79,47 @@ def read_metrics(run_dir: str | os.PathLike[str]) -> list[StepMetrics]:
     return parse_metrics_lines(path.read_text().splitlines())
 
 
+class MetricsTail:
+    r"""Follows a run's metrics.jsonl, parsing only what was appended since the last call.
+
+    The launch's progress bar polls twice a second while the ranks train; re-reading the whole
+    file each time would cost more the longer the run, on the cores the ranks compute on.
+
+        >>> import tempfile
+        >>> run_dir = tempfile.mkdtemp()
+        >>> tail = MetricsTail(run_dir)
+        >>> tail.latest() is None
+        True
+        >>> line = StepMetrics(step=1, loss=2.0, step_seconds=0.5, samples_per_second=8.0, global_batch=4,
+        ...                    world_size=1).model_dump_json()
+        >>> _ = (Path(run_dir) / METRICS_FILE).write_text(line + "\n" + line[:10])
+        >>> tail.latest().step
+        1
+    """
+
+    def __init__(self, run_dir: str | os.PathLike[str]) -> None:
+        self.path = Path(run_dir) / METRICS_FILE
+        self.offset = 0
+        self.last: StepMetrics | None = None
+
+    def latest(self) -> StepMetrics | None:
+        """The newest complete step line so far (a torn last line waits for its newline)."""
+        if not self.path.is_file():
+            return self.last
+        with self.path.open("rb") as handle:
+            if os.fstat(handle.fileno()).st_size < self.offset:
+                # Rewritten (a resumed run trims steps past its checkpoint): read it again.
+                self.offset, self.last = 0, None
+            handle.seek(self.offset)
+            appended = handle.read()
+        complete = appended[: appended.rfind(b"\n") + 1]
+        self.offset += len(complete)
+        parsed = parse_metrics_lines(complete.decode(errors="replace").splitlines())
+        if parsed and (self.last is None or parsed[-1].step >= self.last.step):
+            self.last = parsed[-1]
+        return self.last
+
+
 @dataclass(frozen=True)
 class PredictionSummary:
     """How well the plan predicted the measured step time."""
