@@ -80,7 +80,10 @@ def test_deepspeed_launcher_gets_hostfile_and_cpu_workarounds():
     assert option(cmd.argv, "--master_port") == "29700"
     assert "--no_ssh_check" in cmd.argv and "--no_local_rank" in cmd.argv
     assert option(cmd.argv, "--module") == "pipectl.runtime.worker"
-    assert cmd.files == {"hostfile": "localhost slots=2\n"}
+    assert cmd.files["hostfile"] == "localhost slots=2\n"
+    # Remote ranks get the rank environment through the launcher's .deepspeed_env.
+    exported = dict(line.split("=", 1) for line in cmd.files[".deepspeed_env"].splitlines())
+    assert exported == cmd.env and exported["OMP_NUM_THREADS"] == "1"
     two = build_command(job(Engine.DEEPSPEED, world=4, nodes=2), RUN, hosts=["n1", "n2"], python="py", gpus=False)
     assert two.files["hostfile"] == "n1 slots=2\nn2 slots=2\n"
     with pytest.raises(UserInputError, match="3 hosts"):

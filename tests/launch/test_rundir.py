@@ -46,9 +46,10 @@ def test_dry_run_writes_nothing(tmp_path):
     assert not run.exists()
 
 
-def test_deepspeed_engine_writes_a_hostfile(tmp_path):
+def test_deepspeed_engine_writes_a_hostfile_and_the_rank_environment(tmp_path):
     prepare_launch(tiny_plan(), tmp_path / "ds", LaunchOptions(engine=Engine.DEEPSPEED))
     assert (tmp_path / "ds" / "hostfile").read_text() == "localhost slots=2\n"
+    assert "OMP_NUM_THREADS=1\n" in (tmp_path / "ds" / ".deepspeed_env").read_text()
 
 
 def test_existing_run_is_not_clobbered_without_resume_or_force(tmp_path):

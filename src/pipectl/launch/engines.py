@@ -11,7 +11,10 @@ real launcher (no home-made process manager):
   range waits the 30 s `last_call_timeout` at every rendezvous unless it is set to 1 s.
 - `deepspeed`: DeepSpeed's launcher with a hostfile. On CPU it needs `--no_ssh_check` and an
   explicit `--master_addr` for `localhost slots=N`; `--no_local_rank` because the worker reads
-  LOCAL_RANK from the environment.
+  LOCAL_RANK from the environment. On several nodes its pdsh runner exports only a few variable
+  families (PYTHON*, ...) to the remote ranks plus the `KEY=VALUE` lines of `.deepspeed_env` in
+  its working directory (DeepSpeed's launcher/runner.py), so the rank environment is written
+  there too (the run directory is the launcher's working directory).
 - `slurm`: an sbatch script running `srun` + torchrun, one agent per node (tested by content).
 
 Commands are argument lists (no shell). `launch.sh` in the run directory is the same command,
@@ -41,6 +44,7 @@ from pipectl.paths import MODEL_PATH_VARIABLE
 
 WORKER_MODULE = "pipectl.runtime.worker"
 ENGINE_LOG = "engine.log"
+DEEPSPEED_ENV_FILE = ".deepspeed_env"  # read by DeepSpeed's multi-node launcher from its working directory
 
 
 @dataclass(frozen=True)
@@ -160,11 +164,15 @@ def deepspeed_command(
         "--module", WORKER_MODULE,
         "--run-dir", str(run_dir),
     ]  # fmt: skip
+    env = rank_environment(gpus=gpus)
     return LaunchCommand(
         Engine.DEEPSPEED,
         argv,
-        rank_environment(gpus=gpus),
-        files={HOSTFILE: hostfile_text(hosts, job.ranks_per_node)},
+        env,
+        files={
+            HOSTFILE: hostfile_text(hosts, job.ranks_per_node),
+            DEEPSPEED_ENV_FILE: "".join(f"{key}={value}\n" for key, value in sorted(env.items())),
+        },
     )
 
 
