@@ -11,7 +11,7 @@ from pipectl.plan.candidates import (
     data_parallel_costs,
     in_flight,
     lower_bound_seconds,
-    specs_on_shape,
+    specs_from_points,
     state_bytes,
 )
 from pipectl.plan.costs import hardware_for
@@ -36,22 +36,26 @@ def test_specs_on_a_shape_match_each_points_own_costs(tied, variant):
     )
     hardware = hardware_for(load_cluster("a100-8x8"), profile)
     builder = ShapeBuilder(profile, hardware)
-    for t, b, recompute, p in ((1, 1, False, 2), (2, 2, True, 3), (4, 1, True, 4), (1, 2, False, 5)):
-        shape = builder.shape(t, b, recompute, p, variant.chunks)
-        points = []
+    points = []
+    # Several shapes of different and equal depths (p = 4 twice: a balanced and a right-filled cut).
+    for t, b, recompute, p, from_right in (
+        (1, 1, False, 2, False), (2, 2, True, 3, False), (4, 1, True, 4, False), (4, 1, True, 4, True),
+        (1, 2, False, 5, False),
+    ):
+        shape = builder.shape(t, b, recompute, p, variant.chunks, from_right=from_right)
         for d, zero in ((16, 1), (16, 0), (8, 1), (4, 0), (2, 1), (1, 0), (3, 1)):
             m = p * (1 + d % 3)
             per_device = state_bytes(profile.dtype, zero, d, variant.kind)
-            points.append((d, m, zero, per_device, in_flight(shape, variant, m)))
-        specs = specs_on_shape(shape, variant, hardware, profile.dtype, points)
-        assert len(specs) == len(points)
-        for spec, (d, m, zero, per_device, units) in zip(specs, points):
-            allreduce, optimizer = data_parallel_costs(shape, hardware, d, zero, profile.dtype)
-            bound = lower_bound_seconds(shape, variant.kind, m, allreduce, optimizer)
-            peak = shape.memory.per_rank_bytes(per_device, units)
-            assert spec.shape is shape and spec.variant == variant
-            assert (spec.data_parallel, spec.micro_batches, spec.zero_stage) == (d, m, zero)
-            assert spec.lower_bound_seconds == bound
-            assert spec.allreduce_seconds == tuple(allreduce.tolist())
-            assert spec.optimizer_seconds == tuple(optimizer.tolist())
-            assert spec.peak_memory_bytes == tuple(int(x) for x in peak)
+            points.append((shape, variant, (d, m, zero, per_device, in_flight(shape, variant, m))))
+    specs = specs_from_points(points, hardware, profile.dtype)
+    assert len(specs) == len(points)
+    for spec, (shape, _, (d, m, zero, per_device, units)) in zip(specs, points):
+        allreduce, optimizer = data_parallel_costs(shape, hardware, d, zero, profile.dtype)
+        bound = lower_bound_seconds(shape, variant.kind, m, allreduce, optimizer)
+        peak = shape.memory.per_rank_bytes(per_device, units)
+        assert spec.shape is shape and spec.variant == variant
+        assert (spec.data_parallel, spec.micro_batches, spec.zero_stage) == (d, m, zero)
+        assert spec.lower_bound_seconds == bound
+        assert spec.allreduce_seconds == tuple(allreduce.tolist())
+        assert spec.optimizer_seconds == tuple(optimizer.tolist())
+        assert spec.peak_memory_bytes == tuple(int(x) for x in peak)

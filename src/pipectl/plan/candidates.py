@@ -411,10 +411,14 @@ def _replicas_inside(p: int, t: int, d: int, devices_per_node: int) -> tuple[boo
 
 
 def _tied_seconds(shape: Shape, hardware: Hardware, d: int, element: int) -> np.ndarray:
-    table, p, t = shape.table, shape.pipeline_parallel, shape.tensor_parallel
-    extra = np.zeros(p)
+    return _tied_seconds_of(_tied_groups(shape), shape.pipeline_parallel, shape.tensor_parallel, d, hardware, element)
+
+
+def _tied_groups(shape: Shape) -> tuple[tuple[tuple[int, ...], int], ...]:
+    """Per shared group held by two or more ranks: (those ranks in order, its parameter count)."""
+    table, p = shape.table, shape.pipeline_parallel
     if not table.shared_layer_indices or p == 1:
-        return extra
+        return ()
     groups: dict[str, set[int]] = {}
     sizes: dict[str, int] = {}
     # The stage holding each shared layer, found by bisection over the stage starts (stages are
@@ -428,15 +432,20 @@ def _tied_seconds(shape: Shape, hardware: Hardware, d: int, element: int) -> np.
     for stage, _, index in holders:
         groups.setdefault(table.shared_group[index], set()).add(stage % p)  # type: ignore[arg-type]
         sizes[table.shared_group[index]] = table.shared_parameter_count[index]  # type: ignore[index]
-    for group, ranks in groups.items():
-        if len(ranks) < 2:
-            continue
-        ordered = sorted(ranks)
+    return tuple((tuple(sorted(ranks)), sizes[group]) for group, ranks in groups.items() if len(ranks) >= 2)
+
+
+def _tied_seconds_of(
+    groups: tuple[tuple[tuple[int, ...], int], ...], p: int, t: int, d: int, hardware: Hardware, element: int
+) -> np.ndarray:
+    """Per rank: the all-reduce of the shared groups it holds (`costs.stage_costs`' tied term)."""
+    extra = np.zeros(p)
+    for ordered, size in groups:
         inside = all(
             ranks_share_node(ordered[0], r, p, t, d, hardware.devices_per_node) for r in ordered[1:]
         )
         link = hardware.links.allreduce_intra if inside else hardware.links.allreduce_inter
-        seconds = link.ring_allreduce_seconds(sizes[group] / t * element, len(ordered))
+        seconds = link.ring_allreduce_seconds(size / t * element, len(ordered))
         seconds += collective_handoff_seconds(hardware, len(ordered), inside)
         for rank in ordered:
             extra[rank] += seconds
@@ -454,16 +463,18 @@ def state_bytes(dtype: str, zero_stage: int, data_parallel: int, kind: ScheduleK
     return state_bytes_per_parameter(dtype, zero_stage, data_parallel, weight_versions(kind))
 
 
-def specs_on_shape(
-    shape: Shape, variant: ScheduleVariant, hardware: Hardware, dtype: str,
-    points: Sequence[tuple[int, int, int, float, tuple[int, ...]]],
+def specs_from_points(
+    points: Sequence[tuple[Shape, ScheduleVariant, tuple[int, int, int, float, tuple[int, ...]]]],
+    hardware: Hardware,
+    dtype: str,
 ) -> list[Spec]:
-    """The specs of several (d, m, ZeRO stage, state bytes per parameter, in-flight units) on one shape.
+    """The specs of (shape, schedule, (d, m, ZeRO stage, state bytes per parameter, in-flight units)), in order.
 
     Each gets what `data_parallel_costs`, `lower_bound_seconds` and `StageMemory.per_rank_bytes`
-    give it alone, computed for all of them at once: one row per point, the same float64
-    operations in the same order on every element (a row's maximum does not depend on the
-    order), so the same values. The search at scale builds ~10^4 specs on a few thousand shapes.
+    give it alone, computed for every point of the same pipeline depth and schedule at once: one
+    row per point, the same float64 operations in the same order on every element (a row's
+    maximum does not depend on the order), so the same values. The search at scale builds ~10^4
+    specs; one call per point would spend most of its time in numpy's per-call overhead.
 
         >>> from pipectl.plan.synthetic import synthetic_profile
         >>> from pipectl.cluster import local_cluster
@@ -472,25 +483,62 @@ def specs_on_shape(
         >>> hardware = hardware_for(local_cluster(4), profile)
         >>> shape = ShapeBuilder(profile, hardware).shape(1, 1, False, 2, 1)
         >>> variant = ScheduleVariant(ScheduleKind.ONE_F_ONE_B)
-        >>> one, two = specs_on_shape(shape, variant, hardware, profile.dtype, [(2, 4, 1, 7.0, (2, 1)), (1, 8, 0, 16.0, (2, 1))])
+        >>> one, two = specs_from_points(
+        ...     [(shape, variant, (2, 4, 1, 7.0, (2, 1))), (shape, variant, (1, 8, 0, 16.0, (2, 1)))], hardware, profile.dtype
+        ... )
         >>> (one.data_parallel, one.micro_batches, one.zero_stage), two.peak_memory_bytes[0] > one.peak_memory_bytes[0]
         ((2, 4, 1), True)
     """
+    groups: dict[tuple[int, ScheduleVariant], list[int]] = {}
+    for index, (shape, variant, _) in enumerate(points):
+        groups.setdefault((shape.pipeline_parallel, variant), []).append(index)
+    specs: list[Spec | None] = [None] * len(points)
+    tied_rows: dict[tuple, np.ndarray] = {}  # the tied all-reduce only depends on these figures
+    for (_, variant), indices in groups.items():
+        built = _specs_of_one_depth(
+            [points[i][0] for i in indices], variant, [points[i][2] for i in indices], hardware, dtype, tied_rows
+        )
+        for index, spec in zip(indices, built):
+            specs[index] = spec
+    return specs  # type: ignore[return-value]
+
+
+def _specs_of_one_depth(
+    shapes: list[Shape], variant: ScheduleVariant, points: list[tuple[int, int, int, float, tuple[int, ...]]],
+    hardware: Hardware, dtype: str, tied_rows: dict[tuple, np.ndarray],
+) -> list[Spec]:
+    """`specs_from_points` for points whose shapes all have the same p (rows of equal width)."""
+    distinct: dict[int, int] = {}
+    for shape in shapes:
+        distinct.setdefault(id(shape), len(distinct))
+    unique = list({id(shape): shape for shape in shapes}.values())
+    row_of = np.array([distinct[id(shape)] for shape in shapes])
+    kind = variant.kind
+    # Per shape (one row each), then one row per point by look-up.
+    parameters = np.array([shape.memory.parameters for shape in unique])[row_of]
+    unit_bytes = np.array([shape.memory.unit_bytes for shape in unique])[row_of]
+    buffer_bytes = np.array([shape.memory.recompute_buffer_bytes for shape in unique])[row_of]
+    work = np.array([shape.work_per_rank(recomputing_stages(shape, kind)) for shape in unique])[row_of]
+    shape_chains = [chains(shape) for shape in unique]
+    forward_chain = np.array([forward for forward, _ in shape_chains])[row_of]
+    backward_chain = np.array([backward for _, backward in shape_chains])[row_of]
+
     ds = np.array([point[0] for point in points], dtype=np.int64)[:, None]
     micro_batches = np.array([point[1] for point in points], dtype=np.int64)[:, None]
     sharded = np.array([point[2] >= 1 for point in points])[:, None]
     per_device = np.array([point[3] for point in points], dtype=float)[:, None]
     units = np.array([point[4] for point in points], dtype=np.int64)
-    memory = shape.memory
-    peak = memory.parameters * per_device + units * memory.unit_bytes + memory.recompute_buffer_bytes
+    peak = parameters * per_device + units * unit_bytes + buffer_bytes
     if hardware.runtime is not None:
-        costs = [data_parallel_costs(shape, hardware, d, zero, dtype) for d, _, zero, _, _ in points]
+        costs = [
+            data_parallel_costs(shape, hardware, d, zero, dtype) for shape, (d, _, zero, _, _) in zip(shapes, points)
+        ]
         allreduce = np.array([row for row, _ in costs])
         optimizer = np.array([row for _, row in costs])
     else:
-        allreduce, optimizer = _data_parallel_costs_over(shape, hardware, ds, sharded, dtype)
-    work = shape.work_per_rank(recomputing_stages(shape, variant.kind))
-    forward_chain, backward_chain = chains(shape)
+        allreduce, optimizer = _data_parallel_costs_over(
+            shapes, parameters, ds, sharded, hardware, dtype, tied_rows
+        )
     tail = np.maximum(allreduce + optimizer, backward_chain + allreduce[:, :1] + optimizer[:, :1])
     bounds = np.max(forward_chain + micro_batches * work + tail, axis=1).tolist()
     peaks = peak.astype(np.int64).tolist()  # truncation, as int() does
@@ -507,31 +555,41 @@ def specs_on_shape(
             allreduce_seconds=tuple(allreduce_rows[i]),
             optimizer_seconds=tuple(optimizer_rows[i]),
         )
-        for i, (d, m, zero, _, _) in enumerate(points)
+        for i, (shape, (d, m, zero, _, _)) in enumerate(zip(shapes, points))
     ]
 
 
 def _data_parallel_costs_over(
-    shape: Shape, hardware: Hardware, ds: np.ndarray, sharded: np.ndarray, dtype: str
+    shapes: list[Shape], held: np.ndarray, ds: np.ndarray, sharded: np.ndarray, hardware: Hardware, dtype: str,
+    tied_rows: dict[tuple, np.ndarray],
 ) -> tuple[np.ndarray, np.ndarray]:
-    """`data_parallel_costs` without measured engine terms, one row per (d, ZeRO-sharded) in columns `ds`, `sharded`."""
-    p, t = shape.pipeline_parallel, shape.tensor_parallel
+    """`data_parallel_costs` without measured engine terms, one row per point: its shape's
+    parameters per rank `held`, its d in `ds`, whether ZeRO shards the optimizer in `sharded`."""
+    p = held.shape[1]
     n = hardware.devices_per_node
     element = DTYPE_BYTES.get(dtype, 4)
-    held = shape.parameters_per_rank
     links = hardware.links
     degrees = ds[:, 0].tolist()
     # d = 1 rows: 0 steps, so 0.0 on every rank, as the unreplicated case's zeros.
-    inside = np.array([_replicas_inside(p, t, d, n) for d in degrees])
+    inside = np.array([_replicas_inside(p, shape.tensor_parallel, d, n) for shape, d in zip(shapes, degrees)])
     message = held * element
     steps = 2 * (ds - 1)
-    allreduce = np.zeros((len(degrees), p))
+    allreduce = np.zeros(held.shape)
     for ring, where in ((links.allreduce_intra, inside), (links.allreduce_inter, ~inside)):
         seconds = steps * (ring.latency_seconds + message / ds / ring.bandwidth_bytes_per_second)
         allreduce = np.where(where, seconds, allreduce)
-    if shape.table.shared_layer_indices and p > 1:
-        tied = {d: _tied_seconds(shape, hardware, d, element) for d in set(degrees)}
-        allreduce += np.array([tied[d] for d in degrees])
+    tied = []
+    groups_of: dict[int, tuple] = {}
+    for shape, d in zip(shapes, degrees):
+        groups = groups_of.get(id(shape))
+        if groups is None:
+            groups = groups_of[id(shape)] = _tied_groups(shape)
+        key = (groups, p, shape.tensor_parallel, d)
+        row = tied_rows.get(key)
+        if row is None:
+            row = tied_rows[key] = _tied_seconds_of(groups, p, shape.tensor_parallel, d, hardware, element)
+        tied.append(row)
+    allreduce += np.array(tied)
     bandwidth = (hardware.device.memory_bandwidth_gbytes_per_second or 100.0) * 1e9
     updated = held / np.where(sharded, ds, 1)
     return allreduce, updated * ADAM_BYTES_PER_PARAMETER / bandwidth

@@ -323,6 +323,7 @@ class FurthestFittingEnds:
         self.layers = len(rows.input_bytes) - 1
         # (state bytes, units, keeps input only, start) -> end; callers may read it directly.
         self.known: dict[tuple[float, int, bool, int], int] = {}
+        self._lengths: dict[tuple[float, int, bool], int] = {}  # last fitting stage length per demand
 
     def end(self, start: int, state_bytes: float, units: int, keeps_input_only: bool) -> int:
         key = (state_bytes, units, keeps_input_only, start)
@@ -334,20 +335,34 @@ class FurthestFittingEnds:
     def _bisect(self, start: int, state_bytes: float, units: int, keeps_input_only: bool) -> int:
         parameters, saved = self.rows.parameters[start], self.rows.saved[start]
         capacity = self.capacity_bytes
+        held_input = units * self.rows.input_bytes[start]
+
+        def fits(end: int) -> bool:
+            if keeps_input_only:
+                return parameters[end] * state_bytes + held_input + saved[end] <= capacity
+            return parameters[end] * state_bytes + units * saved[end] <= capacity
+
         low, high = start, self.layers  # low fits (or is `start`); every end above `high` fails
-        if keeps_input_only:
-            held_input = units * self.rows.input_bytes[start]
-            while low < high:
-                middle = (low + high + 1) // 2
-                if parameters[middle] * state_bytes + held_input + saved[middle] <= capacity:
-                    low = middle
-                else:
-                    high = middle - 1
-        else:
-            while low < high:
-                middle = (low + high + 1) // 2
-                if parameters[middle] * state_bytes + units * saved[middle] <= capacity:
-                    low = middle
-                else:
-                    high = middle - 1
+        # Bracket first around the length last found for this demand (stages of a model's
+        # repeated blocks fit the same number of layers), then bisect what is left.
+        demand = (state_bytes, units, keeps_input_only)
+        length = self._lengths.get(demand)
+        if length is not None and start < start + length <= high:
+            guess = start + length
+            if fits(guess):
+                low = guess
+                if guess < high and not fits(guess + 1):
+                    high = guess
+            else:
+                high = guess - 1
+                if high > start and fits(high):
+                    low = high
+        while low < high:
+            middle = (low + high + 1) // 2
+            if fits(middle):
+                low = middle
+            else:
+                high = middle - 1
+        if low > start:
+            self._lengths[demand] = low - start
         return low

@@ -39,6 +39,9 @@ from pipectl.errors import UserInputError
 
 # fits(stage_index, start, end) -> whether a stage of layers [start, end) at that position fits in memory.
 FitsFn = Callable[[int, int, int], bool]
+# furthest(stage_index, start) -> the largest end whose stage [start, end) fits there (start if none):
+# the same memory test asked once per stage, for callers that can answer it without bisection.
+FurthestFn = Callable[[int, int], int]
 
 # Relative slack when comparing sums: candidate values are differences of prefix sums, and
 # prefix[i] + (prefix[j] - prefix[i]) may round below prefix[j].
@@ -78,6 +81,7 @@ def greedy_cuts(
     from_right: bool = False,
     fits: FitsFn | None = None,
     cut_seconds: Sequence[float] | None = None,
+    furthest: FurthestFn | None = None,
 ) -> tuple[tuple[int, int], ...] | None:
     """Exactly `stages` stages whose sums stay within `limit`; None if there are none.
 
@@ -87,7 +91,8 @@ def greedy_cuts(
     near its middle until there are `stages` of them. `cut_seconds[e]` is the cost of a cut before layer e (index 0 unused); a cut
     costing more than `limit` is never taken. `fits(i, start, end)` is the memory test of stage i.
     With `from_right` the last stage is filled first, leaving the first stages lighter (what
-    1F1B's memory prefers: early stages hold more micro-batches in flight).
+    1F1B's memory prefers: early stages hold more micro-batches in flight). `furthest` may stand
+    for `fits` (a stage fits exactly when its end is at most `furthest(i, start)`).
 
     Exact (finds a partition whenever one exists) when `fits` only grows stricter with the range
     and no stricter with the stage index, which holds for per-stage memory under GPipe, 1F1B and
@@ -103,6 +108,8 @@ def greedy_cuts(
     layers = len(prefix) - 1
     if stages > layers:
         return None
+    if furthest is not None and (from_right or cut_seconds is not None):
+        fits, furthest = _fits_from(furthest), None
     if from_right:
         mirrored = [prefix[-1] - x for x in reversed(prefix)]
         mirrored_fits = None
@@ -121,7 +128,7 @@ def greedy_cuts(
         return tuple((layers - e, layers - s) for s, e in reversed(result))
     bound = _tolerance(limit)
     if cut_seconds is None:
-        return _greedy_leaving_room(prefix, stages, bound, fits)
+        return _greedy_leaving_room(prefix, stages, bound, fits, furthest)
 
     def allowed(position: int) -> bool:
         return position == layers or cut_seconds[position] <= bound
@@ -166,7 +173,14 @@ def _last_fitting_end(start: int, high: int, stage: int, fits: FitsFn) -> int:
     return low
 
 
-def _greedy_leaving_room(prefix, stages: int, bound: float, fits: FitsFn | None):
+def _fits_from(furthest: FurthestFn) -> FitsFn:
+    def fits(stage: int, start: int, end: int) -> bool:
+        return end <= furthest(stage, start)
+
+    return fits
+
+
+def _greedy_leaving_room(prefix, stages: int, bound: float, fits: FitsFn | None, furthest: FurthestFn | None = None):
     """Without cut costs: fill each stage as far as it may go, leaving a layer per later stage."""
     layers = len(prefix) - 1
     cuts = []
@@ -177,6 +191,11 @@ def _greedy_leaving_room(prefix, stages: int, bound: float, fits: FitsFn | None)
         end = bisect_right(prefix, prefix[start] + bound, lo=start) - 1
         if end > layers - (stages - stage - 1):
             end = layers - (stages - stage - 1)
+        if furthest is not None:
+            # The largest fitting end at most `end` is min(end, furthest): memory grows with the range.
+            reach = furthest(stage, start)
+            if end > reach:
+                end = reach
         if end <= start:
             return None
         if fits is not None and not fits(stage, start, end):
@@ -224,6 +243,7 @@ def balanced_partition(
     from_right: bool = False,
     candidates: np.ndarray | None = None,
     at_least: float = 0.0,
+    furthest: FurthestFn | None = None,
 ) -> Partition | None:
     """The p-stage cut minimising max(slowest stage, dearest cut), or None if nothing fits.
 
@@ -231,7 +251,7 @@ def balanced_partition(
     `cut_seconds[e]` the transfer time of a cut before layer e (index 0 unused); `candidates`
     the sorted range sums from `candidate_values` when the caller reuses them across calls;
     `at_least` a bottleneck known to be unbeatable (e.g. the optimum under a laxer memory test),
-    so smaller limits are not tried.
+    so smaller limits are not tried; `furthest` may stand for `fits` (see `greedy_cuts`).
 
     >>> balanced_partition([4, 1, 1, 1, 1, 4], 3)
     Partition(stage_layers=((0, 1), (1, 5), (5, 6)), bottleneck_seconds=4.0)
@@ -250,7 +270,9 @@ def balanced_partition(
     candidates = candidates[candidates >= lower * (1 - 1e-9)]
 
     def attempt(limit: float):
-        return greedy_cuts(prefix, stages, limit, from_right=from_right, fits=fits, cut_seconds=cut_seconds)
+        return greedy_cuts(
+            prefix, stages, limit, from_right=from_right, fits=fits, cut_seconds=cut_seconds, furthest=furthest
+        )
 
     if len(candidates) == 0:
         return None

@@ -51,7 +51,7 @@ from pipectl.plan.candidates import (
     ShapeBuilder,
     Spec,
     divisors,
-    specs_on_shape,
+    specs_from_points,
     state_bytes,
 )
 from pipectl.plan.costs import TRANSFORMER_BLOCK, Hardware, hardware_for
@@ -214,6 +214,7 @@ def enumerate_specs(
     """Every feasible spec with at most `max_devices` devices, and counted rejections."""
     builder = ShapeBuilder(profile, hardware)
     out = Enumeration()
+    accepted: list[tuple[Shape, ScheduleVariant, tuple[int, int, int, float, tuple[int, ...]]]] = []
     B = space.global_batch
     layers = len(profile.layers)
     capacity = hardware.memory_bytes
@@ -252,7 +253,11 @@ def enumerate_specs(
                     if not ds:
                         continue
                     for variant in _variants_for(space.variants, p, recompute):
-                        _specs_for(builder, out, profile, hardware, space, t, b, recompute, p, variant, ds, capacity)
+                        _specs_for(
+                            builder, out, accepted, profile, hardware, space, t, b, recompute, p, variant, ds, capacity
+                        )
+    # Costed once every point is known: numpy works on all points of a pipeline depth at once.
+    out.specs = specs_from_points(accepted, hardware, profile.dtype)
     out.shapes = builder.shapes_built
     return out
 
@@ -272,7 +277,9 @@ def _variants_for(variants: Iterable[ScheduleVariant], p: int, recompute: bool) 
     return chosen
 
 
-def _specs_for(builder, out, profile, hardware, space, t, b, recompute, p, variant, ds, capacity) -> None:
+def _specs_for(builder, out, accepted, profile, hardware, space, t, b, recompute, p, variant, ds, capacity) -> None:
+    """The points of one (t, b, recompute, p, schedule): each (shape, schedule, point) that fits is
+    appended to `accepted`, the others counted in `out.rejections`."""
     B = space.global_batch
     v = variant.chunks
     kind = variant.kind
@@ -280,7 +287,6 @@ def _specs_for(builder, out, profile, hardware, space, t, b, recompute, p, varia
         out.rejections.add(Rejection.TOO_FEW_LAYERS, f"p={p} x v={v} stages > {builder.layers} layers", len(ds))
         return
     family = _Family(builder, t, b, recompute, p, variant, capacity)
-    accepted: list[tuple[Shape, tuple[int, int, int, float, tuple[int, ...]]]] = []
     # Largest d first: the least memory per device (smaller m, more ZeRO sharding), so a demand
     # that does not fit rules out every stricter one without partitioning again.
     for d in sorted(ds, reverse=True):
@@ -315,18 +321,7 @@ def _specs_for(builder, out, profile, hardware, space, t, b, recompute, p, varia
                     f"stage {rank} needs {format_gib(worst[rank])} > {format_gib(capacity)}",
                 )
                 continue
-            accepted.append((fitted, (d, m, zero, per_device, units)))
-    # The specs' arithmetic for every point on the same cut at once, kept in the order found.
-    by_shape: dict[int, list[int]] = {}
-    for index, (fitted, _) in enumerate(accepted):
-        by_shape.setdefault(id(fitted), []).append(index)
-    specs: list[Spec | None] = [None] * len(accepted)
-    for indices in by_shape.values():
-        fitted = accepted[indices[0]][0]
-        built = specs_on_shape(fitted, variant, hardware, profile.dtype, [accepted[i][1] for i in indices])
-        for index, spec in zip(indices, built):
-            specs[index] = spec
-    out.specs.extend(specs)  # type: ignore[arg-type]
+            accepted.append((fitted, variant, (d, m, zero, per_device, units)))
 
 
 @lru_cache(maxsize=1024)
@@ -391,6 +386,20 @@ class _Family:
             start = end
         return start == layers
 
+    def furthest_fitting_end(self, per_device: float, units: tuple[int, ...]):
+        """`furthest(stage, start)` for the partitioner: `stage_memory_bytes`'s test on the
+        precomputed per-range rows, each answer memoised across the pipelines of this (t, b)."""
+        ends, p, keeps = self.ends, self.p, self.keeps_input_only
+        known = ends.known
+
+        def furthest(stage: int, start: int) -> int:
+            end = known.get((per_device, units[stage % p], keeps[stage], start))
+            if end is None:
+                end = ends.end(start, per_device, units[stage % p], keeps[stage])
+            return end
+
+        return furthest
+
     def without_cut_below(self, per_device: float, units: tuple[int, ...]) -> bool:
         return any(
             per_device >= bytes_ and all(map(operator.ge, units, units_)) for bytes_, units_ in self.without_cut
@@ -435,19 +444,7 @@ def _fitting_shape(family: _Family, per_device: float, units: tuple[int, ...]) -
     stages = p * v
     fitted = None
     if family.has_memory_fitting_cut(per_device, units):
-        # `stage_memory_bytes` on precomputed per-range rows (the same arithmetic, a few look-ups).
-        rows = builder.range_memory(t, b)
-        parameters, saved, inputs = rows.parameters, rows.saved, rows.input_bytes
-        keeps_input_only = family.keeps_input_only
-        units_of = [units[i % p] for i in range(stages)]
-
-        def fits(index: int, start: int, end: int) -> bool:
-            if keeps_input_only[index]:
-                held = parameters[start][end] * per_device + units_of[index] * inputs[start] + saved[start][end]
-            else:
-                held = parameters[start][end] * per_device + units_of[index] * saved[start][end]
-            return held <= capacity
-
+        furthest = family.furthest_fitting_end(per_device, units)
         work = builder.work(t, b, rec)
         solved = builder.partitioned.setdefault(demand_family, [])
         at_least = max(
@@ -456,7 +453,7 @@ def _fitting_shape(family: _Family, per_device: float, units: tuple[int, ...]) -
             default=0.0,
         )
         partition = balanced_partition(
-            work, stages, fits=fits, candidates=builder.candidates(t, b, rec), at_least=at_least
+            work, stages, furthest=furthest, candidates=builder.candidates(t, b, rec), at_least=at_least
         )
         if partition is not None:  # pragma: no branch - the memory-only pass above found a cut
             solved.append((per_device, tuple(units), partition.bottleneck_seconds))
