@@ -293,6 +293,11 @@ def pair_schedule_ends(kind: ScheduleKind, p: int, m: int, v: int, t: _Tables) -
     history = _History(p, period, steady_from, steady_to)
     regime: _LinearRegime | None = None  # a per-rank-rate regime being checked
     wave = first_wave
+    if chain and wave < 0:
+        # Before wave 0 each rank only runs its warm-up forwards: a forward grid, in closed form.
+        last, exposed = _chain_warmup(p, m, t.forward, t.send_forward)
+        forward_end = last
+        wave = 0
     while wave <= last_wave:
         margins = regime.margins[0] if regime is not None else None
         last, forward_end, backward_end, exposed = run_wave(wave, last, forward_end, backward_end, exposed, margins)
@@ -511,6 +516,39 @@ class _History:
         if not linear.any():
             return None
         return int(lags[int(np.argmax(linear))]), None, None
+
+
+def _chain_warmup(p: int, m: int, forward, send_forward) -> tuple[np.ndarray, np.ndarray]:
+    """1F1B's warm-up (the waves before 0): per rank, the end of its last warm-up forward and its
+    exposed waiting so far.
+
+    Rank k runs forwards j < n_k = min(p − 1 − k, m) before its first backward, so these waves
+    hold only the forward grid F(k, j) = max(F(k, j − 1), F(k − 1, j) + c_{k−1}) + f_k from time
+    0. Its longest path (as in `gpipe_compute_ends`) gives F(k, j) = Σ_{s≤k} f_s + Σ_{s<k} c_s
+    + j · max_{s≤k} f_s: by induction, F(k, j − 1) + f_k wins exactly when f_k is the largest
+    so far. Each forward's wait is then read off its two inputs as in the wave pass.
+
+    >>> last, exposed = _chain_warmup(3, 8, np.array([1.0, 2.0, 1.0]), np.array([0.5, 0.5, 0.0]))
+    >>> last.tolist(), exposed.tolist()  # rank 0: F0, F1; rank 1: F0 at 1 + 0.5 + 2
+    ([2.0, 3.5, 0.0], [0.0, 0.5, 0.0])
+    """
+    ranks = np.arange(p)
+    counts = np.minimum(p - 1 - ranks, m)
+    width = int(counts.max()) if p else 0
+    if width <= 0:
+        return np.zeros(p), np.zeros(p)
+    chain_to = np.cumsum(forward) + np.concatenate(([0.0], np.cumsum(send_forward[: p - 1])))
+    slowest = np.maximum.accumulate(forward)
+    ends = chain_to[:, None] + np.arange(width)[None, :] * slowest[:, None]  # ends[k, j] = F(k, j)
+    last = np.where(counts > 0, ends[ranks, np.maximum(counts - 1, 0)], 0.0)
+    # Waits of F(k, j), k ≥ 1: own = F(k, j − 1) (0 for j = 0), produced = F(k − 1, j).
+    own = np.concatenate((np.zeros((p - 1, 1)), ends[1:, :-1]), axis=1)
+    produced = ends[:-1]
+    start = np.maximum(own, produced + send_forward[: p - 1, None])
+    waits = np.maximum(start - np.maximum(own, produced), 0.0)
+    valid = np.arange(width)[None, :] < counts[1:, None]
+    exposed = np.concatenate(([0.0], np.where(valid, waits, 0.0).sum(axis=1)))
+    return last, exposed
 
 
 def _backward_suffix(backward, send_backward) -> np.ndarray:
