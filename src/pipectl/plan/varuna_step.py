@@ -50,7 +50,10 @@ def summary(pipeline_parallel: int, micro_batches: int, costs) -> StepSummary:
     run = _Run(p, m, flags, costs)
     cycle = varuna_cycle(p)
     if cycle is not None:
-        _run_with_cycle_jump(run, flags, *cycle)
+        try:
+            _run_with_cycle_jump(run, flags, *cycle)
+        finally:
+            run.margins = None  # the rest of the order runs without recording
     run.advance([len(order) for order in flags])
     last, exposed = run.last, run.exposed
     forward, backward, recompute = run.forward, run.backward, run.recompute
@@ -242,7 +245,6 @@ def _run_with_cycle_jump(run: _Run, flags, starts: tuple[int, ...], q: int) -> N
             if cycles_left > 0:
                 run.shift(cycles_left * c, q, [cycles_left * seconds] * len(state),
                           [cycles_left * (now - then) for now, then in zip(exposed, earlier_exposed)])
-            run.margins = None
             return
         if regime is not None:
             jump = regime.observe(k, state, np.asarray(exposed), last_cycle)
@@ -262,7 +264,6 @@ def _run_with_cycle_jump(run: _Run, flags, starts: tuple[int, ...], q: int) -> N
         history.append((state, exposed))
         if len(history) > depth:
             history.pop(0)
-    run.margins = None
 
 
 

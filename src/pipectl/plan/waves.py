@@ -329,6 +329,8 @@ def pair_schedule_ends(kind: ScheduleKind, p: int, m: int, v: int, t: _Tables) -
                     regime = None
             elif found is not None:
                 regime = _LinearRegime(wave, found[0], state, exposed)
+        if wave >= steady_to:
+            regime = None  # no steady wave left to check it on
         wave += 1
     return last, exposed
 
