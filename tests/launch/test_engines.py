@@ -190,6 +190,9 @@ def test_graceful_stop_targets_worker_ranks_below_the_launcher(tmp_path):
         "subprocess.run([sys.executable, '-c', 'import time; time.sleep(20)', 'pipectl.runtime.worker'],"
         " start_new_session=True)\n"
     )
+    # In-process training (`run_local_job`) keeps a forkserver that preloads the worker module:
+    # whatever this process already had is not this test's.
+    before = set(worker_pids(os.getpid()))
     launcher = subprocess.Popen([sys.executable, "-c", child])
     try:
         deadline = time.monotonic() + 10
@@ -202,4 +205,4 @@ def test_graceful_stop_targets_worker_ranks_below_the_launcher(tmp_path):
         launcher.wait(timeout=10)
     finally:
         launcher.kill()
-    assert worker_pids(os.getpid()) == []
+    assert set(worker_pids(os.getpid())) <= before
