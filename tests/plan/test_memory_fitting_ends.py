@@ -36,4 +36,4 @@ def test_furthest_end_is_the_last_end_that_fits(tied, t):
             keeps = rng.random() < 0.5
             expected = _scan(rows, start, state_bytes, units, keeps, capacity)
             assert ends.end(start, state_bytes, units, keeps) == expected
-            assert ends.known[(state_bytes, units, keeps, start)] == expected  # remembered as computed
+            assert ends.row(state_bytes, units, keeps)[start] == expected  # remembered as computed

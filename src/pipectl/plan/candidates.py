@@ -570,10 +570,13 @@ def _data_parallel_costs_over(
     element = DTYPE_BYTES.get(dtype, 4)
     links = hardware.links
     degrees = ds[:, 0].tolist()
-    # d = 1 rows: 0 steps, so 0.0 on every rank, as the unreplicated case's zeros.
-    inside = np.array([_replicas_inside(p, shape.tensor_parallel, d, n) for shape, d in zip(shapes, degrees)])
+    # `costs.replicas_share_node` for every rank of every point: rank k's first replica sits on
+    # device k*t, its last on ((d-1)*p + k)*t; integer arithmetic, so the same answers.
+    ranks = np.arange(p)
+    t = np.array([shape.tensor_parallel for shape in shapes], dtype=np.int64)[:, None]
+    inside = (ranks * t) // n == (((ds - 1) * p + ranks) * t) // n
     message = held * element
-    steps = 2 * (ds - 1)
+    steps = 2 * (ds - 1)  # d = 1 rows: 0 steps, so 0.0 on every rank, as the unreplicated case's zeros
     allreduce = np.zeros(held.shape)
     for ring, where in ((links.allreduce_intra, inside), (links.allreduce_inter, ~inside)):
         seconds = steps * (ring.latency_seconds + message / ds / ring.bandwidth_bytes_per_second)

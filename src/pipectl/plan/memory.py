@@ -321,45 +321,64 @@ class FurthestFittingEnds:
         self.rows = rows
         self.capacity_bytes = capacity_bytes
         self.layers = len(rows.input_bytes) - 1
-        # (state bytes, units, keeps input only, start) -> end; callers may read it directly.
-        self.known: dict[tuple[float, int, bool, int], int] = {}
+        # (state bytes, keeps input only) -> units -> end per start (-1: not yet asked). Callers
+        # on hot paths read these rows directly; nested by kind of key so a look-up hashes an int.
+        self._rows: dict[tuple[float, bool], dict[int, list[int]]] = {}
         self._lengths: dict[tuple[float, int, bool], int] = {}  # last fitting stage length per demand
 
+    def by_units(self, state_bytes: float, keeps_input_only: bool) -> dict[int, list[int]]:
+        """The memo rows of one (bytes per parameter, keeps input only), by in-flight units."""
+        key = (state_bytes, keeps_input_only)
+        rows = self._rows.get(key)
+        if rows is None:
+            rows = self._rows[key] = {}
+        return rows
+
+    def row(self, state_bytes: float, units: int, keeps_input_only: bool) -> list[int]:
+        """The memo row of one demand: the end for each start, -1 where not yet asked."""
+        rows = self.by_units(state_bytes, keeps_input_only)
+        row = rows.get(units)
+        if row is None:
+            row = rows[units] = [-1] * (self.layers + 1)
+        return row
+
     def end(self, start: int, state_bytes: float, units: int, keeps_input_only: bool) -> int:
-        key = (state_bytes, units, keeps_input_only, start)
-        end = self.known.get(key)
-        if end is None:
-            end = self.known[key] = self._bisect(start, state_bytes, units, keeps_input_only)
+        row = self.row(state_bytes, units, keeps_input_only)
+        end = row[start]
+        if end < 0:
+            end = row[start] = self.search(start, state_bytes, units, keeps_input_only)
         return end
 
-    def _bisect(self, start: int, state_bytes: float, units: int, keeps_input_only: bool) -> int:
+    def search(self, start: int, state_bytes: float, units: int, keeps_input_only: bool) -> int:
+        """`end` without the memo (callers holding a memo row store the answer themselves)."""
         parameters, saved = self.rows.parameters[start], self.rows.saved[start]
         capacity = self.capacity_bytes
-        held_input = units * self.rows.input_bytes[start]
-
-        def fits(end: int) -> bool:
-            if keeps_input_only:
-                return parameters[end] * state_bytes + held_input + saved[end] <= capacity
-            return parameters[end] * state_bytes + units * saved[end] <= capacity
-
+        # One expression for both kinds of stage: `P*s + u*I + S` keeping only the input, else
+        # `P*s + 0.0 + u*S`; adding 0.0 and multiplying by 1 are exact, so each equals
+        # `RangeMemory.stage_bytes`.
+        if keeps_input_only:
+            held_input, saved_coefficient = units * self.rows.input_bytes[start], 1
+        else:
+            held_input, saved_coefficient = 0.0, units
         low, high = start, self.layers  # low fits (or is `start`); every end above `high` fails
         # Bracket first around the length last found for this demand (stages of a model's
         # repeated blocks fit the same number of layers), then bisect what is left.
         demand = (state_bytes, units, keeps_input_only)
         length = self._lengths.get(demand)
-        if length is not None and start < start + length <= high:
+        if length is not None and start + length <= high:
             guess = start + length
-            if fits(guess):
+            if parameters[guess] * state_bytes + held_input + saved_coefficient * saved[guess] <= capacity:
                 low = guess
-                if guess < high and not fits(guess + 1):
+                following = guess + 1
+                if following <= high and (
+                    parameters[following] * state_bytes + held_input + saved_coefficient * saved[following] > capacity
+                ):
                     high = guess
             else:
                 high = guess - 1
-                if high > start and fits(high):
-                    low = high
         while low < high:
             middle = (low + high + 1) // 2
-            if fits(middle):
+            if parameters[middle] * state_bytes + held_input + saved_coefficient * saved[middle] <= capacity:
                 low = middle
             else:
                 high = middle - 1

@@ -372,12 +372,17 @@ class _Family:
         """
         ends, p, stages, keeps = self.ends, self.p, self.stages, self.keeps_input_only
         layers = ends.layers
-        known = ends.known  # `ends.end`'s memo, read here first: this loop runs ~10^6 times
+        # `ends.end`'s memo rows, read here first: this loop runs ~10^6 times.
+        full_rows, input_only_rows = ends.by_units(per_device, False), ends.by_units(per_device, True)
         start = 0
         for stage in range(stages):
-            end = known.get((per_device, units[stage % p], keeps[stage], start))
-            if end is None:
-                end = ends.end(start, per_device, units[stage % p], keeps[stage])
+            stage_units = units[stage % p]
+            row = (input_only_rows if keeps[stage] else full_rows).get(stage_units)
+            if row is None:
+                row = ends.row(per_device, stage_units, keeps[stage])
+            end = row[start]
+            if end < 0:
+                end = row[start] = ends.search(start, per_device, stage_units, keeps[stage])
             room = layers - (stages - stage - 1)
             if end > room:
                 end = room
@@ -390,12 +395,16 @@ class _Family:
         """`furthest(stage, start)` for the partitioner: `stage_memory_bytes`'s test on the
         precomputed per-range rows, each answer memoised across the pipelines of this (t, b)."""
         ends, p, keeps = self.ends, self.p, self.keeps_input_only
-        known = ends.known
+        full_rows, input_only_rows = ends.by_units(per_device, False), ends.by_units(per_device, True)
 
         def furthest(stage: int, start: int) -> int:
-            end = known.get((per_device, units[stage % p], keeps[stage], start))
-            if end is None:
-                end = ends.end(start, per_device, units[stage % p], keeps[stage])
+            stage_units = units[stage % p]
+            row = (input_only_rows if keeps[stage] else full_rows).get(stage_units)
+            if row is None:
+                row = ends.row(per_device, stage_units, keeps[stage])
+            end = row[start]
+            if end < 0:
+                end = row[start] = ends.search(start, per_device, stage_units, keeps[stage])
             return end
 
         return furthest
