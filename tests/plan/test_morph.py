@@ -83,7 +83,24 @@ def test_a_rounding_level_tie_keeps_the_first_found_plan():
     first = SimpleNamespace(devices=8, lower_bound_seconds=1.0, step=10.0)
     tied = SimpleNamespace(devices=8, lower_bound_seconds=2.0, step=10.0 * (1 - 1e-14))
     faster = SimpleNamespace(devices=16, lower_bound_seconds=3.0, step=9.0)
-    evaluator = SimpleNamespace(step_seconds=lambda spec: spec.step)
+    evaluator = SimpleNamespace(step_seconds=lambda spec: spec.step, tighter_bound_seconds=lambda spec: spec.lower_bound_seconds)
     best = fastest_per_device_count([tied, faster, first], evaluator, 16)
     assert best[8][1] is first
     assert best[16][1] is faster
+
+
+def test_the_tighter_bound_prunes_more_and_keeps_the_table():
+    from pipectl.plan.morph import morph_table
+
+    class SpecBoundOnly(Evaluator):
+        def tighter_bound_seconds(self, spec):
+            return spec.lower_bound_seconds
+
+    profile = synthetic_profile(blocks=12, micro_batch_sizes=[1, 2],
+                                block_forward_seconds=[0.01, 0.0101] * 6)
+    hardware = hardware_for(load_cluster("a100-8x8"), profile)
+    request = PlanRequest(global_batch=96)
+    specs = enumerate_specs(profile, hardware, search_space(request, profile, hardware), 64).specs
+    tight, loose = Evaluator(hardware, 96), SpecBoundOnly(hardware, 96)
+    assert morph_table(specs, tight, 64, request) == morph_table(specs, loose, 64, request)
+    assert tight.simulations < loose.simulations

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pipectl.artifacts.plan import Candidate
 from pipectl.plan.candidates import Spec
 from pipectl.plan.costs import Hardware, host_compute_slowdown, ranks_share_node
-from pipectl.plan import waves
+from pipectl.plan import bounds, waves
 from pipectl.plan.simulate import StageCosts, StepSummary, actions_per_step, step_seconds_of, summary_of
 from pipectl.schedule import Schedule, ScheduleKind, generate
 
@@ -107,6 +107,23 @@ class Evaluator:
             self.simulations += 1
             self.simulated_actions += actions_per_step(*args)
         return step
+
+    def tighter_bound_seconds(self, spec: Spec) -> float:
+        """A lower bound on `step_seconds(spec)` at least as tight as the spec's own, for pruning.
+
+        1F1B's order also gets the in-flight loops of `pipectl.plan.bounds`, lowered by the tie
+        tolerance so that rounding never lifts it above the simulated step.
+        """
+        bound = spec.lower_bound_seconds
+        step = self._steps.get(spec.key)
+        if step is not None:
+            return step
+        kind, p, m, v, recompute = _schedule_args(spec)
+        if bounds.has_pair_loops(kind, p, m, v):
+            costs = costs_of(spec, self.hardware)
+            if costs.jitter_seconds == 0 and not costs.blocking_p2p:
+                bound = max(bound, bounds.pair_loop_bound_seconds(m, recompute, costs) * (1 - 1e-12))
+        return bound
 
     def cost_per_sample(self, spec: Spec, step: float) -> float:
         return self.hardware.price_per_device_hour * spec.devices * step / 3600 / self.global_batch

@@ -68,8 +68,13 @@ def fastest_per_device_count(specs: list[Spec], evaluator: Evaluator, max_device
     best: dict[int, tuple[float, Spec]] = {}
     for spec in sorted(specs, key=lambda s: (s.lower_bound_seconds, s.devices)):
         n = spec.devices
-        if n > max_devices or known.minimum(n) <= spec.lower_bound_seconds:
+        if n > max_devices:
             continue
+        fastest_known = known.minimum(n)
+        if fastest_known <= spec.lower_bound_seconds:
+            continue
+        if fastest_known <= evaluator.tighter_bound_seconds(spec):
+            continue  # cannot beat it either: see `pipectl.plan.bounds`
         step = evaluator.step_seconds(spec)
         if n not in best or step < best[n][0] * (1 - _TIE):  # a tie keeps the first found
             best[n] = (step, spec)

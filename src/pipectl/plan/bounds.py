@@ -1,0 +1,97 @@
+"""Tighter lower bounds on a spec's simulated step time, for pruning (the morph table).
+
+`candidates.lower_bound_seconds` charges each rank its micro-batches' work plus the chains before
+and after it. 1F1B's step is longer when its in-flight limit binds: rank k holds at most
+p − k micro-batches, and a micro-batch it starts travels to some rank k + j and back before rank
+k can start another (Narayanan et al. 2021 §2.2; PipeDream-Flush). Here that loop is a path in
+the step's dependency graph (the simulator's longest-path model, `pipectl.plan.simulate`):
+
+    B(k, i) → F(k, W_k + i + 1) → F(k + 1, ·) → … → F(k + j, ·) → B(k + j, i + j + 1)
+            → B(k + j − 1, i + j + 1) → … → B(k, i + j + 1)
+
+(W_k = p − 1 − k warm-up forwards; F(k + j, W_k + i + 1) is rank k + j's pair i + j + 1, so
+B(k + j, i + j + 1) follows it on that rank). One loop weighs
+
+    C(k, j) = Σ_{k≤s≤k+j} (f_s + b_s) + r_{k+j} + Σ_{k≤s<k+j} (c_s + c'_s)
+
+and moves j + 1 micro-batches on, so a path that reaches B(k, 0), takes the loop N times while
+its forwards exist, then runs rank k's remaining actions back to back and ends at a rank's
+optimizer step bounds the step from below. Every term is a duration or a transfer the simulator
+adds along that path, so the bound never exceeds the simulated step (checked by hypothesis on
+random non-uniform costs against the event-driven simulator).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pipectl.schedule.ir import ScheduleKind
+
+__all__ = ["pair_loop_bound_seconds", "has_pair_loops"]
+
+
+def has_pair_loops(kind: ScheduleKind, pipeline_parallel: int, micro_batches: int, chunks: int) -> bool:
+    """Whether `pair_loop_bound_seconds` applies: 1F1B's order (1F1B, PipeDream-2BW, interleaved
+    with one chunk) with every rank's warm-up shorter than its micro-batches."""
+    ordered = kind in (ScheduleKind.ONE_F_ONE_B, ScheduleKind.PIPEDREAM_2BW) or (
+        kind is ScheduleKind.INTERLEAVED and chunks == 1
+    )
+    return ordered and pipeline_parallel > 1 and micro_batches >= pipeline_parallel
+
+
+def pair_loop_bound_seconds(micro_batches: int, recompute: bool, costs) -> float:
+    """A lower bound on the simulated step of 1F1B's order under `costs` (see the module docstring).
+
+    `costs` is a `pipectl.plan.simulate.StageCosts` for p = len(forward_seconds) stages, one chunk,
+    with m ≥ p (`has_pair_loops`); `recompute` as the schedule runs it (R before every backward
+    but the last stage's).
+
+    >>> from pipectl.plan.simulate import uniform_costs
+    >>> pair_loop_bound_seconds(8, False, uniform_costs(4, 1, 1.0, 2.0))  # (m + p - 1)(f + b)
+    33.0
+    """
+    m = micro_batches
+    f = np.asarray(costs.forward_seconds, dtype=float)
+    b = np.asarray(costs.backward_seconds, dtype=float)
+    p = len(f)
+    r = np.zeros(p)
+    if recompute:
+        r[: p - 1] = np.asarray(costs.recompute_seconds, dtype=float)[: p - 1]
+    c = np.asarray(costs.send_forward_seconds, dtype=float)
+    c_back = np.asarray(costs.send_backward_seconds, dtype=float)
+    end_cost = np.asarray(costs.allreduce_seconds, dtype=float) + np.asarray(costs.optimizer_seconds, dtype=float)
+    ranks = np.arange(p)
+    warmup = p - 1 - ranks
+
+    # F(k, 0) ends no earlier than the forward chain to k; B(p−1, 0) follows F(p−1, 0) on the
+    # last rank; B(k, 0) no earlier than that plus the backward chain down to k, nor than rank
+    # k's own warm-up forwards, its first pair's forward, recompute and backward.
+    forward_chain = np.cumsum(f) + np.concatenate(([0.0], np.cumsum(c)))
+    hop_down = np.concatenate((c_back + b[:-1], [0.0]))  # hop_down[s] = c'_s + b_s (s < p − 1)
+    down_from_last = np.cumsum(hop_down[::-1])[::-1] - hop_down[-1]  # Σ_{k≤s<p−1} (c'_s + b_s)
+    first_backward = np.maximum(
+        forward_chain[-1] + b[-1] + down_from_last,
+        forward_chain + warmup * f + r + b,
+    )
+    # After rank k's last backward: the chain down to any rank s ≤ k, then its all-reduce and step.
+    down_prefix = np.concatenate(([0.0], np.cumsum(hop_down[:-1])))  # Σ_{s'<s} (c'_{s'} + b_{s'})
+    ends_after = np.maximum.accumulate(end_cost - down_prefix) + down_prefix  # max_{s≤k} [Σ_{s≤s'<k} + end_s]
+
+    # Loop weights C(k, j) for j = 0..p−1−k, as prefix sums over stages.
+    work = np.concatenate(([0.0], np.cumsum(f + b)))
+    links = np.concatenate(([0.0], np.cumsum(c + c_back)))
+    k = ranks[:, None]
+    j = ranks[None, :]
+    top = k + j
+    valid = top <= p - 1
+    top_clipped = np.minimum(top, p - 1)
+    loop = (work[top_clipped + 1] - work[k]) + r[top_clipped] + (links[top_clipped] - links[k])
+    # Loops start at i = 0, j + 1, … while i ≤ m − 2 − W_k (pair i + 1 exists on rank k).
+    room = m - 2 - warmup[:, None]
+    loops = np.where(room >= 0, room // (j + 1) + 1, 0)
+    reached = loops * (j + 1)
+    forwards_left = np.maximum(m - 1 - warmup[:, None] - reached, 0)
+    backwards_left = m - 1 - reached
+    rest = forwards_left * f[:, None] + backwards_left * (r + b)[:, None]
+    paths = first_backward[:, None] + loops * loop + rest + ends_after[:, None]
+    return float(np.max(np.where(valid, paths, -np.inf)))
