@@ -515,18 +515,16 @@ def summary_of(
     if _blocking(pipeline_parallel, costs):
         from pipectl.plan.rendezvous import executed_schedule, simulate_rendezvous
 
-        timeline = simulate_rendezvous(executed_schedule(kind, pipeline_parallel, micro_batches, chunks, recompute), costs)
-        return StepSummary(
-            step_seconds=timeline.step_seconds,
-            bubble_fraction=timeline.bubble_fraction,
-            communication_seconds=timeline.communication_seconds,
-            communication_seconds_per_rank=timeline.communication_seconds_per_rank,
-        )
+        schedule = executed_schedule(kind, pipeline_parallel, micro_batches, chunks, recompute)
+        return _summary(simulate_rendezvous(schedule, costs))
     if waves.supported(kind, costs.jitter_seconds):
         return waves.summary(kind, pipeline_parallel, micro_batches, chunks, recompute, costs)
     if kind is ScheduleKind.VARUNA and costs.jitter_seconds == 0:
         return varuna_step.summary(pipeline_parallel, micro_batches, costs)
-    timeline = simulate(generate(kind, pipeline_parallel, micro_batches, chunks, recompute), costs)
+    return _summary(simulate(generate(kind, pipeline_parallel, micro_batches, chunks, recompute), costs))
+
+
+def _summary(timeline: Timeline) -> StepSummary:
     return StepSummary(
         step_seconds=timeline.step_seconds,
         bubble_fraction=timeline.bubble_fraction,

@@ -304,17 +304,23 @@ def run_engine_pair_calibration(
     two plain loops of the same forward and backward in two processes showed none) and what the
     gradient all-reduce of ZeRO-1's reduction costs after compute. Raises `LaunchError` on failure.
     """
+    return _run_two_ranks(
+        _pair_child, (model, micro_batch_size, warmup, steps, seed), "two-rank engine calibration", timeout_seconds
+    )
+
+
+def _run_two_ranks(target, args: tuple, what: str, timeout_seconds: float) -> list:
+    """Fork two ranks running `target(connection, rank, port, *args)`; their payloads in rank order.
+
+    Each rank sends ("ok", payload) or ("error", message) over its pipe. Raises `LaunchError`
+    (naming `what`) if a rank fails, dies or runs past `timeout_seconds`; never leaves one running.
+    """
     from pipectl.launch.engines import free_port
 
     context = multiprocessing.get_context("fork")
     port = free_port()
     pipes = [context.Pipe(duplex=False) for _ in range(2)]
-    children = [
-        context.Process(
-            target=_pair_child, args=(pipes[rank][1], rank, port, model, micro_batch_size, warmup, steps, seed)
-        )
-        for rank in range(2)
-    ]
+    children = [context.Process(target=target, args=(pipes[rank][1], rank, port, *args)) for rank in range(2)]
     for child in children:
         child.start()
     results = []
@@ -322,13 +328,13 @@ def run_engine_pair_calibration(
         for rank, (receiver, sender) in enumerate(pipes):
             sender.close()
             if not receiver.poll(timeout_seconds):
-                raise LaunchError(f"two-rank engine calibration: rank {rank} did not finish within {timeout_seconds:.0f} s")
+                raise LaunchError(f"{what}: rank {rank} did not finish within {timeout_seconds:.0f} s")
             try:
                 status, payload = receiver.recv()
             except EOFError:
-                raise LaunchError(f"two-rank engine calibration: rank {rank} exited without a result") from None
+                raise LaunchError(f"{what}: rank {rank} exited without a result") from None
             if status != "ok":
-                raise LaunchError(f"two-rank engine calibration failed on rank {rank}: {payload}")
+                raise LaunchError(f"{what} failed on rank {rank}: {payload}")
             results.append(payload)
     finally:
         for child in children:
@@ -412,7 +418,7 @@ class _HostPlan:
     gradient_bytes: int
 
 
-def _host_rank(rank: int, port: int, compute: ComputeFn, plan: _HostPlan, connection) -> None:
+def _host_rank(connection, rank: int, port: int, compute: ComputeFn, plan: _HostPlan) -> None:
     """One of the two ranks: compute alone (rank 0), compute together, hand messages off, all-reduce."""
     import torch.distributed as dist
 
@@ -524,41 +530,11 @@ def measure_host_sharing(
 
     Raises `LaunchError` if a rank fails or runs past `timeout_seconds`.
     """
-    from pipectl.launch.engines import free_port
-
     plan = host_plan(compute_seconds, gradient_bytes)
     if rounds is not None:
         plan = _HostPlan(plan.compute_rounds, rounds, plan.gradient_bytes)
     work = compute if compute is not None else matrix_compute()
-    context = multiprocessing.get_context("fork")
-    port = free_port()
-    pipes = [context.Pipe(duplex=False) for _ in range(2)]
-    ranks = [
-        context.Process(target=_host_rank, args=(rank, port, work, plan, pipes[rank][1])) for rank in range(2)
-    ]
-    for process in ranks:
-        process.start()
-    results = []
-    try:
-        for rank, (receiver, sender) in enumerate(pipes):
-            sender.close()
-            if not receiver.poll(timeout_seconds):
-                raise LaunchError(f"host measurement: rank {rank} did not finish within {timeout_seconds:.0f} s")
-            try:
-                status, payload = receiver.recv()
-            except EOFError:
-                raise LaunchError(f"host measurement: rank {rank} exited without a result") from None
-            if status != "ok":
-                raise LaunchError(f"host measurement failed on rank {rank}: {payload}")
-            results.append(payload)
-    finally:
-        for process in ranks:
-            process.join(timeout=10)
-            if process.is_alive():
-                process.kill()
-                process.join(timeout=5)
-        for receiver, _ in pipes:
-            receiver.close()
+    results = _run_two_ranks(_host_rank, (work, plan), "host measurement", timeout_seconds)
     (alone, together_0, sent, reduces_0), (_, together_1, received, reduces_1) = results
     handoffs = [
         max(0.0, done - max(send_ready, receive_ready))
