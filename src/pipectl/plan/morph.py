@@ -11,7 +11,10 @@ fast as the devices it has allow (the cost objective would otherwise leave devic
 It reuses the search's specs, cuts and simulations, and visits specs in the order of their lower
 bound: a spec is simulated only if no spec with as many devices or fewer is already known to be
 at least as fast as its bound, i.e. only if it could still improve some entry. A Fenwick tree
-answers "fastest known with at most n devices" in O(log n).
+answers "fastest known with at most n devices" in O(log n). Specs that pass that check are
+checked once more against the evaluator's tighter bound (`pipectl.plan.bounds`: 1F1B's in-flight
+loops) before they are simulated; skipping a spec that cannot improve any entry leaves the table
+unchanged.
 """
 
 from __future__ import annotations
