@@ -18,6 +18,7 @@ Reported figures:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from pipectl.artifacts.plan import Candidate
 from pipectl.plan.candidates import Spec
@@ -54,8 +55,8 @@ def costs_of(spec: Spec, hardware: Hardware) -> StageCosts:
     p, t, d = shape.pipeline_parallel, shape.tensor_parallel, spec.data_parallel
     sends = []
     jitter = 0.0
-    for stage, (_, end) in enumerate(shape.stage_layers[:-1]):
-        inside = ranks_share_node(stage % p, (stage + 1) % p, p, t, d, hardware.devices_per_node)
+    inside_node = _boundaries_inside_node(len(shape.stage_layers), p, t, d, hardware.devices_per_node)
+    for (_, end), inside in zip(shape.stage_layers[:-1], inside_node):
         link = hardware.links.intra if inside else hardware.links.inter
         jitter = max(jitter, link.jitter_seconds)
         sends.append(link.seconds(shape.table.output_activation_bytes[end - 1]))
@@ -73,6 +74,12 @@ def costs_of(spec: Spec, hardware: Hardware) -> StageCosts:
         jitter_seconds=jitter,
         blocking_p2p=hardware.device.blocking_p2p,
     )
+
+
+@lru_cache(maxsize=4096)
+def _boundaries_inside_node(stages: int, p: int, t: int, d: int, devices_per_node: int) -> tuple[bool, ...]:
+    """Per stage boundary s → s + 1: whether the two ranks share a node (`ranks_share_node`)."""
+    return tuple(ranks_share_node(stage % p, (stage + 1) % p, p, t, d, devices_per_node) for stage in range(stages - 1))
 
 
 class Evaluator:
