@@ -57,7 +57,7 @@ def test_a_memory_fitting_cut_exists_exactly_when_the_partitioner_finds_one(seed
         p = rng.randint(1, builder.layers // variant.chunks)
         m = p * rng.randint(1, 4)
         zero, d = rng.choice(((0, 1), (1, 2), (1, 8), (0, 4)))
-        family = _Family(builder, t, b, recompute, p, variant, capacity)
+        family = _Family(builder, t, b, recompute, p, variant, capacity, [])
         shape = builder.shape(t, b, recompute, p, variant.chunks)
         units = in_flight(shape, variant, m)
         per_device = state_bytes(profile.dtype, zero, d, variant.kind)

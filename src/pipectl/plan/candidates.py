@@ -197,13 +197,8 @@ class ShapeBuilder:
         self._bottlenecks: dict[tuple[int, int, bool], dict[int, float]] = {}
         self._shapes: dict[tuple[int, int, bool, int, int], Shape] = {}
         self._seconds: dict[tuple[int, int], LayerSeconds] = {}
-        # Memory-constrained cuts by (t, b, recompute, p, v, state bytes, in-flight units, schedule).
-        self.fitted: dict[tuple, Shape | None] = {}
-        # Memory demands (bytes per parameter, units per rank) no cut satisfied, per shape family.
-        self.unfittable: dict[tuple, list[tuple[float, tuple[int, ...]]]] = {}
-        # Memory demands that were partitioned, with the optimum bottleneck, per shape family:
-        # a stricter demand cannot do better (its feasible cuts are a subset).
-        self.partitioned: dict[tuple, list[tuple[float, tuple[int, ...], float]]] = {}
+        # Memory-constrained cuts built for some memory demand (the search counts them as shapes).
+        self.memory_constrained_cuts = 0
         self._candidates: dict[tuple[int, int, bool], np.ndarray] = {}
         self._range_memory: dict[tuple[int, int], RangeMemory] = {}
         self._furthest_ends: dict[tuple[int, int, float], FurthestFittingEnds] = {}
@@ -235,7 +230,7 @@ class ShapeBuilder:
 
     @property
     def shapes_built(self) -> int:
-        return len(self._shapes) + sum(1 for shape in self.fitted.values() if shape is not None)
+        return len(self._shapes) + self.memory_constrained_cuts
 
     def seconds(self, micro_batch_size: int, tensor_parallel: int) -> LayerSeconds:
         key = (micro_batch_size, tensor_parallel)
@@ -301,8 +296,8 @@ class ShapeBuilder:
         # `LayerSeconds.stage_forward/backward` and `LinkCost.seconds` over every stage at once:
         # the same float64 operations in the same order, so the same values.
         forward_prefix, backward_prefix, output_bytes = self._stage_arrays(b, t)
-        starts = np.fromiter((start for start, _ in cuts), dtype=np.intp, count=len(cuts))
-        ends = np.fromiter((end for _, end in cuts), dtype=np.intp, count=len(cuts))
+        bounds = np.array(cuts, dtype=np.intp)
+        starts, ends = bounds[:, 0], bounds[:, 1]
         forward = forward_prefix[ends] - forward_prefix[starts] + seconds.forward_overhead
         backward = backward_prefix[ends] - backward_prefix[starts] + seconds.backward_overhead
         links = self.hardware.links

@@ -101,7 +101,11 @@ def in_flight_units(kind: ScheduleKind, pipeline_parallel: int, micro_batches: i
         if m == p:
             return (m * v,) * p
         return tuple(min(2 * (p - k - 1) + (v - 1) * p + 1, m * v) for k in range(p))
-    return tuple(min(p - k, m) for k in range(p))
+    # min(p - k, m): m on the first p - m + 1 stages (when m < p), then p - k (a range: the
+    # search asks this for ~10^4 (p, m) pairs).
+    if m >= p:
+        return tuple(range(p, 0, -1))
+    return (m,) * (p - m + 1) + tuple(range(m - 1, 0, -1))
 
 
 def peak_in_flight_units(schedule: Schedule) -> tuple[int, ...]:

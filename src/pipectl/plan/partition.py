@@ -244,6 +244,7 @@ def balanced_partition(
     candidates: np.ndarray | None = None,
     at_least: float = 0.0,
     furthest: FurthestFn | None = None,
+    known_feasible: bool = False,
 ) -> Partition | None:
     """The p-stage cut minimising max(slowest stage, dearest cut), or None if nothing fits.
 
@@ -251,7 +252,8 @@ def balanced_partition(
     `cut_seconds[e]` the transfer time of a cut before layer e (index 0 unused); `candidates`
     the sorted range sums from `candidate_values` when the caller reuses them across calls;
     `at_least` a bottleneck known to be unbeatable (e.g. the optimum under a laxer memory test),
-    so smaller limits are not tried; `furthest` may stand for `fits` (see `greedy_cuts`).
+    so smaller limits are not tried; `furthest` may stand for `fits` (see `greedy_cuts`);
+    `known_feasible` that the caller knows some cut fits (so the answer is never None).
 
     >>> balanced_partition([4, 1, 1, 1, 1, 4], 3)
     Partition(stage_layers=((0, 1), (1, 5), (5, 6)), bottleneck_seconds=4.0)
@@ -276,11 +278,14 @@ def balanced_partition(
 
     if len(candidates) == 0:
         return None
-    cuts = attempt(float(candidates[-1]))
-    if cuts is None:
+    # With `known_feasible` the pass at the largest limit is left until it is the answer (the
+    # greedy pass is deterministic, so running it later gives the same cut).
+    cuts = None if known_feasible else attempt(float(candidates[-1]))
+    if cuts is None and not known_feasible:
         return None
     # The smallest feasible limit: gallop up from the lowest candidate (the optimum is usually
-    # near it), then bisect; `cuts` always holds the cut at `high`, every index below `low` fails.
+    # near it), then bisect; `cuts` holds the cut at `high` (or None, not yet run), every index
+    # below `low` fails.
     low, high = 0, len(candidates) - 1
     stride = 1
     while low < high:
@@ -298,6 +303,10 @@ def balanced_partition(
             high, cuts = middle, tried
         else:
             low = middle + 1
+    if cuts is None:
+        cuts = attempt(float(candidates[high]))
+        if cuts is None:
+            raise ValueError("known_feasible was given, but no cut fits at the largest limit")
     return Partition(cuts, _bottleneck(prefix, cuts, cut_seconds))
 
 

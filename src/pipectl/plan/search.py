@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Iterable
 
+import numpy as np
 from pydantic import Field
 
 from pipectl.artifacts.base import Strict
@@ -286,34 +287,41 @@ def _specs_for(builder, out, accepted, profile, hardware, space, t, b, recompute
     if p * v > builder.layers:
         out.rejections.add(Rejection.TOO_FEW_LAYERS, f"p={p} x v={v} stages > {builder.layers} layers", len(ds))
         return
-    family = _Family(builder, t, b, recompute, p, variant, capacity)
     # Largest d first: the least memory per device (smaller m, more ZeRO sharding), so a demand
     # that does not fit rules out every stricter one without partitioning again.
+    per_d = []
     for d in sorted(ds, reverse=True):
         m = B // (d * b)
         zeros = _zeros_descending(d, space.zero_stages)
         if v > 1 and m % p:
+            per_d.append((d, m, zeros, None, ()))
+            continue
+        per_device = tuple(state_bytes(profile.dtype, zero, d, kind) for zero in zeros)
+        per_d.append((d, m, zeros, in_flight_units(kind, p, m, v), per_device))
+    family = _Family(builder, t, b, recompute, p, variant, capacity, per_d)
+    index = 0  # of the point among the family's (d, ZeRO) points with whole interleaved rounds
+    for d, m, zeros, units, per_device in per_d:
+        if units is None:
             out.rejections.add(
                 Rejection.INTERLEAVED_MICRO_BATCHES, f"m={m} is not a multiple of p={p}", len(zeros)
             )
             continue
-        units = in_flight_units(kind, p, m, v)
         if family.without_cut and Rejection.MEMORY in out.rejections.examples:
             # Every ZeRO stage of this d at once when even its lightest demand has no cut (what
             # `_fitting_shape` would answer for each): most points of a large search end here.
-            lightest = min(state_bytes(profile.dtype, zero, d, kind) for zero in zeros)
-            if family.without_cut_below(lightest, units):
+            if family.without_cut_below(min(per_device), units):
                 out.rejections.add(Rejection.MEMORY, count=len(zeros))
+                index += len(zeros)
                 continue
-        for zero in zeros:
-            per_device = state_bytes(profile.dtype, zero, d, kind)
-            fitted = _fitting_shape(family, per_device, units)
+        for zero, state in zip(zeros, per_device):
+            fitted = _fitting_shape(family, index, state, units)
+            index += 1
             if fitted is None:
                 if Rejection.MEMORY in out.rejections.examples:
                     # Only the first example is kept: skip building the message (most demands end here).
                     out.rejections.add(Rejection.MEMORY)
                     continue
-                worst = family.shape.memory.per_rank_bytes(per_device, units)
+                worst = family.shape.memory.per_rank_bytes(state, units)
                 rank = int(worst.argmax())
                 out.rejections.add(
                     Rejection.MEMORY,
@@ -321,7 +329,7 @@ def _specs_for(builder, out, accepted, profile, hardware, space, t, b, recompute
                     f"stage {rank} needs {format_gib(worst[rank])} > {format_gib(capacity)}",
                 )
                 continue
-            accepted.append((fitted, variant, (d, m, zero, per_device, units)))
+            accepted.append((fitted, variant, (d, m, zero, state, units)))
 
 
 @lru_cache(maxsize=1024)
@@ -332,20 +340,30 @@ def _zeros_descending(d: int, zero_stages: tuple[int, ...]) -> tuple[int, ...]:
 
 
 class _Family:
-    """One (t, b, recompute, p, schedule variant): its balanced cut, built on first need, and the
-    memory demands (bytes per parameter, in-flight units per rank) that no cut satisfies."""
+    """One (t, b, recompute, p, schedule variant): its memory demands (bytes per parameter,
+    in-flight units per rank; one per (d, ZeRO) point), its balanced cut, built on first need,
+    and what is known about the demands (each remembered for this family only)."""
 
     def __init__(self, builder: ShapeBuilder, t: int, b: int, recompute: bool, p: int,
-                 variant: ScheduleVariant, capacity: int) -> None:
+                 variant: ScheduleVariant, capacity: int, per_d: list) -> None:
         self.builder = builder
         self.t, self.b, self.recompute, self.p, self.v = t, b, recompute, p, variant.chunks
         self.kind = variant.kind
         self.capacity = capacity
         self.stages = p * variant.chunks
+        self._per_d = per_d  # (d, m, ZeRO stages, units or None, state bytes per ZeRO stage)
         self._shape: Shape | None = None
+        self._fits: dict[bool, list[bool]] = {}  # from_right -> whether that cut fits each point
         # Demands without any cut whose every virtual stage fits: a demand at least as large in
         # every part has none either, whatever cut is tried (the balanced one included).
         self.without_cut: list[tuple[float, tuple[int, ...]]] = []
+        # Demands no cut satisfied (none fits, or the partitioner's cut did not fit its ranks).
+        self.hopeless: list[tuple[float, tuple[int, ...]]] = []
+        # Demands partitioned, with the optimum bottleneck: a stricter demand cannot do better
+        # (its feasible cuts are a subset).
+        self.partitioned: list[tuple[float, tuple[int, ...], float]] = []
+        # Memory-constrained cuts by (rounded state bytes, units).
+        self.fitted: dict[tuple[float, tuple[int, ...]], Shape | None] = {}
         # Which virtual stages keep only their input per in-flight micro-batch
         # (`recomputing_stages`: all but the last, when the schedule recomputes).
         recomputes = recompute or variant.kind is ScheduleKind.VARUNA
@@ -361,6 +379,22 @@ class _Family:
     @property
     def shape_built(self) -> bool:
         return self._shape is not None
+
+    def cut_fits(self, index: int, from_right: bool) -> bool:
+        """Whether the balanced (or right-filled) cut fits point `index`: `StageMemory.fits` for
+        every point of the family at once on first asking (the same arithmetic per element)."""
+        fits = self._fits.get(from_right)
+        if fits is None:
+            shape = self.builder.shape(self.t, self.b, self.recompute, self.p, self.v, from_right=from_right)
+            memory = shape.memory
+            states = [state for _, _, _, units, per_device in self._per_d if units is not None for state in per_device]
+            units = [units for _, _, zeros, units, _ in self._per_d if units is not None for _ in zeros]
+            per_rank = (
+                memory.parameters * np.array(states)[:, None] + np.array(units) * memory.unit_bytes
+                + memory.recompute_buffer_bytes
+            )
+            fits = self._fits[from_right] = (per_rank <= self.capacity).all(axis=1).tolist()
+        return fits[index]
 
     def has_memory_fitting_cut(self, per_device: float, units: tuple[int, ...]) -> bool:
         """Whether `balanced_partition(..., fits=...)` finds any cut for this demand.
@@ -410,70 +444,72 @@ class _Family:
         return furthest
 
     def without_cut_below(self, per_device: float, units: tuple[int, ...]) -> bool:
-        return any(
-            per_device >= bytes_ and all(map(operator.ge, units, units_)) for bytes_, units_ in self.without_cut
-        )
+        return _dominates_one_of(per_device, units, self.without_cut)
 
 
-def _fitting_shape(family: _Family, per_device: float, units: tuple[int, ...]) -> Shape | None:
+def _dominates_one_of(per_device: float, units: tuple[int, ...], demands) -> bool:
+    """Whether this demand is at least one of `demands` in every part."""
+    # (`map(operator.ge, ...)` is the element-wise `u >= w` without a generator frame: this runs ~10^5 times.)
+    for bytes_, units_ in demands:
+        if per_device >= bytes_ and all(map(operator.ge, units, units_)):
+            return True
+    return False
+
+
+def _fitting_shape(family: _Family, index: int, per_device: float, units: tuple[int, ...]) -> Shape | None:
     """This cut if it fits; else the right-filled cut; else the memory-constrained cut; else None.
 
     A memory demand (bytes per parameter, in-flight units per rank) that no cut satisfies is
     remembered: any demand at least as large in every part cannot be satisfied either.
     """
-    builder, capacity, kind = family.builder, family.capacity, family.kind
     if family.without_cut_below(per_device, units):
         return None
-    t, b, rec, p, v = family.t, family.b, family.recompute, family.p, family.v
-    demand_family = (t, b, rec, p, v, kind)
-    hopeless = builder.unfittable.setdefault(demand_family, [])
-    key = (*demand_family, round(per_device, 9), tuple(units))
     if not family.shape_built and not family.has_memory_fitting_cut(per_device, units):
         # Until some demand has a cut, test that first: most families of a large search have none,
         # and then neither the balanced cut nor the partitioner is needed to reject them.
-        family.without_cut.append((per_device, tuple(units)))
-        hopeless.append((per_device, tuple(units)))
-        builder.fitted[key] = None
+        family.without_cut.append((per_device, units))
+        family.hopeless.append((per_device, units))
+        family.fitted[(round(per_device, 9), units)] = None
         return None
     shape = family.shape
-    memory = shape.memory
-    if memory.fits(per_device, units, capacity):
+    if family.cut_fits(index, from_right=False):
         return shape
     # No cut can help when the average rank's model state alone is too big.
-    if memory.parameters.sum() / len(memory.parameters) * per_device > capacity:
+    memory = shape.memory
+    if memory.parameters.sum() / len(memory.parameters) * per_device > family.capacity:
         return None
-    # (`map(operator.ge, ...)` is the element-wise `u >= w` without a generator frame: this runs ~10^5 times.)
-    if any(per_device >= bytes_ and all(map(operator.ge, units, units_)) for bytes_, units_ in hopeless):
+    if _dominates_one_of(per_device, units, family.hopeless):
         return None
-    right = builder.shape(t, b, rec, p, v, from_right=True)
-    if right.memory.fits(per_device, units, capacity):
-        return right
-    if key in builder.fitted:
-        return builder.fitted[key]
-    stages = p * v
+    builder, t, b, rec, p, v = family.builder, family.t, family.b, family.recompute, family.p, family.v
+    if family.cut_fits(index, from_right=True):
+        return builder.shape(t, b, rec, p, v, from_right=True)
+    key = (round(per_device, 9), units)
+    if key in family.fitted:
+        return family.fitted[key]
     fitted = None
     if family.has_memory_fitting_cut(per_device, units):
-        furthest = family.furthest_fitting_end(per_device, units)
-        work = builder.work(t, b, rec)
-        solved = builder.partitioned.setdefault(demand_family, [])
+        # No cut beats the optimum without a memory limit (the balanced cut's bottleneck, one of
+        # the same candidates), nor that of a laxer demand.
         at_least = max(
-            (seconds for bytes_, units_, seconds in solved
+            (seconds for bytes_, units_, seconds in family.partitioned
              if bytes_ <= per_device and all(map(operator.ge, units, units_))),
-            default=0.0,
+            default=builder.bottleneck(t, b, rec, p * v),
         )
         partition = balanced_partition(
-            work, stages, furthest=furthest, candidates=builder.candidates(t, b, rec), at_least=at_least
+            builder.work(t, b, rec), p * v, furthest=family.furthest_fitting_end(per_device, units),
+            candidates=builder.candidates(t, b, rec), at_least=at_least, known_feasible=True,
         )
         if partition is not None:  # pragma: no branch - the memory-only pass above found a cut
-            solved.append((per_device, tuple(units), partition.bottleneck_seconds))
+            family.partitioned.append((per_device, units, partition.bottleneck_seconds))
             candidate = builder.shape_from_cuts(t, b, rec, p, v, partition.stage_layers)
-            if candidate.memory.fits(per_device, units, capacity):
+            if candidate.memory.fits(per_device, units, family.capacity):
                 fitted = candidate
+                builder.memory_constrained_cuts += 1
     else:
-        family.without_cut.append((per_device, tuple(units)))
+        family.without_cut.append((per_device, units))
     if fitted is None:
-        hopeless.append((per_device, tuple(units)))
-    builder.fitted[key] = fitted
+        family.hopeless.append((per_device, units))
+    family.fitted[key] = fitted
     return fitted
 
 
