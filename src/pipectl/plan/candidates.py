@@ -49,7 +49,7 @@ from pipectl.plan.memory import (
     state_bytes_per_parameter,
     weight_versions,
 )
-from pipectl.plan.partition import candidate_values, greedy_cuts, min_bottlenecks
+from pipectl.plan.partition import candidate_values, greedy_cuts, min_bottlenecks, prefix_sums
 from pipectl.schedule import ScheduleKind, deepspeed_runnable
 
 
@@ -204,6 +204,7 @@ class ShapeBuilder:
         self._furthest_ends: dict[tuple[int, int, float], FurthestFittingEnds] = {}
         self._work: dict[tuple[int, int, bool], list[float]] = {}
         self._prefixes: dict[tuple[int, int, bool], tuple[float, ...]] = {}
+        self._partition_prefixes: dict[tuple[int, int, bool], list[float]] = {}
         self._arrays: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
     def range_memory(self, t: int, b: int) -> RangeMemory:
@@ -265,6 +266,14 @@ class ShapeBuilder:
         if work is None:
             work = self._work[key] = self.seconds(b, t).work(recompute)
         return work
+
+    def partition_prefix(self, t: int, b: int, recompute: bool) -> list[float]:
+        """`partition.prefix_sums` of the per-layer work, cached per (t, b, recompute); do not mutate it."""
+        key = (t, b, recompute)
+        prefix = self._partition_prefixes.get(key)
+        if prefix is None:
+            prefix = self._partition_prefixes[key] = prefix_sums(self.work(t, b, recompute))
+        return prefix
 
     def _work_prefix(self, t: int, b: int, recompute: bool) -> tuple[float, ...]:
         key = (t, b, recompute)

@@ -183,12 +183,13 @@ class StageMemory:
         last = len(stage_layers) - 1
         if rows is not None and len(stage_layers) == p:
             # One chunk per rank: the same figures as the loop below, looked up.
-            parameters_rows, saved_rows, inputs = rows.parameters, rows.saved, rows.input_bytes
-            parameters = np.array([parameters_rows[start][end] for start, end in stage_layers])
-            full = np.array([saved_rows[start][end] for start, end in stage_layers])
+            bounds = np.array(stage_layers, dtype=np.intp)
+            starts, ends = bounds[:, 0], bounds[:, 1]
+            parameters = rows.parameter_matrix[starts, ends]
+            full = rows.saved_matrix[starts, ends]
             if not recompute:
                 return cls(parameters, full, np.zeros(p))
-            unit = np.array([inputs[start] for start, _ in stage_layers])
+            unit = rows.input_array[starts]
             unit[last], buffer = full[last], full.copy()
             buffer[last] = 0.0
             return cls(parameters, unit, buffer)
@@ -273,6 +274,10 @@ class RangeMemory:
     parameters: list[list[float]]  # [start][end]: parameters / t (0 where end <= start)
     saved: list[list[float]]  # [start][end]: saved activations / t
     input_bytes: list[float]  # [start]: the activation a stage starting there receives
+    # The same values as arrays, for looking up every stage of a cut at once.
+    parameter_matrix: np.ndarray
+    saved_matrix: np.ndarray
+    input_array: np.ndarray
 
     @classmethod
     def build(cls, table, tensor_parallel: int) -> "RangeMemory":
@@ -289,7 +294,7 @@ class RangeMemory:
         for start, end in zip(*np.nonzero(shared[None, :] - shared[:, None] >= 2)):
             rows[start][end] = table.parameters(int(start), int(end)) / tensor_parallel
         inputs = [table.input_activation_bytes(start) for start in range(layers)] + [0.0]
-        return cls(rows, saved.tolist(), inputs)
+        return cls(rows, saved.tolist(), inputs, np.array(rows), saved, np.array(inputs))
 
     def stage_bytes(self, start: int, end: int, *, state_bytes: float, units: int, recompute: bool) -> float:
         """`stage_memory_bytes(table, start, end, ..., recompute=recompute)` for a non-last stage

@@ -64,6 +64,11 @@ def _prefix(values: Sequence[float]) -> list[float]:
     return [0.0, *accumulate(float(v) for v in values)]
 
 
+def prefix_sums(weights: Sequence[float]) -> list[float]:
+    """[0, w0, w0 + w1, ...]: what the partitioners sum ranges from (pass it back to reuse it)."""
+    return _prefix(weights)
+
+
 def _tolerance(value: float) -> float:
     return value * (1 + _SLACK) + 1e-300
 
@@ -245,6 +250,7 @@ def balanced_partition(
     at_least: float = 0.0,
     furthest: FurthestFn | None = None,
     known_feasible: bool = False,
+    prefix: Sequence[float] | None = None,
 ) -> Partition | None:
     """The p-stage cut minimising max(slowest stage, dearest cut), or None if nothing fits.
 
@@ -253,7 +259,8 @@ def balanced_partition(
     the sorted range sums from `candidate_values` when the caller reuses them across calls;
     `at_least` a bottleneck known to be unbeatable (e.g. the optimum under a laxer memory test),
     so smaller limits are not tried; `furthest` may stand for `fits` (see `greedy_cuts`);
-    `known_feasible` that the caller knows some cut fits (so the answer is never None).
+    `known_feasible` that the caller knows some cut fits (so the answer is never None); `prefix`
+    the weights' `prefix_sums` when the caller reuses them across calls.
 
     >>> balanced_partition([4, 1, 1, 1, 1, 4], 3)
     Partition(stage_layers=((0, 1), (1, 5), (5, 6)), bottleneck_seconds=4.0)
@@ -265,7 +272,8 @@ def balanced_partition(
     layers = len(weights)
     if stages < 1 or stages > layers:
         return None
-    prefix = _prefix(weights)
+    if prefix is None:
+        prefix = _prefix(weights)
     if candidates is None or cut_seconds is not None:
         candidates = candidate_values(weights, cut_seconds)
     lower = max(prefix[-1] / stages, max(weights), at_least)

@@ -404,20 +404,21 @@ class _Family:
         succeeds exactly when that pass reaches the last layer, so the same pass over memoised
         furthest ends gives the same answer.
         """
-        ends, p, stages, keeps = self.ends, self.p, self.stages, self.keeps_input_only
+        ends, stages = self.ends, self.stages
         layers = ends.layers
         # `ends.end`'s memo rows, read here first: this loop runs ~10^6 times.
         full_rows, input_only_rows = ends.by_units(per_device, False), ends.by_units(per_device, True)
         start = 0
-        for stage in range(stages):
-            stage_units = units[stage % p]
-            row = (input_only_rows if keeps[stage] else full_rows).get(stage_units)
+        room = layers - stages  # the last end that leaves a layer for every later stage, before this one
+        # Virtual stage s lives on rank s % p: its units are `units * v`'s s-th.
+        for stage_units, keeps in zip(units * self.v, self.keeps_input_only):
+            room += 1
+            row = (input_only_rows if keeps else full_rows).get(stage_units)
             if row is None:
-                row = ends.row(per_device, stage_units, keeps[stage])
+                row = ends.row(per_device, stage_units, keeps)
             end = row[start]
             if end < 0:
-                end = row[start] = ends.search(start, per_device, stage_units, keeps[stage])
-            room = layers - (stages - stage - 1)
+                end = row[start] = ends.search(start, per_device, stage_units, keeps)
             if end > room:
                 end = room
             if end <= start:
@@ -498,6 +499,7 @@ def _fitting_shape(family: _Family, index: int, per_device: float, units: tuple[
         partition = balanced_partition(
             builder.work(t, b, rec), p * v, furthest=family.furthest_fitting_end(per_device, units),
             candidates=builder.candidates(t, b, rec), at_least=at_least, known_feasible=True,
+            prefix=builder.partition_prefix(t, b, rec),
         )
         if partition is not None:  # pragma: no branch - the memory-only pass above found a cut
             family.partitioned.append((per_device, units, partition.bottleneck_seconds))
