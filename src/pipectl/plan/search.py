@@ -296,8 +296,7 @@ def _specs_for(builder, out, accepted, profile, hardware, space, t, b, recompute
         if v > 1 and m % p:
             per_d.append((d, m, zeros, None, ()))
             continue
-        per_device = tuple(state_bytes(profile.dtype, zero, d, kind) for zero in zeros)
-        per_d.append((d, m, zeros, in_flight_units(kind, p, m, v), per_device))
+        per_d.append((d, m, zeros, in_flight_units(kind, p, m, v), _state_bytes_of(profile.dtype, zeros, d, kind)))
     family = _Family(builder, t, b, recompute, p, variant, capacity, per_d)
     index = 0  # of the point among the family's (d, ZeRO) points with whole interleaved rounds
     for d, m, zeros, units, per_device in per_d:
@@ -330,6 +329,12 @@ def _specs_for(builder, out, accepted, profile, hardware, space, t, b, recompute
                 )
                 continue
             accepted.append((fitted, variant, (d, m, zero, state, units)))
+
+
+@lru_cache(maxsize=4096)
+def _state_bytes_of(dtype: str, zeros: tuple[int, ...], d: int, kind: ScheduleKind) -> tuple[float, ...]:
+    """`state_bytes` for each ZeRO stage in `zeros` (the same few values for every p)."""
+    return tuple(state_bytes(dtype, zero, d, kind) for zero in zeros)
 
 
 @lru_cache(maxsize=1024)
