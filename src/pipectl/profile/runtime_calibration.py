@@ -680,7 +680,15 @@ def calibrate_runtime(
         model, micro_batch_size, warmup=warmup, steps=steps, seed=seed, timeout_seconds=timeout_seconds
     )
     concurrent = max(sharing.concurrent_compute_slowdown, sharing.alone_compute_slowdown * engine_pair_slowdown(single, pair))
-    bandwidth = engine_allreduce_bandwidth(single, pair, gradient_bytes, sharing.busy_allreduce_latency_seconds)
+    # Two measurements of the gradient all-reduce after compute: the engine's reduction (which adds
+    # ZeRO's own work, but is a difference of two noisy times and can come out near zero) and the
+    # plain gradient-sized all-reduce. The slower of the two prices it.
+    bandwidths = [
+        b for b in (
+            engine_allreduce_bandwidth(single, pair, gradient_bytes, sharing.busy_allreduce_latency_seconds),
+            sharing.busy_allreduce_bandwidth_bytes_per_second,
+        ) if b > 0
+    ]  # fmt: skip
     return costs.model_copy(
         update={
             "busy_handoff_seconds": sharing.busy_handoff_seconds,
@@ -688,7 +696,7 @@ def calibrate_runtime(
             "concurrent_compute_slowdown": concurrent,
             "concurrent_ranks": sharing.ranks,
             "busy_allreduce_latency_seconds": sharing.busy_allreduce_latency_seconds,
-            "busy_allreduce_bandwidth_bytes_per_second": bandwidth or sharing.busy_allreduce_bandwidth_bytes_per_second,
+            "busy_allreduce_bandwidth_bytes_per_second": min(bandwidths, default=0.0),
         }
     )
 
