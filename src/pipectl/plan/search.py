@@ -338,6 +338,12 @@ def _state_bytes_of(dtype: str, zeros: tuple[int, ...], d: int, kind: ScheduleKi
 
 
 @lru_cache(maxsize=1024)
+def _keeps_input_only(stages: int, recomputes: bool) -> tuple[bool, ...]:
+    """Per virtual stage: whether it keeps only its input per micro-batch (all but the last, when recomputing)."""
+    return tuple(recomputes and i != stages - 1 for i in range(stages))
+
+
+@lru_cache(maxsize=1024)
 def _zeros_descending(d: int, zero_stages: tuple[int, ...]) -> tuple[int, ...]:
     """The ZeRO stages tried at d, largest (least memory) first."""
     # ZeRO-1 without data parallelism shards nothing: the same candidate as ZeRO-0.
@@ -371,8 +377,7 @@ class _Family:
         self.fitted: dict[tuple[float, tuple[int, ...]], Shape | None] = {}
         # Which virtual stages keep only their input per in-flight micro-batch
         # (`recomputing_stages`: all but the last, when the schedule recomputes).
-        recomputes = recompute or variant.kind is ScheduleKind.VARUNA
-        self.keeps_input_only = [recomputes and i != self.stages - 1 for i in range(self.stages)]
+        self.keeps_input_only = _keeps_input_only(self.stages, recompute or variant.kind is ScheduleKind.VARUNA)
         self.ends = builder.furthest_fitting_ends(t, b, capacity)
 
     @property
@@ -434,17 +439,15 @@ class _Family:
     def furthest_fitting_end(self, per_device: float, units: tuple[int, ...]):
         """`furthest(stage, start)` for the partitioner: `stage_memory_bytes`'s test on the
         precomputed per-range rows, each answer memoised across the pipelines of this (t, b)."""
-        ends, p, keeps = self.ends, self.p, self.keeps_input_only
-        full_rows, input_only_rows = ends.by_units(per_device, False), ends.by_units(per_device, True)
+        ends, keeps = self.ends, self.keeps_input_only
+        units_of = units * self.v  # virtual stage s lives on rank s % p
+        # Each stage's memo row, looked up once: the partitioner asks every stage several times.
+        rows = [ends.row(per_device, stage_units, keep) for stage_units, keep in zip(units_of, keeps)]
 
         def furthest(stage: int, start: int) -> int:
-            stage_units = units[stage % p]
-            row = (input_only_rows if keeps[stage] else full_rows).get(stage_units)
-            if row is None:
-                row = ends.row(per_device, stage_units, keeps[stage])
-            end = row[start]
+            end = rows[stage][start]
             if end < 0:
-                end = row[start] = ends.search(start, per_device, stage_units, keeps[stage])
+                end = rows[stage][start] = ends.search(start, per_device, units_of[stage], keeps[stage])
             return end
 
         return furthest
