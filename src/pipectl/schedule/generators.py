@@ -21,7 +21,9 @@ treat it (and its `actions` mapping) as immutable.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from functools import lru_cache
+from itertools import compress, count
 
 from pipectl.errors import ScheduleError
 from pipectl.schedule.ir import Action, ActionKind, Schedule, ScheduleKind
@@ -272,17 +274,25 @@ def varuna_forward_flags(p: int, m: int, tf: float = 1.0, tb: float = 2.0) -> tu
     each stage's choices up to its m-th forward are the same in both (a choice depends on fewer
     than m forwards of the previous stage, and on backwards of the next stage, which differ only
     once that stage has run its m-th forward, later), and after it only backwards are left. So
-    the order for m is the M order up to each stage's m-th forward, then backwards.
+    the order for m is the M order up to each stage's m-th forward, then backwards. Once a
+    derivation for p has found where the order turns periodic (`varuna_cycle`), every m is cut
+    from that periodic order by arithmetic, without deriving again.
 
     >>> [''.join('F' if f else 'B' for f in flags) for flags in varuna_forward_flags(2, 3)]
     ['FFFBBB', 'FBFBFB']
     """
     key = (p, tf, tb)
+    periodic = _VARUNA_PERIODIC.get(key)
+    if periodic is not None:
+        return periodic.flags(m)
     longest = _VARUNA_LONGEST.get(key)
     if longest is None or longest[0] < m:
         longest_m = max(m, 2 * longest[0]) if longest is not None else m
         flags = _varuna_flags(p, longest_m, tf, tb)
-        forwards_at = tuple(tuple(i for i, is_forward in enumerate(order) if is_forward) for order in flags)
+        periodic = _VARUNA_PERIODIC.get(key)
+        if periodic is not None:  # this derivation found the cycle
+            return flags if longest_m == m else periodic.flags(m)
+        forwards_at = tuple(tuple(_forward_positions(order)) for order in flags)
         longest = (longest_m, flags, forwards_at)
         _VARUNA_LONGEST[key] = longest
     longest_m, flags, forwards_at = longest
@@ -295,11 +305,53 @@ def varuna_forward_flags(p: int, m: int, tf: float = 1.0, tb: float = 2.0) -> tu
     return tuple(out)
 
 
+class _PeriodicOrder:
+    """Every stage's order for unboundedly many micro-batches: the choices a derivation made up to
+    its first repeated state, then the choices since the state's first visit, repeated.
+
+    `flags(m)` cuts it after each stage's m-th forward and appends the backwards still owed, which
+    is Varuna's order for m (`varuna_forward_flags`). A toy two-stage order, stage 0 "F" then
+    "FB" repeated, stage 1 "FB" repeated:
+
+        >>> order = _PeriodicOrder([[True, True, False], [True, False]], [1, 0])
+        >>> [''.join('F' if f else 'B' for f in flags) for flags in order.flags(3)]
+        ['FFBFBB', 'FBFBFB']
+    """
+
+    def __init__(self, orders: list[list[bool]], cycle_starts: list[int]) -> None:
+        self.stages = []
+        for order, start in zip(orders, cycle_starts):
+            prefix = tuple(order)
+            cycle = prefix[start:]
+            self.stages.append((prefix, _forward_positions(prefix), cycle, _forward_positions(cycle)))
+
+    def flags(self, m: int) -> tuple[tuple[bool, ...], ...]:
+        out = []
+        for prefix, prefix_forwards, cycle, cycle_forwards in self.stages:
+            if m <= len(prefix_forwards):
+                head = prefix[: prefix_forwards[m - 1] + 1]
+            else:
+                # The (extra + 1)-th forward of the cycle after `cycles` whole cycles is the m-th.
+                # Every cycle holds forwards: the state's indices are relative to stage 0's
+                # progress, so a cycle moves every stage on by the same number of forwards.
+                cycles, extra = divmod(m - len(prefix_forwards) - 1, len(cycle_forwards))
+                head = prefix + cycle * cycles + cycle[: cycle_forwards[extra] + 1]
+            out.append(head + (False,) * (2 * m - len(head)))
+        return tuple(out)
+
+
+def _forward_positions(order) -> list[int]:
+    """Positions of the forwards (True) in an order."""
+    return list(compress(count(), order))
+
+
 # (p, T_f, T_b) -> (M, order for M micro-batches, positions of each stage's forwards in it): the
 # longest derivation so far, see above.
 _VARUNA_LONGEST: dict[tuple[int, float, float], tuple[int, tuple[tuple[bool, ...], ...], tuple[tuple[int, ...], ...]]] = {}
 # (p, T_f, T_b) -> (where each stage's cycle starts in its order, forwards per cycle), once found.
 _VARUNA_CYCLES: dict[tuple[int, float, float], tuple[tuple[int, ...], int]] = {}
+# (p, T_f, T_b) -> the periodic order every m is cut from, once a derivation found the cycle.
+_VARUNA_PERIODIC: dict[tuple[int, float, float], _PeriodicOrder] = {}
 
 
 def varuna_cycle(p: int, tf: float = 1.0, tb: float = 2.0) -> tuple[tuple[int, ...], int] | None:
@@ -315,14 +367,11 @@ def varuna_cycle(p: int, tf: float = 1.0, tb: float = 2.0) -> tuple[tuple[int, .
 
 def _first_forwards(order: tuple[bool, ...], m: int) -> tuple[bool, ...]:
     """A stage's order cut after its m-th forward, then the backwards it still owes."""
-    forwards = 0
-    for position, is_forward in enumerate(order):
-        if is_forward:
-            forwards += 1
-            if forwards == m:
-                prefix = order[: position + 1]
-                return prefix + (False,) * (2 * m - len(prefix))
-    raise ScheduleError(f"Varuna order has fewer than {m} forwards")  # pragma: no cover - M > m
+    positions = _forward_positions(order)
+    if len(positions) < m:  # pragma: no cover - only cut from derivations for M > m
+        raise ScheduleError(f"Varuna order has fewer than {m} forwards")
+    prefix = order[: positions[m - 1] + 1]
+    return prefix + (False,) * (2 * m - len(prefix))
 
 
 def _varuna_flags(p: int, m: int, tf: float, tb: float, periodic: bool = True) -> tuple[tuple[bool, ...], ...]:
@@ -332,9 +381,10 @@ def _varuna_flags(p: int, m: int, tf: float, tb: float, periodic: bool = True) -
     its state to repeat: every stage's remaining busy time, recompute flag, progress and the
     forward/backward ends its neighbours will still read, all relative to now and to stage 0's
     next forward. The derivation is deterministic, so from the first repeat on it cycles, and
-    each stage's order is its order so far followed by the cycle's choices, repeated; the order
-    for m is then cut as in `varuna_forward_flags` (the run is the same as for unboundedly many
-    micro-batches while stage 0 has forwards left).
+    each stage's order is its order so far followed by the cycle's choices, repeated
+    (`_PeriodicOrder`, kept for every later m); the order for m is then cut as in
+    `varuna_forward_flags` (the run is the same as for unboundedly many micro-batches while
+    stage 0 has forwards left).
     """
     watch = periodic and float(tf).is_integer() and float(tb).is_integer()
     seen: dict[tuple, tuple[list[int], int]] = {}  # full state -> (each stage's order length, base)
@@ -411,7 +461,9 @@ def _varuna_flags(p: int, m: int, tf: float, tb: float, periodic: bool = True) -
                 if earlier is not None:
                     starts, earlier_base = earlier
                     _VARUNA_CYCLES[(p, tf, tb)] = (tuple(starts), base - earlier_base)
-                    return _varuna_cycled(orders, starts, m)
+                    periodic_order = _PeriodicOrder(orders, starts)
+                    _VARUNA_PERIODIC[(p, tf, tb)] = periodic_order
+                    return periodic_order.flags(m)
                 seen[state] = ([len(order) for order in orders], base)
             seen_summaries.add(summary)
         now = upcoming
@@ -424,6 +476,11 @@ def _varuna_state(now, free_at, recomputed, next_forward, next_backward, forward
     """The derivation's state relative to now and to stage 0's progress (see `_varuna_flags`).
 
     Times at or before now only matter as "done" (every test is `<= now`), so they read as 0.
+    A stage's forward (backward) ends rise with the micro-batch, so the ends a window still reads
+    are done ones, then the few still running; the window's bounds follow from the progress
+    counters, so the ends after the last done one (found by `bisect_right`), relative to now,
+    say as much as the whole window relative to now (0 when done): one number or none per
+    stage instead of one per micro-batch in flight.
     """
     p = len(free_at)
     base = next_forward[0]
@@ -436,30 +493,14 @@ def _varuna_state(now, free_at, recomputed, next_forward, next_backward, forward
         first_backward = next_backward[s - 1] if s > 0 else nb
         ends_f = forward_end[s]
         ends_b = backward_end[s]
+        done_f = bisect_right(ends_f, now, first_forward, nf) if first_forward < nf else nf
+        done_b = bisect_right(ends_b, now, first_backward, nb) if first_backward < nb else nb
         parts.append((
             max(free_at[s] - now, 0.0), recomputed[s], nf - base, nb - base,
-            tuple(max(ends_f[i] - now, 0.0) for i in range(first_forward, nf)),
-            tuple(max(ends_b[i] - now, 0.0) for i in range(first_backward, nb)),
+            tuple([end - now for end in ends_f[done_f:nf]]),
+            tuple([end - now for end in ends_b[done_b:nb]]),
         ))
     return tuple(parts)
-
-
-def _varuna_cycled(orders: list[list[bool]], cycle_start: list[int], m: int) -> tuple[tuple[bool, ...], ...]:
-    """Each stage's order so far, its cycle (the choices since `cycle_start`) repeated until it
-    has m forwards, then the backwards it still owes."""
-    out = []
-    for order, start in zip(orders, cycle_start):
-        cycle = order[start:]
-        forwards_per_cycle = sum(cycle)
-        flags = list(order)
-        forwards = sum(flags)
-        if forwards < m:
-            # The cycle's net progress is the same for every stage (the state's indices are
-            # relative to stage 0), and stage 0 still has forwards left, so it holds one.
-            repeats = -(-(m - forwards) // forwards_per_cycle)
-            flags.extend(cycle * repeats)
-        out.append(_first_forwards(tuple(flags), m))
-    return tuple(out)
 
 
 @lru_cache(maxsize=4096)
