@@ -497,7 +497,8 @@ def specs_from_points(
     for index, (shape, variant, _) in enumerate(points):
         groups.setdefault((shape.pipeline_parallel, variant), []).append(index)
     specs: list[Spec | None] = [None] * len(points)
-    tied_rows: dict[tuple, np.ndarray] = {}  # the tied all-reduce only depends on these figures
+    # The tied all-reduce only depends on these figures: (holding ranks and sizes, p, t, d) -> row.
+    tied_rows: dict[tuple, np.ndarray] = {}
     for (_, variant), indices in groups.items():
         built = _specs_of_one_depth(
             [points[i][0] for i in indices], variant, [points[i][2] for i in indices], hardware, dtype, tied_rows
@@ -590,7 +591,7 @@ def _data_parallel_costs_over(
     for shape, d in zip(shapes, degrees):
         groups = groups_of.get(id(shape))
         if groups is None:
-            groups = groups_of[id(shape)] = _tied_groups(shape)
+            groups = groups_of[id(shape)] = _tied_groups(shape)  # once per shape of this depth
         key = (groups, p, shape.tensor_parallel, d)
         row = tied_rows.get(key)
         if row is None:

@@ -96,7 +96,10 @@ def in_flight_units(kind: ScheduleKind, pipeline_parallel: int, micro_batches: i
     if kind is ScheduleKind.GPIPE:
         return (m,) * p
     if kind is ScheduleKind.VARUNA:
-        return tuple(min(3 * (p - 1 - k), m) if k < p - 1 else 1 for k in range(p))
+        # min(3 (p - 1 - k), m) for k < p - 1: m while 3 (p - 1 - k) >= m, then 3 (p - 1 - k)
+        # stepping down by 3; as ranges (the search asks this for ~10^4 (p, m) pairs).
+        below = min(p - 1, -(-m // 3) - 1)  # the largest p - 1 - k with 3 (p - 1 - k) < m
+        return (m,) * (p - 1 - below) + tuple(range(3 * below, 0, -3)) + (1,)
     if kind is ScheduleKind.INTERLEAVED and v > 1:
         if m == p:
             return (m * v,) * p
