@@ -28,6 +28,9 @@ def test_furthest_ends_known_feasibility_and_the_unlimited_optimum_change_nothin
 
     plain = balanced_partition(weights, stages, fits=fits)
     assert balanced_partition(weights, stages, furthest=furthest) == plain
+    # Filling from the right asks `fits` of mirrored ranges: `furthest` then answers as a test.
+    right = balanced_partition(weights, stages, fits=fits, from_right=True)
+    assert balanced_partition(weights, stages, furthest=furthest, from_right=True) == right
     if plain is not None:
         unlimited = min_bottlenecks(weights, [stages])[stages]
         fast = balanced_partition(weights, stages, furthest=furthest, known_feasible=True, at_least=unlimited)
