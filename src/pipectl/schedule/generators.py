@@ -22,6 +22,7 @@ treat it (and its `actions` mapping) as immutable.
 from __future__ import annotations
 
 from bisect import bisect_right
+from heapq import heappop, heappush
 from functools import lru_cache
 from itertools import compress, count
 
@@ -400,6 +401,11 @@ def _varuna_flags(p: int, m: int, tf: float, tb: float, periodic: bool = True) -
     orders: list[list[bool]] = [[] for _ in range(p)]
     unfinished = p  # stages with backwards left
     now = 0.0
+    # Every moment something can change, pushed when it becomes known: a stage's end (free_at),
+    # and T_f before a backward end the previous stage waits on (when its recompute becomes
+    # eligible). A value is only ever replaced once it is past, so the smallest pushed value after
+    # now is the smallest of the current ones after now.
+    moments: list[float] = []
     while unfinished:
         for s in range(p):
             if free_at[s] > now or next_backward[s] >= m:
@@ -412,6 +418,9 @@ def _varuna_flags(p: int, m: int, tf: float, tb: float, periodic: bool = True) -
                     orders[s].append(False)
                     next_backward[s] += 1
                     unfinished -= next_backward[s] == m
+                    heappush(moments, free_at[s])
+                    if s > 0 and next_backward[s - 1] == i:
+                        _push_after(moments, backward_end[s][i] - tf, now)
                     continue
             elif recomputed[s]:
                 if backward_end[s + 1][i] <= now:  # B after its R
@@ -420,11 +429,17 @@ def _varuna_flags(p: int, m: int, tf: float, tb: float, periodic: bool = True) -
                     next_backward[s] += 1
                     unfinished -= next_backward[s] == m
                     recomputed[s] = False
+                    heappush(moments, free_at[s])
+                    if s > 0 and next_backward[s - 1] == i:
+                        _push_after(moments, backward_end[s][i] - tf, now)
+                    if i + 1 < m:
+                        _push_after(moments, backward_end[s + 1][i + 1] - tf, now)
                 continue  # rule 2: nothing else between R(i) and B(i)
             elif forward_end[s][i] <= now and backward_end[s + 1][i] - tf <= now:  # R
                 free_at[s] = now + tf
                 recomputed[s] = True
                 orders[s].append(False)
+                heappush(moments, free_at[s])
                 continue
             j = next_forward[s]
             if j < m and (s == 0 or forward_end[s - 1][j] <= now):  # F
@@ -432,28 +447,22 @@ def _varuna_flags(p: int, m: int, tf: float, tb: float, periodic: bool = True) -
                 forward_end[s][j] = free_at[s]
                 next_forward[s] += 1
                 orders[s].append(True)
+                heappush(moments, free_at[s])
         # Advance to the next moment anything can change: a stage frees up, or a recompute
         # becomes eligible (T_f before a known backward end).
-        upcoming = never
-        for t in free_at:
-            if now < t < upcoming:
-                upcoming = t
-        for s in range(last):
-            i = next_backward[s]
-            if i < m:
-                t = backward_end[s + 1][i] - tf
-                if now < t < upcoming:
-                    upcoming = t
-        if upcoming == never:
+        while moments and moments[0] <= now:
+            heappop(moments)
+        if not moments:
             if unfinished:  # pragma: no cover - would be a bug above
                 raise ScheduleError(f"Varuna schedule generation stalled at t={now} (p={p}, m={m})")
             break
+        upcoming = moments[0]
         if watch and next_forward[0] < m:
             # A cheap summary first; the full state only once the summary has come round before.
             base = next_forward[0]
             summary = (
-                tuple(max(t - now, 0.0) for t in free_at), tuple(recomputed),
-                tuple(n - base for n in next_forward), tuple(n - base for n in next_backward),
+                tuple([t - now if t > now else 0.0 for t in free_at]), tuple(recomputed),
+                tuple([n - base for n in next_forward]), tuple([n - base for n in next_backward]),
             )
             if summary in seen_summaries:
                 state = _varuna_state(now, free_at, recomputed, next_forward, next_backward, forward_end, backward_end)
@@ -470,6 +479,15 @@ def _varuna_flags(p: int, m: int, tf: float, tb: float, periodic: bool = True) -
     if any(nf < m for nf in next_forward):  # pragma: no cover - B(i) implies F(i)
         raise ScheduleError(f"Varuna schedule generation left forwards unscheduled (p={p}, m={m})")
     return tuple(tuple(order) for order in orders)
+
+
+def _push_after(moments: list[float], moment: float, now: float) -> None:
+    """Push a moment of the Varuna derivation if it is still to come (unknown ends are inf)."""
+    if now < moment < _NEVER:
+        heappush(moments, moment)
+
+
+_NEVER = float("inf")
 
 
 def _varuna_state(now, free_at, recomputed, next_forward, next_backward, forward_end, backward_end) -> tuple:
