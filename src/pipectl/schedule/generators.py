@@ -320,24 +320,30 @@ class _PeriodicOrder:
     """
 
     def __init__(self, orders: list[list[bool]], cycle_starts: list[int]) -> None:
+        # Per stage: the order so far and its forward positions, the cycle and its forward
+        # positions, and the order unrolled so far (prefix, then whole cycles), which grows as
+        # larger m ask for it so that a cut is one slice.
         self.stages = []
         for order, start in zip(orders, cycle_starts):
             prefix = tuple(order)
             cycle = prefix[start:]
-            self.stages.append((prefix, _forward_positions(prefix), cycle, _forward_positions(cycle)))
+            self.stages.append([prefix, _forward_positions(prefix), cycle, _forward_positions(cycle), prefix])
 
     def flags(self, m: int) -> tuple[tuple[bool, ...], ...]:
         out = []
-        for prefix, prefix_forwards, cycle, cycle_forwards in self.stages:
+        for stage in self.stages:
+            prefix, prefix_forwards, cycle, cycle_forwards, unrolled = stage
             if m <= len(prefix_forwards):
-                head = prefix[: prefix_forwards[m - 1] + 1]
+                end = prefix_forwards[m - 1] + 1
             else:
                 # The (extra + 1)-th forward of the cycle after `cycles` whole cycles is the m-th.
                 # Every cycle holds forwards: the state's indices are relative to stage 0's
                 # progress, so a cycle moves every stage on by the same number of forwards.
                 cycles, extra = divmod(m - len(prefix_forwards) - 1, len(cycle_forwards))
-                head = prefix + cycle * cycles + cycle[: cycle_forwards[extra] + 1]
-            out.append(head + (False,) * (2 * m - len(head)))
+                end = len(prefix) + cycles * len(cycle) + cycle_forwards[extra] + 1
+                if end > len(unrolled):
+                    unrolled = stage[4] = prefix + cycle * (cycles + 1)
+            out.append(unrolled[:end] + (False,) * (2 * m - end))
         return tuple(out)
 
 
@@ -406,48 +412,52 @@ def _varuna_flags(p: int, m: int, tf: float, tb: float, periodic: bool = True) -
     # eligible). A value is only ever replaced once it is past, so the smallest pushed value after
     # now is the smallest of the current ones after now.
     moments: list[float] = []
+    appenders = [order.append for order in orders]
     while unfinished:
+        forward_done = now + tf  # when an F or R started now ends
+        backward_done = now + tb
         for s in range(p):
-            if free_at[s] > now or next_backward[s] >= m:
-                continue
             i = next_backward[s]
+            if free_at[s] > now or i >= m:
+                continue
             if s == last:
                 if forward_end[s][i] <= now:  # B
-                    free_at[s] = now + tb
-                    backward_end[s][i] = free_at[s]
-                    orders[s].append(False)
-                    next_backward[s] += 1
-                    unfinished -= next_backward[s] == m
-                    heappush(moments, free_at[s])
+                    free_at[s] = backward_done
+                    backward_end[s][i] = backward_done
+                    appenders[s](False)
+                    next_backward[s] = i + 1
+                    unfinished -= i + 1 == m
+                    heappush(moments, backward_done)
                     if s > 0 and next_backward[s - 1] == i:
-                        _push_after(moments, backward_end[s][i] - tf, now)
+                        _push_after(moments, backward_done - tf, now)
                     continue
             elif recomputed[s]:
-                if backward_end[s + 1][i] <= now:  # B after its R
-                    free_at[s] = now + tb
-                    backward_end[s][i] = free_at[s]
-                    next_backward[s] += 1
-                    unfinished -= next_backward[s] == m
+                gradient_end = backward_end[s + 1]
+                if gradient_end[i] <= now:  # B after its R
+                    free_at[s] = backward_done
+                    backward_end[s][i] = backward_done
+                    next_backward[s] = i + 1
+                    unfinished -= i + 1 == m
                     recomputed[s] = False
-                    heappush(moments, free_at[s])
+                    heappush(moments, backward_done)
                     if s > 0 and next_backward[s - 1] == i:
-                        _push_after(moments, backward_end[s][i] - tf, now)
+                        _push_after(moments, backward_done - tf, now)
                     if i + 1 < m:
-                        _push_after(moments, backward_end[s + 1][i + 1] - tf, now)
+                        _push_after(moments, gradient_end[i + 1] - tf, now)
                 continue  # rule 2: nothing else between R(i) and B(i)
             elif forward_end[s][i] <= now and backward_end[s + 1][i] - tf <= now:  # R
-                free_at[s] = now + tf
+                free_at[s] = forward_done
                 recomputed[s] = True
-                orders[s].append(False)
-                heappush(moments, free_at[s])
+                appenders[s](False)
+                heappush(moments, forward_done)
                 continue
             j = next_forward[s]
             if j < m and (s == 0 or forward_end[s - 1][j] <= now):  # F
-                free_at[s] = now + tf
-                forward_end[s][j] = free_at[s]
-                next_forward[s] += 1
-                orders[s].append(True)
-                heappush(moments, free_at[s])
+                free_at[s] = forward_done
+                forward_end[s][j] = forward_done
+                next_forward[s] = j + 1
+                appenders[s](True)
+                heappush(moments, forward_done)
         # Advance to the next moment anything can change: a stage frees up, or a recompute
         # becomes eligible (T_f before a known backward end).
         while moments and moments[0] <= now:
