@@ -13,6 +13,7 @@ from pipectl.schedule import generators
 
 # ---- reference: the previous implementation, verbatim but for the names -------------------------
 
+
 @lru_cache(maxsize=256)
 def reference_forward_flags(p: int, m: int, tf: float = 1.0, tb: float = 2.0) -> tuple[tuple[bool, ...], ...]:
     """Varuna's order per stage, compactly: True for the next forward, False for the next backward.

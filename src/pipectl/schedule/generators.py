@@ -22,8 +22,8 @@ treat it (and its `actions` mapping) as immutable.
 from __future__ import annotations
 
 from bisect import bisect_right
-from heapq import heappop, heappush
 from functools import lru_cache
+from heapq import heappop, heappush
 from itertools import compress, count
 
 from pipectl.errors import ScheduleError
@@ -397,9 +397,8 @@ def _varuna_flags(p: int, m: int, tf: float, tb: float, periodic: bool = True) -
     seen: dict[tuple, tuple[list[int], int]] = {}  # full state -> (each stage's order length, base)
     seen_summaries: set[tuple] = set()
     last = p - 1
-    never = float("inf")
-    forward_end = [[never] * m for _ in range(p)]
-    backward_end = [[never] * m for _ in range(p)]  # known once the backward has started
+    forward_end = [[_NEVER] * m for _ in range(p)]
+    backward_end = [[_NEVER] * m for _ in range(p)]  # known once the backward has started
     next_forward = [0] * p
     next_backward = [0] * p
     recomputed = [False] * p
@@ -408,9 +407,10 @@ def _varuna_flags(p: int, m: int, tf: float, tb: float, periodic: bool = True) -
     unfinished = p  # stages with backwards left
     now = 0.0
     # Every moment something can change, pushed when it becomes known: a stage's end (free_at),
-    # and T_f before a backward end the previous stage waits on (when its recompute becomes
-    # eligible). A value is only ever replaced once it is past, so the smallest pushed value after
-    # now is the smallest of the current ones after now.
+    # and T_f before the end of the backward the previous stage waits on (its recompute becomes
+    # eligible then). Neither is replaced before it has passed (a stage starts again once free;
+    # a stage's next backward comes after that moment), so the smallest pushed moment after now
+    # is the smallest current one after now, which a scan of every stage would find.
     moments: list[float] = []
     appenders = [order.append for order in orders]
     while unfinished:
@@ -491,13 +491,13 @@ def _varuna_flags(p: int, m: int, tf: float, tb: float, periodic: bool = True) -
     return tuple(tuple(order) for order in orders)
 
 
+_NEVER = float("inf")  # an end not known yet
+
+
 def _push_after(moments: list[float], moment: float, now: float) -> None:
-    """Push a moment of the Varuna derivation if it is still to come (unknown ends are inf)."""
+    """Push a moment of the Varuna derivation if it is still to come and known."""
     if now < moment < _NEVER:
         heappush(moments, moment)
-
-
-_NEVER = float("inf")
 
 
 def _varuna_state(now, free_at, recomputed, next_forward, next_backward, forward_end, backward_end) -> tuple:
