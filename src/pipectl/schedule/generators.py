@@ -395,7 +395,8 @@ def _varuna_flags(p: int, m: int, tf: float, tb: float, periodic: bool = True) -
     """
     watch = periodic and float(tf).is_integer() and float(tb).is_integer()
     seen: dict[tuple, tuple[list[int], int]] = {}  # full state -> (each stage's order length, base)
-    seen_summaries: set[tuple] = set()
+    # coarse key -> (moments not summarised yet, summaries seen); see the repeat check below
+    summaries_by_key: dict[tuple, tuple[list[tuple], set[tuple]]] = {}
     last = p - 1
     forward_end = [[_NEVER] * m for _ in range(p)]
     backward_end = [[_NEVER] * m for _ in range(p)]  # known once the backward has started
@@ -469,11 +470,20 @@ def _varuna_flags(p: int, m: int, tf: float, tb: float, periodic: bool = True) -
         upcoming = moments[0]
         if watch and next_forward[0] < m:
             # A cheap summary first; the full state only once the summary has come round before.
+            # Summaries are filed under a coarser key (part of the summary) as raw copies, and
+            # only computed once another moment with the same key needs comparing.
             base = next_forward[0]
-            summary = (
-                tuple([t - now if t > now else 0.0 for t in free_at]), tuple(recomputed),
-                tuple([n - base for n in next_forward]), tuple([n - base for n in next_backward]),
-            )
+            key = (tuple(recomputed), next_forward[last] - base, next_backward[last] - base)
+            filed = summaries_by_key.get(key)
+            if filed is None:
+                summaries_by_key[key] = ([(now, base, free_at[:], next_forward[:], next_backward[:])], set())
+                now = upcoming
+                continue
+            pending, seen_summaries = filed
+            for earlier in pending:
+                seen_summaries.add(_varuna_summary(*earlier))
+            pending.clear()
+            summary = _varuna_summary(now, base, free_at, next_forward, next_backward)
             if summary in seen_summaries:
                 state = _varuna_state(now, free_at, recomputed, next_forward, next_backward, forward_end, backward_end)
                 earlier = seen.get(state)
@@ -489,6 +499,15 @@ def _varuna_flags(p: int, m: int, tf: float, tb: float, periodic: bool = True) -
     if any(nf < m for nf in next_forward):  # pragma: no cover - B(i) implies F(i)
         raise ScheduleError(f"Varuna schedule generation left forwards unscheduled (p={p}, m={m})")
     return tuple(tuple(order) for order in orders)
+
+
+def _varuna_summary(now: float, base: int, free_at, next_forward, next_backward) -> tuple:
+    """The cheap part of the derivation's state: busy time left, progress relative to stage 0's."""
+    return (
+        tuple([t - now if t > now else 0.0 for t in free_at]),
+        tuple([n - base for n in next_forward]),
+        tuple([n - base for n in next_backward]),
+    )
 
 
 _NEVER = float("inf")  # an end not known yet
