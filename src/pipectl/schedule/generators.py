@@ -398,8 +398,11 @@ def _varuna_flags(p: int, m: int, tf: float, tb: float, periodic: bool = True) -
     # coarse key -> (moments not summarised yet, summaries seen); see the repeat check below
     summaries_by_key: dict[tuple, tuple[list[tuple], set[tuple]]] = {}
     last = p - 1
-    forward_end = [[_NEVER] * m for _ in range(p)]
-    backward_end = [[_NEVER] * m for _ in range(p)]  # known once the backward has started
+    # Ends per stage and micro-batch, grown as stage 0 (always the furthest on) gets further:
+    # a derivation that finds its cycle reads only the first few p micro-batches of m.
+    allocated = min(m, 4 * p + 16)
+    forward_end = [[_NEVER] * allocated for _ in range(p)]
+    backward_end = [[_NEVER] * allocated for _ in range(p)]  # known once the backward has started
     next_forward = [0] * p
     next_backward = [0] * p
     recomputed = [False] * p
@@ -415,6 +418,12 @@ def _varuna_flags(p: int, m: int, tf: float, tb: float, periodic: bool = True) -
     moments: list[float] = []
     appenders = [order.append for order in orders]
     while unfinished:
+        if allocated < m and next_forward[0] + 2 > allocated:
+            # Read and written this moment: up to one past the next forward of stage 0.
+            more = min(allocated, m - allocated)
+            for ends in forward_end + backward_end:
+                ends.extend([_NEVER] * more)
+            allocated += more
         forward_done = now + tf  # when an F or R started now ends
         backward_done = now + tb
         for s in range(p):
