@@ -284,3 +284,11 @@ def test_small_m_derived_in_full_then_larger_m_gives_the_reference():
     assert generators.varuna_cycle(20) is None
     _assert_same_calls([(20, 200), (20, 7), (20, 1000)], (1.0, 2.0))
     assert generators.varuna_cycle(20) is not None
+
+
+def test_derivation_without_a_cycle_grows_its_end_tables_to_m():
+    # Non-whole times: no cycle watch, so the derivation runs to m = 300, far past the
+    # 4p + 16 micro-batches its end tables start with.
+    for p in (1, 3, 8):
+        assert generators._varuna_flags(p, 300, 0.7, 2.3) == _ref_flags(p, 300, 0.7, 2.3)
+    assert generators.varuna_cycle(3, 0.7, 2.3) is None
