@@ -222,13 +222,18 @@ def measure_engine(
     return null_timings, timings
 
 
-def _child(connection, model: ModelLayers, sizes: list[int], warmup: int, steps: int, seed: int) -> None:
-    # Silence DeepSpeed's prints in the child only (the parent may be printing JSON).
+def _quiet_one_thread() -> None:
+    """In a forked measuring child: silence its output (DeepSpeed prints; the parent may be
+    printing JSON) and compute on one thread, as a launched rank does."""
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)
     os.dup2(devnull, 2)
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
+
+
+def _child(connection, model: ModelLayers, sizes: list[int], warmup: int, steps: int, seed: int) -> None:
+    _quiet_one_thread()
     try:
         connection.send(("ok", measure_engine(model, sizes, warmup=warmup, steps=steps, seed=seed)))
     except BaseException as exc:  # report to the parent instead of dying silently
@@ -272,11 +277,7 @@ def run_engine_calibration(
 def _pair_child(connection, rank: int, port: int, model: ModelLayers, micro_batch_size: int, warmup: int,
                 steps: int, seed: int) -> None:
     """One of two data-parallel engine ranks (see `run_engine_pair_calibration`)."""
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 1)
-    os.dup2(devnull, 2)
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
+    _quiet_one_thread()
     try:
         from pipectl.runtime import dsinit
 
@@ -422,10 +423,7 @@ def _host_rank(connection, rank: int, port: int, compute: ComputeFn, plan: _Host
     """One of the two ranks: compute alone (rank 0), compute together, hand messages off, all-reduce."""
     import torch.distributed as dist
 
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 1)
-    os.dup2(devnull, 2)
-    torch.set_num_threads(1)
+    _quiet_one_thread()
     try:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group("gloo", rank=rank, world_size=2)
