@@ -128,3 +128,17 @@ def test_cpu_links_block_and_gpu_links_do_not():
     assert local.blocking_p2p
     a100 = hardware_for(load_cluster("a100-8x8"), profile)
     assert not a100.device.blocking_p2p
+
+
+@pytest.mark.parametrize("kind, v", [(ScheduleKind.INTERLEAVED, 2), (ScheduleKind.INTERLEAVED, 3),
+                                     (ScheduleKind.PIPEDREAM_2BW, 1)])  # fmt: skip
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_interleaved_and_2bw_time_as_rendezvous_too(kind, v, p):
+    # The planner may time them for a CPU cluster (they never run in DeepSpeed's engine): the
+    # communication pass's order must not deadlock, and blocking can only lengthen the step.
+    m = 2 * p
+    costs = random_stage_costs(p, v, random.Random(p))
+    schedule = generate(kind, p, m, v)
+    blocking = simulate_rendezvous(schedule, costs)
+    assert blocking.step_seconds >= simulate(schedule, costs).step_seconds * (1 - 1e-12)
+    assert len(blocking.records) == len(simulate(schedule, costs).records)
