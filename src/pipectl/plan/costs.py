@@ -438,15 +438,15 @@ def data_parallel_seconds(
         inside = replicas_share_node(rank, p, t, d, n)
         ring = links.allreduce_intra if inside else links.allreduce_inter
         handoff = collective_handoff_seconds(hardware, d, inside)
-        gradient_bytes = held * element_bytes
-        seconds = ring.ring_allreduce_seconds(gradient_bytes, d) + handoff
+        gradient_seconds = ring.ring_allreduce_seconds(held * element_bytes, d)
+        seconds = gradient_seconds + handoff
         if runtime is None:
             updated = held / d if zero_stage >= 1 else held
             optimizer.append(updated * ADAM_BYTES_PER_PARAMETER / memory_bandwidth)
         else:
             optimizer.append(runtime.step_fixed_seconds + runtime.step_seconds_per_parameter * held)
             small = ring.ring_allreduce_seconds(SMALL_COLLECTIVE_BYTES, d) + handoff
-            seconds += ring.ring_allreduce_seconds(gradient_bytes, d) / 2 + handoff  # ZeRO-1 parameter all-gather
+            seconds += gradient_seconds / 2 + handoff  # ZeRO-1 parameter all-gather
             seconds += SMALL_COLLECTIVES_PER_DATA_PARALLEL_GROUP * small
             seconds += SMALL_COLLECTIVES_PER_PIPELINE * (
                 pipeline_ring.ring_allreduce_seconds(SMALL_COLLECTIVE_BYTES, p) + pipeline_handoff

@@ -39,13 +39,10 @@ step takes 11, against 10 with asynchronous transfers:
 
 from __future__ import annotations
 
-import math
 from functools import lru_cache
 
 from pipectl.errors import ScheduleError
-from pipectl.plan.simulate import StageCosts, Timeline, TimedAction
-from pipectl.plan.simulate import _check_costs as check_costs
-from pipectl.plan.simulate import _peak_memory_counts as peak_memory_counts
+from pipectl.plan.simulate import StageCosts, Timeline, TimedAction, check_costs, peak_memory_counts, timeline_of
 from pipectl.schedule.comm import add_communication
 from pipectl.schedule.generators import generate
 from pipectl.schedule.ir import Action, ActionKind, Schedule, ScheduleKind
@@ -152,20 +149,12 @@ def simulate_rendezvous(schedule: Schedule, costs: StageCosts) -> Timeline:
             )
             raise ScheduleError(f"blocking send/receive deadlocks: {stuck}")
 
-    step = max(free, default=0.0)
-    idle = [max(step - busy[rank], 0.0) for rank in range(p)]
     peaks = [peak_memory_counts([a for a in actions[rank] if not a.kind.is_p2p]) for rank in range(p)]
     records.sort(key=lambda record: (record.start, record.rank))
-    return Timeline(
-        records=tuple(records),
-        step_seconds=step,
-        bubble_fraction=tuple(i / step if step > 0 else 0.0 for i in idle),
-        communication_seconds=max(exposed, default=0.0),
-        peak_in_flight=tuple(full for full, _ in peaks),
-        bubble_ratio=tuple(i / c if c > 0 else (0.0 if i == 0 else math.inf) for i, c in zip(idle, compute)),
-        communication_seconds_per_rank=tuple(exposed),
-        peak_stashed_inputs=tuple(stashed for _, stashed in peaks),
-    )
+    return timeline_of(
+        records, max(free, default=0.0), busy, compute, exposed,
+        [full for full, _ in peaks], [stashed for _, stashed in peaks],
+    )  # fmt: skip
 
 
 def rendezvous_step_seconds(kind: ScheduleKind, pipeline_parallel: int, micro_batches: int, chunks: int,

@@ -75,6 +75,9 @@ __all__ = [
     "summary_of",
     "TimedAction",
     "Timeline",
+    "check_costs",
+    "peak_memory_counts",
+    "timeline_of",
     "simulate",
     "simulate_step_seconds",
     "uniform_costs",
@@ -274,7 +277,7 @@ def _compile(schedule: Schedule) -> _Compiled:
         dep.append(-1)
         delay_index.append(0)
 
-    peaks = [_peak_memory_counts(per_rank[rank]) for rank in range(p)]
+    peaks = [peak_memory_counts(per_rank[rank]) for rank in range(p)]
     return _Compiled(
         pipeline_parallel=p,
         virtual_stages=stages,
@@ -324,7 +327,7 @@ def _check_compute_structure(schedule: Schedule, per_rank: dict[int, list[Action
                 raise ScheduleError(f"rank {s % p} must run {s}F{i} before {s}R{i} before {s}B{i}")
 
 
-def _peak_memory_counts(actions: list[Action]) -> tuple[int, int]:
+def peak_memory_counts(actions: list[Action]) -> tuple[int, int]:
     """(peak full activations, peak stashed inputs) held by a rank, in (chunk, micro-batch) pairs.
 
     Without recomputation a micro-batch holds its full activations from F until B. With it (an R
@@ -352,7 +355,7 @@ def _peak_memory_counts(actions: list[Action]) -> tuple[int, int]:
 # --------------------------------------------------------------------------------- simulation
 
 
-def _check_costs(pipeline_parallel: int, stages: int, costs: StageCosts) -> None:
+def check_costs(pipeline_parallel: int, stages: int, costs: StageCosts) -> None:
     p = pipeline_parallel
     expected = {
         "forward_seconds": stages,
@@ -377,7 +380,7 @@ def _check_costs(pipeline_parallel: int, stages: int, costs: StageCosts) -> None
 
 
 def _cost_tables(compiled: _Compiled, costs: StageCosts) -> tuple[list[float], list[float]]:
-    _check_costs(compiled.pipeline_parallel, compiled.virtual_stages, costs)
+    check_costs(compiled.pipeline_parallel, compiled.virtual_stages, costs)
     duration_table = [
         *costs.forward_seconds,
         *costs.backward_seconds,
@@ -462,18 +465,31 @@ def simulate(schedule: Schedule, costs: StageCosts) -> Timeline:
     for k in compiled.allreduce_positions:
         exposed[compiled.ranks[k]] += durations[k]
 
-    idle = [max(step - busy[rank], 0.0) for rank in range(p)]
+    return timeline_of(records, step, busy, compute, exposed, compiled.peak_in_flight, compiled.peak_stashed_inputs)
+
+
+def timeline_of(
+    records: Sequence[TimedAction],
+    step: float,
+    busy: Sequence[float],
+    compute: Sequence[float],
+    exposed: Sequence[float],
+    peak_in_flight: Sequence[int],
+    peak_stashed_inputs: Sequence[int],
+) -> Timeline:
+    """A `Timeline` from per-rank busy, compute (F+B+R) and exposed communication seconds."""
+    idle = [max(step - b, 0.0) for b in busy]
     return Timeline(
         records=tuple(records),
         step_seconds=step,
         bubble_fraction=tuple(i / step if step > 0 else 0.0 for i in idle),
         communication_seconds=max(exposed, default=0.0),
-        peak_in_flight=compiled.peak_in_flight,
+        peak_in_flight=tuple(peak_in_flight),
         bubble_ratio=tuple(
             i / c if c > 0 else (0.0 if i == 0 else math.inf) for i, c in zip(idle, compute)
         ),
         communication_seconds_per_rank=tuple(exposed),
-        peak_stashed_inputs=compiled.peak_stashed_inputs,
+        peak_stashed_inputs=tuple(peak_stashed_inputs),
     )
 
 
@@ -494,7 +510,7 @@ def step_seconds_of(
     >>> step_seconds_of(ScheduleKind.GPIPE, 4, 8, 1, False, uniform_costs(4, 1, 1.0, 2.0))
     33.0
     """
-    _check_costs(pipeline_parallel, pipeline_parallel * chunks, costs)
+    check_costs(pipeline_parallel, pipeline_parallel * chunks, costs)
     if _blocking(pipeline_parallel, costs):
         from pipectl.plan.rendezvous import rendezvous_step_seconds
 
@@ -511,7 +527,7 @@ def summary_of(
     costs: StageCosts,
 ) -> StepSummary:
     """Step time, idle fraction and exposed communication of `simulate(generate(...), costs)`."""
-    _check_costs(pipeline_parallel, pipeline_parallel * chunks, costs)
+    check_costs(pipeline_parallel, pipeline_parallel * chunks, costs)
     if _blocking(pipeline_parallel, costs):
         from pipectl.plan.rendezvous import executed_schedule, simulate_rendezvous
 
