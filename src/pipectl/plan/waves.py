@@ -189,6 +189,21 @@ def gpipe_compute_ends(m, forward, backward, recomputes, send_forward, send_back
     return paths.max(axis=1)
 
 
+def _start_after_input(free, produced, send, has_input, exposed, margins):
+    """Per rank: when an action starts (its rank free, its input, where it has one, arrived) and
+    the exposed communication with its wait added; with a `margins` list, each max's margins.
+
+    As in `simulate`, the wait after the producer had finished counts as exposed communication.
+    """
+    ready = np.where(has_input, produced + send, 0.0)
+    start = np.maximum(free, ready)
+    waited_from = np.maximum(free, produced)
+    exposed = exposed + np.where(has_input, np.maximum(start - waited_from, 0.0), 0.0)
+    if margins is not None:
+        margins.extend(np.where(has_input, margin, 1.0) for margin in (free - ready, free - produced, start - waited_from))
+    return start, exposed
+
+
 def pair_schedule_ends(kind: ScheduleKind, p: int, m: int, v: int, t: _Tables) -> tuple[np.ndarray, np.ndarray]:
     """Per rank: the end of its last compute action, and its exposed p2p waiting time.
 
@@ -247,13 +262,7 @@ def pair_schedule_ends(kind: ScheduleKind, p: int, m: int, v: int, t: _Tables) -
         if has_forward is not False:
             produced = forward_end[previous_rank]
             has_input = forward_fed[phase] if has_forward is True else has_forward & forward_fed[phase]
-            ready = np.where(has_input, produced + forward_send[phase], 0.0)
-            start = np.maximum(last, ready)
-            waited_from = np.maximum(last, produced)
-            exposed = exposed + np.where(has_input, np.maximum(start - waited_from, 0.0), 0.0)
-            if margins is not None:
-                margins.extend(np.where(has_input, margin, 1.0)
-                               for margin in (last - ready, last - produced, start - waited_from))
+            start, exposed = _start_after_input(last, produced, forward_send[phase], has_input, exposed, margins)
             new_forward = start + forward_cost[phase]
             if has_forward is True:
                 last = forward_end = new_forward
@@ -269,13 +278,7 @@ def pair_schedule_ends(kind: ScheduleKind, p: int, m: int, v: int, t: _Tables) -
                 produced = np.concatenate((new_backward[1:], _ZERO))
             else:
                 produced = backward_end[next_rank]
-            ready = np.where(has_input, produced + backward_send[phase], 0.0)
-            start = np.maximum(free, ready)
-            waited_from = np.maximum(free, produced)
-            exposed = exposed + np.where(has_input, np.maximum(start - waited_from, 0.0), 0.0)
-            if margins is not None:
-                margins.extend(np.where(has_input, margin, 1.0)
-                               for margin in (free - ready, free - produced, start - waited_from))
+            start, exposed = _start_after_input(free, produced, backward_send[phase], has_input, exposed, margins)
             if not chain:
                 new_backward = start + backward_cost[phase]
             if has_backward is True:
