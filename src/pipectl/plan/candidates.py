@@ -164,6 +164,13 @@ class Rejections:
         if example and reason not in self.examples:
             self.examples[reason] = example
 
+    def merge(self, other: "Rejections") -> None:
+        """Add another's counts; its examples only for reasons that have none yet (the first stays)."""
+        for reason, count in other.counts.items():
+            self.counts[reason] = self.counts.get(reason, 0) + count
+        for reason, example in other.examples.items():
+            self.examples.setdefault(reason, example)
+
     def summary(self) -> dict[str, int]:
         return {reason.value: count for reason, count in sorted(self.counts.items(), key=lambda kv: -kv[1])}
 

@@ -62,6 +62,7 @@ from pipectl.plan.evaluate import Evaluator
 from pipectl.plan.layer_table import layer_table
 from pipectl.plan.memory import format_gib, in_flight_units
 from pipectl.plan.partition import balanced_partition
+from pipectl.plan.workers import available_workers, share
 from pipectl.schedule import ScheduleKind
 
 DEFAULT_SCHEDULES = (ScheduleKind.ONE_F_ONE_B, ScheduleKind.GPIPE, ScheduleKind.INTERLEAVED, ScheduleKind.VARUNA)
@@ -93,6 +94,11 @@ class PlanRequest(Strict):
     for_deepspeed: bool = Field(default=True, description="Choose only schedules DeepSpeed's engine can run.")
     top: int = Field(default=10, description="Candidates kept in the ranking (without include_all).")
     morph: bool = Field(default=True, description="Compute the morph table.")
+    workers: int | None = Field(
+        default=None,
+        description="Processes the enumeration may use (default: $PIPECTL_PLAN_WORKERS, else the cores "
+        "available); the plan is the same for any number.",
+    )
 
 
 # --- validation ----------------------------------------------------------------------------------
@@ -109,7 +115,7 @@ def check_request(request: PlanRequest, profile: ModelProfile, hardware: Hardwar
     if B <= 0:
         raise UserInputError(f"global batch must be a positive number of samples, got {B}")
     for name in ("max_tensor_parallel", "tensor_parallel", "pipeline_parallel", "data_parallel",
-                 "micro_batch_size", "devices", "deadline_hours", "samples", "tokens", "top"):
+                 "micro_batch_size", "devices", "deadline_hours", "samples", "tokens", "top", "workers"):
         _positive(name.replace("_", " "), getattr(request, name))
     if request.devices is not None and request.devices > hardware.devices:
         raise UserInputError(
@@ -212,57 +218,150 @@ class Enumeration:
 
 
 def enumerate_specs(
-    profile: ModelProfile, hardware: Hardware, space: SearchSpace, max_devices: int
+    profile: ModelProfile, hardware: Hardware, space: SearchSpace, max_devices: int, *, workers: int = 1
 ) -> Enumeration:
-    """Every feasible spec with at most `max_devices` devices, and counted rejections."""
+    """Every feasible spec with at most `max_devices` devices, and counted rejections.
+
+    The work comes in (t, b) units that share nothing but read-only inputs: each has its own
+    partitions, memory look-ups and rejections. With `workers` > 1 they are spread over that many
+    processes (`pipectl.plan.workers`) and merged back in the order a single process visits them,
+    so the result is the same whatever the number of workers.
+    """
+    units = [(t, b) for t in space.tensor_parallel for b in space.micro_batch_sizes]
     builder = ShapeBuilder(profile, hardware)
+    context = _UnitContext(profile, hardware, space, max_devices)
+    weights = [context.estimated_families(t) for t, _ in units]
+    if sum(weights) < PARALLEL_MIN_FAMILIES:
+        workers = 1
+    shapes_elsewhere = 0
+
+    def elsewhere(unit: tuple[int, int]) -> tuple[_PortableUnit, int]:
+        before = builder.shapes_built
+        result = context.enumerate_unit(builder, *unit).portable()
+        return result, builder.shapes_built - before
+
+    by_unit: dict[tuple[int, int], _UnitResult] = {}
+    rebuilt: dict[tuple, Shape] = {}
+    outcomes = share(units, weights, lambda unit: context.enumerate_unit(builder, *unit), elsewhere, workers=workers)
+    for unit, outcome in zip(units, outcomes):
+        if outcome.local is not None:
+            by_unit[unit] = outcome.local
+        else:
+            portable, built = outcome.remote
+            shapes_elsewhere += built
+            by_unit[unit] = portable.rebuild(builder, rebuilt)
     out = Enumeration()
     accepted: list[tuple[Shape, ScheduleVariant, tuple[int, int, int, float, tuple[int, ...]]]] = []
-    B = space.global_batch
-    layers = len(profile.layers)
-    capacity = hardware.memory_bytes
-    # The least model state a device can hold: every parameter once, ZeRO-1 over the largest d.
-    model_parameters = layer_table(profile, space.micro_batch_sizes[0]).parameters(0, layers)
-    lightest_state = min(
-        state_bytes(profile.dtype, zero, max(divisors(B)), variant.kind)
-        for zero in space.zero_stages for variant in space.variants
-    )
-    for t in space.tensor_parallel:
-        for b in space.micro_batch_sizes:
-            for recompute in space.recompute:
-                ps = [space.pipeline_parallel] if space.pipeline_parallel else range(1, layers + 1)
-                for p in ps:
-                    if t * p > max_devices:
-                        break
-                    if recompute and p == 1:
-                        continue  # one stage is the last stage: it never recomputes
-                    if model_parameters / (t * p) * lightest_state > capacity:
-                        out.rejections.add(
-                            Rejection.MEMORY,
-                            f"t={t} p={p}: model state alone needs "
-                            f"{format_gib(model_parameters / (t * p) * lightest_state)} > {format_gib(capacity)} per device",
-                        )
-                        continue
-                    ds = []
-                    for d in ([space.data_parallel] if space.data_parallel else divisors(B)):
-                        if t * p * d > max_devices:
-                            continue
-                        if B % (d * b):
-                            out.rejections.add(
-                                Rejection.BATCH_NOT_DIVISIBLE, f"B={B} is not divisible by d={d} x b={b}"
-                            )
-                            continue
-                        ds.append(d)
-                    if not ds:
-                        continue
-                    for variant in _variants_for(space.variants, p, recompute):
-                        _specs_for(
-                            builder, out, accepted, profile, hardware, space, t, b, recompute, p, variant, ds, capacity
-                        )
+    for unit in units:  # the order one process visits them: rejections keep the same first examples
+        result = by_unit[unit]
+        out.rejections.merge(result.rejections)
+        accepted += result.accepted
     # Costed once every point is known: numpy works on all points of a pipeline depth at once.
     out.specs = specs_from_points(accepted, hardware, profile.dtype)
-    out.shapes = builder.shapes_built
+    out.shapes = builder.shapes_built + shapes_elsewhere
     return out
+
+
+# Below this many (t, b, recompute, p, schedule) families a search takes tens of milliseconds:
+# not worth a process (starting one and sending its results back costs ~10 ms).
+PARALLEL_MIN_FAMILIES = 3000
+
+
+@dataclass
+class _UnitResult:
+    """One (t, b) unit's accepted points (shape, schedule, (d, m, ZeRO, state bytes, units)) and rejections."""
+
+    accepted: list[tuple[Shape, ScheduleVariant, tuple[int, int, int, float, tuple[int, ...]]]]
+    rejections: Rejections
+
+    def portable(self) -> "_PortableUnit":
+        """The same with each shape named by its cut (what another process can rebuild it from)."""
+        return _PortableUnit(
+            [(_cut_of(shape), variant, point) for shape, variant, point in self.accepted], self.rejections
+        )
+
+
+@dataclass
+class _PortableUnit:
+    accepted: list[tuple[tuple, ScheduleVariant, tuple[int, int, int, float, tuple[int, ...]]]]
+    rejections: Rejections
+
+    def rebuild(self, builder: ShapeBuilder, rebuilt: dict[tuple, Shape]) -> _UnitResult:
+        """Shapes from their cuts (`shape_from_cuts`: the same arithmetic, so the same figures),
+        one object per distinct cut as the enumerating process shared them."""
+        accepted = []
+        for cut, variant, point in self.accepted:
+            shape = rebuilt.get(cut)
+            if shape is None:
+                shape = rebuilt[cut] = builder.shape_from_cuts(*cut)
+            accepted.append((shape, variant, point))
+        return _UnitResult(accepted, self.rejections)
+
+
+def _cut_of(shape: Shape) -> tuple:
+    return (shape.tensor_parallel, shape.micro_batch_size, shape.recompute, shape.pipeline_parallel,
+            shape.chunks, shape.stage_layers)
+
+
+class _UnitContext:
+    """What every (t, b) unit of one search reads: the profile, the hardware, the space."""
+
+    def __init__(self, profile: ModelProfile, hardware: Hardware, space: SearchSpace, max_devices: int) -> None:
+        self.profile, self.hardware, self.space, self.max_devices = profile, hardware, space, max_devices
+        self.layers = len(profile.layers)
+        self.capacity = hardware.memory_bytes
+        # The least model state a device can hold: every parameter once, ZeRO-1 over the largest d.
+        self.model_parameters = layer_table(profile, space.micro_batch_sizes[0]).parameters(0, self.layers)
+        self.lightest_state = min(
+            state_bytes(profile.dtype, zero, max(divisors(space.global_batch)), variant.kind)
+            for zero in space.zero_stages for variant in space.variants
+        )
+
+    def _depths(self, t: int) -> Iterable[int]:
+        return [self.space.pipeline_parallel] if self.space.pipeline_parallel else range(1, self.layers + 1)
+
+    def _state_fits(self, t: int, p: int) -> bool:
+        return self.model_parameters / (t * p) * self.lightest_state <= self.capacity
+
+    def estimated_families(self, t: int) -> int:
+        """Families of one (t, b) unit that get past the model-state test: the unit's share of the work."""
+        depths = [p for p in self._depths(t) if t * p <= self.max_devices and self._state_fits(t, p)]
+        return len(depths) * len(self.space.variants) * len(self.space.recompute)
+
+    def enumerate_unit(self, builder: ShapeBuilder, t: int, b: int) -> _UnitResult:
+        space, profile, hardware = self.space, self.profile, self.hardware
+        rejections = Rejections()
+        accepted: list[tuple[Shape, ScheduleVariant, tuple[int, int, int, float, tuple[int, ...]]]] = []
+        B = space.global_batch
+        max_devices, capacity = self.max_devices, self.capacity
+        for recompute in space.recompute:
+            for p in self._depths(t):
+                if t * p > max_devices:
+                    break
+                if recompute and p == 1:
+                    continue  # one stage is the last stage: it never recomputes
+                if not self._state_fits(t, p):
+                    rejections.add(
+                        Rejection.MEMORY,
+                        f"t={t} p={p}: model state alone needs "
+                        f"{format_gib(self.model_parameters / (t * p) * self.lightest_state)} > {format_gib(capacity)} per device",
+                    )
+                    continue
+                ds = []
+                for d in ([space.data_parallel] if space.data_parallel else divisors(B)):
+                    if t * p * d > max_devices:
+                        continue
+                    if B % (d * b):
+                        rejections.add(Rejection.BATCH_NOT_DIVISIBLE, f"B={B} is not divisible by d={d} x b={b}")
+                        continue
+                    ds.append(d)
+                if not ds:
+                    continue
+                for variant in _variants_for(space.variants, p, recompute):
+                    _specs_for(
+                        builder, rejections, accepted, profile, hardware, space, t, b, recompute, p, variant, ds, capacity
+                    )
+        return _UnitResult(accepted, rejections)
 
 
 def _variants_for(variants: Iterable[ScheduleVariant], p: int, recompute: bool) -> list[ScheduleVariant]:
@@ -280,14 +379,14 @@ def _variants_for(variants: Iterable[ScheduleVariant], p: int, recompute: bool) 
     return chosen
 
 
-def _specs_for(builder, out, accepted, profile, hardware, space, t, b, recompute, p, variant, ds, capacity) -> None:
+def _specs_for(builder, rejections, accepted, profile, hardware, space, t, b, recompute, p, variant, ds, capacity) -> None:
     """The points of one (t, b, recompute, p, schedule): each (shape, schedule, point) that fits is
-    appended to `accepted`, the others counted in `out.rejections`."""
+    appended to `accepted`, the others counted in `rejections`."""
     B = space.global_batch
     v = variant.chunks
     kind = variant.kind
     if p * v > builder.layers:
-        out.rejections.add(Rejection.TOO_FEW_LAYERS, f"p={p} x v={v} stages > {builder.layers} layers", len(ds))
+        rejections.add(Rejection.TOO_FEW_LAYERS, f"p={p} x v={v} stages > {builder.layers} layers", len(ds))
         return
     # Largest d first: the least memory per device (smaller m, more ZeRO sharding), so a demand
     # that does not fit rules out every stricter one without partitioning again.
@@ -303,28 +402,28 @@ def _specs_for(builder, out, accepted, profile, hardware, space, t, b, recompute
     index = 0  # of the point among the family's (d, ZeRO) points with whole interleaved rounds
     for d, m, zeros, units, per_device in per_d:
         if units is None:
-            out.rejections.add(
+            rejections.add(
                 Rejection.INTERLEAVED_MICRO_BATCHES, f"m={m} is not a multiple of p={p}", len(zeros)
             )
             continue
-        if family.without_cut and Rejection.MEMORY in out.rejections.examples:
+        if family.without_cut and Rejection.MEMORY in rejections.examples:
             # Every ZeRO stage of this d at once when even its lightest demand has no cut (what
             # `_fitting_shape` would answer for each): most points of a large search end here.
             if family.without_cut_below(min(per_device), units):
-                out.rejections.add(Rejection.MEMORY, count=len(zeros))
+                rejections.add(Rejection.MEMORY, count=len(zeros))
                 index += len(zeros)
                 continue
         for zero, state in zip(zeros, per_device):
             fitted = _fitting_shape(family, index, state, units)
             index += 1
             if fitted is None:
-                if Rejection.MEMORY in out.rejections.examples:
+                if Rejection.MEMORY in rejections.examples:
                     # Only the first example is kept: skip building the message (most demands end here).
-                    out.rejections.add(Rejection.MEMORY)
+                    rejections.add(Rejection.MEMORY)
                     continue
                 worst = family.shape.memory.per_rank_bytes(state, units)
                 rank = int(worst.argmax())
-                out.rejections.add(
+                rejections.add(
                     Rejection.MEMORY,
                     f"t={t} p={p} d={d} b={b} {variant.label}{' recompute' if recompute else ''} zero={zero}: "
                     f"stage {rank} needs {format_gib(worst[rank])} > {format_gib(capacity)}",
@@ -686,7 +785,9 @@ def plan_homogeneous(
     max_devices = hardware.devices if request.morph else devices
     clock = time.perf_counter()
     phases: dict[str, float] = {}
-    enumeration = enumerate_specs(profile, hardware, space, max_devices)
+    enumeration = enumerate_specs(
+        profile, hardware, space, max_devices, workers=request.workers or available_workers()
+    )
     phases["enumerate"], clock = time.perf_counter() - clock, time.perf_counter()
     evaluator = Evaluator(hardware, request.global_batch)
     goal = goal_for(request, profile, hardware)
