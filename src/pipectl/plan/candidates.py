@@ -92,7 +92,9 @@ class Shape:
     recompute_seconds: np.ndarray
     send_lower_bound: np.ndarray  # len p*v - 1: the cheaper link's transfer time
     parameters_per_rank: np.ndarray  # after the tensor split
-    _partition_cache: dict = field(default_factory=dict, repr=False)
+    # Figures derived from the cut alone (chains, work per rank, tied groups), computed on first
+    # need: every spec of this shape reads the same ones.
+    _derived: dict = field(default_factory=dict, repr=False)
 
     @property
     def virtual_stages(self) -> int:
@@ -105,9 +107,25 @@ class Shape:
         return per_stage.reshape(self.chunks, p).sum(axis=0)
 
 
+class SpecFigures:
+    """Per-rank figures of a batch of specs, one row each: peak bytes, all-reduce and optimizer
+    seconds. Kept as arrays and read as tuples on demand: a search builds ~10^4 specs and reads
+    these for the few hundred it simulates or records."""
+
+    __slots__ = ("peaks", "allreduce", "optimizer")
+
+    def __init__(self, peaks: np.ndarray, allreduce: np.ndarray, optimizer: np.ndarray) -> None:
+        self.peaks, self.allreduce, self.optimizer = peaks, allreduce, optimizer
+
+    @classmethod
+    def single(cls, peak: Sequence[int], allreduce: Sequence[float], optimizer: Sequence[float]) -> "SpecFigures":
+        """The figures of one spec (row 0)."""
+        return cls(np.array([peak], dtype=np.int64), np.array([allreduce], dtype=float), np.array([optimizer], dtype=float))
+
+
 @dataclass(frozen=True)
 class Spec:
-    """A candidate before simulation."""
+    """A candidate before simulation; its per-rank figures are row `row` of `figures`."""
 
     shape: Shape
     data_parallel: int
@@ -115,9 +133,20 @@ class Spec:
     variant: ScheduleVariant
     zero_stage: int
     lower_bound_seconds: float
-    peak_memory_bytes: tuple[int, ...]
-    allreduce_seconds: tuple[float, ...]
-    optimizer_seconds: tuple[float, ...]
+    figures: SpecFigures = field(repr=False, compare=False)
+    row: int = 0
+
+    @property
+    def peak_memory_bytes(self) -> tuple[int, ...]:
+        return tuple(self.figures.peaks[self.row].tolist())
+
+    @property
+    def allreduce_seconds(self) -> tuple[float, ...]:
+        return tuple(self.figures.allreduce[self.row].tolist())
+
+    @property
+    def optimizer_seconds(self) -> tuple[float, ...]:
+        return tuple(self.figures.optimizer[self.row].tolist())
 
     @property
     def devices(self) -> int:
@@ -351,7 +380,15 @@ def recomputing_stages(shape: Shape, kind: ScheduleKind) -> np.ndarray:
 
 
 def chains(shape: Shape) -> tuple[np.ndarray, np.ndarray]:
-    """Per rank k < p: forwards (+ transfers) before it, and backwards (+ transfers) after it."""
+    """Per rank k < p: forwards (+ transfers) before it, and backwards (+ transfers) after it
+    (computed once per shape; callers must not modify them)."""
+    cached = shape._derived.get("chains")
+    if cached is None:
+        cached = shape._derived["chains"] = _chains(shape)
+    return cached
+
+
+def _chains(shape: Shape) -> tuple[np.ndarray, np.ndarray]:
     p = shape.pipeline_parallel
     forward_chain = np.zeros(p)
     backward_chain = np.zeros(p)
@@ -425,20 +462,37 @@ def _tied_seconds(shape: Shape, hardware: Hardware, d: int, element: int) -> np.
     return _tied_seconds_of(_tied_groups(shape), shape.pipeline_parallel, shape.tensor_parallel, d, hardware, element)
 
 
+def _work_per_rank(shape: Shape, kind: ScheduleKind) -> np.ndarray:
+    """`shape.work_per_rank(recomputing_stages(shape, kind))`, once per shape and recomputation."""
+    key = ("work", shape.recompute or kind is ScheduleKind.VARUNA)  # what `recomputing_stages` reads
+    work = shape._derived.get(key)
+    if work is None:
+        work = shape._derived[key] = shape.work_per_rank(recomputing_stages(shape, kind))
+    return work
+
+
 def _tied_groups(shape: Shape) -> tuple[tuple[tuple[int, ...], int], ...]:
     """Per shared group held by two or more ranks: (those ranks in order, its parameter count)."""
+    groups = shape._derived.get("tied")
+    if groups is None:
+        groups = shape._derived["tied"] = _tied_groups_of(shape)
+    return groups
+
+
+def _tied_groups_of(shape: Shape) -> tuple[tuple[tuple[int, ...], int], ...]:
     table, p = shape.table, shape.pipeline_parallel
     if not table.shared_layer_indices or p == 1:
         return ()
     groups: dict[str, set[int]] = {}
     sizes: dict[str, int] = {}
-    # The stage holding each shared layer, found by bisection over the stage starts (stages are
-    # contiguous), visited in (stage, index) order as a scan over every stage would visit them.
-    starts = [start for start, _ in shape.stage_layers]
+    # The stage holding each shared layer, found by bisection over the stages (contiguous, so the
+    # last whose start is at most the index: (start, end) <= (index, inf) exactly then), visited
+    # in (stage, index) order as a scan over every stage would visit them.
+    stages = shape.stage_layers
     holders = sorted(
-        (bisect_right(starts, index) - 1, position, index)
+        (bisect_right(stages, (index, math.inf)) - 1, position, index)
         for position, index in enumerate(table.shared_layer_indices)
-        if 0 <= index < shape.stage_layers[-1][1]
+        if 0 <= index < stages[-1][1]
     )
     for stage, _, index in holders:
         groups.setdefault(table.shared_group[index], set()).add(stage % p)  # type: ignore[arg-type]
@@ -530,7 +584,7 @@ def _specs_of_one_depth(
     parameters = np.array([shape.memory.parameters for shape in unique])[row_of]
     unit_bytes = np.array([shape.memory.unit_bytes for shape in unique])[row_of]
     buffer_bytes = np.array([shape.memory.recompute_buffer_bytes for shape in unique])[row_of]
-    work = np.array([shape.work_per_rank(recomputing_stages(shape, kind)) for shape in unique])[row_of]
+    work = np.array([_work_per_rank(shape, kind) for shape in unique])[row_of]
     shape_chains = [chains(shape) for shape in unique]
     forward_chain = np.array([forward for forward, _ in shape_chains])[row_of]
     backward_chain = np.array([backward for _, backward in shape_chains])[row_of]
@@ -553,20 +607,9 @@ def _specs_of_one_depth(
         )
     tail = np.maximum(allreduce + optimizer, backward_chain + allreduce[:, :1] + optimizer[:, :1])
     bounds = np.max(forward_chain + micro_batches * work + tail, axis=1).tolist()
-    peaks = peak.astype(np.int64).tolist()  # truncation, as int() does
-    allreduce_rows, optimizer_rows = allreduce.tolist(), optimizer.tolist()
+    figures = SpecFigures(peak.astype(np.int64), allreduce, optimizer)  # int64: truncation, as int() does
     return [
-        Spec(
-            shape=shape,
-            data_parallel=d,
-            micro_batches=m,
-            variant=variant,
-            zero_stage=zero,
-            lower_bound_seconds=bounds[i],
-            peak_memory_bytes=tuple(peaks[i]),
-            allreduce_seconds=tuple(allreduce_rows[i]),
-            optimizer_seconds=tuple(optimizer_rows[i]),
-        )
+        Spec(shape, d, m, variant, zero, bounds[i], figures, i)
         for i, (shape, (d, m, zero, _, _)) in enumerate(zip(shapes, points))
     ]
 

@@ -25,7 +25,7 @@ from pipectl.artifacts.cluster import ClusterSpec
 from pipectl.artifacts.plan import Candidate, Objective, Plan, ReplicaShare
 from pipectl.artifacts.profile import ModelProfile
 from pipectl.errors import InfeasibleError
-from pipectl.plan.candidates import ScheduleVariant, ShapeBuilder, Spec, data_parallel_costs, in_flight, lower_bound_seconds, state_bytes
+from pipectl.plan.candidates import ScheduleVariant, ShapeBuilder, Spec, SpecFigures, data_parallel_costs, in_flight, lower_bound_seconds, state_bytes
 from pipectl.plan.costs import Hardware, hardware_for
 from pipectl.plan.evaluate import Evaluator
 from pipectl.plan.search import PlanRequest, SearchStats, plan_homogeneous
@@ -142,9 +142,10 @@ def uneven_split(
             if not shape.memory.fits(per_device, units, hardware.memory_bytes):
                 return None
             allreduce, optimizer = data_parallel_costs(shape, hardware, d_total, template.zero_stage, profile.dtype)
-            spec = Spec(shape, d_total, m, variant, template.zero_stage, 0.0,
-                        tuple(int(x) for x in shape.memory.per_rank_bytes(per_device, units)),
-                        tuple(allreduce.tolist()), tuple(optimizer.tolist()))
+            figures = SpecFigures.single(
+                [int(x) for x in shape.memory.per_rank_bytes(per_device, units)], allreduce.tolist(), optimizer.tolist()
+            )
+            spec = Spec(shape, d_total, m, variant, template.zero_stage, 0.0, figures)
             step = evaluator.step_seconds(spec)
             if step > slowest:
                 slowest, slowest_run = step, (evaluator, spec)
