@@ -23,6 +23,7 @@ from bisect import bisect_right
 from dataclasses import dataclass, field
 from functools import lru_cache
 from enum import Enum
+import itertools
 from typing import Sequence
 
 import numpy as np
@@ -242,6 +243,9 @@ class ShapeBuilder:
         self._prefixes: dict[tuple[int, int, bool], tuple[float, ...]] = {}
         self._partition_prefixes: dict[tuple[int, int, bool], list[float]] = {}
         self._arrays: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        links = hardware.links
+        # The cheaper link for an activation transfer (the bound's transfer time per cut).
+        self._fastest_link = links.intra if links.intra.seconds(1e6) <= links.inter.seconds(1e6) else links.inter
 
     def range_memory(self, t: int, b: int) -> RangeMemory:
         """Per layer range: the stage memory terms at micro-batch size b and tensor split t."""
@@ -341,16 +345,15 @@ class ShapeBuilder:
         # `LayerSeconds.stage_forward/backward` and `LinkCost.seconds` over every stage at once:
         # the same float64 operations in the same order, so the same values.
         forward_prefix, backward_prefix, output_bytes = self._stage_arrays(b, t)
-        bounds = np.array(cuts, dtype=np.intp)
+        bounds = np.fromiter(itertools.chain.from_iterable(cuts), dtype=np.intp, count=2 * len(cuts)).reshape(-1, 2)
         starts, ends = bounds[:, 0], bounds[:, 1]
         forward = forward_prefix[ends] - forward_prefix[starts] + seconds.forward_overhead
         backward = backward_prefix[ends] - backward_prefix[starts] + seconds.backward_overhead
-        links = self.hardware.links
-        fastest = links.intra if links.intra.seconds(1e6) <= links.inter.seconds(1e6) else links.inter
+        fastest = self._fastest_link
         sends = fastest.latency_seconds + output_bytes[ends[:-1] - 1] / fastest.bandwidth_bytes_per_second
         memory = StageMemory.build(
             table, cuts, tensor_parallel=t, recompute=recompute, pipeline_parallel=p,
-            rows=self.range_memory(t, b),
+            rows=self.range_memory(t, b), bounds=bounds,
         )
         return Shape(
             tensor_parallel=t,

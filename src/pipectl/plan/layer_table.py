@@ -169,15 +169,15 @@ _TABLES_MAX = 512
 
 def layer_table(profile: ModelProfile, micro_batch_size: int) -> LayerTable:
     """The profile's layers at micro-batch size b (measured, or interpolated; cached per profile)."""
+    key = (id(profile), micro_batch_size)
+    hit = _TABLES.get(key)
+    if hit is not None and hit[0] is profile:
+        return hit[1]  # checked when it was built
     if not profile.layers:
         raise UserInputError(f"profile of '{profile.model}' has no layers")
     empty = [layer.name for layer in profile.layers if not layer.costs]
     if empty:
         raise UserInputError(f"profile of '{profile.model}': layer '{empty[0]}' has no costs")
-    key = (id(profile), micro_batch_size)
-    hit = _TABLES.get(key)
-    if hit is not None and hit[0] is profile:
-        return hit[1]
     if len(_TABLES) >= _TABLES_MAX:
         _TABLES.clear()
     table = build_layer_table(profile.layers, micro_batch_size)

@@ -177,16 +177,19 @@ class StageMemory:
         recompute: bool,
         pipeline_parallel: int | None = None,
         rows: "RangeMemory | None" = None,
+        bounds: np.ndarray | None = None,
     ) -> "StageMemory":
         """Per-rank figures; virtual stage s (of p*v) lives on rank s % p.
 
-        `rows` (the same table's `RangeMemory` at this t) reads one-chunk ranks from it.
+        `rows` (the same table's `RangeMemory` at this t) reads one-chunk ranks from it;
+        `bounds` is `stage_layers` as an (stages, 2) integer array when the caller has one.
         """
         p = pipeline_parallel or len(stage_layers)
         last = len(stage_layers) - 1
         if rows is not None and len(stage_layers) == p:
             # One chunk per rank: the same figures as the loop below, looked up.
-            bounds = np.array(stage_layers, dtype=np.intp)
+            if bounds is None:
+                bounds = np.array(stage_layers, dtype=np.intp)
             starts, ends = bounds[:, 0], bounds[:, 1]
             parameters = rows.parameter_matrix[starts, ends]
             full = rows.saved_matrix[starts, ends]
