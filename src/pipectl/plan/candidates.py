@@ -287,6 +287,10 @@ class ShapeBuilder:
             self._bottlenecks[key] = min_bottlenecks(work, range(1, self.layers + 1))
         return self._bottlenecks[key][stages]
 
+    def has_shape(self, t: int, b: int, recompute: bool, p: int, v: int, from_right: bool = False) -> bool:
+        """Whether `shape(...)` of these arguments is built already."""
+        return (t, b, recompute, p, v, from_right) in self._shapes
+
     def shape(self, t: int, b: int, recompute: bool, p: int, v: int, from_right: bool = False) -> Shape:
         key = (t, b, recompute, p, v, from_right)
         shape = self._shapes.get(key)

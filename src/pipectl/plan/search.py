@@ -491,6 +491,10 @@ class _Family:
     def shape_built(self) -> bool:
         return self._shape is not None
 
+    def balanced_cut_known(self) -> bool:
+        """Whether the builder holds this pipeline's balanced cut already (built for another schedule)."""
+        return self.builder.has_shape(self.t, self.b, self.recompute, self.p, self.v)
+
     def cut_fits(self, index: int, from_right: bool) -> bool:
         """Whether the balanced (or right-filled) cut fits point `index`: `StageMemory.fits` for
         every point of the family at once on first asking (the same arithmetic per element)."""
@@ -574,7 +578,11 @@ def _fitting_shape(family: _Family, index: int, per_device: float, units: tuple[
     """
     if family.without_cut_below(per_device, units):
         return None
-    if not family.shape_built and not family.has_memory_fitting_cut(per_device, units):
+    if not family.shape_built and not (
+        # Another schedule of this pipeline built the balanced cut already: if it fits, some cut
+        # does, which is all the memory-only pass below would say.
+        family.balanced_cut_known() and family.cut_fits(index, from_right=False)
+    ) and not family.has_memory_fitting_cut(per_device, units):
         # Until some demand has a cut, test that first: most families of a large search have none,
         # and then neither the balanced cut nor the partitioner is needed to reject them.
         family.without_cut.append((per_device, units))
