@@ -207,3 +207,58 @@ def test_tied_all_reduce_lands_on_the_ranks_holding_the_tied_layers():
     shape = ShapeBuilder(profile, hardware).shape_from_cuts(1, 1, False, 4, 1, [(0, 3), (3, 6), (6, 9), (9, 11)])
     tied = _tied_seconds(shape, hardware, 2, 2)
     assert [rank for rank in range(4) if tied[rank] > 0] == [0, 3]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_plan_is_the_same_whatever_the_number_of_workers(monkeypatch, seed):
+    import dataclasses
+    import random
+
+    from pipectl.plan import search
+    from pipectl.plan.search import SearchStats
+
+    monkeypatch.setattr(search, "PARALLEL_MIN_FAMILIES", 0)  # share even this small search
+    rng = random.Random(seed)
+    blocks = 10
+    profile = synthetic_profile(
+        blocks=blocks, micro_batch_sizes=[1, 2, 4], hidden=128, seq_len=256,
+        block_forward_seconds=[0.01 * rng.uniform(0.5, 2.0) for _ in range(blocks)],
+    )
+    hardware = hardware_for(load_cluster("a100-8x8"), profile)
+    # Memory tight enough that many points are rejected and some need the memory-constrained cut.
+    hardware = dataclasses.replace(hardware, device=hardware.device.model_copy(update={"memory_gib": 0.004 * (seed + 2)}))
+    shared = search.share
+    remote = []
+
+    def counting_share(*args, **kwargs):
+        outcomes = shared(*args, **kwargs)
+        remote.append(sum(outcome.remote is not None for outcome in outcomes))
+        return outcomes
+
+    monkeypatch.setattr(search, "share", counting_share)
+    plans, stats = [], []
+    for workers in (1, 2, 3):
+        stat = SearchStats()
+        request = PlanRequest(global_batch=48, top=5, workers=workers)
+        try:
+            result = search.plan_homogeneous(profile, "tight", hardware, request, stats=stat)
+        except InfeasibleError as error:
+            result = str(error)
+        plans.append(result if isinstance(result, str) else result.model_dump_json())
+        stats.append((stat.specs, stat.shapes, stat.rejected, stat.simulations))
+    assert remote[0] == 0 and remote[1] > 0 and remote[2] > 0  # children did compute units
+    assert plans[0] == plans[1] == plans[2]
+    assert stats[0] == stats[1] == stats[2]
+    assert stats[0][0] and stats[0][2]  # some points fit and some did not
+
+
+def test_rejections_merge_keeps_the_first_example():
+    from pipectl.plan.candidates import Rejection, Rejections
+
+    first, second = Rejections(), Rejections()
+    first.add(Rejection.MEMORY, "first memory example", count=2)
+    second.add(Rejection.MEMORY, "second memory example")
+    second.add(Rejection.TOO_FEW_LAYERS, "layers example", count=3)
+    first.merge(second)
+    assert first.counts == {Rejection.MEMORY: 3, Rejection.TOO_FEW_LAYERS: 3}
+    assert first.examples == {Rejection.MEMORY: "first memory example", Rejection.TOO_FEW_LAYERS: "layers example"}

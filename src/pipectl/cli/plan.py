@@ -81,6 +81,10 @@ def plan_command(
     any_engine: Annotated[bool, typer.Option("--any-engine", help="Also choose schedules DeepSpeed cannot run.")] = False,
     no_morph: Annotated[bool, typer.Option("--no-morph", help="Skip the morph table.")] = False,
     top: Annotated[int, typer.Option("--top", help="Candidates to show.")] = 10,
+    workers: Annotated[
+        Optional[int],
+        typer.Option("--workers", help="Processes for the search (default: $PIPECTL_PLAN_WORKERS, else the cores available); the plan is the same for any number."),
+    ] = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Search t, p, d, b, v, schedule, recomputation and ZeRO stage; write plan.json."""
@@ -116,6 +120,7 @@ def plan_command(
         for_deepspeed=not any_engine,
         top=max(top, 1),
         morph=not no_morph,
+        workers=workers,
     )
     result = plan(model_profile, cluster_spec, request, profile_path=str(profile))
     write_json_atomic(output, result)

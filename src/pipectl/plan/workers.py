@@ -21,6 +21,8 @@ import pickle
 from dataclasses import dataclass
 from typing import Any, Callable, Generic, Sequence, TypeVar
 
+from pipectl.errors import UserInputError
+
 Unit = TypeVar("Unit")
 Local = TypeVar("Local")
 
@@ -29,12 +31,15 @@ WORKERS_ENV = "PIPECTL_PLAN_WORKERS"
 
 def available_workers() -> int:
     """Processes a search may use: `PIPECTL_PLAN_WORKERS` if set, else the cores this process may run on."""
-    text = os.environ.get(WORKERS_ENV)
+    text = os.environ.get(WORKERS_ENV, "").strip()
     if text:
         try:
-            return max(1, int(text))
+            workers = int(text)
         except ValueError:
-            return 1
+            workers = 0
+        if workers < 1:
+            raise UserInputError(f"{WORKERS_ENV}={text!r} is not a positive number of processes")
+        return workers
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - not Linux

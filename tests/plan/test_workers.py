@@ -1,0 +1,68 @@
+"""Sharing units of work between forked processes: every unit once, in order, whoever computed it."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from pipectl.errors import UserInputError
+from pipectl.plan import workers
+from pipectl.plan.workers import available_workers, share
+
+
+def _results(outcomes, decode=lambda remote: remote):
+    return [outcome.local if outcome.local is not None else decode(outcome.remote) for outcome in outcomes]
+
+
+@pytest.mark.parametrize("count", [1, 2, 3])
+def test_every_unit_is_computed_once_and_returned_in_order(count):
+    units = list(range(9))
+    weights = [5, 1, 9, 2, 2, 7, 1, 3, 4]
+    outcomes = share(units, weights, lambda u: ("here", u * u), lambda u: ("child", u * u, os.getpid()), workers=count)
+    results = _results(outcomes)
+    assert [r[1] for r in results] == [u * u for u in units]
+    pids = {r[2] for r in results if r[0] == "child"}
+    assert os.getpid() not in pids
+    if count == 1:
+        assert all(r[0] == "here" for r in results)
+
+
+def test_two_processes_both_take_units():
+    # Units long enough that the child starts before this process has taken them all.
+    def slow(unit):
+        total = 0
+        for i in range(200_000):
+            total += i % (unit + 2)
+        return total
+
+    outcomes = share(list(range(16)), [1] * 16, slow, slow, workers=2)
+    assert {outcome.local is not None for outcome in outcomes} == {True, False}
+    assert _results(outcomes) == [slow(u) for u in range(16)]
+
+
+def test_a_failing_child_leaves_its_units_to_this_process():
+    def elsewhere(unit):
+        raise RuntimeError("child failed")
+
+    outcomes = share(list(range(6)), [1] * 6, lambda u: u + 100, elsewhere, workers=2)
+    assert [outcome.local for outcome in outcomes] == [u + 100 for u in range(6)]
+
+
+def test_a_child_that_dies_leaves_its_units_to_this_process():
+    def elsewhere(unit):
+        os._exit(3)  # no result, no message: the pipe just closes
+
+    outcomes = share(list(range(6)), [1] * 6, lambda u: -u, elsewhere, workers=2)
+    assert [outcome.local for outcome in outcomes] == [-u for u in range(6)]
+
+
+def test_the_environment_sets_the_number_of_workers(monkeypatch):
+    monkeypatch.setenv(workers.WORKERS_ENV, "3")
+    assert available_workers() == 3
+    monkeypatch.delenv(workers.WORKERS_ENV)
+    assert available_workers() >= 1
+    for bad in ("0", "-2", "many"):
+        monkeypatch.setenv(workers.WORKERS_ENV, bad)
+        with pytest.raises(UserInputError, match=workers.WORKERS_ENV):
+            available_workers()
