@@ -1,62 +1,67 @@
 """Planner at scale: GPT 1T on 384 x 8 A100-80GB, global batch 3072, every schedule + morph table.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/plan_scale.py [--profile-out stats.prof]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/plan_scale.py [--repeats 3] [--workers 1,auto]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/plan_scale.py --single --workers 1 [--profile-out stats.prof]
 
 Derives the 1T profile (128 blocks, h 25600, s 2048, V 51200; micro-batch sizes 1, 2, 4, 8),
 plans for all 3,072 GPUs with the schedules 1f1b, gpipe, interleaved (v = 2, 4) and Varuna,
-recomputation on/off, ZeRO 0/1, and the morph table for every count up to 3,072. Prints the wall
-time (the derivation excluded), specs enumerated and simulated per second, simulator actions per
-second, and writes benchmarks/results/plan_scale.json.
+recomputation on/off, ZeRO 0/1, and the morph table for every count up to 3,072.
+
+Every timing is a cold search in a fresh process (the planner's caches start empty), and the
+worker counts asked for are run alternately, `--repeats` times each, so their ratio comes from
+one run on one machine. Prints and writes (benchmarks/results/plan_scale.json) the median wall
+time per worker count (the derivation excluded), specs enumerated per second, simulator actions
+per second, and the search's figures from the run with the most workers; every worker count's
+plan must be the same (its sha256 is compared).
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import hashlib
 import json
+import os
 import platform
+import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
-
-from pipectl.catalog import get_device
-from pipectl.cluster import load_cluster
-from pipectl.models.registry import load_model_config
-from pipectl.plan.search import PlanRequest, SearchStats, plan
-from pipectl.profile.derive import derive_profile
 
 RESULTS = Path(__file__).parent / "results" / "plan_scale.json"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--profile-out", help="write cProfile statistics here")
-    parser.add_argument("--global-batch", type=int, default=3072)
-    parser.add_argument("--no-write", action="store_true", help="do not update the results file")
-    args = parser.parse_args()
+def single(workers: int | None, profile_out: str | None) -> dict:
+    """One cold search in this process: its figures."""
+    from pipectl.catalog import get_device
+    from pipectl.cluster import load_cluster
+    from pipectl.models.registry import load_model_config
+    from pipectl.plan.search import PlanRequest, SearchStats, plan
+    from pipectl.plan.workers import available_workers
+    from pipectl.profile.derive import derive_profile
 
     started = time.perf_counter()
     profile = derive_profile(load_model_config("gpt-1t"), get_device("a100-80gb"), [1, 2, 4, 8])
     cluster = load_cluster("a100-384x8")
     derive_seconds = time.perf_counter() - started
 
-    request = PlanRequest(global_batch=args.global_batch)
+    request = PlanRequest(global_batch=3072, workers=workers)
     stats = SearchStats()
-    profiler = cProfile.Profile() if args.profile_out else None
+    profiler = cProfile.Profile() if profile_out else None
     started = time.perf_counter()
     if profiler:
         profiler.enable()
     result = plan(profile, cluster, request, stats=stats)
     if profiler:
         profiler.disable()
-        profiler.dump_stats(args.profile_out)
+        profiler.dump_stats(profile_out)
     wall = time.perf_counter() - started
 
     chosen = result.chosen
     distinct_morph = {id(e.candidate) for e in result.morph_table if e.candidate}
-    figures = {
-        "model": "gpt-1t (derived, a100-80gb, micro-batch sizes 1,2,4,8)",
-        "cluster": "a100-384x8 (3072 x A100-80GB)",
-        "global_batch": args.global_batch,
+    return {
+        "workers": workers or available_workers(),
         "wall_seconds": round(wall, 3),
         "derive_profile_seconds": round(derive_seconds, 3),
         "specs_enumerated": stats.specs,
@@ -84,10 +89,62 @@ def main() -> None:
             "step_seconds": round(chosen.predicted_step_seconds, 3),
             "tflops_per_device": round(chosen.tflops_per_device, 1),
         },
-        "under_cprofile": bool(args.profile_out),
+        "plan_sha256": hashlib.sha256(result.model_dump_json().encode()).hexdigest(),
+        "under_cprofile": bool(profile_out),
+    }
+
+
+def _worker_counts(text: str) -> list[int | None]:
+    return [None if part.strip() == "auto" else int(part) for part in text.split(",")]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--single", action="store_true", help="one cold search in this process, figures as JSON")
+    parser.add_argument("--workers", default="1,auto", help="worker counts to compare (auto: the cores available)")
+    parser.add_argument("--repeats", type=int, default=3, help="cold runs per worker count, alternating")
+    parser.add_argument("--profile-out", help="with --single: write cProfile statistics here")
+    parser.add_argument("--no-write", action="store_true", help="do not update the results file")
+    args = parser.parse_args()
+
+    counts = _worker_counts(args.workers)
+    if args.single:
+        print(json.dumps(single(counts[0], args.profile_out)))
+        return
+
+    runs: dict[int, list[dict]] = {}
+    for _ in range(args.repeats):
+        for workers in counts:
+            command = [sys.executable, __file__, "--single", "--workers", "auto" if workers is None else str(workers)]
+            output = subprocess.run(command, check=True, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}).stdout
+            figures = json.loads(output)
+            runs.setdefault(figures["workers"], []).append(figures)
+            print(f"workers={figures['workers']}: {figures['wall_seconds']:.3f} s  {figures['phase_seconds']}", flush=True)
+    plans = {figures["plan_sha256"] for every in runs.values() for figures in every}
+    if len(plans) != 1:
+        raise SystemExit(f"the plans differ between worker counts: {sorted(plans)}")
+    medians = {workers: statistics.median(f["wall_seconds"] for f in every) for workers, every in runs.items()}
+    most = max(runs)
+    best = dict(runs[most][0])
+    best.pop("under_cprofile")
+    wall = medians[most]
+    figures = {
+        "model": "gpt-1t (derived, a100-80gb, micro-batch sizes 1,2,4,8)",
+        "cluster": "a100-384x8 (3072 x A100-80GB)",
+        "global_batch": 3072,
+        **best,
+        "wall_seconds": round(wall, 3),
+        "specs_per_second": round(best["specs_enumerated"] / wall),
+        "simulator_actions_per_second_of_wall": round(best["simulated_actions"] / wall),
+        "wall_seconds_by_workers": {str(w): [f["wall_seconds"] for f in every] for w, every in sorted(runs.items())},
+        "median_wall_seconds_by_workers": {str(w): round(m, 3) for w, m in sorted(medians.items())},
+        "one_worker_over_most": round(medians[min(runs)] / wall, 3) if len(runs) > 1 else None,
+        "target_wall_seconds": 2.0,
+        "cpus": os.cpu_count(),
         "machine": f"{platform.processor() or platform.machine()}, python {platform.python_version()}",
         "command": "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/plan_scale.py"
-        + (f" --profile-out {args.profile_out}" if args.profile_out else ""),
+        + (f" --workers {args.workers}" if args.workers != "1,auto" else "")
+        + (f" --repeats {args.repeats}" if args.repeats != 3 else ""),
     }
     print(json.dumps(figures, indent=2))
     if not args.no_write:

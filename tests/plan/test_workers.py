@@ -66,3 +66,22 @@ def test_the_environment_sets_the_number_of_workers(monkeypatch):
         monkeypatch.setenv(workers.WORKERS_ENV, bad)
         with pytest.raises(UserInputError, match=workers.WORKERS_ENV):
             available_workers()
+
+
+def test_an_error_here_ends_the_children():
+    import multiprocessing
+
+    def here(unit):
+        if unit == 3:
+            raise ValueError("bad unit")
+        return unit
+
+    def elsewhere(unit):
+        import time
+
+        time.sleep(0.2)
+        return unit
+
+    with pytest.raises(ValueError, match="bad unit"):
+        share(list(range(8)), [1] * 8, here, elsewhere, workers=3)
+    assert not multiprocessing.active_children()

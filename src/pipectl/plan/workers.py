@@ -18,6 +18,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import pickle
+import signal
 from dataclasses import dataclass
 from typing import Any, Callable, Generic, Sequence, TypeVar
 
@@ -69,15 +70,21 @@ def share(
     outcomes: list[Outcome[Local] | None] = [None] * len(units)
     children = _start_children(order, units, elsewhere, max(0, min(workers, len(units)) - 1))
     counter = children[0][2] if children else None
-    while True:
-        position = _take(counter) if counter is not None else _next_unset(order, outcomes)
-        if position is None or position >= len(order):
-            break
-        index = order[position]
-        outcomes[index] = Outcome(local=here(units[index]))
-    for process, receive, _ in children:
-        for index, result in _collect(process, receive).items():
-            outcomes[index] = Outcome(remote=result)
+    try:
+        while True:
+            position = _take(counter) if counter is not None else _next_unset(order, outcomes)
+            if position is None or position >= len(order):
+                break
+            index = order[position]
+            outcomes[index] = Outcome(local=here(units[index]))
+        for process, receive, _ in children:
+            for index, result in _collect(process, receive).items():
+                outcomes[index] = Outcome(remote=result)
+    finally:  # this process failed (or was interrupted): no child outlives it
+        for process, _, _ in children:
+            if process.is_alive():
+                process.terminate()
+                process.join()
     for index, outcome in enumerate(outcomes):
         if outcome is None:  # a child failed: its units are computed here
             outcomes[index] = Outcome(local=here(units[index]))
@@ -117,6 +124,8 @@ def _start_children(order, units, elsewhere, count: int) -> list[tuple[Any, Any,
 
 
 def _child(order, units, elsewhere, counter, send) -> None:
+    # Ctrl-C reaches the whole process group: the parent handles it (and ends its children).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     results: dict[int, Any] = {}
     try:
         while (position := _take(counter)) < len(order):
@@ -124,8 +133,11 @@ def _child(order, units, elsewhere, counter, send) -> None:
         payload = pickle.dumps(("ok", results), protocol=pickle.HIGHEST_PROTOCOL)
     except BaseException:  # the parent computes the units itself (and so raises the same error there)
         payload = pickle.dumps(("failed", None))
-    send.send_bytes(payload)
-    send.close()
+    try:
+        send.send_bytes(payload)
+        send.close()
+    except OSError:  # the parent has gone
+        pass
 
 
 def _collect(process: Any, receive: Any) -> dict[int, Any]:
