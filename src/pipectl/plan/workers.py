@@ -30,8 +30,14 @@ Local = TypeVar("Local")
 WORKERS_ENV = "PIPECTL_PLAN_WORKERS"
 
 
+# The enumeration comes in ~16 units of uneven size: past this many processes its longest unit
+# and the serial rest of the search set the time, and more children only cost memory.
+MOST_AUTOMATIC_WORKERS = 8
+
+
 def available_workers() -> int:
-    """Processes a search may use: `PIPECTL_PLAN_WORKERS` if set, else the cores this process may run on."""
+    """Processes a search may use: `PIPECTL_PLAN_WORKERS` if set, else the cores this process may
+    run on (at most `MOST_AUTOMATIC_WORKERS`)."""
     text = os.environ.get(WORKERS_ENV, "").strip()
     if text:
         try:
@@ -42,9 +48,10 @@ def available_workers() -> int:
             raise UserInputError(f"{WORKERS_ENV}={text!r} is not a positive number of processes")
         return workers
     try:
-        return len(os.sched_getaffinity(0))
+        cores = len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - not Linux
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    return min(cores, MOST_AUTOMATIC_WORKERS)
 
 
 @dataclass
