@@ -154,3 +154,33 @@ def test_stage_memory_from_range_rows_is_the_same(recompute, t):
             (slow.parameters, slow.unit_bytes, slow.recompute_buffer_bytes),
         ):
             assert mine.tolist() == theirs.tolist()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_interleaved_stage_memory_from_range_rows_is_the_same(seed):
+    """Several chunks per rank, tied embeddings or not, one rank holding both tied layers or not."""
+    import random
+
+    from pipectl.plan.memory import RangeMemory
+
+    rng = random.Random(seed)
+    table = layer_table(
+        synthetic_profile(blocks=rng.randint(6, 14), micro_batch_sizes=[1], hidden=80, tied=rng.random() < 0.7), 1
+    )
+    layers = table.layers
+    for _ in range(20):
+        t, recompute = rng.choice((1, 2, 4)), rng.random() < 0.5
+        p = rng.randint(1, 3)
+        stages = p * rng.randint(2, max(2, layers // p))
+        if stages > layers:
+            continue
+        ends = sorted(rng.sample(range(1, layers), stages - 1)) + [layers]
+        cuts = tuple(zip([0] + ends[:-1], ends))
+        rows = RangeMemory.build(table, t)
+        slow = StageMemory.build(table, cuts, tensor_parallel=t, recompute=recompute, pipeline_parallel=p)
+        fast = StageMemory.build(table, cuts, tensor_parallel=t, recompute=recompute, pipeline_parallel=p, rows=rows)
+        for mine, theirs in zip(
+            (fast.parameters, fast.unit_bytes, fast.recompute_buffer_bytes),
+            (slow.parameters, slow.unit_bytes, slow.recompute_buffer_bytes),
+        ):
+            assert mine.tolist() == theirs.tolist()

@@ -41,6 +41,8 @@ activation is replicated and is not divided.
 
 from __future__ import annotations
 
+import math
+from bisect import bisect_right
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Sequence
@@ -199,6 +201,20 @@ class StageMemory:
             unit[last], buffer = full[last], full.copy()
             buffer[last] = 0.0
             return cls(parameters, unit, buffer)
+        if rows is not None and len(stage_layers) % p == 0 and _no_shared_group_twice_per_rank(table, stage_layers, p):
+            # Several chunks per rank: the loop below per chunk at once. Parameter counts are
+            # whole numbers below 2**53 in float64, so their sums, and the sums over t, are exact.
+            if bounds is None:
+                bounds = np.array(stage_layers, dtype=np.intp)
+            starts, ends = bounds[:, 0], bounds[:, 1]
+            chunks = len(stage_layers) // p
+            prefix = rows.parameter_prefix
+            parameters = (prefix[ends] - prefix[starts]).reshape(chunks, p).sum(axis=0) / tensor_parallel
+            full = rows.saved_matrix[starts, ends]
+            recomputes = np.arange(last + 1) != last if recompute else np.zeros(last + 1, dtype=bool)
+            unit = np.where(recomputes, rows.input_array[starts], full).reshape(chunks, p).max(axis=0)
+            buffer = np.where(recomputes, full, 0.0).reshape(chunks, p).max(axis=0)
+            return cls(parameters, unit, buffer)
         chunks_of: list[list[tuple[int, int, int]]] = [[] for _ in range(p)]
         for stage, (start, end) in enumerate(stage_layers):
             chunks_of[stage % p].append((stage, start, end))
@@ -225,6 +241,22 @@ class StageMemory:
 
     def fits(self, state_bytes: float, units: Sequence[int], capacity_bytes: float) -> bool:
         return bool((self.per_rank_bytes(state_bytes, units) <= capacity_bytes).all())
+
+
+def _no_shared_group_twice_per_rank(table: LayerTable, stage_layers: Sequence[tuple[int, int]], p: int) -> bool:
+    """Whether no rank (virtual stage s on rank s % p) holds two layers of one shared group (a
+    tied embedding): then each chunk's parameters are its layers' and a rank's are their sum."""
+    shared = table.shared_layer_indices
+    if len(shared) < 2:
+        return True
+    holders: set[tuple[str, int]] = set()
+    for index in shared:
+        stage = bisect_right(stage_layers, (index, math.inf)) - 1  # stages are contiguous
+        holder = (table.shared_group[index], stage % p)
+        if holder in holders:
+            return False
+        holders.add(holder)  # type: ignore[arg-type]
+    return True
 
 
 def _parameters_on_rank(table: LayerTable, chunks: list[tuple[int, int, int]]) -> int:
@@ -284,6 +316,7 @@ class RangeMemory:
     parameter_matrix: np.ndarray
     saved_matrix: np.ndarray
     input_array: np.ndarray
+    parameter_prefix: np.ndarray  # the table's parameter counts, as float64 prefix sums (not over t)
 
     @classmethod
     def build(cls, table, tensor_parallel: int) -> "RangeMemory":
@@ -300,7 +333,7 @@ class RangeMemory:
         for start, end in zip(*np.nonzero(shared[None, :] - shared[:, None] >= 2)):
             rows[start][end] = table.parameters(int(start), int(end)) / tensor_parallel
         inputs = [table.input_activation_bytes(start) for start in range(layers)] + [0.0]
-        return cls(rows, saved.tolist(), inputs, np.array(rows), saved, np.array(inputs))
+        return cls(rows, saved.tolist(), inputs, np.array(rows), saved, np.array(inputs), parameter_prefix)
 
     def stage_bytes(self, start: int, end: int, *, state_bytes: float, units: int, recompute: bool) -> float:
         """`stage_memory_bytes(table, start, end, ..., recompute=recompute)` for a non-last stage
