@@ -348,14 +348,13 @@ def min_bottlenecks(weights: Sequence[float], stage_counts: Sequence[int]) -> di
     high = np.searchsorted(candidates, (total / ps + largest) * (1 + 1e-9), side="right") - 1
     high = np.clip(high, low, len(candidates) - 1)
     while True:
-        active = low < high
-        if not active.any():
+        active = np.flatnonzero(low < high)  # only the counts still searching run the greedy pass
+        if not len(active):
             break
-        middle = (low + high) // 2
-        limits = candidates[np.where(active, middle, high)]
-        ok = _stages_needed(prefix, limits, ps.max() + 1) <= ps
-        high = np.where(active & ok, middle, high)
-        low = np.where(active & ~ok, middle + 1, low)
+        middle = (low[active] + high[active]) // 2
+        ok = _stages_needed(prefix, candidates[middle], int(ps[active].max()) + 1) <= ps[active]
+        high[active] = np.where(ok, middle, high[active])
+        low[active] = np.where(ok, low[active], middle + 1)
     return {int(p): float(candidates[i]) for p, i in zip(ps, low)}
 
 
