@@ -262,3 +262,24 @@ def test_rejections_merge_keeps_the_first_example():
     first.merge(second)
     assert first.counts == {Rejection.MEMORY: 3, Rejection.TOO_FEW_LAYERS: 3}
     assert first.examples == {Rejection.MEMORY: "first memory example", Rejection.TOO_FEW_LAYERS: "layers example"}
+
+
+@pytest.mark.parametrize("cluster_name", ["a100-8x8", "a100-384x8", "v100-4vm", "mixed-v100-p100"])
+@pytest.mark.parametrize("model", ["gpt2-2.5b", "gpt3-175b"])
+def test_shipped_clusters_plan_the_same_with_one_or_two_workers(monkeypatch, cluster_name, model):
+    from pipectl.catalog import get_device
+    from pipectl.models.registry import load_model_config
+    from pipectl.plan import search
+    from pipectl.profile.derive import derive_profile
+
+    monkeypatch.setattr(search, "PARALLEL_MIN_FAMILIES", 0)
+    cluster = load_cluster(cluster_name)
+    device = get_device(cluster.node_types[0].device)
+    profile = derive_profile(load_model_config(model), device, [1, 2, 4])
+    plans = []
+    for workers in (1, 2):
+        try:
+            plans.append(plan(profile, cluster, PlanRequest(global_batch=512, workers=workers)).model_dump_json())
+        except InfeasibleError as error:
+            plans.append(str(error))
+    assert plans[0] == plans[1]
