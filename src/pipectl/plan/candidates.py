@@ -391,8 +391,15 @@ def chains(shape: Shape) -> tuple[np.ndarray, np.ndarray]:
     (computed once per shape; callers must not modify them)."""
     cached = shape._derived.get("chains")
     if cached is None:
-        cached = shape._derived["chains"] = _chains(shape)
+        cached = shape._derived["chains"] = _read_only(*_chains(shape))
     return cached
+
+
+def _read_only(*arrays: np.ndarray) -> tuple[np.ndarray, ...]:
+    """The arrays, made read-only: cached figures that every spec of a shape shares."""
+    for array in arrays:
+        array.setflags(write=False)
+    return arrays
 
 
 def _chains(shape: Shape) -> tuple[np.ndarray, np.ndarray]:
@@ -474,7 +481,8 @@ def _work_per_rank(shape: Shape, kind: ScheduleKind) -> np.ndarray:
     key = ("work", shape.recompute or kind is ScheduleKind.VARUNA)  # what `recomputing_stages` reads
     work = shape._derived.get(key)
     if work is None:
-        work = shape._derived[key] = shape.work_per_rank(recomputing_stages(shape, kind))
+        (work,) = _read_only(shape.work_per_rank(recomputing_stages(shape, kind)))
+        shape._derived[key] = work
     return work
 
 

@@ -317,7 +317,7 @@ class _UnitContext:
             for zero in space.zero_stages for variant in space.variants
         )
 
-    def _depths(self, t: int) -> Iterable[int]:
+    def _depths(self) -> Iterable[int]:
         return [self.space.pipeline_parallel] if self.space.pipeline_parallel else range(1, self.layers + 1)
 
     def _state_fits(self, t: int, p: int) -> bool:
@@ -325,7 +325,7 @@ class _UnitContext:
 
     def estimated_families(self, t: int) -> int:
         """Families of one (t, b) unit that get past the model-state test: the unit's share of the work."""
-        depths = [p for p in self._depths(t) if t * p <= self.max_devices and self._state_fits(t, p)]
+        depths = [p for p in self._depths() if t * p <= self.max_devices and self._state_fits(t, p)]
         return len(depths) * len(self.space.variants) * len(self.space.recompute)
 
     def enumerate_unit(self, builder: ShapeBuilder, t: int, b: int) -> _UnitResult:
@@ -335,7 +335,7 @@ class _UnitContext:
         B = space.global_batch
         max_devices, capacity = self.max_devices, self.capacity
         for recompute in space.recompute:
-            for p in self._depths(t):
+            for p in self._depths():
                 if t * p > max_devices:
                     break
                 if recompute and p == 1:
