@@ -70,7 +70,7 @@ def share(
     *,
     workers: int,
 ) -> list[Outcome[Local]]:
-    """Each unit's outcome, in the units' order: `here(unit)` for those this process took,
+    """Each unit's outcome, in the units' order: `here(unit)` (never None) for those this process took,
     `elsewhere(unit)` (a picklable result) for those a child took. `weights` order the taking
     (heaviest first, so the last units taken are short and every process ends about together)."""
     order = sorted(range(len(units)), key=lambda i: -weights[i])
