@@ -29,16 +29,15 @@ def test_every_unit_is_computed_once_and_returned_in_order(count):
 
 
 def test_two_processes_both_take_units():
-    # Units long enough that the child starts before this process has taken them all.
-    def slow(unit):
-        total = 0
-        for i in range(200_000):
-            total += i % (unit + 2)
-        return total
+    import time
 
-    outcomes = share(list(range(16)), [1] * 16, slow, slow, workers=2)
+    def here(unit):  # slow here, so the child (started at once) surely takes some units
+        time.sleep(0.03)
+        return unit * 3
+
+    outcomes = share(list(range(16)), [1] * 16, here, lambda unit: unit * 3, workers=2)
     assert {outcome.local is not None for outcome in outcomes} == {True, False}
-    assert _results(outcomes) == [slow(u) for u in range(16)]
+    assert _results(outcomes) == [u * 3 for u in range(16)]
 
 
 def test_a_failing_child_leaves_its_units_to_this_process():
