@@ -112,6 +112,7 @@ def main() -> None:
         print(json.dumps(single(counts[0], args.profile_out)))
         return
 
+    load_before = os.getloadavg()[0]
     runs: dict[int, list[dict]] = {}
     for _ in range(args.repeats):
         for workers in counts:
@@ -141,6 +142,7 @@ def main() -> None:
         "one_worker_over_most": round(medians[min(runs)] / wall, 3) if len(runs) > 1 else None,
         "target_wall_seconds": 2.0,
         "cpus": os.cpu_count(),
+        "load_average_1min": {"before": round(load_before, 2), "after": round(os.getloadavg()[0], 2)},
         "machine": f"{platform.processor() or platform.machine()}, python {platform.python_version()}",
         "command": "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/plan_scale.py"
         + (f" --workers {args.workers}" if args.workers != "1,auto" else "")
