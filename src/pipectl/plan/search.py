@@ -240,20 +240,16 @@ def enumerate_specs(
         result = context.enumerate_unit(builder, *unit).portable()
         return result, builder.shapes_built - before
 
-    by_unit: dict[tuple[int, int], _UnitResult] = {}
     rebuilt: dict[tuple, Shape] = {}
     outcomes = share(units, weights, lambda unit: context.enumerate_unit(builder, *unit), elsewhere, workers=workers)
-    for unit, outcome in zip(units, outcomes):
-        if outcome.local is not None:
-            by_unit[unit] = outcome.local
-        else:
-            portable, built = outcome.remote
-            shapes_elsewhere += built
-            by_unit[unit] = portable.rebuild(builder, rebuilt)
     out = Enumeration()
     accepted: list[tuple[Shape, ScheduleVariant, tuple[int, int, int, float, tuple[int, ...]]]] = []
-    for unit in units:  # the order one process visits them: rejections keep the same first examples
-        result = by_unit[unit]
+    for outcome in outcomes:  # in the units' order, as one process visits them: the same first examples
+        result = outcome.local
+        if result is None:
+            portable, built = outcome.remote
+            shapes_elsewhere += built
+            result = portable.rebuild(builder, rebuilt)
         out.rejections.merge(result.rejections)
         accepted += result.accepted
     # Costed once every point is known: numpy works on all points of a pipeline depth at once.
@@ -320,12 +316,13 @@ class _UnitContext:
     def _depths(self) -> Iterable[int]:
         return [self.space.pipeline_parallel] if self.space.pipeline_parallel else range(1, self.layers + 1)
 
-    def _state_fits(self, t: int, p: int) -> bool:
-        return self.model_parameters / (t * p) * self.lightest_state <= self.capacity
+    def _least_state_bytes(self, t: int, p: int) -> float:
+        """The least model state a device of a (t, p) pipeline can hold."""
+        return self.model_parameters / (t * p) * self.lightest_state
 
     def estimated_families(self, t: int) -> int:
         """Families of one (t, b) unit that get past the model-state test: the unit's share of the work."""
-        depths = [p for p in self._depths() if t * p <= self.max_devices and self._state_fits(t, p)]
+        depths = [p for p in self._depths() if t * p <= self.max_devices and self._least_state_bytes(t, p) <= self.capacity]
         return len(depths) * len(self.space.variants) * len(self.space.recompute)
 
     def enumerate_unit(self, builder: ShapeBuilder, t: int, b: int) -> _UnitResult:
@@ -340,11 +337,11 @@ class _UnitContext:
                     break
                 if recompute and p == 1:
                     continue  # one stage is the last stage: it never recomputes
-                if not self._state_fits(t, p):
+                least = self._least_state_bytes(t, p)
+                if least > capacity:
                     rejections.add(
                         Rejection.MEMORY,
-                        f"t={t} p={p}: model state alone needs "
-                        f"{format_gib(self.model_parameters / (t * p) * self.lightest_state)} > {format_gib(capacity)} per device",
+                        f"t={t} p={p}: model state alone needs {format_gib(least)} > {format_gib(capacity)} per device",
                     )
                     continue
                 ds = []
