@@ -19,7 +19,6 @@ free communication it is exactly (m + p − 1)(t_f + t_b) (SPEC §4), so pruning
 from __future__ import annotations
 
 import math
-from bisect import bisect_right
 from dataclasses import dataclass, field
 from functools import lru_cache
 from enum import Enum
@@ -47,6 +46,7 @@ from pipectl.plan.memory import (
     RangeMemory,
     StageMemory,
     in_flight_units,
+    stage_holding,
     state_bytes_per_parameter,
     weight_versions,
 )
@@ -500,12 +500,11 @@ def _tied_groups_of(shape: Shape) -> tuple[tuple[tuple[int, ...], int], ...]:
         return ()
     groups: dict[str, set[int]] = {}
     sizes: dict[str, int] = {}
-    # The stage holding each shared layer, found by bisection over the stages (contiguous, so the
-    # last whose start is at most the index: (start, end) <= (index, inf) exactly then), visited
-    # in (stage, index) order as a scan over every stage would visit them.
+    # The stage holding each shared layer, visited in (stage, index) order as a scan over every
+    # stage would visit them.
     stages = shape.stage_layers
     holders = sorted(
-        (bisect_right(stages, (index, math.inf)) - 1, position, index)
+        (stage_holding(stages, index), position, index)
         for position, index in enumerate(table.shared_layer_indices)
         if 0 <= index < stages[-1][1]
     )

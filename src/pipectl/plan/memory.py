@@ -183,27 +183,15 @@ class StageMemory:
     ) -> "StageMemory":
         """Per-rank figures; virtual stage s (of p*v) lives on rank s % p.
 
-        `rows` (the same table's `RangeMemory` at this t) reads one-chunk ranks from it;
-        `bounds` is `stage_layers` as an (stages, 2) integer array when the caller has one.
+        `rows` (the same table's `RangeMemory` at this t) reads every stage from it at once unless
+        a rank holds two layers of one shared group; `bounds` is `stage_layers` as a (stages, 2)
+        integer array when the caller has one.
         """
         p = pipeline_parallel or len(stage_layers)
         last = len(stage_layers) - 1
-        if rows is not None and len(stage_layers) == p:
-            # One chunk per rank: the same figures as the loop below, looked up.
-            if bounds is None:
-                bounds = np.array(stage_layers, dtype=np.intp)
-            starts, ends = bounds[:, 0], bounds[:, 1]
-            parameters = rows.parameter_matrix[starts, ends]
-            full = rows.saved_matrix[starts, ends]
-            if not recompute:
-                return cls(parameters, full, np.zeros(p))
-            unit = rows.input_array[starts]
-            unit[last], buffer = full[last], full.copy()
-            buffer[last] = 0.0
-            return cls(parameters, unit, buffer)
         if rows is not None and len(stage_layers) % p == 0 and _no_shared_group_twice_per_rank(table, stage_layers, p):
-            # Several chunks per rank: the loop below per chunk at once. Parameter counts are
-            # whole numbers below 2**53 in float64, so their sums, and the sums over t, are exact.
+            # Every chunk at once: the same figures as the loop below. Parameter counts are whole
+            # numbers below 2**53 in float64, so their sums, and the sums over t, are exact.
             if bounds is None:
                 bounds = np.array(stage_layers, dtype=np.intp)
             starts, ends = bounds[:, 0], bounds[:, 1]
@@ -243,6 +231,12 @@ class StageMemory:
         return bool((self.per_rank_bytes(state_bytes, units) <= capacity_bytes).all())
 
 
+def stage_holding(stage_layers: Sequence[tuple[int, int]], index: int) -> int:
+    """The stage whose layer range holds layer `index`, by bisection: stages are contiguous, so it
+    is the last whose start is at most the index, i.e. whose (start, end) <= (index, inf)."""
+    return bisect_right(stage_layers, (index, math.inf)) - 1
+
+
 def _no_shared_group_twice_per_rank(table: LayerTable, stage_layers: Sequence[tuple[int, int]], p: int) -> bool:
     """Whether no rank (virtual stage s on rank s % p) holds two layers of one shared group (a
     tied embedding): then each chunk's parameters are its layers' and a rank's are their sum."""
@@ -251,8 +245,7 @@ def _no_shared_group_twice_per_rank(table: LayerTable, stage_layers: Sequence[tu
         return True
     holders: set[tuple[str, int]] = set()
     for index in shared:
-        stage = bisect_right(stage_layers, (index, math.inf)) - 1  # stages are contiguous
-        holder = (table.shared_group[index], stage % p)
+        holder = (table.shared_group[index], stage_holding(stage_layers, index) % p)
         if holder in holders:
             return False
         holders.add(holder)  # type: ignore[arg-type]
