@@ -37,7 +37,8 @@ def single(workers: int | None, profile_out: str | None) -> dict:
     from pipectl.catalog import get_device
     from pipectl.cluster import load_cluster
     from pipectl.models.registry import load_model_config
-    from pipectl.plan.search import PlanRequest, SearchStats, plan
+    from pipectl.artifacts.plan import PlanRequest
+    from pipectl.plan.search import SearchStats, plan
     from pipectl.plan.workers import available_workers
     from pipectl.profile.derive import derive_profile
 

@@ -11,7 +11,8 @@ from pipectl.cluster import load_cluster
 from pipectl.plan.bounds import has_pair_loops, pair_loop_bound_seconds
 from pipectl.plan.costs import hardware_for
 from pipectl.plan.evaluate import Evaluator
-from pipectl.plan.search import PlanRequest, enumerate_specs, search_space
+from pipectl.artifacts.plan import PlanRequest
+from pipectl.plan.search import enumerate_specs, search_space
 from pipectl.plan.simulate import simulate, uniform_costs
 from pipectl.plan.synthetic import synthetic_profile
 from pipectl.schedule import generate

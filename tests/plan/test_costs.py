@@ -125,7 +125,8 @@ def test_recompute_costs_one_more_forward_in_the_simulated_step():
 @pytest.mark.parametrize("cluster_name, devices, batch", [("a100-8x8", 16, 64), ("local", 4, 16)])
 def test_stage_costs_for_reproduces_the_plans_prediction(cluster_name, devices, batch):
     from pipectl.plan.costs import stage_costs_for
-    from pipectl.plan.search import PlanRequest, plan
+    from pipectl.artifacts.plan import PlanRequest
+    from pipectl.plan.search import plan
 
     profile = synthetic_profile(blocks=6, micro_batch_sizes=[1, 2, 4], device="a100-80gb" if cluster_name != "local" else "cpu")
     cluster = load_cluster(cluster_name) if cluster_name != "local" else local_cluster(devices)

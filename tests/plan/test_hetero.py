@@ -7,7 +7,8 @@ import yaml
 
 from pipectl.cluster import load_cluster
 from pipectl.plan.hetero import uneven_split
-from pipectl.plan.search import PlanRequest, plan
+from pipectl.artifacts.plan import PlanRequest
+from pipectl.plan.search import plan
 from pipectl.plan.synthetic import synthetic_profile
 
 

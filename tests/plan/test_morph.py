@@ -8,7 +8,8 @@ from pipectl.cluster import load_cluster, local_cluster
 from pipectl.plan.costs import hardware_for
 from pipectl.plan.evaluate import Evaluator
 from pipectl.plan.morph import PrefixMinimum, fastest_per_device_count
-from pipectl.plan.search import PlanRequest, enumerate_specs, plan, search_space
+from pipectl.artifacts.plan import PlanRequest
+from pipectl.plan.search import enumerate_specs, plan, search_space
 from pipectl.plan.synthetic import synthetic_profile
 
 

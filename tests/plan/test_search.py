@@ -10,7 +10,8 @@ from pipectl.errors import InfeasibleError, UserInputError
 from pipectl.plan.candidates import lower_bound_seconds, recomputing_stages
 from pipectl.plan.costs import hardware_for
 from pipectl.plan.evaluate import Evaluator
-from pipectl.plan.search import PlanRequest, enumerate_specs, goal_for, plan, rank, search_space
+from pipectl.artifacts.plan import PlanRequest
+from pipectl.plan.search import enumerate_specs, goal_for, plan, rank, search_space
 from pipectl.plan.synthetic import synthetic_profile
 from pipectl.schedule import ScheduleKind
 

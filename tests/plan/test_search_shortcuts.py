@@ -11,7 +11,8 @@ from pipectl.cluster import load_cluster
 from pipectl.plan.candidates import ScheduleVariant, ShapeBuilder, divisors, in_flight, recomputing_stages, state_bytes
 from pipectl.plan.costs import hardware_for
 from pipectl.plan.partition import balanced_partition
-from pipectl.plan.search import PlanRequest, _Family, _variants_for, enumerate_specs, search_space
+from pipectl.artifacts.plan import PlanRequest
+from pipectl.plan.search import _Family, _variants_for, enumerate_specs, search_space
 from pipectl.plan.synthetic import synthetic_profile
 from pipectl.schedule import ScheduleKind
 

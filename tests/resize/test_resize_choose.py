@@ -9,7 +9,8 @@ from pipectl.artifacts.plan import MorphEntry, Plan
 from pipectl.cluster import local_cluster
 from pipectl.errors import InfeasibleError, UserInputError
 from pipectl.io import write_json_atomic
-from pipectl.plan.search import PlanRequest, plan as search_plan
+from pipectl.artifacts.plan import PlanRequest
+from pipectl.plan.search import plan as search_plan
 from pipectl.plan.synthetic import synthetic_profile
 from pipectl.resize.choose import choose_candidate, replan_for_devices, with_entry
 from builders import gpt_tiny_candidate

@@ -21,6 +21,39 @@ class Objective(str, Enum):
     COST_DEADLINE = "cost-deadline"
 
 
+class PlanRequest(Strict):
+    """What the user asks of the planner (the job part of the three inputs)."""
+
+    global_batch: int = Field(description="B: samples per optimizer step; never changed by the planner.")
+    objective: Objective = Objective.TIME
+    schedules: list[ScheduleKind] | None = Field(
+        default=None, description="Schedules to consider; default 1f1b, gpipe, interleaved, varuna (2bw only if listed)."
+    )
+    chunks: list[int] = Field(default_factory=lambda: [2, 4], description="v values tried for interleaved.")
+    max_tensor_parallel: int | None = Field(default=None, description="Upper bound on t.")
+    tensor_parallel: int | None = Field(default=None, description="Pinned t.")
+    pipeline_parallel: int | None = Field(default=None, description="Pinned p.")
+    data_parallel: int | None = Field(default=None, description="Pinned d.")
+    micro_batch_size: int | None = Field(default=None, description="Pinned b.")
+    schedule: ScheduleKind | None = Field(default=None, description="Pinned schedule.")
+    devices: int | None = Field(default=None, description="Devices to plan for (default: the whole cluster).")
+    deadline_hours: float | None = Field(default=None, description="cost-deadline: hours available.")
+    samples: int | None = Field(default=None, description="cost-deadline: samples to train on.")
+    tokens: int | None = Field(default=None, description="cost-deadline: tokens to train on (samples = tokens / seq_len).")
+    allow_recompute: bool = True
+    zero_stages: list[int] = Field(default_factory=lambda: [0, 1])
+    include_all: bool = Field(default=False, description="Simulate and keep every feasible candidate.")
+    for_deepspeed: bool = Field(default=True, description="Choose only schedules DeepSpeed's engine can run.")
+    top: int = Field(default=10, description="Candidates kept in the ranking (without include_all).")
+    morph: bool = Field(default=True, description="Compute the morph table.")
+    workers: int | None = Field(
+        default=None,
+        exclude=True,
+        description="Processes the enumeration may use (default: $PIPECTL_PLAN_WORKERS, else the cores "
+        "available). Not recorded in plan.json: the plan is the same for any number.",
+    )
+
+
 class ReplicaShare(Strict):
     """Heterogeneous plans: how much of the global batch one data-parallel replica processes."""
 

@@ -89,7 +89,8 @@ def plan_command(
 ) -> None:
     """Search t, p, d, b, v, schedule, recomputation and ZeRO stage; write plan.json."""
     from pipectl.cluster import load_cluster, local_cluster
-    from pipectl.plan.search import PlanRequest, plan
+    from pipectl.artifacts.plan import PlanRequest
+    from pipectl.plan.search import plan
     from pipectl.report.plan_table import plan_view
 
     model_profile = load_model(ModelProfile, profile)

@@ -28,7 +28,8 @@ from pipectl.errors import InfeasibleError
 from pipectl.plan.candidates import ScheduleVariant, ShapeBuilder, Spec, SpecFigures, data_parallel_costs, in_flight, lower_bound_seconds, state_bytes
 from pipectl.plan.costs import Hardware, hardware_for
 from pipectl.plan.evaluate import Evaluator
-from pipectl.plan.search import PlanRequest, SearchStats, plan_homogeneous
+from pipectl.artifacts.plan import PlanRequest
+from pipectl.plan.search import SearchStats, plan_homogeneous
 
 
 def _sub_cluster(cluster: ClusterSpec, kind: str) -> ClusterSpec:

@@ -19,14 +19,9 @@ unchanged.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from pipectl.artifacts.plan import Candidate, MorphEntry
+from pipectl.artifacts.plan import Candidate, MorphEntry, PlanRequest
 from pipectl.plan.candidates import Spec
 from pipectl.plan.evaluate import Evaluator
-
-if TYPE_CHECKING:
-    from pipectl.plan.search import PlanRequest
 
 
 class PrefixMinimum:
@@ -85,7 +80,7 @@ def fastest_per_device_count(specs: list[Spec], evaluator: Evaluator, max_device
     return best
 
 
-def morph_table(specs: list[Spec], evaluator: Evaluator, max_devices: int, request: "PlanRequest") -> list[MorphEntry]:
+def morph_table(specs: list[Spec], evaluator: Evaluator, max_devices: int, request: PlanRequest) -> list[MorphEntry]:
     """One entry per device count from the smallest that fits up to `max_devices`."""
     pool = [s for s in specs if not request.for_deepspeed or s.deepspeed_runnable]
     best = fastest_per_device_count(pool, evaluator, max_devices)

@@ -38,11 +38,9 @@ from functools import lru_cache
 from typing import Iterable
 
 import numpy as np
-from pydantic import Field
 
-from pipectl.artifacts.base import Strict
 from pipectl.artifacts.cluster import ClusterSpec
-from pipectl.artifacts.plan import Candidate, Objective, Plan
+from pipectl.artifacts.plan import Candidate, Objective, Plan, PlanRequest
 from pipectl.artifacts.profile import ModelProfile
 from pipectl.errors import InfeasibleError, UserInputError
 from pipectl.plan.candidates import (
@@ -67,38 +65,6 @@ from pipectl.schedule import ScheduleKind
 
 DEFAULT_SCHEDULES = (ScheduleKind.ONE_F_ONE_B, ScheduleKind.GPIPE, ScheduleKind.INTERLEAVED, ScheduleKind.VARUNA)
 SUPPORTED_ZERO_STAGES = (0, 1)  # DeepSpeed's pipeline engine runs ZeRO 0 and 1 only
-
-
-class PlanRequest(Strict):
-    """What the user asks of the planner (the job part of the three inputs)."""
-
-    global_batch: int = Field(description="B: samples per optimizer step; never changed by the planner.")
-    objective: Objective = Objective.TIME
-    schedules: list[ScheduleKind] | None = Field(
-        default=None, description="Schedules to consider; default 1f1b, gpipe, interleaved, varuna (2bw only if listed)."
-    )
-    chunks: list[int] = Field(default_factory=lambda: [2, 4], description="v values tried for interleaved.")
-    max_tensor_parallel: int | None = Field(default=None, description="Upper bound on t.")
-    tensor_parallel: int | None = Field(default=None, description="Pinned t.")
-    pipeline_parallel: int | None = Field(default=None, description="Pinned p.")
-    data_parallel: int | None = Field(default=None, description="Pinned d.")
-    micro_batch_size: int | None = Field(default=None, description="Pinned b.")
-    schedule: ScheduleKind | None = Field(default=None, description="Pinned schedule.")
-    devices: int | None = Field(default=None, description="Devices to plan for (default: the whole cluster).")
-    deadline_hours: float | None = Field(default=None, description="cost-deadline: hours available.")
-    samples: int | None = Field(default=None, description="cost-deadline: samples to train on.")
-    tokens: int | None = Field(default=None, description="cost-deadline: tokens to train on (samples = tokens / seq_len).")
-    allow_recompute: bool = True
-    zero_stages: list[int] = Field(default_factory=lambda: [0, 1])
-    include_all: bool = Field(default=False, description="Simulate and keep every feasible candidate.")
-    for_deepspeed: bool = Field(default=True, description="Choose only schedules DeepSpeed's engine can run.")
-    top: int = Field(default=10, description="Candidates kept in the ranking (without include_all).")
-    morph: bool = Field(default=True, description="Compute the morph table.")
-    workers: int | None = Field(
-        default=None,
-        description="Processes the enumeration may use (default: $PIPECTL_PLAN_WORKERS, else the cores "
-        "available); the plan is the same for any number.",
-    )
 
 
 # --- validation ----------------------------------------------------------------------------------

@@ -145,7 +145,8 @@ def replan_for_devices(plan: Plan, devices: int) -> MorphEntry:
             hint="re-plan with pipectl plan --devices ... and launch that plan",
         )
     try:
-        from pipectl.plan.search import PlanRequest, plan as search_plan
+        from pipectl.artifacts.plan import PlanRequest
+        from pipectl.plan.search import plan as search_plan
     except ImportError as exc:  # the planner is not installed in this build
         raise UserInputError(f"cannot re-plan for {devices} devices: {exc}") from exc
     profile = load_model(ModelProfile, plan.profile_path)
