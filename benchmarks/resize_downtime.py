@@ -40,8 +40,10 @@ STOP_FILE = "stop_requested"  # the runtime's stop-at-the-next-step-boundary req
 
 def write_plan(path: Path, chosen_devices: int) -> Path:
     """gpt-tiny, B = 8: 1 rank p=1 (m 4) and 2 ranks p=2 (m 4); `chosen_devices` picks the start."""
-    from pipectl.artifacts.plan import Candidate, MorphEntry, Plan
+    from pipectl.artifacts.plan import Candidate, MorphEntry, Plan, PlanRequest
     from pipectl.io import write_json_atomic
+    from pipectl.models import build_model
+    from pipectl.models.base import shape_of
 
     def candidate(p: int) -> Candidate:
         return Candidate(
@@ -54,8 +56,8 @@ def write_plan(path: Path, chosen_devices: int) -> Path:
 
     table = {1: candidate(1), 2: candidate(2)}
     plan = Plan(
-        model="gpt-tiny", cluster="local", global_batch=8, objective="time", layers=9,
-        chosen=table[chosen_devices], morph_table=[MorphEntry(devices=n, candidate=c) for n, c in table.items()],
+        model="gpt-tiny", model_shape=shape_of(build_model("gpt-tiny")), cluster="local",
+        request=PlanRequest(global_batch=8), chosen=table[chosen_devices], morph_table=[MorphEntry(devices=n, candidate=c) for n, c in table.items()],
     )  # fmt: skip
     return write_json_atomic(path, plan)
 

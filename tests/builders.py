@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from pipectl.artifacts.plan import Candidate
+from functools import lru_cache
+
+from pipectl.artifacts.plan import Candidate, ModelShape, MorphEntry, Plan, PlanRequest
 
 
 def gpt_tiny_candidate(p: int = 2, d: int = 1, b: int = 2, m: int = 4) -> Candidate:
@@ -14,6 +16,33 @@ def gpt_tiny_candidate(p: int = 2, d: int = 1, b: int = 2, m: int = 4) -> Candid
         stage_layers=cuts, predicted_step_seconds=0.05, samples_per_second=160.0, tflops_per_device=0.0,
         peak_memory_bytes=[1] * p, bubble_fraction=0.0, communication_fraction=0.0,
         cost_per_million_samples=0.0,
+    )  # fmt: skip
+
+
+@lru_cache(maxsize=None)
+def model_shape(model: str = "gpt-tiny") -> ModelShape:
+    """The shape a profile of the shipped `model` records (what launch checks a model against)."""
+    from pipectl.models import build_model
+    from pipectl.models.base import shape_of
+
+    return shape_of(build_model(model))
+
+
+def plan_of(
+    chosen: Candidate,
+    *,
+    morph_table: list[MorphEntry] | tuple = (),
+    global_batch: int | None = None,
+    cluster: str = "local",
+    model: str = "gpt-tiny",
+    shape: ModelShape | None = None,
+    **fields,
+) -> Plan:
+    """A plan of `model` choosing `chosen` (B = its global batch unless given); `fields` go to Plan."""
+    batch = chosen.global_batch if global_batch is None else global_batch
+    return Plan(
+        model=model, model_shape=shape or model_shape(model), cluster=cluster,
+        request=PlanRequest(global_batch=batch), chosen=chosen, morph_table=list(morph_table), **fields,
     )  # fmt: skip
 
 

@@ -1,8 +1,10 @@
 import pytest
 from pydantic import ValidationError
 
-from pipectl.artifacts.plan import Candidate, MorphEntry, Objective, Plan
+from pipectl.artifacts.plan import Candidate, ModelShape, MorphEntry, Plan, PlanRequest
 from pipectl.schedule.ir import ScheduleKind
+
+SHAPE = ModelShape(parameter_count=90, layer_parameter_counts=[10] * 9)
 
 
 def candidate(**overrides):
@@ -51,10 +53,9 @@ def test_plan_rejects_a_candidate_that_changes_the_global_batch():
     with pytest.raises(ValidationError, match="not the global batch 16"):
         Plan(
             model="gpt-tiny",
+            model_shape=SHAPE,
             cluster="local",
-            global_batch=16,
-            objective=Objective.TIME,
-            layers=9,
+            request=PlanRequest(global_batch=16),
             chosen=good,
             morph_table=[MorphEntry(devices=2, candidate=candidate(devices=2, data_parallel=1))],
         )
@@ -62,7 +63,25 @@ def test_plan_rejects_a_candidate_that_changes_the_global_batch():
 
 def test_plan_round_trips_through_json():
     plan = Plan(
-        model="gpt-tiny", cluster="local", global_batch=16, objective=Objective.TIME, layers=9, chosen=candidate()
+        model="gpt-tiny", model_shape=SHAPE, cluster="local", request=PlanRequest(global_batch=16, workers=2),
+        chosen=candidate(),
+    )  # fmt: skip
+    assert Plan.model_validate_json(plan.model_dump_json()) == plan.model_copy(
+        update={"request": PlanRequest(global_batch=16)}
     )
-    assert Plan.model_validate_json(plan.model_dump_json()) == plan
     assert plan.for_devices(4) is None
+    assert (plan.global_batch, plan.layers) == (16, 9)
+
+
+def test_a_plan_does_not_record_how_many_processes_searched():
+    plan = Plan(
+        model="gpt-tiny", model_shape=SHAPE, cluster="local", request=PlanRequest(global_batch=16, workers=3),
+        chosen=candidate(),
+    )  # fmt: skip
+    assert "workers" not in plan.model_dump_json()
+
+
+def test_plan_rejects_a_candidate_that_cuts_another_layer_count():
+    shape = ModelShape(parameter_count=100, layer_parameter_counts=[10] * 10)
+    with pytest.raises(ValidationError, match="cuts 9 layers, the model has 10"):
+        Plan(model="gpt-tiny", model_shape=shape, cluster="local", request=PlanRequest(global_batch=16), chosen=candidate())

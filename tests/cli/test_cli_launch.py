@@ -12,11 +12,12 @@ from pipectl.artifacts.plan import Candidate, Plan
 from pipectl.cli.main import app
 from pipectl.io import write_json_atomic
 from pipectl.schedule.ir import ScheduleKind
+from builders import plan_of
 
 runner = CliRunner()
 
 
-def write_plan(path: Path, p=2, b=2, m=4, zero_stage=0) -> Path:
+def write_plan(path: Path, p=2, b=2, m=4, zero_stage=1) -> Path:
     cuts = [(0, 4), (4, 9)] if p == 2 else [(0, 9)]
     candidate = Candidate(
         devices=p, device="cpu", tensor_parallel=1, pipeline_parallel=p, data_parallel=1,
@@ -25,7 +26,7 @@ def write_plan(path: Path, p=2, b=2, m=4, zero_stage=0) -> Path:
         tflops_per_device=0.0, peak_memory_bytes=[1] * p, bubble_fraction=0.1,
         communication_fraction=0.0, cost_per_million_samples=0.0,
     )  # fmt: skip
-    plan = Plan(model="gpt-tiny", cluster="local", global_batch=b * m, objective="time", layers=9, chosen=candidate)
+    plan = plan_of(candidate)
     return write_json_atomic(path, plan)
 
 
@@ -56,7 +57,7 @@ def test_plan_deepspeed_cannot_run_exits_2_without_traceback(tmp_path):
 def test_plan_with_broken_batch_arithmetic_exits_2(tmp_path):
     path = write_plan(tmp_path / "plan.json")
     data = json.loads(path.read_text())
-    data["global_batch"] = 12  # b 2 x m 4 x d 1 = 8
+    data["request"]["global_batch"] = 12  # b 2 x m 4 x d 1 = 8
     path.write_text(json.dumps(data))
     result = invoke("launch", path, "--run-dir", tmp_path / "run")
     assert result.exit_code == 2 and "12" in result.output and "Traceback" not in result.output

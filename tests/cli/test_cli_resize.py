@@ -7,6 +7,7 @@ import json
 import time
 from pathlib import Path
 
+import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
@@ -21,7 +22,7 @@ from pipectl.resize.history import append_record
 from pipectl.resize.stragglers import find_stragglers
 from pipectl.runtime import checkpoint as ckpt
 from pipectl.runtime.metrics import MetricsWriter
-from builders import gpt_tiny_candidate
+from builders import gpt_tiny_candidate, plan_of
 
 runner = CliRunner()
 
@@ -30,8 +31,8 @@ candidate = gpt_tiny_candidate
 
 
 def make_run(tmp_path: Path, engine: Engine = Engine.LOCAL, cluster: str = "local") -> Path:
-    plan = Plan(
-        model="gpt-tiny", cluster=cluster, global_batch=8, objective="time", layers=9, chosen=candidate(),
+    plan = plan_of(
+        candidate(), cluster=cluster, global_batch=8,
         morph_table=[
             MorphEntry(devices=1, candidate=candidate(1)),
             MorphEntry(devices=2, candidate=candidate()),
@@ -143,3 +144,34 @@ def test_status_renderables_show_morphs_and_stragglers(tmp_path):
             global_batch=8, resume_step=0, target_steps=1, stopped_running_job=False, plan_source="morph-table",
         )  # fmt: skip
     ]))
+
+
+@pytest.mark.parametrize(
+    "flags, kept",
+    [
+        (["--schedules", "gpipe", "--no-recompute"], {"schedule": "gpipe", "recompute": False}),
+        (["--tensor-parallel", "2"], {"tensor_parallel": 2}),
+    ],
+)
+def test_a_resize_keeps_what_the_plan_was_asked_for(tmp_path, monkeypatch, flags, kept):
+    """plan -> launch -> resize to a count the morph table lacks: the re-plan keeps the request's
+    constraints, and works from another directory with the original profile gone."""
+    monkeypatch.chdir(tmp_path)
+    assert invoke("profile", "gpt-tiny", "--derive", "--device", "cpu", "-o", "profile.json").exit_code == 0
+    made = invoke("plan", "--profile", "profile.json", "--cluster", "local", "--devices", "2", "--global-batch", "8",
+                  *flags, "-o", "plans/plan.json")  # fmt: skip
+    assert made.exit_code == 0, made.output
+    Path("profile.json").unlink()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    launched = invoke("launch", "../plans/plan.json", "--run-dir", "../runs/asked", "--engine", "slurm", "--steps", "4")
+    assert launched.exit_code == 0, launched.output
+    resized = invoke("resize", "../runs/asked", "--devices", "4", "--steps", "8", "--json")
+    assert resized.exit_code == 0, resized.output
+    assert json.loads(resized.output)["plan_source"] == "re-planned"
+    plan = read_run(tmp_path / "runs" / "asked").plan
+    assert plan.chosen.devices == 4
+    for name, value in kept.items():
+        assert getattr(plan.chosen, name) == value, name
+    assert plan.request.global_batch == 8 and plan.request.devices == 2  # the request as made

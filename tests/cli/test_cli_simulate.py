@@ -72,11 +72,12 @@ def test_bad_input_is_one_red_line_and_exit_code_2(args, message):
     assert "Traceback" not in result.output
 
 
-def test_simulates_a_plan_candidate(tmp_path: Path):
+def test_simulates_a_plan_candidate(tmp_path: Path, monkeypatch):
     costs = pytest.importorskip("pipectl.plan.costs")
-    from pipectl.artifacts.plan import Candidate, Objective, Plan
+    from pipectl.artifacts.plan import Candidate, ModelShape, Plan, PlanRequest
     from pipectl.cluster import load_cluster
     from pipectl.io import write_json_atomic
+    from pipectl.planfile import write_plan
     from pipectl.plan.simulate import simulate_step_seconds
     from pipectl.plan.synthetic import synthetic_profile
     from pipectl.schedule import ScheduleKind, generate
@@ -90,9 +91,11 @@ def test_simulates_a_plan_candidate(tmp_path: Path):
         samples_per_second=8.0, tflops_per_device=0.0, peak_memory_bytes=[1, 1], bubble_fraction=0.2,
         communication_fraction=0.0, cost_per_million_samples=0.0,
     )
-    plan = Plan(model=profile.model, profile_path="profile.json", cluster="local", global_batch=8,
-                objective=Objective.TIME, layers=len(profile.layers), chosen=candidate)
-    plan_path = write_json_atomic(tmp_path / "plan.json", plan)
+    plan = Plan(model=profile.model, model_shape=ModelShape.of_profile(profile), cluster="local",
+                request=PlanRequest(global_batch=8), chosen=candidate)
+    plan_path = tmp_path / "out" / "plan.json"
+    write_plan(plan_path, plan, profile_file=profile_path)
+    monkeypatch.chdir(tmp_path / "out")  # the profile is found next to the plan, from anywhere
     payload = json.loads(invoke("simulate", str(plan_path), "--json").stdout)
     expected = simulate_step_seconds(
         generate(ScheduleKind.ONE_F_ONE_B, 2, 4),

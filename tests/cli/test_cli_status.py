@@ -14,6 +14,7 @@ from pipectl.launch import LaunchOptions, prepare_launch
 from pipectl.runtime import checkpoint as ckpt
 from pipectl.runtime.metrics import MetricsWriter
 from pipectl.schedule.ir import ScheduleKind
+from builders import plan_of
 
 runner = CliRunner()
 
@@ -22,11 +23,11 @@ def make_run(tmp_path: Path, steps_done: int = 4) -> Path:
     candidate = Candidate(
         devices=2, device="cpu", tensor_parallel=1, pipeline_parallel=2, data_parallel=1,
         micro_batch_size=2, micro_batches=4, schedule=ScheduleKind.ONE_F_ONE_B, recompute=False,
-        zero_stage=0, stage_layers=[(0, 4), (4, 9)], predicted_step_seconds=0.05, samples_per_second=160.0,
+        zero_stage=1, stage_layers=[(0, 4), (4, 9)], predicted_step_seconds=0.05, samples_per_second=160.0,
         tflops_per_device=0.0, peak_memory_bytes=[1, 1], bubble_fraction=0.1,
         communication_fraction=0.0, cost_per_million_samples=0.0,
     )  # fmt: skip
-    plan = Plan(model="gpt-tiny", cluster="local", global_batch=8, objective="time", layers=9, chosen=candidate)
+    plan = plan_of(candidate, global_batch=8)
     run = tmp_path / "run"
     prepare_launch(plan, run, LaunchOptions(steps=10))
     writer = MetricsWriter(run, rank=0)

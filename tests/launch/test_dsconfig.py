@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipectl.artifacts.plan import Candidate, Plan
+from pipectl.artifacts.plan import Candidate, Plan, PlanRequest
 from pipectl.artifacts.run import Precision
 from pipectl.launch.dsconfig import (
     DeepSpeedConfigRejected,
@@ -16,6 +16,7 @@ from pipectl.launch.dsconfig import (
     validated_config,
 )
 from pipectl.schedule.ir import ScheduleKind
+from builders import model_shape
 
 
 def make_candidate(p=2, d=1, b=2, m=4, cuts=None, **extra) -> Candidate:
@@ -23,7 +24,7 @@ def make_candidate(p=2, d=1, b=2, m=4, cuts=None, **extra) -> Candidate:
     fields = dict(
         devices=p * d, device="cpu", tensor_parallel=1, pipeline_parallel=p, data_parallel=d,
         micro_batch_size=b, micro_batches=m, schedule=ScheduleKind.ONE_F_ONE_B, recompute=False,
-        zero_stage=0, stage_layers=cuts, predicted_step_seconds=0.05, samples_per_second=100.0,
+        zero_stage=1, stage_layers=cuts, predicted_step_seconds=0.05, samples_per_second=100.0,
         tflops_per_device=0.0, peak_memory_bytes=[1] * len(cuts), bubble_fraction=0.1,
         communication_fraction=0.0, cost_per_million_samples=0.0,
     )  # fmt: skip
@@ -31,13 +32,13 @@ def make_candidate(p=2, d=1, b=2, m=4, cuts=None, **extra) -> Candidate:
     return Candidate(**fields)
 
 
-def make_plan(candidate: Candidate, global_batch: int | None = None) -> Plan:
+def make_plan(candidate: Candidate, global_batch: int | None = None, *, unchecked: bool = False) -> Plan:
     batch = global_batch or candidate.global_batch
-    # model_construct: skip the artifact's own batch check to reach launch's checks with a bad plan.
-    builder = Plan if global_batch is None else Plan.model_construct
+    # model_construct: skip the artifact's own checks to reach launch's checks with a bad plan.
+    builder = Plan if global_batch is None and not unchecked else Plan.model_construct
     return builder(
-        model="gpt-tiny", cluster="local", global_batch=batch, objective="time", layers=9, chosen=candidate,
-        candidates=[], infeasible={}, morph_table=[], notes=[],
+        model="gpt-tiny", model_shape=model_shape(), cluster="local", request=PlanRequest(global_batch=batch),
+        chosen=candidate, candidates=[], infeasible={}, morph_table=[], notes=[],
     )  # fmt: skip
 
 
@@ -56,7 +57,7 @@ def test_batch_numbers_follow_the_plan_and_deepspeed_accepts_them(p, d, b, m):
 
 
 def test_universal_checkpoint_prerequisites_are_always_set():
-    config = deepspeed_config(make_candidate(zero_stage=0))
+    config = deepspeed_config(make_candidate())
     assert config["zero_optimization"]["stage"] == 1  # ZeRO-0 checkpoints cannot become universal
     assert config["checkpoint"]["load_universal"] is True
     assert config["optimizer"]["params"]["torch_adam"] is True
@@ -95,6 +96,7 @@ def test_unknown_optimizer_is_rejected():
     "extra,message",
     [
         ({"zero_stage": 2}, "ZeRO stage 2"),
+        ({"zero_stage": 0}, "ZeRO stage 0; pipectl trains with ZeRO-1 only"),
         ({"deepspeed_runnable": False}, "cannot run in DeepSpeed"),
     ],
 )
@@ -114,7 +116,7 @@ def test_interleaved_chunks_are_rejected():
 def test_cut_that_does_not_cover_the_model_is_rejected():
     candidate = make_candidate(cuts=[(0, 4), (4, 8)])
     with pytest.raises(DeepSpeedConfigRejected, match=r"the model has 9"):
-        validated_config(make_plan(candidate))
+        validated_config(make_plan(candidate, unchecked=True))
 
 
 def test_pipeline_section_that_deepspeed_would_ignore_is_checked():

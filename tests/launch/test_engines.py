@@ -29,7 +29,7 @@ RUN = Path("/runs/demo")
 
 def job(engine=Engine.LOCAL, world=2, nodes=1, elastic=None, port=29555) -> JobSpec:
     return JobSpec(
-        name="demo", model="gpt-tiny", steps=10, engine=engine, schedule=ScheduleKind.ONE_F_ONE_B,
+        name="demo", model="gpt-tiny", steps=10, engine=engine,
         world_size=world, nodes=nodes, ranks_per_node=world // nodes, master_port=port, elastic=elastic,
     )  # fmt: skip
 

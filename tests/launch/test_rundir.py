@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
+import yaml
 
 from pipectl.artifacts.plan import Candidate, Plan
 from pipectl.artifacts.run import DataKind, DataSpec, Engine, StepMetrics
@@ -13,17 +15,33 @@ from pipectl.launch import LaunchOptions, build_job, prepare_launch
 from pipectl.launch.rundir import prepare_run_dir, read_run, run_status
 from pipectl.runtime.metrics import MetricsWriter
 from pipectl.schedule.ir import ScheduleKind
+from builders import plan_of, model_shape
+
+
+CONFIGS = Path(__file__).parents[2] / "configs" / "models"
+
+
+def other_gpt_tiny(folder: Path, **changed) -> str:
+    """gpt-tiny's YAML with `changed` fields, written to `folder`."""
+    config = yaml.safe_load((CONFIGS / "gpt-tiny.yaml").read_text())
+    config.update(changed, name="gpt-other")
+    path = folder / "gpt-other.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
 
 
 def tiny_plan(p=2, d=1, b=2, m=4, layers=9, cuts=((0, 4), (4, 9))) -> Plan:
     candidate = Candidate(
         devices=p * d, device="cpu", tensor_parallel=1, pipeline_parallel=p, data_parallel=d,
         micro_batch_size=b, micro_batches=m, schedule=ScheduleKind.ONE_F_ONE_B, recompute=False,
-        zero_stage=0, stage_layers=list(cuts), predicted_step_seconds=0.05, samples_per_second=160.0,
+        zero_stage=1, stage_layers=list(cuts), predicted_step_seconds=0.05, samples_per_second=160.0,
         tflops_per_device=0.0, peak_memory_bytes=[1] * p, bubble_fraction=0.1,
         communication_fraction=0.0, cost_per_million_samples=0.0,
     )  # fmt: skip
-    return Plan(model="gpt-tiny", cluster="local", global_batch=b * m * d, objective="time", layers=layers, chosen=candidate)
+    shape = model_shape()
+    if layers != shape.layers:  # a model the plan was not made for
+        shape = shape.model_copy(update={"layer_parameter_counts": [*shape.layer_parameter_counts, 1][:layers]})
+    return plan_of(candidate, shape=shape)
 
 
 def test_prepare_writes_every_file(tmp_path):
@@ -78,6 +96,23 @@ def test_foreign_folder_and_bad_flags_are_refused(tmp_path):
 def test_model_must_have_the_plans_layer_count(tmp_path):
     with pytest.raises(UserInputError, match="has 9 layers but the plan cuts 10"):
         prepare_launch(tiny_plan(layers=10, cuts=((0, 4), (4, 10))), tmp_path / "r", LaunchOptions())
+
+
+@pytest.mark.parametrize(
+    "changed, message",
+    [
+        ({"hidden": 128}, r"hidden 128, the plan was made for 64"),
+        ({"seq_len": 64}, r"seq len 64, the plan was made for 32"),
+    ],
+)
+def test_model_must_be_the_one_the_plan_was_made_for(tmp_path, changed, message):
+    config = yaml.safe_load((CONFIGS / "gpt-tiny.yaml").read_text())
+    config.update(changed, name="gpt-other")
+    path = tmp_path / "gpt-other.yaml"
+    path.write_text(yaml.safe_dump(config))
+    with pytest.raises(UserInputError, match=message):
+        prepare_launch(tiny_plan(), tmp_path / "r", LaunchOptions(model=str(path)), write=False)
+    assert not (tmp_path / "r").exists()
 
 
 def test_job_options_are_checked(tmp_path):

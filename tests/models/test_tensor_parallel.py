@@ -15,7 +15,8 @@ from pipectl.models.tensor_parallel import (
     shard_rows,
 )
 from pipectl.models.transformer import TransformerBlock
-from pipectl.runtime.worker import Layout, TrainingJob, spawn_ranks
+from pipectl.artifacts.layout import Layout
+from pipectl.runtime.worker import TrainingJob, spawn_ranks
 from pipectl.schedule.ir import ScheduleKind
 from builders import training_config
 

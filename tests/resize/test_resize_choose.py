@@ -5,23 +5,24 @@ from __future__ import annotations
 
 import pytest
 
-from pipectl.artifacts.plan import MorphEntry, Plan
+from pipectl.artifacts.plan import MorphEntry, Plan, PlanRequest
 from pipectl.cluster import local_cluster
 from pipectl.errors import InfeasibleError, UserInputError
-from pipectl.io import write_json_atomic
-from pipectl.artifacts.plan import PlanRequest
+from pipectl.io import load_model, write_json_atomic
 from pipectl.plan.search import plan as search_plan
 from pipectl.plan.synthetic import synthetic_profile
-from pipectl.resize.choose import choose_candidate, replan_for_devices, with_entry
-from builders import gpt_tiny_candidate
+from pipectl.planfile import write_plan
+from pipectl.resize.choose import choose_candidate, replanner, with_entry
+from pipectl.schedule import ScheduleKind
+from builders import gpt_tiny_candidate, plan_of
 
 
 candidate = gpt_tiny_candidate
 
 
 def hand_plan(table, cluster="local", **extra) -> Plan:
-    return Plan(
-        model="gpt-tiny", cluster=cluster, global_batch=8, objective="time", layers=9, chosen=candidate(),
+    return plan_of(
+        candidate(), cluster=cluster, global_batch=8,
         morph_table=[MorphEntry(devices=n, candidate=c, note=note) for n, (c, note) in sorted(table.items())],
         **extra,
     )  # fmt: skip
@@ -68,13 +69,13 @@ def test_non_positive_counts_are_refused(devices):
 def test_beyond_a_fixed_cluster_and_not_in_the_table_is_refused():
     plan = hand_plan({1: (candidate(1), ""), 2: (candidate(2), "")}, cluster="a100-8x8")
     with pytest.raises(UserInputError, match=r"--devices 100 exceeds cluster 'a100-8x8' \(64 devices\).*covers 1-2"):
-        choose_candidate(plan, 100, replan=replan_for_devices)
+        choose_candidate(plan, 100, replan=replanner(plan, "."))
 
 
 def test_missing_entry_without_a_profile_cannot_be_replanned():
     plan = hand_plan({1: (candidate(1), ""), 2: (candidate(2), "")})
     with pytest.raises(UserInputError, match="no entry for 5 devices.*covers 1-2.*records no profile"):
-        choose_candidate(plan, 5, replan=replan_for_devices)
+        choose_candidate(plan, 5, replan=replanner(plan, "."))
     with pytest.raises(UserInputError, match="no entry for 5 devices"):
         choose_candidate(plan, 5, replan=None)
 
@@ -85,16 +86,54 @@ def test_an_entry_where_nothing_fits_is_infeasible():
         choose_candidate(plan, 1)
 
 
-def test_missing_entry_is_replanned_from_the_plans_profile(tmp_path):
+def planned_on_disk(tmp_path, request: PlanRequest, devices: int = 2) -> Plan:
+    """A plan written by the planner to tmp_path/out/plan.json, its profile copied beside it."""
     profile_path = tmp_path / "profile.json"
     write_json_atomic(profile_path, gpt_tiny_profile())
-    request = PlanRequest(global_batch=8, max_tensor_parallel=1)
-    plan = search_plan(gpt_tiny_profile(), local_cluster(2), request, profile_path=str(profile_path))
+    made = search_plan(gpt_tiny_profile(), local_cluster(devices), request)
+    write_plan(tmp_path / "out" / "plan.json", made, profile_file=profile_path)
+    profile_path.unlink()  # the plan does not depend on the original any more
+    return load_model(Plan, tmp_path / "out" / "plan.json")
+
+
+def test_missing_entry_is_replanned_from_the_plans_profile(tmp_path, monkeypatch):
+    plan = planned_on_disk(tmp_path, PlanRequest(global_batch=8, max_tensor_parallel=1))
     assert plan.for_devices(4) is None
-    choice = choose_candidate(plan, 4, replan=replan_for_devices)
+    monkeypatch.chdir(tmp_path)  # not where the plan lies
+    choice = choose_candidate(plan, 4, replan=replanner(plan, tmp_path / "out"))
     assert choice.source == "re-planned" and choice.requested_devices == 4
     assert choice.candidate.global_batch == 8 and choice.candidate.devices <= 4
     assert "re-planned from" in choice.notes[0]
     # The re-planned entry completes the morph table, in order.
     table = with_entry(plan, choice.entry)
     assert [e.devices for e in table] == [1, 2, 4]
+
+
+@pytest.mark.parametrize(
+    "request_fields, kept",
+    [
+        (dict(schedules=[ScheduleKind.GPIPE], allow_recompute=False), dict(schedule=ScheduleKind.GPIPE, recompute=False)),
+        (dict(tensor_parallel=2), dict(tensor_parallel=2)),
+        (dict(pipeline_parallel=2, schedules=[ScheduleKind.ONE_F_ONE_B]), dict(pipeline_parallel=2, schedule=ScheduleKind.ONE_F_ONE_B)),
+    ],
+)
+def test_a_replan_keeps_every_constraint_of_the_request(tmp_path, request_fields, kept):
+    plan = planned_on_disk(tmp_path, PlanRequest(global_batch=8, **request_fields))
+    assert plan.request == PlanRequest(global_batch=8, **request_fields)
+    for name, value in kept.items():
+        assert getattr(plan.chosen, name) == value
+    choice = choose_candidate(plan, 4, replan=replanner(plan, tmp_path / "out"))
+    assert choice.source == "re-planned" and choice.candidate.devices == 4
+    for name, value in kept.items():
+        assert getattr(choice.candidate, name) == value, name
+
+
+def test_a_replan_refuses_a_profile_that_changed_since_planning(tmp_path):
+    plan = planned_on_disk(tmp_path, PlanRequest(global_batch=8))
+    copy = tmp_path / "out" / plan.profile.file
+    copy.write_text(copy.read_text().replace('"gpt-tiny"', '"gpt-other"'))
+    with pytest.raises(Exception, match=f"{plan.profile.file} has sha256 .*the plan was made from"):
+        choose_candidate(plan, 4, replan=replanner(plan, tmp_path / "out"))
+    copy.unlink()
+    with pytest.raises(UserInputError, match="profile .* is missing"):
+        choose_candidate(plan, 4, replan=replanner(plan, tmp_path / "out"))

@@ -22,7 +22,7 @@ from pipectl.resize.history import read_history
 from pipectl.resize.morph import resize_run
 from pipectl.runtime.checkpoint import find_latest_verified
 from pipectl.runtime.metrics import read_metrics
-from builders import gpt_tiny_candidate
+from builders import gpt_tiny_candidate, plan_of
 
 pytestmark = pytest.mark.multiprocess
 
@@ -40,10 +40,7 @@ D2 = candidate(1, 2, m=2)  # B = 8 = b 2 x m 2 x d 2
 
 
 def plan_with(chosen: Candidate, table: dict[int, Candidate]) -> Plan:
-    return Plan(
-        model="gpt-tiny", cluster="local", global_batch=8, objective="time", layers=9, chosen=chosen,
-        morph_table=[MorphEntry(devices=n, candidate=c) for n, c in sorted(table.items())],
-    )  # fmt: skip
+    return plan_of(chosen, global_batch=8, morph_table=[MorphEntry(devices=n, candidate=c) for n, c in sorted(table.items())])
 
 
 def train(plan: Plan, run_dir: Path, steps: int) -> Path:

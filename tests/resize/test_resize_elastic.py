@@ -25,6 +25,7 @@ from pipectl.artifacts.run import ElasticRange, Engine
 from pipectl.launch import LaunchOptions, prepare_launch, run_engine
 from pipectl.runtime.checkpoint import STOP_FILE
 from pipectl.runtime.metrics import read_metrics
+from builders import plan_of
 
 pytestmark = pytest.mark.multiprocess  # about a minute: CI runs it (issue 5 asks for it)
 
@@ -45,10 +46,7 @@ def candidate(p: int) -> Candidate:
 def elastic_plan() -> Plan:
     """One rank per agent: 1 agent -> p=1, 2 agents -> p=2 (the same micro-batches: B = 8)."""
     table = {1: candidate(1), 2: candidate(2)}
-    return Plan(
-        model="gpt-tiny", cluster="local", global_batch=8, objective="time", layers=9, chosen=table[1],
-        morph_table=[MorphEntry(devices=n, candidate=c) for n, c in table.items()],
-    )  # fmt: skip
+    return plan_of(table[1], global_batch=8, morph_table=[MorphEntry(devices=n, candidate=c) for n, c in table.items()])
 
 
 def start_agent(prepared, name: str) -> subprocess.Popen:

@@ -30,7 +30,7 @@ from pipectl.resize.stop import find_run_processes, run_dir_argument, stop_run
 from pipectl.runtime import checkpoint as ckpt
 from pipectl.runtime.metrics import MetricsWriter
 
-from builders import gpt_tiny_candidate
+from builders import gpt_tiny_candidate, plan_of
 
 
 candidate = gpt_tiny_candidate
@@ -43,7 +43,7 @@ def table_plan(chosen: Candidate) -> Plan:
         MorphEntry(devices=n, candidate=c, note="" if c.devices == n else "uses 2 of 3 devices: 8 % 3 != 0")
         for n, c in table.items()
     ]
-    return Plan(model="gpt-tiny", cluster="local", global_batch=8, objective="time", layers=9, chosen=chosen, morph_table=entries)
+    return plan_of(chosen, global_batch=8, morph_table=entries)
 
 
 def make_run(tmp_path: Path, chosen: Candidate | None = None, steps: int = 10, checkpoint_step: int | None = 10, lr=3e-4) -> Path:

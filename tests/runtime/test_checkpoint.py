@@ -17,6 +17,7 @@ from pipectl.artifacts.run import CheckpointManifest
 from pipectl.errors import CheckpointError
 from pipectl.runtime import checkpoint as ckpt
 from pipectl.schedule.ir import ScheduleKind
+from builders import plan_of
 
 
 def fake_checkpoint(run_dir: Path, step: int, payload: bytes = b"weights") -> Path:
@@ -128,7 +129,7 @@ def plan_for(p: int, cuts: list[tuple[int, int]], b: int = 2, m: int = 4) -> Pla
         tflops_per_device=0.0, peak_memory_bytes=[1] * p, bubble_fraction=0.1,
         communication_fraction=0.0, cost_per_million_samples=0.0,
     )  # fmt: skip
-    return Plan(model="gpt-tiny", cluster="local", global_batch=b * m, objective="time", layers=9, chosen=candidate)
+    return plan_of(candidate)
 
 
 def launch(plan: Plan, run_dir: Path, steps: int, checkpoint_every: int = 0, prepare=None) -> dict[int, float]:

@@ -31,8 +31,9 @@ from pipectl.models.tensor_parallel import (
 )
 from pipectl.models.transformer import TransformerBlock
 from pipectl.runtime import checkpoint as ckpt
-from pipectl.runtime.worker import Layout, TrainingJob, spawn_ranks
-from builders import training_config
+from pipectl.artifacts.layout import Layout
+from pipectl.runtime.worker import TrainingJob, spawn_ranks
+from builders import plan_of, training_config
 
 HIDDEN, HEADS = 64, 4
 STATES = ("fp32", "exp_avg", "exp_avg_sq")
@@ -236,10 +237,10 @@ def test_resize_moves_a_t2_job_to_one_rank_at_t1(tmp_path):
 
     one_rank = gpt_tiny_candidate(1, 1)
     two_tensor_ranks = one_rank.model_copy(update={"devices": 2, "tensor_parallel": 2})
-    plan = Plan(
-        model="gpt-tiny", cluster="local", global_batch=8, objective="time", layers=9, chosen=two_tensor_ranks,
+    plan = plan_of(
+        two_tensor_ranks,
         morph_table=[MorphEntry(devices=1, candidate=one_rank), MorphEntry(devices=2, candidate=two_tensor_ranks)],
-    )  # fmt: skip
+    )
 
     def launch(run_dir: Path, steps: int) -> Path:
         prepared = prepare_launch(plan, run_dir, LaunchOptions(steps=steps, seed=0))

@@ -1,6 +1,9 @@
-"""The plan artifact (plan.json): the chosen configuration, the ranked candidates, the morph table.
+"""The plan artifact (plan.json): the request, the chosen configuration, the ranked candidates, the
+morph table.
 
-`launch` reads `chosen`; `resize` reads `morph_table`. Layer ranges are half-open: a stage holding
+`launch` reads `chosen` and checks the model against `model_shape`; `resize` reads `morph_table`
+and re-plans from `request` with the profile `profile` names (`pipectl.planfile` keeps the two
+together on disk). Layer ranges are half-open: a stage holding
 layers [start, end) owns layer indices start..end-1 of the profile.
 """
 
@@ -12,7 +15,14 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from pipectl.artifacts.base import Artifact, Strict
+from pipectl.artifacts.profile import ModelProfile
 from pipectl.schedule.ir import ScheduleKind
+
+
+# The ZeRO stages pipectl's runtime trains with: 1 only, the stage whose DeepSpeed universal
+# checkpoints re-cut optimizer state for a resize (stages 2 and 3 DeepSpeed's pipeline engine
+# rejects). A candidate with another stage is planned for comparison only.
+RUNTIME_ZERO_STAGES = (1,)
 
 
 class Objective(str, Enum):
@@ -41,7 +51,11 @@ class PlanRequest(Strict):
     samples: int | None = Field(default=None, description="cost-deadline: samples to train on.")
     tokens: int | None = Field(default=None, description="cost-deadline: tokens to train on (samples = tokens / seq_len).")
     allow_recompute: bool = True
-    zero_stages: list[int] = Field(default_factory=lambda: [0, 1])
+    zero_stages: list[int] = Field(
+        default_factory=lambda: [1],
+        description="ZeRO stages to try. pipectl's runtime trains with ZeRO-1 (its universal checkpoints "
+        "re-cut optimizer state for resize); 0 is a planner-only analysis (with for_deepspeed off).",
+    )
     include_all: bool = Field(default=False, description="Simulate and keep every feasible candidate.")
     for_deepspeed: bool = Field(default=True, description="Choose only schedules DeepSpeed's engine can run.")
     top: int = Field(default=10, description="Candidates kept in the ranking (without include_all).")
@@ -127,16 +141,51 @@ class MorphEntry(Strict):
     note: str = Field(default="", description="Why nothing fits, or why fewer devices are used.")
 
 
-class Plan(Artifact):
-    """plan.json."""
+class ModelShape(Strict):
+    """What the plan's cut and memory figures assume about the model: launch refuses another."""
 
-    schema_version: Literal[1] = 1
+    parameter_count: int = Field(ge=0, description="Parameters of the model, each shared group counted once.")
+    layer_parameter_counts: list[int] = Field(
+        description="Parameters of every cuttable layer, in order (a tied layer counts its copy)."
+    )
+    seq_len: int | None = Field(default=None, description="Sequence length (transformers).")
+    hidden: int | None = Field(default=None, description="Hidden size (transformers).")
+    vocab: int | None = Field(default=None, description="Vocabulary size (transformers).")
+
+    @classmethod
+    def of_profile(cls, profile: ModelProfile) -> "ModelShape":
+        return cls(
+            parameter_count=profile.parameter_count,
+            layer_parameter_counts=[layer.parameter_count for layer in profile.layers],
+            seq_len=profile.seq_len,
+            hidden=profile.hidden,
+            vocab=profile.vocab,
+        )
+
+    @property
+    def layers(self) -> int:
+        return len(self.layer_parameter_counts)
+
+
+class ProfileRef(Strict):
+    """The profile a plan was made from: a copy named by its content, next to plan.json."""
+
+    file: str = Field(description="File name of the copy in plan.json's folder, profile-<sha256[:12]>.json.")
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="sha256 of the copy's bytes; checked on load.")
+    source: str = Field(default="", description="Where the profile was read from when planning (for people).")
+
+
+class Plan(Artifact):
+    """plan.json: what was asked (`request`), of which model (`model_shape`, `profile`), and the answer."""
+
+    schema_version: Literal[2] = 2
     model: str = Field(description="Model name from the profile.")
-    profile_path: str | None = Field(default=None, description="Profile the plan was made from.")
-    cluster: str = Field(description="Cluster name.")
-    global_batch: int = Field(gt=0, description="B: samples per optimizer step, fixed by the user.")
-    objective: Objective
-    layers: int = Field(gt=0, description="Layers in the profile (cuttable units).")
+    model_shape: ModelShape
+    profile: ProfileRef | None = Field(
+        default=None, description="The profile's copy next to plan.json; None for a plan never written to disk."
+    )
+    cluster: str = Field(description="Cluster name or YAML path.")
+    request: PlanRequest = Field(description="The whole request; every re-plan (resize, elastic) starts from it.")
     chosen: Candidate
     candidates: list[Candidate] = Field(default_factory=list, description="Ranked feasible candidates.")
     infeasible: dict[str, int] = Field(
@@ -145,8 +194,27 @@ class Plan(Artifact):
     morph_table: list[MorphEntry] = Field(default_factory=list, description="Best plan per device count.")
     notes: list[str] = Field(default_factory=list)
 
+    @property
+    def global_batch(self) -> int:
+        """B: samples per optimizer step, fixed by the user."""
+        return self.request.global_batch
+
+    @property
+    def objective(self) -> Objective:
+        return self.request.objective
+
+    @property
+    def layers(self) -> int:
+        """Layers in the profile (cuttable units)."""
+        return self.model_shape.layers
+
     @model_validator(mode="after")
     def _batch_kept(self) -> "Plan":
+        for cand in [self.chosen, *self.candidates, *(e.candidate for e in self.morph_table if e.candidate)]:
+            if cand.stage_layers[-1][1] != self.layers:
+                raise ValueError(
+                    f"a candidate cuts {cand.stage_layers[-1][1]} layers, the model has {self.layers}"
+                )
         for cand in [self.chosen, *self.candidates, *(e.candidate for e in self.morph_table if e.candidate)]:
             if cand.global_batch != self.global_batch:
                 raise ValueError(

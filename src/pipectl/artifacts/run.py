@@ -22,7 +22,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from pipectl.artifacts.base import Artifact, Strict
-from pipectl.schedule.ir import ScheduleKind
+from pipectl.artifacts.layout import Layout
 
 JOB_FILE = "job.json"
 PLAN_FILE = "plan.json"
@@ -100,7 +100,6 @@ class JobSpec(Artifact):
     seed: int = Field(default=0, description="Seed of weights init and of the data order.")
     data: DataSpec = Field(default_factory=DataSpec)
     engine: Engine = Field(default=Engine.LOCAL)
-    schedule: ScheduleKind = Field(description="Schedule kind the worker executes (from plan.chosen).")
     world_size: int = Field(gt=0, description="Ranks at launch: t * p * d of plan.chosen.")
     nodes: int = Field(default=1, gt=0, description="Nodes (agents) at launch.")
     ranks_per_node: int = Field(gt=0, description="Processes per node.")
@@ -152,9 +151,7 @@ class CheckpointManifest(Artifact):
     tag: str = Field(description="Checkpoint tag (its directory name).")
     step: int = Field(ge=0, description="Optimizer steps completed when it was taken.")
     format: Literal["deepspeed-universal"] = "deepspeed-universal"
-    layout: dict[str, int | str] = Field(
-        default_factory=dict, description="Layout that wrote it: pipeline/data/tensor degrees, stage cuts."
-    )
+    layout: Layout | None = Field(default=None, description="The layout that wrote it (degrees, cut, schedule).")
     data_position: dict[str, int] = Field(
         default_factory=dict, description="Where the data order stands (e.g. samples consumed)."
     )

@@ -101,7 +101,7 @@ def register(app: typer.Typer) -> None:
             resume=resume,
             force=force,
         )
-        prepared = prepare_launch(plan, run_dir, options, write=not dry_run)
+        prepared = prepare_launch(plan, run_dir, options, plan_dir=plan_path.parent, write=not dry_run)
         described = {
             "run_dir": str(prepared.run_dir),
             "engine": prepared.job.engine.value,

@@ -16,7 +16,8 @@ from pipectl.artifacts.plan import Objective
 from pipectl.artifacts.profile import ModelProfile
 from pipectl.cli.context import JsonFlag, OutputPath, console, print_json
 from pipectl.errors import UserInputError
-from pipectl.io import load_model, write_json_atomic
+from pipectl.io import load_model
+from pipectl.planfile import write_plan
 from pipectl.schedule import ScheduleKind
 
 
@@ -73,8 +74,8 @@ def plan_command(
         str,
         typer.Option(
             "--zero-stages",
-            help="ZeRO stages to try (0,1). Default 1: launch always runs ZeRO-1, the stage whose "
-            "universal checkpoints re-cut optimizer state for resize.",
+            help="ZeRO stages to try (0,1). Default 1: pipectl trains with ZeRO-1, the stage whose "
+            "universal checkpoints re-cut optimizer state for resize; ZeRO-0 candidates are planner-only.",
         ),
     ] = "1",
     include_all: Annotated[bool, typer.Option("--all", help="Simulate and keep every feasible candidate.")] = False,
@@ -123,8 +124,7 @@ def plan_command(
         morph=not no_morph,
         workers=workers,
     )
-    result = plan(model_profile, cluster_spec, request, profile_path=str(profile))
-    write_json_atomic(output, result)
+    result = write_plan(output, plan(model_profile, cluster_spec, request), profile_file=profile)
     if as_json:
         print_json(result)
         return

@@ -33,6 +33,7 @@ def _from_plan(
     from pipectl.artifacts.profile import ModelProfile
     from pipectl.cluster import load_cluster
     from pipectl.io import load_model
+    from pipectl.planfile import load_plan_profile
 
     try:
         from pipectl.plan.costs import stage_costs_for
@@ -56,11 +57,9 @@ def _from_plan(
             raise UserInputError(f"nothing fits on {devices} devices: {entry.note or 'no feasible candidate'}")
         candidate = entry.candidate
     if profile_path is None:
-        if not plan.profile_path:
-            raise UserInputError(f"{plan_path} does not name its profile", hint="pass --profile PROFILE.json")
-        recorded = Path(plan.profile_path)
-        profile_path = recorded if recorded.is_file() else plan_path.parent / recorded
-    profile = load_model(ModelProfile, profile_path)
+        profile = load_plan_profile(plan_path, plan)
+    else:
+        profile = load_model(ModelProfile, profile_path)
     cluster = load_cluster(cluster_name or plan.cluster)
     costs = stage_costs_for(candidate, profile, cluster)
     schedule = generate(

@@ -22,6 +22,7 @@ from pipectl.errors import UserInputError
 from pipectl.launch.dsconfig import DEFAULT_LEARNING_RATE, validated_config
 from pipectl.launch.engines import LaunchCommand, build_command, free_port, run_engine
 from pipectl.launch.rundir import prepare_run_dir, write_run_files
+from pipectl.planfile import plan_profile_path
 
 __all__ = ["LaunchOptions", "PreparedLaunch", "build_job", "prepare_launch", "run_engine"]
 
@@ -58,15 +59,35 @@ class PreparedLaunch:
 
 
 def check_model(plan: Plan, model_reference: str) -> None:
-    """The model must build here and have exactly the plan's layers (the cut indexes them)."""
-    from pipectl.models import build_model
+    """The model must build here and be the one the plan was made for: the same layers with the
+    same parameters (the cut indexes them, the memory figures count them) and the same shape."""
+    from pipectl.models import build_model  # torch: only when launching
+    from pipectl.models.base import shape_of
 
-    layers = len(build_model(model_reference).layers)
-    if layers != plan.layers:
+    model = build_model(model_reference)
+    built = shape_of(model)
+    counts = built.layer_parameter_counts
+    expected = plan.model_shape
+    hint = "plan from a profile of this model, or pass the matching --model"
+    if len(counts) != expected.layers:
         raise UserInputError(
-            f"model '{model_reference}' has {layers} layers but the plan cuts {plan.layers}",
-            hint="plan from a profile of this model, or pass the matching --model",
+            f"model '{model_reference}' has {len(counts)} layers but the plan cuts {expected.layers}", hint=hint
         )
+    for name in ("seq_len", "hidden", "vocab"):
+        found, planned = getattr(built, name), getattr(expected, name)
+        if found is not None and planned is not None and found != planned:
+            raise UserInputError(
+                f"model '{model_reference}' has {name.replace('_', ' ')} {found}, the plan was made for {planned}",
+                hint=hint,
+            )
+    for index, (found, planned) in enumerate(zip(counts, expected.layer_parameter_counts)):
+        if found != planned:
+            raise UserInputError(
+                f"model '{model_reference}' layer {index} ({model.layers[index].name}) has {found:,} parameters, "
+                f"the plan was made for {planned:,} (model: {built.parameter_count:,} parameters, plan: "
+                f"{expected.parameter_count:,})",
+                hint=hint,
+            )
 
 
 def build_job(plan: Plan, name: str, options: LaunchOptions) -> JobSpec:
@@ -97,7 +118,6 @@ def build_job(plan: Plan, name: str, options: LaunchOptions) -> JobSpec:
         seed=options.seed,
         data=options.data,
         engine=options.engine,
-        schedule=plan.chosen.schedule,
         world_size=devices,
         nodes=nodes,
         ranks_per_node=devices // nodes,
@@ -109,16 +129,29 @@ def build_job(plan: Plan, name: str, options: LaunchOptions) -> JobSpec:
     )
 
 
-def prepare_launch(plan: Plan, run_dir: str | os.PathLike[str], options: LaunchOptions, *, write: bool = True) -> PreparedLaunch:
-    """Validate everything, then (unless `write=False`, a dry run) create the run directory."""
+def prepare_launch(
+    plan: Plan,
+    run_dir: str | os.PathLike[str],
+    options: LaunchOptions,
+    *,
+    plan_dir: str | os.PathLike[str] | None = None,
+    write: bool = True,
+) -> PreparedLaunch:
+    """Validate everything, then (unless `write=False`, a dry run) create the run directory.
+
+    `plan_dir` is where plan.json was read from: its profile copy goes into the run directory too,
+    so a resize can re-plan from it.
+    """
     path = Path(run_dir).resolve()
     job = build_job(plan, path.name, options)
     check_model(plan, job.model)
+    if plan.profile is not None and plan_dir is not None:
+        plan_profile_path(plan_dir, plan)  # present and unchanged, before anything is written
     ds_config = validated_config(
         plan, precision=options.precision, learning_rate=options.learning_rate
     )
     command = build_command(job, path, hosts=options.hosts)
     if write:
         prepare_run_dir(path, resume=options.resume, force=options.force)
-        write_run_files(path, plan=plan, job=job, ds_config=ds_config, command=command)
+        write_run_files(path, plan=plan, job=job, ds_config=ds_config, command=command, plan_dir=plan_dir)
     return PreparedLaunch(path, plan, job, ds_config, command)

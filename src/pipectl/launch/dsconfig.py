@@ -12,10 +12,11 @@ replica runs m micro-batches of b samples and accumulates their gradients, so
     {'train_batch_size': 16, 'train_micro_batch_size_per_gpu': 2, 'gradient_accumulation_steps': 4}
 
 Choices and why:
-- ZeRO stage 1 always (also when the plan says 0): DeepSpeed's universal checkpoint, the only way
-  to re-cut optimizer state across layouts, cannot be made from a ZeRO-0 checkpoint; at d=1 ZeRO-1
-  gave bit-identical losses to ZeRO-0 (shared/DEEPSPEED-ON-CPU.md), and at d>1 it only lowers
-  memory. ZeRO-2/3 are rejected by DeepSpeed's pipeline engine, so such a plan is an error here.
+- The plan's ZeRO stage, which must be 1 (`RUNTIME_ZERO_STAGES`): DeepSpeed's universal checkpoint,
+  the only way to re-cut optimizer state across layouts, cannot be made from a ZeRO-0 checkpoint,
+  and DeepSpeed's pipeline engine rejects 2 and 3. The planner labels d = 1 candidates ZeRO-1 (they
+  shard nothing; ZeRO-1 gave bit-identical losses to ZeRO-0 there, shared/DEEPSPEED-ON-CPU.md) and
+  marks any other stage as not runnable, so a plan and its run never differ silently.
 - `"torch_adam": true`: otherwise DeepSpeed JIT-compiles its fused Adam (101 s on this machine);
   the losses are identical.
 - `checkpoint.load_universal = true`: pipectl's checkpoints are universal ones; the flag is only
@@ -32,14 +33,13 @@ import logging
 import os
 from typing import Any, Iterator
 
-from pipectl.artifacts.plan import Candidate, Plan
+from pipectl.artifacts.plan import RUNTIME_ZERO_STAGES, Candidate, Plan
 from pipectl.artifacts.run import Precision
 from pipectl.errors import UserInputError
 
 DEFAULT_LEARNING_RATE = 1e-3
 # Print DeepSpeed's own step log practically never: pipectl writes metrics.jsonl instead.
 STEPS_PER_PRINT = 1_000_000_000
-UNIVERSAL_CHECKPOINT_ZERO_STAGE = 1
 
 
 class DeepSpeedConfigRejected(UserInputError):
@@ -96,7 +96,7 @@ def deepspeed_config(
                     "torch_adam": True,
                 },
             },
-            "zero_optimization": {"stage": max(candidate.zero_stage, UNIVERSAL_CHECKPOINT_ZERO_STAGE)},
+            "zero_optimization": {"stage": candidate.zero_stage},
             "checkpoint": {"load_universal": True},
             "pipeline": {
                 "stages": candidate.pipeline_parallel,
@@ -128,10 +128,11 @@ def check_candidate(candidate: Candidate, *, global_batch: int, layers: int) -> 
             f"(= {b * m * d})",
             hint="re-plan: every candidate must keep the global batch exactly",
         )
-    if candidate.zero_stage > UNIVERSAL_CHECKPOINT_ZERO_STAGE:
+    if candidate.zero_stage not in RUNTIME_ZERO_STAGES:
         raise DeepSpeedConfigRejected(
-            f"ZeRO stage {candidate.zero_stage} cannot run with DeepSpeed's pipeline engine (stages 0-1 only)",
-            hint="re-plan with --zero-stages 0,1",
+            f"the plan chose ZeRO stage {candidate.zero_stage}; pipectl trains with ZeRO-1 only (its universal "
+            f"checkpoints re-cut optimizer state for a resize; DeepSpeed's pipeline engine rejects 2 and 3)",
+            hint="re-plan with --zero-stages 1 (the default)",
         )
     if candidate.chunks != 1 or not candidate.deepspeed_runnable:
         raise DeepSpeedConfigRejected(

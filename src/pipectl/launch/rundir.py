@@ -31,6 +31,7 @@ from pipectl.artifacts.run import (
 from pipectl.errors import UserInputError
 from pipectl.io import load_model, read_mapping, write_json_atomic
 from pipectl.launch.engines import LaunchCommand, launch_script
+from pipectl.planfile import copy_plan
 from pipectl.runtime.checkpoint import list_checkpoints
 from pipectl.runtime.metrics import PredictionSummary, prediction_summary, read_metrics
 
@@ -86,11 +87,18 @@ def prepare_run_dir(run_dir: str | os.PathLike[str], *, resume: bool = False, fo
 
 
 def write_run_files(
-    run_dir: Path, *, plan: Plan, job: JobSpec, ds_config: dict[str, Any], command: LaunchCommand
+    run_dir: Path,
+    *,
+    plan: Plan,
+    job: JobSpec,
+    ds_config: dict[str, Any],
+    command: LaunchCommand,
+    plan_dir: str | os.PathLike[str] | None = None,
 ) -> list[Path]:
-    """plan.json (copy), job.json, ds_config.json, launch.sh and the engine's side files."""
+    """plan.json with its profile copy (taken from `plan_dir`, default the run directory itself),
+    job.json, ds_config.json, launch.sh and the engine's side files."""
     written = [
-        write_json_atomic(run_dir / PLAN_FILE, plan),
+        copy_plan(plan, run_dir if plan_dir is None else plan_dir, run_dir / PLAN_FILE),
         write_json_atomic(run_dir / JOB_FILE, job),
         write_json_atomic(run_dir / DS_CONFIG_FILE, ds_config),
     ]

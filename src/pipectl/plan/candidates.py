@@ -27,6 +27,7 @@ from typing import Sequence
 
 import numpy as np
 
+from pipectl.artifacts.plan import RUNTIME_ZERO_STAGES
 from pipectl.artifacts.profile import ModelProfile
 from pipectl.catalog import DTYPE_BYTES
 from pipectl.plan.costs import (
@@ -159,7 +160,7 @@ class Spec:
 
     @property
     def deepspeed_runnable(self) -> bool:
-        return deepspeed_runnable(self.variant.kind, self.variant.chunks)
+        return deepspeed_runnable(self.variant.kind, self.variant.chunks) and self.zero_stage in RUNTIME_ZERO_STAGES
 
     @property
     def key(self) -> tuple:

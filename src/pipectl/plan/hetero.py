@@ -41,7 +41,6 @@ def plan_heterogeneous(
     cluster: ClusterSpec,
     request: PlanRequest,
     *,
-    profile_path: str | None = None,
     stats: SearchStats | None = None,
 ) -> Plan:
     """The best homogeneous subset, or an uneven split over every kind when that is better."""
@@ -52,7 +51,7 @@ def plan_heterogeneous(
         hardware = hardware_for(sub, profile)
         sub_request = request.model_copy(update={"devices": None})
         try:
-            result = plan_homogeneous(profile, f"{cluster.name}[{kind}]", hardware, sub_request, profile_path=profile_path)
+            result = plan_homogeneous(profile, f"{cluster.name}[{kind}]", hardware, sub_request)
         except InfeasibleError as exc:
             failures.append(f"{kind}: {exc.message}")
             continue
@@ -83,7 +82,7 @@ def plan_heterogeneous(
             )
         else:
             notes.append("no uneven split over the device kinds fits the global batch and memory")
-    return best_plan.model_copy(update={"cluster": cluster.name, "chosen": chosen, "candidates": candidates, "notes": notes})
+    return best_plan.model_copy(update={"cluster": cluster.name, "request": request, "chosen": chosen, "candidates": candidates, "notes": notes})
 
 
 def _objective_key(objective: Objective):

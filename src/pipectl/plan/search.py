@@ -40,7 +40,7 @@ from typing import Iterable
 import numpy as np
 
 from pipectl.artifacts.cluster import ClusterSpec
-from pipectl.artifacts.plan import Candidate, Objective, Plan, PlanRequest
+from pipectl.artifacts.plan import Candidate, ModelShape, Objective, Plan, PlanRequest
 from pipectl.artifacts.profile import ModelProfile
 from pipectl.errors import InfeasibleError, UserInputError
 from pipectl.plan.candidates import (
@@ -410,8 +410,11 @@ def _keeps_input_only(stages: int, recomputes: bool) -> tuple[bool, ...]:
 @lru_cache(maxsize=1024)
 def _zeros_descending(d: int, zero_stages: tuple[int, ...]) -> tuple[int, ...]:
     """The ZeRO stages tried at d, largest (least memory) first."""
-    # ZeRO-1 without data parallelism shards nothing: the same candidate as ZeRO-0.
-    return tuple(sorted((z for z in zero_stages if d > 1 or z == 0), reverse=True)) or (0,)
+    if d == 1:
+        # Without data parallelism no stage shards anything: one candidate, labelled with the
+        # largest stage asked for (the runtime's own, ZeRO-1, unless only 0 was asked).
+        return (max(zero_stages),)
+    return tuple(sorted(zero_stages, reverse=True))
 
 
 class _Family:
@@ -707,7 +710,6 @@ def plan(
     cluster: ClusterSpec,
     request: PlanRequest,
     *,
-    profile_path: str | None = None,
     stats: SearchStats | None = None,
 ) -> Plan:
     """The ranked candidates, the chosen one and the morph table (see the module docstring)."""
@@ -715,9 +717,9 @@ def plan(
         if cluster.heterogeneous:
             from pipectl.plan.hetero import plan_heterogeneous
 
-            return plan_heterogeneous(profile, cluster, request, profile_path=profile_path, stats=stats)
+            return plan_heterogeneous(profile, cluster, request, stats=stats)
         hardware = hardware_for(cluster, profile)
-        return plan_homogeneous(profile, cluster.name, hardware, request, profile_path=profile_path, stats=stats)
+        return plan_homogeneous(profile, cluster.name, hardware, request, stats=stats)
 
 
 @contextmanager
@@ -744,7 +746,6 @@ def plan_homogeneous(
     hardware: Hardware,
     request: PlanRequest,
     *,
-    profile_path: str | None = None,
     stats: SearchStats | None = None,
     notes: list[str] | None = None,
 ) -> Plan:
@@ -818,11 +819,9 @@ def plan_homogeneous(
         stats.phase_seconds = {name: round(seconds, 3) for name, seconds in phases.items()}
     return Plan(
         model=profile.model,
-        profile_path=profile_path,
+        model_shape=ModelShape.of_profile(profile),
         cluster=cluster_name,
-        global_batch=request.global_batch,
-        objective=request.objective,
-        layers=len(profile.layers),
+        request=request,
         chosen=chosen,
         candidates=candidates,
         infeasible=enumeration.rejections.summary(),

@@ -4,7 +4,7 @@ The global batch B never changes (SPEC §1, §7). When B cannot be split over N 
 B = 8 on 3 devices: no d·b·m = 8 with t·p·d = 3 fits), the planner's morph-table entry for N
 holds the best plan that keeps B on *fewer* devices; the choice says so in its notes.
 
-    >>> from pipectl.artifacts.plan import Candidate, MorphEntry, Plan
+    >>> from pipectl.artifacts.plan import Candidate, ModelShape, MorphEntry, Plan, PlanRequest
     >>> def cand(p, d, m):
     ...     cuts = [(0, 9)] if p == 1 else [(0, 4), (4, 9)]
     ...     return Candidate(devices=p * d, device="cpu", tensor_parallel=1, pipeline_parallel=p,
@@ -12,8 +12,8 @@ holds the best plan that keeps B on *fewer* devices; the choice says so in its n
     ...         zero_stage=1, stage_layers=cuts, predicted_step_seconds=0.1, samples_per_second=80.0,
     ...         tflops_per_device=0.0, peak_memory_bytes=[1] * p, bubble_fraction=0.0,
     ...         communication_fraction=0.0, cost_per_million_samples=0.0)
-    >>> plan = Plan(model="gpt-tiny", cluster="local", global_batch=8, objective="time", layers=9,
-    ...     chosen=cand(2, 1, 4), morph_table=[MorphEntry(devices=1, candidate=cand(1, 1, 4)),
+    >>> plan = Plan(model="gpt-tiny", model_shape=ModelShape(parameter_count=9, layer_parameter_counts=[1] * 9),
+    ...     cluster="local", request=PlanRequest(global_batch=8), chosen=cand(2, 1, 4), morph_table=[MorphEntry(devices=1, candidate=cand(1, 1, 4)),
     ...     MorphEntry(devices=2, candidate=cand(2, 1, 4)), MorphEntry(devices=3, candidate=cand(2, 1, 4))])
     >>> choice = choose_candidate(plan, 3)
     >>> choice.candidate.devices, choice.source, choice.fewer_devices
@@ -22,18 +22,25 @@ holds the best plan that keeps B on *fewer* devices; the choice says so in its n
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Literal
 
 from pipectl.artifacts.plan import Candidate, MorphEntry, Plan
+from pipectl.artifacts.run import PLAN_FILE
+from pipectl.cluster import load_cluster, local_cluster
 from pipectl.errors import InfeasibleError, UserInputError
+from pipectl.plan.search import plan as search_plan
+from pipectl.planfile import load_plan_profile
 
 log = logging.getLogger(__name__)
 
 PlanSource = Literal["morph-table", "re-planned"]
-# Re-plans `plan` for a device count; returns the entry for it (see `replan_for_devices`).
-Replanner = Callable[[Plan, int], MorphEntry]
+# Re-plans the plan being resized for a device count; returns the entry for it (see `replanner`).
+Replanner = Callable[[int], MorphEntry]
 
 
 @dataclass(frozen=True)
@@ -54,8 +61,6 @@ class LayoutChoice:
 def cluster_capacity(plan: Plan) -> int | None:
     """Devices the plan's cluster has, or None when it has no fixed size (the local cluster: any
     number of CPU ranks) or its description cannot be read any more."""
-    from pipectl.cluster import load_cluster
-
     try:
         cluster = load_cluster(plan.cluster)
     except UserInputError:
@@ -97,7 +102,7 @@ def choose_candidate(plan: Plan, devices: int, *, replan: Replanner | None = Non
                 f"(it covers {_ranges(known) or 'no counts'}) and the plan cannot be re-planned here",
                 hint="re-plan with pipectl plan --devices ... and launch that plan",
             )
-        entry = replan(plan, devices)
+        entry = replan(devices)
         source = "re-planned"
     if entry.candidate is None:
         raise InfeasibleError(
@@ -106,7 +111,7 @@ def choose_candidate(plan: Plan, devices: int, *, replan: Replanner | None = Non
         )
     notes = []
     if source == "re-planned":
-        notes.append(f"the morph table had no entry for {devices} devices: re-planned from {plan.profile_path}")
+        notes.append(f"the morph table had no entry for {devices} devices: re-planned from the plan's request and profile")
     if entry.candidate.devices < devices:
         notes.append(_fewer_devices_note(plan, entry, devices))
     elif entry.note:
@@ -125,38 +130,33 @@ def _ranges(counts: list[int]) -> str:
     return ", ".join(str(low) if low == high else f"{low}-{high}" for low, high in runs)
 
 
-def replan_for_devices(plan: Plan, devices: int) -> MorphEntry:
-    """Re-plan with the plan's own profile and cluster for exactly `devices` (B and objective kept).
+def replanner(plan: Plan, plan_dir: str | os.PathLike[str]) -> Replanner:
+    """Re-plans `plan` (whose plan.json lies in `plan_dir`) for a device count: see `replan_for_devices`."""
+    return functools.partial(replan_for_devices, plan, plan_dir=Path(plan_dir))
+
+
+def replan_for_devices(plan: Plan, devices: int, *, plan_dir: Path) -> MorphEntry:
+    """Re-plan for exactly `devices` from the plan's own request (every constraint kept: schedules,
+    recomputation, pinned degrees, ZeRO stages), its profile (the verified copy in `plan_dir`) and
+    its cluster.
 
     Used only when the morph table lacks the count (the table is meant to make a resize a look-up).
     """
-    from pathlib import Path
-
-    from pipectl.artifacts.profile import ModelProfile
-    from pipectl.cluster import load_cluster, local_cluster
-    from pipectl.io import load_model
-
     covered = _ranges([e.devices for e in plan.morph_table]) or "no counts"
-    if not plan.profile_path or not Path(plan.profile_path).is_file():
-        missing = "records no profile" if not plan.profile_path else f"profile {plan.profile_path} is gone"
+    if plan.profile is None:
         raise UserInputError(
             f"the plan's morph table has no entry for {devices} devices (it covers {covered}) and the "
-            f"plan {missing} to re-plan from",
+            f"plan records no profile to re-plan from",
             hint="re-plan with pipectl plan --devices ... and launch that plan",
         )
-    try:
-        from pipectl.artifacts.plan import PlanRequest
-        from pipectl.plan.search import plan as search_plan
-    except ImportError as exc:  # the planner is not installed in this build
-        raise UserInputError(f"cannot re-plan for {devices} devices: {exc}") from exc
-    profile = load_model(ModelProfile, plan.profile_path)
+    profile = load_plan_profile(plan_dir / PLAN_FILE, plan)
     cluster = load_cluster(plan.cluster)
     if cluster.local:
         cluster = local_cluster(devices, base=cluster)
-    request = PlanRequest(global_batch=plan.global_batch, objective=plan.objective, devices=devices)
+    request = plan.request.model_copy(update={"devices": devices})
     try:
         replanned = search_plan(profile, cluster, request)
-    except InfeasibleError as exc:
+    except (InfeasibleError, UserInputError) as exc:
         return MorphEntry(devices=devices, candidate=None, note=exc.message)
     entry = replanned.for_devices(devices)
     if entry is not None:

@@ -32,7 +32,7 @@ from pipectl.artifacts.morph import MorphRecord, MorphTrigger
 from pipectl.artifacts.plan import Candidate, Plan
 from pipectl.artifacts.run import HOSTFILE, Engine, JobSpec
 from pipectl.errors import CheckpointError, UserInputError
-from pipectl.resize.choose import LayoutChoice, Replanner, choose_candidate, replan_for_devices, with_entry
+from pipectl.resize.choose import LayoutChoice, choose_candidate, replanner, with_entry
 from pipectl.resize.history import append_record, read_records, update_downtimes, with_downtime, write_history
 from pipectl.resize.stop import RunProcess, StopOutcome, find_run_processes, request_stop, wait_for_exit
 from pipectl.resize.stragglers import StragglerPolicy, StragglerReport, find_stragglers
@@ -75,9 +75,13 @@ def decide_resize(
     steps: int | None = None,
     exclude_stragglers: bool = False,
     straggler_policy: StragglerPolicy | None = None,
-    replan: Replanner | None = replan_for_devices,
+    replan: bool = True,
 ) -> ResizeDecision:
-    """Read the run and choose the new layout; raises `UserInputError` naming any bad value."""
+    """Read the run and choose the new layout; raises `UserInputError` naming any bad value.
+
+    A device count the morph table lacks is re-planned from the plan's request and profile
+    unless `replan` is off.
+    """
     from pipectl.launch.rundir import read_run
     from pipectl.runtime.metrics import read_metrics
 
@@ -111,7 +115,7 @@ def decide_resize(
             notes.append(f"no straggler left out: {stragglers.reason}")
         else:
             notes.append("no straggler found")
-    choice = choose_candidate(files.plan, usable, replan=replan)
+    choice = choose_candidate(files.plan, usable, replan=replanner(files.plan, files.path) if replan else None)
     notes += choice.notes
     latest = newest_complete_checkpoint(files.path)
     metrics = read_metrics(files.path)
@@ -167,7 +171,7 @@ def resized_plan(plan: Plan, choice: LayoutChoice) -> Plan:
 
 
 def resized_job(job: JobSpec, candidate: Candidate, target_steps: int) -> JobSpec:
-    """job.json for the new layout: world size, ranks per node, schedule and total steps."""
+    """job.json for the new layout: world size, ranks per node and total steps."""
     from pipectl.launch.engines import free_port
 
     world = candidate.devices
@@ -183,7 +187,6 @@ def resized_job(job: JobSpec, candidate: Candidate, target_steps: int) -> JobSpe
         world_size=world,
         nodes=nodes,
         ranks_per_node=world // nodes,
-        schedule=candidate.schedule,
         steps=target_steps,
         checkpoint_every=min(job.checkpoint_every, target_steps),
         master_port=port,
@@ -297,7 +300,7 @@ def resize_run(
     exclude_stragglers: bool = False,
     *,
     straggler_policy: StragglerPolicy | None = None,
-    replan: Replanner | None = replan_for_devices,
+    replan: bool = True,
     relaunch: bool = True,
     stop_timeout_seconds: float = 300.0,
     signal_after_seconds: float = 60.0,

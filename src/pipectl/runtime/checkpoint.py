@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipectl.artifacts.layout import Layout
 from pipectl.artifacts.run import CHECKPOINTS_DIR, LOGS_DIR, MANIFEST_FILE, CheckpointManifest
 from pipectl.errors import CheckpointError
 from pipectl.io import load_model, write_json_atomic
@@ -415,7 +416,7 @@ def save_checkpoint(
     client_state: dict[str, Any] | None = None,
     *,
     keep: int = DEFAULT_KEEP,
-    layout: dict[str, int | str] | None = None,
+    layout: Layout | None = None,
     data_position: dict[str, int] | None = None,
 ) -> Path:
     """Save a checkpoint of `engine` after `step` optimizer steps. Call on EVERY rank, at a step boundary.
@@ -472,7 +473,7 @@ def save_checkpoint(
             manifest = CheckpointManifest(
                 tag=tag,
                 step=step,
-                layout=dict(layout or {}),
+                layout=layout,
                 data_position=dict(data_position or {}),
                 files=files,
                 bytes=sum((universal / rel).stat().st_size for rel in files),

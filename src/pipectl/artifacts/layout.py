@@ -1,0 +1,79 @@
+"""The runnable part of a plan candidate: how the ranks split the work.
+
+The worker builds its engine from a `Layout`, metrics lines and morph records carry its `label()`,
+and a checkpoint's manifest records the one that wrote it.
+
+    >>> Layout(2, 1, 2, 4, ((0, 4), (4, 9))).label()
+    't1p2d1 1f1b b2 m4'
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipectl.artifacts.plan import Candidate
+from pipectl.schedule.ir import ScheduleKind
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the ranks split the work: the runnable part of a plan candidate."""
+
+    pipeline_parallel: int
+    data_parallel: int
+    micro_batch_size: int
+    micro_batches: int
+    stage_layers: tuple[tuple[int, int], ...]
+    schedule: ScheduleKind = ScheduleKind.ONE_F_ONE_B
+    recompute: bool = False
+    tensor_parallel: int = 1
+    chunks: int = 1
+    # Heterogeneous plans: (micro_batch_size, micro_batches) of every data-parallel replica, in
+    # replica order; None when every replica does micro_batch_size x micro_batches.
+    replica_shares: tuple[tuple[int, int], ...] | None = None
+
+    @classmethod
+    def from_candidate(cls, candidate: Candidate) -> "Layout":
+        return cls(
+            pipeline_parallel=candidate.pipeline_parallel,
+            data_parallel=candidate.data_parallel,
+            micro_batch_size=candidate.micro_batch_size,
+            micro_batches=candidate.micro_batches,
+            stage_layers=tuple((int(a), int(b)) for a, b in candidate.stage_layers),
+            schedule=candidate.schedule,
+            recompute=candidate.recompute,
+            tensor_parallel=candidate.tensor_parallel,
+            chunks=candidate.chunks,
+            replica_shares=(
+                tuple((r.micro_batch_size, r.micro_batches) for r in sorted(candidate.replicas, key=lambda r: r.replica))
+                if candidate.replicas
+                else None
+            ),
+        )
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel * self.pipeline_parallel * self.data_parallel
+
+    @property
+    def global_batch(self) -> int:
+        if self.replica_shares:
+            return sum(b * m for b, m in self.replica_shares)
+        return self.data_parallel * self.micro_batch_size * self.micro_batches
+
+    def replica_share(self, replica: int) -> tuple[int, int]:
+        """(micro_batch_size, micro_batches) of data-parallel replica `replica`."""
+        if self.replica_shares:
+            return self.replica_shares[replica]
+        return self.micro_batch_size, self.micro_batches
+
+    def label(self) -> str:
+        """e.g. 't1p2d1 1f1b b2 m4' (metrics lines carry it)."""
+        recompute = " +R" if self.recompute else ""
+        if self.replica_shares:
+            shares = "+".join(f"{b}x{m}" for b, m in self.replica_shares)
+            return f"t{self.tensor_parallel}p{self.pipeline_parallel}d{self.data_parallel} {self.schedule.value}{recompute} {shares}"
+        return (
+            f"t{self.tensor_parallel}p{self.pipeline_parallel}d{self.data_parallel} "
+            f"{self.schedule.value}{recompute} b{self.micro_batch_size} m{self.micro_batches}"
+        )
