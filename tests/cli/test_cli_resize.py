@@ -15,10 +15,10 @@ from pipectl.artifacts.morph import MorphRecord
 from pipectl.artifacts.plan import MorphEntry, Plan
 from pipectl.artifacts.run import CheckpointManifest, Engine, RankTiming, StepMetrics
 from pipectl.cli.main import app
-from pipectl.cli.resize import morph_history_table, status_renderables, straggler_table
+from pipectl.report.run_tables import morph_history_table, status_renderables, straggler_table
 from pipectl.launch import LaunchOptions, prepare_launch
 from pipectl.launch.rundir import read_run
-from pipectl.resize.history import append_record
+from pipectl.runtime.history import append_record
 from pipectl.resize.stragglers import find_stragglers
 from pipectl.runtime import checkpoint as ckpt
 from pipectl.runtime.metrics import MetricsWriter

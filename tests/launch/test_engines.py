@@ -14,10 +14,10 @@ import pytest
 
 from pipectl.artifacts.run import ElasticRange, Engine, JobSpec
 from pipectl.errors import LaunchError, UserInputError
+from pipectl.runtime.dsinit import free_port
 from pipectl.launch.engines import (
     LaunchCommand,
     build_command,
-    free_port,
     launch_script,
     run_engine,
     slurm_script,

@@ -18,7 +18,7 @@ import torch
 
 from pipectl.artifacts.plan import Candidate, MorphEntry, Plan
 from pipectl.launch import LaunchOptions, prepare_launch, run_engine
-from pipectl.resize.history import read_history
+from pipectl.runtime.history import read_history
 from pipectl.resize.morph import resize_run
 from pipectl.runtime.checkpoint import find_latest_verified
 from pipectl.runtime.metrics import read_metrics

@@ -17,12 +17,10 @@ from pipectl.artifacts.run import CheckpointManifest, RankTiming, StepMetrics
 from pipectl.errors import LaunchError, UserInputError
 from pipectl.launch import LaunchOptions, prepare_launch
 from pipectl.launch.rundir import read_run
-from pipectl.resize.history import read_records
+from pipectl.runtime.history import read_records
 from pipectl.resize.morph import (
     decide_resize,
-    ds_config_for_candidate,
     layout_label,
-    plan_for_world_size,
     prepare_relaunch,
     resize_run,
 )
@@ -287,38 +285,3 @@ def test_a_bad_request_leaves_a_running_job_alone(tmp_path):
         assert not (run / ckpt.STOP_FILE).exists() and proc.poll() is None
     finally:
         proc.kill()
-
-
-# --------------------------------------------------------------------------- elastic hooks
-
-
-def test_plan_for_world_size_uses_the_table(tmp_path):
-    run = make_run(tmp_path)
-    assert plan_for_world_size(run, 2) == candidate()
-    assert plan_for_world_size(run, 4) == candidate(2, 2, m=2)
-    with pytest.raises(UserInputError, match="uses only 2"):
-        plan_for_world_size(run, 3)
-    with pytest.raises(UserInputError, match="no layout for 6 ranks"):
-        plan_for_world_size(run, 6)
-
-
-def test_ds_config_for_candidate_changes_only_batch_and_pipeline(tmp_path):
-    run = make_run(tmp_path)
-    before = read_run(run).ds_config
-    after = ds_config_for_candidate(before, candidate(2, 2, m=2), global_batch=8)
-    changed = {k for k in before if before[k] != after[k]}
-    assert changed == {"gradient_accumulation_steps"}  # p stays 2; B and b unchanged
-    after_p1 = ds_config_for_candidate(before, candidate(1, m=4), global_batch=8)
-    assert after_p1["pipeline"]["partition"] == [0, 9] and after_p1["optimizer"] == before["optimizer"]
-    assert json.dumps(after_p1)  # still plain JSON
-
-
-def test_ds_config_for_another_data_parallel_degree_passes_deepspeeds_parser(tmp_path):
-    from pipectl.launch.dsconfig import DeepSpeedConfigRejected, parse_with_deepspeed
-
-    run = make_run(tmp_path)
-    before = read_run(run).ds_config  # p=2, d=1: accumulation 4
-    with pytest.raises(DeepSpeedConfigRejected):  # what an elastic group of 4 would hit unchanged
-        parse_with_deepspeed(before, 2)
-    parsed = parse_with_deepspeed(ds_config_for_candidate(before, candidate(2, 2, m=2), global_batch=8), 2)
-    assert (parsed.train_batch_size, parsed.gradient_accumulation_steps) == (8, 2)

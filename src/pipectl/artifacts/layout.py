@@ -77,3 +77,8 @@ class Layout:
             f"t{self.tensor_parallel}p{self.pipeline_parallel}d{self.data_parallel} "
             f"{self.schedule.value}{recompute} b{self.micro_batch_size} m{self.micro_batches}"
         )
+
+
+def layout_label(candidate: Candidate) -> str:
+    """The label the worker writes into metrics.jsonl for this candidate, e.g. 't1p2d1 1f1b b2 m4'."""
+    return Layout.from_candidate(candidate).label()

@@ -12,6 +12,10 @@ from pipectl.artifacts.run import LOGS_DIR, DataKind, DataSpec, ElasticRange, En
 from pipectl.cli.context import JsonFlag, console, err_console, print_json, training_progress
 from pipectl.errors import LaunchError, UserInputError
 from pipectl.io import load_model
+from pipectl.launch import LaunchOptions, PreparedLaunch, prepare_launch, run_engine
+from pipectl.launch.rundir import run_status
+from pipectl.report.run_tables import status_table
+from pipectl.runtime.metrics import MetricsTail
 
 
 def parse_elastic(text: str) -> ElasticRange:
@@ -77,8 +81,6 @@ def register(app: typer.Typer) -> None:
         json_output: JsonFlag = False,
     ) -> None:
         """Run a plan inside DeepSpeed's pipeline engine, with checkpoints and metrics."""
-        from pipectl.launch import LaunchOptions, prepare_launch, run_engine
-
         plan = load_model(Plan, plan_path)
         elastic_range = parse_elastic(elastic) if elastic else None
         if elastic_range is not None and engine is not Engine.TORCHRUN:
@@ -123,9 +125,7 @@ def register(app: typer.Typer) -> None:
             else:
                 console.print(f"wrote {prepared.run_dir}; {prepared.command.submit_hint}")
             return
-        exit_code = _run_with_progress(prepared, run_engine, timeout, quiet=json_output)
-        from pipectl.launch.rundir import run_status
-
+        exit_code = _run_with_progress(prepared, timeout, quiet=json_output)
         status = run_status(prepared.run_dir)
         if exit_code != 0:
             tail = _engine_log_tail(prepared.run_dir)
@@ -138,8 +138,6 @@ def register(app: typer.Typer) -> None:
         if json_output:
             print_json({**described, "exit_code": exit_code, "status": status.to_dict()})
             return
-        from pipectl.cli.status import status_table
-
         console.print(status_table(status))
         if not status.finished:
             console.print(
@@ -148,10 +146,8 @@ def register(app: typer.Typer) -> None:
             )
 
 
-def _run_with_progress(prepared, run_engine, timeout: float | None, *, quiet: bool) -> int:
+def _run_with_progress(prepared: PreparedLaunch, timeout: float | None, *, quiet: bool) -> int:
     """Run the engine; tail metrics.jsonl into a Rich progress bar with loss and samples/s."""
-    from pipectl.runtime.metrics import MetricsTail
-
     total = prepared.job.steps
     tail = MetricsTail(prepared.run_dir)
     with training_progress(quiet=quiet) as progress:

@@ -19,9 +19,10 @@ from pipectl import __version__
 from pipectl.artifacts.plan import Plan
 from pipectl.artifacts.run import DataSpec, ElasticRange, Engine, JobSpec, Precision
 from pipectl.errors import UserInputError
-from pipectl.launch.dsconfig import DEFAULT_LEARNING_RATE, validated_config
-from pipectl.launch.engines import LaunchCommand, build_command, free_port, run_engine
+from pipectl.runtime.dsconfig import DEFAULT_LEARNING_RATE, validated_config
+from pipectl.launch.engines import LaunchCommand, build_command, run_engine
 from pipectl.launch.rundir import prepare_run_dir, write_run_files
+from pipectl.runtime.dsinit import free_port
 from pipectl.planfile import plan_profile_path
 
 __all__ = ["LaunchOptions", "PreparedLaunch", "build_job", "prepare_launch", "run_engine"]

@@ -30,7 +30,6 @@ from __future__ import annotations
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -41,6 +40,7 @@ from typing import Callable
 from pipectl.artifacts.run import HOSTFILE, LOGS_DIR, SBATCH_FILE, Engine, JobSpec
 from pipectl.errors import LaunchError, UserInputError
 from pipectl.paths import MODEL_PATH_VARIABLE
+from pipectl.runtime.dsinit import free_port
 
 WORKER_MODULE = "pipectl.runtime.worker"
 ENGINE_LOG = "engine.log"
@@ -63,13 +63,6 @@ class LaunchCommand:
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items()))
         cmd = shlex.join(self.argv)
         return f"{env} {cmd}" if env else cmd
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free right now on `host` (the OS picks it), for a job's master/rendezvous port."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def rank_environment(*, gpus: bool) -> dict[str, str]:

@@ -28,7 +28,6 @@ from __future__ import annotations
 import math
 import os
 import queue
-import socket
 import statistics
 import time
 import traceback
@@ -38,6 +37,7 @@ from typing import Sequence
 
 from pipectl.artifacts.profile import LinkClass, LinkClassFit, LinkSample, LinksProfile
 from pipectl.errors import LaunchError, UserInputError
+from pipectl.runtime.dsinit import free_port
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -55,13 +55,6 @@ class CalibrationRequest:
     repeats: int = 10
     backend: str = "gloo"
     timeout_seconds: float = 120.0
-
-
-def free_port() -> int:
-    """A TCP port on the loopback interface that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _spread(times: list[float]) -> float:

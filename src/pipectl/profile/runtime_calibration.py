@@ -108,7 +108,7 @@ def _one_rank_config(model: ModelLayers, micro_batch_size: int, data_parallel: i
     """The DeepSpeed config `pipectl launch` would write for this model on one rank (one stage,
     `data_parallel` replicas)."""
     from pipectl.artifacts.plan import Candidate
-    from pipectl.launch.dsconfig import deepspeed_config
+    from pipectl.runtime.dsconfig import deepspeed_config
 
     # Only the fields `deepspeed_config` reads; a full Candidate would need predicted figures.
     candidate = Candidate.model_construct(
@@ -207,7 +207,7 @@ def measure_engine(
     torch.distributed must not be initialised yet; it is started here with a world of one (the
     caller runs this in a child process: see `calibrate_runtime`).
     """
-    from pipectl.launch.engines import free_port
+    from pipectl.runtime.dsinit import free_port
     from pipectl.runtime import dsinit
 
     os.environ.update(
@@ -316,7 +316,7 @@ def _run_two_ranks(target, args: tuple, what: str, timeout_seconds: float) -> li
     Each rank sends ("ok", payload) or ("error", message) over its pipe. Raises `LaunchError`
     (naming `what`) if a rank fails, dies or runs past `timeout_seconds`; never leaves one running.
     """
-    from pipectl.launch.engines import free_port
+    from pipectl.runtime.dsinit import free_port
 
     context = multiprocessing.get_context("fork")
     port = free_port()

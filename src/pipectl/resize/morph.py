@@ -28,23 +28,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from pipectl.artifacts.layout import layout_label
 from pipectl.artifacts.morph import MorphRecord, MorphTrigger
 from pipectl.artifacts.plan import Candidate, Plan
 from pipectl.artifacts.run import HOSTFILE, Engine, JobSpec
 from pipectl.errors import CheckpointError, UserInputError
 from pipectl.resize.choose import LayoutChoice, choose_candidate, replanner, with_entry
-from pipectl.resize.history import append_record, read_records, update_downtimes, with_downtime, write_history
+from pipectl.runtime.history import append_record, read_records, update_downtimes, with_downtime, write_history
 from pipectl.resize.stop import RunProcess, StopOutcome, find_run_processes, request_stop, wait_for_exit
 from pipectl.resize.stragglers import StragglerPolicy, StragglerReport, find_stragglers
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
-
-
-def layout_label(candidate: Candidate) -> str:
-    """The label the worker writes into metrics.jsonl for this candidate, e.g. 't1p2d1 1f1b b2 m4'."""
-    from pipectl.runtime.worker import Layout
-
-    return Layout.from_candidate(candidate).label()
 
 
 @dataclass(frozen=True)
@@ -172,7 +166,7 @@ def resized_plan(plan: Plan, choice: LayoutChoice) -> Plan:
 
 def resized_job(job: JobSpec, candidate: Candidate, target_steps: int) -> JobSpec:
     """job.json for the new layout: world size, ranks per node and total steps."""
-    from pipectl.launch.engines import free_port
+    from pipectl.runtime.dsinit import free_port
 
     world = candidate.devices
     nodes = 1 if job.engine is Engine.LOCAL else job.nodes
@@ -203,7 +197,7 @@ def learning_rate_of(ds_config: dict[str, Any]) -> float | None:
 def resized_ds_config(plan: Plan, job: JobSpec, previous: dict[str, Any]) -> dict[str, Any]:
     """The launch part's validated DeepSpeed config for the new chosen candidate (batch keys,
     pipeline cut), keeping the run's precision and learning rate."""
-    from pipectl.launch.dsconfig import DEFAULT_LEARNING_RATE, validated_config
+    from pipectl.runtime.dsconfig import DEFAULT_LEARNING_RATE, validated_config
 
     learning_rate = learning_rate_of(previous)
     return validated_config(
@@ -318,7 +312,7 @@ def resize_run(
     from `decide_resize` (e.g. shown to the user first) is used as is; `requested_unix` is when
     the resize was asked for (default: now), the start of its downtime.
     """
-    from pipectl.launch.dsconfig import check_candidate
+    from pipectl.runtime.dsconfig import check_candidate
     from pipectl.launch.engines import run_engine
     from pipectl.runtime.checkpoint import STOP_FILE
 
@@ -429,68 +423,3 @@ def _fill_downtime(run_dir: Path, result: ResizeResult, index: int) -> None:
     if index < len(records):
         records[index] = filled
         write_history(run_dir, records)
-
-
-# --------------------------------------------------------------------------- elastic restarts
-
-
-def plan_for_world_size(run_dir: str | os.PathLike[str], world_size: int) -> Candidate:
-    """The layout for `world_size` ranks: plan.chosen if it has that size, else the morph table's
-    entry (it must use exactly `world_size` ranks: every started rank needs a place).
-
-    For the worker on an elastic restart, where torchrun re-formed the group with another size.
-    """
-    from pipectl.launch.rundir import read_run
-
-    plan = read_run(run_dir).plan
-    if plan.chosen.devices == world_size:
-        return plan.chosen
-    entry = plan.for_devices(world_size)
-    if entry is None or entry.candidate is None:
-        known = sorted(e.devices for e in plan.morph_table if e.candidate is not None)
-        raise UserInputError(
-            f"the plan has no layout for {world_size} ranks (morph table: {known or 'empty'})",
-            hint="plan with a morph table that covers every size the elastic range allows",
-        )
-    if entry.candidate.devices != world_size:
-        raise UserInputError(
-            f"the morph table's plan for {world_size} ranks uses only {entry.candidate.devices} "
-            f"(the global batch {plan.global_batch} cannot be split over {world_size}); an elastic group "
-            f"of {world_size} ranks cannot run it",
-            hint="choose an elastic range whose sizes divide the global batch",
-        )
-    return entry.candidate
-
-
-def ds_config_for_candidate(ds_config: dict[str, Any], candidate: Candidate, global_batch: int) -> dict[str, Any]:
-    """`ds_config` with the batch keys and the pipeline section of `candidate`; everything else
-    (optimizer, precision, clipping, ZeRO stage) kept. For the worker on an elastic restart.
-
-        >>> from pipectl.artifacts.plan import Candidate
-        >>> c = Candidate(devices=1, device="cpu", tensor_parallel=1, pipeline_parallel=1, data_parallel=1,
-        ...     micro_batch_size=2, micro_batches=8, schedule="1f1b", recompute=False, zero_stage=1,
-        ...     stage_layers=[(0, 9)], predicted_step_seconds=1.0, samples_per_second=16.0,
-        ...     tflops_per_device=0.0, peak_memory_bytes=[1], bubble_fraction=0.0,
-        ...     communication_fraction=0.0, cost_per_million_samples=0.0)
-        >>> old = {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2,
-        ...        "gradient_accumulation_steps": 4, "optimizer": {"type": "AdamW"},
-        ...        "pipeline": {"stages": 2, "partition": [0, 4, 9]}}
-        >>> new = ds_config_for_candidate(old, c, 16)
-        >>> new["gradient_accumulation_steps"], new["pipeline"]["partition"], new["optimizer"]
-        (8, [0, 9], {'type': 'AdamW'})
-    """
-    from pipectl.launch.dsconfig import batch_section, check_candidate, stage_partition
-
-    check_candidate(candidate, global_batch=global_batch, layers=candidate.stage_layers[-1][1])
-    config = dict(ds_config)
-    config.update(
-        batch_section(
-            micro_batch_size=candidate.micro_batch_size,
-            micro_batches=candidate.micro_batches,
-            data_parallel=candidate.data_parallel,
-        )
-    )
-    pipeline = dict(config.get("pipeline", {}))
-    pipeline.update(stages=candidate.pipeline_parallel, partition=stage_partition(candidate.stage_layers))
-    config["pipeline"] = pipeline
-    return config

@@ -16,8 +16,16 @@ from __future__ import annotations
 
 import importlib
 import os
+import socket
 
 _SHM_PATCHED = False
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free right now on `host` (the OS picks it), for a job's master/rendezvous port."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
 
 
 def set_rank_environment() -> None:

@@ -32,6 +32,7 @@ from typing import Any
 
 from pipectl.artifacts.layout import Layout
 from pipectl.artifacts.plan import Plan
+from pipectl.runtime.elastic import ds_config_for_candidate, plan_for_world_size
 from pipectl.schedule.ir import Schedule
 
 log = logging.getLogger(__name__)
@@ -94,9 +95,7 @@ class TrainingJob:
         # The worker on an elastic restart may see another world size: take the morph table's plan.
         world = int(os.environ.get("WORLD_SIZE", candidate.devices))
         if world != candidate.devices:
-            from pipectl.resize.morph import ds_config_for_candidate, plan_for_world_size
-
-            candidate = plan_for_world_size(run_dir, world)
+            candidate = plan_for_world_size(plan, world)
             ds_config = ds_config_for_candidate(ds_config, candidate, plan.global_batch)
         data = {DataKind.BUILTIN: "corpus", DataKind.SYNTHETIC: "synthetic"}.get(job.data.kind, job.data.path)
         return cls(
@@ -243,7 +242,7 @@ def train(job: TrainingJob, on_step: Callable[[StepRecord], None] | None = None)
                 log.warning(warning)
         if rank == 0:
             # An elastic engine may have re-formed the group on another layout: record the morph.
-            from pipectl.resize.history import record_layout_change
+            from pipectl.runtime.history import record_layout_change
 
             record_layout_change(
                 job.run_dir,

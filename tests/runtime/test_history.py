@@ -6,7 +6,7 @@ import pytest
 
 from pipectl.artifacts.morph import MORPHS_FILE, MorphRecord
 from pipectl.artifacts.run import StepMetrics
-from pipectl.resize.history import (
+from pipectl.runtime.history import (
     append_record,
     read_history,
     read_records,

@@ -7,7 +7,7 @@ replica runs m micro-batches of b samples and accumulates their gradients, so
     train_micro_batch_size_per_gpu  = b
     gradient_accumulation_steps     = m          (DeepSpeed's pipeline engine: one step = m micro-batches)
 
-    >>> from pipectl.launch.dsconfig import batch_section
+    >>> from pipectl.runtime.dsconfig import batch_section
     >>> batch_section(micro_batch_size=2, micro_batches=4, data_parallel=2)
     {'train_batch_size': 16, 'train_micro_batch_size_per_gpu': 2, 'gradient_accumulation_steps': 4}
 

@@ -7,7 +7,7 @@ import pytest
 
 from pipectl.artifacts.plan import Candidate, Plan, PlanRequest
 from pipectl.artifacts.run import Precision
-from pipectl.launch.dsconfig import (
+from pipectl.runtime.dsconfig import (
     DeepSpeedConfigRejected,
     check_pipeline_section,
     deepspeed_config,
