@@ -132,7 +132,7 @@ def test_memory_budget_stops_the_sweep_and_says_so(tmp_path):
 def test_links_command_passes_its_options_and_writes_the_result(tmp_path, monkeypatch, links_file):
     # The real 2-process calibration is tested in tests/profile/test_links.py; here the command's
     # wiring: options -> CalibrationRequest, result -> links.json + table.
-    import pipectl.profile.links as links_module
+    import pipectl.cli.profile as profile_command
 
     requests = []
 
@@ -140,7 +140,7 @@ def test_links_command_passes_its_options_and_writes_the_result(tmp_path, monkey
         requests.append((request, device_name))
         return load_model(LinksProfile, links_file)
 
-    monkeypatch.setattr(links_module, "calibrate_links", fake_calibrate)
+    monkeypatch.setattr(profile_command, "calibrate_links", fake_calibrate)
     out = tmp_path / "out.json"
     result = _invoke(
         "profile", "links", "-o", str(out), "--ranks", "3", "--message-sizes", "1KiB,4m,512",

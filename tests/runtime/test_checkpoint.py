@@ -195,4 +195,4 @@ def test_p2_checkpoint_continues_exactly_in_another_cut(reference_run, tmp_path)
     for step in range(5, 9):
         assert losses[step] == pytest.approx(reference[step], rel=1e-6, abs=0), step
     final = ckpt.verify_checkpoint(run / "checkpoints" / "step00000008")
-    assert final.verified and final.manifest.layout["stage_layers"] == "[[0, 2], [2, 9]]"
+    assert final.verified and final.manifest.layout.stage_layers == ((0, 2), (2, 9))

@@ -6,6 +6,7 @@ import os
 
 from typer.core import TyperGroup
 
+from pipectl.cli.context import err_console
 from pipectl.errors import PipectlError
 
 class ErrorReportingGroup(TyperGroup):
@@ -20,8 +21,6 @@ class ErrorReportingGroup(TyperGroup):
         except PipectlError as exc:
             if os.environ.get("PIPECTL_DEBUG", "") not in ("", "0"):
                 raise
-            from pipectl.cli.context import err_console
-
             err_console.print(f"[bold red]error:[/] {exc.message}", highlight=False, soft_wrap=True)
             if exc.hint:
                 err_console.print(f"[dim]hint:[/] {exc.hint}", highlight=False, soft_wrap=True)

@@ -12,12 +12,15 @@ from typing import Annotated, Optional
 
 import typer
 
-from pipectl.artifacts.plan import Objective
+from pipectl.artifacts.plan import Objective, PlanRequest
 from pipectl.artifacts.profile import ModelProfile
 from pipectl.cli.context import JsonFlag, OutputPath, console, print_json
+from pipectl.cluster import load_cluster, local_cluster
 from pipectl.errors import UserInputError
 from pipectl.io import load_model
+from pipectl.plan.search import plan
 from pipectl.planfile import write_plan
+from pipectl.report.plan_table import plan_view
 from pipectl.schedule import ScheduleKind
 
 
@@ -89,11 +92,6 @@ def plan_command(
     as_json: JsonFlag = False,
 ) -> None:
     """Search t, p, d, b, v, schedule, recomputation and ZeRO stage; write plan.json."""
-    from pipectl.cluster import load_cluster, local_cluster
-    from pipectl.artifacts.plan import PlanRequest
-    from pipectl.plan.search import plan
-    from pipectl.report.plan_table import plan_view
-
     model_profile = load_model(ModelProfile, profile)
     cluster_spec = load_cluster(cluster)
     if cluster_spec.local and devices is not None:

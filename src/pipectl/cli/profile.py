@@ -17,9 +17,17 @@ from typing import Annotated, Optional
 
 import typer
 
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from pipectl.artifacts.profile import LinksProfile, ModelProfile
+from pipectl.catalog import get_device, load_catalog
 from pipectl.cli.context import JsonFlag, console, err_console, print_json
 from pipectl.cli.groups import DefaultCommandGroup
 from pipectl.errors import UserInputError
+from pipectl.io import load_model, parse_model, read_mapping, write_json_atomic
+from pipectl.profile.derive import derive_profile
+from pipectl.profile.links import CalibrationRequest, calibrate_links
+from pipectl.report.tables import links_view, profile_view
 
 app = typer.Typer(
     cls=DefaultCommandGroup,
@@ -121,8 +129,6 @@ def model_command(
     as_json: JsonFlag = False,
 ) -> None:
     """Profile MODEL layer by layer (measured here, or derived with --derive) and write profile.json."""
-    from pipectl.io import write_json_atomic
-
     sizes = parse_micro_batch_sizes(micro_batch_sizes)
     links_profile = _load_links(links) if links is not None else None
     if derive:
@@ -136,16 +142,12 @@ def model_command(
     if as_json:
         print_json(profile)
     else:
-        from pipectl.report.tables import profile_view
-
         console.print(profile_view(profile))
     err_console.print(f"wrote {output}", highlight=False)
 
 
 def _derive(model: str, kind: str, sizes: list[int], dtype: str):
-    from pipectl.catalog import get_device
-    from pipectl.models.registry import load_model_config
-    from pipectl.profile.derive import derive_profile
+    from pipectl.models.registry import load_model_config  # torch: only when deriving
 
     if ":" in model and not Path(model).exists() and not model.endswith((".yaml", ".yml")):
         raise UserInputError(
@@ -173,8 +175,7 @@ def _measure(
     threads: int,
     memory_budget_gib: float | None,
 ):
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
+    # torch: only when measuring, so the CLI starts without it
     from pipectl.models import build_model
     from pipectl.profile.measure import parse_dtype, profile_model, resolve_device
 
@@ -227,8 +228,6 @@ def _memory_budget_bytes(kind: str, memory_budget_gib: float | None, *, required
     """The CPU memory budget: the option, else the catalog's per-rank memory for `kind`."""
     if memory_budget_gib is not None:
         return int(memory_budget_gib * 1024**3)
-    from pipectl.catalog import get_device, load_catalog
-
     if required:
         return get_device(kind).memory_bytes
     spec = load_catalog().get(kind)
@@ -236,9 +235,6 @@ def _memory_budget_bytes(kind: str, memory_budget_gib: float | None, *, required
 
 
 def _load_links(path: Path):
-    from pipectl.artifacts.profile import LinksProfile
-    from pipectl.io import load_model
-
     return load_model(LinksProfile, path)
 
 
@@ -259,9 +255,6 @@ def links_command(
     as_json: JsonFlag = False,
 ) -> None:
     """Calibrate point-to-point and all-reduce costs between real processes and write links.json."""
-    from pipectl.io import write_json_atomic
-    from pipectl.profile.links import CalibrationRequest, calibrate_links
-
     if device not in _MEASURE_DEVICES:
         raise UserInputError(f"unknown device '{device}' for link calibration", hint="use cpu or cuda")
     if ranks < 2:
@@ -282,8 +275,6 @@ def links_command(
     if as_json:
         print_json(links)
     else:
-        from pipectl.report.tables import links_view
-
         console.print(links_view(links))
         console.print("[dim]note: all ranks ran on this machine, so these are intra_node figures[/]")
     err_console.print(f"wrote {output}", highlight=False)
@@ -298,10 +289,6 @@ def show_command(
     as_json: JsonFlag = False,
 ) -> None:
     """Print a profile.json or links.json as a table (or as JSON)."""
-    from pipectl.artifacts.profile import LinksProfile, ModelProfile
-    from pipectl.io import parse_model, read_mapping
-    from pipectl.report.tables import links_view, profile_view
-
     data = read_mapping(path)
     artifact_type = LinksProfile if "fits" in data and "layers" not in data else ModelProfile
     artifact = parse_model(artifact_type, data, source=str(path))

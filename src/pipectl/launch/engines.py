@@ -32,6 +32,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -240,7 +241,7 @@ def build_command(
 
 
 def _gpus_visible() -> bool:
-    import torch
+    import torch  # only when a command is built, so the CLI starts without torch
 
     return torch.cuda.is_available()
 
@@ -395,6 +396,4 @@ def _supervise(
 
 
 def _in_main_thread() -> bool:
-    import threading
-
     return threading.current_thread() is threading.main_thread()

@@ -251,6 +251,7 @@ def universal_checkpoint_patterns(block_indices) -> dict[str, Any]:
     >>> [bool(re.match(row, name)) for name in ("2.proj.weight", "2.proj.bias", "3.proj.weight")]
     [True, False, False]
     """
+    # DeepSpeed only when a checkpoint is saved: profiling and planning never import it
     from deepspeed.checkpoint.constants import PARAMETER_TO_AVERAGE_PATTERNS, PARAMETER_WITH_ROW_PARALLELISM_PATTERNS
 
     if not block_indices:

@@ -71,7 +71,7 @@ def _worker(rank: int, world_size: int, port: int, request: CalibrationRequest, 
     """One calibration process. Rank 0 times and reports; every rank takes part in every operation."""
     os.environ["OMP_NUM_THREADS"] = "1"
     try:
-        import torch
+        import torch  # in the calibrating process, after its OMP_NUM_THREADS is set
         import torch.distributed as dist
 
         torch.set_num_threads(1)
@@ -164,7 +164,7 @@ def measure_links(request: CalibrationRequest) -> LinkMeasurements:
 
     if request.backend not in ("gloo", "nccl"):
         raise UserInputError(f"unknown backend '{request.backend}'", hint="use gloo (CPU) or nccl (GPUs)")
-    import torch
+    import torch  # only when calibrating: the CLI starts without it
     import torch.multiprocessing as mp
 
     if request.backend == "nccl" and torch.cuda.device_count() < request.ranks:

@@ -46,8 +46,9 @@ from torch.utils.flop_counter import FlopCounterMode
 from torch import nn
 
 from pipectl.artifacts.profile import LayerCost, LayerProfile, ModelProfile, ProfileSource
-from pipectl.errors import UserInputError
+from pipectl.errors import PipectlError, UserInputError
 from pipectl.models.base import ModelLayers
+from pipectl.profile.runtime_calibration import calibrate_runtime
 
 DEFAULT_MICRO_BATCH_SIZES = (1, 2, 4, 8)
 # Engine calibration (runtime terms): warm-up and timed steps per micro-batch size.
@@ -300,9 +301,6 @@ def _with_runtime_costs(
     profile: ModelProfile, model: ModelLayers, device: torch.device, dtype: torch.dtype, seed: int
 ) -> ModelProfile:
     """The profile with `runtime` measured (see `runtime_calibration`), or a note saying why not."""
-    from pipectl.errors import PipectlError
-    from pipectl.profile.runtime_calibration import calibrate_runtime
-
     if device.type != "cpu":
         note = f"runtime terms not measured: the engine calibration runs on CPU only (device {device})"
         return profile.model_copy(update={"notes": [*profile.notes, note]})

@@ -60,14 +60,21 @@ import os
 import statistics
 import time
 from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Callable, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from pipectl.artifacts.plan import Candidate
 from pipectl.artifacts.profile import EngineComputeRatio, ModelProfile, RuntimeCosts
 from pipectl.errors import LaunchError
 from pipectl.models.base import LayerDef, ModelLayers
+from pipectl.runtime import dsinit
+from pipectl.runtime.dsconfig import deepspeed_config
+from pipectl.runtime.dsinit import free_port
+from pipectl.schedule import ScheduleKind, generate
 
 # Micro-batches per calibration step: two, so that per-micro-batch and per-step costs separate.
 CALIBRATION_MICRO_BATCHES = 2
@@ -107,9 +114,6 @@ def null_model() -> ModelLayers:
 def _one_rank_config(model: ModelLayers, micro_batch_size: int, data_parallel: int = 1) -> dict[str, Any]:
     """The DeepSpeed config `pipectl launch` would write for this model on one rank (one stage,
     `data_parallel` replicas)."""
-    from pipectl.artifacts.plan import Candidate
-    from pipectl.runtime.dsconfig import deepspeed_config
-
     # Only the fields `deepspeed_config` reads; a full Candidate would need predicted figures.
     candidate = Candidate.model_construct(
         micro_batch_size=micro_batch_size,
@@ -124,7 +128,7 @@ def _one_rank_config(model: ModelLayers, micro_batch_size: int, data_parallel: i
 
 def _timed_engine_class():
     """`PlannedPipelineEngine` whose instructions add their wall-clock seconds to `instruction_seconds`."""
-    from pipectl.runtime.executor import PlannedPipelineEngine
+    from pipectl.runtime.executor import PlannedPipelineEngine  # DeepSpeed: in the calibrating child only
 
     def timed(name: str, handler):
         def run(self, *args, **kwargs):
@@ -147,12 +151,12 @@ def _timed_engine_class():
 
 
 def _engine(model: ModelLayers, micro_batch_size: int, data_parallel: int = 1):
+    # DeepSpeed: imported in the calibrating child, after dsinit has set its environment.
     import deepspeed
     from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
     from pipectl.runtime.executor import plan_engine
     from pipectl.runtime.pipeline import build_pipeline_module
-    from pipectl.schedule import ScheduleKind, generate
 
     module = build_pipeline_module(
         model, [(0, len(model.layers))], topology=PipeDataParallelTopology(num_pp=1, num_dp=data_parallel)
@@ -207,9 +211,6 @@ def measure_engine(
     torch.distributed must not be initialised yet; it is started here with a world of one (the
     caller runs this in a child process: see `calibrate_runtime`).
     """
-    from pipectl.runtime.dsinit import free_port
-    from pipectl.runtime import dsinit
-
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1"
     )
@@ -279,8 +280,6 @@ def _pair_child(connection, rank: int, port: int, model: ModelLayers, micro_batc
     """One of two data-parallel engine ranks (see `run_engine_pair_calibration`)."""
     _quiet_one_thread()
     try:
-        from pipectl.runtime import dsinit
-
         os.environ.update(
             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2"
         )
@@ -316,8 +315,6 @@ def _run_two_ranks(target, args: tuple, what: str, timeout_seconds: float) -> li
     Each rank sends ("ok", payload) or ("error", message) over its pipe. Raises `LaunchError`
     (naming `what`) if a rank fails, dies or runs past `timeout_seconds`; never leaves one running.
     """
-    from pipectl.runtime.dsinit import free_port
-
     context = multiprocessing.get_context("fork")
     port = free_port()
     pipes = [context.Pipe(duplex=False) for _ in range(2)]
@@ -421,8 +418,6 @@ class _HostPlan:
 
 def _host_rank(connection, rank: int, port: int, compute: ComputeFn, plan: _HostPlan) -> None:
     """One of the two ranks: compute alone (rank 0), compute together, hand messages off, all-reduce."""
-    import torch.distributed as dist
-
     _quiet_one_thread()
     try:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -596,8 +591,6 @@ def wall_over_cpu(rounds: Sequence[tuple[float, float]]) -> float:
 
 def engine_description() -> str:
     """What was calibrated (from package metadata: importing DeepSpeed here would cost a second)."""
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         deepspeed_version = version("deepspeed")
     except PackageNotFoundError:  # pragma: no cover - the runtime needs DeepSpeed anyway

@@ -85,6 +85,7 @@ def write_gantt(timeline: Timeline, path: str | Path, *, title: str | None = Non
 
 def gantt_figure(timeline: Timeline, *, title: str | None = None):  # -> matplotlib.figure.Figure
     """The chart as a matplotlib `Figure` (Agg canvas attached)."""
+    # matplotlib only when drawing: the CLI starts without it
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch

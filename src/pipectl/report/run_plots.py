@@ -15,7 +15,7 @@ def plot_run(metrics: list[StepMetrics], path: str | os.PathLike[str], *, title:
     Layout changes (resizes) are marked with vertical lines, so a continuous loss curve across a
     resize is visible at a glance.
     """
-    import matplotlib
+    import matplotlib  # only when plotting: the CLI starts without it
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

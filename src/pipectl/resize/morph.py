@@ -33,8 +33,14 @@ from pipectl.artifacts.morph import MorphRecord, MorphTrigger
 from pipectl.artifacts.plan import Candidate, Plan
 from pipectl.artifacts.run import HOSTFILE, Engine, JobSpec
 from pipectl.errors import CheckpointError, UserInputError
+from pipectl.launch.engines import LaunchCommand, build_command, run_engine
+from pipectl.launch.rundir import read_run, write_run_files
 from pipectl.resize.choose import LayoutChoice, choose_candidate, replanner, with_entry
+from pipectl.runtime.checkpoint import STOP_FILE, CheckpointInfo, list_checkpoints
+from pipectl.runtime.dsconfig import DEFAULT_LEARNING_RATE, check_candidate, validated_config
+from pipectl.runtime.dsinit import free_port
 from pipectl.runtime.history import append_record, read_records, update_downtimes, with_downtime, write_history
+from pipectl.runtime.metrics import read_metrics
 from pipectl.resize.stop import RunProcess, StopOutcome, find_run_processes, request_stop, wait_for_exit
 from pipectl.resize.stragglers import StragglerPolicy, StragglerReport, find_stragglers
 
@@ -76,9 +82,6 @@ def decide_resize(
     A device count the morph table lacks is re-planned from the plan's request and profile
     unless `replan` is off.
     """
-    from pipectl.launch.rundir import read_run
-    from pipectl.runtime.metrics import read_metrics
-
     if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
         raise UserInputError(f"--devices must be a positive number of devices, got {devices!r}")
     files = read_run(run_dir)
@@ -135,14 +138,12 @@ def decide_resize(
     )
 
 
-def newest_complete_checkpoint(run_dir: Path) -> Any:
+def newest_complete_checkpoint(run_dir: Path) -> CheckpointInfo | None:
     """The newest checkpoint with a manifest and all its files (`CheckpointInfo`), or None.
 
     Only presence is checked here: hashing a large model's checkpoint takes long, and the ranks
     verify every sha256 when they load it anyway (falling back to an older one if it is corrupted).
     """
-    from pipectl.runtime.checkpoint import list_checkpoints
-
     complete = [info for info in list_checkpoints(run_dir, hash_files=False) if info.verified]
     return complete[-1] if complete else None
 
@@ -166,8 +167,6 @@ def resized_plan(plan: Plan, choice: LayoutChoice) -> Plan:
 
 def resized_job(job: JobSpec, candidate: Candidate, target_steps: int) -> JobSpec:
     """job.json for the new layout: world size, ranks per node and total steps."""
-    from pipectl.runtime.dsinit import free_port
-
     world = candidate.devices
     nodes = 1 if job.engine is Engine.LOCAL else job.nodes
     if world % nodes:
@@ -197,8 +196,6 @@ def learning_rate_of(ds_config: dict[str, Any]) -> float | None:
 def resized_ds_config(plan: Plan, job: JobSpec, previous: dict[str, Any]) -> dict[str, Any]:
     """The launch part's validated DeepSpeed config for the new chosen candidate (batch keys,
     pipeline cut), keeping the run's precision and learning rate."""
-    from pipectl.runtime.dsconfig import DEFAULT_LEARNING_RATE, validated_config
-
     learning_rate = learning_rate_of(previous)
     return validated_config(
         plan,
@@ -221,15 +218,12 @@ class PreparedRelaunch:
     plan: Plan
     job: JobSpec
     ds_config: dict[str, Any]
-    command: Any  # pipectl.launch.engines.LaunchCommand
+    command: LaunchCommand
 
 
 def prepare_relaunch(decision: ResizeDecision) -> PreparedRelaunch:
     """The new plan, job, DeepSpeed config (validated by DeepSpeed's parser) and engine command.
     Nothing is written."""
-    from pipectl.launch.engines import build_command
-    from pipectl.launch.rundir import read_run
-
     files = read_run(decision.run_dir)
     plan = resized_plan(files.plan, decision.choice)
     job = resized_job(files.job, decision.candidate, decision.target_steps)
@@ -240,8 +234,6 @@ def prepare_relaunch(decision: ResizeDecision) -> PreparedRelaunch:
 
 def write_relaunch(run_dir: Path, prepared: PreparedRelaunch) -> None:
     """plan.json, job.json, ds_config.json, launch.sh (and the engine's side files) of the new layout."""
-    from pipectl.launch.rundir import write_run_files
-
     write_run_files(
         run_dir, plan=prepared.plan, job=prepared.job, ds_config=prepared.ds_config, command=prepared.command
     )
@@ -312,10 +304,6 @@ def resize_run(
     from `decide_resize` (e.g. shown to the user first) is used as is; `requested_unix` is when
     the resize was asked for (default: now), the start of its downtime.
     """
-    from pipectl.runtime.dsconfig import check_candidate
-    from pipectl.launch.engines import run_engine
-    from pipectl.runtime.checkpoint import STOP_FILE
-
     requested_unix = time.time() if requested_unix is None else requested_unix
     say = on_phase or (lambda _line: None)
     if decision is None:
@@ -413,8 +401,6 @@ def resize_run(
 
 def _fill_downtime(run_dir: Path, result: ResizeResult, index: int) -> None:
     """Once metrics show the new layout's first step, store the downtime in the record."""
-    from pipectl.runtime.metrics import read_metrics
-
     filled = with_downtime(result.record, read_metrics(run_dir))
     if filled.downtime_seconds is None:
         return

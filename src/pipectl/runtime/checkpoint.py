@@ -58,6 +58,9 @@ from pipectl.artifacts.run import CHECKPOINTS_DIR, LOGS_DIR, MANIFEST_FILE, Chec
 from pipectl.errors import CheckpointError
 from pipectl.io import load_model, write_json_atomic
 
+# torch, DeepSpeed and the tensor-parallel model code are imported inside the functions that use
+# them: `pipectl status` and `resize` list and verify checkpoints without loading either.
+
 log = logging.getLogger(__name__)
 
 STAGING_DIR = ".staging"

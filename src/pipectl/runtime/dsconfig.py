@@ -183,7 +183,7 @@ def check_pipeline_section(config: dict[str, Any], candidate: Candidate) -> None
 @contextlib.contextmanager
 def _quiet_deepspeed_logger() -> Iterator[None]:
     """DeepSpeed logs its parsed config at INFO; library code stays silent."""
-    from deepspeed.utils import logger
+    from deepspeed.utils import logger  # DeepSpeed only when validating: the CLI starts without it
 
     level = logger.level
     logger.setLevel(logging.WARNING)
@@ -204,7 +204,7 @@ def parse_with_deepspeed(config: dict[str, Any], data_parallel: int) -> Any:
     """
     if "DS_ACCELERATOR" not in os.environ and not _cuda_available():
         os.environ["DS_ACCELERATOR"] = "cpu"  # quiet DeepSpeed's accelerator auto-detection warning
-    from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS, DeepSpeedConfig
+    from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS, DeepSpeedConfig  # see _quiet_deepspeed_logger
 
     class PlannedDeepSpeedConfig(DeepSpeedConfig):
         def _initialize_params(self, param_dict: dict[str, Any]) -> None:
@@ -228,7 +228,7 @@ def parse_with_deepspeed(config: dict[str, Any], data_parallel: int) -> Any:
 
 
 def _cuda_available() -> bool:
-    import torch
+    import torch  # only when a config is validated, so the CLI starts without torch
 
     return torch.cuda.is_available()
 

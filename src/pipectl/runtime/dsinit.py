@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 import os
 import socket
+from datetime import timedelta
 
 _SHM_PATCHED = False
 
@@ -34,13 +35,11 @@ def set_rank_environment() -> None:
     Existing values win: a launcher (torchrun) or the user may have chosen differently.
     """
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    if "DS_ACCELERATOR" not in os.environ:
-        import torch
-
-        if not torch.cuda.is_available():
-            os.environ["DS_ACCELERATOR"] = "cpu"
+    # torch and DeepSpeed are imported here, after the environment they read at import is set.
     import torch
 
+    if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
+        os.environ["DS_ACCELERATOR"] = "cpu"
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
@@ -64,11 +63,9 @@ def init_distributed(timeout_seconds: float | None = None) -> None:
     Expects RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT (torchrun, DeepSpeed's
     launcher and our spawn helper all set them).
     """
-    from datetime import timedelta
-
     set_rank_environment()
     skip_shared_memory_op_build()
-    import deepspeed
+    import deepspeed  # after the environment it reads at import is set
     from deepspeed.accelerator import get_accelerator
 
     kwargs = {}

@@ -54,6 +54,7 @@ from deepspeed.runtime.pipe import schedule as ds_schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from pipectl.errors import ScheduleError, UserInputError
+from pipectl.schedule.comm import add_communication
 from pipectl.schedule.ir import Action, ActionKind, Schedule
 
 
@@ -88,8 +89,6 @@ def executable_schedule(schedule: Schedule) -> Schedule:
         )
     if schedule.pipeline_parallel == 1 or has_communication(schedule):
         return schedule
-    from pipectl.schedule.comm import add_communication
-
     return add_communication(schedule)
 
 
@@ -294,7 +293,7 @@ class PlannedPipelineEngine(PipelineEngine):
         are skipped, and with tensor parallelism a parameter replicated across the tensor group is
         counted on tensor rank 0 only, a sharded one (`tensor_model_parallel`) on every rank.
         """
-        from deepspeed import comm as ds_dist
+        from deepspeed import comm as ds_dist  # initialised by now: its comm module needs a process group
         from deepspeed.runtime.utils import is_model_parallel_parameter
 
         tensor_rank = self.grid.get_slice_parallel_rank()

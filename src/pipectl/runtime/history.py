@@ -23,14 +23,16 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Sequence
 
 from pydantic import ValidationError
 
-from pipectl.artifacts.morph import MORPHS_FILE, MorphRecord
+from pipectl.artifacts.morph import MORPHS_FILE, MorphRecord, MorphTrigger
 from pipectl.artifacts.run import StepMetrics
 from pipectl.io import validation_message
+from pipectl.runtime.metrics import read_metrics
 
 log = logging.getLogger(__name__)
 
@@ -106,8 +108,6 @@ def with_downtime(record: MorphRecord, metrics: Sequence[StepMetrics]) -> MorphR
 
 def read_history(run_dir: str | os.PathLike[str]) -> list[MorphRecord]:
     """Every morph of the run, oldest first, downtimes filled from metrics.jsonl where known."""
-    from pipectl.runtime.metrics import read_metrics
-
     records = read_records(run_dir)
     if not records or all(r.downtime_seconds is not None for r in records):
         return records
@@ -141,11 +141,6 @@ def record_layout_change(
     downtime then runs from the last step completed on the old layout to the first on the new one
     (failure detection, re-rendezvous, restart, checkpoint load). Returns the record, or None.
     """
-    import time
-
-    from pipectl.artifacts.morph import MorphTrigger
-    from pipectl.runtime.metrics import read_metrics
-
     metrics = read_metrics(run_dir)
     if not metrics:
         return None

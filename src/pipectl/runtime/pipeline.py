@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as torch_dist
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime.pipe.topology import PipeDataParallelTopology, ProcessTopology
 
@@ -186,8 +187,6 @@ def build_pipeline_module(
         )
     boundaries = stage_boundaries(stage_layers, len(model.layers))
     if topology is None:
-        import torch.distributed as torch_dist
-
         world = torch_dist.get_world_size()
         if world % stages:
             raise UserInputError(f"{stages} pipeline stages do not divide the world size {world}")

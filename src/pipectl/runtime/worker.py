@@ -20,20 +20,29 @@ the chosen layout) and RUN/ds_config.json, then:
 from __future__ import annotations
 
 import argparse
-import json
 import logging
+import multiprocessing
 import os
+import queue
+import socket
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from pipectl.artifacts.layout import Layout
 from pipectl.artifacts.plan import Plan
+from pipectl.artifacts.run import DataKind, JobSpec, RankTiming, StepMetrics
+from pipectl.errors import LaunchError, PipectlError, UserInputError
+from pipectl.io import load_model, read_mapping
+from pipectl.runtime import checkpoint, dsinit
 from pipectl.runtime.elastic import ds_config_for_candidate, plan_for_world_size
-from pipectl.schedule.ir import Schedule
+from pipectl.runtime.history import record_layout_change
+from pipectl.runtime.metrics import MetricsWriter
+from pipectl.schedule import generate
+from pipectl.schedule.ir import ActionKind, Schedule
 
 log = logging.getLogger(__name__)
 
@@ -84,9 +93,6 @@ class TrainingJob:
 
     @classmethod
     def from_run_dir(cls, run_dir: str | os.PathLike[str]) -> "TrainingJob":
-        from pipectl.artifacts.run import DataKind, JobSpec
-        from pipectl.io import load_model, read_mapping
-
         run_dir = Path(run_dir)
         job = load_model(JobSpec, run_dir / "job.json")
         plan = load_model(Plan, run_dir / job.plan_file)
@@ -114,21 +120,19 @@ class TrainingJob:
 
 def build_engine(job: TrainingJob):
     """Distributed start-up, model, DeepSpeed engine running the planned schedule. Every rank."""
-    from pipectl.runtime import dsinit
-
     dsinit.init_distributed()
+    # torch reads OMP_NUM_THREADS and DeepSpeed its accelerator when first imported: both only after
+    # dsinit has set this rank's environment (the modules below import them too).
     import deepspeed
+    import torch.distributed as torch_dist
     from deepspeed.runtime.pipe.topology import PipeDataParallelTopology, PipeModelDataParallelTopology
 
-    from pipectl.errors import UserInputError
     from pipectl.models import build_model
+    from pipectl.models.tensor_parallel import new_tensor_parallel_groups, shard_model
     from pipectl.runtime.executor import plan_engine
     from pipectl.runtime.pipeline import build_pipeline_module
-    from pipectl.schedule import generate
 
     layout = job.layout
-    import torch.distributed as torch_dist
-
     world = torch_dist.get_world_size()
     if world != layout.world_size:
         raise UserInputError(
@@ -148,8 +152,6 @@ def build_engine(job: TrainingJob):
     if layout.replica_shares:
         model, ds_config = _weighted_replica(model, ds_config, layout, replica)
     if layout.tensor_parallel > 1:
-        from pipectl.models.tensor_parallel import new_tensor_parallel_groups, shard_model
-
         model = shard_model(model, new_tensor_parallel_groups(topology))
         # DeepSpeed's default with a 'model' axis splits the activations it sends between stages
         # across the tensor group (written for Megatron's tuple outputs); our stages send one
@@ -194,8 +196,6 @@ def _weighted_replica(model, ds_config: dict[str, Any], layout: Layout, replica:
 
         d = 2, shares 3x2 and 1x2 (B = 8): w_0 = 2 * 6 / 8 = 1.5, w_1 = 2 * 2 / 8 = 0.5
     """
-    from dataclasses import replace
-
     micro_batch_size, micro_batches = layout.replica_share(replica)
     samples = micro_batch_size * micro_batches
     weight = layout.data_parallel * samples / layout.global_batch
@@ -210,8 +210,7 @@ def _weighted_replica(model, ds_config: dict[str, Any], layout: Layout, replica:
 
 def train(job: TrainingJob, on_step: Callable[[StepRecord], None] | None = None) -> TrainResult:
     """Train `job.steps` steps (from the latest checkpoint when `job.run_dir` has one). Every rank."""
-    from pipectl.runtime import checkpoint
-    from pipectl.runtime.data import DeterministicBatches, make_source, replica_slices
+    from pipectl.runtime.data import DeterministicBatches, make_source, replica_slices  # torch, after dsinit
 
     model, engine = build_engine(job)
     layout = job.layout
@@ -233,8 +232,6 @@ def train(job: TrainingJob, on_step: Callable[[StepRecord], None] | None = None)
     stop_flag = None
     writer = None
     if job.run_dir is not None:
-        from pipectl.runtime.metrics import MetricsWriter
-
         loaded = checkpoint.load_latest(engine, job.run_dir)
         if loaded is not None:
             start_step = loaded.step
@@ -242,8 +239,6 @@ def train(job: TrainingJob, on_step: Callable[[StepRecord], None] | None = None)
                 log.warning(warning)
         if rank == 0:
             # An elastic engine may have re-formed the group on another layout: record the morph.
-            from pipectl.runtime.history import record_layout_change
-
             record_layout_change(
                 job.run_dir,
                 to_layout=layout.label(),
@@ -284,8 +279,6 @@ def train(job: TrainingJob, on_step: Callable[[StepRecord], None] | None = None)
 
 
 def _record(engine, step: int, loss: float, elapsed: float) -> StepRecord:
-    from pipectl.schedule.ir import ActionKind
-
     forward = sum(r.seconds for r in engine.executed if r.action.kind is not ActionKind.BACKWARD)
     backward = sum(r.seconds for r in engine.executed if r.action.kind is ActionKind.BACKWARD)
     return StepRecord(step, loss, elapsed, forward, backward)
@@ -293,9 +286,7 @@ def _record(engine, step: int, loss: float, elapsed: float) -> StepRecord:
 
 def _write_metrics(writer, job: TrainingJob, engine, record: StepRecord) -> None:
     """Gather every rank's heartbeat (collective), rank 0 appends the line."""
-    import torch.distributed as torch_dist
-
-    from pipectl.artifacts.run import RankTiming, StepMetrics
+    import torch.distributed as torch_dist  # torch, after dsinit
 
     mine = (engine.global_rank, engine.stage_id, record.forward_seconds, record.backward_seconds)
     gathered: list[Any] = [None] * torch_dist.get_world_size()
@@ -320,8 +311,6 @@ def _write_metrics(writer, job: TrainingJob, engine, record: StepRecord) -> None
 
 
 def _save(engine, job: TrainingJob, step: int) -> None:
-    from pipectl.runtime import checkpoint
-
     layout = job.layout
     checkpoint.save_checkpoint(
         engine,
@@ -375,12 +364,6 @@ def spawn_ranks(job: TrainingJob, timeout_seconds: float = 120) -> dict[int, Ran
     fresh interpreter re-imports them (about 3 s per rank on two cores). Ranks still running after
     `timeout_seconds` are killed and a `LaunchError` is raised.
     """
-    import multiprocessing
-    import queue
-    import socket
-
-    from pipectl.errors import LaunchError
-
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["torch", "deepspeed", "pipectl.runtime.worker", "pipectl.runtime.executor"])
     with socket.socket() as sock:
@@ -420,8 +403,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s rank" + os.environ.get("RANK", "?") + " %(message)s")
 
-    from pipectl.errors import PipectlError
-
     try:
         result = train(TrainingJob.from_run_dir(args.run_dir))
     except PipectlError as exc:
@@ -438,7 +419,7 @@ def _exit_now(code: int) -> None:
     DeepSpeed's threads at exit sometimes aborted a finished rank ("terminate called without an
     active exception", SIGABRT), which made the launcher report a failure after every step had
     trained, and it cost about a second per stop."""
-    import torch.distributed as torch_dist
+    import torch.distributed as torch_dist  # torch, after dsinit
 
     try:
         if torch_dist.is_available() and torch_dist.is_initialized():
