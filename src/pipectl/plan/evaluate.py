@@ -23,7 +23,7 @@ from functools import lru_cache
 from pipectl.artifacts.plan import Candidate
 from pipectl.plan.candidates import Spec
 from pipectl.plan.costs import Hardware, host_compute_slowdown, ranks_share_node
-from pipectl.plan import bounds, waves
+from pipectl.plan.fast import bounds, waves
 from pipectl.plan.simulate import StageCosts, StepSummary, actions_per_step, step_seconds_of, summary_of
 from pipectl.schedule import Schedule, ScheduleKind, generate
 
@@ -119,7 +119,7 @@ class Evaluator:
     def tighter_bound_seconds(self, spec: Spec) -> float:
         """A lower bound on `step_seconds(spec)` at least as tight as the spec's own, for pruning.
 
-        1F1B's order also gets the in-flight loops of `pipectl.plan.bounds`, lowered by the tie
+        1F1B's order also gets the in-flight loops of `pipectl.plan.fast.bounds`, lowered by the tie
         tolerance so that rounding never lifts it above the simulated step.
         """
         bound = spec.lower_bound_seconds

@@ -61,8 +61,8 @@ from operator import itemgetter
 from typing import NamedTuple
 
 from pipectl.errors import ScheduleError, UserInputError
-from pipectl.plan import varuna_step, waves
-from pipectl.plan.waves import StepSummary
+from pipectl.plan.fast import varuna as varuna_step, waves
+from pipectl.plan.fast.waves import StepSummary
 from pipectl.schedule.dag import execution_order
 from pipectl.schedule.generators import generate
 from pipectl.schedule.ir import Action, ActionKind, Schedule, ScheduleKind

@@ -269,7 +269,7 @@ def varuna_forward_flags(p: int, m: int, tf: float = 1.0, tb: float = 2.0) -> tu
 
     Forwards and backwards each run in micro-batch order, and every backward of a stage other than
     the last is preceded by its recompute (rules 1-2), so this sequence is the whole order; the
-    planner times it without building actions (`pipectl.plan.varuna_step`). Cached and shared.
+    planner times it without building actions (`pipectl.plan.fast.varuna`). Cached and shared.
 
     The order for m is read off a derivation for more micro-batches M > m when one is at hand:
     each stage's choices up to its m-th forward are the same in both (a choice depends on fewer

@@ -1,7 +1,7 @@
 """Varuna on nearly equal stages: the slow first stage's head start outlasts many cycles.
 
 The live state then grows at different rates per entry for hundreds of cycles; the flat pass
-skips those stretches (`waves._LinearRegime`) and must still give the simulator's figures.
+skips those stretches (`periodic.LinearRegime`) and must still give the simulator's figures.
 """
 
 import math
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipectl.plan import varuna_step
+from pipectl.plan.fast import varuna as varuna_step
 from pipectl.plan.simulate import simulate
 from pipectl.schedule import generate
 from pipectl.schedule.ir import ScheduleKind

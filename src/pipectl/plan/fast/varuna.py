@@ -28,7 +28,8 @@ from functools import lru_cache
 
 import numpy as np
 
-from pipectl.plan.waves import _PERIOD_ULPS, StepSummary, _LinearRegime
+from pipectl.plan.fast.periodic import PERIOD_ULPS, LinearRegime
+from pipectl.plan.fast.waves import StepSummary
 from pipectl.schedule.generators import varuna_cycle, varuna_forward_flags
 
 __all__ = ["step_seconds", "summary"]
@@ -213,10 +214,10 @@ def _run_with_cycle_jump(run: _Run, flags, starts: tuple[int, ...], q: int) -> N
     Cycle k of every stage needs only actions of cycles up to k (`varuna_cycle`), so the live
     state after cycle k is a max-plus linear function of the one after cycle k − 1, the same
     function every cycle (same order, same costs per micro-batch). Once x(k) = x(k − c) + λ in
-    every entry it stays so (max-plus homogeneity; see `pipectl.plan.waves`), and the cycles up
+    every entry it stays so (max-plus homogeneity; see `pipectl.plan.fast.periodic`), and the cycles up
     to the last one inside the periodic part of every stage's order are skipped by adding λ.
     Before that, stretches where each entry grows at its own fixed rate are skipped up to where
-    a max could change its choice (`waves._LinearRegime`, margins recorded per stage).
+    a max could change its choice (`periodic.LinearRegime`, margins recorded per stage).
     """
     p, m = run.p, run.m
     # The order of stage s is periodic from starts[s] up to its m-th forward.
@@ -228,7 +229,7 @@ def _run_with_cycle_jump(run: _Run, flags, starts: tuple[int, ...], q: int) -> N
         return
     history: list[tuple[np.ndarray, list[float]]] = []
     depth = max(2 * p, 16)
-    regime: _LinearRegime | None = None
+    regime: LinearRegime | None = None
     k = 0
     while k < last_cycle:
         k += 1
@@ -260,7 +261,7 @@ def _run_with_cycle_jump(run: _Run, flags, starts: tuple[int, ...], q: int) -> N
         else:
             c = _linear(state, history)
             if c is not None:
-                regime = _LinearRegime(k, c, state, np.asarray(exposed), streams=p)
+                regime = LinearRegime(k, c, state, np.asarray(exposed), streams=p)
         history.append((state, exposed))
         if len(history) > depth:
             history.pop(0)
@@ -291,7 +292,7 @@ def _repeat(current: np.ndarray, history) -> tuple[int, float] | None:
     earlier = np.stack([entry[0] for entry in reversed(history)])  # row c - 1 is history[-c]
     differences = current[None, :] - earlier
     shifts = differences[:, 0]
-    tolerance = _PERIOD_ULPS * float(np.spacing(np.max(np.abs(current))))
+    tolerance = PERIOD_ULPS * float(np.spacing(np.max(np.abs(current))))
     uniform = np.max(np.abs(differences - shifts[:, None]), axis=1) <= tolerance
     if not uniform.any():
         return None
@@ -301,7 +302,7 @@ def _repeat(current: np.ndarray, history) -> tuple[int, float] | None:
 
 def _linear(current: np.ndarray, history) -> int | None:
     """The smallest c with current − history[-c] = history[-c] − history[-2c], to rounding."""
-    tolerance = 2 * _PERIOD_ULPS * float(np.spacing(np.max(np.abs(current))))
+    tolerance = 2 * PERIOD_ULPS * float(np.spacing(np.max(np.abs(current))))
     for c in range(1, len(history) // 2 + 1):
         middle, first = history[-c][0], history[-2 * c][0]
         if len(middle) == len(first) == len(current) and np.max(np.abs(current - 2 * middle + first)) <= tolerance:

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipectl.plan import waves
+from pipectl.plan.fast import waves
 from pipectl.plan.simulate import (
     actions_per_step,
     simulate,

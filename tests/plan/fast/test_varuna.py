@@ -6,7 +6,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipectl.plan import varuna_step
+from pipectl.plan.fast import varuna as varuna_step
 from pipectl.plan.simulate import StageCosts, simulate, step_seconds_of, summary_of
 from pipectl.schedule import generate
 from pipectl.schedule.ir import ScheduleKind

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from builders import head_start_costs, random_stage_costs
 from pipectl.cluster import load_cluster
-from pipectl.plan.bounds import has_pair_loops, pair_loop_bound_seconds
+from pipectl.plan.fast.bounds import has_pair_loops, pair_loop_bound_seconds
 from pipectl.plan.costs import hardware_for
 from pipectl.plan.evaluate import Evaluator
 from pipectl.artifacts.plan import PlanRequest
