@@ -24,7 +24,8 @@ from pipectl.artifacts.plan import Candidate
 from pipectl.plan.candidates import Spec
 from pipectl.plan.costs import Hardware, host_compute_slowdown, ranks_share_node
 from pipectl.plan.fast import bounds, waves
-from pipectl.plan.simulate import StageCosts, StepSummary, actions_per_step, step_seconds_of, summary_of
+from pipectl.plan.simulate import StageCosts, StepSummary
+from pipectl.plan.timing import actions_per_step, step_seconds_of, summary_of
 from pipectl.schedule import Schedule, ScheduleKind, generate
 
 TWO_BW_NOTE = "PipeDream-2BW: 1-stale weight updates (a different optimizer than data-parallel Adam)"

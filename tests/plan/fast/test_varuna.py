@@ -7,7 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipectl.plan.fast import varuna as varuna_step
-from pipectl.plan.simulate import StageCosts, simulate, step_seconds_of, summary_of
+from pipectl.plan.simulate import StageCosts, simulate
+from pipectl.plan.timing import step_seconds_of, summary_of
 from pipectl.schedule import generate
 from pipectl.schedule.ir import ScheduleKind
 from builders import random_stage_costs

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 from pipectl.plan.fast import periodic, waves
 from builders import head_start_costs
-from pipectl.plan.simulate import simulate, summary_of
+from pipectl.plan.simulate import simulate
+from pipectl.plan.timing import summary_of
 from pipectl.schedule import generate
 from pipectl.schedule.ir import ScheduleKind
 

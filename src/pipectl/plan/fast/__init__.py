@@ -1,13 +1,20 @@
 """Exact fast paths for a step's time, and lower bounds that prune candidates before timing them.
 
-Each fast path gives the figures of a reference simulation of the generated schedule without
-building it; each bound is never above that reference. The tests named here hold them to it.
+A step's time is defined by the simulation of the generated schedule (`pipectl.plan.simulate`;
+`pipectl.plan.timing` says which schedule and picks the path). Each fast path here gives that
+simulation's figures without building the schedule; each bound is never above them. The tests
+named here hold them to it.
 
-- `waves` — GPipe (closed form), 1F1B, PipeDream-2BW and interleaved 1F1B, no jitter:
-  `simulate(generate(kind, p, m, v, recompute), costs)` to 1e-12 relative
-  (tests/plan/fast/test_waves.py, test_waves_head_start.py).
-- `varuna` — Varuna, no jitter: `simulate(generate(VARUNA, p, m), costs)` to 1e-12 relative
-  (tests/plan/fast/test_varuna.py, test_varuna_head_start.py).
-- `bounds` — 1F1B's in-flight loops: never above `simulate(...)` (tests/plan/fast/test_bounds.py).
-- `periodic` — what `waves` and `varuna` share: skipping repeating stretches of a step.
+- `waves` — GPipe (closed form), 1F1B, PipeDream-2BW and interleaved 1F1B, no jitter,
+  asynchronous transfers: equals `simulate(generate(kind, p, m, v, recompute), costs)` to 1e-12
+  relative (tests/plan/fast/test_waves.py, test_waves_head_start.py).
+- `varuna` — Varuna, no jitter, asynchronous transfers: equals
+  `simulate(generate(VARUNA, p, m), costs)` to 1e-12 relative (tests/plan/fast/test_varuna.py,
+  test_varuna_head_start.py).
+- `bounds` — 1F1B's in-flight loops, a lower bound: never above `simulate(...)`
+  (tests/plan/fast/test_bounds.py).
+- `periodic` — what `waves` and `varuna` share: skipping a step's repeating stretches.
+
+Blocking transfers (gloo) have no fast path: `simulate` times them as rendezvous on the schedule
+with its sends and receives, which is their reference.
 """

@@ -29,7 +29,7 @@ from functools import lru_cache
 import numpy as np
 
 from pipectl.plan.fast.periodic import PERIOD_ULPS, LinearRegime
-from pipectl.plan.fast.waves import StepSummary
+from pipectl.plan.simulate import StepSummary
 from pipectl.schedule.generators import varuna_cycle, varuna_forward_flags
 
 __all__ = ["step_seconds", "summary"]

@@ -47,22 +47,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipectl.plan.fast.periodic import PERIOD_ULPS, LinearRegime
+from pipectl.plan.simulate import StepSummary
 from pipectl.schedule.ir import ScheduleKind
 
-__all__ = ["StepSummary", "gpipe_compute_ends", "pair_schedule_ends", "step_seconds", "summary", "supported"]
+__all__ = ["gpipe_compute_ends", "pair_schedule_ends", "step_seconds", "summary", "supported"]
 
 _CHECK_EVERY = 4  # steady waves between two searches for a repeat
 _ZERO = np.zeros(1)
-
-
-@dataclass(frozen=True)
-class StepSummary:
-    """What the planner records of a simulated step (as `Timeline` computes it, without records)."""
-
-    step_seconds: float
-    bubble_fraction: tuple[float, ...]  # per rank: idle / step
-    communication_seconds: float  # exposed p2p waits + all-reduce, max over ranks
-    communication_seconds_per_rank: tuple[float, ...]
 
 
 def supported(kind: ScheduleKind, jitter_seconds: float) -> bool:
