@@ -8,6 +8,13 @@ micro-batches, so where an exact fast path exists (`pipectl.plan.fast`: no jitte
 transfers) it is used instead; each equals the simulation to 1e-12 relative, which its tests
 hold. Jittered and blocking cost tables always take the simulation.
 
+Reference mode. With the environment variable `PIPECTL_PLAN_REFERENCE=1` every candidate the
+planner times is simulated instead (`reference_mode`, read here and nowhere else, by each
+`Evaluator` when it is made): slower, for checking that the fast paths change no plan. The
+bounds the search prunes with stay on in both modes: they are lower bounds on the simulation
+itself (their tests compare them with `simulate`, not with a fast path), so a pruned candidate
+could not have entered the ranking or the morph table in either mode.
+
     >>> from pipectl.plan.simulate import uniform_costs
     >>> costs = uniform_costs(4, 1, 1.0, 2.0)
     >>> step_seconds_of(ScheduleKind.GPIPE, 4, 8, 1, False, costs)  # (m + p - 1)(t_f + t_b)
@@ -19,8 +26,10 @@ hold. Jittered and blocking cost tables always take the simulation.
 
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 
+from pipectl.errors import UserInputError
 from pipectl.plan.fast import varuna, waves
 from pipectl.plan.simulate import StageCosts, StepSummary, check_costs, simulate, simulate_step_seconds
 from pipectl.schedule.comm import add_communication
@@ -28,11 +37,33 @@ from pipectl.schedule.generators import generate
 from pipectl.schedule.ir import Schedule, ScheduleKind
 
 __all__ = [
+    "REFERENCE_ENV",
     "actions_per_step",
     "executed_schedule",
+    "reference_mode",
     "step_seconds_of",
     "summary_of",
 ]
+
+REFERENCE_ENV = "PIPECTL_PLAN_REFERENCE"
+
+
+def reference_mode() -> bool:
+    """Whether `PIPECTL_PLAN_REFERENCE` asks for every candidate to be simulated (1) or not (0, unset).
+
+    >>> os.environ[REFERENCE_ENV] = "yes"
+    >>> reference_mode()
+    Traceback (most recent call last):
+    ...
+    pipectl.errors.UserInputError: PIPECTL_PLAN_REFERENCE must be 0 or 1, got 'yes'
+    >>> del os.environ[REFERENCE_ENV]
+    """
+    value = os.environ.get(REFERENCE_ENV, "").strip()
+    if value in ("", "0"):
+        return False
+    if value == "1":
+        return True
+    raise UserInputError(f"{REFERENCE_ENV} must be 0 or 1, got {value!r}")
 
 
 @lru_cache(maxsize=256)
