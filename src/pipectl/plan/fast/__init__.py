@@ -11,6 +11,8 @@ named here hold them to it.
 - `varuna` — Varuna, no jitter, asynchronous transfers: equals
   `simulate(generate(VARUNA, p, m), costs)` to 1e-12 relative (tests/plan/fast/test_varuna.py,
   test_varuna_head_start.py).
+- `varuna_flags` — Varuna's order for every m, cut from its periodic form: equals the
+  definition, `pipectl.schedule.varuna_order`, exactly (tests/plan/fast/test_varuna_flags.py).
 - `bounds` — 1F1B's in-flight loops, a lower bound: never above `simulate(...)`
   (tests/plan/fast/test_bounds.py).
 - `periodic` — what `waves` and `varuna` share: skipping a step's repeating stretches.
