@@ -6,7 +6,7 @@ from pipectl.cluster import load_cluster
 from pipectl.plan.costs import hardware_for
 from pipectl.plan.evaluate import Evaluator, costs_of, schedule_of
 from pipectl.artifacts.plan import PlanRequest
-from pipectl.plan.search import enumerate_specs, search_space
+from pipectl.plan.space import enumerate_specs, search_space
 from pipectl.plan.simulate import simulate
 from pipectl.plan.synthetic import synthetic_profile
 

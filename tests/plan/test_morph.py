@@ -9,7 +9,8 @@ from pipectl.plan.costs import hardware_for
 from pipectl.plan.evaluate import Evaluator
 from pipectl.plan.morph import PrefixMinimum, fastest_per_device_count
 from pipectl.artifacts.plan import PlanRequest
-from pipectl.plan.search import enumerate_specs, plan, search_space
+from pipectl.plan.search import plan
+from pipectl.plan.space import enumerate_specs, search_space
 from pipectl.plan.synthetic import synthetic_profile
 
 

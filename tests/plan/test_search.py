@@ -11,7 +11,9 @@ from pipectl.plan.candidates import lower_bound_seconds, recomputing_stages
 from pipectl.plan.costs import hardware_for
 from pipectl.plan.evaluate import Evaluator
 from pipectl.artifacts.plan import PlanRequest
-from pipectl.plan.search import enumerate_specs, goal_for, plan, rank, search_space
+from pipectl.plan.homogeneous import goal_for, rank
+from pipectl.plan.search import plan
+from pipectl.plan.space import enumerate_specs, search_space
 from pipectl.plan.synthetic import synthetic_profile
 from pipectl.schedule import ScheduleKind
 
@@ -215,10 +217,10 @@ def test_the_plan_is_the_same_whatever_the_number_of_workers(monkeypatch, seed):
     import dataclasses
     import random
 
-    from pipectl.plan import search
-    from pipectl.plan.search import SearchStats
+    from pipectl.plan import homogeneous, space
+    from pipectl.plan.homogeneous import SearchStats
 
-    monkeypatch.setattr(search, "PARALLEL_MIN_FAMILIES", 0)  # share even this small search
+    monkeypatch.setattr(space, "PARALLEL_MIN_FAMILIES", 0)  # share even this small search
     rng = random.Random(seed)
     blocks = 10
     profile = synthetic_profile(
@@ -228,7 +230,7 @@ def test_the_plan_is_the_same_whatever_the_number_of_workers(monkeypatch, seed):
     hardware = hardware_for(load_cluster("a100-8x8"), profile)
     # Memory tight enough that many points are rejected and some need the memory-constrained cut.
     hardware = dataclasses.replace(hardware, device=hardware.device.model_copy(update={"memory_gib": 0.004 * (seed + 2)}))
-    shared = search.share
+    shared = space.share
     remote = []
 
     def counting_share(*args, **kwargs):
@@ -236,13 +238,13 @@ def test_the_plan_is_the_same_whatever_the_number_of_workers(monkeypatch, seed):
         remote.append(sum(outcome.remote is not None for outcome in outcomes))
         return outcomes
 
-    monkeypatch.setattr(search, "share", counting_share)
+    monkeypatch.setattr(space, "share", counting_share)
     plans, stats = [], []
     for workers in (1, 2, 3):
         stat = SearchStats()
         request = PlanRequest(global_batch=48, top=5, workers=workers)
         try:
-            result = search.plan_homogeneous(profile, "tight", hardware, request, stats=stat)
+            result = homogeneous.plan_homogeneous(profile, "tight", hardware, request, stats=stat)
         except InfeasibleError as error:
             result = str(error)
         plans.append(result if isinstance(result, str) else result.model_dump_json())
@@ -270,10 +272,10 @@ def test_rejections_merge_keeps_the_first_example():
 def test_shipped_clusters_plan_the_same_with_one_or_two_workers(monkeypatch, cluster_name, model):
     from pipectl.catalog import get_device
     from pipectl.models.registry import load_model_config
-    from pipectl.plan import search
+    from pipectl.plan import space
     from pipectl.profile.derive import derive_profile
 
-    monkeypatch.setattr(search, "PARALLEL_MIN_FAMILIES", 0)
+    monkeypatch.setattr(space, "PARALLEL_MIN_FAMILIES", 0)
     cluster = load_cluster(cluster_name)
     device = get_device(cluster.node_types[0].device)
     profile = derive_profile(load_model_config(model), device, [1, 2, 4])

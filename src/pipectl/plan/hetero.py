@@ -29,7 +29,7 @@ from pipectl.plan.candidates import ScheduleVariant, ShapeBuilder, Spec, SpecFig
 from pipectl.plan.costs import Hardware, hardware_for
 from pipectl.plan.evaluate import Evaluator
 from pipectl.artifacts.plan import PlanRequest
-from pipectl.plan.search import SearchStats, plan_homogeneous
+from pipectl.plan.homogeneous import SearchStats, plan_homogeneous
 
 
 def _sub_cluster(cluster: ClusterSpec, kind: str) -> ClusterSpec:

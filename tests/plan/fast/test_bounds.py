@@ -12,7 +12,7 @@ from pipectl.plan.fast.bounds import has_pair_loops, pair_loop_bound_seconds
 from pipectl.plan.costs import hardware_for
 from pipectl.plan.evaluate import Evaluator
 from pipectl.artifacts.plan import PlanRequest
-from pipectl.plan.search import enumerate_specs, search_space
+from pipectl.plan.space import enumerate_specs, search_space
 from pipectl.plan.simulate import simulate, uniform_costs
 from pipectl.plan.synthetic import synthetic_profile
 from pipectl.schedule import generate
