@@ -274,3 +274,23 @@ def generate(
     if kind is ScheduleKind.VARUNA:
         return varuna(pipeline_parallel, micro_batches, forward_seconds, backward_seconds)
     return pipedream_2bw(pipeline_parallel, micro_batches, recompute)
+
+
+def generate_for_stage_times(
+    kind: ScheduleKind, pipeline_parallel: int, micro_batches: int, chunks: int = 1, recompute: bool = False, *,
+    forward_seconds: float, backward_seconds: float,
+) -> Schedule:
+    """`generate` for stages whose forward and backward take these times (a uniform pipeline).
+
+    Varuna derives its order from the stage times it profiled, so here from these: another ratio
+    of backward to forward gives another order. With a zero time there is no ratio to derive
+    from, and Varuna keeps `generate`'s 1:2. No other schedule's order depends on the times.
+
+    >>> generate_for_stage_times(ScheduleKind.VARUNA, 3, 6, forward_seconds=1.0, backward_seconds=3.0) == (
+    ...     generate(ScheduleKind.VARUNA, 3, 6, forward_seconds=1.0, backward_seconds=3.0))
+    True
+    """
+    if kind is ScheduleKind.VARUNA and forward_seconds > 0 and backward_seconds > 0:
+        return generate(kind, pipeline_parallel, micro_batches, chunks, recompute,
+                        forward_seconds=forward_seconds, backward_seconds=backward_seconds)  # fmt: skip
+    return generate(kind, pipeline_parallel, micro_batches, chunks, recompute)
