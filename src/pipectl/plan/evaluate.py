@@ -28,26 +28,15 @@ from pipectl.plan.costs import Hardware, host_compute_slowdown, ranks_share_node
 from pipectl.plan.fast import bounds, waves
 from pipectl.plan.simulate import StageCosts, StepSummary
 from pipectl.plan.timing import actions_per_step, reference_mode, step_seconds_of, summary_of
-from pipectl.schedule import Schedule, ScheduleKind, generate
+from pipectl.schedule import ScheduleKind
 
 TWO_BW_NOTE = "PipeDream-2BW: 1-stale weight updates (a different optimizer than data-parallel Adam)"
 NOT_DEEPSPEED_NOTE = "DeepSpeed's pipeline engine cannot run this schedule (plan and simulate only)"
 
 
-def schedule_of(spec: Spec) -> Schedule:
-    """The schedule the runtime will execute for this spec (cached by `generate`)."""
-    shape = spec.shape
-    return generate(
-        spec.variant.kind,
-        shape.pipeline_parallel,
-        spec.micro_batches,
-        spec.variant.chunks,
-        shape.recompute,
-    )
-
-
 def _schedule_args(spec: Spec) -> tuple:
-    """(kind, p, m, v, recompute) of `schedule_of(spec)`, for the simulator's by-kind entry points."""
+    """(kind, p, m, v, recompute): the schedule the runtime executes for this spec, as
+    `pipectl.plan.timing` and `pipectl.schedule.generate` take it."""
     shape = spec.shape
     return (spec.variant.kind, shape.pipeline_parallel, spec.micro_batches, spec.variant.chunks, shape.recompute)
 

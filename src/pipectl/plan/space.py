@@ -429,7 +429,7 @@ class _Family:
         return start == layers
 
     def furthest_fitting_end(self, per_device: float, units: tuple[int, ...]):
-        """`furthest(stage, start)` for the partitioner: `stage_memory_bytes`'s test on the
+        """`furthest(stage, start)` for the partitioner: `RangeMemory.stage_bytes`'s test on the
         precomputed per-range rows, each answer memoised across the pipelines of this (t, b)."""
         ends, keeps = self.ends, self.keeps_input_only
         units_of = units * self.v  # virtual stage s lives on rank s % p
