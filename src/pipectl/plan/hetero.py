@@ -9,7 +9,7 @@ Every replica runs the same pipeline (t, p and the stage cut of the best homogen
 the data-parallel all-reduce still pairs stage with stage; only the number of micro-batches per
 replica differs. The split is found by water-filling: each of the B/b micro-batches goes to the
 replica that would finish it earliest under the closed-form bound (m + p − 1)-style of
-`candidates.lower_bound_seconds`; then every distinct (kind, m) is simulated and the step is the
+`pipectl.plan.fast.bounds`; then every distinct (kind, m) is simulated and the step is the
 slowest replica. Gradients must then be averaged with weights samples_r / B (`ReplicaShare`),
 which the runtime applies; plain averaging of replica means would over-weight slow replicas.
 

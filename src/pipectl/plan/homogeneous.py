@@ -5,7 +5,7 @@
 1. Enumerate (`pipectl.plan.space`): every spec that fits, with counted rejections.
 2. Rank: specs are visited in the order of a closed-form lower bound on their objective; each is
    timed until the lower bound of the next one cannot beat the k-th best found (branch and
-   bound: the pruned ones provably cannot enter the top k, see `candidates.lower_bound_seconds`).
+   bound: the pruned ones provably cannot enter the top k, see `pipectl.plan.fast.bounds`).
 3. The morph table (`pipectl.plan.morph`): the fastest spec for every device count, from the
    same specs.
 
