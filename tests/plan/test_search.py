@@ -30,17 +30,22 @@ def _search_parts(profile, cluster, request):
     return hardware, enumeration
 
 
+@pytest.mark.parametrize("reference", [False, True])
 @pytest.mark.parametrize("objective", [Objective.TIME, Objective.COST])
 @pytest.mark.parametrize("batch", [12, 16, 24])
-def test_pruning_never_drops_the_exhaustive_optimum(objective, batch):
+def test_pruning_never_drops_the_exhaustive_optimum(objective, batch, reference):
+    # With the fast paths and in reference mode (every spec simulated) alike.
     profile = _profile()
     cluster = load_cluster("a100-8x8")
     request = PlanRequest(global_batch=batch, devices=8, objective=objective, top=3)
     hardware, enumeration = _search_parts(profile, cluster, request)
     goal = goal_for(request, profile, hardware)
-    evaluator = Evaluator(hardware, batch)
+    evaluator = Evaluator(hardware, batch, reference=reference)
     exhaustive = rank(enumeration.specs, goal, evaluator, keep=3, exhaustive=True, need_runnable=False)
-    pruned = rank(enumeration.specs, goal, Evaluator(hardware, batch), keep=3, exhaustive=False, need_runnable=False)
+    pruned = rank(
+        enumeration.specs, goal, Evaluator(hardware, batch, reference=reference), keep=3, exhaustive=False,
+        need_runnable=False,
+    )
     assert pruned.top[0][0] == exhaustive.top[0][0]
     assert [k for k, _, _ in pruned.top] == [k for k, _, _ in exhaustive.top[:3]]
     assert pruned.simulated < exhaustive.simulated  # it did prune
@@ -51,7 +56,7 @@ def test_lower_bound_never_exceeds_the_simulated_step():
     cluster = load_cluster("a100-8x8")
     request = PlanRequest(global_batch=32, devices=16, schedules=list(ScheduleKind))
     hardware, enumeration = _search_parts(profile, cluster, request)
-    evaluator = Evaluator(hardware, 32)
+    evaluator = Evaluator(hardware, 32, reference=True)  # the simulation itself, not a fast path
     assert len(enumeration.specs) > 50
     for spec in enumeration.specs[::3]:
         assert spec.lower_bound_seconds <= evaluator.step_seconds(spec) * (1 + 1e-9), spec.describe()
