@@ -114,6 +114,7 @@ __all__ = [
     "simulate_rendezvous",
     "simulate_step_seconds",
     "timeline_of",
+    "transfers_block",
     "uniform_costs",
 ]
 
@@ -465,7 +466,7 @@ def _ends(compiled: _Compiled, durations: list[float], delays: list[float]) -> l
 
 def simulate_step_seconds(schedule: Schedule, costs: StageCosts) -> float:
     """The step time only (no records); always equal to `simulate(schedule, costs).step_seconds`."""
-    if _blocking(schedule.pipeline_parallel, costs):
+    if transfers_block(schedule.pipeline_parallel, costs):
         return simulate(schedule, costs).step_seconds
     compiled = _compiled(schedule)
     durations, delays = _cost_tables(compiled, costs)
@@ -473,7 +474,9 @@ def simulate_step_seconds(schedule: Schedule, costs: StageCosts) -> float:
     return max(end[k] for k in compiled.rank_last if k >= 0)
 
 
-def _blocking(pipeline_parallel: int, costs: StageCosts) -> bool:
+def transfers_block(pipeline_parallel: int, costs: StageCosts) -> bool:
+    """Whether `simulate` times this step's transfers as rendezvous: the cost table's sends block
+    and there is more than one stage (one stage has no transfers)."""
     return costs.blocking_p2p and pipeline_parallel > 1
 
 
@@ -483,7 +486,7 @@ def simulate(schedule: Schedule, costs: StageCosts) -> Timeline:
     With `costs.blocking_p2p` (and more than one stage) the transfers are rendezvous instead of
     edge delays: `simulate_rendezvous`.
     """
-    if _blocking(schedule.pipeline_parallel, costs):
+    if transfers_block(schedule.pipeline_parallel, costs):
         return simulate_rendezvous(schedule, costs)
     compiled = _compiled(schedule)
     durations, delays = _cost_tables(compiled, costs)

@@ -31,7 +31,14 @@ from functools import lru_cache
 
 from pipectl.errors import UserInputError
 from pipectl.plan.fast import varuna, waves
-from pipectl.plan.simulate import StageCosts, StepSummary, check_costs, simulate, simulate_step_seconds
+from pipectl.plan.simulate import (
+    StageCosts,
+    StepSummary,
+    check_costs,
+    simulate,
+    simulate_step_seconds,
+    transfers_block,
+)
 from pipectl.schedule.comm import add_communication
 from pipectl.schedule.generators import generate
 from pipectl.schedule.ir import Schedule, ScheduleKind
@@ -74,21 +81,16 @@ def executed_schedule(kind: ScheduleKind, pipeline_parallel: int, micro_batches:
     return add_communication(schedule) if pipeline_parallel > 1 else schedule
 
 
-def _blocking(pipeline_parallel: int, costs: StageCosts) -> bool:
-    """Whether transfers are rendezvous (only between stages: one stage has none)."""
-    return costs.blocking_p2p and pipeline_parallel > 1
-
-
 def _reference_schedule(kind: ScheduleKind, p: int, m: int, v: int, recompute: bool, costs: StageCosts) -> Schedule:
     """The schedule the reference simulates: with its sends and receives when they block."""
-    if _blocking(p, costs):
+    if transfers_block(p, costs):
         return executed_schedule(kind, p, m, v, recompute)
     return generate(kind, p, m, v, recompute)
 
 
 def _has_fast_path(kind: ScheduleKind, pipeline_parallel: int, costs: StageCosts) -> bool:
     """Whether `pipectl.plan.fast` times this schedule under these costs (no jitter, no rendezvous)."""
-    if _blocking(pipeline_parallel, costs) or costs.jitter_seconds > 0:
+    if transfers_block(pipeline_parallel, costs) or costs.jitter_seconds > 0:
         return False
     return waves.supported(kind, costs.jitter_seconds) or kind is ScheduleKind.VARUNA
 
@@ -106,10 +108,7 @@ def step_seconds_of(
     p, m, v = pipeline_parallel, micro_batches, chunks
     check_costs(p, p * v, costs)
     if reference or not _has_fast_path(kind, p, costs):
-        schedule = _reference_schedule(kind, p, m, v, recompute, costs)
-        if _blocking(p, costs):
-            return simulate(schedule, costs).step_seconds
-        return simulate_step_seconds(schedule, costs)
+        return simulate_step_seconds(_reference_schedule(kind, p, m, v, recompute, costs), costs)
     if kind is ScheduleKind.VARUNA:
         return varuna.step_seconds(p, m, costs)
     return waves.step_seconds(kind, p, m, v, recompute, costs)
