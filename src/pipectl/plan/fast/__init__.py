@@ -20,4 +20,9 @@ named here hold them to it.
 
 Blocking transfers (gloo) have no fast path: `simulate` times them as rendezvous on the schedule
 with its sends and receives, which is their reference.
+
+End to end, tests/plan/test_reference_mode.py plans searches with the fast paths and in
+reference mode (`PIPECTL_PLAN_REFERENCE=1`, every candidate simulated) and finds the same plans,
+to rounding: "to 1e-12" is not bit for bit, so the figures differ in their last digits and
+candidates whose times tie exactly may swap places.
 """
