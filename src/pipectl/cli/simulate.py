@@ -24,8 +24,8 @@ from pipectl.plan.costs import stage_costs_for
 from pipectl.plan.simulate import StageCosts, Timeline, simulate, uniform_costs
 from pipectl.report.gantt import terminal_gantt, write_gantt
 from pipectl.schedule import ScheduleKind, generate
-from pipectl.schedule.generators import generate_for_stage_times
 from pipectl.schedule.comm import add_communication
+from pipectl.schedule.generators import generate_for_stage_times
 from pipectl.schedule.ir import Schedule
 
 
