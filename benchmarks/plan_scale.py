@@ -38,7 +38,8 @@ def single(workers: int | None, profile_out: str | None) -> dict:
     from pipectl.cluster import load_cluster
     from pipectl.models.registry import load_model_config
     from pipectl.artifacts.plan import PlanRequest
-    from pipectl.plan.search import SearchStats, plan
+    from pipectl.plan.homogeneous import SearchStats
+    from pipectl.plan.search import plan
     from pipectl.plan.workers import available_workers
     from pipectl.profile.derive import derive_profile
 

@@ -73,10 +73,10 @@ def test_bad_input_is_one_red_line_and_exit_code_2(args, message):
 
 
 def test_simulates_a_plan_candidate(tmp_path: Path, monkeypatch):
-    costs = pytest.importorskip("pipectl.plan.costs")
     from pipectl.artifacts.plan import Candidate, ModelShape, Plan, PlanRequest
     from pipectl.cluster import load_cluster
     from pipectl.io import write_json_atomic
+    from pipectl.plan.costs import stage_costs_for
     from pipectl.planfile import write_plan
     from pipectl.plan.simulate import simulate_step_seconds
     from pipectl.plan.synthetic import synthetic_profile
@@ -99,7 +99,7 @@ def test_simulates_a_plan_candidate(tmp_path: Path, monkeypatch):
     payload = json.loads(invoke("simulate", str(plan_path), "--json").stdout)
     expected = simulate_step_seconds(
         generate(ScheduleKind.ONE_F_ONE_B, 2, 4),
-        costs.stage_costs_for(candidate, profile, load_cluster("local")),
+        stage_costs_for(candidate, profile, load_cluster("local")),
     )
     assert payload["step_seconds"] == pytest.approx(expected, rel=1e-12)
     assert payload["predicted_step_seconds"] == 1.0

@@ -11,7 +11,6 @@ from pipectl.plan.memory import (
     StageMemory,
     in_flight_units,
     peak_in_flight_units,
-    stage_memory_bytes,
     state_bytes_per_parameter,
 )
 from pipectl.plan.synthetic import synthetic_profile
@@ -94,7 +93,9 @@ def test_recompute_keeps_only_stage_inputs_plus_one_full_micro_batch():
     assert recompute_bytes[1] == pytest.approx(plain_bytes[1])
     assert recompute_bytes[0] == pytest.approx(16 * table.parameters(0, 4) + table.saved(0, 4))
     assert recompute_bytes[0] < plain_bytes[0]
-    assert stage_memory_bytes(table, 4, 9, state_bytes=16, units=8, recompute=True) == pytest.approx(expected_first)
+    # A stage that does not start the pipeline keeps its input: the previous stage's output.
+    middle = StageMemory.build(table, [(0, 4), (4, 9), (9, table.layers)], tensor_parallel=1, recompute=True)
+    assert middle.per_rank_bytes(16.0, (8, 8, 8))[1] == pytest.approx(expected_first)
 
 
 def test_tensor_parallel_divides_state_and_activations():
@@ -121,7 +122,10 @@ def test_infeasible_reason_names_the_stage_and_sizes():
 
 @pytest.mark.parametrize("tied", [True, False])
 @pytest.mark.parametrize("t", [1, 2, 4])
-def test_range_rows_give_stage_memory_bytes_exactly(tied, t):
+def test_range_rows_give_the_stage_memory_of_a_cut_exactly(tied, t):
+    # The partitioner's per-range test (`RangeMemory.stage_bytes`) against a cut's per-rank bytes
+    # from the table's own range queries (`StageMemory.build` without rows), every stage alone
+    # on its rank: a stage in the middle, first or last, recomputing or not.
     from pipectl.plan.memory import RangeMemory
 
     table = layer_table(synthetic_profile(blocks=6, micro_batch_sizes=[1, 2], tied=tied, hidden=96), 2)
@@ -129,11 +133,12 @@ def test_range_rows_give_stage_memory_bytes_exactly(tied, t):
     layers = table.layers
     for start in range(layers):
         for end in range(start + 1, layers + 1):
-            for recompute, last in ((True, False), (False, False), (True, True)):
-                expected = stage_memory_bytes(
-                    table, start, end, state_bytes=12.5, units=3, tensor_parallel=t, recompute=recompute,
-                    last_stage=last,
-                )
+            before = [(0, start)] if start > 0 else []
+            cut = before + [(start, end)] + ([(end, layers)] if end < layers else [])
+            last = end == layers
+            for recompute in (True, False):
+                memory = StageMemory.build(table, cut, tensor_parallel=t, recompute=recompute)
+                expected = memory.per_rank_bytes(12.5, (3,) * len(cut))[len(before)]
                 got = rows.stage_bytes(start, end, state_bytes=12.5, units=3, recompute=recompute and not last)
                 assert got == expected, (start, end, recompute, last)
 

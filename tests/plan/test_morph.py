@@ -9,7 +9,8 @@ from pipectl.plan.costs import hardware_for
 from pipectl.plan.evaluate import Evaluator
 from pipectl.plan.morph import PrefixMinimum, fastest_per_device_count
 from pipectl.artifacts.plan import PlanRequest
-from pipectl.plan.search import enumerate_specs, plan, search_space
+from pipectl.plan.search import plan
+from pipectl.plan.space import enumerate_specs, search_space
 from pipectl.plan.synthetic import synthetic_profile
 
 
@@ -100,7 +101,8 @@ def test_the_tighter_bound_prunes_more_and_keeps_the_table():
     profile = synthetic_profile(blocks=12, micro_batch_sizes=[1, 2],
                                 block_forward_seconds=[0.01, 0.0101] * 6)
     hardware = hardware_for(load_cluster("a100-8x8"), profile)
-    request = PlanRequest(global_batch=96)
+    # ZeRO-0 and 1, every one of them in the table's pool: enough specs for the bounds to differ
+    request = PlanRequest(global_batch=96, zero_stages=[0, 1], for_deepspeed=False)
     specs = enumerate_specs(profile, hardware, search_space(request, profile, hardware), 64).specs
     tight, loose = Evaluator(hardware, 96), SpecBoundOnly(hardware, 96)
     assert morph_table(specs, tight, 64, request) == morph_table(specs, loose, 64, request)

@@ -1,4 +1,4 @@
-"""The partitioners against brute force over every cut on small non-uniform cases."""
+"""The partitioner against brute force over every cut on small non-uniform cases."""
 
 from __future__ import annotations
 
@@ -9,13 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipectl.plan.partition import (
-    Level,
-    balanced_partition,
-    greedy_cuts,
-    min_bottlenecks,
-    pipedream_partition,
-)
+from pipectl.plan.partition import balanced_partition, greedy_cuts, min_bottlenecks
 
 
 def all_cuts(layers: int, stages: int):
@@ -114,86 +108,6 @@ def test_big_model_is_fast():
     found = min_bottlenecks(weights, range(1, 132))
     assert found[128] >= max(weights)
     assert found[1] == pytest.approx(sum(weights))
-
-
-# --- PipeDream's DP with replication ----------------------------------------------------------
-
-
-def brute_force_pipedream(compute, activation, weights, workers, bandwidth):
-    """Every cut and every split of at most `workers` devices over the stages."""
-    layers = len(compute)
-    best = float("inf")
-    for stages in range(1, layers + 1):
-        for cuts in all_cuts(layers, stages):
-            for replicas in itertools.product(range(1, workers + 1), repeat=stages):
-                if sum(replicas) > workers:
-                    continue
-                value = 0.0
-                for (start, end), r in zip(cuts, replicas):
-                    sync = 2 * (r - 1) * sum(weights[start:end]) / bandwidth
-                    value = max(value, max(sum(compute[start:end]), sync) / r)
-                for start, _ in cuts[1:]:
-                    value = max(value, 2 * activation[start - 1] / bandwidth)
-                best = min(best, value)
-    return best
-
-
-@settings(max_examples=60, deadline=None)
-@given(
-    compute=st.lists(st.integers(min_value=1, max_value=20), min_size=1, max_size=5),
-    data=st.data(),
-)
-def test_pipedream_dp_matches_brute_force(compute, data):
-    layers = len(compute)
-    activation = [data.draw(st.integers(min_value=0, max_value=30)) for _ in range(layers)]
-    weights = [data.draw(st.integers(min_value=0, max_value=30)) for _ in range(layers)]
-    workers = data.draw(st.integers(min_value=1, max_value=4))
-    plan = pipedream_partition(compute, activation, weights, [Level(workers, 4.0)])
-    expected = brute_force_pipedream(compute, activation, weights, workers, 4.0)
-    assert plan is not None
-    assert plan.slowest_seconds == pytest.approx(expected)
-    flat = plan.flat_stages()
-    assert flat[0][0] == 0 and flat[-1][1] == layers
-    assert sum(devices for _, _, devices in flat) <= workers
-
-
-def test_pipedream_replicates_a_stage_with_cheap_weights():
-    # One heavy layer with few weights: replicating it beats pipelining.
-    plan = pipedream_partition([10.0, 1.0], [100.0, 0.0], [0.0, 0.0], [Level(4, 1e3)])
-    assert plan.slowest_seconds < 10.0
-    assert max(devices for _, _, devices in plan.flat_stages()) > 1
-
-
-def test_pipedream_respects_memory():
-    # Layers of 1 byte each; a device holds at most 2 layers.
-    plan = pipedream_partition(
-        [1.0] * 6, [0.0] * 6, [1.0] * 6, [Level(4, 1e9)], fits=lambda start, end, replicas: end - start <= 2
-    )
-    assert plan is not None
-    assert all(end - start <= 2 for start, end, _ in plan.flat_stages())
-    assert plan.slowest_seconds == pytest.approx(2.0)
-
-
-def test_pipedream_hierarchical_uses_fast_links_inside_nodes():
-    # 2 nodes x 2 devices; inside a node links are fast, across nodes slow: heavy activations
-    # should not cross nodes, while a cheap-weight replica across nodes is fine.
-    compute = [4.0, 4.0, 4.0, 4.0]
-    activation = [1e6, 1.0, 1e6, 0.0]
-    weights = [1.0] * 4
-    plan = pipedream_partition(compute, activation, weights, [Level(2, 1e9), Level(2, 1e3)])
-    assert plan is not None
-    flat = plan.flat_stages()
-    assert sum(devices for _, _, devices in flat) <= 4
-    # The cross-node cut (if any) is after layer 1, where the activation is small.
-    assert plan.slowest_seconds <= 8.0
-
-
-def test_pipedream_partition_without_levels_is_a_typed_error():
-    from pipectl.errors import UserInputError
-    from pipectl.plan.partition import pipedream_partition
-
-    with pytest.raises(UserInputError, match="at least one topology level"):
-        pipedream_partition([1, 1], [0, 0], [0, 0], [])
 
 
 @settings(max_examples=150, deadline=None)

@@ -1,5 +1,6 @@
 import math
 import random
+from dataclasses import replace
 
 import pytest
 from builders import random_stage_costs
@@ -7,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipectl.errors import ScheduleError
-from pipectl.plan.rendezvous import executed_schedule, rendezvous_step_seconds, simulate_rendezvous
-from pipectl.plan.simulate import simulate, uniform_costs
+from pipectl.plan.simulate import simulate, simulate_rendezvous, simulate_step_seconds, uniform_costs
+from pipectl.plan.timing import executed_schedule, step_seconds_of, summary_of
 from pipectl.schedule import generate
 from pipectl.schedule.ir import Schedule, ScheduleKind
 
@@ -74,7 +75,7 @@ def test_blocking_is_never_faster_than_asynchronous(kind, p, m, seed):
         assert all(a.end <= b.start + 1e-12 for a, b in zip(own, own[1:]))
     assert blocking.peak_in_flight == asynchronous.peak_in_flight
     assert close(
-        rendezvous_step_seconds(kind, p, m, 1, recompute, costs), blocking.step_seconds
+        step_seconds_of(kind, p, m, 1, recompute, replace(costs, blocking_p2p=True)), blocking.step_seconds
     )
 
 
@@ -98,10 +99,7 @@ def test_mismatched_sends_are_a_deadlock():
 
 @pytest.mark.parametrize("kind", RUNNABLE)
 def test_blocking_costs_route_every_entry_point_to_the_rendezvous_timing(kind):
-    from dataclasses import replace
-
-    from pipectl.plan.simulate import simulate_step_seconds, step_seconds_of, summary_of
-
+    # The planner's entry points, in both modes, and the simulator itself.
     p, m = 3, 5
     recompute = kind is ScheduleKind.VARUNA
     costs = replace(random_stage_costs(p, 1, random.Random(7)), blocking_p2p=True)
@@ -109,10 +107,10 @@ def test_blocking_costs_route_every_entry_point_to_the_rendezvous_timing(kind):
     expected = simulate_rendezvous(executed_schedule(kind, p, m, 1, recompute), costs)
     assert simulate(schedule, costs).step_seconds == expected.step_seconds
     assert simulate_step_seconds(schedule, costs) == expected.step_seconds
-    assert step_seconds_of(kind, p, m, 1, recompute, costs) == expected.step_seconds
-    summary = summary_of(kind, p, m, 1, recompute, costs)
-    assert summary.step_seconds == expected.step_seconds
-    assert summary.bubble_fraction == expected.bubble_fraction
+    for reference in (False, True):
+        assert step_seconds_of(kind, p, m, 1, recompute, costs, reference=reference) == expected.step_seconds
+        summary = summary_of(kind, p, m, 1, recompute, costs, reference=reference)
+        assert summary == expected.summary()
     # The asynchronous timing of the same table is faster here: the flag matters.
     assert step_seconds_of(kind, p, m, 1, recompute, replace(costs, blocking_p2p=False)) < expected.step_seconds
 

@@ -11,7 +11,9 @@ from pipectl.plan.candidates import lower_bound_seconds, recomputing_stages
 from pipectl.plan.costs import hardware_for
 from pipectl.plan.evaluate import Evaluator
 from pipectl.artifacts.plan import PlanRequest
-from pipectl.plan.search import enumerate_specs, goal_for, plan, rank, search_space
+from pipectl.plan.homogeneous import goal_for, rank
+from pipectl.plan.search import plan
+from pipectl.plan.space import enumerate_specs, search_space
 from pipectl.plan.synthetic import synthetic_profile
 from pipectl.schedule import ScheduleKind
 
@@ -28,17 +30,22 @@ def _search_parts(profile, cluster, request):
     return hardware, enumeration
 
 
+@pytest.mark.parametrize("reference", [False, True])
 @pytest.mark.parametrize("objective", [Objective.TIME, Objective.COST])
 @pytest.mark.parametrize("batch", [12, 16, 24])
-def test_pruning_never_drops_the_exhaustive_optimum(objective, batch):
+def test_pruning_never_drops_the_exhaustive_optimum(objective, batch, reference):
+    # With the fast paths and in reference mode (every spec simulated) alike.
     profile = _profile()
     cluster = load_cluster("a100-8x8")
     request = PlanRequest(global_batch=batch, devices=8, objective=objective, top=3)
     hardware, enumeration = _search_parts(profile, cluster, request)
     goal = goal_for(request, profile, hardware)
-    evaluator = Evaluator(hardware, batch)
+    evaluator = Evaluator(hardware, batch, reference=reference)
     exhaustive = rank(enumeration.specs, goal, evaluator, keep=3, exhaustive=True, need_runnable=False)
-    pruned = rank(enumeration.specs, goal, Evaluator(hardware, batch), keep=3, exhaustive=False, need_runnable=False)
+    pruned = rank(
+        enumeration.specs, goal, Evaluator(hardware, batch, reference=reference), keep=3, exhaustive=False,
+        need_runnable=False,
+    )
     assert pruned.top[0][0] == exhaustive.top[0][0]
     assert [k for k, _, _ in pruned.top] == [k for k, _, _ in exhaustive.top[:3]]
     assert pruned.simulated < exhaustive.simulated  # it did prune
@@ -49,7 +56,7 @@ def test_lower_bound_never_exceeds_the_simulated_step():
     cluster = load_cluster("a100-8x8")
     request = PlanRequest(global_batch=32, devices=16, schedules=list(ScheduleKind))
     hardware, enumeration = _search_parts(profile, cluster, request)
-    evaluator = Evaluator(hardware, 32)
+    evaluator = Evaluator(hardware, 32, reference=True)  # the simulation itself, not a fast path
     assert len(enumeration.specs) > 50
     for spec in enumeration.specs[::3]:
         assert spec.lower_bound_seconds <= evaluator.step_seconds(spec) * (1 + 1e-9), spec.describe()
@@ -215,10 +222,10 @@ def test_the_plan_is_the_same_whatever_the_number_of_workers(monkeypatch, seed):
     import dataclasses
     import random
 
-    from pipectl.plan import search
-    from pipectl.plan.search import SearchStats
+    from pipectl.plan import homogeneous, space
+    from pipectl.plan.homogeneous import SearchStats
 
-    monkeypatch.setattr(search, "PARALLEL_MIN_FAMILIES", 0)  # share even this small search
+    monkeypatch.setattr(space, "PARALLEL_MIN_FAMILIES", 0)  # share even this small search
     rng = random.Random(seed)
     blocks = 10
     profile = synthetic_profile(
@@ -228,7 +235,7 @@ def test_the_plan_is_the_same_whatever_the_number_of_workers(monkeypatch, seed):
     hardware = hardware_for(load_cluster("a100-8x8"), profile)
     # Memory tight enough that many points are rejected and some need the memory-constrained cut.
     hardware = dataclasses.replace(hardware, device=hardware.device.model_copy(update={"memory_gib": 0.004 * (seed + 2)}))
-    shared = search.share
+    shared = space.share
     remote = []
 
     def counting_share(*args, **kwargs):
@@ -236,13 +243,13 @@ def test_the_plan_is_the_same_whatever_the_number_of_workers(monkeypatch, seed):
         remote.append(sum(outcome.remote is not None for outcome in outcomes))
         return outcomes
 
-    monkeypatch.setattr(search, "share", counting_share)
+    monkeypatch.setattr(space, "share", counting_share)
     plans, stats = [], []
     for workers in (1, 2, 3):
         stat = SearchStats()
         request = PlanRequest(global_batch=48, top=5, workers=workers)
         try:
-            result = search.plan_homogeneous(profile, "tight", hardware, request, stats=stat)
+            result = homogeneous.plan_homogeneous(profile, "tight", hardware, request, stats=stat)
         except InfeasibleError as error:
             result = str(error)
         plans.append(result if isinstance(result, str) else result.model_dump_json())
@@ -270,10 +277,10 @@ def test_rejections_merge_keeps_the_first_example():
 def test_shipped_clusters_plan_the_same_with_one_or_two_workers(monkeypatch, cluster_name, model):
     from pipectl.catalog import get_device
     from pipectl.models.registry import load_model_config
-    from pipectl.plan import search
+    from pipectl.plan import space
     from pipectl.profile.derive import derive_profile
 
-    monkeypatch.setattr(search, "PARALLEL_MIN_FAMILIES", 0)
+    monkeypatch.setattr(space, "PARALLEL_MIN_FAMILIES", 0)
     cluster = load_cluster(cluster_name)
     device = get_device(cluster.node_types[0].device)
     profile = derive_profile(load_model_config(model), device, [1, 2, 4])

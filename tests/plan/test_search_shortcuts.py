@@ -12,7 +12,7 @@ from pipectl.plan.candidates import ScheduleVariant, ShapeBuilder, divisors, in_
 from pipectl.plan.costs import hardware_for
 from pipectl.plan.partition import balanced_partition
 from pipectl.artifacts.plan import PlanRequest
-from pipectl.plan.search import _Family, _variants_for, enumerate_specs, search_space
+from pipectl.plan.space import FamilyKey, _Family, _variants_for, enumerate_specs, search_space
 from pipectl.plan.synthetic import synthetic_profile
 from pipectl.schedule import ScheduleKind
 
@@ -58,7 +58,7 @@ def test_a_memory_fitting_cut_exists_exactly_when_the_partitioner_finds_one(seed
         p = rng.randint(1, builder.layers // variant.chunks)
         m = p * rng.randint(1, 4)
         zero, d = rng.choice(((0, 1), (1, 2), (1, 8), (0, 4)))
-        family = _Family(builder, t, b, recompute, p, variant, capacity, [])
+        family = _Family(builder, FamilyKey(t, b, recompute, p, variant), capacity, [])
         shape = builder.shape(t, b, recompute, p, variant.chunks)
         units = in_flight(shape, variant, m)
         per_device = state_bytes(profile.dtype, zero, d, variant.kind)
@@ -89,7 +89,7 @@ def _reference_specs(profile, hardware, space, max_devices):
                             continue
                         for d in sorted(ds, reverse=True):
                             m = B // (d * b)
-                            for zero in sorted({z for z in space.zero_stages if d > 1 or z == 0}, reverse=True):
+                            for zero in sorted(space.zero_stages if d > 1 else {max(space.zero_stages)}, reverse=True):
                                 shape = _reference_fit(builder, t, b, recompute, p, variant, m, zero, d, capacity)
                                 if shape is not None:
                                     found.append((t, b, recompute, p, variant.label, d, m, zero, shape.stage_layers))

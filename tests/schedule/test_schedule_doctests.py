@@ -12,6 +12,7 @@ MODULES = [
     "pipectl.schedule.dag",
     "pipectl.schedule.validate",
     "pipectl.schedule.comm",
+    "pipectl.schedule.varuna_order",
     "pipectl.plan.simulate",
     "pipectl.report.gantt",
 ]

@@ -7,17 +7,26 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
 from rich.table import Table
 
+from pipectl.artifacts.plan import Plan
+from pipectl.artifacts.profile import ModelProfile
 from pipectl.cli.context import JsonFlag, console, print_json
+from pipectl.cluster import load_cluster
 from pipectl.errors import UserInputError
+from pipectl.io import load_model
+from pipectl.plan.costs import stage_costs_for
 from pipectl.plan.simulate import StageCosts, Timeline, simulate, uniform_costs
+from pipectl.planfile import load_plan_profile
+from pipectl.report.gantt import terminal_gantt, write_gantt
 from pipectl.schedule import ScheduleKind, generate
 from pipectl.schedule.comm import add_communication
+from pipectl.schedule.generators import generate_for_stage_times
 from pipectl.schedule.ir import Schedule
 
 
@@ -29,20 +38,6 @@ def _from_plan(
     plan_path: Path, profile_path: Optional[Path], cluster_name: Optional[str], devices: Optional[int]
 ) -> tuple[Schedule, StageCosts, dict[str, Any]]:
     """The schedule and cost table of a plan's candidate (the chosen one, or the morph entry)."""
-    from pipectl.artifacts.plan import Plan
-    from pipectl.artifacts.profile import ModelProfile
-    from pipectl.cluster import load_cluster
-    from pipectl.io import load_model
-    from pipectl.planfile import load_plan_profile
-
-    try:
-        from pipectl.plan.costs import stage_costs_for
-    except ImportError as exc:  # the cost model ships with the planner
-        raise UserInputError(
-            f"this installation cannot re-cost plans ({exc})",
-            hint="simulate a uniform pipeline: pipectl simulate --schedule 1f1b --pipeline-parallel 4 --micro-batches 8",
-        ) from exc
-
     plan = load_model(Plan, plan_path)
     candidate = plan.chosen
     if devices is not None:
@@ -184,8 +179,6 @@ def register(app: typer.Typer) -> None:
                 )
             schedule, costs, context = _from_plan(plan_path, profile, cluster, devices)
             if jitter_ms:
-                from dataclasses import replace
-
                 costs = replace(costs, jitter_seconds=jitter_ms / 1e3, seed=seed)
         else:
             plan_only = [n for n, v in (("profile", profile), ("cluster", cluster), ("devices", devices)) if v is not None]
@@ -199,18 +192,12 @@ def register(app: typer.Typer) -> None:
             v = chunks or 1
             forward_s = (1.0 if forward_ms is None else forward_ms) / 1e3
             backward_s = (2.0 if backward_ms is None else backward_ms) / 1e3
-            if schedule_kind is ScheduleKind.VARUNA and forward_s > 0 and backward_s > 0:
-                # Varuna's order is derived from the stage times themselves
-                schedule = generate(
-                    schedule_kind, pipeline_parallel, micro_batches,
-                    forward_seconds=forward_s, backward_seconds=backward_s,
-                )
-            else:
-                schedule = generate(schedule_kind, pipeline_parallel, micro_batches, v, bool(recompute))
+            schedule = generate_for_stage_times(
+                schedule_kind, pipeline_parallel, micro_batches, v, bool(recompute),
+                forward_seconds=forward_s, backward_seconds=backward_s,
+            )
             costs = uniform_costs(
-                pipeline_parallel, v,
-                forward_s,
-                backward_s,
+                pipeline_parallel, v, forward_s, backward_s,
                 send=(send_ms or 0.0) / 1e3,
                 allreduce=(allreduce_ms or 0.0) / 1e3,
                 optimizer=(optimizer_ms or 0.0) / 1e3,
@@ -220,8 +207,6 @@ def register(app: typer.Typer) -> None:
             context = {"source": "uniform"}
         timeline = simulate(schedule, costs)
         if gantt is not None:
-            from pipectl.report.gantt import write_gantt
-
             title = f"{schedule.kind.value} p={schedule.pipeline_parallel} m={schedule.micro_batches}"
             title += f" v={schedule.chunks}" if schedule.chunks > 1 else ""
             written = write_gantt(timeline, gantt, title=title)
@@ -235,8 +220,6 @@ def register(app: typer.Typer) -> None:
             typer.echo(add_communication(schedule).to_text(), nl=False)
         console.print(_summary_table(schedule, timeline, context))
         if terminal:
-            from pipectl.report.gantt import terminal_gantt
-
             console.print(terminal_gantt(timeline, width=width), soft_wrap=True)
         if gantt is not None:
             console.print(f"Gantt chart written to {written}")

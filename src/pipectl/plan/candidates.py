@@ -4,16 +4,8 @@ A *shape* fixes what the partition depends on: tensor-parallel degree t, micro-b
 recomputation, and the number of (virtual) stages p*v; it holds the stage cut and per-stage costs.
 A *spec* adds what only changes the step's arithmetic: data-parallel degree d (hence the micro-
 batches m = B/(d*b), never rounded), the schedule and the ZeRO stage. Every spec gets a memory
-check and a closed-form lower bound on its step time before anything is simulated:
-
-    LB = max over ranks k of  F-chain(k) + m * work(k) + max(AR(k) + opt(k), B-chain(k) + AR(0) + opt(0))
-
-where work(k) is the rank's forward+backward(+recompute) time per micro-batch, F-chain(k) the
-forwards (and transfers) of micro-batch 0 through the stages before k, which must precede rank k's
-first action, and B-chain(k) the backwards through the stages before k, which must follow its
-last one (then rank 0 still all-reduces and steps). Every schedule runs each rank's actions one
-at a time and respects those dependencies, so no simulated step is shorter. With equal stages and
-free communication it is exactly (m + p − 1)(t_f + t_b) (SPEC §4), so pruning by it is tight.
+check and a closed-form lower bound on its step time before anything is timed (the chains of
+`pipectl.plan.fast.bounds`).
 """
 
 from __future__ import annotations
@@ -41,6 +33,7 @@ from pipectl.plan.costs import (
     ranks_share_node,
     replicas_share_node,
 )
+from pipectl.plan.fast.bounds import chain_bound_seconds
 from pipectl.plan.layer_table import LayerTable, layer_table
 from pipectl.plan.memory import (
     FurthestFittingEnds,
@@ -422,11 +415,10 @@ def lower_bound_seconds(
     allreduce: np.ndarray,
     optimizer: np.ndarray,
 ) -> float:
-    """The closed-form bound of the module docstring."""
+    """The chains' lower bound on the spec's step time (`pipectl.plan.fast.bounds`)."""
     work = shape.work_per_rank(recomputing_stages(shape, kind))
     forward_chain, backward_chain = chains(shape)
-    tail = np.maximum(allreduce + optimizer, backward_chain + allreduce[0] + optimizer[0])
-    return float(np.max(forward_chain + micro_batches * work + tail))
+    return float(chain_bound_seconds(forward_chain, backward_chain, work, micro_batches, allreduce, optimizer))
 
 
 def data_parallel_costs(
@@ -620,8 +612,7 @@ def _specs_of_one_depth(
         allreduce, optimizer = _data_parallel_costs_over(
             shapes, parameters, ds, sharded, hardware, dtype, tied_rows
         )
-    tail = np.maximum(allreduce + optimizer, backward_chain + allreduce[:, :1] + optimizer[:, :1])
-    bounds = np.max(forward_chain + micro_batches * work + tail, axis=1).tolist()
+    bounds = chain_bound_seconds(forward_chain, backward_chain, work, micro_batches, allreduce, optimizer).tolist()
     figures = SpecFigures(peak.astype(np.int64), allreduce, optimizer)  # int64: truncation, as int() does
     return [
         Spec(shape, d, m, variant, zero, bounds[i], figures, i)

@@ -1,8 +1,10 @@
-"""Simulate a spec and turn it into a `Candidate` (the predicted figures plan.json records).
+"""Time a spec and turn it into a `Candidate` (the predicted figures plan.json records).
 
-The step time comes from the event-driven simulator (`pipectl.plan.simulate`) run on the very
-schedule the runtime executes (`pipectl.schedule.generate`) with the spec's cost table; nothing
-here estimates a step time any other way.
+The step time is that of the event-driven simulator (`pipectl.plan.simulate`) run on the very
+schedule the runtime executes (`pipectl.schedule.generate`) with the spec's cost table, as
+`pipectl.plan.timing` computes it: by an exact fast path equal to that simulation to 1e-12
+relative where one applies, by the simulation itself otherwise or in reference mode. Bounds
+(`tighter_bound_seconds`) only decide what need not be timed; no figure comes from them.
 
 Reported figures:
 
@@ -23,28 +25,18 @@ from functools import lru_cache
 from pipectl.artifacts.plan import Candidate
 from pipectl.plan.candidates import Spec
 from pipectl.plan.costs import Hardware, host_compute_slowdown, ranks_share_node
-from pipectl.plan import bounds, waves
-from pipectl.plan.simulate import StageCosts, StepSummary, actions_per_step, step_seconds_of, summary_of
-from pipectl.schedule import Schedule, ScheduleKind, generate
+from pipectl.plan.fast import bounds, waves
+from pipectl.plan.simulate import StageCosts, StepSummary
+from pipectl.plan.timing import actions_per_step, reference_mode, step_seconds_of, summary_of
+from pipectl.schedule import ScheduleKind
 
 TWO_BW_NOTE = "PipeDream-2BW: 1-stale weight updates (a different optimizer than data-parallel Adam)"
 NOT_DEEPSPEED_NOTE = "DeepSpeed's pipeline engine cannot run this schedule (plan and simulate only)"
 
 
-def schedule_of(spec: Spec) -> Schedule:
-    """The schedule the runtime will execute for this spec (cached by `generate`)."""
-    shape = spec.shape
-    return generate(
-        spec.variant.kind,
-        shape.pipeline_parallel,
-        spec.micro_batches,
-        spec.variant.chunks,
-        shape.recompute,
-    )
-
-
 def _schedule_args(spec: Spec) -> tuple:
-    """(kind, p, m, v, recompute) of `schedule_of(spec)`, for the simulator's by-kind entry points."""
+    """(kind, p, m, v, recompute): the schedule the runtime executes for this spec, as
+    `pipectl.plan.timing` and `pipectl.schedule.generate` take it."""
     shape = spec.shape
     return (spec.variant.kind, shape.pipeline_parallel, spec.micro_batches, spec.variant.chunks, shape.recompute)
 
@@ -83,16 +75,19 @@ def _boundaries_inside_node(stages: int, p: int, t: int, d: int, devices_per_nod
 
 
 class Evaluator:
-    """Simulates specs, caching step times by spec key (the search asks again for the morph table).
+    """Times specs, caching step times by spec key (the search asks again for the morph table).
 
     Where the step time's own pass already yields the bubble and the exposed communication (the
-    wave pass of 1F1B-like schedules, Varuna's flat pass; no jitter), that summary is kept too, so
-    recording a ranked or morph-table spec as a `Candidate` costs no second simulation.
+    wave pass of 1F1B-like schedules, Varuna's flat pass, the simulation itself; no jitter), that
+    summary is kept too, so recording a ranked or morph-table spec as a `Candidate` costs no
+    second pass. `reference` simulates every spec instead of taking a fast path (default: the
+    `PIPECTL_PLAN_REFERENCE` environment variable, `pipectl.plan.timing.reference_mode`).
     """
 
-    def __init__(self, hardware: Hardware, global_batch: int) -> None:
+    def __init__(self, hardware: Hardware, global_batch: int, *, reference: bool | None = None) -> None:
         self.hardware = hardware
         self.global_batch = global_batch
+        self.reference = reference_mode() if reference is None else reference
         self._steps: dict[tuple, float] = {}
         self._summaries: dict[tuple, StepSummary] = {}
         self._bound_costs: tuple[tuple | None, StageCosts | None] = (None, None)  # the last bound's
@@ -105,8 +100,8 @@ class Evaluator:
         if step is None:
             args = _schedule_args(spec)
             costs = self._bound_costs[1] if self._bound_costs[0] == key else costs_of(spec, self.hardware)
-            if _summary_comes_free(spec.variant.kind, costs):
-                summary = summary_of(*args, costs)
+            if self.reference or _summary_comes_free(spec.variant.kind, costs):
+                summary = summary_of(*args, costs, reference=self.reference)
                 self._summaries[key] = summary
                 step = summary.step_seconds
             else:
@@ -119,7 +114,7 @@ class Evaluator:
     def tighter_bound_seconds(self, spec: Spec) -> float:
         """A lower bound on `step_seconds(spec)` at least as tight as the spec's own, for pruning.
 
-        1F1B's order also gets the in-flight loops of `pipectl.plan.bounds`, lowered by the tie
+        1F1B's order also gets the in-flight loops of `pipectl.plan.fast.bounds`, lowered by the tie
         tolerance so that rounding never lifts it above the simulated step.
         """
         bound = spec.lower_bound_seconds
@@ -139,7 +134,9 @@ class Evaluator:
 
     def candidate(self, spec: Spec, notes: list[str] | None = None) -> Candidate:
         """The full record: one more simulation for the bubble and the exposed communication."""
-        timeline = self._summaries.get(spec.key) or summary_of(*_schedule_args(spec), costs_of(spec, self.hardware))
+        timeline = self._summaries.get(spec.key) or summary_of(
+            *_schedule_args(spec), costs_of(spec, self.hardware), reference=self.reference
+        )
         step = timeline.step_seconds
         self._steps.setdefault(spec.key, step)
         shape = spec.shape

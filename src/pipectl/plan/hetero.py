@@ -9,7 +9,7 @@ Every replica runs the same pipeline (t, p and the stage cut of the best homogen
 the data-parallel all-reduce still pairs stage with stage; only the number of micro-batches per
 replica differs. The split is found by water-filling: each of the B/b micro-batches goes to the
 replica that would finish it earliest under the closed-form bound (m + p − 1)-style of
-`candidates.lower_bound_seconds`; then every distinct (kind, m) is simulated and the step is the
+`pipectl.plan.fast.bounds`; then every distinct (kind, m) is simulated and the step is the
 slowest replica. Gradients must then be averaged with weights samples_r / B (`ReplicaShare`),
 which the runtime applies; plain averaging of replica means would over-weight slow replicas.
 
@@ -22,14 +22,13 @@ from __future__ import annotations
 import heapq
 
 from pipectl.artifacts.cluster import ClusterSpec
-from pipectl.artifacts.plan import Candidate, Objective, Plan, ReplicaShare
+from pipectl.artifacts.plan import Candidate, Objective, Plan, PlanRequest, ReplicaShare
 from pipectl.artifacts.profile import ModelProfile
 from pipectl.errors import InfeasibleError
 from pipectl.plan.candidates import ScheduleVariant, ShapeBuilder, Spec, SpecFigures, data_parallel_costs, in_flight, lower_bound_seconds, state_bytes
 from pipectl.plan.costs import Hardware, hardware_for
 from pipectl.plan.evaluate import Evaluator
-from pipectl.artifacts.plan import PlanRequest
-from pipectl.plan.search import SearchStats, plan_homogeneous
+from pipectl.plan.homogeneous import SearchStats, plan_homogeneous
 
 
 def _sub_cluster(cluster: ClusterSpec, kind: str) -> ClusterSpec:
@@ -82,7 +81,9 @@ def plan_heterogeneous(
             )
         else:
             notes.append("no uneven split over the device kinds fits the global batch and memory")
-    return best_plan.model_copy(update={"cluster": cluster.name, "request": request, "chosen": chosen, "candidates": candidates, "notes": notes})
+    return best_plan.model_copy(
+        update={"cluster": cluster.name, "request": request, "chosen": chosen, "candidates": candidates, "notes": notes}
+    )
 
 
 def _objective_key(objective: Objective):

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from itertools import accumulate
 from typing import Sequence
 
-from pipectl.artifacts.profile import LayerCost, LayerProfile, ModelProfile
+from pipectl.artifacts.profile import LayerProfile, ModelProfile
 from pipectl.errors import UserInputError
 
 # The cost fields interpolated over b, in LayerTable order.
@@ -183,8 +183,3 @@ def layer_table(profile: ModelProfile, micro_batch_size: int) -> LayerTable:
     table = build_layer_table(profile.layers, micro_batch_size)
     _TABLES[key] = (profile, table)
     return table
-
-
-def measured_cost(layer: LayerProfile, micro_batch_size: int) -> LayerCost | None:
-    """The measured entry at exactly b, if the profile has one."""
-    return next((c for c in layer.costs if c.micro_batch_size == micro_batch_size), None)

@@ -270,36 +270,15 @@ def _parameters_on_rank(table: LayerTable, chunks: list[tuple[int, int, int]]) -
     return total
 
 
-def stage_memory_bytes(
-    table: LayerTable,
-    start: int,
-    end: int,
-    *,
-    state_bytes: float,
-    units: int,
-    tensor_parallel: int = 1,
-    recompute: bool = False,
-    last_stage: bool = False,
-) -> float:
-    """Peak bytes of one stage holding layers [start, end) with `units` micro-batches in flight.
-
-    The single-stage form the partitioner's memory constraint uses.
-    """
-    full = table.saved(start, end) / tensor_parallel
-    parameters = table.parameters(start, end) / tensor_parallel
-    if recompute and not last_stage:
-        return parameters * state_bytes + units * table.input_activation_bytes(start) + full
-    return parameters * state_bytes + units * full
-
-
 @dataclass(frozen=True)
 class RangeMemory:
-    """`stage_memory_bytes`'s terms for every layer range [start, end) of one table and t, as lists.
+    """The terms of one stage's memory for every layer range [start, end) of one table and t, as lists.
 
     The memory-constrained partitioner asks "does layers [start, end) fit on stage i?" millions of
     times at scale; reading these rows costs a few list look-ups instead of the table's range
-    queries. Values are computed with the same operations as `stage_memory_bytes` (parameter
-    counts are exact in float64 below 2**53), so the answers are exactly the same.
+    queries. Values are computed with the same operations as `StageMemory.build` from the table
+    (parameter counts are exact in float64 below 2**53), so a stage alone on its rank gets
+    exactly the same bytes.
     """
 
     parameters: list[list[float]]  # [start][end]: parameters / t (0 where end <= start)
@@ -329,8 +308,10 @@ class RangeMemory:
         return cls(rows, saved.tolist(), inputs, np.array(rows), saved, np.array(inputs), parameter_prefix)
 
     def stage_bytes(self, start: int, end: int, *, state_bytes: float, units: int, recompute: bool) -> float:
-        """`stage_memory_bytes(table, start, end, ..., recompute=recompute)` for a non-last stage
-        when `recompute` (pass False for the last stage)."""
+        """Peak bytes of a stage holding layers [start, end) with `units` micro-batches in flight:
+        parameters × state bytes + units × (its input, when it recomputes; else its saved
+        activations) + one micro-batch's saved activations while it recomputes. Pass
+        `recompute=False` for the last stage, which never recomputes."""
         if recompute:
             return self.parameters[start][end] * state_bytes + units * self.input_bytes[start] + self.saved[start][end]
         return self.parameters[start][end] * state_bytes + units * self.saved[start][end]

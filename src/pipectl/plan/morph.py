@@ -12,7 +12,7 @@ It reuses the search's specs, cuts and simulations, and visits specs in the orde
 bound: a spec is simulated only if no spec with as many devices or fewer is already known to be
 at least as fast as its bound, i.e. only if it could still improve some entry. A Fenwick tree
 answers "fastest known with at most n devices" in O(log n). Specs that pass that check are
-checked once more against the evaluator's tighter bound (`pipectl.plan.bounds`: 1F1B's in-flight
+checked once more against the evaluator's tighter bound (`pipectl.plan.fast.bounds`: 1F1B's in-flight
 loops) before they are simulated; skipping a spec that cannot improve any entry leaves the table
 unchanged.
 """
@@ -72,7 +72,7 @@ def fastest_per_device_count(specs: list[Spec], evaluator: Evaluator, max_device
         if fastest_known <= spec.lower_bound_seconds:
             continue
         if fastest_known <= evaluator.tighter_bound_seconds(spec):
-            continue  # cannot beat it either: see `pipectl.plan.bounds`
+            continue  # cannot beat it either: see `pipectl.plan.fast.bounds`
         step = evaluator.step_seconds(spec)
         if n not in best or step < best[n][0] * (1 - _TIE):  # a tie keeps the first found
             best[n] = (step, spec)

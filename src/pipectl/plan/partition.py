@@ -1,26 +1,15 @@
 """Cutting layers into pipeline stages (PipeDream, Narayanan et al., SOSP 2019, §3.1; SPEC §5).
 
-Two partitioners live here:
-
-1. `balanced_partition` / `min_bottlenecks` — the "parallel pipelines" case the search uses: p
-   stages, each replicated the same d times, so replication drops out and the problem is to cut L
-   non-uniform layers into p contiguous non-empty stages minimising the slowest stage, subject to
-   a memory limit per stage and a transfer cost per cut. The optimum is found by a binary search
-   over the candidate bottleneck values (every optimum is the sum of some range of layers, or a
-   cut's transfer time) with a greedy feasibility test (fill each stage as far as it may go). The
-   greedy test is exact: by induction its i-th cut is never left of any feasible partition's i-th
-   cut, because a stage that is a sub-range of a feasible stage is feasible too (time and memory
-   only grow with the range). `min_bottlenecks` answers every p at once with a vectorised greedy.
-
-2. `pipedream_partition` — PipeDream's dynamic program with per-stage replication on a
-   hierarchical topology (devices in a node, nodes in a cluster):
-
-       A(i→j, m) = min over i ≤ s < j, 1 ≤ m' < m of max(A(i→s, m − m'), 2·a_s / Bw, T(s+1→j, m'))
-       T(i→j, m) = (1/m) · max(C(i→j), 2 (m − 1) · W(i→j) / Bw)
-
-   where C(i→j) is the compute of layers i..j in one replica (at the lowest level the layers' own
-   time; one level up, the best pipeline of layers i..j inside one group of the level below),
-   W(i→j) their weight bytes and a_s the activation bytes crossing a cut after layer s.
+The search plans "parallel pipelines": p stages, each replicated the same d times, so PipeDream's
+per-stage replication drops out of its dynamic program and the problem is to cut L non-uniform
+layers into p contiguous non-empty stages minimising the slowest stage, subject to a memory
+limit per stage and a transfer cost per cut. `balanced_partition` finds the optimum by a binary
+search over the candidate bottleneck values (every optimum is the sum of some range of layers,
+or a cut's transfer time) with a greedy feasibility test (fill each stage as far as it may go).
+The greedy test is exact: by induction its i-th cut is never left of any feasible partition's
+i-th cut, because a stage that is a sub-range of a feasible stage is feasible too (time and
+memory only grow with the range). `min_bottlenecks` answers every p at once with a vectorised
+greedy.
 
 Layer indices are 0-based; stages are half-open ranges [start, end).
 """
@@ -28,14 +17,12 @@ Layer indices are 0-based; stages are half-open ranges [start, end).
 from __future__ import annotations
 
 from bisect import bisect_right
-from dataclasses import dataclass, field
-from functools import lru_cache
+from dataclasses import dataclass
 from itertools import accumulate
 from typing import Callable, Sequence
 
 import numpy as np
 
-from pipectl.errors import UserInputError
 
 # fits(stage_index, start, end) -> whether a stage of layers [start, end) at that position fits in memory.
 FitsFn = Callable[[int, int, int], bool]
@@ -71,11 +58,6 @@ def prefix_sums(weights: Sequence[float]) -> list[float]:
 
 def _tolerance(value: float) -> float:
     return value * (1 + _SLACK) + 1e-300
-
-
-def stage_sums(weights: Sequence[float], stage_layers: Sequence[tuple[int, int]]) -> list[float]:
-    prefix = _prefix(weights)
-    return [prefix[end] - prefix[start] for start, end in stage_layers]
 
 
 def greedy_cuts(
@@ -374,139 +356,3 @@ def _stages_needed(prefix: np.ndarray, limits: np.ndarray, cap: int) -> np.ndarr
         count = np.where(open_, count + np.where(stuck, cap, 1), count)
     count[position < layers] = cap
     return count
-
-
-# --------------------------------------------------------------------------------------------
-# PipeDream's dynamic program with replication (hierarchical).
-
-
-@dataclass(frozen=True)
-class Level:
-    """One level of the topology: groups of `workers` units joined by links of `bandwidth`."""
-
-    workers: int
-    bandwidth_bytes_per_second: float
-
-
-@dataclass(frozen=True)
-class PipeDreamStage:
-    """Layers [start, end) on `replicas` units of this level; `inner` is the pipeline inside a unit."""
-
-    start: int
-    end: int
-    replicas: int
-    inner: tuple["PipeDreamStage", ...] = field(default_factory=tuple)
-
-    def flatten(self, outer_replicas: int = 1) -> list[tuple[int, int, int]]:
-        """(start, end, devices) of the lowest-level stages."""
-        if not self.inner:
-            return [(self.start, self.end, self.replicas * outer_replicas)]
-        return [part for stage in self.inner for part in stage.flatten(self.replicas * outer_replicas)]
-
-
-@dataclass(frozen=True)
-class PipeDreamPlan:
-    stages: tuple[PipeDreamStage, ...]
-    slowest_seconds: float
-
-    def flat_stages(self) -> list[tuple[int, int, int]]:
-        """(start, end, devices holding it) per lowest-level stage, in pipeline order."""
-        return [part for stage in self.stages for part in stage.flatten()]
-
-
-_INF = float("inf")
-
-
-def pipedream_partition(
-    compute_seconds: Sequence[float],
-    activation_bytes: Sequence[float],
-    parameter_bytes: Sequence[float],
-    levels: Sequence[Level],
-    *,
-    fits: Callable[[int, int, int], bool] | None = None,
-) -> PipeDreamPlan | None:
-    """PipeDream's optimiser over a hierarchy of `levels` (lowest first): stages with replication.
-
-    `activation_bytes[s]` is the output of layer s (crossing a cut after it); `fits(start, end,
-    replicas)` says whether a lowest-level stage of layers [start, end) fits one device (replicas
-    is its data-parallel width, for ZeRO-style sharding). Not every worker has to be used: like
-    PipeDream's A(i→j, m) recursion, m workers may host one stage replicated m ways.
-
-    >>> plan = pipedream_partition([1, 1, 1, 1], [0, 0, 0, 0], [0, 0, 0, 0], [Level(2, 1e9)])
-    >>> plan.slowest_seconds, plan.flat_stages()
-    (2.0, [(0, 4, 2)])
-    """
-    layers = len(compute_seconds)
-    prefix_compute = _prefix(compute_seconds)
-    prefix_weights = _prefix(parameter_bytes)
-
-    def base_block(i: int, j: int) -> tuple[float, tuple[PipeDreamStage, ...]]:
-        if fits is not None and not fits(i, j, 1):
-            return _INF, ()
-        return prefix_compute[j] - prefix_compute[i], ()
-
-    if not levels:
-        raise UserInputError("PipeDream's partitioner needs at least one topology level, got none")
-    block = base_block
-    table_fn = None
-    for depth, level in enumerate(levels):
-        table_fn = _solve_level(
-            layers,
-            block,
-            prefix_weights,
-            activation_bytes,
-            level,
-            fits=fits if depth == 0 else None,
-        )
-        block = _block_from(table_fn, level.workers)
-    seconds, stages = table_fn(0, layers, levels[-1].workers)
-    if seconds == _INF:
-        return None
-    return PipeDreamPlan(stages, seconds)
-
-
-def _block_from(table_fn, workers: int):
-    def block(i: int, j: int):
-        return table_fn(i, j, workers)
-
-    return block
-
-
-def _solve_level(layers, block, prefix_weights, activation_bytes, level: Level, *, fits):
-    """A(i→j, m) of one level, memoised; returns a function (i, j, m) -> (seconds, stages)."""
-    bandwidth = level.bandwidth_bytes_per_second
-
-    @lru_cache(maxsize=None)
-    def single(i: int, j: int, m: int) -> tuple[float, tuple[PipeDreamStage, ...]]:
-        # T(i→j, m): one stage of layers [i, j), its unit replicated m times.
-        inner_seconds, inner = block(i, j)
-        if inner_seconds == _INF:
-            return _INF, ()
-        if fits is not None and m > 1 and not fits(i, j, m):
-            return _INF, ()
-        sync = 2 * (m - 1) * (prefix_weights[j] - prefix_weights[i]) / bandwidth
-        return max(inner_seconds, sync) / m, (PipeDreamStage(i, j, m, inner),)
-
-    @lru_cache(maxsize=None)
-    def best(i: int, j: int, m: int) -> tuple[float, tuple[PipeDreamStage, ...]]:
-        # Best pipeline of layers [i, j) on at most m units (unused units allowed).
-        result = single(i, j, m)
-        if m > 1:
-            fewer = best(i, j, m - 1)
-            if fewer[0] < result[0]:
-                result = fewer
-        for s in range(i + 1, j):
-            cut = 2 * activation_bytes[s - 1] / bandwidth
-            if cut >= result[0]:
-                continue
-            for last_units in range(1, m):
-                head_seconds, head = best(i, s, m - last_units)
-                if head_seconds >= result[0]:
-                    continue
-                tail_seconds, tail = single(s, j, last_units)
-                candidate = max(head_seconds, cut, tail_seconds)
-                if candidate < result[0]:
-                    result = (candidate, head + tail)
-        return result
-
-    return best

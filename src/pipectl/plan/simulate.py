@@ -14,10 +14,13 @@ So the earliest start of every action is max(end of its predecessor on the rank,
 dependency + transfer): a longest-path pass over a DAG. Sends and receives are not timed as
 actions of their own: p2p actions in a schedule (after `add_communication`) are skipped and the
 transfer is an edge delay, i.e. transfers overlap with compute (asynchronous p2p, as on GPUs).
-Cost tables with `blocking_p2p` (gloo, where a send returns only once its receive runs) are timed
-by `pipectl.plan.rendezvous` instead, on the schedule with its sends and receives.
 The all-reduce starts after the rank's last backward (no overlap with backward assumed), then
 the optimizer step runs; the step ends when the last rank's optimizer step ends.
+
+Blocking transfers. Cost tables with `blocking_p2p` (gloo, the CPU backend) are timed by the
+second model of this module, `simulate_rendezvous`, on the schedule with its sends and receives:
+see "Blocking transfers" below. `simulate` picks the model by the cost table, so it is the one
+definition of a step's time for either kind of device.
 
 Units. Every cost is seconds per micro-batch per *virtual stage*. With v chunks per rank, a chunk
 holds 1/v of the rank's layers, so if a rank's whole share costs t_f forward and t_b backward per
@@ -47,7 +50,42 @@ Worked example (p=2, m=2, 1F1B, t_f=1, t_b=2 per micro-batch, free communication
 Speed. The dependency structure of a schedule (topological order, predecessor and dependency
 indices, which cost each action reads) is compiled once per `Schedule` object and cached (and
 `generate` itself is cached), so a call costs one tight list pass over the actions;
-`simulate_step_seconds` skips building records. See benchmarks/simulator_speed.py.
+`simulate_step_seconds` skips building records. See benchmarks/simulator_speed.py. The planner
+reaches this module through `pipectl.plan.timing`, which uses the exact fast paths of
+`pipectl.plan.fast` where they apply.
+
+Blocking transfers (gloo). With gloo a send returns only once the peer has posted the matching
+receive, for any message size; measured: a 1 KiB send whose receive is posted 100 ms late takes
+100.4-100.7 ms, an 8 MiB one 103-105 ms. So a rank that reaches `SF(s, i)` before its neighbour
+reaches `RF(s+1, i)` sits idle until it does, and the order in which the communication pass
+(`pipectl.schedule.comm`) placed the sends and receives decides who waits. `simulate_rendezvous`
+runs every rank's actions in list order, one at a time; a send and its matching receive form one
+*rendezvous*:
+
+    start = max(end of the sender's previous action, end of the receiver's previous action)
+    end   = start + transfer (latency + bytes / bandwidth of that boundary)
+
+and both ranks go on from `end`. Compute actions, the all-reduce and the optimizer step take
+their cost table durations as above. A schedule without sends and receives is given them first
+(`add_communication`, what the runtime executes). A schedule the communication pass accepted
+cannot deadlock under these semantics (it replays blocking send/receive); `ScheduleError`
+otherwise. Transfer jitter is not applied here.
+
+Worked example (p=2, m=2, 1F1B, F=1, B=2, transfer 0.5). Rank 1 receives F1's activation before
+its B0 (where the communication pass put it), so its B0 waits for rank 0's F1; rank 0's send of
+F1 waited for nothing, but its B1 waits for rank 1 to finish B1 and hand the gradient over. The
+step takes 11, against 10 with asynchronous transfers:
+
+    >>> costs = uniform_costs(2, 1, 1.0, 2.0, send=0.5)
+    >>> schedule = generate(ScheduleKind.ONE_F_ONE_B, 2, 2)
+    >>> timeline = simulate_rendezvous(schedule, costs)
+    >>> timeline.step_seconds, simulate(schedule, costs).step_seconds
+    (11.0, 10.0)
+    >>> [(str(r.action), r.start, r.end) for r in timeline.records if r.rank == 1]
+    [('1F0', 1.5, 2.5), ('1B0', 3.0, 5.0), ('1F1', 5.5, 6.5), ('1B1', 6.5, 8.5), ('1AR', 9.0, 9.0), ('1STEP', 9.0, 9.0)]
+    >>> from dataclasses import replace
+    >>> simulate(schedule, replace(costs, blocking_p2p=True)).step_seconds
+    11.0
 """
 
 from __future__ import annotations
@@ -61,25 +99,22 @@ from operator import itemgetter
 from typing import NamedTuple
 
 from pipectl.errors import ScheduleError, UserInputError
-from pipectl.plan import varuna_step, waves
-from pipectl.plan.waves import StepSummary
+from pipectl.schedule.comm import add_communication
 from pipectl.schedule.dag import execution_order
-from pipectl.schedule.generators import generate
-from pipectl.schedule.ir import Action, ActionKind, Schedule, ScheduleKind
+from pipectl.schedule.ir import Action, ActionKind, Schedule
 
 __all__ = [
     "StageCosts",
     "StepSummary",
-    "actions_per_step",
-    "step_seconds_of",
-    "summary_of",
     "TimedAction",
     "Timeline",
     "check_costs",
     "peak_memory_counts",
-    "timeline_of",
     "simulate",
+    "simulate_rendezvous",
     "simulate_step_seconds",
+    "timeline_of",
+    "transfers_block",
     "uniform_costs",
 ]
 
@@ -97,7 +132,7 @@ class StageCosts:
     optimizer_seconds: Sequence[float]  # len p
     jitter_seconds: float = 0.0  # std. dev. of a p2p transfer's extra delay
     seed: int = 0
-    # Sends return only once the matching receive runs (gloo): timed by `pipectl.plan.rendezvous`.
+    # Sends return only once the matching receive runs (gloo): timed by `simulate_rendezvous`.
     blocking_p2p: bool = False
 
 
@@ -125,6 +160,24 @@ class Timeline:
 
     def rank_records(self, rank: int) -> list[TimedAction]:
         return [r for r in self.records if r.rank == rank]
+
+    def summary(self) -> "StepSummary":
+        return StepSummary(
+            step_seconds=self.step_seconds,
+            bubble_fraction=self.bubble_fraction,
+            communication_seconds=self.communication_seconds,
+            communication_seconds_per_rank=self.communication_seconds_per_rank,
+        )
+
+
+@dataclass(frozen=True)
+class StepSummary:
+    """What the planner records of a step: `Timeline.summary()`, or a fast path's equal figures."""
+
+    step_seconds: float
+    bubble_fraction: tuple[float, ...]  # per rank: idle / step
+    communication_seconds: float  # exposed p2p waits + all-reduce, max over ranks
+    communication_seconds_per_rank: tuple[float, ...]
 
 
 def uniform_costs(
@@ -412,11 +465,8 @@ def _ends(compiled: _Compiled, durations: list[float], delays: list[float]) -> l
 
 
 def simulate_step_seconds(schedule: Schedule, costs: StageCosts) -> float:
-    """The step time only (no records): the fast path the planner calls for every candidate.
-
-    Always equal to `simulate(schedule, costs).step_seconds`.
-    """
-    if _blocking(schedule.pipeline_parallel, costs):
+    """The step time only (no records); always equal to `simulate(schedule, costs).step_seconds`."""
+    if transfers_block(schedule.pipeline_parallel, costs):
         return simulate(schedule, costs).step_seconds
     compiled = _compiled(schedule)
     durations, delays = _cost_tables(compiled, costs)
@@ -424,7 +474,9 @@ def simulate_step_seconds(schedule: Schedule, costs: StageCosts) -> float:
     return max(end[k] for k in compiled.rank_last if k >= 0)
 
 
-def _blocking(pipeline_parallel: int, costs: StageCosts) -> bool:
+def transfers_block(pipeline_parallel: int, costs: StageCosts) -> bool:
+    """Whether `simulate` times this step's transfers as rendezvous: the cost table's sends block
+    and there is more than one stage (one stage has no transfers)."""
     return costs.blocking_p2p and pipeline_parallel > 1
 
 
@@ -432,11 +484,9 @@ def simulate(schedule: Schedule, costs: StageCosts) -> Timeline:
     """Time one step of `schedule` under `costs`; see the module docstring for the model.
 
     With `costs.blocking_p2p` (and more than one stage) the transfers are rendezvous instead of
-    edge delays: `pipectl.plan.rendezvous`.
+    edge delays: `simulate_rendezvous`.
     """
-    if _blocking(schedule.pipeline_parallel, costs):
-        from pipectl.plan.rendezvous import simulate_rendezvous
-
+    if transfers_block(schedule.pipeline_parallel, costs):
         return simulate_rendezvous(schedule, costs)
     compiled = _compiled(schedule)
     durations, delays = _cost_tables(compiled, costs)
@@ -493,69 +543,103 @@ def timeline_of(
     )
 
 
-# ------------------------------------------------------------------ by schedule kind (the planner)
+# ------------------------------------------------------------------- blocking transfers (gloo)
+
+F, B, R = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.RECOMPUTE
+SF, RF, SB, RB = ActionKind.SEND_FORWARD, ActionKind.RECV_FORWARD, ActionKind.SEND_BACKWARD, ActionKind.RECV_BACKWARD
+
+# A p2p action's partner: (its kind, the partner's stage minus this action's stage).
+_PARTNER = {SF: (RF, +1), RF: (SF, -1), SB: (RB, -1), RB: (SB, +1)}
 
 
-def step_seconds_of(
-    kind: ScheduleKind, pipeline_parallel: int, micro_batches: int, chunks: int, recompute: bool,
-    costs: StageCosts,
-) -> float:
-    """`simulate_step_seconds(generate(kind, p, m, v, recompute), costs)` without building it.
+def _transfer_seconds(action: Action, costs: StageCosts) -> float:
+    """The transfer time of the boundary a p2p action crosses (both ends read the same entry)."""
+    kind, stage = action.kind, action.stage
+    if kind is SF:
+        return costs.send_forward_seconds[stage]
+    if kind is RF:
+        return costs.send_forward_seconds[stage - 1]
+    if kind is SB:
+        return costs.send_backward_seconds[stage - 1]
+    return costs.send_backward_seconds[stage]
 
-    GPipe, 1F1B, PipeDream-2BW and interleaved without jitter are timed by `pipectl.plan.waves`
-    (equal to the event-driven simulation up to rounding, ~1e-14 relative); Varuna without jitter
-    by `pipectl.plan.varuna_step` (the same recurrence on flat arrays); any jittered cost table
-    takes the event-driven path.
 
-    >>> step_seconds_of(ScheduleKind.GPIPE, 4, 8, 1, False, uniform_costs(4, 1, 1.0, 2.0))
-    33.0
+def _duration(rank: int, action: Action, costs: StageCosts) -> float:
+    kind = action.kind
+    if kind is F:
+        return costs.forward_seconds[action.stage]
+    if kind is B:
+        return costs.backward_seconds[action.stage]
+    if kind is R:
+        return costs.recompute_seconds[action.stage]
+    if kind is ActionKind.ALL_REDUCE:
+        return costs.allreduce_seconds[rank]
+    return costs.optimizer_seconds[rank]
+
+
+def simulate_rendezvous(schedule: Schedule, costs: StageCosts) -> Timeline:
+    """Time one step of `schedule` with blocking p2p (module docstring: "Blocking transfers").
+
+    Records hold the compute actions, the all-reduce and the optimizer step (as `simulate`'s do);
+    `communication_seconds_per_rank` counts, per rank, the time spent inside rendezvous (the
+    transfers) plus the all-reduce; waiting for a late partner counts as idle (bubble).
     """
-    check_costs(pipeline_parallel, pipeline_parallel * chunks, costs)
-    if _blocking(pipeline_parallel, costs):
-        from pipectl.plan.rendezvous import rendezvous_step_seconds
+    p = schedule.pipeline_parallel
+    check_costs(p, schedule.virtual_stages, costs)
+    if p > 1 and not any(a.kind.is_p2p for actions in schedule.actions.values() for a in actions):
+        schedule = add_communication(schedule)
+    actions = [schedule.actions.get(rank, ()) for rank in range(p)]
+    position = [0] * p
+    free = [0.0] * p
+    busy = [0.0] * p
+    compute = [0.0] * p
+    exposed = [0.0] * p
+    records: list[TimedAction] = []
+    remaining = sum(len(a) for a in actions)
+    while remaining:
+        progressed = False
+        for rank in range(p):
+            own = actions[rank]
+            while position[rank] < len(own):
+                action = own[position[rank]]
+                if not action.kind.is_p2p:
+                    start = free[rank]
+                    seconds = _duration(rank, action, costs)
+                    free[rank] = start + seconds
+                    busy[rank] += seconds
+                    if action.kind.is_compute:
+                        compute[rank] += seconds
+                    elif action.kind is ActionKind.ALL_REDUCE:
+                        exposed[rank] += seconds
+                    records.append(TimedAction(rank, action, start, free[rank]))
+                    position[rank] += 1
+                    remaining -= 1
+                    progressed = True
+                    continue
+                partner_kind, offset = _PARTNER[action.kind]
+                partner_stage = action.stage + offset
+                peer = partner_stage % p
+                waiting = actions[peer][position[peer]] if position[peer] < len(actions[peer]) else None
+                if waiting != Action(partner_stage, partner_kind, action.microbatch):
+                    break  # the partner is not there yet: run the other ranks
+                start = max(free[rank], free[peer])
+                seconds = _transfer_seconds(action, costs)
+                free[rank] = free[peer] = start + seconds
+                exposed[rank] += seconds
+                exposed[peer] += seconds
+                position[rank] += 1
+                position[peer] += 1
+                remaining -= 2
+                progressed = True
+        if not progressed:
+            stuck = ", ".join(
+                f"rank {rank} at {actions[rank][position[rank]]}" for rank in range(p) if position[rank] < len(actions[rank])
+            )
+            raise ScheduleError(f"blocking send/receive deadlocks: {stuck}")
 
-        return rendezvous_step_seconds(kind, pipeline_parallel, micro_batches, chunks, recompute, costs)
-    if waves.supported(kind, costs.jitter_seconds):
-        return waves.step_seconds(kind, pipeline_parallel, micro_batches, chunks, recompute, costs)
-    if kind is ScheduleKind.VARUNA and costs.jitter_seconds == 0:
-        return varuna_step.step_seconds(pipeline_parallel, micro_batches, costs)
-    return simulate_step_seconds(generate(kind, pipeline_parallel, micro_batches, chunks, recompute), costs)
-
-
-def summary_of(
-    kind: ScheduleKind, pipeline_parallel: int, micro_batches: int, chunks: int, recompute: bool,
-    costs: StageCosts,
-) -> StepSummary:
-    """Step time, idle fraction and exposed communication of `simulate(generate(...), costs)`."""
-    check_costs(pipeline_parallel, pipeline_parallel * chunks, costs)
-    if _blocking(pipeline_parallel, costs):
-        from pipectl.plan.rendezvous import executed_schedule, simulate_rendezvous
-
-        schedule = executed_schedule(kind, pipeline_parallel, micro_batches, chunks, recompute)
-        return _summary(simulate_rendezvous(schedule, costs))
-    if waves.supported(kind, costs.jitter_seconds):
-        return waves.summary(kind, pipeline_parallel, micro_batches, chunks, recompute, costs)
-    if kind is ScheduleKind.VARUNA and costs.jitter_seconds == 0:
-        return varuna_step.summary(pipeline_parallel, micro_batches, costs)
-    return _summary(simulate(generate(kind, pipeline_parallel, micro_batches, chunks, recompute), costs))
-
-
-def _summary(timeline: Timeline) -> StepSummary:
-    return StepSummary(
-        step_seconds=timeline.step_seconds,
-        bubble_fraction=timeline.bubble_fraction,
-        communication_seconds=timeline.communication_seconds,
-        communication_seconds_per_rank=timeline.communication_seconds_per_rank,
-    )
-
-
-def actions_per_step(kind: ScheduleKind, pipeline_parallel: int, micro_batches: int, chunks: int,
-                     recompute: bool) -> int:
-    """Timed actions of one step (F, B, R, AR, STEP), without building the schedule.
-
-    >>> actions_per_step(ScheduleKind.ONE_F_ONE_B, 2, 3, 1, True), len(_compiled(generate(ScheduleKind.ONE_F_ONE_B, 2, 3, 1, True)).actions)
-    (19, 19)
-    """
-    stages = pipeline_parallel * chunks
-    recomputing = stages - 1 if recompute or kind is ScheduleKind.VARUNA else 0
-    return micro_batches * (2 * stages + recomputing) + 2 * pipeline_parallel
+    peaks = [peak_memory_counts([a for a in actions[rank] if not a.kind.is_p2p]) for rank in range(p)]
+    records.sort(key=lambda record: (record.start, record.rank))
+    return timeline_of(
+        records, max(free, default=0.0), busy, compute, exposed,
+        [full for full, _ in peaks], [stashed for _, stashed in peaks],
+    )  # fmt: skip

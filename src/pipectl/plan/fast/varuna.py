@@ -2,8 +2,8 @@
 
 The event-driven simulator (`simulate.py`) builds the schedule's actions, a topological order of
 them and a compiled dependency table before its longest-path pass; for Varuna at the planner's
-sizes (thousands of micro-batches, tens of stages) that preparation costs seconds per (p, m). Here
-the order is read in its compact form (`varuna_forward_flags`: per stage, forward or
+sizes (thousands of micro-batches, tens of stages) that preparation outweighs the pass. Here
+the order is read in its compact form (`varuna_flags.forward_flags`: per stage, forward or
 recompute+backward, both in micro-batch order) and the same recurrence is evaluated directly:
 
     end(action) = max(end of the previous action on the rank, end of its dependency + transfer)
@@ -12,8 +12,10 @@ recompute+backward, both in micro-batch order) and the same recurrence is evalua
 with F(s, i) depending on F(s−1, i) and B(s, i) on B(s+1, i) (R has no cross-stage input). A stage
 runs its list until its next action needs an input its neighbour has not produced yet, and is
 resumed when the neighbour gets there (Kahn's algorithm, as in `pipectl.schedule.dag`). Every
-floating-point operation is the simulator's, in the same order, so the step time is identical
-(the tests hold it to 1e-12 relative on random non-uniform costs).
+floating-point operation is the simulator's, in the same order, except where repeating or
+steadily drifting cycles of the order are skipped (`_run_with_cycle_jump`,
+`pipectl.plan.fast.periodic`): the step time equals the simulation's to rounding (the tests
+hold it to 1e-12 relative on random non-uniform costs).
 
     >>> from pipectl.plan.simulate import simulate, uniform_costs
     >>> from pipectl.schedule import ScheduleKind, generate
@@ -28,8 +30,9 @@ from functools import lru_cache
 
 import numpy as np
 
-from pipectl.plan.waves import _PERIOD_ULPS, StepSummary, _LinearRegime
-from pipectl.schedule.generators import varuna_cycle, varuna_forward_flags
+from pipectl.plan.fast import varuna_flags
+from pipectl.plan.fast.periodic import PERIOD_ULPS, LinearRegime
+from pipectl.plan.simulate import StepSummary
 
 __all__ = ["step_seconds", "summary"]
 
@@ -46,9 +49,9 @@ def summary(pipeline_parallel: int, micro_batches: int, costs) -> StepSummary:
     """
     p, m = pipeline_parallel, micro_batches
     last_stage = p - 1
-    flags = varuna_forward_flags(p, m)
+    flags = varuna_flags.forward_flags(p, m)
     run = _Run(p, m, flags, costs)
-    cycle = varuna_cycle(p)
+    cycle = varuna_flags.cycle(p)
     if cycle is not None:
         try:
             _run_with_cycle_jump(run, flags, *cycle)
@@ -210,13 +213,13 @@ class _Run:
 def _run_with_cycle_jump(run: _Run, flags, starts: tuple[int, ...], q: int) -> None:
     """Evaluate cycle by cycle until the live state repeats shifted by a constant, then skip.
 
-    Cycle k of every stage needs only actions of cycles up to k (`varuna_cycle`), so the live
+    Cycle k of every stage needs only actions of cycles up to k (`varuna_flags.cycle`), so the live
     state after cycle k is a max-plus linear function of the one after cycle k − 1, the same
     function every cycle (same order, same costs per micro-batch). Once x(k) = x(k − c) + λ in
-    every entry it stays so (max-plus homogeneity; see `pipectl.plan.waves`), and the cycles up
+    every entry it stays so (max-plus homogeneity; see `pipectl.plan.fast.periodic`), and the cycles up
     to the last one inside the periodic part of every stage's order are skipped by adding λ.
     Before that, stretches where each entry grows at its own fixed rate are skipped up to where
-    a max could change its choice (`waves._LinearRegime`, margins recorded per stage).
+    a max could change its choice (`periodic.LinearRegime`, margins recorded per stage).
     """
     p, m = run.p, run.m
     # The order of stage s is periodic from starts[s] up to its m-th forward.
@@ -228,7 +231,7 @@ def _run_with_cycle_jump(run: _Run, flags, starts: tuple[int, ...], q: int) -> N
         return
     history: list[tuple[np.ndarray, list[float]]] = []
     depth = max(2 * p, 16)
-    regime: _LinearRegime | None = None
+    regime: LinearRegime | None = None
     k = 0
     while k < last_cycle:
         k += 1
@@ -260,7 +263,7 @@ def _run_with_cycle_jump(run: _Run, flags, starts: tuple[int, ...], q: int) -> N
         else:
             c = _linear(state, history)
             if c is not None:
-                regime = _LinearRegime(k, c, state, np.asarray(exposed), streams=p)
+                regime = LinearRegime(k, c, state, np.asarray(exposed), streams=p)
         history.append((state, exposed))
         if len(history) > depth:
             history.pop(0)
@@ -270,8 +273,8 @@ def _run_with_cycle_jump(run: _Run, flags, starts: tuple[int, ...], q: int) -> N
 
 @lru_cache(maxsize=256)
 def _after_forwards(p: int, m: int) -> tuple[int, ...]:
-    """Per stage: the position right after its m-th forward in `varuna_forward_flags(p, m)`."""
-    return tuple(len(order) - _trailing_backwards(order) for order in varuna_forward_flags(p, m))
+    """Per stage: the position right after its m-th forward in `varuna_flags.forward_flags(p, m)`."""
+    return tuple(len(order) - _trailing_backwards(order) for order in varuna_flags.forward_flags(p, m))
 
 
 def _trailing_backwards(order) -> int:
@@ -291,7 +294,7 @@ def _repeat(current: np.ndarray, history) -> tuple[int, float] | None:
     earlier = np.stack([entry[0] for entry in reversed(history)])  # row c - 1 is history[-c]
     differences = current[None, :] - earlier
     shifts = differences[:, 0]
-    tolerance = _PERIOD_ULPS * float(np.spacing(np.max(np.abs(current))))
+    tolerance = PERIOD_ULPS * float(np.spacing(np.max(np.abs(current))))
     uniform = np.max(np.abs(differences - shifts[:, None]), axis=1) <= tolerance
     if not uniform.any():
         return None
@@ -301,7 +304,7 @@ def _repeat(current: np.ndarray, history) -> tuple[int, float] | None:
 
 def _linear(current: np.ndarray, history) -> int | None:
     """The smallest c with current − history[-c] = history[-c] − history[-2c], to rounding."""
-    tolerance = 2 * _PERIOD_ULPS * float(np.spacing(np.max(np.abs(current))))
+    tolerance = 2 * PERIOD_ULPS * float(np.spacing(np.max(np.abs(current))))
     for c in range(1, len(history) // 2 + 1):
         middle, first = history[-c][0], history[-2 * c][0]
         if len(middle) == len(first) == len(current) and np.max(np.abs(current - 2 * middle + first)) <= tolerance:

@@ -1,7 +1,7 @@
 """Varuna on nearly equal stages: the slow first stage's head start outlasts many cycles.
 
 The live state then grows at different rates per entry for hundreds of cycles; the flat pass
-skips those stretches (`waves._LinearRegime`) and must still give the simulator's figures.
+skips those stretches (`periodic.LinearRegime`) and must still give the simulator's figures.
 """
 
 import math
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipectl.plan import varuna_step
+from pipectl.plan.fast import varuna
 from pipectl.plan.simulate import simulate
 from pipectl.schedule import generate
 from pipectl.schedule.ir import ScheduleKind
@@ -18,7 +18,7 @@ from builders import head_start_costs
 
 
 def assert_as_simulated(p, m, costs):
-    fast = varuna_step.summary(p, m, costs)
+    fast = varuna.summary(p, m, costs)
     timeline = simulate(generate(ScheduleKind.VARUNA, p, m), costs)
     assert math.isclose(fast.step_seconds, timeline.step_seconds, rel_tol=1e-12)
     for mine, theirs in zip(fast.communication_seconds_per_rank, timeline.communication_seconds_per_rank, strict=True):
@@ -31,13 +31,13 @@ def assert_as_simulated(p, m, costs):
 def test_a_long_head_start_is_skipped_and_stays_exact(p, m, slower, monkeypatch):
     costs = head_start_costs(p, p, slower, -0.1, alternating_links=False)
     advances = []
-    original = varuna_step._Run.advance
+    original = varuna._Run.advance
 
     def counting(self, stop):
         advances.append(1)
         return original(self, stop)
 
-    monkeypatch.setattr(varuna_step._Run, "advance", counting)
+    monkeypatch.setattr(varuna._Run, "advance", counting)
     assert_as_simulated(p, m, costs)
     # Cycle by cycle this takes hundreds of passes; the skips leave a few dozen.
     assert len(advances) < 60

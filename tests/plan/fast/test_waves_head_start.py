@@ -1,7 +1,7 @@
 """Stages that differ by a hair: the head start of the slow first stage lasts longer than the step.
 
 The state then never repeats shifted by one constant; the wave pass skips the stretches where
-every entry grows at its own fixed rate (`waves._LinearRegime`) and must still give the
+every entry grows at its own fixed rate (`periodic.LinearRegime`) and must still give the
 event-driven simulator's figures.
 """
 
@@ -12,9 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipectl.plan import waves
+from pipectl.plan.fast import periodic, waves
 from builders import head_start_costs
-from pipectl.plan.simulate import simulate, summary_of
+from pipectl.plan.simulate import simulate
+from pipectl.plan.timing import summary_of
 from pipectl.schedule import generate
 from pipectl.schedule.ir import ScheduleKind
 
@@ -72,7 +73,7 @@ def test_nearly_equal_stages_give_the_simulated_figures(kind, p, m, slower, heav
 
 def test_cycles_keeping_sides():
     tolerance = 1e-12
-    cycles = waves._cycles_keeping_sides
+    cycles = periodic.cycles_keeping_sides
     # A margin shrinking by 1 a cycle from 4: 3, 2, 1 are safe; one cycle is kept in reserve.
     assert cycles(np_array([5.0, 1.0]), np_array([4.0, 1.0]), tolerance) == 2
     # Growing margins and ties that stay ties never change sides.

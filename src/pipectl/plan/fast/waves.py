@@ -15,18 +15,14 @@ interleaved 1F1B, in far fewer operations. It relies on two facts:
    backward's input comes from the next rank in the same wave (a chain over the ranks, solved as
    one running maximum). One wave is a handful of vector operations over the ranks.
 
-2. **Periodicity.** Every micro-batch of a stage costs the same, so in the steady part of the
-   step one wave (a period of p·v waves for interleaved) maps the ranks' state (end of the
-   last action, of the last forward, of the last backward) to the next by the same max-plus
-   linear map x ↦ A ⊗ x. Such a map commutes with adding a constant to every entry, so once
-   x(k) = x(k − period) + λ for every entry, it stays so: the remaining steady waves are skipped
-   by adding λ per period, exactly (Baccelli, Cohen, Olsder, Quadrat, "Synchronization and
-   Linearity", 1992, ch. 3: eventual periodicity of max-plus linear recurrences). The check
-   allows a few units in the last place of rounding; the warm-up and the drain are simulated.
-   Before that repeat, nearly equal stages can spend more waves than the step has using up
-   the head start the upstream ranks took in the warm-up, each group of ranks growing at its
-   own rate; those stretches are skipped too, up to the wave where some max could change its
-   choice (`_LinearRegime`).
+2. **Periodicity.** In the steady part of the step one wave (a period of p·v waves for
+   interleaved) maps the ranks' state (end of the last action, of the last forward, of the last
+   backward) to the next by the same max-plus linear map, so once the state repeats shifted by
+   a constant the remaining steady waves are skipped by adding that constant per period, and
+   stretches where each group of ranks grows at its own rate (nearly equal stages using up the
+   head start the upstream ranks took in the warm-up) are skipped up to the wave where some max
+   could change its choice (`pipectl.plan.fast.periodic`). The warm-up and the drain are
+   simulated.
 
 GPipe needs no simulation at all: with constant per-stage costs the longest path through its
 forward grid (and its backward grid) puts every extra micro-batch on the slowest stage, which gives
@@ -34,7 +30,7 @@ the closed form in `gpipe_compute_ends`.
 
 Communication is an edge delay, as in the simulator; jitter (random per-transfer delays) is not
 periodic, so callers use the event-driven simulator when `jitter_seconds > 0`. Varuna's
-rule-based order has no fixed wave structure and is simulated too.
+rule-based order has no wave structure: `pipectl.plan.fast.varuna` times it.
 
     >>> from pipectl.plan.simulate import uniform_costs
     >>> from pipectl.schedule import ScheduleKind
@@ -50,26 +46,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pipectl.plan.fast.periodic import PERIOD_ULPS, LinearRegime
+from pipectl.plan.simulate import StepSummary
 from pipectl.schedule.ir import ScheduleKind
 
-__all__ = ["StepSummary", "gpipe_compute_ends", "pair_schedule_ends", "step_seconds", "summary", "supported"]
-# `_LinearRegime` and `_PERIOD_ULPS` are shared with `pipectl.plan.varuna_step`.
+__all__ = ["gpipe_compute_ends", "pair_schedule_ends", "step_seconds", "summary", "supported"]
 
-# Deviation from an exact period tolerated, in units of the largest end time's spacing
-# (np.spacing): a few roundings per wave, far below any difference between candidates.
-_PERIOD_ULPS = 16.0
 _CHECK_EVERY = 4  # steady waves between two searches for a repeat
 _ZERO = np.zeros(1)
-
-
-@dataclass(frozen=True)
-class StepSummary:
-    """What the planner records of a simulated step (as `Timeline` computes it, without records)."""
-
-    step_seconds: float
-    bubble_fraction: tuple[float, ...]  # per rank: idle / step
-    communication_seconds: float  # exposed p2p waits + all-reduce, max over ranks
-    communication_seconds_per_rank: tuple[float, ...]
 
 
 def supported(kind: ScheduleKind, jitter_seconds: float) -> bool:
@@ -294,7 +278,7 @@ def pair_schedule_ends(kind: ScheduleKind, p: int, m: int, v: int, t: _Tables) -
     exposed = np.zeros(p)
     steady_from, steady_to = _steady_waves(forward_offset, backward_offset, total)
     history = _History(p, period, steady_from, steady_to)
-    regime: _LinearRegime | None = None  # a per-rank-rate regime being checked
+    regime: LinearRegime | None = None  # a per-rank-rate regime being checked
     wave = first_wave
     if chain and wave < 0:
         # Before wave 0 each rank only runs its warm-up forwards: a forward grid, in closed form.
@@ -331,102 +315,11 @@ def pair_schedule_ends(kind: ScheduleKind, p: int, m: int, v: int, t: _Tables) -
                 elif regime.done:
                     regime = None
             elif found is not None:
-                regime = _LinearRegime(wave, found[0], state, exposed)
+                regime = LinearRegime(wave, found[0], state, exposed)
         if wave >= steady_to:
             regime = None  # no steady wave left to check it on
         wave += 1
     return last, exposed
-
-
-class _LinearRegime:
-    """A stretch where every entry of the state grows at its own constant rate per cycle.
-
-    Before the slowest stage's chain dominates, ranks upstream of it may still run on the head
-    start they took in the warm-up: their ends grow by a different amount per cycle than the
-    others', so the state never repeats shifted by one constant until that head start is used
-    up, which can take more waves than the step has. While every max in a wave keeps choosing
-    the same operand, though, one cycle maps x to x + Δ with a fixed vector Δ, and every
-    operand of every max grows by its own fixed amount per cycle: a margin a − b changes by
-    the same drift each cycle. So after two checked cycles (the same Δ twice, every margin
-    keeping its side), the next n cycles are skipped exactly, n being the last cycle before a
-    margin that shrinks could change sides (kept below its zero by one more cycle and the
-    rounding tolerance). Exposed time per cycle is a sum of such margins (or zeros), so it
-    changes linearly and its total over n cycles is n·δ + dd·n(n+1)/2.
-
-    A margin within rounding of zero that does not drift is a tie (both operands give the same
-    value); one within rounding of zero that drifts is about to change sides: no skip.
-    """
-
-    def __init__(self, position: int, cycle: int, state: np.ndarray, exposed: np.ndarray, streams: int = 1) -> None:
-        self.cycle = cycle
-        self.start = position
-        self.states = [state]
-        self.exposed = [exposed]
-        # Margins in evaluation order, per stream (the same count every cycle in each stream).
-        self.margins: list[list] = [[] for _ in range(streams)]
-        self.done = False
-
-    def observe(self, position: int, state: np.ndarray, exposed: np.ndarray, last_position: int):
-        """After each step (a wave, or a Varuna cycle): (cycles to skip, state advance, exposed
-        advance) once two cycles are checked and a skip is safe, else None (`done` once checked)."""
-        if (position - self.start) % self.cycle:
-            return None
-        self.states.append(state)
-        self.exposed.append(exposed)
-        if len(self.states) < 3:
-            return None
-        self.done = True
-        first, second, third = self.states
-        if not len(first) == len(second) == len(third):
-            return None
-        advance = third - second
-        tolerance = _PERIOD_ULPS * float(np.spacing(np.max(np.abs(third))))
-        if np.max(np.abs(advance - (second - first))) > tolerance:
-            return None
-        halves = [_halves(stream) for stream in self.margins]
-        earlier = np.concatenate([half for half, _ in halves])
-        later = np.concatenate([half for _, half in halves])
-        if earlier.shape != later.shape:
-            return None
-        cycles = min(_cycles_keeping_sides(earlier, later, tolerance), (last_position - position) // self.cycle)
-        if cycles < 1:
-            return None
-        per_cycle = self.exposed[2] - self.exposed[1]
-        change = per_cycle - (self.exposed[1] - self.exposed[0])
-        # Waits within rounding of zero come and go with rounding: no trend to extrapolate.
-        change = np.where(np.abs(change) > tolerance, change, 0.0)
-        exposed_advance = cycles * per_cycle + (cycles * (cycles + 1) // 2) * change
-        return cycles, cycles * advance, exposed_advance
-
-
-def _halves(stream: list) -> tuple[np.ndarray, np.ndarray]:
-    """A stream's margins of the first and of the second checked cycle, flat."""
-    half = len(stream) // 2
-    if stream and isinstance(stream[0], np.ndarray):
-        return np.concatenate(stream[:half]), np.concatenate(stream[half: 2 * half])
-    return np.asarray(stream[:half], dtype=float), np.asarray(stream[half: 2 * half], dtype=float)
-
-
-def _cycles_keeping_sides(earlier: np.ndarray, later: np.ndarray, tolerance: float) -> int:
-    """Cycles after `later` for which every margin surely keeps its side (see `_LinearRegime`).
-
-    >>> _cycles_keeping_sides(np.array([5.0, 1.0]), np.array([4.0, 1.0]), 1e-12)
-    2
-    """
-    drift = later - earlier
-    moving = np.abs(drift) > tolerance
-    if not moving.any():
-        return 1 << 62
-    earlier, later, drift = earlier[moving], later[moving], drift[moving]
-    one_side = ((earlier > tolerance) & (later > tolerance)) | ((earlier < -tolerance) & (later < -tolerance))
-    if not one_side.all():
-        return 0
-    closing = (later > 0) != (drift > 0)
-    if not closing.any():
-        return 1 << 62
-    # A drift known to within the tolerance closes a margin by at most |drift| + tolerance a cycle.
-    room = (np.abs(later[closing]) - tolerance) / (np.abs(drift[closing]) + tolerance)
-    return max(int(np.floor(np.min(room))) - 1, 0)
 
 
 class _Active:
@@ -467,7 +360,7 @@ class _History:
     critical loop through j ranks takes j waves), so every `_CHECK_EVERY` waves the state is
     compared with each of the last `depth` states at a multiple of the period. Where no such
     repeat exists yet, it also looks for a per-entry linear stretch, x(k) − x(k − c) =
-    x(k − c) − x(k − 2c) (see `_LinearRegime`).
+    x(k − c) − x(k − 2c) (see `LinearRegime`).
     """
 
     def __init__(self, ranks: int, period: int, steady_from: int, steady_to: int) -> None:
@@ -508,7 +401,7 @@ class _History:
         rows = (slot - lags) % self.depth
         differences = state[None, :] - self.states[rows]
         shifts = differences[:, 0]
-        tolerance = _PERIOD_ULPS * float(np.spacing(np.max(np.abs(state))))
+        tolerance = PERIOD_ULPS * float(np.spacing(np.max(np.abs(state))))
         uniform = np.max(np.abs(differences - shifts[:, None]), axis=1) <= tolerance
         if uniform.any():
             first = int(np.argmax(uniform))

@@ -1,7 +1,19 @@
-"""Tighter lower bounds on a spec's simulated step time, for pruning (the morph table).
+"""Lower bounds on a spec's simulated step time, for pruning: what need not be timed at all.
 
-`candidates.lower_bound_seconds` charges each rank its micro-batches' work plus the chains before
-and after it. 1F1B's step is longer when its in-flight limit binds: rank k holds at most
+**Chains** (`chain_bound_seconds`, every spec; `candidates.lower_bound_seconds`):
+
+    LB = max over ranks k of  F-chain(k) + m * work(k) + max(AR(k) + opt(k), B-chain(k) + AR(0) + opt(0))
+
+where work(k) is the rank's forward+backward(+recompute) time per micro-batch, F-chain(k) the
+forwards (and transfers) of micro-batch 0 through the stages before k, which must precede rank k's
+first action, and B-chain(k) the backwards through the stages before k, which must follow its
+last one (then rank 0 still all-reduces and steps). Every schedule runs each rank's actions one
+at a time and respects those dependencies, so no simulated step is shorter. With equal stages and
+free communication it is exactly (m + p − 1)(t_f + t_b) (SPEC §4), so pruning by it is tight.
+
+**1F1B's in-flight loops** (`pair_loop_bound_seconds`, tighter, for the morph table). The chains
+charge each rank its micro-batches' work plus the chains before and after it. 1F1B's step is
+longer when its in-flight limit binds: rank k holds at most
 p − k micro-batches, and a micro-batch it starts travels to some rank k + j and back before rank
 k can start another (Narayanan et al. 2021 §2.2; PipeDream-Flush). Here that loop is a path in
 the step's dependency graph (the simulator's longest-path model, `pipectl.plan.simulate`):
@@ -27,7 +39,20 @@ import numpy as np
 
 from pipectl.schedule.ir import ScheduleKind
 
-__all__ = ["pair_loop_bound_seconds", "has_pair_loops"]
+__all__ = ["chain_bound_seconds", "has_pair_loops", "pair_loop_bound_seconds"]
+
+
+def chain_bound_seconds(forward_chain, backward_chain, work, micro_batches, allreduce, optimizer):
+    """LB of the module docstring, per rank k: F-chain, work per micro-batch, B-chain, all-reduce
+    and optimizer seconds. One spec (arrays over the ranks, a float back) or a batch (one row per
+    spec, `micro_batches` a column; an array back), with the same operations on every element.
+
+    >>> float(chain_bound_seconds(np.array([0.0, 1.0]), np.array([0.0, 2.0]), np.array([3.0, 3.0]), 4,
+    ...                           np.zeros(2), np.zeros(2)))  # (m + p − 1)(t_f + t_b), t_f = 1, t_b = 2
+    15.0
+    """
+    tail = np.maximum(allreduce + optimizer, backward_chain + allreduce[..., :1] + optimizer[..., :1])
+    return np.max(forward_chain + micro_batches * work + tail, axis=-1)
 
 
 def has_pair_loops(kind: ScheduleKind, pipeline_parallel: int, micro_batches: int, chunks: int) -> bool:

@@ -7,15 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipectl.plan import waves
-from pipectl.plan.simulate import (
-    actions_per_step,
-    simulate,
-    simulate_step_seconds,
-    step_seconds_of,
-    summary_of,
-    uniform_costs,
-)
+from pipectl.plan.fast import waves
+from pipectl.plan.simulate import simulate, simulate_step_seconds, uniform_costs
+from pipectl.plan.timing import actions_per_step, step_seconds_of, summary_of
 from pipectl.schedule import generate
 from pipectl.schedule.ir import ScheduleKind
 from builders import random_stage_costs

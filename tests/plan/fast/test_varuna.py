@@ -6,8 +6,9 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipectl.plan import varuna_step
-from pipectl.plan.simulate import StageCosts, simulate, step_seconds_of, summary_of
+from pipectl.plan.fast import varuna, varuna_flags
+from pipectl.plan.simulate import StageCosts, simulate
+from pipectl.plan.timing import step_seconds_of, summary_of
 from pipectl.schedule import generate
 from pipectl.schedule.ir import ScheduleKind
 from builders import random_stage_costs
@@ -26,9 +27,9 @@ def same(a, b, rel=1e-12):
 def test_equals_the_event_driven_simulator(p, m, spread, rng):
     costs = random_costs(p, rng, spread)
     timeline = simulate(generate(ScheduleKind.VARUNA, p, m), costs)
-    fast = varuna_step.summary(p, m, costs)
+    fast = varuna.summary(p, m, costs)
     assert same(fast.step_seconds, timeline.step_seconds)
-    assert same(varuna_step.step_seconds(p, m, costs), timeline.step_seconds)
+    assert same(varuna.step_seconds(p, m, costs), timeline.step_seconds)
     assert same(fast.communication_seconds, timeline.communication_seconds, 1e-9)
     for mine, theirs in zip(fast.bubble_fraction, timeline.bubble_fraction, strict=True):
         assert math.isclose(mine, theirs, rel_tol=1e-9, abs_tol=1e-12)
@@ -48,8 +49,8 @@ def test_a_slow_link_shows_as_exposed_communication():
     rng = random.Random(3)
     costs = random_costs(4, rng, 0.0)
     slow = StageCosts(**{**costs.__dict__, "send_forward_seconds": [5.0, 5.0, 5.0]})
-    assert varuna_step.summary(4, 12, slow).communication_seconds > varuna_step.summary(4, 12, costs).communication_seconds
-    assert varuna_step.step_seconds(4, 12, slow) > varuna_step.step_seconds(4, 12, costs)
+    assert varuna.summary(4, 12, slow).communication_seconds > varuna.summary(4, 12, costs).communication_seconds
+    assert varuna.step_seconds(4, 12, slow) > varuna.step_seconds(4, 12, costs)
 
 
 @settings(max_examples=60, deadline=None)
@@ -57,7 +58,7 @@ def test_a_slow_link_shows_as_exposed_communication():
 def test_skipping_repeated_cycles_keeps_the_simulated_figures(p, m, spread, rng):
     costs = random_costs(p, rng, spread)
     timeline = simulate(generate(ScheduleKind.VARUNA, p, m), costs)
-    fast = varuna_step.summary(p, m, costs)
+    fast = varuna.summary(p, m, costs)
     assert same(fast.step_seconds, timeline.step_seconds)
     assert same(fast.communication_seconds, timeline.communication_seconds, 1e-9)
     for mine, theirs in zip(fast.communication_seconds_per_rank, timeline.communication_seconds_per_rank, strict=True):
@@ -65,16 +66,14 @@ def test_skipping_repeated_cycles_keeps_the_simulated_figures(p, m, spread, rng)
 
 
 def test_long_steps_skip_cycles():
-    from pipectl.schedule.generators import varuna_cycle, varuna_forward_flags
-
     p, m = 6, 600
-    flags = varuna_forward_flags(p, m)
-    starts, q = varuna_cycle(p)
-    run = varuna_step._Run(p, m, flags, random_costs(p, random.Random(5), 1.0))
+    flags = varuna_flags.forward_flags(p, m)
+    starts, q = varuna_flags.cycle(p)
+    run = varuna._Run(p, m, flags, random_costs(p, random.Random(5), 1.0))
     walked = []
     advance = run.advance
     run.advance = lambda stop: walked.append(stop) or advance(stop)
-    varuna_step._run_with_cycle_jump(run, flags, starts, q)
+    varuna._run_with_cycle_jump(run, flags, starts, q)
     # A handful of cycles walked, then the rest of the periodic part skipped in one go.
     assert len(walked) < m // (4 * q)
     assert min(run.forwards_done) > m - 8 * q * p

@@ -1,0 +1,316 @@
+"""The search on one kind of device: check the request, enumerate, rank, record, morph.
+
+    plan_homogeneous(profile, cluster_name, hardware, request) -> Plan
+
+1. Enumerate (`pipectl.plan.space`): every spec that fits, with counted rejections.
+2. Rank: specs are visited in the order of a closed-form lower bound on their objective; each is
+   timed until the lower bound of the next one cannot beat the k-th best found (branch and
+   bound: the pruned ones provably cannot enter the top k, see `pipectl.plan.fast.bounds`).
+3. The morph table (`pipectl.plan.morph`): the fastest spec for every device count, from the
+   same specs.
+
+Objectives (SPEC §5): `time` (step seconds), `cost` (USD per sample = price * devices * step / B),
+`cost-deadline` (cheapest that finishes the requested samples or tokens before the deadline;
+when none does, the fastest, with a note).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from dataclasses import dataclass, field
+
+from pipectl.artifacts.plan import ModelShape, Objective, Plan, PlanRequest
+from pipectl.artifacts.profile import ModelProfile
+from pipectl.errors import InfeasibleError, UserInputError
+from pipectl.plan.candidates import Rejection, Rejections, Spec
+from pipectl.plan.costs import Hardware
+from pipectl.plan.evaluate import Evaluator
+from pipectl.plan.morph import morph_table
+from pipectl.plan.space import enumerate_specs, search_space, tensor_parallel_possible
+from pipectl.plan.workers import available_workers
+
+SUPPORTED_ZERO_STAGES = (0, 1)  # DeepSpeed's pipeline engine runs ZeRO 0 and 1 only
+
+
+# --- validation ----------------------------------------------------------------------------------
+
+
+def _positive(name: str, value: int | float | None) -> None:
+    if value is not None and (isinstance(value, bool) or value <= 0):
+        raise UserInputError(f"{name} must be positive, got {value}")
+
+
+def check_request(request: PlanRequest, profile: ModelProfile, hardware: Hardware) -> None:
+    """Bad input names the value: B <= 0, impossible pinned degrees, a missing deadline figure."""
+    B = request.global_batch
+    if B <= 0:
+        raise UserInputError(f"global batch must be a positive number of samples, got {B}")
+    for name in ("max_tensor_parallel", "tensor_parallel", "pipeline_parallel", "data_parallel",
+                 "micro_batch_size", "devices", "deadline_hours", "samples", "tokens", "top", "workers"):
+        _positive(name.replace("_", " "), getattr(request, name))
+    if request.devices is not None and request.devices > hardware.devices:
+        raise UserInputError(
+            f"--devices {request.devices} is more than the cluster's {hardware.devices} '{hardware.device.name}' devices"
+        )
+    layers = len(profile.layers)
+    if request.pipeline_parallel is not None and request.pipeline_parallel > layers:
+        raise UserInputError(
+            f"pipeline-parallel degree {request.pipeline_parallel} exceeds the model's {layers} layers"
+        )
+    t = request.tensor_parallel
+    if t is not None:
+        if t > hardware.devices_per_node or hardware.devices_per_node % t:
+            raise UserInputError(
+                f"tensor-parallel degree {t} must divide the {hardware.devices_per_node} devices of a node"
+            )
+        if t > 1 and not tensor_parallel_possible(profile, t):
+            raise UserInputError(
+                f"tensor-parallel degree {t} does not divide the model's hidden size {profile.hidden} "
+                "(or the model has no transformer blocks to split)"
+            )
+    d, b = request.data_parallel, request.micro_batch_size
+    if d is not None and B % d:
+        raise UserInputError(f"global batch {B} is not divisible by data-parallel degree {d}")
+    if b is not None and B % b:
+        raise UserInputError(f"global batch {B} is not divisible by micro-batch size {b}")
+    if d is not None and b is not None and B % (d * b):
+        raise UserInputError(f"global batch {B} is not divisible by data-parallel degree {d} x micro-batch {b}")
+    pinned = [x for x in (request.tensor_parallel, request.pipeline_parallel, request.data_parallel) if x]
+    if math.prod(pinned) > (request.devices or hardware.devices):
+        raise UserInputError(
+            f"pinned degrees t x p x d = {math.prod(pinned)} need more than the "
+            f"{request.devices or hardware.devices} devices available"
+        )
+    bad_zero = [z for z in request.zero_stages if z not in SUPPORTED_ZERO_STAGES]
+    if bad_zero or not request.zero_stages:
+        raise UserInputError(
+            f"ZeRO stage {bad_zero[0] if bad_zero else '(none)'} is not supported with pipeline parallelism",
+            hint="use ZeRO stages 0 and/or 1",
+        )
+    bad_chunks = [v for v in request.chunks if v < 2]
+    if bad_chunks:
+        raise UserInputError(f"interleaved chunks v must be >= 2, got {bad_chunks[0]}")
+    if request.objective is Objective.COST_DEADLINE:
+        if request.deadline_hours is None or (request.samples is None and request.tokens is None):
+            raise UserInputError(
+                "the cost-deadline objective needs --deadline-hours and --samples or --tokens"
+            )
+        if request.tokens is not None and not profile.seq_len:
+            raise UserInputError("--tokens needs a profile with a sequence length; give --samples instead")
+    if request.schedule is not None and request.schedules is not None and request.schedule not in request.schedules:
+        raise UserInputError(
+            f"pinned schedule '{request.schedule.value}' is not among --schedules "
+            f"{','.join(s.value for s in request.schedules)}"
+        )
+
+
+# --- ranking -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Goal:
+    """The objective as keys: smaller is better; `bound_key` never exceeds the true key."""
+
+    objective: Objective
+    hardware: Hardware
+    global_batch: int
+    steps_needed: int | None = None
+    deadline_seconds: float | None = None
+
+    def cost_per_sample(self, spec: Spec, step: float) -> float:
+        return self.hardware.price_per_device_hour * spec.devices * step / 3600 / self.global_batch
+
+    def key(self, spec: Spec, step: float) -> tuple:
+        if self.objective is Objective.TIME:
+            return (step,)
+        cost = self.cost_per_sample(spec, step)
+        if self.objective is Objective.COST:
+            return (cost, step)
+        if self.meets_deadline(step):
+            return (0, cost, step)
+        return (1, step)
+
+    def bound_key(self, spec: Spec) -> tuple:
+        return self.key(spec, spec.lower_bound_seconds)
+
+    def meets_deadline(self, step: float) -> bool:
+        if self.steps_needed is None or self.deadline_seconds is None:
+            return True
+        return step * self.steps_needed <= self.deadline_seconds
+
+
+def goal_for(request: PlanRequest, profile: ModelProfile, hardware: Hardware) -> Goal:
+    if request.objective is not Objective.COST_DEADLINE:
+        return Goal(request.objective, hardware, request.global_batch)
+    samples = request.samples if request.samples is not None else math.ceil(request.tokens / profile.seq_len)  # type: ignore[operator]
+    return Goal(
+        request.objective,
+        hardware,
+        request.global_batch,
+        steps_needed=math.ceil(samples / request.global_batch),
+        deadline_seconds=request.deadline_hours * 3600,  # type: ignore[operator]
+    )
+
+
+@dataclass
+class Ranking:
+    """The top specs by the goal (simulated), and how many were simulated."""
+
+    top: list[tuple[tuple, Spec, float]]
+    best_runnable: tuple[tuple, Spec, float] | None
+    simulated: int
+
+
+def rank(specs: list[Spec], goal: Goal, evaluator: Evaluator, *, keep: int, exhaustive: bool,
+         need_runnable: bool) -> Ranking:
+    """Branch and bound over specs sorted by their bound key; see the module docstring."""
+    ordered = sorted(specs, key=goal.bound_key)
+    heap: list[tuple] = []  # max-heap of the kept keys (negated), with a tie-breaking counter
+    best_runnable = None
+    simulated = 0
+    for index, spec in enumerate(ordered):
+        bound = goal.bound_key(spec)
+        if not exhaustive and len(heap) >= keep:
+            kth = _unnegate(heap[0][0])
+            if bound >= kth and (not need_runnable or (best_runnable is not None and bound >= best_runnable[0])):
+                break
+        step = evaluator.step_seconds(spec)
+        simulated += 1
+        key = goal.key(spec, step)
+        entry = (_negate(key), index, spec, step)
+        if exhaustive or len(heap) < keep:
+            heapq.heappush(heap, entry)
+        elif key < _unnegate(heap[0][0]):
+            heapq.heapreplace(heap, entry)
+        if spec.deepspeed_runnable and (best_runnable is None or key < best_runnable[0]):
+            best_runnable = (key, spec, step)
+    top = sorted(((_unnegate(k), s, step) for k, _, s, step in heap), key=lambda item: item[0])
+    return Ranking(top, best_runnable, simulated)
+
+
+def _negate(key: tuple) -> tuple:
+    return tuple(-x for x in key)
+
+
+def _unnegate(key: tuple) -> tuple:
+    return tuple(-x for x in key)
+
+
+# --- the plan ------------------------------------------------------------------------------------
+
+
+@dataclass
+class SearchStats:
+    """What the search did (the benchmark reports these)."""
+
+    specs: int = 0
+    shapes: int = 0
+    simulations: int = 0
+    simulated_actions: int = 0
+    rejected: int = 0
+    phase_seconds: dict[str, float] = field(default_factory=dict)  # enumerate, rank, morph, records
+
+
+def plan_homogeneous(
+    profile: ModelProfile,
+    cluster_name: str,
+    hardware: Hardware,
+    request: PlanRequest,
+    *,
+    stats: SearchStats | None = None,
+    notes: list[str] | None = None,
+) -> Plan:
+    check_request(request, profile, hardware)
+    space = search_space(request, profile, hardware)
+    devices = request.devices or hardware.devices
+    max_devices = hardware.devices if request.morph else devices
+    clock = time.perf_counter()
+    phases: dict[str, float] = {}
+    enumeration = enumerate_specs(
+        profile, hardware, space, max_devices, workers=request.workers or available_workers()
+    )
+    phases["enumerate"], clock = time.perf_counter() - clock, time.perf_counter()
+    evaluator = Evaluator(hardware, request.global_batch)
+    goal = goal_for(request, profile, hardware)
+    pool = [spec for spec in enumeration.specs if spec.devices <= devices]
+    plan_notes = list(notes or [])
+    if profile.device != hardware.device.name and hardware.compute_scale != 1.0:
+        plan_notes.append(
+            f"profile measured on '{profile.device}', planned for '{hardware.device.name}': layer times "
+            f"scaled by {hardware.compute_scale:.3g} (ratio of peak FLOP/s)"
+        )
+    if not pool:
+        raise InfeasibleError(_nothing_fits(request, enumeration.rejections, devices))
+    ranking = rank(
+        pool, goal, evaluator, keep=request.top, exhaustive=request.include_all, need_runnable=request.for_deepspeed
+    )
+    phases["rank"], clock = time.perf_counter() - clock, time.perf_counter()
+    chosen_entry = ranking.top[0]
+    if request.for_deepspeed and not chosen_entry[1].deepspeed_runnable:
+        if ranking.best_runnable is None:
+            raise InfeasibleError(
+                "only schedules DeepSpeed's pipeline engine cannot run fit "
+                f"(best: {chosen_entry[1].describe()})",
+                hint="plan without --for-deepspeed to see them, or allow 1f1b/gpipe/varuna",
+            )
+        plan_notes.append(
+            f"fastest overall is {chosen_entry[1].describe()} ({chosen_entry[2]:.4g} s/step), which DeepSpeed "
+            "cannot run; chose the best DeepSpeed-runnable candidate"
+        )
+        chosen_entry = ranking.best_runnable
+    if goal.objective is Objective.COST_DEADLINE and not goal.meets_deadline(chosen_entry[2]):
+        plan_notes.append(
+            f"no candidate finishes {goal.steps_needed} steps within {request.deadline_hours} h: chose the fastest"
+        )
+    if goal.objective is Objective.COST_DEADLINE:
+        missed = sum(1 for key, _, _ in ranking.top if key[0] == 1)
+        if missed:
+            enumeration.rejections.add(Rejection.DEADLINE, count=missed)
+    chosen = evaluator.candidate(chosen_entry[1], _device_note(chosen_entry[1], devices))
+    candidates = [
+        chosen if spec is chosen_entry[1] else evaluator.candidate(spec, _device_note(spec, devices))
+        for _, spec, _ in ranking.top
+    ]
+    if not any(c is chosen for c in candidates):
+        candidates.insert(0, chosen)
+    phases["records"], clock = time.perf_counter() - clock, time.perf_counter()
+    morph = morph_table(enumeration.specs, evaluator, hardware.devices, request) if request.morph else []
+    phases["morph"] = time.perf_counter() - clock
+    for reason, example in enumeration.rejections.examples.items():
+        if reason is Rejection.MEMORY:
+            plan_notes.append(f"e.g. {example}")
+    if stats is not None:
+        stats.specs = len(enumeration.specs)
+        stats.shapes = enumeration.shapes
+        stats.simulations = evaluator.simulations
+        stats.simulated_actions = evaluator.simulated_actions
+        stats.rejected = sum(enumeration.rejections.counts.values())
+        stats.phase_seconds = {name: round(seconds, 3) for name, seconds in phases.items()}
+    return Plan(
+        model=profile.model,
+        model_shape=ModelShape.of_profile(profile),
+        cluster=cluster_name,
+        request=request,
+        chosen=chosen,
+        candidates=candidates,
+        infeasible=enumeration.rejections.summary(),
+        morph_table=morph,
+        notes=plan_notes,
+    )
+
+
+def _device_note(spec: Spec, devices: int) -> list[str]:
+    if spec.devices < devices:
+        return [f"uses {spec.devices} of the {devices} devices"]
+    return []
+
+
+def _nothing_fits(request: PlanRequest, rejections: Rejections, devices: int) -> str:
+    reasons = "; ".join(f"{count} x {reason}" for reason, count in rejections.summary().items()) or "no candidates"
+    examples = "; ".join(rejections.examples.values())
+    message = f"nothing fits global batch {request.global_batch} on {devices} devices: {reasons}"
+    if examples:
+        message += f" (e.g. {examples})"
+    return message

@@ -1,0 +1,524 @@
+"""The search space and its enumeration: every feasible (t, p, d, b, v, schedule, recompute, ZeRO).
+
+`search_space` turns a request into the degrees, sizes and schedules to try: t divides the node
+size (and the hidden size), p ≤ layers, d with t*p*d ≤ devices, b from the profile, m = B/(d*b)
+whole (a (d, b) that does not divide B is rejected, never rounded), schedules 1f1b, gpipe,
+interleaved (v ∈ {2, 4} when p*v ≤ layers and p | m) and Varuna; PipeDream-2BW only when asked
+for (always flagged).
+
+`enumerate_specs` visits them. The cut of each (t, b, recompute, p*v) is the balanced partition;
+a point that does not fit in memory tries the cut that fills later stages first and then the
+memory-constrained partition before it is rejected with its reason. Points come in families,
+one per (t, b, recompute, p, schedule) (`FamilyKey`), which share their cuts and what is known
+about their memory demands; families come in (t, b) units that share nothing but read-only
+inputs, so they can be spread over processes (`pipectl.plan.workers`).
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Iterable
+
+import numpy as np
+
+from pipectl.artifacts.plan import PlanRequest
+from pipectl.artifacts.profile import ModelProfile
+from pipectl.plan.candidates import (
+    Rejection,
+    Rejections,
+    ScheduleVariant,
+    SearchSpace,
+    Shape,
+    ShapeBuilder,
+    Spec,
+    divisors,
+    specs_from_points,
+    state_bytes,
+)
+from pipectl.plan.costs import TRANSFORMER_BLOCK, Hardware
+from pipectl.plan.layer_table import layer_table
+from pipectl.plan.memory import format_gib, in_flight_units
+from pipectl.plan.partition import balanced_partition
+from pipectl.plan.workers import share
+from pipectl.schedule import ScheduleKind
+
+DEFAULT_SCHEDULES = (ScheduleKind.ONE_F_ONE_B, ScheduleKind.GPIPE, ScheduleKind.INTERLEAVED, ScheduleKind.VARUNA)
+
+
+def tensor_parallel_possible(profile: ModelProfile, t: int) -> bool:
+    has_blocks = any(layer.kind == TRANSFORMER_BLOCK for layer in profile.layers)
+    return has_blocks and (profile.hidden is None or profile.hidden % t == 0)
+
+
+def search_space(request: PlanRequest, profile: ModelProfile, hardware: Hardware) -> SearchSpace:
+    if request.tensor_parallel is not None:
+        ts: tuple[int, ...] = (request.tensor_parallel,)
+    else:
+        limit = min(hardware.devices_per_node, request.max_tensor_parallel or hardware.devices_per_node)
+        ts = tuple(
+            t for t in divisors(hardware.devices_per_node)
+            if t <= limit and (t == 1 or tensor_parallel_possible(profile, t))
+        )
+    bs = (request.micro_batch_size,) if request.micro_batch_size else tuple(profile.micro_batch_sizes)
+    kinds = [request.schedule] if request.schedule else list(request.schedules or DEFAULT_SCHEDULES)
+    variants: list[ScheduleVariant] = []
+    for kind in kinds:
+        if kind is ScheduleKind.INTERLEAVED:
+            variants += [ScheduleVariant(kind, v) for v in sorted(set(request.chunks))]
+        else:
+            variants.append(ScheduleVariant(kind))
+    return SearchSpace(
+        global_batch=request.global_batch,
+        tensor_parallel=ts,
+        micro_batch_sizes=bs,
+        recompute=(False, True) if request.allow_recompute else (False,),
+        variants=tuple(variants),
+        zero_stages=tuple(sorted(set(request.zero_stages))),
+        pipeline_parallel=request.pipeline_parallel,
+        data_parallel=request.data_parallel,
+    )
+
+
+# --- enumeration ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Enumeration:
+    specs: list[Spec] = field(default_factory=list)
+    rejections: Rejections = field(default_factory=Rejections)
+    shapes: int = 0
+
+
+def enumerate_specs(
+    profile: ModelProfile, hardware: Hardware, space: SearchSpace, max_devices: int, *, workers: int = 1
+) -> Enumeration:
+    """Every feasible spec with at most `max_devices` devices, and counted rejections.
+
+    The work comes in (t, b) units that share nothing but read-only inputs: each has its own
+    partitions, memory look-ups and rejections. With `workers` > 1 they are spread over that many
+    processes (`pipectl.plan.workers`) and merged back in the order a single process visits them,
+    so the result is the same whatever the number of workers.
+    """
+    units = [(t, b) for t in space.tensor_parallel for b in space.micro_batch_sizes]
+    builder = ShapeBuilder(profile, hardware)
+    context = _UnitContext(profile, hardware, space, max_devices)
+    weights = [context.estimated_families(t) for t, _ in units]
+    if sum(weights) < PARALLEL_MIN_FAMILIES:
+        workers = 1
+    shapes_elsewhere = 0
+
+    def elsewhere(unit: tuple[int, int]) -> tuple[_PortableUnit, int]:
+        before = builder.shapes_built
+        result = context.enumerate_unit(builder, *unit).portable()
+        return result, builder.shapes_built - before
+
+    rebuilt: dict[tuple, Shape] = {}
+    outcomes = share(units, weights, lambda unit: context.enumerate_unit(builder, *unit), elsewhere, workers=workers)
+    out = Enumeration()
+    accepted: list[tuple[Shape, ScheduleVariant, tuple[int, int, int, float, tuple[int, ...]]]] = []
+    for outcome in outcomes:  # in the units' order, as one process visits them: the same first examples
+        result = outcome.local
+        if result is None:
+            portable, built = outcome.remote
+            shapes_elsewhere += built
+            result = portable.rebuild(builder, rebuilt)
+        out.rejections.merge(result.rejections)
+        accepted += result.accepted
+    # Costed once every point is known: numpy works on all points of a pipeline depth at once.
+    out.specs = specs_from_points(accepted, hardware, profile.dtype)
+    out.shapes = builder.shapes_built + shapes_elsewhere
+    return out
+
+
+# Below this many (t, b, recompute, p, schedule) families a search takes tens of milliseconds:
+# not worth a process (starting one and sending its results back costs ~10 ms).
+PARALLEL_MIN_FAMILIES = 3000
+
+
+@dataclass
+class _UnitResult:
+    """One (t, b) unit's accepted points (shape, schedule, (d, m, ZeRO, state bytes, units)) and rejections."""
+
+    accepted: list[tuple[Shape, ScheduleVariant, tuple[int, int, int, float, tuple[int, ...]]]]
+    rejections: Rejections
+
+    def portable(self) -> "_PortableUnit":
+        """The same with each shape named by its cut (what another process can rebuild it from)."""
+        return _PortableUnit(
+            [(_cut_of(shape), variant, point) for shape, variant, point in self.accepted], self.rejections
+        )
+
+
+@dataclass
+class _PortableUnit:
+    accepted: list[tuple[tuple, ScheduleVariant, tuple[int, int, int, float, tuple[int, ...]]]]
+    rejections: Rejections
+
+    def rebuild(self, builder: ShapeBuilder, rebuilt: dict[tuple, Shape]) -> _UnitResult:
+        """Shapes from their cuts (`shape_from_cuts`: the same arithmetic, so the same figures),
+        one object per distinct cut as the enumerating process shared them."""
+        accepted = []
+        for cut, variant, point in self.accepted:
+            shape = rebuilt.get(cut)
+            if shape is None:
+                shape = rebuilt[cut] = builder.shape_from_cuts(*cut)
+            accepted.append((shape, variant, point))
+        return _UnitResult(accepted, self.rejections)
+
+
+def _cut_of(shape: Shape) -> tuple:
+    return (shape.tensor_parallel, shape.micro_batch_size, shape.recompute, shape.pipeline_parallel,
+            shape.chunks, shape.stage_layers)
+
+
+@dataclass(frozen=True)
+class FamilyKey:
+    """One family of points: a pipeline shape and a schedule, (t, b, recompute, p, schedule).
+
+    Its points differ in d and the ZeRO stage; they share their cuts and what is known about
+    their memory demands (`_Family`).
+    """
+
+    tensor_parallel: int
+    micro_batch_size: int
+    recompute: bool
+    pipeline_parallel: int
+    variant: ScheduleVariant
+
+
+class _UnitContext:
+    """What every (t, b) unit of one search reads: the profile, the hardware, the space."""
+
+    def __init__(self, profile: ModelProfile, hardware: Hardware, space: SearchSpace, max_devices: int) -> None:
+        self.profile, self.hardware, self.space, self.max_devices = profile, hardware, space, max_devices
+        self.layers = len(profile.layers)
+        self.capacity = hardware.memory_bytes
+        # The least model state a device can hold: every parameter once, ZeRO-1 over the largest d.
+        self.model_parameters = layer_table(profile, space.micro_batch_sizes[0]).parameters(0, self.layers)
+        self.lightest_state = min(
+            state_bytes(profile.dtype, zero, max(divisors(space.global_batch)), variant.kind)
+            for zero in space.zero_stages for variant in space.variants
+        )
+
+    def _depths(self) -> Iterable[int]:
+        return [self.space.pipeline_parallel] if self.space.pipeline_parallel else range(1, self.layers + 1)
+
+    def _least_state_bytes(self, t: int, p: int) -> float:
+        """The least model state a device of a (t, p) pipeline can hold."""
+        return self.model_parameters / (t * p) * self.lightest_state
+
+    def estimated_families(self, t: int) -> int:
+        """Families of one (t, b) unit that get past the model-state test: the unit's share of the work."""
+        depths = [p for p in self._depths() if t * p <= self.max_devices and self._least_state_bytes(t, p) <= self.capacity]
+        return len(depths) * len(self.space.variants) * len(self.space.recompute)
+
+    def enumerate_unit(self, builder: ShapeBuilder, t: int, b: int) -> _UnitResult:
+        space = self.space
+        out = _UnitResult([], Rejections())
+        rejections = out.rejections
+        B = space.global_batch
+        max_devices, capacity = self.max_devices, self.capacity
+        for recompute in space.recompute:
+            for p in self._depths():
+                if t * p > max_devices:
+                    break
+                if recompute and p == 1:
+                    continue  # one stage is the last stage: it never recomputes
+                least = self._least_state_bytes(t, p)
+                if least > capacity:
+                    rejections.add(
+                        Rejection.MEMORY,
+                        f"t={t} p={p}: model state alone needs {format_gib(least)} > {format_gib(capacity)} per device",
+                    )
+                    continue
+                ds = []
+                for d in ([space.data_parallel] if space.data_parallel else divisors(B)):
+                    if t * p * d > max_devices:
+                        continue
+                    if B % (d * b):
+                        rejections.add(Rejection.BATCH_NOT_DIVISIBLE, f"B={B} is not divisible by d={d} x b={b}")
+                        continue
+                    ds.append(d)
+                if not ds:
+                    continue
+                for variant in _variants_for(space.variants, p, recompute):
+                    self.enumerate_family(builder, FamilyKey(t, b, recompute, p, variant), ds, out)
+        return out
+
+
+    def enumerate_family(self, builder: ShapeBuilder, key: FamilyKey, ds: list[int], out: _UnitResult) -> None:
+        """The points of one family at the data-parallel degrees `ds`: each (shape, schedule, point)
+        that fits is appended to `out.accepted`, the others counted in `out.rejections`."""
+        t, b, recompute, p, variant = key.tensor_parallel, key.micro_batch_size, key.recompute, key.pipeline_parallel, key.variant
+        space, dtype, capacity = self.space, self.profile.dtype, self.capacity
+        rejections, accepted = out.rejections, out.accepted
+        B = space.global_batch
+        v = variant.chunks
+        kind = variant.kind
+        if p * v > builder.layers:
+            rejections.add(Rejection.TOO_FEW_LAYERS, f"p={p} x v={v} stages > {builder.layers} layers", len(ds))
+            return
+        # Largest d first: the least memory per device (smaller m, more ZeRO sharding), so a demand
+        # that does not fit rules out every stricter one without partitioning again.
+        per_d = []
+        for d in sorted(ds, reverse=True):
+            m = B // (d * b)
+            zeros = _zeros_descending(d, space.zero_stages)
+            if v > 1 and m % p:
+                per_d.append((d, m, zeros, None, ()))
+                continue
+            per_d.append((d, m, zeros, in_flight_units(kind, p, m, v), _state_bytes_of(dtype, zeros, d, kind)))
+        family = _Family(builder, key, capacity, per_d)
+        index = 0  # of the point among the family's (d, ZeRO) points with whole interleaved rounds
+        for d, m, zeros, units, per_device in per_d:
+            if units is None:
+                rejections.add(
+                    Rejection.INTERLEAVED_MICRO_BATCHES, f"m={m} is not a multiple of p={p}", len(zeros)
+                )
+                continue
+            if family.without_cut and Rejection.MEMORY in rejections.examples:
+                # Every ZeRO stage of this d at once when even its lightest demand has no cut (what
+                # `_fitting_shape` would answer for each): most points of a large search end here.
+                if family.without_cut_below(min(per_device), units):
+                    rejections.add(Rejection.MEMORY, count=len(zeros))
+                    index += len(zeros)
+                    continue
+            for zero, state in zip(zeros, per_device):
+                fitted = _fitting_shape(family, index, state, units)
+                index += 1
+                if fitted is None:
+                    if Rejection.MEMORY in rejections.examples:
+                        # Only the first example is kept: skip building the message (most demands end here).
+                        rejections.add(Rejection.MEMORY)
+                        continue
+                    worst = family.shape.memory.per_rank_bytes(state, units)
+                    rank = int(worst.argmax())
+                    rejections.add(
+                        Rejection.MEMORY,
+                        f"t={t} p={p} d={d} b={b} {variant.label}{' recompute' if recompute else ''} zero={zero}: "
+                        f"stage {rank} needs {format_gib(worst[rank])} > {format_gib(capacity)}",
+                    )
+                    continue
+                accepted.append((fitted, variant, (d, m, zero, state, units)))
+
+
+def _variants_for(variants: Iterable[ScheduleVariant], p: int, recompute: bool) -> list[ScheduleVariant]:
+    chosen = []
+    for variant in variants:
+        if variant.kind is ScheduleKind.VARUNA and not recompute:
+            continue  # Varuna is defined with recomputation
+        if p == 1 and (variant.chunks > 1 or variant.kind is ScheduleKind.VARUNA):
+            continue
+        chosen.append(variant)
+    if p == 1:
+        # One stage: every flush schedule is the same gradient accumulation; keep the first.
+        plain = [v for v in chosen if v.kind is not ScheduleKind.PIPEDREAM_2BW]
+        return plain[:1] or chosen[:1]
+    return chosen
+
+
+@lru_cache(maxsize=4096)
+def _state_bytes_of(dtype: str, zeros: tuple[int, ...], d: int, kind: ScheduleKind) -> tuple[float, ...]:
+    """`state_bytes` for each ZeRO stage in `zeros` (the same few values for every p)."""
+    return tuple(state_bytes(dtype, zero, d, kind) for zero in zeros)
+
+
+@lru_cache(maxsize=1024)
+def _keeps_input_only(stages: int, recomputes: bool) -> tuple[bool, ...]:
+    """Per virtual stage: whether it keeps only its input per micro-batch (all but the last, when recomputing)."""
+    return tuple(recomputes and i != stages - 1 for i in range(stages))
+
+
+@lru_cache(maxsize=1024)
+def _zeros_descending(d: int, zero_stages: tuple[int, ...]) -> tuple[int, ...]:
+    """The ZeRO stages tried at d, largest (least memory) first."""
+    if d == 1:
+        # Without data parallelism no stage shards anything: one candidate, labelled with the
+        # largest stage asked for (the runtime's own, ZeRO-1, unless only 0 was asked).
+        return (max(zero_stages),)
+    return tuple(sorted(zero_stages, reverse=True))
+
+
+class _Family:
+    """One (t, b, recompute, p, schedule variant): its memory demands (bytes per parameter,
+    in-flight units per rank; one per (d, ZeRO) point), its balanced cut, built on first need,
+    and what is known about the demands (each remembered for this family only)."""
+
+    def __init__(self, builder: ShapeBuilder, key: FamilyKey, capacity: int, per_d: list) -> None:
+        t, b, recompute, p, variant = key.tensor_parallel, key.micro_batch_size, key.recompute, key.pipeline_parallel, key.variant
+        self.builder = builder
+        self.t, self.b, self.recompute, self.p, self.v = t, b, recompute, p, variant.chunks
+        self.kind = variant.kind
+        self.capacity = capacity
+        self.stages = p * variant.chunks
+        self._per_d = per_d  # (d, m, ZeRO stages, units or None, state bytes per ZeRO stage)
+        self._shape: Shape | None = None
+        self._fits: dict[bool, list[bool]] = {}  # from_right -> whether that cut fits each point
+        # Demands without any cut whose every virtual stage fits: a demand at least as large in
+        # every part has none either, whatever cut is tried (the balanced one included).
+        self.without_cut: list[tuple[float, tuple[int, ...]]] = []
+        # Demands no cut satisfied (none fits, or the partitioner's cut did not fit its ranks).
+        self.hopeless: list[tuple[float, tuple[int, ...]]] = []
+        # Demands partitioned, with the optimum bottleneck: a stricter demand cannot do better
+        # (its feasible cuts are a subset).
+        self.partitioned: list[tuple[float, tuple[int, ...], float]] = []
+        # Memory-constrained cuts by (rounded state bytes, units).
+        self.fitted: dict[tuple[float, tuple[int, ...]], Shape | None] = {}
+        # Which virtual stages keep only their input per in-flight micro-batch
+        # (`recomputing_stages`: all but the last, when the schedule recomputes).
+        self.keeps_input_only = _keeps_input_only(self.stages, recompute or variant.kind is ScheduleKind.VARUNA)
+        self.ends = builder.furthest_fitting_ends(t, b, capacity)
+
+    @property
+    def shape(self) -> Shape:
+        if self._shape is None:
+            self._shape = self.builder.shape(self.t, self.b, self.recompute, self.p, self.v)
+        return self._shape
+
+    @property
+    def shape_built(self) -> bool:
+        return self._shape is not None
+
+    def balanced_cut_known(self) -> bool:
+        """Whether the builder holds this pipeline's balanced cut already (built for another schedule)."""
+        return self.builder.has_shape(self.t, self.b, self.recompute, self.p, self.v)
+
+    def cut_fits(self, index: int, from_right: bool) -> bool:
+        """Whether the balanced (or right-filled) cut fits point `index`: `StageMemory.fits` for
+        every point of the family at once on first asking (the same arithmetic per element)."""
+        fits = self._fits.get(from_right)
+        if fits is None:
+            shape = self.builder.shape(self.t, self.b, self.recompute, self.p, self.v, from_right=from_right)
+            memory = shape.memory
+            states = [state for _, _, _, units, per_device in self._per_d if units is not None for state in per_device]
+            units = [units for _, _, zeros, units, _ in self._per_d if units is not None for _ in zeros]
+            per_rank = (
+                memory.parameters * np.array(states)[:, None] + np.array(units) * memory.unit_bytes
+                + memory.recompute_buffer_bytes
+            )
+            fits = self._fits[from_right] = (per_rank <= self.capacity).all(axis=1).tolist()
+        return fits[index]
+
+    def has_memory_fitting_cut(self, per_device: float, units: tuple[int, ...]) -> bool:
+        """Whether `balanced_partition(..., fits=...)` finds any cut for this demand.
+
+        Its first attempt is the greedy pass at the largest limit, where time never binds: each
+        stage ends at the furthest end that fits, leaving a layer for every later stage. It
+        succeeds exactly when that pass reaches the last layer, so the same pass over memoised
+        furthest ends gives the same answer.
+        """
+        ends, stages = self.ends, self.stages
+        layers = ends.layers
+        # `ends.end`'s memo rows, read here first: this loop runs ~10^6 times.
+        full_rows, input_only_rows = ends.by_units(per_device, False), ends.by_units(per_device, True)
+        start = 0
+        room = layers - stages  # the last end that leaves a layer for every later stage, before this one
+        # Virtual stage s lives on rank s % p: its units are `units * v`'s s-th.
+        for stage_units, keeps in zip(units * self.v, self.keeps_input_only):
+            room += 1
+            row = (input_only_rows if keeps else full_rows).get(stage_units)
+            if row is None:
+                row = ends.row(per_device, stage_units, keeps)
+            end = row[start]
+            if end < 0:
+                end = row[start] = ends.search(start, per_device, stage_units, keeps)
+            if end > room:
+                end = room
+            if end <= start:
+                return False
+            start = end
+        return start == layers
+
+    def furthest_fitting_end(self, per_device: float, units: tuple[int, ...]):
+        """`furthest(stage, start)` for the partitioner: `RangeMemory.stage_bytes`'s test on the
+        precomputed per-range rows, each answer memoised across the pipelines of this (t, b)."""
+        ends, keeps = self.ends, self.keeps_input_only
+        units_of = units * self.v  # virtual stage s lives on rank s % p
+        # Each stage's memo row, looked up once: the partitioner asks every stage several times.
+        rows = [ends.row(per_device, stage_units, keep) for stage_units, keep in zip(units_of, keeps)]
+
+        def furthest(stage: int, start: int) -> int:
+            end = rows[stage][start]
+            if end < 0:
+                end = rows[stage][start] = ends.search(start, per_device, units_of[stage], keeps[stage])
+            return end
+
+        return furthest
+
+    def without_cut_below(self, per_device: float, units: tuple[int, ...]) -> bool:
+        return _dominates_one_of(per_device, units, self.without_cut)
+
+
+def _dominates_one_of(per_device: float, units: tuple[int, ...], demands) -> bool:
+    """Whether this demand is at least one of `demands` in every part."""
+    # (`map(operator.ge, ...)` is the element-wise `u >= w` without a generator frame: this runs ~10^5 times.)
+    for bytes_, units_ in demands:
+        if per_device >= bytes_ and all(map(operator.ge, units, units_)):
+            return True
+    return False
+
+
+def _fitting_shape(family: _Family, index: int, per_device: float, units: tuple[int, ...]) -> Shape | None:
+    """This cut if it fits; else the right-filled cut; else the memory-constrained cut; else None.
+
+    A memory demand (bytes per parameter, in-flight units per rank) that no cut satisfies is
+    remembered: any demand at least as large in every part cannot be satisfied either.
+    """
+    if family.without_cut_below(per_device, units):
+        return None
+    if not family.shape_built and not (
+        # Another schedule of this pipeline built the balanced cut already: if it fits, some cut
+        # does, which is all the memory-only pass below would say.
+        family.balanced_cut_known() and family.cut_fits(index, from_right=False)
+    ) and not family.has_memory_fitting_cut(per_device, units):
+        # Until some demand has a cut, test that first: most families of a large search have none,
+        # and then neither the balanced cut nor the partitioner is needed to reject them.
+        family.without_cut.append((per_device, units))
+        family.hopeless.append((per_device, units))
+        family.fitted[(round(per_device, 9), units)] = None
+        return None
+    shape = family.shape
+    if family.cut_fits(index, from_right=False):
+        return shape
+    # No cut can help when the average rank's model state alone is too big.
+    memory = shape.memory
+    if memory.parameters.sum() / len(memory.parameters) * per_device > family.capacity:
+        return None
+    if _dominates_one_of(per_device, units, family.hopeless):
+        return None
+    builder, t, b, rec, p, v = family.builder, family.t, family.b, family.recompute, family.p, family.v
+    if family.cut_fits(index, from_right=True):
+        return builder.shape(t, b, rec, p, v, from_right=True)
+    key = (round(per_device, 9), units)
+    if key in family.fitted:
+        return family.fitted[key]
+    fitted = None
+    if family.has_memory_fitting_cut(per_device, units):
+        # No cut beats the optimum without a memory limit (the balanced cut's bottleneck, one of
+        # the same candidates), nor that of a laxer demand.
+        at_least = max(
+            (seconds for bytes_, units_, seconds in family.partitioned
+             if bytes_ <= per_device and all(map(operator.ge, units, units_))),
+            default=builder.bottleneck(t, b, rec, p * v),
+        )
+        partition = balanced_partition(
+            builder.work(t, b, rec), p * v, furthest=family.furthest_fitting_end(per_device, units),
+            candidates=builder.candidates(t, b, rec), at_least=at_least, known_feasible=True,
+            prefix=builder.partition_prefix(t, b, rec),
+        )
+        if partition is not None:  # pragma: no branch - the memory-only pass above found a cut
+            family.partitioned.append((per_device, units, partition.bottleneck_seconds))
+            candidate = builder.shape_from_cuts(t, b, rec, p, v, partition.stage_layers)
+            if candidate.memory.fits(per_device, units, family.capacity):
+                fitted = candidate
+                builder.memory_constrained_cuts += 1
+    else:
+        family.without_cut.append((per_device, units))
+    if fitted is None:
+        family.hopeless.append((per_device, units))
+    family.fitted[key] = fitted
+    return fitted
+
+
