@@ -111,7 +111,8 @@ def run_pipectl(plan_path: Path, work: Path, steps: int, warmup: int) -> dict:
 
     plan = load_model(Plan, plan_path)
     prepared = prepare_launch(
-        plan, work / "pipectl_run", LaunchOptions(steps=steps, data=DataSpec(kind=DataKind.SYNTHETIC), force=True)
+        plan, work / "pipectl_run", LaunchOptions(steps=steps, data=DataSpec(kind=DataKind.SYNTHETIC), force=True),
+        plan_dir=plan_path.parent,
     )
     started = time.perf_counter()
     code = run_engine(prepared.command, prepared.run_dir, timeout_seconds=400)

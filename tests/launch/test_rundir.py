@@ -148,3 +148,20 @@ def test_status_summarises_metrics_and_layout_changes(tmp_path):
     assert status.prediction.max_abs_error == pytest.approx(0.5)  # |0.1 - 0.05| / 0.1
     payload = json.loads(json.dumps(status.to_dict()))
     assert payload["steps_done"] == 4 and payload["checkpoints"] == []
+
+
+def test_the_plans_profile_goes_into_the_run_and_a_missing_one_is_refused(tmp_path):
+    from pipectl.io import load_model, write_json_atomic
+    from pipectl.plan.synthetic import synthetic_profile
+    from pipectl.planfile import write_plan
+
+    write_json_atomic(tmp_path / "profile.json", synthetic_profile(blocks=2))
+    plan = write_plan(tmp_path / "plans" / "plan.json", tiny_plan(), profile_file=tmp_path / "profile.json")
+    run = tmp_path / "runs" / "demo"
+    prepare_launch(plan, run, LaunchOptions(steps=4), plan_dir=tmp_path / "plans")
+    assert (run / plan.profile.file).read_bytes() == (tmp_path / "plans" / plan.profile.file).read_bytes()
+    assert load_model(Plan, run / "plan.json").profile == plan.profile
+    (tmp_path / "plans" / plan.profile.file).unlink()
+    with pytest.raises(UserInputError, match=f"profile .*{plan.profile.file} is missing"):
+        prepare_launch(plan, tmp_path / "runs" / "other", LaunchOptions(steps=4), plan_dir=tmp_path / "plans")
+    assert not (tmp_path / "runs" / "other").exists()

@@ -141,13 +141,13 @@ def prepare_launch(
     """Validate everything, then (unless `write=False`, a dry run) create the run directory.
 
     `plan_dir` is where plan.json was read from: its profile copy goes into the run directory too,
-    so a resize can re-plan from it.
+    so a resize can re-plan from it (default: the run directory, which holds it when resuming).
     """
     path = Path(run_dir).resolve()
     job = build_job(plan, path.name, options)
     check_model(plan, job.model)
-    if plan.profile is not None and plan_dir is not None:
-        plan_profile_path(plan_dir, plan)  # present and unchanged, before anything is written
+    if plan.profile is not None:  # present and unchanged, before anything is written
+        plan_profile_path(path if plan_dir is None else plan_dir, plan)
     ds_config = validated_config(
         plan, precision=options.precision, learning_rate=options.learning_rate
     )
