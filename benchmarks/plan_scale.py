@@ -5,7 +5,8 @@
 
 Derives the 1T profile (128 blocks, h 25600, s 2048, V 51200; micro-batch sizes 1, 2, 4, 8),
 plans for all 3,072 GPUs with the schedules 1f1b, gpipe, interleaved (v = 2, 4) and Varuna,
-recomputation on/off, ZeRO 0/1, and the morph table for every count up to 3,072.
+recomputation on/off, the runtime's ZeRO-1 (the request's default), and the morph table for
+every count up to 3,072.
 
 Every timing is a cold search in a fresh process (the planner's caches start empty), and the
 worker counts asked for are run alternately, `--repeats` times each, so their ratio comes from
