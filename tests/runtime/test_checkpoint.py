@@ -5,6 +5,7 @@ exact losses of the uninterrupted run."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -196,3 +197,41 @@ def test_p2_checkpoint_continues_exactly_in_another_cut(reference_run, tmp_path)
         assert losses[step] == pytest.approx(reference[step], rel=1e-6, abs=0), step
     final = ckpt.verify_checkpoint(run / "checkpoints" / "step00000008")
     assert final.verified and final.manifest.layout.stage_layers == ((0, 2), (2, 9))
+
+
+def test_a_copied_checkpoint_folder_or_an_edited_tag_is_not_verified(tmp_path):
+    """What is verified is what loads: the folder by its name, so its manifest must name it."""
+    older = fake_checkpoint(tmp_path, 4)
+    newest = fake_checkpoint(tmp_path, 8)
+    backup = older.parent / "step00000009"  # a user's copy, newer by name than any real one
+    shutil.copytree(older, backup)
+    latest, warnings = ckpt.find_latest_verified(tmp_path)
+    assert latest.tag == "step00000008" and latest.path == newest
+    assert "names tag 'step00000004', but lies in folder 'step00000009'" in warnings[0]
+    manifest = CheckpointManifest.model_validate_json((newest / "manifest.json").read_text())
+    (newest / "manifest.json").write_text(manifest.model_copy(update={"tag": "step00000004"}).model_dump_json())
+    latest, _ = ckpt.find_latest_verified(tmp_path)
+    assert latest.tag == "step00000004" and latest.path == older
+
+
+@pytest.mark.parametrize("key", ["/etc/passwd", "../step00000004/zero/0.weight/fp32.pt", "zero/../../x.pt", ""])
+def test_a_manifest_naming_files_outside_its_folder_is_unreadable(tmp_path, key):
+    newest = fake_checkpoint(tmp_path, 8)
+    data = CheckpointManifest.model_validate_json((newest / "manifest.json").read_text()).model_dump(mode="json")
+    data["files"][key] = "0" * 64
+    (newest / "manifest.json").write_text(json.dumps(data))
+    problems = ckpt.verify_checkpoint(newest).problems
+    assert "unreadable manifest" in problems[0] and "not a relative path inside the checkpoint" in problems[0]
+
+
+def test_a_linked_file_is_not_a_checkpoints_own(tmp_path):
+    older = fake_checkpoint(tmp_path, 4)
+    newest = fake_checkpoint(tmp_path, 8)
+    target = newest / "mp_rank_00_model_states.pt"
+    outside = tmp_path / "elsewhere.pt"
+    outside.write_bytes(target.read_bytes())  # the same bytes: the hash alone would pass
+    target.unlink()
+    target.symlink_to(outside)
+    assert any("a link" in problem for problem in ckpt.verify_checkpoint(newest).problems)
+    latest, _ = ckpt.find_latest_verified(tmp_path)
+    assert latest.path == older

@@ -17,9 +17,10 @@ A run directory `runs/NAME/` holds everything one training job needs and produce
 from __future__ import annotations
 
 from enum import Enum
+from pathlib import PurePosixPath
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from pipectl.artifacts.base import Artifact, Strict
 from pipectl.artifacts.layout import Layout
@@ -159,3 +160,22 @@ class CheckpointManifest(Artifact):
     bytes: int = Field(ge=0, description="Total size of the files.")
     time_unix: float = Field(default=0.0)
     save_seconds: float = Field(default=0.0, ge=0, description="Save + convert + hash wall time.")
+
+    @field_validator("tag")
+    @classmethod
+    def _tag_is_a_folder_name(cls, tag: str) -> str:
+        if not tag or tag in (".", "..") or "/" in tag or "\\" in tag:
+            raise ValueError(f"tag {tag!r} is not a folder name")
+        return tag
+
+    @field_validator("files")
+    @classmethod
+    def _files_stay_inside(cls, files: dict[str, str]) -> dict[str, str]:
+        """Keys are relative paths inside the tag folder (no absolute path, no '..'); values sha256."""
+        for relative, digest in files.items():
+            parts = PurePosixPath(relative).parts
+            if not parts or relative.startswith(("/", "\\")) or "\\" in relative or any(p in ("", ".", "..") for p in parts):
+                raise ValueError(f"file {relative!r} is not a relative path inside the checkpoint")
+            if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+                raise ValueError(f"file {relative!r} has no sha256 (got {digest!r})")
+        return files

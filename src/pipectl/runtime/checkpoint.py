@@ -117,7 +117,9 @@ class CheckpointInfo:
 
 
 def verify_checkpoint(tag_dir: str | os.PathLike[str], *, hash_files: bool = True) -> CheckpointInfo:
-    """Check a tag directory against its manifest: every file present, sizes and sha256 equal.
+    """Check a tag directory against its manifest: the manifest names this folder, every file it
+    lists lies inside it (no links), is present and has its sha256, and no other file is there.
+    What is verified is what `load_latest` loads: the folder, by its name.
 
     With `hash_files=False` only presence is checked (fast; for listings).
     """
@@ -130,16 +132,24 @@ def verify_checkpoint(tag_dir: str | os.PathLike[str], *, hash_files: bool = Tru
     except Exception as exc:  # a torn or edited manifest is a corrupted checkpoint, not a crash
         return CheckpointInfo(tag_dir.name, tag_dir, None, None, (f"{manifest_path}: unreadable manifest ({exc})",))
     problems: list[str] = []
+    if tag_dir.is_symlink():
+        problems.append(f"{tag_dir}: a link (a checkpoint holds its own files)")
+    if manifest.tag != tag_dir.name:
+        # A copied folder (a backup) or an edited manifest: the load reads the folder by its tag,
+        # so the two must name the same checkpoint.
+        problems.append(f"{manifest_path}: names tag {manifest.tag!r}, but lies in folder {tag_dir.name!r}")
     for relative, expected in manifest.files.items():
         path = tag_dir / relative
-        if not path.is_file():
+        if path.is_symlink() or any(parent.is_symlink() for parent in path.parents if tag_dir in parent.parents):
+            problems.append(f"{path}: a link (a checkpoint holds its own files)")
+        elif not path.is_file():
             problems.append(f"{path}: missing")
         elif hash_files and sha256_file(path) != expected:
             problems.append(f"{path}: sha256 mismatch (file corrupted or modified)")
-    on_disk = {p.relative_to(tag_dir).as_posix() for p in tag_dir.rglob("*") if p.is_file()}
+    on_disk = {p.relative_to(tag_dir).as_posix() for p in tag_dir.rglob("*") if p.is_file() or p.is_symlink()}
     for extra in sorted(on_disk - set(manifest.files) - {MANIFEST_FILE}):
         problems.append(f"{tag_dir / extra}: not in the manifest")
-    return CheckpointInfo(manifest.tag, tag_dir, manifest.step, manifest, tuple(problems))
+    return CheckpointInfo(tag_dir.name, tag_dir, manifest.step, manifest, tuple(problems))
 
 
 def list_checkpoints(run_dir: str | os.PathLike[str], *, hash_files: bool = False) -> list[CheckpointInfo]:
