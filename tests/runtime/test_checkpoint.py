@@ -235,3 +235,56 @@ def test_a_linked_file_is_not_a_checkpoints_own(tmp_path):
     assert any("a link" in problem for problem in ckpt.verify_checkpoint(newest).problems)
     latest, _ = ckpt.find_latest_verified(tmp_path)
     assert latest.path == older
+
+
+class _Payload:
+    """What an attacker pickles: unpickling it calls `Path.touch(marker)`."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def plant(tag_dir: Path, relative: str, marker: Path) -> Path:
+    """Replace one file of a checkpoint with a code-running pickle and re-hash the manifest, as an
+    attacker who can write the run directory would: verification alone cannot tell."""
+    import torch
+
+    target = tag_dir / relative
+    torch.save({"module": _Payload(marker)}, target)
+    manifest = CheckpointManifest.model_validate_json((tag_dir / "manifest.json").read_text())
+    files = {**manifest.files, relative: ckpt.sha256_file(target)}
+    (tag_dir / "manifest.json").write_text(manifest.model_copy(update={"files": files}).model_dump_json())
+    return target
+
+
+def test_a_planted_pickle_is_refused_naming_the_file_and_runs_nothing(tmp_path):
+    import torch
+
+    tag_dir = fake_checkpoint(tmp_path, 4)
+    marker = tmp_path / "payload-ran"
+    planted = plant(tag_dir, "mp_rank_00_model_states.pt", marker)
+    assert ckpt.verify_checkpoint(tag_dir).verified  # the hash matches: only the load can refuse it
+    with pytest.raises(CheckpointError, match=f"{planted}: refused to load: it holds more than data"):
+        with ckpt.data_only_loads():
+            torch.load(planted, weights_only=False)  # what DeepSpeed asks for
+    assert not marker.exists()
+    assert torch.load is not None and torch.load.__name__ == "load"  # restored afterwards
+
+
+@pytest.mark.multiprocess
+def test_resume_refuses_a_planted_pickle_and_runs_nothing(reference_run, tmp_path):
+    from pipectl.launch import LaunchOptions, prepare_launch, run_engine
+
+    source, _ = reference_run
+    run = tmp_path / "planted"
+    marker = tmp_path / "payload-ran"
+    prepared = prepare_launch(plan_for(2, [(0, 4), (4, 9)]), run, LaunchOptions(steps=8))
+    copy_checkpoints(source, ["step00000004"])(run)
+    planted = plant(run / "checkpoints" / "step00000004", "mp_rank_00_model_states.pt", marker)
+    assert run_engine(prepared.command, prepared.run_dir, timeout_seconds=240) != 0
+    assert not marker.exists()
+    log = (run / "logs" / "engine.log").read_text()
+    assert f"{planted}: refused to load: it holds more than data" in log

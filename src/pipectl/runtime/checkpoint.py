@@ -51,7 +51,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from pipectl.artifacts.layout import Layout
 from pipectl.artifacts.run import CHECKPOINTS_DIR, LOGS_DIR, MANIFEST_FILE, CheckpointManifest
@@ -180,11 +180,14 @@ def find_latest_verified(run_dir: str | os.PathLike[str]) -> tuple[CheckpointInf
 
 
 def capture_rng_state() -> dict[str, Any]:
-    """Python, NumPy and torch RNG states (stored in the checkpoint's client state)."""
+    """Python, NumPy and torch RNG states as plain data (stored in the checkpoint's client state,
+    which is read back with `weights_only=True`: numbers, strings, tuples, lists and tensors only)."""
     import numpy as np
     import torch
 
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    name, keys, position, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
+    numpy_state = (name, [int(k) for k in keys], int(position), int(has_gauss), float(cached_gaussian))
+    return {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
 
 
 def restore_rng_state(state: dict[str, Any]) -> None:
@@ -192,8 +195,52 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     import torch
 
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    name, keys, position, has_gauss, cached_gaussian = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), position, has_gauss, cached_gaussian))
     torch.set_rng_state(state["torch"])
+
+
+# --------------------------------------------------------------------------- data-only loading
+
+
+@contextlib.contextmanager
+def data_only_loads() -> Iterator[None]:
+    """Every `torch.load` inside reads data only (`weights_only=True`), whatever its caller asks.
+
+    DeepSpeed reads checkpoint files with `torch.load(weights_only=False)`, which runs any code a
+    pickle names. A checkpoint is data: pipectl's loads go through this, and a file that needs
+    more than tensors, numbers, strings and containers is refused with a `CheckpointError` naming
+    it. (DeepSpeed calls `torch.load` through the module attribute, so swapping it covers them.)
+    """
+    import pickle
+
+    import torch
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    original = torch.load
+
+    def load(f: Any, *args: Any, **kwargs: Any) -> Any:
+        kwargs["weights_only"] = True
+        try:
+            return original(f, *args, **kwargs)
+        except pickle.UnpicklingError as exc:
+            lines = [line.strip() for line in str(exc).splitlines() if "GLOBAL" in line]
+            reason = lines[0].split(" was not")[0] if lines else type(exc).__name__
+            raise CheckpointError(
+                f"{f}: refused to load: it holds more than data ({reason})",
+                hint="a checkpoint is data; this file was written by something else or tampered with",
+            ) from None
+
+    torch.load = load
+    try:
+        # DeepSpeed's optimizer state names three classes of its own, all plain data (an IntEnum,
+        # a loss scale, a fragment's offset and size), allowed by name; nothing else is.
+        with torch.serialization.safe_globals([LossScaler, ZeroStageEnum, fragment_address]):
+            yield
+    finally:
+        torch.load = original
 
 
 # --------------------------------------------------------------------------- collective helpers
@@ -240,7 +287,7 @@ def convert_to_universal(native_dir: Path, universal_dir: Path, log_path: Path |
         inject_missing_state=True,
     )
     sink = open(log_path, "a") if log_path else open(os.devnull, "w")
-    with sink, contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+    with sink, contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink), data_only_loads():
         ds_to_universal.main(args)
 
 
@@ -548,9 +595,10 @@ def load_latest(
     if tag is None:
         return None
     root = checkpoints_dir(run_dir)
-    load_path, client_state = engine.load_checkpoint(
-        str(root), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
-    )
+    with data_only_loads():
+        load_path, client_state = engine.load_checkpoint(
+            str(root), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
+        )
     if load_path is None:
         raise CheckpointError(f"DeepSpeed could not load checkpoint {root / tag}")
     client_state = dict(client_state or {})
