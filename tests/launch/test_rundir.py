@@ -70,6 +70,38 @@ def test_deepspeed_engine_writes_a_hostfile_and_the_rank_environment(tmp_path):
     assert "OMP_NUM_THREADS=1\n" in (tmp_path / "ds" / ".deepspeed_env").read_text()
 
 
+def fake_checkpoint(run: Path, step: int) -> Path:
+    """A committed checkpoint of one file, as save_checkpoint leaves it."""
+    from pipectl.artifacts.run import CheckpointManifest
+    from pipectl.runtime import checkpoint as ckpt
+
+    root = ckpt.checkpoints_dir(run)
+    staged = root / ckpt.STAGING_DIR / "staged"
+    staged.mkdir(parents=True)
+    (staged / "weights.pt").write_bytes(b"w" + bytes([step]))
+    tag = ckpt.tag_for_step(step)
+    manifest = CheckpointManifest(tag=tag, step=step, files=ckpt.hash_tree(staged), bytes=2)
+    return ckpt.commit_tag(root, staged, tag, manifest)
+
+
+def test_resume_never_starts_over_silently(tmp_path):
+    from pipectl.errors import CheckpointError
+
+    run = tmp_path / "r"
+    prepare_launch(tiny_plan(), run, LaunchOptions(steps=5))
+    with pytest.raises(UserInputError, match="has no checkpoint, so it would start over from step 0") as info:
+        prepare_launch(tiny_plan(), run, LaunchOptions(steps=5, resume=True))
+    assert "--force" in info.value.hint
+    bad = fake_checkpoint(run, 2)
+    (bad / "weights.pt").write_bytes(b"changed")
+    (fake_checkpoint(run, 4) / "manifest.json").write_text("{")  # a torn manifest
+    with pytest.raises(CheckpointError, match=r"no checkpoint of .* can be loaded: .*step00000002.*sha256 mismatch") as info:
+        prepare_launch(tiny_plan(), run, LaunchOptions(steps=5, resume=True))
+    assert "step00000004" in info.value.message and info.value.exit_code == 2
+    fake_checkpoint(run, 6)
+    prepare_launch(tiny_plan(), run, LaunchOptions(steps=9, resume=True))  # a good one: resumes
+
+
 def test_existing_run_is_not_clobbered_without_resume_or_force(tmp_path):
     run = tmp_path / "r"
     prepare_launch(tiny_plan(), run, LaunchOptions(steps=5))
@@ -77,6 +109,7 @@ def test_existing_run_is_not_clobbered_without_resume_or_force(tmp_path):
     with pytest.raises(UserInputError, match="already exists") as info:
         prepare_launch(tiny_plan(), run, LaunchOptions(steps=5))
     assert "--resume" in info.value.hint and "--force" in info.value.hint
+    fake_checkpoint(run, 4)
     prepare_launch(tiny_plan(), run, LaunchOptions(steps=9, resume=True))
     assert (run / "metrics.jsonl").is_file() and read_run(run).job.steps == 9
     prepare_launch(tiny_plan(), run, LaunchOptions(steps=5, force=True))

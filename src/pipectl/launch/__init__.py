@@ -21,7 +21,8 @@ from pipectl.artifacts.run import DataSpec, ElasticRange, Engine, JobSpec, Preci
 from pipectl.errors import UserInputError
 from pipectl.runtime.dsconfig import DEFAULT_LEARNING_RATE, validated_config
 from pipectl.launch.engines import LaunchCommand, build_command, run_engine
-from pipectl.launch.rundir import prepare_run_dir, write_run_files
+from pipectl.launch.rundir import is_run_dir, prepare_run_dir, write_run_files
+from pipectl.runtime.checkpoint import resume_point
 from pipectl.runtime.dsinit import free_port
 from pipectl.planfile import plan_profile_path
 
@@ -152,6 +153,11 @@ def prepare_launch(
         plan, precision=options.precision, learning_rate=options.learning_rate
     )
     command = build_command(job, path, hosts=options.hosts)
+    if options.resume and is_run_dir(path) and resume_point(path) is None:
+        raise UserInputError(
+            f"cannot resume {path}: it has no checkpoint, so it would start over from step 0",
+            hint="start over deliberately with --force",
+        )
     if write:
         prepare_run_dir(path, resume=options.resume, force=options.force)
         write_run_files(path, plan=plan, job=job, ds_config=ds_config, command=command, plan_dir=plan_dir)

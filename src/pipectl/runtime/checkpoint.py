@@ -176,6 +176,25 @@ def find_latest_verified(run_dir: str | os.PathLike[str]) -> tuple[CheckpointInf
     return None, warnings
 
 
+def resume_point(run_dir: str | os.PathLike[str]) -> CheckpointInfo | None:
+    """The verified checkpoint a resume starts from; None when the run has none at all.
+
+    A folder without a manifest is a save that never committed and does not count. When the run
+    has committed checkpoints and none of them verifies, starting from step 0 would repeat the
+    steps they hold: that is refused, with every checkpoint's problems, never done silently.
+    """
+    info, warnings = find_latest_verified(run_dir)
+    if info is not None:
+        return info
+    committed = [c for c in list_checkpoints(run_dir) if c.manifest is not None or (c.path / MANIFEST_FILE).is_file()]
+    if committed:
+        raise CheckpointError(
+            f"no checkpoint of {Path(run_dir)} can be loaded: " + "; ".join(warnings),
+            hint="restore a good checkpoint, or start over deliberately with pipectl launch --force",
+        )
+    return None
+
+
 # --------------------------------------------------------------------------- RNG state
 
 
@@ -571,8 +590,9 @@ def load_latest(
 ) -> LoadedCheckpoint | None:
     """Load the newest verified checkpoint into `engine` (weights, optimizer state, RNG). EVERY rank.
 
-    Returns None when the run has no usable checkpoint (a fresh start). Corrupted newer checkpoints
-    are skipped with a warning naming the bad file (in `.warnings`, also logged). The engine must
+    Returns None when the run has no checkpoint (a fresh start). Corrupted newer checkpoints are
+    skipped with a warning naming the bad file (in `.warnings`, also logged); when every committed
+    checkpoint is bad, `CheckpointError` lists them (`resume_point`): never a silent restart. The engine must
     have been created with `{"checkpoint": {"load_universal": true}}` (pipectl's ds_config has it):
     this is what lets a checkpoint written by another layout load here.
     """
@@ -587,11 +607,16 @@ def load_latest(
         info, warnings = find_latest_verified(run_dir)
         for warning in warnings:
             log.warning(warning)
-        problem = tensor_slicing_problem(info.path, engine.module) if info else None
+        try:
+            resume_point(run_dir)
+            problem = tensor_slicing_problem(info.path, engine.module) if info else None
+        except CheckpointError as exc:
+            problem = exc.message
         choice = (info.tag if info else None, info.step if info else None, warnings, problem)
     tag, step, warnings, problem = _broadcast_from_rank0(choice)
     if problem is not None:  # raised on every rank, before any of them enters DeepSpeed's load
-        raise CheckpointError(problem, hint="resume it with the tensor-parallel degree it was written with")
+        raise CheckpointError(problem, hint="restore a good checkpoint, start over with --force, or resume "
+                              "with the tensor-parallel degree it was written with")
     if tag is None:
         return None
     root = checkpoints_dir(run_dir)
