@@ -285,3 +285,15 @@ def test_a_bad_request_leaves_a_running_job_alone(tmp_path):
         assert not (run / ckpt.STOP_FILE).exists() and proc.poll() is None
     finally:
         proc.kill()
+
+
+def test_a_resize_whose_job_does_not_stop_leaves_no_stop_request_behind(tmp_path):
+    run = make_run(tmp_path)
+    proc = start_stand_in(run, IGNORE_STOP="1")
+    try:
+        with pytest.raises(LaunchError, match="did not stop within 1 s"):
+            resize_run(run, 1, steps=20, relaunch=False, stop_timeout_seconds=1, signal_after_seconds=60)
+        assert not (run / ckpt.STOP_FILE).exists() and proc.poll() is None
+        assert read_run(run).job.world_size == 2  # nothing rewritten
+    finally:
+        proc.kill()

@@ -333,14 +333,20 @@ def resize_run(
         (path / STOP_FILE).unlink(missing_ok=True)  # withdraw the request if it is not too late
         raise
     if processes:
-        stopped = wait_for_exit(
-            path,
-            processes,
-            signal_after_seconds=signal_after_seconds,
-            timeout_seconds=stop_timeout_seconds,
-            started=stop_started,
-            include_launchers=prepared.job.elastic is not None,
-        )
+        try:
+            stopped = wait_for_exit(
+                path,
+                processes,
+                signal_after_seconds=signal_after_seconds,
+                timeout_seconds=stop_timeout_seconds,
+                started=stop_started,
+                include_launchers=prepared.job.elastic is not None,
+            )
+        except BaseException:
+            # The job did not stop (or the wait was interrupted): withdraw the request, so it
+            # cannot stop the job, or a later resume of it, at some step boundary to come.
+            (path / STOP_FILE).unlink(missing_ok=True)
+            raise
         say(f"stopped in {stopped.seconds:.1f} s" + (" (SIGTERM was needed)" if stopped.signalled else ""))
     # A stop request left behind (by this resize or an earlier one) would stop the new job at once.
     (path / STOP_FILE).unlink(missing_ok=True)
