@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
@@ -71,3 +72,12 @@ def write_json_atomic(path: str | os.PathLike[str], payload: BaseModel | dict[st
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def sha256_file(path: str | os.PathLike[str], chunk_bytes: int = 1 << 20) -> str:
+    """sha256 of a file's bytes, read in chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(chunk_bytes):
+            digest.update(chunk)
+    return digest.hexdigest()

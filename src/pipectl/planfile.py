@@ -11,7 +11,6 @@ any directory, and a plan is never re-priced with a profile it was not made from
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import tempfile
@@ -20,15 +19,7 @@ from pathlib import Path
 from pipectl.artifacts.plan import Plan, ProfileRef
 from pipectl.artifacts.profile import ModelProfile
 from pipectl.errors import ArtifactError, UserInputError
-from pipectl.io import load_model, write_json_atomic
-
-
-def sha256_of(path: str | os.PathLike[str]) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+from pipectl.io import load_model, sha256_file, write_json_atomic
 
 
 def profile_copy_name(sha256: str) -> str:
@@ -37,14 +28,14 @@ def profile_copy_name(sha256: str) -> str:
 
 def _copy_once(source: Path, target: Path, sha256: str) -> None:
     """Copy `source` to `target` unless `target` already holds the same bytes (atomic rename)."""
-    if target.is_file() and sha256_of(target) == sha256:
+    if target.is_file() and sha256_file(target) == sha256:
         return
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     os.close(fd)
     try:
         shutil.copyfile(source, tmp)
-        if sha256_of(tmp) != sha256:
+        if sha256_file(tmp) != sha256:
             raise ArtifactError(f"{source} changed while it was copied to {target}")
         os.replace(tmp, target)
     except BaseException:
@@ -57,7 +48,7 @@ def write_plan(path: str | os.PathLike[str], plan: Plan, *, profile_file: str | 
     plan as written (with its `profile` reference)."""
     path = Path(path)
     source = Path(profile_file)
-    sha256 = sha256_of(source)
+    sha256 = sha256_file(source)
     ref = ProfileRef(file=profile_copy_name(sha256), sha256=sha256, source=str(source))
     _copy_once(source, path.parent / ref.file, sha256)
     written = plan.model_copy(update={"profile": ref})
@@ -87,7 +78,7 @@ def plan_profile_path(plan_dir: str | os.PathLike[str], plan: Plan) -> Path:
             f"the plan's profile {path} is missing (it was made from {plan.profile.source or 'an unnamed file'})",
             hint="keep the profile-<hash>.json file next to plan.json, or re-plan",
         )
-    found = sha256_of(path)
+    found = sha256_file(path)
     if found != plan.profile.sha256:
         raise ArtifactError(
             f"{path} has sha256 {found[:12]}…, the plan was made from {plan.profile.sha256[:12]}…",

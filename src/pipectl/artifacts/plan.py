@@ -14,7 +14,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from pipectl.artifacts.base import Artifact, Strict
+from pipectl.artifacts.base import Artifact, Sha256, Strict
 from pipectl.artifacts.profile import ModelProfile
 from pipectl.schedule.ir import ScheduleKind
 
@@ -171,7 +171,7 @@ class ProfileRef(Strict):
     """The profile a plan was made from: a copy named by its content, next to plan.json."""
 
     file: str = Field(description="File name of the copy in plan.json's folder, profile-<sha256[:12]>.json.")
-    sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="sha256 of the copy's bytes; checked on load.")
+    sha256: Sha256 = Field(description="sha256 of the copy's bytes; checked on load.")
     source: str = Field(default="", description="Where the profile was read from when planning (for people).")
 
 
@@ -184,7 +184,7 @@ class Plan(Artifact):
     profile: ProfileRef | None = Field(
         default=None, description="The profile's copy next to plan.json; None for a plan never written to disk."
     )
-    cluster: str = Field(description="Cluster name or YAML path.")
+    cluster: str = Field(description="Cluster name.")
     request: PlanRequest = Field(description="The whole request; every re-plan (resize, elastic) starts from it.")
     chosen: Candidate
     candidates: list[Candidate] = Field(default_factory=list, description="Ranked feasible candidates.")
@@ -209,7 +209,8 @@ class Plan(Artifact):
         return self.model_shape.layers
 
     @model_validator(mode="after")
-    def _batch_kept(self) -> "Plan":
+    def _candidates_fit_the_plan(self) -> "Plan":
+        """Every candidate cuts the model's layers and keeps the global batch."""
         for cand in [self.chosen, *self.candidates, *(e.candidate for e in self.morph_table if e.candidate)]:
             if cand.stage_layers[-1][1] != self.layers:
                 raise ValueError(

@@ -22,7 +22,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from pipectl.artifacts.base import Artifact, Strict
+from pipectl.artifacts.base import Artifact, Sha256, Strict
 from pipectl.artifacts.layout import Layout
 
 JOB_FILE = "job.json"
@@ -156,7 +156,7 @@ class CheckpointManifest(Artifact):
     data_position: dict[str, int] = Field(
         default_factory=dict, description="Where the data order stands (e.g. samples consumed)."
     )
-    files: dict[str, str] = Field(description="sha256 of every file, keyed by path relative to the tag dir.")
+    files: dict[str, Sha256] = Field(description="sha256 of every file, keyed by path relative to the tag dir.")
     bytes: int = Field(ge=0, description="Total size of the files.")
     time_unix: float = Field(default=0.0)
     save_seconds: float = Field(default=0.0, ge=0, description="Save + convert + hash wall time.")
@@ -171,11 +171,9 @@ class CheckpointManifest(Artifact):
     @field_validator("files")
     @classmethod
     def _files_stay_inside(cls, files: dict[str, str]) -> dict[str, str]:
-        """Keys are relative paths inside the tag folder (no absolute path, no '..'); values sha256."""
-        for relative, digest in files.items():
-            parts = PurePosixPath(relative).parts
-            if not parts or relative.startswith(("/", "\\")) or "\\" in relative or any(p in ("", ".", "..") for p in parts):
+        """Keys are relative paths inside the tag folder: no absolute path, no '..', no backslash."""
+        for relative in files:
+            path = PurePosixPath(relative)
+            if not path.parts or path.is_absolute() or "\\" in relative or ".." in path.parts:
                 raise ValueError(f"file {relative!r} is not a relative path inside the checkpoint")
-            if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
-                raise ValueError(f"file {relative!r} has no sha256 (got {digest!r})")
         return files

@@ -153,7 +153,7 @@ def prepare_launch(
         plan, precision=options.precision, learning_rate=options.learning_rate
     )
     command = build_command(job, path, hosts=options.hosts)
-    if options.resume and is_run_dir(path) and resume_point(path) is None:
+    if options.resume and is_run_dir(path) and resume_point(path)[0] is None:
         raise UserInputError(
             f"cannot resume {path}: it has no checkpoint, so it would start over from step 0",
             hint="start over deliberately with --force",

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import logging
 import os
 import random
@@ -56,7 +55,7 @@ from typing import Any, Iterator
 from pipectl.artifacts.layout import Layout
 from pipectl.artifacts.run import CHECKPOINTS_DIR, LOGS_DIR, MANIFEST_FILE, CheckpointManifest
 from pipectl.errors import CheckpointError
-from pipectl.io import load_model, write_json_atomic
+from pipectl.io import load_model, sha256_file, write_json_atomic
 
 # torch, DeepSpeed and the tensor-parallel model code are imported inside the functions that use
 # them: `pipectl status` and `resize` list and verify checkpoints without loading either.
@@ -82,14 +81,6 @@ def checkpoints_dir(run_dir: str | os.PathLike[str]) -> Path:
 
 
 # --------------------------------------------------------------------------- verification (pure)
-
-
-def sha256_file(path: Path, chunk_bytes: int = 1 << 20) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        while chunk := handle.read(chunk_bytes):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def hash_tree(root: Path) -> dict[str, str]:
@@ -140,7 +131,7 @@ def verify_checkpoint(tag_dir: str | os.PathLike[str], *, hash_files: bool = Tru
         problems.append(f"{manifest_path}: names tag {manifest.tag!r}, but lies in folder {tag_dir.name!r}")
     for relative, expected in manifest.files.items():
         path = tag_dir / relative
-        if path.is_symlink() or any(parent.is_symlink() for parent in path.parents if tag_dir in parent.parents):
+        if path.resolve() != tag_dir.resolve() / relative:  # the file or a folder on its way is a link
             problems.append(f"{path}: a link (a checkpoint holds its own files)")
         elif not path.is_file():
             problems.append(f"{path}: missing")
@@ -176,23 +167,21 @@ def find_latest_verified(run_dir: str | os.PathLike[str]) -> tuple[CheckpointInf
     return None, warnings
 
 
-def resume_point(run_dir: str | os.PathLike[str]) -> CheckpointInfo | None:
-    """The verified checkpoint a resume starts from; None when the run has none at all.
+def resume_point(run_dir: str | os.PathLike[str]) -> tuple[CheckpointInfo | None, list[str]]:
+    """The verified checkpoint a resume starts from (None when the run has none at all), and
+    warnings for the newer ones skipped (`find_latest_verified`).
 
     A folder without a manifest is a save that never committed and does not count. When the run
     has committed checkpoints and none of them verifies, starting from step 0 would repeat the
     steps they hold: that is refused, with every checkpoint's problems, never done silently.
     """
     info, warnings = find_latest_verified(run_dir)
-    if info is not None:
-        return info
-    committed = [c for c in list_checkpoints(run_dir) if c.manifest is not None or (c.path / MANIFEST_FILE).is_file()]
-    if committed:
+    if info is None and any((c.path / MANIFEST_FILE).is_file() for c in list_checkpoints(run_dir)):
         raise CheckpointError(
             f"no checkpoint of {Path(run_dir)} can be loaded: " + "; ".join(warnings),
             hint="restore a good checkpoint, or start over deliberately with pipectl launch --force",
         )
-    return None
+    return info, warnings
 
 
 # --------------------------------------------------------------------------- RNG state
@@ -226,7 +215,7 @@ def restore_rng_state(state: dict[str, Any]) -> None:
 def data_only_loads() -> Iterator[None]:
     """Every `torch.load` inside reads data only (`weights_only=True`), whatever its caller asks.
 
-    DeepSpeed reads checkpoint files with `torch.load(weights_only=False)`, which runs any code a
+    DeepSpeed's own loads of checkpoint files ask for `weights_only=False`, which runs any code a
     pickle names. A checkpoint is data: pipectl's loads go through this, and a file that needs
     more than tensors, numbers, strings and containers is refused with a `CheckpointError` naming
     it. (DeepSpeed calls `torch.load` through the module attribute, so swapping it covers them.)
@@ -604,14 +593,15 @@ def load_latest(
     rank, _ = _rank_and_world()
     choice: tuple[str | None, int | None, list[str], str | None] = (None, None, [], None)
     if rank == 0:  # one rank hashes; all load the same tag
-        info, warnings = find_latest_verified(run_dir)
-        for warning in warnings:
-            log.warning(warning)
+        info, warnings, problem = None, [], None
         try:
-            resume_point(run_dir)
-            problem = tensor_slicing_problem(info.path, engine.module) if info else None
+            info, warnings = resume_point(run_dir)
         except CheckpointError as exc:
             problem = exc.message
+        for warning in warnings:
+            log.warning(warning)
+        if info is not None:
+            problem = tensor_slicing_problem(info.path, engine.module)
         choice = (info.tag if info else None, info.step if info else None, warnings, problem)
     tag, step, warnings, problem = _broadcast_from_rank0(choice)
     if problem is not None:  # raised on every rank, before any of them enters DeepSpeed's load
