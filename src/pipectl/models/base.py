@@ -41,6 +41,13 @@ class LayerDef:
     def forward(self, module: nn.Module, x: Any) -> Any:
         return self.tied_forward(module, x) if self.tied_forward is not None else module(x)
 
+    def tied_weight(self, module: nn.Module) -> nn.Parameter:
+        """The shared weight in the first holder's `module`: `tied_weight_attr`, dotted or not."""
+        value: Any = module
+        for part in self.tied_weight_attr.split("."):
+            value = getattr(value, part)
+        return value
+
 
 @dataclass(frozen=True)
 class ModelLayers:
@@ -59,51 +66,29 @@ class ModelLayers:
         return len(self.layers)
 
 
-def layer_parameter_counts(model: ModelLayers) -> list[int]:
-    """Parameters of every layer, counted as a profile counts them: a tied layer after the first
-    holder counts its copy of the shared weight. Built on the meta device: nothing is allocated,
-    so a model of any size is counted in well under a second."""
+def shape_of(model: ModelLayers) -> ModelShape:
+    """The `ModelShape` a profile of `model` records (what launch checks a plan against): a tied
+    layer after the first holder counts its copy of the shared weight, the model counts it once.
+    Built on the meta device: nothing is allocated, so a model of any size is counted in well
+    under a second."""
     counts: list[int] = []
+    copies = 0
     holders: dict[str, nn.Module] = {}
     with torch.device("meta"):
         for layer in model.layers:
             if layer.tie_key is not None and layer.tie_key in holders:
-                counts.append(_attribute(holders[layer.tie_key], layer.tied_weight_attr).numel())
-                continue
-            module = layer.build()
-            if layer.tie_key is not None:
-                holders[layer.tie_key] = module
-            counts.append(sum(p.numel() for p in module.parameters()))
-    return counts
-
-
-def shape_of(model: ModelLayers) -> ModelShape:
-    """The `ModelShape` a profile of `model` records (what launch checks a plan against)."""
-    counts = layer_parameter_counts(model)
+                count = layer.tied_weight(holders[layer.tie_key]).numel()
+                copies += count
+            else:
+                module = layer.build()
+                if layer.tie_key is not None:
+                    holders[layer.tie_key] = module
+                count = sum(p.numel() for p in module.parameters())
+            counts.append(count)
     return ModelShape(
-        parameter_count=sum(counts) - _shared_copies(model, counts),
+        parameter_count=sum(counts) - copies,
         layer_parameter_counts=counts,
         seq_len=model.seq_len,
         hidden=model.hidden,
         vocab=model.vocab,
     )
-
-
-def _shared_copies(model: ModelLayers, counts: list[int]) -> int:
-    """Parameters counted twice in `counts`: the copies tied layers after the first holder count."""
-    seen: set[str] = set()
-    copies = 0
-    for layer, count in zip(model.layers, counts):
-        if layer.tie_key is not None:
-            if layer.tie_key in seen:
-                copies += count
-            seen.add(layer.tie_key)
-    return copies
-
-
-def _attribute(module: nn.Module, dotted: str) -> Any:
-    """`module.a.b` for 'a.b'."""
-    value: Any = module
-    for part in dotted.split("."):
-        value = getattr(value, part)
-    return value

@@ -175,7 +175,7 @@ class _ModelUnderTest:
         for layer in self.defs:
             if layer.tie_key is not None and layer.tie_key in first_holder:
                 module = first_holder[layer.tie_key]
-                tied = getattr(module, layer.tied_weight_attr)
+                tied = layer.tied_weight(module)
                 params = [tied]
                 shared = tied.numel()
             else:
@@ -183,7 +183,7 @@ class _ModelUnderTest:
                 if layer.tie_key is not None:
                     first_holder[layer.tie_key] = module
                 params = list(module.parameters())
-                shared = getattr(module, layer.tied_weight_attr).numel() if layer.tie_key is not None else 0
+                shared = layer.tied_weight(module).numel() if layer.tie_key is not None else 0
             self.modules.append(module)
             self.layer_parameters.append(params)
             self.shared_counts.append(shared)
