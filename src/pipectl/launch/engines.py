@@ -41,7 +41,7 @@ from typing import Callable
 from pipectl.artifacts.run import HOSTFILE, LOGS_DIR, SBATCH_FILE, Engine, JobSpec
 from pipectl.errors import LaunchError, UserInputError
 from pipectl.paths import MODEL_PATH_VARIABLE
-from pipectl.runtime.dsinit import free_port
+from pipectl.runtime.dsinit import cuda_available
 
 WORKER_MODULE = "pipectl.runtime.worker"
 ENGINE_LOG = "engine.log"
@@ -223,7 +223,7 @@ def build_command(
 ) -> LaunchCommand:
     """The command for `job.engine`. `run_dir` should be absolute (ranks may start elsewhere)."""
     if gpus is None:
-        gpus = _gpus_visible()
+        gpus = cuda_available()
     run_dir = Path(run_dir).resolve()
     if job.engine is Engine.LOCAL:
         if job.nodes != 1 or job.elastic is not None:
@@ -238,12 +238,6 @@ def build_command(
     if job.engine is Engine.DEEPSPEED:
         return deepspeed_command(job, run_dir, hosts=hosts, python=python, gpus=gpus)
     return slurm_command(job, run_dir, python=python, gpus=gpus)
-
-
-def _gpus_visible() -> bool:
-    import torch  # only when a command is built, so the CLI starts without torch
-
-    return torch.cuda.is_available()
 
 
 def launch_script(command: LaunchCommand, run_dir: Path) -> str:

@@ -30,12 +30,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from typing import Any, Iterator
 
 from pipectl.artifacts.plan import RUNTIME_ZERO_STAGES, Candidate, Plan
 from pipectl.artifacts.run import Precision
 from pipectl.errors import UserInputError
+from pipectl.runtime.dsinit import choose_accelerator
 
 DEFAULT_LEARNING_RATE = 1e-3
 # Print DeepSpeed's own step log practically never: pipectl writes metrics.jsonl instead.
@@ -202,8 +202,7 @@ def parse_with_deepspeed(config: dict[str, Any], data_parallel: int) -> Any:
     (`_configure_train_batch_size`: train_batch_size == micro x accumulation x world_size).
     Errors become `DeepSpeedConfigRejected` naming DeepSpeed's message.
     """
-    if "DS_ACCELERATOR" not in os.environ and not _cuda_available():
-        os.environ["DS_ACCELERATOR"] = "cpu"  # quiet DeepSpeed's accelerator auto-detection warning
+    choose_accelerator()
     from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS, DeepSpeedConfig  # see _quiet_deepspeed_logger
 
     class PlannedDeepSpeedConfig(DeepSpeedConfig):
@@ -225,12 +224,6 @@ def parse_with_deepspeed(config: dict[str, Any], data_parallel: int) -> Any:
             f"DeepSpeed rejected the config (data-parallel {data_parallel}): "
             f"{type(exc).__name__}: {' '.join(detail)[:600]}"
         ) from exc
-
-
-def _cuda_available() -> bool:
-    import torch  # only when a config is validated, so the CLI starts without torch
-
-    return torch.cuda.is_available()
 
 
 def validated_config(

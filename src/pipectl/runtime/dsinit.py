@@ -38,9 +38,21 @@ def set_rank_environment() -> None:
     # torch and DeepSpeed are imported here, after the environment they read at import is set.
     import torch
 
-    if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
-        os.environ["DS_ACCELERATOR"] = "cpu"
+    choose_accelerator()
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+def cuda_available() -> bool:
+    import torch  # only when asked, so the CLI starts without torch
+
+    return torch.cuda.is_available()
+
+
+def choose_accelerator() -> None:
+    """`DS_ACCELERATOR=cpu` when no GPU is visible and nobody chose: quiets DeepSpeed's
+    auto-detection warning. Call before DeepSpeed is imported."""
+    if "DS_ACCELERATOR" not in os.environ and not cuda_available():
+        os.environ["DS_ACCELERATOR"] = "cpu"
 
 
 def skip_shared_memory_op_build() -> None:
