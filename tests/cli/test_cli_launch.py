@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from pipectl.artifacts.plan import Candidate, Plan
+from pipectl.artifacts.plan import Candidate
 from pipectl.cli.main import app
 from pipectl.io import write_json_atomic
 from pipectl.schedule.ir import ScheduleKind

@@ -12,7 +12,7 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from pipectl.artifacts.morph import MorphRecord
-from pipectl.artifacts.plan import MorphEntry, Plan
+from pipectl.artifacts.plan import MorphEntry
 from pipectl.artifacts.run import CheckpointManifest, Engine, RankTiming, StepMetrics
 from pipectl.cli.main import app
 from pipectl.report.run_tables import morph_history_table, status_renderables, straggler_table

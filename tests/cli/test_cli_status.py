@@ -7,7 +7,7 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from pipectl.artifacts.plan import Candidate, Plan
+from pipectl.artifacts.plan import Candidate
 from pipectl.artifacts.run import CheckpointManifest, StepMetrics
 from pipectl.cli.main import app
 from pipectl.launch import LaunchOptions, prepare_launch

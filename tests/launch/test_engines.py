@@ -22,7 +22,6 @@ from pipectl.launch.engines import (
     run_engine,
     slurm_script,
 )
-from pipectl.schedule.ir import ScheduleKind
 
 RUN = Path("/runs/demo")
 

@@ -3,7 +3,6 @@ stop of a running job (stand-in processes), and the hooks for elastic restarts."
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys

@@ -230,7 +230,7 @@ def test_resize_moves_a_t2_job_to_one_rank_at_t1(tmp_path):
     uninterrupted t=2 run."""
     from builders import gpt_tiny_candidate
 
-    from pipectl.artifacts.plan import MorphEntry, Plan
+    from pipectl.artifacts.plan import MorphEntry
     from pipectl.launch import LaunchOptions, prepare_launch, run_engine
     from pipectl.resize.morph import resize_run
     from pipectl.runtime.metrics import read_metrics

@@ -72,19 +72,11 @@ def test_long_steps_with_a_periodic_jump_stay_exact(kind, p, m, v, seed):
 
 
 @pytest.mark.parametrize("kind, p, v", [(ScheduleKind.ONE_F_ONE_B, 4, 1), (ScheduleKind.INTERLEAVED, 4, 2)])
-def test_a_long_step_skips_its_repeating_waves(kind, p, v, monkeypatch):
+def test_a_long_step_skips_its_repeating_waves(kind, p, v, repeat_searches):
     """A repeat is found early and the rest of the steady part is skipped, not simulated."""
-    searches = []
-    original = waves._History._repeat
-
-    def counting(self, *args):
-        searches.append(1)
-        return original(self, *args)
-
-    monkeypatch.setattr(waves._History, "_repeat", counting)
     costs = random_costs(p, v, random.Random(7), 0.05)
     long_step = step_seconds_of(kind, p, 40_000, v, False, costs)
-    assert len(searches) < 200
+    assert len(repeat_searches) < 200
     short_step = step_seconds_of(kind, p, 400, v, False, costs)
     assert short_step == pytest.approx(simulate_step_seconds(generate(kind, p, 400, v), costs), rel=1e-12)
     # Past the transient the step grows by the same amount per micro-batch.

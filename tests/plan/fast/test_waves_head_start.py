@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipectl.plan.fast import periodic, waves
+from pipectl.plan.fast import periodic
 from builders import head_start_costs
 from pipectl.plan.simulate import simulate
 from pipectl.plan.timing import summary_of
@@ -39,19 +39,11 @@ def assert_as_simulated(kind, p, m, v, recompute, costs):
         (ScheduleKind.INTERLEAVED, 8, 400, 2, True),
     ],
 )
-def test_a_long_head_start_is_skipped_and_stays_exact(kind, p, m, v, recompute, monkeypatch):
-    searches = []
-    original = waves._History._repeat
-
-    def counting(self, *args):
-        searches.append(1)
-        return original(self, *args)
-
-    monkeypatch.setattr(waves._History, "_repeat", counting)
+def test_a_long_head_start_is_skipped_and_stays_exact(kind, p, m, v, recompute, repeat_searches):
     costs = head_start_costs(p * v, p, 3e-4, 0.1)
     assert_as_simulated(kind, p, m, v, recompute, costs)
     # Without the per-entry skip every steady wave is walked (hundreds of searches).
-    assert len(searches) < 40
+    assert len(repeat_searches) < 40
 
 
 @settings(max_examples=40, deadline=None)
