@@ -43,7 +43,22 @@ class DeviceSpec(Strict):
     name: str = Field(description="Catalog key, e.g. 'a100-80gb'.")
     description: str = Field(default="", description="What the device is, in words.")
     source: str = Field(default="", description="Where the figures come from (datasheet, measurement).")
-    memory_gib: float = Field(gt=0, description="Device memory usable by one rank, GiB.")
+    memory_gib: float = Field(gt=0, description="Device memory by the datasheet, GiB (CPU: what one rank may use).")
+    reported_memory_gib: float | None = Field(
+        default=None, gt=0,
+        description="Total memory the device's runtime reports (CUDA: torch.cuda.get_device_properties().total_memory), "
+        "GiB, where measured (ECC and firmware take some of the datasheet's); None: the datasheet figure is used.",
+    )
+    outside_allocator_gib: float = Field(
+        default=0.0, ge=0,
+        description="Memory a training rank uses outside PyTorch's allocator (CUDA context, NCCL and cuBLAS "
+        "buffers), GiB.",
+    )
+    allocator_overhead: float = Field(
+        default=0.0, ge=0,
+        description="What PyTorch's caching allocator reserves beyond the bytes allocated at a rank's peak, as a "
+        "fraction of them (fragmentation); 0 for CPU ranks.",
+    )
     peak_tflops_bf16: float = Field(
         gt=0, description="Dense peak for 16-bit training (bf16, or fp16 where bf16 is absent), TFLOP/s."
     )
@@ -82,7 +97,8 @@ class DeviceSpec(Strict):
 
     @property
     def memory_bytes(self) -> int:
-        return int(self.memory_gib * GIB)
+        """The device's total memory: as its runtime reports it where measured, else the datasheet's."""
+        return int((self.reported_memory_gib or self.memory_gib) * GIB)
 
     def efficiency(self, micro_batch_size: float) -> float:
         """Achievable fraction of peak at this micro-batch size.

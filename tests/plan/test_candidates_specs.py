@@ -13,6 +13,7 @@ from pipectl.plan.candidates import (
     lower_bound_seconds,
     specs_from_points,
     state_bytes,
+    step_bytes,
 )
 from pipectl.plan.costs import hardware_for
 from pipectl.plan.synthetic import synthetic_profile
@@ -52,7 +53,8 @@ def test_specs_on_a_shape_match_each_points_own_costs(tied, variant):
     for spec, (shape, _, (d, m, zero, per_device, units)) in zip(specs, points):
         allreduce, optimizer = data_parallel_costs(shape, hardware, d, zero, profile.dtype)
         bound = lower_bound_seconds(shape, variant.kind, m, allreduce, optimizer)
-        peak = shape.memory.per_rank_bytes(per_device, units)
+        allocated = shape.memory.per_rank_bytes(per_device, step_bytes(profile.dtype, zero, d, variant.kind), units)
+        peak = hardware.memory_budget.reserved(allocated)
         assert spec.shape is shape and spec.variant == variant
         assert (spec.data_parallel, spec.micro_batches, spec.zero_stage) == (d, m, zero)
         assert spec.lower_bound_seconds == bound

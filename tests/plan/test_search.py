@@ -104,7 +104,7 @@ def test_batch_that_nothing_divides_uses_fewer_devices():
 
 def test_memory_rejections_are_typed_and_explained():
     # A model far too big for one CPU rank's 8 GiB budget unless it is cut.
-    profile = synthetic_profile(blocks=8, hidden=4096, seq_len=512, vocab=1000, device="cpu", micro_batch_sizes=[1])
+    profile = synthetic_profile(blocks=8, hidden=3072, seq_len=512, vocab=1000, device="cpu", micro_batch_sizes=[1])
     result = plan(profile, local_cluster(4), PlanRequest(global_batch=4))
     assert result.infeasible["a stage does not fit in device memory"] > 0
     assert any("needs" in note and "GiB >" in note for note in result.notes)
@@ -234,7 +234,7 @@ def test_the_plan_is_the_same_whatever_the_number_of_workers(monkeypatch, seed):
     )
     hardware = hardware_for(load_cluster("a100-8x8"), profile)
     # Memory tight enough that many points are rejected and some need the memory-constrained cut.
-    hardware = dataclasses.replace(hardware, device=hardware.device.model_copy(update={"memory_gib": 0.004 * (seed + 2)}))
+    hardware = dataclasses.replace(hardware, device=hardware.device.model_copy(update={"memory_gib": 0.004 * (seed + 2), "outside_allocator_gib": 0.0}))
     shared = space.share
     remote = []
 

@@ -8,7 +8,10 @@ import random
 import pytest
 
 from pipectl.cluster import load_cluster
-from pipectl.plan.candidates import ScheduleVariant, ShapeBuilder, divisors, in_flight, recomputing_stages, state_bytes
+from pipectl.plan.candidates import (
+    ScheduleVariant, ShapeBuilder, divisors, in_flight, recomputing_stages, state_bytes,
+    step_bytes,
+)
 from pipectl.plan.costs import hardware_for
 from pipectl.plan.partition import balanced_partition
 from pipectl.artifacts.plan import PlanRequest
@@ -22,15 +25,16 @@ def _profile(blocks: int, seed: int):
     return synthetic_profile(
         blocks=blocks, micro_batch_sizes=[1, 2], hidden=128, seq_len=256,
         block_forward_seconds=[0.01 * rng.uniform(0.5, 2.0) for _ in range(blocks)],
+        head_working_per_logit=rng.choice((0.0, 8.0)),
     )
 
 
 def _hardware(profile, memory_gib: float):
     hardware = hardware_for(load_cluster("a100-8x8"), profile)
-    return dataclasses.replace(hardware, device=hardware.device.model_copy(update={"memory_gib": memory_gib}))
+    return dataclasses.replace(hardware, device=hardware.device.model_copy(update={"memory_gib": memory_gib, "outside_allocator_gib": 0.0}))
 
 
-def _memory_fits(builder, shape, kind, per_device, units, capacity):
+def _memory_fits(builder, shape, kind, per_device, per_step, units, capacity):
     """`balanced_partition`'s per-virtual-stage memory test, written out."""
     rows = builder.range_memory(shape.tensor_parallel, shape.micro_batch_size)
     stages, p = shape.virtual_stages, shape.pipeline_parallel
@@ -38,7 +42,9 @@ def _memory_fits(builder, shape, kind, per_device, units, capacity):
 
     def fits(index, start, end):
         keeps = bool(recomputes[index]) and index != stages - 1
-        return rows.stage_bytes(start, end, state_bytes=per_device, units=units[index % p], recompute=keeps) <= capacity
+        return rows.stage_bytes(
+            start, end, state_bytes=per_device, step_bytes=per_step, units=units[index % p], recompute=keeps
+        ) <= capacity
 
     return fits
 
@@ -58,11 +64,12 @@ def test_a_memory_fitting_cut_exists_exactly_when_the_partitioner_finds_one(seed
         p = rng.randint(1, builder.layers // variant.chunks)
         m = p * rng.randint(1, 4)
         zero, d = rng.choice(((0, 1), (1, 2), (1, 8), (0, 4)))
-        family = _Family(builder, FamilyKey(t, b, recompute, p, variant), capacity, [])
+        per_device = state_bytes(profile.dtype, zero, d, variant.kind)
+        per_step = step_bytes(profile.dtype, zero, d, variant.kind)
+        family = _Family(builder, FamilyKey(t, b, recompute, p, variant), capacity, [], {per_device: per_step})
         shape = builder.shape(t, b, recompute, p, variant.chunks)
         units = in_flight(shape, variant, m)
-        per_device = state_bytes(profile.dtype, zero, d, variant.kind)
-        fits = _memory_fits(builder, shape, variant.kind, per_device, units, capacity)
+        fits = _memory_fits(builder, shape, variant.kind, per_device, per_step, units, capacity)
         partition = balanced_partition(builder.work(t, b, recompute), p * variant.chunks, fits=fits)
         answer = family.has_memory_fitting_cut(per_device, units)
         assert answer == (partition is not None), (t, b, recompute, p, variant.label, m, zero, d)
@@ -99,17 +106,18 @@ def _reference_specs(profile, hardware, space, max_devices):
 def _reference_fit(builder, t, b, recompute, p, variant, m, zero, d, capacity):
     kind = variant.kind
     per_device = state_bytes(builder.profile.dtype, zero, d, kind)
+    per_step = step_bytes(builder.profile.dtype, zero, d, kind)
     balanced = builder.shape(t, b, recompute, p, variant.chunks)
     units = in_flight(balanced, variant, m)
     for shape in (balanced, builder.shape(t, b, recompute, p, variant.chunks, from_right=True)):
-        if shape.memory.fits(per_device, units, capacity):
+        if shape.memory.fits(per_device, per_step, units, capacity):
             return shape
-    fits = _memory_fits(builder, balanced, kind, per_device, units, capacity)
+    fits = _memory_fits(builder, balanced, kind, per_device, per_step, units, capacity)
     partition = balanced_partition(builder.work(t, b, recompute), p * variant.chunks, fits=fits)
     if partition is None:
         return None
     shape = builder.shape_from_cuts(t, b, recompute, p, variant.chunks, partition.stage_layers)
-    return shape if shape.memory.fits(per_device, units, capacity) else None
+    return shape if shape.memory.fits(per_device, per_step, units, capacity) else None
 
 
 @pytest.mark.parametrize("seed", range(3))

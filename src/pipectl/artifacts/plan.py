@@ -56,6 +56,10 @@ class PlanRequest(Strict):
         description="ZeRO stages to try. pipectl's runtime trains with ZeRO-1 (its universal checkpoints "
         "re-cut optimizer state for resize); 0 is a planner-only analysis (with for_deepspeed off).",
     )
+    memory_headroom: float = Field(
+        default=0.05, ge=0, lt=1,
+        description="Fraction of each device's memory the plan keeps free, on top of the memory model's own terms.",
+    )
     include_all: bool = Field(default=False, description="Simulate and keep every feasible candidate.")
     for_deepspeed: bool = Field(default=True, description="Choose only schedules DeepSpeed's engine can run.")
     top: int = Field(default=10, description="Candidates kept in the ranking (without include_all).")

@@ -55,6 +55,14 @@ class LayerProfile(Strict):
     )
     costs: list[LayerCost] = Field(description="One entry per profiled micro-batch size, ascending.")
 
+    def working_memory_bytes(self, cost: LayerCost) -> int:
+        """Bytes the layer's forward and backward allocate and free again, beyond its weights,
+        gradients, saved activations and output (the head's fp32 logits and their gradients):
+        `peak_memory_bytes` - 2 x `parameter_bytes` - saved - output, at least 0. A profile whose
+        peak is only that sum (CPU measurements, older derived profiles) has none."""
+        held = 2 * self.parameter_bytes + cost.saved_activation_bytes + cost.output_activation_bytes
+        return max(0, cost.peak_memory_bytes - held)
+
     def cost(self, micro_batch_size: int) -> LayerCost:
         for entry in self.costs:
             if entry.micro_batch_size == micro_batch_size:
@@ -196,6 +204,12 @@ class ModelProfile(Artifact):
     hidden: int | None = Field(default=None, description="Hidden size (transformers).")
     vocab: int | None = Field(default=None, description="Vocabulary size (transformers).")
     layers: list[LayerProfile] = Field(description="The cuttable layers, in order.")
+    device_memory_bytes: int | None = Field(
+        default=None,
+        description="Total memory of the device profiled on as its runtime reports it (CUDA: "
+        "torch.cuda.get_device_properties(i).total_memory); None on CPU or when derived. The planner prefers it "
+        "to the catalog's figure.",
+    )
     links: LinksProfile | None = Field(default=None, description="Link calibration, when included.")
     runtime: RuntimeCosts | None = Field(
         default=None,

@@ -81,6 +81,13 @@ def plan_command(
             "universal checkpoints re-cut optimizer state for resize; ZeRO-0 candidates are planner-only.",
         ),
     ] = "1",
+    memory_headroom: Annotated[
+        float,
+        typer.Option(
+            "--memory-headroom", min=0.0, max=0.9,
+            help="Fraction of each device's memory to keep free beyond what the memory model predicts (0.05: 5 %).",
+        ),
+    ] = 0.05,
     include_all: Annotated[bool, typer.Option("--all", help="Simulate and keep every feasible candidate.")] = False,
     any_engine: Annotated[bool, typer.Option("--any-engine", help="Also choose schedules DeepSpeed cannot run.")] = False,
     no_morph: Annotated[bool, typer.Option("--no-morph", help="Skip the morph table.")] = False,
@@ -116,6 +123,7 @@ def plan_command(
         tokens=parse_amount(tokens, "--tokens"),
         allow_recompute=not no_recompute,
         zero_stages=zeros,
+        memory_headroom=memory_headroom,
         include_all=include_all,
         for_deepspeed=not any_engine,
         top=max(top, 1),

@@ -42,6 +42,7 @@ from pipectl.plan.memory import (
     in_flight_units,
     stage_holding,
     state_bytes_per_parameter,
+    step_bytes_per_parameter,
     weight_versions,
 )
 from pipectl.plan.partition import candidate_values, greedy_cuts, min_bottlenecks, prefix_sums
@@ -532,7 +533,14 @@ def in_flight(shape: Shape, variant: ScheduleVariant, micro_batches: int) -> tup
 
 @lru_cache(maxsize=4096)
 def state_bytes(dtype: str, zero_stage: int, data_parallel: int, kind: ScheduleKind) -> float:
+    """Bytes per parameter held while micro-batches run (`memory.state_bytes_per_parameter`)."""
     return state_bytes_per_parameter(dtype, zero_stage, data_parallel, weight_versions(kind))
+
+
+@lru_cache(maxsize=4096)
+def step_bytes(dtype: str, zero_stage: int, data_parallel: int, kind: ScheduleKind) -> float:
+    """Bytes per parameter at the optimizer step (`memory.step_bytes_per_parameter`)."""
+    return step_bytes_per_parameter(dtype, zero_stage, data_parallel, weight_versions(kind))
 
 
 def specs_from_points(
@@ -591,6 +599,7 @@ def _specs_of_one_depth(
     parameters = np.array([shape.memory.parameters for shape in unique])[row_of]
     unit_bytes = np.array([shape.memory.unit_bytes for shape in unique])[row_of]
     buffer_bytes = np.array([shape.memory.recompute_buffer_bytes for shape in unique])[row_of]
+    working_bytes = np.array([shape.memory.working_bytes for shape in unique])[row_of]
     work = np.array([_work_per_rank(shape, kind) for shape in unique])[row_of]
     shape_chains = [chains(shape) for shape in unique]
     forward_chain = np.array([forward for forward, _ in shape_chains])[row_of]
@@ -601,7 +610,12 @@ def _specs_of_one_depth(
     sharded = np.array([point[2] >= 1 for point in points])[:, None]
     per_device = np.array([point[3] for point in points], dtype=float)[:, None]
     units = np.array([point[4] for point in points], dtype=np.int64)
-    peak = parameters * per_device + units * unit_bytes + buffer_bytes
+    per_step = np.array([step_bytes(dtype, zero, d, kind) for d, _, zero, _, _ in points], dtype=float)[:, None]
+    # `StageMemory.per_rank_bytes`, one row per point; reported as the allocator's reserve.
+    allocated = np.maximum(
+        parameters * per_device + units * unit_bytes + buffer_bytes + working_bytes, parameters * per_step
+    )
+    peak = hardware.memory_budget.reserved(allocated)
     if hardware.runtime is not None:
         costs = [
             data_parallel_costs(shape, hardware, d, zero, dtype) for shape, (d, _, zero, _, _) in zip(shapes, points)

@@ -75,10 +75,11 @@ from typing import Sequence
 from pipectl.artifacts.cluster import ClusterSpec, NodeType
 from pipectl.artifacts.plan import Candidate
 from pipectl.artifacts.profile import ModelProfile, RuntimeCosts
-from pipectl.catalog import DTYPE_BYTES, DeviceSpec, get_device, load_catalog
+from pipectl.catalog import DTYPE_BYTES, GIB, DeviceSpec, get_device, load_catalog
 from pipectl.cluster import LinkCost, ResolvedLinks, price_per_device_hour, resolve_links
 from pipectl.errors import UserInputError
 from pipectl.plan.layer_table import LayerTable, interpolate, layer_table
+from pipectl.plan.memory import MemoryBudget
 from pipectl.plan.simulate import StageCosts
 
 # Bytes of memory traffic per parameter of one Adam step (read 4+4+4+2, write 4+4+4+2).
@@ -108,10 +109,25 @@ class Hardware:
     compute_scale: float = 1.0  # profiled device's time -> this device's time
     node_type: str = ""
     runtime: RuntimeCosts | None = None  # measured engine terms (same device kind only)
+    memory_headroom: float = 0.0  # fraction of each device's memory the plan keeps free
+    measured_memory_bytes: int | None = None  # the device's total as a profile on it measured
 
     @property
-    def memory_bytes(self) -> int:
-        return self.device.memory_bytes
+    def memory_budget(self) -> MemoryBudget:
+        """A rank's memory: the measured total, else the catalog's; what sits outside the
+        allocator and the allocator's overhead from the catalog."""
+        device = self.device
+        return MemoryBudget(
+            device_bytes=self.measured_memory_bytes or device.memory_bytes,
+            outside_allocator_bytes=int(device.outside_allocator_gib * GIB),
+            allocator_overhead=device.allocator_overhead,
+            headroom=self.memory_headroom,
+        )
+
+    @property
+    def memory_bytes(self) -> float:
+        """What a rank's tensors may add up to (allocated bytes): the planner's capacity."""
+        return self.memory_budget.allocatable_bytes
 
 
 def compute_scale(profile: ModelProfile, device: DeviceSpec) -> float:
@@ -129,9 +145,12 @@ def compute_scale(profile: ModelProfile, device: DeviceSpec) -> float:
     return source / device.peak_flops_per_second(dtype)
 
 
-def hardware_for(cluster: ClusterSpec, profile: ModelProfile, node_type: NodeType | str | None = None) -> Hardware:
+def hardware_for(
+    cluster: ClusterSpec, profile: ModelProfile, node_type: NodeType | str | None = None, *, memory_headroom: float = 0.0
+) -> Hardware:
     """The pool of one node type (the first one by default); every node type of a homogeneous
-    cluster has the same device, and the pool counts all of them."""
+    cluster has the same device, and the pool counts all of them. `memory_headroom`: the fraction
+    of each device's memory the plan keeps free."""
     if node_type is None:
         node_type = cluster.node_types[0]
     elif isinstance(node_type, str):
@@ -150,6 +169,8 @@ def hardware_for(cluster: ClusterSpec, profile: ModelProfile, node_type: NodeTyp
         compute_scale=compute_scale(profile, device),
         node_type=node_type.name,
         runtime=runtime,
+        memory_headroom=memory_headroom,
+        measured_memory_bytes=profile.device_memory_bytes if profile.device == device.name else None,
     )
 
 

@@ -25,7 +25,7 @@ from pipectl.artifacts.cluster import ClusterSpec
 from pipectl.artifacts.plan import Candidate, Objective, Plan, PlanRequest, ReplicaShare
 from pipectl.artifacts.profile import ModelProfile
 from pipectl.errors import InfeasibleError
-from pipectl.plan.candidates import ScheduleVariant, ShapeBuilder, Spec, SpecFigures, data_parallel_costs, in_flight, lower_bound_seconds, state_bytes
+from pipectl.plan.candidates import ScheduleVariant, ShapeBuilder, Spec, SpecFigures, data_parallel_costs, in_flight, lower_bound_seconds, state_bytes, step_bytes
 from pipectl.plan.costs import Hardware, hardware_for
 from pipectl.plan.evaluate import Evaluator
 from pipectl.plan.homogeneous import SearchStats, plan_homogeneous
@@ -47,7 +47,7 @@ def plan_heterogeneous(
     failures = []
     for kind in cluster.device_kinds:
         sub = _sub_cluster(cluster, kind)
-        hardware = hardware_for(sub, profile)
+        hardware = hardware_for(sub, profile, memory_headroom=request.memory_headroom)
         sub_request = request.model_copy(update={"devices": None})
         try:
             result = plan_homogeneous(profile, f"{cluster.name}[{kind}]", hardware, sub_request)
@@ -104,7 +104,7 @@ def uneven_split(
     total = B // b
     kinds = []
     for kind in cluster.device_kinds:
-        hardware = hardware_for(_sub_cluster(cluster, kind), profile)
+        hardware = hardware_for(_sub_cluster(cluster, kind), profile, memory_headroom=request.memory_headroom)
         replicas = hardware.devices // (t * p)
         if replicas == 0 or hardware.devices_per_node % t:
             continue
@@ -140,11 +140,13 @@ def uneven_split(
         for m in sorted({m for m in counts[i] if m > 0}):
             units = in_flight(shape, variant, m)
             per_device = state_bytes(profile.dtype, template.zero_stage, d_total, variant.kind)
-            if not shape.memory.fits(per_device, units, hardware.memory_bytes):
+            per_step = step_bytes(profile.dtype, template.zero_stage, d_total, variant.kind)
+            if not shape.memory.fits(per_device, per_step, units, hardware.memory_bytes):
                 return None
             allreduce, optimizer = data_parallel_costs(shape, hardware, d_total, template.zero_stage, profile.dtype)
+            allocated = shape.memory.per_rank_bytes(per_device, per_step, units)
             figures = SpecFigures.single(
-                [int(x) for x in shape.memory.per_rank_bytes(per_device, units)], allreduce.tolist(), optimizer.tolist()
+                [int(x) for x in hardware.memory_budget.reserved(allocated)], allreduce.tolist(), optimizer.tolist()
             )
             spec = Spec(shape, d_total, m, variant, template.zero_stage, 0.0, figures)
             step = evaluator.step_seconds(spec)

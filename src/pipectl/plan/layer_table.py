@@ -70,6 +70,13 @@ def _cost_at(layer: LayerProfile, micro_batch_size: int, field: str) -> float:
     return interpolate(points, micro_batch_size)
 
 
+def _working_at(layer: LayerProfile, micro_batch_size: int) -> float:
+    """The layer's working memory at b, interpolated over b like the cost fields."""
+    points = [(c.micro_batch_size, float(layer.working_memory_bytes(c))) for c in layer.costs]
+    exact = next((value for size, value in points if size == micro_batch_size), None)
+    return exact if exact is not None else interpolate(points, micro_batch_size)
+
+
 def _prefix(values: Sequence[float]) -> tuple[float, ...]:
     return (0.0, *accumulate(values))
 
@@ -89,6 +96,7 @@ class LayerTable:
     output_activation_bytes: tuple[float, ...]
     saved_activation_bytes: tuple[float, ...]
     forward_flops: tuple[float, ...]
+    working_bytes: tuple[float, ...]  # `LayerProfile.working_memory_bytes`: transient, not divided by t
     parameter_count: tuple[int, ...]
     shared_group: tuple[str | None, ...]
     shared_parameter_count: tuple[int, ...]
@@ -129,6 +137,10 @@ class LayerTable:
     def _shared_indices_in(self, start: int, end: int) -> list[int]:
         return [i for i in self.shared_layer_indices if start <= i < end]
 
+    def working(self, start: int, end: int) -> float:
+        """The largest working memory of layers [start, end) (0 for an empty range)."""
+        return max(self.working_bytes[start:end], default=0.0)
+
     def input_activation_bytes(self, start: int) -> float:
         """Bytes a stage starting at `start` receives (0 for the first stage: its input is tokens)."""
         return self.output_activation_bytes[start - 1] if start > 0 else 0.0
@@ -151,6 +163,7 @@ def build_layer_table(layers: Sequence[LayerProfile], micro_batch_size: int) -> 
         output_activation_bytes=columns["output_activation_bytes"],
         saved_activation_bytes=columns["saved_activation_bytes"],
         forward_flops=columns["forward_flops"],
+        working_bytes=tuple(_working_at(layer, micro_batch_size) for layer in layers),
         parameter_count=parameters,
         shared_group=tuple(layer.shared_group for layer in layers),
         shared_parameter_count=tuple(layer.shared_parameter_count for layer in layers),

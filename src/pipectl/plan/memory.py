@@ -1,11 +1,28 @@
-"""Memory per device of a pipeline stage: model state plus the activations its schedule keeps.
+"""Memory per device of a pipeline stage: model state, the activations its schedule keeps, the
+working memory of its largest layer, and the optimizer step's peak.
 
 Model state (SPEC §3; ZeRO, Rajbhandari et al. 2020, §5.1): mixed-precision Adam holds 16 bytes per
-parameter, 2 for the 16-bit weights, 2 for their gradients and 12 for the fp32 optimizer state
-(master weights, momentum, variance); fp32 training holds 4 + 4 + 8 = 16 as well. ZeRO stage 1
-shards the optimizer part over the d data-parallel replicas. PipeDream-2BW keeps a second copy of
-the weights (Narayanan et al. 2021, §3.1). Tensor parallelism (Megatron) splits a stage's
-parameters over its t devices.
+parameter while micro-batches run, 2 for the 16-bit weights, 2 for their gradients and 12 for the
+fp32 optimizer state (master weights, momentum, variance); fp32 training holds 4 + 4 + 8 = 16 as
+well. ZeRO stage 1 shards the optimizer part over the d data-parallel replicas. PipeDream-2BW keeps a
+second copy of the weights (Narayanan et al. 2021, §3.1). Tensor parallelism (Megatron) splits a
+stage's parameters over its t devices.
+
+The optimizer step is a second peak. Measured on one H100 (DeepSpeed 0.19.8's bf16 engine, torch
+AdamW, ZeRO-0 and ZeRO-1 at d = 1): 14 bytes per parameter held between steps (weights and the
+fp32 optimizer state) and 22-24 at the step, where the engine adds the fp32 copy of the gradients
+(4) and Adam's temporaries (4; torch's multi-tensor Adam allocates one fp32 buffer per parameter
+for its update) to the 16 above. Both of these belong to the optimizer partition, so ZeRO-1
+shards them too. The activations are freed by then, so a rank's peak is the larger of
+
+    training:  parameters x state bytes + in-flight activations + recompute buffer + working memory
+    step:      parameters x step bytes (24 per parameter at d = 1 for 16-bit training, 20 for fp32)
+
+A layer's working memory is what its forward and backward allocate and free again beyond its
+weights, gradients, saved activations and output: the head's fp32 logits, log-probabilities and
+their gradients, the largest by far (6.25 GiB at b = 16, sequence 2048, vocabulary 51200).
+`LayerProfile.working_memory_bytes` reads it from the profile; a stage needs its largest layer's,
+on top of everything else it holds.
 
 Activations: each micro-batch a stage has run forward on but not yet backward ("in flight") keeps
 the stage's saved activations (SPEC §3). How many are in flight is a property of the schedule:
@@ -34,8 +51,10 @@ activation is replicated and is not divided.
     >>> units = in_flight_units(ScheduleKind.ONE_F_ONE_B, 2, 4)
     >>> units
     (2, 1)
-    >>> estimate = stages.estimate(state_bytes_per_parameter("bfloat16", 0, 1), units, capacity_bytes=10**9)
-    >>> estimate.feasible, estimate.per_rank_bytes[0] == 16 * table.parameters(0, 3) + 2 * table.saved(0, 3)
+    >>> held, step = state_bytes_per_parameter("bfloat16", 0, 1), step_bytes_per_parameter("bfloat16", 0, 1)
+    >>> estimate = stages.estimate(held, step, units, capacity_bytes=10**9)
+    >>> training, step = 16 * table.parameters(0, 3) + 2 * table.saved(0, 3), 24 * table.parameters(0, 3)
+    >>> estimate.feasible, estimate.per_rank_bytes[0] == max(training, step)
     (True, True)
 """
 
@@ -54,11 +73,13 @@ from pipectl.schedule.ir import ActionKind, Schedule, ScheduleKind
 
 GIB = 1024**3
 
-# Bytes per parameter: (weights, gradients, optimizer state). SPEC §3.
+# Bytes per parameter: (weights, gradients, optimizer state, optimizer step's extra). SPEC §3; the
+# step's extra (fp32 gradient copy + Adam's temporaries; 16-bit training) from the H100 measurement
+# in the module docstring. fp32 training has no gradient copy to make: Adam's temporaries only.
 _STATE_BYTES = {
-    "bfloat16": (2.0, 2.0, 12.0),
-    "float16": (2.0, 2.0, 12.0),
-    "float32": (4.0, 4.0, 8.0),
+    "bfloat16": (2.0, 2.0, 12.0, 8.0),
+    "float16": (2.0, 2.0, 12.0, 8.0),
+    "float32": (4.0, 4.0, 8.0, 4.0),
 }
 
 
@@ -72,7 +93,25 @@ def state_bytes_per_parameter(dtype: str, zero_stage: int, data_parallel: int, w
     >>> state_bytes_per_parameter("float32", 0, 1, weight_versions=2)  # 2BW: a second weight copy
     20.0
     """
-    weights, gradients, optimizer = _STATE_BYTES.get(dtype, _STATE_BYTES["float32"])
+    weights, gradients, optimizer, _ = _STATE_BYTES.get(dtype, _STATE_BYTES["float32"])
+    if zero_stage >= 1:
+        optimizer /= data_parallel
+    return weights * weight_versions + gradients + optimizer
+
+
+def step_bytes_per_parameter(dtype: str, zero_stage: int, data_parallel: int, weight_versions: int = 1) -> float:
+    """Bytes per parameter at the optimizer step's peak: the held state plus the step's fp32
+    gradient copy and Adam's temporaries, sharded with the optimizer state under ZeRO-1.
+
+    >>> step_bytes_per_parameter("bfloat16", 0, 8)  # the H100 measurement: 22-24
+    24.0
+    >>> step_bytes_per_parameter("bfloat16", 1, 4)  # 2 + 2 + (12 + 8)/4
+    9.0
+    >>> step_bytes_per_parameter("float32", 0, 1)
+    20.0
+    """
+    weights, gradients, optimizer, step = _STATE_BYTES.get(dtype, _STATE_BYTES["float32"])
+    optimizer += step
     if zero_stage >= 1:
         optimizer /= data_parallel
     return weights * weight_versions + gradients + optimizer
@@ -133,11 +172,54 @@ def format_gib(num_bytes: float) -> str:
 
 
 @dataclass(frozen=True)
+class MemoryBudget:
+    """What one device offers a rank's tensors, and how predicted bytes compare with a measurement.
+
+    The planner adds up what a rank's tensors need (allocated bytes). PyTorch's caching allocator
+    reserves more than it hands out (`allocator_overhead`: reserved / allocated - 1 at the peak),
+    and the CUDA context, NCCL's and cuBLAS's buffers sit outside it (`outside_allocator_bytes`).
+    The user may keep a fraction of the device free (`headroom`). So a rank fits when
+
+        allocated x (1 + allocator_overhead) <= device x (1 - headroom) - outside_allocator_bytes
+
+    and the predicted peak reported (plan.json's `peak_memory_bytes`) is the left side, what
+    `torch.cuda.max_memory_reserved` measures.
+
+        >>> budget = MemoryBudget(80 * GIB, outside_allocator_bytes=GIB, allocator_overhead=0.25, headroom=0.05)
+        >>> budget.usable_bytes / GIB, budget.allocatable_bytes / GIB, budget.reserved(4 * GIB) / GIB
+        (75.0, 60.0, 5.0)
+    """
+
+    device_bytes: int
+    outside_allocator_bytes: int = 0
+    allocator_overhead: float = 0.0
+    headroom: float = 0.0
+
+    @property
+    def usable_bytes(self) -> float:
+        return self.device_bytes * (1.0 - self.headroom) - self.outside_allocator_bytes
+
+    @property
+    def allocatable_bytes(self) -> float:
+        """What the rank's tensors may add up to (the planner's capacity)."""
+        return self.usable_bytes / (1.0 + self.allocator_overhead)
+
+    def reserved(self, allocated_bytes: float) -> float:
+        """The allocator's reserve for `allocated_bytes` of tensors: the figure reported."""
+        return allocated_bytes * (1.0 + self.allocator_overhead)
+
+
+@dataclass(frozen=True)
 class MemoryEstimate:
-    """Peak bytes per rank (device) and whether every rank fits; `reason` says which does not."""
+    """Peak bytes per rank (device) and whether every rank fits; `reason` says which does not.
+
+    Bytes are as allocated, against the allocatable capacity; `reserved_per_allocated` turns both
+    into what the message reports (the allocator's reserve against the device's usable bytes).
+    """
 
     per_rank_bytes: tuple[int, ...]
     capacity_bytes: int
+    reserved_per_allocated: float = 1.0
 
     @property
     def feasible(self) -> bool:
@@ -153,7 +235,11 @@ class MemoryEstimate:
         if self.feasible:
             return None
         worst = self.worst_rank
-        return f"stage {worst} needs {format_gib(self.per_rank_bytes[worst])} > {format_gib(self.capacity_bytes)}"
+        scale = self.reserved_per_allocated
+        return (
+            f"stage {worst} needs {format_gib(self.per_rank_bytes[worst] * scale)} > "
+            f"{format_gib(self.capacity_bytes * scale)}"
+        )
 
 
 @dataclass(frozen=True)
@@ -162,12 +248,14 @@ class StageMemory:
 
     `parameters[k]`: parameters on rank k's devices (after the tensor-parallel split);
     `unit_bytes[k]`: bytes one in-flight chunk-micro-batch keeps (full, or input only when
-    recomputing); `recompute_buffer_bytes[k]`: one chunk's full activations while recomputing.
+    recomputing); `recompute_buffer_bytes[k]`: one chunk's full activations while recomputing;
+    `working_bytes[k]`: the largest working memory of its layers.
     """
 
     parameters: np.ndarray
     unit_bytes: np.ndarray
     recompute_buffer_bytes: np.ndarray
+    working_bytes: np.ndarray
 
     @classmethod
     def build(
@@ -202,13 +290,15 @@ class StageMemory:
             recomputes = np.arange(last + 1) != last if recompute else np.zeros(last + 1, dtype=bool)
             unit = np.where(recomputes, rows.input_array[starts], full).reshape(chunks, p).max(axis=0)
             buffer = np.where(recomputes, full, 0.0).reshape(chunks, p).max(axis=0)
-            return cls(parameters, unit, buffer)
+            working = rows.working_matrix[starts, ends].reshape(chunks, p).max(axis=0)
+            return cls(parameters, unit, buffer, working)
         chunks_of: list[list[tuple[int, int, int]]] = [[] for _ in range(p)]
         for stage, (start, end) in enumerate(stage_layers):
             chunks_of[stage % p].append((stage, start, end))
         parameters = np.zeros(p)
         unit = np.zeros(p)
         buffer = np.zeros(p)
+        working = np.zeros(p)
         for rank, chunks in enumerate(chunks_of):
             parameters[rank] = _parameters_on_rank(table, chunks) / tensor_parallel
             for stage, start, end in chunks:
@@ -218,17 +308,23 @@ class StageMemory:
                 unit[rank] = max(unit[rank], per_unit)
                 if recomputes:
                     buffer[rank] = max(buffer[rank], full)
-        return cls(parameters, unit, buffer)
+                working[rank] = max(working[rank], table.working(start, end))
+        return cls(parameters, unit, buffer, working)
 
-    def per_rank_bytes(self, state_bytes: float, units: Sequence[int]) -> np.ndarray:
-        return self.parameters * state_bytes + np.asarray(units) * self.unit_bytes + self.recompute_buffer_bytes
+    def per_rank_bytes(self, state_bytes: float, step_bytes: float, units: Sequence[int]) -> np.ndarray:
+        """Peak allocated bytes per rank: the larger of the training peak and the optimizer step's."""
+        training = self.parameters * state_bytes + np.asarray(units) * self.unit_bytes + self.recompute_buffer_bytes
+        return np.maximum(training + self.working_bytes, self.parameters * step_bytes)
 
-    def estimate(self, state_bytes: float, units: Sequence[int], capacity_bytes: int) -> MemoryEstimate:
-        per_rank = self.per_rank_bytes(state_bytes, units)
-        return MemoryEstimate(tuple(int(x) for x in np.ceil(per_rank)), int(capacity_bytes))
+    def estimate(
+        self, state_bytes: float, step_bytes: float, units: Sequence[int], capacity_bytes: float,
+        reserved_per_allocated: float = 1.0,
+    ) -> MemoryEstimate:
+        per_rank = self.per_rank_bytes(state_bytes, step_bytes, units)
+        return MemoryEstimate(tuple(int(x) for x in np.ceil(per_rank)), int(capacity_bytes), reserved_per_allocated)
 
-    def fits(self, state_bytes: float, units: Sequence[int], capacity_bytes: float) -> bool:
-        return bool((self.per_rank_bytes(state_bytes, units) <= capacity_bytes).all())
+    def fits(self, state_bytes: float, step_bytes: float, units: Sequence[int], capacity_bytes: float) -> bool:
+        return bool((self.per_rank_bytes(state_bytes, step_bytes, units) <= capacity_bytes).all())
 
 
 def stage_holding(stage_layers: Sequence[tuple[int, int]], index: int) -> int:
@@ -284,10 +380,12 @@ class RangeMemory:
     parameters: list[list[float]]  # [start][end]: parameters / t (0 where end <= start)
     saved: list[list[float]]  # [start][end]: saved activations / t
     input_bytes: list[float]  # [start]: the activation a stage starting there receives
+    working: list[list[float]]  # [start][end]: the largest working memory of layers [start, end)
     # The same values as arrays, for looking up every stage of a cut at once.
     parameter_matrix: np.ndarray
     saved_matrix: np.ndarray
     input_array: np.ndarray
+    working_matrix: np.ndarray
     parameter_prefix: np.ndarray  # the table's parameter counts, as float64 prefix sums (not over t)
 
     @classmethod
@@ -305,37 +403,50 @@ class RangeMemory:
         for start, end in zip(*np.nonzero(shared[None, :] - shared[:, None] >= 2)):
             rows[start][end] = table.parameters(int(start), int(end)) / tensor_parallel
         inputs = [table.input_activation_bytes(start) for start in range(layers)] + [0.0]
-        return cls(rows, saved.tolist(), inputs, np.array(rows), saved, np.array(inputs), parameter_prefix)
+        working = np.zeros((layers + 1, layers + 1))
+        per_layer = np.asarray(table.working_bytes, dtype=float)
+        for start in range(layers):
+            working[start, start + 1:] = np.maximum.accumulate(per_layer[start:])
+        return cls(
+            rows, saved.tolist(), inputs, working.tolist(),
+            np.array(rows), saved, np.array(inputs), working, parameter_prefix,
+        )
 
-    def stage_bytes(self, start: int, end: int, *, state_bytes: float, units: int, recompute: bool) -> float:
+    def stage_bytes(
+        self, start: int, end: int, *, state_bytes: float, step_bytes: float, units: int, recompute: bool
+    ) -> float:
         """Peak bytes of a stage holding layers [start, end) with `units` micro-batches in flight:
-        parameters × state bytes + units × (its input, when it recomputes; else its saved
-        activations) + one micro-batch's saved activations while it recomputes. Pass
+        the larger of parameters × step bytes (the optimizer step) and parameters × state bytes +
+        units × (its input, when it recomputes; else its saved activations) + one micro-batch's
+        saved activations while it recomputes + its largest working memory. Pass
         `recompute=False` for the last stage, which never recomputes."""
+        parameters = self.parameters[start][end]
         if recompute:
-            return self.parameters[start][end] * state_bytes + units * self.input_bytes[start] + self.saved[start][end]
-        return self.parameters[start][end] * state_bytes + units * self.saved[start][end]
+            training = parameters * state_bytes + units * self.input_bytes[start] + self.saved[start][end]
+        else:
+            training = parameters * state_bytes + units * self.saved[start][end]
+        return max(training + self.working[start][end], parameters * step_bytes)
 
 
 class FurthestFittingEnds:
     """For a stage starting at a layer: the furthest end whose stage still fits, memoised.
 
-    `end(start, state_bytes, units, keeps_input_only)` is the largest `end` in (start, layers]
-    with `RangeMemory.stage_bytes(start, end, ...) <= capacity` (the same float expression the
-    partitioner's memory test evaluates), or `start` when not even one layer fits. A stage's
-    bytes never shrink as its range grows (parameters and saved activations are non-negative;
-    a shared group counts once), so bisection finds it. The search asks the same question for
-    many pipelines of one (t, b): the stage memory only depends on the start, the bytes per
-    parameter, the in-flight units and whether the stage keeps only its input — so the answers
-    are remembered by exactly those values.
+    `end(start, state_bytes, step_bytes, units, keeps_input_only)` is the largest `end` in
+    (start, layers] with `RangeMemory.stage_bytes(start, end, ...) <= capacity` (the same float
+    expressions the partitioner's memory test evaluates), or `start` when not even one layer fits.
+    A stage's bytes never shrink as its range grows (parameters, saved activations and working
+    memory are non-negative; a shared group counts once), so bisection finds it. The search asks
+    the same question for many pipelines of one (t, b): the stage memory only depends on the
+    start, the bytes per parameter (training and step), the in-flight units and whether the stage
+    keeps only its input — so the answers are remembered by exactly those values.
 
         >>> from pipectl.plan.synthetic import synthetic_profile
         >>> from pipectl.plan.layer_table import layer_table
         >>> rows = RangeMemory.build(layer_table(synthetic_profile(blocks=4, micro_batch_sizes=[1]), 1), 1)
         >>> ends = FurthestFittingEnds(rows, capacity_bytes=10**12)
-        >>> ends.end(0, 16.0, 1, False)  # everything fits: up to the last layer
+        >>> ends.end(0, 16.0, 24.0, 1, False)  # everything fits: up to the last layer
         7
-        >>> FurthestFittingEnds(rows, capacity_bytes=0).end(0, 16.0, 1, False)  # nothing fits
+        >>> FurthestFittingEnds(rows, capacity_bytes=0).end(0, 16.0, 24.0, 1, False)  # nothing fits
         0
     """
 
@@ -343,64 +454,71 @@ class FurthestFittingEnds:
         self.rows = rows
         self.capacity_bytes = capacity_bytes
         self.layers = len(rows.input_bytes) - 1
-        # (state bytes, keeps input only) -> units -> end per start (-1: not yet asked). Callers
-        # on hot paths read these rows directly; nested by kind of key so a look-up hashes an int.
-        self._rows: dict[tuple[float, bool], dict[int, list[int]]] = {}
-        self._lengths: dict[tuple[float, int, bool], int] = {}  # last fitting stage length per demand
+        # (state bytes, step bytes, keeps input only) -> units -> end per start (-1: not yet
+        # asked). Callers on hot paths read these rows directly; nested by kind of key so a
+        # look-up hashes an int.
+        self._rows: dict[tuple[float, float, bool], dict[int, list[int]]] = {}
+        self._lengths: dict[tuple[float, float, int, bool], int] = {}  # last fitting stage length per demand
 
-    def by_units(self, state_bytes: float, keeps_input_only: bool) -> dict[int, list[int]]:
+    def by_units(self, state_bytes: float, step_bytes: float, keeps_input_only: bool) -> dict[int, list[int]]:
         """The memo rows of one (bytes per parameter, keeps input only), by in-flight units."""
-        key = (state_bytes, keeps_input_only)
+        key = (state_bytes, step_bytes, keeps_input_only)
         rows = self._rows.get(key)
         if rows is None:
             rows = self._rows[key] = {}
         return rows
 
-    def row(self, state_bytes: float, units: int, keeps_input_only: bool) -> list[int]:
+    def row(self, state_bytes: float, step_bytes: float, units: int, keeps_input_only: bool) -> list[int]:
         """The memo row of one demand: the end for each start, -1 where not yet asked."""
-        rows = self.by_units(state_bytes, keeps_input_only)
+        rows = self.by_units(state_bytes, step_bytes, keeps_input_only)
         row = rows.get(units)
         if row is None:
             row = rows[units] = [-1] * (self.layers + 1)
         return row
 
-    def end(self, start: int, state_bytes: float, units: int, keeps_input_only: bool) -> int:
-        row = self.row(state_bytes, units, keeps_input_only)
+    def end(self, start: int, state_bytes: float, step_bytes: float, units: int, keeps_input_only: bool) -> int:
+        row = self.row(state_bytes, step_bytes, units, keeps_input_only)
         end = row[start]
         if end < 0:
-            end = row[start] = self.search(start, state_bytes, units, keeps_input_only)
+            end = row[start] = self.search(start, state_bytes, step_bytes, units, keeps_input_only)
         return end
 
-    def search(self, start: int, state_bytes: float, units: int, keeps_input_only: bool) -> int:
+    def search(self, start: int, state_bytes: float, step_bytes: float, units: int, keeps_input_only: bool) -> int:
         """`end` without the memo (callers holding a memo row store the answer themselves)."""
-        parameters, saved = self.rows.parameters[start], self.rows.saved[start]
+        rows = self.rows
+        parameters, saved, working = rows.parameters[start], rows.saved[start], rows.working[start]
         capacity = self.capacity_bytes
-        # One expression for both kinds of stage: `P*s + u*I + S` keeping only the input, else
-        # `P*s + 0.0 + u*S`; adding 0.0 and multiplying by 1 are exact, so each equals
-        # `RangeMemory.stage_bytes`.
+        # One expression for both kinds of stage: `P*s + u*I + S + W` keeping only the input, else
+        # `P*s + 0.0 + u*S + W`; adding 0.0 and multiplying by 1 are exact, so each equals
+        # `RangeMemory.stage_bytes`'s training peak; the optimizer step's `P*step` is the other.
         if keeps_input_only:
-            held_input, saved_coefficient = units * self.rows.input_bytes[start], 1
+            held_input, saved_coefficient = units * rows.input_bytes[start], 1
         else:
             held_input, saved_coefficient = 0.0, units
+
+        def fits(end: int) -> bool:
+            held = parameters[end]
+            return (
+                held * state_bytes + held_input + saved_coefficient * saved[end] + working[end] <= capacity
+                and held * step_bytes <= capacity
+            )
+
         low, high = start, self.layers  # low fits (or is `start`); every end above `high` fails
         # Bracket first around the length last found for this demand (stages of a model's
         # repeated blocks fit the same number of layers), then bisect what is left.
-        demand = (state_bytes, units, keeps_input_only)
+        demand = (state_bytes, step_bytes, units, keeps_input_only)
         length = self._lengths.get(demand)
         if length is not None and start + length <= high:
             guess = start + length
-            if parameters[guess] * state_bytes + held_input + saved_coefficient * saved[guess] <= capacity:
+            if fits(guess):
                 low = guess
-                following = guess + 1
-                if following <= high and (
-                    parameters[following] * state_bytes + held_input + saved_coefficient * saved[following] > capacity
-                ):
+                if guess + 1 <= high and not fits(guess + 1):
                     high = guess
             else:
                 high = guess - 1
         while low < high:
             middle = (low + high + 1) // 2
-            if parameters[middle] * state_bytes + held_input + saved_coefficient * saved[middle] <= capacity:
+            if fits(middle):
                 low = middle
             else:
                 high = middle - 1

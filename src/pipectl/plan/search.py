@@ -38,7 +38,7 @@ def plan(
     with cyclic_gc_paused():
         if cluster.heterogeneous:
             return plan_heterogeneous(profile, cluster, request, stats=stats)
-        hardware = hardware_for(cluster, profile)
+        hardware = hardware_for(cluster, profile, memory_headroom=request.memory_headroom)
         return plan_homogeneous(profile, cluster.name, hardware, request, stats=stats)
 
 

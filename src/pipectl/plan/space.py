@@ -36,6 +36,7 @@ from pipectl.plan.candidates import (
     divisors,
     specs_from_points,
     state_bytes,
+    step_bytes,
 )
 from pipectl.plan.costs import TRANSFORMER_BLOCK, Hardware
 from pipectl.plan.layer_table import layer_table
@@ -195,10 +196,12 @@ class _UnitContext:
         self.profile, self.hardware, self.space, self.max_devices = profile, hardware, space, max_devices
         self.layers = len(profile.layers)
         self.capacity = hardware.memory_bytes
-        # The least model state a device can hold: every parameter once, ZeRO-1 over the largest d.
+        self.budget = hardware.memory_budget
+        # The least model state a device can hold: every parameter once, ZeRO-1 over the largest d,
+        # at the optimizer step (its bytes per parameter are the training ones and more).
         self.model_parameters = layer_table(profile, space.micro_batch_sizes[0]).parameters(0, self.layers)
         self.lightest_state = min(
-            state_bytes(profile.dtype, zero, max(divisors(space.global_batch)), variant.kind)
+            step_bytes(profile.dtype, zero, max(divisors(space.global_batch)), variant.kind)
             for zero in space.zero_stages for variant in space.variants
         )
 
@@ -230,7 +233,8 @@ class _UnitContext:
                 if least > capacity:
                     rejections.add(
                         Rejection.MEMORY,
-                        f"t={t} p={p}: model state alone needs {format_gib(least)} > {format_gib(capacity)} per device",
+                        f"t={t} p={p}: model state alone needs {format_gib(self.budget.reserved(least))} > "
+                        f"{format_gib(self.budget.usable_bytes)} per device",
                     )
                     continue
                 ds = []
@@ -270,7 +274,12 @@ class _UnitContext:
                 per_d.append((d, m, zeros, None, ()))
                 continue
             per_d.append((d, m, zeros, in_flight_units(kind, p, m, v), _state_bytes_of(dtype, zeros, d, kind)))
-        family = _Family(builder, key, capacity, per_d)
+        step_of = {
+            state: step_bytes(dtype, zero, d, kind)
+            for d, _, zeros, units, per_device in per_d if units is not None
+            for zero, state in zip(zeros, per_device)
+        }
+        family = _Family(builder, key, capacity, per_d, step_of)
         index = 0  # of the point among the family's (d, ZeRO) points with whole interleaved rounds
         for d, m, zeros, units, per_device in per_d:
             if units is None:
@@ -293,12 +302,13 @@ class _UnitContext:
                         # Only the first example is kept: skip building the message (most demands end here).
                         rejections.add(Rejection.MEMORY)
                         continue
-                    worst = family.shape.memory.per_rank_bytes(state, units)
+                    worst = family.shape.memory.per_rank_bytes(state, step_of[state], units)
                     rank = int(worst.argmax())
                     rejections.add(
                         Rejection.MEMORY,
                         f"t={t} p={p} d={d} b={b} {variant.label}{' recompute' if recompute else ''} zero={zero}: "
-                        f"stage {rank} needs {format_gib(worst[rank])} > {format_gib(capacity)}",
+                        f"stage {rank} needs {format_gib(self.budget.reserved(worst[rank]))} > "
+                        f"{format_gib(self.budget.usable_bytes)}",
                     )
                     continue
                 accepted.append((fitted, variant, (d, m, zero, state, units)))
@@ -344,9 +354,15 @@ def _zeros_descending(d: int, zero_stages: tuple[int, ...]) -> tuple[int, ...]:
 class _Family:
     """One (t, b, recompute, p, schedule variant): its memory demands (bytes per parameter,
     in-flight units per rank; one per (d, ZeRO) point), its balanced cut, built on first need,
-    and what is known about the demands (each remembered for this family only)."""
+    and what is known about the demands (each remembered for this family only).
 
-    def __init__(self, builder: ShapeBuilder, key: FamilyKey, capacity: int, per_d: list) -> None:
+    A demand is named by its training bytes per parameter: in one family (one dtype and
+    schedule) those fix the ZeRO sharding, hence the optimizer step's bytes (`step_of`), which
+    grow with them. So a demand at least another's in bytes and units is at least as strict in
+    both phases, which is what the remembered answers below rely on.
+    """
+
+    def __init__(self, builder: ShapeBuilder, key: FamilyKey, capacity: float, per_d: list, step_of: dict) -> None:
         t, b, recompute, p, variant = key.tensor_parallel, key.micro_batch_size, key.recompute, key.pipeline_parallel, key.variant
         self.builder = builder
         self.t, self.b, self.recompute, self.p, self.v = t, b, recompute, p, variant.chunks
@@ -354,6 +370,7 @@ class _Family:
         self.capacity = capacity
         self.stages = p * variant.chunks
         self._per_d = per_d  # (d, m, ZeRO stages, units or None, state bytes per ZeRO stage)
+        self.step_of: dict[float, float] = step_of  # training bytes per parameter -> the step's
         self._shape: Shape | None = None
         self._fits: dict[bool, list[bool]] = {}  # from_right -> whether that cut fits each point
         # Demands without any cut whose every virtual stage fits: a demand at least as large in
@@ -393,10 +410,12 @@ class _Family:
             shape = self.builder.shape(self.t, self.b, self.recompute, self.p, self.v, from_right=from_right)
             memory = shape.memory
             states = [state for _, _, _, units, per_device in self._per_d if units is not None for state in per_device]
+            steps = [self.step_of[state] for state in states]
             units = [units for _, _, zeros, units, _ in self._per_d if units is not None for _ in zeros]
-            per_rank = (
+            per_rank = np.maximum(
                 memory.parameters * np.array(states)[:, None] + np.array(units) * memory.unit_bytes
-                + memory.recompute_buffer_bytes
+                + memory.recompute_buffer_bytes + memory.working_bytes,
+                memory.parameters * np.array(steps)[:, None],
             )
             fits = self._fits[from_right] = (per_rank <= self.capacity).all(axis=1).tolist()
         return fits[index]
@@ -411,8 +430,9 @@ class _Family:
         """
         ends, stages = self.ends, self.stages
         layers = ends.layers
+        step = self.step_of[per_device]
         # `ends.end`'s memo rows, read here first: this loop runs ~10^6 times.
-        full_rows, input_only_rows = ends.by_units(per_device, False), ends.by_units(per_device, True)
+        full_rows, input_only_rows = ends.by_units(per_device, step, False), ends.by_units(per_device, step, True)
         start = 0
         room = layers - stages  # the last end that leaves a layer for every later stage, before this one
         # Virtual stage s lives on rank s % p: its units are `units * v`'s s-th.
@@ -420,10 +440,10 @@ class _Family:
             room += 1
             row = (input_only_rows if keeps else full_rows).get(stage_units)
             if row is None:
-                row = ends.row(per_device, stage_units, keeps)
+                row = ends.row(per_device, step, stage_units, keeps)
             end = row[start]
             if end < 0:
-                end = row[start] = ends.search(start, per_device, stage_units, keeps)
+                end = row[start] = ends.search(start, per_device, step, stage_units, keeps)
             if end > room:
                 end = room
             if end <= start:
@@ -435,14 +455,15 @@ class _Family:
         """`furthest(stage, start)` for the partitioner: `RangeMemory.stage_bytes`'s test on the
         precomputed per-range rows, each answer memoised across the pipelines of this (t, b)."""
         ends, keeps = self.ends, self.keeps_input_only
+        step = self.step_of[per_device]
         units_of = units * self.v  # virtual stage s lives on rank s % p
         # Each stage's memo row, looked up once: the partitioner asks every stage several times.
-        rows = [ends.row(per_device, stage_units, keep) for stage_units, keep in zip(units_of, keeps)]
+        rows = [ends.row(per_device, step, stage_units, keep) for stage_units, keep in zip(units_of, keeps)]
 
         def furthest(stage: int, start: int) -> int:
             end = rows[stage][start]
             if end < 0:
-                end = rows[stage][start] = ends.search(start, per_device, units_of[stage], keeps[stage])
+                end = rows[stage][start] = ends.search(start, per_device, step, units_of[stage], keeps[stage])
             return end
 
         return furthest
@@ -484,7 +505,7 @@ def _fitting_shape(family: _Family, index: int, per_device: float, units: tuple[
         return shape
     # No cut can help when the average rank's model state alone is too big.
     memory = shape.memory
-    if memory.parameters.sum() / len(memory.parameters) * per_device > family.capacity:
+    if memory.parameters.sum() / len(memory.parameters) * family.step_of[per_device] > family.capacity:
         return None
     if _dominates_one_of(per_device, units, family.hopeless):
         return None
@@ -511,7 +532,7 @@ def _fitting_shape(family: _Family, index: int, per_device: float, units: tuple[
         if partition is not None:  # pragma: no branch - the memory-only pass above found a cut
             family.partitioned.append((per_device, units, partition.bottleneck_seconds))
             candidate = builder.shape_from_cuts(t, b, rec, p, v, partition.stage_layers)
-            if candidate.memory.fits(per_device, units, family.capacity):
+            if candidate.memory.fits(per_device, family.step_of[per_device], units, family.capacity):
                 fitted = candidate
                 builder.memory_constrained_cuts += 1
     else:

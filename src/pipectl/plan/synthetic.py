@@ -7,7 +7,10 @@ whose figures are simple functions of b, so a test can predict them:
   costs 2x forward), outputs `hidden * seq_len * b * dtype_bytes` bytes and keeps
   `saved_per_output` times that for backward;
 - embed and head take `edge_forward_seconds * b`; the head keeps the logits (vocab-wide);
-- embed and head share the token table when `tied` (both carry it, it is counted once).
+- embed and head share the token table when `tied` (both carry it, it is counted once);
+- the head's working memory (`LayerProfile.working_memory_bytes`) is `head_working_per_logit`
+  times its logits' bytes (0 by default; the fp32 logits, log-probabilities and their gradients of
+  a 16-bit model are about 8x its 16-bit logits).
 
     >>> profile = synthetic_profile(blocks=4, micro_batch_sizes=[1, 2])
     >>> [layer.name for layer in profile.layers]
@@ -38,6 +41,7 @@ def synthetic_profile(
     dtype: str = "bfloat16",
     device: str = "a100-80gb",
     tied: bool = True,
+    head_working_per_logit: float = 0.0,
     name: str = "synthetic",
 ) -> ModelProfile:
     """A transformer-shaped profile with chosen per-block forward times (seconds at b = 1)."""
@@ -52,7 +56,10 @@ def synthetic_profile(
     embed_parameters = vocab * hidden + seq_len * hidden
     block_flops = 24 * seq_len * hidden * hidden + 4 * seq_len * seq_len * hidden  # per sample
 
-    def costs(forward: float, output: int, saved: float, flops: float) -> list[LayerCost]:
+    def costs(
+        forward: float, output: int, saved: float, flops: float, parameters: int, working: float = 0.0
+    ) -> list[LayerCost]:
+        # Peak: weights and gradients + saved + output + working memory (`LayerCost.peak_memory_bytes`).
         return [
             LayerCost(
                 micro_batch_size=b,
@@ -60,7 +67,7 @@ def synthetic_profile(
                 backward_seconds=2 * forward * b,
                 output_activation_bytes=output * b,
                 saved_activation_bytes=int(saved * b),
-                peak_memory_bytes=int((output + saved) * b),
+                peak_memory_bytes=2 * parameters * element + output * b + int(saved * b) + int(working * b),
                 forward_flops=flops * b,
             )
             for b in micro_batch_sizes
@@ -75,7 +82,7 @@ def synthetic_profile(
             parameter_bytes=embed_parameters * element,
             shared_group="embed" if tied else None,
             shared_parameter_count=vocab * hidden if tied else 0,
-            costs=costs(edge_forward_seconds, hidden_bytes, hidden_bytes, 0.0),
+            costs=costs(edge_forward_seconds, hidden_bytes, hidden_bytes, 0.0, embed_parameters),
         )
     ]
     for i, forward in enumerate(block_forward_seconds):
@@ -86,7 +93,7 @@ def synthetic_profile(
                 kind="transformer_block",
                 parameter_count=block_parameters,
                 parameter_bytes=block_parameters * element,
-                costs=costs(forward, hidden_bytes, saved_per_output * hidden_bytes, block_flops),
+                costs=costs(forward, hidden_bytes, saved_per_output * hidden_bytes, block_flops, block_parameters),
             )
         )
     layers.append(
@@ -96,7 +103,7 @@ def synthetic_profile(
             kind="layer_norm",
             parameter_count=2 * hidden,
             parameter_bytes=2 * hidden * element,
-            costs=costs(edge_forward_seconds / 10, hidden_bytes, hidden_bytes, 0.0),
+            costs=costs(edge_forward_seconds / 10, hidden_bytes, hidden_bytes, 0.0, 2 * hidden),
         )
     )
     layers.append(
@@ -108,7 +115,10 @@ def synthetic_profile(
             parameter_bytes=vocab * hidden * element,
             shared_group="embed" if tied else None,
             shared_parameter_count=vocab * hidden if tied else 0,
-            costs=costs(edge_forward_seconds, logits_bytes, hidden_bytes + logits_bytes, 2 * seq_len * hidden * vocab),
+            costs=costs(
+                edge_forward_seconds, logits_bytes, hidden_bytes + logits_bytes, 2 * seq_len * hidden * vocab,
+                vocab * hidden, head_working_per_logit * logits_bytes,
+            ),
         )
     )
     return ModelProfile(
