@@ -60,7 +60,11 @@ def register(app: typer.Typer) -> None:
         data: Annotated[str, typer.Option(help="'builtin' corpus, 'synthetic', or a token file path.")] = "builtin",
         seed: Annotated[int, typer.Option(help="Seed of weights and data order.")] = 0,
         lr: Annotated[float, typer.Option(min=0.0, help="AdamW learning rate.")] = 1e-3,
-        bf16: Annotated[bool, typer.Option("--bf16", help="Train in bfloat16 (default fp32).")] = False,
+        precision: Annotated[
+            Optional[Precision],
+            typer.Option("--precision", help="fp32 or bf16; default: the plan's (its profile's dtype), which it must match."),
+        ] = None,
+        bf16: Annotated[bool, typer.Option("--bf16", help="Same as --precision bf16.")] = False,
         elastic: Annotated[
             Optional[str], typer.Option(help="torchrun elastic node range MIN:MAX (engine torchrun).")
         ] = None,
@@ -85,6 +89,8 @@ def register(app: typer.Typer) -> None:
         elastic_range = parse_elastic(elastic) if elastic else None
         if elastic_range is not None and engine is not Engine.TORCHRUN:
             raise UserInputError(f"--elastic needs --engine torchrun, not {engine.value}")
+        if bf16 and precision not in (None, Precision.BF16):
+            raise UserInputError(f"--bf16 contradicts --precision {precision.value}")
         options = LaunchOptions(
             engine=engine,
             model=model,
@@ -93,7 +99,7 @@ def register(app: typer.Typer) -> None:
             keep_checkpoints=keep_checkpoints,
             seed=seed,
             data=parse_data(data),
-            precision=Precision.BF16 if bf16 else Precision.FP32,
+            precision=Precision.BF16 if bf16 else precision,
             learning_rate=lr,
             elastic=elastic_range,
             nodes=nodes,

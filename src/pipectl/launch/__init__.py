@@ -4,21 +4,24 @@
     exit_code = run_engine(prepared.command, prepared.run_dir)
 
 Everything that can be checked is checked before any process starts: the model builds and has the
-plan's layer count, the schedule is runnable in DeepSpeed's engine, the global batch is kept, and
-DeepSpeed's own parser accepts the config (`dsconfig`).
+plan's layer count, the schedule is runnable in DeepSpeed's engine, the global batch is kept, the
+precision is the one the plan was made for, a node has a GPU for each of its ranks, and DeepSpeed's
+own parser accepts the config (`dsconfig`).
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from pipectl import __version__
 from pipectl.artifacts.plan import Plan
+from pipectl.artifacts.profile import ModelProfile
 from pipectl.artifacts.run import DataSpec, ElasticRange, Engine, JobSpec, Precision
 from pipectl.errors import UserInputError
+from pipectl.io import load_model
 from pipectl.runtime.dsconfig import DEFAULT_LEARNING_RATE, validated_config
 from pipectl.launch.engines import LaunchCommand, build_command, run_engine
 from pipectl.launch.rundir import is_run_dir, prepare_run_dir, write_run_files
@@ -40,7 +43,7 @@ class LaunchOptions:
     keep_checkpoints: int = 3
     seed: int = 0
     data: DataSpec = field(default_factory=DataSpec)
-    precision: Precision = Precision.FP32
+    precision: Precision | None = None  # default: the plan's (its profile's dtype)
     learning_rate: float = DEFAULT_LEARNING_RATE
     elastic: ElasticRange | None = None
     nodes: int = 1
@@ -92,6 +95,65 @@ def check_model(plan: Plan, model_reference: str) -> None:
             )
 
 
+# A profile's dtype -> the precision a run trains in.
+_PRECISION_OF_DTYPE = {"float32": Precision.FP32, "bfloat16": Precision.BF16}
+
+
+def planned_precision(profile_dtype: str | None, asked: Precision | None) -> Precision:
+    """The precision to train in: the plan's (its profile's dtype), which `asked` must match.
+
+    The plan's memory and step-time figures hold for its profile's dtype only (fp32 weights and
+    activations take twice the bytes of bf16 ones), so another precision is refused rather than
+    run against figures that do not hold. A plan without a profile (made in memory) trains in
+    what was asked, fp32 by default.
+
+        >>> planned_precision("bfloat16", None)
+        <Precision.BF16: 'bf16'>
+    """
+    if profile_dtype is None:
+        return asked or Precision.FP32
+    planned = _PRECISION_OF_DTYPE.get(profile_dtype)
+    if planned is None:
+        raise UserInputError(
+            f"the plan was made for {profile_dtype}, which pipectl's runtime does not train in yet",
+            hint="profile and plan again with --dtype bfloat16 or --dtype float32",
+        )
+    if asked is not None and asked is not planned:
+        raise UserInputError(
+            f"--precision {asked.value}: the plan was made for {profile_dtype} ({planned.value}); its memory and "
+            f"step-time predictions hold for that precision only",
+            hint=f"launch without --precision, or profile and plan again with --dtype "
+            f"{'float32' if asked is Precision.FP32 else 'bfloat16'}",
+        )
+    return planned
+
+
+def check_gpus_for_ranks(ranks_per_node: int, visible_gpus: int) -> None:
+    """A node running the job's ranks needs a GPU for each (NCCL: one device per rank).
+
+        >>> check_gpus_for_ranks(2, 1)
+        Traceback (most recent call last):
+        ...
+        pipectl.errors.UserInputError: the plan runs 2 ranks on this node but it has 1 visible GPU
+    """
+    if ranks_per_node > visible_gpus:
+        raise UserInputError(
+            f"the plan runs {ranks_per_node} ranks on this node but it has {visible_gpus} visible "
+            f"GPU{'s' if visible_gpus != 1 else ''}",
+            hint="plan for the GPUs this node has (pipectl plan --devices N), spread the ranks over more "
+            "nodes (--nodes), or check CUDA_VISIBLE_DEVICES",
+        )
+
+
+def _visible_gpus() -> int | None:
+    """GPUs this process can use, or None when it runs on CPU (no CUDA, or DS_ACCELERATOR=cpu)."""
+    if os.environ.get("DS_ACCELERATOR") == "cpu":
+        return None
+    import torch  # only when launching
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else None
+
+
 def build_job(plan: Plan, name: str, options: LaunchOptions) -> JobSpec:
     """job.json for `plan.chosen` under `options`."""
     devices = plan.chosen.devices
@@ -125,7 +187,7 @@ def build_job(plan: Plan, name: str, options: LaunchOptions) -> JobSpec:
         ranks_per_node=devices // nodes,
         master_addr=options.master_addr,
         master_port=options.master_port or free_port(),
-        precision=options.precision,
+        precision=options.precision or Precision.FP32,
         elastic=options.elastic,
         pipectl_version=__version__,
     )
@@ -145,14 +207,20 @@ def prepare_launch(
     so a resize can re-plan from it (default: the run directory, which holds it when resuming).
     """
     path = Path(run_dir).resolve()
+    profile_dtype = None
+    if plan.profile is not None:  # present and unchanged, before anything is written
+        profile_dtype = load_model(ModelProfile, plan_profile_path(path if plan_dir is None else plan_dir, plan)).dtype
+    options = replace(options, precision=planned_precision(profile_dtype, options.precision))
     job = build_job(plan, path.name, options)
     check_model(plan, job.model)
-    if plan.profile is not None:  # present and unchanged, before anything is written
-        plan_profile_path(path if plan_dir is None else plan_dir, plan)
     ds_config = validated_config(
-        plan, precision=options.precision, learning_rate=options.learning_rate
+        plan, precision=job.precision, learning_rate=options.learning_rate
     )
     command = build_command(job, path, hosts=options.hosts)
+    if command.runnable_here:
+        visible = _visible_gpus()
+        if visible is not None:
+            check_gpus_for_ranks(job.ranks_per_node, visible)
     if options.resume and is_run_dir(path) and resume_point(path)[0] is None:
         raise UserInputError(
             f"cannot resume {path}: it has no checkpoint, so it would start over from step 0",

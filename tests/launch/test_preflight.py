@@ -1,0 +1,86 @@
+"""Launch's checks before anything starts: the plan's precision, a GPU for every rank of a node."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from pipectl.artifacts.run import Precision
+from pipectl.cli.main import app
+from pipectl.errors import UserInputError
+from pipectl.launch import check_gpus_for_ranks, planned_precision
+
+runner = CliRunner()
+
+
+def invoke(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def test_the_precision_is_the_plans_unless_none_was_recorded():
+    assert planned_precision("bfloat16", None) is Precision.BF16
+    assert planned_precision("float32", None) is Precision.FP32
+    assert planned_precision("bfloat16", Precision.BF16) is Precision.BF16
+    assert planned_precision(None, None) is Precision.FP32  # a plan made in memory, no profile
+    assert planned_precision(None, Precision.BF16) is Precision.BF16
+
+
+def test_another_precision_than_the_plans_is_refused_with_both_named():
+    with pytest.raises(UserInputError, match=r"--precision fp32: the plan was made for bfloat16") as error:
+        planned_precision("bfloat16", Precision.FP32)
+    assert "--dtype float32" in error.value.hint
+    with pytest.raises(UserInputError, match="float16"):
+        planned_precision("float16", None)  # no fp16 runtime yet: said before anything starts
+
+
+@pytest.mark.parametrize("ranks, gpus, fits", [(1, 1, True), (8, 8, True), (2, 1, False), (8, 0, False)])
+def test_a_node_needs_a_gpu_for_each_of_its_ranks(ranks, gpus, fits):
+    if fits:
+        check_gpus_for_ranks(ranks, gpus)
+    else:
+        with pytest.raises(UserInputError, match=f"runs {ranks} ranks on this node but it has {gpus} visible GPU"):
+            check_gpus_for_ranks(ranks, gpus)
+
+
+@pytest.fixture(scope="module")
+def bf16_plan(tmp_path_factory):
+    """A plan made from a derived (bfloat16) profile of gpt-tiny on two CPU ranks."""
+    folder = tmp_path_factory.mktemp("bf16")
+    profile, plan = folder / "profile.json", folder / "plan.json"
+    made = invoke("profile", "gpt-tiny", "--derive", "--device", "cpu", "--micro-batch-sizes", "1,2", "-o", profile)
+    assert made.exit_code == 0, made.output
+    assert json.loads(profile.read_text())["dtype"] == "bfloat16"
+    planned = invoke(
+        "plan", "--profile", profile, "--cluster", "local", "--devices", "2", "--global-batch", "8", "-o", plan,
+        "--no-morph",
+    )
+    assert planned.exit_code == 0, planned.output
+    return plan
+
+
+def test_launch_trains_in_the_plans_precision_by_default(bf16_plan, tmp_path):
+    result = invoke("launch", bf16_plan, "--run-dir", tmp_path / "run", "--dry-run", "--json")
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.output)
+    assert payload["job"]["precision"] == "bf16"
+    assert payload["ds_config"]["bf16"] == {"enabled": True}
+
+
+def test_launch_refuses_another_precision_with_exit_2_and_writes_nothing(bf16_plan, tmp_path):
+    result = invoke("launch", bf16_plan, "--run-dir", tmp_path / "run", "--precision", "fp32")
+    assert result.exit_code == 2, result.output
+    assert "--precision fp32" in result.output and "bfloat16" in result.output
+    assert "Traceback" not in result.output
+    assert not (tmp_path / "run").exists()
+    contradiction = invoke("launch", bf16_plan, "--run-dir", tmp_path / "run", "--bf16", "--precision", "fp32")
+    assert contradiction.exit_code == 2 and "--bf16 contradicts --precision fp32" in contradiction.output
+
+
+def test_the_launch_modules_worked_examples_hold():
+    import doctest
+
+    import pipectl.launch
+
+    assert doctest.testmod(pipectl.launch).failed == 0
