@@ -106,3 +106,36 @@ def test_real_launch_trains_checkpoints_and_reports_prediction_error(tmp_path):
         "step00000006",
     ]
     assert (run / "schedule_rank0.txt").read_text().split() == ["0F0", "0F1", "0B0", "0F2", "0B1", "0F3", "0B2", "0B3"]
+
+
+LAUNCH_TESTS = Path(__file__).resolve().parents[1] / "launch"  # holds pipectl_oom_model.py
+
+
+@pytest.mark.multiprocess
+def test_a_rank_out_of_memory_is_named_with_its_stage_layer_and_advice(tmp_path, monkeypatch):
+    """A real out-of-memory: rank 1 holds the layer that asks for 2**60 bytes."""
+    from builders import model_shape
+
+    monkeypatch.chdir(LAUNCH_TESTS)  # where `pipectl launch` is run: the factory is imported from there
+    model = "pipectl_oom_model:build"
+    candidate = Candidate(
+        devices=2, device="cpu", tensor_parallel=1, pipeline_parallel=2, data_parallel=1,
+        micro_batch_size=2, micro_batches=2, schedule=ScheduleKind.ONE_F_ONE_B, recompute=False,
+        zero_stage=1, stage_layers=[(0, 2), (2, 5)], predicted_step_seconds=0.05, samples_per_second=80.0,
+        tflops_per_device=0.0, peak_memory_bytes=[3 * 2**20, 5 * 2**20], bubble_fraction=0.1,
+        communication_fraction=0.0, cost_per_million_samples=0.0,
+    )  # fmt: skip
+    plan = write_json_atomic(tmp_path / "plan.json", plan_of(candidate, model=model, shape=model_shape(model)))
+    run = tmp_path / "run"
+    result = invoke("launch", plan, "--run-dir", run, "--steps", "3", "--data", "synthetic", "--timeout", "120")
+    engine_log = (run / "logs" / "engine.log").read_text()
+    assert result.exit_code == 1, result.output + engine_log[-2000:]
+    output = " ".join(result.output.split())  # rich wraps long lines
+    where = "rank 1 (stage 1, layers 2-4) ran out of memory in step 1, layer 3 'exhaust' (forward of micro-batch 0)"
+    assert where in output
+    assert "can't allocate memory" in output
+    assert "the plan predicted 5 MiB peak for stage 1" in output
+    assert "--memory-headroom" in output and "--micro-batch-size 1" in output and "--pipeline-parallel 4" in output
+    assert "Traceback" not in result.output and "Traceback" in engine_log
+    record = json.loads((run / "logs" / "failure-rank1.json").read_text())
+    assert record["out_of_memory"] and record["layer_name"] == "exhaust" and record["stage"] == 1
