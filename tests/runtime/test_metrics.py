@@ -142,16 +142,20 @@ def test_on_cpu_the_summary_is_rss_and_claims_no_error():
 
 
 def test_peak_rss_is_measured_in_bytes_and_follows_what_the_process_touched():
-    """A fresh interpreter touches 128 MiB: its peak RSS grows by about that much (ru_maxrss is in KiB
-    on Linux). Not by all of it: the peak before may already exceed the RSS it started from."""
+    """A fresh interpreter touches 128 MiB: its peak RSS grows by about that much (not by all of it:
+    the peak before may exceed the RSS it grew from). And it starts from its own size, not from its
+    parent's: getrusage's ru_maxrss would carry this process's 256 MiB over into the child."""
     code = (
         "from pipectl.runtime.metrics import rank_memory\n"
         "before = rank_memory('cpu').peak_rss_bytes\n"
         "block = b'x' * (128 << 20)\n"
         "print(before, rank_memory('cpu').peak_rss_bytes)\n"
     )
+    parent_block = b"y" * (256 << 20)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    del parent_block
     before, after = map(int, out.split())
+    assert before < 200 << 20
     assert 96 << 20 <= after - before <= 160 << 20
     memory = rank_memory("cpu")
     assert memory.peak_allocated_bytes is None and memory.peak_reserved_bytes is None and memory.peak_rss_bytes > 0

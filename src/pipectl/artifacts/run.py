@@ -148,8 +148,9 @@ class RankTiming(Strict):
     peak_rss_bytes: int | None = Field(
         default=None,
         ge=0,
-        description="Peak resident set size of the rank's process (getrusage ru_maxrss): a running max since "
-        "the process started, never reset, of the whole process (interpreter, libraries, buffers, tensors).",
+        description="Peak resident set size of the rank's process (Linux: VmHWM of /proc/self/status; "
+        "elsewhere getrusage ru_maxrss): a running max since the process started, never reset, of the whole "
+        "process (interpreter, libraries, buffers, tensors).",
     )
 
 

@@ -170,8 +170,21 @@ class RankMemory:
 
 
 def peak_rss_bytes() -> int | None:
-    """The process's peak resident set size so far (getrusage ru_maxrss: KiB on Linux, bytes on
-    macOS; getrusage(2), getrusage(3)). None where the resource module does not exist."""
+    """The process's peak resident set size so far, in bytes.
+
+    Linux: `VmHWM` of /proc/self/status (kB), the high-water mark of this process image (proc(5)).
+    Not getrusage's ru_maxrss there: Linux carries it across fork and exec, so a rank started by a
+    large parent reports the parent's size (measured: a fresh interpreter forked from a 728 MiB
+    pytest process reported 728 MiB). Elsewhere ru_maxrss (bytes on macOS, getrusage(2)).
+    None where neither exists.
+    """
+    try:
+        with open("/proc/self/status", "rb") as status:
+            for line in status:
+                if line.startswith(b"VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     try:
         import resource
     except ImportError:  # Windows
