@@ -9,8 +9,10 @@ import pytest
 from typer.testing import CliRunner
 
 from pipectl.artifacts.plan import Candidate
+from pipectl.artifacts.run import RankFailure
 from pipectl.cli.main import app
 from pipectl.io import write_json_atomic
+from pipectl.report.run_tables import failure_report, out_of_memory_advice
 from pipectl.schedule.ir import ScheduleKind
 from builders import plan_of
 
@@ -106,3 +108,74 @@ def test_real_launch_trains_checkpoints_and_reports_prediction_error(tmp_path):
         "step00000006",
     ]
     assert (run / "schedule_rank0.txt").read_text().split() == ["0F0", "0F1", "0B0", "0F2", "0B1", "0F3", "0B2", "0B3"]
+
+
+LAUNCH_TESTS = Path(__file__).resolve().parents[1] / "launch"  # holds pipectl_oom_model.py
+
+
+@pytest.mark.multiprocess
+def test_a_rank_out_of_memory_is_named_with_its_stage_layer_and_advice(tmp_path, monkeypatch):
+    """A real out-of-memory: rank 1 holds the layer that asks for 2**60 bytes."""
+    from builders import model_shape
+
+    monkeypatch.chdir(LAUNCH_TESTS)  # where `pipectl launch` is run: the factory is imported from there
+    model = "pipectl_oom_model:build"
+    candidate = Candidate(
+        devices=2, device="cpu", tensor_parallel=1, pipeline_parallel=2, data_parallel=1,
+        micro_batch_size=2, micro_batches=2, schedule=ScheduleKind.ONE_F_ONE_B, recompute=False,
+        zero_stage=1, stage_layers=[(0, 2), (2, 5)], predicted_step_seconds=0.05, samples_per_second=80.0,
+        tflops_per_device=0.0, peak_memory_bytes=[3 * 2**20, 5 * 2**20], bubble_fraction=0.1,
+        communication_fraction=0.0, cost_per_million_samples=0.0,
+    )  # fmt: skip
+    plan = write_json_atomic(tmp_path / "plan.json", plan_of(candidate, model=model, shape=model_shape(model)))
+    run = tmp_path / "run"
+    result = invoke("launch", plan, "--run-dir", run, "--steps", "3", "--data", "synthetic", "--timeout", "120")
+    engine_log = (run / "logs" / "engine.log").read_text()
+    assert result.exit_code == 1, result.output + engine_log[-2000:]
+    output = " ".join(result.output.split())  # rich wraps long lines
+    where = "rank 1 (stage 1, layers 2-4) ran out of memory in step 1, layer 3 'exhaust' (forward of micro-batch 0)"
+    assert where in output
+    assert "can't allocate memory" in output
+    assert "the plan predicted 5 MiB peak for stage 1" in output
+    assert "--memory-headroom" in output and "--micro-batch-size 1" in output and "--pipeline-parallel 4" in output
+    assert "Traceback" not in result.output and "Traceback" in engine_log
+    assert "rank 0 (stage 0, layers 0-1) also failed: RuntimeError:" in output  # its peer went away
+    record = json.loads((run / "logs" / "failure-rank1.json").read_text())
+    assert record["out_of_memory"] and record["layer_name"] == "exhaust" and record["stage"] == 1
+
+
+def failure(rank: int, **fields) -> RankFailure:
+    return RankFailure(rank=rank, exception=fields.pop("exception", "RuntimeError"), **fields)
+
+
+def test_a_failed_rank_is_reported_by_rank_and_its_exceptions_first_line():
+    message, hint = failure_report(
+        [
+            failure(0, stage=0, stage_layers=(0, 4), step=3, phase="backward of micro-batch 1",
+                    exception="builtins.ValueError", message="loss is nan\nsecond line"),
+            failure(1, stage=1, step=3, phase="recv activations", message="Connection closed by peer"),
+        ]
+    )  # fmt: skip
+    lines = message.splitlines()
+    assert lines[0] == "rank 0 (stage 0, layers 0-3) failed in step 3 (backward of micro-batch 1)"
+    assert lines[1].strip() == "ValueError: loss is nan"
+    assert lines[2].strip() == "rank 1 (stage 1) also failed: RuntimeError: Connection closed by peer"
+    assert hint is None and "memory" not in message
+    assert failure_report([]) == ("", None)
+
+
+def test_out_of_memory_gives_the_plans_figure_and_only_the_changes_that_apply():
+    record = failure(
+        2, stage=1, stage_layers=(5, 6), step=1, phase="forward of micro-batch 0", layer_index=5, layer_name="head",
+        exception="torch.OutOfMemoryError", message="CUDA out of memory. Tried to allocate 2.00 GiB.",
+        out_of_memory=True, device="cuda", micro_batch_size=1, recompute=True, pipeline_parallel=4,
+        predicted_peak_memory_bytes=70 * 2**30, peak_allocated_bytes=77 * 2**30, layout="t1p4d2 1f1b +R b1 m8",
+    )  # fmt: skip
+    message, hint = failure_report([record])
+    assert message.splitlines()[0] == "rank 2 (stage 1, layer 5) ran out of memory in step 1, layer 5 'head' (forward of micro-batch 0)"
+    assert "OutOfMemoryError: CUDA out of memory" in message
+    assert "the plan predicted 70 GiB peak for stage 1 (per device, layout t1p4d2 1f1b +R b1 m8); 77 GiB allocated" in message
+    assert hint == out_of_memory_advice(record)
+    # b = 1 and recomputation already on: neither is offered; headroom and more stages are
+    assert "--memory-headroom" in hint and "--pipeline-parallel 8" in hint
+    assert "--micro-batch-size" not in hint and "recomput" not in hint

@@ -8,7 +8,7 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from pipectl.artifacts.plan import Candidate
-from pipectl.artifacts.run import CheckpointManifest, StepMetrics
+from pipectl.artifacts.run import CheckpointManifest, RankTiming, StepMetrics
 from pipectl.cli.main import app
 from pipectl.launch import LaunchOptions, prepare_launch
 from pipectl.runtime import checkpoint as ckpt
@@ -17,14 +17,17 @@ from pipectl.schedule.ir import ScheduleKind
 from builders import plan_of
 
 runner = CliRunner()
+MIB = 2**20
 
 
-def make_run(tmp_path: Path, steps_done: int = 4) -> Path:
+def make_run(tmp_path: Path, steps_done: int = 4, memory: str | None = None) -> Path:
+    """A run of 10 steps with `steps_done` written; `memory` "cuda" or "rss": the ranks' peaks too
+    (rank 0 / stage 0 peaks at 3 MiB, rank 1 / stage 1 at 2 MiB; the plan predicts 4 and 1 MiB)."""
     candidate = Candidate(
         devices=2, device="cpu", tensor_parallel=1, pipeline_parallel=2, data_parallel=1,
         micro_batch_size=2, micro_batches=4, schedule=ScheduleKind.ONE_F_ONE_B, recompute=False,
         zero_stage=1, stage_layers=[(0, 4), (4, 9)], predicted_step_seconds=0.05, samples_per_second=160.0,
-        tflops_per_device=0.0, peak_memory_bytes=[1, 1], bubble_fraction=0.1,
+        tflops_per_device=0.0, peak_memory_bytes=[4 * MIB, 1 * MIB], bubble_fraction=0.1,
         communication_fraction=0.0, cost_per_million_samples=0.0,
     )  # fmt: skip
     plan = plan_of(candidate, global_batch=8)
@@ -33,9 +36,20 @@ def make_run(tmp_path: Path, steps_done: int = 4) -> Path:
     writer = MetricsWriter(run, rank=0)
     for step in range(1, steps_done + 1):
         seconds = 0.04 + 0.01 * step
+        ranks = []
+        if memory is not None:
+            peaks = [(3 * MIB if step == 2 else 2 * MIB), 2 * MIB]
+            ranks = [
+                RankTiming(rank=r, stage=r, forward_seconds=0.01, backward_seconds=0.02,
+                           peak_allocated_bytes=peak if memory == "cuda" else None,
+                           peak_reserved_bytes=peak + MIB if memory == "cuda" else None,
+                           peak_rss_bytes=100 * peak)
+                for r, peak in enumerate(peaks)
+            ]  # fmt: skip
         writer.write(
             StepMetrics(step=step, loss=6.0 - 0.5 * step, step_seconds=seconds, predicted_step_seconds=0.05,
-                        samples_per_second=8 / seconds, global_batch=8, world_size=2, layout="t1p2d1 1f1b b2 m4")
+                        samples_per_second=8 / seconds, global_batch=8, world_size=2, layout="t1p2d1 1f1b b2 m4",
+                        ranks=ranks)
         )  # fmt: skip
     staged = run / "checkpoints" / ckpt.STAGING_DIR / "x"
     staged.mkdir(parents=True)
@@ -56,6 +70,33 @@ def test_status_json_reports_progress_loss_prediction_and_checkpoints(tmp_path):
     assert payload["prediction"]["steps_compared"] == 3
     assert abs(payload["prediction"]["max_abs_error"] - 0.375) < 1e-9
     assert payload["checkpoints"][0]["tag"] == "step00000004" and payload["checkpoints"][0]["verified"]
+    assert payload["memory"] is None  # lines without memory figures (as files written before them)
+
+
+def test_status_compares_measured_cuda_memory_with_the_plan_per_stage(tmp_path):
+    run = make_run(tmp_path, memory="cuda")
+    stages = json.loads(runner.invoke(app, ["status", str(run), "--json"]).output)["memory"]["stages"]
+    assert [(s["stage"], s["measured_peak_bytes"], s["predicted_peak_bytes"]) for s in stages] == [
+        (0, 3 * MIB, 4 * MIB),  # the highest step's peak, not the last one's
+        (1, 2 * MIB, 1 * MIB),
+    ]
+    assert [round(s["error"], 3) for s in stages] == [0.333, -0.5]
+    table = runner.invoke(app, ["status", str(run)]).output
+    assert "peak memory per stage" in table and "measured allocated" in table
+    row = next(line for line in table.splitlines() if line.strip().startswith("1 "))
+    assert row.split() == ["1", "1", "1", "MiB", "2", "MiB", "3", "MiB", "-50.0", "%"]
+
+
+def test_status_on_cpu_shows_rss_as_rss_without_an_error_figure(tmp_path):
+    run = make_run(tmp_path, memory="rss")
+    memory = json.loads(runner.invoke(app, ["status", str(run), "--json"]).output)["memory"]
+    assert memory["measure"] == "rss" and not memory["comparable"]
+    assert [(s["measured_peak_bytes"], s["error"]) for s in memory["stages"]] == [(300 * MIB, None), (200 * MIB, None)]
+    table = " ".join(runner.invoke(app, ["status", str(run)]).output.split())
+    section = table[table.index("peak memory per stage") : table.index("checkpoints")]
+    assert "predicted (device)" in section and "(process)" in section and "error" not in section
+    assert "RSS is the whole process" in section
+    assert "0 0 4 MiB 300 MiB 75.0x" in table
 
 
 def test_status_table_and_verify_flags_a_corrupted_checkpoint(tmp_path):

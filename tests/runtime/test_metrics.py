@@ -1,13 +1,23 @@
-"""metrics.jsonl: rank 0 appends one line per step; readers survive torn lines and re-trained steps."""
+"""metrics.jsonl: rank 0 appends one line per step; readers survive torn lines and re-trained steps;
+memory per rank and stage against the plan's figure."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
 from pipectl.artifacts.run import RankTiming, StepMetrics
-from pipectl.runtime.metrics import MetricsWriter, parse_metrics_lines, prediction_summary, read_metrics
+from pipectl.runtime.metrics import (
+    MetricsWriter,
+    memory_summary,
+    parse_metrics_lines,
+    prediction_summary,
+    rank_memory,
+    read_metrics,
+)
 
 
 def metrics(step: int, loss: float = 1.0, seconds: float = 0.1, predicted: float | None = 0.1) -> StepMetrics:
@@ -77,3 +87,75 @@ def test_metrics_tail_reads_only_appended_lines_and_restarts_on_a_rewritten_file
     assert tail.latest().step == 3  # nothing new: the last step stays
     path.write_text(line(1))  # rewritten shorter
     assert tail.latest().step == 1
+
+
+def test_lines_written_before_memory_was_recorded_still_load():
+    old = (
+        '{"step": 1, "loss": 2.0, "step_seconds": 0.1, "samples_per_second": 80.0, "global_batch": 8, '
+        '"world_size": 1, "ranks": [{"rank": 0, "stage": 0, "forward_seconds": 0.01, "backward_seconds": 0.02}]}'
+    )
+    (line,) = parse_metrics_lines([old])
+    assert line.predicted_peak_memory_bytes == [] and line.ranks[0].peak_rss_bytes is None
+    assert memory_summary([line]) is None
+
+
+def with_memory(step: int, layout: str, peaks: dict[int, tuple[int, int]], predicted: list[int], *, cuda: bool):
+    """A line whose ranks (rank -> (stage, peak)) measured `peak` bytes, on CUDA or as RSS."""
+    ranks = [
+        RankTiming(
+            rank=rank, stage=stage, forward_seconds=0.0, backward_seconds=0.0,
+            peak_allocated_bytes=peak if cuda else None, peak_reserved_bytes=peak + 100 if cuda else None,
+            peak_rss_bytes=10 * peak,
+        )
+        for rank, (stage, peak) in peaks.items()
+    ]  # fmt: skip
+    return StepMetrics(
+        step=step, loss=1.0, step_seconds=1.0, samples_per_second=1.0, global_batch=4, world_size=len(ranks),
+        layout=layout, ranks=ranks, predicted_peak_memory_bytes=predicted,
+    )  # fmt: skip
+
+
+def test_memory_summary_takes_each_stages_highest_peak_over_its_ranks_and_the_last_layouts_steps():
+    lines = [
+        with_memory(1, "p1", {0: (0, 5000)}, [4000], cuda=True),  # before a resize: not counted
+        with_memory(2, "p2d2", {0: (0, 900), 1: (0, 1100), 2: (1, 700), 3: (1, 600)}, [1000, 800], cuda=True),
+        with_memory(3, "p2d2", {0: (0, 1000), 1: (0, 1000), 2: (1, 800), 3: (1, 500)}, [1000, 800], cuda=True),
+    ]
+    summary = memory_summary(lines)
+    assert summary.measure == "cuda" and summary.comparable and summary.layout == "p2d2" and summary.steps == 2
+    first, second = summary.stages
+    assert (first.stage, first.ranks, first.measured_bytes, first.reserved_bytes) == (0, (0, 1), 1100, 1200)
+    assert first.error == pytest.approx((1000 - 1100) / 1100)  # under-predicted: negative
+    assert (second.measured_bytes, second.error) == (800, 0.0)
+    payload = summary.to_dict()
+    assert payload["measured_field"] == "peak_allocated_bytes" and payload["stages"][0]["ranks"] == [0, 1]
+
+
+def test_on_cpu_the_summary_is_rss_and_claims_no_error():
+    lines = [with_memory(1, "p2", {0: (0, 100), 1: (1, 300)}, [], cuda=False)]
+    summary = memory_summary(lines, predicted_bytes=[500, 1000])  # the plan's, for lines without it
+    assert summary.measure == "rss" and not summary.comparable
+    assert [(s.measured_bytes, s.predicted_bytes, s.ratio) for s in summary.stages] == [(1000, 500, 2.0), (3000, 1000, 3.0)]
+    payload = summary.to_dict()
+    assert payload["note"].startswith("RSS is the whole process")
+    assert [stage["error"] for stage in payload["stages"]] == [None, None]
+
+
+def test_peak_rss_is_measured_in_bytes_and_follows_what_the_process_touched():
+    """A fresh interpreter touches 128 MiB: its peak RSS grows by about that much (not by all of it:
+    the peak before may exceed the RSS it grew from). And it starts from its own size, not from its
+    parent's: getrusage's ru_maxrss would carry this process's 256 MiB over into the child."""
+    code = (
+        "from pipectl.runtime.metrics import rank_memory\n"
+        "before = rank_memory('cpu').peak_rss_bytes\n"
+        "block = b'x' * (128 << 20)\n"
+        "print(before, rank_memory('cpu').peak_rss_bytes)\n"
+    )
+    parent_block = b"y" * (256 << 20)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    del parent_block
+    before, after = map(int, out.split())
+    assert before < 200 << 20
+    assert 96 << 20 <= after - before <= 160 << 20
+    memory = rank_memory("cpu")
+    assert memory.peak_allocated_bytes is None and memory.peak_reserved_bytes is None and memory.peak_rss_bytes > 0

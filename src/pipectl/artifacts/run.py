@@ -11,7 +11,8 @@ A run directory `runs/NAME/` holds everything one training job needs and produce
     metrics.jsonl      one StepMetrics line per optimizer step (rank 0 writes it)
     checkpoints/       TAG/ (DeepSpeed universal checkpoint + manifest.json, written last), latest
     schedule_rank{R}.txt  the compute order rank R executed
-    logs/              engine and per-rank output
+    logs/              engine and per-rank output; failure-rank{R}.json (`RankFailure`) when rank R
+                       failed (the traceback itself stays in the engine log)
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ METRICS_FILE = "metrics.jsonl"
 CHECKPOINTS_DIR = "checkpoints"
 LOGS_DIR = "logs"
 MANIFEST_FILE = "manifest.json"
+FAILURE_FILE = "failure-rank{rank}.json"  # in LOGS_DIR
 
 
 class Engine(str, Enum):
@@ -122,12 +124,34 @@ class JobSpec(Artifact):
 
 
 class RankTiming(Strict):
-    """One rank's compute time in one step: the heartbeat used to spot stragglers."""
+    """One rank's compute time and memory in one step: the heartbeat used to spot stragglers.
+
+    The memory fields are None in files written before they existed, and the CUDA ones on CPU.
+    """
 
     rank: int = Field(ge=0)
     stage: int = Field(ge=0, description="Pipeline stage the rank runs.")
     forward_seconds: float = Field(ge=0, description="Sum of the rank's forward (and recompute) time this step.")
     backward_seconds: float = Field(ge=0, description="Sum of the rank's backward time this step.")
+    peak_allocated_bytes: int | None = Field(
+        default=None,
+        ge=0,
+        description="CUDA: torch.cuda.max_memory_allocated over this step (peak stats reset at the step's "
+        "start, so each step reports its own peak; tensors only). None on CPU.",
+    )
+    peak_reserved_bytes: int | None = Field(
+        default=None,
+        ge=0,
+        description="CUDA: torch.cuda.max_memory_reserved over this step (reset like peak_allocated_bytes; "
+        "what the caching allocator held). None on CPU.",
+    )
+    peak_rss_bytes: int | None = Field(
+        default=None,
+        ge=0,
+        description="Peak resident set size of the rank's process (Linux: VmHWM of /proc/self/status; "
+        "elsewhere getrusage ru_maxrss): a running max since the process started, never reset, of the whole "
+        "process (interpreter, libraries, buffers, tensors).",
+    )
 
 
 class StepMetrics(Strict):
@@ -143,6 +167,44 @@ class StepMetrics(Strict):
     layout: str = Field(default="", description="Layout label, e.g. 't1p2d1 1f1b b2 m4'.")
     time_unix: float = Field(default=0.0, description="When the step finished (seconds since the epoch).")
     ranks: list[RankTiming] = Field(default_factory=list, description="Per-rank heartbeats.")
+    predicted_peak_memory_bytes: list[int] = Field(
+        default_factory=list,
+        description="Plan's predicted peak memory per pipeline stage (per device) for this layout; "
+        "empty in files written before it was recorded.",
+    )
+
+
+class RankFailure(Artifact):
+    """logs/failure-rank{R}.json: why rank R stopped with an error, for the launching terminal.
+
+    Written by the worker (atomically) before it exits non-zero; the traceback goes to the rank's
+    log, this record holds what a person needs first: where it failed and, when memory ran out,
+    what the plan predicted for that stage.
+    """
+
+    schema_version: Literal[1] = 1
+    rank: int = Field(ge=0)
+    stage: int | None = Field(default=None, ge=0, description="Pipeline stage; None if it failed before the engine.")
+    step: int | None = Field(default=None, ge=1, description="Optimizer step being trained (1-based), if any.")
+    phase: str = Field(default="", description="What ran: 'forward of micro-batch 3', 'optimizer step', 'start-up'.")
+    layer_index: int | None = Field(default=None, ge=0, description="Model layer whose forward was running.")
+    layer_name: str = Field(default="", description="That layer's name in the model's layer list.")
+    stage_layers: tuple[int, int] | None = Field(default=None, description="The stage's half-open layer range.")
+    exception: str = Field(description="Exception type, e.g. 'torch.OutOfMemoryError'.")
+    message: str = Field(default="", description="The exception's message (truncated).")
+    out_of_memory: bool = Field(default=False, description="The device (or the host, on CPU) ran out of memory.")
+    device: str = Field(default="cpu", description="'cuda' or 'cpu'.")
+    layout: str = Field(default="", description="Layout label, e.g. 't1p2d1 1f1b b2 m4'.")
+    micro_batch_size: int | None = Field(default=None, gt=0)
+    recompute: bool | None = None
+    pipeline_parallel: int | None = Field(default=None, gt=0)
+    predicted_peak_memory_bytes: int | None = Field(
+        default=None, ge=0, description="The plan's predicted peak memory of the rank's stage (per device)."
+    )
+    peak_allocated_bytes: int | None = Field(default=None, ge=0, description="CUDA: max allocated in the step.")
+    peak_reserved_bytes: int | None = Field(default=None, ge=0, description="CUDA: max reserved in the step.")
+    peak_rss_bytes: int | None = Field(default=None, ge=0, description="Peak RSS of the process so far.")
+    time_unix: float = Field(default=0.0, description="When the failure was recorded.")
 
 
 class CheckpointManifest(Artifact):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+from rich.markup import escape
 from typer.core import TyperGroup
 
 from pipectl.cli.context import err_console
@@ -21,9 +22,10 @@ class ErrorReportingGroup(TyperGroup):
         except PipectlError as exc:
             if os.environ.get("PIPECTL_DEBUG", "") not in ("", "0"):
                 raise
-            err_console.print(f"[bold red]error:[/] {exc.message}", highlight=False, soft_wrap=True)
+            # Messages quote files and exceptions ("[enforce fail at alloc_cpu.cpp:127]"): not markup.
+            err_console.print(f"[bold red]error:[/] {escape(exc.message)}", highlight=False, soft_wrap=True)
             if exc.hint:
-                err_console.print(f"[dim]hint:[/] {exc.hint}", highlight=False, soft_wrap=True)
+                err_console.print(f"[dim]hint:[/] {escape(exc.hint)}", highlight=False, soft_wrap=True)
             ctx.exit(exc.exit_code)
 
 class DefaultCommandGroup(TyperGroup):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -13,8 +14,10 @@ from pipectl.cli.context import JsonFlag, console, err_console, print_json, trai
 from pipectl.errors import LaunchError, UserInputError
 from pipectl.io import load_model
 from pipectl.launch import LaunchOptions, PreparedLaunch, prepare_launch, run_engine
+from pipectl.launch.engines import ENGINE_LOG
 from pipectl.launch.rundir import run_status
-from pipectl.report.run_tables import status_table
+from pipectl.report.run_tables import failure_report, status_table
+from pipectl.runtime.failure import read_failures
 from pipectl.runtime.metrics import MetricsTail
 
 
@@ -37,7 +40,7 @@ def parse_data(text: str) -> DataSpec:
 
 
 def _engine_log_tail(run_dir: Path, lines: int = 15) -> str:
-    log = run_dir / LOGS_DIR / "engine.log"
+    log = run_dir / LOGS_DIR / ENGINE_LOG
     if not log.is_file():
         return ""
     return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
@@ -131,16 +134,21 @@ def register(app: typer.Typer) -> None:
             else:
                 console.print(f"wrote {prepared.run_dir}; {prepared.command.submit_hint}")
             return
+        started = time.time()
         exit_code = _run_with_progress(prepared, timeout, quiet=json_output)
         status = run_status(prepared.run_dir)
         if exit_code != 0:
+            progress = f"the job exited with code {exit_code} after {status.steps_done} of {prepared.job.steps} steps"
+            logs = f"full traceback in {prepared.run_dir / LOGS_DIR / ENGINE_LOG}"
+            # The ranks' own records of what failed (runtime/failure.py); only this launch's.
+            failed, advice = failure_report(read_failures(prepared.run_dir, since_unix=started - 1.0))
+            if failed:
+                hint = f"{advice}; {logs}" if advice else f"{logs}; resume with --resume"
+                raise LaunchError(f"{failed}\n{progress}", hint=hint)
             tail = _engine_log_tail(prepared.run_dir)
             if tail and not json_output:
                 err_console.print(tail, highlight=False, markup=False)
-            raise LaunchError(
-                f"the job exited with code {exit_code} after {status.steps_done} of {prepared.job.steps} steps",
-                hint=f"logs: {prepared.run_dir / LOGS_DIR}; resume with --resume",
-            )
+            raise LaunchError(progress, hint=f"logs: {prepared.run_dir / LOGS_DIR}; resume with --resume")
         if json_output:
             print_json({**described, "exit_code": exit_code, "status": status.to_dict()})
             return

@@ -1,4 +1,4 @@
-"""`pipectl status RUN`: progress, last loss, predicted vs measured step time, checkpoints."""
+"""`pipectl status RUN`: progress, last loss, predicted vs measured step time and memory, checkpoints."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import typer
 
 from pipectl.cli.context import JsonFlag, console, print_json
 from pipectl.launch.rundir import run_status
-from pipectl.report.run_tables import status_table
+from pipectl.report.run_tables import run_memory, status_table
 from pipectl.runtime.history import read_history
 
 
@@ -27,7 +27,7 @@ def register(app: typer.Typer) -> None:
             bool, typer.Option("--verify", help="Hash every checkpoint file against its manifest (slower).")
         ] = False,
     ) -> None:
-        """Progress, last loss, predicted-vs-measured step time and checkpoints of a run."""
+        """Progress, last loss, predicted-vs-measured step time and memory, and checkpoints of a run."""
         status = run_status(run_dir, verify_hashes=verify)
         plot_path = None
         if plot is not None:
@@ -36,6 +36,8 @@ def register(app: typer.Typer) -> None:
             plot_path = plot_run(status.metrics, plot, title=status.path.name)
         if json_output:
             payload = status.to_dict()
+            memory = run_memory(status)
+            payload["memory"] = None if memory is None else memory.to_dict()
             payload["morphs"] = [record.model_dump(mode="json") for record in read_history(status.path)]
             payload["plot"] = str(plot_path) if plot_path else None
             print_json(payload)

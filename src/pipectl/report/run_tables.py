@@ -1,5 +1,6 @@
-"""Rich renderables for runs: the status summary, checkpoints, morph history, stragglers and a
-resize decision. Functions here build renderables and return them; the CLI prints them.
+"""Rich renderables for runs: the status summary, predicted vs measured memory, checkpoints, morph
+history, stragglers, a resize decision, and the text that reports a failed rank. Functions here
+build renderables (or text) and return them; the CLI prints them.
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ from rich.table import Table
 
 from pipectl.artifacts.layout import layout_label
 from pipectl.artifacts.morph import MorphRecord
+from pipectl.artifacts.run import RankFailure
 from pipectl.launch.rundir import RunStatus
+from pipectl.report.tables import format_bytes
 from pipectl.resize.morph import ResizeDecision
 from pipectl.resize.stragglers import StragglerReport, find_stragglers
 from pipectl.runtime.history import read_history
-from pipectl.runtime.metrics import read_metrics
+from pipectl.runtime.metrics import RSS_NOTE, MemorySummary, memory_summary, read_metrics
 
 
 def _percent(fraction: float) -> str:
@@ -52,6 +55,9 @@ def status_table(status: RunStatus) -> Group:
             f"median {_percent(prediction.median_abs_error)}, max {_percent(prediction.max_abs_error)}",
         )
     parts: list = [summary]
+    memory = run_memory(status)
+    if memory is not None:
+        parts.append(memory_table(memory))
     if status.checkpoints:
         table = Table(box=box.SIMPLE_HEAD, title="checkpoints", title_justify="left")
         for column in ("tag", "step", "state", "size"):
@@ -62,6 +68,134 @@ def status_table(status: RunStatus) -> Group:
         parts.append(table)
     parts.append(status_renderables(status.path))
     return Group(*parts)
+
+
+def run_memory(status: RunStatus) -> MemorySummary | None:
+    """Predicted vs measured memory of the run's last layout (the plan's figure if the metrics
+    lines predate recording it and the layout is the plan's own)."""
+    if not status.metrics:
+        return None
+    chosen = status.plan.chosen
+    fallback = chosen.peak_memory_bytes if status.metrics[-1].layout == layout_label(chosen) else None
+    return memory_summary(status.metrics, fallback)
+
+
+def memory_table(summary: MemorySummary) -> Table:
+    """One row per pipeline stage: the plan's peak, the measured peak, and how far apart they are.
+
+    On CUDA the measured figure is torch's max_memory_allocated (tensors, what the plan counts) and
+    the error is (predicted - measured) / measured. On CPU it is the process's peak RSS, which
+    counts far more than the plan does: the column shows the ratio, labelled as such, not an error.
+    """
+    cuda = summary.comparable
+    steps = f"{summary.steps} step" + ("" if summary.steps == 1 else "s")
+    table = Table(
+        box=box.SIMPLE_HEAD,
+        title=f"peak memory per stage ({summary.layout or 'this layout'}, {steps})",
+        title_justify="left",
+        caption=None if cuda else RSS_NOTE,
+        caption_justify="left",
+    )
+    columns = ("stage", "ranks", "predicted", "measured allocated", "reserved", "error") if cuda else (
+        "stage", "ranks", "predicted (device)", "measured RSS (process)", "RSS / predicted"
+    )
+    for column in columns:
+        table.add_column(column, justify="left" if column in ("stage", "ranks") else "right")
+    for stage in summary.stages:
+        predicted = "-" if stage.predicted_bytes is None else format_bytes(stage.predicted_bytes)
+        ranks = ",".join(str(r) for r in stage.ranks)
+        if cuda:
+            error = stage.error
+            shown = "-" if error is None else f"{100 * error:+.1f} %"
+            if error is not None and error < 0:
+                shown = f"[red]{shown}[/]"  # the plan under-predicted: a tighter device would run out
+            reserved = "-" if stage.reserved_bytes is None else format_bytes(stage.reserved_bytes)
+            table.add_row(str(stage.stage), ranks, predicted, format_bytes(stage.measured_bytes), reserved, shown)
+        else:
+            ratio = "-" if stage.ratio is None else f"{stage.ratio:.1f}x"
+            table.add_row(str(stage.stage), ranks, predicted, format_bytes(stage.measured_bytes), ratio)
+    return table
+
+
+def _where(failure: RankFailure) -> str:
+    """'rank 1 (stage 1, layers 4-8)' (inclusive layer numbers, as people count)."""
+    parts = []
+    if failure.stage is not None:
+        parts.append(f"stage {failure.stage}")
+    if failure.stage_layers is not None:
+        start, end = failure.stage_layers
+        parts.append(f"layer {start}" if end - start == 1 else f"layers {start}-{end - 1}")
+    return f"rank {failure.rank}" + (f" ({', '.join(parts)})" if parts else "")
+
+
+def _during(failure: RankFailure) -> str:
+    """'in step 2, layer 5 'block.4' (forward of micro-batch 1)'."""
+    parts = []
+    if failure.step is not None:
+        parts.append(f"step {failure.step}")
+    if failure.layer_index is not None:
+        name = f" '{failure.layer_name}'" if failure.layer_name else ""
+        parts.append(f"layer {failure.layer_index}{name}")
+    text = "in " + ", ".join(parts) if parts else ""
+    if failure.phase:
+        text = f"{text} ({failure.phase})" if text else f"during {failure.phase}"
+    return text
+
+
+def _first_line(text: str, limit: int = 300) -> str:
+    line = next((part.strip() for part in text.splitlines() if part.strip()), "")
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def out_of_memory_advice(failure: RankFailure) -> str:
+    """What to change so the stage fits, from the layout that ran out.
+
+    >>> record = RankFailure(rank=1, stage=1, exception="MemoryError", out_of_memory=True,
+    ...                      micro_batch_size=4, recompute=False, pipeline_parallel=2)
+    >>> print(out_of_memory_advice(record))
+    re-plan so that stage 1 fits: keep part of each device free with `pipectl plan --memory-headroom 0.1`, pin a smaller micro-batch (--micro-batch-size 2), allow recomputation (plan without --no-recompute), or pin more pipeline stages (--pipeline-parallel 4)
+    """
+    where = f"stage {failure.stage}" if failure.stage is not None else "every stage"
+    options = ["keep part of each device free with `pipectl plan --memory-headroom 0.1`"]
+    if failure.micro_batch_size is None or failure.micro_batch_size > 1:
+        smaller = f" (--micro-batch-size {failure.micro_batch_size // 2})" if failure.micro_batch_size else ""
+        options.append(f"pin a smaller micro-batch{smaller}")
+    if not failure.recompute:
+        options.append("allow recomputation (plan without --no-recompute)")
+    more = f" (--pipeline-parallel {2 * failure.pipeline_parallel})" if failure.pipeline_parallel else ""
+    options.append(f"pin more pipeline stages{more}")
+    return f"re-plan so that {where} fits: " + ", ".join(options[:-1]) + ", or " + options[-1]
+
+
+def failure_report(failures: Sequence[RankFailure]) -> tuple[str, str | None]:
+    """(message, hint) for a job whose ranks failed: the first failure (an out-of-memory one if
+    any), its exception's first line, the plan's memory figure when memory ran out, and one line
+    per other failed rank. Empty message when there is no record."""
+    if not failures:
+        return "", None
+    first, others = failures[0], failures[1:]
+    during = _during(first)
+    what = "ran out of memory" if first.out_of_memory else "failed"
+    lines = [f"{_where(first)} {what}" + (f" {during}" if during else "")]
+    lines.append(f"  {first.exception.rsplit('.', 1)[-1]}: {_first_line(first.message)}")
+    hint = None
+    if first.out_of_memory:
+        if first.predicted_peak_memory_bytes is not None:
+            measured = ""
+            if first.peak_allocated_bytes is not None:
+                measured = f"; {format_bytes(first.peak_allocated_bytes)} allocated at the peak of this step"
+            elif first.peak_rss_bytes is not None:
+                measured = f"; the process's peak RSS was {format_bytes(first.peak_rss_bytes)}"
+            lines.append(
+                f"  the plan predicted {format_bytes(first.predicted_peak_memory_bytes)} peak for "
+                f"stage {first.stage} (per device{', layout ' + first.layout if first.layout else ''}){measured}"
+            )
+        hint = out_of_memory_advice(first)
+    for other in others:
+        lines.append(
+            f"  {_where(other)} also failed: {other.exception.rsplit('.', 1)[-1]}: {_first_line(other.message, 160)}"
+        )
+    return "\n".join(lines), hint
 
 
 def _seconds(value: float | None) -> str:

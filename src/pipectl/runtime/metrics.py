@@ -1,6 +1,7 @@
 """metrics.jsonl: one `StepMetrics` line per optimizer step, appended by rank 0.
 
-The worker gathers each rank's forward/backward seconds (its heartbeat) and rank 0 writes the line:
+The worker gathers each rank's forward/backward seconds and peak memory (its heartbeat) and rank 0
+writes the line:
 
     >>> import tempfile
     >>> from pipectl.artifacts.run import StepMetrics
@@ -21,6 +22,7 @@ import json
 import logging
 import os
 import statistics
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -156,3 +158,175 @@ def prediction_summary(metrics: list[StepMetrics], warmup_steps: int = 1) -> Pre
         median_abs_error=statistics.median(errors),
         max_abs_error=max(errors),
     )
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """One rank's memory figures (see `RankTiming` for what each field measures)."""
+
+    peak_allocated_bytes: int | None
+    peak_reserved_bytes: int | None
+    peak_rss_bytes: int | None
+
+
+def peak_rss_bytes() -> int | None:
+    """The process's peak resident set size so far, in bytes.
+
+    Linux: `VmHWM` of /proc/self/status (kB), the high-water mark of this process image (proc(5)).
+    Not getrusage's ru_maxrss there: Linux carries it across fork and exec, so a rank started by a
+    large parent reports the parent's size (measured: a fresh interpreter forked from a 728 MiB
+    pytest process reported 728 MiB). Elsewhere ru_maxrss (bytes on macOS, getrusage(2)).
+    None where neither exists.
+    """
+    try:
+        with open("/proc/self/status", "rb") as status:
+            for line in status:
+                if line.startswith(b"VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+def reset_peak_memory(device: str) -> None:
+    """Start a step's peak: on CUDA reset the allocator's peak statistics (RSS cannot be reset)."""
+    if device == "cuda":
+        import torch  # the rank imported it long before
+
+        torch.cuda.reset_peak_memory_stats()
+
+
+def rank_memory(device: str) -> RankMemory:
+    """The peaks since `reset_peak_memory` (CUDA) and the process's peak RSS."""
+    allocated = reserved = None
+    if device == "cuda":
+        import torch  # the rank imported it long before
+
+        allocated = int(torch.cuda.max_memory_allocated())
+        reserved = int(torch.cuda.max_memory_reserved())
+    return RankMemory(allocated, reserved, peak_rss_bytes())
+
+
+RSS_NOTE = (
+    "RSS is the whole process (interpreter, torch, DeepSpeed, communication buffers and tensors), "
+    "not comparable 1:1 with the plan's figure (model state and activations on the device)"
+)
+
+
+@dataclass(frozen=True)
+class StageMemoryComparison:
+    """One pipeline stage: the plan's peak against the highest peak its ranks measured."""
+
+    stage: int
+    ranks: tuple[int, ...]
+    predicted_bytes: int | None
+    measured_bytes: int  # CUDA: max allocated; CPU: peak RSS; max over the stage's ranks and steps
+    reserved_bytes: int | None  # CUDA only
+
+    @property
+    def ratio(self) -> float | None:
+        """measured / predicted."""
+        return None if not self.predicted_bytes else self.measured_bytes / self.predicted_bytes
+
+    @property
+    def error(self) -> float | None:
+        """(predicted - measured) / measured: negative when the plan predicted less than was used."""
+        if self.predicted_bytes is None or self.measured_bytes <= 0:
+            return None
+        return (self.predicted_bytes - self.measured_bytes) / self.measured_bytes
+
+
+@dataclass(frozen=True)
+class MemorySummary:
+    """Predicted vs measured peak memory per stage, over the steps of the run's last layout."""
+
+    measure: str  # "cuda" (max_memory_allocated) or "rss" (peak resident set size, CPU)
+    layout: str
+    steps: int
+    stages: list[StageMemoryComparison]
+
+    @property
+    def comparable(self) -> bool:
+        """Whether measured and predicted count the same thing (device tensors, on CUDA)."""
+        return self.measure == "cuda"
+
+    def to_dict(self) -> dict:
+        return {
+            "measure": self.measure,
+            "measured_field": "peak_allocated_bytes" if self.comparable else "peak_rss_bytes",
+            "comparable": self.comparable,
+            "note": "" if self.comparable else RSS_NOTE,
+            "layout": self.layout,
+            "steps": self.steps,
+            "stages": [
+                {
+                    "stage": s.stage,
+                    "ranks": list(s.ranks),
+                    "predicted_peak_bytes": s.predicted_bytes,
+                    "measured_peak_bytes": s.measured_bytes,
+                    "peak_reserved_bytes": s.reserved_bytes,
+                    "measured_over_predicted": s.ratio,
+                    "error": s.error if self.comparable else None,
+                }
+                for s in self.stages
+            ],
+        }
+
+
+def memory_summary(metrics: list[StepMetrics], predicted_bytes: list[int] | None = None) -> MemorySummary | None:
+    """Each stage's highest measured peak (over its ranks and the steps of the last layout) against
+    the plan's figure for that stage. None when no step recorded memory (files written before it).
+
+    The prediction is the one the steps recorded, else `predicted_bytes` (the plan's, for runs
+    whose lines predate the field).
+
+    >>> from pipectl.artifacts.run import RankTiming
+    >>> def line(step, peaks):
+    ...     ranks = [RankTiming(rank=r, stage=r, forward_seconds=0, backward_seconds=0, peak_allocated_bytes=b)
+    ...              for r, b in enumerate(peaks)]
+    ...     return StepMetrics(step=step, loss=1.0, step_seconds=1.0, samples_per_second=1.0, global_batch=1,
+    ...                        world_size=2, layout="p2", ranks=ranks, predicted_peak_memory_bytes=[100, 90])
+    >>> summary = memory_summary([line(1, [80, 60]), line(2, [125, 75])])
+    >>> [(s.stage, s.measured_bytes, round(s.error, 2)) for s in summary.stages]
+    [(0, 125, -0.2), (1, 75, 0.2)]
+    """
+    if not metrics:
+        return None
+    layout = metrics[-1].layout
+    lines = [m for m in metrics if m.layout == layout]
+    timings = [r for m in lines for r in m.ranks]
+    if any(r.peak_allocated_bytes is not None for r in timings):
+        measure, value = "cuda", lambda r: r.peak_allocated_bytes
+    elif any(r.peak_rss_bytes is not None for r in timings):
+        measure, value = "rss", lambda r: r.peak_rss_bytes
+    else:
+        return None
+    predicted = next((m.predicted_peak_memory_bytes for m in reversed(lines) if m.predicted_peak_memory_bytes), None)
+    predicted = predicted or predicted_bytes or []
+    measured: dict[int, int] = {}
+    reserved: dict[int, int] = {}
+    ranks: dict[int, set[int]] = {}
+    for timing in timings:
+        figure = value(timing)
+        if figure is None:
+            continue
+        measured[timing.stage] = max(measured.get(timing.stage, 0), figure)
+        ranks.setdefault(timing.stage, set()).add(timing.rank)
+        if timing.peak_reserved_bytes is not None:
+            reserved[timing.stage] = max(reserved.get(timing.stage, 0), timing.peak_reserved_bytes)
+    stages = [
+        StageMemoryComparison(
+            stage=stage,
+            ranks=tuple(sorted(ranks[stage])),
+            predicted_bytes=predicted[stage] if stage < len(predicted) else None,
+            measured_bytes=measured[stage],
+            reserved_bytes=reserved.get(stage),
+        )
+        for stage in sorted(measured)
+    ]
+    return MemorySummary(measure=measure, layout=layout, steps=len(lines), stages=stages)

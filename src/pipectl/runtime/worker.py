@@ -10,9 +10,13 @@ the chosen layout) and RUN/ds_config.json, then:
    `pipectl.schedule.generate` from the same kind/p/m the simulator used (`executor`);
 4. resumes from the newest verified checkpoint, if any (`checkpoint.load_latest`);
 5. trains step by step on deterministic data (`data`): step s's samples depend on (seed, s, B) only;
-6. writes one metrics line per step (rank 0), checkpoints every K steps and at the end, and on
-   SIGTERM or RUN/stop_requested finishes the step, checkpoints and exits 0;
+6. writes one metrics line per step (rank 0; every rank's time and peak memory gathered to it),
+   checkpoints every K steps and at the end, and on SIGTERM or RUN/stop_requested finishes the
+   step, checkpoints and exits 0;
 7. writes RUN/schedule_rank{R}.txt: the compute order the rank executed in its last step.
+
+A rank that fails prints its traceback to its log, writes RUN/logs/failure-rank{R}.json (`failure`:
+where it failed, whether memory ran out, the plan's figure for its stage) and exits 1.
 
 `train` is the same loop without a run directory, for tests and benchmarks: it returns the losses.
 """
@@ -27,6 +31,7 @@ import queue
 import socket
 import sys
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -39,8 +44,9 @@ from pipectl.errors import LaunchError, PipectlError, UserInputError
 from pipectl.io import load_model, read_mapping
 from pipectl.runtime import checkpoint, dsinit
 from pipectl.runtime.elastic import ds_config_for_candidate, plan_for_world_size
+from pipectl.runtime.failure import RankContext, failure_record, write_failure
 from pipectl.runtime.history import record_layout_change
-from pipectl.runtime.metrics import MetricsWriter
+from pipectl.runtime.metrics import MetricsWriter, RankMemory, rank_memory, reset_peak_memory
 from pipectl.schedule import generate
 from pipectl.schedule.ir import ActionKind, Schedule
 
@@ -56,6 +62,7 @@ class StepRecord:
     step_seconds: float
     forward_seconds: float
     backward_seconds: float
+    memory: RankMemory | None = None  # the rank's peaks in this step
 
 
 @dataclass
@@ -89,6 +96,7 @@ class TrainingJob:
     checkpoint_every: int = 0
     keep_checkpoints: int = 3
     predicted_step_seconds: float | None = None
+    predicted_peak_memory_bytes: tuple[int, ...] = ()  # per pipeline stage, from the plan
     schedule: Schedule | None = None  # overrides the generated schedule (tests)
 
     @classmethod
@@ -115,6 +123,7 @@ class TrainingJob:
             checkpoint_every=job.checkpoint_every,
             keep_checkpoints=job.keep_checkpoints,
             predicted_step_seconds=candidate.predicted_step_seconds,
+            predicted_peak_memory_bytes=tuple(candidate.peak_memory_bytes),
         )
 
 
@@ -208,14 +217,27 @@ def _weighted_replica(model, ds_config: dict[str, Any], layout: Layout, replica:
     return replace(model, loss_fn=WeightedLoss(model.loss_fn, weight)), config
 
 
-def train(job: TrainingJob, on_step: Callable[[StepRecord], None] | None = None) -> TrainResult:
-    """Train `job.steps` steps (from the latest checkpoint when `job.run_dir` has one). Every rank."""
+def train(
+    job: TrainingJob,
+    on_step: Callable[[StepRecord], None] | None = None,
+    context: RankContext | None = None,
+) -> TrainResult:
+    """Train `job.steps` steps (from the latest checkpoint when `job.run_dir` has one). Every rank.
+
+    `context`, when given, is kept up to date with what the rank is doing (for a failure record).
+    """
     from pipectl.runtime.data import DeterministicBatches, make_source, replica_slices  # torch, after dsinit
 
+    context = context or RankContext(rank=int(os.environ.get("RANK", "0")))
+    context.layout = job.layout
+    context.predicted_peak_memory_bytes = job.predicted_peak_memory_bytes
     model, engine = build_engine(job)
     layout = job.layout
     rank = engine.global_rank
     stage = engine.stage_id
+    device = _device_kind(engine)
+    context.rank, context.stage, context.engine, context.device = rank, stage, engine, device
+    context.layer_names = [layer.name for layer in model.layers]
     dp_rank = engine.grid.get_data_parallel_rank()
     needs_data = engine.is_first_stage() or engine.is_last_stage()
 
@@ -232,6 +254,7 @@ def train(job: TrainingJob, on_step: Callable[[StepRecord], None] | None = None)
     stop_flag = None
     writer = None
     if job.run_dir is not None:
+        context.phase = "loading the checkpoint"
         loaded = checkpoint.load_latest(engine, job.run_dir)
         if loaded is not None:
             start_step = loaded.step
@@ -256,39 +279,60 @@ def train(job: TrainingJob, on_step: Callable[[StepRecord], None] | None = None)
         if stop_flag is not None and checkpoint.should_stop(stop_flag, job.run_dir):
             result.stopped_early = stop_flag.reason
             break
+        context.step, context.phase = step + 1, "step"
         micro_batches = batches.micro_batches(step, replica) if needs_data else [None] * replica.micro_batches
+        reset_peak_memory(device)
         started = time.perf_counter()
         loss = engine.train_step(micro_batches)
         elapsed = time.perf_counter() - started
         step += 1
-        record = _record(engine, step, loss, elapsed)
+        record = _record(engine, step, loss, elapsed, rank_memory(device))
         result.records.append(record)
         if writer is not None:
+            context.phase = "writing metrics"
             _write_metrics(writer, job, engine, record)
         if on_step is not None:
             on_step(record)
         if job.run_dir is not None and job.checkpoint_every and step % job.checkpoint_every == 0 and step < job.steps:
+            context.phase = "saving the checkpoint"
             _save(engine, job, step)
 
+    context.step = None
     result.executed_order = [str(a) for a in engine.executed_order()]
     if job.run_dir is not None:
         if result.records:
+            context.phase = "saving the checkpoint"
             _save(engine, job, step)
         _write_executed_order(job.run_dir, rank, result.executed_order)
     return result
 
 
-def _record(engine, step: int, loss: float, elapsed: float) -> StepRecord:
+def _device_kind(engine) -> str:
+    """'cuda' when the engine trains on a CUDA device, else 'cpu'."""
+    device = getattr(engine, "device", "cpu")
+    return "cuda" if str(getattr(device, "type", device)).startswith("cuda") else "cpu"
+
+
+def _record(engine, step: int, loss: float, elapsed: float, memory: RankMemory) -> StepRecord:
     forward = sum(r.seconds for r in engine.executed if r.action.kind is not ActionKind.BACKWARD)
     backward = sum(r.seconds for r in engine.executed if r.action.kind is ActionKind.BACKWARD)
-    return StepRecord(step, loss, elapsed, forward, backward)
+    return StepRecord(step, loss, elapsed, forward, backward, memory)
 
 
 def _write_metrics(writer, job: TrainingJob, engine, record: StepRecord) -> None:
-    """Gather every rank's heartbeat (collective), rank 0 appends the line."""
+    """Gather every rank's heartbeat and memory (one collective), rank 0 appends the line."""
     import torch.distributed as torch_dist  # torch, after dsinit
 
-    mine = (engine.global_rank, engine.stage_id, record.forward_seconds, record.backward_seconds)
+    memory = record.memory
+    mine = (
+        engine.global_rank,
+        engine.stage_id,
+        record.forward_seconds,
+        record.backward_seconds,
+        memory.peak_allocated_bytes if memory else None,
+        memory.peak_reserved_bytes if memory else None,
+        memory.peak_rss_bytes if memory else None,
+    )
     gathered: list[Any] = [None] * torch_dist.get_world_size()
     torch_dist.all_gather_object(gathered, mine)
     if engine.global_rank != 0:
@@ -305,7 +349,19 @@ def _write_metrics(writer, job: TrainingJob, engine, record: StepRecord) -> None
             world_size=layout.world_size,
             layout=layout.label(),
             time_unix=time.time(),
-            ranks=[RankTiming(rank=r, stage=s, forward_seconds=f, backward_seconds=b) for r, s, f, b in gathered],
+            ranks=[
+                RankTiming(
+                    rank=r,
+                    stage=s,
+                    forward_seconds=f,
+                    backward_seconds=b,
+                    peak_allocated_bytes=allocated,
+                    peak_reserved_bytes=reserved,
+                    peak_rss_bytes=rss,
+                )
+                for r, s, f, b, allocated, reserved, rss in gathered
+            ],
+            predicted_peak_memory_bytes=list(job.predicted_peak_memory_bytes),
         )
     )
 
@@ -403,14 +459,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s rank" + os.environ.get("RANK", "?") + " %(message)s")
 
+    context = RankContext(rank=int(os.environ.get("RANK", "0")))
     try:
-        result = train(TrainingJob.from_run_dir(args.run_dir))
+        result = train(TrainingJob.from_run_dir(args.run_dir), context=context)
     except PipectlError as exc:
         print(f"pipectl worker: {exc.message}", file=sys.stderr)
+        _record_failure(args.run_dir, exc, context)
         return exc.exit_code
+    except Exception as exc:  # the traceback to the log, the record for the launching terminal
+        traceback.print_exc()
+        _record_failure(args.run_dir, exc, context)
+        return 1
     if result.stopped_early:
         log.warning("stopped at step %d (%s); checkpoint written", result.start_step + len(result.records), result.stopped_early)
     return 0
+
+
+def _record_failure(run_dir: Path, exc: BaseException, context: RankContext) -> None:
+    try:
+        write_failure(run_dir, failure_record(exc, context))
+    except Exception as record_error:  # the exit code and the logged traceback still stand
+        log.error("could not write the failure record: %s", record_error)
 
 
 def _exit_now(code: int) -> None:
