@@ -178,11 +178,9 @@ def run_layout(label: str, candidate: dict, plan_path: Path, work: Path, steps: 
 
 def _measured_peak(metrics, gpu: bool) -> int | None:
     """The largest per-rank peak a step recorded: reserved bytes on a GPU, resident set on CPU."""
-    for field in (("peak_reserved_bytes",) if gpu else ("peak_resident_bytes", "peak_reserved_bytes")):
-        values = getattr(metrics, field, None)
-        if values:
-            return max(values) if isinstance(values, (list, tuple)) else int(values)
-    return None
+    values = [rank.peak_reserved_bytes if gpu else rank.peak_rss_bytes for rank in metrics.ranks]
+    values = [value for value in values if value]
+    return max(values) if values else None
 
 
 def baseline(model_ref: str, candidate: dict, steps: int, warmup: int, device: str, dtype: str) -> dict:
