@@ -304,3 +304,27 @@ def test_attention_is_recorded_and_checked():
     assert unfused.layers[1].cost(1).saved_activation_bytes > flash.layers[1].cost(1).saved_activation_bytes
     with pytest.raises(UserInputError, match="sparse"):
         derive_profile(_config("gpt-small"), H100, [1], attention="sparse")
+
+
+# --- the CLI's derive option ---------------------------------------------------------------------
+
+
+def test_cli_records_the_attention_it_derives_for(tmp_path):
+    from typer.testing import CliRunner
+
+    from pipectl.artifacts.profile import ModelProfile
+    from pipectl.cli.main import app
+
+    runner = CliRunner()
+    out = tmp_path / "p.json"
+    base = ["profile", "gpt-small", "--derive", "--device", "h100-80gb", "-b", "1", "-o", str(out)]
+    result = runner.invoke(app, [*base, "--attention", "unfused"])
+    assert result.exit_code == 0, result.output
+    assert any("attention: unfused" in note for note in load_model(ModelProfile, out).notes)
+    result = runner.invoke(app, base)
+    assert result.exit_code == 0, result.output
+    assert any("attention: flash" in note for note in load_model(ModelProfile, out).notes)
+    bad = runner.invoke(app, [*base, "--attention", "sparse"])
+    assert bad.exit_code == 2 and "sparse" in bad.output
+    measured = runner.invoke(app, ["profile", "gpt-tiny", "--attention", "unfused", "-o", str(out)])
+    assert measured.exit_code == 2 and "--derive" in measured.output
