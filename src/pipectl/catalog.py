@@ -2,8 +2,9 @@
 
 A `DeviceSpec` is what the planner and the derived profiles know about an accelerator without
 running anything on it. Figures come from vendor datasheets (cited per device in the YAML); the
-achievable fraction of peak is data too (`efficiency_by_micro_batch`), because a datasheet peak is
-never reached and small micro-batches reach less of it than large ones.
+achievable fraction of peak is data too: `efficiency_by_micro_batch` (whole-training MFU from
+publications), and, where an entry has them, the compute constants `pipectl.profile.compute_model`
+times layers with (SM count, sustained GEMM and attention efficiency, host time per kernel).
 
     >>> a100 = get_device("a100-80gb")
     >>> a100.peak_flops_per_second("bfloat16")
