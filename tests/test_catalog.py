@@ -114,3 +114,29 @@ def test_catalog_follows_the_configs_override(tmp_path, monkeypatch):
     path.write_text(yaml.safe_dump({"schema_version": 1, "devices": [_device().model_dump()]}))
     monkeypatch.setenv("PIPECTL_CONFIGS", str(tmp_path))
     assert list(load_catalog()) == ["test-gpu"]
+
+
+COMPUTE = dict(multiprocessors=100, gemm_efficiency=0.8, attention_efficiency=0.4, kernel_overhead_us=10,
+               memory_bandwidth_gbytes_per_second=1000)
+
+
+def test_compute_model_needs_every_constant():
+    assert _device(**COMPUTE).has_compute_model()
+    for missing in COMPUTE:
+        assert not _device(**{k: v for k, v in COMPUTE.items() if k != missing}).has_compute_model(), missing
+
+
+@pytest.mark.parametrize("field, value", [("gemm_efficiency", 1.2), ("attention_efficiency", 0), ("multiprocessors", 0),
+                                          ("kernel_overhead_us", -1)])
+def test_impossible_compute_constants_are_rejected(field, value):
+    with pytest.raises(ValueError):
+        _device(**{**COMPUTE, field: value})
+
+
+def test_shipped_gpus_carry_compute_constants_from_their_datasheets():
+    sms = {"p100": 56, "v100-16gb": 80, "v100-32gb": 80, "a100-40gb": 108, "a100-80gb": 108, "h100-80gb": 132, "h200": 132}
+    for name, count in sms.items():
+        device = get_device(name)
+        assert device.has_compute_model() and device.multiprocessors == count, name
+        assert device.attention_efficiency <= device.gemm_efficiency, name
+    assert not get_device("cpu").has_compute_model()

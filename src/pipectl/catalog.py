@@ -2,8 +2,9 @@
 
 A `DeviceSpec` is what the planner and the derived profiles know about an accelerator without
 running anything on it. Figures come from vendor datasheets (cited per device in the YAML); the
-achievable fraction of peak is data too (`efficiency_by_micro_batch`), because a datasheet peak is
-never reached and small micro-batches reach less of it than large ones.
+achievable fraction of peak is data too: `efficiency_by_micro_batch` (whole-training MFU from
+publications), and, where an entry has them, the compute constants `pipectl.profile.compute_model`
+times layers with (SM count, sustained GEMM and attention efficiency, host time per kernel).
 
     >>> a100 = get_device("a100-80gb")
     >>> a100.peak_flops_per_second("bfloat16")
@@ -78,6 +79,19 @@ class DeviceSpec(Strict):
         min_length=1,
         description="[micro_batch_size, achievable fraction of peak] points, micro-batch ascending.",
     )
+    multiprocessors: int | None = Field(
+        default=None, gt=0, description="Streaming multiprocessors (compute units), datasheet; GEMM wave quantization."
+    )
+    gemm_efficiency: float | None = Field(
+        default=None, gt=0, le=1,
+        description="Fraction of the dense peak a large 16-bit GEMM sustains (the clock held at the power limit).",
+    )
+    attention_efficiency: float | None = Field(
+        default=None, gt=0, le=1, description="Fraction of the dense peak fused (flash) attention reaches."
+    )
+    kernel_overhead_us: float | None = Field(
+        default=None, ge=0, description="Host time to issue one kernel from eager PyTorch (dispatch + launch), µs."
+    )
     blocking_p2p: bool = Field(
         default=False,
         description="Whether a point-to-point send returns only once the peer's receive runs (gloo, the CPU "
@@ -117,6 +131,16 @@ class DeviceSpec(Strict):
         (low_size, low_fraction), (high_size, high_fraction) = points[upper - 1], points[upper]
         weight = (micro_batch_size - low_size) / (high_size - low_size)
         return low_fraction + weight * (high_fraction - low_fraction)
+
+    def has_compute_model(self) -> bool:
+        """Whether the entry carries what `pipectl.profile.compute_model` needs (else: the curve)."""
+        return None not in (
+            self.multiprocessors,
+            self.gemm_efficiency,
+            self.attention_efficiency,
+            self.kernel_overhead_us,
+            self.memory_bandwidth_gbytes_per_second,
+        )
 
     def peak_flops_per_second(self, dtype: str) -> float:
         """Dense peak FLOP/s for training in `dtype` (float32 -> fp32 peak; 16-bit -> bf16/fp16 peak)."""

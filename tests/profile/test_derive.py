@@ -12,7 +12,8 @@ from pipectl.catalog import DeviceSpec, get_device
 from pipectl.errors import UserInputError
 from pipectl.io import load_model
 from pipectl.paths import resolve_config
-from pipectl.profile.derive import derive_profile, gpt_parameters_closed_form, transformer_block_saved_bytes
+from pipectl.profile.compute_model import MEMORY_EFFICIENCY
+from pipectl.profile.derive import derive_profile, gpt_parameters_closed_form
 
 
 def _config(name: str) -> ModelConfig:
@@ -71,15 +72,18 @@ def test_closed_form_holds_for_any_gpt_shape(layers, heads, head_dim, vocab, seq
     assert profile.parameter_count == pytest.approx(closed + 2 * hidden, rel=1e-12)
 
 
-def test_block_and_logit_flops_and_time():
+def test_block_and_logit_flops_and_time_on_a_device_without_compute_constants():
+    # The curve path: the FLOPs the kernels do at peak x efficiency(b). A causal flash kernel skips
+    # half of the attention products (2 b s^2 h, not 4); its backward does 2.5 x its forward; the
+    # GEMMs' backward 2 x. forward_flops keeps Narayanan et al.'s full count.
     config = _config("gpt-small")
     device = _flat_device(peak_tflops=100, efficiency=0.5)
     profile = derive_profile(config, device, [4])
     b, s, h, V = 4, config.seq_len, config.hidden, config.vocab
     block = profile.layers[1].cost(4)
     assert block.forward_flops == 24 * b * s * h * h + 4 * b * s * s * h
-    assert block.forward_seconds == pytest.approx(block.forward_flops / 50e12)
-    assert block.backward_seconds == pytest.approx(2 * block.forward_seconds)
+    assert block.forward_seconds == pytest.approx((24 * b * s * h * h + 2 * b * s * s * h) / 50e12)
+    assert block.backward_seconds == pytest.approx((48 * b * s * h * h + 5 * b * s * s * h) / 50e12)
     head = profile.layers[-1].cost(4)
     assert head.forward_flops == 2 * b * s * h * V
     assert head.output_activation_bytes == b * s * V * 2  # bf16 logits
@@ -106,14 +110,17 @@ def test_larger_micro_batches_are_no_slower_per_sample():
     assert per_sample[0] > per_sample[-1]
 
 
-def test_saved_activations_follow_korthikanti_eq1():
+def test_saved_activations_are_what_a_flash_block_keeps():
+    # 4 whole b s h tensors + 12 h/t split ones (t = 1) in the element size, + fp32 statistics.
     config = _config("gpt3-175b")
     s, h, a, b = config.seq_len, config.hidden, config.heads, 2
+    fp32_extras = b * s * 4 * (4 + a)  # two LayerNorms' mean and rstd, log-sum-exp per head
     bf16 = derive_profile(config, A100, [b], dtype="bfloat16").layers[1].cost(b)
-    assert bf16.saved_activation_bytes == pytest.approx(s * b * h * (34 + 5 * a * s / h))
+    assert bf16.saved_activation_bytes == b * s * h * 32 + fp32_extras
     fp32 = derive_profile(config, A100, [b], dtype="float32").layers[1].cost(b)
-    assert fp32.saved_activation_bytes == transformer_block_saved_bytes(b, s, h, a, 4)
-    assert 1.8 < fp32.saved_activation_bytes / bf16.saved_activation_bytes < 2.0  # masks stay 1 byte
+    assert fp32.saved_activation_bytes == b * s * h * 64 + fp32_extras
+    unfused = derive_profile(config, A100, [b], attention="unfused").layers[1].cost(b)
+    assert unfused.saved_activation_bytes - bf16.saved_activation_bytes == b * a * s * s * 2 + b * s * h * 2 - b * s * a * 4
 
 
 def test_dtype_sets_the_bytes_and_the_peak():
@@ -123,15 +130,24 @@ def test_dtype_sets_the_bytes_and_the_peak():
     for half, full in zip(bf16.layers, fp32.layers):
         assert half.parameter_bytes == 2 * half.parameter_count
         assert full.parameter_bytes == 4 * full.parameter_count
-    # 312 vs 19.5 TFLOP/s: fp32 blocks are 16x slower.
-    assert fp32.layers[1].cost(2).forward_seconds == pytest.approx(16 * bf16.layers[1].cost(2).forward_seconds)
+    # 312 vs 19.5 TFLOP/s: a GEMM-bound block is nearly 16x slower in fp32 (its element-wise work,
+    # twice the bytes, only 2x).
+    large = _config("gpt3-175b")
+    ratio = (
+        derive_profile(large, A100, [1], dtype="float32").layers[1].cost(1).forward_seconds
+        / derive_profile(large, A100, [1], dtype="bfloat16").layers[1].cost(1).forward_seconds
+    )
+    assert 15 < ratio < 16
 
 
 def test_element_wise_layers_are_memory_bound_on_fast_devices():
+    # final_norm: one kernel, issued after the host's overhead, reading and writing b s h at the
+    # attainable bandwidth.
     config = _config("gpt-small")
-    cost = derive_profile(config, A100, [8]).layers[-2].cost(8)  # final_norm
-    memory_seconds = 2 * 8 * config.seq_len * config.hidden * 2 / (A100.memory_bandwidth_gbytes_per_second * 1e9)
-    assert cost.forward_seconds == pytest.approx(memory_seconds)
+    cost = derive_profile(config, A100, [8]).layers[-2].cost(8)
+    bandwidth = A100.memory_bandwidth_gbytes_per_second * 1e9 * MEMORY_EFFICIENCY
+    memory_seconds = 2 * 8 * config.seq_len * config.hidden * 2 / bandwidth
+    assert cost.forward_seconds == pytest.approx(A100.kernel_overhead_us * 1e-6 + memory_seconds)
 
 
 def test_micro_batch_sizes_are_sorted_and_named_when_bad():
@@ -238,3 +254,77 @@ def test_derived_and_measured_profiles_line_up():
     for d, m in zip(derived.layers, measured.layers):
         assert d.parameter_bytes == m.parameter_bytes, d.name
         assert d.cost(2).output_activation_bytes == m.cost(2).output_activation_bytes, d.name
+
+
+# --- the embedding's and the head's memory-bound work and working memory ---------------------------
+
+
+H100 = get_device("h100-80gb")
+
+
+def test_embedding_backward_pays_for_the_dense_vocabulary_gradient():
+    # Zeroing V x h and adding it into .grad (4 V h element bytes) bound the backward from below,
+    # whatever the micro-batch; the gather forward moves only b s h.
+    config = _config("gpt2-2.5b")
+    profile = derive_profile(config, H100, [1, 8])
+    V, h = config.vocab, config.hidden
+    dense_seconds = 4 * V * h * 2 / (H100.memory_bandwidth_gbytes_per_second * 1e9)
+    for b in (1, 8):
+        cost = profile.layers[0].cost(b)
+        assert cost.backward_seconds > dense_seconds
+        assert cost.backward_seconds > 3 * cost.forward_seconds
+    assert profile.layers[0].cost(8).backward_seconds < 1.5 * profile.layers[0].cost(1).backward_seconds
+
+
+def test_peak_memory_is_parameters_twice_saved_output_and_working():
+    # The head's working memory (read back as peak - 2 x parameters - saved - output) holds the
+    # fp32 log-softmax gradient and the fp32 logits' gradient together: 8 b s V bytes.
+    config = _config("gpt2-2.5b")
+    b = 4
+    profile = derive_profile(config, H100, [b])
+    head = profile.layers[-1]
+    cost = head.cost(b)
+    tokens, V, h = b * config.seq_len, config.vocab, config.hidden
+    assert cost.saved_activation_bytes == tokens * h * 2 + tokens * V * 4
+    assert cost.output_activation_bytes == tokens * V * 2
+    working = cost.peak_memory_bytes - 2 * head.parameter_bytes - cost.saved_activation_bytes - cost.output_activation_bytes
+    assert working == 8 * tokens * V
+    # Every layer's working memory is non-negative and smaller than its saved + output bytes.
+    for layer in profile.layers:
+        c = layer.cost(b)
+        rest = c.peak_memory_bytes - 2 * layer.parameter_bytes - c.saved_activation_bytes - c.output_activation_bytes
+        assert rest >= 0, layer.name
+
+
+def test_attention_is_recorded_and_checked():
+    flash = derive_profile(_config("gpt-small"), H100, [1])
+    unfused = derive_profile(_config("gpt-small"), H100, [1], attention="unfused")
+    assert any("attention: flash" in note for note in flash.notes)
+    assert any("attention: unfused" in note for note in unfused.notes)
+    assert unfused.layers[1].cost(1).saved_activation_bytes > flash.layers[1].cost(1).saved_activation_bytes
+    with pytest.raises(UserInputError, match="sparse"):
+        derive_profile(_config("gpt-small"), H100, [1], attention="sparse")
+
+
+# --- the CLI's derive option ---------------------------------------------------------------------
+
+
+def test_cli_records_the_attention_it_derives_for(tmp_path):
+    from typer.testing import CliRunner
+
+    from pipectl.artifacts.profile import ModelProfile
+    from pipectl.cli.main import app
+
+    runner = CliRunner()
+    out = tmp_path / "p.json"
+    base = ["profile", "gpt-small", "--derive", "--device", "h100-80gb", "-b", "1", "-o", str(out)]
+    result = runner.invoke(app, [*base, "--attention", "unfused"])
+    assert result.exit_code == 0, result.output
+    assert any("attention: unfused" in note for note in load_model(ModelProfile, out).notes)
+    result = runner.invoke(app, base)
+    assert result.exit_code == 0, result.output
+    assert any("attention: flash" in note for note in load_model(ModelProfile, out).notes)
+    bad = runner.invoke(app, [*base, "--attention", "sparse"])
+    assert bad.exit_code == 2 and "sparse" in bad.output
+    measured = runner.invoke(app, ["profile", "gpt-tiny", "--attention", "unfused", "-o", str(out)])
+    assert measured.exit_code == 2 and "--derive" in measured.output

@@ -110,6 +110,13 @@ def model_command(
         Optional[str],
         typer.Option("--dtype", help="float32, bfloat16 or float16 (default: float32 measured, bfloat16 derived)."),
     ] = None,
+    attention: Annotated[
+        Optional[str],
+        typer.Option(
+            "--attention",
+            help="With --derive: the attention the blocks run, flash (fused, default) or unfused (s x s scores kept).",
+        ),
+    ] = None,
     warmup: Annotated[int, typer.Option(help="Discarded runs per layer and size.")] = 2,
     repeats: Annotated[int, typer.Option(help="Timed runs per layer and size (the median is kept).")] = 5,
     threads: Annotated[
@@ -131,8 +138,12 @@ def model_command(
     """Profile MODEL layer by layer (measured here, or derived with --derive) and write profile.json."""
     sizes = parse_micro_batch_sizes(micro_batch_sizes)
     links_profile = _load_links(links) if links is not None else None
+    if attention is not None and not derive:
+        raise UserInputError(
+            f"--attention {attention} applies to --derive only", hint="a measured profile runs the model's own attention"
+        )
     if derive:
-        profile = _derive(model, device_kind or device, sizes, dtype or "bfloat16")
+        profile = _derive(model, device_kind or device, sizes, dtype or "bfloat16", attention or "flash")
     else:
         profile = _measure(model, device, device_kind, sizes, dtype or "float32", warmup, repeats, threads,
                            memory_budget_gib)
@@ -146,7 +157,7 @@ def model_command(
     err_console.print(f"wrote {output}", highlight=False)
 
 
-def _derive(model: str, kind: str, sizes: list[int], dtype: str):
+def _derive(model: str, kind: str, sizes: list[int], dtype: str, attention: str):
     from pipectl.models.registry import load_model_config  # torch: only when deriving
 
     if ":" in model and not Path(model).exists() and not model.endswith((".yaml", ".yml")):
@@ -161,7 +172,7 @@ def _derive(model: str, kind: str, sizes: list[int], dtype: str):
         )
     if dtype not in ("float32", "bfloat16", "float16"):
         raise UserInputError(f"unknown dtype '{dtype}'", hint="choose one of: float32, bfloat16, float16")
-    return derive_profile(load_model_config(model), get_device(kind), sizes, dtype)
+    return derive_profile(load_model_config(model), get_device(kind), sizes, dtype, attention)
 
 
 def _measure(

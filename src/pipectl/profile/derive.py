@@ -1,16 +1,27 @@
 """Derive a profile from a model's shape and a device's datasheet, without running anything.
 
-For hardware we cannot reach (an A100 cluster, a 1 T-parameter model), the per-layer costs follow
-from closed forms (SPEC §3; Narayanan et al. 2021, "Efficient Large-Scale Language Model Training
-on GPU Clusters Using Megatron-LM", §3 and Appendix) and the catalog's achievable efficiency:
-
-    time = FLOPs / (peak FLOP/s x efficiency(b))
+For hardware we cannot reach (an A100 cluster, a 1 T-parameter model), each layer is the list of
+kernels eager PyTorch runs for it, timed by `pipectl.profile.compute_model`: GEMMs with their
+m, n, k at the device's sustained GEMM efficiency and wave quantization, flash (or unfused)
+attention, element-wise work at the memory bandwidth, and a host overhead per kernel. Checked
+against measured H100 block shards (tests/profile/test_compute_model.py,
+benchmarks/derived_vs_measured.py). A catalog entry without the compute constants falls back to
+the whole-training efficiency curve: time = FLOPs / (peak FLOP/s x efficiency(b)).
+`forward_flops` keeps the matrix-multiply convention of Narayanan et al. 2021 (Appendix; SPEC §3):
+24 b s h^2 + 4 b s^2 h per block, full attention even where a causal kernel skips half.
 
 The layer list is exactly `pipectl.models.registry` builds it (embed, block.0 .. block.{l-1},
 final_norm, head; input, hidden.i, classifier for MLPs), with the measured profiler's conventions
 (`pipectl.profile.measure`): the tied head is charged the token table it uses (V*h parameters, all
-of them shared with `embed`), and peak memory is parameters + gradients + saved + output bytes. So a
-derived and a measured profile of one config line up layer by layer.
+of them shared with `embed`); saved bytes are what autograd keeps (the head's include the loss's
+fp32 log-softmax); and
+
+    peak_memory_bytes = 2 x parameter bytes + saved + output + working
+
+where working is the transient memory the layer's forward and backward allocate and free by the
+end of its backward (the fp32 logits and their gradients in the head, gradients in flight). The
+planner reads it back as max(0, peak - 2 x parameter_bytes - saved - output). So a derived and a
+measured profile of one config line up layer by layer.
 
 Parameter count. The layer list holds P + 2h parameters, P being SPEC §3's closed form
 P = 12 l h^2 (1 + 13/(12h) + (V+s)/(12 l h)): the closed form counts the blocks, the token table
@@ -21,42 +32,64 @@ P = 12 l h^2 (1 + 13/(12h) + (V+s)/(12 l h)): the closed form counts the blocks,
     >>> gpt3 = derive_profile(load_model_config("gpt3-175b"), get_device("a100-80gb"), [1, 8])
     >>> round(gpt3.parameter_count / 1e9, 1)
     174.6
-    >>> block = gpt3.layers[1].cost(1)      # 24 b s h^2 + 4 b s^2 h FLOPs at 35 % of 312 TFLOP/s
+    >>> block = gpt3.layers[1].cost(1)      # 24 b s h^2 + 4 b s^2 h FLOPs, ~75 % of 312 TFLOP/s
     >>> round(block.forward_flops / 1e12, 3), round(block.forward_seconds * 1e3, 2)
-    (7.628, 69.85)
+    (7.628, 31.57)
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pipectl.artifacts.model import ModelConfig, ModelFamily
-from pipectl.artifacts.profile import LayerCost, LayerProfile, ModelProfile, ProfileSource
+from pipectl.artifacts.profile import (
+    LayerCost,
+    LayerProfile,
+    ModelProfile,
+    ProfileSource,
+)
 from pipectl.catalog import DTYPE_BYTES, DeviceSpec, get_device
 from pipectl.errors import UserInputError
+from pipectl.profile.compute_model import (
+    FP32_BYTES,
+    TOKEN_ID_BYTES,
+    Attention,
+    BlockShape,
+    ComputeDevice,
+    Kernel,
+    block_backward_kernels,
+    block_forward_kernels,
+    block_saved_bytes,
+    block_working_bytes,
+    gemm_kernel,
+    memory_kernel,
+    phase_seconds,
+)
 
-# Backward of a matrix multiply computes two products (input gradient and weight gradient) for
-# every one of the forward: backward = 2 x forward (Narayanan et al. 2021, §3.3; SPEC §3).
-BACKWARD_PER_FORWARD = 2.0
-TOKEN_ID_BYTES = 8  # int64 token ids, kept by the embedding look-up for its backward
-FP32_BYTES = 4
+
+@dataclass(frozen=True)
+class _Work:
+    """What one layer does at one micro-batch size: its kernels (forward, backward) and its bytes."""
+
+    forward: list[Kernel]
+    backward: list[Kernel]
+    saved_bytes: int
+    working_bytes: int  # transient: freed when the layer's backward ends (see _layer_cost)
 
 
 @dataclass(frozen=True)
 class _LayerShape:
-    """Per-layer closed forms; `*_per_sample` are for one sample of the micro-batch."""
+    """One layer of the list; `work(b, device)` builds its kernels at micro-batch b."""
 
     name: str
     kind: str
     parameter_count: int
     shared_group: str | None
     shared_parameter_count: int
-    forward_flops_per_sample: float
+    forward_flops_per_sample: float  # matrix-multiply FLOPs (Narayanan et al. 2021 convention)
     output_elements_per_sample: int  # in the profile's dtype
-    saved_bytes_per_sample: float
-    # Bytes read and written by the forward of a memory-bound layer (0: compute-bound, FLOPs only).
-    forward_memory_bytes_per_sample: float = 0.0
+    work: Callable[[int, ComputeDevice], _Work]
 
 
 def _check_micro_batch_sizes(micro_batch_sizes: Sequence[int]) -> list[int]:
@@ -91,34 +124,118 @@ def transformer_block_forward_flops(micro_batch_size: int, seq_len: int, hidden:
     return (8 + 4 * f) * b * s * h * h + 4 * b * s * s * h
 
 
-def transformer_block_saved_bytes(
-    micro_batch_size: int, seq_len: int, hidden: int, heads: int, bytes_per_element: int, ffn_multiplier: int = 4
-) -> float:
-    """Activations one block keeps for backward: s b h (34 + 5 a s / h) bytes in 16-bit at f = 4.
-
-    Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", eq. 1):
-    attention 11sbh + 5as^2b (of which the dropout masks, sbh + as^2b, are 1 byte per element),
-    MLP 19sbh (mask sbh), LayerNorms 4sbh. Scaled to `bytes_per_element` with the masks kept at one
-    byte, and to an MLP of width f*h:
-
-        sbh (e (8 + 2f) + 2) + a s^2 b (2e + 1)    ->  e=2, f=4: 34 sbh + 5 a s^2 b;  e=4: 66 sbh + 9 a s^2 b
-
-    An upper estimate for blocks without dropout or with fused (flash) attention, which keep neither
-    the masks nor the s^2 scores.
-    """
-    b, s, h, a, e, f = micro_batch_size, seq_len, hidden, heads, bytes_per_element, ffn_multiplier
-    return s * b * h * (e * (8 + 2 * f) + 2) + a * s * s * b * (2 * e + 1)
-
-
 def gpt_parameters_closed_form(layers: int, hidden: int, vocab: int, seq_len: int) -> float:
     """SPEC §3: P = 12 l h^2 (1 + 13/(12h) + (V+s)/(12 l h)) (Narayanan et al. 2021, §5.1)."""
     l, h = layers, hidden
     return 12 * l * h * h * (1 + 13 / (12 * h) + (vocab + seq_len) / (12 * l * h))
 
 
-def _transformer_shapes(config: ModelConfig, bytes_per_element: int) -> list[_LayerShape]:
+def _accumulate(name: str, elements: int, device: ComputeDevice) -> Kernel:
+    """A parameter's new gradient added into its `.grad`: read both, write one."""
+    return memory_kernel(f"{name} gradient accumulation", 3 * elements * device.bytes_per_element, device)
+
+
+def _embedding_work(vocab: int, hidden: int, seq_len: int, b: int, device: ComputeDevice) -> _Work:
+    """Token gather + position add forward; backward builds the dense V x h table gradient.
+
+    PyTorch's dense embedding backward zeroes a V x h gradient, sorts the token ids and adds each
+    token's output gradient into its row; autograd then adds that table into `.grad` (every
+    micro-batch but the first, and always for a tied table, whose head gradient lands there too):
+    about 4 V h element bytes, independent of b, which dwarf the b s h gather for any real vocabulary.
+    """
+    e, T, h, V = device.bytes_per_element, b * seq_len, hidden, vocab
+    forward = [
+        memory_kernel("token gather", 2 * T * h * e + T * TOKEN_ID_BYTES, device),
+        memory_kernel("position add", 3 * T * h * e, device),
+    ]
+    backward = [
+        memory_kernel("position gradient (sum over the batch)", T * h * e + seq_len * h * e, device),
+        memory_kernel("zero the table gradient", V * h * e, device),
+        memory_kernel("sort token ids", 4 * T * TOKEN_ID_BYTES, device),
+        memory_kernel("segment offsets", 2 * T * TOKEN_ID_BYTES, device),
+        memory_kernel("scatter-add rows", 3 * T * h * e, device),
+        _accumulate("token table", V * h, device),
+        _accumulate("positions", seq_len * h, device),
+    ]
+    # Transient: the output's gradient (b s h), the fresh V x h gradient before it is added into
+    # `.grad`, the sort's id buffers.
+    working = T * h * e + V * h * e + 4 * T * TOKEN_ID_BYTES
+    return _Work(forward, backward, saved_bytes=T * TOKEN_ID_BYTES, working_bytes=working)
+
+
+def _block_work(shape: BlockShape, device: ComputeDevice) -> _Work:
+    e = device.bytes_per_element
+    largest_parameter = max(shape.parameter_tensors())
+    return _Work(
+        forward=block_forward_kernels(shape, device),
+        backward=block_backward_kernels(shape, device),
+        saved_bytes=block_saved_bytes(shape, e),
+        # + the largest parameter's fresh gradient before it is added into `.grad`.
+        working_bytes=block_working_bytes(shape, e) + largest_parameter * e,
+    )
+
+
+def _final_norm_work(hidden: int, seq_len: int, b: int, device: ComputeDevice) -> _Work:
+    e, T, h = device.bytes_per_element, b * seq_len, hidden
+    return _Work(
+        forward=[memory_kernel("layer norm", 2 * T * h * e, device)],
+        backward=[
+            memory_kernel("layer norm backward", 3 * T * h * e, device),
+            memory_kernel("layer norm weight gradient", 2 * T * h * e, device),
+            _accumulate("weight", h, device),
+            _accumulate("bias", h, device),
+        ],
+        # Its input, plus the fp32 mean and reciprocal std. per token.
+        saved_bytes=T * h * e + 2 * T * FP32_BYTES,
+        working_bytes=2 * T * h * e,  # the output's and the input's gradients
+    )
+
+
+def _head_work(vocab: int, hidden: int, seq_len: int, b: int, device: ComputeDevice) -> _Work:
+    """Logits x W^T and the loss `pipectl.models.transformer.lm_loss` computes on them.
+
+    lm_loss upcasts the logits to fp32 and takes cross-entropy = log-softmax + NLL. Saved: the
+    head's input (for the weight gradient) and the fp32 log-softmax output (Korthikanti et al. 2022,
+    §4.3: 4 s b V bytes). Transient, beyond those and the 16-bit logits (the output):
+
+        forward:  the fp32 copy of the logits                                      4 T V
+        backward: NLL's dense gradient of the log-softmax output and log-softmax's
+                  gradient of the fp32 logits, alive together                      8 T V
+                  then the fp32 and 16-bit logit gradients                      (4 + e) T V
+                  then the 16-bit logit gradient, the input gradient and the
+                  fresh V x h weight gradient                        e T V + e T h + e V h
+
+    so the working memory is the largest of these (8 T V bytes for any real vocabulary).
+    """
+    e, T, h, V = device.bytes_per_element, b * seq_len, hidden, vocab
+    forward = [
+        gemm_kernel("logits", T, V, h, device),
+        memory_kernel("logits to fp32", T * V * (e + FP32_BYTES), device),
+        memory_kernel("log-softmax (max and sum pass)", T * V * FP32_BYTES, device),
+        memory_kernel("log-softmax", 2 * T * V * FP32_BYTES, device),
+        memory_kernel("nll loss", T * (FP32_BYTES + TOKEN_ID_BYTES), device),
+    ]
+    backward = [
+        memory_kernel("nll backward (zero + scatter)", T * V * FP32_BYTES, device),
+        memory_kernel("log-softmax backward (sum pass)", T * V * FP32_BYTES, device),
+        memory_kernel("log-softmax backward", 3 * T * V * FP32_BYTES, device),
+        memory_kernel("logit gradient to dtype", T * V * (FP32_BYTES + e), device),
+        gemm_kernel("logits input gradient", T, h, V, device),
+        gemm_kernel("logits weight gradient", V, h, T, device),
+        _accumulate("token table", V * h, device),
+    ]
+    working = max(
+        FP32_BYTES * T * V,
+        2 * FP32_BYTES * T * V,
+        (FP32_BYTES + e) * T * V,
+        e * T * V + e * T * h + e * V * h,
+    )
+    return _Work(forward, backward, saved_bytes=T * h * e + T * V * FP32_BYTES, working_bytes=working)
+
+
+def _transformer_shapes(config: ModelConfig, attention: Attention) -> list[_LayerShape]:
     h, s, V, a, f = config.hidden, config.seq_len, config.vocab, config.heads, config.ffn_multiplier
-    e = bytes_per_element
+    causal = config.family is ModelFamily.GPT
     tied_group = "embed" if config.tied_embeddings else None
     shapes = [
         _LayerShape(
@@ -129,9 +246,7 @@ def _transformer_shapes(config: ModelConfig, bytes_per_element: int) -> list[_La
             shared_parameter_count=V * h if config.tied_embeddings else 0,
             forward_flops_per_sample=s * h,  # the position add
             output_elements_per_sample=s * h,
-            saved_bytes_per_sample=s * TOKEN_ID_BYTES,
-            # Gather s rows of the table, read the positions, write the sum.
-            forward_memory_bytes_per_sample=3 * s * h * e,
+            work=lambda b, d: _embedding_work(V, h, s, b, d),
         )
     ]
     block_params = transformer_block_parameters(h, f)
@@ -145,7 +260,9 @@ def _transformer_shapes(config: ModelConfig, bytes_per_element: int) -> list[_La
                 shared_parameter_count=0,
                 forward_flops_per_sample=transformer_block_forward_flops(1, s, h, f),
                 output_elements_per_sample=s * h,
-                saved_bytes_per_sample=transformer_block_saved_bytes(1, s, h, a, e, f),
+                work=lambda b, d: _block_work(
+                    BlockShape(h, a, s, b, ffn_multiplier=f, causal=causal, attention=attention), d
+                ),
             )
         )
     shapes.append(
@@ -157,9 +274,7 @@ def _transformer_shapes(config: ModelConfig, bytes_per_element: int) -> list[_La
             shared_parameter_count=0,
             forward_flops_per_sample=8 * s * h,  # mean, variance, normalise, scale, shift
             output_elements_per_sample=s * h,
-            # Its input, plus the fp32 mean and reciprocal std. per token.
-            saved_bytes_per_sample=s * h * e + 2 * s * FP32_BYTES,
-            forward_memory_bytes_per_sample=2 * s * h * e,
+            work=lambda b, d: _final_norm_work(h, s, b, d),
         )
     )
     shapes.append(
@@ -172,18 +287,38 @@ def _transformer_shapes(config: ModelConfig, bytes_per_element: int) -> list[_La
             shared_parameter_count=V * h if config.tied_embeddings else 0,
             forward_flops_per_sample=2 * s * h * V,  # logits: SPEC §3, 2bshV forward
             output_elements_per_sample=s * V,
-            # Its input for the weight gradient, and the fp32 logits the cross-entropy keeps
-            # (Korthikanti et al. 2022, §4.3: 4sbv bytes).
-            saved_bytes_per_sample=s * h * e + s * V * FP32_BYTES,
+            work=lambda b, d: _head_work(V, h, s, b, d),
         )
     )
     return shapes
 
 
-def _dense_shape(name: str, kind: str, inputs: int, outputs: int, bytes_per_element: int, last: bool) -> _LayerShape:
-    e = bytes_per_element
-    # A linear layer keeps its input; ReLU keeps its output; the classifier's loss keeps fp32 logits.
-    kept_after = outputs * FP32_BYTES if last else outputs * e
+def _dense_work(inputs: int, outputs: int, b: int, device: ComputeDevice, last: bool) -> _Work:
+    """Linear + ReLU (or, last, the classifier and its fp32 cross-entropy)."""
+    e = device.bytes_per_element
+    if last:
+        after = [memory_kernel("logits to fp32 + log-softmax", b * outputs * (e + 3 * FP32_BYTES), device)]
+        after_backward = [memory_kernel("log-softmax backward", b * outputs * 4 * FP32_BYTES, device)]
+        kept_after = b * outputs * FP32_BYTES  # the log-softmax output
+        working = 2 * b * outputs * FP32_BYTES + b * inputs * e
+    else:
+        after = [memory_kernel("relu", 2 * b * outputs * e, device)]
+        after_backward = [memory_kernel("relu backward", 3 * b * outputs * e, device)]
+        kept_after = b * outputs * e  # ReLU keeps its output
+        working = b * outputs * e + b * inputs * e  # the output's and the input's gradients
+    forward = [gemm_kernel("linear", b, outputs, inputs, device), *after]
+    backward = [
+        *after_backward,
+        gemm_kernel("linear input gradient", b, inputs, outputs, device),
+        gemm_kernel("linear weight gradient", outputs, inputs, b, device),
+        memory_kernel("linear bias gradient", b * outputs * e, device),
+        _accumulate("weight", inputs * outputs, device),
+        _accumulate("bias", outputs, device),
+    ]
+    return _Work(forward, backward, saved_bytes=b * inputs * e + kept_after, working_bytes=working)
+
+
+def _dense_shape(name: str, kind: str, inputs: int, outputs: int, last: bool) -> _LayerShape:
     return _LayerShape(
         name=name,
         kind=kind,
@@ -192,43 +327,85 @@ def _dense_shape(name: str, kind: str, inputs: int, outputs: int, bytes_per_elem
         shared_parameter_count=0,
         forward_flops_per_sample=2 * inputs * outputs,
         output_elements_per_sample=outputs,
-        saved_bytes_per_sample=inputs * e + kept_after,
+        work=lambda b, d: _dense_work(inputs, outputs, b, d, last),
     )
 
 
-def _mlp_shapes(config: ModelConfig, bytes_per_element: int) -> list[_LayerShape]:
+def _mlp_shapes(config: ModelConfig) -> list[_LayerShape]:
     inputs = config.input_dim or config.hidden
     classes = config.classes or 10  # as pipectl.models.registry.mlp_layers
-    e = bytes_per_element
-    shapes = [_dense_shape("input", "dense", inputs, config.hidden, e, last=False)]
+    shapes = [_dense_shape("input", "dense", inputs, config.hidden, last=False)]
     shapes += [
-        _dense_shape(f"hidden.{i}", "dense", config.hidden, config.hidden, e, last=False)
+        _dense_shape(f"hidden.{i}", "dense", config.hidden, config.hidden, last=False)
         for i in range(config.layers)
     ]
-    shapes.append(_dense_shape("classifier", "classifier", config.hidden, classes, e, last=True))
+    shapes.append(_dense_shape("classifier", "classifier", config.hidden, classes, last=True))
     return shapes
 
 
-def _layer_cost(shape: _LayerShape, micro_batch_size: int, device: DeviceSpec, dtype: str, bytes_per_element: int) -> LayerCost:
+def _curve_device(device: DeviceSpec, dtype: str, micro_batch_size: int) -> ComputeDevice:
+    """Stand-in constants for a device without the compute model's: the catalog's efficiency at b
+    for every product, no launch overhead, no wave quantization (one 'SM')."""
+    efficiency = device.efficiency(micro_batch_size)
+    bandwidth = device.memory_bandwidth_gbytes_per_second
+    return ComputeDevice(
+        name=device.name,
+        peak_flops_per_second=device.peak_flops_per_second(dtype),
+        memory_bytes_per_second=(bandwidth or float("inf")) * 1e9,
+        gemm_efficiency=efficiency,
+        attention_efficiency=efficiency,
+        kernel_overhead_seconds=0.0,
+        multiprocessors=1,
+        bytes_per_element=DTYPE_BYTES[dtype],
+    )
+
+
+def _curve_seconds(kernels: list[Kernel], device: ComputeDevice) -> float:
+    """All FLOPs at peak x efficiency(b), or all bytes at the datasheet bandwidth, whichever is longer."""
+    flops = sum(kernel.flops for kernel in kernels)
+    memory_bytes = sum(kernel.bytes_moved for kernel in kernels if kernel.flops == 0)
+    return max(
+        flops / (device.peak_flops_per_second * device.gemm_efficiency),
+        memory_bytes / device.memory_bytes_per_second,
+    )
+
+
+def _layer_cost(
+    shape: _LayerShape, micro_batch_size: int, device: DeviceSpec, dtype: str, compute: ComputeDevice | None
+) -> LayerCost:
+    """One layer's costs at micro-batch b.
+
+    Times: with the device's compute constants, the kernel model (`compute_model.phase_seconds`);
+    without, the curve (`_curve_seconds`). Memory, the measured profiler's convention:
+
+        peak_memory_bytes = 2 x parameter bytes (weights + gradients) + saved + output + working
+
+    where working is the transient memory of the layer's forward and backward run alone (freed when
+    its backward ends: fp32 logits and their gradients, gradients in flight, a fresh weight gradient
+    before it is added into `.grad`). A reader recovers it as
+    max(0, peak - 2 x parameter_bytes - saved - output).
+    """
     b = micro_batch_size
-    forward_flops = shape.forward_flops_per_sample * b
-    forward_seconds = forward_flops / device.achievable_flops_per_second(dtype, b)
-    if shape.forward_memory_bytes_per_sample and device.memory_bandwidth_gbytes_per_second:
-        # Element-wise layers are bound by memory traffic, not FLOPs (roofline: Williams et al. 2009).
-        memory_seconds = shape.forward_memory_bytes_per_sample * b / (device.memory_bandwidth_gbytes_per_second * 1e9)
-        forward_seconds = max(forward_seconds, memory_seconds)
+    bytes_per_element = DTYPE_BYTES[dtype]
+    if compute is not None:
+        work = shape.work(b, compute)
+        forward_seconds = phase_seconds(work.forward, compute)
+        backward_seconds = phase_seconds(work.backward, compute)
+    else:
+        curve = _curve_device(device, dtype, b)
+        work = shape.work(b, curve)
+        forward_seconds = _curve_seconds(work.forward, curve)
+        backward_seconds = _curve_seconds(work.backward, curve)
     output_bytes = shape.output_elements_per_sample * b * bytes_per_element
-    saved_bytes = int(shape.saved_bytes_per_sample * b)
     parameter_bytes = shape.parameter_count * bytes_per_element
     return LayerCost(
         micro_batch_size=b,
         forward_seconds=forward_seconds,
-        backward_seconds=BACKWARD_PER_FORWARD * forward_seconds,
+        backward_seconds=backward_seconds,
         output_activation_bytes=output_bytes,
-        saved_activation_bytes=saved_bytes,
-        # The measured profiler's CPU convention: weights + gradients + saved + output.
-        peak_memory_bytes=2 * parameter_bytes + saved_bytes + output_bytes,
-        forward_flops=forward_flops,
+        saved_activation_bytes=int(work.saved_bytes),
+        peak_memory_bytes=int(2 * parameter_bytes + work.saved_bytes + output_bytes + work.working_bytes),
+        forward_flops=shape.forward_flops_per_sample * b,
     )
 
 
@@ -237,19 +414,25 @@ def derive_profile(
     device: DeviceSpec | str,
     micro_batch_sizes: Sequence[int],
     dtype: str = "bfloat16",
+    attention: Attention | str = Attention.FLASH,
 ) -> ModelProfile:
     """A `ModelProfile` (source=derived) of `config` on `device`, from closed forms only.
 
     Layers, names, kinds, parameter counts and tie groups match `pipectl.models.build_model` on the
-    same config; costs come from FLOPs / (peak x efficiency(b)) and the byte counts documented on
-    the helpers above. `device` is a `DeviceSpec` or a catalog name.
+    same config; costs come from the kernel model (`pipectl.profile.compute_model`) where the
+    catalog entry has its constants, else from FLOPs / (peak x efficiency(b)); memory from the byte
+    counts documented on the helpers above. `device` is a `DeviceSpec` or a catalog name;
+    `attention` is what the blocks are assumed to run: 'flash' (fused, the default) or 'unfused'.
     """
     if isinstance(device, str):
         device = get_device(device)
     sizes = _check_micro_batch_sizes(micro_batch_sizes)
-    bytes_per_element = _check_dtype(dtype)
+    _check_dtype(dtype)
+    attention = _check_attention(attention)
     transformer = config.family in (ModelFamily.GPT, ModelFamily.BERT)
-    shapes = _transformer_shapes(config, bytes_per_element) if transformer else _mlp_shapes(config, bytes_per_element)
+    shapes = _transformer_shapes(config, attention) if transformer else _mlp_shapes(config)
+    compute = ComputeDevice.of(device, dtype)
+    bytes_per_element = DTYPE_BYTES[dtype]
 
     layers = [
         LayerProfile(
@@ -260,16 +443,30 @@ def derive_profile(
             parameter_bytes=shape.parameter_count * bytes_per_element,
             shared_group=shape.shared_group,
             shared_parameter_count=shape.shared_parameter_count,
-            costs=[_layer_cost(shape, b, device, dtype, bytes_per_element) for b in sizes],
+            costs=[_layer_cost(shape, b, device, dtype, compute) for b in sizes],
         )
         for index, shape in enumerate(shapes)
     ]
-    notes = [
-        f"derived from the {config.family.value} shape and the '{device.name}' datasheet, not measured",
-        "time = FLOPs / (peak x efficiency(b)); backward = 2 x forward (Narayanan et al. 2021)",
-    ]
+    notes = [f"derived from the {config.family.value} shape and the '{device.name}' datasheet, not measured"]
+    if compute is not None:
+        notes.append(
+            "time: kernel model (GEMMs at "
+            f"{compute.gemm_efficiency:g} of peak with wave quantization, attention at "
+            f"{compute.attention_efficiency:g}, element-wise work at the memory bandwidth, "
+            f"{compute.kernel_overhead_seconds * 1e6:g} µs host time per kernel; pipectl.profile.compute_model)"
+        )
+    else:
+        notes.append(
+            f"time: FLOPs / (peak x efficiency(b)) or bytes / bandwidth; '{device.name}' has no compute "
+            "constants in the catalog"
+        )
     if transformer:
-        notes.append("saved activations: Korthikanti et al. 2022 eq. 1 (upper estimate for fused attention)")
+        notes.append(
+            f"attention: {attention.value} ("
+            + ("fused, no s x s scores kept" if attention is Attention.FLASH else "the s x s softmax output kept")
+            + "); saved activations counted tensor by tensor"
+        )
+    notes.append("peak memory = 2 x parameters + saved + output + transient working memory of the layer")
     return ModelProfile(
         model=config.name,
         source=ProfileSource.DERIVED,
@@ -282,3 +479,11 @@ def derive_profile(
         layers=layers,
         notes=notes,
     )
+
+
+def _check_attention(attention: Attention | str) -> Attention:
+    try:
+        return Attention(attention)
+    except ValueError:
+        known = ", ".join(a.value for a in Attention)
+        raise UserInputError(f"unknown attention implementation '{attention}'", hint=f"known: {known}") from None

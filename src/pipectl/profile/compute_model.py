@@ -1,0 +1,398 @@
+"""Kernel-level time and memory of transformer layers on a catalog device, from shapes alone.
+
+A layer's forward (or backward) is the list of kernels eager PyTorch runs for it: matrix products
+(GEMMs) with their m, n, k after the tensor-parallel split, attention (fused flash-style, or
+unfused with the b x heads x s x s scores materialised), and memory-bound element-wise work (layer
+norms, GELU, residual adds, bias gradients, gradient accumulation). Each kernel's GPU time is a
+roofline (Williams et al. 2009):
+
+    gemm:        max(2mnk / (peak x gemm_efficiency x waves(m, n)), bytes / bandwidth)
+    attention:   FLOPs / (peak x attention_efficiency), stretched when too few tiles fill the SMs
+    element-wise: bytes / (bandwidth x MEMORY_EFFICIENCY)
+
+and the host issues one kernel every `kernel_overhead_seconds` (PyTorch's eager dispatch and the
+CUDA launch), so a phase lasts as the queue of host issues and GPU runs says (`phase_seconds`):
+small shards are launch-bound, large ones GEMM-bound, the same formula for both.
+
+The device constants (configs/devices.yaml, each with its source there): the dense 16-bit peak and
+memory bandwidth (datasheets), the streaming-multiprocessor count (datasheet), the fraction of the
+peak a large GEMM sustains (`gemm_efficiency`: the clock a GPU holds at its power limit under
+tensor-core load), the fraction fused attention reaches (`attention_efficiency`, from the
+FlashAttention papers) and the host's per-kernel overhead.
+
+Worked example, one forward of the h=4096, t=1, b=1, s=2048 block on an H100 (989 TFLOP/s,
+3.35 TB/s): 10 kernels; the four GEMMs hold 0.82 TFLOP (1.16 ms at 0.74 of peak and 97 % wave
+efficiency), flash attention 34 GFLOP (0.10 ms), element-wise work 0.10 ms; measured 1.23 ms:
+
+    >>> from pipectl.catalog import get_device
+    >>> device = ComputeDevice.of(get_device("h100-80gb"), "bfloat16")
+    >>> block = BlockShape(hidden=4096, heads=32, seq_len=2048, micro_batch_size=1)
+    >>> round(phase_seconds(block_forward_kernels(block, device), device) * 1e3, 2)
+    1.43
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+from pipectl.catalog import DTYPE_BYTES, DeviceSpec
+
+FP32_BYTES = 4
+TOKEN_ID_BYTES = 8  # int64 token ids
+
+# Streaming kernels (copies, element-wise ops) reach about 90 % of the HBM datasheet bandwidth
+# (BabelStream: Deakin et al. 2018, "Evaluating attainable memory bandwidth of parallel programming
+# models via BabelStream"; on H100 SXM about 3.0 of 3.35 TB/s).
+MEMORY_EFFICIENCY = 0.9
+
+# GEMM output tiles cuBLAS chooses among for 16-bit tensor-core products (CUTLASS's large tiles on
+# Ampere and Hopper): a product of fewer tiles than one wave of SMs leaves SMs idle, and a partial
+# last wave costs a whole one (NVIDIA, "Matrix Multiplication Background User's Guide", tile and
+# wave quantization). The library picks the tile per shape; we take the one that wastes least.
+GEMM_TILES = ((128, 256), (256, 128), (128, 128))
+
+# Flash attention works on 128-row query blocks (FlashAttention-2, Dao 2023, head dimension 128):
+# one thread block per (sample, head, query block); with a causal mask block i visits i+1 key blocks.
+ATTENTION_BLOCK_ROWS = 128
+
+# Flash attention backward: 5 matrix products of the forward's size against the forward's 2
+# (recomputing the scores and softmax; Dao 2023, §3.2), i.e. 2.5 x the forward FLOPs.
+FLASH_BACKWARD_PER_FORWARD = 2.5
+
+
+class Attention(str, Enum):
+    """How a block computes attention: fused (flash, scores never stored) or unfused (s x s stored)."""
+
+    FLASH = "flash"
+    UNFUSED = "unfused"
+
+
+@dataclass(frozen=True)
+class ComputeDevice:
+    """The constants the compute model reads from a catalog entry, in SI units, for one dtype."""
+
+    name: str
+    peak_flops_per_second: float
+    memory_bytes_per_second: float  # attainable: datasheet x MEMORY_EFFICIENCY
+    gemm_efficiency: float
+    attention_efficiency: float
+    kernel_overhead_seconds: float
+    multiprocessors: int
+    bytes_per_element: int
+
+    @classmethod
+    def of(cls, device: DeviceSpec, dtype: str) -> ComputeDevice | None:
+        """The device's compute constants, or None when its catalog entry lacks one of them."""
+        if not device.has_compute_model():
+            return None
+        assert device.memory_bandwidth_gbytes_per_second is not None  # has_compute_model checked it
+        return cls(
+            name=device.name,
+            peak_flops_per_second=device.peak_flops_per_second(dtype),
+            memory_bytes_per_second=device.memory_bandwidth_gbytes_per_second * 1e9 * MEMORY_EFFICIENCY,
+            gemm_efficiency=float(device.gemm_efficiency or 0),
+            attention_efficiency=float(device.attention_efficiency or 0),
+            kernel_overhead_seconds=float(device.kernel_overhead_us or 0) * 1e-6,
+            multiprocessors=int(device.multiprocessors or 0),
+            bytes_per_element=DTYPE_BYTES[dtype],
+        )
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One kernel: what it is, its FLOPs and bytes moved, and its GPU seconds on the device."""
+
+    name: str
+    flops: float
+    bytes_moved: float
+    seconds: float
+
+
+def phase_seconds(kernels: Sequence[Kernel], device: ComputeDevice) -> float:
+    """Wall time of a phase (a forward or a backward) from its first kernel's issue to its last's end.
+
+    The host issues kernel i at (i+1) x overhead; the GPU runs it once issued and once the previous
+    one ended (one stream). Launch-bound phases last n x overhead, GPU-bound ones the sum of the
+    kernels (plus one overhead):
+
+        >>> d = ComputeDevice("x", 1e12, 1e12, 1.0, 1.0, 1e-5, 1, 2)
+        >>> round(phase_seconds([Kernel("a", 0, 0, 1e-6)] * 3, d) * 1e6, 1)   # 3 x 10 µs + 1 µs
+        31.0
+        >>> round(phase_seconds([Kernel("a", 0, 0, 1e-3)] * 3, d) * 1e3, 2)   # 10 µs + 3 ms
+        3.01
+    """
+    gpu_free = 0.0
+    for index, kernel in enumerate(kernels):
+        issued = (index + 1) * device.kernel_overhead_seconds
+        gpu_free = max(gpu_free, issued) + kernel.seconds
+    return gpu_free
+
+
+def memory_kernel(name: str, bytes_moved: float, device: ComputeDevice) -> Kernel:
+    """An element-wise or reduction kernel: bound by memory traffic."""
+    return Kernel(name, 0.0, bytes_moved, bytes_moved / device.memory_bytes_per_second)
+
+
+def wave_efficiency(rows: int, columns: int, multiprocessors: int) -> float:
+    """Useful fraction of the SM-time a GEMM's output tiles occupy (tile and wave quantization).
+
+    Tiles run one per SM per wave; the best of GEMM_TILES:
+
+        >>> round(wave_efficiency(2048, 3072, 132), 3)     # 128x128: 16 x 24 = 384 tiles, 3 waves
+        0.97
+        >>> round(wave_efficiency(2048, 1024, 132), 3)     # 128x128: 128 tiles, one wave of 132
+        0.97
+        >>> round(wave_efficiency(256, 256, 132), 3)       # 4 tiles on 132 SMs
+        0.03
+    """
+    best = 0.0
+    for tile_rows, tile_columns in GEMM_TILES:
+        tiles = math.ceil(rows / tile_rows) * math.ceil(columns / tile_columns)
+        waves = math.ceil(tiles / multiprocessors)
+        best = max(best, rows * columns / (waves * multiprocessors * tile_rows * tile_columns))
+    return best
+
+
+def gemm_kernel(name: str, m: int, n: int, k: int, device: ComputeDevice) -> Kernel:
+    """C[m, n] = A[m, k] B[k, n] in the device's dtype: the roofline of its FLOPs and its bytes."""
+    flops = 2.0 * m * n * k
+    bytes_moved = float(device.bytes_per_element * (m * k + k * n + m * n))
+    # The output tile grid is the larger dimension by the smaller one, as cuBLAS lays it out.
+    efficiency = device.gemm_efficiency * wave_efficiency(max(m, n), min(m, n), device.multiprocessors)
+    compute = flops / (device.peak_flops_per_second * efficiency)
+    return Kernel(name, flops, bytes_moved, max(compute, bytes_moved / device.memory_bytes_per_second))
+
+
+@dataclass(frozen=True)
+class BlockShape:
+    """One tensor-parallel shard of a pre-LN transformer block (Megatron's split, Shoeybi et al. 2019).
+
+    QKV and fc1 are column-parallel (h x 3h/t, h x fh/t), proj and fc2 row-parallel (h/t x h,
+    fh/t x h); heads/t local heads. No communication (the planner adds the all-reduces).
+    """
+
+    hidden: int
+    heads: int
+    seq_len: int
+    micro_batch_size: int
+    tensor_parallel: int = 1
+    ffn_multiplier: int = 4
+    causal: bool = True
+    attention: Attention = Attention.FLASH
+
+    @property
+    def tokens(self) -> int:
+        return self.micro_batch_size * self.seq_len
+
+    @property
+    def local_hidden(self) -> int:
+        """h / t: the width of a column-parallel output (rounded up when t does not divide h)."""
+        return -(-self.hidden // self.tensor_parallel)
+
+    @property
+    def local_heads(self) -> int:
+        return max(1, self.heads // self.tensor_parallel)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def parameter_tensors(self) -> list[int]:
+        """Element counts of the shard's 12 parameter tensors (weights and biases, LayerNorms whole)."""
+        h, hl, f = self.hidden, self.local_hidden, self.ffn_multiplier
+        return [
+            h, h,  # ln_attn weight, bias
+            3 * hl * h, 3 * hl,  # qkv
+            hl * h, h,  # proj (its bias is whole: added once after the all-reduce)
+            h, h,  # ln_mlp
+            f * hl * h, f * hl,  # fc_in
+            f * hl * h, h,  # fc_out
+        ]
+
+
+def _attention_blocks(shape: BlockShape) -> tuple[float, int]:
+    """(query-block x key-block pairs of the whole attention, the most pairs one thread block runs)."""
+    blocks = math.ceil(shape.seq_len / ATTENTION_BLOCK_ROWS)
+    per_head = blocks * (blocks + 1) / 2 if shape.causal else blocks * blocks
+    return shape.micro_batch_size * shape.local_heads * per_head, blocks
+
+
+def flash_attention_kernel(name: str, shape: BlockShape, flops: float, device: ComputeDevice) -> Kernel:
+    """Fused attention: FLOPs at the attention efficiency, or the longest thread block if longer.
+
+    One thread block per (sample, local head, query block), each visiting its key blocks; with fewer
+    blocks than SMs the longest one sets the time (LPT bound: max(total / SMs, longest)).
+    """
+    pairs, longest = _attention_blocks(shape)
+    pair_seconds = flops / pairs / (device.peak_flops_per_second * device.attention_efficiency / device.multiprocessors)
+    seconds = max(pairs / device.multiprocessors, longest) * pair_seconds
+    q_k_v_out = 4 * shape.tokens * shape.local_hidden * device.bytes_per_element
+    return Kernel(name, flops, q_k_v_out, max(seconds, q_k_v_out / device.memory_bytes_per_second))
+
+
+def attention_flops(shape: BlockShape) -> float:
+    """Forward matrix-product FLOPs of attention: QK^T and PV, 4 b s^2 h/t, half of it when causal
+    (the FLOPs a flash kernel does; Narayanan et al. 2021 count the full 4 b s^2 h)."""
+    full = 4.0 * shape.micro_batch_size * shape.seq_len**2 * shape.local_hidden
+    return full / 2 if shape.causal else full
+
+
+def _scores_elements(shape: BlockShape) -> int:
+    return shape.micro_batch_size * shape.local_heads * shape.seq_len**2
+
+
+def _unfused_attention_forward(shape: BlockShape, device: ComputeDevice) -> list[Kernel]:
+    """Scores = QK^T (batched), scale and mask, softmax, probabilities x V: the s x s matrix stored."""
+    e, s, d = device.bytes_per_element, shape.seq_len, shape.head_dim
+    batch = shape.micro_batch_size * shape.local_heads
+    scores = _scores_elements(shape)
+    return [
+        _batched_gemm("scores QK^T", batch, s, s, d, device),
+        memory_kernel("scale and mask", 2 * scores * e, device),
+        memory_kernel("softmax", 2 * scores * e, device),
+        _batched_gemm("probabilities x V", batch, s, d, s, device),
+        # The context [b, heads, s, d] back to [b, s, h/t] for proj: a copy.
+        memory_kernel("context transpose", 2 * shape.tokens * shape.local_hidden * e, device),
+    ]
+
+
+def _unfused_attention_backward(shape: BlockShape, device: ComputeDevice) -> list[Kernel]:
+    e, s, d = device.bytes_per_element, shape.seq_len, shape.head_dim
+    batch = shape.micro_batch_size * shape.local_heads
+    scores = _scores_elements(shape)
+    return [
+        memory_kernel("context transpose backward", 2 * shape.tokens * shape.local_hidden * e, device),
+        _batched_gemm("dP = dO V^T", batch, s, s, d, device),
+        _batched_gemm("dV = P^T dO", batch, s, d, s, device),
+        memory_kernel("softmax backward", 3 * scores * e, device),
+        memory_kernel("scale and mask backward", 2 * scores * e, device),
+        _batched_gemm("dQ = dS K", batch, s, d, s, device),
+        _batched_gemm("dK = dS^T Q", batch, s, d, s, device),
+    ]
+
+
+def _batched_gemm(name: str, batch: int, m: int, n: int, k: int, device: ComputeDevice) -> Kernel:
+    """`batch` independent m x n x k products in one kernel: their tiles share the waves."""
+    flops = 2.0 * batch * m * n * k
+    bytes_moved = float(batch * device.bytes_per_element * (m * k + k * n + m * n))
+    fill = wave_efficiency(batch * max(m, n), min(m, n), device.multiprocessors)
+    compute = flops / (device.peak_flops_per_second * device.gemm_efficiency * fill)
+    return Kernel(name, flops, bytes_moved, max(compute, bytes_moved / device.memory_bytes_per_second))
+
+
+def block_forward_kernels(shape: BlockShape, device: ComputeDevice) -> list[Kernel]:
+    """The kernels of one block shard's forward, in the order eager PyTorch issues them.
+
+    LN, QKV (bias in the GEMM's epilogue), attention, proj, residual add, LN, fc1, GELU, fc2,
+    residual add. Element-wise bytes: a LayerNorm reads and writes b s h, an add reads two and writes
+    one, GELU reads and writes b s fh/t.
+    """
+    e, T, h, hl, f = device.bytes_per_element, shape.tokens, shape.hidden, shape.local_hidden, shape.ffn_multiplier
+    if shape.attention is Attention.FLASH:
+        attention = [flash_attention_kernel("flash attention", shape, attention_flops(shape), device)]
+    else:
+        attention = _unfused_attention_forward(shape, device)
+    return [
+        memory_kernel("layer norm", 2 * T * h * e, device),
+        gemm_kernel("qkv", T, 3 * hl, h, device),
+        *attention,
+        gemm_kernel("proj", T, h, hl, device),
+        memory_kernel("residual add", 3 * T * h * e, device),
+        memory_kernel("layer norm", 2 * T * h * e, device),
+        gemm_kernel("fc1", T, f * hl, h, device),
+        memory_kernel("gelu", 2 * T * f * hl * e, device),
+        gemm_kernel("fc2", T, h, f * hl, device),
+        memory_kernel("residual add", 3 * T * h * e, device),
+    ]
+
+
+def _linear_backward(name: str, tokens: int, inputs: int, outputs: int, device: ComputeDevice) -> list[Kernel]:
+    """Input gradient (T x in = dY[T x out] W), weight gradient (out x in = dY^T X, k = T), bias
+    gradient (a column sum of dY): 2 x the forward's FLOPs (Narayanan et al. 2021, §3.3)."""
+    e = device.bytes_per_element
+    return [
+        gemm_kernel(f"{name} input gradient", tokens, inputs, outputs, device),
+        gemm_kernel(f"{name} weight gradient", outputs, inputs, tokens, device),
+        memory_kernel(f"{name} bias gradient", tokens * outputs * e, device),
+    ]
+
+
+def block_backward_kernels(shape: BlockShape, device: ComputeDevice, accumulate_gradients: bool = True) -> list[Kernel]:
+    """The kernels of one block shard's backward, in autograd's order.
+
+    With `accumulate_gradients` (every micro-batch of a step but the first, and a profiler's repeated
+    runs) each of the 12 parameters' gradients is added into its `.grad`: read both, write one.
+    """
+    e, T, h, hl, f = device.bytes_per_element, shape.tokens, shape.hidden, shape.local_hidden, shape.ffn_multiplier
+    if shape.attention is Attention.FLASH:
+        flops = FLASH_BACKWARD_PER_FORWARD * attention_flops(shape)
+        attention = [
+            memory_kernel("flash backward: dO . O", 2 * T * hl * e, device),
+            flash_attention_kernel("flash attention backward", shape, flops, device),
+            # dQ is accumulated in fp32 (zeroed first), then converted.
+            memory_kernel("flash backward: dQ fp32 -> dtype", T * hl * (2 * FP32_BYTES + e), device),
+        ]
+    else:
+        attention = _unfused_attention_backward(shape, device)
+    kernels = [
+        *_linear_backward("fc2", T, f * hl, h, device),
+        memory_kernel("gelu backward", 3 * T * f * hl * e, device),
+        *_linear_backward("fc1", T, h, f * hl, device),
+        memory_kernel("layer norm backward", 3 * T * h * e, device),
+        memory_kernel("layer norm weight gradient", 2 * T * h * e, device),
+        memory_kernel("residual gradient add", 3 * T * h * e, device),
+        *_linear_backward("proj", T, hl, h, device),
+        *attention,
+        # q, k and v are views of one tensor: their gradients are concatenated into one.
+        memory_kernel("qkv split backward", 2 * T * 3 * hl * e, device),
+        *_linear_backward("qkv", T, h, 3 * hl, device),
+        memory_kernel("layer norm backward", 3 * T * h * e, device),
+        memory_kernel("layer norm weight gradient", 2 * T * h * e, device),
+        memory_kernel("residual gradient add", 3 * T * h * e, device),
+    ]
+    if accumulate_gradients:
+        kernels += [memory_kernel("gradient accumulation", 3 * n * e, device) for n in shape.parameter_tensors()]
+    return kernels
+
+
+def block_saved_bytes(shape: BlockShape, bytes_per_element: int) -> int:
+    """Bytes one block shard keeps for its backward (what autograd's saved-tensor hooks count).
+
+    Whole (replicated over the t ranks): the block input and the first LayerNorm's output, the
+    residual sum and the second LayerNorm's output: 4 b s h elements. Split: the QKV output (q, k
+    and v are views of it) 3h/t, the attention output h/t (flash lays it out (b, s, heads, d), so
+    proj's input is a view of it, not a copy), fc1's output (GELU's input) fh/t and GELU's output
+    (fc2's input) fh/t. In 16-bit at f = 4:
+
+        2 (4h + 12h/t) = 8 + 24/t bytes per token and hidden unit (32 at t = 1)
+
+    plus fp32 per token: the two LayerNorms' mean and reciprocal std., flash's log-sum-exp per local
+    head. Unfused attention keeps the softmax output (b x heads/t x s x s) and a copy of the context
+    for proj instead of the log-sum-exp (Korthikanti et al. 2022, §4.2, without dropout).
+    """
+    e, T, h, hl, f = bytes_per_element, shape.tokens, shape.hidden, shape.local_hidden, shape.ffn_multiplier
+    whole = 4 * T * h
+    split = (3 + 1 + 2 * f) * T * hl
+    stats = 2 * 2 * T * FP32_BYTES
+    if shape.attention is Attention.FLASH:
+        extra = T * shape.local_heads * FP32_BYTES  # log-sum-exp
+    else:
+        extra = (_scores_elements(shape) + T * hl) * e
+    return (whole + split) * e + stats + extra
+
+
+def block_working_bytes(shape: BlockShape, bytes_per_element: int) -> int:
+    """Transient bytes of a block shard's backward beyond saved, output and parameter bytes.
+
+    While the MLP's backward runs: the incoming gradient (b s h), the gradient it passes on (b s h)
+    and the gradients of GELU's output and input (2 b s fh/t). Unfused attention's backward holds
+    two b x heads/t x s x s gradients (of the probabilities and of the scores) instead, if larger.
+    """
+    e, T, h, hl, f = bytes_per_element, shape.tokens, shape.hidden, shape.local_hidden, shape.ffn_multiplier
+    mlp = (2 * T * h + 2 * T * f * hl) * e
+    if shape.attention is Attention.UNFUSED:
+        return max(mlp, (2 * T * h + 2 * _scores_elements(shape)) * e)
+    return mlp
