@@ -99,3 +99,19 @@ def test_b8_predicts_within_the_device_and_above_the_old_model():
     result = plan(gpt_1_83b(), _one_h100(), _request(micro_batch_size=8))
     peak = max(result.chosen.peak_memory_bytes) / GIB
     assert 46.7 < peak < 79.18 * 0.95 - 1.0  # more than the old model's 46.7 GiB, inside the usable memory
+
+
+def test_a_derived_profile_of_the_model_refuses_b16_too(tmp_path):
+    from pipectl.catalog import get_device
+    from pipectl.models.registry import load_model_config
+    from pipectl.profile.derive import derive_profile
+
+    config = tmp_path / "gpt-1.83b.yaml"
+    config.write_text(
+        f"name: gpt-1.83b\nfamily: gpt\nlayers: {BLOCKS}\nhidden: {HIDDEN}\nheads: 32\nseq_len: {SEQ}\n"
+        f"vocab: {VOCAB}\ntied_embeddings: true\n"
+    )
+    profile = derive_profile(load_model_config(str(config)), get_device("h100-80gb"), [1, 2, 4, 8, 16], "bfloat16")
+    result = plan(profile, _one_h100(), _request())
+    assert {c.micro_batch_size for c in result.candidates} == {1, 2, 4, 8}
+    assert result.chosen.micro_batch_size == 8
