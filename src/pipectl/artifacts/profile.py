@@ -54,6 +54,12 @@ class LayerProfile(Strict):
         default=0, ge=0, description="How many of parameter_count belong to shared_group (each holder has a copy)."
     )
     costs: list[LayerCost] = Field(description="One entry per profiled micro-batch size, ascending.")
+    costs_from: int | None = Field(
+        default=None,
+        ge=0,
+        description="Index of the identical layer whose measured costs these are (one-instance profiling: "
+        "same kind, constructor arguments, parameter shapes and input shape); None: measured itself.",
+    )
 
     def cost(self, micro_batch_size: int) -> LayerCost:
         for entry in self.costs:
