@@ -28,9 +28,10 @@ reported as shared, so `ModelProfile.parameter_count` counts the table once.
 Sizes are tried in ascending order; the first that does not fit (CUDA out of memory, or on CPU a
 whole-model estimate above `memory_budget_bytes`) stops the sweep and is recorded.
 
-Then, by default on CPU, the training engine itself is calibrated on one rank
-(`runtime_calibration`): its per-micro-batch overheads, its end-of-step cost (fixed and per
-parameter) and how much slower the layers run inside a real step than alone. These go into
+Then, by default, the training engine itself is calibrated on one rank of the profiled device
+(`runtime_calibration`; on CUDA without the two-rank terms, which describe CPU hosts): its
+per-micro-batch overheads, its end-of-step cost (fixed and per parameter) and how much slower the
+layers run inside a real step than alone. These go into
 `ModelProfile.runtime`; the planner adds them to the layer times (`plan.costs`).
 """
 
@@ -48,7 +49,7 @@ from torch import nn
 from pipectl.artifacts.profile import LayerCost, LayerProfile, ModelProfile, ProfileSource
 from pipectl.errors import PipectlError, UserInputError
 from pipectl.models.base import LayerDef, ModelLayers
-from pipectl.profile.runtime_calibration import calibrate_runtime
+from pipectl.profile.runtime_calibration import CUDA_TWO_RANK_NOTE, calibrate_runtime
 
 DEFAULT_MICRO_BATCH_SIZES = (1, 2, 4, 8)
 # Engine calibration (runtime terms): warm-up and timed steps per micro-batch size.
@@ -359,8 +360,8 @@ def profile_model(
     CPU limit. `cpu_threads` pins torch's intra-op threads while profiling on CPU (1 matches a
     pipeline rank started with OMP_NUM_THREADS=1); None leaves them alone. `device_name` is the
     catalog name written into the profile (default: the torch device type). `runtime` also
-    calibrates the training engine on one rank (CPU only for now; about 3 s for gpt-tiny) and
-    records `ModelProfile.runtime`; a failed calibration is noted, not raised.
+    calibrates the training engine on one rank of the device (float32 only; about 3 s for gpt-tiny
+    on CPU) and records `ModelProfile.runtime`; a failed calibration is noted, not raised.
 
     `once` measures one instance of each distinct layer (`identical_layers`, with the same input
     shapes) and gives the identical ones its costs (`LayerProfile.costs_from`; the notes list
@@ -418,23 +419,25 @@ def _with_runtime_costs(
     if model.shape_only:
         note = f"runtime terms not measured: model '{model.name}' is shape-only and the engine calibration runs the whole model"
         return profile.model_copy(update={"notes": [*profile.notes, note]})
-    if device.type != "cpu":
-        note = f"runtime terms not measured: the engine calibration runs on CPU only (device {device})"
-        return profile.model_copy(update={"notes": [*profile.notes, note]})
     if dtype != torch.float32:
         note = f"runtime terms not measured: the engine calibration runs in float32 (profiled {dtype_name(dtype)})"
         return profile.model_copy(update={"notes": [*profile.notes, note]})
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the layers' memory, cached by this process, back to the GPU for the child
     started = time.perf_counter()
     try:
-        costs = calibrate_runtime(model, profile, warmup=CALIBRATION_WARMUP, steps=CALIBRATION_STEPS, seed=seed)
+        costs = calibrate_runtime(model, profile, warmup=CALIBRATION_WARMUP, steps=CALIBRATION_STEPS, seed=seed,
+                                  device=str(device))  # fmt: skip
     except PipectlError as exc:
         return profile.model_copy(update={"notes": [*profile.notes, f"runtime terms not measured: {exc.message}"]})
-    note = (
+    notes = [
         f"runtime terms: {costs.engine}; one 1x1-layer model and this model at every size, "
         f"{CALIBRATION_STEPS} timed steps of m=2 after {CALIBRATION_WARMUP} warm-up steps, medians "
         f"({time.perf_counter() - started:.1f} s)"
-    )
-    return profile.model_copy(update={"runtime": costs, "notes": [*profile.notes, note]})
+    ]
+    if device.type == "cuda":
+        notes.append(CUDA_TWO_RANK_NOTE)
+    return profile.model_copy(update={"runtime": costs, "notes": [*profile.notes, *notes]})
 
 
 def _profile(
