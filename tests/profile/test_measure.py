@@ -326,3 +326,18 @@ def test_a_shape_only_model_fits_the_budget_one_layer_at_a_time():
     assert fits.micro_batch_sizes == [1]
     with pytest.raises(UserInputError, match="does not fit even at micro-batch size 1"):
         profile_model(tiny, [1], warmup=0, repeats=1, runtime=False, once=True, memory_budget_bytes=largest - 1)
+
+
+def test_device_memory_is_recorded_only_where_the_runtime_reports_it(tiny_profile):
+    from pipectl.artifacts.profile import ModelProfile
+    from pipectl.profile.measure import device_memory_bytes
+
+    assert tiny_profile.device_memory_bytes is None and device_memory_bytes(torch.device("cpu")) is None
+    if torch.cuda.is_available():
+        assert device_memory_bytes(torch.device("cuda")) == torch.cuda.get_device_properties(0).total_memory
+    # Profiles written before the field existed load, and the field survives a round trip.
+    older = tiny_profile.model_dump(mode="json")
+    del older["device_memory_bytes"]
+    assert ModelProfile.model_validate(older).device_memory_bytes is None
+    recorded = tiny_profile.model_copy(update={"device_memory_bytes": 85_520_809_984})
+    assert ModelProfile.model_validate_json(recorded.model_dump_json()).device_memory_bytes == 85_520_809_984

@@ -208,6 +208,12 @@ class ModelProfile(Artifact):
         description="Training-engine overheads measured on one rank (measured profiles); None: not measured.",
     )
     notes: list[str] = Field(default_factory=list, description="What happened while profiling.")
+    device_memory_bytes: int | None = Field(
+        default=None,
+        description="Total memory of the device profiled on as its runtime reports it (CUDA: "
+        "torch.cuda.get_device_properties(i).total_memory); None on CPU or when derived. The planner "
+        "prefers it to the catalog's figure.",
+    )
 
     @property
     def parameter_count(self) -> int:

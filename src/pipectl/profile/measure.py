@@ -551,7 +551,16 @@ def _profile(
         vocab=model.vocab,
         layers=layers,
         notes=notes,
+        device_memory_bytes=device_memory_bytes(device),
     )
+
+
+def device_memory_bytes(device: torch.device) -> int | None:
+    """Total memory of a CUDA device as its runtime reports it; None on CPU (no one figure applies)."""
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return int(torch.cuda.get_device_properties(index).total_memory)
 
 
 def _over_budget(
@@ -735,6 +744,7 @@ __all__ = [
     "ProfileProgress",
     "ProgressCallback",
     "check_micro_batch_sizes",
+    "device_memory_bytes",
     "dtype_name",
     "identical_layers",
     "layer_parameter_tensors",
