@@ -173,3 +173,48 @@ def test_show_prints_the_engine_costs_of_a_calibrated_profile(tmp_path):
     assert result.exit_code == 0, result.output
     assert "engine costs on this host (test engine)" in result.output
     assert "4.00 ms" in result.output and "22 ns" in result.output and "1.10 fwd, 1.30 bwd" in result.output
+
+
+def test_once_measures_each_distinct_layer_and_every_layer_measures_all(tmp_path):
+    once, every = tmp_path / "once.json", tmp_path / "every.json"
+    _invoke("profile", "gpt-tiny", "-o", str(once), "-b", "1", *QUICK, "--once")
+    _invoke("profile", "gpt-tiny", "-o", str(every), "-b", "1", *QUICK, "--every-layer")
+    measured_once, measured_every = load_model(ModelProfile, once), load_model(ModelProfile, every)
+    assert [layer.costs_from for layer in measured_once.layers] == [None, None] + [1] * 5 + [None, None]
+    assert any("reuse block.0" in note for note in measured_once.notes)
+    assert all(layer.costs_from is None for layer in measured_every.layers)
+    assert not any("reuse" in note for note in measured_every.notes)
+
+
+def test_a_shape_only_config_is_profiled_one_layer_at_a_time_in_bounded_memory(tmp_path):
+    import subprocess
+    import sys
+
+    from pipectl.models import build_model
+    from pipectl.models.base import shape_of
+
+    config = tmp_path / "deep.yaml"
+    config.write_text(
+        "name: deep\nfamily: gpt\nlayers: 3000\nhidden: 128\nheads: 4\nseq_len: 16\nvocab: 64\nshape_only: true\n"
+    )
+    full_parameter_bytes = 4 * shape_of(build_model(config, allow_shape_only=True)).parameter_count  # 2.4 GB
+    refused = runner.invoke(app, ["profile", str(config), "-o", str(tmp_path / "no.json"), *QUICK, "--every-layer"])
+    assert refused.exit_code == 2 and "shape-only" in refused.output and "--once" in refused.output
+    # The real command in its own process, which reports its peak resident memory at exit.
+    script = (
+        "import resource, sys\nfrom pipectl.cli.main import app\ntry:\n    app(sys.argv[1:])\nfinally:\n"
+        "    print('maxrss-kib', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)\n"
+    )
+    out = tmp_path / "deep.json"
+    done = subprocess.run(
+        [sys.executable, "-c", script, "profile", str(config), "-o", str(out), "-b", "1", *QUICK, "--once", "--json"],
+        capture_output=True, text=True, timeout=300, env={**__import__("os").environ, "PYTHONPATH": str(REPO / "src")},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    peak_bytes = 1024 * int(done.stderr.split("maxrss-kib")[-1].split()[0])
+    assert peak_bytes < full_parameter_bytes / 2
+    profile = load_model(ModelProfile, out)
+    assert len(profile.layers) == 3003 and profile.layers[-2].name == "final_norm"
+    assert profile.parameter_count * 4 == full_parameter_bytes
+    assert sum(layer.costs_from is None for layer in profile.layers) == 4
+    assert any("shape-only" in note and "runtime terms not measured" in note for note in profile.notes)

@@ -188,3 +188,156 @@ def test_forward_flops_are_counted_by_pytorch_on_the_real_forward():
     assert head.forward_flops == 2 * b * s * h * vocab
     assert 24 * b * s * h * h <= block.forward_flops <= 24 * b * s * h * h + 4 * b * s * s * h
     assert profile.layers[0].cost(b).forward_flops == 0  # an embedding look-up is no FLOP
+
+
+# --- one instance of each distinct layer ---------------------------------------------------------
+
+
+def test_once_measures_one_block_and_gives_its_costs_to_the_identical_ones(gpt_tiny, tiny_profile):
+    once = profile_model(gpt_tiny, [1, 2], warmup=1, repeats=2, runtime=False, once=True)
+    # embed, block.0, final_norm and head measured; block.1..5 take block.0's costs.
+    assert [layer.costs_from for layer in once.layers] == [None, None, 1, 1, 1, 1, 1, None, None]
+    for layer in once.layers[2:7]:
+        assert layer.costs == once.layers[1].costs
+    assert any("block.1, block.2, ..., block.5 (5 layers) reuse block.0" in note for note in once.notes)
+    # Everything but the times is exactly what measuring every layer gives.
+    assert [layer.costs_from for layer in tiny_profile.layers] == [None] * 9
+    assert once.parameter_count == tiny_profile.parameter_count
+    for mine, every in zip(once.layers, tiny_profile.layers):
+        assert (mine.parameter_count, mine.parameter_bytes, mine.shared_parameter_count) == (
+            every.parameter_count, every.parameter_bytes, every.shared_parameter_count
+        )
+        for a, b in zip(mine.costs, every.costs):
+            assert (a.output_activation_bytes, a.saved_activation_bytes, a.peak_memory_bytes, a.forward_flops) == (
+                b.output_activation_bytes, b.saved_activation_bytes, b.peak_memory_bytes, b.forward_flops
+            ), mine.name
+
+
+class _Widening(torch.nn.Module):
+    """Doubles its input's last dimension: the same definition, a different input shape each time."""
+
+    def forward(self, x):
+        return torch.cat([x, x], dim=-1)
+
+
+class _Growing(torch.nn.Module):
+    """Equal constructor arguments, but each instance is wider than the last (state outside the arguments)."""
+
+    built = 0
+
+    def __init__(self) -> None:
+        super().__init__()
+        _Growing.built += 1
+        self.weight = torch.nn.Parameter(torch.ones(_Growing.built))
+
+    def forward(self, x):
+        return x * self.weight.sum()
+
+
+def _toy(layers):
+    from pipectl.models.base import ModelLayers
+
+    def make_batch(size, generator):
+        return torch.randn(size, 4, generator=generator), torch.randint(0, 4, (size,), generator=generator)
+
+    return ModelLayers(name="toy", layers=layers, make_batch=make_batch, loss_fn=torch.nn.functional.cross_entropy)
+
+
+class _Scale(torch.nn.Module):
+    """Multiplies by a number taken from its argument (a plain value or any object with `.factor`)."""
+
+    def __init__(self, setting) -> None:
+        super().__init__()
+        self.factor = float(getattr(setting, "factor", setting))
+
+    def forward(self, x):
+        return x * self.factor
+
+
+def test_identical_means_same_kind_arguments_parameter_shapes_and_input_shape():
+    from types import SimpleNamespace
+
+    from pipectl.models.base import LayerDef
+    from pipectl.models.mlp import DenseReLU
+    from pipectl.profile.measure import identical_layers
+
+    setting, equal_setting = SimpleNamespace(factor=2), SimpleNamespace(factor=2)
+    layers = [
+        LayerDef("a", "dense", DenseReLU, (4, 4)),
+        LayerDef("b", "dense", DenseReLU, (4, 4)),  # identical to a
+        LayerDef("c", "other", DenseReLU, (4, 4)),  # another kind
+        LayerDef("d", "dense", DenseReLU, (), {"in_features": 4, "out_features": 4}),  # other arguments
+        LayerDef("e", "grow", _Growing),
+        LayerDef("f", "grow", _Growing),  # same arguments, other parameter shapes
+        LayerDef("s1", "scale", _Scale, (setting,)),
+        LayerDef("s2", "scale", _Scale, (setting,)),  # the same object: identical to s1
+        LayerDef("s3", "scale", _Scale, (equal_setting,)),  # an equal object is not the same argument
+        LayerDef("n1", "scale", _Scale, (2,)),
+        LayerDef("n2", "scale", _Scale, (2.0,)),  # 2.0 is not the argument 2
+        LayerDef("g", "wide", _Widening),
+        LayerDef("h", "wide", _Widening),  # identical definition, but its input is twice as wide
+        LayerDef("l", "dense", DenseReLU, (16, 4)),
+        LayerDef("m", "dense", DenseReLU, (4, 4)),  # a's twin, but the last layer: its backward has the loss
+    ]
+    model = _toy(layers)
+    assert identical_layers(model) == [0, 0, 2, 3, 4, 5, 6, 6, 8, 9, 10, 11, 11, 13, 0]
+    profile = profile_model(model, [1, 2], warmup=0, repeats=1, runtime=False, once=True)
+    costs_from = {layer.name: layer.costs_from for layer in profile.layers if layer.costs_from is not None}
+    assert costs_from == {"b": 0, "s2": 6}
+    assert profile.layers[5].parameter_count == profile.layers[4].parameter_count + 1
+
+
+def test_a_shape_only_model_is_measured_without_building_it_whole():
+    from dataclasses import replace
+
+    from pipectl.models.base import shape_of
+    from pipectl.models.transformer import TransformerBlock
+
+    class CountingBlock(TransformerBlock):
+        real = 0  # instances with real storage (not on the meta device)
+
+        def __init__(self, *args):
+            super().__init__(*args)
+            CountingBlock.real += self.qkv.weight.device.type != "meta"
+
+    tiny = build_model("gpt-tiny")
+    blocks = [replace(tiny.layers[1], name=f"block.{i}", module_cls=CountingBlock) for i in range(40)]
+    model = replace(tiny, layers=[tiny.layers[0], *blocks, *tiny.layers[-2:]], shape_only=True)
+    with pytest.raises(UserInputError, match="shape-only"):
+        profile_model(model, [1], warmup=0, repeats=1, runtime=False, once=False)
+    profile = profile_model(model, [1, 2], warmup=0, repeats=1, once=True)
+    assert CountingBlock.real == 1  # one block built for real, 39 only counted on the meta device
+    assert profile.parameter_count == shape_of(model).parameter_count
+    assert [layer.parameter_count for layer in profile.layers] == shape_of(model).layer_parameter_counts
+    assert all(layer.costs_from == 1 for layer in profile.layers[2:41])
+    # The engine calibration runs the whole model: skipped, and said so.
+    assert profile.runtime is None
+    assert any("shape-only" in note and "runtime terms not measured" in note for note in profile.notes)
+
+
+def test_a_shape_only_model_fits_the_budget_one_layer_at_a_time():
+    from dataclasses import replace
+
+    tiny = replace(build_model("gpt-tiny"), shape_only=True)
+    every = profile_model(tiny, [1], warmup=0, repeats=1, runtime=False, once=True)
+    # The largest measured layer alone: 2 x parameters + saved + output bytes (the CPU peak estimate).
+    largest = max(layer.cost(1).peak_memory_bytes for layer in every.layers)
+    fits = profile_model(tiny, [1], warmup=0, repeats=1, runtime=False, once=True, memory_budget_bytes=largest)
+    assert fits.micro_batch_sizes == [1]
+    with pytest.raises(UserInputError, match="does not fit even at micro-batch size 1"):
+        profile_model(tiny, [1], warmup=0, repeats=1, runtime=False, once=True, memory_budget_bytes=largest - 1)
+
+
+def test_device_memory_is_recorded_only_where_the_runtime_reports_it(tiny_profile):
+    from pipectl.artifacts.profile import ModelProfile
+    from pipectl.profile.measure import device_memory_bytes
+
+    assert tiny_profile.device_memory_bytes is None and device_memory_bytes(torch.device("cpu")) is None
+    if torch.cuda.is_available():
+        assert device_memory_bytes(torch.device("cuda")) == torch.cuda.get_device_properties(0).total_memory
+    # Profiles written before the field existed load, and the field survives a round trip.
+    older = tiny_profile.model_dump(mode="json")
+    del older["device_memory_bytes"]
+    assert ModelProfile.model_validate(older).device_memory_bytes is None
+    recorded = tiny_profile.model_copy(update={"device_memory_bytes": 85_520_809_984})
+    assert ModelProfile.model_validate_json(recorded.model_dump_json()).device_memory_bytes == 85_520_809_984

@@ -129,3 +129,41 @@ def test_docstring_examples_hold():
 
     result = doctest.testmod(module)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_children_fork_only_where_there_is_no_cuda_and_cpu_children_see_no_gpu(monkeypatch):
+    import torch
+
+    from pipectl.profile.runtime_calibration import child_environment, start_method
+
+    # Where CUDA exists, a forked child could not run autograd after this process did: spawn.
+    assert start_method() == ("spawn" if torch.cuda.is_available() else "fork")
+    assert child_environment("cpu") == {"CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu"}
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert child_environment("cuda") == {"CUDA_VISIBLE_DEVICES": "0", "DS_ACCELERATOR": "cuda"}
+    assert child_environment("cuda:1")["CUDA_VISIBLE_DEVICES"] == "1"
+    # The parent's own numbering: its cuda:1 is physical GPU 5.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
+    assert child_environment("cuda:1")["CUDA_VISIBLE_DEVICES"] == "5"
+
+
+@pytest.mark.multiprocess
+def test_the_calibration_runs_in_spawned_children_as_on_a_host_with_cuda():
+    """What a host with a GPU does for a CPU calibration: fresh interpreters (the model, the
+    compute and the pipes are sent to them), pinned to the CPU; and this process's environment
+    is left as it was."""
+    import os
+
+    from pipectl.models import build_model
+    from pipectl.models.base import shape_of
+    from pipectl.profile.runtime_calibration import measure_host_sharing, model_compute, run_engine_calibration
+
+    before = {key: os.environ.get(key) for key in ("CUDA_VISIBLE_DEVICES", "DS_ACCELERATOR")}
+    model = build_model("gpt-tiny")
+    null, timings = run_engine_calibration(model, [1], warmup=0, steps=1, start="spawn", timeout_seconds=180)
+    assert null.parameter_count == 2 and timings[0].parameter_count == shape_of(model).parameter_count
+    assert timings[0].forward_seconds > 0 and timings[0].step_seconds > 0
+    sharing = measure_host_sharing(model_compute(build_model("mlp-tiny"), 1), compute_seconds=0.01, rounds=2,
+                                   start="spawn", timeout_seconds=180)  # fmt: skip
+    assert sharing.alone_compute_slowdown >= 1.0 and sharing.busy_allreduce_latency_seconds > 0
+    assert {key: os.environ.get(key) for key in before} == before

@@ -54,6 +54,12 @@ class LayerProfile(Strict):
         default=0, ge=0, description="How many of parameter_count belong to shared_group (each holder has a copy)."
     )
     costs: list[LayerCost] = Field(description="One entry per profiled micro-batch size, ascending.")
+    costs_from: int | None = Field(
+        default=None,
+        ge=0,
+        description="Index of the identical layer whose measured costs these are (one-instance profiling: "
+        "same kind, constructor arguments, parameter shapes and input shape); None: measured itself.",
+    )
 
     def working_memory_bytes(self, cost: LayerCost) -> int:
         """Bytes the layer's forward and backward allocate and free again, beyond its weights,
@@ -204,18 +210,18 @@ class ModelProfile(Artifact):
     hidden: int | None = Field(default=None, description="Hidden size (transformers).")
     vocab: int | None = Field(default=None, description="Vocabulary size (transformers).")
     layers: list[LayerProfile] = Field(description="The cuttable layers, in order.")
-    device_memory_bytes: int | None = Field(
-        default=None,
-        description="Total memory of the device profiled on as its runtime reports it (CUDA: "
-        "torch.cuda.get_device_properties(i).total_memory); None on CPU or when derived. The planner prefers it "
-        "to the catalog's figure.",
-    )
     links: LinksProfile | None = Field(default=None, description="Link calibration, when included.")
     runtime: RuntimeCosts | None = Field(
         default=None,
         description="Training-engine overheads measured on one rank (measured profiles); None: not measured.",
     )
     notes: list[str] = Field(default_factory=list, description="What happened while profiling.")
+    device_memory_bytes: int | None = Field(
+        default=None,
+        description="Total memory of the device profiled on as its runtime reports it (CUDA: "
+        "torch.cuda.get_device_properties(i).total_memory); None on CPU or when derived. The planner "
+        "prefers it to the catalog's figure.",
+    )
 
     @property
     def parameter_count(self) -> int:

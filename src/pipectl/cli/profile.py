@@ -1,6 +1,7 @@
 """`pipectl profile`: measure or derive a model profile, calibrate links, show either.
 
     pipectl profile gpt-tiny -o profile.json                        # measure on this CPU
+    pipectl profile gpt3-175b --device cuda -o p.json               # one block of each kind on one GPU
     pipectl profile gpt3-175b --derive --device a100-80gb -o p.json # derive from shape + datasheet
     pipectl profile examples.custom_model:build                     # a user factory
     pipectl profile links -o links.json --ranks 2                   # calibrate p2p and all-reduce
@@ -133,6 +134,16 @@ def model_command(
     links: Annotated[
         Optional[Path], typer.Option("--links", help="A links.json (pipectl profile links) to embed.")
     ] = None,
+    once: Annotated[
+        Optional[bool],
+        typer.Option(
+            "--once/--every-layer",
+            help="Measure one instance of each distinct layer and reuse its costs for the identical ones "
+            "(builds only those; needed for shape-only models), or measure every layer "
+            "(default: --once on cuda, --every-layer on cpu).",
+            show_default=False,
+        ),
+    ] = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Profile MODEL layer by layer (measured here, or derived with --derive) and write profile.json."""
@@ -146,7 +157,7 @@ def model_command(
         profile = _derive(model, device_kind or device, sizes, dtype or "bfloat16", attention or "flash")
     else:
         profile = _measure(model, device, device_kind, sizes, dtype or "float32", warmup, repeats, threads,
-                           memory_budget_gib)
+                           memory_budget_gib, once)
     if links_profile is not None:
         profile = profile.model_copy(update={"links": links_profile})
     write_json_atomic(output, profile)
@@ -185,6 +196,7 @@ def _measure(
     repeats: int,
     threads: int,
     memory_budget_gib: float | None,
+    once: bool | None,
 ):
     # torch: only when measuring, so the CLI starts without it
     from pipectl.models import build_model
@@ -201,7 +213,7 @@ def _measure(
         budget_bytes = _memory_budget_bytes(kind, memory_budget_gib, required=device_kind is not None)
     else:
         budget_bytes = None
-    layers = build_model(model)
+    layers = build_model(model, allow_shape_only=True)  # a shape-only model: one layer at a time (--once)
 
     with Progress(
         TextColumn("[bold]profiling[/] {task.description}"),
@@ -232,6 +244,7 @@ def _measure(
             memory_budget_bytes=budget_bytes,
             cpu_threads=threads,
             device_name=kind,
+            once=once,
         )
 
 

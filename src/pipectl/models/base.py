@@ -61,6 +61,9 @@ class ModelLayers:
     seq_len: int | None = None
     hidden: int | None = None
     vocab: int | None = None
+    # A config too large to build whole here (`ModelConfig.shape_only`): only one layer at a time
+    # may be built (the profiler's one-instance mode) or its shape counted on the meta device.
+    shape_only: bool = False
 
     def __len__(self) -> int:
         return len(self.layers)

@@ -6,6 +6,7 @@ import functools
 import importlib
 import os
 import sys
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -94,15 +95,17 @@ def mlp_layers(config: ModelConfig) -> ModelLayers:
     )
 
 
-def from_config(config: ModelConfig) -> ModelLayers:
-    if config.shape_only:
+def from_config(config: ModelConfig, *, allow_shape_only: bool = False) -> ModelLayers:
+    """The layer list of a config. A shape-only config is refused unless `allow_shape_only`: the
+    list itself builds nothing, but it must only be built one layer at a time (marked `shape_only`)."""
+    if config.shape_only and not allow_shape_only:
         raise UserInputError(
             f"model '{config.name}' is shape-only (too large to build here)",
-            hint=f"derive its profile instead: pipectl profile {config.name} --derive --device a100-80gb",
+            hint=f"derive its profile instead: pipectl profile {config.name} --derive --device a100-80gb; "
+            f"or measure one instance of each distinct layer: pipectl profile {config.name} --once",
         )
-    if config.family is ModelFamily.MLP:
-        return mlp_layers(config)
-    return transformer_layers(config)
+    layers = mlp_layers(config) if config.family is ModelFamily.MLP else transformer_layers(config)
+    return replace(layers, shape_only=config.shape_only)
 
 
 def _import_factory(reference: str):
@@ -178,9 +181,13 @@ def from_factory(reference: str) -> ModelLayers:
     )
 
 
-def build_model(reference: str | Path) -> ModelLayers:
-    """A shipped name, a YAML path, or `package.module:factory` -> `ModelLayers`."""
+def build_model(reference: str | Path, *, allow_shape_only: bool = False) -> ModelLayers:
+    """A shipped name, a YAML path, or `package.module:factory` -> `ModelLayers`.
+
+    `allow_shape_only` lets a shape-only config through, marked `ModelLayers.shape_only` (for
+    the profiler's one-instance mode, which builds one layer of each kind, never the whole model).
+    """
     text = str(reference)
     if ":" in text and not Path(text).exists() and not text.endswith((".yaml", ".yml")):
         return from_factory(text)
-    return from_config(load_model_config(text))
+    return from_config(load_model_config(text), allow_shape_only=allow_shape_only)

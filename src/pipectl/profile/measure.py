@@ -28,9 +28,10 @@ reported as shared, so `ModelProfile.parameter_count` counts the table once.
 Sizes are tried in ascending order; the first that does not fit (CUDA out of memory, or on CPU a
 whole-model estimate above `memory_budget_bytes`) stops the sweep and is recorded.
 
-Then, by default on CPU, the training engine itself is calibrated on one rank
-(`runtime_calibration`): its per-micro-batch overheads, its end-of-step cost (fixed and per
-parameter) and how much slower the layers run inside a real step than alone. These go into
+Then, by default, the training engine itself is calibrated on one rank of the profiled device
+(`runtime_calibration`; on CUDA without the two-rank terms, which describe CPU hosts): its
+per-micro-batch overheads, its end-of-step cost (fixed and per parameter) and how much slower the
+layers run inside a real step than alone. These go into
 `ModelProfile.runtime`; the planner adds them to the layer times (`plan.costs`).
 """
 
@@ -47,8 +48,8 @@ from torch import nn
 
 from pipectl.artifacts.profile import LayerCost, LayerProfile, ModelProfile, ProfileSource
 from pipectl.errors import PipectlError, UserInputError
-from pipectl.models.base import ModelLayers
-from pipectl.profile.runtime_calibration import calibrate_runtime
+from pipectl.models.base import LayerDef, ModelLayers
+from pipectl.profile.runtime_calibration import CUDA_TWO_RANK_NOTE, calibrate_runtime
 
 DEFAULT_MICRO_BATCH_SIZES = (1, 2, 4, 8)
 # Engine calibration (runtime terms): warm-up and timed steps per micro-batch size.
@@ -75,7 +76,8 @@ ProgressCallback = Callable[[ProfileProgress], None]
 class _LayerRun:
     """What one layer produced during the untimed pass of one micro-batch size."""
 
-    output: Any
+    layer_input: Any  # detached
+    output: Any  # detached
     output_bytes: int
     saved_bytes: int
     forward_flops: float = 0.0
@@ -163,37 +165,135 @@ def _to_device(value: Any, device: torch.device, dtype: torch.dtype) -> Any:
     return value
 
 
-class _ModelUnderTest:
-    """The model's modules built once, tied layers sharing the first holder's module."""
+def _plain(value: Any) -> Any:
+    """A comparable stand-in for a constructor argument: numbers, strings, booleans, None, types and
+    dtypes by value and type (1, 1.0 and True differ), tuples, lists and dicts element by element,
+    anything else by identity (only the same object is the same argument)."""
+    if value is None or isinstance(value, (bool, int, float, complex, str, bytes, type, torch.dtype)):
+        return (type(value).__name__, value)
+    if isinstance(value, (tuple, list)):
+        return (type(value).__name__, tuple(_plain(item) for item in value))
+    if isinstance(value, dict):
+        return ("dict", tuple(sorted((repr(key), _plain(item)) for key, item in value.items())))
+    return ("object", id(value))
 
-    def __init__(self, model: ModelLayers, device: torch.device, dtype: torch.dtype) -> None:
+
+def _holders(model: ModelLayers) -> list[int | None]:
+    """For each layer, the index of the first holder of its tie key when it is a later holder, else None."""
+    first: dict[str, int] = {}
+    holder_of: list[int | None] = []
+    for index, layer in enumerate(model.layers):
+        if layer.tie_key is not None and layer.tie_key in first:
+            holder_of.append(first[layer.tie_key])
+        else:
+            holder_of.append(None)
+            if layer.tie_key is not None:
+                first[layer.tie_key] = index
+    return holder_of
+
+
+def _signature(layer: LayerDef, holder: LayerDef | None) -> tuple:
+    """What a layer computes, as far as its definition says: a tied layer runs its holder's module."""
+    source = holder if holder is not None else layer
+    tied = layer.tie_key is not None
+    return (
+        layer.kind, source.module_cls, _plain(source.args), _plain(source.kwargs), tied, holder is not None,
+        layer.tied_forward, layer.tied_weight_attr if tied else None,
+    )
+
+
+def _parameter_shapes(module: nn.Module) -> tuple:
+    return tuple((name, tuple(p.shape), p.dtype) for name, p in module.named_parameters())
+
+
+def identical_layers(model: ModelLayers) -> list[int]:
+    """For each layer, the index of the first layer identical to it (itself when none is earlier).
+
+    Two layers are identical when they have the same `kind`, build the same module class from
+    equal constructor arguments (`_plain`: plain values by value, other objects by identity),
+    play the same part in weight tying (a tied layer after the first holder runs its holder's
+    module, so the holders must be identical) and their modules have the same parameter names,
+    shapes and dtypes (checked on the meta device, nothing allocated). The profiler also requires
+    the same input (shapes and dtypes) and treats the last layer apart (its backward includes the
+    loss); those are known only while it runs. Weights differ (each layer is initialised on its
+    own): a layer's cost is taken not to depend on its weights' values.
+
+        >>> from pipectl.models import build_model
+        >>> identical_layers(build_model("gpt-tiny"))   # embed, 6 blocks, final_norm, head
+        [0, 1, 1, 1, 1, 1, 1, 7, 8]
+    """
+    holder_of = _holders(model)
+    layers = model.layers
+    same_as = list(range(len(layers)))
+    groups: dict[tuple, list[int]] = {}
+    for index, layer in enumerate(layers):
+        if holder_of[index] is None:
+            groups.setdefault(_signature(layer, None), []).append(index)
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+        for members in groups.values():
+            if len(members) < 2:  # nothing to compare: not even built on meta (a factory's layers)
+                continue
+            first_with: dict[tuple, int] = {}
+            for index in members:
+                same_as[index] = first_with.setdefault(_parameter_shapes(layers[index].build()), index)
+    followers: dict[tuple, int] = {}
+    for index, holder in enumerate(holder_of):
+        if holder is not None:
+            key = (_signature(layers[index], layers[holder]), same_as[holder])
+            same_as[index] = followers.setdefault(key, index)
+    return same_as
+
+
+class _ModelUnderTest:
+    """The modules being measured, each built on first use.
+
+    `same_as[i]` is the layer whose module layer i runs (itself in every-layer mode; the first
+    identical layer in one-instance mode, so a uniform model's blocks share one module); a tied
+    layer after the first holder runs the module of its holder's `same_as`.
+    """
+
+    def __init__(self, model: ModelLayers, device: torch.device, dtype: torch.dtype, same_as: list[int]) -> None:
         self.defs = model.layers
-        self.modules: list[nn.Module] = []
-        first_holder: dict[str, nn.Module] = {}
-        self.layer_parameters: list[list[nn.Parameter]] = []
-        self.shared_counts: list[int] = []
-        for layer in self.defs:
-            if layer.tie_key is not None and layer.tie_key in first_holder:
-                module = first_holder[layer.tie_key]
-                tied = layer.tied_weight(module)
-                params = [tied]
-                shared = tied.numel()
-            else:
-                module = layer.build().to(device=device, dtype=dtype)
-                if layer.tie_key is not None:
-                    first_holder[layer.tie_key] = module
-                params = list(module.parameters())
-                shared = layer.tied_weight(module).numel() if layer.tie_key is not None else 0
-            self.modules.append(module)
-            self.layer_parameters.append(params)
-            self.shared_counts.append(shared)
-        self.parameter_storages = {p.untyped_storage().data_ptr() for m in self.modules for p in m.parameters()}
+        self.device = device
+        self.dtype = dtype
+        self.same_as = same_as
+        self.holder_of = _holders(model)
+        self.built: dict[int, nn.Module] = {}
+        self.parameter_storages: set[int] = set()
+
+    def owner(self, index: int) -> int:
+        holder = self.holder_of[index]
+        return self.same_as[holder if holder is not None else index]
+
+    def module(self, index: int) -> nn.Module:
+        owner = self.owner(index)
+        if owner not in self.built:
+            with torch.device(self.device):  # on the device from the start: no host copy of a large layer
+                module = self.defs[owner].build()
+            module = module.to(device=self.device, dtype=self.dtype)
+            self.built[owner] = module
+            self.parameter_storages.update(p.untyped_storage().data_ptr() for p in module.parameters())
+        return self.built[owner]
+
+    def parameters(self, index: int) -> list[nn.Parameter]:
+        """What layer `index` is charged with: its module's parameters, or the tied weight it uses."""
+        module = self.module(index)
+        if self.holder_of[index] is not None:
+            return [self.defs[index].tied_weight(module)]
+        return list(module.parameters())
+
+    def shared_count(self, index: int) -> int:
+        layer = self.defs[index]
+        return layer.tied_weight(self.module(index)).numel() if layer.tie_key is not None else 0
+
+    def parameter_bytes(self, index: int) -> int:
+        return sum(p.numel() * p.element_size() for p in self.parameters(index))
 
     def forward(self, index: int, x: Any) -> Any:
-        return self.defs[index].forward(self.modules[index], x)
+        return self.defs[index].forward(self.module(index), x)
 
     def zero_grad(self) -> None:
-        for module in self.modules:
+        for module in self.built.values():
             module.zero_grad(set_to_none=True)
 
 
@@ -251,6 +351,7 @@ def profile_model(
     device_name: str | None = None,
     seed: int = 0,
     runtime: bool = True,
+    once: bool | None = None,
 ) -> ModelProfile:
     """Measure every layer of `model` at every micro-batch size that fits.
 
@@ -259,8 +360,15 @@ def profile_model(
     CPU limit. `cpu_threads` pins torch's intra-op threads while profiling on CPU (1 matches a
     pipeline rank started with OMP_NUM_THREADS=1); None leaves them alone. `device_name` is the
     catalog name written into the profile (default: the torch device type). `runtime` also
-    calibrates the training engine on one rank (CPU only for now; about 3 s for gpt-tiny) and
-    records `ModelProfile.runtime`; a failed calibration is noted, not raised.
+    calibrates the training engine on one rank of the device (float32 only; about 3 s for gpt-tiny
+    on CPU) and records `ModelProfile.runtime`; a failed calibration is noted, not raised.
+
+    `once` measures one instance of each distinct layer (`identical_layers`, with the same input
+    shapes) and gives the identical ones its costs (`LayerProfile.costs_from`; the notes list
+    which): a uniform model's blocks are measured once, and only the layers measured are ever
+    built. None: on CUDA (where the model may not fit whole), not on CPU. A shape-only model
+    (`ModelLayers.shape_only`) can only be profiled this way; its engine calibration, which runs
+    the whole model, is skipped with a note.
 
     Example (gpt-tiny, 9 layers, on this 2-core CPU in about a second):
 
@@ -281,6 +389,13 @@ def profile_model(
     torch_device = resolve_device(device)
     if not model.layers:
         raise UserInputError(f"model '{model.name}' has no layers")
+    once = torch_device.type == "cuda" if once is None else once
+    if model.shape_only and not once:
+        raise UserInputError(
+            f"model '{model.name}' is shape-only: it is never built whole, so its layers cannot all be measured",
+            hint=f"measure one instance of each distinct layer: pipectl profile {model.name} --once; "
+            f"or derive its profile: pipectl profile {model.name} --derive --device a100-80gb",
+        )
 
     previous_threads = torch.get_num_threads()
     if torch_device.type == "cpu" and cpu_threads is not None:
@@ -289,7 +404,7 @@ def profile_model(
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             profile = _profile(model, sizes, torch_device, warmup, repeats, dtype, progress,
-                               memory_budget_bytes, cpu_threads, device_name, seed)
+                               memory_budget_bytes, cpu_threads, device_name, seed, once)
     finally:
         torch.set_num_threads(previous_threads)
     if runtime:
@@ -301,23 +416,28 @@ def _with_runtime_costs(
     profile: ModelProfile, model: ModelLayers, device: torch.device, dtype: torch.dtype, seed: int
 ) -> ModelProfile:
     """The profile with `runtime` measured (see `runtime_calibration`), or a note saying why not."""
-    if device.type != "cpu":
-        note = f"runtime terms not measured: the engine calibration runs on CPU only (device {device})"
+    if model.shape_only:
+        note = f"runtime terms not measured: model '{model.name}' is shape-only and the engine calibration runs the whole model"
         return profile.model_copy(update={"notes": [*profile.notes, note]})
     if dtype != torch.float32:
         note = f"runtime terms not measured: the engine calibration runs in float32 (profiled {dtype_name(dtype)})"
         return profile.model_copy(update={"notes": [*profile.notes, note]})
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the layers' memory, cached by this process, back to the GPU for the child
     started = time.perf_counter()
     try:
-        costs = calibrate_runtime(model, profile, warmup=CALIBRATION_WARMUP, steps=CALIBRATION_STEPS, seed=seed)
+        costs = calibrate_runtime(model, profile, warmup=CALIBRATION_WARMUP, steps=CALIBRATION_STEPS, seed=seed,
+                                  device=str(device))  # fmt: skip
     except PipectlError as exc:
         return profile.model_copy(update={"notes": [*profile.notes, f"runtime terms not measured: {exc.message}"]})
-    note = (
+    notes = [
         f"runtime terms: {costs.engine}; one 1x1-layer model and this model at every size, "
         f"{CALIBRATION_STEPS} timed steps of m=2 after {CALIBRATION_WARMUP} warm-up steps, medians "
         f"({time.perf_counter() - started:.1f} s)"
-    )
-    return profile.model_copy(update={"runtime": costs, "notes": [*profile.notes, note]})
+    ]
+    if device.type == "cuda":
+        notes.append(CUDA_TWO_RANK_NOTE)
+    return profile.model_copy(update={"runtime": costs, "notes": [*profile.notes, *notes]})
 
 
 def _profile(
@@ -332,19 +452,19 @@ def _profile(
     cpu_threads: int | None,
     device_name: str | None,
     seed: int,
+    once: bool,
 ) -> ModelProfile:
-    under_test = _ModelUnderTest(model, device, dtype)
+    count = len(model.layers)
+    same_as = identical_layers(model) if once else list(range(count))
+    under_test = _ModelUnderTest(model, device, dtype, same_as)
     clock = _Clock(device)
     costs: list[list[LayerCost]] = [[] for _ in model.layers]
+    sources: list[list[int]] = []  # per measured size: the layer each layer's costs come from
     measured_sizes: list[int] = []
     not_fitting: int | None = None
     notes: list[str] = []
-    total_cells = len(sizes) * len(model.layers)
+    total_cells = len(sizes) * count
     done = 0
-
-    # Unique parameters (+ their gradients) held while the whole model runs on one device.
-    unique = {p.untyped_storage().data_ptr(): p for params in under_test.layer_parameters for p in params}
-    model_parameter_bytes = sum(p.numel() * p.element_size() for p in unique.values())
 
     for size in sizes:
         generator = torch.Generator().manual_seed(seed + size)
@@ -352,28 +472,27 @@ def _profile(
         inputs = _to_device(inputs, device, dtype)
         labels = _to_device(labels, device, dtype)
         try:
-            runs = _untimed_pass(under_test, inputs, labels, model.loss_fn)
+            runs, taken_from = _untimed_pass(under_test, inputs, labels, model.loss_fn)
         except torch.cuda.OutOfMemoryError:
             not_fitting = size
             notes.append(f"micro-batch size {size} ran out of CUDA memory; stopped there")
             break
         if device.type == "cpu" and memory_budget_bytes is not None:
-            estimate = 2 * model_parameter_bytes + sum(r.saved_bytes for r in runs) + runs[-1].output_bytes
-            if estimate > memory_budget_bytes:
+            too_large = _over_budget(model, under_test, runs, taken_from, size, memory_budget_bytes)
+            if too_large is not None:
                 not_fitting = size
-                notes.append(
-                    f"micro-batch size {size} does not fit: estimated {estimate} bytes "
-                    f"(parameters + gradients + saved activations) > budget {memory_budget_bytes} bytes"
-                )
+                notes.append(too_large)
                 break
         try:
-            layer_costs = []
-            for index in range(len(model.layers)):
-                layer_input = inputs if index == 0 else runs[index - 1].output
-                layer_costs.append(
-                    _measure_layer(under_test, index, layer_input, labels, model.loss_fn, runs[index], size,
-                                   warmup, repeats, clock, device)
-                )
+            layer_costs: list[LayerCost] = []
+            for index in range(count):
+                source = taken_from[index]
+                if source == index:
+                    cost = _measure_layer(under_test, index, labels, model.loss_fn, runs[index], size,
+                                          warmup, repeats, clock, device)
+                else:
+                    cost = layer_costs[source]
+                layer_costs.append(cost)
                 done += 1
                 if progress is not None:
                     progress(ProfileProgress(done, total_cells, model.layers[index].name, size))
@@ -383,6 +502,7 @@ def _profile(
             break
         for index, cost in enumerate(layer_costs):
             costs[index].append(cost)
+        sources.append(taken_from)
         measured_sizes.append(size)
 
     if not measured_sizes:
@@ -390,6 +510,13 @@ def _profile(
             f"model '{model.name}' does not fit even at micro-batch size {sizes[0]}",
             hint="; ".join(notes) or None,
         )
+    # A layer reuses another's costs when it did so at every size (in practice: at all or none).
+    costs_from = [
+        per_size[0] if len(set(per_size)) == 1 and per_size[0] != index else None
+        for index, per_size in enumerate(zip(*sources))
+    ]
+    if once:
+        notes.append(_once_note(model, costs_from))
     if device.type == "cpu":
         notes.append(
             "peak_memory_bytes on CPU is an estimate: parameters + gradients + saved + output bytes of the layer"
@@ -403,11 +530,12 @@ def _profile(
             index=index,
             name=layer.name,
             kind=layer.kind,
-            parameter_count=sum(p.numel() for p in under_test.layer_parameters[index]),
-            parameter_bytes=sum(p.numel() * p.element_size() for p in under_test.layer_parameters[index]),
+            parameter_count=sum(p.numel() for p in under_test.parameters(index)),
+            parameter_bytes=under_test.parameter_bytes(index),
             shared_group=layer.tie_key,
-            shared_parameter_count=under_test.shared_counts[index],
+            shared_parameter_count=under_test.shared_count(index),
             costs=costs[index],
+            costs_from=costs_from[index],
         )
         for index, layer in enumerate(model.layers)
     ]
@@ -423,20 +551,116 @@ def _profile(
         vocab=model.vocab,
         layers=layers,
         notes=notes,
+        device_memory_bytes=device_memory_bytes(device),
     )
+
+
+def device_memory_bytes(device: torch.device) -> int | None:
+    """Total memory of a CUDA device as its runtime reports it; None on CPU (no one figure applies)."""
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return int(torch.cuda.get_device_properties(index).total_memory)
+
+
+def _over_budget(
+    model: ModelLayers,
+    under_test: _ModelUnderTest,
+    runs: dict[int, _LayerRun],
+    taken_from: list[int],
+    size: int,
+    budget_bytes: int,
+) -> str | None:
+    """Why micro-batch size `size` does not fit the CPU budget, or None when it does.
+
+    A model that can be built whole is held whole by one device: its parameters and gradients,
+    every layer's saved bytes and the last output. A shape-only model is measured one layer at a
+    time, so each measured layer alone must fit (parameters, gradients, saved and output bytes).
+    """
+    if model.shape_only:
+        index = max(runs, key=lambda i: 2 * under_test.parameter_bytes(i) + runs[i].saved_bytes + runs[i].output_bytes)
+        run = runs[index]
+        estimate = 2 * under_test.parameter_bytes(index) + run.saved_bytes + run.output_bytes
+        if estimate <= budget_bytes:
+            return None
+        return (
+            f"micro-batch size {size} does not fit: estimated {estimate} bytes for layer "
+            f"'{model.layers[index].name}' alone (parameters + gradients + saved activations + output; "
+            f"shape-only model, measured one layer at a time) > budget {budget_bytes} bytes"
+        )
+    holder_of = under_test.holder_of
+    # Unique parameters: a tied layer after the first holder charges a copy of the holder's weight.
+    parameter_bytes = sum(under_test.parameter_bytes(i) for i in range(len(taken_from)) if holder_of[i] is None)
+    saved = sum(runs[source].saved_bytes for source in taken_from)
+    estimate = 2 * parameter_bytes + saved + runs[taken_from[-1]].output_bytes
+    if estimate <= budget_bytes:
+        return None
+    return (
+        f"micro-batch size {size} does not fit: estimated {estimate} bytes "
+        f"(parameters + gradients + saved activations) > budget {budget_bytes} bytes"
+    )
+
+
+def _names(model: ModelLayers, indices: list[int]) -> str:
+    """Layer names, a long list of them shortened: 'block.1, block.2, ..., block.95 (95 layers)'."""
+    names = [model.layers[i].name for i in indices]
+    if len(names) <= 4:
+        return ", ".join(names)
+    return f"{names[0]}, {names[1]}, ..., {names[-1]} ({len(names)} layers)"
+
+
+def _once_note(model: ModelLayers, costs_from: list[int | None]) -> str:
+    """Which layers were measured and which reuse whose costs (one-instance mode)."""
+    measured = [i for i, source in enumerate(costs_from) if source is None]
+    reused: dict[int, list[int]] = {}
+    for index, source in enumerate(costs_from):
+        if source is not None:
+            reused.setdefault(source, []).append(index)
+    parts = [f"{_names(model, copies)} reuse {model.layers[source].name}" for source, copies in reused.items()]
+    return (
+        f"one instance of each distinct layer measured ({len(measured)} of {len(costs_from)}: "
+        f"{_names(model, measured)}); "
+        + ("; ".join(parts) if parts else "no layer is identical to another")
+        + " (identical: same kind, constructor arguments, parameter shapes and input shape; "
+        "the last layer apart)"
+    )
+
+
+def _input_signature(value: Any) -> Any:
+    """Shapes and dtypes of a layer's input (tensors in tuples, lists or dicts); other values by `_plain`."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), value.dtype)
+    if isinstance(value, (tuple, list)):
+        return (type(value).__name__, tuple(_input_signature(item) for item in value))
+    if isinstance(value, dict):
+        return ("dict", tuple(sorted((repr(key), _input_signature(item)) for key, item in value.items())))
+    return _plain(value)
 
 
 def _untimed_pass(
     under_test: _ModelUnderTest, inputs: Any, labels: Any, loss_fn: Callable[[Any, Any], torch.Tensor]
-) -> list[_LayerRun]:
-    """Run the layers once in order: each layer's real output and the bytes it saves for backward.
+) -> tuple[dict[int, _LayerRun], list[int]]:
+    """Run the layers once in order: each measured layer's real output and the bytes it saves for backward.
 
+    Returns the runs by layer index and, for every layer, the index of the layer it takes its
+    run from: itself, or an earlier layer identical to it (`under_test.same_as`) that got the same
+    input shapes (and is not the last: the last layer's backward includes the loss). Such a layer
+    is not run; its output (the earlier layer's) is the next layer's input.
     Each layer runs on a detached copy of its input, so only one layer's graph is alive at a time.
     """
-    runs: list[_LayerRun] = []
+    runs: dict[int, _LayerRun] = {}
+    taken_from: list[int] = []
+    first_with: dict[tuple, int] = {}
     x = inputs
     last = len(under_test.defs) - 1
     for index in range(len(under_test.defs)):
+        key = (under_test.same_as[index], _input_signature(x), index == last)
+        source = first_with.setdefault(key, index)
+        taken_from.append(source)
+        if source != index:
+            x = runs[source].output
+            continue
+        under_test.module(index)  # built before the hooks below, which leave its parameters out
         layer_input = _detached_input(x)
         hooks, saved = _saved_bytes_hooks(under_test.parameter_storages)
         # PyTorch's own FLOP counter (matmuls, attention, convolutions) on the same real forward:
@@ -446,17 +670,16 @@ def _untimed_pass(
             output = under_test.forward(index, layer_input)
             if index == last:
                 loss_fn(output, labels)
-        runs.append(_LayerRun(output=output.detach() if isinstance(output, torch.Tensor) else output,
-                              output_bytes=tensor_bytes(output), saved_bytes=saved[0],
-                              forward_flops=float(flops.get_total_flops())))
-        x = output
-    return runs
+        detached = output.detach() if isinstance(output, torch.Tensor) else output
+        runs[index] = _LayerRun(layer_input=x, output=detached, output_bytes=tensor_bytes(output),
+                                saved_bytes=saved[0], forward_flops=float(flops.get_total_flops()))
+        x = detached
+    return runs, taken_from
 
 
 def _measure_layer(
     under_test: _ModelUnderTest,
     index: int,
-    layer_input: Any,
     labels: Any,
     loss_fn: Callable[[Any, Any], torch.Tensor],
     run: _LayerRun,
@@ -467,6 +690,7 @@ def _measure_layer(
     device: torch.device,
 ) -> LayerCost:
     """Median forward and backward seconds of one layer at one micro-batch size."""
+    layer_input = run.layer_input
     is_last = index == len(under_test.defs) - 1
     forward_times: list[float] = []
     backward_times: list[float] = []
@@ -489,8 +713,7 @@ def _measure_layer(
             forward_times.append(middle - start)
             backward_times.append(end - backward_start)
         del output, loss, upstream, x
-    params = under_test.layer_parameters[index]
-    parameter_bytes = sum(p.numel() * p.element_size() for p in params)
+    parameter_bytes = under_test.parameter_bytes(index)
     if device.type == "cuda":
         # Everything allocated above the baseline (gradients, saved tensors, output) + the weights.
         peak = torch.cuda.max_memory_allocated(device) - baseline + parameter_bytes
@@ -512,7 +735,8 @@ def layer_parameter_tensors(model: ModelLayers) -> list[list[torch.Tensor]]:
 
     Useful to check a profile against the real modules (tests, reports).
     """
-    return _ModelUnderTest(model, torch.device("cpu"), torch.float32).layer_parameters
+    under_test = _ModelUnderTest(model, torch.device("cpu"), torch.float32, list(range(len(model.layers))))
+    return [under_test.parameters(index) for index in range(len(model.layers))]
 
 
 __all__ = [
@@ -520,7 +744,9 @@ __all__ = [
     "ProfileProgress",
     "ProgressCallback",
     "check_micro_batch_sizes",
+    "device_memory_bytes",
     "dtype_name",
+    "identical_layers",
     "layer_parameter_tensors",
     "parse_dtype",
     "profile_model",

@@ -37,9 +37,14 @@ on one rank alone and on both ranks at once. The layer profile keeps medians of 
 are close to CPU time; a step lasts long enough to pay for every time slice other jobs take (a
 one-rank step measured 35 ms at a load average of 3 and 63 ms at 5 on this 2-core machine).
 
-The engine runs in a forked child process (torch already imported, so it starts in about a
-second), with its output silenced, one thread, gloo on 127.0.0.1 with a world of one; the
-profiling process itself never starts torch.distributed. The configuration is the one `pipectl
+The engine runs in a child process, with its output silenced, one thread, a world of one (gloo on
+127.0.0.1 on CPU, NCCL on CUDA); the profiling process itself never starts torch.distributed.
+Children are forked on a host without CUDA (torch is already imported, so one starts in about a
+second) and spawned on a host with CUDA (`start_method`). CPU children are pinned to the CPU
+(`CUDA_VISIBLE_DEVICES=""`, `DS_ACCELERATOR=cpu` in their environment), so the same calibration
+runs on CPU ranks whatever the host has. On CUDA (`calibrate_runtime(device="cuda:N")`) the
+one-rank engine terms are measured on that GPU; the two-rank terms describe ranks sharing a CPU
+host (its cores, caches and scheduler) and are not measured there (`CUDA_TWO_RANK_NOTE`). The configuration is the one `pipectl
 launch` writes (`launch.dsconfig.deepspeed_config`: ZeRO-1, torch AdamW, gradient clipping).
 Example (gpt-tiny on this shared 2-core CPU; the whole calibration takes 3-5 s, figures vary
 with the machine's load):
@@ -55,13 +60,14 @@ with the machine's load):
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import statistics
 import time
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -81,6 +87,59 @@ CALIBRATION_MICRO_BATCHES = 2
 # The smallest share of a profiled layer sum the engine's compute may be credited with (a noisy
 # run must not turn into a negative or near-zero compute time).
 MINIMUM_COMPUTE_RATIO = 0.5
+CUDA_TWO_RANK_NOTE = (
+    "two-rank terms (busy handoff, compute slowdowns, busy all-reduce) not measured on CUDA: they describe "
+    "ranks sharing a CPU host; GPU ranks get all-reduce costs from the link calibration"
+)
+
+
+def start_method() -> str:
+    """'fork' on a host without CUDA (fast: torch is already imported), else 'spawn'.
+
+    A forked child can neither use CUDA that its parent initialised nor run autograd once the
+    parent's first backward started autograd's per-device threads, which it does on any host with
+    a GPU, even for CPU tensors (PyTorch then refuses: "Unable to handle autograd's threading in
+    combination with fork-based multiprocessing").
+    """
+    return "spawn" if dsinit.cuda_available() else "fork"
+
+
+def child_environment(device: str = "cpu") -> dict[str, str]:
+    """What a calibration child's environment must say for it to run on `device` ('cpu', 'cuda',
+    'cuda:N'): CPU children see no GPU and DeepSpeed's CPU accelerator; a CUDA child sees only the
+    GPU it measures (as its device 0), with CUDA_VISIBLE_DEVICES's numbering if the parent had one.
+
+        >>> child_environment("cpu")
+        {'CUDA_VISIBLE_DEVICES': '', 'DS_ACCELERATOR': 'cpu'}
+    """
+    kind, _, index = device.partition(":")
+    if kind == "cpu":
+        return {"CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu"}
+    visible = [entry for entry in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if entry.strip()]
+    ordinal = int(index or 0)
+    return {"CUDA_VISIBLE_DEVICES": visible[ordinal] if visible else str(ordinal), "DS_ACCELERATOR": "cuda"}
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    """`values` in os.environ while children start (a forked or spawned child inherits them from
+    the start, before it imports anything), the previous values back afterwards."""
+    previous = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in previous.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _synchronize() -> None:
+    """Wait for the GPU's queued work, so that a clock reading counts it (a no-op on CPU ranks)."""
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 @dataclass(frozen=True)
@@ -132,10 +191,12 @@ def _timed_engine_class():
 
     def timed(name: str, handler):
         def run(self, *args, **kwargs):
+            _synchronize()
             start = time.perf_counter()
             try:
                 return handler(self, *args, **kwargs)
             finally:
+                _synchronize()
                 seconds = self.instruction_seconds
                 seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - start
 
@@ -179,8 +240,10 @@ def _time_steps(engine, model: ModelLayers, micro_batch_size: int, parameters: i
     forward, backward, step_end, step_seconds, reduce = [], [], [], [], []
     for attempt in range(warmup + steps):
         engine.instruction_seconds = {}
+        _synchronize()
         start = time.perf_counter()
         engine.train_step(batches)
+        _synchronize()
         elapsed = time.perf_counter() - start
         if attempt < warmup:
             continue
@@ -251,12 +314,16 @@ def run_engine_calibration(
     steps: int = 6,
     seed: int = 0,
     timeout_seconds: float = 300.0,
+    device: str = "cpu",
+    start: str | None = None,
 ) -> tuple[EngineTimings, list[EngineTimings]]:
-    """`measure_engine` in a forked child; raises `LaunchError` if it fails or runs past the limit."""
-    context = multiprocessing.get_context("fork")
+    """`measure_engine` in a child process on `device` ('cpu', 'cuda', 'cuda:N'), started by `start`
+    ('fork' or 'spawn'; None: `start_method()`); raises `LaunchError` if it fails or runs past the limit."""
+    context = multiprocessing.get_context(start or start_method())
     receiver, sender = context.Pipe(duplex=False)
     child = context.Process(target=_child, args=(sender, model, list(micro_batch_sizes), warmup, steps, seed))
-    child.start()
+    with _environment(child_environment(device)):
+        child.start()
     sender.close()
     try:
         if not receiver.poll(timeout_seconds):
@@ -309,18 +376,21 @@ def run_engine_pair_calibration(
     )
 
 
-def _run_two_ranks(target, args: tuple, what: str, timeout_seconds: float) -> list:
-    """Fork two ranks running `target(connection, rank, port, *args)`; their payloads in rank order.
+def _run_two_ranks(target, args: tuple, what: str, timeout_seconds: float, start: str | None = None) -> list:
+    """Two CPU ranks running `target(connection, rank, port, *args)`; their payloads in rank order.
 
-    Each rank sends ("ok", payload) or ("error", message) over its pipe. Raises `LaunchError`
-    (naming `what`) if a rank fails, dies or runs past `timeout_seconds`; never leaves one running.
+    Started by `start` ('fork' or 'spawn'; None: `start_method()`), pinned to the CPU
+    (`child_environment`). Each rank sends ("ok", payload) or ("error", message) over its pipe.
+    Raises `LaunchError` (naming `what`) if a rank fails, dies or runs past `timeout_seconds`;
+    never leaves one running.
     """
-    context = multiprocessing.get_context("fork")
+    context = multiprocessing.get_context(start or start_method())
     port = free_port()
     pipes = [context.Pipe(duplex=False) for _ in range(2)]
     children = [context.Process(target=target, args=(pipes[rank][1], rank, port, *args)) for rank in range(2)]
-    for child in children:
-        child.start()
+    with _environment(child_environment("cpu")):
+        for child in children:
+            child.start()
     results = []
     try:
         for rank, (receiver, sender) in enumerate(pipes):
@@ -375,36 +445,58 @@ class HostSharing:
     ranks: int = 2
 
 
+class _MatrixCompute:
+    """`repeats` products of 64 x 64 matrices; a plain object, so a spawned rank can receive it."""
+
+    def __init__(self, repeats: int) -> None:
+        self.repeats = repeats
+        self.x0 = torch.randn(64, 64, generator=torch.Generator().manual_seed(1))
+        self.w = torch.randn(64, 64, generator=torch.Generator().manual_seed(2)) * 0.1
+
+    def __call__(self) -> None:
+        x = self.x0
+        for _ in range(self.repeats):
+            x = torch.tanh(x @ self.w)
+
+
 def matrix_compute(repeats: int = MATRIX_REPEATS) -> ComputeFn:
     """A model-free stand-in: `repeats` products of 64 x 64 matrices (fits in a core's cache)."""
-    x0 = torch.randn(64, 64, generator=torch.Generator().manual_seed(1))
-    w = torch.randn(64, 64, generator=torch.Generator().manual_seed(2)) * 0.1
+    return _MatrixCompute(repeats)
 
-    def compute() -> None:
-        x = x0
-        for _ in range(repeats):
-            x = torch.tanh(x @ w)
 
-    return compute
+class _ModelCompute:
+    """One forward and backward of the whole model; the layers are built on the first call, in the
+    rank that runs it (never in the profiling process), and kept."""
+
+    def __init__(self, model: ModelLayers, micro_batch_size: int, seed: int) -> None:
+        self.model = model
+        self.micro_batch_size = micro_batch_size
+        self.seed = seed
+        self.modules: list[nn.Module] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "modules": None}  # a rank builds its own
+
+    def __call__(self) -> None:
+        model = self.model
+        if self.modules is None:
+            self.modules = [layer.build() for layer in model.layers]
+            self.batch = model.make_batch(self.micro_batch_size, torch.Generator().manual_seed(self.seed))
+        x, labels = self.batch
+        for layer, module in zip(model.layers, self.modules):
+            x = layer.forward(module, x)
+        model.loss_fn(x, labels).backward()
+        for module in self.modules:
+            module.zero_grad(set_to_none=True)
 
 
 def model_compute(model: ModelLayers, micro_batch_size: int, seed: int = 0) -> ComputeFn:
-    """One forward and backward of the whole model at `micro_batch_size` (the layers built once).
+    """One forward and backward of the whole model at `micro_batch_size` (the layers built once,
+    on the first call).
 
     Tied layers get their own copy of the shared weight: the arithmetic is the same.
     """
-    modules = [layer.build() for layer in model.layers]
-    inputs, labels = model.make_batch(micro_batch_size, torch.Generator().manual_seed(seed))
-
-    def compute() -> None:
-        x = inputs
-        for layer, module in zip(model.layers, modules):
-            x = layer.forward(module, x)
-        model.loss_fn(x, labels).backward()
-        for module in modules:
-            module.zero_grad(set_to_none=True)
-
-    return compute
+    return _ModelCompute(model, micro_batch_size, seed)
 
 
 @dataclass(frozen=True)
@@ -504,6 +596,7 @@ def measure_host_sharing(
     gradient_bytes: int = 0,
     rounds: int | None = None,
     timeout_seconds: float = 60.0,
+    start: str | None = None,
 ) -> HostSharing:
     """Two forked ranks (gloo on 127.0.0.1, one thread each) measure how they share this host.
 
@@ -521,13 +614,14 @@ def measure_host_sharing(
     - busy all-reduce: after both computed, an all-reduce, from both having arrived to both
       done (trimmed mean per size), fitted to the two-rank ring 2 * (alpha + bytes / 2 / bw).
 
-    Raises `LaunchError` if a rank fails or runs past `timeout_seconds`.
+    `start`: how the two ranks start, 'fork' or 'spawn' (None: `start_method()`). Raises
+    `LaunchError` if a rank fails or runs past `timeout_seconds`.
     """
     plan = host_plan(compute_seconds, gradient_bytes)
     if rounds is not None:
         plan = _HostPlan(plan.compute_rounds, rounds, plan.gradient_bytes)
     work = compute if compute is not None else matrix_compute()
-    results = _run_two_ranks(_host_rank, (work, plan), "host measurement", timeout_seconds)
+    results = _run_two_ranks(_host_rank, (work, plan), "host measurement", timeout_seconds, start)
     (alone, together_0, sent, reduces_0), (_, together_1, received, reduces_1) = results
     handoffs = [
         max(0.0, done - max(send_ready, receive_ready))
@@ -589,13 +683,14 @@ def wall_over_cpu(rounds: Sequence[tuple[float, float]]) -> float:
     return max(1.0, sum(w for w, _ in rounds) / cpu) if cpu > 0 else 1.0
 
 
-def engine_description() -> str:
+def engine_description(device: str = "cpu") -> str:
     """What was calibrated (from package metadata: importing DeepSpeed here would cost a second)."""
     try:
         deepspeed_version = version("deepspeed")
     except PackageNotFoundError:  # pragma: no cover - the runtime needs DeepSpeed anyway
         deepspeed_version = "?"
-    return f"deepspeed {deepspeed_version} pipeline engine (pipectl schedule), ZeRO-1, torch AdamW, one rank"
+    rank = "one rank" if device.startswith("cpu") else f"one rank on {device}"
+    return f"deepspeed {deepspeed_version} pipeline engine (pipectl schedule), ZeRO-1, torch AdamW, {rank}"
 
 
 def runtime_costs(
@@ -647,12 +742,20 @@ def calibrate_runtime(
     steps: int = 6,
     seed: int = 0,
     timeout_seconds: float = 300.0,
+    device: str = "cpu",
 ) -> RuntimeCosts:
-    """Run the engine calibration for `model` at the profile's micro-batch sizes: `RuntimeCosts`."""
+    """Run the engine calibration for `model` at the profile's micro-batch sizes: `RuntimeCosts`.
+
+    On `device` 'cuda' or 'cuda:N' only the one-rank terms are measured, on that GPU; the two-rank
+    terms keep their "not measured" values (`CUDA_TWO_RANK_NOTE`).
+    """
     null_timings, timings = run_engine_calibration(
-        model, profile.micro_batch_sizes, warmup=warmup, steps=steps, seed=seed, timeout_seconds=timeout_seconds
-    )
-    costs = runtime_costs(profile, null_timings, timings, engine_description())
+        model, profile.micro_batch_sizes, warmup=warmup, steps=steps, seed=seed, timeout_seconds=timeout_seconds,
+        device=device,
+    )  # fmt: skip
+    costs = runtime_costs(profile, null_timings, timings, engine_description(device))
+    if not device.startswith("cpu"):
+        return costs
     # The two-rank measurements run the model itself at the middle profiled micro-batch size, and
     # all-reduce a buffer the size of its fp32 gradient (what ZeRO-1's gradient reduction moves).
     sizes = sorted(profile.micro_batch_sizes)
@@ -727,8 +830,10 @@ def engine_allreduce_bandwidth(
 
 
 __all__ = [
+    "CUDA_TWO_RANK_NOTE",
     "EngineTimings",
     "calibrate_runtime",
+    "child_environment",
     "HostSharing",
     "measure_host_sharing",
     "measure_engine",
@@ -742,6 +847,7 @@ __all__ = [
     "null_model",
     "run_engine_calibration",
     "runtime_costs",
+    "start_method",
     "trimmed_mean",
     "wall_over_cpu",
 ]
