@@ -84,3 +84,22 @@ def test_the_launch_modules_worked_examples_hold():
     import pipectl.launch
 
     assert doctest.testmod(pipectl.launch).failed == 0
+
+
+def test_a_model_profiled_from_a_yaml_path_launches_without_naming_it_again(tmp_path, monkeypatch):
+    # The YAML's name is not a shipped model: launch must build the path the profile was made from.
+    from pipectl.paths import configs_dir
+
+    monkeypatch.chdir(tmp_path)
+    config = (configs_dir() / "models" / "gpt-tiny.yaml").read_text().replace("name: gpt-tiny", "name: my-gpt")
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "my-gpt.yaml").write_text(config)
+    made = invoke("profile", "models/my-gpt.yaml", "--derive", "--device", "cpu", "-b", "1,2", "-o", "profile.json")
+    assert made.exit_code == 0, made.output
+    assert json.loads((tmp_path / "profile.json").read_text())["model_reference"] == "models/my-gpt.yaml"
+    planned = invoke("plan", "--profile", "profile.json", "--cluster", "local", "--devices", "2", "--global-batch", "8",
+                     "-o", "plan.json", "--no-morph")  # fmt: skip
+    assert planned.exit_code == 0, planned.output
+    launched = invoke("launch", "plan.json", "--run-dir", "run", "--dry-run", "--json")
+    assert launched.exit_code == 0, launched.output
+    assert json.loads(launched.output)["job"]["model"] == "models/my-gpt.yaml"

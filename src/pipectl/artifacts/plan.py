@@ -184,6 +184,11 @@ class Plan(Artifact):
 
     schema_version: Literal[2] = 2
     model: str = Field(description="Model name from the profile.")
+    model_reference: str | None = Field(
+        default=None,
+        description="The model as given when profiling (a shipped name, a YAML path, 'package.module:factory'); "
+        "what `launch` builds by default.",
+    )
     model_shape: ModelShape
     profile: ProfileRef | None = Field(
         default=None, description="The profile's copy next to plan.json; None for a plan never written to disk."

@@ -199,6 +199,11 @@ class ModelProfile(Artifact):
 
     schema_version: Literal[1] = 1
     model: str = Field(description="Model name (config name or 'module:factory').")
+    model_reference: str | None = Field(
+        default=None,
+        description="The model as given to `pipectl profile`: a shipped name, a YAML path, or "
+        "'package.module:factory' (code: `launch` imports it). `launch` builds it unless --model names another.",
+    )
     source: ProfileSource = Field(description="measured on hardware, or derived from shape + datasheet.")
     device: str = Field(description="Catalog name of the device profiled on (e.g. 'cpu', 'a100-80gb').")
     dtype: str = Field(description="Parameter/activation dtype profiled: float32, bfloat16, float16.")

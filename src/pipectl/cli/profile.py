@@ -158,6 +158,8 @@ def model_command(
     else:
         profile = _measure(model, device, device_kind, sizes, dtype or "float32", warmup, repeats, threads,
                            memory_budget_gib, once)
+    # The reference as the user gave it (a YAML path stays a path), so launch builds the same model.
+    profile = profile.model_copy(update={"model_reference": model})
     if links_profile is not None:
         profile = profile.model_copy(update={"links": links_profile})
     write_json_atomic(output, profile)

@@ -37,7 +37,7 @@ class LaunchOptions:
     """What the user chose besides the plan (CLI flags)."""
 
     engine: Engine = Engine.LOCAL
-    model: str | None = None  # default: the plan's model
+    model: str | None = None  # default: the plan's (the reference its profile was made from)
     steps: int = 20
     checkpoint_every: int = 0
     keep_checkpoints: int = 3
@@ -175,7 +175,7 @@ def build_job(plan: Plan, name: str, options: LaunchOptions) -> JobSpec:
         )
     return JobSpec(
         name=name,
-        model=options.model or plan.model,
+        model=options.model or plan.model_reference or plan.model,
         steps=options.steps,
         checkpoint_every=options.checkpoint_every,
         keep_checkpoints=options.keep_checkpoints,

@@ -290,6 +290,7 @@ def plan_homogeneous(
         stats.phase_seconds = {name: round(seconds, 3) for name, seconds in phases.items()}
     return Plan(
         model=profile.model,
+        model_reference=profile.model_reference,
         model_shape=ModelShape.of_profile(profile),
         cluster=cluster_name,
         request=request,
