@@ -28,14 +28,22 @@ def test_every_unit_is_computed_once_and_returned_in_order(count):
         assert all(r[0] == "here" for r in results)
 
 
-def test_two_processes_both_take_units():
+def test_two_processes_both_take_units(tmp_path):
     import time
 
-    def here(unit):  # slow here, so the child (started at once) surely takes some units
-        time.sleep(0.03)
+    taken = tmp_path / "child-took-a-unit"
+
+    def here(unit):  # waits (bounded) until the child has taken a unit, however slow it starts
+        deadline = time.monotonic() + 60
+        while not taken.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
         return unit * 3
 
-    outcomes = share(list(range(16)), [1] * 16, here, lambda unit: unit * 3, workers=2)
+    def elsewhere(unit):
+        taken.touch()
+        return unit * 3
+
+    outcomes = share(list(range(16)), [1] * 16, here, elsewhere, workers=2)
     assert {outcome.local is not None for outcome in outcomes} == {True, False}
     assert _results(outcomes) == [u * 3 for u in range(16)]
 
