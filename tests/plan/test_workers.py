@@ -32,9 +32,9 @@ def test_two_processes_both_take_units(tmp_path):
     import time
 
     taken = tmp_path / "child-took-a-unit"
+    deadline = time.monotonic() + 20  # for the whole test: a child that never takes one fails it
 
     def here(unit):  # waits (bounded) until the child has taken a unit, however slow it starts
-        deadline = time.monotonic() + 60
         while not taken.exists() and time.monotonic() < deadline:
             time.sleep(0.01)
         return unit * 3
