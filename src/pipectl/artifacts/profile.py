@@ -59,6 +59,12 @@ class ShardProfile(Strict):
         held = 2 * self.parameter_bytes + cost.saved_activation_bytes + cost.output_activation_bytes
         return max(0, cost.peak_memory_bytes - held)
 
+    def cost(self, micro_batch_size: int) -> LayerCost:
+        for entry in self.costs:
+            if entry.micro_batch_size == micro_batch_size:
+                return entry
+        raise KeyError(f"t={self.tensor_parallel} shard has no cost for micro-batch size {micro_batch_size}")
+
 
 class LayerProfile(Strict):
     """One cuttable layer of the model."""
