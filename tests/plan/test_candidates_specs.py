@@ -17,6 +17,8 @@ from pipectl.plan.candidates import (
 )
 from pipectl.plan.costs import hardware_for
 from pipectl.plan.synthetic import synthetic_profile
+from pipectl.models.registry import load_model_config
+from pipectl.profile.derive import derive_profile
 from pipectl.schedule import ScheduleKind
 
 VARIANTS = [
@@ -35,6 +37,18 @@ def test_specs_on_a_shape_match_each_points_own_costs(tied, variant):
         blocks=10, micro_batch_sizes=[1, 2], tied=tied,
         block_forward_seconds=[0.01 * (1 + 0.4 * (i % 4)) for i in range(10)],
     )
+    _check_specs(profile, variant)
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.label)
+def test_specs_match_each_points_own_costs_with_block_shards(variant):
+    # Derived gpt-small: block shards at t = 2 and 4 (tied embeddings, replicated over the tensor group).
+    profile = derive_profile(load_model_config("gpt-small"), "a100-80gb", [1, 2])
+    assert profile.shard_degrees() == [2, 4]
+    _check_specs(profile, variant)
+
+
+def _check_specs(profile, variant):
     hardware = hardware_for(load_cluster("a100-8x8"), profile)
     builder = ShapeBuilder(profile, hardware)
     points = []

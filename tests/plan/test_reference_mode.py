@@ -17,6 +17,8 @@ from pipectl.cluster import load_cluster, local_cluster
 from pipectl.plan.fast import varuna, waves
 from pipectl.plan.search import plan
 from pipectl.plan.synthetic import synthetic_profile
+from pipectl.models.registry import load_model_config
+from pipectl.profile.derive import derive_profile
 from pipectl.plan.timing import REFERENCE_ENV
 from pipectl.schedule import ScheduleKind
 
@@ -39,6 +41,11 @@ def _searches():
         "local gloo ranks (blocking sends), all kept": (
             synthetic_profile(blocks=6, device="cpu", dtype="float32"), local_cluster(4),
             PlanRequest(global_batch=16, schedules=EVERY_SCHEDULE, include_all=True, for_deepspeed=False, workers=1),
+        ),
+        "a100, derived block shards (t = 2, 4), every schedule, all kept": (
+            derive_profile(load_model_config("gpt-small"), "a100-80gb", [1, 2]), load_cluster("a100-8x8"),
+            PlanRequest(global_batch=16, devices=16, schedules=EVERY_SCHEDULE, chunks=[2], include_all=True,
+                        for_deepspeed=False, workers=1),
         ),
         "heterogeneous": (
             synthetic_profile(blocks=8), load_cluster("mixed-v100-p100"), PlanRequest(global_batch=64, workers=1),
@@ -91,6 +98,8 @@ def test_fast_paths_and_the_reference_give_the_same_plan(name, monkeypatch):
     monkeypatch.setenv(REFERENCE_ENV, "1")
     reference = plan(profile, cluster, request)
     assert_same_plan(fast, reference)
+    if name.startswith("a100, derived block shards"):
+        assert profile.has_shards and {c.tensor_parallel for c in fast.candidates} >= {1, 2, 4}
     if name == "a100, every schedule, all kept":
         assert {c.schedule for c in fast.candidates} == set(EVERY_SCHEDULE)
         assert {c.recompute for c in fast.candidates} == {False, True}

@@ -10,7 +10,7 @@ from __future__ import annotations
 from enum import Enum
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from pipectl.artifacts.base import Artifact, Strict
 
@@ -39,6 +39,33 @@ class LayerCost(Strict):
     forward_flops: float = Field(default=0.0, ge=0, description="Forward FLOPs (analytic), 0 if unknown.")
 
 
+class ShardProfile(Strict):
+    """What one rank of a t-way tensor-parallel group holds and runs of a layer that splits.
+
+    Timed on one device with the group's all-reduces skipped (compute only; the planner prices the
+    all-reduces from the links), so a small shard's launch-bound time and the activations every rank
+    keeps whole (the LayerNorms' inputs, the block's input) are in it, not a division by t.
+    """
+
+    tensor_parallel: int = Field(ge=2, description="Tensor-parallel degree t of the group this shard belongs to.")
+    parameter_count: int = Field(ge=0, description="Parameters one rank holds: split matrices / t + replicated terms.")
+    parameter_bytes: int = Field(ge=0, description="Bytes of those parameters as profiled.")
+    costs: list[LayerCost] = Field(
+        description="Costs of one rank's shard per micro-batch size (same sizes as the layer's), ascending."
+    )
+
+    def working_memory_bytes(self, cost: LayerCost) -> int:
+        """As `LayerProfile.working_memory_bytes`, for this shard's parameters."""
+        held = 2 * self.parameter_bytes + cost.saved_activation_bytes + cost.output_activation_bytes
+        return max(0, cost.peak_memory_bytes - held)
+
+    def cost(self, micro_batch_size: int) -> LayerCost:
+        for entry in self.costs:
+            if entry.micro_batch_size == micro_batch_size:
+                return entry
+        raise KeyError(f"t={self.tensor_parallel} shard has no cost for micro-batch size {micro_batch_size}")
+
+
 class LayerProfile(Strict):
     """One cuttable layer of the model."""
 
@@ -60,6 +87,33 @@ class LayerProfile(Strict):
         description="Index of the identical layer whose measured costs these are (one-instance profiling: "
         "same kind, constructor arguments, parameter shapes and input shape); None: measured itself.",
     )
+    shards: list[ShardProfile] = Field(
+        default_factory=list,
+        # Left out of the file when empty: a profile without shards reads and writes as before.
+        exclude_if=lambda shards: not shards,
+        description="One rank's shard for each profiled tensor-parallel degree t > 1, ascending in t (layers "
+        "that split: transformer blocks). In a profile where some layer has shards, a layer without them is "
+        "replicated over the tensor group: each rank runs and holds all of it. A profile without any shards "
+        "is planned as before: every layer's time, memory and parameters divided by t.",
+    )
+
+    @model_validator(mode="after")
+    def _shards_are_shards(self) -> "LayerProfile":
+        degrees = [shard.tensor_parallel for shard in self.shards]
+        if degrees != sorted(set(degrees)):
+            raise ValueError(f"layer {self.name}: shard degrees {degrees} are not distinct and ascending")
+        for shard in self.shards:
+            # A rank holds at least its 1/t of the layer (what the planner's pruning bounds assume).
+            if shard.parameter_count * shard.tensor_parallel < self.parameter_count:
+                raise ValueError(
+                    f"layer {self.name}: its t={shard.tensor_parallel} shard holds {shard.parameter_count} "
+                    f"parameters, less than 1/{shard.tensor_parallel} of {self.parameter_count}"
+                )
+        return self
+
+    def shard(self, tensor_parallel: int) -> ShardProfile | None:
+        """This layer's shard at degree t, or None when it has none."""
+        return next((s for s in self.shards if s.tensor_parallel == tensor_parallel), None)
 
     def working_memory_bytes(self, cost: LayerCost) -> int:
         """Bytes the layer's forward and backward allocate and free again, beyond its weights,
@@ -227,6 +281,22 @@ class ModelProfile(Artifact):
         "torch.cuda.get_device_properties(i).total_memory); None on CPU or when derived. The planner "
         "prefers it to the catalog's figure.",
     )
+
+    @model_validator(mode="after")
+    def _same_shard_degrees(self) -> "ModelProfile":
+        degrees = {tuple(s.tensor_parallel for s in layer.shards) for layer in self.layers if layer.shards}
+        if len(degrees) > 1:
+            raise ValueError(f"layers with shards must all have the same degrees, found {sorted(degrees)}")
+        return self
+
+    @property
+    def has_shards(self) -> bool:
+        """Whether any layer has tensor-parallel shard costs (then layers without are replicated)."""
+        return any(layer.shards for layer in self.layers)
+
+    def shard_degrees(self) -> list[int]:
+        """The tensor-parallel degrees t > 1 some layer has shard costs for, ascending."""
+        return sorted({shard.tensor_parallel for layer in self.layers for shard in layer.shards})
 
     @property
     def parameter_count(self) -> int:

@@ -3,6 +3,7 @@
     pipectl profile gpt-tiny -o profile.json                        # measure on this CPU
     pipectl profile gpt3-175b --device cuda -o p.json               # one block of each kind on one GPU
     pipectl profile gpt3-175b --derive --device a100-80gb -o p.json # derive from shape + datasheet
+    pipectl profile gpt-small --device cuda --tensor-parallel 1,2,4,8  # + one rank's block shard per t
     pipectl profile examples.custom_model:build                     # a user factory
     pipectl profile links -o links.json --ranks 2                   # calibrate p2p and all-reduce
     pipectl profile show profile.json                               # Rich table (or --json)
@@ -20,13 +21,14 @@ import typer
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from pipectl.artifacts.model import ModelFamily
 from pipectl.artifacts.profile import LinksProfile, ModelProfile
 from pipectl.catalog import get_device, load_catalog
 from pipectl.cli.context import JsonFlag, console, err_console, print_json
 from pipectl.cli.groups import DefaultCommandGroup
 from pipectl.errors import UserInputError
 from pipectl.io import load_model, parse_model, read_mapping, write_json_atomic
-from pipectl.profile.derive import derive_profile
+from pipectl.profile.derive import DEFAULT_SHARD_DEGREES, derive_profile
 from pipectl.profile.links import CalibrationRequest, calibrate_links
 from pipectl.report.tables import links_view, profile_view
 
@@ -37,6 +39,20 @@ app = typer.Typer(
 )
 
 _MEASURE_DEVICES = ("cpu", "cuda")
+
+
+def parse_tensor_parallel(text: str) -> list[int]:
+    """'1,2,4,8' -> [1, 2, 4, 8]; any entry that is not a positive integer is named in the error."""
+    degrees = []
+    for entry in text.split(","):
+        entry = entry.strip()
+        if not entry.isdigit() or int(entry) <= 0:
+            raise UserInputError(
+                f"tensor-parallel degree '{entry}' in '{text}' is not a positive integer",
+                hint="give a comma-separated list such as 1,2,4,8",
+            )
+        degrees.append(int(entry))
+    return sorted(set(degrees))
 
 
 def parse_micro_batch_sizes(text: str) -> list[int]:
@@ -144,20 +160,31 @@ def model_command(
             show_default=False,
         ),
     ] = None,
+    tensor_parallel: Annotated[
+        Optional[str],
+        typer.Option(
+            "--tensor-parallel",
+            help="Tensor-parallel degrees whose one-rank block shards to profile too, e.g. 1,2,4,8 (measured: "
+            "each shard timed on this device without its all-reduces; each t must divide the heads). "
+            "Default: none measured (t = 1 only); 2,4,8 derived (those dividing the heads).",
+            show_default=False,
+        ),
+    ] = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Profile MODEL layer by layer (measured here, or derived with --derive) and write profile.json."""
     sizes = parse_micro_batch_sizes(micro_batch_sizes)
+    degrees = parse_tensor_parallel(tensor_parallel) if tensor_parallel is not None else None
     links_profile = _load_links(links) if links is not None else None
     if attention is not None and not derive:
         raise UserInputError(
             f"--attention {attention} applies to --derive only", hint="a measured profile runs the model's own attention"
         )
     if derive:
-        profile = _derive(model, device_kind or device, sizes, dtype or "bfloat16", attention or "flash")
+        profile = _derive(model, device_kind or device, sizes, dtype or "bfloat16", attention or "flash", degrees)
     else:
         profile = _measure(model, device, device_kind, sizes, dtype or "float32", warmup, repeats, threads,
-                           memory_budget_gib, once)
+                           memory_budget_gib, once, degrees or [])
     # The reference as the user gave it (a YAML path stays a path), so launch builds the same model.
     profile = profile.model_copy(update={"model_reference": model})
     if links_profile is not None:
@@ -170,7 +197,7 @@ def model_command(
     err_console.print(f"wrote {output}", highlight=False)
 
 
-def _derive(model: str, kind: str, sizes: list[int], dtype: str, attention: str):
+def _derive(model: str, kind: str, sizes: list[int], dtype: str, attention: str, degrees: list[int] | None):
     from pipectl.models.registry import load_model_config  # torch: only when deriving
 
     if ":" in model and not Path(model).exists() and not model.endswith((".yaml", ".yml")):
@@ -185,7 +212,17 @@ def _derive(model: str, kind: str, sizes: list[int], dtype: str, attention: str)
         )
     if dtype not in ("float32", "bfloat16", "float16"):
         raise UserInputError(f"unknown dtype '{dtype}'", hint="choose one of: float32, bfloat16, float16")
-    return derive_profile(load_model_config(model), get_device(kind), sizes, dtype, attention)
+    config = load_model_config(model)
+    if degrees is not None and any(t > 1 for t in degrees):
+        if config.family not in (ModelFamily.GPT, ModelFamily.BERT):
+            raise UserInputError(f"model '{model}' has no transformer blocks to split over tensor-parallel ranks")
+        bad = [t for t in degrees if config.heads % t]
+        if bad:
+            raise UserInputError(
+                f"tensor-parallel degree {bad[0]} does not divide the {config.heads} attention heads of '{model}'"
+            )
+    return derive_profile(config, get_device(kind), sizes, dtype, attention,
+                          tensor_parallel=DEFAULT_SHARD_DEGREES if degrees is None else degrees)  # fmt: skip
 
 
 def _measure(
@@ -199,10 +236,11 @@ def _measure(
     threads: int,
     memory_budget_gib: float | None,
     once: bool | None,
+    degrees: list[int],
 ):
     # torch: only when measuring, so the CLI starts without it
     from pipectl.models import build_model
-    from pipectl.profile.measure import parse_dtype, profile_model, resolve_device
+    from pipectl.profile.measure import check_tensor_parallel, parse_dtype, profile_model, resolve_device
 
     torch_device = resolve_device(device)  # before building: a bad device fails fast
     dtype = parse_dtype(dtype_text)
@@ -216,6 +254,8 @@ def _measure(
     else:
         budget_bytes = None
     layers = build_model(model, allow_shape_only=True)  # a shape-only model: one layer at a time (--once)
+    shard_degrees = check_tensor_parallel(layers, degrees)  # before measuring: a bad t fails fast
+    shard_cells = len(shard_degrees) * sum(layer.kind == "transformer_block" for layer in layers.layers)
 
     with Progress(
         TextColumn("[bold]profiling[/] {task.description}"),
@@ -225,7 +265,7 @@ def _measure(
         console=err_console,
         transient=True,
     ) as bar:
-        task = bar.add_task(layers.name, total=len(layers) * len(sizes))
+        task = bar.add_task(layers.name, total=(len(layers) + shard_cells) * len(sizes))
 
         def on_progress(update) -> None:
             bar.update(
@@ -247,6 +287,7 @@ def _measure(
             cpu_threads=threads,
             device_name=kind,
             once=once,
+            tensor_parallel=shard_degrees,
         )
 
 

@@ -45,11 +45,26 @@ from pipectl.models.transformer import TransformerBlock
 
 @dataclass(frozen=True)
 class TensorParallelGroup:
-    """This rank's tensor-parallel group: the process group handle, its rank in it and its size."""
+    """This rank's tensor-parallel group: the process group handle, its rank in it and its size.
+
+    `communicate=False` (`without_communication`): a group of `size` ranks that exists only on
+    paper. A block built with it holds rank `rank`'s shard and runs its compute, but its
+    all-reduces are identities, so one process can time what one rank of a t-way group computes
+    (`pipectl profile --tensor-parallel`); its outputs are partial sums, not the layer's. The
+    planner prices the all-reduces from the links.
+    """
 
     group: Any
     rank: int
     size: int
+    communicate: bool = True
+
+    @classmethod
+    def without_communication(cls, size: int, rank: int = 0) -> "TensorParallelGroup":
+        """Rank `rank` of a `size`-way group whose all-reduces are skipped (compute only)."""
+        if size < 1 or not 0 <= rank < size:
+            raise UserInputError(f"no rank {rank} in a tensor-parallel group of {size}")
+        return cls(group=None, rank=rank, size=size, communicate=False)
 
 
 def new_tensor_parallel_groups(topology) -> TensorParallelGroup:
@@ -148,6 +163,7 @@ class TensorParallelBlock(nn.Module):
             raise UserInputError(f"{heads} attention heads are not divisible by tensor-parallel degree {t}")
         full = TransformerBlock(hidden, heads, ffn_multiplier, causal)  # the t=1 initialisation
         self.group = tensor_group.group
+        self.communicate = tensor_group.communicate
         self.causal = causal
         self.local_heads = heads // t
         self.head_dim = hidden // heads
@@ -173,21 +189,29 @@ class TensorParallelBlock(nn.Module):
             _sharded(shard_rows(full.fc_out.weight.t(), t, rank).t()), _replicated(full.fc_out.bias)
         )
 
+    def _copy(self, x: torch.Tensor) -> torch.Tensor:
+        """f: identity forward, all-reduce backward (identity both ways without communication)."""
+        return _CopyToTensorGroup.apply(x, self.group) if self.communicate else x
+
+    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """g: all-reduce forward, identity backward (identity both ways without communication)."""
+        return _ReduceFromTensorGroup.apply(x, self.group) if self.communicate else x
+
     def attention(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
-        x = _CopyToTensorGroup.apply(x, self.group)
+        x = self._copy(x)
         local = self.local_heads * self.head_dim
         q, k, v = F.linear(x, self.qkv.weight, self.qkv.bias).split(local, dim=-1)
         shape = (b, s, self.local_heads, self.head_dim)
         q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
         out = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
         partial = F.linear(out.transpose(1, 2).reshape(b, s, local), self.proj.weight)
-        return _ReduceFromTensorGroup.apply(partial, self.group) + self.proj.bias
+        return self._reduce(partial) + self.proj.bias
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        x = _CopyToTensorGroup.apply(x, self.group)
+        x = self._copy(x)
         partial = F.linear(F.gelu(F.linear(x, self.fc_in.weight, self.fc_in.bias)), self.fc_out.weight)
-        return _ReduceFromTensorGroup.apply(partial, self.group) + self.fc_out.bias
+        return self._reduce(partial) + self.fc_out.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.ln_attn(x))

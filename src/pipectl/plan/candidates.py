@@ -246,7 +246,7 @@ class ShapeBuilder:
         """Per layer range: the stage memory terms at micro-batch size b and tensor split t."""
         key = (t, b)
         if key not in self._range_memory:
-            self._range_memory[key] = RangeMemory.build(layer_table(self.profile, b), t)
+            self._range_memory[key] = RangeMemory.build(layer_table(self.profile, b, t), t)
         return self._range_memory[key]
 
     def furthest_fitting_ends(self, t: int, b: int, capacity_bytes: float) -> FurthestFittingEnds:
@@ -271,7 +271,7 @@ class ShapeBuilder:
     def seconds(self, micro_batch_size: int, tensor_parallel: int) -> LayerSeconds:
         key = (micro_batch_size, tensor_parallel)
         if key not in self._seconds:
-            table = layer_table(self.profile, micro_batch_size)
+            table = layer_table(self.profile, micro_batch_size, tensor_parallel)
             self._seconds[key] = layer_seconds(table, self.hardware, tensor_parallel)
         return self._seconds[key]
 
@@ -327,7 +327,7 @@ class ShapeBuilder:
         arrays = self._arrays.get(key)
         if arrays is None:
             seconds = self.seconds(b, t)
-            table = layer_table(self.profile, b)
+            table = layer_table(self.profile, b, t)
             arrays = (
                 np.asarray(seconds.forward_prefix, dtype=float),
                 np.asarray(seconds.backward_prefix, dtype=float),
@@ -340,7 +340,7 @@ class ShapeBuilder:
         self, t: int, b: int, recompute: bool, p: int, v: int, cuts: Sequence[tuple[int, int]]
     ) -> Shape:
         seconds = self.seconds(b, t)
-        table = layer_table(self.profile, b)
+        table = layer_table(self.profile, b, t)
         # `LayerSeconds.stage_forward/backward` and `LinkCost.seconds` over every stage at once:
         # the same float64 operations in the same order, so the same values.
         forward_prefix, backward_prefix, output_bytes = self._stage_arrays(b, t)
@@ -467,7 +467,10 @@ def _replicas_inside(p: int, t: int, d: int, devices_per_node: int) -> tuple[boo
 
 
 def _tied_seconds(shape: Shape, hardware: Hardware, d: int, element: int) -> np.ndarray:
-    return _tied_seconds_of(_tied_groups(shape), shape.pipeline_parallel, shape.tensor_parallel, d, hardware, element)
+    return _tied_seconds_of(
+        _tied_groups(shape), shape.pipeline_parallel, shape.tensor_parallel, d, hardware, element,
+        shape.table.divisor(shape.tensor_parallel),
+    )
 
 
 def _work_per_rank(shape: Shape, kind: ScheduleKind) -> np.ndarray:
@@ -509,16 +512,18 @@ def _tied_groups_of(shape: Shape) -> tuple[tuple[tuple[int, ...], int], ...]:
 
 
 def _tied_seconds_of(
-    groups: tuple[tuple[tuple[int, ...], int], ...], p: int, t: int, d: int, hardware: Hardware, element: int
+    groups: tuple[tuple[tuple[int, ...], int], ...], p: int, t: int, d: int, hardware: Hardware, element: int,
+    divisor: int,
 ) -> np.ndarray:
-    """Per rank: the all-reduce of the shared groups it holds (`costs.stage_costs`' tied term)."""
+    """Per rank: the all-reduce of the shared groups it holds (`costs.stage_costs`' tied term);
+    `divisor`: the shape's `LayerTable.divisor(t)`."""
     extra = np.zeros(p)
     for ordered, size in groups:
         inside = all(
             ranks_share_node(ordered[0], r, p, t, d, hardware.devices_per_node) for r in ordered[1:]
         )
         link = hardware.links.allreduce_intra if inside else hardware.links.allreduce_inter
-        seconds = link.ring_allreduce_seconds(size / t * element, len(ordered))
+        seconds = link.ring_allreduce_seconds(size / divisor * element, len(ordered))
         seconds += collective_handoff_seconds(hardware, len(ordered), inside)
         for rank in ordered:
             extra[rank] += seconds
@@ -662,10 +667,11 @@ def _data_parallel_costs_over(
         groups = groups_of.get(id(shape))
         if groups is None:
             groups = groups_of[id(shape)] = _tied_groups(shape)  # once per shape of this depth
-        key = (groups, p, shape.tensor_parallel, d)
+        divisor = shape.table.divisor(shape.tensor_parallel)
+        key = (groups, p, shape.tensor_parallel, d, divisor)
         row = tied_rows.get(key)
         if row is None:
-            row = tied_rows[key] = _tied_seconds_of(groups, p, shape.tensor_parallel, d, hardware, element)
+            row = tied_rows[key] = _tied_seconds_of(groups, p, shape.tensor_parallel, d, hardware, element, divisor)
         tied.append(row)
     allreduce += np.array(tied)
     bandwidth = (hardware.device.memory_bandwidth_gbytes_per_second or 100.0) * 1e9

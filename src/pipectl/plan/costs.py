@@ -13,8 +13,10 @@ Per virtual stage and micro-batch (all seconds):
 
 - compute: the profile's forward/backward time of the stage's layers at micro-batch b (interpolated,
   `layer_table`), scaled from the profiled device to the target by the ratio of their peak FLOP/s;
-  tensor parallelism divides it by t and charges the smaller per-device matrix products as a micro-
-  batch t times smaller: x efficiency(b) / efficiency(b / t) from the device catalog;
+  with tensor parallelism, a profile with shard costs gives one rank's time directly (a block's
+  shard, measured or derived; embeddings, final norm and head replicated, whole on every rank); a
+  profile without divides every layer by t and charges the smaller per-device matrix products as a
+  micro-batch t times smaller: x efficiency(b) / efficiency(b / t) from the device catalog;
 - tensor-parallel communication (Megatron, Shoeybi et al. 2019 §3; Narayanan et al. 2021 §3.3): per
   transformer block two all-reduces of the b*s*h activation in the forward and two in the backward,
   ring all-reduces over the t devices of a node;
@@ -314,14 +316,22 @@ def engine_compute_ratios(runtime: RuntimeCosts | None, micro_batch_size: int) -
 def layer_seconds(table: LayerTable, hardware: Hardware, tensor_parallel: int) -> LayerSeconds:
     """Per-layer time on the target device at the table's b with t-way tensor parallelism.
 
-    With measured engine terms (`hardware.runtime`) the layers take the engine's compute ratio at
+    A table of whole layers (`layer_table` of a profile without shards) is divided by t and slowed
+    by `tensor_parallel_slowdown`; a table of one tensor rank's figures (a profile with shards) is
+    taken as it is: measured or derived shards, replicated layers whole. With measured engine terms (`hardware.runtime`) the layers take the engine's compute ratio at
     b and every stage the engine's fixed per-micro-batch overhead (module docstring).
     """
     t = tensor_parallel
-    scale = hardware.compute_scale / t * tensor_parallel_slowdown(hardware.device, table.micro_batch_size, t)
     forward_ratio, backward_ratio = engine_compute_ratios(hardware.runtime, table.micro_batch_size)
-    forward = [f * scale * forward_ratio for f in table.forward_seconds]
-    backward = [b * scale * backward_ratio for b in table.backward_seconds]
+    if table.divisor(t) == t:  # whole layers: each divided by t, at the efficiency of a t-times-smaller b
+        scale = hardware.compute_scale / t * tensor_parallel_slowdown(hardware.device, table.micro_batch_size, t)
+        forward = [f * scale * forward_ratio for f in table.forward_seconds]
+        backward = [b * scale * backward_ratio for b in table.backward_seconds]
+    else:  # one tensor rank's figures: shards and replicated layers as they are; divided ones slowed
+        slowdown = tensor_parallel_slowdown(hardware.device, table.micro_batch_size, t)
+        scales = [hardware.compute_scale * (slowdown if divided else 1.0) for divided in table.divided]
+        forward = [f * scale * forward_ratio for f, scale in zip(table.forward_seconds, scales)]
+        backward = [b * scale * backward_ratio for b, scale in zip(table.backward_seconds, scales)]
     if t > 1:
         ring = hardware.links.allreduce_intra
         for index, kind in enumerate(table.kinds):
@@ -380,7 +390,7 @@ def stage_costs(
     seconds: LayerSeconds | None = None,
 ) -> StageCosts:
     """The simulator's `StageCosts` for one candidate; `stage_layers` holds p*v virtual stages."""
-    table = layer_table(profile, micro_batch_size)
+    table = layer_table(profile, micro_batch_size, tensor_parallel)
     t, d = tensor_parallel, data_parallel
     p = pipeline_parallel or len(stage_layers)
     seconds = seconds or layer_seconds(table, hardware, t)
@@ -403,7 +413,7 @@ def stage_costs(
     element_bytes = DTYPE_BYTES.get(profile.dtype, 4)
     parameters = _parameters_per_rank(table, stage_layers, p)
     allreduce, optimizer = data_parallel_seconds(
-        [held / t for held in parameters], hardware, pipeline_parallel=p, tensor_parallel=t,
+        [held / table.divisor(t) for held in parameters], hardware, pipeline_parallel=p, tensor_parallel=t,
         data_parallel=d, zero_stage=zero_stage, element_bytes=element_bytes,
     )  # fmt: skip
     optimizer = [end_of_step * slowdown for end_of_step in optimizer]
@@ -510,7 +520,7 @@ def _tied_allreduce_seconds(
         ordered = sorted(ranks)
         inside = all(ranks_share_node(ordered[0], r, p, t, d, devices_per_node) for r in ordered[1:])
         link: LinkCost = links.allreduce_intra if inside else links.allreduce_inter
-        seconds = link.ring_allreduce_seconds(shared_count[group] / t * element_bytes, len(ordered))
+        seconds = link.ring_allreduce_seconds(shared_count[group] / table.divisor(t) * element_bytes, len(ordered))
         if hardware is not None:
             seconds += collective_handoff_seconds(hardware, len(ordered), inside)
         for rank in ordered:

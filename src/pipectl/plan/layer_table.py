@@ -10,6 +10,16 @@ smaller than the largest measured value); below the smallest the value is scaled
 Linear in b is what the layers' work is (FLOPs and activation bytes grow with b); the measured
 points carry the efficiency curve.
 
+Tensor parallelism. A profile without shard costs gives one table per b of whole layers, and the
+planner divides a rank's time, saved activations and parameters by t (`LayerTable.divisor`). A
+profile with shard costs (`LayerProfile.shards`) gives, for t > 1, a table of what ONE tensor rank
+runs and holds: a layer's shard at t where it has one, the whole layer where it has none (it is
+replicated: embeddings, final norm, head), and for a layer that splits but has no shard at this t,
+its time and saved bytes divided by t (`divided`; the planner adds the matrix-product slowdown) and
+its parameters divided by t, rounded up. Measured shards of small layers are launch-bound and keep
+the LayerNorm inputs whole on every rank, which a division by t misses (tests/profile/data/
+h100-block-shards.json). FLOPs stay the whole layer's: they count the model's work, not a rank's.
+
     >>> from pipectl.plan.synthetic import synthetic_profile
     >>> profile = synthetic_profile(blocks=2, micro_batch_sizes=[1, 4])  # linear in b
     >>> table = layer_table(profile, 2)  # b = 2 was not measured: interpolated
@@ -24,7 +34,7 @@ from dataclasses import dataclass
 from itertools import accumulate
 from typing import Sequence
 
-from pipectl.artifacts.profile import LayerProfile, ModelProfile
+from pipectl.artifacts.profile import LayerCost, LayerProfile, ModelProfile
 from pipectl.errors import UserInputError
 
 # The cost fields interpolated over b, in LayerTable order.
@@ -62,17 +72,22 @@ def interpolate(points: Sequence[tuple[int, float]], micro_batch_size: float) ->
     return max(high_value, high_value + slope * (micro_batch_size - high_size))
 
 
-def _cost_at(layer: LayerProfile, micro_batch_size: int, field: str) -> float:
-    exact = next((c for c in layer.costs if c.micro_batch_size == micro_batch_size), None)
+def _cost_at(layer: LayerProfile, micro_batch_size: int, field: str, costs: Sequence[LayerCost] | None = None) -> float:
+    """A cost field at b from the layer's costs (or `costs`, a shard's), interpolated over b."""
+    costs = layer.costs if costs is None else costs
+    exact = next((c for c in costs if c.micro_batch_size == micro_batch_size), None)
     if exact is not None:
         return float(getattr(exact, field))
-    points = [(c.micro_batch_size, float(getattr(c, field))) for c in layer.costs]
+    points = [(c.micro_batch_size, float(getattr(c, field))) for c in costs]
     return interpolate(points, micro_batch_size)
 
 
-def _working_at(layer: LayerProfile, micro_batch_size: int) -> float:
-    """The layer's working memory at b, interpolated over b like the cost fields."""
-    points = [(c.micro_batch_size, float(layer.working_memory_bytes(c))) for c in layer.costs]
+def _working_at(layer: LayerProfile, micro_batch_size: int, tensor_parallel: int = 1) -> float:
+    """The layer's working memory at b (its shard's at t, when it has one), interpolated over b
+    like the cost fields."""
+    shard = layer.shard(tensor_parallel) if tensor_parallel > 1 else None
+    holder = shard if shard is not None else layer
+    points = [(c.micro_batch_size, float(holder.working_memory_bytes(c))) for c in holder.costs]
     exact = next((value for size, value in points if size == micro_batch_size), None)
     return exact if exact is not None else interpolate(points, micro_batch_size)
 
@@ -106,10 +121,24 @@ class LayerTable:
     saved_prefix: tuple[float, ...]
     parameter_prefix: tuple[float, ...]
     shared_layer_indices: tuple[int, ...]
+    # The degree t whose one tensor rank these figures are for; 1: whole layers (module docstring).
+    tensor_parallel: int = 1
+    # Per layer, in a table for t > 1: whether its time and saved bytes are the whole layer's / t
+    # (a layer that splits but has no shard at t); empty for whole-layer tables.
+    divided: tuple[bool, ...] = ()
 
     @property
     def layers(self) -> int:
         return len(self.names)
+
+    def divisor(self, tensor_parallel: int) -> int:
+        """What a rank's time, saved bytes and parameters are divided by at degree t: t for a table
+        of whole layers, 1 for a table of one tensor rank's figures (which must be this t's)."""
+        if self.tensor_parallel == 1:
+            return tensor_parallel
+        if tensor_parallel != self.tensor_parallel:
+            raise ValueError(f"a table of t={self.tensor_parallel} ranks asked for t={tensor_parallel}")
+        return 1
 
     def forward(self, start: int, end: int) -> float:
         return self.forward_prefix[end] - self.forward_prefix[start]
@@ -149,7 +178,10 @@ class LayerTable:
         return sum(self.forward_flops)
 
 
-def build_layer_table(layers: Sequence[LayerProfile], micro_batch_size: int) -> LayerTable:
+def build_layer_table(layers: Sequence[LayerProfile], micro_batch_size: int, tensor_parallel: int = 1) -> LayerTable:
+    """The layers' figures at b: whole layers (t = 1), or one tensor rank's at t (module docstring)."""
+    if tensor_parallel > 1:
+        return _rank_table(layers, micro_batch_size, tensor_parallel)
     columns = {
         field: tuple(_cost_at(layer, micro_batch_size, field) for layer in layers) for field in _COST_FIELDS
     }
@@ -175,24 +207,87 @@ def build_layer_table(layers: Sequence[LayerProfile], micro_batch_size: int) -> 
     )
 
 
-# (id(profile), b) -> (profile, table). The profile is kept so its id cannot be reused while cached.
-_TABLES: dict[tuple[int, int], tuple[ModelProfile, LayerTable]] = {}
+def _ceil_div(value: int, divisor: int) -> int:
+    return -(-value // divisor)
+
+
+def _rank_table(layers: Sequence[LayerProfile], b: int, t: int) -> LayerTable:
+    """One tensor rank's figures at t: its shard, the whole replicated layer, or a split layer / t."""
+    columns: dict[str, list[float]] = {field: [] for field in _COST_FIELDS}
+    parameters: list[int] = []
+    shared: list[int] = []
+    divided: list[bool] = []
+    for layer in layers:
+        shard = layer.shard(t)
+        estimate = shard is None and bool(layer.shards)
+        for field in _COST_FIELDS:
+            if field == "forward_flops" or (shard is None and not estimate):
+                value = _cost_at(layer, b, field)  # the whole layer: FLOPs, or a replicated layer
+            elif shard is not None:
+                value = _cost_at(layer, b, field, shard.costs)
+            else:
+                value = _cost_at(layer, b, field)
+                if field != "output_activation_bytes":  # a split layer's output is whole on every rank
+                    value = value / t
+            columns[field].append(value)
+        if shard is not None:
+            parameters.append(shard.parameter_count)
+            shared.append(min(shard.parameter_count, layer.shared_parameter_count))
+        elif estimate:
+            parameters.append(_ceil_div(layer.parameter_count, t))
+            shared.append(_ceil_div(layer.shared_parameter_count, t))
+        else:
+            parameters.append(layer.parameter_count)
+            shared.append(layer.shared_parameter_count)
+        divided.append(estimate)
+    return LayerTable(
+        micro_batch_size=b,
+        names=tuple(layer.name for layer in layers),
+        kinds=tuple(layer.kind for layer in layers),
+        forward_seconds=tuple(columns["forward_seconds"]),
+        backward_seconds=tuple(columns["backward_seconds"]),
+        output_activation_bytes=tuple(columns["output_activation_bytes"]),
+        saved_activation_bytes=tuple(columns["saved_activation_bytes"]),
+        forward_flops=tuple(columns["forward_flops"]),
+        working_bytes=tuple(_working_at(layer, b, t) for layer in layers),
+        parameter_count=tuple(parameters),
+        shared_group=tuple(layer.shared_group for layer in layers),
+        shared_parameter_count=tuple(shared),
+        forward_prefix=_prefix(columns["forward_seconds"]),
+        backward_prefix=_prefix(columns["backward_seconds"]),
+        saved_prefix=_prefix(columns["saved_activation_bytes"]),
+        parameter_prefix=_prefix(parameters),
+        shared_layer_indices=tuple(i for i, layer in enumerate(layers) if layer.shared_group),
+        tensor_parallel=t,
+        divided=tuple(divided),
+    )
+
+
+# (id(profile), b, t) -> (profile, table). The profile is kept so its id cannot be reused while cached.
+_TABLES: dict[tuple[int, int, int], tuple[ModelProfile, LayerTable]] = {}
 _TABLES_MAX = 512
 
 
-def layer_table(profile: ModelProfile, micro_batch_size: int) -> LayerTable:
-    """The profile's layers at micro-batch size b (measured, or interpolated; cached per profile)."""
-    key = (id(profile), micro_batch_size)
+def layer_table(profile: ModelProfile, micro_batch_size: int, tensor_parallel: int = 1) -> LayerTable:
+    """The profile's layers at micro-batch size b (measured, or interpolated; cached per profile):
+    whole layers, or, for t > 1 in a profile with shard costs, one tensor rank's figures."""
+    key = (id(profile), micro_batch_size, tensor_parallel)
     hit = _TABLES.get(key)
     if hit is not None and hit[0] is profile:
         return hit[1]  # checked when it was built
-    if not profile.layers:
-        raise UserInputError(f"profile of '{profile.model}' has no layers")
-    empty = [layer.name for layer in profile.layers if not layer.costs]
-    if empty:
-        raise UserInputError(f"profile of '{profile.model}': layer '{empty[0]}' has no costs")
+    if tensor_parallel > 1 and not profile.has_shards:
+        table = layer_table(profile, micro_batch_size)  # whole layers, divided by t where they are used
+    else:
+        if not profile.layers:
+            raise UserInputError(f"profile of '{profile.model}' has no layers")
+        empty = [layer.name for layer in profile.layers if not layer.costs]
+        if empty:
+            raise UserInputError(f"profile of '{profile.model}': layer '{empty[0]}' has no costs")
+        empty = [f"{layer.name} (t={s.tensor_parallel})" for layer in profile.layers for s in layer.shards if not s.costs]
+        if empty:
+            raise UserInputError(f"profile of '{profile.model}': the shard of layer {empty[0]} has no costs")
+        table = build_layer_table(profile.layers, micro_batch_size, tensor_parallel)
     if len(_TABLES) >= _TABLES_MAX:
         _TABLES.clear()
-    table = build_layer_table(profile.layers, micro_batch_size)
     _TABLES[key] = (profile, table)
     return table

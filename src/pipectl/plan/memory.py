@@ -6,7 +6,8 @@ parameter while micro-batches run, 2 for the 16-bit weights, 2 for their gradien
 fp32 optimizer state (master weights, momentum, variance); fp32 training holds 4 + 4 + 8 = 16 as
 well. ZeRO stage 1 shards the optimizer part over the d data-parallel replicas. PipeDream-2BW keeps a
 second copy of the weights (Narayanan et al. 2021, §3.1). Tensor parallelism (Megatron) splits a
-stage's parameters over its t devices.
+stage's transformer blocks over its t devices; embeddings, the final norm and the head are
+replicated on each.
 
 The optimizer step is a second peak. Measured on one H100 (DeepSpeed 0.19.8's bf16 engine, torch
 AdamW, ZeRO-0 and ZeRO-1 at d = 1): 14 bytes per parameter held between steps (weights and the
@@ -40,9 +41,13 @@ With recomputation an in-flight micro-batch keeps only the stage's input activat
 needs one micro-batch's full activations while it recomputes (SPEC §3). The last stage never
 recomputes (its backward follows its forward), so it keeps full activations.
 
-Activation bytes are divided by t, a slight under-estimate: Megatron's layer norms and dropout
-masks are replicated across the tensor group (Korthikanti et al. 2022, §4.1); the stage's input
-activation is replicated and is not divided.
+What one tensor rank holds comes from the table (`LayerTable.divisor`). A profile with shard costs
+gives each rank's own figures: a block shard's parameters (split matrices / t, LayerNorms and
+row-parallel biases whole) and saved bytes (about 8 + 24/t bytes per token and hidden unit in
+16-bit, not 32/t: the LayerNorms' inputs and the block's input are kept whole on every rank,
+Korthikanti et al. 2022, §4.1), and replicated layers whole. A profile without divides every layer's
+parameters and saved bytes by t, an under-estimate. The stage's input activation is replicated and
+never divided; working memory is per layer and never divided.
 
     >>> from pipectl.plan.synthetic import synthetic_profile
     >>> from pipectl.plan.layer_table import layer_table
@@ -277,6 +282,7 @@ class StageMemory:
         """
         p = pipeline_parallel or len(stage_layers)
         last = len(stage_layers) - 1
+        divisor = table.divisor(tensor_parallel)  # t for whole layers, 1 for one tensor rank's figures
         if rows is not None and len(stage_layers) % p == 0 and _no_shared_group_twice_per_rank(table, stage_layers, p):
             # Every chunk at once: the same figures as the loop below. Parameter counts are whole
             # numbers below 2**53 in float64, so their sums, and the sums over t, are exact.
@@ -285,7 +291,7 @@ class StageMemory:
             starts, ends = bounds[:, 0], bounds[:, 1]
             chunks = len(stage_layers) // p
             prefix = rows.parameter_prefix
-            parameters = (prefix[ends] - prefix[starts]).reshape(chunks, p).sum(axis=0) / tensor_parallel
+            parameters = (prefix[ends] - prefix[starts]).reshape(chunks, p).sum(axis=0) / divisor
             full = rows.saved_matrix[starts, ends]
             recomputes = np.arange(last + 1) != last if recompute else np.zeros(last + 1, dtype=bool)
             unit = np.where(recomputes, rows.input_array[starts], full).reshape(chunks, p).max(axis=0)
@@ -300,9 +306,9 @@ class StageMemory:
         buffer = np.zeros(p)
         working = np.zeros(p)
         for rank, chunks in enumerate(chunks_of):
-            parameters[rank] = _parameters_on_rank(table, chunks) / tensor_parallel
+            parameters[rank] = _parameters_on_rank(table, chunks) / divisor
             for stage, start, end in chunks:
-                full = table.saved(start, end) / tensor_parallel
+                full = table.saved(start, end) / divisor
                 recomputes = recompute and stage != last
                 per_unit = table.input_activation_bytes(start) if recomputes else full
                 unit[rank] = max(unit[rank], per_unit)
@@ -377,8 +383,8 @@ class RangeMemory:
     exactly the same bytes.
     """
 
-    parameters: list[list[float]]  # [start][end]: parameters / t (0 where end <= start)
-    saved: list[list[float]]  # [start][end]: saved activations / t
+    parameters: list[list[float]]  # [start][end]: parameters on a rank (/ t, `LayerTable.divisor`; 0 where end <= start)
+    saved: list[list[float]]  # [start][end]: saved activations on a rank (/ t likewise)
     input_bytes: list[float]  # [start]: the activation a stage starting there receives
     working: list[list[float]]  # [start][end]: the largest working memory of layers [start, end)
     # The same values as arrays, for looking up every stage of a cut at once.
@@ -386,22 +392,23 @@ class RangeMemory:
     saved_matrix: np.ndarray
     input_array: np.ndarray
     working_matrix: np.ndarray
-    parameter_prefix: np.ndarray  # the table's parameter counts, as float64 prefix sums (not over t)
+    parameter_prefix: np.ndarray  # the table's parameter counts, as float64 prefix sums (not divided)
 
     @classmethod
     def build(cls, table, tensor_parallel: int) -> "RangeMemory":
         layers = table.layers
+        divisor = table.divisor(tensor_parallel)  # t for whole layers, 1 for one tensor rank's figures
         parameter_prefix = np.asarray(table.parameter_prefix, dtype=float)
         saved_prefix = np.asarray(table.saved_prefix, dtype=float)
-        parameters = (parameter_prefix[None, :] - parameter_prefix[:, None]) / tensor_parallel
-        saved = (saved_prefix[None, :] - saved_prefix[:, None]) / tensor_parallel
+        parameters = (parameter_prefix[None, :] - parameter_prefix[:, None]) / divisor
+        saved = (saved_prefix[None, :] - saved_prefix[:, None]) / divisor
         rows = parameters.tolist()
         # Ranges holding two members of a shared group (a tied embedding) count it once.
         shared = np.zeros(layers + 1, dtype=int)
         for index in table.shared_layer_indices:
             shared[index + 1:] += 1
         for start, end in zip(*np.nonzero(shared[None, :] - shared[:, None] >= 2)):
-            rows[start][end] = table.parameters(int(start), int(end)) / tensor_parallel
+            rows[start][end] = table.parameters(int(start), int(end)) / divisor
         inputs = [table.input_activation_bytes(start) for start in range(layers)] + [0.0]
         working = np.zeros((layers + 1, layers + 1))
         per_layer = np.asarray(table.working_bytes, dtype=float)

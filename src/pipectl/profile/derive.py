@@ -35,12 +35,24 @@ P = 12 l h^2 (1 + 13/(12h) + (V+s)/(12 l h)): the closed form counts the blocks,
     >>> block = gpt3.layers[1].cost(1)      # 24 b s h^2 + 4 b s^2 h FLOPs, ~75 % of 312 TFLOP/s
     >>> round(block.forward_flops / 1e12, 3), round(block.forward_seconds * 1e3, 2)
     (7.628, 31.57)
+
+Tensor-parallel shards. Each transformer block also gets one rank's shard for t in
+`tensor_parallel` (2, 4, 8 by default; each t that divides the heads): `BlockShape(tensor_parallel=t)`
+(column-parallel QKV and fc1, row-parallel proj and fc2, heads/t local heads, LayerNorms whole), its
+kernels timed as above (small shards launch-bound), its saved bytes tensor by tensor (about
+8 + 24/t bytes per token and hidden unit in 16-bit: the LayerNorms' inputs and the block's input
+stay whole on every rank). Embeddings, final norm and head are replicated and have none.
+
+    >>> h = 12288   # a rank holds 12h^2/t + 7h/t of the split matrices and biases, 6h whole
+    >>> [(s.tensor_parallel, s.parameter_count == (12 * h * h + 7 * h) // s.tensor_parallel + 6 * h)
+    ...  for s in gpt3.layers[1].shards]
+    [(2, True), (4, True), (8, True)]
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from pipectl.artifacts.model import ModelConfig, ModelFamily
 from pipectl.artifacts.profile import (
@@ -48,6 +60,7 @@ from pipectl.artifacts.profile import (
     LayerProfile,
     ModelProfile,
     ProfileSource,
+    ShardProfile,
 )
 from pipectl.catalog import DTYPE_BYTES, DeviceSpec, get_device
 from pipectl.errors import UserInputError
@@ -66,6 +79,10 @@ from pipectl.profile.compute_model import (
     memory_kernel,
     phase_seconds,
 )
+
+
+# The tensor-parallel degrees a derived profile has block shards for (where they divide the heads).
+DEFAULT_SHARD_DEGREES = (2, 4, 8)
 
 
 @dataclass(frozen=True)
@@ -90,6 +107,8 @@ class _LayerShape:
     forward_flops_per_sample: float  # matrix-multiply FLOPs (Narayanan et al. 2021 convention)
     output_elements_per_sample: int  # in the profile's dtype
     work: Callable[[int, ComputeDevice], _Work]
+    # Tensor-parallel degree t -> (one rank's parameters, its work at b); empty: not split.
+    shards: dict[int, tuple[int, Callable[[int, ComputeDevice], _Work]]] = field(default_factory=dict)
 
 
 def _check_micro_batch_sizes(micro_batch_sizes: Sequence[int]) -> list[int]:
@@ -233,6 +252,21 @@ def _head_work(vocab: int, hidden: int, seq_len: int, b: int, device: ComputeDev
     return _Work(forward, backward, saved_bytes=T * h * e + T * V * FP32_BYTES, working_bytes=working)
 
 
+def _block_shards(
+    config: ModelConfig, attention: Attention, degrees: Sequence[int]
+) -> dict[int, tuple[int, Callable[[int, ComputeDevice], _Work]]]:
+    """One rank's shard of a block for each t in `degrees` that divides the heads (and the hidden size)."""
+    h, s, a, f = config.hidden, config.seq_len, config.heads, config.ffn_multiplier
+    causal = config.family is ModelFamily.GPT
+    shards: dict[int, tuple[int, Callable[[int, ComputeDevice], _Work]]] = {}
+    for t in degrees:
+        if a % t or h % t:
+            continue
+        shape_at = lambda b, t=t: BlockShape(h, a, s, b, t, ffn_multiplier=f, causal=causal, attention=attention)
+        shards[t] = (sum(shape_at(1).parameter_tensors()), lambda b, d, shape_at=shape_at: _block_work(shape_at(b), d))
+    return shards
+
+
 def _transformer_shapes(config: ModelConfig, attention: Attention) -> list[_LayerShape]:
     h, s, V, a, f = config.hidden, config.seq_len, config.vocab, config.heads, config.ffn_multiplier
     causal = config.family is ModelFamily.GPT
@@ -373,6 +407,36 @@ def _curve_seconds(kernels: list[Kernel], device: ComputeDevice) -> float:
 def _layer_cost(
     shape: _LayerShape, micro_batch_size: int, device: DeviceSpec, dtype: str, compute: ComputeDevice | None
 ) -> LayerCost:
+    return _cost_of(shape, shape.parameter_count, shape.work, micro_batch_size, device, dtype, compute,
+                    shape.forward_flops_per_sample)  # fmt: skip
+
+
+def _shard_profile(
+    shape: _LayerShape, t: int, sizes: Sequence[int], device: DeviceSpec, dtype: str, compute: ComputeDevice | None
+) -> ShardProfile:
+    """One rank's shard of a split layer at t; its FLOPs are the layer's / t (every product splits)."""
+    parameters, work = shape.shards[t]
+    return ShardProfile(
+        tensor_parallel=t,
+        parameter_count=parameters,
+        parameter_bytes=parameters * DTYPE_BYTES[dtype],
+        costs=[
+            _cost_of(shape, parameters, work, b, device, dtype, compute, shape.forward_flops_per_sample / t)
+            for b in sizes
+        ],
+    )
+
+
+def _cost_of(
+    shape: _LayerShape,
+    parameter_count: int,
+    work_of: Callable[[int, ComputeDevice], _Work],
+    micro_batch_size: int,
+    device: DeviceSpec,
+    dtype: str,
+    compute: ComputeDevice | None,
+    forward_flops_per_sample: float,
+) -> LayerCost:
     """One layer's costs at micro-batch b.
 
     Times: with the device's compute constants, the kernel model (`compute_model.phase_seconds`);
@@ -388,16 +452,16 @@ def _layer_cost(
     b = micro_batch_size
     bytes_per_element = DTYPE_BYTES[dtype]
     if compute is not None:
-        work = shape.work(b, compute)
+        work = work_of(b, compute)
         forward_seconds = phase_seconds(work.forward, compute)
         backward_seconds = phase_seconds(work.backward, compute)
     else:
         curve = _curve_device(device, dtype, b)
-        work = shape.work(b, curve)
+        work = work_of(b, curve)
         forward_seconds = _curve_seconds(work.forward, curve)
         backward_seconds = _curve_seconds(work.backward, curve)
     output_bytes = shape.output_elements_per_sample * b * bytes_per_element
-    parameter_bytes = shape.parameter_count * bytes_per_element
+    parameter_bytes = parameter_count * bytes_per_element
     return LayerCost(
         micro_batch_size=b,
         forward_seconds=forward_seconds,
@@ -405,7 +469,7 @@ def _layer_cost(
         output_activation_bytes=output_bytes,
         saved_activation_bytes=int(work.saved_bytes),
         peak_memory_bytes=int(2 * parameter_bytes + work.saved_bytes + output_bytes + work.working_bytes),
-        forward_flops=shape.forward_flops_per_sample * b,
+        forward_flops=forward_flops_per_sample * b,
     )
 
 
@@ -415,6 +479,7 @@ def derive_profile(
     micro_batch_sizes: Sequence[int],
     dtype: str = "bfloat16",
     attention: Attention | str = Attention.FLASH,
+    tensor_parallel: Sequence[int] = DEFAULT_SHARD_DEGREES,
 ) -> ModelProfile:
     """A `ModelProfile` (source=derived) of `config` on `device`, from closed forms only.
 
@@ -423,6 +488,8 @@ def derive_profile(
     catalog entry has its constants, else from FLOPs / (peak x efficiency(b)); memory from the byte
     counts documented on the helpers above. `device` is a `DeviceSpec` or a catalog name;
     `attention` is what the blocks are assumed to run: 'flash' (fused, the default) or 'unfused'.
+    `tensor_parallel`: the degrees t whose block shards to derive too (those that divide the heads;
+    t = 1 is the layers themselves).
     """
     if isinstance(device, str):
         device = get_device(device)
@@ -431,6 +498,10 @@ def derive_profile(
     attention = _check_attention(attention)
     transformer = config.family in (ModelFamily.GPT, ModelFamily.BERT)
     shapes = _transformer_shapes(config, attention) if transformer else _mlp_shapes(config)
+    degrees = _check_tensor_parallel(tensor_parallel)
+    if transformer and degrees:
+        shards = _block_shards(config, attention, degrees)
+        shapes = [replace(shape, shards=shards) if shape.kind == "transformer_block" else shape for shape in shapes]
     compute = ComputeDevice.of(device, dtype)
     bytes_per_element = DTYPE_BYTES[dtype]
 
@@ -444,6 +515,7 @@ def derive_profile(
             shared_group=shape.shared_group,
             shared_parameter_count=shape.shared_parameter_count,
             costs=[_layer_cost(shape, b, device, dtype, compute) for b in sizes],
+            shards=[_shard_profile(shape, t, sizes, device, dtype, compute) for t in sorted(shape.shards)],
         )
         for index, shape in enumerate(shapes)
     ]
@@ -467,6 +539,13 @@ def derive_profile(
             + "); saved activations counted tensor by tensor"
         )
     notes.append("peak memory = 2 x parameters + saved + output + transient working memory of the layer")
+    shard_degrees = sorted({s.tensor_parallel for layer in layers for s in layer.shards})
+    if shard_degrees:
+        notes.append(
+            f"tensor-parallel shards (t = {', '.join(map(str, shard_degrees))}): one rank's shard of each block "
+            "from the same kernel model, no communication (the planner prices the all-reduces from the links); "
+            "embeddings, final norm and head are replicated on every tensor rank"
+        )
     return ModelProfile(
         model=config.name,
         source=ProfileSource.DERIVED,
@@ -479,6 +558,13 @@ def derive_profile(
         layers=layers,
         notes=notes,
     )
+
+
+def _check_tensor_parallel(degrees: Sequence[int]) -> list[int]:
+    for t in degrees:
+        if isinstance(t, bool) or not isinstance(t, int) or t < 1:
+            raise UserInputError(f"tensor-parallel degree {t!r} is not a positive integer")
+    return sorted({t for t in degrees if t > 1})
 
 
 def _check_attention(attention: Attention | str) -> Attention:

@@ -28,6 +28,16 @@ reported as shared, so `ModelProfile.parameter_count` counts the table once.
 Sizes are tried in ascending order; the first that does not fit (CUDA out of memory, or on CPU a
 whole-model estimate above `memory_budget_bytes`) stops the sweep and is recorded.
 
+With `tensor_parallel` degrees t > 1 (`pipectl profile --tensor-parallel 1,2,4,8`) it also measures,
+on the same device, the shard one rank of a t-way group holds of each transformer block
+(`LayerProfile.shards`): the block rebuilt as a `TensorParallelBlock` of a group that exists only
+on paper (`TensorParallelGroup.without_communication`, rank 0), on the same input as the block.
+That times compute only, the all-reduces skipped (the planner prices them from the links); it
+records what the shard really costs (a small shard is launch-bound, the LayerNorms' inputs stay
+whole on every rank) instead of the whole block divided by t. One instance of each distinct block
+is measured per t (`identical_layers`), whatever `once` says. Embeddings, the final norm and the
+head are replicated on every tensor rank and have no shards.
+
 Then, by default, the training engine itself is calibrated on one rank of the profiled device
 (`runtime_calibration`; on CUDA without the two-rank terms, which describe CPU hosts): its
 per-micro-batch overheads, its end-of-step cost (fixed and per parameter) and how much slower the
@@ -46,9 +56,11 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 from torch import nn
 
-from pipectl.artifacts.profile import LayerCost, LayerProfile, ModelProfile, ProfileSource
+from pipectl.artifacts.profile import LayerCost, LayerProfile, ModelProfile, ProfileSource, ShardProfile
 from pipectl.errors import PipectlError, UserInputError
 from pipectl.models.base import LayerDef, ModelLayers
+from pipectl.models.tensor_parallel import TensorParallelBlock, TensorParallelGroup, shard_model
+from pipectl.models.transformer import TransformerBlock
 from pipectl.profile.runtime_calibration import CUDA_TWO_RANK_NOTE, calibrate_runtime
 
 DEFAULT_MICRO_BATCH_SIZES = (1, 2, 4, 8)
@@ -352,6 +364,7 @@ def profile_model(
     seed: int = 0,
     runtime: bool = True,
     once: bool | None = None,
+    tensor_parallel: Sequence[int] = (),
 ) -> ModelProfile:
     """Measure every layer of `model` at every micro-batch size that fits.
 
@@ -369,6 +382,9 @@ def profile_model(
     built. None: on CUDA (where the model may not fit whole), not on CPU. A shape-only model
     (`ModelLayers.shape_only`) can only be profiled this way; its engine calibration, which runs
     the whole model, is skipped with a note.
+
+    `tensor_parallel`: degrees t whose block shards to measure too (t = 1 is the layers
+    themselves; module docstring). Every t must divide every block's heads and hidden size.
 
     Example (gpt-tiny, 9 layers, on this 2-core CPU in about a second):
 
@@ -390,6 +406,7 @@ def profile_model(
     if not model.layers:
         raise UserInputError(f"model '{model.name}' has no layers")
     once = torch_device.type == "cuda" if once is None else once
+    shard_degrees = check_tensor_parallel(model, tensor_parallel)
     if model.shape_only and not once:
         raise UserInputError(
             f"model '{model.name}' is shape-only: it is never built whole, so its layers cannot all be measured",
@@ -404,7 +421,7 @@ def profile_model(
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             profile = _profile(model, sizes, torch_device, warmup, repeats, dtype, progress,
-                               memory_budget_bytes, cpu_threads, device_name, seed, once)
+                               memory_budget_bytes, cpu_threads, device_name, seed, once, shard_degrees)
     finally:
         torch.set_num_threads(previous_threads)
     if runtime:
@@ -453,17 +470,20 @@ def _profile(
     device_name: str | None,
     seed: int,
     once: bool,
+    shard_degrees: Sequence[int] = (),
 ) -> ModelProfile:
     count = len(model.layers)
     same_as = identical_layers(model) if once else list(range(count))
     under_test = _ModelUnderTest(model, device, dtype, same_as)
+    shards = {t: _shard_under_test(model, t, device, dtype) for t in shard_degrees}
+    shard_costs: dict[int, list[list[LayerCost]]] = {t: [[] for _ in model.layers] for t in shard_degrees}
     clock = _Clock(device)
     costs: list[list[LayerCost]] = [[] for _ in model.layers]
     sources: list[list[int]] = []  # per measured size: the layer each layer's costs come from
     measured_sizes: list[int] = []
     not_fitting: int | None = None
     notes: list[str] = []
-    total_cells = len(sizes) * count
+    total_cells = len(sizes) * (count + len(shard_degrees) * len(_block_indices(model)))
     done = 0
 
     for size in sizes:
@@ -496,12 +516,33 @@ def _profile(
                 done += 1
                 if progress is not None:
                     progress(ProfileProgress(done, total_cells, model.layers[index].name, size))
+            shard_layer_costs: dict[int, dict[int, LayerCost]] = {}
+            for t, shard in shards.items():
+                measured: dict[tuple, int] = {}
+                shard_layer_costs[t] = {}
+                for index in _block_indices(model):
+                    run = runs[taken_from[index]]
+                    key = (shard.same_as[index], _input_signature(run.layer_input))
+                    source = measured.setdefault(key, index)
+                    if source == index:
+                        shard_run = _shard_run(shard, index, run.layer_input)
+                        cost = _measure_layer(shard, index, labels, model.loss_fn, shard_run, size,
+                                              warmup, repeats, clock, device)  # fmt: skip
+                    else:
+                        cost = shard_layer_costs[t][source]
+                    shard_layer_costs[t][index] = cost
+                    done += 1
+                    if progress is not None:
+                        progress(ProfileProgress(done, total_cells, f"{model.layers[index].name} (t={t} shard)", size))
         except torch.cuda.OutOfMemoryError:
             not_fitting = size
             notes.append(f"micro-batch size {size} ran out of CUDA memory while timing; stopped there")
             break
         for index, cost in enumerate(layer_costs):
             costs[index].append(cost)
+        for t, by_layer in shard_layer_costs.items():
+            for index, cost in by_layer.items():
+                shard_costs[t][index].append(cost)
         sources.append(taken_from)
         measured_sizes.append(size)
 
@@ -524,6 +565,12 @@ def _profile(
         if cpu_threads is not None:
             notes.append(f"timed with {cpu_threads} CPU thread(s), as a pipeline rank runs")
     notes.append(f"times are medians of {repeats} runs after {warmup} discarded warm-up runs")
+    if shard_degrees:
+        notes.append(
+            f"tensor-parallel shards (t = {', '.join(map(str, shard_degrees))}): one rank's shard of each distinct "
+            "transformer block, timed on this device with the all-reduces skipped (compute only; the planner "
+            "prices them from the links); embeddings, final norm and head are replicated on every tensor rank"
+        )
 
     layers = [
         LayerProfile(
@@ -536,6 +583,16 @@ def _profile(
             shared_parameter_count=under_test.shared_count(index),
             costs=costs[index],
             costs_from=costs_from[index],
+            shards=[
+                ShardProfile(
+                    tensor_parallel=t,
+                    parameter_count=sum(p.numel() for p in shard.parameters(index)),
+                    parameter_bytes=shard.parameter_bytes(index),
+                    costs=shard_costs[t][index],
+                )
+                for t, shard in shards.items()
+                if shard_costs[t][index]
+            ],
         )
         for index, layer in enumerate(model.layers)
     ]
@@ -599,6 +656,48 @@ def _over_budget(
         f"micro-batch size {size} does not fit: estimated {estimate} bytes "
         f"(parameters + gradients + saved activations) > budget {budget_bytes} bytes"
     )
+
+
+def check_tensor_parallel(model: ModelLayers, degrees: Sequence[int]) -> list[int]:
+    """The distinct degrees t > 1 to measure shards for (t = 1 is the layers themselves), each
+    checked against every transformer block on the meta device: t must divide its heads and its
+    hidden size. A model without transformer blocks has nothing to split."""
+    bad = [t for t in degrees if isinstance(t, bool) or not isinstance(t, int) or t < 1]
+    if bad:
+        raise UserInputError(f"tensor-parallel degree {bad[0]!r} is not a positive integer")
+    shard_degrees = sorted({t for t in degrees if t > 1})
+    if not shard_degrees:
+        return []
+    for t in shard_degrees:
+        sharded = shard_model(model, TensorParallelGroup.without_communication(t))  # no blocks: a UserInputError
+        same_as = identical_layers(sharded)
+        with torch.random.fork_rng(devices=[]), torch.device("meta"):
+            for index in _block_indices(sharded):
+                if same_as[index] == index:
+                    sharded.layers[index].build()  # refuses heads (or a hidden size) t does not divide
+    return shard_degrees
+
+
+def _block_indices(model: ModelLayers) -> list[int]:
+    """The layers that split over a tensor group: transformer blocks (plain or already split)."""
+    return [i for i, layer in enumerate(model.layers) if layer.module_cls in (TransformerBlock, TensorParallelBlock)]
+
+
+def _shard_under_test(model: ModelLayers, t: int, device: torch.device, dtype: torch.dtype) -> _ModelUnderTest:
+    """Rank 0's shards of a t-way group without communication, one module per distinct block."""
+    sharded = shard_model(model, TensorParallelGroup.without_communication(t))
+    return _ModelUnderTest(sharded, device, dtype, identical_layers(sharded))
+
+
+def _shard_run(shard: _ModelUnderTest, index: int, layer_input: Any) -> _LayerRun:
+    """A shard's untimed pass on the block's own input: its output, saved bytes and FLOPs."""
+    shard.module(index)  # built before the hooks below, which leave its parameters out
+    hooks, saved = _saved_bytes_hooks(shard.parameter_storages)
+    flops = FlopCounterMode(display=False)
+    with hooks, flops:
+        output = shard.forward(index, _detached_input(layer_input))
+    return _LayerRun(layer_input=layer_input, output=output.detach(), output_bytes=tensor_bytes(output),
+                     saved_bytes=saved[0], forward_flops=float(flops.get_total_flops()))  # fmt: skip
 
 
 def _names(model: ModelLayers, indices: list[int]) -> str:
@@ -751,5 +850,6 @@ __all__ = [
     "parse_dtype",
     "profile_model",
     "resolve_device",
+    "check_tensor_parallel",
     "tensor_bytes",
 ]
