@@ -198,3 +198,17 @@ def test_stage_memory_from_range_rows_is_the_same_with_shards(seed):
             (slow.parameters, slow.unit_bytes, slow.recompute_buffer_bytes, slow.working_bytes),
         ):
             assert mine.tolist() == theirs.tolist()
+
+
+def test_the_search_tries_only_the_degrees_a_sharded_profile_has():
+    from pipectl.catalog import get_device
+    from pipectl.models.registry import load_model_config
+    from pipectl.plan.space import tensor_parallel_possible
+    from pipectl.profile.derive import derive_profile
+
+    # gpt-small: 12 heads, hidden 768: t = 8 divides the hidden size but not the heads.
+    sharded = derive_profile(load_model_config("gpt-small"), get_device("a100-80gb"), [1], "bfloat16")
+    assert sharded.shard_degrees() == [2, 4]
+    assert [t for t in (2, 4, 8) if tensor_parallel_possible(sharded, t)] == [2, 4]
+    plain = sharded.model_copy(update={"layers": [layer.model_copy(update={"shards": []}) for layer in sharded.layers]})
+    assert [t for t in (2, 4, 8) if tensor_parallel_possible(plain, t)] == [2, 4, 8]

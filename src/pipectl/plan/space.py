@@ -49,7 +49,12 @@ DEFAULT_SCHEDULES = (ScheduleKind.ONE_F_ONE_B, ScheduleKind.GPIPE, ScheduleKind.
 
 
 def tensor_parallel_possible(profile: ModelProfile, t: int) -> bool:
+    """Whether the search tries degree t > 1: the model has blocks to split, and a profile with
+    shard costs has them for t (profiling writes shards for every t whose heads divide, so a
+    degree without any would not build); without shards, t must divide the hidden size."""
     has_blocks = any(layer.kind == TRANSFORMER_BLOCK for layer in profile.layers)
+    if profile.has_shards:
+        return has_blocks and t in profile.shard_degrees()
     return has_blocks and (profile.hidden is None or profile.hidden % t == 0)
 
 
