@@ -179,3 +179,35 @@ def test_out_of_memory_gives_the_plans_figure_and_only_the_changes_that_apply():
     # b = 1 and recomputation already on: neither is offered; headroom and more stages are
     assert "--memory-headroom" in hint and "--pipeline-parallel 8" in hint
     assert "--micro-batch-size" not in hint and "recomput" not in hint
+
+
+@pytest.mark.multiprocess
+def test_a_checkpoint_that_verifies_but_does_not_load_is_skipped_and_the_terminal_says_so(tmp_path):
+    """Both ranks resume from step 2 when a file of step 4 is truncated behind a recomputed hash."""
+    from pipectl.artifacts.run import CheckpointManifest
+    from pipectl.runtime.checkpoint import sha256_file, verify_checkpoint
+
+    plan = write_plan(tmp_path / "plan.json")
+    run = tmp_path / "run"
+    first = invoke("launch", plan, "--run-dir", run, "--steps", "4", "--checkpoint-every", "2", "--timeout", "120")
+    assert first.exit_code == 0, first.output
+    newest = run / "checkpoints" / "step00000004"
+    bad = sorted((newest / "zero").rglob("exp_avg.pt"))[0]
+    bad.write_bytes(bad.read_bytes()[: bad.stat().st_size // 2])
+    manifest = CheckpointManifest.model_validate_json((newest / "manifest.json").read_text())
+    relative = bad.relative_to(newest).as_posix()
+    (newest / "manifest.json").write_text(manifest.model_copy(update={
+        "files": {**manifest.files, relative: sha256_file(bad)},
+        "file_bytes": {**manifest.file_bytes, relative: bad.stat().st_size},
+    }).model_dump_json())  # fmt: skip
+    assert verify_checkpoint(newest).verified
+
+    result = invoke("launch", plan, "--run-dir", run, "--steps", "5", "--resume", "--timeout", "120")
+    assert result.exit_code == 0, result.output + (run / "logs" / "engine.log").read_text()[-2000:]
+    output = " ".join(result.output.split())
+    assert f"checkpoint step 4 could not be loaded ({bad}: " in output
+    assert "); resumed from step 2" in output and "Traceback" not in output
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 3, 4, 5]  # both ranks retrained 3 and 4 from step 2
+    resumed = json.loads((run / "logs" / "resume.json").read_text())
+    assert resumed["step"] == 2 and resumed["tag"] == "step00000002"

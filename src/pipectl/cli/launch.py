@@ -16,8 +16,8 @@ from pipectl.io import load_model
 from pipectl.launch import LaunchOptions, PreparedLaunch, prepare_launch, run_engine
 from pipectl.launch.engines import ENGINE_LOG
 from pipectl.launch.rundir import run_status
-from pipectl.report.run_tables import failure_report, status_table
-from pipectl.runtime.failure import read_failures
+from pipectl.report.run_tables import failure_report, resume_report, status_table
+from pipectl.runtime.failure import read_failures, read_resume
 from pipectl.runtime.metrics import MetricsTail
 
 
@@ -135,8 +135,9 @@ def register(app: typer.Typer) -> None:
                 console.print(f"wrote {prepared.run_dir}; {prepared.command.submit_hint}")
             return
         started = time.time()
-        exit_code = _run_with_progress(prepared, timeout, quiet=json_output)
+        exit_code = _run_with_progress(prepared, timeout, quiet=json_output, since_unix=started - 1.0)
         status = run_status(prepared.run_dir)
+        resumed = read_resume(prepared.run_dir, since_unix=started - 1.0)
         if exit_code != 0:
             progress = f"the job exited with code {exit_code} after {status.steps_done} of {prepared.job.steps} steps"
             logs = f"full traceback in {prepared.run_dir / LOGS_DIR / ENGINE_LOG}"
@@ -150,7 +151,8 @@ def register(app: typer.Typer) -> None:
                 err_console.print(tail, highlight=False, markup=False)
             raise LaunchError(progress, hint=f"logs: {prepared.run_dir / LOGS_DIR}; resume with --resume")
         if json_output:
-            print_json({**described, "exit_code": exit_code, "status": status.to_dict()})
+            resume = None if resumed is None else resumed.model_dump(mode="json", exclude={"schema_version"})
+            print_json({**described, "exit_code": exit_code, "resumed": resume, "status": status.to_dict()})
             return
         console.print(status_table(status))
         if not status.finished:
@@ -160,14 +162,25 @@ def register(app: typer.Typer) -> None:
             )
 
 
-def _run_with_progress(prepared: PreparedLaunch, timeout: float | None, *, quiet: bool) -> int:
-    """Run the engine; tail metrics.jsonl into a Rich progress bar with loss and samples/s."""
+def _run_with_progress(prepared: PreparedLaunch, timeout: float | None, *, quiet: bool, since_unix: float) -> int:
+    """Run the engine; tail metrics.jsonl into a Rich progress bar with loss and samples/s, and say
+    where the ranks resumed (and which checkpoints could not be loaded) as soon as they have."""
     total = prepared.job.steps
     tail = MetricsTail(prepared.run_dir)
+    reported = []
     with training_progress(quiet=quiet) as progress:
         task = progress.add_task(f"training {prepared.run_dir.name}", total=total, stats="starting ranks…")
 
         def tick() -> None:
+            if not reported:
+                resumed = read_resume(prepared.run_dir, since_unix=since_unix)
+                if resumed is not None:
+                    reported.append(resumed)
+                    for line in resume_report(resumed):
+                        if resumed.skipped:  # stderr (JSON output stays clean): not what was asked for
+                            err_console.print(line, style="yellow", highlight=False, markup=False, soft_wrap=True)
+                        elif not quiet:
+                            progress.console.print(line, style="dim", highlight=False, markup=False)
             last = tail.latest()
             if last is not None:
                 stats = f"loss {last.loss:.4f}  {last.samples_per_second:.1f} samples/s"

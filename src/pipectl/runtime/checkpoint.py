@@ -25,15 +25,17 @@ A save, collectively on every rank:
     >>> path.name                                                                         # doctest: +SKIP
     'step00000010'
 
-A load picks the newest tag whose manifest verifies; a corrupted file is reported by name and the
-previous checkpoint is used:
+A load picks the newest tag whose manifest verifies and whose every file reads back as data; a
+corrupted, truncated or foreign file is reported by name and the previous checkpoint is used (rank 0
+decides, every rank loads the same tag):
 
     >>> loaded = load_latest(engine, run_dir)                                             # doctest: +SKIP
     >>> loaded.step, loaded.client_state["samples"], loaded.warnings                      # doctest: +SKIP
     (10, 80, [])
 
-DeepSpeed unpickles its own files (`weights_only=False`); pipectl only lets it read a
-tag whose every file matches the sha256 recorded when this run wrote it.
+DeepSpeed asks to unpickle its own files (`weights_only=False`); pipectl reads them as data only
+(`data_only_loads`), and only from a tag whose every file matches the sha256 recorded when this run
+wrote it.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 from pipectl.artifacts.layout import Layout
 from pipectl.artifacts.run import CHECKPOINTS_DIR, LOGS_DIR, MANIFEST_FILE, CheckpointManifest
@@ -112,7 +114,7 @@ def verify_checkpoint(tag_dir: str | os.PathLike[str], *, hash_files: bool = Tru
     lists lies inside it (no links), is present and has its sha256, and no other file is there.
     What is verified is what `load_latest` loads: the folder, by its name.
 
-    With `hash_files=False` only presence is checked (fast; for listings).
+    With `hash_files=False` only presence and sizes are checked (fast; for listings).
     """
     tag_dir = Path(tag_dir)
     manifest_path = tag_dir / MANIFEST_FILE
@@ -135,6 +137,10 @@ def verify_checkpoint(tag_dir: str | os.PathLike[str], *, hash_files: bool = Tru
             problems.append(f"{path}: a link (a checkpoint holds its own files)")
         elif not path.is_file():
             problems.append(f"{path}: missing")
+        elif relative in manifest.file_bytes and path.stat().st_size != manifest.file_bytes[relative]:
+            size = path.stat().st_size
+            problems.append(f"{path}: {size:,} bytes, the manifest records {manifest.file_bytes[relative]:,} "
+                            f"({'truncated' if size < manifest.file_bytes[relative] else 'grown'})")
         elif hash_files and sha256_file(path) != expected:
             problems.append(f"{path}: sha256 mismatch (file corrupted or modified)")
     on_disk = {p.relative_to(tag_dir).as_posix() for p in tag_dir.rglob("*") if p.is_file() or p.is_symlink()}
@@ -152,8 +158,42 @@ def list_checkpoints(run_dir: str | os.PathLike[str], *, hash_files: bool = Fals
     return [verify_checkpoint(tag, hash_files=hash_files) for tag in tags]
 
 
-def find_latest_verified(run_dir: str | os.PathLike[str]) -> tuple[CheckpointInfo | None, list[str]]:
-    """The newest checkpoint whose every file matches its manifest, and warnings for newer bad ones.
+def unloadable_problem(info: CheckpointInfo) -> str | None:
+    """Why a verified checkpoint's files cannot be read back as data, or None when every one can.
+
+    A file can match its manifest and still not load: a truncated or rewritten file whose hash
+    was recomputed, a pickle that holds more than data. Each file is opened the way the load
+    opens it (`torch.load`, data only), memory-mapped: the archive's structure and every object
+    record are read, the tensor bytes are not. Needs torch.
+    """
+    import torch
+
+    assert info.manifest is not None
+    with data_only_loads():
+        for relative in sorted(info.manifest.files):
+            path = info.path / relative
+            try:
+                torch.load(path, map_location="cpu", mmap=True)
+            except CheckpointError as exc:
+                return exc.message
+            except Exception as exc:  # whatever torch raises on a damaged file, named with the file
+                reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+                return f"{path}: {type(exc).__name__}" + (f": {reason}" if reason else "")
+    return None
+
+
+def skipped_message(info: CheckpointInfo, problems: Iterable[str]) -> str:
+    """'checkpoint step 8 could not be loaded (FILE: why; ...)' (the tag when the step is unknown)."""
+    name = f"step {info.step}" if info.step is not None else info.tag
+    return f"checkpoint {name} could not be loaded ({'; '.join(problems)})"
+
+
+def find_latest_verified(
+    run_dir: str | os.PathLike[str], *, load_check: bool = False
+) -> tuple[CheckpointInfo | None, list[str]]:
+    """The newest checkpoint whose every file matches its manifest, and a message for each newer
+    one skipped (`skipped_message`). With `load_check`, every file must also load as data
+    (`unloadable_problem`; needs torch).
 
     >>> find_latest_verified("/nonexistent/run")
     (None, [])
@@ -161,21 +201,29 @@ def find_latest_verified(run_dir: str | os.PathLike[str]) -> tuple[CheckpointInf
     warnings: list[str] = []
     for info in reversed(list_checkpoints(run_dir, hash_files=False)):
         checked = verify_checkpoint(info.path, hash_files=True)
-        if checked.verified:
+        problems = list(checked.problems)
+        if not problems and checked.manifest is None:
+            problems.append(f"{checked.path}: no manifest")
+        if not problems and load_check:
+            unloadable = unloadable_problem(checked)
+            problems += [unloadable] if unloadable else []
+        if not problems:
             return checked, warnings
-        warnings.append(f"checkpoint {checked.tag} skipped: " + "; ".join(checked.problems))
+        warnings.append(skipped_message(checked, problems))
     return None, warnings
 
 
-def resume_point(run_dir: str | os.PathLike[str]) -> tuple[CheckpointInfo | None, list[str]]:
+def resume_point(
+    run_dir: str | os.PathLike[str], *, load_check: bool = False
+) -> tuple[CheckpointInfo | None, list[str]]:
     """The verified checkpoint a resume starts from (None when the run has none at all), and
-    warnings for the newer ones skipped (`find_latest_verified`).
+    messages for the newer ones skipped (`find_latest_verified`).
 
     A folder without a manifest is a save that never committed and does not count. When the run
     has committed checkpoints and none of them verifies, starting from step 0 would repeat the
     steps they hold: that is refused, with every checkpoint's problems, never done silently.
     """
-    info, warnings = find_latest_verified(run_dir)
+    info, warnings = find_latest_verified(run_dir, load_check=load_check)
     if info is None and any((c.path / MANIFEST_FILE).is_file() for c in list_checkpoints(run_dir)):
         raise CheckpointError(
             f"no checkpoint of {Path(run_dir)} can be loaded: " + "; ".join(warnings),
@@ -538,13 +586,15 @@ def save_checkpoint(
             shutil.rmtree(native, ignore_errors=True)
             (staging / DEEPSPEED_LATEST_FILE).unlink(missing_ok=True)  # the converter's own pointer
             files = hash_tree(universal)
+            sizes = {relative: (universal / relative).stat().st_size for relative in files}
             manifest = CheckpointManifest(
                 tag=tag,
                 step=step,
                 layout=layout,
                 data_position=dict(data_position or {}),
                 files=files,
-                bytes=sum((universal / rel).stat().st_size for rel in files),
+                file_bytes=sizes,
+                bytes=sum(sizes.values()),
                 time_unix=time.time(),
                 save_seconds=time.perf_counter() - started,
             )
@@ -595,7 +645,7 @@ def load_latest(
     if rank == 0:  # one rank hashes; all load the same tag
         info, warnings, problem = None, [], None
         try:
-            info, warnings = resume_point(run_dir)
+            info, warnings = resume_point(run_dir, load_check=True)
         except CheckpointError as exc:
             problem = exc.message
         for warning in warnings:
