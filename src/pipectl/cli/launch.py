@@ -16,8 +16,8 @@ from pipectl.io import load_model
 from pipectl.launch import LaunchOptions, PreparedLaunch, prepare_launch, run_engine
 from pipectl.launch.engines import ENGINE_LOG
 from pipectl.launch.rundir import run_status
-from pipectl.report.run_tables import failure_report, resume_report, status_table
-from pipectl.runtime.failure import read_failures, read_resume
+from pipectl.report.run_tables import failure_report, status_table
+from pipectl.runtime.failure import read_failures, read_resume, resume_lines
 from pipectl.runtime.metrics import MetricsTail
 
 
@@ -176,7 +176,7 @@ def _run_with_progress(prepared: PreparedLaunch, timeout: float | None, *, quiet
                 resumed = read_resume(prepared.run_dir, since_unix=since_unix)
                 if resumed is not None:
                     reported.append(resumed)
-                    for line in resume_report(resumed):
+                    for line in resume_lines(resumed):
                         if resumed.skipped:  # stderr (JSON output stays clean): not what was asked for
                             err_console.print(line, style="yellow", highlight=False, markup=False, soft_wrap=True)
                         elif not quiet:

@@ -15,7 +15,7 @@ from rich.table import Table
 
 from pipectl.artifacts.layout import layout_label
 from pipectl.artifacts.morph import MorphRecord
-from pipectl.artifacts.run import RankFailure, ResumeRecord
+from pipectl.artifacts.run import RankFailure
 from pipectl.launch.rundir import RunStatus
 from pipectl.report.tables import format_bytes
 from pipectl.resize.morph import ResizeDecision
@@ -165,18 +165,6 @@ def out_of_memory_advice(failure: RankFailure) -> str:
     more = f" (--pipeline-parallel {2 * failure.pipeline_parallel})" if failure.pipeline_parallel else ""
     options.append(f"pin more pipeline stages{more}")
     return f"re-plan so that {where} fits: " + ", ".join(options[:-1]) + ", or " + options[-1]
-
-
-def resume_report(record: ResumeRecord) -> list[str]:
-    """Lines for the terminal on where a job resumed: one per checkpoint that could not be loaded,
-    then the step it resumed from. Nothing for a fresh start with nothing skipped.
-
-        checkpoint step 8 could not be loaded (RUN/.../fp32.pt: RuntimeError: ...); resumed from step 4
-    """
-    if not record.skipped:
-        return [f"resumed from step {record.step}"] if record.tag is not None else []
-    start = f"resumed from step {record.step}" if record.tag is not None else "started from step 0"
-    return [*record.skipped[:-1], f"{record.skipped[-1]}; {start}"]
 
 
 def failure_report(failures: Sequence[RankFailure]) -> tuple[str, str | None]:

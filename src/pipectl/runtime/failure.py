@@ -218,3 +218,16 @@ def read_resume(run_dir: str | os.PathLike[str], *, since_unix: float = 0.0) -> 
         log.warning("%s skipped: %s", path, exc)
         return None
     return record if record.time_unix >= since_unix else None
+
+
+def resume_lines(record: ResumeRecord) -> list[str]:
+    """Lines for the terminal on where a job resumed: one per checkpoint that could not be loaded
+    (the last one ending with the step resumed from); nothing for a fresh start with nothing skipped.
+
+    >>> resume_lines(ResumeRecord(step=4, tag="step00000004", skipped=["checkpoint step 8 could not be loaded (f: why)"]))
+    ['checkpoint step 8 could not be loaded (f: why); resumed from step 4']
+    """
+    start = f"resumed from step {record.step}" if record.tag is not None else "started from step 0"
+    if not record.skipped:
+        return [start] if record.tag is not None else []
+    return [*record.skipped[:-1], f"{record.skipped[-1]}; {start}"]
