@@ -190,7 +190,8 @@ def test_resize_reports_the_step_the_ranks_really_resumed_from(tmp_path):
     )  # fmt: skip
     run = tmp_path / "run"
     prepared = prepare_launch(plan, run, LaunchOptions(steps=4, checkpoint_every=2))
-    assert run_engine(prepared.command, prepared.run_dir, timeout_seconds=120) == 0
+    assert run_engine(prepared.command, prepared.run_dir, timeout_seconds=120, lock=prepared.lock) == 0
+    prepared.lock.release()  # the job has ended
     newest = run / "checkpoints" / "step00000004"
     bad = sorted((newest / "zero").rglob("fp32.pt"))[0]
     bad.write_bytes(bad.read_bytes()[:100])

@@ -113,53 +113,64 @@ def register(app: typer.Typer) -> None:
             force=force,
         )
         prepared = prepare_launch(plan, run_dir, options, plan_dir=plan_path.parent, write=not dry_run)
-        described = {
-            "run_dir": str(prepared.run_dir),
-            "engine": prepared.job.engine.value,
-            "command": prepared.command.shell_line(),
-            "job": prepared.job.model_dump(mode="json"),
-            "ds_config": prepared.ds_config,
-        }
-        if dry_run:
-            if json_output:
-                print_json(described)
-            else:
-                console.print_json(data=prepared.ds_config)
-                console.print(f"[bold]command:[/] {prepared.command.shell_line()}", soft_wrap=True, highlight=False)
-                console.print("[dim]dry run: nothing written, nothing started[/]")
-            return
-        if not prepared.command.runnable_here:
-            if json_output:
-                print_json({**described, "submitted": False, "hint": prepared.command.submit_hint})
-            else:
-                console.print(f"wrote {prepared.run_dir}; {prepared.command.submit_hint}")
-            return
-        started = time.time()
-        exit_code = _run_with_progress(prepared, timeout, quiet=json_output, since_unix=started - 1.0)
-        status = run_status(prepared.run_dir)
-        resumed = read_resume(prepared.run_dir, since_unix=started - 1.0)
-        if exit_code != 0:
-            progress = f"the job exited with code {exit_code} after {status.steps_done} of {prepared.job.steps} steps"
-            logs = f"full traceback in {prepared.run_dir / LOGS_DIR / ENGINE_LOG}"
-            # The ranks' own records of what failed (runtime/failure.py); only this launch's.
-            failed, advice = failure_report(read_failures(prepared.run_dir, since_unix=started - 1.0))
-            if failed:
-                hint = f"{advice}; {logs}" if advice else f"{logs}; resume with --resume"
-                raise LaunchError(f"{failed}\n{progress}", hint=hint)
-            tail = _engine_log_tail(prepared.run_dir)
-            if tail and not json_output:
-                err_console.print(tail, highlight=False, markup=False)
-            raise LaunchError(progress, hint=f"logs: {prepared.run_dir / LOGS_DIR}; resume with --resume")
+        try:
+            _launch(prepared, plan_path, run_dir, timeout=timeout, dry_run=dry_run, json_output=json_output)
+        finally:
+            if prepared.lock is not None:  # the job has ended: the run directory is free again
+                prepared.lock.release()
+
+
+def _launch(
+    prepared: PreparedLaunch, plan_path: Path, run_dir: Path, *, timeout: float | None, dry_run: bool, json_output: bool
+) -> None:
+    """Print the dry run, or run the job and report how it ended."""
+    described = {
+        "run_dir": str(prepared.run_dir),
+        "engine": prepared.job.engine.value,
+        "command": prepared.command.shell_line(),
+        "job": prepared.job.model_dump(mode="json"),
+        "ds_config": prepared.ds_config,
+    }
+    if dry_run:
         if json_output:
-            resume = None if resumed is None else resumed.model_dump(mode="json", exclude={"schema_version"})
-            print_json({**described, "exit_code": exit_code, "resumed": resume, "status": status.to_dict()})
-            return
-        console.print(status_table(status))
-        if not status.finished:
-            console.print(
-                f"stopped at step {status.steps_done} of {prepared.job.steps} (signal or stop request), "
-                f"checkpoint written; continue with: pipectl launch {plan_path} --run-dir {run_dir} --resume"
-            )
+            print_json(described)
+        else:
+            console.print_json(data=prepared.ds_config)
+            console.print(f"[bold]command:[/] {prepared.command.shell_line()}", soft_wrap=True, highlight=False)
+            console.print("[dim]dry run: nothing written, nothing started[/]")
+        return
+    if not prepared.command.runnable_here:
+        if json_output:
+            print_json({**described, "submitted": False, "hint": prepared.command.submit_hint})
+        else:
+            console.print(f"wrote {prepared.run_dir}; {prepared.command.submit_hint}")
+        return
+    started = time.time()
+    exit_code = _run_with_progress(prepared, timeout, quiet=json_output, since_unix=started - 1.0)
+    status = run_status(prepared.run_dir)
+    resumed = read_resume(prepared.run_dir, since_unix=started - 1.0)
+    if exit_code != 0:
+        progress = f"the job exited with code {exit_code} after {status.steps_done} of {prepared.job.steps} steps"
+        logs = f"full traceback in {prepared.run_dir / LOGS_DIR / ENGINE_LOG}"
+        # The ranks' own records of what failed (runtime/failure.py); only this launch's.
+        failed, advice = failure_report(read_failures(prepared.run_dir, since_unix=started - 1.0))
+        if failed:
+            hint = f"{advice}; {logs}" if advice else f"{logs}; resume with --resume"
+            raise LaunchError(f"{failed}\n{progress}", hint=hint)
+        tail = _engine_log_tail(prepared.run_dir)
+        if tail and not json_output:
+            err_console.print(tail, highlight=False, markup=False)
+        raise LaunchError(progress, hint=f"logs: {prepared.run_dir / LOGS_DIR}; resume with --resume")
+    if json_output:
+        resume = None if resumed is None else resumed.model_dump(mode="json", exclude={"schema_version"})
+        print_json({**described, "exit_code": exit_code, "resumed": resume, "status": status.to_dict()})
+        return
+    console.print(status_table(status))
+    if not status.finished:
+        console.print(
+            f"stopped at step {status.steps_done} of {prepared.job.steps} (signal or stop request), "
+            f"checkpoint written; continue with: pipectl launch {plan_path} --run-dir {run_dir} --resume"
+        )
 
 
 def _run_with_progress(prepared: PreparedLaunch, timeout: float | None, *, quiet: bool, since_unix: float) -> int:
@@ -186,4 +197,4 @@ def _run_with_progress(prepared: PreparedLaunch, timeout: float | None, *, quiet
                 stats = f"loss {last.loss:.4f}  {last.samples_per_second:.1f} samples/s"
                 progress.update(task, completed=min(last.step, total), stats=stats)
 
-        return run_engine(prepared.command, prepared.run_dir, on_tick=tick, timeout_seconds=timeout)
+        return run_engine(prepared.command, prepared.run_dir, on_tick=tick, timeout_seconds=timeout, lock=prepared.lock)

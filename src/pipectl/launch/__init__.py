@@ -1,7 +1,7 @@
 """`pipectl launch`: a plan -> a validated DeepSpeed config, a run directory, a real launcher command.
 
     prepared = prepare_launch(plan, "runs/demo", LaunchOptions(steps=20, checkpoint_every=5))
-    exit_code = run_engine(prepared.command, prepared.run_dir)
+    exit_code = run_engine(prepared.command, prepared.run_dir, lock=prepared.lock)
 
 Everything that can be checked is checked before any process starts: the model builds and has the
 plan's layer count, the schedule is runnable in DeepSpeed's engine, the global batch is kept, the
@@ -24,7 +24,7 @@ from pipectl.errors import UserInputError
 from pipectl.io import load_model
 from pipectl.runtime.dsconfig import DEFAULT_LEARNING_RATE, validated_config
 from pipectl.launch.engines import LaunchCommand, build_command, run_engine
-from pipectl.launch.rundir import is_run_dir, prepare_run_dir, write_run_files
+from pipectl.launch.rundir import RunLock, is_run_dir, lock_run_dir, prepare_run_dir, write_run_files
 from pipectl.runtime.checkpoint import resume_point
 from pipectl.runtime.dsinit import free_port
 from pipectl.planfile import plan_profile_path
@@ -61,6 +61,7 @@ class PreparedLaunch:
     job: JobSpec
     ds_config: dict[str, Any]
     command: LaunchCommand
+    lock: RunLock | None = None  # held for the job's life (None for a dry run); see `launch.rundir`
 
 
 def check_model(plan: Plan, model_reference: str) -> None:
@@ -221,12 +222,21 @@ def prepare_launch(
         visible = _visible_gpus()
         if visible is not None:
             check_gpus_for_ranks(job.ranks_per_node, visible)
-    if options.resume and is_run_dir(path) and resume_point(path)[0] is None:
-        raise UserInputError(
-            f"cannot resume {path}: it has no checkpoint, so it would start over from step 0",
-            hint="start over deliberately with --force",
-        )
-    if write:
-        prepare_run_dir(path, resume=options.resume, force=options.force)
-        write_run_files(path, plan=plan, job=job, ds_config=ds_config, command=command, plan_dir=plan_dir)
-    return PreparedLaunch(path, plan, job, ds_config, command)
+    if options.resume and options.force:
+        raise UserInputError("--resume and --force contradict each other: keep the run, or start over")
+    # One job per run directory: taken before anything is read for a resume or deleted by --force.
+    lock = lock_run_dir(path) if write else None
+    try:
+        if options.resume and is_run_dir(path) and resume_point(path)[0] is None:
+            raise UserInputError(
+                f"cannot resume {path}: it has no checkpoint, so it would start over from step 0",
+                hint="start over deliberately with --force",
+            )
+        if write:
+            prepare_run_dir(path, resume=options.resume, force=options.force)
+            write_run_files(path, plan=plan, job=job, ds_config=ds_config, command=command, plan_dir=plan_dir)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    return PreparedLaunch(path, plan, job, ds_config, command, lock)

@@ -35,7 +35,7 @@ from pipectl.artifacts.plan import Candidate, Plan
 from pipectl.artifacts.run import HOSTFILE, Engine, JobSpec, ResumeRecord
 from pipectl.errors import CheckpointError, UserInputError
 from pipectl.launch.engines import LaunchCommand, build_command, run_engine
-from pipectl.launch.rundir import read_run, write_run_files
+from pipectl.launch.rundir import RunLock, lock_run_dir, read_run, write_run_files
 from pipectl.resize.choose import LayoutChoice, choose_candidate, replanner, with_entry
 from pipectl.runtime.checkpoint import STOP_FILE, CheckpointInfo, list_checkpoints
 from pipectl.runtime.dsconfig import DEFAULT_LEARNING_RATE, check_candidate, validated_config
@@ -297,6 +297,7 @@ def resize_run(
     on_tick: Callable[[], None] | None = None,
     decision: ResizeDecision | None = None,
     requested_unix: float | None = None,
+    lock_wait_seconds: float = 30.0,
 ) -> ResizeResult:
     """Resize the run at `run_dir` to `devices` devices and (unless `relaunch=False`) train it there.
 
@@ -304,7 +305,8 @@ def resize_run(
     not raised here: the caller reports it). `on_phase` receives one line per phase (stopping,
     relaunching), `on_tick` is called while the new job runs (to tail metrics). A `decision`
     from `decide_resize` (e.g. shown to the user first) is used as is; `requested_unix` is when
-    the resize was asked for (default: now), the start of its downtime.
+    the resize was asked for (default: now), the start of its downtime. The run is rewritten and
+    relaunched under its lock (`launch.rundir.lock_run_dir`), waited for up to `lock_wait_seconds`.
     """
     requested_unix = time.time() if requested_unix is None else requested_unix
     say = on_phase or (lambda _line: None)
@@ -353,6 +355,31 @@ def resize_run(
     # A stop request left behind (by this resize or an earlier one) would stop the new job at once.
     (path / STOP_FILE).unlink(missing_ok=True)
 
+    # One job per run directory: the stopped job's launching process lets go of the lock once
+    # its launcher has exited (moments after its ranks); a job that still holds it is not ours.
+    lock = lock_run_dir(path, wait_seconds=lock_wait_seconds)
+    try:
+        return _rewrite_and_relaunch(
+            decision, prepared, stopped, notes, lock, requested_unix, relaunch, run_timeout_seconds, say, on_tick
+        )
+    finally:
+        lock.release()
+
+
+def _rewrite_and_relaunch(
+    decision: ResizeDecision,
+    prepared: PreparedRelaunch,
+    stopped: StopOutcome | None,
+    notes: list[str],
+    lock: RunLock,
+    requested_unix: float,
+    relaunch: bool,
+    run_timeout_seconds: float | None,
+    say: Phase,
+    on_tick: Callable[[], None] | None,
+) -> ResizeResult:
+    """Steps 3-5 of a resize, under the run's lock."""
+    path = decision.run_dir
     latest = newest_complete_checkpoint(path)
     resume_step = latest.step if latest is not None and latest.step is not None else 0
     if latest is None:
@@ -406,7 +433,9 @@ def resize_run(
         if on_tick is not None:
             on_tick()
 
-    result.exit_code = run_engine(prepared.command, path, on_tick=tick, timeout_seconds=run_timeout_seconds)
+    result.exit_code = run_engine(
+        prepared.command, path, on_tick=tick, timeout_seconds=run_timeout_seconds, lock=lock
+    )
     if not resumed:
         _fill_resume_step(path, result, index, resumed, say)
     records = update_downtimes(path)

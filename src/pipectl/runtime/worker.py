@@ -390,10 +390,7 @@ def _save(engine, job: TrainingJob, step: int) -> None:
 
 
 def _write_executed_order(run_dir: Path, rank: int, order: Sequence[str]) -> None:
-    path = Path(run_dir) / f"schedule_rank{rank}.txt"
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(" ".join(order) + "\n")
-    os.replace(tmp, path)
+    checkpoint.write_text_atomic(Path(run_dir) / f"schedule_rank{rank}.txt", " ".join(order) + "\n")
 
 
 @dataclass(frozen=True)
