@@ -276,3 +276,33 @@ def test_a_checkpoint_that_cannot_be_written_is_reported_without_a_traceback(tmp
     assert staging_leftovers(run) == []
     info, warnings = find_latest_verified(run, load_check=True)
     assert info.step == 2 and warnings == []
+
+
+def test_resume_keeps_what_was_not_passed_and_refuses_another_global_batch(tmp_path):
+    from pipectl.artifacts.run import CheckpointManifest
+    from pipectl.runtime import checkpoint as ckpt
+
+    plan = write_plan(tmp_path / "plan.json")
+    run = tmp_path / "run"
+    assert invoke("launch", plan, "--run-dir", run, "--engine", "slurm", "--steps", "12",
+                  "--checkpoint-every", "4", "--seed", "7").exit_code == 0  # fmt: skip
+    staged = run / "checkpoints" / ckpt.STAGING_DIR / "w1-00" / "step00000004_universal"
+    staged.mkdir(parents=True)
+    (staged / "weights.pt").write_bytes(b"w")
+    ckpt.commit_tag(run / "checkpoints", staged, "step00000004",
+                    CheckpointManifest(tag="step00000004", step=4, files=ckpt.hash_tree(staged), bytes=1))  # fmt: skip
+
+    result = invoke("launch", plan, "--run-dir", run, "--resume", "--dry-run", "--json")
+    assert result.exit_code == 0, result.output
+    job = json.loads(result.output)["job"]
+    assert (job["engine"], job["steps"], job["checkpoint_every"], job["seed"]) == ("slurm", 12, 4, 7)
+    passed = json.loads(invoke("launch", plan, "--run-dir", run, "--resume", "--dry-run", "--json", "--steps", "16").output)
+    assert (passed["job"]["steps"], passed["job"]["checkpoint_every"]) == (16, 4)
+
+    bigger = write_plan(tmp_path / "bigger.json", m=8)  # B 16 instead of 8
+    result = invoke("launch", bigger, "--run-dir", run, "--resume", "--engine", "slurm")
+    assert result.exit_code == 2 and "the plan's global batch is 16, the run at" in " ".join(result.output.split())
+    assert "trains with 8" in result.output and "Traceback" not in result.output
+    result = invoke("launch", bigger, "--run-dir", run, "--resume", "--change-global-batch")
+    assert result.exit_code == 0, result.output
+    assert json.loads((run / "job.json").read_text())["global_batch_changes"] == ["B 8 -> 16 after step 4"]

@@ -115,6 +115,11 @@ class JobSpec(Artifact):
     plan_file: str = Field(default=PLAN_FILE)
     ds_config_file: str = Field(default=DS_CONFIG_FILE)
     pipectl_version: str = Field(default="", description="pipectl version that wrote the file.")
+    global_batch_changes: list[str] = Field(
+        default_factory=list,
+        description="Deliberate changes of the global batch on a resume (launch --resume "
+        "--change-global-batch), one line each: 'B 8 -> 16 after step 4'.",
+    )
 
     @model_validator(mode="after")
     def _ranks_cover_world(self) -> "JobSpec":

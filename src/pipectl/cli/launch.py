@@ -13,7 +13,7 @@ from pipectl.artifacts.run import LOGS_DIR, DataKind, DataSpec, ElasticRange, En
 from pipectl.cli.context import JsonFlag, console, err_console, print_json, training_progress
 from pipectl.errors import LaunchError, UserInputError
 from pipectl.io import load_model
-from pipectl.launch import LaunchOptions, PreparedLaunch, prepare_launch, run_engine
+from pipectl.launch import LaunchOptions, PreparedLaunch, prepare_launch, resumed_options, run_engine
 from pipectl.launch.engines import ENGINE_LOG
 from pipectl.launch.rundir import run_status
 from pipectl.report.run_tables import failure_report, status_table
@@ -46,11 +46,16 @@ def _engine_log_tail(run_dir: Path, lines: int = 15) -> str:
     return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
 
 
+# CLI parameter -> LaunchOptions field, where the names differ.
+_OPTION_OF_PARAMETER = {"lr": "learning_rate", "bf16": "precision"}
+
+
 def register(app: typer.Typer) -> None:
     """Add `pipectl launch` to the root app."""
 
     @app.command("launch")
     def launch_command(
+        ctx: typer.Context,
         plan_path: Annotated[Path, typer.Argument(help="plan.json from `pipectl plan`.", metavar="PLAN.json")],
         run_dir: Annotated[Path, typer.Option("--run-dir", help="Run directory to create, e.g. runs/demo.")],
         engine: Annotated[Engine, typer.Option(help="How to start the ranks.")] = Engine.LOCAL,
@@ -79,6 +84,13 @@ def register(app: typer.Typer) -> None:
         master_port: Annotated[Optional[int], typer.Option(help="Rendezvous/master port (default: a free one).")] = None,
         resume: Annotated[bool, typer.Option("--resume", help="Continue an existing run from its checkpoint.")] = False,
         force: Annotated[bool, typer.Option("--force", help="Delete an existing run directory first.")] = False,
+        change_global_batch: Annotated[
+            bool,
+            typer.Option(
+                "--change-global-batch",
+                help="With --resume: the plan's global batch differs from the run's on purpose (recorded in job.json).",
+            ),
+        ] = False,
         dry_run: Annotated[
             bool, typer.Option("--dry-run", help="Validate and print the config and command; write and run nothing.")
         ] = False,
@@ -111,7 +123,15 @@ def register(app: typer.Typer) -> None:
             master_port=master_port,
             resume=resume,
             force=force,
+            change_global_batch=change_global_batch,
         )
+        # A resume continues the run: what the user did not pass keeps the run's value.
+        passed = {
+            _OPTION_OF_PARAMETER.get(name, name)
+            for name in ctx.params
+            if getattr(ctx.get_parameter_source(name), "name", "DEFAULT") not in ("DEFAULT", "DEFAULT_MAP")
+        }
+        options = resumed_options(run_dir, options, passed)
         prepared = prepare_launch(plan, run_dir, options, plan_dir=plan_path.parent, write=not dry_run)
         try:
             _launch(prepared, plan_path, run_dir, timeout=timeout, dry_run=dry_run, json_output=json_output)
