@@ -179,3 +179,130 @@ def test_out_of_memory_gives_the_plans_figure_and_only_the_changes_that_apply():
     # b = 1 and recomputation already on: neither is offered; headroom and more stages are
     assert "--memory-headroom" in hint and "--pipeline-parallel 8" in hint
     assert "--micro-batch-size" not in hint and "recomput" not in hint
+
+
+@pytest.mark.multiprocess
+def test_a_checkpoint_that_verifies_but_does_not_load_is_skipped_and_the_terminal_says_so(tmp_path):
+    """Both ranks resume from step 2 when a file of step 4 is truncated behind a recomputed hash."""
+    from pipectl.artifacts.run import CheckpointManifest
+    from pipectl.runtime.checkpoint import sha256_file, verify_checkpoint
+
+    plan = write_plan(tmp_path / "plan.json")
+    run = tmp_path / "run"
+    first = invoke("launch", plan, "--run-dir", run, "--steps", "4", "--checkpoint-every", "2", "--timeout", "120")
+    assert first.exit_code == 0, first.output
+    newest = run / "checkpoints" / "step00000004"
+    bad = sorted((newest / "zero").rglob("exp_avg.pt"))[0]
+    bad.write_bytes(bad.read_bytes()[: bad.stat().st_size // 2])
+    manifest = CheckpointManifest.model_validate_json((newest / "manifest.json").read_text())
+    relative = bad.relative_to(newest).as_posix()
+    (newest / "manifest.json").write_text(manifest.model_copy(update={
+        "files": {**manifest.files, relative: sha256_file(bad)},
+        "file_bytes": {**manifest.file_bytes, relative: bad.stat().st_size},
+    }).model_dump_json())  # fmt: skip
+    assert verify_checkpoint(newest).verified
+
+    result = invoke("launch", plan, "--run-dir", run, "--steps", "5", "--resume", "--timeout", "120")
+    assert result.exit_code == 0, result.output + (run / "logs" / "engine.log").read_text()[-2000:]
+    output = " ".join(result.output.split())
+    assert f"checkpoint step 4 could not be loaded ({bad}: " in output
+    assert "); resumed from step 2" in output and "Traceback" not in output
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 3, 4, 5]  # both ranks retrained 3 and 4 from step 2
+    resumed = json.loads((run / "logs" / "resume.json").read_text())
+    assert resumed["step"] == 2 and resumed["tag"] == "step00000002"
+
+
+def test_a_live_run_is_refused_naming_the_pid_of_the_process_holding_its_lock(tmp_path):
+    """Another process holds the run's lock: a second launch, --resume and --force exit 2 naming
+    its pid and touch nothing; once that process is killed the kernel releases the lock."""
+    import subprocess
+    import sys
+
+    from pipectl.launch.rundir import lock_run_dir
+
+    plan = write_plan(tmp_path / "plan.json")
+    run = tmp_path / "run"
+    assert invoke("launch", plan, "--run-dir", run, "--engine", "slurm").exit_code == 0  # writes the run only
+    before = sorted(p.name for p in run.iterdir())
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from pipectl.launch.rundir import lock_run_dir; "
+         f"lock = lock_run_dir({str(run)!r}); print('locked', flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        env={**__import__("os").environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src")},
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        for extra in ([], ["--resume"], ["--force"]):
+            result = invoke("launch", plan, "--run-dir", run, "--steps", "2", *extra)
+            output = " ".join(result.output.split())
+            assert result.exit_code == 2, (extra, result.output)
+            assert f"is in use by a running job (pid {holder.pid})" in output and "Traceback" not in output
+        assert sorted(p.name for p in run.iterdir()) == before  # --force deleted nothing
+    finally:
+        holder.kill()
+        holder.wait(timeout=10)
+    with lock_run_dir(run):  # released when its holder died, without any clean-up
+        pass
+
+
+@pytest.mark.multiprocess
+def test_a_checkpoint_that_cannot_be_written_is_reported_without_a_traceback(tmp_path):
+    """The resumed job runs under a file-size limit (`ulimit -f`, set by a shell wrapper, as an
+    administrator or a full disk would impose it): its checkpoint's files cannot be written.
+    The terminal says so and names the checkpoint that is intact; the failed save leaves nothing."""
+    import os
+    import subprocess
+    import sys
+
+    from pipectl.runtime.checkpoint import find_latest_verified, staging_leftovers
+
+    plan = write_plan(tmp_path / "plan.json")
+    run = tmp_path / "run"
+    first = invoke("launch", plan, "--run-dir", run, "--steps", "2", "--timeout", "120")
+    assert first.exit_code == 0, first.output
+    limit_kib = 48  # above every log and metrics file of this run, below a checkpoint's optimizer state
+    command = [
+        "bash", "-c", f'ulimit -f {limit_kib} && exec "$@"', "limited",
+        sys.executable, "-m", "pipectl.cli.main",
+        "launch", str(plan), "--run-dir", str(run), "--steps", "4", "--resume", "--timeout", "120",
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src"), "COLUMNS": "300"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=150, env=env)
+    output = " ".join((done.stdout + done.stderr).split())
+    assert done.returncode not in (0, 2), output
+    assert f"file size limit reached (ulimit -f: files up to {limit_kib * 1024:,} bytes) while writing checkpoint step 4" in output
+    assert "checkpoint step 2 is intact" in output and "Traceback" not in output
+    assert staging_leftovers(run) == []
+    info, warnings = find_latest_verified(run, load_check=True)
+    assert info.step == 2 and warnings == []
+
+
+def test_resume_keeps_what_was_not_passed_and_refuses_another_global_batch(tmp_path):
+    from pipectl.artifacts.run import CheckpointManifest
+    from pipectl.runtime import checkpoint as ckpt
+
+    plan = write_plan(tmp_path / "plan.json")
+    run = tmp_path / "run"
+    assert invoke("launch", plan, "--run-dir", run, "--engine", "slurm", "--steps", "12",
+                  "--checkpoint-every", "4", "--seed", "7").exit_code == 0  # fmt: skip
+    staged = run / "checkpoints" / ckpt.STAGING_DIR / "w1-00" / "step00000004_universal"
+    staged.mkdir(parents=True)
+    (staged / "weights.pt").write_bytes(b"w")
+    ckpt.commit_tag(run / "checkpoints", staged, "step00000004",
+                    CheckpointManifest(tag="step00000004", step=4, files=ckpt.hash_tree(staged), bytes=1))  # fmt: skip
+
+    result = invoke("launch", plan, "--run-dir", run, "--resume", "--dry-run", "--json")
+    assert result.exit_code == 0, result.output
+    job = json.loads(result.output)["job"]
+    assert (job["engine"], job["steps"], job["checkpoint_every"], job["seed"]) == ("slurm", 12, 4, 7)
+    passed = json.loads(invoke("launch", plan, "--run-dir", run, "--resume", "--dry-run", "--json", "--steps", "16").output)
+    assert (passed["job"]["steps"], passed["job"]["checkpoint_every"]) == (16, 4)
+
+    bigger = write_plan(tmp_path / "bigger.json", m=8)  # B 16 instead of 8
+    result = invoke("launch", bigger, "--run-dir", run, "--resume", "--engine", "slurm")
+    assert result.exit_code == 2 and "the plan's global batch is 16, the run at" in " ".join(result.output.split())
+    assert "trains with 8" in result.output and "Traceback" not in result.output
+    result = invoke("launch", bigger, "--run-dir", run, "--resume", "--change-global-batch")
+    assert result.exit_code == 0, result.output
+    assert json.loads((run / "job.json").read_text())["global_batch_changes"] == ["B 8 -> 16 after step 4"]

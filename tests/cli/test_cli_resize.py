@@ -175,3 +175,38 @@ def test_a_resize_keeps_what_the_plan_was_asked_for(tmp_path, monkeypatch, flags
     for name, value in kept.items():
         assert getattr(plan.chosen, name) == value, name
     assert plan.request.global_batch == 8 and plan.request.devices == 2  # the request as made
+
+
+@pytest.mark.multiprocess
+def test_resize_reports_the_step_the_ranks_really_resumed_from(tmp_path):
+    """The newest checkpoint verifies but one of its files does not load: the ranks fall back to
+    step 2, and resize says so and records step 2, not the newest tag's step 4."""
+    from pipectl.launch import run_engine
+    from pipectl.runtime.history import read_history
+
+    plan = plan_of(
+        candidate(), global_batch=8,
+        morph_table=[MorphEntry(devices=1, candidate=candidate(1)), MorphEntry(devices=2, candidate=candidate())],
+    )  # fmt: skip
+    run = tmp_path / "run"
+    prepared = prepare_launch(plan, run, LaunchOptions(steps=4, checkpoint_every=2))
+    assert run_engine(prepared.command, prepared.run_dir, timeout_seconds=120, lock=prepared.lock) == 0
+    prepared.lock.release()  # the job has ended
+    newest = run / "checkpoints" / "step00000004"
+    bad = sorted((newest / "zero").rglob("fp32.pt"))[0]
+    bad.write_bytes(bad.read_bytes()[:100])
+    manifest = CheckpointManifest.model_validate_json((newest / "manifest.json").read_text())
+    relative = bad.relative_to(newest).as_posix()
+    (newest / "manifest.json").write_text(manifest.model_copy(update={
+        "files": {**manifest.files, relative: ckpt.sha256_file(bad)},
+        "file_bytes": {**manifest.file_bytes, relative: bad.stat().st_size},
+    }).model_dump_json())  # fmt: skip
+
+    result = invoke("resize", run, "--devices", "1", "--steps", "5", "--timeout", "120")
+    assert result.exit_code == 0, result.output + (run / "logs" / "engine.log").read_text()[-2000:]
+    output = " ".join(result.output.split())
+    assert f"checkpoint step 4 could not be loaded ({bad}: " in output and "); resumed from step 2" in output
+    (record,) = read_history(run)
+    assert record.resume_step == 2 and any("could not be loaded" in note for note in record.notes)
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 3, 4, 5]

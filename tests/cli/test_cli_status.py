@@ -123,3 +123,21 @@ def test_status_of_something_that_is_not_a_run_exits_2(tmp_path):
     empty = make_run(tmp_path / "b", steps_done=0)
     plot = runner.invoke(app, ["status", str(empty), "--plot", str(tmp_path / "p.png")])
     assert plot.exit_code == 2 and "no metrics" in plot.output
+
+
+def test_plain_status_shows_a_truncated_file_and_leftover_staging_folders(tmp_path):
+    run = make_run(tmp_path)
+    tag_dir = run / "checkpoints" / "step00000004"
+    manifest = CheckpointManifest.model_validate_json((tag_dir / "manifest.json").read_text())
+    (tag_dir / "manifest.json").write_text(manifest.model_copy(update={"file_bytes": {"fp32.pt": 1}}).model_dump_json())
+    assert "ok" in runner.invoke(app, ["status", str(run)]).output
+    (tag_dir / "fp32.pt").write_bytes(b"")  # truncated: the hash is not needed to see it
+    leftover = run / "checkpoints" / ckpt.STAGING_DIR / "w999999-0badcafe" / "step00000008"
+    leftover.mkdir(parents=True)
+    result = runner.invoke(app, ["status", str(run)])
+    output = " ".join(result.output.split())
+    assert result.exit_code == 0, result.output
+    assert "0 bytes, the manifest records 1 (truncated)" in output and " ok " not in output
+    assert "1 staging folder(s)" in output and "w999999-0badcafe" in output
+    payload = json.loads(runner.invoke(app, ["status", str(run), "--json"]).output)
+    assert payload["staging"] == [str(leftover.parent)] and not payload["checkpoints"][0]["verified"]

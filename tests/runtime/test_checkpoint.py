@@ -21,17 +21,45 @@ from pipectl.schedule.ir import ScheduleKind
 from builders import plan_of
 
 
-def fake_checkpoint(run_dir: Path, step: int, payload: bytes = b"weights") -> Path:
-    """Stage a few files and commit them the way save_checkpoint does after conversion."""
+def fake_checkpoint(run_dir: Path, step: int, payload: bytes = b"weights", *, tensors: bool = False) -> Path:
+    """Stage a few files and commit them the way save_checkpoint does after conversion (files
+    torch can load with `tensors`, opaque bytes otherwise)."""
     root = ckpt.checkpoints_dir(run_dir)
     staged = root / ckpt.STAGING_DIR / f"{ckpt.tag_for_step(step)}_universal"
     (staged / "zero" / "0.weight").mkdir(parents=True)
-    (staged / "zero" / "0.weight" / "fp32.pt").write_bytes(payload + bytes([step]))
-    (staged / "zero" / "0.weight" / "exp_avg.pt").write_bytes(b"moments" + bytes([step]))
-    (staged / "mp_rank_00_model_states.pt").write_bytes(b"client state")
+    contents = {
+        "zero/0.weight/fp32.pt": payload + bytes([step]),
+        "zero/0.weight/exp_avg.pt": b"moments" + bytes([step]),
+        "mp_rank_00_model_states.pt": b"client state",
+    }
+    for relative, data in contents.items():
+        if tensors:
+            import torch
+
+            torch.save({"param": torch.arange(256.0) * step, "cat_dim": 0}, staged / relative)
+        else:
+            (staged / relative).write_bytes(data)
     files = ckpt.hash_tree(staged)
-    manifest = CheckpointManifest(tag=ckpt.tag_for_step(step), step=step, files=files, bytes=0)
+    sizes = {relative: (staged / relative).stat().st_size for relative in files}
+    manifest = CheckpointManifest(tag=ckpt.tag_for_step(step), step=step, files=files, file_bytes=sizes, bytes=0)
     return ckpt.commit_tag(root, staged, ckpt.tag_for_step(step), manifest)
+
+
+def rehash(tag_dir: Path, relative: str) -> None:
+    """Record a changed file's hash and size in its manifest, as an attacker or a faulty copy tool
+    would: verification alone then cannot tell."""
+    target = tag_dir / relative
+    manifest = CheckpointManifest.model_validate_json((tag_dir / "manifest.json").read_text())
+    files = {**manifest.files, relative: ckpt.sha256_file(target)}
+    sizes = {**manifest.file_bytes, relative: target.stat().st_size}
+    (tag_dir / "manifest.json").write_text(
+        manifest.model_copy(update={"files": files, "file_bytes": sizes}).model_dump_json()
+    )
+
+
+def truncate(path: Path, keep: float = 0.5) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * keep)])
 
 
 def flip_a_byte(path: Path) -> None:
@@ -60,6 +88,32 @@ def test_corrupted_file_is_named_and_the_previous_checkpoint_is_used(tmp_path):
     latest, warnings = ckpt.find_latest_verified(tmp_path)
     assert latest.tag == "step00000005"
     assert len(warnings) == 1 and str(bad) in warnings[0] and "sha256 mismatch" in warnings[0]
+
+
+def test_a_truncated_file_shows_without_hashing(tmp_path):
+    newest = fake_checkpoint(tmp_path, 10)
+    bad = newest / "zero" / "0.weight" / "fp32.pt"
+    truncate(bad)
+    problems = ckpt.verify_checkpoint(newest, hash_files=False).problems
+    assert len(problems) == 1 and f"{bad}: 4 bytes, the manifest records 8 (truncated)" == problems[0]
+
+
+def test_a_file_that_verifies_but_does_not_load_falls_back_to_the_previous_checkpoint(tmp_path):
+    fake_checkpoint(tmp_path, 5, tensors=True)
+    newest = fake_checkpoint(tmp_path, 10, tensors=True)
+    relative = "zero/0.weight/exp_avg.pt"
+    truncate(newest / relative)
+    rehash(newest, relative)
+    assert ckpt.verify_checkpoint(newest).verified  # hash and size match: only loading can tell
+    latest, warnings = ckpt.find_latest_verified(tmp_path)
+    assert latest.step == 10 and warnings == []  # without the load check it would be used
+    latest, warnings = ckpt.find_latest_verified(tmp_path, load_check=True)
+    assert latest.step == 5
+    assert len(warnings) == 1 and warnings[0].startswith(f"checkpoint step 10 could not be loaded ({newest / relative}: ")
+    planted = plant(newest, relative, tmp_path / "payload-ran")  # a pickle that runs code: refused too
+    latest, warnings = ckpt.find_latest_verified(tmp_path, load_check=True)
+    assert latest.step == 5 and f"{planted}: refused to load: it holds more than data" in warnings[0]
+    assert not (tmp_path / "payload-ran").exists()
 
 
 def test_missing_manifest_missing_file_and_stray_file_are_problems(tmp_path):
@@ -185,7 +239,7 @@ def test_p2_checkpoint_continues_exactly_in_p1_past_a_corrupted_newer_checkpoint
     for step in range(5, 9):
         assert losses[step] == pytest.approx(reference[step], rel=1e-6, abs=0), step
     log = (run / "logs" / "engine.log").read_text()
-    assert "step00000008 skipped" in log and bad.name in log and "sha256 mismatch" in log
+    assert f"checkpoint step 8 could not be loaded ({bad}: sha256 mismatch" in log
 
 
 @pytest.mark.multiprocess
@@ -254,9 +308,7 @@ def plant(tag_dir: Path, relative: str, marker: Path) -> Path:
 
     target = tag_dir / relative
     torch.save({"module": _Payload(marker)}, target)
-    manifest = CheckpointManifest.model_validate_json((tag_dir / "manifest.json").read_text())
-    files = {**manifest.files, relative: ckpt.sha256_file(target)}
-    (tag_dir / "manifest.json").write_text(manifest.model_copy(update={"files": files}).model_dump_json())
+    rehash(tag_dir, relative)
     return target
 
 

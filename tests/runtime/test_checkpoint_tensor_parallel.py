@@ -217,7 +217,9 @@ def test_a_checkpoint_without_split_records_is_refused_by_name(references, tmp_p
     torch.save(stored, stripped)
     tag_dir = stripped.parents[2]  # re-hash: the checkpoint verifies, only its split record is gone
     manifest = ckpt.verify_checkpoint(tag_dir, hash_files=False).manifest
-    write_json_atomic(tag_dir / MANIFEST_FILE, manifest.model_copy(update={"files": ckpt.hash_tree(tag_dir)}))
+    files = ckpt.hash_tree(tag_dir)
+    sizes = {relative: (tag_dir / relative).stat().st_size for relative in files}
+    write_json_atomic(tag_dir / MANIFEST_FILE, manifest.model_copy(update={"files": files, "file_bytes": sizes}))
     with pytest.raises(LaunchError, match=r"1\.proj\.weight.*no record of how .* is split"):
         run(T2, run_dir)
 

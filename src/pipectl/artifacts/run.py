@@ -12,7 +12,8 @@ A run directory `runs/NAME/` holds everything one training job needs and produce
     checkpoints/       TAG/ (DeepSpeed universal checkpoint + manifest.json, written last), latest
     schedule_rank{R}.txt  the compute order rank R executed
     logs/              engine and per-rank output; failure-rank{R}.json (`RankFailure`) when rank R
-                       failed (the traceback itself stays in the engine log)
+                       failed (the traceback itself stays in the engine log); resume.json
+                       (`ResumeRecord`): the step the ranks started from and the checkpoints skipped
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ CHECKPOINTS_DIR = "checkpoints"
 LOGS_DIR = "logs"
 MANIFEST_FILE = "manifest.json"
 FAILURE_FILE = "failure-rank{rank}.json"  # in LOGS_DIR
+RESUME_FILE = "resume.json"  # in LOGS_DIR
 
 
 class Engine(str, Enum):
@@ -113,6 +115,11 @@ class JobSpec(Artifact):
     plan_file: str = Field(default=PLAN_FILE)
     ds_config_file: str = Field(default=DS_CONFIG_FILE)
     pipectl_version: str = Field(default="", description="pipectl version that wrote the file.")
+    global_batch_changes: list[str] = Field(
+        default_factory=list,
+        description="Deliberate changes of the global batch on a resume (launch --resume "
+        "--change-global-batch), one line each: 'B 8 -> 16 after step 4'.",
+    )
 
     @model_validator(mode="after")
     def _ranks_cover_world(self) -> "JobSpec":
@@ -219,6 +226,11 @@ class CheckpointManifest(Artifact):
         default_factory=dict, description="Where the data order stands (e.g. samples consumed)."
     )
     files: dict[str, Sha256] = Field(description="sha256 of every file, keyed by path relative to the tag dir.")
+    file_bytes: dict[str, int] = Field(
+        default_factory=dict,
+        description="Size of every file, keyed like `files` (a cheap check: a truncated file shows without "
+        "hashing); empty in manifests written before it was recorded.",
+    )
     bytes: int = Field(ge=0, description="Total size of the files.")
     time_unix: float = Field(default=0.0)
     save_seconds: float = Field(default=0.0, ge=0, description="Save + convert + hash wall time.")
@@ -239,3 +251,29 @@ class CheckpointManifest(Artifact):
             if not path.parts or path.is_absolute() or "\\" in relative or ".." in path.parts:
                 raise ValueError(f"file {relative!r} is not a relative path inside the checkpoint")
         return files
+
+    @model_validator(mode="after")
+    def _sizes_name_listed_files(self) -> "CheckpointManifest":
+        for relative, size in self.file_bytes.items():
+            if relative not in self.files:
+                raise ValueError(f"file_bytes names {relative!r}, which files does not list")
+            if size < 0:
+                raise ValueError(f"file_bytes of {relative!r} is negative ({size})")
+        return self
+
+
+class ResumeRecord(Artifact):
+    """logs/resume.json: where the ranks of the latest start resumed, for the launching terminal.
+
+    Rank 0 writes it (atomically) once the checkpoint is chosen and loaded, before the first step;
+    `launch` and `resize` report from it the step the job really resumed from and every newer
+    checkpoint that could not be loaded.
+    """
+
+    schema_version: Literal[1] = 1
+    step: int = Field(ge=0, description="Optimizer steps the loaded checkpoint holds (0: a fresh start).")
+    tag: str | None = Field(default=None, description="The checkpoint loaded; None for a fresh start.")
+    skipped: list[str] = Field(
+        default_factory=list, description="Newer checkpoints that could not be loaded, each with the file and why."
+    )
+    time_unix: float = Field(default=0.0, description="When the ranks resumed.")

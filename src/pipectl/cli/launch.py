@@ -13,11 +13,11 @@ from pipectl.artifacts.run import LOGS_DIR, DataKind, DataSpec, ElasticRange, En
 from pipectl.cli.context import JsonFlag, console, err_console, print_json, training_progress
 from pipectl.errors import LaunchError, UserInputError
 from pipectl.io import load_model
-from pipectl.launch import LaunchOptions, PreparedLaunch, prepare_launch, run_engine
+from pipectl.launch import LaunchOptions, PreparedLaunch, prepare_launch, resumed_options, run_engine
 from pipectl.launch.engines import ENGINE_LOG
 from pipectl.launch.rundir import run_status
 from pipectl.report.run_tables import failure_report, status_table
-from pipectl.runtime.failure import read_failures
+from pipectl.runtime.failure import read_failures, read_resume, resume_lines
 from pipectl.runtime.metrics import MetricsTail
 
 
@@ -46,11 +46,16 @@ def _engine_log_tail(run_dir: Path, lines: int = 15) -> str:
     return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
 
 
+# CLI parameter -> LaunchOptions field, where the names differ.
+_OPTION_OF_PARAMETER = {"lr": "learning_rate", "bf16": "precision"}
+
+
 def register(app: typer.Typer) -> None:
     """Add `pipectl launch` to the root app."""
 
     @app.command("launch")
     def launch_command(
+        ctx: typer.Context,
         plan_path: Annotated[Path, typer.Argument(help="plan.json from `pipectl plan`.", metavar="PLAN.json")],
         run_dir: Annotated[Path, typer.Option("--run-dir", help="Run directory to create, e.g. runs/demo.")],
         engine: Annotated[Engine, typer.Option(help="How to start the ranks.")] = Engine.LOCAL,
@@ -79,6 +84,13 @@ def register(app: typer.Typer) -> None:
         master_port: Annotated[Optional[int], typer.Option(help="Rendezvous/master port (default: a free one).")] = None,
         resume: Annotated[bool, typer.Option("--resume", help="Continue an existing run from its checkpoint.")] = False,
         force: Annotated[bool, typer.Option("--force", help="Delete an existing run directory first.")] = False,
+        change_global_batch: Annotated[
+            bool,
+            typer.Option(
+                "--change-global-batch",
+                help="With --resume: the plan's global batch differs from the run's on purpose (recorded in job.json).",
+            ),
+        ] = False,
         dry_run: Annotated[
             bool, typer.Option("--dry-run", help="Validate and print the config and command; write and run nothing.")
         ] = False,
@@ -111,66 +123,98 @@ def register(app: typer.Typer) -> None:
             master_port=master_port,
             resume=resume,
             force=force,
+            change_global_batch=change_global_batch,
         )
-        prepared = prepare_launch(plan, run_dir, options, plan_dir=plan_path.parent, write=not dry_run)
-        described = {
-            "run_dir": str(prepared.run_dir),
-            "engine": prepared.job.engine.value,
-            "command": prepared.command.shell_line(),
-            "job": prepared.job.model_dump(mode="json"),
-            "ds_config": prepared.ds_config,
+        # A resume continues the run: what the user did not pass keeps the run's value.
+        passed = {
+            _OPTION_OF_PARAMETER.get(name, name)
+            for name in ctx.params
+            if getattr(ctx.get_parameter_source(name), "name", "DEFAULT") not in ("DEFAULT", "DEFAULT_MAP")
         }
-        if dry_run:
-            if json_output:
-                print_json(described)
-            else:
-                console.print_json(data=prepared.ds_config)
-                console.print(f"[bold]command:[/] {prepared.command.shell_line()}", soft_wrap=True, highlight=False)
-                console.print("[dim]dry run: nothing written, nothing started[/]")
-            return
-        if not prepared.command.runnable_here:
-            if json_output:
-                print_json({**described, "submitted": False, "hint": prepared.command.submit_hint})
-            else:
-                console.print(f"wrote {prepared.run_dir}; {prepared.command.submit_hint}")
-            return
-        started = time.time()
-        exit_code = _run_with_progress(prepared, timeout, quiet=json_output)
-        status = run_status(prepared.run_dir)
-        if exit_code != 0:
-            progress = f"the job exited with code {exit_code} after {status.steps_done} of {prepared.job.steps} steps"
-            logs = f"full traceback in {prepared.run_dir / LOGS_DIR / ENGINE_LOG}"
-            # The ranks' own records of what failed (runtime/failure.py); only this launch's.
-            failed, advice = failure_report(read_failures(prepared.run_dir, since_unix=started - 1.0))
-            if failed:
-                hint = f"{advice}; {logs}" if advice else f"{logs}; resume with --resume"
-                raise LaunchError(f"{failed}\n{progress}", hint=hint)
-            tail = _engine_log_tail(prepared.run_dir)
-            if tail and not json_output:
-                err_console.print(tail, highlight=False, markup=False)
-            raise LaunchError(progress, hint=f"logs: {prepared.run_dir / LOGS_DIR}; resume with --resume")
+        options = resumed_options(run_dir, options, passed)
+        prepared = prepare_launch(plan, run_dir, options, plan_dir=plan_path.parent, write=not dry_run)
+        try:
+            _launch(prepared, plan_path, run_dir, timeout=timeout, dry_run=dry_run, json_output=json_output)
+        finally:
+            if prepared.lock is not None:  # the job has ended: the run directory is free again
+                prepared.lock.release()
+
+
+def _launch(
+    prepared: PreparedLaunch, plan_path: Path, run_dir: Path, *, timeout: float | None, dry_run: bool, json_output: bool
+) -> None:
+    """Print the dry run, or run the job and report how it ended."""
+    described = {
+        "run_dir": str(prepared.run_dir),
+        "engine": prepared.job.engine.value,
+        "command": prepared.command.shell_line(),
+        "job": prepared.job.model_dump(mode="json"),
+        "ds_config": prepared.ds_config,
+    }
+    if dry_run:
         if json_output:
-            print_json({**described, "exit_code": exit_code, "status": status.to_dict()})
-            return
-        console.print(status_table(status))
-        if not status.finished:
-            console.print(
-                f"stopped at step {status.steps_done} of {prepared.job.steps} (signal or stop request), "
-                f"checkpoint written; continue with: pipectl launch {plan_path} --run-dir {run_dir} --resume"
-            )
+            print_json(described)
+        else:
+            console.print_json(data=prepared.ds_config)
+            console.print(f"[bold]command:[/] {prepared.command.shell_line()}", soft_wrap=True, highlight=False)
+            console.print("[dim]dry run: nothing written, nothing started[/]")
+        return
+    if not prepared.command.runnable_here:
+        if json_output:
+            print_json({**described, "submitted": False, "hint": prepared.command.submit_hint})
+        else:
+            console.print(f"wrote {prepared.run_dir}; {prepared.command.submit_hint}")
+        return
+    started = time.time()
+    exit_code = _run_with_progress(prepared, timeout, quiet=json_output, since_unix=started - 1.0)
+    status = run_status(prepared.run_dir)
+    resumed = read_resume(prepared.run_dir, since_unix=started - 1.0)
+    if exit_code != 0:
+        progress = f"the job exited with code {exit_code} after {status.steps_done} of {prepared.job.steps} steps"
+        logs = f"full traceback in {prepared.run_dir / LOGS_DIR / ENGINE_LOG}"
+        # The ranks' own records of what failed (runtime/failure.py); only this launch's.
+        failed, advice = failure_report(read_failures(prepared.run_dir, since_unix=started - 1.0))
+        if failed:
+            hint = f"{advice}; {logs}" if advice else f"{logs}; resume with --resume"
+            raise LaunchError(f"{failed}\n{progress}", hint=hint)
+        tail = _engine_log_tail(prepared.run_dir)
+        if tail and not json_output:
+            err_console.print(tail, highlight=False, markup=False)
+        raise LaunchError(progress, hint=f"logs: {prepared.run_dir / LOGS_DIR}; resume with --resume")
+    if json_output:
+        resume = None if resumed is None else resumed.model_dump(mode="json", exclude={"schema_version"})
+        print_json({**described, "exit_code": exit_code, "resumed": resume, "status": status.to_dict()})
+        return
+    console.print(status_table(status))
+    if not status.finished:
+        console.print(
+            f"stopped at step {status.steps_done} of {prepared.job.steps} (signal or stop request), "
+            f"checkpoint written; continue with: pipectl launch {plan_path} --run-dir {run_dir} --resume"
+        )
 
 
-def _run_with_progress(prepared: PreparedLaunch, timeout: float | None, *, quiet: bool) -> int:
-    """Run the engine; tail metrics.jsonl into a Rich progress bar with loss and samples/s."""
+def _run_with_progress(prepared: PreparedLaunch, timeout: float | None, *, quiet: bool, since_unix: float) -> int:
+    """Run the engine; tail metrics.jsonl into a Rich progress bar with loss and samples/s, and say
+    where the ranks resumed (and which checkpoints could not be loaded) as soon as they have."""
     total = prepared.job.steps
     tail = MetricsTail(prepared.run_dir)
+    reported = []
     with training_progress(quiet=quiet) as progress:
         task = progress.add_task(f"training {prepared.run_dir.name}", total=total, stats="starting ranks…")
 
         def tick() -> None:
+            if not reported:
+                resumed = read_resume(prepared.run_dir, since_unix=since_unix)
+                if resumed is not None:
+                    reported.append(resumed)
+                    for line in resume_lines(resumed):
+                        if resumed.skipped:  # stderr (JSON output stays clean): not what was asked for
+                            err_console.print(line, style="yellow", highlight=False, markup=False, soft_wrap=True)
+                        elif not quiet:
+                            progress.console.print(line, style="dim", highlight=False, markup=False)
             last = tail.latest()
             if last is not None:
                 stats = f"loss {last.loss:.4f}  {last.samples_per_second:.1f} samples/s"
                 progress.update(task, completed=min(last.step, total), stats=stats)
 
-        return run_engine(prepared.command, prepared.run_dir, on_tick=tick, timeout_seconds=timeout)
+        return run_engine(prepared.command, prepared.run_dir, on_tick=tick, timeout_seconds=timeout, lock=prepared.lock)

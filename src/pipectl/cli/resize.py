@@ -111,8 +111,10 @@ def _resize_with_progress(decision, *, requested_unix: float, stop_timeout: floa
 
         def phase(line: str) -> None:
             nonlocal task
-            if not quiet:
-                progress.console.print(f"[dim]{line}[/]", highlight=False)
+            if "could not be loaded" in line:  # the ranks fell back past a checkpoint: stderr, always
+                err_console.print(line, style="yellow", highlight=False, markup=False, soft_wrap=True)
+            elif not quiet:
+                progress.console.print(line, style="dim", highlight=False, markup=False)
             if line.startswith("relaunching") and task is None:
                 task = progress.add_task(
                     f"training {run_dir.name}", total=decision.target_steps, stats="starting ranks…"

@@ -1,7 +1,7 @@
 """`pipectl launch`: a plan -> a validated DeepSpeed config, a run directory, a real launcher command.
 
     prepared = prepare_launch(plan, "runs/demo", LaunchOptions(steps=20, checkpoint_every=5))
-    exit_code = run_engine(prepared.command, prepared.run_dir)
+    exit_code = run_engine(prepared.command, prepared.run_dir, lock=prepared.lock)
 
 Everything that can be checked is checked before any process starts: the model builds and has the
 plan's layer count, the schedule is runnable in DeepSpeed's engine, the global batch is kept, the
@@ -24,12 +24,12 @@ from pipectl.errors import UserInputError
 from pipectl.io import load_model
 from pipectl.runtime.dsconfig import DEFAULT_LEARNING_RATE, validated_config
 from pipectl.launch.engines import LaunchCommand, build_command, run_engine
-from pipectl.launch.rundir import is_run_dir, prepare_run_dir, write_run_files
+from pipectl.launch.rundir import RunLock, is_run_dir, lock_run_dir, prepare_run_dir, read_run, write_run_files
 from pipectl.runtime.checkpoint import resume_point
 from pipectl.runtime.dsinit import free_port
 from pipectl.planfile import plan_profile_path
 
-__all__ = ["LaunchOptions", "PreparedLaunch", "build_job", "prepare_launch", "run_engine"]
+__all__ = ["LaunchOptions", "PreparedLaunch", "build_job", "prepare_launch", "resumed_options", "run_engine"]
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,53 @@ class LaunchOptions:
     master_port: int | None = None
     resume: bool = False
     force: bool = False
+    change_global_batch: bool = False  # with resume: a plan with another B is meant (recorded in job.json)
+
+
+# LaunchOptions fields a resume takes from the run when the user did not pass them.
+RESUMED_FIELDS = (
+    "engine", "model", "steps", "checkpoint_every", "keep_checkpoints", "seed", "data", "precision",
+    "learning_rate", "elastic", "nodes", "master_addr",
+)  # fmt: skip
+
+
+def resumed_options(run_dir: str | os.PathLike[str], options: LaunchOptions, passed: set[str]) -> LaunchOptions:
+    """On `--resume`, every option in `RESUMED_FIELDS` the user did not pass keeps the run's value
+    (its job.json and ds_config.json): a resume continues the run, it does not re-default it."""
+    path = Path(run_dir)
+    if not options.resume or not is_run_dir(path):
+        return options
+    files = read_run(path)
+    job = files.job
+    lr = files.ds_config.get("optimizer", {}).get("params", {}).get("lr")
+    kept: dict[str, Any] = {
+        "engine": job.engine, "model": job.model, "steps": job.steps, "checkpoint_every": job.checkpoint_every,
+        "keep_checkpoints": job.keep_checkpoints, "seed": job.seed, "data": job.data, "precision": job.precision,
+        "learning_rate": float(lr) if isinstance(lr, (int, float)) else options.learning_rate,
+        "elastic": job.elastic, "nodes": job.nodes, "master_addr": job.master_addr,
+    }  # fmt: skip
+    return replace(options, **{name: kept[name] for name in RESUMED_FIELDS if name not in passed})
+
+
+def check_resume_contract(run_dir: Path, plan: Plan, job: JobSpec, options: LaunchOptions) -> JobSpec:
+    """A resume keeps the run's global batch B unless `change_global_batch` says otherwise; the
+    change is then recorded in job.json (kept over later resumes). Returns the job to write."""
+    if not options.resume or not is_run_dir(run_dir):
+        return job
+    previous = read_run(run_dir)
+    before, after = previous.plan.global_batch, plan.global_batch
+    changes = list(previous.job.global_batch_changes)
+    if before != after:
+        if not options.change_global_batch:
+            raise UserInputError(
+                f"the plan's global batch is {after}, the run at {run_dir} trains with {before}: a resume keeps "
+                "the global batch (it is a hyper-parameter, not a layout)",
+                hint="resume with a plan for the same global batch, or change it deliberately with "
+                "--change-global-batch (recorded in job.json)",
+            )
+        info, _ = resume_point(run_dir)
+        changes.append(f"B {before} -> {after} after step {info.step if info is not None else 0}")
+    return job.model_copy(update={"global_batch_changes": changes})
 
 
 @dataclass(frozen=True)
@@ -61,6 +108,7 @@ class PreparedLaunch:
     job: JobSpec
     ds_config: dict[str, Any]
     command: LaunchCommand
+    lock: RunLock | None = None  # held for the job's life (None for a dry run); see `launch.rundir`
 
 
 def check_model(plan: Plan, model_reference: str) -> None:
@@ -221,12 +269,22 @@ def prepare_launch(
         visible = _visible_gpus()
         if visible is not None:
             check_gpus_for_ranks(job.ranks_per_node, visible)
-    if options.resume and is_run_dir(path) and resume_point(path)[0] is None:
-        raise UserInputError(
-            f"cannot resume {path}: it has no checkpoint, so it would start over from step 0",
-            hint="start over deliberately with --force",
-        )
-    if write:
-        prepare_run_dir(path, resume=options.resume, force=options.force)
-        write_run_files(path, plan=plan, job=job, ds_config=ds_config, command=command, plan_dir=plan_dir)
-    return PreparedLaunch(path, plan, job, ds_config, command)
+    if options.resume and options.force:
+        raise UserInputError("--resume and --force contradict each other: keep the run, or start over")
+    # One job per run directory: taken before anything is read for a resume or deleted by --force.
+    lock = lock_run_dir(path) if write else None
+    try:
+        if options.resume and is_run_dir(path) and resume_point(path)[0] is None:
+            raise UserInputError(
+                f"cannot resume {path}: it has no checkpoint, so it would start over from step 0",
+                hint="start over deliberately with --force",
+            )
+        job = check_resume_contract(path, plan, job, options)
+        if write:
+            prepare_run_dir(path, resume=options.resume, force=options.force)
+            write_run_files(path, plan=plan, job=job, ds_config=ds_config, command=command, plan_dir=plan_dir)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    return PreparedLaunch(path, plan, job, ds_config, command, lock)

@@ -36,7 +36,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from pipectl.artifacts.run import HOSTFILE, LOGS_DIR, SBATCH_FILE, Engine, JobSpec
 from pipectl.errors import LaunchError, UserInputError
@@ -258,8 +258,13 @@ def run_engine(
     on_tick: Callable[[], None] | None = None,
     tick_seconds: float = 0.5,
     timeout_seconds: float | None = None,
+    lock: Any = None,
 ) -> int:
     """Run the launcher, its output in RUN/logs/engine.log; return its exit code.
+
+    `lock`, the run's `RunLock`, is shared with the launcher (its descriptor is inherited), so the
+    run stays locked while the launcher lives even if this process is killed; the launcher's pid
+    is recorded beside this one's.
 
     The launcher gets its own process group. A first SIGINT/SIGTERM sent to pipectl becomes SIGTERM
     to the worker ranks (they finish the step, checkpoint and exit 0); a second one goes to the
@@ -282,9 +287,12 @@ def run_engine(
                 stdout=log_handle,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                pass_fds=(lock.fileno(),) if lock is not None else (),
             )
         except OSError as exc:
             raise LaunchError(f"cannot start {command.argv[0]}: {exc}") from exc
+        if lock is not None:
+            lock.record(os.getpid(), proc.pid)
         return _supervise(proc, on_tick, tick_seconds, timeout_seconds)
 
 

@@ -5,15 +5,23 @@
 
 An existing run is only touched with `resume=True` (its checkpoints and metrics are kept and the
 worker continues from the newest verified checkpoint) or `force=True` (it is deleted first).
+
+One job per run directory: the process that runs a job holds an exclusive OS lock (`flock`) on
+RUN/job.lock for the job's life, and writes its pid (and its launcher's) into that file. The kernel
+releases the lock when the process dies, however it dies, so a lock is never stale; a launch, a
+resume or a `--force` on a run whose lock is held is refused, naming the pids.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
 import shutil
 import stat
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +40,7 @@ from pipectl.errors import UserInputError
 from pipectl.io import load_model, read_mapping, write_json_atomic
 from pipectl.launch.engines import LaunchCommand, launch_script
 from pipectl.planfile import copy_plan
-from pipectl.runtime.checkpoint import list_checkpoints
+from pipectl.runtime.checkpoint import list_checkpoints, staging_leftovers
 from pipectl.runtime.metrics import PredictionSummary, prediction_summary, read_metrics
 
 
@@ -46,15 +54,99 @@ class RunFiles:
     ds_config: dict[str, Any]
 
 
+LOCK_FILE = "job.lock"
+
+
 def is_run_dir(path: Path) -> bool:
     return (path / JOB_FILE).is_file()
+
+
+class RunLock:
+    """The exclusive lock on RUN/job.lock that marks a run as in use (`lock_run_dir`).
+
+    Held while this object's descriptor is open (by this process, and by a launcher given it with
+    `fileno()`: the lock belongs to the open file, shared by every process that holds it).
+    """
+
+    def __init__(self, path: Path, fd: int) -> None:
+        self.path = path
+        self._fd: int | None = fd
+
+    def fileno(self) -> int:
+        if self._fd is None:
+            raise ValueError(f"{self.path}: lock already released")
+        return self._fd
+
+    def record(self, *pids: int) -> None:
+        """Write the pids of the processes running the job (this one first) into the lock file."""
+        fd = self.fileno()
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, " ".join(str(pid) for pid in pids).encode() + b"\n", 0)
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the last descriptor of the open file releases the lock
+            self._fd = None
+
+    def __enter__(self) -> "RunLock":
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.release()
+
+    def __del__(self) -> None:
+        self.release()
+
+
+def lock_holder(run_dir: str | os.PathLike[str]) -> list[int]:
+    """The pids recorded by the job holding the run's lock (empty if none could be read)."""
+    try:
+        text = (Path(run_dir) / LOCK_FILE).read_text()
+    except OSError:
+        return []
+    return [int(word) for word in text.split() if word.isdigit()]
+
+
+def lock_run_dir(run_dir: str | os.PathLike[str], *, wait_seconds: float = 0.0) -> RunLock:
+    """Take the run's lock (creating the folder if needed), waiting up to `wait_seconds` for a job
+    that holds it to end; `UserInputError` naming the live job's pids if it does not."""
+    path = Path(run_dir)
+    if path.exists() and not path.is_dir():
+        raise UserInputError(f"run directory {path} is a file")
+    path.mkdir(parents=True, exist_ok=True)
+    lock_path = path / LOCK_FILE
+    if lock_path.is_symlink():
+        raise UserInputError(f"{lock_path} is a link; a run's lock file is its own", hint="remove it")
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    deadline = time.monotonic() + wait_seconds
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except OSError as exc:
+            if exc.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                os.close(fd)
+                raise
+            if time.monotonic() >= deadline:
+                os.close(fd)
+                pids = lock_holder(path)
+                who = f"pid {pids[0]}" + (f", launcher pid {', '.join(map(str, pids[1:]))}" if pids[1:] else "")
+                raise UserInputError(
+                    f"run directory {path} is in use by a running job ({who if pids else 'pid unknown'})",
+                    hint="wait for it to end, stop it (Ctrl-C in its terminal, or kill -TERM "
+                    f"{pids[0] if pids else 'PID'}), or move it with pipectl resize",
+                ) from None
+            time.sleep(0.1)
+    lock = RunLock(lock_path, fd)
+    lock.record(os.getpid())
+    return lock
 
 
 def prepare_run_dir(run_dir: str | os.PathLike[str], *, resume: bool = False, force: bool = False) -> Path:
     """Make `run_dir` ready for a new launch; refuse to clobber an existing run.
 
     - absent or empty: created;
-    - an existing run + `force`: deleted and re-created;
+    - an existing run + `force`: emptied (the lock file stays: take it first, `lock_run_dir`);
     - an existing run + `resume`: kept (checkpoints and metrics stay);
     - an existing run otherwise, or a non-empty folder that is not a run: `UserInputError`.
     """
@@ -63,7 +155,7 @@ def prepare_run_dir(run_dir: str | os.PathLike[str], *, resume: bool = False, fo
         raise UserInputError("--resume and --force contradict each other: keep the run, or start over")
     if path.exists() and not path.is_dir():
         raise UserInputError(f"run directory {path} is a file")
-    if path.is_dir() and any(path.iterdir()):
+    if path.is_dir() and any(entry.name != LOCK_FILE for entry in path.iterdir()):
         if not is_run_dir(path):
             if resume:
                 raise UserInputError(f"cannot resume {path}: it holds no {JOB_FILE}")
@@ -71,8 +163,14 @@ def prepare_run_dir(run_dir: str | os.PathLike[str], *, resume: bool = False, fo
                 f"{path} is not empty and is not a pipectl run; refusing to write into it",
                 hint="choose another --run-dir",
             )
-        if force:
-            shutil.rmtree(path)
+        if force:  # everything but the lock, which the caller holds (`lock_run_dir`)
+            for entry in path.iterdir():
+                if entry.name == LOCK_FILE:
+                    continue
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry)
+                else:
+                    entry.unlink()
         elif not resume:
             raise UserInputError(
                 f"run directory {path} already exists",
@@ -144,7 +242,7 @@ def ds_config_text(ds_config: dict[str, Any]) -> str:
 class CheckpointStatus:
     tag: str
     step: int | None
-    verified: bool  # manifest present and every file present (hashes: `pipectl status --verify`)
+    verified: bool  # manifest present, every file present at its size (hashes: `pipectl status --verify`)
     bytes: int
     problems: tuple[str, ...]
 
@@ -160,6 +258,7 @@ class RunStatus:
     prediction: PredictionSummary | None
     checkpoints: list[CheckpointStatus]
     layouts: list[str]  # distinct layouts seen in metrics, in order (resizes show up here)
+    staging: list[Path] = field(default_factory=list)  # checkpoints/.staging: saves running, or left by dead ones
 
     @property
     def steps_done(self) -> int:
@@ -197,6 +296,7 @@ class RunStatus:
                 {"tag": c.tag, "step": c.step, "verified": c.verified, "bytes": c.bytes, "problems": list(c.problems)}
                 for c in self.checkpoints
             ],
+            "staging": [str(path) for path in self.staging],
         }
 
 
@@ -226,4 +326,5 @@ def run_status(run_dir: str | os.PathLike[str], *, verify_hashes: bool = False) 
         prediction=prediction_summary(metrics),
         checkpoints=checkpoints,
         layouts=layouts,
+        staging=staging_leftovers(files.path),
     )

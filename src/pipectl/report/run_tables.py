@@ -12,6 +12,7 @@ from typing import Sequence
 from rich import box
 from rich.console import Group
 from rich.table import Table
+from rich.text import Text
 
 from pipectl.artifacts.layout import layout_label
 from pipectl.artifacts.morph import MorphRecord
@@ -63,9 +64,15 @@ def status_table(status: RunStatus) -> Group:
         for column in ("tag", "step", "state", "size"):
             table.add_column(column)
         for ckpt in status.checkpoints:
-            state = "[green]ok[/]" if ckpt.verified else "[red]" + "; ".join(ckpt.problems) + "[/]"
+            state = Text("ok", style="green") if ckpt.verified else Text("; ".join(ckpt.problems), style="red")
             table.add_row(ckpt.tag, str(ckpt.step if ckpt.step is not None else "?"), state, f"{ckpt.bytes / 1024:.0f} KiB")
         parts.append(table)
+    if status.staging:
+        parts.append(Text(
+            f"{len(status.staging)} staging folder(s) in {status.staging[0].parent}: a save in progress, or "
+            f"left by one that failed (removed at the next save): " + ", ".join(p.name for p in status.staging),
+            style="yellow",
+        ))  # fmt: skip
     parts.append(status_renderables(status.path))
     return Group(*parts)
 

@@ -10,7 +10,8 @@
 3. rewrite plan.json (chosen = the new candidate; the morph table is kept), ds_config.json (the
    launch part's validated config for it) and job.json (world size, schedule, total steps);
 4. append a morph record to RUN/morphs.jsonl and relaunch with the same engine. The worker loads
-   the newest verified checkpoint: a DeepSpeed universal checkpoint, stored per parameter name,
+   the newest verified checkpoint that loads (the record's `resume_step` is then corrected to the
+   step the ranks report in RUN/logs/resume.json, should they have fallen back past one): a DeepSpeed universal checkpoint, stored per parameter name,
    which DeepSpeed re-cuts into the new stages with the Adam state; RNG and data position come
    from the checkpoint's client state, and the data order depends on (seed, step, B) only;
 5. the record's downtime (request -> first step completed on the new layout) is filled in as
@@ -31,14 +32,15 @@ from typing import Any, Callable
 from pipectl.artifacts.layout import layout_label
 from pipectl.artifacts.morph import MorphRecord, MorphTrigger
 from pipectl.artifacts.plan import Candidate, Plan
-from pipectl.artifacts.run import HOSTFILE, Engine, JobSpec
+from pipectl.artifacts.run import HOSTFILE, Engine, JobSpec, ResumeRecord
 from pipectl.errors import CheckpointError, UserInputError
 from pipectl.launch.engines import LaunchCommand, build_command, run_engine
-from pipectl.launch.rundir import read_run, write_run_files
+from pipectl.launch.rundir import RunLock, lock_run_dir, read_run, write_run_files
 from pipectl.resize.choose import LayoutChoice, choose_candidate, replanner, with_entry
 from pipectl.runtime.checkpoint import STOP_FILE, CheckpointInfo, list_checkpoints
 from pipectl.runtime.dsconfig import DEFAULT_LEARNING_RATE, check_candidate, validated_config
 from pipectl.runtime.dsinit import free_port
+from pipectl.runtime.failure import read_resume, resume_lines
 from pipectl.runtime.history import append_record, read_records, update_downtimes, with_downtime, write_history
 from pipectl.runtime.metrics import read_metrics
 from pipectl.resize.stop import RunProcess, StopOutcome, find_run_processes, request_stop, wait_for_exit
@@ -295,6 +297,7 @@ def resize_run(
     on_tick: Callable[[], None] | None = None,
     decision: ResizeDecision | None = None,
     requested_unix: float | None = None,
+    lock_wait_seconds: float = 30.0,
 ) -> ResizeResult:
     """Resize the run at `run_dir` to `devices` devices and (unless `relaunch=False`) train it there.
 
@@ -302,7 +305,8 @@ def resize_run(
     not raised here: the caller reports it). `on_phase` receives one line per phase (stopping,
     relaunching), `on_tick` is called while the new job runs (to tail metrics). A `decision`
     from `decide_resize` (e.g. shown to the user first) is used as is; `requested_unix` is when
-    the resize was asked for (default: now), the start of its downtime.
+    the resize was asked for (default: now), the start of its downtime. The run is rewritten and
+    relaunched under its lock (`launch.rundir.lock_run_dir`), waited for up to `lock_wait_seconds`.
     """
     requested_unix = time.time() if requested_unix is None else requested_unix
     say = on_phase or (lambda _line: None)
@@ -351,6 +355,31 @@ def resize_run(
     # A stop request left behind (by this resize or an earlier one) would stop the new job at once.
     (path / STOP_FILE).unlink(missing_ok=True)
 
+    # One job per run directory: the stopped job's launching process lets go of the lock once
+    # its launcher has exited (moments after its ranks); a job that still holds it is not ours.
+    lock = lock_run_dir(path, wait_seconds=lock_wait_seconds)
+    try:
+        return _rewrite_and_relaunch(
+            decision, prepared, stopped, notes, lock, requested_unix, relaunch, run_timeout_seconds, say, on_tick
+        )
+    finally:
+        lock.release()
+
+
+def _rewrite_and_relaunch(
+    decision: ResizeDecision,
+    prepared: PreparedRelaunch,
+    stopped: StopOutcome | None,
+    notes: list[str],
+    lock: RunLock,
+    requested_unix: float,
+    relaunch: bool,
+    run_timeout_seconds: float | None,
+    say: Phase,
+    on_tick: Callable[[], None] | None,
+) -> ResizeResult:
+    """Steps 3-5 of a resize, under the run's lock."""
+    path = decision.run_dir
     latest = newest_complete_checkpoint(path)
     resume_step = latest.step if latest is not None and latest.step is not None else 0
     if latest is None:
@@ -386,23 +415,53 @@ def resize_run(
         append_record(path, record)
         return result
 
-    say(f"relaunching on {decision.candidate.devices} ranks ({record.to_layout}) from step {resume_step}")
+    say(
+        f"relaunching on {decision.candidate.devices} ranks ({record.to_layout}); "
+        f"newest complete checkpoint: step {resume_step}"
+    )
     record = record.model_copy(update={"relaunched_unix": time.time()})
     append_record(path, record)
     result.record = record
     index = len(read_records(path)) - 1
+    resumed: list[ResumeRecord] = []
 
     def tick() -> None:
+        if not resumed:
+            _fill_resume_step(path, result, index, resumed, say)
         if result.record.downtime_seconds is None:
             _fill_downtime(path, result, index)
         if on_tick is not None:
             on_tick()
 
-    result.exit_code = run_engine(prepared.command, path, on_tick=tick, timeout_seconds=run_timeout_seconds)
+    result.exit_code = run_engine(
+        prepared.command, path, on_tick=tick, timeout_seconds=run_timeout_seconds, lock=lock
+    )
+    if not resumed:
+        _fill_resume_step(path, result, index, resumed, say)
     records = update_downtimes(path)
     if index < len(records):
         result.record = records[index]
     return result
+
+
+def _fill_resume_step(run_dir: Path, result: ResizeResult, index: int, resumed: list, say: Phase) -> None:
+    """Once the ranks have recorded where they resumed (logs/resume.json), store that step in the
+    morph record (they fall back past a checkpoint that does not load) and say it."""
+    record = read_resume(run_dir, since_unix=(result.record.relaunched_unix or 0.0) - 1.0)
+    if record is None:
+        return
+    resumed.append(record)
+    for line in resume_lines(record) or ["started from step 0"]:
+        say(line)
+    update: dict[str, Any] = {"resume_step": record.step}
+    if record.skipped:
+        update["notes"] = [*result.record.notes, *record.skipped]
+        result.notes.extend(record.skipped)
+    result.record = result.record.model_copy(update=update)
+    records = read_records(run_dir)
+    if index < len(records):
+        records[index] = records[index].model_copy(update=update)
+        write_history(run_dir, records)
 
 
 def _fill_downtime(run_dir: Path, result: ResizeResult, index: int) -> None:

@@ -13,8 +13,11 @@ pipectl uses that converter and adds what it lacks: atomic commits and checksums
 
 Layout of RUN/checkpoints/:
 
-    .staging/TAG/             DeepSpeed's native save (all ranks write; removed after conversion)
-    .staging/TAG_universal/   converter output, hashed, then renamed to TAG/
+    .staging/WRITER/TAG/      DeepSpeed's native save (all ranks write; removed after conversion)
+    .staging/WRITER/TAG_universal/  converter output, hashed, then renamed to TAG/
+                              (WRITER = w<rank 0's pid>-<random>: unique per save, so no two
+                              writers share a temporary name; removed after the commit, or
+                              after a failed save)
     TAG/                      the universal checkpoint (zero/<param>/{fp32,exp_avg,exp_avg_sq}.pt,
                               mp_rank_XX_model_states.pt with client state) + manifest.json (LAST)
     latest, latest_universal  the newest committed tag (written after its manifest)
@@ -25,32 +28,36 @@ A save, collectively on every rank:
     >>> path.name                                                                         # doctest: +SKIP
     'step00000010'
 
-A load picks the newest tag whose manifest verifies; a corrupted file is reported by name and the
-previous checkpoint is used:
+A load picks the newest tag whose manifest verifies and whose every file reads back as data; a
+corrupted, truncated or foreign file is reported by name and the previous checkpoint is used (rank 0
+decides, every rank loads the same tag):
 
     >>> loaded = load_latest(engine, run_dir)                                             # doctest: +SKIP
     >>> loaded.step, loaded.client_state["samples"], loaded.warnings                      # doctest: +SKIP
     (10, 80, [])
 
-DeepSpeed unpickles its own files (`weights_only=False`); pipectl only lets it read a
-tag whose every file matches the sha256 recorded when this run wrote it.
+DeepSpeed asks to unpickle its own files (`weights_only=False`); pipectl reads them as data only
+(`data_only_loads`), and only from a tag whose every file matches the sha256 recorded when this run
+wrote it.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import logging
 import os
 import random
 import re
+import secrets
 import shutil
 import signal
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 from pipectl.artifacts.layout import Layout
 from pipectl.artifacts.run import CHECKPOINTS_DIR, LOGS_DIR, MANIFEST_FILE, CheckpointManifest
@@ -112,7 +119,7 @@ def verify_checkpoint(tag_dir: str | os.PathLike[str], *, hash_files: bool = Tru
     lists lies inside it (no links), is present and has its sha256, and no other file is there.
     What is verified is what `load_latest` loads: the folder, by its name.
 
-    With `hash_files=False` only presence is checked (fast; for listings).
+    With `hash_files=False` only presence and sizes are checked (fast; for listings).
     """
     tag_dir = Path(tag_dir)
     manifest_path = tag_dir / MANIFEST_FILE
@@ -135,6 +142,10 @@ def verify_checkpoint(tag_dir: str | os.PathLike[str], *, hash_files: bool = Tru
             problems.append(f"{path}: a link (a checkpoint holds its own files)")
         elif not path.is_file():
             problems.append(f"{path}: missing")
+        elif relative in manifest.file_bytes and path.stat().st_size != manifest.file_bytes[relative]:
+            size = path.stat().st_size
+            problems.append(f"{path}: {size:,} bytes, the manifest records {manifest.file_bytes[relative]:,} "
+                            f"({'truncated' if size < manifest.file_bytes[relative] else 'grown'})")
         elif hash_files and sha256_file(path) != expected:
             problems.append(f"{path}: sha256 mismatch (file corrupted or modified)")
     on_disk = {p.relative_to(tag_dir).as_posix() for p in tag_dir.rglob("*") if p.is_file() or p.is_symlink()}
@@ -152,8 +163,42 @@ def list_checkpoints(run_dir: str | os.PathLike[str], *, hash_files: bool = Fals
     return [verify_checkpoint(tag, hash_files=hash_files) for tag in tags]
 
 
-def find_latest_verified(run_dir: str | os.PathLike[str]) -> tuple[CheckpointInfo | None, list[str]]:
-    """The newest checkpoint whose every file matches its manifest, and warnings for newer bad ones.
+def unloadable_problem(info: CheckpointInfo) -> str | None:
+    """Why a verified checkpoint's files cannot be read back as data, or None when every one can.
+
+    A file can match its manifest and still not load: a truncated or rewritten file whose hash
+    was recomputed, a pickle that holds more than data. Each file is opened the way the load
+    opens it (`torch.load`, data only), memory-mapped: the archive's structure and every object
+    record are read, the tensor bytes are not. Needs torch.
+    """
+    import torch
+
+    assert info.manifest is not None
+    with data_only_loads():
+        for relative in sorted(info.manifest.files):
+            path = info.path / relative
+            try:
+                torch.load(path, map_location="cpu", mmap=True)
+            except CheckpointError as exc:
+                return exc.message
+            except Exception as exc:  # whatever torch raises on a damaged file, named with the file
+                reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+                return f"{path}: {type(exc).__name__}" + (f": {reason}" if reason else "")
+    return None
+
+
+def skipped_message(info: CheckpointInfo, problems: Iterable[str]) -> str:
+    """'checkpoint step 8 could not be loaded (FILE: why; ...)' (the tag when the step is unknown)."""
+    name = f"step {info.step}" if info.step is not None else info.tag
+    return f"checkpoint {name} could not be loaded ({'; '.join(problems)})"
+
+
+def find_latest_verified(
+    run_dir: str | os.PathLike[str], *, load_check: bool = False
+) -> tuple[CheckpointInfo | None, list[str]]:
+    """The newest checkpoint whose every file matches its manifest, and a message for each newer
+    one skipped (`skipped_message`). With `load_check`, every file must also load as data
+    (`unloadable_problem`; needs torch).
 
     >>> find_latest_verified("/nonexistent/run")
     (None, [])
@@ -161,21 +206,29 @@ def find_latest_verified(run_dir: str | os.PathLike[str]) -> tuple[CheckpointInf
     warnings: list[str] = []
     for info in reversed(list_checkpoints(run_dir, hash_files=False)):
         checked = verify_checkpoint(info.path, hash_files=True)
-        if checked.verified:
+        problems = list(checked.problems)
+        if not problems and checked.manifest is None:
+            problems.append(f"{checked.path}: no manifest")
+        if not problems and load_check:
+            unloadable = unloadable_problem(checked)
+            problems += [unloadable] if unloadable else []
+        if not problems:
             return checked, warnings
-        warnings.append(f"checkpoint {checked.tag} skipped: " + "; ".join(checked.problems))
+        warnings.append(skipped_message(checked, problems))
     return None, warnings
 
 
-def resume_point(run_dir: str | os.PathLike[str]) -> tuple[CheckpointInfo | None, list[str]]:
+def resume_point(
+    run_dir: str | os.PathLike[str], *, load_check: bool = False
+) -> tuple[CheckpointInfo | None, list[str]]:
     """The verified checkpoint a resume starts from (None when the run has none at all), and
-    warnings for the newer ones skipped (`find_latest_verified`).
+    messages for the newer ones skipped (`find_latest_verified`).
 
     A folder without a manifest is a save that never committed and does not count. When the run
     has committed checkpoints and none of them verifies, starting from step 0 would repeat the
     steps they hold: that is refused, with every checkpoint's problems, never done silently.
     """
-    info, warnings = find_latest_verified(run_dir)
+    info, warnings = find_latest_verified(run_dir, load_check=load_check)
     if info is None and any((c.path / MANIFEST_FILE).is_file() for c in list_checkpoints(run_dir)):
         raise CheckpointError(
             f"no checkpoint of {Path(run_dir)} can be loaded: " + "; ".join(warnings),
@@ -442,24 +495,56 @@ def commit_tag(root: Path, staged: Path, tag: str, manifest: CheckpointManifest)
     """Rename the staged tag into place, then write its manifest, then move the pointers."""
     final = root / tag
     if final.exists():  # re-saving a step (e.g. after a resume): move the old one aside first
-        retired = root / STAGING_DIR / f"{tag}_retired"
+        retired = staged.with_name(f"{tag}_retired")  # beside the staged copy: this writer's own
         shutil.rmtree(retired, ignore_errors=True)
         os.replace(final, retired)
         shutil.rmtree(retired, ignore_errors=True)
     os.replace(staged, final)
     write_json_atomic(final / MANIFEST_FILE, manifest)
     for pointer in (LATEST_FILE, DEEPSPEED_LATEST_FILE):
-        _write_text_atomic(root / pointer, tag)
+        write_text_atomic(root / pointer, tag)
     return final
 
 
-def _write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
+    """Write `text` to a sibling named uniquely for this writer, fsync, rename over `path`."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    try:
+        with tmp.open("w") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def staging_leftovers(run_dir: str | os.PathLike[str]) -> list[Path]:
+    """What lies in RUN/checkpoints/.staging: saves in progress, or left by saves that died."""
+    staging = checkpoints_dir(run_dir) / STAGING_DIR
+    return sorted(staging.iterdir()) if staging.is_dir() else []
+
+
+def _remove_dead_writers(staging: Path) -> None:
+    """Remove staging folders whose writer (w<pid>-...) is no longer a live process on this host,
+    and folders of the older fixed-name layout (a run is written by one job at a time)."""
+    for entry in staging.iterdir() if staging.is_dir() else []:
+        match = re.fullmatch(r"w(\d+)-[0-9a-f]+", entry.name)
+        if match:
+            try:
+                os.kill(int(match.group(1)), 0)
+                continue  # alive (or not ours to signal): its save may be running
+            except ProcessLookupError:
+                pass
+            except PermissionError:
+                continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
 
 
 def prune_checkpoints(run_dir: str | os.PathLike[str], keep: int) -> list[Path]:
@@ -489,7 +574,8 @@ def save_checkpoint(
 ) -> Path:
     """Save a checkpoint of `engine` after `step` optimizer steps. Call on EVERY rank, at a step boundary.
 
-    1. every rank: DeepSpeed `save_checkpoint` into `.staging/TAG` (native ZeRO-1 layout);
+    1. every rank: DeepSpeed `save_checkpoint` into `.staging/WRITER/TAG` (native ZeRO-1 layout;
+       WRITER named by rank 0, unique to this save);
     2. rank 0: convert to a universal checkpoint, drop the native one, hash every file;
     3. rank 0: rename into `checkpoints/TAG`, write `manifest.json` LAST, then `latest`;
     4. rank 0: keep the newest `keep`; every rank waits for rank 0's verdict, so a failure on rank 0
@@ -502,14 +588,15 @@ def save_checkpoint(
     started = time.perf_counter()
     rank, _ = _rank_and_world()
     root = checkpoints_dir(run_dir)
-    staging = root / STAGING_DIR
     tag = tag_for_step(step)
+    writer = None
+    if rank == 0:
+        _remove_dead_writers(root / STAGING_DIR)  # left by saves that died
+        writer = root / STAGING_DIR / f"w{os.getpid()}-{secrets.token_hex(4)}"
+        writer.mkdir(parents=True)
+    staging = Path(_broadcast_from_rank0(str(writer)))
     native = staging / tag
     universal = staging / f"{tag}_universal"
-    if rank == 0:
-        staging.mkdir(parents=True, exist_ok=True)
-        for leftover in (native, universal):  # from an interrupted save
-            shutil.rmtree(leftover, ignore_errors=True)
     state = dict(client_state or {})
     state[PIPECTL_STATE_KEY] = {
         "step": step,
@@ -518,8 +605,13 @@ def save_checkpoint(
     }
     declare_pipeline_replicated_parameters(engine.module)
     declare_tensor_parallel_parameters(engine.module)
-    # DeepSpeed's save starts and ends with a barrier, so rank 0's clean-up above happens first.
-    engine.save_checkpoint(str(staging), tag=tag, client_state=state, save_latest=False)
+    # The broadcast above orders rank 0's clean-up before every rank's writes.
+    try:
+        engine.save_checkpoint(str(staging), tag=tag, client_state=state, save_latest=False)
+    except Exception as exc:  # a full disk, a size limit, a folder made read-only: said plainly
+        shutil.rmtree(staging, ignore_errors=True)  # this save's own temporary folder, every rank alike
+        log.debug("DeepSpeed's save failed", exc_info=True)
+        raise CheckpointError(save_failure_message(exc, run_dir, step), hint=_SAVE_HINT) from exc
 
     verdict: str | None = None
     if rank == 0:
@@ -538,25 +630,97 @@ def save_checkpoint(
             shutil.rmtree(native, ignore_errors=True)
             (staging / DEEPSPEED_LATEST_FILE).unlink(missing_ok=True)  # the converter's own pointer
             files = hash_tree(universal)
+            sizes = {relative: (universal / relative).stat().st_size for relative in files}
             manifest = CheckpointManifest(
                 tag=tag,
                 step=step,
                 layout=layout,
                 data_position=dict(data_position or {}),
                 files=files,
-                bytes=sum((universal / rel).stat().st_size for rel in files),
+                file_bytes=sizes,
+                bytes=sum(sizes.values()),
                 time_unix=time.time(),
                 save_seconds=time.perf_counter() - started,
             )
             commit_tag(root, universal, tag, manifest)
+            shutil.rmtree(staging, ignore_errors=True)
             prune_checkpoints(run_dir, keep)
         except Exception as exc:  # reported on every rank below
-            verdict = f"checkpoint {tag} failed on rank 0: {type(exc).__name__}: {exc}"
-            log.exception(verdict)
+            shutil.rmtree(staging, ignore_errors=True)
+            log.exception(f"checkpoint {tag} failed on rank 0")
+            verdict = f"checkpoint {tag} failed on rank 0: " + save_failure_message(exc, run_dir, step)
     verdict = _broadcast_from_rank0(verdict)
     if verdict is not None:
-        raise CheckpointError(verdict)
+        raise CheckpointError(verdict, hint=_SAVE_HINT)
     return root / tag
+
+
+_SAVE_HINT = "free space or fix the folder's permissions, then continue with pipectl launch --resume"
+_DISK_ERRNOS = {
+    errno.ENOSPC: "no space left on device",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EFBIG: "file size limit reached",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "operation not permitted",
+    errno.EROFS: "read-only file system",
+}
+_LOW_SPACE_BYTES = 64 << 20  # less than this free after a failed write: the disk is full
+
+
+def _write_failure_cause(exc: BaseException, folder: Path) -> str | None:
+    """Why writing under `folder` failed, when the file system says so; None when it does not.
+
+    An `OSError` names its errno. torch's own writer (`torch.save` to a path) reports only
+    "file write failed" or "unexpected pos", so the folder is examined instead: free space
+    (`statvfs`), the process's file-size limit (`ulimit -f`; Python ignores SIGXFSZ, so the write
+    fails with EFBIG instead of killing the rank), and write permission.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in _DISK_ERRNOS:
+            cause = _DISK_ERRNOS[current.errno]
+            return cause + (f" ({_size_limit_text()})" if current.errno == errno.EFBIG else "")
+        current = current.__cause__ or current.__context__
+    existing = next((p for p in (folder, *folder.parents) if p.exists()), None)
+    if existing is None:
+        return None
+    try:
+        stats = os.statvfs(existing)
+    except OSError:
+        return None
+    free = stats.f_bavail * stats.f_frsize
+    if free < _LOW_SPACE_BYTES:
+        return f"no space left on device ({free / 2**20:.1f} MiB free under {existing})"
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if soft != resource.RLIM_INFINITY:
+        return f"file size limit reached ({_size_limit_text()})"
+    if not os.access(existing, os.W_OK):
+        return f"permission denied ({existing} is not writable)"
+    return None
+
+
+def _size_limit_text() -> str:
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    return "no file size limit" if soft == resource.RLIM_INFINITY else f"ulimit -f: files up to {soft:,} bytes"
+
+
+def save_failure_message(exc: BaseException, run_dir: str | os.PathLike[str], step: int) -> str:
+    """'no space left on device (…) while writing checkpoint step N in RUN/checkpoints; checkpoint
+    step M is intact', or the exception itself when the file system gives no cause."""
+    root = checkpoints_dir(run_dir)
+    intact = [info.step for info in list_checkpoints(run_dir) if info.verified and info.step is not None]
+    tail = f"checkpoint step {intact[-1]} is intact" if intact else "the run has no earlier checkpoint"
+    cause = _write_failure_cause(exc, root)
+    if cause is not None:
+        return f"{cause} while writing checkpoint step {step} in {root}; {tail}"
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"writing checkpoint step {step} failed ({type(exc).__name__}" + (f": {first}" if first else "") + f"); {tail}"
 
 
 # --------------------------------------------------------------------------- load
@@ -595,7 +759,7 @@ def load_latest(
     if rank == 0:  # one rank hashes; all load the same tag
         info, warnings, problem = None, [], None
         try:
-            info, warnings = resume_point(run_dir)
+            info, warnings = resume_point(run_dir, load_check=True)
         except CheckpointError as exc:
             problem = exc.message
         for warning in warnings:

@@ -1,4 +1,5 @@
-"""A rank's failure as a record: logs/failure-rank{R}.json (`RankFailure`).
+"""A rank's failure as a record: logs/failure-rank{R}.json (`RankFailure`); and where the ranks
+resumed: logs/resume.json (`ResumeRecord`), so that the launching terminal can say so.
 
 The worker catches what ends its training, prints the traceback to its log, and writes this
 record; `pipectl launch` reads the records when the job exits non-zero and tells the user which
@@ -34,7 +35,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from pipectl.artifacts.run import FAILURE_FILE, LOGS_DIR, RankFailure
+from pipectl.artifacts.run import FAILURE_FILE, LOGS_DIR, RESUME_FILE, RankFailure, ResumeRecord
 from pipectl.io import write_json_atomic
 
 log = logging.getLogger(__name__)
@@ -199,3 +200,34 @@ def read_failures(run_dir: str | os.PathLike[str], *, since_unix: float = 0.0) -
         if record.time_unix >= since_unix:
             records.append(record)
     return sorted(records, key=lambda r: (not r.out_of_memory, r.time_unix, r.rank))
+
+
+def write_resume(run_dir: str | os.PathLike[str], record: ResumeRecord) -> Path:
+    """logs/resume.json (rank 0, once the checkpoint is loaded)."""
+    return write_json_atomic(Path(run_dir) / LOGS_DIR / RESUME_FILE, record)
+
+
+def read_resume(run_dir: str | os.PathLike[str], *, since_unix: float = 0.0) -> ResumeRecord | None:
+    """The resume record written at or after `since_unix` (by the job started then), or None."""
+    path = Path(run_dir) / LOGS_DIR / RESUME_FILE
+    try:
+        record = ResumeRecord.model_validate_json(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, ValidationError) as exc:
+        log.warning("%s skipped: %s", path, exc)
+        return None
+    return record if record.time_unix >= since_unix else None
+
+
+def resume_lines(record: ResumeRecord) -> list[str]:
+    """Lines for the terminal on where a job resumed: one per checkpoint that could not be loaded
+    (the last one ending with the step resumed from); nothing for a fresh start with nothing skipped.
+
+    >>> resume_lines(ResumeRecord(step=4, tag="step00000004", skipped=["checkpoint step 8 could not be loaded (f: why)"]))
+    ['checkpoint step 8 could not be loaded (f: why); resumed from step 4']
+    """
+    start = f"resumed from step {record.step}" if record.tag is not None else "started from step 0"
+    if not record.skipped:
+        return [start] if record.tag is not None else []
+    return [*record.skipped[:-1], f"{record.skipped[-1]}; {start}"]

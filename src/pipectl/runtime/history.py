@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import time
 from pathlib import Path
 from typing import Sequence
@@ -55,7 +56,7 @@ def append_record(run_dir: str | os.PathLike[str], record: MorphRecord) -> Path:
 def write_history(run_dir: str | os.PathLike[str], records: Sequence[MorphRecord]) -> Path:
     """Replace RUN/morphs.jsonl atomically (write a sibling, fsync, rename)."""
     path = history_path(run_dir)
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")  # unique per writer
     with tmp.open("w") as handle:
         handle.writelines(record.model_dump_json() + "\n" for record in records)
         handle.flush()
