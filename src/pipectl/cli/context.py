@@ -12,12 +12,23 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from pipectl.errors import UserInputError
+from pipectl.io import check_output_file
 
 console = Console()
 err_console = Console(stderr=True)
 
+
+
+def output_file(path: Path | None) -> Path | None:
+    """Option callback: a file the command will write is absent or a regular file, checked before
+    any work (`pipectl.io.check_output_file`: no directory, link, FIFO or device)."""
+    return None if path is None else check_output_file(path)
+
+
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print the result as JSON instead of a table.")]
-OutputPath = Annotated[Path, typer.Option("--output", "-o", help="Where to write the artifact.")]
+OutputPath = Annotated[
+    Path, typer.Option("--output", "-o", help="Where to write the artifact.", callback=output_file)
+]
 
 
 ModelT = TypeVar("ModelT", bound=BaseModel)

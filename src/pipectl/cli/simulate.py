@@ -16,7 +16,7 @@ from rich.table import Table
 
 from pipectl.artifacts.plan import Plan
 from pipectl.artifacts.profile import ModelProfile
-from pipectl.cli.context import JsonFlag, console, print_json
+from pipectl.cli.context import JsonFlag, console, output_file, print_json
 from pipectl.cluster import load_cluster
 from pipectl.errors import UserInputError
 from pipectl.io import load_model
@@ -156,7 +156,7 @@ def register(app: typer.Typer) -> None:
         jitter_ms: Annotated[float, typer.Option(min=0.0, help="Std. dev. of extra delay per p2p transfer, ms.")] = 0.0,
         seed: Annotated[int, typer.Option(help="Seed of the jitter.")] = 0,
         gantt: Annotated[
-            Optional[Path], typer.Option(help="Write the Gantt chart here (.png or .svg).", metavar="FILE")
+            Optional[Path], typer.Option(help="Write the Gantt chart here (.png or .svg).", metavar="FILE", callback=output_file)
         ] = None,
         terminal: Annotated[bool, typer.Option("--terminal", help="Draw the Gantt chart in the terminal.")] = False,
         width: Annotated[int, typer.Option(min=10, help="Characters per row of the terminal chart.")] = 100,
