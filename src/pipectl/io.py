@@ -27,7 +27,9 @@ def read_mapping(path: str | os.PathLike[str]) -> dict[str, Any]:
         text = path.read_text()
         data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
     except (yaml.YAMLError, json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ArtifactError(f"{path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {exc}")
+        raise ArtifactError(f"{path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {exc}") from None
+    except RecursionError:
+        raise ArtifactError(f"{path} is nested too deeply to be one of pipectl's files") from None
     if not isinstance(data, dict):
         raise ArtifactError(f"{path} must hold a mapping at the top level, found {type(data).__name__}")
     return data

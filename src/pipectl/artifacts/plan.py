@@ -71,6 +71,8 @@ class PlanRequest(Strict):
     morph: bool = Field(default=True, description="Compute the morph table.")
     workers: int | None = Field(
         default=None,
+        ge=1,
+        le=1024,
         exclude=True,
         description="Processes the enumeration may use (default: $PIPECTL_PLAN_WORKERS, else the cores "
         "available). Not recorded in plan.json: the plan is the same for any number.",
