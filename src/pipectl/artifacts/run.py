@@ -114,6 +114,14 @@ class JobSpec(Artifact):
     ds_config_file: str = Field(default=DS_CONFIG_FILE)
     pipectl_version: str = Field(default="", description="pipectl version that wrote the file.")
 
+    @field_validator("plan_file", "ds_config_file")
+    @classmethod
+    def _inside_the_run(cls, name: str) -> str:
+        """Sibling files are plain names inside the run directory: no folder, no '..'."""
+        if not name or name in (".", "..") or "/" in name or "\\" in name:
+            raise ValueError(f"{name!r} is not a file name inside the run directory")
+        return name
+
     @model_validator(mode="after")
     def _ranks_cover_world(self) -> "JobSpec":
         if self.elastic is None and self.nodes * self.ranks_per_node != self.world_size:
