@@ -42,7 +42,8 @@ def validation_message(exc: ValidationError) -> str:
         where = ".".join(str(part) for part in err["loc"]) or "(top level)"
         value = err.get("input")
         shown = repr(value) if not isinstance(value, dict) else "{...}"
-        lines.append(f"{where}: {err['msg']} (got {shown})")
+        message = err["msg"].removeprefix("Value error, ")  # a validator's own words say enough
+        lines.append(f"{where}: {message} (got {shown})")
     return "; ".join(lines)
 
 

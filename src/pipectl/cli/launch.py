@@ -39,6 +39,12 @@ def parse_data(text: str) -> DataSpec:
     return DataSpec(kind=DataKind.FILE, path=str(path.resolve()))
 
 
+def _tcp_port(port: int | None) -> int | None:
+    if port is not None and not 1 <= port <= 65535:
+        raise UserInputError(f"--master-port {port} is not a TCP port (1..65535)")
+    return port
+
+
 def _engine_log_tail(run_dir: Path, lines: int = 15) -> str:
     log = run_dir / LOGS_DIR / ENGINE_LOG
     if not log.is_file():
@@ -77,7 +83,8 @@ def register(app: typer.Typer) -> None:
         ] = None,
         master_addr: Annotated[str, typer.Option(help="Rendezvous/master address.")] = "127.0.0.1",
         master_port: Annotated[
-            Optional[int], typer.Option(min=1, max=65535, help="Rendezvous/master port (default: a free one).")
+            Optional[int],
+            typer.Option(callback=_tcp_port, help="Rendezvous/master port 1..65535 (default: a free one)."),
         ] = None,
         resume: Annotated[bool, typer.Option("--resume", help="Continue an existing run from its checkpoint.")] = False,
         force: Annotated[bool, typer.Option("--force", help="Delete an existing run directory first.")] = False,
