@@ -278,3 +278,11 @@ def test_a_run_directory_is_not_searched_for_the_factory(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(run_dir))  # as `python -m` puts the current directory first
     with pytest.raises(UserInputError, match="No module named 'planted_model'"):
         build_model("planted_model:build")
+
+
+def test_a_boolean_schema_version_is_refused(tmp_path):
+    # Found by the slow sweep: Literal[1] accepts True, since True == 1.
+    path = _links(tmp_path, [FIT])
+    assert cli("profile", "show", str(path)).exit_code == 0  # valid as written
+    path.write_text(json.dumps({**json.loads(path.read_text()), "schema_version": True}))
+    refused(cli("profile", "show", str(path)), "schema_version", "boolean")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import types
 import typing
-from typing import Annotated, Any, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
@@ -44,6 +44,11 @@ def _misplaced_number(annotation: Any, value: Any) -> str | None:
             return f"{value!r} is a boolean, not a number"
         if annotation is int and isinstance(value, int) and not -INT64_MAX - 1 <= value <= INT64_MAX:
             return f"{value} does not fit a 64-bit integer"
+        return None
+    if origin is Literal:  # Literal[1] takes True (True == 1): schema_version: true
+        options = typing.get_args(annotation)
+        if isinstance(value, bool) and not any(isinstance(option, bool) for option in options):
+            return f"{value!r} is a boolean, not {' or '.join(map(repr, options))}"
         return None
     if origin is Annotated:
         return _misplaced_number(typing.get_args(annotation)[0], value)
