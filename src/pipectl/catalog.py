@@ -30,6 +30,13 @@ from pipectl.paths import configs_dir
 
 GIB = 1024**3
 
+# Bounds of a datasheet figure: far beyond any device (an H100 has 80 GiB, 989 dense bf16 TFLOP/s,
+# 3.35 TB/s of memory bandwidth), close enough that the planner's sums stay finite and positive.
+MAX_GIB = 2.0**20  # 1 PiB
+MIN_TFLOPS, MAX_TFLOPS = 1e-6, 1e6
+MIN_GBYTES_PER_SECOND, MAX_GBYTES_PER_SECOND = 1e-6, 1e6  # 1 kB/s .. 1 PB/s
+MAX_LATENCY_US = 1e9  # 1000 s
+
 # Bytes per element of the dtypes a profile can be made for.
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -44,43 +51,43 @@ class DeviceSpec(Strict):
     name: str = Field(description="Catalog key, e.g. 'a100-80gb'.")
     description: str = Field(default="", description="What the device is, in words.")
     source: str = Field(default="", description="Where the figures come from (datasheet, measurement).")
-    memory_gib: float = Field(gt=0, description="Device memory by the datasheet, GiB (CPU: what one rank may use).")
+    memory_gib: float = Field(gt=0, le=MAX_GIB, description="Device memory by the datasheet, GiB (CPU: what one rank may use).")
     reported_memory_gib: float | None = Field(
-        default=None, gt=0,
+        default=None, gt=0, le=MAX_GIB,
         description="Total memory the device's runtime reports (CUDA: torch.cuda.get_device_properties().total_memory), "
         "GiB, where measured (ECC and firmware take some of the datasheet's); None: the datasheet figure is used.",
     )
     outside_allocator_gib: float = Field(
-        default=0.0, ge=0,
+        default=0.0, ge=0, le=MAX_GIB,
         description="Memory a training rank uses outside PyTorch's allocator (CUDA context, NCCL and cuBLAS "
         "buffers), GiB.",
     )
     allocator_overhead: float = Field(
-        default=0.0, ge=0,
+        default=0.0, ge=0, le=10,
         description="What PyTorch's caching allocator reserves beyond the bytes allocated at a rank's peak, as a "
         "fraction of them (fragmentation); 0 for CPU ranks.",
     )
     peak_tflops_bf16: float = Field(
-        gt=0, description="Dense peak for 16-bit training (bf16, or fp16 where bf16 is absent), TFLOP/s."
+        ge=MIN_TFLOPS, le=MAX_TFLOPS, description="Dense peak for 16-bit training (bf16, or fp16 where bf16 is absent), TFLOP/s."
     )
-    peak_tflops_fp32: float = Field(gt=0, description="Dense fp32 peak (no TF32), TFLOP/s.")
+    peak_tflops_fp32: float = Field(ge=MIN_TFLOPS, le=MAX_TFLOPS, description="Dense fp32 peak (no TF32), TFLOP/s.")
     memory_bandwidth_gbytes_per_second: float | None = Field(
-        default=None, gt=0, description="Device memory bandwidth, GB/s; bounds element-wise layers."
+        default=None, ge=MIN_GBYTES_PER_SECOND, le=MAX_GBYTES_PER_SECOND, description="Device memory bandwidth, GB/s; bounds element-wise layers."
     )
     intra_node_bandwidth_gbytes_per_second: float = Field(
-        gt=0, description="Per-direction bandwidth to a peer in the same node (NVLink, PCIe), GB/s."
+        ge=MIN_GBYTES_PER_SECOND, le=MAX_GBYTES_PER_SECOND, description="Per-direction bandwidth to a peer in the same node (NVLink, PCIe), GB/s."
     )
-    intra_node_latency_us: float = Field(ge=0, description="Point-to-point latency within a node, µs.")
+    intra_node_latency_us: float = Field(ge=0, le=MAX_LATENCY_US, description="Point-to-point latency within a node, µs.")
     inter_node_bandwidth_gbytes_per_second: float = Field(
-        gt=0, description="Per-device share of the node's network bandwidth (InfiniBand, Ethernet), GB/s."
+        ge=MIN_GBYTES_PER_SECOND, le=MAX_GBYTES_PER_SECOND, description="Per-device share of the node's network bandwidth (InfiniBand, Ethernet), GB/s."
     )
-    inter_node_latency_us: float = Field(ge=0, description="Point-to-point latency across nodes, µs.")
+    inter_node_latency_us: float = Field(ge=0, le=MAX_LATENCY_US, description="Point-to-point latency across nodes, µs.")
     efficiency_by_micro_batch: list[tuple[int, float]] = Field(
         min_length=1,
         description="[micro_batch_size, achievable fraction of peak] points, micro-batch ascending.",
     )
     multiprocessors: int | None = Field(
-        default=None, gt=0, description="Streaming multiprocessors (compute units), datasheet; GEMM wave quantization."
+        default=None, gt=0, le=1_000_000, description="Streaming multiprocessors (compute units), datasheet; GEMM wave quantization."
     )
     gemm_efficiency: float | None = Field(
         default=None, gt=0, le=1,
@@ -90,7 +97,7 @@ class DeviceSpec(Strict):
         default=None, gt=0, le=1, description="Fraction of the dense peak fused (flash) attention reaches."
     )
     kernel_overhead_us: float | None = Field(
-        default=None, ge=0, description="Host time to issue one kernel from eager PyTorch (dispatch + launch), µs."
+        default=None, ge=0, le=MAX_LATENCY_US, description="Host time to issue one kernel from eager PyTorch (dispatch + launch), µs."
     )
     blocking_p2p: bool = Field(
         default=False,

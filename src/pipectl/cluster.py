@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
-from pipectl.artifacts.cluster import ClusterSpec, LinkSpec, NodeType
+from pipectl.artifacts.cluster import MAX_DEVICES_PER_NODE, ClusterSpec, LinkSpec, NodeType
 from pipectl.artifacts.profile import LinkClass, LinkClassFit, LinksProfile
 from pipectl.catalog import DeviceSpec, get_device, load_catalog
 from pipectl.errors import UserInputError
@@ -140,6 +140,8 @@ def local_cluster(devices: int, base: ClusterSpec | None = None) -> ClusterSpec:
         raise UserInputError(f"cluster '{cluster.name}' is not local: its device count is fixed by its nodes")
     if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
         raise UserInputError(f"a local cluster needs at least 1 device, got {devices!r}")
+    if devices > MAX_DEVICES_PER_NODE:
+        raise UserInputError(f"a local cluster is one machine: {devices} devices is more than {MAX_DEVICES_PER_NODE}")
     node_type = cluster.node_types[0].model_copy(update={"devices_per_node": devices, "nodes": 1})
     return cluster.model_copy(update={"node_types": [node_type]})
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any, TypeVar
@@ -26,7 +27,9 @@ def read_mapping(path: str | os.PathLike[str]) -> dict[str, Any]:
         text = path.read_text()
         data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
     except (yaml.YAMLError, json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ArtifactError(f"{path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {exc}")
+        raise ArtifactError(f"{path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {exc}") from None
+    except RecursionError:
+        raise ArtifactError(f"{path} is nested too deeply to be one of pipectl's files") from None
     if not isinstance(data, dict):
         raise ArtifactError(f"{path} must hold a mapping at the top level, found {type(data).__name__}")
     return data
@@ -39,7 +42,8 @@ def validation_message(exc: ValidationError) -> str:
         where = ".".join(str(part) for part in err["loc"]) or "(top level)"
         value = err.get("input")
         shown = repr(value) if not isinstance(value, dict) else "{...}"
-        lines.append(f"{where}: {err['msg']} (got {shown})")
+        message = err["msg"].removeprefix("Value error, ")  # a validator's own words say enough
+        lines.append(f"{where}: {message} (got {shown})")
     return "; ".join(lines)
 
 
@@ -56,12 +60,73 @@ def parse_model(model_type: type[ModelT], data: dict[str, Any], *, source: str) 
         raise ArtifactError(f"{source}: {validation_message(exc)}") from exc
 
 
-def write_json_atomic(path: str | os.PathLike[str], payload: BaseModel | dict[str, Any]) -> Path:
-    """Write JSON next to `path`, fsync, then rename over it: readers never see half a file."""
+def check_output_file(path: str | os.PathLike[str], *, what: str = "output") -> Path:
+    """`path` is somewhere a file may be written: absent, or a regular file (replaced).
+
+    Anything else that exists is refused: a directory, a symbolic link (even to a regular file:
+    the rename would replace the link, not its target), a FIFO, a socket or a device (`-o /dev/null`
+    run as root would replace the device node with a regular file).
+    """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        mode = path.lstat().st_mode
+    except FileNotFoundError:
+        mode = None
+    except OSError as exc:
+        raise UserInputError(f"cannot write {what} {path}: {exc.strerror}") from None
+    if mode is not None and not stat.S_ISREG(mode):
+        kind = (
+            "a directory" if stat.S_ISDIR(mode)
+            else "a symbolic link" if stat.S_ISLNK(mode)
+            else "a FIFO" if stat.S_ISFIFO(mode)
+            else "a socket" if stat.S_ISSOCK(mode)
+            else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+            else "not a regular file"
+        )
+        raise UserInputError(f"{what} {path} is {kind}; give the path of a regular file to write")
+    if path.parent.exists() and not path.parent.is_dir():
+        raise UserInputError(f"cannot write {what} {path}: {path.parent} is not a directory")
+    return path
+
+
+def _umask() -> int:
+    """The process's umask: read from /proc (Linux 4.7+), else by setting it and back."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    current = os.umask(0o022)
+    os.umask(current)
+    return current
+
+
+def temporary_file(folder: str | os.PathLike[str], name: str) -> tuple[int, str]:
+    """A new, uniquely named temporary file in `folder` for an atomic replace of `name`, with the
+    mode a plain `open(name, "w")` would give it (0o666 less the umask; mkstemp alone gives 0o600)."""
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=".tmp")
+    try:
+        os.fchmod(fd, 0o666 & ~_umask())
+    except BaseException:
+        os.close(fd)
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return fd, tmp
+
+
+def write_json_atomic(path: str | os.PathLike[str], payload: BaseModel | dict[str, Any]) -> Path:
+    """Write JSON next to `path`, fsync, then rename over it: readers never see half a file.
+
+    `path` must be absent or a regular file (`check_output_file`); the file gets the user's umask.
+    """
+    path = check_output_file(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise UserInputError(f"cannot write {path}: a part of {path.parent} is not a directory") from None
     text = payload.model_dump_json(indent=2) if isinstance(payload, BaseModel) else json.dumps(payload, indent=2)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = temporary_file(path.parent, path.name)
     try:
         with os.fdopen(fd, "w") as handle:
             handle.write(text + "\n")

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 from pipectl.artifacts.plan import Plan, ProfileRef
 from pipectl.artifacts.profile import ModelProfile
 from pipectl.errors import ArtifactError, UserInputError
-from pipectl.io import load_model, sha256_file, write_json_atomic
+from pipectl.io import check_output_file, load_model, sha256_file, temporary_file, write_json_atomic
 
 
 def profile_copy_name(sha256: str) -> str:
@@ -31,7 +30,7 @@ def _copy_once(source: Path, target: Path, sha256: str) -> None:
     if target.is_file() and sha256_file(target) == sha256:
         return
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    fd, tmp = temporary_file(target.parent, target.name)
     os.close(fd)
     try:
         shutil.copyfile(source, tmp)
@@ -46,7 +45,7 @@ def _copy_once(source: Path, target: Path, sha256: str) -> None:
 def write_plan(path: str | os.PathLike[str], plan: Plan, *, profile_file: str | os.PathLike[str]) -> Plan:
     """Write plan.json with the profile read from `profile_file` copied beside it; returns the
     plan as written (with its `profile` reference)."""
-    path = Path(path)
+    path = check_output_file(path)  # before the profile copy is written beside it
     source = Path(profile_file)
     sha256 = sha256_file(source)
     ref = ProfileRef(file=profile_copy_name(sha256), sha256=sha256, source=str(source))

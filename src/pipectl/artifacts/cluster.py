@@ -8,14 +8,28 @@ from pydantic import Field, model_validator
 
 from pipectl.artifacts.base import Artifact, Strict
 
+# Bounds of a figure in a cluster file: far beyond real hardware, close enough that the planner's
+# sums stay finite (the catalog, pipectl.catalog, holds its own figures to the same bounds).
+MIN_GBYTES_PER_SECOND, MAX_GBYTES_PER_SECOND = 1e-6, 1e6  # 1 kB/s .. 1 PB/s
+MAX_LATENCY_US = 1e9  # 1000 s
+MAX_PRICE_PER_DEVICE_HOUR = 1e6  # USD
+# Devices the planner searches over (it plans every count up to the total): 2**17 = 131,072, more
+# accelerators than the largest published training clusters hold.
+MAX_DEVICES = 2**17
+MAX_DEVICES_PER_NODE = 4096
+
 
 class LinkSpec(Strict):
     """Link figures that override the device catalog, or a links.json to read them from."""
 
-    intra_node_bandwidth_gbytes_per_second: float | None = Field(default=None, gt=0)
-    intra_node_latency_us: float | None = Field(default=None, ge=0)
-    inter_node_bandwidth_gbytes_per_second: float | None = Field(default=None, gt=0)
-    inter_node_latency_us: float | None = Field(default=None, ge=0)
+    intra_node_bandwidth_gbytes_per_second: float | None = Field(
+        default=None, ge=MIN_GBYTES_PER_SECOND, le=MAX_GBYTES_PER_SECOND
+    )
+    intra_node_latency_us: float | None = Field(default=None, ge=0, le=MAX_LATENCY_US)
+    inter_node_bandwidth_gbytes_per_second: float | None = Field(
+        default=None, ge=MIN_GBYTES_PER_SECOND, le=MAX_GBYTES_PER_SECOND
+    )
+    inter_node_latency_us: float | None = Field(default=None, ge=0, le=MAX_LATENCY_US)
     links_file: str | None = Field(
         default=None, description="Path to a links.json from `pipectl profile links` (relative to the YAML)."
     )
@@ -26,10 +40,10 @@ class NodeType(Strict):
 
     name: str = Field(description="Name of this node group, e.g. 'a100-nodes'.")
     device: str = Field(description="Device kind, a key of the device catalog (configs/devices.yaml).")
-    devices_per_node: int = Field(gt=0, description="Accelerators (or CPU ranks) per node.")
-    nodes: int = Field(gt=0, description="Nodes of this type available.")
-    price_per_device_hour_on_demand: float = Field(default=0.0, ge=0, description="USD per device-hour.")
-    price_per_device_hour_spot: float | None = Field(default=None, ge=0, description="USD, spot/pre-emptible.")
+    devices_per_node: int = Field(gt=0, le=MAX_DEVICES_PER_NODE, description="Accelerators (or CPU ranks) per node.")
+    nodes: int = Field(gt=0, le=MAX_DEVICES, description="Nodes of this type available.")
+    price_per_device_hour_on_demand: float = Field(default=0.0, ge=0, le=MAX_PRICE_PER_DEVICE_HOUR, description="USD per device-hour.")
+    price_per_device_hour_spot: float | None = Field(default=None, ge=0, le=MAX_PRICE_PER_DEVICE_HOUR, description="USD, spot/pre-emptible.")
     links: LinkSpec = Field(default_factory=LinkSpec, description="Overrides of the catalog's link figures.")
 
     @property
@@ -57,6 +71,8 @@ class ClusterSpec(Artifact):
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"node type names must be unique, repeated: {', '.join(dupes)}")
+        if self.total_devices > MAX_DEVICES:
+            raise ValueError(f"the cluster has {self.total_devices} devices, more than the {MAX_DEVICES} pipectl plans for")
         return self
 
     @property

@@ -10,11 +10,11 @@ layers [start, end) owns layer indices start..end-1 of the profile.
 from __future__ import annotations
 
 from enum import Enum
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from pipectl.artifacts.base import Artifact, Sha256, Strict
+from pipectl.artifacts.base import MAX_SECONDS, Artifact, Bytes, Sha256, Strict
 from pipectl.artifacts.profile import ModelProfile
 from pipectl.schedule.ir import ScheduleKind
 
@@ -23,6 +23,11 @@ from pipectl.schedule.ir import ScheduleKind
 # checkpoints re-cut optimizer state for a resize (stages 2 and 3 DeepSpeed's pipeline engine
 # rejects). A candidate with another stage is planned for comparison only.
 RUNTIME_ZERO_STAGES = (1,)
+
+
+# 2**31 samples per step: beyond any published run (GPT-3 trained with 3.2 M tokens, about 1,600
+# samples, per step) and small enough that the micro-batches of a step stay countable.
+MAX_GLOBAL_BATCH = 2**31
 
 
 class Objective(str, Enum):
@@ -34,22 +39,22 @@ class Objective(str, Enum):
 class PlanRequest(Strict):
     """What the user asks of the planner (the job part of the three inputs)."""
 
-    global_batch: int = Field(description="B: samples per optimizer step; never changed by the planner.")
+    global_batch: int = Field(le=MAX_GLOBAL_BATCH, description="B: samples per optimizer step; never changed by the planner.")
     objective: Objective = Objective.TIME
     schedules: list[ScheduleKind] | None = Field(
         default=None, description="Schedules to consider; default 1f1b, gpipe, interleaved, varuna (2bw only if listed)."
     )
-    chunks: list[int] = Field(default_factory=lambda: [2, 4], description="v values tried for interleaved.")
-    max_tensor_parallel: int | None = Field(default=None, description="Upper bound on t.")
-    tensor_parallel: int | None = Field(default=None, description="Pinned t.")
-    pipeline_parallel: int | None = Field(default=None, description="Pinned p.")
-    data_parallel: int | None = Field(default=None, description="Pinned d.")
-    micro_batch_size: int | None = Field(default=None, description="Pinned b.")
+    chunks: list[int] = Field(default_factory=lambda: [2, 4], max_length=64, description="v values tried for interleaved.")
+    max_tensor_parallel: int | None = Field(default=None, gt=0, description="Upper bound on t.")
+    tensor_parallel: int | None = Field(default=None, gt=0, description="Pinned t.")
+    pipeline_parallel: int | None = Field(default=None, gt=0, description="Pinned p.")
+    data_parallel: int | None = Field(default=None, gt=0, description="Pinned d.")
+    micro_batch_size: int | None = Field(default=None, gt=0, description="Pinned b.")
     schedule: ScheduleKind | None = Field(default=None, description="Pinned schedule.")
-    devices: int | None = Field(default=None, description="Devices to plan for (default: the whole cluster).")
-    deadline_hours: float | None = Field(default=None, description="cost-deadline: hours available.")
-    samples: int | None = Field(default=None, description="cost-deadline: samples to train on.")
-    tokens: int | None = Field(default=None, description="cost-deadline: tokens to train on (samples = tokens / seq_len).")
+    devices: int | None = Field(default=None, gt=0, description="Devices to plan for (default: the whole cluster).")
+    deadline_hours: float | None = Field(default=None, gt=0, description="cost-deadline: hours available.")
+    samples: int | None = Field(default=None, gt=0, description="cost-deadline: samples to train on.")
+    tokens: int | None = Field(default=None, gt=0, description="cost-deadline: tokens to train on (samples = tokens / seq_len).")
     allow_recompute: bool = True
     zero_stages: list[int] = Field(
         default_factory=lambda: [1],
@@ -62,14 +67,31 @@ class PlanRequest(Strict):
     )
     include_all: bool = Field(default=False, description="Simulate and keep every feasible candidate.")
     for_deepspeed: bool = Field(default=True, description="Choose only schedules DeepSpeed's engine can run.")
-    top: int = Field(default=10, description="Candidates kept in the ranking (without include_all).")
+    top: int = Field(default=10, gt=0, description="Candidates kept in the ranking (without include_all).")
     morph: bool = Field(default=True, description="Compute the morph table.")
     workers: int | None = Field(
         default=None,
+        ge=1,
+        le=1024,
         exclude=True,
         description="Processes the enumeration may use (default: $PIPECTL_PLAN_WORKERS, else the cores "
         "available). Not recorded in plan.json: the plan is the same for any number.",
     )
+
+
+    @field_validator("chunks")
+    @classmethod
+    def _chunks_positive(cls, chunks: list[int]) -> list[int]:
+        if any(v < 1 for v in chunks):
+            raise ValueError(f"chunks (interleaved v) must be at least 1, got {chunks}")
+        return chunks
+
+    @field_validator("zero_stages")
+    @classmethod
+    def _known_zero_stages(cls, stages: list[int]) -> list[int]:
+        if not stages or any(not 0 <= stage <= 3 for stage in stages):
+            raise ValueError(f"zero_stages must list ZeRO stages 0..3, got {stages}")
+        return stages
 
 
 class ReplicaShare(Strict):
@@ -100,10 +122,10 @@ class Candidate(Strict):
     stage_layers: list[tuple[int, int]] = Field(
         description="Half-open layer index range [start, end) of every (virtual) stage, in order."
     )
-    predicted_step_seconds: float = Field(gt=0)
+    predicted_step_seconds: float = Field(gt=0, le=MAX_SECONDS)
     samples_per_second: float = Field(gt=0)
     tflops_per_device: float = Field(ge=0)
-    peak_memory_bytes: list[int] = Field(description="Predicted peak memory per stage (per device).")
+    peak_memory_bytes: list[Bytes] = Field(description="Predicted peak memory per stage (per device).")
     bubble_fraction: float = Field(ge=0, le=1)
     communication_fraction: float = Field(ge=0, le=1)
     cost_per_million_samples: float = Field(ge=0, description="USD per 1 M samples at the cluster's prices.")
@@ -131,6 +153,8 @@ class Candidate(Strict):
         expected = self.pipeline_parallel * self.chunks
         if len(self.stage_layers) != expected:
             raise ValueError(f"stage_layers has {len(self.stage_layers)} ranges, expected p*v = {expected}")
+        if self.stage_layers[0][0] != 0 or any(start >= end for start, end in self.stage_layers):
+            raise ValueError(f"stage_layers must start at layer 0 and hold at least one layer each, got {self.stage_layers}")
         for (_, end), (start, _) in zip(self.stage_layers, self.stage_layers[1:]):
             if end != start:
                 raise ValueError(f"stage_layers must be contiguous, got {self.stage_layers}")
@@ -149,12 +173,13 @@ class ModelShape(Strict):
     """What the plan's cut and memory figures assume about the model: launch refuses another."""
 
     parameter_count: int = Field(ge=0, description="Parameters of the model, each shared group counted once.")
-    layer_parameter_counts: list[int] = Field(
+    layer_parameter_counts: list[Annotated[int, Field(ge=0)]] = Field(
+        min_length=1,
         description="Parameters of every cuttable layer, in order (a tied layer counts its copy)."
     )
-    seq_len: int | None = Field(default=None, description="Sequence length (transformers).")
-    hidden: int | None = Field(default=None, description="Hidden size (transformers).")
-    vocab: int | None = Field(default=None, description="Vocabulary size (transformers).")
+    seq_len: int | None = Field(default=None, gt=0, description="Sequence length (transformers).")
+    hidden: int | None = Field(default=None, gt=0, description="Hidden size (transformers).")
+    vocab: int | None = Field(default=None, gt=0, description="Vocabulary size (transformers).")
 
     @classmethod
     def of_profile(cls, profile: ModelProfile) -> "ModelShape":

@@ -10,9 +10,15 @@ from __future__ import annotations
 from enum import Enum
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from pipectl.artifacts.base import Artifact, Strict
+from pipectl.artifacts.base import MAX_BYTES, MAX_BYTES_PER_SECOND, Artifact, Bytes, BytesPerSecond, Seconds, Strict
+
+
+# A layer's forward FLOPs: 1e30 is 10^12 times GPT-3's whole training run (3.14e23).
+MAX_FLOPS = 1e30
+# Engine ratios and slowdowns: a layer 10^6 times slower inside the engine than alone is a broken file.
+MAX_RATIO = 1e6
 
 
 class ProfileSource(str, Enum):
@@ -29,14 +35,14 @@ class LayerCost(Strict):
     """Costs of one layer at one micro-batch size."""
 
     micro_batch_size: int = Field(gt=0, description="Samples per micro-batch b.")
-    forward_seconds: float = Field(ge=0, description="Median forward time of the layer.")
-    backward_seconds: float = Field(ge=0, description="Median backward time of the layer.")
-    output_activation_bytes: int = Field(ge=0, description="Bytes of the output (crosses a stage cut).")
-    saved_activation_bytes: int = Field(
-        ge=0, description="Bytes the layer keeps for backward; recomputation frees them."
+    forward_seconds: Seconds = Field(description="Median forward time of the layer.")
+    backward_seconds: Seconds = Field(description="Median backward time of the layer.")
+    output_activation_bytes: Bytes = Field(description="Bytes of the output (crosses a stage cut).")
+    saved_activation_bytes: Bytes = Field(
+        description="Bytes the layer keeps for backward; recomputation frees them."
     )
-    peak_memory_bytes: int = Field(ge=0, description="Peak memory while running forward+backward.")
-    forward_flops: float = Field(default=0.0, ge=0, description="Forward FLOPs (analytic), 0 if unknown.")
+    peak_memory_bytes: Bytes = Field(description="Peak memory while running forward+backward.")
+    forward_flops: float = Field(default=0.0, ge=0, le=MAX_FLOPS, description="Forward FLOPs (analytic), 0 if unknown.")
 
 
 class ShardProfile(Strict):
@@ -73,7 +79,7 @@ class LayerProfile(Strict):
     name: str = Field(description="Layer name, e.g. 'embed', 'block.3', 'head'.")
     kind: str = Field(description="Layer type, e.g. 'embedding', 'transformer_block', 'lm_head'.")
     parameter_count: int = Field(ge=0, description="Parameters held by the layer.")
-    parameter_bytes: int = Field(ge=0, description="Bytes of the layer's parameters as profiled.")
+    parameter_bytes: Bytes = Field(description="Bytes of the layer's parameters as profiled.")
     shared_group: str | None = Field(
         default=None, description="Name of a parameter group shared with other layers (tied embeddings)."
     )
@@ -115,6 +121,20 @@ class LayerProfile(Strict):
         """This layer's shard at degree t, or None when it has none."""
         return next((s for s in self.shards if s.tensor_parallel == tensor_parallel), None)
 
+    @model_validator(mode="after")
+    def _consistent(self) -> "LayerProfile":
+        sizes = [cost.micro_batch_size for cost in self.costs]
+        if not sizes or sizes != sorted(set(sizes)):
+            raise ValueError(f"layer {self.name!r}: costs must list micro-batch sizes once each, ascending, got {sizes}")
+        if self.shared_parameter_count > self.parameter_count:
+            raise ValueError(
+                f"layer {self.name!r}: shared_parameter_count {self.shared_parameter_count} exceeds "
+                f"parameter_count {self.parameter_count}"
+            )
+        if self.shared_parameter_count and self.shared_group is None:
+            raise ValueError(f"layer {self.name!r}: shared_parameter_count {self.shared_parameter_count} without a shared_group")
+        return self
+
     def working_memory_bytes(self, cost: LayerCost) -> int:
         """Bytes the layer's forward and backward allocate and free again, beyond its weights,
         gradients, saved activations and output (the head's fp32 logits and their gradients):
@@ -134,13 +154,13 @@ class LinkClassFit(Strict):
     """Fitted cost of one link class: time(bytes) = latency + bytes / bandwidth."""
 
     link_class: LinkClass
-    p2p_latency_seconds: float = Field(ge=0, description="Point-to-point latency (intercept).")
-    p2p_bandwidth_bytes_per_second: float = Field(gt=0, description="Point-to-point bandwidth (1/slope).")
-    p2p_jitter_seconds: float = Field(default=0.0, ge=0, description="Std. dev. of residuals of p2p.")
-    allreduce_latency_seconds: float = Field(
-        ge=0, description="Ring all-reduce per-hop latency alpha: time = 2(D-1)(alpha + bytes/(D*bw))."
+    p2p_latency_seconds: Seconds = Field(description="Point-to-point latency (intercept).")
+    p2p_bandwidth_bytes_per_second: BytesPerSecond = Field(description="Point-to-point bandwidth (1/slope).")
+    p2p_jitter_seconds: Seconds = Field(default=0.0, description="Std. dev. of residuals of p2p.")
+    allreduce_latency_seconds: Seconds = Field(
+        description="Ring all-reduce per-hop latency alpha: time = 2(D-1)(alpha + bytes/(D*bw))."
     )
-    allreduce_bandwidth_bytes_per_second: float = Field(gt=0, description="Ring all-reduce bus bandwidth.")
+    allreduce_bandwidth_bytes_per_second: BytesPerSecond = Field(description="Ring all-reduce bus bandwidth.")
 
 
 class EngineComputeRatio(Strict):
@@ -153,8 +173,8 @@ class EngineComputeRatio(Strict):
     """
 
     micro_batch_size: int = Field(gt=0, description="Samples per micro-batch b.")
-    forward_ratio: float = Field(gt=0, description="Engine forward compute / sum of profiled layer forwards.")
-    backward_ratio: float = Field(gt=0, description="Engine backward compute / sum of profiled layer backwards.")
+    forward_ratio: float = Field(gt=0, le=MAX_RATIO, description="Engine forward compute / sum of profiled layer forwards.")
+    backward_ratio: float = Field(gt=0, le=MAX_RATIO, description="Engine backward compute / sum of profiled layer backwards.")
 
 
 class RuntimeCosts(Strict):
@@ -168,19 +188,19 @@ class RuntimeCosts(Strict):
     """
 
     engine: str = Field(description="What was measured, e.g. 'deepspeed 0.19.8 pipeline engine, ZeRO-1, torch AdamW'.")
-    forward_overhead_seconds: float = Field(
-        ge=0, description="Per micro-batch and stage: the engine's forward instruction (+ micro-batch load) "
+    forward_overhead_seconds: Seconds = Field(
+        description="Per micro-batch and stage: the engine's forward instruction (+ micro-batch load) "
         "around a near-free layer."
     )
-    backward_overhead_seconds: float = Field(
-        ge=0, description="Per micro-batch and stage: the engine's backward instruction around a near-free layer."
+    backward_overhead_seconds: Seconds = Field(
+        description="Per micro-batch and stage: the engine's backward instruction around a near-free layer."
     )
-    step_fixed_seconds: float = Field(
-        ge=0, description="Per step and rank: gradient reduction, optimizer step and loss bookkeeping of a "
+    step_fixed_seconds: Seconds = Field(
+        description="Per step and rank: gradient reduction, optimizer step and loss bookkeeping of a "
         "near-empty model on one rank."
     )
-    step_seconds_per_parameter: float = Field(
-        ge=0, description="Per step and rank: extra end-of-step time per parameter the rank holds "
+    step_seconds_per_parameter: Seconds = Field(
+        description="Per step and rank: extra end-of-step time per parameter the rank holds "
         "(gradient flattening, clipping, Adam update, copy-back)."
     )
     compute_ratios: list[EngineComputeRatio] = Field(
@@ -189,7 +209,7 @@ class RuntimeCosts(Strict):
     calibration_parameter_count: int = Field(
         default=0, ge=0, description="Parameters of the model the slope was measured on."
     )
-    busy_handoff_seconds: float = Field(
+    busy_handoff_seconds: Seconds = Field(
         default=0.0,
         ge=0,
         description="One blocking message between two ranks of this host after both had been computing: from "
@@ -199,6 +219,7 @@ class RuntimeCosts(Strict):
     alone_compute_slowdown: float = Field(
         default=1.0,
         gt=0,
+        le=MAX_RATIO,
         description="Wall-clock / CPU time of one rank computing on this host: 1 when it has a core to itself, "
         "1.5 when other jobs take a third of it (the profile's medians of short runs are close to CPU time). "
         "1: not measured.",
@@ -206,11 +227,12 @@ class RuntimeCosts(Strict):
     concurrent_compute_slowdown: float = Field(
         default=1.0,
         gt=0,
+        le=MAX_RATIO,
         description="Wall-clock time of each rank's compute while `concurrent_ranks` ranks of this host compute "
         "at once, over its CPU time alone: the cores other jobs leave, and what the ranks take from each other "
         "(shared cache and memory bandwidth). 1: not measured.",
     )
-    busy_allreduce_latency_seconds: float = Field(
+    busy_allreduce_latency_seconds: Seconds = Field(
         default=0.0,
         ge=0,
         description="Ring all-reduce per-hop latency between two ranks of this host right after both computed "
@@ -219,6 +241,7 @@ class RuntimeCosts(Strict):
     busy_allreduce_bandwidth_bytes_per_second: float = Field(
         default=0.0,
         ge=0,
+        le=MAX_BYTES_PER_SECOND,
         description="Ring all-reduce bus bandwidth in the same measurement, from a gradient-sized buffer. "
         "0: not measured.",
     )
@@ -231,7 +254,7 @@ class LinkSample(Strict):
     op: Literal["p2p", "allreduce"]
     link_class: LinkClass
     ring_size: int = Field(ge=2)
-    message_bytes: int = Field(gt=0)
+    message_bytes: Bytes = Field(gt=0)
     seconds: float = Field(ge=0, description="Median time of one operation.")
 
 
@@ -243,6 +266,16 @@ class LinksProfile(Artifact):
     device: str = Field(description="Catalog name of the device the links were measured between.")
     fits: list[LinkClassFit] = Field(description="One fit per measured link class.")
     samples: list[LinkSample] = Field(default_factory=list, description="Raw measurements.")
+
+    @field_validator("fits")
+    @classmethod
+    def _one_fit_per_class(cls, fits: list[LinkClassFit]) -> list[LinkClassFit]:
+        classes = [fit.link_class.value for fit in fits]
+        if not classes:
+            raise ValueError("fits is empty: a links file holds at least one fitted link class")
+        if len(set(classes)) != len(classes):
+            raise ValueError(f"fits repeats a link class: {classes}")
+        return fits
 
     def fit(self, link_class: LinkClass) -> LinkClassFit | None:
         return next((f for f in self.fits if f.link_class == link_class), None)
@@ -265,10 +298,10 @@ class ModelProfile(Artifact):
     not_fitting_micro_batch_size: int | None = Field(
         default=None, description="First micro-batch size tried that did not fit, if any."
     )
-    seq_len: int | None = Field(default=None, description="Sequence length (transformers).")
-    hidden: int | None = Field(default=None, description="Hidden size (transformers).")
-    vocab: int | None = Field(default=None, description="Vocabulary size (transformers).")
-    layers: list[LayerProfile] = Field(description="The cuttable layers, in order.")
+    seq_len: int | None = Field(default=None, gt=0, description="Sequence length (transformers).")
+    hidden: int | None = Field(default=None, gt=0, description="Hidden size (transformers).")
+    vocab: int | None = Field(default=None, gt=0, description="Vocabulary size (transformers).")
+    layers: list[LayerProfile] = Field(min_length=1, description="The cuttable layers, in order.")
     links: LinksProfile | None = Field(default=None, description="Link calibration, when included.")
     runtime: RuntimeCosts | None = Field(
         default=None,
@@ -277,6 +310,8 @@ class ModelProfile(Artifact):
     notes: list[str] = Field(default_factory=list, description="What happened while profiling.")
     device_memory_bytes: int | None = Field(
         default=None,
+        gt=0,
+        le=MAX_BYTES,
         description="Total memory of the device profiled on as its runtime reports it (CUDA: "
         "torch.cuda.get_device_properties(i).total_memory); None on CPU or when derived. The planner "
         "prefers it to the catalog's figure.",
@@ -297,6 +332,35 @@ class ModelProfile(Artifact):
     def shard_degrees(self) -> list[int]:
         """The tensor-parallel degrees t > 1 some layer has shard costs for, ascending."""
         return sorted({shard.tensor_parallel for layer in self.layers for shard in layer.shards})
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "ModelProfile":
+        """Layer i has index i; every layer has costs at exactly `micro_batch_sizes`; a shared
+        layer points at an earlier one; a first size that did not fit lies above the measured ones."""
+        sizes = self.micro_batch_sizes
+        if not sizes or any(size <= 0 for size in sizes) or sizes != sorted(set(sizes)):
+            raise ValueError(f"micro_batch_sizes must be positive, ascending and listed once, got {sizes}")
+        for position, layer in enumerate(self.layers):
+            if layer.index != position:
+                raise ValueError(
+                    f"layer {layer.name!r} at position {position} has index {layer.index}: indices must be 0, 1, 2, ... "
+                    "in order (a repeated or missing index)"
+                )
+            layer_sizes = [cost.micro_batch_size for cost in layer.costs]
+            if layer_sizes != sizes:
+                raise ValueError(
+                    f"layer {position} ({layer.name!r}) has costs for micro-batch sizes {layer_sizes}, "
+                    f"micro_batch_sizes lists {sizes}"
+                )
+            if layer.costs_from is not None and not layer.costs_from < len(self.layers):
+                raise ValueError(f"layer {position} ({layer.name!r}) takes its costs from layer {layer.costs_from}, "
+                                 f"which does not exist")
+        if self.not_fitting_micro_batch_size is not None and self.not_fitting_micro_batch_size <= sizes[-1]:
+            raise ValueError(
+                f"not_fitting_micro_batch_size {self.not_fitting_micro_batch_size} is not above the largest "
+                f"profiled size {sizes[-1]}"
+            )
+        return self
 
     @property
     def parameter_count(self) -> int:

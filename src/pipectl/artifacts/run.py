@@ -121,6 +121,14 @@ class JobSpec(Artifact):
         "--change-global-batch), one line each: 'B 8 -> 16 after step 4'.",
     )
 
+    @field_validator("plan_file", "ds_config_file")
+    @classmethod
+    def _inside_the_run(cls, name: str) -> str:
+        """Sibling files are plain names inside the run directory: no folder, no '..'."""
+        if not name or name in (".", "..") or "/" in name or "\\" in name:
+            raise ValueError(f"{name!r} is not a file name inside the run directory")
+        return name
+
     @model_validator(mode="after")
     def _ranks_cover_world(self) -> "JobSpec":
         if self.elastic is None and self.nodes * self.ranks_per_node != self.world_size:

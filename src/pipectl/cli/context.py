@@ -4,18 +4,48 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 import typer
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from pipectl.errors import UserInputError
+from pipectl.io import check_output_file
 
 console = Console()
 err_console = Console(stderr=True)
 
+
+
+def output_file(path: Path | None) -> Path | None:
+    """Option callback: a file the command will write is absent or a regular file, checked before
+    any work (`pipectl.io.check_output_file`: no directory, link, FIFO or device)."""
+    return None if path is None else check_output_file(path)
+
+
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print the result as JSON instead of a table.")]
-OutputPath = Annotated[Path, typer.Option("--output", "-o", help="Where to write the artifact.")]
+OutputPath = Annotated[
+    Path, typer.Option("--output", "-o", help="Where to write the artifact.", callback=output_file)
+]
+
+
+ModelT = TypeVar("ModelT", bound=BaseModel)
+
+
+def from_options(model_type: type[ModelT], **options: Any) -> ModelT:
+    """Build a request model from command-line options; a value it refuses is named as its option
+    (`--global-batch 4294967296: Input should be less than or equal to 2147483648`)."""
+    try:
+        return model_type(**options)
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            name = str(err["loc"][0]) if err["loc"] else ""
+            option = f"--{name.replace('_', '-')} {options.get(name)!r}" if name in options else "options"
+            problems.append(f"{option}: {err['msg']}")
+        raise UserInputError("; ".join(problems)) from None
 
 
 def print_json(payload: BaseModel | dict[str, Any] | list[Any]) -> None:

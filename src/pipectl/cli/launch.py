@@ -15,7 +15,7 @@ from pipectl.errors import LaunchError, UserInputError
 from pipectl.io import load_model
 from pipectl.launch import LaunchOptions, PreparedLaunch, prepare_launch, resumed_options, run_engine
 from pipectl.launch.engines import ENGINE_LOG
-from pipectl.launch.rundir import run_status
+from pipectl.launch.rundir import is_run_dir, run_status
 from pipectl.report.run_tables import failure_report, status_table
 from pipectl.runtime.failure import read_failures, read_resume, resume_lines
 from pipectl.runtime.metrics import MetricsTail
@@ -37,6 +37,12 @@ def parse_data(text: str) -> DataSpec:
     if not path.is_file():
         raise UserInputError(f"--data {text!r} is neither 'builtin', 'synthetic' nor an existing file")
     return DataSpec(kind=DataKind.FILE, path=str(path.resolve()))
+
+
+def _tcp_port(port: int | None) -> int | None:
+    if port is not None and not 1 <= port <= 65535:
+        raise UserInputError(f"--master-port {port} is not a TCP port (1..65535)")
+    return port
 
 
 def _engine_log_tail(run_dir: Path, lines: int = 15) -> str:
@@ -81,7 +87,10 @@ def register(app: typer.Typer) -> None:
             Optional[str], typer.Option(help="Comma-separated hosts for the deepspeed hostfile.")
         ] = None,
         master_addr: Annotated[str, typer.Option(help="Rendezvous/master address.")] = "127.0.0.1",
-        master_port: Annotated[Optional[int], typer.Option(help="Rendezvous/master port (default: a free one).")] = None,
+        master_port: Annotated[
+            Optional[int],
+            typer.Option(callback=_tcp_port, help="Rendezvous/master port 1..65535 (default: a free one)."),
+        ] = None,
         resume: Annotated[bool, typer.Option("--resume", help="Continue an existing run from its checkpoint.")] = False,
         force: Annotated[bool, typer.Option("--force", help="Delete an existing run directory first.")] = False,
         change_global_batch: Annotated[
@@ -101,6 +110,14 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Run a plan inside DeepSpeed's pipeline engine, with checkpoints and metrics."""
         plan = load_model(Plan, plan_path)
+        if resume and not is_run_dir(run_dir):  # checked here too: a dry run never reaches prepare_run_dir
+            raise UserInputError(f"cannot resume {run_dir}: no such run (it holds no job.json)")
+        data_spec = parse_data(data)
+        if data_spec.path is not None:
+            # numpy and torch: only when a token file is given, so the CLI starts without them
+            from pipectl.runtime.data import check_token_file
+
+            check_token_file(data_spec.path, plan.model_shape.seq_len, plan.model_shape.vocab)
         elastic_range = parse_elastic(elastic) if elastic else None
         if elastic_range is not None and engine is not Engine.TORCHRUN:
             raise UserInputError(f"--elastic needs --engine torchrun, not {engine.value}")
@@ -113,7 +130,7 @@ def register(app: typer.Typer) -> None:
             checkpoint_every=checkpoint_every,
             keep_checkpoints=keep_checkpoints,
             seed=seed,
-            data=parse_data(data),
+            data=data_spec,
             precision=Precision.BF16 if bf16 else precision,
             learning_rate=lr,
             elastic=elastic_range,

@@ -14,7 +14,7 @@ import typer
 
 from pipectl.artifacts.plan import Objective, PlanRequest
 from pipectl.artifacts.profile import ModelProfile
-from pipectl.cli.context import JsonFlag, OutputPath, console, print_json
+from pipectl.cli.context import JsonFlag, OutputPath, console, from_options, print_json
 from pipectl.cluster import load_cluster, local_cluster
 from pipectl.errors import UserInputError
 from pipectl.io import load_model
@@ -107,7 +107,8 @@ def plan_command(
         zeros = [int(z) for z in zero_stages.split(",")]
     except ValueError:
         raise UserInputError(f"--zero-stages '{zero_stages}' is not a comma list of numbers") from None
-    request = PlanRequest(
+    request = from_options(
+        PlanRequest,
         global_batch=global_batch,
         objective=objective,
         schedules=parse_schedules(schedules),

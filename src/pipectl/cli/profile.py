@@ -24,7 +24,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from pipectl.artifacts.model import ModelFamily
 from pipectl.artifacts.profile import LinksProfile, ModelProfile
 from pipectl.catalog import get_device, load_catalog
-from pipectl.cli.context import JsonFlag, console, err_console, print_json
+from pipectl.cli.context import JsonFlag, console, err_console, output_file, print_json
 from pipectl.cli.groups import DefaultCommandGroup
 from pipectl.errors import UserInputError
 from pipectl.io import load_model, parse_model, read_mapping, write_json_atomic
@@ -100,7 +100,7 @@ ModelArgument = Annotated[
 @app.command("model")
 def model_command(
     model: ModelArgument,
-    output: Annotated[Path, typer.Option("--output", "-o", help="Where to write profile.json.")] = Path(
+    output: Annotated[Path, typer.Option("--output", "-o", help="Where to write profile.json.", callback=output_file)] = Path(
         "profile.json"
     ),
     micro_batch_sizes: Annotated[
@@ -307,7 +307,7 @@ def _load_links(path: Path):
 
 @app.command("links")
 def links_command(
-    output: Annotated[Path, typer.Option("--output", "-o", help="Where to write links.json.")] = Path("links.json"),
+    output: Annotated[Path, typer.Option("--output", "-o", help="Where to write links.json.", callback=output_file)] = Path("links.json"),
     ranks: Annotated[int, typer.Option("--ranks", help="Processes to start; all-reduce rings of 2..ranks.")] = 2,
     message_sizes: Annotated[
         str, typer.Option("--message-sizes", help="Comma-separated sizes (1KiB, 64KiB, 16MiB or bytes).")

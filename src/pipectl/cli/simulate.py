@@ -16,7 +16,7 @@ from rich.table import Table
 
 from pipectl.artifacts.plan import Plan
 from pipectl.artifacts.profile import ModelProfile
-from pipectl.cli.context import JsonFlag, console, print_json
+from pipectl.cli.context import JsonFlag, console, output_file, print_json
 from pipectl.cluster import load_cluster
 from pipectl.errors import UserInputError
 from pipectl.io import load_model
@@ -28,6 +28,10 @@ from pipectl.schedule import ScheduleKind, generate
 from pipectl.schedule.comm import add_communication
 from pipectl.schedule.generators import generate_for_stage_times
 from pipectl.schedule.ir import Schedule
+
+
+# A uniform pipeline of more forward passes than this takes minutes to simulate and draw.
+MAX_SIMULATED_ACTIONS = 1_000_000
 
 
 def _uniform_options_given(**options: Any) -> list[str]:
@@ -156,10 +160,10 @@ def register(app: typer.Typer) -> None:
         jitter_ms: Annotated[float, typer.Option(min=0.0, help="Std. dev. of extra delay per p2p transfer, ms.")] = 0.0,
         seed: Annotated[int, typer.Option(help="Seed of the jitter.")] = 0,
         gantt: Annotated[
-            Optional[Path], typer.Option(help="Write the Gantt chart here (.png or .svg).", metavar="FILE")
+            Optional[Path], typer.Option(help="Write the Gantt chart here (.png or .svg).", metavar="FILE", callback=output_file)
         ] = None,
         terminal: Annotated[bool, typer.Option("--terminal", help="Draw the Gantt chart in the terminal.")] = False,
-        width: Annotated[int, typer.Option(min=10, help="Characters per row of the terminal chart.")] = 100,
+        width: Annotated[int, typer.Option(min=10, max=10_000, help="Characters per row of the terminal chart.")] = 100,
         print_schedule: Annotated[
             bool, typer.Option("--print-schedule", help="Print each rank's actions, sends and receives included.")
         ] = False,
@@ -190,6 +194,11 @@ def register(app: typer.Typer) -> None:
                     hint="pipectl simulate --schedule 1f1b --pipeline-parallel 4 --micro-batches 8 --terminal",
                 )
             v = chunks or 1
+            if pipeline_parallel * micro_batches * v > MAX_SIMULATED_ACTIONS:
+                raise UserInputError(
+                    f"p {pipeline_parallel} x m {micro_batches} x v {v} = {pipeline_parallel * micro_batches * v:,} "
+                    f"forward passes to simulate, more than {MAX_SIMULATED_ACTIONS:,}"
+                )
             forward_s = (1.0 if forward_ms is None else forward_ms) / 1e3
             backward_s = (2.0 if backward_ms is None else backward_ms) / 1e3
             schedule = generate_for_stage_times(

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from pipectl.cli.context import JsonFlag, console, print_json
+from pipectl.cli.context import JsonFlag, console, output_file, print_json
 from pipectl.launch.rundir import run_status
 from pipectl.report.run_tables import run_memory, status_table
 from pipectl.runtime.history import read_history
@@ -21,7 +21,7 @@ def register(app: typer.Typer) -> None:
         run_dir: Annotated[Path, typer.Argument(help="The run directory (runs/NAME).")],
         json_output: JsonFlag = False,
         plot: Annotated[
-            Path | None, typer.Option("--plot", help="Write a PNG: loss curve and predicted vs measured step time.")
+            Path | None, typer.Option("--plot", help="Write a PNG: loss curve and predicted vs measured step time.", callback=output_file)
         ] = None,
         verify: Annotated[
             bool, typer.Option("--verify", help="Hash every checkpoint file against its manifest (slower).")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import os
 import sys
 from dataclasses import replace
@@ -14,6 +15,7 @@ import torch
 from torch import nn
 
 from pipectl.artifacts.model import ModelConfig, ModelFamily
+from pipectl.artifacts.run import JOB_FILE
 from pipectl.errors import UserInputError
 from pipectl.io import load_model
 from pipectl.models.base import LayerDef, ModelLayers
@@ -95,31 +97,138 @@ def mlp_layers(config: ModelConfig) -> ModelLayers:
     )
 
 
+def host_memory_bytes() -> int | None:
+    """Physical memory of this host (Linux and macOS: sysconf), None where it cannot be read."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def _gib(size: float) -> str:
+    return f"{size / 1024**3:,.1f} GiB"
+
+
+def check_fits_host(config: ModelConfig, memory_bytes: int | None = None) -> None:
+    """Refuse, before anything is allocated, a config whose weights alone cannot fit this host.
+
+    Its parameters are counted from its shape (`ModelConfig.layer_parameter_counts`) at 4 bytes
+    each (layers are built in float32, then converted). A whole model must fit (`shape_only`
+    configs are built one layer at a time, so only their largest layer must). This is a floor:
+    gradients, optimizer state and activations need more, and a model that passes can still run
+    out of memory later; one that fails cannot run here at all.
+    """
+    memory_bytes = host_memory_bytes() if memory_bytes is None else memory_bytes
+    if memory_bytes is None:
+        return
+    counts = config.layer_parameter_counts()
+    if config.shape_only:
+        largest = max(range(len(counts)), key=counts.__getitem__)
+        needed = 4 * counts[largest]
+        if needed > memory_bytes:
+            raise UserInputError(
+                f"model '{config.name}': its largest layer (layer {largest}) has {counts[largest]:,} parameters, "
+                f"{_gib(needed)} as float32, more than this host's {_gib(memory_bytes)} of memory",
+                hint=f"derive its profile from the shape instead: pipectl profile {config.name} --derive "
+                "--device a100-80gb",
+            )
+        return
+    needed = 4 * sum(counts)
+    if needed > memory_bytes:
+        raise UserInputError(
+            f"model '{config.name}' has {sum(counts):,} parameters, {_gib(needed)} as float32, more than "
+            f"this host's {_gib(memory_bytes)} of memory (layers {config.layers}, hidden {config.hidden})",
+            hint="mark it shape_only: true and derive its profile (--derive) or profile one layer at a time (--once)",
+        )
+
+
 def from_config(config: ModelConfig, *, allow_shape_only: bool = False) -> ModelLayers:
     """The layer list of a config. A shape-only config is refused unless `allow_shape_only`: the
-    list itself builds nothing, but it must only be built one layer at a time (marked `shape_only`)."""
+    list itself builds nothing, but it must only be built one layer at a time (marked `shape_only`).
+    A config whose weights cannot fit this host is refused first (`check_fits_host`)."""
     if config.shape_only and not allow_shape_only:
         raise UserInputError(
             f"model '{config.name}' is shape-only (too large to build here)",
             hint=f"derive its profile instead: pipectl profile {config.name} --derive --device a100-80gb; "
             f"or measure one instance of each distinct layer: pipectl profile {config.name} --once",
         )
+    check_fits_host(config)
     layers = mlp_layers(config) if config.family is ModelFamily.MLP else transformer_layers(config)
     return replace(layers, shape_only=config.shape_only)
 
 
-def _import_factory(reference: str):
-    module_name, _, attr = reference.partition(":")
-    # Resolve modules beside the user, as `python -m` does: the console script's sys.path[0] is
-    # the venv's bin/, not the current directory.
-    for folder in factory_search_path():
-        if folder not in sys.path:
+# Packages whose functions are never a model factory: pipectl itself, and (checked by name) the
+# standard library and the interpreter's built-in modules (`sys:exit`, `os:system`, `shutil:rmtree`).
+_NOT_FACTORY_PACKAGES = frozenset({"pipectl"})
+
+
+def _not_a_factory_package(module_name: str) -> bool:
+    root = module_name.partition(".")[0]
+    return root in sys.stdlib_module_names or root in sys.builtin_module_names or root in _NOT_FACTORY_PACKAGES
+
+
+def _factory_search_path() -> None:
+    """Put the folder the user launched from (`PIPECTL_MODEL_PATH`), else the current directory,
+    first on sys.path, as `python -m` does; never a run directory. Ranks run inside the run
+    directory (files someone else may have written): when the current directory holds a job.json
+    it is taken off sys.path, not searched."""
+    cwd = os.getcwd()
+    if os.path.isfile(os.path.join(cwd, JOB_FILE)):
+        sys.path[:] = [p for p in sys.path if p not in ("", ".", cwd)]
+    for folder in reversed(factory_search_path()):
+        if folder not in sys.path and not os.path.isfile(os.path.join(folder, JOB_FILE)):
             sys.path.insert(0, folder)
+
+
+def _import_factory(reference: str):
+    """Import `package.module:factory` after checking what it names, and return (module, factory).
+
+    Refused before anything of the user's runs: a reference that is not `module:function`, a
+    module of the standard library, a built-in module or pipectl itself (`sys:exit`, `os:system`),
+    and, after the import, anything but a plain Python function defined outside those modules that
+    can be called without arguments. The caller checks the type of what the call returns.
+
+    What this does not protect against: importing a module runs its top-level code, and calling
+    the factory runs the factory. A model reference is code: a plan or a run directory from
+    someone else names code that `pipectl launch` will import and run.
+    """
+    module_name, sep, attr = reference.partition(":")
+    if not sep or not module_name or not attr.isidentifier() or not all(
+        part.isidentifier() for part in module_name.split(".")
+    ):
+        raise UserInputError(
+            f"model reference '{reference}' is not 'package.module:function'", hint="see examples/custom_model.py"
+        )
+    if _not_a_factory_package(module_name):
+        raise UserInputError(
+            f"model reference '{reference}' names {module_name!r}, a module of Python or pipectl, not a model factory",
+            hint="give the function of your own module that builds the model (examples/custom_model.py)",
+        )
+    _factory_search_path()
     try:
         module = importlib.import_module(module_name)
-        return module, getattr(module, attr)
+        factory = getattr(module, attr)
     except (ImportError, AttributeError) as exc:
         raise UserInputError(f"cannot load model factory '{reference}': {exc}") from exc
+    if isinstance(factory, type) and issubclass(factory, nn.Module):
+        raise UserInputError(f"model factory '{reference}' is a module class; give a function that builds the model")
+    if not inspect.isfunction(factory):
+        raise UserInputError(
+            f"model factory '{reference}' is a {type(factory).__name__}, not a Python function that builds the model",
+            hint="see examples/custom_model.py",
+        )
+    if _not_a_factory_package(factory.__module__ or ""):
+        raise UserInputError(
+            f"model factory '{reference}' is {factory.__module__}.{factory.__qualname__}, a function of Python "
+            "or pipectl, not a model factory"
+        )
+    try:
+        inspect.signature(factory).bind()
+    except TypeError:
+        raise UserInputError(
+            f"model factory '{reference}' takes arguments {inspect.signature(factory)}; pipectl calls it with none"
+        ) from None
+    return module, factory
 
 
 @functools.lru_cache(maxsize=None)
@@ -148,15 +257,14 @@ class FactoryLayer(nn.Module):
 
 
 def from_factory(reference: str) -> ModelLayers:
-    """`package.module:factory`; see examples/custom_model.py for the contract.
+    """`package.module:factory`; see examples/custom_model.py for the contract, and
+    `_import_factory` for what is checked before it runs (and what cannot be).
 
     The factory returns a `ModelLayers`, or an `nn.Sequential` / list of modules; in the latter
     case its module must also define `make_batch(batch_size, generator)` and `loss_fn(output,
     labels)` (examples/sequential_model.py).
     """
     module, factory = _import_factory(reference)
-    if isinstance(factory, type) and issubclass(factory, nn.Module):
-        raise UserInputError(f"model factory '{reference}' is a module class; give a function that builds the model")
     probe = factory()
     if isinstance(probe, ModelLayers):
         return probe

@@ -132,17 +132,39 @@ class TokenFileSource(TokenArraySource):
         if path.suffix == ".npy":
             try:
                 tokens = np.load(path, mmap_mode="r", allow_pickle=False)
-            except ValueError as exc:
+            except (ValueError, OSError, EOFError) as exc:
                 raise UserInputError(f"{path} is not a plain .npy array: {exc}") from exc
         elif path.suffix == ".bin":
             if bin_dtype not in ("uint16", "int32"):
                 raise UserInputError(f"token .bin dtype must be uint16 or int32, got {bin_dtype!r}")
-            tokens = np.memmap(path, dtype=np.dtype(bin_dtype), mode="r")
+            size = path.stat().st_size
+            width = np.dtype(bin_dtype).itemsize
+            if size == 0 or size % width:
+                raise UserInputError(
+                    f"{path} holds {size} bytes, not a whole number of {bin_dtype} tokens ({width} bytes each)"
+                    + (": it is empty" if size == 0 else "")
+                )
+            try:
+                tokens = np.memmap(path, dtype=np.dtype(bin_dtype), mode="r")
+            except (ValueError, OSError) as exc:
+                raise UserInputError(f"{path} cannot be read as {bin_dtype} tokens: {exc}") from exc
         else:
             raise UserInputError(f"token file {path} must end in .npy or .bin")
         if not np.issubdtype(tokens.dtype, np.integer):
             raise UserInputError(f"{path} holds {tokens.dtype} values, expected integer token ids")
         super().__init__(np.asarray(tokens), seq_len, vocab, name=str(path))
+
+
+def check_token_file(path: str | Path, seq_len: int | None, vocab: int | None, bin_dtype: str = "uint16") -> int:
+    """Read a token file as every rank will, before any rank starts: its format, dtype and shape,
+    its ids inside the vocabulary, at least one sample of seq_len + 1 tokens. Returns its samples.
+
+    `seq_len` and `vocab` are the model's (a plan's `model_shape`); a model without them is not a
+    language model, and no token file fits it.
+    """
+    if seq_len is None or vocab is None:
+        raise UserInputError(f"the model is not a language model: token file {path} does not fit it")
+    return TokenFileSource(path, seq_len, vocab, bin_dtype=bin_dtype).num_samples
 
 
 class SyntheticSource:
