@@ -43,7 +43,9 @@ def test_local_is_standalone_torchrun_of_the_worker_with_one_thread_per_rank():
     assert "--standalone" in cmd.argv
     assert option(cmd.argv, "--nproc_per_node") == "4"
     assert cmd.argv[-4:] == ["-m", "pipectl.runtime.worker", "--run-dir", "/runs/demo"]
-    assert cmd.env == {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PIPECTL_MODEL_PATH": os.getcwd()}
+    assert cmd.env == {
+        "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONSAFEPATH": "1", "PIPECTL_MODEL_PATH": os.getcwd()
+    }
     assert "DS_ACCELERATOR" not in build_command(job(), RUN, python="py", gpus=True).env
 
 
@@ -205,3 +207,20 @@ def test_graceful_stop_targets_worker_ranks_below_the_launcher(tmp_path):
     finally:
         launcher.kill()
     assert set(worker_pids(os.getpid())) <= before
+
+
+def test_a_module_planted_in_the_run_directory_is_not_imported_by_a_rank(tmp_path):
+    # Ranks start with `python -m` inside the run directory; without PYTHONSAFEPATH Python would put
+    # that directory first on sys.path, and a planted module would shadow the real one.
+    import subprocess
+    import sys
+
+    from pipectl.launch.engines import rank_environment
+
+    (tmp_path / "platform.py").write_text("raise SystemExit('planted module ran')\n")
+    env = {**os.environ, **rank_environment(gpus=False)}
+    result = subprocess.run([sys.executable, "-m", "platform"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert result.returncode == 0 and "planted" not in result.stdout + result.stderr
+    env.pop("PYTHONSAFEPATH")
+    planted = subprocess.run([sys.executable, "-m", "platform"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert "planted module ran" in planted.stderr  # the check can fail: without the variable it does

@@ -70,8 +70,10 @@ def rank_environment(*, gpus: bool) -> dict[str, str]:
     """Variables every rank needs: one OpenMP thread (2 threads made 20 steps 5x slower on 2 cores),
     DeepSpeed's CPU accelerator when there is no GPU (silences its auto-detection warning), and the
     folder `pipectl launch` ran in, where a user's `package.module:factory` model is imported from
-    (ranks run inside the run directory)."""
-    env = {"OMP_NUM_THREADS": "1", MODEL_PATH_VARIABLE: os.getcwd()}
+    (ranks run inside the run directory). `PYTHONSAFEPATH` (Python 3.11+) keeps `python -m` from
+    putting the working directory, the run directory, first on `sys.path`: a file planted there
+    (a `torch.py`) is never imported."""
+    env = {"OMP_NUM_THREADS": "1", "PYTHONSAFEPATH": "1", MODEL_PATH_VARIABLE: os.getcwd()}
     if not gpus:
         env["DS_ACCELERATOR"] = "cpu"
     return env
