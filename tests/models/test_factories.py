@@ -61,3 +61,16 @@ def test_launch_folder_is_searched(tmp_path, monkeypatch):
     )
     monkeypatch.setenv("PIPECTL_MODEL_PATH", str(tmp_path))
     assert len(build_model("far_model:build").layers) == 5
+
+
+def test_counting_a_factory_models_shape_first_leaves_real_layers_to_build():
+    # shape_of counts parameters on the meta device; the factory's modules are cached per process,
+    # so they must not be cached as meta tensors.
+    from pipectl.models.base import shape_of
+    from pipectl.models.registry import _sequential_layers
+
+    _sequential_layers.cache_clear()
+    model = build_model("examples.sequential_model:build")
+    assert shape_of(model).parameter_count > 0
+    weight = next(model.layers[0].build().parameters())
+    assert weight.device.type == "cpu" and not weight.is_meta

@@ -236,10 +236,12 @@ def _sequential_layers(reference: str) -> tuple[nn.Module, ...]:
     """The modules a factory returns as an `nn.Sequential` or a list, built once per process.
 
     Built under a fixed seed, whichever layer asks first, so every pipeline rank of every layout
-    holds the same initial weights.
+    holds the same initial weights; and on the CPU whatever device is the default when asked (a
+    shape counted on the meta device first would otherwise leave meta modules in this cache for
+    every later build).
     """
     _, factory = _import_factory(reference)
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), torch.device("cpu"):
         torch.manual_seed(0)
         result = factory()
     return tuple(result)
