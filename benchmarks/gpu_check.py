@@ -95,20 +95,33 @@ def write_cluster(work: Path, kind: str, gpus: int) -> Path:
 
 
 def compare_layers(measured: dict, derived: dict) -> list[dict]:
-    """Per layer and micro-batch size both profiles have: derived / measured of each figure."""
+    """Per layer, tensor-parallel shard (t = 1 for the whole layer) and micro-batch size both
+    profiles have: derived / measured of each figure."""
     rows = []
     for mine, theirs in zip(measured["layers"], derived["layers"]):
-        by_size = {cost["micro_batch_size"]: cost for cost in theirs["costs"]}
-        for cost in mine["costs"]:
-            other = by_size.get(cost["micro_batch_size"])
-            if other is None:
-                continue
-            row = {"layer": mine["name"], "kind": mine["kind"], "micro_batch_size": cost["micro_batch_size"]}
-            for field in ("forward_seconds", "backward_seconds", "saved_activation_bytes", "peak_memory_bytes"):
-                row[field.replace("_seconds", "").replace("_bytes", "") + "_ratio"] = (
-                    other[field] / cost[field] if cost[field] else None
-                )
-            rows.append(row)
+        pairs = [(1, mine["costs"], theirs["costs"])]
+        their_shards = {shard["tensor_parallel"]: shard for shard in theirs.get("shards", [])}
+        for shard in mine.get("shards", []):
+            if shard["tensor_parallel"] in their_shards:
+                pairs.append((shard["tensor_parallel"], shard["costs"], their_shards[shard["tensor_parallel"]]["costs"]))
+        for t, mine_costs, their_costs in pairs:
+            rows += _ratio_rows(mine, t, mine_costs, their_costs)
+    return rows
+
+
+def _ratio_rows(layer: dict, t: int, measured_costs: list, derived_costs: list) -> list[dict]:
+    rows = []
+    by_size = {cost["micro_batch_size"]: cost for cost in derived_costs}
+    for cost in measured_costs:
+        other = by_size.get(cost["micro_batch_size"])
+        if other is None:
+            continue
+        row = {"layer": layer["name"], "kind": layer["kind"], "tensor_parallel": t,
+               "micro_batch_size": cost["micro_batch_size"]}  # fmt: skip
+        for field in ("forward_seconds", "backward_seconds", "saved_activation_bytes", "peak_memory_bytes"):
+            name = field.replace("_seconds", "").replace("_bytes", "") + "_ratio"
+            row[name] = other[field] / cost[field] if cost[field] else None
+        rows.append(row)
     return rows
 
 
@@ -258,7 +271,8 @@ def main() -> None:
     gpus = torch.cuda.device_count() if gpu else 2
 
     measured_path, derived_path, plan_path = work / "measured.json", work / "derived.json", work / "plan.json"
-    measure_args = ["--device", device, "--device-kind", kind] if gpu else ["--device", "cpu"]
+    # On a GPU the blocks' tensor-parallel shards too (16 heads: t = 2, 4, 8), one instance each.
+    measure_args = ["--device", device, "--device-kind", kind, "--tensor-parallel", "1,2,4,8"] if gpu else ["--device", "cpu"]
     started = time.perf_counter()
     pipectl("profile", model, *measure_args, "--dtype", dtype, "-b", sizes, "-o", measured_path)
     profile_seconds = time.perf_counter() - started
