@@ -45,6 +45,19 @@ class LayerCost(Strict):
     forward_flops: float = Field(default=0.0, ge=0, le=MAX_FLOPS, description="Forward FLOPs (analytic), 0 if unknown.")
 
 
+def _working_memory_bytes(parameter_bytes: int, cost: LayerCost) -> int:
+    """Peak - (weights + gradients) - saved - output, at least 0 (`LayerProfile.working_memory_bytes`)."""
+    held = 2 * parameter_bytes + cost.saved_activation_bytes + cost.output_activation_bytes
+    return max(0, cost.peak_memory_bytes - held)
+
+
+def _cost_at(costs: list[LayerCost], micro_batch_size: int, owner: str) -> LayerCost:
+    for entry in costs:
+        if entry.micro_batch_size == micro_batch_size:
+            return entry
+    raise KeyError(f"{owner} has no cost for micro-batch size {micro_batch_size}")
+
+
 class ShardProfile(Strict):
     """What one rank of a t-way tensor-parallel group holds and runs of a layer that splits.
 
@@ -62,14 +75,10 @@ class ShardProfile(Strict):
 
     def working_memory_bytes(self, cost: LayerCost) -> int:
         """As `LayerProfile.working_memory_bytes`, for this shard's parameters."""
-        held = 2 * self.parameter_bytes + cost.saved_activation_bytes + cost.output_activation_bytes
-        return max(0, cost.peak_memory_bytes - held)
+        return _working_memory_bytes(self.parameter_bytes, cost)
 
     def cost(self, micro_batch_size: int) -> LayerCost:
-        for entry in self.costs:
-            if entry.micro_batch_size == micro_batch_size:
-                return entry
-        raise KeyError(f"t={self.tensor_parallel} shard has no cost for micro-batch size {micro_batch_size}")
+        return _cost_at(self.costs, micro_batch_size, f"t={self.tensor_parallel} shard")
 
 
 class LayerProfile(Strict):
@@ -140,14 +149,10 @@ class LayerProfile(Strict):
         gradients, saved activations and output (the head's fp32 logits and their gradients):
         `peak_memory_bytes` - 2 x `parameter_bytes` - saved - output, at least 0. A profile whose
         peak is only that sum (CPU measurements, older derived profiles) has none."""
-        held = 2 * self.parameter_bytes + cost.saved_activation_bytes + cost.output_activation_bytes
-        return max(0, cost.peak_memory_bytes - held)
+        return _working_memory_bytes(self.parameter_bytes, cost)
 
     def cost(self, micro_batch_size: int) -> LayerCost:
-        for entry in self.costs:
-            if entry.micro_batch_size == micro_batch_size:
-                return entry
-        raise KeyError(f"layer {self.name} has no cost for micro-batch size {micro_batch_size}")
+        return _cost_at(self.costs, micro_batch_size, f"layer {self.name}")
 
 
 class LinkClassFit(Strict):
