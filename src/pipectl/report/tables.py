@@ -100,19 +100,24 @@ def profile_table(profile: ModelProfile, micro_batch_sizes: Sequence[int] | None
         params = format_bytes(layer.parameter_bytes)
         if layer.shared_group:
             params = f"*{params}"
-        costs = [c for c in layer.costs if c.micro_batch_size in sizes]
-        for position, cost in enumerate(costs):
-            first = position == 0
+        # The layer, then one tensor rank's shard of it per degree t (when profiled).
+        groups = [(layer.name, params, layer.costs)] + [
+            (f"  t={shard.tensor_parallel} shard", format_bytes(shard.parameter_bytes), shard.costs)
+            for shard in layer.shards
+        ]
+        rows = [(name, held, cost, index == 0) for name, held, costs in groups
+                for index, cost in enumerate(c for c in costs if c.micro_batch_size in sizes)]  # fmt: skip
+        for position, (name, held, cost, first) in enumerate(rows):
             table.add_row(
-                layer.name if first else "",
-                params if first else "",
+                name if first else "",
+                held if first else "",
                 str(cost.micro_batch_size),
                 format_seconds_ms(cost.forward_seconds),
                 format_seconds_ms(cost.backward_seconds),
                 format_bytes(cost.output_activation_bytes),
                 format_bytes(cost.saved_activation_bytes),
                 format_bytes(cost.peak_memory_bytes),
-                end_section=len(costs) > 1 and position == len(costs) - 1,
+                end_section=len(rows) > 1 and position == len(rows) - 1,
             )
     unique_parameter_bytes = _unique_parameter_bytes(profile)
     for position, size in enumerate(s for s in sizes if s in profile.micro_batch_sizes):
