@@ -328,3 +328,12 @@ def test_cli_records_the_attention_it_derives_for(tmp_path):
     assert bad.exit_code == 2 and "sparse" in bad.output
     measured = runner.invoke(app, ["profile", "gpt-tiny", "--attention", "unfused", "-o", str(out)])
     assert measured.exit_code == 2 and "--derive" in measured.output
+
+
+def test_a_micro_batch_too_large_for_any_profile_is_a_user_error_not_a_traceback():
+    from pipectl.errors import UserInputError
+    from pipectl.models.registry import load_model_config
+
+    with pytest.raises(UserInputError, match="out of range: .*peak_memory_bytes") as error:
+        derive_profile(load_model_config("gpt3-175b"), "a100-80gb", [100_000_000])
+    assert "-b" in error.value.hint

@@ -54,6 +54,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
+from pydantic import ValidationError
+
 from pipectl.artifacts.model import ModelConfig, ModelFamily
 from pipectl.artifacts.profile import (
     LayerCost,
@@ -64,6 +66,7 @@ from pipectl.artifacts.profile import (
 )
 from pipectl.catalog import DTYPE_BYTES, DeviceSpec, get_device
 from pipectl.errors import UserInputError
+from pipectl.io import validation_message
 from pipectl.profile.compute_model import (
     FP32_BYTES,
     TOKEN_ID_BYTES,
@@ -491,6 +494,24 @@ def derive_profile(
     `tensor_parallel`: the degrees t whose block shards to derive too (those that divide the heads;
     t = 1 is the layers themselves).
     """
+    try:
+        return _derive(config, device, micro_batch_sizes, dtype, attention, tensor_parallel)
+    except ValidationError as error:  # a figure beyond what a profile may hold (e.g. a huge b)
+        raise UserInputError(
+            f"the derived profile of '{config.name}' is out of range: {validation_message(error)}",
+            hint="derive it for smaller micro-batch sizes (-b)",
+        ) from None
+
+
+def _derive(
+    config: ModelConfig,
+    device: DeviceSpec | str,
+    micro_batch_sizes: Sequence[int],
+    dtype: str,
+    attention: Attention | str,
+    tensor_parallel: Sequence[int],
+) -> ModelProfile:
+    """`derive_profile`, whose figures the artifacts' validators check."""
     if isinstance(device, str):
         device = get_device(device)
     sizes = _check_micro_batch_sizes(micro_batch_sizes)
