@@ -86,9 +86,8 @@ class ComputeDevice:
     @classmethod
     def of(cls, device: DeviceSpec, dtype: str) -> ComputeDevice | None:
         """The device's compute constants, or None when its catalog entry lacks one of them."""
-        if not device.has_compute_model():
+        if not device.has_compute_model() or device.memory_bandwidth_gbytes_per_second is None:
             return None
-        assert device.memory_bandwidth_gbytes_per_second is not None  # has_compute_model checked it
         return cls(
             name=device.name,
             peak_flops_per_second=device.peak_flops_per_second(dtype),

@@ -173,12 +173,13 @@ def unloadable_problem(info: CheckpointInfo) -> str | None:
     """
     import torch
 
-    assert info.manifest is not None
+    if info.manifest is None:
+        return f"{info.path}: no manifest to say which files it holds"
     with data_only_loads():
         for relative in sorted(info.manifest.files):
             path = info.path / relative
             try:
-                torch.load(path, map_location="cpu", mmap=True)
+                torch.load(path, map_location="cpu", mmap=True, weights_only=True)
             except CheckpointError as exc:
                 return exc.message
             except Exception as exc:  # whatever torch raises on a damaged file, named with the file
