@@ -40,6 +40,7 @@ from pipectl.plan.memory import (
     RangeMemory,
     StageMemory,
     in_flight_units,
+    peak_bytes,
     stage_holding,
     state_bytes_per_parameter,
     step_bytes_per_parameter,
@@ -617,9 +618,7 @@ def _specs_of_one_depth(
     units = np.array([point[4] for point in points], dtype=np.int64)
     per_step = np.array([step_bytes(dtype, zero, d, kind) for d, _, zero, _, _ in points], dtype=float)[:, None]
     # `StageMemory.per_rank_bytes`, one row per point; reported as the allocator's reserve.
-    allocated = np.maximum(
-        parameters * per_device + units * unit_bytes + buffer_bytes + working_bytes, parameters * per_step
-    )
+    allocated = peak_bytes(parameters, unit_bytes, buffer_bytes, working_bytes, per_device, per_step, units)
     peak = hardware.memory_budget.reserved(allocated)
     if hardware.runtime is not None:
         costs = [

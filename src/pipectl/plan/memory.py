@@ -317,10 +317,13 @@ class StageMemory:
                 working[rank] = max(working[rank], table.working(start, end))
         return cls(parameters, unit, buffer, working)
 
-    def per_rank_bytes(self, state_bytes: float, step_bytes: float, units: Sequence[int]) -> np.ndarray:
-        """Peak allocated bytes per rank: the larger of the training peak and the optimizer step's."""
-        training = self.parameters * state_bytes + np.asarray(units) * self.unit_bytes + self.recompute_buffer_bytes
-        return np.maximum(training + self.working_bytes, self.parameters * step_bytes)
+    def per_rank_bytes(self, state_bytes, step_bytes, units) -> np.ndarray:
+        """Peak allocated bytes per rank (`peak_bytes`). Scalars give one row; a column of bytes per
+        parameter with a row of units per rank for each gives one row per demand."""
+        return peak_bytes(
+            self.parameters, self.unit_bytes, self.recompute_buffer_bytes, self.working_bytes,
+            state_bytes, step_bytes, np.asarray(units),
+        )
 
     def estimate(
         self, state_bytes: float, step_bytes: float, units: Sequence[int], capacity_bytes: float,
@@ -331,6 +334,16 @@ class StageMemory:
 
     def fits(self, state_bytes: float, step_bytes: float, units: Sequence[int], capacity_bytes: float) -> bool:
         return bool((self.per_rank_bytes(state_bytes, step_bytes, units) <= capacity_bytes).all())
+
+
+def peak_bytes(parameters, unit_bytes, buffer_bytes, working_bytes, state_bytes, step_bytes, units) -> np.ndarray:
+    """Peak allocated bytes of ranks, element-wise over numpy arrays: the larger of the training
+    peak (parameters x state bytes + units x unit bytes + recompute buffer + working memory) and the
+    optimizer step's (parameters x step bytes). The one definition the search's batched checks
+    share; `RangeMemory.stage_bytes` and `FurthestFittingEnds` write the same expression for one
+    stage, in the same order."""
+    training = parameters * state_bytes + units * unit_bytes + buffer_bytes
+    return np.maximum(training + working_bytes, parameters * step_bytes)
 
 
 def stage_holding(stage_layers: Sequence[tuple[int, int]], index: int) -> int:

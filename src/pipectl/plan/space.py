@@ -417,11 +417,7 @@ class _Family:
             states = [state for _, _, _, units, per_device in self._per_d if units is not None for state in per_device]
             steps = [self.step_of[state] for state in states]
             units = [units for _, _, zeros, units, _ in self._per_d if units is not None for _ in zeros]
-            per_rank = np.maximum(
-                memory.parameters * np.array(states)[:, None] + np.array(units) * memory.unit_bytes
-                + memory.recompute_buffer_bytes + memory.working_bytes,
-                memory.parameters * np.array(steps)[:, None],
-            )
+            per_rank = memory.per_rank_bytes(np.array(states)[:, None], np.array(steps)[:, None], units)
             fits = self._fits[from_right] = (per_rank <= self.capacity).all(axis=1).tolist()
         return fits[index]
 
