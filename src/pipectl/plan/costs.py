@@ -323,15 +323,13 @@ def layer_seconds(table: LayerTable, hardware: Hardware, tensor_parallel: int) -
     """
     t = tensor_parallel
     forward_ratio, backward_ratio = engine_compute_ratios(hardware.runtime, table.micro_batch_size)
+    slowdown = tensor_parallel_slowdown(hardware.device, table.micro_batch_size, t)
     if table.divisor(t) == t:  # whole layers: each divided by t, at the efficiency of a t-times-smaller b
-        scale = hardware.compute_scale / t * tensor_parallel_slowdown(hardware.device, table.micro_batch_size, t)
-        forward = [f * scale * forward_ratio for f in table.forward_seconds]
-        backward = [b * scale * backward_ratio for b in table.backward_seconds]
+        scales = [hardware.compute_scale / t * slowdown] * table.layers
     else:  # one tensor rank's figures: shards and replicated layers as they are; divided ones slowed
-        slowdown = tensor_parallel_slowdown(hardware.device, table.micro_batch_size, t)
         scales = [hardware.compute_scale * (slowdown if divided else 1.0) for divided in table.divided]
-        forward = [f * scale * forward_ratio for f, scale in zip(table.forward_seconds, scales)]
-        backward = [b * scale * backward_ratio for b, scale in zip(table.backward_seconds, scales)]
+    forward = [f * scale * forward_ratio for f, scale in zip(table.forward_seconds, scales)]
+    backward = [b * scale * backward_ratio for b, scale in zip(table.backward_seconds, scales)]
     if t > 1:
         ring = hardware.links.allreduce_intra
         for index, kind in enumerate(table.kinds):

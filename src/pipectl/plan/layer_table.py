@@ -72,14 +72,16 @@ def interpolate(points: Sequence[tuple[int, float]], micro_batch_size: float) ->
     return max(high_value, high_value + slope * (micro_batch_size - high_size))
 
 
+def _at(points: Sequence[tuple[int, float]], micro_batch_size: int) -> float:
+    """The value at b: the measured point itself, else interpolated over b."""
+    exact = next((value for size, value in points if size == micro_batch_size), None)
+    return exact if exact is not None else interpolate(points, micro_batch_size)
+
+
 def _cost_at(layer: LayerProfile, micro_batch_size: int, field: str, costs: Sequence[LayerCost] | None = None) -> float:
     """A cost field at b from the layer's costs (or `costs`, a shard's), interpolated over b."""
     costs = layer.costs if costs is None else costs
-    exact = next((c for c in costs if c.micro_batch_size == micro_batch_size), None)
-    if exact is not None:
-        return float(getattr(exact, field))
-    points = [(c.micro_batch_size, float(getattr(c, field))) for c in costs]
-    return interpolate(points, micro_batch_size)
+    return _at([(c.micro_batch_size, float(getattr(c, field))) for c in costs], micro_batch_size)
 
 
 def _working_at(layer: LayerProfile, micro_batch_size: int, tensor_parallel: int = 1) -> float:
@@ -87,9 +89,7 @@ def _working_at(layer: LayerProfile, micro_batch_size: int, tensor_parallel: int
     like the cost fields."""
     shard = layer.shard(tensor_parallel) if tensor_parallel > 1 else None
     holder = shard if shard is not None else layer
-    points = [(c.micro_batch_size, float(holder.working_memory_bytes(c))) for c in holder.costs]
-    exact = next((value for size, value in points if size == micro_batch_size), None)
-    return exact if exact is not None else interpolate(points, micro_batch_size)
+    return _at([(c.micro_batch_size, float(holder.working_memory_bytes(c))) for c in holder.costs], micro_batch_size)
 
 
 def _prefix(values: Sequence[float]) -> tuple[float, ...]:
@@ -182,28 +182,10 @@ def build_layer_table(layers: Sequence[LayerProfile], micro_batch_size: int, ten
     """The layers' figures at b: whole layers (t = 1), or one tensor rank's at t (module docstring)."""
     if tensor_parallel > 1:
         return _rank_table(layers, micro_batch_size, tensor_parallel)
-    columns = {
-        field: tuple(_cost_at(layer, micro_batch_size, field) for layer in layers) for field in _COST_FIELDS
-    }
-    parameters = tuple(layer.parameter_count for layer in layers)
-    return LayerTable(
-        micro_batch_size=micro_batch_size,
-        names=tuple(layer.name for layer in layers),
-        kinds=tuple(layer.kind for layer in layers),
-        forward_seconds=columns["forward_seconds"],
-        backward_seconds=columns["backward_seconds"],
-        output_activation_bytes=columns["output_activation_bytes"],
-        saved_activation_bytes=columns["saved_activation_bytes"],
-        forward_flops=columns["forward_flops"],
-        working_bytes=tuple(_working_at(layer, micro_batch_size) for layer in layers),
-        parameter_count=parameters,
-        shared_group=tuple(layer.shared_group for layer in layers),
-        shared_parameter_count=tuple(layer.shared_parameter_count for layer in layers),
-        forward_prefix=_prefix(columns["forward_seconds"]),
-        backward_prefix=_prefix(columns["backward_seconds"]),
-        saved_prefix=_prefix(columns["saved_activation_bytes"]),
-        parameter_prefix=_prefix(parameters),
-        shared_layer_indices=tuple(i for i, layer in enumerate(layers) if layer.shared_group),
+    columns = {field: [_cost_at(layer, micro_batch_size, field) for layer in layers] for field in _COST_FIELDS}
+    return _table(
+        layers, micro_batch_size, columns, [layer.parameter_count for layer in layers],
+        [layer.shared_parameter_count for layer in layers],
     )
 
 
@@ -240,6 +222,14 @@ def _rank_table(layers: Sequence[LayerProfile], b: int, t: int) -> LayerTable:
             parameters.append(layer.parameter_count)
             shared.append(layer.shared_parameter_count)
         divided.append(estimate)
+    return _table(layers, b, columns, parameters, shared, tensor_parallel=t, divided=tuple(divided))
+
+
+def _table(
+    layers: Sequence[LayerProfile], b: int, columns: dict[str, list[float]], parameters: list[int],
+    shared: list[int], *, tensor_parallel: int = 1, divided: tuple[bool, ...] = (),
+) -> LayerTable:
+    """A `LayerTable` of per-layer columns at b, with its prefix sums."""
     return LayerTable(
         micro_batch_size=b,
         names=tuple(layer.name for layer in layers),
@@ -249,7 +239,7 @@ def _rank_table(layers: Sequence[LayerProfile], b: int, t: int) -> LayerTable:
         output_activation_bytes=tuple(columns["output_activation_bytes"]),
         saved_activation_bytes=tuple(columns["saved_activation_bytes"]),
         forward_flops=tuple(columns["forward_flops"]),
-        working_bytes=tuple(_working_at(layer, b, t) for layer in layers),
+        working_bytes=tuple(_working_at(layer, b, tensor_parallel) for layer in layers),
         parameter_count=tuple(parameters),
         shared_group=tuple(layer.shared_group for layer in layers),
         shared_parameter_count=tuple(shared),
@@ -258,8 +248,8 @@ def _rank_table(layers: Sequence[LayerProfile], b: int, t: int) -> LayerTable:
         saved_prefix=_prefix(columns["saved_activation_bytes"]),
         parameter_prefix=_prefix(parameters),
         shared_layer_indices=tuple(i for i, layer in enumerate(layers) if layer.shared_group),
-        tensor_parallel=t,
-        divided=tuple(divided),
+        tensor_parallel=tensor_parallel,
+        divided=divided,
     )
 
 
