@@ -35,6 +35,8 @@ import sys
 import time
 from pathlib import Path
 
+import yaml
+
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 1024**3
 
@@ -79,7 +81,7 @@ def write_model(work: Path, quick: bool) -> Path:
     if quick:
         config["layers"] = 4
     path = work / "model.yaml"
-    path.write_text("".join(f"{key}: {value}\n" for key, value in config.items()).replace("True", "true"))
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
 
 
