@@ -306,3 +306,93 @@ def test_resume_keeps_what_was_not_passed_and_refuses_another_global_batch(tmp_p
     result = invoke("launch", bigger, "--run-dir", run, "--resume", "--change-global-batch")
     assert result.exit_code == 0, result.output
     assert json.loads((run / "job.json").read_text())["global_batch_changes"] == ["B 8 -> 16 after step 4"]
+
+
+def _start_launch(plan: Path, run: Path, *args: str):
+    """`pipectl launch` as its own process (a user's terminal), output captured."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src"), "COLUMNS": "300"}
+    command = [sys.executable, "-m", "pipectl.cli.main", "launch", str(plan), "--run-dir", str(run), *args]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def _wait_for_steps(run: Path, steps: int, launcher, seconds: float = 120.0) -> None:
+    import time
+
+    deadline = time.monotonic() + seconds
+    metrics = run / "metrics.jsonl"
+    while time.monotonic() < deadline and launcher.poll() is None:
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= steps:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"no step {steps} within {seconds} s: {launcher.poll()}")
+
+
+def _processes_of(run: Path) -> list:
+    import psutil
+
+    found = []
+    for process in psutil.process_iter(["cmdline"]):
+        if str(run) in " ".join(process.info["cmdline"] or []):
+            found.append(process)
+    return found
+
+
+@pytest.mark.multiprocess
+def test_a_stopped_rank_ends_the_job_in_bounded_time_and_is_named(tmp_path):
+    """SIGSTOP of rank 1: rank 0 times out in its next collective (--collective-timeout 10), pipectl
+    names rank 1 from the heartbeats (not the rank that timed out) and ends every process."""
+    import os
+    import signal
+    import time
+
+    plan = write_plan(tmp_path / "plan.json")
+    run = tmp_path / "run"
+    launcher = _start_launch(plan, run, "--steps", "100000", "--collective-timeout", "10", "--timeout", "240")
+    try:
+        _wait_for_steps(run, 3, launcher)
+        time.sleep(1.5)  # a heartbeat (every second) since the engine was built: it knows its stage
+        rank1 = json.loads((run / "logs" / "heartbeat-rank1.json").read_text())["pid"]
+        os.kill(rank1, signal.SIGSTOP)
+        stopped = time.monotonic()
+        output, _ = launcher.communicate(timeout=120)
+        ended_after = time.monotonic() - stopped
+    finally:
+        launcher.kill()
+    output = " ".join(output.split())
+    assert launcher.returncode == 1, output
+    assert ended_after < 60, ended_after  # timeout 10 s + a check; the default was 10 minutes
+    assert f"rank 1 (stage 1, pid {rank1}) stopped responding: no heartbeat for" in output
+    assert "its process is stopped (SIGSTOP, or a debugger); the other ranks waited for it" in output
+    assert "Timed out waiting 10000ms" in output  # rank 0's own record, after the named cause
+    assert output.index("rank 1 (stage 1") < output.index("rank 0 (stage 0")
+    assert "Traceback" not in output
+    assert _processes_of(run) == []
+
+
+@pytest.mark.multiprocess
+def test_sigterm_to_torchrun_after_a_clean_checkpoint_exits_0(tmp_path):
+    """torchrun exits 1 when it is signalled even though its ranks stop cleanly; pipectl says what
+    happened and exits 0, and the run resumes from the checkpoint the ranks wrote."""
+    import psutil
+
+    plan = write_plan(tmp_path / "plan.json")
+    run = tmp_path / "run"
+    launcher = _start_launch(plan, run, "--steps", "100000", "--timeout", "240")
+    try:
+        _wait_for_steps(run, 3, launcher)
+        torchrun = [p for p in psutil.Process(launcher.pid).children() if "torch.distributed.run" in " ".join(p.cmdline())]
+        assert len(torchrun) == 1
+        torchrun[0].terminate()
+        output, _ = launcher.communicate(timeout=120)
+    finally:
+        launcher.kill()
+    output = " ".join(output.split())
+    assert launcher.returncode == 0, output
+    step = json.loads((run / "logs" / "heartbeat-rank0.json").read_text())["checkpoint_step"]
+    assert f"the launcher exited with code 1 (it was signalled), but every rank stopped cleanly after writing checkpoint step {step}" in output
+    assert (run / "checkpoints" / f"step{step:08d}").is_dir()
+    assert "Traceback" not in output and _processes_of(run) == []

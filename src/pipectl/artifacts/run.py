@@ -13,7 +13,8 @@ A run directory `runs/NAME/` holds everything one training job needs and produce
     schedule_rank{R}.txt  the compute order rank R executed
     logs/              engine and per-rank output; failure-rank{R}.json (`RankFailure`) when rank R
                        failed (the traceback itself stays in the engine log); resume.json
-                       (`ResumeRecord`): the step the ranks started from and the checkpoints skipped
+                       (`ResumeRecord`): the step the ranks started from and the checkpoints skipped;
+                       heartbeat-rank{R}.json (`RankHeartbeat`): rank R's liveness, every second
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ LOGS_DIR = "logs"
 MANIFEST_FILE = "manifest.json"
 FAILURE_FILE = "failure-rank{rank}.json"  # in LOGS_DIR
 RESUME_FILE = "resume.json"  # in LOGS_DIR
+HEARTBEAT_FILE = "heartbeat-rank{rank}.json"  # in LOGS_DIR
 
 
 class Engine(str, Enum):
@@ -112,6 +114,13 @@ class JobSpec(Artifact):
     master_port: int = Field(gt=0, lt=65536, description="Rendezvous / master port (distinct per concurrent job).")
     precision: Precision = Field(default=Precision.FP32)
     elastic: ElasticRange | None = Field(default=None, description="Elastic torchrun membership, if any.")
+    collective_timeout_seconds: float | None = Field(
+        default=None,
+        gt=0,
+        le=7 * 24 * 3600,
+        description="How long a rank waits in a collective for a silent peer before it fails; None: pipectl's "
+        "default for the plan (runtime/liveness.py).",
+    )
     plan_file: str = Field(default=PLAN_FILE)
     ds_config_file: str = Field(default=DS_CONFIG_FILE)
     pipectl_version: str = Field(default="", description="pipectl version that wrote the file.")
@@ -285,3 +294,36 @@ class ResumeRecord(Artifact):
         default_factory=list, description="Newer checkpoints that could not be loaded, each with the file and why."
     )
     time_unix: float = Field(default=0.0, description="When the ranks resumed.")
+
+
+class RankState(str, Enum):
+    """Where a rank is in its life, as its heartbeat says."""
+
+    RUNNING = "running"
+    FINISHED = "finished"  # trained every step, final checkpoint written, exiting 0
+    STOPPED = "stopped"  # stopped early on request (SIGTERM, stop file), checkpoint written, exiting 0
+    FAILED = "failed"  # an error ended it (its failure record says which)
+
+
+class RankHeartbeat(Strict):
+    """logs/heartbeat-rank{R}.json: rank R is alive and what it is doing.
+
+    A thread of the rank rewrites it every second (`runtime/liveness.py`), whatever the rank's main
+    thread does: a rank blocked in a collective still beats, a stopped or frozen process does not.
+    `progress_unix` moves only when the rank starts a new step or phase. The last write, when the
+    rank ends, gives its final state.
+    """
+
+    rank: int = Field(ge=0)
+    pid: int = Field(gt=0)
+    host: str = ""
+    stage: int | None = Field(default=None, ge=0)
+    step: int | None = Field(default=None, ge=1, description="The step being trained (1-based), if any.")
+    phase: str = Field(default="", description="What the main thread does: 'step', 'saving the checkpoint', ...")
+    state: RankState = RankState.RUNNING
+    checkpoint_step: int | None = Field(
+        default=None, ge=0, description="Finished or stopped: the step of the checkpoint it wrote last."
+    )
+    started_unix: float = Field(description="When the rank started (its job's start, for readers).")
+    beat_unix: float = Field(description="When this was written.")
+    progress_unix: float = Field(description="When the rank last started a new step or phase.")

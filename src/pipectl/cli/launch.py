@@ -14,10 +14,11 @@ from pipectl.cli.context import JsonFlag, console, err_console, print_json, trai
 from pipectl.errors import LaunchError, UserInputError
 from pipectl.io import load_model
 from pipectl.launch import LaunchOptions, PreparedLaunch, prepare_launch, resumed_options, run_engine
-from pipectl.launch.engines import ENGINE_LOG
+from pipectl.launch.engines import ENGINE_LOG, JobEnded
 from pipectl.launch.rundir import is_run_dir, run_status
 from pipectl.report.run_tables import failure_report, status_table
 from pipectl.runtime.failure import read_failures, read_resume, resume_lines
+from pipectl.runtime.liveness import StallWatch, job_collective_timeout_seconds, read_heartbeats, stopped_cleanly
 from pipectl.runtime.metrics import MetricsTail
 
 
@@ -106,6 +107,15 @@ def register(app: typer.Typer) -> None:
         timeout: Annotated[
             Optional[float], typer.Option(min=1.0, help="Stop the job after this many seconds.")
         ] = None,
+        collective_timeout: Annotated[
+            Optional[float],
+            typer.Option(
+                min=1.0,
+                max=7 * 24 * 3600.0,
+                help="Seconds a rank waits in a collective for a silent peer before the job fails "
+                "(default: 10 predicted steps, at least 120 s, plus a checkpoint write).",
+            ),
+        ] = None,
         json_output: JsonFlag = False,
     ) -> None:
         """Run a plan inside DeepSpeed's pipeline engine, with checkpoints and metrics."""
@@ -141,6 +151,7 @@ def register(app: typer.Typer) -> None:
             resume=resume,
             force=force,
             change_global_batch=change_global_batch,
+            collective_timeout=collective_timeout,
         )
         # A resume continues the run: what the user did not pass keeps the run's value.
         passed = {
@@ -183,21 +194,36 @@ def _launch(
             console.print(f"wrote {prepared.run_dir}; {prepared.command.submit_hint}")
         return
     started = time.time()
-    exit_code = _run_with_progress(prepared, timeout, quiet=json_output, since_unix=started - 1.0)
+    watch = StallWatch(
+        prepared.run_dir,
+        since_unix=started - 1.0,
+        collective_timeout_seconds=job_collective_timeout_seconds(prepared.job, prepared.plan.chosen),
+    )
+    try:
+        exit_code = _run_with_progress(prepared, timeout, watch, quiet=json_output, since_unix=started - 1.0)
+    except JobEnded as ended:
+        done = run_status(prepared.run_dir).steps_done
+        raise _failure(
+            prepared, started, f"pipectl ended the job after {done} of {prepared.job.steps} steps: {ended.message}", watch
+        ) from None
     status = run_status(prepared.run_dir)
     resumed = read_resume(prepared.run_dir, since_unix=started - 1.0)
     if exit_code != 0:
-        progress = f"the job exited with code {exit_code} after {status.steps_done} of {prepared.job.steps} steps"
-        logs = f"full traceback in {prepared.run_dir / LOGS_DIR / ENGINE_LOG}"
-        # The ranks' own records of what failed (runtime/failure.py); only this launch's.
-        failed, advice = failure_report(read_failures(prepared.run_dir, since_unix=started - 1.0))
-        if failed:
-            hint = f"{advice}; {logs}" if advice else f"{logs}; resume with --resume"
-            raise LaunchError(f"{failed}\n{progress}", hint=hint)
-        tail = _engine_log_tail(prepared.run_dir)
-        if tail and not json_output:
-            err_console.print(tail, highlight=False, markup=False)
-        raise LaunchError(progress, hint=f"logs: {prepared.run_dir / LOGS_DIR}; resume with --resume")
+        stopped_at = stopped_cleanly(read_heartbeats(prepared.run_dir, since_unix=started - 1.0), prepared.job.world_size)
+        if stopped_at is None:
+            progress = f"the job exited with code {exit_code} after {status.steps_done} of {prepared.job.steps} steps"
+            tail = _engine_log_tail(prepared.run_dir)
+            if tail and not json_output and not read_failures(prepared.run_dir, since_unix=started - 1.0):
+                err_console.print(tail, highlight=False, markup=False)
+            raise _failure(prepared, started, progress, watch)
+        # torchrun signalled directly reports the signal as an error although every rank stopped cleanly
+        err_console.print(
+            f"the launcher exited with code {exit_code} (it was signalled), but every rank stopped cleanly "
+            f"after writing checkpoint step {stopped_at}",
+            style="yellow",
+            highlight=False,
+        )
+        exit_code = 0
     if json_output:
         resume = None if resumed is None else resumed.model_dump(mode="json", exclude={"schema_version"})
         print_json({**described, "exit_code": exit_code, "resumed": resume, "status": status.to_dict()})
@@ -210,7 +236,24 @@ def _launch(
         )
 
 
-def _run_with_progress(prepared: PreparedLaunch, timeout: float | None, *, quiet: bool, since_unix: float) -> int:
+def _failure(prepared: PreparedLaunch, started: float, progress: str, watch: StallWatch) -> LaunchError:
+    """The error for a job that failed or was ended: first the ranks that went silent (the ones
+    their peers waited for), then what the ranks' own failure records say."""
+    run_dir = prepared.run_dir
+    logs = f"full traceback in {run_dir / LOGS_DIR / ENGINE_LOG}"
+    failed, advice = failure_report(read_failures(run_dir, since_unix=started - 1.0))
+    silent = watch.lines()
+    if silent:
+        waited = "; the other ranks waited for it" if len(silent) == 1 else "; the other ranks waited for them"
+        silent[-1] += waited
+    message = "\n".join([*silent, *([failed] if failed else []), progress])
+    hint = f"{advice}; {logs}" if advice else f"{logs}; resume with --resume"
+    return LaunchError(message, hint=hint)
+
+
+def _run_with_progress(
+    prepared: PreparedLaunch, timeout: float | None, watch: StallWatch, *, quiet: bool, since_unix: float
+) -> int:
     """Run the engine; tail metrics.jsonl into a Rich progress bar with loss and samples/s, and say
     where the ranks resumed (and which checkpoints could not be loaded) as soon as they have."""
     total = prepared.job.steps
@@ -219,7 +262,7 @@ def _run_with_progress(prepared: PreparedLaunch, timeout: float | None, *, quiet
     with training_progress(quiet=quiet) as progress:
         task = progress.add_task(f"training {prepared.run_dir.name}", total=total, stats="starting ranks…")
 
-        def tick() -> None:
+        def tick() -> str | None:
             if not reported:
                 resumed = read_resume(prepared.run_dir, since_unix=since_unix)
                 if resumed is not None:
@@ -233,5 +276,11 @@ def _run_with_progress(prepared: PreparedLaunch, timeout: float | None, *, quiet
             if last is not None:
                 stats = f"loss {last.loss:.4f}  {last.samples_per_second:.1f} samples/s"
                 progress.update(task, completed=min(last.step, total), stats=stats)
+            return watch.check()
 
-        return run_engine(prepared.command, prepared.run_dir, on_tick=tick, timeout_seconds=timeout, lock=prepared.lock)
+        def say(line: str) -> None:
+            err_console.print(line, style="yellow", highlight=False, markup=False)
+
+        return run_engine(
+            prepared.command, prepared.run_dir, on_tick=tick, timeout_seconds=timeout, lock=prepared.lock, say=say
+        )

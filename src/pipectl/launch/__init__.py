@@ -53,12 +53,13 @@ class LaunchOptions:
     resume: bool = False
     force: bool = False
     change_global_batch: bool = False  # with resume: a plan with another B is meant (recorded in job.json)
+    collective_timeout: float | None = None  # seconds; None: the default for the plan (runtime/liveness.py)
 
 
 # LaunchOptions fields a resume takes from the run when the user did not pass them.
 RESUMED_FIELDS = (
     "engine", "model", "steps", "checkpoint_every", "keep_checkpoints", "seed", "data", "precision",
-    "learning_rate", "elastic", "nodes", "master_addr",
+    "learning_rate", "elastic", "nodes", "master_addr", "collective_timeout",
 )  # fmt: skip
 
 
@@ -76,6 +77,7 @@ def resumed_options(run_dir: str | os.PathLike[str], options: LaunchOptions, pas
         "keep_checkpoints": job.keep_checkpoints, "seed": job.seed, "data": job.data, "precision": job.precision,
         "learning_rate": float(lr) if isinstance(lr, (int, float)) else options.learning_rate,
         "elastic": job.elastic, "nodes": job.nodes, "master_addr": job.master_addr,
+        "collective_timeout": job.collective_timeout_seconds,
     }  # fmt: skip
     return replace(options, **{name: kept[name] for name in RESUMED_FIELDS if name not in passed})
 
@@ -237,6 +239,7 @@ def build_job(plan: Plan, name: str, options: LaunchOptions) -> JobSpec:
         master_port=options.master_port or free_port(),
         precision=options.precision or Precision.FP32,
         elastic=options.elastic,
+        collective_timeout_seconds=options.collective_timeout,
         pipectl_version=__version__,
     )
 

@@ -40,10 +40,10 @@ from typing import Any, Callable
 
 from pipectl.artifacts.run import HOSTFILE, LOGS_DIR, SBATCH_FILE, Engine, JobSpec
 from pipectl.errors import LaunchError, UserInputError
+from pipectl.launch.processes import WORKER_MODULE, JobProcesses
 from pipectl.paths import MODEL_PATH_VARIABLE
 from pipectl.runtime.dsinit import cuda_available
 
-WORKER_MODULE = "pipectl.runtime.worker"
 ENGINE_LOG = "engine.log"
 DEEPSPEED_ENV_FILE = ".deepspeed_env"  # read by DeepSpeed's multi-node launcher from its working directory
 
@@ -257,10 +257,11 @@ def run_engine(
     command: LaunchCommand,
     run_dir: Path,
     *,
-    on_tick: Callable[[], None] | None = None,
+    on_tick: Callable[[], str | None] | None = None,
     tick_seconds: float = 0.5,
     timeout_seconds: float | None = None,
     lock: Any = None,
+    say: Callable[[str], None] | None = None,
 ) -> int:
     """Run the launcher, its output in RUN/logs/engine.log; return its exit code.
 
@@ -268,11 +269,15 @@ def run_engine(
     run stays locked while the launcher lives even if this process is killed; the launcher's pid
     is recorded beside this one's.
 
-    The launcher gets its own process group. A first SIGINT/SIGTERM sent to pipectl becomes SIGTERM
-    to the worker ranks (they finish the step, checkpoint and exit 0); a second one goes to the
-    whole group, a third is SIGKILL. `on_tick` is called every
-    `tick_seconds` while it runs (the CLI tails metrics.jsonl there). Past `timeout_seconds` the
-    group gets SIGTERM, then SIGKILL after 30 s, and a `LaunchError` is raised.
+    The launcher gets its own process group, and every process of the job is tracked
+    (`JobProcesses`: torchrun starts ranks in sessions of their own). A first SIGINT/SIGTERM sent
+    to pipectl becomes SIGTERM to the ranks (they finish the step, checkpoint and exit 0); a second
+    one ends every process of the job (SIGTERM, then SIGKILL `KILL_AFTER_SECONDS` later), a third
+    kills them now.
+    `say` is told what each signal does. `on_tick` is called every `tick_seconds` while the job
+    runs (the CLI tails metrics.jsonl and watches heartbeats there); when it returns a reason, the
+    job is ended and `JobEnded` raised. Past `timeout_seconds` the job is ended and a `LaunchError`
+    raised. Ranks still alive after their launcher exited are ended too.
     """
     if not command.runnable_here:
         raise LaunchError(f"the {command.engine.value} engine is not run by pipectl; {command.submit_hint}")
@@ -295,75 +300,41 @@ def run_engine(
             raise LaunchError(f"cannot start {command.argv[0]}: {exc}") from exc
         if lock is not None:
             lock.record(os.getpid(), proc.pid)
-        return _supervise(proc, on_tick, tick_seconds, timeout_seconds)
+        return _supervise(JobProcesses(proc), on_tick, tick_seconds, timeout_seconds, say or (lambda _: None))
 
 
-def _signal_group(proc: subprocess.Popen, signum: int) -> None:
-    try:
-        os.killpg(proc.pid, signum)
-    except ProcessLookupError:
-        pass
+KILL_AFTER_SECONDS = 10.0  # after a second Ctrl-C / SIGTERM to pipectl
 
 
-def worker_pids(launcher_pid: int) -> list[int]:
-    """Descendants of `launcher_pid` running the pipectl worker (Linux /proc; [] elsewhere).
-
-    Descendants, not the process group: torchrun starts each worker in a session of its own.
-    """
-    parents: dict[int, int] = {}
-    for entry in Path("/proc").glob("[0-9]*"):
-        try:
-            # /proc/PID/stat: "pid (comm) state ppid ..."; comm may hold spaces, so split after ')'.
-            parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue  # the process ended while we looked
-    children: dict[int, list[int]] = {}
-    for pid, ppid in parents.items():
-        children.setdefault(ppid, []).append(pid)
-    found, frontier = [], list(children.get(launcher_pid, []))
-    while frontier:
-        pid = frontier.pop()
-        frontier.extend(children.get(pid, []))
-        try:
-            if WORKER_MODULE.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
-                found.append(pid)
-        except OSError:
-            continue
-    return sorted(found)
-
-
-def stop_gracefully(proc: subprocess.Popen) -> None:
-    """SIGTERM to the worker ranks only: each finishes its step, checkpoints and exits 0, so the
-    launcher (torchrun, DeepSpeed's) sees its workers succeed and exits 0 as well. Signalling the
-    launcher itself makes torchrun exit 1 even after a clean stop (measured). With no worker
-    started yet, the whole group gets SIGTERM."""
-    pids = worker_pids(proc.pid)
-    if not pids:
-        _signal_group(proc, signal.SIGTERM)
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
+class JobEnded(LaunchError):
+    """pipectl ended the job (`on_tick` gave the reason, e.g. a rank silent for too long)."""
 
 
 def _supervise(
-    proc: subprocess.Popen,
-    on_tick: Callable[[], None] | None,
+    processes: JobProcesses,
+    on_tick: Callable[[], str | None] | None,
     tick_seconds: float,
     timeout_seconds: float | None,
+    say: Callable[[str], None],
 ) -> int:
+    proc = processes.launcher
     forwarded = (signal.SIGINT, signal.SIGTERM)
     previous = {}
     signals_seen = []
 
+    kill_at = []  # after a second signal: when the processes still alive get SIGKILL
+
     def forward(signum: int, _frame: object) -> None:
-        # First signal: graceful stop at the step boundary; a second one: the whole group, now.
         signals_seen.append(signum)
         if len(signals_seen) == 1:
-            stop_gracefully(proc)
+            say("stopping at the end of the step, after a checkpoint (again: end every process of the job)")
+            processes.stop_gracefully()
+        elif len(signals_seen) == 2:
+            say(f"ending every process of the job: SIGTERM, SIGKILL in {KILL_AFTER_SECONDS:.0f} s (again: now)")
+            processes.signal(processes.alive(), signal.SIGTERM)
+            kill_at.append(time.monotonic() + KILL_AFTER_SECONDS)
         else:
-            _signal_group(proc, signal.SIGKILL if len(signals_seen) > 2 else signum)
+            processes.signal(processes.alive(), signal.SIGKILL)
 
     in_main_thread = _in_main_thread()
     if in_main_thread:
@@ -371,15 +342,15 @@ def _supervise(
     deadline = None if timeout_seconds is None else time.monotonic() + timeout_seconds
     try:
         while proc.poll() is None:
-            if on_tick is not None:
-                on_tick()
+            processes.refresh()
+            if kill_at and time.monotonic() > kill_at[0]:
+                processes.signal(processes.alive(), signal.SIGKILL)
+            reason = on_tick() if on_tick is not None else None
+            if reason:
+                processes.end()
+                raise JobEnded(reason)
             if deadline is not None and time.monotonic() > deadline:
-                _signal_group(proc, signal.SIGTERM)
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    _signal_group(proc, signal.SIGKILL)
-                    proc.wait()
+                processes.end(grace_seconds=30)
                 raise LaunchError(f"the job ran past its {timeout_seconds:.0f} s limit and was stopped")
             try:
                 proc.wait(timeout=tick_seconds)
@@ -387,14 +358,14 @@ def _supervise(
                 pass
         if on_tick is not None:
             on_tick()
+        left = processes.alive()
+        if left:  # ranks that outlived their launcher would hold their devices
+            say(f"ending {len(left)} process(es) the launcher left behind: pids {', '.join(str(p.pid) for p in left)}")
+            processes.end()
         return int(proc.returncode)
     finally:
         if proc.poll() is None:  # an exception (e.g. from on_tick): do not leave ranks behind
-            _signal_group(proc, signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                _signal_group(proc, signal.SIGKILL)
+            processes.end(grace_seconds=30)
         for signum, handler in previous.items():
             signal.signal(signum, handler)
 

@@ -10,6 +10,11 @@ See /work/shared/DEEPSPEED-ON-CPU.md for the measurements behind each step:
   re-exports the name `torch`, so `import deepspeed.comm.torch as m` yields torch itself.
 - One OpenMP thread per rank: with two threads, 20 steps at p=2 went from 1.3 s to 6.3 s.
 - `DS_ACCELERATOR=cpu` when no GPU is visible, which silences the accelerator warning.
+- A collective timeout for every group: `init_process_group(timeout=...)` sets it for the default
+  group only. DeepSpeed builds its pipeline and data-parallel groups with `new_group(ranks)`, which
+  takes torch's module default (`distributed_c10d.default_pg_timeout`, 30 min for gloo, read when
+  the group is made), so that default is set to the job's timeout as well, before DeepSpeed makes
+  any group (`liveness` says why and how long).
 """
 
 from __future__ import annotations
@@ -82,7 +87,10 @@ def init_distributed(timeout_seconds: float | None = None) -> None:
 
     kwargs = {}
     if timeout_seconds is not None:
+        from torch.distributed import distributed_c10d
+
         kwargs["timeout"] = timedelta(seconds=timeout_seconds)
+        distributed_c10d.default_pg_timeout = kwargs["timeout"]  # the groups made later: see above
     deepspeed.init_distributed(
         dist_backend=get_accelerator().communication_backend_name(),
         auto_mpi_discovery=False,

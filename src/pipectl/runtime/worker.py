@@ -40,13 +40,14 @@ from typing import Any
 
 from pipectl.artifacts.layout import Layout
 from pipectl.artifacts.plan import Plan
-from pipectl.artifacts.run import DataKind, JobSpec, RankTiming, ResumeRecord, StepMetrics
+from pipectl.artifacts.run import DataKind, JobSpec, RankState, RankTiming, ResumeRecord, StepMetrics
 from pipectl.errors import LaunchError, PipectlError, UserInputError
 from pipectl.io import load_model, read_mapping
 from pipectl.runtime import checkpoint, dsinit
 from pipectl.runtime.elastic import ds_config_for_candidate, plan_for_world_size
 from pipectl.runtime.failure import RankContext, failure_record, write_failure, write_resume
 from pipectl.runtime.history import record_layout_change
+from pipectl.runtime.liveness import Heartbeat, job_collective_timeout_seconds
 from pipectl.runtime.metrics import MetricsWriter, RankMemory, rank_memory, reset_peak_memory
 from pipectl.schedule import generate
 from pipectl.schedule.ir import ActionKind, Schedule
@@ -99,6 +100,7 @@ class TrainingJob:
     predicted_step_seconds: float | None = None
     predicted_peak_memory_bytes: tuple[int, ...] = ()  # per pipeline stage, from the plan
     schedule: Schedule | None = None  # overrides the generated schedule (tests)
+    collective_timeout_seconds: float | None = None  # None: torch's and DeepSpeed's defaults
 
     @classmethod
     def from_run_dir(cls, run_dir: str | os.PathLike[str]) -> "TrainingJob":
@@ -125,12 +127,13 @@ class TrainingJob:
             keep_checkpoints=job.keep_checkpoints,
             predicted_step_seconds=candidate.predicted_step_seconds,
             predicted_peak_memory_bytes=tuple(candidate.peak_memory_bytes),
+            collective_timeout_seconds=job_collective_timeout_seconds(job, candidate),
         )
 
 
 def build_engine(job: TrainingJob):
     """Distributed start-up, model, DeepSpeed engine running the planned schedule. Every rank."""
-    dsinit.init_distributed()
+    dsinit.init_distributed(job.collective_timeout_seconds)
     # torch reads OMP_NUM_THREADS and DeepSpeed its accelerator when first imported: both only after
     # dsinit has set this rank's environment (the modules below import them too).
     import deepspeed
@@ -225,11 +228,26 @@ def train(
 ) -> TrainResult:
     """Train `job.steps` steps (from the latest checkpoint when `job.run_dir` has one). Every rank.
 
-    `context`, when given, is kept up to date with what the rank is doing (for a failure record).
+    `context`, when given, is kept up to date with what the rank is doing (for a failure record and,
+    in a run directory, for the rank's heartbeat: `liveness`).
     """
+    context = context or RankContext(rank=int(os.environ.get("RANK", "0")))
+    if job.run_dir is None:
+        return _train(job, on_step, context)
+    heartbeat = Heartbeat(job.run_dir, context.rank, lambda: (context.stage, context.step, context.phase)).start()
+    try:
+        result = _train(job, on_step, context)
+    except BaseException:
+        heartbeat.end(RankState.FAILED)
+        raise
+    state = RankState.STOPPED if result.stopped_early else RankState.FINISHED
+    heartbeat.end(state, checkpoint_step=result.start_step + len(result.records))
+    return result
+
+
+def _train(job: TrainingJob, on_step: Callable[[StepRecord], None] | None, context: RankContext) -> TrainResult:
     from pipectl.runtime.data import DeterministicBatches, make_source, replica_slices  # torch, after dsinit
 
-    context = context or RankContext(rank=int(os.environ.get("RANK", "0")))
     context.layout = job.layout
     context.predicted_peak_memory_bytes = job.predicted_peak_memory_bytes
     model, engine = build_engine(job)
