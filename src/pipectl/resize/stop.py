@@ -2,7 +2,7 @@
 
 A run is running when a process on this machine was started for it: every engine runs
 `... pipectl.runtime.worker --run-dir RUN` (the launcher's own argv carries it as well), so the
-processes are found from their command lines (`/proc/PID/cmdline`), with no pid file to go stale.
+processes are found from their command lines (psutil), with no pid file to go stale.
 
 Stopping is the runtime's own path: the file RUN/stop_requested is polled collectively at every
 step boundary; the ranks finish the step, write a checkpoint and exit 0 (and then so does their
@@ -23,10 +23,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipectl.errors import LaunchError
+import psutil
 
-WORKER_MODULE = "pipectl.runtime.worker"
-PROC = Path("/proc")
+from pipectl.errors import LaunchError
+from pipectl.launch.processes import WORKER_MODULE
 
 
 @dataclass(frozen=True)
@@ -63,52 +63,38 @@ def run_dir_argument(argv: tuple[str, ...]) -> str | None:
     return found
 
 
-def _read_argv(pid_dir: Path) -> tuple[str, ...] | None:
-    try:
-        raw = (pid_dir / "cmdline").read_bytes()
-    except OSError:
-        return None
-    return tuple(part.decode(errors="replace") for part in raw.split(b"\0") if part)
-
-
-def _resolve(argument: str, pid_dir: Path) -> Path:
+def _resolve(argument: str, process: psutil.Process) -> Path:
     path = Path(argument)
     if not path.is_absolute():
         try:
-            path = Path(os.readlink(pid_dir / "cwd")) / path
-        except OSError:
+            path = Path(process.cwd()) / path
+        except psutil.Error:
             pass
     return path.resolve()
 
 
-def find_run_processes(run_dir: str | os.PathLike[str], proc_root: Path = PROC) -> list[RunProcess]:
+def find_run_processes(run_dir: str | os.PathLike[str]) -> list[RunProcess]:
     """Live processes on this machine started for `run_dir` (empty when it is not running here)."""
     target = Path(run_dir).resolve()
     found = []
-    if not proc_root.is_dir():
-        return found
-    for pid_dir in proc_root.iterdir():
-        if not pid_dir.name.isdigit() or int(pid_dir.name) == os.getpid():
-            continue
-        argv = _read_argv(pid_dir)
-        if not argv:
+    for process in psutil.process_iter(["cmdline"]):
+        argv = tuple(process.info["cmdline"] or ())
+        if process.pid == os.getpid() or not argv:
             continue
         argument = run_dir_argument(argv)
-        if argument is not None and _resolve(argument, pid_dir) == target:
-            found.append(RunProcess(int(pid_dir.name), argv))
+        if argument is not None and _resolve(argument, process) == target:
+            found.append(RunProcess(process.pid, argv))
     return sorted(found, key=lambda p: p.pid)
 
 
-def _alive(process: RunProcess, proc_root: Path = PROC) -> bool:
+def _alive(process: RunProcess) -> bool:
     """Still running and still the same program (a recycled pid does not count)."""
-    argv = _read_argv(proc_root / str(process.pid))
-    if argv != process.argv:
-        return False
     try:
-        state = (proc_root / str(process.pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
+        found = psutil.Process(process.pid)
+        # a zombie has exited; only its parent has not collected it yet
+        return tuple(found.cmdline()) == process.argv and found.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
         return False
-    return state != "Z"  # a zombie has exited; only its parent has not collected it yet
 
 
 @dataclass(frozen=True)
