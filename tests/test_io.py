@@ -61,3 +61,33 @@ def test_unknown_shipped_name_lists_known_ones():
         resolve_config("gpt-huge", "models")
     assert "gpt-huge" in info.value.message
     assert "gpt-tiny" in (info.value.hint or "")
+
+
+def test_yaml_aliases_that_expand_beyond_a_million_values_are_refused_quickly(tmp_path):
+    """Nine lists of nine aliases of the previous one: 9**9 (387 M) values from a 9-line file."""
+    import time
+
+    lines = ['a0: &a0 ["x", "x", "x", "x", "x", "x", "x", "x", "x"]']
+    lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 9)]
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text("\n".join(lines) + "\n")
+    started = time.monotonic()
+    with pytest.raises(ArtifactError, match="aliases expand to more than 1,000,000 values"):
+        read_mapping(bomb)
+    assert time.monotonic() - started < 5
+
+
+def test_yaml_anchors_a_user_writes_still_load(tmp_path):
+    path = tmp_path / "cluster.yaml"
+    path.write_text("node: &node {gpus: 8, device: a100-80gb}\nnodes: [*node, *node, *node]\nmore: [*node]\n")
+    data = read_mapping(path)
+    assert data["nodes"] == [data["node"]] * 3 and data["more"] == [{"gpus": 8, "device": "a100-80gb"}]
+
+
+def test_a_long_value_in_a_validation_error_is_shortened(tmp_path):
+    path = tmp_path / "model.yaml"
+    path.write_text(json.dumps({"name": "m", "layers": list(range(10_000)), "hidden": 64, "heads": 4, "seq_len": 8, "vocab": 16}))
+    with pytest.raises(ArtifactError) as caught:
+        load_model(ModelConfig, path)
+    assert "layers" in caught.value.message and "(got [...])" in caught.value.message
+    assert len(caught.value.message) < 1000

@@ -18,6 +18,46 @@ from pipectl.errors import ArtifactError, UserInputError
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
 
+MAX_YAML_NODES = 1_000_000  # far above any pipectl file; a "billion laughs" file has 10**9
+
+
+class BoundedSafeLoader(yaml.SafeLoader):
+    """`yaml.SafeLoader` that refuses a document whose aliases expand to more than
+    `MAX_YAML_NODES` nodes. Aliases are shared when loaded, but everything that walks the result
+    (validation, JSON) walks the expansion: nine nested lists of nine aliases each are 10**9
+    nodes, which hung `pipectl profile` on a 9-line file. The count is kept while composing, with
+    each anchored node's size computed once."""
+
+    def __init__(self, stream: Any) -> None:
+        super().__init__(stream)
+        self._expanded = 0
+        self._sizes: dict[int, int] = {}
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        alias = self.check_event(yaml.AliasEvent)
+        node = super().compose_node(parent, index)
+        self._expanded += self._size(node) if alias else 1
+        if self._expanded > MAX_YAML_NODES:
+            raise yaml.YAMLError(f"its aliases expand to more than {MAX_YAML_NODES:,} values")
+        return node
+
+    def _size(self, node: yaml.Node) -> int:
+        """Values in `node` with every alias expanded (memoised per node)."""
+        key = id(node)
+        if key not in self._sizes:
+            self._sizes[key] = 1  # a recursive alias counts once instead of looping
+            if isinstance(node, yaml.SequenceNode):
+                self._sizes[key] = 1 + sum(self._size(child) for child in node.value)
+            elif isinstance(node, yaml.MappingNode):
+                self._sizes[key] = 1 + sum(self._size(k) + self._size(v) for k, v in node.value)
+        return self._sizes[key]
+
+
+def safe_load_yaml(text: str) -> Any:
+    """`yaml.safe_load`, bounded: see `BoundedSafeLoader`."""
+    return yaml.load(text, Loader=BoundedSafeLoader)  # noqa: S506 - a SafeLoader subclass
+
+
 def read_mapping(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Parse a YAML or JSON file into a mapping; a missing or malformed file is a user error."""
     path = Path(path)
@@ -25,7 +65,7 @@ def read_mapping(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise UserInputError(f"file not found: {path}")
     try:
         text = path.read_text()
-        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+        data = json.loads(text) if path.suffix == ".json" else safe_load_yaml(text)
     except (yaml.YAMLError, json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ArtifactError(f"{path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {exc}") from None
     except RecursionError:
@@ -41,7 +81,9 @@ def validation_message(exc: ValidationError) -> str:
     for err in exc.errors():
         where = ".".join(str(part) for part in err["loc"]) or "(top level)"
         value = err.get("input")
-        shown = repr(value) if not isinstance(value, dict) else "{...}"
+        shown = "{...}" if isinstance(value, dict) else "[...]" if isinstance(value, list) and len(repr(value)) > 80 else repr(value)
+        if len(shown) > 200:
+            shown = shown[:200] + "..."
         message = err["msg"].removeprefix("Value error, ")  # a validator's own words say enough
         lines.append(f"{where}: {message} (got {shown})")
     return "; ".join(lines)
