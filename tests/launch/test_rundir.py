@@ -198,3 +198,28 @@ def test_the_plans_profile_goes_into_the_run_and_a_missing_one_is_refused(tmp_pa
     with pytest.raises(UserInputError, match=f"profile .*{plan.profile.file} is missing"):
         prepare_launch(plan, tmp_path / "runs" / "other", LaunchOptions(steps=4), plan_dir=tmp_path / "plans")
     assert not (tmp_path / "runs" / "other").exists()
+
+
+def test_ranks_left_running_without_their_launcher_keep_the_run_locked(tmp_path):
+    """The lock dies with the processes that hold it (pipectl and its launcher); a rank of the run
+    that outlived both still trains and writes there, so a new job is refused, naming it."""
+    import subprocess
+    import sys
+
+    from pipectl.launch.rundir import lock_run_dir
+
+    run = tmp_path / "run"
+    run.mkdir()
+    # what `ps` shows of a rank of this run: its argv names the worker module and the run directory
+    orphan = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)", "-m", "pipectl.runtime.worker", "--run-dir", str(run)]
+    )
+    try:
+        with pytest.raises(UserInputError, match=rf"ranks of an earlier job still run \(pids {orphan.pid}\)") as caught:
+            lock_run_dir(run)
+        assert f"kill -TERM {orphan.pid}" in caught.value.hint
+    finally:
+        orphan.kill()
+        orphan.wait()
+    with lock_run_dir(run):  # and free again once it is gone
+        pass

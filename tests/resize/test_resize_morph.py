@@ -23,7 +23,8 @@ from pipectl.resize.morph import (
     prepare_relaunch,
     resize_run,
 )
-from pipectl.resize.stop import find_run_processes, run_dir_argument, stop_run
+from pipectl.launch.processes import find_run_processes, run_dir_argument
+from pipectl.resize.stop import stop_run
 from pipectl.runtime import checkpoint as ckpt
 from pipectl.runtime.metrics import MetricsWriter
 

@@ -8,16 +8,91 @@ pipectl knows. A `psutil.Process` remembers its start time, so a recycled pid is
 
 Ending the job (`end`): SIGTERM to every live process, then SIGKILL to those still alive after
 `grace_seconds`. A stopped process (SIGSTOP) cannot act on SIGTERM until continued; SIGKILL ends it.
+
+A run's processes on this machine, whoever started them (`find_run_processes`), are found from
+their command lines: every engine runs `... pipectl.runtime.worker --run-dir RUN` (the launcher's
+own argv carries it as well), so no pid file can go stale.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
+from dataclasses import dataclass
+from pathlib import Path
 
 import psutil
 
 WORKER_MODULE = "pipectl.runtime.worker"
+
+
+@dataclass(frozen=True)
+class RunProcess:
+    """A live process started for a run: a launcher (torchrun, deepspeed) or a rank."""
+
+    pid: int
+    argv: tuple[str, ...]
+
+    @property
+    def is_worker(self) -> bool:
+        """A rank itself (the worker module is what it runs), not a launcher that starts ranks."""
+        return _module_of(self.argv) == WORKER_MODULE
+
+
+def _module_of(argv: tuple[str, ...]) -> str | None:
+    """The `-m MODULE` the interpreter runs (the first one: a launcher's own module)."""
+    for flag, value in zip(argv, argv[1:]):
+        if flag == "-m":
+            return value
+    return None
+
+
+def run_dir_argument(argv: tuple[str, ...]) -> str | None:
+    """The value after the last `--run-dir` (or `--run-dir=...`), if the argv starts the worker."""
+    if WORKER_MODULE not in argv:
+        return None
+    found = None
+    for index, arg in enumerate(argv):
+        if arg == "--run-dir" and index + 1 < len(argv):
+            found = argv[index + 1]
+        elif arg.startswith("--run-dir="):
+            found = arg.split("=", 1)[1]
+    return found
+
+
+def _resolve(argument: str, process: psutil.Process) -> Path:
+    path = Path(argument)
+    if not path.is_absolute():
+        try:
+            path = Path(process.cwd()) / path
+        except psutil.Error:
+            pass
+    return path.resolve()
+
+
+def find_run_processes(run_dir: str | os.PathLike[str]) -> list[RunProcess]:
+    """Live processes on this machine started for `run_dir` (empty when it is not running here)."""
+    target = Path(run_dir).resolve()
+    found = []
+    for process in psutil.process_iter(["cmdline"]):
+        argv = tuple(process.info["cmdline"] or ())
+        if process.pid == os.getpid() or not argv:
+            continue
+        argument = run_dir_argument(argv)
+        if argument is not None and _resolve(argument, process) == target:
+            found.append(RunProcess(process.pid, argv))
+    return sorted(found, key=lambda p: p.pid)
+
+
+def is_alive(process: RunProcess) -> bool:
+    """Still running and still the same program (a recycled pid does not count)."""
+    try:
+        found = psutil.Process(process.pid)
+        # a zombie has exited; only its parent has not collected it yet
+        return tuple(found.cmdline()) == process.argv and found.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 class JobProcesses:

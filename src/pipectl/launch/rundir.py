@@ -39,6 +39,7 @@ from pipectl.artifacts.run import (
 from pipectl.errors import UserInputError
 from pipectl.io import load_model, read_mapping, write_json_atomic
 from pipectl.launch.engines import LaunchCommand, launch_script
+from pipectl.launch.processes import find_run_processes
 from pipectl.planfile import copy_plan
 from pipectl.runtime.checkpoint import list_checkpoints, staging_leftovers
 from pipectl.runtime.metrics import PredictionSummary, prediction_summary, read_metrics
@@ -109,7 +110,9 @@ def lock_holder(run_dir: str | os.PathLike[str]) -> list[int]:
 
 def lock_run_dir(run_dir: str | os.PathLike[str], *, wait_seconds: float = 0.0) -> RunLock:
     """Take the run's lock (creating the folder if needed), waiting up to `wait_seconds` for a job
-    that holds it to end; `UserInputError` naming the live job's pids if it does not."""
+    that holds it to end; `UserInputError` naming the live job's pids if it does not, or if ranks
+    of the run still run on this machine without a launcher holding the lock (both the launching
+    pipectl and torchrun killed with SIGKILL, say)."""
     path = Path(run_dir)
     if path.exists() and not path.is_dir():
         raise UserInputError(f"run directory {path} is a file")
@@ -138,6 +141,15 @@ def lock_run_dir(run_dir: str | os.PathLike[str], *, wait_seconds: float = 0.0) 
                 ) from None
             time.sleep(0.1)
     lock = RunLock(lock_path, fd)
+    left = [p for p in find_run_processes(path) if p.is_worker]
+    if left:  # the lock dies with the launching processes; ranks they left behind may not have
+        lock.release()
+        pids = " ".join(str(p.pid) for p in left)
+        raise UserInputError(
+            f"run directory {path} is in use: ranks of an earlier job still run (pids {pids}), although the "
+            "processes that launched them have ended",
+            hint=f"end them first (kill -TERM {pids}: they checkpoint and exit; kill -KILL if they are hung)",
+        )
     lock.record(os.getpid())
     return lock
 
