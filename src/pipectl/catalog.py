@@ -51,6 +51,9 @@ class DeviceSpec(Strict):
     name: str = Field(description="Catalog key, e.g. 'a100-80gb'.")
     description: str = Field(default="", description="What the device is, in words.")
     source: str = Field(default="", description="Where the figures come from (datasheet, measurement).")
+    accelerator: Literal["cuda", "cpu"] = Field(
+        default="cuda", description="What a rank runs on: a CUDA GPU, or a CPU core (DeepSpeed's CPU accelerator, gloo)."
+    )
     memory_gib: float = Field(gt=0, le=MAX_GIB, description="Device memory by the datasheet, GiB (CPU: what one rank may use).")
     reported_memory_gib: float | None = Field(
         default=None, gt=0, le=MAX_GIB,

@@ -51,6 +51,34 @@ class NodeType(Strict):
         return self.devices_per_node * self.nodes
 
 
+SLURM_VALUE = r"^[A-Za-z0-9_.:,@%+=/-]*$"  # what an #SBATCH value may hold here: no spaces, quotes or '$'
+
+
+class SlurmSpec(Strict):
+    """What `launch --engine slurm` writes into the sbatch script that the plan cannot know.
+
+    `launch --partition/--account/--time-limit` win over the file's values.
+    """
+
+    partition: str | None = Field(default=None, pattern=SLURM_VALUE, description="#SBATCH --partition.")
+    account: str | None = Field(default=None, pattern=SLURM_VALUE, description="#SBATCH --account.")
+    time: str | None = Field(default=None, pattern=SLURM_VALUE, description="#SBATCH --time, e.g. '2-00:00:00'.")
+    qos: str | None = Field(default=None, pattern=SLURM_VALUE, description="#SBATCH --qos.")
+    constraint: str | None = Field(default=None, pattern=SLURM_VALUE, description="#SBATCH --constraint.")
+    cpus_per_rank: int | None = Field(
+        default=None, gt=0, le=1024, description="CPU cores per rank (--cpus-per-task = ranks per node x this; default 8 on GPUs, 1 on CPU)."
+    )
+    container_image: str | None = Field(
+        default=None, pattern=SLURM_VALUE, description="srun --container-image (pyxis/enroot), when the job runs in a container."
+    )
+    network_interface: str | None = Field(
+        default=None, pattern=SLURM_VALUE, description="NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME for the ranks, e.g. 'ib0'."
+    )
+    python: str | None = Field(
+        default=None, pattern=SLURM_VALUE, description="The Python on the compute nodes with pipectl installed (default: the one running launch)."
+    )
+
+
 class ClusterSpec(Artifact):
     """A cluster: one or more node types. Several device kinds make it heterogeneous."""
 
@@ -64,6 +92,7 @@ class ClusterSpec(Artifact):
         description="Local CPU ranks on this machine: `--devices N` sets how many (devices_per_node is the default).",
     )
     inter_node_links: LinkSpec = Field(default_factory=LinkSpec, description="Links between node groups.")
+    slurm: SlurmSpec = Field(default_factory=SlurmSpec, description="Batch-system facts for `launch --engine slurm`.")
 
     @model_validator(mode="after")
     def _unique_names(self) -> "ClusterSpec":

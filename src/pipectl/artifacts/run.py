@@ -34,6 +34,7 @@ DS_CONFIG_FILE = "ds_config.json"
 LAUNCH_SCRIPT = "launch.sh"
 HOSTFILE = "hostfile"
 SBATCH_FILE = "job.sbatch"
+SLURM_JOB_ID_FILE = "slurm_job_id"  # written by job.sbatch when it starts: what resize may scancel
 METRICS_FILE = "metrics.jsonl"
 CHECKPOINTS_DIR = "checkpoints"
 LOGS_DIR = "logs"
@@ -110,9 +111,17 @@ class JobSpec(Artifact):
     world_size: int = Field(gt=0, description="Ranks at launch: t * p * d of plan.chosen.")
     nodes: int = Field(default=1, gt=0, description="Nodes (agents) at launch.")
     ranks_per_node: int = Field(gt=0, description="Processes per node.")
-    master_addr: str = Field(default="127.0.0.1", description="Rendezvous / master address.")
+    master_addr: str = Field(
+        default="127.0.0.1",
+        description="Rendezvous / master address; '' for slurm: the first node of the allocation.",
+    )
     master_port: int = Field(gt=0, lt=65536, description="Rendezvous / master port (distinct per concurrent job).")
     precision: Precision = Field(default=Precision.FP32)
+    accelerator: Literal["cuda", "cpu"] | None = Field(
+        default=None,
+        description="What the ranks run on, from the plan's device (catalog); None in files written before it "
+        "was recorded: whatever the launching host has.",
+    )
     elastic: ElasticRange | None = Field(default=None, description="Elastic torchrun membership, if any.")
     collective_timeout_seconds: float | None = Field(
         default=None,

@@ -8,14 +8,17 @@ from typing import Annotated, Optional
 
 import typer
 
+from pydantic import ValidationError
+
+from pipectl.artifacts.cluster import SlurmSpec
 from pipectl.artifacts.plan import Plan
 from pipectl.artifacts.run import LOGS_DIR, DataKind, DataSpec, ElasticRange, Engine, Precision
 from pipectl.cli.context import JsonFlag, console, err_console, print_json, training_progress
 from pipectl.errors import LaunchError, UserInputError
-from pipectl.io import load_model
+from pipectl.io import load_model, validation_message
 from pipectl.launch import LaunchOptions, PreparedLaunch, prepare_launch, resumed_options, run_engine
 from pipectl.launch.engines import ENGINE_LOG, JobEnded
-from pipectl.launch.rundir import is_run_dir, run_status
+from pipectl.launch.rundir import is_run_dir, run_files, run_status
 from pipectl.report.run_tables import failure_report, status_table
 from pipectl.runtime.failure import read_failures, read_resume, resume_lines
 from pipectl.runtime.liveness import StallWatch, job_collective_timeout_seconds, read_heartbeats, stopped_cleanly
@@ -38,6 +41,13 @@ def parse_data(text: str) -> DataSpec:
     if not path.is_file():
         raise UserInputError(f"--data {text!r} is neither 'builtin', 'synthetic' nor an existing file")
     return DataSpec(kind=DataKind.FILE, path=str(path.resolve()))
+
+
+def _slurm_flags(**values: str | None) -> SlurmSpec:
+    try:
+        return SlurmSpec(**values)
+    except ValidationError as exc:
+        raise UserInputError(f"--{'/--'.join(values)}: {validation_message(exc)}") from None
 
 
 def _tcp_port(port: int | None) -> int | None:
@@ -83,11 +93,26 @@ def register(app: typer.Typer) -> None:
         elastic: Annotated[
             Optional[str], typer.Option(help="torchrun elastic node range MIN:MAX (engine torchrun).")
         ] = None,
-        nodes: Annotated[int, typer.Option(min=1, help="Nodes for torchrun/deepspeed/slurm.")] = 1,
+        nodes: Annotated[
+            Optional[int],
+            typer.Option(min=1, help="Nodes for torchrun/deepspeed/slurm (default: the plan's devices over the cluster's devices per node)."),
+        ] = None,
+        cluster: Annotated[
+            Optional[str], typer.Option(help="Cluster name or YAML the job runs on (default: the plan's).")
+        ] = None,
+        partition: Annotated[Optional[str], typer.Option(help="slurm: #SBATCH --partition (over the cluster file's).")] = None,
+        account: Annotated[Optional[str], typer.Option(help="slurm: #SBATCH --account (over the cluster file's).")] = None,
+        time_limit: Annotated[
+            Optional[str], typer.Option(help="slurm: #SBATCH --time, e.g. 2-00:00:00 (over the cluster file's).")
+        ] = None,
         hosts: Annotated[
             Optional[str], typer.Option(help="Comma-separated hosts for the deepspeed hostfile.")
         ] = None,
-        master_addr: Annotated[str, typer.Option(help="Rendezvous/master address.")] = "127.0.0.1",
+        master_addr: Annotated[
+            Optional[str],
+            typer.Option(help="Rendezvous/master address (default: loopback on one node, this host for torchrun, "
+            "the first --hosts entry for deepspeed, the allocation's first node for slurm)."),
+        ] = None,
         master_port: Annotated[
             Optional[int],
             typer.Option(callback=_tcp_port, help="Rendezvous/master port 1..65535 (default: a free one)."),
@@ -148,6 +173,8 @@ def register(app: typer.Typer) -> None:
             hosts=[h.strip() for h in hosts.split(",") if h.strip()] if hosts else None,
             master_addr=master_addr,
             master_port=master_port,
+            cluster=cluster,
+            slurm=_slurm_flags(partition=partition, account=account, time=time_limit),
             resume=resume,
             force=force,
             change_global_batch=change_global_batch,
@@ -172,6 +199,7 @@ def _launch(
     prepared: PreparedLaunch, plan_path: Path, run_dir: Path, *, timeout: float | None, dry_run: bool, json_output: bool
 ) -> None:
     """Print the dry run, or run the job and report how it ended."""
+    files = run_files(prepared.plan, prepared.job, prepared.ds_config, prepared.command, prepared.run_dir)
     described = {
         "run_dir": str(prepared.run_dir),
         "engine": prepared.job.engine.value,
@@ -181,9 +209,12 @@ def _launch(
     }
     if dry_run:
         if json_output:
-            print_json(described)
+            print_json({**described, "files": files})
         else:
-            console.print_json(data=prepared.ds_config)
+            for name, text in files.items():
+                console.rule(f"{prepared.run_dir / name}", align="left", style="dim")
+                console.print(text.rstrip("\n"), soft_wrap=True, highlight=False, markup=False)
+            console.rule(style="dim")
             console.print(f"[bold]command:[/] {prepared.command.shell_line()}", soft_wrap=True, highlight=False)
             console.print("[dim]dry run: nothing written, nothing started[/]")
         return

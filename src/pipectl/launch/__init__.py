@@ -12,15 +12,19 @@ own parser accepts the config (`dsconfig`).
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from pipectl import __version__
+from pipectl.artifacts.cluster import ClusterSpec, SlurmSpec
 from pipectl.artifacts.plan import Plan
 from pipectl.artifacts.profile import ModelProfile
 from pipectl.artifacts.run import DataSpec, ElasticRange, Engine, JobSpec, Precision
-from pipectl.errors import UserInputError
+from pipectl.catalog import get_device
+from pipectl.cluster import load_cluster
+from pipectl.errors import PipectlError, UserInputError
 from pipectl.io import load_model
 from pipectl.runtime.dsconfig import DEFAULT_LEARNING_RATE, validated_config
 from pipectl.launch.engines import LaunchCommand, build_command, run_engine
@@ -46,10 +50,12 @@ class LaunchOptions:
     precision: Precision | None = None  # default: the plan's (its profile's dtype)
     learning_rate: float = DEFAULT_LEARNING_RATE
     elastic: ElasticRange | None = None
-    nodes: int = 1
+    nodes: int | None = None  # default: 1 for local, else the plan's devices over the cluster's devices per node
     hosts: list[str] | None = None
-    master_addr: str = "127.0.0.1"
+    master_addr: str | None = None  # default: see `master_address`
     master_port: int | None = None
+    cluster: str | None = None  # name or YAML; default: the plan's cluster
+    slurm: SlurmSpec = field(default_factory=SlurmSpec)  # flags over the cluster file's `slurm:` section
     resume: bool = False
     force: bool = False
     change_global_batch: bool = False  # with resume: a plan with another B is meant (recorded in job.json)
@@ -119,7 +125,7 @@ def check_model(plan: Plan, model_reference: str) -> None:
     from pipectl.models import build_model  # torch: only when launching
     from pipectl.models.base import shape_of
 
-    model = build_model(model_reference)
+    model = build_model(model_reference, allow_shape_only=True)  # counted on the meta device; ranks build a stage each
     built = shape_of(model)
     counts = built.layer_parameter_counts
     expected = plan.model_shape
@@ -204,14 +210,83 @@ def _visible_gpus() -> int | None:
     return torch.cuda.device_count() if torch.cuda.is_available() else None
 
 
-def build_job(plan: Plan, name: str, options: LaunchOptions) -> JobSpec:
-    """job.json for `plan.chosen` under `options`."""
+def plan_accelerator(plan: Plan) -> str:
+    """'cpu' when the plan's devices are CPU ranks, else 'cuda' (a heterogeneous plan's are GPUs)."""
+    try:
+        return get_device(plan.chosen.device).accelerator
+    except UserInputError:  # 'mixed', or a device of a catalog this host does not have
+        return "cpu" if plan.chosen.device == "cpu" else "cuda"
+
+
+def plan_cluster(plan: Plan, asked: str | None) -> ClusterSpec | None:
+    """The cluster the job runs on: `--cluster` if given, else the plan's (None if that cannot be
+    read here: a YAML path from another machine)."""
+    if asked is not None:
+        return load_cluster(asked)
+    try:
+        return load_cluster(plan.cluster)
+    except PipectlError:
+        return None
+
+
+def job_nodes(plan: Plan, options: LaunchOptions, cluster: ClusterSpec | None) -> int:
+    """Nodes the job spans: 1 for `local`; else `--hosts`, `--nodes` or the elastic minimum if
+    given, else the plan's devices over the devices per node of the cluster's node type for the
+    plan's device (3,072 A100s on 8-GPU nodes: 384 nodes)."""
     devices = plan.chosen.devices
-    nodes = options.elastic.min_nodes if options.elastic else options.nodes
-    if options.hosts:
+    if options.engine is Engine.LOCAL:
+        nodes = options.nodes or 1
+    elif options.hosts:
         nodes = len(options.hosts)
+    elif options.elastic:
+        nodes = options.elastic.min_nodes
+    elif options.nodes:
+        nodes = options.nodes
+    else:
+        per_node = [n.devices_per_node for n in (cluster.node_types if cluster else []) if n.device == plan.chosen.device]
+        if not per_node:
+            raise UserInputError(
+                f"cannot tell how many nodes the plan's {devices} x {plan.chosen.device} span: cluster "
+                f"'{options.cluster or plan.cluster}' " + ("is not readable here" if cluster is None else f"has no {plan.chosen.device} nodes"),
+                hint="pass --cluster NAME|PATH (the cluster file the plan was made for) or --nodes N",
+            )
+        nodes = -(-devices // max(per_node))
     if devices % nodes:
         raise UserInputError(f"the plan's {devices} ranks cannot be split evenly over {nodes} nodes")
+    return nodes
+
+
+def master_address(options: LaunchOptions, nodes: int) -> str:
+    """Where the ranks meet: `--master-addr`; else loopback on one node, this host's name for
+    torchrun over several nodes (launch runs the first agent here; the same command runs on every
+    node), the first host for DeepSpeed's launcher, and the allocation's first node for slurm ('')."""
+    if options.master_addr:
+        return options.master_addr
+    if options.engine is Engine.SLURM:
+        return ""
+    if options.engine is Engine.DEEPSPEED and options.hosts:
+        return options.hosts[0]
+    if nodes > 1 or options.elastic:
+        return socket.getfqdn()
+    return "127.0.0.1"
+
+
+def slurm_settings(cluster: ClusterSpec | None, flags: SlurmSpec) -> SlurmSpec:
+    """The cluster file's `slurm:` section with the flags given on top.
+
+        >>> slurm_settings(None, SlurmSpec(partition="gpu")).partition
+        'gpu'
+    """
+    base = cluster.slurm if cluster is not None else SlurmSpec()
+    return base.model_copy(update={k: v for k, v in flags.model_dump().items() if v is not None})
+
+
+def build_job(plan: Plan, name: str, options: LaunchOptions, cluster: ClusterSpec | None = None) -> JobSpec:
+    """job.json for `plan.chosen` under `options`, on `cluster` (default: the plan's, if readable)."""
+    devices = plan.chosen.devices
+    if cluster is None:
+        cluster = plan_cluster(plan, options.cluster)
+    nodes = job_nodes(plan, options, cluster)
     if options.engine is Engine.LOCAL and nodes != 1:
         raise UserInputError(
             f"the local engine runs on this machine only, not {nodes} nodes", hint="use --engine torchrun"
@@ -235,9 +310,10 @@ def build_job(plan: Plan, name: str, options: LaunchOptions) -> JobSpec:
         world_size=devices,
         nodes=nodes,
         ranks_per_node=devices // nodes,
-        master_addr=options.master_addr,
+        master_addr=master_address(options, nodes),
         master_port=options.master_port or free_port(),
         precision=options.precision or Precision.FP32,
+        accelerator=plan_accelerator(plan),
         elastic=options.elastic,
         collective_timeout_seconds=options.collective_timeout,
         pipectl_version=__version__,
@@ -262,14 +338,21 @@ def prepare_launch(
     if plan.profile is not None:  # present and unchanged, before anything is written
         profile_dtype = load_model(ModelProfile, plan_profile_path(path if plan_dir is None else plan_dir, plan)).dtype
     options = replace(options, precision=planned_precision(profile_dtype, options.precision))
-    job = build_job(plan, path.name, options)
+    cluster = plan_cluster(plan, options.cluster)
+    job = build_job(plan, path.name, options, cluster)
     check_model(plan, job.model)
     ds_config = validated_config(
         plan, precision=job.precision, learning_rate=options.learning_rate
     )
-    command = build_command(job, path, hosts=options.hosts)
+    command = build_command(job, path, hosts=options.hosts, slurm=slurm_settings(cluster, options.slurm))
     if command.runnable_here:
         visible = _visible_gpus()
+        if job.accelerator == "cuda" and visible is None:
+            raise UserInputError(
+                f"the plan is for {plan.chosen.devices} {plan.chosen.device} GPU(s) and this host has none",
+                hint="write the files for the cluster with --engine slurm (or torchrun/deepspeed on its nodes); "
+                "--dry-run shows them",
+            )
         if visible is not None:
             check_gpus_for_ranks(job.ranks_per_node, visible)
     if options.resume and options.force:

@@ -38,7 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from pipectl.artifacts.run import HOSTFILE, LOGS_DIR, SBATCH_FILE, Engine, JobSpec
+from pipectl.artifacts.cluster import SlurmSpec
+from pipectl.artifacts.run import HOSTFILE, LOGS_DIR, SBATCH_FILE, SLURM_JOB_ID_FILE, Engine, JobSpec
 from pipectl.errors import LaunchError, UserInputError
 from pipectl.launch.processes import WORKER_MODULE, JobProcesses
 from pipectl.paths import MODEL_PATH_VARIABLE
@@ -172,40 +173,83 @@ def deepspeed_command(
     )
 
 
-def slurm_script(job: JobSpec, run_dir: Path, *, python: str = sys.executable, gpus: bool = False) -> str:
+def slurm_script(
+    job: JobSpec, run_dir: Path, *, python: str = sys.executable, gpus: bool = False, slurm: SlurmSpec | None = None
+) -> str:
     """An sbatch script: one torchrun agent per node via srun, c10d rendezvous on the first node.
 
-    `--signal=TERM@120` asks Slurm to send SIGTERM two minutes before the time limit: the worker
-    finishes its step, checkpoints and exits 0 (the same path as a spot pre-emption).
+    The allocation follows from the job: `--nodes` (a range for elastic jobs), one task per node
+    (the torchrun agent) with `--cpus-per-task` = ranks per node x cores per rank, and
+    `--gpus-per-node` = ranks per node when the plan's devices are GPUs. Partition, account, time
+    limit, QoS, constraint, container image, network interface and the compute nodes' Python come
+    from `slurm` (the cluster file's `slurm:` section and launch's flags); a line for each that is
+    unset says where it would go. `--signal=TERM@120` asks Slurm to send SIGTERM two minutes before
+    the time limit: the ranks finish their step, checkpoint and exit 0 (the path of a pre-emption).
+    The master address is the allocation's first node unless the job names one.
     """
+    slurm = slurm or SlurmSpec()
+    python = slurm.python or python
     nodes = f"{job.elastic.min_nodes}-{job.elastic.max_nodes}" if job.elastic else str(job.nodes)
     nnodes = f"{job.elastic.min_nodes}:{job.elastic.max_nodes}" if job.elastic else "$SLURM_JOB_NUM_NODES"
-    lines = [
-        "#!/bin/bash",
-        f"#SBATCH --job-name={job.name}",
-        f"#SBATCH --nodes={nodes}",
-        "#SBATCH --ntasks-per-node=1",
-        f"#SBATCH --cpus-per-task={job.ranks_per_node}",
-        *([f"#SBATCH --gpus-per-node={job.ranks_per_node}"] if gpus else []),
-        f"#SBATCH --output={run_dir / LOGS_DIR}/slurm-%j.out",
-        "#SBATCH --signal=TERM@120",
-        "set -euo pipefail",
-        *(f"export {k}={shlex.quote(v)}" for k, v in sorted(rank_environment(gpus=gpus).items())),
-        *(["export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"] if job.elastic else []),
-        'MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
-        f"MASTER_PORT={job.master_port}",
-        "srun --kill-on-bad-exit=1 " + shlex.join([python, "-m", "torch.distributed.run"])
+    cpus_per_rank = slurm.cpus_per_rank or (8 if gpus else 1)
+
+    def sbatch(option: str, value: str | None, example: str, flag: str) -> str:
+        if value:
+            return f"#SBATCH --{option}={value}"
+        return f"##SBATCH --{option}={example}   # unset: the cluster file's slurm.{option.replace('-', '_')}, or launch {flag}"
+
+    env = rank_environment(gpus=gpus)
+    if slurm.network_interface:
+        env.update(NCCL_SOCKET_IFNAME=slurm.network_interface, GLOO_SOCKET_IFNAME=slurm.network_interface)
+    if job.elastic:
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    master = (
+        f"MASTER_ADDR={shlex.quote(job.master_addr)}"
+        if job.master_addr
+        else 'MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"'
+    )
+    srun = ["srun", "--kill-on-bad-exit=1"]
+    if slurm.container_image:
+        srun += [f"--container-image={slurm.container_image}", f"--container-mounts={run_dir}:{run_dir}"]
+    torchrun = (
+        shlex.join([*srun, python, "-m", "torch.distributed.run"])
         + f" --nnodes {nnodes}"
         + (f" --max_restarts {job.elastic.max_restarts} --rdzv_conf last_call_timeout=1" if job.elastic else "")
         + f" --nproc_per_node {job.ranks_per_node}"
         + ' --rdzv_backend c10d --rdzv_endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv_id "$SLURM_JOB_ID"'
-        + " " + shlex.join(_worker_args(run_dir)),
+        + " " + shlex.join(_worker_args(run_dir))
+    )
+    lines = [
+        "#!/bin/bash",
+        f"# Written by pipectl launch for run {job.name}: {job.world_size} ranks, {job.nodes} node(s) x "
+        f"{job.ranks_per_node} {'GPU' if gpus else 'CPU'} rank(s), {job.precision.value}. Submit: sbatch {run_dir / SBATCH_FILE}",
+        f"#SBATCH --job-name={job.name}",
+        f"#SBATCH --nodes={nodes}",
+        "#SBATCH --ntasks-per-node=1",
+        f"#SBATCH --cpus-per-task={job.ranks_per_node * cpus_per_rank}",
+        *([f"#SBATCH --gpus-per-node={job.ranks_per_node}"] if gpus else []),
+        sbatch("partition", slurm.partition, "gpu", "--partition"),
+        sbatch("account", slurm.account, "my-project", "--account"),
+        sbatch("time", slurm.time, "2-00:00:00", "--time-limit"),
+        *([f"#SBATCH --qos={slurm.qos}"] if slurm.qos else []),
+        *([f"#SBATCH --constraint={slurm.constraint}"] if slurm.constraint else []),
+        "#SBATCH --exclusive",
+        f"#SBATCH --output={run_dir / LOGS_DIR}/slurm-%j.out",
+        "#SBATCH --signal=TERM@120",
+        "set -euo pipefail",
+        *(f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items())),
+        master,
+        f"MASTER_PORT={job.master_port}",
+        f'echo "$SLURM_JOB_ID" > {shlex.quote(str(run_dir / SLURM_JOB_ID_FILE))}',
+        torchrun,
     ]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
-def slurm_command(job: JobSpec, run_dir: Path, *, python: str = sys.executable, gpus: bool = False) -> LaunchCommand:
-    script = slurm_script(job, run_dir, python=python, gpus=gpus)
+def slurm_command(
+    job: JobSpec, run_dir: Path, *, python: str = sys.executable, gpus: bool = False, slurm: SlurmSpec | None = None
+) -> LaunchCommand:
+    script = slurm_script(job, run_dir, python=python, gpus=gpus, slurm=slurm)
     return LaunchCommand(
         Engine.SLURM,
         ["sbatch", str(run_dir / SBATCH_FILE)],
@@ -222,10 +266,16 @@ def build_command(
     hosts: list[str] | None = None,
     python: str = sys.executable,
     gpus: bool | None = None,
+    slurm: SlurmSpec | None = None,
 ) -> LaunchCommand:
-    """The command for `job.engine`. `run_dir` should be absolute (ranks may start elsewhere)."""
+    """The command for `job.engine`. `run_dir` should be absolute (ranks may start elsewhere).
+
+    GPUs or CPU ranks follow the plan's device (`job.accelerator`), never the host that launches:
+    a script written on a CPU login node is for the GPU nodes. Files without the field fall back
+    to what this host has.
+    """
     if gpus is None:
-        gpus = cuda_available()
+        gpus = job.accelerator == "cuda" if job.accelerator is not None else cuda_available()
     run_dir = Path(run_dir).resolve()
     if job.engine is Engine.LOCAL:
         if job.nodes != 1 or job.elastic is not None:
@@ -239,7 +289,7 @@ def build_command(
         return torchrun_command(job, run_dir, python=python, gpus=gpus)
     if job.engine is Engine.DEEPSPEED:
         return deepspeed_command(job, run_dir, hosts=hosts, python=python, gpus=gpus)
-    return slurm_command(job, run_dir, python=python, gpus=gpus)
+    return slurm_command(job, run_dir, python=python, gpus=gpus, slurm=slurm)
 
 
 def launch_script(command: LaunchCommand, run_dir: Path) -> str:

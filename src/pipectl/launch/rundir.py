@@ -196,6 +196,18 @@ def prepare_run_dir(run_dir: str | os.PathLike[str], *, resume: bool = False, fo
     return path
 
 
+def run_files(plan: Plan, job: JobSpec, ds_config: dict[str, Any], command: LaunchCommand, run_dir: Path) -> dict[str, str]:
+    """What `write_run_files` writes besides the plan and profile copies, name -> text (a dry run
+    prints them): job.json, ds_config.json, launch.sh and the engine's side files (job.sbatch,
+    hostfile, .deepspeed_env)."""
+    return {
+        JOB_FILE: job.model_dump_json(indent=2) + "\n",
+        DS_CONFIG_FILE: json.dumps(ds_config, indent=2) + "\n",
+        LAUNCH_SCRIPT: launch_script(command, run_dir),
+        **command.files,
+    }
+
+
 def write_run_files(
     run_dir: Path,
     *,
@@ -212,14 +224,13 @@ def write_run_files(
         write_json_atomic(run_dir / JOB_FILE, job),
         write_json_atomic(run_dir / DS_CONFIG_FILE, ds_config),
     ]
-    script = run_dir / LAUNCH_SCRIPT
-    script.write_text(launch_script(command, run_dir))
-    script.chmod(script.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
-    written.append(script)
-    for name, content in command.files.items():
+    texts = run_files(plan, job, ds_config, command, run_dir)
+    for name in [LAUNCH_SCRIPT, *command.files]:
         target = run_dir / name
-        target.write_text(content)
+        target.write_text(texts[name])
         written.append(target)
+    script = run_dir / LAUNCH_SCRIPT
+    script.chmod(script.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
     return written
 
 

@@ -158,7 +158,7 @@ def build_engine(job: TrainingJob):
         )
     else:
         topology = PipeDataParallelTopology(num_pp=layout.pipeline_parallel, num_dp=layout.data_parallel)
-    model = build_model(job.model)
+    model = build_model(job.model, allow_shape_only=True)  # a LayerDef list: each rank builds its stage only
     ds_config = job.ds_config
     replica = topology.get_coord(torch_dist.get_rank()).data
     _, micro_batches = layout.replica_share(replica)
