@@ -107,3 +107,23 @@ def test_the_tighter_bound_prunes_more_and_keeps_the_table():
     tight, loose = Evaluator(hardware, 96), SpecBoundOnly(hardware, 96)
     assert morph_table(specs, tight, 64, request) == morph_table(specs, loose, 64, request)
     assert tight.simulations < loose.simulations
+
+
+def test_the_varuna_bound_prunes_varuna_specs_and_keeps_the_table():
+    from pipectl.plan.morph import morph_table
+    from pipectl.schedule import ScheduleKind
+
+    class ChainsForVaruna(Evaluator):
+        def tighter_bound_seconds(self, spec):
+            if spec.variant.kind is ScheduleKind.VARUNA:
+                return spec.lower_bound_seconds
+            return super().tighter_bound_seconds(spec)
+
+    profile = synthetic_profile(blocks=12, micro_batch_sizes=[1, 2],
+                                block_forward_seconds=[0.01, 0.0101] * 6)
+    hardware = hardware_for(load_cluster("a100-8x8"), profile)
+    request = PlanRequest(global_batch=128, schedules=["varuna"])
+    specs = enumerate_specs(profile, hardware, search_space(request, profile, hardware), 64).specs
+    tight, loose = Evaluator(hardware, 128), ChainsForVaruna(hardware, 128)
+    assert morph_table(specs, tight, 64, request) == morph_table(specs, loose, 64, request)
+    assert tight.simulations < loose.simulations

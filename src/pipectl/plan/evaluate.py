@@ -25,7 +25,7 @@ from functools import lru_cache
 from pipectl.artifacts.plan import Candidate
 from pipectl.plan.candidates import Spec
 from pipectl.plan.costs import Hardware, host_compute_slowdown, ranks_share_node
-from pipectl.plan.fast import bounds, waves
+from pipectl.plan.fast import bounds, varuna_flags, waves
 from pipectl.plan.simulate import StageCosts, StepSummary
 from pipectl.plan.timing import actions_per_step, reference_mode, step_seconds_of, summary_of
 from pipectl.schedule import ScheduleKind
@@ -114,19 +114,25 @@ class Evaluator:
     def tighter_bound_seconds(self, spec: Spec) -> float:
         """A lower bound on `step_seconds(spec)` at least as tight as the spec's own, for pruning.
 
-        1F1B's order also gets the in-flight loops of `pipectl.plan.fast.bounds`, lowered by the tie
-        tolerance so that rounding never lifts it above the simulated step.
+        1F1B's order also gets the in-flight loops of `pipectl.plan.fast.bounds`, Varuna's its
+        warm-up and cool-down paths (its order's ends from `varuna_flags.order_ends`), each lowered
+        by the tie tolerance so that rounding never lifts it above the simulated step.
         """
         bound = spec.lower_bound_seconds
         step = self._steps.get(spec.key)
         if step is not None:
             return step
         kind, p, m, v, recompute = _schedule_args(spec)
-        if bounds.has_pair_loops(kind, p, m, v):
+        pair_loops = bounds.has_pair_loops(kind, p, m, v)
+        if pair_loops or (kind is ScheduleKind.VARUNA and p > 1):
             costs = costs_of(spec, self.hardware)
             self._bound_costs = (spec.key, costs)  # the simulation, if one follows, reads them
             if costs.jitter_seconds == 0 and not costs.blocking_p2p:
-                bound = max(bound, bounds.pair_loop_bound_seconds(m, recompute, costs) * (1 - 1e-12))
+                if pair_loops:
+                    tighter = bounds.pair_loop_bound_seconds(m, recompute, costs)
+                else:
+                    tighter = bounds.varuna_bound_seconds(m, *varuna_flags.order_ends(p, m), costs)
+                bound = max(bound, tighter * (1 - 1e-12))
         return bound
 
     def cost_per_sample(self, spec: Spec, step: float) -> float:
