@@ -166,7 +166,8 @@ def _forward_positions(order) -> list[int]:
 
 def _derive(p: int, m: int, tf: float, tb: float, *, watch: bool) -> tuple[tuple[tuple[bool, ...], ...], _PeriodicOrder | None]:
     """The rules of `pipectl.schedule.varuna_order` for exactly m micro-batches, as flags; with
-    `watch` (whole-number stage times only), also the periodic order once the state repeats.
+    `watch` (whole-number stage times only), the periodic order instead once the state repeats
+    (its caller wants only that: no flags are cut then).
 
     The state watched is every stage's remaining busy time, recompute flag, progress and the
     forward/backward ends its neighbours will still read, all relative to now and to stage 0's
@@ -282,7 +283,7 @@ def _derive(p: int, m: int, tf: float, tb: float, *, watch: bool) -> tuple[tuple
                 if earlier is not None:
                     starts, earlier_base = earlier
                     periodic_order = _PeriodicOrder(orders, starts, base - earlier_base)
-                    return periodic_order.flags(m), periodic_order
+                    return (), periodic_order
                 seen[state] = ([len(order) for order in orders], base)
             seen_summaries.add(summary)
         now = upcoming
