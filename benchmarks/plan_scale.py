@@ -11,9 +11,11 @@ every count up to 3,072.
 Every timing is a cold search in a fresh process (the planner's caches start empty), and the
 worker counts asked for are run alternately, `--repeats` times each, so their ratio comes from
 one run on one machine. Prints and writes (benchmarks/results/plan_scale.json) the median wall
-time per worker count (the derivation excluded), specs enumerated per second, simulator actions
-per second, and the search's figures from the run with the most workers; every worker count's
-plan must be the same (its sha256 is compared).
+time per worker count (the derivation excluded) and the CPU time it took (this process and its
+forked workers: on a machine shared with other work the wall time waits for a core, the CPU time
+much less), specs enumerated per second, simulator actions per second, and the search's figures
+from the run with the most workers; every worker count's plan must be the same (its sha256 is
+compared).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import hashlib
 import json
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -52,6 +55,8 @@ def single(workers: int | None, profile_out: str | None) -> dict:
     request = PlanRequest(global_batch=3072, workers=workers)
     stats = SearchStats()
     profiler = cProfile.Profile() if profile_out else None
+    children_before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu_started = time.process_time()
     started = time.perf_counter()
     if profiler:
         profiler.enable()
@@ -60,12 +65,17 @@ def single(workers: int | None, profile_out: str | None) -> dict:
         profiler.disable()
         profiler.dump_stats(profile_out)
     wall = time.perf_counter() - started
+    cpu = time.process_time() - cpu_started
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    children_cpu = (children.ru_utime + children.ru_stime) - (children_before.ru_utime + children_before.ru_stime)
 
     chosen = result.chosen
     distinct_morph = {id(e.candidate) for e in result.morph_table if e.candidate}
     return {
         "workers": workers or available_workers(),
         "wall_seconds": round(wall, 3),
+        "cpu_seconds": round(cpu + children_cpu, 3),
+        "cpu_seconds_of_this_process": round(cpu, 3),
         "derive_profile_seconds": round(derive_seconds, 3),
         "specs_enumerated": stats.specs,
         "shapes_partitioned": stats.shapes,
@@ -123,7 +133,9 @@ def main() -> None:
             output = subprocess.run(command, check=True, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}).stdout
             figures = json.loads(output)
             runs.setdefault(figures["workers"], []).append(figures)
-            print(f"workers={figures['workers']}: {figures['wall_seconds']:.3f} s  {figures['phase_seconds']}", flush=True)
+            print(f"workers={figures['workers']}: {figures['wall_seconds']:.3f} s "
+                  f"(CPU {figures['cpu_seconds']:.3f} s, this process {figures['cpu_seconds_of_this_process']:.3f} s)  "
+                  f"{figures['phase_seconds']}", flush=True)
     plans = {figures["plan_sha256"] for every in runs.values() for figures in every}
     if len(plans) != 1:
         raise SystemExit(f"the plans differ between worker counts: {sorted(plans)}")
@@ -142,6 +154,13 @@ def main() -> None:
         "simulator_actions_per_second_of_wall": round(best["simulated_actions"] / wall),
         "wall_seconds_by_workers": {str(w): [f["wall_seconds"] for f in every] for w, every in sorted(runs.items())},
         "median_wall_seconds_by_workers": {str(w): round(m, 3) for w, m in sorted(medians.items())},
+        "median_cpu_seconds_by_workers": {
+            str(w): round(statistics.median(f["cpu_seconds"] for f in every), 3) for w, every in sorted(runs.items())
+        },
+        "median_cpu_seconds_of_this_process_by_workers": {
+            str(w): round(statistics.median(f["cpu_seconds_of_this_process"] for f in every), 3)
+            for w, every in sorted(runs.items())
+        },
         "one_worker_over_most": round(medians[min(runs)] / wall, 3) if len(runs) > 1 else None,
         "target_wall_seconds": 2.0,
         "cpus": os.cpu_count(),

@@ -107,3 +107,49 @@ def test_the_tighter_bound_prunes_more_and_keeps_the_table():
     tight, loose = Evaluator(hardware, 96), SpecBoundOnly(hardware, 96)
     assert morph_table(specs, tight, 64, request) == morph_table(specs, loose, 64, request)
     assert tight.simulations < loose.simulations
+
+
+def test_the_varuna_bound_prunes_varuna_specs_and_keeps_the_table():
+    from pipectl.plan.morph import morph_table
+    from pipectl.schedule import ScheduleKind
+
+    class ChainsForVaruna(Evaluator):
+        def tighter_bound_seconds(self, spec):
+            if spec.variant.kind is ScheduleKind.VARUNA:
+                return spec.lower_bound_seconds
+            return super().tighter_bound_seconds(spec)
+
+    profile = synthetic_profile(blocks=12, micro_batch_sizes=[1, 2],
+                                block_forward_seconds=[0.01, 0.0101] * 6)
+    hardware = hardware_for(load_cluster("a100-8x8"), profile)
+    request = PlanRequest(global_batch=128, schedules=["varuna"])
+    specs = enumerate_specs(profile, hardware, search_space(request, profile, hardware), 64).specs
+    tight, loose = Evaluator(hardware, 128), ChainsForVaruna(hardware, 128)
+    assert morph_table(specs, tight, 64, request) == morph_table(specs, loose, 64, request)
+    assert tight.simulations < loose.simulations
+
+
+def test_timing_ahead_in_two_processes_leaves_the_loop_nothing_to_time(monkeypatch):
+    """The lower range of device counts is timed as the whole loop would, the upper one as a
+    superset: afterwards the loop finds every time it asks for, and its answer is the same."""
+    from pipectl.plan import morph
+
+    monkeypatch.setattr(morph, "PARALLEL_SPECS", 0)  # fork for a small search too
+    profile = synthetic_profile(blocks=12, micro_batch_sizes=[1, 2],
+                                block_forward_seconds=[0.01, 0.0101] * 6)
+    hardware = hardware_for(load_cluster("a100-8x8"), profile)
+    request = PlanRequest(global_batch=128, schedules=["1f1b", "varuna"])
+    specs = enumerate_specs(profile, hardware, search_space(request, profile, hardware), 64).specs
+    split = morph._split_count(specs)
+    assert min(s.devices for s in specs) <= split < max(s.devices for s in specs)
+
+    alone = Evaluator(hardware, 128)
+    expected = fastest_per_device_count(specs, alone, 64)
+    ahead = Evaluator(hardware, 128)
+    morph._time_ahead(specs, ahead, 64)
+    timed = ahead.simulations
+    assert timed >= alone.simulations  # both processes' simulations are counted
+    assert {s.key for s in specs if s.devices > split} & set(ahead.timings()[0])  # the other range came back
+    assert fastest_per_device_count(specs, ahead, 64) == expected
+    assert ahead.simulations == timed
+    assert fastest_per_device_count(specs, Evaluator(hardware, 128), 64, workers=2) == expected

@@ -25,7 +25,7 @@ from functools import lru_cache
 from pipectl.artifacts.plan import Candidate
 from pipectl.plan.candidates import Spec
 from pipectl.plan.costs import Hardware, host_compute_slowdown, ranks_share_node
-from pipectl.plan.fast import bounds, waves
+from pipectl.plan.fast import bounds, varuna_flags, waves
 from pipectl.plan.simulate import StageCosts, StepSummary
 from pipectl.plan.timing import actions_per_step, reference_mode, step_seconds_of, summary_of
 from pipectl.schedule import ScheduleKind
@@ -90,6 +90,7 @@ class Evaluator:
         self.reference = reference_mode() if reference is None else reference
         self._steps: dict[tuple, float] = {}
         self._summaries: dict[tuple, StepSummary] = {}
+        self._bounds: dict[tuple, float] = {}  # tighter bounds of specs not timed (yet)
         self._bound_costs: tuple[tuple | None, StageCosts | None] = (None, None)  # the last bound's
         self.simulations = 0
         self.simulated_actions = 0
@@ -111,22 +112,45 @@ class Evaluator:
             self.simulated_actions += actions_per_step(*args)
         return step
 
+    def timings(self) -> tuple[dict, dict, dict]:
+        """The step times, kept summaries and tighter bounds known so far, by spec key, for `adopt`."""
+        return dict(self._steps), dict(self._summaries), dict(self._bounds)
+
+    def adopt(self, timings: tuple[dict, dict, dict], simulations: int, simulated_actions: int) -> None:
+        """Take what another process's copy of this evaluator computed (`timings`), and count its
+        simulations. A figure known here already is kept: both are the same computation."""
+        for mine, theirs in zip((self._steps, self._summaries, self._bounds), timings, strict=True):
+            for key, value in theirs.items():
+                mine.setdefault(key, value)
+        self.simulations += simulations
+        self.simulated_actions += simulated_actions
+
     def tighter_bound_seconds(self, spec: Spec) -> float:
         """A lower bound on `step_seconds(spec)` at least as tight as the spec's own, for pruning.
 
-        1F1B's order also gets the in-flight loops of `pipectl.plan.fast.bounds`, lowered by the tie
-        tolerance so that rounding never lifts it above the simulated step.
+        1F1B's order also gets the in-flight loops of `pipectl.plan.fast.bounds`, Varuna's its
+        warm-up and cool-down paths (its order's ends from `varuna_flags.order_ends`), each lowered
+        by the tie tolerance so that rounding never lifts it above the simulated step.
         """
         bound = spec.lower_bound_seconds
         step = self._steps.get(spec.key)
         if step is not None:
             return step
+        known = self._bounds.get(spec.key)
+        if known is not None:
+            return known
         kind, p, m, v, recompute = _schedule_args(spec)
-        if bounds.has_pair_loops(kind, p, m, v):
+        pair_loops = bounds.has_pair_loops(kind, p, m, v)
+        if pair_loops or (kind is ScheduleKind.VARUNA and p > 1):
             costs = costs_of(spec, self.hardware)
             self._bound_costs = (spec.key, costs)  # the simulation, if one follows, reads them
             if costs.jitter_seconds == 0 and not costs.blocking_p2p:
-                bound = max(bound, bounds.pair_loop_bound_seconds(m, recompute, costs) * (1 - 1e-12))
+                if pair_loops:
+                    tighter = bounds.pair_loop_bound_seconds(m, recompute, costs)
+                else:
+                    tighter = bounds.varuna_bound_seconds(m, *varuna_flags.order_ends(p, m), costs)
+                bound = max(bound, tighter * (1 - 1e-12))
+        self._bounds[spec.key] = bound
         return bound
 
     def cost_per_sample(self, spec: Spec, step: float) -> float:

@@ -13,8 +13,20 @@ bound: a spec is simulated only if no spec with as many devices or fewer is alre
 at least as fast as its bound, i.e. only if it could still improve some entry. A Fenwick tree
 answers "fastest known with at most n devices" in O(log n). Specs that pass that check are
 checked once more against the evaluator's tighter bound (`pipectl.plan.fast.bounds`: 1F1B's in-flight
-loops) before they are simulated; skipping a spec that cannot improve any entry leaves the table
-unchanged.
+loops, Varuna's warm-up and cool-down) before they are simulated; skipping a spec that cannot
+improve any entry leaves the table unchanged. At GPT-1T scale on 3,072 GPUs (benchmarks/plan_scale.py)
+the Varuna bound spares 15 of the 60 Varuna simulations, the dearest kind here (~10 ms each against
+~2 ms for 1F1B); every 1F1B spec simulated improves an entry.
+
+With several workers (`pipectl.plan.workers`) the specs are first timed in two processes
+(`_time_ahead`), each running the same loop over one range of device counts: specs on at most n
+devices are pruned only by specs on at most n devices, so the lower range visits exactly what the
+whole loop visits there, and the upper one, missing the lower range's times, visits a superset
+of what the whole loop visits there (its fastest known is never below the whole loop's). The
+whole loop then runs here on the evaluator's cache, finding the times it asks for already known
+(one it did not find, it would time itself): the table is the one loop's, whatever the number of
+processes. At GPT-1T scale the two ranges
+together time 6 specs more than the one loop (167 simulations in all against 161).
 """
 
 from __future__ import annotations
@@ -22,6 +34,7 @@ from __future__ import annotations
 from pipectl.artifacts.plan import Candidate, MorphEntry, PlanRequest
 from pipectl.plan.candidates import Spec
 from pipectl.plan.evaluate import Evaluator
+from pipectl.plan.workers import available_workers, share
 
 
 class PrefixMinimum:
@@ -56,12 +69,15 @@ class PrefixMinimum:
 _TIE = 1e-12  # relative: step times closer than this are equal
 
 
-def fastest_per_device_count(specs: list[Spec], evaluator: Evaluator, max_devices: int) -> dict[int, tuple[float, Spec]]:
+def fastest_per_device_count(specs: list[Spec], evaluator: Evaluator, max_devices: int, *,
+                             workers: int = 1) -> dict[int, tuple[float, Spec]]:
     """For each device count n that some spec uses exactly: its fastest spec, if it can matter.
 
     Only counts whose fastest spec beats every spec with fewer devices are guaranteed present; the
-    others may be missing (they never improve an entry).
+    others may be missing (they never improve an entry). The answer does not depend on `workers`.
     """
+    if workers > 1:
+        _time_ahead(specs, evaluator, max_devices)
     known = PrefixMinimum(max_devices)
     best: dict[int, tuple[float, Spec]] = {}
     for spec in sorted(specs, key=lambda s: (s.lower_bound_seconds, s.devices)):
@@ -80,10 +96,65 @@ def fastest_per_device_count(specs: list[Spec], evaluator: Evaluator, max_device
     return best
 
 
+# Below this many specs the table is timed in one process: a fork would cost more than it saves.
+PARALLEL_SPECS = 2000
+# A spec whose bound is this close (relative) to the least bound on as many devices or fewer is
+# likely to be timed (`_split_count`).
+LIKELY_TIMED = 0.01
+
+
+def _time_ahead(specs: list[Spec], evaluator: Evaluator, max_devices: int) -> None:
+    """Time in two processes what `fastest_per_device_count` will ask for (module docstring)."""
+    pool = [spec for spec in specs if spec.devices <= max_devices]
+    if len(pool) < PARALLEL_SPECS:
+        return
+    split = _split_count(pool)
+    parts = [[spec for spec in pool if spec.devices <= split], [spec for spec in pool if spec.devices > split]]
+    if not all(parts):
+        return
+
+    def here(part: list[Spec]) -> bool:
+        fastest_per_device_count(part, evaluator, max_devices)
+        return True
+
+    def elsewhere(part: list[Spec]) -> tuple:
+        simulations, actions = evaluator.simulations, evaluator.simulated_actions
+        fastest_per_device_count(part, evaluator, max_devices)
+        return evaluator.timings(), evaluator.simulations - simulations, evaluator.simulated_actions - actions
+
+    for outcome in share(parts, [1.0, 1.0], here, elsewhere, workers=2):
+        if outcome.remote is not None:
+            evaluator.adopt(*outcome.remote)
+
+
+def _split_count(pool: list[Spec]) -> int:
+    """A device count that about halves the timing work ahead: p² summed over the specs likely to be
+    timed (bound within `LIKELY_TIMED` of the least bound on as many devices or fewer). The fast
+    paths skip a step's repeating middle (`pipectl.plan.fast.periodic`); what they evaluate, the
+    fill and the drain, is p ranks by about p micro-batches in flight."""
+    least_at: dict[int, float] = {}
+    for spec in pool:
+        least_at[spec.devices] = min(least_at.get(spec.devices, float("inf")), spec.lower_bound_seconds)
+    least = float("inf")
+    for count in sorted(least_at):
+        least = least_at[count] = min(least, least_at[count])
+    likely = sorted(
+        (spec.devices, spec.shape.pipeline_parallel ** 2) for spec in pool
+        if spec.lower_bound_seconds <= least_at[spec.devices] * (1 + LIKELY_TIMED)
+    )
+    half = sum(work for _, work in likely) / 2
+    done = 0
+    for count, work in likely:
+        done += work
+        if done >= half:
+            return count
+    return max(spec.devices for spec in pool)
+
+
 def morph_table(specs: list[Spec], evaluator: Evaluator, max_devices: int, request: PlanRequest) -> list[MorphEntry]:
     """One entry per device count from the smallest that fits up to `max_devices`."""
     pool = [s for s in specs if not request.for_deepspeed or s.deepspeed_runnable]
-    best = fastest_per_device_count(pool, evaluator, max_devices)
+    best = fastest_per_device_count(pool, evaluator, max_devices, workers=request.workers or available_workers())
     if not best:
         return []
     exact_counts = {spec.devices for spec in pool}

@@ -100,3 +100,12 @@ def test_times_that_are_not_whole_numbers_derive_every_m_in_full():
 def test_flags_count_every_forward_and_backward_once():
     for flags in varuna_flags.forward_flags(6, 25):
         assert sum(flags) == 25 and len(flags) == 50
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 16), st.integers(1, 300), st.sampled_from(TIMES))
+def test_order_ends_are_what_the_flags_show(p, m, times):
+    flags = varuna_flags.forward_flags(p, m, *times)
+    warm_up = tuple(order.index(False) for order in flags)
+    cool_down = tuple(len(order) - 1 - max(i for i, forward in enumerate(order) if forward) for order in flags)
+    assert varuna_flags.order_ends(p, m, *times) == (warm_up, cool_down)

@@ -14,8 +14,8 @@ named here hold them to it.
 - `varuna_flags` — Varuna's order for every m, cut from its periodic form: equals the
   definition, `pipectl.schedule.varuna_order`, exactly (tests/plan/fast/test_varuna_flags.py).
 - `bounds` — lower bounds, never above `simulate(...)`: the chains through every rank (each
-  spec's `lower_bound_seconds`) and 1F1B's in-flight loops (tests/plan/fast/test_bounds.py,
-  tests/plan/test_search.py).
+  spec's `lower_bound_seconds`), 1F1B's in-flight loops and Varuna's warm-up and cool-down
+  (tests/plan/fast/test_bounds.py, tests/plan/test_search.py).
 - `periodic` — what `waves` and `varuna` share: skipping a step's repeating stretches.
 
 Blocking transfers (gloo) have no fast path: `simulate` times them as rendezvous on the schedule

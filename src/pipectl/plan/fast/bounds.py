@@ -31,6 +31,27 @@ its forwards exist, then runs rank k's remaining actions back to back and ends a
 optimizer step bounds the step from below. Every term is a duration or a transfer the simulator
 adds along that path, so the bound never exceeds the simulated step (checked by hypothesis on
 random non-uniform costs against the event-driven simulator).
+
+**Varuna's warm-up and cool-down** (`varuna_bound_seconds`, for the morph table). Varuna keeps
+about 3(p − 1 − k) micro-batches in flight on rank k, so its loops rarely bind; what the chains
+miss is where its order, derived for equal stages and free links, meets real ones. Rank k runs
+W_k forwards, then R(k, 0) and B(k, 0), which also waits for the gradient of micro-batch 0 from
+the last stage; after it, the rank's remaining actions run one at a time:
+
+    B(k, 0) ≥ max(F-chain(p − 1) + b_{p−1} + Σ_{k≤s<p−1} (c'_s + b_s),  F-chain(k) + (W_k − 1) f_k + r_k + b_k)
+    step    ≥ B(k, 0) + (m − W_k) f_k + (m − 1)(r_k + b_k) + the B-chain and step after rank k
+
+and at the end, rank j's last forward F(j, m − 1) follows its other m − 1 forwards and the
+m − T_j (recompute and) backwards before it (T_j: backwards after its last forward), and
+micro-batch m − 1 then goes up to the last stage and back down:
+
+    step ≥ F-chain(j) + (m − 1) f_j + (m − T_j)(r_j + b_j) + Σ_{j<s≤p−1} (c_{s−1} + f_s) + b_{p−1}
+           + the B-chain and step after the last rank
+
+W and T come from the order itself (`pipectl.plan.fast.varuna_flags.order_ends`). The paths
+follow the simulator's dependencies as the chains' do, so the bound never exceeds the simulated
+step (tests/plan/fast/test_bounds.py, by hypothesis against `simulate`); at GPT-1T scale it
+equals the step for most Varuna candidates, where the chains fall short by 0.05–0.2 %.
 """
 
 from __future__ import annotations
@@ -39,7 +60,7 @@ import numpy as np
 
 from pipectl.schedule.ir import ScheduleKind
 
-__all__ = ["chain_bound_seconds", "has_pair_loops", "pair_loop_bound_seconds"]
+__all__ = ["chain_bound_seconds", "has_pair_loops", "pair_loop_bound_seconds", "varuna_bound_seconds"]
 
 
 def chain_bound_seconds(forward_chain, backward_chain, work, micro_batches, allreduce, optimizer):
@@ -76,31 +97,18 @@ def pair_loop_bound_seconds(micro_batches: int, recompute: bool, costs) -> float
     33.0
     """
     m = micro_batches
-    f = np.asarray(costs.forward_seconds, dtype=float)
-    b = np.asarray(costs.backward_seconds, dtype=float)
+    f, b, r, c, c_back = _stage_arrays(costs, recompute)
     p = len(f)
-    r = np.zeros(p)
-    if recompute:
-        r[: p - 1] = np.asarray(costs.recompute_seconds, dtype=float)[: p - 1]
-    c = np.asarray(costs.send_forward_seconds, dtype=float)
-    c_back = np.asarray(costs.send_backward_seconds, dtype=float)
-    end_cost = np.asarray(costs.allreduce_seconds, dtype=float) + np.asarray(costs.optimizer_seconds, dtype=float)
     ranks = np.arange(p)
     warmup = p - 1 - ranks
-
+    forward_chain, down_from_last, ends_after = _chains(f, b, c, c_back, costs)
     # F(k, 0) ends no earlier than the forward chain to k; B(p−1, 0) follows F(p−1, 0) on the
     # last rank; B(k, 0) no earlier than that plus the backward chain down to k, nor than rank
     # k's own warm-up forwards, its first pair's forward, recompute and backward.
-    forward_chain = np.cumsum(f) + np.concatenate(([0.0], np.cumsum(c)))
-    hop_down = np.concatenate((c_back + b[:-1], [0.0]))  # hop_down[s] = c'_s + b_s (s < p − 1)
-    down_from_last = np.cumsum(hop_down[::-1])[::-1] - hop_down[-1]  # Σ_{k≤s<p−1} (c'_s + b_s)
     first_backward = np.maximum(
         forward_chain[-1] + b[-1] + down_from_last,
         forward_chain + warmup * f + r + b,
     )
-    # After rank k's last backward: the chain down to any rank s ≤ k, then its all-reduce and step.
-    down_prefix = np.concatenate(([0.0], np.cumsum(hop_down[:-1])))  # Σ_{s'<s} (c'_{s'} + b_{s'})
-    ends_after = np.maximum.accumulate(end_cost - down_prefix) + down_prefix  # max_{s≤k} [Σ_{s≤s'<k} + end_s]
 
     # Loop weights C(k, j) for j = 0..p−1−k, as prefix sums over stages.
     work = np.concatenate(([0.0], np.cumsum(f + b)))
@@ -120,3 +128,62 @@ def pair_loop_bound_seconds(micro_batches: int, recompute: bool, costs) -> float
     rest = forwards_left * f[:, None] + backwards_left * (r + b)[:, None]
     paths = first_backward[:, None] + loops * loop + rest + ends_after[:, None]
     return float(np.max(np.where(valid, paths, -np.inf)))
+
+
+def varuna_bound_seconds(micro_batches: int, warm_up, cool_down, costs) -> float:
+    """A lower bound on the simulated step of Varuna's order under `costs` (see the module docstring).
+
+    `warm_up[k]` and `cool_down[k]`: rank k's forwards before its first backward and backwards
+    after its last forward (`varuna_flags.order_ends`); `costs` for p = len(warm_up) ≥ 2 stages,
+    one chunk, recomputing on every rank but the last (as Varuna does).
+
+    >>> from pipectl.plan.fast import varuna_flags
+    >>> from pipectl.plan.simulate import simulate, uniform_costs
+    >>> from pipectl.schedule import ScheduleKind, generate
+    >>> costs = uniform_costs(4, 1, 1.0, 2.0)  # the chains: 2 (f + b) + 16 (f + r + b) = 70
+    >>> varuna_bound_seconds(16, *varuna_flags.order_ends(4, 16), costs)
+    72.0
+    >>> simulate(generate(ScheduleKind.VARUNA, 4, 16), costs).step_seconds
+    72.0
+    """
+    m = micro_batches
+    f, b, r, c, c_back = _stage_arrays(costs, True)
+    warm_up = np.asarray(warm_up)
+    cool_down = np.asarray(cool_down)
+    forward_chain, down_from_last, ends_after = _chains(f, b, c, c_back, costs)
+    first_backward = np.maximum(
+        forward_chain[-1] + b[-1] + down_from_last,
+        forward_chain + (warm_up - 1) * f + r + b,
+    )
+    warm = first_backward + (m - warm_up) * f + (m - 1) * (r + b) + ends_after
+    last_forward = forward_chain + (m - 1) * f + (m - cool_down) * (r + b)
+    cool = last_forward + (forward_chain[-1] - forward_chain) + b[-1] + ends_after[-1]
+    return float(max(warm.max(), cool.max()))
+
+
+def _stage_arrays(costs, recompute: bool):
+    """f, b, r, c, c': per stage forward, backward, recompute (0 where none runs: the last stage,
+    or everywhere without recomputation), and per boundary the two transfers."""
+    f = np.asarray(costs.forward_seconds, dtype=float)
+    b = np.asarray(costs.backward_seconds, dtype=float)
+    p = len(f)
+    r = np.zeros(p)
+    if recompute:
+        r[: p - 1] = np.asarray(costs.recompute_seconds, dtype=float)[: p - 1]
+    c = np.asarray(costs.send_forward_seconds, dtype=float)
+    c_back = np.asarray(costs.send_backward_seconds, dtype=float)
+    return f, b, r, c, c_back
+
+
+def _chains(f, b, c, c_back, costs):
+    """(F-chain(k): the forwards of micro-batch 0 up to rank k; Σ_{k≤s<p−1} (c'_s + b_s): the
+    backwards from the last rank down to k; the least time from the end of rank k's last
+    backward to the end of the step: the chain down to any rank s ≤ k, then its all-reduce and
+    optimizer step), each per rank k."""
+    end_cost = np.asarray(costs.allreduce_seconds, dtype=float) + np.asarray(costs.optimizer_seconds, dtype=float)
+    forward_chain = np.cumsum(f) + np.concatenate(([0.0], np.cumsum(c)))
+    hop_down = np.concatenate((c_back + b[:-1], [0.0]))  # hop_down[s] = c'_s + b_s (s < p − 1)
+    down_from_last = np.cumsum(hop_down[::-1])[::-1] - hop_down[-1]  # Σ_{k≤s<p−1} (c'_s + b_s)
+    down_prefix = np.concatenate(([0.0], np.cumsum(hop_down[:-1])))  # Σ_{s'<s} (c'_{s'} + b_{s'})
+    ends_after = np.maximum.accumulate(end_cost - down_prefix) + down_prefix  # max_{s≤k} [Σ_{s≤s'<k} + end_s]
+    return forward_chain, down_from_last, ends_after

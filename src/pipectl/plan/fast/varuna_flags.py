@@ -21,7 +21,9 @@ this module keeps it compactly and derives it once per (p, T_f, T_b):
 
 Every answer is a function of its arguments alone (`lru_cache`): which m were asked for before
 changes nothing. Tests (tests/plan/fast/test_varuna_flags.py) hold `forward_flags` equal to the
-definition for every m, and `cycle`'s claim about it.
+definition for every m, `cycle`'s claim about it, and `order_ends` (how many forwards each stage
+runs before its first backward, and backwards after its last forward; the Varuna bound of
+`pipectl.plan.fast.bounds` reads them) equal to what the flags show.
 
     >>> [''.join('F' if f else 'B' for f in flags) for flags in forward_flags(2, 3)]
     ['FFFBBB', 'FBFBFB']
@@ -37,7 +39,7 @@ from itertools import compress, count
 
 from pipectl.errors import ScheduleError
 
-__all__ = ["cycle", "forward_flags"]
+__all__ = ["cycle", "forward_flags", "order_ends"]
 
 
 @lru_cache(maxsize=256)
@@ -49,6 +51,26 @@ def forward_flags(p: int, m: int, tf: float = 1.0, tb: float = 2.0) -> tuple[tup
         return periodic.flags(m)
     flags, _ = _derive(p, m, tf, tb, watch=False)
     return flags
+
+
+@lru_cache(maxsize=1024)
+def order_ends(p: int, m: int, tf: float = 1.0, tb: float = 2.0) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Per stage of `forward_flags(p, m)`: (forwards before its first backward, backwards after its
+    last forward), from the periodic order by arithmetic when there is one (no flags built).
+
+    >>> order_ends(2, 3)  # 'FFFBBB', 'FBFBFB'
+    ((3, 1), (3, 1))
+    """
+    periodic = _periodic_order(p, tf, tb)
+    if periodic is not None:
+        return periodic.ends(m)
+    flags = forward_flags(p, m, tf, tb)
+    return tuple(order.index(False) for order in flags), tuple(2 * m - _cut(order) for order in flags)
+
+
+def _cut(order) -> int:
+    """The position right after an order's last forward."""
+    return len(order) - order[::-1].index(True)
 
 
 def cycle(p: int, tf: float = 1.0, tb: float = 2.0) -> tuple[tuple[int, ...], int] | None:
@@ -106,19 +128,35 @@ class _PeriodicOrder:
     def flags(self, m: int) -> tuple[tuple[bool, ...], ...]:
         out = []
         for stage in self.stages:
-            prefix, prefix_forwards, cycle, cycle_forwards, unrolled = stage
-            if m <= len(prefix_forwards):
-                end = prefix_forwards[m - 1] + 1
-            else:
-                # The (extra + 1)-th forward of the cycle after `cycles` whole cycles is the m-th.
-                # Every cycle holds forwards: the state's indices are relative to stage 0's
-                # progress, so a cycle moves every stage on by the same number of forwards.
-                cycles, extra = divmod(m - len(prefix_forwards) - 1, len(cycle_forwards))
-                end = len(prefix) + cycles * len(cycle) + cycle_forwards[extra] + 1
-                if end > len(unrolled):
-                    unrolled = stage[4] = prefix + cycle * (cycles + 1)
+            prefix, _, cycle, _, unrolled = stage
+            end = self._after_forward(stage, m)
+            if end > len(unrolled):
+                unrolled = stage[4] = prefix + cycle * -(-(end - len(prefix)) // len(cycle))
             out.append(unrolled[:end] + (False,) * (2 * m - end))
         return tuple(out)
+
+    def ends(self, m: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """`order_ends(p, m)`: the forwards before the first backward (all of them up to there),
+        and the backwards after the cut."""
+        warm_up, cool_down = [], []
+        for stage in self.stages:
+            prefix, _, cycle, _, _ = stage
+            first = prefix.index(False) if False in prefix else len(prefix) + cycle.index(False)
+            warm_up.append(min(first, m))
+            cool_down.append(2 * m - self._after_forward(stage, m))
+        return tuple(warm_up), tuple(cool_down)
+
+    @staticmethod
+    def _after_forward(stage: list, m: int) -> int:
+        """The position right after the stage's m-th forward in its unbounded order."""
+        prefix, prefix_forwards, cycle, cycle_forwards, _ = stage
+        if m <= len(prefix_forwards):
+            return prefix_forwards[m - 1] + 1
+        # The (extra + 1)-th forward of the cycle after `cycles` whole cycles is the m-th.
+        # Every cycle holds forwards: the state's indices are relative to stage 0's
+        # progress, so a cycle moves every stage on by the same number of forwards.
+        cycles, extra = divmod(m - len(prefix_forwards) - 1, len(cycle_forwards))
+        return len(prefix) + cycles * len(cycle) + cycle_forwards[extra] + 1
 
 
 def _forward_positions(order) -> list[int]:
@@ -128,7 +166,8 @@ def _forward_positions(order) -> list[int]:
 
 def _derive(p: int, m: int, tf: float, tb: float, *, watch: bool) -> tuple[tuple[tuple[bool, ...], ...], _PeriodicOrder | None]:
     """The rules of `pipectl.schedule.varuna_order` for exactly m micro-batches, as flags; with
-    `watch` (whole-number stage times only), also the periodic order once the state repeats.
+    `watch` (whole-number stage times only), the periodic order instead once the state repeats
+    (its caller wants only that: no flags are cut then).
 
     The state watched is every stage's remaining busy time, recompute flag, progress and the
     forward/backward ends its neighbours will still read, all relative to now and to stage 0's
@@ -244,7 +283,7 @@ def _derive(p: int, m: int, tf: float, tb: float, *, watch: bool) -> tuple[tuple
                 if earlier is not None:
                     starts, earlier_base = earlier
                     periodic_order = _PeriodicOrder(orders, starts, base - earlier_base)
-                    return periodic_order.flags(m), periodic_order
+                    return (), periodic_order
                 seen[state] = ([len(order) for order in orders], base)
             seen_summaries.add(summary)
         now = upcoming
