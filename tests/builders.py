@@ -25,7 +25,7 @@ def model_shape(model: str = "gpt-tiny") -> ModelShape:
     from pipectl.models import build_model
     from pipectl.models.base import shape_of
 
-    return shape_of(build_model(model))
+    return shape_of(build_model(model, allow_shape_only=True))  # counted on the meta device
 
 
 def plan_of(

@@ -345,7 +345,7 @@ def prepare_launch(
         plan, precision=job.precision, learning_rate=options.learning_rate
     )
     command = build_command(job, path, hosts=options.hosts, slurm=slurm_settings(cluster, options.slurm))
-    if command.runnable_here:
+    if command.runnable_here and write:  # a dry run shows the files for the nodes that will run them
         visible = _visible_gpus()
         if job.accelerator == "cuda" and visible is None:
             raise UserInputError(

@@ -1,0 +1,127 @@
+"""What `launch` writes for a cluster follows from the plan and its cluster file, never from the
+host that launches: golden sbatch script for GPT-3 175B on 384 x 8 A100s, nodes and GPUs derived,
+the Slurm section of a cluster file, and refusals. No processes."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from pipectl.artifacts.cluster import SlurmSpec
+from pipectl.artifacts.plan import Candidate
+from pipectl.artifacts.run import Engine, Precision
+from pipectl.cli.main import app
+from pipectl.errors import UserInputError
+from pipectl.io import write_json_atomic
+from pipectl.launch import LaunchOptions, prepare_launch
+from builders import gpt_tiny_candidate, model_shape, plan_of
+
+GOLDEN = Path(__file__).parent / "golden"
+RUN = Path("/runs/gpt3")
+
+
+def gpt3_plan(devices: int = 3072, t: int = 8, p: int = 16, d: int = 24, device: str = "a100-80gb", cluster: str = "a100-384x8"):
+    """GPT-3 175B cut evenly into p stages: the shape of the plan `pipectl plan` makes for a100-384x8."""
+    shape = model_shape("gpt3-175b")
+    layers = shape.layers
+    bounds = [round(i * layers / p) for i in range(p + 1)]
+    candidate = Candidate(
+        devices=devices, device=device, tensor_parallel=t, pipeline_parallel=p, data_parallel=d,
+        micro_batch_size=1, micro_batches=1536 // d, schedule="1f1b", recompute=True, zero_stage=1,
+        stage_layers=list(zip(bounds, bounds[1:])), predicted_step_seconds=30.0, samples_per_second=51.2,
+        tflops_per_device=150.0, peak_memory_bytes=[60 * 2**30] * p, bubble_fraction=0.1,
+        communication_fraction=0.1, cost_per_million_samples=1.0,
+    )  # fmt: skip
+    return plan_of(candidate, model="gpt3-175b", cluster=cluster, shape=shape)
+
+
+def sbatch_of(plan, monkeypatch, **options) -> str:
+    monkeypatch.chdir("/")  # the folder launch runs in is where a user's model factory is imported from
+    options = {"engine": Engine.SLURM, "master_port": 29500, "precision": Precision.BF16, **options}
+    prepared = prepare_launch(plan, RUN, LaunchOptions(**options), write=False)
+    return prepared.command.files["job.sbatch"]
+
+
+def test_the_gpt3_175b_sbatch_script_for_384_a100_nodes_matches_its_golden_file(monkeypatch):
+    slurm = SlurmSpec(partition="gpu", account="llm", time="2-00:00:00", python="/opt/venv/bin/python", network_interface="ib0")
+    script = sbatch_of(gpt3_plan(), monkeypatch, slurm=slurm)
+    golden = GOLDEN / "gpt3-175b-a100-384x8.sbatch"
+    if os.environ.get("PIPECTL_UPDATE_GOLDEN"):
+        golden.write_text(script)
+    assert script == golden.read_text()
+    lines = script.splitlines()
+    assert "#SBATCH --nodes=384" in lines and "#SBATCH --gpus-per-node=8" in lines
+    assert "DS_ACCELERATOR" not in script  # written on a CPU host, for GPU nodes
+
+
+def test_unset_slurm_facts_show_where_they_go_and_a_cluster_file_supplies_them(monkeypatch, tmp_path):
+    script = sbatch_of(gpt3_plan(), monkeypatch)
+    assert "##SBATCH --partition=gpu   # unset: the cluster file's slurm.partition, or launch --partition" in script
+    assert "##SBATCH --time=2-00:00:00   # unset: the cluster file's slurm.time, or launch --time-limit" in script
+    cluster = tmp_path / "mine.yaml"
+    shipped = (Path(__file__).resolve().parents[2] / "configs" / "clusters" / "a100-384x8.yaml").read_text()
+    cluster.write_text(shipped + "slurm:\n  partition: a100\n  account: proj\n  container_image: nvcr.io/nvidia/pytorch:24.05-py3\n")
+    script = sbatch_of(gpt3_plan(), monkeypatch, cluster=str(cluster), slurm=SlurmSpec(account="other"))
+    assert "#SBATCH --partition=a100" in script and "#SBATCH --account=other" in script  # the flag wins
+    assert "--container-image=nvcr.io/nvidia/pytorch:24.05-py3" in script
+
+
+def test_nodes_follow_the_clusters_devices_per_node_and_the_plans_device(monkeypatch):
+    monkeypatch.chdir("/")
+    plan = gpt3_plan(devices=64, t=8, p=8, d=1, cluster="a100-8x8")
+    job = prepare_launch(plan, RUN, LaunchOptions(engine=Engine.TORCHRUN, precision=Precision.BF16), write=False).job
+    assert (job.nodes, job.ranks_per_node, job.accelerator) == (8, 8, "cuda")
+    assert job.master_addr not in ("127.0.0.1", "")  # this host: the first agent of the rendezvous
+    explicit = prepare_launch(
+        plan, RUN, LaunchOptions(engine=Engine.TORCHRUN, nodes=16, master_addr="node001", precision=Precision.BF16), write=False
+    ).job
+    assert (explicit.nodes, explicit.ranks_per_node, explicit.master_addr) == (16, 4, "node001")
+    deepspeed = prepare_launch(
+        plan, RUN, LaunchOptions(engine=Engine.DEEPSPEED, hosts=[f"n{i}" for i in range(8)], precision=Precision.BF16), write=False
+    )
+    assert deepspeed.job.master_addr == "n0" and deepspeed.command.files["hostfile"].splitlines()[0] == "n0 slots=8"
+
+
+def test_a_cpu_plan_runs_cpu_ranks_and_a_gpu_plan_is_refused_on_a_host_without_gpus(tmp_path, monkeypatch):
+    cpu = prepare_launch(plan_of(gpt_tiny_candidate()), tmp_path / "cpu", LaunchOptions(), write=False)
+    assert cpu.job.accelerator == "cpu" and cpu.command.env["DS_ACCELERATOR"] == "cpu"
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # this host, as far as launch can tell: no GPU
+    with pytest.raises(UserInputError, match=r"the plan is for 64 a100-80gb GPU\(s\) and this host has none"):
+        prepare_launch(gpt3_plan(devices=64, t=8, p=8, d=1), tmp_path / "gpu", LaunchOptions(precision=Precision.BF16, nodes=8, engine=Engine.TORCHRUN))
+    assert not (tmp_path / "gpu").exists()
+
+
+def test_without_a_readable_cluster_the_nodes_must_be_given(monkeypatch):
+    monkeypatch.chdir("/")
+    plan = gpt3_plan(cluster="/elsewhere/my-cluster.yaml")
+    with pytest.raises(UserInputError, match="cannot tell how many nodes") as caught:
+        prepare_launch(plan, RUN, LaunchOptions(engine=Engine.SLURM, precision=Precision.BF16), write=False)
+    assert "--cluster" in caught.value.hint and "--nodes" in caught.value.hint
+    job = prepare_launch(plan, RUN, LaunchOptions(engine=Engine.SLURM, nodes=384, precision=Precision.BF16), write=False).job
+    assert job.nodes == 384
+
+
+def test_dry_run_of_a_shape_only_model_prints_every_file_it_would_write(tmp_path):
+    plan = write_json_atomic(tmp_path / "plan.json", gpt3_plan())
+    run = tmp_path / "run"
+    result = CliRunner().invoke(
+        app, ["launch", str(plan), "--run-dir", str(run), "--engine", "slurm", "--bf16", "--dry-run", "--partition", "gpu"],
+        env={"COLUMNS": "200"},
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    for name in ("job.json", "ds_config.json", "launch.sh", "job.sbatch"):
+        assert str(run / name) in result.output
+    assert "#SBATCH --partition=gpu" in result.output and "dry run: nothing written" in result.output
+    assert not run.exists()
+
+
+def test_a_slurm_value_that_could_break_the_script_is_refused(tmp_path):
+    plan = write_json_atomic(tmp_path / "plan.json", gpt3_plan())
+    result = CliRunner().invoke(
+        app, ["launch", str(plan), "--run-dir", str(tmp_path / "run"), "--engine", "slurm", "--bf16", "--dry-run",
+              "--partition", "gpu\n#SBATCH --uid=0"],
+    )  # fmt: skip
+    assert result.exit_code == 2 and "partition" in result.output and "Traceback" not in result.output
