@@ -54,6 +54,9 @@ class DeviceSpec(Strict):
     accelerator: Literal["cuda", "cpu"] = Field(
         default="cuda", description="What a rank runs on: a CUDA GPU, or a CPU core (DeepSpeed's CPU accelerator, gloo)."
     )
+    bf16: bool = Field(
+        default=True, description="Trains in bfloat16; False (before Ampere: V100, P100, T4, K80): 16-bit training is fp16."
+    )
     memory_gib: float = Field(gt=0, le=MAX_GIB, description="Device memory by the datasheet, GiB (CPU: what one rank may use).")
     reported_memory_gib: float | None = Field(
         default=None, gt=0, le=MAX_GIB,

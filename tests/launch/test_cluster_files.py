@@ -125,3 +125,45 @@ def test_a_slurm_value_that_could_break_the_script_is_refused(tmp_path):
               "--partition", "gpu\n#SBATCH --uid=0"],
     )  # fmt: skip
     assert result.exit_code == 2 and "partition" in result.output and "Traceback" not in result.output
+
+
+def v100_plan():
+    """gpt-tiny on the 4 single-V100 VMs of v100-4vm (p = 2, d = 2), trained in fp16."""
+    candidate = gpt_tiny_candidate(p=2, d=2).model_copy(update={"device": "v100-16gb"})
+    return plan_of(candidate, cluster="v100-4vm")
+
+
+def test_a_v100_fp16_plan_gets_fp16_with_dynamic_loss_scaling_and_one_gpu_per_vm(monkeypatch):
+    monkeypatch.chdir("/")
+    prepared = prepare_launch(
+        v100_plan(), RUN, LaunchOptions(engine=Engine.SLURM, master_port=29500, precision=Precision.FP16,
+                                         slurm=SlurmSpec(python="/opt/venv/bin/python")), write=False,
+    )  # fmt: skip
+    assert prepared.ds_config["fp16"]["enabled"] and prepared.ds_config["fp16"]["loss_scale"] == 0  # dynamic
+    assert "bf16" not in prepared.ds_config
+    script = prepared.command.files["job.sbatch"]
+    golden = GOLDEN / "gpt-tiny-v100-4vm-fp16.sbatch"
+    if os.environ.get("PIPECTL_UPDATE_GOLDEN"):
+        golden.write_text(script)
+    assert script == golden.read_text()
+    assert "#SBATCH --nodes=4" in script and "#SBATCH --gpus-per-node=1" in script and ", fp16." in script
+
+
+def test_fp16_is_refused_where_deepspeeds_cpu_accelerator_cannot_train_it(tmp_path):
+    from pipectl.launch import cpu_trains_fp16
+
+    if cpu_trains_fp16():
+        pytest.skip("this CPU trains fp16 (oneDNN): nothing to refuse")
+    plan = plan_of(gpt_tiny_candidate())
+    with pytest.raises(UserInputError, match="fp16, which DeepSpeed's CPU accelerator cannot"):
+        prepare_launch(plan, tmp_path / "run", LaunchOptions(precision=Precision.FP16))
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_profile_dtype_gives_the_runs_precision():
+    from pipectl.launch import planned_precision
+
+    assert planned_precision("float16", None) is Precision.FP16
+    with pytest.raises(UserInputError, match="--precision bf16: the plan was made for float16") as caught:
+        planned_precision("float16", Precision.BF16)
+    assert "--dtype bfloat16" in caught.value.hint

@@ -337,3 +337,14 @@ def test_a_micro_batch_too_large_for_any_profile_is_a_user_error_not_a_traceback
     with pytest.raises(UserInputError, match="out of range: .*peak_memory_bytes") as error:
         derive_profile(load_model_config("gpt3-175b"), "a100-80gb", [100_000_000])
     assert "-b" in error.value.hint
+
+
+def test_a_device_without_bfloat16_derives_float16_and_refuses_bfloat16():
+    from pipectl.errors import UserInputError
+    from pipectl.models.registry import load_model_config
+
+    config = load_model_config("gpt-tiny")
+    assert derive_profile(config, "v100-32gb", [1]).dtype == "float16"
+    assert derive_profile(config, "a100-80gb", [1]).dtype == "bfloat16"
+    with pytest.raises(UserInputError, match="v100-32gb has no bfloat16"):
+        derive_profile(config, "v100-32gb", [1], dtype="bfloat16")

@@ -56,6 +56,7 @@ class Engine(str, Enum):
 class Precision(str, Enum):
     FP32 = "fp32"
     BF16 = "bf16"
+    FP16 = "fp16"  # with dynamic loss scaling: devices without bf16 (V100, P100)
 
 
 class DataKind(str, Enum):

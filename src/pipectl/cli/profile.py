@@ -125,7 +125,7 @@ def model_command(
     ] = None,
     dtype: Annotated[
         Optional[str],
-        typer.Option("--dtype", help="float32, bfloat16 or float16 (default: float32 measured, bfloat16 derived)."),
+        typer.Option("--dtype", help="float32, bfloat16 or float16 (default: float32 measured; derived: bfloat16, float16 on devices without it)."),
     ] = None,
     attention: Annotated[
         Optional[str],
@@ -181,7 +181,7 @@ def model_command(
             f"--attention {attention} applies to --derive only", hint="a measured profile runs the model's own attention"
         )
     if derive:
-        profile = _derive(model, device_kind or device, sizes, dtype or "bfloat16", attention or "flash", degrees)
+        profile = _derive(model, device_kind or device, sizes, dtype, attention or "flash", degrees)
     else:
         profile = _measure(model, device, device_kind, sizes, dtype or "float32", warmup, repeats, threads,
                            memory_budget_gib, once, degrees or [])
@@ -197,7 +197,7 @@ def model_command(
     err_console.print(f"wrote {output}", highlight=False)
 
 
-def _derive(model: str, kind: str, sizes: list[int], dtype: str, attention: str, degrees: list[int] | None):
+def _derive(model: str, kind: str, sizes: list[int], dtype: str | None, attention: str, degrees: list[int] | None):
     from pipectl.models.registry import load_model_config  # torch: only when deriving
 
     if ":" in model and not Path(model).exists() and not model.endswith((".yaml", ".yml")):
@@ -210,7 +210,7 @@ def _derive(model: str, kind: str, sizes: list[int], dtype: str, attention: str,
             f"--derive needs a catalog device kind, got '{kind}'",
             hint="e.g. pipectl profile gpt3-175b --derive --device a100-80gb",
         )
-    if dtype not in ("float32", "bfloat16", "float16"):
+    if dtype not in (None, "float32", "bfloat16", "float16"):
         raise UserInputError(f"unknown dtype '{dtype}'", hint="choose one of: float32, bfloat16, float16")
     config = load_model_config(model)
     if degrees is not None and any(t > 1 for t in degrees):

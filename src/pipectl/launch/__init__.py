@@ -152,7 +152,8 @@ def check_model(plan: Plan, model_reference: str) -> None:
 
 
 # A profile's dtype -> the precision a run trains in.
-_PRECISION_OF_DTYPE = {"float32": Precision.FP32, "bfloat16": Precision.BF16}
+_PRECISION_OF_DTYPE = {"float32": Precision.FP32, "bfloat16": Precision.BF16, "float16": Precision.FP16}
+_DTYPE_OF_PRECISION = {precision: dtype for dtype, precision in _PRECISION_OF_DTYPE.items()}
 
 
 def planned_precision(profile_dtype: str | None, asked: Precision | None) -> Precision:
@@ -178,8 +179,7 @@ def planned_precision(profile_dtype: str | None, asked: Precision | None) -> Pre
         raise UserInputError(
             f"--precision {asked.value}: the plan was made for {profile_dtype} ({planned.value}); its memory and "
             f"step-time predictions hold for that precision only",
-            hint=f"launch without --precision, or profile and plan again with --dtype "
-            f"{'float32' if asked is Precision.FP32 else 'bfloat16'}",
+            hint=f"launch without --precision, or profile and plan again with --dtype {_DTYPE_OF_PRECISION[asked]}",
         )
     return planned
 
@@ -199,6 +199,17 @@ def check_gpus_for_ranks(ranks_per_node: int, visible_gpus: int) -> None:
             hint="plan for the GPUs this node has (pipectl plan --devices N), spread the ranks over more "
             "nodes (--nodes), or check CUDA_VISIBLE_DEVICES",
         )
+
+
+def cpu_trains_fp16() -> bool:
+    """Whether DeepSpeed's CPU accelerator takes fp16 here (it asks oneDNN; False on CPUs without
+    AVX-512 fp16, such as the one the tests run on)."""
+    import torch  # only when launching
+
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def _visible_gpus() -> int | None:
@@ -355,6 +366,11 @@ def prepare_launch(
             )
         if visible is not None:
             check_gpus_for_ranks(job.ranks_per_node, visible)
+        elif job.precision is Precision.FP16 and not cpu_trains_fp16():
+            raise UserInputError(
+                "the plan trains in fp16, which DeepSpeed's CPU accelerator cannot on this host",
+                hint="run it on its GPUs (--engine slurm|torchrun|deepspeed), or plan from an fp32 or bf16 profile",
+            )
     if options.resume and options.force:
         raise UserInputError("--resume and --force contradict each other: keep the run, or start over")
     # One job per run directory: taken before anything is read for a resume or deleted by --force.

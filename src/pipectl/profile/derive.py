@@ -480,11 +480,14 @@ def derive_profile(
     config: ModelConfig,
     device: DeviceSpec | str,
     micro_batch_sizes: Sequence[int],
-    dtype: str = "bfloat16",
+    dtype: str | None = None,
     attention: Attention | str = Attention.FLASH,
     tensor_parallel: Sequence[int] = DEFAULT_SHARD_DEGREES,
 ) -> ModelProfile:
     """A `ModelProfile` (source=derived) of `config` on `device`, from closed forms only.
+
+    `dtype` defaults to the device's 16-bit training type: bfloat16, or float16 where the device
+    has no bfloat16 (V100, P100, T4, K80), which is then refused.
 
     Layers, names, kinds, parameter counts and tie groups match `pipectl.models.build_model` on the
     same config; costs come from the kernel model (`pipectl.profile.compute_model`) where the
@@ -507,7 +510,7 @@ def _derive(
     config: ModelConfig,
     device: DeviceSpec | str,
     micro_batch_sizes: Sequence[int],
-    dtype: str,
+    dtype: str | None,
     attention: Attention | str,
     tensor_parallel: Sequence[int],
 ) -> ModelProfile:
@@ -515,7 +518,14 @@ def _derive(
     if isinstance(device, str):
         device = get_device(device)
     sizes = _check_micro_batch_sizes(micro_batch_sizes)
+    if dtype is None:
+        dtype = "bfloat16" if device.bf16 else "float16"
     _check_dtype(dtype)
+    if dtype == "bfloat16" and not device.bf16:
+        raise UserInputError(
+            f"{device.name} has no bfloat16: its 16-bit training is float16 (with loss scaling)",
+            hint="derive with --dtype float16 (the default on this device)",
+        )
     attention = _check_attention(attention)
     transformer = config.family in (ModelFamily.GPT, ModelFamily.BERT)
     shapes = _transformer_shapes(config, attention) if transformer else _mlp_shapes(config)

@@ -60,6 +60,18 @@ def stage_partition(stage_layers: list[tuple[int, int]]) -> list[int]:
     return [start for start, _ in stage_layers] + [stage_layers[-1][1]]
 
 
+# fp16 with dynamic loss scaling (DeepSpeed's config keys): loss_scale 0 = dynamic, starting at
+# 2**16, halved on an overflow (after `hysteresis` of them), doubled after 1000 clean steps.
+FP16_DYNAMIC_LOSS_SCALING = {
+    "enabled": True,
+    "loss_scale": 0,
+    "initial_scale_power": 16,
+    "loss_scale_window": 1000,
+    "hysteresis": 2,
+    "min_loss_scale": 1,
+}
+
+
 def deepspeed_config(
     candidate: Candidate,
     *,
@@ -109,6 +121,8 @@ def deepspeed_config(
     )
     if precision is Precision.BF16:
         config["bf16"] = {"enabled": True}
+    elif precision is Precision.FP16:
+        config["fp16"] = dict(FP16_DYNAMIC_LOSS_SCALING)
     return config
 
 
