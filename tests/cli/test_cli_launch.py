@@ -396,3 +396,37 @@ def test_sigterm_to_torchrun_after_a_clean_checkpoint_exits_0(tmp_path):
     assert f"the launcher exited with code 1 (it was signalled), but every rank stopped cleanly after writing checkpoint step {step}" in output
     assert (run / "checkpoints" / f"step{step:08d}").is_dir()
     assert "Traceback" not in output and _processes_of(run) == []
+
+
+@pytest.mark.multiprocess
+def test_a_learning_rate_schedule_runs_is_monitored_and_survives_a_resume(tmp_path):
+    """warmup-decay over 6 steps, DeepSpeed's CSV monitor from an overlay file; then the last
+    checkpoint is lost and the run resumes from step 3: the scheduler resumes at its step (a fresh
+    one would warm up from 0 again), so steps 4-6 repeat their losses exactly."""
+    import csv
+    import shutil
+
+    plan = write_plan(tmp_path / "plan.json")
+    run = tmp_path / "run"
+    overlay = tmp_path / "overlay.yaml"
+    overlay.write_text(f"csv_monitor:\n  enabled: true\n  output_path: {tmp_path / 'monitor'}\n  job_name: demo\n")
+    first = invoke(
+        "launch", plan, "--run-dir", run, "--steps", "6", "--checkpoint-every", "3", "--lr-schedule", "warmup-decay",
+        "--warmup-steps", "2", "--weight-decay", "0.01", "--ds-config-overlay", overlay, "--timeout", "240",
+    )  # fmt: skip
+    assert first.exit_code == 0, first.output + (run / "logs" / "engine.log").read_text()[-2000:]
+    with (tmp_path / "monitor" / "demo" / "Train_Samples_lr.csv").open() as handle:
+        lrs = [float(row["lr"]) for row in csv.DictReader(handle)]
+    assert lrs == pytest.approx([0.0, 5e-4, 1e-3, 7.5e-4, 5e-4, 2.5e-4])  # linear warm-up, then linear decay
+    job = json.loads((run / "job.json").read_text())
+    assert job["training"]["lr_schedule"] == "warmup-decay" and job["ds_config_overlay"]["csv_monitor"]["enabled"]
+
+    shutil.rmtree(run / "checkpoints" / "step00000006")
+    resumed = invoke("launch", plan, "--run-dir", run, "--resume", "--timeout", "240")
+    assert resumed.exit_code == 0, resumed.output + (run / "logs" / "engine.log").read_text()[-2000:]
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [1, 2, 3, 4, 5, 6, 4, 5, 6]
+    for before, after in zip(lines[3:6], lines[6:]):
+        assert after["loss"] == pytest.approx(before["loss"], rel=1e-6, abs=0), after["step"]
+    config = json.loads((run / "ds_config.json").read_text())
+    assert config["scheduler"]["type"] == "WarmupDecayLR" and config["optimizer"]["params"]["weight_decay"] == 0.01

@@ -15,6 +15,7 @@ from pipectl.runtime.dsconfig import (
     stage_partition,
     validated_config,
 )
+from pipectl.errors import UserInputError
 from pipectl.schedule.ir import ScheduleKind
 from builders import model_shape
 
@@ -144,3 +145,70 @@ def test_uneven_replica_shares_are_validated_per_replica():
     lopsided = make_candidate(p=1, d=2, b=2, m=2, devices=2, cuts=[(0, 9)], replicas=[share(0, 3, 2)])
     with pytest.raises(DeepSpeedConfigRejected, match="1 replica shares covering 6 samples for data-parallel 2"):
         validated_config(make_plan(lopsided, global_batch=8))
+
+
+# --------------------------------------------------------------------------- training settings
+
+
+def test_each_learning_rate_schedule_is_a_deepspeed_scheduler_its_parser_accepts():
+    from pipectl.artifacts.run import LrSchedule, TrainingSettings
+
+    plan = make_plan(make_candidate())
+    constant = validated_config(plan, training=TrainingSettings(learning_rate=3e-4, weight_decay=0.1), total_steps=10)
+    assert "scheduler" not in constant
+    assert constant["optimizer"]["params"] == {
+        "lr": 3e-4, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.1, "torch_adam": True,
+    }  # fmt: skip
+    warm = validated_config(plan, training=TrainingSettings(warmup_steps=5), total_steps=10)
+    assert warm["scheduler"]["type"] == "WarmupLR" and warm["scheduler"]["params"]["warmup_num_steps"] == 5
+    decay = validated_config(plan, training=TrainingSettings(lr_schedule=LrSchedule.WARMUP_DECAY, warmup_steps=2), total_steps=10)
+    assert decay["scheduler"] == {
+        "type": "WarmupDecayLR",
+        "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3, "total_num_steps": 10, "warmup_num_steps": 2,
+                   "warmup_type": "linear"},
+    }  # fmt: skip
+    cosine = TrainingSettings(lr_schedule=LrSchedule.WARMUP_COSINE, warmup_steps=2, min_lr_ratio=0.1, gradient_clipping=0.5)
+    config = validated_config(plan, training=cosine, total_steps=10)
+    assert config["scheduler"]["type"] == "WarmupCosineLR" and config["scheduler"]["params"]["cos_min_ratio"] == 0.1
+    assert config["gradient_clipping"] == 0.5
+
+
+def test_a_decaying_schedule_needs_steps_after_its_warm_up():
+    from pipectl.artifacts.run import LrSchedule, TrainingSettings
+
+    with pytest.raises(UserInputError, match="warmup-decay decays after 10 warm-up steps, but the run has 10 steps"):
+        validated_config(
+            make_plan(make_candidate()), training=TrainingSettings(lr_schedule=LrSchedule.WARMUP_DECAY, warmup_steps=10), total_steps=10
+        )
+
+
+def test_an_overlay_is_merged_section_by_section_and_validated_by_deepspeed(tmp_path):
+    overlay = {
+        "optimizer": {"params": {"betas": [0.9, 0.95]}},
+        "csv_monitor": {"enabled": True, "output_path": str(tmp_path), "job_name": "demo"},
+        "gradient_clipping": 0.3,
+    }
+    config = validated_config(make_plan(make_candidate()), overlay=overlay)
+    assert config["optimizer"]["params"]["betas"] == [0.9, 0.95] and config["optimizer"]["params"]["torch_adam"]
+    assert config["csv_monitor"]["enabled"] and config["gradient_clipping"] == 0.3
+    with pytest.raises(DeepSpeedConfigRejected, match="not one of DeepSpeed's"):
+        validated_config(make_plan(make_candidate()), overlay={"optimizer": {"type": "SuperAdam"}})
+    with pytest.raises(DeepSpeedConfigRejected, match="DeepSpeed rejected the config"):
+        validated_config(make_plan(make_candidate()), overlay={"zero_optimization": {"reduce_bucket_size": "lots"}})
+
+
+@pytest.mark.parametrize(
+    "overlay, key",
+    [
+        ({"train_batch_size": 64}, "train_batch_size"),
+        ({"gradient_accumulation_steps": 1}, "gradient_accumulation_steps"),
+        ({"pipeline": {"stages": 4}}, "pipeline"),
+        ({"zero_optimization": {"stage": 3}}, "zero_optimization.stage"),
+        ({"bf16": {"enabled": True}}, "bf16.enabled"),
+        ({"fp16": {"enabled": True}}, "fp16.enabled"),
+        ({"checkpoint": {"load_universal": False}}, "checkpoint.load_universal"),
+    ],
+)
+def test_an_overlay_cannot_set_what_the_plan_owns(overlay, key):
+    with pytest.raises(DeepSpeedConfigRejected, match=f"sets {key}, which the plan owns"):
+        validated_config(make_plan(make_candidate()), overlay=overlay)

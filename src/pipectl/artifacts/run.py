@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from enum import Enum
 from pathlib import PurePosixPath
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -57,6 +57,36 @@ class Precision(str, Enum):
     FP32 = "fp32"
     BF16 = "bf16"
     FP16 = "fp16"  # with dynamic loss scaling: devices without bf16 (V100, P100)
+
+
+class LrSchedule(str, Enum):
+    """The learning-rate schedule (DeepSpeed's own schedulers, stepped once per optimizer step)."""
+
+    CONSTANT = "constant"  # no scheduler; with warmup_steps: DeepSpeed's WarmupLR
+    WARMUP_DECAY = "warmup-decay"  # WarmupDecayLR: linear warm-up, then linear decay to 0 at the last step
+    WARMUP_COSINE = "warmup-cosine"  # WarmupCosineLR: linear warm-up, then cosine decay to min_lr_ratio
+
+
+class TrainingSettings(Strict):
+    """The optimizer (AdamW), its learning-rate schedule and gradient clipping: the user's
+    hyper-parameters, kept in job.json so that every resume and resize writes the same DeepSpeed
+    sections (ds_config.json is derived from the plan and these)."""
+
+    learning_rate: float = Field(default=1e-3, gt=0, le=10, description="AdamW's peak learning rate.")
+    betas: tuple[float, float] = Field(default=(0.9, 0.999), description="AdamW's betas.")
+    eps: float = Field(default=1e-8, gt=0, le=1, description="AdamW's epsilon.")
+    weight_decay: float = Field(default=0.0, ge=0, le=10, description="AdamW's decoupled weight decay.")
+    gradient_clipping: float = Field(default=1.0, ge=0, le=1e6, description="Global gradient-norm clip; 0: none.")
+    lr_schedule: LrSchedule = LrSchedule.CONSTANT
+    warmup_steps: int = Field(default=0, ge=0, le=2**31, description="Steps of linear warm-up from 0 to the learning rate.")
+    min_lr_ratio: float = Field(default=0.0, ge=0, le=1, description="warmup-cosine: the floor, as a fraction of the peak.")
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        if not all(0 <= beta < 1 for beta in betas):
+            raise ValueError(f"AdamW betas must lie in [0, 1), got {list(betas)}")
+        return betas
 
 
 class DataKind(str, Enum):
@@ -124,6 +154,12 @@ class JobSpec(Artifact):
         "was recorded: whatever the launching host has.",
     )
     elastic: ElasticRange | None = Field(default=None, description="Elastic torchrun membership, if any.")
+    training: TrainingSettings = Field(default_factory=TrainingSettings)
+    ds_config_overlay: dict[str, Any] = Field(
+        default_factory=dict,
+        description="The user's DeepSpeed config overlay (launch --ds-config-overlay), merged into every config "
+        "this run writes; keys the plan owns are refused.",
+    )
     collective_timeout_seconds: float | None = Field(
         default=None,
         gt=0,

@@ -12,10 +12,10 @@ from pydantic import ValidationError
 
 from pipectl.artifacts.cluster import SlurmSpec
 from pipectl.artifacts.plan import Plan
-from pipectl.artifacts.run import LOGS_DIR, DataKind, DataSpec, ElasticRange, Engine, Precision
+from pipectl.artifacts.run import LOGS_DIR, DataKind, DataSpec, ElasticRange, Engine, LrSchedule, Precision
 from pipectl.cli.context import JsonFlag, console, err_console, print_json, training_progress
 from pipectl.errors import LaunchError, UserInputError
-from pipectl.io import load_model, validation_message
+from pipectl.io import load_model, read_mapping, validation_message
 from pipectl.launch import LaunchOptions, PreparedLaunch, prepare_launch, resumed_options, run_engine
 from pipectl.launch.engines import ENGINE_LOG, JobEnded
 from pipectl.launch.rundir import is_run_dir, run_files, run_status
@@ -84,7 +84,23 @@ def register(app: typer.Typer) -> None:
         keep_checkpoints: Annotated[int, typer.Option(min=1, help="Verified checkpoints to keep.")] = 3,
         data: Annotated[str, typer.Option(help="'builtin' corpus, 'synthetic', or a token file path.")] = "builtin",
         seed: Annotated[int, typer.Option(help="Seed of weights and data order.")] = 0,
-        lr: Annotated[float, typer.Option(min=0.0, help="AdamW learning rate.")] = 1e-3,
+        lr: Annotated[float, typer.Option(min=0.0, max=10.0, help="AdamW (peak) learning rate.")] = 1e-3,
+        weight_decay: Annotated[float, typer.Option(min=0.0, max=10.0, help="AdamW weight decay.")] = 0.0,
+        gradient_clipping: Annotated[
+            float, typer.Option(min=0.0, help="Clip the global gradient norm to this (0: no clipping).")
+        ] = 1.0,
+        lr_schedule: Annotated[
+            LrSchedule, typer.Option(help="constant (WarmupLR with --warmup-steps), warmup-decay or warmup-cosine.")
+        ] = LrSchedule.CONSTANT,
+        warmup_steps: Annotated[int, typer.Option(min=0, help="Steps of linear learning-rate warm-up.")] = 0,
+        ds_config_overlay: Annotated[
+            Optional[Path],
+            typer.Option(
+                help="JSON or YAML merged into the DeepSpeed config (monitor, optimizer params, ...); keys the plan "
+                "owns are refused. Validated by DeepSpeed's parser.",
+                metavar="FILE",
+            ),
+        ] = None,
         precision: Annotated[
             Optional[Precision],
             typer.Option("--precision", help="fp32 or bf16; default: the plan's (its profile's dtype), which it must match."),
@@ -168,6 +184,11 @@ def register(app: typer.Typer) -> None:
             data=data_spec,
             precision=Precision.BF16 if bf16 else precision,
             learning_rate=lr,
+            weight_decay=weight_decay,
+            gradient_clipping=gradient_clipping,
+            lr_schedule=lr_schedule,
+            warmup_steps=warmup_steps,
+            ds_config_overlay=read_mapping(ds_config_overlay) if ds_config_overlay is not None else {},
             elastic=elastic_range,
             nodes=nodes,
             hosts=[h.strip() for h in hosts.split(",") if h.strip()] if hosts else None,

@@ -21,7 +21,7 @@ from pipectl import __version__
 from pipectl.artifacts.cluster import ClusterSpec, SlurmSpec
 from pipectl.artifacts.plan import Plan
 from pipectl.artifacts.profile import ModelProfile
-from pipectl.artifacts.run import DataSpec, ElasticRange, Engine, JobSpec, Precision
+from pipectl.artifacts.run import DataSpec, ElasticRange, Engine, JobSpec, LrSchedule, Precision, TrainingSettings
 from pipectl.catalog import get_device
 from pipectl.cluster import load_cluster
 from pipectl.errors import PipectlError, UserInputError
@@ -49,6 +49,11 @@ class LaunchOptions:
     data: DataSpec = field(default_factory=DataSpec)
     precision: Precision | None = None  # default: the plan's (its profile's dtype)
     learning_rate: float = DEFAULT_LEARNING_RATE
+    weight_decay: float = 0.0
+    gradient_clipping: float = 1.0
+    lr_schedule: LrSchedule = LrSchedule.CONSTANT
+    warmup_steps: int = 0
+    ds_config_overlay: dict[str, Any] = field(default_factory=dict)  # the user's file's contents (data)
     elastic: ElasticRange | None = None
     nodes: int | None = None  # default: 1 for local, else the plan's devices over the cluster's devices per node
     hosts: list[str] | None = None
@@ -65,7 +70,8 @@ class LaunchOptions:
 # LaunchOptions fields a resume takes from the run when the user did not pass them.
 RESUMED_FIELDS = (
     "engine", "model", "steps", "checkpoint_every", "keep_checkpoints", "seed", "data", "precision",
-    "learning_rate", "elastic", "nodes", "master_addr", "collective_timeout",
+    "learning_rate", "weight_decay", "gradient_clipping", "lr_schedule", "warmup_steps", "ds_config_overlay",
+    "elastic", "nodes", "master_addr", "collective_timeout",
 )  # fmt: skip
 
 
@@ -77,15 +83,26 @@ def resumed_options(run_dir: str | os.PathLike[str], options: LaunchOptions, pas
         return options
     files = read_run(path)
     job = files.job
-    lr = files.ds_config.get("optimizer", {}).get("params", {}).get("lr")
+    training = run_training(job, files.ds_config)
     kept: dict[str, Any] = {
         "engine": job.engine, "model": job.model, "steps": job.steps, "checkpoint_every": job.checkpoint_every,
         "keep_checkpoints": job.keep_checkpoints, "seed": job.seed, "data": job.data, "precision": job.precision,
-        "learning_rate": float(lr) if isinstance(lr, (int, float)) else options.learning_rate,
+        "learning_rate": training.learning_rate, "weight_decay": training.weight_decay,
+        "gradient_clipping": training.gradient_clipping, "lr_schedule": training.lr_schedule,
+        "warmup_steps": training.warmup_steps, "ds_config_overlay": job.ds_config_overlay,
         "elastic": job.elastic, "nodes": job.nodes, "master_addr": job.master_addr,
         "collective_timeout": job.collective_timeout_seconds,
     }  # fmt: skip
     return replace(options, **{name: kept[name] for name in RESUMED_FIELDS if name not in passed})
+
+
+def run_training(job: JobSpec, ds_config: dict[str, Any]) -> TrainingSettings:
+    """A run's training settings: job.json's, or for a run written before job.json held them, the
+    learning rate its ds_config.json trains with."""
+    if "training" in job.model_fields_set:
+        return job.training
+    lr = ds_config.get("optimizer", {}).get("params", {}).get("lr")
+    return TrainingSettings(learning_rate=lr) if isinstance(lr, (int, float)) and lr > 0 else job.training
 
 
 def check_resume_contract(run_dir: Path, plan: Plan, job: JobSpec, options: LaunchOptions) -> JobSpec:
@@ -327,6 +344,14 @@ def build_job(plan: Plan, name: str, options: LaunchOptions, cluster: ClusterSpe
         accelerator=plan_accelerator(plan),
         elastic=options.elastic,
         collective_timeout_seconds=options.collective_timeout,
+        training=TrainingSettings(
+            learning_rate=options.learning_rate,
+            weight_decay=options.weight_decay,
+            gradient_clipping=options.gradient_clipping,
+            lr_schedule=options.lr_schedule,
+            warmup_steps=options.warmup_steps,
+        ),
+        ds_config_overlay=options.ds_config_overlay,
         pipectl_version=__version__,
     )
 
@@ -353,7 +378,7 @@ def prepare_launch(
     job = build_job(plan, path.name, options, cluster)
     check_model(plan, job.model)
     ds_config = validated_config(
-        plan, precision=job.precision, learning_rate=options.learning_rate
+        plan, precision=job.precision, training=job.training, total_steps=job.steps, overlay=job.ds_config_overlay
     )
     command = build_command(job, path, hosts=options.hosts, slurm=slurm_settings(cluster, options.slurm))
     if command.runnable_here and write:  # a dry run shows the files for the nodes that will run them

@@ -35,10 +35,11 @@ from pipectl.artifacts.plan import Candidate, Plan
 from pipectl.artifacts.run import HOSTFILE, Engine, JobSpec, ResumeRecord
 from pipectl.errors import CheckpointError, UserInputError
 from pipectl.launch.engines import LaunchCommand, build_command, run_engine
+from pipectl.launch import run_training
 from pipectl.launch.rundir import RunLock, lock_run_dir, read_run, write_run_files
 from pipectl.resize.choose import LayoutChoice, choose_candidate, replanner, with_entry
 from pipectl.runtime.checkpoint import STOP_FILE, CheckpointInfo, list_checkpoints
-from pipectl.runtime.dsconfig import DEFAULT_LEARNING_RATE, check_candidate, validated_config
+from pipectl.runtime.dsconfig import check_candidate, validated_config
 from pipectl.runtime.dsinit import free_port
 from pipectl.runtime.failure import read_resume, resume_lines
 from pipectl.runtime.history import append_record, read_records, update_downtimes, with_downtime, write_history
@@ -189,20 +190,15 @@ def resized_job(job: JobSpec, candidate: Candidate, target_steps: int) -> JobSpe
     return JobSpec.model_validate(data)
 
 
-def learning_rate_of(ds_config: dict[str, Any]) -> float | None:
-    """The optimizer's learning rate in a DeepSpeed config, if it has one."""
-    value = ds_config.get("optimizer", {}).get("params", {}).get("lr")
-    return float(value) if isinstance(value, (int, float)) else None
-
-
 def resized_ds_config(plan: Plan, job: JobSpec, previous: dict[str, Any]) -> dict[str, Any]:
     """The launch part's validated DeepSpeed config for the new chosen candidate (batch keys,
-    pipeline cut), keeping the run's precision and learning rate."""
-    learning_rate = learning_rate_of(previous)
+    pipeline cut), with the run's precision, training settings and overlay."""
     return validated_config(
         plan,
         precision=job.precision,
-        learning_rate=DEFAULT_LEARNING_RATE if learning_rate is None else learning_rate,
+        training=run_training(job, previous),
+        total_steps=job.steps,
+        overlay=job.ds_config_overlay,
     )
 
 

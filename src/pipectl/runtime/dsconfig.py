@@ -33,11 +33,11 @@ import logging
 from typing import Any, Iterator
 
 from pipectl.artifacts.plan import RUNTIME_ZERO_STAGES, Candidate, Plan
-from pipectl.artifacts.run import Precision
+from pipectl.artifacts.run import LrSchedule, Precision, TrainingSettings
 from pipectl.errors import UserInputError
 from pipectl.runtime.dsinit import choose_accelerator
 
-DEFAULT_LEARNING_RATE = 1e-3
+DEFAULT_LEARNING_RATE = TrainingSettings().learning_rate
 # Print DeepSpeed's own step log practically never: pipectl writes metrics.jsonl instead.
 STEPS_PER_PRINT = 1_000_000_000
 
@@ -77,14 +77,15 @@ def deepspeed_config(
     *,
     global_batch: int | None = None,
     precision: Precision = Precision.FP32,
-    learning_rate: float = DEFAULT_LEARNING_RATE,
-    weight_decay: float = 0.0,
-    gradient_clipping: float = 1.0,
+    training: TrainingSettings | None = None,
+    total_steps: int | None = None,
 ) -> dict[str, Any]:
     """The DeepSpeed config dict for one plan candidate (not yet validated: see `validated_config`).
 
     `global_batch` defaults to the candidate's b * m * d; pass the plan's B so that a plan whose
-    numbers disagree is caught by the validation rather than silently re-derived.
+    numbers disagree is caught by the validation rather than silently re-derived. `training` gives
+    the optimizer, schedule and clipping (`training_sections`); `total_steps` the run's length, which
+    a decaying schedule needs.
     """
     config: dict[str, Any] = batch_section(
         micro_batch_size=candidate.micro_batch_size,
@@ -97,17 +98,7 @@ def deepspeed_config(
         {
             "steps_per_print": STEPS_PER_PRINT,
             "wall_clock_breakdown": False,
-            "gradient_clipping": gradient_clipping,
-            "optimizer": {
-                "type": "AdamW",
-                "params": {
-                    "lr": learning_rate,
-                    "betas": [0.9, 0.999],
-                    "eps": 1e-8,
-                    "weight_decay": weight_decay,
-                    "torch_adam": True,
-                },
-            },
+            **training_sections(training or TrainingSettings(), total_steps),
             "zero_optimization": {"stage": candidate.zero_stage},
             "checkpoint": {"load_universal": True},
             "pipeline": {
@@ -124,6 +115,89 @@ def deepspeed_config(
     elif precision is Precision.FP16:
         config["fp16"] = dict(FP16_DYNAMIC_LOSS_SCALING)
     return config
+
+
+def training_sections(training: TrainingSettings, total_steps: int | None) -> dict[str, Any]:
+    """`optimizer` (AdamW), `scheduler` (DeepSpeed's WarmupLR, WarmupDecayLR or WarmupCosineLR,
+    linear warm-up from 0) and `gradient_clipping`.
+
+        >>> from pipectl.artifacts.run import LrSchedule
+        >>> sections = training_sections(TrainingSettings(lr_schedule=LrSchedule.WARMUP_DECAY, warmup_steps=10), 100)
+        >>> sections["scheduler"]["type"], sections["scheduler"]["params"]["total_num_steps"]
+        ('WarmupDecayLR', 100)
+    """
+    sections: dict[str, Any] = {
+        "gradient_clipping": training.gradient_clipping,
+        "optimizer": {
+            "type": "AdamW",
+            "params": {
+                "lr": training.learning_rate,
+                "betas": list(training.betas),
+                "eps": training.eps,
+                "weight_decay": training.weight_decay,
+                "torch_adam": True,
+            },
+        },
+    }
+    warmup = {"warmup_num_steps": training.warmup_steps, "warmup_type": "linear"}
+    if training.lr_schedule is LrSchedule.CONSTANT:
+        if training.warmup_steps:
+            sections["scheduler"] = {
+                "type": "WarmupLR",
+                "params": {"warmup_min_lr": 0.0, "warmup_max_lr": training.learning_rate, **warmup},
+            }
+        return sections
+    if total_steps is None or total_steps <= training.warmup_steps:
+        raise UserInputError(
+            f"--lr-schedule {training.lr_schedule.value} decays after {training.warmup_steps} warm-up steps, but the run "
+            f"has {total_steps} steps",
+            hint="train longer (--steps) or warm up for fewer steps (--warmup-steps)",
+        )
+    if training.lr_schedule is LrSchedule.WARMUP_DECAY:
+        params = {"warmup_min_lr": 0.0, "warmup_max_lr": training.learning_rate, "total_num_steps": total_steps, **warmup}
+        sections["scheduler"] = {"type": "WarmupDecayLR", "params": params}
+    else:
+        params = {"total_num_steps": total_steps, "warmup_min_ratio": 0.0, "cos_min_ratio": training.min_lr_ratio, **warmup}
+        sections["scheduler"] = {"type": "WarmupCosineLR", "params": params}
+    return sections
+
+
+# Keys a user's overlay may not set: the plan (batch arithmetic, cut, ZeRO stage, precision) and
+# pipectl's checkpoints (universal ones) own them. A dotted key names a key inside a section.
+PLAN_OWNED_KEYS = (
+    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "pipeline",
+    "zero_optimization.stage", "bf16.enabled", "fp16.enabled", "checkpoint.load_universal",
+)  # fmt: skip
+
+
+def merge_overlay(config: dict[str, Any], overlay: dict[str, Any]) -> dict[str, Any]:
+    """`config` with the user's `overlay` merged in, section by section (a mapping merges into a
+    mapping, anything else replaces); an overlay that sets a key of `PLAN_OWNED_KEYS` is refused,
+    naming it.
+
+        >>> merge_overlay({"optimizer": {"type": "AdamW", "params": {"lr": 0.1}}}, {"optimizer": {"params": {"lr": 0.2}}})
+        {'optimizer': {'type': 'AdamW', 'params': {'lr': 0.2}}}
+    """
+    for key in PLAN_OWNED_KEYS:
+        section, _, inner = key.partition(".")
+        value = overlay.get(section)
+        if (not inner and section in overlay) or (inner and isinstance(value, dict) and inner in value):
+            raise DeepSpeedConfigRejected(
+                f"the DeepSpeed config overlay sets {key}, which the plan owns",
+                hint="batch sizes, the pipeline cut, the ZeRO stage and the precision come from the plan: plan "
+                "again to change them (pipectl plan), or remove the key from the overlay",
+            )
+    return _merged(config, overlay)
+
+
+def _merged(base: dict[str, Any], overlay: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in overlay.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merged(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
 
 
 def check_candidate(candidate: Candidate, *, global_batch: int, layers: int) -> None:
@@ -245,9 +319,12 @@ def validated_config(
     candidate: Candidate | None = None,
     *,
     precision: Precision = Precision.FP32,
-    learning_rate: float = DEFAULT_LEARNING_RATE,
+    training: TrainingSettings | None = None,
+    total_steps: int | None = None,
+    overlay: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The DeepSpeed config for `plan.chosen` (or `candidate`), checked by pipectl and by DeepSpeed.
+    """The DeepSpeed config for `plan.chosen` (or `candidate`), with the user's `training` settings
+    and `overlay` (`merge_overlay`), checked by pipectl and by DeepSpeed.
 
     Raises `DeepSpeedConfigRejected` (a user error: exit 2) naming the offending values.
     """
@@ -258,8 +335,10 @@ def validated_config(
         candidate,
         global_batch=None if uneven else plan.global_batch,
         precision=precision,
-        learning_rate=learning_rate,
+        training=training,
+        total_steps=total_steps,
     )
+    config = merge_overlay(config, overlay or {})
     check_pipeline_section(config, candidate)
     for share in (candidate.replicas or []) if uneven else []:
         parse_with_deepspeed(
