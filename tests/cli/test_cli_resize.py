@@ -210,3 +210,60 @@ def test_resize_reports_the_step_the_ranks_really_resumed_from(tmp_path):
     assert record.resume_step == 2 and any("could not be loaded" in note for note in record.notes)
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4, 3, 4, 5]
+
+
+def test_a_slurm_job_seen_only_by_its_heartbeats_is_stopped_cancelled_and_the_new_script_submitted(tmp_path, monkeypatch):
+    """From a login node: no process of the job here, only its ranks' heartbeats in the shared run
+    directory. The ranks (here a thread writing heartbeats as a worker on node-a17 would) stop at
+    the stop file; resize then scancels the recorded job and sbatches the new script. Slurm's
+    commands are not on this machine: `sbatch` and `scancel` are stand-ins that log their argv."""
+    import os
+    import threading
+
+    from pipectl.artifacts.run import RankHeartbeat, RankState
+    from pipectl.runtime.liveness import write_heartbeat
+
+    run = make_run(tmp_path, engine=Engine.SLURM)
+    (run / "slurm_job_id").write_text("4242\n")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, reply in (("sbatch", "Submitted batch job 4243"), ("scancel", "")):
+        tool = bin_dir / name
+        tool.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / (name + ".log")}\necho "{reply}"\n')
+        tool.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+
+    started = time.time()
+    finished = threading.Event()
+
+    def ranks_on_another_node() -> None:
+        state = RankState.RUNNING
+        while not finished.is_set():
+            if (run / "stop_requested").exists():
+                state = RankState.STOPPED
+            for rank in (0, 1):
+                now = time.time()
+                write_heartbeat(run, RankHeartbeat(
+                    rank=rank, pid=1000 + rank, host="node-a17", stage=rank, step=7, phase="step", state=state,
+                    checkpoint_step=10 if state is RankState.STOPPED else None, started_unix=started,
+                    beat_unix=now, progress_unix=now,
+                ))  # fmt: skip
+            if state is RankState.STOPPED:
+                return
+            time.sleep(0.1)
+
+    remote = threading.Thread(target=ranks_on_another_node, daemon=True)
+    remote.start()
+    try:
+        result = invoke("resize", run, "--devices", "1", "--steps", "20", "--submit", "--scancel", "--stop-timeout", "30")
+    finally:
+        finished.set()
+        remote.join(timeout=5)
+    output = " ".join(result.output.split())
+    assert result.exit_code == 0, result.output
+    assert "stopping the job running on node-a17 at its next step boundary (2 ranks" in output
+    assert "cancelled Slurm job 4242" in output and "submitted it as Slurm job 4243" in output
+    assert (tmp_path / "scancel.log").read_text().split() == ["4242"]
+    assert (tmp_path / "sbatch.log").read_text().split() == [str(run / "job.sbatch")]
+    assert "--nproc_per_node 1" in (run / "job.sbatch").read_text()
+    assert not (run / "stop_requested").exists()

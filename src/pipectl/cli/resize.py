@@ -47,6 +47,13 @@ def register(app: typer.Typer) -> None:
         dry_run: Annotated[
             bool, typer.Option("--dry-run", help="Show the new layout; stop, write and start nothing.")
         ] = False,
+        submit: Annotated[
+            bool, typer.Option("--submit", help="Slurm run: submit the new job.sbatch with sbatch.")
+        ] = False,
+        scancel: Annotated[
+            bool,
+            typer.Option("--scancel", help="Slurm run: scancel the running job once its ranks have checkpointed and stopped."),
+        ] = False,
         json_output: JsonFlag = False,
     ) -> None:
         """Move a run to N devices with the same global batch: stop at a step boundary, re-cut the
@@ -82,6 +89,8 @@ def register(app: typer.Typer) -> None:
             stop_timeout=stop_timeout,
             timeout=timeout,
             quiet=json_output,
+            submit=submit,
+            scancel=scancel,
         )
         if result.exit_code not in (None, 0):
             raise LaunchError(
@@ -94,6 +103,9 @@ def register(app: typer.Typer) -> None:
         if result.submit_hint:
             console.print(f"wrote the new layout into {result.run_dir}; {result.submit_hint}")
             return
+        if result.submitted_job:
+            console.print(f"wrote the new layout into {result.run_dir} and submitted it as Slurm job {result.submitted_job}")
+            return
 
         console.print(morph_history_table(read_history(result.run_dir)))
         console.print(status_table(run_status(result.run_dir)))
@@ -101,7 +113,9 @@ def register(app: typer.Typer) -> None:
             err_console.print("[yellow]no step completed on the new layout: downtime unknown[/]")
 
 
-def _resize_with_progress(decision, *, requested_unix: float, stop_timeout: float, timeout: float | None, quiet: bool):
+def _resize_with_progress(
+    decision, *, requested_unix: float, stop_timeout: float, timeout: float | None, quiet: bool, submit: bool, scancel: bool
+):
     """Run the resize; once relaunched, tail metrics.jsonl into a progress bar."""
 
     run_dir = decision.run_dir
@@ -136,4 +150,6 @@ def _resize_with_progress(decision, *, requested_unix: float, stop_timeout: floa
             run_timeout_seconds=timeout,
             on_phase=phase,
             on_tick=tick,
+            submit=submit,
+            cancel_slurm=scancel,
         )

@@ -259,6 +259,19 @@ def slurm_command(
     )
 
 
+def submit_slurm(run_dir: Path) -> str:
+    """`sbatch RUN/job.sbatch` (from the run directory); the id Slurm gave the job."""
+    script = Path(run_dir) / SBATCH_FILE
+    try:
+        done = subprocess.run(["sbatch", str(script)], cwd=run_dir, capture_output=True, text=True, timeout=120)
+    except FileNotFoundError:
+        raise LaunchError("sbatch is not on this host's PATH", hint=f"submit it where Slurm's commands are: sbatch {script}") from None
+    words = done.stdout.split()
+    if done.returncode != 0 or not words or not words[-1].isdigit():
+        raise LaunchError(f"sbatch {script} failed: {(done.stderr or done.stdout).strip()[:400]}")
+    return words[-1]  # "Submitted batch job 4242"
+
+
 def build_command(
     job: JobSpec,
     run_dir: Path,

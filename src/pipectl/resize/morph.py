@@ -34,7 +34,7 @@ from pipectl.artifacts.morph import MorphRecord, MorphTrigger
 from pipectl.artifacts.plan import Candidate, Plan
 from pipectl.artifacts.run import HOSTFILE, Engine, JobSpec, ResumeRecord
 from pipectl.errors import CheckpointError, UserInputError
-from pipectl.launch.engines import LaunchCommand, build_command, run_engine
+from pipectl.launch.engines import LaunchCommand, build_command, run_engine, submit_slurm
 from pipectl.launch import run_training
 from pipectl.launch.rundir import RunLock, lock_run_dir, read_run, write_run_files
 from pipectl.resize.choose import LayoutChoice, choose_candidate, replanner, with_entry
@@ -44,7 +44,16 @@ from pipectl.runtime.dsinit import free_port
 from pipectl.runtime.failure import read_resume, resume_lines
 from pipectl.runtime.history import append_record, read_records, update_downtimes, with_downtime, write_history
 from pipectl.runtime.metrics import read_metrics
-from pipectl.resize.stop import RunProcess, StopOutcome, find_run_processes, request_stop, wait_for_exit
+from pipectl.resize.stop import (
+    RunProcess,
+    StopOutcome,
+    cancel_slurm_job,
+    find_run_processes,
+    request_stop,
+    wait_for_exit,
+    wait_for_ranks,
+)
+from pipectl.runtime.liveness import live_ranks, read_heartbeats
 from pipectl.resize.stragglers import StragglerPolicy, StragglerReport, find_stragglers
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -251,6 +260,7 @@ class ResizeResult:
     prepared: PreparedRelaunch
     exit_code: int | None = None  # None: not relaunched here (slurm, or relaunch=False)
     submit_hint: str = ""
+    submitted_job: str | None = None  # the Slurm job id, when the new script was submitted
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -270,6 +280,7 @@ class ResizeResult:
             "exit_code": self.exit_code,
             "command": self.prepared.command.shell_line(),
             "submit_hint": self.submit_hint or None,
+            "submitted_job": self.submitted_job,
             "notes": self.notes,
         }
 
@@ -294,6 +305,8 @@ def resize_run(
     decision: ResizeDecision | None = None,
     requested_unix: float | None = None,
     lock_wait_seconds: float = 30.0,
+    cancel_slurm: bool = False,
+    submit: bool = False,
 ) -> ResizeResult:
     """Resize the run at `run_dir` to `devices` devices and (unless `relaunch=False`) train it there.
 
@@ -303,6 +316,11 @@ def resize_run(
     from `decide_resize` (e.g. shown to the user first) is used as is; `requested_unix` is when
     the resize was asked for (default: now), the start of its downtime. The run is rewritten and
     relaunched under its lock (`launch.rundir.lock_run_dir`), waited for up to `lock_wait_seconds`.
+
+    A job running on other hosts (no process here; its heartbeats live: a Slurm job seen from the
+    login node) is stopped through the same stop file and waited for through its heartbeats; with
+    `cancel_slurm` its Slurm job is cancelled once its ranks have stopped. A Slurm run's new script
+    is submitted with `submit`.
     """
     requested_unix = time.time() if requested_unix is None else requested_unix
     say = on_phase or (lambda _line: None)
@@ -321,10 +339,15 @@ def resize_run(
     check_candidate(decision.candidate, global_batch=decision.global_batch, layers=decision.layers)
 
     processes: list[RunProcess] = find_run_processes(path)
+    remote = [] if processes else live_ranks(read_heartbeats(path), time.time())
     stopped = None
     stop_started = time.monotonic()
     if processes:
         say(f"stopping the running job at its next step boundary ({len(processes)} processes)")
+        request_stop(path, STOP_FILE)
+    elif remote:
+        hosts = ", ".join(sorted({b.host for b in remote}))
+        say(f"stopping the job running on {hosts} at its next step boundary ({len(remote)} ranks, seen by their heartbeats)")
         request_stop(path, STOP_FILE)
     try:
         # DeepSpeed's parser validates the new config while the old ranks finish their step.
@@ -348,6 +371,15 @@ def resize_run(
             (path / STOP_FILE).unlink(missing_ok=True)
             raise
         say(f"stopped in {stopped.seconds:.1f} s" + (" (SIGTERM was needed)" if stopped.signalled else ""))
+    elif remote:
+        try:
+            stopped = wait_for_ranks(path, remote, timeout_seconds=stop_timeout_seconds, started=stop_started)
+        except BaseException:
+            (path / STOP_FILE).unlink(missing_ok=True)
+            raise
+        say(f"stopped in {stopped.seconds:.1f} s")
+    if cancel_slurm and (processes or remote):
+        say(f"cancelled Slurm job {cancel_slurm_job(path)}")
     # A stop request left behind (by this resize or an earlier one) would stop the new job at once.
     (path / STOP_FILE).unlink(missing_ok=True)
 
@@ -356,7 +388,7 @@ def resize_run(
     lock = lock_run_dir(path, wait_seconds=lock_wait_seconds)
     try:
         return _rewrite_and_relaunch(
-            decision, prepared, stopped, notes, lock, requested_unix, relaunch, run_timeout_seconds, say, on_tick
+            decision, prepared, stopped, notes, lock, requested_unix, relaunch, run_timeout_seconds, say, on_tick, submit
         )
     finally:
         lock.release()
@@ -373,6 +405,7 @@ def _rewrite_and_relaunch(
     run_timeout_seconds: float | None,
     say: Phase,
     on_tick: Callable[[], None] | None,
+    submit: bool = False,
 ) -> ResizeResult:
     """Steps 3-5 of a resize, under the run's lock."""
     path = decision.run_dir
@@ -407,8 +440,12 @@ def _rewrite_and_relaunch(
     )
     result = ResizeResult(path, decision, record, stopped, prepared, notes=notes)
     if not relaunch or not prepared.command.runnable_here:
-        result.submit_hint = prepared.command.submit_hint
         append_record(path, record)
+        if relaunch and submit and prepared.job.engine is Engine.SLURM:
+            result.submitted_job = submit_slurm(path)
+            say(f"submitted Slurm job {result.submitted_job}")
+        else:
+            result.submit_hint = prepared.command.submit_hint
         return result
 
     say(

@@ -12,19 +12,25 @@ worker turns into the same stop at the next step boundary.
 Only this machine's processes are visible. On a multi-node job, resize from a node that hosts
 ranks: the stop decision is collective (every rank stops at the same step boundary), so once the
 ranks here have checkpointed and exited, so have the others; the stop file reaches them through
-the shared run directory.
+the shared run directory. From a host with none of the job's processes (a Slurm login node), the
+ranks' heartbeats in the shared run directory show a live job (`runtime.liveness`): the stop file
+is written the same way and `wait_for_ranks` waits until every rank's heartbeat has ended;
+`cancel_slurm_job` cancels the recorded Slurm job when asked.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipectl.artifacts.run import SLURM_JOB_ID_FILE, RankHeartbeat
 from pipectl.errors import LaunchError
 from pipectl.launch.processes import RunProcess, find_run_processes, is_alive
+from pipectl.runtime.liveness import live_ranks, read_heartbeats
 
 
 @dataclass(frozen=True)
@@ -88,6 +94,54 @@ def wait_for_exit(
                 hint="wait for its checkpoint and resize again, or stop it yourself",
             )
         time.sleep(poll_seconds)
+
+
+def wait_for_ranks(
+    run_dir: str | os.PathLike[str],
+    ranks: list[RankHeartbeat],
+    *,
+    timeout_seconds: float = 300.0,
+    poll_seconds: float = 0.5,
+    started: float | None = None,
+) -> StopOutcome:
+    """Wait until each of `ranks` (seen live through its heartbeat) has ended: its last heartbeat
+    says finished, stopped or failed, or it has gone silent. Raises `LaunchError` naming the ranks
+    still training after `timeout_seconds`."""
+    started = time.monotonic() if started is None else started
+    wanted = {b.rank: b.started_unix for b in ranks}
+    while True:
+        now = time.time()
+        beats = read_heartbeats(run_dir, since_unix=min(wanted.values(), default=0.0))
+        still = [b for b in live_ranks(beats, now) if wanted.get(b.rank) == b.started_unix]
+        elapsed = time.monotonic() - started
+        if not still:
+            return StopOutcome((), elapsed, False)
+        if elapsed >= timeout_seconds:
+            hosts = sorted({b.host for b in still})
+            raise LaunchError(
+                f"the run at {run_dir} did not stop within {timeout_seconds:.0f} s (ranks "
+                f"{', '.join(str(b.rank) for b in sorted(still, key=lambda b: b.rank))} on {', '.join(hosts)} still training)",
+                hint="wait for its checkpoint and resize again, or cancel it (resize --scancel for a Slurm job)",
+            )
+        time.sleep(poll_seconds)
+
+
+def cancel_slurm_job(run_dir: str | os.PathLike[str]) -> str:
+    """`scancel` the Slurm job whose id the run's sbatch script recorded; its id."""
+    path = Path(run_dir) / SLURM_JOB_ID_FILE
+    try:
+        job_id = path.read_text().strip()
+    except OSError:
+        raise LaunchError(f"no Slurm job id recorded in {path}: the job has not started (or was not submitted from this run)") from None
+    if not job_id.isdigit():
+        raise LaunchError(f"{path} holds {job_id!r}, not a Slurm job id")
+    try:
+        done = subprocess.run(["scancel", job_id], capture_output=True, text=True, timeout=60)
+    except FileNotFoundError:
+        raise LaunchError("scancel is not on this host's PATH", hint=f"cancel job {job_id} where Slurm's commands are") from None
+    if done.returncode != 0:
+        raise LaunchError(f"scancel {job_id} failed: {done.stderr.strip() or done.stdout.strip()}")
+    return job_id
 
 
 def stop_run(

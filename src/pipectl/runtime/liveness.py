@@ -302,6 +302,18 @@ class StallWatch:
         return [s.describe() for s in ranked]
 
 
+def live_ranks(heartbeats: dict[int, RankHeartbeat], now: float, silent_after: float = SILENT_AFTER_SECONDS) -> list[RankHeartbeat]:
+    """The ranks still training: running, and beating within `silent_after` seconds. What a
+    process list cannot show of ranks on other nodes (a Slurm job seen from the login node).
+
+    >>> beat = dict(pid=1, started_unix=0.0, progress_unix=1.0)
+    >>> beats = {0: RankHeartbeat(rank=0, beat_unix=95.0, **beat), 1: RankHeartbeat(rank=1, beat_unix=10.0, **beat)}
+    >>> [b.rank for b in live_ranks(beats, now=100.0)]
+    [0]
+    """
+    return [b for b in heartbeats.values() if b.state is RankState.RUNNING and now - b.beat_unix < silent_after]
+
+
 def stopped_cleanly(heartbeats: dict[int, RankHeartbeat], world_size: int) -> int | None:
     """The checkpoint step, if every one of the `world_size` ranks ended finished or stopped with
     the same checkpoint written; None otherwise.
