@@ -400,16 +400,20 @@ def test_sigterm_to_torchrun_after_a_clean_checkpoint_exits_0(tmp_path):
 
 @pytest.mark.multiprocess
 def test_a_learning_rate_schedule_runs_is_monitored_and_survives_a_resume(tmp_path):
-    """warmup-decay over 6 steps, DeepSpeed's CSV monitor from an overlay file; then the last
-    checkpoint is lost and the run resumes from step 3: the scheduler resumes at its step (a fresh
-    one would warm up from 0 again), so steps 4-6 repeat their losses exactly."""
+    """warmup-decay over 6 steps, DeepSpeed's CSV and TensorBoard monitors from an overlay file
+    (TensorBoard offline: its event file read back); then the last checkpoint is lost and the run
+    resumes from step 3: the scheduler resumes at its step (a fresh one would warm up from 0 again),
+    so steps 4-6 repeat their losses exactly."""
     import csv
     import shutil
 
     plan = write_plan(tmp_path / "plan.json")
     run = tmp_path / "run"
     overlay = tmp_path / "overlay.yaml"
-    overlay.write_text(f"csv_monitor:\n  enabled: true\n  output_path: {tmp_path / 'monitor'}\n  job_name: demo\n")
+    overlay.write_text(
+        f"csv_monitor:\n  enabled: true\n  output_path: {tmp_path / 'monitor'}\n  job_name: demo\n"
+        f"tensorboard:\n  enabled: true\n  output_path: {tmp_path / 'tensorboard'}\n  job_name: demo\n"
+    )
     first = invoke(
         "launch", plan, "--run-dir", run, "--steps", "6", "--checkpoint-every", "3", "--lr-schedule", "warmup-decay",
         "--warmup-steps", "2", "--weight-decay", "0.01", "--ds-config-overlay", overlay, "--timeout", "240",
@@ -418,6 +422,12 @@ def test_a_learning_rate_schedule_runs_is_monitored_and_survives_a_resume(tmp_pa
     with (tmp_path / "monitor" / "demo" / "Train_Samples_lr.csv").open() as handle:
         lrs = [float(row["lr"]) for row in csv.DictReader(handle)]
     assert lrs == pytest.approx([0.0, 5e-4, 1e-3, 7.5e-4, 5e-4, 2.5e-4])  # linear warm-up, then linear decay
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tensorboard" / "demo")).Reload()
+    logged = [event.value for event in events.Scalars("Train/Samples/train_loss")]
+    measured = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert logged == pytest.approx(measured, rel=1e-6)
     job = json.loads((run / "job.json").read_text())
     assert job["training"]["lr_schedule"] == "warmup-decay" and job["ds_config_overlay"]["csv_monitor"]["enabled"]
 
