@@ -6,6 +6,10 @@ Real ranks (torchrun, gloo) through the run-directory contract: `prepare_launch`
 for the first 10 steps, `resize_run` for the rest. Cases: 2 ranks p=2 -> 1 rank; 1 rank -> 2 ranks
 p=2; 2 ranks p=2 -> 2 ranks d=2 (the plan's morph table says so for 2 devices). One uninterrupted
 baseline and one first half per starting layout are shared across cases (module fixtures).
+
+Every run warms its learning rate up linearly over 15 steps (DeepSpeed's WarmupLR): the resize at
+step 10 falls inside the warm-up, so the scheduler's step must cross the resize with the optimizer
+state (a scheduler restarted at 0 would change every later loss).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch
 
 from pipectl.artifacts.plan import Candidate, MorphEntry, Plan
 from pipectl.launch import LaunchOptions, prepare_launch, run_engine
+from pipectl.launch.rundir import read_run
 from pipectl.runtime.history import read_history
 from pipectl.resize.morph import resize_run
 from pipectl.runtime.checkpoint import find_latest_verified
@@ -29,6 +34,7 @@ pytestmark = pytest.mark.multiprocess
 STEPS, RESIZE_AT = 20, 10
 RUN_TIMEOUT_SECONDS = 150
 RELATIVE_TOLERANCE = 1e-4
+WARMUP_STEPS = 15
 
 
 candidate = gpt_tiny_candidate
@@ -44,7 +50,7 @@ def plan_with(chosen: Candidate, table: dict[int, Candidate]) -> Plan:
 
 
 def train(plan: Plan, run_dir: Path, steps: int) -> Path:
-    prepared = prepare_launch(plan, run_dir, LaunchOptions(steps=steps, seed=0))
+    prepared = prepare_launch(plan, run_dir, LaunchOptions(steps=steps, seed=0, warmup_steps=WARMUP_STEPS))
     exit_code = run_engine(prepared.command, prepared.run_dir, timeout_seconds=RUN_TIMEOUT_SECONDS)
     assert exit_code == 0, (run_dir / "logs" / "engine.log").read_text()[-3000:]
     return prepared.run_dir
@@ -114,6 +120,7 @@ def test_losses_and_weights_continue_across_a_resize(baseline, first_halves, wor
         difference = torch.linalg.vector_norm(tensor - reference) / torch.linalg.vector_norm(reference)
         assert difference.item() <= RELATIVE_TOLERANCE, (name, difference.item())
 
+    assert read_run(run).ds_config["scheduler"]["params"]["warmup_num_steps"] == WARMUP_STEPS  # kept by the resize
     (record,) = read_history(run)
     assert record.resume_step == RESIZE_AT and record.to_layout == expected_layout
     assert record.downtime_seconds is not None and record.downtime_seconds > 0
