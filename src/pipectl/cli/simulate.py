@@ -28,6 +28,7 @@ from pipectl.schedule import ScheduleKind, generate
 from pipectl.schedule.comm import add_communication
 from pipectl.schedule.generators import generate_for_stage_times
 from pipectl.schedule.ir import Schedule
+from pipectl.words import count
 
 
 # A uniform pipeline of more forward passes than this takes minutes to simulate and draw.
@@ -49,11 +50,11 @@ def _from_plan(
         if entry is None:
             counts = [e.devices for e in plan.morph_table]
             raise UserInputError(
-                f"the plan's morph table has no entry for {devices} devices",
+                f"the plan's morph table has no entry for {count(devices, 'device')}",
                 hint=f"entries: {counts[0]}..{counts[-1]}" if counts else "the plan has no morph table",
             )
         if entry.candidate is None:
-            raise UserInputError(f"nothing fits on {devices} devices: {entry.note or 'no feasible candidate'}")
+            raise UserInputError(f"nothing fits on {count(devices, 'device')}: {entry.note or 'no feasible candidate'}")
         candidate = entry.candidate
     if profile_path is None:
         profile = load_plan_profile(plan_path, plan)

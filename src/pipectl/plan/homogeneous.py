@@ -30,6 +30,7 @@ from pipectl.plan.evaluate import Evaluator
 from pipectl.plan.morph import morph_table
 from pipectl.plan.space import enumerate_specs, search_space, tensor_parallel_possible
 from pipectl.plan.workers import available_workers
+from pipectl.words import count
 
 SUPPORTED_ZERO_STAGES = (0, 1)  # DeepSpeed's pipeline engine runs ZeRO 0 and 1 only
 
@@ -51,19 +52,18 @@ def check_request(request: PlanRequest, profile: ModelProfile, hardware: Hardwar
                  "micro_batch_size", "devices", "deadline_hours", "samples", "tokens", "top", "workers"):
         _positive(name.replace("_", " "), getattr(request, name))
     if request.devices is not None and request.devices > hardware.devices:
-        raise UserInputError(
-            f"--devices {request.devices} is more than the cluster's {hardware.devices} '{hardware.device.name}' devices"
-        )
+        kind = f"'{hardware.device.name}' device"
+        raise UserInputError(f"--devices {request.devices} is more than the cluster's {count(hardware.devices, kind)}")
     layers = len(profile.layers)
     if request.pipeline_parallel is not None and request.pipeline_parallel > layers:
         raise UserInputError(
-            f"pipeline-parallel degree {request.pipeline_parallel} exceeds the model's {layers} layers"
+            f"pipeline-parallel degree {request.pipeline_parallel} exceeds the model's {count(layers, 'layer')}"
         )
     t = request.tensor_parallel
     if t is not None:
         if t > hardware.devices_per_node or hardware.devices_per_node % t:
             raise UserInputError(
-                f"tensor-parallel degree {t} must divide the {hardware.devices_per_node} devices of a node"
+                f"tensor-parallel degree {t} must divide the {count(hardware.devices_per_node, 'device')} of a node"
             )
         if t > 1 and not tensor_parallel_possible(profile, t):
             raise UserInputError(
@@ -81,7 +81,7 @@ def check_request(request: PlanRequest, profile: ModelProfile, hardware: Hardwar
     if math.prod(pinned) > (request.devices or hardware.devices):
         raise UserInputError(
             f"pinned degrees t x p x d = {math.prod(pinned)} need more than the "
-            f"{request.devices or hardware.devices} devices available"
+            f"{count(request.devices or hardware.devices, 'device')} available"
         )
     bad_zero = [z for z in request.zero_stages if z not in SUPPORTED_ZERO_STAGES]
     if bad_zero or not request.zero_stages:
@@ -262,7 +262,7 @@ def plan_homogeneous(
         chosen_entry = ranking.best_runnable
     if goal.objective is Objective.COST_DEADLINE and not goal.meets_deadline(chosen_entry[2]):
         plan_notes.append(
-            f"no candidate finishes {goal.steps_needed} steps within {request.deadline_hours} h: chose the fastest"
+            f"no candidate finishes {count(goal.steps_needed, 'step')} within {request.deadline_hours} h: chose the fastest"
         )
     if goal.objective is Objective.COST_DEADLINE:
         missed = sum(1 for key, _, _ in ranking.top if key[0] == 1)
@@ -309,9 +309,9 @@ def _device_note(spec: Spec, devices: int) -> list[str]:
 
 
 def _nothing_fits(request: PlanRequest, rejections: Rejections, devices: int) -> str:
-    reasons = "; ".join(f"{count} x {reason}" for reason, count in rejections.summary().items()) or "no candidates"
+    reasons = "; ".join(f"{number} x {reason}" for reason, number in rejections.summary().items()) or "no candidates"
     examples = "; ".join(rejections.examples.values())
-    message = f"nothing fits global batch {request.global_batch} on {devices} devices: {reasons}"
+    message = f"nothing fits global batch {request.global_batch} on {count(devices, 'device')}: {reasons}"
     if examples:
         message += f" (e.g. {examples})"
     return message
