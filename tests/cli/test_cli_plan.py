@@ -74,3 +74,23 @@ def test_missing_profile_is_a_user_error(tmp_path):
                                  "--global-batch", "4", "-o", str(tmp_path / "p.json")])
     assert result.exit_code == 2
     assert "not found" in result.output
+
+
+@pytest.mark.parametrize("objective, best", [("time", "fastest"), ("cost", "cheapest")])
+def test_note_on_an_engine_the_best_cannot_run_names_the_objective(profile_path, tmp_path, objective, best):
+    """Interleaved is the best by either objective here, and DeepSpeed cannot run it."""
+    out = tmp_path / "plan.json"
+    result = runner.invoke(app, ["plan", "--profile", str(profile_path), "--cluster", "a100-8x8", "--global-batch", "32",
+                                 "--objective", objective, "--pipeline-parallel", "2", "--data-parallel", "1",
+                                 "--tensor-parallel", "1", "--schedules", "1f1b,interleaved", "--no-morph",
+                                 "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    plan = load_model(Plan, out)
+    best_overall = plan.candidates[0]
+    assert not best_overall.deepspeed_runnable and plan.chosen.deepspeed_runnable
+    note = next(n for n in plan.notes if "which DeepSpeed cannot run" in n)
+    assert note.startswith(f"{best} overall is ") and note.endswith(f"chose the {best} DeepSpeed-runnable candidate")
+    other = {"fastest": "cheapest", "cheapest": "fastest"}[best]
+    assert other not in note
+    if objective == "cost":
+        assert f"${best_overall.cost_per_million_samples:,.4g} per 1M samples" in note

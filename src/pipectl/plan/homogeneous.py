@@ -132,6 +132,24 @@ class Goal:
             return (0, cost, step)
         return (1, step)
 
+    def best_words(self, key: tuple) -> tuple[str, str]:
+        """How the entry with `key` is the best, and where: ('fastest', ''), ('cheapest', ''), or
+        under a deadline ('cheapest', 'within the deadline'), or ('fastest', '') when it misses it
+        (time ranks those)."""
+        if self.objective is Objective.TIME:
+            return "fastest", ""
+        if self.objective is Objective.COST:
+            return "cheapest", ""
+        return ("cheapest", "within the deadline") if key[0] == 0 else ("fastest", "")
+
+    def figures(self, spec: Spec, step: float) -> str:
+        """The figures the objective ranks by: '0.0004615 s/step' (time), plus
+        '$0.04 per 1M samples' (cost)."""
+        seconds = f"{step:.4g} s/step"
+        if self.objective is Objective.TIME:
+            return seconds
+        return f"${self.cost_per_sample(spec, step) * 1e6:,.4g} per 1M samples, {seconds}"
+
     def bound_key(self, spec: Spec) -> tuple:
         return self.key(spec, spec.lower_bound_seconds)
 
@@ -253,11 +271,14 @@ def plan_homogeneous(
             raise InfeasibleError(
                 "only schedules DeepSpeed's pipeline engine cannot run fit "
                 f"(best: {chosen_entry[1].describe()})",
-                hint="plan without --for-deepspeed to see them, or allow 1f1b/gpipe/varuna",
+                hint="plan with --any-engine to see them, or allow 1f1b/gpipe/varuna",
             )
+        best, scope = goal.best_words(chosen_entry[0])
+        runnable, runnable_scope = goal.best_words(ranking.best_runnable[0])
         plan_notes.append(
-            f"fastest overall is {chosen_entry[1].describe()} ({chosen_entry[2]:.4g} s/step), which DeepSpeed "
-            "cannot run; chose the best DeepSpeed-runnable candidate"
+            f"{best} {scope or 'overall'} is {chosen_entry[1].describe()} "
+            f"({goal.figures(chosen_entry[1], chosen_entry[2])}), which DeepSpeed cannot run; chose the "
+            f"{runnable} DeepSpeed-runnable candidate{' ' + runnable_scope if runnable_scope else ''}"
         )
         chosen_entry = ranking.best_runnable
     if goal.objective is Objective.COST_DEADLINE and not goal.meets_deadline(chosen_entry[2]):
