@@ -45,6 +45,7 @@ def _from_plan(
     """The schedule and cost table of a plan's candidate (the chosen one, or the morph entry)."""
     plan = load_model(Plan, plan_path)
     candidate = plan.chosen
+    note = ""
     if devices is not None:
         entry = plan.for_devices(devices)
         if entry is None:
@@ -56,6 +57,11 @@ def _from_plan(
         if entry.candidate is None:
             raise UserInputError(f"nothing fits on {count(devices, 'device')}: {entry.note or 'no feasible candidate'}")
         candidate = entry.candidate
+        if candidate.devices != devices:
+            # the morph entry's own reason ("no configuration of exactly 1000 devices divides ...")
+            note = f"the plan's entry for {count(devices, 'device')} uses {candidate.devices}: " + (
+                entry.note.split(": ", 1)[-1] if entry.note else "the fastest configuration it found"
+            )
     if profile_path is None:
         profile = load_plan_profile(plan_path, plan)
     else:
@@ -77,6 +83,10 @@ def _from_plan(
         "micro_batch_size": candidate.micro_batch_size,
         "predicted_step_seconds": candidate.predicted_step_seconds,
     }
+    if devices is not None:
+        context["requested_devices"] = devices
+    if note:
+        context["note"] = note
     return schedule, costs, context
 
 
@@ -228,6 +238,8 @@ def register(app: typer.Typer) -> None:
             return
         if print_schedule:
             typer.echo(add_communication(schedule).to_text(), nl=False)
+        if context.get("note"):
+            console.print(f"note: {context['note']}", style="yellow", highlight=False)
         console.print(_summary_table(schedule, timeline, context))
         if terminal:
             console.print(terminal_gantt(timeline, width=width), soft_wrap=True)
