@@ -89,8 +89,38 @@ def validation_message(exc: ValidationError) -> str:
     return "; ".join(lines)
 
 
+# The kinds of file one command may be handed in place of another, by their model's class name:
+# what to call one, and the top-level keys that only that kind has (all of them required).
+ARTIFACT_KINDS: dict[str, tuple[str, frozenset[str]]] = {
+    "ModelProfile": ("a profile (pipectl profile)", frozenset({"source", "micro_batch_sizes", "layers"})),
+    "LinksProfile": ("a links calibration (pipectl profile links)", frozenset({"backend", "fits"})),
+    "Plan": ("a plan (pipectl plan)", frozenset({"model_shape", "request", "chosen"})),
+    "ClusterSpec": ("a cluster (configs/clusters/*.yaml)", frozenset({"node_types"})),
+    "ModelConfig": ("a model config (configs/models/*.yaml)", frozenset({"family", "hidden"})),
+    "DeviceCatalog": ("a device catalog (configs/devices.yaml)", frozenset({"devices"})),
+    "JobSpec": ("a run's job.json (pipectl launch)", frozenset({"world_size", "ranks_per_node", "master_port"})),
+    "CheckpointManifest": ("a checkpoint manifest", frozenset({"tag", "files", "bytes"})),
+    "MorphRecord": ("a resize record (pipectl resize)", frozenset({"from_layout", "to_layout"})),
+    "RankFailure": ("a rank's failure record", frozenset({"rank", "exception"})),
+}
+
+
+def artifact_kind(data: dict[str, Any]) -> str | None:
+    """The class name of the one kind of file in `ARTIFACT_KINDS` whose keys `data` has, else None.
+
+    >>> artifact_kind({"schema_version": 1, "backend": "gloo", "device": "cpu", "fits": {}})
+    'LinksProfile'
+    >>> artifact_kind({"name": "x"}) is None
+    True
+    """
+    kinds = [name for name, (_, keys) in ARTIFACT_KINDS.items() if keys <= data.keys()]
+    return kinds[0] if len(kinds) == 1 else None
+
+
 def load_model(model_type: type[ModelT], path: str | os.PathLike[str]) -> ModelT:
-    """Read and validate an artifact file; errors name the file, the field and the value."""
+    """Read and validate an artifact file; errors name the file, the field and the value, or what
+    the file is when it is another kind of pipectl file ("p.json is a profile (pipectl profile),
+    not a plan (pipectl plan)")."""
     data = read_mapping(path)
     return parse_model(model_type, data, source=str(path))
 
@@ -99,6 +129,10 @@ def parse_model(model_type: type[ModelT], data: dict[str, Any], *, source: str) 
     try:
         return model_type.model_validate(data)
     except ValidationError as exc:
+        expected = ARTIFACT_KINDS.get(model_type.__name__)
+        found = artifact_kind(data)
+        if expected is not None and found is not None and found != model_type.__name__:
+            raise ArtifactError(f"{source} is {ARTIFACT_KINDS[found][0]}, not {expected[0]}") from None
         raise ArtifactError(f"{source}: {validation_message(exc)}") from exc
 
 

@@ -74,3 +74,57 @@ def test_missing_profile_is_a_user_error(tmp_path):
                                  "--global-batch", "4", "-o", str(tmp_path / "p.json")])
     assert result.exit_code == 2
     assert "not found" in result.output
+
+
+@pytest.mark.parametrize("objective, best", [("time", "fastest"), ("cost", "cheapest")])
+def test_note_on_an_engine_the_best_cannot_run_names_the_objective(profile_path, tmp_path, objective, best):
+    """Interleaved is the best by either objective here, and DeepSpeed cannot run it."""
+    out = tmp_path / "plan.json"
+    result = runner.invoke(app, ["plan", "--profile", str(profile_path), "--cluster", "a100-8x8", "--global-batch", "32",
+                                 "--objective", objective, "--pipeline-parallel", "2", "--data-parallel", "1",
+                                 "--tensor-parallel", "1", "--schedules", "1f1b,interleaved", "--no-morph",
+                                 "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    plan = load_model(Plan, out)
+    best_overall = plan.candidates[0]
+    assert not best_overall.deepspeed_runnable and plan.chosen.deepspeed_runnable
+    note = next(n for n in plan.notes if "which DeepSpeed cannot run" in n)
+    assert note.startswith(f"{best} overall is ") and note.endswith(f"chose the {best} DeepSpeed-runnable candidate")
+    other = {"fastest": "cheapest", "cheapest": "fastest"}[best]
+    assert other not in note
+    if objective == "cost":
+        assert f"${best_overall.cost_per_million_samples:,.4g} per 1M samples" in note
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [("300B", 300 * 10**9), ("300b", 300 * 10**9), ("1.5T", 1_500_000_000_000), ("0.3B", 300_000_000),
+     ("150M", 150_000_000), ("12K", 12_000), ("3e11", 300 * 10**9), ("300000000000", 300 * 10**9)],
+)
+def test_amounts_take_decimal_suffixes(text, expected):
+    from pipectl.cli.plan import parse_amount
+
+    assert parse_amount(text, "--tokens") == expected
+
+
+def test_tokens_with_a_suffix_reach_the_plan(profile_path, tmp_path):
+    out = tmp_path / "plan.json"
+    result = runner.invoke(app, ["plan", "--profile", str(profile_path), "--cluster", "a100-8x8", "--global-batch", "32",
+                                 "--objective", "cost-deadline", "--deadline-hours", "24", "--tokens", "300B",
+                                 "--no-morph", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert load_model(Plan, out).request.tokens == 300 * 10**9
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [("300X", "--tokens '300X' is not a number"), ("3BB", "--tokens '3BB' is not a number"), ("0.0005K", "positive whole number, got 0.0005K"),
+     ("1.5", "positive whole number, got 1.5"), ("-3B", "positive whole number, got -3B"),
+     ("1e999999999", "does not fit a 64-bit integer"), ("inf", "positive whole number, got inf")],
+)
+def test_bad_amounts_are_named(profile_path, tmp_path, text, message):
+    result = runner.invoke(app, ["plan", "--profile", str(profile_path), "--cluster", "a100-8x8", "--global-batch", "32",
+                                 "--objective", "cost-deadline", "--deadline-hours", "24", "--tokens", text,
+                                 "-o", str(tmp_path / "p.json")])
+    assert result.exit_code == 2, result.output
+    assert message in result.output and "Traceback" not in result.output

@@ -54,6 +54,9 @@ def test_measure_gpt_tiny_writes_profile_and_prints_table(tmp_path):
     for name in ("embed", "block.5", "final_norm", "head", "total"):
         assert name in result.stdout
     assert f"wrote {out}" in result.stderr.replace("\n", "")
+    # the engine calibration (seconds, with the layer bar full) says what it is doing
+    assert profile.runtime is not None
+    assert "calibrating the training engine on this host…" in result.stderr
 
 
 def test_json_flag_prints_exactly_the_written_profile(tmp_path):

@@ -117,3 +117,22 @@ def test_varuna_order_follows_the_given_stage_times():
     first_rank = " ".join(str(a) for a in expected.compute_order(0))
     shown = next(line for line in out.splitlines() if line.startswith("0: "))
     assert " ".join(t for t in shown[3:].split() if t[1] in "FBR" and t[1:3] not in ("SF", "SB", "RF", "RB")) == first_rank
+
+
+def test_a_morph_entry_using_fewer_devices_says_how_many_and_why(tmp_path: Path):
+    from pipectl.artifacts.plan import Plan
+    from pipectl.io import load_model, write_json_atomic
+    from pipectl.plan.synthetic import synthetic_profile
+
+    profile = write_json_atomic(tmp_path / "profile.json", synthetic_profile(blocks=2, micro_batch_sizes=[1, 2]))
+    plan_path = tmp_path / "plan.json"
+    invoke("plan", "--profile", str(profile), "--cluster", "local", "--devices", "7", "--global-batch", "4",
+           "-o", str(plan_path))
+    entry = load_model(Plan, plan_path).for_devices(7)
+    used = entry.candidate.devices
+    assert used < 7  # 5 layers and B = 4: nothing runs on exactly 7
+    out = " ".join(invoke("simulate", str(plan_path), "--devices", "7").stdout.split())
+    assert f"the plan's entry for 7 devices uses {used}: no configuration of exactly 7 devices divides" in out
+    payload = json.loads(invoke("simulate", str(plan_path), "--devices", "7", "--json").stdout)
+    assert payload["requested_devices"] == 7 and payload["devices"] == used
+    assert payload["note"].startswith(f"the plan's entry for 7 devices uses {used}: ")

@@ -138,6 +138,6 @@ def test_plain_status_shows_a_truncated_file_and_leftover_staging_folders(tmp_pa
     output = " ".join(result.output.split())
     assert result.exit_code == 0, result.output
     assert "0 bytes, the manifest records 1 (truncated)" in output and " ok " not in output
-    assert "1 staging folder(s)" in output and "w999999-0badcafe" in output
+    assert "1 staging folder in" in output and "w999999-0badcafe" in output
     payload = json.loads(runner.invoke(app, ["status", str(run), "--json"]).output)
     assert payload["staging"] == [str(leftover.parent)] and not payload["checkpoints"][0]["verified"]

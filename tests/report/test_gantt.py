@@ -1,8 +1,10 @@
+import re
+
 import pytest
 
 from pipectl.errors import UserInputError
 from pipectl.plan.simulate import simulate, uniform_costs
-from pipectl.report.gantt import KIND_COLOURS, describe, gantt_figure, terminal_gantt, write_gantt
+from pipectl.report.gantt import KIND_COLOURS, describe, gantt_figure, micro_batch_id, terminal_gantt, write_gantt
 from pipectl.schedule import ScheduleKind, generate
 
 
@@ -14,7 +16,7 @@ def timeline():
 def test_terminal_rows_are_one_per_rank_and_proportional(timeline):
     width = 60
     lines = terminal_gantt(timeline, width=width).plain.splitlines()
-    assert len(lines) == 3 + 1
+    assert len(lines) == 3 + 2  # the ranks, the legend, the step
     for rank, line in enumerate(lines[:3]):
         assert line.startswith(f"rank {rank} ")
         assert len(line) == len("rank 0 ") + width
@@ -23,6 +25,7 @@ def test_terminal_rows_are_one_per_rank_and_proportional(timeline):
     assert idle_cells == round(2 / timeline.step_seconds * width)
     assert lines[0][len("rank 0 "):].startswith("F0")
     assert lines[-1] == describe(timeline)
+    assert lines[-2] == "F forward, B backward, A all-reduce, S optimizer step, · idle; F3: micro-batch 3"
 
 
 def test_terminal_cells_carry_the_kind_colours():
@@ -67,3 +70,37 @@ def test_write_gantt_rejects_other_suffixes(tmp_path, timeline):
 def test_terminal_width_must_be_usable(timeline):
     with pytest.raises(UserInputError, match="at least 10"):
         terminal_gantt(timeline, width=3)
+
+
+def test_two_digit_micro_batches_are_one_base_36_character():
+    """1F1B, p = 2, m = 12 in 80 cells: each bar is two cells, so 'F10' would not fit (it was 'FF')."""
+    timeline = simulate(generate(ScheduleKind.ONE_F_ONE_B, 2, 12), uniform_costs(2, 1, 1.0, 2.0))
+    lines = terminal_gantt(timeline, width=80).plain.splitlines()
+    for rank in (0, 1):
+        row = lines[rank][len("rank 0 "):]
+        assert "FF" not in row and "BB" not in row
+        for letter in "FB":
+            assert [int(n, 36) for n in re.findall(letter + "([0-9a-z])", row)] == list(range(12))
+    assert lines[-2].endswith("F3: micro-batch 3, a-z: 10-35")
+
+
+def test_the_legend_names_only_what_the_chart_shows():
+    interleaved = simulate(generate(ScheduleKind.INTERLEAVED, 2, 4, 2, recompute=True), uniform_costs(2, 2, 1.0, 2.0))
+    legend = terminal_gantt(interleaved, width=200).plain.splitlines()[-2]
+    assert legend == "F forward, B backward, R recompute, f b r: later chunks, · idle; F3: micro-batch 3"
+    many = simulate(generate(ScheduleKind.GPIPE, 2, 40), uniform_costs(2, 1, 1.0, 2.0))
+    legend = terminal_gantt(many, width=60).plain.splitlines()[-2]
+    assert "(base 36: a-z 10-35, 10 = 36)" in legend and "a letter alone: too narrow for its number" in legend
+
+
+@pytest.mark.parametrize("number", [0, 9, 10, 35, 36, 100, 1295, 1296])
+def test_micro_batch_ids_read_back(number):
+    assert int(micro_batch_id(number), 36) == number
+
+
+def test_docstring_examples():
+    import doctest
+
+    import pipectl.report.gantt
+
+    assert doctest.testmod(pipectl.report.gantt).failed == 0

@@ -8,15 +8,38 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 from pydantic import BaseModel, ValidationError
-from rich.console import Console
+from rich.console import Console, ConsoleDimensions
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from pipectl.errors import UserInputError
 from pipectl.io import check_output_file
 
-console = Console()
-err_console = Console(stderr=True)
+# Wide enough that no table of ours is ever narrowed; text is not padded to it.
+PIPED_WIDTH = 1000
 
+
+class PipectlConsole(Console):
+    """A Rich console that keeps tables whole when its output is not a terminal.
+
+    Piped into a file or a log, Rich would take the width of whatever terminal it can find (80
+    columns without one) and cut table cells to fit ("13.59…"). There, unless COLUMNS is set,
+    the console is `PIPED_WIDTH` wide: tables keep their natural width and no figure is cut.
+    """
+
+    @property
+    def size(self) -> ConsoleDimensions:
+        dimensions = super().size
+        if self._width is None and not self.is_terminal and "COLUMNS" not in self._environ:
+            return ConsoleDimensions(PIPED_WIDTH, dimensions.height)
+        return dimensions
+
+    @size.setter
+    def size(self, new_size: tuple[int, int]) -> None:
+        self._width, self._height = new_size
+
+
+console = PipectlConsole()
+err_console = PipectlConsole(stderr=True)
 
 
 def output_file(path: Path | None) -> Path | None:

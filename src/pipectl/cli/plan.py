@@ -2,16 +2,18 @@
 
     pipectl plan --profile profile.json --cluster local --devices 2 --global-batch 16 -o plan.json
     pipectl plan --profile gpt1t.json --cluster a100-384x8 --global-batch 3072 --schedules 1f1b,gpipe
-    pipectl plan ... --objective cost-deadline --deadline-hours 24 --tokens 3e11
+    pipectl plan ... --objective cost-deadline --deadline-hours 24 --tokens 300B
 """
 
 from __future__ import annotations
 
+from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
+from pipectl.artifacts.base import INT64_MAX
 from pipectl.artifacts.plan import Objective, PlanRequest
 from pipectl.artifacts.profile import ModelProfile
 from pipectl.cli.context import JsonFlag, OutputPath, console, from_options, print_json
@@ -42,16 +44,35 @@ def parse_schedule(text: str) -> ScheduleKind:
         raise UserInputError(f"unknown schedule '{text}'", hint=f"known schedules: {known}") from None
 
 
+AMOUNT_SUFFIXES = {"k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}  # decimal: 300B tokens is 3e11
+
+
 def parse_amount(text: str | None, name: str) -> int | None:
-    """'3e11' or '300000000000' -> 300000000000; a bad number is named."""
+    """'300B', '1.5T', '3e11' or '300000000000' -> 300000000000 (K, M, B, T: thousand, million,
+    billion, trillion, in either case); a bad number is named.
+
+    >>> parse_amount("300B", "--tokens"), parse_amount("0.3b", "--tokens"), parse_amount("2e6", "--samples")
+    (300000000000, 300000000, 2000000)
+    """
     if text is None:
         return None
+    number = text.strip().replace("_", "")
+    scale = AMOUNT_SUFFIXES.get(number[-1:].lower(), 1)
+    if scale != 1:
+        number = number[:-1].rstrip()
     try:
-        value = float(text)
-    except ValueError:
-        raise UserInputError(f"{name} '{text}' is not a number") from None
-    if value <= 0 or value != int(value):
+        value = Decimal(number)
+    except InvalidOperation:
+        raise UserInputError(
+            f"{name} '{text}' is not a number", hint=f"e.g. {name} 300B, {name} 3e11 (K, M, B, T: 10^3 .. 10^12)"
+        ) from None
+    if value.is_finite() and value.adjusted() > 30:  # 1e999999999: no scaling, no billion-digit int()
+        raise UserInputError(f"{name} {text} does not fit a 64-bit integer")
+    value *= scale
+    if not value.is_finite() or value <= 0 or value != value.to_integral_value():
         raise UserInputError(f"{name} must be a positive whole number, got {text}")
+    if value > INT64_MAX:
+        raise UserInputError(f"{name} {text} does not fit a 64-bit integer")
     return int(value)
 
 
@@ -62,8 +83,8 @@ def plan_command(
     output: OutputPath = Path("plan.json"),
     objective: Annotated[Objective, typer.Option("--objective", help="time, cost or cost-deadline.")] = Objective.TIME,
     deadline_hours: Annotated[Optional[float], typer.Option("--deadline-hours", help="cost-deadline: hours available.")] = None,
-    samples: Annotated[Optional[str], typer.Option("--samples", help="cost-deadline: samples to train on.")] = None,
-    tokens: Annotated[Optional[str], typer.Option("--tokens", help="cost-deadline: tokens to train on.")] = None,
+    samples: Annotated[Optional[str], typer.Option("--samples", help="cost-deadline: samples to train on (e.g. 150M).")] = None,
+    tokens: Annotated[Optional[str], typer.Option("--tokens", help="cost-deadline: tokens to train on (e.g. 300B, 3e11; K, M, B, T decimal).")] = None,
     schedules: Annotated[Optional[str], typer.Option("--schedules", help="Comma list: 1f1b,gpipe,interleaved,varuna,2bw.")] = None,
     max_tensor_parallel: Annotated[Optional[int], typer.Option("--max-tensor-parallel", help="Largest t to try.")] = None,
     pipeline_parallel: Annotated[Optional[int], typer.Option("--pipeline-parallel", help="Pin p.")] = None,

@@ -240,7 +240,13 @@ def _measure(
 ):
     # torch: only when measuring, so the CLI starts without it
     from pipectl.models import build_model
-    from pipectl.profile.measure import check_tensor_parallel, parse_dtype, profile_model, resolve_device
+    from pipectl.profile.measure import (
+        check_tensor_parallel,
+        parse_dtype,
+        profile_model,
+        resolve_device,
+        with_runtime_costs,
+    )
 
     torch_device = resolve_device(device)  # before building: a bad device fails fast
     dtype = parse_dtype(dtype_text)
@@ -258,24 +264,24 @@ def _measure(
     shard_cells = len(shard_degrees) * sum(layer.kind == "transformer_block" for layer in layers.layers)
 
     with Progress(
-        TextColumn("[bold]profiling[/] {task.description}"),
+        TextColumn("{task.description}"),
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
         console=err_console,
         transient=True,
     ) as bar:
-        task = bar.add_task(layers.name, total=(len(layers) + shard_cells) * len(sizes))
+        task = bar.add_task(f"[bold]profiling[/] {layers.name}", total=(len(layers) + shard_cells) * len(sizes))
 
         def on_progress(update) -> None:
             bar.update(
                 task,
                 completed=update.done,
                 total=update.total,
-                description=f"{layers.name}: {update.layer} at b={update.micro_batch_size}",
+                description=f"[bold]profiling[/] {layers.name}: {update.layer} at b={update.micro_batch_size}",
             )
 
-        return profile_model(
+        measured = profile_model(
             layers,
             sizes,
             device=device,
@@ -288,7 +294,16 @@ def _measure(
             device_name=kind,
             once=once,
             tensor_parallel=shard_degrees,
+            runtime=False,
         )
+        # The engine calibration takes seconds (about 15 on a CPU) with the layer bar full: say so.
+        where = "this host" if torch_device.type == "cpu" else str(torch_device)
+        calibrating = f"calibrating the training engine on {where}…"
+        bar.update(task, description=f"[bold]profiled[/] {layers.name}'s layers")
+        bar.add_task(calibrating, total=None)
+        if not err_console.is_terminal:  # no live bar: a line, so a log shows where the time went
+            err_console.print(calibrating, highlight=False)
+        return with_runtime_costs(measured, layers, torch_device, dtype, seed=0)
 
 
 def _memory_budget_bytes(kind: str, memory_budget_gib: float | None, *, required: bool) -> int | None:

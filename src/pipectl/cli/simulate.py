@@ -28,6 +28,7 @@ from pipectl.schedule import ScheduleKind, generate
 from pipectl.schedule.comm import add_communication
 from pipectl.schedule.generators import generate_for_stage_times
 from pipectl.schedule.ir import Schedule
+from pipectl.words import count
 
 
 # A uniform pipeline of more forward passes than this takes minutes to simulate and draw.
@@ -44,17 +45,23 @@ def _from_plan(
     """The schedule and cost table of a plan's candidate (the chosen one, or the morph entry)."""
     plan = load_model(Plan, plan_path)
     candidate = plan.chosen
+    note = ""
     if devices is not None:
         entry = plan.for_devices(devices)
         if entry is None:
             counts = [e.devices for e in plan.morph_table]
             raise UserInputError(
-                f"the plan's morph table has no entry for {devices} devices",
+                f"the plan's morph table has no entry for {count(devices, 'device')}",
                 hint=f"entries: {counts[0]}..{counts[-1]}" if counts else "the plan has no morph table",
             )
         if entry.candidate is None:
-            raise UserInputError(f"nothing fits on {devices} devices: {entry.note or 'no feasible candidate'}")
+            raise UserInputError(f"nothing fits on {count(devices, 'device')}: {entry.note or 'no feasible candidate'}")
         candidate = entry.candidate
+        if candidate.devices != devices:
+            # the morph entry's own reason ("no configuration of exactly 1000 devices divides ...")
+            note = f"the plan's entry for {count(devices, 'device')} uses {candidate.devices}: " + (
+                entry.note.split(": ", 1)[-1] if entry.note else "the fastest configuration it found"
+            )
     if profile_path is None:
         profile = load_plan_profile(plan_path, plan)
     else:
@@ -76,6 +83,10 @@ def _from_plan(
         "micro_batch_size": candidate.micro_batch_size,
         "predicted_step_seconds": candidate.predicted_step_seconds,
     }
+    if devices is not None:
+        context["requested_devices"] = devices
+    if note:
+        context["note"] = note
     return schedule, costs, context
 
 
@@ -227,6 +238,8 @@ def register(app: typer.Typer) -> None:
             return
         if print_schedule:
             typer.echo(add_communication(schedule).to_text(), nl=False)
+        if context.get("note"):
+            console.print(f"note: {context['note']}", style="yellow", highlight=False)
         console.print(_summary_table(schedule, timeline, context))
         if terminal:
             console.print(terminal_gantt(timeline, width=width), soft_wrap=True)

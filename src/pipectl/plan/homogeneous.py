@@ -30,6 +30,7 @@ from pipectl.plan.evaluate import Evaluator
 from pipectl.plan.morph import morph_table
 from pipectl.plan.space import enumerate_specs, search_space, tensor_parallel_possible
 from pipectl.plan.workers import available_workers
+from pipectl.words import count
 
 SUPPORTED_ZERO_STAGES = (0, 1)  # DeepSpeed's pipeline engine runs ZeRO 0 and 1 only
 
@@ -51,19 +52,18 @@ def check_request(request: PlanRequest, profile: ModelProfile, hardware: Hardwar
                  "micro_batch_size", "devices", "deadline_hours", "samples", "tokens", "top", "workers"):
         _positive(name.replace("_", " "), getattr(request, name))
     if request.devices is not None and request.devices > hardware.devices:
-        raise UserInputError(
-            f"--devices {request.devices} is more than the cluster's {hardware.devices} '{hardware.device.name}' devices"
-        )
+        kind = f"'{hardware.device.name}' device"
+        raise UserInputError(f"--devices {request.devices} is more than the cluster's {count(hardware.devices, kind)}")
     layers = len(profile.layers)
     if request.pipeline_parallel is not None and request.pipeline_parallel > layers:
         raise UserInputError(
-            f"pipeline-parallel degree {request.pipeline_parallel} exceeds the model's {layers} layers"
+            f"pipeline-parallel degree {request.pipeline_parallel} exceeds the model's {count(layers, 'layer')}"
         )
     t = request.tensor_parallel
     if t is not None:
         if t > hardware.devices_per_node or hardware.devices_per_node % t:
             raise UserInputError(
-                f"tensor-parallel degree {t} must divide the {hardware.devices_per_node} devices of a node"
+                f"tensor-parallel degree {t} must divide the {count(hardware.devices_per_node, 'device')} of a node"
             )
         if t > 1 and not tensor_parallel_possible(profile, t):
             raise UserInputError(
@@ -81,7 +81,7 @@ def check_request(request: PlanRequest, profile: ModelProfile, hardware: Hardwar
     if math.prod(pinned) > (request.devices or hardware.devices):
         raise UserInputError(
             f"pinned degrees t x p x d = {math.prod(pinned)} need more than the "
-            f"{request.devices or hardware.devices} devices available"
+            f"{count(request.devices or hardware.devices, 'device')} available"
         )
     bad_zero = [z for z in request.zero_stages if z not in SUPPORTED_ZERO_STAGES]
     if bad_zero or not request.zero_stages:
@@ -131,6 +131,24 @@ class Goal:
         if self.meets_deadline(step):
             return (0, cost, step)
         return (1, step)
+
+    def best_words(self, key: tuple) -> tuple[str, str]:
+        """How the entry with `key` is the best, and where: ('fastest', ''), ('cheapest', ''), or
+        under a deadline ('cheapest', 'within the deadline'), or ('fastest', '') when it misses it
+        (time ranks those)."""
+        if self.objective is Objective.TIME:
+            return "fastest", ""
+        if self.objective is Objective.COST:
+            return "cheapest", ""
+        return ("cheapest", "within the deadline") if key[0] == 0 else ("fastest", "")
+
+    def figures(self, spec: Spec, step: float) -> str:
+        """The figures the objective ranks by: '0.0004615 s/step' (time), plus
+        '$0.04 per 1M samples' (cost)."""
+        seconds = f"{step:.4g} s/step"
+        if self.objective is Objective.TIME:
+            return seconds
+        return f"${self.cost_per_sample(spec, step) * 1e6:,.4g} per 1M samples, {seconds}"
 
     def bound_key(self, spec: Spec) -> tuple:
         return self.key(spec, spec.lower_bound_seconds)
@@ -253,16 +271,19 @@ def plan_homogeneous(
             raise InfeasibleError(
                 "only schedules DeepSpeed's pipeline engine cannot run fit "
                 f"(best: {chosen_entry[1].describe()})",
-                hint="plan without --for-deepspeed to see them, or allow 1f1b/gpipe/varuna",
+                hint="plan with --any-engine to see them, or allow 1f1b/gpipe/varuna",
             )
+        best, scope = goal.best_words(chosen_entry[0])
+        runnable, runnable_scope = goal.best_words(ranking.best_runnable[0])
         plan_notes.append(
-            f"fastest overall is {chosen_entry[1].describe()} ({chosen_entry[2]:.4g} s/step), which DeepSpeed "
-            "cannot run; chose the best DeepSpeed-runnable candidate"
+            f"{best} {scope or 'overall'} is {chosen_entry[1].describe()} "
+            f"({goal.figures(chosen_entry[1], chosen_entry[2])}), which DeepSpeed cannot run; chose the "
+            f"{runnable} DeepSpeed-runnable candidate{' ' + runnable_scope if runnable_scope else ''}"
         )
         chosen_entry = ranking.best_runnable
     if goal.objective is Objective.COST_DEADLINE and not goal.meets_deadline(chosen_entry[2]):
         plan_notes.append(
-            f"no candidate finishes {goal.steps_needed} steps within {request.deadline_hours} h: chose the fastest"
+            f"no candidate finishes {count(goal.steps_needed, 'step')} within {request.deadline_hours} h: chose the fastest"
         )
     if goal.objective is Objective.COST_DEADLINE:
         missed = sum(1 for key, _, _ in ranking.top if key[0] == 1)
@@ -309,9 +330,9 @@ def _device_note(spec: Spec, devices: int) -> list[str]:
 
 
 def _nothing_fits(request: PlanRequest, rejections: Rejections, devices: int) -> str:
-    reasons = "; ".join(f"{count} x {reason}" for reason, count in rejections.summary().items()) or "no candidates"
+    reasons = "; ".join(f"{number} x {reason}" for reason, number in rejections.summary().items()) or "no candidates"
     examples = "; ".join(rejections.examples.values())
-    message = f"nothing fits global batch {request.global_batch} on {devices} devices: {reasons}"
+    message = f"nothing fits global batch {request.global_batch} on {count(devices, 'device')}: {reasons}"
     if examples:
         message += f" (e.g. {examples})"
     return message

@@ -44,6 +44,7 @@ from pipectl.plan.memory import format_gib, in_flight_units
 from pipectl.plan.partition import balanced_partition
 from pipectl.plan.workers import share
 from pipectl.schedule import ScheduleKind
+from pipectl.words import count
 
 DEFAULT_SCHEDULES = (ScheduleKind.ONE_F_ONE_B, ScheduleKind.GPIPE, ScheduleKind.INTERLEAVED, ScheduleKind.VARUNA)
 
@@ -267,7 +268,7 @@ class _UnitContext:
         v = variant.chunks
         kind = variant.kind
         if p * v > builder.layers:
-            rejections.add(Rejection.TOO_FEW_LAYERS, f"p={p} x v={v} stages > {builder.layers} layers", len(ds))
+            rejections.add(Rejection.TOO_FEW_LAYERS, f"p={p} x v={v} stages > {count(builder.layers, 'layer')}", len(ds))
             return
         # Largest d first: the least memory per device (smaller m, more ZeRO sharding), so a demand
         # that does not fit rules out every stricter one without partitioning again.

@@ -425,14 +425,17 @@ def profile_model(
     finally:
         torch.set_num_threads(previous_threads)
     if runtime:
-        profile = _with_runtime_costs(profile, model, torch_device, dtype, seed)
+        profile = with_runtime_costs(profile, model, torch_device, dtype, seed)
     return profile
 
 
-def _with_runtime_costs(
+def with_runtime_costs(
     profile: ModelProfile, model: ModelLayers, device: torch.device, dtype: torch.dtype, seed: int
 ) -> ModelProfile:
-    """The profile with `runtime` measured (see `runtime_calibration`), or a note saying why not."""
+    """The profile with `runtime` measured (see `runtime_calibration`), or a note saying why not.
+
+    `profile_model(..., runtime=True)` ends with this; `pipectl profile` calls it apart, after the
+    layer sweep, so that it can say what the ~15 s it takes on a CPU are spent on."""
     if model.shape_only:
         note = f"runtime terms not measured: model '{model.name}' is shape-only and the engine calibration runs the whole model"
         return profile.model_copy(update={"notes": [*profile.notes, note]})

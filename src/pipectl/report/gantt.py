@@ -12,6 +12,7 @@ the mean bubble fraction.
     ...     print(line.rstrip())
     rank 0 F0F1····B0  F2B1  ··B2
     rank 1 ··F0B0  F1B1  F2B2  ····
+    F forward, B backward, · idle; F3: micro-batch 3
     step 12 s, bubble 25.0%
 
 matplotlib is imported only when a picture is drawn, through its object API and the Agg canvas
@@ -50,6 +51,21 @@ TERMINAL_LETTERS = {
     ActionKind.OPTIMIZER_STEP: "S",
 }
 PICTURE_FORMATS = (".png", ".svg")
+_BASE36 = "0123456789abcdefghijklmnopqrstuvwxyz"
+
+
+def micro_batch_id(number: int) -> str:
+    """A micro-batch's number in base 36, as the terminal chart writes it: one character up to 35.
+
+    >>> [micro_batch_id(n) for n in (0, 9, 10, 35, 36, 1295)]
+    ['0', '9', 'a', 'z', '10', 'zz']
+    """
+    digits = ""
+    while True:
+        number, digit = divmod(number, 36)
+        digits = _BASE36[digit] + digits
+        if number == 0:
+            return digits
 
 
 def describe(timeline: Timeline) -> str:
@@ -135,9 +151,9 @@ def terminal_gantt(timeline: Timeline, width: int = 100) -> Text:
     """One line per rank; each character cell covers step/width seconds.
 
     A cell shows the action running at its midpoint, in its kind's colour. A bar shows its label
-    (kind letter + micro-batch, e.g. `F3`) when it is wide enough, else just the kind letter;
-    chunks after the first (interleaved) use lower-case letters; '·' is idle. The last line is
-    `describe`.
+    (kind letter + micro-batch in base 36, e.g. `F3`, `Fb` for micro-batch 11) when it is wide
+    enough, else just the kind letter; chunks after the first (interleaved) use lower-case
+    letters; '·' is idle. Then a legend line (`legend`), and `describe`.
     """
     if width < 10:
         raise UserInputError(f"terminal Gantt width must be at least 10 characters, got {width}")
@@ -145,6 +161,10 @@ def terminal_gantt(timeline: Timeline, width: int = 100) -> Text:
     step = timeline.step_seconds
     text = Text()
     label_width = len(f"rank {ranks - 1}")
+    kinds: set[ActionKind] = set()
+    later_chunks: set[ActionKind] = set()
+    numbers: list[int] = []
+    narrow = False
     for rank in range(ranks):
         records = sorted(timeline.rank_records(rank), key=lambda r: r.start)
         # which record covers each column's midpoint (None: idle)
@@ -167,13 +187,47 @@ def terminal_gantt(timeline: Timeline, width: int = 100) -> Text:
                 text.append("·" * run, style="dim")
             else:
                 action = records[which].action
+                kinds.add(action.kind)
                 letter = TERMINAL_LETTERS[action.kind]
                 if action.microbatch is not None and action.stage >= ranks:
                     letter = letter.lower()  # a later chunk of an interleaved schedule
-                label = letter + ("" if action.microbatch is None else str(action.microbatch))
-                shown = label.ljust(run) if len(label) <= run else letter * run
+                    later_chunks.add(action.kind)
+                label = letter
+                if action.microbatch is not None:
+                    label += micro_batch_id(action.microbatch)
+                    numbers.append(action.microbatch)
+                narrow = narrow or len(label) > run
+                shown = label.ljust(run) if len(label) <= run else letter.ljust(run)
                 text.append(shown, style=f"white on {KIND_COLOURS[action.kind]}")
             column += run
         text.append("\n")
+    text.append(legend(kinds, later_chunks, max(numbers, default=None), narrow=narrow) + "\n", style="dim")
     text.append(describe(timeline))
+    return text
+
+
+def legend(kinds: set[ActionKind], later_chunks: set[ActionKind], largest_micro_batch: int | None,
+           *, narrow: bool = False) -> str:
+    """What the terminal chart's letters mean: the `kinds` it shows, those of them it shows for
+    later chunks (lower case), the largest micro-batch number it writes, and whether some bar was
+    too narrow for its number.
+
+    >>> legend({ActionKind.FORWARD, ActionKind.BACKWARD}, {ActionKind.BACKWARD}, 12)
+    'F forward, B backward, b: later chunks, · idle; F3: micro-batch 3, a-z: 10-35'
+    """
+    ordered = [k for k in TERMINAL_LETTERS if k in kinds]
+    parts = [f"{TERMINAL_LETTERS[k]} {KIND_LABELS[k]}" for k in ordered]
+    later = [TERMINAL_LETTERS[k].lower() for k in ordered if k in later_chunks]
+    if later:
+        parts.append(f"{' '.join(later)}: later chunks")
+    parts.append("· idle")
+    text = ", ".join(parts)
+    if largest_micro_batch is not None:
+        text += "; F3: micro-batch 3"
+        if largest_micro_batch >= 36:
+            text += " (base 36: a-z 10-35, 10 = 36)"
+        elif largest_micro_batch >= 10:
+            text += ", a-z: 10-35"
+    if narrow:
+        text += "; a letter alone: too narrow for its number"
     return text

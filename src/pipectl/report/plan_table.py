@@ -13,6 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from pipectl.artifacts.plan import Candidate, Plan
+from pipectl.words import count
 
 GIB = 1024**3
 
@@ -111,7 +112,7 @@ def morph_table_view(plan: Plan, *, every: int | None = None) -> Table:
 def rejections_view(plan: Plan) -> Text:
     if not plan.infeasible:
         return Text("")
-    parts = ", ".join(f"{count} {reason}" for reason, count in plan.infeasible.items())
+    parts = ", ".join(f"{number} {reason}" for reason, number in plan.infeasible.items())
     return Text(f"rejected: {parts}", style="dim")
 
 
@@ -123,7 +124,7 @@ def plan_view(plan: Plan, *, top: int = 10, show_morph: bool = True) -> Group:
         f"t={c.tensor_parallel} p={c.pipeline_parallel} d={c.data_parallel} b={c.micro_batch_size} "
         f"m={c.micro_batches} {_schedule_label(c)}{' recompute' if c.recompute else ''} zero={c.zero_stage} "
         f"on {c.devices} x {c.device}: {format_step(c.predicted_step_seconds)} per step of "
-        f"{plan.global_batch} samples",
+        f"{count(plan.global_batch, 'sample')}",
     )
     parts: list = [
         candidates_table(plan.candidates[:top], chosen=c,

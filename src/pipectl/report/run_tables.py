@@ -23,6 +23,7 @@ from pipectl.resize.morph import ResizeDecision
 from pipectl.resize.stragglers import StragglerReport, find_stragglers
 from pipectl.runtime.history import read_history
 from pipectl.runtime.metrics import RSS_NOTE, MemorySummary, memory_summary, read_metrics
+from pipectl.words import count
 
 
 def _percent(fraction: float) -> str:
@@ -36,8 +37,8 @@ def status_table(status: RunStatus) -> Group:
     summary.add_column()
     state = "finished" if status.finished else ("not started" if not status.metrics else "in progress / stopped")
     summary.add_row("model", status.job.model)
-    summary.add_row("engine", f"{status.job.engine.value}, {status.job.world_size} ranks")
-    summary.add_row("progress", f"{status.steps_done} / {status.job.steps} steps ({state})")
+    summary.add_row("engine", f"{status.job.engine.value}, {count(status.job.world_size, 'rank')}")
+    summary.add_row("progress", f"{status.steps_done} / {count(status.job.steps, 'step')} ({state})")
     if status.metrics:
         first, last = status.metrics[0], status.metrics[-1]
         summary.add_row("loss", f"{first.loss:.4f} (step {first.step}) -> {last.loss:.4f} (step {last.step})")
@@ -49,7 +50,7 @@ def status_table(status: RunStatus) -> Group:
         summary.add_row(
             "step time",
             f"measured {prediction.median_measured_seconds * 1e3:.1f} ms, "
-            f"predicted {prediction.median_predicted_seconds * 1e3:.1f} ms (medians over {prediction.steps} steps)",
+            f"predicted {prediction.median_predicted_seconds * 1e3:.1f} ms (medians over {count(prediction.steps, 'step')})",
         )
         summary.add_row(
             "prediction error",
@@ -69,7 +70,7 @@ def status_table(status: RunStatus) -> Group:
         parts.append(table)
     if status.staging:
         parts.append(Text(
-            f"{len(status.staging)} staging folder(s) in {status.staging[0].parent}: a save in progress, or "
+            f"{count(len(status.staging), 'staging folder')} in {status.staging[0].parent}: a save in progress, or "
             f"left by one that failed (removed at the next save): " + ", ".join(p.name for p in status.staging),
             style="yellow",
         ))  # fmt: skip
@@ -264,8 +265,8 @@ def status_renderables(run_dir: Path) -> Group:
     return Group(*parts)
 
 
-def _devices(count: int) -> str:
-    return f"{count} device" + ("" if count == 1 else "s")
+def _devices(number: int) -> str:
+    return count(number, "device")
 
 
 def decision_table(decision: ResizeDecision) -> Table:
@@ -277,7 +278,7 @@ def decision_table(decision: ResizeDecision) -> Table:
     table.add_row("to", f"{_devices(decision.candidate.devices)}: {layout_label(decision.candidate)}")
     table.add_row("requested", f"{_devices(decision.requested_devices)} ({decision.choice.source})")
     table.add_row("global batch", f"{decision.candidate.global_batch} (unchanged)")
-    table.add_row("train up to", f"{decision.target_steps} steps")
+    table.add_row("train up to", count(decision.target_steps, "step"))
     for note in decision.notes:
         table.add_row("[yellow]note[/]", note)
     return table

@@ -13,6 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from pipectl.artifacts.profile import LinksProfile, ModelProfile, RuntimeCosts
+from pipectl.words import count
 
 
 def format_bytes(count: float) -> str:
@@ -68,7 +69,7 @@ def profile_summary(profile: ModelProfile) -> Text:
         f"{profile.source.value} on {profile.device}",
         profile.dtype,
         f"{format_count(profile.parameter_count)} parameters",
-        f"{len(profile.layers)} layers",
+        count(len(profile.layers), "layer"),
         "micro-batch sizes " + ", ".join(str(b) for b in profile.micro_batch_sizes),
     ]
     if profile.not_fitting_micro_batch_size is not None:
@@ -223,7 +224,7 @@ def runtime_table(runtime: RuntimeCosts) -> Table:
         table.add_row("all-reduce after compute, bus bandwidth",
                       f"{runtime.busy_allreduce_bandwidth_bytes_per_second / 1e9:.3g} GB/s")  # fmt: skip
     table.add_row("wall / CPU time, one rank alone", f"{runtime.alone_compute_slowdown:.2f}")
-    table.add_row(f"compute slowdown, {runtime.concurrent_ranks} ranks at once", f"{runtime.concurrent_compute_slowdown:.2f}")
+    table.add_row(f"compute slowdown, {count(runtime.concurrent_ranks, 'rank')} at once", f"{runtime.concurrent_compute_slowdown:.2f}")
     return table
 
 

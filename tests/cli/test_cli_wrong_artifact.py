@@ -1,0 +1,106 @@
+"""A pipectl file of one kind given where another is expected is named for what it is, exit 2."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from pipectl.artifacts.plan import ModelShape
+from pipectl.artifacts.profile import LinkClass, LinkClassFit, LinksProfile
+from pipectl.catalog import DeviceCatalog
+from pipectl.cli.main import app
+from pipectl.io import ARTIFACT_KINDS, artifact_kind, read_mapping, write_json_atomic
+from pipectl.paths import configs_dir
+from pipectl.plan.synthetic import synthetic_profile
+from pipectl.planfile import write_plan
+from builders import gpt_tiny_candidate, plan_of
+
+runner = CliRunner()
+
+
+@pytest.fixture()
+def files(tmp_path: Path) -> dict[str, Path]:
+    profile = synthetic_profile(blocks=6, micro_batch_sizes=[1, 2])  # 9 layers, as gpt-tiny
+    profile_path = write_json_atomic(tmp_path / "profile.json", profile)
+    plan_path = tmp_path / "plan.json"
+    write_plan(plan_path, plan_of(gpt_tiny_candidate(p=2), model=profile.model, shape=ModelShape.of_profile(profile)),
+               profile_file=profile_path)
+    links = LinksProfile(backend="gloo", device="cpu", fits=[LinkClassFit(
+        link_class=LinkClass.INTRA_NODE, p2p_latency_seconds=5e-5, p2p_bandwidth_bytes_per_second=3e9,
+        allreduce_latency_seconds=7e-5, allreduce_bandwidth_bytes_per_second=1.5e9)])  # fmt: skip
+    return {
+        "profile": profile_path,
+        "plan": plan_path,
+        "links": write_json_atomic(tmp_path / "links.json", links),
+        "cluster": configs_dir() / "clusters" / "a100-8x8.yaml",
+    }
+
+
+@pytest.mark.parametrize(
+    "given, args, message",
+    [
+        ("profile", ["simulate", "{file}"], "is a profile (pipectl profile), not a plan (pipectl plan)"),
+        ("plan", ["plan", "--profile", "{file}", "--cluster", "local", "--global-batch", "4", "-o", "{out}"],
+         "is a plan (pipectl plan), not a profile (pipectl profile)"),
+        ("links", ["plan", "--profile", "{profile}", "--cluster", "{file}", "--global-batch", "4", "-o", "{out}"],
+         "is a links calibration (pipectl profile links), not a cluster"),
+        ("plan", ["profile", "gpt-tiny", "--derive", "--device", "a100-80gb", "--links", "{file}", "-o", "{out}"],
+         "is a plan (pipectl plan), not a links calibration (pipectl profile links)"),
+        ("cluster", ["simulate", "{plan}", "--profile", "{file}"],
+         "is a cluster (configs/clusters/*.yaml), not a profile (pipectl profile)"),
+        ("plan", ["profile", "show", "{file}"], "is a plan (pipectl plan), not a profile (pipectl profile)"),
+    ],
+)
+def test_the_wrong_kind_of_file_is_named(files, tmp_path, given, args, message):
+    values = {"file": str(files[given]), "out": str(tmp_path / "out.json"), "profile": str(files["profile"]),
+              "plan": str(files["plan"])}
+    result = runner.invoke(app, [arg.format(**values) for arg in args])
+    assert result.exit_code == 2, result.output
+    assert f"{files[given]} {message}" in " ".join(result.output.split())
+    assert "Field required" not in result.output and "Extra inputs" not in result.output
+    assert not (tmp_path / "out.json").exists()
+
+
+def test_a_damaged_file_of_the_right_kind_still_names_the_field(files, tmp_path):
+    data = read_mapping(files["profile"])
+    data["micro_batch_sizes"] = "many"
+    damaged = write_json_atomic(tmp_path / "damaged.json", data)
+    result = runner.invoke(app, ["plan", "--profile", str(damaged), "--cluster", "local", "--global-batch", "4",
+                                 "-o", str(tmp_path / "out.json")])
+    assert result.exit_code == 2 and "micro_batch_sizes" in result.output and "not a" not in result.output
+
+
+def test_each_kind_is_told_by_required_keys_no_other_kind_has():
+    import pipectl.artifacts.cluster, pipectl.artifacts.model, pipectl.artifacts.morph  # noqa: F401, E401
+    import pipectl.artifacts.plan, pipectl.artifacts.profile, pipectl.artifacts.run  # noqa: F401, E401
+    from pipectl.artifacts.base import Artifact
+
+    def subclasses(cls):
+        for sub in cls.__subclasses__():
+            yield sub
+            yield from subclasses(sub)
+
+    models = {cls.__name__: cls for cls in [*subclasses(Artifact), DeviceCatalog]}
+    for name, (_, keys) in ARTIFACT_KINDS.items():
+        fields = models[name].model_fields
+        assert all(fields[key].is_required() for key in keys), name
+        for other, cls in models.items():
+            if other != name:
+                assert not keys <= cls.model_fields.keys(), f"{other} could pass for {name}"
+
+
+def test_shipped_configs_are_told_apart():
+    assert artifact_kind(read_mapping(configs_dir() / "devices.yaml")) == "DeviceCatalog"
+    assert artifact_kind(read_mapping(configs_dir() / "models" / "gpt-tiny.yaml")) == "ModelConfig"
+    for cluster in (configs_dir() / "clusters").glob("*.yaml"):
+        assert artifact_kind(read_mapping(cluster)) == "ClusterSpec", cluster
+
+
+def test_docstring_examples():
+    import doctest
+
+    import pipectl.io
+
+    assert doctest.testmod(pipectl.io).failed == 0
