@@ -44,7 +44,8 @@ def test_a_graceful_stop_signals_the_rank_below_the_launcher_not_the_launcher():
     launcher, rank = start()
     try:
         processes = JobProcesses(launcher)
-        assert [p.pid for p in processes.workers()] == [rank]
+        # the rank's argv names the worker once it has exec'd (a forked child still shows its parent's)
+        assert wait_until(lambda: [p.pid for p in processes.workers()] == [rank])
         assert os.getpgid(rank) != os.getpgid(launcher.pid)  # the group would miss it
         processes.stop_gracefully()
         assert launcher.wait(timeout=10) == 0  # the launcher itself was not signalled: its rank ended
