@@ -32,6 +32,7 @@ from pipectl.launch.rundir import RunLock, is_run_dir, lock_run_dir, prepare_run
 from pipectl.runtime.checkpoint import resume_point
 from pipectl.runtime.dsinit import free_port
 from pipectl.planfile import plan_profile_path
+from pipectl.words import count
 
 __all__ = ["LaunchOptions", "PreparedLaunch", "build_job", "prepare_launch", "resumed_options", "run_engine"]
 
@@ -211,8 +212,7 @@ def check_gpus_for_ranks(ranks_per_node: int, visible_gpus: int) -> None:
     """
     if ranks_per_node > visible_gpus:
         raise UserInputError(
-            f"the plan runs {ranks_per_node} ranks on this node but it has {visible_gpus} visible "
-            f"GPU{'s' if visible_gpus != 1 else ''}",
+            f"the plan runs {count(ranks_per_node, 'rank')} on this node but it has {count(visible_gpus, 'visible GPU')}",
             hint="plan for the GPUs this node has (pipectl plan --devices N), spread the ranks over more "
             "nodes (--nodes), or check CUDA_VISIBLE_DEVICES",
         )
@@ -280,7 +280,7 @@ def job_nodes(plan: Plan, options: LaunchOptions, cluster: ClusterSpec | None) -
             )
         nodes = -(-devices // max(per_node))
     if devices % nodes:
-        raise UserInputError(f"the plan's {devices} ranks cannot be split evenly over {nodes} nodes")
+        raise UserInputError(f"the plan's {count(devices, 'rank')} cannot be split evenly over {count(nodes, 'node')}")
     return nodes
 
 
@@ -317,7 +317,7 @@ def build_job(plan: Plan, name: str, options: LaunchOptions, cluster: ClusterSpe
     nodes = job_nodes(plan, options, cluster)
     if options.engine is Engine.LOCAL and nodes != 1:
         raise UserInputError(
-            f"the local engine runs on this machine only, not {nodes} nodes", hint="use --engine torchrun"
+            f"the local engine runs on this machine only, not {count(nodes, 'node')}", hint="use --engine torchrun"
         )
     if options.data.path is not None and not Path(options.data.path).is_file():
         raise UserInputError(f"data file not found: {options.data.path}")
@@ -385,7 +385,7 @@ def prepare_launch(
         visible = _visible_gpus()
         if job.accelerator == "cuda" and visible is None:
             raise UserInputError(
-                f"the plan is for {plan.chosen.devices} {plan.chosen.device} GPU(s) and this host has none",
+                f"the plan is for {count(plan.chosen.devices, plan.chosen.device + ' GPU')} and this host has none",
                 hint="write the files for the cluster with --engine slurm (or torchrun/deepspeed on its nodes); "
                 "--dry-run shows them",
             )

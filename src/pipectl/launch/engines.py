@@ -44,6 +44,7 @@ from pipectl.errors import LaunchError, UserInputError
 from pipectl.launch.processes import WORKER_MODULE, JobProcesses
 from pipectl.paths import MODEL_PATH_VARIABLE
 from pipectl.runtime.dsinit import cuda_available
+from pipectl.words import count
 
 ENGINE_LOG = "engine.log"
 DEEPSPEED_ENV_FILE = ".deepspeed_env"  # read by DeepSpeed's multi-node launcher from its working directory
@@ -150,7 +151,7 @@ def deepspeed_command(
     """DeepSpeed's launcher over a hostfile (default: `localhost slots=N`)."""
     hosts = hosts or ["localhost"]
     if len(hosts) != job.nodes:
-        raise UserInputError(f"{len(hosts)} hosts given ({', '.join(hosts)}) for a job on {job.nodes} nodes")
+        raise UserInputError(f"{count(len(hosts), 'host')} given ({', '.join(hosts)}) for a job on {count(job.nodes, 'node')}")
     argv = [
         python, "-m", "deepspeed.launcher.runner",
         "--hostfile", str(run_dir / HOSTFILE),
@@ -221,8 +222,8 @@ def slurm_script(
     )
     lines = [
         "#!/bin/bash",
-        f"# Written by pipectl launch for run {job.name}: {job.world_size} ranks, {job.nodes} node(s) x "
-        f"{job.ranks_per_node} {'GPU' if gpus else 'CPU'} rank(s), {job.precision.value}. Submit: sbatch {run_dir / SBATCH_FILE}",
+        f"# Written by pipectl launch for run {job.name}: {count(job.world_size, 'rank')}, {count(job.nodes, 'node')} x "
+        f"{count(job.ranks_per_node, 'GPU rank' if gpus else 'CPU rank')}, {job.precision.value}. Submit: sbatch {run_dir / SBATCH_FILE}",
         f"#SBATCH --job-name={job.name}",
         f"#SBATCH --nodes={nodes}",
         "#SBATCH --ntasks-per-node=1",
@@ -293,7 +294,7 @@ def build_command(
     if job.engine is Engine.LOCAL:
         if job.nodes != 1 or job.elastic is not None:
             raise UserInputError(
-                f"the local engine runs one node; this job wants {job.nodes} nodes"
+                f"the local engine runs one node; this job wants {count(job.nodes, 'node')}"
                 + (" (elastic)" if job.elastic else ""),
                 hint="use --engine torchrun for elastic or multi-node jobs",
             )

@@ -54,6 +54,7 @@ from pipectl.resize.stop import (
     wait_for_ranks,
 )
 from pipectl.runtime.liveness import live_ranks, read_heartbeats
+from pipectl.words import count
 from pipectl.resize.stragglers import StragglerPolicy, StragglerReport, find_stragglers
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -347,7 +348,7 @@ def resize_run(
         request_stop(path, STOP_FILE)
     elif remote:
         hosts = ", ".join(sorted({b.host for b in remote}))
-        say(f"stopping the job running on {hosts} at its next step boundary ({len(remote)} ranks, seen by their heartbeats)")
+        say(f"stopping the job running on {hosts} at its next step boundary ({count(len(remote), 'rank')}, seen by their heartbeats)")
         request_stop(path, STOP_FILE)
     try:
         # DeepSpeed's parser validates the new config while the old ranks finish their step.
