@@ -442,6 +442,7 @@ def concurrent_trial(reference: Reference, folder: Path, variant: str) -> Trial:
     `race`: two fresh launches started together: one trains, the other is refused (exit 2, naming
     the run as in use or existing) and changes nothing. `during`: while a launch trains, a
     `--resume` and a `--force` are refused. `resume-race`: after a kill, two `--resume` at once.
+    In each, the run that trained must end as the fault-free run did.
     """
     setup = reference.setup
     run = folder / "run"
@@ -459,12 +460,20 @@ def concurrent_trial(reference: Reference, folder: Path, variant: str) -> Trial:
             trial.problems.append(f"exit codes {[l.exit_code for l in pair]}: not one run and one refusal")
         launches = refused + winners  # the winner last: it must have finished the run
     elif variant == "during":
+        # Rank 0 pauses in step 2 (results unchanged): the job is surely running while a
+        # `--resume` and a `--force` of its run directory are tried, together.
+        pause = {"rank": 0, "step": 2, "point": "forward", "nth": 0, "action": "sleep", "seconds": 25}
+        trial.fault.update(pause)
         started = time.monotonic()
-        proc = start(argv, launch_env())
-        while proc.poll() is None and not read_losses(run):
+        proc = start(argv, trigger_env(folder / "records", pause))
+        fired = folder / "records" / "fired-rank0.json"
+        while proc.poll() is None and not fired.is_file():
             time.sleep(0.05)
-        for extra in (["--resume"], ["--force"]):
-            refused.append(run_launch(launch_argv(reference.plan, run, *extra), launch_env()))
+        tries = [launch_argv(reference.plan, run, extra) for extra in ("--resume", "--force")]
+        attempts = [(start(a, launch_env()), a, time.monotonic()) for a in tries]
+        refused = [finish(p, a, t) for p, a, t in attempts]
+        if proc.poll() is not None:
+            trial.problems.append("the job ended before the second launches were decided: the trial shows nothing")
         launches = [*refused, finish(proc, argv, started)]
     else:  # resume-race
         trigger = {"rank": 0, "step": setup.checkpoint_every + 1, "point": "forward", "nth": 0, "action": "kill"}

@@ -19,7 +19,8 @@ acts:
 
     action      kill: SIGKILL (nothing runs after it); term: SIGTERM (the rank's handler stops
                 it at the next step boundary); enospc: the write raises OSError(ENOSPC) (save
-                and commit only: a full disk)
+                and commit only: a full disk); sleep: pause `seconds` (a slow rank: the job
+                stays busy, its results unchanged)
 
 Steps are counted as the worker counts them, 1-based, from the start of this process: a step
 begins with the first forward after an optimizer step. (Triggers are meant for a fresh run; a
@@ -52,7 +53,7 @@ TRIGGER_VARIABLE = "PIPECTL_FAULT_TRIGGER"
 RECORDS_VARIABLE = "PIPECTL_FAULT_RECORDS"
 CENSUS_VARIABLE = "PIPECTL_FAULT_CENSUS"
 POINTS = ("forward", "backward", "allreduce", "optimizer", "save", "commit")
-ACTIONS = ("kill", "term", "enospc")
+ACTIONS = ("kill", "term", "enospc", "sleep")
 # Gradient collectives, at the level DeepSpeed calls them (deepspeed.comm) and below (torch).
 _COLLECTIVES = {
     "deepspeed.comm": ("all_reduce", "all_reduce_coalesced", "inference_all_reduce", "reduce", "reduce_scatter_fn",
@@ -95,6 +96,8 @@ class Probe:
                 os.kill(os.getpid(), signal.SIGKILL)
             elif t["action"] == "term":
                 os.kill(os.getpid(), signal.SIGTERM)
+            elif t["action"] == "sleep":
+                time.sleep(float(t.get("seconds", 10)))
             else:
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
