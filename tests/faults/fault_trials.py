@@ -8,7 +8,9 @@ folder so that the ranks import `pipectl_fault_model:build` (gpt-tiny with fault
    (rank, step, point, nth) event; or SIGTERMs itself; or a checkpoint write fails with ENOSPC),
    or a SIGTERM to the launching process, or a file-size limit, or two launches at once;
 2. optionally damage the newest checkpoint (truncate or flip a byte of one of its files);
-3. `launch --resume` until the run has trained T steps;
+3. `launch --resume` until the run has trained T steps (a run faulted before its first complete
+   checkpoint has none to resume from: the resume is refused, exit 2, and it starts over with
+   `--force`, as that refusal's hint says);
 4. checks against a fault-free reference run of the same plan and length: the resume started
    from the last complete checkpoint (`lost` = steps before it that were trained again), every
    loss in metrics.jsonl equals the reference's loss of that step (fp32, 1e-6 relative), the
@@ -332,8 +334,21 @@ def check(trial: Trial, reference: Reference, run: Path, launches: list[Launch])
     return trial
 
 
-def resume(reference: Reference, run: Path, launches: list[Launch]) -> None:
+NO_CHECKPOINT = "it has no checkpoint, so it would start over from step 0"
+
+
+def resume(reference: Reference, run: Path, launches: list[Launch], trial: Trial | None = None) -> None:
+    """`launch --resume`; for a run whose fault came before its first complete checkpoint, the
+    resume is refused (exit 2: it would start over) and the run starts over with `--force`."""
     launches.append(run_launch(launch_argv(reference.plan, run, "--resume"), launch_env()))
+    if trial is None or trial.expected_resume != 0:
+        return
+    refused = launches[-1]
+    if refused.exit_code != 2 or NO_CHECKPOINT not in " ".join(refused.output.split()):
+        trial.problems.append(f"a resume without a checkpoint exited {refused.exit_code}: {refused.output[-600:]}")
+    setup = reference.setup
+    argv = launch_argv(reference.plan, run, "--force", "--steps", str(setup.steps), "--checkpoint-every", str(setup.checkpoint_every))
+    launches.append(run_launch(argv, launch_env()))
 
 
 def fault_launch(reference: Reference, run: Path, env: dict[str, str], **kwargs) -> Launch:
@@ -365,7 +380,7 @@ def triggered_trial(kind: str, reference: Reference, folder: Path, trigger: dict
         damaged = damage_newest(run, damage, random.Random(damage["seed"]))
         trial.fault["damage"] = {**damage, **damaged}
         trial.expected_resume = setup.last_checkpoint_before(damaged["step"])
-    resume(reference, run, launches)
+    resume(reference, run, launches, trial)
     return check(trial, reference, run, launches)
 
 
@@ -409,7 +424,7 @@ def sigterm_launch_trial(reference: Reference, folder: Path, after_step: int) ->
         trial.problems.append(f"the stopped launch exited {first.exit_code}, not 0")
     trial.expected_resume = max((s for s, _ in read_losses(run)), default=0)  # the step it stopped after
     launches = [first]
-    resume(reference, run, launches)
+    resume(reference, run, launches, trial)
     return check(trial, reference, run, launches)
 
 
@@ -429,7 +444,7 @@ def size_limit_trial(reference: Reference, folder: Path, stop_step: int, limit_k
         trial.problems.append(f"the limited launch exited {limited.exit_code} without naming the size limit: {text[-800:]}")
     trial.fired = "file size limit reached" in text
     launches = [first, limited]
-    resume(reference, run, launches)
+    resume(reference, run, launches, trial)
     return check(trial, reference, run, launches)
 
 
