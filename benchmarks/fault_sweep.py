@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import random
 import shutil
@@ -43,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "tests" / "faults"))
 
-import fault_trials as ft  # noqa: E402  (tests/faults, put on the path above)
+import fault_trials as ft  # tests/faults, put on the path above
 
 IN_STEP_POINTS = ("forward", "backward", "allreduce", "optimizer")
 KILL_POINTS = (*IN_STEP_POINTS, "save", "commit")
@@ -143,11 +144,18 @@ def main(argv: list[str] | None = None) -> int:
             "command": "scripts/fault-sweep.sh --seed " + str(args.seed),
             "seed": args.seed,
             "model": "gpt-tiny (tests/faults/pipectl_fault_model.py), fp32, CPU ranks (gloo)",
-            "setups": {label: {**vars(s), "global_batch": s.micro_batch_size * s.micro_batches * s.data_parallel}
-                       for label, s in setups.items()},  # fmt: skip
+            "setups": {
+                label: {**vars(s), "global_batch": s.micro_batch_size * s.micro_batches * s.data_parallel}
+                for label, s in setups.items()
+            },
             "tolerance_relative": ft.TOLERANCE,
-            "host": {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-                     "deepspeed": deepspeed.__version__, "cpus": __import__("os").cpu_count()},  # fmt: skip
+            "host": {
+                "platform": platform.platform(),
+                "python": platform.python_version(),
+                "torch": torch.__version__,
+                "deepspeed": deepspeed.__version__,
+                "cpus": os.cpu_count(),
+            },
             "trials_planned": len(planned),
             "trials_run": len(trials),
             "seconds": round(time.monotonic() - started, 1),

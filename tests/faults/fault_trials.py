@@ -180,7 +180,7 @@ def read_losses(run: Path) -> list[tuple[int, float]]:
     return [(line["step"], line["loss"]) for line in map(json.loads, path.read_text().splitlines()) if line]
 
 
-def final_tensors(run: Path, step: int) -> dict[str, "torch.Tensor"]:
+def final_tensors(run: Path, step: int) -> dict:
     """Every parameter's fp32 weights and Adam moments in checkpoint `step`, as data."""
     import torch
 

@@ -128,7 +128,10 @@ def _install(probe: Probe) -> None:
         probe.after_optimizer = True
         probe.after_backward = False
 
-    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+    from torch.optim.optimizer import (
+        register_optimizer_step_post_hook,
+        register_optimizer_step_pre_hook,
+    )
 
     register_optimizer_step_pre_hook(before_step)  # global: every optimizer of the process
     register_optimizer_step_post_hook(after_step)

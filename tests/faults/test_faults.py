@@ -14,7 +14,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # fault_trials, beside this file
 
-import fault_trials as ft  # noqa: E402
+import fault_trials as ft
 
 CI_SETUP = ft.Setup(steps=4, checkpoint_every=2)
 LONG_SETUP = ft.Setup(steps=6, checkpoint_every=2)  # the slow trials: two checkpoints before a fault
