@@ -3,7 +3,8 @@
 `pipectl_fault_model:build` (run `pipectl launch` from this folder) is gpt-tiny, layer for layer
 and weight for weight (the same classes, subclassed only to attach hooks, so parameter names and
 checkpoints are gpt-tiny's). In a rank whose environment names a trigger file
-(`PIPECTL_FAULT_TRIGGER`, JSON `{"rank", "step", "point", "nth", "action"}`), the rank counts
+(`PIPECTL_FAULT_TRIGGER`, JSON `{"rank", "step", "point", "nth", "action"}`, or a list of
+such), the rank counts
 events of each point per step and, at the `nth` (0-based) event of `point` in `step` on `rank`,
 acts:
 
@@ -26,7 +27,7 @@ Steps are counted as the worker counts them, 1-based, from the start of this pro
 begins with the first forward after an optimizer step. (Triggers are meant for a fresh run; a
 resumed rank would count from its checkpoint's step + 1 only if it started at step 0.)
 
-Before acting, the rank writes `fired-rank{R}.json` into `PIPECTL_FAULT_RECORDS` (a folder), so
+Before acting, the rank lists the triggers it fired in `fired-rank{R}.json` in `PIPECTL_FAULT_RECORDS` (a folder), so
 a driver knows the fault happened where it was asked. With `PIPECTL_FAULT_CENSUS=1` every event
 is counted into `census-rank{R}.json` there instead (a fault-free run: how many events of each
 point each step has, from which random points are drawn). Without these variables, or in a
@@ -65,9 +66,10 @@ _COLLECTIVES = {
 class Probe:
     """This rank's event counter and trigger (one per process)."""
 
-    def __init__(self, rank: int, trigger: dict | None, records: Path, census: bool) -> None:
+    def __init__(self, rank: int, triggers: list[dict], records: Path, census: bool) -> None:
         self.rank = rank
-        self.trigger = trigger
+        self.triggers = list(triggers)
+        self.fired: list[dict] = []
         self.records = records
         self.census = census
         self.step = 1
@@ -88,18 +90,23 @@ class Probe:
         counts[point] = nth + 1
         if self.census:
             self._write(f"census-rank{self.rank}.json", {"rank": self.rank, "events": self.counts}, sync=False)
-        t = self.trigger
-        if t and (t["rank"], t["step"], t["point"], t["nth"]) == (self.rank, self.step, point, nth):
-            self.trigger = None  # once
-            self._write(f"fired-rank{self.rank}.json", {**t, "pid": os.getpid(), "time_unix": time.time()})
-            if t["action"] == "kill":
-                os.kill(os.getpid(), signal.SIGKILL)
-            elif t["action"] == "term":
-                os.kill(os.getpid(), signal.SIGTERM)
-            elif t["action"] == "sleep":
-                time.sleep(float(t.get("seconds", 10)))
-            else:
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        for t in self.triggers:
+            if (t["rank"], t["step"], t["point"], t["nth"]) == (self.rank, self.step, point, nth):
+                self.triggers.remove(t)  # each fires once
+                self.fired.append({**t, "pid": os.getpid(), "time_unix": time.time()})
+                self._write(f"fired-rank{self.rank}.json", {"fired": self.fired})
+                self._act(t, path)
+                return
+
+    def _act(self, t: dict, path: object) -> None:
+        if t["action"] == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif t["action"] == "term":
+            os.kill(os.getpid(), signal.SIGTERM)
+        elif t["action"] == "sleep":
+            time.sleep(float(t.get("seconds", 10)))
+        else:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
     def _write(self, name: str, payload: dict, *, sync: bool = True) -> None:
         target = self.records / name
@@ -212,10 +219,12 @@ def _start() -> None:
     records = os.environ.get(RECORDS_VARIABLE)
     if "RANK" not in os.environ or not records or not (trigger_path or census):
         return
-    trigger = json.loads(Path(trigger_path).read_text()) if trigger_path else None
-    if trigger is not None and (trigger["point"] not in POINTS or trigger["action"] not in ACTIONS):
-        raise ValueError(f"fault trigger {trigger} names an unknown point or action")
-    PROBE = Probe(int(os.environ["RANK"]), trigger, Path(records), census)
+    triggers = json.loads(Path(trigger_path).read_text()) if trigger_path else []
+    triggers = [triggers] if isinstance(triggers, dict) else triggers
+    for trigger in triggers:
+        if trigger["point"] not in POINTS or trigger["action"] not in ACTIONS:
+            raise ValueError(f"fault trigger {trigger} names an unknown point or action")
+    PROBE = Probe(int(os.environ["RANK"]), triggers, Path(records), census)
     _install(PROBE)
 
 

@@ -6,6 +6,7 @@ kinds run here under `slow`."""
 
 from __future__ import annotations
 
+import json
 import random
 import sys
 from pathlib import Path
@@ -138,3 +139,27 @@ def test_slow_a_file_size_limit_on_a_resume(long_reference, tmp_path):
 def test_slow_concurrent_launches_on_one_run_directory(long_reference, tmp_path, variant):
     trial = ft.concurrent_trial(long_reference, tmp_path, variant)
     assert trial.survived, "\n".join(trial.problems)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.xfail(strict=True, reason="a stop in a checkpoint step saves that step twice; the second save deletes "
+                   "the committed tag before its replacement has a manifest (worker.train, checkpoint.commit_tag)")
+def test_slow_a_kill_while_a_stop_saves_its_step_again_keeps_the_committed_checkpoint(long_reference, tmp_path):
+    """SIGTERM in step 4, a checkpoint step: the ranks checkpoint step 4 in the loop, then stop and
+    checkpoint step 4 again. Re-saving moves the committed step-4 tag aside and deletes it before
+    the new one has its manifest; rank 0 killed right there leaves no complete step 4, and the
+    resume goes back to step 2 although step 4 had been complete."""
+    triggers = [
+        {"rank": 1, "step": 4, "point": "forward", "nth": 0, "action": "term"},
+        {"rank": 0, "step": 4, "point": "commit", "nth": 1, "action": "kill"},  # the second save's manifest
+    ]
+    run = tmp_path / "run"
+    trial = ft.Trial("kill", LONG_SETUP.label, {"triggers": triggers}, expected_resume=4)
+    launches = [ft.fault_launch(long_reference, run, ft.trigger_env(tmp_path / "records", triggers))]
+    fired = [json.loads((tmp_path / "records" / f"fired-rank{r}.json").read_text())["fired"] for r in (0, 1)]
+    assert [t["action"] for t in fired[1]] == ["term"] and [t["action"] for t in fired[0]] == ["kill"]
+    assert launches[0].exit_code not in (0, None)
+    ft.resume(long_reference, run, launches, trial)
+    ft.check(trial, long_reference, run, launches)
+    assert trial.resumed == 4 and trial.lost == 0, "\n".join(trial.problems)
