@@ -493,8 +493,19 @@ def tensor_slicing_problem(tag_dir: str | os.PathLike[str], module: Any) -> str 
 
 
 def commit_tag(root: Path, staged: Path, tag: str, manifest: CheckpointManifest) -> Path:
-    """Rename the staged tag into place, then write its manifest, then move the pointers."""
+    """Rename the staged tag into place, then write its manifest, then move the pointers. A step
+    already committed with the same files (hashes) is kept as it is and the staged copy dropped."""
     final = root / tag
+    if final.is_dir() and not final.is_symlink():
+        committed = verify_checkpoint(final)
+        if committed.verified and committed.manifest.files == manifest.files:
+            # The same files are committed already (a stop right after a checkpoint saves the step
+            # again): keep them. Replacing them would leave no complete copy of this step between
+            # moving the old one aside and writing the new one's manifest.
+            shutil.rmtree(staged, ignore_errors=True)
+            for pointer in (LATEST_FILE, DEEPSPEED_LATEST_FILE):
+                write_text_atomic(root / pointer, tag)
+            return final
     if final.exists():  # re-saving a step (e.g. after a resume): move the old one aside first
         retired = staged.with_name(f"{tag}_retired")  # beside the staged copy: this writer's own
         shutil.rmtree(retired, ignore_errors=True)

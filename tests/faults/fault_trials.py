@@ -1,0 +1,527 @@
+"""Fault trials on real `pipectl launch` runs: a fault, `launch --resume`, and the checks.
+
+Shared by tests/faults/ (a few trials in CI) and benchmarks/fault_sweep.py (the full sweep). Every
+launch is the real CLI (`python -m pipectl.cli.main launch`) started as a user would, from this
+folder so that the ranks import `pipectl_fault_model:build` (gpt-tiny with fault points). A trial:
+
+1. faulted launch: `--steps T --checkpoint-every K` with a trigger (a rank SIGKILLs itself at a
+   (rank, step, point, nth) event; or SIGTERMs itself; or a checkpoint write fails with ENOSPC),
+   or a SIGTERM to the launching process, or a file-size limit, or two launches at once;
+2. optionally damage the newest checkpoint (truncate or flip a byte of one of its files);
+3. `launch --resume` until the run has trained T steps (a run faulted before its first complete
+   checkpoint has none to resume from: the resume is refused, exit 2, and it starts over with
+   `--force`, as that refusal's hint says);
+4. checks against a fault-free reference run of the same plan and length: the resume started
+   from the last complete checkpoint (`lost` = steps before it that were trained again), every
+   loss in metrics.jsonl equals the reference's loss of that step (fp32, 1e-6 relative), the
+   final checkpoint's tensors (weights and Adam moments, read with `torch.load(weights_only=True)`)
+   equal the reference's to 1e-6 relative, no launch ran past its time limit (`hung`), and no
+   traceback reached the user's terminal (stdout and stderr of the CLI; logs/ may hold them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+MODEL = "pipectl_fault_model:build"
+TOLERANCE = 1e-6
+LAUNCH_TIMEOUT_SECONDS = 150  # the CLI's --timeout; the driver waits 60 s longer before calling it hung
+STATES = ("fp32", "exp_avg", "exp_avg_sq")
+
+
+@dataclass(frozen=True)
+class Setup:
+    """A layout of gpt-tiny and a run length: T steps, a checkpoint every K."""
+
+    pipeline_parallel: int = 2
+    data_parallel: int = 1
+    micro_batch_size: int = 2
+    micro_batches: int = 4
+    steps: int = 8
+    checkpoint_every: int = 2
+
+    @property
+    def label(self) -> str:
+        return f"p{self.pipeline_parallel}d{self.data_parallel}"
+
+    @property
+    def checkpoint_steps(self) -> list[int]:
+        every = self.checkpoint_every
+        return sorted({s for s in range(every, self.steps + 1, every)} | {self.steps})
+
+    def last_checkpoint_before(self, step: int) -> int:
+        """The newest checkpoint committed before anything of `step` (its forward or its save) ran."""
+        return max([c for c in self.checkpoint_steps if c < step], default=0)
+
+
+def write_plan(setup: Setup, path: Path) -> Path:
+    """A plan choosing `setup`'s layout for the fault model (gpt-tiny's shape, 1F1B, ZeRO-1, fp32)."""
+    from pipectl.artifacts.plan import Candidate, ModelShape, Plan, PlanRequest
+    from pipectl.io import write_json_atomic
+    from pipectl.models import build_model
+    from pipectl.models.base import shape_of
+
+    p, d = setup.pipeline_parallel, setup.data_parallel
+    candidate = Candidate(
+        devices=p * d, device="cpu", tensor_parallel=1, pipeline_parallel=p, data_parallel=d,
+        micro_batch_size=setup.micro_batch_size, micro_batches=setup.micro_batches, schedule="1f1b",
+        recompute=False, zero_stage=1, stage_layers=[(0, 9)] if p == 1 else [(0, 4), (4, 9)],
+        predicted_step_seconds=0.05, samples_per_second=160.0, tflops_per_device=0.0,
+        peak_memory_bytes=[1] * p, bubble_fraction=0.0, communication_fraction=0.0, cost_per_million_samples=0.0,
+    )  # fmt: skip
+    shape: ModelShape = shape_of(build_model("gpt-tiny"))  # the fault model is gpt-tiny, hooks aside
+    plan = Plan(
+        model=MODEL, model_reference=MODEL, model_shape=shape, cluster="local",
+        request=PlanRequest(global_batch=candidate.global_batch), chosen=candidate,
+    )  # fmt: skip
+    return write_json_atomic(path, plan)
+
+
+# --------------------------------------------------------------------------- launching
+
+
+@dataclass
+class Launch:
+    """One `pipectl launch` as the user saw it."""
+
+    argv: list[str]
+    exit_code: int | None  # None: it ran past its limit (hung) and was killed
+    output: str
+    seconds: float
+
+    @property
+    def hung(self) -> bool:
+        return self.exit_code is None
+
+    @property
+    def traceback(self) -> bool:
+        return "Traceback" in self.output
+
+
+def launch_argv(plan: Path, run: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "pipectl.cli.main", "launch", str(plan), "--run-dir", str(run),
+            "--timeout", str(LAUNCH_TIMEOUT_SECONDS), *extra]  # fmt: skip
+
+
+def launch_env(**fault: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIPECTL_FAULT_")}
+    env.update(PYTHONPATH=str(ROOT / "src"), COLUMNS="300", OMP_NUM_THREADS="1", **fault)
+    return env
+
+
+def start(argv: list[str], env: dict[str, str], *, limit_kib: int | None = None) -> subprocess.Popen:
+    """Start the CLI from this folder (the ranks import the fault model from it); with `limit_kib`,
+    under `ulimit -f` (a shell wrapper, as an administrator or a full disk would impose it)."""
+    if limit_kib is not None:
+        argv = ["bash", "-c", f'ulimit -f {limit_kib} && exec "$@"', "limited", *argv]
+    return subprocess.Popen(argv, cwd=HERE, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def finish(proc: subprocess.Popen, argv: list[str], started: float) -> Launch:
+    try:
+        output, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_SECONDS + 60)
+        code: int | None = proc.returncode
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        output, _ = proc.communicate()
+        code = None
+    return Launch(argv, code, output, time.monotonic() - started)
+
+
+def run_launch(argv: list[str], env: dict[str, str], *, limit_kib: int | None = None) -> Launch:
+    started = time.monotonic()
+    return finish(start(argv, env, limit_kib=limit_kib), argv, started)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (Linux /proc): the launcher has its own session, the ranks theirs."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry.name))
+    found, frontier = [], list(children.get(pid, []))
+    while frontier:
+        child = frontier.pop()
+        found.append(child)
+        frontier.extend(children.get(child, []))
+    return found
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL `pid` and everything it started (a hung launch of ours)."""
+    for target in [*descendants(pid), pid]:
+        try:
+            os.kill(target, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+# --------------------------------------------------------------------------- reading runs
+
+
+def read_losses(run: Path) -> list[tuple[int, float]]:
+    """(step, loss) of every line of metrics.jsonl, retrained steps included."""
+    path = run / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [(line["step"], line["loss"]) for line in map(json.loads, path.read_text().splitlines()) if line]
+
+
+def final_tensors(run: Path, step: int) -> dict:
+    """Every parameter's fp32 weights and Adam moments in checkpoint `step`, as data."""
+    import torch
+
+    zero = run / "checkpoints" / f"step{step:08d}" / "zero"
+    tensors = {}
+    for path in sorted(zero.glob("*/*.pt")):
+        if path.stem in STATES:
+            tensors[f"{path.parent.name}/{path.stem}"] = torch.load(path, map_location="cpu", weights_only=True)["param"]
+    return tensors
+
+
+def max_relative_difference(found: dict, reference: dict, states: tuple[str, ...] = ("fp32",)) -> float:
+    """max over tensors of max|found - reference| / max|reference|; inf when a tensor is missing."""
+    worst = 0.0
+    for name, expected in reference.items():
+        if name.rsplit("/", 1)[1] not in states:
+            continue
+        if name not in found or found[name].shape != expected.shape:
+            return float("inf")
+        scale = float(expected.detach().abs().max()) or 1.0
+        worst = max(worst, float((found[name].detach().double() - expected.detach().double()).abs().max()) / scale)
+    return worst
+
+
+def resumed_step(run: Path) -> int | None:
+    path = run / "logs" / "resume.json"
+    return json.loads(path.read_text())["step"] if path.is_file() else None
+
+
+def census(records: Path) -> dict[tuple[int, int, str], int]:
+    """(rank, step, point) -> events counted by a census run's ranks."""
+    counts = {}
+    for path in sorted(records.glob("census-rank*.json")):
+        data = json.loads(path.read_text())
+        for step, points in data["events"].items():
+            for point, count in points.items():
+                counts[(data["rank"], int(step), point)] = count
+    return counts
+
+
+@dataclass
+class Reference:
+    """A fault-free run of a setup: its losses, final tensors and event census."""
+
+    setup: Setup
+    plan: Path
+    run: Path
+    losses: dict[int, float]
+    tensors: dict
+    events: dict[tuple[int, int, str], int]
+    seconds: float
+
+
+def reference_run(setup: Setup, folder: Path) -> Reference:
+    folder.mkdir(parents=True, exist_ok=True)
+    plan = write_plan(setup, folder / f"plan-{setup.label}.json")
+    run, records = folder / f"reference-{setup.label}", folder / f"census-{setup.label}"
+    records.mkdir()
+    env = launch_env(PIPECTL_FAULT_CENSUS="1", PIPECTL_FAULT_RECORDS=str(records))
+    done = run_launch(launch_argv(plan, run, "--steps", str(setup.steps), "--checkpoint-every", str(setup.checkpoint_every)), env)
+    if done.exit_code != 0:
+        raise RuntimeError(f"the reference run failed ({done.exit_code}):\n{done.output[-3000:]}")
+    losses = dict(read_losses(run))
+    if sorted(losses) != list(range(1, setup.steps + 1)):
+        raise RuntimeError(f"the reference run trained steps {sorted(losses)}")
+    return Reference(setup, plan, run, losses, final_tensors(run, setup.steps), census(records), done.seconds)
+
+
+# --------------------------------------------------------------------------- trials
+
+
+@dataclass
+class Trial:
+    """One fault and its outcome. `expected_resume`: the last complete checkpoint at the fault."""
+
+    kind: str
+    setup: str
+    fault: dict
+    expected_resume: int | None = None
+    resumed: int | None = None
+    lost: int = 0
+    hung: bool = False
+    traceback: bool = False
+    fired: bool = True
+    weights_max_rel_diff: float | None = None
+    moments_max_rel_diff: float | None = None
+    losses_max_rel_diff: float | None = None
+    steps_trained: list[int] = field(default_factory=list)
+    exit_codes: list[int | None] = field(default_factory=list)
+    launch_seconds: list[float] = field(default_factory=list)
+    seconds: float = 0.0
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def survived(self) -> bool:
+        return not self.problems
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "survived": self.survived}
+
+
+def trigger_env(folder: Path, trigger: dict) -> dict[str, str]:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "trigger.json").write_text(json.dumps(trigger))
+    return launch_env(PIPECTL_FAULT_TRIGGER=str(folder / "trigger.json"), PIPECTL_FAULT_RECORDS=str(folder))
+
+
+def check(trial: Trial, reference: Reference, run: Path, launches: list[Launch]) -> Trial:
+    """Fill in the outcome of a trial whose launches have all run."""
+    setup = reference.setup
+    trial.exit_codes = [launch.exit_code for launch in launches]
+    trial.launch_seconds = [round(launch.seconds, 2) for launch in launches]
+    trial.seconds = sum(launch.seconds for launch in launches)
+    trial.hung = any(launch.hung for launch in launches)
+    trial.traceback = any(launch.traceback for launch in launches)
+    if trial.hung:
+        trial.problems.append("a launch ran past its time limit")
+    if trial.traceback:
+        trial.problems.append("a traceback reached the terminal")
+    if not trial.fired:
+        trial.problems.append("the fault never fired")
+    if launches[-1].exit_code != 0:
+        trial.problems.append(f"the last launch exited {launches[-1].exit_code}: {launches[-1].output[-1500:]}")
+    if trial.expected_resume is not None:
+        trial.resumed = resumed_step(run)
+        if trial.resumed is None:
+            trial.problems.append("no resume record")
+        else:
+            trial.lost = max(0, trial.expected_resume - trial.resumed)
+            if trial.lost:
+                trial.problems.append(f"resumed from step {trial.resumed}, not {trial.expected_resume}: {trial.lost} steps lost")
+    losses = read_losses(run)
+    trial.steps_trained = [step for step, _ in losses]
+    if not set(range(1, setup.steps + 1)) <= set(trial.steps_trained):
+        trial.problems.append(f"steps trained {trial.steps_trained} miss some of 1..{setup.steps}")
+    errors = [abs(loss - reference.losses[step]) / abs(reference.losses[step]) for step, loss in losses if step in reference.losses]
+    trial.losses_max_rel_diff = max(errors, default=None)
+    if trial.losses_max_rel_diff is not None and trial.losses_max_rel_diff > TOLERANCE:
+        trial.problems.append(f"losses differ from the fault-free run by up to {trial.losses_max_rel_diff:.3g} (relative)")
+    if (run / "checkpoints" / f"step{setup.steps:08d}").is_dir():
+        found = final_tensors(run, setup.steps)
+        trial.weights_max_rel_diff = max_relative_difference(found, reference.tensors)
+        trial.moments_max_rel_diff = max_relative_difference(found, reference.tensors, ("exp_avg", "exp_avg_sq"))
+        if max(trial.weights_max_rel_diff, trial.moments_max_rel_diff) > TOLERANCE:
+            trial.problems.append(
+                f"final checkpoint differs from the fault-free run: weights {trial.weights_max_rel_diff:.3g}, "
+                f"Adam moments {trial.moments_max_rel_diff:.3g} (relative)"
+            )
+    else:
+        trial.problems.append(f"no final checkpoint of step {setup.steps}")
+    return trial
+
+
+NO_CHECKPOINT = "it has no checkpoint, so it would start over from step 0"
+
+
+def resume(reference: Reference, run: Path, launches: list[Launch], trial: Trial | None = None) -> None:
+    """`launch --resume`; for a run whose fault came before its first complete checkpoint, the
+    resume is refused (exit 2: it would start over) and the run starts over with `--force`."""
+    launches.append(run_launch(launch_argv(reference.plan, run, "--resume"), launch_env()))
+    if trial is None or trial.expected_resume != 0:
+        return
+    refused = launches[-1]
+    if refused.exit_code != 2 or NO_CHECKPOINT not in " ".join(refused.output.split()):
+        trial.problems.append(f"a resume without a checkpoint exited {refused.exit_code}: {refused.output[-600:]}")
+    setup = reference.setup
+    argv = launch_argv(reference.plan, run, "--force", "--steps", str(setup.steps), "--checkpoint-every", str(setup.checkpoint_every))
+    launches.append(run_launch(argv, launch_env()))
+
+
+def fault_launch(reference: Reference, run: Path, env: dict[str, str], **kwargs) -> Launch:
+    setup = reference.setup
+    argv = launch_argv(reference.plan, run, "--steps", str(setup.steps), "--checkpoint-every", str(setup.checkpoint_every))
+    return run_launch(argv, env, **kwargs)
+
+
+def triggered_trial(kind: str, reference: Reference, folder: Path, trigger: dict, damage: dict | None = None) -> Trial:
+    """A rank acts at `trigger` (kill, term, enospc); then, with `damage`, one file of the newest
+    checkpoint is truncated or has a byte flipped; then the run is resumed to its end."""
+    setup = reference.setup
+    run = folder / "run"
+    step = trigger["step"]
+    # SIGTERM: the ranks finish the step and checkpoint it; otherwise the last checkpoint before it.
+    expected = step if trigger["action"] == "term" else setup.last_checkpoint_before(step)
+    trial = Trial(kind, setup.label, {**trigger, **({"damage": damage} if damage else {})}, expected_resume=expected)
+    first = fault_launch(reference, run, trigger_env(folder / "records", trigger))
+    trial.fired = (folder / "records" / f"fired-rank{trigger['rank']}.json").is_file()
+    launches = [first]
+    if trigger["action"] == "term":
+        if first.exit_code != 0:
+            trial.problems.append(f"the stopped launch exited {first.exit_code}, not 0")
+    elif first.exit_code in (0, None):
+        trial.problems.append(f"the faulted launch exited {first.exit_code}")
+    if trigger["action"] == "enospc" and "no space left on device" not in " ".join(first.output.split()):
+        trial.problems.append("the terminal did not say the disk was full")
+    if damage is not None:
+        damaged = damage_newest(run, damage, random.Random(damage["seed"]))
+        trial.fault["damage"] = {**damage, **damaged}
+        trial.expected_resume = setup.last_checkpoint_before(damaged["step"])
+    resume(reference, run, launches, trial)
+    return check(trial, reference, run, launches)
+
+
+def damage_newest(run: Path, damage: dict, rng: random.Random) -> dict:
+    """Truncate one data file of the newest committed checkpoint (to a random fraction), or flip a
+    random byte of it; returns what was done."""
+    tags = sorted(p for p in (run / "checkpoints").glob("step*") if (p / "manifest.json").is_file())
+    newest = tags[-1]
+    files = sorted(newest.rglob("*.pt"))
+    target = rng.choice(files)
+    data = bytearray(target.read_bytes())
+    if damage["how"] == "truncate":
+        keep = rng.randrange(len(data))
+        target.write_bytes(bytes(data[:keep]))
+        done = {"kept_bytes": keep, "of_bytes": len(data)}
+    else:
+        offset = rng.randrange(len(data))
+        data[offset] ^= 1 << rng.randrange(8)
+        target.write_bytes(bytes(data))
+        done = {"offset": offset}
+    return {"step": int(newest.name[4:]), "file": target.relative_to(newest).as_posix(), **done}
+
+
+def sigterm_launch_trial(reference: Reference, folder: Path, after_step: int) -> Trial:
+    """SIGTERM to the `pipectl launch` process once metrics.jsonl shows `after_step`: the ranks
+    finish their step, checkpoint, exit 0; the resume starts from the step they stopped at."""
+    setup = reference.setup
+    run = folder / "run"
+    trial = Trial("sigterm-launch", setup.label, {"signal": "SIGTERM", "to": "pipectl launch", "after_step": after_step})
+    argv = launch_argv(reference.plan, run, "--steps", str(setup.steps), "--checkpoint-every", str(setup.checkpoint_every))
+    started = time.monotonic()
+    proc = start(argv, launch_env())
+    while proc.poll() is None and max((s for s, _ in read_losses(run)), default=0) < after_step:
+        time.sleep(0.05)
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    else:
+        trial.fired = False
+    first = finish(proc, argv, started)
+    if first.exit_code != 0:
+        trial.problems.append(f"the stopped launch exited {first.exit_code}, not 0")
+    trial.expected_resume = max((s for s, _ in read_losses(run)), default=0)  # the step it stopped after
+    launches = [first]
+    resume(reference, run, launches, trial)
+    return check(trial, reference, run, launches)
+
+
+def size_limit_trial(reference: Reference, folder: Path, stop_step: int, limit_kib: int) -> Trial:
+    """Train to `stop_step` (a checkpoint), resume under `ulimit -f limit_kib`: the next
+    checkpoint's files cannot be written; the terminal says so; a resume without it finishes."""
+    setup = reference.setup
+    run = folder / "run"
+    trial = Trial("disk-full-ulimit", setup.label, {"ulimit_f_kib": limit_kib, "first_steps": stop_step},
+                  expected_resume=stop_step)  # fmt: skip
+    first = run_launch(launch_argv(reference.plan, run, "--steps", str(stop_step), "--checkpoint-every",
+                                   str(setup.checkpoint_every)), launch_env())  # fmt: skip
+    limited = run_launch(launch_argv(reference.plan, run, "--resume", "--steps", str(setup.steps)), launch_env(),
+                         limit_kib=limit_kib)  # fmt: skip
+    text = " ".join(limited.output.split())
+    if limited.exit_code in (0, 2, None) or "file size limit reached" not in text:
+        trial.problems.append(f"the limited launch exited {limited.exit_code} without naming the size limit: {text[-800:]}")
+    trial.fired = "file size limit reached" in text
+    launches = [first, limited]
+    resume(reference, run, launches, trial)
+    return check(trial, reference, run, launches)
+
+
+IN_USE = "is in use by a running job"
+
+
+def concurrent_trial(reference: Reference, folder: Path, variant: str) -> Trial:
+    """Two launches on one run directory.
+
+    `race`: two fresh launches started together: one trains, the other is refused (exit 2, naming
+    the run as in use or existing) and changes nothing. `during`: while a launch trains, a
+    `--resume` and a `--force` are refused. `resume-race`: after a kill, two `--resume` at once.
+    In each, the run that trained must end as the fault-free run did.
+    """
+    setup = reference.setup
+    run = folder / "run"
+    trial = Trial("concurrent", setup.label, {"variant": variant})
+    argv = launch_argv(reference.plan, run, "--steps", str(setup.steps), "--checkpoint-every", str(setup.checkpoint_every))
+    launches: list[Launch] = []
+    refused: list[Launch] = []
+    if variant == "race":
+        started = time.monotonic()
+        procs = [start(argv, launch_env()), start(argv, launch_env())]
+        pair = [finish(proc, argv, started) for proc in procs]
+        winners = [launch for launch in pair if launch.exit_code == 0]
+        refused = [launch for launch in pair if launch.exit_code != 0]
+        if len(winners) != 1:
+            trial.problems.append(f"exit codes {[l.exit_code for l in pair]}: not one run and one refusal")
+        launches = refused + winners  # the winner last: it must have finished the run
+    elif variant == "during":
+        # Rank 0 pauses in step 2 (results unchanged): the job is surely running while a
+        # `--resume` and a `--force` of its run directory are tried, together.
+        pause = {"rank": 0, "step": 2, "point": "forward", "nth": 0, "action": "sleep", "seconds": 25}
+        trial.fault.update(pause)
+        started = time.monotonic()
+        proc = start(argv, trigger_env(folder / "records", pause))
+        fired = folder / "records" / "fired-rank0.json"
+        while proc.poll() is None and not fired.is_file():
+            time.sleep(0.05)
+        tries = [launch_argv(reference.plan, run, extra) for extra in ("--resume", "--force")]
+        attempts = [(start(a, launch_env()), a, time.monotonic()) for a in tries]
+        refused = [finish(p, a, t) for p, a, t in attempts]
+        if proc.poll() is not None:
+            trial.problems.append("the job ended before the second launches were decided: the trial shows nothing")
+        launches = [*refused, finish(proc, argv, started)]
+    else:  # resume-race
+        trigger = {"rank": 0, "step": setup.checkpoint_every + 1, "point": "forward", "nth": 0, "action": "kill"}
+        trial.expected_resume = setup.last_checkpoint_before(trigger["step"])
+        trial.fault.update(trigger)
+        launches.append(fault_launch(reference, run, trigger_env(folder / "records", trigger)))
+        resume_argv = launch_argv(reference.plan, run, "--resume")
+        started = time.monotonic()
+        procs = [start(resume_argv, launch_env()), start(resume_argv, launch_env())]
+        pair = [finish(proc, resume_argv, started) for proc in procs]
+        winners = [launch for launch in pair if launch.exit_code == 0]
+        refused = [launch for launch in pair if launch.exit_code != 0]
+        if len(winners) != 1:
+            trial.problems.append(f"exit codes {[l.exit_code for l in pair]}: not one resume and one refusal")
+        launches += refused + winners
+    for launch in refused:
+        text = " ".join(launch.output.split())
+        if launch.exit_code != 2 or not (IN_USE in text or "already exists" in text):
+            trial.problems.append(f"a second launch was not refused as it should be ({launch.exit_code}): {text[-600:]}")
+    return check(trial, reference, run, launches)
+
+
+# --------------------------------------------------------------------------- drawing points
+
+
+def draw_trigger(reference: Reference, rng: random.Random, point: str, action: str = "kill",
+                 steps: range | None = None, rank: int | None = None) -> dict:  # fmt: skip
+    """A random (rank, step, nth) among the census's events of `point` (in `steps`, on `rank`)."""
+    choices = [
+        (r, s, n) for (r, s, p), n in sorted(reference.events.items())
+        if p == point and (steps is None or s in steps) and (rank is None or r == rank)
+    ]  # fmt: skip
+    if not choices:
+        raise ValueError(f"the reference run has no {point} events in steps {steps} on rank {rank}")
+    r, s, count = rng.choice(choices)
+    return {"rank": r, "step": s, "point": point, "nth": rng.randrange(count), "action": action}

@@ -1,0 +1,192 @@
+"""Faults on real `pipectl launch` runs (gpt-tiny, p=2, fp32): after a rank is killed at a known
+point, `launch --resume` starts from the last complete checkpoint, trains every step exactly as a
+fault-free run did, and ends with the same weights and Adam moments (1e-6 relative). The full
+sweep (>= 20 random kill points and the other kinds) is benchmarks/fault_sweep.py; a few of its
+kinds run here under `slow`."""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # fault_trials, beside this file
+
+import fault_trials as ft
+
+CI_SETUP = ft.Setup(steps=4, checkpoint_every=2)
+LONG_SETUP = ft.Setup(steps=6, checkpoint_every=2)  # the slow trials: two checkpoints before a fault
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> ft.Reference:
+    """The fault-free run every trial is compared with, and its census of fault points."""
+    return ft.reference_run(CI_SETUP, tmp_path_factory.mktemp("faults"))
+
+
+@pytest.fixture(scope="module")
+def long_reference(tmp_path_factory) -> ft.Reference:
+    return ft.reference_run(LONG_SETUP, tmp_path_factory.mktemp("faults-long"))
+
+
+def assert_survived(trial: ft.Trial) -> None:
+    assert trial.survived, "\n".join(trial.problems)
+    assert trial.lost == 0 and trial.resumed == trial.expected_resume
+    assert trial.weights_max_rel_diff <= ft.TOLERANCE and trial.moments_max_rel_diff <= ft.TOLERANCE
+
+
+@pytest.mark.multiprocess
+def test_the_census_counts_every_point_where_it_happens(reference):
+    events = reference.events
+    steps = range(1, CI_SETUP.steps + 1)
+    for rank in (0, 1):
+        for step in steps:
+            assert events[(rank, step, "forward")] == events[(rank, step, "backward")] > 0
+            assert events[(rank, step, "optimizer")] >= 1
+            assert events[(rank, step, "allreduce")] >= 1  # the tied embedding's gradients, at least
+            assert ((rank, step, "save") in events) == (step in CI_SETUP.checkpoint_steps)
+    assert {(r, s) for r, s, p in events if p == "commit"} == {(0, s) for s in CI_SETUP.checkpoint_steps}
+
+
+@pytest.mark.multiprocess
+def test_a_rank_killed_at_a_random_point_of_a_step_loses_nothing(reference, tmp_path):
+    """SIGKILL of a rank at a (rank, step, point, nth) drawn from the census with a fixed seed."""
+    rng = random.Random(20)
+    trigger = ft.draw_trigger(reference, rng, rng.choice(("forward", "backward", "allreduce", "optimizer")),
+                              steps=range(CI_SETUP.checkpoint_every + 1, CI_SETUP.steps + 1))  # fmt: skip
+    trial = ft.triggered_trial("kill", reference, tmp_path, trigger)
+    assert trial.exit_codes[0] not in (0, None) and trial.fired
+    assert_survived(trial)
+
+
+@pytest.mark.multiprocess
+def test_rank0_killed_before_the_manifest_of_a_renamed_checkpoint_resumes_from_the_one_before(reference, tmp_path):
+    """The tag folder of step 4 (the last) is in place without its manifest: it is not complete,
+    step 2 is."""
+    trigger = {"rank": 0, "step": 4, "point": "commit", "nth": 0, "action": "kill"}
+    trial = ft.triggered_trial("kill", reference, tmp_path, trigger)
+    assert trial.expected_resume == 2 and trial.fired
+    assert trial.steps_trained == [1, 2, 3, 4, 3, 4]  # 3 and 4 trained again, from step 2
+    assert_survived(trial)
+
+
+def test_a_changed_tensor_and_a_missing_one_are_differences():
+    import torch
+
+    reference = {"w/fp32": torch.tensor([1.0, -4.0]), "w/exp_avg": torch.tensor([2.0])}
+    assert ft.max_relative_difference(dict(reference), reference) == 0.0
+    assert ft.max_relative_difference({**reference, "w/fp32": torch.tensor([1.0, -4.004])}, reference) == pytest.approx(1e-3, rel=1e-4)
+    assert ft.max_relative_difference({"w/exp_avg": torch.tensor([2.0])}, reference) == float("inf")
+    assert ft.max_relative_difference({"w/fp32": reference["w/fp32"]}, reference, ("exp_avg",)) == float("inf")
+
+
+def test_the_last_complete_checkpoint_before_a_step():
+    setup = ft.Setup(steps=7, checkpoint_every=3)
+    assert setup.checkpoint_steps == [3, 6, 7]
+    assert [setup.last_checkpoint_before(s) for s in range(1, 8)] == [0, 0, 0, 3, 3, 3, 6]
+
+
+def test_saving_a_committed_step_again_keeps_the_same_files_and_replaces_other_ones(tmp_path):
+    """What the stop after a checkpoint step does (the slow trial below shows why it matters)."""
+    from pipectl.artifacts.run import CheckpointManifest
+    from pipectl.runtime import checkpoint as ckpt
+
+    root = ckpt.checkpoints_dir(tmp_path)
+
+    def commit(payload: bytes, when: float) -> Path:
+        staged = root / ckpt.STAGING_DIR / f"w1-{int(when)}" / "step00000004_universal"
+        staged.mkdir(parents=True)
+        (staged / "fp32.pt").write_bytes(payload)
+        files = ckpt.hash_tree(staged)
+        manifest = CheckpointManifest(tag="step00000004", step=4, files=files, file_bytes={"fp32.pt": len(payload)},
+                                      bytes=len(payload), time_unix=when)  # fmt: skip
+        return ckpt.commit_tag(root, staged, "step00000004", manifest)
+
+    def committed_time() -> float:
+        return CheckpointManifest.model_validate_json((root / "step00000004" / "manifest.json").read_text()).time_unix
+
+    commit(b"weights", 1.0)
+    commit(b"weights", 2.0)  # the same bytes: the first commit stands, the staged copy is dropped
+    assert committed_time() == 1.0 and not (root / ckpt.STAGING_DIR / "w1-2").joinpath("step00000004_universal").exists()
+    path = commit(b"other weights", 3.0)
+    assert committed_time() == 3.0 and (path / "fp32.pt").read_bytes() == b"other weights"
+    assert ckpt.verify_checkpoint(path).verified and (root / "latest").read_text() == "step00000004"
+
+
+# --------------------------------------------------------------------------- the sweep's other kinds
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("point", ["forward", "backward", "allreduce", "optimizer", "save"])
+def test_slow_a_kill_at_each_point(long_reference, tmp_path, point):
+    trigger = ft.draw_trigger(long_reference, random.Random(point), point, steps=range(3, LONG_SETUP.steps + 1))
+    assert trigger["point"] == point
+    assert_survived(ft.triggered_trial("kill", long_reference, tmp_path, trigger))
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("how", ["truncate", "flip"])
+def test_slow_a_damaged_newest_checkpoint_falls_back_to_the_one_before(long_reference, tmp_path, how):
+    trigger = {"rank": 1, "step": 5, "point": "forward", "nth": 3, "action": "kill"}
+    trial = ft.triggered_trial(how, long_reference, tmp_path, trigger, {"how": how, "seed": 7})
+    assert trial.fault["damage"]["step"] == 4 and trial.expected_resume == 2
+    assert_survived(trial)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_slow_sigterm_to_a_rank_stops_at_the_step_boundary(long_reference, tmp_path):
+    trigger = {"rank": 1, "step": 3, "point": "backward", "nth": 5, "action": "term"}
+    trial = ft.triggered_trial("sigterm-rank", long_reference, tmp_path, trigger)
+    assert trial.exit_codes == [0, 0] and trial.expected_resume == 3
+    assert_survived(trial)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_slow_a_full_disk_during_a_checkpoint_write(long_reference, tmp_path):
+    trigger = {"rank": 1, "step": 4, "point": "save", "nth": 1, "action": "enospc"}
+    assert_survived(ft.triggered_trial("disk-full", long_reference, tmp_path, trigger))
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_slow_a_file_size_limit_on_a_resume(long_reference, tmp_path):
+    assert_survived(ft.size_limit_trial(long_reference, tmp_path, 2, 48))
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("variant", ["race", "during", "resume-race"])
+def test_slow_concurrent_launches_on_one_run_directory(long_reference, tmp_path, variant):
+    trial = ft.concurrent_trial(long_reference, tmp_path, variant)
+    assert trial.survived, "\n".join(trial.problems)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_slow_a_kill_while_a_stop_saves_its_step_again_keeps_the_committed_checkpoint(long_reference, tmp_path):
+    """SIGTERM in step 4, a checkpoint step: the ranks checkpoint step 4 in the loop, then stop and
+    save step 4 again. Rank 0 is to be killed as that second save writes its manifest. Replacing
+    the committed tag moved it aside and deleted it before the new one had a manifest, so this kill
+    left no complete step 4 and the resume went back to step 2 (2 steps lost). The second save now
+    finds the same files committed and keeps them: no manifest is written, the kill never comes,
+    and step 4 stays complete."""
+    triggers = [
+        {"rank": 1, "step": 4, "point": "forward", "nth": 0, "action": "term"},
+        {"rank": 0, "step": 4, "point": "commit", "nth": 1, "action": "kill"},  # the second save's manifest
+    ]
+    run = tmp_path / "run"
+    trial = ft.Trial("kill", LONG_SETUP.label, {"triggers": triggers}, expected_resume=4)
+    launches = [ft.fault_launch(long_reference, run, ft.trigger_env(tmp_path / "records", triggers))]
+    fired = json.loads((tmp_path / "records" / "fired-rank1.json").read_text())["fired"]
+    assert [t["action"] for t in fired] == ["term"]
+    ft.resume(long_reference, run, launches, trial)
+    ft.check(trial, long_reference, run, launches)
+    assert trial.resumed == 4 and trial.lost == 0, "\n".join(trial.problems)
+    assert_survived(trial)
