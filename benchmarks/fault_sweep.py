@@ -14,6 +14,8 @@ the model whose ranks act at a named (rank, step, point, nth) event):
     disk-full        a checkpoint file write that fails with ENOSPC (random rank, file, step)
     disk-full-ulimit a resume under `ulimit -f` too small for a checkpoint file
     concurrent       two launches on one run directory (together; one during a run; two resumes)
+    stopped          SIGSTOP of one rank at a random point of a step: the job must end by its
+                     collective timeout (10 s here), name the stopped rank, leave no process behind
 
 Random points are drawn from a seeded RNG among the events a census of the fault-free reference
 run counted, so every trial's fault fires (a trial whose fault never fired is reported as not
@@ -86,9 +88,8 @@ def planned_trials(references: dict[str, ft.Reference], rng: random.Random, kill
                    lambda folder: ft.size_limit_trial(main, folder, stop, SIZE_LIMIT_KIB)))  # fmt: skip
     for variant in ("race", "during", "resume-race"):
         trials.append((f"concurrent {variant}", lambda folder, variant=variant: ft.concurrent_trial(main, folder, variant)))
-    # A stopped rank (SIGSTOP: alive, silent, holding its collectives) is the next kind: its trial
-    # needs the runtime's hung-rank handling (collective timeout, heartbeats) to end at all. Add it
-    # here as (label, lambda folder: Trial) once that exists, like the kinds above.
+    for _ in range(3):  # alive and silent: ends by the collective timeout, named by its heartbeat
+        triggered("stopped", main, ft.draw_trigger(main, rng, rng.choice(IN_STEP_POINTS), "stop"))
     return trials
 
 

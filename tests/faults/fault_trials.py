@@ -31,6 +31,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import psutil
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 MODEL = "pipectl_fault_model:build"
@@ -351,9 +353,12 @@ def resume(reference: Reference, run: Path, launches: list[Launch], trial: Trial
     launches.append(run_launch(argv, launch_env()))
 
 
-def fault_launch(reference: Reference, run: Path, env: dict[str, str], **kwargs) -> Launch:
+STOPPED_RANK_COLLECTIVE_TIMEOUT = 10  # seconds: what a stopped rank's peers wait in a collective
+
+
+def fault_launch(reference: Reference, run: Path, env: dict[str, str], *extra: str, **kwargs) -> Launch:
     setup = reference.setup
-    argv = launch_argv(reference.plan, run, "--steps", str(setup.steps), "--checkpoint-every", str(setup.checkpoint_every))
+    argv = launch_argv(reference.plan, run, "--steps", str(setup.steps), "--checkpoint-every", str(setup.checkpoint_every), *extra)
     return run_launch(argv, env, **kwargs)
 
 
@@ -366,7 +371,8 @@ def triggered_trial(kind: str, reference: Reference, folder: Path, trigger: dict
     # SIGTERM: the ranks finish the step and checkpoint it; otherwise the last checkpoint before it.
     expected = step if trigger["action"] == "term" else setup.last_checkpoint_before(step)
     trial = Trial(kind, setup.label, {**trigger, **({"damage": damage} if damage else {})}, expected_resume=expected)
-    first = fault_launch(reference, run, trigger_env(folder / "records", trigger))
+    extra = ("--collective-timeout", str(STOPPED_RANK_COLLECTIVE_TIMEOUT)) if trigger["action"] == "stop" else ()
+    first = fault_launch(reference, run, trigger_env(folder / "records", trigger), *extra)
     trial.fired = (folder / "records" / f"fired-rank{trigger['rank']}.json").is_file()
     launches = [first]
     if trigger["action"] == "term":
@@ -376,6 +382,15 @@ def triggered_trial(kind: str, reference: Reference, folder: Path, trigger: dict
         trial.problems.append(f"the faulted launch exited {first.exit_code}")
     if trigger["action"] == "enospc" and "no space left on device" not in " ".join(first.output.split()):
         trial.problems.append("the terminal did not say the disk was full")
+    if trigger["action"] == "stop":
+        said = " ".join(first.output.split())
+        if f"rank {trigger['rank']} (" not in said or "stopped responding" not in said:
+            trial.problems.append(f"the terminal did not name the stopped rank {trigger['rank']}: {said[-600:]}")
+        left = [p for p in psutil.process_iter(["cmdline"]) if str(run) in " ".join(p.info["cmdline"] or [])]
+        if left:
+            trial.problems.append(f"processes of the job outlived it: pids {[p.pid for p in left]}")
+            for process in left:
+                process.kill()
     if damage is not None:
         damaged = damage_newest(run, damage, random.Random(damage["seed"]))
         trial.fault["damage"] = {**damage, **damaged}

@@ -21,7 +21,8 @@ acts:
     action      kill: SIGKILL (nothing runs after it); term: SIGTERM (the rank's handler stops
                 it at the next step boundary); enospc: the write raises OSError(ENOSPC) (save
                 and commit only: a full disk); sleep: pause `seconds` (a slow rank: the job
-                stays busy, its results unchanged)
+                stays busy, its results unchanged); stop: SIGSTOP (a hung rank: alive, silent,
+                its peers waiting in their collectives until the collective timeout)
 
 Steps are counted as the worker counts them, 1-based, from the start of this process: a step
 begins with the first forward after an optimizer step. (Triggers are meant for a fresh run; a
@@ -54,7 +55,7 @@ TRIGGER_VARIABLE = "PIPECTL_FAULT_TRIGGER"
 RECORDS_VARIABLE = "PIPECTL_FAULT_RECORDS"
 CENSUS_VARIABLE = "PIPECTL_FAULT_CENSUS"
 POINTS = ("forward", "backward", "allreduce", "optimizer", "save", "commit")
-ACTIONS = ("kill", "term", "enospc", "sleep")
+ACTIONS = ("kill", "term", "enospc", "sleep", "stop")
 # Gradient collectives, at the level DeepSpeed calls them (deepspeed.comm) and below (torch).
 _COLLECTIVES = {
     "deepspeed.comm": ("all_reduce", "all_reduce_coalesced", "inference_all_reduce", "reduce", "reduce_scatter_fn",
@@ -105,6 +106,8 @@ class Probe:
             os.kill(os.getpid(), signal.SIGTERM)
         elif t["action"] == "sleep":
             time.sleep(float(t.get("seconds", 10)))
+        elif t["action"] == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)  # alive and silent until someone kills it
         else:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 

@@ -190,3 +190,12 @@ def test_slow_a_kill_while_a_stop_saves_its_step_again_keeps_the_committed_check
     ft.check(trial, long_reference, run, launches)
     assert trial.resumed == 4 and trial.lost == 0, "\n".join(trial.problems)
     assert_survived(trial)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_slow_a_stopped_rank_ends_the_job_by_its_collective_timeout_and_loses_nothing(long_reference, tmp_path):
+    trigger = ft.draw_trigger(long_reference, random.Random(11), "backward", "stop", range(3, long_reference.setup.steps))
+    trial = ft.triggered_trial("stopped", long_reference, tmp_path, trigger)
+    assert trial.survived, trial.problems
+    assert trial.launch_seconds[0] < ft.STOPPED_RANK_COLLECTIVE_TIMEOUT + 60  # bounded: not the 10-minute default

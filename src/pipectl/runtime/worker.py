@@ -303,7 +303,7 @@ def _train(job: TrainingJob, on_step: Callable[[StepRecord], None] | None, conte
         writer = MetricsWriter(job.run_dir, rank)
 
     result = TrainResult(rank=rank, stage=stage, data_parallel_rank=dp_rank, start_step=start_step)
-    step = start_step
+    step = saved = start_step
     while step < job.steps:
         if stop_flag is not None and checkpoint.should_stop(stop_flag, job.run_dir):
             result.stopped_early = stop_flag.reason
@@ -325,11 +325,12 @@ def _train(job: TrainingJob, on_step: Callable[[StepRecord], None] | None, conte
         if job.run_dir is not None and job.checkpoint_every and step % job.checkpoint_every == 0 and step < job.steps:
             context.phase = "saving the checkpoint"
             _save(engine, job, step)
+            saved = step
 
     context.step = None
     result.executed_order = [str(a) for a in engine.executed_order()]
     if job.run_dir is not None:
-        if result.records:
+        if result.records and saved != step:  # a stop right after a checkpoint step has it already
             context.phase = "saving the checkpoint"
             _save(engine, job, step)
         _write_executed_order(job.run_dir, rank, result.executed_order)
