@@ -167,3 +167,23 @@ def test_a_profile_dtype_gives_the_runs_precision():
     with pytest.raises(UserInputError, match="--precision bf16: the plan was made for float16") as caught:
         planned_precision("float16", Precision.BF16)
     assert "--dtype bfloat16" in caught.value.hint
+
+
+def test_deepspeeds_hostfile_comes_from_the_slurm_allocation_or_the_hosts_flag(tmp_path, monkeypatch):
+    """Inside an allocation (salloc) the hostfile lists its nodes, as `scontrol show hostnames`
+    gives them (a stand-in here, where Slurm is not installed); outside one, hosts must be named."""
+    monkeypatch.chdir("/")
+    plan = gpt3_plan(devices=64, t=8, p=8, d=1, cluster="a100-8x8")
+    options = LaunchOptions(engine=Engine.DEEPSPEED, precision=Precision.BF16)
+    monkeypatch.delenv("SLURM_JOB_NODELIST", raising=False)
+    with pytest.raises(UserInputError, match="needs the names of the job's 8 nodes") as caught:
+        prepare_launch(plan, RUN, options, write=False)
+    assert "--hosts" in caught.value.hint
+    scontrol = tmp_path / "scontrol"
+    scontrol.write_text('#!/bin/sh\n[ "$1 $2 $3" = "show hostnames gpu[01-08]" ] && for i in 1 2 3 4 5 6 7 8; do echo gpu0$i; done\n')
+    scontrol.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "gpu[01-08]")
+    prepared = prepare_launch(plan, RUN, options, write=False)
+    assert prepared.command.files["hostfile"].splitlines() == [f"gpu0{i} slots=8" for i in range(1, 9)]
+    assert prepared.job.master_addr == "gpu01"

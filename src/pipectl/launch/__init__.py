@@ -27,7 +27,7 @@ from pipectl.cluster import load_cluster
 from pipectl.errors import PipectlError, UserInputError
 from pipectl.io import load_model
 from pipectl.runtime.dsconfig import DEFAULT_LEARNING_RATE, validated_config
-from pipectl.launch.engines import LaunchCommand, build_command, run_engine
+from pipectl.launch.engines import LaunchCommand, allocation_hosts, build_command, run_engine
 from pipectl.launch.rundir import RunLock, is_run_dir, lock_run_dir, prepare_run_dir, read_run, write_run_files
 from pipectl.runtime.checkpoint import resume_point
 from pipectl.runtime.dsinit import free_port
@@ -287,13 +287,15 @@ def job_nodes(plan: Plan, options: LaunchOptions, cluster: ClusterSpec | None) -
 def master_address(options: LaunchOptions, nodes: int) -> str:
     """Where the ranks meet: `--master-addr`; else loopback on one node, this host's name for
     torchrun over several nodes (launch runs the first agent here; the same command runs on every
-    node), the first host for DeepSpeed's launcher, and the allocation's first node for slurm ('')."""
+    node), the first host for DeepSpeed's launcher (`--hosts`, or the Slurm allocation it runs in),
+    and the allocation's first node for slurm ('')."""
     if options.master_addr:
         return options.master_addr
     if options.engine is Engine.SLURM:
         return ""
-    if options.engine is Engine.DEEPSPEED and options.hosts:
-        return options.hosts[0]
+    hosts = options.hosts or (allocation_hosts() if options.engine is Engine.DEEPSPEED else [])
+    if options.engine is Engine.DEEPSPEED and hosts:
+        return hosts[0]
     if nodes > 1 or options.elastic:
         return socket.getfqdn()
     return "127.0.0.1"

@@ -140,6 +140,18 @@ def hostfile_text(hosts: list[str], slots: int) -> str:
     return "".join(f"{host} slots={slots}\n" for host in hosts)
 
 
+def allocation_hosts() -> list[str]:
+    """The hosts of the Slurm allocation this process runs in, in Slurm's order; [] outside one."""
+    nodelist = os.environ.get("SLURM_JOB_NODELIST")
+    if not nodelist:
+        return []
+    try:
+        done = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=60)
+    except (FileNotFoundError, subprocess.TimeoutExpired):
+        return []
+    return done.stdout.split() if done.returncode == 0 else []
+
+
 def deepspeed_command(
     job: JobSpec,
     run_dir: Path,
@@ -148,8 +160,14 @@ def deepspeed_command(
     python: str = sys.executable,
     gpus: bool = False,
 ) -> LaunchCommand:
-    """DeepSpeed's launcher over a hostfile (default: `localhost slots=N`)."""
-    hosts = hosts or ["localhost"]
+    """DeepSpeed's launcher over a hostfile: `hosts`, else the nodes of the Slurm allocation this
+    runs in (`scontrol show hostnames $SLURM_JOB_NODELIST`), else `localhost` for one node."""
+    hosts = hosts or allocation_hosts() or (["localhost"] if job.nodes == 1 else [])
+    if not hosts:
+        raise UserInputError(
+            f"DeepSpeed's launcher needs the names of the job's {count(job.nodes, 'node')}",
+            hint="pass --hosts h1,h2,... or launch inside a Slurm allocation (salloc), where they are read from it",
+        )
     if len(hosts) != job.nodes:
         raise UserInputError(f"{count(len(hosts), 'host')} given ({', '.join(hosts)}) for a job on {count(job.nodes, 'node')}")
     argv = [
