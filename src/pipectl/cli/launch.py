@@ -232,10 +232,9 @@ def _launch(
         if json_output:
             print_json({**described, "files": files})
         else:
-            for name, text in files.items():
-                console.rule(f"{prepared.run_dir / name}", align="left", style="dim")
+            for name, text in files.items():  # a header line per file (a rule would span a piped console)
+                console.print(f"── {prepared.run_dir / name} ──", style="dim", soft_wrap=True, highlight=False, markup=False)
                 console.print(text.rstrip("\n"), soft_wrap=True, highlight=False, markup=False)
-            console.rule(style="dim")
             console.print(f"[bold]command:[/] {prepared.command.shell_line()}", soft_wrap=True, highlight=False)
             console.print("[dim]dry run: nothing written, nothing started[/]")
         return
