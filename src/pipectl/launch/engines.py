@@ -227,7 +227,9 @@ def slurm_script(
         if job.master_addr
         else 'MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"'
     )
-    srun = ["srun", "--kill-on-bad-exit=1"]
+    cpus_per_task = job.ranks_per_node * cpus_per_rank
+    # Slurm 22.05 and later no longer pass sbatch's --cpus-per-task on to srun: say it again there.
+    srun = ["srun", "--kill-on-bad-exit=1", f"--cpus-per-task={cpus_per_task}"]
     if slurm.container_image:
         srun += [f"--container-image={slurm.container_image}", f"--container-mounts={run_dir}:{run_dir}"]
     torchrun = (
@@ -245,7 +247,7 @@ def slurm_script(
         f"#SBATCH --job-name={job.name}",
         f"#SBATCH --nodes={nodes}",
         "#SBATCH --ntasks-per-node=1",
-        f"#SBATCH --cpus-per-task={job.ranks_per_node * cpus_per_rank}",
+        f"#SBATCH --cpus-per-task={cpus_per_task}",
         *([f"#SBATCH --gpus-per-node={job.ranks_per_node}"] if gpus else []),
         sbatch("partition", slurm.partition, "gpu", "--partition"),
         sbatch("account", slurm.account, "my-project", "--account"),
