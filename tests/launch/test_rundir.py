@@ -223,3 +223,21 @@ def test_ranks_left_running_without_their_launcher_keep_the_run_locked(tmp_path)
         orphan.wait()
     with lock_run_dir(run):  # and free again once it is gone
         pass
+
+
+def test_a_lock_held_before_its_holder_wrote_its_pid_is_refused_without_a_pid(tmp_path):
+    """Two launches at once: the second may find the lock taken but no pid written yet."""
+    import fcntl
+    import os
+
+    from pipectl.launch.rundir import LOCK_FILE, lock_run_dir
+
+    run = tmp_path / "run"
+    run.mkdir()
+    fd = os.open(run / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held, nothing recorded
+        with pytest.raises(UserInputError, match=r"is in use by a running job \(pid unknown\)"):
+            lock_run_dir(run)
+    finally:
+        os.close(fd)

@@ -132,15 +132,18 @@ def lock_run_dir(run_dir: str | os.PathLike[str], *, wait_seconds: float = 0.0) 
                 raise
             if time.monotonic() >= deadline:
                 os.close(fd)
-                pids = lock_holder(path)
-                who = f"pid {pids[0]}" + (f", launcher pid {', '.join(map(str, pids[1:]))}" if pids[1:] else "")
+                pids = lock_holder(path)  # [] while the holder has not written its pid yet (a race)
+                who = "pid unknown"
+                if pids:
+                    who = f"pid {pids[0]}" + (f", launcher pid {', '.join(map(str, pids[1:]))}" if pids[1:] else "")
                 raise UserInputError(
-                    f"run directory {path} is in use by a running job ({who if pids else 'pid unknown'})",
+                    f"run directory {path} is in use by a running job ({who})",
                     hint="wait for it to end, stop it (Ctrl-C in its terminal, or kill -TERM "
                     f"{pids[0] if pids else 'PID'}), or move it with pipectl resize",
                 ) from None
             time.sleep(0.1)
     lock = RunLock(lock_path, fd)
+    lock.record(os.getpid())  # at once: a launch refused meanwhile names this pid
     left = [p for p in find_run_processes(path) if p.is_worker]
     if left:  # the lock dies with the launching processes; ranks they left behind may not have
         lock.release()
@@ -150,7 +153,6 @@ def lock_run_dir(run_dir: str | os.PathLike[str], *, wait_seconds: float = 0.0) 
             "processes that launched them have ended",
             hint=f"end them first (kill -TERM {pids}: they checkpoint and exit; kill -KILL if they are hung)",
         )
-    lock.record(os.getpid())
     return lock
 
 
