@@ -54,8 +54,12 @@ class BoundedSafeLoader(yaml.SafeLoader):
 
 
 def safe_load_yaml(text: str) -> Any:
-    """`yaml.safe_load`, bounded: see `BoundedSafeLoader`."""
-    return yaml.load(text, Loader=BoundedSafeLoader)  # noqa: S506 - a SafeLoader subclass
+    """`yaml.safe_load`, bounded: see `BoundedSafeLoader` (what safe_load does, with that loader)."""
+    loader = BoundedSafeLoader(text)
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
 
 
 def read_mapping(path: str | os.PathLike[str]) -> dict[str, Any]:
