@@ -168,14 +168,6 @@ class JobProcesses:
         self._reap()
         return sorted(p.pid for p in left)
 
-    def kill(self) -> None:
-        """SIGKILL to every live process of the job, now."""
-        self.refresh()
-        alive = self.alive()
-        self.signal(alive, signal.SIGKILL)
-        psutil.wait_procs(alive, timeout=5)
-        self._reap()
-
     def _reap(self) -> None:
         try:
             self.launcher.wait(timeout=5)
