@@ -26,13 +26,15 @@ from pipectl.catalog import get_device
 from pipectl.cluster import load_cluster
 from pipectl.errors import PipectlError, UserInputError
 from pipectl.io import load_model
-from pipectl.runtime.dsconfig import DEFAULT_LEARNING_RATE, validated_config
+from pipectl.runtime.dsconfig import validated_config
 from pipectl.launch.engines import LaunchCommand, allocation_hosts, build_command, run_engine
 from pipectl.launch.rundir import RunLock, is_run_dir, lock_run_dir, prepare_run_dir, read_run, write_run_files
 from pipectl.runtime.checkpoint import resume_point
 from pipectl.runtime.dsinit import free_port
 from pipectl.planfile import plan_profile_path
 from pipectl.words import count
+
+TRAINING_DEFAULTS = TrainingSettings()
 
 __all__ = ["LaunchOptions", "PreparedLaunch", "build_job", "prepare_launch", "resumed_options", "run_engine"]
 
@@ -49,11 +51,12 @@ class LaunchOptions:
     seed: int = 0
     data: DataSpec = field(default_factory=DataSpec)
     precision: Precision | None = None  # default: the plan's (its profile's dtype)
-    learning_rate: float = DEFAULT_LEARNING_RATE
-    weight_decay: float = 0.0
-    gradient_clipping: float = 1.0
-    lr_schedule: LrSchedule = LrSchedule.CONSTANT
-    warmup_steps: int = 0
+    # The training settings (job.json's `training`), with its defaults.
+    learning_rate: float = TRAINING_DEFAULTS.learning_rate
+    weight_decay: float = TRAINING_DEFAULTS.weight_decay
+    gradient_clipping: float = TRAINING_DEFAULTS.gradient_clipping
+    lr_schedule: LrSchedule = TRAINING_DEFAULTS.lr_schedule
+    warmup_steps: int = TRAINING_DEFAULTS.warmup_steps
     ds_config_overlay: dict[str, Any] = field(default_factory=dict)  # the user's file's contents (data)
     elastic: ElasticRange | None = None
     nodes: int | None = None  # default: 1 for local, else the plan's devices over the cluster's devices per node
@@ -287,18 +290,23 @@ def job_nodes(plan: Plan, options: LaunchOptions, cluster: ClusterSpec | None) -
 def master_address(options: LaunchOptions, nodes: int) -> str:
     """Where the ranks meet: `--master-addr`; else loopback on one node, this host's name for
     torchrun over several nodes (launch runs the first agent here; the same command runs on every
-    node), the first host for DeepSpeed's launcher (`--hosts`, or the Slurm allocation it runs in),
-    and the allocation's first node for slurm ('')."""
+    node), the first host for DeepSpeed's launcher (`deepspeed_hosts`), and the allocation's first
+    node for slurm ('')."""
     if options.master_addr:
         return options.master_addr
     if options.engine is Engine.SLURM:
         return ""
-    hosts = options.hosts or (allocation_hosts() if options.engine is Engine.DEEPSPEED else [])
-    if options.engine is Engine.DEEPSPEED and hosts:
-        return hosts[0]
+    if options.engine is Engine.DEEPSPEED and options.hosts:
+        return options.hosts[0]
     if nodes > 1 or options.elastic:
         return socket.getfqdn()
     return "127.0.0.1"
+
+
+def deepspeed_hosts(options: LaunchOptions) -> list[str] | None:
+    """The hosts of DeepSpeed's hostfile: `--hosts`, else the nodes of the Slurm allocation launch
+    runs in (`scontrol show hostnames $SLURM_JOB_NODELIST`), else None (one node: localhost)."""
+    return options.hosts or allocation_hosts() or None
 
 
 def slurm_settings(cluster: ClusterSpec | None, flags: SlurmSpec) -> SlurmSpec:
@@ -376,6 +384,8 @@ def prepare_launch(
     if plan.profile is not None:  # present and unchanged, before anything is written
         profile_dtype = load_model(ModelProfile, plan_profile_path(path if plan_dir is None else plan_dir, plan)).dtype
     options = replace(options, precision=planned_precision(profile_dtype, options.precision))
+    if options.engine is Engine.DEEPSPEED:
+        options = replace(options, hosts=deepspeed_hosts(options))
     cluster = plan_cluster(plan, options.cluster)
     job = build_job(plan, path.name, options, cluster)
     check_model(plan, job.model)

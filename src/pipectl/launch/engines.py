@@ -160,9 +160,9 @@ def deepspeed_command(
     python: str = sys.executable,
     gpus: bool = False,
 ) -> LaunchCommand:
-    """DeepSpeed's launcher over a hostfile: `hosts`, else the nodes of the Slurm allocation this
-    runs in (`scontrol show hostnames $SLURM_JOB_NODELIST`), else `localhost` for one node."""
-    hosts = hosts or allocation_hosts() or (["localhost"] if job.nodes == 1 else [])
+    """DeepSpeed's launcher over a hostfile of `hosts` (`launch.deepspeed_hosts`; `localhost` for
+    one node)."""
+    hosts = hosts or (["localhost"] if job.nodes == 1 else [])
     if not hosts:
         raise UserInputError(
             f"DeepSpeed's launcher needs the names of the job's {count(job.nodes, 'node')}",
