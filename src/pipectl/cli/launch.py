@@ -16,7 +16,7 @@ from pipectl.artifacts.run import LOGS_DIR, DataKind, DataSpec, ElasticRange, En
 from pipectl.cli.context import JsonFlag, console, err_console, print_json, training_progress
 from pipectl.errors import LaunchError, UserInputError
 from pipectl.io import load_model, read_mapping, validation_message
-from pipectl.launch import LaunchOptions, PreparedLaunch, prepare_launch, resumed_options, run_engine
+from pipectl.launch import TRAINING_DEFAULTS, LaunchOptions, PreparedLaunch, prepare_launch, resumed_options, run_engine
 from pipectl.launch.engines import ENGINE_LOG, JobEnded
 from pipectl.launch.rundir import is_run_dir, run_files, run_status
 from pipectl.report.run_tables import failure_report, status_table
@@ -84,15 +84,15 @@ def register(app: typer.Typer) -> None:
         keep_checkpoints: Annotated[int, typer.Option(min=1, help="Verified checkpoints to keep.")] = 3,
         data: Annotated[str, typer.Option(help="'builtin' corpus, 'synthetic', or a token file path.")] = "builtin",
         seed: Annotated[int, typer.Option(help="Seed of weights and data order.")] = 0,
-        lr: Annotated[float, typer.Option(min=0.0, max=10.0, help="AdamW (peak) learning rate.")] = 1e-3,
-        weight_decay: Annotated[float, typer.Option(min=0.0, max=10.0, help="AdamW weight decay.")] = 0.0,
+        lr: Annotated[float, typer.Option(min=0.0, max=10.0, help="AdamW (peak) learning rate.")] = TRAINING_DEFAULTS.learning_rate,
+        weight_decay: Annotated[float, typer.Option(min=0.0, max=10.0, help="AdamW weight decay.")] = TRAINING_DEFAULTS.weight_decay,
         gradient_clipping: Annotated[
             float, typer.Option(min=0.0, help="Clip the global gradient norm to this (0: no clipping).")
-        ] = 1.0,
+        ] = TRAINING_DEFAULTS.gradient_clipping,
         lr_schedule: Annotated[
             LrSchedule, typer.Option(help="constant (WarmupLR with --warmup-steps), warmup-decay or warmup-cosine.")
-        ] = LrSchedule.CONSTANT,
-        warmup_steps: Annotated[int, typer.Option(min=0, help="Steps of linear learning-rate warm-up.")] = 0,
+        ] = TRAINING_DEFAULTS.lr_schedule,
+        warmup_steps: Annotated[int, typer.Option(min=0, help="Steps of linear learning-rate warm-up.")] = TRAINING_DEFAULTS.warmup_steps,
         ds_config_overlay: Annotated[
             Optional[Path],
             typer.Option(
@@ -263,10 +263,7 @@ def _launch(
         stopped_at = stopped_cleanly(read_heartbeats(prepared.run_dir, since_unix=started - 1.0), prepared.job.world_size)
         if stopped_at is None:
             progress = f"the job exited with code {exit_code} after {status.steps_done} of {prepared.job.steps} steps"
-            tail = _engine_log_tail(prepared.run_dir)
-            if tail and not json_output and not read_failures(prepared.run_dir, since_unix=started - 1.0):
-                err_console.print(tail, highlight=False, markup=False)
-            raise _failure(prepared, started, progress, watch)
+            raise _failure(prepared, started, progress, watch, log_tail=not json_output)
         # torchrun signalled directly reports the signal as an error although every rank stopped cleanly
         err_console.print(
             f"the launcher exited with code {exit_code} (it was signalled), but every rank stopped cleanly "
@@ -287,12 +284,19 @@ def _launch(
         )
 
 
-def _failure(prepared: PreparedLaunch, started: float, progress: str, watch: StallWatch) -> LaunchError:
+def _failure(
+    prepared: PreparedLaunch, started: float, progress: str, watch: StallWatch, *, log_tail: bool = False
+) -> LaunchError:
     """The error for a job that failed or was ended: first the ranks that went silent (the ones
-    their peers waited for), then what the ranks' own failure records say."""
+    their peers waited for), then what the ranks' own failure records say; with `log_tail` and no
+    record, the engine log's last lines go to stderr first."""
     run_dir = prepared.run_dir
     logs = f"full traceback in {run_dir / LOGS_DIR / ENGINE_LOG}"
-    failed, advice = failure_report(read_failures(run_dir, since_unix=started - 1.0))
+    failures = read_failures(run_dir, since_unix=started - 1.0)
+    tail = _engine_log_tail(run_dir) if log_tail and not failures else ""
+    if tail:
+        err_console.print(tail, highlight=False, markup=False)
+    failed, advice = failure_report(failures)
     silent = watch.lines()
     if silent:
         waited = "; the other ranks waited for it" if len(silent) == 1 else "; the other ranks waited for them"

@@ -37,7 +37,6 @@ from pipectl.artifacts.run import LrSchedule, Precision, TrainingSettings
 from pipectl.errors import UserInputError
 from pipectl.runtime.dsinit import choose_accelerator
 
-DEFAULT_LEARNING_RATE = TrainingSettings().learning_rate
 # Print DeepSpeed's own step log practically never: pipectl writes metrics.jsonl instead.
 STEPS_PER_PRINT = 1_000_000_000
 
