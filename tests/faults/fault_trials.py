@@ -466,6 +466,18 @@ def size_limit_trial(reference: Reference, folder: Path, stop_step: int, limit_k
 IN_USE = "is in use by a running job"
 
 
+def race(argv: list[str], trial: Trial, what: str) -> tuple[list[Launch], list[Launch]]:
+    """The same launch twice at once: (the ones that ran, the ones refused); one of each is right."""
+    started = time.monotonic()
+    procs = [start(argv, launch_env()), start(argv, launch_env())]
+    pair = [finish(proc, argv, started) for proc in procs]
+    winners = [launch for launch in pair if launch.exit_code == 0]
+    refused = [launch for launch in pair if launch.exit_code != 0]
+    if len(winners) != 1:
+        trial.problems.append(f"exit codes {[l.exit_code for l in pair]}: not one {what} and one refusal")
+    return winners, refused
+
+
 def concurrent_trial(reference: Reference, folder: Path, variant: str) -> Trial:
     """Two launches on one run directory.
 
@@ -481,13 +493,7 @@ def concurrent_trial(reference: Reference, folder: Path, variant: str) -> Trial:
     launches: list[Launch] = []
     refused: list[Launch] = []
     if variant == "race":
-        started = time.monotonic()
-        procs = [start(argv, launch_env()), start(argv, launch_env())]
-        pair = [finish(proc, argv, started) for proc in procs]
-        winners = [launch for launch in pair if launch.exit_code == 0]
-        refused = [launch for launch in pair if launch.exit_code != 0]
-        if len(winners) != 1:
-            trial.problems.append(f"exit codes {[l.exit_code for l in pair]}: not one run and one refusal")
+        winners, refused = race(argv, trial, "run")
         launches = refused + winners  # the winner last: it must have finished the run
     elif variant == "during":
         # Rank 0 pauses in step 2 (results unchanged): the job is surely running while a
@@ -510,14 +516,7 @@ def concurrent_trial(reference: Reference, folder: Path, variant: str) -> Trial:
         trial.expected_resume = setup.last_checkpoint_before(trigger["step"])
         trial.fault.update(trigger)
         launches.append(fault_launch(reference, run, trigger_env(folder / "records", trigger)))
-        resume_argv = launch_argv(reference.plan, run, "--resume")
-        started = time.monotonic()
-        procs = [start(resume_argv, launch_env()), start(resume_argv, launch_env())]
-        pair = [finish(proc, resume_argv, started) for proc in procs]
-        winners = [launch for launch in pair if launch.exit_code == 0]
-        refused = [launch for launch in pair if launch.exit_code != 0]
-        if len(winners) != 1:
-            trial.problems.append(f"exit codes {[l.exit_code for l in pair]}: not one resume and one refusal")
+        winners, refused = race(launch_argv(reference.plan, run, "--resume"), trial, "resume")
         launches += refused + winners
     for launch in refused:
         text = " ".join(launch.output.split())
