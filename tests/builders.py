@@ -46,7 +46,7 @@ def plan_of(
     )  # fmt: skip
 
 
-def training_config(layout, *, zero_stage: int = 1, weight_decay: float | None = None, universal: bool = False) -> dict:
+def training_config(layout, *, zero_stage: int = 1, weight_decay: float | None = None) -> dict:
     """The parts of `pipectl launch`'s DeepSpeed config that matter to loss tests: the layout's
     batch keys, AdamW (torch implementation) at lr 3e-3, clipping at 1.0, the ZeRO stage."""
     params: dict = {"lr": 3e-3, "torch_adam": True}
@@ -61,8 +61,6 @@ def training_config(layout, *, zero_stage: int = 1, weight_decay: float | None =
         "optimizer": {"type": "AdamW", "params": params},
         "zero_optimization": {"stage": zero_stage},
     }
-    if universal:
-        config["checkpoint"] = {"load_universal": True}
     return config
 
 

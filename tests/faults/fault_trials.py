@@ -183,15 +183,10 @@ def read_losses(run: Path) -> list[tuple[int, float]]:
 
 
 def final_tensors(run: Path, step: int) -> dict:
-    """Every parameter's fp32 weights and Adam moments in checkpoint `step`, as data."""
-    import torch
+    """Every parameter's fp32 weights and Adam moments in checkpoint `step`, whole, keyed 'name/state'."""
+    from pipectl.runtime.shards import whole_state
 
-    zero = run / "checkpoints" / f"step{step:08d}" / "zero"
-    tensors = {}
-    for path in sorted(zero.glob("*/*.pt")):
-        if path.stem in STATES:
-            tensors[f"{path.parent.name}/{path.stem}"] = torch.load(path, map_location="cpu", weights_only=True)["param"]
-    return tensors
+    return whole_state(run / "checkpoints" / f"step{step:08d}", STATES)
 
 
 def max_relative_difference(found: dict, reference: dict, states: tuple[str, ...] = ("fp32",)) -> float:

@@ -14,9 +14,14 @@ acts:
                 tied-weight and data-parallel gradient reductions, the gradient norm (the peers
                 are inside it or on their way)
     optimizer   an optimizer's `step` is about to run (torch's global pre-hook)
-    save        `torch.save` is about to write a checkpoint file (DeepSpeed's native save on
-                every rank, the universal conversion on rank 0)
+    save        a rank's background writer is about to write its checkpoint file
+    written     a rank's checkpoint file is written and fsynced, its report not yet (a kill
+                here is a kill during a background write: the main thread is training on)
     commit      rank 0 is about to write the manifest of a tag already renamed into place
+
+    save, written and commit happen in the checkpoint's background thread; they are counted at
+    the step the checkpoint holds (the step whose end it was taken at), whatever step the main
+    thread has reached meanwhile.
 
     action      kill: SIGKILL (nothing runs after it); term: SIGTERM (the rank's handler stops
                 it at the next step boundary); enospc: the write raises OSError(ENOSPC) (save
@@ -54,7 +59,7 @@ from pipectl.models import ModelLayers, build_model
 TRIGGER_VARIABLE = "PIPECTL_FAULT_TRIGGER"
 RECORDS_VARIABLE = "PIPECTL_FAULT_RECORDS"
 CENSUS_VARIABLE = "PIPECTL_FAULT_CENSUS"
-POINTS = ("forward", "backward", "allreduce", "optimizer", "save", "commit")
+POINTS = ("forward", "backward", "allreduce", "optimizer", "save", "written", "commit")
 ACTIONS = ("kill", "term", "enospc", "sleep", "stop")
 # Gradient collectives, at the level DeepSpeed calls them (deepspeed.comm) and below (torch).
 _COLLECTIVES = {
@@ -85,14 +90,15 @@ class Probe:
             self.after_optimizer = False
         self.after_backward = False
 
-    def event(self, point: str, path: object = None) -> None:
-        counts = self.counts.setdefault(self.step, {})
+    def event(self, point: str, path: object = None, step: int | None = None) -> None:
+        step = self.step if step is None else step
+        counts = self.counts.setdefault(step, {})
         nth = counts.get(point, 0)
         counts[point] = nth + 1
         if self.census:
             self._write(f"census-rank{self.rank}.json", {"rank": self.rank, "events": self.counts}, sync=False)
         for t in self.triggers:
-            if (t["rank"], t["step"], t["point"], t["nth"]) == (self.rank, self.step, point, nth):
+            if (t["rank"], t["step"], t["point"], t["nth"]) == (self.rank, step, point, nth):
                 self.triggers.remove(t)  # each fires once
                 self.fired.append({**t, "pid": os.getpid(), "time_unix": time.time()})
                 self._write(f"fired-rank{self.rank}.json", {"fired": self.fired})
@@ -126,10 +132,10 @@ PROBE: Probe | None = None
 
 
 def _install(probe: Probe) -> None:
-    """Global hooks: optimizer steps, torch.save, the manifest write, gradient collectives."""
+    """Global hooks: optimizer steps, the rank file's write, the manifest write, gradient collectives."""
     import importlib
 
-    from pipectl.runtime import checkpoint
+    from pipectl.runtime import checkpoint, checkpointer
 
     def before_step(_optimizer, _args, _kwargs):
         probe.event("optimizer")
@@ -146,20 +152,22 @@ def _install(probe: Probe) -> None:
     register_optimizer_step_pre_hook(before_step)  # global: every optimizer of the process
     register_optimizer_step_post_hook(after_step)
 
-    original_save = torch.save
+    original_save = checkpointer.write_rank_file
 
-    def save(obj, f, *args, **kwargs):
-        probe.event("save", f)
-        return original_save(obj, f, *args, **kwargs)
+    def write_rank_file(path, tensors, header):
+        probe.event("save", path, step=header.step)
+        size = original_save(path, tensors, header)
+        probe.event("written", path, step=header.step)
+        return size
 
-    torch.save = save
+    checkpointer.write_rank_file = write_rank_file
 
     original_write = checkpoint.write_json_atomic
 
-    def write_json_atomic(path, *args, **kwargs):
+    def write_json_atomic(path, payload, *args, **kwargs):
         if Path(path).name == checkpoint.MANIFEST_FILE:
-            probe.event("commit", path)
-        return original_write(path, *args, **kwargs)
+            probe.event("commit", path, step=payload.step)
+        return original_write(path, payload, *args, **kwargs)
 
     checkpoint.write_json_atomic = write_json_atomic
 

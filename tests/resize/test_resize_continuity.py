@@ -61,13 +61,12 @@ def losses(run_dir: Path) -> dict[int, float]:
 
 
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    """fp32 weights by parameter name from the newest universal checkpoint (any layout writes the same names)."""
+    """fp32 weights by parameter name from the newest checkpoint, whole (any layout gives the same names)."""
+    from pipectl.runtime.shards import whole_state
+
     info, _ = find_latest_verified(run_dir)
     assert info is not None and info.step == STEPS
-    return {
-        path.parent.name: torch.load(path, weights_only=True)["param"]
-        for path in sorted((info.path / "zero").glob("*/fp32.pt"))
-    }
+    return whole_state(info.path)
 
 
 @pytest.fixture(scope="module")

@@ -15,30 +15,28 @@ import pytest
 
 from pipectl.artifacts.plan import Candidate, Plan
 from pipectl.artifacts.run import CheckpointManifest
-from pipectl.errors import CheckpointError
 from pipectl.runtime import checkpoint as ckpt
 from pipectl.schedule.ir import ScheduleKind
 from builders import plan_of
 
 
-def fake_checkpoint(run_dir: Path, step: int, payload: bytes = b"weights", *, tensors: bool = False) -> Path:
-    """Stage a few files and commit them the way save_checkpoint does after conversion (files
-    torch can load with `tensors`, opaque bytes otherwise)."""
-    root = ckpt.checkpoints_dir(run_dir)
-    staged = root / ckpt.STAGING_DIR / f"{ckpt.tag_for_step(step)}_universal"
-    (staged / "zero" / "0.weight").mkdir(parents=True)
-    contents = {
-        "zero/0.weight/fp32.pt": payload + bytes([step]),
-        "zero/0.weight/exp_avg.pt": b"moments" + bytes([step]),
-        "mp_rank_00_model_states.pt": b"client state",
-    }
-    for relative, data in contents.items():
-        if tensors:
-            import torch
+RANK0, RANK1 = "rank-00000.safetensors", "rank-00001.safetensors"
 
-            torch.save({"param": torch.arange(256.0) * step, "cat_dim": 0}, staged / relative)
-        else:
-            (staged / relative).write_bytes(data)
+
+def fake_checkpoint(run_dir: Path, step: int, payload: float = 1.0) -> Path:
+    """Two small rank files (one parameter, half each), committed the way the checkpointer does."""
+    import torch
+
+    from pipectl.runtime.shards import Fragment, RankHeader, write_rank_file
+
+    root = ckpt.checkpoints_dir(run_dir)
+    staged = root / ckpt.STAGING_DIR / "w1-test" / ckpt.tag_for_step(step)
+    staged.mkdir(parents=True)
+    for rank, name in enumerate((RANK0, RANK1)):
+        fragment = Fragment(name="0.weight", group=0, offset=0, start=4 * rank, numel=4, shape=(8,), stage=0)
+        header = RankHeader(rank=rank, stage=0, step=step, world_size=2, data_parallel_rank=rank, fragments=[fragment])
+        values = torch.full((4,), payload * step)
+        write_rank_file(staged / name, {"group0.fp32": values, "rng.torch": torch.get_rng_state()}, header)
     files = ckpt.hash_tree(staged)
     sizes = {relative: (staged / relative).stat().st_size for relative in files}
     manifest = CheckpointManifest(tag=ckpt.tag_for_step(step), step=step, files=files, file_bytes=sizes, bytes=0)
@@ -74,7 +72,6 @@ def test_committed_checkpoint_verifies_and_latest_points_at_it(tmp_path):
     info = ckpt.verify_checkpoint(path)
     assert info.verified and info.step == 10
     assert (tmp_path / "checkpoints" / "latest").read_text() == "step00000010"
-    assert (tmp_path / "checkpoints" / "latest_universal").read_text() == "step00000010"
     latest, warnings = ckpt.find_latest_verified(tmp_path)
     assert latest.tag == "step00000010" and warnings == []
 
@@ -82,7 +79,7 @@ def test_committed_checkpoint_verifies_and_latest_points_at_it(tmp_path):
 def test_corrupted_file_is_named_and_the_previous_checkpoint_is_used(tmp_path):
     fake_checkpoint(tmp_path, 5)
     newest = fake_checkpoint(tmp_path, 10)
-    bad = newest / "zero" / "0.weight" / "fp32.pt"
+    bad = newest / RANK1
     flip_a_byte(bad)
     assert ckpt.verify_checkpoint(newest, hash_files=False).verified  # presence alone cannot tell
     latest, warnings = ckpt.find_latest_verified(tmp_path)
@@ -92,16 +89,17 @@ def test_corrupted_file_is_named_and_the_previous_checkpoint_is_used(tmp_path):
 
 def test_a_truncated_file_shows_without_hashing(tmp_path):
     newest = fake_checkpoint(tmp_path, 10)
-    bad = newest / "zero" / "0.weight" / "fp32.pt"
+    bad = newest / RANK0
+    size = bad.stat().st_size
     truncate(bad)
     problems = ckpt.verify_checkpoint(newest, hash_files=False).problems
-    assert len(problems) == 1 and f"{bad}: 4 bytes, the manifest records 8 (truncated)" == problems[0]
+    assert len(problems) == 1 and f"{bad}: {size // 2:,} bytes, the manifest records {size:,} (truncated)" == problems[0]
 
 
 def test_a_file_that_verifies_but_does_not_load_falls_back_to_the_previous_checkpoint(tmp_path):
-    fake_checkpoint(tmp_path, 5, tensors=True)
-    newest = fake_checkpoint(tmp_path, 10, tensors=True)
-    relative = "zero/0.weight/exp_avg.pt"
+    fake_checkpoint(tmp_path, 5)
+    newest = fake_checkpoint(tmp_path, 10)
+    relative = RANK1
     truncate(newest / relative)
     rehash(newest, relative)
     assert ckpt.verify_checkpoint(newest).verified  # hash and size match: only loading can tell
@@ -112,7 +110,7 @@ def test_a_file_that_verifies_but_does_not_load_falls_back_to_the_previous_check
     assert len(warnings) == 1 and warnings[0].startswith(f"checkpoint step 10 could not be loaded ({newest / relative}: ")
     planted = plant(newest, relative, tmp_path / "payload-ran")  # a pickle that runs code: refused too
     latest, warnings = ckpt.find_latest_verified(tmp_path, load_check=True)
-    assert latest.step == 5 and f"{planted}: refused to load: it holds more than data" in warnings[0]
+    assert latest.step == 5 and f"{planted}: not a pipectl rank file" in warnings[0]
     assert not (tmp_path / "payload-ran").exists()
 
 
@@ -121,7 +119,7 @@ def test_missing_manifest_missing_file_and_stray_file_are_problems(tmp_path):
     second = fake_checkpoint(tmp_path, 2)
     third = fake_checkpoint(tmp_path, 3)
     (first / "manifest.json").unlink()  # a save interrupted before its manifest
-    (second / "mp_rank_00_model_states.pt").unlink()
+    (second / RANK0).unlink()
     (third / "extra.pt").write_bytes(b"?")
     assert "no manifest" in ckpt.verify_checkpoint(first).problems[0]
     assert "missing" in ckpt.verify_checkpoint(second).problems[0]
@@ -139,23 +137,14 @@ def test_prune_keeps_the_newest_verified_and_drops_stale_incomplete(tmp_path):
 
 
 def test_recommitting_a_step_replaces_it(tmp_path):
-    fake_checkpoint(tmp_path, 7, payload=b"old")
-    path = fake_checkpoint(tmp_path, 7, payload=b"new")
-    assert (path / "zero" / "0.weight" / "fp32.pt").read_bytes().startswith(b"new")
+    import torch
+
+    from pipectl.runtime.shards import ShardReader
+
+    fake_checkpoint(tmp_path, 7, payload=1.0)
+    path = fake_checkpoint(tmp_path, 7, payload=2.0)
+    assert torch.equal(ShardReader(path).whole("0.weight"), torch.full((8,), 14.0))
     assert ckpt.verify_checkpoint(path).verified
-
-
-def test_failed_conversion_raises_checkpoint_error_and_commits_nothing(tmp_path):
-    class EngineThatSavesNothing:
-        module = None
-
-        def save_checkpoint(self, save_dir, tag, client_state, save_latest):
-            Path(save_dir, tag).mkdir(parents=True)
-
-    with pytest.raises(CheckpointError, match="step00000003 failed on rank 0"):
-        ckpt.save_checkpoint(EngineThatSavesNothing(), tmp_path, 3)
-    assert ckpt.list_checkpoints(tmp_path) == []
-    assert not (tmp_path / "checkpoints" / "latest").exists()
 
 
 def test_sigterm_sets_the_stop_flag_and_a_stop_file_does_too(tmp_path):
@@ -228,7 +217,7 @@ def test_p2_checkpoint_continues_exactly_in_p1_past_a_corrupted_newer_checkpoint
 
     def prepare(run_dir: Path) -> None:
         copy_checkpoints(source, ["step00000004", "step00000008"])(run_dir)
-        corrupted.append(next((run_dir / "checkpoints" / "step00000008" / "zero").rglob("fp32.pt")))
+        corrupted.append(run_dir / "checkpoints" / "step00000008" / RANK1)
         flip_a_byte(corrupted[0])
 
     losses = launch(plan_for(1, [(0, 9)]), run, steps=8, prepare=prepare)
@@ -268,7 +257,7 @@ def test_a_copied_checkpoint_folder_or_an_edited_tag_is_not_verified(tmp_path):
     assert latest.tag == "step00000004" and latest.path == older
 
 
-@pytest.mark.parametrize("key", ["/etc/passwd", "../step00000004/zero/0.weight/fp32.pt", "zero/../../x.pt", ""])
+@pytest.mark.parametrize("key", ["/etc/passwd", f"../step00000004/{RANK0}", "zero/../../x.pt", ""])
 def test_a_manifest_naming_files_outside_its_folder_is_unreadable(tmp_path, key):
     newest = fake_checkpoint(tmp_path, 8)
     data = CheckpointManifest.model_validate_json((newest / "manifest.json").read_text()).model_dump(mode="json")
@@ -281,8 +270,8 @@ def test_a_manifest_naming_files_outside_its_folder_is_unreadable(tmp_path, key)
 def test_a_linked_file_is_not_a_checkpoints_own(tmp_path):
     older = fake_checkpoint(tmp_path, 4)
     newest = fake_checkpoint(tmp_path, 8)
-    target = newest / "mp_rank_00_model_states.pt"
-    outside = tmp_path / "elsewhere.pt"
+    target = newest / RANK0
+    outside = tmp_path / "elsewhere.safetensors"
     outside.write_bytes(target.read_bytes())  # the same bytes: the hash alone would pass
     target.unlink()
     target.symlink_to(outside)
@@ -313,17 +302,22 @@ def plant(tag_dir: Path, relative: str, marker: Path) -> Path:
 
 
 def test_a_planted_pickle_is_refused_naming_the_file_and_runs_nothing(tmp_path):
-    import torch
-
     tag_dir = fake_checkpoint(tmp_path, 4)
     marker = tmp_path / "payload-ran"
-    planted = plant(tag_dir, "mp_rank_00_model_states.pt", marker)
-    assert ckpt.verify_checkpoint(tag_dir).verified  # the hash matches: only the load can refuse it
-    with pytest.raises(CheckpointError, match=f"{planted}: refused to load: it holds more than data"):
-        with ckpt.data_only_loads():
-            torch.load(planted, weights_only=False)  # what DeepSpeed asks for
+    planted = plant(tag_dir, RANK0, marker)
+    info = ckpt.verify_checkpoint(tag_dir)
+    assert info.verified  # the hash matches: only the load can refuse it
+    assert ckpt.unloadable_problem(info).startswith(f"{planted}: not a pipectl rank file")
     assert not marker.exists()
-    assert torch.load is not None and torch.load.__name__ == "load"  # restored afterwards
+
+
+def test_a_checkpoint_of_an_earlier_format_is_listed_but_not_loaded(tmp_path):
+    tag_dir = fake_checkpoint(tmp_path, 4)
+    manifest = CheckpointManifest.model_validate_json((tag_dir / "manifest.json").read_text())
+    (tag_dir / "manifest.json").write_text(manifest.model_copy(update={"format": "deepspeed-universal"}).model_dump_json())
+    info = ckpt.verify_checkpoint(tag_dir)
+    assert info.verified
+    assert "written in the deepspeed-universal format of an earlier pipectl" in ckpt.unloadable_problem(info)
 
 
 @pytest.mark.multiprocess
@@ -335,8 +329,8 @@ def test_resume_refuses_a_planted_pickle_and_runs_nothing(reference_run, tmp_pat
     marker = tmp_path / "payload-ran"
     prepared = prepare_launch(plan_for(2, [(0, 4), (4, 9)]), run, LaunchOptions(steps=8))
     copy_checkpoints(source, ["step00000004"])(run)
-    planted = plant(run / "checkpoints" / "step00000004", "mp_rank_00_model_states.pt", marker)
+    planted = plant(run / "checkpoints" / "step00000004", RANK1, marker)
     assert run_engine(prepared.command, prepared.run_dir, timeout_seconds=240) != 0
     assert not marker.exists()
     log = (run / "logs" / "engine.log").read_text()
-    assert f"{planted}: refused to load: it holds more than data" in log
+    assert f"{planted}: not a pipectl rank file" in log

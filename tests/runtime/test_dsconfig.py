@@ -57,10 +57,9 @@ def test_batch_numbers_follow_the_plan_and_deepspeed_accepts_them(p, d, b, m):
     assert (parsed.train_batch_size, parsed.gradient_accumulation_steps) == (b * m * d, m)
 
 
-def test_universal_checkpoint_prerequisites_are_always_set():
+def test_checkpoint_prerequisites_are_always_set():
     config = deepspeed_config(make_candidate())
-    assert config["zero_optimization"]["stage"] == 1  # ZeRO-0 checkpoints cannot become universal
-    assert config["checkpoint"]["load_universal"] is True
+    assert config["zero_optimization"]["stage"] == 1  # checkpoints hold ZeRO-1's optimizer partitions
     assert config["optimizer"]["params"]["torch_adam"] is True
     assert "bf16" not in config
     assert deepspeed_config(make_candidate(), precision=Precision.BF16)["bf16"] == {"enabled": True}
@@ -206,7 +205,6 @@ def test_an_overlay_is_merged_section_by_section_and_validated_by_deepspeed(tmp_
         ({"zero_optimization": {"stage": 3}}, "zero_optimization.stage"),
         ({"bf16": {"enabled": True}}, "bf16.enabled"),
         ({"fp16": {"enabled": True}}, "fp16.enabled"),
-        ({"checkpoint": {"load_universal": False}}, "checkpoint.load_universal"),
     ],
 )
 def test_an_overlay_cannot_set_what_the_plan_owns(overlay, key):

@@ -19,9 +19,8 @@ from pipectl.artifacts.profile import ModelProfile
 from pipectl.schedule.ir import ScheduleKind
 
 
-# The ZeRO stages pipectl's runtime trains with: 1 only, the stage whose DeepSpeed universal
-# checkpoints re-cut optimizer state for a resize (stages 2 and 3 DeepSpeed's pipeline engine
-# rejects). A candidate with another stage is planned for comparison only.
+# The ZeRO stages pipectl's runtime trains with: 1 only, the stage whose optimizer partitions its
+# checkpoints hold and re-cut for a resize (stages 2 and 3 DeepSpeed's pipeline engine rejects). A candidate with another stage is planned for comparison only.
 RUNTIME_ZERO_STAGES = (1,)
 
 
@@ -58,8 +57,8 @@ class PlanRequest(Strict):
     allow_recompute: bool = True
     zero_stages: list[int] = Field(
         default_factory=lambda: [1],
-        description="ZeRO stages to try. pipectl's runtime trains with ZeRO-1 (its universal checkpoints "
-        "re-cut optimizer state for resize); 0 is a planner-only analysis (with for_deepspeed off).",
+        description="ZeRO stages to try. pipectl's runtime trains with ZeRO-1 (its checkpoints hold "
+        "and re-cut ZeRO-1's optimizer partitions); 0 is a planner-only analysis (with for_deepspeed off).",
     )
     memory_headroom: float = Field(
         default=0.05, ge=0, lt=1,

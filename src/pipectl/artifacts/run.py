@@ -9,7 +9,7 @@ A run directory `runs/NAME/` holds everything one training job needs and produce
     launch.sh          the exact command that was (or would be) run
     hostfile           deepspeed engine only;  job.sbatch: slurm engine only
     metrics.jsonl      one StepMetrics line per optimizer step (rank 0 writes it)
-    checkpoints/       TAG/ (DeepSpeed universal checkpoint + manifest.json, written last), latest
+    checkpoints/       TAG/ (a safetensors file per rank + manifest.json, written last), latest
     schedule_rank{R}.txt  the compute order rank R executed
     logs/              engine and per-rank output; failure-rank{R}.json (`RankFailure`) when rank R
                        failed (the traceback itself stays in the engine log); resume.json
@@ -283,7 +283,11 @@ class CheckpointManifest(Artifact):
     schema_version: Literal[1] = 1
     tag: str = Field(description="Checkpoint tag (its directory name).")
     step: int = Field(ge=0, description="Optimizer steps completed when it was taken.")
-    format: Literal["deepspeed-universal"] = "deepspeed-universal"
+    format: Literal["pipectl-shards", "deepspeed-universal"] = Field(
+        default="pipectl-shards",
+        description="'pipectl-shards': a safetensors file per rank (runtime/shards.py); 'deepspeed-universal': "
+        "written by an earlier pipectl, listed and verified but not loaded.",
+    )
     layout: Layout | None = Field(default=None, description="The layout that wrote it (degrees, cut, schedule).")
     data_position: dict[str, int] = Field(
         default_factory=dict, description="Where the data order stands (e.g. samples consumed)."
@@ -296,7 +300,10 @@ class CheckpointManifest(Artifact):
     )
     bytes: int = Field(ge=0, description="Total size of the files.")
     time_unix: float = Field(default=0.0)
-    save_seconds: float = Field(default=0.0, ge=0, description="Save + convert + hash wall time.")
+    save_seconds: float = Field(default=0.0, ge=0, description="From the snapshot to the commit, wall time.")
+    stall_seconds: float = Field(
+        default=0.0, ge=0, description="How long training paused for it (rank 0: the copy to host memory)."
+    )
 
     @field_validator("tag")
     @classmethod
@@ -323,6 +330,24 @@ class CheckpointManifest(Artifact):
             if size < 0:
                 raise ValueError(f"file_bytes of {relative!r} is negative ({size})")
         return self
+
+
+class CheckpointOutcome(str, Enum):
+    COMMITTED = "committed"
+    FAILED = "failed"  # a rank could not write its file, or the commit failed: nothing committed
+    SKIPPED = "skipped"  # not started: too little free space (training went on)
+
+
+class CheckpointEvent(Strict):
+    """One line of RUN/logs/checkpoints.jsonl (rank 0): what became of each checkpoint."""
+
+    step: int = Field(ge=0)
+    outcome: CheckpointOutcome
+    message: str = Field(default="", description="Why it failed or was skipped; empty when committed.")
+    stall_seconds: float = Field(default=0.0, ge=0, description="Training paused (rank 0).")
+    write_seconds: float = Field(default=0.0, ge=0, description="Background write, hash and commit.")
+    bytes: int = Field(default=0, ge=0)
+    time_unix: float = 0.0
 
 
 class ResumeRecord(Artifact):

@@ -12,7 +12,16 @@ from pydantic import ValidationError
 
 from pipectl.artifacts.cluster import SlurmSpec
 from pipectl.artifacts.plan import Plan
-from pipectl.artifacts.run import LOGS_DIR, DataKind, DataSpec, ElasticRange, Engine, LrSchedule, Precision
+from pipectl.artifacts.run import (
+    LOGS_DIR,
+    CheckpointOutcome,
+    DataKind,
+    DataSpec,
+    ElasticRange,
+    Engine,
+    LrSchedule,
+    Precision,
+)
 from pipectl.cli.context import JsonFlag, console, err_console, print_json, training_progress
 from pipectl.errors import LaunchError, UserInputError
 from pipectl.io import load_model, read_mapping, validation_message
@@ -20,6 +29,7 @@ from pipectl.launch import TRAINING_DEFAULTS, LaunchOptions, PreparedLaunch, pre
 from pipectl.launch.engines import ENGINE_LOG, JobEnded
 from pipectl.launch.rundir import is_run_dir, run_files, run_status
 from pipectl.report.run_tables import failure_report, status_table
+from pipectl.runtime.checkpoint import read_events
 from pipectl.runtime.failure import read_failures, read_resume, resume_lines
 from pipectl.runtime.liveness import StallWatch, job_collective_timeout_seconds, read_heartbeats, stopped_cleanly
 from pipectl.runtime.metrics import MetricsTail
@@ -314,10 +324,13 @@ def _run_with_progress(
     total = prepared.job.steps
     tail = MetricsTail(prepared.run_dir)
     reported = []
+    checkpoints_seen = len(read_events(prepared.run_dir))
     with training_progress(quiet=quiet) as progress:
         task = progress.add_task(f"training {prepared.run_dir.name}", total=total, stats="starting ranks…")
 
-        def tick() -> str | None:
+        def report() -> None:
+            """Where the ranks resumed (once), and each checkpoint that did not commit."""
+            nonlocal checkpoints_seen
             if not reported:
                 resumed = read_resume(prepared.run_dir, since_unix=since_unix)
                 if resumed is not None:
@@ -327,6 +340,14 @@ def _run_with_progress(
                             err_console.print(line, style="yellow", highlight=False, markup=False, soft_wrap=True)
                         elif not quiet:
                             progress.console.print(line, style="dim", highlight=False, markup=False)
+            events = read_events(prepared.run_dir)
+            for event in events[checkpoints_seen:]:  # training went on without it
+                if event.outcome is not CheckpointOutcome.COMMITTED:
+                    err_console.print(event.message, style="yellow", highlight=False, markup=False, soft_wrap=True)
+            checkpoints_seen = len(events)
+
+        def tick() -> str | None:
+            report()
             last = tail.latest()
             if last is not None:
                 stats = f"loss {last.loss:.4f}  {last.samples_per_second:.1f} samples/s"
@@ -336,6 +357,9 @@ def _run_with_progress(
         def say(line: str) -> None:
             err_console.print(line, style="yellow", highlight=False, markup=False)
 
-        return run_engine(
-            prepared.command, prepared.run_dir, on_tick=tick, timeout_seconds=timeout, lock=prepared.lock, say=say
-        )
+        try:
+            return run_engine(
+                prepared.command, prepared.run_dir, on_tick=tick, timeout_seconds=timeout, lock=prepared.lock, say=say
+            )
+        finally:
+            report()  # what the job wrote after the last tick (a short job may end before the first)

@@ -99,7 +99,7 @@ def plan_command(
         typer.Option(
             "--zero-stages",
             help="ZeRO stages to try (0,1). Default 1: pipectl trains with ZeRO-1, the stage whose "
-            "universal checkpoints re-cut optimizer state for resize; ZeRO-0 candidates are planner-only.",
+            "optimizer partitions its checkpoints hold and re-cut for resize; ZeRO-0 candidates are planner-only.",
         ),
     ] = "1",
     memory_headroom: Annotated[

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from pipectl.artifacts.cluster import SlurmSpec
-from pipectl.artifacts.run import HOSTFILE, LOGS_DIR, SBATCH_FILE, SLURM_JOB_ID_FILE, Engine, JobSpec
+from pipectl.artifacts.run import HOSTFILE, LOGS_DIR, RESUME_FILE, SBATCH_FILE, SLURM_JOB_ID_FILE, Engine, JobSpec
 from pipectl.errors import LaunchError, UserInputError
 from pipectl.launch.processes import WORKER_MODULE, JobProcesses
 from pipectl.paths import MODEL_PATH_VARIABLE
@@ -367,6 +367,9 @@ def run_engine(
         raise LaunchError(f"the {command.engine.value} engine is not run by pipectl; {command.submit_hint}")
     logs = Path(run_dir) / LOGS_DIR
     logs.mkdir(parents=True, exist_ok=True)
+    # Where a job resumed is its own record: the previous job's, written maybe a moment ago, must
+    # not be taken for it (the readers' time filter allows for clock skew between nodes).
+    (logs / RESUME_FILE).unlink(missing_ok=True)
     env = {**os.environ, **command.env}
     with (logs / ENGINE_LOG).open("ab") as log_handle:
         try:

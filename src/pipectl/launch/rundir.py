@@ -28,6 +28,8 @@ from typing import Any
 from pipectl.artifacts.plan import Plan
 from pipectl.artifacts.run import (
     CHECKPOINTS_DIR,
+    CheckpointEvent,
+    CheckpointOutcome,
     DS_CONFIG_FILE,
     JOB_FILE,
     LAUNCH_SCRIPT,
@@ -41,7 +43,7 @@ from pipectl.io import load_model, read_mapping, write_json_atomic
 from pipectl.launch.engines import LaunchCommand, launch_script
 from pipectl.launch.processes import find_run_processes
 from pipectl.planfile import copy_plan
-from pipectl.runtime.checkpoint import list_checkpoints, staging_leftovers
+from pipectl.runtime.checkpoint import list_checkpoints, read_events, staging_leftovers
 from pipectl.runtime.metrics import PredictionSummary, prediction_summary, read_metrics
 
 
@@ -284,6 +286,7 @@ class RunStatus:
     checkpoints: list[CheckpointStatus]
     layouts: list[str]  # distinct layouts seen in metrics, in order (resizes show up here)
     staging: list[Path] = field(default_factory=list)  # checkpoints/.staging: saves running, or left by dead ones
+    checkpoint_events: list[CheckpointEvent] = field(default_factory=list)  # logs/checkpoints.jsonl
 
     @property
     def steps_done(self) -> int:
@@ -294,8 +297,20 @@ class RunStatus:
         return self.metrics[-1].loss if self.metrics else None
 
     @property
-    def finished(self) -> bool:
+    def trained(self) -> bool:
+        """Every step trained (its final checkpoint may still be missing)."""
         return self.steps_done >= self.job.steps
+
+    @property
+    def finished(self) -> bool:
+        """Every step trained AND a verified checkpoint holds the last one."""
+        return self.trained and any(c.verified and (c.step or 0) >= self.job.steps for c in self.checkpoints)
+
+    @property
+    def checkpoint_problem(self) -> str | None:
+        """Why the newest checkpoint attempt did not commit (failed or skipped), or None."""
+        last = self.checkpoint_events[-1] if self.checkpoint_events else None
+        return last.message if last is not None and last.outcome is not CheckpointOutcome.COMMITTED else None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready summary (`pipectl status --json`)."""
@@ -306,6 +321,12 @@ class RunStatus:
             "steps_done": self.steps_done,
             "steps": self.job.steps,
             "finished": self.finished,
+            "trained": self.trained,
+            "checkpoint_problem": self.checkpoint_problem,
+            "last_checkpoint_stall_seconds": next(
+                (e.stall_seconds for e in reversed(self.checkpoint_events) if e.outcome is CheckpointOutcome.COMMITTED),
+                None,
+            ),
             "last_loss": self.last_loss,
             "first_loss": self.metrics[0].loss if self.metrics else None,
             "samples_per_second": self.metrics[-1].samples_per_second if self.metrics else None,
@@ -352,4 +373,5 @@ def run_status(run_dir: str | os.PathLike[str], *, verify_hashes: bool = False) 
         checkpoints=checkpoints,
         layouts=layouts,
         staging=staging_leftovers(files.path),
+        checkpoint_events=read_events(files.path),
     )

@@ -20,9 +20,9 @@ from the RNG state its layer spec seeded, then keeps its rank's slices. So t=2 s
 t=1 weights and gives the t=1 losses (up to summation order).
 
 Checkpoints do not depend on t either: the split block names its parameters like the unsplit one
-(`qkv.weight` holds this rank's [q_r; k_r; v_r] rows), and `universal_checkpoint_patterns` /
-`regroup_rank_slices` tell the universal checkpoint how to join the slices into the unsplit
-tensors and cut them again for another t (`pipectl.runtime.checkpoint`).
+(`qkv.weight` holds this rank's [q_r; k_r; v_r] rows), and each slice carries its `TensorSplit`,
+which a checkpoint records to join the slices into the unsplit tensors and cut them again for
+another t (`pipectl.runtime.shards`).
 
     >>> shard_rows(torch.arange(12.).view(6, 2), parts=3, rank=1).tolist()
     [[4.0, 5.0], [6.0, 7.0]]
@@ -112,6 +112,47 @@ class _ReduceFromTensorGroup(torch.autograd.Function):
         return grad, None
 
 
+@dataclass(frozen=True)
+class TensorSplit:
+    """How tensor parallelism splits a parameter: along `dim`, into t blocks of each of its `parts`
+    sub-parameters (a fused QKV is 3 parts: rank r holds [q_r; k_r; v_r], not a third of [q; k; v]).
+    Checkpoints record it per slice (`pipectl.runtime.shards`): `join` makes the unsplit tensor of
+    the t slices a run wrote, `cut` the slice a rank of another t loads.
+
+    >>> qkv = TensorSplit(dim=0, parts=3)
+    >>> whole = torch.arange(12).view(6, 2)              # rows: q0 q1 k0 k1 v0 v1
+    >>> qkv.cut(whole, tensor_parallel=2, rank=1)[:, 0].tolist()
+    [2, 6, 10]
+    >>> torch.equal(qkv.join([qkv.cut(whole, 2, r) for r in range(2)]), whole)
+    True
+    """
+
+    dim: int
+    parts: int = 1
+
+    def cut(self, whole: torch.Tensor, tensor_parallel: int, rank: int) -> torch.Tensor:
+        if tensor_parallel == 1:
+            return whole
+        size = whole.shape[self.dim]
+        if size % (self.parts * tensor_parallel):
+            raise UserInputError(
+                f"a dimension of {size} does not split into {self.parts} x {tensor_parallel} tensor-parallel blocks"
+            )
+        blocks = [part.chunk(tensor_parallel, dim=self.dim)[rank] for part in whole.chunk(self.parts, dim=self.dim)]
+        return torch.cat(blocks, dim=self.dim)
+
+    def join(self, slices: list[torch.Tensor]) -> torch.Tensor:
+        if len(slices) == 1:
+            return slices[0]
+        pieces = [piece.chunk(self.parts, dim=self.dim) for piece in slices]
+        return torch.cat([pieces[r][part] for part in range(self.parts) for r in range(len(slices))], dim=self.dim)
+
+
+COLUMNS = TensorSplit(dim=0)  # column-parallel: output features (weight rows, bias)
+ROWS = TensorSplit(dim=1)  # row-parallel: input features (weight columns)
+QKV = TensorSplit(dim=0, parts=3)  # q, k and v, each split by heads
+
+
 def shard_rows(tensor: torch.Tensor, parts: int, rank: int) -> torch.Tensor:
     """Rank's contiguous block of rows (dim 0) out of `parts` equal blocks."""
     if tensor.shape[0] % parts:
@@ -120,10 +161,11 @@ def shard_rows(tensor: torch.Tensor, parts: int, rank: int) -> torch.Tensor:
     return tensor[rank * size : (rank + 1) * size]
 
 
-def _sharded(tensor: torch.Tensor) -> nn.Parameter:
+def _sharded(tensor: torch.Tensor, split: TensorSplit) -> nn.Parameter:
     parameter = nn.Parameter(tensor.detach().clone().contiguous())
     # DeepSpeed counts such a parameter on every tensor rank in the gradient norm.
     parameter.tensor_model_parallel = True
+    parameter.tensor_parallel_split = split  # how a checkpoint joins the slices and cuts them again
     return parameter
 
 
@@ -168,25 +210,26 @@ class TensorParallelBlock(nn.Module):
         self.local_heads = heads // t
         self.head_dim = hidden // heads
         # Parameter names and order are those of TransformerBlock (`qkv.weight`, `proj.bias`, ...):
-        # a universal checkpoint stores one folder per name, so the same folder serves every t.
+        # a checkpoint indexes parameters by name, so the same entry serves every t.
         self.ln_attn = full.ln_attn
         # QKV rows are [q; k; v], each head-major: take this rank's heads from each of the three.
         q, k, v = full.qkv.weight.split(hidden)
         qb, kb, vb = full.qkv.bias.split(hidden)
         self.qkv = LinearSlice(
-            _sharded(torch.cat([shard_rows(w, t, rank) for w in (q, k, v)])),
-            _sharded(torch.cat([shard_rows(b, t, rank) for b in (qb, kb, vb)])),
+            _sharded(torch.cat([shard_rows(w, t, rank) for w in (q, k, v)]), QKV),
+            _sharded(torch.cat([shard_rows(b, t, rank) for b in (qb, kb, vb)]), QKV),
         )
         # Row-parallel: the bias is added once, after the reduce, so it stays whole and replicated.
         self.proj = LinearSlice(
-            _sharded(shard_rows(full.proj.weight.t(), t, rank).t()), _replicated(full.proj.bias)
+            _sharded(shard_rows(full.proj.weight.t(), t, rank).t(), ROWS), _replicated(full.proj.bias)
         )
         self.ln_mlp = full.ln_mlp
         self.fc_in = LinearSlice(
-            _sharded(shard_rows(full.fc_in.weight, t, rank)), _sharded(shard_rows(full.fc_in.bias, t, rank))
+            _sharded(shard_rows(full.fc_in.weight, t, rank), COLUMNS),
+            _sharded(shard_rows(full.fc_in.bias, t, rank), COLUMNS),
         )
         self.fc_out = LinearSlice(
-            _sharded(shard_rows(full.fc_out.weight.t(), t, rank).t()), _replicated(full.fc_out.bias)
+            _sharded(shard_rows(full.fc_out.weight.t(), t, rank).t(), ROWS), _replicated(full.fc_out.bias)
         )
 
     def _copy(self, x: torch.Tensor) -> torch.Tensor:
@@ -237,80 +280,3 @@ def shard_model(model: ModelLayers, tensor_group: TensorParallelGroup) -> ModelL
     if not any(layer.module_cls is TensorParallelBlock for layer in layers):
         raise UserInputError(f"model {model.name} has no transformer blocks to split over {tensor_group.size} ranks")
     return replace(model, layers=layers)
-
-
-def block_layer_indices(layer_specs) -> list[int]:
-    """Layer indices of the transformer blocks (plain or tensor-parallel) in a spec list.
-
-    Reads the specs (DeepSpeed LayerSpec `typename`), not built modules, so any stage can describe
-    the whole model.
-    """
-    return [
-        index
-        for index, spec in enumerate(layer_specs)
-        if getattr(spec, "typename", None) in (TransformerBlock, TensorParallelBlock)
-    ]
-
-
-def universal_checkpoint_patterns(block_indices) -> dict[str, Any]:
-    """How DeepSpeed's universal checkpoint merges (at save) and slices (at load) each parameter.
-
-    Keys are DeepSpeed's `universal_checkpoint_info` entries (deepspeed/checkpoint/constants.py),
-    read by `ds_to_universal.merge_tp_slices` when it joins the t slices of a parameter into one
-    tensor and recorded in each merged file (`cat_dim`), which
-    `universal_checkpoint.load_hp_checkpoint_state` reads to cut rank r's slice for the loading t.
-    The same patterns are declared at every t (t=1 included), so any checkpoint can be re-cut:
-
-    - column-parallel `fc_in.weight`/`fc_in.bias`: DeepSpeed's default (concatenate on dim 0);
-    - row-parallel `proj.weight`, `fc_out.weight`: concatenate on dim 1;
-    - fused `qkv.weight`/`qkv.bias`: the default too, which gives the ranks' [q_r; k_r; v_r] one
-      after the other; `regroup_rank_slices` then reorders them to [q; k; v] (see there);
-    - everything else (LayerNorms, the row-parallel biases added after the reduce, embeddings, the
-      head) is whole on every tensor rank: averaged over the t copies. The copies are bitwise
-      equal in our runs; the average keeps a save from failing if they ever differ by rounding.
-
-    >>> import re
-    >>> info = universal_checkpoint_patterns([1, 2])
-    >>> row, = info["parameter_with_row_parallelism_patterns"]
-    >>> [bool(re.match(row, name)) for name in ("2.proj.weight", "2.proj.bias", "3.proj.weight")]
-    [True, False, False]
-    """
-    # DeepSpeed only when a checkpoint is saved: profiling and planning never import it
-    from deepspeed.checkpoint.constants import PARAMETER_TO_AVERAGE_PATTERNS, PARAMETER_WITH_ROW_PARALLELISM_PATTERNS
-
-    if not block_indices:
-        return {}
-    every_block = "|".join(str(index) for index in sorted(block_indices))
-    split = r"(?:qkv|fc_in)\.(?:weight|bias)|(?:proj|fc_out)\.weight"
-    return {
-        PARAMETER_WITH_ROW_PARALLELISM_PATTERNS: [rf"^(?:{every_block})\.(?:proj|fc_out)\.weight$"],
-        PARAMETER_TO_AVERAGE_PATTERNS: [rf"^(?!(?:{every_block})\.(?:{split})$)"],
-    }
-
-
-QKV_SUB_PARAMETERS = 3  # q, k, v
-
-
-def qkv_parameter_names(block_indices) -> list[str]:
-    """The fused QKV parameters of the blocks at these layer indices (universal checkpoint names)."""
-    return [f"{index}.qkv.{kind}" for index in sorted(block_indices) for kind in ("weight", "bias")]
-
-
-def regroup_rank_slices(joined: torch.Tensor, tensor_parallel: int) -> torch.Tensor:
-    """Rank slices of a fused QKV joined one after the other -> the unsplit [q; k; v] order.
-
-    Rank r holds [q_r; k_r; v_r] (its heads of each of the three); DeepSpeed's converter joins the
-    ranks' slices on dim 0. Its loader can cut [q; k; v] for any t when the file says the tensor
-    holds 3 sub-parameters (`param_n_sub_params`: each third is cut into t blocks), but its
-    converter builds that order only for 2 sub-parameters, and the general sub-parameter record it
-    offers for more is a pickled class that `torch.load(weights_only=True)` refuses. So pipectl
-    reorders the joined tensor itself. Two ranks, one row per q/k/v head block:
-
-    >>> regroup_rank_slices(torch.tensor([0, 10, 20, 1, 11, 21]), tensor_parallel=2).tolist()
-    [0, 1, 10, 11, 20, 21]
-    """
-    rows = joined.shape[0]
-    if rows % (tensor_parallel * QKV_SUB_PARAMETERS):
-        raise UserInputError(f"{rows} QKV rows do not split into 3 x {tensor_parallel} blocks")
-    blocks = joined.reshape(tensor_parallel, QKV_SUB_PARAMETERS, rows // (tensor_parallel * QKV_SUB_PARAMETERS), -1)
-    return blocks.transpose(0, 1).reshape(joined.shape)

@@ -16,7 +16,7 @@ from rich.text import Text
 
 from pipectl.artifacts.layout import layout_label
 from pipectl.artifacts.morph import MorphRecord
-from pipectl.artifacts.run import RankFailure
+from pipectl.artifacts.run import CheckpointOutcome, RankFailure
 from pipectl.launch.rundir import RunStatus
 from pipectl.report.tables import format_bytes
 from pipectl.resize.morph import ResizeDecision
@@ -35,7 +35,12 @@ def status_table(status: RunStatus) -> Group:
     summary = Table(box=box.SIMPLE, show_header=False, title=f"run {status.path.name}", title_justify="left")
     summary.add_column(style="bold")
     summary.add_column()
-    state = "finished" if status.finished else ("not started" if not status.metrics else "in progress / stopped")
+    if status.finished:
+        state = "finished"
+    elif status.trained:
+        state = "trained, but no checkpoint holds the last step: resume to write it"
+    else:
+        state = "not started" if not status.metrics else "in progress / stopped"
     summary.add_row("model", status.job.model)
     summary.add_row("engine", f"{status.job.engine.value}, {count(status.job.world_size, 'rank')}")
     summary.add_row("progress", f"{status.steps_done} / {count(status.job.steps, 'step')} ({state})")
@@ -45,6 +50,16 @@ def status_table(status: RunStatus) -> Group:
         summary.add_row("throughput", f"{last.samples_per_second:.1f} samples/s (last step)")
     if status.layouts:
         summary.add_row("layout" if len(status.layouts) == 1 else "layouts", " -> ".join(status.layouts))
+    committed = [e for e in status.checkpoint_events if e.outcome is CheckpointOutcome.COMMITTED]
+    if committed:
+        last = committed[-1]
+        summary.add_row(
+            "checkpointing",
+            f"step {last.step}: training paused {last.stall_seconds:.2f} s, written in the background in "
+            f"{last.write_seconds:.1f} s ({format_bytes(last.bytes)})",
+        )
+    if status.checkpoint_problem:
+        summary.add_row("last checkpoint", Text(status.checkpoint_problem, style="yellow"))
     prediction = status.prediction
     if prediction is not None:
         summary.add_row(
@@ -66,7 +81,7 @@ def status_table(status: RunStatus) -> Group:
             table.add_column(column)
         for ckpt in status.checkpoints:
             state = Text("ok", style="green") if ckpt.verified else Text("; ".join(ckpt.problems), style="red")
-            table.add_row(ckpt.tag, str(ckpt.step if ckpt.step is not None else "?"), state, f"{ckpt.bytes / 1024:.0f} KiB")
+            table.add_row(ckpt.tag, str(ckpt.step if ckpt.step is not None else "?"), state, format_bytes(ckpt.bytes))
         parts.append(table)
     if status.staging:
         parts.append(Text(

@@ -11,9 +11,10 @@
    launch part's validated config for it) and job.json (world size, schedule, total steps);
 4. append a morph record to RUN/morphs.jsonl and relaunch with the same engine. The worker loads
    the newest verified checkpoint that loads (the record's `resume_step` is then corrected to the
-   step the ranks report in RUN/logs/resume.json, should they have fallen back past one): a DeepSpeed universal checkpoint, stored per parameter name,
-   which DeepSpeed re-cuts into the new stages with the Adam state; RNG and data position come
-   from the checkpoint's client state, and the data order depends on (seed, step, B) only;
+   step the ranks report in RUN/logs/resume.json, should they have fallen back past one): each
+   rank reads its new stage's parameters and Adam state out of the old layout's rank files
+   (`runtime/shards.py`); RNG and data position come from the files' headers, and the data order
+   depends on (seed, step, B) only;
 5. the record's downtime (request -> first step completed on the new layout) is filled in as
    soon as metrics.jsonl shows that step.
 

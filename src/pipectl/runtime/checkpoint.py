@@ -1,66 +1,49 @@
 """Atomic, checksummed checkpoints that any later layout can load: weights AND optimizer state.
 
-DeepSpeed's native pipeline checkpoint cannot re-cut optimizer state across a different pipeline
-degree, cut or data-parallel degree; its *universal* checkpoint can (measured here, see
-shared/DEEPSPEED-ON-CPU.md): ZeRO stage 1, `ds_to_universal --inject_missing_state`, then load
-with `{"checkpoint": {"load_universal": true}}`. Weights and Adam moments are stored per
-parameter name (one folder per parameter under `zero/`), independent of which stage held them.
-The tensor-parallel degree re-cuts too: each save declares how the transformer-block parameters
-are split over tensor ranks (`declare_tensor_parallel_parameters`), the converter joins the slices
-into whole tensors, and a load at any t takes its rank's slice (a t=2 checkpoint resumes at t=1,
-at t=2 x p=2, and a t=1 one at t=2, with the uninterrupted losses).
-pipectl uses that converter and adds what it lacks: atomic commits and checksums.
+A checkpoint is one safetensors file per rank, each holding what that rank held (its fp32 master
+partition, its optimizer state, an index of which parameter pieces they are:
+`pipectl.runtime.shards`), written in the background while training goes on
+(`pipectl.runtime.checkpointer`), and committed by rank 0 when every rank has reported its file
+and hash. A load re-cuts as it reads: each rank assembles the parameters of its own stage and
+tensor slice from whatever layout wrote them (`engine_state.restore`). This module is the store:
+where checkpoints lie, what makes one committed, verification, pruning, and the load.
 
 Layout of RUN/checkpoints/:
 
-    .staging/WRITER/TAG/      DeepSpeed's native save (all ranks write; removed after conversion)
-    .staging/WRITER/TAG_universal/  converter output, hashed, then renamed to TAG/
-                              (WRITER = w<rank 0's pid>-<random>: unique per save, so no two
-                              writers share a temporary name; removed after the commit, or
-                              after a failed save)
-    TAG/                      the universal checkpoint (zero/<param>/{fp32,exp_avg,exp_avg_sq}.pt,
-                              mp_rank_XX_model_states.pt with client state) + manifest.json (LAST)
-    latest, latest_universal  the newest committed tag (written after its manifest)
+    .staging/WRITER/TAG/          the rank files of a save in flight (WRITER = w<rank 0's pid>-
+                                  <random>: unique per job, so no two writers share a name;
+                                  removed by the next job when its writer is dead)
+    .staging/WRITER/TAG.reports/  one JSON per rank: its file's sha256 and size, or its error
+    TAG/                          rank-NNNNN.safetensors ... + manifest.json (written LAST)
+    latest                        the newest committed tag (written after its manifest)
 
-A save, collectively on every rank:
-
-    >>> path = save_checkpoint(engine, run_dir, step=10, client_state={"samples": 80})  # doctest: +SKIP
-    >>> path.name                                                                         # doctest: +SKIP
-    'step00000010'
-
-A load picks the newest tag whose manifest verifies and whose every file reads back as data; a
-corrupted, truncated or foreign file is reported by name and the previous checkpoint is used (rank 0
-decides, every rank loads the same tag):
+A load picks the newest tag whose manifest verifies and whose every file opens as a rank file; a
+corrupted, truncated or foreign file is reported by name and the previous checkpoint is used (rank
+0 decides, every rank loads the same tag):
 
     >>> loaded = load_latest(engine, run_dir)                                             # doctest: +SKIP
-    >>> loaded.step, loaded.client_state["samples"], loaded.warnings                      # doctest: +SKIP
-    (10, 80, [])
+    >>> loaded.step, loaded.data_position, loaded.warnings                                # doctest: +SKIP
+    (10, {'step': 10, 'samples': 80}, [])
 
-DeepSpeed asks to unpickle its own files (`weights_only=False`); pipectl reads them as data only
-(`data_only_loads`), and only from a tag whose every file matches the sha256 recorded when this run
-wrote it.
+Nothing in a checkpoint is executable: safetensors files are raw tensor bytes and a JSON header,
+and only files whose sha256 matches what this run recorded are read.
 """
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import errno
 import logging
 import os
-import random
 import re
 import secrets
 import shutil
 import signal
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable
 
-from pipectl.artifacts.layout import Layout
-from pipectl.artifacts.run import CHECKPOINTS_DIR, LOGS_DIR, MANIFEST_FILE, CheckpointManifest
+from pipectl.artifacts.run import CHECKPOINTS_DIR, LOGS_DIR, MANIFEST_FILE, CheckpointEvent, CheckpointManifest
 from pipectl.errors import CheckpointError
 from pipectl.io import load_model, sha256_file, write_json_atomic
 
@@ -71,10 +54,9 @@ log = logging.getLogger(__name__)
 
 STAGING_DIR = ".staging"
 LATEST_FILE = "latest"
-# DeepSpeed's own pointer for `load_checkpoint(dir)` with load_universal (engine.load_checkpoint).
-DEEPSPEED_LATEST_FILE = "latest_universal"
 STOP_FILE = "stop_requested"  # RUN/stop_requested: stop at the next step boundary (resize)
-PIPECTL_STATE_KEY = "pipectl"
+SHARDS_FORMAT = "pipectl-shards"
+EVENTS_FILE = "checkpoints.jsonl"  # in RUN/logs: one CheckpointEvent per save (rank 0)
 DEFAULT_KEEP = 3
 
 
@@ -164,27 +146,26 @@ def list_checkpoints(run_dir: str | os.PathLike[str], *, hash_files: bool = Fals
 
 
 def unloadable_problem(info: CheckpointInfo) -> str | None:
-    """Why a verified checkpoint's files cannot be read back as data, or None when every one can.
+    """Why a verified checkpoint cannot be read back, or None when it can.
 
-    A file can match its manifest and still not load: a truncated or rewritten file whose hash
-    was recomputed, a pickle that holds more than data. Each file is opened the way the load
-    opens it (`torch.load`, data only), memory-mapped: the archive's structure and every object
-    record are read, the tensor bytes are not. Needs torch.
+    A file can match its manifest and still not load: one rewritten with its hash recomputed, or a
+    checkpoint in a format this version does not read. Every rank file's header is parsed and its
+    tensor table checked against the file's size (memory-mapped: the tensor bytes are not read).
+    Needs torch.
     """
-    import torch
+    from pipectl.runtime.shards import ShardReader
 
     if info.manifest is None:
         return f"{info.path}: no manifest to say which files it holds"
-    with data_only_loads():
-        for relative in sorted(info.manifest.files):
-            path = info.path / relative
-            try:
-                torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-            except CheckpointError as exc:
-                return exc.message
-            except Exception as exc:  # whatever torch raises on a damaged file, named with the file
-                reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-                return f"{path}: {type(exc).__name__}" + (f": {reason}" if reason else "")
+    if info.manifest.format != SHARDS_FORMAT:
+        return (
+            f"{info.path}: written in the {info.manifest.format} format of an earlier pipectl; this version "
+            f"reads its own {SHARDS_FORMAT} files"
+        )
+    try:
+        ShardReader(info.path, info.manifest.files)
+    except CheckpointError as exc:
+        return exc.message
     return None
 
 
@@ -238,73 +219,6 @@ def resume_point(
     return info, warnings
 
 
-# --------------------------------------------------------------------------- RNG state
-
-
-def capture_rng_state() -> dict[str, Any]:
-    """Python, NumPy and torch RNG states as plain data (stored in the checkpoint's client state,
-    which is read back with `weights_only=True`: numbers, strings, tuples, lists and tensors only)."""
-    import numpy as np
-    import torch
-
-    name, keys, position, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
-    numpy_state = (name, [int(k) for k in keys], int(position), int(has_gauss), float(cached_gaussian))
-    return {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
-
-
-def restore_rng_state(state: dict[str, Any]) -> None:
-    import numpy as np
-    import torch
-
-    random.setstate(state["python"])
-    name, keys, position, has_gauss, cached_gaussian = state["numpy"]
-    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), position, has_gauss, cached_gaussian))
-    torch.set_rng_state(state["torch"])
-
-
-# --------------------------------------------------------------------------- data-only loading
-
-
-@contextlib.contextmanager
-def data_only_loads() -> Iterator[None]:
-    """Every `torch.load` inside reads data only (`weights_only=True`), whatever its caller asks.
-
-    DeepSpeed's own loads of checkpoint files ask for `weights_only=False`, which runs any code a
-    pickle names. A checkpoint is data: pipectl's loads go through this, and a file that needs
-    more than tensors, numbers, strings and containers is refused with a `CheckpointError` naming
-    it. (DeepSpeed calls `torch.load` through the module attribute, so swapping it covers them.)
-    """
-    import pickle
-
-    import torch
-    from deepspeed.runtime.fp16.loss_scaler import LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-
-    original = torch.load
-
-    def load(f: Any, *args: Any, **kwargs: Any) -> Any:
-        kwargs["weights_only"] = True
-        try:
-            return original(f, *args, **kwargs)
-        except pickle.UnpicklingError as exc:
-            lines = [line.strip() for line in str(exc).splitlines() if "GLOBAL" in line]
-            reason = lines[0].split(" was not")[0] if lines else type(exc).__name__
-            raise CheckpointError(
-                f"{f}: refused to load: it holds more than data ({reason})",
-                hint="a checkpoint is data; this file was written by something else or tampered with",
-            ) from None
-
-    torch.load = load
-    try:
-        # DeepSpeed's optimizer state names three classes of its own, all plain data (an IntEnum,
-        # a loss scale, a fragment's offset and size), allowed by name; nothing else is.
-        with torch.serialization.safe_globals([LossScaler, ZeroStageEnum, fragment_address]):
-            yield
-    finally:
-        torch.load = original
-
-
 # --------------------------------------------------------------------------- collective helpers
 
 
@@ -330,168 +244,6 @@ def _broadcast_from_rank0(value: Any) -> Any:
 # --------------------------------------------------------------------------- save
 
 
-def convert_to_universal(native_dir: Path, universal_dir: Path, log_path: Path | None = None) -> None:
-    """Run DeepSpeed's `ds_to_universal` in this process (one worker: no process pool).
-
-    Its progress output goes to `log_path` (library code does not print).
-    """
-    from deepspeed.checkpoint import ds_to_universal
-
-    args = argparse.Namespace(
-        input_folder=str(native_dir),
-        output_folder=str(universal_dir),
-        num_extract_workers=1,
-        num_merge_workers=1,
-        keep_temp_folder=False,
-        strict=True,
-        # ZeRO-1 pipeline checkpoints lack some state the converter requires; DeepSpeed's flag
-        # fills it in (without it the conversion fails: shared/DEEPSPEED-ON-CPU.md).
-        inject_missing_state=True,
-    )
-    sink = open(log_path, "a") if log_path else open(os.devnull, "w")
-    with sink, contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink), data_only_loads():
-        ds_to_universal.main(args)
-
-
-def declare_pipeline_replicated_parameters(module: Any) -> list[str]:
-    """Tell DeepSpeed's converter that tied modules held by stage 0 are authoritative there.
-
-    A tied module (GPT's embedding, reused by the head on the last stage) is built on every stage
-    that holds it, but DeepSpeed keeps only its `tied_weight_attr` in sync: the other parameters
-    (the position table) stay at their initial values on the head's stage. The converter merges
-    parameters by name, so without this the stale copy of the last stage overwrote the trained
-    one (measured: step-5 loss 4.99759 instead of 4.99844 after resuming gpt-tiny at p=2).
-    DeepSpeed's own remedy is `pipeline_replicated_parameter_patterns` in the module's
-    `universal_checkpoint_info` (used by Megatron-DeepSpeed): matching parameters are taken from
-    stage 0 only. Returns the patterns set (empty when the module has no tied module on stage 0).
-    """
-    from deepspeed.checkpoint.constants import (
-        PIPELINE_REPLICATED_PARAMETER_PATTERNS,
-        UNIVERSAL_CHECKPOINT_INFO,
-        UNIVERSAL_CHECKPOINT_VERSION_KEY,
-        UNIVERSAL_CHECKPOINT_VERSION_VALUE,
-    )
-    from deepspeed.pipe import TiedLayerSpec
-
-    specs = getattr(module, "_layer_specs", None)
-    parts = getattr(module, "parts", None)
-    if not specs or not parts or len(parts) < 2:
-        return []
-    first_stage_end = parts[1]
-    keys = sorted(
-        {spec.key for index, spec in enumerate(specs[:first_stage_end]) if isinstance(spec, TiedLayerSpec)}
-    )
-    patterns = [rf"^tied_modules\.{re.escape(key)}\." for key in keys]
-    info = dict(getattr(module, UNIVERSAL_CHECKPOINT_INFO, None) or {})
-    info.setdefault(UNIVERSAL_CHECKPOINT_VERSION_KEY, UNIVERSAL_CHECKPOINT_VERSION_VALUE)
-    if patterns:
-        info[PIPELINE_REPLICATED_PARAMETER_PATTERNS] = patterns
-    setattr(module, UNIVERSAL_CHECKPOINT_INFO, info)
-    return patterns
-
-
-def declare_tensor_parallel_parameters(module: Any) -> dict[str, Any]:
-    """Tell DeepSpeed's converter how each transformer-block parameter is split over tensor ranks.
-
-    A universal checkpoint holds every parameter whole (one folder per name); the converter joins
-    the t slices of a checkpoint written at t ranks, and a load at another t cuts this rank's slice
-    again, both by the patterns in the module's `universal_checkpoint_info`
-    (`pipectl.models.tensor_parallel.universal_checkpoint_patterns`). Declared at every t, t=1
-    included: the merged files record how to cut them (`cat_dim`), which is what lets a t=1
-    checkpoint load into t=2. Returns the entries set (empty for a model without transformer
-    blocks, which never runs with t > 1).
-    """
-    from deepspeed.checkpoint.constants import (
-        UNIVERSAL_CHECKPOINT_INFO,
-        UNIVERSAL_CHECKPOINT_VERSION_KEY,
-        UNIVERSAL_CHECKPOINT_VERSION_VALUE,
-    )
-
-    from pipectl.models.tensor_parallel import block_layer_indices, universal_checkpoint_patterns
-
-    entries = universal_checkpoint_patterns(block_layer_indices(getattr(module, "_layer_specs", None) or []))
-    if entries:
-        info = dict(getattr(module, UNIVERSAL_CHECKPOINT_INFO, None) or {})
-        info.setdefault(UNIVERSAL_CHECKPOINT_VERSION_KEY, UNIVERSAL_CHECKPOINT_VERSION_VALUE)
-        info.update(entries)
-        setattr(module, UNIVERSAL_CHECKPOINT_INFO, info)
-    return entries
-
-
-def tensor_parallel_degree(module: Any) -> int:
-    """t of a PipelineModule: the size of its topology's 'model' axis (1 without one)."""
-    topology = getattr(module, "_topo", None)
-    if topology is None or "model" not in topology.get_axis_names():
-        return 1
-    return topology.get_dim("model")
-
-
-def regroup_fused_qkv(zero_dir: Path, parameter_names: list[str], tensor_parallel: int) -> list[Path]:
-    """Rewrite the converter's fused-QKV files in [q; k; v] order, marked as 3 sub-parameters.
-
-    Run once on each fresh conversion of a checkpoint written at `tensor_parallel` ranks (see
-    `pipectl.models.tensor_parallel.regroup_rank_slices` for why). The marks are DeepSpeed's own
-    (`param_n_sub_params` = 3, `cat_dim` = 0): its loader then gives rank r of any t its
-    [q_r; k_r; v_r]. Weights and both Adam moments alike; returns the files rewritten.
-    """
-    import torch
-    from deepspeed.checkpoint.constants import CAT_DIM, PARAM, PARAM_N_SUB_PARAMS
-
-    from pipectl.models.tensor_parallel import QKV_SUB_PARAMETERS, regroup_rank_slices
-
-    rewritten = []
-    for name in parameter_names:
-        for state in ("fp32", "exp_avg", "exp_avg_sq"):
-            path = zero_dir / name / f"{state}.pt"
-            if not path.is_file():  # the converter writes no moments for a parameter never updated
-                continue
-            stored = torch.load(path, map_location="cpu", weights_only=True)
-            stored[PARAM] = regroup_rank_slices(stored[PARAM], tensor_parallel)
-            stored[CAT_DIM] = 0
-            stored[PARAM_N_SUB_PARAMS] = QKV_SUB_PARAMETERS
-            torch.save(stored, path)
-            rewritten.append(path)
-    return rewritten
-
-
-def tensor_slicing_problem(tag_dir: str | os.PathLike[str], module: Any) -> str | None:
-    """Why the checkpoint in `tag_dir` cannot be cut for `module`'s tensor-parallel ranks, or None.
-
-    DeepSpeed cuts a rank's slice by the marks each merged file carries (`cat_dim`,
-    `param_n_sub_params`); a file without them is cut on dim 0 into equal blocks, which for a
-    row-parallel weight or the fused QKV silently gives wrong weights. Checkpoints written before
-    `declare_tensor_parallel_parameters` lack them, and those written by older tensor-parallel
-    blocks used other names (`qkv_weight`). Every block is converted alike, so the first block's
-    two special parameters stand for all of them. With t=1 every parameter loads whole and nothing
-    is cut: only the names are checked.
-    """
-    import torch
-    from deepspeed.checkpoint.constants import CAT_DIM, PARAM_N_SUB_PARAMS
-
-    from pipectl.models.tensor_parallel import QKV_SUB_PARAMETERS, block_layer_indices
-
-    blocks = block_layer_indices(getattr(module, "_layer_specs", None) or [])
-    if not blocks:
-        return None
-    tensor_parallel = tensor_parallel_degree(module)
-    expected = (
-        (f"{blocks[0]}.proj.weight", CAT_DIM, 1),
-        (f"{blocks[0]}.qkv.weight", PARAM_N_SUB_PARAMS, QKV_SUB_PARAMETERS),
-    )
-    for name, key, wanted in expected:
-        path = Path(tag_dir) / "zero" / name / "fp32.pt"
-        if not path.is_file():
-            return f"{path.parent}: missing (checkpoint {Path(tag_dir).name} names the block parameters otherwise)"
-        if tensor_parallel == 1:
-            continue
-        if torch.load(path, map_location="cpu", weights_only=True).get(key) != wanted:
-            return (
-                f"{path}: no record of how {name} is split over tensor-parallel ranks; checkpoint "
-                f"{Path(tag_dir).name} cannot be re-cut for {tensor_parallel} tensor ranks"
-            )
-    return None
-
-
 def commit_tag(root: Path, staged: Path, tag: str, manifest: CheckpointManifest) -> Path:
     """Rename the staged tag into place, then write its manifest, then move the pointers. A step
     already committed with the same files (hashes) is kept as it is and the staged copy dropped."""
@@ -503,8 +255,7 @@ def commit_tag(root: Path, staged: Path, tag: str, manifest: CheckpointManifest)
             # again): keep them. Replacing them would leave no complete copy of this step between
             # moving the old one aside and writing the new one's manifest.
             shutil.rmtree(staged, ignore_errors=True)
-            for pointer in (LATEST_FILE, DEEPSPEED_LATEST_FILE):
-                write_text_atomic(root / pointer, tag)
+            write_text_atomic(root / LATEST_FILE, tag)
             return final
     if final.exists():  # re-saving a step (e.g. after a resume): move the old one aside first
         retired = staged.with_name(f"{tag}_retired")  # beside the staged copy: this writer's own
@@ -513,8 +264,7 @@ def commit_tag(root: Path, staged: Path, tag: str, manifest: CheckpointManifest)
         shutil.rmtree(retired, ignore_errors=True)
     os.replace(staged, final)
     write_json_atomic(final / MANIFEST_FILE, manifest)
-    for pointer in (LATEST_FILE, DEEPSPEED_LATEST_FILE):
-        write_text_atomic(root / pointer, tag)
+    write_text_atomic(root / LATEST_FILE, tag)
     return final
 
 
@@ -572,99 +322,6 @@ def prune_checkpoints(run_dir: str | os.PathLike[str], keep: int) -> list[Path]:
             shutil.rmtree(info.path, ignore_errors=True)
             removed.append(info.path)
     return removed
-
-
-def save_checkpoint(
-    engine: Any,
-    run_dir: str | os.PathLike[str],
-    step: int,
-    client_state: dict[str, Any] | None = None,
-    *,
-    keep: int = DEFAULT_KEEP,
-    layout: Layout | None = None,
-    data_position: dict[str, int] | None = None,
-) -> Path:
-    """Save a checkpoint of `engine` after `step` optimizer steps. Call on EVERY rank, at a step boundary.
-
-    1. every rank: DeepSpeed `save_checkpoint` into `.staging/WRITER/TAG` (native ZeRO-1 layout;
-       WRITER named by rank 0, unique to this save);
-    2. rank 0: convert to a universal checkpoint, drop the native one, hash every file;
-    3. rank 0: rename into `checkpoints/TAG`, write `manifest.json` LAST, then `latest`;
-    4. rank 0: keep the newest `keep`; every rank waits for rank 0's verdict, so a failure on rank 0
-       raises `CheckpointError` everywhere instead of hanging the others.
-
-    `client_state` must hold plain values (numbers, strings, lists, tensors): it is stored in every
-    stage's `mp_rank_XX_model_states.pt` and returned by `load_latest`. pipectl adds its own entry
-    (step, RNG states, data position) under the key "pipectl".
-    """
-    started = time.perf_counter()
-    rank, _ = _rank_and_world()
-    root = checkpoints_dir(run_dir)
-    tag = tag_for_step(step)
-    writer = None
-    if rank == 0:
-        _remove_dead_writers(root / STAGING_DIR)  # left by saves that died
-        writer = root / STAGING_DIR / f"w{os.getpid()}-{secrets.token_hex(4)}"
-        writer.mkdir(parents=True)
-    staging = Path(_broadcast_from_rank0(str(writer)))
-    native = staging / tag
-    universal = staging / f"{tag}_universal"
-    state = dict(client_state or {})
-    state[PIPECTL_STATE_KEY] = {
-        "step": step,
-        "rng": capture_rng_state(),
-        "data_position": dict(data_position or {}),
-    }
-    declare_pipeline_replicated_parameters(engine.module)
-    declare_tensor_parallel_parameters(engine.module)
-    # The broadcast above orders rank 0's clean-up before every rank's writes.
-    try:
-        engine.save_checkpoint(str(staging), tag=tag, client_state=state, save_latest=False)
-    except Exception as exc:  # a full disk, a size limit, a folder made read-only: said plainly
-        shutil.rmtree(staging, ignore_errors=True)  # this save's own temporary folder, every rank alike
-        log.debug("DeepSpeed's save failed", exc_info=True)
-        raise CheckpointError(save_failure_message(exc, run_dir, step), hint=_SAVE_HINT) from exc
-
-    verdict: str | None = None
-    if rank == 0:
-        try:
-            logs = Path(run_dir) / LOGS_DIR
-            logs.mkdir(parents=True, exist_ok=True)
-            convert_to_universal(native, universal, logs / "checkpoint_convert.log")
-            from pipectl.models.tensor_parallel import block_layer_indices, qkv_parameter_names
-
-            specs = getattr(engine.module, "_layer_specs", None) or []
-            regroup_fused_qkv(
-                universal / "zero",
-                qkv_parameter_names(block_layer_indices(specs)),
-                tensor_parallel_degree(engine.module),
-            )
-            shutil.rmtree(native, ignore_errors=True)
-            (staging / DEEPSPEED_LATEST_FILE).unlink(missing_ok=True)  # the converter's own pointer
-            files = hash_tree(universal)
-            sizes = {relative: (universal / relative).stat().st_size for relative in files}
-            manifest = CheckpointManifest(
-                tag=tag,
-                step=step,
-                layout=layout,
-                data_position=dict(data_position or {}),
-                files=files,
-                file_bytes=sizes,
-                bytes=sum(sizes.values()),
-                time_unix=time.time(),
-                save_seconds=time.perf_counter() - started,
-            )
-            commit_tag(root, universal, tag, manifest)
-            shutil.rmtree(staging, ignore_errors=True)
-            prune_checkpoints(run_dir, keep)
-        except Exception as exc:  # reported on every rank below
-            shutil.rmtree(staging, ignore_errors=True)
-            log.exception(f"checkpoint {tag} failed on rank 0")
-            verdict = f"checkpoint {tag} failed on rank 0: " + save_failure_message(exc, run_dir, step)
-    verdict = _broadcast_from_rank0(verdict)
-    if verdict is not None:
-        raise CheckpointError(verdict, hint=_SAVE_HINT)
-    return root / tag
 
 
 _SAVE_HINT = "free space or fix the folder's permissions, then continue with pipectl launch --resume"
@@ -735,6 +392,26 @@ def save_failure_message(exc: BaseException, run_dir: str | os.PathLike[str], st
     return f"writing checkpoint step {step} failed ({type(exc).__name__}" + (f": {first}" if first else "") + f"); {tail}"
 
 
+def record_event(run_dir: str | os.PathLike[str], event: CheckpointEvent) -> None:
+    """Append one line to RUN/logs/checkpoints.jsonl."""
+    path = Path(run_dir) / LOGS_DIR / EVENTS_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as handle:
+        handle.write(event.model_dump_json() + "\n")
+
+
+def read_events(run_dir: str | os.PathLike[str]) -> list[CheckpointEvent]:
+    """Every recorded checkpoint outcome, oldest first (a torn last line is skipped)."""
+    path = Path(run_dir) / LOGS_DIR / EVENTS_FILE
+    events = []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            events.append(CheckpointEvent.model_validate_json(line))
+        except ValueError:
+            continue
+    return events
+
+
 # --------------------------------------------------------------------------- load
 
 
@@ -745,7 +422,6 @@ class LoadedCheckpoint:
     tag: str
     step: int
     path: Path
-    client_state: dict[str, Any]
     data_position: dict[str, int] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
 
@@ -753,21 +429,18 @@ class LoadedCheckpoint:
 def load_latest(
     engine: Any, run_dir: str | os.PathLike[str], *, restore_rng: bool = True
 ) -> LoadedCheckpoint | None:
-    """Load the newest verified checkpoint into `engine` (weights, optimizer state, RNG). EVERY rank.
+    """Load the newest verified checkpoint into `engine` (weights, optimizer state, schedule, RNG),
+    whatever layout wrote it. EVERY rank.
 
     Returns None when the run has no checkpoint (a fresh start). Corrupted newer checkpoints are
     skipped with a warning naming the bad file (in `.warnings`, also logged); when every committed
-    checkpoint is bad, `CheckpointError` lists them (`resume_point`): never a silent restart. The engine must
-    have been created with `{"checkpoint": {"load_universal": true}}` (pipectl's ds_config has it):
-    this is what lets a checkpoint written by another layout load here.
+    checkpoint is bad, `CheckpointError` lists them (`resume_point`): never a silent restart.
     """
-    if not engine.load_universal_checkpoint():
-        raise CheckpointError(
-            "the DeepSpeed config lacks checkpoint.load_universal = true; pipectl checkpoints are universal",
-            hint="regenerate the run's ds_config.json with pipectl launch",
-        )
+    from pipectl.runtime import engine_state
+    from pipectl.runtime.shards import ShardReader
+
     rank, _ = _rank_and_world()
-    choice: tuple[str | None, int | None, list[str], str | None] = (None, None, [], None)
+    choice: tuple[str | None, list[str], str | None, list[str]] = (None, [], None, [])
     if rank == 0:  # one rank hashes; all load the same tag
         info, warnings, problem = None, [], None
         try:
@@ -776,32 +449,20 @@ def load_latest(
             problem = exc.message
         for warning in warnings:
             log.warning(warning)
-        if info is not None:
-            problem = tensor_slicing_problem(info.path, engine.module)
-        choice = (info.tag if info else None, info.step if info else None, warnings, problem)
-    tag, step, warnings, problem = _broadcast_from_rank0(choice)
-    if problem is not None:  # raised on every rank, before any of them enters DeepSpeed's load
-        raise CheckpointError(problem, hint="restore a good checkpoint, start over with --force, or resume "
-                              "with the tensor-parallel degree it was written with")
+        files = sorted(info.manifest.files) if info is not None and info.manifest is not None else []
+        choice = (info.tag if info else None, warnings, problem, files)
+    tag, warnings, problem, files = _broadcast_from_rank0(choice)
+    if problem is not None:  # raised on every rank, before any of them loads
+        raise CheckpointError(problem, hint="restore a good checkpoint, or start over with --force")
     if tag is None:
         return None
-    root = checkpoints_dir(run_dir)
-    with data_only_loads():
-        load_path, client_state = engine.load_checkpoint(
-            str(root), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
-        )
-    if load_path is None:
-        raise CheckpointError(f"DeepSpeed could not load checkpoint {root / tag}")
-    client_state = dict(client_state or {})
-    ours = client_state.pop(PIPECTL_STATE_KEY, {})
-    if restore_rng and "rng" in ours:
-        restore_rng_state(ours["rng"])
+    path = checkpoints_dir(run_dir) / tag
+    header = engine_state.restore(engine, ShardReader(path, files), restore_rng=restore_rng)
     return LoadedCheckpoint(
         tag=tag,
-        step=int(ours.get("step", step)),
-        path=root / tag,
-        client_state=client_state,
-        data_position=dict(ours.get("data_position", {})),
+        step=header.step,
+        path=path,
+        data_position=dict(header.data_position),
         warnings=list(warnings),
     )
 

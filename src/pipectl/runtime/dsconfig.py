@@ -12,15 +12,13 @@ replica runs m micro-batches of b samples and accumulates their gradients, so
     {'train_batch_size': 16, 'train_micro_batch_size_per_gpu': 2, 'gradient_accumulation_steps': 4}
 
 Choices and why:
-- The plan's ZeRO stage, which must be 1 (`RUNTIME_ZERO_STAGES`): DeepSpeed's universal checkpoint,
-  the only way to re-cut optimizer state across layouts, cannot be made from a ZeRO-0 checkpoint,
-  and DeepSpeed's pipeline engine rejects 2 and 3. The planner labels d = 1 candidates ZeRO-1 (they
+- The plan's ZeRO stage, which must be 1 (`RUNTIME_ZERO_STAGES`): pipectl's checkpoints read and
+  write the fp32 partitions of DeepSpeed's ZeRO-1 optimizer (`engine_state`), and DeepSpeed's
+  pipeline engine rejects 2 and 3. The planner labels d = 1 candidates ZeRO-1 (they
   shard nothing; ZeRO-1 gave bit-identical losses to ZeRO-0 there, shared/DEEPSPEED-ON-CPU.md) and
   marks any other stage as not runnable, so a plan and its run never differ silently.
 - `"torch_adam": true`: otherwise DeepSpeed JIT-compiles its fused Adam (101 s on this machine);
   the losses are identical.
-- `checkpoint.load_universal = true`: pipectl's checkpoints are universal ones; the flag is only
-  read when loading.
 - `pipeline.stages`/`partition` are written for the record, but DeepSpeed ignores them (a 2-stage
   module passes with `stages: 4`), so they are checked here against the plan and the runtime passes
   the cut to the PipelineModule itself.
@@ -99,7 +97,6 @@ def deepspeed_config(
             "wall_clock_breakdown": False,
             **training_sections(training or TrainingSettings(), total_steps),
             "zero_optimization": {"stage": candidate.zero_stage},
-            "checkpoint": {"load_universal": True},
             "pipeline": {
                 "stages": candidate.pipeline_parallel,
                 "partition": stage_partition(candidate.stage_layers),
@@ -162,10 +159,10 @@ def training_sections(training: TrainingSettings, total_steps: int | None) -> di
 
 
 # Keys a user's overlay may not set: the plan (batch arithmetic, cut, ZeRO stage, precision) and
-# pipectl's checkpoints (universal ones) own them. A dotted key names a key inside a section.
+# pipectl's checkpoints (ZeRO-1 partitions) own them. A dotted key names a key inside a section.
 PLAN_OWNED_KEYS = (
     "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "pipeline",
-    "zero_optimization.stage", "bf16.enabled", "fp16.enabled", "checkpoint.load_universal",
+    "zero_optimization.stage", "bf16.enabled", "fp16.enabled",
 )  # fmt: skip
 
 
@@ -217,8 +214,8 @@ def check_candidate(candidate: Candidate, *, global_batch: int, layers: int) -> 
         )
     if candidate.zero_stage not in RUNTIME_ZERO_STAGES:
         raise DeepSpeedConfigRejected(
-            f"the plan chose ZeRO stage {candidate.zero_stage}; pipectl trains with ZeRO-1 only (its universal "
-            f"checkpoints re-cut optimizer state for a resize; DeepSpeed's pipeline engine rejects 2 and 3)",
+            f"the plan chose ZeRO stage {candidate.zero_stage}; pipectl trains with ZeRO-1 only (its "
+            f"checkpoints hold ZeRO-1's optimizer partitions; DeepSpeed's pipeline engine rejects 2 and 3)",
             hint="re-plan with --zero-stages 1 (the default)",
         )
     if candidate.chunks != 1 or not candidate.deepspeed_runnable:

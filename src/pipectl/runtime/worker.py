@@ -12,8 +12,9 @@ the chosen layout) and RUN/ds_config.json, then:
    rank 0 records where in RUN/logs/resume.json (`failure.write_resume`) for the terminal;
 5. trains step by step on deterministic data (`data`): step s's samples depend on (seed, s, B) only;
 6. writes one metrics line per step (rank 0; every rank's time and peak memory gathered to it),
-   checkpoints every K steps and at the end, and on SIGTERM or RUN/stop_requested finishes the
-   step, checkpoints and exits 0;
+   checkpoints every K steps and at the end (`checkpointer`: a copy to host memory, then written
+   in the background while training goes on), and on SIGTERM or RUN/stop_requested finishes the
+   step, checkpoints, waits for the checkpoint to commit and exits 0;
 7. writes RUN/schedule_rank{R}.txt: the compute order the rank executed in its last step.
 
 A rank that fails prints its traceback to its log, writes RUN/logs/failure-rank{R}.json (`failure`:
@@ -246,7 +247,9 @@ def train(
 
 
 def _train(job: TrainingJob, on_step: Callable[[StepRecord], None] | None, context: RankContext) -> TrainResult:
-    from pipectl.runtime.data import DeterministicBatches, make_source, replica_slices  # torch, after dsinit
+    # torch, after dsinit
+    from pipectl.runtime.checkpointer import DEFAULT_COMMIT_TIMEOUT_SECONDS, Checkpointer
+    from pipectl.runtime.data import DeterministicBatches, make_source, replica_slices
 
     context.layout = job.layout
     context.predicted_peak_memory_bytes = job.predicted_peak_memory_bytes
@@ -272,6 +275,7 @@ def _train(job: TrainingJob, on_step: Callable[[StepRecord], None] | None, conte
     start_step = 0
     stop_flag = None
     writer = None
+    saver = None
     if job.run_dir is not None:
         context.phase = "loading the checkpoint"
         loaded = checkpoint.load_latest(engine, job.run_dir)
@@ -301,6 +305,12 @@ def _train(job: TrainingJob, on_step: Callable[[StepRecord], None] | None, conte
             )
         stop_flag = checkpoint.install_sigterm_handler()
         writer = MetricsWriter(job.run_dir, rank)
+        saver = Checkpointer(
+            job.run_dir,
+            keep=job.keep_checkpoints,
+            layout=layout,
+            commit_timeout_seconds=job.collective_timeout_seconds or DEFAULT_COMMIT_TIMEOUT_SECONDS,
+        )
 
     result = TrainResult(rank=rank, stage=stage, data_parallel_rank=dp_rank, start_step=start_step)
     step = saved = start_step
@@ -322,17 +332,19 @@ def _train(job: TrainingJob, on_step: Callable[[StepRecord], None] | None, conte
             _write_metrics(writer, job, engine, record)
         if on_step is not None:
             on_step(record)
-        if job.run_dir is not None and job.checkpoint_every and step % job.checkpoint_every == 0 and step < job.steps:
-            context.phase = "saving the checkpoint"
-            _save(engine, job, step)
+        if saver is not None and job.checkpoint_every and step % job.checkpoint_every == 0 and step < job.steps:
+            context.phase = "copying the checkpoint to host memory"
+            saver.save(engine, step, _data_position(layout, step))
             saved = step
 
     context.step = None
     result.executed_order = [str(a) for a in engine.executed_order()]
-    if job.run_dir is not None:
+    if saver is not None:
         if result.records and saved != step:  # a stop right after a checkpoint step has it already
-            context.phase = "saving the checkpoint"
-            _save(engine, job, step)
+            context.phase = "copying the checkpoint to host memory"
+            saver.save(engine, step, _data_position(layout, step))
+        context.phase = "waiting for the last checkpoint to commit"
+        saver.finish()
         _write_executed_order(job.run_dir, rank, result.executed_order)
     return result
 
@@ -396,16 +408,9 @@ def _write_metrics(writer, job: TrainingJob, engine, record: StepRecord) -> None
     )
 
 
-def _save(engine, job: TrainingJob, step: int) -> None:
-    layout = job.layout
-    checkpoint.save_checkpoint(
-        engine,
-        job.run_dir,
-        step,
-        keep=job.keep_checkpoints,
-        layout=layout,
-        data_position={"step": step, "samples": step * layout.global_batch},
-    )
+def _data_position(layout: Layout, step: int) -> dict[str, int]:
+    """Where the data order stands after `step` steps (the batches are a function of the step)."""
+    return {"step": step, "samples": step * layout.global_batch}
 
 
 def _write_executed_order(run_dir: Path, rank: int, order: Sequence[str]) -> None:

@@ -1,0 +1,280 @@
+"""Continuous checkpointing that keeps up with training: a pause for a copy, the rest in the background.
+
+At a checkpoint step every rank (collectively, at the step boundary):
+
+1. waits for its previous save, if one is still being written (at most one in flight);
+2. copies its state into reused host buffers (`engine_state.HostSnapshot`): the only pause;
+3. learns from rank 0 whether the checkpoint fits on disk (one gather, one broadcast: rank 0 adds
+   the ranks' sizes, removes old checkpoints if that makes room, but never the newest good one,
+   and skips the save when it still cannot fit: training goes on, and `status` says so);
+4. hands the snapshot to a background thread, and trains on.
+
+The thread writes the rank's file into `.staging/WRITER/TAG/`, fsyncs and hashes it, and reports
+(`TAG.reports/rank-NNNNN.json`: its sha256 and size, or why it failed). Rank 0's thread then waits
+for every rank's report and commits: the manifest lists every file with its hash, the folder is
+renamed into place, `manifest.json` is written last, then `latest`; old checkpoints beyond `keep`
+are removed. A checkpoint is committed whole or not at all: a rank killed mid-write leaves a
+staging folder without a manifest, which nothing loads and the next job removes.
+
+Each outcome is one line of `logs/checkpoints.jsonl` (`CheckpointEvent`): committed, failed (a
+rank's write or the commit failed), or skipped (no room). `finish` waits for the last save and
+tells every rank whether it committed, so a run whose final checkpoint failed exits non-zero.
+
+    >>> saver = Checkpointer(run_dir, keep=3, layout=layout)         # doctest: +SKIP
+    >>> saver.save(engine, step=100, data_position={"step": 100})    # pauses ~ a host copy
+    >>> saver.finish()                                               # at the end: waits, checks
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import shutil
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipectl.artifacts.layout import Layout
+from pipectl.artifacts.run import CheckpointEvent, CheckpointManifest, CheckpointOutcome
+from pipectl.errors import CheckpointError
+from pipectl.io import sha256_file, write_json_atomic
+from pipectl.runtime.checkpoint import (
+    STAGING_DIR,
+    _broadcast_from_rank0,
+    _rank_and_world,
+    _remove_dead_writers,
+    checkpoints_dir,
+    commit_tag,
+    list_checkpoints,
+    prune_checkpoints,
+    record_event,
+    save_failure_message,
+    tag_for_step,
+)
+from pipectl.runtime.engine_state import HostSnapshot, Snapshot
+from pipectl.runtime.shards import rank_file_name, write_rank_file
+
+log = logging.getLogger(__name__)
+
+FREE_SPACE_RESERVE_BYTES = 256 << 20  # left free beside a checkpoint (logs, metrics, the commit)
+REPORT_POLL_SECONDS = 0.05
+DEFAULT_COMMIT_TIMEOUT_SECONDS = 1800.0  # torch's own collective default: how long rank 0 waits for reports
+
+
+def report_dir(staged: Path) -> Path:
+    return staged.with_name(staged.name + ".reports")
+
+
+@dataclass
+class _Save:
+    step: int
+    staged: Path
+    thread: threading.Thread
+    stall_seconds: float
+    started: float
+    data_position: dict[str, int]
+    event: CheckpointEvent | None = None  # rank 0: set by the thread when it has decided
+
+
+class Checkpointer:
+    """One rank's checkpointing for one job. Create it on every rank after the process group."""
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike[str],
+        *,
+        keep: int,
+        layout: Layout | None = None,
+        commit_timeout_seconds: float = DEFAULT_COMMIT_TIMEOUT_SECONDS,
+    ) -> None:
+        self.run_dir = Path(run_dir)
+        self.root = checkpoints_dir(run_dir)
+        self.keep = keep
+        self.layout = layout
+        self.commit_timeout_seconds = commit_timeout_seconds
+        self.rank, self.world_size = _rank_and_world()
+        self.host = HostSnapshot()
+        self._inflight: _Save | None = None
+        self._last: _Save | None = None
+        self._skipped: str | None = None  # why the latest save was skipped, until the next one
+        writer = None
+        if self.rank == 0:
+            _remove_dead_writers(self.root / STAGING_DIR)  # left by saves that died
+            writer = self.root / STAGING_DIR / f"w{os.getpid()}-{secrets.token_hex(4)}"
+            writer.mkdir(parents=True)
+        # Rank 0's clean-up comes before any rank's write: the broadcast orders them.
+        self.writer = Path(_broadcast_from_rank0(str(writer)))
+
+    # ----------------------------------------------------------------- the training loop's side
+
+    def save(self, engine: Any, step: int, data_position: dict[str, int]) -> float:
+        """Checkpoint `engine` after `step` optimizer steps; returns the seconds training paused.
+        Every rank, at a step boundary."""
+        started = time.perf_counter()
+        self._join()
+        snapshot = self.host.capture(engine, step, data_position)
+        skipped = self._room_for(step, snapshot.bytes)
+        stall = time.perf_counter() - started
+        self._skipped = skipped
+        if skipped is not None:
+            log.warning(skipped)
+            if self.rank == 0:
+                self._record(CheckpointEvent(step=step, outcome=CheckpointOutcome.SKIPPED, message=skipped,
+                                             stall_seconds=stall, time_unix=time.time()))  # fmt: skip
+            return stall
+        staged = self.writer / tag_for_step(step)
+        save = _Save(step, staged, threading.Thread(), stall, started, dict(data_position))
+        save.thread = threading.Thread(
+            target=self._write, args=(save, snapshot), name=f"checkpoint-{step}", daemon=True
+        )
+        save.thread.start()
+        self._inflight = save
+        return stall
+
+    def finish(self) -> CheckpointEvent | None:
+        """Wait for the save in flight; every rank learns whether the last save committed. Raises
+        `CheckpointError` on every rank when it did not. Collective."""
+        self._join()
+        last = self._last
+        verdict = self._skipped
+        if verdict is None and self.rank == 0 and last is not None and last.event is not None:
+            if last.event.outcome is not CheckpointOutcome.COMMITTED:
+                verdict = last.event.message
+        verdict = _broadcast_from_rank0(verdict)
+        if self.rank == 0:  # nothing of this job's saves is left to write
+            shutil.rmtree(self.writer, ignore_errors=True)
+        if verdict is not None:
+            raise CheckpointError(verdict, hint=_SAVE_HINT)
+        return last.event if last is not None else None
+
+    def _join(self) -> None:
+        if self._inflight is not None:
+            self._inflight.thread.join()
+            self._last, self._inflight = self._inflight, None
+
+    # ----------------------------------------------------------------- disk space (collective)
+
+    def _room_for(self, step: int, rank_bytes: int) -> str | None:
+        """None when the checkpoint fits (after removing old ones if needed), else why it is skipped."""
+        import torch.distributed as dist
+
+        sizes = [rank_bytes]
+        if dist.is_available() and dist.is_initialized() and self.world_size > 1:
+            sizes = [0] * self.world_size
+            dist.all_gather_object(sizes, rank_bytes)
+        reason = None
+        if self.rank == 0:
+            reason = make_room(self.run_dir, sum(sizes), step)
+        return _broadcast_from_rank0(reason)
+
+    # ----------------------------------------------------------------- the background thread
+
+    def _write(self, save: _Save, snapshot: Snapshot) -> None:
+        report: dict[str, Any] = {"rank": self.rank}
+        try:
+            save.staged.mkdir(parents=True, exist_ok=True)
+            name = rank_file_name(self.rank)
+            size = write_rank_file(save.staged / name, snapshot.tensors, snapshot.header)
+            report.update(file=name, sha256=sha256_file(save.staged / name), bytes=size)
+        except Exception as exc:  # a full disk, a size limit, a folder made read-only: said plainly
+            log.debug("writing the rank file failed", exc_info=True)
+            report["error"] = f"rank {self.rank}: " + save_failure_message(exc, self.run_dir, save.step)
+            log.error(report["error"])
+        try:
+            write_json_atomic(report_dir(save.staged) / f"rank-{self.rank:05d}.json", report)
+        except Exception:  # rank 0 will time out waiting for it and say which rank never reported
+            log.exception("could not write the checkpoint report")
+        if self.rank == 0:
+            save.event = self._commit(save)
+            self._record(save.event)
+
+    def _commit(self, save: _Save) -> CheckpointEvent:
+        """Rank 0: wait for every report, then commit, or remove the staged files and say why."""
+        step, staged = save.step, save.staged
+        reports = report_dir(staged)
+        deadline = time.monotonic() + self.commit_timeout_seconds
+        found: dict[int, dict[str, Any]] = {}
+        message = ""
+        while len(found) < self.world_size:
+            for rank in range(self.world_size):
+                path = reports / f"rank-{rank:05d}.json"
+                if rank not in found and path.is_file():
+                    found[rank] = json.loads(path.read_text())
+            if len(found) < self.world_size:
+                if time.monotonic() > deadline:
+                    missing = sorted(set(range(self.world_size)) - set(found))
+                    message = f"checkpoint step {step}: ranks {missing} never reported their files"
+                    break
+                time.sleep(REPORT_POLL_SECONDS)
+        errors = [report["error"] for report in found.values() if "error" in report]
+        if errors:
+            message = "; ".join(errors)
+        total = sum(report.get("bytes", 0) for report in found.values())
+        if not message:
+            try:
+                manifest = CheckpointManifest(
+                    tag=tag_for_step(step),
+                    step=step,
+                    layout=self.layout,
+                    data_position=save.data_position,
+                    files={report["file"]: report["sha256"] for report in found.values()},
+                    file_bytes={report["file"]: report["bytes"] for report in found.values()},
+                    bytes=total,
+                    time_unix=time.time(),
+                    save_seconds=time.perf_counter() - save.started,
+                    stall_seconds=save.stall_seconds,
+                )
+                shutil.rmtree(reports, ignore_errors=True)
+                commit_tag(self.root, staged, tag_for_step(step), manifest)
+                prune_checkpoints(self.run_dir, self.keep)
+            except Exception as exc:
+                log.exception(f"committing checkpoint step {step} failed")
+                message = f"committing checkpoint step {step} failed: " + save_failure_message(exc, self.run_dir, step)
+        write_seconds = time.perf_counter() - save.started - save.stall_seconds
+        if message:
+            shutil.rmtree(staged, ignore_errors=True)
+            shutil.rmtree(reports, ignore_errors=True)
+            log.error(message)
+            return CheckpointEvent(step=step, outcome=CheckpointOutcome.FAILED, message=message,
+                                   stall_seconds=save.stall_seconds, write_seconds=write_seconds,
+                                   time_unix=time.time())  # fmt: skip
+        return CheckpointEvent(step=step, outcome=CheckpointOutcome.COMMITTED, stall_seconds=save.stall_seconds,
+                               write_seconds=write_seconds, bytes=total, time_unix=time.time())  # fmt: skip
+
+    def _record(self, event: CheckpointEvent) -> None:
+        try:
+            record_event(self.run_dir, event)
+        except OSError:
+            log.exception("could not record the checkpoint's outcome")
+
+
+_SAVE_HINT = "free space or fix the folder's permissions, then continue with pipectl launch --resume"
+
+
+def make_room(run_dir: str | os.PathLike[str], needed_bytes: int, step: int) -> str | None:
+    """Rank 0, before a save: None when `needed_bytes` fit beside a reserve, removing the oldest
+    committed checkpoints if that makes room (never the newest verified one); else why not."""
+    root = checkpoints_dir(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+
+    def free() -> int:
+        return shutil.disk_usage(root).free
+
+    if free() >= needed_bytes + FREE_SPACE_RESERVE_BYTES:
+        return None
+    good = [info for info in list_checkpoints(run_dir) if info.verified]
+    for info in good[:-1]:  # oldest first; the newest good one stays
+        shutil.rmtree(info.path, ignore_errors=True)
+        log.warning(f"removed checkpoint step {info.step} to make room for checkpoint step {step}")
+        if free() >= needed_bytes + FREE_SPACE_RESERVE_BYTES:
+            return None
+    intact = f"checkpoint step {good[-1].step} is intact" if good else "the run has no earlier checkpoint"
+    return (
+        f"checkpoint step {step} skipped: it needs {needed_bytes / 2**30:.2f} GiB and {root} has "
+        f"{free() / 2**30:.2f} GiB free (keeping {FREE_SPACE_RESERVE_BYTES >> 20} MiB spare); {intact}; "
+        f"training goes on"
+    )

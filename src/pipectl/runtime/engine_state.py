@@ -1,0 +1,291 @@
+"""A DeepSpeed pipeline engine's training state, to host memory and back (one rank).
+
+What a rank holds under DeepSpeed's ZeRO-1 optimizer (fp32, bf16 and fp16 alike: the
+`DeepSpeedZeroOptimizer` keeps the master copy): per optimizer group, one flat fp32 partition of
+its stage's parameters (`single_partition_of_fp32_groups`: all of them with one data-parallel
+rank, 1/d of them with d) and the wrapped optimizer's state for that flat tensor (AdamW: `step`,
+`exp_avg`, `exp_avg_sq`). DeepSpeed links every model parameter to its piece of the partition
+(`param._hp_mapping`: where the piece starts in the parameter and in the partition); those links
+become the `Fragment`s of `pipectl.runtime.shards`.
+
+`HostSnapshot.capture` copies the partitions and states into host buffers that are allocated once
+and reused (pinned when the engine runs on a GPU), so the training loop pauses only for the copy.
+`restore` is the inverse for any layout: each parameter this rank holds is read from the
+checkpoint, cut for this rank's tensor slice, and written into its piece of the partition, its
+optimizer state and the model's own (possibly bf16) copy.
+
+A snapshot taken at a step boundary holds one consistent instant: the weights and moments after
+optimizer step N, the learning-rate schedule and loss scale after step N, the RNG states as step
+N+1 will find them, and the data position N x B samples (the batches are a function of the step).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pipectl.errors import CheckpointError
+from pipectl.runtime.shards import FP32, Fragment, RankHeader, ShardReader, TensorSplit, group_tensor
+
+# DeepSpeed engine counters restored with the state (engine.load_checkpoint restores the same).
+ENGINE_COUNTERS = ("global_steps", "global_samples", "skipped_steps")
+
+
+# --------------------------------------------------------------------------- what DeepSpeed holds
+
+
+def optimizer_groups(engine: Any) -> list[tuple[torch.Tensor, list[torch.nn.Parameter]]]:
+    """Per optimizer group: the flat fp32 partition this rank holds and the model parameters linked
+    to it. Raises `CheckpointError` for an optimizer that keeps no such partition."""
+    optimizer = engine.optimizer
+    partitions = getattr(optimizer, "single_partition_of_fp32_groups", None)
+    parameters = getattr(optimizer, "bit16_groups", None)
+    if partitions is None or parameters is None:
+        raise CheckpointError(
+            f"cannot checkpoint a {type(optimizer).__name__}: pipectl reads DeepSpeed's ZeRO-1 optimizer partitions",
+            hint="train with zero_optimization.stage 1 (pipectl's ds_config does)",
+        )
+    return list(zip(partitions, parameters))
+
+
+def tensor_rank(engine: Any) -> tuple[int, int]:
+    """(rank, size) of this rank's tensor-parallel group ((0, 1) without one)."""
+    grid = getattr(engine, "grid", None)
+    if grid is None:
+        return 0, 1
+    return grid.get_slice_parallel_rank(), grid.get_slice_parallel_world_size()
+
+
+def parameter_split(parameter: torch.nn.Parameter) -> TensorSplit | None:
+    """How tensor parallelism splits it (`pipectl.models.tensor_parallel` marks its slices)."""
+    return getattr(parameter, "tensor_parallel_split", None)
+
+
+def _module_tensors(module: torch.nn.Module, trained: set[int]) -> dict[str, torch.Tensor]:
+    """Persistent buffers and parameters no optimizer group holds, by state-dict name."""
+    state = module.state_dict(keep_vars=True)
+    return {name: value for name, value in state.items() if torch.is_tensor(value) and id(value) not in trained}
+
+
+def _numbers(values: dict[str, Any]) -> dict[str, Any]:
+    """The numeric entries (lists of numbers included) of an optimizer group or a loss scaler."""
+    kept = {}
+    for key, value in values.items():
+        if isinstance(value, bool) or value is None:
+            continue
+        if isinstance(value, (int, float)):
+            kept[key] = value
+        elif isinstance(value, (tuple, list)) and value and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+            kept[key] = list(value)
+    return kept
+
+
+# --------------------------------------------------------------------------- capture
+
+
+@dataclass
+class Snapshot:
+    """One rank's state at one step boundary, in host memory: ready for `shards.write_rank_file`."""
+
+    tensors: dict[str, torch.Tensor]
+    header: RankHeader
+
+    @property
+    def bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+class HostSnapshot:
+    """Host buffers reused from one checkpoint to the next (pinned when the engine is on a GPU).
+
+    The buffers of one snapshot are overwritten by the next `capture`: a caller must have finished
+    writing a snapshot before taking another (the checkpointer keeps at most one save in flight).
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def _copy(self, key: str, source: torch.Tensor) -> torch.Tensor:
+        source = source.detach()
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype:
+            buffer = torch.empty(source.shape, dtype=source.dtype, pin_memory=source.is_cuda)
+            self._buffers[key] = buffer
+        buffer.copy_(source, non_blocking=source.is_cuda)
+        return buffer
+
+    def capture(self, engine: Any, step: int, data_position: dict[str, int]) -> Snapshot:
+        """Copy this rank's weights, optimizer state, schedule, loss scale and RNG. Every rank,
+        at a step boundary (no collective)."""
+        optimizer = engine.optimizer
+        names = optimizer.param_names
+        stage = engine.stage_id
+        tp_rank, tensor_parallel = tensor_rank(engine)
+        tensors: dict[str, torch.Tensor] = {}
+        header = RankHeader(
+            rank=engine.global_rank,
+            stage=stage,
+            step=step,
+            world_size=_world_size(),
+            data_parallel_rank=engine.grid.get_data_parallel_rank(),
+            tp_rank=tp_rank,
+            tensor_parallel=tensor_parallel,
+            data_position=dict(data_position),
+        )
+        trained: set[int] = set()
+        for group, (partition, parameters) in enumerate(optimizer_groups(engine)):
+            tensors[group_tensor(group, FP32)] = self._copy(group_tensor(group, FP32), partition)
+            states, scalars = [], []
+            for key, value in optimizer.optimizer.state.get(partition, {}).items():
+                if torch.is_tensor(value) and value.shape == partition.shape:
+                    tensors[group_tensor(group, key)] = self._copy(group_tensor(group, key), value)
+                    states.append(key)
+                elif torch.is_tensor(value) and value.dim() == 0:
+                    tensors[group_tensor(group, f"state.{key}")] = self._copy(group_tensor(group, f"state.{key}"), value)
+                    scalars.append(key)
+            header.group_states.append(states)
+            header.group_scalars.append(scalars)
+            settings = {k: v for k, v in optimizer.optimizer.param_groups[group].items() if k != "params"}
+            header.group_settings.append(_numbers(settings))
+            for parameter in parameters:
+                trained.add(id(parameter))
+                mapping = parameter._hp_mapping
+                if mapping is None:  # every element of it lies in another data-parallel rank's partition
+                    continue
+                header.fragments.append(
+                    Fragment(
+                        name=names[parameter],
+                        group=group,
+                        offset=mapping.hp_fragment_address.start,
+                        start=mapping.lp_fragment_address.start,
+                        numel=mapping.lp_fragment_address.numel,
+                        shape=tuple(parameter.shape),
+                        stage=stage,
+                        tp_rank=tp_rank,
+                        tensor_parallel=tensor_parallel,
+                        split=parameter_split(parameter),
+                    )
+                )
+        for name, value in _module_tensors(engine.module, trained).items():
+            tensors[f"module.{name}"] = self._copy(f"module.{name}", value)
+            header.module_tensors.append(name)
+        header.engine_counters = {key: int(getattr(engine, key)) for key in ENGINE_COUNTERS}
+        if engine.lr_scheduler is not None:
+            header.lr_scheduler = engine.lr_scheduler.state_dict()
+        scaler = getattr(optimizer, "loss_scaler", None)
+        if scaler is not None:
+            header.loss_scaler = _numbers(vars(scaler))
+        header.rng = _rng_state()
+        tensors["rng.torch"] = self._copy("rng.torch", torch.get_rng_state())
+        if any(t.is_pinned() for t in tensors.values()) and torch.cuda.is_available():
+            torch.cuda.synchronize()  # the non-blocking copies have landed
+        return Snapshot(tensors=tensors, header=header)
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _rng_state() -> dict[str, Any]:
+    import numpy as np
+
+    version, keys, gauss = random.getstate()
+    name, np_keys, position, has_gauss, cached = np.random.get_state(legacy=True)
+    return {
+        "python": [version, list(keys), gauss],
+        "numpy": [name, [int(k) for k in np_keys], int(position), int(has_gauss), float(cached)],
+    }
+
+
+def _restore_rng(state: dict[str, Any], torch_state: torch.Tensor) -> None:
+    import numpy as np
+
+    version, keys, gauss = state["python"]
+    random.setstate((version, tuple(keys), gauss))
+    name, keys, position, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), position, has_gauss, cached))
+    torch.set_rng_state(torch_state)
+
+
+# --------------------------------------------------------------------------- restore
+
+
+def restore(engine: Any, reader: ShardReader, *, restore_rng: bool = True) -> RankHeader:
+    """Load a checkpoint written in any layout into this rank's engine. Every rank (no collective).
+
+    Returns the header of the file that rank 0 wrote (step, data position, schedule). Raises
+    `CheckpointError` naming the parameter when the checkpoint does not fit this model.
+    """
+    optimizer = engine.optimizer
+    names = optimizer.param_names
+    tp_rank, tensor_parallel = tensor_rank(engine)
+    source = reader.headers[0]
+    groups = optimizer_groups(engine)
+    if len(source.group_settings) != len(groups):
+        raise CheckpointError(
+            f"{reader.folder}: written with {len(source.group_settings)} optimizer groups, this engine has {len(groups)}"
+        )
+    trained: set[int] = set()
+    with torch.no_grad():
+        for group, (partition, parameters) in enumerate(groups):
+            states = reader.states(group)
+            flat = {state: torch.zeros_like(partition) for state in states[1:]}
+            for parameter in parameters:
+                trained.add(id(parameter))
+                name = names[parameter]
+                values = {
+                    state: reader.local(name, state, parameter_split(parameter), tensor_parallel, tp_rank)
+                    for state in states
+                }
+                if values[FP32].shape != parameter.shape:
+                    raise CheckpointError(
+                        f"{reader.folder}: parameter {name!r} is {tuple(values[FP32].shape)} there, "
+                        f"{tuple(parameter.shape)} in this model (written for another model?)"
+                    )
+                parameter.data.copy_(values[FP32])  # the model's copy (bf16/fp16: rounded like a step does)
+                mapping = parameter._hp_mapping
+                if mapping is None:
+                    continue
+                start, numel = mapping.lp_fragment_address.start, mapping.lp_fragment_address.numel
+                mapping.hp_fragment.data.copy_(values[FP32].reshape(-1).narrow(0, start, numel))
+                offset = mapping.hp_fragment_address.start
+                for state, buffer in flat.items():
+                    buffer.narrow(0, offset, numel).copy_(values[state].reshape(-1).narrow(0, start, numel))
+            if flat:
+                state = dict(flat)
+                for key in source.group_scalars[group]:
+                    state[key] = reader.tensor(0, group_tensor(group, f"state.{key}")).to(partition.device)
+                optimizer.optimizer.state[partition] = state
+                for parameter in parameters:  # DeepSpeed's views of each piece's moments
+                    if parameter._hp_mapping is not None:
+                        parameter._hp_mapping.set_optim_state_fragment(partition, state)
+                optimizer._hp_optimizer_states_linked = True
+            settings = optimizer.optimizer.param_groups[group]
+            for key, value in source.group_settings[group].items():
+                if key in settings:
+                    settings[key] = tuple(value) if isinstance(settings[key], tuple) else value
+        for name, value in _module_tensors(engine.module, trained).items():
+            stored = reader.module_tensor(name)
+            if stored is None:
+                raise CheckpointError(f"{reader.folder}: holds no module tensor {name!r} (written for another model?)")
+            value.copy_(stored)
+    for key, value in source.engine_counters.items():
+        setattr(engine, key, value)
+    if engine.lr_scheduler is not None and source.lr_scheduler is not None:
+        engine.lr_scheduler.load_state_dict(source.lr_scheduler)
+    scaler = getattr(optimizer, "loss_scaler", None)
+    if scaler is not None and source.loss_scaler:
+        for key, value in source.loss_scaler.items():
+            if hasattr(scaler, key):
+                setattr(scaler, key, value)
+    if restore_rng:
+        # Its own generators when the layout is the one that wrote them, else rank 0's.
+        same = reader.world_size == _world_size() and reader.headers[engine.global_rank].rank == engine.global_rank
+        index = engine.global_rank if same else 0
+        _restore_rng(reader.headers[index].rng, reader.tensor(index, "rng.torch"))
+    return source

@@ -1,0 +1,239 @@
+"""A checkpoint as the ranks hold it: one safetensors file per rank, readable for any layout.
+
+Each rank writes what it already holds, nothing gathered: its fp32 master partition of every
+optimizer group and the optimizer's per-element state beside it (Adam's two moments), exactly as
+DeepSpeed's ZeRO-1 optimizer keeps them, one flat tensor each; and, in the file's JSON header, an
+index of the fragments: which slice of which flat tensor is which piece of which parameter.
+
+    rank-00001.safetensors
+      tensors  group0.fp32  group0.exp_avg  group0.exp_avg_sq   the flat partitions (+ padding)
+               group0.state.step                                 per-group scalar optimizer state
+               module.<name>                                     buffers and frozen parameters
+               rng.torch                                         torch's CPU generator state
+      header   {"pipectl": RankHeader as JSON}                   fragments, step, data position,
+                                                                 learning-rate schedule, loss scale
+
+A fragment says: parameter `name`, as held by pipeline stage `stage` and tensor rank `tp_rank` of
+`tensor_parallel` (a slice of `shape`, split by `split`), elements `start` .. `start + numel` of
+that slice flattened, lie at `offset` .. `offset + numel` of the rank's flat `group<g>` tensors.
+Together the fragments of one parameter cover it once per data-parallel layout: ZeRO-1 spreads a
+parameter's optimizer state over the data-parallel ranks, the tensor-parallel ranks hold one
+slice each, and a tied module held by two stages appears twice (stage 0's copy is the trained one:
+DeepSpeed keeps only the tied weight itself in sync on the other stage).
+
+Reading is re-cutting. `ShardReader.whole(name, state)` assembles a parameter from the fragments
+of every file (lowest stage, every tensor rank, every data-parallel piece) and joins its tensor
+slices (`TensorSplit.join`); `ShardReader.local(...)` cuts the slice a loading rank needs
+(`TensorSplit.cut`). A loading rank reads only the byte ranges of its own parameters (the files
+are memory-mapped), so a resume into another pipeline, tensor or data-parallel degree needs no
+conversion step and no second copy on disk.
+
+Everything here is data: safetensors holds raw tensor bytes and a JSON header, so nothing in a
+checkpoint can run code when it is read. No DeepSpeed in this module (`engine_state` maps a
+DeepSpeed engine to and from these records).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+from pipectl.errors import CheckpointError
+from pipectl.models.tensor_parallel import TensorSplit
+
+HEADER_KEY = "pipectl"
+FORMAT_VERSION = 1
+RANK_FILE = re.compile(r"rank-(\d{5})\.safetensors")
+FP32 = "fp32"  # the master weights' state name; the optimizer's own states use its key names
+
+
+def rank_file_name(rank: int) -> str:
+    """`rank-00003.safetensors`: names sort in rank order."""
+    return f"rank-{rank:05d}.safetensors"
+
+
+def group_tensor(group: int, state: str) -> str:
+    """The flat tensor of optimizer group `group` holding `state` ('fp32', 'exp_avg', ...)."""
+    return f"group{group}.{state}"
+
+
+# --------------------------------------------------------------------------- the header
+
+
+@dataclass(frozen=True)
+class Fragment:
+    """Elements `start` .. `start + numel` of parameter `name`'s (flattened) slice, stored at
+    `offset` .. `offset + numel` of this rank's `group<group>.*` tensors."""
+
+    name: str
+    group: int
+    offset: int
+    start: int
+    numel: int
+    shape: tuple[int, ...]  # the slice this rank's module holds
+    stage: int
+    tp_rank: int = 0
+    tensor_parallel: int = 1
+    split: TensorSplit | None = None  # None: whole on every tensor rank
+
+
+@dataclass
+class RankHeader:
+    """What a rank file holds besides its tensors (stored as JSON in the safetensors header)."""
+
+    rank: int
+    stage: int
+    step: int
+    world_size: int = 1
+    data_parallel_rank: int = 0
+    tp_rank: int = 0
+    tensor_parallel: int = 1
+    fragments: list[Fragment] = field(default_factory=list)
+    group_states: list[list[str]] = field(default_factory=list)  # per group: the per-element states
+    group_scalars: list[list[str]] = field(default_factory=list)  # per group: 0-d optimizer states
+    group_settings: list[dict[str, Any]] = field(default_factory=list)  # lr, betas, ... (numbers)
+    module_tensors: list[str] = field(default_factory=list)  # buffers and frozen parameters
+    engine_counters: dict[str, int] = field(default_factory=dict)
+    lr_scheduler: dict[str, Any] | None = None
+    loss_scaler: dict[str, Any] | None = None
+    rng: dict[str, Any] = field(default_factory=dict)  # python, numpy (torch's is the tensor rng.torch)
+    data_position: dict[str, int] = field(default_factory=dict)
+    format: int = FORMAT_VERSION
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> "RankHeader":
+        raw = json.loads(text)
+        if raw.get("format") != FORMAT_VERSION:
+            raise ValueError(f"format {raw.get('format')!r}, this pipectl reads format {FORMAT_VERSION}")
+        fragments = []
+        for entry in raw.pop("fragments"):
+            split = entry.pop("split")
+            fragments.append(
+                Fragment(**{**entry, "shape": tuple(entry["shape"])}, split=TensorSplit(**split) if split else None)
+            )
+        return cls(**raw, fragments=fragments)
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def write_rank_file(path: str | os.PathLike[str], tensors: dict[str, torch.Tensor], header: RankHeader) -> int:
+    """Write one rank's tensors and header to `path` (safetensors), fsync it; returns its size."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    save_file(tensors, str(path), metadata={HEADER_KEY: header.to_json()})
+    with open(path, "rb") as handle:
+        os.fsync(handle.fileno())
+    return path.stat().st_size
+
+
+# --------------------------------------------------------------------------- reading
+
+
+class ShardReader:
+    """Every rank file of a checkpoint folder, memory-mapped; parameters assembled on demand.
+
+    >>> ShardReader("/nonexistent")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    pipectl.errors.CheckpointError: /nonexistent: no rank files (rank-NNNNN.safetensors)
+    """
+
+    def __init__(self, folder: str | os.PathLike[str], files: Iterable[str] | None = None) -> None:
+        from safetensors import safe_open
+
+        self.folder = Path(folder)
+        names = sorted(files) if files is not None else sorted(
+            p.name for p in self.folder.glob("rank-*.safetensors") if RANK_FILE.fullmatch(p.name)
+        )
+        names = [n for n in names if RANK_FILE.fullmatch(Path(n).name)]
+        if not names:
+            raise CheckpointError(f"{self.folder}: no rank files (rank-NNNNN.safetensors)")
+        self._files: list[Any] = []
+        self.headers: list[RankHeader] = []
+        for name in names:
+            path = self.folder / name
+            try:
+                handle = safe_open(str(path), framework="pt", device="cpu")
+                header = RankHeader.from_json((handle.metadata() or {})[HEADER_KEY])
+            except Exception as exc:  # a damaged or foreign file: named, never a traceback
+                reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                raise CheckpointError(f"{path}: not a pipectl rank file ({reason})") from None
+            self._files.append(handle)
+            self.headers.append(header)
+        self._by_name: dict[str, list[tuple[int, Fragment]]] = {}
+        for index, header in enumerate(self.headers):
+            for fragment in header.fragments:
+                self._by_name.setdefault(fragment.name, []).append((index, fragment))
+        self.step = self.headers[0].step
+        self.world_size = len(self.headers)
+
+    def parameter_names(self) -> list[str]:
+        return sorted(self._by_name)
+
+    def states(self, group: int = 0) -> list[str]:
+        """'fp32' and the optimizer's per-element states of `group` (empty before its first step)."""
+        return [FP32, *self.headers[0].group_states[group]] if group < len(self.headers[0].group_states) else [FP32]
+
+    def tensor(self, rank_index: int, key: str) -> torch.Tensor:
+        return self._files[rank_index].get_tensor(key)
+
+    def module_tensor(self, name: str) -> torch.Tensor | None:
+        """A buffer or frozen parameter, from the lowest stage that holds it (None if none does)."""
+        holders = [(h.stage, i) for i, h in enumerate(self.headers) if name in h.module_tensors]
+        return self.tensor(min(holders)[1], f"module.{name}") if holders else None
+
+    def whole(self, name: str, state: str = FP32) -> torch.Tensor:
+        """Parameter `name`'s `state` as one tensor: every data-parallel piece, every tensor slice."""
+        holders = self._by_name.get(name)
+        if not holders:
+            raise CheckpointError(f"{self.folder}: holds no parameter {name!r} (written for another model?)")
+        stage = min(fragment.stage for _, fragment in holders)
+        first = next(fragment for _, fragment in holders if fragment.stage == stage)
+        slices = []
+        for tp_rank in range(first.tensor_parallel):
+            pieces = [(i, f) for i, f in holders if f.stage == stage and f.tp_rank == tp_rank]
+            slices.append(self._assemble(name, state, tp_rank, pieces))
+        return first.split.join(slices) if first.split and len(slices) > 1 else slices[0]
+
+    def local(self, name: str, state: str, split: TensorSplit | None, tensor_parallel: int, rank: int) -> torch.Tensor:
+        """The slice of `name` that tensor rank `rank` of `tensor_parallel` holds (split by `split`)."""
+        whole = self.whole(name, state)
+        return split.cut(whole, tensor_parallel, rank) if split is not None else whole
+
+    def _assemble(self, name: str, state: str, tp_rank: int, pieces: list[tuple[int, Fragment]]) -> torch.Tensor:
+        if not pieces:
+            raise CheckpointError(f"{self.folder}: no file holds tensor slice {tp_rank} of {name!r}")
+        shape = pieces[0][1].shape
+        flat = None
+        covered = 0
+        for index, fragment in sorted(pieces, key=lambda item: item[1].start):
+            source = self._files[index].get_slice(group_tensor(fragment.group, state))
+            values = source[fragment.offset : fragment.offset + fragment.numel]
+            if flat is None:
+                flat = torch.empty(math.prod(shape), dtype=values.dtype)
+            flat[fragment.start : fragment.start + fragment.numel] = values
+            covered += fragment.numel
+        if covered != math.prod(shape):
+            raise CheckpointError(
+                f"{self.folder}: the files hold {covered:,} of the {math.prod(shape):,} elements of {name!r} "
+                f"(tensor slice {tp_rank}); a rank's file is missing"
+            )
+        return flat.view(shape)
+
+
+def whole_state(folder: str | os.PathLike[str], states: Iterable[str] = (FP32,)) -> dict[str, torch.Tensor]:
+    """Every parameter whole, keyed 'name/state' (for comparisons and exports)."""
+    reader = ShardReader(folder)
+    return {f"{name}/{state}": reader.whole(name, state) for name in reader.parameter_names() for state in states}
