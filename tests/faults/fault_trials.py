@@ -61,9 +61,22 @@ class Setup:
         every = self.checkpoint_every
         return sorted({s for s in range(every, self.steps + 1, every)} | {self.steps})
 
+    @property
+    def world_size(self) -> int:
+        return self.pipeline_parallel * self.data_parallel
+
     def last_checkpoint_before(self, step: int) -> int:
         """The newest checkpoint committed before anything of `step` (its forward or its save) ran."""
         return max([c for c in self.checkpoint_steps if c < step], default=0)
+
+    def durable_checkpoint(self, records: Path) -> int:
+        """The newest checkpoint every rank of the faulted launch wrote and reported (the probe's
+        `reported-rank<R>-step<S>.json` markers): whole on disk with its hashes, so committed by
+        rank 0 or, had rank 0 died first, by the next launch. Checkpoints are written in the
+        background while the next step trains, so a fault in that step may come before or after."""
+        reported = [c for c in self.checkpoint_steps
+                    if all((records / f"reported-rank{r}-step{c}.json").is_file() for r in range(self.world_size))]  # fmt: skip
+        return max(reported, default=0)
 
 
 def write_plan(setup: Setup, path: Path) -> Path:
@@ -359,20 +372,25 @@ def fault_launch(reference: Reference, run: Path, env: dict[str, str], *extra: s
 
 def triggered_trial(kind: str, reference: Reference, folder: Path, trigger: dict, damage: dict | None = None) -> Trial:
     """A rank acts at `trigger` (kill, term, enospc); then, with `damage`, one file of the newest
-    checkpoint is truncated or has a byte flipped; then the run is resumed to its end."""
+    checkpoint is truncated or has a byte flipped; then the run is resumed to its end. A full disk
+    at a checkpoint before the last one costs that checkpoint only: the launch trains on, exits 0
+    and has said so; the resume then finds the run complete."""
     setup = reference.setup
     run = folder / "run"
     step = trigger["step"]
-    # SIGTERM: the ranks finish the step and checkpoint it; otherwise the last checkpoint before it.
-    expected = step if trigger["action"] == "term" else setup.last_checkpoint_before(step)
-    trial = Trial(kind, setup.label, {**trigger, **({"damage": damage} if damage else {})}, expected_resume=expected)
+    trial = Trial(kind, setup.label, {**trigger, **({"damage": damage} if damage else {})})
     extra = ("--collective-timeout", str(STOPPED_RANK_COLLECTIVE_TIMEOUT)) if trigger["action"] == "stop" else ()
     first = fault_launch(reference, run, trigger_env(folder / "records", trigger), *extra)
+    # SIGTERM: the ranks finish the step and checkpoint it; otherwise the newest checkpoint written whole.
+    trial.expected_resume = step if trigger["action"] == "term" else setup.durable_checkpoint(folder / "records")
     trial.fired = (folder / "records" / f"fired-rank{trigger['rank']}.json").is_file()
     launches = [first]
     if trigger["action"] == "term":
         if first.exit_code != 0:
             trial.problems.append(f"the stopped launch exited {first.exit_code}, not 0")
+    elif trigger["action"] == "enospc" and step < setup.steps:
+        if first.exit_code != 0:  # a checkpoint that cannot be written is skipped; training goes on
+            trial.problems.append(f"the launch exited {first.exit_code} after a checkpoint failed, not 0")
     elif first.exit_code in (0, None):
         trial.problems.append(f"the faulted launch exited {first.exit_code}")
     if trigger["action"] == "enospc" and "no space left on device" not in " ".join(first.output.split()):
@@ -508,9 +526,9 @@ def concurrent_trial(reference: Reference, folder: Path, variant: str) -> Trial:
         launches = [*refused, finish(proc, argv, started)]
     else:  # resume-race
         trigger = {"rank": 0, "step": setup.checkpoint_every + 1, "point": "forward", "nth": 0, "action": "kill"}
-        trial.expected_resume = setup.last_checkpoint_before(trigger["step"])
         trial.fault.update(trigger)
         launches.append(fault_launch(reference, run, trigger_env(folder / "records", trigger)))
+        trial.expected_resume = setup.durable_checkpoint(folder / "records")
         winners, refused = race(launch_argv(reference.plan, run, "--resume"), trial, "resume")
         launches += refused + winners
     for launch in refused:

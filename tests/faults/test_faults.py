@@ -63,13 +63,13 @@ def test_a_rank_killed_at_a_random_point_of_a_step_loses_nothing(reference, tmp_
 
 
 @pytest.mark.multiprocess
-def test_rank0_killed_before_the_manifest_of_a_renamed_checkpoint_resumes_from_the_one_before(reference, tmp_path):
-    """The tag folder of step 4 (the last) is in place without its manifest: it is not complete,
-    step 2 is."""
+def test_rank0_killed_as_it_commits_a_checkpoint_every_rank_wrote_loses_nothing(reference, tmp_path):
+    """Rank 0 dies writing the manifest of step 4 (the last), after every rank reported its file:
+    the checkpoint is whole in staging with its hashes, so the resume commits it and starts at 4."""
     trigger = {"rank": 0, "step": 4, "point": "commit", "nth": 0, "action": "kill"}
     trial = ft.triggered_trial("kill", reference, tmp_path, trigger)
-    assert trial.expected_resume == 2 and trial.fired
-    assert trial.steps_trained == [1, 2, 3, 4, 3, 4]  # 3 and 4 trained again, from step 2
+    assert trial.expected_resume == 4 and trial.fired
+    assert trial.steps_trained == [1, 2, 3, 4]  # nothing trained again
     assert_survived(trial)
 
 
@@ -150,7 +150,7 @@ def test_slow_sigterm_to_a_rank_stops_at_the_step_boundary(long_reference, tmp_p
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_slow_a_full_disk_during_a_checkpoint_write(long_reference, tmp_path):
-    trigger = {"rank": 1, "step": 4, "point": "save", "nth": 1, "action": "enospc"}
+    trigger = {"rank": 1, "step": 4, "point": "save", "nth": 0, "action": "enospc"}
     assert_survived(ft.triggered_trial("disk-full", long_reference, tmp_path, trigger))
 
 

@@ -334,3 +334,61 @@ def test_resume_refuses_a_planted_pickle_and_runs_nothing(reference_run, tmp_pat
     assert not marker.exists()
     log = (run / "logs" / "engine.log").read_text()
     assert f"{planted}: not a pipectl rank file" in log
+
+
+def staged_save(run_dir: Path, step: int, *, writer: str = "w999999999-0badc0de") -> Path:
+    """What a dead job's writers left: both rank files of `step` written and reported."""
+    import torch
+
+    from pipectl.runtime.shards import Fragment, RankHeader, write_rank_file
+
+    staged = ckpt.checkpoints_dir(run_dir) / ckpt.STAGING_DIR / writer / ckpt.tag_for_step(step)
+    staged.mkdir(parents=True)
+    ckpt.reports_dir(staged).mkdir()
+    for rank, name in enumerate((RANK0, RANK1)):
+        fragment = Fragment(name="0.weight", group=0, offset=0, start=4 * rank, numel=4, shape=(8,), stage=0)
+        header = RankHeader(rank=rank, stage=0, step=step, world_size=2, fragments=[fragment])
+        size = write_rank_file(staged / name, {"group0.fp32": torch.full((4,), float(step))}, header)
+        report = {"rank": rank, "world_size": 2, "step": step, "file": name, "sha256": ckpt.sha256_file(staged / name),
+                  "bytes": size, **({"data_position": {"step": step}} if rank == 0 else {})}  # fmt: skip
+        (ckpt.reports_dir(staged) / f"rank-{rank:05d}.json").write_text(json.dumps(report))
+    return staged
+
+
+def test_a_save_every_rank_reported_is_committed_by_the_next_job_and_a_partial_one_is_not(tmp_path):
+    fake_checkpoint(tmp_path, 2)
+    staged_save(tmp_path, 4)
+    partial = staged_save(tmp_path, 6, writer="w999999998-0badc0de")
+    (ckpt.reports_dir(partial) / "rank-00001.json").unlink()  # rank 1 died before reporting
+    errored = staged_save(tmp_path, 8, writer="w999999997-0badc0de")
+    report = ckpt.reports_dir(errored) / "rank-00000.json"
+    report.write_text(json.dumps({**json.loads(report.read_text()), "error": "rank 0: no space left on device"}))
+    live = staged_save(tmp_path, 10, writer=f"w{os.getpid()}-0badc0de")  # a writer still running: not ours
+
+    committed = ckpt.recover_staged(tmp_path)
+    assert [p.name for p in committed] == ["step00000004"]
+    info = ckpt.verify_checkpoint(tmp_path / "checkpoints" / "step00000004")
+    assert info.verified and info.manifest.data_position == {"step": 4} and not ckpt.unloadable_problem(info)
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "step00000004"
+    assert partial.is_dir() and errored.is_dir() and live.is_dir()  # left for the clean-up, or their writer
+    ckpt._remove_dead_writers(tmp_path / "checkpoints" / ckpt.STAGING_DIR)
+    assert not partial.exists() and not errored.exists() and live.is_dir()
+
+
+def test_a_save_that_does_not_fit_removes_old_checkpoints_but_never_the_newest_good_one(tmp_path, monkeypatch):
+    import collections
+
+    from pipectl.runtime import checkpointer
+
+    for step in (2, 4, 6):
+        fake_checkpoint(tmp_path, step)
+    usage = collections.namedtuple("usage", "total used free")
+    free = {"bytes": 0}
+    monkeypatch.setattr(checkpointer.shutil, "disk_usage", lambda _path: usage(0, 0, free["bytes"]))
+    reserve = checkpointer.FREE_SPACE_RESERVE_BYTES
+    free["bytes"] = reserve + 100
+    assert checkpointer.make_room(tmp_path, 100, 8) is None  # fits: nothing removed
+    assert [i.step for i in ckpt.list_checkpoints(tmp_path)] == [2, 4, 6]
+    reason = checkpointer.make_room(tmp_path, 101, 8)  # never fits: removes all but step 6, then says so
+    assert [i.step for i in ckpt.list_checkpoints(tmp_path)] == [6]
+    assert reason.startswith("checkpoint step 8 skipped: it needs 0.00 GiB") and "checkpoint step 6 is intact" in reason

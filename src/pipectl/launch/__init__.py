@@ -29,7 +29,7 @@ from pipectl.io import load_model
 from pipectl.runtime.dsconfig import validated_config
 from pipectl.launch.engines import LaunchCommand, allocation_hosts, build_command, run_engine
 from pipectl.launch.rundir import RunLock, is_run_dir, lock_run_dir, prepare_run_dir, read_run, write_run_files
-from pipectl.runtime.checkpoint import resume_point
+from pipectl.runtime.checkpoint import recover_staged, resume_point
 from pipectl.runtime.dsinit import free_port
 from pipectl.planfile import plan_profile_path
 from pipectl.words import count
@@ -413,6 +413,8 @@ def prepare_launch(
     # One job per run directory: taken before anything is read for a resume or deleted by --force.
     lock = lock_run_dir(path) if write else None
     try:
+        if options.resume and is_run_dir(path) and write:
+            recover_staged(path)  # a checkpoint written whole by a job that died before committing it
         if options.resume and is_run_dir(path) and resume_point(path)[0] is None:
             raise UserInputError(
                 f"cannot resume {path}: it has no checkpoint, so it would start over from step 0",

@@ -14,7 +14,8 @@ Layout of RUN/checkpoints/:
                                   <random>: unique per job, so no two writers share a name;
                                   removed by the next job when its writer is dead)
     .staging/WRITER/TAG.reports/  one JSON per rank: its file's sha256 and size, or its error
-    TAG/                          rank-NNNNN.safetensors ... + manifest.json (written LAST)
+    TAG/                          rank-NNNNN.safetensors ... + manifest.json (written last, in
+                                  staging; then the folder is renamed into place)
     latest                        the newest committed tag (written after its manifest)
 
 A load picks the newest tag whose manifest verifies and whose every file opens as a rank file; a
@@ -32,6 +33,7 @@ and only files whose sha256 matches what this run recorded are read.
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import re
@@ -39,6 +41,7 @@ import secrets
 import shutil
 import signal
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
@@ -245,8 +248,10 @@ def _broadcast_from_rank0(value: Any) -> Any:
 
 
 def commit_tag(root: Path, staged: Path, tag: str, manifest: CheckpointManifest) -> Path:
-    """Rename the staged tag into place, then write its manifest, then move the pointers. A step
-    already committed with the same files (hashes) is kept as it is and the staged copy dropped."""
+    """Write the manifest into the staged folder (its last file), rename the folder into place, then
+    move the pointer. A folder in place is therefore always whole; a writer killed before the rename
+    leaves a staged folder that `recover_staged` commits. A step already committed with the same
+    files (hashes) is kept as it is and the staged copy dropped."""
     final = root / tag
     if final.is_dir() and not final.is_symlink():
         committed = verify_checkpoint(final)
@@ -257,13 +262,13 @@ def commit_tag(root: Path, staged: Path, tag: str, manifest: CheckpointManifest)
             shutil.rmtree(staged, ignore_errors=True)
             write_text_atomic(root / LATEST_FILE, tag)
             return final
+    write_json_atomic(staged / MANIFEST_FILE, manifest)
     if final.exists():  # re-saving a step (e.g. after a resume): move the old one aside first
         retired = staged.with_name(f"{tag}_retired")  # beside the staged copy: this writer's own
         shutil.rmtree(retired, ignore_errors=True)
         os.replace(final, retired)
         shutil.rmtree(retired, ignore_errors=True)
     os.replace(staged, final)
-    write_json_atomic(final / MANIFEST_FILE, manifest)
     write_text_atomic(root / LATEST_FILE, tag)
     return final
 
@@ -290,23 +295,113 @@ def staging_leftovers(run_dir: str | os.PathLike[str]) -> list[Path]:
     return sorted(staging.iterdir()) if staging.is_dir() else []
 
 
+def _writer_is_dead(entry: Path) -> bool:
+    """A staging folder whose writer (w<rank 0's pid>-...) is no longer a live process on this host,
+    or one of the older fixed-name layout (a run is written by one job at a time)."""
+    match = re.fullmatch(r"w(\d+)-[0-9a-f]+", entry.name)
+    if not match:
+        return True
+    try:
+        os.kill(int(match.group(1)), 0)
+        return False  # alive: its save may be running
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False  # not ours to signal: alive
+
+
 def _remove_dead_writers(staging: Path) -> None:
-    """Remove staging folders whose writer (w<pid>-...) is no longer a live process on this host,
-    and folders of the older fixed-name layout (a run is written by one job at a time)."""
+    """Commit what dead writers left complete (`recover_staged`), then remove their folders."""
     for entry in staging.iterdir() if staging.is_dir() else []:
-        match = re.fullmatch(r"w(\d+)-[0-9a-f]+", entry.name)
-        if match:
-            try:
-                os.kill(int(match.group(1)), 0)
-                continue  # alive (or not ours to signal): its save may be running
-            except ProcessLookupError:
-                pass
-            except PermissionError:
-                continue
+        if not _writer_is_dead(entry):
+            continue
         if entry.is_dir() and not entry.is_symlink():
             shutil.rmtree(entry, ignore_errors=True)
         else:
             entry.unlink(missing_ok=True)
+
+
+REPORTS_SUFFIX = ".reports"
+
+
+def reports_dir(staged: Path) -> Path:
+    """`.staging/WRITER/TAG.reports/`: one `rank-NNNNN.json` per rank that finished its file."""
+    return staged.with_name(staged.name + REPORTS_SUFFIX)
+
+
+def read_reports(staged: Path) -> dict[int, dict[str, Any]]:
+    """The reports the ranks wrote for the save staged at `staged`, by rank (unreadable ones skipped)."""
+    found = {}
+    for path in sorted(reports_dir(staged).glob("rank-*.json")):
+        try:
+            report = json.loads(path.read_text())
+            found[int(report["rank"])] = report
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return found
+
+
+def manifest_from_reports(tag: str, reports: dict[int, dict[str, Any]], **fields: Any) -> CheckpointManifest:
+    """The manifest of a save every rank reported: its files' hashes and sizes, rank 0's layout,
+    step and data position (`fields` adds timings)."""
+    first = reports[0]
+    sizes = {report["file"]: int(report["bytes"]) for report in reports.values()}
+    return CheckpointManifest(
+        tag=tag,
+        step=int(first["step"]),
+        layout=first.get("layout"),
+        data_position=first.get("data_position", {}),
+        files={report["file"]: report["sha256"] for report in reports.values()},
+        file_bytes=sizes,
+        bytes=sum(sizes.values()),
+        stall_seconds=float(first.get("stall_seconds", 0.0)),
+        **fields,
+    )
+
+
+def complete_reports(staged: Path) -> dict[int, dict[str, Any]] | None:
+    """Every rank's report of the save at `staged` when each says its file was written, and each
+    file is there at its reported size and hash; None otherwise."""
+    reports = read_reports(staged)
+    world = {int(r.get("world_size", -1)) for r in reports.values()}
+    if len(world) != 1 or set(reports) != set(range(world.pop())):
+        return None
+    for report in reports.values():
+        if "error" in report or "file" not in report:
+            return None
+        path = staged / report["file"]
+        if not path.is_file() or path.stat().st_size != int(report["bytes"]) or sha256_file(path) != report["sha256"]:
+            return None
+    return reports
+
+
+def recover_staged(run_dir: str | os.PathLike[str]) -> list[Path]:
+    """Commit the saves that dead writers left with every rank's file written and reported.
+
+    Rank 0 commits a checkpoint once every rank has reported its file; a job that died in between
+    (rank 0 killed, or the job ended by another rank's failure while the commit waited) leaves the
+    checkpoint whole on disk but uncommitted. Its files carry their hashes in the reports, so the
+    next job commits it exactly as rank 0 would have. Call with the run locked (launch, or rank 0
+    of a starting job). Returns the tags committed.
+    """
+    root = checkpoints_dir(run_dir)
+    staging = root / STAGING_DIR
+    committed = []
+    for writer in sorted(staging.iterdir()) if staging.is_dir() else []:
+        if not writer.is_dir() or writer.is_symlink() or not _writer_is_dead(writer):
+            continue
+        for staged in sorted(p for p in writer.iterdir() if p.is_dir() and not p.name.endswith(REPORTS_SUFFIX)):
+            reports = complete_reports(staged)
+            if reports is None or verify_checkpoint(root / staged.name, hash_files=False).verified:
+                continue
+            try:
+                manifest = manifest_from_reports(staged.name, reports, time_unix=time.time())
+            except ValueError:  # a report that does not make a manifest: not ours to commit
+                continue
+            shutil.rmtree(reports_dir(staged), ignore_errors=True)
+            committed.append(commit_tag(root, staged, staged.name, manifest))
+            log.warning(f"committed checkpoint step {manifest.step}, which a job that ended had written but not committed")
+    return committed
 
 
 def prune_checkpoints(run_dir: str | os.PathLike[str], keep: int) -> list[Path]:

@@ -11,10 +11,11 @@ At a checkpoint step every rank (collectively, at the step boundary):
 
 The thread writes the rank's file into `.staging/WRITER/TAG/`, fsyncs and hashes it, and reports
 (`TAG.reports/rank-NNNNN.json`: its sha256 and size, or why it failed). Rank 0's thread then waits
-for every rank's report and commits: the manifest lists every file with its hash, the folder is
-renamed into place, `manifest.json` is written last, then `latest`; old checkpoints beyond `keep`
-are removed. A checkpoint is committed whole or not at all: a rank killed mid-write leaves a
-staging folder without a manifest, which nothing loads and the next job removes.
+for every rank's report and commits: the manifest, listing every file with its hash, is the
+staged folder's last file; the folder is renamed into place, then `latest` moves; old checkpoints
+beyond `keep` are removed. A checkpoint is committed whole or not at all: a rank killed mid-write
+leaves a staging folder that nothing loads and the next job removes; a job that dies after every
+rank reported but before the rename leaves one the next job commits (`recover_staged`).
 
 Each outcome is one line of `logs/checkpoints.jsonl` (`CheckpointEvent`): committed, failed (a
 rank's write or the commit failed), or skipped (no room). `finish` waits for the last save and
@@ -27,7 +28,6 @@ tells every rank whether it committed, so a run whose final checkpoint failed ex
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import secrets
@@ -38,8 +38,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pydantic import TypeAdapter
+
 from pipectl.artifacts.layout import Layout
-from pipectl.artifacts.run import CheckpointEvent, CheckpointManifest, CheckpointOutcome
+from pipectl.artifacts.run import CheckpointEvent, CheckpointOutcome
 from pipectl.errors import CheckpointError
 from pipectl.io import sha256_file, write_json_atomic
 from pipectl.runtime.checkpoint import (
@@ -50,7 +52,11 @@ from pipectl.runtime.checkpoint import (
     checkpoints_dir,
     commit_tag,
     list_checkpoints,
+    manifest_from_reports,
     prune_checkpoints,
+    read_reports,
+    recover_staged,
+    reports_dir,
     record_event,
     save_failure_message,
     tag_for_step,
@@ -63,10 +69,6 @@ log = logging.getLogger(__name__)
 FREE_SPACE_RESERVE_BYTES = 256 << 20  # left free beside a checkpoint (logs, metrics, the commit)
 REPORT_POLL_SECONDS = 0.05
 DEFAULT_COMMIT_TIMEOUT_SECONDS = 1800.0  # torch's own collective default: how long rank 0 waits for reports
-
-
-def report_dir(staged: Path) -> Path:
-    return staged.with_name(staged.name + ".reports")
 
 
 @dataclass
@@ -103,7 +105,8 @@ class Checkpointer:
         self._skipped: str | None = None  # why the latest save was skipped, until the next one
         writer = None
         if self.rank == 0:
-            _remove_dead_writers(self.root / STAGING_DIR)  # left by saves that died
+            recover_staged(run_dir)  # saves a job that died had written whole but not committed
+            _remove_dead_writers(self.root / STAGING_DIR)  # the rest of what dead jobs left
             writer = self.root / STAGING_DIR / f"w{os.getpid()}-{secrets.token_hex(4)}"
             writer.mkdir(parents=True)
         # Rank 0's clean-up comes before any rank's write: the broadcast orders them.
@@ -141,8 +144,10 @@ class Checkpointer:
         self._join()
         last = self._last
         verdict = self._skipped
-        if verdict is None and self.rank == 0 and last is not None and last.event is not None:
-            if last.event.outcome is not CheckpointOutcome.COMMITTED:
+        if verdict is None and self.rank == 0 and last is not None:
+            if last.event is None:
+                verdict = f"checkpoint step {last.step}: its writer ended without a verdict (see the log)"
+            elif last.event.outcome is not CheckpointOutcome.COMMITTED:
                 verdict = last.event.message
         verdict = _broadcast_from_rank0(verdict)
         if self.rank == 0:  # nothing of this job's saves is left to write
@@ -174,8 +179,14 @@ class Checkpointer:
     # ----------------------------------------------------------------- the background thread
 
     def _write(self, save: _Save, snapshot: Snapshot) -> None:
-        report: dict[str, Any] = {"rank": self.rank}
+        report: dict[str, Any] = {"rank": self.rank, "world_size": self.world_size, "step": save.step}
         try:
+            if self.rank == 0:  # what the manifest takes from rank 0
+                report.update(
+                    layout=TypeAdapter(Layout).dump_python(self.layout, mode="json") if self.layout else None,
+                    data_position=save.data_position,
+                    stall_seconds=save.stall_seconds,
+                )
             save.staged.mkdir(parents=True, exist_ok=True)
             name = rank_file_name(self.rank)
             size = write_rank_file(save.staged / name, snapshot.tensors, snapshot.header)
@@ -185,51 +196,44 @@ class Checkpointer:
             report["error"] = f"rank {self.rank}: " + save_failure_message(exc, self.run_dir, save.step)
             log.error(report["error"])
         try:
-            write_json_atomic(report_dir(save.staged) / f"rank-{self.rank:05d}.json", report)
+            write_json_atomic(reports_dir(save.staged) / f"rank-{self.rank:05d}.json", report)
         except Exception:  # rank 0 will time out waiting for it and say which rank never reported
             log.exception("could not write the checkpoint report")
         if self.rank == 0:
-            save.event = self._commit(save)
+            try:
+                save.event = self._commit(save)
+            except Exception as exc:  # never a silent thread death: the run must not think it saved
+                log.exception(f"checkpoint step {save.step} failed")
+                save.event = CheckpointEvent(step=save.step, outcome=CheckpointOutcome.FAILED,
+                                             message=f"checkpoint step {save.step} failed: {exc}",
+                                             stall_seconds=save.stall_seconds, time_unix=time.time())  # fmt: skip
             self._record(save.event)
 
     def _commit(self, save: _Save) -> CheckpointEvent:
         """Rank 0: wait for every report, then commit, or remove the staged files and say why."""
         step, staged = save.step, save.staged
-        reports = report_dir(staged)
+        reports = reports_dir(staged)
         deadline = time.monotonic() + self.commit_timeout_seconds
-        found: dict[int, dict[str, Any]] = {}
+        found = read_reports(staged)
         message = ""
         while len(found) < self.world_size:
-            for rank in range(self.world_size):
-                path = reports / f"rank-{rank:05d}.json"
-                if rank not in found and path.is_file():
-                    found[rank] = json.loads(path.read_text())
-            if len(found) < self.world_size:
-                if time.monotonic() > deadline:
-                    missing = sorted(set(range(self.world_size)) - set(found))
-                    message = f"checkpoint step {step}: ranks {missing} never reported their files"
-                    break
-                time.sleep(REPORT_POLL_SECONDS)
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(self.world_size)) - set(found))
+                message = f"checkpoint step {step}: ranks {missing} never reported their files"
+                break
+            time.sleep(REPORT_POLL_SECONDS)
+            found = read_reports(staged)
         errors = [report["error"] for report in found.values() if "error" in report]
         if errors:
             message = "; ".join(errors)
         total = sum(report.get("bytes", 0) for report in found.values())
         if not message:
             try:
-                manifest = CheckpointManifest(
-                    tag=tag_for_step(step),
-                    step=step,
-                    layout=self.layout,
-                    data_position=save.data_position,
-                    files={report["file"]: report["sha256"] for report in found.values()},
-                    file_bytes={report["file"]: report["bytes"] for report in found.values()},
-                    bytes=total,
-                    time_unix=time.time(),
-                    save_seconds=time.perf_counter() - save.started,
-                    stall_seconds=save.stall_seconds,
+                manifest = manifest_from_reports(
+                    tag_for_step(step), found, time_unix=time.time(), save_seconds=time.perf_counter() - save.started
                 )
-                shutil.rmtree(reports, ignore_errors=True)
                 commit_tag(self.root, staged, tag_for_step(step), manifest)
+                shutil.rmtree(reports, ignore_errors=True)
                 prune_checkpoints(self.run_dir, self.keep)
             except Exception as exc:
                 log.exception(f"committing checkpoint step {step} failed")
