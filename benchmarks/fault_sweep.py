@@ -49,7 +49,7 @@ sys.path.insert(0, str(ROOT / "tests" / "faults"))
 import fault_trials as ft  # tests/faults, put on the path above
 
 IN_STEP_POINTS = ("forward", "backward", "allreduce", "optimizer")
-KILL_POINTS = (*IN_STEP_POINTS, "save", "commit")
+KILL_POINTS = (*IN_STEP_POINTS, "save", "written", "commit")  # save, written: during a background write
 SIZE_LIMIT_KIB = 48  # above every log and metrics file of these runs, below a checkpoint's larger files
 
 
@@ -67,7 +67,7 @@ def planned_trials(references: dict[str, ft.Reference], rng: random.Random, kill
     for point in points:
         triggered("kill", main, ft.draw_trigger(main, rng, point))
     if dp is not None:
-        for point in ("forward", "backward", "allreduce", "save"):
+        for point in ("forward", "backward", "allreduce", "save", "written"):
             if any(p == point for (_, _, p) in dp.events):
                 triggered("kill", dp, ft.draw_trigger(dp, rng, point))
     for _ in range(3):

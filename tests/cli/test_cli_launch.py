@@ -182,6 +182,30 @@ def test_out_of_memory_gives_the_plans_figure_and_only_the_changes_that_apply():
 
 
 @pytest.mark.multiprocess
+def test_wall_time_checkpoints_are_taken_by_both_ranks_together_and_change_no_loss(tmp_path):
+    """--checkpoint-every 0.15s on two pipeline ranks: the ranks vote at each step boundary, so every
+    checkpoint holds both ranks' files of one step; training is not changed by them."""
+    from pipectl.runtime.checkpoint import list_checkpoints, read_events
+
+    plan = write_plan(tmp_path / "plan.json")
+    plain, timed = tmp_path / "plain", tmp_path / "timed"
+    assert invoke("launch", plan, "--run-dir", plain, "--steps", "12", "--timeout", "120").exit_code == 0
+    result = invoke("launch", plan, "--run-dir", timed, "--steps", "12", "--checkpoint-every", "0.15s",
+                    "--keep-checkpoints", "50", "--timeout", "120")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    events = read_events(timed)
+    assert len(events) >= 3 and all(e.outcome.value == "committed" for e in events)  # a step takes ~40 ms
+    assert all(e.interval_seconds == 0.15 for e in events)
+    checkpoints = list_checkpoints(timed, hash_files=True)
+    assert [c.step for c in checkpoints] == [e.step for e in events] and all(c.verified for c in checkpoints)
+    assert all(len(c.manifest.files) == 2 for c in checkpoints)
+    losses = lambda run: [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+    assert losses(timed) == losses(plain)
+    status = invoke("status", timed)
+    assert "every 0.15 s, at the end" in " ".join(status.output.split())
+
+
+@pytest.mark.multiprocess
 def test_a_checkpoint_that_verifies_but_does_not_load_is_skipped_and_the_terminal_says_so(tmp_path):
     """Both ranks resume from step 2 when a file of step 4 is truncated behind a recomputed hash."""
     from pipectl.artifacts.run import CheckpointManifest

@@ -83,6 +83,8 @@ class Probe:
         self.after_backward = False
         self.counts: dict[int, dict[str, int]] = {}
         self.depth = threading.local()  # a collective inside a collective counts once
+        # The checkpoint's writer thread counts its events beside the training thread.
+        self.lock = threading.RLock()
 
     def begin_forward(self) -> None:
         if self.after_optimizer:
@@ -91,23 +93,26 @@ class Probe:
         self.after_backward = False
 
     def event(self, point: str, path: object = None, step: int | None = None) -> None:
-        step = self.step if step is None else step
-        counts = self.counts.setdefault(step, {})
-        nth = counts.get(point, 0)
-        counts[point] = nth + 1
-        if self.census:
-            self._write(f"census-rank{self.rank}.json", {"rank": self.rank, "events": self.counts}, sync=False)
-        for t in self.triggers:
-            if (t["rank"], t["step"], t["point"], t["nth"]) == (self.rank, step, point, nth):
-                self.triggers.remove(t)  # each fires once
-                self.fired.append({**t, "pid": os.getpid(), "time_unix": time.time()})
+        with self.lock:
+            step = self.step if step is None else step
+            counts = self.counts.setdefault(step, {})
+            nth = counts.get(point, 0)
+            counts[point] = nth + 1
+            if self.census:
+                self._write(f"census-rank{self.rank}.json", {"rank": self.rank, "events": self.counts}, sync=False)
+            due = next((t for t in self.triggers
+                        if (t["rank"], t["step"], t["point"], t["nth"]) == (self.rank, step, point, nth)), None)  # fmt: skip
+            if due is not None:
+                self.triggers.remove(due)  # each fires once
+                self.fired.append({**due, "pid": os.getpid(), "time_unix": time.time()})
                 self._write(f"fired-rank{self.rank}.json", {"fired": self.fired})
-                self._act(t, path)
-                return
+        if due is not None:
+            self._act(due, path)  # outside the lock: a pause or a stop must not hold the other thread
 
     def reported(self, step: int) -> None:
         """This rank's file of checkpoint `step` is written and reported: what makes it recoverable."""
-        self._write(f"reported-rank{self.rank}-step{step}.json", {"rank": self.rank, "step": step})
+        with self.lock:
+            self._write(f"reported-rank{self.rank}-step{step}.json", {"rank": self.rank, "step": step})
 
     def _act(self, t: dict, path: object) -> None:
         if t["action"] == "kill":

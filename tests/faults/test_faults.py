@@ -48,6 +48,7 @@ def test_the_census_counts_every_point_where_it_happens(reference):
             assert events[(rank, step, "optimizer")] >= 1
             assert events[(rank, step, "allreduce")] >= 1  # the tied embedding's gradients, at least
             assert ((rank, step, "save") in events) == (step in CI_SETUP.checkpoint_steps)
+            assert ((rank, step, "written") in events) == (step in CI_SETUP.checkpoint_steps)
     assert {(r, s) for r, s, p in events if p == "commit"} == {(0, s) for s in CI_SETUP.checkpoint_steps}
 
 
@@ -70,6 +71,27 @@ def test_rank0_killed_as_it_commits_a_checkpoint_every_rank_wrote_loses_nothing(
     trial = ft.triggered_trial("kill", reference, tmp_path, trigger)
     assert trial.expected_resume == 4 and trial.fired
     assert trial.steps_trained == [1, 2, 3, 4]  # nothing trained again
+    assert_survived(trial)
+
+
+@pytest.mark.multiprocess
+def test_a_rank_killed_during_its_background_write_leaves_nothing_that_loads(reference, tmp_path):
+    """Rank 1 dies as its file of step 4 (the last checkpoint) is written, before it reports it, while
+    rank 0 has moved on: step 4 is never committed, and the resume starts from step 2."""
+    trigger = {"rank": 1, "step": 4, "point": "written", "nth": 0, "action": "kill"}
+    trial = ft.triggered_trial("kill", reference, tmp_path, trigger)
+    assert trial.fired and trial.expected_resume == 2
+    assert trial.steps_trained == [1, 2, 3, 4, 3, 4]  # 3 and 4 trained again, from step 2
+    assert_survived(trial)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("rank", [0, 1])
+def test_slow_a_kill_during_a_background_write_in_the_middle_of_a_run(long_reference, tmp_path, rank):
+    trigger = {"rank": rank, "step": 4, "point": "written", "nth": 0, "action": "kill"}
+    trial = ft.triggered_trial("kill", long_reference, tmp_path, trigger)
+    assert trial.fired and trial.expected_resume in (2, 4)  # 4 only if every rank had reported it
     assert_survived(trial)
 
 

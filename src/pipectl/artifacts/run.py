@@ -135,6 +135,17 @@ class JobSpec(Artifact):
     checkpoint_every: int = Field(
         default=0, ge=0, description="Checkpoint every K optimizer steps; 0 = only at the end (and on SIGTERM)."
     )
+    checkpoint_every_seconds: float = Field(
+        default=0.0, ge=0, description="Also checkpoint once this much wall time has passed since the last one; 0 = off."
+    )
+    checkpoint_auto: bool = Field(
+        default=False,
+        description="Choose the wall-time interval from the measured checkpoint stall and `mtbf_hours` (Young/Daly).",
+    )
+    mtbf_hours: float | None = Field(
+        default=None, gt=0, description="Expected hours between failures of the whole job (for the automatic "
+        "interval); None: DEVICE_MTBF_HOURS / world size (runtime/checkpointer.py).",
+    )
     keep_checkpoints: int = Field(default=3, gt=0, description="Verified checkpoints kept; older ones are removed.")
     seed: int = Field(default=0, description="Seed of weights init and of the data order.")
     data: DataSpec = Field(default_factory=DataSpec)
@@ -347,6 +358,9 @@ class CheckpointEvent(Strict):
     stall_seconds: float = Field(default=0.0, ge=0, description="Training paused (rank 0).")
     write_seconds: float = Field(default=0.0, ge=0, description="Background write, hash and commit.")
     bytes: int = Field(default=0, ge=0)
+    interval_seconds: float | None = Field(
+        default=None, description="The wall-time interval chosen after it (--checkpoint-every auto or a time)."
+    )
     time_unix: float = 0.0
 
 

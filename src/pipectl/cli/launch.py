@@ -25,7 +25,15 @@ from pipectl.artifacts.run import (
 from pipectl.cli.context import JsonFlag, console, err_console, print_json, training_progress
 from pipectl.errors import LaunchError, UserInputError
 from pipectl.io import load_model, read_mapping, validation_message
-from pipectl.launch import TRAINING_DEFAULTS, LaunchOptions, PreparedLaunch, prepare_launch, resumed_options, run_engine
+from pipectl.launch import (
+    TRAINING_DEFAULTS,
+    LaunchOptions,
+    PreparedLaunch,
+    parse_checkpoint_interval,
+    prepare_launch,
+    resumed_options,
+    run_engine,
+)
 from pipectl.launch.engines import ENGINE_LOG, JobEnded
 from pipectl.launch.rundir import is_run_dir, run_files, run_status
 from pipectl.report.run_tables import failure_report, status_table
@@ -89,8 +97,20 @@ def register(app: typer.Typer) -> None:
         model: Annotated[Optional[str], typer.Option(help="Model reference (default: the plan's model).")] = None,
         steps: Annotated[int, typer.Option(min=1, help="Optimizer steps in total.")] = 20,
         checkpoint_every: Annotated[
-            int, typer.Option(min=0, help="Checkpoint every K steps (0: only at the end and on SIGTERM).")
-        ] = 0,
+            str,
+            typer.Option(
+                help="Checkpoint every K steps, every wall time (15m, 90s, 2h), or 'auto' (Young/Daly from the "
+                "measured stall and --mtbf-hours); 0: only at the end and on SIGTERM."
+            ),
+        ] = "0",
+        mtbf_hours: Annotated[
+            Optional[float],
+            typer.Option(
+                min=0.001,
+                help="Expected hours between failures of the whole job, for --checkpoint-every auto "
+                "(default: 50,000 device-hours / devices).",
+            ),
+        ] = None,
         keep_checkpoints: Annotated[int, typer.Option(min=1, help="Verified checkpoints to keep.")] = 3,
         data: Annotated[str, typer.Option(help="'builtin' corpus, 'synthetic', or a token file path.")] = "builtin",
         seed: Annotated[int, typer.Option(help="Seed of weights and data order.")] = 0,
@@ -179,6 +199,7 @@ def register(app: typer.Typer) -> None:
             from pipectl.runtime.data import check_token_file
 
             check_token_file(data_spec.path, plan.model_shape.seq_len, plan.model_shape.vocab)
+        every_steps, every_seconds, every_auto = parse_checkpoint_interval(checkpoint_every)
         elastic_range = parse_elastic(elastic) if elastic else None
         if elastic_range is not None and engine is not Engine.TORCHRUN:
             raise UserInputError(f"--elastic needs --engine torchrun, not {engine.value}")
@@ -188,7 +209,10 @@ def register(app: typer.Typer) -> None:
             engine=engine,
             model=model,
             steps=steps,
-            checkpoint_every=checkpoint_every,
+            checkpoint_every=every_steps,
+            checkpoint_every_seconds=every_seconds,
+            checkpoint_auto=every_auto,
+            mtbf_hours=mtbf_hours,
             keep_checkpoints=keep_checkpoints,
             seed=seed,
             data=data_spec,
@@ -217,6 +241,8 @@ def register(app: typer.Typer) -> None:
             for name in ctx.params
             if getattr(ctx.get_parameter_source(name), "name", "DEFAULT") not in ("DEFAULT", "DEFAULT_MAP")
         }
+        if "checkpoint_every" in passed:  # one flag sets the interval in whichever unit it names
+            passed |= {"checkpoint_every_seconds", "checkpoint_auto"}
         options = resumed_options(run_dir, options, passed)
         prepared = prepare_launch(plan, run_dir, options, plan_dir=plan_path.parent, write=not dry_run)
         try:

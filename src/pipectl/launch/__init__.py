@@ -12,6 +12,7 @@ own parser accepts the config (`dsconfig`).
 from __future__ import annotations
 
 import os
+import re
 import socket
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -46,7 +47,10 @@ class LaunchOptions:
     engine: Engine = Engine.LOCAL
     model: str | None = None  # default: the plan's (the reference its profile was made from)
     steps: int = 20
-    checkpoint_every: int = 0
+    checkpoint_every: int = 0  # steps; with the two below, see `parse_checkpoint_interval`
+    checkpoint_every_seconds: float = 0.0
+    checkpoint_auto: bool = False
+    mtbf_hours: float | None = None
     keep_checkpoints: int = 3
     seed: int = 0
     data: DataSpec = field(default_factory=DataSpec)
@@ -73,10 +77,35 @@ class LaunchOptions:
 
 # LaunchOptions fields a resume takes from the run when the user did not pass them.
 RESUMED_FIELDS = (
-    "engine", "model", "steps", "checkpoint_every", "keep_checkpoints", "seed", "data", "precision",
+    "engine", "model", "steps", "checkpoint_every", "checkpoint_every_seconds", "checkpoint_auto", "mtbf_hours",
+    "keep_checkpoints", "seed", "data", "precision",
     "learning_rate", "weight_decay", "gradient_clipping", "lr_schedule", "warmup_steps", "ds_config_overlay",
     "elastic", "nodes", "master_addr", "collective_timeout",
 )  # fmt: skip
+
+
+_INTERVAL_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_checkpoint_interval(text: str) -> tuple[int, float, bool]:
+    """`--checkpoint-every`: K steps, a wall time (`90s`, `15m`, `2h`), or `auto` (Young/Daly from
+    the measured stall and the job's expected time between failures); returns (steps, seconds, auto).
+
+    >>> parse_checkpoint_interval("100"), parse_checkpoint_interval("15m"), parse_checkpoint_interval("auto")
+    ((100, 0.0, False), (0, 900.0, False), (0, 0.0, True))
+    """
+    value = text.strip().lower()
+    if value == "auto":
+        return 0, 0.0, True
+    if value.isdigit():
+        return int(value), 0.0, False
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([smh])", value)
+    if match is None or float(match.group(1)) <= 0:
+        raise UserInputError(
+            f"--checkpoint-every {text!r} is not a step count, a wall time or 'auto'",
+            hint="e.g. --checkpoint-every 100 (steps), 15m, 90s, 2h, or auto",
+        )
+    return 0, float(match.group(1)) * _INTERVAL_UNITS[match.group(2)], False
 
 
 def resumed_options(run_dir: str | os.PathLike[str], options: LaunchOptions, passed: set[str]) -> LaunchOptions:
@@ -90,7 +119,8 @@ def resumed_options(run_dir: str | os.PathLike[str], options: LaunchOptions, pas
     training = run_training(job, files.ds_config)
     kept: dict[str, Any] = {
         "engine": job.engine, "model": job.model, "steps": job.steps, "checkpoint_every": job.checkpoint_every,
-        "keep_checkpoints": job.keep_checkpoints, "seed": job.seed, "data": job.data, "precision": job.precision,
+        "checkpoint_every_seconds": job.checkpoint_every_seconds, "checkpoint_auto": job.checkpoint_auto,
+        "mtbf_hours": job.mtbf_hours, "keep_checkpoints": job.keep_checkpoints, "seed": job.seed, "data": job.data, "precision": job.precision,
         "learning_rate": training.learning_rate, "weight_decay": training.weight_decay,
         "gradient_clipping": training.gradient_clipping, "lr_schedule": training.lr_schedule,
         "warmup_steps": training.warmup_steps, "ds_config_overlay": job.ds_config_overlay,
@@ -341,6 +371,9 @@ def build_job(plan: Plan, name: str, options: LaunchOptions, cluster: ClusterSpe
         model=options.model or plan.model_reference or plan.model,
         steps=options.steps,
         checkpoint_every=options.checkpoint_every,
+        checkpoint_every_seconds=options.checkpoint_every_seconds,
+        checkpoint_auto=options.checkpoint_auto,
+        mtbf_hours=options.mtbf_hours,
         keep_checkpoints=options.keep_checkpoints,
         seed=options.seed,
         data=options.data,

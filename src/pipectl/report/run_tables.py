@@ -18,6 +18,7 @@ from pipectl.artifacts.layout import layout_label
 from pipectl.artifacts.morph import MorphRecord
 from pipectl.artifacts.run import CheckpointOutcome, RankFailure
 from pipectl.launch.rundir import RunStatus
+from pipectl.runtime.checkpoint_schedule import DEVICE_MTBF_HOURS
 from pipectl.report.tables import format_bytes
 from pipectl.resize.morph import ResizeDecision
 from pipectl.resize.stragglers import StragglerReport, find_stragglers
@@ -28,6 +29,33 @@ from pipectl.words import count
 
 def _percent(fraction: float) -> str:
     return f"{100 * fraction:.1f} %"
+
+
+def _duration(seconds: float) -> str:
+    """'0.15 s', '45 s', '12.5 min', '3.2 h'."""
+    if seconds < 10:
+        return f"{seconds:.3g} s"
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    return f"{seconds / 60:.1f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
+
+
+def checkpoint_interval_text(status: RunStatus) -> str:
+    """How often the run checkpoints, as job.json says, with the automatic interval it chose."""
+    job = status.job
+    parts = []
+    if job.checkpoint_every:
+        parts.append(f"every {count(job.checkpoint_every, 'step')}")
+    if job.checkpoint_every_seconds:
+        parts.append(f"every {_duration(job.checkpoint_every_seconds)}")
+    if job.checkpoint_auto:
+        chosen = next((e for e in reversed(status.checkpoint_events) if e.interval_seconds), None)
+        mtbf = f"{job.mtbf_hours:,.0f} h" if job.mtbf_hours else f"{DEVICE_MTBF_HOURS:,.0f} device-hours / {job.world_size}"
+        parts.append(
+            f"auto (Young/Daly, MTBF {mtbf}): every {_duration(chosen.interval_seconds)} after a "
+            f"{chosen.stall_seconds:.2f} s stall" if chosen else f"auto (Young/Daly, MTBF {mtbf}): not measured yet"
+        )
+    return ", ".join(parts + ["at the end"]) if parts else "at the end and on SIGTERM only"
 
 
 def status_table(status: RunStatus) -> Group:
@@ -50,16 +78,17 @@ def status_table(status: RunStatus) -> Group:
         summary.add_row("throughput", f"{last.samples_per_second:.1f} samples/s (last step)")
     if status.layouts:
         summary.add_row("layout" if len(status.layouts) == 1 else "layouts", " -> ".join(status.layouts))
+    summary.add_row("checkpoint interval", checkpoint_interval_text(status))
     committed = [e for e in status.checkpoint_events if e.outcome is CheckpointOutcome.COMMITTED]
     if committed:
         last = committed[-1]
         summary.add_row(
-            "checkpointing",
+            "last checkpoint",
             f"step {last.step}: training paused {last.stall_seconds:.2f} s, written in the background in "
             f"{last.write_seconds:.1f} s ({format_bytes(last.bytes)})",
         )
     if status.checkpoint_problem:
-        summary.add_row("last checkpoint", Text(status.checkpoint_problem, style="yellow"))
+        summary.add_row("checkpoint problem", Text(status.checkpoint_problem, style="yellow"))
     prediction = status.prediction
     if prediction is not None:
         summary.add_row(

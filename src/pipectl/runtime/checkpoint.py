@@ -596,21 +596,28 @@ def install_sigterm_handler(signals: tuple[int, ...] = (signal.SIGTERM,)) -> Sto
     return flag
 
 
-def should_stop(flag: StopFlag, run_dir: str | os.PathLike[str] | None = None) -> bool:
-    """Collective: True on every rank if ANY rank was signalled or RUN/stop_requested exists.
-
-    Call once per step boundary on every rank: one rank stopping alone would deadlock the others.
+def step_boundary(
+    flag: StopFlag, run_dir: str | os.PathLike[str] | None = None, checkpoint_due: bool = False
+) -> tuple[bool, bool]:
+    """Collective, once per step boundary on every rank: (stop, checkpoint). Stop is True on every
+    rank if ANY rank was signalled or RUN/stop_requested exists; checkpoint if any rank's clock says
+    a wall-time checkpoint is due (`CheckpointSchedule`). One all-reduce of two numbers: one rank
+    deciding alone would deadlock the others.
     """
     import torch
     import torch.distributed as dist
 
     if run_dir is not None and (Path(run_dir) / STOP_FILE).exists():
         flag.set(STOP_FILE)
-    local = 1.0 if flag.is_set() else 0.0
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return bool(local)
-    votes = torch.tensor([local])
-    dist.all_reduce(votes, op=dist.ReduceOp.MAX)
-    if votes.item() and not flag.is_set():
+    votes = torch.tensor([1.0 if flag.is_set() else 0.0, 1.0 if checkpoint_due else 0.0])
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(votes, op=dist.ReduceOp.MAX)
+    stop, due = bool(votes[0].item()), bool(votes[1].item())
+    if stop and not flag.is_set():
         flag.set("another rank")
-    return bool(votes.item())
+    return stop, due
+
+
+def should_stop(flag: StopFlag, run_dir: str | os.PathLike[str] | None = None) -> bool:
+    """Collective: True on every rank if ANY rank was signalled or RUN/stop_requested exists."""
+    return step_boundary(flag, run_dir)[0]

@@ -61,10 +61,12 @@ from pipectl.runtime.checkpoint import (
     save_failure_message,
     tag_for_step,
 )
+from pipectl.runtime.checkpoint_schedule import CheckpointSchedule
 from pipectl.runtime.engine_state import HostSnapshot, Snapshot
 from pipectl.runtime.shards import rank_file_name, write_rank_file
 
 log = logging.getLogger(__name__)
+
 
 FREE_SPACE_RESERVE_BYTES = 256 << 20  # left free beside a checkpoint (logs, metrics, the commit)
 REPORT_POLL_SECONDS = 0.05
@@ -79,6 +81,7 @@ class _Save:
     stall_seconds: float
     started: float
     data_position: dict[str, int]
+    interval_seconds: float | None = None
     event: CheckpointEvent | None = None  # rank 0: set by the thread when it has decided
 
 
@@ -92,8 +95,10 @@ class Checkpointer:
         keep: int,
         layout: Layout | None = None,
         commit_timeout_seconds: float = DEFAULT_COMMIT_TIMEOUT_SECONDS,
+        schedule: CheckpointSchedule | None = None,
     ) -> None:
         self.run_dir = Path(run_dir)
+        self.schedule = schedule or CheckpointSchedule()
         self.root = checkpoints_dir(run_dir)
         self.keep = keep
         self.layout = layout
@@ -114,6 +119,11 @@ class Checkpointer:
 
     # ----------------------------------------------------------------- the training loop's side
 
+    def prepare(self, engine: Any) -> None:
+        """Allocate and touch the host buffers now, at start-up, so the first checkpoint pauses
+        training no longer than the next ones (measured: 0.20 s against 0.04 s for 440 MiB)."""
+        self.host.capture(engine, 0, {})
+
     def save(self, engine: Any, step: int, data_position: dict[str, int]) -> float:
         """Checkpoint `engine` after `step` optimizer steps; returns the seconds training paused.
         Every rank, at a step boundary."""
@@ -122,6 +132,7 @@ class Checkpointer:
         snapshot = self.host.capture(engine, step, data_position)
         skipped = self._room_for(step, snapshot.bytes)
         stall = time.perf_counter() - started
+        self.schedule.saved(stall)
         self._skipped = skipped
         if skipped is not None:
             log.warning(skipped)
@@ -130,7 +141,8 @@ class Checkpointer:
                                              stall_seconds=stall, time_unix=time.time()))  # fmt: skip
             return stall
         staged = self.writer / tag_for_step(step)
-        save = _Save(step, staged, threading.Thread(), stall, started, dict(data_position))
+        save = _Save(step, staged, threading.Thread(), stall, started, dict(data_position),
+                     interval_seconds=self.schedule.interval_seconds())  # fmt: skip
         save.thread = threading.Thread(
             target=self._write, args=(save, snapshot), name=f"checkpoint-{step}", daemon=True
         )
@@ -179,6 +191,7 @@ class Checkpointer:
     # ----------------------------------------------------------------- the background thread
 
     def _write(self, save: _Save, snapshot: Snapshot) -> None:
+        _yield_to_training()
         report: dict[str, Any] = {"rank": self.rank, "world_size": self.world_size, "step": save.step}
         try:
             if self.rank == 0:  # what the manifest takes from rank 0
@@ -247,13 +260,26 @@ class Checkpointer:
                                    stall_seconds=save.stall_seconds, write_seconds=write_seconds,
                                    time_unix=time.time())  # fmt: skip
         return CheckpointEvent(step=step, outcome=CheckpointOutcome.COMMITTED, stall_seconds=save.stall_seconds,
-                               write_seconds=write_seconds, bytes=total, time_unix=time.time())  # fmt: skip
+                               write_seconds=write_seconds, bytes=total, interval_seconds=save.interval_seconds,
+                               time_unix=time.time())  # fmt: skip
 
     def _record(self, event: CheckpointEvent) -> None:
         try:
             record_event(self.run_dir, event)
         except OSError:
             log.exception("could not record the checkpoint's outcome")
+
+
+WRITER_NICENESS = 10
+
+
+def _yield_to_training() -> None:
+    """Lower this thread's CPU priority (Linux schedules threads one by one): where the writer and
+    the training loop compete for a core, training goes first and the write takes longer."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICENESS)
+    except (OSError, AttributeError):  # not permitted, or not Linux: the write simply competes
+        pass
 
 
 _SAVE_HINT = "free space or fix the folder's permissions, then continue with pipectl launch --resume"

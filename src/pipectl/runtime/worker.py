@@ -97,6 +97,9 @@ class TrainingJob:
     data: str | None = None  # None/"corpus": built-in byte corpus; "synthetic"; or a token file path
     run_dir: Path | None = None
     checkpoint_every: int = 0
+    checkpoint_every_seconds: float = 0.0
+    checkpoint_auto: bool = False
+    mtbf_hours: float | None = None
     keep_checkpoints: int = 3
     predicted_step_seconds: float | None = None
     predicted_peak_memory_bytes: tuple[int, ...] = ()  # per pipeline stage, from the plan
@@ -125,6 +128,9 @@ class TrainingJob:
             data=data,
             run_dir=run_dir,
             checkpoint_every=job.checkpoint_every,
+            checkpoint_every_seconds=job.checkpoint_every_seconds,
+            checkpoint_auto=job.checkpoint_auto,
+            mtbf_hours=job.mtbf_hours,
             keep_checkpoints=job.keep_checkpoints,
             predicted_step_seconds=candidate.predicted_step_seconds,
             predicted_peak_memory_bytes=tuple(candidate.peak_memory_bytes),
@@ -248,6 +254,7 @@ def train(
 
 def _train(job: TrainingJob, on_step: Callable[[StepRecord], None] | None, context: RankContext) -> TrainResult:
     # torch, after dsinit
+    from pipectl.runtime.checkpoint_schedule import CheckpointSchedule
     from pipectl.runtime.checkpointer import DEFAULT_COMMIT_TIMEOUT_SECONDS, Checkpointer
     from pipectl.runtime.data import DeterministicBatches, make_source, replica_slices
 
@@ -305,19 +312,30 @@ def _train(job: TrainingJob, on_step: Callable[[StepRecord], None] | None, conte
             )
         stop_flag = checkpoint.install_sigterm_handler()
         writer = MetricsWriter(job.run_dir, rank)
+        schedule = CheckpointSchedule.for_job(
+            job.checkpoint_every, job.checkpoint_every_seconds, job.checkpoint_auto, job.mtbf_hours, layout.world_size
+        )
         saver = Checkpointer(
             job.run_dir,
             keep=job.keep_checkpoints,
             layout=layout,
             commit_timeout_seconds=job.collective_timeout_seconds or DEFAULT_COMMIT_TIMEOUT_SECONDS,
+            schedule=schedule,
         )
+        saver.prepare(engine)
 
     result = TrainResult(rank=rank, stage=stage, data_parallel_rank=dp_rank, start_step=start_step)
     step = saved = start_step
     while step < job.steps:
-        if stop_flag is not None and checkpoint.should_stop(stop_flag, job.run_dir):
-            result.stopped_early = stop_flag.reason
-            break
+        if stop_flag is not None:
+            stop, due = checkpoint.step_boundary(stop_flag, job.run_dir, saver.schedule.time_due(step - start_step))
+            if due and step > saved:  # a wall-time checkpoint: the state after the step just done
+                context.phase = "copying the checkpoint to host memory"
+                saver.save(engine, step, _data_position(layout, step))
+                saved = step
+            if stop:
+                result.stopped_early = stop_flag.reason
+                break
         context.step, context.phase = step + 1, "step"
         micro_batches = batches.micro_batches(step, replica) if needs_data else [None] * replica.micro_batches
         reset_peak_memory(device)
@@ -332,7 +350,7 @@ def _train(job: TrainingJob, on_step: Callable[[StepRecord], None] | None, conte
             _write_metrics(writer, job, engine, record)
         if on_step is not None:
             on_step(record)
-        if saver is not None and job.checkpoint_every and step % job.checkpoint_every == 0 and step < job.steps:
+        if saver is not None and saver.schedule.step_due(step, job.steps):
             context.phase = "copying the checkpoint to host memory"
             saver.save(engine, step, _data_position(layout, step))
             saved = step
