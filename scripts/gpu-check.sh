@@ -13,7 +13,7 @@ PYTHON="${PYTHON:-python3}"
 cd "$ROOT"
 "$PYTHON" - <<'PY'
 import importlib.util, sys
-missing = [name for name in ("torch", "deepspeed", "pydantic", "typer", "rich", "pipectl") if importlib.util.find_spec(name) is None]
+missing = [name for name in ("torch", "deepspeed", "pydantic", "typer", "rich", "safetensors", "pipectl") if importlib.util.find_spec(name) is None]
 if missing:
     sys.exit(f"gpu-check: {', '.join(missing)} not importable by {sys.executable}; install pipectl first (README: offline install)")
 import torch
