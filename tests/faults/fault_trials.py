@@ -414,10 +414,14 @@ def triggered_trial(kind: str, reference: Reference, folder: Path, trigger: dict
 
 def damage_newest(run: Path, damage: dict, rng: random.Random) -> dict:
     """Truncate one data file of the newest committed checkpoint (to a random fraction), or flip a
-    random byte of it; returns what was done."""
+    random byte of it; returns what was done. A checkpoint the faulted job wrote whole but did not
+    commit is committed first, as the resume would (`recover_staged`): it is the newest."""
+    from pipectl.runtime.checkpoint import recover_staged
+
+    recover_staged(run)
     tags = sorted(p for p in (run / "checkpoints").glob("step*") if (p / "manifest.json").is_file())
     newest = tags[-1]
-    files = sorted(newest.rglob("*.pt"))
+    files = sorted(newest.glob("rank-*.safetensors"))
     target = rng.choice(files)
     data = bytearray(target.read_bytes())
     if damage["how"] == "truncate":
@@ -525,7 +529,8 @@ def concurrent_trial(reference: Reference, folder: Path, variant: str) -> Trial:
             trial.problems.append("the job ended before the second launches were decided: the trial shows nothing")
         launches = [*refused, finish(proc, argv, started)]
     else:  # resume-race
-        trigger = {"rank": 0, "step": setup.checkpoint_every + 1, "point": "forward", "nth": 0, "action": "kill"}
+        # a step after the next one: the first checkpoint, written in the background, is whole by then
+        trigger = {"rank": 0, "step": setup.checkpoint_every + 2, "point": "forward", "nth": 0, "action": "kill"}
         trial.fault.update(trigger)
         launches.append(fault_launch(reference, run, trigger_env(folder / "records", trigger)))
         trial.expected_resume = setup.durable_checkpoint(folder / "records")

@@ -154,7 +154,7 @@ def test_slow_a_kill_at_each_point(long_reference, tmp_path, point):
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("how", ["truncate", "flip"])
 def test_slow_a_damaged_newest_checkpoint_falls_back_to_the_one_before(long_reference, tmp_path, how):
-    trigger = {"rank": 1, "step": 5, "point": "forward", "nth": 3, "action": "kill"}
+    trigger = {"rank": 1, "step": 6, "point": "forward", "nth": 3, "action": "kill"}
     trial = ft.triggered_trial(how, long_reference, tmp_path, trigger, {"how": how, "seed": 7})
     assert trial.fault["damage"]["step"] == 4 and trial.expected_resume == 2
     assert_survived(trial)

@@ -30,11 +30,12 @@ def test_equals_the_event_driven_simulator(p, m, spread, rng):
     fast = varuna.summary(p, m, costs)
     assert same(fast.step_seconds, timeline.step_seconds)
     assert same(varuna.step_seconds(p, m, costs), timeline.step_seconds)
-    assert same(fast.communication_seconds, timeline.communication_seconds, 1e-9)
+    noise = max(1e-12, 1e-12 * timeline.step_seconds)  # see test_skipping_repeated_cycles_...
+    assert math.isclose(fast.communication_seconds, timeline.communication_seconds, rel_tol=1e-9, abs_tol=noise)
     for mine, theirs in zip(fast.bubble_fraction, timeline.bubble_fraction, strict=True):
         assert math.isclose(mine, theirs, rel_tol=1e-9, abs_tol=1e-12)
     for mine, theirs in zip(fast.communication_seconds_per_rank, timeline.communication_seconds_per_rank, strict=True):
-        assert math.isclose(mine, theirs, rel_tol=1e-9, abs_tol=1e-12)
+        assert math.isclose(mine, theirs, rel_tol=1e-9, abs_tol=noise)
 
 
 def test_planner_entry_points_take_the_flat_path_and_agree():
@@ -60,9 +61,12 @@ def test_skipping_repeated_cycles_keeps_the_simulated_figures(p, m, spread, rng)
     timeline = simulate(generate(ScheduleKind.VARUNA, p, m), costs)
     fast = varuna.summary(p, m, costs)
     assert same(fast.step_seconds, timeline.step_seconds)
-    assert same(fast.communication_seconds, timeline.communication_seconds, 1e-9)
+    # Exposed communication is a difference of event times of order the step: near zero it is
+    # rounding (6.0e-11 against 6.1e-11 s in a 891 s step), so it is compared on the step's scale.
+    noise = 1e-12 * timeline.step_seconds
+    assert math.isclose(fast.communication_seconds, timeline.communication_seconds, rel_tol=1e-9, abs_tol=noise)
     for mine, theirs in zip(fast.communication_seconds_per_rank, timeline.communication_seconds_per_rank, strict=True):
-        assert math.isclose(mine, theirs, rel_tol=1e-9, abs_tol=1e-9)
+        assert math.isclose(mine, theirs, rel_tol=1e-9, abs_tol=max(1e-9, noise))
 
 
 def test_long_steps_skip_cycles():
