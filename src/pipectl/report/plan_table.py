@@ -13,6 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from pipectl.artifacts.plan import Candidate, Plan
+from pipectl.runtime.checkpoint_schedule import DEVICE_MTBF_HOURS, young_daly_seconds
 from pipectl.words import count
 
 GIB = 1024**3
@@ -116,6 +117,31 @@ def rejections_view(plan: Plan) -> Text:
     return Text(f"rejected: {parts}", style="dim")
 
 
+CHECKPOINT_BYTES_PER_PARAMETER = 12  # fp32 weights and two Adam moments (runtime/shards.py)
+
+
+def checkpoint_line(plan: Plan) -> str | None:
+    """What a checkpoint of the chosen layout writes per rank, and how often `--checkpoint-every
+    auto` would take one for a 1 s pause on this many devices (Young/Daly; the run measures its
+    own pause and `status` shows the interval it chose). None without per-layer parameter counts."""
+    c = plan.chosen
+    counts = plan.model_shape.layer_parameter_counts
+    if not counts or not c.stage_layers:
+        return None
+    # A stage's layer counts include a tied copy (the head's embedding) that one stage holds once.
+    largest = min(max(sum(counts[start:end]) for start, end in c.stage_layers), plan.model_shape.parameter_count)
+    per_rank = CHECKPOINT_BYTES_PER_PARAMETER * largest / (c.tensor_parallel * c.data_parallel)
+    total = CHECKPOINT_BYTES_PER_PARAMETER * plan.model_shape.parameter_count
+    mtbf_hours = DEVICE_MTBF_HOURS / c.devices
+    interval = young_daly_seconds(1.0, mtbf_hours * 3600.0)
+    replicated = " (more where layers are whole on every tensor rank)" if c.tensor_parallel > 1 else ""
+    return (
+        f"checkpoint: about {_gib(per_rank)} per rank{replicated}, {_gib(total)} in all, every rank writing its "
+        f"own in the background; --checkpoint-every auto at a 1 s pause and {mtbf_hours:,.0f} h between "
+        f"failures of {count(c.devices, 'device')}: every {interval / 60:,.0f} min"
+    )
+
+
 def plan_view(plan: Plan, *, top: int = 10, show_morph: bool = True) -> Group:
     """Everything `pipectl plan` prints: the ranking, the chosen plan, notes, the morph table."""
     c = plan.chosen
@@ -144,6 +170,9 @@ def plan_view(plan: Plan, *, top: int = 10, show_morph: bool = True) -> Group:
             replicas.add_row(str(r.replica), r.device, str(r.micro_batch_size), str(r.micro_batches),
                              str(r.samples), f"{r.gradient_weight:.4f}")
         parts.append(replicas)
+    checkpoint = checkpoint_line(plan)
+    if checkpoint is not None:
+        parts.append(Text(checkpoint, style="dim"))
     parts.append(rejections_view(plan))
     if show_morph and plan.morph_table:
         parts.append(morph_table_view(plan))

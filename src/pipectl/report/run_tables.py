@@ -85,7 +85,7 @@ def status_table(status: RunStatus) -> Group:
         summary.add_row(
             "last checkpoint",
             f"step {last.step}: training paused {last.stall_seconds:.2f} s, written in the background in "
-            f"{last.write_seconds:.1f} s ({format_bytes(last.bytes)})",
+            f"{last.write_seconds:.2f} s ({format_bytes(last.bytes)})",
         )
     if status.checkpoint_problem:
         summary.add_row("checkpoint problem", Text(status.checkpoint_problem, style="yellow"))
