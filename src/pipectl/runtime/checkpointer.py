@@ -120,8 +120,10 @@ class Checkpointer:
     # ----------------------------------------------------------------- the training loop's side
 
     def prepare(self, engine: Any) -> None:
-        """Allocate and touch the host buffers now, at start-up, so the first checkpoint pauses
-        training no longer than the next ones (measured: 0.20 s against 0.04 s for 440 MiB)."""
+        """Allocate and touch the host buffers at start-up instead of in the first checkpoint's
+        pause. (Measured for 440 MiB on CPU: the first pause was 0.20 s without this and 0.17 s
+        with it, the later ones 0.04 s; the first checkpoint step's extra wall time 1.17 s without
+        and 0.62 s with, one run each, with step jitter of +-0.3 s.)"""
         self.host.capture(engine, 0, {})
 
     def save(self, engine: Any, step: int, data_position: dict[str, int]) -> float:
