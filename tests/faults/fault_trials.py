@@ -381,8 +381,15 @@ def triggered_trial(kind: str, reference: Reference, folder: Path, trigger: dict
     trial = Trial(kind, setup.label, {**trigger, **({"damage": damage} if damage else {})})
     extra = ("--collective-timeout", str(STOPPED_RANK_COLLECTIVE_TIMEOUT)) if trigger["action"] == "stop" else ()
     first = fault_launch(reference, run, trigger_env(folder / "records", trigger), *extra)
-    # SIGTERM: the ranks finish the step and checkpoint it; otherwise the newest checkpoint written whole.
-    trial.expected_resume = step if trigger["action"] == "term" else setup.durable_checkpoint(folder / "records")
+    # SIGTERM: the ranks finish the step and checkpoint it. A full disk costs that checkpoint only:
+    # before the last step the run finishes (its resume starts at the end), at the last one the
+    # resume starts from the one before. Otherwise: the newest checkpoint written whole.
+    if trigger["action"] == "term":
+        trial.expected_resume = step
+    elif trigger["action"] == "enospc":
+        trial.expected_resume = setup.steps if step < setup.steps else setup.last_checkpoint_before(step)
+    else:
+        trial.expected_resume = setup.durable_checkpoint(folder / "records")
     trial.fired = (folder / "records" / f"fired-rank{trigger['rank']}.json").is_file()
     launches = [first]
     if trigger["action"] == "term":
