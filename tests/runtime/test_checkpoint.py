@@ -351,7 +351,7 @@ def staged_save(run_dir: Path, step: int, *, writer: str = "w999999999-0badc0de"
         size = write_rank_file(staged / name, {"group0.fp32": torch.full((4,), float(step))}, header)
         report = {"rank": rank, "world_size": 2, "step": step, "file": name, "sha256": ckpt.sha256_file(staged / name),
                   "bytes": size, **({"data_position": {"step": step}} if rank == 0 else {})}  # fmt: skip
-        (ckpt.reports_dir(staged) / f"rank-{rank:05d}.json").write_text(json.dumps(report))
+        ckpt.report_path(staged, rank).write_text(json.dumps(report))
     return staged
 
 
@@ -359,9 +359,9 @@ def test_a_save_every_rank_reported_is_committed_by_the_next_job_and_a_partial_o
     fake_checkpoint(tmp_path, 2)
     staged_save(tmp_path, 4)
     partial = staged_save(tmp_path, 6, writer="w999999998-0badc0de")
-    (ckpt.reports_dir(partial) / "rank-00001.json").unlink()  # rank 1 died before reporting
+    ckpt.report_path(partial, 1).unlink()  # rank 1 died before reporting
     errored = staged_save(tmp_path, 8, writer="w999999997-0badc0de")
-    report = ckpt.reports_dir(errored) / "rank-00000.json"
+    report = ckpt.report_path(errored, 0)
     report.write_text(json.dumps({**json.loads(report.read_text()), "error": "rank 0: no space left on device"}))
     live = staged_save(tmp_path, 10, writer=f"w{os.getpid()}-0badc0de")  # a writer still running: not ours
 
@@ -371,7 +371,7 @@ def test_a_save_every_rank_reported_is_committed_by_the_next_job_and_a_partial_o
     assert info.verified and info.manifest.data_position == {"step": 4} and not ckpt.unloadable_problem(info)
     assert (tmp_path / "checkpoints" / "latest").read_text() == "step00000004"
     assert partial.is_dir() and errored.is_dir() and live.is_dir()  # left for the clean-up, or their writer
-    ckpt._remove_dead_writers(tmp_path / "checkpoints" / ckpt.STAGING_DIR)
+    ckpt.remove_dead_writers(tmp_path / "checkpoints" / ckpt.STAGING_DIR)
     assert not partial.exists() and not errored.exists() and live.is_dir()
 
 

@@ -307,6 +307,11 @@ class RunStatus:
         return self.trained and any(c.verified and (c.step or 0) >= self.job.steps for c in self.checkpoints)
 
     @property
+    def last_committed(self) -> CheckpointEvent | None:
+        """The newest checkpoint event that committed (its stall, write time and size)."""
+        return next((e for e in reversed(self.checkpoint_events) if e.outcome is CheckpointOutcome.COMMITTED), None)
+
+    @property
     def checkpoint_problem(self) -> str | None:
         """Why the newest checkpoint attempt did not commit (failed or skipped), or None."""
         last = self.checkpoint_events[-1] if self.checkpoint_events else None
@@ -323,10 +328,7 @@ class RunStatus:
             "finished": self.finished,
             "trained": self.trained,
             "checkpoint_problem": self.checkpoint_problem,
-            "last_checkpoint_stall_seconds": next(
-                (e.stall_seconds for e in reversed(self.checkpoint_events) if e.outcome is CheckpointOutcome.COMMITTED),
-                None,
-            ),
+            "last_checkpoint_stall_seconds": self.last_committed.stall_seconds if self.last_committed else None,
             "last_loss": self.last_loss,
             "first_loss": self.metrics[0].loss if self.metrics else None,
             "samples_per_second": self.metrics[-1].samples_per_second if self.metrics else None,

@@ -16,7 +16,7 @@ from rich.text import Text
 
 from pipectl.artifacts.layout import layout_label
 from pipectl.artifacts.morph import MorphRecord
-from pipectl.artifacts.run import CheckpointOutcome, RankFailure
+from pipectl.artifacts.run import RankFailure
 from pipectl.launch.rundir import RunStatus
 from pipectl.runtime.checkpoint_schedule import DEVICE_MTBF_HOURS
 from pipectl.report.tables import format_bytes
@@ -79,9 +79,8 @@ def status_table(status: RunStatus) -> Group:
     if status.layouts:
         summary.add_row("layout" if len(status.layouts) == 1 else "layouts", " -> ".join(status.layouts))
     summary.add_row("checkpoint interval", checkpoint_interval_text(status))
-    committed = [e for e in status.checkpoint_events if e.outcome is CheckpointOutcome.COMMITTED]
-    if committed:
-        last = committed[-1]
+    last = status.last_committed
+    if last is not None:
         summary.add_row(
             "last checkpoint",
             f"step {last.step}: training paused {last.stall_seconds:.2f} s, written in the background in "

@@ -225,7 +225,7 @@ def resume_point(
 # --------------------------------------------------------------------------- collective helpers
 
 
-def _rank_and_world() -> tuple[int, int]:
+def rank_and_world() -> tuple[int, int]:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
@@ -233,7 +233,7 @@ def _rank_and_world() -> tuple[int, int]:
     return 0, 1
 
 
-def _broadcast_from_rank0(value: Any) -> Any:
+def broadcast_from_rank0(value: Any) -> Any:
     """Rank 0's `value` on every rank (identity without a process group)."""
     import torch.distributed as dist
 
@@ -310,8 +310,8 @@ def _writer_is_dead(entry: Path) -> bool:
         return False  # not ours to signal: alive
 
 
-def _remove_dead_writers(staging: Path) -> None:
-    """Commit what dead writers left complete (`recover_staged`), then remove their folders."""
+def remove_dead_writers(staging: Path) -> None:
+    """Remove the staging folders of dead writers (commit what they left whole first: `recover_staged`)."""
     for entry in staging.iterdir() if staging.is_dir() else []:
         if not _writer_is_dead(entry):
             continue
@@ -327,6 +327,11 @@ REPORTS_SUFFIX = ".reports"
 def reports_dir(staged: Path) -> Path:
     """`.staging/WRITER/TAG.reports/`: one `rank-NNNNN.json` per rank that finished its file."""
     return staged.with_name(staged.name + REPORTS_SUFFIX)
+
+
+def report_path(staged: Path, rank: int) -> Path:
+    """Where rank `rank` reports its file of the save staged at `staged`."""
+    return reports_dir(staged) / f"rank-{rank:05d}.json"
 
 
 def read_reports(staged: Path) -> dict[int, dict[str, Any]]:
@@ -534,7 +539,7 @@ def load_latest(
     from pipectl.runtime import engine_state
     from pipectl.runtime.shards import ShardReader
 
-    rank, _ = _rank_and_world()
+    rank, _ = rank_and_world()
     choice: tuple[str | None, list[str], str | None, list[str]] = (None, [], None, [])
     if rank == 0:  # one rank hashes; all load the same tag
         info, warnings, problem = None, [], None
@@ -546,7 +551,7 @@ def load_latest(
             log.warning(warning)
         files = sorted(info.manifest.files) if info is not None and info.manifest is not None else []
         choice = (info.tag if info else None, warnings, problem, files)
-    tag, warnings, problem, files = _broadcast_from_rank0(choice)
+    tag, warnings, problem, files = broadcast_from_rank0(choice)
     if problem is not None:  # raised on every rank, before any of them loads
         raise CheckpointError(problem, hint="restore a good checkpoint, or start over with --force")
     if tag is None:

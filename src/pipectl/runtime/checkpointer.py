@@ -46,9 +46,9 @@ from pipectl.errors import CheckpointError
 from pipectl.io import sha256_file, write_json_atomic
 from pipectl.runtime.checkpoint import (
     STAGING_DIR,
-    _broadcast_from_rank0,
-    _rank_and_world,
-    _remove_dead_writers,
+    broadcast_from_rank0,
+    rank_and_world,
+    remove_dead_writers,
     checkpoints_dir,
     commit_tag,
     list_checkpoints,
@@ -56,6 +56,7 @@ from pipectl.runtime.checkpoint import (
     prune_checkpoints,
     read_reports,
     recover_staged,
+    report_path,
     reports_dir,
     record_event,
     save_failure_message,
@@ -77,11 +78,11 @@ DEFAULT_COMMIT_TIMEOUT_SECONDS = 1800.0  # torch's own collective default: how l
 class _Save:
     step: int
     staged: Path
-    thread: threading.Thread
     stall_seconds: float
     started: float
     data_position: dict[str, int]
     interval_seconds: float | None = None
+    thread: threading.Thread | None = None  # the background writer of this save
     event: CheckpointEvent | None = None  # rank 0: set by the thread when it has decided
 
 
@@ -103,7 +104,7 @@ class Checkpointer:
         self.keep = keep
         self.layout = layout
         self.commit_timeout_seconds = commit_timeout_seconds
-        self.rank, self.world_size = _rank_and_world()
+        self.rank, self.world_size = rank_and_world()
         self.host = HostSnapshot()
         self._inflight: _Save | None = None
         self._last: _Save | None = None
@@ -111,11 +112,11 @@ class Checkpointer:
         writer = None
         if self.rank == 0:
             recover_staged(run_dir)  # saves a job that died had written whole but not committed
-            _remove_dead_writers(self.root / STAGING_DIR)  # the rest of what dead jobs left
+            remove_dead_writers(self.root / STAGING_DIR)  # the rest of what dead jobs left
             writer = self.root / STAGING_DIR / f"w{os.getpid()}-{secrets.token_hex(4)}"
             writer.mkdir(parents=True)
         # Rank 0's clean-up comes before any rank's write: the broadcast orders them.
-        self.writer = Path(_broadcast_from_rank0(str(writer)))
+        self.writer = Path(broadcast_from_rank0(str(writer)))
 
     # ----------------------------------------------------------------- the training loop's side
 
@@ -143,8 +144,7 @@ class Checkpointer:
                                              stall_seconds=stall, time_unix=time.time()))  # fmt: skip
             return stall
         staged = self.writer / tag_for_step(step)
-        save = _Save(step, staged, threading.Thread(), stall, started, dict(data_position),
-                     interval_seconds=self.schedule.interval_seconds())  # fmt: skip
+        save = _Save(step, staged, stall, started, dict(data_position), self.schedule.interval_seconds())
         save.thread = threading.Thread(
             target=self._write, args=(save, snapshot), name=f"checkpoint-{step}", daemon=True
         )
@@ -163,7 +163,7 @@ class Checkpointer:
                 verdict = f"checkpoint step {last.step}: its writer ended without a verdict (see the log)"
             elif last.event.outcome is not CheckpointOutcome.COMMITTED:
                 verdict = last.event.message
-        verdict = _broadcast_from_rank0(verdict)
+        verdict = broadcast_from_rank0(verdict)
         if self.rank == 0:  # nothing of this job's saves is left to write
             shutil.rmtree(self.writer, ignore_errors=True)
         if verdict is not None:
@@ -188,7 +188,7 @@ class Checkpointer:
         reason = None
         if self.rank == 0:
             reason = make_room(self.run_dir, sum(sizes), step)
-        return _broadcast_from_rank0(reason)
+        return broadcast_from_rank0(reason)
 
     # ----------------------------------------------------------------- the background thread
 
@@ -211,7 +211,7 @@ class Checkpointer:
             report["error"] = f"rank {self.rank}: " + save_failure_message(exc, self.run_dir, save.step)
             log.error(report["error"])
         try:
-            write_json_atomic(reports_dir(save.staged) / f"rank-{self.rank:05d}.json", report)
+            write_json_atomic(report_path(save.staged, self.rank), report)
         except Exception:  # rank 0 will time out waiting for it and say which rank never reported
             log.exception("could not write the checkpoint report")
         if self.rank == 0:
@@ -241,7 +241,7 @@ class Checkpointer:
         errors = [report["error"] for report in found.values() if "error" in report]
         if errors:
             message = "; ".join(errors)
-        total = sum(report.get("bytes", 0) for report in found.values())
+        manifest = None
         if not message:
             try:
                 manifest = manifest_from_reports(
@@ -262,7 +262,7 @@ class Checkpointer:
                                    stall_seconds=save.stall_seconds, write_seconds=write_seconds,
                                    time_unix=time.time())  # fmt: skip
         return CheckpointEvent(step=step, outcome=CheckpointOutcome.COMMITTED, stall_seconds=save.stall_seconds,
-                               write_seconds=write_seconds, bytes=total, interval_seconds=save.interval_seconds,
+                               write_seconds=write_seconds, bytes=manifest.bytes, interval_seconds=save.interval_seconds,
                                time_unix=time.time())  # fmt: skip
 
     def _record(self, event: CheckpointEvent) -> None:

@@ -129,7 +129,7 @@ class HostSnapshot:
             rank=engine.global_rank,
             stage=stage,
             step=step,
-            world_size=_world_size(),
+            world_size=engine.grid.world_size,
             data_parallel_rank=engine.grid.get_data_parallel_rank(),
             tp_rank=tp_rank,
             tensor_parallel=tensor_parallel,
@@ -183,12 +183,6 @@ class HostSnapshot:
         if any(t.is_pinned() for t in tensors.values()) and torch.cuda.is_available():
             torch.cuda.synchronize()  # the non-blocking copies have landed
         return Snapshot(tensors=tensors, header=header)
-
-
-def _world_size() -> int:
-    import torch.distributed as dist
-
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _rng_state() -> dict[str, Any]:
@@ -285,7 +279,7 @@ def restore(engine: Any, reader: ShardReader, *, restore_rng: bool = True) -> Ra
                 setattr(scaler, key, value)
     if restore_rng:
         # Its own generators when the layout is the one that wrote them, else rank 0's.
-        same = reader.world_size == _world_size() and reader.headers[engine.global_rank].rank == engine.global_rank
+        same = reader.world_size == engine.grid.world_size and reader.headers[engine.global_rank].rank == engine.global_rank
         index = engine.global_rank if same else 0
         _restore_rng(reader.headers[index].rng, reader.tensor(index, "rng.torch"))
     return source
