@@ -69,14 +69,20 @@ class Setup:
         """The newest checkpoint committed before anything of `step` (its forward or its save) ran."""
         return max([c for c in self.checkpoint_steps if c < step], default=0)
 
-    def durable_checkpoint(self, records: Path) -> int:
-        """The newest checkpoint every rank of the faulted launch wrote and reported (the probe's
-        `reported-rank<R>-step<S>.json` markers): whole on disk with its hashes, so committed by
-        rank 0 or, had rank 0 died first, by the next launch. Checkpoints are written in the
-        background while the next step trains, so a fault in that step may come before or after."""
-        reported = [c for c in self.checkpoint_steps
-                    if all((records / f"reported-rank{r}-step{c}.json").is_file() for r in range(self.world_size))]  # fmt: skip
-        return max(reported, default=0)
+    def durable_checkpoint(self, run: Path) -> int:
+        """The newest checkpoint the faulted launch left whole, read from the run directory as the
+        fault left it: committed (its folder has a manifest), or every rank's report of its file in
+        staging, none an error (whole on disk with its hashes: the next launch commits it).
+        Checkpoints are written in the background while the next step trains, so a fault in that
+        step may come before or after a rank reports; the report's atomic rename decides."""
+        root = run / "checkpoints"
+        whole = {c for c in self.checkpoint_steps if (root / f"step{c:08d}" / "manifest.json").is_file()}
+        for c in self.checkpoint_steps:
+            for reports in root.glob(f".staging/*/step{c:08d}.reports"):
+                found = [reports / f"rank-{r:05d}.json" for r in range(self.world_size)]
+                if all(p.is_file() and "error" not in json.loads(p.read_text()) for p in found):
+                    whole.add(c)
+        return max(whole, default=0)
 
 
 def write_plan(setup: Setup, path: Path) -> Path:
@@ -389,7 +395,7 @@ def triggered_trial(kind: str, reference: Reference, folder: Path, trigger: dict
     elif trigger["action"] == "enospc":
         trial.expected_resume = setup.steps if step < setup.steps else setup.last_checkpoint_before(step)
     else:
-        trial.expected_resume = setup.durable_checkpoint(folder / "records")
+        trial.expected_resume = setup.durable_checkpoint(run)
     trial.fired = (folder / "records" / f"fired-rank{trigger['rank']}.json").is_file()
     launches = [first]
     if trigger["action"] == "term":
@@ -540,7 +546,7 @@ def concurrent_trial(reference: Reference, folder: Path, variant: str) -> Trial:
         trigger = {"rank": 0, "step": setup.checkpoint_every + 2, "point": "forward", "nth": 0, "action": "kill"}
         trial.fault.update(trigger)
         launches.append(fault_launch(reference, run, trigger_env(folder / "records", trigger)))
-        trial.expected_resume = setup.durable_checkpoint(folder / "records")
+        trial.expected_resume = setup.durable_checkpoint(run)
         winners, refused = race(launch_argv(reference.plan, run, "--resume"), trial, "resume")
         launches += refused + winners
     for launch in refused:

@@ -109,11 +109,6 @@ class Probe:
         if due is not None:
             self._act(due, path)  # outside the lock: a pause or a stop must not hold the other thread
 
-    def reported(self, step: int) -> None:
-        """This rank's file of checkpoint `step` is written and reported: what makes it recoverable."""
-        with self.lock:
-            self._write(f"reported-rank{self.rank}-step{step}.json", {"rank": self.rank, "step": step})
-
     def _act(self, t: dict, path: object) -> None:
         if t["action"] == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
@@ -170,16 +165,6 @@ def _install(probe: Probe) -> None:
         return size
 
     checkpointer.write_rank_file = write_rank_file
-
-    original_report = checkpointer.write_json_atomic
-
-    def write_report(path, payload, *args, **kwargs):
-        written = original_report(path, payload, *args, **kwargs)
-        if Path(path).parent.name.endswith(checkpoint.REPORTS_SUFFIX) and "error" not in payload:
-            probe.reported(int(payload["step"]))  # the file is whole and its hash recorded
-        return written
-
-    checkpointer.write_json_atomic = write_report
 
     original_write = checkpoint.write_json_atomic
 
