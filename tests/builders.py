@@ -4,13 +4,20 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from pipectl.artifacts.plan import Candidate, ModelShape, MorphEntry, Plan, PlanRequest
+from pipectl.artifacts.plan import Candidate, ModelShape, MorphEntry, Plan, PlanRequest, replica_shares
 
 
-def gpt_tiny_candidate(p: int = 2, d: int = 1, b: int = 2, m: int = 4) -> Candidate:
-    """A 1F1B ZeRO-1 candidate for gpt-tiny (9 layers): one stage, or cut [0,4) [4,9) for p=2."""
+def gpt_tiny_candidate(p: int = 2, d: int = 1, b: int = 2, m: int = 4, *, global_batch: int | None = None) -> Candidate:
+    """A 1F1B ZeRO-1 candidate for gpt-tiny (9 layers): one stage, or cut [0,4) [4,9) for p=2.
+    With `global_batch`, its micro-batches are dealt out over the d replicas (`replica_shares`:
+    uneven where d does not divide B / b) and m is the most any replica runs."""
     cuts = [(0, 9)] if p == 1 else [(0, 4), (4, 9)]
+    replicas = None
+    if global_batch is not None:
+        replicas = replica_shares(global_batch, d, b, "cpu")
+        m = max(r.micro_batches for r in replicas) if replicas else global_batch // (d * b)
     return Candidate(
+        replicas=replicas,
         devices=p * d, device="cpu", tensor_parallel=1, pipeline_parallel=p, data_parallel=d,
         micro_batch_size=b, micro_batches=m, schedule="1f1b", recompute=False, zero_stage=1,
         stage_layers=cuts, predicted_step_seconds=0.05, samples_per_second=160.0, tflops_per_device=0.0,

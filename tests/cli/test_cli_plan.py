@@ -7,7 +7,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from pipectl.artifacts.plan import Plan
+from pipectl.artifacts.plan import Candidate, Plan
 from pipectl.cli.main import app
 from pipectl.io import load_model, write_json_atomic
 from pipectl.plan.synthetic import synthetic_profile
@@ -38,7 +38,7 @@ def test_plan_json_output(profile_path, tmp_path):
                                  "--global-batch", "32", "--json", "--no-morph", "-o", str(tmp_path / "p.json")])
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
-    assert data["chosen"]["data_parallel"] * data["chosen"]["micro_batch_size"] * data["chosen"]["micro_batches"] == 32
+    assert Candidate.model_validate(data["chosen"]).global_batch == 32
 
 
 @pytest.mark.parametrize(
@@ -47,7 +47,8 @@ def test_plan_json_output(profile_path, tmp_path):
         (["--global-batch", "0"], "global batch must be a positive"),
         (["--global-batch", "16", "--schedules", "1f1b,zigzag"], "unknown schedule 'zigzag'"),
         (["--global-batch", "16", "--pipeline-parallel", "50"], "pipeline-parallel degree 50"),
-        (["--global-batch", "16", "--data-parallel", "3"], "data-parallel degree 3"),
+        (["--global-batch", "16", "--data-parallel", "3", "--even-replicas"], "not divisible by data-parallel degree 3"),
+        (["--global-batch", "16", "--data-parallel", "17"], "data-parallel degree 17 is more than"),
         (["--global-batch", "16", "--objective", "cost-deadline"], "deadline"),
     ],
 )

@@ -102,7 +102,7 @@ def test_the_tighter_bound_prunes_more_and_keeps_the_table():
                                 block_forward_seconds=[0.01, 0.0101] * 6)
     hardware = hardware_for(load_cluster("a100-8x8"), profile)
     # ZeRO-0 and 1, every one of them in the table's pool: enough specs for the bounds to differ
-    request = PlanRequest(global_batch=96, zero_stages=[0, 1], for_deepspeed=False)
+    request = PlanRequest(global_batch=96, zero_stages=[0, 1], for_deepspeed=False, uneven_replicas=False)
     specs = enumerate_specs(profile, hardware, search_space(request, profile, hardware), 64).specs
     tight, loose = Evaluator(hardware, 96), SpecBoundOnly(hardware, 96)
     assert morph_table(specs, tight, 64, request) == morph_table(specs, loose, 64, request)

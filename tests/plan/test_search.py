@@ -84,7 +84,12 @@ def test_every_candidate_keeps_the_global_batch_and_fits():
     memory = 80 * 1024**3
     assert result.candidates
     for candidate in result.candidates:
-        assert candidate.data_parallel * candidate.micro_batch_size * candidate.micro_batches == 48
+        assert candidate.global_batch == 48
+        if candidate.replicas:  # uneven: the micro-batches dealt out as evenly as they go
+            counts = [r.micro_batches for r in candidate.replicas]
+            assert max(counts) - min(counts) == 1 and max(counts) == candidate.micro_batches
+        else:
+            assert candidate.data_parallel * candidate.micro_batch_size * candidate.micro_batches == 48
         assert candidate.devices <= 16
         assert max(candidate.peak_memory_bytes) <= memory
         assert candidate.stage_layers[0][0] == 0 and candidate.stage_layers[-1][1] == len(profile.layers)
@@ -123,7 +128,8 @@ def test_nothing_fits_is_an_infeasible_error_with_reasons():
         ({"global_batch": 0}, "global batch must be a positive"),
         ({"global_batch": 16, "pipeline_parallel": 99}, "pipeline-parallel degree 99"),
         ({"global_batch": 16, "tensor_parallel": 3}, "tensor-parallel degree 3"),
-        ({"global_batch": 16, "data_parallel": 3}, "not divisible by data-parallel degree 3"),
+        ({"global_batch": 16, "data_parallel": 3, "uneven_replicas": False}, "not divisible by data-parallel degree 3"),
+        ({"global_batch": 16, "data_parallel": 17}, "data-parallel degree 17 is more than the global batch's 16"),
         ({"global_batch": 16, "data_parallel": 4, "micro_batch_size": 8}, "data-parallel degree 4 x micro-batch 8"),
         ({"global_batch": 16, "devices": 1000}, "--devices 1000"),
         ({"global_batch": 16, "zero_stages": [3]}, "ZeRO stage 3"),

@@ -90,12 +90,18 @@ def _reference_specs(profile, hardware, space, max_devices):
                 for p in range(1, builder.layers + 1):
                     if t * p > max_devices or (recompute and p == 1):
                         continue
-                    ds = [d for d in divisors(B) if t * p * d <= max_devices and B % (d * b) == 0]
+                    if B % b:
+                        continue
+                    # Every d with a micro-batch for each replica; uneven ones run ⌈B/(d*b)⌉ at most.
+                    ds = [d for d in range(1, B // b + 1) if t * p * d <= max_devices
+                          and (space.uneven_replicas or B % (d * b) == 0)]
                     for variant in _variants_for(space.variants, p, recompute):
                         if p * variant.chunks > builder.layers:
                             continue
                         for d in sorted(ds, reverse=True):
-                            m = B // (d * b)
+                            m = -(-B // (d * b))
+                            if variant.chunks > 1 and (m % p or B % (d * b)):
+                                continue
                             for zero in sorted(space.zero_stages if d > 1 else {max(space.zero_stages)}, reverse=True):
                                 shape = _reference_fit(builder, t, b, recompute, p, variant, m, zero, d, capacity)
                                 if shape is not None:

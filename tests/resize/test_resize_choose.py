@@ -39,10 +39,24 @@ def test_table_entry_is_taken_as_is():
     assert choice.source == "morph-table" and not choice.fewer_devices and choice.notes == []
 
 
-def test_batch_that_cannot_be_split_uses_fewer_devices_and_says_so():
-    # The real planner, data-parallel only: B = 8 over 3 devices has no d with 8 % d == 0 and d = 3.
+def test_uneven_replicas_use_every_device_and_keep_the_batch():
+    # The real planner, data-parallel only: B = 8 over 3 devices, replicas of 3, 3 and 2 samples.
     plan = search_plan(
         gpt_tiny_profile(), local_cluster(4), PlanRequest(global_batch=8, pipeline_parallel=1, max_tensor_parallel=1)
+    )
+    choice = choose_candidate(plan, 3)
+    assert not choice.fewer_devices and choice.candidate.devices == 3
+    assert choice.candidate.global_batch == 8
+    assert sorted(r.samples for r in choice.candidate.replicas) in ([2, 3, 3], [2, 2, 4])
+    for entry in plan.morph_table:
+        assert entry.candidate.global_batch == 8 and entry.candidate.devices == entry.devices
+
+
+def test_batch_that_cannot_be_split_uses_fewer_devices_and_says_so():
+    # Even replicas only: B = 8 over 3 devices has no d with 8 % d == 0 and d = 3.
+    plan = search_plan(
+        gpt_tiny_profile(), local_cluster(4),
+        PlanRequest(global_batch=8, pipeline_parallel=1, max_tensor_parallel=1, uneven_replicas=False),
     )
     choice = choose_candidate(plan, 3)
     assert choice.fewer_devices and choice.candidate.devices < 3

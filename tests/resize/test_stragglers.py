@@ -11,10 +11,12 @@ from pipectl.errors import UserInputError
 from pipectl.resize.stragglers import StragglerPolicy, find_stragglers, recent_window
 
 
-def step(number, compute_by_rank, stages, *, layout="t1p2d2 1f1b b2 m2", world=None):
-    """A metrics line whose rank r spends compute_by_rank[r] seconds (1/3 forward, 2/3 backward)."""
+def step(number, compute_by_rank, stages, *, layout="t1p2d2 1f1b b2 m2", world=None, samples=None):
+    """A metrics line whose rank r spends compute_by_rank[r] seconds (1/3 forward, 2/3 backward) on
+    samples[r] samples (None: not recorded)."""
     ranks = [
-        RankTiming(rank=r, stage=stages[r], forward_seconds=c / 3, backward_seconds=2 * c / 3)
+        RankTiming(rank=r, stage=stages[r], forward_seconds=c / 3, backward_seconds=2 * c / 3,
+                   samples=samples[r] if samples else None)
         for r, c in enumerate(compute_by_rank)
     ]
     return StepMetrics(
@@ -44,6 +46,19 @@ def test_a_persistently_slow_replica_is_flagged():
     assert report.scores[2].median_slowdown == pytest.approx(2.0, rel=0.15)
     assert report.scores[2].peers == 1 and report.scores[2].median_z is None
     assert "rank 2 (stage 0)" in report.describe()[0]
+
+
+def test_uneven_replicas_are_compared_per_sample():
+    # d = 3 at B = 16: 6, 5 and 5 samples; the first replica's longer step is its larger share.
+    shares = [6, 5, 5]
+    rows = [step(s, [0.06 * n for n in shares], P1D4[:3], samples=shares) for s in range(1, 11)]
+    assert find_stragglers(rows).straggler_ranks == []
+    slow = [step(s, [0.06 * n * (2 if r == 1 else 1) for r, n in enumerate(shares)], P1D4[:3], samples=shares)
+            for s in range(1, 11)]
+    report = find_stragglers(slow)
+    assert report.straggler_ranks == [1]
+    assert report.scores[1].median_slowdown == pytest.approx(2.0)
+    assert report.scores[0].median_compute_seconds == pytest.approx(0.36)  # the step's own seconds
 
 
 def test_noise_alone_flags_nobody():

@@ -141,9 +141,9 @@ def test_uneven_replica_shares_are_validated_per_replica():
     candidate = make_candidate(p=1, d=2, b=2, m=2, devices=2, cuts=[(0, 9)], replicas=[share(0, 3, 2), share(1, 1, 2)])
     config = validated_config(make_plan(candidate))  # B = 6 + 2 = 8, not b*m*d
     assert config["train_batch_size"] == 8 and config["gradient_accumulation_steps"] == 2
-    lopsided = make_candidate(p=1, d=2, b=2, m=2, devices=2, cuts=[(0, 9)], replicas=[share(0, 3, 2)])
-    with pytest.raises(DeepSpeedConfigRejected, match="1 replica shares covering 6 samples for data-parallel 2"):
-        validated_config(make_plan(lopsided, global_batch=8))
+    short = make_candidate(p=1, d=2, b=2, m=2, devices=2, cuts=[(0, 9)], replicas=[share(0, 3, 2), share(1, 1, 1)])
+    with pytest.raises(DeepSpeedConfigRejected, match="2 replica shares covering 7 samples for data-parallel 2"):
+        validated_config(make_plan(short, global_batch=8))
 
 
 # --------------------------------------------------------------------------- training settings

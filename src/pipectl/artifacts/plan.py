@@ -55,6 +55,11 @@ class PlanRequest(Strict):
     samples: int | None = Field(default=None, gt=0, description="cost-deadline: samples to train on.")
     tokens: int | None = Field(default=None, gt=0, description="cost-deadline: tokens to train on (samples = tokens / seq_len).")
     allow_recompute: bool = True
+    uneven_replicas: bool = Field(
+        default=True,
+        description="Let replicas take ceil or floor of B / (d x b) micro-batches when d does not divide B / b "
+        "(VirtualFlow); off: only d x b dividing B.",
+    )
     zero_stages: list[int] = Field(
         default_factory=lambda: [1],
         description="ZeRO stages to try. pipectl's runtime trains with ZeRO-1 (its checkpoints hold "
@@ -93,8 +98,24 @@ class PlanRequest(Strict):
         return stages
 
 
+def balanced_shares(global_batch: int, data_parallel: int, micro_batch_size: int) -> list[int]:
+    """Micro-batches per replica when the B / b micro-batches of a step are dealt out as evenly as
+    they go: the first (B / b mod d) replicas take one more than the others.
+
+        >>> balanced_shares(16, 3, 1), balanced_shares(8192, 6, 2), balanced_shares(8, 2, 2)
+        ([6, 5, 5], [683, 683, 683, 683, 682, 682], [2, 2])
+    """
+    micro_batches, rest = divmod(global_batch, micro_batch_size)
+    if rest or not 1 <= data_parallel <= micro_batches:
+        raise ValueError(
+            f"B={global_batch} does not split into micro-batches of {micro_batch_size} for each of {data_parallel} replicas"
+        )
+    each, more = divmod(micro_batches, data_parallel)
+    return [each + 1] * more + [each] * (data_parallel - more)
+
+
 class ReplicaShare(Strict):
-    """Heterogeneous plans: how much of the global batch one data-parallel replica processes."""
+    """Uneven plans: how much of the global batch one data-parallel replica processes."""
 
     replica: int = Field(ge=0, description="Data-parallel replica index.")
     device: str = Field(description="Device kind of the replica's devices.")
@@ -102,6 +123,20 @@ class ReplicaShare(Strict):
     micro_batches: int = Field(gt=0)
     samples: int = Field(gt=0, description="Samples per step: micro_batch_size * micro_batches.")
     gradient_weight: float = Field(gt=0, description="samples / global batch: weight of its mean gradient.")
+
+
+def replica_shares(global_batch: int, data_parallel: int, micro_batch_size: int, device: str) -> list[ReplicaShare] | None:
+    """The replicas of a candidate on one device kind: None when d x b divides B (each runs
+    B / (d x b) micro-batches), else `balanced_shares` with each replica's weight samples / B."""
+    shares = balanced_shares(global_batch, data_parallel, micro_batch_size)
+    if len(set(shares)) == 1:
+        return None
+    b = micro_batch_size
+    return [
+        ReplicaShare(replica=r, device=device, micro_batch_size=b, micro_batches=m, samples=b * m,
+                     gradient_weight=b * m / global_batch)
+        for r, m in enumerate(shares)
+    ]
 
 
 class Candidate(Strict):
@@ -113,7 +148,9 @@ class Candidate(Strict):
     pipeline_parallel: int = Field(gt=0)
     data_parallel: int = Field(gt=0)
     micro_batch_size: int = Field(gt=0, description="b: samples per micro-batch.")
-    micro_batches: int = Field(gt=0, description="m: micro-batches per pipeline per step = B / (d * b).")
+    micro_batches: int = Field(
+        gt=0, description="m: micro-batches per pipeline per step = B / (d * b); with uneven replicas the most any runs."
+    )
     chunks: int = Field(default=1, gt=0, description="v: model chunks per device (interleaved).")
     schedule: ScheduleKind
     recompute: bool
@@ -129,7 +166,8 @@ class Candidate(Strict):
     communication_fraction: float = Field(ge=0, le=1)
     cost_per_million_samples: float = Field(ge=0, description="USD per 1 M samples at the cluster's prices.")
     replicas: list[ReplicaShare] | None = Field(
-        default=None, description="Uneven batch split over replicas (heterogeneous plans only)."
+        default=None,
+        description="Uneven batch split over replicas, one entry per replica in order (None: every replica b x m).",
     )
     deepspeed_runnable: bool = Field(
         default=True, description="Whether DeepSpeed's pipeline engine can execute this schedule."
@@ -157,6 +195,14 @@ class Candidate(Strict):
         for (_, end), (start, _) in zip(self.stage_layers, self.stage_layers[1:]):
             if end != start:
                 raise ValueError(f"stage_layers must be contiguous, got {self.stage_layers}")
+        if self.replicas is not None:
+            if [r.replica for r in self.replicas] != list(range(self.data_parallel)):
+                raise ValueError(f"replicas must list replicas 0..{self.data_parallel - 1} in order")
+            if self.micro_batches != max(r.micro_batches for r in self.replicas):
+                raise ValueError(f"micro_batches {self.micro_batches} must be the most any replica runs")
+            bad = next((r for r in self.replicas if r.samples != r.micro_batch_size * r.micro_batches), None)
+            if bad is not None:
+                raise ValueError(f"replica {bad.replica}: samples {bad.samples} != {bad.micro_batch_size} x {bad.micro_batches}")
         return self
 
 

@@ -212,6 +212,11 @@ class RankTiming(Strict):
 
     rank: int = Field(ge=0)
     stage: int = Field(ge=0, description="Pipeline stage the rank runs.")
+    samples: int | None = Field(
+        default=None, gt=0,
+        description="Samples the rank's replica processed this step (its share of the global batch: uneven "
+        "replicas differ). None in files written before it existed.",
+    )
     forward_seconds: float = Field(ge=0, description="Sum of the rank's forward (and recompute) time this step.")
     backward_seconds: float = Field(ge=0, description="Sum of the rank's backward time this step.")
     peak_allocated_bytes: int | None = Field(

@@ -94,6 +94,14 @@ def plan_command(
     schedule: Annotated[Optional[str], typer.Option("--schedule", help="Pin the schedule.")] = None,
     devices: Annotated[Optional[int], typer.Option("--devices", help="Plan for G devices (default: the whole cluster; a local cluster: its default).")] = None,
     no_recompute: Annotated[bool, typer.Option("--no-recompute", help="Never recompute activations.")] = False,
+    even_replicas: Annotated[
+        bool,
+        typer.Option(
+            "--even-replicas",
+            help="Only d x b dividing B. Default: when d does not divide B / b, replicas run the ceiling or "
+            "floor of B / (d x b) micro-batches, gradients weighted by samples, so every device count has a plan.",
+        ),
+    ] = False,
     zero_stages: Annotated[
         str,
         typer.Option(
@@ -144,6 +152,7 @@ def plan_command(
         samples=parse_amount(samples, "--samples"),
         tokens=parse_amount(tokens, "--tokens"),
         allow_recompute=not no_recompute,
+        uneven_replicas=not even_replicas,
         zero_stages=zeros,
         memory_headroom=memory_headroom,
         include_all=include_all,

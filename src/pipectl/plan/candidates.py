@@ -3,7 +3,7 @@
 A *shape* fixes what the partition depends on: tensor-parallel degree t, micro-batch size b,
 recomputation, and the number of (virtual) stages p*v; it holds the stage cut and per-stage costs.
 A *spec* adds what only changes the step's arithmetic: data-parallel degree d (hence the micro-
-batches m = B/(d*b), never rounded), the schedule and the ZeRO stage. Every spec gets a memory
+batches m = B/(d*b), or ⌈B/(d*b)⌉ on the busiest of uneven replicas; B is never rounded), the schedule and the ZeRO stage. Every spec gets a memory
 check and a closed-form lower bound on its step time before anything is timed (the chains of
 `pipectl.plan.fast.bounds`).
 """
@@ -54,6 +54,7 @@ class Rejection(str, Enum):
     """Why a point of the search space is not a candidate (counted in plan.json's `infeasible`)."""
 
     BATCH_NOT_DIVISIBLE = "global batch not divisible by data-parallel degree x micro-batch size"
+    FEWER_MICRO_BATCHES_THAN_REPLICAS = "fewer micro-batches than data-parallel replicas"
     MEMORY = "a stage does not fit in device memory"
     INTERLEAVED_MICRO_BATCHES = "interleaved schedule needs micro-batches to be a multiple of p"
     TOO_FEW_LAYERS = "fewer layers than (virtual) stages"
@@ -213,6 +214,7 @@ class SearchSpace:
     zero_stages: tuple[int, ...]
     pipeline_parallel: int | None = None
     data_parallel: int | None = None
+    uneven_replicas: bool = True  # replicas may run ⌈B/(d*b)⌉ or ⌊B/(d*b)⌋ micro-batches
 
 
 def divisors(n: int) -> list[int]:

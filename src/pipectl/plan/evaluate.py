@@ -8,7 +8,8 @@ relative where one applies, by the simulation itself otherwise or in reference m
 
 Reported figures:
 
-- samples/s = B / step;
+- samples/s = B / step (with uneven replicas the step is the busiest replica's: it runs
+  ⌈B/(d*b)⌉ micro-batches, the others wait for it at the gradient all-reduce);
 - TFLOP/s per device = model FLOPs of the step / (step * devices), model FLOPs being the profile's
   forward FLOPs x 3 (forward + backward, SPEC §3) or x 4 with recomputation (hardware FLOPs,
   Narayanan et al. 2021 §5.1);
@@ -22,13 +23,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from pipectl.artifacts.plan import Candidate
+from pipectl.artifacts.plan import Candidate, ReplicaShare, replica_shares
 from pipectl.plan.candidates import Spec
 from pipectl.plan.costs import Hardware, host_compute_slowdown, ranks_share_node
 from pipectl.plan.fast import bounds, varuna_flags, waves
 from pipectl.plan.simulate import StageCosts, StepSummary
 from pipectl.plan.timing import actions_per_step, reference_mode, step_seconds_of, summary_of
 from pipectl.schedule import ScheduleKind
+from pipectl.words import count
 
 TWO_BW_NOTE = "PipeDream-2BW: 1-stale weight updates (a different optimizer than data-parallel Adam)"
 NOT_DEEPSPEED_NOTE = "DeepSpeed's pipeline engine cannot run this schedule (plan and simulate only)"
@@ -165,13 +167,16 @@ class Evaluator:
         self._steps.setdefault(spec.key, step)
         shape = spec.shape
         flops_factor = 4 if spec.recompute else 3
-        step_flops = shape.table.total_forward_flops() * flops_factor * spec.micro_batches * spec.data_parallel
+        step_flops = shape.table.total_forward_flops() * flops_factor * (self.global_batch // shape.micro_batch_size)
         bubble = sum(timeline.bubble_fraction) / len(timeline.bubble_fraction)
         notes = list(notes or [])
         if spec.variant.kind.changes_optimizer_semantics:
             notes.append(TWO_BW_NOTE)
         if not spec.deepspeed_runnable:
             notes.append(NOT_DEEPSPEED_NOTE)
+        replicas = replica_shares(self.global_batch, spec.data_parallel, shape.micro_batch_size, self.hardware.device.name)
+        if replicas:
+            notes.append(uneven_note(replicas))
         return Candidate(
             devices=spec.devices,
             device=self.hardware.device.name,
@@ -192,9 +197,22 @@ class Evaluator:
             bubble_fraction=min(max(bubble, 0.0), 1.0),
             communication_fraction=min(timeline.communication_seconds / step, 1.0) if step > 0 else 0.0,
             cost_per_million_samples=self.cost_per_sample(spec, step) * 1e6,
+            replicas=replicas,
             deepspeed_runnable=spec.deepspeed_runnable,
             notes=notes,
         )
+
+
+def uneven_note(replicas: list[ReplicaShare]) -> str:
+    """e.g. '2 of 3 replicas run 5 micro-batches, 1 runs 6; gradients weighted by samples / B'."""
+    by_count: dict[int, int] = {}
+    for share in replicas:
+        by_count[share.micro_batches] = by_count.get(share.micro_batches, 0) + 1
+    parts = [f"{n} {'runs' if n == 1 else 'run'} {count(m, 'micro-batch')}" for m, n in sorted(by_count.items())]
+    return (
+        f"uneven replicas: of {len(replicas)}, " + ", ".join(parts)
+        + "; each gradient weighted by its samples / B (VirtualFlow), the step set by the busiest"
+    )
 
 
 def _summary_comes_free(kind: ScheduleKind, costs: StageCosts) -> bool:

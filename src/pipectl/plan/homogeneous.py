@@ -71,12 +71,20 @@ def check_request(request: PlanRequest, profile: ModelProfile, hardware: Hardwar
                 "(or the model has no transformer blocks to split)"
             )
     d, b = request.data_parallel, request.micro_batch_size
-    if d is not None and B % d:
-        raise UserInputError(f"global batch {B} is not divisible by data-parallel degree {d}")
+    if d is not None and d > B:
+        raise UserInputError(f"data-parallel degree {d} is more than the global batch's {count(B, 'sample')}")
+    if d is not None and B % d and not request.uneven_replicas:
+        raise UserInputError(f"global batch {B} is not divisible by data-parallel degree {d}",
+                             hint="without --even-replicas, replicas take uneven shares of the batch")
     if b is not None and B % b:
         raise UserInputError(f"global batch {B} is not divisible by micro-batch size {b}")
-    if d is not None and b is not None and B % (d * b):
-        raise UserInputError(f"global batch {B} is not divisible by data-parallel degree {d} x micro-batch {b}")
+    if d is not None and b is not None and d * b > B:
+        raise UserInputError(
+            f"data-parallel degree {d} x micro-batch {b} is more than the global batch's {count(B, 'sample')}"
+        )
+    if d is not None and b is not None and B % (d * b) and not request.uneven_replicas:
+        raise UserInputError(f"global batch {B} is not divisible by data-parallel degree {d} x micro-batch {b}",
+                             hint="without --even-replicas, replicas take uneven shares of the batch")
     pinned = [x for x in (request.tensor_parallel, request.pipeline_parallel, request.data_parallel) if x]
     if math.prod(pinned) > (request.devices or hardware.devices):
         raise UserInputError(

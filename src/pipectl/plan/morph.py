@@ -1,9 +1,10 @@
 """The morph table: the fastest candidate for every device count, computed ahead (SPEC §5, §7).
 
 A resize is then a look-up (Varuna's job morphing). Entry c holds the fastest spec using at most c
-devices; when it uses fewer than c (no (d, b) divides B at c with memory to spare, or a smaller
+devices; when it uses fewer than c (nothing on exactly c devices fits in memory, or a smaller
 configuration is simply faster), the entry's note says so. The global batch is the same in every
-entry: m grows as devices shrink.
+entry: m grows as devices shrink, and where d does not divide B/b the replicas take uneven shares
+(`pipectl.artifacts.plan.balanced_shares`), so no count is skipped for the batch's sake.
 
 The table ranks by step time whatever the plan's objective: after a resize the job should run as
 fast as the devices it has allow (the cost objective would otherwise leave devices idle).
@@ -175,9 +176,8 @@ def morph_table(specs: list[Spec], evaluator: Evaluator, max_devices: int, reque
             if count in exact_counts:
                 note = f"uses {spec.devices} of {count} devices: faster than any configuration of all {count}"
             else:
-                note = (
-                    f"uses {spec.devices} of {count} devices: no configuration of exactly {count} "
-                    f"devices divides the global batch {evaluator.global_batch} and fits in memory"
-                )
+                why = (f"fits in memory with the global batch {evaluator.global_batch}" if request.uneven_replicas
+                       else f"divides the global batch {evaluator.global_batch} and fits in memory")
+                note = f"uses {spec.devices} of {count} devices: no configuration of exactly {count} devices {why}"
         entries.append(MorphEntry(devices=count, candidate=candidates[spec.key], note=note))
     return entries

@@ -1,10 +1,12 @@
 """The search space and its enumeration: every feasible (t, p, d, b, v, schedule, recompute, ZeRO).
 
 `search_space` turns a request into the degrees, sizes and schedules to try: t divides the node
-size (and the hidden size), p ≤ layers, d with t*p*d ≤ devices, b from the profile, m = B/(d*b)
-whole (a (d, b) that does not divide B is rejected, never rounded), schedules 1f1b, gpipe,
-interleaved (v ∈ {2, 4} when p*v ≤ layers and p | m) and Varuna; PipeDream-2BW only when asked
-for (always flagged).
+size (and the hidden size), p ≤ layers, d with t*p*d ≤ devices, b from the profile and dividing B.
+The B/b micro-batches of a step are dealt out over the d replicas: B/(d*b) each when d divides
+B/b, else ⌈·⌉ or ⌊·⌋ (`balanced_shares`, VirtualFlow's uneven virtual nodes; the slowest replica,
+with ⌈·⌉, sets the step and the memory), so B is never rounded and every device count has
+candidates. Schedules 1f1b, gpipe, interleaved (v ∈ {2, 4} when p*v ≤ layers and p | m on every
+replica) and Varuna; PipeDream-2BW only when asked for (always flagged).
 
 `enumerate_specs` visits them. The cut of each (t, b, recompute, p*v) is the balanced partition;
 a point that does not fit in memory tries the cut that fills later stages first and then the
@@ -85,6 +87,7 @@ def search_space(request: PlanRequest, profile: ModelProfile, hardware: Hardware
         zero_stages=tuple(sorted(set(request.zero_stages))),
         pipeline_parallel=request.pipeline_parallel,
         data_parallel=request.data_parallel,
+        uneven_replicas=request.uneven_replicas,
     )
 
 
@@ -243,20 +246,42 @@ class _UnitContext:
                         f"{format_gib(self.budget.usable_bytes)} per device",
                     )
                     continue
-                ds = []
-                for d in ([space.data_parallel] if space.data_parallel else divisors(B)):
-                    if t * p * d > max_devices:
-                        continue
-                    if B % (d * b):
-                        rejections.add(Rejection.BATCH_NOT_DIVISIBLE, f"B={B} is not divisible by d={d} x b={b}")
-                        continue
-                    ds.append(d)
+                ds = self._data_parallel_degrees(t * p, b, rejections)
                 if not ds:
                     continue
                 for variant in _variants_for(space.variants, p, recompute):
                     self.enumerate_family(builder, FamilyKey(t, b, recompute, p, variant), ds, out)
         return out
 
+    def _data_parallel_degrees(self, devices_per_replica: int, b: int, rejections: Rejections) -> list[int]:
+        """The d to try for replicas of `devices_per_replica` devices at micro-batch size b.
+
+        Every d up to the devices and the B / b micro-batches when uneven replicas are allowed
+        (`balanced_shares`), else the divisors of B / b; the others are counted as rejections.
+        """
+        space = self.space
+        B = space.global_batch
+        limit = self.max_devices // devices_per_replica
+        tried = [space.data_parallel] if space.data_parallel else None
+        if B % b:
+            rejections.add(Rejection.BATCH_NOT_DIVISIBLE, f"B={B} is not divisible by b={b}",
+                           len(tried or range(1, limit + 1)))
+            return []
+        micro_batches = B // b
+        if tried is None:
+            tried = list(range(1, limit + 1)) if space.uneven_replicas else [d for d in divisors(B) if d <= limit]
+        ds = []
+        for d in tried:
+            if d > limit:
+                continue
+            if d > micro_batches:
+                rejections.add(Rejection.FEWER_MICRO_BATCHES_THAN_REPLICAS,
+                               f"B={B} makes {count(micro_batches, 'micro-batch')} of b={b}, fewer than d={d}")
+            elif micro_batches % d and not space.uneven_replicas:
+                rejections.add(Rejection.BATCH_NOT_DIVISIBLE, f"B={B} is not divisible by d={d} x b={b}")
+            else:
+                ds.append(d)
+        return ds
 
     def enumerate_family(self, builder: ShapeBuilder, key: FamilyKey, ds: list[int], out: _UnitResult) -> None:
         """The points of one family at the data-parallel degrees `ds`: each (shape, schedule, point)
@@ -274,9 +299,9 @@ class _UnitContext:
         # that does not fit rules out every stricter one without partitioning again.
         per_d = []
         for d in sorted(ds, reverse=True):
-            m = B // (d * b)
+            m = -(-B // (d * b))  # the most micro-batches a replica runs (`balanced_shares`)
             zeros = _zeros_descending(d, space.zero_stages)
-            if v > 1 and m % p:
+            if v > 1 and (m % p or B % (d * b)):
                 per_d.append((d, m, zeros, None, ()))
                 continue
             per_d.append((d, m, zeros, in_flight_units(kind, p, m, v), _state_bytes_of(dtype, zeros, d, kind)))
@@ -289,9 +314,8 @@ class _UnitContext:
         index = 0  # of the point among the family's (d, ZeRO) points with whole interleaved rounds
         for d, m, zeros, units, per_device in per_d:
             if units is None:
-                rejections.add(
-                    Rejection.INTERLEAVED_MICRO_BATCHES, f"m={m} is not a multiple of p={p}", len(zeros)
-                )
+                example = f"m={m} is not a multiple of p={p}" if m % p else f"uneven replicas run {m} or {m - 1}"
+                rejections.add(Rejection.INTERLEAVED_MICRO_BATCHES, example, len(zeros))
                 continue
             if family.without_cut and Rejection.MEMORY in rejections.examples:
                 # Every ZeRO stage of this d at once when even its lightest demand has no cut (what

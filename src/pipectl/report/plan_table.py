@@ -12,7 +12,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from pipectl.artifacts.plan import Candidate, Plan
+from pipectl.artifacts.plan import Candidate, Plan, ReplicaShare
 from pipectl.runtime.checkpoint_schedule import DEVICE_MTBF_HOURS, young_daly_seconds
 from pipectl.words import count
 
@@ -23,9 +23,32 @@ def _schedule_label(candidate: Candidate) -> str:
     label = candidate.schedule.value
     if candidate.chunks > 1:
         label += f"-{candidate.chunks}"
-    if candidate.replicas:
-        label += " (uneven)"
     return label
+
+
+def _batch_label(candidate: Candidate) -> str:
+    """b×m, e.g. '2×4'; uneven replicas '2×4/3' (the micro-batch counts they run), 'mixed' when
+    their micro-batch sizes differ too."""
+    if not candidate.replicas:
+        return f"{candidate.micro_batch_size}×{candidate.micro_batches}"
+    if len({r.micro_batch_size for r in candidate.replicas}) > 1:
+        return "mixed"
+    counts = sorted({r.micro_batches for r in candidate.replicas}, reverse=True)
+    return f"{candidate.micro_batch_size}×{'/'.join(map(str, counts))}"
+
+
+def _replica_runs(replicas: Sequence[ReplicaShare]) -> list[tuple[int, int, ReplicaShare]]:
+    """Consecutive replicas with the same share as one (first, last, share): 11 replicas at
+    6, 6, 6, 5, ... are two rows."""
+    runs: list[tuple[int, int, ReplicaShare]] = []
+    for r in replicas:
+        if runs and (runs[-1][2].device, runs[-1][2].micro_batch_size, runs[-1][2].micro_batches) == (
+            r.device, r.micro_batch_size, r.micro_batches
+        ):
+            runs[-1] = (runs[-1][0], r.replica, runs[-1][2])
+        else:
+            runs.append((r.replica, r.replica, r))
+    return runs
 
 
 def _gib(num_bytes: float) -> str:
@@ -49,7 +72,7 @@ def candidates_table(candidates: Sequence[Candidate], *, chosen: Candidate | Non
     zero_stages = {c.zero_stage for c in candidates if c.data_parallel > 1} or {c.zero_stage for c in candidates}
     columns: list[tuple[str, str, object]] = [
         ("t·p·d", "left", lambda c: f"{c.tensor_parallel}·{c.pipeline_parallel}·{c.data_parallel}"),
-        ("b×m", "left", lambda c: f"{c.micro_batch_size}×{c.micro_batches}"),
+        ("b×m", "left", _batch_label),
         ("schedule", "left", lambda c: _schedule_label(c) + ("+R" if c.recompute else "")
          + ("" if c.deepspeed_runnable else "*")),
     ]
@@ -104,7 +127,7 @@ def morph_table_view(plan: Plan, *, every: int | None = None) -> Table:
         previous = signature
         table.add_row(
             str(entry.devices), str(c.devices), f"{c.tensor_parallel}·{c.pipeline_parallel}·{c.data_parallel}",
-            f"{c.micro_batch_size}×{c.micro_batches}", _schedule_label(c),
+            _batch_label(c), _schedule_label(c),
             format_step(c.predicted_step_seconds), entry.note,
         )
     return table
@@ -148,7 +171,7 @@ def plan_view(plan: Plan, *, top: int = 10, show_morph: bool = True) -> Group:
     headline = Text.assemble(
         ("chosen: ", "bold"),
         f"t={c.tensor_parallel} p={c.pipeline_parallel} d={c.data_parallel} b={c.micro_batch_size} "
-        f"m={c.micro_batches} {_schedule_label(c)}{' recompute' if c.recompute else ''} zero={c.zero_stage} "
+        f"m={_batch_label(c).partition('×')[2] or c.micro_batches} {_schedule_label(c)}{' recompute' if c.recompute else ''} zero={c.zero_stage} "
         f"on {c.devices} x {c.device}: {format_step(c.predicted_step_seconds)} per step of "
         f"{count(plan.global_batch, 'sample')}",
     )
@@ -166,9 +189,9 @@ def plan_view(plan: Plan, *, top: int = 10, show_morph: bool = True) -> Group:
         replicas = Table(title="batch split over replicas", box=box.SIMPLE_HEAD, title_justify="left")
         for header in ("replica", "device", "b", "m", "samples", "gradient weight"):
             replicas.add_column(header)
-        for r in c.replicas:
-            replicas.add_row(str(r.replica), r.device, str(r.micro_batch_size), str(r.micro_batches),
-                             str(r.samples), f"{r.gradient_weight:.4f}")
+        for first, last, r in _replica_runs(c.replicas):
+            replicas.add_row(str(first) if first == last else f"{first}-{last}", r.device, str(r.micro_batch_size),
+                             str(r.micro_batches), str(r.samples), f"{r.gradient_weight:.4g}")
         parts.append(replicas)
     checkpoint = checkpoint_line(plan)
     if checkpoint is not None:

@@ -5,14 +5,16 @@ A *fail-stutter* rank (Arpaci-Dusseau & Arpaci-Dusseau, "Fail-Stutter Fault Tole
 (EuroSys 2022, §4) watches per-rank step times and leaves such a rank out at the next morph.
 
 Only ranks doing the same work can be compared: the data-parallel replicas of one pipeline stage
-hold the same layers and process equally many samples. For each recent step of the current layout
+hold the same layers; uneven replicas process different shares of the batch, so their compute is
+taken per sample where the heartbeat records the share. For each recent step of the current layout
 and each rank in a group of stage peers:
 
     slowdown(r, s) = compute(r, s) / median over the other peers of compute(peer, s)
     z(r, s)        = 0.6745 (compute(r, s) - median_s) / MAD_s     (modified z-score, Iglewicz &
                                                                     Hoaglin 1993; groups of >= 3)
 
-where compute = forward + backward seconds from the rank's heartbeat. A rank's score is the median
+where compute = forward + backward seconds from the rank's heartbeat (per sample of its share when
+recorded). A rank's score is the median
 over the window, so one slow step (a page fault, a checkpoint) is not a straggler; a rank that is
 slow in most steps is. It is flagged when its median slowdown reaches `slowdown_threshold` and, in
 groups of three or more where the MAD is meaningful, its median z-score reaches `z_threshold`
@@ -140,13 +142,14 @@ def find_stragglers(metrics: Sequence[StepMetrics], policy: StragglerPolicy | No
     slowdowns: dict[int, list[float]] = defaultdict(list)
     zs: dict[int, list[float]] = defaultdict(list)
     for m in window:
-        groups: dict[int, dict[int, float]] = defaultdict(dict)  # stage -> rank -> seconds
+        groups: dict[int, dict[int, float]] = defaultdict(dict)  # stage -> rank -> seconds (per sample)
         for timing in m.ranks:
-            groups[timing.stage][timing.rank] = timing.forward_seconds + timing.backward_seconds
+            seconds = timing.forward_seconds + timing.backward_seconds
+            compute[timing.rank].append(seconds)
+            groups[timing.stage][timing.rank] = seconds / timing.samples if timing.samples else seconds
             stage_of[timing.rank] = timing.stage
         for group in groups.values():
             for rank, seconds in group.items():
-                compute[rank].append(seconds)
                 others = [v for r, v in group.items() if r != rank]
                 if not others:
                     continue

@@ -384,9 +384,11 @@ def _write_metrics(writer, job: TrainingJob, engine, record: StepRecord) -> None
     import torch.distributed as torch_dist  # torch, after dsinit
 
     memory = record.memory
+    micro_batch_size, micro_batches = job.layout.replica_share(engine.grid.data_parallel_id)
     mine = (
         engine.global_rank,
         engine.stage_id,
+        micro_batch_size * micro_batches,
         record.forward_seconds,
         record.backward_seconds,
         memory.peak_allocated_bytes if memory else None,
@@ -413,13 +415,14 @@ def _write_metrics(writer, job: TrainingJob, engine, record: StepRecord) -> None
                 RankTiming(
                     rank=r,
                     stage=s,
+                    samples=samples,
                     forward_seconds=f,
                     backward_seconds=b,
                     peak_allocated_bytes=allocated,
                     peak_reserved_bytes=reserved,
                     peak_rss_bytes=rss,
                 )
-                for r, s, f, b, allocated, reserved, rss in gathered
+                for r, s, samples, f, b, allocated, reserved, rss in gathered
             ],
             predicted_peak_memory_bytes=list(job.predicted_peak_memory_bytes),
         )
