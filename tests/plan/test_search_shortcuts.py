@@ -9,7 +9,7 @@ import pytest
 
 from pipectl.cluster import load_cluster
 from pipectl.plan.candidates import (
-    ScheduleVariant, ShapeBuilder, divisors, in_flight, recomputing_stages, state_bytes,
+    ScheduleVariant, ShapeBuilder, in_flight, recomputing_stages, state_bytes,
     step_bytes,
 )
 from pipectl.plan.costs import hardware_for

@@ -230,7 +230,6 @@ class _UnitContext:
         space = self.space
         out = _UnitResult([], Rejections())
         rejections = out.rejections
-        B = space.global_batch
         max_devices, capacity = self.max_devices, self.capacity
         for recompute in space.recompute:
             for p in self._depths():
