@@ -38,7 +38,8 @@ def test_similar_kinds_split_the_batch_and_weights_sum_to_one(tmp_path):
     assert chosen.replicas is not None and chosen.global_batch == 64
     assert sum(r.gradient_weight for r in chosen.replicas) == pytest.approx(1.0)
     assert {r.device for r in chosen.replicas} == {"v100-32gb", "v100-16gb"}
-    assert any("beats the best homogeneous subset" in n for n in result.notes)
+    assert any("as fast as the best homogeneous subset" in n for n in result.notes)
+    assert chosen.deepspeed_runnable  # the runtime weights each replica's gradient by its samples
 
 
 def test_faster_kind_gets_more_micro_batches(tmp_path):
@@ -55,10 +56,33 @@ def test_faster_kind_gets_more_micro_batches(tmp_path):
     assert sum(s.samples for s in split.replicas) == 64
 
 
-def test_much_slower_kind_means_homogeneous_subset(tmp_path):
-    cluster = load_cluster("mixed-v100-p100")
-    result = plan(_profile(), cluster, PlanRequest(global_batch=32, morph=False))
-    # P100s are 6.7x slower at 16-bit and the VMs talk over 1 GB/s: the V100 subset wins.
-    assert result.chosen.device == "v100-16gb"
-    assert any("homogeneous subset" in n for n in result.notes)
-    assert result.chosen.global_batch == 32
+def _with_links(cluster, **links):
+    return cluster.model_copy(update={"inter_node_links": cluster.inter_node_links.model_copy(update=links)})
+
+
+def test_one_ring_over_a_slow_link_means_homogeneous_subset(tmp_path):
+    # Four V100-32GB in one node all-reduce over NVLink; a split adds the V100-16GB node, and the
+    # one ring of all replicas then runs at its slowest hop, here 100 kB/s between the groups.
+    cluster = _cluster(tmp_path, "v100-32gb", "v100-16gb")
+    request = PlanRequest(global_batch=32, morph=False)
+    fast_ring = plan(_profile(), cluster, request)
+    assert fast_ring.chosen.device == "mixed"
+    slow_ring = plan(_profile(), _with_links(cluster, inter_node_bandwidth_gbytes_per_second=1e-4), request)
+    assert slow_ring.chosen.device in ("v100-32gb", "v100-16gb")  # equally fast on this model
+    assert any("homogeneous subset" in n for n in slow_ring.notes)
+    assert slow_ring.chosen.global_batch == 32
+
+
+def test_the_ring_of_a_split_runs_at_its_slowest_link(tmp_path):
+    # The same split priced twice: only the link between the groups differs, and every replica's
+    # all-reduce (the fast kind's too) pays for it.
+    cluster = _cluster(tmp_path, "a100-80gb", "v100-16gb")
+    profile = _profile()
+    template = plan(profile, cluster.model_copy(update={"node_types": cluster.node_types[:1]}),
+                    PlanRequest(global_batch=64, morph=False, tensor_parallel=1, pipeline_parallel=1)).chosen
+    request = PlanRequest(global_batch=64)
+    fast = uneven_split(profile, cluster, template, request)
+    slow = uneven_split(profile, _with_links(cluster, inter_node_bandwidth_gbytes_per_second=0.1), template, request)
+    assert fast is not None and slow is not None
+    assert slow.predicted_step_seconds > fast.predicted_step_seconds
+    assert slow.communication_fraction > fast.communication_fraction

@@ -10,8 +10,11 @@ the data-parallel all-reduce still pairs stage with stage; only the number of mi
 replica differs. The split is found by water-filling: each of the B/b micro-batches goes to the
 replica that would finish it earliest under the closed-form bound (m + p − 1)-style of
 `pipectl.plan.fast.bounds`; then every distinct (kind, m) is simulated and the step is the
-slowest replica. Gradients must then be averaged with weights samples_r / B (`ReplicaShare`),
-which the runtime applies; plain averaging of replica means would over-weight slow replicas.
+slowest replica. One data-parallel ring spans every replica, so its all-reduce is priced on the
+slowest inter-node link of any kind (`_on_one_ring`). Gradients are averaged with weights
+samples_r / B (`ReplicaShare`), which the runtime applies (`runtime.worker.WeightedLoss`: each
+rank's DeepSpeed engine runs its own replica's micro-batches); plain averaging of replica means
+would over-weight slow replicas.
 
 If the split is not faster (or, for the cost objectives, not cheaper) than the best homogeneous
 subset, the plan recommends the homogeneous subset and says why.
@@ -20,6 +23,7 @@ subset, the plan recommends the homogeneous subset and says why.
 from __future__ import annotations
 
 import heapq
+from dataclasses import replace
 
 from pipectl.artifacts.cluster import ClusterSpec
 from pipectl.artifacts.plan import Candidate, Objective, Plan, PlanRequest, ReplicaShare
@@ -29,6 +33,7 @@ from pipectl.plan.candidates import ScheduleVariant, ShapeBuilder, Spec, SpecFig
 from pipectl.plan.costs import Hardware, hardware_for
 from pipectl.plan.evaluate import Evaluator
 from pipectl.plan.homogeneous import SearchStats, plan_homogeneous
+from pipectl.words import count
 
 
 def _sub_cluster(cluster: ClusterSpec, kind: str) -> ClusterSpec:
@@ -65,8 +70,9 @@ def plan_heterogeneous(
     candidates = list(best_plan.candidates)
     if split is not None and key(split) < key(chosen) and (split.deepspeed_runnable or not request.for_deepspeed):
         notes.append(
-            f"uneven split over {', '.join(cluster.device_kinds)} beats the best homogeneous subset "
-            f"({chosen.device}: {chosen.predicted_step_seconds:.4g} s/step)"
+            f"uneven split over {', '.join(cluster.device_kinds)}: {split.predicted_step_seconds:.4g} s/step, "
+            f"{chosen.predicted_step_seconds / split.predicted_step_seconds:.2f}x as fast as the best homogeneous "
+            f"subset ({chosen.devices} x {chosen.device}: {chosen.predicted_step_seconds:.4g} s/step)"
         )
         chosen = split
         candidates.insert(0, split)
@@ -77,13 +83,41 @@ def plan_heterogeneous(
                 f"homogeneous subset of {chosen.devices} x {chosen.device} recommended: the uneven split over "
                 f"{', '.join(cluster.device_kinds)} predicts {split.predicted_step_seconds:.4g} s/step "
                 f"(${split.cost_per_million_samples:.2f} per 1M samples)"
-                + ("" if split.deepspeed_runnable else " and needs weighted gradients DeepSpeed does not apply")
+                + ("" if split.deepspeed_runnable else f", a schedule DeepSpeed's engine cannot run ({split.schedule.value})")
             )
         else:
             notes.append("no uneven split over the device kinds fits the global batch and memory")
     return best_plan.model_copy(
         update={"cluster": cluster.name, "request": request, "chosen": chosen, "candidates": candidates, "notes": notes}
     )
+
+
+def _on_one_ring(kinds: list) -> list:
+    """The kinds' hardware with one data-parallel ring for all: every replica's gradient goes round
+    the same ring, which leaves each node and runs at the pace of its slowest hop, so every kind's
+    all-reduce is priced on the slowest inter-node link of any kind (the highest latency, the
+    lowest bandwidth) instead of its own."""
+    links = [hardware.links for _, hardware, _, _ in kinds]
+    latency = max(link.allreduce_inter_latency_seconds for link in links)
+    bandwidth = min(link.allreduce_inter_bandwidth_bytes_per_second for link in links)
+    ring = dict(allreduce_intra_latency_seconds=latency, allreduce_intra_bandwidth_bytes_per_second=bandwidth,
+                allreduce_inter_latency_seconds=latency, allreduce_inter_bandwidth_bytes_per_second=bandwidth)
+    return [(kind, replace(hardware, links=replace(hardware.links, **ring)), shape, replicas)
+            for kind, hardware, shape, replicas in kinds]
+
+
+def _split_note(shares: list[ReplicaShare], global_batch: int) -> str:
+    """Per device kind: its replicas, the micro-batches (virtual nodes) each runs, its samples."""
+    parts = []
+    for kind in dict.fromkeys(share.device for share in shares):
+        mine = [share for share in shares if share.device == kind]
+        counts = sorted({share.micro_batches for share in mine}, reverse=True)
+        samples = sum(share.samples for share in mine)
+        parts.append(
+            f"{kind}: {count(len(mine), 'replica')} x {'/'.join(map(str, counts))} micro-batches of "
+            f"{mine[0].micro_batch_size}, {samples} of the {global_batch} samples"
+        )
+    return "batch split " + "; ".join(parts) + "; each replica's gradient weighted by its samples / B (VirtualFlow)"
 
 
 def _objective_key(objective: Objective):
@@ -114,6 +148,7 @@ def uneven_split(
         kinds.append((kind, hardware, shape, replicas))
     if len(kinds) < 2:
         return None
+    kinds = _on_one_ring(kinds)
     d_total = sum(replicas for *_, replicas in kinds)
     # Water-filling with the closed-form bound as each replica's time for m micro-batches.
     def bound(index: int, m: int) -> float:
@@ -160,13 +195,10 @@ def uneven_split(
                                        samples=b * m, gradient_weight=b * m / B))
             price += hardware.price_per_device_hour * t * p
             used_devices += t * p
-    even = len({s.micro_batches for s in shares}) == 1
     # The template's step does the same model FLOPs for the same B.
     step_flops = template.tflops_per_device * template.predicted_step_seconds * template.devices * 1e12
     slowest_record = slowest_run[0].candidate(slowest_run[1]) if slowest_run else template
-    notes = ["gradients are averaged with weights samples / B (VirtualFlow); data shards follow the split"]
-    if not even:
-        notes.append("uneven micro-batch counts: DeepSpeed's engine runs one count on every rank")
+    notes = [_split_note(shares, B)]
     return Candidate(
         devices=used_devices,
         device="mixed",
@@ -188,6 +220,6 @@ def uneven_split(
         communication_fraction=slowest_record.communication_fraction,
         cost_per_million_samples=price * slowest / 3600 / B * 1e6,
         replicas=shares,
-        deepspeed_runnable=even and template.deepspeed_runnable,
+        deepspeed_runnable=template.deepspeed_runnable,
         notes=notes,
     )
