@@ -300,3 +300,16 @@ def test_shipped_clusters_plan_the_same_with_one_or_two_workers(monkeypatch, clu
         except InfeasibleError as error:
             plans.append(str(error))
     assert plans[0] == plans[1]
+
+
+def test_six_stages_by_six_replicas_run_a_batch_six_does_not_divide():
+    # Varuna ran 6 x 6 on 36 devices at B = 8192, which 6 does not divide: uneven replicas keep B.
+    profile = _profile(blocks=12)
+    request = PlanRequest(global_batch=8192, devices=36, pipeline_parallel=6, data_parallel=6, tensor_parallel=1,
+                          micro_batch_size=4, schedule="1f1b", morph=False)
+    chosen = plan(profile, load_cluster("a100-8x8"), request).chosen
+    assert (chosen.pipeline_parallel, chosen.data_parallel, chosen.devices) == (6, 6, 36)
+    assert [r.micro_batches for r in chosen.replicas] == [342, 342, 341, 341, 341, 341]  # 2048 = 6 x 341 + 2
+    assert chosen.global_batch == 8192 and chosen.micro_batches == 342
+    with pytest.raises(UserInputError, match="not divisible by data-parallel degree 6"):
+        plan(profile, load_cluster("a100-8x8"), request.model_copy(update={"uneven_replicas": False}))
