@@ -244,7 +244,9 @@ def test_ranks_are_waited_for_not_a_launcher_that_outlives_them(tmp_path):
         processes = find_run_processes(run)
         assert sorted(p.is_worker for p in processes) == [False, True]
         outcome = stop_run(run, processes, stop_file=ckpt.STOP_FILE, signal_after_seconds=10, timeout_seconds=10)
-        assert rank.poll() == 0 and launcher.poll() is None and outcome.seconds < 5
+        # The rank is gone once its command line is (an exiting process empties it before it turns
+        # zombie), which can be a moment before its parent can collect it: wait, briefly.
+        assert rank.wait(timeout=5) == 0 and launcher.poll() is None and outcome.seconds < 5
         # An elastic launcher could restart ranks: then it is waited for as well (here: in vain).
         with pytest.raises(LaunchError, match=str(launcher.pid)):
             stop_run(run, processes, stop_file=ckpt.STOP_FILE, timeout_seconds=0.5, include_launchers=True)
