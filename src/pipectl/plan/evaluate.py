@@ -204,7 +204,8 @@ class Evaluator:
 
 
 def uneven_note(replicas: list[ReplicaShare]) -> str:
-    """e.g. '2 of 3 replicas run 5 micro-batches, 1 runs 6; gradients weighted by samples / B'."""
+    """e.g. 'uneven replicas: of 3, 2 run 5 micro-batches, 1 runs 6 micro-batches; each gradient
+    weighted by its samples / B (VirtualFlow), the step set by the busiest'."""
     by_count: dict[int, int] = {}
     for share in replicas:
         by_count[share.micro_batches] = by_count.get(share.micro_batches, 0) + 1

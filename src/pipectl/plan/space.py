@@ -261,18 +261,19 @@ class _UnitContext:
         space = self.space
         B = space.global_batch
         limit = self.max_devices // devices_per_replica
-        tried = [space.data_parallel] if space.data_parallel else None
+        if space.data_parallel:
+            tried = [space.data_parallel] if space.data_parallel <= limit else []
+        elif space.uneven_replicas:
+            tried = list(range(1, limit + 1))
+        else:
+            tried = [d for d in divisors(B) if d <= limit]
         if B % b:
-            rejections.add(Rejection.BATCH_NOT_DIVISIBLE, f"B={B} is not divisible by b={b}",
-                           len(tried or range(1, limit + 1)))
+            if tried:
+                rejections.add(Rejection.BATCH_NOT_DIVISIBLE, f"B={B} is not divisible by b={b}", len(tried))
             return []
         micro_batches = B // b
-        if tried is None:
-            tried = list(range(1, limit + 1)) if space.uneven_replicas else [d for d in divisors(B) if d <= limit]
         ds = []
         for d in tried:
-            if d > limit:
-                continue
             if d > micro_batches:
                 rejections.add(Rejection.FEWER_MICRO_BATCHES_THAN_REPLICAS,
                                f"B={B} makes {count(micro_batches, 'micro-batch')} of b={b}, fewer than d={d}")

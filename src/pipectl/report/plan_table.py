@@ -26,15 +26,18 @@ def _schedule_label(candidate: Candidate) -> str:
     return label
 
 
-def _batch_label(candidate: Candidate) -> str:
-    """b×m, e.g. '2×4'; uneven replicas '2×4/3' (the micro-batch counts they run), 'mixed' when
-    their micro-batch sizes differ too."""
+def _micro_batch_counts(candidate: Candidate) -> str:
+    """m, e.g. '4'; uneven replicas the counts they run, most first: '4/3'."""
     if not candidate.replicas:
-        return f"{candidate.micro_batch_size}×{candidate.micro_batches}"
-    if len({r.micro_batch_size for r in candidate.replicas}) > 1:
+        return str(candidate.micro_batches)
+    return "/".join(map(str, sorted({r.micro_batches for r in candidate.replicas}, reverse=True)))
+
+
+def _batch_label(candidate: Candidate) -> str:
+    """b×m, e.g. '2×4' or, uneven, '2×4/3'; 'mixed' when the replicas' micro-batch sizes differ too."""
+    if candidate.replicas and len({r.micro_batch_size for r in candidate.replicas}) > 1:
         return "mixed"
-    counts = sorted({r.micro_batches for r in candidate.replicas}, reverse=True)
-    return f"{candidate.micro_batch_size}×{'/'.join(map(str, counts))}"
+    return f"{candidate.micro_batch_size}×{_micro_batch_counts(candidate)}"
 
 
 def _replica_runs(replicas: Sequence[ReplicaShare]) -> list[tuple[int, int, ReplicaShare]]:
@@ -171,7 +174,7 @@ def plan_view(plan: Plan, *, top: int = 10, show_morph: bool = True) -> Group:
     headline = Text.assemble(
         ("chosen: ", "bold"),
         f"t={c.tensor_parallel} p={c.pipeline_parallel} d={c.data_parallel} b={c.micro_batch_size} "
-        f"m={_batch_label(c).partition('×')[2] or c.micro_batches} {_schedule_label(c)}{' recompute' if c.recompute else ''} zero={c.zero_stage} "
+        f"m={_micro_batch_counts(c)} {_schedule_label(c)}{' recompute' if c.recompute else ''} zero={c.zero_stage} "
         f"on {c.devices} x {c.device}: {format_step(c.predicted_step_seconds)} per step of "
         f"{count(plan.global_batch, 'sample')}",
     )
