@@ -71,6 +71,40 @@ def training_config(layout, *, zero_stage: int = 1, weight_decay: float | None =
     return config
 
 
+def train_run(plan: Plan, run_dir, steps: int, *, warmup_steps: int, timeout_seconds: float):
+    """`steps` steps of `plan` in `run_dir` through the run-directory contract (`prepare_launch` +
+    `run_engine`, real ranks), seed 0; the engine log's tail if it fails. Returns the run dir."""
+    from pipectl.launch import LaunchOptions, prepare_launch, run_engine
+
+    prepared = prepare_launch(plan, run_dir, LaunchOptions(steps=steps, seed=0, warmup_steps=warmup_steps))
+    exit_code = run_engine(prepared.command, prepared.run_dir, timeout_seconds=timeout_seconds)
+    assert exit_code == 0, (run_dir / "logs" / "engine.log").read_text()[-3000:]
+    return prepared.run_dir
+
+
+def final_weights(run_dir, step: int) -> dict:
+    """fp32 weights by parameter name from the newest checkpoint, which must be of `step`, whole
+    (any layout gives the same names)."""
+    from pipectl.runtime.checkpoint import find_latest_verified
+    from pipectl.runtime.shards import whole_state
+
+    info, _ = find_latest_verified(run_dir)
+    assert info is not None and info.step == step
+    return whole_state(info.path)
+
+
+def assert_same_weights(weights: dict, reference: dict, tolerance: float) -> None:
+    """Same names, and per tensor a difference within `tolerance` relative to its norm: elements
+    near zero (Adam moves them by ~lr whatever their gradient's size) make an element-wise
+    relative test meaningless there."""
+    import torch
+
+    assert weights.keys() == reference.keys()
+    for name, tensor in weights.items():
+        difference = torch.linalg.vector_norm(tensor - reference[name]) / torch.linalg.vector_norm(reference[name])
+        assert difference.item() <= tolerance, (name, difference.item())
+
+
 def random_stage_costs(p: int, v: int, rng, spread: float = 1.0):
     """Non-uniform stages and links for p ranks of v chunks; `spread` < 1 makes stages nearly
     equal (long transients), 0 makes them equal."""

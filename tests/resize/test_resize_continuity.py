@@ -18,16 +18,13 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 
 from pipectl.artifacts.plan import Candidate, MorphEntry, Plan
-from pipectl.launch import LaunchOptions, prepare_launch, run_engine
 from pipectl.launch.rundir import read_run
 from pipectl.runtime.history import read_history
 from pipectl.resize.morph import resize_run
-from pipectl.runtime.checkpoint import find_latest_verified
 from pipectl.runtime.metrics import read_metrics
-from builders import gpt_tiny_candidate, plan_of
+from builders import assert_same_weights, final_weights, gpt_tiny_candidate, plan_of, train_run
 
 pytestmark = pytest.mark.multiprocess
 
@@ -50,23 +47,11 @@ def plan_with(chosen: Candidate, table: dict[int, Candidate]) -> Plan:
 
 
 def train(plan: Plan, run_dir: Path, steps: int) -> Path:
-    prepared = prepare_launch(plan, run_dir, LaunchOptions(steps=steps, seed=0, warmup_steps=WARMUP_STEPS))
-    exit_code = run_engine(prepared.command, prepared.run_dir, timeout_seconds=RUN_TIMEOUT_SECONDS)
-    assert exit_code == 0, (run_dir / "logs" / "engine.log").read_text()[-3000:]
-    return prepared.run_dir
+    return train_run(plan, run_dir, steps, warmup_steps=WARMUP_STEPS, timeout_seconds=RUN_TIMEOUT_SECONDS)
 
 
 def losses(run_dir: Path) -> dict[int, float]:
     return {m.step: m.loss for m in read_metrics(run_dir)}
-
-
-def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    """fp32 weights by parameter name from the newest checkpoint, whole (any layout gives the same names)."""
-    from pipectl.runtime.shards import whole_state
-
-    info, _ = find_latest_verified(run_dir)
-    assert info is not None and info.step == STEPS
-    return whole_state(info.path)
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +62,7 @@ def workspace(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def baseline(workspace):
     run = train(plan_with(P2, {1: P1, 2: P2}), workspace / "uninterrupted", STEPS)
-    return losses(run), final_weights(run)
+    return losses(run), final_weights(run, STEPS)
 
 
 @pytest.fixture(scope="module")
@@ -110,14 +95,7 @@ def test_losses_and_weights_continue_across_a_resize(baseline, first_halves, wor
     for step in range(RESIZE_AT + 1, STEPS + 1):
         assert got[step] == pytest.approx(expected_losses[step], rel=RELATIVE_TOLERANCE), step
 
-    # Per tensor, relative to its norm: elements near zero (Adam moves them by ~lr whatever their
-    # gradient's size) make an element-wise relative test meaningless there.
-    weights = final_weights(run)
-    assert weights.keys() == expected_weights.keys()
-    for name, tensor in weights.items():
-        reference = expected_weights[name]
-        difference = torch.linalg.vector_norm(tensor - reference) / torch.linalg.vector_norm(reference)
-        assert difference.item() <= RELATIVE_TOLERANCE, (name, difference.item())
+    assert_same_weights(final_weights(run, STEPS), expected_weights, RELATIVE_TOLERANCE)
 
     assert read_run(run).ds_config["scheduler"]["params"]["warmup_num_steps"] == WARMUP_STEPS  # kept by the resize
     (record,) = read_history(run)

@@ -14,14 +14,11 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 
 from pipectl.artifacts.plan import Candidate, MorphEntry, Plan
-from pipectl.launch import LaunchOptions, prepare_launch, run_engine
 from pipectl.resize.morph import resize_run
-from pipectl.runtime.checkpoint import find_latest_verified
 from pipectl.runtime.metrics import read_metrics
-from builders import gpt_tiny_candidate, plan_of
+from builders import assert_same_weights, final_weights, gpt_tiny_candidate, plan_of, train_run
 
 pytestmark = pytest.mark.multiprocess
 
@@ -43,18 +40,7 @@ def plan_with(chosen: Candidate) -> Plan:
 
 
 def train(plan: Plan, run_dir: Path, steps: int) -> Path:
-    prepared = prepare_launch(plan, run_dir, LaunchOptions(steps=steps, seed=0, warmup_steps=WARMUP_STEPS))
-    exit_code = run_engine(prepared.command, prepared.run_dir, timeout_seconds=RUN_TIMEOUT_SECONDS)
-    assert exit_code == 0, (run_dir / "logs" / "engine.log").read_text()[-3000:]
-    return prepared.run_dir
-
-
-def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    from pipectl.runtime.shards import whole_state
-
-    info, _ = find_latest_verified(run_dir)
-    assert info is not None and info.step == STEPS
-    return whole_state(info.path)
+    return train_run(plan, run_dir, steps, warmup_steps=WARMUP_STEPS, timeout_seconds=RUN_TIMEOUT_SECONDS)
 
 
 def test_the_shares_are_six_five_five():
@@ -88,11 +74,7 @@ def test_uneven_replicas_give_the_one_rank_losses_before_and_after_a_resize(base
     for m in metrics:
         assert m.loss == pytest.approx(expected[m.step], rel=RELATIVE_TOLERANCE), m.step
 
-    weights, reference = final_weights(resized), final_weights(baseline)
-    assert weights.keys() == reference.keys()
-    for name, tensor in weights.items():
-        difference = torch.linalg.vector_norm(tensor - reference[name]) / torch.linalg.vector_norm(reference[name])
-        assert difference.item() <= RELATIVE_TOLERANCE, (name, difference.item())
+    assert_same_weights(final_weights(resized, STEPS), final_weights(baseline, STEPS), RELATIVE_TOLERANCE)
 
 
 @pytest.mark.slow
