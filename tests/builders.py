@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from pipectl.artifacts.plan import Candidate, ModelShape, MorphEntry, Plan, PlanRequest, replica_shares
+from pipectl.artifacts.plan import Candidate, ModelShape, MorphEntry, Plan, PlanRequest, ReplicaShare, replica_shares
 
 
 def gpt_tiny_candidate(p: int = 2, d: int = 1, b: int = 2, m: int = 4, *, global_batch: int | None = None) -> Candidate:
@@ -24,6 +24,21 @@ def gpt_tiny_candidate(p: int = 2, d: int = 1, b: int = 2, m: int = 4, *, global
         peak_memory_bytes=[1] * p, bubble_fraction=0.0, communication_fraction=0.0,
         cost_per_million_samples=0.0,
     )  # fmt: skip
+
+
+def mixed_candidate(shares: dict[str, int] | None = None, *, global_batch: int = 16) -> Candidate:
+    """gpt-tiny split over device kinds (`local-mixed`: 'cpu' and the emulated 'cpu-slowed-2x'), one
+    replica per kind, one stage, micro-batches of 1 sample: `shares` is each kind's micro-batches
+    (default 11 and 5, the split the planner makes at B = 16)."""
+    shares = shares or {"cpu": 11, "cpu-slowed-2x": 5}
+    assert sum(shares.values()) == global_batch
+    replicas = [
+        ReplicaShare(replica=r, device=kind, micro_batch_size=1, micro_batches=m, samples=m, gradient_weight=m / global_batch)
+        for r, (kind, m) in enumerate(shares.items())
+    ]
+    return gpt_tiny_candidate(1, len(replicas), b=1, m=max(shares.values())).model_copy(
+        update={"device": "mixed", "replicas": replicas}
+    )
 
 
 @lru_cache(maxsize=None)

@@ -17,7 +17,7 @@ from pipectl.cluster import (
     price_per_device_hour,
     resolve_links,
 )
-from pipectl.errors import UserInputError
+from pipectl.errors import PipectlError, UserInputError
 from pipectl.paths import configs_dir
 
 SHIPPED = sorted(p.stem for p in (configs_dir() / "clusters").glob("*.yaml"))
@@ -46,6 +46,23 @@ def test_shipped_shapes():
     assert mixed.heterogeneous and mixed.device_kinds == ["p100", "v100-16gb"]
     local = load_cluster("local")
     assert local.local and local.total_devices == 2
+
+
+def test_an_emulated_slower_kind_is_a_kind_of_its_own_on_its_device():
+    mixed = load_cluster("local-mixed")
+    assert mixed.heterogeneous and mixed.device_kinds == ["cpu", "cpu-slowed-2x"]
+    assert {n.device for n in mixed.node_types} == {"cpu"}
+    assert [n.name for n in mixed.nodes_of_kind("cpu-slowed-2x")] == ["cpu-half-speed"]
+
+
+@pytest.mark.parametrize("slowdown", [0.5, 0, -1, 1e9])
+def test_a_compute_slowdown_below_one_or_absurd_is_refused(tmp_path, slowdown):
+    spec = yaml.safe_load((configs_dir() / "clusters" / "local-mixed.yaml").read_text())
+    spec["node_types"][1]["compute_slowdown"] = slowdown
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    with pytest.raises(PipectlError, match="compute_slowdown"):
+        load_cluster(path)
 
 
 def test_a100_links_are_nvlink_and_infiniband_per_device():

@@ -7,15 +7,19 @@ any directory, and a plan is never re-priced with a profile it was not made from
 
     write_plan("out/plan.json", plan, profile_file="profile.json")   # out/profile-1a2b3c4d5e6f.json too
     profile = load_plan_profile("out/plan.json", load_model(Plan, "out/plan.json"))
+
+A plan for a cluster of several device kinds may hold one profile per kind: the first is
+`plan.profile`, the others `plan.kind_profiles` (`load_kind_profiles`), kept the same way.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 
-from pipectl.artifacts.plan import Plan, ProfileRef
+from pipectl.artifacts.plan import ModelShape, Plan, ProfileRef
 from pipectl.artifacts.profile import ModelProfile
 from pipectl.errors import ArtifactError, UserInputError
 from pipectl.io import check_output_file, load_model, sha256_file, temporary_file, write_json_atomic
@@ -42,26 +46,39 @@ def _copy_once(source: Path, target: Path, sha256: str) -> None:
         raise
 
 
-def write_plan(path: str | os.PathLike[str], plan: Plan, *, profile_file: str | os.PathLike[str]) -> Plan:
-    """Write plan.json with the profile read from `profile_file` copied beside it; returns the
-    plan as written (with its `profile` reference)."""
-    path = check_output_file(path)  # before the profile copy is written beside it
-    source = Path(profile_file)
-    sha256 = sha256_file(source)
-    ref = ProfileRef(file=profile_copy_name(sha256), sha256=sha256, source=str(source))
-    _copy_once(source, path.parent / ref.file, sha256)
-    written = plan.model_copy(update={"profile": ref})
+def write_plan(
+    path: str | os.PathLike[str],
+    plan: Plan,
+    *,
+    profile_file: str | os.PathLike[str],
+    kind_profile_files: Sequence[str | os.PathLike[str]] = (),
+) -> Plan:
+    """Write plan.json with the profile read from `profile_file` (and those of the cluster's other
+    device kinds) copied beside it; returns the plan as written (with its references)."""
+    path = check_output_file(path)  # before the profile copies are written beside it
+    refs = [_copied(Path(source), path.parent) for source in [profile_file, *kind_profile_files]]
+    written = plan.model_copy(update={"profile": refs[0], "kind_profiles": refs[1:]})
     write_json_atomic(path, written)
     return written
 
 
+def _copied(source: Path, folder: Path) -> ProfileRef:
+    sha256 = sha256_file(source)
+    ref = ProfileRef(file=profile_copy_name(sha256), sha256=sha256, source=str(source))
+    _copy_once(source, folder / ref.file, sha256)
+    return ref
+
+
 def copy_plan(plan: Plan, from_dir: str | os.PathLike[str], to_path: str | os.PathLike[str]) -> Path:
-    """Write `plan` to `to_path` with its profile copy, taken from `from_dir` (verified first)."""
+    """Write `plan` to `to_path` with its profile copies, taken from `from_dir` (verified first)."""
     to_path = Path(to_path)
-    if plan.profile is not None:
-        source = plan_profile_path(from_dir, plan)
-        _copy_once(source, to_path.parent / plan.profile.file, plan.profile.sha256)
+    for ref in _refs(plan):
+        _copy_once(_verified(from_dir, ref), to_path.parent / ref.file, ref.sha256)
     return write_json_atomic(to_path, plan)
+
+
+def _refs(plan: Plan) -> list[ProfileRef]:
+    return ([plan.profile] if plan.profile is not None else []) + list(plan.kind_profiles)
 
 
 def plan_profile_path(plan_dir: str | os.PathLike[str], plan: Plan) -> Path:
@@ -71,16 +88,20 @@ def plan_profile_path(plan_dir: str | os.PathLike[str], plan: Plan) -> Path:
             "the plan records no profile",
             hint="make it with pipectl plan --profile ..., which keeps a copy next to plan.json",
         )
-    path = Path(plan_dir) / plan.profile.file
+    return _verified(plan_dir, plan.profile)
+
+
+def _verified(plan_dir: str | os.PathLike[str], ref: ProfileRef) -> Path:
+    path = Path(plan_dir) / ref.file
     if not path.is_file():
         raise UserInputError(
-            f"the plan's profile {path} is missing (it was made from {plan.profile.source or 'an unnamed file'})",
+            f"the plan's profile {path} is missing (it was made from {ref.source or 'an unnamed file'})",
             hint="keep the profile-<hash>.json file next to plan.json, or re-plan",
         )
     found = sha256_file(path)
-    if found != plan.profile.sha256:
+    if found != ref.sha256:
         raise ArtifactError(
-            f"{path} has sha256 {found[:12]}…, the plan was made from {plan.profile.sha256[:12]}…",
+            f"{path} has sha256 {found[:12]}…, the plan was made from {ref.sha256[:12]}…",
             hint="the profile changed after planning: re-plan from it",
         )
     return path
@@ -89,3 +110,35 @@ def plan_profile_path(plan_dir: str | os.PathLike[str], plan: Plan) -> Path:
 def load_plan_profile(plan_path: str | os.PathLike[str], plan: Plan) -> ModelProfile:
     """The profile `plan` (read from `plan_path`) was made from, verified by its sha256."""
     return load_model(ModelProfile, plan_profile_path(Path(plan_path).parent, plan))
+
+
+def load_kind_profiles(plan_path: str | os.PathLike[str], plan: Plan) -> list[ModelProfile]:
+    """The profiles of the plan's other device kinds (`Plan.kind_profiles`), each verified."""
+    return [load_model(ModelProfile, _verified(Path(plan_path).parent, ref)) for ref in plan.kind_profiles]
+
+
+def check_kind_profiles(profiles: Sequence[tuple[str, ModelProfile]]) -> None:
+    """Profiles given together (`plan --profile A --profile B`) describe one model in one precision,
+    each on another device: the same layers and parameters, the same dtype. `profiles` pairs each
+    with the name it was given by; the first different one is named."""
+    (first_name, first), *others = profiles
+    seen = {first.device: first_name}
+    shape = ModelShape.of_profile(first)
+    for name, profile in others:
+        if profile.device in seen:
+            raise UserInputError(
+                f"{name} and {seen[profile.device]} are both profiles on {profile.device}",
+                hint="give one profile per device kind",
+            )
+        seen[profile.device] = name
+        if ModelShape.of_profile(profile) != shape:
+            raise UserInputError(
+                f"{name} is a profile of another model than {first_name} ({profile.model}, "
+                f"{len(profile.layers)} layers; {first.model}, {len(first.layers)} layers)",
+                hint="profile the same model on each device kind",
+            )
+        if profile.dtype != first.dtype:
+            raise UserInputError(
+                f"{name} was made in {profile.dtype} and {first_name} in {first.dtype}: one job trains in one precision",
+                hint="profile every kind in the same dtype (pipectl profile --dtype)",
+            )

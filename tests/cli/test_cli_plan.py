@@ -129,3 +129,70 @@ def test_bad_amounts_are_named(profile_path, tmp_path, text, message):
                                  "-o", str(tmp_path / "p.json")])
     assert result.exit_code == 2, result.output
     assert message in result.output and "Traceback" not in result.output
+
+
+def _two_kind_cluster(tmp_path):
+    """One node of 4 V100-32GB and one of 4 V100-16GB: the same peak FLOP/s, so only a profile
+    per kind can tell that one kind is slower."""
+    path = tmp_path / "two-kinds.yaml"
+    path.write_text(
+        "schema_version: 1\nname: two-kinds\nnode_types:\n"
+        "  - {name: big, device: v100-32gb, devices_per_node: 4, nodes: 1}\n"
+        "  - {name: small, device: v100-16gb, devices_per_node: 4, nodes: 1}\n"
+    )
+    return path
+
+
+def _kind_profile(tmp_path, device, seconds, **fields):
+    path = tmp_path / f"{device}.json"
+    write_json_atomic(path, synthetic_profile(blocks=4, micro_batch_sizes=[1, 2, 4], device=device, dtype="float16",
+                                              block_forward_seconds=seconds, **fields))
+    return path
+
+
+def test_a_profile_per_kind_prices_each_kind_and_travels_with_the_plan(tmp_path):
+    cluster = _two_kind_cluster(tmp_path)
+    big = _kind_profile(tmp_path, "v100-32gb", 0.01)
+    small = _kind_profile(tmp_path, "v100-16gb", 0.03)  # three times as slow, by the workload
+    common = ["--cluster", str(cluster), "--global-batch", "64", "--micro-batch-size", "1", "--no-morph",
+              "--pipeline-parallel", "1", "--tensor-parallel", "1"]
+    alone = runner.invoke(app, ["plan", "--profile", str(big), *common, "-o", str(tmp_path / "alone" / "plan.json")])
+    both = runner.invoke(app, ["plan", "--profile", str(big), "--profile", str(small), *common,
+                               "-o", str(tmp_path / "both" / "plan.json")])
+    assert alone.exit_code == 0 and both.exit_code == 0, alone.output + both.output
+
+    def samples(folder):
+        plan = load_model(Plan, tmp_path / folder / "plan.json")
+        shares = {}
+        for share in plan.chosen.replicas:
+            shares[share.device] = shares.get(share.device, 0) + share.samples
+        return plan, shares
+
+    plan, even = samples("alone")  # the V100-32GB profile serves both kinds: equal peaks, equal shares
+    assert even == {"v100-32gb": 32, "v100-16gb": 32} and plan.kind_profiles == []
+    assert any("v100-16gb: the v100-32gb profile scaled by the ratio of peak FLOP/s" in n for n in plan.notes)
+    plan, shares = samples("both")
+    assert shares["v100-32gb"] > 2 * shares["v100-16gb"]
+    assert any("v100-16gb: its own derived profile" in n for n in plan.notes)
+    [ref] = plan.kind_profiles
+    assert (tmp_path / "both" / ref.file).is_file() and ref.source == str(small)
+
+
+@pytest.mark.parametrize(
+    "second, message",
+    [
+        (dict(device="v100-32gb"), "are both profiles on v100-32gb"),
+        (dict(device="v100-16gb", blocks=5), "is a profile of another model"),
+        (dict(device="v100-16gb", dtype="bfloat16"), "one job trains in one precision"),
+    ],
+)
+def test_profiles_given_together_must_be_one_model_on_distinct_kinds(tmp_path, second, message):
+    cluster = _two_kind_cluster(tmp_path)
+    first = _kind_profile(tmp_path, "v100-32gb", 0.01)
+    path = tmp_path / "second" / "profile.json"
+    fields = dict(blocks=4, micro_batch_sizes=[1, 2, 4], dtype="float16") | second
+    write_json_atomic(path, synthetic_profile(**fields))
+    result = runner.invoke(app, ["plan", "--profile", str(first), "--profile", str(path), "--cluster", str(cluster),
+                                 "--global-batch", "64", "-o", str(tmp_path / "plan.json")])
+    assert result.exit_code == 2 and message in result.output, result.output
+    assert not (tmp_path / "plan.json").exists()

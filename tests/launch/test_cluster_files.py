@@ -17,7 +17,7 @@ from pipectl.cli.main import app
 from pipectl.errors import UserInputError
 from pipectl.io import write_json_atomic
 from pipectl.launch import LaunchOptions, prepare_launch
-from builders import gpt_tiny_candidate, model_shape, plan_of
+from builders import gpt_tiny_candidate, mixed_candidate, model_shape, plan_of
 
 GOLDEN = Path(__file__).parent / "golden"
 RUN = Path("/runs/gpt3")
@@ -92,6 +92,21 @@ def test_a_cpu_plan_runs_cpu_ranks_and_a_gpu_plan_is_refused_on_a_host_without_g
     with pytest.raises(UserInputError, match="the plan is for 64 a100-80gb GPUs and this host has none"):
         prepare_launch(gpt3_plan(devices=64, t=8, p=8, d=1), tmp_path / "gpu", LaunchOptions(precision=Precision.BF16, nodes=8, engine=Engine.TORCHRUN))
     assert not (tmp_path / "gpu").exists()
+
+
+def test_a_split_over_emulated_kinds_runs_on_cpu_ranks_told_their_slowdown(tmp_path):
+    plan = plan_of(mixed_candidate(), cluster="local-mixed")
+    job = prepare_launch(plan, tmp_path / "mixed", LaunchOptions(), write=False).job
+    assert (job.world_size, job.accelerator, job.compute_slowdowns) == (2, "cpu", {"cpu-slowed-2x": 2.0})
+
+
+@pytest.mark.parametrize("engine", [Engine.TORCHRUN, Engine.DEEPSPEED, Engine.SLURM])
+def test_a_split_over_kinds_is_refused_where_replicas_cannot_be_placed_by_kind(tmp_path, engine):
+    plan = plan_of(mixed_candidate(), cluster="local-mixed")
+    with pytest.raises(UserInputError, match="splits its replicas over cpu, cpu-slowed-2x") as caught:
+        prepare_launch(plan, tmp_path / "mixed", LaunchOptions(engine=engine, nodes=2), write=False)
+    assert "--engine local" in caught.value.hint
+    assert not (tmp_path / "mixed").exists()
 
 
 def test_without_a_readable_cluster_the_nodes_must_be_given(monkeypatch):

@@ -6,6 +6,7 @@ import pytest
 import yaml
 
 from pipectl.cluster import load_cluster
+from pipectl.plan.costs import hardware_for
 from pipectl.plan.hetero import uneven_split
 from pipectl.artifacts.plan import PlanRequest
 from pipectl.plan.search import plan
@@ -86,3 +87,20 @@ def test_the_ring_of_a_split_runs_at_its_slowest_link(tmp_path):
     assert fast is not None and slow is not None
     assert slow.predicted_step_seconds > fast.predicted_step_seconds
     assert slow.communication_fraction > fast.communication_fraction
+
+
+def test_an_emulated_slower_kind_gets_its_share_by_its_slowdown():
+    """local-mixed: one CPU rank and one emulated twice as slow. The split gives the slow kind
+    about a third of the batch, its layers cost twice the CPU's, and the plan says it is emulated."""
+    profile = synthetic_profile(blocks=4, micro_batch_sizes=[1, 2, 4], device="cpu")
+    cluster = load_cluster("local-mixed")
+    result = plan(profile, cluster, PlanRequest(global_batch=16, morph=False, micro_batch_size=1))
+    chosen = result.chosen
+    assert chosen.device == "mixed" and chosen.deepspeed_runnable
+    samples = {r.device: r.samples for r in chosen.replicas}
+    assert samples["cpu"] + samples["cpu-slowed-2x"] == 16
+    assert samples["cpu"] in (10, 11)  # 11 x 1 against 5 x 2 (or 10 against 12 where the ring tips it)
+    slow = hardware_for(cluster, profile, "cpu-half-speed")
+    fast = hardware_for(cluster, profile, "cpu")
+    assert (slow.kind, slow.compute_scale, fast.kind, fast.compute_scale) == ("cpu-slowed-2x", 2.0, "cpu", 1.0)
+    assert any("as fast as the best homogeneous subset (1 x cpu" in n for n in result.notes)

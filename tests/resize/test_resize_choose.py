@@ -151,3 +151,18 @@ def test_a_replan_refuses_a_profile_that_changed_since_planning(tmp_path):
     copy.unlink()
     with pytest.raises(UserInputError, match="profile .* is missing"):
         choose_candidate(plan, 4, replan=replanner(plan, tmp_path / "out"))
+
+
+def test_a_replan_reads_and_verifies_the_profiles_of_the_other_kinds_too(tmp_path):
+    profile_path, other_path = tmp_path / "profile.json", tmp_path / "other.json"
+    write_json_atomic(profile_path, gpt_tiny_profile())
+    write_json_atomic(other_path, gpt_tiny_profile().model_copy(update={"device": "a100-80gb"}))
+    made = search_plan(gpt_tiny_profile(), local_cluster(2), PlanRequest(global_batch=8))
+    write_plan(tmp_path / "out" / "plan.json", made, profile_file=profile_path, kind_profile_files=[other_path])
+    plan = load_model(Plan, tmp_path / "out" / "plan.json")
+    [ref] = plan.kind_profiles
+    assert choose_candidate(plan, 4, replan=replanner(plan, tmp_path / "out")).source == "re-planned"
+    copy = tmp_path / "out" / ref.file
+    copy.write_text(copy.read_text().replace('"a100-80gb"', '"h100-80gb"'))
+    with pytest.raises(Exception, match=f"{ref.file} has sha256 .*the plan was made from"):
+        choose_candidate(plan, 4, replan=replanner(plan, tmp_path / "out"))

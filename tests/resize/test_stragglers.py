@@ -61,6 +61,18 @@ def test_uneven_replicas_are_compared_per_sample():
     assert report.scores[0].median_compute_seconds == pytest.approx(0.36)  # the step's own seconds
 
 
+def test_replicas_on_another_device_kind_are_not_peers():
+    # A heterogeneous split: rank 1's replica runs on a kind twice as slow, by plan.
+    rows = []
+    for s in range(1, 11):
+        row = step(s, [0.06 * 11, 0.12 * 5], P1D4[:2], samples=[11, 5])
+        ranks = [r.model_copy(update={"device": kind}) for r, kind in zip(row.ranks, ["cpu", "cpu-slowed-2x"])]
+        rows.append(row.model_copy(update={"ranks": ranks}))
+    report = find_stragglers(rows)
+    assert report.straggler_ranks == [] and [s.peers for s in report.scores.values()] == [0, 0]
+    assert report.reason == "no data-parallel peers of the same kind to compare"
+
+
 def test_noise_alone_flags_nobody():
     for seed in range(5):
         report = find_stragglers(noisy_steps(10, 0.1, P1D4, seed=seed, noise=0.2))

@@ -17,6 +17,7 @@ MAX_PRICE_PER_DEVICE_HOUR = 1e6  # USD
 # accelerators than the largest published training clusters hold.
 MAX_DEVICES = 2**17
 MAX_DEVICES_PER_NODE = 4096
+MAX_COMPUTE_SLOWDOWN = 1000.0
 
 
 class LinkSpec(Strict):
@@ -45,10 +46,30 @@ class NodeType(Strict):
     price_per_device_hour_on_demand: float = Field(default=0.0, ge=0, le=MAX_PRICE_PER_DEVICE_HOUR, description="USD per device-hour.")
     price_per_device_hour_spot: float | None = Field(default=None, ge=0, le=MAX_PRICE_PER_DEVICE_HOUR, description="USD, spot/pre-emptible.")
     links: LinkSpec = Field(default_factory=LinkSpec, description="Overrides of the catalog's link figures.")
+    compute_slowdown: float = Field(
+        default=1.0, ge=1.0, le=MAX_COMPUTE_SLOWDOWN,
+        description="Emulate a slower device kind on these nodes: every layer's forward and backward takes this "
+        "many times its time (the worker waits out the difference), and the planner prices it so, as the kind "
+        "'<device>-slowed-<k>x'. For rehearsing a heterogeneous plan on one kind of hardware; 1: the device itself.",
+    )
 
     @property
     def devices(self) -> int:
         return self.devices_per_node * self.nodes
+
+    @property
+    def kind(self) -> str:
+        """The device kind the planner groups nodes by: the catalog device, or its emulated slower kind.
+
+        >>> NodeType(name="slow", device="cpu", devices_per_node=1, nodes=1, compute_slowdown=2.5).kind
+        'cpu-slowed-2.5x'
+        """
+        return self.device if self.compute_slowdown == 1.0 else emulated_kind(self.device, self.compute_slowdown)
+
+
+def emulated_kind(device: str, slowdown: float) -> str:
+    """The name of `device` slowed `slowdown` times (`NodeType.compute_slowdown`)."""
+    return f"{device}-slowed-{slowdown:g}x"
 
 
 SLURM_VALUE = r"^[A-Za-z0-9_.:,@%+=/-]*$"  # what an #SBATCH value may hold here: no spaces, quotes or '$'
@@ -110,7 +131,11 @@ class ClusterSpec(Artifact):
 
     @property
     def device_kinds(self) -> list[str]:
-        return sorted({n.device for n in self.node_types})
+        """The kinds the planner tells apart (`NodeType.kind`): catalog devices, and emulated slower ones."""
+        return sorted({n.kind for n in self.node_types})
+
+    def nodes_of_kind(self, kind: str) -> list[NodeType]:
+        return [n for n in self.node_types if n.kind == kind]
 
     @property
     def heterogeneous(self) -> bool:

@@ -263,6 +263,11 @@ class Plan(Artifact):
     profile: ProfileRef | None = Field(
         default=None, description="The profile's copy next to plan.json; None for a plan never written to disk."
     )
+    kind_profiles: list[ProfileRef] = Field(
+        default_factory=list,
+        description="Profiles of the cluster's other device kinds (`plan --profile` repeated), copies next to "
+        "plan.json like `profile`; a re-plan prices each kind with its own.",
+    )
     cluster: str = Field(description="Cluster name.")
     request: PlanRequest = Field(description="The whole request; every re-plan (resize, elastic) starts from it.")
     chosen: Candidate

@@ -165,6 +165,11 @@ class JobSpec(Artifact):
         "was recorded: whatever the launching host has.",
     )
     elastic: ElasticRange | None = Field(default=None, description="Elastic torchrun membership, if any.")
+    compute_slowdowns: dict[str, float] = Field(
+        default_factory=dict,
+        description="Emulated device kinds of the cluster (node types with compute_slowdown) and their factors: "
+        "a rank of a replica on such a kind waits out (k - 1) times each forward and backward it runs.",
+    )
     training: TrainingSettings = Field(default_factory=TrainingSettings)
     ds_config_overlay: dict[str, Any] = Field(
         default_factory=dict,
@@ -216,6 +221,11 @@ class RankTiming(Strict):
         default=None, gt=0,
         description="Samples the rank's replica processed this step (its share of the global batch: uneven "
         "replicas differ). None in files written before it existed.",
+    )
+    device: str | None = Field(
+        default=None,
+        description="The device kind the plan put the rank's replica on (a heterogeneous plan's differ; ranks are "
+        "compared with peers of their own kind). None in files written before it existed.",
     )
     forward_seconds: float = Field(ge=0, description="Sum of the rank's forward (and recompute) time this step.")
     backward_seconds: float = Field(ge=0, description="Sum of the rank's backward time this step.")

@@ -21,7 +21,7 @@ from pipectl.cluster import load_cluster, local_cluster
 from pipectl.errors import UserInputError
 from pipectl.io import load_model
 from pipectl.plan.search import plan
-from pipectl.planfile import write_plan
+from pipectl.planfile import check_kind_profiles, write_plan
 from pipectl.report.plan_table import plan_view
 from pipectl.schedule import ScheduleKind
 
@@ -77,7 +77,15 @@ def parse_amount(text: str | None, name: str) -> int | None:
 
 
 def plan_command(
-    profile: Annotated[Path, typer.Option("--profile", help="profile.json from `pipectl profile`.")],
+    profile: Annotated[
+        list[Path],
+        typer.Option(
+            "--profile",
+            help="profile.json from `pipectl profile`. Repeat it with one profile per device kind of a "
+            "heterogeneous cluster (measured or --derive'd on each): each kind is priced with its own; the first "
+            "serves a kind without one, scaled by peak FLOP/s.",
+        ),
+    ],
     cluster: Annotated[str, typer.Option("--cluster", help="A shipped cluster name (local, a100-8x8) or a YAML path.")],
     global_batch: Annotated[int, typer.Option("--global-batch", help="B: samples per optimizer step (never changed).")],
     output: OutputPath = Path("plan.json"),
@@ -128,7 +136,8 @@ def plan_command(
     as_json: JsonFlag = False,
 ) -> None:
     """Search t, p, d, b, v, schedule, recomputation and ZeRO stage; write plan.json."""
-    model_profile = load_model(ModelProfile, profile)
+    profiles = [load_model(ModelProfile, path) for path in profile]
+    check_kind_profiles([(str(path), p) for path, p in zip(profile, profiles)])
     cluster_spec = load_cluster(cluster)
     if cluster_spec.local and devices is not None:
         cluster_spec = local_cluster(devices, cluster_spec)
@@ -161,7 +170,12 @@ def plan_command(
         morph=not no_morph,
         workers=workers,
     )
-    result = write_plan(output, plan(model_profile, cluster_spec, request), profile_file=profile)
+    result = write_plan(
+        output,
+        plan(profiles[0], cluster_spec, request, kind_profiles=profiles[1:]),
+        profile_file=profile[0],
+        kind_profile_files=profile[1:],
+    )
     if as_json:
         print_json(result)
         return

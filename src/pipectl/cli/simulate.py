@@ -22,7 +22,7 @@ from pipectl.errors import UserInputError
 from pipectl.io import load_model
 from pipectl.plan.costs import stage_costs_for
 from pipectl.plan.simulate import StageCosts, Timeline, simulate, uniform_costs
-from pipectl.planfile import load_plan_profile
+from pipectl.planfile import load_kind_profiles, load_plan_profile
 from pipectl.report.gantt import terminal_gantt, write_gantt
 from pipectl.schedule import ScheduleKind, generate
 from pipectl.schedule.comm import add_communication
@@ -62,12 +62,14 @@ def _from_plan(
             note = f"the plan's entry for {count(devices, 'device')} uses {candidate.devices}: " + (
                 entry.note.split(": ", 1)[-1] if entry.note else "the fastest configuration it found"
             )
+    kind_profiles = []
     if profile_path is None:
         profile = load_plan_profile(plan_path, plan)
+        kind_profiles = load_kind_profiles(plan_path, plan)
     else:
         profile = load_model(ModelProfile, profile_path)
     cluster = load_cluster(cluster_name or plan.cluster)
-    costs = stage_costs_for(candidate, profile, cluster)
+    costs = stage_costs_for(candidate, profile, cluster, kind_profiles)
     schedule = generate(
         candidate.schedule,
         candidate.pipeline_parallel,

@@ -271,12 +271,38 @@ def _visible_gpus() -> int | None:
     return torch.cuda.device_count() if torch.cuda.is_available() else None
 
 
-def plan_accelerator(plan: Plan) -> str:
-    """'cpu' when the plan's devices are CPU ranks, else 'cuda' (a heterogeneous plan's are GPUs)."""
-    try:
-        return get_device(plan.chosen.device).accelerator
-    except UserInputError:  # 'mixed', or a device of a catalog this host does not have
-        return "cpu" if plan.chosen.device == "cpu" else "cuda"
+def plan_kinds(plan: Plan) -> list[str]:
+    """The device kinds the chosen candidate's ranks run on, in replica order, each once."""
+    chosen = plan.chosen
+    return list(dict.fromkeys(r.device for r in sorted(chosen.replicas or (), key=lambda r: r.replica))) or [chosen.device]
+
+
+def plan_accelerator(plan: Plan, cluster: ClusterSpec | None = None) -> str:
+    """'cpu' when the plan's devices are CPU ranks, else 'cuda'. A kind is looked up through the
+    cluster's node types (an emulated kind runs on its node's device), else in the catalog; one
+    the catalog lacks is a GPU. Kinds that run on both are refused: one job has one backend."""
+    found = set()
+    for kind in plan_kinds(plan):
+        nodes = cluster.nodes_of_kind(kind) if cluster is not None else []
+        device = nodes[0].device if nodes else kind
+        try:
+            found.add(get_device(device).accelerator)
+        except UserInputError:  # a device of a catalog this host does not have
+            found.add("cpu" if device == "cpu" else "cuda")
+    if len(found) > 1:
+        raise UserInputError(
+            f"the plan puts ranks on CPU and GPU kinds ({', '.join(plan_kinds(plan))}), which one job cannot mix",
+            hint="plan on a cluster of GPU kinds only, or of CPU ranks only",
+        )
+    return found.pop()
+
+
+def compute_slowdowns(plan: Plan, cluster: ClusterSpec | None) -> dict[str, float]:
+    """The emulated slower kinds the plan's ranks run on (`NodeType.compute_slowdown`), by kind."""
+    if cluster is None:
+        return {}
+    kinds = set(plan_kinds(plan))
+    return {n.kind: n.compute_slowdown for n in cluster.node_types if n.compute_slowdown != 1.0 and n.kind in kinds}
 
 
 def plan_cluster(plan: Plan, asked: str | None) -> ClusterSpec | None:
@@ -295,6 +321,14 @@ def job_nodes(plan: Plan, options: LaunchOptions, cluster: ClusterSpec | None) -
     given, else the plan's devices over the devices per node of the cluster's node type for the
     plan's device (3,072 A100s on 8-GPU nodes: 384 nodes)."""
     devices = plan.chosen.devices
+    kinds = plan_kinds(plan)
+    if options.engine is not Engine.LOCAL and len(kinds) > 1:
+        raise UserInputError(
+            f"the plan splits its replicas over {', '.join(kinds)}: the {options.engine.value} engine cannot yet "
+            "place each replica on nodes of its kind",
+            hint="run a split over emulated kinds of one machine with --engine local, or plan for one kind "
+            "(a cluster file of that kind's nodes)",
+        )
     if options.engine is Engine.LOCAL:
         nodes = options.nodes or 1
     elif options.hosts:
@@ -304,7 +338,7 @@ def job_nodes(plan: Plan, options: LaunchOptions, cluster: ClusterSpec | None) -
     elif options.nodes:
         nodes = options.nodes
     else:
-        per_node = [n.devices_per_node for n in (cluster.node_types if cluster else []) if n.device == plan.chosen.device]
+        per_node = [n.devices_per_node for n in (cluster.nodes_of_kind(plan.chosen.device) if cluster else [])]
         if not per_node:
             raise UserInputError(
                 f"cannot tell how many nodes the plan's {devices} x {plan.chosen.device} span: cluster "
@@ -384,7 +418,8 @@ def build_job(plan: Plan, name: str, options: LaunchOptions, cluster: ClusterSpe
         master_addr=master_address(options, nodes),
         master_port=options.master_port or free_port(),
         precision=options.precision or Precision.FP32,
-        accelerator=plan_accelerator(plan),
+        accelerator=plan_accelerator(plan, cluster),
+        compute_slowdowns=compute_slowdowns(plan, cluster),
         elastic=options.elastic,
         collective_timeout_seconds=options.collective_timeout,
         training=TrainingSettings(

@@ -74,7 +74,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Sequence
 
-from pipectl.artifacts.cluster import ClusterSpec, NodeType
+from pipectl.artifacts.cluster import ClusterSpec, NodeType, emulated_kind
 from pipectl.artifacts.plan import Candidate
 from pipectl.artifacts.profile import ModelProfile, RuntimeCosts
 from pipectl.catalog import DTYPE_BYTES, GIB, DeviceSpec, get_device, load_catalog
@@ -113,6 +113,14 @@ class Hardware:
     runtime: RuntimeCosts | None = None  # measured engine terms (same device kind only)
     memory_headroom: float = 0.0  # fraction of each device's memory the plan keeps free
     measured_memory_bytes: int | None = None  # the device's total as a profile on it measured
+    emulated_slowdown: float = 1.0  # NodeType.compute_slowdown (already in compute_scale)
+
+    @property
+    def kind(self) -> str:
+        """What a candidate's `device` names: the catalog device, or the nodes' emulated slower kind."""
+        if self.emulated_slowdown == 1.0:
+            return self.device.name
+        return emulated_kind(self.device.name, self.emulated_slowdown)
 
     @property
     def memory_budget(self) -> MemoryBudget:
@@ -147,6 +155,12 @@ def compute_scale(profile: ModelProfile, device: DeviceSpec) -> float:
     return source / device.peak_flops_per_second(dtype)
 
 
+def profile_for(device: str, profile: ModelProfile, kind_profiles: Sequence[ModelProfile] = ()) -> ModelProfile:
+    """The profile made on `device` (a catalog device), else `profile`, whose layer times are
+    then scaled by the ratio of the two devices' peak FLOP/s (`compute_scale`)."""
+    return next((p for p in [profile, *kind_profiles] if p.device == device), profile)
+
+
 def hardware_for(
     cluster: ClusterSpec, profile: ModelProfile, node_type: NodeType | str | None = None, *, memory_headroom: float = 0.0
 ) -> Hardware:
@@ -159,7 +173,7 @@ def hardware_for(
         node_type = next((n for n in cluster.node_types if n.name == node_type), None)  # type: ignore[assignment]
         if node_type is None:
             raise UserInputError(f"cluster '{cluster.name}' has no node type '{node_type}'")
-    same_kind = [n for n in cluster.node_types if n.device == node_type.device]
+    same_kind = cluster.nodes_of_kind(node_type.kind)
     device = get_device(node_type.device)
     runtime = runtime_for(profile, device)
     return Hardware(
@@ -168,11 +182,12 @@ def hardware_for(
         devices=sum(n.devices for n in same_kind),
         links=with_busy_handoff(resolve_links(cluster, node_type), runtime),
         price_per_device_hour=price_per_device_hour(cluster, node_type),
-        compute_scale=compute_scale(profile, device),
+        compute_scale=compute_scale(profile, device) * node_type.compute_slowdown,
         node_type=node_type.name,
         runtime=runtime,
         memory_headroom=memory_headroom,
         measured_memory_bytes=profile.device_memory_bytes if profile.device == device.name else None,
+        emulated_slowdown=node_type.compute_slowdown,
     )
 
 
@@ -526,16 +541,19 @@ def _tied_allreduce_seconds(
     return extra
 
 
-def stage_costs_for(candidate: Candidate, profile: ModelProfile, cluster: ClusterSpec) -> StageCosts:
+def stage_costs_for(
+    candidate: Candidate, profile: ModelProfile, cluster: ClusterSpec, kind_profiles: Sequence[ModelProfile] = ()
+) -> StageCosts:
     """Re-build the cost table of a plan's candidate (what `pipectl simulate` re-simulates).
 
-    Heterogeneous candidates are costed on the node type of their first replica.
+    Heterogeneous candidates are costed on the node type of their first replica, with the profile
+    made on its device where `kind_profiles` holds one (`profile_for`).
     """
     if candidate.device == "mixed":
         kind = candidate.replicas[0].device if candidate.replicas else cluster.node_types[0].device
     else:
         kind = candidate.device
-    node_type = next((n for n in cluster.node_types if n.device == kind), None)
+    node_type = next(iter(cluster.nodes_of_kind(kind)), None)
     if node_type is None:
         raise UserInputError(
             f"cluster '{cluster.name}' has no '{kind}' devices, which the plan's candidate uses",
@@ -546,6 +564,7 @@ def stage_costs_for(candidate: Candidate, profile: ModelProfile, cluster: Cluste
             f"the plan cuts {candidate.stage_layers[-1][1]} layers but the profile has {len(profile.layers)}",
             hint="simulate with the profile the plan was made from",
         )
+    profile = profile_for(node_type.device, profile, kind_profiles)
     hardware = hardware_for(cluster, profile, node_type)
     return stage_costs(
         profile,

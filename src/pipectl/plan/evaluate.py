@@ -174,12 +174,12 @@ class Evaluator:
             notes.append(TWO_BW_NOTE)
         if not spec.deepspeed_runnable:
             notes.append(NOT_DEEPSPEED_NOTE)
-        replicas = replica_shares(self.global_batch, spec.data_parallel, shape.micro_batch_size, self.hardware.device.name)
+        replicas = replica_shares(self.global_batch, spec.data_parallel, shape.micro_batch_size, self.hardware.kind)
         if replicas:
             notes.append(uneven_note(replicas))
         return Candidate(
             devices=spec.devices,
-            device=self.hardware.device.name,
+            device=self.hardware.kind,
             tensor_parallel=shape.tensor_parallel,
             pipeline_parallel=shape.pipeline_parallel,
             data_parallel=spec.data_parallel,

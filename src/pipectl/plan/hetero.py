@@ -23,6 +23,7 @@ subset, the plan recommends the homogeneous subset and says why.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Sequence
 from dataclasses import replace
 
 from pipectl.artifacts.cluster import ClusterSpec
@@ -30,14 +31,38 @@ from pipectl.artifacts.plan import Candidate, Objective, Plan, PlanRequest, Repl
 from pipectl.artifacts.profile import ModelProfile
 from pipectl.errors import InfeasibleError
 from pipectl.plan.candidates import ScheduleVariant, ShapeBuilder, Spec, SpecFigures, data_parallel_costs, in_flight, lower_bound_seconds, state_bytes, step_bytes
-from pipectl.plan.costs import Hardware, hardware_for
+from pipectl.plan.costs import Hardware, hardware_for, profile_for
 from pipectl.plan.evaluate import Evaluator
 from pipectl.plan.homogeneous import SearchStats, plan_homogeneous
 from pipectl.words import count
 
 
 def _sub_cluster(cluster: ClusterSpec, kind: str) -> ClusterSpec:
-    return cluster.model_copy(update={"node_types": [n for n in cluster.node_types if n.device == kind]})
+    return cluster.model_copy(update={"node_types": cluster.nodes_of_kind(kind)})
+
+
+def _kind_device(cluster: ClusterSpec, kind: str) -> str:
+    return cluster.nodes_of_kind(kind)[0].device
+
+
+def _profile_note(cluster: ClusterSpec, profile: ModelProfile, kind_profiles: Sequence[ModelProfile]) -> str:
+    """Where each kind's layer times come from: its own profile, or another's scaled by peaks."""
+    parts, scaled = [], []
+    for kind in cluster.device_kinds:
+        device = _kind_device(cluster, kind)
+        mine = profile_for(device, profile, kind_profiles)
+        if mine.device == device:
+            parts.append(f"{kind}: its own {mine.source.value} profile")
+        else:
+            parts.append(f"{kind}: the {mine.device} profile scaled by the ratio of peak FLOP/s")
+            scaled.append(device)
+    note = "layer times per device kind: " + "; ".join(parts)
+    if scaled:
+        note += (
+            " (a real model's ratio is not the peaks': profile each kind, or derive it with pipectl profile MODEL "
+            f"--derive --device {scaled[0]}, and give every profile with plan --profile ... --profile ...)"
+        )
+    return note
 
 
 def plan_heterogeneous(
@@ -45,17 +70,20 @@ def plan_heterogeneous(
     cluster: ClusterSpec,
     request: PlanRequest,
     *,
+    kind_profiles: Sequence[ModelProfile] = (),
     stats: SearchStats | None = None,
 ) -> Plan:
-    """The best homogeneous subset, or an uneven split over every kind when that is better."""
+    """The best homogeneous subset, or an uneven split over every kind when that is better; each
+    kind priced with its own profile where `kind_profiles` (or `profile`) holds one."""
     homogeneous: list[tuple[Plan, Hardware]] = []
     failures = []
     for kind in cluster.device_kinds:
         sub = _sub_cluster(cluster, kind)
-        hardware = hardware_for(sub, profile, memory_headroom=request.memory_headroom)
+        mine = profile_for(_kind_device(cluster, kind), profile, kind_profiles)
+        hardware = hardware_for(sub, mine, memory_headroom=request.memory_headroom)
         sub_request = request.model_copy(update={"devices": None})
         try:
-            result = plan_homogeneous(profile, f"{cluster.name}[{kind}]", hardware, sub_request)
+            result = plan_homogeneous(mine, f"{cluster.name}[{kind}]", hardware, sub_request)
         except InfeasibleError as exc:
             failures.append(f"{kind}: {exc.message}")
             continue
@@ -64,8 +92,8 @@ def plan_heterogeneous(
         raise InfeasibleError("nothing fits on any device kind: " + "; ".join(failures))
     key = _objective_key(request.objective)
     best_plan, best_hardware = min(homogeneous, key=lambda item: key(item[0].chosen))
-    split = uneven_split(profile, cluster, best_plan.chosen, request)
-    notes = list(best_plan.notes)
+    split = uneven_split(profile, cluster, best_plan.chosen, request, kind_profiles=kind_profiles)
+    notes = [*best_plan.notes, _profile_note(cluster, profile, kind_profiles)]
     chosen = best_plan.chosen
     candidates = list(best_plan.candidates)
     if split is not None and key(split) < key(chosen) and (split.deepspeed_runnable or not request.for_deepspeed):
@@ -114,7 +142,8 @@ def _split_note(shares: list[ReplicaShare], global_batch: int) -> str:
         counts = sorted({share.micro_batches for share in mine}, reverse=True)
         samples = sum(share.samples for share in mine)
         parts.append(
-            f"{kind}: {count(len(mine), 'replica')} x {'/'.join(map(str, counts))} micro-batches of "
+            f"{kind}: {count(len(mine), 'replica')} x {'/'.join(map(str, counts))} "
+            f"{'micro-batch' if counts == [1] else 'micro-batches'} of "
             f"{mine[0].micro_batch_size}, {samples} of the {global_batch} samples"
         )
     return "batch split " + "; ".join(parts) + "; each replica's gradient weighted by its samples / B (VirtualFlow)"
@@ -127,9 +156,15 @@ def _objective_key(objective: Objective):
 
 
 def uneven_split(
-    profile: ModelProfile, cluster: ClusterSpec, template: Candidate, request: PlanRequest
+    profile: ModelProfile,
+    cluster: ClusterSpec,
+    template: Candidate,
+    request: PlanRequest,
+    *,
+    kind_profiles: Sequence[ModelProfile] = (),
 ) -> Candidate | None:
-    """Replicas of `template`'s pipeline on every device kind, with micro-batches water-filled."""
+    """Replicas of `template`'s pipeline on every device kind, with micro-batches water-filled;
+    each kind's times from its own profile where there is one (`profile_for`)."""
     t, p, b = template.tensor_parallel, template.pipeline_parallel, template.micro_batch_size
     variant = ScheduleVariant(template.schedule, template.chunks)
     B = request.global_batch
@@ -138,11 +173,12 @@ def uneven_split(
     total = B // b
     kinds = []
     for kind in cluster.device_kinds:
-        hardware = hardware_for(_sub_cluster(cluster, kind), profile, memory_headroom=request.memory_headroom)
+        mine = profile_for(_kind_device(cluster, kind), profile, kind_profiles)
+        hardware = hardware_for(_sub_cluster(cluster, kind), mine, memory_headroom=request.memory_headroom)
         replicas = hardware.devices // (t * p)
         if replicas == 0 or hardware.devices_per_node % t:
             continue
-        builder = ShapeBuilder(profile, hardware)
+        builder = ShapeBuilder(mine, hardware)
         shape = builder.shape_from_cuts(t, b, template.recompute, p, template.chunks,
                                         [tuple(s) for s in template.stage_layers])
         kinds.append((kind, hardware, shape, replicas))

@@ -52,7 +52,7 @@ def check_request(request: PlanRequest, profile: ModelProfile, hardware: Hardwar
                  "micro_batch_size", "devices", "deadline_hours", "samples", "tokens", "top", "workers"):
         _positive(name.replace("_", " "), getattr(request, name))
     if request.devices is not None and request.devices > hardware.devices:
-        kind = f"'{hardware.device.name}' device"
+        kind = f"'{hardware.kind}' device"
         raise UserInputError(f"--devices {request.devices} is more than the cluster's {count(hardware.devices, kind)}")
     layers = len(profile.layers)
     if request.pipeline_parallel is not None and request.pipeline_parallel > layers:
@@ -262,10 +262,16 @@ def plan_homogeneous(
     goal = goal_for(request, profile, hardware)
     pool = [spec for spec in enumeration.specs if spec.devices <= devices]
     plan_notes = list(notes or [])
-    if profile.device != hardware.device.name and hardware.compute_scale != 1.0:
+    peak_ratio = hardware.compute_scale / hardware.emulated_slowdown
+    if profile.device != hardware.device.name and peak_ratio != 1.0:
         plan_notes.append(
             f"profile measured on '{profile.device}', planned for '{hardware.device.name}': layer times "
-            f"scaled by {hardware.compute_scale:.3g} (ratio of peak FLOP/s)"
+            f"scaled by {peak_ratio:.3g} (ratio of peak FLOP/s)"
+        )
+    if hardware.emulated_slowdown != 1.0:
+        plan_notes.append(
+            f"'{hardware.kind}' emulates a slower kind: layer times x {hardware.emulated_slowdown:g} "
+            "(the worker waits out the difference)"
         )
     if not pool:
         raise InfeasibleError(_nothing_fits(request, enumeration.rejections, devices))

@@ -17,12 +17,13 @@ uneven split of the batch over all of them.
 from __future__ import annotations
 
 import gc
+from collections.abc import Sequence
 from contextlib import contextmanager
 
 from pipectl.artifacts.cluster import ClusterSpec
 from pipectl.artifacts.plan import Plan, PlanRequest
 from pipectl.artifacts.profile import ModelProfile
-from pipectl.plan.costs import hardware_for
+from pipectl.plan.costs import hardware_for, profile_for
 from pipectl.plan.hetero import plan_heterogeneous
 from pipectl.plan.homogeneous import SearchStats, plan_homogeneous
 
@@ -32,12 +33,18 @@ def plan(
     cluster: ClusterSpec,
     request: PlanRequest,
     *,
+    kind_profiles: Sequence[ModelProfile] = (),
     stats: SearchStats | None = None,
 ) -> Plan:
-    """The ranked candidates, the chosen one and the morph table (see the module docstring)."""
+    """The ranked candidates, the chosen one and the morph table (see the module docstring).
+
+    `kind_profiles`: profiles of the same model made on the cluster's other device kinds; each
+    kind is priced with the profile made on it, else with `profile` scaled by peak FLOP/s.
+    """
     with cyclic_gc_paused():
         if cluster.heterogeneous:
-            return plan_heterogeneous(profile, cluster, request, stats=stats)
+            return plan_heterogeneous(profile, cluster, request, kind_profiles=kind_profiles, stats=stats)
+        profile = profile_for(cluster.node_types[0].device, profile, kind_profiles)
         hardware = hardware_for(cluster, profile, memory_headroom=request.memory_headroom)
         return plan_homogeneous(profile, cluster.name, hardware, request, stats=stats)
 

@@ -34,7 +34,7 @@ from pipectl.artifacts.run import PLAN_FILE
 from pipectl.cluster import load_cluster, local_cluster
 from pipectl.errors import InfeasibleError, UserInputError
 from pipectl.plan.search import plan as search_plan
-from pipectl.planfile import load_plan_profile
+from pipectl.planfile import load_kind_profiles, load_plan_profile
 
 log = logging.getLogger(__name__)
 
@@ -150,12 +150,13 @@ def replan_for_devices(plan: Plan, devices: int, *, plan_dir: Path) -> MorphEntr
             hint="re-plan with pipectl plan --devices ... and launch that plan",
         )
     profile = load_plan_profile(plan_dir / PLAN_FILE, plan)
+    kind_profiles = load_kind_profiles(plan_dir / PLAN_FILE, plan)
     cluster = load_cluster(plan.cluster)
     if cluster.local:
         cluster = local_cluster(devices, base=cluster)
     request = plan.request.model_copy(update={"devices": devices})
     try:
-        replanned = search_plan(profile, cluster, request)
+        replanned = search_plan(profile, cluster, request, kind_profiles=kind_profiles)
     except (InfeasibleError, UserInputError) as exc:
         return MorphEntry(devices=devices, candidate=None, note=exc.message)
     entry = replanned.for_devices(devices)

@@ -4,9 +4,11 @@ A *fail-stutter* rank (Arpaci-Dusseau & Arpaci-Dusseau, "Fail-Stutter Fault Tole
 2001) keeps working, only slower; in a synchronous pipeline it sets the pace of every step. Varuna
 (EuroSys 2022, §4) watches per-rank step times and leaves such a rank out at the next morph.
 
-Only ranks doing the same work can be compared: the data-parallel replicas of one pipeline stage
-hold the same layers; uneven replicas process different shares of the batch, so their compute is
-taken per sample where the heartbeat records the share. For each recent step of the current layout
+Only ranks doing the same work on the same kind of device can be compared: the data-parallel
+replicas of one pipeline stage hold the same layers; uneven replicas process different shares of
+the batch, so their compute is taken per sample where the heartbeat records the share; and the
+replicas of a heterogeneous plan are compared with peers of their own device kind only (a P100 is
+meant to be slower than a V100). For each recent step of the current layout
 and each rank in a group of stage peers:
 
     slowdown(r, s) = compute(r, s) / median over the other peers of compute(peer, s)
@@ -139,15 +141,17 @@ def find_stragglers(metrics: Sequence[StepMetrics], policy: StragglerPolicy | No
 
     compute: dict[int, list[float]] = defaultdict(list)  # rank -> per-step compute seconds
     stage_of: dict[int, int] = {}
+    group_of: dict[int, tuple] = {}
     slowdowns: dict[int, list[float]] = defaultdict(list)
     zs: dict[int, list[float]] = defaultdict(list)
     for m in window:
-        groups: dict[int, dict[int, float]] = defaultdict(dict)  # stage -> rank -> seconds (per sample)
+        groups: dict[tuple, dict[int, float]] = defaultdict(dict)  # (stage, kind) -> rank -> seconds (per sample)
         for timing in m.ranks:
             seconds = timing.forward_seconds + timing.backward_seconds
             compute[timing.rank].append(seconds)
-            groups[timing.stage][timing.rank] = seconds / timing.samples if timing.samples else seconds
+            groups[timing.stage, timing.device][timing.rank] = seconds / timing.samples if timing.samples else seconds
             stage_of[timing.rank] = timing.stage
+            group_of[timing.rank] = (timing.stage, timing.device)
         for group in groups.values():
             for rank, seconds in group.items():
                 others = [v for r, v in group.items() if r != rank]
@@ -160,7 +164,7 @@ def find_stragglers(metrics: Sequence[StepMetrics], policy: StragglerPolicy | No
 
     scores = {}
     for rank in sorted(compute):
-        peers = max(0, sum(1 for r, s in stage_of.items() if s == stage_of[rank]) - 1)
+        peers = max(0, sum(1 for group in group_of.values() if group == group_of[rank]) - 1)
         median_slowdown = statistics.median(slowdowns[rank]) if slowdowns[rank] else 1.0
         median_z = statistics.median(zs[rank]) if zs[rank] else None
         slow = bool(slowdowns[rank]) and median_slowdown >= policy.slowdown_threshold
@@ -175,5 +179,5 @@ def find_stragglers(metrics: Sequence[StepMetrics], policy: StragglerPolicy | No
             median_z=median_z,
             straggler=slow,
         )
-    reason = "" if any(s.peers for s in scores.values()) else "no data-parallel peers to compare (d = 1)"
+    reason = "" if any(s.peers for s in scores.values()) else "no data-parallel peers of the same kind to compare"
     return StragglerReport(steps, layout, world, scores, reason)

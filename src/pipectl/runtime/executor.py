@@ -186,8 +186,9 @@ class PlannedPipelineEngine(PipelineEngine):
     it returns into this class (no new constructor state; everything is set by `attach_schedule`).
     """
 
-    def attach_schedule(self, schedule: Schedule) -> None:
-        """Run `schedule` (this rank's stage of it) from the next `train_batch` on."""
+    def attach_schedule(self, schedule: Schedule, compute_slowdown: float = 1.0) -> None:
+        """Run `schedule` (this rank's stage of it) from the next `train_batch` on; with a
+        `compute_slowdown` k > 1, as a device k times slower would (`_record`)."""
         schedule = executable_schedule(schedule)
         if schedule.pipeline_parallel != self.num_stages:
             raise UserInputError(
@@ -202,6 +203,7 @@ class PlannedPipelineEngine(PipelineEngine):
         self.rank_program = translate_rank(schedule, self.stage_id)
         self.planned_batches: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()
         self.executed: list[ExecutedAction] = []
+        self.compute_slowdown = compute_slowdown
         self._loss_by_buffer: dict[int, torch.Tensor] = {}
         self._grad_by_buffer: dict[int, object] = {}
 
@@ -243,7 +245,7 @@ class PlannedPipelineEngine(PipelineEngine):
                 PipelineEngine._exec_forward_pass(self, buffer_id)
         if self.is_last_stage():
             self._loss_by_buffer[buffer_id] = self.loss
-        self.executed.append(ExecutedAction(action, time.perf_counter() - start))
+        self._record(action, start)
 
     def _exec_recompute(self, buffer_id: int, action: Action) -> None:
         start = time.perf_counter()
@@ -255,7 +257,17 @@ class PlannedPipelineEngine(PipelineEngine):
             self._loss_by_buffer[buffer_id] = self.loss
         else:
             PipelineEngine._exec_forward_pass(self, buffer_id)
-        self.executed.append(ExecutedAction(action, time.perf_counter() - start))
+        self._record(action, start)
+
+    def _record(self, action: Action, start: float) -> None:
+        """Record a compute action that began at `start`. On an emulated slower device kind
+        (`NodeType.compute_slowdown` k) the rank first waits (k - 1) times what the action took,
+        holding its core idle as a slower device would, so the action ends k times later."""
+        seconds = time.perf_counter() - start
+        if self.compute_slowdown != 1.0:
+            time.sleep(seconds * (self.compute_slowdown - 1.0))
+            seconds = time.perf_counter() - start
+        self.executed.append(ExecutedAction(action, seconds))
 
     def _exec_planned_recv_grads(self, buffer_id: int) -> None:
         PipelineEngine._exec_recv_grads(self, buffer_id)
@@ -278,7 +290,7 @@ class PlannedPipelineEngine(PipelineEngine):
         finally:
             # Keep DeepSpeed's shared receive buffer for the next RecvGrad.
             self.grad_layer = shared
-        self.executed.append(ExecutedAction(action, time.perf_counter() - start))
+        self._record(action, start)
 
     def clip_fp32_gradients(self) -> None:
         """Clip by the norm of the WHOLE model's gradient, not of stage 0's part.
@@ -325,10 +337,11 @@ class PlannedPipelineEngine(PipelineEngine):
     }
 
 
-def plan_engine(engine: PipelineEngine, schedule: Schedule) -> PlannedPipelineEngine:
-    """Turn the engine `deepspeed.initialize()` returned into one running `schedule`."""
+def plan_engine(engine: PipelineEngine, schedule: Schedule, *, compute_slowdown: float = 1.0) -> PlannedPipelineEngine:
+    """Turn the engine `deepspeed.initialize()` returned into one running `schedule` (on an
+    emulated device kind `compute_slowdown` times slower than this one)."""
     if not isinstance(engine, PipelineEngine):
         raise UserInputError(f"expected a DeepSpeed PipelineEngine, got {type(engine).__name__}")
     engine.__class__ = PlannedPipelineEngine
-    engine.attach_schedule(schedule)
+    engine.attach_schedule(schedule, compute_slowdown)
     return engine

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from pipectl.artifacts.layout import Layout
-from pipectl.artifacts.plan import Plan
+from pipectl.artifacts.plan import Candidate, Plan
 from pipectl.artifacts.run import DataKind, JobSpec, RankState, RankTiming, ResumeRecord, StepMetrics
 from pipectl.errors import LaunchError, PipectlError, UserInputError
 from pipectl.io import load_model, read_mapping
@@ -105,6 +105,8 @@ class TrainingJob:
     predicted_peak_memory_bytes: tuple[int, ...] = ()  # per pipeline stage, from the plan
     schedule: Schedule | None = None  # overrides the generated schedule (tests)
     collective_timeout_seconds: float | None = None  # None: torch's and DeepSpeed's defaults
+    replica_kinds: tuple[str, ...] = ()  # the device kind of each data-parallel replica, from the plan
+    compute_slowdowns: tuple[float, ...] = ()  # per data-parallel replica, of an emulated slower kind; () none
 
     @classmethod
     def from_run_dir(cls, run_dir: str | os.PathLike[str]) -> "TrainingJob":
@@ -135,7 +137,22 @@ class TrainingJob:
             predicted_step_seconds=candidate.predicted_step_seconds,
             predicted_peak_memory_bytes=tuple(candidate.peak_memory_bytes),
             collective_timeout_seconds=job_collective_timeout_seconds(job, candidate),
+            replica_kinds=replica_kinds(candidate),
+            compute_slowdowns=replica_slowdowns(candidate, job.compute_slowdowns),
         )
+
+
+def replica_kinds(candidate: Candidate) -> tuple[str, ...]:
+    """The device kind the plan put each data-parallel replica on, in replica order."""
+    shares = sorted(candidate.replicas or (), key=lambda r: r.replica)
+    return tuple(r.device for r in shares) or (candidate.device,) * candidate.data_parallel
+
+
+def replica_slowdowns(candidate: Candidate, slowdowns: dict[str, float]) -> tuple[float, ...]:
+    """Each data-parallel replica's emulated slowdown (1: its device as it is), by the device kind
+    the plan put it on; () when no replica's kind is emulated."""
+    factors = tuple(slowdowns.get(kind, 1.0) for kind in replica_kinds(candidate))
+    return factors if any(f != 1.0 for f in factors) else ()
 
 
 def build_engine(job: TrainingJob):
@@ -187,7 +204,8 @@ def build_engine(job: TrainingJob):
     schedule = job.schedule or generate(
         layout.schedule, layout.pipeline_parallel, micro_batches, recompute=layout.recompute
     )
-    return model, plan_engine(engine, schedule)
+    slowdown = job.compute_slowdowns[replica] if job.compute_slowdowns else 1.0
+    return model, plan_engine(engine, schedule, compute_slowdown=slowdown)
 
 
 class WeightedLoss:
@@ -384,11 +402,13 @@ def _write_metrics(writer, job: TrainingJob, engine, record: StepRecord) -> None
     import torch.distributed as torch_dist  # torch, after dsinit
 
     memory = record.memory
-    micro_batch_size, micro_batches = job.layout.replica_share(engine.grid.data_parallel_id)
+    replica = engine.grid.data_parallel_id
+    micro_batch_size, micro_batches = job.layout.replica_share(replica)
     mine = (
         engine.global_rank,
         engine.stage_id,
         micro_batch_size * micro_batches,
+        job.replica_kinds[replica] if job.replica_kinds else None,
         record.forward_seconds,
         record.backward_seconds,
         memory.peak_allocated_bytes if memory else None,
@@ -416,13 +436,14 @@ def _write_metrics(writer, job: TrainingJob, engine, record: StepRecord) -> None
                     rank=r,
                     stage=s,
                     samples=samples,
+                    device=device,
                     forward_seconds=f,
                     backward_seconds=b,
                     peak_allocated_bytes=allocated,
                     peak_reserved_bytes=reserved,
                     peak_rss_bytes=rss,
                 )
-                for r, s, samples, f, b, allocated, reserved, rss in gathered
+                for r, s, samples, device, f, b, allocated, reserved, rss in gathered
             ],
             predicted_peak_memory_bytes=list(job.predicted_peak_memory_bytes),
         )

@@ -1,0 +1,49 @@
+"""A heterogeneous split run for real: two device kinds emulated on this CPU (`local-mixed`).
+
+One rank runs as it is, the other as a kind twice as slow (`NodeType.compute_slowdown`: its engine
+waits out each forward and backward once more). The split the planner makes at B = 16 — 11
+micro-batches of one sample on the fast kind, 5 on the slow one — gives the one-rank run's loss at
+every step (each replica's gradient weighted by its samples), and the slow rank's heartbeats show
+the emulation: twice the compute per sample, recorded under its own kind. Real ranks through the
+run-directory contract, as in `tests/resize/test_resize_uneven.py`, with the same warm-up and
+tolerance. How much faster the split is than the fast kind alone is measured by
+`benchmarks/hetero_split.py`, not here.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+
+from pipectl.runtime.metrics import read_metrics
+from builders import gpt_tiny_candidate, mixed_candidate, plan_of, train_run
+
+pytestmark = pytest.mark.multiprocess
+
+GLOBAL_BATCH = 16
+STEPS = 10
+RUN_TIMEOUT_SECONDS = 150
+RELATIVE_TOLERANCE = 1e-4
+WARMUP_STEPS = 15
+
+
+def test_a_split_over_emulated_kinds_gives_the_one_rank_losses_and_runs_slow_where_planned(tmp_path):
+    one = train_run(plan_of(gpt_tiny_candidate(1, 1, b=1, global_batch=GLOBAL_BATCH)), tmp_path / "one-rank",
+                    STEPS, warmup_steps=WARMUP_STEPS, timeout_seconds=RUN_TIMEOUT_SECONDS)
+    mixed = train_run(plan_of(mixed_candidate(), cluster="local-mixed"), tmp_path / "mixed",
+                      STEPS, warmup_steps=WARMUP_STEPS, timeout_seconds=RUN_TIMEOUT_SECONDS)
+    expected = {m.step: m.loss for m in read_metrics(one)}
+    metrics = read_metrics(mixed)
+    assert [m.step for m in metrics] == list(range(1, STEPS + 1))
+    assert {m.layout for m in metrics} == {"t1p1d2 1f1b 1x11+1x5"}
+    for m in metrics:
+        assert m.loss == pytest.approx(expected[m.step], rel=RELATIVE_TOLERANCE), m.step
+
+    per_sample = {}
+    for m in metrics:
+        for r in m.ranks:
+            assert (r.device, r.samples) == (("cpu", 11) if r.rank == 0 else ("cpu-slowed-2x", 5))
+            per_sample.setdefault(r.device, []).append((r.forward_seconds + r.backward_seconds) / r.samples)
+    ratio = statistics.median(per_sample["cpu-slowed-2x"]) / statistics.median(per_sample["cpu"])
+    assert ratio >= 1.5, ratio  # 2 by construction; the ranks' own compute differs by noise only
