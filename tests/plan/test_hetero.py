@@ -104,3 +104,23 @@ def test_an_emulated_slower_kind_gets_its_share_by_its_slowdown():
     fast = hardware_for(cluster, profile, "cpu")
     assert (slow.kind, slow.compute_scale, fast.kind, fast.compute_scale) == ("cpu-slowed-2x", 2.0, "cpu", 1.0)
     assert any("as fast as the best homogeneous subset (1 x cpu" in n for n in result.notes)
+
+
+def test_the_split_may_take_another_micro_batch_than_the_best_layout_of_one_kind():
+    """b = 4 is 5 % cheaper per sample than b = 1, so one CPU alone runs 4 x 4; but split with a
+    kind twice as slow, 4 micro-batches of 4 go 3 + 1 (3 x 3.8 = 11.4 units of b = 1) while 16 of 1
+    go 11 + 5 (11 units): the split is searched over the ranked layouts, not only the fastest."""
+    base = synthetic_profile(blocks=4, micro_batch_sizes=[1, 4], device="cpu", dtype="float32")
+    layers = []
+    for layer in base.layers:
+        costs = [c.model_copy(update={"forward_seconds": c.forward_seconds * 0.95, "backward_seconds": c.backward_seconds * 0.95})
+                 if c.micro_batch_size == 4 else c for c in layer.costs]
+        layers.append(layer.model_copy(update={"costs": costs}))
+    profile = base.model_copy(update={"layers": layers})
+    result = plan(profile, load_cluster("local-mixed"),
+                  PlanRequest(global_batch=16, morph=False, pipeline_parallel=1, tensor_parallel=1))
+    homogeneous = next(c for c in result.candidates if c.device == "cpu")
+    assert (homogeneous.micro_batch_size, homogeneous.micro_batches) == (4, 4)
+    chosen = result.chosen
+    assert chosen.device == "mixed" and chosen.micro_batch_size == 1
+    assert {r.device: r.micro_batches for r in chosen.replicas} == {"cpu": 11, "cpu-slowed-2x": 5}
