@@ -29,7 +29,7 @@ def gpt_tiny_candidate(p: int = 2, d: int = 1, b: int = 2, m: int = 4, *, global
 def mixed_candidate(shares: dict[str, int] | None = None, *, global_batch: int = 16) -> Candidate:
     """gpt-tiny split over device kinds (`local-mixed`: 'cpu' and the emulated 'cpu-slowed-2x'), one
     replica per kind, one stage, micro-batches of 1 sample: `shares` is each kind's micro-batches
-    (default 11 and 5, the split the planner makes at B = 16)."""
+    (default 11 and 5: 16 micro-batches water-filled over a kind and one twice as slow)."""
     shares = shares or {"cpu": 11, "cpu-slowed-2x": 5}
     assert sum(shares.values()) == global_batch
     replicas = [

@@ -55,6 +55,16 @@ def test_an_emulated_slower_kind_is_a_kind_of_its_own_on_its_device():
     assert [n.name for n in mixed.nodes_of_kind("cpu-slowed-2x")] == ["cpu-half-speed"]
 
 
+def test_a_one_host_cluster_has_one_node_of_each_type(tmp_path):
+    spec = yaml.safe_load((configs_dir() / "clusters" / "local-mixed.yaml").read_text())
+    assert spec["one_host"] is True
+    spec["node_types"][0]["nodes"] = 2
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    with pytest.raises(PipectlError, match="one machine: every node type has nodes: 1"):
+        load_cluster(path)
+
+
 @pytest.mark.parametrize("slowdown", [0.5, 0, -1, 1e9])
 def test_a_compute_slowdown_below_one_or_absurd_is_refused(tmp_path, slowdown):
     spec = yaml.safe_load((configs_dir() / "clusters" / "local-mixed.yaml").read_text())

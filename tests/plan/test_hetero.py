@@ -124,3 +124,21 @@ def test_the_split_may_take_another_micro_batch_than_the_best_layout_of_one_kind
     chosen = result.chosen
     assert chosen.device == "mixed" and chosen.micro_batch_size == 1
     assert {r.device: r.micro_batches for r in chosen.replicas} == {"cpu": 11, "cpu-slowed-2x": 5}
+
+
+def test_a_split_on_one_host_is_priced_with_the_hosts_own_all_reduce_and_shared_cores():
+    """local-mixed is one machine: the ring of its split runs at the profile's busy all-reduce
+    after compute (measured on the host), not at the cluster's inter-node figures, and both ranks
+    compute at the host's two-ranks-at-once slowdown."""
+    from pipectl.artifacts.profile import RuntimeCosts
+
+    runtime = RuntimeCosts(engine="deepspeed", forward_overhead_seconds=0, backward_overhead_seconds=0,
+                           step_fixed_seconds=0, step_seconds_per_parameter=0, busy_allreduce_latency_seconds=0.01,
+                           busy_allreduce_bandwidth_bytes_per_second=1e8, concurrent_compute_slowdown=1.5)
+    profile = synthetic_profile(blocks=4, micro_batch_sizes=[1], device="cpu").model_copy(update={"runtime": runtime})
+    cluster = load_cluster("local-mixed")
+    request = PlanRequest(global_batch=16, morph=False, micro_batch_size=1, pipeline_parallel=1, tensor_parallel=1)
+    alone = plan(profile, cluster.model_copy(update={"node_types": cluster.node_types[:1]}), request).chosen
+    on_host = uneven_split(profile, cluster, alone, request)
+    apart = uneven_split(profile, cluster.model_copy(update={"one_host": False}), alone, request)
+    assert on_host.predicted_step_seconds > apart.predicted_step_seconds + 0.01  # the busy ring's latency at least

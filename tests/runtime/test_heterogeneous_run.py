@@ -1,8 +1,8 @@
 """A heterogeneous split run for real: two device kinds emulated on this CPU (`local-mixed`).
 
 One rank runs as it is, the other as a kind twice as slow (`NodeType.compute_slowdown`: its engine
-waits out each forward and backward once more). The split the planner makes at B = 16 — 11
-micro-batches of one sample on the fast kind, 5 on the slow one — gives the one-rank run's loss at
+waits out each forward and backward once more). B = 16 split by speed — 11 micro-batches of one
+sample on the fast kind, 5 on the slow one — gives the one-rank run's loss at
 every step (each replica's gradient weighted by its samples), and the slow rank's heartbeats show
 the emulation: twice the compute per sample, recorded under its own kind. Real ranks through the
 run-directory contract, as in `tests/resize/test_resize_uneven.py`, with the same warm-up and

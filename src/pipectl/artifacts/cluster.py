@@ -113,6 +113,11 @@ class ClusterSpec(Artifact):
         description="Local CPU ranks on this machine: `--devices N` sets how many (devices_per_node is the default).",
     )
     inter_node_links: LinkSpec = Field(default_factory=LinkSpec, description="Links between node groups.")
+    one_host: bool = Field(
+        default=False,
+        description="Every node type is one node of ranks on one and the same machine (a heterogeneous cluster "
+        "emulated with compute_slowdown): their ranks talk as inside a node and share its cores.",
+    )
     slurm: SlurmSpec = Field(default_factory=SlurmSpec, description="Batch-system facts for `launch --engine slurm`.")
 
     @model_validator(mode="after")
@@ -121,6 +126,8 @@ class ClusterSpec(Artifact):
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"node type names must be unique, repeated: {', '.join(dupes)}")
+        if self.one_host and any(n.nodes != 1 for n in self.node_types):
+            raise ValueError("a one_host cluster is one machine: every node type has nodes: 1")
         if self.total_devices > MAX_DEVICES:
             raise ValueError(f"the cluster has {self.total_devices} devices, more than the {MAX_DEVICES} pipectl plans for")
         return self

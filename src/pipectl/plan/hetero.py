@@ -151,18 +151,28 @@ def _best_split(
     return min(splits, key=key, default=None)
 
 
-def _on_one_ring(kinds: list) -> list:
+def _on_one_ring(kinds: list, one_host: bool = False) -> list:
     """The kinds' hardware with one data-parallel ring for all: every replica's gradient goes round
     the same ring, which leaves each node and runs at the pace of its slowest hop, so every kind's
     all-reduce is priced on the slowest inter-node link of any kind (the highest latency, the
-    lowest bandwidth) instead of its own."""
+    lowest bandwidth) instead of its own.
+
+    On a cluster of one host (`ClusterSpec.one_host`: kinds emulated on one machine) the ring never
+    leaves it: it is priced on the slowest intra-node all-reduce of any kind (the host's busy
+    all-reduce where the profile measured one), and every kind's ranks count as sharing the host's
+    cores (its devices per node are all the ranks of the split)."""
     links = [hardware.links for _, hardware, _, _ in kinds]
-    latency = max(link.allreduce_inter_latency_seconds for link in links)
-    bandwidth = min(link.allreduce_inter_bandwidth_bytes_per_second for link in links)
+    side = "intra" if one_host else "inter"
+    latency = max(getattr(link, f"allreduce_{side}_latency_seconds") for link in links)
+    bandwidth = min(getattr(link, f"allreduce_{side}_bandwidth_bytes_per_second") for link in links)
     ring = dict(allreduce_intra_latency_seconds=latency, allreduce_intra_bandwidth_bytes_per_second=bandwidth,
                 allreduce_inter_latency_seconds=latency, allreduce_inter_bandwidth_bytes_per_second=bandwidth)
-    return [(kind, replace(hardware, links=replace(hardware.links, **ring)), shape, replicas)
-            for kind, hardware, shape, replicas in kinds]
+    ranks = sum(hardware.devices for _, hardware, _, _ in kinds)
+    return [
+        (kind, replace(hardware, links=replace(hardware.links, **ring),
+                       devices_per_node=ranks if one_host else hardware.devices_per_node), shape, replicas)
+        for kind, hardware, shape, replicas in kinds
+    ]
 
 
 def _split_note(shares: list[ReplicaShare], global_batch: int) -> str:
@@ -215,7 +225,7 @@ def uneven_split(
         kinds.append((kind, hardware, shape, replicas))
     if len(kinds) < 2:
         return None
-    kinds = _on_one_ring(kinds)
+    kinds = _on_one_ring(kinds, cluster.one_host)
     d_total = sum(replicas for *_, replicas in kinds)
     # Water-filling with the closed-form bound as each replica's time for m micro-batches.
     def bound(index: int, m: int) -> float:
