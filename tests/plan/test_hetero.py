@@ -142,3 +142,13 @@ def test_a_split_on_one_host_is_priced_with_the_hosts_own_all_reduce_and_shared_
     on_host = uneven_split(profile, cluster, alone, request)
     apart = uneven_split(profile, cluster.model_copy(update={"one_host": False}), alone, request)
     assert on_host.predicted_step_seconds > apart.predicted_step_seconds + 0.01  # the busy ring's latency at least
+
+
+def test_a_layout_with_fewer_micro_batches_than_replicas_is_not_split():
+    # B = 64 in micro-batches of 8 over 16 replicas (8 V100s + 8 P100s, one device each): 8 < 16.
+    profile = synthetic_profile(blocks=8)
+    cluster = load_cluster("mixed-v100-p100")
+    template = plan(profile, cluster.model_copy(update={"node_types": cluster.node_types[:1]}),
+                    PlanRequest(global_batch=64, morph=False, micro_batch_size=8, pipeline_parallel=1, tensor_parallel=1)).chosen
+    assert uneven_split(profile, cluster, template, PlanRequest(global_batch=64)) is None
+    assert plan(profile, cluster, PlanRequest(global_batch=64, workers=1)).chosen.global_batch == 64

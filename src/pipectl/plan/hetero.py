@@ -227,6 +227,8 @@ def uneven_split(
         return None
     kinds = _on_one_ring(kinds, cluster.one_host)
     d_total = sum(replicas for *_, replicas in kinds)
+    if total < d_total:  # a replica without a micro-batch: fewer replicas would be another layout
+        return None
     # Water-filling with the closed-form bound as each replica's time for m micro-batches.
     def bound(index: int, m: int) -> float:
         _, hardware, shape, _ = kinds[index]
