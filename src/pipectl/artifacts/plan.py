@@ -180,6 +180,12 @@ class Candidate(Strict):
             return sum(r.samples for r in self.replicas)
         return self.data_parallel * self.micro_batch_size * self.micro_batches
 
+    @property
+    def replica_kinds(self) -> tuple[str, ...]:
+        """The device kind of each data-parallel replica, in replica order."""
+        shares = sorted(self.replicas or (), key=lambda r: r.replica)
+        return tuple(r.device for r in shares) or (self.device,) * self.data_parallel
+
     @model_validator(mode="after")
     def _consistent(self) -> "Candidate":
         if self.devices != self.tensor_parallel * self.pipeline_parallel * self.data_parallel:

@@ -273,8 +273,7 @@ def _visible_gpus() -> int | None:
 
 def plan_kinds(plan: Plan) -> list[str]:
     """The device kinds the chosen candidate's ranks run on, in replica order, each once."""
-    chosen = plan.chosen
-    return list(dict.fromkeys(r.device for r in sorted(chosen.replicas or (), key=lambda r: r.replica))) or [chosen.device]
+    return list(dict.fromkeys(plan.chosen.replica_kinds))
 
 
 def plan_accelerator(plan: Plan, cluster: ClusterSpec | None = None) -> str:

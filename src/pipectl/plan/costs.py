@@ -108,12 +108,17 @@ class Hardware:
     devices: int
     links: ResolvedLinks
     price_per_device_hour: float
-    compute_scale: float = 1.0  # profiled device's time -> this device's time
+    peak_ratio: float = 1.0  # profiled device's peak FLOP/s over this device's (`compute_scale`)
     node_type: str = ""
     runtime: RuntimeCosts | None = None  # measured engine terms (same device kind only)
     memory_headroom: float = 0.0  # fraction of each device's memory the plan keeps free
     measured_memory_bytes: int | None = None  # the device's total as a profile on it measured
-    emulated_slowdown: float = 1.0  # NodeType.compute_slowdown (already in compute_scale)
+    emulated_slowdown: float = 1.0  # NodeType.compute_slowdown
+
+    @property
+    def compute_scale(self) -> float:
+        """A profiled layer's time -> its time on this pool: the peak ratio, times the emulated slowdown."""
+        return self.peak_ratio * self.emulated_slowdown
 
     @property
     def kind(self) -> str:
@@ -182,7 +187,7 @@ def hardware_for(
         devices=sum(n.devices for n in same_kind),
         links=with_busy_handoff(resolve_links(cluster, node_type), runtime),
         price_per_device_hour=price_per_device_hour(cluster, node_type),
-        compute_scale=compute_scale(profile, device) * node_type.compute_slowdown,
+        peak_ratio=compute_scale(profile, device),
         node_type=node_type.name,
         runtime=runtime,
         memory_headroom=memory_headroom,

@@ -41,17 +41,18 @@ def _sub_cluster(cluster: ClusterSpec, kind: str) -> ClusterSpec:
     return cluster.model_copy(update={"node_types": cluster.nodes_of_kind(kind)})
 
 
-def _kind_device(cluster: ClusterSpec, kind: str) -> str:
-    return cluster.nodes_of_kind(kind)[0].device
+def _kind_profile(cluster: ClusterSpec, kind: str, profile: ModelProfile, kind_profiles: Sequence[ModelProfile]) -> ModelProfile:
+    """The profile that prices `kind`: the one made on its nodes' device (`profile_for`)."""
+    return profile_for(cluster.nodes_of_kind(kind)[0].device, profile, kind_profiles)
 
 
 def _profile_note(cluster: ClusterSpec, profile: ModelProfile, kind_profiles: Sequence[ModelProfile]) -> str:
     """Where each kind's layer times come from: its own profile, or another's scaled by peaks."""
     parts, scaled = [], []
     for kind in cluster.device_kinds:
-        device = _kind_device(cluster, kind)
+        node = cluster.nodes_of_kind(kind)[0]
+        device, slowdown = node.device, node.compute_slowdown
         mine = profile_for(device, profile, kind_profiles)
-        slowdown = cluster.nodes_of_kind(kind)[0].compute_slowdown
         if mine.device == device and slowdown != 1.0:
             parts.append(f"{kind}: the {device} {mine.source.value} profile x {slowdown:g} (emulated)")
         elif mine.device == device:
@@ -82,7 +83,7 @@ def plan_heterogeneous(
     failures = []
     for kind in cluster.device_kinds:
         sub = _sub_cluster(cluster, kind)
-        mine = profile_for(_kind_device(cluster, kind), profile, kind_profiles)
+        mine = _kind_profile(cluster, kind, profile, kind_profiles)
         hardware = hardware_for(sub, mine, memory_headroom=request.memory_headroom)
         sub_request = request.model_copy(update={"devices": None})
         try:
@@ -99,7 +100,7 @@ def plan_heterogeneous(
     notes = [*best_plan.notes, _profile_note(cluster, profile, kind_profiles)]
     chosen = best_plan.chosen
     candidates = list(best_plan.candidates)
-    if split is not None and key(split) < key(chosen) and (split.deepspeed_runnable or not request.for_deepspeed):
+    if split is not None and key(split) < key(chosen):  # _best_split returns only splits the engine can run
         notes.append(
             f"uneven split over {', '.join(cluster.device_kinds)}: {split.predicted_step_seconds:.4g} s/step, "
             f"{chosen.predicted_step_seconds / split.predicted_step_seconds:.2f}x as fast as the best homogeneous "
@@ -214,7 +215,7 @@ def uneven_split(
     total = B // b
     kinds = []
     for kind in cluster.device_kinds:
-        mine = profile_for(_kind_device(cluster, kind), profile, kind_profiles)
+        mine = _kind_profile(cluster, kind, profile, kind_profiles)
         hardware = hardware_for(_sub_cluster(cluster, kind), mine, memory_headroom=request.memory_headroom)
         replicas = hardware.devices // (t * p)
         if replicas == 0 or hardware.devices_per_node % t:

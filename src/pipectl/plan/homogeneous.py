@@ -262,11 +262,10 @@ def plan_homogeneous(
     goal = goal_for(request, profile, hardware)
     pool = [spec for spec in enumeration.specs if spec.devices <= devices]
     plan_notes = list(notes or [])
-    peak_ratio = hardware.compute_scale / hardware.emulated_slowdown
-    if profile.device != hardware.device.name and peak_ratio != 1.0:
+    if profile.device != hardware.device.name and hardware.peak_ratio != 1.0:
         plan_notes.append(
             f"profile measured on '{profile.device}', planned for '{hardware.device.name}': layer times "
-            f"scaled by {peak_ratio:.3g} (ratio of peak FLOP/s)"
+            f"scaled by {hardware.peak_ratio:.3g} (ratio of peak FLOP/s)"
         )
     if hardware.emulated_slowdown != 1.0:
         plan_notes.append(

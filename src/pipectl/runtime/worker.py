@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from pipectl.artifacts.layout import Layout
-from pipectl.artifacts.plan import Candidate, Plan
+from pipectl.artifacts.plan import Plan
 from pipectl.artifacts.run import DataKind, JobSpec, RankState, RankTiming, ResumeRecord, StepMetrics
 from pipectl.errors import LaunchError, PipectlError, UserInputError
 from pipectl.io import load_model, read_mapping
@@ -106,7 +106,7 @@ class TrainingJob:
     schedule: Schedule | None = None  # overrides the generated schedule (tests)
     collective_timeout_seconds: float | None = None  # None: torch's and DeepSpeed's defaults
     replica_kinds: tuple[str, ...] = ()  # the device kind of each data-parallel replica, from the plan
-    compute_slowdowns: tuple[float, ...] = ()  # per data-parallel replica, of an emulated slower kind; () none
+    compute_slowdowns: dict[str, float] = field(default_factory=dict)  # emulated slower kinds (JobSpec's)
 
     @classmethod
     def from_run_dir(cls, run_dir: str | os.PathLike[str]) -> "TrainingJob":
@@ -137,22 +137,9 @@ class TrainingJob:
             predicted_step_seconds=candidate.predicted_step_seconds,
             predicted_peak_memory_bytes=tuple(candidate.peak_memory_bytes),
             collective_timeout_seconds=job_collective_timeout_seconds(job, candidate),
-            replica_kinds=replica_kinds(candidate),
-            compute_slowdowns=replica_slowdowns(candidate, job.compute_slowdowns),
+            replica_kinds=candidate.replica_kinds,
+            compute_slowdowns=job.compute_slowdowns,
         )
-
-
-def replica_kinds(candidate: Candidate) -> tuple[str, ...]:
-    """The device kind the plan put each data-parallel replica on, in replica order."""
-    shares = sorted(candidate.replicas or (), key=lambda r: r.replica)
-    return tuple(r.device for r in shares) or (candidate.device,) * candidate.data_parallel
-
-
-def replica_slowdowns(candidate: Candidate, slowdowns: dict[str, float]) -> tuple[float, ...]:
-    """Each data-parallel replica's emulated slowdown (1: its device as it is), by the device kind
-    the plan put it on; () when no replica's kind is emulated."""
-    factors = tuple(slowdowns.get(kind, 1.0) for kind in replica_kinds(candidate))
-    return factors if any(f != 1.0 for f in factors) else ()
 
 
 def build_engine(job: TrainingJob):
@@ -204,7 +191,7 @@ def build_engine(job: TrainingJob):
     schedule = job.schedule or generate(
         layout.schedule, layout.pipeline_parallel, micro_batches, recompute=layout.recompute
     )
-    slowdown = job.compute_slowdowns[replica] if job.compute_slowdowns else 1.0
+    slowdown = job.compute_slowdowns.get(job.replica_kinds[replica], 1.0) if job.replica_kinds else 1.0
     return model, plan_engine(engine, schedule, compute_slowdown=slowdown)
 
 
