@@ -11,8 +11,8 @@ import pytest
 from typer.testing import CliRunner
 
 from pipectl.artifacts.cluster import SlurmSpec
-from pipectl.artifacts.plan import Candidate
-from pipectl.artifacts.run import Engine, Precision
+from pipectl.artifacts.plan import Candidate, ReplicaShare
+from pipectl.artifacts.run import ElasticRange, Engine, Precision
 from pipectl.cli.main import app
 from pipectl.errors import UserInputError
 from pipectl.io import write_json_atomic
@@ -100,13 +100,82 @@ def test_a_split_over_emulated_kinds_runs_on_cpu_ranks_told_their_slowdown(tmp_p
     assert (job.world_size, job.accelerator, job.compute_slowdowns) == (2, "cpu", {"cpu-slowed-2x": 2.0})
 
 
-@pytest.mark.parametrize("engine", [Engine.TORCHRUN, Engine.DEEPSPEED, Engine.SLURM])
-def test_a_split_over_kinds_is_refused_where_replicas_cannot_be_placed_by_kind(tmp_path, engine):
-    plan = plan_of(mixed_candidate(), cluster="local-mixed")
-    with pytest.raises(UserInputError, match="splits its replicas over cpu, cpu-slowed-2x") as caught:
-        prepare_launch(plan, tmp_path / "mixed", LaunchOptions(engine=engine, nodes=2), write=False)
-    assert "--engine local" in caught.value.hint
-    assert not (tmp_path / "mixed").exists()
+def mixed_plan():
+    """GPT-2 2.5B split over mixed-v100-p100 as `pipectl plan` splits it at B = 512 (per-kind derived
+    profiles): 8 stages, replica 0 on the P100s (30 micro-batches of 2), replica 1 on the V100s (226)."""
+    shape = model_shape("gpt2-2.5b")
+    bounds = [round(i * shape.layers / 8) for i in range(9)]
+    shares = [("p100", 30), ("v100-16gb", 226)]
+    candidate = Candidate(
+        devices=16, device="mixed", tensor_parallel=1, pipeline_parallel=8, data_parallel=2,
+        micro_batch_size=2, micro_batches=226, schedule="1f1b", recompute=False, zero_stage=1,
+        stage_layers=list(zip(bounds, bounds[1:])), predicted_step_seconds=14.9, samples_per_second=34.4,
+        tflops_per_device=35.7, peak_memory_bytes=[11 * 2**30] * 8, bubble_fraction=0.16,
+        communication_fraction=0.13, cost_per_million_samples=254.0,
+        replicas=[ReplicaShare(replica=r, device=kind, micro_batch_size=2, micro_batches=m, samples=2 * m,
+                               gradient_weight=2 * m / 512) for r, (kind, m) in enumerate(shares)],
+    )  # fmt: skip
+    return plan_of(candidate, model="gpt2-2.5b", cluster="mixed-v100-p100", shape=shape)
+
+
+def test_a_split_over_kinds_is_a_heterogeneous_slurm_job_matching_its_golden_file(monkeypatch):
+    script = sbatch_of(mixed_plan(), monkeypatch, precision=Precision.FP16, slurm=SlurmSpec(python="/opt/venv/bin/python"))
+    golden = GOLDEN / "gpt2-2.5b-mixed-v100-p100.sbatch"
+    if os.environ.get("PIPECTL_UPDATE_GOLDEN"):
+        golden.write_text(script)
+    assert script == golden.read_text()
+    first, second = script.split("#SBATCH hetjob")
+    assert "#SBATCH --constraint=p100" in first and "#SBATCH --nodes=2" in first  # replica 0: the P100 nodes first
+    assert "#SBATCH --constraint=v100" in second and "#SBATCH --nodes=2" in second
+    assert "srun --het-group=0,1 " in second and "--rdzv_backend static" in second
+    assert "'" in second.split("bash -c ")[1][:1]  # quoted: each task expands its own $SLURM_PROCID
+
+
+def test_a_split_over_kinds_gets_a_hostfile_listing_each_kinds_hosts_together(monkeypatch):
+    monkeypatch.chdir("/")
+    hosts = ["p1", "p2", "v1", "v2"]
+    prepared = prepare_launch(
+        mixed_plan(), RUN, LaunchOptions(engine=Engine.DEEPSPEED, hosts=hosts, precision=Precision.FP16), write=False
+    )
+    assert prepared.command.files["hostfile"].splitlines() == [
+        "# 2 p100-vms nodes (p100): replica 0", "p1 slots=4", "p2 slots=4",
+        "# 2 v100-vms nodes (v100-16gb): replica 1", "v1 slots=4", "v2 slots=4",
+    ]  # fmt: skip
+    assert [(g.node_type, g.nodes) for g in prepared.job.node_groups] == [("p100-vms", 2), ("v100-vms", 2)]
+    with pytest.raises(UserInputError, match="3 nodes given for a plan split over 2 node types") as caught:
+        prepare_launch(mixed_plan(), RUN, LaunchOptions(engine=Engine.DEEPSPEED, hosts=hosts[:3], precision=Precision.FP16), write=False)
+    assert "each kind's hosts together" in caught.value.hint
+
+
+@pytest.mark.parametrize(
+    "options, message, hint",
+    [
+        ({"engine": Engine.TORCHRUN}, "numbers the nodes by host name", "--engine slurm"),
+        ({"engine": Engine.SLURM, "elastic": ElasticRange(min_nodes=2, max_nodes=4)}, "an elastic job cannot", "without --elastic"),
+        ({"engine": Engine.SLURM, "cluster": "local-mixed"}, "is one machine", "--engine local"),
+    ],
+)  # fmt: skip
+def test_a_split_over_kinds_is_refused_where_replicas_cannot_be_placed_by_kind(monkeypatch, options, message, hint):
+    monkeypatch.chdir("/")
+    plan = mixed_plan() if options.get("cluster") is None else plan_of(mixed_candidate(), cluster="local-mixed")
+    with pytest.raises(UserInputError, match=message) as caught:
+        prepare_launch(plan, RUN, LaunchOptions(precision=Precision.FP16, **options), write=False)
+    assert hint in caught.value.hint
+
+
+def test_node_groups_of_unequal_ranks_per_node_or_too_few_nodes_are_refused(monkeypatch, tmp_path):
+    monkeypatch.chdir("/")
+    shipped = (Path(__file__).resolve().parents[2] / "configs" / "clusters" / "mixed-v100-p100.yaml").read_text()
+    eight = tmp_path / "eight.yaml"
+    eight.write_text(shipped.replace("devices_per_node: 4\n    nodes: 2\n    price_per_device_hour_on_demand: 2.48",
+                                     "devices_per_node: 8\n    nodes: 1\n    price_per_device_hour_on_demand: 2.48"))
+    with pytest.raises(UserInputError, match="different numbers of ranks per node \\(p100-vms: 4, v100-vms: 8\\)"):
+        prepare_launch(mixed_plan(), RUN, LaunchOptions(engine=Engine.SLURM, cluster=str(eight), precision=Precision.FP16), write=False)
+    one = tmp_path / "one.yaml"
+    one.write_text(shipped.replace("devices_per_node: 4\n    nodes: 2\n    price_per_device_hour_on_demand: 1.46",
+                                   "devices_per_node: 4\n    nodes: 1\n    price_per_device_hour_on_demand: 1.46"))
+    with pytest.raises(UserInputError, match="need 2 nodes of type p100-vms; cluster 'mixed-v100-p100' has 1"):
+        prepare_launch(mixed_plan(), RUN, LaunchOptions(engine=Engine.SLURM, cluster=str(one), precision=Precision.FP16), write=False)
 
 
 def test_without_a_readable_cluster_the_nodes_must_be_given(monkeypatch):

@@ -7,7 +7,8 @@ import torch
 
 from pipectl.errors import UserInputError
 from pipectl.models import build_model
-from pipectl.runtime.pipeline import SeededTiedLayerSpec, layer_specs, stage_boundaries
+from pipectl.plan.costs import ranks_share_node, replicas_share_node
+from pipectl.runtime.pipeline import SeededTiedLayerSpec, layer_specs, planned_topology, stage_boundaries
 
 
 def test_boundaries_are_the_range_starts_plus_the_layer_count():
@@ -71,3 +72,30 @@ def test_docstring_examples_hold():
     for module in (pipectl.runtime.pipeline, pipectl.runtime.data, pipectl.models.tensor_parallel):
         result = doctest.testmod(module)
         assert result.attempted > 0 and result.failed == 0, module.__name__
+
+
+@pytest.mark.parametrize("p, d, t", [(2, 2, 1), (4, 3, 1), (2, 2, 2), (3, 4, 2), (1, 8, 1), (8, 1, 1)])
+@pytest.mark.parametrize("devices_per_node", [1, 2, 4, 8])
+def test_ranks_sit_where_the_planner_priced_them(p, d, t, devices_per_node):
+    """Ranks numbered node by node (every launcher): the nodes the runtime's topology gives each
+    (replica, stage) agree with the planner's placement of pipeline neighbours and of a stage's ring."""
+    topology = planned_topology(p, d, t)
+
+    def node(replica: int, stage: int) -> int:
+        coords = {"data": replica, "pipe": stage} | ({"model": 0} if t > 1 else {})
+        return topology.get_rank(**coords) // devices_per_node
+
+    for a in range(p):
+        for b in range(p):
+            runtime = all(node(r, a) == node(r, b) for r in range(d))
+            assert runtime == ranks_share_node(a, b, p, t, d, devices_per_node), (a, b)
+        ring = {node(r, a) for r in range(d)}
+        assert (len(ring) == 1) == replicas_share_node(a, p, t, d, devices_per_node), a
+
+
+def test_a_replicas_ranks_are_consecutive_and_its_tensor_groups_inside():
+    topology = planned_topology(pipeline_parallel=2, data_parallel=3, tensor_parallel=2)
+    for replica in range(3):
+        ranks = sorted(topology.filter_match(data=replica))
+        assert ranks == list(range(replica * 4, replica * 4 + 4))
+    assert topology.get_axis_comm_lists("model") == [[2 * i, 2 * i + 1] for i in range(6)]

@@ -18,6 +18,7 @@ MAX_PRICE_PER_DEVICE_HOUR = 1e6  # USD
 MAX_DEVICES = 2**17
 MAX_DEVICES_PER_NODE = 4096
 MAX_COMPUTE_SLOWDOWN = 1000.0
+SLURM_VALUE = r"^[A-Za-z0-9_.:,@%+=/-]*$"  # what an #SBATCH value may hold here: no spaces, quotes or '$'
 
 
 class LinkSpec(Strict):
@@ -36,6 +37,14 @@ class LinkSpec(Strict):
     )
 
 
+class NodeSlurm(Strict):
+    """Which of a Slurm cluster's nodes are this node type: the component of a heterogeneous job
+    that `launch --engine slurm` writes for a plan split over device kinds."""
+
+    partition: str | None = Field(default=None, pattern=SLURM_VALUE, description="#SBATCH --partition of this type's nodes.")
+    constraint: str | None = Field(default=None, pattern=SLURM_VALUE, description="#SBATCH --constraint selecting them, e.g. 'v100'.")
+
+
 class NodeType(Strict):
     """A group of identical nodes."""
 
@@ -51,6 +60,10 @@ class NodeType(Strict):
         description="Emulate a slower device kind on these nodes: every layer's forward and backward takes this "
         "many times its time (the worker waits out the difference), and the planner prices it so, as the kind "
         "'<device>-slowed-<k>x'. For rehearsing a heterogeneous plan on one kind of hardware; 1: the device itself.",
+    )
+    slurm: NodeSlurm = Field(
+        default_factory=NodeSlurm,
+        description="Partition and constraint of these nodes in Slurm (over the cluster's slurm section).",
     )
 
     @property
@@ -71,8 +84,6 @@ def emulated_kind(device: str, slowdown: float) -> str:
     """The name of `device` slowed `slowdown` times (`NodeType.compute_slowdown`)."""
     return f"{device}-slowed-{slowdown:g}x"
 
-
-SLURM_VALUE = r"^[A-Za-z0-9_.:,@%+=/-]*$"  # what an #SBATCH value may hold here: no spaces, quotes or '$'
 
 
 class SlurmSpec(Strict):

@@ -122,6 +122,22 @@ class ElasticRange(Strict):
         return self
 
 
+class NodeGroup(Strict):
+    """Consecutive nodes of one type running consecutive replicas: a plan split over device kinds
+    is launched as one group per kind, in replica (and so rank) order."""
+
+    node_type: str = Field(description="The cluster file's node type the group's nodes are.")
+    device: str = Field(description="The device kind the plan put the group's replicas on.")
+    nodes: int = Field(gt=0)
+    first_replica: int = Field(ge=0)
+    replicas: int = Field(gt=0)
+
+    def replica_words(self) -> str:
+        """'replica 0', 'replicas 1-3'."""
+        last = self.first_replica + self.replicas - 1
+        return f"replica {last}" if self.replicas == 1 else f"replicas {self.first_replica}-{last}"
+
+
 class JobSpec(Artifact):
     """job.json: everything the worker needs besides the plan and the DeepSpeed config.
 
@@ -170,6 +186,11 @@ class JobSpec(Artifact):
         description="Emulated device kinds of the cluster (node types with compute_slowdown) and their factors: "
         "a rank of a replica on such a kind waits out (k - 1) times each forward and backward it runs.",
     )
+    node_groups: list[NodeGroup] = Field(
+        default_factory=list,
+        description="A plan split over device kinds: the nodes of each kind in rank order (the launcher numbers "
+        "ranks node by node, so each group's nodes run its replicas). Empty when every node is alike.",
+    )
     training: TrainingSettings = Field(default_factory=TrainingSettings)
     ds_config_overlay: dict[str, Any] = Field(
         default_factory=dict,
@@ -206,6 +227,11 @@ class JobSpec(Artifact):
             raise ValueError(
                 f"nodes {self.nodes} x ranks_per_node {self.ranks_per_node} != world_size {self.world_size}"
             )
+        if self.node_groups:
+            if sum(g.nodes for g in self.node_groups) != self.nodes:
+                raise ValueError(f"node_groups hold {sum(g.nodes for g in self.node_groups)} nodes, the job {self.nodes}")
+            if self.elastic is not None:
+                raise ValueError("a job of node groups (a split over device kinds) is not elastic")
         return self
 
 
@@ -226,6 +252,11 @@ class RankTiming(Strict):
         default=None,
         description="The device kind the plan put the rank's replica on (a heterogeneous plan's differ; ranks are "
         "compared with peers of their own kind). None in files written before it existed.",
+    )
+    host: str | None = Field(
+        default=None,
+        description="The node the rank ran on (Slurm's node name under Slurm, else the host name). None in files "
+        "written before it existed.",
     )
     forward_seconds: float = Field(ge=0, description="Sum of the rank's forward (and recompute) time this step.")
     backward_seconds: float = Field(ge=0, description="Sum of the rank's backward time this step.")

@@ -35,6 +35,7 @@ from pipectl.launch import (
     run_engine,
 )
 from pipectl.launch.engines import ENGINE_LOG, JobEnded
+from pipectl.launch.placement import placement_note
 from pipectl.launch.rundir import is_run_dir, run_files, run_status
 from pipectl.report.run_tables import failure_report, status_table
 from pipectl.runtime.checkpoint import read_events
@@ -264,6 +265,8 @@ def _launch(
         "job": prepared.job.model_dump(mode="json"),
         "ds_config": prepared.ds_config,
     }
+    if prepared.job.node_groups and not json_output:
+        console.print(placement_note(prepared.job.node_groups, prepared.hosts), soft_wrap=True, highlight=False, markup=False)
     if dry_run:
         if json_output:
             print_json({**described, "files": files})

@@ -22,13 +22,13 @@ from pipectl import __version__
 from pipectl.artifacts.cluster import ClusterSpec, SlurmSpec
 from pipectl.artifacts.plan import Plan
 from pipectl.artifacts.profile import ModelProfile
-from pipectl.artifacts.run import DataSpec, ElasticRange, Engine, JobSpec, LrSchedule, Precision, TrainingSettings
-from pipectl.catalog import get_device
+from pipectl.artifacts.run import DataSpec, ElasticRange, Engine, JobSpec, LrSchedule, NodeGroup, Precision, TrainingSettings
 from pipectl.cluster import load_cluster
 from pipectl.errors import PipectlError, UserInputError
 from pipectl.io import load_model
 from pipectl.runtime.dsconfig import validated_config
 from pipectl.launch.engines import LaunchCommand, allocation_hosts, build_command, run_engine
+from pipectl.launch.placement import compute_slowdowns, node_groups, plan_accelerator
 from pipectl.launch.rundir import RunLock, is_run_dir, lock_run_dir, prepare_run_dir, read_run, write_run_files
 from pipectl.runtime.checkpoint import recover_staged, resume_point
 from pipectl.runtime.dsinit import free_port
@@ -168,6 +168,7 @@ class PreparedLaunch:
     ds_config: dict[str, Any]
     command: LaunchCommand
     lock: RunLock | None = None  # held for the job's life (None for a dry run); see `launch.rundir`
+    hosts: list[str] | None = None  # DeepSpeed's hostfile, in order
 
 
 def check_model(plan: Plan, model_reference: str) -> None:
@@ -271,39 +272,6 @@ def _visible_gpus() -> int | None:
     return torch.cuda.device_count() if torch.cuda.is_available() else None
 
 
-def plan_kinds(plan: Plan) -> list[str]:
-    """The device kinds the chosen candidate's ranks run on, in replica order, each once."""
-    return list(dict.fromkeys(plan.chosen.replica_kinds))
-
-
-def plan_accelerator(plan: Plan, cluster: ClusterSpec | None = None) -> str:
-    """'cpu' when the plan's devices are CPU ranks, else 'cuda'. A kind is looked up through the
-    cluster's node types (an emulated kind runs on its node's device), else in the catalog; one
-    the catalog lacks is a GPU. Kinds that run on both are refused: one job has one backend."""
-    found = set()
-    for kind in plan_kinds(plan):
-        nodes = cluster.nodes_of_kind(kind) if cluster is not None else []
-        device = nodes[0].device if nodes else kind
-        try:
-            found.add(get_device(device).accelerator)
-        except UserInputError:  # a device of a catalog this host does not have
-            found.add("cpu" if device == "cpu" else "cuda")
-    if len(found) > 1:
-        raise UserInputError(
-            f"the plan puts ranks on CPU and GPU kinds ({', '.join(plan_kinds(plan))}), which one job cannot mix",
-            hint="plan on a cluster of GPU kinds only, or of CPU ranks only",
-        )
-    return found.pop()
-
-
-def compute_slowdowns(plan: Plan, cluster: ClusterSpec | None) -> dict[str, float]:
-    """The emulated slower kinds the plan's ranks run on (`NodeType.compute_slowdown`), by kind."""
-    if cluster is None:
-        return {}
-    kinds = set(plan_kinds(plan))
-    return {n.kind: n.compute_slowdown for n in cluster.node_types if n.compute_slowdown != 1.0 and n.kind in kinds}
-
-
 def plan_cluster(plan: Plan, asked: str | None) -> ClusterSpec | None:
     """The cluster the job runs on: `--cluster` if given, else the plan's (None if that cannot be
     read here: a YAML path from another machine)."""
@@ -315,19 +283,22 @@ def plan_cluster(plan: Plan, asked: str | None) -> ClusterSpec | None:
         return None
 
 
-def job_nodes(plan: Plan, options: LaunchOptions, cluster: ClusterSpec | None) -> int:
-    """Nodes the job spans: 1 for `local`; else `--hosts`, `--nodes` or the elastic minimum if
-    given, else the plan's devices over the devices per node of the cluster's node type for the
-    plan's device (3,072 A100s on 8-GPU nodes: 384 nodes)."""
+def job_nodes(plan: Plan, options: LaunchOptions, cluster: ClusterSpec | None, groups: list[NodeGroup] = ()) -> int:
+    """Nodes the job spans: the node groups' of a split plan (`placement.node_groups`); 1 for
+    `local`; else `--hosts`, `--nodes` or the elastic minimum if given, else the plan's devices over
+    the devices per node of the cluster's node type for the plan's device (3,072 A100s on 8-GPU
+    nodes: 384 nodes)."""
     devices = plan.chosen.devices
-    kinds = plan_kinds(plan)
-    if options.engine is not Engine.LOCAL and len(kinds) > 1:
-        raise UserInputError(
-            f"the plan splits its replicas over {', '.join(kinds)}: the {options.engine.value} engine cannot yet "
-            "place each replica on nodes of its kind",
-            hint="run a split over emulated kinds of one machine with --engine local, or plan for one kind "
-            "(a cluster file of that kind's nodes)",
-        )
+    if groups:
+        nodes = sum(group.nodes for group in groups)
+        given = len(options.hosts) if options.hosts else options.nodes
+        if given and given != nodes:
+            raise UserInputError(
+                f"{count(given, 'node')} given for a plan split over {count(len(groups), 'node type')} that runs on "
+                + ", ".join(f"{count(g.nodes, g.node_type + ' node')}" for g in groups),
+                hint="give one host per node, each kind's hosts together in this order",
+            )
+        return nodes
     if options.engine is Engine.LOCAL:
         nodes = options.nodes or 1
     elif options.hosts:
@@ -382,12 +353,27 @@ def slurm_settings(cluster: ClusterSpec | None, flags: SlurmSpec) -> SlurmSpec:
     return base.model_copy(update={k: v for k, v in flags.model_dump().items() if v is not None})
 
 
+def slurm_components(cluster: ClusterSpec | None, flags: SlurmSpec, groups: list[NodeGroup]) -> list[SlurmSpec] | None:
+    """Per node group of a split plan, its heterogeneous job component's settings: the cluster's
+    `slurm:` section, the node type's partition and constraint over it, launch's flags over both."""
+    if not groups or cluster is None:
+        return None
+    by_name = {node_type.name: node_type for node_type in cluster.node_types}
+    given = {k: v for k, v in flags.model_dump().items() if v is not None}
+    components = []
+    for group in groups:
+        own = by_name[group.node_type].slurm.model_dump(exclude_none=True)
+        components.append(cluster.slurm.model_copy(update={**own, **given}))
+    return components
+
+
 def build_job(plan: Plan, name: str, options: LaunchOptions, cluster: ClusterSpec | None = None) -> JobSpec:
     """job.json for `plan.chosen` under `options`, on `cluster` (default: the plan's, if readable)."""
     devices = plan.chosen.devices
     if cluster is None:
         cluster = plan_cluster(plan, options.cluster)
-    nodes = job_nodes(plan, options, cluster)
+    groups = node_groups(plan, cluster, options.engine, elastic=options.elastic is not None)
+    nodes = job_nodes(plan, options, cluster, groups)
     if options.engine is Engine.LOCAL and nodes != 1:
         raise UserInputError(
             f"the local engine runs on this machine only, not {count(nodes, 'node')}", hint="use --engine torchrun"
@@ -419,6 +405,7 @@ def build_job(plan: Plan, name: str, options: LaunchOptions, cluster: ClusterSpe
         precision=options.precision or Precision.FP32,
         accelerator=plan_accelerator(plan, cluster),
         compute_slowdowns=compute_slowdowns(plan, cluster),
+        node_groups=groups,
         elastic=options.elastic,
         collective_timeout_seconds=options.collective_timeout,
         training=TrainingSettings(
@@ -459,7 +446,13 @@ def prepare_launch(
     ds_config = validated_config(
         plan, precision=job.precision, training=job.training, total_steps=job.steps, overlay=job.ds_config_overlay
     )
-    command = build_command(job, path, hosts=options.hosts, slurm=slurm_settings(cluster, options.slurm))
+    command = build_command(
+        job,
+        path,
+        hosts=options.hosts,
+        slurm=slurm_settings(cluster, options.slurm),
+        components=slurm_components(cluster, options.slurm, job.node_groups),
+    )
     if command.runnable_here and write:  # a dry run shows the files for the nodes that will run them
         visible = _visible_gpus()
         if job.accelerator == "cuda" and visible is None:
@@ -495,4 +488,4 @@ def prepare_launch(
         if lock is not None:
             lock.release()
         raise
-    return PreparedLaunch(path, plan, job, ds_config, command, lock)
+    return PreparedLaunch(path, plan, job, ds_config, command, lock, options.hosts)

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from pipectl.artifacts.cluster import SlurmSpec
-from pipectl.artifacts.run import HOSTFILE, LOGS_DIR, RESUME_FILE, SBATCH_FILE, SLURM_JOB_ID_FILE, Engine, JobSpec
+from pipectl.artifacts.run import HOSTFILE, LOGS_DIR, RESUME_FILE, SBATCH_FILE, SLURM_JOB_ID_FILE, Engine, JobSpec, NodeGroup
 from pipectl.errors import LaunchError, UserInputError
 from pipectl.launch.processes import WORKER_MODULE, JobProcesses
 from pipectl.paths import MODEL_PATH_VARIABLE
@@ -131,13 +131,22 @@ def torchrun_command(
     return LaunchCommand(Engine.TORCHRUN, argv, env)
 
 
-def hostfile_text(hosts: list[str], slots: int) -> str:
-    """DeepSpeed hostfile: one `host slots=N` line per node.
+def hostfile_text(hosts: list[str], slots: int, groups: list[NodeGroup] = ()) -> str:
+    """DeepSpeed hostfile: one `host slots=N` line per node. DeepSpeed's launcher numbers ranks in
+    the file's order, so a split plan's node groups (`job.node_groups`) follow one another, each
+    under a comment naming the node type its hosts must be.
 
     >>> hostfile_text(["localhost"], 2)
     'localhost slots=2\\n'
     """
-    return "".join(f"{host} slots={slots}\n" for host in hosts)
+    if not groups:
+        return "".join(f"{host} slots={slots}\n" for host in hosts)
+    lines, start = [], 0
+    for group in groups:
+        lines.append(f"# {count(group.nodes, group.node_type + ' node')} ({group.device}): {group.replica_words()}")
+        lines += [f"{host} slots={slots}" for host in hosts[start : start + group.nodes]]
+        start += group.nodes
+    return "\n".join(lines) + "\n"
 
 
 def allocation_hosts() -> list[str]:
@@ -186,14 +195,20 @@ def deepspeed_command(
         argv,
         env,
         files={
-            HOSTFILE: hostfile_text(hosts, job.ranks_per_node),
+            HOSTFILE: hostfile_text(hosts, job.ranks_per_node, job.node_groups),
             DEEPSPEED_ENV_FILE: "".join(f"{key}={value}\n" for key, value in sorted(env.items())),
         },
     )
 
 
 def slurm_script(
-    job: JobSpec, run_dir: Path, *, python: str = sys.executable, gpus: bool = False, slurm: SlurmSpec | None = None
+    job: JobSpec,
+    run_dir: Path,
+    *,
+    python: str = sys.executable,
+    gpus: bool = False,
+    slurm: SlurmSpec | None = None,
+    components: list[SlurmSpec] | None = None,
 ) -> str:
     """An sbatch script: one torchrun agent per node via srun, c10d rendezvous on the first node.
 
@@ -205,62 +220,98 @@ def slurm_script(
     unset says where it would go. `--signal=TERM@120` asks Slurm to send SIGTERM two minutes before
     the time limit: the ranks finish their step, checkpoint and exit 0 (the path of a pre-emption).
     The master address is the allocation's first node unless the job names one.
+
+    A plan split over device kinds (`job.node_groups`) becomes a heterogeneous job: one component
+    per node group, in rank order, each with its node type's partition and constraint
+    (`components`), one `srun --het-group=0,1,...` over all of them. Slurm numbers the tasks of
+    such a step component by component, and each agent passes its task number to a static
+    rendezvous as its node rank, so the first component's nodes run the first ranks
+    (`launch.placement`). c10d's rendezvous would number the nodes by host name instead.
     """
     slurm = slurm or SlurmSpec()
     python = slurm.python or python
-    nodes = f"{job.elastic.min_nodes}-{job.elastic.max_nodes}" if job.elastic else str(job.nodes)
-    nnodes = f"{job.elastic.min_nodes}:{job.elastic.max_nodes}" if job.elastic else "$SLURM_JOB_NUM_NODES"
+    groups = job.node_groups
     cpus_per_rank = slurm.cpus_per_rank or (8 if gpus else 1)
+    cpus_per_task = job.ranks_per_node * cpus_per_rank
 
     def sbatch(option: str, value: str | None, example: str, flag: str) -> str:
         if value:
             return f"#SBATCH --{option}={value}"
         return f"##SBATCH --{option}={example}   # unset: the cluster file's slurm.{option.replace('-', '_')}, or launch {flag}"
 
+    def resources(nodes: str, spec: SlurmSpec) -> list[str]:
+        return [
+            f"#SBATCH --nodes={nodes}",
+            "#SBATCH --ntasks-per-node=1",
+            f"#SBATCH --cpus-per-task={cpus_per_task}",
+            *([f"#SBATCH --gpus-per-node={job.ranks_per_node}"] if gpus else []),
+            sbatch("partition", spec.partition, "gpu", "--partition"),
+            sbatch("account", spec.account, "my-project", "--account"),
+            sbatch("time", spec.time, "2-00:00:00", "--time-limit"),
+            *([f"#SBATCH --qos={spec.qos}"] if spec.qos else []),
+            *([f"#SBATCH --constraint={spec.constraint}"] if spec.constraint else []),
+            "#SBATCH --exclusive",
+            "#SBATCH --signal=TERM@120",
+        ]  # fmt: skip
+
     env = rank_environment(gpus=gpus)
     if slurm.network_interface:
         env.update(NCCL_SOCKET_IFNAME=slurm.network_interface, GLOO_SOCKET_IFNAME=slurm.network_interface)
     if job.elastic:
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    master = (
-        f"MASTER_ADDR={shlex.quote(job.master_addr)}"
-        if job.master_addr
-        else 'MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"'
-    )
-    cpus_per_task = job.ranks_per_node * cpus_per_rank
     # Slurm 22.05 and later no longer pass sbatch's --cpus-per-task on to srun: say it again there.
     srun = ["srun", "--kill-on-bad-exit=1", f"--cpus-per-task={cpus_per_task}"]
     if slurm.container_image:
         srun += [f"--container-image={slurm.container_image}", f"--container-mounts={run_dir}:{run_dir}"]
-    torchrun = (
-        shlex.join([*srun, python, "-m", "torch.distributed.run"])
-        + f" --nnodes {nnodes}"
-        + (f" --max_restarts {job.elastic.max_restarts} --rdzv_conf last_call_timeout=1" if job.elastic else "")
-        + f" --nproc_per_node {job.ranks_per_node}"
-        + ' --rdzv_backend c10d --rdzv_endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv_id "$SLURM_JOB_ID"'
-        + " " + shlex.join(_worker_args(run_dir))
+    first_nodes = "$SLURM_JOB_NODELIST"
+    if groups:
+        if components is None or len(components) != len(groups):
+            raise ValueError(f"{len(groups)} node groups need as many Slurm components, got {components!r}")
+        allocation = []
+        for index, (group, spec) in enumerate(zip(groups, components)):
+            if index:
+                allocation.append("#SBATCH hetjob")
+            allocation.append(
+                f"# component {index}: {count(group.nodes, group.node_type + ' node')} ({group.device}): {group.replica_words()}"
+            )
+            allocation += resources(str(group.nodes), spec)
+        first_nodes = "$SLURM_JOB_NODELIST_HET_GROUP_0"
+        srun.insert(1, "--het-group=" + ",".join(map(str, range(len(groups)))))
+        agent = shlex.join([python, "-m", "torch.distributed.run"]) + (
+            f" --nnodes {job.nodes} --nproc_per_node {job.ranks_per_node} --rdzv_backend static"
+            ' --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" --node_rank "$SLURM_PROCID" '
+            + shlex.join(_worker_args(run_dir))
+        )
+        # Each task expands its own $SLURM_PROCID: the command goes through a shell on the node.
+        torchrun = shlex.join([*srun, "bash", "-c", "exec " + agent])
+    else:
+        nodes = f"{job.elastic.min_nodes}-{job.elastic.max_nodes}" if job.elastic else str(job.nodes)
+        nnodes = f"{job.elastic.min_nodes}:{job.elastic.max_nodes}" if job.elastic else "$SLURM_JOB_NUM_NODES"
+        allocation = resources(nodes, slurm)
+        torchrun = (
+            shlex.join([*srun, python, "-m", "torch.distributed.run"])
+            + f" --nnodes {nnodes}"
+            + (f" --max_restarts {job.elastic.max_restarts} --rdzv_conf last_call_timeout=1" if job.elastic else "")
+            + f" --nproc_per_node {job.ranks_per_node}"
+            + ' --rdzv_backend c10d --rdzv_endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv_id "$SLURM_JOB_ID"'
+            + " " + shlex.join(_worker_args(run_dir))
+        )  # fmt: skip
+    master = (
+        f"MASTER_ADDR={shlex.quote(job.master_addr)}"
+        if job.master_addr
+        else f'MASTER_ADDR="$(scontrol show hostnames "{first_nodes}" | head -n 1)"'
     )
     lines = [
         "#!/bin/bash",
         f"# Written by pipectl launch for run {job.name}: {count(job.world_size, 'rank')}, {count(job.nodes, 'node')} x "
         f"{count(job.ranks_per_node, 'GPU rank' if gpus else 'CPU rank')}, {job.precision.value}. Submit: sbatch {run_dir / SBATCH_FILE}",
         f"#SBATCH --job-name={job.name}",
-        f"#SBATCH --nodes={nodes}",
-        "#SBATCH --ntasks-per-node=1",
-        f"#SBATCH --cpus-per-task={cpus_per_task}",
-        *([f"#SBATCH --gpus-per-node={job.ranks_per_node}"] if gpus else []),
-        sbatch("partition", slurm.partition, "gpu", "--partition"),
-        sbatch("account", slurm.account, "my-project", "--account"),
-        sbatch("time", slurm.time, "2-00:00:00", "--time-limit"),
-        *([f"#SBATCH --qos={slurm.qos}"] if slurm.qos else []),
-        *([f"#SBATCH --constraint={slurm.constraint}"] if slurm.constraint else []),
-        "#SBATCH --exclusive",
         f"#SBATCH --output={run_dir / LOGS_DIR}/slurm-%j.out",
-        "#SBATCH --signal=TERM@120",
+        *allocation,
         "set -euo pipefail",
         *(f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items())),
-        master,
-        f"MASTER_PORT={job.master_port}",
+        ("export " if groups else "") + master,
+        ("export " if groups else "") + f"MASTER_PORT={job.master_port}",
         f'echo "$SLURM_JOB_ID" > {shlex.quote(str(run_dir / SLURM_JOB_ID_FILE))}',
         torchrun,
     ]  # fmt: skip
@@ -268,9 +319,15 @@ def slurm_script(
 
 
 def slurm_command(
-    job: JobSpec, run_dir: Path, *, python: str = sys.executable, gpus: bool = False, slurm: SlurmSpec | None = None
+    job: JobSpec,
+    run_dir: Path,
+    *,
+    python: str = sys.executable,
+    gpus: bool = False,
+    slurm: SlurmSpec | None = None,
+    components: list[SlurmSpec] | None = None,
 ) -> LaunchCommand:
-    script = slurm_script(job, run_dir, python=python, gpus=gpus, slurm=slurm)
+    script = slurm_script(job, run_dir, python=python, gpus=gpus, slurm=slurm, components=components)
     return LaunchCommand(
         Engine.SLURM,
         ["sbatch", str(run_dir / SBATCH_FILE)],
@@ -301,6 +358,7 @@ def build_command(
     python: str = sys.executable,
     gpus: bool | None = None,
     slurm: SlurmSpec | None = None,
+    components: list[SlurmSpec] | None = None,
 ) -> LaunchCommand:
     """The command for `job.engine`. `run_dir` should be absolute (ranks may start elsewhere).
 
@@ -323,7 +381,7 @@ def build_command(
         return torchrun_command(job, run_dir, python=python, gpus=gpus)
     if job.engine is Engine.DEEPSPEED:
         return deepspeed_command(job, run_dir, hosts=hosts, python=python, gpus=gpus)
-    return slurm_command(job, run_dir, python=python, gpus=gpus, slurm=slurm)
+    return slurm_command(job, run_dir, python=python, gpus=gpus, slurm=slurm, components=components)
 
 
 def launch_script(command: LaunchCommand, run_dir: Path) -> str:

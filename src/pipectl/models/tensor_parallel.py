@@ -79,7 +79,7 @@ def new_tensor_parallel_groups(topology) -> TensorParallelGroup:
         if me in ranks:
             mine = TensorParallelGroup(group, ranks.index(me), len(ranks))
     if mine is None:
-        raise UserInputError("the topology has no 'model' axis: build it with PipeModelDataParallelTopology")
+        raise UserInputError("the topology has no 'model' axis: build it with runtime.pipeline.planned_topology(p, d, t), t > 1")
     return mine
 
 

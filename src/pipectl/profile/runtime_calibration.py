@@ -214,14 +214,10 @@ def _timed_engine_class():
 def _engine(model: ModelLayers, micro_batch_size: int, data_parallel: int = 1):
     # DeepSpeed: imported in the calibrating child, after dsinit has set its environment.
     import deepspeed
-    from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
-
     from pipectl.runtime.executor import plan_engine
-    from pipectl.runtime.pipeline import build_pipeline_module
+    from pipectl.runtime.pipeline import build_pipeline_module, planned_topology
 
-    module = build_pipeline_module(
-        model, [(0, len(model.layers))], topology=PipeDataParallelTopology(num_pp=1, num_dp=data_parallel)
-    )
+    module = build_pipeline_module(model, [(0, len(model.layers))], topology=planned_topology(1, data_parallel))
     engine, *_ = deepspeed.initialize(
         model=module,
         config=_one_rank_config(model, micro_batch_size, data_parallel),

@@ -209,6 +209,10 @@ def _restore_rng(state: dict[str, Any], torch_state: torch.Tensor) -> None:
 # --------------------------------------------------------------------------- restore
 
 
+def _coordinates(header: RankHeader) -> tuple[int, int, int]:
+    return header.stage, header.data_parallel_rank, header.tp_rank
+
+
 def restore(engine: Any, reader: ShardReader, *, restore_rng: bool = True) -> RankHeader:
     """Load a checkpoint written in any layout into this rank's engine. Every rank (no collective).
 
@@ -278,8 +282,11 @@ def restore(engine: Any, reader: ShardReader, *, restore_rng: bool = True) -> Ra
             if hasattr(scaler, key):
                 setattr(scaler, key, value)
     if restore_rng:
-        # Its own generators when the layout is the one that wrote them, else rank 0's.
-        same = reader.world_size == engine.grid.world_size and reader.headers[engine.global_rank].rank == engine.global_rank
+        # Its own generators when the layout is the one that wrote them (the file of this rank
+        # number was written at the same stage, replica and tensor rank), else rank 0's.
+        same = reader.world_size == engine.grid.world_size and _coordinates(
+            reader.headers[engine.global_rank]
+        ) == (engine.stage_id, engine.grid.get_data_parallel_rank(), tp_rank)
         index = engine.global_rank if same else 0
         _restore_rng(reader.headers[index].rng, reader.tensor(index, "rng.torch"))
     return source

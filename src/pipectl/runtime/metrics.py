@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import statistics
 import sys
 from dataclasses import dataclass
@@ -167,6 +168,12 @@ class RankMemory:
     peak_allocated_bytes: int | None
     peak_reserved_bytes: int | None
     peak_rss_bytes: int | None
+
+
+def node_name() -> str:
+    """The node this process runs on, as its user knows it: Slurm's name for it in a Slurm job
+    (SLURMD_NODENAME, what squeue and sinfo show), else the host name."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 def peak_rss_bytes() -> int | None:

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as torch_dist
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
-from deepspeed.runtime.pipe.topology import PipeDataParallelTopology, ProcessTopology
+from deepspeed.runtime.pipe.topology import ProcessTopology
 
 from pipectl.errors import UserInputError
 from pipectl.models.base import LayerDef, ModelLayers
@@ -150,6 +150,27 @@ class PlannedPipelineModule(PipelineModule):
             super()._synchronize_tied_weights()
 
 
+def planned_topology(pipeline_parallel: int, data_parallel: int, tensor_parallel: int = 1) -> ProcessTopology:
+    """Ranks laid out as the planner prices them (`plan/costs.py`, placement rule):
+
+        rank = (replica * p + stage) * t + tensor_rank
+
+    A replica's ranks are consecutive, so a launcher that numbers ranks node by node puts a
+    tensor-parallel group inside a node, a pipeline's neighbouring stages on the same or the next
+    node, and each replica on nodes of its own (what a split over device kinds needs: its node
+    groups listed in replica order). DeepSpeed's `PipeDataParallelTopology` numbers stage-major
+    instead (the replicas of a stage consecutive), which puts the pipeline's sends, not the
+    all-reduce, on the links between nodes.
+
+        >>> topology = planned_topology(pipeline_parallel=2, data_parallel=2)
+        >>> [(c.data, c.pipe) for c in map(topology.get_coord, range(4))]
+        [(0, 0), (0, 1), (1, 0), (1, 1)]
+    """
+    if tensor_parallel > 1:
+        return ProcessTopology(axes=["data", "pipe", "model"], dims=[data_parallel, pipeline_parallel, tensor_parallel])
+    return ProcessTopology(axes=["data", "pipe"], dims=[data_parallel, pipeline_parallel])
+
+
 def build_pipeline_module(
     model: ModelLayers,
     stage_layers: Sequence[Sequence[int]],
@@ -161,8 +182,8 @@ def build_pipeline_module(
 ) -> PlannedPipelineModule:
     """The model as a DeepSpeed `PipelineModule`, cut at the plan's half-open `stage_layers`.
 
-    Give either `topology` (pipe x data, or pipe x data x model) or `num_stages` (data
-    parallelism then fills the rest of the world). torch.distributed must be initialised.
+    Give either `topology` (`planned_topology`) or `num_stages` (data parallelism then fills the
+    rest of the world). torch.distributed must be initialised.
     `chunks` > 1 (interleaved schedules: several model chunks per rank) cannot run in DeepSpeed's
     pipeline engine, which holds one contiguous range of layers per rank; it is refused here.
 
@@ -190,7 +211,7 @@ def build_pipeline_module(
         world = torch_dist.get_world_size()
         if world % stages:
             raise UserInputError(f"{stages} pipeline stages do not divide the world size {world}")
-        topology = PipeDataParallelTopology(num_pp=stages, num_dp=world // stages)
+        topology = planned_topology(stages, world // stages)
     return PlannedPipelineModule(
         layer_specs(model, seed),
         boundaries,

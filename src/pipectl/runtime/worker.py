@@ -49,7 +49,7 @@ from pipectl.runtime.elastic import ds_config_for_candidate, plan_for_world_size
 from pipectl.runtime.failure import RankContext, failure_record, write_failure, write_resume
 from pipectl.runtime.history import record_layout_change
 from pipectl.runtime.liveness import Heartbeat, job_collective_timeout_seconds
-from pipectl.runtime.metrics import MetricsWriter, RankMemory, rank_memory, reset_peak_memory
+from pipectl.runtime.metrics import MetricsWriter, RankMemory, node_name, rank_memory, reset_peak_memory
 from pipectl.schedule import generate
 from pipectl.schedule.ir import ActionKind, Schedule
 
@@ -149,12 +149,11 @@ def build_engine(job: TrainingJob):
     # dsinit has set this rank's environment (the modules below import them too).
     import deepspeed
     import torch.distributed as torch_dist
-    from deepspeed.runtime.pipe.topology import PipeDataParallelTopology, PipeModelDataParallelTopology
 
     from pipectl.models import build_model
     from pipectl.models.tensor_parallel import new_tensor_parallel_groups, shard_model
     from pipectl.runtime.executor import plan_engine
-    from pipectl.runtime.pipeline import build_pipeline_module
+    from pipectl.runtime.pipeline import build_pipeline_module, planned_topology
 
     layout = job.layout
     world = torch_dist.get_world_size()
@@ -163,12 +162,7 @@ def build_engine(job: TrainingJob):
             f"{world} ranks started for a layout of t{layout.tensor_parallel} x p{layout.pipeline_parallel} "
             f"x d{layout.data_parallel} = {layout.world_size}"
         )
-    if layout.tensor_parallel > 1:
-        topology = PipeModelDataParallelTopology(
-            num_pp=layout.pipeline_parallel, num_mp=layout.tensor_parallel, num_dp=layout.data_parallel
-        )
-    else:
-        topology = PipeDataParallelTopology(num_pp=layout.pipeline_parallel, num_dp=layout.data_parallel)
+    topology = planned_topology(layout.pipeline_parallel, layout.data_parallel, layout.tensor_parallel)
     model = build_model(job.model, allow_shape_only=True)  # a LayerDef list: each rank builds its stage only
     ds_config = job.ds_config
     replica = topology.get_coord(torch_dist.get_rank()).data
@@ -396,6 +390,7 @@ def _write_metrics(writer, job: TrainingJob, engine, record: StepRecord) -> None
         engine.stage_id,
         micro_batch_size * micro_batches,
         job.replica_kinds[replica] if job.replica_kinds else None,
+        node_name(),
         record.forward_seconds,
         record.backward_seconds,
         memory.peak_allocated_bytes if memory else None,
@@ -424,13 +419,14 @@ def _write_metrics(writer, job: TrainingJob, engine, record: StepRecord) -> None
                     stage=s,
                     samples=samples,
                     device=device,
+                    host=host,
                     forward_seconds=f,
                     backward_seconds=b,
                     peak_allocated_bytes=allocated,
                     peak_reserved_bytes=reserved,
                     peak_rss_bytes=rss,
                 )
-                for r, s, samples, device, f, b, allocated, reserved, rss in gathered
+                for r, s, samples, device, host, f, b, allocated, reserved, rss in gathered
             ],
             predicted_peak_memory_bytes=list(job.predicted_peak_memory_bytes),
         )
