@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from pipectl.artifacts.plan import Candidate, MorphEntry, Plan
-from pipectl.artifacts.run import CheckpointManifest, RankTiming, StepMetrics
+from pipectl.artifacts.run import CheckpointManifest, Engine, NodeGroup, RankTiming, StepMetrics
 from pipectl.errors import LaunchError, UserInputError
+from pipectl.io import write_json_atomic
 from pipectl.launch import LaunchOptions, prepare_launch
 from pipectl.launch.rundir import read_run
 from pipectl.runtime.history import read_records
@@ -90,6 +91,18 @@ def test_bad_requests_name_the_value(tmp_path):
         decide_resize(run, 1)  # the job's own total, already reached
     with pytest.raises(UserInputError, match="no entry for 7 devices"):
         decide_resize(run, 7, steps=20, replan=None)
+
+
+def test_a_run_split_over_node_groups_is_not_regrouped_by_resize(tmp_path):
+    run = make_run(tmp_path)
+    job = read_run(run).job
+    groups = [NodeGroup(node_type=name, device=kind, nodes=1, first_replica=0, replicas=1)
+              for name, kind in (("fast-nodes", "cpu"), ("slow-nodes", "cpu-slowed-2x"))]  # fmt: skip
+    split = job.model_copy(update={"engine": Engine.SLURM, "nodes": 2, "ranks_per_node": 1, "node_groups": groups})
+    write_json_atomic(run / "job.json", split)
+    with pytest.raises(UserInputError, match="split over device kinds on 2 groups of nodes") as caught:
+        decide_resize(run, 1, steps=20)
+    assert "--resume" in caught.value.hint
 
 
 def test_default_total_is_the_jobs_own(tmp_path):

@@ -4,7 +4,8 @@ One rank runs as it is, the other as a kind twice as slow (`NodeType.compute_slo
 waits out each forward and backward once more). B = 16 split by speed — 11 micro-batches of one
 sample on the fast kind, 5 on the slow one — gives the one-rank run's loss at
 every step (each replica's gradient weighted by its samples), and the slow rank's heartbeats show
-the emulation: twice the compute per sample, recorded under its own kind. Real ranks through the
+the emulation: twice the compute per sample, recorded under its own kind. A resize to one rank
+(the fast kind) then continues the same losses. Real ranks through the
 run-directory contract, as in `tests/resize/test_resize_uneven.py`, with the same warm-up and
 tolerance. How much faster the split is than the fast kind alone is measured by
 `benchmarks/hetero_split.py`, not here.
@@ -12,26 +13,31 @@ tolerance. How much faster the split is than the fast kind alone is measured by
 
 from __future__ import annotations
 
+import shutil
 import statistics
 
 import pytest
 
+from pipectl.artifacts.plan import MorphEntry
+from pipectl.resize.morph import resize_run
 from pipectl.runtime.metrics import read_metrics
 from builders import gpt_tiny_candidate, mixed_candidate, plan_of, train_run
 
 pytestmark = pytest.mark.multiprocess
 
 GLOBAL_BATCH = 16
-STEPS = 10
+STEPS, RESIZED_STEPS = 10, 14
 RUN_TIMEOUT_SECONDS = 150
 RELATIVE_TOLERANCE = 1e-4
 WARMUP_STEPS = 15
 
 
 def test_a_split_over_emulated_kinds_gives_the_one_rank_losses_and_runs_slow_where_planned(tmp_path):
-    one = train_run(plan_of(gpt_tiny_candidate(1, 1, b=1, global_batch=GLOBAL_BATCH)), tmp_path / "one-rank",
-                    STEPS, warmup_steps=WARMUP_STEPS, timeout_seconds=RUN_TIMEOUT_SECONDS)
-    mixed = train_run(plan_of(mixed_candidate(), cluster="local-mixed"), tmp_path / "mixed",
+    one_rank = gpt_tiny_candidate(1, 1, b=1, global_batch=GLOBAL_BATCH)
+    one = train_run(plan_of(one_rank), tmp_path / "one-rank",
+                    RESIZED_STEPS, warmup_steps=WARMUP_STEPS, timeout_seconds=RUN_TIMEOUT_SECONDS)
+    split = plan_of(mixed_candidate(), cluster="local-mixed", morph_table=[MorphEntry(devices=1, candidate=one_rank)])
+    mixed = train_run(split, tmp_path / "mixed",
                       STEPS, warmup_steps=WARMUP_STEPS, timeout_seconds=RUN_TIMEOUT_SECONDS)
     expected = {m.step: m.loss for m in read_metrics(one)}
     metrics = read_metrics(mixed)
@@ -47,3 +53,13 @@ def test_a_split_over_emulated_kinds_gives_the_one_rank_losses_and_runs_slow_whe
             per_sample.setdefault(r.device, []).append((r.forward_seconds + r.backward_seconds) / r.samples)
     ratio = statistics.median(per_sample["cpu-slowed-2x"]) / statistics.median(per_sample["cpu"])
     assert ratio >= 1.5, ratio  # 2 by construction; the ranks' own compute differs by noise only
+
+    resized = tmp_path / "resized"
+    shutil.copytree(mixed, resized)
+    result = resize_run(resized, 1, steps=RESIZED_STEPS, run_timeout_seconds=RUN_TIMEOUT_SECONDS)
+    assert result.exit_code == 0, (resized / "logs" / "engine.log").read_text()[-3000:]
+    after = [m for m in read_metrics(resized) if m.step > STEPS]
+    assert [m.step for m in after] == list(range(STEPS + 1, RESIZED_STEPS + 1))
+    for m in after:
+        assert m.loss == pytest.approx(expected[m.step], rel=RELATIVE_TOLERANCE), m.step
+        assert [(r.device, r.samples) for r in m.ranks] == [("cpu", GLOBAL_BATCH)]

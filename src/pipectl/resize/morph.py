@@ -100,6 +100,13 @@ def decide_resize(
         raise UserInputError(f"--devices must be a positive number of devices, got {devices!r}")
     files = read_run(run_dir)
     job = files.job
+    if job.node_groups:
+        raise UserInputError(
+            f"the run is split over device kinds on {len(job.node_groups)} groups of nodes "
+            f"({', '.join(g.node_type for g in job.node_groups)}); resize keeps a job's nodes and cannot regroup them",
+            hint="plan again for the nodes you keep, then `pipectl launch NEW_PLAN --run-dir RUN --resume` "
+            "(the checkpoint is re-cut to the new layout)",
+        )
     target_steps = job.steps if steps is None else steps
     if target_steps < 1:
         raise UserInputError(f"--steps must be a positive total number of steps, got {target_steps}")
