@@ -1,4 +1,5 @@
-"""Where pipectl finds its shipped configuration files (`configs/`)."""
+"""Where pipectl finds its shipped configuration files (`configs/`), a user's model factory and a
+Hugging Face model directory."""
 
 from __future__ import annotations
 
@@ -44,3 +45,29 @@ def factory_search_path() -> list[str]:
     folders = [os.environ[MODEL_PATH_VARIABLE]] if os.environ.get(MODEL_PATH_VARIABLE) else []
     folders.append(os.getcwd())
     return list(dict.fromkeys(folders))
+
+
+HF_PREFIX = "hf:"  # a Hugging Face model directory: hf:PATH (models/hf.py)
+HF_CONFIG_FILE = "config.json"
+
+
+def hf_model_dir(reference: str) -> Path:
+    """`hf:PATH` -> the absolute directory holding config.json (PATH may name the file itself)."""
+    path = Path(reference.removeprefix(HF_PREFIX)).expanduser()
+    if path.name == HF_CONFIG_FILE:
+        path = path.parent
+    if not (path / HF_CONFIG_FILE).is_file():
+        raise UserInputError(
+            f"no Hugging Face config at {path / HF_CONFIG_FILE}", hint="hf:PATH names a directory holding config.json"
+        )
+    return path.resolve()
+
+
+def stored_reference(reference: str) -> str:
+    """The model reference to record in a profile or a job: as given, except that a Hugging Face
+    directory becomes absolute (ranks run inside the run directory, elsewhere).
+
+        >>> stored_reference("gpt-tiny")
+        'gpt-tiny'
+    """
+    return HF_PREFIX + str(hf_model_dir(reference)) if reference.startswith(HF_PREFIX) else reference

@@ -28,6 +28,7 @@ from pipectl.cli.context import JsonFlag, console, err_console, output_file, pri
 from pipectl.cli.groups import DefaultCommandGroup
 from pipectl.errors import UserInputError
 from pipectl.io import load_model, parse_model, read_mapping, write_json_atomic
+from pipectl.paths import stored_reference
 from pipectl.profile.derive import DEFAULT_SHARD_DEGREES, derive_profile
 from pipectl.profile.links import CalibrationRequest, calibrate_links
 from pipectl.report.tables import links_view, profile_view
@@ -185,8 +186,9 @@ def model_command(
     else:
         profile = _measure(model, device, device_kind, sizes, dtype or "float32", warmup, repeats, threads,
                            memory_budget_gib, once, degrees or [])
-    # The reference as the user gave it (a YAML path stays a path), so launch builds the same model.
-    profile = profile.model_copy(update={"model_reference": model})
+    # The reference as the user gave it (a YAML path stays a path; a Hugging Face directory is made
+    # absolute), so launch builds the same model.
+    profile = profile.model_copy(update={"model_reference": stored_reference(model)})
     if links_profile is not None:
         profile = profile.model_copy(update={"links": links_profile})
     write_json_atomic(output, profile)

@@ -32,6 +32,7 @@ from pipectl.launch.placement import compute_slowdowns, node_groups, plan_accele
 from pipectl.launch.rundir import RunLock, is_run_dir, lock_run_dir, prepare_run_dir, read_run, write_run_files
 from pipectl.runtime.checkpoint import recover_staged, resume_point
 from pipectl.runtime.dsinit import free_port
+from pipectl.paths import stored_reference
 from pipectl.planfile import plan_profile_path
 from pipectl.words import count
 
@@ -387,7 +388,7 @@ def build_job(plan: Plan, name: str, options: LaunchOptions, cluster: ClusterSpe
         )
     return JobSpec(
         name=name,
-        model=options.model or plan.model_reference or plan.model,
+        model=stored_reference(options.model or plan.model_reference or plan.model),
         steps=options.steps,
         checkpoint_every=options.checkpoint_every,
         checkpoint_every_seconds=options.checkpoint_every_seconds,

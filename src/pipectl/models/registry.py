@@ -28,7 +28,7 @@ from pipectl.models.transformer import (
     lm_loss,
     tied_head_forward,
 )
-from pipectl.paths import factory_search_path, resolve_config
+from pipectl.paths import HF_PREFIX, factory_search_path, resolve_config
 
 
 def load_model_config(name_or_path: str | Path) -> ModelConfig:
@@ -292,12 +292,17 @@ def from_factory(reference: str) -> ModelLayers:
 
 
 def build_model(reference: str | Path, *, allow_shape_only: bool = False) -> ModelLayers:
-    """A shipped name, a YAML path, or `package.module:factory` -> `ModelLayers`.
+    """A shipped name, a YAML path, `package.module:factory`, or `hf:PATH` (a Hugging Face config
+    directory, `models.hf`) -> `ModelLayers`.
 
     `allow_shape_only` lets a shape-only config through, marked `ModelLayers.shape_only` (for
     the profiler's one-instance mode, which builds one layer of each kind, never the whole model).
     """
     text = str(reference)
+    if text.startswith(HF_PREFIX):
+        from pipectl.models.hf import from_hf  # transformers: only for a Hugging Face model
+
+        return from_hf(text)
     if ":" in text and not Path(text).exists() and not text.endswith((".yaml", ".yml")):
         return from_factory(text)
     return from_config(load_model_config(text), allow_shape_only=allow_shape_only)

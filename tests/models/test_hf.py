@@ -1,0 +1,127 @@
+"""Hugging Face models as layer lists (`hf:PATH`): tiny GPT-2 and Llama configs built here, saved
+with `transformers`' own save_pretrained, read back by pipectl. The layer chain gives the
+`transformers` model's logits exactly; bad directories are named; a two-stage pipeline (real
+ranks) trains with the one-rank losses."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from pipectl.errors import UserInputError  # noqa: E402
+from pipectl.models import build_model  # noqa: E402
+from pipectl.models.base import shape_of  # noqa: E402
+from pipectl.models.hf import hf_layer_names  # noqa: E402
+from pipectl.paths import stored_reference  # noqa: E402
+from builders import gpt_tiny_candidate, plan_of, train_run  # noqa: E402
+
+VOCAB, SEQ = 256, 32
+TOKENS = {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}
+
+
+def gpt2_config(layers: int = 3) -> GPT2Config:
+    return GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=64, n_layer=layers, n_head=4,
+                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **TOKENS)  # fmt: skip
+
+
+def llama_config(tied: bool) -> LlamaConfig:
+    return LlamaConfig(vocab_size=VOCAB, max_position_embeddings=SEQ, hidden_size=64, intermediate_size=128,
+                       num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                       tie_word_embeddings=tied, **TOKENS)  # fmt: skip
+
+
+def saved(model_class, config, folder):
+    torch.manual_seed(0)
+    model = model_class(config).eval()
+    model.save_pretrained(folder)
+    return model
+
+
+def chain_logits(reference: str, input_ids: torch.Tensor) -> torch.Tensor:
+    """Run pipectl's layer list of `reference` in order, as one pipeline stage would."""
+    layers = build_model(reference)
+    holders: dict[str, torch.nn.Module] = {}
+    x = input_ids
+    with torch.no_grad():
+        for layer in layers.layers:
+            if layer.tied_forward is not None and layer.tie_key in holders:
+                x = layer.forward(holders[layer.tie_key], x)
+                continue
+            module = layer.build().eval()
+            if layer.tie_key is not None:
+                holders[layer.tie_key] = module
+            x = layer.forward(module, x)
+    return x
+
+
+@pytest.mark.parametrize(
+    "model_class, config",
+    [(GPT2LMHeadModel, gpt2_config()), (LlamaForCausalLM, llama_config(tied=False)), (LlamaForCausalLM, llama_config(tied=True))],
+    ids=["gpt2-tied", "llama", "llama-tied"],
+)
+def test_the_layer_chain_gives_the_transformers_models_logits(tmp_path, model_class, config):
+    model = saved(model_class, config, tmp_path)
+    input_ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = model(input_ids).logits
+    assert torch.equal(chain_logits(f"hf:{tmp_path}", input_ids), expected)
+
+
+def test_layers_are_embed_blocks_norm_head_with_the_models_parameter_names(tmp_path):
+    model = saved(GPT2LMHeadModel, gpt2_config(), tmp_path)
+    layers = build_model(f"hf:{tmp_path / 'config.json'}")
+    assert [layer.name for layer in layers.layers] == ["embed", "block.0", "block.1", "block.2", "final_norm", "head"]
+    assert layers.layers[-1].tie_key == "embed" and (layers.seq_len, layers.hidden, layers.vocab) == (SEQ, 64, VOCAB)
+    names = {hf for layer in hf_layer_names(layers) for hf in layer.values()}
+    assert names == set(model.state_dict()) - {"lm_head.weight"}  # tied: stored once, as the token table
+    shape = shape_of(layers)
+    assert shape.parameter_count == sum(p.numel() for p in model.parameters())
+
+
+def test_without_weights_the_layers_start_from_a_seeded_initialisation(tmp_path):
+    (tmp_path / "config.json").write_text(llama_config(tied=False).to_json_string())
+    first = build_model(f"hf:{tmp_path}").layers[1]
+    torch.manual_seed(5)
+    a = first.build().state_dict()
+    torch.manual_seed(5)
+    b = first.build().state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    weight = a["layer.self_attn.q_proj.weight"]
+    assert abs(weight.std().item() - 0.02) < 0.005  # transformers' initializer_range, not PyTorch's default
+
+
+def test_bad_directories_are_named(tmp_path):
+    with pytest.raises(UserInputError, match="no Hugging Face config at .*nowhere/config.json"):
+        build_model(f"hf:{tmp_path / 'nowhere'}")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "t5"}))
+    with pytest.raises(UserInputError, match="model_type 't5' is not a supported") as caught:
+        build_model(f"hf:{tmp_path}")
+    assert "gpt2, llama" in caught.value.hint
+
+
+def test_the_stored_reference_is_absolute(tmp_path, monkeypatch):
+    (tmp_path / "config.json").write_text(gpt2_config().to_json_string())
+    monkeypatch.chdir(tmp_path.parent)
+    assert stored_reference(f"hf:{tmp_path.name}") == f"hf:{tmp_path}"
+
+
+@pytest.mark.multiprocess
+def test_a_two_stage_pipeline_of_a_gpt2_trains_with_the_one_rank_losses(tmp_path):
+    saved(GPT2LMHeadModel, gpt2_config(layers=4), tmp_path / "gpt2")  # 7 layers: embed, 4 blocks, norm, head
+    reference = f"hf:{tmp_path / 'gpt2'}"
+    one = gpt_tiny_candidate(1, b=4, m=2).model_copy(update={"stage_layers": [(0, 7)]})
+    two = gpt_tiny_candidate(2, b=4, m=2).model_copy(update={"stage_layers": [(0, 3), (3, 7)]})
+    runs = [
+        train_run(plan_of(candidate, model=reference), tmp_path / name, 5, warmup_steps=0, timeout_seconds=150)
+        for name, candidate in (("one", one), ("two", two))
+    ]
+    from pipectl.runtime.metrics import read_metrics
+
+    losses = [[m.loss for m in read_metrics(run)] for run in runs]
+    assert len(losses[0]) == 5 and losses[0][-1] < losses[0][0]
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5)
