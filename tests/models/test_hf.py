@@ -1,7 +1,8 @@
 """Hugging Face models as layer lists (`hf:PATH`): tiny GPT-2 and Llama configs built here, saved
 with `transformers`' own save_pretrained, read back by pipectl. The layer chain gives the
 `transformers` model's logits exactly; bad directories are named; a two-stage pipeline (real
-ranks) trains with the one-rank losses."""
+ranks) trains with the one-rank losses, and its checkpoint exports to a directory transformers
+loads with the same loss."""
 
 from __future__ import annotations
 
@@ -111,17 +112,50 @@ def test_the_stored_reference_is_absolute(tmp_path, monkeypatch):
 
 
 @pytest.mark.multiprocess
-def test_a_two_stage_pipeline_of_a_gpt2_trains_with_the_one_rank_losses(tmp_path):
+def test_a_two_stage_gpt2_trains_with_the_one_rank_losses_and_exports_to_transformers(tmp_path):
+    """Then its step-4 checkpoint, exported and loaded by transformers, gives the loss pipectl
+    logged at step 5 (computed with the step-4 weights) on that step's batch."""
+    from transformers import AutoModelForCausalLM
+
+    from pipectl.launch import LaunchOptions, prepare_launch, run_engine
+    from pipectl.runtime.data import DeterministicBatches, make_source
+    from pipectl.runtime.export import export_hf
+    from pipectl.runtime.metrics import read_metrics
+
     saved(GPT2LMHeadModel, gpt2_config(layers=4), tmp_path / "gpt2")  # 7 layers: embed, 4 blocks, norm, head
     reference = f"hf:{tmp_path / 'gpt2'}"
     one = gpt_tiny_candidate(1, b=4, m=2).model_copy(update={"stage_layers": [(0, 7)]})
     two = gpt_tiny_candidate(2, b=4, m=2).model_copy(update={"stage_layers": [(0, 3), (3, 7)]})
-    runs = [
-        train_run(plan_of(candidate, model=reference), tmp_path / name, 5, warmup_steps=0, timeout_seconds=150)
-        for name, candidate in (("one", one), ("two", two))
-    ]
-    from pipectl.runtime.metrics import read_metrics
+    reference_run = train_run(plan_of(one, model=reference), tmp_path / "one", 5, warmup_steps=0, timeout_seconds=150)
+    prepared = prepare_launch(plan_of(two, model=reference), tmp_path / "two", LaunchOptions(steps=5, checkpoint_every=4))
+    assert run_engine(prepared.command, prepared.run_dir, timeout_seconds=150) == 0
+    expected = [m.loss for m in read_metrics(reference_run)]
+    losses = [m.loss for m in read_metrics(prepared.run_dir)]
+    assert len(expected) == 5 and expected[-1] < expected[0]
+    assert losses == pytest.approx(expected, rel=1e-5)
 
-    losses = [[m.loss for m in read_metrics(run)] for run in runs]
-    assert len(losses[0]) == 5 and losses[0][-1] < losses[0][0]
-    assert losses[1] == pytest.approx(losses[0], rel=1e-5)
+    exported, step = export_hf(prepared.run_dir, tmp_path / "exported", step=4)
+    model = AutoModelForCausalLM.from_pretrained(exported).eval()
+    inputs, labels = DeterministicBatches(make_source(build_model(reference), None, 0), 8, 0).global_batch_tensors(step)
+    with torch.no_grad():
+        logits = model(inputs).logits
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1)).item()
+    assert loss == pytest.approx(losses[step], rel=1e-5)  # losses[4]: step 5, before its update
+
+
+def test_export_refuses_a_run_of_another_model_and_an_existing_directory(tmp_path):
+    from pipectl.launch import LaunchOptions, prepare_launch
+    from pipectl.runtime.export import export_hf
+
+    prepare_launch(plan_of(gpt_tiny_candidate(1)), tmp_path / "tiny", LaunchOptions(steps=2))
+    with pytest.raises(UserInputError, match="trains gpt-tiny, not a Hugging Face model"):
+        export_hf(tmp_path / "tiny", tmp_path / "out")
+    saved(GPT2LMHeadModel, gpt2_config(), tmp_path / "gpt2")
+    one = gpt_tiny_candidate(1).model_copy(update={"stage_layers": [(0, 6)]})
+    prepare_launch(plan_of(one, model=f"hf:{tmp_path / 'gpt2'}"), tmp_path / "hf", LaunchOptions(steps=2))
+    with pytest.raises(UserInputError, match="exists; export writes a new directory"):
+        export_hf(tmp_path / "hf", tmp_path / "gpt2")
+    with pytest.raises(UserInputError, match="has no verified checkpoint") as caught:
+        export_hf(tmp_path / "hf", tmp_path / "out")
+    assert "steps none" in caught.value.hint
+    assert not (tmp_path / "out").exists()

@@ -1,0 +1,106 @@
+"""A checkpoint of an `hf:` model as a Hugging Face directory: `pipectl export RUN -o DIR`.
+
+DIR gets the source directory's config.json and tokenizer files, copied, and `model.safetensors`
+with every parameter whole in float32 under its Hugging Face name, so that
+`AutoModelForCausalLM.from_pretrained(DIR)` loads the trained model. Checkpoint names are DeepSpeed's
+pipeline names, `<layer index>.<local name>` and `tied_modules.<key>.<local name>` for the shared
+token table; `models.hf.hf_layer_names` maps each layer's local names to the Hugging Face ones. A
+tied head is stored once, as the token table, as `save_pretrained` stores it.
+
+The checkpoint is the newest verified one, or the one of `step`; its files are checked against
+their manifest before anything is written, and DIR is written whole or not at all.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from pipectl.errors import CheckpointError, UserInputError
+from pipectl.paths import HF_CONFIG_FILE, HF_PREFIX, hf_model_dir
+
+# What a Hugging Face directory holds besides config and weights, copied when present.
+COMPANION_FILES = (
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+)
+TIED = "tied_modules."
+
+
+def hf_state(folder: Path, reference: str) -> dict:
+    """The checkpoint in `folder` as {Hugging Face name: float32 tensor} for model `reference`."""
+    from pipectl.models import build_model
+    from pipectl.models.hf import hf_layer_names
+    from pipectl.runtime.shards import FP32, ShardReader
+
+    model = build_model(reference)
+    names = hf_layer_names(model)
+    holders = {layer.tie_key: i for i, layer in enumerate(model.layers) if layer.tie_key and layer.tied_forward is None}
+    reader = ShardReader(folder)
+    state = {}
+    for stored in reader.parameter_names():
+        if stored.startswith(TIED):
+            key, _, local = stored[len(TIED) :].partition(".")
+            index = holders.get(key)
+        else:
+            head, _, local = stored.partition(".")
+            index = int(head) if head.isdigit() else None
+        hf_name = names[index].get(local) if index is not None and index < len(names) else None
+        if hf_name is None:
+            raise CheckpointError(f"{folder}: parameter {stored!r} is not a parameter of {reference}")
+        state[hf_name] = reader.whole(stored, FP32).contiguous()
+    missing = {n for layer in names for n in layer.values()} - set(state)
+    if missing:
+        raise CheckpointError(f"{folder}: holds no {sorted(missing)[0]!r} (and {len(missing) - 1} more) of {reference}")
+    return state
+
+
+def export_hf(run_dir: str | os.PathLike[str], output: str | os.PathLike[str], step: int | None = None) -> tuple[Path, int]:
+    """Write the run's checkpoint (newest verified, or of `step`) to `output` as a Hugging Face
+    directory; returns (output, step). `output` must not exist."""
+    from safetensors.torch import save_file
+
+    from pipectl.launch.rundir import read_run
+    from pipectl.runtime.checkpoint import list_checkpoints
+
+    run = read_run(run_dir)
+    reference = run.job.model
+    if not reference.startswith(HF_PREFIX):
+        raise UserInputError(
+            f"run {run_dir} trains {reference}, not a Hugging Face model: export writes Hugging Face directories",
+            hint="export applies to runs of an hf:PATH model",
+        )
+    out = Path(output)
+    if out.exists():
+        raise UserInputError(f"{out} exists; export writes a new directory", hint="give a path that does not exist")
+    verified = [info for info in list_checkpoints(run_dir, hash_files=True) if info.verified]
+    chosen = [info for info in verified if step is None or info.step == step]
+    if not chosen:
+        have = ", ".join(str(info.step) for info in verified) or "none"
+        raise UserInputError(
+            f"run {run_dir} has no verified checkpoint" + (f" of step {step}" if step is not None else ""),
+            hint=f"verified checkpoints: steps {have}",
+        )
+    info = chosen[-1]
+    source = hf_model_dir(reference)
+    state = hf_state(Path(info.path), reference)
+    staging = out.with_name(f".{out.name}.partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        shutil.copyfile(source / HF_CONFIG_FILE, staging / HF_CONFIG_FILE)
+        for name in COMPANION_FILES:
+            if (source / name).is_file():
+                shutil.copyfile(source / name, staging / name)
+        save_file(state, str(staging / "model.safetensors"), metadata={"format": "pt", "pipectl_step": str(info.step)})
+        staging.rename(out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out, info.step
