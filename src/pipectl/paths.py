@@ -71,3 +71,14 @@ def stored_reference(reference: str) -> str:
         'gpt-tiny'
     """
     return HF_PREFIX + str(hf_model_dir(reference)) if reference.startswith(HF_PREFIX) else reference
+
+
+HF_TOKENIZER_FILE = "tokenizer.json"
+
+
+def hf_tokenizer_file(reference: str | None) -> str | None:
+    """The tokenizer.json beside an `hf:` model's config, if it has one; None for other models."""
+    if not reference or not reference.startswith(HF_PREFIX):
+        return None
+    path = hf_model_dir(reference) / HF_TOKENIZER_FILE
+    return str(path) if path.is_file() else None

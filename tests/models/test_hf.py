@@ -159,3 +159,40 @@ def test_export_refuses_a_run_of_another_model_and_an_existing_directory(tmp_pat
         export_hf(tmp_path / "hf", tmp_path / "out")
     assert "steps none" in caught.value.hint
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.multiprocess
+def test_a_llama_on_a_text_file_resized_from_two_stages_to_one_rank_keeps_the_one_rank_losses(tmp_path):
+    """The README as the corpus (bytes: the model has no tokenizer), steps 1-5 on a two-stage
+    pipeline, then a resize to one rank for steps 6-8: every loss equals the uninterrupted one-rank run's."""
+    import shutil
+    from pathlib import Path
+
+    from pipectl.artifacts.plan import MorphEntry
+    from pipectl.artifacts.run import DataKind, DataSpec
+    from pipectl.launch import LaunchOptions, prepare_launch, run_engine
+    from pipectl.resize.morph import resize_run
+    from pipectl.runtime.metrics import read_metrics
+
+    saved(LlamaForCausalLM, llama_config(tied=False), tmp_path / "llama")  # 6 layers: embed, 3 blocks, norm, head
+    reference = f"hf:{tmp_path / 'llama'}"
+    corpus = DataSpec(kind=DataKind.FILE, path=str(Path(__file__).resolve().parents[2] / "README.md"))
+    one = gpt_tiny_candidate(1, b=4, m=2).model_copy(update={"stage_layers": [(0, 6)]})
+    two = gpt_tiny_candidate(2, b=4, m=2).model_copy(update={"stage_layers": [(0, 3), (3, 6)]})
+    table = [MorphEntry(devices=1, candidate=one), MorphEntry(devices=2, candidate=two)]
+
+    def run(candidate, folder, steps):
+        prepared = prepare_launch(plan_of(candidate, model=reference, morph_table=table), folder,
+                                  LaunchOptions(steps=steps, data=corpus))  # fmt: skip
+        assert run_engine(prepared.command, prepared.run_dir, timeout_seconds=150) == 0
+        return prepared.run_dir
+
+    expected = [m.loss for m in read_metrics(run(one, tmp_path / "one", 8))]
+    split = run(two, tmp_path / "two", 5)
+    resized = tmp_path / "resized"
+    shutil.copytree(split, resized)
+    result = resize_run(resized, 1, steps=8, run_timeout_seconds=150)
+    assert result.exit_code == 0, (resized / "logs" / "engine.log").read_text()[-3000:]
+    metrics = read_metrics(resized)
+    assert [m.layout.split()[0] for m in metrics] == ["t1p2d1"] * 5 + ["t1p1d1"] * 3
+    assert [m.loss for m in metrics] == pytest.approx(expected, rel=1e-5)

@@ -13,9 +13,12 @@ from pipectl.errors import UserInputError
 from pipectl.models import build_model
 from pipectl.runtime.data import (
     ByteCorpus,
+    DatasetSource,
     DeterministicBatches,
     SyntheticSource,
+    TextFileSource,
     TokenFileSource,
+    check_dataset,
     corpus_bytes,
     make_source,
     replica_slices,
@@ -136,3 +139,122 @@ def test_make_source_picks_by_model_and_request(tmp_path):
     assert isinstance(make_source(mlp, None, 0), SyntheticSource)
     with pytest.raises(UserInputError, match="not a language model"):
         make_source(mlp, "corpus", 0)
+
+
+# --------------------------------------------------------------------------- text files, datasets
+
+DATASET_MODULE = '''
+import torch
+
+
+class Squares:
+    """Sample i: inputs [i, i], label i * i (a regression toy)."""
+
+    def __len__(self):
+        return 20
+
+    def __getitem__(self, index):
+        return torch.tensor([float(index), float(index)]), torch.tensor(float(index * index))
+
+
+class Pairs(Squares):
+    def collate(self, samples):
+        return torch.stack([x for x, _ in samples]) * 10, torch.stack([y for _, y in samples])
+
+
+class Empty:
+    def __len__(self):
+        return 0
+
+    def __getitem__(self, index):
+        raise IndexError(index)
+
+
+def squares():
+    return Squares()
+
+
+def pairs():
+    return Pairs()
+
+
+def empty():
+    return Empty()
+
+
+def numbers():
+    return [1, 2, 3]
+'''
+
+
+@pytest.fixture
+def dataset_module(tmp_path, monkeypatch):
+    (tmp_path / "user_data.py").write_text(DATASET_MODULE)
+    monkeypatch.setenv("PIPECTL_MODEL_PATH", str(tmp_path))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "user_data"
+
+
+def test_a_text_file_is_bytes_for_a_model_without_tokenizer(tmp_path):
+    text = tmp_path / "corpus.txt"
+    text.write_text("héllo wörld, " * 40, encoding="utf-8")
+    model = build_model("gpt-tiny")
+    source = make_source(model, str(text), seed=0)
+    assert isinstance(source, TextFileSource)
+    inputs, labels = source.batch([0, 1])
+    raw = np.frombuffer(text.read_bytes(), dtype=np.uint8)
+    assert inputs[0].tolist() == raw[: model.seq_len].tolist() and labels[0].tolist() == raw[1 : model.seq_len + 1].tolist()
+
+
+def test_a_text_file_is_tokenized_with_the_models_tokenizer(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    words = "the quick brown fox jumps over the lazy dog".split()
+    vocabulary = {w: i for i, w in enumerate(dict.fromkeys(words))}  # the 0 ... dog 7
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocabulary, unk_token="dog"))
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    text = tmp_path / "corpus.txt"
+    text.write_text(" ".join(words * 30))
+    source = TextFileSource(text, seq_len=8, vocab=len(vocabulary), tokenizer=str(tmp_path / "tokenizer.json"))
+    inputs, labels = source.batch([0])
+    assert inputs[0].tolist() == [0, 1, 2, 3, 4, 5, 0, 6] and labels[0].tolist() == [1, 2, 3, 4, 5, 0, 6, 7]
+    with pytest.raises(UserInputError, match=r"token ids span \[0, 7\], outside the vocabulary 0..3"):
+        TextFileSource(text, seq_len=8, vocab=4, tokenizer=str(tmp_path / "tokenizer.json"))
+    with pytest.raises(UserInputError, match="no tokenizer and a vocabulary of 8, too small for bytes"):
+        TextFileSource(text, seq_len=8, vocab=8)
+
+
+def test_a_dataset_function_gives_its_samples_in_pipectls_order(dataset_module):
+    source = make_source(build_model("mlp-tiny"), f"dataset:{dataset_module}:squares", seed=0)
+    assert source.num_samples == 20 and source.fingerprint == f"dataset:{dataset_module}:squares:20"
+    inputs, labels = source.batch([3, 1])
+    assert inputs.tolist() == [[3.0, 3.0], [1.0, 1.0]] and labels.tolist() == [9.0, 1.0]
+    batches = DeterministicBatches(source, global_batch=8, seed=4)
+    _, step_labels = batches.global_batch_tensors(2)
+    assert step_labels.tolist() == [float(i * i) for i in step_sample_indices(2, 8, 20, 4)]
+    own = DatasetSource(f"{dataset_module}:pairs")
+    assert own.batch([2])[0].tolist() == [[20.0, 20.0]]  # the dataset's own collate
+    assert check_dataset(f"{dataset_module}:squares") == 20
+
+
+@pytest.mark.parametrize(
+    "function, message",
+    [("empty", "is empty"), ("numbers", "samples must be \\(inputs, labels\\) pairs"), ("missing", "cannot load dataset factory")],
+)
+def test_bad_datasets_are_named(dataset_module, function, message):
+    with pytest.raises(UserInputError, match=message):
+        check_dataset(f"{dataset_module}:{function}")
+
+
+def test_data_specs_name_what_ranks_read(tmp_path, dataset_module):
+    from pipectl.artifacts.run import DataKind, DataSpec
+    from pipectl.cli.launch import parse_data
+
+    text = tmp_path / "corpus.txt"
+    text.write_text("x")
+    assert parse_data(str(text)) == DataSpec(kind=DataKind.FILE, path=str(text.resolve()))
+    spec = parse_data(f"{dataset_module}:squares")
+    assert spec.kind is DataKind.DATASET and spec.source() == f"dataset:{dataset_module}:squares"
+    assert parse_data("builtin").source() == "corpus"
+    with pytest.raises(UserInputError, match="neither 'builtin', 'synthetic', an existing file nor a dataset"):
+        parse_data("no/such/file.txt")

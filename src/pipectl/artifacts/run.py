@@ -92,20 +92,32 @@ class TrainingSettings(Strict):
 class DataKind(str, Enum):
     BUILTIN = "builtin"  # a corpus that ships with pipectl (no download)
     SYNTHETIC = "synthetic"  # random tokens/features from the model's `make_batch` (benchmarks)
-    FILE = "file"  # the user's token file (`--data PATH`)
+    FILE = "file"  # the user's token or text file (`--data PATH`)
+    DATASET = "dataset"  # the user's dataset function (`--data package.module:function`): code
 
 
 class DataSpec(Strict):
     """Where the training samples come from. The samples of step s depend on (seed, s, B) only."""
 
-    kind: DataKind = Field(default=DataKind.BUILTIN, description="builtin corpus, synthetic, or a file.")
-    path: str | None = Field(default=None, description="Absolute path of the token file (kind=file).")
+    kind: DataKind = Field(default=DataKind.BUILTIN, description="builtin corpus, synthetic, a file, or a dataset.")
+    path: str | None = Field(default=None, description="Absolute path of the token or text file (kind=file).")
+    reference: str | None = Field(
+        default=None, description="The dataset function, package.module:function (kind=dataset): code that ranks import."
+    )
 
     @model_validator(mode="after")
     def _path_iff_file(self) -> "DataSpec":
         if (self.kind is DataKind.FILE) != (self.path is not None):
             raise ValueError(f"data kind {self.kind.value!r} {'needs' if self.path is None else 'takes no'} path")
+        if (self.kind is DataKind.DATASET) != (self.reference is not None):
+            raise ValueError(f"data kind {self.kind.value!r} {'needs' if self.reference is None else 'takes no'} reference")
         return self
+
+    def source(self) -> str | None:
+        """What `runtime.data.make_source` takes: 'corpus', 'synthetic', 'dataset:REF' or the path."""
+        if self.kind is DataKind.DATASET:
+            return f"dataset:{self.reference}"
+        return {DataKind.BUILTIN: "corpus", DataKind.SYNTHETIC: "synthetic"}.get(self.kind, self.path)
 
 
 class ElasticRange(Strict):

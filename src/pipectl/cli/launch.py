@@ -36,6 +36,7 @@ from pipectl.launch import (
 )
 from pipectl.launch.engines import ENGINE_LOG, JobEnded
 from pipectl.launch.placement import placement_note
+from pipectl.paths import hf_tokenizer_file
 from pipectl.launch.rundir import is_run_dir, run_files, run_status
 from pipectl.report.run_tables import failure_report, status_table
 from pipectl.runtime.checkpoint import read_events
@@ -53,13 +54,19 @@ def parse_elastic(text: str) -> ElasticRange:
 
 
 def parse_data(text: str) -> DataSpec:
-    """`builtin` (default corpus), `synthetic`, or a path to a token file."""
+    """`builtin` (default corpus), `synthetic`, a path to a token or text file, or a dataset
+    function `package.module:function`."""
     if text in (DataKind.BUILTIN.value, DataKind.SYNTHETIC.value):
         return DataSpec(kind=DataKind(text))
     path = Path(text)
-    if not path.is_file():
-        raise UserInputError(f"--data {text!r} is neither 'builtin', 'synthetic' nor an existing file")
-    return DataSpec(kind=DataKind.FILE, path=str(path.resolve()))
+    if path.is_file():
+        return DataSpec(kind=DataKind.FILE, path=str(path.resolve()))
+    module, sep, function = text.partition(":")
+    if sep and module and function.isidentifier() and all(part.isidentifier() for part in module.split(".")):
+        return DataSpec(kind=DataKind.DATASET, reference=text)
+    raise UserInputError(
+        f"--data {text!r} is neither 'builtin', 'synthetic', an existing file nor a dataset 'package.module:function'"
+    )
 
 
 def _slurm_flags(**values: str | None) -> SlurmSpec:
@@ -196,10 +203,15 @@ def register(app: typer.Typer) -> None:
             raise UserInputError(f"cannot resume {run_dir}: no such run (it holds no job.json)")
         data_spec = parse_data(data)
         if data_spec.path is not None:
-            # numpy and torch: only when a token file is given, so the CLI starts without them
+            # numpy and torch: only when a file is given, so the CLI starts without them
             from pipectl.runtime.data import check_token_file
 
-            check_token_file(data_spec.path, plan.model_shape.seq_len, plan.model_shape.vocab)
+            tokenizer = hf_tokenizer_file(model or plan.model_reference)
+            check_token_file(data_spec.path, plan.model_shape.seq_len, plan.model_shape.vocab, tokenizer=tokenizer)
+        elif data_spec.reference is not None:
+            from pipectl.runtime.data import check_dataset
+
+            check_dataset(data_spec.reference)
         every_steps, every_seconds, every_auto = parse_checkpoint_interval(checkpoint_every)
         elastic_range = parse_elastic(elastic) if elastic else None
         if elastic_range is not None and engine is not Engine.TORCHRUN:

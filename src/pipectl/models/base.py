@@ -64,6 +64,8 @@ class ModelLayers:
     # A config too large to build whole here (`ModelConfig.shape_only`): only one layer at a time
     # may be built (the profiler's one-instance mode) or its shape counted on the meta device.
     shape_only: bool = False
+    # A language model's own tokenizer (a Hugging Face tokenizer.json), for text data; None: bytes.
+    tokenizer: str | None = None
 
     def __len__(self) -> int:
         return len(self.layers)

@@ -1,7 +1,8 @@
 """A Hugging Face `transformers` decoder as a cuttable layer list: `hf:PATH`.
 
 PATH is a directory holding a `config.json` (or the file itself), optionally with the weights to
-start from (`model.safetensors`, or shards listed in `model.safetensors.index.json`). Nothing is
+start from (`model.safetensors`, or shards listed in `model.safetensors.index.json`) and a
+`tokenizer.json` that text data is tokenized with (`runtime.data.TextFileSource`). Nothing is
 downloaded and nothing executable is read: the config is JSON, the weights are safetensors, and
 `trust_remote_code` is never set, so only the model classes that ship with `transformers` are used.
 Supported families (`model_type`): `gpt2` and `llama`. The layers are the family's own modules:
@@ -37,7 +38,7 @@ from torch import nn
 from pipectl.errors import UserInputError
 from pipectl.models.base import LayerDef, ModelLayers
 from pipectl.models.transformer import lm_loss
-from pipectl.paths import HF_CONFIG_FILE, HF_PREFIX, hf_model_dir
+from pipectl.paths import HF_CONFIG_FILE, HF_PREFIX, hf_model_dir, hf_tokenizer_file
 
 SUPPORTED = ("gpt2", "llama")
 WEIGHTS_FILE = "model.safetensors"
@@ -294,6 +295,7 @@ def from_hf(reference: str) -> ModelLayers:
         seq_len=seq_len,
         hidden=config.hidden_size,
         vocab=config.vocab_size,
+        tokenizer=hf_tokenizer_file(reference),
     )
 
 

@@ -180,8 +180,9 @@ def _factory_search_path() -> None:
             sys.path.insert(0, folder)
 
 
-def _import_factory(reference: str):
+def import_factory(reference: str, what: str = "model"):
     """Import `package.module:factory` after checking what it names, and return (module, factory).
+    `what` names what the factory builds in messages ("model", "dataset").
 
     Refused before anything of the user's runs: a reference that is not `module:function`, a
     module of the standard library, a built-in module or pipectl itself (`sys:exit`, `os:system`),
@@ -189,7 +190,7 @@ def _import_factory(reference: str):
     can be called without arguments. The caller checks the type of what the call returns.
 
     What this does not protect against: importing a module runs its top-level code, and calling
-    the factory runs the factory. A model reference is code: a plan or a run directory from
+    the factory runs the factory. A model or dataset reference is code: a plan or a run directory from
     someone else names code that `pipectl launch` will import and run.
     """
     module_name, sep, attr = reference.partition(":")
@@ -197,36 +198,36 @@ def _import_factory(reference: str):
         part.isidentifier() for part in module_name.split(".")
     ):
         raise UserInputError(
-            f"model reference '{reference}' is not 'package.module:function'", hint="see examples/custom_model.py"
+            f"{what} reference '{reference}' is not 'package.module:function'", hint="see examples/"
         )
     if _not_a_factory_package(module_name):
         raise UserInputError(
-            f"model reference '{reference}' names {module_name!r}, a module of Python or pipectl, not a model factory",
-            hint="give the function of your own module that builds the model (examples/custom_model.py)",
+            f"{what} reference '{reference}' names {module_name!r}, a module of Python or pipectl, not a {what} factory",
+            hint=f"give the function of your own module that builds the {what} (examples/)",
         )
     _factory_search_path()
     try:
         module = importlib.import_module(module_name)
         factory = getattr(module, attr)
     except (ImportError, AttributeError) as exc:
-        raise UserInputError(f"cannot load model factory '{reference}': {exc}") from exc
+        raise UserInputError(f"cannot load {what} factory '{reference}': {exc}") from exc
     if isinstance(factory, type) and issubclass(factory, nn.Module):
-        raise UserInputError(f"model factory '{reference}' is a module class; give a function that builds the model")
+        raise UserInputError(f"{what} factory '{reference}' is a module class; give a function that builds the {what}")
     if not inspect.isfunction(factory):
         raise UserInputError(
-            f"model factory '{reference}' is a {type(factory).__name__}, not a Python function that builds the model",
-            hint="see examples/custom_model.py",
+            f"{what} factory '{reference}' is a {type(factory).__name__}, not a Python function that builds the {what}",
+            hint="see examples/",
         )
     if _not_a_factory_package(factory.__module__ or ""):
         raise UserInputError(
-            f"model factory '{reference}' is {factory.__module__}.{factory.__qualname__}, a function of Python "
-            "or pipectl, not a model factory"
+            f"{what} factory '{reference}' is {factory.__module__}.{factory.__qualname__}, a function of Python "
+            f"or pipectl, not a {what} factory"
         )
     try:
         inspect.signature(factory).bind()
     except TypeError:
         raise UserInputError(
-            f"model factory '{reference}' takes arguments {inspect.signature(factory)}; pipectl calls it with none"
+            f"{what} factory '{reference}' takes arguments {inspect.signature(factory)}; pipectl calls it with none"
         ) from None
     return module, factory
 
@@ -240,7 +241,7 @@ def _sequential_layers(reference: str) -> tuple[nn.Module, ...]:
     shape counted on the meta device first would otherwise leave meta modules in this cache for
     every later build).
     """
-    _, factory = _import_factory(reference)
+    _, factory = import_factory(reference)
     with torch.random.fork_rng(devices=[]), torch.device("cpu"):
         torch.manual_seed(0)
         result = factory()
@@ -260,13 +261,13 @@ class FactoryLayer(nn.Module):
 
 def from_factory(reference: str) -> ModelLayers:
     """`package.module:factory`; see examples/custom_model.py for the contract, and
-    `_import_factory` for what is checked before it runs (and what cannot be).
+    `import_factory` for what is checked before it runs (and what cannot be).
 
     The factory returns a `ModelLayers`, or an `nn.Sequential` / list of modules; in the latter
     case its module must also define `make_batch(batch_size, generator)` and `loss_fn(output,
     labels)` (examples/sequential_model.py).
     """
-    module, factory = _import_factory(reference)
+    module, factory = import_factory(reference)
     probe = factory()
     if isinstance(probe, ModelLayers):
         return probe

@@ -23,6 +23,14 @@ Sources (all need no download):
   (seed, i): any model, any size, no file.
 - `TokenFileSource`: a user token file, `.npy` (1-D integer array) or raw `.bin` (uint16 by
   default, nanoGPT's format; int32 on request), cut into windows of seq_len + 1 tokens.
+- `TextFileSource`: a user text file (`.txt`, `.text` or `.md`, UTF-8), tokenized once per rank with the model's own
+  tokenizer (a Hugging Face model's tokenizer.json, through the `tokenizers` library), or as bytes
+  when the model has none (vocabulary of at least 256), then cut into windows as above.
+- `DatasetSource`: a user dataset `package.module:function` (code, like a model factory): the
+  function returns an object with `__len__` and `__getitem__(index) -> sample`; samples are
+  `(inputs, labels)` pairs of tensors stacked into a batch, or whatever the object's own
+  `collate(samples) -> (inputs, labels)` makes of them. The order is pipectl's (indices by step),
+  never the dataset's.
 """
 
 from __future__ import annotations
@@ -149,22 +157,119 @@ class TokenFileSource(TokenArraySource):
             except (ValueError, OSError) as exc:
                 raise UserInputError(f"{path} cannot be read as {bin_dtype} tokens: {exc}") from exc
         else:
-            raise UserInputError(f"token file {path} must end in .npy or .bin")
+            raise UserInputError(f"data file {path} must end in .npy or .bin (tokens) or .txt, .text, .md (text)")
         if not np.issubdtype(tokens.dtype, np.integer):
             raise UserInputError(f"{path} holds {tokens.dtype} values, expected integer token ids")
         super().__init__(np.asarray(tokens), seq_len, vocab, name=str(path))
 
 
-def check_token_file(path: str | Path, seq_len: int | None, vocab: int | None, bin_dtype: str = "uint16") -> int:
-    """Read a token file as every rank will, before any rank starts: its format, dtype and shape,
-    its ids inside the vocabulary, at least one sample of seq_len + 1 tokens. Returns its samples.
+TEXT_SUFFIXES = (".txt", ".text", ".md")
 
-    `seq_len` and `vocab` are the model's (a plan's `model_shape`); a model without them is not a
-    language model, and no token file fits it.
+
+class TextFileSource(TokenArraySource):
+    """A user text file tokenized with `tokenizer` (a tokenizer.json path) or as UTF-8 bytes."""
+
+    def __init__(self, path: str | Path, seq_len: int, vocab: int, tokenizer: str | None = None) -> None:
+        path = Path(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise UserInputError(f"text file not found: {path}") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UserInputError(f"{path} cannot be read as UTF-8 text: {exc}") from None
+        if tokenizer is None:
+            if vocab < 256:
+                raise UserInputError(
+                    f"{path}: the model has no tokenizer and a vocabulary of {vocab}, too small for bytes (256)",
+                    hint="give a token file (.npy or .bin) made with the model's tokenizer",
+                )
+            tokens = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+            name = f"{path} (bytes)"
+        else:
+            from tokenizers import Tokenizer  # with transformers (pipectl[hf])
+
+            try:
+                ids = Tokenizer.from_file(tokenizer).encode(text, add_special_tokens=False).ids
+            except Exception as exc:  # the library raises bare Exceptions for bad files
+                raise UserInputError(f"cannot tokenize {path} with {tokenizer}: {exc}") from None
+            tokens = np.asarray(ids, dtype=np.int64)
+            name = f"{path} (tokenized with {tokenizer})"
+        super().__init__(tokens, seq_len, vocab, name=name)
+
+
+def _stack(samples: list) -> MicroBatch:
+    """The default collate: samples are (inputs, labels) pairs of tensors, stacked."""
+    try:
+        inputs, labels = zip(*samples)
+        return torch.stack(list(inputs)), torch.stack(list(labels))
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise UserInputError(
+            f"dataset samples must be (inputs, labels) pairs of same-shaped tensors, or the dataset must define "
+            f"collate(samples) -> (inputs, labels): {exc}"
+        ) from None
+
+
+class DatasetSource:
+    """A user dataset `package.module:function` (see the module docstring)."""
+
+    def __init__(self, reference: str) -> None:
+        from pipectl.models.registry import import_factory
+
+        _, factory = import_factory(reference, what="dataset")
+        dataset = factory()
+        if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+            raise UserInputError(
+                f"dataset '{reference}' returned {type(dataset).__name__}, which has no __len__ and __getitem__"
+            )
+        size = len(dataset)
+        if size < 1:
+            raise UserInputError(f"dataset '{reference}' is empty")
+        self.dataset = dataset
+        self.reference = reference
+        self.collate = getattr(dataset, "collate", _stack)
+        self._num_samples = int(size)
+
+    @property
+    def num_samples(self) -> int:
+        return self._num_samples
+
+    @property
+    def fingerprint(self) -> str:
+        return f"dataset:{self.reference}:{self._num_samples}"
+
+    def batch(self, indices: Sequence[int]) -> MicroBatch:
+        inputs, labels = self.collate([self.dataset[int(i)] for i in indices])
+        if not (torch.is_tensor(inputs) and torch.is_tensor(labels)):
+            raise UserInputError(f"dataset '{self.reference}': a batch must be (inputs, labels) tensors")
+        return inputs, labels
+
+
+DATASET_PREFIX = "dataset:"  # make_source's `data` for a user dataset: dataset:package.module:function
+
+
+def check_token_file(
+    path: str | Path, seq_len: int | None, vocab: int | None, bin_dtype: str = "uint16", tokenizer: str | None = None
+) -> int:
+    """Read a token or text file as every rank will, before any rank starts: its format, dtype and
+    shape, its ids inside the vocabulary, at least one sample of seq_len + 1 tokens. Returns its
+    samples.
+
+    `seq_len` and `vocab` are the model's (a plan's `model_shape`), `tokenizer` its tokenizer.json
+    if it has one; a model without them is not a language model, and no token file fits it.
     """
     if seq_len is None or vocab is None:
         raise UserInputError(f"the model is not a language model: token file {path} does not fit it")
+    if Path(path).suffix in TEXT_SUFFIXES:
+        return TextFileSource(path, seq_len, vocab, tokenizer=tokenizer).num_samples
     return TokenFileSource(path, seq_len, vocab, bin_dtype=bin_dtype).num_samples
+
+
+def check_dataset(reference: str) -> int:
+    """Import the dataset and collate its first sample as every rank will, before any rank starts
+    (its code runs here too). Returns its samples."""
+    source = DatasetSource(reference)
+    source.batch([0])
+    return source.num_samples
 
 
 class SyntheticSource:
@@ -194,9 +299,12 @@ class SyntheticSource:
 
 
 def make_source(model: ModelLayers, data: str | None, seed: int, bin_dtype: str = "uint16") -> SampleSource:
-    """`None` or "corpus": the byte corpus (language models), else synthetic; "synthetic"; or a path."""
+    """`None` or "corpus": the byte corpus (language models), else synthetic; "synthetic";
+    "dataset:package.module:function"; or a path (a token file, or a text file)."""
     if data == "synthetic":
         return SyntheticSource(model, seed)
+    if data is not None and data.startswith(DATASET_PREFIX):
+        return DatasetSource(data[len(DATASET_PREFIX) :])
     if data in (None, "corpus"):
         if model.seq_len is None or model.vocab is None:
             if data == "corpus":
@@ -205,6 +313,8 @@ def make_source(model: ModelLayers, data: str | None, seed: int, bin_dtype: str 
         return ByteCorpus(model.seq_len, model.vocab)
     if model.seq_len is None or model.vocab is None:
         raise UserInputError(f"model {model.name} is not a language model: token file {data} does not fit it")
+    if Path(data).suffix in TEXT_SUFFIXES:
+        return TextFileSource(data, model.seq_len, model.vocab, tokenizer=model.tokenizer)
     return TokenFileSource(data, model.seq_len, model.vocab, bin_dtype=bin_dtype)
 
 

@@ -41,7 +41,7 @@ from typing import Any
 
 from pipectl.artifacts.layout import Layout
 from pipectl.artifacts.plan import Plan
-from pipectl.artifacts.run import DataKind, JobSpec, RankState, RankTiming, ResumeRecord, StepMetrics
+from pipectl.artifacts.run import JobSpec, RankState, RankTiming, ResumeRecord, StepMetrics
 from pipectl.errors import LaunchError, PipectlError, UserInputError
 from pipectl.io import load_model, read_mapping
 from pipectl.runtime import checkpoint, dsinit
@@ -120,7 +120,7 @@ class TrainingJob:
         if world != candidate.devices:
             candidate = plan_for_world_size(plan, world)
             ds_config = ds_config_for_candidate(ds_config, candidate, plan.global_batch)
-        data = {DataKind.BUILTIN: "corpus", DataKind.SYNTHETIC: "synthetic"}.get(job.data.kind, job.data.path)
+        data = job.data.source()
         return cls(
             model=job.model,
             layout=Layout.from_candidate(candidate),
