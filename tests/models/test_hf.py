@@ -196,3 +196,13 @@ def test_a_llama_on_a_text_file_resized_from_two_stages_to_one_rank_keeps_the_on
     metrics = read_metrics(resized)
     assert [m.layout.split()[0] for m in metrics] == ["t1p2d1"] * 5 + ["t1p1d1"] * 3
     assert [m.loss for m in metrics] == pytest.approx(expected, rel=1e-5)
+
+
+def test_the_example_tiny_llama_is_a_model(tmp_path):
+    import runpy
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "examples" / "tiny_llama.py"
+    runpy.run_path(str(script), run_name="example").get("main")(str(tmp_path / "llama"))
+    layers = build_model(f"hf:{tmp_path / 'llama'}")
+    assert len(layers.layers) == 7 and (layers.seq_len, layers.vocab) == (64, 256)

@@ -258,3 +258,14 @@ def test_data_specs_name_what_ranks_read(tmp_path, dataset_module):
     assert parse_data("builtin").source() == "corpus"
     with pytest.raises(UserInputError, match="neither 'builtin', 'synthetic', an existing file nor a dataset"):
         parse_data("no/such/file.txt")
+
+
+def test_the_example_dataset_fits_mlp_tiny(monkeypatch):
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    monkeypatch.setenv("PIPECTL_MODEL_PATH", str(root))
+    monkeypatch.syspath_prepend(str(root))
+    assert check_dataset("examples.dataset:build") == 4096
+    inputs, labels = DatasetSource("examples.dataset:build").batch([0, 11])
+    assert inputs.shape == (2, 784) and labels.tolist() == [0, 1]
