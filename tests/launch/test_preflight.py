@@ -82,8 +82,12 @@ def test_the_launch_modules_worked_examples_hold():
     import doctest
 
     import pipectl.launch
+    import pipectl.launch.engines
+    import pipectl.launch.placement
+    import pipectl.paths
 
-    assert doctest.testmod(pipectl.launch).failed == 0
+    for module in (pipectl.launch, pipectl.launch.engines, pipectl.launch.placement, pipectl.paths):
+        assert doctest.testmod(module).failed == 0, module.__name__
 
 
 def test_a_model_profiled_from_a_yaml_path_launches_without_naming_it_again(tmp_path, monkeypatch):

@@ -206,3 +206,66 @@ def test_the_example_tiny_llama_is_a_model(tmp_path):
     runpy.run_path(str(script), run_name="example").get("main")(str(tmp_path / "llama"))
     layers = build_model(f"hf:{tmp_path / 'llama'}")
     assert len(layers.layers) == 7 and (layers.seq_len, layers.vocab) == (64, 256)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [gpt2_config(), llama_config(tied=False), llama_config(tied=True),
+     LlamaConfig(vocab_size=VOCAB, max_position_embeddings=SEQ, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=4, attention_bias=True, mlp_bias=True, **TOKENS)],
+    ids=["gpt2", "llama-gqa", "llama-tied", "llama-biases"],
+)  # fmt: skip
+def test_the_derived_shape_has_the_models_layers_and_parameters(tmp_path, config):
+    from pipectl.catalog import get_device
+    from pipectl.models.hf import model_config
+    from pipectl.profile.derive import derive_profile
+
+    (tmp_path / "config.json").write_text(config.to_json_string())
+    reference = f"hf:{tmp_path}"
+    built = shape_of(build_model(reference))
+    shape = model_config(reference)
+    assert shape.layer_parameter_counts() == built.layer_parameter_counts
+    profile = derive_profile(shape, get_device("a100-80gb"), [1, 2])
+    layers = build_model(reference).layers
+    assert [(p.name, p.kind) for p in profile.layers] == [(layer.name, layer.kind) for layer in layers]
+    assert [p.parameter_count for p in profile.layers] == built.layer_parameter_counts
+    assert [p.shared_group for p in profile.layers] == [layer.tie_key for layer in layers]
+
+
+def test_a_llama_blocks_derived_flops_and_memory_follow_its_shape(tmp_path):
+    from pipectl.catalog import get_device
+    from pipectl.models.hf import model_config
+    from pipectl.profile.derive import derive_profile
+
+    config = LlamaConfig(vocab_size=32000, max_position_embeddings=4096, hidden_size=4096, intermediate_size=11008,
+                         num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=8)  # fmt: skip
+    (tmp_path / "config.json").write_text(config.to_json_string())
+    profile = derive_profile(model_config(f"hf:{tmp_path}"), get_device("a100-80gb"), [1, 2])
+    block = profile.layers[1]
+    h, s, i, kv = 4096, 4096, 11008, 8 * 128
+    assert block.cost(1).forward_flops == 2 * s * (2 * h * h + 2 * h * kv + 3 * h * i) + 4 * s * s * h
+    one, two = block.cost(1), block.cost(2)
+    assert 1.8 < two.forward_seconds / one.forward_seconds < 2.2  # GEMM-bound: linear in b
+    # 1.66 TFLOP of forward GEMMs at 74 % of 312 TFLOP/s is 7.2 ms; attention and element-wise work add.
+    assert 0.0072 < one.forward_seconds < 0.011
+    assert {shard.tensor_parallel for shard in block.shards} == {2, 4, 8}  # 8 kv heads: t = 8 still divides
+
+
+def test_a_derived_profile_of_a_hugging_face_directory_plans_and_launches_for_a_gpu_cluster(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from pipectl.cli.main import app
+
+    (tmp_path / "llama").mkdir()
+    (tmp_path / "llama" / "config.json").write_text(llama_config(tied=False).to_json_string())
+    monkeypatch.chdir(tmp_path)
+    runner = CliRunner()
+    steps = [
+        ["profile", "hf:llama", "--derive", "--device", "a100-80gb", "-o", "profile.json"],
+        ["plan", "--profile", "profile.json", "--cluster", "a100-8x8", "--global-batch", "64", "-o", "plan.json"],
+        ["launch", "plan.json", "--run-dir", "run", "--engine", "slurm", "--dry-run"],  # checks the model against the plan
+    ]
+    for args in steps:
+        result = runner.invoke(app, args, env={"COLUMNS": "200"})
+        assert result.exit_code == 0, (args, result.output)
+    assert f'"model": "hf:{tmp_path / "llama"}"' in result.output  # job.json: the absolute directory

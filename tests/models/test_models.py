@@ -114,3 +114,17 @@ def test_user_factory_from_the_current_directory(monkeypatch):
 def test_missing_factory_is_a_user_error():
     with pytest.raises(UserInputError, match="cannot load model factory 'examples.custom_model:nope'"):
         build_model("examples.custom_model:nope")
+
+
+def test_a_config_of_a_block_pipectl_does_not_build_is_refused_but_derives(tmp_path):
+    from pipectl.catalog import get_device
+    from pipectl.models.registry import from_config
+    from pipectl.profile.derive import derive_profile
+
+    config = load_model_config("gpt-tiny").model_copy(update={"activation": "swiglu", "norm": "rms", "rotary": True})
+    for shape_only in (False, True):
+        with pytest.raises(UserInputError, match="a block pipectl's own layers do not build") as caught:
+            from_config(config.model_copy(update={"shape_only": shape_only}), allow_shape_only=True)
+        assert "--derive" in caught.value.hint and "hf:PATH" in caught.value.hint
+    profile = derive_profile(config, get_device("a100-80gb"), [1])
+    assert [layer.parameter_count for layer in profile.layers] == config.layer_parameter_counts()

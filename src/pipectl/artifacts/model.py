@@ -36,6 +36,21 @@ class ModelConfig(Artifact):
     vocab: int = Field(default=1, gt=0, le=MAX_WIDTH, description="Vocabulary size V (transformers).")
     ffn_multiplier: int = Field(default=4, gt=0, le=64, description="MLP width as a multiple of hidden.")
     tied_embeddings: bool = Field(default=True, description="Share input embedding and output head.")
+    # The shape of a Hugging Face decoder (models/hf.py `model_config`); the defaults are GPT-2's,
+    # the only block pipectl's built-in layers build.
+    kv_heads: int | None = Field(
+        default=None, gt=0, le=MAX_WIDTH,
+        description="Key/value heads (grouped-query attention: separate q, k, v projections); None: one fused QKV of all heads.",
+    )
+    ffn_hidden: int | None = Field(default=None, gt=0, le=MAX_WIDTH, description="MLP inner width; None: ffn_multiplier x hidden.")
+    activation: Literal["gelu", "gelu_python", "swiglu"] = Field(
+        default="gelu",
+        description="MLP: gelu (one fused kernel), gelu_python (GPT-2's tanh GELU as eager element-wise ops), "
+        "swiglu (Llama: gate and up projections, SiLU(gate) x up, down).",
+    )
+    norm: Literal["layer", "rms"] = Field(default="layer", description="LayerNorm (weight, bias) or RMSNorm (weight).")
+    linear_bias: bool = Field(default=True, description="Linear layers carry biases.")
+    rotary: bool = Field(default=False, description="Rotary position embeddings (no position table).")
     input_dim: int | None = Field(default=None, gt=0, le=MAX_WIDTH, description="MLP input features (mlp family).")
     classes: int | None = Field(default=None, gt=0, le=MAX_WIDTH, description="MLP output classes (mlp family).")
     shape_only: bool = Field(
@@ -46,7 +61,20 @@ class ModelConfig(Artifact):
     def _check_shape(self) -> "ModelConfig":
         if self.family in (ModelFamily.GPT, ModelFamily.BERT) and self.hidden % self.heads:
             raise ValueError(f"hidden {self.hidden} is not divisible by heads {self.heads}")
+        if self.kv_heads is not None and self.heads % self.kv_heads:
+            raise ValueError(f"heads {self.heads} are not a multiple of kv_heads {self.kv_heads}")
         return self
+
+    @property
+    def mlp_width(self) -> int:
+        return self.ffn_hidden or self.ffn_multiplier * self.hidden
+
+    @property
+    def builtin_block(self) -> bool:
+        """Whether pipectl's own layers build this shape (GPT-2's block), not only hf: ones."""
+        return (self.kv_heads, self.ffn_hidden, self.activation, self.norm, self.linear_bias, self.rotary) == (
+            None, None, "gelu", "layer", True, False,
+        )  # fmt: skip
 
     def layer_parameter_counts(self) -> list[int]:
         """Parameters of every layer the config builds, in order, from its shape alone (nothing is
@@ -60,9 +88,26 @@ class ModelConfig(Artifact):
             >>> ModelConfig(name="x", family="gpt", layers=2, hidden=64, heads=4, seq_len=32, vocab=256).layer_parameter_counts()
             [18432, 49984, 49984, 128, 16384]
         """
-        h, f = self.hidden, self.ffn_multiplier
+        h = self.hidden
         if self.family is ModelFamily.MLP:
             inputs, classes = self.input_dim or h, self.classes or 10
             return [inputs * h + h, *([h * h + h] * self.layers), h * classes + classes]
-        block = (4 + 2 * f) * h * h + (9 + f) * h
-        return [self.vocab * h + self.seq_len * h, *([block] * self.layers), 2 * h, self.vocab * h]
+        norm = h if self.norm == "rms" else 2 * h
+        positions = 0 if self.rotary else self.seq_len * h
+        return [self.vocab * h + positions, *([self.block_parameters()] * self.layers), norm, self.vocab * h]
+
+    def block_parameters(self) -> int:
+        """One transformer block: attention (q, k, v, output; k and v of kv_heads), the MLP (two
+        matrices, or three with swiglu), two norms; biases where `linear_bias`.
+
+            >>> ModelConfig(name="x", family="gpt", layers=1, hidden=64, heads=4).block_parameters() == 12 * 64**2 + 13 * 64
+            True
+        """
+        h, i = self.hidden, self.mlp_width
+        kv = (self.kv_heads or self.heads) * (h // self.heads)
+        attention = 2 * h * h + 2 * h * kv + ((2 * h + 2 * kv) if self.linear_bias else 0)
+        if self.activation == "swiglu":
+            mlp = 3 * h * i + ((2 * i + h) if self.linear_bias else 0)
+        else:
+            mlp = 2 * h * i + ((i + h) if self.linear_bias else 0)
+        return attention + mlp + 2 * (h if self.norm == "rms" else 2 * h)

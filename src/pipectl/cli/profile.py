@@ -28,7 +28,7 @@ from pipectl.cli.context import JsonFlag, console, err_console, output_file, pri
 from pipectl.cli.groups import DefaultCommandGroup
 from pipectl.errors import UserInputError
 from pipectl.io import load_model, parse_model, read_mapping, write_json_atomic
-from pipectl.paths import stored_reference
+from pipectl.paths import HF_PREFIX, stored_reference
 from pipectl.profile.derive import DEFAULT_SHARD_DEGREES, derive_profile
 from pipectl.profile.links import CalibrationRequest, calibrate_links
 from pipectl.report.tables import links_view, profile_view
@@ -199,14 +199,24 @@ def model_command(
     err_console.print(f"wrote {output}", highlight=False)
 
 
-def _derive(model: str, kind: str, sizes: list[int], dtype: str | None, attention: str, degrees: list[int] | None):
-    from pipectl.models.registry import load_model_config  # torch: only when deriving
+def _derivable_config(model: str):
+    """The shape a derived profile is made from: a built-in name or YAML, or an hf: directory."""
+    if model.startswith(HF_PREFIX):
+        from pipectl.models.hf import model_config  # transformers reads the config
 
+        return model_config(model)
     if ":" in model and not Path(model).exists() and not model.endswith((".yaml", ".yml")):
         raise UserInputError(
             f"cannot derive a profile for the factory '{model}': derived profiles need a model config",
-            hint="derive a built-in gpt/bert config, or measure the factory's model: pipectl profile " + model,
+            hint="derive a built-in gpt/bert config or an hf:PATH model, or measure the factory's model: pipectl profile "
+            + model,
         )
+    from pipectl.models.registry import load_model_config  # torch: only when deriving
+
+    return load_model_config(model)
+
+
+def _derive(model: str, kind: str, sizes: list[int], dtype: str | None, attention: str, degrees: list[int] | None):
     if kind == "cuda" or kind.startswith("cuda:"):
         raise UserInputError(
             f"--derive needs a catalog device kind, got '{kind}'",
@@ -214,11 +224,11 @@ def _derive(model: str, kind: str, sizes: list[int], dtype: str | None, attentio
         )
     if dtype not in (None, "float32", "bfloat16", "float16"):
         raise UserInputError(f"unknown dtype '{dtype}'", hint="choose one of: float32, bfloat16, float16")
-    config = load_model_config(model)
+    config = _derivable_config(model)
     if degrees is not None and any(t > 1 for t in degrees):
         if config.family not in (ModelFamily.GPT, ModelFamily.BERT):
             raise UserInputError(f"model '{model}' has no transformer blocks to split over tensor-parallel ranks")
-        bad = [t for t in degrees if config.heads % t]
+        bad = [t for t in degrees if config.heads % t or (config.kv_heads or config.heads) % t]
         if bad:
             raise UserInputError(
                 f"tensor-parallel degree {bad[0]} does not divide the {config.heads} attention heads of '{model}'"

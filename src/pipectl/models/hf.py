@@ -299,6 +299,32 @@ def from_hf(reference: str) -> ModelLayers:
     )
 
 
+def model_config(reference: str):
+    """The `ModelConfig` of an `hf:` model's shape, for derived profiles (`profile.derive`): the
+    same layers, parameter counts and tie group as `from_hf` builds."""
+    from pipectl.artifacts.model import ModelConfig, ModelFamily
+
+    directory = str(hf_model_dir(reference))
+    config = hf_config(directory)
+    common = dict(
+        name=f"{HF_PREFIX}{directory}", family=ModelFamily.GPT, layers=config.num_hidden_layers,
+        hidden=config.hidden_size, heads=config.num_attention_heads, seq_len=sequence_length(config),
+        vocab=config.vocab_size, tied_embeddings=bool(getattr(config, "tie_word_embeddings", True)), shape_only=True,
+    )  # fmt: skip
+    if _is_gpt2(config):
+        python_gelu = config.activation_function == "gelu_new"  # transformers' NewGELUActivation: eager ops
+        return ModelConfig(**common, ffn_hidden=config.n_inner or 4 * config.hidden_size,
+                           activation="gelu_python" if python_gelu else "gelu")  # fmt: skip
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if head_dim * config.num_attention_heads != config.hidden_size:
+        raise UserInputError(f"{directory}: head_dim {head_dim} x {config.num_attention_heads} heads is not the hidden size")
+    if getattr(config, "attention_bias", False) != getattr(config, "mlp_bias", False):
+        raise UserInputError(f"{directory}: attention_bias and mlp_bias differ, which derived profiles do not model")
+    return ModelConfig(**common, kv_heads=config.num_key_value_heads, ffn_hidden=config.intermediate_size,
+                       activation="swiglu", norm="rms", linear_bias=bool(getattr(config, "attention_bias", False)),
+                       rotary=True)  # fmt: skip
+
+
 def hf_layer_names(model: ModelLayers) -> list[dict[str, str]]:
     """Per layer of an `hf:` model: its parameters' local names -> Hugging Face names (a tied head
     holds none of its own). Built on the meta device: nothing is allocated or read."""

@@ -152,6 +152,13 @@ def from_config(config: ModelConfig, *, allow_shape_only: bool = False) -> Model
             hint=f"derive its profile instead: pipectl profile {config.name} --derive --device a100-80gb; "
             f"or measure one instance of each distinct layer: pipectl profile {config.name} --once",
         )
+    if not config.builtin_block and config.family is not ModelFamily.MLP:
+        raise UserInputError(
+            f"model '{config.name}' has a block pipectl's own layers do not build (GPT-2's only): "
+            f"kv_heads, ffn_hidden, activation, norm, linear_bias or rotary differ",
+            hint=f"derive its profile (pipectl profile {config.name} --derive --device a100-80gb), "
+            "or run the model from its Hugging Face directory (hf:PATH)",
+        )
     check_fits_host(config)
     layers = mlp_layers(config) if config.family is ModelFamily.MLP else transformer_layers(config)
     return replace(layers, shape_only=config.shape_only)

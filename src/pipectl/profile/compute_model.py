@@ -181,6 +181,13 @@ class BlockShape:
     ffn_multiplier: int = 4
     causal: bool = True
     attention: Attention = Attention.FLASH
+    # A Hugging Face decoder's block (`ModelConfig`'s fields of the same names; defaults: GPT-2's):
+    kv_heads: int | None = None  # grouped-query attention: separate q, k, v projections
+    ffn_hidden: int | None = None  # the MLP's inner width (default ffn_multiplier x hidden)
+    activation: str = "gelu"  # gelu (fused), gelu_python (eager tanh GELU), swiglu
+    rms_norm: bool = False  # transformers' eager RMSNorm (fp32 upcast) instead of LayerNorm
+    bias: bool = True
+    rotary: bool = False  # rotary embeddings applied to q and k in eager element-wise ops
 
     @property
     def tokens(self) -> int:
@@ -199,17 +206,40 @@ class BlockShape:
     def head_dim(self) -> int:
         return self.hidden // self.heads
 
+    @property
+    def local_kv(self) -> int:
+        """The width of k (and of v) on one rank: kv_heads x head_dim / t."""
+        if self.kv_heads is None:
+            return self.local_hidden
+        return -(-self.kv_heads * self.head_dim // self.tensor_parallel)
+
+    @property
+    def local_ffn(self) -> int:
+        """The MLP's inner width on one rank."""
+        return -(-(self.ffn_hidden or self.ffn_multiplier * self.hidden) // self.tensor_parallel)
+
+    @property
+    def qkv_width(self) -> int:
+        return self.local_hidden + 2 * self.local_kv
+
     def parameter_tensors(self) -> list[int]:
-        """Element counts of the shard's 12 parameter tensors (weights and biases, LayerNorms whole)."""
-        h, hl, f = self.hidden, self.local_hidden, self.ffn_multiplier
-        return [
-            h, h,  # ln_attn weight, bias
-            3 * hl * h, 3 * hl,  # qkv
-            hl * h, h,  # proj (its bias is whole: added once after the all-reduce)
-            h, h,  # ln_mlp
-            f * hl * h, f * hl,  # fc_in
-            f * hl * h, h,  # fc_out
-        ]
+        """Element counts of the shard's parameter tensors (weights and biases, norms whole).
+
+        GPT-2 (the defaults): 12 tensors, one fused QKV; with kv_heads q, k and v apart; swiglu has
+        gate, up and down; RMSNorm only a weight; without `bias` no linear biases.
+        """
+        h, hl, kvl, il, bias = self.hidden, self.local_hidden, self.local_kv, self.local_ffn, self.bias
+        norm = [h] if self.rms_norm else [h, h]
+        if self.kv_heads is None:
+            attention = [self.qkv_width * h] + ([self.qkv_width] if bias else [])
+        else:
+            attention = [hl * h, kvl * h, kvl * h] + ([hl, kvl, kvl] if bias else [])
+        attention += [hl * h] + ([h] if bias else [])  # proj (its bias whole: added once after the all-reduce)
+        if self.activation == "swiglu":
+            mlp = [il * h, il * h, il * h] + ([il, il, h] if bias else [])
+        else:
+            mlp = [il * h, il * h] + ([il, h] if bias else [])
+        return [*norm, *attention, *norm, *mlp]
 
 
 def _attention_blocks(shape: BlockShape) -> tuple[float, int]:
@@ -228,7 +258,7 @@ def flash_attention_kernel(name: str, shape: BlockShape, flops: float, device: C
     pairs, longest = _attention_blocks(shape)
     pair_seconds = flops / pairs / (device.peak_flops_per_second * device.attention_efficiency / device.multiprocessors)
     seconds = max(pairs / device.multiprocessors, longest) * pair_seconds
-    q_k_v_out = 4 * shape.tokens * shape.local_hidden * device.bytes_per_element
+    q_k_v_out = (2 * shape.local_hidden + 2 * shape.local_kv) * shape.tokens * device.bytes_per_element
     return Kernel(name, flops, q_k_v_out, max(seconds, q_k_v_out / device.memory_bytes_per_second))
 
 
@@ -282,50 +312,170 @@ def _batched_gemm(name: str, batch: int, m: int, n: int, k: int, device: Compute
     return Kernel(name, flops, bytes_moved, max(compute, bytes_moved / device.memory_bytes_per_second))
 
 
+# transformers' eager RMSNorm: x.float(), pow(2), mean, x * rsqrt(var + eps), .to(dtype), weight *:
+# bytes per element of the input, in order (e the 16-bit element size).
+def rms_norm_forward_kernels(tokens: int, hidden: int, device: ComputeDevice) -> list[Kernel]:
+    e, n = device.bytes_per_element, tokens * hidden
+    return [
+        memory_kernel("rms norm: to fp32", n * (e + FP32_BYTES), device),
+        memory_kernel("rms norm: square", 2 * n * FP32_BYTES, device),
+        memory_kernel("rms norm: mean", n * FP32_BYTES, device),
+        memory_kernel("rms norm: scale", 2 * n * FP32_BYTES, device),
+        memory_kernel("rms norm: to dtype", n * (FP32_BYTES + e), device),
+        memory_kernel("rms norm: weight", 2 * n * e, device),
+    ]
+
+
+def rms_norm_backward_kernels(tokens: int, hidden: int, device: ComputeDevice) -> list[Kernel]:
+    """Autograd through the same ops: about twice the forward's bytes."""
+    e, n = device.bytes_per_element, tokens * hidden
+    return [
+        memory_kernel("rms norm backward: weight", 3 * n * e, device),
+        memory_kernel("rms norm weight gradient", 2 * n * e, device),
+        memory_kernel("rms norm backward: to fp32", n * (e + FP32_BYTES), device),
+        memory_kernel("rms norm backward: scale", 3 * n * FP32_BYTES, device),
+        memory_kernel("rms norm backward: rsqrt gradient", 2 * n * FP32_BYTES, device),
+        memory_kernel("rms norm backward: square", 3 * n * FP32_BYTES, device),
+        memory_kernel("rms norm backward: sum", 3 * n * FP32_BYTES, device),
+        memory_kernel("rms norm backward: to dtype", n * (FP32_BYTES + e), device),
+    ]
+
+
+def _norm_forward(shape: BlockShape, device: ComputeDevice) -> list[Kernel]:
+    if shape.rms_norm:
+        return rms_norm_forward_kernels(shape.tokens, shape.hidden, device)
+    return [memory_kernel("layer norm", 2 * shape.tokens * shape.hidden * device.bytes_per_element, device)]
+
+
+def _norm_backward(shape: BlockShape, device: ComputeDevice) -> list[Kernel]:
+    if shape.rms_norm:
+        return rms_norm_backward_kernels(shape.tokens, shape.hidden, device)
+    e, T, h = device.bytes_per_element, shape.tokens, shape.hidden
+    return [
+        memory_kernel("layer norm backward", 3 * T * h * e, device),
+        memory_kernel("layer norm weight gradient", 2 * T * h * e, device),
+    ]
+
+
+# Rotary embeddings as transformers applies them to q and to k: rotate_half (a copy), x * cos,
+# rotate_half(x) * sin, their sum: 11 element passes of each.
+ROTARY_PASSES = 11
+# GPT-2's tanh GELU as eager ops (transformers' NewGELUActivation): pow, two scalings, add, tanh,
+# add, two products: 17 element passes forward, about twice that backward.
+GELU_PYTHON_PASSES = 17
+
+
+def _qkv_forward(shape: BlockShape, device: ComputeDevice) -> list[Kernel]:
+    T, h, hl, kvl = shape.tokens, shape.hidden, shape.local_hidden, shape.local_kv
+    if shape.kv_heads is None:
+        kernels = [gemm_kernel("qkv", T, shape.qkv_width, h, device)]
+    else:
+        kernels = [gemm_kernel("q", T, hl, h, device), gemm_kernel("k", T, kvl, h, device), gemm_kernel("v", T, kvl, h, device)]
+    if shape.rotary:
+        kernels.append(memory_kernel("rotary q, k", ROTARY_PASSES * T * (hl + kvl) * device.bytes_per_element, device))
+    return kernels
+
+
+def _qkv_backward(shape: BlockShape, device: ComputeDevice) -> list[Kernel]:
+    e, T, h, hl, kvl = device.bytes_per_element, shape.tokens, shape.hidden, shape.local_hidden, shape.local_kv
+    kernels = []
+    if shape.rotary:
+        kernels.append(memory_kernel("rotary q, k backward", ROTARY_PASSES * T * (hl + kvl) * e, device))
+    if shape.kv_heads is None:
+        # q, k and v are views of one tensor: their gradients are concatenated into one.
+        kernels += [memory_kernel("qkv split backward", 2 * T * shape.qkv_width * e, device)]
+        kernels += _linear_backward("qkv", T, h, shape.qkv_width, device, shape.bias)
+    else:
+        for name, width in (("q", hl), ("k", kvl), ("v", kvl)):
+            kernels += _linear_backward(name, T, h, width, device, shape.bias)
+        kernels += [memory_kernel("q, k, v input gradient sum", 2 * 3 * T * h * e, device)]
+    return kernels
+
+
+def _mlp_forward(shape: BlockShape, device: ComputeDevice) -> list[Kernel]:
+    e, T, h, il = device.bytes_per_element, shape.tokens, shape.hidden, shape.local_ffn
+    if shape.activation == "swiglu":
+        return [
+            gemm_kernel("gate", T, il, h, device),
+            gemm_kernel("up", T, il, h, device),
+            memory_kernel("silu", 2 * T * il * e, device),
+            memory_kernel("silu x up", 3 * T * il * e, device),
+            gemm_kernel("down", T, h, il, device),
+        ]
+    passes = GELU_PYTHON_PASSES if shape.activation == "gelu_python" else 2
+    return [
+        gemm_kernel("fc1", T, il, h, device),
+        memory_kernel("gelu", passes * T * il * e, device),
+        gemm_kernel("fc2", T, h, il, device),
+    ]
+
+
+def _mlp_backward(shape: BlockShape, device: ComputeDevice) -> list[Kernel]:
+    e, T, h, il = device.bytes_per_element, shape.tokens, shape.hidden, shape.local_ffn
+    if shape.activation == "swiglu":
+        return [
+            *_linear_backward("down", T, il, h, device, shape.bias),
+            memory_kernel("silu x up backward", 2 * 3 * T * il * e, device),
+            memory_kernel("silu backward", 3 * T * il * e, device),
+            *_linear_backward("up", T, h, il, device, shape.bias),
+            *_linear_backward("gate", T, h, il, device, shape.bias),
+            memory_kernel("gate, up input gradient sum", 3 * T * h * e, device),
+        ]
+    passes = 2 * GELU_PYTHON_PASSES if shape.activation == "gelu_python" else 3
+    return [
+        *_linear_backward("fc2", T, il, h, device, shape.bias),
+        memory_kernel("gelu backward", passes * T * il * e, device),
+        *_linear_backward("fc1", T, h, il, device, shape.bias),
+    ]
+
+
 def block_forward_kernels(shape: BlockShape, device: ComputeDevice) -> list[Kernel]:
     """The kernels of one block shard's forward, in the order eager PyTorch issues them.
 
-    LN, QKV (bias in the GEMM's epilogue), attention, proj, residual add, LN, fc1, GELU, fc2,
-    residual add. Element-wise bytes: a LayerNorm reads and writes b s h, an add reads two and writes
-    one, GELU reads and writes b s fh/t.
+    Norm, QKV (bias in the GEMM's epilogue; three GEMMs and rotary embeddings for a Llama block),
+    attention, proj, residual add, norm, the MLP (fc1, GELU, fc2; or gate, up, SiLU x up, down),
+    residual add. Element-wise bytes: a LayerNorm reads and writes b s h, an add reads two and
+    writes one, fused GELU reads and writes b s fh/t.
     """
-    e, T, h, hl, f = device.bytes_per_element, shape.tokens, shape.hidden, shape.local_hidden, shape.ffn_multiplier
+    e, T, h, hl = device.bytes_per_element, shape.tokens, shape.hidden, shape.local_hidden
     if shape.attention is Attention.FLASH:
         attention = [flash_attention_kernel("flash attention", shape, attention_flops(shape), device)]
     else:
         attention = _unfused_attention_forward(shape, device)
     return [
-        memory_kernel("layer norm", 2 * T * h * e, device),
-        gemm_kernel("qkv", T, 3 * hl, h, device),
+        *_norm_forward(shape, device),
+        *_qkv_forward(shape, device),
         *attention,
         gemm_kernel("proj", T, h, hl, device),
         memory_kernel("residual add", 3 * T * h * e, device),
-        memory_kernel("layer norm", 2 * T * h * e, device),
-        gemm_kernel("fc1", T, f * hl, h, device),
-        memory_kernel("gelu", 2 * T * f * hl * e, device),
-        gemm_kernel("fc2", T, h, f * hl, device),
+        *_norm_forward(shape, device),
+        *_mlp_forward(shape, device),
         memory_kernel("residual add", 3 * T * h * e, device),
     ]
 
 
-def _linear_backward(name: str, tokens: int, inputs: int, outputs: int, device: ComputeDevice) -> list[Kernel]:
+def _linear_backward(
+    name: str, tokens: int, inputs: int, outputs: int, device: ComputeDevice, bias: bool = True
+) -> list[Kernel]:
     """Input gradient (T x in = dY[T x out] W), weight gradient (out x in = dY^T X, k = T), bias
     gradient (a column sum of dY): 2 x the forward's FLOPs (Narayanan et al. 2021, §3.3)."""
     e = device.bytes_per_element
-    return [
+    kernels = [
         gemm_kernel(f"{name} input gradient", tokens, inputs, outputs, device),
         gemm_kernel(f"{name} weight gradient", outputs, inputs, tokens, device),
-        memory_kernel(f"{name} bias gradient", tokens * outputs * e, device),
     ]
+    if bias:
+        kernels.append(memory_kernel(f"{name} bias gradient", tokens * outputs * e, device))
+    return kernels
 
 
 def block_backward_kernels(shape: BlockShape, device: ComputeDevice, accumulate_gradients: bool = True) -> list[Kernel]:
     """The kernels of one block shard's backward, in autograd's order.
 
     With `accumulate_gradients` (every micro-batch of a step but the first, and a profiler's repeated
-    runs) each of the 12 parameters' gradients is added into its `.grad`: read both, write one.
+    runs) each parameter's gradient is added into its `.grad`: read both, write one.
     """
-    e, T, h, hl, f = device.bytes_per_element, shape.tokens, shape.hidden, shape.local_hidden, shape.ffn_multiplier
+    e, T, h, hl = device.bytes_per_element, shape.tokens, shape.hidden, shape.local_hidden
     if shape.attention is Attention.FLASH:
         flops = FLASH_BACKWARD_PER_FORWARD * attention_flops(shape)
         attention = [
@@ -337,19 +487,13 @@ def block_backward_kernels(shape: BlockShape, device: ComputeDevice, accumulate_
     else:
         attention = _unfused_attention_backward(shape, device)
     kernels = [
-        *_linear_backward("fc2", T, f * hl, h, device),
-        memory_kernel("gelu backward", 3 * T * f * hl * e, device),
-        *_linear_backward("fc1", T, h, f * hl, device),
-        memory_kernel("layer norm backward", 3 * T * h * e, device),
-        memory_kernel("layer norm weight gradient", 2 * T * h * e, device),
+        *_mlp_backward(shape, device),
+        *_norm_backward(shape, device),
         memory_kernel("residual gradient add", 3 * T * h * e, device),
-        *_linear_backward("proj", T, hl, h, device),
+        *_linear_backward("proj", T, hl, h, device, shape.bias),
         *attention,
-        # q, k and v are views of one tensor: their gradients are concatenated into one.
-        memory_kernel("qkv split backward", 2 * T * 3 * hl * e, device),
-        *_linear_backward("qkv", T, h, 3 * hl, device),
-        memory_kernel("layer norm backward", 3 * T * h * e, device),
-        memory_kernel("layer norm weight gradient", 2 * T * h * e, device),
+        *_qkv_backward(shape, device),
+        *_norm_backward(shape, device),
         memory_kernel("residual gradient add", 3 * T * h * e, device),
     ]
     if accumulate_gradients:
@@ -371,16 +515,25 @@ def block_saved_bytes(shape: BlockShape, bytes_per_element: int) -> int:
     plus fp32 per token: the two LayerNorms' mean and reciprocal std., flash's log-sum-exp per local
     head. Unfused attention keeps the softmax output (b x heads/t x s x s) and a copy of the context
     for proj instead of the log-sum-exp (Korthikanti et al. 2022, §4.2, without dropout).
+
+    A Llama block keeps instead: per RMSNorm its fp32 input copy and its 16-bit output (and an fp32
+    reciprocal root per token); attention's inputs, q and k after the rotary embeddings and v
+    (h/t + 2 kv/t, the same count as the fused QKV output); the SwiGLU MLP's gate output, SiLU
+    output, up output and their product (4 f h/t). GPT-2's eager tanh GELU keeps its input, the tanh,
+    and the two factors of its last product besides fc2's input (5 f h/t with fc1's output).
     """
-    e, T, h, hl, f = bytes_per_element, shape.tokens, shape.hidden, shape.local_hidden, shape.ffn_multiplier
-    whole = 4 * T * h
-    split = (3 + 1 + 2 * f) * T * hl
-    stats = 2 * 2 * T * FP32_BYTES
+    e, T, h, hl, il = bytes_per_element, shape.tokens, shape.hidden, shape.local_hidden, shape.local_ffn
+    if shape.rms_norm:
+        norms = 2 * (T * h * (FP32_BYTES + e) + T * FP32_BYTES)
+    else:
+        norms = 4 * T * h * e + 2 * 2 * T * FP32_BYTES
+    mlp = {"swiglu": 4, "gelu_python": 5}.get(shape.activation, 2) * T * il
+    split = (shape.qkv_width + hl) * T + mlp
     if shape.attention is Attention.FLASH:
         extra = T * shape.local_heads * FP32_BYTES  # log-sum-exp
     else:
         extra = (_scores_elements(shape) + T * hl) * e
-    return (whole + split) * e + stats + extra
+    return norms + split * e + extra
 
 
 def block_working_bytes(shape: BlockShape, bytes_per_element: int) -> int:
@@ -390,8 +543,8 @@ def block_working_bytes(shape: BlockShape, bytes_per_element: int) -> int:
     and the gradients of GELU's output and input (2 b s fh/t). Unfused attention's backward holds
     two b x heads/t x s x s gradients (of the probabilities and of the scores) instead, if larger.
     """
-    e, T, h, hl, f = bytes_per_element, shape.tokens, shape.hidden, shape.local_hidden, shape.ffn_multiplier
-    mlp = (2 * T * h + 2 * T * f * hl) * e
+    e, T, h, il = bytes_per_element, shape.tokens, shape.hidden, shape.local_ffn
+    mlp = (2 * T * h + (3 if shape.activation == "swiglu" else 2) * T * il) * e
     if shape.attention is Attention.UNFUSED:
         return max(mlp, (2 * T * h + 2 * _scores_elements(shape)) * e)
     return mlp

@@ -74,6 +74,8 @@ from pipectl.profile.compute_model import (
     BlockShape,
     ComputeDevice,
     Kernel,
+    rms_norm_backward_kernels,
+    rms_norm_forward_kernels,
     block_backward_kernels,
     block_forward_kernels,
     block_saved_bytes,
@@ -129,23 +131,6 @@ def _check_dtype(dtype: str) -> int:
     return DTYPE_BYTES[dtype]
 
 
-def transformer_block_parameters(hidden: int, ffn_multiplier: int = 4) -> int:
-    """Attention 4h^2 + 4h, MLP 2fh^2 + fh + h, two LayerNorms 4h: 12h^2 + 13h when f = 4 (SPEC §3)."""
-    h, f = hidden, ffn_multiplier
-    return (4 + 2 * f) * h * h + (9 + f) * h
-
-
-def transformer_block_forward_flops(micro_batch_size: int, seq_len: int, hidden: int, ffn_multiplier: int = 4) -> float:
-    """Matrix-multiply FLOPs of one block's forward: 24 b s h^2 + 4 b s^2 h when f = 4.
-
-    Narayanan et al. 2021, Appendix: QKV 6bsh^2, scores 2bs^2h, attention over values 2bs^2h,
-    projection 2bsh^2, MLP 2 x 2bs(fh)h = 16bsh^2 at f = 4. Element-wise work is left out; the
-    catalog's efficiency absorbs it.
-    """
-    b, s, h, f = micro_batch_size, seq_len, hidden, ffn_multiplier
-    return (8 + 4 * f) * b * s * h * h + 4 * b * s * s * h
-
-
 def gpt_parameters_closed_form(layers: int, hidden: int, vocab: int, seq_len: int) -> float:
     """SPEC §3: P = 12 l h^2 (1 + 13/(12h) + (V+s)/(12 l h)) (Narayanan et al. 2021, §5.1)."""
     l, h = layers, hidden
@@ -157,7 +142,33 @@ def _accumulate(name: str, elements: int, device: ComputeDevice) -> Kernel:
     return memory_kernel(f"{name} gradient accumulation", 3 * elements * device.bytes_per_element, device)
 
 
-def _embedding_work(vocab: int, hidden: int, seq_len: int, b: int, device: ComputeDevice) -> _Work:
+def _block_shape(config: ModelConfig, attention: Attention, b: int, t: int = 1) -> BlockShape:
+    """The config's block (GPT-2's, or a Hugging Face decoder's) at micro-batch b on t ranks."""
+    return BlockShape(
+        config.hidden, config.heads, config.seq_len, b, t, ffn_multiplier=config.ffn_multiplier,
+        causal=config.family is ModelFamily.GPT, attention=attention, kv_heads=config.kv_heads,
+        ffn_hidden=config.ffn_hidden, activation=config.activation, rms_norm=config.norm == "rms",
+        bias=config.linear_bias, rotary=config.rotary,
+    )  # fmt: skip
+
+
+def block_matmul_flops(config: ModelConfig, micro_batch_size: int = 1) -> float:
+    """Matrix-multiply FLOPs of one block's forward in Narayanan et al.'s convention (2021,
+    Appendix): 2 b s per weight of the block's matrices, plus 4 b s^2 h for attention (QK^T and
+    attention over values, full even when causal). GPT-2's block: QKV 6bsh^2, projection 2bsh^2,
+    MLP 16bsh^2 at f = 4, so 24 b s h^2 + 4 b s^2 h. Element-wise work is left out.
+
+        >>> gpt = ModelConfig(name="x", family="gpt", layers=1, hidden=64, heads=4, seq_len=32)
+        >>> block_matmul_flops(gpt) == 24 * 32 * 64**2 + 4 * 32**2 * 64
+        True
+    """
+    h, s, b = config.hidden, config.seq_len, micro_batch_size
+    kv = (config.kv_heads or config.heads) * (h // config.heads)
+    matrices = 2 * h * h + 2 * h * kv + (3 if config.activation == "swiglu" else 2) * h * config.mlp_width
+    return 2 * b * s * matrices + 4 * b * s * s * h
+
+
+def _embedding_work(vocab: int, hidden: int, seq_len: int, b: int, device: ComputeDevice, positions: bool = True) -> _Work:
     """Token gather + position add forward; backward builds the dense V x h table gradient.
 
     PyTorch's dense embedding backward zeroes a V x h gradient, sorts the token ids and adds each
@@ -166,18 +177,17 @@ def _embedding_work(vocab: int, hidden: int, seq_len: int, b: int, device: Compu
     about 4 V h element bytes, independent of b, which dwarf the b s h gather for any real vocabulary.
     """
     e, T, h, V = device.bytes_per_element, b * seq_len, hidden, vocab
-    forward = [
-        memory_kernel("token gather", 2 * T * h * e + T * TOKEN_ID_BYTES, device),
-        memory_kernel("position add", 3 * T * h * e, device),
-    ]
+    forward = [memory_kernel("token gather", 2 * T * h * e + T * TOKEN_ID_BYTES, device)]
+    if positions:
+        forward.append(memory_kernel("position add", 3 * T * h * e, device))
     backward = [
-        memory_kernel("position gradient (sum over the batch)", T * h * e + seq_len * h * e, device),
+        *([memory_kernel("position gradient (sum over the batch)", T * h * e + seq_len * h * e, device)] if positions else []),
         memory_kernel("zero the table gradient", V * h * e, device),
         memory_kernel("sort token ids", 4 * T * TOKEN_ID_BYTES, device),
         memory_kernel("segment offsets", 2 * T * TOKEN_ID_BYTES, device),
         memory_kernel("scatter-add rows", 3 * T * h * e, device),
         _accumulate("token table", V * h, device),
-        _accumulate("positions", seq_len * h, device),
+        *([_accumulate("positions", seq_len * h, device)] if positions else []),
     ]
     # Transient: the output's gradient (b s h), the fresh V x h gradient before it is added into
     # `.grad`, the sort's id buffers.
@@ -197,8 +207,15 @@ def _block_work(shape: BlockShape, device: ComputeDevice) -> _Work:
     )
 
 
-def _final_norm_work(hidden: int, seq_len: int, b: int, device: ComputeDevice) -> _Work:
+def _final_norm_work(hidden: int, seq_len: int, b: int, device: ComputeDevice, rms: bool = False) -> _Work:
     e, T, h = device.bytes_per_element, b * seq_len, hidden
+    if rms:  # transformers' eager RMSNorm, as in the blocks (compute_model)
+        return _Work(
+            forward=rms_norm_forward_kernels(T, h, device),
+            backward=[*rms_norm_backward_kernels(T, h, device), _accumulate("weight", h, device)],
+            saved_bytes=T * h * (FP32_BYTES + e) + T * FP32_BYTES,
+            working_bytes=2 * T * h * FP32_BYTES,
+        )
     return _Work(
         forward=[memory_kernel("layer norm", 2 * T * h * e, device)],
         backward=[
@@ -259,34 +276,34 @@ def _block_shards(
     config: ModelConfig, attention: Attention, degrees: Sequence[int]
 ) -> dict[int, tuple[int, Callable[[int, ComputeDevice], _Work]]]:
     """One rank's shard of a block for each t in `degrees` that divides the heads (and the hidden size)."""
-    h, s, a, f = config.hidden, config.seq_len, config.heads, config.ffn_multiplier
-    causal = config.family is ModelFamily.GPT
+    h, a = config.hidden, config.heads
     shards: dict[int, tuple[int, Callable[[int, ComputeDevice], _Work]]] = {}
     for t in degrees:
-        if a % t or h % t:
+        if a % t or h % t or (config.kv_heads or a) % t:
             continue
-        shape_at = lambda b, t=t: BlockShape(h, a, s, b, t, ffn_multiplier=f, causal=causal, attention=attention)
+        shape_at = lambda b, t=t: _block_shape(config, attention, b, t)
         shards[t] = (sum(shape_at(1).parameter_tensors()), lambda b, d, shape_at=shape_at: _block_work(shape_at(b), d))
     return shards
 
 
 def _transformer_shapes(config: ModelConfig, attention: Attention) -> list[_LayerShape]:
-    h, s, V, a, f = config.hidden, config.seq_len, config.vocab, config.heads, config.ffn_multiplier
-    causal = config.family is ModelFamily.GPT
+    h, s, V = config.hidden, config.seq_len, config.vocab
+    positions = not config.rotary
+    rms = config.norm == "rms"
     tied_group = "embed" if config.tied_embeddings else None
     shapes = [
         _LayerShape(
             name="embed",
             kind="embedding",
-            parameter_count=V * h + s * h,  # token table + learned positions
+            parameter_count=V * h + (s * h if positions else 0),  # token table + learned positions
             shared_group=tied_group,
             shared_parameter_count=V * h if config.tied_embeddings else 0,
-            forward_flops_per_sample=s * h,  # the position add
+            forward_flops_per_sample=s * h if positions else 0,  # the position add
             output_elements_per_sample=s * h,
-            work=lambda b, d: _embedding_work(V, h, s, b, d),
+            work=lambda b, d: _embedding_work(V, h, s, b, d, positions),
         )
     ]
-    block_params = transformer_block_parameters(h, f)
+    block_params = config.block_parameters()
     for i in range(config.layers):
         shapes.append(
             _LayerShape(
@@ -295,23 +312,21 @@ def _transformer_shapes(config: ModelConfig, attention: Attention) -> list[_Laye
                 parameter_count=block_params,
                 shared_group=None,
                 shared_parameter_count=0,
-                forward_flops_per_sample=transformer_block_forward_flops(1, s, h, f),
+                forward_flops_per_sample=block_matmul_flops(config),
                 output_elements_per_sample=s * h,
-                work=lambda b, d: _block_work(
-                    BlockShape(h, a, s, b, ffn_multiplier=f, causal=causal, attention=attention), d
-                ),
+                work=lambda b, d: _block_work(_block_shape(config, attention, b), d),
             )
         )
     shapes.append(
         _LayerShape(
             name="final_norm",
             kind="layer_norm",
-            parameter_count=2 * h,
+            parameter_count=h if rms else 2 * h,
             shared_group=None,
             shared_parameter_count=0,
-            forward_flops_per_sample=8 * s * h,  # mean, variance, normalise, scale, shift
+            forward_flops_per_sample=(4 if rms else 8) * s * h,  # (mean,) variance, normalise, scale(, shift)
             output_elements_per_sample=s * h,
-            work=lambda b, d: _final_norm_work(h, s, b, d),
+            work=lambda b, d: _final_norm_work(h, s, b, d, rms),
         )
     )
     shapes.append(

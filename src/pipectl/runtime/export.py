@@ -17,7 +17,9 @@ import os
 import shutil
 from pathlib import Path
 
+from pipectl.artifacts.run import JOB_FILE, JobSpec
 from pipectl.errors import CheckpointError, UserInputError
+from pipectl.io import load_model
 from pipectl.paths import HF_CONFIG_FILE, HF_PREFIX, hf_model_dir
 
 # What a Hugging Face directory holds besides config and weights, copied when present.
@@ -66,11 +68,12 @@ def export_hf(run_dir: str | os.PathLike[str], output: str | os.PathLike[str], s
     directory; returns (output, step). `output` must not exist."""
     from safetensors.torch import save_file
 
-    from pipectl.launch.rundir import read_run
     from pipectl.runtime.checkpoint import list_checkpoints
 
-    run = read_run(run_dir)
-    reference = run.job.model
+    job_file = Path(run_dir) / JOB_FILE
+    if not job_file.is_file():
+        raise UserInputError(f"no run directory at {run_dir} (it holds no {JOB_FILE})")
+    reference = load_model(JobSpec, job_file).model
     if not reference.startswith(HF_PREFIX):
         raise UserInputError(
             f"run {run_dir} trains {reference}, not a Hugging Face model: export writes Hugging Face directories",
