@@ -269,3 +269,67 @@ def test_a_derived_profile_of_a_hugging_face_directory_plans_and_launches_for_a_
         result = runner.invoke(app, args, env={"COLUMNS": "200"})
         assert result.exit_code == 0, (args, result.output)
     assert f'"model": "hf:{tmp_path / "llama"}"' in result.output  # job.json: the absolute directory
+
+
+# --------------------------------------------------------------------------- tensor parallelism
+
+
+@pytest.mark.parametrize("model_class, config", [(GPT2LMHeadModel, gpt2_config()), (LlamaForCausalLM, llama_config(tied=False))],
+                         ids=["gpt2", "llama"])  # fmt: skip
+def test_a_split_decoder_layer_holds_its_ranks_slices_under_the_same_names(tmp_path, model_class, config):
+    from pipectl.models.tensor_parallel import TensorParallelGroup, shard_model
+
+    saved(model_class, config, tmp_path)
+    model = build_model(f"hf:{tmp_path}")
+    full = model.layers[1].build().state_dict()
+    halves = [shard_model(model, TensorParallelGroup.without_communication(2, r)).layers[1].build() for r in range(2)]
+    states = [half.state_dict() for half in halves]
+    assert list(states[0]) == list(full)  # names unchanged: checkpoints and export map them as before
+    if model_class is GPT2LMHeadModel:  # Conv1D (in, out): c_attn's columns are [q_r; k_r; v_r]
+        q = torch.cat([s["layer.attn.c_attn.weight"][:, :32] for s in states], dim=1)
+        assert torch.equal(q, full["layer.attn.c_attn.weight"][:, :64])
+        assert torch.equal(torch.cat([s["layer.attn.c_proj.weight"] for s in states]), full["layer.attn.c_proj.weight"])
+    else:
+        for name, dim in (("self_attn.k_proj", 0), ("mlp.up_proj", 0), ("self_attn.o_proj", 1), ("mlp.down_proj", 1)):
+            joined = torch.cat([s[f"layer.{name}.weight"] for s in states], dim=dim)
+            assert torch.equal(joined, full[f"layer.{name}.weight"]), name
+    split = dict(halves[0].named_parameters())
+    assert getattr(split["layer.mlp." + ("c_fc" if model_class is GPT2LMHeadModel else "gate_proj") + ".weight"],
+                   "tensor_model_parallel", False)  # fmt: skip
+
+
+def test_a_split_needs_divisible_heads_and_no_dropout(tmp_path):
+    from pipectl.models.tensor_parallel import TensorParallelGroup, shard_model
+
+    (tmp_path / "llama").mkdir()
+    (tmp_path / "llama" / "config.json").write_text(llama_config(tied=False).to_json_string())  # 4 heads, 2 kv heads
+    with pytest.raises(UserInputError, match=r"the key/value heads \(2\) do not divide by tensor-parallel degree 4"):
+        shard_model(build_model(f"hf:{tmp_path / 'llama'}"), TensorParallelGroup.without_communication(4)).layers[1].build()
+    (tmp_path / "gpt2").mkdir()
+    (tmp_path / "gpt2" / "config.json").write_text(GPT2Config(n_embd=64, n_layer=1, n_head=4, n_positions=SEQ, vocab_size=VOCAB,
+                                                              **TOKENS).to_json_string())  # fmt: skip
+    with pytest.raises(UserInputError, match="needs dropout 0") as caught:
+        shard_model(build_model(f"hf:{tmp_path / 'gpt2'}"), TensorParallelGroup.without_communication(2)).layers[1].build()
+    assert "config.json" in caught.value.hint
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("model_class, config", [(GPT2LMHeadModel, gpt2_config()), (LlamaForCausalLM, llama_config(tied=False))],
+                         ids=["gpt2", "llama"])  # fmt: skip
+def test_two_tensor_ranks_give_the_one_rank_losses(tmp_path, model_class, config):
+    from pipectl.artifacts.layout import Layout
+    from pipectl.runtime.worker import TrainingJob, spawn_ranks
+    from builders import training_config
+
+    saved(model_class, config, tmp_path)
+    layers = len(build_model(f"hf:{tmp_path}").layers)
+
+    def losses(layout):
+        job = TrainingJob(f"hf:{tmp_path}", layout, training_config(layout), steps=6, seed=1)
+        return {rank: outcome.losses for rank, outcome in spawn_ranks(job, timeout_seconds=180).items()}
+
+    reference = losses(Layout(1, 1, 2, 4, ((0, layers),)))[0]
+    split = losses(Layout(1, 1, 2, 4, ((0, layers),), tensor_parallel=2))
+    assert reference[-1] < reference[0]
+    for rank, got in split.items():
+        assert got == pytest.approx(reference, rel=1e-4), rank

@@ -207,7 +207,12 @@ class HFEmbedding(HFLayer):
 
 
 class HFDecoderLayer(HFLayer):
-    def __init__(self, directory: str, index: int) -> None:
+    """A decoder layer; with a `tensor_group` of t ranks, Megatron's split of its own modules
+    (`_split`): the t = 1 weights are built (or read) whole, then each rank keeps its slices."""
+
+    splits_over_tensor_group = True  # models.tensor_parallel.shard_model passes the group
+
+    def __init__(self, directory: str, index: int, tensor_group=None) -> None:
         super().__init__()
         config = hf_config(directory)
         modeling = _modeling(config)
@@ -220,6 +225,46 @@ class HFDecoderLayer(HFLayer):
             self.rotary = modeling.LlamaRotaryEmbedding(config=config)
             self.hf_prefix = f"model.layers.{index}."
         self._start(directory, config)
+        if tensor_group is not None and tensor_group.size > 1:
+            self._split(config, tensor_group)
+
+    def _split(self, config, group) -> None:
+        """Column-parallel q, k, v (GPT-2's fused c_attn: [q_r; k_r; v_r]) and the MLP's first
+        matrices, row-parallel output projections with their all-reduce; the all-reduce of the
+        input gradient on each norm's output (f). Parameter names do not change, so checkpoints
+        join and cut the slices for any t (`TensorSplit`). Heads, key/value heads and the MLP
+        width must divide by t; dropout must be 0 (the ranks would draw different masks)."""
+        from pipectl.models.tensor_parallel import ColumnSlice, RowSlice, copy_to_tensor_group
+
+        t = group.size
+        kv_heads = config.num_attention_heads if self.gpt2 else config.num_key_value_heads
+        width = (config.n_inner or 4 * config.hidden_size) if self.gpt2 else config.intermediate_size
+        for what, value in (("attention heads", config.num_attention_heads), ("key/value heads", kv_heads), ("MLP width", width)):
+            if value % t:
+                raise UserInputError(f"the {what} ({value}) do not divide by tensor-parallel degree {t}")
+        dropouts = ("resid_pdrop", "attn_pdrop", "embd_pdrop") if self.gpt2 else ("attention_dropout",)
+        if any(getattr(config, name, 0.0) for name in dropouts):
+            raise UserInputError(
+                f"tensor parallelism of a Hugging Face layer needs dropout 0 ({', '.join(dropouts)} in its config)",
+                hint="set them to 0.0 in config.json, or plan with --tensor-parallel 1",
+            )
+        if self.gpt2:
+            attention, mlp = self.layer.attn, self.layer.mlp
+            attention.c_attn = ColumnSlice(attention.c_attn, group, parts=3)
+            attention.c_proj = RowSlice(attention.c_proj, group)
+            attention.split_size = attention.embed_dim // t
+            mlp.c_fc, mlp.c_proj = ColumnSlice(mlp.c_fc, group), RowSlice(mlp.c_proj, group)
+            norms = (self.layer.ln_1, self.layer.ln_2)
+        else:
+            attention, mlp = self.layer.self_attn, self.layer.mlp
+            for name in ("q_proj", "k_proj", "v_proj"):
+                setattr(attention, name, ColumnSlice(getattr(attention, name), group))
+            attention.o_proj = RowSlice(attention.o_proj, group)
+            mlp.gate_proj, mlp.up_proj = ColumnSlice(mlp.gate_proj, group), ColumnSlice(mlp.up_proj, group)
+            mlp.down_proj = RowSlice(mlp.down_proj, group)
+            norms = (self.layer.input_layernorm, self.layer.post_attention_layernorm)
+        for norm in norms:
+            copy_to_tensor_group(norm, group)
 
     def hf_names(self) -> dict[str, str]:
         return {name: self.hf_prefix + name.removeprefix("layer.") for name in self.state_dict() if name.startswith("layer.")}

@@ -1,4 +1,5 @@
-"""Megatron-style tensor parallelism for the built-in transformer blocks.
+"""Megatron-style tensor parallelism for the built-in transformer blocks (and, through `ColumnSlice`
+and `RowSlice`, for a Hugging Face decoder's own layers: `models.hf`).
 
 Shoeybi et al., "Megatron-LM" (2019), §3, and Narayanan et al., "Efficient Large-Scale Language
 Model Training on GPU Clusters Using Megatron-LM" (PTD-P, 2021), §2.3: inside a transformer block
@@ -276,7 +277,61 @@ def shard_model(model: ModelLayers, tensor_group: TensorParallelGroup) -> ModelL
                 module_cls=TensorParallelBlock,
                 kwargs={**layer.kwargs, "tensor_group": tensor_group},
             )
+        elif splits_itself(layer.module_cls):
+            layer = replace(layer, kwargs={**layer.kwargs, "tensor_group": tensor_group})
         layers.append(layer)
-    if not any(layer.module_cls is TensorParallelBlock for layer in layers):
+    if not any(layer.module_cls is TensorParallelBlock or splits_itself(layer.module_cls) for layer in layers):
         raise UserInputError(f"model {model.name} has no transformer blocks to split over {tensor_group.size} ranks")
     return replace(model, layers=layers)
+
+
+def splits_itself(module_cls: type) -> bool:
+    """A block class that takes a `tensor_group` and keeps its own rank's slices (a Hugging Face
+    decoder layer, `models.hf.HFDecoderLayer`, with `ColumnSlice` and `RowSlice`)."""
+    return bool(getattr(module_cls, "splits_over_tensor_group", False))
+
+class ColumnSlice(nn.Module):
+    """This rank's output columns of a linear map (`nn.Linear`, or transformers' `Conv1D`, which
+    stores its weight transposed): the input is whole, the output this rank's part. Parameters keep
+    the original's names (`weight`, `bias`) and carry their `TensorSplit`."""
+
+    def __init__(self, module: nn.Module, tensor_group: TensorParallelGroup, parts: int = 1) -> None:
+        super().__init__()
+        t, rank = tensor_group.size, tensor_group.rank
+        self.transposed = not isinstance(module, nn.Linear)  # Conv1D: weight (in, out)
+        dim = 1 if self.transposed else 0
+        split = TensorSplit(dim=dim, parts=parts)
+        self.weight = _sharded(split.cut(module.weight.detach(), t, rank), split)
+        bias_split = TensorSplit(dim=0, parts=parts)
+        self.bias = None if module.bias is None else _sharded(bias_split.cut(module.bias.detach(), t, rank), bias_split)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight.t() if self.transposed else self.weight
+        return F.linear(x, weight, self.bias)
+
+
+class RowSlice(nn.Module):
+    """This rank's input rows of a linear map: its partial output is all-reduced over the group
+    (g), then the whole bias added once."""
+
+    def __init__(self, module: nn.Module, tensor_group: TensorParallelGroup) -> None:
+        super().__init__()
+        t, rank = tensor_group.size, tensor_group.rank
+        self.transposed = not isinstance(module, nn.Linear)
+        split = TensorSplit(dim=0 if self.transposed else 1)
+        self.weight = _sharded(split.cut(module.weight.detach(), t, rank), split)
+        self.bias = None if module.bias is None else _replicated(module.bias)
+        self.group, self.communicate = tensor_group.group, tensor_group.communicate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight.t() if self.transposed else self.weight
+        partial = F.linear(x, weight)
+        out = _ReduceFromTensorGroup.apply(partial, self.group) if self.communicate else partial
+        return out if self.bias is None else out + self.bias
+
+
+def copy_to_tensor_group(module: nn.Module, tensor_group: TensorParallelGroup) -> None:
+    """f on `module`'s output (identity forward, all-reduce of the gradient backward): put on the
+    norm whose output feeds column-parallel maps, once for all of them."""
+    if tensor_group.communicate:
+        module.register_forward_hook(lambda _m, _inputs, output: _CopyToTensorGroup.apply(output, tensor_group.group))

@@ -59,7 +59,7 @@ from torch import nn
 from pipectl.artifacts.profile import LayerCost, LayerProfile, ModelProfile, ProfileSource, ShardProfile
 from pipectl.errors import PipectlError, UserInputError
 from pipectl.models.base import LayerDef, ModelLayers
-from pipectl.models.tensor_parallel import TensorParallelBlock, TensorParallelGroup, shard_model
+from pipectl.models.tensor_parallel import TensorParallelBlock, TensorParallelGroup, shard_model, splits_itself
 from pipectl.models.transformer import TransformerBlock
 from pipectl.profile.runtime_calibration import CUDA_TWO_RANK_NOTE, calibrate_runtime
 
@@ -683,7 +683,10 @@ def check_tensor_parallel(model: ModelLayers, degrees: Sequence[int]) -> list[in
 
 def _block_indices(model: ModelLayers) -> list[int]:
     """The layers that split over a tensor group: transformer blocks (plain or already split)."""
-    return [i for i, layer in enumerate(model.layers) if layer.module_cls in (TransformerBlock, TensorParallelBlock)]
+    return [
+        i for i, layer in enumerate(model.layers)
+        if layer.module_cls in (TransformerBlock, TensorParallelBlock) or splits_itself(layer.module_cls)
+    ]  # fmt: skip
 
 
 def _shard_under_test(model: ModelLayers, t: int, device: torch.device, dtype: torch.dtype) -> _ModelUnderTest:
