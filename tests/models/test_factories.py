@@ -74,3 +74,80 @@ def test_counting_a_factory_models_shape_first_leaves_real_layers_to_build():
     assert shape_of(model).parameter_count > 0
     weight = next(model.layers[0].build().parameters())
     assert weight.device.type == "cpu" and not weight.is_meta
+
+
+LAZY_MODEL = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+from deepspeed.pipe import LayerSpec, TiedLayerSpec
+
+BUILT = []
+
+
+class Counted(nn.Linear):
+    def __init__(self, *args, **kwargs):
+        BUILT.append(args)
+        super().__init__(*args, **kwargs)
+
+
+class Table(nn.Module):
+    def __init__(self, vocab, hidden):
+        super().__init__()
+        self.inner = nn.Embedding(vocab, hidden)
+
+    def forward(self, tokens):
+        return self.inner(tokens)
+
+
+def head(table, hidden):
+    return F.linear(hidden, table.inner.weight)
+
+
+def build():
+    return [TiedLayerSpec("table", Table, 16, 8, tied_weight_attr="inner.weight"), LayerSpec(Counted, 8, 8),
+            TiedLayerSpec("table", Table, 16, 8, forward_fn=head, tied_weight_attr=["inner.weight"])]
+
+
+def bad():  # spec-shaped, of something that is not a module
+    from types import SimpleNamespace
+
+    return [SimpleNamespace(typename=dict, module_args=(), module_kwargs={"a": 1})]
+
+
+def make_batch(batch_size, generator):
+    tokens = torch.randint(0, 16, (batch_size, 4), generator=generator)
+    return tokens, tokens
+
+
+def loss_fn(logits, labels):
+    return F.cross_entropy(logits.reshape(-1, 16), labels.reshape(-1))
+'''
+
+
+def test_layer_specs_are_built_only_where_a_stage_holds_them(tmp_path, monkeypatch):
+    import importlib
+
+    from pipectl.models.base import shape_of
+
+    (tmp_path / "lazy_model.py").write_text(LAZY_MODEL)
+    monkeypatch.chdir(tmp_path)
+    model = build_model("lazy_model:build")
+    built = importlib.import_module("lazy_model").BUILT
+    assert built == []  # the factory returned specs: nothing was constructed
+    assert [(layer.kind, layer.tie_key, layer.tied_weight_attr) for layer in model.layers] == [
+        ("Table", "table", "inner.weight"), ("Counted", None, "weight"), ("Table", "table", "inner.weight"),
+    ]  # fmt: skip
+    table, middle = model.layers[0].build(), model.layers[1].build()
+    assert built == [(8, 8)]  # one layer asked for, one built
+    assert shape_of(model).parameter_count == 16 * 8 + 8 * 8 + 8  # the tied table counted once (on meta)
+    x, _ = model.make_batch(2, torch.Generator().manual_seed(0))
+    logits = model.layers[2].forward(table, middle(table(x)))
+    assert logits.shape == (2, 4, 16)
+    with pytest.raises(UserInputError, match="layer spec 0 builds <class 'dict'>, not a torch module class"):
+        build_model("lazy_model:bad")
+
+
+def test_the_example_builds_lazily_the_same_layers():
+    eager, lazy = build_model("examples.sequential_model:build"), build_model("examples.sequential_model:build_lazily")
+    assert [layer.kind for layer in lazy.layers] == [layer.kind for layer in eager.layers]

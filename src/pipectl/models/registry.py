@@ -266,26 +266,57 @@ class FactoryLayer(nn.Module):
         return self.inner(x)
 
 
+def _check_batch_and_loss(module, reference: str, returns: str) -> None:
+    missing = [name for name in ("make_batch", "loss_fn") if not callable(getattr(module, name, None))]
+    if missing:
+        raise UserInputError(
+            f"model factory '{reference}' {returns}, so {module.__name__} must also define {' and '.join(missing)}",
+            hint="see examples/sequential_model.py",
+        )
+
+
+def _is_layer_spec(value: object) -> bool:
+    """DeepSpeed's `LayerSpec` (or `TiedLayerSpec`): a class and its arguments, nothing built yet."""
+    return all(hasattr(value, name) for name in ("typename", "module_args", "module_kwargs"))
+
+
+def _layer_def(index: int, spec, reference: str) -> LayerDef:
+    """A DeepSpeed layer spec as a `LayerDef`: built only by the rank whose stage holds it."""
+    typename = spec.typename
+    if not (isinstance(typename, type) and issubclass(typename, nn.Module)):
+        raise UserInputError(f"model factory '{reference}': layer spec {index} builds {typename!r}, not a torch module class")
+    key = getattr(spec, "key", None)
+    attrs = getattr(spec, "tied_weight_attr", ["weight"])
+    attrs = [attrs] if isinstance(attrs, str) else list(attrs)
+    if key is not None and len(attrs) != 1:
+        raise UserInputError(f"model factory '{reference}': tied layer spec {index} ties {attrs}; pipectl ties one weight")
+    return LayerDef(
+        f"layer.{index}", typename.__name__, typename, tuple(spec.module_args), dict(spec.module_kwargs),
+        tie_key=key, tied_forward=getattr(spec, "forward_fn", None) if key is not None else None,
+        tied_weight_attr=attrs[0] if key is not None else "weight",
+    )  # fmt: skip
+
+
 def from_factory(reference: str) -> ModelLayers:
     """`package.module:factory`; see examples/custom_model.py for the contract, and
     `import_factory` for what is checked before it runs (and what cannot be).
 
-    The factory returns a `ModelLayers`, or an `nn.Sequential` / list of modules; in the latter
-    case its module must also define `make_batch(batch_size, generator)` and `loss_fn(output,
-    labels)` (examples/sequential_model.py).
+    The factory returns a `ModelLayers`, a list of DeepSpeed `LayerSpec`s (each layer built only
+    on the rank whose stage holds it: a model larger than one process), or an `nn.Sequential` /
+    list of modules (built whole on every rank); in the two latter cases its module must also
+    define `make_batch(batch_size, generator)` and `loss_fn(output, labels)`
+    (examples/sequential_model.py).
     """
     module, factory = import_factory(reference)
     probe = factory()
     if isinstance(probe, ModelLayers):
         return probe
+    if isinstance(probe, (list, tuple)) and probe and all(_is_layer_spec(spec) for spec in probe):
+        _check_batch_and_loss(module, reference, "returns layer specs")
+        layers = [_layer_def(i, spec, reference) for i, spec in enumerate(probe)]
+        return ModelLayers(name=reference, layers=layers, make_batch=module.make_batch, loss_fn=module.loss_fn)
     if isinstance(probe, (nn.Sequential, list, tuple)) and all(isinstance(m, nn.Module) for m in probe):
-        missing = [name for name in ("make_batch", "loss_fn") if not callable(getattr(module, name, None))]
-        if missing:
-            raise UserInputError(
-                f"model factory '{reference}' returns plain modules, so {module.__name__} must also "
-                f"define {' and '.join(missing)}",
-                hint="see examples/sequential_model.py",
-            )
+        _check_batch_and_loss(module, reference, "returns plain modules")
         layers = [
             LayerDef(f"layer.{i}", type(m).__name__, FactoryLayer, (reference, i)) for i, m in enumerate(probe)
         ]
