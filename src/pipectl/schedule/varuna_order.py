@@ -30,6 +30,7 @@ equal to this one.
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 from pipectl.errors import ScheduleError
 from pipectl.schedule.ir import Action, ActionKind
@@ -38,6 +39,7 @@ __all__ = ["varuna_order"]
 
 F, B, R = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.RECOMPUTE
 _NEVER = math.inf  # the end of an action that has not started
+RATIO_DENOMINATOR = 10**6  # the backward/forward ratio, as an exact fraction of at most this denominator
 
 
 class _Stage:
@@ -47,7 +49,7 @@ class _Stage:
         self.next_forward = 0  # micro-batch of its next forward
         self.next_backward = 0  # micro-batch of its oldest pending backward
         self.recomputed = False  # R(next_backward) has run
-        self.free_at = 0.0  # when its current action ends
+        self.free_at: Fraction = Fraction(0)  # when its current action ends
         self.forward_end = [_NEVER] * micro_batches
         self.backward_end = [_NEVER] * micro_batches
         self.order: list[Action] = []
@@ -58,13 +60,20 @@ def varuna_order(
 ) -> list[list[Action]]:
     """Each stage's F, R and B actions of one step, in Varuna's order (see the module docstring).
 
-    Only the ratio of the two stage times matters. The caller checks the degrees and that both
-    times are positive.
+    Only the ratio of the two stage times matters. The derivation runs in exact rational time
+    (T_f = 1, T_b the ratio to within 1e-6): its rules compare moments for equality (a recompute is
+    due exactly T_f before a backward ends), which float sums of measured times (3 x 0.001 against
+    0.001 + 0.002) would break at random. The caller checks the degrees and that both times are
+    positive.
+
+        >>> varuna_order(4, 5, 0.001, 0.002) == varuna_order(4, 5, 1.0, 2.0)
+        True
     """
     p, m = pipeline_parallel, micro_batches
-    tf, tb = forward_seconds, backward_seconds
+    tf = Fraction(1)
+    tb = Fraction(backward_seconds / forward_seconds).limit_denominator(RATIO_DENOMINATOR)
     stages = [_Stage(m) for _ in range(p)]
-    now = 0.0
+    now = Fraction(0)
     while any(stage.next_backward < m for stage in stages):
         # Every idle stage chooses from the state before this moment, then they all start.
         chosen = [
@@ -78,7 +87,7 @@ def varuna_order(
     return [stage.order for stage in stages]
 
 
-def _choice(stages: list[_Stage], s: int, now: float, tf: float, m: int) -> ActionKind | None:
+def _choice(stages: list[_Stage], s: int, now: Fraction, tf: Fraction, m: int) -> ActionKind | None:
     """What idle stage s runs now, by the rules of the module docstring (None: it waits)."""
     stage = stages[s]
     i = stage.next_backward
@@ -95,7 +104,7 @@ def _choice(stages: list[_Stage], s: int, now: float, tf: float, m: int) -> Acti
     return None
 
 
-def _start(stage: _Stage, s: int, kind: ActionKind, now: float, seconds: float) -> None:
+def _start(stage: _Stage, s: int, kind: ActionKind, now: Fraction, seconds: Fraction) -> None:
     stage.free_at = now + seconds
     if kind is F:
         microbatch = stage.next_forward
@@ -112,7 +121,7 @@ def _start(stage: _Stage, s: int, kind: ActionKind, now: float, seconds: float) 
     stage.order.append(Action(s, kind, microbatch))
 
 
-def _next_moment(stages: list[_Stage], now: float, tf: float, m: int) -> float:
+def _next_moment(stages: list[_Stage], now: Fraction, tf: Fraction, m: int) -> Fraction:
     """The next time a choice can change: a stage frees up, or a recompute falls due (T_f before
     the end of a backward the previous stage waits for)."""
     moments = [stage.free_at for stage in stages if stage.free_at > now]
