@@ -242,3 +242,18 @@ def test_varuna_beats_gpipe_on_the_papers_figure_4_instance_at_any_time_unit(uni
         schedule = generate(kind, 4, 5, recompute=True, forward_seconds=unit, backward_seconds=2 * unit)
         times[kind] = simulate(schedule, costs).step_seconds / unit
     assert times == {ScheduleKind.VARUNA: pytest.approx(27), ScheduleKind.GPIPE: pytest.approx(28)}
+
+
+@pytest.mark.parametrize("times", [(1.0, 2.0), (1.0, 1.0), (1.0, 3.0), (0.7, 1.9), (1.0, 2.5)])
+def test_varuna_is_never_slower_than_gpipe_with_recompute(times):
+    """Uniform stages, free communication, p <= 6 and m <= 12: Varuna's order (derived for these
+    times) finishes no later than GPipe's, which recomputes every stage's activations too."""
+    from pipectl.plan.simulate import simulate, uniform_costs
+
+    tf, tb = times
+    for p in range(1, 7):
+        costs = uniform_costs(p, 1, tf, tb)
+        for m in range(1, 13):
+            varuna_schedule = generate(ScheduleKind.VARUNA, p, m, recompute=True, forward_seconds=tf, backward_seconds=tb)
+            gpipe_schedule = generate(ScheduleKind.GPIPE, p, m, recompute=True)
+            assert simulate(varuna_schedule, costs).step_seconds <= simulate(gpipe_schedule, costs).step_seconds + 1e-9, (p, m)
