@@ -19,6 +19,7 @@ from pipectl.artifacts.morph import MorphRecord
 from pipectl.artifacts.run import RankFailure
 from pipectl.launch.rundir import RunStatus
 from pipectl.runtime.checkpoint_schedule import DEVICE_MTBF_HOURS
+from pipectl.report.phases import phase_comparison, phase_table
 from pipectl.report.tables import format_bytes
 from pipectl.resize.morph import ResizeDecision
 from pipectl.resize.stragglers import StragglerReport, find_stragglers
@@ -103,6 +104,9 @@ def status_table(status: RunStatus) -> Group:
     memory = run_memory(status)
     if memory is not None:
         parts.append(memory_table(memory))
+    if status.metrics:
+        comparison, reason = phase_comparison(status)
+        parts.append(phase_table(comparison) if comparison is not None else Text(reason or "", style="dim"))
     if status.checkpoints:
         table = Table(box=box.SIMPLE_HEAD, title="checkpoints", title_justify="left")
         for column in ("tag", "step", "state", "size"):
