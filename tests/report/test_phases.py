@@ -22,9 +22,12 @@ from pipectl.planfile import write_plan
 from pipectl.report.phases import phase_comparison, phase_table
 from pipectl.schedule import generate
 
+FIELDS = ("forward_seconds", "backward_seconds", "p2p_seconds", "end_of_step_seconds")
 
-def run_status(tmp_path, measured: list[list[tuple[float, float]]], step_seconds: float) -> RunStatus:
-    """A run of a 2-stage plan of a synthetic model whose steps' ranks measured (forward, backward)."""
+
+def run_status(tmp_path, measured: list[list[tuple]], step_seconds: float) -> RunStatus:
+    """A run of a 2-stage plan of a synthetic model whose steps' ranks measured (forward,
+    backward[, sends and receives, end of step])."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     profile = synthetic_profile(blocks=4, micro_batch_sizes=[1, 2, 4, 8])
     write_json_atomic(tmp_path / "profile.json", profile)
@@ -34,7 +37,7 @@ def run_status(tmp_path, measured: list[list[tuple[float, float]]], step_seconds
     metrics = [
         StepMetrics(step=s + 1, loss=1.0, step_seconds=step_seconds, samples_per_second=1.0, global_batch=8, world_size=2,
                     layout=label, time_unix=time.time(),
-                    ranks=[RankTiming(rank=r, stage=r, forward_seconds=f, backward_seconds=b) for r, (f, b) in enumerate(ranks)])
+                    ranks=[RankTiming(rank=r, stage=r, **dict(zip(FIELDS, times))) for r, times in enumerate(ranks)])
         for s, ranks in enumerate(measured)
     ]  # fmt: skip
     job = JobSpec(name="run", model="gpt-tiny", steps=10, world_size=2, ranks_per_node=2, master_port=29500)
@@ -42,8 +45,9 @@ def run_status(tmp_path, measured: list[list[tuple[float, float]]], step_seconds
 
 
 def test_predictions_are_the_simulated_stages_and_measurements_the_medians_after_the_first_step(tmp_path):
-    steps = [[(9.0, 9.0), (9.0, 9.0)], [(0.010, 0.020), (0.011, 0.021)], [(0.012, 0.022), (0.013, 0.023)],
-             [(0.014, 0.024), (0.015, 0.025)]]  # fmt: skip
+    steps = [[(9.0, 9.0, 9.0, 9.0)] * 2, [(0.010, 0.020, 0.03, 0.004), (0.011, 0.021, 0.03, 0.005)],
+             [(0.012, 0.022, 0.04, 0.006), (0.013, 0.023, 0.04, 0.007)],
+             [(0.014, 0.024, 0.05, 0.008), (0.015, 0.025, 0.05, 0.009)]]  # fmt: skip
     status = run_status(tmp_path, steps, step_seconds=0.1)
     comparison, reason = phase_comparison(status)
     assert reason is None and comparison.steps == (2, 4)
@@ -51,27 +55,33 @@ def test_predictions_are_the_simulated_stages_and_measurements_the_medians_after
     costs = stage_costs_for(chosen, synthetic_profile(blocks=4, micro_batch_sizes=[1, 2, 4, 8]), load_cluster("local"))
     timeline = simulate(generate(chosen.schedule, 2, chosen.micro_batches, 1, chosen.recompute), costs)
     for stage in comparison.stages:
-        records = timeline.rank_records(stage.stage)
-        forward = sum(r.end - r.start for r in records if r.action.kind.value in ("F", "R"))
-        backward = sum(r.end - r.start for r in records if r.action.kind.value == "B")
-        assert stage.predicted == pytest.approx((forward, backward, timeline.step_seconds - forward - backward))
-    assert comparison.stages[0].measured == pytest.approx((0.012, 0.022, 0.1 - 0.034))  # step 1 (9 s) left out
-    assert comparison.stages[1].measured == pytest.approx((0.013, 0.023, 0.1 - 0.036))
+        seconds = {}
+        for r in timeline.rank_records(stage.stage):
+            seconds[r.action.kind.value] = seconds.get(r.action.kind.value, 0.0) + r.end - r.start
+        forward, backward = seconds.get("F", 0) + seconds.get("R", 0), seconds["B"]
+        end = seconds.get("AR", 0) + seconds.get("STEP", 0)
+        assert stage.predicted == pytest.approx((forward, backward, timeline.step_seconds - forward - backward - end, end))
+    # step 1 (9 s each) is left out; the medians are step 3's
+    assert comparison.stages[0].measured == pytest.approx((0.012, 0.022, 0.04, 0.006))
+    assert comparison.stages[0].unaccounted == pytest.approx(0.1 - 0.08)
+    assert comparison.stages[1].measured == pytest.approx((0.013, 0.023, 0.04, 0.007))
     rendered = phase_table(comparison)
     assert rendered.row_count == 2 and "steps 2-4" in str(rendered.title)
+    assert comparison.to_dict()["stages"][0]["measured"]["pipeline waits"] == pytest.approx(0.04)
 
 
 def test_the_furthest_phase_is_named_and_a_short_run_says_why_there_is_none(tmp_path):
-    probe, _ = phase_comparison(run_status(tmp_path / "probe", [[(0.0, 0.0)] * 2] * 2, step_seconds=0.0))
+    probe, _ = phase_comparison(run_status(tmp_path / "probe", [[(0.0, 0.0, 0.0, 0.0)] * 2] * 2, step_seconds=0.0))
     predicted = [stage.predicted for stage in probe.stages]
-    as_predicted = [(f, b) for f, b, _ in predicted]
-    step = max(f + b + rest for f, b, rest in predicted)
-    slow_links, _ = phase_comparison(run_status(tmp_path / "links", [as_predicted] * 3, step_seconds=step + 1.0))
-    assert {stage.furthest for stage in slow_links.stages} == {"rest of step"}
-    slow_backward = [(f, 3 * b) for f, b in as_predicted]
-    # the backward 2b over, the step min(b) over: the rest of the step 2b - min(b) under, less
-    longer = step + min(b for _, b in as_predicted)
-    compute, _ = phase_comparison(run_status(tmp_path / "compute", [slow_backward] * 3, step_seconds=longer))
-    assert {stage.furthest for stage in compute.stages} == {"backward"}
-    short = run_status(tmp_path / "short", [[(0.01, 0.02), (0.01, 0.02)]], step_seconds=0.1)
+    step = max(sum(phases) for phases in predicted)
+    slow_links = [(f, b, w + 1.0, e) for f, b, w, e in predicted]
+    comparison, _ = phase_comparison(run_status(tmp_path / "links", [slow_links] * 3, step_seconds=step + 1.0))
+    assert {stage.furthest for stage in comparison.stages} == {"pipeline waits"}
+    slow_backward = [(f, 3 * b, w, e) for f, b, w, e in predicted]
+    comparison, _ = phase_comparison(run_status(tmp_path / "compute", [slow_backward] * 3, step_seconds=step * 3))
+    assert {stage.furthest for stage in comparison.stages} == {"backward"}
+    older = [(f, b) for f, b, _, _ in predicted]  # a run that recorded compute only
+    comparison, _ = phase_comparison(run_status(tmp_path / "older", [older] * 3, step_seconds=step))
+    assert comparison.stages[0].measured[2:] == (None, None) and comparison.stages[0].unaccounted is None
+    short = run_status(tmp_path / "short", [[(0.01, 0.02, 0.0, 0.0)] * 2], step_seconds=0.1)
     assert phase_comparison(short) == (None, f"phases are compared after two steps of {layout_label(short.plan.chosen)}")

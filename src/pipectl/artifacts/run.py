@@ -272,6 +272,16 @@ class RankTiming(Strict):
     )
     forward_seconds: float = Field(ge=0, description="Sum of the rank's forward (and recompute) time this step.")
     backward_seconds: float = Field(ge=0, description="Sum of the rank's backward time this step.")
+    p2p_seconds: float | None = Field(
+        default=None, ge=0,
+        description="The rank's time in sends and receives this step, waiting for its peers included (the pipeline's "
+        "bubble and the transfers). None in files written before it existed.",
+    )
+    end_of_step_seconds: float | None = Field(
+        default=None, ge=0,
+        description="The rank's gradient reductions (tied and data-parallel) and optimizer step. None in files "
+        "written before it existed.",
+    )
     peak_allocated_bytes: int | None = Field(
         default=None,
         ge=0,

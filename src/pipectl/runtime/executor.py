@@ -179,6 +179,25 @@ class ExecutedAction:
     seconds: float
 
 
+# What a rank's step spends besides its compute, timed per step (`phase_seconds`): its sends and
+# receives (a receive waits for the peer: the pipeline's bubble and the transfer), and the end of
+# the step (tied and data-parallel gradient reductions, the optimizer step).
+TIMED_PHASES = ("p2p", "end_of_step")
+
+
+def _timed(function, phase: str):
+    """`function` (an engine method), its wall time added to the step's `phase_seconds[phase]`."""
+
+    def run(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return function(self, *args, **kwargs)
+        finally:
+            self.phase_seconds[phase] += time.perf_counter() - start
+
+    return run
+
+
 class PlannedPipelineEngine(PipelineEngine):
     """`PipelineEngine` running a planned `Schedule` (see the module docstring for what changes).
 
@@ -203,6 +222,7 @@ class PlannedPipelineEngine(PipelineEngine):
         self.rank_program = translate_rank(schedule, self.stage_id)
         self.planned_batches: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()
         self.executed: list[ExecutedAction] = []
+        self.phase_seconds = dict.fromkeys(TIMED_PHASES, 0.0)
         self.compute_slowdown = compute_slowdown
         self._loss_by_buffer: dict[int, torch.Tensor] = {}
         self._grad_by_buffer: dict[int, object] = {}
@@ -217,6 +237,7 @@ class PlannedPipelineEngine(PipelineEngine):
             raise UserInputError(f"got {len(micro_batches)} micro-batches for a step of {self.micro_batches}")
         self.planned_batches = micro_batches
         self.executed = []
+        self.phase_seconds = dict.fromkeys(TIMED_PHASES, 0.0)
         loss = self.train_batch()
         self.planned_batches = ()
         return float(loss)
@@ -332,8 +353,16 @@ class PlannedPipelineEngine(PipelineEngine):
         ds_schedule.LoadMicroBatch: _exec_load_planned_micro_batch,
         ds_schedule.ForwardPass: _exec_planned_forward,
         ds_schedule.BackwardPass: _exec_planned_backward,
-        ds_schedule.RecvGrad: _exec_planned_recv_grads,
+        ds_schedule.RecvGrad: _timed(_exec_planned_recv_grads, "p2p"),
         RecomputeForward: _exec_recompute,
+        **{
+            instruction: _timed(PipelineEngine._INSTRUCTION_MAP[instruction], "p2p")
+            for instruction in (ds_schedule.SendActivation, ds_schedule.RecvActivation, ds_schedule.SendGrad)
+        },
+        **{
+            instruction: _timed(PipelineEngine._INSTRUCTION_MAP[instruction], "end_of_step")
+            for instruction in (ds_schedule.ReduceTiedGrads, ds_schedule.ReduceGrads, ds_schedule.OptimizerStep)
+        },
     }
 
 

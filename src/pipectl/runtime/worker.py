@@ -66,6 +66,8 @@ class StepRecord:
     forward_seconds: float
     backward_seconds: float
     memory: RankMemory | None = None  # the rank's peaks in this step
+    p2p_seconds: float | None = None  # in sends and receives (waiting for peers included)
+    end_of_step_seconds: float | None = None  # gradient reductions and the optimizer step
 
 
 @dataclass
@@ -375,7 +377,8 @@ def _device_kind(engine) -> str:
 def _record(engine, step: int, loss: float, elapsed: float, memory: RankMemory) -> StepRecord:
     forward = sum(r.seconds for r in engine.executed if r.action.kind is not ActionKind.BACKWARD)
     backward = sum(r.seconds for r in engine.executed if r.action.kind is ActionKind.BACKWARD)
-    return StepRecord(step, loss, elapsed, forward, backward, memory)
+    phases = getattr(engine, "phase_seconds", {})
+    return StepRecord(step, loss, elapsed, forward, backward, memory, phases.get("p2p"), phases.get("end_of_step"))
 
 
 def _write_metrics(writer, job: TrainingJob, engine, record: StepRecord) -> None:
@@ -393,6 +396,8 @@ def _write_metrics(writer, job: TrainingJob, engine, record: StepRecord) -> None
         node_name(),
         record.forward_seconds,
         record.backward_seconds,
+        record.p2p_seconds,
+        record.end_of_step_seconds,
         memory.peak_allocated_bytes if memory else None,
         memory.peak_reserved_bytes if memory else None,
         memory.peak_rss_bytes if memory else None,
@@ -422,11 +427,13 @@ def _write_metrics(writer, job: TrainingJob, engine, record: StepRecord) -> None
                     host=host,
                     forward_seconds=f,
                     backward_seconds=b,
+                    p2p_seconds=p2p,
+                    end_of_step_seconds=end,
                     peak_allocated_bytes=allocated,
                     peak_reserved_bytes=reserved,
                     peak_rss_bytes=rss,
                 )
-                for r, s, samples, device, host, f, b, allocated, reserved, rss in gathered
+                for r, s, samples, device, host, f, b, p2p, end, allocated, reserved, rss in gathered
             ],
             predicted_peak_memory_bytes=list(job.predicted_peak_memory_bytes),
         )
