@@ -9,7 +9,7 @@ from __future__ import annotations
 import typer
 
 from pipectl import __version__
-from pipectl.cli import export, launch, plan, profile, resize, simulate, status
+from pipectl.cli import calibrate, export, launch, plan, profile, resize, simulate, status
 from pipectl.cli.groups import ErrorReportingGroup
 
 app = typer.Typer(
@@ -27,6 +27,7 @@ launch.register(app)
 status.register(app)
 resize.register(app)
 export.register(app)
+calibrate.register(app)
 
 
 @app.callback(invoke_without_command=True)

@@ -1,27 +1,13 @@
 """Where a run's step goes, predicted against measured, per pipeline stage: `pipectl status`.
 
-Four phases of a rank's step:
-
-- forward: its forwards and recomputes;
-- backward: its backwards;
-- pipeline waits: its sends and receives, waiting for its peers included (the bubble and the
-  transfers between stages);
-- end of step: the tied and data-parallel gradient reductions and the optimizer step (a stage
-  that finishes its backwards early waits there for the slowest peer of its reductions).
-
-Predicted: the plan's candidate simulated again from the run's copies of its profiles and its
-cluster (`plan.simulate`, as `pipectl simulate` does); the waits are what the step leaves besides
-the rank's compute and its end of step. Measured: what each rank records every step
-(`RankTiming`, timed around DeepSpeed's instructions by `runtime.executor`); medians over the
-steps of the current layout after its first, and over the ranks of a stage. What the measured
-phases do not cover (loading micro-batches, the engine's own bookkeeping) is shown apart. The
-phase whose measured time is furthest from its prediction is the term to look at first: a wrong
-layer time (compute), a wrong link or bubble (waits), a wrong optimizer or all-reduce cost.
+The phases and how each side is obtained are `plan.phases`'s; here the prediction is the run's
+candidate simulated again from the run's own copies of its profiles and its cluster, and the phase
+whose measured time is furthest from its prediction is named: the term to look at first (a wrong
+layer time, a wrong link or bubble, a wrong optimizer or all-reduce cost).
 """
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass
 
 from rich import box
@@ -31,13 +17,8 @@ from pipectl.artifacts.layout import layout_label
 from pipectl.cluster import load_cluster
 from pipectl.errors import PipectlError
 from pipectl.launch.rundir import RunStatus
-from pipectl.plan.costs import stage_costs_for
-from pipectl.plan.simulate import simulate
+from pipectl.plan.phases import PHASES, measured_phases, simulated_phases
 from pipectl.planfile import load_kind_profiles, load_plan_profile
-from pipectl.schedule import generate
-from pipectl.schedule.ir import ActionKind
-
-PHASES = ("forward", "backward", "pipeline waits", "end of step")
 
 
 @dataclass(frozen=True)
@@ -82,57 +63,32 @@ class PhaseComparison:
 
 def predicted_phases(status: RunStatus) -> list[tuple[float, float, float, float]]:
     """Per stage of the run's chosen candidate: simulated seconds of each phase (`PHASES`)."""
-    plan, candidate = status.plan, status.plan.chosen
+    plan = status.plan
     plan_path = status.path / status.job.plan_file
-    costs = stage_costs_for(
-        candidate, load_plan_profile(plan_path, plan), load_cluster(plan.cluster), load_kind_profiles(plan_path, plan)
+    phases, _ = simulated_phases(
+        plan.chosen, load_plan_profile(plan_path, plan), load_cluster(plan.cluster), load_kind_profiles(plan_path, plan)
     )
-    schedule = generate(
-        candidate.schedule, candidate.pipeline_parallel, candidate.micro_batches, candidate.chunks, candidate.recompute
-    )
-    timeline = simulate(schedule, costs)
-    phases = []
-    for rank in range(candidate.pipeline_parallel):
-        seconds = dict.fromkeys(ActionKind, 0.0)
-        for record in timeline.rank_records(rank):
-            seconds[record.action.kind] += record.end - record.start
-        forward = seconds[ActionKind.FORWARD] + seconds[ActionKind.RECOMPUTE]
-        backward = seconds[ActionKind.BACKWARD]
-        end = seconds[ActionKind.ALL_REDUCE] + seconds[ActionKind.OPTIMIZER_STEP]
-        phases.append((forward, backward, timeline.step_seconds - forward - backward - end, end))
     return phases
-
-
-def _median(values: list[float | None]) -> float | None:
-    return None if any(v is None for v in values) else statistics.median(values)
 
 
 def phase_comparison(status: RunStatus) -> tuple[PhaseComparison | None, str | None]:
     """The comparison for the run's current layout, or None and the reason there is none."""
     label = layout_label(status.plan.chosen)
-    steps = [m for m in status.metrics if m.layout == label and m.ranks]
     if status.plan.chosen.chunks != 1:
         return None, "the layout runs several chunks per rank: phases are compared per stage of one chunk"
-    if len(steps) < 2:
+    measured = measured_phases(status.metrics, label)
+    if measured is None:
         return None, f"phases are compared after two steps of {label}"
-    steps = steps[1:]  # the first step of a layout warms up
     try:
         predicted = predicted_phases(status)
     except PipectlError as exc:
         return None, f"no prediction per phase: {exc.message}"
-    measured: dict[int, list[tuple]] = {}
-    for step in steps:
-        for rank in step.ranks:
-            phases = (rank.forward_seconds, rank.backward_seconds, rank.p2p_seconds, rank.end_of_step_seconds)
-            known = sum(v for v in phases if v is not None)
-            left = step.step_seconds - known if None not in phases else None
-            measured.setdefault(rank.stage, []).append((*phases, left))
-    stages = []
-    for stage, rows in sorted(measured.items()):
-        if stage < len(predicted):
-            medians = [_median([row[k] for row in rows]) for k in range(5)]
-            stages.append(StagePhases(stage, predicted[stage], tuple(medians[:4]), medians[4]))
-    return PhaseComparison(stages, (steps[0].step, steps[-1].step), label), None
+    stages = [
+        StagePhases(stage, predicted[stage], phases, unaccounted)
+        for stage, (phases, unaccounted) in measured.stages.items()
+        if stage < len(predicted)
+    ]
+    return PhaseComparison(stages, measured.steps, label), None
 
 
 def _ms(seconds: float) -> str:

@@ -1,0 +1,91 @@
+"""A step split into phases, per pipeline stage, as the simulator predicts it and as ranks measure it.
+
+Four phases of a rank's step (`PHASES`):
+
+- forward: its forwards and recomputes;
+- backward: its backwards;
+- pipeline waits: its sends and receives, waiting for its peers included (the bubble and the
+  transfers between stages);
+- end of step: the tied and data-parallel gradient reductions and the optimizer step (a stage
+  that finishes its backwards early waits there for the slowest peer of its reductions).
+
+`simulated_phases` times a candidate's schedule under its cost table (`plan.simulate`): the waits
+are what the step leaves besides the rank's compute and end of step. `measured_phases` reads what
+each rank records every step (`RankTiming`, timed around DeepSpeed's instructions by
+`runtime.executor`): medians over the steps of one layout after its first, and over the ranks of a
+stage; what no phase covers (loading micro-batches, the engine's bookkeeping) is kept apart.
+`pipectl status` shows both (`report.phases`); `pipectl calibrate` fits the profile's engine terms
+to them (`profile.calibrate`).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pipectl.artifacts.cluster import ClusterSpec
+from pipectl.artifacts.plan import Candidate
+from pipectl.artifacts.profile import ModelProfile
+from pipectl.artifacts.run import StepMetrics
+from pipectl.plan.costs import stage_costs_for
+from pipectl.plan.simulate import simulate
+from pipectl.schedule import generate
+from pipectl.schedule.ir import ActionKind
+
+PHASES = ("forward", "backward", "pipeline waits", "end of step")
+Phases = tuple[float, float, float, float]
+
+
+def simulated_phases(
+    candidate: Candidate, profile: ModelProfile, cluster: ClusterSpec, kind_profiles: Sequence[ModelProfile] = ()
+) -> tuple[list[Phases], float]:
+    """Per stage of `candidate` (one chunk per rank): the simulated seconds of each phase, and the step."""
+    costs = stage_costs_for(candidate, profile, cluster, kind_profiles)
+    schedule = generate(
+        candidate.schedule, candidate.pipeline_parallel, candidate.micro_batches, candidate.chunks, candidate.recompute
+    )
+    timeline = simulate(schedule, costs)
+    phases = []
+    for rank in range(candidate.pipeline_parallel):
+        seconds = dict.fromkeys(ActionKind, 0.0)
+        for record in timeline.rank_records(rank):
+            seconds[record.action.kind] += record.end - record.start
+        forward = seconds[ActionKind.FORWARD] + seconds[ActionKind.RECOMPUTE]
+        backward = seconds[ActionKind.BACKWARD]
+        end = seconds[ActionKind.ALL_REDUCE] + seconds[ActionKind.OPTIMIZER_STEP]
+        phases.append((forward, backward, timeline.step_seconds - forward - backward - end, end))
+    return phases, timeline.step_seconds
+
+
+@dataclass(frozen=True)
+class MeasuredPhases:
+    """Medians of one layout's steps after its first: per stage, each phase (None: not recorded,
+    by a run of an older pipectl) and the time no phase covers; and the step."""
+
+    stages: dict[int, tuple[tuple[float | None, ...], float | None]]
+    steps: tuple[int, int]  # the first and last step counted
+    step_seconds: float
+
+
+def _median(values: list[float | None]) -> float | None:
+    return None if any(v is None for v in values) else statistics.median(values)
+
+
+def measured_phases(metrics: Sequence[StepMetrics], layout: str) -> MeasuredPhases | None:
+    """The medians of the steps of `layout` after its first; None with fewer than two steps."""
+    steps = [m for m in metrics if m.layout == layout and m.ranks]
+    if len(steps) < 2:
+        return None
+    steps = steps[1:]  # the first step of a layout warms up
+    rows: dict[int, list[tuple]] = {}
+    for step in steps:
+        for rank in step.ranks:
+            phases = (rank.forward_seconds, rank.backward_seconds, rank.p2p_seconds, rank.end_of_step_seconds)
+            left = step.step_seconds - sum(phases) if None not in phases else None
+            rows.setdefault(rank.stage, []).append((*phases, left))
+    stages = {
+        stage: (tuple(_median([row[k] for row in values]) for k in range(4)), _median([row[4] for row in values]))
+        for stage, values in sorted(rows.items())
+    }
+    return MeasuredPhases(stages, (steps[0].step, steps[-1].step), statistics.median(m.step_seconds for m in steps))
