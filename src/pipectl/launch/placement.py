@@ -95,6 +95,11 @@ def node_groups(plan: Plan, cluster: ClusterSpec | None, engine: Engine, *, elas
     per_node: dict[str, int] = {}
     for kind in kinds:
         replicas = [r for r, k in enumerate(chosen.replica_kinds) if k == kind]
+        if replicas != list(range(replicas[0], replicas[0] + len(replicas))):
+            raise UserInputError(
+                f"the plan's {kind} replicas {replicas} are not consecutive: their ranks cannot fill nodes of their own",
+                hint="re-plan: pipectl plan groups each kind's replicas together",
+            )
         node_types = cluster.nodes_of_kind(kind)
         if not node_types:
             raise UserInputError(f"cluster '{cluster.name}' has no {kind} nodes for the plan's {kind} replicas")
