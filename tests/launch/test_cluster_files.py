@@ -271,3 +271,15 @@ def test_deepspeeds_hostfile_comes_from_the_slurm_allocation_or_the_hosts_flag(t
     prepared = prepare_launch(plan, RUN, options, write=False)
     assert prepared.command.files["hostfile"].splitlines() == [f"gpu0{i} slots=8" for i in range(1, 9)]
     assert prepared.job.master_addr == "gpu01"
+
+
+def test_a_split_whose_kinds_interleave_is_refused(monkeypatch):
+    monkeypatch.chdir("/")
+    plan = mixed_plan()
+    shares = [("p100", 10), ("v100-16gb", 216), ("p100", 30)]
+    replicas = [ReplicaShare(replica=r, device=kind, micro_batch_size=2, micro_batches=m, samples=2 * m,
+                             gradient_weight=2 * m / 512) for r, (kind, m) in enumerate(shares)]  # fmt: skip
+    chosen = plan.chosen.model_copy(update={"replicas": replicas, "data_parallel": 3, "devices": 24, "micro_batches": 216})
+    with pytest.raises(UserInputError, match=r"the plan's p100 replicas \[0, 2\] are not consecutive"):
+        prepare_launch(plan.model_copy(update={"chosen": chosen}), RUN,
+                       LaunchOptions(engine=Engine.SLURM, precision=Precision.FP16), write=False)  # fmt: skip
