@@ -333,3 +333,10 @@ def test_two_tensor_ranks_give_the_one_rank_losses(tmp_path, model_class, config
     assert reference[-1] < reference[0]
     for rank, got in split.items():
         assert got == pytest.approx(reference, rel=1e-4), rank
+
+
+def test_a_weights_index_naming_files_outside_the_directory_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text(gpt2_config().to_json_string())
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"transformer.wte.weight": "../x.safetensors"}}))
+    with pytest.raises(UserInputError, match="names '../x.safetensors', not a file of"):
+        build_model(f"hf:{tmp_path}").layers[0].build()

@@ -111,6 +111,9 @@ def _weight_files(directory: str) -> dict[str, str]:
             mapping = json.loads(index.read_text())["weight_map"]
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise UserInputError(f"cannot read {index}: {exc}") from None
+        outside = next((file for file in mapping.values() if not isinstance(file, str) or Path(file).name != file), None)
+        if outside is not None:
+            raise UserInputError(f"{index} names {outside!r}, not a file of {folder}")
         return {name: str(folder / file) for name, file in mapping.items()}
     single = folder / WEIGHTS_FILE
     if not single.is_file():
