@@ -152,3 +152,21 @@ def test_a_layout_with_fewer_micro_batches_than_replicas_is_not_split():
                     PlanRequest(global_batch=64, morph=False, micro_batch_size=8, pipeline_parallel=1, tensor_parallel=1)).chosen
     assert uneven_split(profile, cluster, template, PlanRequest(global_batch=64)) is None
     assert plan(profile, cluster, PlanRequest(global_batch=64, workers=1)).chosen.global_batch == 64
+
+
+def test_kinds_with_different_replica_counts_split_without_failing_validation(tmp_path):
+    """GPT-2 2.5B over 2 V100 nodes and 1 P100 node, each kind priced with its own derived profile:
+    the split's slowest replica (a P100 one, with few micro-batches) is summarised at its own m,
+    never as a homogeneous record of d_total replicas, whose even shares failed Candidate's check
+    (a traceback from pipectl plan)."""
+    from pipectl.catalog import get_device
+    from pipectl.models.registry import load_model_config
+    from pipectl.profile.derive import derive_profile
+
+    config = load_model_config("gpt2-2.5b")
+    v100, p100 = (derive_profile(config, get_device(kind), [1, 2, 4, 8]) for kind in ("v100-16gb", "p100"))
+    cluster = _cluster(tmp_path, "v100-16gb", "p100", nodes=(2, 1))
+    result = plan(v100, cluster, PlanRequest(global_batch=512, morph=False), kind_profiles=[p100])  # raised before
+    split_note = [n for n in result.notes if "uneven split over p100, v100-16gb" in n]
+    assert split_note, result.notes  # the split was priced (chosen or not, the note says how it compares)
+    assert result.chosen.global_batch == 512

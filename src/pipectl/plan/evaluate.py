@@ -158,13 +158,18 @@ class Evaluator:
     def cost_per_sample(self, spec: Spec, step: float) -> float:
         return self.hardware.price_per_device_hour * spec.devices * step / 3600 / self.global_batch
 
-    def candidate(self, spec: Spec, notes: list[str] | None = None) -> Candidate:
-        """The full record: one more simulation for the bubble and the exposed communication."""
+    def summary(self, spec: Spec):
+        """The step's summary (time, bubble and exposed communication per rank): one more simulation."""
         timeline = self._summaries.get(spec.key) or summary_of(
             *_schedule_args(spec), costs_of(spec, self.hardware), reference=self.reference
         )
+        self._steps.setdefault(spec.key, timeline.step_seconds)
+        return timeline
+
+    def candidate(self, spec: Spec, notes: list[str] | None = None) -> Candidate:
+        """The full record: one more simulation for the bubble and the exposed communication."""
+        timeline = self.summary(spec)
         step = timeline.step_seconds
-        self._steps.setdefault(spec.key, step)
         shape = spec.shape
         flops_factor = 4 if spec.recompute else 3
         step_flops = shape.table.total_forward_flops() * flops_factor * (self.global_batch // shape.micro_batch_size)

@@ -277,7 +277,14 @@ def uneven_split(
             used_devices += t * p
     # The template's step does the same model FLOPs for the same B.
     step_flops = template.tflops_per_device * template.predicted_step_seconds * template.devices * 1e12
-    slowest_record = slowest_run[0].candidate(slowest_run[1]) if slowest_run else template
+    # The bubble and exposed communication of the slowest replica (its own m; not a candidate of
+    # d_total replicas of that kind, whose even shares would differ from this split's).
+    if slowest_run is not None:
+        summary = slowest_run[0].summary(slowest_run[1])
+        bubble = min(max(sum(summary.bubble_fraction) / len(summary.bubble_fraction), 0.0), 1.0)
+        exposed = min(summary.communication_seconds / summary.step_seconds, 1.0) if summary.step_seconds > 0 else 0.0
+    else:
+        bubble, exposed = template.bubble_fraction, template.communication_fraction
     notes = [_split_note(shares, B)]
     return Candidate(
         devices=used_devices,
@@ -296,8 +303,8 @@ def uneven_split(
         samples_per_second=B / slowest,
         tflops_per_device=step_flops / slowest / used_devices / 1e12,
         peak_memory_bytes=peak,
-        bubble_fraction=slowest_record.bubble_fraction,  # of the slowest replica
-        communication_fraction=slowest_record.communication_fraction,
+        bubble_fraction=bubble,  # of the slowest replica
+        communication_fraction=exposed,
         cost_per_million_samples=price * slowest / 3600 / B * 1e6,
         replicas=shares,
         deepspeed_runnable=template.deepspeed_runnable,
