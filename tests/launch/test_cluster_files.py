@@ -153,6 +153,7 @@ def test_a_split_over_kinds_gets_a_hostfile_listing_each_kinds_hosts_together(mo
         ({"engine": Engine.TORCHRUN}, "numbers the nodes by host name", "--engine slurm"),
         ({"engine": Engine.SLURM, "elastic": ElasticRange(min_nodes=2, max_nodes=4)}, "an elastic job cannot", "without --elastic"),
         ({"engine": Engine.SLURM, "cluster": "local-mixed"}, "is one machine", "--engine local"),
+        ({"engine": Engine.TORCHRUN, "cluster": "local-mixed"}, "is one machine", "--engine local"),
     ],
 )  # fmt: skip
 def test_a_split_over_kinds_is_refused_where_replicas_cannot_be_placed_by_kind(monkeypatch, options, message, hint):
@@ -283,3 +284,28 @@ def test_a_split_whose_kinds_interleave_is_refused(monkeypatch):
     with pytest.raises(UserInputError, match=r"the plan's p100 replicas \[0, 2\] are not consecutive"):
         prepare_launch(plan.model_copy(update={"chosen": chosen}), RUN,
                        LaunchOptions(engine=Engine.SLURM, precision=Precision.FP16), write=False)  # fmt: skip
+
+
+def test_a_plan_of_one_kind_on_a_mixed_cluster_asks_slurm_for_its_node_types_nodes(monkeypatch):
+    monkeypatch.chdir("/")
+    shape = model_shape("gpt2-2.5b")
+    v100_only = mixed_plan().chosen.model_copy(update={"device": "v100-16gb", "replicas": None, "data_parallel": 1,
+                                                       "devices": 8, "micro_batches": 256})  # fmt: skip
+    plan = plan_of(v100_only, model="gpt2-2.5b", cluster="mixed-v100-p100", shape=shape)
+    script = sbatch_of(plan, monkeypatch, precision=Precision.FP16)
+    assert "#SBATCH --constraint=v100" in script and "p100" not in script
+
+
+def test_a_slurm_run_directory_with_a_blank_is_refused(monkeypatch):
+    with pytest.raises(UserInputError, match="holds a blank, which #SBATCH lines cannot quote"):
+        prepare_launch(gpt3_plan(), Path("/runs/my run"), LaunchOptions(engine=Engine.SLURM, precision=Precision.BF16), write=False)
+
+
+def test_hosts_are_named_once_each_and_none_blank():
+    from pipectl.cli.launch import parse_hosts
+
+    assert parse_hosts("n1, n2") == ["n1", "n2"]
+    with pytest.raises(UserInputError, match="names a twice"):
+        parse_hosts("a,a")
+    with pytest.raises(UserInputError, match="empty or blank entry"):
+        parse_hosts("a,,b")

@@ -41,6 +41,16 @@ def test_similar_kinds_split_the_batch_and_weights_sum_to_one(tmp_path):
     assert {r.device for r in chosen.replicas} == {"v100-32gb", "v100-16gb"}
     assert any("as fast as the best homogeneous subset" in n for n in result.notes)
     assert chosen.deepspeed_runnable  # the runtime weights each replica's gradient by its samples
+    # Re-simulated replica by replica (`pipectl simulate`, status, calibrate): the slowest is the plan's step.
+    from pipectl.plan.hetero import replica_stage_costs
+    from pipectl.plan.simulate import simulate_step_seconds
+    from pipectl.schedule import generate
+
+    steps = [
+        simulate_step_seconds(generate(chosen.schedule, chosen.pipeline_parallel, m, chosen.chunks, chosen.recompute), costs)
+        for _, m, costs in replica_stage_costs(chosen, _profile(), cluster)
+    ]
+    assert len(steps) >= 2 and max(steps) == pytest.approx(chosen.predicted_step_seconds, rel=1e-6)
 
 
 def test_faster_kind_gets_more_micro_batches(tmp_path):

@@ -110,3 +110,19 @@ def test_the_cli_writes_the_profile_and_bad_inputs_are_named(tmp_path):
         calibrate([short])
     missing = CliRunner().invoke(app, ["calibrate", str(tmp_path / "nowhere"), "-o", str(tmp_path / "x.json")])
     assert missing.exit_code == 2 and "no run directory" in missing.output
+
+
+def test_a_run_given_twice_or_a_split_over_kinds_is_refused(tmp_path):
+    run = write_run(tmp_path / "one", 1, 2)
+    with pytest.raises(UserInputError, match="is given twice"):
+        calibrate([run, tmp_path / "." / "one"])
+    from pipectl.artifacts.plan import Plan, ReplicaShare
+    from pipectl.io import load_model
+
+    plan = load_model(Plan, run / "plan.json")
+    shares = [ReplicaShare(replica=r, device=kind, micro_batch_size=2, micro_batches=m, samples=2 * m, gradient_weight=2 * m / 8)
+              for r, (kind, m) in enumerate([("cpu", 3), ("cpu-slowed-2x", 1)])]  # fmt: skip
+    split = plan.chosen.model_copy(update={"device": "mixed", "replicas": shares, "data_parallel": 2, "devices": 2, "micro_batches": 3})
+    write_json_atomic(run / "plan.json", plan.model_copy(update={"chosen": split}))
+    with pytest.raises(UserInputError, match="not a layout of one device kind"):
+        calibrate([run])

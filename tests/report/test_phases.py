@@ -85,3 +85,16 @@ def test_the_furthest_phase_is_named_and_a_short_run_says_why_there_is_none(tmp_
     assert comparison.stages[0].measured[2:] == (None, None) and comparison.stages[0].unaccounted is None
     short = run_status(tmp_path / "short", [[(0.01, 0.02, 0.0, 0.0)] * 2], step_seconds=0.1)
     assert phase_comparison(short) == (None, f"phases are compared after two steps of {layout_label(short.plan.chosen)}")
+
+
+def test_a_split_over_device_kinds_is_not_compared_per_stage(tmp_path):
+    from pipectl.artifacts.plan import ReplicaShare
+
+    status = run_status(tmp_path, [[(0.01, 0.02, 0.0, 0.0)] * 2] * 3, step_seconds=0.1)
+    shares = [ReplicaShare(replica=r, device=kind, micro_batch_size=4, micro_batches=1, samples=4, gradient_weight=0.5)
+              for r, kind in enumerate(["cpu", "cpu-slowed-2x"])]  # fmt: skip
+    split = status.plan.chosen.model_copy(update={"device": "mixed", "replicas": shares, "data_parallel": 2})
+    from dataclasses import replace
+
+    status = replace(status, plan=status.plan.model_copy(update={"chosen": split}))
+    assert phase_comparison(status) == (None, "the layout splits its replicas over device kinds: phases are compared for layouts of one kind")

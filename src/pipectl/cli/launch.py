@@ -53,6 +53,23 @@ def parse_elastic(text: str) -> ElasticRange:
     return ElasticRange(min_nodes=int(low), max_nodes=int(high))
 
 
+def parse_hosts(text: str) -> list[str]:
+    """`--hosts h1,h2,...`: each host once, none empty.
+
+    >>> parse_hosts("n1, n2")
+    ['n1', 'n2']
+    """
+    hosts = [h.strip() for h in text.split(",")]
+    if any(not h or any(c.isspace() for c in h) for h in hosts):
+        raise UserInputError(f"--hosts {text!r} has an empty or blank entry", hint="give host names separated by commas")
+    repeated = next((h for i, h in enumerate(hosts) if h in hosts[:i]), None)
+    if repeated is not None:
+        raise UserInputError(
+            f"--hosts names {repeated} twice: one entry per node", hint="a node's ranks are its slots, not repeated names"
+        )
+    return hosts
+
+
 def parse_data(text: str) -> DataSpec:
     """`builtin` (default corpus), `synthetic`, a path to a token or text file, or a dataset
     function `package.module:function`."""
@@ -120,7 +137,11 @@ def register(app: typer.Typer) -> None:
             ),
         ] = None,
         keep_checkpoints: Annotated[int, typer.Option(min=1, help="Verified checkpoints to keep.")] = 3,
-        data: Annotated[str, typer.Option(help="'builtin' corpus, 'synthetic', or a token file path.")] = "builtin",
+        data: Annotated[
+            str,
+            typer.Option(help="'builtin' corpus, 'synthetic', a token file (.npy, .bin), a text file (.txt, .md), or a "
+                         "dataset function package.module:function."),
+        ] = "builtin",
         seed: Annotated[int, typer.Option(help="Seed of weights and data order.")] = 0,
         lr: Annotated[float, typer.Option(min=0.0, max=10.0, help="AdamW (peak) learning rate.")] = TRAINING_DEFAULTS.learning_rate,
         weight_decay: Annotated[float, typer.Option(min=0.0, max=10.0, help="AdamW weight decay.")] = TRAINING_DEFAULTS.weight_decay,
@@ -141,7 +162,7 @@ def register(app: typer.Typer) -> None:
         ] = None,
         precision: Annotated[
             Optional[Precision],
-            typer.Option("--precision", help="fp32 or bf16; default: the plan's (its profile's dtype), which it must match."),
+            typer.Option("--precision", help="fp32, bf16 or fp16; default: the plan's (its profile's dtype), which it must match."),
         ] = None,
         bf16: Annotated[bool, typer.Option("--bf16", help="Same as --precision bf16.")] = False,
         elastic: Annotated[
@@ -238,7 +259,7 @@ def register(app: typer.Typer) -> None:
             ds_config_overlay=read_mapping(ds_config_overlay) if ds_config_overlay is not None else {},
             elastic=elastic_range,
             nodes=nodes,
-            hosts=[h.strip() for h in hosts.split(",") if h.strip()] if hosts else None,
+            hosts=parse_hosts(hosts) if hosts else None,
             master_addr=master_addr,
             master_port=master_port,
             cluster=cluster,

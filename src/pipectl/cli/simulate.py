@@ -20,8 +20,8 @@ from pipectl.cli.context import JsonFlag, console, output_file, print_json
 from pipectl.cluster import load_cluster
 from pipectl.errors import UserInputError
 from pipectl.io import load_model
-from pipectl.plan.costs import stage_costs_for
-from pipectl.plan.simulate import StageCosts, Timeline, simulate, uniform_costs
+from pipectl.plan.hetero import replica_stage_costs
+from pipectl.plan.simulate import StageCosts, Timeline, simulate, simulate_step_seconds, uniform_costs
 from pipectl.planfile import load_kind_profiles, load_plan_profile
 from pipectl.report.gantt import terminal_gantt, write_gantt
 from pipectl.schedule import ScheduleKind, generate
@@ -69,14 +69,20 @@ def _from_plan(
     else:
         profile = load_model(ModelProfile, profile_path)
     cluster = load_cluster(cluster_name or plan.cluster)
-    costs = stage_costs_for(candidate, profile, cluster, kind_profiles)
-    schedule = generate(
-        candidate.schedule,
-        candidate.pipeline_parallel,
-        candidate.micro_batches,
-        candidate.chunks,
-        candidate.recompute,
-    )
+    # A split over device kinds: each kind's replicas run their own micro-batches on their own
+    # kind; the slowest sets the step, and is the one shown.
+    runs = []
+    for kind, micro_batches, costs in replica_stage_costs(candidate, profile, cluster, kind_profiles):
+        schedule = generate(
+            candidate.schedule, candidate.pipeline_parallel, micro_batches, candidate.chunks, candidate.recompute
+        )
+        runs.append((simulate_step_seconds(schedule, costs), kind, micro_batches, schedule, costs))
+    _, kind, micro_batches, schedule, costs = max(runs, key=lambda run: run[0])
+    if len(runs) > 1:
+        note = (note + "; " if note else "") + (
+            f"a split over device kinds: its slowest replica ({kind}, {micro_batches} micro-batches) sets the step "
+            "and is shown"
+        )
     context = {
         "source": str(plan_path),
         "devices": candidate.devices,

@@ -28,7 +28,7 @@ from pipectl.errors import PipectlError, UserInputError
 from pipectl.io import load_model
 from pipectl.runtime.dsconfig import validated_config
 from pipectl.launch.engines import LaunchCommand, allocation_hosts, build_command, run_engine
-from pipectl.launch.placement import compute_slowdowns, node_groups, plan_accelerator
+from pipectl.launch.placement import compute_slowdowns, node_groups, plan_accelerator, plan_kinds
 from pipectl.launch.rundir import RunLock, is_run_dir, lock_run_dir, prepare_run_dir, read_run, write_run_files
 from pipectl.runtime.checkpoint import recover_staged, resume_point
 from pipectl.runtime.dsinit import free_port
@@ -344,28 +344,35 @@ def deepspeed_hosts(options: LaunchOptions) -> list[str] | None:
     return options.hosts or allocation_hosts() or None
 
 
-def slurm_settings(cluster: ClusterSpec | None, flags: SlurmSpec) -> SlurmSpec:
-    """The cluster file's `slurm:` section with the flags given on top.
+def slurm_settings(cluster: ClusterSpec | None, flags: SlurmSpec, node_type: str | None = None) -> SlurmSpec:
+    """The cluster file's `slurm:` section, the partition and constraint of `node_type` (the nodes
+    a job or a heterogeneous job's component runs on) over it, launch's flags over both.
 
         >>> slurm_settings(None, SlurmSpec(partition="gpu")).partition
         'gpu'
     """
     base = cluster.slurm if cluster is not None else SlurmSpec()
-    return base.model_copy(update={k: v for k, v in flags.model_dump().items() if v is not None})
+    own = {}
+    if cluster is not None and node_type is not None:
+        own = next(n for n in cluster.node_types if n.name == node_type).slurm.model_dump(exclude_none=True)
+    given = {k: v for k, v in flags.model_dump().items() if v is not None}
+    return base.model_copy(update={**own, **given})
+
+
+def job_node_type(plan: Plan, cluster: ClusterSpec | None) -> str | None:
+    """The node type a plan of one device kind runs on (the first of its kind in the cluster)."""
+    kinds = plan_kinds(plan)
+    if cluster is None or len(kinds) != 1:
+        return None
+    nodes = cluster.nodes_of_kind(kinds[0])
+    return nodes[0].name if nodes else None
 
 
 def slurm_components(cluster: ClusterSpec | None, flags: SlurmSpec, groups: list[NodeGroup]) -> list[SlurmSpec] | None:
-    """Per node group of a split plan, its heterogeneous job component's settings: the cluster's
-    `slurm:` section, the node type's partition and constraint over it, launch's flags over both."""
+    """Per node group of a split plan, its heterogeneous job component's settings (`slurm_settings`)."""
     if not groups or cluster is None:
         return None
-    by_name = {node_type.name: node_type for node_type in cluster.node_types}
-    given = {k: v for k, v in flags.model_dump().items() if v is not None}
-    components = []
-    for group in groups:
-        own = by_name[group.node_type].slurm.model_dump(exclude_none=True)
-        components.append(cluster.slurm.model_copy(update={**own, **given}))
-    return components
+    return [slurm_settings(cluster, flags, group.node_type) for group in groups]
 
 
 def build_job(plan: Plan, name: str, options: LaunchOptions, cluster: ClusterSpec | None = None) -> JobSpec:
@@ -451,7 +458,7 @@ def prepare_launch(
         job,
         path,
         hosts=options.hosts,
-        slurm=slurm_settings(cluster, options.slurm),
+        slurm=slurm_settings(cluster, options.slurm, job_node_type(plan, cluster)),
         components=slurm_components(cluster, options.slurm, job.node_groups),
     )
     if command.runnable_here and write:  # a dry run shows the files for the nodes that will run them

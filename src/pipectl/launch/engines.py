@@ -231,6 +231,11 @@ def slurm_script(
     slurm = slurm or SlurmSpec()
     python = slurm.python or python
     groups = job.node_groups
+    if any(c.isspace() for c in str(run_dir)):
+        raise UserInputError(
+            f"the run directory {str(run_dir)!r} holds a blank, which #SBATCH lines cannot quote",
+            hint="give the Slurm run a directory without spaces",
+        )
     cpus_per_rank = slurm.cpus_per_rank or (8 if gpus else 1)
     cpus_per_task = job.ranks_per_node * cpus_per_rank
 

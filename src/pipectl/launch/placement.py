@@ -65,6 +65,12 @@ def node_groups(plan: Plan, cluster: ClusterSpec | None, engine: Engine, *, elas
     kinds = plan_kinds(plan)
     if len(kinds) < 2 or engine is Engine.LOCAL:
         return []
+    if cluster is not None and cluster.one_host:
+        raise UserInputError(
+            f"cluster '{cluster.name}' is one machine (one_host: its kinds are emulated there), not nodes the "
+            f"{engine.value} engine can place replicas on",
+            hint="launch it with --engine local",
+        )
     if engine is Engine.TORCHRUN:
         raise UserInputError(
             f"the plan splits its replicas over {', '.join(kinds)}: torchrun's rendezvous numbers the nodes by "
@@ -82,12 +88,6 @@ def node_groups(plan: Plan, cluster: ClusterSpec | None, engine: Engine, *, elas
             f"the plan splits its replicas over {', '.join(kinds)} and its cluster file is not readable here, so "
             "the nodes of each kind are unknown",
             hint="pass --cluster PATH (the cluster file the plan was made for)",
-        )
-    if cluster.one_host:
-        raise UserInputError(
-            f"cluster '{cluster.name}' is one machine (one_host: its kinds are emulated there), not nodes the "
-            f"{engine.value} engine can place replicas on",
-            hint="launch it with --engine local",
         )
     chosen = plan.chosen
     ranks_per_replica = chosen.tensor_parallel * chosen.pipeline_parallel

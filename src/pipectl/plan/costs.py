@@ -552,7 +552,8 @@ def stage_costs_for(
     """Re-build the cost table of a plan's candidate (what `pipectl simulate` re-simulates).
 
     Heterogeneous candidates are costed on the node type of their first replica, with the profile
-    made on its device where `kind_profiles` holds one (`profile_for`).
+    made on its device where `kind_profiles` holds one (`profile_for`); every replica of a split,
+    each on its kind, is `plan.hetero.replica_stage_costs`.
     """
     if candidate.device == "mixed":
         kind = candidate.replicas[0].device if candidate.replicas else cluster.node_types[0].device
@@ -581,3 +582,24 @@ def stage_costs_for(
         pipeline_parallel=candidate.pipeline_parallel,
         zero_stage=candidate.zero_stage,
     )
+
+
+def replica_groups(candidate: Candidate) -> list[tuple[str, int]]:
+    """The distinct (device kind, micro-batches) of a candidate's replicas, in replica order: one
+    for an even layout, one per kind and share for a split (`Candidate.replicas`).
+
+        >>> from pipectl.artifacts.plan import ReplicaShare
+        >>> shares = [ReplicaShare(replica=0, device="p100", micro_batch_size=2, micro_batches=30, samples=60,
+        ...                        gradient_weight=0.25), ReplicaShare(replica=1, device="v100-16gb",
+        ...                        micro_batch_size=2, micro_batches=90, samples=180, gradient_weight=0.75)]
+        >>> replica_groups_of(shares)
+        [('p100', 30), ('v100-16gb', 90)]
+    """
+    if not candidate.replicas:
+        return [(candidate.device, candidate.micro_batches)]
+    return replica_groups_of(candidate.replicas)
+
+
+def replica_groups_of(replicas) -> list[tuple[str, int]]:
+    return list(dict.fromkeys((share.device, share.micro_batches) for share in replicas))
+

@@ -31,7 +31,8 @@ from pipectl.artifacts.plan import Candidate, Objective, Plan, PlanRequest, Repl
 from pipectl.artifacts.profile import ModelProfile
 from pipectl.errors import InfeasibleError
 from pipectl.plan.candidates import ScheduleVariant, ShapeBuilder, Spec, SpecFigures, data_parallel_costs, in_flight, lower_bound_seconds, state_bytes, step_bytes
-from pipectl.plan.costs import Hardware, hardware_for, profile_for
+from pipectl.plan.costs import Hardware, hardware_for, profile_for, replica_groups, stage_costs, stage_costs_for
+from pipectl.plan.simulate import StageCosts
 from pipectl.plan.evaluate import Evaluator
 from pipectl.plan.homogeneous import SearchStats, plan_homogeneous
 from pipectl.words import count
@@ -310,3 +311,31 @@ def uneven_split(
         deepspeed_runnable=template.deepspeed_runnable,
         notes=notes,
     )
+
+
+def replica_stage_costs(
+    candidate: Candidate, profile: ModelProfile, cluster: ClusterSpec, kind_profiles: Sequence[ModelProfile] = ()
+) -> list[tuple[str, int, StageCosts]]:
+    """Per distinct (kind, micro-batches) of the candidate's replicas (`replica_groups`), its cost
+    table (`stage_costs`): for a split, each kind on its own nodes with its own profile and the
+    split's one data-parallel ring (`_on_one_ring`), as `uneven_split` priced it; the step is the
+    slowest replica's. One entry for an even layout (`stage_costs_for`)."""
+    groups = replica_groups(candidate)
+    if len(groups) == 1:
+        return [(*groups[0], stage_costs_for(candidate, profile, cluster, kind_profiles))]
+    t, p = candidate.tensor_parallel, candidate.pipeline_parallel
+    kinds = []
+    for kind in cluster.device_kinds:
+        mine = _kind_profile(cluster, kind, profile, kind_profiles)
+        hardware = hardware_for(_sub_cluster(cluster, kind), mine)
+        if hardware.devices // (t * p):
+            kinds.append((kind, hardware, mine, 0))
+    priced = {kind: (hardware, mine) for kind, hardware, mine, _ in _on_one_ring(kinds, cluster.one_host)}
+    result = []
+    for kind, micro_batches in groups:
+        hardware, mine = priced[kind]
+        costs = stage_costs(mine, hardware, candidate.stage_layers, micro_batch_size=candidate.micro_batch_size,
+                            tensor_parallel=t, data_parallel=candidate.data_parallel, pipeline_parallel=p,
+                            zero_stage=candidate.zero_stage)  # fmt: skip
+        result.append((kind, micro_batches, costs))
+    return result

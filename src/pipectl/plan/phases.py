@@ -54,7 +54,8 @@ def simulated_phases(
         forward = seconds[ActionKind.FORWARD] + seconds[ActionKind.RECOMPUTE]
         backward = seconds[ActionKind.BACKWARD]
         end = seconds[ActionKind.ALL_REDUCE] + seconds[ActionKind.OPTIMIZER_STEP]
-        phases.append((forward, backward, timeline.step_seconds - forward - backward - end, end))
+        waits = timeline.step_seconds - forward - backward - end
+        phases.append((forward, backward, waits if waits > 1e-9 * timeline.step_seconds else 0.0, end))
     return phases, timeline.step_seconds
 
 

@@ -93,8 +93,12 @@ def observe(run_dir: str | Path) -> tuple[Observation, ModelProfile]:
     plan = load_model(Plan, run / job.plan_file)
     profile = load_plan_profile(run / job.plan_file, plan)
     candidate = plan.chosen
-    if candidate.chunks != 1 or plan.kind_profiles:
-        raise UserInputError(f"run {run}: calibration takes runs of one device kind and one chunk per rank")
+    if candidate.chunks != 1 or plan.kind_profiles or len(set(candidate.replica_kinds)) > 1:
+        raise UserInputError(
+            f"run {run} ({layout_label(candidate)}) is not a layout of one device kind and one chunk per rank, which "
+            "calibration takes",
+            hint="calibrate from runs of one kind of device",
+        )
     label = layout_label(candidate)
     measured = measured_phases(read_metrics(run), label)
     if measured is None:
@@ -231,6 +235,10 @@ def calibrate(run_dirs: Sequence[str | Path]) -> tuple[ModelProfile, Calibration
     """The profile the runs were planned from, its engine terms fitted to what they measured."""
     if not run_dirs:
         raise UserInputError("give at least one run directory to calibrate from")
+    resolved = [Path(run).resolve() for run in run_dirs]
+    repeated = next((run for i, run in enumerate(run_dirs) if resolved[i] in resolved[:i]), None)
+    if repeated is not None:
+        raise UserInputError(f"run {repeated} is given twice: each run counts once")
     observed = [observe(run) for run in run_dirs]
     profile = observed[0][1]
     for (observation, other) in observed[1:]:

@@ -76,6 +76,8 @@ def phase_comparison(status: RunStatus) -> tuple[PhaseComparison | None, str | N
     label = layout_label(status.plan.chosen)
     if status.plan.chosen.chunks != 1:
         return None, "the layout runs several chunks per rank: phases are compared per stage of one chunk"
+    if len(set(status.plan.chosen.replica_kinds)) > 1:
+        return None, "the layout splits its replicas over device kinds: phases are compared for layouts of one kind"
     measured = measured_phases(status.metrics, label)
     if measured is None:
         return None, f"phases are compared after two steps of {label}"
