@@ -168,19 +168,21 @@ def test_status_summarises_metrics_and_layout_changes(tmp_path):
     run = tmp_path / "r"
     prepare_launch(tiny_plan(), run, LaunchOptions(steps=6))
     writer = MetricsWriter(run, rank=0)
-    for step, (seconds, layout) in enumerate([(0.5, "A"), (0.1, "A"), (0.05, "A"), (0.04, "B")], start=1):
+    steps = [(0.5, "A"), (0.1, "A"), (0.05, "A"), (0.9, "B"), (0.04, "B"), (0.1, "B")]
+    for step, (seconds, layout) in enumerate(steps, start=1):
         writer.write(
             StepMetrics(step=step, loss=5.0 - step, step_seconds=seconds, predicted_step_seconds=0.05,
                         samples_per_second=8 / seconds, global_batch=8, world_size=2, layout=layout)
         )  # fmt: skip
     status = run_status(run)
-    assert status.steps_done == 4 and not status.finished
-    assert status.last_loss == pytest.approx(1.0)
+    assert status.steps_done == 6 and status.trained
+    assert status.last_loss == pytest.approx(-1.0)
     assert status.layouts == ["A", "B"]
-    assert status.prediction.steps == 3  # the first (warm-up) step is excluded
+    # The current layout's steps, its first (warm-up) step excluded: B's 0.04 and 0.1 s.
+    assert status.prediction.steps == 2
     assert status.prediction.max_abs_error == pytest.approx(0.5)  # |0.1 - 0.05| / 0.1
     payload = json.loads(json.dumps(status.to_dict()))
-    assert payload["steps_done"] == 4 and payload["checkpoints"] == []
+    assert payload["steps_done"] == 6 and payload["checkpoints"] == []
 
 
 def test_the_plans_profile_goes_into_the_run_and_a_missing_one_is_refused(tmp_path):

@@ -371,7 +371,8 @@ def run_status(run_dir: str | os.PathLike[str], *, verify_hashes: bool = False) 
         job=files.job,
         plan=files.plan,
         metrics=metrics,
-        prediction=prediction_summary(metrics),
+        # The current layout's steps only: a resize changes the step and its prediction.
+        prediction=prediction_summary([m for m in metrics if not layouts or m.layout == layouts[-1]]),
         checkpoints=checkpoints,
         layouts=layouts,
         staging=staging_leftovers(files.path),

@@ -94,7 +94,8 @@ def status_table(status: RunStatus) -> Group:
         summary.add_row(
             "step time",
             f"measured {prediction.median_measured_seconds * 1e3:.1f} ms, "
-            f"predicted {prediction.median_predicted_seconds * 1e3:.1f} ms (medians over {count(prediction.steps, 'step')})",
+            f"predicted {prediction.median_predicted_seconds * 1e3:.1f} ms (medians over {count(prediction.steps, 'step')}"
+            + (f" of {status.layouts[-1]})" if len(status.layouts) > 1 else ")"),
         )
         summary.add_row(
             "prediction error",
