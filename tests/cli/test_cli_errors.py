@@ -116,5 +116,5 @@ def test_debug_variable_shows_the_traceback(tmp_path):
         [sys.executable, "-m", "pipectl.cli.main", "profile", "show", str(tmp_path / "missing.json")],
         capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path,
     )
-    assert completed.returncode != 0
-    assert "Traceback" in completed.stderr
+    assert completed.returncode == 2  # the error's own code, the traceback shown too
+    assert "Traceback" in completed.stderr and "missing.json" in completed.stderr

@@ -13,7 +13,8 @@ from pipectl.errors import PipectlError
 class ErrorReportingGroup(TyperGroup):
     """The root group: a `PipectlError` from any command becomes a message and its exit code.
 
-    Set PIPECTL_DEBUG=1 to get the traceback instead. Other exceptions are bugs and propagate.
+    Set PIPECTL_DEBUG=1 to get the traceback too (the exit code stays the error's). Other exceptions
+    are bugs and propagate.
     """
 
     def invoke(self, ctx):  # type: ignore[override]
@@ -21,7 +22,7 @@ class ErrorReportingGroup(TyperGroup):
             return super().invoke(ctx)
         except PipectlError as exc:
             if os.environ.get("PIPECTL_DEBUG", "") not in ("", "0"):
-                raise
+                err_console.print_exception()
             # Messages quote files and exceptions ("[enforce fail at alloc_cpu.cpp:127]"): not markup.
             err_console.print(f"[bold red]error:[/] {escape(exc.message)}", highlight=False, soft_wrap=True)
             if exc.hint:
