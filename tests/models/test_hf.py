@@ -340,3 +340,32 @@ def test_a_weights_index_naming_files_outside_the_directory_is_refused(tmp_path)
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"transformer.wte.weight": "../x.safetensors"}}))
     with pytest.raises(UserInputError, match="names '../x.safetensors', not a file of"):
         build_model(f"hf:{tmp_path}").layers[0].build()
+
+
+def test_damaged_or_pickled_weights_and_impossible_configs_are_named(tmp_path):
+    model = saved(LlamaForCausalLM, llama_config(tied=False), tmp_path / "pickled")
+    (tmp_path / "pickled" / "model.safetensors").unlink()
+    torch.save(model.state_dict(), tmp_path / "pickled" / "pytorch_model.bin")
+    with pytest.raises(UserInputError, match="pytorch_model.bin, a pickle") as caught:
+        build_model(f"hf:{tmp_path / 'pickled'}").layers[0].build()
+    assert "safe_serialization=True" in caught.value.hint
+    saved(GPT2LMHeadModel, gpt2_config(), tmp_path / "damaged")
+    (tmp_path / "damaged" / "model.safetensors").write_bytes(b"\xff" * 64)
+    with pytest.raises(UserInputError, match="cannot be read as safetensors"):
+        build_model(f"hf:{tmp_path / 'damaged'}").layers[0].build()
+    (tmp_path / "zero").mkdir()
+    (tmp_path / "zero" / "config.json").write_text(json.dumps({**json.loads(gpt2_config().to_json_string()), "vocab_size": 0}))
+    with pytest.raises(UserInputError, match="vocab_size is 0, not a positive whole number"):
+        build_model(f"hf:{tmp_path / 'zero'}")
+
+
+def test_a_model_this_host_cannot_hold_is_refused_whole_and_marked_shape_only_per_layer(tmp_path, monkeypatch):
+    import pipectl.models.registry as registry
+
+    (tmp_path / "config.json").write_text(llama_config(tied=False).to_json_string())
+    total = sum(shape_of(build_model(f"hf:{tmp_path}")).layer_parameter_counts)
+    monkeypatch.setattr(registry, "host_memory_bytes", lambda: 4 * total - 1)  # a host one byte short
+    with pytest.raises(UserInputError, match="as float32, more than this host's") as caught:
+        build_model(f"hf:{tmp_path}")
+    assert "--once" in caught.value.hint and "shape_only: true" not in caught.value.hint
+    assert build_model(f"hf:{tmp_path}", allow_shape_only=True).shape_only  # one layer at a time

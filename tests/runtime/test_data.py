@@ -184,6 +184,19 @@ def empty():
 
 def numbers():
     return [1, 2, 3]
+
+
+class Raising(Squares):
+    def __getitem__(self, index):
+        raise KeyError(f"boom {index}")
+
+
+def raising():
+    return Raising()
+
+
+def failing():
+    raise RuntimeError("no data here")
 '''
 
 
@@ -239,7 +252,8 @@ def test_a_dataset_function_gives_its_samples_in_pipectls_order(dataset_module):
 
 @pytest.mark.parametrize(
     "function, message",
-    [("empty", "is empty"), ("numbers", "samples must be \\(inputs, labels\\) pairs"), ("missing", "cannot load dataset factory")],
+    [("empty", "is empty"), ("numbers", "samples must be \\(inputs, labels\\) pairs"), ("missing", "cannot load dataset factory"),
+     ("raising", "its first sample raised KeyError: 'boom 0'"), ("failing", "raised RuntimeError: no data here")],
 )
 def test_bad_datasets_are_named(dataset_module, function, message):
     with pytest.raises(UserInputError, match=message):
@@ -255,7 +269,7 @@ def test_data_specs_name_what_ranks_read(tmp_path, dataset_module):
     assert parse_data(str(text)) == DataSpec(kind=DataKind.FILE, path=str(text.resolve()))
     spec = parse_data(f"{dataset_module}:squares")
     assert spec.kind is DataKind.DATASET and spec.source() == f"dataset:{dataset_module}:squares"
-    assert parse_data("builtin").source() == "corpus"
+    assert parse_data("builtin").source() is None  # the byte corpus for a language model, synthetic otherwise
     with pytest.raises(UserInputError, match="neither 'builtin', 'synthetic', an existing file nor a dataset"):
         parse_data("no/such/file.txt")
 

@@ -114,10 +114,11 @@ class DataSpec(Strict):
         return self
 
     def source(self) -> str | None:
-        """What `runtime.data.make_source` takes: 'corpus', 'synthetic', 'dataset:REF' or the path."""
+        """What `runtime.data.make_source` takes: None (builtin: the byte corpus for a language
+        model, synthetic batches for another), 'synthetic', 'dataset:REF' or the path."""
         if self.kind is DataKind.DATASET:
             return f"dataset:{self.reference}"
-        return {DataKind.BUILTIN: "corpus", DataKind.SYNTHETIC: "synthetic"}.get(self.kind, self.path)
+        return {DataKind.BUILTIN: None, DataKind.SYNTHETIC: "synthetic"}.get(self.kind, self.path)
 
 
 class ElasticRange(Strict):

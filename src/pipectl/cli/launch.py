@@ -233,6 +233,11 @@ def register(app: typer.Typer) -> None:
             from pipectl.runtime.data import check_dataset
 
             check_dataset(data_spec.reference)
+        elif data_spec.kind is DataKind.BUILTIN and plan.model_shape.vocab is not None and plan.model_shape.vocab < 256:
+            raise UserInputError(
+                f"the built-in corpus is bytes, and the model's vocabulary is {plan.model_shape.vocab} (fewer than 256)",
+                hint="give --data a token file, a text file the model's tokenizer covers, a dataset, or synthetic",
+            )
         every_steps, every_seconds, every_auto = parse_checkpoint_interval(checkpoint_every)
         elastic_range = parse_elastic(elastic) if elastic else None
         if elastic_range is not None and engine is not Engine.TORCHRUN:

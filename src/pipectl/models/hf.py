@@ -31,11 +31,14 @@ import functools
 import json
 import math
 from pathlib import Path
+
 import torch
 import torch.nn.functional as F
+from pydantic import ValidationError
 from torch import nn
 
 from pipectl.errors import UserInputError
+from pipectl.io import validation_message
 from pipectl.models.base import LayerDef, ModelLayers
 from pipectl.models.transformer import lm_loss
 from pipectl.paths import HF_CONFIG_FILE, HF_PREFIX, hf_model_dir, hf_tokenizer_file
@@ -72,8 +75,12 @@ def hf_config(directory: str):
         )
     try:
         config = transformers.AutoConfig.for_model(**raw)
-    except (TypeError, ValueError) as exc:
+    except Exception as exc:  # transformers and huggingface_hub raise their own validation errors
         raise UserInputError(f"{path}: not a valid {model_type} config: {exc}") from None
+    sizes = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+    bad = next((name for name in sizes if not isinstance(getattr(config, name, None), int) or getattr(config, name) < 1), None)
+    if bad is not None:
+        raise UserInputError(f"{path}: {bad} is {getattr(config, bad, None)!r}, not a positive whole number")
     config._attn_implementation = "sdpa"
     return config
 
@@ -117,11 +124,25 @@ def _weight_files(directory: str) -> dict[str, str]:
         return {name: str(folder / file) for name, file in mapping.items()}
     single = folder / WEIGHTS_FILE
     if not single.is_file():
+        pickled = sorted(p.name for p in folder.glob("*.bin")) + sorted(p.name for p in folder.glob("*.pt"))
+        if pickled:
+            raise UserInputError(
+                f"{folder} holds its weights as {pickled[0]}, a pickle (loading one can run code): pipectl reads "
+                "safetensors only, and would otherwise start from random weights",
+                hint="convert them once where you trust the file: model.save_pretrained(folder, safe_serialization=True)",
+            )
         return {}
+    return {name: str(single) for name in _safetensors_names(single)}
+
+
+def _safetensors_names(path: Path) -> list[str]:
     from safetensors import safe_open
 
-    with safe_open(str(single), framework="pt") as handle:
-        return {name: str(single) for name in handle.keys()}
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            return list(handle.keys())
+    except Exception as exc:  # safetensors raises its own error types for damaged files
+        raise UserInputError(f"{path} cannot be read as safetensors: {exc}") from None
 
 
 def _load(module: nn.Module, directory: str, names: dict[str, str]) -> bool:
@@ -138,8 +159,11 @@ def _load(module: nn.Module, directory: str, names: dict[str, str]) -> bool:
         found = next((n for n in candidates if n in files), None)
         if found is None:
             raise UserInputError(f"{directory}: the weights hold no tensor {stored!r}")
-        with safe_open(files[found], framework="pt") as handle:
-            tensor = handle.get_tensor(found)
+        try:
+            with safe_open(files[found], framework="pt") as handle:
+                tensor = handle.get_tensor(found)
+        except Exception as exc:  # a missing shard, a damaged file
+            raise UserInputError(f"{directory}: cannot read {found!r} from {files[found]}: {exc}") from None
         if tuple(tensor.shape) != tuple(state[local].shape):
             raise UserInputError(
                 f"{directory}: tensor {found!r} has shape {tuple(tensor.shape)}, the config gives {tuple(state[local].shape)}"
@@ -350,7 +374,7 @@ def from_hf(reference: str) -> ModelLayers:
 def model_config(reference: str):
     """The `ModelConfig` of an `hf:` model's shape, for derived profiles (`profile.derive`): the
     same layers, parameter counts and tie group as `from_hf` builds."""
-    from pipectl.artifacts.model import ModelConfig, ModelFamily
+    from pipectl.artifacts.model import ModelFamily
 
     directory = str(hf_model_dir(reference))
     config = hf_config(directory)
@@ -359,6 +383,15 @@ def model_config(reference: str):
         hidden=config.hidden_size, heads=config.num_attention_heads, seq_len=sequence_length(config),
         vocab=config.vocab_size, tied_embeddings=bool(getattr(config, "tie_word_embeddings", True)), shape_only=True,
     )  # fmt: skip
+    try:
+        return _model_config(config, directory, common)
+    except ValidationError as exc:
+        raise UserInputError(f"{directory}: {validation_message(exc)}") from None
+
+
+def _model_config(config, directory: str, common: dict):
+    from pipectl.artifacts.model import ModelConfig
+
     if _is_gpt2(config):
         python_gelu = config.activation_function == "gelu_new"  # transformers' NewGELUActivation: eager ops
         return ModelConfig(**common, ffn_hidden=config.n_inner or 4 * config.hidden_size,

@@ -138,7 +138,8 @@ def check_fits_host(config: ModelConfig, memory_bytes: int | None = None) -> Non
         raise UserInputError(
             f"model '{config.name}' has {sum(counts):,} parameters, {_gib(needed)} as float32, more than "
             f"this host's {_gib(memory_bytes)} of memory (layers {config.layers}, hidden {config.hidden})",
-            hint="mark it shape_only: true and derive its profile (--derive) or profile one layer at a time (--once)",
+            hint=("derive its profile (--derive) or profile one layer at a time (--once)" if config.name.startswith(HF_PREFIX)
+                  else "mark it shape_only: true and derive its profile (--derive) or profile one layer at a time (--once)"),
         )
 
 
@@ -216,7 +217,7 @@ def import_factory(reference: str, what: str = "model"):
     try:
         module = importlib.import_module(module_name)
         factory = getattr(module, attr)
-    except (ImportError, AttributeError) as exc:
+    except (ImportError, AttributeError, SyntaxError) as exc:
         raise UserInputError(f"cannot load {what} factory '{reference}': {exc}") from exc
     if isinstance(factory, type) and issubclass(factory, nn.Module):
         raise UserInputError(f"{what} factory '{reference}' is a module class; give a function that builds the {what}")
@@ -237,6 +238,14 @@ def import_factory(reference: str, what: str = "model"):
             f"{what} factory '{reference}' takes arguments {inspect.signature(factory)}; pipectl calls it with none"
         ) from None
     return module, factory
+
+
+def call_factory(factory, reference: str, what: str):
+    """The factory's result; an exception it raises is the user's code failing, named as such."""
+    try:
+        return factory()
+    except Exception as exc:
+        raise UserInputError(f"{what} factory '{reference}' raised {type(exc).__name__}: {exc}") from exc
 
 
 @functools.lru_cache(maxsize=None)
@@ -308,7 +317,7 @@ def from_factory(reference: str) -> ModelLayers:
     (examples/sequential_model.py).
     """
     module, factory = import_factory(reference)
-    probe = factory()
+    probe = call_factory(factory, reference, "model")
     if isinstance(probe, ModelLayers):
         return probe
     if isinstance(probe, (list, tuple)) and probe and all(_is_layer_spec(spec) for spec in probe):
@@ -339,8 +348,19 @@ def build_model(reference: str | Path, *, allow_shape_only: bool = False) -> Mod
     """
     text = str(reference)
     if text.startswith(HF_PREFIX):
-        from pipectl.models.hf import from_hf  # transformers: only for a Hugging Face model
+        from pipectl.models.hf import from_hf, model_config  # transformers: only for a Hugging Face model
 
+        # Float32 weights that cannot fit this host are refused before anything is built; with
+        # allow_shape_only (callers that build one layer or one stage at a time) such a model is
+        # marked shape-only, and only its largest layer must fit.
+        shape = model_config(text)
+        try:
+            check_fits_host(shape.model_copy(update={"shape_only": False}))
+        except UserInputError:
+            if not allow_shape_only:
+                raise
+            check_fits_host(shape)
+            return replace(from_hf(text), shape_only=True)
         return from_hf(text)
     if ":" in text and not Path(text).exists() and not text.endswith((".yaml", ".yml")):
         return from_factory(text)

@@ -213,15 +213,18 @@ class DatasetSource:
     """A user dataset `package.module:function` (see the module docstring)."""
 
     def __init__(self, reference: str) -> None:
-        from pipectl.models.registry import import_factory
+        from pipectl.models.registry import call_factory, import_factory
 
         _, factory = import_factory(reference, what="dataset")
-        dataset = factory()
+        dataset = call_factory(factory, reference, "dataset")
         if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
             raise UserInputError(
                 f"dataset '{reference}' returned {type(dataset).__name__}, which has no __len__ and __getitem__"
             )
-        size = len(dataset)
+        try:
+            size = len(dataset)
+        except Exception as exc:  # the user's __len__
+            raise UserInputError(f"dataset '{reference}': len() raised {type(exc).__name__}: {exc}") from None
         if size < 1:
             raise UserInputError(f"dataset '{reference}' is empty")
         self.dataset = dataset
@@ -268,7 +271,12 @@ def check_dataset(reference: str) -> int:
     """Import the dataset and collate its first sample as every rank will, before any rank starts
     (its code runs here too). Returns its samples."""
     source = DatasetSource(reference)
-    source.batch([0])
+    try:
+        source.batch([0])
+    except UserInputError:
+        raise
+    except Exception as exc:  # the user's __getitem__ or collate
+        raise UserInputError(f"dataset '{reference}': its first sample raised {type(exc).__name__}: {exc}") from None
     return source.num_samples
 
 

@@ -13,6 +13,7 @@ their manifest before anything is written, and DIR is written whole or not at al
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -97,11 +98,17 @@ def export_hf(run_dir: str | os.PathLike[str], output: str | os.PathLike[str], s
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     try:
-        shutil.copyfile(source / HF_CONFIG_FILE, staging / HF_CONFIG_FILE)
+        # The weights are float32 whatever the source's dtype: say so, or transformers loads them in it.
+        config = json.loads((source / HF_CONFIG_FILE).read_text())
+        for key in ("torch_dtype", "dtype"):
+            if key in config:
+                config[key] = "float32"
+        (staging / HF_CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
         for name in COMPANION_FILES:
             if (source / name).is_file():
                 shutil.copyfile(source / name, staging / name)
         save_file(state, str(staging / "model.safetensors"), metadata={"format": "pt", "pipectl_step": str(info.step)})
+        os.chmod(staging / "model.safetensors", 0o644)  # as readable as the files copied beside it
         staging.rename(out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
