@@ -369,3 +369,14 @@ def test_a_model_this_host_cannot_hold_is_refused_whole_and_marked_shape_only_pe
         build_model(f"hf:{tmp_path}")
     assert "--once" in caught.value.hint and "shape_only: true" not in caught.value.hint
     assert build_model(f"hf:{tmp_path}", allow_shape_only=True).shape_only  # one layer at a time
+
+
+def test_launch_refuses_a_tensor_split_the_models_heads_or_dropout_do_not_allow(tmp_path):
+    from pipectl.launch import LaunchOptions, prepare_launch
+
+    (tmp_path / "llama").mkdir()
+    (tmp_path / "llama" / "config.json").write_text(llama_config(tied=False).to_json_string())  # 2 key/value heads
+    four = gpt_tiny_candidate(1, b=4, m=2).model_copy(update={"stage_layers": [(0, 6)], "tensor_parallel": 4, "devices": 4})
+    with pytest.raises(UserInputError, match=r"key/value heads \(2\) do not divide by tensor-parallel degree 4"):
+        prepare_launch(plan_of(four, model=f"hf:{tmp_path / 'llama'}"), tmp_path / "run", LaunchOptions(steps=2), write=False)
+    assert not (tmp_path / "run").exists()
