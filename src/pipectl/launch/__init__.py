@@ -177,6 +177,7 @@ def check_model(plan: Plan, model_reference: str) -> None:
     same parameters (the cut indexes them, the memory figures count them) and the same shape."""
     from pipectl.models import build_model  # torch: only when launching
     from pipectl.models.base import shape_of
+    from pipectl.profile.measure import check_tensor_parallel
 
     model = build_model(model_reference, allow_shape_only=True)  # counted on the meta device; ranks build a stage each
     built = shape_of(model)
@@ -202,27 +203,9 @@ def check_model(plan: Plan, model_reference: str) -> None:
                 f"{expected.parameter_count:,})",
                 hint=hint,
             )
-    _check_tensor_split(model, plan.chosen.tensor_parallel)
-
-
-def _check_tensor_split(model, tensor_parallel: int) -> None:
-    """Each distinct block must split over t ranks as the ranks will split it (heads, key/value
-    heads and widths that t divides; no dropout in a Hugging Face layer): built here on the meta
-    device, so a layout that cannot run is refused before any rank starts."""
-    if tensor_parallel == 1:
-        return
-    import torch
-
-    from pipectl.models.tensor_parallel import TensorParallelGroup, shard_model
-
-    sharded = shard_model(model, TensorParallelGroup.without_communication(tensor_parallel))
-    seen = set()
-    with torch.random.fork_rng(devices=[]), torch.device("meta"):
-        for layer, original in zip(sharded.layers, model.layers):
-            key = (layer.module_cls, original.args[:1], tuple(sorted(original.kwargs)))
-            if layer is not original and key not in seen:
-                seen.add(key)
-                layer.build()
+    # Every distinct block split as the ranks will split it, on the meta device (heads, key/value
+    # heads and widths t divides; no dropout in a Hugging Face layer): refused before any rank starts.
+    check_tensor_parallel(model, [plan.chosen.tensor_parallel])
 
 
 # A profile's dtype -> the precision a run trains in.

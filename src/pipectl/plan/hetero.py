@@ -153,6 +153,22 @@ def _best_split(
     return min(splits, key=key, default=None)
 
 
+def _pools(
+    cluster: ClusterSpec, profile: ModelProfile, kind_profiles: Sequence[ModelProfile], t: int, p: int,
+    memory_headroom: float = 0.0,
+) -> list[tuple[str, Hardware, ModelProfile, int]]:
+    """Per device kind that can hold a t x p pipeline: its hardware, the profile that prices it and
+    how many such replicas it holds (before `_on_one_ring`)."""
+    pools = []
+    for kind in cluster.device_kinds:
+        mine = _kind_profile(cluster, kind, profile, kind_profiles)
+        hardware = hardware_for(_sub_cluster(cluster, kind), mine, memory_headroom=memory_headroom)
+        replicas = hardware.devices // (t * p)
+        if replicas and hardware.devices_per_node % t == 0:
+            pools.append((kind, hardware, mine, replicas))
+    return pools  # fmt: skip
+
+
 def _on_one_ring(kinds: list, one_host: bool = False) -> list:
     """The kinds' hardware with one data-parallel ring for all: every replica's gradient goes round
     the same ring, which leaves each node and runs at the pace of its slowest hop, so every kind's
@@ -214,17 +230,11 @@ def uneven_split(
     if B % b:
         return None
     total = B // b
-    kinds = []
-    for kind in cluster.device_kinds:
-        mine = _kind_profile(cluster, kind, profile, kind_profiles)
-        hardware = hardware_for(_sub_cluster(cluster, kind), mine, memory_headroom=request.memory_headroom)
-        replicas = hardware.devices // (t * p)
-        if replicas == 0 or hardware.devices_per_node % t:
-            continue
-        builder = ShapeBuilder(mine, hardware)
-        shape = builder.shape_from_cuts(t, b, template.recompute, p, template.chunks,
-                                        [tuple(s) for s in template.stage_layers])
-        kinds.append((kind, hardware, shape, replicas))
+    kinds = [
+        (kind, hardware, ShapeBuilder(mine, hardware).shape_from_cuts(
+            t, b, template.recompute, p, template.chunks, [tuple(s) for s in template.stage_layers]), replicas)
+        for kind, hardware, mine, replicas in _pools(cluster, profile, kind_profiles, t, p, request.memory_headroom)
+    ]  # fmt: skip
     if len(kinds) < 2:
         return None
     kinds = _on_one_ring(kinds, cluster.one_host)
@@ -324,13 +334,8 @@ def replica_stage_costs(
     if len(groups) == 1:
         return [(*groups[0], stage_costs_for(candidate, profile, cluster, kind_profiles))]
     t, p = candidate.tensor_parallel, candidate.pipeline_parallel
-    kinds = []
-    for kind in cluster.device_kinds:
-        mine = _kind_profile(cluster, kind, profile, kind_profiles)
-        hardware = hardware_for(_sub_cluster(cluster, kind), mine)
-        if hardware.devices // (t * p):
-            kinds.append((kind, hardware, mine, 0))
-    priced = {kind: (hardware, mine) for kind, hardware, mine, _ in _on_one_ring(kinds, cluster.one_host)}
+    pools = _on_one_ring(_pools(cluster, profile, kind_profiles, t, p), cluster.one_host)
+    priced = {kind: (hardware, mine) for kind, hardware, mine, _ in pools}
     result = []
     for kind, micro_batches in groups:
         hardware, mine = priced[kind]
