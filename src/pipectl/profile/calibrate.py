@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pipectl.artifacts.cluster import ClusterSpec
 from pipectl.artifacts.layout import layout_label
 from pipectl.artifacts.plan import Candidate, Plan
 from pipectl.artifacts.profile import ModelProfile
@@ -56,7 +57,7 @@ class Observation:
 
     run: str
     candidate: Candidate
-    cluster_name: str
+    cluster: ClusterSpec  # read once: every fitting step re-simulates the run on it
     measured: MeasuredPhases
     shares_host: bool  # several of its ranks on one node (the concurrent slowdown applies)
 
@@ -109,13 +110,14 @@ def observe(run_dir: str | Path) -> tuple[Observation, ModelProfile]:
             f"run {run} does not record its pipeline waits and end of step (pipectl before this version)",
             hint="run the layout again with this pipectl",
         )
-    hardware = hardware_for(load_cluster(plan.cluster), profile)
+    cluster = load_cluster(plan.cluster)
+    hardware = hardware_for(cluster, profile)
     shares = min(candidate.devices, hardware.devices_per_node) >= 2
-    return Observation(str(run), candidate, plan.cluster, measured, shares), profile
+    return Observation(str(run), candidate, cluster, measured, shares), profile
 
 
 def _predict(profile: ModelProfile, observation: Observation) -> tuple[list[tuple[float, ...]], float]:
-    return simulated_phases(observation.candidate, profile, load_cluster(observation.cluster_name))
+    return simulated_phases(observation.candidate, profile, observation.cluster)
 
 
 def _with(profile: ModelProfile, **changes) -> ModelProfile:
