@@ -11,55 +11,8 @@ import pytest
 import torch
 
 from pipectl.errors import CheckpointError
-from pipectl.models.tensor_parallel import QKV, ROWS, TensorSplit
-from pipectl.runtime.shards import FP32, Fragment, RankHeader, ShardReader, rank_file_name, whole_state, write_rank_file
-
-
-def write_layout(folder: Path, parameters: dict[str, tuple[torch.Tensor, TensorSplit | None]], *, t: int, d: int,
-                 stages: dict[str, tuple[int, ...]] | None = None) -> int:  # fmt: skip
-    """Write what t tensor ranks x d data-parallel ranks (x the stages in `stages`, default 0) hold
-    of `parameters`, the way ZeRO-1 lays it out: each tensor slice's parameters flattened one after
-    the other, the flat group cut into d equal partitions. Returns the number of rank files."""
-    stages = stages or {}
-    stage_ids = sorted({s for name in parameters for s in stages.get(name, (0,))})
-    rank = 0
-    for stage in stage_ids:
-        names = [n for n in parameters if stage in stages.get(n, (0,))]
-        for tp_rank in range(t):
-            slices = {n: (split.cut(value, t, tp_rank) if split else value) for n, (value, split) in parameters.items()}
-            flat = torch.cat([slices[n].reshape(-1) for n in names])
-            flat = torch.cat([flat, torch.zeros((-flat.numel()) % d)])  # ZeRO pads to a multiple of d
-            size = flat.numel() // d
-            starts, offset = {}, 0
-            for n in names:
-                starts[n] = offset
-                offset += slices[n].numel()
-            for dp_rank in range(d):
-                low, high = dp_rank * size, (dp_rank + 1) * size
-                fragments = []
-                for n in names:
-                    begin, end = max(low, starts[n]), min(high, starts[n] + slices[n].numel())
-                    if begin < end:
-                        fragments.append(Fragment(n, 0, begin - low, begin - starts[n], end - begin,
-                                                  tuple(slices[n].shape), stage, tp_rank, t, parameters[n][1]))  # fmt: skip
-                header = RankHeader(rank=rank, stage=stage, step=7, world_size=0, data_parallel_rank=dp_rank,
-                                    tp_rank=tp_rank, tensor_parallel=t, fragments=fragments,
-                                    group_states=[["exp_avg"]], group_scalars=[[]], group_settings=[{"lr": 0.1}])  # fmt: skip
-                part = flat[low:high]
-                tensors = {"group0.fp32": part.clone(), "group0.exp_avg": part * 3, "rng.torch": torch.get_rng_state()}
-                write_rank_file(folder / rank_file_name(rank), tensors, header)
-                rank += 1
-    return rank
-
-
-def model(seed: int = 0) -> dict[str, tuple[torch.Tensor, TensorSplit | None]]:
-    generator = torch.Generator().manual_seed(seed)
-    return {
-        "tied_modules.embed.weight": (torch.randn(10, 4, generator=generator), None),
-        "3.qkv.weight": (torch.randn(24, 8, generator=generator), QKV),
-        "3.proj.weight": (torch.randn(8, 8, generator=generator), ROWS),
-        "3.ln.bias": (torch.randn(8, generator=generator), None),
-    }
+from pipectl.runtime.shards import FP32, ShardReader, rank_file_name, whole_state
+from builders import shard_model as model, write_shard_layout as write_layout
 
 
 @pytest.mark.parametrize("t, d", [(1, 1), (2, 1), (1, 3), (2, 3), (4, 2)])

@@ -1,10 +1,15 @@
 """The morph history of a run: RUN/morphs.jsonl, one `MorphRecord` per resize (job morphing, SPEC §7).
 
-A record is appended when a resize relaunches the job, before the new layout has run a step;
-its downtime is filled in once metrics.jsonl shows the first step completed on the new layout:
+A resize takes one of two paths. A restart stops the job at a step boundary, checkpoints, and
+relaunches it on the new layout; its record is appended at the relaunch, before the new layout has
+run a step, and its downtime is filled in once metrics.jsonl shows the first step completed there:
 
     requested_unix ──(stop at a step boundary, checkpoint)──► relaunched_unix ──► first_step_unix
     └──────────────────────────── downtime_seconds ──────────────────────────────┘
+
+A live resize (`runtime/live.py`) keeps the job running: at a step boundary the ranks hand their
+state to the new layout's ranks in memory and go on; rank 0 appends the record after the first step
+on the new layout, with the pause (last step before -> first step after) and the bytes moved.
 """
 
 from __future__ import annotations
@@ -55,6 +60,14 @@ class MorphRecord(Artifact):
         description="Where the new layout came from."
     )
     excluded_ranks: list[int] = Field(default_factory=list, description="Straggler ranks left out.")
+    path: Literal["restart", "live"] = Field(
+        default="restart",
+        description="restart: stopped, checkpointed and relaunched; live: the running ranks handed their state over in memory.",
+    )
+    pause_seconds: float | None = Field(
+        default=None, ge=0, description="Live: the last step completed before -> the first completed after."
+    )
+    bytes_moved: int | None = Field(default=None, ge=0, description="Live: state bytes sent from rank to rank.")
     notes: list[str] = Field(default_factory=list, description="What the user should know (fewer devices, ...).")
 
     @model_validator(mode="after")
@@ -62,3 +75,19 @@ class MorphRecord(Artifact):
         if self.first_step_unix is not None and self.downtime_seconds is None:
             raise ValueError("first_step_unix is set but downtime_seconds is not")
         return self
+
+
+LIVE_REQUEST_FILE = "resize_requested.json"  # in RUN: a live resize for the running job to take
+
+
+class LiveResizeRequest(Artifact):
+    """RUN/resize_requested.json: written by `pipectl resize` once any joining ranks are ready; the
+    running ranks take it at their next step boundary (`runtime/live.py`)."""
+
+    schema_version: Literal[1] = 1
+    generation: int = Field(ge=1, description="1 for the job's first live resize, then 2, ...")
+    from_devices: int = Field(gt=0, description="Ranks handing their state over.")
+    devices: int = Field(gt=0, description="Ranks of the new layout (run files already rewritten for it).")
+    master_addr: str = Field(description="Where the new layout's ranks meet.")
+    master_port: int = Field(gt=0, lt=65536, description="A port free for the new layout's process group.")
+    record: MorphRecord = Field(description="The morph as decided; the ranks fill in what they measure.")

@@ -457,6 +457,7 @@ class RankState(str, Enum):
     FINISHED = "finished"  # trained every step, final checkpoint written, exiting 0
     STOPPED = "stopped"  # stopped early on request (SIGTERM, stop file), checkpoint written, exiting 0
     FAILED = "failed"  # an error ended it (its failure record says which)
+    LEFT = "left"  # handed its state to the other ranks in a live resize, exiting 0
 
 
 class RankHeartbeat(Strict):

@@ -15,6 +15,7 @@ from pipectl.cli.context import JsonFlag, console, err_console, print_json, trai
 from pipectl.errors import LaunchError
 from pipectl.launch.rundir import run_status
 from pipectl.report.run_tables import decision_table, morph_history_table, status_table
+from pipectl.resize.live import LiveUnavailable, live_resize
 from pipectl.resize.morph import decide_resize, resize_run
 from pipectl.resize.stragglers import StragglerPolicy
 from pipectl.runtime.history import read_history
@@ -46,6 +47,14 @@ def register(app: typer.Typer) -> None:
         ] = None,
         dry_run: Annotated[
             bool, typer.Option("--dry-run", help="Show the new layout; stop, write and start nothing.")
+        ] = False,
+        live: Annotated[
+            bool,
+            typer.Option(
+                "--live",
+                help="Move the running job without a restart: its ranks hand their state over in memory at "
+                "the next step boundary (local or torchrun job on this host; otherwise it restarts, and says why).",
+            ),
         ] = False,
         submit: Annotated[
             bool, typer.Option("--submit", help="Slurm run: submit the new job.sbatch with sbatch.")
@@ -83,6 +92,21 @@ def register(app: typer.Typer) -> None:
             return
         if not json_output:
             console.print(decision_table(decision))
+        if live:
+            try:
+                moved = live_resize(
+                    decision,
+                    requested_unix=requested_unix,
+                    say=None if json_output else (lambda line: console.print(line, style="dim", highlight=False, markup=False)),
+                )
+            except LiveUnavailable as exc:
+                err_console.print(f"[yellow]cannot resize live: {exc.message}; restarting instead[/]", highlight=False)
+            else:
+                if json_output:
+                    print_json({"run_dir": str(decision.run_dir), "joined_pids": moved.joined, **moved.record.model_dump(mode="json")})
+                    return
+                console.print(morph_history_table(read_history(decision.run_dir)))
+                return
         result = _resize_with_progress(
             decision,
             requested_unix=requested_unix,

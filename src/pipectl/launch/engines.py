@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from pipectl.artifacts.cluster import SlurmSpec
+from pipectl.artifacts.morph import LIVE_REQUEST_FILE
 from pipectl.artifacts.run import HOSTFILE, LOGS_DIR, RESUME_FILE, SBATCH_FILE, SLURM_JOB_ID_FILE, Engine, JobSpec, NodeGroup
 from pipectl.errors import LaunchError, UserInputError
 from pipectl.launch.processes import WORKER_MODULE, JobProcesses
@@ -433,6 +434,8 @@ def run_engine(
     # Where a job resumed is its own record: the previous job's, written maybe a moment ago, must
     # not be taken for it (the readers' time filter allows for clock skew between nodes).
     (logs / RESUME_FILE).unlink(missing_ok=True)
+    # A live resize asked of an earlier job is not this job's to take (`runtime/live.py`).
+    (Path(run_dir) / LIVE_REQUEST_FILE).unlink(missing_ok=True)
     env = {**os.environ, **command.env}
     with (logs / ENGINE_LOG).open("ab") as log_handle:
         try:

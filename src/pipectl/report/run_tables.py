@@ -259,19 +259,25 @@ def _seconds(value: float | None) -> str:
 
 
 def morph_history_table(records: Sequence[MorphRecord]) -> Table:
-    """One row per morph: when, from which layout to which, at which step, downtime."""
+    """One row per morph: when, from which layout to which, how (restart or live), at which step,
+    the stop, the downtime (request -> first step after), a live resize's pause (last step before
+    -> first step after) and the state it moved."""
     table = Table(box=box.SIMPLE_HEAD, title="morph history", title_justify="left")
-    for column in ("when", "from", "to", "at step", "stop", "downtime", "notes"):
+    for column in ("when", "from", "to", "path", "at step", "stop", "downtime", "pause", "moved", "notes"):
         table.add_column(column)
     for record in records:
         when = datetime.datetime.fromtimestamp(record.requested_unix).strftime("%Y-%m-%d %H:%M:%S")
+        live = record.path == "live"
         table.add_row(
             when,
             f"{record.from_devices}: {record.from_layout}",
             f"{record.to_devices}: {record.to_layout}",
+            record.path,
             str(record.resume_step),
             _seconds(record.stop_seconds),
-            _seconds(record.downtime_seconds) if record.relaunched_unix else "not relaunched",
+            _seconds(record.downtime_seconds) if record.relaunched_unix or live else "not relaunched",
+            _seconds(record.pause_seconds),
+            "-" if record.bytes_moved is None else f"{record.bytes_moved / 2**20:.1f} MiB",
             "; ".join(record.notes),
         )
     return table

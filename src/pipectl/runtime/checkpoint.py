@@ -601,28 +601,38 @@ def install_sigterm_handler(signals: tuple[int, ...] = (signal.SIGTERM,)) -> Sto
     return flag
 
 
+@dataclass(frozen=True)
+class Boundary:
+    """What every rank decided together at a step boundary."""
+
+    stop: bool  # any rank was signalled, or RUN/stop_requested exists
+    checkpoint: bool  # any rank's clock says a wall-time checkpoint is due
+    resize: int  # the generation of a live resize to take now (`runtime.live`), else 0
+
+
 def step_boundary(
-    flag: StopFlag, run_dir: str | os.PathLike[str] | None = None, checkpoint_due: bool = False
-) -> tuple[bool, bool]:
-    """Collective, once per step boundary on every rank: (stop, checkpoint). Stop is True on every
-    rank if ANY rank was signalled or RUN/stop_requested exists; checkpoint if any rank's clock says
-    a wall-time checkpoint is due (`CheckpointSchedule`). One all-reduce of two numbers: one rank
-    deciding alone would deadlock the others.
+    flag: StopFlag, run_dir: str | os.PathLike[str] | None = None, checkpoint_due: bool = False, resize: int = 0
+) -> Boundary:
+    """Collective, once per step boundary on every rank: stop if ANY rank was signalled or
+    RUN/stop_requested exists; checkpoint if any rank's clock says a wall-time checkpoint is due
+    (`CheckpointSchedule`); resize live if any rank saw a request (`resize`: its generation).
+    One all-reduce of three numbers: one rank deciding alone would deadlock the others. A stop
+    wins over a resize.
     """
     import torch
     import torch.distributed as dist
 
     if run_dir is not None and (Path(run_dir) / STOP_FILE).exists():
         flag.set(STOP_FILE)
-    votes = torch.tensor([1.0 if flag.is_set() else 0.0, 1.0 if checkpoint_due else 0.0])
+    votes = torch.tensor([1.0 if flag.is_set() else 0.0, 1.0 if checkpoint_due else 0.0, float(resize)])
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(votes, op=dist.ReduceOp.MAX)
     stop, due = bool(votes[0].item()), bool(votes[1].item())
     if stop and not flag.is_set():
         flag.set("another rank")
-    return stop, due
+    return Boundary(stop, due, 0 if stop else int(votes[2].item()))
 
 
 def should_stop(flag: StopFlag, run_dir: str | os.PathLike[str] | None = None) -> bool:
     """Collective: True on every rank if ANY rank was signalled or RUN/stop_requested exists."""
-    return step_boundary(flag, run_dir)[0]
+    return step_boundary(flag, run_dir).stop

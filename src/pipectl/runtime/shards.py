@@ -26,7 +26,8 @@ of every file (lowest stage, every tensor rank, every data-parallel piece) and j
 slices (`TensorSplit.join`); `ShardReader.local(...)` cuts the slice a loading rank needs
 (`TensorSplit.cut`). A loading rank reads only the byte ranges of its own parameters (the files
 are memory-mapped), so a resume into another pipeline, tensor or data-parallel degree needs no
-conversion step and no second copy on disk.
+conversion step and no second copy on disk. A live resize reads the ranks' states out of memory
+with the same reader (`ShardReader.in_memory`, `runtime.live`): one re-cutting routine for both.
 
 Everything here is data: safetensors holds raw tensor bytes and a JSON header, so nothing in a
 checkpoint can run code when it is read. No DeepSpeed in this module (`engine_state` maps a
@@ -41,7 +42,7 @@ import os
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Protocol, Sequence
 
 import torch
 
@@ -141,6 +142,14 @@ def write_rank_file(path: str | os.PathLike[str], tensors: dict[str, torch.Tenso
 # --------------------------------------------------------------------------- reading
 
 
+class RankSource(Protocol):
+    """One rank's tensors as a reader sees them: a safetensors file (`safe_open`) or memory."""
+
+    def get_tensor(self, key: str) -> torch.Tensor: ...
+
+    def get_slice(self, key: str) -> Any: ...  # indexable with [start:stop] along the flat tensor
+
+
 class ShardReader:
     """Every rank file of a checkpoint folder, memory-mapped; parameters assembled on demand.
 
@@ -153,25 +162,38 @@ class ShardReader:
     def __init__(self, folder: str | os.PathLike[str], files: Iterable[str] | None = None) -> None:
         from safetensors import safe_open
 
-        self.folder = Path(folder)
+        folder = Path(folder)
         names = sorted(files) if files is not None else sorted(
-            p.name for p in self.folder.glob("rank-*.safetensors") if RANK_FILE.fullmatch(p.name)
+            p.name for p in folder.glob("rank-*.safetensors") if RANK_FILE.fullmatch(p.name)
         )
         names = [n for n in names if RANK_FILE.fullmatch(Path(n).name)]
         if not names:
-            raise CheckpointError(f"{self.folder}: no rank files (rank-NNNNN.safetensors)")
-        self._files: list[Any] = []
-        self.headers: list[RankHeader] = []
+            raise CheckpointError(f"{folder}: no rank files (rank-NNNNN.safetensors)")
+        handles, headers = [], []
         for name in names:
-            path = self.folder / name
+            path = folder / name
             try:
                 handle = safe_open(str(path), framework="pt", device="cpu")
                 header = RankHeader.from_json((handle.metadata() or {})[HEADER_KEY])
             except Exception as exc:  # a damaged or foreign file: named, never a traceback
                 reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
                 raise CheckpointError(f"{path}: not a pipectl rank file ({reason})") from None
-            self._files.append(handle)
-            self.headers.append(header)
+            handles.append(handle)
+            headers.append(header)
+        self._index(folder, handles, headers)
+
+    @classmethod
+    def in_memory(cls, label: str, sources: Sequence[RankSource], headers: Sequence[RankHeader]) -> "ShardReader":
+        """The same reader over rank states held in memory (a live resize: `runtime.live`), one
+        `RankSource` and header per rank of the layout that holds them; `label` names them in errors."""
+        reader = cls.__new__(cls)
+        reader._index(label, list(sources), list(headers))
+        return reader
+
+    def _index(self, folder: Path | str, sources: list[Any], headers: list[RankHeader]) -> None:
+        self.folder = folder
+        self._files = sources
+        self.headers = headers
         self._by_name: dict[str, list[tuple[int, Fragment]]] = {}
         for index, header in enumerate(self.headers):
             for fragment in header.fragments:
@@ -191,21 +213,59 @@ class ShardReader:
 
     def module_tensor(self, name: str) -> torch.Tensor | None:
         """A buffer or frozen parameter, from the lowest stage that holds it (None if none does)."""
-        holders = [(h.stage, i) for i, h in enumerate(self.headers) if name in h.module_tensors]
-        return self.tensor(min(holders)[1], f"module.{name}") if holders else None
+        holder = self.module_tensor_holder(name)
+        return None if holder is None else self.tensor(holder, f"module.{name}")
 
-    def whole(self, name: str, state: str = FP32) -> torch.Tensor:
-        """Parameter `name`'s `state` as one tensor: every data-parallel piece, every tensor slice."""
+    def _slices(self, name: str) -> tuple[Fragment, list[list[tuple[int, Fragment]]]]:
+        """The fragments `whole` reads for `name`: those of the lowest stage holding it, per tensor
+        slice (a tied module's other copies are not the trained one); and its first fragment."""
         holders = self._by_name.get(name)
         if not holders:
             raise CheckpointError(f"{self.folder}: holds no parameter {name!r} (written for another model?)")
         stage = min(fragment.stage for _, fragment in holders)
         first = next(fragment for _, fragment in holders if fragment.stage == stage)
-        slices = []
-        for tp_rank in range(first.tensor_parallel):
-            pieces = [(i, f) for i, f in holders if f.stage == stage and f.tp_rank == tp_rank]
-            slices.append(self._assemble(name, state, tp_rank, pieces))
-        return first.split.join(slices) if first.split and len(slices) > 1 else slices[0]
+        slices = [
+            [(i, f) for i, f in holders if f.stage == stage and f.tp_rank == tp_rank]
+            for tp_rank in range(first.tensor_parallel)
+        ]
+        return first, slices
+
+    def whole(self, name: str, state: str = FP32) -> torch.Tensor:
+        """Parameter `name`'s `state` as one tensor: every data-parallel piece, every tensor slice."""
+        first, slices = self._slices(name)
+        joined = [self._assemble(name, state, tp_rank, pieces) for tp_rank, pieces in enumerate(slices)]
+        return first.split.join(joined) if first.split and len(joined) > 1 else joined[0]
+
+    def module_tensor_holder(self, name: str) -> int | None:
+        """The index of the file `module_tensor` reads `name` from: the lowest stage holding it."""
+        holders = [(h.stage, i) for i, h in enumerate(self.headers) if name in h.module_tensors]
+        return min(holders)[1] if holders else None
+
+    def reads_for(self, names: Iterable[str], rng_of: Iterable[int] = (0,)) -> dict[int, list[tuple[str, int, int]]]:
+        """What restoring the parameters and module tensors `names` reads, per rank index: element
+        ranges `(key, start, stop)` of its flat tensors (stop -1: the whole tensor). Also rank 0's
+        scalar optimizer states (every restore reads them) and the torch RNG of the ranks in
+        `rng_of`. A live resize moves exactly these ranges (`runtime.live`); this is the one place
+        that knows what `whole` and `module_tensor` read, so both paths read the same pieces.
+        """
+        reads: dict[int, list[tuple[str, int, int]]] = {}
+        header = self.headers[0]
+        for name in names:
+            if name in self._by_name:
+                _, slices = self._slices(name)
+                for pieces in slices:
+                    for index, fragment in pieces:
+                        for state in self.states(fragment.group):
+                            key = group_tensor(fragment.group, state)
+                            reads.setdefault(index, []).append((key, fragment.offset, fragment.offset + fragment.numel))
+            holder = self.module_tensor_holder(name)
+            if holder is not None:
+                reads.setdefault(holder, []).append((f"module.{name}", 0, -1))
+        for group, scalars in enumerate(header.group_scalars):
+            reads.setdefault(0, []).extend((group_tensor(group, f"state.{key}"), 0, -1) for key in scalars)
+        for index in rng_of:
+            reads.setdefault(index, []).append(("rng.torch", 0, -1))
+        return {index: sorted(set(ranges)) for index, ranges in reads.items()}
 
     def local(self, name: str, state: str, split: TensorSplit | None, tensor_parallel: int, rank: int) -> torch.Tensor:
         """The slice of `name` that tensor rank `rank` of `tensor_parallel` holds (split by `split`)."""

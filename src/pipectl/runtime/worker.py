@@ -81,6 +81,7 @@ class TrainResult:
     records: list[StepRecord] = field(default_factory=list)
     executed_order: list[str] = field(default_factory=list)  # compute actions of the last step
     stopped_early: str = ""
+    left: bool = False  # handed its state over in a live resize and left the job
 
     @property
     def losses(self) -> list[float]:
@@ -233,139 +234,290 @@ def train(
     job: TrainingJob,
     on_step: Callable[[StepRecord], None] | None = None,
     context: RankContext | None = None,
+    joining: bool = False,
 ) -> TrainResult:
     """Train `job.steps` steps (from the latest checkpoint when `job.run_dir` has one). Every rank.
 
     `context`, when given, is kept up to date with what the rank is doing (for a failure record and,
-    in a run directory, for the rank's heartbeat: `liveness`).
+    in a run directory, for the rank's heartbeat: `liveness`). `joining`: this rank was started by
+    a live resize and receives its state from the running ranks (`runtime.live`).
     """
     context = context or RankContext(rank=int(os.environ.get("RANK", "0")))
     if job.run_dir is None:
         return _train(job, on_step, context)
     heartbeat = Heartbeat(job.run_dir, context.rank, lambda: (context.stage, context.step, context.phase)).start()
     try:
-        result = _train(job, on_step, context)
+        result = _train(job, on_step, context, joining)
     except BaseException:
         heartbeat.end(RankState.FAILED)
         raise
-    state = RankState.STOPPED if result.stopped_early else RankState.FINISHED
+    state = RankState.LEFT if result.left else RankState.STOPPED if result.stopped_early else RankState.FINISHED
     heartbeat.end(state, checkpoint_step=result.start_step + len(result.records))
     return result
 
 
-def _train(job: TrainingJob, on_step: Callable[[StepRecord], None] | None, context: RankContext) -> TrainResult:
-    # torch, after dsinit
-    from pipectl.runtime.checkpoint_schedule import CheckpointSchedule
-    from pipectl.runtime.checkpointer import DEFAULT_COMMIT_TIMEOUT_SECONDS, Checkpointer
-    from pipectl.runtime.data import DeterministicBatches, make_source, replica_slices
+def _train(
+    job: TrainingJob, on_step: Callable[[StepRecord], None] | None, context: RankContext, joining: bool = False
+) -> TrainResult:
+    from pipectl.runtime import live
 
-    context.layout = job.layout
-    context.predicted_peak_memory_bytes = job.predicted_peak_memory_bytes
-    model, engine = build_engine(job)
-    layout = job.layout
-    rank = engine.global_rank
-    stage = engine.stage_id
-    device = _device_kind(engine)
-    context.rank, context.stage, context.engine, context.device = rank, stage, engine, device
-    context.layer_names = [layer.name for layer in model.layers]
-    dp_rank = engine.grid.get_data_parallel_rank()
-    needs_data = engine.is_first_stage() or engine.is_last_stage()
+    handed = None
+    if joining:  # started by a live resize: wait for the running ranks, receive this rank's share
+        context.phase = "joining: waiting for the running ranks' hand-over"
+        handed = live.join(
+            job.run_dir, job.layout, build_model_layers(job), job.ds_config, job.collective_timeout_seconds
+        )
+    result: TrainResult | None = None
+    generation = handed.request.generation if handed else 0
+    while True:
+        session = _Session.open(job, context, handed)
+        if result is None:
+            result = TrainResult(rank=session.rank, stage=session.stage, data_parallel_rank=session.dp_rank, start_step=session.step)
+        else:
+            result.rank, result.stage, result.data_parallel_rank = session.rank, session.stage, session.dp_rank
+        request = session.train(result, on_step, context, generation)
+        if request is None:
+            break
+        # A live resize: the run files describe the new layout; hand the state over to it.
+        context.phase = "live resize: handing the state over"
+        session.settle()
+        os.environ["WORLD_SIZE"] = str(request.devices)
+        job = TrainingJob.from_run_dir(job.run_dir)
+        last_step_unix = session.last_step_unix
+        handed = live.hand_over(
+            session.engine,
+            session.step,
+            _data_position(session.layout, session.step),
+            request,
+            job.layout,
+            build_model_layers(job),
+            job.collective_timeout_seconds,
+        )
+        session.close(context)
+        del session
+        if handed is None:
+            result.stopped_early, result.left = "left in a live resize", True
+            return result
+        handed.last_step_unix = last_step_unix
+        generation = request.generation
+    session.finish(result, context)
+    return result
 
-    batches = DeterministicBatches(make_source(model, job.data, job.seed), layout.global_batch, job.seed)
-    replica = replica_slices(
-        layout.global_batch,
-        layout.data_parallel,
-        layout.micro_batch_size,
-        layout.micro_batches,
-        uneven=layout.replica_shares,
-    )[dp_rank]
 
-    start_step = 0
-    stop_flag = None
-    writer = None
-    saver = None
-    if job.run_dir is not None:
-        context.phase = "loading the checkpoint"
-        loaded = checkpoint.load_latest(engine, job.run_dir)
-        if loaded is not None:
-            start_step = loaded.step
-            for warning in loaded.warnings:
-                log.warning(warning)
-        if rank == 0:
-            # What was loaded, and what could not be, for the launching terminal (launch, resize).
-            write_resume(
-                job.run_dir,
-                ResumeRecord(
-                    step=start_step,
-                    tag=loaded.tag if loaded else None,
-                    skipped=loaded.warnings if loaded else [],
-                    time_unix=time.time(),
-                ),
-            )
-            # An elastic engine may have re-formed the group on another layout: record the morph.
-            record_layout_change(
-                job.run_dir,
-                to_layout=layout.label(),
-                to_devices=layout.world_size,
-                global_batch=layout.global_batch,
-                resume_step=start_step,
-                target_steps=job.steps,
-            )
-        stop_flag = checkpoint.install_sigterm_handler()
-        writer = MetricsWriter(job.run_dir, rank)
+def build_model_layers(job: TrainingJob):
+    """The job's model as a `LayerDef` list (no module is built)."""
+    from pipectl.models import build_model
+
+    return build_model(job.model, allow_shape_only=True)
+
+
+@dataclass
+class _Session:
+    """One layout's training in this rank: the engine, its data, metrics and checkpoints. A job
+    has one, or one per layout when it is resized live."""
+
+    job: TrainingJob
+    model: Any
+    engine: Any
+    layout: Layout
+    rank: int
+    stage: int
+    dp_rank: int
+    device: str
+    step: int  # optimizer steps done
+    batches: Any = None
+    replica: Any = None
+    needs_data: bool = False
+    stop_flag: Any = None
+    writer: Any = None
+    saver: Any = None
+    saved: int = 0
+    handed: Any = None  # live.HandOver this layout started from
+    last_step_unix: float = 0.0
+
+    @classmethod
+    def open(cls, job: TrainingJob, context: RankContext, handed: Any = None) -> "_Session":
+        """Build the engine and bring its state: from the hand-over of a live resize, else from the
+        newest checkpoint that loads (or fresh)."""
+        # torch, after dsinit
+        from pipectl.runtime import engine_state
+        from pipectl.runtime.checkpoint_schedule import CheckpointSchedule
+        from pipectl.runtime.checkpointer import DEFAULT_COMMIT_TIMEOUT_SECONDS, Checkpointer
+        from pipectl.runtime.data import DeterministicBatches, make_source, replica_slices
+
+        context.layout = job.layout
+        context.predicted_peak_memory_bytes = job.predicted_peak_memory_bytes
+        model, engine = build_engine(job)
+        layout = job.layout
+        rank = engine.global_rank
+        stage = engine.stage_id
+        device = _device_kind(engine)
+        context.rank, context.stage, context.engine, context.device = rank, stage, engine, device
+        context.layer_names = [layer.name for layer in model.layers]
+        session = cls(
+            job=job,
+            model=model,
+            engine=engine,
+            layout=layout,
+            rank=rank,
+            stage=stage,
+            dp_rank=engine.grid.get_data_parallel_rank(),
+            device=device,
+            step=0,
+            handed=handed,
+        )
+        session.needs_data = engine.is_first_stage() or engine.is_last_stage()
+        session.batches = DeterministicBatches(make_source(model, job.data, job.seed), layout.global_batch, job.seed)
+        session.replica = replica_slices(
+            layout.global_batch,
+            layout.data_parallel,
+            layout.micro_batch_size,
+            layout.micro_batches,
+            uneven=layout.replica_shares,
+        )[session.dp_rank]
+        if handed is not None:
+            context.phase = "live resize: restoring the handed-over state"
+            session.step = engine_state.restore(engine, handed.reader).step
+            handed.reader = None  # the received pieces are in the engine now
+        if job.run_dir is None:
+            return session
+        if handed is None:
+            context.phase = "loading the checkpoint"
+            loaded = checkpoint.load_latest(engine, job.run_dir)
+            if loaded is not None:
+                session.step = loaded.step
+                for warning in loaded.warnings:
+                    log.warning(warning)
+            if rank == 0:
+                # What was loaded, and what could not be, for the launching terminal (launch, resize).
+                write_resume(
+                    job.run_dir,
+                    ResumeRecord(
+                        step=session.step,
+                        tag=loaded.tag if loaded else None,
+                        skipped=loaded.warnings if loaded else [],
+                        time_unix=time.time(),
+                    ),
+                )
+                # An elastic engine may have re-formed the group on another layout: record the morph.
+                record_layout_change(
+                    job.run_dir,
+                    to_layout=layout.label(),
+                    to_devices=layout.world_size,
+                    global_batch=layout.global_batch,
+                    resume_step=session.step,
+                    target_steps=job.steps,
+                )
+        session.stop_flag = checkpoint.install_sigterm_handler()
+        session.writer = MetricsWriter(job.run_dir, rank)
         schedule = CheckpointSchedule.for_job(
             job.checkpoint_every, job.checkpoint_every_seconds, job.checkpoint_auto, job.mtbf_hours, layout.world_size
         )
-        saver = Checkpointer(
+        session.saver = Checkpointer(
             job.run_dir,
             keep=job.keep_checkpoints,
             layout=layout,
             commit_timeout_seconds=job.collective_timeout_seconds or DEFAULT_COMMIT_TIMEOUT_SECONDS,
             schedule=schedule,
         )
-        saver.prepare(engine)
+        session.saver.prepare(engine)
+        session.saved = session.step
+        return session
 
-    result = TrainResult(rank=rank, stage=stage, data_parallel_rank=dp_rank, start_step=start_step)
-    step = saved = start_step
-    while step < job.steps:
-        if stop_flag is not None:
-            stop, due = checkpoint.step_boundary(stop_flag, job.run_dir, saver.schedule.time_due(step - start_step))
-            if due and step > saved:  # a wall-time checkpoint: the state after the step just done
+    def train(self, result: TrainResult, on_step, context: RankContext, generation: int):
+        """Train up to the job's steps. Returns a live resize request taken at a step boundary (every
+        rank the same), else None (done, or stopped: `result.stopped_early`)."""
+        from pipectl.runtime import live
+
+        job, engine, saver = self.job, self.engine, self.saver
+        opened = self.step
+        while self.step < job.steps:
+            if self.stop_flag is not None:
+                boundary = checkpoint.step_boundary(
+                    self.stop_flag,
+                    job.run_dir,
+                    saver.schedule.time_due(self.step - opened),
+                    resize=live.pending_generation(job.run_dir, generation),
+                )
+                if boundary.checkpoint and self.step > self.saved:  # a wall-time checkpoint: the state after the step just done
+                    context.phase = "copying the checkpoint to host memory"
+                    saver.save(engine, self.step, _data_position(self.layout, self.step))
+                    self.saved = self.step
+                if boundary.stop:
+                    result.stopped_early = self.stop_flag.reason
+                    return None
+                if boundary.resize:
+                    return live.read_request(job.run_dir)
+            context.step, context.phase = self.step + 1, "step"
+            micro_batches = (
+                self.batches.micro_batches(self.step, self.replica) if self.needs_data else [None] * self.replica.micro_batches
+            )
+            reset_peak_memory(self.device)
+            started = time.perf_counter()
+            loss = engine.train_step(micro_batches)
+            elapsed = time.perf_counter() - started
+            self.step += 1
+            self.last_step_unix = time.time()
+            record = _record(engine, self.step, loss, elapsed, rank_memory(self.device))
+            result.records.append(record)
+            if self.writer is not None:
+                context.phase = "writing metrics"
+                _write_metrics(self.writer, job, engine, record)
+                if self.handed is not None:
+                    self._record_live_resize(record)
+            if on_step is not None:
+                on_step(record)
+            if saver is not None and saver.schedule.step_due(self.step, job.steps):
                 context.phase = "copying the checkpoint to host memory"
-                saver.save(engine, step, _data_position(layout, step))
-                saved = step
-            if stop:
-                result.stopped_early = stop_flag.reason
-                break
-        context.step, context.phase = step + 1, "step"
-        micro_batches = batches.micro_batches(step, replica) if needs_data else [None] * replica.micro_batches
-        reset_peak_memory(device)
-        started = time.perf_counter()
-        loss = engine.train_step(micro_batches)
-        elapsed = time.perf_counter() - started
-        step += 1
-        record = _record(engine, step, loss, elapsed, rank_memory(device))
-        result.records.append(record)
-        if writer is not None:
-            context.phase = "writing metrics"
-            _write_metrics(writer, job, engine, record)
-        if on_step is not None:
-            on_step(record)
-        if saver is not None and saver.schedule.step_due(step, job.steps):
-            context.phase = "copying the checkpoint to host memory"
-            saver.save(engine, step, _data_position(layout, step))
-            saved = step
+                saver.save(engine, self.step, _data_position(self.layout, self.step))
+                self.saved = self.step
+        return None
 
-    context.step = None
-    result.executed_order = [str(a) for a in engine.executed_order()]
-    if saver is not None:
-        if result.records and saved != step:  # a stop right after a checkpoint step has it already
-            context.phase = "copying the checkpoint to host memory"
-            saver.save(engine, step, _data_position(layout, step))
-        context.phase = "waiting for the last checkpoint to commit"
-        saver.finish()
-        _write_executed_order(job.run_dir, rank, result.executed_order)
-    return result
+    def _record_live_resize(self, record: StepRecord) -> None:
+        """Rank 0, after the first step on a layout a live resize made: its morph record."""
+        from pipectl.runtime import live
+        from pipectl.runtime.history import append_record
+
+        handed, self.handed = self.handed, None
+        if self.rank != 0:
+            return
+        now = time.time()
+        append_record(
+            self.job.run_dir,
+            live.finished_record(
+                handed.request,
+                resume_step=record.step - 1,
+                pause_seconds=now - handed.last_step_unix,
+                bytes_moved=handed.bytes_moved,
+                first_step_unix=now,
+            ),
+        )
+        live.request_path(self.job.run_dir).unlink(missing_ok=True)
+
+    def settle(self) -> None:
+        """Before a hand-over: a checkpoint in flight commits (every old rank reports its file)."""
+        if self.saver is not None:
+            self.saver.finish()
+
+    def close(self, context: RankContext) -> None:
+        """Let go of this layout's engine (a live resize builds the next one in the same process)."""
+        import gc
+
+        context.engine = None
+        self.engine = self.model = self.saver = self.writer = None
+        gc.collect()
+
+    def finish(self, result: TrainResult, context: RankContext) -> None:
+        """The end of the job in this rank: the last checkpoint, committed; the compute order run."""
+        context.step = None
+        result.executed_order = [str(a) for a in self.engine.executed_order()]
+        if self.saver is not None:
+            if result.records and self.saved != self.step:  # a stop right after a checkpoint step has it already
+                context.phase = "copying the checkpoint to host memory"
+                self.saver.save(self.engine, self.step, _data_position(self.layout, self.step))
+            context.phase = "waiting for the last checkpoint to commit"
+            self.saver.finish()
+            _write_executed_order(self.job.run_dir, self.rank, result.executed_order)
 
 
 def _device_kind(engine) -> str:
@@ -518,6 +670,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pipectl.runtime.worker", description=__doc__.splitlines()[0])
     parser.add_argument("--run-dir", required=True, type=Path, help="the run directory (job.json, plan.json, ...)")
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # DeepSpeed's launcher
+    parser.add_argument("--join", action="store_true", help="join the running job in a live resize (pipectl resize --live)")
     args = parser.parse_args(argv)
     if args.local_rank is not None:
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
@@ -525,7 +678,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     context = RankContext(rank=int(os.environ.get("RANK", "0")))
     try:
-        result = train(TrainingJob.from_run_dir(args.run_dir), context=context)
+        result = train(TrainingJob.from_run_dir(args.run_dir), context=context, joining=args.join)
     except PipectlError as exc:
         print(f"pipectl worker: {exc.message}", file=sys.stderr)
         _record_failure(args.run_dir, exc, context)
@@ -534,7 +687,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         traceback.print_exc()
         _record_failure(args.run_dir, exc, context)
         return 1
-    if result.stopped_early:
+    if result.left:
+        log.warning("left the job in a live resize at step %d", result.start_step + len(result.records))
+    elif result.stopped_early:
         log.warning("stopped at step %d (%s); checkpoint written", result.start_step + len(result.records), result.stopped_early)
     return 0
 

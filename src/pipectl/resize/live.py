@@ -1,0 +1,231 @@
+"""`pipectl resize RUN --devices N --live`: the running job takes the new layout without a restart.
+
+The decision is the restart path's (`morph.decide_resize`: the morph table's entry for N, the same
+global batch); what differs is how the job gets there (`runtime/live.py` is the ranks' side):
+
+1. check the job can move live: it runs here, on one host, under the local or torchrun engine,
+   with no split over device kinds; otherwise `LiveUnavailable` says why (the CLI then restarts);
+2. rewrite plan.json, job.json and ds_config.json for the new layout (validated by DeepSpeed's
+   parser, exactly as a restart would; the previous files are put back if anything below fails);
+3. when N grows, start the N - W joining ranks (`python -m pipectl.runtime.worker --join`, new
+   ranks W .. N-1, their logs in RUN/logs/join-rank{R}.log) and wait until each has imported torch
+   and DeepSpeed and read the job (RUN/live/ready-rank{R}): the running ranks never wait for that;
+4. write RUN/resize_requested.json; the ranks take it at their next step boundary, hand their
+   state over in memory and go on; rank 0 appends the morph record after the first new step;
+5. wait for that record (or for the job to end) and return it.
+
+The joining ranks outlive this command: they belong to the job from then on, and end with it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from pipectl.artifacts.layout import layout_label
+from pipectl.artifacts.morph import MorphRecord, MorphTrigger, LiveResizeRequest
+from pipectl.artifacts.run import JOB_FILE, LOGS_DIR, Engine
+from pipectl.errors import LaunchError
+from pipectl.io import write_json_atomic
+from pipectl.launch.engines import rank_environment
+from pipectl.launch.processes import WORKER_MODULE, find_run_processes
+from pipectl.launch.rundir import read_run
+from pipectl.resize.morph import ResizeDecision, prepare_relaunch, write_relaunch
+from pipectl.runtime.checkpoint import STOP_FILE
+from pipectl.runtime.dsconfig import check_candidate
+from pipectl.runtime.history import read_records
+from pipectl.runtime.live import JOIN_DIR, ready_path, request_path
+from pipectl.words import count
+
+
+class LiveUnavailable(LaunchError):
+    """This job cannot move live; the message says why (a restart can)."""
+
+
+@dataclass
+class LiveResult:
+    record: MorphRecord
+    joined: list[int] = field(default_factory=list)  # pids of the joining ranks started here
+
+
+Phase = Callable[[str], None]
+
+
+def check_live(decision: ResizeDecision) -> None:
+    """Raise `LiveUnavailable` naming why this run cannot be resized live, before anything changes."""
+    files = read_run(decision.run_dir)
+    job = files.job
+    if job.engine not in (Engine.LOCAL, Engine.TORCHRUN) or job.nodes != 1 or job.elastic is not None:
+        raise LiveUnavailable(
+            f"a live resize moves ranks on one host under the local or torchrun engine; this run uses "
+            f"{job.engine.value} on {count(job.nodes, 'node')}" + (" (elastic)" if job.elastic is not None else "")
+        )
+    if job.node_groups:
+        raise LiveUnavailable("the run is split over device kinds; its node groups are fixed")
+    ranks = [p for p in find_run_processes(decision.run_dir) if p.is_worker]
+    if not ranks:
+        raise LiveUnavailable("no rank of the run is running on this machine")
+    if files.plan.chosen.devices != len(ranks):
+        raise LiveUnavailable(
+            f"{count(len(ranks), 'rank')} running here for a layout of {files.plan.chosen.devices} "
+            "(a resize or restart is already under way)"
+        )
+    if files.plan.chosen.device != decision.candidate.device:
+        raise LiveUnavailable(f"the new layout runs on {decision.candidate.device}, the job on {files.plan.chosen.device}")
+
+
+def live_resize(
+    decision: ResizeDecision,
+    *,
+    requested_unix: float,
+    say: Phase | None = None,
+    ready_timeout_seconds: float = 300.0,
+    handover_timeout_seconds: float = 600.0,
+) -> LiveResult:
+    """Steps 1-5 above. Raises `LiveUnavailable` before anything changes when the job cannot move
+    live, `LaunchError` when the hand-over does not happen (the previous run files are restored
+    if the request was never taken)."""
+    say = say or (lambda _line: None)
+    path = decision.run_dir
+    check_candidate(decision.candidate, global_batch=decision.global_batch, layers=decision.layers)
+    check_live(decision)
+    before = {name: (path / name).read_bytes() for name in _run_file_names(path)}
+    prepared = prepare_relaunch(decision)
+    old_world, new_world = decision.previous.devices, decision.candidate.devices
+    request = LiveResizeRequest(
+        generation=len(read_records(path)) + 1,
+        from_devices=old_world,
+        devices=new_world,
+        master_addr=prepared.job.master_addr,
+        master_port=prepared.job.master_port,
+        record=MorphRecord(
+            trigger=MorphTrigger.RESIZE,
+            requested_unix=requested_unix,
+            requested_devices=decision.requested_devices,
+            from_devices=old_world,
+            from_layout=layout_label(decision.previous),
+            to_devices=new_world,
+            to_layout=layout_label(decision.candidate),
+            global_batch=decision.global_batch,
+            resume_step=0,
+            target_steps=decision.target_steps,
+            stopped_running_job=False,
+            plan_source=decision.choice.source,
+            excluded_ranks=decision.excluded_ranks,
+            notes=list(decision.notes),
+            path="live",
+        ),
+    )
+    joiners: list[subprocess.Popen] = []
+    taken = False
+    try:
+        write_relaunch(path, prepared)
+        if new_world > old_world:
+            joiners = _start_joiners(path, prepared.job, range(old_world, new_world))
+            say(f"started {count(len(joiners), 'joining rank')}; waiting until they are ready")
+            _wait_ready(path, joiners, old_world, ready_timeout_seconds)
+        write_json_atomic(request_path(path), request)
+        say(f"asked the running job to move to {count(new_world, 'rank')} ({request.record.to_layout}) at its next step boundary")
+        record, taken = _wait_record(path, request, joiners, handover_timeout_seconds)
+    except BaseException:
+        if not taken and request_path(path).exists():
+            request_path(path).unlink(missing_ok=True)
+            for name, data in before.items():
+                (path / name).write_bytes(data)
+            for proc in joiners:
+                proc.kill()
+        raise
+    return LiveResult(record, [p.pid for p in joiners])
+
+
+def _run_file_names(path: Path) -> list[str]:
+    job = read_run(path).job
+    names = [JOB_FILE, job.plan_file, job.ds_config_file, "launch.sh"]
+    return [name for name in names if (path / name).is_file()]
+
+
+def _start_joiners(path: Path, job, ranks: range) -> list[subprocess.Popen]:
+    logs = path / LOGS_DIR
+    logs.mkdir(parents=True, exist_ok=True)
+    ready = path / JOIN_DIR
+    ready.mkdir(exist_ok=True)
+    for stale in ready.glob("ready-rank*"):
+        stale.unlink()
+    procs = []
+    for rank in ranks:
+        env = {
+            **os.environ,
+            **rank_environment(gpus=False),
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(job.world_size),
+            "LOCAL_WORLD_SIZE": str(job.world_size),
+            "MASTER_ADDR": job.master_addr,
+            "MASTER_PORT": str(job.master_port),
+        }
+        with (logs / f"join-rank{rank}.log").open("ab") as log_handle:
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", WORKER_MODULE, "--run-dir", str(path), "--join"],
+                    cwd=path,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log_handle,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
+    return procs
+
+
+def _wait_ready(path: Path, joiners: list[subprocess.Popen], first_rank: int, timeout_seconds: float) -> None:
+    """Until every joining rank has written RUN/live/ready-rank{R} with its pid."""
+    deadline = time.monotonic() + timeout_seconds
+    while True:
+        if all(_ready(path, first_rank + index, proc) for index, proc in enumerate(joiners)):
+            return
+        dead = [p for p in joiners if p.poll() is not None]
+        if dead:
+            raise LaunchError(
+                f"a joining rank exited with code {dead[0].returncode} before the hand-over",
+                hint=f"see {path / LOGS_DIR}/join-rank*.log",
+            )
+        if time.monotonic() > deadline:
+            raise LaunchError(f"the joining ranks were not ready within {timeout_seconds:.0f} s")
+        time.sleep(0.05)
+
+
+def _ready(path: Path, rank: int, proc: subprocess.Popen) -> bool:
+    try:
+        return ready_path(path, rank).read_text().strip() == str(proc.pid)
+    except OSError:
+        return False
+
+
+def _wait_record(
+    path: Path, request: LiveResizeRequest, joiners: list[subprocess.Popen], timeout_seconds: float
+) -> tuple[MorphRecord, bool]:
+    """The record rank 0 appends after the first step on the new layout. Returns it and whether
+    the request was taken (the ranks remove the file once they have)."""
+    deadline = time.monotonic() + timeout_seconds
+    while True:
+        for record in reversed(read_records(path)):
+            if record.path == "live" and record.requested_unix == request.record.requested_unix:
+                return record, True
+        taken = not request_path(path).exists()
+        joining = {proc.pid for proc in joiners}
+        if not any(p.is_worker and p.pid not in joining for p in find_run_processes(path)):
+            raise LaunchError(
+                "the job ended before the live resize completed" + ("" if taken else " (the request was not taken)"),
+                hint=f"see {path / LOGS_DIR}; resize again (a stopped run is resized by a restart)",
+            )
+        if (path / STOP_FILE).exists() and not taken:
+            raise LaunchError("the job is stopping; the live resize was withdrawn")
+        if time.monotonic() > deadline:
+            raise LaunchError(f"the running job did not take the live resize within {timeout_seconds:.0f} s")
+        time.sleep(0.05)

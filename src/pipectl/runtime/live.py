@@ -1,0 +1,389 @@
+"""Live resize: the running job moves to another layout at a step boundary, in the same processes.
+
+VirtualFlow's promise (SPEC §7): a job's devices change while it runs, and it is not restarted.
+`pipectl resize RUN --devices N --live` rewrites the run's files for the new layout (plan.json,
+job.json, ds_config.json: the same as a restart would), starts the ranks that join (if N grows),
+waits until they have imported torch and DeepSpeed and read the job, then writes
+RUN/resize_requested.json (`LiveResizeRequest`). At the next step boundary the running ranks see it
+(it rides on the stop vote every boundary already has) and hand over:
+
+    old ranks   capture their state into host memory (`engine_state.HostSnapshot`: weights,
+                Adam's moments, schedule, RNG, the step: the same instant a checkpoint holds)
+    all         meet in one process group: the old one when no rank joins, else the new layout's
+                world, which the joining ranks have been waiting to enter
+    all         learn every old rank's header (fragments: which slice of which flat tensor is
+                which piece of which parameter) with one all-gather
+    each        works out what its new stage's restore will read (`ShardReader.reads_for`, the
+                reader's own choice of pieces) and receives exactly those element ranges from the
+                ranks holding them: one message per pair of ranks, point to point, never the disk
+    leaving     ranks then exit 0
+    staying     ranks re-form the process group for the new world and build the new stage's
+                engine; all restore through `engine_state.restore` reading the moved pieces with
+                the checkpoint's own re-cutting reader (`ShardReader.in_memory`)
+
+and training goes on at the next step with the same global batch (the data order is a function of
+the step). Rank numbers are kept: a shrink keeps ranks 0 .. N-1, a grow adds ranks W .. N-1. Rank 0
+appends the morph to RUN/morphs.jsonl after the first step on the new layout: path "live", the
+pause (last step before -> first step after) and the bytes moved.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
+
+from pipectl.artifacts.layout import Layout
+from pipectl.artifacts.morph import LIVE_REQUEST_FILE, LiveResizeRequest, MorphRecord
+from pipectl.errors import LaunchError
+from pipectl.io import load_model
+
+if TYPE_CHECKING:  # torch: only in the ranks (the CLI's resize reads this module's file names)
+    from pipectl.models.base import ModelLayers
+
+log = logging.getLogger(__name__)
+
+JOIN_DIR = "live"  # RUN/live/ready-rank{R}: joining rank R has started and waits for the hand-over
+MEMORY_LABEL = "the running ranks' memory (live resize)"
+
+
+def request_path(run_dir: str | os.PathLike[str]) -> Path:
+    return Path(run_dir) / LIVE_REQUEST_FILE
+
+
+def ready_path(run_dir: str | os.PathLike[str], rank: int) -> Path:
+    return Path(run_dir) / JOIN_DIR / f"ready-rank{rank}"
+
+
+def pending_generation(run_dir: str | os.PathLike[str] | None, generation: int) -> int:
+    """The generation of a live resize waiting for this job (one newer than `generation`), else 0.
+    Every rank calls it at every step boundary: one `stat` when there is none."""
+    if run_dir is None:
+        return 0
+    path = request_path(run_dir)
+    if not path.is_file():
+        return 0
+    try:
+        request = load_model(LiveResizeRequest, path)
+    except Exception as exc:  # a damaged request is not taken; the job goes on
+        log.warning("%s: not taken (%s)", path, exc)
+        return 0
+    return request.generation if request.generation > generation else 0
+
+
+def read_request(run_dir: str | os.PathLike[str]) -> LiveResizeRequest:
+    return load_model(LiveResizeRequest, request_path(run_dir))
+
+
+# --------------------------------------------------------------------------- what moves
+
+
+def held_names(names: Iterable[str], model: ModelLayers, layout: Layout, rank: int) -> list[str]:
+    """Of the parameter and module-tensor `names` (DeepSpeed's `PipelineModule` names: a layer's
+    under its index, a tied module's under `tied_modules.KEY`), those rank `rank` of `layout` holds."""
+    from pipectl.runtime.pipeline import planned_topology
+
+    topology = planned_topology(layout.pipeline_parallel, layout.data_parallel, layout.tensor_parallel)
+    start, stop = layout.stage_layers[topology.get_coord(rank).pipe]
+    ties = {layer.tie_key for layer in model.layers[start:stop] if layer.tie_key is not None}
+    held = []
+    for name in names:
+        head, _, rest = name.partition(".")
+        if head == "tied_modules":
+            if rest.partition(".")[0] in ties:
+                held.append(name)
+        elif head.isdigit() and start <= int(head) < stop:
+            held.append(name)
+    return held
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    dtype: str  # torch dtype name without 'torch.'
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def _dtype(name: str):
+    import torch
+
+    return getattr(torch, name)
+
+
+def _part(tensor, start: int, stop: int):
+    flat = tensor.reshape(-1)
+    return flat if stop < 0 else flat[start:stop]
+
+
+def _range_numel(info: TensorInfo, start: int, stop: int) -> int:
+    return info.numel if stop < 0 else stop - start
+
+
+def pack(tensors: dict[str, Any], reads: Sequence[tuple[str, int, int]]):
+    """The element ranges `reads` of `tensors`, as one byte tensor (one message)."""
+    import torch
+
+    parts = [_part(tensors[key], start, stop).contiguous().view(torch.uint8) for key, start, stop in reads]
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+
+
+class HeldTensors:
+    """A rank's own snapshot, read in place (a `shards.RankSource`)."""
+
+    def __init__(self, tensors: dict[str, Any]) -> None:
+        self.tensors = tensors
+
+    def get_tensor(self, key: str):
+        return self.tensors[key]
+
+    def get_slice(self, key: str):
+        return self.tensors[key].reshape(-1)
+
+
+class ReceivedPieces:
+    """Element ranges of another rank's tensors, as received (a `shards.RankSource`)."""
+
+    def __init__(self, buffer, reads: Sequence[tuple[str, int, int]], infos: dict[str, TensorInfo]) -> None:
+        self.infos = infos
+        self.pieces: dict[str, list[tuple[int, int, Any]]] = {}
+        offset = 0
+        for key, start, stop in reads:
+            info = infos[key]
+            dtype = _dtype(info.dtype)
+            numel = _range_numel(info, start, stop)
+            size = numel * dtype.itemsize
+            values = buffer[offset : offset + size].clone().view(dtype)  # clone: aligned for the view
+            offset += size
+            first, last = (0, info.numel) if stop < 0 else (start, stop)
+            self.pieces.setdefault(key, []).append((first, last, values))
+        if offset != buffer.numel():
+            raise LaunchError(f"live resize: received {buffer.numel()} bytes, expected {offset}")
+
+    def get_tensor(self, key: str):
+        info = self.infos[key]
+        for first, last, values in self.pieces.get(key, []):
+            if first == 0 and last == info.numel:
+                return values.view(info.shape)
+        raise KeyError(f"{key}: not received whole")
+
+    def get_slice(self, key: str):
+        return _Pieces(key, self.pieces.get(key, []))
+
+
+class _Pieces:
+    def __init__(self, key: str, pieces: list[tuple[int, int, Any]]) -> None:
+        self.key = key
+        self.pieces = pieces
+
+    def __getitem__(self, index: slice):
+        for first, last, values in self.pieces:
+            if first <= index.start and index.stop <= last:
+                return values[index.start - first : index.stop - first]
+        raise KeyError(f"{self.key}[{index.start}:{index.stop}]: not received")
+
+
+def required_bytes(reads: Sequence[tuple[str, int, int]], infos: dict[str, TensorInfo]) -> int:
+    return sum(_range_numel(infos[key], start, stop) * _dtype(infos[key].dtype).itemsize for key, start, stop in reads)
+
+
+# --------------------------------------------------------------------------- the hand-over
+
+
+@dataclass
+class HandOver:
+    """What a rank of the new layout brings out of the hand-over: the old layout's state (the
+    pieces it restores), and figures for the morph record."""
+
+    request: LiveResizeRequest
+    reader: Any  # shards.ShardReader over memory
+    bytes_moved: int  # by all ranks together
+    seconds: float  # capture + exchange + re-forming the group, on this rank
+    last_step_unix: float = 0.0  # when this rank finished its last step on the old layout
+
+
+def exchange(snapshot, old_world: int, layout: Layout, model: ModelLayers):
+    """Every rank of the current process group (old ranks with their `snapshot`, joining ranks
+    with None): learn the old ranks' headers, then send and receive exactly what each rank of
+    `layout` restores. Returns (reader over the received state or None for a leaving rank, bytes
+    moved by all ranks)."""
+    import torch
+    import torch.distributed as dist
+
+    from pipectl.runtime.shards import RankHeader, ShardReader
+
+    me = dist.get_rank()
+    mine = None
+    if snapshot is not None:
+        infos = {key: (str(t.dtype).removeprefix("torch."), tuple(t.shape)) for key, t in snapshot.tensors.items()}
+        mine = (snapshot.header.to_json(), infos)
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    if any(entry is None for entry in gathered[:old_world]):
+        raise LaunchError("live resize: a rank of the running layout brought no state to the hand-over")
+    headers = [RankHeader.from_json(text) for text, _ in gathered[:old_world]]
+    infos = [{key: TensorInfo(dtype, tuple(shape)) for key, (dtype, shape) in entry[1].items()} for entry in gathered[:old_world]]
+    index = ShardReader.in_memory(MEMORY_LABEL, [None] * old_world, headers)
+    names = set(index.parameter_names())
+    for header in headers:
+        names.update(header.module_tensors)
+    plan = {
+        rank: index.reads_for(held_names(sorted(names), model, layout, rank), rng_of={0, rank} & set(range(old_world)))
+        for rank in range(layout.world_size)
+    }
+    works, pending, sent = [], [], 0
+    if snapshot is not None:
+        for rank, reads in plan.items():
+            if rank != me and me in reads:
+                message = pack(snapshot.tensors, reads[me])
+                works.append(dist.isend(message, dst=rank))
+                sent += message.numel()
+    sources: list[Any] = [None] * old_world
+    if me < layout.world_size:
+        for holder, reads in plan[me].items():
+            if holder == me:
+                sources[holder] = HeldTensors(snapshot.tensors)
+                continue
+            buffer = torch.empty(required_bytes(reads, infos[holder]), dtype=torch.uint8)
+            works.append(dist.irecv(buffer, src=holder))
+            pending.append((holder, reads, buffer))
+    for work in works:
+        work.wait()
+    for holder, reads, buffer in pending:
+        sources[holder] = ReceivedPieces(buffer, reads, infos[holder])
+    total = torch.tensor([float(sent)])
+    dist.all_reduce(total)
+    reader = ShardReader.in_memory(MEMORY_LABEL, sources, headers) if me < layout.world_size else None
+    return reader, int(total.item())
+
+
+def reform(request: LiveResizeRequest, rank: int, timeout_seconds: float | None) -> None:
+    """Leave the current process group (if any) and enter the new layout's: `request.devices`
+    ranks meeting at `request.master_addr:master_port`. The same env:// start as a launch."""
+    import torch.distributed as dist
+
+    from pipectl.runtime import dsinit
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(request.devices),
+        LOCAL_WORLD_SIZE=str(request.devices),
+        MASTER_ADDR=request.master_addr,
+        MASTER_PORT=str(request.master_port),
+    )
+    # torchrun's ranks meet in its agent's store; the new group is ours, with a store of its own.
+    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    dsinit.init_distributed(timeout_seconds)
+
+
+def hand_over(
+    engine: Any,
+    step: int,
+    data_position: dict[str, int],
+    request: LiveResizeRequest,
+    layout: Layout,
+    model: ModelLayers,
+    timeout_seconds: float | None,
+) -> HandOver | None:
+    """A running rank at a step boundary: give its state to the new layout (`layout`, `model`: the
+    job as the rewritten run files describe it). Returns None for a rank that leaves (its state
+    has been sent; it exits 0), else what it restores from. Every old rank together."""
+    import torch.distributed as dist
+
+    from pipectl.runtime.engine_state import HostSnapshot
+
+    started = time.perf_counter()
+    rank, old_world = dist.get_rank(), dist.get_world_size()
+    if old_world != request.from_devices:
+        raise LaunchError(f"live resize from {request.from_devices} ranks, but {old_world} are running")
+    snapshot = HostSnapshot().capture(engine, step, data_position)
+    if request.devices > old_world:  # ranks join: move the state inside the new world
+        reform(request, rank, timeout_seconds)
+        reader, moved = exchange(snapshot, old_world, layout, model)
+    else:  # the old group holds every rank that gives or takes
+        reader, moved = exchange(snapshot, old_world, layout, model)
+        if rank >= request.devices:
+            dist.destroy_process_group()
+            return None
+        reform(request, rank, timeout_seconds)
+    return HandOver(request, reader, moved, time.perf_counter() - started)
+
+
+def warm_up(ds_config: dict[str, Any]) -> None:
+    """Build and drop a DeepSpeed pipeline engine for a one-layer model on a private one-rank group,
+    with the job's optimizer, ZeRO stage and precision: what an engine imports and sets up the
+    first time it is built (1.3 s here, most of it DeepSpeed's optimizer check importing torch's
+    inductor) is then done before the hand-over, not in the running job's pause."""
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+    from deepspeed.pipe import LayerSpec, PipelineModule
+
+    from pipectl.runtime import dsinit
+
+    dsinit.set_rank_environment()
+    dsinit.skip_shared_memory_op_build()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)  # adopts this group
+    try:
+        module = PipelineModule([LayerSpec(torch.nn.Linear, 4, 4)], num_stages=1, loss_fn=torch.nn.MSELoss())
+        config = {
+            key: ds_config[key]
+            for key in ("optimizer", "zero_optimization", "bf16", "fp16", "gradient_clipping")
+            if key in ds_config
+        }
+        config.update(train_batch_size=1, train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1)
+        deepspeed.initialize(model=module, config=config, model_parameters=list(module.parameters()))
+    finally:
+        dist.destroy_process_group()
+
+
+def join(
+    run_dir: str | os.PathLike[str],
+    layout: Layout,
+    model: ModelLayers,
+    ds_config: dict[str, Any],
+    timeout_seconds: float | None,
+) -> HandOver:
+    """A joining rank (started by `pipectl resize --live`, RANK/WORLD_SIZE/MASTER_* of the new
+    layout in its environment): warm up, say it is ready, wait for the running ranks in the new
+    world, receive its share."""
+    warm_up(ds_config)
+    started = time.perf_counter()
+    rank = int(os.environ["RANK"])
+    path = ready_path(run_dir, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"{os.getpid()}\n")
+    from pipectl.runtime import dsinit
+
+    dsinit.init_distributed(timeout_seconds)  # returns when the running ranks have reached the hand-over
+    request = read_request(run_dir)
+    if request.devices != layout.world_size:
+        raise LaunchError(f"live resize to {request.devices} ranks, but the run files describe {layout.world_size}")
+    reader, moved = exchange(None, request.from_devices, layout, model)
+    return HandOver(request, reader, moved, time.perf_counter() - started)
+
+
+def finished_record(request: LiveResizeRequest, *, resume_step: int, pause_seconds: float, bytes_moved: int,
+                    first_step_unix: float) -> MorphRecord:
+    """The request's morph record with what the ranks measured (rank 0, after the first step)."""
+    return request.record.model_copy(
+        update={
+            "path": "live",
+            "resume_step": resume_step,
+            "stopped_running_job": False,
+            "first_step_unix": first_step_unix,
+            "downtime_seconds": max(0.0, first_step_unix - request.record.requested_unix),
+            "pause_seconds": max(0.0, pause_seconds),
+            "bytes_moved": bytes_moved,
+        }
+    )

@@ -1,0 +1,94 @@
+"""A live resize (issue 21): the running job changes layout at a step boundary without a restart,
+and its losses are the uninterrupted run's at every step.
+
+One gpt-tiny job (real ranks: torchrun, gloo) started on 2 ranks p=2 is moved live three times:
+to 2 ranks d=2 (the plan's morph table says so for 2 devices), to 1 rank (rank 1 hands its state
+over and leaves), and back to 2 ranks d=2 (a new rank joins and receives its share). It is then
+stopped through the stop file. A one-rank run of the same job is the reference: every step's loss
+must match it within 1e-4 relative (fp32), and rank 0 must have kept its process throughout.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from pipectl.artifacts.plan import MorphEntry
+from pipectl.launch import LaunchOptions, prepare_launch, run_engine
+from pipectl.resize.live import live_resize
+from pipectl.resize.morph import decide_resize
+from pipectl.resize.stop import request_stop
+from pipectl.runtime.checkpoint import STOP_FILE
+from pipectl.runtime.history import read_history
+from pipectl.runtime.liveness import read_heartbeats
+from pipectl.runtime.metrics import read_metrics
+from builders import gpt_tiny_candidate as candidate, plan_of
+
+pytestmark = pytest.mark.multiprocess
+
+STEPS = 100_000  # the job trains until the test stops it
+RUN_TIMEOUT_SECONDS = 240
+RELATIVE_TOLERANCE = 1e-4
+P1, P2, D2 = candidate(1, 1, m=4), candidate(2, 1, m=4), candidate(1, 2, m=2)
+
+
+class BackgroundJob:
+    """A launched job whose launcher runs in a thread, as `pipectl launch` would in a terminal."""
+
+    def __init__(self, plan, run_dir: Path) -> None:
+        prepared = prepare_launch(plan, run_dir, LaunchOptions(steps=STEPS, seed=0, warmup_steps=15))
+        self.run_dir = prepared.run_dir
+        self.exit_codes: list[int] = []
+        self.thread = threading.Thread(
+            target=lambda: self.exit_codes.append(
+                run_engine(prepared.command, prepared.run_dir, timeout_seconds=RUN_TIMEOUT_SECONDS)
+            )
+        )
+        self.thread.start()
+
+    def wait_for_step(self, step: int) -> None:
+        deadline = time.monotonic() + RUN_TIMEOUT_SECONDS
+        while not (metrics := read_metrics(self.run_dir)) or metrics[-1].step < step:
+            assert self.thread.is_alive(), (self.run_dir / "logs" / "engine.log").read_text()[-3000:]
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        request_stop(self.run_dir, STOP_FILE)
+        self.thread.join(RUN_TIMEOUT_SECONDS)
+        assert self.exit_codes == [0], (self.run_dir / "logs" / "engine.log").read_text()[-3000:]
+
+
+def test_a_running_job_moves_live_and_trains_on_as_if_never_moved(tmp_path):
+    job = BackgroundJob(plan_of(P2, global_batch=8, morph_table=[MorphEntry(devices=1, candidate=P1), MorphEntry(devices=2, candidate=D2)]), tmp_path / "live")  # fmt: skip
+    job.wait_for_step(3)
+    rank0_pid = read_heartbeats(job.run_dir)[0].pid
+    moves = [(2, "t1p1d2 1f1b b2 m2"), (1, "t1p1d1 1f1b b2 m4"), (2, "t1p1d2 1f1b b2 m2")]
+    for devices, layout in moves:
+        result = live_resize(decide_resize(job.run_dir, devices), requested_unix=time.time())
+        assert result.record.to_layout == layout and result.record.path == "live"
+        job.wait_for_step(result.record.resume_step + 3)
+    last = read_history(job.run_dir)[-1].resume_step
+    job.wait_for_step(last + 10)
+    assert read_heartbeats(job.run_dir)[0].pid == rank0_pid  # never restarted
+    job.stop()
+
+    metrics = read_metrics(job.run_dir)
+    steps = [m.step for m in metrics]
+    assert steps == list(range(1, len(steps) + 1))  # none skipped, none repeated
+    history = read_history(job.run_dir)
+    assert [(r.path, r.to_layout) for r in history] == [("live", layout) for _, layout in moves]
+    for record in history:
+        assert record.bytes_moved > 0 and record.pause_seconds is not None and not record.stopped_running_job
+        layouts = {m.step: m.layout for m in metrics}
+        assert layouts[record.resume_step] == record.from_layout and layouts[record.resume_step + 1] == record.to_layout
+
+    reference = BackgroundJob(plan_of(P1, global_batch=8), tmp_path / "reference")
+    reference.wait_for_step(steps[-1])
+    reference.stop()
+    expected = {m.step: m.loss for m in read_metrics(reference.run_dir)}
+    for m in metrics:
+        assert m.loss == pytest.approx(expected[m.step], rel=RELATIVE_TOLERANCE), m.step
