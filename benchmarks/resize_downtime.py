@@ -1,18 +1,23 @@
-"""Resize downtime vs a cold start of the same job on the new layout (issue 5; target ratio <= 1.5).
+"""Resize downtime, both paths (restart and live), against a cold start of the new layout.
 
-For each scenario (shrink: 2 ranks p=2 -> 1 rank; grow: 1 rank -> 2 ranks p=2), gpt-tiny, B = 8:
+Issue 5's target for the restart path: downtime <= 1.5x a cold start. Issue 21's for the live
+path: pause <= 2 s median and <= 0.25x a cold start.
 
-- resize: `pipectl launch` trains the starting layout in the background; once it has done a few
-  steps, `pipectl resize RUN --devices N` is started. Downtime = from starting that command to the
-  first step completed on the new layout (its `time_unix` in metrics.jsonl). It covers the CLI's
-  start, the stop at a step boundary (finish the step, checkpoint, convert to a universal
-  checkpoint, exit), the rewrite of the run, and the relaunch: ranks start, load the re-cut
-  checkpoint, train one step.
-- cold start: `pipectl launch` of a fresh run on the new layout. Time from starting that command
-  to its first completed step.
+Scenarios, gpt-tiny (B = 8, b 2) and gpt-small (B = 4, b 1): shrink 2 ranks p=2 -> 1 rank; grow
+1 rank -> 2 ranks p=2; p2 -> d2 (2 ranks, pipeline to data parallel: the morph table says d=2 for
+2 devices). For each, a job is launched with `pipectl launch` in the background and, after a few
+steps, resized by `pipectl resize RUN --devices N --live|--restart`, a whole CLI command as a user types it:
 
-Both are whole CLI commands started as a user would, timed the same way; medians over `--repeats`.
-The morph record's own breakdown (stop, rewrite, relaunch to first step) is reported as well.
+- pause: training halted, from the end of the last step on the old layout to the start of the
+  first on the new one (metrics.jsonl: `time_unix` - `step_seconds`), the same for both paths;
+- to first step: the end of the last old step to the end of the first new one (the pause plus
+  one step on the new layout);
+- request: from starting the resize command to the end of the first new step (on the live path it
+  includes a joining rank's start-up, while the job keeps training);
+- cold start: `pipectl launch` of a fresh run of the new layout, from the command's start to the
+  start of its first step (`cold_to_first_step`: to its end).
+
+Medians over `--repeats` (gpt-small: `--small-repeats`, default 1: a step takes 25-50 s here).
 
     .venv/bin/python benchmarks/resize_downtime.py --repeats 3
     -> benchmarks/results/resize_downtime.json
@@ -33,31 +38,47 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PIPECTL = [sys.executable, "-m", "pipectl.cli.main"]
-TARGET_RATIO = 1.5
-STEPS_BEFORE_RESIZE = 5
+RESTART_TARGET_RATIO = 1.5
+LIVE_TARGET_RATIO = 0.25
+LIVE_TARGET_SECONDS = 2.0
 STOP_FILE = "stop_requested"  # the runtime's stop-at-the-next-step-boundary request
 
+MODELS = {  # layers, the p=2 cut, B, b
+    "gpt-tiny": (9, [(0, 4), (4, 9)], 8, 2),
+    "gpt-small": (15, [(0, 8), (8, 15)], 4, 1),
+}
+SCENARIOS = {  # name: start layout, morph table's layout for 2 devices, target devices
+    "shrink": ("p2", "p2", 1),
+    "grow": ("p1", "p2", 2),
+    "p2-to-d2": ("p2", "d2", 2),
+}
 
-def write_plan(path: Path, chosen_devices: int) -> Path:
-    """gpt-tiny, B = 8: 1 rank p=1 (m 4) and 2 ranks p=2 (m 4); `chosen_devices` picks the start."""
+
+def write_plan(path: Path, model: str, chosen: str, two: str) -> Path:
+    """`model`'s plan choosing `chosen` ('p1', 'p2' or 'd2'); the morph table has p1 for 1 device
+    and `two` for 2."""
     from pipectl.artifacts.plan import Candidate, MorphEntry, Plan, PlanRequest
     from pipectl.io import write_json_atomic
     from pipectl.models import build_model
     from pipectl.models.base import shape_of
 
-    def candidate(p: int) -> Candidate:
+    layers, cut, batch, b = MODELS[model]
+
+    def candidate(name: str) -> Candidate:
+        p, d = {"p1": (1, 1), "p2": (2, 1), "d2": (1, 2)}[name]
         return Candidate(
-            devices=p, device="cpu", tensor_parallel=1, pipeline_parallel=p, data_parallel=1,
-            micro_batch_size=2, micro_batches=4, schedule="1f1b", recompute=False, zero_stage=1,
-            stage_layers=[(0, 9)] if p == 1 else [(0, 4), (4, 9)], predicted_step_seconds=0.05,
+            devices=p * d, device="cpu", tensor_parallel=1, pipeline_parallel=p, data_parallel=d,
+            micro_batch_size=b, micro_batches=batch // (b * d), schedule="1f1b", recompute=False, zero_stage=1,
+            stage_layers=[(0, layers)] if p == 1 else cut, predicted_step_seconds=0.05,
             samples_per_second=160.0, tflops_per_device=0.0, peak_memory_bytes=[1] * p,
             bubble_fraction=0.0, communication_fraction=0.0, cost_per_million_samples=0.0,
         )  # fmt: skip
 
-    table = {1: candidate(1), 2: candidate(2)}
+    table = {1: candidate("p1"), 2: candidate(two)}
     plan = Plan(
-        model="gpt-tiny", model_shape=shape_of(build_model("gpt-tiny")), cluster="local",
-        request=PlanRequest(global_batch=8), chosen=table[chosen_devices], morph_table=[MorphEntry(devices=n, candidate=c) for n, c in table.items()],
+        model=model, model_shape=shape_of(build_model(model)), cluster="local",
+        request=PlanRequest(global_batch=batch), chosen=candidate(chosen),
+        morph_table=[MorphEntry(devices=n, candidate=c) for n, c in table.items()],
     )  # fmt: skip
     return write_json_atomic(path, plan)
 
@@ -87,120 +108,124 @@ def wait_for(predicate, timeout: float, what: str) -> None:
         time.sleep(0.05)
 
 
-def cold_start(work: Path, devices: int, index: int) -> float:
-    """Seconds from starting `pipectl launch` to the first completed step of a fresh run."""
-    plan = write_plan(work / f"plan-cold-{devices}.json", devices)
-    run = work / f"cold-{devices}-{index}"
+def cold_start(work: Path, model: str, scenario: str, index: int) -> dict:
+    """From starting `pipectl launch` of a fresh run of the new layout to its first step."""
+    start, two, devices = SCENARIOS[scenario]
+    plan = write_plan(work / f"plan-{model}-cold-{scenario}.json", model, "p1" if devices == 1 else two, two)
+    run = work / f"cold-{model}-{scenario}-{index}"
     started = time.time()
     subprocess.run(
-        [*PIPECTL, "launch", str(plan), "--run-dir", str(run), "--steps", "3", "--json"],
-        check=True, env=environment(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=300,
+        [*PIPECTL, "launch", str(plan), "--run-dir", str(run), "--steps", "1", "--json"],
+        check=True, env=environment(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=900,
     )  # fmt: skip
-    return metrics(run)[0]["time_unix"] - started
+    first = metrics(run)[0]
+    return {
+        "cold_seconds": first["time_unix"] - first["step_seconds"] - started,
+        "cold_to_first_step_seconds": first["time_unix"] - started,
+        "layout": first["layout"],
+    }
 
 
-def _first_step_on_new_layout(run: Path) -> dict | None:
-    """The first metrics line written after the relaunch recorded in morphs.jsonl."""
-    path = run / "morphs.jsonl"
-    if not path.is_file():
-        return None
-    record = json.loads(path.read_text().splitlines()[-1])
-    if record.get("relaunched_unix") is None:
-        return None
-    later = [m for m in metrics(run) if m["step"] > record["resume_step"] and m["time_unix"] >= record["relaunched_unix"]]
-    return min(later, key=lambda m: m["time_unix"]) if later else None
+def _layout_change(run: Path) -> tuple[dict, dict] | None:
+    """(last step on the old layout, first on the new one), once metrics show the new one."""
+    rows = metrics(run)
+    for before, after in zip(rows, rows[1:]):
+        if after["layout"] != before["layout"] or after["world_size"] != before["world_size"]:
+            return before, after
+    return None
 
 
-def resize_downtime(work: Path, start_devices: int, target_devices: int, index: int) -> dict:
-    """Seconds from starting `pipectl resize` on a running job to its first step on the new layout."""
-    plan = write_plan(work / f"plan-start-{start_devices}.json", start_devices)
-    run = work / f"resize-{start_devices}-{target_devices}-{index}"
+def resize(work: Path, model: str, scenario: str, index: int, live: bool) -> dict:
+    """A running job resized by `pipectl resize` (restart or --live); see the module's docstring."""
+    start, two, devices = SCENARIOS[scenario]
+    plan = write_plan(work / f"plan-{model}-{scenario}.json", model, start, two)
+    run = work / f"{'live' if live else 'restart'}-{model}-{scenario}-{index}"
     launcher = subprocess.Popen(
         [*PIPECTL, "launch", str(plan), "--run-dir", str(run), "--steps", "100000", "--json"],
         env=environment(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     resizer = None
+    joined: list[int] = []
     try:
-        wait_for(lambda: len(metrics(run)) >= STEPS_BEFORE_RESIZE, 300, "the job's first steps")
+        wait_for(lambda: len(metrics(run)) >= 3, 900, "the job's first steps")
         started = time.time()
-        # Far beyond where the old job will stop; the new job is stopped once it has done a step.
-        target = metrics(run)[-1]["step"] + 100_000
+        target = metrics(run)[-1]["step"] + 100_000  # far beyond; the job is stopped below
+        command = [*PIPECTL, "resize", str(run), "--devices", str(devices), "--steps", str(target), "--json"]
         resizer = subprocess.Popen(
-            [*PIPECTL, "resize", str(run), "--devices", str(target_devices), "--steps", str(target), "--json"],
+            [*command, "--live" if live else "--restart"],
             env=environment(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
-        wait_for(lambda: _first_step_on_new_layout(run) is not None or resizer.poll() is not None, 600, "the resize")
+        wait_for(lambda: _layout_change(run) is not None or resizer.poll() is not None, 900, "the resize")
+        if live:  # the command returns once the first step on the new layout is recorded
+            stdout, stderr = resizer.communicate(timeout=900)
         (run / STOP_FILE).write_text("benchmark done\n")
-        stdout, stderr = resizer.communicate(timeout=300)
+        if not live:
+            stdout, stderr = resizer.communicate(timeout=900)
         if resizer.returncode != 0:
             raise RuntimeError(f"pipectl resize failed: {stderr[-2000:]}")
         payload = json.loads(stdout)
-        launcher.wait(timeout=60)
+        joined = payload.get("joined_pids") or []
+        launcher.wait(timeout=900)
+        wait_for(lambda: not any(_alive(pid) for pid in joined), 900, "the joined ranks")
     finally:
         for proc in (resizer, launcher):
             if proc is not None and proc.poll() is None:
                 (run / STOP_FILE).write_text("benchmark failed\n")
-                proc.wait(timeout=120)
+                proc.wait(timeout=900)
+    before, after = _layout_change(run)
     record = json.loads((run / "morphs.jsonl").read_text().splitlines()[-1])
-    first_new = _first_step_on_new_layout(run)
     return {
-        "downtime_seconds": first_new["time_unix"] - started,
-        "record_downtime_seconds": record["downtime_seconds"],
-        "stop_seconds": record["stop_seconds"],
-        "request_to_relaunch_seconds": record["relaunched_unix"] - record["requested_unix"],
-        "relaunch_to_first_step_seconds": record["first_step_unix"] - record["relaunched_unix"],
-        "resume_step": record["resume_step"],
-        "from_layout": payload["from_layout"],
-        "to_layout": payload["to_layout"],
+        "path": record.get("path", "restart"),
+        "pause_seconds": after["time_unix"] - after["step_seconds"] - before["time_unix"],
+        "to_first_step_seconds": after["time_unix"] - before["time_unix"],
+        "request_seconds": after["time_unix"] - started,
+        "first_step_seconds": after["step_seconds"],
+        "record": record,
+        "from_layout": before["layout"],
+        "to_layout": after["layout"],
     }
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--small-repeats", type=int, default=1, help="repeats for gpt-small (0: leave it out)")
     parser.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results" / "resize_downtime.json")
     args = parser.parse_args()
 
-    scenarios = [("shrink", 2, 1), ("grow", 1, 2)]
     results = []
     with tempfile.TemporaryDirectory(prefix="pipectl-resize-bench-") as tmp:
         work = Path(tmp)
-        for name, start, target in scenarios:
-            colds, resizes = [], []
-            for index in range(args.repeats):
-                # Interleaved so that the machine's background load affects both alike.
-                colds.append(cold_start(work, target, index))
-                resizes.append(resize_downtime(work, start, target, index))
-                print(f"{name} #{index}: cold {colds[-1]:.2f} s, resize {resizes[-1]['downtime_seconds']:.2f} s", flush=True)
-            cold = statistics.median(colds)
-            downtime = statistics.median(r["downtime_seconds"] for r in resizes)
-            results.append(
-                {
-                    "scenario": name,
-                    "from": resizes[0]["from_layout"],
-                    "to": resizes[0]["to_layout"],
-                    "cold_start_seconds": colds,
-                    "resize_downtime_seconds": [r["downtime_seconds"] for r in resizes],
-                    "median_cold_start_seconds": cold,
-                    "median_resize_downtime_seconds": downtime,
-                    "ratio": downtime / cold,
-                    "meets_target": downtime / cold <= TARGET_RATIO,
-                    "median_stop_seconds": statistics.median(r["stop_seconds"] for r in resizes),
-                    "median_request_to_relaunch_seconds": statistics.median(
-                        r["request_to_relaunch_seconds"] for r in resizes
-                    ),
-                    "median_relaunch_to_first_step_seconds": statistics.median(
-                        r["relaunch_to_first_step_seconds"] for r in resizes
-                    ),
-                    "runs": resizes,
-                }
-            )
+        for model, repeats in (("gpt-tiny", args.repeats), ("gpt-small", args.small_repeats)):
+            for scenario in SCENARIOS if repeats else ():
+                colds, restarts, lives = [], [], []
+                for index in range(repeats):
+                    # Interleaved so that the machine's background load affects all three alike.
+                    colds.append(cold_start(work, model, scenario, index))
+                    restarts.append(resize(work, model, scenario, index, live=False))
+                    lives.append(resize(work, model, scenario, index, live=True))
+                    print(
+                        f"{model} {scenario} #{index}: cold {colds[-1]['cold_seconds']:.2f} s, "
+                        f"restart pause {restarts[-1]['pause_seconds']:.2f} s, live pause {lives[-1]['pause_seconds']:.2f} s",
+                        flush=True,
+                    )
+                results.append(summary(model, scenario, colds, restarts, lives))
     report = {
         "benchmark": "resize_downtime",
-        "command": f"{Path(sys.executable).name} benchmarks/resize_downtime.py --repeats {args.repeats}",
-        "model": "gpt-tiny",
-        "global_batch": 8,
-        "target_ratio": TARGET_RATIO,
+        "command": f"{Path(sys.executable).name} benchmarks/resize_downtime.py --repeats {args.repeats} --small-repeats {args.small_repeats}",
+        "targets": {
+            "restart_downtime_over_cold_start": RESTART_TARGET_RATIO,
+            "live_pause_seconds": LIVE_TARGET_SECONDS,
+            "live_pause_over_cold_start": LIVE_TARGET_RATIO,
+        },
         "machine": {
             "cpus": os.cpu_count(),
             "python": platform.python_version(),
@@ -213,9 +238,42 @@ def main() -> None:
     args.output.write_text(json.dumps(report, indent=2) + "\n")
     for row in results:
         print(
-            f"{row['scenario']}: {row['from']} -> {row['to']}: resize {row['median_resize_downtime_seconds']:.2f} s, "
-            f"cold start {row['median_cold_start_seconds']:.2f} s, ratio {row['ratio']:.2f}"
+            f"{row['model']} {row['scenario']}: {row['from']} -> {row['to']}: cold start {row['median_cold_seconds']:.2f} s; "
+            f"restart pause {row['restart']['median_pause_seconds']:.2f} s ({row['restart']['pause_over_cold']:.2f}x); "
+            f"live pause {row['live']['median_pause_seconds']:.2f} s ({row['live']['pause_over_cold']:.3f}x)"
         )
+
+
+def summary(model: str, scenario: str, colds: list[dict], restarts: list[dict], lives: list[dict]) -> dict:
+    cold = statistics.median(c["cold_seconds"] for c in colds)
+
+    def path(runs: list[dict]) -> dict:
+        pause = statistics.median(r["pause_seconds"] for r in runs)
+        return {
+            "pause_seconds": [r["pause_seconds"] for r in runs],
+            "median_pause_seconds": pause,
+            "median_to_first_step_seconds": statistics.median(r["to_first_step_seconds"] for r in runs),
+            "median_request_seconds": statistics.median(r["request_seconds"] for r in runs),
+            "pause_over_cold": pause / cold,
+            "runs": runs,
+        }
+
+    restart, live = path(restarts), path(lives)
+    restart["meets_target"] = restart["median_request_seconds"] / statistics.median(
+        c["cold_to_first_step_seconds"] for c in colds
+    ) <= RESTART_TARGET_RATIO
+    live["meets_target"] = live["median_pause_seconds"] <= LIVE_TARGET_SECONDS and live["pause_over_cold"] <= LIVE_TARGET_RATIO
+    return {
+        "model": model,
+        "scenario": scenario,
+        "from": restarts[0]["from_layout"],
+        "to": restarts[0]["to_layout"],
+        "cold_start": colds,
+        "median_cold_seconds": cold,
+        "median_cold_to_first_step_seconds": statistics.median(c["cold_to_first_step_seconds"] for c in colds),
+        "restart": restart,
+        "live": live,
+    }
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@ run a step, and its downtime is filled in once metrics.jsonl shows the first ste
 
 A live resize (`runtime/live.py`) keeps the job running: at a step boundary the ranks hand their
 state to the new layout's ranks in memory and go on; rank 0 appends the record after the first step
-on the new layout, with the pause (last step before -> first step after) and the bytes moved.
+on the new layout, with the pause (last step completed before -> first step begun after), its phases
+and the bytes moved.
 """
 
 from __future__ import annotations
@@ -65,7 +66,13 @@ class MorphRecord(Artifact):
         description="restart: stopped, checkpointed and relaunched; live: the running ranks handed their state over in memory.",
     )
     pause_seconds: float | None = Field(
-        default=None, ge=0, description="Live: the last step completed before -> the first completed after."
+        default=None,
+        ge=0,
+        description="Live: training halted, from the last step completed before to the first step begun after.",
+    )
+    pause_phases: dict[str, float] = Field(
+        default_factory=dict,
+        description="Live: rank 0's seconds per phase of the pause (capture, exchange, group, build, restore).",
     )
     bytes_moved: int | None = Field(default=None, ge=0, description="Live: state bytes sent from rank to rank.")
     notes: list[str] = Field(default_factory=list, description="What the user should know (fewer devices, ...).")

@@ -51,11 +51,12 @@ def register(app: typer.Typer) -> None:
         live: Annotated[
             bool,
             typer.Option(
-                "--live",
-                help="Move the running job without a restart: its ranks hand their state over in memory at "
-                "the next step boundary (local or torchrun job on this host; otherwise it restarts, and says why).",
+                "--live/--restart",
+                help="--live (default): a job running here (local or torchrun engine) moves without a restart, "
+                "its ranks handing their state over in memory at the next step boundary; otherwise, and with "
+                "--restart, the job stops at a step boundary, checkpoints and is relaunched.",
             ),
-        ] = False,
+        ] = True,
         submit: Annotated[
             bool, typer.Option("--submit", help="Slurm run: submit the new job.sbatch with sbatch.")
         ] = False,
@@ -65,8 +66,10 @@ def register(app: typer.Typer) -> None:
         ] = False,
         json_output: JsonFlag = False,
     ) -> None:
-        """Move a run to N devices with the same global batch: stop at a step boundary, re-cut the
-        checkpoint, relaunch with the same engine. Works on running, stopped and finished runs."""
+        """Move a run to N devices with the same global batch. A job running here moves live (its ranks
+        hand their state over in memory at the next step boundary); otherwise it stops at a step
+        boundary, the checkpoint is re-cut and the job relaunched with the same engine. Works on
+        running, stopped and finished runs."""
         requested_unix = time.time()
         policy = StragglerPolicy(slowdown_threshold=straggler_slowdown)
         decision = decide_resize(
@@ -100,7 +103,8 @@ def register(app: typer.Typer) -> None:
                     say=None if json_output else (lambda line: console.print(line, style="dim", highlight=False, markup=False)),
                 )
             except LiveUnavailable as exc:
-                err_console.print(f"[yellow]cannot resize live: {exc.message}; restarting instead[/]", highlight=False)
+                if exc.running:
+                    err_console.print(f"[yellow]cannot resize live: {exc.message}; restarting instead[/]", highlight=False)
             else:
                 if json_output:
                     print_json({"run_dir": str(decision.run_dir), "joined_pids": moved.joined, **moved.record.model_dump(mode="json")})

@@ -19,10 +19,12 @@ The joining ranks outlive this command: they belong to the job from then on, and
 
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -44,7 +46,12 @@ from pipectl.words import count
 
 
 class LiveUnavailable(LaunchError):
-    """This job cannot move live; the message says why (a restart can)."""
+    """This job cannot move live; the message says why (a restart can). `running` is False when no
+    rank of it runs here at all (a stopped run: a restart is simply the way)."""
+
+    def __init__(self, message: str, *, running: bool = True) -> None:
+        super().__init__(message)
+        self.running = running
 
 
 @dataclass
@@ -60,6 +67,9 @@ def check_live(decision: ResizeDecision) -> None:
     """Raise `LiveUnavailable` naming why this run cannot be resized live, before anything changes."""
     files = read_run(decision.run_dir)
     job = files.job
+    ranks = [p for p in find_run_processes(decision.run_dir) if p.is_worker]
+    if not ranks:
+        raise LiveUnavailable("no rank of the run is running on this machine", running=False)
     if job.engine not in (Engine.LOCAL, Engine.TORCHRUN) or job.nodes != 1 or job.elastic is not None:
         raise LiveUnavailable(
             f"a live resize moves ranks on one host under the local or torchrun engine; this run uses "
@@ -67,9 +77,6 @@ def check_live(decision: ResizeDecision) -> None:
         )
     if job.node_groups:
         raise LiveUnavailable("the run is split over device kinds; its node groups are fixed")
-    ranks = [p for p in find_run_processes(decision.run_dir) if p.is_worker]
-    if not ranks:
-        raise LiveUnavailable("no rank of the run is running on this machine")
     if files.plan.chosen.devices != len(ranks):
         raise LiveUnavailable(
             f"{count(len(ranks), 'rank')} running here for a layout of {files.plan.chosen.devices} "
@@ -93,7 +100,27 @@ def live_resize(
     say = say or (lambda _line: None)
     path = decision.run_dir
     check_candidate(decision.candidate, global_batch=decision.global_batch, layers=decision.layers)
-    check_live(decision)
+    with _one_at_a_time(path):
+        check_live(decision)
+        return _move(decision, requested_unix, say, ready_timeout_seconds, handover_timeout_seconds)
+
+
+@contextmanager
+def _one_at_a_time(path: Path):
+    """An exclusive lock on RUN/live/resize.lock: one live resize of a run at a time."""
+    folder = path / JOIN_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "resize.lock", "w") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise LaunchError("another live resize of this run is under way", hint="wait for it to finish") from None
+        yield
+
+
+def _move(decision: ResizeDecision, requested_unix: float, say: Phase, ready_timeout_seconds: float,
+          handover_timeout_seconds: float) -> LiveResult:  # fmt: skip
+    path = decision.run_dir
     before = {name: (path / name).read_bytes() for name in _run_file_names(path)}
     prepared = prepare_relaunch(decision)
     old_world, new_world = decision.previous.devices, decision.candidate.devices

@@ -74,26 +74,28 @@ def skip_shared_memory_op_build() -> None:
     _SHM_PATCHED = True
 
 
-def init_distributed(timeout_seconds: float | None = None) -> None:
+def init_distributed(timeout_seconds: float | None = None, store=None) -> None:
     """Environment, shm-op skip, then `deepspeed.init_distributed()` from the env:// variables.
 
     Expects RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT (torchrun, DeepSpeed's
-    launcher and our spawn helper all set them).
+    launcher and our spawn helper all set them). With `store` (a live resize's own rendezvous,
+    `runtime.live`) the group is started on it, and DeepSpeed adopts it.
     """
     set_rank_environment()
     skip_shared_memory_op_build()
     import deepspeed  # after the environment it reads at import is set
+    import torch.distributed as torch_dist
     from deepspeed.accelerator import get_accelerator
 
+    backend = get_accelerator().communication_backend_name()
     kwargs = {}
     if timeout_seconds is not None:
         from torch.distributed import distributed_c10d
 
         kwargs["timeout"] = timedelta(seconds=timeout_seconds)
         distributed_c10d.default_pg_timeout = kwargs["timeout"]  # the groups made later: see above
-    deepspeed.init_distributed(
-        dist_backend=get_accelerator().communication_backend_name(),
-        auto_mpi_discovery=False,
-        verbose=False,
-        **kwargs,
-    )
+    if store is not None:
+        torch_dist.init_process_group(
+            backend, store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), **kwargs
+        )
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False, **kwargs)

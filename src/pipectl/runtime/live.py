@@ -33,7 +33,8 @@ import logging
 import math
 import os
 import time
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
@@ -126,12 +127,41 @@ def _range_numel(info: TensorInfo, start: int, stop: int) -> int:
     return info.numel if stop < 0 else stop - start
 
 
-def pack(tensors: dict[str, Any], reads: Sequence[tuple[str, int, int]]):
-    """The element ranges `reads` of `tensors`, as one byte tensor (one message)."""
+def merged(reads: Sequence[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
+    """Adjacent element ranges of one tensor joined (a rank that needs a whole partition gets one
+    range per flat tensor): fewer messages. `reads` sorted, as `ShardReader.reads_for` gives them.
+
+        >>> merged([("g.fp32", 0, 4), ("g.fp32", 4, 9), ("g.fp32", 12, 15), ("rng", 0, -1)])
+        [('g.fp32', 0, 9), ('g.fp32', 12, 15), ('rng', 0, -1)]
+    """
+    joined: list[tuple[str, int, int]] = []
+    for key, start, stop in reads:
+        if joined and joined[-1][0] == key and joined[-1][2] == start and start >= 0 and stop >= 0:
+            joined[-1] = (key, joined[-1][1], stop)
+        else:
+            joined.append((key, start, stop))
+    return joined
+
+
+ALIGN = 64  # bytes: every received range starts aligned, so it is viewed in its dtype without a copy
+
+
+def placement(reads: Sequence[tuple[str, int, int]], infos: dict[str, TensorInfo]) -> tuple[list[tuple[int, int]], int]:
+    """Where each range lies in the receive buffer: (byte offset, byte size) each, and the total."""
+    places, offset = [], 0
+    for key, start, stop in reads:
+        size = _range_numel(infos[key], start, stop) * _dtype(infos[key].dtype).itemsize
+        places.append((offset, size))
+        offset += -(-size // ALIGN) * ALIGN
+    return places, offset
+
+
+def byte_view(tensor, start: int, stop: int):
+    """Elements `start`..`stop` (stop -1: all) of `tensor`, as the bytes a message carries: a view,
+    never a copy (every range is a contiguous piece of a flat tensor)."""
     import torch
 
-    parts = [_part(tensors[key], start, stop).contiguous().view(torch.uint8) for key, start, stop in reads]
-    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+    return _part(tensor, start, stop).view(torch.uint8)
 
 
 class HeldTensors:
@@ -148,23 +178,20 @@ class HeldTensors:
 
 
 class ReceivedPieces:
-    """Element ranges of another rank's tensors, as received (a `shards.RankSource`)."""
+    """Element ranges of another rank's tensors, received into one buffer laid out by `placement`
+    and read in place (a `shards.RankSource`)."""
 
     def __init__(self, buffer, reads: Sequence[tuple[str, int, int]], infos: dict[str, TensorInfo]) -> None:
         self.infos = infos
         self.pieces: dict[str, list[tuple[int, int, Any]]] = {}
-        offset = 0
-        for key, start, stop in reads:
+        places, total = placement(reads, infos)
+        if buffer.numel() != total:
+            raise LaunchError(f"live resize: a {buffer.numel()}-byte buffer for {total} bytes of pieces")
+        for (key, start, stop), (offset, size) in zip(reads, places):
             info = infos[key]
-            dtype = _dtype(info.dtype)
-            numel = _range_numel(info, start, stop)
-            size = numel * dtype.itemsize
-            values = buffer[offset : offset + size].clone().view(dtype)  # clone: aligned for the view
-            offset += size
+            values = buffer[offset : offset + size].view(_dtype(info.dtype))
             first, last = (0, info.numel) if stop < 0 else (start, stop)
             self.pieces.setdefault(key, []).append((first, last, values))
-        if offset != buffer.numel():
-            raise LaunchError(f"live resize: received {buffer.numel()} bytes, expected {offset}")
 
     def get_tensor(self, key: str):
         info = self.infos[key]
@@ -189,11 +216,25 @@ class _Pieces:
         raise KeyError(f"{self.key}[{index.start}:{index.stop}]: not received")
 
 
-def required_bytes(reads: Sequence[tuple[str, int, int]], infos: dict[str, TensorInfo]) -> int:
-    return sum(_range_numel(infos[key], start, stop) * _dtype(infos[key].dtype).itemsize for key, start, stop in reads)
-
-
 # --------------------------------------------------------------------------- the hand-over
+
+
+class PauseClock:
+    """Seconds per phase of a live resize's pause, on one rank (for its log and rank 0's record)."""
+
+    def __init__(self) -> None:
+        self.phases: dict[str, float] = {}
+
+    @contextmanager
+    def phase(self, name: str):
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - started
+
+    def describe(self) -> str:
+        return ", ".join(f"{name} {seconds:.2f} s" for name, seconds in self.phases.items())
 
 
 @dataclass
@@ -204,8 +245,9 @@ class HandOver:
     request: LiveResizeRequest
     reader: Any  # shards.ShardReader over memory
     bytes_moved: int  # by all ranks together
-    seconds: float  # capture + exchange + re-forming the group, on this rank
+    clock: PauseClock = field(default_factory=PauseClock)
     last_step_unix: float = 0.0  # when this rank finished its last step on the old layout
+    host: Any = None  # the engine_state.HostSnapshot captured into (None: a joining rank)
 
 
 def exchange(snapshot, old_world: int, layout: Layout, model: ModelLayers):
@@ -237,35 +279,41 @@ def exchange(snapshot, old_world: int, layout: Layout, model: ModelLayers):
         rank: index.reads_for(held_names(sorted(names), model, layout, rank), rng_of={0, rank} & set(range(old_world)))
         for rank in range(layout.world_size)
     }
+    # One message per merged range, sent from the snapshot itself and received into one buffer per
+    # holder; tags number the ranges of a pair in the order both sides list them.
     works, pending, sent = [], [], 0
     if snapshot is not None:
         for rank, reads in plan.items():
             if rank != me and me in reads:
-                message = pack(snapshot.tensors, reads[me])
-                works.append(dist.isend(message, dst=rank))
-                sent += message.numel()
+                for tag, (key, start, stop) in enumerate(merged(reads[me])):
+                    message = byte_view(snapshot.tensors[key], start, stop)
+                    works.append(dist.isend(message, dst=rank, tag=tag))
+                    sent += message.numel()
     sources: list[Any] = [None] * old_world
     if me < layout.world_size:
         for holder, reads in plan[me].items():
             if holder == me:
                 sources[holder] = HeldTensors(snapshot.tensors)
                 continue
-            buffer = torch.empty(required_bytes(reads, infos[holder]), dtype=torch.uint8)
-            works.append(dist.irecv(buffer, src=holder))
-            pending.append((holder, reads, buffer))
+            ranges = merged(reads)
+            places, total = placement(ranges, infos[holder])
+            buffer = torch.empty(total, dtype=torch.uint8)
+            for tag, (offset, size) in enumerate(places):
+                works.append(dist.irecv(buffer[offset : offset + size], src=holder, tag=tag))
+            pending.append((holder, ranges, buffer))
     for work in works:
         work.wait()
-    for holder, reads, buffer in pending:
-        sources[holder] = ReceivedPieces(buffer, reads, infos[holder])
+    for holder, ranges, buffer in pending:
+        sources[holder] = ReceivedPieces(buffer, ranges, infos[holder])
     total = torch.tensor([float(sent)])
     dist.all_reduce(total)
     reader = ShardReader.in_memory(MEMORY_LABEL, sources, headers) if me < layout.world_size else None
     return reader, int(total.item())
 
 
-def reform(request: LiveResizeRequest, rank: int, timeout_seconds: float | None) -> None:
-    """Leave the current process group (if any) and enter the new layout's: `request.devices`
-    ranks meeting at `request.master_addr:master_port`. The same env:// start as a launch."""
+def reform(address: str, port: int, world: int, rank: int, timeout_seconds: float | None) -> None:
+    """Leave the current process group (if any) and enter the new layout's: `world` ranks meeting
+    at `address:port`, rank 0 hosting the store (`meet`)."""
     import torch.distributed as dist
 
     from pipectl.runtime import dsinit
@@ -275,14 +323,42 @@ def reform(request: LiveResizeRequest, rank: int, timeout_seconds: float | None)
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(request.devices),
-        LOCAL_WORLD_SIZE=str(request.devices),
-        MASTER_ADDR=request.master_addr,
-        MASTER_PORT=str(request.master_port),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR=address,
+        MASTER_PORT=str(port),
     )
-    # torchrun's ranks meet in its agent's store; the new group is ours, with a store of its own.
+    # torchrun's ranks meet in its agent's store; the new group has a store of its own.
     os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
-    dsinit.init_distributed(timeout_seconds)
+    dsinit.init_distributed(timeout_seconds, store=meet(address, port, world, rank, timeout_seconds))
+
+
+PROBE_SECONDS = 0.005
+
+
+def meet(address: str, port: int, world: int, rank: int, timeout_seconds: float | None):
+    """The new group's store: rank 0 serves it, the others connect once it listens. A joining rank
+    waits here from the moment it is ready; it probes the port every 5 ms with a plain TCP connect
+    instead of waiting in the store client's own retry loop, whose back-off (about 0.5 s between
+    tries, measured) would be paid by every rank in the pause."""
+    import socket
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    timeout = timedelta(seconds=timeout_seconds or 1800.0)
+    if rank == 0:
+        return dist.TCPStore(address, port, world, is_master=True, timeout=timeout, wait_for_workers=False)
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        try:
+            socket.create_connection((address, port), timeout=1.0).close()
+            break
+        except OSError as exc:  # not listening yet
+            if time.monotonic() > deadline:
+                raise LaunchError(f"live resize: nothing listens at {address}:{port} after {timeout.total_seconds():.0f} s ({exc})") from None
+            time.sleep(PROBE_SECONDS)
+    return dist.TCPStore(address, port, world, is_master=False, timeout=timeout)
 
 
 def hand_over(
@@ -293,29 +369,39 @@ def hand_over(
     layout: Layout,
     model: ModelLayers,
     timeout_seconds: float | None,
+    clock: PauseClock,
+    host: Any = None,
 ) -> HandOver | None:
     """A running rank at a step boundary: give its state to the new layout (`layout`, `model`: the
     job as the rewritten run files describe it). Returns None for a rank that leaves (its state
-    has been sent; it exits 0), else what it restores from. Every old rank together."""
+    has been sent; it exits 0), else what it restores from. Every old rank together. `host`: the
+    `HostSnapshot` whose buffers to capture into (the checkpointer's, allocated and touched
+    already; kept by the next layout's checkpointer)."""
     import torch.distributed as dist
 
     from pipectl.runtime.engine_state import HostSnapshot
 
-    started = time.perf_counter()
+    handed = HandOver(request, None, 0, clock, host=host)
     rank, old_world = dist.get_rank(), dist.get_world_size()
     if old_world != request.from_devices:
         raise LaunchError(f"live resize from {request.from_devices} ranks, but {old_world} are running")
-    snapshot = HostSnapshot().capture(engine, step, data_position)
+    with clock.phase("capture"):
+        host = host or HostSnapshot()
+        snapshot = host.capture(engine, step, data_position)
     if request.devices > old_world:  # ranks join: move the state inside the new world
-        reform(request, rank, timeout_seconds)
-        reader, moved = exchange(snapshot, old_world, layout, model)
+        with clock.phase("group"):
+            reform(request.master_addr, request.master_port, request.devices, rank, timeout_seconds)
+        with clock.phase("exchange"):
+            handed.reader, handed.bytes_moved = exchange(snapshot, old_world, layout, model)
     else:  # the old group holds every rank that gives or takes
-        reader, moved = exchange(snapshot, old_world, layout, model)
+        with clock.phase("exchange"):
+            handed.reader, handed.bytes_moved = exchange(snapshot, old_world, layout, model)
         if rank >= request.devices:
             dist.destroy_process_group()
             return None
-        reform(request, rank, timeout_seconds)
-    return HandOver(request, reader, moved, time.perf_counter() - started)
+        with clock.phase("group"):
+            reform(request.master_addr, request.master_port, request.devices, rank, timeout_seconds)
+    return handed
 
 
 def warm_up(ds_config: dict[str, Any]) -> None:
@@ -358,26 +444,34 @@ def join(
     layout in its environment): warm up, say it is ready, wait for the running ranks in the new
     world, receive its share."""
     warm_up(ds_config)
-    started = time.perf_counter()
     rank = int(os.environ["RANK"])
     path = ready_path(run_dir, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(f"{os.getpid()}\n")
-    from pipectl.runtime import dsinit
-
-    dsinit.init_distributed(timeout_seconds)  # returns when the running ranks have reached the hand-over
+    # Returns when the running ranks have reached the hand-over (their request names the group).
+    reform(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), layout.world_size, rank, timeout_seconds)
     request = read_request(run_dir)
     if request.devices != layout.world_size:
         raise LaunchError(f"live resize to {request.devices} ranks, but the run files describe {layout.world_size}")
-    reader, moved = exchange(None, request.from_devices, layout, model)
-    return HandOver(request, reader, moved, time.perf_counter() - started)
+    handed = HandOver(request, None, 0)
+    with handed.clock.phase("exchange"):
+        handed.reader, handed.bytes_moved = exchange(None, request.from_devices, layout, model)
+    return handed
 
 
-def finished_record(request: LiveResizeRequest, *, resume_step: int, pause_seconds: float, bytes_moved: int,
-                    first_step_unix: float) -> MorphRecord:
+def finished_record(
+    request: LiveResizeRequest,
+    *,
+    resume_step: int,
+    pause_seconds: float,
+    bytes_moved: int,
+    first_step_unix: float,
+    clock: PauseClock,
+) -> MorphRecord:
     """The request's morph record with what the ranks measured (rank 0, after the first step)."""
     return request.record.model_copy(
         update={
+            "pause_phases": {name: round(seconds, 4) for name, seconds in clock.phases.items()},
             "path": "live",
             "resume_step": resume_step,
             "stopped_running_job": False,

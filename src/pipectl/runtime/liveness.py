@@ -315,18 +315,23 @@ def live_ranks(heartbeats: dict[int, RankHeartbeat], now: float, silent_after: f
 
 
 def stopped_cleanly(heartbeats: dict[int, RankHeartbeat], world_size: int) -> int | None:
-    """The checkpoint step, if every one of the `world_size` ranks ended finished or stopped with
-    the same checkpoint written; None otherwise.
+    """The checkpoint step, if every one of the `world_size` ranks the job started with has a
+    heartbeat and every rank still in the job (not `left` in a live resize; ranks that joined one
+    count too) ended finished or stopped with the same checkpoint written; None otherwise.
 
     >>> beat = dict(pid=1, started_unix=0.0, beat_unix=1.0, progress_unix=1.0)
     >>> beats = {r: RankHeartbeat(rank=r, state=RankState.STOPPED, checkpoint_step=6, **beat) for r in (0, 1)}
     >>> stopped_cleanly(beats, 2), stopped_cleanly(beats, 3)
     (6, None)
+    >>> beats[1] = RankHeartbeat(rank=1, state=RankState.LEFT, checkpoint_step=4, **beat)
+    >>> stopped_cleanly(beats, 2)
+    6
     """
-    if sorted(heartbeats) != list(range(world_size)):
+    if not set(range(world_size)) <= set(heartbeats):
         return None
+    staying = [b for b in heartbeats.values() if b.state is not RankState.LEFT]
     clean = (RankState.FINISHED, RankState.STOPPED)
-    steps = {b.checkpoint_step for b in heartbeats.values() if b.state in clean}
-    if len(steps) != 1 or any(b.state not in clean for b in heartbeats.values()):
+    steps = {b.checkpoint_step for b in staying if b.state in clean}
+    if len(steps) != 1 or any(b.state not in clean for b in staying):
         return None
     return steps.pop()

@@ -280,9 +280,13 @@ def _train(
             break
         # A live resize: the run files describe the new layout; hand the state over to it.
         context.phase = "live resize: handing the state over"
-        session.settle()
-        os.environ["WORLD_SIZE"] = str(request.devices)
-        job = TrainingJob.from_run_dir(job.run_dir)
+        clock = live.PauseClock()
+        with clock.phase("settle"):  # a checkpoint in flight commits first
+            session.settle()
+        with clock.phase("read"):
+            os.environ["WORLD_SIZE"] = str(request.devices)
+            job = TrainingJob.from_run_dir(job.run_dir)
+            layers = build_model_layers(job)
         last_step_unix = session.last_step_unix
         handed = live.hand_over(
             session.engine,
@@ -290,11 +294,14 @@ def _train(
             _data_position(session.layout, session.step),
             request,
             job.layout,
-            build_model_layers(job),
+            layers,
             job.collective_timeout_seconds,
+            clock,
+            host=session.saver.host if session.saver is not None else None,
         )
-        session.close(context)
-        del session
+        with clock.phase("release"):
+            session.close(context)
+            del session
         if handed is None:
             result.stopped_early, result.left = "left in a live resize", True
             return result
@@ -347,7 +354,11 @@ class _Session:
 
         context.layout = job.layout
         context.predicted_peak_memory_bytes = job.predicted_peak_memory_bytes
-        model, engine = build_engine(job)
+        if handed is not None:
+            with handed.clock.phase("build"):
+                model, engine = build_engine(job)
+        else:
+            model, engine = build_engine(job)
         layout = job.layout
         rank = engine.global_rank
         stage = engine.stage_id
@@ -377,7 +388,8 @@ class _Session:
         )[session.dp_rank]
         if handed is not None:
             context.phase = "live resize: restoring the handed-over state"
-            session.step = engine_state.restore(engine, handed.reader).step
+            with handed.clock.phase("restore"):
+                session.step = engine_state.restore(engine, handed.reader).step
             handed.reader = None  # the received pieces are in the engine now
         if job.run_dir is None:
             return session
@@ -420,7 +432,20 @@ class _Session:
             commit_timeout_seconds=job.collective_timeout_seconds or DEFAULT_COMMIT_TIMEOUT_SECONDS,
             schedule=schedule,
         )
-        session.saver.prepare(engine)
+        if handed is not None:
+            # The hand-over's host buffers serve the checkpoints from now on: nothing to allocate
+            # in the pause (those whose shapes changed are replaced at the first save).
+            if handed.host is not None:
+                session.saver.host = handed.host
+            log.warning(
+                "live resize to %s at step %d: %s; %.1f MiB moved by all ranks",
+                layout.label(),
+                session.step,
+                handed.clock.describe(),
+                handed.bytes_moved / 2**20,
+            )
+        else:
+            session.saver.prepare(engine)
         session.saved = session.step
         return session
 
@@ -487,9 +512,10 @@ class _Session:
             live.finished_record(
                 handed.request,
                 resume_step=record.step - 1,
-                pause_seconds=now - handed.last_step_unix,
+                pause_seconds=now - record.step_seconds - handed.last_step_unix,
                 bytes_moved=handed.bytes_moved,
                 first_step_unix=now,
+                clock=handed.clock,
             ),
         )
         live.request_path(self.job.run_dir).unlink(missing_ok=True)

@@ -1,0 +1,20 @@
+"""What `resize --live` refuses before anything changes (no processes: the run is not running)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipectl.artifacts.plan import MorphEntry
+from pipectl.launch import LaunchOptions, prepare_launch
+from pipectl.resize.live import LiveUnavailable, check_live
+from pipectl.resize.morph import decide_resize
+from builders import gpt_tiny_candidate as candidate, plan_of
+
+
+def test_a_run_with_no_rank_running_here_is_not_moved_live(tmp_path):
+    plan = plan_of(candidate(2, 1), global_batch=8, morph_table=[MorphEntry(devices=1, candidate=candidate(1, 1))])
+    prepared = prepare_launch(plan, tmp_path / "run", LaunchOptions(steps=4, seed=0))
+    before = {p.name: p.read_bytes() for p in prepared.run_dir.iterdir() if p.is_file()}
+    with pytest.raises(LiveUnavailable, match="no rank of the run is running on this machine"):
+        check_live(decide_resize(prepared.run_dir, 1))
+    assert {p.name: p.read_bytes() for p in prepared.run_dir.iterdir() if p.is_file()} == before
