@@ -203,7 +203,9 @@ def _restore_rng(state: dict[str, Any], torch_state: torch.Tensor) -> None:
     random.setstate((version, tuple(keys), gauss))
     name, keys, position, has_gauss, cached = state["numpy"]
     np.random.set_state((name, np.asarray(keys, dtype=np.uint32), position, has_gauss, cached))
-    torch.set_rng_state(torch_state)
+    # A copy with its own storage: set_rng_state reads from the storage's start, ignoring a view's
+    # offset (measured: a view into a larger buffer gives 'Invalid mt19937 state', or a crash).
+    torch.set_rng_state(torch_state.clone())
 
 
 # --------------------------------------------------------------------------- restore
@@ -257,7 +259,8 @@ def restore(engine: Any, reader: ShardReader, *, restore_rng: bool = True) -> Ra
             if flat:
                 state = dict(flat)
                 for key in source.group_scalars[group]:
-                    state[key] = reader.tensor(0, group_tensor(group, f"state.{key}")).to(partition.device)
+                    # A copy: what the reader gives may be a view of memory the next checkpoint reuses.
+                    state[key] = reader.tensor(0, group_tensor(group, f"state.{key}")).to(partition.device, copy=True)
                 optimizer.optimizer.state[partition] = state
                 for parameter in parameters:  # DeepSpeed's views of each piece's moments
                     if parameter._hp_mapping is not None:

@@ -276,6 +276,12 @@ class ShardReader:
         if not pieces:
             raise CheckpointError(f"{self.folder}: no file holds tensor slice {tp_rank} of {name!r}")
         shape = pieces[0][1].shape
+        if len(pieces) == 1 and pieces[0][1].start == 0 and pieces[0][1].numel == math.prod(shape):
+            # One fragment holds it all (one data-parallel rank, or a parameter no ZeRO boundary
+            # cuts): its values as read, with no copy. Callers only read what they are given.
+            index, fragment = pieces[0]
+            source = self._files[index].get_slice(group_tensor(fragment.group, state))
+            return source[fragment.offset : fragment.offset + fragment.numel].view(shape)
         flat = None
         covered = 0
         for index, fragment in sorted(pieces, key=lambda item: item[1].start):
