@@ -99,3 +99,21 @@ def test_a_replicas_ranks_are_consecutive_and_its_tensor_groups_inside():
         ranks = sorted(topology.filter_match(data=replica))
         assert ranks == list(range(replica * 4, replica * 4 + 4))
     assert topology.get_axis_comm_lists("model") == [[2 * i, 2 * i + 1] for i in range(6)]
+
+
+def test_skipping_random_init_leaves_draws_out_and_keeps_everything_else():
+    import torch
+
+    from pipectl.runtime.pipeline import SkipRandomInit
+
+    tensor = torch.full((4, 4), 7.0)
+    with SkipRandomInit():
+        torch.nn.init.normal_(tensor, std=0.02)
+        torch.nn.init.kaiming_uniform_(tensor)
+        tensor.uniform_()
+        assert torch.equal(tensor, torch.full((4, 4), 7.0))  # no draw happened
+        torch.nn.init.zeros_(tensor[0])  # deterministic initialisers still run
+        linear = torch.nn.Linear(4, 4)  # reset_parameters draws nothing, and nothing fails
+    assert torch.equal(tensor[0], torch.zeros(4)) and linear.weight.shape == (4, 4)
+    drawn = torch.empty(3).normal_()  # outside the mode, draws as usual
+    assert not torch.equal(drawn, torch.zeros(3))

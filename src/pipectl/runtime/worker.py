@@ -145,8 +145,9 @@ class TrainingJob:
         )
 
 
-def build_engine(job: TrainingJob):
-    """Distributed start-up, model, DeepSpeed engine running the planned schedule. Every rank."""
+def build_engine(job: TrainingJob, initialise: bool = True):
+    """Distributed start-up, model, DeepSpeed engine running the planned schedule. Every rank.
+    `initialise=False`: the parameters are left undrawn (every one is restored next: live resize)."""
     dsinit.init_distributed(job.collective_timeout_seconds)
     # torch reads OMP_NUM_THREADS and DeepSpeed its accelerator when first imported: both only after
     # dsinit has set this rank's environment (the modules below import them too).
@@ -179,7 +180,9 @@ def build_engine(job: TrainingJob):
         # replicated tensor, so send it whole unless the config says otherwise.
         pipeline = {"pipe_partitioned": False, "grad_partitioned": False, **ds_config.get("pipeline", {})}
         ds_config = {**ds_config, "pipeline": pipeline}
-    module = build_pipeline_module(model, layout.stage_layers, topology=topology, seed=job.seed, chunks=layout.chunks)
+    module = build_pipeline_module(
+        model, layout.stage_layers, topology=topology, seed=job.seed, chunks=layout.chunks, initialise=initialise
+    )
     engine, *_ = deepspeed.initialize(
         model=module,
         config=ds_config,
@@ -356,7 +359,7 @@ class _Session:
         context.predicted_peak_memory_bytes = job.predicted_peak_memory_bytes
         if handed is not None:
             with handed.clock.phase("build"):
-                model, engine = build_engine(job)
+                model, engine = build_engine(job, initialise=False)  # every parameter is restored next
         else:
             model, engine = build_engine(job)
         layout = job.layout
