@@ -375,18 +375,21 @@ def hand_over(
     """A running rank at a step boundary: give its state to the new layout (`layout`, `model`: the
     job as the rewritten run files describe it). Returns None for a rank that leaves (its state
     has been sent; it exits 0), else what it restores from. Every old rank together. `host`: the
-    `HostSnapshot` whose buffers to capture into (the checkpointer's, allocated and touched
-    already; kept by the next layout's checkpointer)."""
+    checkpointer's `HostSnapshot`, whose buffers a GPU engine's state is copied into (allocated and
+    touched already; kept by the next layout's checkpointer)."""
     import torch.distributed as dist
 
-    from pipectl.runtime.engine_state import HostSnapshot
+    from pipectl.runtime.engine_state import HostSnapshot, device_kind
 
-    handed = HandOver(request, None, 0, clock, host=host)
     rank, old_world = dist.get_rank(), dist.get_world_size()
     if old_world != request.from_devices:
         raise LaunchError(f"live resize from {request.from_devices} ranks, but {old_world} are running")
+    # The engine trains no further: a CPU engine's tensors are taken as they are; a GPU's are
+    # copied into the checkpointer's host buffers (allocated and touched already), which the next
+    # layout's checkpointer keeps.
+    host = host if device_kind(engine) == "cuda" and host is not None else HostSnapshot(copy=False)
+    handed = HandOver(request, None, 0, clock, host=host if host.copy else None)
     with clock.phase("capture"):
-        host = host or HostSnapshot()
         snapshot = host.capture(engine, step, data_position)
     if request.devices > old_world:  # ranks join: move the state inside the new world
         with clock.phase("group"):

@@ -35,6 +35,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -183,16 +184,33 @@ def build_engine(job: TrainingJob, initialise: bool = True):
     module = build_pipeline_module(
         model, layout.stage_layers, topology=topology, seed=job.seed, chunks=layout.chunks, initialise=initialise
     )
-    engine, *_ = deepspeed.initialize(
-        model=module,
-        config=ds_config,
-        model_parameters=[p for p in module.parameters() if p.requires_grad],
-    )
+    with nullcontext() if initialise else _no_model_broadcast():
+        engine, *_ = deepspeed.initialize(
+            model=module,
+            config=ds_config,
+            model_parameters=[p for p in module.parameters() if p.requires_grad],
+        )
     schedule = job.schedule or generate(
         layout.schedule, layout.pipeline_parallel, micro_batches, recompute=layout.recompute
     )
     slowdown = job.compute_slowdowns.get(job.replica_kinds[replica], 1.0) if job.replica_kinds else 1.0
     return model, plan_engine(engine, schedule, compute_slowdown=slowdown)
+
+
+@contextmanager
+def _no_model_broadcast():
+    """DeepSpeed broadcasts every parameter from the first replica as it builds an engine, so that
+    replicas start equal. An engine whose every parameter is restored next, from the same state on
+    every replica (a live resize), skips that: for gpt-small at d = 2, 0.5 GB sent and 1.3 s of
+    waiting in a 3.7 s build (measured)."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    original = DeepSpeedEngine._broadcast_model
+    DeepSpeedEngine._broadcast_model = lambda self: None
+    try:
+        yield
+    finally:
+        DeepSpeedEngine._broadcast_model = original
 
 
 class WeightedLoss:
@@ -365,7 +383,7 @@ class _Session:
         layout = job.layout
         rank = engine.global_rank
         stage = engine.stage_id
-        device = _device_kind(engine)
+        device = engine_state.device_kind(engine)
         context.rank, context.stage, context.engine, context.device = rank, stage, engine, device
         context.layer_names = [layer.name for layer in model.layers]
         session = cls(
@@ -547,12 +565,6 @@ class _Session:
             context.phase = "waiting for the last checkpoint to commit"
             self.saver.finish()
             _write_executed_order(self.job.run_dir, self.rank, result.executed_order)
-
-
-def _device_kind(engine) -> str:
-    """'cuda' when the engine trains on a CUDA device, else 'cpu'."""
-    device = getattr(engine, "device", "cpu")
-    return "cuda" if str(getattr(device, "type", device)).startswith("cuda") else "cpu"
 
 
 def _record(engine, step: int, loss: float, elapsed: float, memory: RankMemory) -> StepRecord:
