@@ -1,30 +1,35 @@
 """Live resize: the running job moves to another layout at a step boundary, in the same processes.
 
 VirtualFlow's promise (SPEC §7): a job's devices change while it runs, and it is not restarted.
-`pipectl resize RUN --devices N --live` rewrites the run's files for the new layout (plan.json,
-job.json, ds_config.json: the same as a restart would), starts the ranks that join (if N grows),
-waits until they have imported torch and DeepSpeed and read the job, then writes
-RUN/resize_requested.json (`LiveResizeRequest`). At the next step boundary the running ranks see it
-(it rides on the stop vote every boundary already has) and hand over:
+`pipectl resize RUN --devices N` (live by default for a job running here) rewrites the run's files
+for the new layout (plan.json, job.json, ds_config.json: what a restart would write), starts the
+ranks that join (if N grows), waits until they have imported torch and DeepSpeed and built a
+throw-away engine (`warm_up`), then writes RUN/resize_requested.json (`LiveResizeRequest`). At the
+next step boundary the running ranks see it (it rides on the vote every boundary already has) and
+hand over:
 
-    old ranks   capture their state into host memory (`engine_state.HostSnapshot`: weights,
-                Adam's moments, schedule, RNG, the step: the same instant a checkpoint holds)
+    old ranks   take their state (`engine_state.HostSnapshot`: weights, Adam's moments, schedule,
+                RNG, the step: the instant a checkpoint holds; a CPU engine's tensors as they are,
+                a GPU's copied to host memory)
     all         meet in one process group: the old one when no rank joins, else the new layout's
-                world, which the joining ranks have been waiting to enter
+                world, which the joining ranks have been waiting to enter (`meet`)
     all         learn every old rank's header (fragments: which slice of which flat tensor is
                 which piece of which parameter) with one all-gather
     each        works out what its new stage's restore will read (`ShardReader.reads_for`, the
                 reader's own choice of pieces) and receives exactly those element ranges from the
-                ranks holding them: one message per pair of ranks, point to point, never the disk
+                ranks holding them, point to point (one message per contiguous range, sent from
+                the state itself, received into one buffer read in place), never through the disk
     leaving     ranks then exit 0
     staying     ranks re-form the process group for the new world and build the new stage's
-                engine; all restore through `engine_state.restore` reading the moved pieces with
-                the checkpoint's own re-cutting reader (`ShardReader.in_memory`)
+                engine (parameters undrawn, no model broadcast: every one is restored next); all
+                restore through `engine_state.restore`, reading the moved pieces with the
+                checkpoint's own re-cutting reader (`ShardReader.in_memory`)
 
 and training goes on at the next step with the same global batch (the data order is a function of
 the step). Rank numbers are kept: a shrink keeps ranks 0 .. N-1, a grow adds ranks W .. N-1. Rank 0
 appends the morph to RUN/morphs.jsonl after the first step on the new layout: path "live", the
-pause (last step before -> first step after) and the bytes moved.
+pause (last step completed -> first step begun), its phases and the bytes moved; every rank logs
+its phases.
 """
 
 from __future__ import annotations

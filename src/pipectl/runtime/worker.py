@@ -15,7 +15,10 @@ the chosen layout) and RUN/ds_config.json, then:
    checkpoints every K steps and at the end (`checkpointer`: a copy to host memory, then written
    in the background while training goes on), and on SIGTERM or RUN/stop_requested finishes the
    step, checkpoints, waits for the checkpoint to commit and exits 0;
-7. writes RUN/schedule_rank{R}.txt: the compute order the rank executed in its last step.
+7. writes RUN/schedule_rank{R}.txt: the compute order the rank executed in its last step;
+8. takes a live resize at a step boundary (RUN/resize_requested.json, `live`): hands its state to
+   the new layout's ranks in memory, then goes on in that layout in this same process (a new
+   `_Session`), or leaves and exits 0. A rank started with `--join` enters a running job that way.
 
 A rank that fails prints its traceback to its log, writes RUN/logs/failure-rank{R}.json (`failure`:
 where it failed, whether memory ran out, the plan's figure for its stage) and exits 1.
