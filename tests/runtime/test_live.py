@@ -81,7 +81,7 @@ def request(generation: int) -> LiveResizeRequest:
         to_devices=1, to_layout="t1p1d1 1f1b b2 m4", global_batch=8, resume_step=0, target_steps=20,
         stopped_running_job=False, plan_source="morph-table", path="live",
     )  # fmt: skip
-    return LiveResizeRequest(generation=generation, from_devices=2, devices=1, master_addr="127.0.0.1", master_port=29500, record=record)
+    return LiveResizeRequest(generation=generation, from_devices=2, to_devices=1, master_addr="127.0.0.1", master_port=29500, record=record)
 
 
 def test_a_rank_takes_only_a_newer_request_and_a_stop_wins(tmp_path):

@@ -94,7 +94,7 @@ class LiveResizeRequest(Artifact):
     schema_version: Literal[1] = 1
     generation: int = Field(ge=1, description="1 for the job's first live resize, then 2, ...")
     from_devices: int = Field(gt=0, description="Ranks handing their state over.")
-    devices: int = Field(gt=0, description="Ranks of the new layout (run files already rewritten for it).")
+    to_devices: int = Field(gt=0, description="Ranks of the new layout (run files already rewritten for it).")
     master_addr: str = Field(description="Where the new layout's ranks meet.")
     master_port: int = Field(gt=0, lt=65536, description="A port free for the new layout's process group.")
     record: MorphRecord = Field(description="The morph as decided; the ranks fill in what they measure.")

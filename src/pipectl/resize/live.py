@@ -31,7 +31,7 @@ from typing import Callable
 
 from pipectl.artifacts.layout import layout_label
 from pipectl.artifacts.morph import MorphRecord, MorphTrigger, LiveResizeRequest
-from pipectl.artifacts.run import JOB_FILE, LOGS_DIR, Engine
+from pipectl.artifacts.run import JOB_FILE, LAUNCH_SCRIPT, LOGS_DIR, Engine
 from pipectl.errors import LaunchError
 from pipectl.io import write_json_atomic
 from pipectl.launch.engines import rank_environment
@@ -127,7 +127,7 @@ def _move(decision: ResizeDecision, requested_unix: float, say: Phase, ready_tim
     request = LiveResizeRequest(
         generation=len(read_records(path)) + 1,
         from_devices=old_world,
-        devices=new_world,
+        to_devices=new_world,
         master_addr=prepared.job.master_addr,
         master_port=prepared.job.master_port,
         record=MorphRecord(
@@ -149,7 +149,7 @@ def _move(decision: ResizeDecision, requested_unix: float, say: Phase, ready_tim
         ),
     )
     joiners: list[subprocess.Popen] = []
-    taken = False
+    requested = False
     try:
         write_relaunch(path, prepared)
         if new_world > old_world:
@@ -157,10 +157,13 @@ def _move(decision: ResizeDecision, requested_unix: float, say: Phase, ready_tim
             say(f"started {count(len(joiners), 'joining rank')}; waiting until they are ready")
             _wait_ready(path, joiners, old_world, ready_timeout_seconds)
         write_json_atomic(request_path(path), request)
+        requested = True
         say(f"asked the running job to move to {count(new_world, 'rank')} ({request.record.to_layout}) at its next step boundary")
-        record, taken = _wait_record(path, request, joiners, handover_timeout_seconds)
+        record = _wait_record(path, request, joiners, handover_timeout_seconds)
     except BaseException:
-        if not taken and request_path(path).exists():
+        # Not asked yet, or asked and not taken (the ranks remove the request as they take it):
+        # the running job stays as it was, and so do its files.
+        if not requested or request_path(path).exists():
             request_path(path).unlink(missing_ok=True)
             for name, data in before.items():
                 (path / name).write_bytes(data)
@@ -172,7 +175,7 @@ def _move(decision: ResizeDecision, requested_unix: float, say: Phase, ready_tim
 
 def _run_file_names(path: Path) -> list[str]:
     job = read_run(path).job
-    names = [JOB_FILE, job.plan_file, job.ds_config_file, "launch.sh"]
+    names = [JOB_FILE, job.plan_file, job.ds_config_file, LAUNCH_SCRIPT]
     return [name for name in names if (path / name).is_file()]
 
 
@@ -236,16 +239,15 @@ def _ready(path: Path, rank: int, proc: subprocess.Popen) -> bool:
 
 def _wait_record(
     path: Path, request: LiveResizeRequest, joiners: list[subprocess.Popen], timeout_seconds: float
-) -> tuple[MorphRecord, bool]:
-    """The record rank 0 appends after the first step on the new layout. Returns it and whether
-    the request was taken (the ranks remove the file once they have)."""
+) -> MorphRecord:
+    """The record rank 0 appends after the first step on the new layout."""
     deadline = time.monotonic() + timeout_seconds
+    joining = {proc.pid for proc in joiners}
     while True:
         for record in reversed(read_records(path)):
             if record.path == "live" and record.requested_unix == request.record.requested_unix:
-                return record, True
-        taken = not request_path(path).exists()
-        joining = {proc.pid for proc in joiners}
+                return record
+        taken = not request_path(path).exists()  # the ranks remove the request as they take it
         if not any(p.is_worker and p.pid not in joining for p in find_run_processes(path)):
             raise LaunchError(
                 "the job ended before the live resize completed" + ("" if taken else " (the request was not taken)"),

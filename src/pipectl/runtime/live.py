@@ -252,7 +252,7 @@ class HandOver:
     bytes_moved: int  # by all ranks together
     clock: PauseClock = field(default_factory=PauseClock)
     last_step_unix: float = 0.0  # when this rank finished its last step on the old layout
-    host: Any = None  # the engine_state.HostSnapshot captured into (None: a joining rank)
+    host: Any = None  # the checkpointer's HostSnapshot a GPU engine was copied into (else None)
 
 
 def exchange(snapshot, old_world: int, layout: Layout, model: ModelLayers):
@@ -268,8 +268,8 @@ def exchange(snapshot, old_world: int, layout: Layout, model: ModelLayers):
     me = dist.get_rank()
     mine = None
     if snapshot is not None:
-        infos = {key: (str(t.dtype).removeprefix("torch."), tuple(t.shape)) for key, t in snapshot.tensors.items()}
-        mine = (snapshot.header.to_json(), infos)
+        layouts = {key: (str(t.dtype).removeprefix("torch."), tuple(t.shape)) for key, t in snapshot.tensors.items()}
+        mine = (snapshot.header.to_json(), layouts)
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     if any(entry is None for entry in gathered[:old_world]):
@@ -310,7 +310,7 @@ def exchange(snapshot, old_world: int, layout: Layout, model: ModelLayers):
         work.wait()
     for holder, ranges, buffer in pending:
         sources[holder] = ReceivedPieces(buffer, ranges, infos[holder])
-    total = torch.tensor([float(sent)])
+    total = torch.tensor([sent], dtype=torch.int64)  # exact: a float32 sum rounds gigabytes
     dist.all_reduce(total)
     reader = ShardReader.in_memory(MEMORY_LABEL, sources, headers) if me < layout.world_size else None
     return reader, int(total.item())
@@ -396,19 +396,19 @@ def hand_over(
     handed = HandOver(request, None, 0, clock, host=host if host.copy else None)
     with clock.phase("capture"):
         snapshot = host.capture(engine, step, data_position)
-    if request.devices > old_world:  # ranks join: move the state inside the new world
+    if request.to_devices > old_world:  # ranks join: move the state inside the new world
         with clock.phase("group"):
-            reform(request.master_addr, request.master_port, request.devices, rank, timeout_seconds)
+            reform(request.master_addr, request.master_port, request.to_devices, rank, timeout_seconds)
         with clock.phase("exchange"):
             handed.reader, handed.bytes_moved = exchange(snapshot, old_world, layout, model)
     else:  # the old group holds every rank that gives or takes
         with clock.phase("exchange"):
             handed.reader, handed.bytes_moved = exchange(snapshot, old_world, layout, model)
-        if rank >= request.devices:
+        if rank >= request.to_devices:
             dist.destroy_process_group()
             return None
         with clock.phase("group"):
-            reform(request.master_addr, request.master_port, request.devices, rank, timeout_seconds)
+            reform(request.master_addr, request.master_port, request.to_devices, rank, timeout_seconds)
     return handed
 
 
@@ -459,8 +459,8 @@ def join(
     # Returns when the running ranks have reached the hand-over (their request names the group).
     reform(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), layout.world_size, rank, timeout_seconds)
     request = read_request(run_dir)
-    if request.devices != layout.world_size:
-        raise LaunchError(f"live resize to {request.devices} ranks, but the run files describe {layout.world_size}")
+    if request.to_devices != layout.world_size:
+        raise LaunchError(f"live resize to {request.to_devices} ranks, but the run files describe {layout.world_size}")
     handed = HandOver(request, None, 0)
     with handed.clock.phase("exchange"):
         handed.reader, handed.bytes_moved = exchange(None, request.from_devices, layout, model)

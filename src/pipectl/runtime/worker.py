@@ -308,7 +308,7 @@ def _train(
         with clock.phase("settle"):  # a checkpoint in flight commits first
             session.settle()
         with clock.phase("read"):
-            os.environ["WORLD_SIZE"] = str(request.devices)
+            os.environ["WORLD_SIZE"] = str(request.to_devices)
             job = TrainingJob.from_run_dir(job.run_dir)
             layers = build_model_layers(job)
         last_step_unix = session.last_step_unix
@@ -378,11 +378,8 @@ class _Session:
 
         context.layout = job.layout
         context.predicted_peak_memory_bytes = job.predicted_peak_memory_bytes
-        if handed is not None:
-            with handed.clock.phase("build"):
-                model, engine = build_engine(job, initialise=False)  # every parameter is restored next
-        else:
-            model, engine = build_engine(job)
+        with handed.clock.phase("build") if handed is not None else nullcontext():
+            model, engine = build_engine(job, initialise=handed is None)  # a hand-over restores every parameter next
         layout = job.layout
         rank = engine.global_rank
         stage = engine.stage_id
@@ -457,8 +454,9 @@ class _Session:
             schedule=schedule,
         )
         if handed is not None:
-            # The hand-over's host buffers serve the checkpoints from now on: nothing to allocate
-            # in the pause (those whose shapes changed are replaced at the first save).
+            # No buffers are allocated in the pause: a GPU's hand-over buffers serve the checkpoints
+            # from now on (those whose shapes changed are replaced at the first save); on a CPU the
+            # first save allocates them.
             if handed.host is not None:
                 session.saver.host = handed.host
             log.warning(
