@@ -30,6 +30,7 @@ class MorphTrigger(str, Enum):
 
     RESIZE = "resize"  # `pipectl resize` (a user or a scheduler)
     ELASTIC = "elastic"  # the elastic engine re-formed the group with another world size
+    FAILURE = "failure"  # a data-parallel replica was lost; the survivors took over in memory
 
 
 class MorphRecord(Artifact):
@@ -98,3 +99,41 @@ class LiveResizeRequest(Artifact):
     master_addr: str = Field(description="Where the new layout's ranks meet.")
     master_port: int = Field(gt=0, lt=65536, description="A port free for the new layout's process group.")
     record: MorphRecord = Field(description="The morph as decided; the ranks fill in what they measure.")
+    survivors: list[int] = Field(
+        default_factory=list,
+        description="A recovery after a loss: the old ranks still alive, in their new order (rank i of the meeting "
+        "group is survivors[i]); they hand over what they hold of every old rank's state. Empty: a planned resize.",
+    )
+    meeting_port: int | None = Field(
+        default=None, gt=0, lt=65536, description="A recovery: where all the survivors first meet to hand over."
+    )
+
+    @model_validator(mode="after")
+    def _recovery_is_whole(self) -> "LiveResizeRequest":
+        if self.survivors and self.meeting_port is None:
+            raise ValueError("survivors are named but no meeting_port")
+        if len(set(self.survivors)) != len(self.survivors) or any(not 0 <= r < self.from_devices for r in self.survivors):
+            raise ValueError(f"survivors {self.survivors} are not distinct ranks below from_devices {self.from_devices}")
+        if self.survivors and self.to_devices > len(self.survivors):
+            raise ValueError(f"to_devices {self.to_devices} exceeds the {len(self.survivors)} survivors")
+        return self
+
+    @property
+    def recovery(self) -> bool:
+        return bool(self.survivors)
+
+
+RECOVERY_FILE = "recovery.json"  # in RUN/logs: what the replicas agent did about a lost replica
+
+
+class RecoveryRecord(Artifact):
+    """RUN/logs/recovery.json: a data-parallel replica was lost under `launch --recover-in-memory`,
+    and whether the survivors took over in memory (`resize/replicas.py`)."""
+
+    schema_version: Literal[1] = 1
+    time_unix: float = Field(description="When the loss was seen (seconds since the epoch).")
+    lost_replicas: list[int] = Field(description="Data-parallel replicas lost (their torchrun exited with an error).")
+    lost_ranks: list[int] = Field(description="Their ranks.")
+    recovered: bool = Field(description="Whether the survivors were asked to take over in memory.")
+    reason: str = Field(description="What happened, or why the survivors could not take over.")
+    to_layout: str | None = Field(default=None, description="The survivors' layout, when recovered.")

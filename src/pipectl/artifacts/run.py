@@ -194,6 +194,12 @@ class JobSpec(Artifact):
         "was recorded: whatever the launching host has.",
     )
     elastic: ElasticRange | None = Field(default=None, description="Elastic torchrun membership, if any.")
+    recover_in_memory: bool = Field(
+        default=False,
+        description="Each data-parallel replica runs under its own torchrun and every rank keeps a copy of its "
+        "neighbour replica's state after each step, so that the loss of a replica is recovered from the survivors' "
+        "memory without a checkpoint (local engine, d >= 2: `launch --recover-in-memory`).",
+    )
     compute_slowdowns: dict[str, float] = Field(
         default_factory=dict,
         description="Emulated device kinds of the cluster (node types with compute_slowdown) and their factors: "
@@ -458,6 +464,7 @@ class RankState(str, Enum):
     STOPPED = "stopped"  # stopped early on request (SIGTERM, stop file), checkpoint written, exiting 0
     FAILED = "failed"  # an error ended it (its failure record says which)
     LEFT = "left"  # handed its state to the other ranks in a live resize, exiting 0
+    LOST = "lost"  # its replica was lost and the survivors took over without it (written by the agent)
 
 
 class RankHeartbeat(Strict):

@@ -39,6 +39,7 @@ from pipectl.launch.placement import placement_note
 from pipectl.paths import hf_tokenizer_file
 from pipectl.launch.rundir import is_run_dir, run_files, run_status
 from pipectl.report.run_tables import failure_report, status_table
+from pipectl.resize.replicas import read_recovery, recovery_line
 from pipectl.runtime.checkpoint import read_events
 from pipectl.runtime.failure import read_failures, read_resume, resume_lines
 from pipectl.runtime.liveness import StallWatch, job_collective_timeout_seconds, read_heartbeats, stopped_cleanly
@@ -168,6 +169,15 @@ def register(app: typer.Typer) -> None:
         elastic: Annotated[
             Optional[str], typer.Option(help="torchrun elastic node range MIN:MAX (engine torchrun).")
         ] = None,
+        recover_in_memory: Annotated[
+            bool,
+            typer.Option(
+                "--recover-in-memory",
+                help="Engine local, d >= 2: one torchrun per data-parallel replica, each rank keeping a copy of its "
+                "neighbour replica's state after every step, so that a lost replica is recovered from the survivors' "
+                "memory without a checkpoint.",
+            ),
+        ] = False,
         nodes: Annotated[
             Optional[int],
             typer.Option(min=1, help="Nodes for torchrun/deepspeed/slurm (default: the plan's devices over the cluster's devices per node)."),
@@ -263,6 +273,7 @@ def register(app: typer.Typer) -> None:
             warmup_steps=warmup_steps,
             ds_config_overlay=read_mapping(ds_config_overlay) if ds_config_overlay is not None else {},
             elastic=elastic_range,
+            recover_in_memory=recover_in_memory,
             nodes=nodes,
             hosts=parse_hosts(hosts) if hosts else None,
             master_addr=master_addr,
@@ -282,7 +293,7 @@ def register(app: typer.Typer) -> None:
         }
         if "checkpoint_every" in passed:  # one flag sets the interval in whichever unit it names
             passed |= {"checkpoint_every_seconds", "checkpoint_auto"}
-        options = resumed_options(run_dir, options, passed)
+        options = resumed_options(run_dir, options, passed, plan)
         prepared = prepare_launch(plan, run_dir, options, plan_dir=plan_path.parent, write=not dry_run)
         try:
             _launch(prepared, plan_path, run_dir, timeout=timeout, dry_run=dry_run, json_output=json_output)
@@ -374,11 +385,13 @@ def _failure(
     if tail:
         err_console.print(tail, highlight=False, markup=False)
     failed, advice = failure_report(failures)
+    recovery = read_recovery(run_dir, since_unix=started - 1.0)
+    lost = [recovery_line(recovery)] if recovery is not None and not recovery.recovered else []
     silent = watch.lines()
     if silent:
         waited = "; the other ranks waited for it" if len(silent) == 1 else "; the other ranks waited for them"
         silent[-1] += waited
-    message = "\n".join([*silent, *([failed] if failed else []), progress])
+    message = "\n".join([*silent, *([failed] if failed else []), *lost, progress])
     hint = f"{advice}; {logs}" if advice else f"{logs}; resume with --resume"
     return LaunchError(message, hint=hint)
 
@@ -390,14 +403,20 @@ def _run_with_progress(
     where the ranks resumed (and which checkpoints could not be loaded) as soon as they have."""
     total = prepared.job.steps
     tail = MetricsTail(prepared.run_dir)
-    reported = []
+    reported, lost = [], []
     checkpoints_seen = len(read_events(prepared.run_dir))
     with training_progress(quiet=quiet) as progress:
         task = progress.add_task(f"training {prepared.run_dir.name}", total=total, stats="starting ranks…")
 
         def report() -> None:
-            """Where the ranks resumed (once), and each checkpoint that did not commit."""
+            """Where the ranks resumed (once), a lost replica (once), and each checkpoint that did
+            not commit."""
             nonlocal checkpoints_seen
+            if not lost:
+                recovery = read_recovery(prepared.run_dir, since_unix=since_unix)
+                if recovery is not None:
+                    lost.append(recovery)
+                    err_console.print(recovery_line(recovery), style="yellow", highlight=False, markup=False, soft_wrap=True)
             if not reported:
                 resumed = read_resume(prepared.run_dir, since_unix=since_unix)
                 if resumed is not None:

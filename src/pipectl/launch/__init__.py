@@ -20,7 +20,8 @@ from typing import Any
 
 from pipectl import __version__
 from pipectl.artifacts.cluster import ClusterSpec, SlurmSpec
-from pipectl.artifacts.plan import Plan
+from pipectl.artifacts.layout import layout_label
+from pipectl.artifacts.plan import Candidate, Plan
 from pipectl.artifacts.profile import ModelProfile
 from pipectl.artifacts.run import DataSpec, ElasticRange, Engine, JobSpec, LrSchedule, NodeGroup, Precision, TrainingSettings
 from pipectl.cluster import load_cluster
@@ -64,6 +65,7 @@ class LaunchOptions:
     warmup_steps: int = TRAINING_DEFAULTS.warmup_steps
     ds_config_overlay: dict[str, Any] = field(default_factory=dict)  # the user's file's contents (data)
     elastic: ElasticRange | None = None
+    recover_in_memory: bool = False  # one torchrun per replica, peer copies (`runtime.recovery`)
     nodes: int | None = None  # default: 1 for local, else the plan's devices over the cluster's devices per node
     hosts: list[str] | None = None
     master_addr: str | None = None  # default: see `master_address`
@@ -81,7 +83,7 @@ RESUMED_FIELDS = (
     "engine", "model", "steps", "checkpoint_every", "checkpoint_every_seconds", "checkpoint_auto", "mtbf_hours",
     "keep_checkpoints", "seed", "data", "precision",
     "learning_rate", "weight_decay", "gradient_clipping", "lr_schedule", "warmup_steps", "ds_config_overlay",
-    "elastic", "nodes", "master_addr", "collective_timeout",
+    "elastic", "recover_in_memory", "nodes", "master_addr", "collective_timeout",
 )  # fmt: skip
 
 
@@ -109,9 +111,12 @@ def parse_checkpoint_interval(text: str) -> tuple[int, float, bool]:
     return 0, float(match.group(1)) * _INTERVAL_UNITS[match.group(2)], False
 
 
-def resumed_options(run_dir: str | os.PathLike[str], options: LaunchOptions, passed: set[str]) -> LaunchOptions:
+def resumed_options(
+    run_dir: str | os.PathLike[str], options: LaunchOptions, passed: set[str], plan: Plan | None = None
+) -> LaunchOptions:
     """On `--resume`, every option in `RESUMED_FIELDS` the user did not pass keeps the run's value
-    (its job.json and ds_config.json): a resume continues the run, it does not re-default it."""
+    (its job.json and ds_config.json): a resume continues the run, it does not re-default it.
+    `plan`: the plan resumed (an in-memory recovery is kept only while it has replicas)."""
     path = Path(run_dir)
     if not options.resume or not is_run_dir(path):
         return options
@@ -127,6 +132,8 @@ def resumed_options(run_dir: str | os.PathLike[str], options: LaunchOptions, pas
         "warmup_steps": training.warmup_steps, "ds_config_overlay": job.ds_config_overlay,
         "elastic": job.elastic, "nodes": job.nodes, "master_addr": job.master_addr,
         "collective_timeout": job.collective_timeout_seconds,
+        # kept while the new plan still has replicas to recover from (a recovery may have left one)
+        "recover_in_memory": job.recover_in_memory and (plan is None or plan.chosen.data_parallel > 1),
     }  # fmt: skip
     return replace(options, **{name: kept[name] for name in RESUMED_FIELDS if name not in passed})
 
@@ -379,6 +386,24 @@ def slurm_components(cluster: ClusterSpec | None, flags: SlurmSpec, groups: list
     return [slurm_settings(cluster, flags, group.node_type) for group in groups]
 
 
+def check_recoverable(candidate: Candidate, engine: Engine, groups: list[NodeGroup]) -> None:
+    """`--recover-in-memory` needs another replica to recover from, and one torchrun per replica on
+    this machine (the local engine); raises `UserInputError` naming what is missing."""
+    if engine is not Engine.LOCAL:
+        raise UserInputError(
+            f"--recover-in-memory runs one torchrun per replica on this machine (engine local), not {engine.value}",
+            hint="a multi-node job recovers from its checkpoint (launch --resume, or --elastic)",
+        )
+    if candidate.data_parallel < 2:
+        raise UserInputError(
+            f"--recover-in-memory needs data-parallel replicas to recover from; the plan's layout "
+            f"{layout_label(candidate)} has d = {candidate.data_parallel}",
+            hint="plan with --data-parallel 2 or more, or recover from checkpoints (launch --resume)",
+        )
+    if groups:
+        raise UserInputError("--recover-in-memory runs on one host; the plan splits the job over groups of nodes")
+
+
 def build_job(plan: Plan, name: str, options: LaunchOptions, cluster: ClusterSpec | None = None) -> JobSpec:
     """job.json for `plan.chosen` under `options`, on `cluster` (default: the plan's, if readable)."""
     devices = plan.chosen.devices
@@ -390,6 +415,8 @@ def build_job(plan: Plan, name: str, options: LaunchOptions, cluster: ClusterSpe
         raise UserInputError(
             f"the local engine runs on this machine only, not {count(nodes, 'node')}", hint="use --engine torchrun"
         )
+    if options.recover_in_memory:
+        check_recoverable(plan.chosen, options.engine, groups)
     if options.data.path is not None and not Path(options.data.path).is_file():
         raise UserInputError(f"data file not found: {options.data.path}")
     if options.checkpoint_every > options.steps:
@@ -419,6 +446,7 @@ def build_job(plan: Plan, name: str, options: LaunchOptions, cluster: ClusterSpe
         compute_slowdowns=compute_slowdowns(plan, cluster),
         node_groups=groups,
         elastic=options.elastic,
+        recover_in_memory=options.recover_in_memory,
         collective_timeout_seconds=options.collective_timeout,
         training=TrainingSettings(
             learning_rate=options.learning_rate,

@@ -86,12 +86,19 @@ def _worker_args(run_dir: Path) -> list[str]:
     return ["-m", WORKER_MODULE, "--run-dir", str(run_dir)]
 
 
+REPLICAS_MODULE = "pipectl.resize.replicas"  # one torchrun per replica (`launch --recover-in-memory`)
+
+
 def local_command(job: JobSpec, run_dir: Path, *, python: str = sys.executable, gpus: bool = False) -> LaunchCommand:
     """`torchrun --standalone --nproc_per_node N -m pipectl.runtime.worker --run-dir RUN`.
 
     `--standalone` runs its own rendezvous on a free localhost port, so concurrent local jobs
-    never collide on a master port.
+    never collide on a master port. A job that recovers a lost replica in memory runs
+    `python -m pipectl.resize.replicas --run-dir RUN` instead: one such torchrun per replica.
     """
+    if job.recover_in_memory and job.world_size > 1:
+        argv = [python, "-m", REPLICAS_MODULE, "--run-dir", str(run_dir)]
+        return LaunchCommand(Engine.LOCAL, argv, rank_environment(gpus=gpus))
     argv = [
         python, "-m", "torch.distributed.run",
         "--standalone",

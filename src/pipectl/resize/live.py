@@ -37,9 +37,10 @@ from pipectl.io import write_json_atomic
 from pipectl.launch.engines import rank_environment
 from pipectl.launch.processes import WORKER_MODULE, find_run_processes
 from pipectl.launch.rundir import read_run
-from pipectl.resize.morph import ResizeDecision, prepare_relaunch, write_relaunch
+from pipectl.resize.morph import PreparedRelaunch, ResizeDecision, prepare_relaunch, write_relaunch
 from pipectl.runtime.checkpoint import STOP_FILE
 from pipectl.runtime.dsconfig import check_candidate
+from pipectl.runtime.dsinit import free_port
 from pipectl.runtime.history import read_records
 from pipectl.runtime.live import JOIN_DIR, ready_path, request_path
 from pipectl.words import count
@@ -124,30 +125,7 @@ def _move(decision: ResizeDecision, requested_unix: float, say: Phase, ready_tim
     before = {name: (path / name).read_bytes() for name in _run_file_names(path)}
     prepared = prepare_relaunch(decision)
     old_world, new_world = decision.previous.devices, decision.candidate.devices
-    request = LiveResizeRequest(
-        generation=len(read_records(path)) + 1,
-        from_devices=old_world,
-        to_devices=new_world,
-        master_addr=prepared.job.master_addr,
-        master_port=prepared.job.master_port,
-        record=MorphRecord(
-            trigger=MorphTrigger.RESIZE,
-            requested_unix=requested_unix,
-            requested_devices=decision.requested_devices,
-            from_devices=old_world,
-            from_layout=layout_label(decision.previous),
-            to_devices=new_world,
-            to_layout=layout_label(decision.candidate),
-            global_batch=decision.global_batch,
-            resume_step=0,
-            target_steps=decision.target_steps,
-            stopped_running_job=False,
-            plan_source=decision.choice.source,
-            excluded_ranks=decision.excluded_ranks,
-            notes=list(decision.notes),
-            path="live",
-        ),
-    )
+    request = live_request(decision, prepared, requested_unix=requested_unix)
     joiners: list[subprocess.Popen] = []
     requested = False
     try:
@@ -171,6 +149,47 @@ def _move(decision: ResizeDecision, requested_unix: float, say: Phase, ready_tim
                 proc.kill()
         raise
     return LiveResult(record, [p.pid for p in joiners])
+
+
+def live_request(
+    decision: ResizeDecision,
+    prepared: PreparedRelaunch,
+    *,
+    requested_unix: float,
+    trigger: MorphTrigger = MorphTrigger.RESIZE,
+    survivors: list[int] | None = None,
+    excluded_ranks: list[int] | None = None,
+    notes: list[str] | None = None,
+) -> LiveResizeRequest:
+    """RUN/resize_requested.json for `decision`, whose run files `prepared` holds: a planned live
+    resize, or (`survivors`) the recovery of a lost replica (`resize/replicas.py`)."""
+    old_world, new_world = decision.previous.devices, decision.candidate.devices
+    return LiveResizeRequest(
+        generation=len(read_records(decision.run_dir)) + 1,
+        from_devices=old_world,
+        to_devices=new_world,
+        master_addr=prepared.job.master_addr,
+        master_port=prepared.job.master_port,
+        survivors=survivors or [],
+        meeting_port=free_port() if survivors else None,
+        record=MorphRecord(
+            trigger=trigger,
+            requested_unix=requested_unix,
+            requested_devices=decision.requested_devices,
+            from_devices=old_world,
+            from_layout=layout_label(decision.previous),
+            to_devices=new_world,
+            to_layout=layout_label(decision.candidate),
+            global_batch=decision.global_batch,
+            resume_step=0,
+            target_steps=decision.target_steps,
+            stopped_running_job=False,
+            plan_source=decision.choice.source,
+            excluded_ranks=decision.excluded_ranks if excluded_ranks is None else excluded_ranks,
+            notes=[*(notes or []), *decision.notes],
+            path="live",
+        ),
+    )
 
 
 def _run_file_names(path: Path) -> list[str]:

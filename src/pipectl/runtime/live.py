@@ -78,7 +78,8 @@ def pending_generation(run_dir: str | os.PathLike[str] | None, generation: int) 
     except Exception as exc:  # a damaged request is not taken; the job goes on
         log.warning("%s: not taken (%s)", path, exc)
         return 0
-    return request.generation if request.generation > generation else 0
+    # A recovery's request is taken only by ranks that lost a peer (`recovery.await_request`).
+    return request.generation if request.generation > generation and not request.recovery else 0
 
 
 def read_request(run_dir: str | os.PathLike[str]) -> LiveResizeRequest:
@@ -255,64 +256,87 @@ class HandOver:
     host: Any = None  # the checkpointer's HostSnapshot a GPU engine was copied into (else None)
 
 
-def exchange(snapshot, old_world: int, layout: Layout, model: ModelLayers):
-    """Every rank of the current process group (old ranks with their `snapshot`, joining ranks
-    with None): learn the old ranks' headers, then send and receive exactly what each rank of
-    `layout` restores. Returns (reader over the received state or None for a leaving rank, bytes
-    moved by all ranks)."""
+def exchange(held: dict[int, Any], layout: Layout, model: ModelLayers):
+    """Every rank of the current process group: learn which rank holds which old rank's state
+    (`held`: old rank -> its `Snapshot`, for this rank: its own, and after a loss the copies it
+    keeps of a peer's; empty for a joining rank), then send and receive exactly what each rank of
+    `layout` restores. Every old rank's state must be held by some rank of the group, all at one
+    step. Returns (reader over the received state or None for a leaving rank, bytes moved by all
+    ranks)."""
     import torch
     import torch.distributed as dist
 
     from pipectl.runtime.shards import RankHeader, ShardReader
 
     me = dist.get_rank()
-    mine = None
-    if snapshot is not None:
-        layouts = {key: (str(t.dtype).removeprefix("torch."), tuple(t.shape)) for key, t in snapshot.tensors.items()}
-        mine = (snapshot.header.to_json(), layouts)
+    mine = {
+        old: (snapshot.header.to_json(), {key: (str(t.dtype).removeprefix("torch."), tuple(t.shape)) for key, t in snapshot.tensors.items()})
+        for old, snapshot in held.items()
+    }
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
-    if any(entry is None for entry in gathered[:old_world]):
-        raise LaunchError("live resize: a rank of the running layout brought no state to the hand-over")
-    headers = [RankHeader.from_json(text) for text, _ in gathered[:old_world]]
-    infos = [{key: TensorInfo(dtype, tuple(shape)) for key, (dtype, shape) in entry[1].items()} for entry in gathered[:old_world]]
-    index = ShardReader.in_memory(MEMORY_LABEL, [None] * old_world, headers)
+    holder: dict[int, int] = {}  # old rank -> the rank of this group that sends its pieces
+    entries: dict[int, Any] = {}
+    for rank, offered in enumerate(gathered):
+        for old, entry in offered.items():
+            if old not in holder or old == rank:  # a rank's own state before anyone's copy of it
+                holder[old], entries[old] = rank, entry
+    headers = {old: RankHeader.from_json(text) for old, (text, _) in entries.items()}
+    old_world = next(iter(headers.values())).world_size if headers else 0
+    missing = sorted(set(range(old_world)) - set(headers))
+    if not headers or missing:
+        raise LaunchError(f"live resize: no rank brought the state of old rank(s) {missing or 'any'} to the hand-over")
+    steps = {header.step for header in headers.values()}
+    if len(steps) > 1:
+        raise LaunchError(f"live resize: the old ranks' states are at different steps ({sorted(steps)}), not one instant")
+    ordered = [headers[old] for old in range(old_world)]
+    infos = [{key: TensorInfo(dtype, tuple(shape)) for key, (dtype, shape) in entries[old][1].items()} for old in range(old_world)]
+    index = ShardReader.in_memory(MEMORY_LABEL, [None] * old_world, ordered)
     names = set(index.parameter_names())
-    for header in headers:
+    for header in ordered:
         names.update(header.module_tensors)
     plan = {
         rank: index.reads_for(held_names(sorted(names), model, layout, rank), rng_of={0, rank} & set(range(old_world)))
         for rank in range(layout.world_size)
     }
-    # One message per merged range, sent from the snapshot itself and received into one buffer per
-    # holder; tags number the ranges of a pair in the order both sides list them.
+
+    def messages(sender: int, receiver: int) -> list[tuple[int, str, int, int]]:
+        """The ranges `sender` sends `receiver`, old rank by old rank: both sides list them alike,
+        so a range's position is its tag."""
+        reads = plan.get(receiver, {})
+        return [(old, *piece) for old in sorted(reads) if holder[old] == sender for piece in merged(reads[old])]
+
+    # One message per merged range, sent from the held state itself and received into one buffer
+    # per old rank.
     works, pending, sent = [], [], 0
-    if snapshot is not None:
-        for rank, reads in plan.items():
-            if rank != me and me in reads:
-                for tag, (key, start, stop) in enumerate(merged(reads[me])):
-                    message = byte_view(snapshot.tensors[key], start, stop)
-                    works.append(dist.isend(message, dst=rank, tag=tag))
-                    sent += message.numel()
+    for rank in plan:
+        if rank != me:
+            for tag, (old, key, start, stop) in enumerate(messages(me, rank)):
+                message = byte_view(held[old].tensors[key], start, stop)
+                works.append(dist.isend(message, dst=rank, tag=tag))
+                sent += message.numel()
     sources: list[Any] = [None] * old_world
     if me < layout.world_size:
-        for holder, reads in plan[me].items():
-            if holder == me:
-                sources[holder] = HeldTensors(snapshot.tensors)
-                continue
-            ranges = merged(reads)
-            places, total = placement(ranges, infos[holder])
-            buffer = torch.empty(total, dtype=torch.uint8)
-            for tag, (offset, size) in enumerate(places):
-                works.append(dist.irecv(buffer[offset : offset + size], src=holder, tag=tag))
-            pending.append((holder, ranges, buffer))
+        buffers = {}
+        for old in plan[me]:
+            if holder[old] == me:
+                sources[old] = HeldTensors(held[old].tensors)
+            else:
+                places, total = placement(merged(plan[me][old]), infos[old])
+                buffers[old] = torch.empty(total, dtype=torch.uint8), places
+        for sender in sorted({holder[old] for old in buffers}):
+            for tag, (old, *_range) in enumerate(messages(sender, me)):
+                buffer, places = buffers[old]
+                offset, size = places.pop(0)
+                works.append(dist.irecv(buffer[offset : offset + size], src=sender, tag=tag))
+        pending = [(old, merged(plan[me][old]), buffer) for old, (buffer, _) in buffers.items()]
     for work in works:
         work.wait()
-    for holder, ranges, buffer in pending:
-        sources[holder] = ReceivedPieces(buffer, ranges, infos[holder])
+    for old, ranges, buffer in pending:
+        sources[old] = ReceivedPieces(buffer, ranges, infos[old])
     total = torch.tensor([sent], dtype=torch.int64)  # exact: a float32 sum rounds gigabytes
     dist.all_reduce(total)
-    reader = ShardReader.in_memory(MEMORY_LABEL, sources, headers) if me < layout.world_size else None
+    reader = ShardReader.in_memory(MEMORY_LABEL, sources, ordered) if me < layout.world_size else None
     return reader, int(total.item())
 
 
@@ -400,10 +424,10 @@ def hand_over(
         with clock.phase("group"):
             reform(request.master_addr, request.master_port, request.to_devices, rank, timeout_seconds)
         with clock.phase("exchange"):
-            handed.reader, handed.bytes_moved = exchange(snapshot, old_world, layout, model)
+            handed.reader, handed.bytes_moved = exchange({rank: snapshot}, layout, model)
     else:  # the old group holds every rank that gives or takes
         with clock.phase("exchange"):
-            handed.reader, handed.bytes_moved = exchange(snapshot, old_world, layout, model)
+            handed.reader, handed.bytes_moved = exchange({rank: snapshot}, layout, model)
         if rank >= request.to_devices:
             dist.destroy_process_group()
             return None
@@ -463,7 +487,7 @@ def join(
         raise LaunchError(f"live resize to {request.to_devices} ranks, but the run files describe {layout.world_size}")
     handed = HandOver(request, None, 0)
     with handed.clock.phase("exchange"):
-        handed.reader, handed.bytes_moved = exchange(None, request.from_devices, layout, model)
+        handed.reader, handed.bytes_moved = exchange({}, layout, model)
     return handed
 
 

@@ -329,7 +329,7 @@ def stopped_cleanly(heartbeats: dict[int, RankHeartbeat], world_size: int) -> in
     """
     if not set(range(world_size)) <= set(heartbeats):
         return None
-    staying = [b for b in heartbeats.values() if b.state is not RankState.LEFT]
+    staying = [b for b in heartbeats.values() if b.state not in (RankState.LEFT, RankState.LOST)]
     clean = (RankState.FINISHED, RankState.STOPPED)
     steps = {b.checkpoint_step for b in staying if b.state in clean}
     if len(steps) != 1 or any(b.state not in clean for b in staying):

@@ -54,6 +54,7 @@ from pipectl.runtime.failure import RankContext, failure_record, write_failure, 
 from pipectl.runtime.history import record_layout_change
 from pipectl.runtime.liveness import Heartbeat, job_collective_timeout_seconds
 from pipectl.runtime.metrics import MetricsWriter, RankMemory, node_name, rank_memory, reset_peak_memory
+from pipectl.runtime.recovery import adopt_replica_environment, restore_rng, rng_state, under_agent
 from pipectl.schedule import generate
 from pipectl.schedule.ir import ActionKind, Schedule
 
@@ -114,6 +115,7 @@ class TrainingJob:
     collective_timeout_seconds: float | None = None  # None: torch's and DeepSpeed's defaults
     replica_kinds: tuple[str, ...] = ()  # the device kind of each data-parallel replica, from the plan
     compute_slowdowns: dict[str, float] = field(default_factory=dict)  # emulated slower kinds (JobSpec's)
+    recover_in_memory: bool = False  # keep a copy of the neighbour replica's state (`recovery`)
 
     @classmethod
     def from_run_dir(cls, run_dir: str | os.PathLike[str]) -> "TrainingJob":
@@ -146,6 +148,7 @@ class TrainingJob:
             collective_timeout_seconds=job_collective_timeout_seconds(job, candidate),
             replica_kinds=candidate.replica_kinds,
             compute_slowdowns=job.compute_slowdowns,
+            recover_in_memory=job.recover_in_memory,
         )
 
 
@@ -283,7 +286,7 @@ def train(
 def _train(
     job: TrainingJob, on_step: Callable[[StepRecord], None] | None, context: RankContext, joining: bool = False
 ) -> TrainResult:
-    from pipectl.runtime import live
+    from pipectl.runtime import live, recovery
 
     handed = None
     if joining:  # started by a live resize: wait for the running ranks, receive this rank's share
@@ -299,30 +302,42 @@ def _train(
             result = TrainResult(rank=session.rank, stage=session.stage, data_parallel_rank=session.dp_rank, start_step=session.step)
         else:
             result.rank, result.stage, result.data_parallel_rank = session.rank, session.stage, session.dp_rank
-        request = session.train(result, on_step, context, generation)
+        clock = live.PauseClock()
+        try:
+            request = session.train(result, on_step, context, generation)
+        except Exception as exc:
+            # A replica lost: the survivors take over from what they hold, if the agent says so.
+            request = _await_recovery(session, exc, context, generation, clock)
         if request is None:
             break
-        # A live resize: the run files describe the new layout; hand the state over to it.
-        context.phase = "live resize: handing the state over"
-        clock = live.PauseClock()
-        with clock.phase("settle"):  # a checkpoint in flight commits first
-            session.settle()
-        with clock.phase("read"):
+        last_step_unix = session.last_step_unix
+        with clock.phase("read"):  # the run files describe the new layout
             os.environ["WORLD_SIZE"] = str(request.to_devices)
             job = TrainingJob.from_run_dir(job.run_dir)
             layers = build_model_layers(job)
-        last_step_unix = session.last_step_unix
-        handed = live.hand_over(
-            session.engine,
-            session.step,
-            _data_position(session.layout, session.step),
-            request,
-            job.layout,
-            layers,
-            job.collective_timeout_seconds,
-            clock,
-            host=session.saver.host if session.saver is not None else None,
-        )
+        position = _data_position(session.layout, session.step)
+        if request.recovery:
+            context.phase = "recovery: handing over the survivors' state"
+            copy = session.peers.copy if session.peers is not None else None
+            handed = recovery.recover(
+                session.engine, session.step, position, copy, request, job.layout, layers, job.collective_timeout_seconds, clock
+            )
+        else:
+            # A live resize: hand the state over to the new layout.
+            context.phase = "live resize: handing the state over"
+            with clock.phase("settle"):  # a checkpoint in flight commits first
+                session.settle()
+            handed = live.hand_over(
+                session.engine,
+                session.step,
+                position,
+                request,
+                job.layout,
+                layers,
+                job.collective_timeout_seconds,
+                clock,
+                host=session.saver.host if session.saver is not None else None,
+            )
         with clock.phase("release"):
             session.close(context)
             del session
@@ -333,6 +348,25 @@ def _train(
         generation = request.generation
     session.finish(result, context)
     return result
+
+
+def _await_recovery(session: "_Session", error: Exception, context: RankContext, generation: int, clock: Any):
+    """After `error` in a job that keeps peer copies: if a peer was lost, leave the broken group and
+    wait for the agent's recovery request (`runtime.recovery`); re-raise `error` when there is
+    nothing to recover from or no request names this rank."""
+    from pipectl.runtime import recovery
+
+    if session.peers is None or not recovery.is_peer_loss(error):
+        raise error
+    log.warning("a peer was lost (%s); %d steps done; waiting for the survivors' recovery", error, session.step)
+    context.phase = "recovery: waiting for the agent"
+    session.rewind_rng()
+    with clock.phase("await"):  # the agent sees the replica's torchrun exit and re-plans
+        recovery.leave_broken_group()
+        request = recovery.await_request(session.job.run_dir, generation, session.stop_flag, recovery.REQUEST_WAIT_SECONDS)
+    if request is None or int(os.environ["RANK"]) not in request.survivors:
+        raise error
+    return request
 
 
 def build_model_layers(job: TrainingJob):
@@ -365,6 +399,8 @@ class _Session:
     saved: int = 0
     handed: Any = None  # live.HandOver this layout started from
     last_step_unix: float = 0.0
+    peers: Any = None  # recovery.PeerCopy: the neighbour replica's state (`launch --recover-in-memory`)
+    step_rng: Any = None  # the RNG at the start of the step in progress (a recovery resumes from there)
 
     @classmethod
     def open(cls, job: TrainingJob, context: RankContext, handed: Any = None) -> "_Session":
@@ -469,6 +505,12 @@ class _Session:
         else:
             session.saver.prepare(engine)
         session.saved = session.step
+        if job.recover_in_memory and layout.data_parallel > 1 and handed is None and under_agent():
+            from pipectl.runtime.recovery import PeerCopy
+
+            context.phase = "copying the state to the neighbour replica"
+            session.peers = PeerCopy(layout, rank)
+            session.peers.refresh(engine, session.step, _data_position(layout, session.step))
         return session
 
     def train(self, result: TrainResult, on_step, context: RankContext, generation: int):
@@ -500,8 +542,16 @@ class _Session:
                 self.batches.micro_batches(self.step, self.replica) if self.needs_data else [None] * self.replica.micro_batches
             )
             reset_peak_memory(self.device)
+            if self.peers is not None:
+                self.step_rng = rng_state()
+            steps_before = engine.global_steps
             started = time.perf_counter()
-            loss = engine.train_step(micro_batches)
+            try:
+                loss = engine.train_step(micro_batches)
+            except BaseException:
+                if engine.global_steps > steps_before:  # the optimizer stepped: the step is done
+                    self.step, self.step_rng = self.step + 1, None
+                raise
             elapsed = time.perf_counter() - started
             self.step += 1
             self.last_step_unix = time.time()
@@ -514,6 +564,9 @@ class _Session:
                     self._record_live_resize(record)
             if on_step is not None:
                 on_step(record)
+            if self.peers is not None:
+                context.phase = "copying the state to the neighbour replica"
+                self.peers.refresh(engine, self.step, _data_position(self.layout, self.step))
             if saver is not None and saver.schedule.step_due(self.step, job.steps):
                 context.phase = "copying the checkpoint to host memory"
                 saver.save(engine, self.step, _data_position(self.layout, self.step))
@@ -541,6 +594,12 @@ class _Session:
             ),
         )
         live.request_path(self.job.run_dir).unlink(missing_ok=True)
+
+    def rewind_rng(self) -> None:
+        """After a failed step: the RNG as the step began (the step is trained again)."""
+        if self.step_rng is not None:
+            restore_rng(self.step_rng)
+            self.step_rng = None
 
     def settle(self) -> None:
         """Before a hand-over: a checkpoint in flight commits (every old rank reports its file)."""
@@ -716,8 +775,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.local_rank is not None:
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
+    adopt_replica_environment()  # a rank of one replica's torchrun (`launch --recover-in-memory`)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s rank" + os.environ.get("RANK", "?") + " %(message)s")
-
     context = RankContext(rank=int(os.environ.get("RANK", "0")))
     try:
         result = train(TrainingJob.from_run_dir(args.run_dir), context=context, joining=args.join)

@@ -1,0 +1,269 @@
+"""In-memory recovery of a lost data-parallel replica: the ranks' side (`launch --recover-in-memory`).
+
+Oobleck's observation: with data parallelism every stage's state lives on several replicas, so
+the loss of one replica need not send the job back to its last checkpoint. pipectl's ranks train
+with ZeRO-1, which keeps each replica's share of Adam's moments (and of the fp32 weights) on that
+replica only; so every rank also keeps a copy of its left neighbour's share (the rank of the
+previous replica at the same stage and tensor rank), refreshed after each step (`PeerCopy`: one
+message each way per state tensor, host memory, 12 B per parameter / d on top of ZeRO-1's). When
+replica r is lost, replica r + 1 holds a copy of everything r held, and the survivors together
+hold the whole state of the step they all finished.
+
+How a loss plays out (the launcher's side is `launch/replicas.py`):
+
+    agent       runs one torchrun per replica, so that torchrun, which stops every worker it
+                started when one fails, stops only the lost replica's ranks
+    survivors   their next collective with a lost rank fails ("Connection closed by peer"); each
+                notes the last step it finished (the optimizer stepped: DeepSpeed's global_steps),
+                puts back the RNG state of that step's end, leaves its broken process group and
+                waits for the agent (`await_request`)
+    agent       sees the replica's torchrun exit, chooses the layout for the survivors from the
+                morph table (the same global batch), rewrites the run files as a resize would and
+                writes RUN/resize_requested.json naming the survivors (`LiveResizeRequest`)
+    survivors   meet in a new group, hand over what they hold of every old rank's state (their own
+                and their copies: `live.exchange`, the hand-over of a planned live resize), refuse
+                if the pieces are not all of one step, and go on in the new layout (`recover`)
+
+A rank started this way numbers itself from the agent's variables (`adopt_replica_environment`):
+its torchrun knows only its replica.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+from pipectl.artifacts.layout import Layout
+from pipectl.artifacts.morph import LiveResizeRequest
+
+if TYPE_CHECKING:
+    from pipectl.models.base import ModelLayers
+    from pipectl.runtime.engine_state import Snapshot
+    from pipectl.runtime.live import HandOver, PauseClock
+
+log = logging.getLogger(__name__)
+
+# Set by the replicas agent for each replica's torchrun: the job's numbering of its ranks.
+RANK_OFFSET_VARIABLE = "PIPECTL_RANK_OFFSET"
+WORLD_SIZE_VARIABLE = "PIPECTL_WORLD_SIZE"
+MASTER_ADDR_VARIABLE = "PIPECTL_MASTER_ADDR"
+MASTER_PORT_VARIABLE = "PIPECTL_MASTER_PORT"
+
+# What gloo and torch say when the peer at the other end of a connection is gone.
+PEER_LOSS_WORDS = (
+    "connection closed by peer",
+    "connection reset by peer",
+    "broken pipe",
+    "connection refused",
+    "socket closed",
+    "read error",
+    "write error",
+)
+REQUEST_WAIT_SECONDS = 90.0  # torchrun gives a lost replica's other ranks 30 s to exit before the agent knows
+TAG_BASE = 0x5000  # message tags of the peer copy (the pipeline's own sends are all done by then)
+
+
+def adopt_replica_environment() -> bool:
+    """In a rank the replicas agent started: RANK, WORLD_SIZE and the group's address from the
+    agent's variables (its torchrun numbered it within its replica only). Returns whether it was."""
+    offset = os.environ.get(RANK_OFFSET_VARIABLE)
+    if offset is None:
+        return False
+    rank = int(offset) + int(os.environ.get("LOCAL_RANK", "0"))
+    world = os.environ[WORLD_SIZE_VARIABLE]
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),  # one host: the job's local ranks are its ranks
+        WORLD_SIZE=world,
+        LOCAL_WORLD_SIZE=world,
+        MASTER_ADDR=os.environ[MASTER_ADDR_VARIABLE],
+        MASTER_PORT=os.environ[MASTER_PORT_VARIABLE],
+    )
+    # The job's group has a store of its own (rank 0's), not this replica's torchrun's.
+    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    return True
+
+
+def under_agent() -> bool:
+    """Whether this rank was started by the replicas agent (its loss and its peers' are recoverable)."""
+    return RANK_OFFSET_VARIABLE in os.environ
+
+
+def rng_state() -> tuple[Any, dict[str, Any]]:
+    """torch's, Python's and NumPy's RNG states, as a step begins."""
+    import torch
+
+    from pipectl.runtime.engine_state import _rng_state
+
+    return torch.get_rng_state(), _rng_state()
+
+
+def restore_rng(state: tuple[Any, dict[str, Any]]) -> None:
+    from pipectl.runtime.engine_state import _restore_rng
+
+    torch_state, others = state
+    _restore_rng(others, torch_state)
+
+
+def is_peer_loss(error: BaseException) -> bool:
+    """Whether `error` (or what caused it) says a peer of a collective or a send is gone.
+
+    >>> is_peer_loss(RuntimeError("[pair.cc:534] Connection closed by peer [127.0.0.1]:41234"))
+    True
+    >>> is_peer_loss(MemoryError())
+    False
+    """
+    seen = 0
+    while error is not None and seen < 8:
+        if any(words in str(error).lower() for words in PEER_LOSS_WORDS):
+            return True
+        error, seen = error.__cause__ or error.__context__, seen + 1
+    return False
+
+
+def leave_broken_group() -> None:
+    """Destroy this rank's process groups after a peer was lost: its sockets close, so that the
+    survivors still waiting on this rank fail at once instead of at their collective timeout."""
+    import torch.distributed as dist
+
+    try:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception as exc:  # a broken group may not tear down cleanly; it is dropped either way
+        log.warning("leaving the broken process group: %s", exc)
+
+
+def await_request(run_dir: os.PathLike[str] | str, generation: int, stop: Any, timeout_seconds: float) -> LiveResizeRequest | None:
+    """The agent's recovery request (newer than `generation`), or None if none comes within
+    `timeout_seconds` or this rank is told to stop (its own replica is being ended)."""
+    from pipectl.runtime.live import read_request, request_path
+
+    deadline = time.monotonic() + timeout_seconds
+    while time.monotonic() < deadline and not (stop is not None and stop.is_set()):
+        if request_path(run_dir).is_file():
+            try:
+                request = read_request(run_dir)
+            except Exception as exc:  # being written, or damaged: the agent writes atomically
+                log.debug("recovery request not read yet: %s", exc)
+            else:
+                if request.recovery and request.generation > generation:
+                    return request
+        time.sleep(0.05)
+    return None
+
+
+class PeerCopy:
+    """This rank's copy of its left neighbour's state (same stage and tensor rank, previous
+    replica), refreshed after each step; its own state goes to its right neighbour. Host memory,
+    over gloo (a group of its own when the job trains on GPUs)."""
+
+    def __init__(self, layout: Layout, rank: int) -> None:
+        import torch.distributed as dist
+
+        from pipectl.runtime.engine_state import HostSnapshot
+        from pipectl.runtime.pipeline import planned_topology
+
+        topology = planned_topology(layout.pipeline_parallel, layout.data_parallel, layout.tensor_parallel)
+        coord = topology.get_coord(rank)
+        d = layout.data_parallel
+
+        def peer(offset: int) -> int:
+            return topology.get_rank(**{**coord._asdict(), "data": (coord.data + offset) % d})
+
+        self.right, self.left = peer(1), peer(-1)
+        self.group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        self.own = HostSnapshot(copy=False)  # a CPU engine's tensors are sent as they are
+        self.buffers: dict[str, Any] = {}
+        self.copy: Snapshot | None = None  # the left neighbour's state; None while being refreshed
+
+    def refresh(self, engine: Any, step: int, data_position: dict[str, int]) -> None:
+        """Send this rank's state at `step` to the right neighbour, receive the left one's. Every
+        rank of the job together (pairwise messages only)."""
+        import torch
+
+        from pipectl.runtime.engine_state import Snapshot
+        from pipectl.runtime.shards import RankHeader
+
+        own = self.own.capture(engine, step, data_position)
+        keys = sorted(own.tensors)
+        meta = json.dumps(
+            {"header": own.header.to_json(), "tensors": [[k, str(own.tensors[k].dtype).removeprefix("torch."), list(own.tensors[k].shape)] for k in keys]}
+        ).encode()
+        self.copy = None  # a failure from here on leaves no whole copy
+        length = self._swap(torch.tensor([len(meta)], dtype=torch.int64), torch.empty(1, dtype=torch.int64), 0)
+        text = self._swap(torch.frombuffer(bytearray(meta), dtype=torch.uint8), torch.empty(int(length.item()), dtype=torch.uint8), 1)
+        theirs = json.loads(bytes(text.numpy()).decode())
+        tensors = {}
+        for key, dtype, shape in theirs["tensors"]:
+            buffer = self.buffers.get(key)
+            if buffer is None or list(buffer.shape) != shape or str(buffer.dtype).removeprefix("torch.") != dtype:
+                buffer = torch.empty(shape, dtype=getattr(torch, dtype))
+                self.buffers[key] = buffer
+            tensors[key] = buffer
+        works = [self._send(own.tensors[key].contiguous(), 2 + i) for i, key in enumerate(keys)]
+        works += [self._recv(tensors[key], 2 + i) for i, (key, _, _) in enumerate(theirs["tensors"])]
+        for work in works:
+            work.wait()
+        self.copy = Snapshot(tensors=tensors, header=RankHeader.from_json(theirs["header"]))
+
+    def _send(self, tensor, tag: int):
+        import torch.distributed as dist
+
+        return dist.isend(tensor, dst=self.right, tag=TAG_BASE + tag, group=self.group)
+
+    def _recv(self, tensor, tag: int):
+        import torch.distributed as dist
+
+        return dist.irecv(tensor, src=self.left, tag=TAG_BASE + tag, group=self.group)
+
+    def _swap(self, outgoing, incoming, tag: int):
+        works = [self._send(outgoing, tag), self._recv(incoming, tag)]
+        for work in works:
+            work.wait()
+        return incoming
+
+
+def recover(
+    engine: Any,
+    step: int,
+    data_position: dict[str, int],
+    copy: Snapshot | None,
+    request: LiveResizeRequest,
+    layout: Layout,
+    model: ModelLayers,
+    timeout_seconds: float | None,
+    clock: PauseClock,
+) -> HandOver | None:
+    """A survivor, its old group left: meet the other survivors, hand over what it holds (its own
+    state at `step`, its copy of its neighbour's) and receive what its rank of `layout` restores.
+    Returns None for a survivor the new layout does not use (it exits 0). Raises `LaunchError`
+    when the survivors do not hold every old rank's state at one step (the job then fails, and
+    `launch --resume` restarts it from its last checkpoint)."""
+    import torch.distributed as dist
+
+    from pipectl.runtime.engine_state import HostSnapshot
+    from pipectl.runtime.live import HandOver, exchange, reform
+
+    old_rank = int(os.environ["RANK"])
+    me = request.survivors.index(old_rank)
+    with clock.phase("capture"):
+        held = {old_rank: HostSnapshot(copy=False).capture(engine, step, data_position)}
+        if copy is not None:
+            held.setdefault(copy.header.rank, copy)
+    handed = HandOver(request, None, 0, clock)
+    survivors = len(request.survivors)
+    with clock.phase("group"):
+        port = request.meeting_port if request.to_devices < survivors else request.master_port
+        reform(request.master_addr, port, survivors, me, timeout_seconds)
+    with clock.phase("exchange"):
+        handed.reader, handed.bytes_moved = exchange(held, layout, model)
+    if request.to_devices < survivors:
+        if me >= request.to_devices:
+            dist.destroy_process_group()
+            return None
+        with clock.phase("group"):
+            reform(request.master_addr, request.master_port, request.to_devices, me, timeout_seconds)
+    return handed
