@@ -79,6 +79,21 @@ def test_existing_run_is_refused_and_bad_options_name_their_value(tmp_path):
     assert missing.exit_code == 2 and "missing.json" in missing.output
 
 
+def test_recover_in_memory_runs_a_torchrun_per_replica_and_is_refused_where_nothing_survives(tmp_path):
+    from builders import gpt_tiny_candidate
+
+    d2 = write_json_atomic(tmp_path / "d2.json", plan_of(gpt_tiny_candidate(1, 2, m=2)))
+    result = invoke("launch", d2, "--run-dir", tmp_path / "run", "--recover-in-memory", "--dry-run", "--json")
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.output)
+    assert payload["job"]["recover_in_memory"] and "-m pipectl.resize.replicas --run-dir" in payload["command"]
+    p2 = write_plan(tmp_path / "p2.json")
+    alone = invoke("launch", p2, "--run-dir", tmp_path / "run", "--recover-in-memory", "--dry-run")
+    assert alone.exit_code == 2 and "d = 1" in " ".join(alone.output.split()) and "Traceback" not in alone.output
+    remote = invoke("launch", d2, "--run-dir", tmp_path / "run", "--recover-in-memory", "--engine", "torchrun", "--dry-run")
+    assert remote.exit_code == 2 and "engine local" in " ".join(remote.output.split())
+
+
 def test_slurm_engine_writes_the_script_and_says_how_to_submit(tmp_path):
     plan = write_plan(tmp_path / "plan.json")
     run = tmp_path / "run"

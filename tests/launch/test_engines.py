@@ -49,6 +49,15 @@ def test_local_is_standalone_torchrun_of_the_worker_with_one_thread_per_rank():
     assert "DS_ACCELERATOR" not in build_command(job(), RUN, python="py", gpus=True).env
 
 
+def test_local_with_in_memory_recovery_runs_the_replicas_agent():
+    recovering = job(world=4).model_copy(update={"recover_in_memory": True})
+    cmd = build_command(recovering, RUN, python="py", gpus=False)
+    assert cmd.argv == ["py", "-m", "pipectl.resize.replicas", "--run-dir", "/runs/demo"]
+    assert cmd.env["OMP_NUM_THREADS"] == "1"
+    alone = build_command(job(world=1).model_copy(update={"recover_in_memory": True}), RUN, python="py", gpus=False)
+    assert "torch.distributed.run" in alone.argv  # one rank: nothing to recover from
+
+
 def test_local_refuses_several_nodes():
     with pytest.raises(UserInputError, match="one node"):
         build_command(job(world=4, nodes=2), RUN, python="py", gpus=False)
