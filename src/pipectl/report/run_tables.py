@@ -15,7 +15,7 @@ from rich.table import Table
 from rich.text import Text
 
 from pipectl.artifacts.layout import layout_label
-from pipectl.artifacts.morph import MorphRecord
+from pipectl.artifacts.morph import MorphRecord, MorphTrigger
 from pipectl.artifacts.run import RankFailure
 from pipectl.launch.rundir import RunStatus
 from pipectl.runtime.checkpoint_schedule import DEVICE_MTBF_HOURS
@@ -272,7 +272,7 @@ def morph_history_table(records: Sequence[MorphRecord]) -> Table:
             when,
             f"{record.from_devices}: {record.from_layout}",
             f"{record.to_devices}: {record.to_layout}",
-            record.path,
+            record.path if record.trigger is MorphTrigger.RESIZE else f"{record.path} ({record.trigger.value})",
             str(record.resume_step),
             _seconds(record.stop_seconds),
             _seconds(record.downtime_seconds) if record.relaunched_unix or live else "not relaunched",
