@@ -19,6 +19,14 @@ steps, resized by `pipectl resize RUN --devices N --live|--restart`, a whole CLI
 
 Medians over `--repeats` (gpt-small: `--small-repeats`, default 1: a step takes 25-50 s here).
 
+A replica lost without notice (gpt-tiny, d=2, a checkpoint every step): rank 1's process is
+killed (SIGKILL, its pid from its heartbeat) after a few steps. In memory (`launch
+--recover-in-memory`) the survivor goes on as one rank; on the restart path the launch fails and
+`pipectl launch --resume` of the one-rank plan is started at once (an operator or a scheduler that
+never hesitates). Both report the pause (last step completed before the kill -> first step begun
+after) and the steps trained again; the in-memory run also reports its step time before the kill
+against the restart run's (the cost of sending each rank's state to its neighbour every step).
+
     .venv/bin/python benchmarks/resize_downtime.py --repeats 3
     -> benchmarks/results/resize_downtime.json
 """
@@ -186,6 +194,50 @@ def resize(work: Path, model: str, scenario: str, index: int, live: bool) -> dic
     }
 
 
+def replica_loss(work: Path, model: str, index: int, in_memory: bool) -> dict:
+    """A d=2 job whose rank 1 is killed after a few steps: recovered in memory, or restarted from
+    its checkpoint (see the module's docstring)."""
+    import signal
+
+    plan = write_plan(work / f"plan-{model}-loss.json", model, "d2", "d2")
+    run = work / f"loss-{'memory' if in_memory else 'restart'}-{model}-{index}"
+    argv = [*PIPECTL, "launch", str(plan), "--run-dir", str(run), "--steps", "100000", "--checkpoint-every", "1", "--json"]
+    launcher = subprocess.Popen([*argv, *(["--recover-in-memory"] if in_memory else [])], env=environment(),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    resumed = None
+    try:
+        wait_for(lambda: len(metrics(run)) >= 12, 900, "the job's first steps")
+        rows = metrics(run)[1:]  # the first step warms up
+        steps_before = [b["time_unix"] - a["time_unix"] for a, b in zip(rows, rows[1:])]  # wall: the copy included
+        beat = json.loads((run / "logs" / "heartbeat-rank1.json").read_text())
+        os.kill(beat["pid"], signal.SIGKILL)
+        if not in_memory:
+            launcher.wait(timeout=900)  # the job fails; restart it at once on the rank left
+            one = write_plan(work / f"plan-{model}-loss-p1.json", model, "p1", "d2")
+            resumed = subprocess.Popen(
+                [*PIPECTL, "launch", str(one), "--run-dir", str(run), "--resume", "--json"],
+                env=environment(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )  # fmt: skip
+        ended = resumed or launcher
+        wait_for(lambda: _layout_change(run) is not None or ended.poll() is not None, 900, "the first step after the loss")
+        if _layout_change(run) is None:
+            raise RuntimeError(f"{run}: the job ended without training after the loss (see its logs/engine.log)")
+    finally:
+        (run / STOP_FILE).write_text("benchmark done\n")
+        for proc in (launcher, resumed):
+            if proc is not None:
+                proc.wait(timeout=900)
+    before, after = _layout_change(run)
+    return {
+        "path": "memory" if in_memory else "restart",
+        "pause_seconds": after["time_unix"] - after["step_seconds"] - before["time_unix"],
+        "steps_trained_again": before["step"] - (after["step"] - 1),
+        "median_wall_seconds_per_step_before": statistics.median(steps_before),
+        "from_layout": before["layout"],
+        "to_layout": after["layout"],
+    }
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -198,6 +250,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--small-repeats", type=int, default=1, help="repeats for gpt-small (0: leave it out)")
+    parser.add_argument("--no-replica-loss", dest="replica_loss", action="store_false",
+                        help="leave out the kill -9 of a replica (in memory against restart)")
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS), help="resize scenarios to run (comma-separated; '' for none)")
     parser.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results" / "resize_downtime.json")
     args = parser.parse_args()
 
@@ -205,7 +260,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="pipectl-resize-bench-") as tmp:
         work = Path(tmp)
         for model, repeats in (("gpt-tiny", args.repeats), ("gpt-small", args.small_repeats)):
-            for scenario in SCENARIOS if repeats else ():
+            for scenario in [name for name in args.scenarios.split(",") if name] if repeats else ():
                 colds, restarts, lives = [], [], []
                 for index in range(repeats):
                     # Interleaved so that the machine's background load affects all three alike.
@@ -218,6 +273,15 @@ def main() -> None:
                         flush=True,
                     )
                 results.append(summary(model, scenario, colds, restarts, lives))
+        losses = {"memory": [], "restart": []}
+        for index in range(args.repeats if args.replica_loss else 0):
+            for path in losses:
+                losses[path].append(replica_loss(work, "gpt-tiny", index, in_memory=path == "memory"))
+            print(
+                f"gpt-tiny replica loss #{index}: in memory pause {losses['memory'][-1]['pause_seconds']:.2f} s, "
+                f"restart pause {losses['restart'][-1]['pause_seconds']:.2f} s",
+                flush=True,
+            )
     report = {
         "benchmark": "resize_downtime",
         "command": f"{Path(sys.executable).name} benchmarks/resize_downtime.py --repeats {args.repeats} --small-repeats {args.small_repeats}",
@@ -233,15 +297,43 @@ def main() -> None:
         },
         "time_unix": time.time(),
         "scenarios": results,
+        "replica_loss": loss_summary(losses) if losses["memory"] else None,
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report, indent=2) + "\n")
+    if report["replica_loss"]:
+        loss = report["replica_loss"]
+        print(
+            f"gpt-tiny replica loss: in memory pause {loss['memory']['median_pause_seconds']:.2f} s, "
+            f"{loss['memory']['median_steps_trained_again']} steps again; restart pause "
+            f"{loss['restart']['median_pause_seconds']:.2f} s, {loss['restart']['median_steps_trained_again']} steps again; "
+            f"step time with the peer copy {loss['step_time_ratio']:.3f}x"
+        )
     for row in results:
         print(
             f"{row['model']} {row['scenario']}: {row['from']} -> {row['to']}: cold start {row['median_cold_seconds']:.2f} s; "
             f"restart pause {row['restart']['median_pause_seconds']:.2f} s ({row['restart']['pause_over_cold']:.2f}x); "
             f"live pause {row['live']['median_pause_seconds']:.2f} s ({row['live']['pause_over_cold']:.3f}x)"
         )
+
+
+def loss_summary(losses: dict[str, list[dict]]) -> dict:
+    def path(runs: list[dict]) -> dict:
+        return {
+            "pause_seconds": [r["pause_seconds"] for r in runs],
+            "median_pause_seconds": statistics.median(r["pause_seconds"] for r in runs),
+            "median_steps_trained_again": statistics.median(r["steps_trained_again"] for r in runs),
+            "median_wall_seconds_per_step_before": statistics.median(r["median_wall_seconds_per_step_before"] for r in runs),
+            "runs": runs,
+        }
+
+    memory, restart = path(losses["memory"]), path(losses["restart"])
+    return {
+        "memory": memory,
+        "restart": restart,
+        "pause_ratio": memory["median_pause_seconds"] / restart["median_pause_seconds"],
+        "step_time_ratio": memory["median_wall_seconds_per_step_before"] / restart["median_wall_seconds_per_step_before"],
+    }
 
 
 def summary(model: str, scenario: str, colds: list[dict], restarts: list[dict], lives: list[dict]) -> dict:

@@ -48,7 +48,7 @@ from pipectl.launch.rundir import read_run
 from pipectl.runtime import recovery
 from pipectl.words import count
 
-GATHER_SECONDS = 1.0  # replicas lost this close together are recovered from in one go
+GATHER_SECONDS = 0.3  # replicas lost this close together are recovered from in one go
 POLL_SECONDS = 0.1
 
 
@@ -266,6 +266,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda received, _frame: agent.signal(received))
     agent.start()
+    # What a recovery runs (the resize decision; DeepSpeed's config parser validating the new
+    # layout) is imported while the job trains, not after a loss (about 1 s here).
+    import deepspeed.runtime.config  # noqa: F401
+
+    import pipectl.resize.live  # noqa: F401
+    import pipectl.resize.morph  # noqa: F401
+
     return agent.wait()
 
 

@@ -256,41 +256,52 @@ class HandOver:
     host: Any = None  # the checkpointer's HostSnapshot a GPU engine was copied into (else None)
 
 
-def exchange(held: dict[int, Any], layout: Layout, model: ModelLayers):
-    """Every rank of the current process group: learn which rank holds which old rank's state
-    (`held`: old rank -> its `Snapshot`, for this rank: its own, and after a loss the copies it
-    keeps of a peer's; empty for a joining rank), then send and receive exactly what each rank of
-    `layout` restores. Every old rank's state must be held by some rank of the group, all at one
-    step. Returns (reader over the received state or None for a leaving rank, bytes moved by all
-    ranks)."""
+def exchange(held: Sequence[Any], layout: Layout, model: ModelLayers):
+    """Every rank of the current process group: learn which rank holds which old rank's state at
+    which step (`held`: the `Snapshot`s this rank offers, each naming its old rank and step in its
+    header: its own state, and after a loss the copies it keeps; none for a joining rank), take the
+    newest step at which some rank holds every old rank's state, then send and receive exactly what
+    each rank of `layout` restores. Returns (reader over the received state or None for a leaving
+    rank, bytes moved by all ranks)."""
     import torch
     import torch.distributed as dist
 
     from pipectl.runtime.shards import RankHeader, ShardReader
 
     me = dist.get_rank()
-    mine = {
-        old: (snapshot.header.to_json(), {key: (str(t.dtype).removeprefix("torch."), tuple(t.shape)) for key, t in snapshot.tensors.items()})
-        for old, snapshot in held.items()
-    }
+    offered_here = [
+        (s.header.to_json(), {key: (str(t.dtype).removeprefix("torch."), tuple(t.shape)) for key, t in s.tensors.items()})
+        for s in held
+    ]
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine)
-    holder: dict[int, int] = {}  # old rank -> the rank of this group that sends its pieces
-    entries: dict[int, Any] = {}
+    dist.all_gather_object(gathered, offered_here)
+    offers: dict[tuple[int, int], tuple[int, RankHeader, Any]] = {}  # (old rank, step) -> (holder, header, layouts)
     for rank, offered in enumerate(gathered):
-        for old, entry in offered.items():
-            if old not in holder or old == rank:  # a rank's own state before anyone's copy of it
-                holder[old], entries[old] = rank, entry
-    headers = {old: RankHeader.from_json(text) for old, (text, _) in entries.items()}
-    old_world = next(iter(headers.values())).world_size if headers else 0
-    missing = sorted(set(range(old_world)) - set(headers))
-    if not headers or missing:
-        raise LaunchError(f"live resize: no rank brought the state of old rank(s) {missing or 'any'} to the hand-over")
-    steps = {header.step for header in headers.values()}
-    if len(steps) > 1:
-        raise LaunchError(f"live resize: the old ranks' states are at different steps ({sorted(steps)}), not one instant")
-    ordered = [headers[old] for old in range(old_world)]
-    infos = [{key: TensorInfo(dtype, tuple(shape)) for key, (dtype, shape) in entries[old][1].items()} for old in range(old_world)]
+        for text, layouts in offered:
+            header = RankHeader.from_json(text)
+            key = (header.rank, header.step)
+            if key not in offers or header.rank == rank:  # a rank's own state before anyone's copy of it
+                offers[key] = (rank, header, layouts)
+    worlds = {header.world_size for _, header, _ in offers.values()}
+    if len(worlds) != 1:
+        raise LaunchError(f"live resize: the states offered come from layouts of {sorted(worlds) or 'no'} ranks")
+    old_world = worlds.pop()
+    steps = sorted({step for _, step in offers}, reverse=True)
+    step = next((s for s in steps if all((old, s) in offers for old in range(old_world))), None)
+    if step is None:
+        held_at = {s: sorted(old for old, at in offers if at == s) for s in steps}
+        raise LaunchError(
+            f"live resize: no step at which the state of every one of the {old_world} old ranks is held "
+            f"(ranks held per step: {held_at})"
+        )
+    holder = [offers[(old, step)][0] for old in range(old_world)]
+    ordered = [offers[(old, step)][1] for old in range(old_world)]
+    infos = [
+        {key: TensorInfo(dtype, tuple(shape)) for key, (dtype, shape) in offers[(old, step)][2].items()}
+        for old in range(old_world)
+    ]
+    mine_at = {(s.header.rank, s.header.step): s for s in held}
+    mine = {old: mine_at[(old, step)] for old in range(old_world) if holder[old] == me}  # what this rank serves
     index = ShardReader.in_memory(MEMORY_LABEL, [None] * old_world, ordered)
     names = set(index.parameter_names())
     for header in ordered:
@@ -312,7 +323,7 @@ def exchange(held: dict[int, Any], layout: Layout, model: ModelLayers):
     for rank in plan:
         if rank != me:
             for tag, (old, key, start, stop) in enumerate(messages(me, rank)):
-                message = byte_view(held[old].tensors[key], start, stop)
+                message = byte_view(mine[old].tensors[key], start, stop)
                 works.append(dist.isend(message, dst=rank, tag=tag))
                 sent += message.numel()
     sources: list[Any] = [None] * old_world
@@ -320,7 +331,7 @@ def exchange(held: dict[int, Any], layout: Layout, model: ModelLayers):
         buffers = {}
         for old in plan[me]:
             if holder[old] == me:
-                sources[old] = HeldTensors(held[old].tensors)
+                sources[old] = HeldTensors(mine[old].tensors)
             else:
                 places, total = placement(merged(plan[me][old]), infos[old])
                 buffers[old] = torch.empty(total, dtype=torch.uint8), places
@@ -424,10 +435,10 @@ def hand_over(
         with clock.phase("group"):
             reform(request.master_addr, request.master_port, request.to_devices, rank, timeout_seconds)
         with clock.phase("exchange"):
-            handed.reader, handed.bytes_moved = exchange({rank: snapshot}, layout, model)
+            handed.reader, handed.bytes_moved = exchange([snapshot], layout, model)
     else:  # the old group holds every rank that gives or takes
         with clock.phase("exchange"):
-            handed.reader, handed.bytes_moved = exchange({rank: snapshot}, layout, model)
+            handed.reader, handed.bytes_moved = exchange([snapshot], layout, model)
         if rank >= request.to_devices:
             dist.destroy_process_group()
             return None
@@ -487,7 +498,7 @@ def join(
         raise LaunchError(f"live resize to {request.to_devices} ranks, but the run files describe {layout.world_size}")
     handed = HandOver(request, None, 0)
     with handed.clock.phase("exchange"):
-        handed.reader, handed.bytes_moved = exchange({}, layout, model)
+        handed.reader, handed.bytes_moved = exchange([], layout, model)
     return handed
 
 

@@ -3,26 +3,27 @@
 Oobleck's observation: with data parallelism every stage's state lives on several replicas, so
 the loss of one replica need not send the job back to its last checkpoint. pipectl's ranks train
 with ZeRO-1, which keeps each replica's share of Adam's moments (and of the fp32 weights) on that
-replica only; so every rank also keeps a copy of its left neighbour's share (the rank of the
-previous replica at the same stage and tensor rank), refreshed after each step (`PeerCopy`: one
-message each way per state tensor, host memory, 12 B per parameter / d on top of ZeRO-1's). When
-replica r is lost, replica r + 1 holds a copy of everything r held, and the survivors together
-hold the whole state of the step they all finished.
+replica only; so every rank
+also keeps a copy of its left neighbour's share (the rank of the previous replica at the same
+stage and tensor rank), refreshed after each step (`PeerCopy`: one message each way per state
+tensor, host memory), with its own share of the same instant: the engine moves on. When replica r
+is lost, replica r + 1 holds a copy of everything r held, and the survivors together hold the whole
+state of a step boundary.
 
-How a loss plays out (the launcher's side is `launch/replicas.py`):
+How a loss plays out (the launcher's side is `resize/replicas.py`):
 
     agent       runs one torchrun per replica, so that torchrun, which stops every worker it
                 started when one fails, stops only the lost replica's ranks
     survivors   their next collective with a lost rank fails ("Connection closed by peer"); each
-                notes the last step it finished (the optimizer stepped: DeepSpeed's global_steps),
-                puts back the RNG state of that step's end, leaves its broken process group and
-                waits for the agent (`await_request`)
+                leaves its broken process group and waits for the agent (`await_request`)
     agent       sees the replica's torchrun exit, chooses the layout for the survivors from the
                 morph table (the same global batch), rewrites the run files as a resize would and
                 writes RUN/resize_requested.json naming the survivors (`LiveResizeRequest`)
-    survivors   meet in a new group, hand over what they hold of every old rank's state (their own
-                and their copies: `live.exchange`, the hand-over of a planned live resize), refuse
-                if the pieces are not all of one step, and go on in the new layout (`recover`)
+    survivors   meet in a new group and hand over what they keep of every old rank's state (their
+                own and their copies) at the newest step boundary where all of it is kept
+                (`live.exchange`, the hand-over of a planned live resize), and go on in the new
+                layout from there (`recover`): the step in flight when the replica was lost, or at
+                most the one before, is trained again
 
 A rank started this way numbers itself from the agent's variables (`adopt_replica_environment`):
 its torchrun knows only its replica.
@@ -92,22 +93,6 @@ def under_agent() -> bool:
     return RANK_OFFSET_VARIABLE in os.environ
 
 
-def rng_state() -> tuple[Any, dict[str, Any]]:
-    """torch's, Python's and NumPy's RNG states, as a step begins."""
-    import torch
-
-    from pipectl.runtime.engine_state import _rng_state
-
-    return torch.get_rng_state(), _rng_state()
-
-
-def restore_rng(state: tuple[Any, dict[str, Any]]) -> None:
-    from pipectl.runtime.engine_state import _restore_rng
-
-    torch_state, others = state
-    _restore_rng(others, torch_state)
-
-
 def is_peer_loss(error: BaseException) -> bool:
     """Whether `error` (or what caused it) says a peer of a collective or a send is gone.
 
@@ -156,9 +141,14 @@ def await_request(run_dir: os.PathLike[str] | str, generation: int, stop: Any, t
 
 
 class PeerCopy:
-    """This rank's copy of its left neighbour's state (same stage and tensor rank, previous
-    replica), refreshed after each step; its own state goes to its right neighbour. Host memory,
-    over gloo (a group of its own when the job trains on GPUs)."""
+    """This rank's copies, in host memory, of its own state and of its left neighbour's (same stage
+    and tensor rank, previous replica) at the last two step boundaries where both were complete.
+
+    Each `refresh` copies the engine's state, sends it to the right neighbour and receives the left
+    one's, into the buffers of the older of the two kept boundaries. A rank lost during a refresh
+    leaves the survivors the boundary before, complete on every rank: the engine's own state may
+    already be a step further (or half updated, if the loss came inside the optimizer step), so a
+    recovery never reads it. 2 x (own + neighbour's) = 48 B per parameter / d of host memory."""
 
     def __init__(self, layout: Layout, rank: int) -> None:
         import torch.distributed as dist
@@ -175,39 +165,43 @@ class PeerCopy:
 
         self.right, self.left = peer(1), peer(-1)
         self.group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
-        self.own = HostSnapshot(copy=False)  # a CPU engine's tensors are sent as they are
-        self.buffers: dict[str, Any] = {}
-        self.copy: Snapshot | None = None  # the left neighbour's state; None while being refreshed
+        self._own = (HostSnapshot(), HostSnapshot())  # a real copy: the engine moves on
+        self._theirs: tuple[dict[str, Any], dict[str, Any]] = ({}, {})
+        self.kept: list[tuple[int, int, list[Snapshot]]] = []  # (step, buffer set, [own, neighbour's]), oldest first
+
+    def snapshots(self) -> list[Snapshot]:
+        """Every state kept: this rank's own and its neighbour's, at each kept boundary."""
+        return [snapshot for _, _, pair in self.kept for snapshot in pair]
 
     def refresh(self, engine: Any, step: int, data_position: dict[str, int]) -> None:
-        """Send this rank's state at `step` to the right neighbour, receive the left one's. Every
-        rank of the job together (pairwise messages only)."""
+        """Keep this rank's state at `step` and its left neighbour's (sending it to the right one).
+        Every rank of the job together (pairwise messages only)."""
         import torch
 
         from pipectl.runtime.engine_state import Snapshot
         from pipectl.runtime.shards import RankHeader
 
-        own = self.own.capture(engine, step, data_position)
+        slot = 1 - self.kept[-1][1] if self.kept else 0
+        self.kept = [entry for entry in self.kept if entry[1] != slot]  # its buffers are rewritten now
+        own = self._own[slot].capture(engine, step, data_position)
         keys = sorted(own.tensors)
-        meta = json.dumps(
-            {"header": own.header.to_json(), "tensors": [[k, str(own.tensors[k].dtype).removeprefix("torch."), list(own.tensors[k].shape)] for k in keys]}
-        ).encode()
-        self.copy = None  # a failure from here on leaves no whole copy
+        layouts = [[key, str(own.tensors[key].dtype).removeprefix("torch."), list(own.tensors[key].shape)] for key in keys]
+        meta = json.dumps({"header": own.header.to_json(), "tensors": layouts}).encode()
         length = self._swap(torch.tensor([len(meta)], dtype=torch.int64), torch.empty(1, dtype=torch.int64), 0)
         text = self._swap(torch.frombuffer(bytearray(meta), dtype=torch.uint8), torch.empty(int(length.item()), dtype=torch.uint8), 1)
         theirs = json.loads(bytes(text.numpy()).decode())
-        tensors = {}
+        buffers, tensors = self._theirs[slot], {}
         for key, dtype, shape in theirs["tensors"]:
-            buffer = self.buffers.get(key)
+            buffer = buffers.get(key)
             if buffer is None or list(buffer.shape) != shape or str(buffer.dtype).removeprefix("torch.") != dtype:
-                buffer = torch.empty(shape, dtype=getattr(torch, dtype))
-                self.buffers[key] = buffer
+                buffer = buffers[key] = torch.empty(shape, dtype=getattr(torch, dtype))
             tensors[key] = buffer
-        works = [self._send(own.tensors[key].contiguous(), 2 + i) for i, key in enumerate(keys)]
+        works = [self._send(own.tensors[key], 2 + i) for i, key in enumerate(keys)]
         works += [self._recv(tensors[key], 2 + i) for i, (key, _, _) in enumerate(theirs["tensors"])]
         for work in works:
             work.wait()
-        self.copy = Snapshot(tensors=tensors, header=RankHeader.from_json(theirs["header"]))
+        neighbour = Snapshot(tensors=tensors, header=RankHeader.from_json(theirs["header"]))
+        self.kept.append((step, slot, [own, neighbour]))
 
     def _send(self, tensor, tag: int):
         import torch.distributed as dist
@@ -227,39 +221,31 @@ class PeerCopy:
 
 
 def recover(
-    engine: Any,
-    step: int,
-    data_position: dict[str, int],
-    copy: Snapshot | None,
+    peers: PeerCopy,
     request: LiveResizeRequest,
     layout: Layout,
     model: ModelLayers,
     timeout_seconds: float | None,
     clock: PauseClock,
 ) -> HandOver | None:
-    """A survivor, its old group left: meet the other survivors, hand over what it holds (its own
-    state at `step`, its copy of its neighbour's) and receive what its rank of `layout` restores.
+    """A survivor, its old group left: meet the other survivors, offer every state it keeps (its own
+    and its neighbour's, at the last two boundaries) and receive what its rank of `layout` restores,
+    from the newest boundary at which the survivors hold every old rank's state (`live.exchange`).
     Returns None for a survivor the new layout does not use (it exits 0). Raises `LaunchError`
-    when the survivors do not hold every old rank's state at one step (the job then fails, and
-    `launch --resume` restarts it from its last checkpoint)."""
+    when there is no such boundary (the job then fails, and `launch --resume` restarts it from its
+    last checkpoint)."""
     import torch.distributed as dist
 
-    from pipectl.runtime.engine_state import HostSnapshot
     from pipectl.runtime.live import HandOver, exchange, reform
 
-    old_rank = int(os.environ["RANK"])
-    me = request.survivors.index(old_rank)
-    with clock.phase("capture"):
-        held = {old_rank: HostSnapshot(copy=False).capture(engine, step, data_position)}
-        if copy is not None:
-            held.setdefault(copy.header.rank, copy)
+    me = request.survivors.index(int(os.environ["RANK"]))
     handed = HandOver(request, None, 0, clock)
     survivors = len(request.survivors)
     with clock.phase("group"):
         port = request.meeting_port if request.to_devices < survivors else request.master_port
         reform(request.master_addr, port, survivors, me, timeout_seconds)
     with clock.phase("exchange"):
-        handed.reader, handed.bytes_moved = exchange(held, layout, model)
+        handed.reader, handed.bytes_moved = exchange(peers.snapshots(), layout, model)
     if request.to_devices < survivors:
         if me >= request.to_devices:
             dist.destroy_process_group()

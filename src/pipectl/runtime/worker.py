@@ -54,7 +54,7 @@ from pipectl.runtime.failure import RankContext, failure_record, write_failure, 
 from pipectl.runtime.history import record_layout_change
 from pipectl.runtime.liveness import Heartbeat, job_collective_timeout_seconds
 from pipectl.runtime.metrics import MetricsWriter, RankMemory, node_name, rank_memory, reset_peak_memory
-from pipectl.runtime.recovery import adopt_replica_environment, restore_rng, rng_state, under_agent
+from pipectl.runtime.recovery import adopt_replica_environment, under_agent
 from pipectl.schedule import generate
 from pipectl.schedule.ir import ActionKind, Schedule
 
@@ -318,10 +318,7 @@ def _train(
         position = _data_position(session.layout, session.step)
         if request.recovery:
             context.phase = "recovery: handing over the survivors' state"
-            copy = session.peers.copy if session.peers is not None else None
-            handed = recovery.recover(
-                session.engine, session.step, position, copy, request, job.layout, layers, job.collective_timeout_seconds, clock
-            )
+            handed = recovery.recover(session.peers, request, job.layout, layers, job.collective_timeout_seconds, clock)
         else:
             # A live resize: hand the state over to the new layout.
             context.phase = "live resize: handing the state over"
@@ -358,9 +355,8 @@ def _await_recovery(session: "_Session", error: Exception, context: RankContext,
 
     if session.peers is None or not recovery.is_peer_loss(error):
         raise error
-    log.warning("a peer was lost (%s); %d steps done; waiting for the survivors' recovery", error, session.step)
+    log.warning("a peer was lost (%s); waiting for the survivors' recovery", error)
     context.phase = "recovery: waiting for the agent"
-    session.rewind_rng()
     with clock.phase("await"):  # the agent sees the replica's torchrun exit and re-plans
         recovery.leave_broken_group()
         request = recovery.await_request(session.job.run_dir, generation, session.stop_flag, recovery.REQUEST_WAIT_SECONDS)
@@ -400,7 +396,6 @@ class _Session:
     handed: Any = None  # live.HandOver this layout started from
     last_step_unix: float = 0.0
     peers: Any = None  # recovery.PeerCopy: the neighbour replica's state (`launch --recover-in-memory`)
-    step_rng: Any = None  # the RNG at the start of the step in progress (a recovery resumes from there)
 
     @classmethod
     def open(cls, job: TrainingJob, context: RankContext, handed: Any = None) -> "_Session":
@@ -542,21 +537,16 @@ class _Session:
                 self.batches.micro_batches(self.step, self.replica) if self.needs_data else [None] * self.replica.micro_batches
             )
             reset_peak_memory(self.device)
-            if self.peers is not None:
-                self.step_rng = rng_state()
-            steps_before = engine.global_steps
             started = time.perf_counter()
-            try:
-                loss = engine.train_step(micro_batches)
-            except BaseException:
-                if engine.global_steps > steps_before:  # the optimizer stepped: the step is done
-                    self.step, self.step_rng = self.step + 1, None
-                raise
+            loss = engine.train_step(micro_batches)
             elapsed = time.perf_counter() - started
             self.step += 1
             self.last_step_unix = time.time()
             record = _record(engine, self.step, loss, elapsed, rank_memory(self.device))
             result.records.append(record)
+            if self.peers is not None:  # first: until it is done, a loss goes back to the step before
+                context.phase = "copying the state to the neighbour replica"
+                self.peers.refresh(engine, self.step, _data_position(self.layout, self.step))
             if self.writer is not None:
                 context.phase = "writing metrics"
                 _write_metrics(self.writer, job, engine, record)
@@ -564,9 +554,6 @@ class _Session:
                     self._record_live_resize(record)
             if on_step is not None:
                 on_step(record)
-            if self.peers is not None:
-                context.phase = "copying the state to the neighbour replica"
-                self.peers.refresh(engine, self.step, _data_position(self.layout, self.step))
             if saver is not None and saver.schedule.step_due(self.step, job.steps):
                 context.phase = "copying the checkpoint to host memory"
                 saver.save(engine, self.step, _data_position(self.layout, self.step))
@@ -594,12 +581,6 @@ class _Session:
             ),
         )
         live.request_path(self.job.run_dir).unlink(missing_ok=True)
-
-    def rewind_rng(self) -> None:
-        """After a failed step: the RNG as the step began (the step is trained again)."""
-        if self.step_rng is not None:
-            restore_rng(self.step_rng)
-            self.step_rng = None
 
     def settle(self) -> None:
         """Before a hand-over: a checkpoint in flight commits (every old rank reports its file)."""
