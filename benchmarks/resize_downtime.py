@@ -37,6 +37,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -284,7 +285,7 @@ def main() -> None:
             )
     report = {
         "benchmark": "resize_downtime",
-        "command": f"{Path(sys.executable).name} benchmarks/resize_downtime.py --repeats {args.repeats} --small-repeats {args.small_repeats}",
+        "command": shlex.join(["python", "benchmarks/resize_downtime.py", *sys.argv[1:]]),
         "targets": {
             "restart_downtime_over_cold_start": RESTART_TARGET_RATIO,
             "live_pause_seconds": LIVE_TARGET_SECONDS,
