@@ -15,10 +15,11 @@ from pipectl.launch.engines import LaunchCommand, run_engine
 from pipectl.launch.processes import JobProcesses
 
 # A launcher that starts one 'rank' in a session of its own, as torchrun does, then waits for it.
-# The rank's argv names the worker module, which is how ranks are told from launchers.
+# The rank's argv runs the worker module (`-m pipectl.runtime.worker`), which is how ranks are told
+# from launchers (a torchrun's argv names it too, after its own `-m torch.distributed.run`).
 LAUNCHER = (
     "import subprocess, sys\n"
-    "rank = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)', 'pipectl.runtime.worker'],"
+    "rank = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)', '-m', 'pipectl.runtime.worker'],"
     " start_new_session=True)\n"
     "print(rank.pid, flush=True)\n"
     "{after}\n"

@@ -131,11 +131,12 @@ class JobProcesses:
         return found
 
     def workers(self) -> list[psutil.Process]:
-        """The live ranks: processes running the pipectl worker."""
+        """The live ranks: processes running the pipectl worker (not a torchrun whose command line
+        names it)."""
         found = []
         for process in self.alive():
             try:
-                if WORKER_MODULE in process.cmdline():
+                if _module_of(tuple(process.cmdline())) == WORKER_MODULE:
                     found.append(process)
             except psutil.Error:
                 continue

@@ -78,6 +78,11 @@ def check_live(decision: ResizeDecision) -> None:
         )
     if job.node_groups:
         raise LiveUnavailable("the run is split over device kinds; its node groups are fixed")
+    if job.recover_in_memory and job.world_size > 1:
+        raise LiveUnavailable(
+            "the job recovers a lost replica in memory, one torchrun per replica; ranks moved live would "
+            "be outside them"
+        )
     if files.plan.chosen.devices != len(ranks):
         raise LiveUnavailable(
             f"{count(len(ranks), 'rank')} running here for a layout of {files.plan.chosen.devices} "
@@ -122,7 +127,7 @@ def _one_at_a_time(path: Path):
 def _move(decision: ResizeDecision, requested_unix: float, say: Phase, ready_timeout_seconds: float,
           handover_timeout_seconds: float) -> LiveResult:  # fmt: skip
     path = decision.run_dir
-    before = {name: (path / name).read_bytes() for name in _run_file_names(path)}
+    before = {name: (path / name).read_bytes() for name in run_file_names(path)}
     prepared = prepare_relaunch(decision)
     old_world, new_world = decision.previous.devices, decision.candidate.devices
     request = live_request(decision, prepared, requested_unix=requested_unix)
@@ -192,7 +197,7 @@ def live_request(
     )
 
 
-def _run_file_names(path: Path) -> list[str]:
+def run_file_names(path: Path) -> list[str]:
     job = read_run(path).job
     names = [JOB_FILE, job.plan_file, job.ds_config_file, LAUNCH_SCRIPT]
     return [name for name in names if (path / name).is_file()]

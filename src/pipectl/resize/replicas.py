@@ -132,7 +132,9 @@ class Agent:
         self.started_unix = time.time()
         self.running: dict[int, subprocess.Popen] = {}
         self.codes: dict[int, int] = {}
-        self.recovered = False
+        self.recovered: set[int] = set()  # replicas lost and taken over by the survivors
+        self.pending: tuple[float, dict[str, bytes]] | None = None  # a recovery asked for, not yet done
+        self.stopping = False  # signalled: torchruns exiting now are being stopped, not lost
 
     def start(self) -> None:
         for replica in range(self.replicas):
@@ -151,32 +153,29 @@ class Agent:
             self.running[replica] = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL)
 
     def signal(self, signum: int) -> None:
+        """A signal to the agent (`pipectl launch` ending the job) goes to every torchrun; what
+        exits from then on was stopped, not lost."""
+        self.stopping = True
         for proc in self.running.values():
             if proc.poll() is None:
                 proc.send_signal(signum)
 
     def wait(self) -> int:
-        """Until every torchrun has exited; the agent's exit code: 0 when every replica still in
-        the job finished cleanly."""
+        """Until every torchrun has exited; the agent's exit code: 0 when every replica not taken
+        over by the survivors finished cleanly."""
         while self.running:
             lost = self._reap()
-            if lost:
+            self._settle_pending(lost)
+            if lost and not self.stopping:
                 time.sleep(GATHER_SECONDS)  # a node's loss may end several replicas
                 lost |= self._reap()
                 try:
                     self._recover(lost)
                 except NoRecovery as refused:
-                    self._say(f"replica {', '.join(map(str, sorted(lost)))} lost; not recovered in memory: {refused.message}")
-                    self._record(lost, False, refused.message)
-                    self._end()
+                    self._refuse(lost, refused.message)
             time.sleep(POLL_SECONDS)
-        if self.recovered:
-            return 0 if all(code == 0 for replica, code in self.codes.items() if replica not in self.lost) else 1
-        return 0 if all(code == 0 for code in self.codes.values()) else 1
-
-    @property
-    def lost(self) -> set[int]:
-        return {replica for replica, code in self.codes.items() if code != 0}
+        self._settle_pending(set())
+        return 0 if all(code == 0 for replica, code in self.codes.items() if replica not in self.recovered) else 1
 
     def _reap(self) -> set[int]:
         """The replicas whose torchrun has just exited with an error."""
@@ -190,17 +189,51 @@ class Agent:
                     lost.add(replica)
         return lost
 
-    def _recover(self, lost: set[int]) -> None:
-        from pipectl.resize.live import live_request
-        from pipectl.resize.morph import decide_resize, prepare_relaunch, write_relaunch
-        from pipectl.runtime.failure import read_failures
+    def _settle_pending(self, lost: set[int]) -> None:
+        """A recovery asked for is done once rank 0 has recorded its morph; a replica that fails
+        before then (a survivor, or a second replica) means it failed: the run's files are put back
+        as they were before it, so that `launch --resume` restarts the run as it was."""
+        from pipectl.runtime.history import read_records
         from pipectl.runtime.live import request_path
 
+        if self.pending is None:
+            return
+        requested, before = self.pending
+        if any(record.requested_unix == requested for record in read_records(self.run_dir)):
+            self.pending = None
+        elif lost or (not self.running and any(self.codes[r] for r in self.codes if r not in self.recovered)):
+            self.pending = None
+            request_path(self.run_dir).unlink(missing_ok=True)
+            for name, data in before.items():
+                (self.run_dir / name).write_bytes(data)
+            why = f"replica {', '.join(map(str, sorted(lost)))} failed too" if lost else "the survivors ended"
+            self._refuse(self.recovered | lost, f"{why} before the survivors took over; the run's files are as they were")
+
+    def _refuse(self, lost: set[int], why: str) -> None:
+        self._say(f"replica {', '.join(map(str, sorted(lost)))} lost; not recovered in memory: {why}")
+        self._record(lost, False, why)
+        self.recovered.clear()  # the job fails: no replica counts as taken over
+        self._end()
+
+    def _recover(self, lost: set[int]) -> None:
+        """Ask the survivors to take over from the `lost` replicas, or raise `NoRecovery`."""
+        from pipectl.runtime.failure import read_failures
+
         failures = {f.rank: f.message or f.exception for f in read_failures(self.run_dir, since_unix=self.started_unix - 1.0)}
-        why = recovery_blocker(self.lost if self.running else set(range(self.replicas)), self.replicas, failures,
-                               self.per_replica, self.recovered)
+        gone = {replica for replica, code in self.codes.items() if code != 0}  # every replica lost so far
+        why = recovery_blocker(gone if self.running else set(range(self.replicas)), self.replicas, failures,
+                               self.per_replica, bool(self.recovered))  # fmt: skip
         if why is not None:
             raise NoRecovery(why)
+        self._ask_survivors(lost)
+
+    def _ask_survivors(self, lost: set[int]) -> None:
+        """The survivors' layout, the run files rewritten for it (the old ones kept until the
+        survivors have taken over), the request naming them."""
+        from pipectl.resize.live import live_request, run_file_names
+        from pipectl.resize.morph import decide_resize, prepare_relaunch, write_relaunch
+        from pipectl.runtime.live import request_path
+
         lost_ranks = [rank for replica in sorted(lost) for rank in replica_ranks(replica, self.per_replica)]
         survivors = [rank for rank in range(self.world) if rank not in lost_ranks]
         requested = time.time()
@@ -214,9 +247,11 @@ class Agent:
             decision, prepared, requested_unix=requested, trigger=MorphTrigger.FAILURE, survivors=survivors,
             excluded_ranks=lost_ranks, notes=[f"{what}: the survivors took over in memory"],
         )  # fmt: skip
+        before = {name: (self.run_dir / name).read_bytes() for name in run_file_names(self.run_dir)}
         write_relaunch(self.run_dir, prepared)
         write_json_atomic(request_path(self.run_dir), request)
-        self.recovered = True
+        self.recovered |= lost
+        self.pending = (requested, before)
         self._mark_lost(lost_ranks)
         to_layout = layout_label(decision.candidate)
         reason = f"{what}; the survivors ({count(len(survivors), 'rank')}) take over in memory as {to_layout}"

@@ -109,6 +109,7 @@ class Checkpointer:
         self._inflight: _Save | None = None
         self._last: _Save | None = None
         self._skipped: str | None = None  # why the latest save was skipped, until the next one
+        self.abandoned = False  # a replica was lost: a save in flight will never have every report
         writer = None
         if self.rank == 0:
             recover_staged(run_dir)  # saves a job that died had written whole but not committed
@@ -170,6 +171,11 @@ class Checkpointer:
             raise CheckpointError(verdict, hint=_SAVE_HINT)
         return last.event if last is not None else None
 
+    def abandon(self) -> None:
+        """The layout is gone (a replica was lost): a save in flight stops waiting for reports that
+        will not come, its staged files are removed, and it is not recorded as a failed checkpoint."""
+        self.abandoned = True
+
     def _join(self) -> None:
         if self._inflight is not None:
             self._inflight.thread.join()
@@ -222,7 +228,8 @@ class Checkpointer:
                 save.event = CheckpointEvent(step=save.step, outcome=CheckpointOutcome.FAILED,
                                              message=f"checkpoint step {save.step} failed: {exc}",
                                              stall_seconds=save.stall_seconds, time_unix=time.time())  # fmt: skip
-            self._record(save.event)
+            if not self.abandoned:
+                self._record(save.event)
 
     def _commit(self, save: _Save) -> CheckpointEvent:
         """Rank 0: wait for every report, then commit, or remove the staged files and say why."""
@@ -232,6 +239,9 @@ class Checkpointer:
         found = read_reports(staged)
         message = ""
         while len(found) < self.world_size:
+            if self.abandoned:
+                message = f"checkpoint step {step}: abandoned, its layout was lost"
+                break
             if time.monotonic() > deadline:
                 missing = sorted(set(range(self.world_size)) - set(found))
                 message = f"checkpoint step {step}: ranks {missing} never reported their files"

@@ -256,13 +256,14 @@ class HandOver:
     host: Any = None  # the checkpointer's HostSnapshot a GPU engine was copied into (else None)
 
 
-def exchange(held: Sequence[Any], layout: Layout, model: ModelLayers):
+def exchange(held: Sequence[Any], layout: Layout, model: ModelLayers, old_ranks: Sequence[int] | None = None):
     """Every rank of the current process group: learn which rank holds which old rank's state at
     which step (`held`: the `Snapshot`s this rank offers, each naming its old rank and step in its
     header: its own state, and after a loss the copies it keeps; none for a joining rank), take the
     newest step at which some rank holds every old rank's state, then send and receive exactly what
-    each rank of `layout` restores. Returns (reader over the received state or None for a leaving
-    rank, bytes moved by all ranks)."""
+    each rank of `layout` restores. `old_ranks`: the old rank each rank of this group was (default:
+    the same number). Returns (reader over the received state or None for a leaving rank, bytes
+    moved by all ranks)."""
     import torch
     import torch.distributed as dist
 
@@ -280,7 +281,8 @@ def exchange(held: Sequence[Any], layout: Layout, model: ModelLayers):
         for text, layouts in offered:
             header = RankHeader.from_json(text)
             key = (header.rank, header.step)
-            if key not in offers or header.rank == rank:  # a rank's own state before anyone's copy of it
+            own = header.rank == (old_ranks[rank] if old_ranks is not None and rank < len(old_ranks) else rank)
+            if key not in offers or own:  # a rank's own state before anyone's copy of it
                 offers[key] = (rank, header, layouts)
     worlds = {header.world_size for _, header, _ in offers.values()}
     if len(worlds) != 1:
@@ -436,14 +438,32 @@ def hand_over(
             reform(request.master_addr, request.master_port, request.to_devices, rank, timeout_seconds)
         with clock.phase("exchange"):
             handed.reader, handed.bytes_moved = exchange([snapshot], layout, model)
-    else:  # the old group holds every rank that gives or takes
-        with clock.phase("exchange"):
-            handed.reader, handed.bytes_moved = exchange([snapshot], layout, model)
-        if rank >= request.to_devices:
-            dist.destroy_process_group()
-            return None
-        with clock.phase("group"):
-            reform(request.master_addr, request.master_port, request.to_devices, rank, timeout_seconds)
+        return handed
+    # The old group holds every rank that gives or takes.
+    return exchange_then_regroup(handed, [snapshot], layout, model, rank, timeout_seconds)
+
+
+def exchange_then_regroup(
+    handed: HandOver,
+    held: Sequence[Any],
+    layout: Layout,
+    model: ModelLayers,
+    rank: int,
+    timeout_seconds: float | None,
+    old_ranks: Sequence[int] | None = None,
+) -> HandOver | None:
+    """In a group of every rank that gives or takes: `exchange`, then leave (a rank of this group the
+    new layout does not use: None) or re-form the group as the new layout's (`handed.request`)."""
+    import torch.distributed as dist
+
+    request = handed.request
+    with handed.clock.phase("exchange"):
+        handed.reader, handed.bytes_moved = exchange(held, layout, model, old_ranks)
+    if rank >= request.to_devices:
+        dist.destroy_process_group()
+        return None
+    with handed.clock.phase("group"):
+        reform(request.master_addr, request.master_port, request.to_devices, rank, timeout_seconds)
     return handed
 
 

@@ -234,22 +234,17 @@ def recover(
     Returns None for a survivor the new layout does not use (it exits 0). Raises `LaunchError`
     when there is no such boundary (the job then fails, and `launch --resume` restarts it from its
     last checkpoint)."""
-    import torch.distributed as dist
-
-    from pipectl.runtime.live import HandOver, exchange, reform
+    from pipectl.runtime.live import HandOver, exchange, exchange_then_regroup, reform
 
     me = request.survivors.index(int(os.environ["RANK"]))
     handed = HandOver(request, None, 0, clock)
     survivors = len(request.survivors)
-    with clock.phase("group"):
-        port = request.meeting_port if request.to_devices < survivors else request.master_port
-        reform(request.master_addr, port, survivors, me, timeout_seconds)
-    with clock.phase("exchange"):
-        handed.reader, handed.bytes_moved = exchange(peers.snapshots(), layout, model)
-    if request.to_devices < survivors:
-        if me >= request.to_devices:
-            dist.destroy_process_group()
-            return None
+    if request.to_devices < survivors:  # all meet to hand over, then the new layout's ranks regroup
         with clock.phase("group"):
-            reform(request.master_addr, request.master_port, request.to_devices, me, timeout_seconds)
+            reform(request.master_addr, request.meeting_port, survivors, me, timeout_seconds)
+        return exchange_then_regroup(handed, peers.snapshots(), layout, model, me, timeout_seconds, request.survivors)
+    with clock.phase("group"):  # every survivor is a rank of the new layout: meet as that
+        reform(request.master_addr, request.master_port, survivors, me, timeout_seconds)
+    with clock.phase("exchange"):
+        handed.reader, handed.bytes_moved = exchange(peers.snapshots(), layout, model, request.survivors)
     return handed

@@ -325,6 +325,8 @@ def _train(
             result = TrainResult(rank=session.rank, stage=session.stage, data_parallel_rank=session.dp_rank, start_step=session.step)
         else:
             result.rank, result.stage, result.data_parallel_rank = session.rank, session.stage, session.dp_rank
+            # A recovery may go back a step: the steps after the state it restored are trained again.
+            result.records = [record for record in result.records if record.step <= session.step]
         clock = live.PauseClock()
         try:
             request = session.train(result, on_step, context, generation)
@@ -341,6 +343,8 @@ def _train(
         position = _data_position(session.layout, session.step)
         if request.recovery:
             context.phase = "recovery: handing over the survivors' state"
+            if session.saver is not None:
+                session.saver.abandon()
             handed = recovery.recover(session.peers, request, job.layout, layers, job.collective_timeout_seconds, clock)
         else:
             # A live resize: hand the state over to the new layout.
@@ -522,7 +526,8 @@ class _Session:
             )
         else:
             session.saver.prepare(engine)
-        session.saved = session.step
+        # A recovery may restore a step whose checkpoint was abandoned: this layout has saved nothing.
+        session.saved = -1 if handed is not None and handed.request.recovery else session.step
         if job.recover_in_memory and layout.data_parallel > 1 and handed is None and under_agent():
             from pipectl.runtime.recovery import PeerCopy
 
@@ -583,8 +588,9 @@ class _Session:
                 self.saved = self.step
         return None
 
-    def _record_live_resize(self, record: StepRecord) -> None:
-        """Rank 0, after the first step on a layout a live resize made: its morph record."""
+    def _record_live_resize(self, record: StepRecord | None) -> None:
+        """Rank 0, after the first step on a layout a live resize made (None: it had no step left
+        to train, as when a replica was lost in the last one): its morph record."""
         from pipectl.runtime import live
         from pipectl.runtime.history import append_record
 
@@ -592,12 +598,13 @@ class _Session:
         if self.rank != 0:
             return
         now = time.time()
+        began = now - record.step_seconds if record is not None else now
         append_record(
             self.job.run_dir,
             live.finished_record(
                 handed.request,
-                resume_step=record.step - 1,
-                pause_seconds=now - record.step_seconds - handed.last_step_unix,
+                resume_step=record.step - 1 if record is not None else self.step,
+                pause_seconds=began - handed.last_step_unix,
                 bytes_moved=handed.bytes_moved,
                 first_step_unix=now,
                 clock=handed.clock,
@@ -622,6 +629,8 @@ class _Session:
         """The end of the job in this rank: the last checkpoint, committed; the compute order run."""
         context.step = None
         result.executed_order = [str(a) for a in self.engine.executed_order()]
+        if self.handed is not None and self.writer is not None:
+            self._record_live_resize(None)
         if self.saver is not None:
             if result.records and self.saved != self.step:  # a stop right after a checkpoint step has it already
                 context.phase = "copying the checkpoint to host memory"
