@@ -224,6 +224,24 @@ def _restore_rng(state: dict[str, Any], torch_state: torch.Tensor) -> None:
 # --------------------------------------------------------------------------- restore
 
 
+def uncovered(pieces: list[tuple[int, int]], size: int) -> list[tuple[int, int]]:
+    """The (start, length) runs of [0, size) that no (start, length) piece covers.
+
+    >>> uncovered([(4, 4), (0, 2), (10, 2)], 16)
+    [(2, 2), (8, 2), (12, 4)]
+    >>> uncovered([(0, 8)], 8)
+    []
+    """
+    gaps, position = [], 0
+    for start, length in sorted(pieces):
+        if start > position:
+            gaps.append((position, start - position))
+        position = max(position, start + length)
+    if position < size:
+        gaps.append((position, size - position))
+    return gaps
+
+
 def _coordinates(header: RankHeader) -> tuple[int, int, int]:
     return header.stage, header.data_parallel_rank, header.tp_rank
 
@@ -247,7 +265,10 @@ def restore(engine: Any, reader: ShardReader, *, restore_rng: bool = True) -> Ra
     with torch.no_grad():
         for group, (partition, parameters) in enumerate(groups):
             states = reader.states(group)
-            flat = {state: torch.zeros_like(partition) for state in states[1:]}
+            # Written piece by piece below; only what no piece covers (alignment padding) is zeroed
+            # after, instead of a whole pass of zeros first.
+            flat = {state: torch.empty_like(partition) for state in states[1:]}
+            covered: list[tuple[int, int]] = []
             for parameter in parameters:
                 trained.add(id(parameter))
                 name = names[parameter]
@@ -267,8 +288,12 @@ def restore(engine: Any, reader: ShardReader, *, restore_rng: bool = True) -> Ra
                 start, numel = mapping.lp_fragment_address.start, mapping.lp_fragment_address.numel
                 mapping.hp_fragment.data.copy_(values[FP32].reshape(-1).narrow(0, start, numel))
                 offset = mapping.hp_fragment_address.start
+                covered.append((offset, numel))
                 for state, buffer in flat.items():
                     buffer.narrow(0, offset, numel).copy_(values[state].reshape(-1).narrow(0, start, numel))
+            for start, numel in uncovered(covered, partition.numel()):
+                for buffer in flat.values():
+                    buffer.narrow(0, start, numel).zero_()
             if flat:
                 state = dict(flat)
                 for key in source.group_scalars[group]:
