@@ -98,15 +98,21 @@ def local_command(job: JobSpec, run_dir: Path, *, python: str = sys.executable, 
     """
     if job.recover_in_memory and job.world_size > 1:
         argv = [python, "-m", REPLICAS_MODULE, "--run-dir", str(run_dir)]
-        return LaunchCommand(Engine.LOCAL, argv, rank_environment(gpus=gpus))
-    argv = [
+    else:
+        argv = standalone_torchrun(python, job.world_size, run_dir)
+    return LaunchCommand(Engine.LOCAL, argv, rank_environment(gpus=gpus))
+
+
+def standalone_torchrun(python: str, ranks: int, run_dir: Path) -> list[str]:
+    """torchrun on this machine alone, starting `ranks` workers of the run (the local engine's
+    command, and each replica's under the replicas agent)."""
+    return [
         python, "-m", "torch.distributed.run",
         "--standalone",
         "--nnodes", "1",
-        "--nproc_per_node", str(job.world_size),
+        "--nproc_per_node", str(ranks),
         *_worker_args(run_dir),
     ]  # fmt: skip
-    return LaunchCommand(Engine.LOCAL, argv, rank_environment(gpus=gpus))
 
 
 def torchrun_command(

@@ -43,7 +43,7 @@ from pipectl.artifacts.morph import RECOVERY_FILE, MorphTrigger, RecoveryRecord
 from pipectl.artifacts.run import LOGS_DIR, RankState
 from pipectl.errors import PipectlError
 from pipectl.io import write_json_atomic
-from pipectl.launch.processes import WORKER_MODULE
+from pipectl.launch.engines import standalone_torchrun
 from pipectl.launch.rundir import read_run
 from pipectl.runtime import recovery
 from pipectl.words import count
@@ -145,11 +145,7 @@ class Agent:
                 recovery.MASTER_ADDR_VARIABLE: self.master[0],
                 recovery.MASTER_PORT_VARIABLE: str(self.master[1]),
             }
-            argv = [
-                self.python, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-                "--nproc_per_node", str(self.per_replica),
-                "-m", WORKER_MODULE, "--run-dir", str(self.run_dir),
-            ]  # fmt: skip
+            argv = standalone_torchrun(self.python, self.per_replica, self.run_dir)
             self.running[replica] = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL)
 
     def signal(self, signum: int) -> None:
@@ -234,7 +230,7 @@ class Agent:
         from pipectl.resize.morph import decide_resize, prepare_relaunch, write_relaunch
         from pipectl.runtime.live import request_path
 
-        lost_ranks = [rank for replica in sorted(lost) for rank in replica_ranks(replica, self.per_replica)]
+        lost_ranks = self._ranks_of(lost)
         survivors = [rank for rank in range(self.world) if rank not in lost_ranks]
         requested = time.time()
         try:
@@ -270,9 +266,11 @@ class Agent:
             else:
                 heartbeat_path(self.run_dir, rank).unlink(missing_ok=True)
 
+    def _ranks_of(self, replicas: set[int]) -> list[int]:
+        return [rank for replica in sorted(replicas) for rank in replica_ranks(replica, self.per_replica)]
+
     def _record(self, lost: set[int], recovered: bool, reason: str, to_layout: str | None = None) -> None:
-        ranks = [rank for replica in sorted(lost) for rank in replica_ranks(replica, self.per_replica)]
-        record = RecoveryRecord(time_unix=time.time(), lost_replicas=sorted(lost), lost_ranks=ranks,
+        record = RecoveryRecord(time_unix=time.time(), lost_replicas=sorted(lost), lost_ranks=self._ranks_of(lost),
                                 recovered=recovered, reason=reason, to_layout=to_layout)  # fmt: skip
         write_json_atomic(self.run_dir / LOGS_DIR / RECOVERY_FILE, record)
 

@@ -330,19 +330,19 @@ def exchange(held: Sequence[Any], layout: Layout, model: ModelLayers, old_ranks:
                 sent += message.numel()
     sources: list[Any] = [None] * old_world
     if me < layout.world_size:
-        buffers = {}
+        places: dict[int, list[tuple[int, int]]] = {}  # old rank -> where its ranges land in its buffer
         for old in plan[me]:
             if holder[old] == me:
                 sources[old] = HeldTensors(mine[old].tensors)
             else:
-                places, total = placement(merged(plan[me][old]), infos[old])
-                buffers[old] = torch.empty(total, dtype=torch.uint8), places
+                ranges = merged(plan[me][old])
+                places[old], total = placement(ranges, infos[old])
+                pending.append((old, ranges, torch.empty(total, dtype=torch.uint8)))
+        buffers = {old: buffer for old, _, buffer in pending}
         for sender in sorted({holder[old] for old in buffers}):
             for tag, (old, *_range) in enumerate(messages(sender, me)):
-                buffer, places = buffers[old]
-                offset, size = places.pop(0)
-                works.append(dist.irecv(buffer[offset : offset + size], src=sender, tag=tag))
-        pending = [(old, merged(plan[me][old]), buffer) for old, (buffer, _) in buffers.items()]
+                offset, size = places[old].pop(0)
+                works.append(dist.irecv(buffers[old][offset : offset + size], src=sender, tag=tag))
     for work in works:
         work.wait()
     for old, ranges, buffer in pending:

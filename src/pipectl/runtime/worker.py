@@ -48,13 +48,12 @@ from pipectl.artifacts.plan import Plan
 from pipectl.artifacts.run import JobSpec, RankState, RankTiming, ResumeRecord, StepMetrics
 from pipectl.errors import LaunchError, PipectlError, UserInputError
 from pipectl.io import load_model, read_mapping
-from pipectl.runtime import checkpoint, dsinit
+from pipectl.runtime import checkpoint, dsinit, recovery
 from pipectl.runtime.elastic import ds_config_for_candidate, plan_for_world_size
 from pipectl.runtime.failure import RankContext, failure_record, write_failure, write_resume
 from pipectl.runtime.history import record_layout_change
 from pipectl.runtime.liveness import Heartbeat, job_collective_timeout_seconds
 from pipectl.runtime.metrics import MetricsWriter, RankMemory, node_name, rank_memory, reset_peak_memory
-from pipectl.runtime.recovery import adopt_replica_environment, under_agent
 from pipectl.schedule import generate
 from pipectl.schedule.ir import ActionKind, Schedule
 
@@ -309,7 +308,7 @@ def train(
 def _train(
     job: TrainingJob, on_step: Callable[[StepRecord], None] | None, context: RankContext, joining: bool = False
 ) -> TrainResult:
-    from pipectl.runtime import live, recovery
+    from pipectl.runtime import live
 
     handed = None
     if joining:  # started by a live resize: wait for the running ranks, receive this rank's share
@@ -340,7 +339,6 @@ def _train(
             os.environ["WORLD_SIZE"] = str(request.to_devices)
             job = TrainingJob.from_run_dir(job.run_dir)
             layers = build_model_layers(job)
-        position = _data_position(session.layout, session.step)
         if request.recovery:
             context.phase = "recovery: handing over the survivors' state"
             if session.saver is not None:
@@ -354,7 +352,7 @@ def _train(
             handed = live.hand_over(
                 session.engine,
                 session.step,
-                position,
+                _data_position(session.layout, session.step),
                 request,
                 job.layout,
                 layers,
@@ -378,8 +376,6 @@ def _await_recovery(session: "_Session", error: Exception, context: RankContext,
     """After `error` in a job that keeps peer copies: if a peer was lost, leave the broken group and
     wait for the agent's recovery request (`runtime.recovery`); re-raise `error` when there is
     nothing to recover from or no request names this rank."""
-    from pipectl.runtime import recovery
-
     if session.peers is None or not recovery.is_peer_loss(error):
         raise error
     log.warning("a peer was lost (%s); waiting for the survivors' recovery", error)
@@ -528,11 +524,9 @@ class _Session:
             session.saver.prepare(engine)
         # A recovery may restore a step whose checkpoint was abandoned: this layout has saved nothing.
         session.saved = -1 if handed is not None and handed.request.recovery else session.step
-        if job.recover_in_memory and layout.data_parallel > 1 and handed is None and under_agent():
-            from pipectl.runtime.recovery import PeerCopy
-
+        if job.recover_in_memory and layout.data_parallel > 1 and handed is None and recovery.under_agent():
             context.phase = "copying the state to the neighbour replica"
-            session.peers = PeerCopy(layout, rank)
+            session.peers = recovery.PeerCopy(layout, rank)
             session.peers.refresh(engine, session.step, _data_position(layout, session.step))
         return session
 
@@ -788,7 +782,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.local_rank is not None:
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
-    adopt_replica_environment()  # a rank of one replica's torchrun (`launch --recover-in-memory`)
+    recovery.adopt_replica_environment()  # a rank of one replica's torchrun (`launch --recover-in-memory`)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s rank" + os.environ.get("RANK", "?") + " %(message)s")
     context = RankContext(rank=int(os.environ.get("RANK", "0")))
     try:
