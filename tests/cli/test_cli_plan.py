@@ -39,6 +39,23 @@ def test_plan_json_output(profile_path, tmp_path):
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
     assert Candidate.model_validate(data["chosen"]).global_batch == 32
+    # Beside the plan: the chosen candidate's predicted MFU and HFU (the synthetic model has no
+    # config: its profile's FLOP counts), against 8 x 8 A100s' bf16 peak at most.
+    flops = data.pop("flops")
+    assert flops["source"] == "profile" and flops["dtype"] == "bfloat16"
+    assert 0 < flops["mfu"] <= flops["hfu"] < 1
+    assert flops["peak_flops_per_second"] == data["chosen"]["devices"] * 312e12
+    assert Plan.model_validate(data) == load_model(Plan, tmp_path / "p.json")
+
+
+def test_plan_shows_predicted_mfu_and_hfu(profile_path, tmp_path):
+    result = runner.invoke(app, ["plan", "--profile", str(profile_path), "--cluster", "a100-8x8",
+                                 "--global-batch", "32", "--no-morph", "-o", str(tmp_path / "p.json")])
+    assert result.exit_code == 0, result.output
+    header = next(line for line in result.output.splitlines() if "samp/s" in line)
+    assert "MFU" in header.split()
+    line = " ".join(result.output[result.output.index("FLOPs: MFU"):].split())
+    assert " TFLOP/s bfloat16; model FLOPs from the derived profile's counts" in line
 
 
 @pytest.mark.parametrize(

@@ -5,8 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from typer.testing import CliRunner
 
+from pipectl.artifacts.layout import layout_label
 from pipectl.artifacts.plan import Candidate
 from pipectl.artifacts.run import CheckpointManifest, RankTiming, StepMetrics
 from pipectl.cli.main import app
@@ -20,12 +23,12 @@ runner = CliRunner()
 MIB = 2**20
 
 
-def make_run(tmp_path: Path, steps_done: int = 4, memory: str | None = None) -> Path:
+def make_run(tmp_path: Path, steps_done: int = 4, memory: str | None = None, recompute: bool = False) -> Path:
     """A run of 10 steps with `steps_done` written; `memory` "cuda" or "rss": the ranks' peaks too
     (rank 0 / stage 0 peaks at 3 MiB, rank 1 / stage 1 at 2 MiB; the plan predicts 4 and 1 MiB)."""
     candidate = Candidate(
         devices=2, device="cpu", tensor_parallel=1, pipeline_parallel=2, data_parallel=1,
-        micro_batch_size=2, micro_batches=4, schedule=ScheduleKind.ONE_F_ONE_B, recompute=False,
+        micro_batch_size=2, micro_batches=4, schedule=ScheduleKind.ONE_F_ONE_B, recompute=recompute,
         zero_stage=1, stage_layers=[(0, 4), (4, 9)], predicted_step_seconds=0.05, samples_per_second=160.0,
         tflops_per_device=0.0, peak_memory_bytes=[4 * MIB, 1 * MIB], bubble_fraction=0.1,
         communication_fraction=0.0, cost_per_million_samples=0.0,
@@ -48,7 +51,7 @@ def make_run(tmp_path: Path, steps_done: int = 4, memory: str | None = None) -> 
             ]  # fmt: skip
         writer.write(
             StepMetrics(step=step, loss=6.0 - 0.5 * step, step_seconds=seconds, predicted_step_seconds=0.05,
-                        samples_per_second=8 / seconds, global_batch=8, world_size=2, layout="t1p2d1 1f1b b2 m4",
+                        samples_per_second=8 / seconds, global_batch=8, world_size=2, layout=layout_label(candidate),
                         ranks=ranks)
         )  # fmt: skip
     staged = run / "checkpoints" / ckpt.STAGING_DIR / "x"
@@ -141,3 +144,29 @@ def test_plain_status_shows_a_truncated_file_and_leftover_staging_folders(tmp_pa
     assert "1 staging folder in" in output and "w999999-0badcafe" in output
     payload = json.loads(runner.invoke(app, ["status", str(run), "--json"]).output)
     assert payload["staging"] == [str(leftover.parent)] and not payload["checkpoints"][0]["verified"]
+
+
+def test_status_shows_measured_mfu_and_hfu_beside_predicted(tmp_path):
+    run = make_run(tmp_path)
+    flops = json.loads(runner.invoke(app, ["status", str(run), "--json"]).output)["flops"]
+    # gpt-tiny (h=64, s=32, V=256, 6 blocks): per sample 6 x (24sh^2 + 4s^2h) + 2shV forward, x3, x B=8
+    model = 3 * 8 * (6 * (24 * 32 * 64**2 + 4 * 32**2 * 64) + 2 * 32 * 64 * 256)
+    peak = 2 * 0.147e12  # two CPU ranks at the catalog's fp32 peak (job.json: fp32)
+    predicted, measured = flops["predicted"], flops["measured"]
+    assert predicted["source"] == "shape" and predicted["model_flops_per_step"] == model
+    assert predicted["mfu"] == pytest.approx(model / (0.05 * peak), rel=1e-12)
+    assert measured["mfu"] == pytest.approx(model / (0.07 * peak), rel=1e-12)  # median of 0.06, 0.07, 0.08 s
+    assert measured["hfu"] == measured["mfu"] and flops["steps_measured"] == 3
+    table = " ".join(runner.invoke(app, ["status", str(run)]).output.split())
+    assert f"MFU measured {100 * measured['mfu']:.1f} %, predicted {100 * predicted['mfu']:.1f} %" in table
+    assert "HFU measured" in table and "2 x 0.147 TFLOP/s float32 peak" in table
+
+
+def test_status_hfu_counts_the_recomputed_forwards_mfu_does_not(tmp_path):
+    plain = json.loads(runner.invoke(app, ["status", str(make_run(tmp_path / "a")), "--json"]).output)["flops"]
+    again = json.loads(runner.invoke(app, ["status", str(make_run(tmp_path / "b", recompute=True)), "--json"]).output)
+    measured = again["flops"]["measured"]
+    assert measured["mfu"] == plain["measured"]["mfu"] and measured["hfu"] > measured["mfu"]
+    # stage 0 ([0, 4): embed and 3 blocks) runs its forward again; the last stage does not
+    assert measured["recomputed_flops_per_step"] == 8 * 3 * (24 * 32 * 64**2 + 4 * 32**2 * 64)
+    assert "+ recompute" in runner.invoke(app, ["status", str(make_run(tmp_path / "c", recompute=True))]).output

@@ -22,7 +22,7 @@ from pipectl.errors import UserInputError
 from pipectl.io import load_model
 from pipectl.plan.search import plan
 from pipectl.planfile import check_kind_profiles, write_plan
-from pipectl.report.plan_table import plan_view
+from pipectl.report.plan_table import plan_utilisations, plan_view
 from pipectl.schedule import ScheduleKind
 
 
@@ -177,9 +177,12 @@ def plan_command(
         kind_profile_files=profile[1:],
     )
     if as_json:
-        print_json(result)
+        # The artifact, plus what plan.json does not keep: the chosen candidate's predicted MFU/HFU.
+        payload = result.model_dump(mode="json")
+        payload["flops"] = plan_utilisations(result, profiles[0], [result.chosen])[0].to_dict()
+        print_json(payload)
         return
-    console.print(plan_view(result, top=top))
+    console.print(plan_view(result, top=top, profile=profiles[0]))
     console.print(f"wrote {output}", style="dim")
 
 

@@ -10,7 +10,7 @@ import typer
 from pipectl.cli.context import JsonFlag, console, output_file, print_json
 from pipectl.launch.rundir import run_status
 from pipectl.report.phases import phase_comparison
-from pipectl.report.run_tables import run_memory, status_table
+from pipectl.report.run_tables import run_memory, run_utilisation, status_table
 from pipectl.runtime.history import read_history
 
 
@@ -39,6 +39,7 @@ def register(app: typer.Typer) -> None:
             payload = status.to_dict()
             memory = run_memory(status)
             payload["memory"] = None if memory is None else memory.to_dict()
+            payload["flops"] = run_utilisation(status).to_dict()
             payload["morphs"] = [record.model_dump(mode="json") for record in read_history(status.path)]
             comparison, reason = phase_comparison(status)
             payload["phases"] = comparison.to_dict() if comparison is not None else {"unavailable": reason}

@@ -13,6 +13,8 @@ from rich.table import Table
 from rich.text import Text
 
 from pipectl.artifacts.plan import Candidate, Plan, ReplicaShare
+from pipectl.artifacts.profile import ModelProfile
+from pipectl.plan.flops import Utilisation, plan_layer_flops, utilisation
 from pipectl.runtime.checkpoint_schedule import DEVICE_MTBF_HOURS, young_daly_seconds
 from pipectl.words import count
 
@@ -60,17 +62,61 @@ def _gib(num_bytes: float) -> str:
     return f"{num_bytes / GIB:.3g} GiB"
 
 
+def _short_percent(fraction: float | None) -> str:
+    """'46%', '0.8%' below 1 %, '-' for none."""
+    if fraction is None:
+        return "-"
+    return f"{fraction * 100:.0f}%" if fraction >= 0.01 else f"{fraction * 100:.1g}%"
+
+
+def format_percent(fraction: float | None) -> str:
+    """'45.9 %', two significant digits below 1 % ('0.051 %'), or 'n/a'."""
+    if fraction is None:
+        return "n/a"
+    return f"{fraction * 100:.1f} %" if fraction >= 0.01 else f"{fraction * 100:.2g} %"
+
+
+def utilisation_line(u: Utilisation) -> str:
+    """The chosen candidate's predicted MFU and HFU, the peak they are taken of, and where the
+    model FLOPs come from (or why they are n/a)."""
+    if not u.available:
+        return f"FLOPs: MFU n/a, HFU n/a ({u.detail})"
+    per_device = u.peak_flops_per_second / u.devices / 1e12
+    return (
+        f"FLOPs: MFU {format_percent(u.mfu)}, HFU {format_percent(u.hfu)}{hardware_extras(u)} of "
+        f"{u.devices} x {per_device:.3g} TFLOP/s {u.dtype}; model FLOPs from {u.detail}"
+    )
+
+
+def hardware_extras(u: Utilisation) -> str:
+    """What HFU counts beyond MFU, e.g. ' (+ recompute, + layers whole on 2 tensor ranks)'; '' if nothing."""
+    extras = []
+    if u.recomputed_flops_per_step > 0:
+        extras.append("+ recompute")
+    if u.replicated_flops_per_step > 0:
+        extras.append(f"+ layers whole on {u.tensor_parallel} tensor ranks")
+    return f" ({', '.join(extras)})" if extras else ""
+
+
 def format_step(seconds: float) -> str:
     """4 significant digits, in ms below one second: 0.01234 -> '12.34 ms', 12.3456 -> '12.35 s'."""
     return f"{seconds * 1e3:.4g} ms" if seconds < 1 else f"{seconds:.4g} s"
 
 
-def candidates_table(candidates: Sequence[Candidate], *, chosen: Candidate | None = None, title: str = "") -> Table:
+def candidates_table(
+    candidates: Sequence[Candidate],
+    *,
+    chosen: Candidate | None = None,
+    title: str = "",
+    mfu: Sequence[float | None] = (),
+) -> Table:
     """One row per candidate: degrees, b, m, schedule (+R: recompute), ZeRO, predicted figures, cost.
 
-    Columns that say nothing for these candidates (ZeRO when all share one stage, TFLOP/s without
-    FLOP counts, cost without prices) are left out so the table fits an 80-column terminal.
+    `mfu`: each candidate's predicted model FLOPs utilisation (`plan.flops`), in order. Columns that
+    say nothing for these candidates (ZeRO when all share one stage, TFLOP/s without FLOP counts, MFU
+    without model FLOPs or a peak, cost without prices) are left out so the table stays narrow.
     """
+    utilisations = dict(zip(map(id, candidates), mfu))
     # At d = 1 ZeRO shards nothing, so only replicated candidates tell ZeRO stages apart.
     zero_stages = {c.zero_stage for c in candidates if c.data_parallel > 1} or {c.zero_stage for c in candidates}
     columns: list[tuple[str, str, object]] = [
@@ -87,6 +133,8 @@ def candidates_table(candidates: Sequence[Candidate], *, chosen: Candidate | Non
     ]
     if any(c.tflops_per_device > 0 for c in candidates):
         columns.append(("TFLOP/s", "right", lambda c: f"{c.tflops_per_device:.3g}"))
+    if any(value is not None for value in utilisations.values()):
+        columns.append(("MFU", "right", lambda c: _short_percent(utilisations.get(id(c)))))
     columns += [
         ("mem/dev", "right", lambda c: _gib(max(c.peak_memory_bytes))),
         ("bubble", "right", lambda c: f"{c.bubble_fraction * 100:.0f}%"),
@@ -168,9 +216,19 @@ def checkpoint_line(plan: Plan) -> str | None:
     )
 
 
-def plan_view(plan: Plan, *, top: int = 10, show_morph: bool = True) -> Group:
-    """Everything `pipectl plan` prints: the ranking, the chosen plan, notes, the morph table."""
+def plan_utilisations(plan: Plan, profile: ModelProfile | None, candidates: Sequence[Candidate]) -> list[Utilisation]:
+    """Predicted MFU/HFU of each candidate, in the profile's precision (`plan.flops`)."""
+    flops = plan_layer_flops(plan, profile)
+    dtype = profile.dtype if profile is not None else "float32"
+    return [utilisation(c, flops, dtype, global_batch=plan.global_batch) for c in candidates]
+
+
+def plan_view(plan: Plan, *, top: int = 10, show_morph: bool = True, profile: ModelProfile | None = None) -> Group:
+    """Everything `pipectl plan` prints: the ranking, the chosen plan (with its predicted MFU and
+    HFU when `profile`, the plan's own, gives the precision), notes, the morph table."""
     c = plan.chosen
+    shown = plan.candidates[:top]
+    utilisations = plan_utilisations(plan, profile, [c, *shown]) if profile is not None else []
     headline = Text.assemble(
         ("chosen: ", "bold"),
         f"t={c.tensor_parallel} p={c.pipeline_parallel} d={c.data_parallel} b={c.micro_batch_size} "
@@ -179,11 +237,14 @@ def plan_view(plan: Plan, *, top: int = 10, show_morph: bool = True) -> Group:
         f"{count(plan.global_batch, 'sample')}",
     )
     parts: list = [
-        candidates_table(plan.candidates[:top], chosen=c,
+        candidates_table(shown, chosen=c,
                          title=f"{plan.model} on {plan.cluster}, global batch {plan.global_batch}, "
-                               f"objective {plan.objective.value}"),
+                               f"objective {plan.objective.value}",
+                         mfu=[u.mfu for u in utilisations[1:]]),
         headline,
     ]
+    if utilisations:
+        parts.append(Text(utilisation_line(utilisations[0])))
     if any(not cand.deepspeed_runnable for cand in plan.candidates[:top]):
         parts.append(Text("* DeepSpeed's pipeline engine cannot run this schedule (plan and simulate only)", style="dim"))
     for note in [*plan.notes, *c.notes]:

@@ -6,6 +6,8 @@ build renderables (or text) and return them; the CLI prints them.
 from __future__ import annotations
 
 import datetime
+import statistics
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -17,9 +19,13 @@ from rich.text import Text
 from pipectl.artifacts.layout import layout_label
 from pipectl.artifacts.morph import MorphRecord, MorphTrigger
 from pipectl.artifacts.run import RankFailure
+from pipectl.errors import PipectlError
 from pipectl.launch.rundir import RunStatus
+from pipectl.plan.flops import PRECISION_DTYPE, Utilisation, plan_layer_flops, utilisation
+from pipectl.planfile import load_plan_profile
 from pipectl.runtime.checkpoint_schedule import DEVICE_MTBF_HOURS
 from pipectl.report.phases import phase_comparison, phase_table
+from pipectl.report.plan_table import format_percent, hardware_extras
 from pipectl.report.tables import format_bytes
 from pipectl.resize.morph import ResizeDecision
 from pipectl.resize.stragglers import StragglerReport, find_stragglers
@@ -101,6 +107,8 @@ def status_table(status: RunStatus) -> Group:
             "prediction error",
             f"median {_percent(prediction.median_abs_error)}, max {_percent(prediction.max_abs_error)}",
         )
+    for name, row in utilisation_rows(run_utilisation(status)):
+        summary.add_row(name, row)
     parts: list = [summary]
     memory = run_memory(status)
     if memory is not None:
@@ -124,6 +132,72 @@ def status_table(status: RunStatus) -> Group:
         ))  # fmt: skip
     parts.append(status_renderables(status.path))
     return Group(*parts)
+
+
+@dataclass(frozen=True)
+class RunUtilisation:
+    """MFU and HFU of the run's layout (the run's plan's chosen candidate): predicted from its
+    predicted step, measured from the median step time of its metrics lines (the first, warm-up,
+    line left out, as for the step-time comparison)."""
+
+    layout: str
+    steps: int  # measured steps the median is over (0: none yet)
+    predicted: Utilisation
+    measured: Utilisation | None
+
+    def to_dict(self) -> dict:
+        return {
+            "layout": self.layout,
+            "steps_measured": self.steps,
+            "predicted": self.predicted.to_dict(),
+            "measured": None if self.measured is None else self.measured.to_dict(),
+        }
+
+
+def run_utilisation(status: RunStatus) -> RunUtilisation:
+    """Predicted and measured MFU/HFU, in the run's precision (job.json) against the catalog's peak
+    of its devices (`plan.flops`); model FLOPs from the model's shape, else the run's profile copy."""
+    plan, candidate = status.plan, status.plan.chosen
+    flops = plan_layer_flops(plan)
+    if flops is None and plan.profile is not None:
+        try:
+            flops = plan_layer_flops(plan, load_plan_profile(status.path / status.job.plan_file, plan))
+        except PipectlError:
+            flops = None
+    dtype = PRECISION_DTYPE[status.job.precision.value]
+    label = layout_label(candidate)
+    lines = [m for m in status.metrics if m.layout == label]
+    if not lines and not any(m.layout for m in status.metrics):
+        lines = list(status.metrics)  # lines written before layouts were recorded
+    measured_seconds = [m.step_seconds for m in lines[1:] if m.step_seconds > 0]
+    batch = plan.global_batch
+    measured = None
+    if measured_seconds:
+        measured = utilisation(candidate, flops, dtype, statistics.median(measured_seconds), global_batch=batch)
+    predicted = utilisation(candidate, flops, dtype, global_batch=batch)
+    return RunUtilisation(label, len(measured_seconds), predicted, measured)
+
+
+def utilisation_rows(flops: RunUtilisation) -> list[tuple[str, str]]:
+    """The status summary's rows: MFU and HFU, measured beside predicted, and what they are of."""
+    predicted, measured = flops.predicted, flops.measured
+    if not predicted.available:
+        return [("MFU, HFU", f"n/a: {predicted.detail}")]
+
+    def pair(name: str) -> str:
+        if measured is None:
+            shown = f"n/a (after two steps of {flops.layout})"
+        else:
+            shown = format_percent(getattr(measured, name))
+        return f"measured {shown}, predicted {format_percent(getattr(predicted, name))}"
+
+    per_device = predicted.peak_flops_per_second / predicted.devices / 1e12
+    return [
+        ("MFU", pair("mfu")),
+        ("HFU", pair("hfu") + hardware_extras(predicted)),
+        ("utilisation of", f"{predicted.devices} x {per_device:.3g} TFLOP/s {predicted.dtype} peak; "
+                           f"model FLOPs from {predicted.detail}"),
+    ]  # fmt: skip
 
 
 def run_memory(status: RunStatus) -> MemorySummary | None:
