@@ -3,6 +3,12 @@
     pipectl simulate plan.json --gantt step.png          # the plan's chosen candidate
     pipectl simulate plan.json --devices 4 --terminal    # its morph-table entry for 4 devices
     pipectl simulate --schedule 1f1b --pipeline-parallel 4 --micro-batches 8 --terminal
+    pipectl simulate --schedule 2bw --pipeline-parallel 4 --micro-batches 4   # + 2BW's steady state
+
+PipeDream-2BW (`--schedule 2bw`, or a plan that chose it): the table times one step with a flush;
+under it, 2BW across steps without one (`pipectl.schedule.twobw`): the steady-state time per update,
+the weight version each micro-batch's forward and backward use, the two stashed versions' memory
+(with a plan), and that pipectl's runtime cannot run it.
 """
 
 from __future__ import annotations
@@ -13,21 +19,24 @@ from typing import Annotated, Any, Optional
 
 import typer
 from rich.table import Table
+from rich.text import Text
 
 from pipectl.artifacts.plan import Plan
 from pipectl.artifacts.profile import ModelProfile
 from pipectl.cli.context import JsonFlag, console, output_file, print_json
 from pipectl.cluster import load_cluster
-from pipectl.errors import UserInputError
+from pipectl.errors import ScheduleError, UserInputError
 from pipectl.io import load_model
 from pipectl.plan.hetero import replica_stage_costs
 from pipectl.plan.simulate import StageCosts, Timeline, simulate, simulate_step_seconds, uniform_costs
 from pipectl.planfile import load_kind_profiles, load_plan_profile
 from pipectl.report.gantt import terminal_gantt, write_gantt
+from pipectl.report.twobw import RUNTIME, SEMANTICS, two_bw_payload, two_bw_report
 from pipectl.schedule import ScheduleKind, generate
 from pipectl.schedule.comm import add_communication
 from pipectl.schedule.generators import generate_for_stage_times
-from pipectl.schedule.ir import Schedule
+from pipectl.schedule.ir import ActionKind, Schedule
+from pipectl.schedule.twobw import TwoBWSteadyState, order_text, two_bw_memory, two_bw_order, two_bw_steady_state
 from pipectl.words import count
 
 
@@ -37,6 +46,32 @@ MAX_SIMULATED_ACTIONS = 1_000_000
 
 def _uniform_options_given(**options: Any) -> list[str]:
     return [name for name, value in options.items() if value is not None]
+
+
+def _stage_bytes(candidate: Any, profile: ModelProfile) -> tuple[list[int], list[int] | None]:
+    """Per stage, per device: parameter bytes, and one micro-batch's saved activations (None with
+    recomputation, where a stage keeps only its input, or when the profile lacks the micro-batch
+    size). With t > 1: a layer's shard for t if the profile has one; else the whole layer if the
+    profile has shards elsewhere (it is replicated), else 1/t of it (as `pipectl.plan.memory`)."""
+    t, b = candidate.tensor_parallel, candidate.micro_batch_size
+    sharded = any(layer.shards for layer in profile.layers)
+    parameters: list[int] = []
+    activations: list[int] | None = None if candidate.recompute else []
+    for start, end in candidate.stage_layers:
+        stage_parameters = stage_activations = 0.0
+        for layer in profile.layers[start:end]:
+            shard = next((sh for sh in layer.shards if sh.tensor_parallel == t), None) if t > 1 else None
+            owner, divisor = (shard, 1) if shard is not None else (layer, 1 if t == 1 or sharded else t)
+            stage_parameters += owner.parameter_bytes / divisor
+            if activations is not None:
+                try:
+                    stage_activations += owner.cost(b).saved_activation_bytes / divisor
+                except KeyError:  # not profiled at this micro-batch size
+                    activations = None
+        parameters.append(round(stage_parameters))
+        if activations is not None:
+            activations.append(round(stage_activations))
+    return parameters, activations
 
 
 def _from_plan(
@@ -93,6 +128,11 @@ def _from_plan(
     }
     if devices is not None:
         context["requested_devices"] = devices
+    if schedule.kind is ScheduleKind.PIPEDREAM_2BW:
+        parameters, activations = _stage_bytes(candidate, profile)
+        context["stage_parameter_bytes"] = parameters
+        context["stage_activation_bytes"] = activations
+        context["plan_peak_memory_bytes"] = list(candidate.peak_memory_bytes)
     if note:
         context["note"] = note
     return schedule, costs, context
@@ -118,10 +158,28 @@ def _timeline_payload(schedule: Schedule, timeline: Timeline, context: dict[str,
     }
 
 
+def _recomputes(schedule: Schedule) -> bool:
+    return any(a.kind is ActionKind.RECOMPUTE for actions in schedule.actions.values() for a in actions)
+
+
+def _two_bw_state(schedule: Schedule, costs: StageCosts) -> TwoBWSteadyState:
+    """2BW across steps for the schedule's stage costs (v = 1: a virtual stage is a rank)."""
+    return two_bw_steady_state(
+        schedule.pipeline_parallel, schedule.micro_batches,
+        forward_seconds=costs.forward_seconds, backward_seconds=costs.backward_seconds,
+        recompute_seconds=costs.recompute_seconds,
+        send_forward_seconds=costs.send_forward_seconds, send_backward_seconds=costs.send_backward_seconds,
+        update_seconds=[a + o for a, o in zip(costs.allreduce_seconds, costs.optimizer_seconds)],
+        recompute=_recomputes(schedule),
+    )  # fmt: skip
+
+
 def _summary_table(schedule: Schedule, timeline: Timeline, context: dict[str, Any]) -> Table:
+    # 2BW's table times one step with a flush; its steady state is reported under it.
+    step = "flushed step" if schedule.kind is ScheduleKind.PIPEDREAM_2BW else "step"
     title = (
         f"{schedule.kind.value}  p={schedule.pipeline_parallel} m={schedule.micro_batches} "
-        f"v={schedule.chunks}  step {timeline.step_seconds:.6g} s"
+        f"v={schedule.chunks}  {step} {timeline.step_seconds:.6g} s"
     )
     if context.get("predicted_step_seconds"):
         title += f" (plan predicted {context['predicted_step_seconds']:.6g} s)"
@@ -188,7 +246,10 @@ def register(app: typer.Typer) -> None:
         ] = False,
         as_json: JsonFlag = False,
     ) -> None:
-        """Simulate one step: step time, bubbles, exposed communication, in-flight micro-batches."""
+        """Simulate one step: step time, bubbles, exposed communication, in-flight micro-batches.
+
+        With --schedule 2bw (or a 2bw plan), also PipeDream-2BW's steady state without a flush.
+        """
         uniform = _uniform_options_given(
             schedule=schedule_kind, pipeline_parallel=pipeline_parallel, micro_batches=micro_batches,
             chunks=chunks, recompute=recompute, forward_ms=forward_ms, backward_ms=backward_ms,
@@ -234,6 +295,26 @@ def register(app: typer.Typer) -> None:
             )
             context = {"source": "uniform"}
         timeline = simulate(schedule, costs)
+        two_bw: Optional[TwoBWSteadyState] = None
+        two_bw_notes: list[str] = []
+        if schedule.kind is ScheduleKind.PIPEDREAM_2BW:
+            try:
+                two_bw = _two_bw_state(schedule, costs)
+            except ScheduleError as exc:
+                two_bw_notes.append(f"2BW's steady state: {exc.message}" + (f" ({exc.hint})" if exc.hint else ""))
+            differences = (["blocking (gloo) transfers"] if costs.blocking_p2p else []) + (
+                ["transfer jitter"] if costs.jitter_seconds else []
+            )
+            if differences:
+                two_bw_notes.append(
+                    f"the table above times {' and '.join(differences)}; 2BW's figures below time transfers as "
+                    "asynchronous and exact"
+                )
+        two_bw_memory_rows = None
+        if two_bw is not None and context.get("stage_parameter_bytes") is not None:
+            two_bw_memory_rows = two_bw_memory(
+                two_bw, context["stage_parameter_bytes"], context.get("stage_activation_bytes")
+            )
         if gantt is not None:
             title = f"{schedule.kind.value} p={schedule.pipeline_parallel} m={schedule.micro_batches}"
             title += f" v={schedule.chunks}" if schedule.chunks > 1 else ""
@@ -242,14 +323,26 @@ def register(app: typer.Typer) -> None:
             payload = _timeline_payload(schedule, timeline, context)
             if gantt is not None:
                 payload["gantt"] = str(written)
+            if schedule.kind is ScheduleKind.PIPEDREAM_2BW:
+                payload["two_bw"] = two_bw_payload(two_bw, two_bw_memory_rows, two_bw_notes)
             print_json(payload)
             return
         if print_schedule:
             typer.echo(add_communication(schedule).to_text(), nl=False)
+            if two_bw is not None:
+                typer.echo("# 2bw across 3 updates, no flush (U j: the stage's update j, making weight version j)")
+                order = two_bw_order(schedule.pipeline_parallel, schedule.micro_batches, 3, _recomputes(schedule))
+                typer.echo(order_text(order))
         if context.get("note"):
             console.print(f"note: {context['note']}", style="yellow", highlight=False)
         console.print(_summary_table(schedule, timeline, context))
         if terminal:
             console.print(terminal_gantt(timeline, width=width), soft_wrap=True)
+        for line in two_bw_notes:
+            console.print(f"note: {line}", style="yellow", highlight=False)
+        if two_bw is not None:
+            console.print(two_bw_report(two_bw, two_bw_memory_rows, context.get("plan_peak_memory_bytes")))
+        elif schedule.kind is ScheduleKind.PIPEDREAM_2BW:
+            console.print(Text(SEMANTICS, style="yellow"), Text(RUNTIME, style="yellow"), sep="\n")
         if gantt is not None:
             console.print(f"Gantt chart written to {written}")

@@ -17,6 +17,13 @@ from pipectl.schedule.generators import (
     weight_version,
 )
 from pipectl.schedule.ir import Action, ActionKind, Schedule, ScheduleKind
+from pipectl.schedule.twobw import (
+    TwoBWSteadyState,
+    simulate_two_bw_run,
+    two_bw_memory,
+    two_bw_order,
+    two_bw_steady_state,
+)
 
 
 def deepspeed_runnable(kind: ScheduleKind, chunks: int = 1) -> bool:
@@ -40,12 +47,17 @@ __all__ = [
     "ActionKind",
     "Schedule",
     "ScheduleKind",
+    "TwoBWSteadyState",
     "deepspeed_runnable",
     "generate",
     "gpipe",
     "interleaved",
     "one_f_one_b",
     "pipedream_2bw",
+    "simulate_two_bw_run",
+    "two_bw_steady_state",
+    "two_bw_memory",
+    "two_bw_order",
     "varuna",
     "weight_version",
 ]
