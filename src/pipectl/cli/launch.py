@@ -41,6 +41,7 @@ from pipectl.launch.rundir import is_run_dir, run_files, run_status
 from pipectl.report.run_tables import failure_report, status_table
 from pipectl.resize.replicas import read_recovery, recovery_line
 from pipectl.runtime.checkpoint import read_events
+from pipectl.runtime.dsconfig import check_schedule
 from pipectl.runtime.failure import read_failures, read_resume, resume_lines
 from pipectl.runtime.liveness import StallWatch, job_collective_timeout_seconds, read_heartbeats, stopped_cleanly
 from pipectl.runtime.metrics import MetricsTail
@@ -230,15 +231,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Run a plan inside DeepSpeed's pipeline engine, with checkpoints and metrics."""
         plan = load_model(Plan, plan_path)
-        if plan.chosen.schedule.changes_optimizer_semantics:
-            # Not only the stored `deepspeed_runnable` flag: a plan written by hand keeps its default (True).
-            raise UserInputError(
-                f"the plan chose PipeDream-2BW (schedule {plan.chosen.schedule.value}): no flush between steps, two "
-                "weight versions per stage and 1-stale weight updates, a different optimizer. pipectl's runtime "
-                "(DeepSpeed's pipeline engine) flushes every step and keeps one weight version: it cannot run it",
-                hint="re-plan without 2bw in --schedules (1f1b runs the same order with a flush); "
-                f"`pipectl simulate {plan_path}` shows 2BW's steady state",
-            )
+        check_schedule(plan.chosen)  # before anything else: a 2BW plan is another optimizer
         if resume and not is_run_dir(run_dir):  # checked here too: a dry run never reaches prepare_run_dir
             raise UserInputError(f"cannot resume {run_dir}: no such run (it holds no job.json)")
         data_spec = parse_data(data)

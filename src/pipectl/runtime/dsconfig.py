@@ -34,6 +34,7 @@ from pipectl.artifacts.plan import RUNTIME_ZERO_STAGES, Candidate, Plan
 from pipectl.artifacts.run import LrSchedule, Precision, TrainingSettings
 from pipectl.errors import UserInputError
 from pipectl.runtime.dsinit import choose_accelerator
+from pipectl.schedule import deepspeed_runnable
 
 # Print DeepSpeed's own step log practically never: pipectl writes metrics.jsonl instead.
 STEPS_PER_PRINT = 1_000_000_000
@@ -196,6 +197,26 @@ def _merged(base: dict[str, Any], overlay: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
+def check_schedule(candidate: Candidate) -> None:
+    """Whether DeepSpeed's pipeline engine runs the candidate's schedule as planned: not 2BW (a
+    different optimizer), not interleaved with v > 1. Not only the stored flag: a plan written by
+    hand keeps its default (True)."""
+    if candidate.schedule.changes_optimizer_semantics:
+        raise DeepSpeedConfigRejected(
+            f"the plan chose PipeDream-2BW (schedule {candidate.schedule.value}): no flush between steps, two "
+            "weight versions per stage and 1-stale weight updates, a different optimizer. pipectl's runtime "
+            "(DeepSpeed's pipeline engine) flushes every step and keeps one weight version: it cannot run it",
+            hint="re-plan without 2bw in --schedules (1f1b runs the same order with a flush); "
+            "`pipectl simulate PLAN.json` shows 2BW's steady state",
+        )
+    if candidate.chunks != 1 or not (candidate.deepspeed_runnable and deepspeed_runnable(candidate.schedule)):
+        raise DeepSpeedConfigRejected(
+            f"schedule {candidate.schedule.value} with v={candidate.chunks} chunks per device cannot run in "
+            f"DeepSpeed's pipeline engine (one contiguous layer range per rank)",
+            hint="re-plan for a DeepSpeed launch (interleaved with v > 1 is excluded there)",
+        )
+
+
 def check_candidate(candidate: Candidate, *, global_batch: int, layers: int) -> None:
     """What DeepSpeed cannot run or silently ignores, checked against the plan (errors name values)."""
     b, m, d = candidate.micro_batch_size, candidate.micro_batches, candidate.data_parallel
@@ -218,12 +239,7 @@ def check_candidate(candidate: Candidate, *, global_batch: int, layers: int) -> 
             f"checkpoints hold ZeRO-1's optimizer partitions; DeepSpeed's pipeline engine rejects 2 and 3)",
             hint="re-plan with --zero-stages 1 (the default)",
         )
-    if candidate.chunks != 1 or not candidate.deepspeed_runnable:
-        raise DeepSpeedConfigRejected(
-            f"schedule {candidate.schedule.value} with v={candidate.chunks} chunks per device cannot run in "
-            f"DeepSpeed's pipeline engine (one contiguous layer range per rank)",
-            hint="re-plan for a DeepSpeed launch (interleaved with v > 1 is excluded there)",
-        )
+    check_schedule(candidate)
     if len(candidate.stage_layers) != candidate.pipeline_parallel:
         raise DeepSpeedConfigRejected(
             f"{len(candidate.stage_layers)} stage ranges for pipeline degree {candidate.pipeline_parallel}"
