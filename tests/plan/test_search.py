@@ -132,7 +132,7 @@ def test_nothing_fits_is_an_infeasible_error_with_reasons():
         ({"global_batch": 16, "data_parallel": 17}, "data-parallel degree 17 is more than the global batch's 16"),
         ({"global_batch": 16, "data_parallel": 4, "micro_batch_size": 8}, "data-parallel degree 4 x micro-batch 8"),
         ({"global_batch": 16, "devices": 1000}, "--devices 1000"),
-        ({"global_batch": 16, "zero_stages": [3]}, "ZeRO stage 3"),
+        ({"global_batch": 16, "zero_stages": [3], "pipeline_parallel": 2}, "ZeRO stage 3 is not supported with pipeline"),
         ({"global_batch": 16, "objective": "cost-deadline"}, "deadline"),
     ],
 )

@@ -114,8 +114,10 @@ def plan_command(
         str,
         typer.Option(
             "--zero-stages",
-            help="ZeRO stages to try (0,1). Default 1: pipectl trains with ZeRO-1, the stage whose "
-            "optimizer partitions its checkpoints hold and re-cut for resize; ZeRO-0 candidates are planner-only.",
+            help="ZeRO stages to try (0,1,2,3). Default 1: pipectl trains with ZeRO-1, the stage whose "
+            "optimizer partitions its checkpoints hold and re-cut for resize; ZeRO-0, 2 and 3 candidates are "
+            "planner-only (marked *, chosen only with --any-engine), 2 and 3 at p = 1 only (DeepSpeed's "
+            "pipeline engine refuses them).",
         ),
     ] = "1",
     memory_headroom: Annotated[
@@ -126,7 +128,7 @@ def plan_command(
         ),
     ] = 0.05,
     include_all: Annotated[bool, typer.Option("--all", help="Simulate and keep every feasible candidate.")] = False,
-    any_engine: Annotated[bool, typer.Option("--any-engine", help="Also choose schedules DeepSpeed cannot run.")] = False,
+    any_engine: Annotated[bool, typer.Option("--any-engine", help="Also choose schedules DeepSpeed cannot run and ZeRO stages pipectl's runtime does not train with.")] = False,
     no_morph: Annotated[bool, typer.Option("--no-morph", help="Skip the morph table.")] = False,
     top: Annotated[int, typer.Option("--top", help="Candidates to show.")] = 10,
     workers: Annotated[

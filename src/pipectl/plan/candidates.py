@@ -29,6 +29,7 @@ from pipectl.plan.costs import (
     collective_handoff_seconds,
     data_parallel_seconds,
     host_compute_slowdown,
+    sharded_data_parallel_seconds,
     layer_seconds,
     ranks_share_node,
     replicas_share_node,
@@ -41,6 +42,7 @@ from pipectl.plan.memory import (
     StageMemory,
     in_flight_units,
     peak_bytes,
+    sharded_transient_bytes,
     stage_holding,
     state_bytes_per_parameter,
     step_bytes_per_parameter,
@@ -426,19 +428,22 @@ def lower_bound_seconds(
 
 
 def data_parallel_costs(
-    shape: Shape, hardware: Hardware, data_parallel: int, zero_stage: int, dtype: str
+    shape: Shape, hardware: Hardware, data_parallel: int, zero_stage: int, dtype: str, micro_batches: int = 1
 ) -> tuple[np.ndarray, np.ndarray]:
     """(all-reduce, optimizer) seconds per rank, as `costs.stage_costs` computes them.
 
     With measured engine terms (a profile calibrated on this device) it is `costs`' own
     `data_parallel_seconds`; without them, the same ring formula vectorised over ranks (the
-    search at scale runs it for every candidate).
+    search at scale runs it for every candidate). ZeRO-2/3 (p = 1): `costs.sharded_data_parallel_seconds`,
+    whose per-micro-batch collectives read `micro_batches`.
     """
     p, t, d = shape.pipeline_parallel, shape.tensor_parallel, data_parallel
     n = hardware.devices_per_node
     element = DTYPE_BYTES.get(dtype, 4)
     held = shape.parameters_per_rank
     links = hardware.links
+    if zero_stage >= 2:
+        return _sharded_costs(shape, hardware, d, zero_stage, micro_batches, element)
     if hardware.runtime is not None:
         allreduce_list, optimizer_list = data_parallel_seconds(
             [float(x) for x in held], hardware, pipeline_parallel=p, tensor_parallel=t,
@@ -461,6 +466,20 @@ def data_parallel_costs(
     bandwidth = (hardware.device.memory_bandwidth_gbytes_per_second or 100.0) * 1e9
     updated = held / d if zero_stage >= 1 else held
     return allreduce, updated * ADAM_BYTES_PER_PARAMETER / bandwidth
+
+
+def _sharded_costs(
+    shape: Shape, hardware: Hardware, d: int, zero_stage: int, micro_batches: int, element: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """ZeRO-2/3's (communication, optimizer) seconds of a one-stage shape, as `costs.stage_costs`
+    computes them (`costs.sharded_data_parallel_seconds`, the optimizer x the host's slowdown)."""
+    t = shape.tensor_parallel
+    slowdown = host_compute_slowdown(hardware, t * shape.pipeline_parallel * d)
+    communication, optimizer = sharded_data_parallel_seconds(
+        shape.table, shape.seconds, hardware, pipeline_parallel=shape.pipeline_parallel, tensor_parallel=t,
+        data_parallel=d, zero_stage=zero_stage, micro_batches=micro_batches, element_bytes=element, slowdown=slowdown,
+    )  # fmt: skip
+    return np.array(communication), np.array(optimizer) * slowdown
 
 
 @lru_cache(maxsize=65536)
@@ -551,6 +570,19 @@ def step_bytes(dtype: str, zero_stage: int, data_parallel: int, kind: ScheduleKi
     return step_bytes_per_parameter(dtype, zero_stage, data_parallel, weight_versions(kind))
 
 
+def transient_bytes(shape: Shape, dtype: str, zero_stage: int, data_parallel: int) -> float:
+    """ZeRO-2/3's whole tensors on the rank of a one-stage shape (`memory.sharded_transient_bytes`
+    of its layers' parameters after the tensor split); 0 for stages 0 and 1."""
+    if zero_stage < 2:
+        return 0.0
+    layers = shape._derived.get("layer_parameters")
+    if layers is None:
+        table = shape.table
+        divisor = table.divisor(shape.tensor_parallel)
+        layers = shape._derived["layer_parameters"] = [count / divisor for count in table.parameter_count]
+    return sharded_transient_bytes(layers, dtype, zero_stage, data_parallel)
+
+
 def specs_from_points(
     points: Sequence[tuple[Shape, ScheduleVariant, tuple[int, int, int, float, tuple[int, ...]]]],
     hardware: Hardware,
@@ -619,12 +651,19 @@ def _specs_of_one_depth(
     per_device = np.array([point[3] for point in points], dtype=float)[:, None]
     units = np.array([point[4] for point in points], dtype=np.int64)
     per_step = np.array([step_bytes(dtype, zero, d, kind) for d, _, zero, _, _ in points], dtype=float)[:, None]
+    # ZeRO-2/3 points (p = 1 only): their whole tensors on top, and their own communication below.
+    gradients_sharded = [i for i, point in enumerate(points) if point[2] >= 2]
+    transient: np.ndarray | float = 0.0
+    if gradients_sharded:
+        transient = np.array(
+            [transient_bytes(shape, dtype, zero, d) for shape, (d, _, zero, _, _) in zip(shapes, points)]
+        )[:, None]
     # `StageMemory.per_rank_bytes`, one row per point; reported as the allocator's reserve.
-    allocated = peak_bytes(parameters, unit_bytes, buffer_bytes, working_bytes, per_device, per_step, units)
+    allocated = peak_bytes(parameters, unit_bytes, buffer_bytes, working_bytes, per_device, per_step, units, transient)
     peak = hardware.memory_budget.reserved(allocated)
     if hardware.runtime is not None:
         costs = [
-            data_parallel_costs(shape, hardware, d, zero, dtype) for shape, (d, _, zero, _, _) in zip(shapes, points)
+            data_parallel_costs(shape, hardware, d, zero, dtype, m) for shape, (d, m, zero, _, _) in zip(shapes, points)
         ]
         allreduce = np.array([row for row, _ in costs])
         optimizer = np.array([row for _, row in costs])
@@ -632,6 +671,9 @@ def _specs_of_one_depth(
         allreduce, optimizer = _data_parallel_costs_over(
             shapes, parameters, ds, sharded, hardware, dtype, tied_rows
         )
+        for i in gradients_sharded:
+            d, m, zero, _, _ = points[i]
+            allreduce[i], optimizer[i] = data_parallel_costs(shapes[i], hardware, d, zero, dtype, m)
     bounds = chain_bound_seconds(forward_chain, backward_chain, work, micro_batches, allreduce, optimizer).tolist()
     figures = SpecFigures(peak.astype(np.int64), allreduce, optimizer)  # int64: truncation, as int() does
     return [

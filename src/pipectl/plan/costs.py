@@ -30,7 +30,31 @@ Per virtual stage and micro-batch (all seconds):
   the last stage (Megatron's embedding group);
 - optimizer step: Adam is memory-bound: it reads fp32 master weights, momentum, variance and the
   gradient and writes the first three and the 16-bit weights, about 28 bytes per parameter,
-  at the device's memory bandwidth (ZeRO-1: each replica updates 1/d of them).
+  at the device's memory bandwidth (ZeRO-1, 2, 3: each replica updates 1/d of them).
+
+ZeRO-2 and ZeRO-3 (p = 1 only: DeepSpeed's pipeline engine refuses them, its ordinary engine runs
+them; `sharded_data_parallel_seconds`). Both partition the gradients, so a layer's gradient is
+reduce-scattered over the d replicas as soon as the backward has made it, in every micro-batch
+(DeepSpeed reduces on every micro-step when gradients are partitioned, not once per step as
+ZeRO-0/1 do), and ZeRO-3 partitions the weights too: each layer's weights are all-gathered
+before its forward and again before its backward (ZeRO §7: 1.5x the volume of an all-reduce per
+micro-batch). A ring all-gather or reduce-scatter of a layer's B bytes over d ranks takes
+(d - 1)(latency + B / d / bandwidth), half a ring all-reduce (Thakur et al. 2005), on the intra- or
+inter-node all-reduce link by the placement rule. They run beside the compute, one collective at
+a time, each hidden behind the layer computing while it runs (prefetch):
+
+    forward   gather(0) + sum_i max(0, gather(i) - forward(i - 1))             (ZeRO-3)
+    backward  gather(L-1)                                                      (ZeRO-3)
+              + sum_j max(0, [gather(j - 1), ZeRO-3] + scatter(j + 1) - backward(j))
+              + scatter(0)
+
+(while layer j runs its backward, the link gathers layer j - 1's weights and reduce-scatters the
+gradient layer j + 1 has just made; nothing is left to hide layer 0's gradient behind). The
+exposed part of all m micro-batches is charged with the end-of-step collectives (one rank: where
+it is charged does not change the step), plus, under ZeRO-2, the all-gather of the updated
+parameters after the step (exposed, as ZeRO-0/1's all-reduce is: nothing overlaps the end of a
+step). ZeRO-0/1's gradient all-reduce is not overlapped with the backward anywhere in the planner:
+DeepSpeed's pipeline engine reduces after the last micro-batch (what the measured terms below count).
 
 When the profile carries measured engine terms (`ModelProfile.runtime`, from
 `profile.runtime_calibration`; used only on the device kind they were measured on) the step is
@@ -406,8 +430,10 @@ def stage_costs(
     pipeline_parallel: int | None = None,
     zero_stage: int = 0,
     seconds: LayerSeconds | None = None,
+    micro_batches: int = 1,
 ) -> StageCosts:
-    """The simulator's `StageCosts` for one candidate; `stage_layers` holds p*v virtual stages."""
+    """The simulator's `StageCosts` for one candidate; `stage_layers` holds p*v virtual stages.
+    `micro_batches`: the step's m, which only ZeRO-2/3's per-micro-batch collectives read."""
     table = layer_table(profile, micro_batch_size, tensor_parallel)
     t, d = tensor_parallel, data_parallel
     p = pipeline_parallel or len(stage_layers)
@@ -429,11 +455,17 @@ def stage_costs(
         sends.append(link.seconds(crossing))
 
     element_bytes = DTYPE_BYTES.get(profile.dtype, 4)
-    parameters = _parameters_per_rank(table, stage_layers, p)
-    allreduce, optimizer = data_parallel_seconds(
-        [held / table.divisor(t) for held in parameters], hardware, pipeline_parallel=p, tensor_parallel=t,
-        data_parallel=d, zero_stage=zero_stage, element_bytes=element_bytes,
-    )  # fmt: skip
+    if zero_stage >= 2:
+        allreduce, optimizer = sharded_data_parallel_seconds(
+            table, seconds, hardware, pipeline_parallel=p, tensor_parallel=t, data_parallel=d,
+            zero_stage=zero_stage, micro_batches=micro_batches, element_bytes=element_bytes, slowdown=slowdown,
+        )  # fmt: skip
+    else:
+        parameters = _parameters_per_rank(table, stage_layers, p)
+        allreduce, optimizer = data_parallel_seconds(
+            [held / table.divisor(t) for held in parameters], hardware, pipeline_parallel=p, tensor_parallel=t,
+            data_parallel=d, zero_stage=zero_stage, element_bytes=element_bytes,
+        )  # fmt: skip
     optimizer = [end_of_step * slowdown for end_of_step in optimizer]
     tied = _tied_allreduce_seconds(table, stage_layers, p, t, d, n, links, element_bytes, hardware)
     for rank, extra in tied.items():
@@ -502,6 +534,93 @@ def data_parallel_seconds(
             )
         allreduce.append(seconds)
     return allreduce, optimizer
+
+
+def sharded_exposed_seconds(
+    layer_bytes: Sequence[float], forward: Sequence[float], backward: Sequence[float], link: LinkCost,
+    data_parallel: int, zero_stage: int, handoff_seconds: float = 0.0,
+) -> float:
+    """Exposed seconds of one micro-batch's ZeRO-2/3 collectives on a one-stage pipeline (the
+    formulas in the module docstring). `layer_bytes`: each layer's weight bytes on the rank (its
+    gradient's are the same); `forward`/`backward`: each layer's compute seconds; `handoff_seconds`:
+    what each blocking collective waits besides (`collective_handoff_seconds`). 0 for stages 0
+    and 1 and at d = 1.
+
+    Two layers of 1 GB over 8 ranks at 5 µs and 25 GB/s: one gather or scatter takes
+    7 x (5e-6 + 1e9 / 8 / 25e9) = 35.035 ms; with 10 ms forwards and 20 ms backwards ZeRO-3 exposes
+    35.035 + 25.035 (forward) + 35.035 + 15.035 + 15.035 + 35.035 (backward) = 160.21 ms:
+
+        >>> link = LinkCost(5e-6, 25e9)
+        >>> round(sharded_exposed_seconds([1e9, 1e9], [0.01, 0.01], [0.02, 0.02], link, 8, 3) * 1e3, 2)
+        160.21
+        >>> round(sharded_exposed_seconds([1e9, 1e9], [0.01, 0.01], [0.02, 0.02], link, 8, 2) * 1e3, 2)  # 15.035 + 35.035
+        50.07
+    """
+    d, layers = data_parallel, len(layer_bytes)
+    if zero_stage < 2 or d <= 1 or layers == 0:
+        return 0.0
+    # One ring all-gather or reduce-scatter of each layer's bytes: half a ring all-reduce.
+    moved = [link.ring_allreduce_seconds(size, d) / 2 + handoff_seconds for size in layer_bytes]
+    gathers = zero_stage >= 3
+    exposed = moved[0]  # layer 0's gradient, made last: nothing left to hide its reduce-scatter behind
+    if gathers:
+        exposed += moved[0] + moved[-1]  # the forward's first gather, the backward's first (last layer)
+        for i in range(1, layers):
+            exposed += max(0.0, moved[i] - forward[i - 1])
+    for j in range(layers):
+        on_link = (moved[j + 1] if j + 1 < layers else 0.0) + (moved[j - 1] if gathers and j > 0 else 0.0)
+        exposed += max(0.0, on_link - backward[j])
+    return exposed
+
+
+def sharded_data_parallel_seconds(
+    table: LayerTable,
+    seconds: LayerSeconds,
+    hardware: Hardware,
+    *,
+    pipeline_parallel: int,
+    tensor_parallel: int,
+    data_parallel: int,
+    zero_stage: int,
+    micro_batches: int,
+    element_bytes: int,
+    slowdown: float = 1.0,
+) -> tuple[list[float], list[float]]:
+    """(communication, optimizer) seconds of the one rank of a ZeRO-2/3 candidate (p = 1; module
+    docstring): m x `sharded_exposed_seconds` of the rank's layers (their compute x the host's
+    `slowdown`), plus ZeRO-2's all-gather of the updated parameters after the step, plus, with
+    measured engine terms, the engine's latency-bound collectives. Optimizer: as
+    `data_parallel_seconds` (Adam on 1/d of the parameters; with measured terms, the measured end
+    of a step, which is ZeRO-1's)."""
+    if pipeline_parallel != 1:
+        raise UserInputError(
+            f"ZeRO stage {zero_stage} is priced for one pipeline stage only (p = 1), not p = {pipeline_parallel}",
+            hint="DeepSpeed's pipeline engine runs ZeRO stages 0 and 1 only",
+        )
+    t, d = tensor_parallel, data_parallel
+    divisor = table.divisor(t)
+    held = table.parameters(0, table.layers) / divisor
+    inside = replicas_share_node(0, 1, t, d, hardware.devices_per_node)
+    ring = hardware.links.allreduce_intra if inside else hardware.links.allreduce_inter
+    handoff = collective_handoff_seconds(hardware, d, inside)
+    exposed = sharded_exposed_seconds(
+        [count / divisor * element_bytes for count in table.parameter_count],
+        [f * slowdown for f in seconds.forward], [b * slowdown for b in seconds.backward],
+        ring, d, zero_stage, handoff,
+    )  # fmt: skip
+    communication = micro_batches * exposed
+    if zero_stage == 2 and d > 1:
+        communication += ring.ring_allreduce_seconds(held * element_bytes, d) / 2 + handoff
+    runtime = hardware.runtime
+    if runtime is None:
+        memory_bandwidth = (hardware.device.memory_bandwidth_gbytes_per_second or 100.0) * 1e9
+        optimizer = held / d * ADAM_BYTES_PER_PARAMETER / memory_bandwidth
+    else:
+        optimizer = runtime.step_fixed_seconds + runtime.step_seconds_per_parameter * held
+        if d > 1:
+            small = ring.ring_allreduce_seconds(SMALL_COLLECTIVE_BYTES, d) + handoff
+            communication += SMALL_COLLECTIVES_PER_DATA_PARALLEL_GROUP * small
+    return [communication], [optimizer]
 
 
 def _parameters_per_rank(table: LayerTable, stage_layers: Sequence[tuple[int, int]], p: int) -> list[int]:
@@ -581,6 +700,7 @@ def stage_costs_for(
         data_parallel=candidate.data_parallel,
         pipeline_parallel=candidate.pipeline_parallel,
         zero_stage=candidate.zero_stage,
+        micro_batches=candidate.micro_batches,
     )
 
 

@@ -23,17 +23,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from pipectl.artifacts.plan import Candidate, ReplicaShare, replica_shares
+from pipectl.artifacts.plan import RUNTIME_ZERO_STAGES, Candidate, ReplicaShare, replica_shares
 from pipectl.plan.candidates import Spec
 from pipectl.plan.costs import Hardware, host_compute_slowdown, ranks_share_node
 from pipectl.plan.fast import bounds, varuna_flags, waves
 from pipectl.plan.simulate import StageCosts, StepSummary
 from pipectl.plan.timing import actions_per_step, reference_mode, step_seconds_of, summary_of
-from pipectl.schedule import ScheduleKind
+from pipectl.schedule import ScheduleKind, deepspeed_runnable
 from pipectl.words import count
 
 TWO_BW_NOTE = "PipeDream-2BW: 1-stale weight updates (a different optimizer than data-parallel Adam)"
 NOT_DEEPSPEED_NOTE = "DeepSpeed's pipeline engine cannot run this schedule (plan and simulate only)"
+
+
+def zero_stage_note(zero_stage: int) -> str:
+    """The note on a candidate whose ZeRO stage pipectl's runtime does not train with."""
+    if zero_stage >= 2:
+        return (f"ZeRO-{zero_stage}: pipectl's runtime trains with ZeRO-1 only (plan and simulate only; "
+                "DeepSpeed's ordinary engine runs it at p = 1)")
+    return f"ZeRO-{zero_stage}: pipectl's runtime trains with ZeRO-1 only (plan and simulate only)"
 
 
 def _schedule_args(spec: Spec) -> tuple:
@@ -177,8 +185,10 @@ class Evaluator:
         notes = list(notes or [])
         if spec.variant.kind.changes_optimizer_semantics:
             notes.append(TWO_BW_NOTE)
-        if not spec.deepspeed_runnable:
+        if not deepspeed_runnable(spec.variant.kind, spec.variant.chunks):
             notes.append(NOT_DEEPSPEED_NOTE)
+        if spec.zero_stage not in RUNTIME_ZERO_STAGES:
+            notes.append(zero_stage_note(spec.zero_stage))
         replicas = replica_shares(self.global_batch, spec.data_parallel, shape.micro_batch_size, self.hardware.kind)
         if replicas:
             notes.append(uneven_note(replicas))

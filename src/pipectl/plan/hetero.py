@@ -144,8 +144,8 @@ def _best_split(
     for template in [best.chosen, *best.candidates]:
         pipeline = (template.tensor_parallel, template.pipeline_parallel, template.micro_batch_size, template.chunks,
                     template.schedule, template.recompute, template.zero_stage, tuple(map(tuple, template.stage_layers)))
-        if pipeline in seen:
-            continue
+        if pipeline in seen or template.zero_stage >= 2:
+            continue  # ZeRO-2/3 (p = 1, planned only) are priced for even replicas of one kind only
         seen.add(pipeline)
         split = uneven_split(profile, cluster, template, request, kind_profiles=kind_profiles)
         if split is not None and (split.deepspeed_runnable or not request.for_deepspeed):

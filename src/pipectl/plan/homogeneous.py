@@ -21,7 +21,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from pipectl.artifacts.plan import ModelShape, Objective, Plan, PlanRequest
+from pipectl.artifacts.plan import RUNTIME_ZERO_STAGES, ModelShape, Objective, Plan, PlanRequest
 from pipectl.artifacts.profile import ModelProfile
 from pipectl.errors import InfeasibleError, UserInputError
 from pipectl.plan.candidates import Rejection, Rejections, Spec
@@ -30,9 +30,11 @@ from pipectl.plan.evaluate import Evaluator
 from pipectl.plan.morph import morph_table
 from pipectl.plan.space import enumerate_specs, search_space, tensor_parallel_possible
 from pipectl.plan.workers import available_workers
+from pipectl.schedule import deepspeed_runnable
 from pipectl.words import count
 
-SUPPORTED_ZERO_STAGES = (0, 1)  # DeepSpeed's pipeline engine runs ZeRO 0 and 1 only
+SUPPORTED_ZERO_STAGES = (0, 1, 2, 3)  # 2 and 3 at p = 1 only: DeepSpeed's pipeline engine runs 0 and 1
+PIPELINE_ZERO_STAGES = (0, 1)
 
 
 # --- validation ----------------------------------------------------------------------------------
@@ -94,8 +96,15 @@ def check_request(request: PlanRequest, profile: ModelProfile, hardware: Hardwar
     bad_zero = [z for z in request.zero_stages if z not in SUPPORTED_ZERO_STAGES]
     if bad_zero or not request.zero_stages:
         raise UserInputError(
-            f"ZeRO stage {bad_zero[0] if bad_zero else '(none)'} is not supported with pipeline parallelism",
-            hint="use ZeRO stages 0 and/or 1",
+            f"ZeRO stage {bad_zero[0] if bad_zero else '(none)'} is not supported",
+            hint="use ZeRO stages 0 to 3 (2 and 3 at p = 1 only)",
+        )
+    p = request.pipeline_parallel
+    if p is not None and p > 1 and not any(z in PIPELINE_ZERO_STAGES for z in request.zero_stages):
+        raise UserInputError(
+            f"ZeRO stage {min(request.zero_stages)} is not supported with pipeline parallelism (p = {p})",
+            hint="DeepSpeed's pipeline engine refuses ZeRO-2 and ZeRO-3: they are planned at p = 1 only; "
+            "add ZeRO stage 0 or 1",
         )
     bad_chunks = [v for v in request.chunks if v < 2]
     if bad_chunks:
@@ -280,7 +289,13 @@ def plan_homogeneous(
     phases["rank"], clock = time.perf_counter() - clock, time.perf_counter()
     chosen_entry = ranking.top[0]
     if request.for_deepspeed and not chosen_entry[1].deepspeed_runnable:
+        zero_only = _zero_not_run(chosen_entry[1])  # its schedule runs; its ZeRO stage does not
         if ranking.best_runnable is None:
+            if zero_only:
+                raise InfeasibleError(
+                    f"only ZeRO stages pipectl's runtime cannot run fit (best: {chosen_entry[1].describe()})",
+                    hint="plan with --any-engine to see them; pipectl's runtime trains with ZeRO-1",
+                )
             raise InfeasibleError(
                 "only schedules DeepSpeed's pipeline engine cannot run fit "
                 f"(best: {chosen_entry[1].describe()})",
@@ -288,11 +303,19 @@ def plan_homogeneous(
             )
         best, scope = goal.best_words(chosen_entry[0])
         runnable, runnable_scope = goal.best_words(ranking.best_runnable[0])
-        plan_notes.append(
-            f"{best} {scope or 'overall'} is {chosen_entry[1].describe()} "
-            f"({goal.figures(chosen_entry[1], chosen_entry[2])}), which DeepSpeed cannot run; chose the "
-            f"{runnable} DeepSpeed-runnable candidate{' ' + runnable_scope if runnable_scope else ''}"
-        )
+        if zero_only:
+            plan_notes.append(
+                f"{best} {scope or 'overall'} is {chosen_entry[1].describe()} "
+                f"({goal.figures(chosen_entry[1], chosen_entry[2])}), which pipectl's runtime cannot run "
+                f"(ZeRO-{chosen_entry[1].zero_stage}); chose the {runnable} candidate it can run"
+                f"{' ' + runnable_scope if runnable_scope else ''}"
+            )
+        else:
+            plan_notes.append(
+                f"{best} {scope or 'overall'} is {chosen_entry[1].describe()} "
+                f"({goal.figures(chosen_entry[1], chosen_entry[2])}), which DeepSpeed cannot run; chose the "
+                f"{runnable} DeepSpeed-runnable candidate{' ' + runnable_scope if runnable_scope else ''}"
+            )
         chosen_entry = ranking.best_runnable
     if goal.objective is Objective.COST_DEADLINE and not goal.meets_deadline(chosen_entry[2]):
         plan_notes.append(
@@ -302,10 +325,16 @@ def plan_homogeneous(
         missed = sum(1 for key, _, _ in ranking.top if key[0] == 1)
         if missed:
             enumeration.rejections.add(Rejection.DEADLINE, count=missed)
+    sharded_entries, sharded_notes = _gradient_sharded_comparison(pool, goal, evaluator, chosen_entry, request)
+    plan_notes += sharded_notes
     chosen = evaluator.candidate(chosen_entry[1], _device_note(chosen_entry[1], devices))
+    ranked = list(ranking.top)
+    # The best of each ZeRO-2/3 stage, when the top did not reach it: after the top (its key is
+    # no better than theirs, or it would be among them).
+    ranked += [entry for entry in sharded_entries if all(entry[1] is not spec for _, spec, _ in ranked)]
     candidates = [
         chosen if spec is chosen_entry[1] else evaluator.candidate(spec, _device_note(spec, devices))
-        for _, spec, _ in ranking.top
+        for _, spec, _ in ranked
     ]
     if not any(c is chosen for c in candidates):
         candidates.insert(0, chosen)
@@ -334,6 +363,72 @@ def plan_homogeneous(
         morph_table=morph,
         notes=plan_notes,
     )
+
+
+def _zero_not_run(spec: Spec) -> bool:
+    """Whether the runtime cannot run the spec for its ZeRO stage alone (its schedule it can run)."""
+    return spec.zero_stage not in RUNTIME_ZERO_STAGES and deepspeed_runnable(spec.variant.kind, spec.variant.chunks)
+
+
+def _best_of(specs: list[Spec], goal: Goal, evaluator: Evaluator) -> tuple[tuple, Spec, float] | None:
+    """The best of `specs` by the goal: branch and bound as `rank` with k = 1 (times a spec only
+    while its bound can beat the best found)."""
+    best = None
+    for spec in sorted(specs, key=goal.bound_key):
+        if best is not None and goal.bound_key(spec) >= best[0]:
+            break
+        step = evaluator.step_seconds(spec)
+        key = goal.key(spec, step)
+        if best is None or key < best[0]:
+            best = (key, spec, step)
+    return best
+
+
+def _gradient_sharded_comparison(
+    pool: list[Spec], goal: Goal, evaluator: Evaluator, chosen: tuple[tuple, Spec, float], request: PlanRequest
+) -> tuple[list[tuple[tuple, Spec, float]], list[str]]:
+    """Per ZeRO stage 2 or 3 asked for: its best candidate (p = 1 only) and a note saying whether
+    it beats the best candidate pipectl's runtime can run (the chosen one, unless --any-engine chose
+    another) or loses to it. The runtime trains with ZeRO-1, so these are planned only."""
+    entries: list[tuple[tuple, Spec, float]] = []
+    notes: list[str] = []
+    stages = sorted({z for z in request.zero_stages if z >= 2})
+    if not stages:
+        return entries, notes
+    runnable = chosen if chosen[1].deepspeed_runnable else _best_of(
+        [spec for spec in pool if spec.deepspeed_runnable], goal, evaluator
+    )
+    for stage in stages:
+        label = f"ZeRO-{stage} (planned at p = 1 only: DeepSpeed's pipeline engine refuses it with p > 1)"
+        best = _best_of([spec for spec in pool if spec.zero_stage == stage], goal, evaluator)
+        if best is None:
+            notes.append(f"{label}: no one-stage layout with ZeRO-{stage} fits")
+            continue
+        entries.append(best)
+        figures = f"{best[1].describe()} ({goal.figures(best[1], best[2])})"
+        if runnable is None:
+            notes.append(f"{label}: best {figures}; no candidate pipectl's runtime can run fits")
+            continue
+        other = f"{runnable[1].describe()} ({goal.figures(runnable[1], runnable[2])})"
+        ratio = _ratio(best, runnable, goal)
+        if best[0] < runnable[0]:
+            verdict = f"beats the best candidate pipectl's runtime can run, {other}{ratio}"
+        else:
+            verdict = f"loses to the best candidate pipectl's runtime can run, {other}{ratio}"
+        chosen_it = " (chosen: --any-engine)" if best[1] is chosen[1] else ""
+        notes.append(f"{label}: best {figures}{chosen_it} {verdict}; pipectl's runtime trains with ZeRO-1 only")
+    return entries, notes
+
+
+def _ratio(entry: tuple[tuple, Spec, float], other: tuple[tuple, Spec, float], goal: Goal) -> str:
+    """', 0.82x its step time' (or its cost per sample under a cost objective); '' when they are
+    ranked on different footings (one meets a deadline, the other not)."""
+    if goal.objective is Objective.TIME:
+        return f": {entry[2] / other[2]:.2f}x its step time"
+    mine, theirs = goal.cost_per_sample(entry[1], entry[2]), goal.cost_per_sample(other[1], other[2])
+    if goal.objective is Objective.COST_DEADLINE and entry[0][0] != other[0][0]:
+        return ""
+    return f": {mine / theirs:.2f}x its cost per sample" if theirs > 0 else ""
 
 
 def _device_note(spec: Spec, devices: int) -> list[str]:

@@ -4,7 +4,9 @@ working memory of its largest layer, and the optimizer step's peak.
 Model state (SPEC §3; ZeRO, Rajbhandari et al. 2020, §5.1): mixed-precision Adam holds 16 bytes per
 parameter while micro-batches run, 2 for the 16-bit weights, 2 for their gradients and 12 for the
 fp32 optimizer state (master weights, momentum, variance); fp32 training holds 4 + 4 + 8 = 16 as
-well. ZeRO stage 1 shards the optimizer part over the d data-parallel replicas. PipeDream-2BW keeps a
+well. ZeRO stage 1 shards the optimizer part over the d data-parallel replicas, stage 2 the
+gradients too, stage 3 the weights too (ZeRO §5.1-5.3; stages 2 and 3 only at p = 1, where
+DeepSpeed's ordinary engine runs them: its pipeline engine refuses them). PipeDream-2BW keeps a
 second copy of the weights (Narayanan et al. 2021, §3.1). Tensor parallelism (Megatron) splits a
 stage's transformer blocks over its t devices; embeddings, the final norm and the head are
 replicated on each.
@@ -17,7 +19,24 @@ for its update) to the 16 above. Both of these belong to the optimizer partition
 shards them too. The activations are freed by then, so a rank's peak is the larger of
 
     training:  parameters x state bytes + in-flight activations + recompute buffer + working memory
+               (+ ZeRO-2/3's transient whole tensors, below)
     step:      parameters x step bytes (24 per parameter at d = 1 for 16-bit training, 20 for fp32)
+
+Bytes per parameter by ZeRO stage (16-bit training: weights w = 2, gradients g = 2, optimizer
+o = 12, the step's extra s = 8; fp32: 4, 4, 8, 4):
+
+    stage   training                step
+    0       w + g + o               w + g + o + s
+    1       w + g + o/d             w + g + (o + s)/d
+    2       w + (g + o)/d           w + (g + o + s)/d
+    3       (w + g + o)/d           (w + g + o + s)/d
+
+Sharded tensors are whole for a while (`sharded_transient_bytes`, with d > 1 only): under ZeRO-2 a
+layer's gradient is produced whole and kept until its reduce-scatter has run, so the largest
+layer's gradient (g x its parameters) is added to the training peak (DeepSpeed's reduce bucket,
+sized to one layer); under ZeRO-3 the weights of the layer running and of the one prefetched
+are gathered whole, plus the running layer's whole gradient: w x the largest two adjacent layers'
+parameters + g x the largest layer's. The optimizer step works on shards only.
 
 A layer's working memory is what its forward and backward allocate and free again beyond its
 weights, gradients, saved activations and output: the head's fp32 logits, log-probabilities and
@@ -88,8 +107,20 @@ _STATE_BYTES = {
 }
 
 
+def _sharded(weights: float, gradients: float, optimizer: float, zero_stage: int, data_parallel: int) -> float:
+    """weights + gradients + optimizer bytes per parameter, each divided by d where the stage shards it."""
+    d = data_parallel
+    if zero_stage >= 1:
+        optimizer /= d
+    if zero_stage >= 2:
+        gradients /= d
+    if zero_stage >= 3:
+        weights /= d
+    return weights + gradients + optimizer
+
+
 def state_bytes_per_parameter(dtype: str, zero_stage: int, data_parallel: int, weight_versions: int = 1) -> float:
-    """Bytes of model state per parameter held on a device.
+    """Bytes of model state per parameter held on a device (the table in the module docstring).
 
     >>> state_bytes_per_parameter("bfloat16", 0, 8)
     16.0
@@ -97,16 +128,18 @@ def state_bytes_per_parameter(dtype: str, zero_stage: int, data_parallel: int, w
     7.0
     >>> state_bytes_per_parameter("float32", 0, 1, weight_versions=2)  # 2BW: a second weight copy
     20.0
+    >>> state_bytes_per_parameter("bfloat16", 2, 4)  # 2 + (2 + 12)/4
+    5.5
+    >>> state_bytes_per_parameter("bfloat16", 3, 4)  # (2 + 2 + 12)/4
+    4.0
     """
     weights, gradients, optimizer, _ = _STATE_BYTES.get(dtype, _STATE_BYTES["float32"])
-    if zero_stage >= 1:
-        optimizer /= data_parallel
-    return weights * weight_versions + gradients + optimizer
+    return _sharded(weights * weight_versions, gradients, optimizer, zero_stage, data_parallel)
 
 
 def step_bytes_per_parameter(dtype: str, zero_stage: int, data_parallel: int, weight_versions: int = 1) -> float:
     """Bytes per parameter at the optimizer step's peak: the held state plus the step's fp32
-    gradient copy and Adam's temporaries, sharded with the optimizer state under ZeRO-1.
+    gradient copy and Adam's temporaries, sharded with the optimizer state from ZeRO-1 on.
 
     >>> step_bytes_per_parameter("bfloat16", 0, 8)  # the H100 measurement: 22-24
     24.0
@@ -114,12 +147,35 @@ def step_bytes_per_parameter(dtype: str, zero_stage: int, data_parallel: int, we
     9.0
     >>> step_bytes_per_parameter("float32", 0, 1)
     20.0
+    >>> step_bytes_per_parameter("bfloat16", 2, 4)  # 2 + (2 + 12 + 8)/4
+    7.5
+    >>> step_bytes_per_parameter("bfloat16", 3, 4)  # (2 + 2 + 12 + 8)/4
+    6.0
     """
     weights, gradients, optimizer, step = _STATE_BYTES.get(dtype, _STATE_BYTES["float32"])
-    optimizer += step
-    if zero_stage >= 1:
-        optimizer /= data_parallel
-    return weights * weight_versions + gradients + optimizer
+    return _sharded(weights * weight_versions, gradients, optimizer + step, zero_stage, data_parallel)
+
+
+def sharded_transient_bytes(layer_parameters: Sequence[float], dtype: str, zero_stage: int, data_parallel: int) -> float:
+    """Bytes ZeRO-2/3 hold whole for a while during a micro-batch, on top of the sharded state
+    (module docstring); 0 for stages 0 and 1 and at d = 1 (nothing is sharded then).
+    `layer_parameters`: each layer's parameters on the rank (after the tensor split), in order.
+
+    >>> sharded_transient_bytes([10, 40, 40, 30], "bfloat16", 2, 4)  # g x 40
+    80.0
+    >>> sharded_transient_bytes([10, 40, 40, 30], "bfloat16", 3, 4)  # w x (40 + 40) + g x 40
+    240.0
+    >>> sharded_transient_bytes([10, 40, 40, 30], "bfloat16", 3, 1), sharded_transient_bytes([10], "float32", 1, 8)
+    (0.0, 0.0)
+    """
+    if zero_stage < 2 or data_parallel <= 1 or not layer_parameters:
+        return 0.0
+    weights, gradients, _, _ = _STATE_BYTES.get(dtype, _STATE_BYTES["float32"])
+    largest = float(max(layer_parameters))
+    if zero_stage == 2:
+        return gradients * largest
+    pairs = [float(a) + float(b) for a, b in zip(layer_parameters, layer_parameters[1:])] or [largest]
+    return weights * max(pairs) + gradients * largest
 
 
 def weight_versions(kind: ScheduleKind) -> int:
@@ -317,33 +373,41 @@ class StageMemory:
                 working[rank] = max(working[rank], table.working(start, end))
         return cls(parameters, unit, buffer, working)
 
-    def per_rank_bytes(self, state_bytes, step_bytes, units) -> np.ndarray:
+    def per_rank_bytes(self, state_bytes, step_bytes, units, transient_bytes=0.0) -> np.ndarray:
         """Peak allocated bytes per rank (`peak_bytes`). Scalars give one row; a column of bytes per
-        parameter with a row of units per rank for each gives one row per demand."""
+        parameter with a row of units per rank for each gives one row per demand.
+        `transient_bytes`: ZeRO-2/3's whole tensors (`sharded_transient_bytes`), training only."""
         return peak_bytes(
             self.parameters, self.unit_bytes, self.recompute_buffer_bytes, self.working_bytes,
-            state_bytes, step_bytes, np.asarray(units),
+            state_bytes, step_bytes, np.asarray(units), transient_bytes,
         )
 
     def estimate(
         self, state_bytes: float, step_bytes: float, units: Sequence[int], capacity_bytes: float,
-        reserved_per_allocated: float = 1.0,
+        reserved_per_allocated: float = 1.0, transient_bytes: float = 0.0,
     ) -> MemoryEstimate:
-        per_rank = self.per_rank_bytes(state_bytes, step_bytes, units)
+        per_rank = self.per_rank_bytes(state_bytes, step_bytes, units, transient_bytes)
         return MemoryEstimate(tuple(int(x) for x in np.ceil(per_rank)), int(capacity_bytes), reserved_per_allocated)
 
-    def fits(self, state_bytes: float, step_bytes: float, units: Sequence[int], capacity_bytes: float) -> bool:
-        return bool((self.per_rank_bytes(state_bytes, step_bytes, units) <= capacity_bytes).all())
+    def fits(
+        self, state_bytes: float, step_bytes: float, units: Sequence[int], capacity_bytes: float,
+        transient_bytes: float = 0.0,
+    ) -> bool:
+        return bool((self.per_rank_bytes(state_bytes, step_bytes, units, transient_bytes) <= capacity_bytes).all())
 
 
-def peak_bytes(parameters, unit_bytes, buffer_bytes, working_bytes, state_bytes, step_bytes, units) -> np.ndarray:
+def peak_bytes(
+    parameters, unit_bytes, buffer_bytes, working_bytes, state_bytes, step_bytes, units, transient_bytes=0.0
+) -> np.ndarray:
     """Peak allocated bytes of ranks, element-wise over numpy arrays: the larger of the training
-    peak (parameters x state bytes + units x unit bytes + recompute buffer + working memory) and the
-    optimizer step's (parameters x step bytes). The one definition the search's batched checks
-    share; `RangeMemory.stage_bytes` and `FurthestFittingEnds` write the same expression for one
-    stage, in the same order."""
+    peak (parameters x state bytes + units x unit bytes + recompute buffer + working memory, + ZeRO-2/3's
+    transient whole tensors) and the optimizer step's (parameters x step bytes). The one
+    definition the search's batched checks share; `RangeMemory.stage_bytes` and
+    `FurthestFittingEnds` write the same expression for one stage, in the same order (without the
+    transient term: ZeRO-2/3 are p = 1 only, checked on their one cut). Adding a 0.0 transient is
+    exact, so stages 0 and 1 get the same figures as without it."""
     training = parameters * state_bytes + units * unit_bytes + buffer_bytes
-    return np.maximum(training + working_bytes, parameters * step_bytes)
+    return np.maximum(training + working_bytes + transient_bytes, parameters * step_bytes)
 
 
 def stage_holding(stage_layers: Sequence[tuple[int, int]], index: int) -> int:

@@ -6,7 +6,10 @@ The B/b micro-batches of a step are dealt out over the d replicas: B/(d*b) each 
 B/b, else ⌈·⌉ or ⌊·⌋ (`balanced_shares`, VirtualFlow's uneven virtual nodes; the slowest replica,
 with ⌈·⌉, sets the step and the memory), so B is never rounded and every device count has
 candidates. Schedules 1f1b, gpipe, interleaved (v ∈ {2, 4} when p*v ≤ layers and p | m on every
-replica) and Varuna; PipeDream-2BW only when asked for (always flagged).
+replica) and Varuna; PipeDream-2BW only when asked for (always flagged). ZeRO stages as asked, 2
+and 3 at p = 1 only (DeepSpeed's pipeline engine refuses them with p > 1, so deeper pipelines
+never get those points: they are outside the space, not rejected), always flagged (pipectl's
+runtime trains with ZeRO-1).
 
 `enumerate_specs` visits them. The cut of each (t, b, recompute, p*v) is the balanced partition;
 a point that does not fit in memory tries the cut that fills later stages first and then the
@@ -18,6 +21,7 @@ inputs, so they can be spread over processes (`pipectl.plan.workers`).
 
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -25,7 +29,7 @@ from typing import Iterable
 
 import numpy as np
 
-from pipectl.artifacts.plan import PlanRequest
+from pipectl.artifacts.plan import RUNTIME_ZERO_STAGES, PlanRequest
 from pipectl.artifacts.profile import ModelProfile
 from pipectl.plan.candidates import (
     Rejection,
@@ -39,6 +43,7 @@ from pipectl.plan.candidates import (
     specs_from_points,
     state_bytes,
     step_bytes,
+    transient_bytes,
 )
 from pipectl.plan.costs import TRANSFORMER_BLOCK, Hardware
 from pipectl.plan.layer_table import layer_table
@@ -206,20 +211,26 @@ class _UnitContext:
         self.layers = len(profile.layers)
         self.capacity = hardware.memory_bytes
         self.budget = hardware.memory_budget
-        # The least model state a device can hold: every parameter once, ZeRO-1 over the largest d,
-        # at the optimizer step (its bytes per parameter are the training ones and more).
+        # The least model state a device can hold: every parameter once, the most sharding asked
+        # for over the largest d, at the optimizer step (its bytes per parameter are the training
+        # ones and more); per depth kind (one stage or more), as ZeRO-2/3 only shard at p = 1.
         self.model_parameters = layer_table(profile, space.micro_batch_sizes[0]).parameters(0, self.layers)
-        self.lightest_state = min(
-            step_bytes(profile.dtype, zero, max(divisors(space.global_batch)), variant.kind)
-            for zero in space.zero_stages for variant in space.variants
-        )
+        self.lightest_state = {
+            one_stage: min(
+                (step_bytes(profile.dtype, zero, max(divisors(space.global_batch)), variant.kind)
+                 for zero in zero_stages_at(space.zero_stages, one_stage) for variant in space.variants),
+                default=math.inf,
+            )
+            for one_stage in (True, False)
+        }
 
     def _depths(self) -> Iterable[int]:
         return [self.space.pipeline_parallel] if self.space.pipeline_parallel else range(1, self.layers + 1)
 
     def _least_state_bytes(self, t: int, p: int) -> float:
-        """The least model state a device of a (t, p) pipeline can hold."""
-        return self.model_parameters / (t * p) * self.lightest_state
+        """The least model state a device of a (t, p) pipeline can hold (infinite where no ZeRO
+        stage asked for applies at p)."""
+        return self.model_parameters / (t * p) * self.lightest_state[p == 1]
 
     def estimated_families(self, t: int) -> int:
         """Families of one (t, b) unit that get past the model-state test: the unit's share of the work."""
@@ -237,6 +248,8 @@ class _UnitContext:
                     break
                 if recompute and p == 1:
                     continue  # one stage is the last stage: it never recomputes
+                if not zero_stages_at(space.zero_stages, p == 1):
+                    continue  # only ZeRO-2/3 asked for: one stage only
                 least = self._least_state_bytes(t, p)
                 if least > capacity:
                     rejections.add(
@@ -298,9 +311,16 @@ class _UnitContext:
         # Largest d first: the least memory per device (smaller m, more ZeRO sharding), so a demand
         # that does not fit rules out every stricter one without partitioning again.
         per_d = []
+        # ZeRO-2/3 points (p = 1 only) are checked on their one cut below, not by the family's
+        # remembered demands: their whole-tensor transients are not bytes per parameter.
+        gradients_sharded: list[tuple[int, int, int]] = []
         for d in sorted(ds, reverse=True):
             m = -(-B // (d * b))  # the most micro-batches a replica runs (`balanced_shares`)
-            zeros = _zeros_descending(d, space.zero_stages)
+            zeros = _zeros_descending(d, space.zero_stages, p == 1)
+            gradients_sharded += [(d, m, zero) for zero in zeros if zero >= 2]
+            zeros = tuple(zero for zero in zeros if zero < 2)
+            if not zeros:
+                continue
             if v > 1 and (m % p or B % (d * b)):
                 per_d.append((d, m, zeros, None, ()))
                 continue
@@ -342,6 +362,46 @@ class _UnitContext:
                     )
                     continue
                 accepted.append((fitted, variant, (d, m, zero, state, units)))
+        # Largest d first: a stage that does not fit at some d fits at no smaller one (its state
+        # per parameter only grows as d shrinks, its in-flight micro-batches too, and d = 1 drops
+        # a transient smaller than what d = 2 shards: at most w + g bytes per parameter of w + g + o).
+        too_big: set[int] = set()
+        for d, m, zero in gradients_sharded:
+            if zero in too_big:
+                out.rejections.add(Rejection.MEMORY)
+            elif not self._sharded_point(family, variant, d, m, zero, out):
+                too_big.add(zero)
+
+    def _sharded_point(
+        self, family: "_Family", variant: ScheduleVariant, d: int, m: int, zero: int, out: _UnitResult
+    ) -> bool:
+        """A ZeRO-2/3 point of a one-stage family: its one cut fits, with the stage's transient
+        whole tensors (`transient_bytes`), or is rejected for memory. Whether it fits."""
+        kind, dtype = family.kind, self.profile.dtype
+        shape = family.shape  # one stage: every layer
+        units = in_flight_units(kind, 1, m)
+        state, step = state_bytes(dtype, zero, d, kind), step_bytes(dtype, zero, d, kind)
+        transient = transient_bytes(shape, dtype, zero, d)
+        if shape.memory.fits(state, step, units, self.capacity, transient):
+            out.accepted.append((shape, variant, (d, m, zero, state, units)))
+            return True
+        rejections = out.rejections
+        if Rejection.MEMORY in rejections.examples:
+            rejections.add(Rejection.MEMORY)
+            return False
+        needs = shape.memory.per_rank_bytes(state, step, units, transient)[0]
+        rejections.add(
+            Rejection.MEMORY,
+            f"t={family.t} p=1 d={d} b={family.b} {variant.label} zero={zero}: stage 0 needs "
+            f"{format_gib(self.budget.reserved(needs))} > {format_gib(self.budget.usable_bytes)}",
+        )
+        return False
+
+
+def zero_stages_at(zero_stages: Iterable[int], one_stage: bool) -> tuple[int, ...]:
+    """The ZeRO stages asked for that apply at a depth: all of them for one stage, 0 and 1 for a
+    pipeline (DeepSpeed's pipeline engine refuses ZeRO-2/3)."""
+    return tuple(zero for zero in zero_stages if one_stage or zero < 2)
 
 
 def _variants_for(variants: Iterable[ScheduleVariant], p: int, recompute: bool) -> list[ScheduleVariant]:
@@ -372,13 +432,18 @@ def _keeps_input_only(stages: int, recomputes: bool) -> tuple[bool, ...]:
 
 
 @lru_cache(maxsize=1024)
-def _zeros_descending(d: int, zero_stages: tuple[int, ...]) -> tuple[int, ...]:
-    """The ZeRO stages tried at d, largest (least memory) first."""
+def _zeros_descending(d: int, zero_stages: tuple[int, ...], one_stage: bool = False) -> tuple[int, ...]:
+    """The ZeRO stages tried at d and a depth (`zero_stages_at`), largest (least memory) first."""
+    stages = zero_stages_at(zero_stages, one_stage)
+    if not stages:
+        return ()
     if d == 1:
         # Without data parallelism no stage shards anything: one candidate, labelled with the
-        # largest stage asked for (the runtime's own, ZeRO-1, unless only 0 was asked).
-        return (max(zero_stages),)
-    return tuple(sorted(zero_stages, reverse=True))
+        # largest stage asked for that the runtime runs (ZeRO-1), else the smallest asked for
+        # (0 when only 0 was asked; 2 when only 2 and 3 were, at p = 1).
+        runnable = [zero for zero in stages if zero in RUNTIME_ZERO_STAGES]
+        return (max(runnable),) if runnable else (min(stages),)
+    return tuple(sorted(stages, reverse=True))
 
 
 class _Family:

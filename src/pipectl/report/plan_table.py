@@ -12,10 +12,11 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from pipectl.artifacts.plan import Candidate, Plan, ReplicaShare
+from pipectl.artifacts.plan import RUNTIME_ZERO_STAGES, Candidate, Plan, ReplicaShare
 from pipectl.artifacts.profile import ModelProfile
 from pipectl.plan.flops import Utilisation, plan_layer_flops, utilisation
 from pipectl.runtime.checkpoint_schedule import DEVICE_MTBF_HOURS, young_daly_seconds
+from pipectl.schedule import deepspeed_runnable
 from pipectl.words import count
 
 GIB = 1024**3
@@ -227,7 +228,9 @@ def plan_view(plan: Plan, *, top: int = 10, show_morph: bool = True, profile: Mo
     """Everything `pipectl plan` prints: the ranking, the chosen plan (with its predicted MFU and
     HFU when `profile`, the plan's own, gives the precision), notes, the morph table."""
     c = plan.chosen
-    shown = plan.candidates[:top]
+    # The top, and the best ZeRO-2/3 candidates the planner keeps after it (`--zero-stages 1,2,3`):
+    # their rows say what those stages would give even where they are not among the fastest.
+    shown = plan.candidates[:top] + [cand for cand in plan.candidates[top:] if cand.zero_stage >= 2]
     utilisations = plan_utilisations(plan, profile, [c, *shown]) if profile is not None else []
     headline = Text.assemble(
         ("chosen: ", "bold"),
@@ -245,8 +248,15 @@ def plan_view(plan: Plan, *, top: int = 10, show_morph: bool = True, profile: Mo
     ]
     if utilisations:
         parts.append(Text(utilisation_line(utilisations[0])))
-    if any(not cand.deepspeed_runnable for cand in plan.candidates[:top]):
+    flagged = [cand for cand in shown if not cand.deepspeed_runnable]
+    if any(not deepspeed_runnable(cand.schedule, cand.chunks) for cand in flagged):
         parts.append(Text("* DeepSpeed's pipeline engine cannot run this schedule (plan and simulate only)", style="dim"))
+    stages = sorted({cand.zero_stage for cand in flagged if cand.zero_stage not in RUNTIME_ZERO_STAGES})
+    if stages:
+        parts.append(Text(
+            f"* {', '.join(f'ZeRO-{z}' for z in stages)}: pipectl's runtime trains with ZeRO-1 only (plan and simulate "
+            f"only){'; ZeRO-2 and ZeRO-3 are planned at p = 1 only' if stages[-1] >= 2 else ''}", style="dim",
+        ))
     for note in [*plan.notes, *c.notes]:
         parts.append(Text(f"note: {note}", style="yellow"))
     if c.replicas:
