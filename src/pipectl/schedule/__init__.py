@@ -15,6 +15,7 @@ from pipectl.schedule.generators import (
     pipedream_2bw,
     varuna,
     weight_version,
+    zb_h1,
 )
 from pipectl.schedule.ir import Action, ActionKind, Schedule, ScheduleKind
 from pipectl.schedule.twobw import (
@@ -60,4 +61,5 @@ __all__ = [
     "two_bw_order",
     "varuna",
     "weight_version",
+    "zb_h1",
 ]

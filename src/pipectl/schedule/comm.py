@@ -37,7 +37,7 @@ from pipectl.schedule.validate import validate
 F, B, R = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.RECOMPUTE
 
 # Uniform durations used only to pick a global order (any positive values give a valid order).
-_ORDERING_SECONDS = {F: 1.0, B: 2.0, R: 1.0}
+_ORDERING_SECONDS = {F: 1.0, B: 2.0, R: 1.0, ActionKind.BACKWARD_INPUT: 1.0, ActionKind.BACKWARD_WEIGHT: 1.0}
 
 
 def add_communication(schedule: Schedule) -> Schedule:
@@ -96,6 +96,6 @@ def _transfers_after(action: Action, last_stage: int) -> list[tuple[Action, Acti
     s, i = action.stage, action.microbatch
     if action.kind is F and s < last_stage:
         return [(Action(s, ActionKind.SEND_FORWARD, i), Action(s + 1, ActionKind.RECV_FORWARD, i))]
-    if action.kind is B and s > 0:
+    if action.kind.computes_input_gradient and s > 0:  # B, or I of a split backward
         return [(Action(s, ActionKind.SEND_BACKWARD, i), Action(s - 1, ActionKind.RECV_BACKWARD, i))]
     return []

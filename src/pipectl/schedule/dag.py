@@ -21,11 +21,16 @@ ActionKey = tuple[ActionKind, int, int]
 
 
 def dependency(action: Action, last_stage: int) -> ActionKey | None:
-    """The cross-stage action this one waits for: F(s−1, i) for F(s, i), B(s+1, i) for B(s, i)."""
+    """The cross-stage action this one waits for: F(s−1, i) for F(s, i), B(s+1, i) for B(s, i).
+
+    In a split-backward schedule (zero bubble) I(s, i) waits for I(s+1, i); W(s, i) waits only for
+    its own I(s, i), on the same rank (list order). A schedule splits the backward on every stage
+    or on none.
+    """
     if action.kind is ActionKind.FORWARD and action.stage > 0:
         return (ActionKind.FORWARD, action.stage - 1, action.microbatch)  # type: ignore[return-value]
-    if action.kind is ActionKind.BACKWARD and action.stage < last_stage:
-        return (ActionKind.BACKWARD, action.stage + 1, action.microbatch)  # type: ignore[return-value]
+    if action.kind.computes_input_gradient and action.stage < last_stage:
+        return (action.kind, action.stage + 1, action.microbatch)  # type: ignore[return-value]
     return None
 
 
@@ -39,7 +44,7 @@ def execution_order(schedule: Schedule) -> list[tuple[int, Action]]:
     that input is produced; ranks left waiting mean a cycle (a deadlock), reported as a grid with
     each stuck rank marked.
     """
-    forward, backward = ActionKind.FORWARD, ActionKind.BACKWARD
+    forward, backward, backward_input = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT
     last_stage = schedule.virtual_stages - 1
     ranks = sorted(schedule.actions)
     # per rank: (action, its own key or None, the key it waits for or None, index in the rank's list)
@@ -54,8 +59,8 @@ def execution_order(schedule: Schedule) -> list[tuple[int, Action]]:
             own = None if microbatch is None else (kind, stage, microbatch)
             if kind is forward and stage > 0:
                 needed: ActionKey | None = (forward, stage - 1, microbatch)  # type: ignore[assignment]
-            elif kind is backward and stage < last_stage:
-                needed = (backward, stage + 1, microbatch)  # type: ignore[assignment]
+            elif (kind is backward or kind is backward_input) and stage < last_stage:
+                needed = (kind, stage + 1, microbatch)  # type: ignore[assignment]
             else:
                 needed = None
             entries.append((action, own, needed, step))

@@ -294,3 +294,42 @@ def generate_for_stage_times(
         return generate(kind, pipeline_parallel, micro_batches, chunks, recompute,
                         forward_seconds=forward_seconds, backward_seconds=backward_seconds)  # fmt: skip
     return generate(kind, pipeline_parallel, micro_batches, chunks, recompute)
+
+
+def zb_h1(pipeline_parallel: int, micro_batches: int) -> Schedule:
+    """ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, §3): 1F1B with every
+    backward split into I (input gradient, what the previous stage waits for) and W (weight
+    gradient, which nothing downstream waits for), and W's postponed into the drain.
+
+    Stage s runs 1F1B's w = min(p−s−1, m) warm-up forwards, then F/I pairs with I in B's place;
+    it runs W(i) right after I(i + d), d = min(s, m) (the last stage postpones the most), and the d
+    W's still due at the end close the step. At most w + 1 + d ≤ p micro-batches are in flight on
+    any stage, 1F1B's peak: ZB-H1 trades no memory for its smaller bubble (with t_I = t_W the
+    drain's idle time shrinks to about a third).
+
+    The IR has no ScheduleKind of its own for it yet (`generate` dispatches only the established
+    kinds, and the simulator does not time I/W): the result carries `ScheduleKind.ONE_F_ONE_B`,
+    whose order it keeps. Only the torch pipelining path runs it; DeepSpeed's engine cannot.
+
+    >>> print(zb_h1(2, 3).to_text(), end="")
+    # 1f1b p=2 m=3 v=1
+    0: 0F0 0F1 0I0 0W0 0F2 0I1 0W1 0I2 0W2 0AR 0STEP
+    1: 1F0 1I0 1F1 1I1 1W0 1F2 1I2 1W1 1W2 1AR 1STEP
+    """
+    I, W = ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT
+    p, m = pipeline_parallel, micro_batches
+    _check_degrees(p, m)
+    compute = []
+    for s, order in enumerate(_one_f_one_b_order(p, m)):
+        delay = min(s, m)
+        out: list[Action] = []
+        for action in order:
+            if action.kind is not B:
+                out.append(action)
+                continue
+            out.append(Action(s, I, action.microbatch))
+            if action.microbatch >= delay:
+                out.append(Action(s, W, action.microbatch - delay))
+        out.extend(Action(s, W, i) for i in range(m - delay, m))
+        compute.append(out)
+    return _finish(ScheduleKind.ONE_F_ONE_B, p, m, 1, compute)

@@ -36,10 +36,27 @@ class ActionKind(str, Enum):
     RECV_BACKWARD = "RB"  # receive the gradient of this micro-batch's output from the next stage
     ALL_REDUCE = "AR"  # data-parallel gradient all-reduce of this stage's parameters
     OPTIMIZER_STEP = "STEP"
+    # The split backward of the zero-bubble schedules: I(i) computes the gradient of the stage's
+    # input (what the previous stage waits for), W(i) later the gradient of its weights. A stage
+    # runs either B(i) or I(i) then W(i) for each micro-batch. DeepSpeed's engine cannot run them;
+    # the torch pipelining path (`pipectl.runtime.torch_pipeline`) can.
+    BACKWARD_INPUT = "I"
+    BACKWARD_WEIGHT = "W"
 
     @property
     def is_compute(self) -> bool:
-        return self in (ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.RECOMPUTE)
+        return self in (
+            ActionKind.FORWARD,
+            ActionKind.BACKWARD,
+            ActionKind.RECOMPUTE,
+            ActionKind.BACKWARD_INPUT,
+            ActionKind.BACKWARD_WEIGHT,
+        )
+
+    @property
+    def computes_input_gradient(self) -> bool:
+        """B or I: the action after which the stage's input gradient exists (sent upstream)."""
+        return self in (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT)
 
     @property
     def is_p2p(self) -> bool:

@@ -5,11 +5,12 @@
 1. shape: ranks 0..p−1; every action's virtual stage lives on its rank (s % p) and is < p·v;
    micro-batches < m; every rank ends with exactly one AR then one STEP;
 2. completeness: every micro-batch is forwarded and backwarded exactly once per virtual stage;
-   a recompute R(i) at most once, after its F(i) and before its B(i);
+   a recompute R(i) at most once, after its F(i) and before its B(i); a split backward is I(i)
+   then W(i) in place of B(i);
 3. communication (when the schedule has any send/receive): every boundary crossing has exactly
    one send and one receive — SF(s, i) after F(s, i) paired with RF(s+1, i) before F(s+1, i), and
-   SB(s, i) after B(s, i) paired with RB(s−1, i) before B(s−1, i) — and none between stages on the
-   same rank;
+   SB(s, i) after B(s, i) paired with RB(s−1, i) before B(s−1, i) (I in place of B where the
+   backward is split into I and W) — and none between stages on the same rank;
 4. execution under blocking point-to-point semantics (gloo: a send completes only when the
    matching receive runs, and messages between two ranks pair up in order): F(s, i) only after
    F(s−1, i), B(s, i) only after B(s+1, i); a send and its receive must be at the head of both ranks
@@ -37,6 +38,7 @@ from pipectl.schedule.grid import format_grid
 from pipectl.schedule.ir import Action, ActionKind, Schedule
 
 F, B, R = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.RECOMPUTE
+I, W = ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT
 SF, RF, SB, RB = (
     ActionKind.SEND_FORWARD,
     ActionKind.RECV_FORWARD,
@@ -110,6 +112,16 @@ def _check_completeness(schedule: Schedule, positions: dict[Key, tuple[int, int]
             f = positions.get((F, s, i))
             b = positions.get((B, s, i))
             r = positions.get((R, s, i))
+            split_i, split_w = positions.get((I, s, i)), positions.get((W, s, i))
+            if split_i is not None or split_w is not None:  # the zero-bubble split backward
+                if b is not None:
+                    raise _fail(schedule, f"rank {s % p} runs both {s}B{i} and a split backward of it", {s % p: b[1]})
+                if split_i is None or split_w is None:
+                    missing = Action(s, I if split_i is None else W, i)
+                    raise _fail(schedule, f"rank {s % p} never runs {missing} (the other half of its split backward)", {})
+                if split_w[1] < split_i[1]:
+                    raise _fail(schedule, f"rank {s % p} runs {s}W{i} before {s}I{i}", {s % p: split_w[1]})
+                b = split_i  # I plays B's part below: after F (and after R)
             if f is None or b is None:
                 missing = Action(s, F if f is None else B, i)
                 raise _fail(schedule, f"rank {s % p} never runs {missing}", {})
@@ -136,6 +148,8 @@ def _check_communication(schedule: Schedule, positions: dict[Key, tuple[int, int
         if kind not in rules:
             continue
         compute, after, offset = rules[kind]
+        if compute is B and (B, stage, i) not in positions and (I, stage, i) in positions:
+            compute = I  # a split backward: its input gradient comes from I
         peer = stage + offset
         action = Action(stage, kind, i)
         if not 0 <= peer < stages or schedule.rank_of(peer) == rank:
