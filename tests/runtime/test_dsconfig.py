@@ -95,14 +95,21 @@ def test_unknown_optimizer_is_rejected():
 @pytest.mark.parametrize(
     "extra,message",
     [
-        ({"zero_stage": 2}, "ZeRO stage 2"),
-        ({"zero_stage": 0}, "ZeRO stage 0; pipectl trains with ZeRO-1 only"),
+        ({"zero_stage": 2}, "ZeRO stage 2 for t1 p2"),
+        ({"zero_stage": 0}, "ZeRO stage 0 for t1 p2; pipectl trains with ZeRO-1"),
+        ({"zero_stage": 3, "p": 1, "d": 2, "m": 2}, "ZeRO stage 3 for t1 p1"),
         ({"deepspeed_runnable": False}, "cannot run in DeepSpeed"),
     ],
 )
 def test_plans_deepspeed_cannot_run_are_rejected(extra, message):
     with pytest.raises(DeepSpeedConfigRejected, match=message):
         validated_config(make_plan(make_candidate(**extra)))
+
+
+def test_a_one_stage_zero2_plan_is_a_valid_deepspeed_config():
+    """DeepSpeed's ordinary engine runs it (`runtime/plain.py`); its parser accepts the config."""
+    config = validated_config(make_plan(make_candidate(p=1, d=2, m=2, zero_stage=2)))
+    assert config["zero_optimization"]["stage"] == 2
 
 
 def test_interleaved_chunks_are_rejected():

@@ -19,9 +19,24 @@ from pipectl.artifacts.profile import ModelProfile
 from pipectl.schedule.ir import ScheduleKind
 
 
-# The ZeRO stages pipectl's runtime trains with: 1 only, the stage whose optimizer partitions its
-# checkpoints hold and re-cut for a resize (stages 2 and 3 DeepSpeed's pipeline engine rejects). A candidate with another stage is planned for comparison only.
+# The ZeRO stages pipectl's runtime trains with in any layout: 1, the stage whose optimizer
+# partitions its checkpoints hold and re-cut for a resize. DeepSpeed's pipeline engine rejects 2
+# and 3; a one-stage plan (p = 1, t = 1) runs ZeRO-2 in DeepSpeed's ordinary engine, whose ZeRO-2
+# optimizer keeps the same partitions (`runtime_runs_zero`). A candidate with another stage is
+# planned for comparison only.
 RUNTIME_ZERO_STAGES = (1,)
+ONE_STAGE_ZERO_STAGES = (1, 2)
+
+
+def runtime_runs_zero(zero_stage: int, pipeline_parallel: int, tensor_parallel: int = 1) -> bool:
+    """Whether pipectl's runtime trains a layout of this pipeline and tensor degree with this ZeRO stage.
+
+    >>> runtime_runs_zero(1, 4), runtime_runs_zero(2, 1), runtime_runs_zero(2, 2), runtime_runs_zero(3, 1)
+    (True, True, False, False)
+    """
+    if pipeline_parallel == 1 and tensor_parallel == 1:
+        return zero_stage in ONE_STAGE_ZERO_STAGES
+    return zero_stage in RUNTIME_ZERO_STAGES
 
 
 # 2**31 samples per step: beyond any published run (GPT-3 trained with 3.2 M tokens, about 1,600

@@ -12,9 +12,10 @@ replica runs m micro-batches of b samples and accumulates their gradients, so
     {'train_batch_size': 16, 'train_micro_batch_size_per_gpu': 2, 'gradient_accumulation_steps': 4}
 
 Choices and why:
-- The plan's ZeRO stage, which must be 1 (`RUNTIME_ZERO_STAGES`): pipectl's checkpoints read and
-  write the fp32 partitions of DeepSpeed's ZeRO-1 optimizer (`engine_state`), and DeepSpeed's
-  pipeline engine rejects 2 and 3. The planner labels d = 1 candidates ZeRO-1 (they
+- The plan's ZeRO stage, which must be 1, or 2 for a one-stage plan without a tensor split
+  (`runtime_runs_zero`; DeepSpeed's ordinary engine runs it, `runtime/plain.py`): pipectl's
+  checkpoints read and write the fp32 partitions of DeepSpeed's ZeRO-1/2 optimizer
+  (`engine_state`), and DeepSpeed's pipeline engine rejects 2 and 3. The planner labels d = 1 candidates ZeRO-1 (they
   shard nothing; ZeRO-1 gave bit-identical losses to ZeRO-0 there, shared/DEEPSPEED-ON-CPU.md) and
   marks any other stage as not runnable, so a plan and its run never differ silently.
 - `"torch_adam": true`: otherwise DeepSpeed JIT-compiles its fused Adam (101 s on this machine);
@@ -30,7 +31,7 @@ import contextlib
 import logging
 from typing import Any, Iterator
 
-from pipectl.artifacts.plan import RUNTIME_ZERO_STAGES, Candidate, Plan
+from pipectl.artifacts.plan import Candidate, Plan, runtime_runs_zero
 from pipectl.artifacts.run import LrSchedule, Precision, TrainingSettings
 from pipectl.errors import UserInputError
 from pipectl.runtime.dsinit import choose_accelerator
@@ -233,10 +234,12 @@ def check_candidate(candidate: Candidate, *, global_batch: int, layers: int) -> 
             f"(= {b * m * d})",
             hint="re-plan: every candidate must keep the global batch exactly",
         )
-    if candidate.zero_stage not in RUNTIME_ZERO_STAGES:
+    if not runtime_runs_zero(candidate.zero_stage, candidate.pipeline_parallel, candidate.tensor_parallel):
         raise DeepSpeedConfigRejected(
-            f"the plan chose ZeRO stage {candidate.zero_stage}; pipectl trains with ZeRO-1 only (its "
-            f"checkpoints hold ZeRO-1's optimizer partitions; DeepSpeed's pipeline engine rejects 2 and 3)",
+            f"the plan chose ZeRO stage {candidate.zero_stage} for t{candidate.tensor_parallel} "
+            f"p{candidate.pipeline_parallel}; pipectl trains with ZeRO-1, and with ZeRO-2 when there is one "
+            f"stage and no tensor split (its checkpoints hold the ZeRO-1/2 optimizer's partitions; "
+            f"DeepSpeed's pipeline engine rejects 2 and 3)",
             hint="re-plan with --zero-stages 1 (the default)",
         )
     check_schedule(candidate)

@@ -164,6 +164,7 @@ def build_engine(job: TrainingJob, initialise: bool = True):
     from pipectl.models.tensor_parallel import new_tensor_parallel_groups, shard_model
     from pipectl.runtime.executor import plan_engine
     from pipectl.runtime.pipeline import build_pipeline_module, planned_topology
+    from pipectl.runtime.plain import LayerStack, plan_plain_engine
 
     layout = job.layout
     world = torch_dist.get_world_size()
@@ -189,9 +190,11 @@ def build_engine(job: TrainingJob, initialise: bool = True):
     module = build_pipeline_module(
         model, layout.stage_layers, topology=topology, seed=job.seed, chunks=layout.chunks, initialise=initialise
     )
+    # One stage with ZeRO-2: DeepSpeed's ordinary engine (its pipeline engine refuses ZeRO-2).
+    plain = layout.pipeline_parallel == 1 and ds_config.get("zero_optimization", {}).get("stage", 0) >= 2
     with _no_unused_grad_partition(), nullcontext() if initialise else _no_model_broadcast():
         engine, *_ = deepspeed.initialize(
-            model=module,
+            model=LayerStack(module) if plain else module,
             config=ds_config,
             model_parameters=[p for p in module.parameters() if p.requires_grad],
         )
@@ -199,6 +202,8 @@ def build_engine(job: TrainingJob, initialise: bool = True):
         layout.schedule, layout.pipeline_parallel, micro_batches, recompute=layout.recompute
     )
     slowdown = job.compute_slowdowns.get(job.replica_kinds[replica], 1.0) if job.replica_kinds else 1.0
+    if plain:
+        return model, plan_plain_engine(engine, module, schedule, compute_slowdown=slowdown)
     return model, plan_engine(engine, schedule, compute_slowdown=slowdown)
 
 
