@@ -106,6 +106,14 @@ def test_plans_deepspeed_cannot_run_are_rejected(extra, message):
         validated_config(make_plan(make_candidate(**extra)))
 
 
+def test_zero2_with_uneven_replicas_is_rejected():
+    from pipectl.artifacts.plan import replica_shares
+
+    candidate = make_candidate(p=1, d=2, m=2, zero_stage=2, replicas=replica_shares(6, 2, 2, "cpu"))
+    with pytest.raises(DeepSpeedConfigRejected, match="uneven replicas"):
+        validated_config(make_plan(candidate, global_batch=6))
+
+
 def test_a_one_stage_zero2_plan_is_a_valid_deepspeed_config():
     """DeepSpeed's ordinary engine runs it (`runtime/plain.py`); its parser accepts the config."""
     config = validated_config(make_plan(make_candidate(p=1, d=2, m=2, zero_stage=2)))

@@ -242,6 +242,15 @@ def check_candidate(candidate: Candidate, *, global_batch: int, layers: int) -> 
             f"DeepSpeed's pipeline engine rejects 2 and 3)",
             hint="re-plan with --zero-stages 1 (the default)",
         )
+    if candidate.zero_stage >= 2 and has_uneven_replicas(candidate):
+        # ZeRO-2 reduce-scatters after every micro-batch's backward: replicas running different
+        # micro-batch counts would wait on collectives the others never start.
+        raise DeepSpeedConfigRejected(
+            f"the plan chose ZeRO stage {candidate.zero_stage} with uneven replicas "
+            f"({', '.join(f'{r.micro_batch_size}x{r.micro_batches}' for r in candidate.replicas)}); ZeRO-2 reduces "
+            "gradients after every micro-batch, so every replica must run the same number",
+            hint="re-plan with --even-replicas, or with --zero-stages 1",
+        )
     check_schedule(candidate)
     if len(candidate.stage_layers) != candidate.pipeline_parallel:
         raise DeepSpeedConfigRejected(
