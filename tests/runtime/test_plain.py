@@ -60,3 +60,35 @@ def test_zero2_in_the_ordinary_engine_trains_as_zero1_and_its_checkpoint_resumes
     assert [after[s][1].split()[0] for s in range(1, STEPS + 1)] == ["t1p1d2"] * HALF + ["t1p1d1"] * (STEPS - HALF)
     for step in range(HALF + 1, STEPS + 1):
         assert after[step][0] == pytest.approx(expected[step], rel=1e-4), step
+
+
+@pytest.mark.slow
+def test_a_job_moves_live_into_and_out_of_zero2(tmp_path):
+    """Live resizes hand the ZeRO-2 optimizer's partitions over as ZeRO-1's: p = 2 (ZeRO-1) -> d = 2
+    (ZeRO-2, the ordinary engine) -> one rank, every loss the one-rank run's."""
+    import sys
+    import time
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "resize"))
+    from test_resize_live import BackgroundJob  # noqa: E402
+
+    from pipectl.resize.live import live_resize
+    from pipectl.resize.morph import decide_resize
+
+    p2 = gpt_tiny_candidate(2, 1, m=4)
+    table = [MorphEntry(devices=1, candidate=P1), MorphEntry(devices=2, candidate=ZERO2)]
+    job = BackgroundJob(plan_of(p2, global_batch=8, morph_table=table), tmp_path / "live")
+    job.wait_for_step(3)
+    for devices, layout in [(2, "t1p1d2 1f1b b2 m2"), (1, "t1p1d1 1f1b b2 m4")]:
+        result = live_resize(decide_resize(job.run_dir, devices), requested_unix=time.time())
+        assert result.record.to_layout == layout and result.record.path == "live"
+        job.wait_for_step(result.record.resume_step + 3)
+    job.stop()
+    reference = BackgroundJob(plan_of(P1, global_batch=8), tmp_path / "reference")
+    metrics = read_metrics(job.run_dir)
+    reference.wait_for_step(metrics[-1].step)
+    reference.stop()
+    expected = losses(reference.run_dir)
+    for m in metrics:
+        assert m.loss == pytest.approx(expected[m.step], rel=1e-4), m.step

@@ -197,6 +197,9 @@ def build_engine(job: TrainingJob, initialise: bool = True):
             model=LayerStack(module) if plain else module,
             config=ds_config,
             model_parameters=[p for p in module.parameters() if p.requires_grad],
+            # The ordinary engine takes its groups from the stage's grid, as the pipeline engine
+            # does (not from DeepSpeed's module-level groups, which a live resize leaves stale).
+            **({"mpu": module._grid} if plain else {}),
         )
     schedule = job.schedule or generate(
         layout.schedule, layout.pipeline_parallel, micro_batches, recompute=layout.recompute
