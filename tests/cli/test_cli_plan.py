@@ -236,3 +236,48 @@ def test_zero3_row_is_shown_flagged_after_the_top_with_its_predicted_step(tmp_pa
     assert "1f1b*" in shown and format_step(row.predicted_step_seconds) in shown
     assert "* ZeRO-3: pipectl's runtime trains with ZeRO-1 only" in result.output
     assert plan.chosen.zero_stage == 1 and plan.chosen.pipeline_parallel > 1
+
+
+def test_2bw_listed_is_priced_in_steady_state_marked_and_chosen_only_with_any_engine(profile_path, tmp_path):
+    # PipeDream-2BW (asked for with --schedules): each row is its time per update without a flush,
+    # marked "(steady)", its notes give the flushed 1F1B step of the same layout beside it.
+    from pipectl.report.plan_table import format_step
+
+    out = tmp_path / "plan.json"
+    args = ["plan", "--profile", str(profile_path), "--cluster", "a100-8x8", "--devices", "8", "--global-batch", "32",
+            "--pipeline-parallel", "4", "--schedules", "1f1b,2bw", "--no-morph", "--top", "4"]
+    result = runner.invoke(app, [*args, "-o", str(out)], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    plan = load_model(Plan, out)
+    assert plan.chosen.schedule.value == "1f1b"  # another optimizer: never chosen for DeepSpeed
+    two_bw = [c for c in plan.candidates if c.schedule.value == "2bw"]
+    assert two_bw and all(c.predicted_step_seconds < plan.chosen.predicted_step_seconds for c in two_bw)
+    best = two_bw[0]  # the top of the ranking (the chosen one is put before it)
+    steady = next(n for n in best.notes if n.startswith("2BW steady state"))
+    assert f"2BW steady state {best.predicted_step_seconds:.4g} s per update of " in steady
+    assert "(flushed 1F1B: " in steady and any("1-stale" in n for n in best.notes)
+    row = next(line for line in result.output.splitlines() if "2bw* (steady)" in line)
+    assert format_step(best.predicted_step_seconds) in row
+    text = " ".join(result.output.split())
+    assert "2bw (steady): PipeDream-2BW's time per update in steady state, no flush between updates" in text
+    assert steady in text  # the best 2bw row's steady state and flushed step, under the table
+    assert f"fastest overall is t={best.tensor_parallel} p=4" in text and "s per update, 2BW steady state)" in text
+
+    result = runner.invoke(app, [*args, "--any-engine", "-o", str(out)], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    chosen = load_model(Plan, out).chosen
+    assert chosen.schedule.value == "2bw"
+    text = " ".join(result.output.split())
+    assert f"2bw (steady) zero=1 on {chosen.devices} x a100-80gb: {format_step(chosen.predicted_step_seconds)} per " \
+           "update (steady state, no flush) of 32 samples" in text
+    assert "note: 2BW steady state" in text and "note: PipeDream-2BW: 1-stale weight updates" in text
+
+
+def test_2bw_with_fewer_than_p_minus_1_micro_batches_is_rejected_with_its_reason(profile_path, tmp_path):
+    result = runner.invoke(app, ["plan", "--profile", str(profile_path), "--cluster", "a100-8x8", "--devices", "8",
+                                 "--global-batch", "16", "--pipeline-parallel", "6", "--micro-batch-size", "4",
+                                 "--schedules", "2bw", "--any-engine", "--no-morph", "-o", str(tmp_path / "p.json")])
+    assert result.exit_code == 2, result.output
+    text = " ".join(result.output.split())
+    assert "PipeDream-2BW with two weight versions needs at least p - 1 micro-batches per update" in text
+    assert "p=6 d=1 b=4 2bw: 4 micro-batches per update < p - 1 = 5" in text

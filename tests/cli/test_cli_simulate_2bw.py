@@ -116,3 +116,25 @@ def test_launch_refuses_a_2bw_plan_with_exit_2_and_says_why(tmp_path: Path, runn
         assert "PipeDream-2BW" in flat and "cannot run it" in flat and "1-stale" in flat
         assert "Traceback" not in result.output
     assert not (tmp_path / "run").exists()
+
+
+def test_a_planned_2bw_candidate_predicts_the_steady_state_simulate_shows(tmp_path: Path):
+    # The planner prices 2bw per update in steady state: simulate's figure for the same plan.
+    from pipectl.artifacts.plan import Plan
+    from pipectl.io import load_model
+    from pipectl.plan.synthetic import synthetic_profile
+
+    profile = tmp_path / "profile.json"
+    write_json_atomic(profile, synthetic_profile(blocks=6, micro_batch_sizes=[1, 2], device="a100-80gb"))
+    out = tmp_path / "plan.json"
+    invoke("plan", "--profile", profile, "--cluster", "a100-8x8", "--devices", "8", "--global-batch", "32",
+           "--pipeline-parallel", "4", "--schedules", "2bw", "--any-engine", "--no-morph", "-o", out)
+    chosen = load_model(Plan, out).chosen
+    assert chosen.schedule is ScheduleKind.PIPEDREAM_2BW
+    payload = json.loads(invoke("simulate", out, "--json").stdout)
+    assert payload["two_bw"]["steady_state"]["update_seconds"] == pytest.approx(chosen.predicted_step_seconds,
+                                                                               rel=1e-12)
+    assert payload["step_seconds"] > chosen.predicted_step_seconds  # the table's flushed step
+    text = " ".join(invoke("simulate", out).output.split())
+    assert f"the plan predicted {chosen.predicted_step_seconds:.6g} s)" in text
+    assert "(plan predicted" not in text  # not beside the flushed step, which it is not

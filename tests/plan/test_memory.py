@@ -17,6 +17,7 @@ from pipectl.plan.memory import (
 )
 from pipectl.plan.synthetic import synthetic_profile
 from pipectl.schedule import ScheduleKind, generate
+from pipectl.schedule.twobw import simulate_two_bw_run
 
 
 def test_state_bytes_mixed_precision_and_zero():
@@ -102,10 +103,18 @@ def test_memory_budget_on_an_h100():
     assert budget.reserved(budget.allocatable_bytes) == pytest.approx(budget.usable_bytes)
 
 
-@pytest.mark.parametrize("kind", [ScheduleKind.GPIPE, ScheduleKind.ONE_F_ONE_B, ScheduleKind.PIPEDREAM_2BW])
+@pytest.mark.parametrize("kind", [ScheduleKind.GPIPE, ScheduleKind.ONE_F_ONE_B])
 @pytest.mark.parametrize("p,m", [(1, 1), (2, 1), (3, 5), (4, 4), (4, 9), (6, 2)])
 def test_closed_form_in_flight_matches_the_generated_schedule(kind, p, m):
     assert in_flight_units(kind, p, m) == peak_in_flight_units(generate(kind, p, m))
+
+
+@pytest.mark.parametrize("p,m", [(1, 1), (2, 1), (3, 2), (3, 5), (4, 3), (4, 4), (4, 9), (6, 5), (6, 13)])
+def test_2bw_in_flight_matches_its_run_without_a_flush(p, m):
+    # Not one generated (flushed) step: 2BW never drains between updates, so stage s holds p - s
+    # (tests/plan/test_twobw_pricing.py checks the planner's memory with it too).
+    run = simulate_two_bw_run(p, m, 4, forward_seconds=1.0, backward_seconds=2.0)
+    assert in_flight_units(ScheduleKind.PIPEDREAM_2BW, p, m) == run.peak_in_flight == tuple(range(p, 0, -1))
 
 
 @pytest.mark.parametrize("p,m,v", [(2, 2, 2), (2, 4, 2), (4, 8, 2), (4, 4, 4), (3, 6, 2), (4, 12, 4)])

@@ -56,7 +56,9 @@ class PlanRequest(Strict):
     global_batch: int = Field(le=MAX_GLOBAL_BATCH, description="B: samples per optimizer step; never changed by the planner.")
     objective: Objective = Objective.TIME
     schedules: list[ScheduleKind] | None = Field(
-        default=None, description="Schedules to consider; default 1f1b, gpipe, interleaved, varuna (2bw only if listed)."
+        default=None,
+        description="Schedules to consider; default 1f1b, gpipe, interleaved, varuna. 2bw only if listed: priced per "
+        "update in steady state (no flush, m >= p - 1), another optimizer, chosen only with for_deepspeed off.",
     )
     chunks: list[int] = Field(default_factory=lambda: [2, 4], max_length=64, description="v values tried for interleaved.")
     max_tensor_parallel: int | None = Field(default=None, gt=0, description="Upper bound on t.")
@@ -77,8 +79,10 @@ class PlanRequest(Strict):
     )
     zero_stages: list[int] = Field(
         default_factory=lambda: [1],
-        description="ZeRO stages to try. pipectl's runtime trains with ZeRO-1 (its checkpoints hold "
-        "and re-cut ZeRO-1's optimizer partitions); 0 is a planner-only analysis (with for_deepspeed off).",
+        description="ZeRO stages to try (0 to 3; 2 and 3 at p = 1 only: DeepSpeed's pipeline engine refuses them). "
+        "The planner chooses ZeRO-1, which pipectl's runtime trains with in any layout (its checkpoints hold and "
+        "re-cut ZeRO-1's optimizer partitions); 0, 2 and 3 are planned for comparison (chosen only with "
+        "for_deepspeed off).",
     )
     memory_headroom: float = Field(
         default=0.05, ge=0, lt=1,

@@ -181,7 +181,8 @@ def _summary_table(schedule: Schedule, timeline: Timeline, context: dict[str, An
         f"{schedule.kind.value}  p={schedule.pipeline_parallel} m={schedule.micro_batches} "
         f"v={schedule.chunks}  {step} {timeline.step_seconds:.6g} s"
     )
-    if context.get("predicted_step_seconds"):
+    if context.get("predicted_step_seconds") and schedule.kind is not ScheduleKind.PIPEDREAM_2BW:
+        # (a 2bw plan predicts its steady state per update: shown beside it, under the table)
         title += f" (plan predicted {context['predicted_step_seconds']:.6g} s)"
     table = Table(title=title)
     for column in ("rank", "busy s", "bubble % of step", "idle / compute", "exposed comm s", "peak in flight"):
@@ -302,6 +303,9 @@ def register(app: typer.Typer) -> None:
                 two_bw = _two_bw_state(schedule, costs)
             except ScheduleError as exc:
                 two_bw_notes.append(f"2BW's steady state: {exc.message}" + (f" ({exc.hint})" if exc.hint else ""))
+                if context.get("predicted_step_seconds"):
+                    two_bw_notes.append(f"the plan predicted {context['predicted_step_seconds']:.6g} s per update in "
+                                        "steady state (the planner computes it without simulating every operation)")
             differences = (["blocking (gloo) transfers"] if costs.blocking_p2p else []) + (
                 ["transfer jitter"] if costs.jitter_seconds else []
             )
@@ -341,7 +345,8 @@ def register(app: typer.Typer) -> None:
         for line in two_bw_notes:
             console.print(f"note: {line}", style="yellow", highlight=False)
         if two_bw is not None:
-            console.print(two_bw_report(two_bw, two_bw_memory_rows, context.get("plan_peak_memory_bytes")))
+            console.print(two_bw_report(two_bw, two_bw_memory_rows, context.get("plan_peak_memory_bytes"),
+                                        context.get("predicted_step_seconds")))
         elif schedule.kind is ScheduleKind.PIPEDREAM_2BW:
             console.print(Text(SEMANTICS, style="yellow"), Text(RUNTIME, style="yellow"), sep="\n")
         if gantt is not None:

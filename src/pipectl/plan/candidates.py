@@ -5,7 +5,8 @@ recomputation, and the number of (virtual) stages p*v; it holds the stage cut an
 A *spec* adds what only changes the step's arithmetic: data-parallel degree d (hence the micro-
 batches m = B/(d*b), or ⌈B/(d*b)⌉ on the busiest of uneven replicas; B is never rounded), the schedule and the ZeRO stage. Every spec gets a memory
 check and a closed-form lower bound on its step time before anything is timed (the chains of
-`pipectl.plan.fast.bounds`).
+`pipectl.plan.fast.bounds`; for PipeDream-2BW, priced per update in steady state, its stages' work
+per update).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from pipectl.plan.costs import (
     ranks_share_node,
     replicas_share_node,
 )
-from pipectl.plan.fast.bounds import chain_bound_seconds
+from pipectl.plan.fast.bounds import chain_bound_seconds, two_bw_bound_seconds
 from pipectl.plan.layer_table import LayerTable, layer_table
 from pipectl.plan.memory import (
     FurthestFittingEnds,
@@ -59,6 +60,7 @@ class Rejection(str, Enum):
     FEWER_MICRO_BATCHES_THAN_REPLICAS = "fewer micro-batches than data-parallel replicas"
     MEMORY = "a stage does not fit in device memory"
     INTERLEAVED_MICRO_BATCHES = "interleaved schedule needs micro-batches to be a multiple of p"
+    TWO_BW_MICRO_BATCHES = "PipeDream-2BW with two weight versions needs at least p - 1 micro-batches per update"
     TOO_FEW_LAYERS = "fewer layers than (virtual) stages"
     DEADLINE = "misses the deadline"
 
@@ -421,8 +423,11 @@ def lower_bound_seconds(
     allreduce: np.ndarray,
     optimizer: np.ndarray,
 ) -> float:
-    """The chains' lower bound on the spec's step time (`pipectl.plan.fast.bounds`)."""
+    """The chains' lower bound on the spec's step time (`pipectl.plan.fast.bounds`); for
+    PipeDream-2BW, on its time per update in steady state."""
     work = shape.work_per_rank(recomputing_stages(shape, kind))
+    if kind is ScheduleKind.PIPEDREAM_2BW:
+        return float(two_bw_bound_seconds(work, micro_batches, allreduce, optimizer))
     forward_chain, backward_chain = chains(shape)
     return float(chain_bound_seconds(forward_chain, backward_chain, work, micro_batches, allreduce, optimizer))
 
@@ -674,7 +679,10 @@ def _specs_of_one_depth(
         for i in gradients_sharded:
             d, m, zero, _, _ = points[i]
             allreduce[i], optimizer[i] = data_parallel_costs(shapes[i], hardware, d, zero, dtype, m)
-    bounds = chain_bound_seconds(forward_chain, backward_chain, work, micro_batches, allreduce, optimizer).tolist()
+    if kind is ScheduleKind.PIPEDREAM_2BW:  # priced per update in steady state
+        bounds = two_bw_bound_seconds(work, micro_batches, allreduce, optimizer).tolist()
+    else:
+        bounds = chain_bound_seconds(forward_chain, backward_chain, work, micro_batches, allreduce, optimizer).tolist()
     figures = SpecFigures(peak.astype(np.int64), allreduce, optimizer)  # int64: truncation, as int() does
     return [
         Spec(shape, d, m, variant, zero, bounds[i], figures, i)

@@ -6,6 +6,10 @@ schedule the runtime executes (`pipectl.schedule.generate`) with the spec's cost
 relative where one applies, by the simulation itself otherwise or in reference mode. Bounds
 (`tighter_bound_seconds`) only decide what need not be timed; no figure comes from them.
 
+PipeDream-2BW has no flush: its "step" is the time per update (m micro-batches) in steady state,
+`pipectl.schedule.twobw`'s figure (`timing.two_bw_summary_of`), and so are its samples/s, TFLOP/s,
+cost, bubble and communication. Its notes give the flushed 1F1B step of the same layout beside it.
+
 Reported figures:
 
 - samples/s = B / step (with uneven replicas the step is the busiest replica's: it runs
@@ -28,12 +32,28 @@ from pipectl.plan.candidates import Spec
 from pipectl.plan.costs import Hardware, host_compute_slowdown, ranks_share_node
 from pipectl.plan.fast import bounds, varuna_flags, waves
 from pipectl.plan.simulate import StageCosts, StepSummary
-from pipectl.plan.timing import actions_per_step, reference_mode, step_seconds_of, summary_of
+from pipectl.plan.timing import actions_per_step, reference_mode, step_seconds_of, summary_of, two_bw_summary_of
 from pipectl.schedule import ScheduleKind, deepspeed_runnable
 from pipectl.words import count
 
 TWO_BW_NOTE = "PipeDream-2BW: 1-stale weight updates (a different optimizer than data-parallel Adam)"
 NOT_DEEPSPEED_NOTE = "DeepSpeed's pipeline engine cannot run this schedule (plan and simulate only)"
+
+
+def two_bw_steady_note(update_seconds: float, flushed_seconds: float, micro_batches: int,
+                       costs: StageCosts | None = None) -> str:
+    """The note on a 2BW candidate: its steady state per update beside the flushed step.
+
+    >>> two_bw_steady_note(1.5, 2.0, 8)
+    '2BW steady state 1.5 s per update of 8 micro-batches, no flush (flushed 1F1B: 2 s per step, 1.33x)'
+    """
+    note = (
+        f"2BW steady state {update_seconds:.4g} s per update of {count(micro_batches, 'micro-batch')}, no flush "
+        f"(flushed 1F1B: {flushed_seconds:.4g} s per step, {flushed_seconds / update_seconds:.2f}x)"
+    )
+    if costs is not None and (costs.jitter_seconds > 0 or costs.blocking_p2p):
+        note += "; the steady state times transfers as asynchronous and exact, the flushed step as the links do"
+    return note
 
 
 def zero_stage_note(zero_stage: int) -> str:
@@ -106,12 +126,17 @@ class Evaluator:
         self.simulated_actions = 0
 
     def step_seconds(self, spec: Spec) -> float:
+        """The spec's step time (2BW: its time per update in steady state), cached by spec key."""
         key = spec.key
         step = self._steps.get(key)
         if step is None:
             args = _schedule_args(spec)
             costs = self._bound_costs[1] if self._bound_costs[0] == key else costs_of(spec, self.hardware)
-            if self.reference or _summary_comes_free(spec.variant.kind, costs):
+            if spec.variant.kind is ScheduleKind.PIPEDREAM_2BW:
+                summary = _two_bw_summary(spec, costs, self.reference)
+                self._summaries[key] = summary
+                step = summary.step_seconds
+            elif self.reference or _summary_comes_free(spec.variant.kind, costs):
                 summary = summary_of(*args, costs, reference=self.reference)
                 self._summaries[key] = summary
                 step = summary.step_seconds
@@ -150,7 +175,8 @@ class Evaluator:
         if known is not None:
             return known
         kind, p, m, v, recompute = _schedule_args(spec)
-        pair_loops = bounds.has_pair_loops(kind, p, m, v)
+        # 2BW's price is its steady state, which 1F1B's in-flight loops (a flushed step) do not bound.
+        pair_loops = kind is not ScheduleKind.PIPEDREAM_2BW and bounds.has_pair_loops(kind, p, m, v)
         if pair_loops or (kind is ScheduleKind.VARUNA and p > 1):
             costs = costs_of(spec, self.hardware)
             self._bound_costs = (spec.key, costs)  # the simulation, if one follows, reads them
@@ -168,11 +194,17 @@ class Evaluator:
 
     def summary(self, spec: Spec):
         """The step's summary (time, bubble and exposed communication per rank): one more simulation."""
-        timeline = self._summaries.get(spec.key) or summary_of(
-            *_schedule_args(spec), costs_of(spec, self.hardware), reference=self.reference
-        )
+        timeline = self._summaries.get(spec.key)
+        if timeline is None and spec.variant.kind is ScheduleKind.PIPEDREAM_2BW:
+            timeline = _two_bw_summary(spec, costs_of(spec, self.hardware), self.reference)
+        elif timeline is None:
+            timeline = summary_of(*_schedule_args(spec), costs_of(spec, self.hardware), reference=self.reference)
         self._steps.setdefault(spec.key, timeline.step_seconds)
         return timeline
+
+    def flushed_step_seconds(self, spec: Spec) -> float:
+        """One flushed step of the spec's schedule (for 2BW, 1F1B's order), whatever its pricing."""
+        return step_seconds_of(*_schedule_args(spec), costs_of(spec, self.hardware), reference=self.reference)
 
     def candidate(self, spec: Spec, notes: list[str] | None = None) -> Candidate:
         """The full record: one more simulation for the bubble and the exposed communication."""
@@ -185,6 +217,9 @@ class Evaluator:
         notes = list(notes or [])
         if spec.variant.kind.changes_optimizer_semantics:
             notes.append(TWO_BW_NOTE)
+        if spec.variant.kind is ScheduleKind.PIPEDREAM_2BW:
+            notes.append(two_bw_steady_note(step, self.flushed_step_seconds(spec), spec.micro_batches,
+                                            costs_of(spec, self.hardware)))
         if not deepspeed_runnable(spec.variant.kind, spec.variant.chunks):
             notes.append(NOT_DEEPSPEED_NOTE)
         if spec.zero_stage not in RUNTIME_ZERO_STAGES:
@@ -229,6 +264,12 @@ def uneven_note(replicas: list[ReplicaShare]) -> str:
         f"uneven replicas: of {len(replicas)}, " + ", ".join(parts)
         + "; each gradient weighted by its samples / B (VirtualFlow), the step set by the busiest"
     )
+
+
+def _two_bw_summary(spec: Spec, costs: StageCosts, reference: bool) -> StepSummary:
+    """PipeDream-2BW's steady state per update for the spec (`timing.two_bw_summary_of`)."""
+    return two_bw_summary_of(spec.shape.pipeline_parallel, spec.micro_batches, spec.shape.recompute, costs,
+                             reference=reference)
 
 
 def _summary_comes_free(kind: ScheduleKind, costs: StageCosts) -> bool:

@@ -33,8 +33,9 @@ from pipectl.errors import InfeasibleError
 from pipectl.plan.candidates import ScheduleVariant, ShapeBuilder, Spec, SpecFigures, data_parallel_costs, in_flight, lower_bound_seconds, state_bytes, step_bytes
 from pipectl.plan.costs import Hardware, hardware_for, profile_for, replica_groups, stage_costs, stage_costs_for
 from pipectl.plan.simulate import StageCosts
-from pipectl.plan.evaluate import Evaluator
+from pipectl.plan.evaluate import TWO_BW_NOTE, Evaluator, two_bw_steady_note
 from pipectl.plan.homogeneous import SearchStats, plan_homogeneous
+from pipectl.schedule import ScheduleKind
 from pipectl.words import count
 
 
@@ -103,9 +104,9 @@ def plan_heterogeneous(
     candidates = list(best_plan.candidates)
     if split is not None and key(split) < key(chosen):  # _best_split returns only splits the engine can run
         notes.append(
-            f"uneven split over {', '.join(cluster.device_kinds)}: {split.predicted_step_seconds:.4g} s/step, "
+            f"uneven split over {', '.join(cluster.device_kinds)}: {split.predicted_step_seconds:.4g} {_per(split)}, "
             f"{chosen.predicted_step_seconds / split.predicted_step_seconds:.2f}x as fast as the best homogeneous "
-            f"subset ({chosen.devices} x {chosen.device}: {chosen.predicted_step_seconds:.4g} s/step)"
+            f"subset ({chosen.devices} x {chosen.device}: {chosen.predicted_step_seconds:.4g} {_per(chosen)})"
         )
         chosen = split
         candidates.insert(0, split)
@@ -114,7 +115,7 @@ def plan_heterogeneous(
             candidates.append(split)
             notes.append(
                 f"homogeneous subset of {chosen.devices} x {chosen.device} recommended: the uneven split over "
-                f"{', '.join(cluster.device_kinds)} predicts {split.predicted_step_seconds:.4g} s/step "
+                f"{', '.join(cluster.device_kinds)} predicts {split.predicted_step_seconds:.4g} {_per(split)} "
                 f"(${split.cost_per_million_samples:.2f} per 1M samples)"
                 + ("" if split.deepspeed_runnable else f", a schedule DeepSpeed's engine cannot run ({split.schedule.value})")
             )
@@ -123,6 +124,11 @@ def plan_heterogeneous(
     return best_plan.model_copy(
         update={"cluster": cluster.name, "request": request, "chosen": chosen, "candidates": candidates, "notes": notes}
     )
+
+
+def _per(candidate: Candidate) -> str:
+    """'s/step', or for PipeDream-2BW (priced in steady state) "s per update in 2BW's steady state"."""
+    return "s per update in 2BW's steady state" if candidate.schedule is ScheduleKind.PIPEDREAM_2BW else "s/step"
 
 
 def _best_split(
@@ -254,6 +260,8 @@ def uneven_split(
         _, i, r = heapq.heappop(heap)
         counts[i][r] += 1
         heapq.heappush(heap, (bound(i, counts[i][r] + 1), i, r))
+    if variant.kind is ScheduleKind.PIPEDREAM_2BW and any(0 < m < p - 1 for row in counts for m in row):
+        return None  # two weight versions need m >= p - 1 on every replica (`pipectl.schedule.twobw`)
     # Simulate every distinct (kind, m) and check memory on that kind.
     shares: list[ReplicaShare] = []
     slowest = 0.0
@@ -297,6 +305,9 @@ def uneven_split(
     else:
         bubble, exposed = template.bubble_fraction, template.communication_fraction
     notes = [_split_note(shares, B)]
+    if variant.kind is ScheduleKind.PIPEDREAM_2BW and slowest_run is not None:
+        evaluator, spec = slowest_run  # the slowest replica's steady state, beside its flushed step
+        notes += [TWO_BW_NOTE, two_bw_steady_note(slowest, evaluator.flushed_step_seconds(spec), spec.micro_batches)]
     return Candidate(
         devices=used_devices,
         device="mixed",

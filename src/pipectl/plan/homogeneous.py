@@ -30,7 +30,7 @@ from pipectl.plan.evaluate import Evaluator
 from pipectl.plan.morph import morph_table
 from pipectl.plan.space import enumerate_specs, search_space, tensor_parallel_possible
 from pipectl.plan.workers import available_workers
-from pipectl.schedule import deepspeed_runnable
+from pipectl.schedule import ScheduleKind, deepspeed_runnable
 from pipectl.words import count
 
 SUPPORTED_ZERO_STAGES = (0, 1, 2, 3)  # 2 and 3 at p = 1 only: DeepSpeed's pipeline engine runs 0 and 1
@@ -163,6 +163,8 @@ class Goal:
         """The figures the objective ranks by: '0.0004615 s/step' (time), plus
         '$0.04 per 1M samples' (cost)."""
         seconds = f"{step:.4g} s/step"
+        if spec.variant.kind is ScheduleKind.PIPEDREAM_2BW:
+            seconds = f"{step:.4g} s per update, 2BW steady state"
         if self.objective is Objective.TIME:
             return seconds
         return f"${self.cost_per_sample(spec, step) * 1e6:,.4g} per 1M samples, {seconds}"
@@ -209,8 +211,11 @@ def rank(specs: list[Spec], goal: Goal, evaluator: Evaluator, *, keep: int, exha
         bound = goal.bound_key(spec)
         if not exhaustive and len(heap) >= keep:
             kth = _unnegate(heap[0][0])
-            if bound >= kth and (not need_runnable or (best_runnable is not None and bound >= best_runnable[0])):
-                break
+            if bound >= kth:
+                if not need_runnable or (best_runnable is not None and bound >= best_runnable[0]):
+                    break
+                if not spec.deepspeed_runnable:
+                    continue  # it can enter neither the top k nor be the best runnable one: not timed
         step = evaluator.step_seconds(spec)
         simulated += 1
         key = goal.key(spec, step)

@@ -48,7 +48,10 @@ Activations: each micro-batch a stage has run forward on but not yet backward ("
 the stage's saved activations (SPEC §3). How many are in flight is a property of the schedule:
 
     GPipe                 m on every stage
-    1F1B, 2BW             min(p - k, m) on stage k (0-based): warm-up forwards + 1
+    1F1B                  min(p - k, m) on stage k (0-based): warm-up forwards + 1
+    2BW                   p - k on stage k: 1F1B's order with no flush between updates, so the
+                          warm-up is never drained (p on stage 0 even at m = p - 1, the fewest
+                          micro-batches per update 2BW runs with: `pipectl.schedule.twobw`)
     interleaved (v > 1)   min(2(p - k - 1) + (v - 1) p + 1, m v) chunk-micro-batches on rank k
                           (all m v when m == p), each holding one chunk (Megatron-LM's warm-up)
     Varuna                min(3 (p - 1 - k), m) on stage k < p - 1, 1 on the last stage: the
@@ -193,10 +196,14 @@ def in_flight_units(kind: ScheduleKind, pipeline_parallel: int, micro_batches: i
     (2, 2, 2, 1)
     >>> in_flight_units(ScheduleKind.INTERLEAVED, 2, 4, 2)
     (5, 3)
+    >>> in_flight_units(ScheduleKind.PIPEDREAM_2BW, 4, 3)  # no flush: p - k whatever m
+    (4, 3, 2, 1)
     """
     p, m, v = pipeline_parallel, micro_batches, chunks
     if kind is ScheduleKind.GPIPE:
         return (m,) * p
+    if kind is ScheduleKind.PIPEDREAM_2BW:
+        return tuple(range(p, 0, -1))
     if kind is ScheduleKind.VARUNA:
         # min(3 (p - 1 - k), m) for k < p - 1: m while 3 (p - 1 - k) >= m, then 3 (p - 1 - k)
         # stepping down by 3; as ranges (the search asks this for ~10^4 (p, m) pairs).

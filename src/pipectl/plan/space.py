@@ -6,7 +6,8 @@ The B/b micro-batches of a step are dealt out over the d replicas: B/(d*b) each 
 B/b, else ⌈·⌉ or ⌊·⌋ (`balanced_shares`, VirtualFlow's uneven virtual nodes; the slowest replica,
 with ⌈·⌉, sets the step and the memory), so B is never rounded and every device count has
 candidates. Schedules 1f1b, gpipe, interleaved (v ∈ {2, 4} when p*v ≤ layers and p | m on every
-replica) and Varuna; PipeDream-2BW only when asked for (always flagged). ZeRO stages as asked, 2
+replica) and Varuna; PipeDream-2BW only when asked for (always flagged; m ≥ p − 1 on every replica,
+else rejected: two weight versions need it). ZeRO stages as asked, 2
 and 3 at p = 1 only (DeepSpeed's pipeline engine refuses them with p > 1, so deeper pipelines
 never get those points: they are outside the space, not rejected), always flagged (pipectl's
 runtime trains with ZeRO-1).
@@ -317,6 +318,14 @@ class _UnitContext:
         for d in sorted(ds, reverse=True):
             m = -(-B // (d * b))  # the most micro-batches a replica runs (`balanced_shares`)
             zeros = _zeros_descending(d, space.zero_stages, p == 1)
+            if kind is ScheduleKind.PIPEDREAM_2BW and B // b // d < p - 1:
+                # Two weight versions need m >= p - 1 on every replica (`pipectl.schedule.twobw`).
+                rejections.add(
+                    Rejection.TWO_BW_MICRO_BATCHES,
+                    f"t={t} p={p} d={d} b={b} 2bw: {count(B // b // d, 'micro-batch')} per update < p - 1 = {p - 1}",
+                    len(zeros),
+                )
+                continue
             gradients_sharded += [(d, m, zero) for zero in zeros if zero >= 2]
             zeros = tuple(zero for zero in zeros if zero < 2)
             if not zeros:

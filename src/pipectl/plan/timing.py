@@ -8,6 +8,12 @@ micro-batches, so where an exact fast path exists (`pipectl.plan.fast`: no jitte
 transfers) it is used instead; each equals the simulation to 1e-12 relative, which its tests
 hold. Jittered and blocking cost tables always take the simulation.
 
+PipeDream-2BW. Its candidates are priced in steady state instead, per update of m micro-batches
+with no flush (`two_bw_summary_of`): the figure `pipectl.schedule.twobw.two_bw_steady_state`
+defines on the same stage costs, by its own event simulation in reference mode and otherwise by
+`pipectl.plan.fast.twobw`, which a test holds equal to it. `step_seconds_of` and `summary_of`
+keep timing one flushed step of any kind (2BW's is 1F1B's: the figure its notes compare with).
+
 Reference mode. With the environment variable `PIPECTL_PLAN_REFERENCE=1` every candidate the
 planner times is simulated instead (`reference_mode`, read here and nowhere else, by each
 `Evaluator` when it is made): slower, for checking that the fast paths change no plan. The
@@ -29,8 +35,10 @@ from __future__ import annotations
 import os
 from functools import lru_cache
 
+import numpy as np
+
 from pipectl.errors import UserInputError
-from pipectl.plan.fast import varuna, waves
+from pipectl.plan.fast import twobw, varuna, waves
 from pipectl.plan.simulate import (
     StageCosts,
     StepSummary,
@@ -42,6 +50,16 @@ from pipectl.plan.simulate import (
 from pipectl.schedule.comm import add_communication
 from pipectl.schedule.generators import generate
 from pipectl.schedule.ir import Schedule, ScheduleKind
+from pipectl.schedule.twobw import (
+    AVERAGED_UPDATES,
+    BACKWARD,
+    FORWARD,
+    TRANSIENT_UPDATES,
+    UPDATE,
+    TwoBWSteadyState,
+    steady_state_window,
+    two_bw_steady_state,
+)
 
 __all__ = [
     "REFERENCE_ENV",
@@ -50,6 +68,7 @@ __all__ = [
     "reference_mode",
     "step_seconds_of",
     "summary_of",
+    "two_bw_summary_of",
 ]
 
 REFERENCE_ENV = "PIPECTL_PLAN_REFERENCE"
@@ -140,3 +159,84 @@ def actions_per_step(kind: ScheduleKind, pipeline_parallel: int, micro_batches: 
     stages = pipeline_parallel * chunks
     recomputing = stages - 1 if recompute or kind is ScheduleKind.VARUNA else 0
     return micro_batches * (2 * stages + recomputing) + 2 * pipeline_parallel
+
+
+def two_bw_summary_of(
+    pipeline_parallel: int, micro_batches: int, recompute: bool, costs: StageCosts, *, reference: bool = False,
+) -> StepSummary:
+    """PipeDream-2BW in steady state: the time per update (m micro-batches, no flush), and per
+    stage its idle and exposed communication per update, as `summary_of` reports a step's.
+
+    The time is `two_bw_steady_state`'s (its window, `steady_state_window`), the update being
+    the stage's all-reduce plus its optimizer step; by its event simulation when `reference`,
+    else by `pipectl.plan.fast.twobw` (also where p x m is beyond what the event simulation
+    takes: there over the full window, T = 8, K = 12). Jitter and blocking transfers are not
+    modelled, as there: transfers are asynchronous edge delays. Idle = update time − the stage's
+    busy time (m (t_f + t_b (+ t_r)) + all-reduce + optimizer step); exposed communication = the
+    waits for transfers in the window, per update, + the all-reduce. m ≥ p − 1.
+
+    >>> from pipectl.plan.simulate import uniform_costs
+    >>> summary = two_bw_summary_of(4, 8, False, uniform_costs(4, 1, 1.0, 2.0, allreduce=0.5))
+    >>> summary.step_seconds, summary.communication_seconds  # m (t_f + t_b) + the all-reduce
+    (24.5, 0.5)
+    """
+    p, m = pipeline_parallel, micro_batches
+    check_costs(p, p, costs)
+    window = steady_state_window(p, m, recompute)
+    if reference and window is not None:
+        state = _two_bw_state(p, m, recompute, costs)
+        update, exposed = state.update_seconds, _exposed_per_update(state, costs)
+    else:
+        fast = twobw.steady_state(p, m, recompute, costs, window or (TRANSIENT_UPDATES, AVERAGED_UPDATES))
+        update, exposed = fast.update_seconds, fast.exposed_seconds
+    forward = np.asarray(costs.forward_seconds, dtype=float)
+    recomputes = np.zeros(p)
+    if recompute and p > 1:
+        recomputes[: p - 1] = np.asarray(costs.recompute_seconds, dtype=float)[: p - 1]
+    allreduce = np.asarray(costs.allreduce_seconds, dtype=float)
+    busy = m * (forward + np.asarray(costs.backward_seconds, dtype=float) + recomputes) + allreduce \
+        + np.asarray(costs.optimizer_seconds, dtype=float)
+    idle = np.maximum(update - busy, 0.0)
+    communication = np.asarray(exposed, dtype=float) + allreduce
+    return StepSummary(
+        step_seconds=update,
+        bubble_fraction=tuple((idle / update).tolist()) if update > 0 else (0.0,) * p,
+        communication_seconds=float(np.max(communication)),
+        communication_seconds_per_rank=tuple(communication.tolist()),
+    )
+
+
+def _two_bw_state(p: int, m: int, recompute: bool, costs: StageCosts) -> TwoBWSteadyState:
+    return two_bw_steady_state(
+        p, m, forward_seconds=costs.forward_seconds, backward_seconds=costs.backward_seconds,
+        recompute_seconds=costs.recompute_seconds, send_forward_seconds=costs.send_forward_seconds,
+        send_backward_seconds=costs.send_backward_seconds,
+        update_seconds=[a + o for a, o in zip(costs.allreduce_seconds, costs.optimizer_seconds)],
+        recompute=recompute,
+    )  # fmt: skip
+
+
+def _exposed_per_update(state: TwoBWSteadyState, costs: StageCosts) -> np.ndarray:
+    """Per stage: its waits for transfers between its updates T and T + K of the simulated run,
+    per update (the part of a wait after the producer had finished, as `simulate` counts it)."""
+    run, p = state.run, state.pipeline_parallel
+    first, last = state.transient_updates, state.transient_updates + state.averaged_updates
+    ends = {(e.op.kind, e.stage, e.op.index): e.end for e in run.events if e.op.kind in (FORWARD, BACKWARD)}
+    exposed = np.zeros(p)
+    for s in range(p):
+        previous, inside = 0.0, False
+        for event in run.stage_events(s):
+            kind, index = event.op.kind, event.op.index
+            producer = None
+            if kind == FORWARD and s > 0:
+                producer = ends[(FORWARD, s - 1, index)]
+            elif kind == BACKWARD and s < p - 1:
+                producer = ends[(BACKWARD, s + 1, index)]
+            if inside and producer is not None:
+                exposed[s] += max(event.start - max(previous, producer), 0.0)
+            previous = event.end
+            if kind == UPDATE:
+                if index == last:
+                    break
+                inside = inside or index == first
+    return exposed / state.averaged_updates

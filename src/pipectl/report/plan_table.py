@@ -16,10 +16,13 @@ from pipectl.artifacts.plan import RUNTIME_ZERO_STAGES, Candidate, Plan, Replica
 from pipectl.artifacts.profile import ModelProfile
 from pipectl.plan.flops import Utilisation, plan_layer_flops, utilisation
 from pipectl.runtime.checkpoint_schedule import DEVICE_MTBF_HOURS, young_daly_seconds
-from pipectl.schedule import deepspeed_runnable
+from pipectl.schedule import ScheduleKind, deepspeed_runnable
 from pipectl.words import count
 
 GIB = 1024**3
+
+
+STEADY = " (steady)"  # a 2bw row: priced per update in steady state, no flush
 
 
 def _schedule_label(candidate: Candidate) -> str:
@@ -27,6 +30,16 @@ def _schedule_label(candidate: Candidate) -> str:
     if candidate.chunks > 1:
         label += f"-{candidate.chunks}"
     return label
+
+
+def _steady(candidate: Candidate) -> str:
+    """' (steady)' for PipeDream-2BW, whose step time is its time per update without a flush."""
+    return STEADY if candidate.schedule is ScheduleKind.PIPEDREAM_2BW else ""
+
+
+def _steady_note(candidate: Candidate) -> str | None:
+    """The 2BW candidate's note with its steady state beside the flushed step (`plan.evaluate`)."""
+    return next((note for note in candidate.notes if note.startswith("2BW steady state")), None)
 
 
 def _micro_batch_counts(candidate: Candidate) -> str:
@@ -124,7 +137,7 @@ def candidates_table(
         ("t·p·d", "left", lambda c: f"{c.tensor_parallel}·{c.pipeline_parallel}·{c.data_parallel}"),
         ("b×m", "left", _batch_label),
         ("schedule", "left", lambda c: _schedule_label(c) + ("+R" if c.recompute else "")
-         + ("" if c.deepspeed_runnable else "*")),
+         + ("" if c.deepspeed_runnable else "*") + _steady(c)),
     ]
     if len(zero_stages) > 1:
         columns.append(("Z", "right", lambda c: str(c.zero_stage)))
@@ -179,7 +192,7 @@ def morph_table_view(plan: Plan, *, every: int | None = None) -> Table:
         previous = signature
         table.add_row(
             str(entry.devices), str(c.devices), f"{c.tensor_parallel}·{c.pipeline_parallel}·{c.data_parallel}",
-            _batch_label(c), _schedule_label(c),
+            _batch_label(c), _schedule_label(c) + _steady(c),
             format_step(c.predicted_step_seconds), entry.note,
         )
     return table
@@ -235,9 +248,10 @@ def plan_view(plan: Plan, *, top: int = 10, show_morph: bool = True, profile: Mo
     headline = Text.assemble(
         ("chosen: ", "bold"),
         f"t={c.tensor_parallel} p={c.pipeline_parallel} d={c.data_parallel} b={c.micro_batch_size} "
-        f"m={_micro_batch_counts(c)} {_schedule_label(c)}{' recompute' if c.recompute else ''} zero={c.zero_stage} "
-        f"on {c.devices} x {c.device}: {format_step(c.predicted_step_seconds)} per step of "
-        f"{count(plan.global_batch, 'sample')}",
+        f"m={_micro_batch_counts(c)} {_schedule_label(c)}{_steady(c)}{' recompute' if c.recompute else ''} "
+        f"zero={c.zero_stage} on {c.devices} x {c.device}: {format_step(c.predicted_step_seconds)} "
+        f"{'per update (steady state, no flush)' if _steady(c) else 'per step'} "
+        f"of {count(plan.global_batch, 'sample')}",
     )
     parts: list = [
         candidates_table(shown, chosen=c,
@@ -251,6 +265,18 @@ def plan_view(plan: Plan, *, top: int = 10, show_morph: bool = True, profile: Mo
     flagged = [cand for cand in shown if not cand.deepspeed_runnable]
     if any(not deepspeed_runnable(cand.schedule, cand.chunks) for cand in flagged):
         parts.append(Text("* DeepSpeed's pipeline engine cannot run this schedule (plan and simulate only)", style="dim"))
+    two_bw = [cand for cand in shown if _steady(cand)]
+    if two_bw:
+        first = two_bw[0]
+        line = (
+            "2bw (steady): PipeDream-2BW's time per update in steady state, no flush between updates "
+            "(1-stale weights: another optimizer than 1f1b's; pipectl launch refuses it)"
+        )
+        note = _steady_note(first)
+        if first != c and note:
+            line += (f"; {first.tensor_parallel}·{first.pipeline_parallel}·{first.data_parallel} "
+                     f"{_batch_label(first)}: {note}")
+        parts.append(Text(line, style="dim"))
     stages = sorted({cand.zero_stage for cand in flagged if cand.zero_stage not in RUNTIME_ZERO_STAGES})
     if stages:
         parts.append(Text(

@@ -77,16 +77,21 @@ def two_bw_payload(
 
 
 def two_bw_report(
-    state: TwoBWSteadyState, memory: Sequence[TwoBWMemory] | None, plan_peak_bytes: Sequence[int] | None = None
+    state: TwoBWSteadyState, memory: Sequence[TwoBWMemory] | None, plan_peak_bytes: Sequence[int] | None = None,
+    plan_predicted_seconds: float | None = None,
 ) -> Group:
-    """Times next to the flushed step, the micro-batch -> version table, memory, and the two caveats."""
+    """Times next to the flushed step, the micro-batch -> version table, memory, and the two caveats.
+
+    `plan_predicted_seconds`: a 2bw plan's predicted step, which is this steady state per update."""
     m, n = state.micro_batches, COMPARED_UPDATES
     flushed = state.flushed_step_seconds
+    predicted = f"; the plan predicted {plan_predicted_seconds:.6g} s" if plan_predicted_seconds else ""
     lines = [
         Text("PipeDream-2BW: no flush between steps, two weight versions per stage", style="bold"),
         Text(
             f"  steady state (no flush): {state.update_seconds:.6g} s per update of {m} micro-batches "
-            f"(mean over updates {state.transient_updates + 1}-{state.transient_updates + state.averaged_updates})"
+            f"(mean over updates {state.transient_updates + 1}-{state.transient_updates + state.averaged_updates}"
+            f"{predicted})"
         ),
         Text(f"  with a flush (1f1b):     {flushed:.6g} s per step"
              + (f"  -> {flushed / state.update_seconds:.3g}x the throughput without it" if state.update_seconds > 0 else "")),

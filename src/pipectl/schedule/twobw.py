@@ -345,6 +345,34 @@ TRANSIENT_UPDATES = 8  # skipped before measuring: enough in every case tried (t
 AVERAGED_UPDATES = 12  # intervals averaged: with communication, intervals can alternate (period 2, 3, ...)
 
 
+def steady_state_window(
+    pipeline_parallel: int, micro_batches: int, recompute: bool = False,
+    max_events: int | None = MAX_STEADY_STATE_EVENTS,
+) -> tuple[int, int] | None:
+    """(T, K): the updates `two_bw_steady_state` skips and the intervals it averages, for a run of
+    T + K + 1 updates of at most `max_events` events (None: no limit); None when not even three
+    updates fit. T = 8, K = 12 when the whole run fits, else half of the run's intervals to settle
+    and half measured. The planner's figure (`pipectl.plan.fast.twobw`) reads the same window.
+
+    >>> steady_state_window(4, 8), steady_state_window(64, 512), steady_state_window(64, 512, max_events=None)
+    ((8, 12), (3, 2), (8, 12))
+    >>> steady_state_window(128, 1024) is None
+    True
+    """
+    p, m = pipeline_parallel, micro_batches
+    full = TRANSIENT_UPDATES + AVERAGED_UPDATES + 1
+    if max_events is None:
+        return TRANSIENT_UPDATES, AVERAGED_UPDATES
+    events_per_update = (3 if recompute else 2) * p * m + p
+    total = min(full, max_events // events_per_update)
+    if total < 3:
+        return None
+    if total == full:
+        return TRANSIENT_UPDATES, AVERAGED_UPDATES
+    averaged = (total - 1) // 2  # a shorter run: half of it to settle, half measured
+    return total - 1 - averaged, averaged
+
+
 def two_bw_steady_state(
     pipeline_parallel: int,
     micro_batches: int,
@@ -368,19 +396,16 @@ def two_bw_steady_state(
     """
     p, m = pipeline_parallel, micro_batches
     check_micro_batches(p, m)
-    events_per_update = (3 if recompute else 2) * p * m + p
-    total = min(TRANSIENT_UPDATES + AVERAGED_UPDATES + 1, MAX_STEADY_STATE_EVENTS // events_per_update)
-    if total < 3:
+    window = steady_state_window(p, m, recompute)
+    if window is None:
+        events_per_update = (3 if recompute else 2) * p * m + p
         raise ScheduleError(
             f"p={p} x m={m} is too large to simulate 2BW's steady state here "
             f"({3 * events_per_update:,} events, more than {MAX_STEADY_STATE_EVENTS:,})",
             hint="with uniform stages and free communication it is m (t_f + t_b) per update",
         )
-    if total == TRANSIENT_UPDATES + AVERAGED_UPDATES + 1:
-        transient, averaged = TRANSIENT_UPDATES, AVERAGED_UPDATES
-    else:  # a shorter run: half of it to settle, half measured
-        averaged = (total - 1) // 2
-        transient = total - 1 - averaged
+    transient, averaged = window
+    total = transient + averaged + 1
     costs = dict(
         forward_seconds=forward_seconds, backward_seconds=backward_seconds, recompute_seconds=recompute_seconds,
         send_forward_seconds=send_forward_seconds, send_backward_seconds=send_backward_seconds,
@@ -447,6 +472,7 @@ __all__ = [
     "check_micro_batches",
     "order_text",
     "simulate_two_bw_run",
+    "steady_state_window",
     "two_bw_steady_state",
     "two_bw_memory",
     "two_bw_order",

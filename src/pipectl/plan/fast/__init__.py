@@ -7,16 +7,21 @@ named here hold them to it.
 
 - `waves` — GPipe (closed form), 1F1B, PipeDream-2BW and interleaved 1F1B, no jitter,
   asynchronous transfers: equals `simulate(generate(kind, p, m, v, recompute), costs)` to 1e-12
-  relative (tests/plan/fast/test_waves.py, test_waves_head_start.py).
+  relative (tests/plan/fast/test_waves.py, test_waves_head_start.py). For 2BW that is one
+  flushed step, the figure its notes compare with.
+- `twobw` — PipeDream-2BW's steady state per update, no flush (how the planner prices 2BW):
+  equals `pipectl.schedule.twobw.two_bw_steady_state` to 1e-12 relative
+  (tests/plan/test_twobw_pricing.py).
 - `varuna` — Varuna, no jitter, asynchronous transfers: equals
   `simulate(generate(VARUNA, p, m), costs)` to 1e-12 relative (tests/plan/fast/test_varuna.py,
   test_varuna_head_start.py).
 - `varuna_flags` — Varuna's order for every m, cut from its periodic form: equals the
   definition, `pipectl.schedule.varuna_order`, exactly (tests/plan/fast/test_varuna_flags.py).
 - `bounds` — lower bounds, never above `simulate(...)`: the chains through every rank (each
-  spec's `lower_bound_seconds`), 1F1B's in-flight loops and Varuna's warm-up and cool-down
-  (tests/plan/fast/test_bounds.py, tests/plan/test_search.py).
-- `periodic` — what `waves` and `varuna` share: skipping a step's repeating stretches.
+  spec's `lower_bound_seconds`; for 2BW, its stages' work per update, never above its steady
+  state), 1F1B's in-flight loops and Varuna's warm-up and cool-down
+  (tests/plan/fast/test_bounds.py, tests/plan/test_search.py, tests/plan/test_twobw_pricing.py).
+- `periodic` — what `waves`, `twobw` and `varuna` share: skipping a step's repeating stretches.
 
 Blocking transfers (gloo) have no fast path: `simulate` times them as rendezvous on the schedule
 with its sends and receives, which is their reference.

@@ -11,6 +11,17 @@ last one (then rank 0 still all-reduces and steps). Every schedule runs each ran
 at a time and respects those dependencies, so no simulated step is shorter. With equal stages and
 free communication it is exactly (m + p − 1)(t_f + t_b) (SPEC §4), so pruning by it is tight.
 
+**PipeDream-2BW** (`two_bw_bound_seconds`, every 2BW spec). A 2BW candidate is priced per
+update in steady state (`pipectl.plan.timing.two_bw_summary_of`), not as a step with a fill and a
+drain, so the chains do not bound it. Between its updates T and T + K each stage runs K m
+forwards, backwards (and recomputes) and K updates, one at a time, so the mean interval is at
+least
+
+    LB = max over ranks k of  m * work(k) + AR(k) + opt(k)
+
+and with equal stages and free communication it is exactly m (t_f + t_b) (+ the update).
+The in-flight loops below bound the flushed step: they are not applied to 2BW.
+
 **1F1B's in-flight loops** (`pair_loop_bound_seconds`, tighter, for the morph table). The chains
 charge each rank its micro-batches' work plus the chains before and after it. 1F1B's step is
 longer when its in-flight limit binds: rank k holds at most
@@ -60,7 +71,13 @@ import numpy as np
 
 from pipectl.schedule.ir import ScheduleKind
 
-__all__ = ["chain_bound_seconds", "has_pair_loops", "pair_loop_bound_seconds", "varuna_bound_seconds"]
+__all__ = [
+    "chain_bound_seconds",
+    "has_pair_loops",
+    "pair_loop_bound_seconds",
+    "two_bw_bound_seconds",
+    "varuna_bound_seconds",
+]
 
 
 def chain_bound_seconds(forward_chain, backward_chain, work, micro_batches, allreduce, optimizer):
@@ -74,6 +91,16 @@ def chain_bound_seconds(forward_chain, backward_chain, work, micro_batches, allr
     """
     tail = np.maximum(allreduce + optimizer, backward_chain + allreduce[..., :1] + optimizer[..., :1])
     return np.max(forward_chain + micro_batches * work + tail, axis=-1)
+
+
+def two_bw_bound_seconds(work, micro_batches, allreduce, optimizer):
+    """LB of PipeDream-2BW's steady state per update (module docstring), per rank k: work per
+    micro-batch, all-reduce and optimizer seconds; one spec or a batch, as `chain_bound_seconds`.
+
+    >>> float(two_bw_bound_seconds(np.array([3.0, 3.0]), 4, np.array([0.5, 0.0]), np.zeros(2)))
+    12.5
+    """
+    return np.max(micro_batches * work + (allreduce + optimizer), axis=-1)
 
 
 def has_pair_loops(kind: ScheduleKind, pipeline_parallel: int, micro_batches: int, chunks: int) -> bool:
