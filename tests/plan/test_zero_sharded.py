@@ -168,8 +168,8 @@ def test_the_planner_prices_zero_2_and_3_as_simulate_does():
         costs = stage_costs_for(candidate, profile, cluster)
         resimulated = simulate(generate(candidate.schedule, 1, candidate.micro_batches), costs).step_seconds
         assert resimulated == pytest.approx(candidate.predicted_step_seconds, rel=1e-12)
-    assert not by_stage[2].deepspeed_runnable and not by_stage[3].deepspeed_runnable
-    assert by_stage[1].deepspeed_runnable
+    # One stage, no tensor split: ZeRO-2 runs in DeepSpeed's ordinary engine (runtime/plain.py).
+    assert by_stage[1].deepspeed_runnable and by_stage[2].deepspeed_runnable and not by_stage[3].deepspeed_runnable
     # m = 2: 2 x 30 ms of compute + the collectives above + Adam's step.
     assert by_stage[3].predicted_step_seconds - by_stage[1].predicted_step_seconds == pytest.approx(
         (90.75 - 45.15) * MS)
@@ -249,7 +249,9 @@ def test_the_enumeration_keeps_exactly_the_zero_2_and_3_points_that_fit_one_by_o
         for b in space.micro_batch_sizes:
             shape = builder.shape(t, b, False, 1, 1)
             for d in range(2, min(64 // t, 24 // b) + 1):
-                m = -(-24 // (d * b))
+                if 24 % (d * b):
+                    continue  # uneven replicas: refused for ZeRO-2/3 (they reduce every micro-batch)
+                m = 24 // (d * b)
                 for zero in (2, 3):
                     kind = ScheduleKind.GPIPE  # m in flight at p = 1: memory grows as d shrinks
                     if shape.memory.fits(state_bytes(profile.dtype, zero, d, kind), step_bytes(profile.dtype, zero, d, kind),
@@ -280,3 +282,15 @@ def test_with_measured_engine_terms_the_planner_and_simulate_agree():
         costs = stage_costs_for(candidate, profile, cluster)
         resimulated = simulate(generate(candidate.schedule, 1, candidate.micro_batches), costs).step_seconds
         assert resimulated == pytest.approx(candidate.predicted_step_seconds, rel=1e-12)
+
+
+def test_zero2_is_runnable_with_one_stage_and_no_tensor_split_and_never_uneven():
+    """ZeRO-2 at p = 1, t = 1 is a candidate the runtime trains (chosen without --any-engine when it
+    is best); replicas that d x b does not divide are rejected for it with their reason."""
+    profile, cluster = _two_layers(), load_cluster("a100-8x8")
+    request = PlanRequest(global_batch=32, zero_stages=[2], pipeline_parallel=1, tensor_parallel=1, morph=False, workers=1)
+    chosen = plan(profile, cluster, request).chosen
+    assert chosen.zero_stage == 2 and chosen.deepspeed_runnable and not chosen.replicas
+    uneven = request.model_copy(update={"global_batch": 30, "data_parallel": 4, "micro_batch_size": 2})
+    with pytest.raises(InfeasibleError, match="ZeRO-2/3 reduce after every micro-batch"):
+        plan(profile, cluster, uneven)

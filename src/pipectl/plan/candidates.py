@@ -20,7 +20,7 @@ from typing import Sequence
 
 import numpy as np
 
-from pipectl.artifacts.plan import RUNTIME_ZERO_STAGES
+from pipectl.artifacts.plan import runtime_runs_zero
 from pipectl.artifacts.profile import ModelProfile
 from pipectl.catalog import DTYPE_BYTES
 from pipectl.plan.costs import (
@@ -61,6 +61,7 @@ class Rejection(str, Enum):
     MEMORY = "a stage does not fit in device memory"
     INTERLEAVED_MICRO_BATCHES = "interleaved schedule needs micro-batches to be a multiple of p"
     TWO_BW_MICRO_BATCHES = "PipeDream-2BW with two weight versions needs at least p - 1 micro-batches per update"
+    SHARDED_GRADIENTS_UNEVEN = "ZeRO-2/3 reduce after every micro-batch: replicas must run as many"
     TOO_FEW_LAYERS = "fewer layers than (virtual) stages"
     DEADLINE = "misses the deadline"
 
@@ -160,7 +161,9 @@ class Spec:
 
     @property
     def deepspeed_runnable(self) -> bool:
-        return deepspeed_runnable(self.variant.kind, self.variant.chunks) and self.zero_stage in RUNTIME_ZERO_STAGES
+        return deepspeed_runnable(self.variant.kind, self.variant.chunks) and runtime_runs_zero(
+            self.zero_stage, self.shape.pipeline_parallel, self.shape.tensor_parallel
+        )
 
     @property
     def key(self) -> tuple:

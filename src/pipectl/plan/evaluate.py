@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from pipectl.artifacts.plan import RUNTIME_ZERO_STAGES, Candidate, ReplicaShare, replica_shares
+from pipectl.artifacts.plan import Candidate, ReplicaShare, replica_shares, runtime_runs_zero
 from pipectl.plan.candidates import Spec
 from pipectl.plan.costs import Hardware, host_compute_slowdown, ranks_share_node
 from pipectl.plan.fast import bounds, varuna_flags, waves
@@ -59,8 +59,8 @@ def two_bw_steady_note(update_seconds: float, flushed_seconds: float, micro_batc
 def zero_stage_note(zero_stage: int) -> str:
     """The note on a candidate whose ZeRO stage pipectl's runtime does not train with."""
     if zero_stage >= 2:
-        return (f"ZeRO-{zero_stage}: pipectl's runtime trains with ZeRO-1 only (plan and simulate only; "
-                "DeepSpeed's ordinary engine runs it at p = 1)")
+        return (f"ZeRO-{zero_stage}: pipectl's runtime trains with ZeRO-1, and ZeRO-2 with one stage and no "
+                "tensor split (plan and simulate only)")
     return f"ZeRO-{zero_stage}: pipectl's runtime trains with ZeRO-1 only (plan and simulate only)"
 
 
@@ -222,7 +222,7 @@ class Evaluator:
                                             costs_of(spec, self.hardware)))
         if not deepspeed_runnable(spec.variant.kind, spec.variant.chunks):
             notes.append(NOT_DEEPSPEED_NOTE)
-        if spec.zero_stage not in RUNTIME_ZERO_STAGES:
+        if not runtime_runs_zero(spec.zero_stage, shape.pipeline_parallel, shape.tensor_parallel):
             notes.append(zero_stage_note(spec.zero_stage))
         replicas = replica_shares(self.global_batch, spec.data_parallel, shape.micro_batch_size, self.hardware.kind)
         if replicas:

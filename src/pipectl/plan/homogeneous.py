@@ -21,7 +21,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from pipectl.artifacts.plan import RUNTIME_ZERO_STAGES, ModelShape, Objective, Plan, PlanRequest
+from pipectl.artifacts.plan import ModelShape, Objective, Plan, PlanRequest, runtime_runs_zero
 from pipectl.artifacts.profile import ModelProfile
 from pipectl.errors import InfeasibleError, UserInputError
 from pipectl.plan.candidates import Rejection, Rejections, Spec
@@ -372,7 +372,10 @@ def plan_homogeneous(
 
 def _zero_not_run(spec: Spec) -> bool:
     """Whether the runtime cannot run the spec for its ZeRO stage alone (its schedule it can run)."""
-    return spec.zero_stage not in RUNTIME_ZERO_STAGES and deepspeed_runnable(spec.variant.kind, spec.variant.chunks)
+    shape = spec.shape
+    return not runtime_runs_zero(spec.zero_stage, shape.pipeline_parallel, shape.tensor_parallel) and deepspeed_runnable(
+        spec.variant.kind, spec.variant.chunks
+    )
 
 
 def _best_of(specs: list[Spec], goal: Goal, evaluator: Evaluator) -> tuple[tuple, Spec, float] | None:

@@ -326,7 +326,17 @@ class _UnitContext:
                     len(zeros),
                 )
                 continue
-            gradients_sharded += [(d, m, zero) for zero in zeros if zero >= 2]
+            sharded = [zero for zero in zeros if zero >= 2]
+            if sharded and B % (d * b):
+                # ZeRO-2/3 reduce-scatter after every micro-batch: uneven replicas would wait on
+                # collectives the others never start (the runtime refuses them too).
+                rejections.add(
+                    Rejection.SHARDED_GRADIENTS_UNEVEN,
+                    f"t={t} p={p} d={d} b={b} zero={sharded[0]}: B={B} gives uneven replicas",
+                    len(sharded),
+                )
+            else:
+                gradients_sharded += [(d, m, zero) for zero in sharded]
             zeros = tuple(zero for zero in zeros if zero < 2)
             if not zeros:
                 continue

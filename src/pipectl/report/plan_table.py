@@ -12,7 +12,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from pipectl.artifacts.plan import RUNTIME_ZERO_STAGES, Candidate, Plan, ReplicaShare
+from pipectl.artifacts.plan import Candidate, Plan, ReplicaShare, runtime_runs_zero
 from pipectl.artifacts.profile import ModelProfile
 from pipectl.plan.flops import Utilisation, plan_layer_flops, utilisation
 from pipectl.runtime.checkpoint_schedule import DEVICE_MTBF_HOURS, young_daly_seconds
@@ -277,11 +277,15 @@ def plan_view(plan: Plan, *, top: int = 10, show_morph: bool = True, profile: Mo
             line += (f"; {first.tensor_parallel}·{first.pipeline_parallel}·{first.data_parallel} "
                      f"{_batch_label(first)}: {note}")
         parts.append(Text(line, style="dim"))
-    stages = sorted({cand.zero_stage for cand in flagged if cand.zero_stage not in RUNTIME_ZERO_STAGES})
+    stages = sorted({
+        cand.zero_stage for cand in flagged
+        if not runtime_runs_zero(cand.zero_stage, cand.pipeline_parallel, cand.tensor_parallel)
+    })
     if stages:
         parts.append(Text(
-            f"* {', '.join(f'ZeRO-{z}' for z in stages)}: pipectl's runtime trains with ZeRO-1 only (plan and simulate "
-            f"only){'; ZeRO-2 and ZeRO-3 are planned at p = 1 only' if stages[-1] >= 2 else ''}", style="dim",
+            f"* {', '.join(f'ZeRO-{z}' for z in stages)}: pipectl's runtime trains with ZeRO-1, and ZeRO-2 with one "
+            f"stage and no tensor split (plan and simulate only)"
+            f"{'; ZeRO-2 and ZeRO-3 are planned at p = 1 only' if stages[-1] >= 2 else ''}", style="dim",
         ))
     for note in [*plan.notes, *c.notes]:
         parts.append(Text(f"note: {note}", style="yellow"))
