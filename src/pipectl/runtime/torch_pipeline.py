@@ -34,10 +34,7 @@ torch is pinned, and `tests/runtime/test_torch_pipeline.py` has a contract test 
 
 from __future__ import annotations
 
-import multiprocessing
 import os
-import queue
-import socket
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -54,6 +51,7 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from pipectl.errors import LaunchError, ScheduleError, UserInputError
+from pipectl.runtime.local_ranks import run_local_ranks
 from pipectl.models.base import LayerDef, ModelLayers
 from pipectl.schedule.ir import ActionKind, Schedule
 
@@ -437,33 +435,10 @@ def spawn_local(jobs: Sequence[TorchPipelineJob], timeout_seconds: float = 120) 
     if len(worlds) != 1:
         raise UserInputError(f"jobs of one spawn need one pipeline-parallel degree, got {sorted(worlds)}")
     world = worlds.pop()
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "pipectl.runtime.torch_pipeline"])
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    results = context.Queue()
-    procs = [context.Process(target=_rank_main, args=(r, world, port, list(jobs), results)) for r in range(world)]
-    for proc in procs:
-        proc.start()
-    outcomes: dict[int, list[RankResult]] = {}
-    deadline = time.monotonic() + timeout_seconds
-    try:
-        while len(outcomes) < world:
-            try:
-                item = results.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                raise LaunchError(f"torch pipeline ranks did not finish within {timeout_seconds} s") from None
-            if isinstance(item, Exception):
-                raise item
-            outcomes[item[0]] = item[1]
-    finally:
-        for proc in procs:
-            proc.join(timeout=5 if len(outcomes) == world else 0.1)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=5)
-    return outcomes
+    return run_local_ranks(
+        _rank_main, (list(jobs),), world,
+        preload=["torch", "pipectl.runtime.torch_pipeline"], timeout_seconds=timeout_seconds, what="torch pipeline",
+    )  # fmt: skip
 
 
 __all__ = [

@@ -30,10 +30,7 @@ from __future__ import annotations
 
 import argparse
 import logging
-import multiprocessing
 import os
-import queue
-import socket
 import sys
 import time
 import traceback
@@ -46,7 +43,7 @@ from typing import Any
 from pipectl.artifacts.layout import Layout
 from pipectl.artifacts.plan import Plan
 from pipectl.artifacts.run import JobSpec, RankState, RankTiming, ResumeRecord, StepMetrics
-from pipectl.errors import LaunchError, PipectlError, UserInputError
+from pipectl.errors import PipectlError, UserInputError
 from pipectl.io import load_model, read_mapping
 from pipectl.runtime import checkpoint, dsinit, recovery
 from pipectl.runtime.elastic import ds_config_for_candidate, plan_for_world_size
@@ -738,48 +735,23 @@ def _spawned_rank(rank: int, world: int, port: int, job: TrainingJob, results) -
     )
     try:
         result = train(job)
-        results.put(RankOutcome(rank, result.stage, result.losses, result.executed_order))
+        results.put((rank, RankOutcome(rank, result.stage, result.losses, result.executed_order)))
     except BaseException as exc:  # report, don't leave the parent waiting for the timeout
         results.put(RuntimeError(f"rank {rank}: {type(exc).__name__}: {exc}"))
         raise
 
 
 def spawn_ranks(job: TrainingJob, timeout_seconds: float = 120) -> dict[int, RankOutcome]:
-    """Train `job` on world-size local processes and return each rank's outcome (tests, benchmarks).
+    """Train `job` on world-size local processes and return each rank's outcome (tests, benchmarks;
+    `runtime.local_ranks`: a fork server that imported torch and DeepSpeed once). Ranks still
+    running after `timeout_seconds` are killed and a `LaunchError` is raised."""
+    from pipectl.runtime.local_ranks import run_local_ranks
 
-    Not a launch engine (those are torchrun / DeepSpeed's launcher, in `pipectl.launch`): a fork
-    server that imported torch and DeepSpeed once starts each rank in well under a second, where a
-    fresh interpreter re-imports them (about 3 s per rank on two cores). Ranks still running after
-    `timeout_seconds` are killed and a `LaunchError` is raised.
-    """
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "deepspeed", "pipectl.runtime.worker", "pipectl.runtime.executor"])
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    world = job.layout.world_size
-    results = context.Queue()
-    procs = [context.Process(target=_spawned_rank, args=(r, world, port, job, results)) for r in range(world)]
-    for proc in procs:
-        proc.start()
-    outcomes: dict[int, RankOutcome] = {}
-    deadline = time.monotonic() + timeout_seconds
-    try:
-        while len(outcomes) < world:
-            try:
-                item = results.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                raise LaunchError(f"{job.layout.label()}: ranks did not finish within {timeout_seconds} s") from None
-            if isinstance(item, Exception):
-                raise LaunchError(str(item))
-            outcomes[item.rank] = item
-    finally:
-        for proc in procs:
-            proc.join(timeout=5 if len(outcomes) == world else 0.1)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=5)
-    return outcomes
+    return run_local_ranks(
+        _spawned_rank, (job,), job.layout.world_size,
+        preload=["torch", "deepspeed", "pipectl.runtime.worker", "pipectl.runtime.executor"],
+        timeout_seconds=timeout_seconds, what=job.layout.label(),
+    )  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:
