@@ -317,27 +317,26 @@ class _UnitContext:
         gradients_sharded: list[tuple[int, int, int]] = []
         for d in sorted(ds, reverse=True):
             m = -(-B // (d * b))  # the most micro-batches a replica runs (`balanced_shares`)
-            zeros = _zeros_descending(d, space.zero_stages, p == 1)
+            zeros, sharded = _zeros_split(d, space.zero_stages, p == 1)
             if kind is ScheduleKind.PIPEDREAM_2BW and B // b // d < p - 1:
                 # Two weight versions need m >= p - 1 on every replica (`pipectl.schedule.twobw`).
                 rejections.add(
                     Rejection.TWO_BW_MICRO_BATCHES,
                     f"t={t} p={p} d={d} b={b} 2bw: {count(B // b // d, 'micro-batch')} per update < p - 1 = {p - 1}",
-                    len(zeros),
+                    len(zeros) + len(sharded),
                 )
                 continue
-            sharded = [zero for zero in zeros if zero >= 2]
-            if sharded and B % (d * b):
-                # ZeRO-2/3 reduce-scatter after every micro-batch: uneven replicas would wait on
-                # collectives the others never start (the runtime refuses them too).
-                rejections.add(
-                    Rejection.SHARDED_GRADIENTS_UNEVEN,
-                    f"t={t} p={p} d={d} b={b} zero={sharded[0]}: B={B} gives uneven replicas",
-                    len(sharded),
-                )
-            else:
-                gradients_sharded += [(d, m, zero) for zero in sharded]
-            zeros = tuple(zero for zero in zeros if zero < 2)
+            if sharded:
+                if B % (d * b):
+                    # ZeRO-2/3 reduce-scatter after every micro-batch: uneven replicas would wait on
+                    # collectives the others never start (the runtime refuses them too).
+                    rejections.add(
+                        Rejection.SHARDED_GRADIENTS_UNEVEN,
+                        f"t={t} p={p} d={d} b={b} zero={sharded[0]}: B={B} gives uneven replicas",
+                        len(sharded),
+                    )
+                else:
+                    gradients_sharded.extend((d, m, zero) for zero in sharded)
             if not zeros:
                 continue
             if v > 1 and (m % p or B % (d * b)):
@@ -463,6 +462,14 @@ def _zeros_descending(d: int, zero_stages: tuple[int, ...], one_stage: bool = Fa
         runnable = [zero for zero in stages if zero in RUNTIME_ZERO_STAGES]
         return (max(runnable),) if runnable else (min(stages),)
     return tuple(sorted(stages, reverse=True))
+
+
+@lru_cache(maxsize=1024)
+def _zeros_split(d: int, zero_stages: tuple[int, ...], one_stage: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """`_zeros_descending` as (stages 0 and 1, stages 2 and 3): the latter are checked on their one
+    cut, not by a family's remembered demands."""
+    zeros = _zeros_descending(d, zero_stages, one_stage)
+    return tuple(z for z in zeros if z < 2), tuple(z for z in zeros if z >= 2)
 
 
 class _Family:
