@@ -273,7 +273,9 @@ def test_a_launcher_without_ranks_yet_is_waited_for(tmp_path):
     launcher = start_stand_in(run, launcher=True)
     try:
         outcome = stop_run(run, find_run_processes(run), stop_file=ckpt.STOP_FILE, timeout_seconds=10)
-        assert launcher.poll() == 0 and outcome.seconds >= 0.2  # it exited, after the stand-in's pause
+        # It exited, after the stand-in's pause: stop_run counts it gone once its command line is
+        # empty, a moment before this parent can collect it, so wait briefly rather than poll.
+        assert launcher.wait(timeout=5) == 0 and outcome.seconds >= 0.2
     finally:
         launcher.kill()
 
