@@ -179,6 +179,17 @@ class ExecutedAction:
     seconds: float
 
 
+def record_action(executed: list[ExecutedAction], action: Action, start: float, compute_slowdown: float) -> None:
+    """Record a compute action that began at `start`. On an emulated slower device kind
+    (`NodeType.compute_slowdown` k) the rank first waits (k - 1) times what the action took,
+    holding its core idle as a slower device would, so the action ends k times later."""
+    seconds = time.perf_counter() - start
+    if compute_slowdown != 1.0:
+        time.sleep(seconds * (compute_slowdown - 1.0))
+        seconds = time.perf_counter() - start
+    executed.append(ExecutedAction(action, seconds))
+
+
 # What a rank's step spends besides its compute, timed per step (`phase_seconds`): its sends and
 # receives (a receive waits for the peer: the pipeline's bubble and the transfer), and the end of
 # the step (tied and data-parallel gradient reductions, the optimizer step).
@@ -281,14 +292,7 @@ class PlannedPipelineEngine(PipelineEngine):
         self._record(action, start)
 
     def _record(self, action: Action, start: float) -> None:
-        """Record a compute action that began at `start`. On an emulated slower device kind
-        (`NodeType.compute_slowdown` k) the rank first waits (k - 1) times what the action took,
-        holding its core idle as a slower device would, so the action ends k times later."""
-        seconds = time.perf_counter() - start
-        if self.compute_slowdown != 1.0:
-            time.sleep(seconds * (self.compute_slowdown - 1.0))
-            seconds = time.perf_counter() - start
-        self.executed.append(ExecutedAction(action, seconds))
+        record_action(self.executed, action, start, self.compute_slowdown)
 
     def _exec_planned_recv_grads(self, buffer_id: int) -> None:
         PipelineEngine._exec_recv_grads(self, buffer_id)

@@ -31,7 +31,7 @@ import torch
 from deepspeed.runtime.engine import DeepSpeedEngine
 
 from pipectl.errors import UserInputError
-from pipectl.runtime.executor import TIMED_PHASES, ExecutedAction
+from pipectl.runtime.executor import TIMED_PHASES, ExecutedAction, record_action
 from pipectl.schedule.ir import Action, ActionKind, Schedule
 
 
@@ -120,13 +120,7 @@ class PlannedPlainEngine(DeepSpeedEngine):
         return [record.action for record in self.executed]
 
     def _record(self, action: Action, start: float) -> None:
-        """As the pipeline executor's `_record`: on an emulated slower kind the rank waits (k - 1)
-        times what the action took."""
-        seconds = time.perf_counter() - start
-        if self.compute_slowdown != 1.0:
-            time.sleep(seconds * (self.compute_slowdown - 1.0))
-            seconds = time.perf_counter() - start
-        self.executed.append(ExecutedAction(action, seconds))
+        record_action(self.executed, action, start, self.compute_slowdown)
 
 
 def plan_plain_engine(
