@@ -10,10 +10,14 @@ from pipectl.errors import UserInputError
 
 
 def configs_dir() -> Path:
-    """The `configs/` folder: `$PIPECTL_CONFIGS`, else the one beside the source tree."""
+    """The `configs/` folder: `$PIPECTL_CONFIGS`, else the copy an installed wheel carries
+    (`pipectl/_configs`), else the one beside the source tree (a checkout or an editable install)."""
     override = os.environ.get("PIPECTL_CONFIGS")
     if override:
         return Path(override)
+    packaged = Path(__file__).resolve().parent / "_configs"
+    if packaged.is_dir():
+        return packaged
     return Path(__file__).resolve().parents[2] / "configs"
 
 

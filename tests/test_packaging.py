@@ -1,0 +1,38 @@
+"""An installed wheel works away from the source tree: it carries the device catalog and the shipped
+models and clusters (`configs/`), which an offline GPU host installing from a wheelhouse relies on."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_wheel_carries_configs_and_an_installed_pipectl_finds_them(tmp_path):
+    wheels, site, work = tmp_path / "wheels", tmp_path / "site", tmp_path / "work"
+    work.mkdir()
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-w", wheels, ROOT], check=True)
+    (wheel,) = wheels.glob("pipectl-*.whl")
+    shipped = {p.relative_to(ROOT / "configs").as_posix() for p in (ROOT / "configs").rglob("*.yaml")}
+    with zipfile.ZipFile(wheel) as archive:
+        packaged = {name.removeprefix("pipectl/_configs/") for name in archive.namelist() if "/_configs/" in name}
+    assert shipped <= packaged
+
+    subprocess.run([*pip, "install", "--no-deps", "--no-index", "--target", site, wheel], check=True)
+    env = {k: v for k, v in os.environ.items() if k != "PIPECTL_CONFIGS"} | {"PYTHONPATH": str(site)}
+    where = subprocess.run([sys.executable, "-c", "import pipectl.paths as p; print(p.__file__); print(p.configs_dir())"],
+                           cwd=work, env=env, capture_output=True, text=True, check=True).stdout.split()  # fmt: skip
+    assert Path(where[0]).is_relative_to(site) and Path(where[1]) == site / "pipectl" / "_configs"
+    # A shipped model and the device catalog, as a user on that host would name them.
+    result = subprocess.run(
+        [sys.executable, "-m", "pipectl.cli.main", "profile", "gpt-tiny", "--derive", "--device", "a100-80gb",
+         "-o", "profile.json"], cwd=work, env=env, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert json.loads((work / "profile.json").read_text())["device"] == "a100-80gb"
