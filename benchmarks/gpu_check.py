@@ -9,7 +9,8 @@ On a CUDA host with pipectl installed (no network needed), for one GPT shape:
 3. launches a few steps of up to three layouts through `pipectl launch` (the user's path): the
    plan's choice, the runnable candidate that the plan says fills memory most, and a one-GPU
    layout (the baseline's); per layout the step-time error (median after warm-up) and the
-   memory error (the largest per-rank `torch.cuda.max_memory_reserved` against the plan's peak);
+   memory error (the largest per-rank `torch.cuda.max_memory_reserved` against the plan's peak,
+   and the same against `max_memory_allocated`);
    a layout that runs out of memory is recorded as such;
 4. runs a hand-written single-GPU training loop on the same layers and batches (autocast bf16,
    fused AdamW, gradient accumulation over the same micro-batches) and reports its step time
@@ -76,8 +77,8 @@ def device_kind_of(device: str, override: str | None) -> str:
     raise SystemExit(f"no catalog entry known for '{torch.cuda.get_device_name(0)}': pass --device-kind")
 
 
-def write_model(work: Path, quick: bool) -> Path:
-    config = dict(GPU_MODEL, name="gpu-check-gpt")
+def write_model(work: Path, quick: bool, shape: dict | None) -> Path:
+    config = dict(shape or GPU_MODEL, name="gpu-check-gpt")
     if quick:
         config["layers"] = 4
     path = work / "model.yaml"
@@ -137,12 +138,13 @@ def summarise_ratios(rows: list[dict], kind: str) -> dict:
     return summary
 
 
-def layouts_to_run(plan: dict, limit: int = 3) -> list[tuple[str, dict]]:
-    """The plan's choice, the runnable candidate nearest to full memory, and a one-GPU layout."""
-    runnable = [c for c in plan["candidates"] if c.get("deepspeed_runnable", True)]
+def layouts_to_run(plan: dict, limit: int) -> list[tuple[str, dict]]:
+    """The plan's choice, the other runnable candidate nearest to full memory, and a one-GPU layout
+    (unless the choice is one)."""
+    runnable = [c for c in plan["candidates"] if c.get("deepspeed_runnable", True) and c != plan["chosen"]]
     chosen = [("chosen", plan["chosen"])]
     fullest = max(runnable, key=lambda c: max(c["peak_memory_bytes"]), default=None)
-    single = next((c for c in runnable if c["devices"] == 1), None)
+    single = None if plan["chosen"]["devices"] == 1 else next((c for c in runnable if c["devices"] == 1), None)
     picked = chosen
     for label, candidate in (("fills-memory", fullest), ("one-gpu", single)):
         if candidate is not None and all(candidate != c for _, c in picked):
@@ -182,20 +184,14 @@ def run_layout(label: str, candidate: dict, plan_path: Path, work: Path, steps: 
         measured = statistics.median(m.step_seconds for m in timed)
         record["measured_step_seconds"] = measured
         record["step_error"] = abs(candidate["predicted_step_seconds"] - measured) / measured
-    peaks = [_measured_peak(m, gpu) for m in metrics]
-    peaks = [p for p in peaks if p]
-    if peaks:
-        record["measured_peak_bytes"] = max(peaks)
-        record["memory_measure"] = "max_memory_reserved" if gpu else "resident set size"
-        record["memory_error"] = abs(record["predicted_peak_bytes"] - max(peaks)) / max(peaks)
+    measures = {"": "peak_reserved_bytes", "_allocated": "peak_allocated_bytes"} if gpu else {"": "peak_rss_bytes"}
+    for suffix, field in measures.items():
+        peaks = [value for m in metrics for rank in m.ranks if (value := getattr(rank, field))]
+        if peaks:  # the largest per-rank peak any step recorded
+            record[f"measured_peak{suffix}_bytes"] = max(peaks)
+            record[f"memory_error{suffix}"] = abs(record["predicted_peak_bytes"] - max(peaks)) / max(peaks)
+    record["memory_measure"] = "max_memory_reserved (and allocated)" if gpu else "resident set size"
     return record
-
-
-def _measured_peak(metrics, gpu: bool) -> int | None:
-    """The largest per-rank peak a step recorded: reserved bytes on a GPU, resident set on CPU."""
-    values = [rank.peak_reserved_bytes if gpu else rank.peak_rss_bytes for rank in metrics.ranks]
-    values = [value for value in values if value]
-    return max(values) if values else None
 
 
 def baseline(model_ref: str, candidate: dict, steps: int, warmup: int, device: str, dtype: str) -> dict:
@@ -254,6 +250,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="a 4-block model and sizes 1,2,4 (minutes less)")
+    parser.add_argument("--model", type=Path, default=None,
+                        help="a GPT shape as YAML (family, layers, hidden, heads, seq_len, vocab) instead of the built-in one")
+    parser.add_argument("--sizes", default=None, help="micro-batch sizes to profile (default 1,2,4,8 on GPU)")
+    parser.add_argument("--tensor-parallel", default="1,2,4,8", help="blocks' tensor-parallel shards to measure on GPU")
+    parser.add_argument("--layouts", type=int, default=3, help="how many layouts to launch (chosen first)")
     parser.add_argument("--work", type=Path, default=None, help="folder for profiles, plans and runs")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -267,14 +268,15 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     out = args.out or ROOT / "benchmarks" / "results" / f"gpu-{kind}.json"
     dtype = "bfloat16" if gpu else "float32"
-    sizes = "1,2,4" if args.quick or not gpu else "1,2,4,8"
+    sizes = args.sizes or ("1,2,4" if args.quick or not gpu else "1,2,4,8")
     global_batch = args.global_batch or (64 if gpu else 8)
-    model = str(write_model(work, args.quick)) if gpu else "gpt-tiny"
+    shape = yaml.safe_load(args.model.read_text()) if args.model else None
+    model = str(write_model(work, args.quick, shape)) if gpu else "gpt-tiny"
     gpus = torch.cuda.device_count() if gpu else 2
 
     measured_path, derived_path, plan_path = work / "measured.json", work / "derived.json", work / "plan.json"
     # On a GPU the blocks' tensor-parallel shards too (16 heads: t = 2, 4, 8), one instance each.
-    measure_args = ["--device", device, "--device-kind", kind, "--tensor-parallel", "1,2,4,8"] if gpu else ["--device", "cpu"]
+    measure_args = ["--device", device, "--device-kind", kind, "--tensor-parallel", args.tensor_parallel] if gpu else ["--device", "cpu"]
     started = time.perf_counter()
     pipectl("profile", model, *measure_args, "--dtype", dtype, "-b", sizes, "-o", measured_path)
     profile_seconds = time.perf_counter() - started
@@ -288,9 +290,11 @@ def main() -> None:
             "--all", "--no-morph", "-o", plan_path)  # fmt: skip
     plan = json.loads(plan_path.read_text())
     layouts = []
-    for label, candidate in layouts_to_run(plan):
+    for label, candidate in layouts_to_run(plan, args.layouts):
         layouts.append(run_layout(label, candidate, plan_path, work, args.steps, args.warmup, gpu))
         print(json.dumps(layouts[-1], indent=1), flush=True)
+        out.parent.mkdir(parents=True, exist_ok=True)  # what ran so far, should a later layout hang
+        out.with_suffix(".partial.json").write_text(json.dumps({"rows": layer_rows, "layouts": layouts}, indent=1))
     one_gpu = next((r for r in layouts if r["layout"]["devices"] == 1 and "measured_step_seconds" in r), None)
     reference = None
     if one_gpu is not None:
@@ -308,7 +312,7 @@ def main() -> None:
         "pipectl": _version("pipectl"),
         "measured": time.strftime("%Y-%m-%d"),
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-        "model": GPU_MODEL if gpu else model,
+        "model": (shape or GPU_MODEL) if gpu else model,
         "global_batch": global_batch,
         "dtype": dtype,
         "profile_seconds": profile_seconds,
@@ -318,6 +322,8 @@ def main() -> None:
         "summary": {
             "max_step_error": max((r["step_error"] for r in ran), default=None),
             "max_memory_error": max((r["memory_error"] for r in ran if "memory_error" in r), default=None),
+            "max_memory_error_allocated": max((r["memory_error_allocated"] for r in ran if "memory_error_allocated" in r),
+                                              default=None),
             "baseline_ratio": reference["ratio"] if reference else None,
             "out_of_memory": [r["label"] for r in layouts if r["out_of_memory"]],
             "failed": [r["label"] for r in layouts if r["exit_code"] != 0],
