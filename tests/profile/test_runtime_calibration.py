@@ -167,3 +167,40 @@ def test_the_calibration_runs_in_spawned_children_as_on_a_host_with_cuda():
                                    start="spawn", timeout_seconds=180)  # fmt: skip
     assert sharing.alone_compute_slowdown >= 1.0 and sharing.busy_allreduce_latency_seconds > 0
     assert {key: os.environ.get(key) for key in before} == before
+
+
+@pytest.mark.multiprocess
+def test_a_bf16_profile_is_calibrated_on_deepspeeds_bf16_engine():
+    """A GPU user profiles in bf16 and trains in bf16: the calibration runs that engine (its fp32
+    master copy and casts are part of every step), the near-free model included."""
+    from pipectl.artifacts.run import Precision
+    from pipectl.models import build_model
+    from pipectl.profile.runtime_calibration import engine_description, run_engine_calibration
+
+    null, timings = run_engine_calibration(build_model("gpt-tiny"), [1, 2], warmup=0, steps=1, timeout_seconds=180,
+                                           precision=Precision.BF16)  # fmt: skip
+    assert [t.micro_batch_size for t in timings] == [1, 2]
+    assert null.step_seconds > 0 and all(t.forward_seconds > 0 and t.backward_seconds > 0 for t in timings)
+    assert "bf16" in engine_description("cpu", Precision.BF16)
+
+
+def test_the_profile_says_when_the_calibration_stopped_short_and_which_precision_ran(monkeypatch):
+    import torch
+
+    from pipectl.artifacts.profile import EngineComputeRatio, RuntimeCosts
+    from pipectl.artifacts.run import Precision
+    from pipectl.models import build_model
+    from pipectl.profile import measure
+
+    asked = {}
+
+    def calibrate(model, profile, **kwargs):
+        asked.update(kwargs)
+        return RuntimeCosts(engine="e", forward_overhead_seconds=0, backward_overhead_seconds=0, step_fixed_seconds=0,
+                            step_seconds_per_parameter=0,
+                            compute_ratios=[EngineComputeRatio(micro_batch_size=1, forward_ratio=1, backward_ratio=1)])  # fmt: skip
+
+    monkeypatch.setattr(measure, "calibrate_runtime", calibrate)
+    profile = measure.with_runtime_costs(_profile(), build_model("gpt-tiny"), torch.device("cpu"), torch.bfloat16, 0)
+    assert asked["precision"] is Precision.BF16 and profile.runtime is not None
+    assert any("stopped after micro-batch size 1" in note for note in profile.notes), profile.notes

@@ -57,6 +57,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from torch import nn
 
 from pipectl.artifacts.profile import LayerCost, LayerProfile, ModelProfile, ProfileSource, ShardProfile
+from pipectl.artifacts.run import Precision
 from pipectl.errors import PipectlError, UserInputError
 from pipectl.models.base import LayerDef, ModelLayers
 from pipectl.models.tensor_parallel import TensorParallelBlock, TensorParallelGroup, shard_model, splits_itself
@@ -429,6 +430,10 @@ def profile_model(
     return profile
 
 
+# The engine precision a profiled dtype trains in (`pipectl launch` runs a plan in its profile's dtype).
+_ENGINE_PRECISION = {torch.float32: Precision.FP32, torch.bfloat16: Precision.BF16, torch.float16: Precision.FP16}
+
+
 def with_runtime_costs(
     profile: ModelProfile, model: ModelLayers, device: torch.device, dtype: torch.dtype, seed: int
 ) -> ModelProfile:
@@ -439,15 +444,16 @@ def with_runtime_costs(
     if model.shape_only:
         note = f"runtime terms not measured: model '{model.name}' is shape-only and the engine calibration runs the whole model"
         return profile.model_copy(update={"notes": [*profile.notes, note]})
-    if dtype != torch.float32:
-        note = f"runtime terms not measured: the engine calibration runs in float32 (profiled {dtype_name(dtype)})"
+    precision = _ENGINE_PRECISION.get(dtype)
+    if precision is None:
+        note = f"runtime terms not measured: no training engine precision for {dtype_name(dtype)}"
         return profile.model_copy(update={"notes": [*profile.notes, note]})
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the layers' memory, cached by this process, back to the GPU for the child
     started = time.perf_counter()
     try:
         costs = calibrate_runtime(model, profile, warmup=CALIBRATION_WARMUP, steps=CALIBRATION_STEPS, seed=seed,
-                                  device=str(device))  # fmt: skip
+                                  device=str(device), precision=precision)  # fmt: skip
     except PipectlError as exc:
         return profile.model_copy(update={"notes": [*profile.notes, f"runtime terms not measured: {exc.message}"]})
     notes = [
@@ -455,6 +461,12 @@ def with_runtime_costs(
         f"{CALIBRATION_STEPS} timed steps of m=2 after {CALIBRATION_WARMUP} warm-up steps, medians "
         f"({time.perf_counter() - started:.1f} s)"
     ]
+    calibrated = [ratio.micro_batch_size for ratio in costs.compute_ratios]
+    if len(calibrated) < len(profile.micro_batch_sizes):
+        notes.append(
+            f"engine calibration stopped after micro-batch size {max(calibrated)}: the next ran out of memory "
+            "in a whole-model step; larger sizes take its compute ratios"
+        )
     if device.type == "cuda":
         notes.append(CUDA_TWO_RANK_NOTE)
     return profile.model_copy(update={"runtime": costs, "notes": [*profile.notes, *notes]})

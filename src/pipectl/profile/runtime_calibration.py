@@ -45,7 +45,8 @@ second) and spawned on a host with CUDA (`start_method`). CPU children are pinne
 runs on CPU ranks whatever the host has. On CUDA (`calibrate_runtime(device="cuda:N")`) the
 one-rank engine terms are measured on that GPU; the two-rank terms describe ranks sharing a CPU
 host (its cores, caches and scheduler) and are not measured there (`CUDA_TWO_RANK_NOTE`). The configuration is the one `pipectl
-launch` writes (`launch.dsconfig.deepspeed_config`: ZeRO-1, torch AdamW, gradient clipping).
+launch` writes (`launch.dsconfig.deepspeed_config`: ZeRO-1, torch AdamW, gradient clipping), in the
+profile's precision (a bf16 profile runs DeepSpeed's bf16 engine).
 Example (gpt-tiny on this shared 2-core CPU; the whole calibration takes 3-5 s, figures vary
 with the machine's load):
 
@@ -75,6 +76,7 @@ from torch import nn
 
 from pipectl.artifacts.plan import Candidate
 from pipectl.artifacts.profile import EngineComputeRatio, ModelProfile, RuntimeCosts
+from pipectl.artifacts.run import Precision
 from pipectl.errors import LaunchError
 from pipectl.models.base import LayerDef, ModelLayers
 from pipectl.runtime import dsinit
@@ -160,19 +162,33 @@ def _null_batch(batch_size: int, generator: torch.Generator) -> tuple[torch.Tens
     return inputs, torch.zeros(batch_size, 1)
 
 
+class _NullLinear(nn.Linear):
+    """A 1 x 1 linear layer that takes its fp32 input in its own dtype (a bf16 engine casts the
+    layer, not the batch)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.to(self.weight.dtype))
+
+
+def _null_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(output.float(), target)
+
+
 def null_model() -> ModelLayers:
     """A model whose one layer costs next to nothing: what is left of a step is the engine's own."""
     return ModelLayers(
         name="null",
-        layers=[LayerDef(name="null", kind="null", module_cls=nn.Linear, args=(1, 1))],
+        layers=[LayerDef(name="null", kind="null", module_cls=_NullLinear, args=(1, 1))],
         make_batch=_null_batch,
-        loss_fn=nn.functional.mse_loss,
+        loss_fn=_null_loss,
     )
 
 
-def _one_rank_config(model: ModelLayers, micro_batch_size: int, data_parallel: int = 1) -> dict[str, Any]:
+def _one_rank_config(
+    model: ModelLayers, micro_batch_size: int, data_parallel: int = 1, precision: Precision = Precision.FP32
+) -> dict[str, Any]:
     """The DeepSpeed config `pipectl launch` would write for this model on one rank (one stage,
-    `data_parallel` replicas)."""
+    `data_parallel` replicas) in `precision`."""
     # Only the fields `deepspeed_config` reads; a full Candidate would need predicted figures.
     candidate = Candidate.model_construct(
         micro_batch_size=micro_batch_size,
@@ -182,7 +198,7 @@ def _one_rank_config(model: ModelLayers, micro_batch_size: int, data_parallel: i
         zero_stage=0,
         stage_layers=[(0, len(model.layers))],
     )
-    return deepspeed_config(candidate)
+    return deepspeed_config(candidate, precision=precision)
 
 
 def _timed_engine_class():
@@ -211,7 +227,7 @@ def _timed_engine_class():
     return TimedEngine
 
 
-def _engine(model: ModelLayers, micro_batch_size: int, data_parallel: int = 1):
+def _engine(model: ModelLayers, micro_batch_size: int, data_parallel: int = 1, precision: Precision = Precision.FP32):
     # DeepSpeed: imported in the calibrating child, after dsinit has set its environment.
     import deepspeed
     from pipectl.runtime.executor import plan_engine
@@ -220,7 +236,7 @@ def _engine(model: ModelLayers, micro_batch_size: int, data_parallel: int = 1):
     module = build_pipeline_module(model, [(0, len(model.layers))], topology=planned_topology(1, data_parallel))
     engine, *_ = deepspeed.initialize(
         model=module,
-        config=_one_rank_config(model, micro_batch_size, data_parallel),
+        config=_one_rank_config(model, micro_batch_size, data_parallel, precision),
         model_parameters=[p for p in module.parameters() if p.requires_grad],
     )
     engine = plan_engine(engine, generate(ScheduleKind.ONE_F_ONE_B, 1, CALIBRATION_MICRO_BATCHES))
@@ -263,9 +279,19 @@ def _time_steps(engine, model: ModelLayers, micro_batch_size: int, parameters: i
 
 
 def measure_engine(
-    model: ModelLayers, micro_batch_sizes: Sequence[int], *, warmup: int = 3, steps: int = 6, seed: int = 0
+    model: ModelLayers,
+    micro_batch_sizes: Sequence[int],
+    *,
+    warmup: int = 3,
+    steps: int = 6,
+    seed: int = 0,
+    precision: Precision = Precision.FP32,
 ) -> tuple[EngineTimings, list[EngineTimings]]:
-    """(near-free model, `model` at each size): engine timings on one rank, in THIS process.
+    """(near-free model, `model` at each size): engine timings on one rank, in THIS process, in
+    the engine's `precision` (a bf16 profile is calibrated on DeepSpeed's bf16 engine).
+
+    The sizes run smallest first; one that runs out of GPU memory ends the list there (the planner
+    takes the largest measured size's ratios beyond it), unless it is the first.
 
     torch.distributed must not be initialised yet; it is started here with a world of one (the
     caller runs this in a child process: see `calibrate_runtime`).
@@ -275,10 +301,18 @@ def measure_engine(
     )
     dsinit.init_distributed()
     null = null_model()
-    engine, parameters = _engine(null, 1)
+    engine, parameters = _engine(null, 1, precision=precision)
     null_timings = _time_steps(engine, null, 1, parameters, warmup + 2, steps, seed)
-    engine, parameters = _engine(model, micro_batch_sizes[0])
-    timings = [_time_steps(engine, model, b, parameters, warmup, steps, seed) for b in micro_batch_sizes]
+    sizes = sorted(micro_batch_sizes)
+    engine, parameters = _engine(model, sizes[0], precision=precision)
+    timings = []
+    for b in sizes:
+        try:
+            timings.append(_time_steps(engine, model, b, parameters, warmup, steps, seed))
+        except torch.cuda.OutOfMemoryError:
+            if not timings:
+                raise
+            break
     return null_timings, timings
 
 
@@ -292,10 +326,11 @@ def _quiet_one_thread() -> None:
     torch.set_num_threads(1)
 
 
-def _child(connection, model: ModelLayers, sizes: list[int], warmup: int, steps: int, seed: int) -> None:
+def _child(connection, model: ModelLayers, sizes: list[int], warmup: int, steps: int, seed: int,
+           precision: Precision) -> None:
     _quiet_one_thread()
     try:
-        connection.send(("ok", measure_engine(model, sizes, warmup=warmup, steps=steps, seed=seed)))
+        connection.send(("ok", measure_engine(model, sizes, warmup=warmup, steps=steps, seed=seed, precision=precision)))
     except BaseException as exc:  # report to the parent instead of dying silently
         connection.send(("error", f"{type(exc).__name__}: {exc}"))
     finally:
@@ -312,12 +347,15 @@ def run_engine_calibration(
     timeout_seconds: float = 300.0,
     device: str = "cpu",
     start: str | None = None,
+    precision: Precision = Precision.FP32,
 ) -> tuple[EngineTimings, list[EngineTimings]]:
     """`measure_engine` in a child process on `device` ('cpu', 'cuda', 'cuda:N'), started by `start`
     ('fork' or 'spawn'; None: `start_method()`); raises `LaunchError` if it fails or runs past the limit."""
     context = multiprocessing.get_context(start or start_method())
     receiver, sender = context.Pipe(duplex=False)
-    child = context.Process(target=_child, args=(sender, model, list(micro_batch_sizes), warmup, steps, seed))
+    child = context.Process(
+        target=_child, args=(sender, model, list(micro_batch_sizes), warmup, steps, seed, precision)
+    )
     with _environment(child_environment(device)):
         child.start()
     sender.close()
@@ -339,7 +377,7 @@ def run_engine_calibration(
 
 
 def _pair_child(connection, rank: int, port: int, model: ModelLayers, micro_batch_size: int, warmup: int,
-                steps: int, seed: int) -> None:
+                steps: int, seed: int, precision: Precision = Precision.FP32) -> None:
     """One of two data-parallel engine ranks (see `run_engine_pair_calibration`)."""
     _quiet_one_thread()
     try:
@@ -347,7 +385,7 @@ def _pair_child(connection, rank: int, port: int, model: ModelLayers, micro_batc
             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2"
         )
         dsinit.init_distributed()
-        engine, parameters = _engine(model, micro_batch_size, data_parallel=2)
+        engine, parameters = _engine(model, micro_batch_size, data_parallel=2, precision=precision)
         timings = _time_steps(engine, model, micro_batch_size, parameters, warmup, steps, seed + rank)
         connection.send(("ok", timings))
     except BaseException as exc:
@@ -358,7 +396,7 @@ def _pair_child(connection, rank: int, port: int, model: ModelLayers, micro_batc
 
 def run_engine_pair_calibration(
     model: ModelLayers, micro_batch_size: int, *, warmup: int = 3, steps: int = 6, seed: int = 0,
-    timeout_seconds: float = 300.0,
+    timeout_seconds: float = 300.0, precision: Precision = Precision.FP32,
 ) -> list[EngineTimings]:
     """The engine on two data-parallel ranks of this host at once (p = 1, d = 2), one timing per rank.
 
@@ -368,7 +406,8 @@ def run_engine_pair_calibration(
     gradient all-reduce of ZeRO-1's reduction costs after compute. Raises `LaunchError` on failure.
     """
     return _run_two_ranks(
-        _pair_child, (model, micro_batch_size, warmup, steps, seed), "two-rank engine calibration", timeout_seconds
+        _pair_child, (model, micro_batch_size, warmup, steps, seed, precision), "two-rank engine calibration",
+        timeout_seconds,
     )
 
 
@@ -679,14 +718,14 @@ def wall_over_cpu(rounds: Sequence[tuple[float, float]]) -> float:
     return max(1.0, sum(w for w, _ in rounds) / cpu) if cpu > 0 else 1.0
 
 
-def engine_description(device: str = "cpu") -> str:
+def engine_description(device: str = "cpu", precision: Precision = Precision.FP32) -> str:
     """What was calibrated (from package metadata: importing DeepSpeed here would cost a second)."""
     try:
         deepspeed_version = version("deepspeed")
     except PackageNotFoundError:  # pragma: no cover - the runtime needs DeepSpeed anyway
         deepspeed_version = "?"
     rank = "one rank" if device.startswith("cpu") else f"one rank on {device}"
-    return f"deepspeed {deepspeed_version} pipeline engine (pipectl schedule), ZeRO-1, torch AdamW, {rank}"
+    return f"deepspeed {deepspeed_version} pipeline engine (pipectl schedule), ZeRO-1, torch AdamW, {precision.value}, {rank}"
 
 
 def runtime_costs(
@@ -739,17 +778,19 @@ def calibrate_runtime(
     seed: int = 0,
     timeout_seconds: float = 300.0,
     device: str = "cpu",
+    precision: Precision = Precision.FP32,
 ) -> RuntimeCosts:
     """Run the engine calibration for `model` at the profile's micro-batch sizes: `RuntimeCosts`.
 
     On `device` 'cuda' or 'cuda:N' only the one-rank terms are measured, on that GPU; the two-rank
-    terms keep their "not measured" values (`CUDA_TWO_RANK_NOTE`).
+    terms keep their "not measured" values (`CUDA_TWO_RANK_NOTE`). `precision` is the engine's (the
+    profile's dtype): a bf16 step pays for its fp32 master copy and casts, an fp32 step does not.
     """
     null_timings, timings = run_engine_calibration(
         model, profile.micro_batch_sizes, warmup=warmup, steps=steps, seed=seed, timeout_seconds=timeout_seconds,
-        device=device,
+        device=device, precision=precision,
     )  # fmt: skip
-    costs = runtime_costs(profile, null_timings, timings, engine_description(device))
+    costs = runtime_costs(profile, null_timings, timings, engine_description(device, precision))
     if not device.startswith("cpu"):
         return costs
     # The two-rank measurements run the model itself at the middle profiled micro-batch size, and
@@ -767,7 +808,8 @@ def calibrate_runtime(
     )
     single = next(t for t in timings if t.micro_batch_size == micro_batch_size)
     pair = run_engine_pair_calibration(
-        model, micro_batch_size, warmup=warmup, steps=steps, seed=seed, timeout_seconds=timeout_seconds
+        model, micro_batch_size, warmup=warmup, steps=steps, seed=seed, timeout_seconds=timeout_seconds,
+        precision=precision,
     )
     concurrent = max(sharing.concurrent_compute_slowdown, sharing.alone_compute_slowdown * engine_pair_slowdown(single, pair))
     # Two measurements of the gradient all-reduce after compute: the engine's reduction (which adds
