@@ -20,7 +20,8 @@ Per virtual stage and micro-batch (all seconds):
 - tensor-parallel communication (Megatron, Shoeybi et al. 2019 §3; Narayanan et al. 2021 §3.3): per
   transformer block two all-reduces of the b*s*h activation in the forward and two in the backward,
   ring all-reduces over the t devices of a node;
-- recompute: one more forward, communication included (SPEC §5: x4/3 of forward+backward);
+- recompute: one more forward, communication included (SPEC §5: x4/3 of forward+backward); whole
+  stages as the schedule's R actions, or, with per-layer checkpointing, inside each backward;
 - point-to-point: latency + bytes / bandwidth of the activation crossing each cut (the same bytes
   for its gradient on the way back), intra-node or inter-node by the placement rule (inter-node
   if any replica's cut crosses a node); SPEC §5: 2 a / Bw per boundary, one a / Bw each way;
@@ -431,9 +432,12 @@ def stage_costs(
     zero_stage: int = 0,
     seconds: LayerSeconds | None = None,
     micro_batches: int = 1,
+    checkpoint_layers: bool = False,
 ) -> StageCosts:
     """The simulator's `StageCosts` for one candidate; `stage_layers` holds p*v virtual stages.
-    `micro_batches`: the step's m, which only ZeRO-2/3's per-micro-batch collectives read."""
+    `micro_batches`: the step's m, which only ZeRO-2/3's per-micro-batch collectives read.
+    `checkpoint_layers`: each backward recomputes its layers' forwards first (per-layer
+    activation checkpointing), so it costs their forward time more (`ShapeBuilder.shape_from_cuts`)."""
     table = layer_table(profile, micro_batch_size, tensor_parallel)
     t, d = tensor_parallel, data_parallel
     p = pipeline_parallel or len(stage_layers)
@@ -443,7 +447,13 @@ def stage_costs(
 
     slowdown = host_compute_slowdown(hardware, t * p * d)
     forward = [seconds.stage_forward(s, e) * slowdown for s, e in stage_layers]
-    backward = [seconds.stage_backward(s, e) * slowdown for s, e in stage_layers]
+    if checkpoint_layers:
+        backward = [
+            (seconds.stage_backward(s, e) + (seconds.forward_prefix[e] - seconds.forward_prefix[s])) * slowdown
+            for s, e in stage_layers
+        ]
+    else:
+        backward = [seconds.stage_backward(s, e) * slowdown for s, e in stage_layers]
 
     sends = []
     jitter = 0.0
@@ -701,6 +711,7 @@ def stage_costs_for(
         pipeline_parallel=candidate.pipeline_parallel,
         zero_stage=candidate.zero_stage,
         micro_batches=candidate.micro_batches,
+        checkpoint_layers=candidate.checkpoint_layers,
     )
 
 

@@ -34,7 +34,8 @@ Hardware FLOPs add, per layer, one forward x B for a recomputed layer: pipectl's
 every virtual stage but the last (`plan.candidates.recomputing_stages`; Varuna always; the last
 stage runs its backward straight after its forward), so a GPT whose last stage holds only the
 final norm and the head gives Megatron's 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)) (the logits are not
-recomputed). At t > 1 every layer but the transformer blocks (embedding, norms, head) runs whole
+recomputed). Per-layer activation checkpointing recomputes every layer, the last stage's (the
+head's logits included) too. At t > 1 every layer but the transformer blocks (embedding, norms, head) runs whole
 on each of the t tensor ranks (`models.tensor_parallel`), so it counts t times.
 
 Where the figures come from, in order:
@@ -179,8 +180,17 @@ def plan_layer_flops(plan: Plan, profile: ModelProfile | None = None) -> LayerFl
     return None
 
 
-def recomputed_layers(stage_layers: Sequence[tuple[int, int]], recompute: bool) -> range:
-    """The layers a recomputing schedule runs forward twice: every virtual stage's but the last's."""
+def recomputed_layers(
+    stage_layers: Sequence[tuple[int, int]], recompute: bool, checkpoint_layers: bool = False
+) -> range:
+    """The layers run forward twice: every virtual stage's but the last's when whole stages are
+    recomputed; every layer with per-layer checkpointing (the last stage's too).
+
+    >>> recomputed_layers([(0, 2), (2, 5)], True), recomputed_layers([(0, 2), (2, 5)], False, checkpoint_layers=True)
+    (range(0, 2), range(0, 5))
+    """
+    if checkpoint_layers:
+        return range(stage_layers[0][0], stage_layers[-1][1])
     if not recompute or len(stage_layers) < 2:
         return range(0)
     return range(stage_layers[0][0], stage_layers[-1][0])
@@ -192,9 +202,10 @@ def step_flops(
     stage_layers: Sequence[tuple[int, int]],
     recompute: bool,
     tensor_parallel: int = 1,
+    checkpoint_layers: bool = False,
 ) -> StepFlops:
     """Model and hardware FLOPs of one optimizer step of B samples on this cut."""
-    recomputed_layers_ = recomputed_layers(stage_layers, recompute)
+    recomputed_layers_ = recomputed_layers(stage_layers, recompute, checkpoint_layers)
     recomputed = replicated = 0.0
     for index, (forward, split) in enumerate(zip(flops.forward, flops.split)):
         copies = 1 if split else tensor_parallel
@@ -294,7 +305,8 @@ def utilisation(
         return Utilisation(None, None, None, None, source=None,
                            detail="the model's shape is unknown and its profile counts no FLOPs", **base)  # fmt: skip
     batch = candidate.global_batch if global_batch is None else global_batch
-    step = step_flops(flops, batch, candidate.stage_layers, candidate.recompute, candidate.tensor_parallel)
+    step = step_flops(flops, batch, candidate.stage_layers, candidate.recompute, candidate.tensor_parallel,
+                      candidate.checkpoint_layers)
     figures = dict(model_flops_per_step=step.model, hardware_flops_per_step=step.hardware, source=flops.source,
                    recomputed_flops_per_step=step.recomputed, replicated_flops_per_step=step.replicated)  # fmt: skip
     if peak is None:

@@ -174,6 +174,18 @@ class LayerTable:
         """Bytes a stage starting at `start` receives (0 for the first stage: its input is tokens)."""
         return self.output_activation_bytes[start - 1] if start > 0 else 0.0
 
+    def layer_inputs(self, start: int, end: int) -> float:
+        """Bytes of the inputs of layers [start, end), each layer's the previous layer's output (the
+        first layer's is tokens, 0): what per-layer checkpointing keeps per in-flight micro-batch."""
+        if end <= start:
+            return 0.0
+        return float(sum(self.output_activation_bytes[max(start - 1, 0):end - 1]))
+
+    def largest_saved(self, start: int, end: int) -> float:
+        """The largest saved activations of one layer of [start, end) (0 for an empty range): what
+        per-layer checkpointing holds while a layer is recomputed for its backward."""
+        return max(self.saved_activation_bytes[start:end], default=0.0)
+
     def total_forward_flops(self) -> float:
         return sum(self.forward_flops)
 
