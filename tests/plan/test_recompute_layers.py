@@ -105,6 +105,18 @@ def test_the_range_rows_and_the_furthest_ends_agree_with_the_stage_memory(seed):
         assert ends.end(0, 16.0, 24.0, 3, False) != ends.end(0, 16.0, 24.0, 3, Recompute.LAYER)
 
 
+def test_the_lm_head_is_left_alone_keeping_its_saved_activations_and_running_once():
+    profile = _hand_made()
+    layers = [*profile.layers[:3], profile.layers[3].model_copy(update={"kind": "lm_head"})]
+    table = layer_table(profile.model_copy(update={"layers": layers}), 1)
+    memory = StageMemory.build(table, [(0, 2), (2, 4)], tensor_parallel=1, recompute=Recompute.LAYER)
+    assert memory.unit_bytes.tolist() == [10.0, 20.0 + 50.0]  # layer 2's input, the head's saved 50
+    assert memory.recompute_buffer_bytes.tolist() == [300.0, 200.0]
+    hardware = hardware_for(local_cluster(2), profile)
+    seconds = ShapeBuilder(profile.model_copy(update={"layers": layers}), hardware).seconds(1, 1)
+    assert seconds.recomputed_forward(2, 4) == seconds.forward[2]  # not the head's
+
+
 def test_each_backward_costs_its_layers_forward_once_more_and_the_schedule_has_no_recompute():
     profile = _hand_made()
     hardware = hardware_for(local_cluster(2), profile)
@@ -128,13 +140,10 @@ def test_memory_forces_per_layer_checkpointing_on_one_h100_at_b16():
     assert {c.recompute_granularity for c in result.candidates} == {Recompute.LAYER}
     chosen = result.chosen
     assert chosen.checkpoint_layers and not chosen.recompute and chosen.pipeline_parallel == 1
-    # Priced as Megatron's full recompute: its hardware FLOPs count one more forward.
-    assert chosen.tflops_per_device * chosen.predicted_step_seconds == pytest.approx(
-        4 / 3 * _pinned(gpt_1_83b(), _one_h100(), micro_batch_size=8, recompute=RecomputeChoice.NEVER)
-        .chosen.tflops_per_device
-        * _pinned(gpt_1_83b(), _one_h100(), micro_batch_size=8, recompute=RecomputeChoice.NEVER).chosen.predicted_step_seconds,
-        rel=1e-9,
-    )
+    # The head is not checkpointed: it keeps its logits, the others their input.
+    table = layer_table(gpt_1_83b(), 16)
+    kept = sum(table.input_activation_bytes(i) for i in range(10)) + table.saved_activation_bytes[10]
+    assert table.layer_inputs(0, 11) == kept
     with pytest.raises(Exception, match="does not fit"):
         _pinned(gpt_1_83b(), _one_h100(), micro_batch_size=16, recompute=RecomputeChoice.STAGE)
 
@@ -156,9 +165,10 @@ def test_a_checkpointing_candidate_resimulates_to_its_own_step_and_hfu_counts_ev
     builder = ShapeBuilder(gpt_1_83b(), hardware_for(_one_h100(), gpt_1_83b()))
     shape = builder.shape_from_cuts(1, 16, Recompute.LAYER, 1, 1, [tuple(s) for s in chosen.stage_layers])
     assert costs.backward_seconds[0] == pytest.approx(float(shape.backward[0]), rel=1e-12)
-    flops = LayerFlops(forward=tuple(float(i + 1) for i in range(11)), split=(True,) * 11, source="profile", detail="")
+    flops = LayerFlops(forward=tuple(float(i + 1) for i in range(11)), split=(True,) * 11, source="profile", detail="",
+                       not_checkpointed=(False,) * 10 + (True,))  # fmt: skip
     every = step_flops(flops, 64, chosen.stage_layers, False, checkpoint_layers=True)
-    assert every.recomputed == 64 * sum(range(1, 12))  # the head too
+    assert every.recomputed == 64 * sum(range(1, 11))  # every layer but the head
     assert step_flops(flops, 64, chosen.stage_layers, False).recomputed == 0
 
 
@@ -199,5 +209,9 @@ def test_the_simulators_cost_table_of_a_candidate_carries_the_recomputed_forward
         costs = stage_costs_for(candidate, profile, cluster)
         plain = stage_costs_for(candidate.model_copy(update={"checkpoint_layers": False}), profile, cluster)
         extra = [b - a for a, b in zip(plain.backward_seconds, costs.backward_seconds)]
-        assert extra == pytest.approx(list(plain.forward_seconds), rel=1e-9)
+        # The first stage's whole forward; the last stage's but the head's.
+        assert extra[0] == pytest.approx(plain.forward_seconds[0], rel=1e-9)
+        assert 0 < extra[-1] < plain.forward_seconds[-1]
+        seconds = ShapeBuilder(profile, hardware_for(cluster, profile)).seconds(candidate.micro_batch_size, 1)
+        assert extra == pytest.approx([seconds.recomputed_forward(*stage) for stage in candidate.stage_layers], rel=1e-9)
         assert costs.forward_seconds == plain.forward_seconds

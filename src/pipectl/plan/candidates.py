@@ -258,7 +258,7 @@ class ShapeBuilder:
         self._work: dict[tuple[int, int, bool], list[float]] = {}
         self._prefixes: dict[tuple[int, int, bool], tuple[float, ...]] = {}
         self._partition_prefixes: dict[tuple[int, int, bool], list[float]] = {}
-        self._arrays: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._arrays: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
         links = hardware.links
         # The cheaper link for an activation transfer (the bound's transfer time per cut).
         self._fastest_link = links.intra if links.intra.seconds(1e6) <= links.inter.seconds(1e6) else links.inter
@@ -342,8 +342,9 @@ class ShapeBuilder:
             prefix = self._prefixes[key] = (0.0, *np.cumsum(self.work(t, b, recompute)).tolist())
         return prefix
 
-    def _stage_arrays(self, b: int, t: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Forward and backward prefix sums and per-layer output bytes as arrays, per (b, t)."""
+    def _stage_arrays(self, b: int, t: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Forward and backward prefix sums, per-layer output bytes and the prefix sums of what
+        per-layer checkpointing recomputes (`LayerSeconds.checkpointed_prefix`) as arrays, per (b, t)."""
         key = (b, t)
         arrays = self._arrays.get(key)
         if arrays is None:
@@ -353,6 +354,7 @@ class ShapeBuilder:
                 np.asarray(seconds.forward_prefix, dtype=float),
                 np.asarray(seconds.backward_prefix, dtype=float),
                 np.asarray(table.output_activation_bytes, dtype=float),
+                np.asarray(seconds.checkpointed_prefix or seconds.forward_prefix, dtype=float),
             )
             self._arrays[key] = arrays
         return arrays
@@ -365,15 +367,16 @@ class ShapeBuilder:
         table = layer_table(self.profile, b, t)
         # `LayerSeconds.stage_forward/backward` and `LinkCost.seconds` over every stage at once:
         # the same float64 operations in the same order, so the same values.
-        forward_prefix, backward_prefix, output_bytes = self._stage_arrays(b, t)
+        forward_prefix, backward_prefix, output_bytes, checkpointed_prefix = self._stage_arrays(b, t)
         bounds = np.fromiter(itertools.chain.from_iterable(cuts), dtype=np.intp, count=2 * len(cuts)).reshape(-1, 2)
         starts, ends = bounds[:, 0], bounds[:, 1]
         forward = forward_prefix[ends] - forward_prefix[starts] + seconds.forward_overhead
         backward = backward_prefix[ends] - backward_prefix[starts] + seconds.backward_overhead
         if recompute is Recompute.LAYER:
-            # Each layer's forward again, just before its backward (the layers' time, not the
-            # engine's per-micro-batch overhead: the stage's backward is still one call).
-            backward = backward + (forward_prefix[ends] - forward_prefix[starts])
+            # Each checkpointed layer's forward again, just before its backward (the layers' time,
+            # not the engine's per-micro-batch overhead: the stage's backward is still one call);
+            # `LayerSeconds.recomputed_forward`, the same operations.
+            backward = backward + (checkpointed_prefix[ends] - checkpointed_prefix[starts])
         fastest = self._fastest_link
         sends = fastest.latency_seconds + output_bytes[ends[:-1] - 1] / fastest.bandwidth_bytes_per_second
         memory = StageMemory.build(

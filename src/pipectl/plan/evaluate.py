@@ -16,7 +16,7 @@ Reported figures:
   ⌈B/(d*b)⌉ micro-batches, the others wait for it at the gradient all-reduce);
 - TFLOP/s per device = model FLOPs of the step / (step * devices), model FLOPs being the profile's
   forward FLOPs x 3 (forward + backward, SPEC §3) or x 4 with recomputation (hardware FLOPs,
-  Narayanan et al. 2021 §5.1);
+  Narayanan et al. 2021 §5.1; per-layer checkpointing: + every layer's forward but the head's);
 - cost per million samples = price per device-hour * devices * step / 3600 / B * 1e6;
 - bubble % = mean over ranks of the simulator's idle / step; communication % = the simulator's
   exposed (not overlapped) transfer and all-reduce time / step.
@@ -213,8 +213,11 @@ class Evaluator:
         timeline = self.summary(spec)
         step = timeline.step_seconds
         shape = spec.shape
-        flops_factor = 4 if spec.recompute or spec.checkpoint_layers else 3
-        step_flops = shape.table.total_forward_flops() * flops_factor * (self.global_batch // shape.micro_batch_size)
+        table = shape.table
+        per_micro_batch = table.total_forward_flops() * (4 if spec.recompute else 3)
+        if spec.checkpoint_layers:  # each checkpointed layer's forward once more (not the head's)
+            per_micro_batch += sum(f for i, f in enumerate(table.forward_flops) if table.checkpointed(i))
+        step_flops = per_micro_batch * (self.global_batch // shape.micro_batch_size)
         bubble = sum(timeline.bubble_fraction) / len(timeline.bubble_fraction)
         notes = list(notes or [])
         if spec.variant.kind.changes_optimizer_semantics:

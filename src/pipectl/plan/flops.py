@@ -34,8 +34,8 @@ Hardware FLOPs add, per layer, one forward x B for a recomputed layer: pipectl's
 every virtual stage but the last (`plan.candidates.recomputing_stages`; Varuna always; the last
 stage runs its backward straight after its forward), so a GPT whose last stage holds only the
 final norm and the head gives Megatron's 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)) (the logits are not
-recomputed). Per-layer activation checkpointing recomputes every layer, the last stage's (the
-head's logits included) too. At t > 1 every layer but the transformer blocks (embedding, norms, head) runs whole
+recomputed). Per-layer activation checkpointing recomputes every layer, the last stage's too, but
+the LM head (`layer_table.NOT_CHECKPOINTED_KINDS`), which gives the same formula. At t > 1 every layer but the transformer blocks (embedding, norms, head) runs whole
 on each of the t tensor ranks (`models.tensor_parallel`), so it counts t times.
 
 Where the figures come from, in order:
@@ -80,6 +80,7 @@ from pipectl.catalog import DTYPE_BYTES, DeviceSpec, load_catalog
 from pipectl.errors import PipectlError
 from pipectl.io import load_model
 from pipectl.paths import resolve_config
+from pipectl.plan.layer_table import NOT_CHECKPOINTED_KINDS
 
 # The layer kind tensor parallelism splits (models/tensor_parallel.py); every other layer runs
 # whole on each tensor rank.
@@ -100,6 +101,9 @@ class LayerFlops:
     split: tuple[bool, ...]  # split over the tensor group at t > 1 (else each tensor rank runs it whole)
     source: str  # "shape" or "profile"
     detail: str  # for people: which config, or which profile
+    # Per layer: whether per-layer checkpointing leaves it alone (`layer_table.NOT_CHECKPOINTED_KINDS`:
+    # the LM head); empty: none is.
+    not_checkpointed: tuple[bool, ...] = ()
 
     @property
     def per_sample(self) -> float:
@@ -132,7 +136,8 @@ def config_layer_flops(config: ModelConfig) -> LayerFlops:
     block = 2.0 * s * weights + 4.0 * s * s * h
     forward = (0.0, *([block] * config.layers), 0.0, 2.0 * s * h * V)
     split = (False, *([True] * config.layers), False, False)
-    return LayerFlops(forward, split, "shape", f"the shape of {config.name}")
+    head = (False,) * (len(forward) - 1) + (True,)
+    return LayerFlops(forward, split, "shape", f"the shape of {config.name}", head)
 
 
 def profile_layer_flops(profile: ModelProfile) -> LayerFlops | None:
@@ -142,7 +147,8 @@ def profile_layer_flops(profile: ModelProfile) -> LayerFlops | None:
     if not any(forward):
         return None
     split = tuple(layer.kind == SPLIT_KIND for layer in profile.layers)
-    return LayerFlops(forward, split, "profile", f"the {profile.source.value} profile's counts")
+    alone = tuple(layer.kind in NOT_CHECKPOINTED_KINDS for layer in profile.layers)
+    return LayerFlops(forward, split, "profile", f"the {profile.source.value} profile's counts", alone)
 
 
 def _matches(config: ModelConfig, plan: Plan) -> bool:
@@ -207,9 +213,10 @@ def step_flops(
     """Model and hardware FLOPs of one optimizer step of B samples on this cut."""
     recomputed_layers_ = recomputed_layers(stage_layers, recompute, checkpoint_layers)
     recomputed = replicated = 0.0
+    alone = flops.not_checkpointed if checkpoint_layers else ()
     for index, (forward, split) in enumerate(zip(flops.forward, flops.split)):
         copies = 1 if split else tensor_parallel
-        again = index in recomputed_layers_
+        again = index in recomputed_layers_ and not (alone and alone[index])
         recomputed += copies * again * forward
         replicated += (copies - 1) * TRAINING_FORWARDS * forward
     return StepFlops(

@@ -70,12 +70,15 @@ keeps every layer's input (`LayerTable.layer_inputs`: the sum over the stage's l
 previous layer's output), and the backward recomputes one layer at a time just before that
 layer's backward, so one layer's full saved activations are alive on top (the stage's largest,
 `LayerTable.largest_saved`, divided by t like any saved bytes). It applies to every stage, the last
-and a one-stage plan included; there is no whole-stage recompute buffer.
+and a one-stage plan included; there is no whole-stage recompute buffer. The language-model head
+is not checkpointed (`layer_table.NOT_CHECKPOINTED_KINDS`: as in Megatron-LM, and the runtime
+does the same): it keeps its saved activations, the 16-bit logits among them.
 
     unit bytes per in-flight micro-batch      buffer (one micro-batch, while recomputing)
     none    saved(stage)                       0
     stage   input(stage)   (not the last)      saved(stage)
-    layer   sum of its layers' inputs          largest saved(layer) of the stage
+    layer   its layers' inputs (the head:      largest saved(layer) of the stage's checkpointed
+            its saved activations)             layers
 
 What one tensor rank holds comes from the table (`LayerTable.divisor`). A profile with shard costs
 gives each rank's own figures: a block shard's parameters (split matrices / t, LayerNorms and
@@ -398,7 +401,7 @@ class StageMemory:
             for stage, start, end in chunks:
                 full = table.saved(start, end) / divisor
                 if recompute is Recompute.LAYER:
-                    unit[rank] = max(unit[rank], table.layer_inputs(start, end))
+                    unit[rank] = max(unit[rank], table.layer_inputs(start, end, divisor))
                     buffer[rank] = max(buffer[rank], table.largest_saved(start, end) / divisor)
                     working[rank] = max(working[rank], table.working(start, end))
                     continue
@@ -531,15 +534,17 @@ class RangeMemory:
         working = np.zeros((layers + 1, layers + 1))
         per_layer = np.asarray(table.working_bytes, dtype=float)
         largest = np.zeros((layers + 1, layers + 1))
-        per_layer_saved = np.asarray(table.saved_activation_bytes, dtype=float)
+        per_layer_saved = np.asarray(
+            [saved if table.checkpointed(i) else 0.0 for i, saved in enumerate(table.saved_activation_bytes)], dtype=float
+        )
         for start in range(layers):
             working[start, start + 1:] = np.maximum.accumulate(per_layer[start:])
             largest[start, start + 1:] = np.maximum.accumulate(per_layer_saved[start:])
         largest /= divisor
-        # The inputs of layers [start, end), added in layer order as `LayerTable.layer_inputs` adds
-        # them (a cumulative sum is the same sequence of float additions).
+        # What layers [start, end) keep under per-layer checkpointing, added in layer order as
+        # `LayerTable.layer_inputs` adds them (a cumulative sum is the same sequence of float additions).
         layer_input = np.zeros((layers + 1, layers + 1))
-        per_layer_input = np.asarray([table.input_activation_bytes(i) for i in range(layers)], dtype=float)
+        per_layer_input = np.asarray([table.checkpoint_kept(i, divisor) for i in range(layers)], dtype=float)
         for start in range(layers):
             layer_input[start, start + 1:] = np.cumsum(per_layer_input[start:])
         return cls(
