@@ -13,8 +13,9 @@ never get those points: they are outside the space, not rejected), always flagge
 runtime trains with ZeRO-1).
 
 Recomputation as asked (`PlanRequest.recompute_granularities`): none, whole stages (R actions on
-every stage but the last; never at p = 1, where the one stage is the last) and per-layer checkpointing (every stage, p = 1 included; its recomputed
-forwards are part of the backward's cost, so a family of its own like the others).
+every stage but the last; never at p = 1, where the one stage is the last) and per-layer
+checkpointing (every stage, p = 1 included; its recomputed forwards are part of the backward's
+cost, its families are families like the others).
 
 `enumerate_specs` visits them. The cut of each (t, b, recompute, p*v) is the balanced partition;
 a point that does not fit in memory tries the cut that fills later stages first and then the
@@ -428,7 +429,7 @@ def zero_stages_at(zero_stages: Iterable[int], one_stage: bool) -> tuple[int, ..
 
 
 def _recompute_words(recompute: Recompute) -> str:
-    """' recompute', ' checkpoint-layers' or '' (rejection examples, `Spec.describe`'s words)."""
+    """' recompute', ' checkpoint-layers' or '': a rejection example's words (as `Spec.describe`'s)."""
     return {Recompute.STAGE: " recompute", Recompute.LAYER: " checkpoint-layers"}.get(recompute, "")
 
 
