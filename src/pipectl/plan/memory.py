@@ -504,8 +504,10 @@ class RangeMemory:
     saved: list[list[float]]  # [start][end]: saved activations on a rank (/ t likewise)
     input_bytes: list[float]  # [start]: the activation a stage starting there receives
     working: list[list[float]]  # [start][end]: the largest working memory of layers [start, end)
-    layer_inputs: list[list[float]]  # [start][end]: the inputs of layers [start, end) (`LayerTable.layer_inputs`)
-    largest_saved: list[list[float]]  # [start][end]: one layer's largest saved activations (/ t likewise)
+    # [start][end]: what layers [start, end) keep per micro-batch under per-layer checkpointing
+    # (`LayerTable.layer_inputs`: their inputs; the head's saved activations / t)
+    layer_inputs: list[list[float]]
+    largest_saved: list[list[float]]  # [start][end]: the largest saved activations of one checkpointed layer (/ t)
     # The same values as arrays, for looking up every stage of a cut at once.
     parameter_matrix: np.ndarray
     saved_matrix: np.ndarray
@@ -634,29 +636,30 @@ class FurthestFittingEnds:
         rows = self.rows
         parameters, saved, working = rows.parameters[start], rows.saved[start], rows.working[start]
         capacity = self.capacity_bytes
-        # One expression for both kinds of stage: `P*s + u*I + S + W` keeping only the input, else
-        # `P*s + 0.0 + u*S + W`; adding 0.0 and multiplying by 1 are exact, so each equals
-        # `RangeMemory.stage_bytes`'s training peak; the optimizer step's `P*step` is the other.
-        if keeps_input_only and keeps_input_only is not Recompute.LAYER:
-            held_input, saved_coefficient = units * rows.input_bytes[start], 1
-        else:
-            held_input, saved_coefficient = 0.0, units
-
-        def fits(end: int) -> bool:
-            held = parameters[end]
-            return (
-                held * state_bytes + held_input + saved_coefficient * saved[end] + working[end] <= capacity
-                and held * step_bytes <= capacity
-            )
-
         if keeps_input_only is Recompute.LAYER:
             # `RangeMemory.stage_bytes`'s per-layer checkpointing: `P*s + u*inputs + largest + W`.
             layer_inputs, largest = rows.layer_inputs[start], rows.largest_saved[start]
 
-            def fits(end: int) -> bool:  # noqa: F811 - the per-layer form of the test above
+            def fits(end: int) -> bool:
                 held = parameters[end]
                 return (
                     held * state_bytes + units * layer_inputs[end] + largest[end] + working[end] <= capacity
+                    and held * step_bytes <= capacity
+                )
+
+        else:
+            # One expression for both other kinds of stage: `P*s + u*I + S + W` keeping only the
+            # input, else `P*s + 0.0 + u*S + W`; adding 0.0 and multiplying by 1 are exact, so each
+            # equals `RangeMemory.stage_bytes`'s training peak; the optimizer step's `P*step` is the other.
+            if keeps_input_only:
+                held_input, saved_coefficient = units * rows.input_bytes[start], 1
+            else:
+                held_input, saved_coefficient = 0.0, units
+
+            def fits(end: int) -> bool:
+                held = parameters[end]
+                return (
+                    held * state_bytes + held_input + saved_coefficient * saved[end] + working[end] <= capacity
                     and held * step_bytes <= capacity
                 )
 
