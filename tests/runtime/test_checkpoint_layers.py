@@ -94,14 +94,3 @@ def test_the_stage_module_recomputes_each_layer_but_the_head_in_its_backward(tmp
     # planner prices it as keeping its logits).
     assert counts == ([2] * 8 + [1] if checkpoint_layers else [1] * 9)
     assert grads == parameters  # every parameter got a gradient: the embedding's too (non-reentrant)
-
-
-def test_the_deepspeed_config_records_the_checkpointing():
-    from pipectl.runtime.dsconfig import deepspeed_config
-    from builders import gpt_tiny_candidate
-
-    candidate = gpt_tiny_candidate(2, 1, m=4).model_copy(update={"checkpoint_layers": True})
-    pipeline = deepspeed_config(candidate)["pipeline"]
-    assert pipeline["activation_checkpoint_interval"] == 1 and pipeline["use_reentrant"] is False
-    plain = deepspeed_config(gpt_tiny_candidate(2, 1, m=4))["pipeline"]
-    assert plain["activation_checkpoint_interval"] == 0 and "use_reentrant" not in plain
