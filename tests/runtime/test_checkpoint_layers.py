@@ -27,7 +27,10 @@ LAYOUTS = {
 
 
 def _losses(layout: Layout, zero_stage: int) -> dict[int, list[float]]:
-    job = TrainingJob("gpt-tiny", layout, training_config(layout, zero_stage=zero_stage), steps=STEPS, seed=7)
+    config = training_config(layout, zero_stage=zero_stage)
+    if layout.checkpoint_layers:  # as `pipectl launch` writes it (`dsconfig.deepspeed_config`)
+        config["pipeline"] = {"activation_checkpoint_interval": 1, "use_reentrant": False}
+    job = TrainingJob("gpt-tiny", layout, config, steps=STEPS, seed=7)
     return {rank: outcome.losses for rank, outcome in spawn_ranks(job, timeout_seconds=120).items()}
 
 
