@@ -5,6 +5,11 @@ morph table.
 and re-plans from `request` with the profile `profile` names (`pipectl.planfile` keeps the two
 together on disk). Layer ranges are half-open: a stage holding
 layers [start, end) owns layer indices start..end-1 of the profile.
+
+A candidate recomputes activations in one of three ways (`Recompute`): not at all, whole stages
+(`recompute: true`, R actions in the schedule), or layer by layer (`checkpoint_layers: true`, added
+later: files without it load as false, their plans unchanged); `PlanRequest.recompute` says which
+the search may use.
 """
 
 from __future__ import annotations
