@@ -12,7 +12,8 @@ the source of each published run) and, for every row:
    kernel model, with the attention the run computed: unfused before 2022, flash after), builds a
    cluster of the published size (the catalog's links, or the source's network where it differs);
 3. plans with the published layout pinned: t, p, d, micro-batch, schedule (interleaved with the
-   published chunks v), ZeRO stage and, where published, full recomputation; fields the source
+   published chunks v), ZeRO stage and, where published, full recomputation (Megatron-LM's
+   per-layer activation checkpointing, `checkpoint_layers`); fields the source
    does not give (null in the YAML) are left to the planner, which takes its fastest choice for
    them. Schedules DeepSpeed cannot run and ZeRO-0 are allowed here (Megatron ran them);
 4. plans again with nothing pinned but the devices and the global batch (`pipectl plan`'s own
@@ -47,7 +48,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from pipectl.artifacts.cluster import ClusterSpec  # noqa: E402
 from pipectl.artifacts.model import ModelConfig  # noqa: E402
-from pipectl.artifacts.plan import Candidate, PlanRequest  # noqa: E402
+from pipectl.artifacts.plan import Candidate, PlanRequest, Recompute, RecomputeChoice  # noqa: E402
 from pipectl.catalog import get_device  # noqa: E402
 from pipectl.errors import PipectlError  # noqa: E402
 from pipectl.io import write_json_atomic  # noqa: E402
@@ -197,6 +198,7 @@ def candidate_summary(candidate: Candidate) -> dict:
         "v": candidate.chunks,
         "schedule": candidate.schedule.value,
         "recompute": candidate.recompute,
+        "checkpoint_layers": candidate.checkpoint_layers,
         "zero_stage": candidate.zero_stage,
         "step_seconds": round(candidate.predicted_step_seconds, 3),
         "tflops_per_device": round(candidate.tflops_per_device, 1),
@@ -221,7 +223,9 @@ def pinned_request(row: dict, workers: int | None) -> PlanRequest:
         schedule=schedule,
         chunks=chunks,
         zero_stages=[layout.get("zero_stage", 1)],
-        allow_recompute=row.get("recompute") != "none",
+        # Megatron-LM's "full" recompute is per-layer activation checkpointing.
+        recompute={"full": RecomputeChoice.LAYER, "none": RecomputeChoice.NEVER}.get(row.get("recompute"),
+                                                                                     RecomputeChoice.AUTO),
         include_all=True,
         for_deepspeed=False,
         morph=False,
@@ -229,31 +233,30 @@ def pinned_request(row: dict, workers: int | None) -> PlanRequest:
     )
 
 
-def pick_pinned(row: dict, candidates: list[Candidate], any_recompute: bool = False) -> tuple[Candidate | None, str]:
-    """The fastest candidate that matches what the source pins (recompute, chunks); `any_recompute`
-    drops the recompute condition (pipectl never recomputes a pipeline's last stage, so a p = 1
-    layout has no recomputing candidate at all)."""
+def pick_pinned(row: dict, candidates: list[Candidate]) -> tuple[Candidate | None, str]:
+    """The fastest candidate that matches what the source pins (recompute, chunks): "full" is
+    per-layer activation checkpointing (Megatron-LM's), on every stage, p = 1 included."""
     layout = row["layout"]
-    wanted_recompute = None if any_recompute else {"full": True, "none": False}.get(row.get("recompute"))
+    wanted_recompute = {"full": Recompute.LAYER, "none": Recompute.NONE}.get(row.get("recompute"))
     matching = [
         c for c in candidates
-        if (wanted_recompute is None or c.recompute == wanted_recompute)
+        if (wanted_recompute is None or c.recompute_granularity is wanted_recompute)
         and (not layout.get("v") or c.chunks == int(layout["v"]))
     ]
     if not matching:
-        kinds = sorted({(c.schedule.value, c.chunks, c.recompute) for c in candidates})
-        return None, f"no feasible candidate with recompute={wanted_recompute} v={layout.get('v')} (feasible: {kinds})"
+        kinds = sorted({(c.schedule.value, c.chunks, c.recompute_granularity.label) for c in candidates})
+        wanted = wanted_recompute.label if wanted_recompute is not None else None
+        return None, f"no feasible candidate with recompute={wanted} v={layout.get('v')} (feasible: {kinds})"
     return min(matching, key=lambda c: c.predicted_step_seconds), ""
 
 
-def pinned_plan(row: dict, profile, cluster: ClusterSpec, workers: int | None,
-                any_recompute: bool = False) -> tuple[Candidate | None, str, dict]:
+def pinned_plan(row: dict, profile, cluster: ClusterSpec, workers: int | None) -> tuple[Candidate | None, str, dict]:
     """(the pinned candidate or None, why not, the planner's infeasibility counts)."""
     try:
         result = plan(profile, cluster, pinned_request(row, workers))
     except PipectlError as error:
         return None, str(error), {}
-    chosen, why = pick_pinned(row, list(result.candidates), any_recompute)
+    chosen, why = pick_pinned(row, list(result.candidates))
     return chosen, why, dict(result.infeasible or {})
 
 
@@ -297,21 +300,18 @@ def plan_row(row: dict, workers: int | None, profile_cache: dict) -> dict:
     out["pinned_problem"] = why or None
     out["pinned_infeasible"] = infeasible
     # Diagnostics, not in the headline statistics: the time model alone. (a) The pinned request with
-    # the memory check out of the way (the profile claims a device of UNBOUNDED_MEMORY bytes) and,
-    # for p = 1, any recompute flag (pipectl never recomputes a pipeline's last stage, so a
-    # single-stage layout has no recomputing candidate): the step pipectl's time model gives the
-    # published layout, whatever its memory model says. (b) The same with the embedding and the
+    # the memory check out of the way (the profile claims a device of UNBOUNDED_MEMORY bytes): the
+    # step pipectl's time model gives the published layout, whatever its memory model says. (b) The same with the embedding and the
     # head split t ways, as Megatron splits them (VocabParallelEmbedding; a column-parallel head
     # with a vocab-parallel cross-entropy) where pipectl keeps both whole on every tensor rank:
     # their seconds divided by t in a copy of the profile.
     unbounded = profile.model_copy(update={"device_memory_bytes": UNBOUNDED_MEMORY})
-    single_stage = row["layout"]["p"] == 1
-    time_only, time_only_why, _ = pinned_plan(row, unbounded, cluster, workers, any_recompute=single_stage)
+    time_only, time_only_why, _ = pinned_plan(row, unbounded, cluster, workers)
     out["time_model_only"] = candidate_summary(time_only) if time_only else None
     out["time_model_only_problem"] = time_only_why or None
     out["time_model_only_vocab_parallel"] = None
     if t > 1:
-        split, _, _ = pinned_plan(row, vocab_parallel_copy(unbounded, t), cluster, workers, any_recompute=single_stage)
+        split, _, _ = pinned_plan(row, vocab_parallel_copy(unbounded, t), cluster, workers)
         out["time_model_only_vocab_parallel"] = candidate_summary(split) if split else None
 
     started = time.perf_counter()
@@ -344,7 +344,7 @@ def candidate_text(c: dict | None) -> str:
     text = f"t{c['t']} p{c['p']} d{c['d']} b{c['b']}"
     if c["v"] > 1:
         text += f" v{c['v']}"
-    text += f" {c['schedule']}{'+R' if c['recompute'] else ''} z{c['zero_stage']}"
+    text += f" {c['schedule']}{'+R' if c['recompute'] else '+ckpt' if c.get('checkpoint_layers') else ''} z{c['zero_stage']}"
     if c["devices"]:
         text += f" ({c['devices']})"
     return text

@@ -67,6 +67,8 @@ def test_plan_shows_predicted_mfu_and_hfu(profile_path, tmp_path):
         (["--global-batch", "16", "--data-parallel", "3", "--even-replicas"], "not divisible by data-parallel degree 3"),
         (["--global-batch", "16", "--data-parallel", "17"], "data-parallel degree 17 is more than"),
         (["--global-batch", "16", "--objective", "cost-deadline"], "deadline"),
+        (["--global-batch", "16", "--recompute", "sometimes"], "unknown --recompute 'sometimes'"),
+        (["--global-batch", "16", "--recompute", "layer", "--no-recompute"], "--no-recompute contradicts --recompute layer"),
     ],
 )
 def test_bad_input_exits_2_naming_the_value(profile_path, tmp_path, extra, message):
@@ -281,3 +283,40 @@ def test_2bw_with_fewer_than_p_minus_1_micro_batches_is_rejected_with_its_reason
     text = " ".join(result.output.split())
     assert "PipeDream-2BW with two weight versions needs at least p - 1 micro-batches per update" in text
     assert "p=6 d=1 b=4 2bw: 4 micro-batches per update < p - 1 = 5" in text
+
+
+def _tight_profile(tmp_path):
+    """Six blocks of long sequences: one CPU rank of 2.2 GiB holds b = 4 only by checkpointing
+    layers (2.8 GiB without, 1.8 GiB with)."""
+    path = tmp_path / "tight.json"
+    profile = synthetic_profile(blocks=6, micro_batch_sizes=[4], hidden=1024, seq_len=4096, device="cpu")
+    write_json_atomic(path, profile.model_copy(update={"device_memory_bytes": int(2.2 * 2**30)}))
+    return path
+
+
+@pytest.mark.parametrize(
+    "flags, granularities",
+    [
+        ([], {"layer"}),  # auto: memory forces per-layer checkpointing at p = 1
+        (["--recompute", "layer"], {"layer"}),
+        (["--recompute", "auto"], {"layer"}),
+        (["--recompute", "stage"], None),  # p = 1 never recomputes whole stages: nothing fits
+        (["--recompute", "never"], None),
+        (["--no-recompute"], None),
+    ],
+)
+def test_recompute_option_decides_whether_per_layer_checkpointing_is_searched(tmp_path, flags, granularities):
+    out = tmp_path / "plan.json"
+    result = runner.invoke(app, ["plan", "--profile", str(_tight_profile(tmp_path)), "--cluster", "local",
+                                 "--devices", "1", "--global-batch", "8", "--no-morph", "-o", str(out), *flags])
+    if granularities is None:
+        assert result.exit_code == 2, result.output
+        assert "does not fit in device memory" in result.output and "Traceback" not in result.output
+        return
+    assert result.exit_code == 0, result.output
+    written = load_model(Plan, out)
+    assert {c.recompute_granularity.label for c in written.candidates} == granularities
+    assert written.chosen.checkpoint_layers and not written.chosen.recompute
+    assert written.request.recompute.value == (flags[1] if flags else "auto")
+    # The table and the chosen line say which recomputation a candidate uses.
+    assert "+ckpt" in result.output and "checkpoint-layers" in result.output

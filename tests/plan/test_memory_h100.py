@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipectl.artifacts.plan import PlanRequest
+from pipectl.artifacts.plan import PlanRequest, RecomputeChoice
 from pipectl.artifacts.profile import LayerCost, LayerProfile, ModelProfile, ProfileSource
 from pipectl.cluster import local_cluster
 from pipectl.plan.memory import GIB
@@ -67,6 +67,9 @@ def _one_h100():
 
 
 def _request(**fields):
+    # The measured runs kept every activation: no recomputation (per-layer checkpointing would fit
+    # b 16, `tests/plan/test_recompute_layers.py`).
+    fields.setdefault("recompute", RecomputeChoice.NEVER)
     return PlanRequest(global_batch=64, schedules=[ScheduleKind.ONE_F_ONE_B], morph=False, include_all=True, **fields)
 
 

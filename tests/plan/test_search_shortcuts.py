@@ -14,7 +14,7 @@ from pipectl.plan.candidates import (
 )
 from pipectl.plan.costs import hardware_for
 from pipectl.plan.partition import balanced_partition
-from pipectl.artifacts.plan import PlanRequest
+from pipectl.artifacts.plan import PlanRequest, Recompute
 from pipectl.plan.space import FamilyKey, _Family, _variants_for, enumerate_specs, search_space
 from pipectl.plan.synthetic import synthetic_profile
 from pipectl.schedule import ScheduleKind
@@ -41,7 +41,10 @@ def _memory_fits(builder, shape, kind, per_device, per_step, units, capacity):
     recomputes = recomputing_stages(shape, kind)
 
     def fits(index, start, end):
-        keeps = bool(recomputes[index]) and index != stages - 1
+        if shape.recompute is Recompute.LAYER:  # every stage keeps its layers' inputs
+            keeps = Recompute.LAYER
+        else:
+            keeps = bool(recomputes[index]) and index != stages - 1
         return rows.stage_bytes(
             start, end, state_bytes=per_device, step_bytes=per_step, units=units[index % p], recompute=keeps
         ) <= capacity
@@ -58,9 +61,11 @@ def test_a_memory_fitting_cut_exists_exactly_when_the_partitioner_finds_one(seed
     rng = random.Random(seed)
     answers = set()
     for _ in range(150):
-        t, b, recompute = rng.choice((1, 2)), rng.choice((1, 2)), rng.random() < 0.5
+        t, b, recompute = rng.choice((1, 2)), rng.choice((1, 2)), rng.choice(list(Recompute))
         variant = rng.choice([ScheduleVariant(ScheduleKind.ONE_F_ONE_B), ScheduleVariant(ScheduleKind.GPIPE),
                               ScheduleVariant(ScheduleKind.INTERLEAVED, 2), ScheduleVariant(ScheduleKind.VARUNA)])
+        if variant.kind is ScheduleKind.VARUNA and recompute is Recompute.LAYER:
+            continue  # Varuna recomputes whole stages: never searched with per-layer checkpointing
         p = rng.randint(1, builder.layers // variant.chunks)
         m = p * rng.randint(1, 4)
         zero, d = rng.choice(((0, 1), (1, 2), (1, 8), (0, 4)))
@@ -88,7 +93,7 @@ def _reference_specs(profile, hardware, space, max_devices):
         for b in space.micro_batch_sizes:
             for recompute in space.recompute:
                 for p in range(1, builder.layers + 1):
-                    if t * p > max_devices or (recompute and p == 1):
+                    if t * p > max_devices or (recompute is Recompute.STAGE and p == 1):
                         continue
                     if B % b:
                         continue

@@ -63,10 +63,17 @@ def test_a_profile_without_shards_gives_the_plan_it_gave_before_shards_existed()
     assert not profile.has_shards
     # Uneven replicas came later too: without them, the same plan.
     made = plan(profile, load_cluster("a100-8x8"),
-                PlanRequest(global_batch=512, top=10, workers=1, uneven_replicas=False))
+                PlanRequest(global_batch=512, top=10, workers=1, uneven_replicas=False, recompute="stage"))
     before = json.loads((DATA / "gpt2-2.5b-a100-unsharded.plan.json").read_text())
     made_fields = json.loads(made.model_dump_json())
     assert made_fields["request"].pop("uneven_replicas") is False
+    # Per-layer checkpointing came later too: without it (recompute "stage" is the old search).
+    assert made_fields["request"].pop("recompute") == "stage"
+    for candidate in [made_fields["chosen"], *made_fields["candidates"]]:
+        assert candidate.pop("checkpoint_layers") is False
+    for entry in made_fields["morph_table"]:
+        if entry["candidate"] is not None:
+            assert entry["candidate"].pop("checkpoint_layers") is False
     assert made_fields.pop("kind_profiles") == []  # profiles per device kind came later as well
     assert made_fields == before
     assert {c.tensor_parallel for c in made.candidates} > {1}

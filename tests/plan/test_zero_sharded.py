@@ -4,10 +4,11 @@ where the search tries them, and how a plan reports them (planned only: the runt
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 
-from pipectl.artifacts.plan import PlanRequest
+from pipectl.artifacts.plan import PlanRequest, Recompute
 from pipectl.artifacts.profile import LayerCost, LayerProfile, ModelProfile, ProfileSource
 from pipectl.cluster import load_cluster
 from pipectl.errors import InfeasibleError
@@ -241,13 +242,14 @@ def test_the_enumeration_keeps_exactly_the_zero_2_and_3_points_that_fit_one_by_o
     request = PlanRequest(global_batch=24, zero_stages=[1, 2, 3], schedules=[ScheduleKind.GPIPE])
     space = search_space(request, profile, hardware)
     enumeration = enumerate_specs(profile, hardware, space, 64)
-    got = {(s.shape.tensor_parallel, s.shape.micro_batch_size, s.data_parallel, s.zero_stage)
+    got = {(s.shape.tensor_parallel, s.shape.micro_batch_size, s.shape.recompute, s.data_parallel, s.zero_stage)
            for s in enumeration.specs if s.zero_stage >= 2}
     builder = ShapeBuilder(profile, hardware)
     expected = set()
     for t in space.tensor_parallel:
-        for b in space.micro_batch_sizes:
-            shape = builder.shape(t, b, False, 1, 1)
+        # One stage: never whole-stage recompute; per-layer checkpointing gives points of its own.
+        for b, recompute in itertools.product(space.micro_batch_sizes, (Recompute.NONE, Recompute.LAYER)):
+            shape = builder.shape(t, b, recompute, 1, 1)
             for d in range(2, min(64 // t, 24 // b) + 1):
                 if 24 % (d * b):
                     continue  # uneven replicas: refused for ZeRO-2/3 (they reduce every micro-batch)
@@ -257,7 +259,7 @@ def test_the_enumeration_keeps_exactly_the_zero_2_and_3_points_that_fit_one_by_o
                     if shape.memory.fits(state_bytes(profile.dtype, zero, d, kind), step_bytes(profile.dtype, zero, d, kind),
                                          in_flight_units(kind, 1, m), hardware.memory_bytes,
                                          transient_bytes(shape, profile.dtype, zero, d)):
-                        expected.add((t, b, d, zero))
+                        expected.add((t, b, recompute, d, zero))
     assert got == expected
     assert expected  # some fit, and (below) some do not
     assert len(expected) < 2 * sum(min(64 // t, 24 // b) - 1 for t in space.tensor_parallel for b in space.micro_batch_sizes)

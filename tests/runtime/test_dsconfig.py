@@ -225,3 +225,14 @@ def test_an_overlay_is_merged_section_by_section_and_validated_by_deepspeed(tmp_
 def test_an_overlay_cannot_set_what_the_plan_owns(overlay, key):
     with pytest.raises(DeepSpeedConfigRejected, match=f"sets {key}, which the plan owns"):
         validated_config(make_plan(make_candidate()), overlay=overlay)
+
+
+@pytest.mark.parametrize("p, zero_stage", [(2, 1), (1, 2)])
+def test_per_layer_checkpointing_is_recorded_and_deepspeed_accepts_it(p, zero_stage):
+    # Both engines: the pipeline engine (p = 2) and the ordinary one of a one-stage ZeRO-2 plan.
+    d = 2 if zero_stage == 2 else 1
+    candidate = make_candidate(p=p, d=d, m=2 if d == 2 else 4, zero_stage=zero_stage, checkpoint_layers=True)
+    pipeline = validated_config(make_plan(candidate))["pipeline"]
+    assert pipeline["activation_checkpoint_interval"] == 1 and pipeline["use_reentrant"] is False
+    plain = validated_config(make_plan(candidate.model_copy(update={"checkpoint_layers": False})))["pipeline"]
+    assert plain["activation_checkpoint_interval"] == 0 and "use_reentrant" not in plain

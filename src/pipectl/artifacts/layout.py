@@ -5,6 +5,8 @@ and a checkpoint's manifest records the one that wrote it.
 
     >>> Layout(2, 1, 2, 4, ((0, 4), (4, 9))).label()
     't1p2d1 1f1b b2 m4'
+    >>> Layout(2, 1, 2, 4, ((0, 4), (4, 9)), checkpoint_layers=True).label()
+    't1p2d1 1f1b +ckpt b2 m4'
 """
 
 from __future__ import annotations
@@ -25,12 +27,15 @@ class Layout:
     micro_batches: int
     stage_layers: tuple[tuple[int, int], ...]
     schedule: ScheduleKind = ScheduleKind.ONE_F_ONE_B
-    recompute: bool = False
+    recompute: bool = False  # whole-stage recomputation: the schedule's R actions
     tensor_parallel: int = 1
     chunks: int = 1
     # Heterogeneous plans: (micro_batch_size, micro_batches) of every data-parallel replica, in
     # replica order; None when every replica does micro_batch_size x micro_batches.
     replica_shares: tuple[tuple[int, int], ...] | None = None
+    # Per-layer activation checkpointing: each layer of every stage recomputes its forward inside
+    # its backward (`Candidate.checkpoint_layers`); the schedule has no R actions for it.
+    checkpoint_layers: bool = False
 
     @classmethod
     def from_candidate(cls, candidate: Candidate) -> "Layout":
@@ -49,6 +54,7 @@ class Layout:
                 if candidate.replicas
                 else None
             ),
+            checkpoint_layers=candidate.checkpoint_layers,
         )
 
     @property
@@ -69,7 +75,7 @@ class Layout:
 
     def label(self) -> str:
         """e.g. 't1p2d1 1f1b b2 m4' (metrics lines carry it)."""
-        recompute = " +R" if self.recompute else ""
+        recompute = " +R" if self.recompute else " +ckpt" if self.checkpoint_layers else ""
         if self.replica_shares:
             shares = "+".join(f"{b}x{m}" for b, m in self.replica_shares)
             return f"t{self.tensor_parallel}p{self.pipeline_parallel}d{self.data_parallel} {self.schedule.value}{recompute} {shares}"

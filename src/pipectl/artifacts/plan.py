@@ -5,11 +5,16 @@ morph table.
 and re-plans from `request` with the profile `profile` names (`pipectl.planfile` keeps the two
 together on disk). Layer ranges are half-open: a stage holding
 layers [start, end) owns layer indices start..end-1 of the profile.
+
+A candidate recomputes activations in one of three ways (`Recompute`): not at all, whole stages
+(`recompute: true`, R actions in the schedule), or layer by layer (`checkpoint_layers: true`, added
+later: files without it load as false, their plans unchanged); `PlanRequest.recompute` says which
+the search may use.
 """
 
 from __future__ import annotations
 
-from enum import Enum
+from enum import Enum, IntEnum
 from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -50,6 +55,56 @@ class Objective(str, Enum):
     COST_DEADLINE = "cost-deadline"
 
 
+class Recompute(IntEnum):
+    """How a layout recomputes activations (the planner's granularity; an int so that False and True
+    read as NONE and STAGE, the two values of the older `recompute: bool`).
+
+    - NONE: every in-flight micro-batch keeps its stage's saved activations.
+    - STAGE: every stage but the last keeps only its input per in-flight micro-batch, and the
+      schedule re-runs the stage's forward (an R action) before its backward (Varuna always).
+    - LAYER: per-layer activation checkpointing (Megatron-LM's "full" recompute): every stage,
+      the last and a one-stage plan included, keeps each of its layers' input per in-flight
+      micro-batch, and each layer's forward runs again inside the backward, just before that
+      layer's backward; the schedule has no R actions.
+    """
+
+    NONE = 0
+    STAGE = 1
+    LAYER = 2
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+class RecomputeChoice(str, Enum):
+    """`plan --recompute`: which recomputation the search may use besides none; memory and time
+    decide between them. `never`: none; `stage`: none or whole stages (what `allow_recompute`
+    meant before per-layer checkpointing existed); `layer`: none or per-layer checkpointing;
+    `auto`: all three."""
+
+    NEVER = "never"
+    STAGE = "stage"
+    LAYER = "layer"
+    AUTO = "auto"
+
+
+def recompute_granularities(choice: "RecomputeChoice") -> tuple[Recompute, ...]:
+    """The granularities a search tries for a `RecomputeChoice`.
+
+    >>> [r.label for r in recompute_granularities(RecomputeChoice.AUTO)]
+    ['none', 'stage', 'layer']
+    >>> [r.label for r in recompute_granularities(RecomputeChoice.LAYER)]
+    ['none', 'layer']
+    """
+    return {
+        RecomputeChoice.NEVER: (Recompute.NONE,),
+        RecomputeChoice.STAGE: (Recompute.NONE, Recompute.STAGE),
+        RecomputeChoice.LAYER: (Recompute.NONE, Recompute.LAYER),
+        RecomputeChoice.AUTO: (Recompute.NONE, Recompute.STAGE, Recompute.LAYER),
+    }[choice]
+
+
 class PlanRequest(Strict):
     """What the user asks of the planner (the job part of the three inputs)."""
 
@@ -71,7 +126,15 @@ class PlanRequest(Strict):
     deadline_hours: float | None = Field(default=None, gt=0, description="cost-deadline: hours available.")
     samples: int | None = Field(default=None, gt=0, description="cost-deadline: samples to train on.")
     tokens: int | None = Field(default=None, gt=0, description="cost-deadline: tokens to train on (samples = tokens / seq_len).")
-    allow_recompute: bool = True
+    allow_recompute: bool = Field(
+        default=True, description="Older files' switch: false is recompute 'never' (`plan --no-recompute`)."
+    )
+    recompute: RecomputeChoice = Field(
+        default=RecomputeChoice.AUTO,
+        description="Recomputation the search may use besides none: never, stage (whole-stage recompute, R actions "
+        "on every stage but the last), layer (per-layer activation checkpointing, every stage, p = 1 too), auto "
+        "(both; the default).",
+    )
     uneven_replicas: bool = Field(
         default=True,
         description="Let replicas take ceil or floor of B / (d x b) micro-batches when d does not divide B / b "
@@ -101,6 +164,17 @@ class PlanRequest(Strict):
         "available). Not recorded in plan.json: the plan is the same for any number.",
     )
 
+
+    @model_validator(mode="after")
+    def _recompute_consistent(self) -> "PlanRequest":
+        if not self.allow_recompute and self.recompute not in (RecomputeChoice.AUTO, RecomputeChoice.NEVER):
+            raise ValueError(f"allow_recompute is false but recompute is {self.recompute.value!r}")
+        return self
+
+    @property
+    def recompute_granularities(self) -> tuple[Recompute, ...]:
+        """What the search tries (`recompute_granularities`; `allow_recompute: false` is never)."""
+        return recompute_granularities(self.recompute if self.allow_recompute else RecomputeChoice.NEVER)
 
     @field_validator("chunks")
     @classmethod
@@ -172,7 +246,12 @@ class Candidate(Strict):
     )
     chunks: int = Field(default=1, gt=0, description="v: model chunks per device (interleaved).")
     schedule: ScheduleKind
-    recompute: bool
+    recompute: bool = Field(description="Whole-stage recomputation: R actions before the backwards of every stage but the last.")
+    checkpoint_layers: bool = Field(
+        default=False,
+        description="Per-layer activation checkpointing: every stage keeps its layers' inputs and recomputes each "
+        "layer's forward inside its backward (no R actions). Absent in older files: false. Never with recompute.",
+    )
     zero_stage: int = Field(ge=0, le=3)
     stage_layers: list[tuple[int, int]] = Field(
         description="Half-open layer index range [start, end) of every (virtual) stage, in order."
@@ -205,8 +284,16 @@ class Candidate(Strict):
         shares = sorted(self.replicas or (), key=lambda r: r.replica)
         return tuple(r.device for r in shares) or (self.device,) * self.data_parallel
 
+    @property
+    def recompute_granularity(self) -> Recompute:
+        if self.checkpoint_layers:
+            return Recompute.LAYER
+        return Recompute.STAGE if self.recompute else Recompute.NONE
+
     @model_validator(mode="after")
     def _consistent(self) -> "Candidate":
+        if self.recompute and self.checkpoint_layers:
+            raise ValueError("recompute (whole stages) and checkpoint_layers (per layer) exclude each other")
         if self.devices != self.tensor_parallel * self.pipeline_parallel * self.data_parallel:
             raise ValueError(
                 f"devices {self.devices} != tensor {self.tensor_parallel} x pipeline "

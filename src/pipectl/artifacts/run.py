@@ -352,7 +352,9 @@ class RankFailure(Artifact):
     device: str = Field(default="cpu", description="'cuda' or 'cpu'.")
     layout: str = Field(default="", description="Layout label, e.g. 't1p2d1 1f1b b2 m4'.")
     micro_batch_size: int | None = Field(default=None, gt=0)
-    recompute: bool | None = None
+    recompute: bool | None = Field(
+        default=None, description="Whether the layout recomputed activations (whole stages or every layer)."
+    )
     pipeline_parallel: int | None = Field(default=None, gt=0)
     predicted_peak_memory_bytes: int | None = Field(
         default=None, ge=0, description="The plan's predicted peak memory of the rank's stage (per device)."

@@ -14,7 +14,7 @@ from typing import Annotated, Optional
 import typer
 
 from pipectl.artifacts.base import INT64_MAX
-from pipectl.artifacts.plan import Objective, PlanRequest
+from pipectl.artifacts.plan import Objective, PlanRequest, RecomputeChoice
 from pipectl.artifacts.profile import ModelProfile
 from pipectl.cli.context import JsonFlag, OutputPath, console, from_options, print_json
 from pipectl.cluster import load_cluster, local_cluster
@@ -42,6 +42,25 @@ def parse_schedule(text: str) -> ScheduleKind:
     except ValueError:
         known = ", ".join(k.value for k in ScheduleKind)
         raise UserInputError(f"unknown schedule '{text}'", hint=f"known schedules: {known}") from None
+
+
+def parse_recompute(text: str | None, no_recompute: bool) -> RecomputeChoice:
+    """`--recompute` (never, stage, layer, auto; default auto); `--no-recompute` is `never`. A bad
+    value, or `--no-recompute` beside another value, is named.
+
+    >>> parse_recompute("layer", False).value, parse_recompute(None, True).value, parse_recompute(None, False).value
+    ('layer', 'never', 'auto')
+    """
+    known = ", ".join(choice.value for choice in RecomputeChoice)
+    if text is None:
+        return RecomputeChoice.NEVER if no_recompute else RecomputeChoice.AUTO
+    try:
+        choice = RecomputeChoice(text.strip().lower())
+    except ValueError:
+        raise UserInputError(f"unknown --recompute '{text}'", hint=f"known values: {known}") from None
+    if no_recompute and choice is not RecomputeChoice.NEVER:
+        raise UserInputError(f"--no-recompute contradicts --recompute {choice.value}", hint="give one of them")
+    return choice
 
 
 AMOUNT_SUFFIXES = {"k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}  # decimal: 300B tokens is 3e11
@@ -101,7 +120,16 @@ def plan_command(
     micro_batch_size: Annotated[Optional[int], typer.Option("--micro-batch-size", help="Pin b.")] = None,
     schedule: Annotated[Optional[str], typer.Option("--schedule", help="Pin the schedule.")] = None,
     devices: Annotated[Optional[int], typer.Option("--devices", help="Plan for G devices (default: the whole cluster; a local cluster: its default).")] = None,
-    no_recompute: Annotated[bool, typer.Option("--no-recompute", help="Never recompute activations.")] = False,
+    recompute: Annotated[
+        Optional[str],
+        typer.Option(
+            "--recompute",
+            help="Recomputation the search may use besides none: never; stage (re-run a stage's forward before "
+            "its backward, every stage but the last); layer (per-layer activation checkpointing, every stage, "
+            "p = 1 too); auto (both, the default: memory and time decide).",
+        ),
+    ] = None,
+    no_recompute: Annotated[bool, typer.Option("--no-recompute", help="Never recompute activations (--recompute never).")] = False,
     even_replicas: Annotated[
         bool,
         typer.Option(
@@ -162,7 +190,7 @@ def plan_command(
         deadline_hours=deadline_hours,
         samples=parse_amount(samples, "--samples"),
         tokens=parse_amount(tokens, "--tokens"),
-        allow_recompute=not no_recompute,
+        recompute=parse_recompute(recompute, no_recompute),
         uneven_replicas=not even_replicas,
         zero_stages=zeros,
         memory_headroom=memory_headroom,

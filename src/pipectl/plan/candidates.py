@@ -1,7 +1,9 @@
 """The search space: pipeline shapes, the candidates built on them, and why others are rejected.
 
 A *shape* fixes what the partition depends on: tensor-parallel degree t, micro-batch size b,
-recomputation, and the number of (virtual) stages p*v; it holds the stage cut and per-stage costs.
+recomputation (`Recompute`: none, whole stages, or per-layer checkpointing, whose recomputed
+forwards are part of each stage's backward), and the number of (virtual) stages p*v; it holds the
+stage cut and per-stage costs.
 A *spec* adds what only changes the step's arithmetic: data-parallel degree d (hence the micro-
 batches m = B/(d*b), or ⌈B/(d*b)⌉ on the busiest of uneven replicas; B is never rounded), the schedule and the ZeRO stage. Every spec gets a memory
 check and a closed-form lower bound on its step time before anything is timed (the chains of
@@ -20,7 +22,7 @@ from typing import Sequence
 
 import numpy as np
 
-from pipectl.artifacts.plan import runtime_runs_zero
+from pipectl.artifacts.plan import Recompute, runtime_runs_zero
 from pipectl.artifacts.profile import ModelProfile
 from pipectl.catalog import DTYPE_BYTES
 from pipectl.plan.costs import (
@@ -82,14 +84,15 @@ class Shape:
 
     tensor_parallel: int
     micro_batch_size: int
-    recompute: bool
+    recompute: Recompute
     pipeline_parallel: int
     chunks: int
     stage_layers: tuple[tuple[int, int], ...]
     seconds: LayerSeconds
     table: LayerTable
     memory: StageMemory
-    # Per virtual stage, per micro-batch.
+    # Per virtual stage, per micro-batch. With per-layer checkpointing the backward includes the
+    # stage's layers' recomputed forwards.
     forward: np.ndarray
     backward: np.ndarray
     recompute_seconds: np.ndarray
@@ -157,7 +160,13 @@ class Spec:
 
     @property
     def recompute(self) -> bool:
-        return self.shape.recompute or self.variant.kind is ScheduleKind.VARUNA
+        """Whole-stage recomputation: the schedule's R actions (Varuna always)."""
+        return self.shape.recompute is Recompute.STAGE or self.variant.kind is ScheduleKind.VARUNA
+
+    @property
+    def checkpoint_layers(self) -> bool:
+        """Per-layer activation checkpointing (no R actions)."""
+        return self.shape.recompute is Recompute.LAYER
 
     @property
     def deepspeed_runnable(self) -> bool:
@@ -177,6 +186,7 @@ class Spec:
             self.variant.chunks,
             self.recompute,
             self.zero_stage,
+            self.checkpoint_layers,
         )
 
     def describe(self) -> str:
@@ -184,7 +194,8 @@ class Spec:
         return (
             f"t={s.tensor_parallel} p={s.pipeline_parallel} d={self.data_parallel} "
             f"b={s.micro_batch_size} m={self.micro_batches} {self.variant.label}"
-            f"{' recompute' if self.recompute else ''} zero={self.zero_stage}"
+            f"{' recompute' if self.recompute else ' checkpoint-layers' if self.checkpoint_layers else ''}"
+            f" zero={self.zero_stage}"
         )
 
 
@@ -216,7 +227,7 @@ class SearchSpace:
     global_batch: int
     tensor_parallel: tuple[int, ...]
     micro_batch_sizes: tuple[int, ...]
-    recompute: tuple[bool, ...]
+    recompute: tuple[Recompute, ...]
     variants: tuple[ScheduleVariant, ...]
     zero_stages: tuple[int, ...]
     pipeline_parallel: int | None = None
@@ -247,7 +258,7 @@ class ShapeBuilder:
         self._work: dict[tuple[int, int, bool], list[float]] = {}
         self._prefixes: dict[tuple[int, int, bool], tuple[float, ...]] = {}
         self._partition_prefixes: dict[tuple[int, int, bool], list[float]] = {}
-        self._arrays: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._arrays: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
         links = hardware.links
         # The cheaper link for an activation transfer (the bound's transfer time per cut).
         self._fastest_link = links.intra if links.intra.seconds(1e6) <= links.inter.seconds(1e6) else links.inter
@@ -331,8 +342,9 @@ class ShapeBuilder:
             prefix = self._prefixes[key] = (0.0, *np.cumsum(self.work(t, b, recompute)).tolist())
         return prefix
 
-    def _stage_arrays(self, b: int, t: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Forward and backward prefix sums and per-layer output bytes as arrays, per (b, t)."""
+    def _stage_arrays(self, b: int, t: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Forward and backward prefix sums, per-layer output bytes and the prefix sums of what
+        per-layer checkpointing recomputes (`LayerSeconds.checkpointed_prefix`) as arrays, per (b, t)."""
         key = (b, t)
         arrays = self._arrays.get(key)
         if arrays is None:
@@ -342,22 +354,29 @@ class ShapeBuilder:
                 np.asarray(seconds.forward_prefix, dtype=float),
                 np.asarray(seconds.backward_prefix, dtype=float),
                 np.asarray(table.output_activation_bytes, dtype=float),
+                np.asarray(seconds.checkpointed_prefix or seconds.forward_prefix, dtype=float),
             )
             self._arrays[key] = arrays
         return arrays
 
     def shape_from_cuts(
-        self, t: int, b: int, recompute: bool, p: int, v: int, cuts: Sequence[tuple[int, int]]
+        self, t: int, b: int, recompute: Recompute | bool, p: int, v: int, cuts: Sequence[tuple[int, int]]
     ) -> Shape:
+        recompute = Recompute(recompute)
         seconds = self.seconds(b, t)
         table = layer_table(self.profile, b, t)
         # `LayerSeconds.stage_forward/backward` and `LinkCost.seconds` over every stage at once:
         # the same float64 operations in the same order, so the same values.
-        forward_prefix, backward_prefix, output_bytes = self._stage_arrays(b, t)
+        forward_prefix, backward_prefix, output_bytes, checkpointed_prefix = self._stage_arrays(b, t)
         bounds = np.fromiter(itertools.chain.from_iterable(cuts), dtype=np.intp, count=2 * len(cuts)).reshape(-1, 2)
         starts, ends = bounds[:, 0], bounds[:, 1]
         forward = forward_prefix[ends] - forward_prefix[starts] + seconds.forward_overhead
         backward = backward_prefix[ends] - backward_prefix[starts] + seconds.backward_overhead
+        if recompute is Recompute.LAYER:
+            # Each checkpointed layer's forward again, just before its backward (the layers' time,
+            # not the engine's per-micro-batch overhead: the stage's backward is still one call);
+            # `LayerSeconds.recomputed_forward`, the same operations.
+            backward = backward + (checkpointed_prefix[ends] - checkpointed_prefix[starts])
         fastest = self._fastest_link
         sends = fastest.latency_seconds + output_bytes[ends[:-1] - 1] / fastest.bandwidth_bytes_per_second
         memory = StageMemory.build(
@@ -383,10 +402,11 @@ class ShapeBuilder:
 
 
 def recomputing_stages(shape: Shape, kind: ScheduleKind) -> np.ndarray:
-    """Which virtual stages run R actions: all but the last, with recompute (Varuna always)."""
+    """Which virtual stages run R actions: all but the last, with whole-stage recompute (Varuna
+    always); none with per-layer checkpointing, whose recomputation is inside the backward."""
     stages = shape.virtual_stages
     flags = np.zeros(stages, dtype=bool)
-    if shape.recompute or kind is ScheduleKind.VARUNA:
+    if shape.recompute is Recompute.STAGE or kind is ScheduleKind.VARUNA:
         flags[: stages - 1] = True
     return flags
 
@@ -505,7 +525,7 @@ def _tied_seconds(shape: Shape, hardware: Hardware, d: int, element: int) -> np.
 
 def _work_per_rank(shape: Shape, kind: ScheduleKind) -> np.ndarray:
     """`shape.work_per_rank(recomputing_stages(shape, kind))`, once per shape and recomputation."""
-    key = ("work", shape.recompute or kind is ScheduleKind.VARUNA)  # what `recomputing_stages` reads
+    key = ("work", shape.recompute is Recompute.STAGE or kind is ScheduleKind.VARUNA)  # what `recomputing_stages` reads
     work = shape._derived.get(key)
     if work is None:
         (work,) = _read_only(shape.work_per_rank(recomputing_stages(shape, kind)))

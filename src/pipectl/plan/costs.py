@@ -20,7 +20,8 @@ Per virtual stage and micro-batch (all seconds):
 - tensor-parallel communication (Megatron, Shoeybi et al. 2019 §3; Narayanan et al. 2021 §3.3): per
   transformer block two all-reduces of the b*s*h activation in the forward and two in the backward,
   ring all-reduces over the t devices of a node;
-- recompute: one more forward, communication included (SPEC §5: x4/3 of forward+backward);
+- recompute: one more forward, communication included (SPEC §5: x4/3 of forward+backward); whole
+  stages as the schedule's R actions, or, with per-layer checkpointing, inside each backward;
 - point-to-point: latency + bytes / bandwidth of the activation crossing each cut (the same bytes
   for its gradient on the way back), intra-node or inter-node by the placement rule (inter-node
   if any replica's cut crosses a node); SPEC §5: 2 a / Bw per boundary, one a / Bw each way;
@@ -99,7 +100,7 @@ from dataclasses import dataclass, replace
 from typing import Sequence
 
 from pipectl.artifacts.cluster import ClusterSpec, NodeType, emulated_kind
-from pipectl.artifacts.plan import Candidate
+from pipectl.artifacts.plan import Candidate, Recompute
 from pipectl.artifacts.profile import ModelProfile, RuntimeCosts
 from pipectl.catalog import DTYPE_BYTES, GIB, DeviceSpec, get_device, load_catalog
 from pipectl.cluster import LinkCost, ResolvedLinks, price_per_device_hour, resolve_links
@@ -310,6 +311,14 @@ class LayerSeconds:
     # The engine's fixed cost per micro-batch of any stage (0 without measured runtime terms).
     forward_overhead: float = 0.0
     backward_overhead: float = 0.0
+    # Prefix sums of the forwards per-layer checkpointing runs again in the backward (every
+    # layer's but `layer_table.NOT_CHECKPOINTED_KINDS`'); empty: every layer's (`forward_prefix`).
+    checkpointed_prefix: tuple[float, ...] = ()
+
+    def recomputed_forward(self, start: int, end: int) -> float:
+        """What per-layer checkpointing adds to the backward of a stage of layers [start, end)."""
+        prefix = self.checkpointed_prefix or self.forward_prefix
+        return prefix[end] - prefix[start]
 
     def stage_forward(self, start: int, end: int) -> float:
         """One micro-batch's forward through layers [start, end) as a stage: layers + overhead."""
@@ -318,8 +327,12 @@ class LayerSeconds:
     def stage_backward(self, start: int, end: int) -> float:
         return self.backward_prefix[end] - self.backward_prefix[start] + self.backward_overhead
 
-    def work(self, recompute: bool) -> list[float]:
-        """Per-layer time of one micro-batch's forward + backward (+ recompute forward)."""
+    def work(self, recompute: Recompute | bool) -> list[float]:
+        """Per-layer time of one micro-batch's forward + backward (+ recompute forward: every
+        layer's for whole stages, the checkpointed layers' for per-layer checkpointing)."""
+        if recompute is Recompute.LAYER and self.checkpointed_prefix:
+            again = [after - before for before, after in zip(self.checkpointed_prefix, self.checkpointed_prefix[1:])]
+            return [f + b + r for f, b, r in zip(self.forward, self.backward, again)]
         factor = 2.0 if recompute else 1.0
         return [factor * f + b for f, b in zip(self.forward, self.backward)]
 
@@ -389,6 +402,7 @@ def layer_seconds(table: LayerTable, hardware: Hardware, tensor_parallel: int) -
         _prefix(backward),
         forward_overhead=runtime.forward_overhead_seconds if runtime else 0.0,
         backward_overhead=runtime.backward_overhead_seconds if runtime else 0.0,
+        checkpointed_prefix=_prefix([f if table.checkpointed(i) else 0.0 for i, f in enumerate(forward)]),
     )
 
 
@@ -431,9 +445,12 @@ def stage_costs(
     zero_stage: int = 0,
     seconds: LayerSeconds | None = None,
     micro_batches: int = 1,
+    checkpoint_layers: bool = False,
 ) -> StageCosts:
     """The simulator's `StageCosts` for one candidate; `stage_layers` holds p*v virtual stages.
-    `micro_batches`: the step's m, which only ZeRO-2/3's per-micro-batch collectives read."""
+    `micro_batches`: the step's m, which only ZeRO-2/3's per-micro-batch collectives read.
+    `checkpoint_layers`: each backward recomputes its layers' forwards first (per-layer
+    activation checkpointing), so it costs their forward time more (`ShapeBuilder.shape_from_cuts`)."""
     table = layer_table(profile, micro_batch_size, tensor_parallel)
     t, d = tensor_parallel, data_parallel
     p = pipeline_parallel or len(stage_layers)
@@ -443,7 +460,10 @@ def stage_costs(
 
     slowdown = host_compute_slowdown(hardware, t * p * d)
     forward = [seconds.stage_forward(s, e) * slowdown for s, e in stage_layers]
-    backward = [seconds.stage_backward(s, e) * slowdown for s, e in stage_layers]
+    if checkpoint_layers:
+        backward = [(seconds.stage_backward(s, e) + seconds.recomputed_forward(s, e)) * slowdown for s, e in stage_layers]
+    else:
+        backward = [seconds.stage_backward(s, e) * slowdown for s, e in stage_layers]
 
     sends = []
     jitter = 0.0
@@ -701,6 +721,7 @@ def stage_costs_for(
         pipeline_parallel=candidate.pipeline_parallel,
         zero_stage=candidate.zero_stage,
         micro_batches=candidate.micro_batches,
+        checkpoint_layers=candidate.checkpoint_layers,
     )
 
 

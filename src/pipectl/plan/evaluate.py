@@ -16,7 +16,7 @@ Reported figures:
   ⌈B/(d*b)⌉ micro-batches, the others wait for it at the gradient all-reduce);
 - TFLOP/s per device = model FLOPs of the step / (step * devices), model FLOPs being the profile's
   forward FLOPs x 3 (forward + backward, SPEC §3) or x 4 with recomputation (hardware FLOPs,
-  Narayanan et al. 2021 §5.1);
+  Narayanan et al. 2021 §5.1; per-layer checkpointing: + every layer's forward but the head's);
 - cost per million samples = price per device-hour * devices * step / 3600 / B * 1e6;
 - bubble % = mean over ranks of the simulator's idle / step; communication % = the simulator's
   exposed (not overlapped) transfer and all-reduce time / step.
@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from pipectl.artifacts.plan import Candidate, ReplicaShare, replica_shares, runtime_runs_zero
+from pipectl.artifacts.plan import Candidate, Recompute, ReplicaShare, replica_shares, runtime_runs_zero
 from pipectl.plan.candidates import Spec
 from pipectl.plan.costs import Hardware, host_compute_slowdown, ranks_share_node
 from pipectl.plan.fast import bounds, varuna_flags, waves
@@ -66,9 +66,11 @@ def zero_stage_note(zero_stage: int) -> str:
 
 def _schedule_args(spec: Spec) -> tuple:
     """(kind, p, m, v, recompute): the schedule the runtime executes for this spec, as
-    `pipectl.plan.timing` and `pipectl.schedule.generate` take it."""
+    `pipectl.plan.timing` and `pipectl.schedule.generate` take it (R actions for whole-stage
+    recomputation only: per-layer checkpointing is inside the backward's cost)."""
     shape = spec.shape
-    return (spec.variant.kind, shape.pipeline_parallel, spec.micro_batches, spec.variant.chunks, shape.recompute)
+    recompute = shape.recompute is Recompute.STAGE
+    return (spec.variant.kind, shape.pipeline_parallel, spec.micro_batches, spec.variant.chunks, recompute)
 
 
 def costs_of(spec: Spec, hardware: Hardware) -> StageCosts:
@@ -211,8 +213,11 @@ class Evaluator:
         timeline = self.summary(spec)
         step = timeline.step_seconds
         shape = spec.shape
-        flops_factor = 4 if spec.recompute else 3
-        step_flops = shape.table.total_forward_flops() * flops_factor * (self.global_batch // shape.micro_batch_size)
+        table = shape.table
+        per_micro_batch = table.total_forward_flops() * (4 if spec.recompute else 3)
+        if spec.checkpoint_layers:  # each checkpointed layer's forward once more (not the head's)
+            per_micro_batch += sum(f for i, f in enumerate(table.forward_flops) if table.checkpointed(i))
+        step_flops = per_micro_batch * (self.global_batch // shape.micro_batch_size)
         bubble = sum(timeline.bubble_fraction) / len(timeline.bubble_fraction)
         notes = list(notes or [])
         if spec.variant.kind.changes_optimizer_semantics:
@@ -238,6 +243,7 @@ class Evaluator:
             chunks=spec.variant.chunks,
             schedule=spec.variant.kind,
             recompute=spec.recompute,
+            checkpoint_layers=spec.checkpoint_layers,
             zero_stage=spec.zero_stage,
             stage_layers=[tuple(stage) for stage in shape.stage_layers],
             predicted_step_seconds=step,
@@ -268,7 +274,7 @@ def uneven_note(replicas: list[ReplicaShare]) -> str:
 
 def _two_bw_summary(spec: Spec, costs: StageCosts, reference: bool) -> StepSummary:
     """PipeDream-2BW's steady state per update for the spec (`timing.two_bw_summary_of`)."""
-    return two_bw_summary_of(spec.shape.pipeline_parallel, spec.micro_batches, spec.shape.recompute, costs,
+    return two_bw_summary_of(spec.shape.pipeline_parallel, spec.micro_batches, spec.shape.recompute is Recompute.STAGE, costs,
                              reference=reference)
 
 

@@ -34,7 +34,8 @@ Hardware FLOPs add, per layer, one forward x B for a recomputed layer: pipectl's
 every virtual stage but the last (`plan.candidates.recomputing_stages`; Varuna always; the last
 stage runs its backward straight after its forward), so a GPT whose last stage holds only the
 final norm and the head gives Megatron's 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)) (the logits are not
-recomputed). At t > 1 every layer but the transformer blocks (embedding, norms, head) runs whole
+recomputed). Per-layer activation checkpointing recomputes every layer, the last stage's too, but
+the LM head (`layer_table.NOT_CHECKPOINTED_KINDS`), which gives the same formula. At t > 1 every layer but the transformer blocks (embedding, norms, head) runs whole
 on each of the t tensor ranks (`models.tensor_parallel`), so it counts t times.
 
 Where the figures come from, in order:
@@ -79,6 +80,7 @@ from pipectl.catalog import DTYPE_BYTES, DeviceSpec, load_catalog
 from pipectl.errors import PipectlError
 from pipectl.io import load_model
 from pipectl.paths import resolve_config
+from pipectl.plan.layer_table import NOT_CHECKPOINTED_KINDS
 
 # The layer kind tensor parallelism splits (models/tensor_parallel.py); every other layer runs
 # whole on each tensor rank.
@@ -99,6 +101,9 @@ class LayerFlops:
     split: tuple[bool, ...]  # split over the tensor group at t > 1 (else each tensor rank runs it whole)
     source: str  # "shape" or "profile"
     detail: str  # for people: which config, or which profile
+    # Per layer: whether per-layer checkpointing leaves it alone (`layer_table.NOT_CHECKPOINTED_KINDS`:
+    # the LM head); empty: none is.
+    not_checkpointed: tuple[bool, ...] = ()
 
     @property
     def per_sample(self) -> float:
@@ -131,7 +136,8 @@ def config_layer_flops(config: ModelConfig) -> LayerFlops:
     block = 2.0 * s * weights + 4.0 * s * s * h
     forward = (0.0, *([block] * config.layers), 0.0, 2.0 * s * h * V)
     split = (False, *([True] * config.layers), False, False)
-    return LayerFlops(forward, split, "shape", f"the shape of {config.name}")
+    head = (False,) * (len(forward) - 1) + (True,)
+    return LayerFlops(forward, split, "shape", f"the shape of {config.name}", head)
 
 
 def profile_layer_flops(profile: ModelProfile) -> LayerFlops | None:
@@ -141,7 +147,8 @@ def profile_layer_flops(profile: ModelProfile) -> LayerFlops | None:
     if not any(forward):
         return None
     split = tuple(layer.kind == SPLIT_KIND for layer in profile.layers)
-    return LayerFlops(forward, split, "profile", f"the {profile.source.value} profile's counts")
+    alone = tuple(layer.kind in NOT_CHECKPOINTED_KINDS for layer in profile.layers)
+    return LayerFlops(forward, split, "profile", f"the {profile.source.value} profile's counts", alone)
 
 
 def _matches(config: ModelConfig, plan: Plan) -> bool:
@@ -179,8 +186,17 @@ def plan_layer_flops(plan: Plan, profile: ModelProfile | None = None) -> LayerFl
     return None
 
 
-def recomputed_layers(stage_layers: Sequence[tuple[int, int]], recompute: bool) -> range:
-    """The layers a recomputing schedule runs forward twice: every virtual stage's but the last's."""
+def recomputed_layers(
+    stage_layers: Sequence[tuple[int, int]], recompute: bool, checkpoint_layers: bool = False
+) -> range:
+    """The layers run forward twice: every virtual stage's but the last's when whole stages are
+    recomputed; every layer with per-layer checkpointing (the last stage's too).
+
+    >>> recomputed_layers([(0, 2), (2, 5)], True), recomputed_layers([(0, 2), (2, 5)], False, checkpoint_layers=True)
+    (range(0, 2), range(0, 5))
+    """
+    if checkpoint_layers:
+        return range(stage_layers[0][0], stage_layers[-1][1])
     if not recompute or len(stage_layers) < 2:
         return range(0)
     return range(stage_layers[0][0], stage_layers[-1][0])
@@ -192,13 +208,15 @@ def step_flops(
     stage_layers: Sequence[tuple[int, int]],
     recompute: bool,
     tensor_parallel: int = 1,
+    checkpoint_layers: bool = False,
 ) -> StepFlops:
     """Model and hardware FLOPs of one optimizer step of B samples on this cut."""
-    recomputed_layers_ = recomputed_layers(stage_layers, recompute)
+    recomputed_layers_ = recomputed_layers(stage_layers, recompute, checkpoint_layers)
     recomputed = replicated = 0.0
+    alone = flops.not_checkpointed if checkpoint_layers else ()
     for index, (forward, split) in enumerate(zip(flops.forward, flops.split)):
         copies = 1 if split else tensor_parallel
-        again = index in recomputed_layers_
+        again = index in recomputed_layers_ and not (alone and alone[index])
         recomputed += copies * again * forward
         replicated += (copies - 1) * TRAINING_FORWARDS * forward
     return StepFlops(
@@ -294,7 +312,8 @@ def utilisation(
         return Utilisation(None, None, None, None, source=None,
                            detail="the model's shape is unknown and its profile counts no FLOPs", **base)  # fmt: skip
     batch = candidate.global_batch if global_batch is None else global_batch
-    step = step_flops(flops, batch, candidate.stage_layers, candidate.recompute, candidate.tensor_parallel)
+    step = step_flops(flops, batch, candidate.stage_layers, candidate.recompute, candidate.tensor_parallel,
+                      candidate.checkpoint_layers)
     figures = dict(model_flops_per_step=step.model, hardware_flops_per_step=step.hardware, source=flops.source,
                    recomputed_flops_per_step=step.recomputed, replicated_flops_per_step=step.replicated)  # fmt: skip
     if peak is None:

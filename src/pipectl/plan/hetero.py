@@ -149,7 +149,7 @@ def _best_split(
     seen, splits = set(), []
     for template in [best.chosen, *best.candidates]:
         pipeline = (template.tensor_parallel, template.pipeline_parallel, template.micro_batch_size, template.chunks,
-                    template.schedule, template.recompute, template.zero_stage, tuple(map(tuple, template.stage_layers)))
+                    template.schedule, template.recompute_granularity, template.zero_stage, tuple(map(tuple, template.stage_layers)))
         if pipeline in seen or template.zero_stage >= 2:
             continue  # ZeRO-2/3 (p = 1, planned only) are priced for even replicas of one kind only
         seen.add(pipeline)
@@ -238,7 +238,7 @@ def uneven_split(
     total = B // b
     kinds = [
         (kind, hardware, ShapeBuilder(mine, hardware).shape_from_cuts(
-            t, b, template.recompute, p, template.chunks, [tuple(s) for s in template.stage_layers]), replicas)
+            t, b, template.recompute_granularity, p, template.chunks, [tuple(s) for s in template.stage_layers]), replicas)
         for kind, hardware, mine, replicas in _pools(cluster, profile, kind_profiles, t, p, request.memory_headroom)
     ]  # fmt: skip
     if len(kinds) < 2:
@@ -319,6 +319,7 @@ def uneven_split(
         chunks=template.chunks,
         schedule=template.schedule,
         recompute=template.recompute,
+        checkpoint_layers=template.checkpoint_layers,
         zero_stage=template.zero_stage,
         stage_layers=template.stage_layers,
         predicted_step_seconds=slowest,
@@ -352,6 +353,6 @@ def replica_stage_costs(
         hardware, mine = priced[kind]
         costs = stage_costs(mine, hardware, candidate.stage_layers, micro_batch_size=candidate.micro_batch_size,
                             tensor_parallel=t, data_parallel=candidate.data_parallel, pipeline_parallel=p,
-                            zero_stage=candidate.zero_stage)  # fmt: skip
+                            zero_stage=candidate.zero_stage, checkpoint_layers=candidate.checkpoint_layers)  # fmt: skip
         result.append((kind, micro_batches, costs))
     return result

@@ -37,6 +37,12 @@ from typing import Sequence
 from pipectl.artifacts.profile import LayerCost, LayerProfile, ModelProfile
 from pipectl.errors import UserInputError
 
+# Layer kinds per-layer activation checkpointing leaves alone: the language-model head keeps its
+# saved activations (Megatron-LM checkpoints its transformer layers only, and the logits are not
+# recomputed in the SPEC's 96 B s l h^2 (1 + s/(6h) + V/(16 l h)); the runtime's
+# `PlannedPipelineModule` does not checkpoint them either).
+NOT_CHECKPOINTED_KINDS = frozenset({"lm_head"})
+
 # The cost fields interpolated over b, in LayerTable order.
 _COST_FIELDS = (
     "forward_seconds",
@@ -173,6 +179,28 @@ class LayerTable:
     def input_activation_bytes(self, start: int) -> float:
         """Bytes a stage starting at `start` receives (0 for the first stage: its input is tokens)."""
         return self.output_activation_bytes[start - 1] if start > 0 else 0.0
+
+    def checkpointed(self, index: int) -> bool:
+        """Whether per-layer checkpointing recomputes layer `index` (all but `NOT_CHECKPOINTED_KINDS`)."""
+        return self.kinds[index] not in NOT_CHECKPOINTED_KINDS
+
+    def checkpoint_kept(self, index: int, divisor: int) -> float:
+        """What layer `index` keeps per in-flight micro-batch under per-layer checkpointing: its
+        input (the previous layer's output, whole on every tensor rank; tokens for the first: 0),
+        or, for a layer it leaves alone, its saved activations / `divisor` (`divisor(t)`)."""
+        if self.checkpointed(index):
+            return self.input_activation_bytes(index)
+        return self.saved_activation_bytes[index] / divisor
+
+    def layer_inputs(self, start: int, end: int, divisor: int = 1) -> float:
+        """What a stage of layers [start, end) keeps per in-flight micro-batch under per-layer
+        checkpointing: the sum of `checkpoint_kept`, in layer order."""
+        return float(sum(self.checkpoint_kept(index, divisor) for index in range(start, end)))
+
+    def largest_saved(self, start: int, end: int) -> float:
+        """The largest saved activations of one checkpointed layer of [start, end) (0 if none): what
+        per-layer checkpointing holds while a layer is recomputed for its backward."""
+        return max((self.saved_activation_bytes[i] for i in range(start, end) if self.checkpointed(i)), default=0.0)
 
     def total_forward_flops(self) -> float:
         return sum(self.forward_flops)

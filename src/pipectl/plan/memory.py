@@ -59,9 +59,26 @@ the stage's saved activations (SPEC §3). How many are in flight is a property o
                           forwards ahead until its first recompute is due; tests check this
                           closed form against `peak_in_flight_units` of the generated schedule
 
-With recomputation an in-flight micro-batch keeps only the stage's input activation, and the stage
-needs one micro-batch's full activations while it recomputes (SPEC §3). The last stage never
-recomputes (its backward follows its forward), so it keeps full activations.
+With whole-stage recomputation (`Recompute.STAGE`) an in-flight micro-batch keeps only the stage's
+input activation, and the stage needs one micro-batch's full activations while it recomputes (SPEC
+§3). The last stage never recomputes (its backward follows its forward), so it keeps full
+activations.
+
+With per-layer activation checkpointing (`Recompute.LAYER`, Megatron-LM's "full" recompute;
+Korthikanti et al. 2022, §2 and Table 2's "full" row: 2sbh per layer) an in-flight micro-batch
+keeps every layer's input (`LayerTable.layer_inputs`: the sum over the stage's layers of the
+previous layer's output), and the backward recomputes one layer at a time just before that
+layer's backward, so one layer's full saved activations are alive on top (the stage's largest,
+`LayerTable.largest_saved`, divided by t like any saved bytes). It applies to every stage, the last
+and a one-stage plan included; there is no whole-stage recompute buffer. The language-model head
+is not checkpointed (`layer_table.NOT_CHECKPOINTED_KINDS`: as in Megatron-LM, and the runtime
+does the same): it keeps its saved activations, the 16-bit logits among them.
+
+    unit bytes per in-flight micro-batch      buffer (one micro-batch, while recomputing)
+    none    saved(stage)                       0
+    stage   input(stage)   (not the last)      saved(stage)
+    layer   its layers' inputs (the head:      largest saved(layer) of the stage's checkpointed
+            its saved activations)             layers
 
 What one tensor rank holds comes from the table (`LayerTable.divisor`). A profile with shard costs
 gives each rank's own figures: a block shard's parameters (split matrices / t, LayerNorms and
@@ -95,6 +112,7 @@ from typing import Sequence
 
 import numpy as np
 
+from pipectl.artifacts.plan import Recompute
 from pipectl.plan.layer_table import LayerTable
 from pipectl.schedule.ir import ActionKind, Schedule, ScheduleKind
 
@@ -315,8 +333,10 @@ class StageMemory:
     """What one partition keeps per rank, independent of d, ZeRO and the schedule's counts.
 
     `parameters[k]`: parameters on rank k's devices (after the tensor-parallel split);
-    `unit_bytes[k]`: bytes one in-flight chunk-micro-batch keeps (full, or input only when
-    recomputing); `recompute_buffer_bytes[k]`: one chunk's full activations while recomputing;
+    `unit_bytes[k]`: bytes one in-flight chunk-micro-batch keeps (full; input only when
+    recomputing the stage; its layers' inputs when checkpointing layers);
+    `recompute_buffer_bytes[k]`: what recomputing holds for one chunk (the stage's full activations,
+    or its largest layer's when checkpointing layers);
     `working_bytes[k]`: the largest working memory of its layers.
     """
 
@@ -332,7 +352,7 @@ class StageMemory:
         stage_layers: Sequence[tuple[int, int]],
         *,
         tensor_parallel: int,
-        recompute: bool,
+        recompute: Recompute | bool,
         pipeline_parallel: int | None = None,
         rows: "RangeMemory | None" = None,
         bounds: np.ndarray | None = None,
@@ -341,8 +361,10 @@ class StageMemory:
 
         `rows` (the same table's `RangeMemory` at this t) reads every stage from it at once unless
         a rank holds two layers of one shared group; `bounds` is `stage_layers` as a (stages, 2)
-        integer array when the caller has one.
+        integer array when the caller has one. `recompute`: a `Recompute` (False and True read as
+        NONE and STAGE).
         """
+        recompute = Recompute(recompute)
         p = pipeline_parallel or len(stage_layers)
         last = len(stage_layers) - 1
         divisor = table.divisor(tensor_parallel)  # t for whole layers, 1 for one tensor rank's figures
@@ -356,9 +378,15 @@ class StageMemory:
             prefix = rows.parameter_prefix
             parameters = (prefix[ends] - prefix[starts]).reshape(chunks, p).sum(axis=0) / divisor
             full = rows.saved_matrix[starts, ends]
-            recomputes = np.arange(last + 1) != last if recompute else np.zeros(last + 1, dtype=bool)
-            unit = np.where(recomputes, rows.input_array[starts], full).reshape(chunks, p).max(axis=0)
-            buffer = np.where(recomputes, full, 0.0).reshape(chunks, p).max(axis=0)
+            if recompute is Recompute.LAYER:
+                unit = rows.layer_input_matrix[starts, ends].reshape(chunks, p).max(axis=0)
+                buffer = rows.largest_saved_matrix[starts, ends].reshape(chunks, p).max(axis=0)
+            else:
+                recomputes = (
+                    np.arange(last + 1) != last if recompute is Recompute.STAGE else np.zeros(last + 1, dtype=bool)
+                )
+                unit = np.where(recomputes, rows.input_array[starts], full).reshape(chunks, p).max(axis=0)
+                buffer = np.where(recomputes, full, 0.0).reshape(chunks, p).max(axis=0)
             working = rows.working_matrix[starts, ends].reshape(chunks, p).max(axis=0)
             return cls(parameters, unit, buffer, working)
         chunks_of: list[list[tuple[int, int, int]]] = [[] for _ in range(p)]
@@ -372,7 +400,12 @@ class StageMemory:
             parameters[rank] = _parameters_on_rank(table, chunks) / divisor
             for stage, start, end in chunks:
                 full = table.saved(start, end) / divisor
-                recomputes = recompute and stage != last
+                if recompute is Recompute.LAYER:
+                    unit[rank] = max(unit[rank], table.layer_inputs(start, end, divisor))
+                    buffer[rank] = max(buffer[rank], table.largest_saved(start, end) / divisor)
+                    working[rank] = max(working[rank], table.working(start, end))
+                    continue
+                recomputes = recompute is Recompute.STAGE and stage != last
                 per_unit = table.input_activation_bytes(start) if recomputes else full
                 unit[rank] = max(unit[rank], per_unit)
                 if recomputes:
@@ -471,11 +504,17 @@ class RangeMemory:
     saved: list[list[float]]  # [start][end]: saved activations on a rank (/ t likewise)
     input_bytes: list[float]  # [start]: the activation a stage starting there receives
     working: list[list[float]]  # [start][end]: the largest working memory of layers [start, end)
+    # [start][end]: what layers [start, end) keep per micro-batch under per-layer checkpointing
+    # (`LayerTable.layer_inputs`: their inputs; the head's saved activations / t)
+    layer_inputs: list[list[float]]
+    largest_saved: list[list[float]]  # [start][end]: the largest saved activations of one checkpointed layer (/ t)
     # The same values as arrays, for looking up every stage of a cut at once.
     parameter_matrix: np.ndarray
     saved_matrix: np.ndarray
     input_array: np.ndarray
     working_matrix: np.ndarray
+    layer_input_matrix: np.ndarray
+    largest_saved_matrix: np.ndarray
     parameter_prefix: np.ndarray  # the table's parameter counts, as float64 prefix sums (not divided)
 
     @classmethod
@@ -496,23 +535,40 @@ class RangeMemory:
         inputs = [table.input_activation_bytes(start) for start in range(layers)] + [0.0]
         working = np.zeros((layers + 1, layers + 1))
         per_layer = np.asarray(table.working_bytes, dtype=float)
+        largest = np.zeros((layers + 1, layers + 1))
+        per_layer_saved = np.asarray(
+            [saved if table.checkpointed(i) else 0.0 for i, saved in enumerate(table.saved_activation_bytes)], dtype=float
+        )
         for start in range(layers):
             working[start, start + 1:] = np.maximum.accumulate(per_layer[start:])
+            largest[start, start + 1:] = np.maximum.accumulate(per_layer_saved[start:])
+        largest /= divisor
+        # What layers [start, end) keep under per-layer checkpointing, added in layer order as
+        # `LayerTable.layer_inputs` adds them (a cumulative sum is the same sequence of float additions).
+        layer_input = np.zeros((layers + 1, layers + 1))
+        per_layer_input = np.asarray([table.checkpoint_kept(i, divisor) for i in range(layers)], dtype=float)
+        for start in range(layers):
+            layer_input[start, start + 1:] = np.cumsum(per_layer_input[start:])
         return cls(
-            rows, saved.tolist(), inputs, working.tolist(),
-            np.array(rows), saved, np.array(inputs), working, parameter_prefix,
+            rows, saved.tolist(), inputs, working.tolist(), layer_input.tolist(), largest.tolist(),
+            np.array(rows), saved, np.array(inputs), working, layer_input, largest, parameter_prefix,
         )
 
     def stage_bytes(
-        self, start: int, end: int, *, state_bytes: float, step_bytes: float, units: int, recompute: bool
+        self, start: int, end: int, *, state_bytes: float, step_bytes: float, units: int,
+        recompute: Recompute | bool,
     ) -> float:
         """Peak bytes of a stage holding layers [start, end) with `units` micro-batches in flight:
         the larger of parameters × step bytes (the optimizer step) and parameters × state bytes +
-        units × (its input, when it recomputes; else its saved activations) + one micro-batch's
-        saved activations while it recomputes + its largest working memory. Pass
-        `recompute=False` for the last stage, which never recomputes."""
+        units × what one keeps + what recomputing holds + its largest working memory (the table in
+        the module docstring). Pass `recompute=False` (NONE) for the last stage of a pipeline that
+        recomputes whole stages: it never does."""
         parameters = self.parameters[start][end]
-        if recompute:
+        if recompute is Recompute.LAYER:
+            training = (
+                parameters * state_bytes + units * self.layer_inputs[start][end] + self.largest_saved[start][end]
+            )
+        elif recompute:
             training = parameters * state_bytes + units * self.input_bytes[start] + self.saved[start][end]
         else:
             training = parameters * state_bytes + units * self.saved[start][end]
@@ -528,8 +584,9 @@ class FurthestFittingEnds:
     A stage's bytes never shrink as its range grows (parameters, saved activations and working
     memory are non-negative; a shared group counts once), so bisection finds it. The search asks
     the same question for many pipelines of one (t, b): the stage memory only depends on the
-    start, the bytes per parameter (training and step), the in-flight units and whether the stage
-    keeps only its input — so the answers are remembered by exactly those values.
+    start, the bytes per parameter (training and step), the in-flight units and what the stage
+    keeps (`keeps_input_only`: False/NONE its saved activations, True/STAGE only its input,
+    `Recompute.LAYER` its layers' inputs) — so the answers are remembered by exactly those values.
 
         >>> from pipectl.plan.synthetic import synthetic_profile
         >>> from pipectl.plan.layer_table import layer_table
@@ -548,10 +605,10 @@ class FurthestFittingEnds:
         # (state bytes, step bytes, keeps input only) -> units -> end per start (-1: not yet
         # asked). Callers on hot paths read these rows directly; nested by kind of key so a
         # look-up hashes an int.
-        self._rows: dict[tuple[float, float, bool], dict[int, list[int]]] = {}
-        self._lengths: dict[tuple[float, float, int, bool], int] = {}  # last fitting stage length per demand
+        self._rows: dict[tuple[float, float, Recompute | bool], dict[int, list[int]]] = {}
+        self._lengths: dict[tuple[float, float, int, Recompute | bool], int] = {}  # last fitting stage length per demand
 
-    def by_units(self, state_bytes: float, step_bytes: float, keeps_input_only: bool) -> dict[int, list[int]]:
+    def by_units(self, state_bytes: float, step_bytes: float, keeps_input_only: Recompute | bool) -> dict[int, list[int]]:
         """The memo rows of one (bytes per parameter, keeps input only), by in-flight units."""
         key = (state_bytes, step_bytes, keeps_input_only)
         rows = self._rows.get(key)
@@ -559,7 +616,7 @@ class FurthestFittingEnds:
             rows = self._rows[key] = {}
         return rows
 
-    def row(self, state_bytes: float, step_bytes: float, units: int, keeps_input_only: bool) -> list[int]:
+    def row(self, state_bytes: float, step_bytes: float, units: int, keeps_input_only: Recompute | bool) -> list[int]:
         """The memo row of one demand: the end for each start, -1 where not yet asked."""
         rows = self.by_units(state_bytes, step_bytes, keeps_input_only)
         row = rows.get(units)
@@ -567,32 +624,44 @@ class FurthestFittingEnds:
             row = rows[units] = [-1] * (self.layers + 1)
         return row
 
-    def end(self, start: int, state_bytes: float, step_bytes: float, units: int, keeps_input_only: bool) -> int:
+    def end(self, start: int, state_bytes: float, step_bytes: float, units: int, keeps_input_only: Recompute | bool) -> int:
         row = self.row(state_bytes, step_bytes, units, keeps_input_only)
         end = row[start]
         if end < 0:
             end = row[start] = self.search(start, state_bytes, step_bytes, units, keeps_input_only)
         return end
 
-    def search(self, start: int, state_bytes: float, step_bytes: float, units: int, keeps_input_only: bool) -> int:
+    def search(self, start: int, state_bytes: float, step_bytes: float, units: int, keeps_input_only: Recompute | bool) -> int:
         """`end` without the memo (callers holding a memo row store the answer themselves)."""
         rows = self.rows
         parameters, saved, working = rows.parameters[start], rows.saved[start], rows.working[start]
         capacity = self.capacity_bytes
-        # One expression for both kinds of stage: `P*s + u*I + S + W` keeping only the input, else
-        # `P*s + 0.0 + u*S + W`; adding 0.0 and multiplying by 1 are exact, so each equals
-        # `RangeMemory.stage_bytes`'s training peak; the optimizer step's `P*step` is the other.
-        if keeps_input_only:
-            held_input, saved_coefficient = units * rows.input_bytes[start], 1
-        else:
-            held_input, saved_coefficient = 0.0, units
+        if keeps_input_only is Recompute.LAYER:
+            # `RangeMemory.stage_bytes`'s per-layer checkpointing: `P*s + u*inputs + largest + W`.
+            layer_inputs, largest = rows.layer_inputs[start], rows.largest_saved[start]
 
-        def fits(end: int) -> bool:
-            held = parameters[end]
-            return (
-                held * state_bytes + held_input + saved_coefficient * saved[end] + working[end] <= capacity
-                and held * step_bytes <= capacity
-            )
+            def fits(end: int) -> bool:
+                held = parameters[end]
+                return (
+                    held * state_bytes + units * layer_inputs[end] + largest[end] + working[end] <= capacity
+                    and held * step_bytes <= capacity
+                )
+
+        else:
+            # One expression for both other kinds of stage: `P*s + u*I + S + W` keeping only the
+            # input, else `P*s + 0.0 + u*S + W`; adding 0.0 and multiplying by 1 are exact, so each
+            # equals `RangeMemory.stage_bytes`'s training peak; the optimizer step's `P*step` is the other.
+            if keeps_input_only:
+                held_input, saved_coefficient = units * rows.input_bytes[start], 1
+            else:
+                held_input, saved_coefficient = 0.0, units
+
+            def fits(end: int) -> bool:
+                held = parameters[end]
+                return (
+                    held * state_bytes + held_input + saved_coefficient * saved[end] + working[end] <= capacity
+                    and held * step_bytes <= capacity
+                )
 
         low, high = start, self.layers  # low fits (or is `start`); every end above `high` fails
         # Bracket first around the length last found for this demand (stages of a model's

@@ -12,6 +12,11 @@ and 3 at p = 1 only (DeepSpeed's pipeline engine refuses them with p > 1, so dee
 never get those points: they are outside the space, not rejected), always flagged (pipectl's
 runtime trains with ZeRO-1).
 
+Recomputation as asked (`PlanRequest.recompute_granularities`): none, whole stages (R actions on
+every stage but the last; never at p = 1, where the one stage is the last) and per-layer
+checkpointing (every stage, p = 1 included; its recomputed forwards are part of the backward's
+cost, its families are families like the others).
+
 `enumerate_specs` visits them. The cut of each (t, b, recompute, p*v) is the balanced partition;
 a point that does not fit in memory tries the cut that fills later stages first and then the
 memory-constrained partition before it is rejected with its reason. Points come in families,
@@ -30,7 +35,7 @@ from typing import Iterable
 
 import numpy as np
 
-from pipectl.artifacts.plan import RUNTIME_ZERO_STAGES, PlanRequest
+from pipectl.artifacts.plan import RUNTIME_ZERO_STAGES, PlanRequest, Recompute
 from pipectl.artifacts.profile import ModelProfile
 from pipectl.plan.candidates import (
     Rejection,
@@ -88,7 +93,7 @@ def search_space(request: PlanRequest, profile: ModelProfile, hardware: Hardware
         global_batch=request.global_batch,
         tensor_parallel=ts,
         micro_batch_sizes=bs,
-        recompute=(False, True) if request.allow_recompute else (False,),
+        recompute=request.recompute_granularities,
         variants=tuple(variants),
         zero_stages=tuple(sorted(set(request.zero_stages))),
         pipeline_parallel=request.pipeline_parallel,
@@ -199,7 +204,7 @@ class FamilyKey:
 
     tensor_parallel: int
     micro_batch_size: int
-    recompute: bool
+    recompute: Recompute
     pipeline_parallel: int
     variant: ScheduleVariant
 
@@ -243,12 +248,13 @@ class _UnitContext:
         out = _UnitResult([], Rejections())
         rejections = out.rejections
         max_devices, capacity = self.max_devices, self.capacity
-        for recompute in space.recompute:
+        for granularity in space.recompute:
             for p in self._depths():
                 if t * p > max_devices:
                     break
-                if recompute and p == 1:
-                    continue  # one stage is the last stage: it never recomputes
+                recompute = Recompute(granularity)
+                if recompute is Recompute.STAGE and p == 1:
+                    continue  # one stage is the last stage: it never recomputes whole
                 if not zero_stages_at(space.zero_stages, p == 1):
                     continue  # only ZeRO-2/3 asked for: one stage only
                 least = self._least_state_bytes(t, p)
@@ -374,7 +380,7 @@ class _UnitContext:
                     rank = int(worst.argmax())
                     rejections.add(
                         Rejection.MEMORY,
-                        f"t={t} p={p} d={d} b={b} {variant.label}{' recompute' if recompute else ''} zero={zero}: "
+                        f"t={t} p={p} d={d} b={b} {variant.label}{_recompute_words(recompute)} zero={zero}: "
                         f"stage {rank} needs {format_gib(self.budget.reserved(worst[rank]))} > "
                         f"{format_gib(self.budget.usable_bytes)}",
                     )
@@ -422,11 +428,16 @@ def zero_stages_at(zero_stages: Iterable[int], one_stage: bool) -> tuple[int, ..
     return tuple(zero for zero in zero_stages if one_stage or zero < 2)
 
 
-def _variants_for(variants: Iterable[ScheduleVariant], p: int, recompute: bool) -> list[ScheduleVariant]:
+def _recompute_words(recompute: Recompute) -> str:
+    """' recompute', ' checkpoint-layers' or '': a rejection example's words (as `Spec.describe`'s)."""
+    return {Recompute.STAGE: " recompute", Recompute.LAYER: " checkpoint-layers"}.get(recompute, "")
+
+
+def _variants_for(variants: Iterable[ScheduleVariant], p: int, recompute: Recompute) -> list[ScheduleVariant]:
     chosen = []
     for variant in variants:
-        if variant.kind is ScheduleKind.VARUNA and not recompute:
-            continue  # Varuna is defined with recomputation
+        if variant.kind is ScheduleKind.VARUNA and recompute is not Recompute.STAGE:
+            continue  # Varuna is defined with whole-stage recomputation
         if p == 1 and (variant.chunks > 1 or variant.kind is ScheduleKind.VARUNA):
             continue
         chosen.append(variant)
@@ -444,9 +455,14 @@ def _state_bytes_of(dtype: str, zeros: tuple[int, ...], d: int, kind: ScheduleKi
 
 
 @lru_cache(maxsize=1024)
-def _keeps_input_only(stages: int, recomputes: bool) -> tuple[bool, ...]:
-    """Per virtual stage: whether it keeps only its input per micro-batch (all but the last, when recomputing)."""
-    return tuple(recomputes and i != stages - 1 for i in range(stages))
+def _keeps_input_only(stages: int, recompute: Recompute) -> tuple[Recompute, ...]:
+    """Per virtual stage: what it keeps per micro-batch, as `FurthestFittingEnds` reads it: only its
+    input (STAGE: all but the last, when recomputing whole stages), its layers' inputs (LAYER:
+    every stage), or its saved activations (NONE)."""
+    if recompute is Recompute.LAYER:
+        return (Recompute.LAYER,) * stages
+    stage = recompute is Recompute.STAGE
+    return tuple(Recompute.STAGE if stage and i != stages - 1 else Recompute.NONE for i in range(stages))
 
 
 @lru_cache(maxsize=1024)
@@ -504,9 +520,10 @@ class _Family:
         self.partitioned: list[tuple[float, tuple[int, ...], float]] = []
         # Memory-constrained cuts by (rounded state bytes, units).
         self.fitted: dict[tuple[float, tuple[int, ...]], Shape | None] = {}
-        # Which virtual stages keep only their input per in-flight micro-batch
-        # (`recomputing_stages`: all but the last, when the schedule recomputes).
-        self.keeps_input_only = _keeps_input_only(self.stages, recompute or variant.kind is ScheduleKind.VARUNA)
+        # What each virtual stage keeps per in-flight micro-batch (`recomputing_stages`: all but
+        # the last keep only their input when the schedule recomputes whole stages).
+        whole = Recompute.STAGE if variant.kind is ScheduleKind.VARUNA else Recompute(recompute)
+        self.keeps_input_only = _keeps_input_only(self.stages, whole)
         self.ends = builder.furthest_fitting_ends(t, b, capacity)
 
     @property
@@ -549,13 +566,13 @@ class _Family:
         layers = ends.layers
         step = self.step_of[per_device]
         # `ends.end`'s memo rows, read here first: this loop runs ~10^6 times.
-        full_rows, input_only_rows = ends.by_units(per_device, step, False), ends.by_units(per_device, step, True)
+        rows_of = {keeps: ends.by_units(per_device, step, keeps) for keeps in set(self.keeps_input_only)}
         start = 0
         room = layers - stages  # the last end that leaves a layer for every later stage, before this one
         # Virtual stage s lives on rank s % p: its units are `units * v`'s s-th.
         for stage_units, keeps in zip(units * self.v, self.keeps_input_only):
             room += 1
-            row = (input_only_rows if keeps else full_rows).get(stage_units)
+            row = rows_of[keeps].get(stage_units)
             if row is None:
                 row = ends.row(per_device, step, stage_units, keeps)
             end = row[start]

@@ -112,6 +112,16 @@ def hardware_extras(u: Utilisation) -> str:
     return f" ({', '.join(extras)})" if extras else ""
 
 
+def _recompute_mark(c: Candidate) -> str:
+    """'+R' (whole-stage recompute), '+ckpt' (per-layer checkpointing) or ''."""
+    return "+R" if c.recompute else "+ckpt" if c.checkpoint_layers else ""
+
+
+def _recompute_words(c: Candidate) -> str:
+    """' recompute', ' checkpoint-layers' or '' for the chosen plan's line."""
+    return " recompute" if c.recompute else " checkpoint-layers" if c.checkpoint_layers else ""
+
+
 def format_step(seconds: float) -> str:
     """4 significant digits, in ms below one second: 0.01234 -> '12.34 ms', 12.3456 -> '12.35 s'."""
     return f"{seconds * 1e3:.4g} ms" if seconds < 1 else f"{seconds:.4g} s"
@@ -124,7 +134,8 @@ def candidates_table(
     title: str = "",
     mfu: Sequence[float | None] = (),
 ) -> Table:
-    """One row per candidate: degrees, b, m, schedule (+R: recompute), ZeRO, predicted figures, cost.
+    """One row per candidate: degrees, b, m, schedule (+R: recompute whole stages, +ckpt: checkpoint
+    every layer), ZeRO, predicted figures, cost.
 
     `mfu`: each candidate's predicted model FLOPs utilisation (`plan.flops`), in order. Columns that
     say nothing for these candidates (ZeRO when all share one stage, TFLOP/s without FLOP counts, MFU
@@ -136,7 +147,7 @@ def candidates_table(
     columns: list[tuple[str, str, object]] = [
         ("t·p·d", "left", lambda c: f"{c.tensor_parallel}·{c.pipeline_parallel}·{c.data_parallel}"),
         ("b×m", "left", _batch_label),
-        ("schedule", "left", lambda c: _schedule_label(c) + ("+R" if c.recompute else "")
+        ("schedule", "left", lambda c: _schedule_label(c) + _recompute_mark(c)
          + ("" if c.deepspeed_runnable else "*") + _steady(c)),
     ]
     if len(zero_stages) > 1:
@@ -156,7 +167,7 @@ def candidates_table(
     ]
     if any(c.cost_per_million_samples > 0 for c in candidates):
         columns.append(("$/1M", "right", lambda c: f"{c.cost_per_million_samples:,.2f}"))
-    caption = "interleaved-v: v chunks per device; +R: recomputes activations"
+    caption = "interleaved-v: v chunks per device; +R: recomputes whole stages; +ckpt: checkpoints every layer"
     if len(zero_stages) > 1:
         caption += "; Z: ZeRO stage"
     if len(zero_stages) == 1:
@@ -248,7 +259,7 @@ def plan_view(plan: Plan, *, top: int = 10, show_morph: bool = True, profile: Mo
     headline = Text.assemble(
         ("chosen: ", "bold"),
         f"t={c.tensor_parallel} p={c.pipeline_parallel} d={c.data_parallel} b={c.micro_batch_size} "
-        f"m={_micro_batch_counts(c)} {_schedule_label(c)}{_steady(c)}{' recompute' if c.recompute else ''} "
+        f"m={_micro_batch_counts(c)} {_schedule_label(c)}{_steady(c)}{_recompute_words(c)} "
         f"zero={c.zero_stage} on {c.devices} x {c.device}: {format_step(c.predicted_step_seconds)} "
         f"{'per update (steady state, no flush)' if _steady(c) else 'per step'} "
         f"of {count(plan.global_batch, 'sample')}",

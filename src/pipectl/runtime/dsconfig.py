@@ -103,8 +103,11 @@ def deepspeed_config(
                 "stages": candidate.pipeline_parallel,
                 "partition": stage_partition(candidate.stage_layers),
                 "seed_layers": False,
-                # Recomputation is the schedule's R actions (the runtime's executor), not DeepSpeed's.
-                "activation_checkpoint_interval": 0,
+                # Whole-stage recomputation is the schedule's R actions (the runtime's executor);
+                # per-layer checkpointing is DeepSpeed's own, every layer, non-reentrant
+                # (`runtime.pipeline.build_pipeline_module` sets the same on the module).
+                "activation_checkpoint_interval": 1 if candidate.checkpoint_layers else 0,
+                **({"use_reentrant": False} if candidate.checkpoint_layers else {}),
             },
         }
     )

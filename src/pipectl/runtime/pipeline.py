@@ -31,11 +31,13 @@ from typing import Any
 import torch
 import torch.distributed as torch_dist
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
 from deepspeed.runtime.pipe.topology import ProcessTopology
 from torch.overrides import TorchFunctionMode
 
 from pipectl.errors import UserInputError
 from pipectl.models.base import LayerDef, ModelLayers
+from pipectl.plan.layer_table import NOT_CHECKPOINTED_KINDS
 
 
 def stage_boundaries(stage_layers: Sequence[Sequence[int]], num_layers: int) -> list[int]:
@@ -162,10 +164,25 @@ class PlannedPipelineModule(PipelineModule):
     `boundaries` is DeepSpeed's `parts` list: stage s holds layers [boundaries[s], boundaries[s+1]).
     """
 
-    def __init__(self, layers: Sequence[LayerSpec], boundaries: Sequence[int], **kwargs: Any) -> None:
+    def __init__(
+        self, layers: Sequence[LayerSpec], boundaries: Sequence[int], *, not_checkpointed: frozenset[int] = frozenset(),
+        **kwargs: Any,
+    ) -> None:
         # Set before PipelineModule.__init__, which calls _partition_layers() from inside itself.
         object.__setattr__(self, "planned_boundaries", [int(b) for b in boundaries])
+        object.__setattr__(self, "not_checkpointed", not_checkpointed)  # model layer indices
         super().__init__(layers=layers, **kwargs)
+
+    def _precompute_checkpointable_values(self) -> None:
+        """DeepSpeed's choice of checkpointed layers (every layer with parameters, at interval 1),
+        less the layers the planner prices as kept whole (`not_checkpointed`: the LM head,
+        `plan.layer_table.NOT_CHECKPOINTED_KINDS`)."""
+        super()._precompute_checkpointable_values()
+        if self.activation_checkpoint_interval == 1 and self.not_checkpointed:
+            self.is_checkpointable_results = [
+                checkpointable and self._local_start + index not in self.not_checkpointed
+                for index, checkpointable in enumerate(self.is_checkpointable_results)
+            ]
 
     def _partition_layers(self, method: str = "uniform") -> None:
         stages = self.num_stages
@@ -218,6 +235,7 @@ def build_pipeline_module(
     seed: int = 0,
     chunks: int = 1,
     initialise: bool = True,
+    checkpoint_layers: bool = False,
 ) -> PlannedPipelineModule:
     """The model as a DeepSpeed `PipelineModule`, cut at the plan's half-open `stage_layers`.
 
@@ -227,6 +245,14 @@ def build_pipeline_module(
     (`SkipRandomInit`).
     `chunks` > 1 (interleaved schedules: several model chunks per rank) cannot run in DeepSpeed's
     pipeline engine, which holds one contiguous range of layers per rank; it is refused here.
+    `checkpoint_layers`: per-layer activation checkpointing, DeepSpeed's own
+    (`activation_checkpoint_interval=1`: every layer with parameters runs under a checkpoint and
+    keeps only its input; its forward runs again just before its backward), except the LM head, as
+    the planner prices it (`plan.layer_table.NOT_CHECKPOINTED_KINDS`). Non-reentrant
+    (`deepspeed.checkpointing.non_reentrant_checkpoint`, torch's saved-tensor hooks): the reentrant
+    one detaches a first layer whose input (token ids) needs no gradient, so the embedding would
+    get none. Set on the module, not only in the config, so that the ordinary engine of a
+    one-stage ZeRO-2 plan (`plain.py`) runs it too.
 
     Example: gpt-tiny (9 layers) on two stages, the first holding the embedding and 3 blocks:
 
@@ -253,10 +279,27 @@ def build_pipeline_module(
         if world % stages:
             raise UserInputError(f"{stages} pipeline stages do not divide the world size {world}")
         topology = planned_topology(stages, world // stages)
-    return PlannedPipelineModule(
+    checkpointing = (
+        {
+            "activation_checkpoint_interval": 1,
+            "activation_checkpoint_func": ds_checkpointing.non_reentrant_checkpoint,
+            "not_checkpointed": frozenset(
+                index for index, layer in enumerate(model.layers) if layer.kind in NOT_CHECKPOINTED_KINDS
+            ),
+        }
+        if checkpoint_layers
+        else {}
+    )
+    module = PlannedPipelineModule(
         layer_specs(model, seed, initialise),
         boundaries,
         topology=topology,
         loss_fn=model.loss_fn,
         partition_method="uniform",  # ignored: _partition_layers installs the planned cut
+        **checkpointing,
     )
+    if checkpoint_layers:
+        # Which layers run under a checkpoint: DeepSpeed's pipeline engine works this out when it
+        # is built, its ordinary engine never does (and the module's forward would then run no layer).
+        module._precompute_checkpointable_values()
+    return module

@@ -185,7 +185,8 @@ def build_engine(job: TrainingJob, initialise: bool = True):
         pipeline = {"pipe_partitioned": False, "grad_partitioned": False, **ds_config.get("pipeline", {})}
         ds_config = {**ds_config, "pipeline": pipeline}
     module = build_pipeline_module(
-        model, layout.stage_layers, topology=topology, seed=job.seed, chunks=layout.chunks, initialise=initialise
+        model, layout.stage_layers, topology=topology, seed=job.seed, chunks=layout.chunks, initialise=initialise,
+        checkpoint_layers=layout.checkpoint_layers,
     )
     # One stage with ZeRO-2: DeepSpeed's ordinary engine (its pipeline engine refuses ZeRO-2).
     plain = layout.pipeline_parallel == 1 and ds_config.get("zero_optimization", {}).get("stage", 0) >= 2
