@@ -35,7 +35,7 @@ from pipectl.plan.costs import (
     ranks_share_node,
     replicas_share_node,
 )
-from pipectl.plan.fast.bounds import chain_bound_seconds, two_bw_bound_seconds
+from pipectl.plan.fast.bounds import chain_bound_seconds, two_bw_bound_seconds, zero_bubble_bound_seconds
 from pipectl.plan.layer_table import LayerTable, layer_table
 from pipectl.plan.memory import (
     FurthestFittingEnds,
@@ -432,6 +432,8 @@ def lower_bound_seconds(
     if kind is ScheduleKind.PIPEDREAM_2BW:
         return float(two_bw_bound_seconds(work, micro_batches, allreduce, optimizer))
     forward_chain, backward_chain = chains(shape)
+    if kind.splits_backward:
+        return float(zero_bubble_bound_seconds(forward_chain, work, micro_batches, allreduce, optimizer))
     return float(chain_bound_seconds(forward_chain, backward_chain, work, micro_batches, allreduce, optimizer))
 
 
@@ -684,6 +686,8 @@ def _specs_of_one_depth(
             allreduce[i], optimizer[i] = data_parallel_costs(shapes[i], hardware, d, zero, dtype, m)
     if kind is ScheduleKind.PIPEDREAM_2BW:  # priced per update in steady state
         bounds = two_bw_bound_seconds(work, micro_batches, allreduce, optimizer).tolist()
+    elif kind.splits_backward:  # a rank's last W's have no B-chain after them
+        bounds = zero_bubble_bound_seconds(forward_chain, work, micro_batches, allreduce, optimizer).tolist()
     else:
         bounds = chain_bound_seconds(forward_chain, backward_chain, work, micro_batches, allreduce, optimizer).tolist()
     figures = SpecFigures(peak.astype(np.int64), allreduce, optimizer)  # int64: truncation, as int() does

@@ -427,6 +427,8 @@ def _variants_for(variants: Iterable[ScheduleVariant], p: int, recompute: bool) 
     for variant in variants:
         if variant.kind is ScheduleKind.VARUNA and not recompute:
             continue  # Varuna is defined with recomputation
+        if variant.kind.splits_backward and recompute:
+            continue  # zb-h1 is defined without (its W holds the activations until the drain)
         if p == 1 and (variant.chunks > 1 or variant.kind is ScheduleKind.VARUNA):
             continue
         chosen.append(variant)

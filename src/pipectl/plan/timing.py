@@ -150,14 +150,16 @@ def summary_of(
 
 def actions_per_step(kind: ScheduleKind, pipeline_parallel: int, micro_batches: int, chunks: int,
                      recompute: bool) -> int:
-    """Timed actions of one step (F, B, R, AR, STEP), without building the schedule.
+    """Timed actions of one step (F, B, R, I, W, AR, STEP), without building the schedule.
 
     >>> schedule = generate(ScheduleKind.ONE_F_ONE_B, 2, 3, 1, True)
     >>> actions_per_step(ScheduleKind.ONE_F_ONE_B, 2, 3, 1, True), sum(map(len, schedule.actions.values()))
     (19, 19)
     """
     stages = pipeline_parallel * chunks
-    recomputing = stages - 1 if recompute or kind is ScheduleKind.VARUNA else 0
+    recomputing = stages - 1 if (recompute or kind is ScheduleKind.VARUNA) and not kind.splits_backward else 0
+    if kind.splits_backward:  # I and W in B's place
+        return micro_batches * 3 * stages + 2 * pipeline_parallel
     return micro_batches * (2 * stages + recomputing) + 2 * pipeline_parallel
 
 
