@@ -225,3 +225,17 @@ def test_an_overlay_is_merged_section_by_section_and_validated_by_deepspeed(tmp_
 def test_an_overlay_cannot_set_what_the_plan_owns(overlay, key):
     with pytest.raises(DeepSpeedConfigRejected, match=f"sets {key}, which the plan owns"):
         validated_config(make_plan(make_candidate()), overlay=overlay)
+
+
+def test_a_zb_h1_plan_is_refused_naming_the_split_backward():
+    """Even written by hand (deepspeed_runnable left at its default): DeepSpeed has one backward."""
+    with pytest.raises(DeepSpeedConfigRejected, match="schedule zb-h1 splits each backward"):
+        validated_config(make_plan(make_candidate(schedule=ScheduleKind.ZB_H1)))
+
+
+def test_a_plan_for_engine_torch_is_refused_as_not_a_launch_engine():
+    from pipectl.artifacts.plan import Engine
+
+    candidate = make_candidate(schedule=ScheduleKind.ONE_F_ONE_B, engine=Engine.TORCH)
+    with pytest.raises(DeepSpeedConfigRejected, match="examples/torch_pipeline.py and is not yet a launch engine"):
+        validated_config(make_plan(candidate))

@@ -20,7 +20,7 @@ from typing import Sequence
 
 import numpy as np
 
-from pipectl.artifacts.plan import runtime_runs_zero
+from pipectl.artifacts.plan import Engine, runtime_runs_zero
 from pipectl.artifacts.profile import ModelProfile
 from pipectl.catalog import DTYPE_BYTES
 from pipectl.plan.costs import (
@@ -50,7 +50,7 @@ from pipectl.plan.memory import (
     weight_versions,
 )
 from pipectl.plan.partition import candidate_values, greedy_cuts, min_bottlenecks, prefix_sums
-from pipectl.schedule import ScheduleKind, deepspeed_runnable
+from pipectl.schedule import ScheduleKind, deepspeed_runnable, torch_runnable
 
 
 class Rejection(str, Enum):
@@ -164,6 +164,34 @@ class Spec:
         return deepspeed_runnable(self.variant.kind, self.variant.chunks) and runtime_runs_zero(
             self.zero_stage, self.shape.pipeline_parallel, self.shape.tensor_parallel
         )
+
+    @property
+    def torch_runnable(self) -> bool:
+        """Whether PyTorch's pipelining runtime (`pipectl.runtime.torch_pipeline`) runs it: its
+        schedule without recomputation, one tensor rank, one replica (that path has no data or
+        tensor parallelism yet)."""
+        s = self.shape
+        return (
+            torch_runnable(self.variant.kind, self.recompute)
+            and s.tensor_parallel == 1
+            and self.data_parallel == 1
+            and self.zero_stage <= 1
+        )
+
+    def engine_for(self, requested: Engine) -> Engine | None:
+        """What runs this spec under a request for `requested`: that engine when it can (any:
+        DeepSpeed first, then torch), else None."""
+        if requested is Engine.DEEPSPEED:
+            return Engine.DEEPSPEED if self.deepspeed_runnable else None
+        if requested is Engine.TORCH:
+            return Engine.TORCH if self.torch_runnable else None
+        if self.deepspeed_runnable:
+            return Engine.DEEPSPEED
+        return Engine.TORCH if self.torch_runnable else None
+
+    def runs_on(self, requested: Engine) -> bool:
+        """Whether the plan may choose it under a request for `requested` (any: always)."""
+        return requested is Engine.ANY or self.engine_for(requested) is not None
 
     @property
     def key(self) -> tuple:

@@ -30,7 +30,7 @@ from typing import Iterable
 
 import numpy as np
 
-from pipectl.artifacts.plan import RUNTIME_ZERO_STAGES, PlanRequest
+from pipectl.artifacts.plan import RUNTIME_ZERO_STAGES, Engine, PlanRequest
 from pipectl.artifacts.profile import ModelProfile
 from pipectl.plan.candidates import (
     Rejection,
@@ -55,6 +55,8 @@ from pipectl.schedule import ScheduleKind
 from pipectl.words import count
 
 DEFAULT_SCHEDULES = (ScheduleKind.ONE_F_ONE_B, ScheduleKind.GPIPE, ScheduleKind.INTERLEAVED, ScheduleKind.VARUNA)
+# Searched by default too when the plan is not for DeepSpeed (engine torch or any): zero bubble.
+DEEPSPEED_FREE_SCHEDULES = (ScheduleKind.ZB_H1,)
 
 
 def tensor_parallel_possible(profile: ModelProfile, t: int) -> bool:
@@ -77,7 +79,8 @@ def search_space(request: PlanRequest, profile: ModelProfile, hardware: Hardware
             if t <= limit and (t == 1 or tensor_parallel_possible(profile, t))
         )
     bs = (request.micro_batch_size,) if request.micro_batch_size else tuple(profile.micro_batch_sizes)
-    kinds = [request.schedule] if request.schedule else list(request.schedules or DEFAULT_SCHEDULES)
+    defaults = DEFAULT_SCHEDULES if request.target_engine is Engine.DEEPSPEED else DEFAULT_SCHEDULES + DEEPSPEED_FREE_SCHEDULES
+    kinds = [request.schedule] if request.schedule else list(request.schedules or defaults)
     variants: list[ScheduleVariant] = []
     for kind in kinds:
         if kind is ScheduleKind.INTERLEAVED:
