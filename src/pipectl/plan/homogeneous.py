@@ -301,7 +301,7 @@ def plan_homogeneous(
             raise InfeasibleError(
                 "no candidate PyTorch's pipelining runtime can run fits (it runs 1f1b, gpipe, interleaved and "
                 f"zb-h1 without recomputation, tensor or data parallelism; best: {chosen_entry[1].describe()})",
-                hint="plan with --engine deepspeed or --engine any, or for fewer --devices",
+                hint="plan with --engine deepspeed (or --engine any to see what fits)",
             )
         best, scope = goal.best_words(chosen_entry[0])
         runnable, runnable_scope = goal.best_words(ranking.best_runnable[0])
