@@ -122,3 +122,17 @@ def test_old_candidates_load_with_the_engine_their_flag_implies(torch_plan):
     assert Candidate.model_validate(fields).engine is None
     with pytest.raises(ValidationError, match="'any' is for requests"):
         Candidate.model_validate({**fields, "engine": "any"})
+
+
+def test_a_zb_h1_steps_phases_count_i_and_w_as_its_backward(profile, cluster):
+    from pipectl.plan.phases import simulated_phases
+
+    pinned = dict(pipeline_parallel=4, data_parallel=1, micro_batch_size=1, allow_recompute=False)
+    zb = plan(profile, cluster, _request(engine=Engine.TORCH, schedule=ZB, **pinned)).chosen
+    one_f_one_b = plan(profile, cluster, _request(engine=Engine.TORCH, schedule=ONE_F_ONE_B, **pinned)).chosen
+    phases, step = simulated_phases(zb, profile, cluster)
+    reference, _ = simulated_phases(one_f_one_b, profile, cluster)
+    for (forward, backward, waits, end), (_, backward_1f1b, waits_1f1b, _) in zip(phases, reference):
+        assert backward == pytest.approx(backward_1f1b)  # the same work, split in two
+        assert waits <= waits_1f1b + 1e-12
+        assert forward + backward + waits + end == pytest.approx(step)
