@@ -113,7 +113,7 @@ class PlanRequest(Strict):
         default=Engine.DEEPSPEED,
         description="What will run the plan: deepspeed (pipectl launch), torch (PyTorch's pipelining runtime: "
         "1f1b, gpipe, interleaved, zb-h1; no recompute, t = 1, d = 1), or any (choose the best, runnable or not). "
-        "torch and any add zb-h1 to the default schedules.",
+        "torch adds zb-h1 to the default schedules (any prices it when listed).",
     )
     top: int = Field(default=10, gt=0, description="Candidates kept in the ranking (without include_all).")
     morph: bool = Field(default=True, description="Compute the morph table.")

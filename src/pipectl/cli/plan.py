@@ -135,7 +135,7 @@ def plan_command(
             help="What will run the plan: deepspeed (default; pipectl launch), torch (PyTorch's pipelining runtime: "
             "1f1b, gpipe, interleaved, zb-h1 without recompute, t = 1, d = 1; run through "
             "examples/torch_pipeline.py, not a launch engine yet), or any (choose the best, runnable or not). "
-            "torch and any also search zb-h1.",
+            "torch also searches zb-h1 (any: when listed in --schedules).",
         ),
     ] = None,
     any_engine: Annotated[bool, typer.Option("--any-engine", help="Same as --engine any: also choose schedules DeepSpeed cannot run and ZeRO stages pipectl's runtime does not train with.")] = False,
