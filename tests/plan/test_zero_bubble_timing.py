@@ -6,7 +6,7 @@ Hand-computed instance (f = 1, b = 2 split as I = W = 1, no communication), p = 
     rank 0: F0 0-1  F1 1-2  I0 3-4  W0 4-5  F2 5-6  I1 6-7  W1 7-8  F3 8-9  I2 9-10 W2 10-11 I3 11-12 W3 12-13
     rank 1: F0 1-2  I0 2-3  F1 3-4  I1 4-5  W0 5-6  F2 6-7  I2 7-8  W1 8-9  F3 9-10 I3 10-11 W2 11-12 W3 12-13
 
-13 against 1F1B's (m + p − 1)(f + b) = 15. In general (m ≥ p) the step is
+13 against 1F1B's (m + p − 1)(f + b) = 15. In general (m ≥ p, W ≤ f and W ≤ I) the step is
 m (f + b) + (p − 1)(f + I − W): the zero-bubble paper's ZB-H1 bubble (p − 1)(T_F + T_B − T_W)
 (Qi et al., ICLR 2024, Table 1; their T_B is our I) against 1F1B's (p − 1)(T_F + T_B + T_W).
 """
@@ -125,3 +125,19 @@ def test_the_pruning_bound_never_exceeds_the_simulated_step(p, m, rng):
     step = simulate_step_seconds(generate(ZB, p, m), costs)
     assert bound <= step
     assert math.isfinite(bound) and bound > 0
+
+
+@pytest.mark.parametrize("p, m", [(2, 6), (3, 8), (4, 8), (6, 12)])
+@pytest.mark.parametrize("f, b, fraction", [(1.0, 2.0, 0.5), (2.0, 2.0, 0.5), (1.0, 2.0, 0.7), (2.0, 4.0, 0.7),
+                                            (0.5, 1.0, 0.5), (1.0, 3.0, 0.5), (1.0, 2.0, 0.3), (0.5, 2.0, 0.7)])
+def test_the_formula_holds_while_w_fits_its_gap_and_zb_h1_always_beats_1f1b(p, m, f, b, fraction):
+    costs = replace(uniform_costs(p, 1, f, b), backward_input_fraction=fraction)
+    input_seconds = b * fraction
+    weight_seconds = b - input_seconds
+    zb = simulate_step_seconds(generate(ZB, p, m), costs)
+    formula = m * (f + b) + (p - 1) * (f + input_seconds - weight_seconds)
+    if weight_seconds <= min(f, input_seconds) + 1e-12:
+        assert zb == pytest.approx(formula, rel=1e-12)
+    else:  # a W longer than the gap it fills delays what follows it
+        assert zb > formula
+    assert zb < simulate_step_seconds(generate(ONE_F_ONE_B, p, m), costs)

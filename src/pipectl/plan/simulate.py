@@ -32,7 +32,7 @@ al. 2021 §2.2):
 
     GPipe, 1F1B:   step = (m + p − 1)(t_f + t_b)
     interleaved:   step = (m + (p − 1)/v)(t_f + t_b)
-    zb-h1:         step = m (t_f + t_b) + (p − 1)(t_f + t_I − t_W)      (m ≥ p, t_W ≤ t_f + t_I)
+    zb-h1:         step = m (t_f + t_b) + (p − 1)(t_f + t_I − t_W)      (m ≥ p, t_W ≤ min(t_f, t_I))
 
 The split backward. Profiles measure a layer's backward whole (t_b); a zero-bubble schedule runs
 it as I (the input's gradient, what the previous stage waits for) and W (the weights' gradient).
@@ -42,6 +42,9 @@ blocks (Qi et al., ICLR 2024, §2: T_F ≈ T_B ≈ T_W, each a pair of matrix pr
 profile that ever carries the split should set the fraction from it. The zb-h1 line above is the
 paper's Table 1 (ZB-H1's bubble (p − 1)(T_F + T_B − T_W) against 1F1B's (p − 1)(T_F + T_B + T_W),
 its T_B being our t_I): with t_f = 1, t_I = t_W = 1 a step of p = 4, m = 8 takes 27 against 1F1B's 33.
+It holds while each W fits the gap it fills (t_W ≤ t_f and t_W ≤ t_I); a longer W delays what
+follows it and the step is longer than the formula (still shorter than 1F1B's on equal stages:
+tests/plan/test_zero_bubble_timing.py).
 
 Bubble conventions. `Timeline.bubble_fraction[r]` is idle / step (idle = step − the rank's busy
 time, all-reduce and optimizer step counted as busy), in [0, 1]. SPEC's (p − 1)/m and

@@ -313,7 +313,7 @@ def zb_h1(pipeline_parallel: int, micro_batches: int) -> Schedule:
     Its kind is `ScheduleKind.ZB_H1` (`generate` dispatches it). Only the torch pipelining path
     runs it; DeepSpeed's engine cannot. The simulator times I and W (`pipectl.plan.simulate`:
     I = `backward_input_fraction` x B, W the rest); with t_f = 1, t_I = t_W = 1 and free
-    communication the step is m (t_f + t_b) + (p − 1)(t_f + t_I − t_W), against 1F1B's
+    communication the step is m (t_f + t_b) + (p − 1)(t_f + t_I − t_W) (m ≥ p; while t_W ≤ t_f, t_I), against 1F1B's
     (m + p − 1)(t_f + t_b) (the zero-bubble paper's Table 1 bubbles, t_b = t_I + t_W).
 
     >>> print(zb_h1(2, 3).to_text(), end="")
