@@ -138,3 +138,10 @@ def test_a_zb_h1_steps_phases_count_i_and_w_as_its_backward(profile, cluster):
         assert backward == pytest.approx(backward_1f1b)  # the same work, split in two
         assert waits <= waits_1f1b + 1e-12
         assert forward + backward + waits + end == pytest.approx(step)
+
+
+def test_engine_torch_on_two_device_kinds_keeps_to_one_kind_and_says_why(profile):
+    mixed = plan(profile, load_cluster("mixed-v100-p100"),
+                 PlanRequest(global_batch=64, morph=False, workers=1, engine=Engine.TORCH))
+    assert mixed.chosen.engine is Engine.TORCH and mixed.chosen.replicas is None and mixed.chosen.device != "mixed"
+    assert any("PyTorch's pipelining runtime does not have" in note for note in mixed.notes)

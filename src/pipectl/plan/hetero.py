@@ -119,6 +119,9 @@ def plan_heterogeneous(
                 f"(${split.cost_per_million_samples:.2f} per 1M samples)"
                 + ("" if split.deepspeed_runnable else f", a schedule DeepSpeed's engine cannot run ({split.schedule.value})")
             )
+        elif request.target_engine is Engine.TORCH:
+            notes.append("no uneven split over the device kinds: its replicas are data parallelism, which "
+                         "PyTorch's pipelining runtime does not have")
         else:
             notes.append("no uneven split over the device kinds fits the global batch and memory")
     return best_plan.model_copy(
