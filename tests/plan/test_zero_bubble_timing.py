@@ -80,7 +80,7 @@ def test_rendezvous_times_i_and_w_too():
     assert simulate(generate(ZB, 4, 8), costs).step_seconds == 27.0  # free transfers: as asynchronous
 
 
-def test_timing_takes_the_simulation_and_counts_the_actions():
+def test_timing_gives_the_simulated_step_and_counts_the_actions():
     costs = uniform_costs(4, 1, 1.0, 2.0)
     assert step_seconds_of(ZB, 4, 8, 1, False, costs) == 27.0
     assert summary_of(ZB, 4, 8, 1, False, costs).step_seconds == 27.0

@@ -289,7 +289,7 @@ def _summary_comes_free(kind: ScheduleKind, costs: StageCosts) -> bool:
     """
     if costs.jitter_seconds > 0 or costs.blocking_p2p:  # jitter, rendezvous: the full timeline
         return False
-    return kind is ScheduleKind.VARUNA or (kind is not ScheduleKind.GPIPE and waves.supported(kind, 0.0))
+    return kind in (ScheduleKind.VARUNA, ScheduleKind.ZB_H1) or (kind is not ScheduleKind.GPIPE and waves.supported(kind, 0.0))
 
 
 @dataclass(frozen=True)
