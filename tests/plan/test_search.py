@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipectl.artifacts.plan import Objective
+from pipectl.artifacts.plan import Engine, Objective
 from pipectl.cluster import load_cluster, local_cluster
 from pipectl.errors import InfeasibleError, UserInputError
 from pipectl.plan.candidates import lower_bound_seconds, recomputing_stages
@@ -41,10 +41,10 @@ def test_pruning_never_drops_the_exhaustive_optimum(objective, batch, reference)
     hardware, enumeration = _search_parts(profile, cluster, request)
     goal = goal_for(request, profile, hardware)
     evaluator = Evaluator(hardware, batch, reference=reference)
-    exhaustive = rank(enumeration.specs, goal, evaluator, keep=3, exhaustive=True, need_runnable=False)
+    exhaustive = rank(enumeration.specs, goal, evaluator, keep=3, exhaustive=True, engine=Engine.ANY)
     pruned = rank(
         enumeration.specs, goal, Evaluator(hardware, batch, reference=reference), keep=3, exhaustive=False,
-        need_runnable=False,
+        engine=Engine.ANY,
     )
     assert pruned.top[0][0] == exhaustive.top[0][0]
     assert [k for k, _, _ in pruned.top] == [k for k, _, _ in exhaustive.top[:3]]

@@ -85,6 +85,9 @@ def reference_ends(schedule, costs):
         ActionKind.RECOMPUTE: lambda a, r: costs.recompute_seconds[a.stage],
         ActionKind.ALL_REDUCE: lambda a, r: costs.allreduce_seconds[r],
         ActionKind.OPTIMIZER_STEP: lambda a, r: costs.optimizer_seconds[r],
+        # the split backward: I its fraction of B, W the rest
+        ActionKind.BACKWARD_INPUT: lambda a, r: costs.backward_seconds[a.stage] * costs.backward_input_fraction,
+        ActionKind.BACKWARD_WEIGHT: lambda a, r: costs.backward_seconds[a.stage] * (1 - costs.backward_input_fraction),
     }
     end = {}
     for _ in range(10_000):
@@ -95,8 +98,8 @@ def reference_ends(schedule, costs):
                 ready = 0.0
                 if a.kind is ActionKind.FORWARD and a.stage > 0:
                     ready = end.get(("F", a.stage - 1, a.microbatch), math.inf) + costs.send_forward_seconds[a.stage - 1]
-                if a.kind is ActionKind.BACKWARD and a.stage < s_last:
-                    ready = end.get(("B", a.stage + 1, a.microbatch), math.inf) + costs.send_backward_seconds[a.stage]
+                if a.kind.computes_input_gradient and a.stage < s_last:
+                    ready = end.get((a.kind.value, a.stage + 1, a.microbatch), math.inf) + costs.send_backward_seconds[a.stage]
                 finish = max(free, ready) + duration[a.kind](a, r)
                 key = (a.kind.value, a.stage, a.microbatch if a.microbatch is not None else r)
                 if finish != math.inf and end.get(key) != finish:
@@ -156,7 +159,7 @@ def test_timeline_respects_dependencies_and_lower_bounds(kind, p, groups, v, rec
         a = record.action
         if a.kind is ActionKind.FORWARD and a.stage > 0:
             assert record.start >= ends[(a.kind, a.stage - 1, a.microbatch)].end + costs.send_forward_seconds[a.stage - 1] - 1e-12
-        if a.kind is ActionKind.BACKWARD and a.stage < last:
+        if a.kind.computes_input_gradient and a.stage < last:
             assert record.start >= ends[(a.kind, a.stage + 1, a.microbatch)].end + costs.send_backward_seconds[a.stage] - 1e-12
     busy = [0.0] * p
     for rank in range(p):
@@ -168,7 +171,9 @@ def test_timeline_respects_dependencies_and_lower_bounds(kind, p, groups, v, rec
     # critical-path bounds: no rank can do its work faster than back to back, and one
     # micro-batch must travel through every stage and back
     assert timeline.step_seconds >= max(busy) - 1e-9
-    round_trip = sum(costs.forward_seconds) + sum(costs.backward_seconds)
+    # (a split backward's chain runs through I only: W waits for nothing downstream)
+    backward_share = costs.backward_input_fraction if kind.splits_backward else 1.0
+    round_trip = sum(costs.forward_seconds) + sum(costs.backward_seconds) * backward_share
     round_trip += sum(costs.send_forward_seconds) + sum(costs.send_backward_seconds)
     assert timeline.step_seconds >= round_trip - 1e-9
     for rank in range(p):

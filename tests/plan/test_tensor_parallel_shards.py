@@ -75,6 +75,10 @@ def test_a_profile_without_shards_gives_the_plan_it_gave_before_shards_existed()
         if entry["candidate"] is not None:
             assert entry["candidate"].pop("checkpoint_layers") is False
     assert made_fields.pop("kind_profiles") == []  # profiles per device kind came later as well
+    assert made_fields["request"].pop("engine") == "deepspeed"  # and the engine (for_deepspeed said it)
+    for candidate in [made_fields["chosen"], *made_fields["candidates"],
+                      *(entry["candidate"] for entry in made_fields["morph_table"] if entry["candidate"])]:
+        assert candidate.pop("engine") == ("deepspeed" if candidate["deepspeed_runnable"] else None)
     assert made_fields == before
     assert {c.tensor_parallel for c in made.candidates} > {1}
 

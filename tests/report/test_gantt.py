@@ -32,6 +32,8 @@ def test_terminal_cells_carry_the_kind_colours():
     costs = uniform_costs(3, 1, 1.0, 2.0, allreduce=0.5, optimizer=0.5)
     text = terminal_gantt(simulate(generate(ScheduleKind.GPIPE, 3, 4, recompute=True), costs), width=60)
     styles = {str(span.style) for span in text.spans}
+    zero_bubble = terminal_gantt(simulate(generate(ScheduleKind.ZB_H1, 3, 4), costs), width=60)
+    styles |= {str(span.style) for span in zero_bubble.spans}  # the split backward's I and W
     for kind, colour in KIND_COLOURS.items():
         assert f"white on {colour}" in styles, kind
 

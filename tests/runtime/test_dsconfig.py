@@ -236,3 +236,17 @@ def test_per_layer_checkpointing_is_recorded_and_deepspeed_accepts_it(p, zero_st
     assert pipeline["activation_checkpoint_interval"] == 1 and pipeline["use_reentrant"] is False
     plain = validated_config(make_plan(candidate.model_copy(update={"checkpoint_layers": False})))["pipeline"]
     assert plain["activation_checkpoint_interval"] == 0 and "use_reentrant" not in plain
+
+
+def test_a_zb_h1_plan_is_refused_naming_the_split_backward():
+    """Even written by hand (deepspeed_runnable left at its default): DeepSpeed has one backward."""
+    with pytest.raises(DeepSpeedConfigRejected, match="schedule zb-h1 splits each backward"):
+        validated_config(make_plan(make_candidate(schedule=ScheduleKind.ZB_H1)))
+
+
+def test_a_plan_for_engine_torch_is_refused_as_not_a_launch_engine():
+    from pipectl.artifacts.plan import Engine
+
+    candidate = make_candidate(schedule=ScheduleKind.ONE_F_ONE_B, engine=Engine.TORCH)
+    with pytest.raises(DeepSpeedConfigRejected, match="examples/torch_pipeline.py and is not yet a launch engine"):
+        validated_config(make_plan(candidate))

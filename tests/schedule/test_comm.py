@@ -75,7 +75,8 @@ def test_sends_come_right_after_their_compute_and_receives_right_before_theirs(k
                 j = k - 1
                 while acts[j].kind in P2P:
                     j -= 1
-                compute = ActionKind.FORWARD if a.kind is ActionKind.SEND_FORWARD else ActionKind.BACKWARD
+                backward = ActionKind.BACKWARD_INPUT if kind.splits_backward else ActionKind.BACKWARD
+                compute = ActionKind.FORWARD if a.kind is ActionKind.SEND_FORWARD else backward
                 assert (acts[j].kind, acts[j].stage, acts[j].microbatch) == (compute, a.stage, a.microbatch)
 
 

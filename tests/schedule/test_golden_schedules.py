@@ -17,6 +17,8 @@ CASES = {
     "varuna_p4_m6": lambda: generate(ScheduleKind.VARUNA, 4, 6),
     "1f1b_p4_m6_comm": lambda: add_communication(generate(ScheduleKind.ONE_F_ONE_B, 4, 6)),
     "varuna_p3_m4_comm": lambda: add_communication(generate(ScheduleKind.VARUNA, 3, 4)),
+    "zb-h1_p4_m6": lambda: generate(ScheduleKind.ZB_H1, 4, 6),
+    "zb-h1_p4_m6_comm": lambda: add_communication(generate(ScheduleKind.ZB_H1, 4, 6)),
 }
 
 

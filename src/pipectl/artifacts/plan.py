@@ -49,6 +49,21 @@ def runtime_runs_zero(zero_stage: int, pipeline_parallel: int, tensor_parallel: 
 MAX_GLOBAL_BATCH = 2**31
 
 
+class Engine(str, Enum):
+    """What runs a plan's pipeline.
+
+    deepspeed: DeepSpeed's pipeline engine, what `pipectl launch` starts (one contiguous stage per
+    rank, one backward per micro-batch, ZeRO-1). torch: PyTorch's pipelining runtime
+    (`pipectl.runtime.torch_pipeline`): GPipe, 1F1B, interleaved (v > 1) and zb-h1, without
+    recomputation, tensor or data parallelism; run through examples/torch_pipeline.py, not yet a
+    launch engine. any (a request only): choose whatever is best, runnable or not.
+    """
+
+    DEEPSPEED = "deepspeed"
+    TORCH = "torch"
+    ANY = "any"
+
+
 class Objective(str, Enum):
     TIME = "time"
     COST = "cost"
@@ -152,7 +167,17 @@ class PlanRequest(Strict):
         description="Fraction of each device's memory the plan keeps free, on top of the memory model's own terms.",
     )
     include_all: bool = Field(default=False, description="Simulate and keep every feasible candidate.")
-    for_deepspeed: bool = Field(default=True, description="Choose only schedules DeepSpeed's engine can run.")
+    for_deepspeed: bool = Field(
+        default=True,
+        description="Choose only schedules DeepSpeed's engine can run (engine deepspeed); off for engine torch "
+        "or any. Plans written before `engine` existed record only this.",
+    )
+    engine: Engine = Field(
+        default=Engine.DEEPSPEED,
+        description="What will run the plan: deepspeed (pipectl launch), torch (PyTorch's pipelining runtime: "
+        "1f1b, gpipe, interleaved, zb-h1; no recompute, t = 1, d = 1), or any (choose the best, runnable or not). "
+        "torch adds zb-h1 to the default schedules (any prices it when listed).",
+    )
     top: int = Field(default=10, gt=0, description="Candidates kept in the ranking (without include_all).")
     morph: bool = Field(default=True, description="Compute the morph table.")
     workers: int | None = Field(
@@ -175,6 +200,39 @@ class PlanRequest(Strict):
     def recompute_granularities(self) -> tuple[Recompute, ...]:
         """What the search tries (`recompute_granularities`; `allow_recompute: false` is never)."""
         return recompute_granularities(self.recompute if self.allow_recompute else RecomputeChoice.NEVER)
+
+    @property
+    def target_engine(self) -> Engine:
+        """The engine the plan is for (`model_copy(update={"for_deepspeed": False})` skips the
+        validator that keeps the two fields together: off means any engine, as it always did)."""
+        if self.engine is Engine.DEEPSPEED and not self.for_deepspeed:
+            return Engine.ANY
+        return self.engine
+
+    @model_validator(mode="before")
+    @classmethod
+    def _engine_and_for_deepspeed_agree(cls, data):
+        """`for_deepspeed` came first: off without an engine means any engine (an old plan, or
+        --any-engine); an engine other than deepspeed turns it off; the two never disagree."""
+        if not isinstance(data, dict):
+            return data
+        engine, for_deepspeed = data.get("engine"), data.get("for_deepspeed")
+        if engine is None:
+            if for_deepspeed is False:
+                return {**data, "engine": Engine.ANY}
+            return data
+        try:
+            engine = Engine(engine)
+        except ValueError:
+            return data  # the field's own validation names the value
+        if for_deepspeed is None:
+            return {**data, "for_deepspeed": engine is Engine.DEEPSPEED}
+        if for_deepspeed != (engine is Engine.DEEPSPEED):
+            raise ValueError(
+                f"engine {engine.value} with for_deepspeed {for_deepspeed}: for_deepspeed is true exactly for "
+                "engine deepspeed"
+            )
+        return data
 
     @field_validator("chunks")
     @classmethod
@@ -270,7 +328,27 @@ class Candidate(Strict):
     deepspeed_runnable: bool = Field(
         default=True, description="Whether DeepSpeed's pipeline engine can execute this schedule."
     )
+    engine: Engine | None = Field(
+        default=None,
+        description="What would run this candidate under the plan's request: deepspeed or torch; none when "
+        "neither runs it (planned for comparison). Plans written before this field: deepspeed when "
+        "deepspeed_runnable.",
+    )
     notes: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _engine_of_an_older_plan(cls, data):
+        if isinstance(data, dict) and "engine" not in data:
+            return {**data, "engine": Engine.DEEPSPEED if data.get("deepspeed_runnable", True) else None}
+        return data
+
+    @field_validator("engine")
+    @classmethod
+    def _an_engine_not_a_choice(cls, engine: Engine | None) -> Engine | None:
+        if engine is Engine.ANY:
+            raise ValueError("a candidate's engine is deepspeed, torch or none; 'any' is for requests")
+        return engine
 
     @property
     def global_batch(self) -> int:

@@ -14,7 +14,7 @@ from typing import Annotated, Optional
 import typer
 
 from pipectl.artifacts.base import INT64_MAX
-from pipectl.artifacts.plan import Objective, PlanRequest, RecomputeChoice
+from pipectl.artifacts.plan import Engine, Objective, PlanRequest, RecomputeChoice
 from pipectl.artifacts.profile import ModelProfile
 from pipectl.cli.context import JsonFlag, OutputPath, console, from_options, print_json
 from pipectl.cluster import load_cluster, local_cluster
@@ -156,7 +156,17 @@ def plan_command(
         ),
     ] = 0.05,
     include_all: Annotated[bool, typer.Option("--all", help="Simulate and keep every feasible candidate.")] = False,
-    any_engine: Annotated[bool, typer.Option("--any-engine", help="Also choose schedules DeepSpeed cannot run and ZeRO stages pipectl's runtime does not train with.")] = False,
+    engine: Annotated[
+        Optional[Engine],
+        typer.Option(
+            "--engine",
+            help="What will run the plan: deepspeed (default; pipectl launch), torch (PyTorch's pipelining runtime: "
+            "1f1b, gpipe, interleaved, zb-h1 without recompute, t = 1, d = 1; run through "
+            "examples/torch_pipeline.py, not a launch engine yet), or any (choose the best, runnable or not). "
+            "torch also searches zb-h1 (any: when listed in --schedules).",
+        ),
+    ] = None,
+    any_engine: Annotated[bool, typer.Option("--any-engine", help="Same as --engine any: also choose schedules DeepSpeed cannot run and ZeRO stages pipectl's runtime does not train with.")] = False,
     no_morph: Annotated[bool, typer.Option("--no-morph", help="Skip the morph table.")] = False,
     top: Annotated[int, typer.Option("--top", help="Candidates to show.")] = 10,
     workers: Annotated[
@@ -175,6 +185,9 @@ def plan_command(
         zeros = [int(z) for z in zero_stages.split(",")]
     except ValueError:
         raise UserInputError(f"--zero-stages '{zero_stages}' is not a comma list of numbers") from None
+    if any_engine and engine not in (None, Engine.ANY):
+        raise UserInputError(f"--any-engine and --engine {engine.value} disagree", hint="give one of them")
+    engine = Engine.ANY if any_engine else (engine or Engine.DEEPSPEED)
     request = from_options(
         PlanRequest,
         global_batch=global_batch,
@@ -195,7 +208,8 @@ def plan_command(
         zero_stages=zeros,
         memory_headroom=memory_headroom,
         include_all=include_all,
-        for_deepspeed=not any_engine,
+        for_deepspeed=engine is Engine.DEEPSPEED,
+        engine=engine,
         top=max(top, 1),
         morph=not no_morph,
         workers=workers,

@@ -276,6 +276,12 @@ def register(app: typer.Typer) -> None:
                     hint="pipectl simulate --schedule 1f1b --pipeline-parallel 4 --micro-batches 8 --terminal",
                 )
             v = chunks or 1
+            if schedule_kind.splits_backward and recompute:
+                raise UserInputError(
+                    f"the {schedule_kind.value} schedule does not recompute: its W keeps each micro-batch's "
+                    "activations until the drain, so a recompute would run the forward again for nothing",
+                    hint=f"pipectl simulate --schedule {schedule_kind.value} without --recompute",
+                )
             if pipeline_parallel * micro_batches * v > MAX_SIMULATED_ACTIONS:
                 raise UserInputError(
                     f"p {pipeline_parallel} x m {micro_batches} x v {v} = {pipeline_parallel * micro_batches * v:,} "

@@ -22,7 +22,7 @@ from typing import Sequence
 
 import numpy as np
 
-from pipectl.artifacts.plan import Recompute, runtime_runs_zero
+from pipectl.artifacts.plan import Engine, Recompute, runtime_runs_zero
 from pipectl.artifacts.profile import ModelProfile
 from pipectl.catalog import DTYPE_BYTES
 from pipectl.plan.costs import (
@@ -37,7 +37,7 @@ from pipectl.plan.costs import (
     ranks_share_node,
     replicas_share_node,
 )
-from pipectl.plan.fast.bounds import chain_bound_seconds, two_bw_bound_seconds
+from pipectl.plan.fast.bounds import chain_bound_seconds, two_bw_bound_seconds, zero_bubble_bound_seconds
 from pipectl.plan.layer_table import LayerTable, layer_table
 from pipectl.plan.memory import (
     FurthestFittingEnds,
@@ -52,7 +52,7 @@ from pipectl.plan.memory import (
     weight_versions,
 )
 from pipectl.plan.partition import candidate_values, greedy_cuts, min_bottlenecks, prefix_sums
-from pipectl.schedule import ScheduleKind, deepspeed_runnable
+from pipectl.schedule import ScheduleKind, deepspeed_runnable, torch_runnable
 
 
 class Rejection(str, Enum):
@@ -173,6 +173,34 @@ class Spec:
         return deepspeed_runnable(self.variant.kind, self.variant.chunks) and runtime_runs_zero(
             self.zero_stage, self.shape.pipeline_parallel, self.shape.tensor_parallel
         )
+
+    @property
+    def torch_runnable(self) -> bool:
+        """Whether PyTorch's pipelining runtime (`pipectl.runtime.torch_pipeline`) runs it: its
+        schedule without recomputation of either kind, one tensor rank, one replica (that path has
+        no data or tensor parallelism yet)."""
+        s = self.shape
+        return (
+            torch_runnable(self.variant.kind, self.recompute or self.checkpoint_layers)
+            and s.tensor_parallel == 1
+            and self.data_parallel == 1
+            and self.zero_stage <= 1
+        )
+
+    def engine_for(self, requested: Engine) -> Engine | None:
+        """What runs this spec under a request for `requested`: that engine when it can (any:
+        DeepSpeed first, then torch), else None."""
+        if requested is Engine.DEEPSPEED:
+            return Engine.DEEPSPEED if self.deepspeed_runnable else None
+        if requested is Engine.TORCH:
+            return Engine.TORCH if self.torch_runnable else None
+        if self.deepspeed_runnable:
+            return Engine.DEEPSPEED
+        return Engine.TORCH if self.torch_runnable else None
+
+    def runs_on(self, requested: Engine) -> bool:
+        """Whether the plan may choose it under a request for `requested` (any: always)."""
+        return requested is Engine.ANY or self.engine_for(requested) is not None
 
     @property
     def key(self) -> tuple:
@@ -452,6 +480,8 @@ def lower_bound_seconds(
     if kind is ScheduleKind.PIPEDREAM_2BW:
         return float(two_bw_bound_seconds(work, micro_batches, allreduce, optimizer))
     forward_chain, backward_chain = chains(shape)
+    if kind.splits_backward:
+        return float(zero_bubble_bound_seconds(forward_chain, work, micro_batches, allreduce, optimizer))
     return float(chain_bound_seconds(forward_chain, backward_chain, work, micro_batches, allreduce, optimizer))
 
 
@@ -704,6 +734,8 @@ def _specs_of_one_depth(
             allreduce[i], optimizer[i] = data_parallel_costs(shapes[i], hardware, d, zero, dtype, m)
     if kind is ScheduleKind.PIPEDREAM_2BW:  # priced per update in steady state
         bounds = two_bw_bound_seconds(work, micro_batches, allreduce, optimizer).tolist()
+    elif kind.splits_backward:  # a rank's last W's have no B-chain after them
+        bounds = zero_bubble_bound_seconds(forward_chain, work, micro_batches, allreduce, optimizer).tolist()
     else:
         bounds = chain_bound_seconds(forward_chain, backward_chain, work, micro_batches, allreduce, optimizer).tolist()
     figures = SpecFigures(peak.astype(np.int64), allreduce, optimizer)  # int64: truncation, as int() does

@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from pipectl.artifacts.plan import Candidate, Recompute, ReplicaShare, replica_shares, runtime_runs_zero
+from pipectl.artifacts.plan import Candidate, Engine, Recompute, ReplicaShare, replica_shares, runtime_runs_zero
 from pipectl.plan.candidates import Spec
 from pipectl.plan.costs import Hardware, host_compute_slowdown, ranks_share_node
 from pipectl.plan.fast import bounds, varuna_flags, waves
@@ -38,6 +38,9 @@ from pipectl.words import count
 
 TWO_BW_NOTE = "PipeDream-2BW: 1-stale weight updates (a different optimizer than data-parallel Adam)"
 NOT_DEEPSPEED_NOTE = "DeepSpeed's pipeline engine cannot run this schedule (plan and simulate only)"
+TORCH_NOTE = (
+    "engine torch: PyTorch's pipelining runtime runs it (examples/torch_pipeline.py); not yet a launch engine"
+)
 
 
 def two_bw_steady_note(update_seconds: float, flushed_seconds: float, micro_batches: int,
@@ -116,9 +119,11 @@ class Evaluator:
     `PIPECTL_PLAN_REFERENCE` environment variable, `pipectl.plan.timing.reference_mode`).
     """
 
-    def __init__(self, hardware: Hardware, global_batch: int, *, reference: bool | None = None) -> None:
+    def __init__(self, hardware: Hardware, global_batch: int, *, reference: bool | None = None,
+                 engine: Engine = Engine.DEEPSPEED) -> None:
         self.hardware = hardware
         self.global_batch = global_batch
+        self.engine = engine  # the request's: which engine each candidate is recorded as run by
         self.reference = reference_mode() if reference is None else reference
         self._steps: dict[tuple, float] = {}
         self._summaries: dict[tuple, StepSummary] = {}
@@ -225,7 +230,10 @@ class Evaluator:
         if spec.variant.kind is ScheduleKind.PIPEDREAM_2BW:
             notes.append(two_bw_steady_note(step, self.flushed_step_seconds(spec), spec.micro_batches,
                                             costs_of(spec, self.hardware)))
-        if not deepspeed_runnable(spec.variant.kind, spec.variant.chunks):
+        engine = spec.engine_for(self.engine)
+        if engine is Engine.TORCH:
+            notes.append(TORCH_NOTE)
+        elif not deepspeed_runnable(spec.variant.kind, spec.variant.chunks):
             notes.append(NOT_DEEPSPEED_NOTE)
         if not runtime_runs_zero(spec.zero_stage, shape.pipeline_parallel, shape.tensor_parallel):
             notes.append(zero_stage_note(spec.zero_stage))
@@ -255,6 +263,7 @@ class Evaluator:
             cost_per_million_samples=self.cost_per_sample(spec, step) * 1e6,
             replicas=replicas,
             deepspeed_runnable=spec.deepspeed_runnable,
+            engine=engine,
             notes=notes,
         )
 
@@ -286,7 +295,7 @@ def _summary_comes_free(kind: ScheduleKind, costs: StageCosts) -> bool:
     """
     if costs.jitter_seconds > 0 or costs.blocking_p2p:  # jitter, rendezvous: the full timeline
         return False
-    return kind is ScheduleKind.VARUNA or (kind is not ScheduleKind.GPIPE and waves.supported(kind, 0.0))
+    return kind in (ScheduleKind.VARUNA, ScheduleKind.ZB_H1) or (kind is not ScheduleKind.GPIPE and waves.supported(kind, 0.0))
 
 
 @dataclass(frozen=True)

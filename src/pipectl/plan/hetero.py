@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from pipectl.artifacts.cluster import ClusterSpec
-from pipectl.artifacts.plan import Candidate, Objective, Plan, PlanRequest, ReplicaShare
+from pipectl.artifacts.plan import Candidate, Engine, Objective, Plan, PlanRequest, ReplicaShare
 from pipectl.artifacts.profile import ModelProfile
 from pipectl.errors import InfeasibleError
 from pipectl.plan.candidates import ScheduleVariant, ShapeBuilder, Spec, SpecFigures, data_parallel_costs, in_flight, lower_bound_seconds, state_bytes, step_bytes
@@ -119,6 +119,9 @@ def plan_heterogeneous(
                 f"(${split.cost_per_million_samples:.2f} per 1M samples)"
                 + ("" if split.deepspeed_runnable else f", a schedule DeepSpeed's engine cannot run ({split.schedule.value})")
             )
+        elif request.target_engine is Engine.TORCH:
+            notes.append("no uneven split over the device kinds: its replicas are data parallelism, which "
+                         "PyTorch's pipelining runtime does not have")
         else:
             notes.append("no uneven split over the device kinds fits the global batch and memory")
     return best_plan.model_copy(
@@ -154,7 +157,7 @@ def _best_split(
             continue  # ZeRO-2/3 (p = 1, planned only) are priced for even replicas of one kind only
         seen.add(pipeline)
         split = uneven_split(profile, cluster, template, request, kind_profiles=kind_profiles)
-        if split is not None and (split.deepspeed_runnable or not request.for_deepspeed):
+        if split is not None and (split.engine is not None or request.target_engine is Engine.ANY):
             splits.append(split)
     return min(splits, key=key, default=None)
 
@@ -331,6 +334,8 @@ def uneven_split(
         cost_per_million_samples=price * slowest / 3600 / B * 1e6,
         replicas=shares,
         deepspeed_runnable=template.deepspeed_runnable,
+        # replicas over kinds: data parallel, which only DeepSpeed's engine runs
+        engine=Engine.DEEPSPEED if template.deepspeed_runnable and request.target_engine is not Engine.TORCH else None,
         notes=notes,
     )
 

@@ -21,7 +21,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from pipectl.artifacts.plan import ModelShape, Objective, Plan, PlanRequest, runtime_runs_zero
+from pipectl.artifacts.plan import Engine, ModelShape, Objective, Plan, PlanRequest, runtime_runs_zero
 from pipectl.artifacts.profile import ModelProfile
 from pipectl.errors import InfeasibleError, UserInputError
 from pipectl.plan.candidates import Rejection, Rejections, Spec
@@ -201,8 +201,10 @@ class Ranking:
 
 
 def rank(specs: list[Spec], goal: Goal, evaluator: Evaluator, *, keep: int, exhaustive: bool,
-         need_runnable: bool) -> Ranking:
-    """Branch and bound over specs sorted by their bound key; see the module docstring."""
+         engine: Engine) -> Ranking:
+    """Branch and bound over specs sorted by their bound key; see the module docstring. The best
+    spec `engine` runs is kept too (`best_runnable`; any engine: every spec is)."""
+    need_runnable = engine is not Engine.ANY
     ordered = sorted(specs, key=goal.bound_key)
     heap: list[tuple] = []  # max-heap of the kept keys (negated), with a tie-breaking counter
     best_runnable = None
@@ -214,7 +216,7 @@ def rank(specs: list[Spec], goal: Goal, evaluator: Evaluator, *, keep: int, exha
             if bound >= kth:
                 if not need_runnable or (best_runnable is not None and bound >= best_runnable[0]):
                     break
-                if not spec.deepspeed_runnable:
+                if not spec.runs_on(engine):
                     continue  # it can enter neither the top k nor be the best runnable one: not timed
         step = evaluator.step_seconds(spec)
         simulated += 1
@@ -224,7 +226,7 @@ def rank(specs: list[Spec], goal: Goal, evaluator: Evaluator, *, keep: int, exha
             heapq.heappush(heap, entry)
         elif key < _unnegate(heap[0][0]):
             heapq.heapreplace(heap, entry)
-        if spec.deepspeed_runnable and (best_runnable is None or key < best_runnable[0]):
+        if spec.runs_on(engine) and (best_runnable is None or key < best_runnable[0]):
             best_runnable = (key, spec, step)
     top = sorted(((_unnegate(k), s, step) for k, _, s, step in heap), key=lambda item: item[0])
     return Ranking(top, best_runnable, simulated)
@@ -272,7 +274,8 @@ def plan_homogeneous(
         profile, hardware, space, max_devices, workers=request.workers or available_workers()
     )
     phases["enumerate"], clock = time.perf_counter() - clock, time.perf_counter()
-    evaluator = Evaluator(hardware, request.global_batch)
+    engine = request.target_engine
+    evaluator = Evaluator(hardware, request.global_batch, engine=engine)
     goal = goal_for(request, profile, hardware)
     pool = [spec for spec in enumeration.specs if spec.devices <= devices]
     plan_notes = list(notes or [])
@@ -289,11 +292,26 @@ def plan_homogeneous(
     if not pool:
         raise InfeasibleError(_nothing_fits(request, enumeration.rejections, devices))
     ranking = rank(
-        pool, goal, evaluator, keep=request.top, exhaustive=request.include_all, need_runnable=request.for_deepspeed
+        pool, goal, evaluator, keep=request.top, exhaustive=request.include_all, engine=engine
     )
     phases["rank"], clock = time.perf_counter() - clock, time.perf_counter()
     chosen_entry = ranking.top[0]
-    if request.for_deepspeed and not chosen_entry[1].deepspeed_runnable:
+    if engine is Engine.TORCH and not chosen_entry[1].runs_on(engine):
+        if ranking.best_runnable is None:
+            raise InfeasibleError(
+                "no candidate PyTorch's pipelining runtime can run fits (it runs 1f1b, gpipe, interleaved and "
+                f"zb-h1 without recomputation, tensor or data parallelism; best: {chosen_entry[1].describe()})",
+                hint="plan with --engine deepspeed (or --engine any to see what fits)",
+            )
+        best, scope = goal.best_words(chosen_entry[0])
+        runnable, runnable_scope = goal.best_words(ranking.best_runnable[0])
+        plan_notes.append(
+            f"{best} {scope or 'overall'} is {chosen_entry[1].describe()} "
+            f"({goal.figures(chosen_entry[1], chosen_entry[2])}), which PyTorch's pipelining runtime cannot run; "
+            f"chose the {runnable} candidate it can run{' ' + runnable_scope if runnable_scope else ''}"
+        )
+        chosen_entry = ranking.best_runnable
+    if engine is Engine.DEEPSPEED and not chosen_entry[1].deepspeed_runnable:
         zero_only = _zero_not_run(chosen_entry[1])  # its schedule runs; its ZeRO stage does not
         if ranking.best_runnable is None:
             if zero_only:

@@ -58,6 +58,10 @@ the stage's saved activations (SPEC §3). How many are in flight is a property o
                           generated order (`generate`'s default, backward = 2 x forward) runs
                           forwards ahead until its first recompute is due; tests check this
                           closed form against `peak_in_flight_units` of the generated schedule
+    zb-h1                 min(p, m) on every stage: a micro-batch's activations are held until its
+                          W, which stage k postpones by k micro-batches; stage 0 holds 1F1B's
+                          peak, the later stages as many (Qi et al. 2024: ZB-H1 peaks at 1F1B's
+                          p M_B). Counted whole until W (W reads each layer's saved input)
 
 With whole-stage recomputation (`Recompute.STAGE`) an in-flight micro-batch keeps only the stage's
 input activation, and the stage needs one micro-batch's full activations while it recomputes (SPEC
@@ -216,10 +220,14 @@ def in_flight_units(kind: ScheduleKind, pipeline_parallel: int, micro_batches: i
     (5, 3)
     >>> in_flight_units(ScheduleKind.PIPEDREAM_2BW, 4, 3)  # no flush: p - k whatever m
     (4, 3, 2, 1)
+    >>> in_flight_units(ScheduleKind.ZB_H1, 4, 8)  # held until W: 1F1B's stage-0 peak on every stage
+    (4, 4, 4, 4)
     """
     p, m, v = pipeline_parallel, micro_batches, chunks
     if kind is ScheduleKind.GPIPE:
         return (m,) * p
+    if kind is ScheduleKind.ZB_H1:
+        return (min(p, m),) * p
     if kind is ScheduleKind.PIPEDREAM_2BW:
         return tuple(range(p, 0, -1))
     if kind is ScheduleKind.VARUNA:
@@ -239,7 +247,8 @@ def in_flight_units(kind: ScheduleKind, pipeline_parallel: int, micro_batches: i
 
 
 def peak_in_flight_units(schedule: Schedule) -> tuple[int, ...]:
-    """Per rank: the most chunk-micro-batches forwarded but not yet backwarded at any point."""
+    """Per rank: the most chunk-micro-batches forwarded but not yet backwarded at any point (a split
+    backward: not yet through its W)."""
     peaks = []
     for rank in range(schedule.pipeline_parallel):
         live = peak = 0
@@ -247,7 +256,7 @@ def peak_in_flight_units(schedule: Schedule) -> tuple[int, ...]:
             if action.kind is ActionKind.FORWARD:
                 live += 1
                 peak = max(peak, live)
-            elif action.kind is ActionKind.BACKWARD:
+            elif action.kind is ActionKind.BACKWARD or action.kind is ActionKind.BACKWARD_WEIGHT:
                 live -= 1
         peaks.append(peak)
     return tuple(peaks)

@@ -154,7 +154,7 @@ def _split_count(pool: list[Spec]) -> int:
 
 def morph_table(specs: list[Spec], evaluator: Evaluator, max_devices: int, request: PlanRequest) -> list[MorphEntry]:
     """One entry per device count from the smallest that fits up to `max_devices`."""
-    pool = [s for s in specs if not request.for_deepspeed or s.deepspeed_runnable]
+    pool = [s for s in specs if s.runs_on(request.target_engine)]
     best = fastest_per_device_count(pool, evaluator, max_devices, workers=request.workers or available_workers())
     if not best:
         return []

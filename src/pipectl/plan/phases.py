@@ -52,7 +52,9 @@ def simulated_phases(
         for record in timeline.rank_records(rank):
             seconds[record.action.kind] += record.end - record.start
         forward = seconds[ActionKind.FORWARD] + seconds[ActionKind.RECOMPUTE]
-        backward = seconds[ActionKind.BACKWARD]
+        backward = (  # a split backward's I and W are its backward phase
+            seconds[ActionKind.BACKWARD] + seconds[ActionKind.BACKWARD_INPUT] + seconds[ActionKind.BACKWARD_WEIGHT]
+        )
         end = seconds[ActionKind.ALL_REDUCE] + seconds[ActionKind.OPTIMIZER_STEP]
         waits = timeline.step_seconds - forward - backward - end
         phases.append((forward, backward, waits if waits > 1e-9 * timeline.step_seconds else 0.0, end))

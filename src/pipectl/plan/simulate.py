@@ -1,14 +1,16 @@
 """Event-driven simulation of one pipeline step (Varuna §4.2's simulator; SPEC §5 "Simulator").
 
 `simulate(schedule, costs) -> Timeline` is a pure function. It reads the same `Schedule` the
-runtime executes and times every compute action (F, B, R), the data-parallel all-reduce and the
-optimizer step. An action starts when both
+runtime executes and times every compute action (F, B, R, and the split backward's I and W), the
+data-parallel all-reduce and the optimizer step. An action starts when both
 
 * the previous action on its rank has ended (ranks run one action at a time), and
 * its cross-stage input has arrived: F(s, i) needs F(s−1, i) plus the activation transfer
   s−1 → s; B(s, i) needs B(s+1, i) plus the gradient transfer s+1 → s
   (transfer = latency + bytes / bandwidth, precomputed per boundary by the caller, plus an
-  optional seeded random jitter per transfer, |N(0, σ)|).
+  optional seeded random jitter per transfer, |N(0, σ)|). In a split-backward (zero-bubble)
+  schedule I(s, i) needs I(s+1, i) plus the gradient transfer, and W(s, i) needs nothing from
+  another stage (only its own I, earlier on the rank): W sends nothing.
 
 So the earliest start of every action is max(end of its predecessor on the rank, end of its
 dependency + transfer): a longest-path pass over a DAG. Sends and receives are not timed as
@@ -30,6 +32,19 @@ al. 2021 §2.2):
 
     GPipe, 1F1B:   step = (m + p − 1)(t_f + t_b)
     interleaved:   step = (m + (p − 1)/v)(t_f + t_b)
+    zb-h1:         step = m (t_f + t_b) + (p − 1)(t_f + t_I − t_W)      (m ≥ p, t_W ≤ min(t_f, t_I))
+
+The split backward. Profiles measure a layer's backward whole (t_b); a zero-bubble schedule runs
+it as I (the input's gradient, what the previous stage waits for) and W (the weights' gradient).
+`StageCosts.backward_input_fraction` says how t_b divides: t_I = fraction × t_b, t_W = t_b − t_I.
+Its default `BACKWARD_INPUT_FRACTION` = 1/2 is the zero-bubble paper's assumption for transformer
+blocks (Qi et al., ICLR 2024, §2: T_F ≈ T_B ≈ T_W, each a pair of matrix products per weight); a
+profile that ever carries the split should set the fraction from it. The zb-h1 line above is the
+paper's Table 1 (ZB-H1's bubble (p − 1)(T_F + T_B − T_W) against 1F1B's (p − 1)(T_F + T_B + T_W),
+its T_B being our t_I): with t_f = 1, t_I = t_W = 1 a step of p = 4, m = 8 takes 27 against 1F1B's 33.
+It holds while each W fits the gap it fills (t_W ≤ t_f and t_W ≤ t_I); a longer W delays what
+follows it and the step is longer than the formula (still shorter than 1F1B's on equal stages:
+tests/plan/test_zero_bubble_timing.py).
 
 Bubble conventions. `Timeline.bubble_fraction[r]` is idle / step (idle = step − the rank's busy
 time, all-reduce and optimizer step counted as busy), in [0, 1]. SPEC's (p − 1)/m and
@@ -116,7 +131,11 @@ __all__ = [
     "timeline_of",
     "transfers_block",
     "uniform_costs",
+    "BACKWARD_INPUT_FRACTION",
 ]
+
+# The zero-bubble paper's split of a transformer block's backward (module docstring): t_I = t_W.
+BACKWARD_INPUT_FRACTION = 0.5
 
 
 @dataclass(frozen=True)
@@ -134,6 +153,8 @@ class StageCosts:
     seed: int = 0
     # Sends return only once the matching receive runs (gloo): timed by `simulate_rendezvous`.
     blocking_p2p: bool = False
+    # Split backward (I, W actions): I takes this fraction of `backward_seconds`, W the rest.
+    backward_input_fraction: float = BACKWARD_INPUT_FRACTION
 
 
 class TimedAction(NamedTuple):
@@ -243,10 +264,11 @@ class _Compiled:
     delays: itemgetter
     transfer_positions: tuple[int, ...]  # positions whose dependency crosses ranks (jitter applies)
     rank_last: tuple[int, ...]  # position of each rank's last action
-    compute_kinds: tuple[bool, ...]  # F/B/R (counts toward bubble_ratio's denominator)
+    compute_kinds: tuple[bool, ...]  # F/B/R/I/W (counts toward bubble_ratio's denominator)
     allreduce_positions: tuple[int, ...]
     peak_in_flight: tuple[int, ...]
     peak_stashed_inputs: tuple[int, ...]
+    splits_backward: bool = False  # has I/W actions: the cost table grows by their durations
 
 
 _TIMED = (
@@ -255,9 +277,13 @@ _TIMED = (
     ActionKind.RECOMPUTE,
     ActionKind.ALL_REDUCE,
     ActionKind.OPTIMIZER_STEP,
+    ActionKind.BACKWARD_INPUT,
+    ActionKind.BACKWARD_WEIGHT,
 )
 
-_COMPUTE = frozenset((ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.RECOMPUTE))
+_COMPUTE = frozenset(
+    (ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.RECOMPUTE, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT)
+)
 
 # id(schedule) -> (weak reference to it, compiled form). Verified through the weak reference, so a
 # recycled id never returns a stale entry; entries die with their schedule.
@@ -295,10 +321,13 @@ def _compile(schedule: Schedule) -> _Compiled:
     n = len(order)
     forward, backward, recompute = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.RECOMPUTE
     allreduce = ActionKind.ALL_REDUCE
+    backward_input, backward_weight = ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT
     last_on_rank = [-1] * p
     prev, dep, duration_index, delay_index, transfer_positions = [], [], [], [], []
     allreduce_offset = 3 * stages
     optimizer_offset = allreduce_offset + p
+    input_offset = optimizer_offset + p  # split backward: I's then W's durations (`_cost_tables`)
+    weight_offset = input_offset + stages
     for k, (rank, action) in enumerate(order):
         prev.append(last_on_rank[rank])
         last_on_rank[rank] = k
@@ -313,16 +342,18 @@ def _compile(schedule: Schedule) -> _Compiled:
                 if (s - 1) % p != rank:
                     transfer_positions.append(k)
                 continue
-        elif kind is backward:
-            duration_index.append(stages + s)
+        elif kind is backward or kind is backward_input:
+            duration_index.append(stages + s if kind is backward else input_offset + s)
             if s < last_stage:
-                dep.append(position[(backward, s + 1, action.microbatch)])
+                dep.append(position[(kind, s + 1, action.microbatch)])
                 delay_index.append(stages + s)
                 if (s + 1) % p != rank:
                     transfer_positions.append(k)
                 continue
         elif kind is recompute:
             duration_index.append(2 * stages + s)
+        elif kind is backward_weight:  # waits only for its own I, earlier on this rank
+            duration_index.append(weight_offset + s)
         elif kind is allreduce:
             duration_index.append(allreduce_offset + rank)
         else:
@@ -348,11 +379,13 @@ def _compile(schedule: Schedule) -> _Compiled:
         allreduce_positions=tuple(k for k, (_, a) in enumerate(order) if a.kind is ActionKind.ALL_REDUCE),
         peak_in_flight=tuple(full for full, _ in peaks),
         peak_stashed_inputs=tuple(stashed for _, stashed in peaks),
+        splits_backward=any(a.kind is backward_input for _, a in order),
     )
 
 
 def _check_compute_structure(schedule: Schedule, per_rank: dict[int, list[Action]]) -> None:
-    """What the DAG cannot see by itself: F, B exactly once; R at most once and between them."""
+    """What the DAG cannot see by itself: F exactly once, then either B once or I then W once each;
+    R at most once, between F and the backward (B, or I)."""
     p, m, stages = schedule.pipeline_parallel, schedule.micro_batches, schedule.virtual_stages
     seen: dict[tuple[ActionKind, int, int], int] = {}
     for rank, actions in per_rank.items():
@@ -373,11 +406,22 @@ def _check_compute_structure(schedule: Schedule, per_rank: dict[int, list[Action
             f = seen.get((ActionKind.FORWARD, s, i))
             b = seen.get((ActionKind.BACKWARD, s, i))
             r = seen.get((ActionKind.RECOMPUTE, s, i))
-            if f is None or b is None:
+            x = seen.get((ActionKind.BACKWARD_INPUT, s, i))
+            w = seen.get((ActionKind.BACKWARD_WEIGHT, s, i))
+            if b is not None and (x is not None or w is not None):
+                raise ScheduleError(f"rank {s % p} runs {s}B{i} and a split backward ({s}I{i}/{s}W{i}) of it")
+            if b is None and (x is None) != (w is None):
+                missing = f"{s}I{i}" if x is None else f"{s}W{i}"
+                raise ScheduleError(f"rank {s % p} never runs {missing} (a split backward needs I and W)")
+            if f is None or (b is None and x is None):
                 missing = f"{s}F{i}" if f is None else f"{s}B{i}"
                 raise ScheduleError(f"rank {s % p} never runs {missing}")
-            if not f < b or (r is not None and not f < r < b):
-                raise ScheduleError(f"rank {s % p} must run {s}F{i} before {s}R{i} before {s}B{i}")
+            backward_name = f"{s}B{i}" if b is not None else f"{s}I{i}"
+            first_backward = b if b is not None else x
+            if not f < first_backward or (r is not None and not f < r < first_backward):
+                raise ScheduleError(f"rank {s % p} must run {s}F{i} before {s}R{i} before {backward_name}")
+            if w is not None and not x < w:
+                raise ScheduleError(f"rank {s % p} must run {s}I{i} before {s}W{i}")
 
 
 def peak_memory_counts(actions: list[Action]) -> tuple[int, int]:
@@ -385,7 +429,8 @@ def peak_memory_counts(actions: list[Action]) -> tuple[int, int]:
 
     Without recomputation a micro-batch holds its full activations from F until B. With it (an R
     before its B) only the stage's input is kept from F until R, and full activations from R until
-    B (SPEC §3 memory model).
+    B (SPEC §3 memory model). A split backward holds them until W, not I: W needs each layer's
+    input and output gradient, which is most of what the forward saved (counted whole here).
     """
     recomputed = {(a.stage, a.microbatch) for a in actions if a.kind is ActionKind.RECOMPUTE}
     full = stashed = peak_full = peak_stashed = 0
@@ -397,7 +442,7 @@ def peak_memory_counts(actions: list[Action]) -> tuple[int, int]:
                 full += 1
         elif a.kind is ActionKind.RECOMPUTE:
             full += 1
-        elif a.kind is ActionKind.BACKWARD:
+        elif a.kind is ActionKind.BACKWARD or a.kind is ActionKind.BACKWARD_WEIGHT:
             stashed -= 1
             full -= 1
         peak_full = max(peak_full, full)
@@ -430,6 +475,10 @@ def check_costs(pipeline_parallel: int, stages: int, costs: StageCosts) -> None:
             raise UserInputError(f"costs.{name} must be >= 0, got {list(values)}")
     if not costs.jitter_seconds >= 0:
         raise UserInputError(f"costs.jitter_seconds must be >= 0, got {costs.jitter_seconds}")
+    if not 0 <= costs.backward_input_fraction <= 1:
+        raise UserInputError(
+            f"costs.backward_input_fraction must be in [0, 1], got {costs.backward_input_fraction}"
+        )
 
 
 def _cost_tables(compiled: _Compiled, costs: StageCosts) -> tuple[list[float], list[float]]:
@@ -441,6 +490,8 @@ def _cost_tables(compiled: _Compiled, costs: StageCosts) -> tuple[list[float], l
         *costs.allreduce_seconds,
         *costs.optimizer_seconds,
     ]
+    if compiled.splits_backward:
+        duration_table += _split_backward(costs)
     delay_table = [0.0, *costs.send_forward_seconds, *costs.send_backward_seconds]
     durations = list(compiled.durations(duration_table))
     delays = list(compiled.delays(delay_table))
@@ -450,6 +501,13 @@ def _cost_tables(compiled: _Compiled, costs: StageCosts) -> tuple[list[float], l
         for k in compiled.transfer_positions:
             delays[k] += abs(draw(0.0, sigma))
     return durations, delays
+
+
+def _split_backward(costs: StageCosts) -> list[float]:
+    """Per stage I's seconds, then W's: the backward divided by `backward_input_fraction`."""
+    fraction = costs.backward_input_fraction
+    inputs = [b * fraction for b in costs.backward_seconds]
+    return inputs + [b - i for b, i in zip(costs.backward_seconds, inputs)]
 
 
 def _ends(compiled: _Compiled, durations: list[float], delays: list[float]) -> list[float]:
@@ -572,6 +630,11 @@ def _duration(rank: int, action: Action, costs: StageCosts) -> float:
         return costs.backward_seconds[action.stage]
     if kind is R:
         return costs.recompute_seconds[action.stage]
+    if kind is ActionKind.BACKWARD_INPUT:
+        return costs.backward_seconds[action.stage] * costs.backward_input_fraction
+    if kind is ActionKind.BACKWARD_WEIGHT:
+        b = costs.backward_seconds[action.stage]
+        return b - b * costs.backward_input_fraction
     if kind is ActionKind.ALL_REDUCE:
         return costs.allreduce_seconds[rank]
     return costs.optimizer_seconds[rank]

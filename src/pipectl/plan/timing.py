@@ -38,7 +38,7 @@ from functools import lru_cache
 import numpy as np
 
 from pipectl.errors import UserInputError
-from pipectl.plan.fast import twobw, varuna, waves
+from pipectl.plan.fast import twobw, varuna, waves, zero_bubble
 from pipectl.plan.simulate import (
     StageCosts,
     StepSummary,
@@ -111,7 +111,7 @@ def _has_fast_path(kind: ScheduleKind, pipeline_parallel: int, costs: StageCosts
     """Whether `pipectl.plan.fast` times this schedule under these costs (no jitter, no rendezvous)."""
     if transfers_block(pipeline_parallel, costs) or costs.jitter_seconds > 0:
         return False
-    return waves.supported(kind, costs.jitter_seconds) or kind is ScheduleKind.VARUNA
+    return waves.supported(kind, costs.jitter_seconds) or kind in (ScheduleKind.VARUNA, ScheduleKind.ZB_H1)
 
 
 def step_seconds_of(
@@ -122,7 +122,7 @@ def step_seconds_of(
     docstring), by a fast path unless `reference` or none applies.
 
     GPipe, 1F1B, PipeDream-2BW and interleaved: `pipectl.plan.fast.waves` (GPipe in closed
-    form); Varuna: `pipectl.plan.fast.varuna`.
+    form); Varuna: `pipectl.plan.fast.varuna`; zb-h1: `pipectl.plan.fast.zero_bubble`.
     """
     p, m, v = pipeline_parallel, micro_batches, chunks
     check_costs(p, p * v, costs)
@@ -130,6 +130,8 @@ def step_seconds_of(
         return simulate_step_seconds(_reference_schedule(kind, p, m, v, recompute, costs), costs)
     if kind is ScheduleKind.VARUNA:
         return varuna.step_seconds(p, m, costs)
+    if kind is ScheduleKind.ZB_H1:
+        return zero_bubble.step_seconds(p, m, costs)
     return waves.step_seconds(kind, p, m, v, recompute, costs)
 
 
@@ -143,6 +145,8 @@ def summary_of(
     check_costs(p, p * v, costs)
     if reference or not _has_fast_path(kind, p, costs):
         return simulate(_reference_schedule(kind, p, m, v, recompute, costs), costs).summary()
+    if kind is ScheduleKind.ZB_H1:
+        return zero_bubble.summary(p, m, costs)
     if kind is ScheduleKind.VARUNA:
         return varuna.summary(p, m, costs)
     return waves.summary(kind, p, m, v, recompute, costs)
@@ -150,14 +154,16 @@ def summary_of(
 
 def actions_per_step(kind: ScheduleKind, pipeline_parallel: int, micro_batches: int, chunks: int,
                      recompute: bool) -> int:
-    """Timed actions of one step (F, B, R, AR, STEP), without building the schedule.
+    """Timed actions of one step (F, B, R, I, W, AR, STEP), without building the schedule.
 
     >>> schedule = generate(ScheduleKind.ONE_F_ONE_B, 2, 3, 1, True)
     >>> actions_per_step(ScheduleKind.ONE_F_ONE_B, 2, 3, 1, True), sum(map(len, schedule.actions.values()))
     (19, 19)
     """
     stages = pipeline_parallel * chunks
-    recomputing = stages - 1 if recompute or kind is ScheduleKind.VARUNA else 0
+    recomputing = stages - 1 if (recompute or kind is ScheduleKind.VARUNA) and not kind.splits_backward else 0
+    if kind.splits_backward:  # I and W in B's place
+        return micro_batches * 3 * stages + 2 * pipeline_parallel
     return micro_batches * (2 * stages + recomputing) + 2 * pipeline_parallel
 
 

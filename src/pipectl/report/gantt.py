@@ -33,6 +33,8 @@ KIND_COLOURS = {
     ActionKind.FORWARD: "#4C72B0",
     ActionKind.BACKWARD: "#55A868",
     ActionKind.RECOMPUTE: "#DD8452",
+    ActionKind.BACKWARD_INPUT: "#64B5CD",  # zero bubble's split backward: input gradient
+    ActionKind.BACKWARD_WEIGHT: "#937860",  # and weight gradient
     ActionKind.ALL_REDUCE: "#C44E52",
     ActionKind.OPTIMIZER_STEP: "#8172B3",
 }
@@ -40,6 +42,8 @@ KIND_LABELS = {
     ActionKind.FORWARD: "forward",
     ActionKind.BACKWARD: "backward",
     ActionKind.RECOMPUTE: "recompute",
+    ActionKind.BACKWARD_INPUT: "input gradient",
+    ActionKind.BACKWARD_WEIGHT: "weight gradient",
     ActionKind.ALL_REDUCE: "all-reduce",
     ActionKind.OPTIMIZER_STEP: "optimizer step",
 }
@@ -47,6 +51,8 @@ TERMINAL_LETTERS = {
     ActionKind.FORWARD: "F",
     ActionKind.BACKWARD: "B",
     ActionKind.RECOMPUTE: "R",
+    ActionKind.BACKWARD_INPUT: "I",
+    ActionKind.BACKWARD_WEIGHT: "W",
     ActionKind.ALL_REDUCE: "A",
     ActionKind.OPTIMIZER_STEP: "S",
 }

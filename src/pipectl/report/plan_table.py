@@ -12,7 +12,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from pipectl.artifacts.plan import Candidate, Plan, ReplicaShare, runtime_runs_zero
+from pipectl.artifacts.plan import Candidate, Engine, Plan, ReplicaShare, runtime_runs_zero
 from pipectl.artifacts.profile import ModelProfile
 from pipectl.plan.flops import Utilisation, plan_layer_flops, utilisation
 from pipectl.runtime.checkpoint_schedule import DEVICE_MTBF_HOURS, young_daly_seconds
@@ -150,6 +150,9 @@ def candidates_table(
         ("schedule", "left", lambda c: _schedule_label(c) + _recompute_mark(c)
          + ("" if c.deepspeed_runnable else "*") + _steady(c)),
     ]
+    if any(c.engine is not None and c.engine is not Engine.DEEPSPEED for c in candidates):
+        # a plan not for DeepSpeed (--engine torch or any): what would run each, '–' for neither
+        columns.append(("engine", "left", lambda c: c.engine.value if c.engine is not None else "–"))
     if len(zero_stages) > 1:
         columns.append(("Z", "right", lambda c: str(c.zero_stage)))
     columns += [
@@ -275,7 +278,13 @@ def plan_view(plan: Plan, *, top: int = 10, show_morph: bool = True, profile: Mo
         parts.append(Text(utilisation_line(utilisations[0])))
     flagged = [cand for cand in shown if not cand.deepspeed_runnable]
     if any(not deepspeed_runnable(cand.schedule, cand.chunks) for cand in flagged):
-        parts.append(Text("* DeepSpeed's pipeline engine cannot run this schedule (plan and simulate only)", style="dim"))
+        torch_runs = any(cand.engine is Engine.TORCH for cand in flagged)
+        parts.append(Text(
+            "* DeepSpeed's pipeline engine cannot run this schedule ("
+            + ("engine torch: PyTorch's pipelining runtime, through examples/torch_pipeline.py; '–': plan and simulate only)"
+               if torch_runs else "plan and simulate only)"),
+            style="dim",
+        ))
     two_bw = [cand for cand in shown if _steady(cand)]
     if two_bw:
         first = two_bw[0]

@@ -31,7 +31,7 @@ import contextlib
 import logging
 from typing import Any, Iterator
 
-from pipectl.artifacts.plan import Candidate, Plan, runtime_runs_zero
+from pipectl.artifacts.plan import Candidate, Engine, Plan, runtime_runs_zero
 from pipectl.artifacts.run import LrSchedule, Precision, TrainingSettings
 from pipectl.errors import UserInputError
 from pipectl.runtime.dsinit import choose_accelerator
@@ -204,7 +204,23 @@ def _merged(base: dict[str, Any], overlay: dict[str, Any]) -> dict[str, Any]:
 def check_schedule(candidate: Candidate) -> None:
     """Whether DeepSpeed's pipeline engine runs the candidate's schedule as planned: not 2BW (a
     different optimizer), not interleaved with v > 1. Not only the stored flag: a plan written by
-    hand keeps its default (True)."""
+    hand keeps its default (True). A candidate for engine torch (PyTorch's pipelining runtime) is
+    refused first: that path is not a launch engine yet."""
+    if candidate.engine is Engine.TORCH:
+        raise DeepSpeedConfigRejected(
+            f"the plan chose a candidate for engine torch (schedule {candidate.schedule.value}, "
+            f"v={candidate.chunks}): PyTorch's pipelining runtime runs it through examples/torch_pipeline.py "
+            "and is not yet a launch engine; pipectl launch runs DeepSpeed's pipeline engine",
+            hint="re-plan with --engine deepspeed (the default) to launch; examples/torch_pipeline.py runs "
+            "1f1b, interleaved and zb-h1 on local ranks",
+        )
+    if candidate.schedule.splits_backward:
+        raise DeepSpeedConfigRejected(
+            f"schedule {candidate.schedule.value} splits each backward into an input gradient (I) and a weight "
+            "gradient (W) run at different times; DeepSpeed's pipeline engine runs one backward per micro-batch "
+            "and cannot run it",
+            hint="re-plan with --engine deepspeed (1f1b runs the same order with whole backwards)",
+        )
     if candidate.schedule.changes_optimizer_semantics:
         raise DeepSpeedConfigRejected(
             f"the plan chose PipeDream-2BW (schedule {candidate.schedule.value}): no flush between steps, two "

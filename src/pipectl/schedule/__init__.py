@@ -32,7 +32,8 @@ def deepspeed_runnable(kind: ScheduleKind, chunks: int = 1) -> bool:
 
     DeepSpeed's `PipelineModule` holds one contiguous chunk of layers per rank, so interleaved
     schedules with v > 1 cannot run there. PipeDream-2BW needs two weight versions and no flush,
-    which the engine does not keep, so it is planned and simulated only.
+    which the engine does not keep, so it is planned and simulated only. Zero bubble (zb-h1) splits
+    every backward into I and W, which the engine's single backward cannot do.
 
     >>> deepspeed_runnable(ScheduleKind.INTERLEAVED, 2), deepspeed_runnable(ScheduleKind.VARUNA)
     (False, True)
@@ -40,7 +41,25 @@ def deepspeed_runnable(kind: ScheduleKind, chunks: int = 1) -> bool:
     kind = ScheduleKind(kind)
     if kind is ScheduleKind.INTERLEAVED and chunks > 1:
         return False
-    return kind is not ScheduleKind.PIPEDREAM_2BW
+    return kind not in (ScheduleKind.PIPEDREAM_2BW, ScheduleKind.ZB_H1)
+
+
+# What `pipectl.runtime.torch_pipeline` translates: F, B, I and W actions, any chunks per rank; no
+# recompute action (torch's runtime has none).
+TORCH_SCHEDULES = frozenset(
+    (ScheduleKind.GPIPE, ScheduleKind.ONE_F_ONE_B, ScheduleKind.INTERLEAVED, ScheduleKind.ZB_H1)
+)
+
+
+def torch_runnable(kind: ScheduleKind, recompute: bool = False) -> bool:
+    """Whether PyTorch's pipelining runtime (`pipectl.runtime.torch_pipeline`) runs this schedule:
+    GPipe, 1F1B, interleaved (any v) and zb-h1, without recomputation (Varuna always recomputes;
+    2BW keeps two weight versions, which that runtime does not).
+
+    >>> torch_runnable(ScheduleKind.ZB_H1), torch_runnable(ScheduleKind.ONE_F_ONE_B, recompute=True)
+    (True, False)
+    """
+    return ScheduleKind(kind) in TORCH_SCHEDULES and not recompute
 
 
 __all__ = [
@@ -49,7 +68,9 @@ __all__ = [
     "Schedule",
     "ScheduleKind",
     "TwoBWSteadyState",
+    "TORCH_SCHEDULES",
     "deepspeed_runnable",
+    "torch_runnable",
     "generate",
     "gpipe",
     "interleaved",

@@ -247,7 +247,8 @@ def generate(
     """The one dispatch everyone uses: `generate(ScheduleKind.ONE_F_ONE_B, p, m)`.
 
     `chunks` (v) is only meaningful for the interleaved schedule. Varuna always recomputes (it is
-    defined with recomputation; `recompute` is ignored for it), and its order is derived with
+    defined with recomputation; `recompute` is ignored for it), zb-h1 never does (its W holds the
+    activations until the drain; `recompute` is ignored for it too: the planner never pairs them), and its order is derived with
     uniform stage times `forward_seconds`/`backward_seconds` (only their ratio matters). The result
     is cached and shared: do not mutate it.
 
@@ -273,6 +274,8 @@ def generate(
         return interleaved(pipeline_parallel, micro_batches, chunks, recompute)
     if kind is ScheduleKind.VARUNA:
         return varuna(pipeline_parallel, micro_batches, forward_seconds, backward_seconds)
+    if kind is ScheduleKind.ZB_H1:
+        return zb_h1(pipeline_parallel, micro_batches)
     return pipedream_2bw(pipeline_parallel, micro_batches, recompute)
 
 
@@ -307,12 +310,14 @@ def zb_h1(pipeline_parallel: int, micro_batches: int) -> Schedule:
     any stage, 1F1B's peak: ZB-H1 trades no memory for its smaller bubble (with t_I = t_W the
     drain's idle time shrinks to about a third).
 
-    The IR has no ScheduleKind of its own for it yet (`generate` dispatches only the established
-    kinds, and the simulator does not time I/W): the result carries `ScheduleKind.ONE_F_ONE_B`,
-    whose order it keeps. Only the torch pipelining path runs it; DeepSpeed's engine cannot.
+    Its kind is `ScheduleKind.ZB_H1` (`generate` dispatches it). Only the torch pipelining path
+    runs it; DeepSpeed's engine cannot. The simulator times I and W (`pipectl.plan.simulate`:
+    I = `backward_input_fraction` x B, W the rest); with t_f = 1, t_I = t_W = 1 and free
+    communication the step is m (t_f + t_b) + (p − 1)(t_f + t_I − t_W) (m ≥ p; while t_W ≤ t_f, t_I), against 1F1B's
+    (m + p − 1)(t_f + t_b) (the zero-bubble paper's Table 1 bubbles, t_b = t_I + t_W).
 
     >>> print(zb_h1(2, 3).to_text(), end="")
-    # 1f1b p=2 m=3 v=1
+    # zb-h1 p=2 m=3 v=1
     0: 0F0 0F1 0I0 0W0 0F2 0I1 0W1 0I2 0W2 0AR 0STEP
     1: 1F0 1I0 1F1 1I1 1W0 1F2 1I2 1W1 1W2 1AR 1STEP
     """
@@ -332,4 +337,4 @@ def zb_h1(pipeline_parallel: int, micro_batches: int) -> Schedule:
                 out.append(Action(s, W, action.microbatch - delay))
         out.extend(Action(s, W, i) for i in range(m - delay, m))
         compute.append(out)
-    return _finish(ScheduleKind.ONE_F_ONE_B, p, m, 1, compute)
+    return _finish(ScheduleKind.ZB_H1, p, m, 1, compute)

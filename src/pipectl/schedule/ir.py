@@ -110,6 +110,15 @@ class ScheduleKind(str, Enum):
     INTERLEAVED = "interleaved"
     VARUNA = "varuna"
     PIPEDREAM_2BW = "2bw"
+    # Zero bubble H1 (Qi et al., ICLR 2024): 1F1B's order with every backward split into I (input
+    # gradient) and W (weight gradient), W's postponed to fill the drain. DeepSpeed's engine cannot
+    # run it (no split backward); torch's pipelining runtime can (`pipectl.runtime.torch_pipeline`).
+    ZB_H1 = "zb-h1"
+
+    @property
+    def splits_backward(self) -> bool:
+        """Whether the schedule runs each backward as I then W (the zero-bubble family)."""
+        return self is ScheduleKind.ZB_H1
 
     @property
     def changes_optimizer_semantics(self) -> bool:

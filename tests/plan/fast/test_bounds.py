@@ -80,7 +80,7 @@ def test_the_evaluators_bound_holds_for_every_schedule():
     profile = synthetic_profile(blocks=6, micro_batch_sizes=[1, 2],
                                 block_forward_seconds=[0.01, 0.012, 0.01, 0.015, 0.01, 0.011])
     hardware = hardware_for(load_cluster("a100-8x8"), profile)
-    request = PlanRequest(global_batch=16, schedules=["1f1b", "gpipe", "interleaved", "varuna", "2bw"])
+    request = PlanRequest(global_batch=16, schedules=["1f1b", "gpipe", "interleaved", "varuna", "2bw", "zb-h1"])
     specs = enumerate_specs(profile, hardware, search_space(request, profile, hardware), 8).specs
     assert {spec.variant.kind for spec in specs} == set(ScheduleKind)
     evaluator = Evaluator(hardware, 16, reference=True)  # the bounds hold for the simulation itself

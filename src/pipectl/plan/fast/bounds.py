@@ -22,6 +22,15 @@ least
 and with equal stages and free communication it is exactly m (t_f + t_b) (+ the update).
 The in-flight loops below bound the flushed step: they are not applied to 2BW.
 
+**Zero bubble** (`zero_bubble_bound_seconds`, every zb-h1 spec). Its backward is split into I,
+which the stage before waits for, and W, which nothing waits for: a rank's last actions are W's
+that no other rank follows, so the B-chain after it does not bound the step. What does:
+
+    LB = max over ranks k of  F-chain(k) + m * work(k) + AR(k) + opt(k)
+
+(I + W take the profile's whole backward, so work(k) is unchanged). Lowered by 1e-12 relative:
+I and W are the backward's two parts, whose sum may differ from it in the last bit.
+
 **1F1B's in-flight loops** (`pair_loop_bound_seconds`, tighter, for the morph table). The chains
 charge each rank its micro-batches' work plus the chains before and after it. 1F1B's step is
 longer when its in-flight limit binds: rank k holds at most
@@ -77,6 +86,7 @@ __all__ = [
     "pair_loop_bound_seconds",
     "two_bw_bound_seconds",
     "varuna_bound_seconds",
+    "zero_bubble_bound_seconds",
 ]
 
 
@@ -101,6 +111,17 @@ def two_bw_bound_seconds(work, micro_batches, allreduce, optimizer):
     12.5
     """
     return np.max(micro_batches * work + (allreduce + optimizer), axis=-1)
+
+
+def zero_bubble_bound_seconds(forward_chain, work, micro_batches, allreduce, optimizer):
+    """LB of the zero-bubble schedules (module docstring), per rank k: F-chain, work per
+    micro-batch, all-reduce and optimizer seconds; one spec or a batch, as `chain_bound_seconds`.
+
+    >>> bound = zero_bubble_bound_seconds(np.array([0.0, 1.0]), np.array([3.0, 3.0]), 4, np.zeros(2), np.zeros(2))
+    >>> round(float(bound), 9)  # m (t_f + t_b) + the F-chain to the last rank; ZB-H1 takes 13 (p = 2, t_I = t_W)
+    13.0
+    """
+    return np.max(forward_chain + micro_batches * work + (allreduce + optimizer), axis=-1) * (1 - 1e-12)
 
 
 def has_pair_loops(kind: ScheduleKind, pipeline_parallel: int, micro_batches: int, chunks: int) -> bool:
