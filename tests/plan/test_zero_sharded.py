@@ -169,8 +169,11 @@ def test_the_planner_prices_zero_2_and_3_as_simulate_does():
         costs = stage_costs_for(candidate, profile, cluster)
         resimulated = simulate(generate(candidate.schedule, 1, candidate.micro_batches), costs).step_seconds
         assert resimulated == pytest.approx(candidate.predicted_step_seconds, rel=1e-12)
-    # One stage, no tensor split: ZeRO-2 runs in DeepSpeed's ordinary engine (runtime/plain.py).
-    assert by_stage[1].deepspeed_runnable and by_stage[2].deepspeed_runnable and not by_stage[3].deepspeed_runnable
+    # One stage, no tensor split: ZeRO-2 and ZeRO-3 run in DeepSpeed's ordinary engine (runtime/plain.py),
+    # ZeRO-3 without per-layer checkpointing.
+    for candidate in result.candidates:
+        assert candidate.deepspeed_runnable == (candidate.zero_stage < 3 or not candidate.checkpoint_layers)
+    assert any(c.zero_stage == 3 and c.deepspeed_runnable for c in result.candidates)
     # m = 2: 2 x 30 ms of compute + the collectives above + Adam's step.
     assert by_stage[3].predicted_step_seconds - by_stage[1].predicted_step_seconds == pytest.approx(
         (90.75 - 45.15) * MS)
@@ -196,19 +199,17 @@ def test_zero_2_and_3_appear_at_p_1_only():
     assert all(c.pipeline_parallel == 1 for c in result.candidates if c.zero_stage >= 2)
 
 
-def test_zero3_fits_where_zero1_does_not_and_is_chosen_only_with_any_engine():
+def test_zero3_fits_where_zero1_does_not_and_is_chosen_without_any_engine():
     profile = _two_layers()
     # ZeRO-1 at d = 16 needs 1.575 GB at the step; ZeRO-3 1.3 GB (see the memory test).
     hardware = _with_memory(hardware_for(load_cluster("a100-8x8"), profile), 1.4)
     cluster = load_cluster("a100-8x8")
     request = PlanRequest(global_batch=16, zero_stages=[1, 3], pipeline_parallel=1, data_parallel=16, morph=False,
                           memory_headroom=0.0, workers=1)
-    with pytest.raises(InfeasibleError, match="only ZeRO stages pipectl's runtime cannot run fit"):
-        plan_homogeneous(profile, cluster.name, hardware, request)
-    chosen = plan_homogeneous(profile, cluster.name, hardware, request.model_copy(update={"for_deepspeed": False}))
-    assert (chosen.chosen.zero_stage, chosen.chosen.pipeline_parallel) == (3, 1)
-    assert not chosen.chosen.deepspeed_runnable
-    assert any("ZeRO-3" in note and "no candidate pipectl's runtime can run fits" in note for note in chosen.notes)
+    # The runtime trains ZeRO-3 at p = 1, t = 1 (DeepSpeed's ordinary engine): chosen without --any-engine.
+    chosen = plan_homogeneous(profile, cluster.name, hardware, request)
+    assert (chosen.chosen.zero_stage, chosen.chosen.pipeline_parallel, chosen.chosen.tensor_parallel) == (3, 1, 1)
+    assert chosen.chosen.deepspeed_runnable
     with pytest.raises(InfeasibleError, match="a stage does not fit"):
         plan_homogeneous(profile, cluster.name, hardware, request.model_copy(update={"zero_stages": [1]}))
 
@@ -222,10 +223,10 @@ def test_a_plan_keeps_the_best_zero3_row_and_says_what_it_lost_to():
     assert result.chosen.zero_stage == 1 and result.chosen.pipeline_parallel > 1
     assert not any(c.zero_stage == 1 and c.pipeline_parallel == 1 for c in result.candidates)
     row = next(c for c in result.candidates if c.zero_stage == 3)
-    assert row.pipeline_parallel == 1 and not row.deepspeed_runnable
+    assert row.pipeline_parallel == 1 and row.tensor_parallel == 1 and row.deepspeed_runnable  # the runtime trains it
     assert row.predicted_step_seconds > result.chosen.predicted_step_seconds
     note = next(n for n in result.notes if n.startswith("ZeRO-3"))
-    assert "loses to the best candidate pipectl's runtime can run" in note
+    assert "loses to the best candidate pipectl's runtime can run" in note and "trains ZeRO-3 with no tensor" not in note
     assert f"({result.chosen.predicted_step_seconds:.4g} s/step)" in note
 
 
@@ -284,6 +285,23 @@ def test_with_measured_engine_terms_the_planner_and_simulate_agree():
         costs = stage_costs_for(candidate, profile, cluster)
         resimulated = simulate(generate(candidate.schedule, 1, candidate.micro_batches), costs).step_seconds
         assert resimulated == pytest.approx(candidate.predicted_step_seconds, rel=1e-12)
+
+
+def test_zero3_with_per_layer_checkpointing_is_planned_only():
+    """The runtime trains ZeRO-3 at p = 1, t = 1, but not with per-layer checkpointing (its
+    recomputed forwards find the weights partitioned); ZeRO-2 with it runs."""
+    from pipectl.artifacts.plan import RecomputeChoice
+
+    profile, cluster = _two_layers(), load_cluster("a100-8x8")
+    request = PlanRequest(global_batch=32, zero_stages=[2, 3], pipeline_parallel=1, data_parallel=16,
+                          recompute=RecomputeChoice.LAYER, for_deepspeed=False, include_all=True, morph=False, workers=1)
+    candidates = plan(profile, cluster, request).candidates
+    checkpointed = {c.zero_stage: c for c in candidates if c.checkpoint_layers}
+    plain = {c.zero_stage: c for c in candidates if not c.checkpoint_layers}
+    assert set(checkpointed) == set(plain) == {2, 3}
+    assert checkpointed[2].deepspeed_runnable and plain[3].deepspeed_runnable
+    assert not checkpointed[3].deepspeed_runnable
+    assert any("not with per-layer checkpointing" in note for note in checkpointed[3].notes)
 
 
 def test_zero2_is_runnable_with_one_stage_and_no_tensor_split_and_never_uneven():

@@ -97,7 +97,7 @@ def test_unknown_optimizer_is_rejected():
     [
         ({"zero_stage": 2}, "ZeRO stage 2 for t1 p2"),
         ({"zero_stage": 0}, "ZeRO stage 0 for t1 p2; pipectl trains with ZeRO-1"),
-        ({"zero_stage": 3, "p": 1, "d": 2, "m": 2}, "ZeRO stage 3 for t1 p1"),
+        ({"zero_stage": 3}, "ZeRO stage 3 for t1 p2; pipectl trains with ZeRO-1, and with ZeRO-2 or ZeRO-3 when"),
         ({"deepspeed_runnable": False}, "cannot run in DeepSpeed"),
     ],
 )
@@ -106,18 +106,34 @@ def test_plans_deepspeed_cannot_run_are_rejected(extra, message):
         validated_config(make_plan(make_candidate(**extra)))
 
 
-def test_zero2_with_uneven_replicas_is_rejected():
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_zero2_and_3_with_uneven_replicas_are_rejected(zero_stage):
     from pipectl.artifacts.plan import replica_shares
 
-    candidate = make_candidate(p=1, d=2, m=2, zero_stage=2, replicas=replica_shares(6, 2, 2, "cpu"))
-    with pytest.raises(DeepSpeedConfigRejected, match="uneven replicas"):
+    candidate = make_candidate(p=1, d=2, m=2, zero_stage=zero_stage, replicas=replica_shares(6, 2, 2, "cpu"))
+    with pytest.raises(DeepSpeedConfigRejected, match=f"uneven replicas .*ZeRO-{zero_stage} reduces gradients after every"):
         validated_config(make_plan(candidate, global_batch=6))
 
 
-def test_a_one_stage_zero2_plan_is_a_valid_deepspeed_config():
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_a_one_stage_zero2_or_3_plan_is_a_valid_deepspeed_config(zero_stage):
     """DeepSpeed's ordinary engine runs it (`runtime/plain.py`); its parser accepts the config."""
-    config = validated_config(make_plan(make_candidate(p=1, d=2, m=2, zero_stage=2)))
-    assert config["zero_optimization"]["stage"] == 2
+    config = validated_config(make_plan(make_candidate(p=1, d=2, m=2, zero_stage=zero_stage)))
+    assert config["zero_optimization"]["stage"] == zero_stage
+
+
+def test_zero3_with_per_layer_checkpointing_is_rejected():
+    """DeepSpeed 0.19.8's ordinary engine fails its recomputed forwards under ZeRO-3 (measured)."""
+    candidate = make_candidate(p=1, d=2, m=2, zero_stage=3, checkpoint_layers=True)
+    with pytest.raises(DeepSpeedConfigRejected, match="ZeRO stage 3 with per-layer activation checkpointing"):
+        validated_config(make_plan(candidate))
+
+
+def test_zero3_with_a_tensor_split_is_rejected_without_blaming_the_pipeline():
+    candidate = make_candidate(p=1, d=1, m=8, zero_stage=3, tensor_parallel=2, devices=2)
+    with pytest.raises(DeepSpeedConfigRejected, match="ZeRO stage 3 for t2 p1") as raised:
+        validated_config(make_plan(candidate))
+    assert "pipeline parallelism" not in str(raised.value)
 
 
 def test_interleaved_chunks_are_rejected():

@@ -26,19 +26,30 @@ from pipectl.schedule.ir import ScheduleKind
 
 # The ZeRO stages pipectl's runtime trains with in any layout: 1, the stage whose optimizer
 # partitions its checkpoints hold and re-cut for a resize. DeepSpeed's pipeline engine rejects 2
-# and 3; a one-stage plan (p = 1, t = 1) runs ZeRO-2 in DeepSpeed's ordinary engine, whose ZeRO-2
-# optimizer keeps the same partitions (`runtime_runs_zero`). A candidate with another stage is
-# planned for comparison only.
+# and 3; a one-stage plan (p = 1, t = 1) runs ZeRO-2 and ZeRO-3 in DeepSpeed's ordinary engine,
+# whose optimizers' partitions `runtime.engine_state` reads and writes in the same checkpoint
+# format (`runtime_runs_zero`). A candidate with another stage is planned for comparison only.
 RUNTIME_ZERO_STAGES = (1,)
-ONE_STAGE_ZERO_STAGES = (1, 2)
+ONE_STAGE_ZERO_STAGES = (1, 2, 3)
 
 
-def runtime_runs_zero(zero_stage: int, pipeline_parallel: int, tensor_parallel: int = 1) -> bool:
-    """Whether pipectl's runtime trains a layout of this pipeline and tensor degree with this ZeRO stage.
+def runtime_runs_zero(
+    zero_stage: int, pipeline_parallel: int, tensor_parallel: int = 1, *, checkpoint_layers: bool = False
+) -> bool:
+    """Whether pipectl's runtime trains a layout of this pipeline and tensor degree with this ZeRO
+    stage. Not ZeRO-3 with per-layer activation checkpointing: the recomputed forward inside the
+    backward finds the layer's weights partitioned (DeepSpeed 0.19.8, measured: "The size of tensor
+    a (0) must match the size of tensor b (256)").
 
     >>> runtime_runs_zero(1, 4), runtime_runs_zero(2, 1), runtime_runs_zero(2, 2), runtime_runs_zero(3, 1)
-    (True, True, False, False)
+    (True, True, False, True)
+    >>> runtime_runs_zero(3, 2), runtime_runs_zero(3, 1, tensor_parallel=2), runtime_runs_zero(0, 1)
+    (False, False, False)
+    >>> runtime_runs_zero(3, 1, checkpoint_layers=True), runtime_runs_zero(2, 1, checkpoint_layers=True)
+    (False, True)
     """
+    if zero_stage == 3 and checkpoint_layers:
+        return False
     if pipeline_parallel == 1 and tensor_parallel == 1:
         return zero_stage in ONE_STAGE_ZERO_STAGES
     return zero_stage in RUNTIME_ZERO_STAGES

@@ -143,9 +143,9 @@ def plan_command(
         typer.Option(
             "--zero-stages",
             help="ZeRO stages to try (0,1,2,3). Default 1: pipectl trains with ZeRO-1, the stage whose "
-            "optimizer partitions its checkpoints hold and re-cut for resize; ZeRO-0, 2 and 3 candidates are "
-            "planner-only (marked *, chosen only with --any-engine), 2 and 3 at p = 1 only (DeepSpeed's "
-            "pipeline engine refuses them).",
+            "optimizer partitions its checkpoints hold and re-cut for resize; 2 and 3 at p = 1 only (DeepSpeed's "
+            "pipeline engine refuses them; its ordinary engine trains them without a tensor split); ZeRO-0, "
+            "and 2 and 3 with a tensor split, are planner-only (marked *, chosen only with --any-engine).",
         ),
     ] = "1",
     memory_headroom: Annotated[

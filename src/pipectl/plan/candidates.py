@@ -171,7 +171,8 @@ class Spec:
     @property
     def deepspeed_runnable(self) -> bool:
         return deepspeed_runnable(self.variant.kind, self.variant.chunks) and runtime_runs_zero(
-            self.zero_stage, self.shape.pipeline_parallel, self.shape.tensor_parallel
+            self.zero_stage, self.shape.pipeline_parallel, self.shape.tensor_parallel,
+            checkpoint_layers=self.checkpoint_layers,
         )
 
     @property

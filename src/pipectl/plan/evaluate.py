@@ -59,11 +59,14 @@ def two_bw_steady_note(update_seconds: float, flushed_seconds: float, micro_batc
     return note
 
 
-def zero_stage_note(zero_stage: int) -> str:
+def zero_stage_note(zero_stage: int, *, checkpoint_layers: bool = False) -> str:
     """The note on a candidate whose ZeRO stage pipectl's runtime does not train with."""
+    if zero_stage == 3 and checkpoint_layers:
+        return ("ZeRO-3: pipectl's runtime trains it with one stage and no tensor split, but not with per-layer "
+                "checkpointing (plan and simulate only)")
     if zero_stage >= 2:
-        return (f"ZeRO-{zero_stage}: pipectl's runtime trains with ZeRO-1, and ZeRO-2 with one stage and no "
-                "tensor split (plan and simulate only)")
+        return (f"ZeRO-{zero_stage}: pipectl's runtime trains with ZeRO-1, and ZeRO-2 and ZeRO-3 with one stage "
+                "and no tensor split (plan and simulate only)")
     return f"ZeRO-{zero_stage}: pipectl's runtime trains with ZeRO-1 only (plan and simulate only)"
 
 
@@ -235,8 +238,9 @@ class Evaluator:
             notes.append(TORCH_NOTE)
         elif not deepspeed_runnable(spec.variant.kind, spec.variant.chunks):
             notes.append(NOT_DEEPSPEED_NOTE)
-        if not runtime_runs_zero(spec.zero_stage, shape.pipeline_parallel, shape.tensor_parallel):
-            notes.append(zero_stage_note(spec.zero_stage))
+        if not runtime_runs_zero(spec.zero_stage, shape.pipeline_parallel, shape.tensor_parallel,
+                                 checkpoint_layers=spec.checkpoint_layers):
+            notes.append(zero_stage_note(spec.zero_stage, checkpoint_layers=spec.checkpoint_layers))
         replicas = replica_shares(self.global_batch, spec.data_parallel, shape.micro_batch_size, self.hardware.kind)
         if replicas:
             notes.append(uneven_note(replicas))

@@ -317,7 +317,8 @@ def plan_homogeneous(
             if zero_only:
                 raise InfeasibleError(
                     f"only ZeRO stages pipectl's runtime cannot run fit (best: {chosen_entry[1].describe()})",
-                    hint="plan with --any-engine to see them; pipectl's runtime trains with ZeRO-1",
+                    hint="plan with --any-engine to see them; pipectl's runtime trains with ZeRO-1, and ZeRO-2 "
+                    "and ZeRO-3 with one stage and no tensor split",
                 )
             raise InfeasibleError(
                 "only schedules DeepSpeed's pipeline engine cannot run fit "
@@ -391,7 +392,9 @@ def plan_homogeneous(
 def _zero_not_run(spec: Spec) -> bool:
     """Whether the runtime cannot run the spec for its ZeRO stage alone (its schedule it can run)."""
     shape = spec.shape
-    return not runtime_runs_zero(spec.zero_stage, shape.pipeline_parallel, shape.tensor_parallel) and deepspeed_runnable(
+    return not runtime_runs_zero(
+        spec.zero_stage, shape.pipeline_parallel, shape.tensor_parallel, checkpoint_layers=spec.checkpoint_layers
+    ) and deepspeed_runnable(
         spec.variant.kind, spec.variant.chunks
     )
 
@@ -415,7 +418,8 @@ def _gradient_sharded_comparison(
 ) -> tuple[list[tuple[tuple, Spec, float]], list[str]]:
     """Per ZeRO stage 2 or 3 asked for: its best candidate (p = 1 only) and a note saying whether
     it beats the best candidate pipectl's runtime can run (the chosen one, unless --any-engine chose
-    another) or loses to it. The runtime trains with ZeRO-1, so these are planned only."""
+    another) or loses to it. The runtime trains them with one stage and no tensor split; a best
+    candidate with a tensor split is planned only, and its note says so."""
     entries: list[tuple[tuple, Spec, float]] = []
     notes: list[str] = []
     stages = sorted({z for z in request.zero_stages if z >= 2})
@@ -442,7 +446,10 @@ def _gradient_sharded_comparison(
         else:
             verdict = f"loses to the best candidate pipectl's runtime can run, {other}{ratio}"
         chosen_it = " (chosen: --any-engine)" if best[1] is chosen[1] else ""
-        notes.append(f"{label}: best {figures}{chosen_it} {verdict}; pipectl's runtime trains with ZeRO-1 only")
+        planned_only = "" if best[1].deepspeed_runnable else (
+            f"; pipectl's runtime trains ZeRO-{stage} with no tensor split only"
+        )
+        notes.append(f"{label}: best {figures}{chosen_it} {verdict}{planned_only}")
     return entries, notes
 
 

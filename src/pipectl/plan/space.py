@@ -9,8 +9,8 @@ candidates. Schedules 1f1b, gpipe, interleaved (v ∈ {2, 4} when p*v ≤ layers
 replica) and Varuna; PipeDream-2BW only when asked for (always flagged; m ≥ p − 1 on every replica,
 else rejected: two weight versions need it). ZeRO stages as asked, 2
 and 3 at p = 1 only (DeepSpeed's pipeline engine refuses them with p > 1, so deeper pipelines
-never get those points: they are outside the space, not rejected), always flagged (pipectl's
-runtime trains with ZeRO-1).
+never get those points: they are outside the space, not rejected), flagged with a tensor split
+(pipectl's runtime trains them in DeepSpeed's ordinary engine with one stage and t = 1).
 
 Recomputation as asked (`PlanRequest.recompute_granularities`): none, whole stages (R actions on
 every stage but the last; never at p = 1, where the one stage is the last) and per-layer

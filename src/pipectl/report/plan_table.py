@@ -299,12 +299,13 @@ def plan_view(plan: Plan, *, top: int = 10, show_morph: bool = True, profile: Mo
         parts.append(Text(line, style="dim"))
     stages = sorted({
         cand.zero_stage for cand in flagged
-        if not runtime_runs_zero(cand.zero_stage, cand.pipeline_parallel, cand.tensor_parallel)
+        if not runtime_runs_zero(cand.zero_stage, cand.pipeline_parallel, cand.tensor_parallel,
+                                 checkpoint_layers=cand.checkpoint_layers)
     })
     if stages:
         parts.append(Text(
-            f"* {', '.join(f'ZeRO-{z}' for z in stages)}: pipectl's runtime trains with ZeRO-1, and ZeRO-2 with one "
-            f"stage and no tensor split (plan and simulate only)"
+            f"* {', '.join(f'ZeRO-{z}' for z in stages)}: pipectl's runtime trains with ZeRO-1, and ZeRO-2 and "
+            f"ZeRO-3 with one stage and no tensor split, ZeRO-3 without per-layer checkpointing (plan and simulate only)"
             f"{'; ZeRO-2 and ZeRO-3 are planned at p = 1 only' if stages[-1] >= 2 else ''}", style="dim",
         ))
     for note in [*plan.notes, *c.notes]:

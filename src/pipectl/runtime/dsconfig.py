@@ -12,9 +12,9 @@ replica runs m micro-batches of b samples and accumulates their gradients, so
     {'train_batch_size': 16, 'train_micro_batch_size_per_gpu': 2, 'gradient_accumulation_steps': 4}
 
 Choices and why:
-- The plan's ZeRO stage, which must be 1, or 2 for a one-stage plan without a tensor split
-  (`runtime_runs_zero`; DeepSpeed's ordinary engine runs it, `runtime/plain.py`): pipectl's
-  checkpoints read and write the fp32 partitions of DeepSpeed's ZeRO-1/2 optimizer
+- The plan's ZeRO stage, which must be 1, or 2 or 3 for a one-stage plan without a tensor split
+  (`runtime_runs_zero`; DeepSpeed's ordinary engine runs them, `runtime/plain.py`): pipectl's
+  checkpoints read and write the fp32 partitions of DeepSpeed's ZeRO-1/2 and ZeRO-3 optimizers
   (`engine_state`), and DeepSpeed's pipeline engine rejects 2 and 3. The planner labels d = 1 candidates ZeRO-1 (they
   shard nothing; ZeRO-1 gave bit-identical losses to ZeRO-0 there, shared/DEEPSPEED-ON-CPU.md) and
   marks any other stage as not runnable, so a plan and its run never differ silently.
@@ -253,21 +253,28 @@ def check_candidate(candidate: Candidate, *, global_batch: int, layers: int) -> 
             f"(= {b * m * d})",
             hint="re-plan: every candidate must keep the global batch exactly",
         )
+    if candidate.zero_stage == 3 and candidate.checkpoint_layers:
+        raise DeepSpeedConfigRejected(
+            "the plan chose ZeRO stage 3 with per-layer activation checkpointing; DeepSpeed's ordinary engine "
+            "cannot recompute a layer whose weights ZeRO-3 has partitioned (pipectl's runtime does not run it)",
+            hint="re-plan with --recompute stage or never, or with --zero-stages 1,2",
+        )
     if not runtime_runs_zero(candidate.zero_stage, candidate.pipeline_parallel, candidate.tensor_parallel):
         raise DeepSpeedConfigRejected(
             f"the plan chose ZeRO stage {candidate.zero_stage} for t{candidate.tensor_parallel} "
-            f"p{candidate.pipeline_parallel}; pipectl trains with ZeRO-1, and with ZeRO-2 when there is one "
-            f"stage and no tensor split (its checkpoints hold the ZeRO-1/2 optimizer's partitions; "
-            f"DeepSpeed's pipeline engine rejects 2 and 3)",
+            f"p{candidate.pipeline_parallel}; pipectl trains with ZeRO-1, and with ZeRO-2 or ZeRO-3 when there is "
+            f"one stage and no tensor split (in DeepSpeed's ordinary engine: its pipeline engine rejects 2 and 3)",
             hint="re-plan with --zero-stages 1 (the default)",
         )
     if candidate.zero_stage >= 2 and has_uneven_replicas(candidate):
-        # ZeRO-2 reduce-scatters after every micro-batch's backward: replicas running different
-        # micro-batch counts would wait on collectives the others never start.
+        # ZeRO-2 and ZeRO-3 reduce-scatter after every micro-batch's backward (ZeRO-3 also gathers
+        # the weights before every forward and backward): replicas running different micro-batch
+        # counts would wait on collectives the others never start.
         raise DeepSpeedConfigRejected(
             f"the plan chose ZeRO stage {candidate.zero_stage} with uneven replicas "
-            f"({', '.join(f'{r.micro_batch_size}x{r.micro_batches}' for r in candidate.replicas)}); ZeRO-2 reduces "
-            "gradients after every micro-batch, so every replica must run the same number",
+            f"({', '.join(f'{r.micro_batch_size}x{r.micro_batches}' for r in candidate.replicas)}); "
+            f"ZeRO-{candidate.zero_stage} reduces gradients after every micro-batch, so every replica must run "
+            "the same number",
             hint="re-plan with --even-replicas, or with --zero-stages 1",
         )
     check_schedule(candidate)

@@ -1,4 +1,4 @@
-"""A DeepSpeed pipeline engine's training state, to host memory and back (one rank).
+"""A DeepSpeed engine's training state, to host memory and back (one rank).
 
 What a rank holds under DeepSpeed's ZeRO-1 optimizer (fp32, bf16 and fp16 alike: the
 `DeepSpeedZeroOptimizer` keeps the master copy): per optimizer group, one flat fp32 partition of
@@ -7,6 +7,17 @@ rank, 1/d of them with d) and the wrapped optimizer's state for that flat tensor
 `exp_avg`, `exp_avg_sq`). DeepSpeed links every model parameter to its piece of the partition
 (`param._hp_mapping`: where the piece starts in the parameter and in the partition); those links
 become the `Fragment`s of `pipectl.runtime.shards`.
+
+Under ZeRO-3 (`DeepSpeedZeroOptimizer_Stage3`, one-stage plans in DeepSpeed's ordinary engine)
+the model's parameters are partitioned too (`param.ds_tensor`: elements r x P .. (r + 1) x P of
+the flattened parameter on data-parallel rank r, P = `param.partition_numel()`, the last piece
+padded), and each sub-group's pieces lie end to end in one flat fp32 partition
+(`fp32_partitioned_groups_flat`) on which the optimizer keeps its state. DeepSpeed's own map of
+where each piece lies (`grad_position`: sub-group, offset, length; what its `safe_get_local_*`
+helpers read) becomes the same `Fragment`s, one sub-group per checkpoint group, so the two
+optimizers' checkpoints are one format and load into each other. (DeepSpeed's default
+`sub_group_size`, 1e9 elements, gives one sub-group per parameter group below a billion elements
+per rank; `restore` refuses a checkpoint with another number of groups.)
 
 `HostSnapshot.capture` copies the partitions and states into host buffers that are allocated once
 and reused (pinned when the engine runs on a GPU), so the training loop pauses only for the copy.
@@ -37,18 +48,94 @@ ENGINE_COUNTERS = ("global_steps", "global_samples", "skipped_steps")
 # --------------------------------------------------------------------------- what DeepSpeed holds
 
 
-def optimizer_groups(engine: Any) -> list[tuple[torch.Tensor, list[torch.nn.Parameter]]]:
-    """Per optimizer group: the flat fp32 partition this rank holds and the model parameters linked
-    to it. Raises `CheckpointError` for an optimizer that keeps no such partition."""
+@dataclass(frozen=True)
+class Piece:
+    """Elements `start` .. `start + numel` of `parameter` (flattened, whole on this tensor rank) at
+    `offset` .. `offset + numel` of its group's flat partition."""
+
+    parameter: torch.nn.Parameter
+    offset: int
+    start: int
+    numel: int
+
+
+@dataclass
+class OptimizerGroup:
+    """One flat fp32 partition this rank holds, the model parameters linked to it (`parameters`,
+    all of them, also those whose elements lie in other ranks' partitions) and where each piece
+    held here lies (`pieces`)."""
+
+    partition: torch.Tensor
+    parameters: list[torch.nn.Parameter]
+    pieces: list[Piece]
+    settings: dict[str, Any]  # the wrapped optimizer's param group (lr, betas, ...; no 'params')
+
+
+def is_zero3(engine: Any) -> bool:
+    """Whether the engine's optimizer is DeepSpeed's ZeRO-3 one (parameters partitioned too)."""
+    return hasattr(engine.optimizer, "fp32_partitioned_groups_flat")
+
+
+def parameter_shape(parameter: torch.nn.Parameter) -> tuple[int, ...]:
+    """Its whole shape on this tensor rank (a ZeRO-3 parameter holds an empty tensor between uses)."""
+    return tuple(getattr(parameter, "ds_shape", parameter.shape))
+
+
+def _settings(optimizer: Any, index: int) -> dict[str, Any]:
+    return {k: v for k, v in optimizer.optimizer.param_groups[index].items() if k != "params"}
+
+
+def optimizer_groups(engine: Any) -> list[OptimizerGroup]:
+    """Per optimizer group (ZeRO-3: per sub-group): the flat fp32 partition this rank holds and
+    its links to the parameters. Raises `CheckpointError` for an optimizer that keeps no such
+    partition."""
     optimizer = engine.optimizer
+    if is_zero3(engine):
+        return _zero3_groups(optimizer)
     partitions = getattr(optimizer, "single_partition_of_fp32_groups", None)
     parameters = getattr(optimizer, "bit16_groups", None)
     if partitions is None or parameters is None:
         raise CheckpointError(
-            f"cannot checkpoint a {type(optimizer).__name__}: pipectl reads DeepSpeed's ZeRO-1 optimizer partitions",
+            f"cannot checkpoint a {type(optimizer).__name__}: pipectl reads DeepSpeed's ZeRO-1/2/3 optimizer partitions",
             hint="train with zero_optimization.stage 1 (pipectl's ds_config does)",
         )
-    return list(zip(partitions, parameters))
+    groups = []
+    for index, (partition, group) in enumerate(zip(partitions, parameters)):
+        pieces = []
+        for parameter in group:
+            mapping = parameter._hp_mapping
+            if mapping is None:  # every element of it lies in another data-parallel rank's partition
+                continue
+            pieces.append(
+                Piece(
+                    parameter,
+                    offset=mapping.hp_fragment_address.start,
+                    start=mapping.lp_fragment_address.start,
+                    numel=mapping.lp_fragment_address.numel,
+                )
+            )
+        groups.append(OptimizerGroup(partition, list(group), pieces, _settings(optimizer, index)))
+    return groups
+
+
+def _zero3_groups(optimizer: Any) -> list[OptimizerGroup]:
+    """ZeRO-3's sub-groups: parameter r x P .. (r + 1) x P (its padding excluded) at the offset
+    DeepSpeed records for it in the sub-group's flat partition (`grad_position`, which its
+    `safe_get_local_fp32_param` reads too)."""
+    groups = []
+    for index, (partition, group) in enumerate(zip(optimizer.fp32_partitioned_groups_flat, optimizer.fp16_groups)):
+        pieces = []
+        for parameter in group:
+            sub_group, offset, length = optimizer.grad_position[optimizer.get_param_id(parameter)]
+            if sub_group != index:
+                raise CheckpointError(f"ZeRO-3 places a parameter of sub-group {index} in sub-group {sub_group}")
+            start = optimizer._get_param_partition_rank(parameter) * length
+            numel = min(length, parameter.ds_numel - start)
+            if numel > 0:
+                pieces.append(Piece(parameter, offset=offset, start=start, numel=numel))
+        settings = _settings(optimizer, optimizer.sub_group_to_group_id[index])
+        groups.append(OptimizerGroup(partition, list(group), pieces, settings))
+    return groups
 
 
 def device_kind(engine: Any) -> str:
@@ -149,7 +236,8 @@ class HostSnapshot:
             data_position=dict(data_position),
         )
         trained: set[int] = set()
-        for group, (partition, parameters) in enumerate(optimizer_groups(engine)):
+        for group, linked in enumerate(optimizer_groups(engine)):
+            partition = linked.partition
             tensors[group_tensor(group, FP32)] = self._copy(group_tensor(group, FP32), partition)
             states, scalars = [], []
             for key, value in optimizer.optimizer.state.get(partition, {}).items():
@@ -161,25 +249,21 @@ class HostSnapshot:
                     scalars.append(key)
             header.group_states.append(states)
             header.group_scalars.append(scalars)
-            settings = {k: v for k, v in optimizer.optimizer.param_groups[group].items() if k != "params"}
-            header.group_settings.append(_numbers(settings))
-            for parameter in parameters:
-                trained.add(id(parameter))
-                mapping = parameter._hp_mapping
-                if mapping is None:  # every element of it lies in another data-parallel rank's partition
-                    continue
+            header.group_settings.append(_numbers(linked.settings))
+            trained.update(id(parameter) for parameter in linked.parameters)
+            for piece in linked.pieces:
                 header.fragments.append(
                     Fragment(
-                        name=names[parameter],
+                        name=names[piece.parameter],
                         group=group,
-                        offset=mapping.hp_fragment_address.start,
-                        start=mapping.lp_fragment_address.start,
-                        numel=mapping.lp_fragment_address.numel,
-                        shape=tuple(parameter.shape),
+                        offset=piece.offset,
+                        start=piece.start,
+                        numel=piece.numel,
+                        shape=parameter_shape(piece.parameter),
                         stage=stage,
                         tp_rank=tp_rank,
                         tensor_parallel=tensor_parallel,
-                        split=parameter_split(parameter),
+                        split=parameter_split(piece.parameter),
                     )
                 )
         for name, value in _module_tensors(engine.module, trained).items():
@@ -257,37 +341,44 @@ def restore(engine: Any, reader: ShardReader, *, restore_rng: bool = True) -> Ra
     tp_rank, tensor_parallel = tensor_rank(engine)
     source = reader.headers[0]
     groups = optimizer_groups(engine)
+    zero3 = is_zero3(engine)
     if len(source.group_settings) != len(groups):
         raise CheckpointError(
             f"{reader.folder}: written with {len(source.group_settings)} optimizer groups, this engine has {len(groups)}"
         )
     trained: set[int] = set()
     with torch.no_grad():
-        for group, (partition, parameters) in enumerate(groups):
+        for group, linked in enumerate(groups):
+            partition = linked.partition
             states = reader.states(group)
             # Written piece by piece below; only what no piece covers (alignment padding) is zeroed
             # after, instead of a whole pass of zeros first.
             flat = {state: torch.empty_like(partition) for state in states[1:]}
             covered: list[tuple[int, int]] = []
-            for parameter in parameters:
+            held = {id(piece.parameter): piece for piece in linked.pieces}
+            for parameter in linked.parameters:
                 trained.add(id(parameter))
                 name = names[parameter]
                 values = {
                     state: reader.local(name, state, parameter_split(parameter), tensor_parallel, tp_rank)
                     for state in states
                 }
-                if values[FP32].shape != parameter.shape:
+                if tuple(values[FP32].shape) != parameter_shape(parameter):
                     raise CheckpointError(
                         f"{reader.folder}: parameter {name!r} is {tuple(values[FP32].shape)} there, "
-                        f"{tuple(parameter.shape)} in this model (written for another model?)"
+                        f"{parameter_shape(parameter)} in this model (written for another model?)"
                     )
-                parameter.data.copy_(values[FP32])  # the model's copy (bf16/fp16: rounded like a step does)
-                mapping = parameter._hp_mapping
-                if mapping is None:
+                piece = held.get(id(parameter))
+                if zero3:
+                    if piece is not None:  # the model's copy is this partition (bf16/fp16: rounded)
+                        local = values[FP32].reshape(-1).narrow(0, piece.start, piece.numel)
+                        parameter.ds_tensor.data.reshape(-1).narrow(0, 0, piece.numel).copy_(local)
+                else:
+                    parameter.data.copy_(values[FP32])  # the model's copy (bf16/fp16: rounded like a step does)
+                if piece is None:
                     continue
-                start, numel = mapping.lp_fragment_address.start, mapping.lp_fragment_address.numel
-                mapping.hp_fragment.data.copy_(values[FP32].reshape(-1).narrow(0, start, numel))
-                offset = mapping.hp_fragment_address.start
+                start, numel, offset = piece.start, piece.numel, piece.offset
+                partition.narrow(0, offset, numel).copy_(values[FP32].reshape(-1).narrow(0, start, numel))
                 covered.append((offset, numel))
                 for state, buffer in flat.items():
                     buffer.narrow(0, offset, numel).copy_(values[state].reshape(-1).narrow(0, start, numel))
@@ -300,11 +391,13 @@ def restore(engine: Any, reader: ShardReader, *, restore_rng: bool = True) -> Ra
                     # A copy: what the reader gives may be a view of memory the next checkpoint reuses.
                     state[key] = reader.tensor(0, group_tensor(group, f"state.{key}")).to(partition.device, copy=True)
                 optimizer.optimizer.state[partition] = state
-                for parameter in parameters:  # DeepSpeed's views of each piece's moments
-                    if parameter._hp_mapping is not None:
-                        parameter._hp_mapping.set_optim_state_fragment(partition, state)
-                optimizer._hp_optimizer_states_linked = True
-            settings = optimizer.optimizer.param_groups[group]
+                if not zero3:
+                    for piece in linked.pieces:  # DeepSpeed's views of each piece's moments
+                        piece.parameter._hp_mapping.set_optim_state_fragment(partition, state)
+                    optimizer._hp_optimizer_states_linked = True
+            settings = optimizer.optimizer.param_groups[
+                optimizer.sub_group_to_group_id[group] if zero3 else group
+            ]
             for key, value in source.group_settings[group].items():
                 if key in settings:
                     settings[key] = tuple(value) if isinstance(settings[key], tuple) else value

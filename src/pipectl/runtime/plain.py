@@ -1,17 +1,21 @@
-"""One-stage plans with ZeRO-2, in DeepSpeed's ordinary engine.
+"""One-stage plans with ZeRO-2 or ZeRO-3, in DeepSpeed's ordinary engine.
 
 DeepSpeed's `PipelineEngine` refuses ZeRO-2 ("ZeRO-2 and ZeRO-3 are incompatible with pipeline
 parallelism"). A plan with one pipeline stage has nothing to pipeline, so it runs in DeepSpeed's
 ordinary `DeepSpeedEngine`, which partitions the gradients too: each replica reduce-scatters its
 gradients as the backward produces them and keeps 1/d of them (ZeRO-2), where ZeRO-1 keeps them
-whole until the end of the step. Everything else stays as the pipeline path has it:
+whole until the end of the step. With ZeRO-3 it partitions the weights as well: the model is built
+whole (every rank draws the same seeded layers) and `deepspeed.initialize` partitions it, after
+which each layer's weights are all-gathered before its forward and its backward and released
+after. Everything else stays as the pipeline path has it:
 
 - the model is the same one-stage `PipelineModule` (the same layers, seeds and tied modules),
   its children registered under the same names in a plain module (`LayerStack`), so checkpoints,
   resizes and exports name every parameter as the pipeline path does;
-- ZeRO-2's optimizer is DeepSpeed's ZeRO-1/2 class (`DeepSpeedZeroOptimizer`), whose flat fp32
-  partitions and their links to the parameters `engine_state` captures and restores: a ZeRO-2
-  run's checkpoint or live hand-over loads into any layout, and any layout's into it;
+- ZeRO-2's optimizer is DeepSpeed's ZeRO-1/2 class (`DeepSpeedZeroOptimizer`), ZeRO-3's its
+  `DeepSpeedZeroOptimizer_Stage3`; `engine_state` captures and restores the flat fp32 partitions
+  of either and their links to the parameters in one format: a ZeRO-2 or ZeRO-3 run's checkpoint
+  loads into any layout, and any layout's into it (ZeRO-2's live hand-over too);
 - a step runs the planned micro-batches in the schedule's compute order (one stage: 1F1B's
   F0 B0 F1 B1 ..., GPipe's forwards first), returns the loss averaged over the micro-batches and the
   replicas as the pipeline engine does, and records what it ran (each forward and backward, the end

@@ -188,7 +188,7 @@ def build_engine(job: TrainingJob, initialise: bool = True):
         model, layout.stage_layers, topology=topology, seed=job.seed, chunks=layout.chunks, initialise=initialise,
         checkpoint_layers=layout.checkpoint_layers,
     )
-    # One stage with ZeRO-2: DeepSpeed's ordinary engine (its pipeline engine refuses ZeRO-2).
+    # One stage with ZeRO-2 or ZeRO-3: DeepSpeed's ordinary engine (its pipeline engine refuses both).
     plain = layout.pipeline_parallel == 1 and ds_config.get("zero_optimization", {}).get("stage", 0) >= 2
     with _no_unused_grad_partition(), nullcontext() if initialise else _no_model_broadcast():
         engine, *_ = deepspeed.initialize(
