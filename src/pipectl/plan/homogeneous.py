@@ -303,13 +303,8 @@ def plan_homogeneous(
                 f"zb-h1 without recomputation, tensor or data parallelism; best: {chosen_entry[1].describe()})",
                 hint="plan with --engine deepspeed (or --engine any to see what fits)",
             )
-        best, scope = goal.best_words(chosen_entry[0])
-        runnable, runnable_scope = goal.best_words(ranking.best_runnable[0])
-        plan_notes.append(
-            f"{best} {scope or 'overall'} is {chosen_entry[1].describe()} "
-            f"({goal.figures(chosen_entry[1], chosen_entry[2])}), which PyTorch's pipelining runtime cannot run; "
-            f"chose the {runnable} candidate it can run{' ' + runnable_scope if runnable_scope else ''}"
-        )
+        plan_notes.append(_fallback_note(goal, chosen_entry, ranking.best_runnable,
+                                         "which PyTorch's pipelining runtime cannot run", "candidate it can run"))
         chosen_entry = ranking.best_runnable
     if engine is Engine.DEEPSPEED and not chosen_entry[1].deepspeed_runnable:
         zero_only = _zero_not_run(chosen_entry[1])  # its schedule runs; its ZeRO stage does not
@@ -325,21 +320,12 @@ def plan_homogeneous(
                 f"(best: {chosen_entry[1].describe()})",
                 hint="plan with --any-engine to see them, or allow 1f1b/gpipe/varuna",
             )
-        best, scope = goal.best_words(chosen_entry[0])
-        runnable, runnable_scope = goal.best_words(ranking.best_runnable[0])
         if zero_only:
-            plan_notes.append(
-                f"{best} {scope or 'overall'} is {chosen_entry[1].describe()} "
-                f"({goal.figures(chosen_entry[1], chosen_entry[2])}), which pipectl's runtime cannot run "
-                f"(ZeRO-{chosen_entry[1].zero_stage}); chose the {runnable} candidate it can run"
-                f"{' ' + runnable_scope if runnable_scope else ''}"
-            )
+            why = f"which pipectl's runtime cannot run (ZeRO-{chosen_entry[1].zero_stage})"
+            plan_notes.append(_fallback_note(goal, chosen_entry, ranking.best_runnable, why, "candidate it can run"))
         else:
-            plan_notes.append(
-                f"{best} {scope or 'overall'} is {chosen_entry[1].describe()} "
-                f"({goal.figures(chosen_entry[1], chosen_entry[2])}), which DeepSpeed cannot run; chose the "
-                f"{runnable} DeepSpeed-runnable candidate{' ' + runnable_scope if runnable_scope else ''}"
-            )
+            plan_notes.append(_fallback_note(goal, chosen_entry, ranking.best_runnable, "which DeepSpeed cannot run",
+                                             "DeepSpeed-runnable candidate"))  # fmt: skip
         chosen_entry = ranking.best_runnable
     if goal.objective is Objective.COST_DEADLINE and not goal.meets_deadline(chosen_entry[2]):
         plan_notes.append(
@@ -386,6 +372,17 @@ def plan_homogeneous(
         infeasible=enumeration.rejections.summary(),
         morph_table=morph,
         notes=plan_notes,
+    )
+
+
+def _fallback_note(goal, best_entry, runnable_entry, why: str, what: str) -> str:
+    """The plan note when the best candidate cannot run where the plan is for: "fastest overall is
+    <best> (<figures>), <why>; chose the fastest <what> [scope]"."""
+    best, scope = goal.best_words(best_entry[0])
+    runnable, runnable_scope = goal.best_words(runnable_entry[0])
+    return (
+        f"{best} {scope or 'overall'} is {best_entry[1].describe()} ({goal.figures(best_entry[1], best_entry[2])}), "
+        f"{why}; chose the {runnable} {what}{' ' + runnable_scope if runnable_scope else ''}"
     )
 
 
