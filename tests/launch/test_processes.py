@@ -59,6 +59,9 @@ def test_end_kills_a_stopped_rank_in_its_own_session_and_the_launcher():
     launcher, rank = start()
     try:
         os.kill(rank, signal.SIGSTOP)  # cannot act on SIGTERM: needs the SIGKILL
+        # A rank not yet scheduled holds SIGSTOP and the coming SIGTERM both pending, and the kernel
+        # delivers the lower-numbered SIGTERM first: wait until it has really stopped.
+        assert wait_until(lambda: psutil.Process(rank).status() == psutil.STATUS_STOPPED)
         processes = JobProcesses(launcher)
         started = time.monotonic()
         killed = processes.end(grace_seconds=1.0)
