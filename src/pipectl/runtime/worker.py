@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from pipectl.artifacts.layout import Layout
-from pipectl.artifacts.plan import Plan
+from pipectl.artifacts.plan import Engine, Plan
 from pipectl.artifacts.run import JobSpec, RankState, RankTiming, ResumeRecord, StepMetrics
 from pipectl.errors import PipectlError, UserInputError
 from pipectl.io import load_model, read_mapping
@@ -150,7 +150,10 @@ class TrainingJob:
 
 def build_engine(job: TrainingJob, initialise: bool = True):
     """Distributed start-up, model, DeepSpeed engine running the planned schedule. Every rank.
-    `initialise=False`: the parameters are left undrawn (every one is restored next: live resize)."""
+    `initialise=False`: the parameters are left undrawn (every one is restored next: live resize).
+    A layout for engine torch gets PyTorch's pipelining runtime instead (`build_torch_engine`)."""
+    if job.layout.engine is Engine.TORCH:
+        return build_torch_engine(job)
     dsinit.init_distributed(job.collective_timeout_seconds)
     # torch reads OMP_NUM_THREADS and DeepSpeed its accelerator when first imported: both only after
     # dsinit has set this rank's environment (the modules below import them too).
@@ -206,6 +209,59 @@ def build_engine(job: TrainingJob, initialise: bool = True):
     if plain:
         return model, plan_plain_engine(engine, module, schedule, compute_slowdown=slowdown)
     return model, plan_engine(engine, schedule, compute_slowdown=slowdown)
+
+
+def build_torch_engine(job: TrainingJob):
+    """Distributed start-up (the same as DeepSpeed's: `dsinit`), model, and the rank's
+    `TorchPipelineEngine` running the plan's schedule (1f1b, gpipe, interleaved with v chunks,
+    zb-h1) over the plan's virtual-stage cut, with the optimizer, clipping and learning-rate
+    schedule of the run's DeepSpeed config. The session drives it as it drives a DeepSpeed engine:
+    the same data, metrics and checkpoints (`engine_state` reads both)."""
+    dsinit.init_distributed(job.collective_timeout_seconds)
+    import torch.distributed as torch_dist
+
+    from pipectl.models import build_model
+    from pipectl.runtime.torch_pipeline import OptimizerSettings, TorchPipelineEngine
+
+    layout = job.layout
+    world = torch_dist.get_world_size()
+    if world != layout.world_size:
+        raise UserInputError(
+            f"{world} ranks started for a layout of t{layout.tensor_parallel} x p{layout.pipeline_parallel} "
+            f"x d{layout.data_parallel} = {layout.world_size}"
+        )
+    check_torch_layout(layout)
+    if dsinit.cuda_available():
+        raise UserInputError(
+            "the torch engine trains on CPU ranks (gloo) only; this rank sees a GPU",
+            hint="re-plan with --engine deepspeed to train on GPUs",
+        )
+    model = build_model(job.model, allow_shape_only=True)
+    schedule = job.schedule or generate(layout.schedule, layout.pipeline_parallel, layout.micro_batches, layout.chunks)
+    settings = OptimizerSettings.from_ds_config(job.ds_config)
+    return model, TorchPipelineEngine(model, schedule, layout.stage_layers, settings, seed=job.seed)
+
+
+def check_torch_layout(layout: Layout) -> None:
+    """What the torch engine runs: one pipeline (t = 1, d = 1), no recomputation of either kind, a
+    schedule torch's runtime executes, p x v stage ranges. Raises `UserInputError` naming the value."""
+    from pipectl.schedule import torch_runnable
+
+    problems = []
+    if layout.tensor_parallel != 1 or layout.data_parallel != 1 or layout.replica_shares:
+        problems.append(f"t{layout.tensor_parallel} d{layout.data_parallel} (it runs one pipeline: t = 1, d = 1)")
+    if layout.recompute or layout.checkpoint_layers:
+        problems.append("recomputation (" + ("whole stages" if layout.recompute else "per layer") + ")")
+    if not torch_runnable(layout.schedule):
+        problems.append(f"schedule {layout.schedule.value} (it runs 1f1b, gpipe, interleaved and zb-h1)")
+    stages = layout.pipeline_parallel * layout.chunks
+    if len(layout.stage_layers) != stages:
+        problems.append(f"{len(layout.stage_layers)} stage ranges for p{layout.pipeline_parallel} x v{layout.chunks} = {stages}")
+    if problems:
+        raise UserInputError(
+            "the torch engine (PyTorch's pipelining runtime) cannot run this layout: " + "; ".join(problems),
+            hint="re-plan with --engine torch (it plans only what that runtime runs) or --engine deepspeed",
+        )
 
 
 @contextmanager
@@ -640,9 +696,13 @@ class _Session:
             _write_executed_order(self.job.run_dir, self.rank, result.executed_order)
 
 
+# Backward work: whole backwards, and the split backward's input and weight gradients (zb-h1).
+_BACKWARD_KINDS = (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT)
+
+
 def _record(engine, step: int, loss: float, elapsed: float, memory: RankMemory) -> StepRecord:
-    forward = sum(r.seconds for r in engine.executed if r.action.kind is not ActionKind.BACKWARD)
-    backward = sum(r.seconds for r in engine.executed if r.action.kind is ActionKind.BACKWARD)
+    forward = sum(r.seconds for r in engine.executed if r.action.kind not in _BACKWARD_KINDS)
+    backward = sum(r.seconds for r in engine.executed if r.action.kind in _BACKWARD_KINDS)
     phases = getattr(engine, "phase_seconds", {})
     return StepRecord(step, loss, elapsed, forward, backward, memory, phases.get("p2p"), phases.get("end_of_step"))
 
