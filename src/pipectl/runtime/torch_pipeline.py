@@ -25,6 +25,12 @@ schedule):
   `backward_one_chunk`, `backward_weight_one_chunk`) and logs the stage index and micro-batch it
   was called with, in pipectl's text form (`2F0`, `3B1`, `1I0`, `1W0`).
 
+`TorchPipelineEngine` is the launch engine for plans whose engine is torch (`runtime.worker`
+builds it; the worker's session drives it as it drives DeepSpeed's engine): a rank's parameters
+in one flat fp32 tensor under DeepSpeed's module names, so that `runtime.engine_state` checkpoints
+both engines in one format, the optimizer settings and learning-rate schedule from the run's
+DeepSpeed config. `train_rank` trains with it on local ranks (tests, `examples/torch_pipeline.py`).
+
 Gradients are those of the mean of the micro-batch losses (torch's `scale_grads=True`), the same as
 DeepSpeed's gradient accumulation and `reference_run` here.
 
@@ -393,6 +399,7 @@ class TorchPipelineEngine:
         *,
         seed: int = 0,
         group: dist.ProcessGroup | None = None,
+        samples_per_step: int = 0,
     ) -> None:
         p, m = schedule.pipeline_parallel, schedule.micro_batches
         if dist.get_world_size(group) != p:
@@ -431,6 +438,7 @@ class TorchPipelineEngine:
         copies = {id(mod.tied[key]) for mod in self.modules.values() for key in mod.tied_copies} - owners
         self.norm_params = [q for q in self.params if id(q) not in copies]
         self.global_steps = self.global_samples = self.skipped_steps = 0
+        self.samples_per_step = samples_per_step
         self.executed: list[Any] = []
         self.phase_seconds: dict[str, float] = {}
 
@@ -476,13 +484,18 @@ class TorchPipelineEngine:
         """The compute actions the rank ran in its last step, as torch's runtime called them."""
         return list(self.record)
 
-    def train_step(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float:
-        """One optimizer step over the step's micro-batches (every rank gets them all); the loss."""
+    def train_step(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor] | None]) -> float:
+        """One optimizer step over the step's micro-batches; the loss. A rank holding neither the
+        first nor the last virtual stage is given None for each (it reads no data)."""
+        if any(batch is None for batch in micro_batches):
+            return self.step(None, None)
         inputs = torch.cat([x for x, _ in micro_batches])
         labels = torch.cat([y for _, y in micro_batches])
         return self.step(inputs, labels)
 
-    def step(self, inputs: torch.Tensor, labels: torch.Tensor) -> float:
+    def step(self, inputs: torch.Tensor | None, labels: torch.Tensor | None) -> float:
+        """One optimizer step: `inputs` are read on the rank holding the first virtual stage,
+        `labels` on the one holding the last (None elsewhere is fine)."""
         from pipectl.runtime.executor import ExecutedAction
         from pipectl.schedule.ir import Action
 
@@ -493,7 +506,9 @@ class TorchPipelineEngine:
             q.grad = None
         self.flat.grad = None
         losses: list[torch.Tensor] = []
-        self.runtime.step(*((inputs,) if self.first else ()), target=labels, losses=losses, return_outputs=False)
+        self.runtime.step(
+            *((inputs,) if self.first else ()), target=labels if self.last else None, losses=losses, return_outputs=False
+        )
         scheduled = time.perf_counter()
         _sum_tied_grads(self.modules, self.tie_groups)
         self.flat.grad = torch.cat(
@@ -507,7 +522,7 @@ class TorchPipelineEngine:
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.global_steps += 1
-        self.global_samples += int(inputs.shape[0])
+        self.global_samples += int(inputs.shape[0]) if inputs is not None else self.samples_per_step
         loss = torch.stack(losses).mean().detach() if self.last else torch.zeros(())
         source = dist.get_global_rank(self.group, self.last_rank) if self.group is not None else self.last_rank
         dist.broadcast(loss, src=source, group=self.group)
