@@ -279,5 +279,7 @@ def test_a_plan_for_engine_torch_is_checked_against_what_that_runtime_runs():
         validated_config(make_plan(make_candidate(d=2, m=2, engine=Engine.TORCH)))
     with pytest.raises(DeepSpeedConfigRejected, match="schedule 1f1b with whole-stage recomputation"):
         validated_config(make_plan(make_candidate(recompute=True, engine=Engine.TORCH)))
+    with pytest.raises(UserInputError, match=r"AdamW settings \['amsgrad'\] are not read by the torch engine"):
+        validated_config(make_plan(interleaved), overlay={"optimizer": {"params": {"amsgrad": True}}})
     with pytest.raises(DeepSpeedConfigRejected, match="2 stage ranges for pipeline degree 2 x 2 chunks"):
         validated_config(make_plan(interleaved.model_copy(update={"stage_layers": [(0, 4), (4, 9)]}), unchecked=True))

@@ -426,6 +426,10 @@ def validated_config(
             replica_config(config, share.micro_batch_size, share.micro_batches, candidate.data_parallel),
             candidate.data_parallel,
         )
+    if candidate.engine is Engine.TORCH:  # what the torch engine reads of it, checked before any rank starts
+        from pipectl.runtime.torch_pipeline import OptimizerSettings
+
+        OptimizerSettings.from_ds_config(config)
     parsed = parse_with_deepspeed(config, candidate.data_parallel)
     derived = (parsed.train_batch_size, parsed.train_micro_batch_size_per_gpu, parsed.gradient_accumulation_steps)
     wanted = (config["train_batch_size"], candidate.micro_batch_size, candidate.micro_batches)  # base config

@@ -316,7 +316,7 @@ class OptimizerSettings:
                 hint="remove the optimizer from the DeepSpeed config overlay, or re-plan with --engine deepspeed",
             )
         params = optimizer.get("params", {})
-        unknown = sorted(set(params) - {"lr", "betas", "eps", "weight_decay", "torch_adam", "adam_w_mode"})
+        unknown = sorted(set(params) - {"lr", "betas", "eps", "weight_decay", "torch_adam"})
         if unknown:
             raise UserInputError(f"AdamW settings {unknown} are not read by the torch engine")
         defaults = cls()
