@@ -14,7 +14,7 @@ uninterrupted DeepSpeed 1F1B run (p = 2) of 12 steps is the reference:
   with its weights: one checkpoint format, re-cut across the two engines, AdamW state and the
   learning-rate schedule included.
 
-Five launches in all, shared through module fixtures.
+Five launches in all, shared through module fixtures; two more under `slow` (torch 1f1b and gpipe).
 """
 
 from __future__ import annotations
@@ -159,3 +159,13 @@ def test_a_deepspeed_1f1b_checkpoint_resumes_in_torch_interleaved_with_the_same_
     assert_same_losses(losses(back_to_torch), expected_losses, range(1, STEPS + 1))
     assert_same_weights(final_weights(back_to_torch, STEPS), expected_weights, RELATIVE_TOLERANCE)
     assert_ran_the_planned_order(back_to_torch, INTERLEAVED)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_the_other_torch_schedules_launch_with_the_deepspeed_1f1b_losses(reference, workspace, schedule):
+    candidate = gpt_tiny_torch_candidate(schedule, 2)
+    run = train(candidate, workspace / f"torch-{schedule}", FIRST_RESIZE)
+    assert {m.layout for m in read_metrics(run)} == {f"t1p2d1 {schedule} b2 m4 torch"}
+    assert_same_losses(losses(run), reference[0], range(1, FIRST_RESIZE + 1))
+    assert_ran_the_planned_order(run, candidate)
