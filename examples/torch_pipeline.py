@@ -3,9 +3,9 @@
 DeepSpeed's pipeline engine holds one stage per rank, so it cannot run interleaved 1F1B (several
 stages per rank) or the zero-bubble schedules (the backward split into input and weight
 gradients). `pipectl.runtime.torch_pipeline` runs pipectl's own `Schedule` objects, the ones the
-simulator times, on `torch.distributed.pipelining`'s runtime. It is not a launch engine yet (no
-checkpoints, data parallelism or metrics): this example starts two local gloo ranks itself.
-`pipectl plan --engine torch` plans for it.
+simulator times, on `torch.distributed.pipelining`'s runtime. This example starts two local gloo
+ranks itself, without a run directory; `pipectl plan --engine torch` plans for that runtime and
+`pipectl launch` runs such a plan with checkpoints, metrics and resizes.
 
     .venv/bin/python examples/torch_pipeline.py [--steps 20] [--schedules 1f1b,interleaved,zb-h1]
         [--profile gpt-tiny.profile.json]

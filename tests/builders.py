@@ -34,6 +34,25 @@ def gpt_tiny_candidate(p: int = 2, d: int = 1, b: int = 2, m: int = 4, *, global
     )  # fmt: skip
 
 
+def gpt_tiny_torch_candidate(schedule: str, p: int = 2, v: int = 1, b: int = 2, m: int = 4) -> Candidate:
+    """A candidate for the torch engine (PyTorch's pipelining runtime): gpt-tiny cut into p x v
+    virtual stages as evenly as can be ([0,4) [4,9) for p = 2, v = 1, as `gpt_tiny_candidate`)."""
+    from pipectl.artifacts.plan import Engine
+    from pipectl.schedule import ScheduleKind
+
+    stages = p * v
+    base, extra = divmod(9, stages)
+    cuts, start = [], 0
+    for s in range(stages):
+        stop = start + base + (1 if s >= stages - extra else 0)
+        cuts.append((start, stop))
+        start = stop
+    return gpt_tiny_candidate(p, 1, b=b, m=m).model_copy(
+        update={"schedule": ScheduleKind(schedule), "chunks": v, "stage_layers": cuts, "engine": Engine.TORCH,
+                "deepspeed_runnable": False, "peak_memory_bytes": [1] * p}
+    )
+
+
 def mixed_candidate(shares: dict[str, int] | None = None, *, global_batch: int = 16) -> Candidate:
     """gpt-tiny split over device kinds (`local-mixed`: 'cpu' and the emulated 'cpu-slowed-2x'), one
     replica per kind, one stage, micro-batches of 1 sample: `shares` is each kind's micro-batches

@@ -1,5 +1,6 @@
 """`--engine` end to end: `pipectl plan --engine torch` names the engine of its choice, bad
-combinations and launching a torch plan are refused with exit 2 and no traceback, and
+combinations are refused with exit 2 and no traceback, a torch plan launches (what that engine
+cannot run is refused, naming it), and
 `pipectl simulate --schedule zb-h1` times the split backward."""
 
 from __future__ import annotations
@@ -40,13 +41,26 @@ def test_plan_engine_torch_chooses_and_names_the_engine(torch_plan):
     assert "PyTorch's pipelining runtime" in result.output
 
 
-def test_launching_a_torch_plan_is_refused(torch_plan, tmp_path):
-    _, out, _ = torch_plan
-    result = runner.invoke(app, ["launch", str(out), "--run-dir", str(tmp_path / "run"), "--dry-run"])
-    assert result.exit_code == 2
-    assert "not yet a launch engine" in result.output and "examples/torch_pipeline.py" in result.output
+def test_launch_runs_a_torch_plan_and_refuses_what_that_engine_cannot_run(tmp_path):
+    """A gpt-tiny interleaved plan for engine torch is launchable (the dry run writes its files;
+    tests/runtime/test_torch_launch.py trains it); bf16 and a plan with d = 2 are refused, exit 2,
+    naming the value, no traceback."""
+    from builders import gpt_tiny_torch_candidate, plan_of
+
+    plan = tmp_path / "plan.json"
+    write_json_atomic(plan, plan_of(gpt_tiny_torch_candidate("interleaved", 2, v=2)))
+    result = runner.invoke(app, ["launch", str(plan), "--run-dir", str(tmp_path / "run"), "--dry-run"])
+    assert result.exit_code == 0, result.output
+    assert "-m pipectl.runtime.worker" in result.output
+    result = runner.invoke(app, ["launch", str(plan), "--run-dir", str(tmp_path / "bf16"), "--dry-run", "--precision", "bf16"])
+    assert result.exit_code == 2 and "the torch engine (PyTorch's pipelining runtime) trains in fp32 only" in result.output
+    assert "Traceback" not in result.output and not (tmp_path / "bf16").exists()
+    wide = load_model(Plan, plan)
+    wide = wide.model_copy(update={"chosen": wide.chosen.model_copy(update={"data_parallel": 2, "devices": 4, "micro_batches": 2})})
+    write_json_atomic(plan, wide)
+    result = runner.invoke(app, ["launch", str(plan), "--run-dir", str(tmp_path / "d2"), "--dry-run"])
+    assert result.exit_code == 2 and "engine torch (PyTorch's pipelining runtime) that it cannot run: t1 d2" in result.output
     assert "Traceback" not in result.output
-    assert not (tmp_path / "run").exists()
 
 
 def test_any_engine_and_another_engine_disagree(torch_plan, tmp_path):

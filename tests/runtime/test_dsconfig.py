@@ -260,9 +260,26 @@ def test_a_zb_h1_plan_is_refused_naming_the_split_backward():
         validated_config(make_plan(make_candidate(schedule=ScheduleKind.ZB_H1)))
 
 
-def test_a_plan_for_engine_torch_is_refused_as_not_a_launch_engine():
+def test_a_plan_for_engine_torch_is_checked_against_what_that_runtime_runs():
+    """The torch engine runs 1f1b, gpipe, interleaved and zb-h1 on one pipeline in fp32; its cut has
+    p x v ranges. Anything else is refused naming the value."""
     from pipectl.artifacts.plan import Engine
+    from pipectl.artifacts.run import Precision
 
-    candidate = make_candidate(schedule=ScheduleKind.ONE_F_ONE_B, engine=Engine.TORCH)
-    with pytest.raises(DeepSpeedConfigRejected, match="examples/torch_pipeline.py and is not yet a launch engine"):
-        validated_config(make_plan(candidate))
+    interleaved = make_candidate(
+        schedule=ScheduleKind.INTERLEAVED, chunks=2, engine=Engine.TORCH, deepspeed_runnable=False,
+        cuts=[(0, 2), (2, 4), (4, 6), (6, 9)], peak_memory_bytes=[1, 1],
+    )  # fmt: skip
+    config = validated_config(make_plan(interleaved))
+    assert config["pipeline"]["partition"] == [0, 2, 4, 6, 9] and config["pipeline"]["stages"] == 2
+    validated_config(make_plan(make_candidate(schedule=ScheduleKind.ZB_H1, engine=Engine.TORCH, deepspeed_runnable=False)))
+    with pytest.raises(DeepSpeedConfigRejected, match="precision bf16: the torch engine .* fp32 only"):
+        validated_config(make_plan(interleaved), precision=Precision.BF16)
+    with pytest.raises(DeepSpeedConfigRejected, match=r"engine torch .* cannot run: t1 d2"):
+        validated_config(make_plan(make_candidate(d=2, m=2, engine=Engine.TORCH)))
+    with pytest.raises(DeepSpeedConfigRejected, match="schedule 1f1b with whole-stage recomputation"):
+        validated_config(make_plan(make_candidate(recompute=True, engine=Engine.TORCH)))
+    with pytest.raises(UserInputError, match=r"AdamW settings \['amsgrad'\] are not read by the torch engine"):
+        validated_config(make_plan(interleaved), overlay={"optimizer": {"params": {"amsgrad": True}}})
+    with pytest.raises(DeepSpeedConfigRejected, match="2 stage ranges for pipeline degree 2 x 2 chunks"):
+        validated_config(make_plan(interleaved.model_copy(update={"stage_layers": [(0, 4), (4, 9)]}), unchecked=True))

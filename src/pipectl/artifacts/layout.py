@@ -7,13 +7,15 @@ and a checkpoint's manifest records the one that wrote it.
     't1p2d1 1f1b b2 m4'
     >>> Layout(2, 1, 2, 4, ((0, 4), (4, 9)), checkpoint_layers=True).label()
     't1p2d1 1f1b +ckpt b2 m4'
+    >>> Layout(2, 1, 2, 4, ((0, 3), (3, 5), (5, 7), (7, 9)), ScheduleKind.INTERLEAVED, chunks=2, engine=Engine.TORCH).label()
+    't1p2d1 interleaved b2 m4 v2 torch'
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipectl.artifacts.plan import Candidate
+from pipectl.artifacts.plan import Candidate, Engine
 from pipectl.schedule.ir import ScheduleKind
 
 
@@ -36,6 +38,9 @@ class Layout:
     # Per-layer activation checkpointing: each layer of every stage recomputes its forward inside
     # its backward (`Candidate.checkpoint_layers`); the schedule has no R actions for it.
     checkpoint_layers: bool = False
+    # What runs it: DeepSpeed's pipeline engine, or PyTorch's pipelining runtime (`Candidate.engine`
+    # torch: `runtime.torch_pipeline.TorchPipelineEngine`). Older manifests: deepspeed.
+    engine: Engine = Engine.DEEPSPEED
 
     @classmethod
     def from_candidate(cls, candidate: Candidate) -> "Layout":
@@ -55,6 +60,7 @@ class Layout:
                 else None
             ),
             checkpoint_layers=candidate.checkpoint_layers,
+            engine=Engine.TORCH if candidate.engine is Engine.TORCH else Engine.DEEPSPEED,
         )
 
     @property
@@ -74,14 +80,16 @@ class Layout:
         return self.micro_batch_size, self.micro_batches
 
     def label(self) -> str:
-        """e.g. 't1p2d1 1f1b b2 m4' (metrics lines carry it)."""
+        """e.g. 't1p2d1 1f1b b2 m4' (metrics lines carry it); a torch-engine layout adds its chunks
+        and engine: 't1p2d1 interleaved b2 m4 v2 torch'."""
+        torch = (f" v{self.chunks}" if self.chunks > 1 else "") + " torch" if self.engine is Engine.TORCH else ""
         recompute = " +R" if self.recompute else " +ckpt" if self.checkpoint_layers else ""
         if self.replica_shares:
             shares = "+".join(f"{b}x{m}" for b, m in self.replica_shares)
-            return f"t{self.tensor_parallel}p{self.pipeline_parallel}d{self.data_parallel} {self.schedule.value}{recompute} {shares}"
+            return f"t{self.tensor_parallel}p{self.pipeline_parallel}d{self.data_parallel} {self.schedule.value}{recompute} {shares}{torch}"
         return (
             f"t{self.tensor_parallel}p{self.pipeline_parallel}d{self.data_parallel} "
-            f"{self.schedule.value}{recompute} b{self.micro_batch_size} m{self.micro_batches}"
+            f"{self.schedule.value}{recompute} b{self.micro_batch_size} m{self.micro_batches}{torch}"
         )
 
 

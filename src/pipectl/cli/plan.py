@@ -161,8 +161,8 @@ def plan_command(
         typer.Option(
             "--engine",
             help="What will run the plan: deepspeed (default; pipectl launch), torch (PyTorch's pipelining runtime: "
-            "1f1b, gpipe, interleaved, zb-h1 without recompute, t = 1, d = 1; run through "
-            "examples/torch_pipeline.py, not a launch engine yet), or any (choose the best, runnable or not). "
+            "1f1b, gpipe, interleaved, zb-h1 without recompute, t = 1, d = 1, fp32; pipectl launch runs it too, "
+            "same checkpoints, data and metrics), or any (choose the best, runnable or not). "
             "torch also searches zb-h1 (any: when listed in --schedules).",
         ),
     ] = None,

@@ -39,7 +39,7 @@ from pipectl.words import count
 TWO_BW_NOTE = "PipeDream-2BW: 1-stale weight updates (a different optimizer than data-parallel Adam)"
 NOT_DEEPSPEED_NOTE = "DeepSpeed's pipeline engine cannot run this schedule (plan and simulate only)"
 TORCH_NOTE = (
-    "engine torch: PyTorch's pipelining runtime runs it (examples/torch_pipeline.py); not yet a launch engine"
+    "engine torch: PyTorch's pipelining runtime runs it (pipectl launch starts it on torchrun, CPU ranks)"
 )
 
 

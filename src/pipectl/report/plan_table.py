@@ -281,7 +281,7 @@ def plan_view(plan: Plan, *, top: int = 10, show_morph: bool = True, profile: Mo
         torch_runs = any(cand.engine is Engine.TORCH for cand in flagged)
         parts.append(Text(
             "* DeepSpeed's pipeline engine cannot run this schedule ("
-            + ("engine torch: PyTorch's pipelining runtime, through examples/torch_pipeline.py; '–': plan and simulate only)"
+            + ("engine torch: PyTorch's pipelining runtime, which pipectl launch runs; '–': plan and simulate only)"
                if torch_runs else "plan and simulate only)"),
             style="dim",
         ))

@@ -31,6 +31,7 @@ from typing import Callable
 
 from pipectl.artifacts.layout import layout_label
 from pipectl.artifacts.morph import MorphRecord, MorphTrigger, LiveResizeRequest
+from pipectl.artifacts.plan import Engine as PlanEngine
 from pipectl.artifacts.run import JOB_FILE, LAUNCH_SCRIPT, LOGS_DIR, Engine
 from pipectl.errors import LaunchError
 from pipectl.io import write_json_atomic
@@ -68,6 +69,12 @@ def check_live(decision: ResizeDecision) -> None:
     """Raise `LiveUnavailable` naming why this run cannot be resized live, before anything changes."""
     files = read_run(decision.run_dir)
     job = files.job
+    if PlanEngine.TORCH in (files.plan.chosen.engine, decision.candidate.engine):
+        raise LiveUnavailable(
+            f"the {'running' if files.plan.chosen.engine is PlanEngine.TORCH else 'new'} layout runs on the torch engine "
+            "(PyTorch's pipelining runtime); a live resize hands DeepSpeed engines' state over in memory, the torch "
+            "engine moves through its checkpoint (the same format: a restart resumes it in either engine)"
+        )
     ranks = [p for p in find_run_processes(decision.run_dir) if p.is_worker]
     if not ranks:
         raise LiveUnavailable("no rank of the run is running on this machine", running=False)

@@ -35,7 +35,7 @@ from pipectl.artifacts.plan import Candidate, Engine, Plan, runtime_runs_zero
 from pipectl.artifacts.run import LrSchedule, Precision, TrainingSettings
 from pipectl.errors import UserInputError
 from pipectl.runtime.dsinit import choose_accelerator
-from pipectl.schedule import deepspeed_runnable
+from pipectl.schedule import ScheduleKind, deepspeed_runnable, torch_runnable
 
 # Print DeepSpeed's own step log practically never: pipectl writes metrics.jsonl instead.
 STEPS_PER_PRINT = 1_000_000_000
@@ -202,18 +202,13 @@ def _merged(base: dict[str, Any], overlay: dict[str, Any]) -> dict[str, Any]:
 
 
 def check_schedule(candidate: Candidate) -> None:
-    """Whether DeepSpeed's pipeline engine runs the candidate's schedule as planned: not 2BW (a
-    different optimizer), not interleaved with v > 1. Not only the stored flag: a plan written by
-    hand keeps its default (True). A candidate for engine torch (PyTorch's pipelining runtime) is
-    refused first: that path is not a launch engine yet."""
+    """Whether the candidate's engine runs its schedule as planned. DeepSpeed's pipeline engine: not
+    2BW (a different optimizer), not interleaved with v > 1, no split backward. Not only the stored
+    flag: a plan written by hand keeps its default (True). A candidate for engine torch (PyTorch's
+    pipelining runtime, `runtime.torch_pipeline`): `check_torch_candidate`."""
     if candidate.engine is Engine.TORCH:
-        raise DeepSpeedConfigRejected(
-            f"the plan chose a candidate for engine torch (schedule {candidate.schedule.value}, "
-            f"v={candidate.chunks}): PyTorch's pipelining runtime runs it through examples/torch_pipeline.py "
-            "and is not yet a launch engine; pipectl launch runs DeepSpeed's pipeline engine",
-            hint="re-plan with --engine deepspeed (the default) to launch; examples/torch_pipeline.py runs "
-            "1f1b, interleaved and zb-h1 on local ranks",
-        )
+        check_torch_candidate(candidate)
+        return
     if candidate.schedule.splits_backward:
         raise DeepSpeedConfigRejected(
             f"schedule {candidate.schedule.value} splits each backward into an input gradient (I) and a weight "
@@ -235,6 +230,36 @@ def check_schedule(candidate: Candidate) -> None:
             f"DeepSpeed's pipeline engine (one contiguous layer range per rank)",
             hint="re-plan for a DeepSpeed launch (interleaved with v > 1 is excluded there)",
         )
+
+
+def check_torch_candidate(candidate: Candidate) -> None:
+    """What the torch engine runs: 1f1b, gpipe, interleaved (v chunks per rank) or zb-h1, without
+    recomputation, one pipeline (t = 1, d = 1), ZeRO-1 (at d = 1: plain AdamW), p x v stage ranges."""
+    problems = []
+    if not torch_runnable(candidate.schedule, candidate.recompute):
+        problems.append(
+            f"schedule {candidate.schedule.value}" + (" with whole-stage recomputation" if candidate.recompute else "")
+            + " (it runs 1f1b, gpipe, interleaved and zb-h1, without recomputation)"
+        )
+    if candidate.checkpoint_layers:
+        problems.append("per-layer activation checkpointing (it recomputes nothing)")
+    if candidate.tensor_parallel != 1 or candidate.data_parallel != 1 or candidate.replicas:
+        problems.append(f"t{candidate.tensor_parallel} d{candidate.data_parallel} (it runs one pipeline: t = 1, d = 1)")
+    if candidate.zero_stage > 1:
+        problems.append(f"ZeRO stage {candidate.zero_stage}")
+    if candidate.chunks != 1 and candidate.schedule is not ScheduleKind.INTERLEAVED:
+        problems.append(f"v={candidate.chunks} chunks per rank with schedule {candidate.schedule.value}")
+    if problems:
+        raise DeepSpeedConfigRejected(
+            "the plan chose a candidate for engine torch (PyTorch's pipelining runtime) that it cannot run: "
+            + "; ".join(problems),
+            hint="re-plan with --engine torch (it plans only what that runtime runs) or --engine deepspeed",
+        )
+
+
+def stage_count(candidate: Candidate) -> int:
+    """How many (virtual) stage ranges the candidate's cut has: p, or p x v on the torch engine."""
+    return candidate.pipeline_parallel * (candidate.chunks if candidate.engine is Engine.TORCH else 1)
 
 
 def check_candidate(candidate: Candidate, *, global_batch: int, layers: int) -> None:
@@ -278,9 +303,10 @@ def check_candidate(candidate: Candidate, *, global_batch: int, layers: int) -> 
             hint="re-plan with --even-replicas, or with --zero-stages 1",
         )
     check_schedule(candidate)
-    if len(candidate.stage_layers) != candidate.pipeline_parallel:
+    if len(candidate.stage_layers) != stage_count(candidate):
         raise DeepSpeedConfigRejected(
             f"{len(candidate.stage_layers)} stage ranges for pipeline degree {candidate.pipeline_parallel}"
+            + (f" x {candidate.chunks} chunks" if stage_count(candidate) != candidate.pipeline_parallel else "")
         )
     first, last = candidate.stage_layers[0][0], candidate.stage_layers[-1][1]
     if first != 0 or last != layers:
@@ -380,6 +406,11 @@ def validated_config(
     """
     candidate = candidate or plan.chosen
     check_candidate(candidate, global_batch=plan.global_batch, layers=plan.layers)
+    if candidate.engine is Engine.TORCH and precision is not Precision.FP32:
+        raise DeepSpeedConfigRejected(
+            f"precision {precision.value}: the torch engine (PyTorch's pipelining runtime) trains in fp32 only",
+            hint="launch with --precision fp32, or re-plan with --engine deepspeed",
+        )
     uneven = has_uneven_replicas(candidate)
     config = deepspeed_config(
         candidate,
@@ -395,6 +426,10 @@ def validated_config(
             replica_config(config, share.micro_batch_size, share.micro_batches, candidate.data_parallel),
             candidate.data_parallel,
         )
+    if candidate.engine is Engine.TORCH:  # what the torch engine reads of it, checked before any rank starts
+        from pipectl.runtime.torch_pipeline import OptimizerSettings
+
+        OptimizerSettings.from_ds_config(config)
     parsed = parse_with_deepspeed(config, candidate.data_parallel)
     derived = (parsed.train_batch_size, parsed.train_micro_batch_size_per_gpu, parsed.gradient_accumulation_steps)
     wanted = (config["train_batch_size"], candidate.micro_batch_size, candidate.micro_batches)  # base config

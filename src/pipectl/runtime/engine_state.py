@@ -88,7 +88,11 @@ def _settings(optimizer: Any, index: int) -> dict[str, Any]:
 def optimizer_groups(engine: Any) -> list[OptimizerGroup]:
     """Per optimizer group (ZeRO-3: per sub-group): the flat fp32 partition this rank holds and
     its links to the parameters. Raises `CheckpointError` for an optimizer that keeps no such
-    partition."""
+    partition. An engine that lays its state out so itself (the torch engine,
+    `runtime.torch_pipeline.TorchPipelineEngine`: one flat fp32 tensor) says where through its own
+    `optimizer_groups()`; the rest of this module reads only those groups and named parameters."""
+    if hasattr(engine, "optimizer_groups"):
+        return engine.optimizer_groups()
     optimizer = engine.optimizer
     if is_zero3(engine):
         return _zero3_groups(optimizer)
@@ -391,7 +395,7 @@ def restore(engine: Any, reader: ShardReader, *, restore_rng: bool = True) -> Ra
                     # A copy: what the reader gives may be a view of memory the next checkpoint reuses.
                     state[key] = reader.tensor(0, group_tensor(group, f"state.{key}")).to(partition.device, copy=True)
                 optimizer.optimizer.state[partition] = state
-                if not zero3:
+                if not zero3 and not hasattr(engine, "optimizer_groups"):
                     for piece in linked.pieces:  # DeepSpeed's views of each piece's moments
                         piece.parameter._hp_mapping.set_optim_state_fragment(partition, state)
                     optimizer._hp_optimizer_states_linked = True

@@ -25,6 +25,12 @@ schedule):
   `backward_one_chunk`, `backward_weight_one_chunk`) and logs the stage index and micro-batch it
   was called with, in pipectl's text form (`2F0`, `3B1`, `1I0`, `1W0`).
 
+`TorchPipelineEngine` is the launch engine for plans whose engine is torch (`runtime.worker`
+builds it; the worker's session drives it as it drives DeepSpeed's engine): a rank's parameters
+in one flat fp32 tensor under DeepSpeed's module names, so that `runtime.engine_state` checkpoints
+both engines in one format, the optimizer settings and learning-rate schedule from the run's
+DeepSpeed config. `train_rank` trains with it on local ranks (tests, `examples/torch_pipeline.py`).
+
 Gradients are those of the mean of the micro-batch losses (torch's `scale_grads=True`), the same as
 DeepSpeed's gradient accumulation and `reference_run` here.
 
@@ -187,26 +193,37 @@ class RecordingStage(PipelineStage):
     """A `PipelineStage` that logs every compute entry point torch's runtime calls on it.
 
     The record is what executed, as the runtime dispatched it (stage index, kind, micro-batch), in
-    pipectl's action text form; the planned list is never consulted.
+    pipectl's action text form; the planned list is never consulted. With `timings`, each call's
+    wall time is appended there too (`(text, seconds)`: the launch engine's metrics).
     """
 
-    def __init__(self, *args: Any, record: list[str], **kwargs: Any) -> None:
+    def __init__(self, *args: Any, record: list[str], timings: list[tuple[str, float]] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.record = record
+        self.timings = timings
+
+    def _timed(self, text: str, call, *args: Any, **kwargs: Any) -> Any:
+        self.record.append(text)
+        started = time.perf_counter()
+        try:
+            return call(*args, **kwargs)
+        finally:
+            if self.timings is not None:
+                self.timings.append((text, time.perf_counter() - started))
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-        self.record.append(f"{self.stage_index}F{fwd_chunk_id}")
-        return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+        return self._timed(f"{self.stage_index}F{fwd_chunk_id}", super().forward_one_chunk, fwd_chunk_id, *args, **kwargs)
 
     def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True, last_backward=False):
-        self.record.append(f"{self.stage_index}{'B' if full_backward else 'I'}{bwd_chunk_id}")
-        return super().backward_one_chunk(
-            bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward
-        )
+        return self._timed(
+            f"{self.stage_index}{'B' if full_backward else 'I'}{bwd_chunk_id}", super().backward_one_chunk,
+            bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward,
+        )  # fmt: skip
 
     def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward=False):
-        self.record.append(f"{self.stage_index}W{bwd_chunk_id}")
-        return super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+        return self._timed(
+            f"{self.stage_index}W{bwd_chunk_id}", super().backward_weight_one_chunk, bwd_chunk_id, last_backward=last_backward
+        )
 
 
 @dataclass(frozen=True)
@@ -252,8 +269,12 @@ def step_batch(model: ModelLayers, global_batch: int, seed: int, step: int) -> t
 
 
 def _make_optimizer(params: list[nn.Parameter], job: TorchPipelineJob) -> torch.optim.Optimizer:
+    return _adamw(params, OptimizerSettings.of_job(job))
+
+
+def _adamw(params: list[nn.Parameter], settings: "OptimizerSettings") -> torch.optim.Optimizer:
     return torch.optim.AdamW(
-        params, lr=job.lr, betas=job.betas, eps=job.eps, weight_decay=job.weight_decay, foreach=False
+        params, lr=settings.lr, betas=settings.betas, eps=settings.eps, weight_decay=settings.weight_decay, foreach=False
     )
 
 
@@ -266,64 +287,292 @@ def _check_job(job: TorchPipelineJob, model: ModelLayers) -> None:
         )
 
 
+@dataclass(frozen=True)
+class OptimizerSettings:
+    """AdamW (torch's, as DeepSpeed's `torch_adam` builds it), gradient clipping and the learning-rate
+    schedule: read from the run's DeepSpeed config (`from_ds_config`), so that both engines train
+    with the same settings. `scheduler` is that config's `scheduler` section (DeepSpeed's
+    `lr_schedules` classes work on any torch optimizer)."""
+
+    lr: float = 1e-3  # torch's AdamW defaults, as DeepSpeed passes a config's missing keys
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    clip_norm: float | None = None
+    scheduler: dict[str, Any] | None = None
+
+    @classmethod
+    def of_job(cls, job: TorchPipelineJob) -> "OptimizerSettings":
+        return cls(job.lr, job.betas, job.eps, job.weight_decay, job.clip_norm)
+
+    @classmethod
+    def from_ds_config(cls, config: dict[str, Any]) -> "OptimizerSettings":
+        """`optimizer` (AdamW only), `gradient_clipping` (0: none) and `scheduler` of a DeepSpeed config."""
+        optimizer = config.get("optimizer") or {"type": "AdamW"}
+        kind = str(optimizer.get("type", ""))
+        if kind.lower() != "adamw":
+            raise UserInputError(
+                f"optimizer type {kind!r}: the torch engine trains with AdamW only",
+                hint="remove the optimizer from the DeepSpeed config overlay, or re-plan with --engine deepspeed",
+            )
+        params = optimizer.get("params", {})
+        unknown = sorted(set(params) - {"lr", "betas", "eps", "weight_decay", "torch_adam"})
+        if unknown:
+            raise UserInputError(f"AdamW settings {unknown} are not read by the torch engine")
+        defaults = cls()
+        clip = float(config.get("gradient_clipping", 0.0) or 0.0)
+        return cls(
+            lr=float(params.get("lr", defaults.lr)),
+            betas=tuple(float(b) for b in params.get("betas", defaults.betas)),
+            eps=float(params.get("eps", defaults.eps)),
+            weight_decay=float(params.get("weight_decay", defaults.weight_decay)),
+            clip_norm=clip if clip > 0 else None,
+            scheduler=config.get("scheduler"),
+        )
+
+
+def _lr_scheduler(optimizer: torch.optim.Optimizer, section: dict[str, Any] | None):
+    """DeepSpeed's scheduler for a config's `scheduler` section, built as its engine builds it
+    (`DeepSpeedEngine._scheduler_from_config`); None without one."""
+    if not section:
+        return None
+    from deepspeed.runtime import lr_schedules
+
+    name = section.get("type")
+    if not hasattr(lr_schedules, str(name)):
+        raise UserInputError(f"learning-rate schedule {name!r} is not one of DeepSpeed's (lr_schedules)")
+    return getattr(lr_schedules, name)(optimizer, **section.get("params", {}))
+
+
+class _Grid:
+    """What pipectl reads of DeepSpeed's process grid, for a pipeline of p ranks (no data or
+    tensor parallelism)."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.data_parallel_id = 0
+
+    def get_data_parallel_rank(self) -> int:
+        return 0
+
+    def get_slice_parallel_rank(self) -> int:
+        return 0
+
+    def get_slice_parallel_world_size(self) -> int:
+        return 1
+
+
+class FlatOptimizer:
+    """The torch engine's optimizer as `engine_state` reads one: `optimizer` (torch's AdamW over the
+    one flat fp32 tensor holding every parameter of the rank) and `param_names` (parameter -> its
+    layout-independent name)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, param_names: dict[nn.Parameter, str]) -> None:
+        self.optimizer = optimizer
+        self.param_names = param_names
+
+
+class TorchPipelineEngine:
+    """One rank of a pipeline run by torch's `_PipelineScheduleRuntime`: what `pipectl launch`
+    starts for a plan whose engine is torch (`runtime.worker`), and what `train_rank` trains with.
+
+    The rank's parameters live in one flat fp32 tensor (each parameter a view of its piece) on which
+    AdamW keeps its moments: the layout DeepSpeed's ZeRO-1 optimizer keeps at d = 1, so that
+    `runtime.engine_state` captures and restores both engines with the same code and a checkpoint
+    re-cuts across them. The modules are registered under DeepSpeed's `PipelineModule` names (layer
+    i: `"{i}.<param>"`; a tied module: `"tied_modules.<key>.<param>"`), which makes the checkpoint
+    names the same too. Every parameter of a tied copy is held (DeepSpeed's copy holds them too); a
+    rank holding two layers of one tie key holds one module for both.
+
+    Per step (`train_step`): the runtime runs the rank's actions (the schedule's compute, torch's
+    sends and receives), tied gradients are summed over their holders, the gradients are copied
+    into the flat gradient, clipped by the norm over the pipeline (a tied weight counted once),
+    AdamW steps, the learning-rate schedule steps, and the last stage's mean loss is broadcast.
+    """
+
+    def __init__(
+        self,
+        model: ModelLayers,
+        schedule: Schedule,
+        cuts: Sequence[tuple[int, int]],
+        settings: OptimizerSettings,
+        *,
+        seed: int = 0,
+        group: dist.ProcessGroup | None = None,
+        samples_per_step: int = 0,
+    ) -> None:
+        p, m = schedule.pipeline_parallel, schedule.micro_batches
+        if dist.get_world_size(group) != p:
+            raise LaunchError(f"schedule has p={p} ranks but the process group has {dist.get_world_size(group)}")
+        _check_cuts(cuts, len(model.layers), schedule.virtual_stages)
+        rank = dist.get_rank(group)
+        self.schedule = schedule
+        self.group = group
+        self.global_rank = dist.get_rank()
+        self.stage_id = rank  # the rank's place in the pipeline (it holds virtual stages rank, rank + p, ...)
+        self.grid = _Grid(p)
+        self.device = torch.device("cpu")
+        self.settings = settings
+        num_stages = schedule.virtual_stages
+        self.stages_held = [s for s in range(num_stages) if schedule.rank_of(s) == rank]
+        self.first = 0 in self.stages_held
+        self.last = num_stages - 1 in self.stages_held
+        self.last_rank = schedule.rank_of(num_stages - 1)
+        self.record: list[str] = []
+        self.timings: list[tuple[str, float]] = []
+        self.modules = {s: build_stage_module(model, *cuts[s], seed=seed) for s in self.stages_held}
+        self.module = self._named(model)
+        stages = [
+            RecordingStage(self.modules[s], s, num_stages, self.device, group=group, record=self.record, timings=self.timings)
+            for s in self.stages_held
+        ]
+        self.runtime = _PipelineScheduleRuntime(stages, m, loss_fn=model.loss_fn, scale_grads=True)
+        self.runtime._prepare_schedule_with_comms(to_torch_actions(schedule))
+        self.tie_groups = _tie_groups(model, schedule, cuts)
+        named = list(self.module.named_parameters())
+        self.params = [q for _, q in named]
+        self.flat = _flatten(self.params)
+        self.optimizer = FlatOptimizer(_adamw([self.flat], settings), {q: name for name, q in named})
+        self.lr_scheduler = _lr_scheduler(self.optimizer.optimizer, settings.scheduler)
+        owners = {id(mod.tied[key]) for mod in self.modules.values() for key in mod.tied if key not in mod.tied_copies}
+        copies = {id(mod.tied[key]) for mod in self.modules.values() for key in mod.tied_copies} - owners
+        self.norm_params = [q for q in self.params if id(q) not in copies]
+        self.global_steps = self.global_samples = self.skipped_steps = 0
+        self.samples_per_step = samples_per_step
+        self.executed: list[Any] = []
+        self.phase_seconds: dict[str, float] = {}
+
+    def _named(self, model: ModelLayers) -> nn.Module:
+        """The rank's layers under DeepSpeed's names; a second holder of a tie key on this rank is
+        given the first's module (one parameter, its gradient the sum of both uses)."""
+        named = nn.Module()
+        named.tied_modules = nn.ModuleDict()
+        for stage in sorted(self.modules):
+            mod = self.modules[stage]
+            for index, (layer, module) in enumerate(zip(mod.defs, mod.layers), start=mod.first_layer):
+                if layer.tie_key is None:
+                    named.add_module(str(index), module)
+                elif layer.tie_key not in named.tied_modules:
+                    named.tied_modules[layer.tie_key] = module
+                else:
+                    holder = named.tied_modules[layer.tie_key]
+                    mod.layers[index - mod.first_layer] = holder
+                    mod.tied[layer.tie_key] = layer.tied_weight(holder)
+        return named
+
+    # ----------------------------------------------------------------- what the worker calls
+
+    def is_first_stage(self) -> bool:
+        return self.first
+
+    def is_last_stage(self) -> bool:
+        return self.last
+
+    def optimizer_groups(self) -> list[Any]:
+        """The one optimizer group `engine_state` captures and restores: the flat tensor, every
+        parameter and where each lies in it."""
+        from pipectl.runtime.engine_state import OptimizerGroup, Piece
+
+        pieces, offset = [], 0
+        for q in self.params:
+            pieces.append(Piece(q, offset=offset, start=0, numel=q.numel()))
+            offset += q.numel()
+        settings = {k: v for k, v in self.optimizer.optimizer.param_groups[0].items() if k != "params"}
+        return [OptimizerGroup(self.flat, list(self.params), pieces, settings)]
+
+    def executed_order(self) -> list[str]:
+        """The compute actions the rank ran in its last step, as torch's runtime called them."""
+        return list(self.record)
+
+    def train_step(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor] | None]) -> float:
+        """One optimizer step over the step's micro-batches; the loss. A rank holding neither the
+        first nor the last virtual stage is given None for each (it reads no data)."""
+        if any(batch is None for batch in micro_batches):
+            return self.step(None, None)
+        inputs = torch.cat([x for x, _ in micro_batches])
+        labels = torch.cat([y for _, y in micro_batches])
+        return self.step(inputs, labels)
+
+    def step(self, inputs: torch.Tensor | None, labels: torch.Tensor | None) -> float:
+        """One optimizer step: `inputs` are read on the rank holding the first virtual stage,
+        `labels` on the one holding the last (None elsewhere is fine)."""
+        from pipectl.runtime.executor import ExecutedAction
+        from pipectl.schedule.ir import Action
+
+        self.record.clear()
+        self.timings.clear()
+        started = time.perf_counter()
+        for q in self.params:
+            q.grad = None
+        self.flat.grad = None
+        losses: list[torch.Tensor] = []
+        self.runtime.step(
+            *((inputs,) if self.first else ()), target=labels if self.last else None, losses=losses, return_outputs=False
+        )
+        scheduled = time.perf_counter()
+        _sum_tied_grads(self.modules, self.tie_groups)
+        self.flat.grad = torch.cat(
+            [q.grad.reshape(-1) if q.grad is not None else torch.zeros(q.numel()) for q in self.params]
+        )
+        if self.settings.clip_norm is not None:
+            coefficient = self.settings.clip_norm / (_grad_norm(self.norm_params, self.group) + 1e-6)
+            if coefficient < 1.0:
+                self.flat.grad.mul_(coefficient)
+        self.optimizer.optimizer.step()
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self.global_steps += 1
+        self.global_samples += int(inputs.shape[0]) if inputs is not None else self.samples_per_step
+        loss = torch.stack(losses).mean().detach() if self.last else torch.zeros(())
+        source = dist.get_global_rank(self.group, self.last_rank) if self.group is not None else self.last_rank
+        dist.broadcast(loss, src=source, group=self.group)
+        finished = time.perf_counter()
+        self.executed = [ExecutedAction(Action.parse(text), seconds) for text, seconds in self.timings]
+        compute = sum(seconds for _, seconds in self.timings)
+        self.phase_seconds = {"p2p": max(0.0, scheduled - started - compute), "end_of_step": finished - scheduled}
+        return float(loss)
+
+
+def _flatten(params: list[nn.Parameter]) -> nn.Parameter:
+    """One fp32 tensor holding `params` end to end; each parameter becomes a view of its piece."""
+    flat = torch.empty(sum(q.numel() for q in params), dtype=torch.float32)
+    offset = 0
+    with torch.no_grad():
+        for q in params:
+            piece = flat.narrow(0, offset, q.numel())
+            piece.copy_(q.reshape(-1))
+            q.data = piece.view(q.shape)
+            offset += q.numel()
+    return nn.Parameter(flat)
+
+
+def _tie_groups(model: ModelLayers, schedule: Schedule, cuts: Sequence[tuple[int, int]]) -> dict[str, Any]:
+    """Per tie key held on more than one rank, a group of those ranks (every rank creates every
+    group, in the same order, as new_group requires); None for a key held on one rank."""
+    holders: dict[str, set[int]] = {}
+    for s in range(schedule.virtual_stages):
+        start, stop = cuts[s]
+        for layer in model.layers[start:stop]:
+            if layer.tie_key is not None:
+                holders.setdefault(layer.tie_key, set()).add(schedule.rank_of(s))
+    return {key: dist.new_group(sorted(ranks)) if len(ranks) > 1 else None for key, ranks in sorted(holders.items())}
+
+
 def train_rank(job: TorchPipelineJob, group: dist.ProcessGroup | None = None) -> RankResult:
     """Train `job` on this rank of an initialised process group of `p` ranks (rank = pipeline rank)."""
     from pipectl.models.registry import build_model
 
-    schedule = job.schedule
-    p, m = schedule.pipeline_parallel, schedule.micro_batches
-    rank = dist.get_rank(group)
-    if dist.get_world_size(group) != p:
-        raise LaunchError(f"schedule has p={p} ranks but the process group has {dist.get_world_size(group)}")
     model = build_model(job.model)
     _check_job(job, model)
-    num_stages = schedule.virtual_stages
-    my_stages = [s for s in range(num_stages) if schedule.rank_of(s) == rank]
-    record: list[str] = []
-    modules = {s: build_stage_module(model, *job.cuts[s], seed=job.seed) for s in my_stages}
-    stages = [
-        RecordingStage(modules[s], s, num_stages, torch.device("cpu"), group=group, record=record)
-        for s in my_stages
-    ]
-    runtime = _PipelineScheduleRuntime(stages, m, loss_fn=model.loss_fn, scale_grads=True)
-    runtime._prepare_schedule_with_comms(to_torch_actions(schedule))
-
-    # Tie keys held on more than one rank need a group of those ranks (every rank creates every
-    # group, in the same order, as new_group requires).
-    holders: dict[str, set[int]] = {}
-    for s in range(num_stages):
-        start, stop = job.cuts[s]
-        for layer in model.layers[start:stop]:
-            if layer.tie_key is not None:
-                holders.setdefault(layer.tie_key, set()).add(schedule.rank_of(s))
-    tie_groups = {
-        key: dist.new_group(sorted(ranks)) if len(ranks) > 1 else None for key, ranks in sorted(holders.items())
-    }
-    params = [q for mod in modules.values() for q in mod.parameters() if q.requires_grad]
-    optimizer = _make_optimizer(params, job)
-    # Parameters counted once in the gradient norm: a tied copy's weight is the holder's.
-    copies = {id(mod.tied[key]) for mod in modules.values() for key in mod.tied_copies}
-    norm_params = [q for q in params if id(q) not in copies]
-
-    last_rank = schedule.rank_of(num_stages - 1)
-    result = RankResult(rank)
+    engine = TorchPipelineEngine(model, job.schedule, job.cuts, OptimizerSettings.of_job(job), seed=job.seed, group=group)
+    result = RankResult(dist.get_rank(group))
     for step in range(job.steps):
         inputs, labels = step_batch(model, job.global_batch, job.seed, step)
-        record.clear()
         started = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        losses: list[torch.Tensor] = []
-        args = (inputs,) if 0 in modules else ()
-        runtime.step(*args, target=labels, losses=losses, return_outputs=False)
-        _sum_tied_grads(modules, tie_groups)
-        if job.clip_norm is not None:
-            _clip(norm_params, params, job.clip_norm, group)
-        optimizer.step()
-        loss = torch.stack(losses).mean().detach() if rank == last_rank else torch.zeros(())
-        dist.broadcast(loss, src=dist.get_global_rank(group, last_rank) if group is not None else last_rank, group=group)
+        loss = engine.step(inputs, labels)
         result.step_seconds.append(time.perf_counter() - started)
-        result.losses.append(float(loss))
-        result.executed.append(list(record))
+        result.losses.append(loss)
+        result.executed.append(engine.executed_order())
     return result
 
 
@@ -331,7 +580,7 @@ def _sum_tied_grads(modules: dict[int, StageModule], tie_groups: dict[str, dist.
     """Sum each tie key's gradient over every copy (this rank's, then across its holders' ranks)
     and give every copy the sum: the gradient of the one shared weight."""
     for key, group in tie_groups.items():
-        weights = [mod.tied[key] for mod in modules.values() if key in mod.tied]
+        weights = list({id(w): w for w in (mod.tied[key] for mod in modules.values() if key in mod.tied)}.values())
         if not weights:
             continue
         total = torch.zeros_like(weights[0])
@@ -344,20 +593,15 @@ def _sum_tied_grads(modules: dict[int, StageModule], tie_groups: dict[str, dist.
             w.grad = total.clone()
 
 
-def _clip(norm_params: list[nn.Parameter], params: list[nn.Parameter], max_norm: float, group) -> None:
-    """`clip_grad_norm_` over the whole pipeline: the squared norms of this rank's (non-copy)
+def _grad_norm(norm_params: list[nn.Parameter], group) -> float:
+    """The gradient norm over the whole pipeline: the squared norms of this rank's (non-copy)
     gradients summed over all ranks."""
     squares = torch.zeros((), dtype=torch.float64)
     for q in norm_params:
         if q.grad is not None:
             squares += q.grad.double().pow(2).sum()
     dist.all_reduce(squares, group=group)
-    norm = float(squares.sqrt())
-    coefficient = max_norm / (norm + 1e-6)
-    if coefficient < 1.0:
-        for q in params:
-            if q.grad is not None:
-                q.grad.mul_(coefficient)
+    return float(squares.sqrt())
 
 
 def reference_run(job: TorchPipelineJob) -> list[float]:
