@@ -49,6 +49,7 @@ sys.path.insert(0, str(ROOT / "src"))
 from pipectl.artifacts.cluster import ClusterSpec  # noqa: E402
 from pipectl.artifacts.model import ModelConfig  # noqa: E402
 from pipectl.artifacts.plan import Candidate, PlanRequest, Recompute, RecomputeChoice  # noqa: E402
+from pipectl.artifacts.profile import EngineFeatures  # noqa: E402
 from pipectl.catalog import get_device  # noqa: E402
 from pipectl.errors import PipectlError  # noqa: E402
 from pipectl.io import write_json_atomic  # noqa: E402
@@ -165,6 +166,15 @@ def cluster_of(row: dict) -> ClusterSpec:
     return ClusterSpec(name=f"published-{row['id']}", description=row["name"], node_types=[node_type])
 
 
+def engine_features(row: dict) -> EngineFeatures | None:
+    """The row's engine features (the YAML's `engine`, each with its source), or None: the run is
+    priced as pipectl's own runtime would run it."""
+    engine = row.get("engine")
+    if not engine:
+        return None
+    return EngineFeatures(**{key: value for key, value in engine.items() if key not in ("evidence", "verified")})
+
+
 def micro_batch_sizes(row: dict) -> list[int]:
     sizes = set(MICRO_BATCH_SIZES)
     if row["layout"].get("micro_batch_size"):
@@ -276,11 +286,19 @@ def plan_row(row: dict, workers: int | None, profile_cache: dict) -> dict:
     device = get_device(row["devices"]["kind"])
     config = model_config(row)
     sizes = micro_batch_sizes(row)
+    engine = engine_features(row)
     key = (tuple(sorted((k, str(v)) for k, v in row["model"].items())), device.name, row["attention"], tuple(sizes))
     started = time.perf_counter()
+    # The pinned prediction: the profile of the run as its engine ran it (`engine`); pipectl's own
+    # choice: the profile of pipectl's runtime (no engine features), what `pipectl plan` would launch.
     if key not in profile_cache:
         profile_cache[key] = derive_profile(config, device, sizes, attention=row["attention"])
-    profile = profile_cache[key]
+    own_profile = profile_cache[key]
+    engine_key = (key, engine.model_dump_json() if engine else None)
+    if engine_key not in profile_cache:
+        profile_cache[engine_key] = (derive_profile(config, device, sizes, attention=row["attention"], engine=engine)
+                                     if engine else own_profile)
+    profile = profile_cache[engine_key]
     derive_seconds = time.perf_counter() - started
     cluster = cluster_of(row)
     t = row["layout"]["t"]
@@ -310,14 +328,14 @@ def plan_row(row: dict, workers: int | None, profile_cache: dict) -> dict:
     out["time_model_only"] = candidate_summary(time_only) if time_only else None
     out["time_model_only_problem"] = time_only_why or None
     out["time_model_only_vocab_parallel"] = None
-    if t > 1:
+    if t > 1 and not (engine and engine.vocab_parallel):
         split, _, _ = pinned_plan(row, vocab_parallel_copy(unbounded, t), cluster, workers)
         out["time_model_only_vocab_parallel"] = candidate_summary(split) if split else None
 
     started = time.perf_counter()
     try:
-        own = plan(profile, cluster, PlanRequest(global_batch=row["global_batch"], devices=row["devices"]["count"],
-                                                 morph=False, workers=workers)).chosen
+        own = plan(own_profile, cluster, PlanRequest(global_batch=row["global_batch"], devices=row["devices"]["count"],
+                                                     morph=False, workers=workers)).chosen
         out["own"] = candidate_summary(own)
         out["own_problem"] = None
     except PipectlError as error:
@@ -423,6 +441,7 @@ def main() -> None:
             "precision": row.get("precision"),
             "recompute": row.get("recompute"),
             "sequence_parallel": row.get("sequence_parallel"),
+            "engine": row.get("engine"),
             "attention": row["attention"],
             "published": row.get("published"),
             "published_step_seconds": round(seconds, 3) if seconds else None,
