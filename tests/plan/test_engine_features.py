@@ -106,3 +106,20 @@ def test_a_profile_with_engine_features_is_planned_for_comparison_only():
     result = plan(profile, _cluster(1), PlanRequest(global_batch=16, devices=8, morph=False, workers=1, engine="any"))
     assert result.chosen.engine is None
     assert any("megatron-core" in note and "plan and simulate only" in note for note in result.chosen.notes)
+
+
+def test_the_search_and_the_cost_table_agree_with_every_feature_on():
+    """The vectorised search (`candidates.data_parallel_costs`) and `costs.stage_costs` give one
+    step: a plan's prediction re-simulated from its cost table, for an engine profile."""
+    from pipectl.plan.phases import simulated_phases
+
+    engine = EngineFeatures(name="megatron-core", sequence_parallel=True, vocab_parallel=True, fused_elementwise=True,
+                            tensor_parallel_overlap=True, gradient_reduce_overlap=True, parameter_gather_overlap=True)
+    profile = derive_profile(GPT, "h100-80gb", [1, 2], engine=engine)
+    cluster = _cluster(4)
+    result = plan(profile, cluster, PlanRequest(global_batch=64, devices=32, tensor_parallel=4, pipeline_parallel=2,
+                                                morph=False, workers=1, engine="any", include_all=True))
+    for candidate in result.candidates[:5]:
+        assert candidate.data_parallel > 1
+        _, step = simulated_phases(candidate, profile, cluster)
+        assert step == pytest.approx(candidate.predicted_step_seconds, rel=1e-9)

@@ -503,10 +503,17 @@ def data_parallel_costs(
     links = hardware.links
     if zero_stage >= 2:
         return _sharded_costs(shape, hardware, d, zero_stage, micro_batches, element)
-    if hardware.runtime is not None:
+    features = hardware.features
+    if hardware.runtime is not None or (features is not None and features.gradient_reduce_overlap):
+        # Measured engine terms, or another engine's overlap: `costs`' own formula, rank by rank,
+        # the overlap windows each rank's one micro-batch of backward and of forward.
+        backward_window, forward_window = np.zeros(p), np.zeros(p)
+        np.add.at(backward_window, np.arange(len(shape.backward)) % p, shape.backward)
+        np.add.at(forward_window, np.arange(len(shape.forward)) % p, shape.forward)
         allreduce_list, optimizer_list = data_parallel_seconds(
             [float(x) for x in held], hardware, pipeline_parallel=p, tensor_parallel=t,
             data_parallel=d, zero_stage=zero_stage, element_bytes=element,
+            backward_window=backward_window.tolist(), forward_window=forward_window.tolist(),
         )  # fmt: skip
         slowdown = host_compute_slowdown(hardware, t * p * d)
         allreduce_measured = np.array(allreduce_list) + _tied_seconds(shape, hardware, d, element)
@@ -720,7 +727,8 @@ def _specs_of_one_depth(
     # `StageMemory.per_rank_bytes`, one row per point; reported as the allocator's reserve.
     allocated = peak_bytes(parameters, unit_bytes, buffer_bytes, working_bytes, per_device, per_step, units, transient)
     peak = hardware.memory_budget.reserved(allocated)
-    if hardware.runtime is not None:
+    overlapped = hardware.features is not None and hardware.features.gradient_reduce_overlap
+    if hardware.runtime is not None or overlapped:  # rank by rank (measured terms; another engine's overlap)
         costs = [
             data_parallel_costs(shape, hardware, d, zero, dtype, m) for shape, (d, m, zero, _, _) in zip(shapes, points)
         ]
