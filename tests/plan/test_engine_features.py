@@ -123,3 +123,27 @@ def test_the_search_and_the_cost_table_agree_with_every_feature_on():
         assert candidate.data_parallel > 1
         _, step = simulated_phases(candidate, profile, cluster)
         assert step == pytest.approx(candidate.predicted_step_seconds, rel=1e-9)
+
+
+def test_uniform_cuts_split_the_blocks_evenly():
+    from pipectl.plan.partition import uniform_cuts
+
+    kinds = ["embedding"] + ["transformer_block"] * 8 + ["layer_norm", "lm_head"]
+    assert uniform_cuts(kinds, 4) == [(0, 3), (3, 5), (5, 7), (7, 11)]
+    # 10 blocks over 4 stages: the inner stages take the two extra ones.
+    kinds = ["embedding"] + ["transformer_block"] * 10 + ["layer_norm", "lm_head"]
+    assert [end - start for start, end in uniform_cuts(kinds, 4)] == [3, 3, 3, 4]
+    assert uniform_cuts(kinds, 11) is None
+
+
+def test_an_engine_with_uniform_stages_plans_its_even_cut_only():
+    engine = EngineFeatures(name="megatron", vocab_parallel=True, uniform_stages=True)
+    profile = derive_profile(GPT, "h100-80gb", [1, 2], engine=engine)
+    result = plan(profile, _cluster(1), PlanRequest(global_batch=16, devices=8, tensor_parallel=2, pipeline_parallel=4,
+                                                    morph=False, workers=1, engine="any", include_all=True))
+    for candidate in result.candidates:
+        blocks = [sum(1 for i in range(start, end) if profile.layers[i].kind == "transformer_block")
+                  for start, end in candidate.stage_layers]
+        assert set(blocks) == {8 // (4 * candidate.chunks)}
+    # v = 4 would need 16 blocks: only 1 and 2 chunks are planned.
+    assert {c.chunks for c in result.candidates} <= {1, 2}

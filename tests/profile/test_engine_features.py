@@ -57,7 +57,7 @@ def test_fused_kernels_replace_eager_rms_norm_rotary_swiglu_and_gradient_accumul
     shape = dict(hidden=4096, heads=32, seq_len=4096, micro_batch_size=1, tensor_parallel=8, kv_heads=8,
                  ffn_hidden=14336, activation="swiglu", rms_norm=True, bias=False, rotary=True)
     eager = BlockShape(**shape)
-    fused = BlockShape(**shape, fused=True)
+    fused = BlockShape(**shape, fused=True, accumulation_fused=True)
     eager_names = {k.name for k in block_forward_kernels(eager, H100) + block_backward_kernels(eager, H100)}
     fused_kernels = block_forward_kernels(fused, H100) + block_backward_kernels(fused, H100)
     fused_names = {k.name for k in fused_kernels}

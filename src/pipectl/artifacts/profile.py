@@ -312,9 +312,14 @@ class EngineFeatures(Strict):
     )
     fused_elementwise: bool = Field(
         default=False,
-        description="Fused element-wise kernels (Transformer Engine / Apex): one-kernel RMSNorm, fused rotary "
-        "and SwiGLU, one fused QKV and gate/up GEMM, weight gradients accumulated by the GEMM "
-        "(gradient-accumulation fusion) instead of eager PyTorch's separate passes.",
+        description="Fused element-wise kernels (Megatron's own, Apex, Transformer Engine): one-kernel RMSNorm, "
+        "fused rotary and SwiGLU, one fused QKV and gate/up GEMM, one scale-mask-softmax pass (unfused "
+        "attention) instead of eager PyTorch's separate passes.",
+    )
+    gradient_accumulation_fusion: bool = Field(
+        default=False,
+        description="Weight gradients accumulated into fp32 main gradients by the weight-gradient GEMM itself "
+        "(Megatron-Core's --gradient-accumulation-fusion, on by default): no separate accumulation pass.",
     )
     tensor_parallel_overlap: bool = Field(
         default=False,
@@ -333,6 +338,21 @@ class EngineFeatures(Strict):
         "first forward (Megatron's --overlap-param-gather, which needs the distributed optimizer and "
         "--overlap-grad-reduce). Without it the all-gather half of the ring is exposed at the end of the step.",
     )
+    dropout: bool = Field(
+        default=False,
+        description="The run's attention and hidden dropout (Megatron-LM's defaults, 0.1 each; pipectl's built-in "
+        "GPT has none): with unfused attention a dropout over the s x s probabilities (read, write, a 1-byte mask; "
+        "its output and mask kept for the backward), and each residual add's 1-byte mask (Megatron's fused "
+        "bias-dropout-add). Flash attention drops inside its kernel: nothing more.",
+    )
+    uniform_stages: bool = Field(
+        default=False,
+        description="Transformer blocks split evenly over the (virtual) pipeline stages, the embedding on the "
+        "first and the final norm and head on the last (Megatron's num_layers // p // v per stage; "
+        "Megatron-DeepSpeed's partition_method 'type:transformer'); where the blocks do not divide, the first "
+        "and last stages take one fewer. Without it the planner balances the stages' time. A cut pipectl's "
+        "runtime can run too.",
+    )
     bucket_parameters: int = Field(
         default=40_000_000, gt=0, le=10**13,
         description="Parameters per gradient bucket (Megatron-Core's DistributedDataParallel default: "
@@ -343,7 +363,8 @@ class EngineFeatures(Strict):
     @property
     def runnable_by_pipectl(self) -> bool:
         """Whether pipectl's runtime runs a plan priced with these features: only with none set."""
-        return not (self.sequence_parallel or self.vocab_parallel or self.fused_elementwise
+        return not (self.sequence_parallel or self.vocab_parallel or self.fused_elementwise or self.dropout
+                    or self.gradient_accumulation_fusion
                     or self.tensor_parallel_overlap or self.gradient_reduce_overlap or self.parameter_gather_overlap)
 
 

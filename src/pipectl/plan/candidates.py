@@ -27,6 +27,7 @@ from pipectl.artifacts.profile import ModelProfile
 from pipectl.catalog import DTYPE_BYTES
 from pipectl.plan.costs import (
     ADAM_BYTES_PER_PARAMETER,
+    TRANSFORMER_BLOCK,
     Hardware,
     LayerSeconds,
     collective_handoff_seconds,
@@ -51,7 +52,7 @@ from pipectl.plan.memory import (
     step_bytes_per_parameter,
     weight_versions,
 )
-from pipectl.plan.partition import candidate_values, greedy_cuts, min_bottlenecks, prefix_sums
+from pipectl.plan.partition import candidate_values, greedy_cuts, min_bottlenecks, prefix_sums, uniform_cuts
 from pipectl.schedule import ScheduleKind, deepspeed_runnable, torch_runnable
 
 
@@ -347,6 +348,25 @@ class ShapeBuilder:
             shape = self.shape_from_cuts(t, b, recompute, p, v, cuts)
             self._shapes[key] = shape
         return shape
+
+    @property
+    def uniform_stages(self) -> bool:
+        """Whether the engine priced splits the blocks evenly over the stages (`EngineFeatures.uniform_stages`)."""
+        features = self.hardware.features
+        return features is not None and features.uniform_stages
+
+    def uniform_shape(self, t: int, b: int, recompute: bool, p: int, v: int) -> Shape | None:
+        """The shape of the engine's even split of the blocks over p x v virtual stages
+        (`partition.uniform_cuts`), or None where the model has fewer blocks than stages, or, for
+        an interleaved pipeline (v > 1), where the blocks do not divide by p x v (Megatron asks
+        the layers of a stage to divide into its chunks)."""
+        key = (t, b, recompute, p, v, "uniform")
+        if key not in self._shapes:
+            kinds = layer_table(self.profile, b, t).kinds
+            blocks = sum(1 for kind in kinds if kind == TRANSFORMER_BLOCK)
+            cuts = None if v > 1 and blocks % (p * v) else uniform_cuts(kinds, p * v)
+            self._shapes[key] = None if cuts is None else self.shape_from_cuts(t, b, recompute, p, v, cuts)  # type: ignore[assignment]
+        return self._shapes[key]
 
     def work(self, t: int, b: int, recompute: bool) -> list[float]:
         """Per-layer work (`LayerSeconds.work`), cached per (t, b, recompute); callers must not mutate it."""

@@ -194,6 +194,11 @@ class BlockShape:
     # accumulation inside the weight-gradient GEMM).
     sequence_parallel: bool = False
     fused: bool = False
+    # Attention and hidden dropout as Megatron-LM runs them (`EngineFeatures.dropout`).
+    dropout: bool = False
+    # Weight gradients accumulated by the weight-gradient GEMM into fp32 main gradients
+    # (`EngineFeatures.gradient_accumulation_fusion`): no separate accumulation pass.
+    accumulation_fused: bool = False
 
     @property
     def tokens(self) -> int:
@@ -294,8 +299,10 @@ def _unfused_attention_forward(shape: BlockShape, device: ComputeDevice) -> list
     scores = _scores_elements(shape)
     return [
         _batched_gemm("scores QK^T", batch, s, s, d, device),
-        memory_kernel("scale and mask", 2 * scores * e, device),
-        memory_kernel("softmax", 2 * scores * e, device),
+        # Fused (Megatron's FusedScaleMaskSoftmax): one pass; eager: scale and mask, then softmax.
+        *([memory_kernel("scale, mask and softmax", 2 * scores * e, device)] if shape.fused else
+          [memory_kernel("scale and mask", 2 * scores * e, device), memory_kernel("softmax", 2 * scores * e, device)]),
+        *([memory_kernel("attention dropout", scores * (2 * e + DROPOUT_MASK_BYTES), device)] if shape.dropout else []),
         _batched_gemm("probabilities x V", batch, s, d, s, device),
         # The context [b, heads, s, d] back to [b, s, h/t] for proj: a copy.
         memory_kernel("context transpose", 2 * shape.tokens * shape.local_hidden * e, device),
@@ -310,8 +317,10 @@ def _unfused_attention_backward(shape: BlockShape, device: ComputeDevice) -> lis
         memory_kernel("context transpose backward", 2 * shape.tokens * shape.local_hidden * e, device),
         _batched_gemm("dP = dO V^T", batch, s, s, d, device),
         _batched_gemm("dV = P^T dO", batch, s, d, s, device),
+        *([memory_kernel("attention dropout backward", scores * (2 * e + DROPOUT_MASK_BYTES), device)]
+          if shape.dropout else []),
         memory_kernel("softmax backward", 3 * scores * e, device),
-        memory_kernel("scale and mask backward", 2 * scores * e, device),
+        *([] if shape.fused else [memory_kernel("scale and mask backward", 2 * scores * e, device)]),
         _batched_gemm("dQ = dS K", batch, s, d, s, device),
         _batched_gemm("dK = dS^T Q", batch, s, d, s, device),
     ]
@@ -377,6 +386,8 @@ def _norm_backward(shape: BlockShape, device: ComputeDevice) -> list[Kernel]:
 # Rotary embeddings as transformers applies them to q and to k: rotate_half (a copy), x * cos,
 # rotate_half(x) * sin, their sum: 11 element passes of each.
 ROTARY_PASSES = 11
+# A dropout mask element (torch's fused dropout keeps a bool per element).
+DROPOUT_MASK_BYTES = 1
 # A fused rotary kernel (Transformer Engine's, Apex's) reads q and k once and writes them once.
 FUSED_ROTARY_PASSES = 2
 # GPT-2's tanh GELU as eager ops (transformers' NewGELUActivation): pow, two scalings, add, tanh,
@@ -482,11 +493,17 @@ def block_forward_kernels(shape: BlockShape, device: ComputeDevice) -> list[Kern
         *_qkv_forward(shape, device),
         *attention,
         gemm_kernel("proj", T, h, hl, device),
-        memory_kernel("residual add", 3 * shape.norm_tokens * h * e, device),
+        memory_kernel("residual add", _residual_bytes(shape, e), device),
         *_norm_forward(shape, device),
         *_mlp_forward(shape, device),
-        memory_kernel("residual add", 3 * shape.norm_tokens * h * e, device),
+        memory_kernel("residual add", _residual_bytes(shape, e), device),
     ]
+
+
+def _residual_bytes(shape: BlockShape, e: int) -> int:
+    """A residual add (forward) or its gradient's (backward): read two, write one b s h (s/t with
+    sequence parallelism); with dropout the fused bias-dropout-add writes (reads) its mask too."""
+    return (3 * e + (DROPOUT_MASK_BYTES if shape.dropout else 0)) * shape.norm_tokens * shape.hidden
 
 
 def _linear_backward(
@@ -524,14 +541,14 @@ def block_backward_kernels(shape: BlockShape, device: ComputeDevice, accumulate_
     kernels = [
         *_mlp_backward(shape, device),
         *_norm_backward(shape, device),
-        memory_kernel("residual gradient add", 3 * shape.norm_tokens * h * e, device),
+        memory_kernel("residual gradient add", _residual_bytes(shape, e), device),
         *_linear_backward("proj", T, hl, h, device, shape.bias),
         *attention,
         *_qkv_backward(shape, device),
         *_norm_backward(shape, device),
-        memory_kernel("residual gradient add", 3 * shape.norm_tokens * h * e, device),
+        memory_kernel("residual gradient add", _residual_bytes(shape, e), device),
     ]
-    if accumulate_gradients and not shape.fused:  # fused: the weight-gradient GEMM accumulates
+    if accumulate_gradients and not shape.accumulation_fused:  # else the weight-gradient GEMM accumulates
         kernels += [memory_kernel("gradient accumulation", 3 * n * e, device) for n in shape.parameter_tensors()]
     return kernels
 
@@ -573,6 +590,10 @@ def block_saved_bytes(shape: BlockShape, bytes_per_element: int) -> int:
         extra = T * shape.local_heads * FP32_BYTES  # log-sum-exp
     else:
         extra = (_scores_elements(shape) + T * hl) * e
+        if shape.dropout:  # the dropped probabilities (PV's input) and their mask (Korthikanti: 5 a s / h)
+            extra += _scores_elements(shape) * (e + DROPOUT_MASK_BYTES)
+    if shape.dropout:  # the two hidden dropouts' masks
+        norms += 2 * Tn * h * DROPOUT_MASK_BYTES
     return norms + split * e + extra
 
 

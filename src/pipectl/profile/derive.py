@@ -157,6 +157,8 @@ def _block_shape(
         ffn_hidden=config.ffn_hidden, activation=config.activation, rms_norm=config.norm == "rms",
         bias=config.linear_bias, rotary=config.rotary,
         sequence_parallel=bool(engine and engine.sequence_parallel), fused=bool(engine and engine.fused_elementwise),
+        dropout=bool(engine and engine.dropout),
+        accumulation_fused=bool(engine and engine.gradient_accumulation_fusion),
     )  # fmt: skip
 
 
@@ -644,7 +646,7 @@ def _derive(
             "embeddings, final norm and head are replicated on every tensor rank"
         )
     if engine is not None:
-        features = [name for name in ("sequence_parallel", "vocab_parallel", "fused_elementwise",
+        features = [name for name in ("sequence_parallel", "vocab_parallel", "fused_elementwise", "gradient_accumulation_fusion", "dropout", "uniform_stages",
                                       "tensor_parallel_overlap", "gradient_reduce_overlap", "parameter_gather_overlap")
                     if getattr(engine, name)]
         notes.append(
