@@ -397,6 +397,7 @@ class ModelProfile(Artifact):
     notes: list[str] = Field(default_factory=list, description="What happened while profiling.")
     engine: EngineFeatures | None = Field(
         default=None,
+        exclude_if=lambda engine: engine is None,  # a profile of pipectl's runtime reads as it always did
         description="A derived profile of a run of another engine: the features it was derived and is priced "
         "with (`EngineFeatures`); None: pipectl's own runtime.",
     )

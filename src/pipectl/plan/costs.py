@@ -438,13 +438,15 @@ def tensor_parallel_communication(
         >>> from pipectl.plan.synthetic import synthetic_profile
         >>> link = LinkCost(1e-6, 100e9)
         >>> table = layer_table(synthetic_profile(blocks=1), 1)
-        >>> replace_output = replace(table, output_activation_bytes=(0.0, 100e6, 0.0))
-        >>> [round(x * 1e3, 3) for x in tensor_parallel_communication(replace_output, link, 8)[0]]
-        [0.0, 3.528, 0.0]
+        >>> table.kinds
+        ('embedding', 'transformer_block', 'layer_norm', 'lm_head')
+        >>> whole = replace(table, output_activation_bytes=(0.0, 100e6, 0.0, 0.0))
+        >>> [round(x * 1e3, 3) for x in tensor_parallel_communication(whole, link, 8)[0]]
+        [0.0, 3.528, 0.0, 0.0]
         >>> sp = EngineFeatures(name="e", sequence_parallel=True)
-        >>> quarter = replace(table, output_activation_bytes=(0.0, 12.5e6, 0.0))
-        >>> [round(x * 1e3, 3) for x in tensor_parallel_communication(quarter, link, 8, sp)[1]]
-        [0.0, 3.528, 0.0]
+        >>> eighth = replace(table, output_activation_bytes=(0.0, 12.5e6, 0.0, 0.0))
+        >>> [round(x * 1e3, 3) for x in tensor_parallel_communication(eighth, link, 8, sp)[1]]
+        [0.0, 3.528, 0.0, 0.0]
     """
     t = tensor_parallel
     forward = [0.0] * table.layers
@@ -676,9 +678,9 @@ def overlapped_data_parallel_seconds(
     beside the next step's first forward when overlapped (exposed: what outlasts it), else at the
     end of the step:
 
-        >>> overlapped_data_parallel_seconds(0.3, 0.3, 0.01, 0.5, 0.2, gather_overlapped=True)   # 0.01 + 0.1
+        >>> round(overlapped_data_parallel_seconds(0.3, 0.3, 0.01, 0.5, 0.2, gather_overlapped=True), 6)   # 0.01 + 0.1
         0.11
-        >>> overlapped_data_parallel_seconds(0.3, 0.3, 0.01, 0.5, 0.2, gather_overlapped=False)  # 0.01 + 0.3
+        >>> round(overlapped_data_parallel_seconds(0.3, 0.3, 0.01, 0.5, 0.2, gather_overlapped=False), 6)  # 0.01 + 0.3
         0.31
         >>> round(overlapped_data_parallel_seconds(0.8, 0.0, 0.01, 0.5, 0.2, gather_overlapped=True), 6)
         0.3
