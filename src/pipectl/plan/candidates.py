@@ -289,6 +289,9 @@ class ShapeBuilder:
         self._prefixes: dict[tuple[int, int, bool], tuple[float, ...]] = {}
         self._partition_prefixes: dict[tuple[int, int, bool], list[float]] = {}
         self._arrays: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
+        # Whether the engine priced splits the blocks evenly over the stages (`EngineFeatures.uniform_stages`):
+        # then each pipeline has that cut only (`uniform_shape`).
+        self.uniform_stages = hardware.features is not None and hardware.features.uniform_stages
         links = hardware.links
         # The cheaper link for an activation transfer (the bound's transfer time per cut).
         self._fastest_link = links.intra if links.intra.seconds(1e6) <= links.inter.seconds(1e6) else links.inter
@@ -348,12 +351,6 @@ class ShapeBuilder:
             shape = self.shape_from_cuts(t, b, recompute, p, v, cuts)
             self._shapes[key] = shape
         return shape
-
-    @property
-    def uniform_stages(self) -> bool:
-        """Whether the engine priced splits the blocks evenly over the stages (`EngineFeatures.uniform_stages`)."""
-        features = self.hardware.features
-        return features is not None and features.uniform_stages
 
     def uniform_shape(self, t: int, b: int, recompute: bool, p: int, v: int) -> Shape | None:
         """The shape of the engine's even split of the blocks over p x v virtual stages
