@@ -11,14 +11,17 @@ the source of each published run) and, for every row:
 2. derives pipectl's profile of the shape on the catalog device (`pipectl.profile.derive`, the
    kernel model, with the attention the run computed: unfused before 2022, flash after), builds a
    cluster of the published size (the catalog's links, or the source's network where it differs);
-3. plans with the published layout pinned: t, p, d, micro-batch, schedule (interleaved with the
+3. derives the profile as the run's engine ran the model (`engine` in the YAML: vocabulary-parallel
+   embedding and head, sequence parallelism, fused kernels, dropout, the even split of the blocks,
+   tensor-parallel and data-parallel overlap; `pipectl.artifacts.profile.EngineFeatures`) and
+   plans with the published layout pinned: t, p, d, micro-batch, schedule (interleaved with the
    published chunks v), ZeRO stage and, where published, full recomputation (Megatron-LM's
    per-layer activation checkpointing, `checkpoint_layers`); fields the source
    does not give (null in the YAML) are left to the planner, which takes its fastest choice for
    them. Schedules DeepSpeed cannot run and ZeRO-0 are allowed here (Megatron ran them);
 4. plans again with nothing pinned but the devices and the global batch (`pipectl plan`'s own
-   search, DeepSpeed-runnable schedules, ZeRO-1: what pipectl would launch) and reports its
-   predicted step against the pinned prediction.
+   search, DeepSpeed-runnable schedules, ZeRO-1, the profile without the engine's features: what
+   pipectl would launch) and reports its predicted step against the pinned prediction.
 
 The device constants are configs/devices.yaml as committed; nothing is fitted to these rows. The
 error of each row is (predicted - published) / published. Prints a table and writes
@@ -49,9 +52,11 @@ sys.path.insert(0, str(ROOT / "src"))
 from pipectl.artifacts.cluster import ClusterSpec  # noqa: E402
 from pipectl.artifacts.model import ModelConfig  # noqa: E402
 from pipectl.artifacts.plan import Candidate, PlanRequest, Recompute, RecomputeChoice  # noqa: E402
+from pipectl.artifacts.profile import EngineFeatures  # noqa: E402
 from pipectl.catalog import get_device  # noqa: E402
 from pipectl.errors import PipectlError  # noqa: E402
 from pipectl.io import write_json_atomic  # noqa: E402
+from pipectl.plan.phases import simulated_phases  # noqa: E402
 from pipectl.plan.search import plan  # noqa: E402
 from pipectl.profile.derive import DEFAULT_SHARD_DEGREES, derive_profile  # noqa: E402
 
@@ -84,6 +89,14 @@ CONSTANTS_PROVENANCE = {
     "v100-32gb.gemm_efficiency = 0.8": "ESTIMATE (catalog: 'about 100 of 125 TFLOP/s at the 300 W limit'); not tuned",
     "v100-32gb.attention_efficiency = 0.3": "ESTIMATE (memory-efficient SDPA); read only by flash attention (the V100 rows run unfused)",
     "h100-80gb.attention_efficiency = 0.35": "FlashAttention-3 paper (Shah et al. 2024: FlashAttention-2 reaches 35 % of H100 peak)",
+    "engine features (published_runs.yaml `engine`)": (
+        "NOT constants and not tuned: what each run's engine did (vocabulary-parallel embedding and head, sequence "
+        "parallelism, fused kernels, dropout, the even split of the blocks, tensor-parallel and data-parallel overlap), "
+        "each read in the engine's code or scripts at the row's commit (the row's `engine.source`); rows whose engine "
+        "could not be read (llama3-*) are priced as pipectl's runtime runs them. The overlaps and the even split are "
+        "terms of the cost model (plan/costs.py, plan/partition.py), the rest of the derived profile "
+        "(profile/compute_model.py, profile/derive.py)"
+    ),
     "efficiency_by_micro_batch curves": (
         "whole-training MFU taken from published runs (A100: Narayanan et al. 2021 Table 1, the same table as "
         "the ptdp-* rows here; V100: Shoeybi et al. 2019; H100: Llama 3 Table 4, the same as the llama3-* rows). "
@@ -163,6 +176,15 @@ def cluster_of(row: dict) -> ClusterSpec:
     if devices.get("links"):
         node_type["links"] = devices["links"]
     return ClusterSpec(name=f"published-{row['id']}", description=row["name"], node_types=[node_type])
+
+
+def engine_features(row: dict) -> EngineFeatures | None:
+    """The row's engine features (the YAML's `engine`, each with its source), or None: the run is
+    priced as pipectl's own runtime would run it."""
+    engine = row.get("engine")
+    if not engine:
+        return None
+    return EngineFeatures(**{key: value for key, value in engine.items() if key not in ("evidence", "verified")})
 
 
 def micro_batch_sizes(row: dict) -> list[int]:
@@ -260,6 +282,19 @@ def pinned_plan(row: dict, profile, cluster: ClusterSpec, workers: int | None) -
     return chosen, why, dict(result.infeasible or {})
 
 
+def phase_breakdown(candidate: Candidate, profile, cluster: ClusterSpec) -> dict:
+    """Where the pinned step goes, on its busiest stage (the most forward + backward seconds):
+    forward (recomputation included), backward, pipeline waits (bubble and exposed transfers) and
+    end of step (exposed data-parallel collectives and the optimizer), as `pipectl status` shows
+    them (`plan.phases.simulated_phases`)."""
+    stages, step = simulated_phases(candidate, profile, cluster)
+    index = max(range(len(stages)), key=lambda i: stages[i][0] + stages[i][1])
+    forward, backward, waits, end = stages[index]
+    return {"stage": index, "forward_seconds": round(forward, 4), "backward_seconds": round(backward, 4),
+            "pipeline_waits_seconds": round(waits, 4), "end_of_step_seconds": round(end, 4),
+            "step_seconds": round(step, 4)}
+
+
 def vocab_parallel_copy(profile, t: int):
     """A copy of `profile` whose embedding and head layers take 1/t of their seconds (a diagnostic)."""
     layers = []
@@ -276,11 +311,19 @@ def plan_row(row: dict, workers: int | None, profile_cache: dict) -> dict:
     device = get_device(row["devices"]["kind"])
     config = model_config(row)
     sizes = micro_batch_sizes(row)
+    engine = engine_features(row)
     key = (tuple(sorted((k, str(v)) for k, v in row["model"].items())), device.name, row["attention"], tuple(sizes))
     started = time.perf_counter()
+    # The pinned prediction: the profile of the run as its engine ran it (`engine`); pipectl's own
+    # choice: the profile of pipectl's runtime (no engine features), what `pipectl plan` would launch.
     if key not in profile_cache:
         profile_cache[key] = derive_profile(config, device, sizes, attention=row["attention"])
-    profile = profile_cache[key]
+    own_profile = profile_cache[key]
+    engine_key = (key, engine.model_dump_json() if engine else None)
+    if engine_key not in profile_cache:
+        profile_cache[engine_key] = (derive_profile(config, device, sizes, attention=row["attention"], engine=engine)
+                                     if engine else own_profile)
+    profile = profile_cache[engine_key]
     derive_seconds = time.perf_counter() - started
     cluster = cluster_of(row)
     t = row["layout"]["t"]
@@ -297,6 +340,7 @@ def plan_row(row: dict, workers: int | None, profile_cache: dict) -> dict:
     chosen, why, infeasible = pinned_plan(row, profile, cluster, workers)
     out["pinned_plan_seconds"] = round(time.perf_counter() - started, 3)
     out["pinned"] = candidate_summary(chosen) if chosen else None
+    out["pinned_phases"] = phase_breakdown(chosen, profile, cluster) if chosen else None
     out["pinned_problem"] = why or None
     out["pinned_infeasible"] = infeasible
     # Diagnostics, not in the headline statistics: the time model alone. (a) The pinned request with
@@ -310,14 +354,14 @@ def plan_row(row: dict, workers: int | None, profile_cache: dict) -> dict:
     out["time_model_only"] = candidate_summary(time_only) if time_only else None
     out["time_model_only_problem"] = time_only_why or None
     out["time_model_only_vocab_parallel"] = None
-    if t > 1:
+    if t > 1 and not (engine and engine.vocab_parallel):
         split, _, _ = pinned_plan(row, vocab_parallel_copy(unbounded, t), cluster, workers)
         out["time_model_only_vocab_parallel"] = candidate_summary(split) if split else None
 
     started = time.perf_counter()
     try:
-        own = plan(profile, cluster, PlanRequest(global_batch=row["global_batch"], devices=row["devices"]["count"],
-                                                 morph=False, workers=workers)).chosen
+        own = plan(own_profile, cluster, PlanRequest(global_batch=row["global_batch"], devices=row["devices"]["count"],
+                                                     morph=False, workers=workers)).chosen
         out["own"] = candidate_summary(own)
         out["own_problem"] = None
     except PipectlError as error:
@@ -423,6 +467,7 @@ def main() -> None:
             "precision": row.get("precision"),
             "recompute": row.get("recompute"),
             "sequence_parallel": row.get("sequence_parallel"),
+            "engine": row.get("engine"),
             "attention": row["attention"],
             "published": row.get("published"),
             "published_step_seconds": round(seconds, 3) if seconds else None,
@@ -446,6 +491,11 @@ def main() -> None:
               flush=True)
         if not pinned:
             print(f"    pinned layout not planned: {figures['pinned_problem']}")
+        else:
+            phases = figures["pinned_phases"]
+            print(f"    pinned {candidate_text(pinned)}: busiest stage {phases['stage']}: forward {phases['forward_seconds']:.3f}s, "
+                  f"backward {phases['backward_seconds']:.3f}s, waits {phases['pipeline_waits_seconds']:.3f}s, "
+                  f"end of step {phases['end_of_step_seconds']:.3f}s")
         notes = []
         for label, text in (("time_model_only", "memory check off"),
                             ("time_model_only_vocab_parallel", "and embedding/head split t ways")):

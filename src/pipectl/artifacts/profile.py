@@ -286,6 +286,88 @@ class LinksProfile(Artifact):
         return next((f for f in self.fits if f.link_class == link_class), None)
 
 
+class EngineFeatures(Strict):
+    """What another training engine does that pipectl's own runtime does not (Megatron-Core's
+    options), for a derived profile that predicts a run of that engine. Each one is a term of the
+    compute, memory or cost model (`profile.derive`, `plan.costs`); a profile with any of them set
+    is planned for comparison only: its candidates are not runnable by pipectl (engine none).
+
+    None of these is runnable by pipectl's DeepSpeed or torch runtime: their tensor-parallel
+    block keeps the sequence whole, the embedding and head whole on every tensor rank, reduces
+    gradients after the last micro-batch and runs eager element-wise kernels.
+    """
+
+    name: str = Field(min_length=1, max_length=200, description="The engine these features are of (e.g. 'megatron-core').")
+    sequence_parallel: bool = Field(
+        default=False,
+        description="Sequence parallelism with tensor parallelism (Korthikanti et al. 2022, §4.2.2): the "
+        "norms, residual adds and dropouts run on s/t tokens of each rank and keep 1/t of their activations; "
+        "each block's all-reduces become an all-gather and a reduce-scatter (the same bytes and ring time).",
+    )
+    vocab_parallel: bool = Field(
+        default=False,
+        description="The embedding and the head split t ways by vocabulary (Megatron's VocabParallelEmbedding, "
+        "a column-parallel head with a vocab-parallel cross-entropy): 1/t of their time, parameters and "
+        "logits per tensor rank, one all-reduce of b s h in the embedding's forward and the head's backward.",
+    )
+    fused_elementwise: bool = Field(
+        default=False,
+        description="Fused element-wise kernels (Megatron's own, Apex, Transformer Engine): one-kernel RMSNorm, "
+        "fused rotary and SwiGLU, one fused QKV and gate/up GEMM, one scale-mask-softmax pass (unfused "
+        "attention) instead of eager PyTorch's separate passes.",
+    )
+    gradient_accumulation_fusion: bool = Field(
+        default=False,
+        description="Weight gradients accumulated into fp32 main gradients by the weight-gradient GEMM itself "
+        "(Megatron-Core's --gradient-accumulation-fusion, on by default): no separate accumulation pass.",
+    )
+    tensor_parallel_overlap: bool = Field(
+        default=False,
+        description="Tensor-parallel communication overlapped with the block's GEMMs (Megatron's --tp-comm-overlap, "
+        "which needs sequence parallelism): a block exposes only what its communication exceeds its compute by.",
+    )
+    gradient_reduce_overlap: bool = Field(
+        default=False,
+        description="Data-parallel gradient reduction in buckets during the backward of each stage's last "
+        "micro-batch (Megatron's --overlap-grad-reduce): exposed only where it outlasts that backward, and "
+        "never less than its last bucket.",
+    )
+    parameter_gather_overlap: bool = Field(
+        default=False,
+        description="The distributed optimizer's all-gather of updated parameters overlapped with the next step's "
+        "first forward (Megatron's --overlap-param-gather, which needs the distributed optimizer and "
+        "--overlap-grad-reduce). Without it the all-gather half of the ring is exposed at the end of the step.",
+    )
+    dropout: bool = Field(
+        default=False,
+        description="The run's attention and hidden dropout (Megatron-LM's defaults, 0.1 each; pipectl's built-in "
+        "GPT has none): with unfused attention a dropout over the s x s probabilities (read, write, a 1-byte mask; "
+        "its output and mask kept for the backward), and each residual add's 1-byte mask (Megatron's fused "
+        "bias-dropout-add). Flash attention drops inside its kernel: nothing more.",
+    )
+    uniform_stages: bool = Field(
+        default=False,
+        description="Transformer blocks split evenly over the (virtual) pipeline stages, the embedding on the "
+        "first and the final norm and head on the last (Megatron's num_layers // p // v per stage; "
+        "Megatron-DeepSpeed's partition_method 'type:transformer'); where the blocks do not divide, the first "
+        "and last stages take one fewer. Without it the planner balances the stages' time. A cut pipectl's "
+        "runtime can run too.",
+    )
+    bucket_parameters: int = Field(
+        default=40_000_000, gt=0, le=10**13,
+        description="Parameters per gradient bucket (Megatron-Core's DistributedDataParallel default: "
+        "max(40e6, 1e6 x d)); the last bucket's reduction is always exposed.",
+    )
+    source: str | None = Field(default=None, max_length=2000, description="Where these features were read.")
+
+    @property
+    def runnable_by_pipectl(self) -> bool:
+        """Whether pipectl's runtime runs a plan priced with these features: only with none set."""
+        return not (self.sequence_parallel or self.vocab_parallel or self.fused_elementwise or self.dropout
+                    or self.gradient_accumulation_fusion
+                    or self.tensor_parallel_overlap or self.gradient_reduce_overlap or self.parameter_gather_overlap)
+
+
 class ModelProfile(Artifact):
     """profile.json: the model layer by layer on one device type."""
 
@@ -313,6 +395,12 @@ class ModelProfile(Artifact):
         description="Training-engine overheads measured on one rank (measured profiles); None: not measured.",
     )
     notes: list[str] = Field(default_factory=list, description="What happened while profiling.")
+    engine: EngineFeatures | None = Field(
+        default=None,
+        exclude_if=lambda engine: engine is None,  # a profile of pipectl's runtime reads as it always did
+        description="A derived profile of a run of another engine: the features it was derived and is priced "
+        "with (`EngineFeatures`); None: pipectl's own runtime.",
+    )
     device_memory_bytes: int | None = Field(
         default=None,
         gt=0,

@@ -27,6 +27,7 @@ from pipectl.artifacts.profile import ModelProfile
 from pipectl.catalog import DTYPE_BYTES
 from pipectl.plan.costs import (
     ADAM_BYTES_PER_PARAMETER,
+    TRANSFORMER_BLOCK,
     Hardware,
     LayerSeconds,
     collective_handoff_seconds,
@@ -51,7 +52,7 @@ from pipectl.plan.memory import (
     step_bytes_per_parameter,
     weight_versions,
 )
-from pipectl.plan.partition import candidate_values, greedy_cuts, min_bottlenecks, prefix_sums
+from pipectl.plan.partition import candidate_values, greedy_cuts, min_bottlenecks, prefix_sums, uniform_cuts
 from pipectl.schedule import ScheduleKind, deepspeed_runnable, torch_runnable
 
 
@@ -288,6 +289,9 @@ class ShapeBuilder:
         self._prefixes: dict[tuple[int, int, bool], tuple[float, ...]] = {}
         self._partition_prefixes: dict[tuple[int, int, bool], list[float]] = {}
         self._arrays: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
+        # Whether the engine priced splits the blocks evenly over the stages (`EngineFeatures.uniform_stages`):
+        # then each pipeline has that cut only (`uniform_shape`).
+        self.uniform_stages = hardware.features is not None and hardware.features.uniform_stages
         links = hardware.links
         # The cheaper link for an activation transfer (the bound's transfer time per cut).
         self._fastest_link = links.intra if links.intra.seconds(1e6) <= links.inter.seconds(1e6) else links.inter
@@ -347,6 +351,19 @@ class ShapeBuilder:
             shape = self.shape_from_cuts(t, b, recompute, p, v, cuts)
             self._shapes[key] = shape
         return shape
+
+    def uniform_shape(self, t: int, b: int, recompute: bool, p: int, v: int) -> Shape | None:
+        """The shape of the engine's even split of the blocks over p x v virtual stages
+        (`partition.uniform_cuts`), or None where the model has fewer blocks than stages, or, for
+        an interleaved pipeline (v > 1), where the blocks do not divide by p x v (Megatron asks
+        the layers of a stage to divide into its chunks)."""
+        key = (t, b, recompute, p, v, "uniform")
+        if key not in self._shapes:
+            kinds = layer_table(self.profile, b, t).kinds
+            blocks = sum(1 for kind in kinds if kind == TRANSFORMER_BLOCK)
+            cuts = None if v > 1 and blocks % (p * v) else uniform_cuts(kinds, p * v)
+            self._shapes[key] = None if cuts is None else self.shape_from_cuts(t, b, recompute, p, v, cuts)  # type: ignore[assignment]
+        return self._shapes[key]
 
     def work(self, t: int, b: int, recompute: bool) -> list[float]:
         """Per-layer work (`LayerSeconds.work`), cached per (t, b, recompute); callers must not mutate it."""
@@ -503,10 +520,17 @@ def data_parallel_costs(
     links = hardware.links
     if zero_stage >= 2:
         return _sharded_costs(shape, hardware, d, zero_stage, micro_batches, element)
-    if hardware.runtime is not None:
+    features = hardware.features
+    if hardware.runtime is not None or (features is not None and features.gradient_reduce_overlap):
+        # Measured engine terms, or another engine's overlap: `costs`' own formula, rank by rank,
+        # the overlap windows each rank's one micro-batch of backward and of forward.
+        backward_window, forward_window = np.zeros(p), np.zeros(p)
+        np.add.at(backward_window, np.arange(len(shape.backward)) % p, shape.backward)
+        np.add.at(forward_window, np.arange(len(shape.forward)) % p, shape.forward)
         allreduce_list, optimizer_list = data_parallel_seconds(
             [float(x) for x in held], hardware, pipeline_parallel=p, tensor_parallel=t,
             data_parallel=d, zero_stage=zero_stage, element_bytes=element,
+            backward_window=backward_window.tolist(), forward_window=forward_window.tolist(),
         )  # fmt: skip
         slowdown = host_compute_slowdown(hardware, t * p * d)
         allreduce_measured = np.array(allreduce_list) + _tied_seconds(shape, hardware, d, element)
@@ -720,7 +744,8 @@ def _specs_of_one_depth(
     # `StageMemory.per_rank_bytes`, one row per point; reported as the allocator's reserve.
     allocated = peak_bytes(parameters, unit_bytes, buffer_bytes, working_bytes, per_device, per_step, units, transient)
     peak = hardware.memory_budget.reserved(allocated)
-    if hardware.runtime is not None:
+    overlapped = hardware.features is not None and hardware.features.gradient_reduce_overlap
+    if hardware.runtime is not None or overlapped:  # rank by rank (measured terms; another engine's overlap)
         costs = [
             data_parallel_costs(shape, hardware, d, zero, dtype, m) for shape, (d, m, zero, _, _) in zip(shapes, points)
         ]

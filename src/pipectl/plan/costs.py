@@ -101,7 +101,7 @@ from typing import Sequence
 
 from pipectl.artifacts.cluster import ClusterSpec, NodeType, emulated_kind
 from pipectl.artifacts.plan import Candidate, Recompute
-from pipectl.artifacts.profile import ModelProfile, RuntimeCosts
+from pipectl.artifacts.profile import EngineFeatures, ModelProfile, RuntimeCosts
 from pipectl.catalog import DTYPE_BYTES, GIB, DeviceSpec, get_device, load_catalog
 from pipectl.cluster import LinkCost, ResolvedLinks, price_per_device_hour, resolve_links
 from pipectl.errors import UserInputError
@@ -115,6 +115,11 @@ ADAM_BYTES_PER_PARAMETER = 28
 TENSOR_PARALLEL_ALLREDUCES_FORWARD = 2
 TENSOR_PARALLEL_ALLREDUCES_BACKWARD = 2
 TRANSFORMER_BLOCK = "transformer_block"
+# Vocabulary-parallel embedding and head (`EngineFeatures.vocab_parallel`): the embedding's forward
+# all-reduces (or, sequence-parallel, reduce-scatters) its b s h output; the head's input gradient
+# is all-reduced in its backward (sequence-parallel: the forward's all-gather and the backward's
+# reduce-scatter, the same ring time in all).
+VOCAB_PARALLEL_KINDS = ("embedding", "lm_head")
 # Latency-bound collectives DeepSpeed's ZeRO-1 pipeline engine adds at the end of a step (counted by
 # instrumenting torch.distributed in real runs, DeepSpeed 0.19.8): per data-parallel group (d > 1)
 # the gradient-norm and loss all-reduces, per pipeline (p > 1) the gradient-norm all-reduce and the
@@ -122,6 +127,10 @@ TRANSFORMER_BLOCK = "transformer_block"
 SMALL_COLLECTIVES_PER_DATA_PARALLEL_GROUP = 2
 SMALL_COLLECTIVES_PER_PIPELINE = 2
 SMALL_COLLECTIVE_BYTES = 8
+# Megatron-Core's gradient bucket: max(40e6, 1e6 x d) parameters (DistributedDataParallel at commit
+# f2e5db402c: "make buckets larger [...] to remain bandwidth-bound"); the floor is
+# `EngineFeatures.bucket_parameters`.
+MEGATRON_BUCKET_PARAMETERS_PER_REPLICA = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -139,6 +148,8 @@ class Hardware:
     memory_headroom: float = 0.0  # fraction of each device's memory the plan keeps free
     measured_memory_bytes: int | None = None  # the device's total as a profile on it measured
     emulated_slowdown: float = 1.0  # NodeType.compute_slowdown
+    # Another engine's features the profile was derived for (`ModelProfile.engine`); None: pipectl's.
+    features: EngineFeatures | None = None
 
     @property
     def compute_scale(self) -> float:
@@ -218,6 +229,7 @@ def hardware_for(
         memory_headroom=memory_headroom,
         measured_memory_bytes=profile.device_memory_bytes if profile.device == device.name else None,
         emulated_slowdown=node_type.compute_slowdown,
+        features=profile.engine,
     )
 
 
@@ -388,12 +400,11 @@ def layer_seconds(table: LayerTable, hardware: Hardware, tensor_parallel: int) -
     forward = [f * scale * forward_ratio for f, scale in zip(table.forward_seconds, scales)]
     backward = [b * scale * backward_ratio for b, scale in zip(table.backward_seconds, scales)]
     if t > 1:
-        ring = hardware.links.allreduce_intra
-        for index, kind in enumerate(table.kinds):
-            if kind == TRANSFORMER_BLOCK:
-                allreduce = ring.ring_allreduce_seconds(table.output_activation_bytes[index], t)
-                forward[index] += TENSOR_PARALLEL_ALLREDUCES_FORWARD * allreduce
-                backward[index] += TENSOR_PARALLEL_ALLREDUCES_BACKWARD * allreduce
+        forward_comm, backward_comm = tensor_parallel_communication(table, hardware.links.allreduce_intra, t, hardware.features)
+        overlap = bool(hardware.features and hardware.features.tensor_parallel_overlap)
+        for index in range(table.layers):
+            forward[index] += exposed_tensor_parallel_seconds(forward_comm[index], forward[index], overlap)
+            backward[index] += exposed_tensor_parallel_seconds(backward_comm[index], backward[index], overlap)
     runtime = hardware.runtime
     return LayerSeconds(
         tuple(forward),
@@ -404,6 +415,78 @@ def layer_seconds(table: LayerTable, hardware: Hardware, tensor_parallel: int) -
         backward_overhead=runtime.backward_overhead_seconds if runtime else 0.0,
         checkpointed_prefix=_prefix([f if table.checkpointed(i) else 0.0 for i, f in enumerate(forward)]),
     )
+
+
+def tensor_parallel_communication(
+    table: LayerTable, ring: LinkCost, tensor_parallel: int, features: EngineFeatures | None = None
+) -> tuple[list[float], list[float]]:
+    """Per layer, the (forward, backward) seconds of one micro-batch's tensor-parallel collectives
+    on a ring of t devices inside a node.
+
+    Each transformer block: two all-reduces of its b s h output forward and two backward
+    (Megatron; Shoeybi et al. 2019 §3). With sequence parallelism each all-reduce is an all-gather
+    plus a reduce-scatter of the same whole b s h bytes: the same ring time (Korthikanti et al.
+    2022, §4.2.2); the block's output is then 1/t of the sequence on each rank, so the whole is t
+    times the table's output bytes. The backward's second all-gather of the saved s/t norm outputs
+    (for the weight gradients) runs beside the input-gradient GEMMs and is not charged. With a
+    vocabulary-parallel embedding and head (`VOCAB_PARALLEL_KINDS`): one all-reduce of b s h in the
+    embedding's forward and one in the head's backward. Replicated layers: none.
+
+    One block of 100 MB (sequence-parallel: 12.5 MB a rank) over 8 ranks at 1 µs and 100 GB/s:
+    2 x 14 x (1e-6 + 12.5e6 / 100e9) = 3.528 ms forward and backward either way:
+
+        >>> from pipectl.plan.synthetic import synthetic_profile
+        >>> link = LinkCost(1e-6, 100e9)
+        >>> table = layer_table(synthetic_profile(blocks=1), 1)
+        >>> table.kinds
+        ('embedding', 'transformer_block', 'layer_norm', 'lm_head')
+        >>> whole = replace(table, output_activation_bytes=(0.0, 100e6, 0.0, 0.0))
+        >>> [round(x * 1e3, 3) for x in tensor_parallel_communication(whole, link, 8)[0]]
+        [0.0, 3.528, 0.0, 0.0]
+        >>> sp = EngineFeatures(name="e", sequence_parallel=True)
+        >>> eighth = replace(table, output_activation_bytes=(0.0, 12.5e6, 0.0, 0.0))
+        >>> [round(x * 1e3, 3) for x in tensor_parallel_communication(eighth, link, 8, sp)[1]]
+        [0.0, 3.528, 0.0, 0.0]
+    """
+    t = tensor_parallel
+    forward = [0.0] * table.layers
+    backward = [0.0] * table.layers
+    if t <= 1:
+        return forward, backward
+    sequence_parallel = bool(features and features.sequence_parallel)
+    vocab_parallel = bool(features and features.vocab_parallel)
+    whole = 0.0  # a block's whole b s h bytes, for the embedding's and head's collectives
+    for index, kind in enumerate(table.kinds):
+        if kind == TRANSFORMER_BLOCK:
+            whole = table.output_activation_bytes[index] * (t if sequence_parallel else 1)
+            break
+    for index, kind in enumerate(table.kinds):
+        if kind == TRANSFORMER_BLOCK:
+            message = table.output_activation_bytes[index] * (t if sequence_parallel else 1)
+            allreduce = ring.ring_allreduce_seconds(message, t)
+            forward[index] = TENSOR_PARALLEL_ALLREDUCES_FORWARD * allreduce
+            backward[index] = TENSOR_PARALLEL_ALLREDUCES_BACKWARD * allreduce
+        elif vocab_parallel and kind == "embedding":
+            forward[index] = ring.ring_allreduce_seconds(whole, t)
+        elif vocab_parallel and kind == "lm_head":
+            backward[index] = ring.ring_allreduce_seconds(whole, t)
+    return forward, backward
+
+
+def exposed_tensor_parallel_seconds(communication: float, compute: float, overlapped: bool) -> float:
+    """What a layer's tensor-parallel collectives add to its time: all of it, or, overlapped with
+    its GEMMs (`EngineFeatures.tensor_parallel_overlap`: Megatron's --tp-comm-overlap pipelines
+    each all-gather and reduce-scatter in chunks against the GEMM that consumes or produces it),
+    only what the communication exceeds the layer's compute by.
+
+        >>> exposed_tensor_parallel_seconds(0.002, 0.010, False), exposed_tensor_parallel_seconds(0.002, 0.010, True)
+        (0.002, 0.0)
+        >>> round(exposed_tensor_parallel_seconds(0.012, 0.010, True), 6)
+        0.002
+    """
+    if not overlapped:
+        return communication
+    return max(0.0, communication - compute)
 
 
 # --- placement ---------------------------------------------------------------------------------
@@ -482,9 +565,14 @@ def stage_costs(
         )  # fmt: skip
     else:
         parameters = _parameters_per_rank(table, stage_layers, p)
+        backward_window, forward_window = [0.0] * p, [0.0] * p
+        for stage in range(len(stage_layers)):  # one micro-batch's backward and forward of each rank
+            backward_window[stage % p] += backward[stage]
+            forward_window[stage % p] += forward[stage]
         allreduce, optimizer = data_parallel_seconds(
             [held / table.divisor(t) for held in parameters], hardware, pipeline_parallel=p, tensor_parallel=t,
             data_parallel=d, zero_stage=zero_stage, element_bytes=element_bytes,
+            backward_window=backward_window, forward_window=forward_window,
         )  # fmt: skip
     optimizer = [end_of_step * slowdown for end_of_step in optimizer]
     tied = _tied_allreduce_seconds(table, stage_layers, p, t, d, n, links, element_bytes, hardware)
@@ -513,8 +601,15 @@ def data_parallel_seconds(
     data_parallel: int,
     zero_stage: int,
     element_bytes: int,
+    backward_window: Sequence[float] | None = None,
+    forward_window: Sequence[float] | None = None,
 ) -> tuple[list[float], list[float]]:
     """(all-reduce, optimizer) seconds per pipeline rank at the end of a step (tied weights aside).
+
+    With another engine's overlap (`hardware.features`: gradient_reduce_overlap,
+    parameter_gather_overlap) the collectives are charged only where they outlast what hides them
+    (`overlapped_data_parallel_seconds`): `backward_window` and `forward_window` are each rank's
+    backward and forward of one micro-batch.
 
     `parameters_per_rank` are the parameters each rank holds after the tensor split. All-reduce:
     the ring all-reduce of the rank's gradient over its d replicas, plus, with measured engine
@@ -541,6 +636,19 @@ def data_parallel_seconds(
         handoff = collective_handoff_seconds(hardware, d, inside)
         gradient_seconds = ring.ring_allreduce_seconds(held * element_bytes, d)
         seconds = gradient_seconds + handoff
+        features = hardware.features
+        if runtime is None and features is not None and features.gradient_reduce_overlap and d > 1:
+            sharded = zero_stage >= 1  # the distributed optimizer: reduce-scatter, then all-gather
+            bucket = min(held, max(features.bucket_parameters, MEGATRON_BUCKET_PARAMETERS_PER_REPLICA * d))
+            bucket_seconds = ring.ring_allreduce_seconds(bucket * element_bytes, d) / (2 if sharded else 1)
+            seconds = handoff + overlapped_data_parallel_seconds(
+                gradient_seconds / 2 if sharded else gradient_seconds,
+                gradient_seconds / 2 if sharded else 0.0,
+                bucket_seconds,
+                backward_window[rank] if backward_window else 0.0,
+                forward_window[rank] if forward_window else 0.0,
+                gather_overlapped=features.parameter_gather_overlap,
+            )
         if runtime is None:
             updated = held / d if zero_stage >= 1 else held
             optimizer.append(updated * ADAM_BYTES_PER_PARAMETER / memory_bandwidth)
@@ -554,6 +662,32 @@ def data_parallel_seconds(
             )
         allreduce.append(seconds)
     return allreduce, optimizer
+
+
+def overlapped_data_parallel_seconds(
+    reduce_seconds: float, gather_seconds: float, last_bucket_seconds: float, backward_window: float,
+    forward_window: float, *, gather_overlapped: bool,
+) -> float:
+    """Exposed seconds of a rank's data-parallel collectives when the engine overlaps them
+    (Megatron-Core's --overlap-grad-reduce, --overlap-param-gather; `EngineFeatures`).
+
+    The gradient reduction (a reduce-scatter under the distributed optimizer, an all-reduce
+    without) runs bucket by bucket while the rank's last micro-batch runs its backward: exposed
+    is what outlasts that backward, and never less than the last bucket, made by the backward's
+    last layers with nothing left to hide it. The parameter all-gather after the optimizer runs
+    beside the next step's first forward when overlapped (exposed: what outlasts it), else at the
+    end of the step:
+
+        >>> round(overlapped_data_parallel_seconds(0.3, 0.3, 0.01, 0.5, 0.2, gather_overlapped=True), 6)   # 0.01 + 0.1
+        0.11
+        >>> round(overlapped_data_parallel_seconds(0.3, 0.3, 0.01, 0.5, 0.2, gather_overlapped=False), 6)  # 0.01 + 0.3
+        0.31
+        >>> round(overlapped_data_parallel_seconds(0.8, 0.0, 0.01, 0.5, 0.2, gather_overlapped=True), 6)
+        0.3
+    """
+    reduce_exposed = max(last_bucket_seconds, reduce_seconds - backward_window)
+    gather_exposed = max(0.0, gather_seconds - forward_window) if gather_overlapped else gather_seconds
+    return reduce_exposed + gather_exposed
 
 
 def sharded_exposed_seconds(

@@ -234,7 +234,11 @@ class Evaluator:
             notes.append(two_bw_steady_note(step, self.flushed_step_seconds(spec), spec.micro_batches,
                                             costs_of(spec, self.hardware)))
         engine = spec.engine_for(self.engine)
-        if engine is Engine.TORCH:
+        features = self.hardware.features
+        if features is not None and not features.runnable_by_pipectl:
+            engine = None  # priced with another engine's features: for comparison only
+            notes.append(engine_features_note(features))
+        elif engine is Engine.TORCH:
             notes.append(TORCH_NOTE)
         elif not deepspeed_runnable(spec.variant.kind, spec.variant.chunks):
             notes.append(NOT_DEEPSPEED_NOTE)
@@ -270,6 +274,15 @@ class Evaluator:
             engine=engine,
             notes=notes,
         )
+
+
+def engine_features_note(features) -> str:
+    """e.g. "priced as megatron-core runs it (sequence parallel, vocab parallel): pipectl's runtimes
+    do not run these features (plan and simulate only)"."""
+    names = [name.replace("_", " ") for name in type(features).model_fields
+             if isinstance(getattr(features, name), bool) and getattr(features, name)]
+    return (f"priced as {features.name} runs it ({', '.join(names)}): pipectl's runtimes do not run these "
+            "features (plan and simulate only)")
 
 
 def uneven_note(replicas: list[ReplicaShare]) -> str:

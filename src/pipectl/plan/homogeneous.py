@@ -93,6 +93,13 @@ def check_request(request: PlanRequest, profile: ModelProfile, hardware: Hardwar
             f"pinned degrees t x p x d = {math.prod(pinned)} need more than the "
             f"{count(request.devices or hardware.devices, 'device')} available"
         )
+    engine = profile.engine
+    if engine is not None and not engine.runnable_by_pipectl and request.target_engine is not Engine.ANY:
+        raise UserInputError(
+            f"the profile was derived for a run of {engine.name}, with features pipectl's runtimes do not run "
+            f"(engine {request.target_engine.value} asked)",
+            hint="plan it with --engine any (for comparison), or derive the profile without --engine",
+        )
     bad_zero = [z for z in request.zero_stages if z not in SUPPORTED_ZERO_STAGES]
     if bad_zero or not request.zero_stages:
         raise UserInputError(

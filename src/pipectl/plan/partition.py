@@ -356,3 +356,34 @@ def _stages_needed(prefix: np.ndarray, limits: np.ndarray, cap: int) -> np.ndarr
         count = np.where(open_, count + np.where(stuck, cap, 1), count)
     count[position < layers] = cap
     return count
+
+
+def uniform_cuts(kinds: Sequence[str], stages: int, block_kind: str = "transformer_block") -> list[tuple[int, int]] | None:
+    """Stage boundaries with the blocks (`block_kind`) spread evenly over `stages`, every other layer
+    staying with its neighbouring block (the embedding before the first block, the final norm and
+    head after the last): Megatron's num_layers // stages per stage, Megatron-DeepSpeed's
+    'type:transformer' partition. Blocks that do not divide go to the inner stages, one each
+    (the first and last stages, which also hold the embedding and the head, take one fewer). None
+    without blocks, or with fewer blocks than stages.
+
+        >>> uniform_cuts(["embedding"] + ["transformer_block"] * 4 + ["layer_norm", "lm_head"], 2)
+        [(0, 3), (3, 7)]
+        >>> [end - start for start, end in uniform_cuts(["embedding"] + ["transformer_block"] * 70 + ["layer_norm", "lm_head"], 12)]
+        [6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 7]
+    """
+    blocks = [index for index, kind in enumerate(kinds) if kind == block_kind]
+    if not blocks or len(blocks) < stages:
+        return None
+    base, extra = divmod(len(blocks), stages)
+    counts = [base] * stages
+    inner = list(range(1, stages - 1)) if stages > 2 else list(range(stages))
+    for stage in (inner + [0, stages - 1])[:extra]:
+        counts[stage] += 1
+    cuts: list[tuple[int, int]] = []
+    start, taken = 0, 0
+    for stage, count in enumerate(counts):
+        taken += count
+        end = len(kinds) if stage == stages - 1 else blocks[taken - 1] + 1
+        cuts.append((start, end))
+        start = end
+    return cuts

@@ -627,8 +627,15 @@ def _fitting_shape(family: _Family, index: int, per_device: float, units: tuple[
     """This cut if it fits; else the right-filled cut; else the memory-constrained cut; else None.
 
     A memory demand (bytes per parameter, in-flight units per rank) that no cut satisfies is
-    remembered: any demand at least as large in every part cannot be satisfied either.
+    remembered: any demand at least as large in every part cannot be satisfied either. An engine
+    that splits its blocks evenly (`EngineFeatures.uniform_stages`) has that cut only.
     """
+    builder = family.builder
+    if builder.uniform_stages:
+        uniform = builder.uniform_shape(family.t, family.b, family.recompute, family.p, family.v)
+        if uniform is None or not uniform.memory.fits(per_device, family.step_of[per_device], units, family.capacity):
+            return None
+        return uniform
     if family.without_cut_below(per_device, units):
         return None
     if not family.shape_built and not (

@@ -188,10 +188,29 @@ class BlockShape:
     rms_norm: bool = False  # transformers' eager RMSNorm (fp32 upcast) instead of LayerNorm
     bias: bool = True
     rotary: bool = False  # rotary embeddings applied to q and k in eager element-wise ops
+    # Another engine's block (`artifacts.profile.EngineFeatures`): sequence parallelism (norms and
+    # residual adds on s/t tokens, their saved tensors 1/t) and fused element-wise kernels
+    # (one-kernel RMSNorm, fused rotary and SwiGLU, fused QKV and gate/up GEMMs, gradient
+    # accumulation inside the weight-gradient GEMM).
+    sequence_parallel: bool = False
+    fused: bool = False
+    # Attention and hidden dropout as Megatron-LM runs them (`EngineFeatures.dropout`).
+    dropout: bool = False
+    # Weight gradients accumulated by the weight-gradient GEMM into fp32 main gradients
+    # (`EngineFeatures.gradient_accumulation_fusion`): no separate accumulation pass.
+    accumulation_fused: bool = False
 
     @property
     def tokens(self) -> int:
         return self.micro_batch_size * self.seq_len
+
+    @property
+    def norm_tokens(self) -> int:
+        """Tokens the norms and residual adds of one rank run on: b s, or b s / t (rounded up) with
+        sequence parallelism (Korthikanti et al. 2022, §4.2.2)."""
+        if self.sequence_parallel and self.tensor_parallel > 1:
+            return -(-self.tokens // self.tensor_parallel)
+        return self.tokens
 
     @property
     def local_hidden(self) -> int:
@@ -280,8 +299,10 @@ def _unfused_attention_forward(shape: BlockShape, device: ComputeDevice) -> list
     scores = _scores_elements(shape)
     return [
         _batched_gemm("scores QK^T", batch, s, s, d, device),
-        memory_kernel("scale and mask", 2 * scores * e, device),
-        memory_kernel("softmax", 2 * scores * e, device),
+        # Fused (Megatron's FusedScaleMaskSoftmax): one pass; eager: scale and mask, then softmax.
+        *([memory_kernel("scale, mask and softmax", 2 * scores * e, device)] if shape.fused else
+          [memory_kernel("scale and mask", 2 * scores * e, device), memory_kernel("softmax", 2 * scores * e, device)]),
+        *([memory_kernel("attention dropout", scores * (2 * e + DROPOUT_MASK_BYTES), device)] if shape.dropout else []),
         _batched_gemm("probabilities x V", batch, s, d, s, device),
         # The context [b, heads, s, d] back to [b, s, h/t] for proj: a copy.
         memory_kernel("context transpose", 2 * shape.tokens * shape.local_hidden * e, device),
@@ -296,8 +317,10 @@ def _unfused_attention_backward(shape: BlockShape, device: ComputeDevice) -> lis
         memory_kernel("context transpose backward", 2 * shape.tokens * shape.local_hidden * e, device),
         _batched_gemm("dP = dO V^T", batch, s, s, d, device),
         _batched_gemm("dV = P^T dO", batch, s, d, s, device),
+        *([memory_kernel("attention dropout backward", scores * (2 * e + DROPOUT_MASK_BYTES), device)]
+          if shape.dropout else []),
         memory_kernel("softmax backward", 3 * scores * e, device),
-        memory_kernel("scale and mask backward", 2 * scores * e, device),
+        *([] if shape.fused else [memory_kernel("scale and mask backward", 2 * scores * e, device)]),
         _batched_gemm("dQ = dS K", batch, s, d, s, device),
         _batched_gemm("dK = dS^T Q", batch, s, d, s, device),
     ]
@@ -342,15 +365,18 @@ def rms_norm_backward_kernels(tokens: int, hidden: int, device: ComputeDevice) -
 
 
 def _norm_forward(shape: BlockShape, device: ComputeDevice) -> list[Kernel]:
-    if shape.rms_norm:
-        return rms_norm_forward_kernels(shape.tokens, shape.hidden, device)
-    return [memory_kernel("layer norm", 2 * shape.tokens * shape.hidden * device.bytes_per_element, device)]
+    """A norm on `norm_tokens`: eager RMSNorm's passes, or one kernel (LayerNorm, fused RMSNorm)
+    reading and writing b s h."""
+    if shape.rms_norm and not shape.fused:
+        return rms_norm_forward_kernels(shape.norm_tokens, shape.hidden, device)
+    name = "rms norm" if shape.rms_norm else "layer norm"
+    return [memory_kernel(name, 2 * shape.norm_tokens * shape.hidden * device.bytes_per_element, device)]
 
 
 def _norm_backward(shape: BlockShape, device: ComputeDevice) -> list[Kernel]:
-    if shape.rms_norm:
-        return rms_norm_backward_kernels(shape.tokens, shape.hidden, device)
-    e, T, h = device.bytes_per_element, shape.tokens, shape.hidden
+    if shape.rms_norm and not shape.fused:
+        return rms_norm_backward_kernels(shape.norm_tokens, shape.hidden, device)
+    e, T, h = device.bytes_per_element, shape.norm_tokens, shape.hidden
     return [
         memory_kernel("layer norm backward", 3 * T * h * e, device),
         memory_kernel("layer norm weight gradient", 2 * T * h * e, device),
@@ -360,19 +386,27 @@ def _norm_backward(shape: BlockShape, device: ComputeDevice) -> list[Kernel]:
 # Rotary embeddings as transformers applies them to q and to k: rotate_half (a copy), x * cos,
 # rotate_half(x) * sin, their sum: 11 element passes of each.
 ROTARY_PASSES = 11
+# A dropout mask element (torch's fused dropout keeps a bool per element).
+DROPOUT_MASK_BYTES = 1
+# A fused rotary kernel (Transformer Engine's, Apex's) reads q and k once and writes them once.
+FUSED_ROTARY_PASSES = 2
 # GPT-2's tanh GELU as eager ops (transformers' NewGELUActivation): pow, two scalings, add, tanh,
 # add, two products: 17 element passes forward, about twice that backward.
 GELU_PYTHON_PASSES = 17
 
 
+def _rotary_passes(shape: BlockShape) -> int:
+    return FUSED_ROTARY_PASSES if shape.fused else ROTARY_PASSES
+
+
 def _qkv_forward(shape: BlockShape, device: ComputeDevice) -> list[Kernel]:
     T, h, hl, kvl = shape.tokens, shape.hidden, shape.local_hidden, shape.local_kv
-    if shape.kv_heads is None:
+    if shape.kv_heads is None or shape.fused:  # one GEMM of width (h + 2 kv) / t (Megatron's linear_qkv)
         kernels = [gemm_kernel("qkv", T, shape.qkv_width, h, device)]
     else:
         kernels = [gemm_kernel("q", T, hl, h, device), gemm_kernel("k", T, kvl, h, device), gemm_kernel("v", T, kvl, h, device)]
     if shape.rotary:
-        kernels.append(memory_kernel("rotary q, k", ROTARY_PASSES * T * (hl + kvl) * device.bytes_per_element, device))
+        kernels.append(memory_kernel("rotary q, k", _rotary_passes(shape) * T * (hl + kvl) * device.bytes_per_element, device))
     return kernels
 
 
@@ -380,8 +414,8 @@ def _qkv_backward(shape: BlockShape, device: ComputeDevice) -> list[Kernel]:
     e, T, h, hl, kvl = device.bytes_per_element, shape.tokens, shape.hidden, shape.local_hidden, shape.local_kv
     kernels = []
     if shape.rotary:
-        kernels.append(memory_kernel("rotary q, k backward", ROTARY_PASSES * T * (hl + kvl) * e, device))
-    if shape.kv_heads is None:
+        kernels.append(memory_kernel("rotary q, k backward", _rotary_passes(shape) * T * (hl + kvl) * e, device))
+    if shape.kv_heads is None or shape.fused:
         # q, k and v are views of one tensor: their gradients are concatenated into one.
         kernels += [memory_kernel("qkv split backward", 2 * T * shape.qkv_width * e, device)]
         kernels += _linear_backward("qkv", T, h, shape.qkv_width, device, shape.bias)
@@ -394,6 +428,12 @@ def _qkv_backward(shape: BlockShape, device: ComputeDevice) -> list[Kernel]:
 
 def _mlp_forward(shape: BlockShape, device: ComputeDevice) -> list[Kernel]:
     e, T, h, il = device.bytes_per_element, shape.tokens, shape.hidden, shape.local_ffn
+    if shape.activation == "swiglu" and shape.fused:  # one gate/up GEMM, SiLU x up in one kernel
+        return [
+            gemm_kernel("gate, up", T, 2 * il, h, device),
+            memory_kernel("swiglu", 3 * T * il * e, device),
+            gemm_kernel("down", T, h, il, device),
+        ]
     if shape.activation == "swiglu":
         return [
             gemm_kernel("gate", T, il, h, device),
@@ -412,6 +452,12 @@ def _mlp_forward(shape: BlockShape, device: ComputeDevice) -> list[Kernel]:
 
 def _mlp_backward(shape: BlockShape, device: ComputeDevice) -> list[Kernel]:
     e, T, h, il = device.bytes_per_element, shape.tokens, shape.hidden, shape.local_ffn
+    if shape.activation == "swiglu" and shape.fused:
+        return [
+            *_linear_backward("down", T, il, h, device, shape.bias),
+            memory_kernel("swiglu backward", 5 * T * il * e, device),  # read dy, gate, up; write both
+            *_linear_backward("gate, up", T, h, 2 * il, device, shape.bias),
+        ]
     if shape.activation == "swiglu":
         return [
             *_linear_backward("down", T, il, h, device, shape.bias),
@@ -447,11 +493,17 @@ def block_forward_kernels(shape: BlockShape, device: ComputeDevice) -> list[Kern
         *_qkv_forward(shape, device),
         *attention,
         gemm_kernel("proj", T, h, hl, device),
-        memory_kernel("residual add", 3 * T * h * e, device),
+        memory_kernel("residual add", _residual_bytes(shape, e), device),
         *_norm_forward(shape, device),
         *_mlp_forward(shape, device),
-        memory_kernel("residual add", 3 * T * h * e, device),
+        memory_kernel("residual add", _residual_bytes(shape, e), device),
     ]
+
+
+def _residual_bytes(shape: BlockShape, e: int) -> int:
+    """A residual add (forward) or its gradient's (backward): read two, write one b s h (s/t with
+    sequence parallelism); with dropout the fused bias-dropout-add writes (reads) its mask too."""
+    return (3 * e + (DROPOUT_MASK_BYTES if shape.dropout else 0)) * shape.norm_tokens * shape.hidden
 
 
 def _linear_backward(
@@ -489,14 +541,14 @@ def block_backward_kernels(shape: BlockShape, device: ComputeDevice, accumulate_
     kernels = [
         *_mlp_backward(shape, device),
         *_norm_backward(shape, device),
-        memory_kernel("residual gradient add", 3 * T * h * e, device),
+        memory_kernel("residual gradient add", _residual_bytes(shape, e), device),
         *_linear_backward("proj", T, hl, h, device, shape.bias),
         *attention,
         *_qkv_backward(shape, device),
         *_norm_backward(shape, device),
-        memory_kernel("residual gradient add", 3 * T * h * e, device),
+        memory_kernel("residual gradient add", _residual_bytes(shape, e), device),
     ]
-    if accumulate_gradients:
+    if accumulate_gradients and not shape.accumulation_fused:  # else the weight-gradient GEMM accumulates
         kernels += [memory_kernel("gradient accumulation", 3 * n * e, device) for n in shape.parameter_tensors()]
     return kernels
 
@@ -523,16 +575,25 @@ def block_saved_bytes(shape: BlockShape, bytes_per_element: int) -> int:
     and the two factors of its last product besides fc2's input (5 f h/t with fc1's output).
     """
     e, T, h, hl, il = bytes_per_element, shape.tokens, shape.hidden, shape.local_hidden, shape.local_ffn
-    if shape.rms_norm:
-        norms = 2 * (T * h * (FP32_BYTES + e) + T * FP32_BYTES)
+    Tn = shape.norm_tokens  # sequence parallelism: the norms' tensors are 1/t of the sequence
+    if shape.rms_norm and not shape.fused:
+        norms = 2 * (Tn * h * (FP32_BYTES + e) + Tn * FP32_BYTES)
+    elif shape.rms_norm:  # a fused RMSNorm keeps its 16-bit input and one fp32 figure per token
+        norms = 4 * Tn * h * e + 2 * Tn * FP32_BYTES
     else:
-        norms = 4 * T * h * e + 2 * 2 * T * FP32_BYTES
-    mlp = {"swiglu": 4, "gelu_python": 5}.get(shape.activation, 2) * T * il
+        norms = 4 * Tn * h * e + 2 * 2 * Tn * FP32_BYTES
+    # A fused SwiGLU keeps the gate/up GEMM's output (2 f h/t) and its own (down's input): 3 f h/t.
+    mlp = ({"swiglu": 3} if shape.fused else {}).get(shape.activation) or {"swiglu": 4, "gelu_python": 5}.get(shape.activation, 2)
+    mlp *= T * il
     split = (shape.qkv_width + hl) * T + mlp
     if shape.attention is Attention.FLASH:
         extra = T * shape.local_heads * FP32_BYTES  # log-sum-exp
     else:
         extra = (_scores_elements(shape) + T * hl) * e
+        if shape.dropout:  # the dropped probabilities (PV's input) and their mask (Korthikanti: 5 a s / h)
+            extra += _scores_elements(shape) * (e + DROPOUT_MASK_BYTES)
+    if shape.dropout:  # the two hidden dropouts' masks
+        norms += 2 * Tn * h * DROPOUT_MASK_BYTES
     return norms + split * e + extra
 
 

@@ -58,6 +58,7 @@ from pydantic import ValidationError
 
 from pipectl.artifacts.model import ModelConfig, ModelFamily
 from pipectl.artifacts.profile import (
+    EngineFeatures,
     LayerCost,
     LayerProfile,
     ModelProfile,
@@ -114,6 +115,9 @@ class _LayerShape:
     work: Callable[[int, ComputeDevice], _Work]
     # Tensor-parallel degree t -> (one rank's parameters, its work at b); empty: not split.
     shards: dict[int, tuple[int, Callable[[int, ComputeDevice], _Work]]] = field(default_factory=dict)
+    # Whether a shard's output is 1/t of the layer's (sequence parallelism: the s/t tokens a rank
+    # keeps; a vocabulary-parallel head: V/t logits); otherwise whole on every rank.
+    shard_output_divided: bool = False
 
 
 def _check_micro_batch_sizes(micro_batch_sizes: Sequence[int]) -> list[int]:
@@ -142,13 +146,19 @@ def _accumulate(name: str, elements: int, device: ComputeDevice) -> Kernel:
     return memory_kernel(f"{name} gradient accumulation", 3 * elements * device.bytes_per_element, device)
 
 
-def _block_shape(config: ModelConfig, attention: Attention, b: int, t: int = 1) -> BlockShape:
-    """The config's block (GPT-2's, or a Hugging Face decoder's) at micro-batch b on t ranks."""
+def _block_shape(
+    config: ModelConfig, attention: Attention, b: int, t: int = 1, engine: EngineFeatures | None = None
+) -> BlockShape:
+    """The config's block (GPT-2's, or a Hugging Face decoder's) at micro-batch b on t ranks, as
+    pipectl's runtime runs it or, with `engine`, as that engine does (sequence parallel, fused)."""
     return BlockShape(
         config.hidden, config.heads, config.seq_len, b, t, ffn_multiplier=config.ffn_multiplier,
         causal=config.family is ModelFamily.GPT, attention=attention, kv_heads=config.kv_heads,
         ffn_hidden=config.ffn_hidden, activation=config.activation, rms_norm=config.norm == "rms",
         bias=config.linear_bias, rotary=config.rotary,
+        sequence_parallel=bool(engine and engine.sequence_parallel), fused=bool(engine and engine.fused_elementwise),
+        dropout=bool(engine and engine.dropout),
+        accumulation_fused=bool(engine and engine.gradient_accumulation_fusion),
     )  # fmt: skip
 
 
@@ -207,9 +217,10 @@ def _block_work(shape: BlockShape, device: ComputeDevice) -> _Work:
     )
 
 
-def _final_norm_work(hidden: int, seq_len: int, b: int, device: ComputeDevice, rms: bool = False) -> _Work:
+def _final_norm_work(hidden: int, seq_len: int, b: int, device: ComputeDevice, rms: bool = False,
+                     fused: bool = False) -> _Work:
     e, T, h = device.bytes_per_element, b * seq_len, hidden
-    if rms:  # transformers' eager RMSNorm, as in the blocks (compute_model)
+    if rms and not fused:  # transformers' eager RMSNorm, as in the blocks (compute_model)
         return _Work(
             forward=rms_norm_forward_kernels(T, h, device),
             backward=[*rms_norm_backward_kernels(T, h, device), _accumulate("weight", h, device)],
@@ -273,7 +284,7 @@ def _head_work(vocab: int, hidden: int, seq_len: int, b: int, device: ComputeDev
 
 
 def _block_shards(
-    config: ModelConfig, attention: Attention, degrees: Sequence[int]
+    config: ModelConfig, attention: Attention, degrees: Sequence[int], engine: EngineFeatures | None = None
 ) -> dict[int, tuple[int, Callable[[int, ComputeDevice], _Work]]]:
     """One rank's shard of a block for each t in `degrees` that divides the heads (and the hidden size)."""
     h, a = config.hidden, config.heads
@@ -281,12 +292,39 @@ def _block_shards(
     for t in degrees:
         if a % t or h % t or (config.kv_heads or a) % t:
             continue
-        shape_at = lambda b, t=t: _block_shape(config, attention, b, t)
+        shape_at = lambda b, t=t: _block_shape(config, attention, b, t, engine)
         shards[t] = (sum(shape_at(1).parameter_tensors()), lambda b, d, shape_at=shape_at: _block_work(shape_at(b), d))
     return shards
 
 
-def _transformer_shapes(config: ModelConfig, attention: Attention) -> list[_LayerShape]:
+def _engine_shards(
+    shape: _LayerShape, config: ModelConfig, degrees: Sequence[int], engine: EngineFeatures
+) -> _LayerShape:
+    """The embedding, final norm and head of another engine's run, split over t ranks where it
+    splits them: vocabulary-parallel embedding and head (V/t rows of the table and of the logits:
+    1/t of their work, parameters and saved logits), a sequence-parallel final norm (s/t tokens).
+    The collectives they add are the planner's (`plan.costs.layer_seconds`)."""
+    h, s, V = config.hidden, config.seq_len, config.vocab
+    positions = not config.rotary
+    rms = config.norm == "rms"
+    shards: dict[int, tuple[int, Callable[[int, ComputeDevice], _Work]]] = {}
+    for t in degrees:
+        local_vocab = -(-V // t)
+        if shape.kind == "embedding" and engine.vocab_parallel:
+            parameters = local_vocab * h + (s * h if positions else 0)
+            shards[t] = (parameters, lambda b, d, v=local_vocab: _embedding_work(v, h, s, b, d, positions))
+        elif shape.kind == "lm_head" and engine.vocab_parallel:
+            shards[t] = (local_vocab * h, lambda b, d, v=local_vocab: _head_work(v, h, s, b, d))
+        elif shape.kind == "layer_norm" and engine.sequence_parallel:
+            shards[t] = (shape.parameter_count,
+                         lambda b, d, t=t: _final_norm_work(h, -(-s // t), b, d, rms, engine.fused_elementwise))
+    if not shards:
+        return shape
+    divided = engine.vocab_parallel if shape.kind == "lm_head" else engine.sequence_parallel
+    return replace(shape, shards=shards, shard_output_divided=divided)
+
+
+def _transformer_shapes(config: ModelConfig, attention: Attention, engine: EngineFeatures | None = None) -> list[_LayerShape]:
     h, s, V = config.hidden, config.seq_len, config.vocab
     positions = not config.rotary
     rms = config.norm == "rms"
@@ -314,7 +352,7 @@ def _transformer_shapes(config: ModelConfig, attention: Attention) -> list[_Laye
                 shared_parameter_count=0,
                 forward_flops_per_sample=block_matmul_flops(config),
                 output_elements_per_sample=s * h,
-                work=lambda b, d: _block_work(_block_shape(config, attention, b), d),
+                work=lambda b, d: _block_work(_block_shape(config, attention, b, 1, engine), d),
             )
         )
     shapes.append(
@@ -326,7 +364,7 @@ def _transformer_shapes(config: ModelConfig, attention: Attention) -> list[_Laye
             shared_parameter_count=0,
             forward_flops_per_sample=(4 if rms else 8) * s * h,  # (mean,) variance, normalise, scale(, shift)
             output_elements_per_sample=s * h,
-            work=lambda b, d: _final_norm_work(h, s, b, d, rms),
+            work=lambda b, d: _final_norm_work(h, s, b, d, rms, bool(engine and engine.fused_elementwise)),
         )
     )
     shapes.append(
@@ -434,12 +472,13 @@ def _shard_profile(
 ) -> ShardProfile:
     """One rank's shard of a split layer at t; its FLOPs are the layer's / t (every product splits)."""
     parameters, work = shape.shards[t]
+    output = -(-shape.output_elements_per_sample // t) if shape.shard_output_divided else shape.output_elements_per_sample
     return ShardProfile(
         tensor_parallel=t,
         parameter_count=parameters,
         parameter_bytes=parameters * DTYPE_BYTES[dtype],
         costs=[
-            _cost_of(shape, parameters, work, b, device, dtype, compute, shape.forward_flops_per_sample / t)
+            _cost_of(shape, parameters, work, b, device, dtype, compute, shape.forward_flops_per_sample / t, output)
             for b in sizes
         ],
     )
@@ -454,6 +493,7 @@ def _cost_of(
     dtype: str,
     compute: ComputeDevice | None,
     forward_flops_per_sample: float,
+    output_elements_per_sample: int | None = None,
 ) -> LayerCost:
     """One layer's costs at micro-batch b.
 
@@ -478,7 +518,9 @@ def _cost_of(
         work = work_of(b, curve)
         forward_seconds = _curve_seconds(work.forward, curve)
         backward_seconds = _curve_seconds(work.backward, curve)
-    output_bytes = shape.output_elements_per_sample * b * bytes_per_element
+    if output_elements_per_sample is None:
+        output_elements_per_sample = shape.output_elements_per_sample
+    output_bytes = output_elements_per_sample * b * bytes_per_element
     parameter_bytes = parameter_count * bytes_per_element
     return LayerCost(
         micro_batch_size=b,
@@ -498,6 +540,7 @@ def derive_profile(
     dtype: str | None = None,
     attention: Attention | str = Attention.FLASH,
     tensor_parallel: Sequence[int] = DEFAULT_SHARD_DEGREES,
+    engine: EngineFeatures | None = None,
 ) -> ModelProfile:
     """A `ModelProfile` (source=derived) of `config` on `device`, from closed forms only.
 
@@ -510,10 +553,13 @@ def derive_profile(
     counts documented on the helpers above. `device` is a `DeviceSpec` or a catalog name;
     `attention` is what the blocks are assumed to run: 'flash' (fused, the default) or 'unfused'.
     `tensor_parallel`: the degrees t whose block shards to derive too (those that divide the heads;
-    t = 1 is the layers themselves).
+    t = 1 is the layers themselves). `engine`: another engine's features (`EngineFeatures`) the
+    profile is of (sequence-parallel and fused blocks, vocabulary-parallel embedding and head,
+    a sequence-parallel final norm), recorded in `ModelProfile.engine` for the planner, which
+    prices its overlaps and plans it for comparison only; None: pipectl's runtime.
     """
     try:
-        return _derive(config, device, micro_batch_sizes, dtype, attention, tensor_parallel)
+        return _derive(config, device, micro_batch_sizes, dtype, attention, tensor_parallel, engine)
     except ValidationError as error:  # a figure beyond what a profile may hold (e.g. a huge b)
         raise UserInputError(
             f"the derived profile of '{config.name}' is out of range: {validation_message(error)}",
@@ -528,6 +574,7 @@ def _derive(
     dtype: str | None,
     attention: Attention | str,
     tensor_parallel: Sequence[int],
+    engine: EngineFeatures | None = None,
 ) -> ModelProfile:
     """`derive_profile`, whose figures the artifacts' validators check."""
     if isinstance(device, str):
@@ -543,11 +590,17 @@ def _derive(
         )
     attention = _check_attention(attention)
     transformer = config.family in (ModelFamily.GPT, ModelFamily.BERT)
-    shapes = _transformer_shapes(config, attention) if transformer else _mlp_shapes(config)
+    shapes = _transformer_shapes(config, attention, engine) if transformer else _mlp_shapes(config)
     degrees = _check_tensor_parallel(tensor_parallel)
     if transformer and degrees:
-        shards = _block_shards(config, attention, degrees)
-        shapes = [replace(shape, shards=shards) if shape.kind == "transformer_block" else shape for shape in shapes]
+        shards = _block_shards(config, attention, degrees, engine)
+        sequence_parallel = bool(engine and engine.sequence_parallel)
+        shapes = [replace(shape, shards=shards, shard_output_divided=sequence_parallel)
+                  if shape.kind == "transformer_block" else shape for shape in shapes]
+        if engine is not None:
+            split = sorted(shards)  # the degrees the blocks split at: every split layer has the same
+            shapes = [_engine_shards(shape, config, split, engine) if shape.kind != "transformer_block" else shape
+                      for shape in shapes]
     compute = ComputeDevice.of(device, dtype)
     bytes_per_element = DTYPE_BYTES[dtype]
 
@@ -592,6 +645,14 @@ def _derive(
             "from the same kernel model, no communication (the planner prices the all-reduces from the links); "
             "embeddings, final norm and head are replicated on every tensor rank"
         )
+    if engine is not None:
+        features = [name for name in ("sequence_parallel", "vocab_parallel", "fused_elementwise", "gradient_accumulation_fusion", "dropout", "uniform_stages",
+                                      "tensor_parallel_overlap", "gradient_reduce_overlap", "parameter_gather_overlap")
+                    if getattr(engine, name)]
+        notes.append(
+            f"derived for a run of {engine.name} ({', '.join(f.replace('_', ' ') for f in features) or 'no features'}): "
+            "planned for comparison only, pipectl's runtimes do not run these features"
+        )
     return ModelProfile(
         model=config.name,
         source=ProfileSource.DERIVED,
@@ -603,6 +664,7 @@ def _derive(
         vocab=config.vocab if transformer else None,
         layers=layers,
         notes=notes,
+        engine=engine,
     )
 
 

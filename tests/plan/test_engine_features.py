@@ -1,0 +1,149 @@
+"""The planner's terms for another engine's features (`EngineFeatures`, `ModelProfile.engine`):
+sequence-parallel and vocabulary-parallel collectives, tensor-parallel and data-parallel overlap,
+and the plan-only marking of what pipectl's runtimes cannot run."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from pipectl.artifacts.model import ModelConfig
+from pipectl.artifacts.plan import PlanRequest
+from pipectl.artifacts.profile import EngineFeatures
+from pipectl.artifacts.cluster import ClusterSpec
+from pipectl.cluster import LinkCost
+from pipectl.errors import UserInputError
+from pipectl.plan.costs import (
+    exposed_tensor_parallel_seconds,
+    hardware_for,
+    layer_seconds,
+    overlapped_data_parallel_seconds,
+    stage_costs,
+    tensor_parallel_communication,
+)
+from pipectl.plan.layer_table import layer_table
+from pipectl.plan.search import plan
+from pipectl.profile.derive import derive_profile
+
+GPT = ModelConfig(name="g", family="gpt", shape_only=True, layers=8, hidden=4096, heads=32, seq_len=2048,
+                  vocab=51200, tied_embeddings=False)
+LINK = LinkCost(2e-6, 200e9)
+
+
+def _cluster(nodes: int = 4) -> ClusterSpec:
+    return ClusterSpec(name="h", node_types=[{"name": "n", "device": "h100-80gb", "devices_per_node": 8, "nodes": nodes}])
+
+
+def test_sequence_parallel_collectives_take_the_all_reduces_time():
+    """All-gather + reduce-scatter of the whole b s h = one ring all-reduce of it; the table holds
+    the s/t shard a rank keeps, so the message is t times that."""
+    plain = derive_profile(GPT, "h100-80gb", [1])
+    sp = derive_profile(GPT, "h100-80gb", [1], engine=EngineFeatures(name="e", sequence_parallel=True))
+    t = 8
+    whole = tensor_parallel_communication(layer_table(plain, 1, t), LINK, t)
+    split = tensor_parallel_communication(layer_table(sp, 1, t), LINK, t, sp.engine)
+    block = 1
+    assert split[0][block] == pytest.approx(whole[0][block]) and split[1][block] == pytest.approx(whole[1][block])
+    one = LINK.ring_allreduce_seconds(2048 * 4096 * 2, t)
+    assert whole[0][block] == pytest.approx(2 * one) and whole[1][block] == pytest.approx(2 * one)
+    assert whole[0][0] == 0.0 and whole[1][-1] == 0.0  # a replicated embedding and head: none
+
+
+def test_vocab_parallel_adds_one_all_reduce_to_embedding_forward_and_head_backward():
+    vp = derive_profile(GPT, "h100-80gb", [1], engine=EngineFeatures(name="e", vocab_parallel=True))
+    forward, backward = tensor_parallel_communication(layer_table(vp, 1, 4), LINK, 4, vp.engine)
+    one = LINK.ring_allreduce_seconds(2048 * 4096 * 2, 4)
+    assert forward[0] == pytest.approx(one) and backward[0] == 0.0
+    assert backward[-1] == pytest.approx(one) and forward[-1] == 0.0
+
+
+def test_tensor_parallel_overlap_exposes_only_what_outlasts_the_compute():
+    assert exposed_tensor_parallel_seconds(0.003, 0.01, overlapped=False) == 0.003
+    assert exposed_tensor_parallel_seconds(0.003, 0.01, overlapped=True) == 0.0
+    assert exposed_tensor_parallel_seconds(0.013, 0.01, overlapped=True) == pytest.approx(0.003)
+    sp = EngineFeatures(name="e", sequence_parallel=True)
+    overlap = EngineFeatures(name="e", sequence_parallel=True, tensor_parallel_overlap=True)
+    profile = derive_profile(GPT, "h100-80gb", [1], engine=sp)
+    table = layer_table(profile, 1, 8)
+    hardware = hardware_for(_cluster(), profile)
+    exposed = layer_seconds(table, hardware, 8)
+    hidden = layer_seconds(table, replace(hardware, features=overlap), 8)
+    forward_comm, _ = tensor_parallel_communication(table, hardware.links.allreduce_intra, 8, sp)
+    assert exposed.forward[1] - hidden.forward[1] == pytest.approx(forward_comm[1])
+    assert hidden.forward[1] == pytest.approx(table.forward_seconds[1])
+
+
+def test_overlapped_data_parallel_arithmetic():
+    # Reduce-scatter 0.3 s behind a 0.2 s backward: 0.1 s out; the gather behind a 0.5 s forward.
+    assert overlapped_data_parallel_seconds(0.3, 0.3, 0.01, 0.2, 0.5, gather_overlapped=True) == pytest.approx(0.1)
+    # Never less than the last bucket; the gather exposed whole without its overlap.
+    assert overlapped_data_parallel_seconds(0.3, 0.3, 0.05, 1.0, 0.5, gather_overlapped=False) == pytest.approx(0.35)
+
+
+def test_gradient_overlap_hides_the_reduction_behind_the_last_backward():
+    profile = derive_profile(GPT, "h100-80gb", [1, 4])
+    cut = [(0, len(profile.layers))]
+    hardware = hardware_for(_cluster(), profile)
+    features = EngineFeatures(name="e", gradient_reduce_overlap=True, parameter_gather_overlap=True)
+    plain = stage_costs(profile, hardware, cut, micro_batch_size=4, tensor_parallel=1, data_parallel=32, zero_stage=1)
+    overlapped = stage_costs(profile, replace(hardware, features=features), cut, micro_batch_size=4,
+                             tensor_parallel=1, data_parallel=32, zero_stage=1)
+    ring = hardware.links.allreduce_inter
+    held = sum(layer.parameter_count for layer in profile.layers)
+    assert plain.allreduce_seconds[0] == pytest.approx(ring.ring_allreduce_seconds(held * 2, 32))
+    bucket = ring.ring_allreduce_seconds(40e6 * 2, 32) / 2
+    expected = max(bucket, plain.allreduce_seconds[0] / 2 - plain.backward_seconds[0]) + max(
+        0.0, plain.allreduce_seconds[0] / 2 - plain.forward_seconds[0])
+    assert overlapped.allreduce_seconds[0] == pytest.approx(expected)
+    assert overlapped.allreduce_seconds[0] < plain.allreduce_seconds[0]
+
+
+def test_a_profile_with_engine_features_is_planned_for_comparison_only():
+    profile = derive_profile(GPT, "h100-80gb", [1, 2], engine=EngineFeatures(name="megatron-core", vocab_parallel=True))
+    with pytest.raises(UserInputError, match="megatron-core"):
+        plan(profile, _cluster(1), PlanRequest(global_batch=16, devices=8, morph=False, workers=1))
+    result = plan(profile, _cluster(1), PlanRequest(global_batch=16, devices=8, morph=False, workers=1, engine="any"))
+    assert result.chosen.engine is None
+    assert any("megatron-core" in note and "plan and simulate only" in note for note in result.chosen.notes)
+
+
+def test_the_search_and_the_cost_table_agree_with_every_feature_on():
+    """The vectorised search (`candidates.data_parallel_costs`) and `costs.stage_costs` give one
+    step: a plan's prediction re-simulated from its cost table, for an engine profile."""
+    from pipectl.plan.phases import simulated_phases
+
+    engine = EngineFeatures(name="megatron-core", sequence_parallel=True, vocab_parallel=True, fused_elementwise=True,
+                            tensor_parallel_overlap=True, gradient_reduce_overlap=True, parameter_gather_overlap=True)
+    profile = derive_profile(GPT, "h100-80gb", [1, 2], engine=engine)
+    cluster = _cluster(4)
+    result = plan(profile, cluster, PlanRequest(global_batch=64, devices=32, tensor_parallel=4, pipeline_parallel=2,
+                                                morph=False, workers=1, engine="any", include_all=True))
+    for candidate in result.candidates[:5]:
+        assert candidate.data_parallel > 1
+        _, step = simulated_phases(candidate, profile, cluster)
+        assert step == pytest.approx(candidate.predicted_step_seconds, rel=1e-9)
+
+
+def test_uniform_cuts_split_the_blocks_evenly():
+    from pipectl.plan.partition import uniform_cuts
+
+    kinds = ["embedding"] + ["transformer_block"] * 8 + ["layer_norm", "lm_head"]
+    assert uniform_cuts(kinds, 4) == [(0, 3), (3, 5), (5, 7), (7, 11)]
+    # 10 blocks over 4 stages: the inner stages take the two extra ones.
+    kinds = ["embedding"] + ["transformer_block"] * 10 + ["layer_norm", "lm_head"]
+    assert [end - start for start, end in uniform_cuts(kinds, 4)] == [3, 3, 3, 4]
+    assert uniform_cuts(kinds, 11) is None
+
+
+def test_an_engine_with_uniform_stages_plans_its_even_cut_only():
+    engine = EngineFeatures(name="megatron", vocab_parallel=True, uniform_stages=True)
+    profile = derive_profile(GPT, "h100-80gb", [1, 2], engine=engine)
+    result = plan(profile, _cluster(1), PlanRequest(global_batch=16, devices=8, tensor_parallel=2, pipeline_parallel=4,
+                                                    morph=False, workers=1, engine="any", include_all=True))
+    for candidate in result.candidates:
+        blocks = [sum(1 for i in range(start, end) if profile.layers[i].kind == "transformer_block")
+                  for start, end in candidate.stage_layers]
+        assert set(blocks) == {8 // (4 * candidate.chunks)}
+    # v = 4 would need 16 blocks: only 1 and 2 chunks are planned.
+    assert {c.chunks for c in result.candidates} <= {1, 2}
