@@ -154,19 +154,10 @@ def build_engine(job: TrainingJob, initialise: bool = True):
     """Distributed start-up, model, DeepSpeed engine running the planned schedule. Every rank.
     `initialise=False`: the parameters are left undrawn (every one is restored next: live resize).
     A layout for engine torch gets PyTorch's pipelining runtime instead (`build_torch_engine`)."""
-    if job.layout.engine is Engine.TORCH:
-        return build_torch_engine(job)
     dsinit.init_distributed(job.collective_timeout_seconds)
     # torch reads OMP_NUM_THREADS and DeepSpeed its accelerator when first imported: both only after
     # dsinit has set this rank's environment (the modules below import them too).
-    import deepspeed
     import torch.distributed as torch_dist
-
-    from pipectl.models import build_model
-    from pipectl.models.tensor_parallel import new_tensor_parallel_groups, shard_model
-    from pipectl.runtime.executor import plan_engine
-    from pipectl.runtime.pipeline import build_pipeline_module, planned_topology
-    from pipectl.runtime.plain import LayerStack, plan_plain_engine
 
     layout = job.layout
     world = torch_dist.get_world_size()
@@ -175,6 +166,16 @@ def build_engine(job: TrainingJob, initialise: bool = True):
             f"{world} ranks started for a layout of t{layout.tensor_parallel} x p{layout.pipeline_parallel} "
             f"x d{layout.data_parallel} = {layout.world_size}"
         )
+    if layout.engine is Engine.TORCH:
+        return build_torch_engine(job)
+    import deepspeed
+
+    from pipectl.models import build_model
+    from pipectl.models.tensor_parallel import new_tensor_parallel_groups, shard_model
+    from pipectl.runtime.executor import plan_engine
+    from pipectl.runtime.pipeline import build_pipeline_module, planned_topology
+    from pipectl.runtime.plain import LayerStack, plan_plain_engine
+
     topology = planned_topology(layout.pipeline_parallel, layout.data_parallel, layout.tensor_parallel)
     model = build_model(job.model, allow_shape_only=True)  # a LayerDef list: each rank builds its stage only
     ds_config = job.ds_config
@@ -214,24 +215,15 @@ def build_engine(job: TrainingJob, initialise: bool = True):
 
 
 def build_torch_engine(job: TrainingJob):
-    """Distributed start-up (the same as DeepSpeed's: `dsinit`), model, and the rank's
-    `TorchPipelineEngine` running the plan's schedule (1f1b, gpipe, interleaved with v chunks,
-    zb-h1) over the plan's virtual-stage cut, with the optimizer, clipping and learning-rate
-    schedule of the run's DeepSpeed config. The session drives it as it drives a DeepSpeed engine:
-    the same data, metrics and checkpoints (`engine_state` reads both)."""
-    dsinit.init_distributed(job.collective_timeout_seconds)
-    import torch.distributed as torch_dist
-
+    """Model and the rank's `TorchPipelineEngine` running the plan's schedule (1f1b, gpipe,
+    interleaved with v chunks, zb-h1) over the plan's virtual-stage cut, with the optimizer,
+    clipping and learning-rate schedule of the run's DeepSpeed config; the process group is already
+    up (`build_engine`). The session drives it as it drives a DeepSpeed engine: the same data,
+    metrics and checkpoints (`engine_state` reads both)."""
     from pipectl.models import build_model
     from pipectl.runtime.torch_pipeline import OptimizerSettings, TorchPipelineEngine
 
     layout = job.layout
-    world = torch_dist.get_world_size()
-    if world != layout.world_size:
-        raise UserInputError(
-            f"{world} ranks started for a layout of t{layout.tensor_parallel} x p{layout.pipeline_parallel} "
-            f"x d{layout.data_parallel} = {layout.world_size}"
-        )
     check_torch_layout(layout)
     if dsinit.cuda_available():
         raise UserInputError(
