@@ -52,7 +52,7 @@ def test_the_pieces_a_rank_receives_are_what_its_restore_reads(tmp_path, t, d):
             message = live.byte_view(tensors[holder][key], start, stop)
             buffer[offset : offset + size] = message
             moved += message.numel()
-        sources[holder] = live.ReceivedPieces(buffer, ranges, infos_of(tensors[holder]))
+        sources[holder] = live.ReceivedPieces.in_buffer(buffer, ranges, infos_of(tensors[holder]))
     received = ShardReader.in_memory("memory", sources, headers)
 
     for name in wanted:

@@ -41,7 +41,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 from pipectl.artifacts.layout import Layout
 from pipectl.artifacts.morph import LIVE_REQUEST_FILE, LiveResizeRequest, MorphRecord
@@ -184,20 +184,30 @@ class HeldTensors:
 
 
 class ReceivedPieces:
-    """Element ranges of another rank's tensors, received into one buffer laid out by `placement`
-    and read in place (a `shards.RankSource`)."""
+    """Element ranges of another rank's tensors as received (a `shards.RankSource`): each range
+    where it landed, in a receive buffer laid out by `placement` or straight in the engine's own
+    tensors (`engine_state.landing_sites`), read in place."""
 
-    def __init__(self, buffer, reads: Sequence[tuple[str, int, int]], infos: dict[str, TensorInfo]) -> None:
+    def __init__(self, infos: dict[str, TensorInfo]) -> None:
         self.infos = infos
         self.pieces: dict[str, list[tuple[int, int, Any]]] = {}
+
+    @classmethod
+    def in_buffer(cls, buffer, reads: Sequence[tuple[str, int, int]], infos: dict[str, TensorInfo]) -> "ReceivedPieces":
+        """`reads` received into one buffer laid out by `placement`."""
+        received = cls(infos)
         places, total = placement(reads, infos)
         if buffer.numel() != total:
             raise LaunchError(f"live resize: a {buffer.numel()}-byte buffer for {total} bytes of pieces")
         for (key, start, stop), (offset, size) in zip(reads, places):
-            info = infos[key]
-            values = buffer[offset : offset + size].view(_dtype(info.dtype))
-            first, last = (0, info.numel) if stop < 0 else (start, stop)
-            self.pieces.setdefault(key, []).append((first, last, values))
+            received.add(key, start, stop, buffer[offset : offset + size])
+        return received
+
+    def add(self, key: str, start: int, stop: int, landed) -> None:
+        """Elements `start` .. `stop` (stop -1: all) of `key`, received into the bytes `landed`."""
+        info = self.infos[key]
+        first, last = (0, info.numel) if stop < 0 else (start, stop)
+        self.pieces.setdefault(key, []).append((first, last, landed.view(_dtype(info.dtype))))
 
     def get_tensor(self, key: str):
         info = self.infos[key]
@@ -254,16 +264,29 @@ class HandOver:
     clock: PauseClock = field(default_factory=PauseClock)
     last_step_unix: float = 0.0  # when this rank finished its last step on the old layout
     host: Any = None  # the checkpointer's HostSnapshot a GPU engine was copied into (else None)
+    built: Any = None  # (model, engine) of the new layout, built before the state moved into it
 
 
-def exchange(held: Sequence[Any], layout: Layout, model: ModelLayers, old_ranks: Sequence[int] | None = None):
+def exchange(
+    held: Sequence[Any],
+    layout: Layout,
+    model: ModelLayers,
+    old_ranks: Sequence[int] | None = None,
+    into: tuple[Any, Any] | None = None,
+):
     """Every rank of the current process group: learn which rank holds which old rank's state at
     which step (`held`: the `Snapshot`s this rank offers, each naming its old rank and step in its
     header: its own state, and after a loss the copies it keeps; none for a joining rank), take the
     newest step at which some rank holds every old rank's state, then send and receive exactly what
     each rank of `layout` restores. `old_ranks`: the old rank each rank of this group was (default:
-    the same number). Returns (reader over the received state or None for a leaving rank, bytes
-    moved by all ranks)."""
+    the same number). `into`: (engine, `engine_state.TouchedMemory` or None) of this rank's new
+    layout, built already; given by every rank of the group or by none. Then each range moves in
+    its own message (one fragment of one state) and is received straight into the engine's tensor
+    that the restore writes it to (`engine_state.landing_sites`: the model's fp32 weights, this
+    rank's piece of Adam's moments, made here by `engine_state.prepare_states`), so the restore
+    finds it in place and copies nothing; the rest (a cut for a tensor split, buffers, RNG) lands in
+    a receive buffer as without `into`. Returns (reader over the received state or None for a
+    leaving rank, bytes moved by all ranks)."""
     import torch
     import torch.distributed as dist
 
@@ -313,15 +336,18 @@ def exchange(held: Sequence[Any], layout: Layout, model: ModelLayers, old_ranks:
         for rank in range(layout.world_size)
     }
 
+    def ranges(reads: Sequence[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
+        return list(reads) if into is not None else merged(reads)  # every rank of the group alike
+
     def messages(sender: int, receiver: int) -> list[tuple[int, str, int, int]]:
         """The ranges `sender` sends `receiver`, old rank by old rank: both sides list them alike,
         so a range's position is its tag."""
         reads = plan.get(receiver, {})
-        return [(old, *piece) for old in sorted(reads) if holder[old] == sender for piece in merged(reads[old])]
+        return [(old, *piece) for old in sorted(reads) if holder[old] == sender for piece in ranges(reads[old])]
 
-    # One message per merged range, sent from the held state itself and received into one buffer
-    # per old rank.
-    works, pending, sent = [], [], 0
+    # One message per range (merged ones; one per fragment when the receivers' engines are built,
+    # so each can land where its engine keeps it), sent from the held state itself.
+    works, sent = [], 0
     for rank in plan:
         if rank != me:
             for tag, (old, key, start, stop) in enumerate(messages(me, rank)):
@@ -330,27 +356,67 @@ def exchange(held: Sequence[Any], layout: Layout, model: ModelLayers, old_ranks:
                 sent += message.numel()
     sources: list[Any] = [None] * old_world
     if me < layout.world_size:
-        places: dict[int, list[tuple[int, int]]] = {}  # old rank -> where its ranges land in its buffer
+        landing = _Landing(into, ordered) if into is not None else None
+        received: dict[int, ReceivedPieces] = {}
+        destinations: dict[tuple[int, str, int, int], Any] = {}  # message -> the bytes it is received into
         for old in plan[me]:
             if holder[old] == me:
                 sources[old] = HeldTensors(mine[old].tensors)
-            else:
-                ranges = merged(plan[me][old])
-                places[old], total = placement(ranges, infos[old])
-                pending.append((old, ranges, torch.empty(total, dtype=torch.uint8)))
-        buffers = {old: buffer for old, _, buffer in pending}
-        for sender in sorted({holder[old] for old in buffers}):
-            for tag, (old, *_range) in enumerate(messages(sender, me)):
-                offset, size = places[old].pop(0)
-                works.append(dist.irecv(buffers[old][offset : offset + size], src=sender, tag=tag))
+                continue
+            received[old] = sources[old] = ReceivedPieces(infos[old])
+            reads = ranges(plan[me][old])
+            sites = [landing.site(old, key, start, stop, infos[old][key]) if landing else None for key, start, stop in reads]
+            # What lands nowhere in the engine: one receive buffer, read in place by the restore.
+            rest = [read for read, site in zip(reads, sites) if site is None]
+            places, total = placement(rest, infos[old])
+            buffer = torch.empty(total, dtype=torch.uint8)
+            spots = iter(places)
+            for (key, start, stop), site in zip(reads, sites):
+                if site is None:
+                    offset, size = next(spots)
+                    site = buffer[offset : offset + size]
+                else:
+                    site = site.view(torch.uint8)
+                received[old].add(key, start, stop, site)
+                destinations[(old, key, start, stop)] = site
+        for sender in sorted({holder[old] for old in received}):
+            for tag, message in enumerate(messages(sender, me)):
+                works.append(dist.irecv(destinations[message], src=sender, tag=tag))
     for work in works:
         work.wait()
-    for old, ranges, buffer in pending:
-        sources[old] = ReceivedPieces(buffer, ranges, infos[old])
     total = torch.tensor([sent], dtype=torch.int64)  # exact: a float32 sum rounds gigabytes
     dist.all_reduce(total)
     reader = ShardReader.in_memory(MEMORY_LABEL, sources, ordered) if me < layout.world_size else None
     return reader, int(total.item())
+
+
+class _Landing:
+    """Where a received range can land in this rank's new engine: the fragment it carries (from
+    the sender's header) matched with the engine's `landing_sites`."""
+
+    def __init__(self, into: tuple[Any, Any], headers: Sequence[Any]) -> None:
+        from pipectl.runtime import engine_state
+
+        engine, memory = into
+        engine_state.prepare_states(engine, headers[0].group_states, memory)
+        self.sites = engine_state.landing_sites(engine)
+        self.fragments = [{(f.group, f.offset, f.numel): f for f in header.fragments} for header in headers]
+
+    def site(self, old: int, key: str, start: int, stop: int, info: TensorInfo):
+        """The engine's elements range (`key`, `start`, `stop`) of old rank `old` is received into,
+        or None."""
+        group, _, state = key.partition(".")
+        if stop < 0 or not group.startswith("group") or not group[5:].isdigit():
+            return None
+        fragment = self.fragments[old].get((int(group[5:]), start, stop - start))
+        if fragment is None or fragment.tensor_parallel != 1:
+            return None
+        first, view = self.sites.get(fragment.name, {}).get(state, (0, None))
+        if view is None or view.dtype != _dtype(info.dtype):
+            return None
+        if fragment.start < first or fragment.start + fragment.numel > first + view.numel():
+            return None
+        return view.narrow(0, fragment.start - first, fragment.numel)
 
 
 def reform(address: str, port: int, world: int, rank: int, timeout_seconds: float | None) -> None:
@@ -413,15 +479,19 @@ def hand_over(
     timeout_seconds: float | None,
     clock: PauseClock,
     host: Any = None,
+    build: Callable[[Any], tuple[Any, Any]] | None = None,
 ) -> HandOver | None:
     """A running rank at a step boundary: give its state to the new layout (`layout`, `model`: the
     job as the rewritten run files describe it). Returns None for a rank that leaves (its state
     has been sent; it exits 0), else what it restores from. Every old rank together. `host`: the
     checkpointer's `HostSnapshot`, whose buffers a GPU engine's state is copied into (allocated and
-    touched already; kept by the next layout's checkpointer)."""
+    touched already; kept by the next layout's checkpointer). `build(memory)`: builds this rank's
+    engine of the new layout (its (model, engine), parameters undrawn); when no rank leaves, the
+    ranks re-form the group, build it, and receive the state straight into it (`exchange`'s
+    `into`; `HandOver.built`)."""
     import torch.distributed as dist
 
-    from pipectl.runtime.engine_state import HostSnapshot, device_kind
+    from pipectl.runtime.engine_state import HostSnapshot, TouchedMemory, device_kind
 
     rank, old_world = dist.get_rank(), dist.get_world_size()
     if old_world != request.from_devices:
@@ -433,6 +503,19 @@ def hand_over(
     handed = HandOver(request, None, 0, clock, host=host if host.copy else None)
     with clock.phase("capture"):
         snapshot = host.capture(engine, step, data_position)
+    if request.to_devices >= old_world and build is not None:
+        # Nobody leaves: every rank of the old group is one of the new. The new group first, then
+        # the new stage's engine, then the state straight into it.
+        with clock.phase("group"):
+            reform(request.master_addr, request.master_port, request.to_devices, rank, timeout_seconds)
+        with clock.phase("build"):
+            # The old engine's flat copy of its parameters is touched memory the hand-over does not
+            # read: the new engine's large tensors are taken from it first.
+            memory = TouchedMemory.reusing(engine, snapshot.tensors.values())
+            handed.built = build(memory)
+        with clock.phase("exchange"):
+            handed.reader, handed.bytes_moved = exchange([snapshot], layout, model, into=(handed.built[1], memory))
+        return handed
     if request.to_devices > old_world:  # ranks join: move the state inside the new world
         with clock.phase("group"):
             reform(request.master_addr, request.master_port, request.to_devices, rank, timeout_seconds)
@@ -496,18 +579,49 @@ def warm_up(ds_config: dict[str, Any]) -> None:
         dist.destroy_process_group()
 
 
+def engine_bytes(layout: Layout, model: ModelLayers, rank: int) -> int:
+    """About how many bytes the large tensors of rank `rank`'s engine of `layout` take under
+    ZeRO-1/2: the flat copy of its stage's trained parameters and, for its data-parallel share, the
+    fp32 partition and Adam's two moments (4-byte elements, alignment slack included). Counted on
+    the meta device. 0 with a tensor split (what a rank holds then is not counted here)."""
+    import torch
+
+    from pipectl.runtime.pipeline import planned_topology
+
+    if layout.tensor_parallel > 1:
+        return 0
+    topology = planned_topology(layout.pipeline_parallel, layout.data_parallel, layout.tensor_parallel)
+    start, stop = layout.stage_layers[topology.get_coord(rank).pipe]
+    numel, ties = 0, set()
+    with torch.device("meta"):
+        for layer in model.layers[start:stop]:
+            if layer.tie_key is not None:
+                if layer.tie_key in ties:
+                    continue
+                ties.add(layer.tie_key)
+            numel += sum(p.numel() for p in layer.build().parameters() if p.requires_grad)
+    share = -(-numel // layout.data_parallel)
+    return int(4 * (numel + 3 * share) * 1.01) + (16 << 20)
+
+
 def join(
     run_dir: str | os.PathLike[str],
     layout: Layout,
     model: ModelLayers,
     ds_config: dict[str, Any],
     timeout_seconds: float | None,
+    build: Callable[[Any], tuple[Any, Any]] | None = None,
 ) -> HandOver:
     """A joining rank (started by `pipectl resize --live`, RANK/WORLD_SIZE/MASTER_* of the new
-    layout in its environment): warm up, say it is ready, wait for the running ranks in the new
-    world, receive its share."""
+    layout in its environment): warm up, touch the memory its engine will take
+    (`engine_state.TouchedMemory`, `engine_bytes`), say it is ready, wait for the running ranks in
+    the new world, then build its engine (`build(memory)`: its (model, engine)) and receive its
+    share straight into it (`HandOver.built`). Without `build`, into a receive buffer."""
+    from pipectl.runtime.engine_state import TouchedMemory
+
     warm_up(ds_config)
     rank = int(os.environ["RANK"])
+    memory = TouchedMemory(engine_bytes(layout, model, rank)) if build is not None else None
     path = ready_path(run_dir, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(f"{os.getpid()}\n")
@@ -517,8 +631,12 @@ def join(
     if request.to_devices != layout.world_size:
         raise LaunchError(f"live resize to {request.to_devices} ranks, but the run files describe {layout.world_size}")
     handed = HandOver(request, None, 0)
+    if build is not None:
+        with handed.clock.phase("build"):
+            handed.built = build(memory)
     with handed.clock.phase("exchange"):
-        handed.reader, handed.bytes_moved = exchange([], layout, model)
+        into = (handed.built[1], memory) if handed.built is not None else None
+        handed.reader, handed.bytes_moved = exchange([], layout, model, into=into)
     return handed
 
 

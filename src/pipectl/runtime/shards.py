@@ -282,11 +282,17 @@ class ShardReader:
             index, fragment = pieces[0]
             source = self._files[index].get_slice(group_tensor(fragment.group, state))
             return source[fragment.offset : fragment.offset + fragment.numel].view(shape)
+        ordered = sorted(pieces, key=lambda item: item[1].start)
+        parts = [
+            self._files[index].get_slice(group_tensor(fragment.group, state))[fragment.offset : fragment.offset + fragment.numel]
+            for index, fragment in ordered
+        ]
+        joined = _adjacent(parts, math.prod(shape))
+        if joined is not None:  # the pieces lie end to end in one tensor (received there: a live resize)
+            return joined.view(shape)
         flat = None
         covered = 0
-        for index, fragment in sorted(pieces, key=lambda item: item[1].start):
-            source = self._files[index].get_slice(group_tensor(fragment.group, state))
-            values = source[fragment.offset : fragment.offset + fragment.numel]
+        for (index, fragment), values in zip(ordered, parts):
             if flat is None:
                 flat = torch.empty(math.prod(shape), dtype=values.dtype)
             flat[fragment.start : fragment.start + fragment.numel] = values
@@ -297,6 +303,25 @@ class ShardReader:
                 f"(tensor slice {tp_rank}); a rank's file is missing"
             )
         return flat.view(shape)
+
+
+def _adjacent(parts: list[torch.Tensor], numel: int) -> torch.Tensor | None:
+    """One flat view over `parts` when they lie end to end in one storage and cover `numel`
+    elements (else None): then nothing need be copied to join them."""
+    if not parts or sum(p.numel() for p in parts) != numel or not all(torch.is_tensor(p) for p in parts):
+        return None
+    first = parts[0]
+    position = first.data_ptr()
+    for part in parts:
+        if (
+            part.dtype != first.dtype
+            or not part.is_contiguous()
+            or part.data_ptr() != position
+            or part.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+        ):
+            return None
+        position += part.numel() * part.element_size()
+    return first.as_strided((numel,), (1,), first.storage_offset())
 
 
 def whole_state(folder: str | os.PathLike[str], states: Iterable[str] = (FP32,)) -> dict[str, torch.Tensor]:

@@ -148,9 +148,10 @@ class TrainingJob:
         )
 
 
-def build_engine(job: TrainingJob, initialise: bool = True):
+def build_engine(job: TrainingJob, initialise: bool = True, memory: Any = None):
     """Distributed start-up, model, DeepSpeed engine running the planned schedule. Every rank.
-    `initialise=False`: the parameters are left undrawn (every one is restored next: live resize)."""
+    `initialise=False`: the parameters are left undrawn (every one is restored next: live resize).
+    `memory`: an `engine_state.TouchedMemory` the optimizer's flat tensors are taken from."""
     dsinit.init_distributed(job.collective_timeout_seconds)
     # torch reads OMP_NUM_THREADS and DeepSpeed its accelerator when first imported: both only after
     # dsinit has set this rank's environment (the modules below import them too).
@@ -159,6 +160,7 @@ def build_engine(job: TrainingJob, initialise: bool = True):
 
     from pipectl.models import build_model
     from pipectl.models.tensor_parallel import new_tensor_parallel_groups, shard_model
+    from pipectl.runtime.engine_state import drawing_from
     from pipectl.runtime.executor import plan_engine
     from pipectl.runtime.pipeline import build_pipeline_module, planned_topology
     from pipectl.runtime.plain import LayerStack, plan_plain_engine
@@ -190,7 +192,7 @@ def build_engine(job: TrainingJob, initialise: bool = True):
     )
     # One stage with ZeRO-2 or ZeRO-3: DeepSpeed's ordinary engine (its pipeline engine refuses both).
     plain = layout.pipeline_parallel == 1 and ds_config.get("zero_optimization", {}).get("stage", 0) >= 2
-    with _no_unused_grad_partition(), nullcontext() if initialise else _no_model_broadcast():
+    with _no_unused_grad_partition(), nullcontext() if initialise else _no_model_broadcast(), drawing_from(memory):
         engine, *_ = deepspeed.initialize(
             model=LayerStack(module) if plain else module,
             config=ds_config,
@@ -320,7 +322,8 @@ def _train(
     if joining:  # started by a live resize: wait for the running ranks, receive this rank's share
         context.phase = "joining: waiting for the running ranks' hand-over"
         handed = live.join(
-            job.run_dir, job.layout, build_model_layers(job), job.ds_config, job.collective_timeout_seconds
+            job.run_dir, job.layout, build_model_layers(job), job.ds_config, job.collective_timeout_seconds,
+            build=_undrawn_builder(job),
         )
     result: TrainResult | None = None
     generation = handed.request.generation if handed else 0
@@ -365,6 +368,7 @@ def _train(
                 job.collective_timeout_seconds,
                 clock,
                 host=session.saver.host if session.saver is not None else None,
+                build=_undrawn_builder(job),
             )
         with clock.phase("release"):
             session.close(context)
@@ -376,6 +380,12 @@ def _train(
         generation = request.generation
     session.finish(result, context)
     return result
+
+
+def _undrawn_builder(job: TrainingJob) -> Callable[[Any], tuple[Any, Any]]:
+    """`build(memory)` for a live resize: `job`'s engine, its parameters undrawn (every one is
+    restored next)."""
+    return lambda memory: build_engine(job, initialise=False, memory=memory)
 
 
 def _await_recovery(session: "_Session", error: Exception, context: RankContext, generation: int, clock: Any):
@@ -438,8 +448,11 @@ class _Session:
 
         context.layout = job.layout
         context.predicted_peak_memory_bytes = job.predicted_peak_memory_bytes
-        with handed.clock.phase("build") if handed is not None else nullcontext():
-            model, engine = build_engine(job, initialise=handed is None)  # a hand-over restores every parameter next
+        if handed is not None and handed.built is not None:  # built before the state moved into it
+            (model, engine), handed.built = handed.built, None
+        else:
+            with handed.clock.phase("build") if handed is not None else nullcontext():
+                model, engine = build_engine(job, initialise=handed is None)  # a hand-over restores every parameter next
         layout = job.layout
         rank = engine.global_rank
         stage = engine.stage_id
