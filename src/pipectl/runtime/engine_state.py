@@ -447,6 +447,20 @@ def prepare_states(engine: Any, states: list[list[str]], memory: "TouchedMemory 
                 held[state] = taken.view(partition.shape) if taken is not None else torch.empty_like(partition)
 
 
+def held_ranges(engine: Any) -> dict[str, tuple[int, int] | None]:
+    """Per parameter of this engine's optimizer groups: the elements (start, count) whose
+    optimizer state this rank keeps (its piece of the partition), None where it keeps none: what
+    `restore` reads of each state besides the weights (`ShardReader.reads_for`'s `held`)."""
+    names = engine.optimizer.param_names
+    ranges: dict[str, tuple[int, int] | None] = {}
+    for linked in optimizer_groups(engine):
+        held = {id(piece.parameter): piece for piece in linked.pieces}
+        for parameter in linked.parameters:
+            piece = held.get(id(parameter))
+            ranges[names[parameter]] = (piece.start, piece.numel) if piece is not None else None
+    return ranges
+
+
 def landing_sites(engine: Any) -> dict[str, dict[str, tuple[int, torch.Tensor]]]:
     """Where `restore` puts each parameter's values in this engine, where they can be received
     directly: per parameter name and state, (first element, flat view) meaning elements `first`
@@ -540,10 +554,7 @@ def restore(engine: Any, reader: ShardReader, *, restore_rng: bool = True) -> Ra
             for parameter in linked.parameters:
                 trained.add(id(parameter))
                 name = names[parameter]
-                values = {
-                    state: reader.local(name, state, parameter_split(parameter), tensor_parallel, tp_rank)
-                    for state in states
-                }
+                values = {FP32: reader.local(name, FP32, parameter_split(parameter), tensor_parallel, tp_rank)}
                 if tuple(values[FP32].shape) != parameter_shape(parameter):
                     raise CheckpointError(
                         f"{reader.folder}: parameter {name!r} is {tuple(values[FP32].shape)} there, "
@@ -561,8 +572,9 @@ def restore(engine: Any, reader: ShardReader, *, restore_rng: bool = True) -> Ra
                 start, numel, offset = piece.start, piece.numel, piece.offset
                 _write(partition.narrow(0, offset, numel), values[FP32].reshape(-1).narrow(0, start, numel))
                 covered.append((offset, numel))
-                for state, buffer in flat.items():
-                    _write(buffer.narrow(0, offset, numel), values[state].reshape(-1).narrow(0, start, numel))
+                for state, buffer in flat.items():  # only the elements this rank keeps state for
+                    part = reader.part(name, state, parameter_split(parameter), tensor_parallel, tp_rank, start, numel)
+                    _write(buffer.narrow(0, offset, numel), part)
             for start, numel in uncovered(covered, partition.numel()):
                 for buffer in flat.values():
                     buffer.narrow(0, start, numel).zero_()

@@ -290,6 +290,7 @@ def exchange(
     import torch
     import torch.distributed as dist
 
+    from pipectl.runtime import engine_state
     from pipectl.runtime.shards import RankHeader, ShardReader
 
     me = dist.get_rank()
@@ -297,10 +298,14 @@ def exchange(
         (s.header.to_json(), {key: (str(t.dtype).removeprefix("torch."), tuple(t.shape)) for key, t in s.tensors.items()})
         for s in held
     ]
+    # With its engine built, a rank also says which elements of each parameter it keeps Adam's
+    # moments for: only those of the moments move to it.
+    held_here = engine_state.held_ranges(into[0]) if into is not None else None
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, offered_here)
+    dist.all_gather_object(gathered, (offered_here, held_here))
+    held_by = [held for _, held in gathered]
     offers: dict[tuple[int, int], tuple[int, RankHeader, Any]] = {}  # (old rank, step) -> (holder, header, layouts)
-    for rank, offered in enumerate(gathered):
+    for rank, (offered, _) in enumerate(gathered):
         for text, layouts in offered:
             header = RankHeader.from_json(text)
             key = (header.rank, header.step)
@@ -332,7 +337,11 @@ def exchange(
     for header in ordered:
         names.update(header.module_tensors)
     plan = {
-        rank: index.reads_for(held_names(sorted(names), model, layout, rank), rng_of={0, rank} & set(range(old_world)))
+        rank: index.reads_for(
+            held_names(sorted(names), model, layout, rank),
+            rng_of={0, rank} & set(range(old_world)),
+            held=held_by[rank] if rank < len(held_by) else None,
+        )
         for rank in range(layout.world_size)
     }
 
@@ -400,23 +409,35 @@ class _Landing:
         engine, memory = into
         engine_state.prepare_states(engine, headers[0].group_states, memory)
         self.sites = engine_state.landing_sites(engine)
-        self.fragments = [{(f.group, f.offset, f.numel): f for f in header.fragments} for header in headers]
+        self.fragments: list[dict[int, tuple[list[int], list[Any]]]] = []  # per old rank, per group: offsets, fragments
+        for header in headers:
+            groups: dict[int, list[Any]] = {}
+            for fragment in sorted(header.fragments, key=lambda f: f.offset):
+                groups.setdefault(fragment.group, []).append(fragment)
+            self.fragments.append({group: ([f.offset for f in listed], listed) for group, listed in groups.items()})
 
     def site(self, old: int, key: str, start: int, stop: int, info: TensorInfo):
         """The engine's elements range (`key`, `start`, `stop`) of old rank `old` is received into,
         or None."""
+        import bisect
+
         group, _, state = key.partition(".")
         if stop < 0 or not group.startswith("group") or not group[5:].isdigit():
             return None
-        fragment = self.fragments[old].get((int(group[5:]), start, stop - start))
-        if fragment is None or fragment.tensor_parallel != 1:
+        offsets, fragments = self.fragments[old].get(int(group[5:]), ([], []))
+        at = bisect.bisect_right(offsets, start) - 1
+        fragment = fragments[at] if at >= 0 else None
+        if fragment is None or stop > fragment.offset + fragment.numel:
+            return None
+        first_element = fragment.start + start - fragment.offset  # of the parameter, flattened
+        if fragment.tensor_parallel != 1:
             return None
         first, view = self.sites.get(fragment.name, {}).get(state, (0, None))
         if view is None or view.dtype != _dtype(info.dtype):
             return None
-        if fragment.start < first or fragment.start + fragment.numel > first + view.numel():
+        if first_element < first or first_element + (stop - start) > first + view.numel():
             return None
-        return view.narrow(0, fragment.start - first, fragment.numel)
+        return view.narrow(0, first_element - first, stop - start)
 
 
 def reform(address: str, port: int, world: int, rank: int, timeout_seconds: float | None) -> None:
