@@ -265,6 +265,7 @@ class HandOver:
     last_step_unix: float = 0.0  # when this rank finished its last step on the old layout
     host: Any = None  # the checkpointer's HostSnapshot a GPU engine was copied into (else None)
     built: Any = None  # (model, engine) of the new layout, built before the state moved into it
+    retired: Any = None  # the old layout's session, let go after the first new step (worker)
 
 
 def exchange(
@@ -524,9 +525,10 @@ def hand_over(
     handed = HandOver(request, None, 0, clock, host=host if host.copy else None)
     with clock.phase("capture"):
         snapshot = host.capture(engine, step, data_position)
-    if request.to_devices >= old_world and build is not None:
+    if request.to_devices >= old_world and build is not None and device_kind(engine) != "cuda":
         # Nobody leaves: every rank of the old group is one of the new. The new group first, then
-        # the new stage's engine, then the state straight into it.
+        # the new stage's engine, then the state straight into it. (Not on a GPU: there the old
+        # engine's device memory is let go before the new one is built.)
         with clock.phase("group"):
             reform(request.master_addr, request.master_port, request.to_devices, rank, timeout_seconds)
         with clock.phase("build"):

@@ -370,9 +370,15 @@ def _train(
                 host=session.saver.host if session.saver is not None else None,
                 build=_undrawn_builder(job),
             )
-        with clock.phase("release"):
-            session.close(context)
-            del session
+        if handed is not None and handed.built is not None:
+            # The new engine is built and holds the state: the old one is let go after the first
+            # step on the new layout (`_Session.retired`), not in the pause.
+            context.engine = None
+            handed.retired = session
+        else:
+            with clock.phase("release"):
+                session.close(context)
+        del session
         if handed is None:
             result.stopped_early, result.left = "left in a live resize", True
             return result
@@ -435,6 +441,7 @@ class _Session:
     handed: Any = None  # live.HandOver this layout started from
     last_step_unix: float = 0.0
     peers: Any = None  # recovery.PeerCopy: the neighbour replica's state (`launch --recover-in-memory`)
+    retired: Any = None  # the previous layout's _Session, let go after this one's first step
 
     @classmethod
     def open(cls, job: TrainingJob, context: RankContext, handed: Any = None) -> "_Session":
@@ -448,8 +455,10 @@ class _Session:
 
         context.layout = job.layout
         context.predicted_peak_memory_bytes = job.predicted_peak_memory_bytes
+        retired = None
         if handed is not None and handed.built is not None:  # built before the state moved into it
             (model, engine), handed.built = handed.built, None
+            retired, handed.retired = handed.retired, None
         else:
             with handed.clock.phase("build") if handed is not None else nullcontext():
                 model, engine = build_engine(job, initialise=handed is None)  # a hand-over restores every parameter next
@@ -470,6 +479,7 @@ class _Session:
             device=device,
             step=0,
             handed=handed,
+            retired=retired,
         )
         session.needs_data = engine.is_first_stage() or engine.is_last_stage()
         session.batches = DeterministicBatches(make_source(model, job.data, job.seed), layout.global_batch, job.seed)
@@ -585,6 +595,9 @@ class _Session:
             self.last_step_unix = time.time()
             record = _record(engine, self.step, loss, elapsed, rank_memory(self.device))
             result.records.append(record)
+            if self.retired is not None:  # the previous layout's engine, kept through the pause
+                self.retired.close(None)
+                self.retired = None
             if self.peers is not None:  # first: until it is done, a loss goes back to the step before
                 context.phase = "copying the state to the neighbour replica"
                 self.peers.refresh(engine, self.step, _data_position(self.layout, self.step))
@@ -630,12 +643,15 @@ class _Session:
         if self.saver is not None:
             self.saver.finish()
 
-    def close(self, context: RankContext) -> None:
+    def close(self, context: RankContext | None) -> None:
         """Let go of this layout's engine (a live resize builds the next one in the same process)."""
         import gc
 
-        context.engine = None
-        self.engine = self.model = self.saver = self.writer = None
+        if context is not None:
+            context.engine = None
+        if self.retired is not None:
+            self.retired.close(None)
+        self.engine = self.model = self.saver = self.writer = self.retired = None
         gc.collect()
 
     def finish(self, result: TrainResult, context: RankContext) -> None:
