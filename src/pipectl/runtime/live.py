@@ -11,19 +11,42 @@ hand over:
     old ranks   take their state (`engine_state.HostSnapshot`: weights, Adam's moments, schedule,
                 RNG, the step: the instant a checkpoint holds; a CPU engine's tensors as they are,
                 a GPU's copied to host memory)
-    all         meet in one process group: the old one when no rank joins, else the new layout's
-                world, which the joining ranks have been waiting to enter (`meet`)
+
+When no rank leaves (a grow, or the same ranks in another layout) and the engine is on the CPU:
+
+    all         re-form the process group as the new layout's world (the joining ranks have been
+                waiting to enter it: `meet`) and build the new stage's engine at once (parameters
+                undrawn, no model broadcast: every one is restored next). Its large tensors come
+                from memory touched already (`engine_state.TouchedMemory`: a joining rank touched
+                it before it said it was ready; a staying rank reuses its old engine's flat copy
+                of the parameters, which the hand-over does not read), since the first write to
+                fresh pages, not the copy, is what costs (page faults)
     all         learn every old rank's header (fragments: which slice of which flat tensor is
-                which piece of which parameter) with one all-gather
+                which piece of which parameter) and every new rank's pieces (which elements of
+                each parameter it keeps Adam's moments for) with one all-gather
     each        works out what its new stage's restore will read (`ShardReader.reads_for`, the
-                reader's own choice of pieces) and receives exactly those element ranges from the
-                ranks holding them, point to point (one message per contiguous range, sent from
-                the state itself, received into one buffer read in place), never through the disk
+                reader's own choice of pieces) and receives exactly those element ranges, one
+                message per fragment, straight into the engine's own tensors where the restore
+                would write them (`engine_state.landing_sites`: the model's fp32 weights, its
+                piece of Adam's moments, made beforehand by `engine_state.prepare_states`); the
+                rest (a cut for a tensor split, buffers, RNG) into one receive buffer
+    all         restore through `engine_state.restore` with the checkpoint's own re-cutting reader
+                (`ShardReader.in_memory`), which finds the received values where they belong and
+                copies only what is not there yet (the fp32 partition from the weights; a staying
+                rank's own pieces); the old engine is let go after the first new step
+
+Otherwise (ranks leave; or a GPU engine, whose device memory is freed first):
+
+    all         meet in one process group: the old one when no rank joins, else the new layout's
+                world (`meet`)
+    all         learn every old rank's header with one all-gather
+    each        receives exactly the element ranges its restore reads from the ranks holding
+                them, point to point (one message per contiguous range, sent from the state
+                itself, received into one buffer read in place), never through the disk
     leaving     ranks then exit 0
     staying     ranks re-form the process group for the new world and build the new stage's
-                engine (parameters undrawn, no model broadcast: every one is restored next); all
-                restore through `engine_state.restore`, reading the moved pieces with the
-                checkpoint's own re-cutting reader (`ShardReader.in_memory`)
+                engine; all restore through `engine_state.restore`, reading the moved pieces with
+                the checkpoint's own re-cutting reader (`ShardReader.in_memory`)
 
 and training goes on at the next step with the same global batch (the data order is a function of
 the step). Rank numbers are kept: a shrink keeps ranks 0 .. N-1, a grow adds ranks W .. N-1. Rank 0
