@@ -338,14 +338,24 @@ class TouchedMemory:
     an engine in a live resize's pause allocates and touches this beforehand, while the job still
     trains; the engine's flat tensors and optimizer moments are then taken from it
     (`drawing_from`, `prepare_states`). A piece is never given back: the memory lives as long as
-    any tensor taken from it.
+    any tensor taken from it. It may span several buffers (`together`), taken from in order.
     """
 
     ALIGN = 4096
 
-    def __init__(self, nbytes: int) -> None:
-        self.buffer = torch.zeros(max(0, int(nbytes)), dtype=torch.uint8)  # zeros: every page written
-        self.used = 0
+    def __init__(self, nbytes: int = 0) -> None:
+        # zeros: every page written (torch fills with the GIL released: a thread may do it)
+        self.buffers = [torch.zeros(int(nbytes), dtype=torch.uint8)] if nbytes > 0 else []
+        self.used = [0] * len(self.buffers)
+
+    @classmethod
+    def together(cls, *memories: "TouchedMemory | None") -> "TouchedMemory":
+        joined = cls()
+        for memory in memories:
+            if memory is not None:
+                joined.buffers += memory.buffers
+                joined.used += memory.used
+        return joined
 
     @classmethod
     def reusing(cls, engine: Any, keep: Iterable[torch.Tensor] = ()) -> "TouchedMemory | None":
@@ -364,25 +374,26 @@ class TouchedMemory:
         storage = flat.untyped_storage().data_ptr()
         if any(t.untyped_storage().data_ptr() == storage for t in keep):
             return None
-        memory = cls.__new__(cls)
-        memory.buffer, memory.used = flat.detach().view(-1).view(torch.uint8), 0
+        memory = cls()
+        memory.buffers, memory.used = [flat.detach().view(-1).view(torch.uint8)], [0]
         return memory
 
     @property
     def free_bytes(self) -> int:
-        return self.buffer.numel() - self.used
+        return sum(buffer.numel() - used for buffer, used in zip(self.buffers, self.used))
 
     def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
         """`numel` elements of `dtype` (zeros unless `reusing`), or None when too few bytes are left."""
-        start = -(-self.used // self.ALIGN) * self.ALIGN
         size = int(numel) * torch.empty((), dtype=dtype).element_size()
-        if start + size > self.buffer.numel():
-            return None
-        self.used = start + size
-        return self.buffer[start : start + size].view(dtype)
+        for index, buffer in enumerate(self.buffers):
+            start = -(-self.used[index] // self.ALIGN) * self.ALIGN
+            if start + size <= buffer.numel():
+                self.used[index] = start + size
+                return buffer[start : start + size].view(dtype)
+        return None
 
 
-TOUCHED_MIN_NUMEL = 1 << 20  # smaller tensors are not worth a piece
+TOUCHED_MIN_NUMEL = 1 << 12  # smaller tensors are not worth a piece
 
 
 @contextmanager

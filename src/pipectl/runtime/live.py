@@ -525,6 +525,7 @@ def hand_over(
     clock: PauseClock,
     host: Any = None,
     build: Callable[[Any], tuple[Any, Any]] | None = None,
+    prepared: Any = None,
 ) -> HandOver | None:
     """A running rank at a step boundary: give its state to the new layout (`layout`, `model`: the
     job as the rewritten run files describe it). Returns None for a rank that leaves (its state
@@ -533,7 +534,8 @@ def hand_over(
     touched already; kept by the next layout's checkpointer). `build(memory)`: builds this rank's
     engine of the new layout (its (model, engine), parameters undrawn); when no rank leaves, the
     ranks re-form the group, build it, and receive the state straight into it (`exchange`'s
-    `into`; `HandOver.built`)."""
+    `into`; `HandOver.built`), its large tensors taken from `prepared` (`Preparation`'s memory)
+    first."""
     import torch.distributed as dist
 
     from pipectl.runtime.engine_state import HostSnapshot, TouchedMemory, device_kind
@@ -557,7 +559,7 @@ def hand_over(
         with clock.phase("build"):
             # The old engine's flat copy of its parameters is touched memory the hand-over does not
             # read: the new engine's large tensors are taken from it first.
-            memory = TouchedMemory.reusing(engine, snapshot.tensors.values())
+            memory = TouchedMemory.together(prepared, TouchedMemory.reusing(engine, snapshot.tensors.values()))
             handed.built = build(memory)
         with clock.phase("exchange"):
             handed.reader, handed.bytes_moved = exchange([snapshot], layout, model, into=(handed.built[1], memory))
@@ -648,6 +650,64 @@ def engine_bytes(layout: Layout, model: ModelLayers, rank: int) -> int:
             numel += sum(p.numel() for p in layer.build().parameters() if p.requires_grad)
     share = -(-numel // layout.data_parallel)
     return int(4 * (numel + 3 * share) * 1.01) + (16 << 20)
+
+
+class Preparation:
+    """A running rank's memory for its engine after a live resize (`engine_state.TouchedMemory`,
+    `engine_bytes` of the layout the rewritten run files describe), touched in a thread while the
+    job trains on. The ranks take the resize at the first step boundary where no rank is still
+    preparing (`checkpoint.step_boundary`), so the pause writes into no fresh page."""
+
+    def __init__(self, run_dir: str | os.PathLike[str], rank: int, generation: int) -> None:
+        import threading
+
+        self.generation = generation
+        self.memory: Any = None
+        self._thread = None
+        try:
+            nbytes = _prepared_bytes(Path(run_dir), rank)
+        except Exception as exc:  # the hand-over then allocates as it goes
+            log.warning("live resize: no memory prepared (%s)", exc)
+            nbytes = 0
+        if nbytes > 0:
+            self._thread = threading.Thread(target=self._touch, args=(nbytes,), name="live-resize-memory", daemon=True)
+            self._thread.start()
+
+    def _touch(self, nbytes: int) -> None:
+        from pipectl.runtime.engine_state import TouchedMemory
+
+        try:
+            self.memory = TouchedMemory(nbytes)
+        except Exception as exc:  # out of memory: the hand-over allocates as it goes
+            log.warning("live resize: could not prepare %d MiB (%s)", nbytes >> 20, exc)
+
+    def done(self) -> bool:
+        return self._thread is None or not self._thread.is_alive()
+
+    def take(self) -> Any:
+        """The touched memory (None if there is none), once."""
+        if self._thread is not None:
+            self._thread.join()
+        memory, self.memory = self.memory, None
+        return memory
+
+
+def _prepared_bytes(run_dir: Path, rank: int) -> int:
+    """`engine_bytes` for this rank in the layout of the pending request's run files; 0 where the
+    hand-over builds its engine only after the exchange (ranks leave) or the rank leaves."""
+    from pipectl.artifacts.plan import Plan
+    from pipectl.artifacts.run import JOB_FILE, JobSpec
+    from pipectl.models import build_model
+
+    request = read_request(run_dir)
+    if request.to_devices < request.from_devices or rank >= request.to_devices:
+        return 0
+    job = load_model(JobSpec, run_dir / JOB_FILE)
+    plan = load_model(Plan, run_dir / job.plan_file)
+    layout = Layout.from_candidate(plan.chosen)
+    if layout.world_size != request.to_devices:
+        return 0
+    return engine_bytes(layout, build_model(job.model, allow_shape_only=True), rank)
 
 
 def join(

@@ -369,6 +369,7 @@ def _train(
                 clock,
                 host=session.saver.host if session.saver is not None else None,
                 build=_undrawn_builder(job),
+                prepared=session.preparation.take() if session.preparation is not None else None,
             )
         if handed is not None and handed.built is not None:
             # The new engine is built and holds the state: the old one is let go after the first
@@ -442,6 +443,7 @@ class _Session:
     last_step_unix: float = 0.0
     peers: Any = None  # recovery.PeerCopy: the neighbour replica's state (`launch --recover-in-memory`)
     retired: Any = None  # the previous layout's _Session, let go after this one's first step
+    preparation: Any = None  # live.Preparation: memory for the next layout's engine, touched while training
 
     @classmethod
     def open(cls, job: TrainingJob, context: RankContext, handed: Any = None) -> "_Session":
@@ -568,11 +570,15 @@ class _Session:
         opened = self.step
         while self.step < job.steps:
             if self.stop_flag is not None:
+                pending = live.pending_generation(job.run_dir, generation)
+                if pending:
+                    self._prepare(pending)
                 boundary = checkpoint.step_boundary(
                     self.stop_flag,
                     job.run_dir,
                     saver.schedule.time_due(self.step - opened),
-                    resize=live.pending_generation(job.run_dir, generation),
+                    resize=pending,
+                    preparing=self.preparation is not None and not self.preparation.done(),
                 )
                 if boundary.checkpoint and self.step > self.saved:  # a wall-time checkpoint: the state after the step just done
                     context.phase = "copying the checkpoint to host memory"
@@ -583,6 +589,8 @@ class _Session:
                     return None
                 if boundary.resize:
                     return live.read_request(job.run_dir)
+                if boundary.announced:  # another rank saw it first: prepare too, take it at a later boundary
+                    self._prepare(boundary.announced)
             context.step, context.phase = self.step + 1, "step"
             micro_batches = (
                 self.batches.micro_batches(self.step, self.replica) if self.needs_data else [None] * self.replica.micro_batches
@@ -613,6 +621,14 @@ class _Session:
                 saver.save(engine, self.step, _data_position(self.layout, self.step))
                 self.saved = self.step
         return None
+
+    def _prepare(self, generation: int) -> None:
+        """Start touching the memory this rank's engine takes after live resize `generation`
+        (`live.Preparation`), once."""
+        from pipectl.runtime import live
+
+        if self.device != "cuda" and (self.preparation is None or self.preparation.generation != generation):
+            self.preparation = live.Preparation(self.job.run_dir, self.rank, generation)
 
     def _record_live_resize(self, record: StepRecord | None) -> None:
         """Rank 0, after the first step on a layout a live resize made (None: it had no step left
