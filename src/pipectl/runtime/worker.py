@@ -591,6 +591,8 @@ class _Session:
                     return live.read_request(job.run_dir)
                 if boundary.announced:  # another rank saw it first: prepare too, take it at a later boundary
                     self._prepare(boundary.announced)
+                elif self.preparation is not None:  # the request was withdrawn: its memory is let go
+                    self.preparation = None
             context.step, context.phase = self.step + 1, "step"
             micro_batches = (
                 self.batches.micro_batches(self.step, self.replica) if self.needs_data else [None] * self.replica.micro_batches
