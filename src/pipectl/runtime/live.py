@@ -289,6 +289,7 @@ class HandOver:
     host: Any = None  # the checkpointer's HostSnapshot a GPU engine was copied into (else None)
     built: Any = None  # (model, engine) of the new layout, built before the state moved into it
     retired: Any = None  # the old layout's session, let go after the first new step (worker)
+    restored: float | None = None  # perf_counter when the restore ended (the "resume" phase's start)
 
 
 def exchange(

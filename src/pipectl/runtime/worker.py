@@ -344,6 +344,9 @@ def _train(
         if request is None:
             break
         last_step_unix = session.last_step_unix
+        if last_step_unix and not request.recovery:
+            # From the end of the last step (its metrics gathered, the boundary's vote) to here.
+            clock.phases["boundary"] = max(0.0, time.time() - last_step_unix)
         with clock.phase("read"):  # the run files describe the new layout
             os.environ["WORLD_SIZE"] = str(request.to_devices)
             job = TrainingJob.from_run_dir(job.run_dir)
@@ -371,9 +374,9 @@ def _train(
                 build=_undrawn_builder(job),
                 prepared=session.preparation.take() if session.preparation is not None else None,
             )
-        if handed is not None and handed.built is not None:
-            # The new engine is built and holds the state: the old one is let go after the first
-            # step on the new layout (`_Session.retired`), not in the pause.
+        if handed is not None and not request.recovery and session.device != "cuda":
+            # The old engine is let go after the first step on the new layout (`_Session.retired`),
+            # not in the pause (on a GPU its device memory is freed before the new one is built).
             context.engine = None
             handed.retired = session
         else:
@@ -458,9 +461,10 @@ class _Session:
         context.layout = job.layout
         context.predicted_peak_memory_bytes = job.predicted_peak_memory_bytes
         retired = None
+        if handed is not None:
+            retired, handed.retired = handed.retired, None
         if handed is not None and handed.built is not None:  # built before the state moved into it
             (model, engine), handed.built = handed.built, None
-            retired, handed.retired = handed.retired, None
         else:
             with handed.clock.phase("build") if handed is not None else nullcontext():
                 model, engine = build_engine(job, initialise=handed is None)  # a hand-over restores every parameter next
@@ -497,6 +501,7 @@ class _Session:
             with handed.clock.phase("restore"):
                 session.step = engine_state.restore(engine, handed.reader).step
             handed.reader = None  # the received pieces are in the engine now
+            handed.restored = time.perf_counter()
         if job.run_dir is None:
             return session
         if handed is None:
@@ -599,6 +604,11 @@ class _Session:
             )
             reset_peak_memory(self.device)
             started = time.perf_counter()
+            if self.handed is not None and self.handed.restored is not None:
+                # From the end of the restore to this first step: the session's data, metrics and
+                # checkpoint set-up, the boundary's vote (waiting for the slowest rank).
+                self.handed.clock.phases["resume"] = started - self.handed.restored
+                self.handed.restored = None
             loss = engine.train_step(micro_batches)
             elapsed = time.perf_counter() - started
             self.step += 1
