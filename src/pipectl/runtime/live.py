@@ -33,7 +33,12 @@ When no rank leaves (a grow, or the same ranks in another layout) and the engine
     all         restore through `engine_state.restore` with the checkpoint's own re-cutting reader
                 (`ShardReader.in_memory`), which finds the received values where they belong and
                 copies only what is not there yet (the fp32 partition from the weights; a staying
-                rank's own pieces); the old engine is let go after the first new step
+                rank's own pieces)
+
+A running rank that sees the request starts touching the memory its next engine takes
+(`Preparation`, a thread, while the job trains on); the ranks take the resize at the first step
+boundary where none is still preparing. On the CPU the old engine is let go after the first step
+on the new layout, not in the pause.
 
 Otherwise (ranks leave; or a GPU engine, whose device memory is freed first):
 
