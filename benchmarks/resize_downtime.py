@@ -29,6 +29,9 @@ against the restart run's (the cost of sending each rank's state to its neighbou
 
     .venv/bin/python benchmarks/resize_downtime.py --repeats 3
     -> benchmarks/results/resize_downtime.json
+
+`--live-only` runs the live path alone (no cold start, no restart), with the load average before
+and after each run: what changes when the hand-over does (`results/resize_downtime_live*.json`).
 """
 
 from __future__ import annotations
