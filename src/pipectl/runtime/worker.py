@@ -615,9 +615,6 @@ class _Session:
             self.last_step_unix = time.time()
             record = _record(engine, self.step, loss, elapsed, rank_memory(self.device))
             result.records.append(record)
-            if self.retired is not None:  # the previous layout's engine, kept through the pause
-                self.retired.close(None)
-                self.retired = None
             if self.peers is not None:  # first: until it is done, a loss goes back to the step before
                 context.phase = "copying the state to the neighbour replica"
                 self.peers.refresh(engine, self.step, _data_position(self.layout, self.step))
@@ -628,6 +625,9 @@ class _Session:
                     self._record_live_resize(record)
             if on_step is not None:
                 on_step(record)
+            if self.retired is not None:  # the previous layout's engine, kept through the pause
+                self.retired.close(None)  # after the step's metrics: its time stamps are the step's
+                self.retired = None
             if saver is not None and saver.schedule.step_due(self.step, job.steps):
                 context.phase = "copying the checkpoint to host memory"
                 saver.save(engine, self.step, _data_position(self.layout, self.step))
