@@ -404,6 +404,7 @@ def drawing_from(memory: "TouchedMemory | None"):
     if memory is None:
         yield
         return
+    # DeepSpeed: imported by a rank once its environment is set (`dsinit`), never by this module's importers
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
     from torch.overrides import TorchFunctionMode
 

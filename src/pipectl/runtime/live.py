@@ -62,9 +62,11 @@ its phases.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import math
 import os
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -73,6 +75,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 from pipectl.artifacts.layout import Layout
 from pipectl.artifacts.morph import LIVE_REQUEST_FILE, LiveResizeRequest, MorphRecord
+from pipectl.artifacts.plan import Plan
+from pipectl.artifacts.run import JOB_FILE, JobSpec
 from pipectl.errors import LaunchError
 from pipectl.io import load_model
 
@@ -320,7 +324,7 @@ def exchange(
     import torch
     import torch.distributed as dist
 
-    from pipectl.runtime import engine_state
+    from pipectl.runtime import engine_state  # torch: only in the ranks
     from pipectl.runtime.shards import RankHeader, ShardReader
 
     me = dist.get_rank()
@@ -434,7 +438,7 @@ class _Landing:
     the sender's header) matched with the engine's `landing_sites`."""
 
     def __init__(self, into: tuple[Any, Any], headers: Sequence[Any]) -> None:
-        from pipectl.runtime import engine_state
+        from pipectl.runtime import engine_state  # torch: only in the ranks
 
         engine, memory = into
         engine_state.prepare_states(engine, headers[0].group_states, memory)
@@ -449,8 +453,6 @@ class _Landing:
     def site(self, old: int, key: str, start: int, stop: int, info: TensorInfo):
         """The engine's elements range (`key`, `start`, `stop`) of old rank `old` is received into,
         or None."""
-        import bisect
-
         group, _, state = key.partition(".")
         if stop < 0 or not group.startswith("group") or not group[5:].isdigit():
             return None
@@ -638,7 +640,7 @@ def engine_bytes(layout: Layout, model: ModelLayers, rank: int) -> int:
     ZeRO-1/2: the flat copy of its stage's trained parameters and, for its data-parallel share, the
     fp32 partition and Adam's two moments (4-byte elements, alignment slack included). Counted on
     the meta device. 0 with a tensor split (what a rank holds then is not counted here)."""
-    import torch
+    import torch  # only in the ranks
 
     from pipectl.runtime.pipeline import planned_topology
 
@@ -665,8 +667,6 @@ class Preparation:
     preparing (`checkpoint.step_boundary`), so the pause writes into no fresh page."""
 
     def __init__(self, run_dir: str | os.PathLike[str], rank: int, generation: int) -> None:
-        import threading
-
         self.generation = generation
         self.memory: Any = None
         self._thread = None
@@ -680,7 +680,7 @@ class Preparation:
             self._thread.start()
 
     def _touch(self, nbytes: int) -> None:
-        from pipectl.runtime.engine_state import TouchedMemory
+        from pipectl.runtime.engine_state import TouchedMemory  # torch: only in the ranks
 
         try:
             self.memory = TouchedMemory(nbytes)
@@ -701,9 +701,7 @@ class Preparation:
 def _prepared_bytes(run_dir: Path, rank: int) -> int:
     """`engine_bytes` for this rank in the layout of the pending request's run files; 0 where the
     hand-over builds its engine only after the exchange (ranks leave) or the rank leaves."""
-    from pipectl.artifacts.plan import Plan
-    from pipectl.artifacts.run import JOB_FILE, JobSpec
-    from pipectl.models import build_model
+    from pipectl.models import build_model  # torch: only in the ranks
 
     request = read_request(run_dir)
     if request.to_devices < request.from_devices or rank >= request.to_devices:
@@ -729,7 +727,7 @@ def join(
     (`engine_state.TouchedMemory`, `engine_bytes`), say it is ready, wait for the running ranks in
     the new world, then build its engine (`build(memory)`: its (model, engine)) and receive its
     share straight into it (`HandOver.built`). Without `build`, into a receive buffer."""
-    from pipectl.runtime.engine_state import TouchedMemory
+    from pipectl.runtime.engine_state import TouchedMemory  # torch: only in the ranks
 
     warm_up(ds_config)
     rank = int(os.environ["RANK"])
