@@ -472,9 +472,12 @@ class _Landing:
         return view.narrow(0, first_element - first, stop - start)
 
 
-def reform(address: str, port: int, world: int, rank: int, timeout_seconds: float | None) -> None:
+def reform(
+    address: str, port: int, world: int, rank: int, timeout_seconds: float | None, wait_seconds: float | None = None
+) -> None:
     """Leave the current process group (if any) and enter the new layout's: `world` ranks meeting
-    at `address:port`, rank 0 hosting the store (`meet`)."""
+    at `address:port`, rank 0 hosting the store (`meet`; `wait_seconds`: how long a rank other than
+    0 waits for it to listen, default `timeout_seconds`)."""
     import torch.distributed as dist
 
     from pipectl.runtime import dsinit
@@ -491,13 +494,16 @@ def reform(address: str, port: int, world: int, rank: int, timeout_seconds: floa
     )
     # torchrun's ranks meet in its agent's store; the new group has a store of its own.
     os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
-    dsinit.init_distributed(timeout_seconds, store=meet(address, port, world, rank, timeout_seconds))
+    dsinit.init_distributed(timeout_seconds, store=meet(address, port, world, rank, timeout_seconds, wait_seconds))
 
 
 PROBE_SECONDS = 0.005
+JOIN_WAIT_TIMEOUTS = 3  # a joining rank waits this many collective timeouts for the running ranks
 
 
-def meet(address: str, port: int, world: int, rank: int, timeout_seconds: float | None):
+def meet(
+    address: str, port: int, world: int, rank: int, timeout_seconds: float | None, wait_seconds: float | None = None
+):
     """The new group's store: rank 0 serves it, the others connect once it listens. A joining rank
     waits here from the moment it is ready; it probes the port every 5 ms with a plain TCP connect
     instead of waiting in the store client's own retry loop, whose back-off (about 0.5 s between
@@ -510,14 +516,15 @@ def meet(address: str, port: int, world: int, rank: int, timeout_seconds: float 
     timeout = timedelta(seconds=timeout_seconds or 1800.0)
     if rank == 0:
         return dist.TCPStore(address, port, world, is_master=True, timeout=timeout, wait_for_workers=False)
-    deadline = time.monotonic() + timeout.total_seconds()
+    wait = wait_seconds if wait_seconds is not None else timeout.total_seconds()
+    deadline = time.monotonic() + wait
     while True:
         try:
             socket.create_connection((address, port), timeout=1.0).close()
             break
         except OSError as exc:  # not listening yet
             if time.monotonic() > deadline:
-                raise LaunchError(f"live resize: nothing listens at {address}:{port} after {timeout.total_seconds():.0f} s ({exc})") from None
+                raise LaunchError(f"live resize: nothing listens at {address}:{port} after {wait:.0f} s ({exc})") from None
             time.sleep(PROBE_SECONDS)
     return dist.TCPStore(address, port, world, is_master=False, timeout=timeout)
 
@@ -735,8 +742,11 @@ def join(
     path = ready_path(run_dir, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(f"{os.getpid()}\n")
-    # Returns when the running ranks have reached the hand-over (their request names the group).
-    reform(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), layout.world_size, rank, timeout_seconds)
+    # Returns when the running ranks have reached the hand-over (their request names the group):
+    # the boundary after the one where they saw the request, once they have prepared their memory
+    # (`Preparation`) during one more step; so up to two steps, each within the collective timeout.
+    wait = JOIN_WAIT_TIMEOUTS * (timeout_seconds or 1800.0)
+    reform(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), layout.world_size, rank, timeout_seconds, wait)
     request = read_request(run_dir)
     if request.to_devices != layout.world_size:
         raise LaunchError(f"live resize to {request.to_devices} ranks, but the run files describe {layout.world_size}")
