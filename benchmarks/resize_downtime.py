@@ -29,6 +29,9 @@ against the restart run's (the cost of sending each rank's state to its neighbou
 
     .venv/bin/python benchmarks/resize_downtime.py --repeats 3
     -> benchmarks/results/resize_downtime.json
+
+`--live-only` runs the live path alone (no cold start, no restart), with the load average before
+and after each run: what changes when the hand-over does (`results/resize_downtime_live*.json`).
 """
 
 from __future__ import annotations
@@ -254,6 +257,8 @@ def main() -> None:
     parser.add_argument("--no-replica-loss", dest="replica_loss", action="store_false",
                         help="leave out the kill -9 of a replica (in memory against restart)")
     parser.add_argument("--scenarios", default=",".join(SCENARIOS), help="resize scenarios to run (comma-separated; '' for none)")
+    parser.add_argument("--live-only", action="store_true",
+                        help="only the live path (no cold start, no restart: a gpt-small repeat then takes minutes, not a quarter hour)")
     parser.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results" / "resize_downtime.json")
     args = parser.parse_args()
 
@@ -265,14 +270,19 @@ def main() -> None:
                 colds, restarts, lives = [], [], []
                 for index in range(repeats):
                     # Interleaved so that the machine's background load affects all three alike.
-                    colds.append(cold_start(work, model, scenario, index))
-                    restarts.append(resize(work, model, scenario, index, live=False))
-                    lives.append(resize(work, model, scenario, index, live=True))
+                    if not args.live_only:
+                        colds.append(cold_start(work, model, scenario, index))
+                        restarts.append(resize(work, model, scenario, index, live=False))
+                    load_before = os.getloadavg()
+                    lives.append({**resize(work, model, scenario, index, live=True), "load_average_before": load_before,
+                                  "load_average_after": os.getloadavg()})  # fmt: skip
                     print(
-                        f"{model} {scenario} #{index}: cold {colds[-1]['cold_seconds']:.2f} s, "
-                        f"restart pause {restarts[-1]['pause_seconds']:.2f} s, live pause {lives[-1]['pause_seconds']:.2f} s",
+                        (f"{model} {scenario} #{index}: cold {colds[-1]['cold_seconds']:.2f} s, "
+                         f"restart pause {restarts[-1]['pause_seconds']:.2f} s, " if colds else f"{model} {scenario} #{index}: ")
+                        + f"live pause {lives[-1]['pause_seconds']:.2f} s (load {load_before[0]:.1f} -> {os.getloadavg()[0]:.1f}); "
+                        + f"rank 0's phases {lives[-1]['record']['pause_phases']}",
                         flush=True,
-                    )
+                    )  # fmt: skip
                 results.append(summary(model, scenario, colds, restarts, lives))
         losses = {"memory": [], "restart": []}
         for index in range(args.repeats if args.replica_loss else 0):
@@ -311,6 +321,9 @@ def main() -> None:
             f"step time with the peer copy {loss['step_time_ratio']:.3f}x"
         )
     for row in results:
+        if row["restart"] is None:
+            print(f"{row['model']} {row['scenario']}: {row['from']} -> {row['to']}: live pause {row['live']['median_pause_seconds']:.2f} s")
+            continue
         print(
             f"{row['model']} {row['scenario']}: {row['from']} -> {row['to']}: cold start {row['median_cold_seconds']:.2f} s; "
             f"restart pause {row['restart']['median_pause_seconds']:.2f} s ({row['restart']['pause_over_cold']:.2f}x); "
@@ -338,7 +351,8 @@ def loss_summary(losses: dict[str, list[dict]]) -> dict:
 
 
 def summary(model: str, scenario: str, colds: list[dict], restarts: list[dict], lives: list[dict]) -> dict:
-    cold = statistics.median(c["cold_seconds"] for c in colds)
+    """Medians per path; with `--live-only` (no cold start, no restart) the live path alone."""
+    cold = statistics.median(c["cold_seconds"] for c in colds) if colds else None
 
     def path(runs: list[dict]) -> dict:
         pause = statistics.median(r["pause_seconds"] for r in runs)
@@ -347,9 +361,15 @@ def summary(model: str, scenario: str, colds: list[dict], restarts: list[dict], 
             "median_pause_seconds": pause,
             "median_to_first_step_seconds": statistics.median(r["to_first_step_seconds"] for r in runs),
             "median_request_seconds": statistics.median(r["request_seconds"] for r in runs),
-            "pause_over_cold": pause / cold,
+            "pause_over_cold": pause / cold if cold else None,
             "runs": runs,
         }
+
+    if not colds:
+        live = path(lives)
+        live["meets_target"] = live["median_pause_seconds"] <= LIVE_TARGET_SECONDS
+        return {"model": model, "scenario": scenario, "from": lives[0]["from_layout"], "to": lives[0]["to_layout"],
+                "cold_start": [], "median_cold_seconds": None, "restart": None, "live": live}  # fmt: skip
 
     restart, live = path(restarts), path(lives)
     restart["meets_target"] = restart["median_request_seconds"] / statistics.median(

@@ -52,7 +52,7 @@ def test_the_pieces_a_rank_receives_are_what_its_restore_reads(tmp_path, t, d):
             message = live.byte_view(tensors[holder][key], start, stop)
             buffer[offset : offset + size] = message
             moved += message.numel()
-        sources[holder] = live.ReceivedPieces(buffer, ranges, infos_of(tensors[holder]))
+        sources[holder] = live.ReceivedPieces.in_buffer(buffer, ranges, infos_of(tensors[holder]))
     received = ShardReader.in_memory("memory", sources, headers)
 
     for name in wanted:
@@ -63,6 +63,37 @@ def test_the_pieces_a_rank_receives_are_what_its_restore_reads(tmp_path, t, d):
         received.whole("3.proj.weight")  # no rank asked for it, so nothing of it moved
     everything = sum(v.numel() * v.element_size() for held in tensors for v in held.values())
     assert 0 < moved < everything
+
+
+@pytest.mark.parametrize("t, d", [(1, 1), (1, 3), (2, 3)])
+def test_a_rank_keeping_part_of_the_moments_receives_only_that_part_and_reads_it_as_from_disk(tmp_path, t, d):
+    parameters = model()
+    ranks = write_layout(tmp_path, parameters, t=t, d=d)
+    headers, tensors = rank_states(tmp_path, ranks)
+    on_disk = ShardReader(tmp_path)
+    name = "3.qkv.weight"
+    numel = on_disk.whole(name).numel()
+    held = {name: (numel // 3, numel // 2), "tied_modules.embed.weight": None}  # a middle piece; no moments
+
+    index = ShardReader.in_memory("memory", [None] * ranks, headers)
+    reads = index.reads_for(sorted(held), held=held)
+    sources = [None] * ranks
+    for holder, ranges in reads.items():  # one message per fragment's range, as into a built engine
+        received = live.ReceivedPieces(infos_of(tensors[holder]))
+        for key, start, stop in ranges:
+            received.add(key, start, stop, live.byte_view(tensors[holder][key], start, stop).clone())
+        sources[holder] = received
+    received = ShardReader.in_memory("memory", sources, headers)
+
+    start, count = held[name]
+    expected = on_disk.whole(name, "exp_avg").reshape(-1)[start : start + count]
+    assert torch.equal(received.part(name, "exp_avg", None, 1, 0, start, count), expected)
+    assert torch.equal(on_disk.part(name, "exp_avg", None, 1, 0, start, count), expected)
+    assert torch.equal(received.whole(name), on_disk.whole(name))  # the weights move whole
+    moments = [r for ranges in reads.values() for r in ranges if r[0].endswith("exp_avg")]
+    assert sum(stop - first for _, first, stop in moments) == (count if t == 1 else numel)  # a split slice moves whole
+    with pytest.raises(KeyError, match="not received"):
+        received.whole("tied_modules.embed.weight", "exp_avg")  # kept nowhere here: not moved
 
 
 def test_a_rank_holds_its_stage_layers_and_the_ties_its_layers_use():
@@ -90,8 +121,10 @@ def test_a_rank_takes_only_a_newer_request_and_a_stop_wins(tmp_path):
     assert live.pending_generation(tmp_path, 0) == 2
     assert live.pending_generation(tmp_path, 2) == 0  # taken already
     flag = checkpoint.StopFlag()
-    assert checkpoint.step_boundary(flag, tmp_path, resize=2) == checkpoint.Boundary(False, False, 2)
+    assert checkpoint.step_boundary(flag, tmp_path, resize=2) == checkpoint.Boundary(False, False, 2, 2)
+    # A rank still touching the memory of its next engine holds the resize back a step.
+    assert checkpoint.step_boundary(flag, tmp_path, resize=2, preparing=True) == checkpoint.Boundary(False, False, 0, 2)
     (tmp_path / checkpoint.STOP_FILE).write_text("")
-    assert checkpoint.step_boundary(flag, tmp_path, resize=2) == checkpoint.Boundary(True, False, 0)
+    assert checkpoint.step_boundary(flag, tmp_path, resize=2) == checkpoint.Boundary(True, False, 0, 2)
     (tmp_path / LIVE_REQUEST_FILE).write_text("{not json")
     assert live.pending_generation(tmp_path, 0) == 0  # a damaged request is not taken

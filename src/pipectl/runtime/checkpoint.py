@@ -608,29 +608,38 @@ class Boundary:
     stop: bool  # any rank was signalled, or RUN/stop_requested exists
     checkpoint: bool  # any rank's clock says a wall-time checkpoint is due
     resize: int  # the generation of a live resize to take now (`runtime.live`), else 0
+    announced: int = 0  # the generation of a live resize some rank saw, taken now or not
 
 
 def step_boundary(
-    flag: StopFlag, run_dir: str | os.PathLike[str] | None = None, checkpoint_due: bool = False, resize: int = 0
+    flag: StopFlag,
+    run_dir: str | os.PathLike[str] | None = None,
+    checkpoint_due: bool = False,
+    resize: int = 0,
+    preparing: bool = False,
 ) -> Boundary:
     """Collective, once per step boundary on every rank: stop if ANY rank was signalled or
     RUN/stop_requested exists; checkpoint if any rank's clock says a wall-time checkpoint is due
-    (`CheckpointSchedule`); resize live if any rank saw a request (`resize`: its generation).
-    One all-reduce of three numbers: one rank deciding alone would deadlock the others. A stop
-    wins over a resize.
+    (`CheckpointSchedule`); resize live if any rank saw a request (`resize`: its generation) and
+    no rank is still preparing for it (`preparing`: `live.Preparation`, touching the memory its
+    next engine takes while the job trains on). One all-reduce of four numbers: one rank deciding
+    alone would deadlock the others. A stop wins over a resize.
     """
     import torch
     import torch.distributed as dist
 
     if run_dir is not None and (Path(run_dir) / STOP_FILE).exists():
         flag.set(STOP_FILE)
-    votes = torch.tensor([1.0 if flag.is_set() else 0.0, 1.0 if checkpoint_due else 0.0, float(resize)])
+    votes = torch.tensor(
+        [1.0 if flag.is_set() else 0.0, 1.0 if checkpoint_due else 0.0, float(resize), 1.0 if preparing else 0.0]
+    )
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(votes, op=dist.ReduceOp.MAX)
     stop, due = bool(votes[0].item()), bool(votes[1].item())
     if stop and not flag.is_set():
         flag.set("another rank")
-    return Boundary(stop, due, 0 if stop else int(votes[2].item()))
+    announced = int(votes[2].item())
+    return Boundary(stop, due, 0 if stop or votes[3].item() > 0 else announced, announced)
 
 
 def should_stop(flag: StopFlag, run_dir: str | os.PathLike[str] | None = None) -> bool:

@@ -33,8 +33,9 @@ N+1 will find them, and the data position N x B samples (the batches are a funct
 from __future__ import annotations
 
 import random
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 
@@ -309,6 +310,210 @@ def _restore_rng(state: dict[str, Any], torch_state: torch.Tensor) -> None:
     torch.set_rng_state(torch_state.clone())
 
 
+def _state_tensor(prepared: Any, partition: torch.Tensor) -> torch.Tensor:
+    """The tensor a per-element optimizer state of `partition` is restored into: the one
+    `prepare_states` made, else a new one."""
+    if torch.is_tensor(prepared) and prepared.shape == partition.shape and prepared.dtype == partition.dtype:
+        return prepared
+    return torch.empty_like(partition)
+
+
+def _write(target: torch.Tensor, values: torch.Tensor) -> None:
+    """`target.copy_(values)`, skipped when `values` is `target` itself (what a live resize
+    received straight into the engine's tensors is read from where it already lies)."""
+    if (
+        target.data_ptr() == values.data_ptr()
+        and target.shape == values.shape
+        and target.stride() == values.stride()
+        and target.dtype == values.dtype
+    ):
+        return
+    target.copy_(values)
+
+
+# --------------------------------------------------------------------------- receiving in place
+
+
+class TouchedMemory:
+    """Host memory whose pages are touched already, handed out piece by piece (`take`).
+
+    The first write to freshly allocated memory costs a page fault per 4 KiB page: copying 500 MB
+    into fresh pages took 0.25-0.32 s here, into touched ones 0.05-0.08 s. A rank that will build
+    an engine in a live resize's pause allocates and touches this beforehand, while the job still
+    trains; the engine's flat tensors and optimizer moments are then taken from it
+    (`drawing_from`, `prepare_states`). A piece is never given back: the memory lives as long as
+    any tensor taken from it. It may span several buffers (`together`), taken from in order.
+    """
+
+    ALIGN = 4096
+
+    def __init__(self, nbytes: int = 0) -> None:
+        # zeros: every page written (torch fills with the GIL released: a thread may do it)
+        self.buffers = [torch.zeros(int(nbytes), dtype=torch.uint8)] if nbytes > 0 else []
+        self.used = [0] * len(self.buffers)
+
+    @classmethod
+    def together(cls, *memories: "TouchedMemory | None") -> "TouchedMemory":
+        joined = cls()
+        for memory in memories:
+            if memory is not None:
+                joined.buffers += memory.buffers
+                joined.used += memory.used
+        return joined
+
+    @classmethod
+    def reusing(cls, engine: Any, keep: Iterable[torch.Tensor] = ()) -> "TouchedMemory | None":
+        """The memory of an engine that trains no further: the flat copy of its model's parameters
+        under ZeRO-1/2 in host memory (its largest group's), which a live resize's hand-over does
+        not read (it moves the fp32 partition). None when there is none, or when it shares memory
+        with a tensor of `keep` (what the hand-over still reads). What is taken from it holds
+        whatever was there, not zeros: every taker writes it all."""
+        flats = [
+            flat for flat in getattr(engine.optimizer, "bit16_groups_flat", None) or []
+            if torch.is_tensor(flat) and not flat.is_cuda and flat.is_contiguous()
+        ]
+        if not flats or is_zero3(engine):
+            return None
+        flat = max(flats, key=lambda t: t.numel() * t.element_size())
+        storage = flat.untyped_storage().data_ptr()
+        if any(t.untyped_storage().data_ptr() == storage for t in keep):
+            return None
+        memory = cls()
+        memory.buffers, memory.used = [flat.detach().view(-1).view(torch.uint8)], [0]
+        return memory
+
+    @property
+    def free_bytes(self) -> int:
+        return sum(buffer.numel() - used for buffer, used in zip(self.buffers, self.used))
+
+    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """`numel` elements of `dtype` (zeros unless `reusing`), or None when too few bytes are left."""
+        size = int(numel) * torch.empty((), dtype=dtype).element_size()
+        for index, buffer in enumerate(self.buffers):
+            start = -(-self.used[index] // self.ALIGN) * self.ALIGN
+            if start + size <= buffer.numel():
+                self.used[index] = start + size
+                return buffer[start : start + size].view(dtype)
+        return None
+
+
+TOUCHED_MIN_NUMEL = 1 << 12  # smaller tensors are not worth a piece
+
+
+@contextmanager
+def drawing_from(memory: "TouchedMemory | None"):
+    """While DeepSpeed's ZeRO-1/2 optimizer is built, its two large allocations (the flat copy of
+    the stage's parameters, `flatten_dense_tensors`, and the fp32 partition cloned from it) are
+    taken from `memory` when it has room, with the same values; everything else as usual."""
+    if memory is None:
+        yield
+        return
+    # DeepSpeed: imported by a rank once its environment is set (`dsinit`), never by this module's importers
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    from torch.overrides import TorchFunctionMode
+
+    class Drawn(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is torch._C._nn.flatten_dense_tensors and not kwargs:
+                tensors = list(args[0])
+                numel = sum(t.numel() for t in tensors)
+                if numel >= TOUCHED_MIN_NUMEL and len({t.dtype for t in tensors}) == 1:
+                    flat = memory.take(numel, tensors[0].dtype)
+                    if flat is not None:
+                        with torch.no_grad():
+                            torch.cat([t.reshape(-1) for t in tensors], out=flat)
+                        return flat
+            elif func is torch.Tensor.clone and len(args) == 1 and not kwargs:
+                source = args[0]
+                if source.numel() >= TOUCHED_MIN_NUMEL and source.is_contiguous() and not source.is_cuda:
+                    copy = memory.take(source.numel(), source.dtype)
+                    if copy is not None:
+                        with torch.no_grad():
+                            copy = copy.view(source.shape).copy_(source)
+                        return copy.requires_grad_(source.requires_grad)
+            return func(*args, **kwargs)
+
+    original = DeepSpeedZeroOptimizer.__init__
+
+    def init(self, *args, **kwargs):
+        with Drawn():
+            original(self, *args, **kwargs)
+
+    DeepSpeedZeroOptimizer.__init__ = init
+    try:
+        yield
+    finally:
+        DeepSpeedZeroOptimizer.__init__ = original
+
+
+def prepare_states(engine: Any, states: list[list[str]], memory: "TouchedMemory | None" = None) -> None:
+    """Make the optimizer's per-element state tensors of every group (`states[g]`: their names, as
+    a checkpoint lists them) before they are written: `restore` fills these in place, so a live
+    resize can receive the moments straight into them (`landing_sites`). DeepSpeed's optimizer
+    makes them lazily at its first step; a checkpoint's restore sets them. From `memory` where it
+    has room."""
+    optimizer = engine.optimizer
+    for group, linked in enumerate(optimizer_groups(engine)):
+        partition = linked.partition
+        held = optimizer.optimizer.state.setdefault(partition, {})
+        for state in states[group] if group < len(states) else []:
+            if not torch.is_tensor(held.get(state)) or held[state].shape != partition.shape:
+                taken = memory.take(partition.numel(), partition.dtype) if memory is not None else None
+                held[state] = taken.view(partition.shape) if taken is not None else torch.empty_like(partition)
+
+
+def held_ranges(engine: Any) -> dict[str, tuple[int, int] | None]:
+    """Per parameter of this engine's optimizer groups: the elements (start, count) whose
+    optimizer state this rank keeps (its piece of the partition), None where it keeps none: what
+    `restore` reads of each state besides the weights (`ShardReader.reads_for`'s `held`)."""
+    names = engine.optimizer.param_names
+    ranges: dict[str, tuple[int, int] | None] = {}
+    for linked in optimizer_groups(engine):
+        held = {id(piece.parameter): piece for piece in linked.pieces}
+        for parameter in linked.parameters:
+            piece = held.get(id(parameter))
+            ranges[names[parameter]] = (piece.start, piece.numel) if piece is not None else None
+    return ranges
+
+
+def landing_sites(engine: Any) -> dict[str, dict[str, tuple[int, torch.Tensor]]]:
+    """Where `restore` puts each parameter's values in this engine, where they can be received
+    directly: per parameter name and state, (first element, flat view) meaning elements `first`
+    .. `first + len(view)` of the parameter (flattened, whole) land in `view`. 'fp32': the model's
+    own copy when it is fp32, whole on this rank (no tensor split) and not ZeRO-3's; a moment: this
+    rank's piece of its partition (`prepare_states` made the tensors). A value received anywhere
+    else is copied there by `restore`, as from a checkpoint file."""
+    optimizer = engine.optimizer
+    names = optimizer.param_names
+    _, tensor_parallel = tensor_rank(engine)
+    zero3 = is_zero3(engine)
+    sites: dict[str, dict[str, tuple[int, torch.Tensor]]] = {}
+    for linked in optimizer_groups(engine):
+        moments = {
+            key: value
+            for key, value in optimizer.optimizer.state.get(linked.partition, {}).items()
+            if torch.is_tensor(value) and value.shape == linked.partition.shape
+        }
+        held = {id(piece.parameter): piece for piece in linked.pieces}
+        for parameter in linked.parameters:
+            name = names[parameter]
+            entry = sites.setdefault(name, {})
+            data = parameter.data
+            if (
+                not zero3
+                and (tensor_parallel == 1 or parameter_split(parameter) is None)
+                and data.dtype == torch.float32
+                and data.is_contiguous()
+            ):
+                entry[FP32] = (0, data.reshape(-1))
+            piece = held.get(id(parameter))
+            if piece is not None:
+                for key, moment in moments.items():
+                    entry[key] = (piece.start, moment.narrow(0, piece.offset, piece.numel))
+    return sites
+
+
 # --------------------------------------------------------------------------- restore
 
 
@@ -356,17 +561,16 @@ def restore(engine: Any, reader: ShardReader, *, restore_rng: bool = True) -> Ra
             partition = linked.partition
             states = reader.states(group)
             # Written piece by piece below; only what no piece covers (alignment padding) is zeroed
-            # after, instead of a whole pass of zeros first.
-            flat = {state: torch.empty_like(partition) for state in states[1:]}
+            # after, instead of a whole pass of zeros first. Tensors `prepare_states` made are
+            # written in place (a live resize received the moments straight into them).
+            prepared = optimizer.optimizer.state.get(partition, {})
+            flat = {state: _state_tensor(prepared.get(state), partition) for state in states[1:]}
             covered: list[tuple[int, int]] = []
             held = {id(piece.parameter): piece for piece in linked.pieces}
             for parameter in linked.parameters:
                 trained.add(id(parameter))
                 name = names[parameter]
-                values = {
-                    state: reader.local(name, state, parameter_split(parameter), tensor_parallel, tp_rank)
-                    for state in states
-                }
+                values = {FP32: reader.local(name, FP32, parameter_split(parameter), tensor_parallel, tp_rank)}
                 if tuple(values[FP32].shape) != parameter_shape(parameter):
                     raise CheckpointError(
                         f"{reader.folder}: parameter {name!r} is {tuple(values[FP32].shape)} there, "
@@ -376,16 +580,17 @@ def restore(engine: Any, reader: ShardReader, *, restore_rng: bool = True) -> Ra
                 if zero3:
                     if piece is not None:  # the model's copy is this partition (bf16/fp16: rounded)
                         local = values[FP32].reshape(-1).narrow(0, piece.start, piece.numel)
-                        parameter.ds_tensor.data.reshape(-1).narrow(0, 0, piece.numel).copy_(local)
+                        _write(parameter.ds_tensor.data.reshape(-1).narrow(0, 0, piece.numel), local)
                 else:
-                    parameter.data.copy_(values[FP32])  # the model's copy (bf16/fp16: rounded like a step does)
+                    _write(parameter.data, values[FP32])  # the model's copy (bf16/fp16: rounded like a step does)
                 if piece is None:
                     continue
                 start, numel, offset = piece.start, piece.numel, piece.offset
-                partition.narrow(0, offset, numel).copy_(values[FP32].reshape(-1).narrow(0, start, numel))
+                _write(partition.narrow(0, offset, numel), values[FP32].reshape(-1).narrow(0, start, numel))
                 covered.append((offset, numel))
-                for state, buffer in flat.items():
-                    buffer.narrow(0, offset, numel).copy_(values[state].reshape(-1).narrow(0, start, numel))
+                for state, buffer in flat.items():  # only the elements this rank keeps state for
+                    part = reader.part(name, state, parameter_split(parameter), tensor_parallel, tp_rank, start, numel)
+                    _write(buffer.narrow(0, offset, numel), part)
             for start, numel in uncovered(covered, partition.numel()):
                 for buffer in flat.values():
                     buffer.narrow(0, start, numel).zero_()

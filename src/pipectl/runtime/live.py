@@ -11,19 +11,47 @@ hand over:
     old ranks   take their state (`engine_state.HostSnapshot`: weights, Adam's moments, schedule,
                 RNG, the step: the instant a checkpoint holds; a CPU engine's tensors as they are,
                 a GPU's copied to host memory)
-    all         meet in one process group: the old one when no rank joins, else the new layout's
-                world, which the joining ranks have been waiting to enter (`meet`)
+
+When no rank leaves (a grow, or the same ranks in another layout) and the engine is on the CPU:
+
+    all         re-form the process group as the new layout's world (the joining ranks have been
+                waiting to enter it: `meet`) and build the new stage's engine at once (parameters
+                undrawn, no model broadcast: every one is restored next). Its large tensors come
+                from memory touched already (`engine_state.TouchedMemory`: a joining rank touched
+                it before it said it was ready; a staying rank reuses its old engine's flat copy
+                of the parameters, which the hand-over does not read), since the first write to
+                fresh pages, not the copy, is what costs (page faults)
     all         learn every old rank's header (fragments: which slice of which flat tensor is
-                which piece of which parameter) with one all-gather
+                which piece of which parameter) and every new rank's pieces (which elements of
+                each parameter it keeps Adam's moments for) with one all-gather
     each        works out what its new stage's restore will read (`ShardReader.reads_for`, the
-                reader's own choice of pieces) and receives exactly those element ranges from the
-                ranks holding them, point to point (one message per contiguous range, sent from
-                the state itself, received into one buffer read in place), never through the disk
+                reader's own choice of pieces) and receives exactly those element ranges, one
+                message per fragment, straight into the engine's own tensors where the restore
+                would write them (`engine_state.landing_sites`: the model's fp32 weights, its
+                piece of Adam's moments, made beforehand by `engine_state.prepare_states`); the
+                rest (a cut for a tensor split, buffers, RNG) into one receive buffer
+    all         restore through `engine_state.restore` with the checkpoint's own re-cutting reader
+                (`ShardReader.in_memory`), which finds the received values where they belong and
+                copies only what is not there yet (the fp32 partition from the weights; a staying
+                rank's own pieces)
+
+A running rank that sees the request starts touching the memory its next engine takes
+(`Preparation`, a thread, while the job trains on); the ranks take the resize at the first step
+boundary where none is still preparing. On the CPU the old engine is let go after the first step
+on the new layout, not in the pause.
+
+Otherwise (ranks leave; or a GPU engine, whose device memory is freed first):
+
+    all         meet in one process group: the old one when no rank joins, else the new layout's
+                world (`meet`)
+    all         learn every old rank's header with one all-gather
+    each        receives exactly the element ranges its restore reads from the ranks holding
+                them, point to point (one message per contiguous range, sent from the state
+                itself, received into one buffer read in place), never through the disk
     leaving     ranks then exit 0
     staying     ranks re-form the process group for the new world and build the new stage's
-                engine (parameters undrawn, no model broadcast: every one is restored next); all
-                restore through `engine_state.restore`, reading the moved pieces with the
-                checkpoint's own re-cutting reader (`ShardReader.in_memory`)
+                engine; all restore through `engine_state.restore`, reading the moved pieces with
+                the checkpoint's own re-cutting reader (`ShardReader.in_memory`)
 
 and training goes on at the next step with the same global batch (the data order is a function of
 the step). Rank numbers are kept: a shrink keeps ranks 0 .. N-1, a grow adds ranks W .. N-1. Rank 0
@@ -34,17 +62,21 @@ its phases.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import math
 import os
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 from pipectl.artifacts.layout import Layout
 from pipectl.artifacts.morph import LIVE_REQUEST_FILE, LiveResizeRequest, MorphRecord
+from pipectl.artifacts.plan import Plan
+from pipectl.artifacts.run import JOB_FILE, JobSpec
 from pipectl.errors import LaunchError
 from pipectl.io import load_model
 
@@ -184,20 +216,30 @@ class HeldTensors:
 
 
 class ReceivedPieces:
-    """Element ranges of another rank's tensors, received into one buffer laid out by `placement`
-    and read in place (a `shards.RankSource`)."""
+    """Element ranges of another rank's tensors as received (a `shards.RankSource`): each range
+    where it landed, in a receive buffer laid out by `placement` or straight in the engine's own
+    tensors (`engine_state.landing_sites`), read in place."""
 
-    def __init__(self, buffer, reads: Sequence[tuple[str, int, int]], infos: dict[str, TensorInfo]) -> None:
+    def __init__(self, infos: dict[str, TensorInfo]) -> None:
         self.infos = infos
         self.pieces: dict[str, list[tuple[int, int, Any]]] = {}
+
+    @classmethod
+    def in_buffer(cls, buffer, reads: Sequence[tuple[str, int, int]], infos: dict[str, TensorInfo]) -> "ReceivedPieces":
+        """`reads` received into one buffer laid out by `placement`."""
+        received = cls(infos)
         places, total = placement(reads, infos)
         if buffer.numel() != total:
             raise LaunchError(f"live resize: a {buffer.numel()}-byte buffer for {total} bytes of pieces")
         for (key, start, stop), (offset, size) in zip(reads, places):
-            info = infos[key]
-            values = buffer[offset : offset + size].view(_dtype(info.dtype))
-            first, last = (0, info.numel) if stop < 0 else (start, stop)
-            self.pieces.setdefault(key, []).append((first, last, values))
+            received.add(key, start, stop, buffer[offset : offset + size])
+        return received
+
+    def add(self, key: str, start: int, stop: int, landed) -> None:
+        """Elements `start` .. `stop` (stop -1: all) of `key`, received into the bytes `landed`."""
+        info = self.infos[key]
+        first, last = (0, info.numel) if stop < 0 else (start, stop)
+        self.pieces.setdefault(key, []).append((first, last, landed.view(_dtype(info.dtype))))
 
     def get_tensor(self, key: str):
         info = self.infos[key]
@@ -254,19 +296,35 @@ class HandOver:
     clock: PauseClock = field(default_factory=PauseClock)
     last_step_unix: float = 0.0  # when this rank finished its last step on the old layout
     host: Any = None  # the checkpointer's HostSnapshot a GPU engine was copied into (else None)
+    built: Any = None  # (model, engine) of the new layout, built before the state moved into it
+    retired: Any = None  # the old layout's session, let go after the first new step (worker)
+    restored: float | None = None  # perf_counter when the restore ended (the "resume" phase's start)
 
 
-def exchange(held: Sequence[Any], layout: Layout, model: ModelLayers, old_ranks: Sequence[int] | None = None):
+def exchange(
+    held: Sequence[Any],
+    layout: Layout,
+    model: ModelLayers,
+    old_ranks: Sequence[int] | None = None,
+    into: tuple[Any, Any] | None = None,
+):
     """Every rank of the current process group: learn which rank holds which old rank's state at
     which step (`held`: the `Snapshot`s this rank offers, each naming its old rank and step in its
     header: its own state, and after a loss the copies it keeps; none for a joining rank), take the
     newest step at which some rank holds every old rank's state, then send and receive exactly what
     each rank of `layout` restores. `old_ranks`: the old rank each rank of this group was (default:
-    the same number). Returns (reader over the received state or None for a leaving rank, bytes
-    moved by all ranks)."""
+    the same number). `into`: (engine, `engine_state.TouchedMemory` or None) of this rank's new
+    layout, built already; given by every rank of the group or by none. Then each range moves in
+    its own message (one fragment of one state) and is received straight into the engine's tensor
+    that the restore writes it to (`engine_state.landing_sites`: the model's fp32 weights, this
+    rank's piece of Adam's moments, made here by `engine_state.prepare_states`), so the restore
+    finds it in place and copies nothing; the rest (a cut for a tensor split, buffers, RNG) lands in
+    a receive buffer as without `into`. Returns (reader over the received state or None for a
+    leaving rank, bytes moved by all ranks)."""
     import torch
     import torch.distributed as dist
 
+    from pipectl.runtime import engine_state  # torch: only in the ranks
     from pipectl.runtime.shards import RankHeader, ShardReader
 
     me = dist.get_rank()
@@ -274,10 +332,14 @@ def exchange(held: Sequence[Any], layout: Layout, model: ModelLayers, old_ranks:
         (s.header.to_json(), {key: (str(t.dtype).removeprefix("torch."), tuple(t.shape)) for key, t in s.tensors.items()})
         for s in held
     ]
+    # With its engine built, a rank also says which elements of each parameter it keeps Adam's
+    # moments for: only those of the moments move to it.
+    held_here = engine_state.held_ranges(into[0]) if into is not None else None
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, offered_here)
+    dist.all_gather_object(gathered, (offered_here, held_here))
+    held_by = [held for _, held in gathered]
     offers: dict[tuple[int, int], tuple[int, RankHeader, Any]] = {}  # (old rank, step) -> (holder, header, layouts)
-    for rank, offered in enumerate(gathered):
+    for rank, (offered, _) in enumerate(gathered):
         for text, layouts in offered:
             header = RankHeader.from_json(text)
             key = (header.rank, header.step)
@@ -309,19 +371,26 @@ def exchange(held: Sequence[Any], layout: Layout, model: ModelLayers, old_ranks:
     for header in ordered:
         names.update(header.module_tensors)
     plan = {
-        rank: index.reads_for(held_names(sorted(names), model, layout, rank), rng_of={0, rank} & set(range(old_world)))
+        rank: index.reads_for(
+            held_names(sorted(names), model, layout, rank),
+            rng_of={0, rank} & set(range(old_world)),
+            held=held_by[rank] if rank < len(held_by) else None,
+        )
         for rank in range(layout.world_size)
     }
+
+    def ranges(reads: Sequence[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
+        return list(reads) if into is not None else merged(reads)  # every rank of the group alike
 
     def messages(sender: int, receiver: int) -> list[tuple[int, str, int, int]]:
         """The ranges `sender` sends `receiver`, old rank by old rank: both sides list them alike,
         so a range's position is its tag."""
         reads = plan.get(receiver, {})
-        return [(old, *piece) for old in sorted(reads) if holder[old] == sender for piece in merged(reads[old])]
+        return [(old, *piece) for old in sorted(reads) if holder[old] == sender for piece in ranges(reads[old])]
 
-    # One message per merged range, sent from the held state itself and received into one buffer
-    # per old rank.
-    works, pending, sent = [], [], 0
+    # One message per range (merged ones; one per fragment when the receivers' engines are built,
+    # so each can land where its engine keeps it), sent from the held state itself.
+    works, sent = [], 0
     for rank in plan:
         if rank != me:
             for tag, (old, key, start, stop) in enumerate(messages(me, rank)):
@@ -330,32 +399,85 @@ def exchange(held: Sequence[Any], layout: Layout, model: ModelLayers, old_ranks:
                 sent += message.numel()
     sources: list[Any] = [None] * old_world
     if me < layout.world_size:
-        places: dict[int, list[tuple[int, int]]] = {}  # old rank -> where its ranges land in its buffer
+        landing = _Landing(into, ordered) if into is not None else None
+        received: dict[int, ReceivedPieces] = {}
+        destinations: dict[tuple[int, str, int, int], Any] = {}  # message -> the bytes it is received into
         for old in plan[me]:
             if holder[old] == me:
                 sources[old] = HeldTensors(mine[old].tensors)
-            else:
-                ranges = merged(plan[me][old])
-                places[old], total = placement(ranges, infos[old])
-                pending.append((old, ranges, torch.empty(total, dtype=torch.uint8)))
-        buffers = {old: buffer for old, _, buffer in pending}
-        for sender in sorted({holder[old] for old in buffers}):
-            for tag, (old, *_range) in enumerate(messages(sender, me)):
-                offset, size = places[old].pop(0)
-                works.append(dist.irecv(buffers[old][offset : offset + size], src=sender, tag=tag))
+                continue
+            received[old] = sources[old] = ReceivedPieces(infos[old])
+            reads = ranges(plan[me][old])
+            sites = [landing.site(old, key, start, stop, infos[old][key]) if landing else None for key, start, stop in reads]
+            # What lands nowhere in the engine: one receive buffer, read in place by the restore.
+            rest = [read for read, site in zip(reads, sites) if site is None]
+            places, total = placement(rest, infos[old])
+            buffer = torch.empty(total, dtype=torch.uint8)
+            spots = iter(places)
+            for (key, start, stop), site in zip(reads, sites):
+                if site is None:
+                    offset, size = next(spots)
+                    site = buffer[offset : offset + size]
+                else:
+                    site = site.view(torch.uint8)
+                received[old].add(key, start, stop, site)
+                destinations[(old, key, start, stop)] = site
+        for sender in sorted({holder[old] for old in received}):
+            for tag, message in enumerate(messages(sender, me)):
+                works.append(dist.irecv(destinations[message], src=sender, tag=tag))
     for work in works:
         work.wait()
-    for old, ranges, buffer in pending:
-        sources[old] = ReceivedPieces(buffer, ranges, infos[old])
     total = torch.tensor([sent], dtype=torch.int64)  # exact: a float32 sum rounds gigabytes
     dist.all_reduce(total)
     reader = ShardReader.in_memory(MEMORY_LABEL, sources, ordered) if me < layout.world_size else None
     return reader, int(total.item())
 
 
-def reform(address: str, port: int, world: int, rank: int, timeout_seconds: float | None) -> None:
+class _Landing:
+    """Where a received range can land in this rank's new engine: the fragment it carries (from
+    the sender's header) matched with the engine's `landing_sites`."""
+
+    def __init__(self, into: tuple[Any, Any], headers: Sequence[Any]) -> None:
+        from pipectl.runtime import engine_state  # torch: only in the ranks
+
+        engine, memory = into
+        engine_state.prepare_states(engine, headers[0].group_states, memory)
+        self.sites = engine_state.landing_sites(engine)
+        self.fragments: list[dict[int, tuple[list[int], list[Any]]]] = []  # per old rank, per group: offsets, fragments
+        for header in headers:
+            groups: dict[int, list[Any]] = {}
+            for fragment in sorted(header.fragments, key=lambda f: f.offset):
+                groups.setdefault(fragment.group, []).append(fragment)
+            self.fragments.append({group: ([f.offset for f in listed], listed) for group, listed in groups.items()})
+
+    def site(self, old: int, key: str, start: int, stop: int, info: TensorInfo):
+        """The engine's elements range (`key`, `start`, `stop`) of old rank `old` is received into,
+        or None."""
+        group, _, state = key.partition(".")
+        if stop < 0 or not group.startswith("group") or not group[5:].isdigit():
+            return None
+        offsets, fragments = self.fragments[old].get(int(group[5:]), ([], []))
+        at = bisect.bisect_right(offsets, start) - 1
+        fragment = fragments[at] if at >= 0 else None
+        if fragment is None or stop > fragment.offset + fragment.numel:
+            return None
+        first_element = fragment.start + start - fragment.offset  # of the parameter, flattened
+        if fragment.tensor_parallel != 1:
+            return None
+        first, view = self.sites.get(fragment.name, {}).get(state, (0, None))
+        if view is None or view.dtype != _dtype(info.dtype):
+            return None
+        if first_element < first or first_element + (stop - start) > first + view.numel():
+            return None
+        return view.narrow(0, first_element - first, stop - start)
+
+
+def reform(
+    address: str, port: int, world: int, rank: int, timeout_seconds: float | None, wait_seconds: float | None = None
+) -> None:
     """Leave the current process group (if any) and enter the new layout's: `world` ranks meeting
-    at `address:port`, rank 0 hosting the store (`meet`)."""
+    at `address:port`, rank 0 hosting the store (`meet`; `wait_seconds`: how long a rank other than
+    0 waits for it to listen, default `timeout_seconds`)."""
     import torch.distributed as dist
 
     from pipectl.runtime import dsinit
@@ -372,13 +494,16 @@ def reform(address: str, port: int, world: int, rank: int, timeout_seconds: floa
     )
     # torchrun's ranks meet in its agent's store; the new group has a store of its own.
     os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
-    dsinit.init_distributed(timeout_seconds, store=meet(address, port, world, rank, timeout_seconds))
+    dsinit.init_distributed(timeout_seconds, store=meet(address, port, world, rank, timeout_seconds, wait_seconds))
 
 
 PROBE_SECONDS = 0.005
+JOIN_WAIT_TIMEOUTS = 3  # a joining rank waits this many collective timeouts for the running ranks
 
 
-def meet(address: str, port: int, world: int, rank: int, timeout_seconds: float | None):
+def meet(
+    address: str, port: int, world: int, rank: int, timeout_seconds: float | None, wait_seconds: float | None = None
+):
     """The new group's store: rank 0 serves it, the others connect once it listens. A joining rank
     waits here from the moment it is ready; it probes the port every 5 ms with a plain TCP connect
     instead of waiting in the store client's own retry loop, whose back-off (about 0.5 s between
@@ -391,14 +516,15 @@ def meet(address: str, port: int, world: int, rank: int, timeout_seconds: float 
     timeout = timedelta(seconds=timeout_seconds or 1800.0)
     if rank == 0:
         return dist.TCPStore(address, port, world, is_master=True, timeout=timeout, wait_for_workers=False)
-    deadline = time.monotonic() + timeout.total_seconds()
+    wait = wait_seconds if wait_seconds is not None else timeout.total_seconds()
+    deadline = time.monotonic() + wait
     while True:
         try:
             socket.create_connection((address, port), timeout=1.0).close()
             break
         except OSError as exc:  # not listening yet
             if time.monotonic() > deadline:
-                raise LaunchError(f"live resize: nothing listens at {address}:{port} after {timeout.total_seconds():.0f} s ({exc})") from None
+                raise LaunchError(f"live resize: nothing listens at {address}:{port} after {wait:.0f} s ({exc})") from None
             time.sleep(PROBE_SECONDS)
     return dist.TCPStore(address, port, world, is_master=False, timeout=timeout)
 
@@ -413,15 +539,21 @@ def hand_over(
     timeout_seconds: float | None,
     clock: PauseClock,
     host: Any = None,
+    build: Callable[[Any], tuple[Any, Any]] | None = None,
+    prepared: Any = None,
 ) -> HandOver | None:
     """A running rank at a step boundary: give its state to the new layout (`layout`, `model`: the
     job as the rewritten run files describe it). Returns None for a rank that leaves (its state
     has been sent; it exits 0), else what it restores from. Every old rank together. `host`: the
     checkpointer's `HostSnapshot`, whose buffers a GPU engine's state is copied into (allocated and
-    touched already; kept by the next layout's checkpointer)."""
+    touched already; kept by the next layout's checkpointer). `build(memory)`: builds this rank's
+    engine of the new layout (its (model, engine), parameters undrawn); when no rank leaves, the
+    ranks re-form the group, build it, and receive the state straight into it (`exchange`'s
+    `into`; `HandOver.built`), its large tensors taken from `prepared` (`Preparation`'s memory)
+    first."""
     import torch.distributed as dist
 
-    from pipectl.runtime.engine_state import HostSnapshot, device_kind
+    from pipectl.runtime.engine_state import HostSnapshot, TouchedMemory, device_kind
 
     rank, old_world = dist.get_rank(), dist.get_world_size()
     if old_world != request.from_devices:
@@ -433,6 +565,20 @@ def hand_over(
     handed = HandOver(request, None, 0, clock, host=host if host.copy else None)
     with clock.phase("capture"):
         snapshot = host.capture(engine, step, data_position)
+    if request.to_devices >= old_world and build is not None and device_kind(engine) != "cuda":
+        # Nobody leaves: every rank of the old group is one of the new. The new group first, then
+        # the new stage's engine, then the state straight into it. (Not on a GPU: there the old
+        # engine's device memory is let go before the new one is built.)
+        with clock.phase("group"):
+            reform(request.master_addr, request.master_port, request.to_devices, rank, timeout_seconds)
+        with clock.phase("build"):
+            # The old engine's flat copy of its parameters is touched memory the hand-over does not
+            # read: the new engine's large tensors are taken from it first.
+            memory = TouchedMemory.together(prepared, TouchedMemory.reusing(engine, snapshot.tensors.values()))
+            handed.built = build(memory)
+        with clock.phase("exchange"):
+            handed.reader, handed.bytes_moved = exchange([snapshot], layout, model, into=(handed.built[1], memory))
+        return handed
     if request.to_devices > old_world:  # ranks join: move the state inside the new world
         with clock.phase("group"):
             reform(request.master_addr, request.master_port, request.to_devices, rank, timeout_seconds)
@@ -496,29 +642,121 @@ def warm_up(ds_config: dict[str, Any]) -> None:
         dist.destroy_process_group()
 
 
+def engine_bytes(layout: Layout, model: ModelLayers, rank: int) -> int:
+    """About how many bytes the large tensors of rank `rank`'s engine of `layout` take under
+    ZeRO-1/2: the flat copy of its stage's trained parameters and, for its data-parallel share, the
+    fp32 partition and Adam's two moments (4-byte elements, alignment slack included). Counted on
+    the meta device. 0 with a tensor split (what a rank holds then is not counted here)."""
+    import torch  # only in the ranks
+
+    from pipectl.runtime.pipeline import planned_topology
+
+    if layout.tensor_parallel > 1:
+        return 0
+    topology = planned_topology(layout.pipeline_parallel, layout.data_parallel, layout.tensor_parallel)
+    start, stop = layout.stage_layers[topology.get_coord(rank).pipe]
+    numel, ties = 0, set()
+    with torch.device("meta"):
+        for layer in model.layers[start:stop]:
+            if layer.tie_key is not None:
+                if layer.tie_key in ties:
+                    continue
+                ties.add(layer.tie_key)
+            numel += sum(p.numel() for p in layer.build().parameters() if p.requires_grad)
+    share = -(-numel // layout.data_parallel)
+    return int(4 * (numel + 3 * share) * 1.01) + (16 << 20)
+
+
+class Preparation:
+    """A running rank's memory for its engine after a live resize (`engine_state.TouchedMemory`,
+    `engine_bytes` of the layout the rewritten run files describe), touched in a thread while the
+    job trains on. The ranks take the resize at the first step boundary where no rank is still
+    preparing (`checkpoint.step_boundary`), so the pause writes into no fresh page."""
+
+    def __init__(self, run_dir: str | os.PathLike[str], rank: int, generation: int) -> None:
+        self.generation = generation
+        self.memory: Any = None
+        self._thread = None
+        try:
+            nbytes = _prepared_bytes(Path(run_dir), rank)
+        except Exception as exc:  # the hand-over then allocates as it goes
+            log.warning("live resize: no memory prepared (%s)", exc)
+            nbytes = 0
+        if nbytes > 0:
+            self._thread = threading.Thread(target=self._touch, args=(nbytes,), name="live-resize-memory", daemon=True)
+            self._thread.start()
+
+    def _touch(self, nbytes: int) -> None:
+        from pipectl.runtime.engine_state import TouchedMemory  # torch: only in the ranks
+
+        try:
+            self.memory = TouchedMemory(nbytes)
+        except Exception as exc:  # out of memory: the hand-over allocates as it goes
+            log.warning("live resize: could not prepare %d MiB (%s)", nbytes >> 20, exc)
+
+    def done(self) -> bool:
+        return self._thread is None or not self._thread.is_alive()
+
+    def take(self) -> Any:
+        """The touched memory (None if there is none), once."""
+        if self._thread is not None:
+            self._thread.join()
+        memory, self.memory = self.memory, None
+        return memory
+
+
+def _prepared_bytes(run_dir: Path, rank: int) -> int:
+    """`engine_bytes` for this rank in the layout of the pending request's run files; 0 where the
+    hand-over builds its engine only after the exchange (ranks leave) or the rank leaves."""
+    from pipectl.models import build_model  # torch: only in the ranks
+
+    request = read_request(run_dir)
+    if request.to_devices < request.from_devices or rank >= request.to_devices:
+        return 0
+    job = load_model(JobSpec, run_dir / JOB_FILE)
+    plan = load_model(Plan, run_dir / job.plan_file)
+    layout = Layout.from_candidate(plan.chosen)
+    if layout.world_size != request.to_devices:
+        return 0
+    return engine_bytes(layout, build_model(job.model, allow_shape_only=True), rank)
+
+
 def join(
     run_dir: str | os.PathLike[str],
     layout: Layout,
     model: ModelLayers,
     ds_config: dict[str, Any],
     timeout_seconds: float | None,
+    build: Callable[[Any], tuple[Any, Any]] | None = None,
 ) -> HandOver:
     """A joining rank (started by `pipectl resize --live`, RANK/WORLD_SIZE/MASTER_* of the new
-    layout in its environment): warm up, say it is ready, wait for the running ranks in the new
-    world, receive its share."""
+    layout in its environment): warm up, touch the memory its engine will take
+    (`engine_state.TouchedMemory`, `engine_bytes`), say it is ready, wait for the running ranks in
+    the new world, then build its engine (`build(memory)`: its (model, engine)) and receive its
+    share straight into it (`HandOver.built`). Without `build`, into a receive buffer."""
+    from pipectl.runtime.engine_state import TouchedMemory  # torch: only in the ranks
+
     warm_up(ds_config)
     rank = int(os.environ["RANK"])
+    memory = TouchedMemory(engine_bytes(layout, model, rank)) if build is not None else None
     path = ready_path(run_dir, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(f"{os.getpid()}\n")
-    # Returns when the running ranks have reached the hand-over (their request names the group).
-    reform(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), layout.world_size, rank, timeout_seconds)
+    # Returns when the running ranks have reached the hand-over (their request names the group):
+    # the boundary after the one where they saw the request, once they have prepared their memory
+    # (`Preparation`) during one more step; so up to two steps, each within the collective timeout.
+    wait = JOIN_WAIT_TIMEOUTS * (timeout_seconds or 1800.0)
+    reform(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), layout.world_size, rank, timeout_seconds, wait)
     request = read_request(run_dir)
     if request.to_devices != layout.world_size:
         raise LaunchError(f"live resize to {request.to_devices} ranks, but the run files describe {layout.world_size}")
     handed = HandOver(request, None, 0)
+    if build is not None:
+        with handed.clock.phase("build"):
+            handed.built = build(memory)
     with handed.clock.phase("exchange"):
-        handed.reader, handed.bytes_moved = exchange([], layout, model)
+        into = (handed.built[1], memory) if handed.built is not None else None
+        handed.reader, handed.bytes_moved = exchange([], layout, model, into=into)
     return handed
 
 

@@ -241,23 +241,40 @@ class ShardReader:
         holders = [(h.stage, i) for i, h in enumerate(self.headers) if name in h.module_tensors]
         return min(holders)[1] if holders else None
 
-    def reads_for(self, names: Iterable[str], rng_of: Iterable[int] = (0,)) -> dict[int, list[tuple[str, int, int]]]:
+    def reads_for(
+        self,
+        names: Iterable[str],
+        rng_of: Iterable[int] = (0,),
+        held: dict[str, tuple[int, int] | None] | None = None,
+    ) -> dict[int, list[tuple[str, int, int]]]:
         """What restoring the parameters and module tensors `names` reads, per rank index: element
         ranges `(key, start, stop)` of its flat tensors (stop -1: the whole tensor). Also rank 0's
         scalar optimizer states (every restore reads them) and the torch RNG of the ranks in
-        `rng_of`. A live resize moves exactly these ranges (`runtime.live`); this is the one place
-        that knows what `whole` and `module_tensor` read, so both paths read the same pieces.
+        `rng_of`. `held`: per parameter, the elements (start, count) of it whose optimizer state
+        the restoring rank keeps (None: none), read with `part` where it can; without `held`, every
+        state whole. A live resize moves exactly these ranges (`runtime.live`); this is the one place
+        that knows what `whole`, `part` and `module_tensor` read, so both paths read the same pieces.
         """
         reads: dict[int, list[tuple[str, int, int]]] = {}
         header = self.headers[0]
         for name in names:
             if name in self._by_name:
-                _, slices = self._slices(name)
+                first, slices = self._slices(name)
                 for pieces in slices:
                     for index, fragment in pieces:
                         for state in self.states(fragment.group):
                             key = group_tensor(fragment.group, state)
-                            reads.setdefault(index, []).append((key, fragment.offset, fragment.offset + fragment.numel))
+                            lo, hi = fragment.offset, fragment.offset + fragment.numel
+                            if state != FP32 and held is not None and name in held:
+                                if held[name] is None:  # no state of it kept there
+                                    continue
+                                if self._partable(first, pieces):
+                                    start, count = held[name]
+                                    lo = fragment.offset + max(0, start - fragment.start)
+                                    hi = fragment.offset + min(fragment.numel, start + count - fragment.start)
+                                    if lo >= hi:
+                                        continue
+                            reads.setdefault(index, []).append((key, lo, hi))
             holder = self.module_tensor_holder(name)
             if holder is not None:
                 reads.setdefault(holder, []).append((f"module.{name}", 0, -1))
@@ -266,6 +283,42 @@ class ShardReader:
         for index in rng_of:
             reads.setdefault(index, []).append(("rng.torch", 0, -1))
         return {index: sorted(set(ranges)) for index, ranges in reads.items()}
+
+    def _partable(self, first: Fragment, pieces: Sequence[tuple[int, Fragment]]) -> bool:
+        """Whether `part` reads a range of `name` from its first tensor slice alone (it was whole on
+        every tensor rank that wrote it)."""
+        return first.split is None or first.tensor_parallel == 1
+
+    def part(
+        self, name: str, state: str, split: TensorSplit | None, tensor_parallel: int, rank: int, start: int, count: int
+    ) -> torch.Tensor:
+        """Elements `start` .. `start + count` of `local(...)` flattened, reading only the fragments
+        that hold them where the parameter is whole both where it was written and here (else cut
+        from `local`)."""
+        first, slices = self._slices(name)
+        if (split is not None and tensor_parallel > 1) or not self._partable(first, slices[0]):
+            return self.local(name, state, split, tensor_parallel, rank).reshape(-1).narrow(0, start, count)
+        parts, covered = [], []
+        for index, fragment in sorted(slices[0], key=lambda item: item[1].start):
+            lo, hi = max(start, fragment.start), min(start + count, fragment.start + fragment.numel)
+            if lo < hi:
+                source = self._files[index].get_slice(group_tensor(fragment.group, state))
+                parts.append(source[fragment.offset + lo - fragment.start : fragment.offset + hi - fragment.start])
+                covered.append((lo, hi))
+        if sum(hi - lo for lo, hi in covered) != count:
+            raise CheckpointError(
+                f"{self.folder}: the files hold {sum(hi - lo for lo, hi in covered):,} of elements {start:,} .. "
+                f"{start + count:,} of {name!r}; a rank's file is missing"
+            )
+        if len(parts) == 1:
+            return parts[0]
+        joined = _adjacent(parts, count)
+        if joined is not None:
+            return joined
+        flat = torch.empty(count, dtype=parts[0].dtype)
+        for (lo, hi), values in zip(covered, parts):
+            flat[lo - start : hi - start] = values
+        return flat
 
     def local(self, name: str, state: str, split: TensorSplit | None, tensor_parallel: int, rank: int) -> torch.Tensor:
         """The slice of `name` that tensor rank `rank` of `tensor_parallel` holds (split by `split`)."""
@@ -282,11 +335,17 @@ class ShardReader:
             index, fragment = pieces[0]
             source = self._files[index].get_slice(group_tensor(fragment.group, state))
             return source[fragment.offset : fragment.offset + fragment.numel].view(shape)
+        ordered = sorted(pieces, key=lambda item: item[1].start)
+        parts = [
+            self._files[index].get_slice(group_tensor(fragment.group, state))[fragment.offset : fragment.offset + fragment.numel]
+            for index, fragment in ordered
+        ]
+        joined = _adjacent(parts, math.prod(shape))
+        if joined is not None:  # the pieces lie end to end in one tensor (received there: a live resize)
+            return joined.view(shape)
         flat = None
         covered = 0
-        for index, fragment in sorted(pieces, key=lambda item: item[1].start):
-            source = self._files[index].get_slice(group_tensor(fragment.group, state))
-            values = source[fragment.offset : fragment.offset + fragment.numel]
+        for (index, fragment), values in zip(ordered, parts):
             if flat is None:
                 flat = torch.empty(math.prod(shape), dtype=values.dtype)
             flat[fragment.start : fragment.start + fragment.numel] = values
@@ -297,6 +356,25 @@ class ShardReader:
                 f"(tensor slice {tp_rank}); a rank's file is missing"
             )
         return flat.view(shape)
+
+
+def _adjacent(parts: list[torch.Tensor], numel: int) -> torch.Tensor | None:
+    """One flat view over `parts` when they lie end to end in one storage and cover `numel`
+    elements (else None): then nothing need be copied to join them."""
+    if not parts or sum(p.numel() for p in parts) != numel or not all(torch.is_tensor(p) for p in parts):
+        return None
+    first = parts[0]
+    position = first.data_ptr()
+    for part in parts:
+        if (
+            part.dtype != first.dtype
+            or not part.is_contiguous()
+            or part.data_ptr() != position
+            or part.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+        ):
+            return None
+        position += part.numel() * part.element_size()
+    return first.as_strided((numel,), (1,), first.storage_offset())
 
 
 def whole_state(folder: str | os.PathLike[str], states: Iterable[str] = (FP32,)) -> dict[str, torch.Tensor]:

@@ -150,9 +150,10 @@ class TrainingJob:
         )
 
 
-def build_engine(job: TrainingJob, initialise: bool = True):
+def build_engine(job: TrainingJob, initialise: bool = True, memory: Any = None):
     """Distributed start-up, model, DeepSpeed engine running the planned schedule. Every rank.
     `initialise=False`: the parameters are left undrawn (every one is restored next: live resize).
+    `memory`: an `engine_state.TouchedMemory` the optimizer's flat tensors are taken from.
     A layout for engine torch gets PyTorch's pipelining runtime instead (`build_torch_engine`)."""
     dsinit.init_distributed(job.collective_timeout_seconds)
     # torch reads OMP_NUM_THREADS and DeepSpeed its accelerator when first imported: both only after
@@ -172,6 +173,7 @@ def build_engine(job: TrainingJob, initialise: bool = True):
 
     from pipectl.models import build_model
     from pipectl.models.tensor_parallel import new_tensor_parallel_groups, shard_model
+    from pipectl.runtime.engine_state import drawing_from
     from pipectl.runtime.executor import plan_engine
     from pipectl.runtime.pipeline import build_pipeline_module, planned_topology
     from pipectl.runtime.plain import LayerStack, plan_plain_engine
@@ -196,7 +198,7 @@ def build_engine(job: TrainingJob, initialise: bool = True):
     )
     # One stage with ZeRO-2 or ZeRO-3: DeepSpeed's ordinary engine (its pipeline engine refuses both).
     plain = layout.pipeline_parallel == 1 and ds_config.get("zero_optimization", {}).get("stage", 0) >= 2
-    with _no_unused_grad_partition(), nullcontext() if initialise else _no_model_broadcast():
+    with _no_unused_grad_partition(), nullcontext() if initialise else _no_model_broadcast(), drawing_from(memory):
         engine, *_ = deepspeed.initialize(
             model=LayerStack(module) if plain else module,
             config=ds_config,
@@ -372,7 +374,8 @@ def _train(
     if joining:  # started by a live resize: wait for the running ranks, receive this rank's share
         context.phase = "joining: waiting for the running ranks' hand-over"
         handed = live.join(
-            job.run_dir, job.layout, build_model_layers(job), job.ds_config, job.collective_timeout_seconds
+            job.run_dir, job.layout, build_model_layers(job), job.ds_config, job.collective_timeout_seconds,
+            build=_undrawn_builder(job),
         )
     result: TrainResult | None = None
     generation = handed.request.generation if handed else 0
@@ -393,6 +396,9 @@ def _train(
         if request is None:
             break
         last_step_unix = session.last_step_unix
+        if last_step_unix and not request.recovery:
+            # From the end of the last step (its metrics gathered, the boundary's vote) to here.
+            clock.phases["boundary"] = max(0.0, time.time() - last_step_unix)
         with clock.phase("read"):  # the run files describe the new layout
             os.environ["WORLD_SIZE"] = str(request.to_devices)
             job = TrainingJob.from_run_dir(job.run_dir)
@@ -417,10 +423,18 @@ def _train(
                 job.collective_timeout_seconds,
                 clock,
                 host=session.saver.host if session.saver is not None else None,
+                build=_undrawn_builder(job),
+                prepared=session.preparation.take() if session.preparation is not None else None,
             )
-        with clock.phase("release"):
-            session.close(context)
-            del session
+        if handed is not None and not request.recovery and session.device != "cuda":
+            # The old engine is let go after the first step on the new layout (`_Session.retired`),
+            # not in the pause (on a GPU its device memory is freed before the new one is built).
+            context.engine = None
+            handed.retired = session
+        else:
+            with clock.phase("release"):
+                session.close(context)
+        del session
         if handed is None:
             result.stopped_early, result.left = "left in a live resize", True
             return result
@@ -428,6 +442,12 @@ def _train(
         generation = request.generation
     session.finish(result, context)
     return result
+
+
+def _undrawn_builder(job: TrainingJob) -> Callable[[Any], tuple[Any, Any]]:
+    """`build(memory)` for a live resize: `job`'s engine, its parameters undrawn (every one is
+    restored next)."""
+    return lambda memory: build_engine(job, initialise=False, memory=memory)
 
 
 def _await_recovery(session: "_Session", error: Exception, context: RankContext, generation: int, clock: Any):
@@ -477,6 +497,8 @@ class _Session:
     handed: Any = None  # live.HandOver this layout started from
     last_step_unix: float = 0.0
     peers: Any = None  # recovery.PeerCopy: the neighbour replica's state (`launch --recover-in-memory`)
+    retired: Any = None  # the previous layout's _Session, let go after this one's first step
+    preparation: Any = None  # live.Preparation: memory for the next layout's engine, touched while training
 
     @classmethod
     def open(cls, job: TrainingJob, context: RankContext, handed: Any = None) -> "_Session":
@@ -490,8 +512,14 @@ class _Session:
 
         context.layout = job.layout
         context.predicted_peak_memory_bytes = job.predicted_peak_memory_bytes
-        with handed.clock.phase("build") if handed is not None else nullcontext():
-            model, engine = build_engine(job, initialise=handed is None)  # a hand-over restores every parameter next
+        retired = None
+        if handed is not None:
+            retired, handed.retired = handed.retired, None
+        if handed is not None and handed.built is not None:  # built before the state moved into it
+            (model, engine), handed.built = handed.built, None
+        else:
+            with handed.clock.phase("build") if handed is not None else nullcontext():
+                model, engine = build_engine(job, initialise=handed is None)  # a hand-over restores every parameter next
         layout = job.layout
         rank = engine.global_rank
         stage = engine.stage_id
@@ -509,6 +537,7 @@ class _Session:
             device=device,
             step=0,
             handed=handed,
+            retired=retired,
         )
         session.needs_data = engine.is_first_stage() or engine.is_last_stage()
         session.batches = DeterministicBatches(make_source(model, job.data, job.seed), layout.global_batch, job.seed)
@@ -524,6 +553,7 @@ class _Session:
             with handed.clock.phase("restore"):
                 session.step = engine_state.restore(engine, handed.reader).step
             handed.reader = None  # the received pieces are in the engine now
+            handed.restored = time.perf_counter()
         if job.run_dir is None:
             return session
         if handed is None:
@@ -597,11 +627,15 @@ class _Session:
         opened = self.step
         while self.step < job.steps:
             if self.stop_flag is not None:
+                pending = live.pending_generation(job.run_dir, generation)
+                if pending:
+                    self._prepare(pending)
                 boundary = checkpoint.step_boundary(
                     self.stop_flag,
                     job.run_dir,
                     saver.schedule.time_due(self.step - opened),
-                    resize=live.pending_generation(job.run_dir, generation),
+                    resize=pending,
+                    preparing=self.preparation is not None and not self.preparation.done(),
                 )
                 if boundary.checkpoint and self.step > self.saved:  # a wall-time checkpoint: the state after the step just done
                     context.phase = "copying the checkpoint to host memory"
@@ -612,12 +646,21 @@ class _Session:
                     return None
                 if boundary.resize:
                     return live.read_request(job.run_dir)
+                if boundary.announced:  # another rank saw it first: prepare too, take it at a later boundary
+                    self._prepare(boundary.announced)
+                elif self.preparation is not None:  # the request was withdrawn: its memory is let go
+                    self.preparation = None
             context.step, context.phase = self.step + 1, "step"
             micro_batches = (
                 self.batches.micro_batches(self.step, self.replica) if self.needs_data else [None] * self.replica.micro_batches
             )
             reset_peak_memory(self.device)
             started = time.perf_counter()
+            if self.handed is not None and self.handed.restored is not None:
+                # From the end of the restore to this first step: the session's data, metrics and
+                # checkpoint set-up, the boundary's vote (waiting for the slowest rank).
+                self.handed.clock.phases["resume"] = started - self.handed.restored
+                self.handed.restored = None
             loss = engine.train_step(micro_batches)
             elapsed = time.perf_counter() - started
             self.step += 1
@@ -634,11 +677,22 @@ class _Session:
                     self._record_live_resize(record)
             if on_step is not None:
                 on_step(record)
+            if self.retired is not None:  # the previous layout's engine, kept through the pause
+                self.retired.close(None)  # after the step's metrics: its time stamps are the step's
+                self.retired = None
             if saver is not None and saver.schedule.step_due(self.step, job.steps):
                 context.phase = "copying the checkpoint to host memory"
                 saver.save(engine, self.step, _data_position(self.layout, self.step))
                 self.saved = self.step
         return None
+
+    def _prepare(self, generation: int) -> None:
+        """Start touching the memory this rank's engine takes after live resize `generation`
+        (`live.Preparation`), once."""
+        from pipectl.runtime import live
+
+        if self.device != "cuda" and (self.preparation is None or self.preparation.generation != generation):
+            self.preparation = live.Preparation(self.job.run_dir, self.rank, generation)
 
     def _record_live_resize(self, record: StepRecord | None) -> None:
         """Rank 0, after the first step on a layout a live resize made (None: it had no step left
@@ -669,12 +723,15 @@ class _Session:
         if self.saver is not None:
             self.saver.finish()
 
-    def close(self, context: RankContext) -> None:
+    def close(self, context: RankContext | None) -> None:
         """Let go of this layout's engine (a live resize builds the next one in the same process)."""
         import gc
 
-        context.engine = None
-        self.engine = self.model = self.saver = self.writer = None
+        if context is not None:
+            context.engine = None
+        if self.retired is not None:
+            self.retired.close(None)
+        self.engine = self.model = self.saver = self.writer = self.retired = None
         gc.collect()
 
     def finish(self, result: TrainResult, context: RankContext) -> None:
