@@ -390,7 +390,7 @@ def _compile(schedule: Schedule) -> _Compiled:
 def _check_compute_structure(schedule: Schedule, per_rank: dict[int, list[Action]]) -> None:
     """What the DAG cannot see by itself: F exactly once, then either B once or I then W once each;
     R at most once, between F and the backward (B, or I)."""
-    p, m, stages = schedule.pipeline_parallel, schedule.micro_batches, schedule.virtual_stages
+    m, stages = schedule.micro_batches, schedule.virtual_stages
     seen: dict[tuple[ActionKind, int, int], int] = {}
     for rank, actions in per_rank.items():
         for index, action in enumerate(actions):

@@ -106,7 +106,7 @@ def _check_shape(schedule: Schedule) -> dict[Key, tuple[int, int]]:
 
 
 def _check_completeness(schedule: Schedule, positions: dict[Key, tuple[int, int]]) -> None:
-    p, m = schedule.pipeline_parallel, schedule.micro_batches
+    m = schedule.micro_batches
     for s in range(schedule.virtual_stages):
         for i in range(m):
             f = positions.get((F, s, i))
@@ -136,7 +136,7 @@ def _check_completeness(schedule: Schedule, positions: dict[Key, tuple[int, int]
 
 def _check_communication(schedule: Schedule, positions: dict[Key, tuple[int, int]]) -> None:
     """Exactly the sends and receives the boundaries need, each on the right side of its compute."""
-    p, m, stages = schedule.pipeline_parallel, schedule.micro_batches, schedule.virtual_stages
+    m, stages = schedule.micro_batches, schedule.virtual_stages
     # (p2p kind, stage) -> (compute it belongs to, must come after it?, peer stage offset)
     rules = {
         SF: (F, True, +1),
