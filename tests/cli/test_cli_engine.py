@@ -111,3 +111,14 @@ def test_simulate_zbv_refuses_what_it_cannot_run(args, message):
     result = runner.invoke(app, ["simulate", "--schedule", "zbv", "--pipeline-parallel", "4", *args])
     assert result.exit_code == 2
     assert message in " ".join(result.output.split()) and "Traceback" not in result.output
+
+
+def test_plan_refuses_zbv_naming_it(torch_plan):
+    """The planner's per-rank figures place stages in a loop, not zbv's V: asked for zbv, it says so."""
+    _, _, profile = torch_plan
+    result = runner.invoke(app, ["plan", "--profile", str(profile), "--cluster", "a100-8x8", "--devices", "8",
+                                 "--global-batch", "64", "--engine", "torch", "--schedules", "zb-h1,zbv", "--no-morph"],
+                           env={"COLUMNS": "200"})  # fmt: skip
+    assert result.exit_code == 2, result.output
+    assert "does not price the zbv schedule yet" in " ".join(result.output.split())
+    assert "Traceback" not in result.output

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from pipectl.errors import ScheduleError
 from pipectl.plan.memory import in_flight_units, peak_in_flight_units
 from pipectl.plan.simulate import simulate, simulate_rendezvous, uniform_costs
-from pipectl.schedule import Schedule, ScheduleKind, deepspeed_runnable, generate, stage_rank, zbv
+from pipectl.schedule import Schedule, ScheduleKind, deepspeed_runnable, generate, stage_rank, torch_runnable, zbv
 from pipectl.schedule.comm import add_communication
 from pipectl.schedule.ir import Action, ActionKind
 from pipectl.schedule.validate import validate
@@ -48,7 +48,7 @@ def test_the_kind_parses_from_its_name_and_generate_dispatches_it():
     assert schedule == zbv(3, 6) and schedule.chunks == 2
     assert schedule.to_text().startswith("# zbv p=3 m=6 v=2")
     assert Schedule.from_text(schedule.to_text()) == schedule
-    assert not deepspeed_runnable(ScheduleKind.ZBV, 2)
+    assert not deepspeed_runnable(ScheduleKind.ZBV, 2) and torch_runnable(ScheduleKind.ZBV)
 
 
 @pytest.mark.parametrize("p, m", [(2, 2), (4, 6), (3, 1)])

@@ -46,17 +46,17 @@ def deepspeed_runnable(kind: ScheduleKind, chunks: int = 1) -> bool:
     return kind is not ScheduleKind.PIPEDREAM_2BW and not kind.splits_backward
 
 
-# What `pipectl.runtime.torch_pipeline` translates: F, B, I and W actions, any chunks per rank; no
-# recompute action (torch's runtime has none).
+# What `pipectl.runtime.torch_pipeline` translates: F, B, I and W actions, any chunks per rank in
+# the loop placement or zbv's V; no recompute action (torch's runtime has none).
 TORCH_SCHEDULES = frozenset(
-    (ScheduleKind.GPIPE, ScheduleKind.ONE_F_ONE_B, ScheduleKind.INTERLEAVED, ScheduleKind.ZB_H1)
+    (ScheduleKind.GPIPE, ScheduleKind.ONE_F_ONE_B, ScheduleKind.INTERLEAVED, ScheduleKind.ZB_H1, ScheduleKind.ZBV)
 )
 
 
 def torch_runnable(kind: ScheduleKind, recompute: bool = False) -> bool:
     """Whether PyTorch's pipelining runtime (`pipectl.runtime.torch_pipeline`) runs this schedule:
-    GPipe, 1F1B, interleaved (any v) and zb-h1, without recomputation (Varuna always recomputes;
-    2BW keeps two weight versions, which that runtime does not).
+    GPipe, 1F1B, interleaved (any v), zb-h1 and zbv (its V placement), without recomputation
+    (Varuna always recomputes; 2BW keeps two weight versions, which that runtime does not).
 
     >>> torch_runnable(ScheduleKind.ZB_H1), torch_runnable(ScheduleKind.ONE_F_ONE_B, recompute=True)
     (True, False)
