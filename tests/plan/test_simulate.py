@@ -89,8 +89,9 @@ def reference_ends(schedule, costs):
         ActionKind.BACKWARD_INPUT: lambda a, r: costs.backward_seconds[a.stage] * costs.backward_input_fraction,
         ActionKind.BACKWARD_WEIGHT: lambda a, r: costs.backward_seconds[a.stage] * (1 - costs.backward_input_fraction),
     }
-    def sent(stage, neighbour, seconds):  # neighbouring stages on one rank (zbv's turn) send nothing
-        return 0.0 if schedule.rank_of(stage) == schedule.rank_of(neighbour) else seconds
+    def sent(stage, neighbour, seconds):  # the turn of zbv's V (stages p - 1 and p, one rank) sends nothing
+        local = schedule.kind.v_placement and schedule.rank_of(stage) == schedule.rank_of(neighbour)
+        return 0.0 if local else seconds
 
     end = {}
     for _ in range(10_000):
@@ -164,8 +165,8 @@ def test_timeline_respects_dependencies_and_lower_bounds(kind, p, groups, v, rec
     assert timeline.step_seconds == simulate_step_seconds(schedule, costs)
     ends = {(r.action.kind, r.action.stage, r.action.microbatch): r for r in timeline.records}
     last = p * v - 1
-    # boundary s -> s + 1: its transfer time, none where both stages are on one rank (zbv's turn)
-    crosses = [schedule.rank_of(s) != schedule.rank_of(s + 1) for s in range(last)]
+    # boundary s -> s + 1: its transfer time, none at the turn of zbv's V (both stages on one rank)
+    crosses = [not (kind.v_placement and schedule.rank_of(s) == schedule.rank_of(s + 1)) for s in range(last)]
     forward_sent = [t if c else 0.0 for t, c in zip(costs.send_forward_seconds, crosses)]
     backward_sent = [t if c else 0.0 for t, c in zip(costs.send_backward_seconds, crosses)]
     for record in timeline.records:

@@ -323,6 +323,10 @@ def _compile(schedule: Schedule) -> _Compiled:
     allreduce = ActionKind.ALL_REDUCE
     backward_input, backward_weight = ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT
     last_on_rank = [-1] * p
+    # Boundaries s -> s + 1 that nothing crosses: the turn of zbv's V (stages p - 1 and p on one
+    # rank). The loop placement charges every boundary's send, also where p = 1 puts every chunk on
+    # one rank, as the planner's fast paths do.
+    turn = {p - 1} if schedule.kind.v_placement and stages > p else set()
     prev, dep, duration_index, delay_index, transfer_positions = [], [], [], [], []
     allreduce_offset = 3 * stages
     optimizer_offset = allreduce_offset + p
@@ -338,21 +342,17 @@ def _compile(schedule: Schedule) -> _Compiled:
             duration_index.append(s)
             if s > 0:
                 dep.append(position[(forward, s - 1, action.microbatch)])
+                delay_index.append(0 if s - 1 in turn else s)
                 if schedule.rank_of(s - 1) != rank:
-                    delay_index.append(s)
                     transfer_positions.append(k)
-                else:  # the neighbour is on this rank (zbv's turn of the V): nothing is sent
-                    delay_index.append(0)
                 continue
         elif kind is backward or kind is backward_input:
             duration_index.append(stages + s if kind is backward else input_offset + s)
             if s < last_stage:
                 dep.append(position[(kind, s + 1, action.microbatch)])
+                delay_index.append(0 if s in turn else stages + s)
                 if schedule.rank_of(s + 1) != rank:
-                    delay_index.append(stages + s)
                     transfer_positions.append(k)
-                else:
-                    delay_index.append(0)
                 continue
         elif kind is recompute:
             duration_index.append(2 * stages + s)
