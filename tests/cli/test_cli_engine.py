@@ -91,3 +91,34 @@ def test_simulate_zb_h1_with_recompute_is_refused():
                                  "--recompute"])
     assert result.exit_code == 2
     assert "zb-h1 schedule does not recompute" in result.output and "Traceback" not in result.output
+
+
+def test_simulate_zbv_holds_two_chunks_and_times_the_v():
+    result = runner.invoke(app, ["simulate", "--schedule", "zbv", "--pipeline-parallel", "4", "--micro-batches", "8",
+                                 "--forward-ms", "1", "--backward-ms", "2", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["schedule"] == "zbv" and data["chunks"] == 2
+    # m (T_F + T_B) + (p - 1) T_F / 2 with I = W = 1 ms: 0.0255 s; zb-h1 0.027 s, 1F1B 0.033 s
+    assert data["step_seconds"] == pytest.approx(0.0255)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--micro-batches", "4"], "needs micro-batches m >= 2p - 1 = 7 for p=4, got m=4"),
+    (["--micro-batches", "8", "--chunks", "3"], "exactly 2 chunks per rank (a V), got v=3"),
+])  # fmt: skip
+def test_simulate_zbv_refuses_what_it_cannot_run(args, message):
+    result = runner.invoke(app, ["simulate", "--schedule", "zbv", "--pipeline-parallel", "4", *args])
+    assert result.exit_code == 2
+    assert message in " ".join(result.output.split()) and "Traceback" not in result.output
+
+
+def test_plan_refuses_zbv_naming_it(torch_plan):
+    """The planner's per-rank figures place stages in a loop, not zbv's V: asked for zbv, it says so."""
+    _, _, profile = torch_plan
+    result = runner.invoke(app, ["plan", "--profile", str(profile), "--cluster", "a100-8x8", "--devices", "8",
+                                 "--global-batch", "64", "--engine", "torch", "--schedules", "zb-h1,zbv", "--no-morph"],
+                           env={"COLUMNS": "200"})  # fmt: skip
+    assert result.exit_code == 2, result.output
+    assert "does not price the zbv schedule yet" in " ".join(result.output.split())
+    assert "Traceback" not in result.output

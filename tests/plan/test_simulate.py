@@ -89,6 +89,10 @@ def reference_ends(schedule, costs):
         ActionKind.BACKWARD_INPUT: lambda a, r: costs.backward_seconds[a.stage] * costs.backward_input_fraction,
         ActionKind.BACKWARD_WEIGHT: lambda a, r: costs.backward_seconds[a.stage] * (1 - costs.backward_input_fraction),
     }
+    def sent(stage, neighbour, seconds):  # the turn of zbv's V (stages p - 1 and p, one rank) sends nothing
+        local = schedule.kind.v_placement and schedule.rank_of(stage) == schedule.rank_of(neighbour)
+        return 0.0 if local else seconds
+
     end = {}
     for _ in range(10_000):
         changed = False
@@ -97,9 +101,11 @@ def reference_ends(schedule, costs):
             for a in acts:
                 ready = 0.0
                 if a.kind is ActionKind.FORWARD and a.stage > 0:
-                    ready = end.get(("F", a.stage - 1, a.microbatch), math.inf) + costs.send_forward_seconds[a.stage - 1]
+                    ready = end.get(("F", a.stage - 1, a.microbatch), math.inf) + sent(
+                        a.stage, a.stage - 1, costs.send_forward_seconds[a.stage - 1])
                 if a.kind.computes_input_gradient and a.stage < s_last:
-                    ready = end.get((a.kind.value, a.stage + 1, a.microbatch), math.inf) + costs.send_backward_seconds[a.stage]
+                    ready = end.get((a.kind.value, a.stage + 1, a.microbatch), math.inf) + sent(
+                        a.stage, a.stage + 1, costs.send_backward_seconds[a.stage])
                 finish = max(free, ready) + duration[a.kind](a, r)
                 key = (a.kind.value, a.stage, a.microbatch if a.microbatch is not None else r)
                 if finish != math.inf and end.get(key) != finish:
@@ -124,6 +130,8 @@ def test_matches_a_fixed_point_reference_with_random_costs(kind, p, groups, v, r
     if kind is not ScheduleKind.INTERLEAVED:
         v = 1
     m = groups * p if v > 1 else groups + 1
+    if kind is ScheduleKind.ZBV:  # two chunks placed as a V, m >= 2p - 1
+        v, m = 2, 2 * p - 2 + groups
     schedule = generate(kind, p, m, v, recompute)
     costs = random_costs(p, v, rng)
     timeline = simulate(schedule, costs)
@@ -149,18 +157,24 @@ def test_timeline_respects_dependencies_and_lower_bounds(kind, p, groups, v, rec
     if kind is not ScheduleKind.INTERLEAVED:
         v = 1
     m = groups * p if v > 1 else groups
+    if kind is ScheduleKind.ZBV:  # two chunks placed as a V, m >= 2p - 1
+        v, m = 2, 2 * p - 2 + groups
     schedule = generate(kind, p, m, v, recompute)
     costs = random_costs(p, v, rng, jitter)
     timeline = simulate(schedule, costs)
     assert timeline.step_seconds == simulate_step_seconds(schedule, costs)
     ends = {(r.action.kind, r.action.stage, r.action.microbatch): r for r in timeline.records}
     last = p * v - 1
+    # boundary s -> s + 1: its transfer time, none at the turn of zbv's V (both stages on one rank)
+    crosses = [not (kind.v_placement and schedule.rank_of(s) == schedule.rank_of(s + 1)) for s in range(last)]
+    forward_sent = [t if c else 0.0 for t, c in zip(costs.send_forward_seconds, crosses)]
+    backward_sent = [t if c else 0.0 for t, c in zip(costs.send_backward_seconds, crosses)]
     for record in timeline.records:
         a = record.action
         if a.kind is ActionKind.FORWARD and a.stage > 0:
-            assert record.start >= ends[(a.kind, a.stage - 1, a.microbatch)].end + costs.send_forward_seconds[a.stage - 1] - 1e-12
+            assert record.start >= ends[(a.kind, a.stage - 1, a.microbatch)].end + forward_sent[a.stage - 1] - 1e-12
         if a.kind.computes_input_gradient and a.stage < last:
-            assert record.start >= ends[(a.kind, a.stage + 1, a.microbatch)].end + costs.send_backward_seconds[a.stage] - 1e-12
+            assert record.start >= ends[(a.kind, a.stage + 1, a.microbatch)].end + backward_sent[a.stage] - 1e-12
     busy = [0.0] * p
     for rank in range(p):
         records = timeline.rank_records(rank)
@@ -174,7 +188,7 @@ def test_timeline_respects_dependencies_and_lower_bounds(kind, p, groups, v, rec
     # (a split backward's chain runs through I only: W waits for nothing downstream)
     backward_share = costs.backward_input_fraction if kind.splits_backward else 1.0
     round_trip = sum(costs.forward_seconds) + sum(costs.backward_seconds) * backward_share
-    round_trip += sum(costs.send_forward_seconds) + sum(costs.send_backward_seconds)
+    round_trip += sum(forward_sent) + sum(backward_sent)
     assert timeline.step_seconds >= round_trip - 1e-9
     for rank in range(p):
         assert 0.0 <= timeline.bubble_fraction[rank] <= 1.0

@@ -14,7 +14,10 @@ uninterrupted DeepSpeed 1F1B run (p = 2) of 12 steps is the reference:
   with its weights: one checkpoint format, re-cut across the two engines, AdamW state and the
   learning-rate schedule included.
 
-Five launches in all, shared through module fixtures; two more under `slow` (torch 1f1b and gpipe).
+- zbv (p = 2, two chunks per rank placed as a V) launched from scratch for 4 steps gives its losses
+  and runs the planned order.
+
+Six launches in all, shared through module fixtures; two more under `slow` (torch 1f1b and gpipe).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ RELATIVE_TOLERANCE = 1e-4
 ONE_F_ONE_B = gpt_tiny_candidate(2, 1, m=4)
 INTERLEAVED = gpt_tiny_torch_candidate("interleaved", 2, v=2)
 ZB_H1 = gpt_tiny_torch_candidate("zb-h1", 2)
+ZBV = gpt_tiny_torch_candidate("zbv", 2, v=2)
 INTERLEAVED_LAYOUT, ZB_H1_LAYOUT, ONE_F_ONE_B_LAYOUT = (
     "t1p2d1 interleaved b2 m4 v2 torch", "t1p2d1 zb-h1 b2 m4 torch", "t1p2d1 1f1b b2 m4"
 )
@@ -125,6 +129,11 @@ def zb_h1_run(workspace):
     return train(ZB_H1, workspace / "zb-h1", FIRST_RESIZE)
 
 
+@pytest.fixture(scope="module")
+def zbv_run(workspace):
+    return train(ZBV, workspace / "zbv", FIRST_RESIZE)
+
+
 def test_interleaved_launch_gives_the_deepspeed_1f1b_losses_and_runs_the_planned_order(reference, interleaved_start):
     records = read_metrics(interleaved_start)
     assert [m.step for m in records] == list(range(1, FIRST_RESIZE + 1))
@@ -169,3 +178,11 @@ def test_the_other_torch_schedules_launch_with_the_deepspeed_1f1b_losses(referen
     assert {m.layout for m in read_metrics(run)} == {f"t1p2d1 {schedule} b2 m4 torch"}
     assert_same_losses(losses(run), reference[0], range(1, FIRST_RESIZE + 1))
     assert_ran_the_planned_order(run, candidate)
+
+
+def test_zbv_launch_gives_the_deepspeed_1f1b_losses_on_its_v(reference, zbv_run):
+    """ZBV: rank 0 runs stages 0 and 3 (the embedding and the tied head on one rank), rank 1 stages 1 and 2."""
+    assert_same_losses(losses(zbv_run), reference[0], range(1, FIRST_RESIZE + 1))
+    assert_ran_the_planned_order(zbv_run, ZBV)
+    for rank, stages in ((0, {"0", "3"}), (1, {"1", "2"})):
+        assert {a[0] for a in (zbv_run / f"schedule_rank{rank}.txt").read_text().split()} == stages

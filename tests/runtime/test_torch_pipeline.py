@@ -1,10 +1,12 @@
 """The second execution path (`pipectl.runtime.torch_pipeline`): pipectl's own schedules (1F1B,
-interleaved p=2 v=2, ZB-H1 with the split backward I/W) run by torch's `_PipelineScheduleRuntime`
+interleaved p=2 v=2, ZB-H1 with the split backward I/W, ZBV with two chunks per rank placed as a V)
+run by torch's `_PipelineScheduleRuntime`
 on 2 local gloo ranks give the one-process losses at every step,
 and each rank executes exactly the planned compute order (as recorded by the stages torch's runtime
 called, not echoed from the plan).
 
-gpt-tiny (9 layers, head tied to the embedding: the tied gradient is summed across the two ranks),
+gpt-tiny (9 layers, head tied to the embedding: the tied gradient is summed across the two ranks;
+under ZBV's V rank 0 holds both the embedding and the head),
 global batch 8, 4 micro-batches, 4 steps, fp32. One spawn of 2 ranks runs every schedule in turn.
 """
 
@@ -24,7 +26,7 @@ from pipectl.runtime.torch_pipeline import (
     spawn_local,
     to_torch_actions,
 )
-from pipectl.schedule import interleaved, one_f_one_b, zb_h1
+from pipectl.schedule import interleaved, one_f_one_b, zb_h1, zbv
 from pipectl.schedule.validate import validate
 
 MODEL = "gpt-tiny"
@@ -39,6 +41,7 @@ JOBS = {
         MODEL, interleaved(2, MICRO_BATCHES, 2), even_cuts(LAYERS, 4), STEPS, GLOBAL_BATCH
     ),
     "zb-h1 p2": TorchPipelineJob(MODEL, zb_h1(2, MICRO_BATCHES), even_cuts(LAYERS, 2), STEPS, GLOBAL_BATCH),
+    "zbv p2": TorchPipelineJob(MODEL, zbv(2, MICRO_BATCHES), even_cuts(LAYERS, 4), STEPS, GLOBAL_BATCH),
 }
 
 
@@ -70,7 +73,7 @@ def test_every_schedule_gives_the_one_process_loss_at_every_step(runs, reference
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("name", ["interleaved p2 v2", "zb-h1 p2"])
+@pytest.mark.parametrize("name", ["interleaved p2 v2", "zb-h1 p2", "zbv p2"])
 def test_gives_the_1f1b_loss_at_every_step(runs, name):
     one_f_one_b_losses = runs["1f1b p2"][1].losses
     for step, (got, want) in enumerate(zip(runs[name][1].losses, one_f_one_b_losses), start=1):
@@ -94,6 +97,11 @@ def test_each_rank_executes_the_planned_compute_order(runs):
     zb_rank1 = runs["zb-h1 p2"][1].executed[0]
     assert zb_rank1[:5] == ["1F0", "1I0", "1F1", "1I1", "1W0"]
     assert not any("B" in a for a in zb_rank1)
+    # The V: rank 0 ran stages 0 and 3, rank 1 stages 1 and 2, and rank 1 handed stage 1's output
+    # to stage 2 on itself (2F0 right after 1F0, nothing from rank 0 in between).
+    v_rank0, v_rank1 = runs["zbv p2"][0].executed[0], runs["zbv p2"][1].executed[0]
+    assert {a[0] for a in v_rank0} == {"0", "3"} and {a[0] for a in v_rank1} == {"1", "2"}
+    assert v_rank1[:2] == ["1F0", "2F0"] and not any("B" in a for a in v_rank0 + v_rank1)
 
 
 def test_the_model_ties_its_head_across_the_two_ranks():
@@ -102,9 +110,11 @@ def test_the_model_ties_its_head_across_the_two_ranks():
 
     layers = build_model(MODEL).layers
     assert len(layers) == LAYERS and layers[0].tie_key == layers[-1].tie_key == "embed"
-    for job in JOBS.values():
+    for name, job in JOBS.items():
         schedule = job.schedule
-        assert schedule.rank_of(0) != schedule.rank_of(schedule.virtual_stages - 1)
+        # ZBV's V puts the first and the last stage on rank 0: one module there for both uses.
+        together = name == "zbv p2"
+        assert (schedule.rank_of(0) == schedule.rank_of(schedule.virtual_stages - 1)) is together
 
 
 def test_translation_keeps_stage_and_micro_batch_numbering():

@@ -32,6 +32,8 @@ def degrees(draw):
     p = draw(st.integers(1, 8))
     v = draw(st.integers(1, 4)) if kind is ScheduleKind.INTERLEAVED else 1
     m = draw(st.integers(1, 6)) * p if v > 1 else draw(st.integers(1, 24))
+    if kind is ScheduleKind.ZBV:  # two chunks placed as a V, m >= 2p - 1
+        v, m = 2, 2 * p - 1 + draw(st.integers(0, 8))
     return kind, p, m, v, draw(st.booleans())
 
 
@@ -44,7 +46,7 @@ def test_every_generator_forwards_and_backwards_each_microbatch_once_per_stage(p
     for rank, actions in schedule.actions.items():
         for action in actions:
             if action.microbatch is not None:
-                assert action.stage % p == rank
+                assert schedule.rank_of(action.stage) == rank
                 seen[(action.kind, action.stage, action.microbatch)] = seen.get(
                     (action.kind, action.stage, action.microbatch), 0
                 ) + 1
@@ -227,7 +229,7 @@ def test_schedule_text_round_trips_for_every_generator():
     from pipectl.schedule.ir import Schedule
 
     for kind in ScheduleKind:
-        v = 2 if kind is ScheduleKind.INTERLEAVED else 1
+        v = 2 if kind in (ScheduleKind.INTERLEAVED, ScheduleKind.ZBV) else 1
         schedule = generate(kind, 4, 8, v, True)
         assert Schedule.from_text(schedule.to_text()) == schedule
 

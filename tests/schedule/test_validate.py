@@ -117,6 +117,8 @@ def generated(draw):
     p = draw(st.integers(1, 6))
     v = draw(st.integers(1, 3)) if kind is ScheduleKind.INTERLEAVED else 1
     m = draw(st.integers(1, 4)) * p if v > 1 else draw(st.integers(1, 12))
+    if kind is ScheduleKind.ZBV:  # two chunks placed as a V, m >= 2p - 1
+        v, m = 2, 2 * p - 1 + draw(st.integers(0, 6))
     return generate(kind, p, m, v, draw(st.booleans()))
 
 

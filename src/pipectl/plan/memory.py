@@ -62,6 +62,9 @@ the stage's saved activations (SPEC §3). How many are in flight is a property o
                           W, which stage k postpones by k micro-batches; stage 0 holds 1F1B's
                           peak, the later stages as many (Qi et al. 2024: ZB-H1 peaks at 1F1B's
                           p M_B). Counted whole until W (W reads each layer's saved input)
+    zbv                   2p chunk-micro-batches on every rank (m >= 2p - 1), each holding one of
+                          its two chunks: p full-stage activations, 1F1B's stage-0 peak (Qi et al.
+                          2024 §4: ZB-V peaks at p M_B on every worker); held until W as for zb-h1
 
 With whole-stage recomputation (`Recompute.STAGE`) an in-flight micro-batch keeps only the stage's
 input activation, and the stage needs one micro-batch's full activations while it recomputes (SPEC
@@ -222,12 +225,16 @@ def in_flight_units(kind: ScheduleKind, pipeline_parallel: int, micro_batches: i
     (4, 3, 2, 1)
     >>> in_flight_units(ScheduleKind.ZB_H1, 4, 8)  # held until W: 1F1B's stage-0 peak on every stage
     (4, 4, 4, 4)
+    >>> in_flight_units(ScheduleKind.ZBV, 4, 8, 2)  # 2p half-size chunks: p full stages, as 1F1B's stage 0
+    (8, 8, 8, 8)
     """
     p, m, v = pipeline_parallel, micro_batches, chunks
     if kind is ScheduleKind.GPIPE:
         return (m,) * p
     if kind is ScheduleKind.ZB_H1:
         return (min(p, m),) * p
+    if kind is ScheduleKind.ZBV:
+        return (2 * p,) * p
     if kind is ScheduleKind.PIPEDREAM_2BW:
         return tuple(range(p, 0, -1))
     if kind is ScheduleKind.VARUNA:

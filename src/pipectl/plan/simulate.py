@@ -140,7 +140,7 @@ BACKWARD_INPUT_FRACTION = 0.5
 
 @dataclass(frozen=True)
 class StageCosts:
-    """Costs of one step, per virtual stage s in 0..p*v-1 (rank = s % p). Seconds throughout."""
+    """Costs of one step, per virtual stage s in 0..p*v-1 (rank = `Schedule.rank_of(s)`: s % p, a V for zbv). Seconds throughout."""
 
     forward_seconds: Sequence[float]  # len p*v, per micro-batch
     backward_seconds: Sequence[float]  # len p*v, per micro-batch
@@ -323,6 +323,10 @@ def _compile(schedule: Schedule) -> _Compiled:
     allreduce = ActionKind.ALL_REDUCE
     backward_input, backward_weight = ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT
     last_on_rank = [-1] * p
+    # Boundaries s -> s + 1 that nothing crosses: the turn of zbv's V (stages p - 1 and p on one
+    # rank). The loop placement charges every boundary's send, also where p = 1 puts every chunk on
+    # one rank, as the planner's fast paths do.
+    turn = {p - 1} if schedule.kind.v_placement and stages > p else set()
     prev, dep, duration_index, delay_index, transfer_positions = [], [], [], [], []
     allreduce_offset = 3 * stages
     optimizer_offset = allreduce_offset + p
@@ -338,16 +342,16 @@ def _compile(schedule: Schedule) -> _Compiled:
             duration_index.append(s)
             if s > 0:
                 dep.append(position[(forward, s - 1, action.microbatch)])
-                delay_index.append(s)
-                if (s - 1) % p != rank:
+                delay_index.append(0 if s - 1 in turn else s)
+                if schedule.rank_of(s - 1) != rank:
                     transfer_positions.append(k)
                 continue
         elif kind is backward or kind is backward_input:
             duration_index.append(stages + s if kind is backward else input_offset + s)
             if s < last_stage:
                 dep.append(position[(kind, s + 1, action.microbatch)])
-                delay_index.append(stages + s)
-                if (s + 1) % p != rank:
+                delay_index.append(0 if s in turn else stages + s)
+                if schedule.rank_of(s + 1) != rank:
                     transfer_positions.append(k)
                 continue
         elif kind is recompute:
@@ -386,16 +390,16 @@ def _compile(schedule: Schedule) -> _Compiled:
 def _check_compute_structure(schedule: Schedule, per_rank: dict[int, list[Action]]) -> None:
     """What the DAG cannot see by itself: F exactly once, then either B once or I then W once each;
     R at most once, between F and the backward (B, or I)."""
-    p, m, stages = schedule.pipeline_parallel, schedule.micro_batches, schedule.virtual_stages
+    m, stages = schedule.micro_batches, schedule.virtual_stages
     seen: dict[tuple[ActionKind, int, int], int] = {}
     for rank, actions in per_rank.items():
         for index, action in enumerate(actions):
             if action.microbatch is None:
                 continue
-            if action.stage >= stages or action.stage % p != rank or action.microbatch >= m:
+            if action.stage >= stages or schedule.rank_of(action.stage) != rank or action.microbatch >= m:
                 raise ScheduleError(
                     f"rank {rank} has {action}: stage must be < {stages} and live on this rank "
-                    f"(stage % {p} == {rank}), micro-batch < {m}"
+                    f"(rank_of(stage) == {rank}), micro-batch < {m}"
                 )
             key = (action.kind, action.stage, action.microbatch)
             if key in seen:
@@ -409,19 +413,19 @@ def _check_compute_structure(schedule: Schedule, per_rank: dict[int, list[Action
             x = seen.get((ActionKind.BACKWARD_INPUT, s, i))
             w = seen.get((ActionKind.BACKWARD_WEIGHT, s, i))
             if b is not None and (x is not None or w is not None):
-                raise ScheduleError(f"rank {s % p} runs {s}B{i} and a split backward ({s}I{i}/{s}W{i}) of it")
+                raise ScheduleError(f"rank {schedule.rank_of(s)} runs {s}B{i} and a split backward ({s}I{i}/{s}W{i}) of it")
             if b is None and (x is None) != (w is None):
                 missing = f"{s}I{i}" if x is None else f"{s}W{i}"
-                raise ScheduleError(f"rank {s % p} never runs {missing} (a split backward needs I and W)")
+                raise ScheduleError(f"rank {schedule.rank_of(s)} never runs {missing} (a split backward needs I and W)")
             if f is None or (b is None and x is None):
                 missing = f"{s}F{i}" if f is None else f"{s}B{i}"
-                raise ScheduleError(f"rank {s % p} never runs {missing}")
+                raise ScheduleError(f"rank {schedule.rank_of(s)} never runs {missing}")
             backward_name = f"{s}B{i}" if b is not None else f"{s}I{i}"
             first_backward = b if b is not None else x
             if not f < first_backward or (r is not None and not f < r < first_backward):
-                raise ScheduleError(f"rank {s % p} must run {s}F{i} before {s}R{i} before {backward_name}")
+                raise ScheduleError(f"rank {schedule.rank_of(s)} must run {s}F{i} before {s}R{i} before {backward_name}")
             if w is not None and not x < w:
-                raise ScheduleError(f"rank {s % p} must run {s}I{i} before {s}W{i}")
+                raise ScheduleError(f"rank {schedule.rank_of(s)} must run {s}I{i} before {s}W{i}")
 
 
 def peak_memory_counts(actions: list[Action]) -> tuple[int, int]:
@@ -681,7 +685,7 @@ def simulate_rendezvous(schedule: Schedule, costs: StageCosts) -> Timeline:
                     continue
                 partner_kind, offset = _PARTNER[action.kind]
                 partner_stage = action.stage + offset
-                peer = partner_stage % p
+                peer = schedule.rank_of(partner_stage)
                 waiting = actions[peer][position[peer]] if position[peer] < len(actions[peer]) else None
                 if waiting != Action(partner_stage, partner_kind, action.microbatch):
                     break  # the partner is not there yet: run the other ranks

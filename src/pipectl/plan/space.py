@@ -37,6 +37,7 @@ import numpy as np
 
 from pipectl.artifacts.plan import RUNTIME_ZERO_STAGES, Engine, PlanRequest, Recompute
 from pipectl.artifacts.profile import ModelProfile
+from pipectl.errors import UserInputError
 from pipectl.plan.candidates import (
     Rejection,
     Rejections,
@@ -89,6 +90,16 @@ def search_space(request: PlanRequest, profile: ModelProfile, hardware: Hardware
     bs = (request.micro_batch_size,) if request.micro_batch_size else tuple(profile.micro_batch_sizes)
     defaults = DEFAULT_SCHEDULES + DEEPSPEED_FREE_SCHEDULES if request.target_engine is Engine.TORCH else DEFAULT_SCHEDULES
     kinds = [request.schedule] if request.schedule else list(request.schedules or defaults)
+    if ScheduleKind.ZBV in kinds:
+        # The per-rank memory, parameter and all-reduce figures of the search place virtual stage
+        # s on rank s % p; zbv's V (rank k holds stages k and 2p - 1 - k, the embedding and the
+        # head both on rank 0) is not priced there yet.
+        raise UserInputError(
+            "the planner does not price the zbv schedule yet: its per-rank memory and costs place stages "
+            "in a loop (s % p), not in zbv's V",
+            hint="time it with pipectl simulate --schedule zbv --pipeline-parallel P --micro-batches M; "
+                 "plan with zb-h1 or interleaved",
+        )
     variants: list[ScheduleVariant] = []
     for kind in kinds:
         if kind is ScheduleKind.INTERLEAVED:

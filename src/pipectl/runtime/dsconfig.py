@@ -233,13 +233,13 @@ def check_schedule(candidate: Candidate) -> None:
 
 
 def check_torch_candidate(candidate: Candidate) -> None:
-    """What the torch engine runs: 1f1b, gpipe, interleaved (v chunks per rank) or zb-h1, without
+    """What the torch engine runs: 1f1b, gpipe, interleaved (v chunks per rank), zb-h1 or zbv (v = 2), without
     recomputation, one pipeline (t = 1, d = 1), ZeRO-1 (at d = 1: plain AdamW), p x v stage ranges."""
     problems = []
     if not torch_runnable(candidate.schedule, candidate.recompute):
         problems.append(
             f"schedule {candidate.schedule.value}" + (" with whole-stage recomputation" if candidate.recompute else "")
-            + " (it runs 1f1b, gpipe, interleaved and zb-h1, without recomputation)"
+            + " (it runs 1f1b, gpipe, interleaved, zb-h1 and zbv, without recomputation)"
         )
     if candidate.checkpoint_layers:
         problems.append("per-layer activation checkpointing (it recomputes nothing)")
@@ -247,7 +247,10 @@ def check_torch_candidate(candidate: Candidate) -> None:
         problems.append(f"t{candidate.tensor_parallel} d{candidate.data_parallel} (it runs one pipeline: t = 1, d = 1)")
     if candidate.zero_stage > 1:
         problems.append(f"ZeRO stage {candidate.zero_stage}")
-    if candidate.chunks != 1 and candidate.schedule is not ScheduleKind.INTERLEAVED:
+    if candidate.schedule is ScheduleKind.ZBV:
+        if candidate.chunks != 2:
+            problems.append(f"v={candidate.chunks} chunks per rank with schedule zbv (it holds 2, a V)")
+    elif candidate.chunks != 1 and candidate.schedule is not ScheduleKind.INTERLEAVED:
         problems.append(f"v={candidate.chunks} chunks per rank with schedule {candidate.schedule.value}")
     if problems:
         raise DeepSpeedConfigRejected(

@@ -8,8 +8,11 @@ schedule):
 
 - `to_torch_actions(schedule)` translates each rank's compute actions (F, B and, for split
   backwards, I and W) into torch's `_Action`s, one to one, same virtual-stage and micro-batch
-  numbering (virtual stage s on rank s % p, which is also torch's default "loop" placement);
-  torch's `_prepare_schedule_with_comms` then adds the sends and receives. pipectl's own p2p
+  numbering (virtual stage s on rank `Schedule.rank_of(s)`: s % p, torch's default "loop"
+  placement, or the V of zbv: torch's `_prepare_schedule_with_comms` reads the placement off the
+  action lists into every stage's `stage_index_to_group_rank`, as its own `ScheduleZBVZeroBubble`
+  sets it) and adds the sends and receives; stages next to each other on one rank hand over
+  locally. pipectl's own p2p
   actions, AR and STEP are not passed on (torch inserts its communication; this module does the
   tied-weight all-reduce, clipping and the optimizer step after the schedule). Recompute (R) has no
   torch counterpart and is refused.
@@ -31,8 +34,11 @@ in one flat fp32 tensor under DeepSpeed's module names, so that `runtime.engine_
 both engines in one format, the optimizer settings and learning-rate schedule from the run's
 DeepSpeed config. `train_rank` trains with it on local ranks (tests, `examples/torch_pipeline.py`).
 
-Gradients are those of the mean of the micro-batch losses (torch's `scale_grads=True`), the same as
-DeepSpeed's gradient accumulation and `reference_run` here.
+Gradients are those of the mean of the micro-batch losses, the same as DeepSpeed's gradient
+accumulation and `reference_run` here. This module divides each of the rank's parameters' gradient
+by m itself, once, after the schedule: torch's own `scale_grads=True` divides per stage, so a
+parameter two stages of one rank share (the tied embedding and head on rank 0 of ZBV's V) would be
+divided twice.
 
 torch's names used here are private (`_PipelineScheduleRuntime`, `_Action`, `_ComputationType`);
 torch is pinned, and `tests/runtime/test_torch_pipeline.py` has a contract test for them.
@@ -409,7 +415,7 @@ class TorchPipelineEngine:
         self.schedule = schedule
         self.group = group
         self.global_rank = dist.get_rank()
-        self.stage_id = rank  # the rank's place in the pipeline (it holds virtual stages rank, rank + p, ...)
+        self.stage_id = rank  # the rank's place in the pipeline (it holds the virtual stages rank_of maps to it)
         self.grid = _Grid(p)
         self.device = torch.device("cpu")
         self.settings = settings
@@ -426,7 +432,8 @@ class TorchPipelineEngine:
             RecordingStage(self.modules[s], s, num_stages, self.device, group=group, record=self.record, timings=self.timings)
             for s in self.stages_held
         ]
-        self.runtime = _PipelineScheduleRuntime(stages, m, loss_fn=model.loss_fn, scale_grads=True)
+        # Gradients are divided by m in `step`, once per parameter (not per stage: see the module doc).
+        self.runtime = _PipelineScheduleRuntime(stages, m, loss_fn=model.loss_fn, scale_grads=False)
         self.runtime._prepare_schedule_with_comms(to_torch_actions(schedule))
         self.tie_groups = _tie_groups(model, schedule, cuts)
         named = list(self.module.named_parameters())
@@ -510,6 +517,10 @@ class TorchPipelineEngine:
             *((inputs,) if self.first else ()), target=labels if self.last else None, losses=losses, return_outputs=False
         )
         scheduled = time.perf_counter()
+        m = self.schedule.micro_batches
+        for q in self.params:  # the mean over micro-batches, each parameter once
+            if q.grad is not None:
+                q.grad.div_(m)
         _sum_tied_grads(self.modules, self.tie_groups)
         self.flat.grad = torch.cat(
             [q.grad.reshape(-1) if q.grad is not None else torch.zeros(q.numel()) for q in self.params]

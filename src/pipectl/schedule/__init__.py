@@ -16,8 +16,9 @@ from pipectl.schedule.generators import (
     varuna,
     weight_version,
     zb_h1,
+    zbv,
 )
-from pipectl.schedule.ir import Action, ActionKind, Schedule, ScheduleKind
+from pipectl.schedule.ir import Action, ActionKind, Schedule, ScheduleKind, stage_rank
 from pipectl.schedule.twobw import (
     TwoBWSteadyState,
     simulate_two_bw_run,
@@ -32,8 +33,9 @@ def deepspeed_runnable(kind: ScheduleKind, chunks: int = 1) -> bool:
 
     DeepSpeed's `PipelineModule` holds one contiguous chunk of layers per rank, so interleaved
     schedules with v > 1 cannot run there. PipeDream-2BW needs two weight versions and no flush,
-    which the engine does not keep, so it is planned and simulated only. Zero bubble (zb-h1) splits
-    every backward into I and W, which the engine's single backward cannot do.
+    which the engine does not keep, so it is planned and simulated only. Zero bubble (zb-h1, zbv)
+    splits every backward into I and W, which the engine's single backward cannot do; zbv also
+    holds two chunks per rank.
 
     >>> deepspeed_runnable(ScheduleKind.INTERLEAVED, 2), deepspeed_runnable(ScheduleKind.VARUNA)
     (False, True)
@@ -41,20 +43,20 @@ def deepspeed_runnable(kind: ScheduleKind, chunks: int = 1) -> bool:
     kind = ScheduleKind(kind)
     if kind is ScheduleKind.INTERLEAVED and chunks > 1:
         return False
-    return kind not in (ScheduleKind.PIPEDREAM_2BW, ScheduleKind.ZB_H1)
+    return kind is not ScheduleKind.PIPEDREAM_2BW and not kind.splits_backward
 
 
-# What `pipectl.runtime.torch_pipeline` translates: F, B, I and W actions, any chunks per rank; no
-# recompute action (torch's runtime has none).
+# What `pipectl.runtime.torch_pipeline` translates: F, B, I and W actions, any chunks per rank in
+# the loop placement or zbv's V; no recompute action (torch's runtime has none).
 TORCH_SCHEDULES = frozenset(
-    (ScheduleKind.GPIPE, ScheduleKind.ONE_F_ONE_B, ScheduleKind.INTERLEAVED, ScheduleKind.ZB_H1)
+    (ScheduleKind.GPIPE, ScheduleKind.ONE_F_ONE_B, ScheduleKind.INTERLEAVED, ScheduleKind.ZB_H1, ScheduleKind.ZBV)
 )
 
 
 def torch_runnable(kind: ScheduleKind, recompute: bool = False) -> bool:
     """Whether PyTorch's pipelining runtime (`pipectl.runtime.torch_pipeline`) runs this schedule:
-    GPipe, 1F1B, interleaved (any v) and zb-h1, without recomputation (Varuna always recomputes;
-    2BW keeps two weight versions, which that runtime does not).
+    GPipe, 1F1B, interleaved (any v), zb-h1 and zbv (its V placement), without recomputation
+    (Varuna always recomputes; 2BW keeps two weight versions, which that runtime does not).
 
     >>> torch_runnable(ScheduleKind.ZB_H1), torch_runnable(ScheduleKind.ONE_F_ONE_B, recompute=True)
     (True, False)
@@ -83,4 +85,6 @@ __all__ = [
     "varuna",
     "weight_version",
     "zb_h1",
+    "zbv",
+    "stage_rank",
 ]

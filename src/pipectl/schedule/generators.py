@@ -246,7 +246,7 @@ def generate(
 ) -> Schedule:
     """The one dispatch everyone uses: `generate(ScheduleKind.ONE_F_ONE_B, p, m)`.
 
-    `chunks` (v) is only meaningful for the interleaved schedule. Varuna always recomputes (it is
+    `chunks` (v) is only meaningful for the interleaved schedule, and must be 2 for zbv. Varuna always recomputes (it is
     defined with recomputation; `recompute` is ignored for it), zb-h1 never does (its W holds the
     activations until the drain; `recompute` is ignored for it too: the planner never pairs them), and its order is derived with
     uniform stage times `forward_seconds`/`backward_seconds` (only their ratio matters). The result
@@ -261,6 +261,13 @@ def generate(
         known = ", ".join(k.value for k in ScheduleKind)
         raise ScheduleError(f"unknown schedule {kind!r}", hint=f"known schedules: {known}") from None
     _check_degrees(pipeline_parallel, micro_batches, chunks)
+    if kind is ScheduleKind.ZBV:
+        if chunks != 2:
+            raise ScheduleError(
+                f"the zbv schedule holds exactly 2 chunks per rank (a V), got v={chunks}",
+                hint="pass v=2 (--chunks 2) with --schedule zbv",
+            )
+        return zbv(pipeline_parallel, micro_batches)
     if chunks != 1 and kind is not ScheduleKind.INTERLEAVED:
         raise ScheduleError(
             f"chunks v={chunks} needs the interleaved schedule, not {kind.value}",
@@ -338,3 +345,78 @@ def zb_h1(pipeline_parallel: int, micro_batches: int) -> Schedule:
         out.extend(Action(s, W, i) for i in range(m - delay, m))
         compute.append(out)
     return _finish(ScheduleKind.ZB_H1, p, m, 1, compute)
+
+
+def zbv(pipeline_parallel: int, micro_batches: int) -> Schedule:
+    """ZB-V (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, §4 and Fig. 5): two model
+    chunks per rank placed as a V, every backward split into I then W.
+
+    Rank k holds chunk 0 = virtual stage k and chunk 1 = virtual stage 2p − 1 − k
+    (`pipectl.schedule.ir.stage_rank`), so a micro-batch's forward runs down the ranks and back up,
+    and its backward the same way in reverse; the turn of the V (stages p − 1 and p, both on rank
+    p − 1) sends nothing. Rank k's order, with F0/I0/W0 its chunk-0 actions and F1/I1/W1 its
+    chunk-1 actions, each chunk taking its micro-batches in order:
+
+    - warm-up: 2(p − k) − 1 × F0, then k × (F1 F0), then p − k × (F1 I1 W1);
+    - steady: while chunk 0 or chunk 1 has a forward left: (F0 if any left) I0 W0 F1 I1 W1;
+    - cool-down: k × (I0 I1), then p − k × (I0 W0), then the W1's and W0's still due.
+
+    Rank 0 warms up with 2p − 1 chunk-0 forwards before its first backward, so the order needs
+    m ≥ 2p − 1 micro-batches; fewer are refused. With T_F = T_B = T_W (per rank, so each chunk's
+    F, I and W take half of that) and free communication, the step is m(T_F + T_B + T_W) − a
+    zero bubble, as the paper's Table 3 gives ((p − 1)(T_F + T_B − 2T_W) for ZB-V), at the
+    memory of 1F1B: at most 2p chunk activations, p full-stage ones, in flight on a rank.
+
+    >>> print(zbv(2, 3).to_text(), end="")
+    # zbv p=2 m=3 v=2
+    0: 0F0 0F1 0F2 3F0 3I0 3W0 3F1 3I1 3W1 0I0 0W0 3F2 3I2 3W2 0I1 0W1 0I2 0W2 0AR 0STEP
+    1: 1F0 2F0 1F1 2F1 2I0 2W0 1F2 1I0 1W0 2F2 2I1 2W1 1I1 2I2 1I2 1W1 2W2 1W2 1AR 1STEP
+    """
+    I, W = ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT
+    p, m = pipeline_parallel, micro_batches
+    _check_degrees(p, m)
+    if m < 2 * p - 1:
+        raise ScheduleError(
+            f"the zbv schedule needs micro-batches m >= 2p - 1 = {2 * p - 1} for p={p}, got m={m} "
+            f"(rank 0 warms up with 2p - 1 forwards of its first chunk)",
+            hint=f"use m >= {2 * p - 1}, or the zb-h1 schedule",
+        )
+    compute = []
+    for rank in range(p):
+        first, second = rank, 2 * p - 1 - rank
+        order: list[Action] = []
+        count = {(first, F): 0, (first, I): 0, (first, W): 0, (second, F): 0, (second, I): 0, (second, W): 0}
+
+        def run(stage: int, kind: ActionKind) -> None:
+            order.append(Action(stage, kind, count[(stage, kind)]))
+            count[(stage, kind)] += 1
+
+        for _ in range(2 * (p - rank) - 1):
+            run(first, F)
+        for _ in range(rank):
+            run(second, F)
+            run(first, F)
+        for _ in range(p - rank):
+            run(second, F)
+            run(second, I)
+            run(second, W)
+        while count[(first, F)] < m or count[(second, F)] < m:
+            if count[(first, F)] < m:
+                run(first, F)
+            run(first, I)
+            run(first, W)
+            run(second, F)
+            run(second, I)
+            run(second, W)
+        for _ in range(rank):
+            run(first, I)
+            run(second, I)
+        for _ in range(p - rank):
+            run(first, I)
+            run(first, W)
+        while count[(second, W)] < m:
+            run(second, W)
+        while count[(first, W)] < m:
+            run(first, W)
+        compute.append(order)
+    return _finish(ScheduleKind.ZBV, p, m, 2, compute)

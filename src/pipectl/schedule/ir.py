@@ -11,8 +11,11 @@ An `Action` is a frozen value with a compact text form that parses back exactly:
     '0STEP'
 
 `stage` is the *virtual* stage: with v model chunks per rank and p ranks, virtual stage s lives on
-rank s % p as its chunk s // p (device k holds chunks k, k+p, k+2p, ...). With v = 1 the virtual
-stage is the rank.
+rank s % p as its chunk s // p (device k holds chunks k, k+p, k+2p, ...: the "loop" placement).
+With v = 1 the virtual stage is the rank. The V-shaped schedule (`ScheduleKind.ZBV`, v = 2) places
+its stages as a V instead: stage s on rank s for s < p, on rank 2p − 1 − s otherwise, so rank k
+holds stages k and 2p − 1 − k, and the hand-off between stages p − 1 and p stays on rank p − 1.
+`stage_rank` is the one place that mapping is written.
 
 A `Schedule` maps every rank to its ordered list of actions for one optimizer step. Generators
 produce compute actions only (F, B, R, and the per-rank all-reduce and optimizer step); a separate
@@ -114,16 +117,36 @@ class ScheduleKind(str, Enum):
     # gradient) and W (weight gradient), W's postponed to fill the drain. DeepSpeed's engine cannot
     # run it (no split backward); torch's pipelining runtime can (`pipectl.runtime.torch_pipeline`).
     ZB_H1 = "zb-h1"
+    # ZB-V (Qi et al., ICLR 2024, §4): two chunks per rank in the V placement, split backward.
+    # Only the torch pipelining path runs it.
+    ZBV = "zbv"
 
     @property
     def splits_backward(self) -> bool:
         """Whether the schedule runs each backward as I then W (the zero-bubble family)."""
-        return self is ScheduleKind.ZB_H1
+        return self in (ScheduleKind.ZB_H1, ScheduleKind.ZBV)
+
+    @property
+    def v_placement(self) -> bool:
+        """Whether virtual stages are placed as a V (`stage_rank`) rather than in a loop."""
+        return self is ScheduleKind.ZBV
 
     @property
     def changes_optimizer_semantics(self) -> bool:
         """PipeDream-2BW updates with 1-stale gradients: a different optimizer, never chosen silently."""
         return self is ScheduleKind.PIPEDREAM_2BW
+
+
+def stage_rank(stage: int, pipeline_parallel: int, v_placement: bool = False) -> int:
+    """The rank that holds virtual stage `stage` of p·v: s % p (loop), or as a V when `v_placement`.
+
+    >>> [stage_rank(s, 2) for s in range(4)], [stage_rank(s, 2, v_placement=True) for s in range(4)]
+    ([0, 1, 0, 1], [0, 1, 1, 0])
+    """
+    p = pipeline_parallel
+    if not v_placement:
+        return stage % p
+    return stage if stage < p else 2 * p - 1 - stage
 
 
 @dataclass(frozen=True)
@@ -145,7 +168,7 @@ class Schedule:
         return self.pipeline_parallel * self.chunks
 
     def rank_of(self, stage: int) -> int:
-        return stage % self.pipeline_parallel
+        return stage_rank(stage, self.pipeline_parallel, self.kind.v_placement)
 
     def compute_order(self, rank: int) -> list[Action]:
         """The rank's forward/backward/recompute actions in order (what the runtime records)."""

@@ -2,7 +2,7 @@
 
 `validate(schedule)` checks, in this order:
 
-1. shape: ranks 0..p−1; every action's virtual stage lives on its rank (s % p) and is < p·v;
+1. shape: ranks 0..p−1; every action's virtual stage lives on its rank (`Schedule.rank_of`) and is < p·v;
    micro-batches < m; every rank ends with exactly one AR then one STEP;
 2. completeness: every micro-batch is forwarded and backwarded exactly once per virtual stage;
    a recompute R(i) at most once, after its F(i) and before its B(i); a split backward is I(i)
@@ -72,11 +72,11 @@ def _check_shape(schedule: Schedule) -> dict[Key, tuple[int, int]]:
     for rank in range(p):
         actions = schedule.actions[rank]
         for step, action in enumerate(actions):
-            if action.stage >= stages or action.stage % p != rank:
+            if action.stage >= stages or schedule.rank_of(action.stage) != rank:
                 raise _fail(
                     schedule,
                     f"rank {rank} step {step}: {action} names virtual stage {action.stage}, which "
-                    f"{'does not exist' if action.stage >= stages else f'lives on rank {action.stage % p}'}"
+                    f"{'does not exist' if action.stage >= stages else f'lives on rank {schedule.rank_of(action.stage)}'}"
                     f" (p={p}, v={schedule.chunks})",
                     {rank: step},
                 )
@@ -106,7 +106,7 @@ def _check_shape(schedule: Schedule) -> dict[Key, tuple[int, int]]:
 
 
 def _check_completeness(schedule: Schedule, positions: dict[Key, tuple[int, int]]) -> None:
-    p, m = schedule.pipeline_parallel, schedule.micro_batches
+    m = schedule.micro_batches
     for s in range(schedule.virtual_stages):
         for i in range(m):
             f = positions.get((F, s, i))
@@ -115,28 +115,28 @@ def _check_completeness(schedule: Schedule, positions: dict[Key, tuple[int, int]
             split_i, split_w = positions.get((I, s, i)), positions.get((W, s, i))
             if split_i is not None or split_w is not None:  # the zero-bubble split backward
                 if b is not None:
-                    raise _fail(schedule, f"rank {s % p} runs both {s}B{i} and a split backward of it", {s % p: b[1]})
+                    raise _fail(schedule, f"rank {schedule.rank_of(s)} runs both {s}B{i} and a split backward of it", {schedule.rank_of(s): b[1]})
                 if split_i is None or split_w is None:
                     missing = Action(s, I if split_i is None else W, i)
-                    raise _fail(schedule, f"rank {s % p} never runs {missing} (the other half of its split backward)", {})
+                    raise _fail(schedule, f"rank {schedule.rank_of(s)} never runs {missing} (the other half of its split backward)", {})
                 if split_w[1] < split_i[1]:
-                    raise _fail(schedule, f"rank {s % p} runs {s}W{i} before {s}I{i}", {s % p: split_w[1]})
+                    raise _fail(schedule, f"rank {schedule.rank_of(s)} runs {s}W{i} before {s}I{i}", {schedule.rank_of(s): split_w[1]})
                 b = split_i  # I plays B's part below: after F (and after R)
             if f is None or b is None:
                 missing = Action(s, F if f is None else B, i)
-                raise _fail(schedule, f"rank {s % p} never runs {missing}", {})
+                raise _fail(schedule, f"rank {schedule.rank_of(s)} never runs {missing}", {})
             if b[1] < f[1]:
-                raise _fail(schedule, f"rank {s % p} runs {s}B{i} before {s}F{i}", {s % p: b[1]})
+                raise _fail(schedule, f"rank {schedule.rank_of(s)} runs {s}B{i} before {s}F{i}", {schedule.rank_of(s): b[1]})
             if r is not None and not f[1] < r[1] < b[1]:
                 raise _fail(
-                    schedule, f"rank {s % p} must run {s}R{i} after {s}F{i} and before {s}B{i}",
-                    {s % p: r[1]},
+                    schedule, f"rank {schedule.rank_of(s)} must run {s}R{i} after {s}F{i} and before {s}B{i}",
+                    {schedule.rank_of(s): r[1]},
                 )
 
 
 def _check_communication(schedule: Schedule, positions: dict[Key, tuple[int, int]]) -> None:
     """Exactly the sends and receives the boundaries need, each on the right side of its compute."""
-    p, m, stages = schedule.pipeline_parallel, schedule.micro_batches, schedule.virtual_stages
+    m, stages = schedule.micro_batches, schedule.virtual_stages
     # (p2p kind, stage) -> (compute it belongs to, must come after it?, peer stage offset)
     rules = {
         SF: (F, True, +1),
@@ -174,7 +174,7 @@ def _check_communication(schedule: Schedule, positions: dict[Key, tuple[int, int
                 if (needed.kind, needed.stage, needed.microbatch) not in positions:
                     raise _fail(
                         schedule,
-                        f"rank {needed.stage % p} lacks {needed}: stages {s} and {s + 1} are on "
+                        f"rank {schedule.rank_of(needed.stage)} lacks {needed}: stages {s} and {s + 1} are on "
                         f"different ranks, so micro-batch {i} must cross that boundary both ways",
                         {},
                     )

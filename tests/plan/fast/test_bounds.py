@@ -82,7 +82,7 @@ def test_the_evaluators_bound_holds_for_every_schedule():
     hardware = hardware_for(load_cluster("a100-8x8"), profile)
     request = PlanRequest(global_batch=16, schedules=["1f1b", "gpipe", "interleaved", "varuna", "2bw", "zb-h1"])
     specs = enumerate_specs(profile, hardware, search_space(request, profile, hardware), 8).specs
-    assert {spec.variant.kind for spec in specs} == set(ScheduleKind)
+    assert {spec.variant.kind for spec in specs} == set(ScheduleKind) - {ScheduleKind.ZBV}  # zbv: not planned yet
     evaluator = Evaluator(hardware, 16, reference=True)  # the bounds hold for the simulation itself
     tighter = 0
     for spec in random.Random(3).sample(specs, min(len(specs), 150)):

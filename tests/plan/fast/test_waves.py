@@ -99,7 +99,7 @@ def test_jitter_and_varuna_take_the_event_driven_path():
 @pytest.mark.parametrize("kind", list(ScheduleKind))
 @pytest.mark.parametrize("recompute", [False, True])
 def test_actions_per_step_counts_the_timed_actions(kind, recompute):
-    p, m, v = 3, 6, (2 if kind is ScheduleKind.INTERLEAVED else 1)
+    p, m, v = 3, 6, (2 if kind in (ScheduleKind.INTERLEAVED, ScheduleKind.ZBV) else 1)
     schedule = generate(kind, p, m, v, recompute)
     timed = sum(1 for actions in schedule.actions.values() for a in actions if not a.kind.is_p2p)
     assert actions_per_step(kind, p, m, v, recompute) == timed
