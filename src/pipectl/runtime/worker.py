@@ -48,6 +48,7 @@ from pipectl.artifacts.run import JobSpec, RankState, RankTiming, ResumeRecord, 
 from pipectl.errors import PipectlError, UserInputError
 from pipectl.io import load_model, read_mapping
 from pipectl.runtime import checkpoint, dsinit, recovery
+from pipectl.runtime.dsconfig import check_torch_candidate
 from pipectl.runtime.elastic import ds_config_for_candidate, plan_for_world_size
 from pipectl.runtime.failure import RankContext, failure_record, write_failure, write_resume
 from pipectl.runtime.history import record_layout_change
@@ -127,6 +128,9 @@ class TrainingJob:
         if world != candidate.devices:
             candidate = plan_for_world_size(plan, world)
             ds_config = ds_config_for_candidate(ds_config, candidate, plan.global_batch)
+        elif candidate.engine is Engine.TORCH:
+            # What launch checked, again: the run directory may have been edited since.
+            check_torch_candidate(candidate)
         data = job.data.source()
         return cls(
             model=job.model,
@@ -218,7 +222,7 @@ def build_engine(job: TrainingJob, initialise: bool = True, memory: Any = None):
 
 def build_torch_engine(job: TrainingJob):
     """Model and the rank's `TorchPipelineEngine` running the plan's schedule (1f1b, gpipe,
-    interleaved with v chunks, zb-h1) over the plan's virtual-stage cut, with the optimizer,
+    interleaved with v chunks, zb-h1, zbv) over the plan's virtual-stage cut, with the optimizer,
     clipping and learning-rate schedule of the run's DeepSpeed config; the process group is already
     up (`build_engine`). The session drives it as it drives a DeepSpeed engine: the same data,
     metrics and checkpoints (`engine_state` reads both)."""
@@ -226,7 +230,6 @@ def build_torch_engine(job: TrainingJob):
     from pipectl.runtime.torch_pipeline import OptimizerSettings, TorchPipelineEngine
 
     layout = job.layout
-    check_torch_layout(layout)
     if dsinit.cuda_available():
         raise UserInputError(
             "the torch engine trains on CPU ranks (gloo) only; this rank sees a GPU",
@@ -238,28 +241,6 @@ def build_torch_engine(job: TrainingJob):
     return model, TorchPipelineEngine(
         model, schedule, layout.stage_layers, settings, seed=job.seed, samples_per_step=layout.global_batch
     )
-
-
-def check_torch_layout(layout: Layout) -> None:
-    """What the torch engine runs: one pipeline (t = 1, d = 1), no recomputation of either kind, a
-    schedule torch's runtime executes, p x v stage ranges. Raises `UserInputError` naming the value."""
-    from pipectl.schedule import torch_runnable
-
-    problems = []
-    if layout.tensor_parallel != 1 or layout.data_parallel != 1 or layout.replica_shares:
-        problems.append(f"t{layout.tensor_parallel} d{layout.data_parallel} (it runs one pipeline: t = 1, d = 1)")
-    if layout.recompute or layout.checkpoint_layers:
-        problems.append("recomputation (" + ("whole stages" if layout.recompute else "per layer") + ")")
-    if not torch_runnable(layout.schedule):
-        problems.append(f"schedule {layout.schedule.value} (it runs 1f1b, gpipe, interleaved and zb-h1)")
-    stages = layout.pipeline_parallel * layout.chunks
-    if len(layout.stage_layers) != stages:
-        problems.append(f"{len(layout.stage_layers)} stage ranges for p{layout.pipeline_parallel} x v{layout.chunks} = {stages}")
-    if problems:
-        raise UserInputError(
-            "the torch engine (PyTorch's pipelining runtime) cannot run this layout: " + "; ".join(problems),
-            hint="re-plan with --engine torch (it plans only what that runtime runs) or --engine deepspeed",
-        )
 
 
 @contextmanager
