@@ -375,6 +375,17 @@ def test_a_save_every_rank_reported_is_committed_by_the_next_job_and_a_partial_o
     assert not partial.exists() and not errored.exists() and live.is_dir()
 
 
+def test_a_save_whose_commit_was_killed_while_writing_its_manifest_is_committed_whole(tmp_path):
+    """Rank 0 killed inside the manifest's atomic write leaves its temporary file in the staged
+    folder; the next job's commit must not carry it into the checkpoint, which would not load."""
+    staged = staged_save(tmp_path, 4)
+    (staged / f".{ckpt.MANIFEST_FILE}.k1ll3d.tmp").write_text("{")
+    committed = ckpt.recover_staged(tmp_path)
+    assert [p.name for p in committed] == ["step00000004"]
+    info = ckpt.verify_checkpoint(tmp_path / "checkpoints" / "step00000004")
+    assert info.verified and not ckpt.unloadable_problem(info), info.problems
+
+
 def test_a_save_that_does_not_fit_removes_old_checkpoints_but_never_the_newest_good_one(tmp_path, monkeypatch):
     import collections
 

@@ -262,6 +262,10 @@ def commit_tag(root: Path, staged: Path, tag: str, manifest: CheckpointManifest)
             shutil.rmtree(staged, ignore_errors=True)
             write_text_atomic(root / LATEST_FILE, tag)
             return final
+    # A writer killed while writing this manifest left its temporary file here (`io.temporary_file`);
+    # committed, the folder would hold a file its manifest does not list and never load.
+    for leftover in staged.glob(f".{MANIFEST_FILE}.*.tmp"):
+        leftover.unlink(missing_ok=True)
     write_json_atomic(staged / MANIFEST_FILE, manifest)
     if final.exists():  # re-saving a step (e.g. after a resume): move the old one aside first
         retired = staged.with_name(f"{tag}_retired")  # beside the staged copy: this writer's own
