@@ -35,7 +35,7 @@ def test_plan_engine_torch_chooses_and_names_the_engine(torch_plan):
     assert result.exit_code == 0, result.output
     written = load_model(Plan, out)
     assert written.request.engine is Engine.TORCH and written.chosen.engine is Engine.TORCH
-    assert written.chosen.schedule.value in ("zb-h1", "interleaved")
+    assert written.chosen.schedule.value in ("zb-h1", "zbv", "interleaved")
     header = next(line for line in result.output.splitlines() if "samp/s" in line)
     assert "engine" in header.split()
     assert "PyTorch's pipelining runtime" in result.output
@@ -113,12 +113,23 @@ def test_simulate_zbv_refuses_what_it_cannot_run(args, message):
     assert message in " ".join(result.output.split()) and "Traceback" not in result.output
 
 
-def test_plan_refuses_zbv_naming_it(torch_plan):
-    """The planner's per-rank figures place stages in a loop, not zbv's V: asked for zbv, it says so."""
+def test_plan_prices_zbv_and_simulate_reproduces_it(torch_plan, tmp_path):
+    """Asked for zb-h1 and zbv, the plan prices both (zbv placed as its V); a zbv plan's predicted
+    step is what `pipectl simulate` of the written plan gives."""
     _, _, profile = torch_plan
+    out = tmp_path / "zbv.json"
     result = runner.invoke(app, ["plan", "--profile", str(profile), "--cluster", "a100-8x8", "--devices", "8",
-                                 "--global-batch", "64", "--engine", "torch", "--schedules", "zb-h1,zbv", "--no-morph"],
-                           env={"COLUMNS": "200"})  # fmt: skip
-    assert result.exit_code == 2, result.output
-    assert "does not price the zbv schedule yet" in " ".join(result.output.split())
-    assert "Traceback" not in result.output
+                                 "--global-batch", "64", "--engine", "torch", "--schedule", "zbv", "--no-morph",
+                                 "-o", str(out)], env={"COLUMNS": "200"})  # fmt: skip
+    assert result.exit_code == 0, result.output
+    chosen = load_model(Plan, out).chosen
+    assert chosen.schedule.value == "zbv" and chosen.chunks == 2 and chosen.engine is Engine.TORCH
+    simulated = runner.invoke(app, ["simulate", str(out), "--json"])
+    assert simulated.exit_code == 0, simulated.output
+    assert json.loads(simulated.output)["step_seconds"] == pytest.approx(chosen.predicted_step_seconds, rel=1e-12)
+    both = runner.invoke(app, ["plan", "--profile", str(profile), "--cluster", "a100-8x8", "--devices", "8",
+                               "--global-batch", "64", "--engine", "torch", "--schedules", "zb-h1,zbv", "--no-morph",
+                               "--top", "40", "-o", str(tmp_path / "both.json")], env={"COLUMNS": "200"})  # fmt: skip
+    assert both.exit_code == 0, both.output
+    written = load_model(Plan, tmp_path / "both.json")
+    assert {c.schedule.value for c in [written.chosen, *written.candidates]} == {"zb-h1", "zbv"}

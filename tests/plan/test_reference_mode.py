@@ -22,7 +22,7 @@ from pipectl.profile.derive import derive_profile
 from pipectl.plan.timing import REFERENCE_ENV
 from pipectl.schedule import ScheduleKind
 
-EVERY_SCHEDULE = [k for k in ScheduleKind if k is not ScheduleKind.ZBV]  # every schedule the planner prices
+EVERY_SCHEDULE = list(ScheduleKind)  # every schedule the planner prices
 FIGURES = ("predicted_step_seconds", "samples_per_second", "tflops_per_device", "cost_per_million_samples")
 FRACTIONS = ("bubble_fraction", "communication_fraction")  # of the step: compared to 1e-12 absolute
 

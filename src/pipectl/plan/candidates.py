@@ -44,6 +44,7 @@ from pipectl.plan.memory import (
     FurthestFittingEnds,
     RangeMemory,
     StageMemory,
+    by_rank,
     in_flight_units,
     peak_bytes,
     sharded_transient_bytes,
@@ -53,7 +54,7 @@ from pipectl.plan.memory import (
     weight_versions,
 )
 from pipectl.plan.partition import candidate_values, greedy_cuts, min_bottlenecks, prefix_sums, uniform_cuts
-from pipectl.schedule import ScheduleKind, deepspeed_runnable, torch_runnable
+from pipectl.schedule import ScheduleKind, deepspeed_runnable, stage_ranks, torch_runnable
 
 
 class Rejection(str, Enum):
@@ -64,6 +65,7 @@ class Rejection(str, Enum):
     MEMORY = "a stage does not fit in device memory"
     INTERLEAVED_MICRO_BATCHES = "interleaved schedule needs micro-batches to be a multiple of p"
     TWO_BW_MICRO_BATCHES = "PipeDream-2BW with two weight versions needs at least p - 1 micro-batches per update"
+    ZBV_MICRO_BATCHES = "zbv needs at least 2p - 1 micro-batches per replica"
     SHARDED_GRADIENTS_UNEVEN = "ZeRO-2/3 reduce after every micro-batch: replicas must run as many"
     TOO_FEW_LAYERS = "fewer layers than (virtual) stages"
     DEADLINE = "misses the deadline"
@@ -99,6 +101,8 @@ class Shape:
     recompute_seconds: np.ndarray
     send_lower_bound: np.ndarray  # len p*v - 1: the cheaper link's transfer time
     parameters_per_rank: np.ndarray  # after the tensor split
+    # Virtual stages placed as a V (zbv: rank k holds stages k and 2p - 1 - k), not in a loop.
+    v_placement: bool = False
     # Figures derived from the cut alone (chains, work per rank, tied groups), computed on first
     # need: every spec of this shape reads the same ones.
     _derived: dict = field(default_factory=dict, repr=False)
@@ -110,8 +114,12 @@ class Shape:
     def work_per_rank(self, recomputes: Sequence[bool]) -> np.ndarray:
         """Per rank: one micro-batch's F + B (+ R where the schedule recomputes that stage)."""
         per_stage = self.forward + self.backward + np.where(recomputes, self.recompute_seconds, 0.0)
-        p = self.pipeline_parallel
-        return per_stage.reshape(self.chunks, p).sum(axis=0)
+        return by_rank(per_stage, self.pipeline_parallel, self.v_placement).sum(axis=0)
+
+    @property
+    def stage_ranks(self) -> tuple[int, ...]:
+        """The rank of each virtual stage (`pipectl.schedule.ir.stage_ranks`)."""
+        return stage_ranks(self.virtual_stages, self.pipeline_parallel, self.v_placement)
 
 
 class SpecFigures:
@@ -336,33 +344,41 @@ class ShapeBuilder:
             self._bottlenecks[key] = min_bottlenecks(work, range(1, self.layers + 1))
         return self._bottlenecks[key][stages]
 
-    def has_shape(self, t: int, b: int, recompute: bool, p: int, v: int, from_right: bool = False) -> bool:
+    def has_shape(
+        self, t: int, b: int, recompute: bool, p: int, v: int, from_right: bool = False, v_placement: bool = False
+    ) -> bool:
         """Whether `shape(...)` of these arguments is built already."""
-        return (t, b, recompute, p, v, from_right) in self._shapes
+        return (t, b, recompute, p, v, from_right, v_placement) in self._shapes
 
-    def shape(self, t: int, b: int, recompute: bool, p: int, v: int, from_right: bool = False) -> Shape:
-        key = (t, b, recompute, p, v, from_right)
+    def shape(
+        self, t: int, b: int, recompute: bool, p: int, v: int, from_right: bool = False, v_placement: bool = False
+    ) -> Shape:
+        """The balanced cut into p*v stages (the same cut for either placement; the per-rank
+        figures differ: `v_placement` places the stages as zbv's V)."""
+        key = (t, b, recompute, p, v, from_right, v_placement)
         shape = self._shapes.get(key)
         if shape is None:
             prefix = self._work_prefix(t, b, recompute)
             cuts = greedy_cuts(prefix, p * v, self.bottleneck(t, b, recompute, p * v), from_right=from_right)
             if cuts is None:  # pragma: no cover - min_bottlenecks guarantees a cut exists
                 raise RuntimeError(f"no {p * v}-stage cut at the optimal bottleneck")
-            shape = self.shape_from_cuts(t, b, recompute, p, v, cuts)
+            shape = self.shape_from_cuts(t, b, recompute, p, v, cuts, v_placement=v_placement)
             self._shapes[key] = shape
         return shape
 
-    def uniform_shape(self, t: int, b: int, recompute: bool, p: int, v: int) -> Shape | None:
+    def uniform_shape(self, t: int, b: int, recompute: bool, p: int, v: int, v_placement: bool = False) -> Shape | None:
         """The shape of the engine's even split of the blocks over p x v virtual stages
         (`partition.uniform_cuts`), or None where the model has fewer blocks than stages, or, for
         an interleaved pipeline (v > 1), where the blocks do not divide by p x v (Megatron asks
         the layers of a stage to divide into its chunks)."""
-        key = (t, b, recompute, p, v, "uniform")
+        key = (t, b, recompute, p, v, "uniform", v_placement)
         if key not in self._shapes:
             kinds = layer_table(self.profile, b, t).kinds
             blocks = sum(1 for kind in kinds if kind == TRANSFORMER_BLOCK)
             cuts = None if v > 1 and blocks % (p * v) else uniform_cuts(kinds, p * v)
-            self._shapes[key] = None if cuts is None else self.shape_from_cuts(t, b, recompute, p, v, cuts)  # type: ignore[assignment]
+            self._shapes[key] = (  # type: ignore[assignment]
+                None if cuts is None else self.shape_from_cuts(t, b, recompute, p, v, cuts, v_placement=v_placement)
+            )
         return self._shapes[key]
 
     def work(self, t: int, b: int, recompute: bool) -> list[float]:
@@ -406,7 +422,8 @@ class ShapeBuilder:
         return arrays
 
     def shape_from_cuts(
-        self, t: int, b: int, recompute: Recompute | bool, p: int, v: int, cuts: Sequence[tuple[int, int]]
+        self, t: int, b: int, recompute: Recompute | bool, p: int, v: int, cuts: Sequence[tuple[int, int]],
+        v_placement: bool = False,
     ) -> Shape:
         recompute = Recompute(recompute)
         seconds = self.seconds(b, t)
@@ -427,7 +444,7 @@ class ShapeBuilder:
         sends = fastest.latency_seconds + output_bytes[ends[:-1] - 1] / fastest.bandwidth_bytes_per_second
         memory = StageMemory.build(
             table, cuts, tensor_parallel=t, recompute=recompute, pipeline_parallel=p,
-            rows=self.range_memory(t, b), bounds=bounds,
+            rows=self.range_memory(t, b), bounds=bounds, v_placement=v_placement,
         )
         return Shape(
             tensor_parallel=t,
@@ -444,6 +461,7 @@ class ShapeBuilder:
             recompute_seconds=forward.copy(),
             send_lower_bound=sends,
             parameters_per_rank=memory.parameters,
+            v_placement=v_placement,
         )
 
 
@@ -525,8 +543,8 @@ def data_parallel_costs(
         # Measured engine terms, or another engine's overlap: `costs`' own formula, rank by rank,
         # the overlap windows each rank's one micro-batch of backward and of forward.
         backward_window, forward_window = np.zeros(p), np.zeros(p)
-        np.add.at(backward_window, np.arange(len(shape.backward)) % p, shape.backward)
-        np.add.at(forward_window, np.arange(len(shape.forward)) % p, shape.forward)
+        np.add.at(backward_window, np.array(shape.stage_ranks), shape.backward)
+        np.add.at(forward_window, np.array(shape.stage_ranks), shape.forward)
         allreduce_list, optimizer_list = data_parallel_seconds(
             [float(x) for x in held], hardware, pipeline_parallel=p, tensor_parallel=t,
             data_parallel=d, zero_stage=zero_stage, element_bytes=element,
@@ -610,8 +628,9 @@ def _tied_groups_of(shape: Shape) -> tuple[tuple[tuple[int, ...], int], ...]:
         for position, index in enumerate(table.shared_layer_indices)
         if 0 <= index < stages[-1][1]
     )
+    ranks = shape.stage_ranks
     for stage, _, index in holders:
-        groups.setdefault(table.shared_group[index], set()).add(stage % p)  # type: ignore[arg-type]
+        groups.setdefault(table.shared_group[index], set()).add(ranks[stage])  # type: ignore[arg-type]
         sizes[table.shared_group[index]] = table.shared_parameter_count[index]  # type: ignore[index]
     return tuple((tuple(sorted(ranks)), sizes[group]) for group, ranks in groups.items() if len(ranks) >= 2)
 

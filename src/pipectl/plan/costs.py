@@ -106,8 +106,9 @@ from pipectl.catalog import DTYPE_BYTES, GIB, DeviceSpec, get_device, load_catal
 from pipectl.cluster import LinkCost, ResolvedLinks, price_per_device_hour, resolve_links
 from pipectl.errors import UserInputError
 from pipectl.plan.layer_table import LayerTable, interpolate, layer_table
-from pipectl.plan.memory import MemoryBudget
+from pipectl.plan.memory import MemoryBudget, parameters_on_rank
 from pipectl.plan.simulate import StageCosts
+from pipectl.schedule import ScheduleKind, stage_ranks
 
 # Bytes of memory traffic per parameter of one Adam step (read 4+4+4+2, write 4+4+4+2).
 ADAM_BYTES_PER_PARAMETER = 28
@@ -529,8 +530,10 @@ def stage_costs(
     seconds: LayerSeconds | None = None,
     micro_batches: int = 1,
     checkpoint_layers: bool = False,
+    v_placement: bool = False,
 ) -> StageCosts:
-    """The simulator's `StageCosts` for one candidate; `stage_layers` holds p*v virtual stages.
+    """The simulator's `StageCosts` for one candidate; `stage_layers` holds p*v virtual stages,
+    stage s on rank s % p, or placed as zbv's V with `v_placement` (`pipectl.schedule.ir.stage_rank`).
     `micro_batches`: the step's m, which only ZeRO-2/3's per-micro-batch collectives read.
     `checkpoint_layers`: each backward recomputes its layers' forwards first (per-layer
     activation checkpointing), so it costs their forward time more (`ShapeBuilder.shape_from_cuts`)."""
@@ -540,6 +543,7 @@ def stage_costs(
     seconds = seconds or layer_seconds(table, hardware, t)
     n = hardware.devices_per_node
     links = hardware.links
+    ranks = stage_ranks(len(stage_layers), p, v_placement)
 
     slowdown = host_compute_slowdown(hardware, t * p * d)
     forward = [seconds.stage_forward(s, e) * slowdown for s, e in stage_layers]
@@ -552,7 +556,7 @@ def stage_costs(
     jitter = 0.0
     for stage in range(len(stage_layers) - 1):
         crossing = table.output_activation_bytes[stage_layers[stage][1] - 1]
-        inside = ranks_share_node(stage % p, (stage + 1) % p, p, t, d, n)
+        inside = ranks_share_node(ranks[stage], ranks[stage + 1], p, t, d, n)
         link = links.intra if inside else links.inter
         jitter = max(jitter, link.jitter_seconds)
         sends.append(link.seconds(crossing))
@@ -564,18 +568,18 @@ def stage_costs(
             zero_stage=zero_stage, micro_batches=micro_batches, element_bytes=element_bytes, slowdown=slowdown,
         )  # fmt: skip
     else:
-        parameters = _parameters_per_rank(table, stage_layers, p)
+        parameters = _parameters_per_rank(table, stage_layers, p, ranks)
         backward_window, forward_window = [0.0] * p, [0.0] * p
         for stage in range(len(stage_layers)):  # one micro-batch's backward and forward of each rank
-            backward_window[stage % p] += backward[stage]
-            forward_window[stage % p] += forward[stage]
+            backward_window[ranks[stage]] += backward[stage]
+            forward_window[ranks[stage]] += forward[stage]
         allreduce, optimizer = data_parallel_seconds(
             [held / table.divisor(t) for held in parameters], hardware, pipeline_parallel=p, tensor_parallel=t,
             data_parallel=d, zero_stage=zero_stage, element_bytes=element_bytes,
             backward_window=backward_window, forward_window=forward_window,
         )  # fmt: skip
     optimizer = [end_of_step * slowdown for end_of_step in optimizer]
-    tied = _tied_allreduce_seconds(table, stage_layers, p, t, d, n, links, element_bytes, hardware)
+    tied = _tied_allreduce_seconds(table, stage_layers, ranks, p, t, d, n, links, element_bytes, hardware)
     for rank, extra in tied.items():
         allreduce[rank] += extra
 
@@ -777,16 +781,21 @@ def sharded_data_parallel_seconds(
     return [communication], [optimizer]
 
 
-def _parameters_per_rank(table: LayerTable, stage_layers: Sequence[tuple[int, int]], p: int) -> list[int]:
-    held = [0] * p
+def _parameters_per_rank(
+    table: LayerTable, stage_layers: Sequence[tuple[int, int]], p: int, ranks: Sequence[int]
+) -> list[int]:
+    """Parameters per rank (virtual stage s on rank `ranks[s]`), a shared group once per rank
+    (`memory.parameters_on_rank`: zbv's rank 0 holds the tied embedding and head)."""
+    chunks_of: list[list[tuple[int, int, int]]] = [[] for _ in range(p)]
     for stage, (start, end) in enumerate(stage_layers):
-        held[stage % p] += table.parameters(start, end)
-    return held
+        chunks_of[ranks[stage]].append((stage, start, end))
+    return [parameters_on_rank(table, chunks) for chunks in chunks_of]
 
 
 def _tied_allreduce_seconds(
     table: LayerTable,
     stage_layers: Sequence[tuple[int, int]],
+    ranks: Sequence[int],
     p: int,
     t: int,
     d: int,
@@ -802,7 +811,7 @@ def _tied_allreduce_seconds(
         for index in table.shared_layer_indices:
             if start <= index < end:
                 group = table.shared_group[index]
-                holders.setdefault(group, set()).add(stage % p)  # type: ignore[arg-type]
+                holders.setdefault(group, set()).add(ranks[stage])  # type: ignore[arg-type]
                 shared_count[group] = table.shared_parameter_count[index]  # type: ignore[index]
     extra: dict[int, float] = {}
     for group, ranks in holders.items():
@@ -856,6 +865,7 @@ def stage_costs_for(
         zero_stage=candidate.zero_stage,
         micro_batches=candidate.micro_batches,
         checkpoint_layers=candidate.checkpoint_layers,
+        v_placement=ScheduleKind(candidate.schedule).v_placement,
     )
 
 

@@ -33,7 +33,7 @@ from pipectl.plan.costs import Hardware, host_compute_slowdown, ranks_share_node
 from pipectl.plan.fast import bounds, varuna_flags, waves
 from pipectl.plan.simulate import StageCosts, StepSummary
 from pipectl.plan.timing import actions_per_step, reference_mode, step_seconds_of, summary_of, two_bw_summary_of
-from pipectl.schedule import ScheduleKind, deepspeed_runnable
+from pipectl.schedule import ScheduleKind, deepspeed_runnable, stage_ranks
 from pipectl.words import count
 
 TWO_BW_NOTE = "PipeDream-2BW: 1-stale weight updates (a different optimizer than data-parallel Adam)"
@@ -85,7 +85,7 @@ def costs_of(spec: Spec, hardware: Hardware) -> StageCosts:
     p, t, d = shape.pipeline_parallel, shape.tensor_parallel, spec.data_parallel
     sends = []
     jitter = 0.0
-    inside_node = _boundaries_inside_node(len(shape.stage_layers), p, t, d, hardware.devices_per_node)
+    inside_node = _boundaries_inside_node(len(shape.stage_layers), p, t, d, hardware.devices_per_node, shape.v_placement)
     for (_, end), inside in zip(shape.stage_layers[:-1], inside_node):
         link = hardware.links.intra if inside else hardware.links.inter
         jitter = max(jitter, link.jitter_seconds)
@@ -107,9 +107,13 @@ def costs_of(spec: Spec, hardware: Hardware) -> StageCosts:
 
 
 @lru_cache(maxsize=4096)
-def _boundaries_inside_node(stages: int, p: int, t: int, d: int, devices_per_node: int) -> tuple[bool, ...]:
-    """Per stage boundary s → s + 1: whether the two ranks share a node (`ranks_share_node`)."""
-    return tuple(ranks_share_node(stage % p, (stage + 1) % p, p, t, d, devices_per_node) for stage in range(stages - 1))
+def _boundaries_inside_node(
+    stages: int, p: int, t: int, d: int, devices_per_node: int, v_placement: bool = False
+) -> tuple[bool, ...]:
+    """Per stage boundary s → s + 1: whether the two ranks share a node (`ranks_share_node`;
+    zbv's turn, stages p − 1 and p on one rank, does)."""
+    ranks = stage_ranks(stages, p, v_placement)
+    return tuple(ranks_share_node(ranks[stage], ranks[stage + 1], p, t, d, devices_per_node) for stage in range(stages - 1))
 
 
 class Evaluator:

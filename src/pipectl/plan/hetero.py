@@ -241,7 +241,8 @@ def uneven_split(
     total = B // b
     kinds = [
         (kind, hardware, ShapeBuilder(mine, hardware).shape_from_cuts(
-            t, b, template.recompute_granularity, p, template.chunks, [tuple(s) for s in template.stage_layers]), replicas)
+            t, b, template.recompute_granularity, p, template.chunks, [tuple(s) for s in template.stage_layers],
+            v_placement=variant.kind.v_placement), replicas)
         for kind, hardware, mine, replicas in _pools(cluster, profile, kind_profiles, t, p, request.memory_headroom)
     ]  # fmt: skip
     if len(kinds) < 2:
@@ -358,6 +359,7 @@ def replica_stage_costs(
         hardware, mine = priced[kind]
         costs = stage_costs(mine, hardware, candidate.stage_layers, micro_batch_size=candidate.micro_batch_size,
                             tensor_parallel=t, data_parallel=candidate.data_parallel, pipeline_parallel=p,
-                            zero_stage=candidate.zero_stage, checkpoint_layers=candidate.checkpoint_layers)  # fmt: skip
+                            zero_stage=candidate.zero_stage, checkpoint_layers=candidate.checkpoint_layers,
+                            v_placement=ScheduleKind(candidate.schedule).v_placement)  # fmt: skip
         result.append((kind, micro_batches, costs))
     return result

@@ -306,8 +306,8 @@ def plan_homogeneous(
     if engine is Engine.TORCH and not chosen_entry[1].runs_on(engine):
         if ranking.best_runnable is None:
             raise InfeasibleError(
-                "no candidate PyTorch's pipelining runtime can run fits (it runs 1f1b, gpipe, interleaved and "
-                f"zb-h1 without recomputation, tensor or data parallelism; best: {chosen_entry[1].describe()})",
+                "no candidate PyTorch's pipelining runtime can run fits (it runs 1f1b, gpipe, interleaved, "
+                f"zb-h1 and zbv without recomputation, tensor or data parallelism; best: {chosen_entry[1].describe()})",
                 hint="plan with --engine deepspeed (or --engine any to see what fits)",
             )
         plan_notes.append(_fallback_note(goal, chosen_entry, ranking.best_runnable,

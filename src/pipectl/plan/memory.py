@@ -121,7 +121,7 @@ import numpy as np
 
 from pipectl.artifacts.plan import Recompute
 from pipectl.plan.layer_table import LayerTable
-from pipectl.schedule.ir import ActionKind, Schedule, ScheduleKind
+from pipectl.schedule.ir import ActionKind, Schedule, ScheduleKind, stage_ranks
 
 GIB = 1024**3
 
@@ -372,8 +372,10 @@ class StageMemory:
         pipeline_parallel: int | None = None,
         rows: "RangeMemory | None" = None,
         bounds: np.ndarray | None = None,
+        v_placement: bool = False,
     ) -> "StageMemory":
-        """Per-rank figures; virtual stage s (of p*v) lives on rank s % p.
+        """Per-rank figures; virtual stage s (of p*v) lives on rank s % p, or as a V with
+        `v_placement` (`pipectl.schedule.ir.stage_rank`: rank k holds stages k and 2p - 1 - k).
 
         `rows` (the same table's `RangeMemory` at this t) reads every stage from it at once unless
         a rank holds two layers of one shared group; `bounds` is `stage_layers` as a (stages, 2)
@@ -384,36 +386,36 @@ class StageMemory:
         p = pipeline_parallel or len(stage_layers)
         last = len(stage_layers) - 1
         divisor = table.divisor(tensor_parallel)  # t for whole layers, 1 for one tensor rank's figures
-        if rows is not None and len(stage_layers) % p == 0 and _no_shared_group_twice_per_rank(table, stage_layers, p):
+        ranks = stage_ranks(len(stage_layers), p, v_placement)
+        if rows is not None and len(stage_layers) % p == 0 and _no_shared_group_twice_per_rank(table, stage_layers, ranks):
             # Every chunk at once: the same figures as the loop below. Parameter counts are whole
             # numbers below 2**53 in float64, so their sums, and the sums over t, are exact.
             if bounds is None:
                 bounds = np.array(stage_layers, dtype=np.intp)
             starts, ends = bounds[:, 0], bounds[:, 1]
-            chunks = len(stage_layers) // p
             prefix = rows.parameter_prefix
-            parameters = (prefix[ends] - prefix[starts]).reshape(chunks, p).sum(axis=0) / divisor
+            parameters = by_rank(prefix[ends] - prefix[starts], p, v_placement).sum(axis=0) / divisor
             full = rows.saved_matrix[starts, ends]
             if recompute is Recompute.LAYER:
-                unit = rows.layer_input_matrix[starts, ends].reshape(chunks, p).max(axis=0)
-                buffer = rows.largest_saved_matrix[starts, ends].reshape(chunks, p).max(axis=0)
+                unit = by_rank(rows.layer_input_matrix[starts, ends], p, v_placement).max(axis=0)
+                buffer = by_rank(rows.largest_saved_matrix[starts, ends], p, v_placement).max(axis=0)
             else:
                 recomputes = (
                     np.arange(last + 1) != last if recompute is Recompute.STAGE else np.zeros(last + 1, dtype=bool)
                 )
-                unit = np.where(recomputes, rows.input_array[starts], full).reshape(chunks, p).max(axis=0)
-                buffer = np.where(recomputes, full, 0.0).reshape(chunks, p).max(axis=0)
-            working = rows.working_matrix[starts, ends].reshape(chunks, p).max(axis=0)
+                unit = by_rank(np.where(recomputes, rows.input_array[starts], full), p, v_placement).max(axis=0)
+                buffer = by_rank(np.where(recomputes, full, 0.0), p, v_placement).max(axis=0)
+            working = by_rank(rows.working_matrix[starts, ends], p, v_placement).max(axis=0)
             return cls(parameters, unit, buffer, working)
         chunks_of: list[list[tuple[int, int, int]]] = [[] for _ in range(p)]
         for stage, (start, end) in enumerate(stage_layers):
-            chunks_of[stage % p].append((stage, start, end))
+            chunks_of[ranks[stage]].append((stage, start, end))
         parameters = np.zeros(p)
         unit = np.zeros(p)
         buffer = np.zeros(p)
         working = np.zeros(p)
         for rank, chunks in enumerate(chunks_of):
-            parameters[rank] = _parameters_on_rank(table, chunks) / divisor
+            parameters[rank] = parameters_on_rank(table, chunks) / divisor
             for stage, start, end in chunks:
                 full = table.saved(start, end) / divisor
                 if recompute is Recompute.LAYER:
@@ -472,22 +474,36 @@ def stage_holding(stage_layers: Sequence[tuple[int, int]], index: int) -> int:
     return bisect_right(stage_layers, (index, math.inf)) - 1
 
 
-def _no_shared_group_twice_per_rank(table: LayerTable, stage_layers: Sequence[tuple[int, int]], p: int) -> bool:
-    """Whether no rank (virtual stage s on rank s % p) holds two layers of one shared group (a
+def by_rank(per_stage: np.ndarray, p: int, v_placement: bool = False) -> np.ndarray:
+    """Per-virtual-stage figures as a (chunks, p) matrix whose column k holds rank k's chunks
+    (`stage_ranks`): in a loop, row c is stages c·p .. c·p + p − 1; as a V, every odd row reversed.
+
+    >>> by_rank(np.arange(6), 3).tolist(), by_rank(np.arange(6), 3, v_placement=True).tolist()
+    ([[0, 1, 2], [3, 4, 5]], [[0, 1, 2], [5, 4, 3]])
+    """
+    matrix = per_stage.reshape(-1, p)
+    if v_placement:
+        matrix = matrix.copy()
+        matrix[1::2] = matrix[1::2, ::-1]
+    return matrix
+
+
+def _no_shared_group_twice_per_rank(table: LayerTable, stage_layers: Sequence[tuple[int, int]], ranks: Sequence[int]) -> bool:
+    """Whether no rank (virtual stage s on rank `ranks[s]`) holds two layers of one shared group (a
     tied embedding): then each chunk's parameters are its layers' and a rank's are their sum."""
     shared = table.shared_layer_indices
     if len(shared) < 2:
         return True
     holders: set[tuple[str, int]] = set()
     for index in shared:
-        holder = (table.shared_group[index], stage_holding(stage_layers, index) % p)
+        holder = (table.shared_group[index], ranks[stage_holding(stage_layers, index)])
         if holder in holders:
             return False
         holders.add(holder)  # type: ignore[arg-type]
     return True
 
 
-def _parameters_on_rank(table: LayerTable, chunks: list[tuple[int, int, int]]) -> int:
+def parameters_on_rank(table: LayerTable, chunks: list[tuple[int, int, int]]) -> int:
     """Parameters over a rank's chunks; a shared group (tied embedding) is held once per rank."""
     total = sum(table.parameters(start, end) for _, start, end in chunks)
     if len(chunks) > 1 and table.shared_layer_indices:

@@ -7,7 +7,9 @@ B/b, else ⌈·⌉ or ⌊·⌋ (`balanced_shares`, VirtualFlow's uneven virtual 
 with ⌈·⌉, sets the step and the memory), so B is never rounded and every device count has
 candidates. Schedules 1f1b, gpipe, interleaved (v ∈ {2, 4} when p*v ≤ layers and p | m on every
 replica) and Varuna; PipeDream-2BW only when asked for (always flagged; m ≥ p − 1 on every replica,
-else rejected: two weight versions need it). ZeRO stages as asked, 2
+else rejected: two weight versions need it). For PyTorch's pipelining runtime (engine torch) also
+zb-h1 and zbv (v = 2, its stages placed as a V: `Shape.v_placement`, which the per-rank memory,
+parameters and costs read; m ≥ 2p − 1 on every replica, else rejected). ZeRO stages as asked, 2
 and 3 at p = 1 only (DeepSpeed's pipeline engine refuses them with p > 1, so deeper pipelines
 never get those points: they are outside the space, not rejected), flagged with a tensor split
 (pipectl's runtime trains them in DeepSpeed's ordinary engine with one stage and t = 1).
@@ -57,7 +59,7 @@ from pipectl.plan.layer_table import layer_table
 from pipectl.plan.memory import format_gib, in_flight_units
 from pipectl.plan.partition import balanced_partition
 from pipectl.plan.workers import share
-from pipectl.schedule import ScheduleKind
+from pipectl.schedule import ScheduleKind, stage_ranks
 from pipectl.words import count
 
 DEFAULT_SCHEDULES = (ScheduleKind.ONE_F_ONE_B, ScheduleKind.GPIPE, ScheduleKind.INTERLEAVED, ScheduleKind.VARUNA)
@@ -65,7 +67,8 @@ DEFAULT_SCHEDULES = (ScheduleKind.ONE_F_ONE_B, ScheduleKind.GPIPE, ScheduleKind.
 # bubble. Not for engine any (--any-engine), whose search spans every layout and keeps today's
 # schedules: zb-h1 is timed by a direct walk (`pipectl.plan.fast.zero_bubble`), not in waves, and
 # GPT-3 175B on a100-384x8 took 14.6 s with it against 9.9 s; list it in --schedules to price it.
-DEEPSPEED_FREE_SCHEDULES = (ScheduleKind.ZB_H1,)
+DEEPSPEED_FREE_SCHEDULES = (ScheduleKind.ZB_H1, ScheduleKind.ZBV)
+ZBV_CHUNKS = 2  # zbv's stages per rank
 
 
 def tensor_parallel_possible(profile: ModelProfile, t: int) -> bool:
@@ -90,20 +93,12 @@ def search_space(request: PlanRequest, profile: ModelProfile, hardware: Hardware
     bs = (request.micro_batch_size,) if request.micro_batch_size else tuple(profile.micro_batch_sizes)
     defaults = DEFAULT_SCHEDULES + DEEPSPEED_FREE_SCHEDULES if request.target_engine is Engine.TORCH else DEFAULT_SCHEDULES
     kinds = [request.schedule] if request.schedule else list(request.schedules or defaults)
-    if ScheduleKind.ZBV in kinds:
-        # The per-rank memory, parameter and all-reduce figures of the search place virtual stage
-        # s on rank s % p; zbv's V (rank k holds stages k and 2p - 1 - k, the embedding and the
-        # head both on rank 0) is not priced there yet.
-        raise UserInputError(
-            "the planner does not price the zbv schedule yet: its per-rank memory and costs place stages "
-            "in a loop (s % p), not in zbv's V",
-            hint="time it with pipectl simulate --schedule zbv --pipeline-parallel P --micro-batches M; "
-                 "plan with zb-h1 or interleaved",
-        )
     variants: list[ScheduleVariant] = []
     for kind in kinds:
         if kind is ScheduleKind.INTERLEAVED:
             variants += [ScheduleVariant(kind, v) for v in sorted(set(request.chunks))]
+        elif kind is ScheduleKind.ZBV:
+            variants.append(ScheduleVariant(kind, ZBV_CHUNKS))  # two stages per rank, placed as a V
         else:
             variants.append(ScheduleVariant(kind))
     return SearchSpace(
@@ -208,7 +203,7 @@ class _PortableUnit:
 
 def _cut_of(shape: Shape) -> tuple:
     return (shape.tensor_parallel, shape.micro_batch_size, shape.recompute, shape.pipeline_parallel,
-            shape.chunks, shape.stage_layers)
+            shape.chunks, shape.stage_layers, shape.v_placement)
 
 
 @dataclass(frozen=True)
@@ -341,6 +336,14 @@ class _UnitContext:
         for d in sorted(ds, reverse=True):
             m = -(-B // (d * b))  # the most micro-batches a replica runs (`balanced_shares`)
             zeros, sharded = _zeros_split(d, space.zero_stages, p == 1)
+            if kind is ScheduleKind.ZBV and B // b // d < 2 * p - 1:
+                # Rank 0's warm-up runs 2p - 1 forwards before its first backward (`schedule.zbv`).
+                rejections.add(
+                    Rejection.ZBV_MICRO_BATCHES,
+                    f"t={t} p={p} d={d} b={b} zbv: {count(B // b // d, 'micro-batch')} < 2p - 1 = {2 * p - 1}",
+                    len(zeros) + len(sharded),
+                )
+                continue
             if kind is ScheduleKind.PIPEDREAM_2BW and B // b // d < p - 1:
                 # Two weight versions need m >= p - 1 on every replica (`pipectl.schedule.twobw`).
                 rejections.add(
@@ -362,7 +365,7 @@ class _UnitContext:
                     gradients_sharded.extend((d, m, zero) for zero in sharded)
             if not zeros:
                 continue
-            if v > 1 and (m % p or B % (d * b)):
+            if kind is ScheduleKind.INTERLEAVED and v > 1 and (m % p or B % (d * b)):
                 per_d.append((d, m, zeros, None, ()))
                 continue
             per_d.append((d, m, zeros, in_flight_units(kind, p, m, v), _state_bytes_of(dtype, zeros, d, kind)))
@@ -523,6 +526,9 @@ class _Family:
         self.builder = builder
         self.t, self.b, self.recompute, self.p, self.v = t, b, recompute, p, variant.chunks
         self.kind = variant.kind
+        self.v_placement = variant.kind.v_placement
+        # The rank of each virtual stage: s % p in a loop, zbv's V otherwise (`stage_ranks`).
+        self.ranks = stage_ranks(p * variant.chunks, p, self.v_placement)
         self.capacity = capacity
         self.stages = p * variant.chunks
         self._per_d = per_d  # (d, m, ZeRO stages, units or None, state bytes per ZeRO stage)
@@ -548,7 +554,7 @@ class _Family:
     @property
     def shape(self) -> Shape:
         if self._shape is None:
-            self._shape = self.builder.shape(self.t, self.b, self.recompute, self.p, self.v)
+            self._shape = self.builder.shape(self.t, self.b, self.recompute, self.p, self.v, v_placement=self.v_placement)
         return self._shape
 
     @property
@@ -557,14 +563,16 @@ class _Family:
 
     def balanced_cut_known(self) -> bool:
         """Whether the builder holds this pipeline's balanced cut already (built for another schedule)."""
-        return self.builder.has_shape(self.t, self.b, self.recompute, self.p, self.v)
+        return self.builder.has_shape(self.t, self.b, self.recompute, self.p, self.v, v_placement=self.v_placement)
 
     def cut_fits(self, index: int, from_right: bool) -> bool:
         """Whether the balanced (or right-filled) cut fits point `index`: `StageMemory.fits` for
         every point of the family at once on first asking (the same arithmetic per element)."""
         fits = self._fits.get(from_right)
         if fits is None:
-            shape = self.builder.shape(self.t, self.b, self.recompute, self.p, self.v, from_right=from_right)
+            shape = self.builder.shape(
+                self.t, self.b, self.recompute, self.p, self.v, from_right=from_right, v_placement=self.v_placement
+            )
             memory = shape.memory
             states = [state for _, _, _, units, per_device in self._per_d if units is not None for state in per_device]
             steps = [self.step_of[state] for state in states]
@@ -588,8 +596,7 @@ class _Family:
         rows_of = {keeps: ends.by_units(per_device, step, keeps) for keeps in set(self.keeps_input_only)}
         start = 0
         room = layers - stages  # the last end that leaves a layer for every later stage, before this one
-        # Virtual stage s lives on rank s % p: its units are `units * v`'s s-th.
-        for stage_units, keeps in zip(units * self.v, self.keeps_input_only):
+        for stage_units, keeps in zip(self.stage_units(units), self.keeps_input_only):
             room += 1
             row = rows_of[keeps].get(stage_units)
             if row is None:
@@ -609,7 +616,7 @@ class _Family:
         precomputed per-range rows, each answer memoised across the pipelines of this (t, b)."""
         ends, keeps = self.ends, self.keeps_input_only
         step = self.step_of[per_device]
-        units_of = units * self.v  # virtual stage s lives on rank s % p
+        units_of = self.stage_units(units)
         # Each stage's memo row, looked up once: the partitioner asks every stage several times.
         rows = [ends.row(per_device, step, stage_units, keep) for stage_units, keep in zip(units_of, keeps)]
 
@@ -620,6 +627,12 @@ class _Family:
             return end
 
         return furthest
+
+    def stage_units(self, units: tuple[int, ...]) -> tuple[int, ...]:
+        """Per virtual stage: its rank's in-flight units (stage s on rank s % p in a loop: `units * v`)."""
+        if self.v_placement:
+            return tuple(units[rank] for rank in self.ranks)
+        return units * self.v
 
     def without_cut_below(self, per_device: float, units: tuple[int, ...]) -> bool:
         return _dominates_one_of(per_device, units, self.without_cut)
@@ -643,7 +656,9 @@ def _fitting_shape(family: _Family, index: int, per_device: float, units: tuple[
     """
     builder = family.builder
     if builder.uniform_stages:
-        uniform = builder.uniform_shape(family.t, family.b, family.recompute, family.p, family.v)
+        uniform = builder.uniform_shape(
+            family.t, family.b, family.recompute, family.p, family.v, v_placement=family.v_placement
+        )
         if uniform is None or not uniform.memory.fits(per_device, family.step_of[per_device], units, family.capacity):
             return None
         return uniform
@@ -671,7 +686,7 @@ def _fitting_shape(family: _Family, index: int, per_device: float, units: tuple[
         return None
     builder, t, b, rec, p, v = family.builder, family.t, family.b, family.recompute, family.p, family.v
     if family.cut_fits(index, from_right=True):
-        return builder.shape(t, b, rec, p, v, from_right=True)
+        return builder.shape(t, b, rec, p, v, from_right=True, v_placement=family.v_placement)
     key = (round(per_device, 9), units)
     if key in family.fitted:
         return family.fitted[key]
@@ -691,7 +706,7 @@ def _fitting_shape(family: _Family, index: int, per_device: float, units: tuple[
         )
         if partition is not None:  # pragma: no branch - the memory-only pass above found a cut
             family.partitioned.append((per_device, units, partition.bottleneck_seconds))
-            candidate = builder.shape_from_cuts(t, b, rec, p, v, partition.stage_layers)
+            candidate = builder.shape_from_cuts(t, b, rec, p, v, partition.stage_layers, v_placement=family.v_placement)
             if candidate.memory.fits(per_device, family.step_of[per_device], units, family.capacity):
                 fitted = candidate
                 builder.memory_constrained_cuts += 1

@@ -18,7 +18,7 @@ from pipectl.schedule.generators import (
     zb_h1,
     zbv,
 )
-from pipectl.schedule.ir import Action, ActionKind, Schedule, ScheduleKind, stage_rank
+from pipectl.schedule.ir import Action, ActionKind, Schedule, ScheduleKind, stage_rank, stage_ranks
 from pipectl.schedule.twobw import (
     TwoBWSteadyState,
     simulate_two_bw_run,
@@ -87,4 +87,5 @@ __all__ = [
     "zb_h1",
     "zbv",
     "stage_rank",
+    "stage_ranks",
 ]

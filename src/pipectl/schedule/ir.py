@@ -15,7 +15,7 @@ rank s % p as its chunk s // p (device k holds chunks k, k+p, k+2p, ...: the "lo
 With v = 1 the virtual stage is the rank. The V-shaped schedule (`ScheduleKind.ZBV`, v = 2) places
 its stages as a V instead: stage s on rank s for s < p, on rank 2p − 1 − s otherwise, so rank k
 holds stages k and 2p − 1 − k, and the hand-off between stages p − 1 and p stays on rank p − 1.
-`stage_rank` is the one place that mapping is written.
+`stage_rank` is the one place that mapping is written (`stage_ranks`: every stage's at once).
 
 A `Schedule` maps every rank to its ordered list of actions for one optimizer step. Generators
 produce compute actions only (F, B, R, and the per-rank all-reduce and optimizer step); a separate
@@ -27,6 +27,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from enum import Enum
+from functools import lru_cache
 
 
 class ActionKind(str, Enum):
@@ -147,6 +148,16 @@ def stage_rank(stage: int, pipeline_parallel: int, v_placement: bool = False) ->
     if not v_placement:
         return stage % p
     return stage if stage < p else 2 * p - 1 - stage
+
+
+@lru_cache(maxsize=4096)
+def stage_ranks(stages: int, pipeline_parallel: int, v_placement: bool = False) -> tuple[int, ...]:
+    """`stage_rank` of every virtual stage 0..stages-1 (what the planner's per-rank sums read).
+
+    >>> stage_ranks(6, 3), stage_ranks(6, 3, v_placement=True)
+    ((0, 1, 2, 0, 1, 2), (0, 1, 2, 2, 1, 0))
+    """
+    return tuple(stage_rank(stage, pipeline_parallel, v_placement) for stage in range(stages))
 
 
 @dataclass(frozen=True)
