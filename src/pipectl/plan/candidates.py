@@ -53,7 +53,14 @@ from pipectl.plan.memory import (
     step_bytes_per_parameter,
     weight_versions,
 )
-from pipectl.plan.partition import candidate_values, greedy_cuts, min_bottlenecks, prefix_sums, uniform_cuts
+from pipectl.plan.partition import (
+    candidate_values,
+    greedy_cuts,
+    min_bottlenecks,
+    prefix_sums,
+    uniform_cuts,
+    v_balanced_cuts,
+)
 from pipectl.schedule import ScheduleKind, deepspeed_runnable, stage_ranks, torch_runnable
 
 
@@ -353,8 +360,8 @@ class ShapeBuilder:
     def shape(
         self, t: int, b: int, recompute: bool, p: int, v: int, from_right: bool = False, v_placement: bool = False
     ) -> Shape:
-        """The balanced cut into p*v stages (the same cut for either placement; the per-rank
-        figures differ: `v_placement` places the stages as zbv's V)."""
+        """The balanced cut into p*v stages: the slowest stage's optimum; with `v_placement`
+        (zbv's V) the cut whose slowest rank, two stages paired, is lightest, when that differs."""
         key = (t, b, recompute, p, v, from_right, v_placement)
         shape = self._shapes.get(key)
         if shape is None:
@@ -362,6 +369,8 @@ class ShapeBuilder:
             cuts = greedy_cuts(prefix, p * v, self.bottleneck(t, b, recompute, p * v), from_right=from_right)
             if cuts is None:  # pragma: no cover - min_bottlenecks guarantees a cut exists
                 raise RuntimeError(f"no {p * v}-stage cut at the optimal bottleneck")
+            if v_placement and not from_right:  # pair the stages per rank (`partition.v_balanced_cuts`)
+                cuts = v_balanced_cuts(prefix, p, cuts, stage_ranks(p * v, p, True))
             shape = self.shape_from_cuts(t, b, recompute, p, v, cuts, v_placement=v_placement)
             self._shapes[key] = shape
         return shape
