@@ -15,9 +15,10 @@ uninterrupted DeepSpeed 1F1B run (p = 2) of 12 steps is the reference:
   learning-rate schedule included.
 
 - zbv (p = 2, two chunks per rank placed as a V) launched from scratch for 4 steps gives its losses
-  and runs the planned order.
+  and runs the planned order; its checkpoint (rank 0 wrote stages 0 and 3, the tied embedding and
+  head once) resumes in DeepSpeed 1F1B with the reference's losses through step 8.
 
-Six launches in all, shared through module fixtures; two more under `slow` (torch 1f1b and gpipe).
+Seven launches in all, shared through module fixtures; two more under `slow` (torch 1f1b and gpipe).
 """
 
 from __future__ import annotations
@@ -131,7 +132,8 @@ def zb_h1_run(workspace):
 
 @pytest.fixture(scope="module")
 def zbv_run(workspace):
-    return train(ZBV, workspace / "zbv", FIRST_RESIZE)
+    """zbv from scratch for 4 steps; its plan resizes into DeepSpeed 1F1B."""
+    return train(ZBV, workspace / "zbv", FIRST_RESIZE, then=ONE_F_ONE_B)
 
 
 def test_interleaved_launch_gives_the_deepspeed_1f1b_losses_and_runs_the_planned_order(reference, interleaved_start):
@@ -186,3 +188,11 @@ def test_zbv_launch_gives_the_deepspeed_1f1b_losses_on_its_v(reference, zbv_run)
     assert_ran_the_planned_order(zbv_run, ZBV)
     for rank, stages in ((0, {"0", "3"}), (1, {"1", "2"})):
         assert {a[0] for a in (zbv_run / f"schedule_rank{rank}.txt").read_text().split()} == stages
+
+
+def test_a_zbv_checkpoint_resumes_in_deepspeed_1f1b_with_the_same_losses(reference, workspace, zbv_run):
+    run = resized(zbv_run, workspace / "zbv-to-deepspeed", SECOND_RESIZE)
+    records = read_metrics(run)
+    assert [m.step for m in records] == list(range(1, SECOND_RESIZE + 1))
+    assert {m.layout for m in records if m.step > FIRST_RESIZE} == {ONE_F_ONE_B_LAYOUT}
+    assert_same_losses(losses(run), reference[0], range(1, SECOND_RESIZE + 1))
