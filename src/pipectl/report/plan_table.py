@@ -26,8 +26,9 @@ STEADY = " (steady)"  # a 2bw row: priced per update in steady state, no flush
 
 
 def _schedule_label(candidate: Candidate) -> str:
+    """e.g. 'interleaved-2'; 'zbv', whose two chunks per rank are the schedule itself."""
     label = candidate.schedule.value
-    if candidate.chunks > 1:
+    if candidate.chunks > 1 and candidate.schedule is not ScheduleKind.ZBV:
         label += f"-{candidate.chunks}"
     return label
 
