@@ -23,6 +23,11 @@ the source of each published run) and, for every row:
    search, DeepSpeed-runnable schedules, ZeRO-1, the profile without the engine's features: what
    pipectl would launch) and reports its predicted step against the pinned prediction.
 
+Each pinned step is split on its busiest stage twice: as `pipectl status` shows phases (forward,
+backward, pipeline waits, end of step) and by cause (`pinned_phases.split`): compute, the exposed
+tensor-parallel collectives inside the forwards and backwards, pipeline waits (bubble and
+transfers), the exposed data-parallel collectives and the optimizer step.
+
 The device constants are configs/devices.yaml as committed; nothing is fitted to these rows. The
 error of each row is (predicted - published) / published. Prints a table and writes
 benchmarks/results/published_runs.json (rows, median and max absolute error over the rows with a
