@@ -635,7 +635,7 @@ def main() -> None:
             kind: {key: getattr(get_device(kind), key) for key in (
                 "peak_tflops_bf16", "memory_bandwidth_gbytes_per_second", "multiprocessors", "gemm_efficiency",
                 "attention_efficiency", "kernel_overhead_us", "intra_node_bandwidth_gbytes_per_second",
-                "inter_node_bandwidth_gbytes_per_second")}
+                "intra_node_allreduce_bandwidth_gbytes_per_second", "inter_node_bandwidth_gbytes_per_second")}
             for kind in sorted({r["device"] for r in results})
         },
         "rows": results,
