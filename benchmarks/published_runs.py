@@ -23,6 +23,11 @@ the source of each published run) and, for every row:
    search, DeepSpeed-runnable schedules, ZeRO-1, the profile without the engine's features: what
    pipectl would launch) and reports its predicted step against the pinned prediction.
 
+Each pinned step is split on its busiest stage twice: as `pipectl status` shows phases (forward,
+backward, pipeline waits, end of step) and by cause (`pinned_phases.split`): compute, the exposed
+tensor-parallel collectives inside the forwards and backwards, pipeline waits (bubble and
+transfers), the exposed data-parallel collectives and the optimizer step.
+
 The device constants are configs/devices.yaml as committed; nothing is fitted to these rows. The
 error of each row is (predicted - published) / published. Prints a table and writes
 benchmarks/results/published_runs.json (rows, median and max absolute error over the rows with a
@@ -32,6 +37,7 @@ published figure, per device kind, the constants and where they came from, comma
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import math
 import os
@@ -56,6 +62,8 @@ from pipectl.artifacts.profile import EngineFeatures  # noqa: E402
 from pipectl.catalog import get_device  # noqa: E402
 from pipectl.errors import PipectlError  # noqa: E402
 from pipectl.io import write_json_atomic  # noqa: E402
+from pipectl.plan.costs import hardware_for, layer_seconds, stage_costs_for  # noqa: E402
+from pipectl.plan.layer_table import layer_table  # noqa: E402
 from pipectl.plan.phases import simulated_phases  # noqa: E402
 from pipectl.plan.search import plan  # noqa: E402
 from pipectl.profile.derive import DEFAULT_SHARD_DEGREES, derive_profile  # noqa: E402
@@ -78,23 +86,41 @@ CONSTANTS_PROVENANCE = {
     "h100-80gb.gemm_efficiency = 0.74": (
         "FITTED: the one value that puts derived/measured forward and backward of 36 GEMM-bound H100 "
         "block shards (tests/profile/data/h100-block-shards.json, measured on one H100 SXM5) at a median "
-        "of 1.00 (commit c53a791). Used by every H100 row here; not fitted to any published run"
+        "of 1.00 (commit c53a791). Used by every H100 row here; not fitted to any published run. Below the "
+        "best matmul shape's burst on one H100 SXM, 794.5 TFLOP/s = 0.803 (Bekman's MAMF table)"
     ),
     "kernel_overhead_us = 40 (every device)": (
         "FITTED on the same H100 reference (the middle of its launch-bound floors, 29-67 us per kernel) "
         "and used for all devices; it matters only for small shards (launch-bound), not for these shapes"
     ),
-    "a100-40gb / a100-80gb.gemm_efficiency = 0.8": "ESTIMATE (catalog: 'about 80 % of the 312 TFLOP/s peak at the 400 W limit; not measured here'); not tuned",
+    "a100-40gb / a100-80gb.gemm_efficiency = 0.8": (
+        "ESTIMATE (catalog: 'about 80 % of the 312 TFLOP/s peak at the 400 W limit; not measured here'); not tuned. "
+        "Below the best matmul shape's burst on one A100 SXM with idle neighbours, 271.2 TFLOP/s = 0.869 (Bekman, "
+        "'Machine Learning Engineering', Maximum Achievable Matmul FLOPS table): no measurement found that puts "
+        "it lower"
+    ),
+    "a100 / h100 / h200.intra_node_allreduce_bandwidth_gbytes_per_second = 230 / 370 / 370": (
+        "MEASURED by others: NCCL's bus bandwidth inside an 8-GPU NVSwitch node, the NVLink line rate (300 / 450 GB/s) "
+        "less NCCL's protocol overhead (NCCL maintainer in https://github.com/NVIDIA/nccl-tests/issues/149 and /212; "
+        "232.5 and 368.8 GB/s measured in /175 and /309); prices the tensor-parallel collectives of every row with "
+        "t > 1. Not tuned"
+    ),
+    "v100-16gb / v100-32gb.gemm_efficiency = 0.66 (was 0.8, an estimate)": (
+        "MEASURED by others: cuBLAS fp16 GEMMs on V100 tensor cores 'up to 83 Tflops/s' of 125 (Markidis et al. 2018, "
+        "IPDPSW, abstract); 85 for an 8192^3 matmul (yaroslavvb/stuff matmul_benchmark_seq.py). Not tuned"
+    ),
     "a100.attention_efficiency = 0.6": "FlashAttention-2 paper (Dao 2023, 50-73 % of peak on A100); read only by flash attention (no A100 row here runs flash)",
-    "v100-32gb.gemm_efficiency = 0.8": "ESTIMATE (catalog: 'about 100 of 125 TFLOP/s at the 300 W limit'); not tuned",
     "v100-32gb.attention_efficiency = 0.3": "ESTIMATE (memory-efficient SDPA); read only by flash attention (the V100 rows run unfused)",
     "h100-80gb.attention_efficiency = 0.35": "FlashAttention-3 paper (Shah et al. 2024: FlashAttention-2 reaches 35 % of H100 peak)",
     "engine features (published_runs.yaml `engine`)": (
         "NOT constants and not tuned: what each run's engine did (vocabulary-parallel embedding and head, sequence "
-        "parallelism, fused kernels, dropout, the even split of the blocks, tensor-parallel and data-parallel overlap), "
-        "each read in the engine's code or scripts at the row's commit (the row's `engine.source`); rows whose engine "
-        "could not be read (llama3-*) are priced as pipectl's runtime runs them. The overlaps and the even split are "
-        "terms of the cost model (plan/costs.py, plan/partition.py), the rest of the derived profile "
+        "parallelism, fused kernels, dropout, the even split of the blocks, tensor-parallel and data-parallel overlap, "
+        "DeepSpeed's synchronous pipeline transfers), each read in the engine's code or scripts at the row's commit "
+        "(the row's `engine.source`), except llama3-*: Meta's engine is not public, its features are ASSUMED from "
+        "the paper's description (a pipeline balanced for a vocabulary-split output layer, FSDP-style overlapped "
+        "data parallelism) and from the tensor-parallel engines of 2024 (Megatron-Core; PyTorch's torchtitan Llama 3 "
+        "recipe), marked verified: false. The overlaps, the even split and the rendezvous transfers are terms of the "
+        "cost model (plan/costs.py, plan/partition.py, plan/simulate.py), the rest of the derived profile "
         "(profile/compute_model.py, profile/derive.py)"
     ),
     "efficiency_by_micro_batch curves": (
@@ -282,17 +308,54 @@ def pinned_plan(row: dict, profile, cluster: ClusterSpec, workers: int | None) -
     return chosen, why, dict(result.infeasible or {})
 
 
+def tensor_parallel_seconds(candidate: Candidate, profile, cluster: ClusterSpec, rank: int) -> float:
+    """The exposed tensor-parallel collectives in one step of pipeline rank `rank`: its layers'
+    forward and backward seconds (recomputed forwards included) priced as the planner prices them
+    (`plan.costs.layer_seconds`), less the same with collectives that cost nothing, times the
+    step's micro-batches."""
+    t = candidate.tensor_parallel
+    if t <= 1:
+        return 0.0
+    hardware = hardware_for(cluster, profile)
+    free = dataclasses.replace(hardware, links=dataclasses.replace(
+        hardware.links, allreduce_intra_latency_seconds=0.0, allreduce_intra_bandwidth_bytes_per_second=1e30))
+    table = layer_table(profile, candidate.micro_batch_size, t)
+    priced, bare = layer_seconds(table, hardware, t), layer_seconds(table, free, t)
+    p = candidate.pipeline_parallel
+    seconds = 0.0
+    for stage, (start, end) in enumerate(candidate.stage_layers):
+        if stage % p != rank:
+            continue
+        for timing, sign in ((priced, 1.0), (bare, -1.0)):
+            work = timing.stage_forward(start, end) + timing.stage_backward(start, end)
+            if candidate.recompute or candidate.checkpoint_layers:
+                work += (timing.stage_forward(start, end) if candidate.recompute
+                         else timing.recomputed_forward(start, end))
+            seconds += sign * work
+    return max(0.0, seconds) * candidate.micro_batches
+
+
 def phase_breakdown(candidate: Candidate, profile, cluster: ClusterSpec) -> dict:
     """Where the pinned step goes, on its busiest stage (the most forward + backward seconds):
     forward (recomputation included), backward, pipeline waits (bubble and exposed transfers) and
     end of step (exposed data-parallel collectives and the optimizer), as `pipectl status` shows
-    them (`plan.phases.simulated_phases`)."""
+    them (`plan.phases.simulated_phases`); and the same step split by cause: compute (forward and
+    backward less the exposed tensor-parallel collectives they include), those collectives,
+    pipeline waits (bubble and point-to-point), the exposed data-parallel collectives and the
+    optimizer step."""
     stages, step = simulated_phases(candidate, profile, cluster)
     index = max(range(len(stages)), key=lambda i: stages[i][0] + stages[i][1])
     forward, backward, waits, end = stages[index]
+    tensor_parallel = min(tensor_parallel_seconds(candidate, profile, cluster, index), forward + backward)
+    optimizer = min(stage_costs_for(candidate, profile, cluster).optimizer_seconds[index], end)
     return {"stage": index, "forward_seconds": round(forward, 4), "backward_seconds": round(backward, 4),
             "pipeline_waits_seconds": round(waits, 4), "end_of_step_seconds": round(end, 4),
-            "step_seconds": round(step, 4)}
+            "step_seconds": round(step, 4),
+            "split": {"compute_seconds": round(forward + backward - tensor_parallel, 4),
+                      "tensor_parallel_exposed_seconds": round(tensor_parallel, 4),
+                      "pipeline_waits_seconds": round(waits, 4),
+                      "data_parallel_exposed_seconds": round(end - optimizer, 4),
+                      "optimizer_seconds": round(optimizer, 4)}}
 
 
 def vocab_parallel_copy(profile, t: int):
@@ -496,6 +559,10 @@ def main() -> None:
             print(f"    pinned {candidate_text(pinned)}: busiest stage {phases['stage']}: forward {phases['forward_seconds']:.3f}s, "
                   f"backward {phases['backward_seconds']:.3f}s, waits {phases['pipeline_waits_seconds']:.3f}s, "
                   f"end of step {phases['end_of_step_seconds']:.3f}s")
+            split = phases["split"]
+            print(f"    split: compute {split['compute_seconds']:.3f}s, tensor-parallel {split['tensor_parallel_exposed_seconds']:.3f}s, "
+                  f"pipeline waits {split['pipeline_waits_seconds']:.3f}s, data-parallel {split['data_parallel_exposed_seconds']:.3f}s, "
+                  f"optimizer {split['optimizer_seconds']:.3f}s")
         notes = []
         for label, text in (("time_model_only", "memory check off"),
                             ("time_model_only_vocab_parallel", "and embedding/head split t ways")):
@@ -568,7 +635,7 @@ def main() -> None:
             kind: {key: getattr(get_device(kind), key) for key in (
                 "peak_tflops_bf16", "memory_bandwidth_gbytes_per_second", "multiprocessors", "gemm_efficiency",
                 "attention_efficiency", "kernel_overhead_us", "intra_node_bandwidth_gbytes_per_second",
-                "inter_node_bandwidth_gbytes_per_second")}
+                "intra_node_allreduce_bandwidth_gbytes_per_second", "inter_node_bandwidth_gbytes_per_second")}
             for kind in sorted({r["device"] for r in results})
         },
         "rows": results,

@@ -7,6 +7,7 @@ import json
 import pytest
 import yaml
 
+from pipectl.artifacts.cluster import ClusterSpec
 from pipectl.artifacts.profile import LinkClass, LinkClassFit, LinksProfile
 from pipectl.catalog import get_device
 from pipectl.cluster import (
@@ -80,6 +81,24 @@ def test_a100_links_are_nvlink_and_infiniband_per_device():
     assert links.intra_bandwidth_bytes_per_second == 300e9  # NVLink 600 GB/s both ways
     assert links.inter_bandwidth_bytes_per_second == 25e9  # 8 x 200 Gb/s per node / 8 GPUs
     assert links.inter.seconds(25e9) == pytest.approx(1.0 + 5e-6)
+    # The cluster file sets the NVLink figure itself: it prices collectives too.
+    assert links.allreduce_intra_bandwidth_bytes_per_second == 300e9
+
+
+def _catalog_links(device: str):
+    node_type = {"name": "nodes", "device": device, "devices_per_node": 8, "nodes": 2}
+    return resolve_links(ClusterSpec(name="c", node_types=[node_type]), "nodes")
+
+
+def test_collectives_inside_a_node_run_at_the_catalogs_measured_bus_bandwidth():
+    """Without a cluster figure, point-to-point transfers take the link's datasheet rate and
+    collectives the NCCL bus bandwidth the catalog records (A100: ~230 of 300 GB/s, H100 370 of 450);
+    a device without that figure prices both at the link's rate."""
+    a100, h100, v100 = _catalog_links("a100-80gb"), _catalog_links("h100-80gb"), _catalog_links("v100-32gb")
+    assert (a100.intra_bandwidth_bytes_per_second, a100.allreduce_intra_bandwidth_bytes_per_second) == (300e9, 230e9)
+    assert (h100.intra_bandwidth_bytes_per_second, h100.allreduce_intra_bandwidth_bytes_per_second) == (450e9, 370e9)
+    assert v100.allreduce_intra_bandwidth_bytes_per_second == v100.intra_bandwidth_bytes_per_second == 150e9
+    assert a100.allreduce_inter_bandwidth_bytes_per_second == a100.inter_bandwidth_bytes_per_second == 25e9
 
 
 def test_yaml_path_by_file(tmp_path):

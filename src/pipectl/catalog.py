@@ -83,6 +83,13 @@ class DeviceSpec(Strict):
     intra_node_bandwidth_gbytes_per_second: float = Field(
         ge=MIN_GBYTES_PER_SECOND, le=MAX_GBYTES_PER_SECOND, description="Per-direction bandwidth to a peer in the same node (NVLink, PCIe), GB/s."
     )
+    intra_node_allreduce_bandwidth_gbytes_per_second: float | None = Field(
+        default=None, ge=MIN_GBYTES_PER_SECOND, le=MAX_GBYTES_PER_SECOND,
+        description="The bus bandwidth NCCL's ring all-reduce measures among the devices of one node (nccl-tests' "
+        "busbw at large messages), GB/s: the link's rate less the protocol's overhead. The catalog's figure for "
+        "collectives inside a node (tensor-parallel and in-node data-parallel rings); None: the link's "
+        "datasheet rate (intra_node_bandwidth_gbytes_per_second). Point-to-point transfers keep the datasheet rate.",
+    )
     intra_node_latency_us: float = Field(ge=0, le=MAX_LATENCY_US, description="Point-to-point latency within a node, µs.")
     inter_node_bandwidth_gbytes_per_second: float = Field(
         ge=MIN_GBYTES_PER_SECOND, le=MAX_GBYTES_PER_SECOND, description="Per-device share of the node's network bandwidth (InfiniBand, Ethernet), GB/s."

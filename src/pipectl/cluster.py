@@ -231,8 +231,11 @@ def _pick(
     catalog_value: float,
     to_si: Callable[[float], float],
     sources: dict[str, str],
+    catalog_allreduce: float | None = None,
 ) -> tuple[float, float]:
-    """(p2p value, all-reduce value) in SI units from the first source that has the figure."""
+    """(p2p value, all-reduce value) in SI units from the first source that has the figure; the
+    catalog's all-reduce figure is `catalog_allreduce` where it has one (a measured bus bandwidth),
+    else its p2p figure."""
     for value in overrides:
         if value is not None:
             sources[name] = FROM_CLUSTER
@@ -241,7 +244,8 @@ def _pick(
         sources[name] = FROM_LINKS_FILE
         return fit_p2p, fit_allreduce
     sources[name] = FROM_CATALOG
-    return to_si(catalog_value), to_si(catalog_value)
+    allreduce = catalog_value if catalog_allreduce is None else catalog_allreduce
+    return to_si(catalog_value), to_si(allreduce)
 
 
 def resolve_links(cluster: ClusterSpec, node_type: NodeType | str) -> ResolvedLinks:
@@ -275,6 +279,7 @@ def resolve_links(cluster: ClusterSpec, node_type: NodeType | str) -> ResolvedLi
         device.intra_node_bandwidth_gbytes_per_second,
         _gigabytes_to_bytes,
         sources,
+        catalog_allreduce=device.intra_node_allreduce_bandwidth_gbytes_per_second,
     )
     inter_latency, allreduce_inter_latency = _pick(
         "inter_latency",

@@ -147,3 +147,21 @@ def test_an_engine_with_uniform_stages_plans_its_even_cut_only():
         assert set(blocks) == {8 // (4 * candidate.chunks)}
     # v = 4 would need 16 blocks: only 1 and 2 chunks are planned.
     assert {c.chunks for c in result.candidates} <= {1, 2}
+
+
+def test_an_engine_whose_transfers_block_is_timed_as_rendezvous():
+    """DeepSpeed's pipeline engine sends and receives synchronously (`EngineFeatures.blocking_p2p`):
+    the profile's hardware times transfers as rendezvous, as gloo's, so a plan can only lose time
+    against edge-delay transfers; the search and the re-simulated cost table still agree."""
+    from pipectl.plan.phases import simulated_phases
+
+    blocking = derive_profile(GPT, "h100-80gb", [1], engine=EngineFeatures(name="deepspeed", blocking_p2p=True))
+    plain = derive_profile(GPT, "h100-80gb", [1])
+    cluster = _cluster(2)
+    assert hardware_for(cluster, blocking).device.blocking_p2p and not hardware_for(cluster, plain).device.blocking_p2p
+    request = PlanRequest(global_batch=16, devices=16, tensor_parallel=1, pipeline_parallel=8, schedule="1f1b",
+                          morph=False, workers=1, engine="any")
+    slow, fast = plan(blocking, cluster, request).chosen, plan(plain, cluster, request).chosen
+    assert slow.predicted_step_seconds > fast.predicted_step_seconds
+    _, step = simulated_phases(slow, blocking, cluster)
+    assert step == pytest.approx(slow.predicted_step_seconds, rel=1e-9)

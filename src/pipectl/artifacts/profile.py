@@ -353,6 +353,14 @@ class EngineFeatures(Strict):
         "and last stages take one fewer. Without it the planner balances the stages' time. A cut pipectl's "
         "runtime can run too.",
     )
+    blocking_p2p: bool = Field(
+        default=False,
+        description="Pipeline transfers that hold both ranks until they meet (DeepSpeed's pipeline engine: "
+        "deepspeed/runtime/pipe/p2p.py sends and receives synchronously, torch.distributed.send/recv, a "
+        "broadcast in a two-rank group before torch 1.8): timed as rendezvous, as gloo's are "
+        "(`plan.simulate`), not as edge delays beside the compute. A property of the engine pipectl's "
+        "DeepSpeed runtime shares, so it does not make a plan unrunnable.",
+    )
     bucket_parameters: int = Field(
         default=40_000_000, gt=0, le=10**13,
         description="Parameters per gradient bucket (Megatron-Core's DistributedDataParallel default: "

@@ -217,6 +217,8 @@ def hardware_for(
             raise UserInputError(f"cluster '{cluster.name}' has no node type '{node_type}'")
     same_kind = cluster.nodes_of_kind(node_type.kind)
     device = get_device(node_type.device)
+    if profile.engine is not None and profile.engine.blocking_p2p and not device.blocking_p2p:
+        device = device.model_copy(update={"blocking_p2p": True})  # the engine's transfers are rendezvous
     runtime = runtime_for(profile, device)
     return Hardware(
         device=device,
