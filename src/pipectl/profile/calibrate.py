@@ -7,6 +7,10 @@ waits, end of step). Calibration adjusts the engine terms, in this order, so tha
 reproduces those phases on the runs it is given (Varuna, §4: calibrate a few short runs, then
 predict the layouts not run):
 
+0. the profile's engine compute ratios smoothed: each profiled b's re-set so that a
+   micro-batch's compute through the model lies on a line a + c b per direction, robust to one
+   stray profiled point (`smooth_compute_ratios`), so that runs at one b do not carry that b's
+   profiling error to the others;
 1. compute: the host slowdown of each kind of layout (one rank on its host, or several ranks
    sharing it: `alone_compute_slowdown`, `concurrent_compute_slowdown`) by the ratio of measured
    to predicted compute of the runs of that kind, and forward against backward by the ratio of
