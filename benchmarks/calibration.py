@@ -2,20 +2,24 @@
 measured profile alone, on this machine.
 
 1. `pipectl profile MODEL` (the engine calibration included), once.
-2. Two calibration layouts are planned (pinned), launched for `--steps` steps and calibrated
-   from (`pipectl calibrate`).
-3. Every other layout is planned from the measured profile, launched, and its measured step
-   (median after the first `--warmup` steps) compared with the step the chosen candidate
+2. Every layout (the two calibration layouts and the predicted ones) is planned (pinned) from
+   that profile and launched `--repeats` times for `--steps` steps: every layout once, then every
+   layout again, so that a slow spell of the shared machine falls on different layouts in each
+   round. A launch's step is the median of its steps after the first `--warmup`; a layout's, the
+   mean over its launches, and its noise the spread of its launches (largest - smallest) / mean.
+3. `pipectl calibrate` fits the profile on the runs of the two calibration layouts (every launch
+   of them), and every other layout's step is compared with the step its plan's candidate
    simulates to under the measured profile and under the calibrated one (`plan.phases`).
 
-Reported: per layout the three figures; median and max absolute error before and after
-calibration over the predicted layouts, and Spearman's rank correlation between predicted and
-measured step times. The machine has 2 cores: layouts of 3 and 4 ranks over-subscribe it, and are
-reported apart from those of 1 and 2. The load average is recorded next to every run, and one
-calibration layout is launched a second time: the difference between its two measured steps is
-the machine's own noise, a floor under any prediction error.
+Reported: per layout the three figures, its launches and its noise; median and max absolute error
+before and after calibration over the predicted layouts, Spearman's rank correlation between
+predicted and measured step times (tied values share their mean rank), the noise's median and max
+(a floor under any prediction error), and the load average around every launch. The machine has
+2 cores: layouts of 3 and 4 ranks over-subscribe it, and are reported apart from those of 1 and 2.
+`--keep DIR` keeps the profile, plans and runs; `--reuse DIR` launches nothing and fits and
+predicts again from them.
 
-    .venv/bin/python benchmarks/calibration.py --steps 12
+    .venv/bin/python benchmarks/calibration.py
     -> benchmarks/results/calibration.json
 """
 
@@ -55,7 +59,8 @@ CALIBRATION = [Layout(1, 1, 4), Layout(2, 1, 4)]
 PREDICTED = [
     Layout(1, 1, 1), Layout(1, 1, 2), Layout(1, 1, 8), Layout(2, 1, 1), Layout(2, 1, 2), Layout(2, 1, 8),
     Layout(2, 1, 2, "gpipe"), Layout(2, 1, 4, "gpipe"), Layout(2, 1, 4, "varuna", True),
-    Layout(1, 2, 2), Layout(1, 2, 4), Layout(1, 3, 2), Layout(2, 2, 2), Layout(4, 1, 2),
+    Layout(1, 2, 2), Layout(1, 2, 4), Layout(1, 2, 8),
+    Layout(1, 3, 2), Layout(2, 2, 2), Layout(4, 1, 2), Layout(1, 4, 2),
 ]  # fmt: skip
 
 
@@ -108,11 +113,19 @@ def planned_label(plan_path: Path) -> str:
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:
+    """Spearman's rank correlation, tied values given the mean of their ranks."""
+
     def ranks(values):
         order = sorted(range(len(values)), key=values.__getitem__)
         result = [0.0] * len(values)
-        for rank, index in enumerate(order):
-            result[index] = float(rank)
+        start = 0
+        while start < len(order):
+            end = start
+            while end + 1 < len(order) and values[order[end + 1]] == values[order[start]]:
+                end += 1
+            for position in range(start, end + 1):
+                result[order[position]] = (start + end) / 2
+            start = end + 1
         return result
 
     rx, ry = ranks(xs), ranks(ys)
@@ -137,59 +150,116 @@ def summary(rows: list[dict]) -> dict:
     }  # fmt: skip
 
 
+def load_now() -> float:
+    return os.getloadavg()[0]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="gpt-tiny")
-    parser.add_argument("--global-batch", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--global-batch", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=2, help="launches of every layout, in turn over all layouts")
+    parser.add_argument(
+        "--estimate", choices=("mean", "min"), default="mean",
+        help="a layout's step from its launches: the least disturbed (other jobs only add time), or their mean",
+    )  # fmt: skip
+    parser.add_argument("--keep", type=Path, help="keep the profile, plans and runs in this folder")
+    parser.add_argument("--reuse", type=Path, help="launch nothing: re-fit and re-predict from a --keep folder")
     parser.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results" / "calibration.json")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    started = time.time()
     with tempfile.TemporaryDirectory(prefix="pipectl-calibration-") as folder:
-        work = Path(folder)
+        work = args.reuse or args.keep or Path(folder)
+        work.mkdir(parents=True, exist_ok=True)
+        layouts = [("cal", i, layout) for i, layout in enumerate(CALIBRATION)] + [
+            ("layout", i, layout) for i, layout in enumerate(PREDICTED)
+        ]
         profile = work / "profile.json"
-        pipectl("profile", args.model, "-o", str(profile))
-        calibration_runs = []
-        for i, layout in enumerate(CALIBRATION):
-            plan = plan_layout(profile, layout, args.global_batch, work / f"cal-{i}" / "plan.json")
-            calibration_runs.append(launch(plan, work / f"cal-{i}" / "run", args.steps))
+        loads: dict[str, list[float]] = {}
+        if args.reuse is None:
+            loads["profile"] = [load_now()]
+            pipectl("profile", args.model, "-o", str(profile))
+            for kind, i, layout in layouts:
+                plan_layout(profile, layout, args.global_batch, work / f"{kind}-{i}" / "plan.json")
+            # Every layout once, then every layout again: a slow spell of the machine falls on
+            # different layouts in each round, and each layout's rounds differ by the noise.
+            for repeat in range(args.repeats):
+                for kind, i, layout in layouts:
+                    folder_i = work / f"{kind}-{i}"
+                    before = load_now()
+                    launch(folder_i / "plan.json", folder_i / f"run-{repeat}", args.steps)
+                    loads.setdefault(f"{kind}-{i}", []).extend([before, load_now()])
+                    print(f"{repeat} {layout.name():28s} {measured_step(folder_i / f'run-{repeat}', args.warmup) * 1e3:8.2f} ms  load {load_now():.2f}", flush=True)
+            (work / "loads.json").write_text(json.dumps(loads))
+        else:
+            loads = json.loads((work / "loads.json").read_text()) if (work / "loads.json").is_file() else {}
+
+        def runs_of(kind: str, i: int) -> list[Path]:
+            return sorted((work / f"{kind}-{i}").glob("run-*"))
+
+        def measured_of(kind: str, i: int) -> tuple[float, list[float]]:
+            medians = [measured_step(run, args.warmup) for run in runs_of(kind, i)]
+            return (min(medians) if args.estimate == "min" else statistics.mean(medians)), medians
+
+        def calibration_runs_of(i: int) -> list[Path]:
+            runs = runs_of("cal", i)
+            if args.estimate == "min":  # the least disturbed launch, as the layouts predicted are measured
+                return [min(runs, key=lambda run: measured_step(run, args.warmup))]
+            return runs
+
+        calibration_runs = [run for i in range(len(CALIBRATION)) for run in calibration_runs_of(i)]
         calibrated = work / "calibrated.json"
         report = json.loads(pipectl("calibrate", *map(str, calibration_runs), "-o", str(calibrated), "--json"))
-        # The machine's own noise: the last calibration layout launched again, its step against the first time's.
-        again = launch(work / f"cal-{len(CALIBRATION) - 1}" / "plan.json", work / "repeat" / "run", args.steps)
-        first, second = measured_step(calibration_runs[-1], args.warmup), measured_step(again, args.warmup)
-        repeat = {"layout": planned_label(work / f"cal-{len(CALIBRATION) - 1}" / "plan.json"),
-                  "first_seconds": first, "second_seconds": second, "difference": abs(second - first) / first}  # fmt: skip
-        rows = []
-        for i, layout in enumerate(PREDICTED):
-            plan = plan_layout(profile, layout, args.global_batch, work / f"layout-{i}" / "plan.json")
-            run = launch(plan, work / f"layout-{i}" / "run", args.steps)
-            measured = measured_step(run, args.warmup)
+
+        def row(kind: str, i: int, layout: Layout) -> dict:
+            plan = work / f"{kind}-{i}" / "plan.json"
+            measured, medians = measured_of(kind, i)
             before, after = simulated_step(plan, profile), simulated_step(plan, calibrated)
-            rows.append({
+            noise = (max(medians) - min(medians)) / measured if len(medians) > 1 else None
+            lo = loads.get(f"{kind}-{i}", [])
+            return {
                 **asdict(layout), "layout": planned_label(plan), "ranks": layout.ranks, "measured_step_seconds": measured,
+                "launch_medians": medians, "noise": noise,
                 "predicted_before": before, "predicted_after": after,
                 "error_before": abs(before - measured) / measured, "error_after": abs(after - measured) / measured,
-                "load_average": os.getloadavg()[0],
-            })  # fmt: skip
-            print(f"{planned_label(plan):28s} measured {measured * 1e3:7.2f} ms  before {before * 1e3:7.2f}  after {after * 1e3:7.2f}")
+                "load_average": statistics.mean(lo) if lo else None, "load_average_max": max(lo) if lo else None,
+            }  # fmt: skip
+
+        calibration_rows = [row("cal", i, layout) for i, layout in enumerate(CALIBRATION)]
+        rows = [row("layout", i, layout) for i, layout in enumerate(PREDICTED)]
+        for r in calibration_rows + rows:
+            print(f"{r['layout']:28s} measured {r['measured_step_seconds'] * 1e3:8.2f} ms (noise {r['noise'] or 0:5.1%})"
+                  f"  before {r['predicted_before'] * 1e3:8.2f} ({r['error_before']:5.1%})"
+                  f"  after {r['predicted_after'] * 1e3:8.2f} ({r['error_after']:5.1%})")  # fmt: skip
     fitting = [r for r in rows if r["ranks"] <= 2]
+    noises = [r["noise"] for r in calibration_rows + rows if r["noise"] is not None]
+    all_loads = [x for values in loads.values() for x in values]
     result = {
         "machine": f"{os.cpu_count()} cores, {sys.platform}",
         "command": "benchmarks/calibration.py " + " ".join(sys.argv[1:]),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started)),
+        "runtime_seconds": time.time() - started,
         "model": args.model,
         "global_batch": args.global_batch,
-        "calibrated_on": [run["layout"] for run in report["runs"]],
+        "steps": args.steps,
+        "warmup_steps": args.warmup,
+        "repeats": args.repeats,
+        "estimate": args.estimate,
+        "load_average": {"mean": statistics.mean(all_loads), "max": max(all_loads)} if all_loads else None,
+        "calibrated_on": [r["layout"] for r in calibration_rows],
         "calibration": report,
-        "repeat": repeat,
+        "calibration_layouts": calibration_rows,
+        "noise": {"median": statistics.median(noises), "max": max(noises)} if noises else None,
         "layouts": rows,
         "up_to_two_ranks": summary(fitting),
         "all": summary(rows),
         "time_unix": time.time(),
     }
     args.output.write_text(json.dumps(result, indent=1) + "\n")
-    for name in ("up_to_two_ranks", "all"):
+    for name in ("noise", "up_to_two_ranks", "all"):
         print(name, json.dumps(result[name]))
     print(f"wrote {args.output}")
 

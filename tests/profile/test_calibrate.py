@@ -126,3 +126,26 @@ def test_a_run_given_twice_or_a_split_over_kinds_is_refused(tmp_path):
     write_json_atomic(run / "plan.json", plan.model_copy(update={"chosen": split}))
     with pytest.raises(UserInputError, match="not a layout of one device kind"):
         calibrate([run])
+
+
+def test_a_stray_profiled_compute_ratio_is_put_back_on_the_line_of_the_others():
+    """The engine's compute at one profiled b 30 % off the others' line (as a short profiling
+    step can measure it): smoothing puts it back, and leaves the others where they were."""
+    from pipectl.plan.costs import hardware_for, layer_seconds
+    from pipectl.plan.layer_table import layer_table
+    from pipectl.profile.calibrate import smooth_compute_ratios
+
+    def totals(profile):
+        hardware = hardware_for(cluster, profile)
+        return [sum(layer_seconds(layer_table(profile, b, 1), hardware, 1).backward) for b in (1, 2, 4)]
+
+    cluster = load_cluster("local")
+    straight = profile_with(PLANNED.model_copy(update={"compute_ratios": [
+        EngineComputeRatio(micro_batch_size=b, forward_ratio=1.0, backward_ratio=1.0) for b in (1, 2, 4)]}))  # fmt: skip
+    line = totals(straight)
+    assert (line[2] - line[1]) / 2 == pytest.approx(line[1] - line[0], rel=1e-6)  # the synthetic layers: a line in b
+    stray = profile_with(PLANNED.model_copy(update={"compute_ratios": [
+        EngineComputeRatio(micro_batch_size=b, forward_ratio=1.0, backward_ratio=1.3 if b == 2 else 1.0) for b in (1, 2, 4)]}))  # fmt: skip
+    assert totals(stray)[1] == pytest.approx(1.3 * line[1])
+    assert totals(smooth_compute_ratios(stray, cluster)) == pytest.approx(line, rel=1e-6)
+    assert smooth_compute_ratios(straight, cluster).runtime.compute_ratios == straight.runtime.compute_ratios
