@@ -106,7 +106,7 @@ from pipectl.catalog import DTYPE_BYTES, GIB, DeviceSpec, get_device, load_catal
 from pipectl.cluster import LinkCost, ResolvedLinks, price_per_device_hour, resolve_links
 from pipectl.errors import UserInputError
 from pipectl.plan.layer_table import LayerTable, interpolate, layer_table
-from pipectl.plan.memory import MemoryBudget, parameters_on_rank
+from pipectl.plan.memory import MemoryBudget, chunks_by_rank, parameters_on_rank
 from pipectl.plan.simulate import StageCosts
 from pipectl.schedule import ScheduleKind, stage_ranks
 
@@ -788,10 +788,7 @@ def _parameters_per_rank(
 ) -> list[int]:
     """Parameters per rank (virtual stage s on rank `ranks[s]`), a shared group once per rank
     (`memory.parameters_on_rank`: zbv's rank 0 holds the tied embedding and head)."""
-    chunks_of: list[list[tuple[int, int, int]]] = [[] for _ in range(p)]
-    for stage, (start, end) in enumerate(stage_layers):
-        chunks_of[ranks[stage]].append((stage, start, end))
-    return [parameters_on_rank(table, chunks) for chunks in chunks_of]
+    return [parameters_on_rank(table, chunks) for chunks in chunks_by_rank(stage_layers, ranks, p)]
 
 
 def _tied_allreduce_seconds(

@@ -407,9 +407,7 @@ class StageMemory:
                 buffer = by_rank(np.where(recomputes, full, 0.0), p, v_placement).max(axis=0)
             working = by_rank(rows.working_matrix[starts, ends], p, v_placement).max(axis=0)
             return cls(parameters, unit, buffer, working)
-        chunks_of: list[list[tuple[int, int, int]]] = [[] for _ in range(p)]
-        for stage, (start, end) in enumerate(stage_layers):
-            chunks_of[ranks[stage]].append((stage, start, end))
+        chunks_of = chunks_by_rank(stage_layers, ranks, p)
         parameters = np.zeros(p)
         unit = np.zeros(p)
         buffer = np.zeros(p)
@@ -501,6 +499,16 @@ def _no_shared_group_twice_per_rank(table: LayerTable, stage_layers: Sequence[tu
             return False
         holders.add(holder)  # type: ignore[arg-type]
     return True
+
+
+def chunks_by_rank(
+    stage_layers: Sequence[tuple[int, int]], ranks: Sequence[int], p: int
+) -> list[list[tuple[int, int, int]]]:
+    """Per rank, its (stage, start, end) chunks in stage order (virtual stage s on rank `ranks[s]`)."""
+    chunks_of: list[list[tuple[int, int, int]]] = [[] for _ in range(p)]
+    for stage, (start, end) in enumerate(stage_layers):
+        chunks_of[ranks[stage]].append((stage, start, end))
+    return chunks_of
 
 
 def parameters_on_rank(table: LayerTable, chunks: list[tuple[int, int, int]]) -> int:

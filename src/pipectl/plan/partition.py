@@ -475,7 +475,7 @@ def v_balanced_cuts(
     first stage and the last, the embedding and the language-model head, which as one layer may
     outweigh two blocks.
     """
-    upper = max(rank_loads(prefix, loop_cut, ranks, p))
+    upper = loop_load = max(rank_loads(prefix, loop_cut, ranks, p))
     lower = max(prefix[-1] / p, max(b - a for a, b in zip(prefix, prefix[1:])))
     best = None
     if _v_cuts_either_way(prefix, p, upper) is not None:
@@ -488,6 +488,6 @@ def v_balanced_cuts(
                 lower = middle
             else:
                 best, upper = cut, middle
-    if best is None or max(rank_loads(prefix, best, ranks, p)) >= max(rank_loads(prefix, loop_cut, ranks, p)):
+    if best is None or max(rank_loads(prefix, best, ranks, p)) >= loop_load:
         return tuple(loop_cut)
     return best
