@@ -129,6 +129,14 @@ def load_cluster(name_or_path: str | os.PathLike[str]) -> ClusterSpec:
     return _checked(_with_absolute_links_files(cluster, path.resolve().parent), source=str(path))
 
 
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask; all of them off Linux)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
 def local_cluster(devices: int, base: ClusterSpec | None = None) -> ClusterSpec:
     """The local cluster (`configs/clusters/local.yaml`, or `base`) with `devices` CPU ranks.
 

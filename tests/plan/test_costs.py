@@ -307,6 +307,28 @@ def test_host_slowdown_is_the_one_rank_or_the_two_rank_figure():
     assert costs(profile, 2, 1).forward_seconds == one_rank.forward_seconds
 
 
+def test_more_ranks_than_cores_share_them():
+    # Measured: two ranks at once on a 2-core host compute 1.5x slower than one alone.
+    profile = _cpu_profile_with_runtime(concurrent_compute_slowdown=1.5, concurrent_ranks=2, host_cores=2)
+    unknown_cores = _cpu_profile_with_runtime(concurrent_compute_slowdown=1.5, concurrent_ranks=2)
+    plain = _cpu_profile_with_runtime()
+
+    def forward(which, devices, d):
+        costs = stage_costs(which, hardware_for(local_cluster(devices), which), [(0, 7)],
+                            micro_batch_size=2, tensor_parallel=1, data_parallel=d)  # fmt: skip
+        return costs.forward_seconds[0]
+
+    base = forward(plain, 4, 4)
+    assert forward(profile, 2, 2) == pytest.approx(1.5 * base)
+    # Three and four ranks on two cores: 1.5 and 2 times the two-rank figure (each gets 2/3, 1/2 a core).
+    assert forward(profile, 3, 3) == pytest.approx(1.5 * 1.5 * base)
+    assert forward(profile, 4, 4) == pytest.approx(2.0 * 1.5 * base)
+    # A pool of four running two of them: two ranks, two cores.
+    assert forward(profile, 4, 2) == pytest.approx(1.5 * base)
+    # A profile that did not record its host's cores keeps the two-rank figure.
+    assert forward(unknown_cores, 4, 4) == pytest.approx(1.5 * base)
+
+
 @pytest.mark.parametrize("name", ["pipectl.plan.costs", "pipectl.plan.layer_table"])
 def test_docstring_examples_hold(name):
     import doctest

@@ -19,6 +19,7 @@ from pipectl.artifacts.base import MAX_BYTES, MAX_BYTES_PER_SECOND, Artifact, By
 MAX_FLOPS = 1e30
 # Engine ratios and slowdowns: a layer 10^6 times slower inside the engine than alone is a broken file.
 MAX_RATIO = 1e6
+MAX_HOST_CORES = 1 << 16
 
 
 class ProfileSource(str, Enum):
@@ -251,6 +252,14 @@ class RuntimeCosts(Strict):
         "0: not measured.",
     )
     concurrent_ranks: int = Field(default=1, ge=1, description="Ranks computing at once in that measurement.")
+    host_cores: int = Field(
+        default=0,
+        ge=0,
+        le=MAX_HOST_CORES,
+        description="CPU cores this process could run on when the terms were measured (its affinity). More ranks "
+        "than cores computing at once share them: each computes ranks / cores times slower "
+        "(`plan.costs.host_compute_slowdown`). 0: not recorded (no scaling beyond the measured ranks).",
+    )
 
 
 class LinkSample(Strict):

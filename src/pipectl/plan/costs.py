@@ -272,13 +272,37 @@ def busy_allreduce_measured(runtime: RuntimeCosts | None) -> bool:
 def host_compute_slowdown(hardware: Hardware, ranks: int) -> float:
     """Wall-clock / CPU time of a rank's compute in a layout of `ranks` ranks (t*p*d): measured for
     two ranks at once if a node runs more than one of them, for one rank alone otherwise; 1
-    without measured terms."""
+    without measured terms.
+
+    A node running more ranks than its host has cores (`RuntimeCosts.host_cores`) shares them:
+    while r ranks compute on c < r cores each gets c / r of one (processor sharing), so the
+    measured slowdown of `concurrent_ranks` ranks is scaled by how much more over-subscribed r
+    ranks are. Every rank is taken to compute at once, as in a data-parallel step or a pipeline's
+    steady state; in the warm-up and cool-down fewer do, so a deep pipeline's step comes out
+    somewhat long. On a 2-core host four ranks compute twice as slowly as two.
+    """
     runtime = hardware.runtime
     if runtime is None:
         return 1.0
-    if min(ranks, hardware.devices_per_node) >= 2:
-        return runtime.concurrent_compute_slowdown
-    return runtime.alone_compute_slowdown
+    on_node = min(ranks, hardware.devices_per_node)
+    if on_node < 2:
+        return runtime.alone_compute_slowdown
+    return runtime.concurrent_compute_slowdown * core_sharing(on_node, runtime.host_cores) / core_sharing(
+        runtime.concurrent_ranks, runtime.host_cores
+    )
+
+
+def core_sharing(ranks: int, cores: int) -> float:
+    """How many times slower each of `ranks` ranks computing at once runs on `cores` cores than on
+    a core of its own: ranks / cores when they outnumber the cores, else 1 (and 1 when the cores
+    are not known, 0).
+
+        >>> core_sharing(4, 2), core_sharing(3, 2), core_sharing(2, 2), core_sharing(4, 0)
+        (2.0, 1.5, 1.0, 1.0)
+    """
+    if cores <= 0 or ranks <= cores:
+        return 1.0
+    return ranks / cores
 
 
 def collective_handoff_seconds(hardware: Hardware, ring_size: int, inside_node: bool) -> float:

@@ -22,6 +22,7 @@ import signal
 from dataclasses import dataclass
 from typing import Any, Callable, Generic, Sequence, TypeVar
 
+from pipectl.cluster import usable_cores
 from pipectl.errors import UserInputError
 
 Unit = TypeVar("Unit")
@@ -47,11 +48,7 @@ def available_workers() -> int:
         if workers < 1:
             raise UserInputError(f"{WORKERS_ENV}={text!r} is not a positive number of processes")
         return workers
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        cores = os.cpu_count() or 1
-    return min(cores, MOST_AUTOMATIC_WORKERS)
+    return min(usable_cores(), MOST_AUTOMATIC_WORKERS)
 
 
 @dataclass

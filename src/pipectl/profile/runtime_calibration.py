@@ -77,6 +77,7 @@ from torch import nn
 from pipectl.artifacts.plan import Candidate
 from pipectl.artifacts.profile import EngineComputeRatio, ModelProfile, RuntimeCosts
 from pipectl.artifacts.run import Precision
+from pipectl.cluster import usable_cores
 from pipectl.errors import LaunchError
 from pipectl.models.base import LayerDef, ModelLayers
 from pipectl.runtime import dsinit
@@ -827,6 +828,7 @@ def calibrate_runtime(
             "alone_compute_slowdown": sharing.alone_compute_slowdown,
             "concurrent_compute_slowdown": concurrent,
             "concurrent_ranks": sharing.ranks,
+            "host_cores": usable_cores(),
             "busy_allreduce_latency_seconds": sharing.busy_allreduce_latency_seconds,
             "busy_allreduce_bandwidth_bytes_per_second": min(bandwidths, default=0.0),
         }
