@@ -4,7 +4,8 @@ Reads a reference file of measured tensor-parallel block shards (default:
 tests/profile/data/h100-block-shards.json, one H100 80GB, bf16, flash attention through torch SDPA)
 and derives each row with `pipectl.profile.compute_model` on the catalog device the file was
 measured on. Prints derived/measured forward, backward and saved-activation ratios per row, and the
-median and max |ratio - 1| of each, for:
+median and max |ratio - 1| of each (also apart for the phases above and near the launch floor,
+and for the launch-bound rows the least max error any one figure could reach), for:
 
 - after: the kernel model (compute_model: GEMM shapes and waves, flash attention, element-wise
   bytes, host overhead per kernel; saved bytes tensor by tensor);
@@ -54,14 +55,44 @@ def catalog_name(device_description: str) -> str:
     raise SystemExit(f"no catalog device for '{device_description}'")
 
 
+def block_of(row: dict) -> BlockShape:
+    return BlockShape(hidden=row["h"], heads=row["heads"], seq_len=row["s"], micro_batch_size=row["b"],
+                      tensor_parallel=row["t"])
+
+
 def after(row: dict, device: ComputeDevice) -> dict[str, float]:
-    shape = BlockShape(hidden=row["h"], heads=row["heads"], seq_len=row["s"], micro_batch_size=row["b"],
-                       tensor_parallel=row["t"])
+    shape = block_of(row)
     return {
         "fwd_ms": phase_seconds(block_forward_kernels(shape, device), device) * 1e3,
         "bwd_ms": phase_seconds(block_backward_kernels(shape, device), device) * 1e3,
         "saved_mib": block_saved_bytes(shape, device.bytes_per_element) / MIB,
     }
+
+
+def bound(row: dict, device: ComputeDevice) -> dict[str, str]:
+    """Per phase, where the model puts it: 'near' the launch floor when the kernels' GPU
+    time is under twice the host's issue time (n x overhead), where the host's own spread shows;
+    'above' otherwise (the split tests/profile/test_compute_model.py holds the model to); and
+    whether it is launch-bound (GPU time under the issue time: the model's figure is the host's)."""
+    shape = block_of(row)
+    result = {}
+    for column, kernels in (("fwd_ms", block_forward_kernels(shape, device)),
+                            ("bwd_ms", block_backward_kernels(shape, device))):
+        issue = len(kernels) * device.kernel_overhead_seconds
+        gpu = sum(k.seconds for k in kernels)
+        result[column] = "above" if gpu >= 2 * issue else "near"
+        result[f"{column} launch-bound"] = gpu < issue
+    return result
+
+
+def launch_floor(measured_ms: list[float]) -> dict[str, float]:
+    """The measured spread of the launch-bound rows, and the least max |error| any one figure
+    could reach over them: the model issues the same kernels for each and gives them nearly one
+    figure (the host's issue time), and any x errs by at least (m2 - m1) / (m2 + m1) against the smallest m1
+    or the largest m2."""
+    low, high = min(measured_ms), max(measured_ms)
+    return {"rows": len(measured_ms), "min_ms": low, "max_ms": high,
+            "least_max_abs_error": round((high - low) / (high + low), 4)}
 
 
 def before(row: dict, device: DeviceSpec) -> dict[str, float]:
@@ -101,7 +132,7 @@ def main() -> None:
         ratios = {c: new[c] / row[c] for c in columns}
         old_ratios = {c: old[c] / row[c] for c in columns}
         rows.append({
-            "h": row["h"], "t": row["t"], "b": row["b"], "s": row["s"],
+            "h": row["h"], "t": row["t"], "b": row["b"], "s": row["s"], "bound": bound(row, device),
             "measured": {c: row[c] for c in columns},
             "derived": {c: round(new[c], 4) for c in columns},
             "ratio": {c: round(ratios[c], 4) for c in columns},
@@ -124,6 +155,19 @@ def main() -> None:
         },
         "after": {c: summary([r["ratio"][c] for r in rows]) for c in columns},
         "before": {c: summary([r["ratio_before"][c] for r in rows]) for c in columns},
+        # Phases near the launch floor (host overhead) apart from those above it, and the least
+        # max error any model that gives the floor's rows one figure could reach on them.
+        "after_by_bound": {
+            c: {
+                kind: summary([r["ratio"][c] for r in rows if r["bound"][c] == kind])
+                for kind in ("above", "near") if any(r["bound"][c] == kind for r in rows)
+            }
+            for c in ("fwd_ms", "bwd_ms")
+        },
+        "launch_floor": {
+            c: launch_floor([r["measured"][c] for r in rows if r["bound"][f"{c} launch-bound"]])
+            for c in ("fwd_ms", "bwd_ms") if any(r["bound"][f"{c} launch-bound"] for r in rows)
+        },
         "rows": rows,
     }
     print()
@@ -131,6 +175,13 @@ def main() -> None:
         print(f"{label:>6}: " + "  ".join(
             f"{c} median {result[label][c]['median_abs_error']:.1%} max {result[label][c]['max_abs_error']:.1%}"
             for c in columns))
+    for c, by_bound in result["after_by_bound"].items():
+        print(f"{c}, " + "  ".join(
+            f"{kind} the launch floor: median {figures['median_abs_error']:.1%} max {figures['max_abs_error']:.1%}"
+            for kind, figures in by_bound.items()))
+    for c, floor in result["launch_floor"].items():
+        print(f"{c}: {floor['rows']} launch-bound rows measured {floor['min_ms']}-{floor['max_ms']} ms for "
+              f"the same kernels: no one figure is within {floor['least_max_abs_error']:.1%} of all of them")
     args.output.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(args.output, result)
     print(f"wrote {args.output}")
