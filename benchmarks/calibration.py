@@ -96,12 +96,12 @@ def measured_step(run: Path, warmup: int) -> float:
 def simulated_step(plan_path: Path, profile_path: Path) -> float:
     from pipectl.artifacts.plan import Plan
     from pipectl.artifacts.profile import ModelProfile
-    from pipectl.cluster import load_cluster
+    from pipectl.cluster import plan_cluster_spec
     from pipectl.io import load_model
     from pipectl.plan.phases import simulated_phases
 
     plan = load_model(Plan, plan_path)
-    return simulated_phases(plan.chosen, load_model(ModelProfile, profile_path), load_cluster(plan.cluster))[1]
+    return simulated_phases(plan.chosen, load_model(ModelProfile, profile_path), plan_cluster_spec(plan))[1]
 
 
 def planned_label(plan_path: Path) -> str:

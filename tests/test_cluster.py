@@ -15,6 +15,7 @@ from pipectl.cluster import (
     link_between_node_types,
     load_cluster,
     local_cluster,
+    plan_cluster_spec,
     price_per_device_hour,
     resolve_links,
 )
@@ -118,6 +119,23 @@ def test_local_cluster_with_n_ranks():
 def test_local_cluster_rejects_bad_counts(devices):
     with pytest.raises(UserInputError, match="device"):
         local_cluster(devices)
+
+
+def test_a_plan_is_repriced_on_the_cluster_it_was_made_for():
+    from pipectl.artifacts.plan import PlanRequest
+    from tests.builders import gpt_tiny_candidate, plan_of
+
+    four_ranks = plan_of(gpt_tiny_candidate(p=2, d=2, m=2))
+    # Made on the shipped two-rank default, it uses four: priced as four ranks on one machine.
+    assert plan_cluster_spec(four_ranks).node_types[0].devices_per_node == 4
+    # Made with --devices 6 and using 4 of them: the six-rank machine it was priced on.
+    asked_six = four_ranks.model_copy(update={"request": PlanRequest(global_batch=16, devices=6)})
+    assert plan_cluster_spec(asked_six).total_devices == 6
+    # Fewer ranks than the default: the default machine (what `plan` priced it on).
+    one_rank = plan_of(gpt_tiny_candidate(p=1, d=1))
+    assert plan_cluster_spec(one_rank) == load_cluster("local")
+    # A real cluster is its file, whatever the plan uses.
+    assert plan_cluster_spec(four_ranks.model_copy(update={"cluster": "a100-8x8"})) == load_cluster("a100-8x8")
 
 
 def test_local_cluster_refuses_a_real_cluster():

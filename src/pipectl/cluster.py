@@ -27,6 +27,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from pipectl.artifacts.cluster import MAX_DEVICES_PER_NODE, ClusterSpec, LinkSpec, NodeType
+from pipectl.artifacts.plan import Plan
 from pipectl.artifacts.profile import LinkClass, LinkClassFit, LinksProfile
 from pipectl.catalog import DeviceSpec, get_device, load_catalog
 from pipectl.errors import UserInputError
@@ -152,6 +153,18 @@ def local_cluster(devices: int, base: ClusterSpec | None = None) -> ClusterSpec:
         raise UserInputError(f"a local cluster is one machine: {devices} devices is more than {MAX_DEVICES_PER_NODE}")
     node_type = cluster.node_types[0].model_copy(update={"devices_per_node": devices, "nodes": 1})
     return cluster.model_copy(update={"node_types": [node_type]})
+
+
+def plan_cluster_spec(plan: Plan) -> ClusterSpec:
+    """The cluster a plan was made for: its cluster file, and for the local cluster as many CPU
+    ranks as the plan was made for (`plan --devices`) or its layout uses, whichever is more (a
+    plan resized onto more ranks than it was made for). Re-pricing a local plan of four ranks on
+    the file's default of two would put two of them on another node."""
+    cluster = load_cluster(plan.cluster)
+    if not cluster.local:
+        return cluster
+    devices = max(plan.request.devices or cluster.total_devices, plan.chosen.devices)
+    return cluster if devices == cluster.total_devices else local_cluster(devices, base=cluster)
 
 
 def _with_absolute_links_files(cluster: ClusterSpec, folder: Path) -> ClusterSpec:

@@ -24,7 +24,7 @@ from rich.text import Text
 from pipectl.artifacts.plan import Plan
 from pipectl.artifacts.profile import ModelProfile
 from pipectl.cli.context import JsonFlag, console, output_file, print_json
-from pipectl.cluster import load_cluster
+from pipectl.cluster import load_cluster, plan_cluster_spec
 from pipectl.errors import ScheduleError, UserInputError
 from pipectl.io import load_model
 from pipectl.plan.hetero import replica_stage_costs
@@ -104,7 +104,7 @@ def _from_plan(
         kind_profiles = load_kind_profiles(plan_path, plan)
     else:
         profile = load_model(ModelProfile, profile_path)
-    cluster = load_cluster(cluster_name or plan.cluster)
+    cluster = load_cluster(cluster_name) if cluster_name else plan_cluster_spec(plan)
     # A split over device kinds: each kind's replicas run their own micro-batches on their own
     # kind; the slowest sets the step, and is the one shown.
     runs = []

@@ -24,7 +24,7 @@ from pipectl.artifacts.layout import layout_label
 from pipectl.artifacts.plan import Candidate, Plan
 from pipectl.artifacts.profile import ModelProfile
 from pipectl.artifacts.run import DataSpec, ElasticRange, Engine, JobSpec, LrSchedule, NodeGroup, Precision, TrainingSettings
-from pipectl.cluster import load_cluster
+from pipectl.cluster import load_cluster, plan_cluster_spec
 from pipectl.errors import PipectlError, UserInputError
 from pipectl.io import load_model
 from pipectl.runtime.dsconfig import validated_config
@@ -290,7 +290,7 @@ def plan_cluster(plan: Plan, asked: str | None) -> ClusterSpec | None:
     if asked is not None:
         return load_cluster(asked)
     try:
-        return load_cluster(plan.cluster)
+        return plan_cluster_spec(plan)
     except PipectlError:
         return None
 

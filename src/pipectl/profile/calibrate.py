@@ -42,7 +42,7 @@ from pipectl.artifacts.layout import layout_label
 from pipectl.artifacts.plan import Candidate, Plan
 from pipectl.artifacts.profile import ModelProfile
 from pipectl.artifacts.run import JOB_FILE, JobSpec
-from pipectl.cluster import load_cluster
+from pipectl.cluster import plan_cluster_spec
 from pipectl.errors import UserInputError
 from pipectl.io import load_model
 from pipectl.plan.costs import hardware_for, layer_seconds
@@ -116,7 +116,7 @@ def observe(run_dir: str | Path) -> tuple[Observation, ModelProfile]:
             f"run {run} does not record its pipeline waits and end of step (pipectl before this version)",
             hint="run the layout again with this pipectl",
         )
-    cluster = load_cluster(plan.cluster)
+    cluster = plan_cluster_spec(plan)
     hardware = hardware_for(cluster, profile)
     shares = min(candidate.devices, hardware.devices_per_node) >= 2
     return Observation(str(run), candidate, cluster, measured, shares), profile

@@ -14,7 +14,7 @@ from rich import box
 from rich.table import Table
 
 from pipectl.artifacts.layout import layout_label
-from pipectl.cluster import load_cluster
+from pipectl.cluster import plan_cluster_spec
 from pipectl.errors import PipectlError
 from pipectl.launch.rundir import RunStatus
 from pipectl.plan.phases import PHASES, measured_phases, simulated_phases
@@ -66,7 +66,7 @@ def predicted_phases(status: RunStatus) -> list[tuple[float, float, float, float
     plan = status.plan
     plan_path = status.path / status.job.plan_file
     phases, _ = simulated_phases(
-        plan.chosen, load_plan_profile(plan_path, plan), load_cluster(plan.cluster), load_kind_profiles(plan_path, plan)
+        plan.chosen, load_plan_profile(plan_path, plan), plan_cluster_spec(plan), load_kind_profiles(plan_path, plan)
     )
     return phases
 
