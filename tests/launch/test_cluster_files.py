@@ -19,6 +19,12 @@ from pipectl.io import write_json_atomic
 from pipectl.launch import LaunchOptions, prepare_launch
 from builders import gpt_tiny_candidate, mixed_candidate, model_shape, plan_of
 
+
+@pytest.fixture(autouse=True)
+def _no_allocator_setting(monkeypatch):
+    # GPU ranks keep the launching environment's allocator setting: the golden files are written without one.
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+
 GOLDEN = Path(__file__).parent / "golden"
 RUN = Path("/runs/gpt3")
 

@@ -204,3 +204,13 @@ def test_a_module_planted_in_the_run_directory_is_not_imported_by_a_rank(tmp_pat
     env.pop("PYTHONSAFEPATH")
     planted = subprocess.run([sys.executable, "-m", "platform"], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert "planted module ran" in planted.stderr  # the check can fail: without the variable it does
+
+
+def test_gpu_ranks_get_expandable_segments_unless_the_user_set_an_allocator(monkeypatch, tmp_path):
+    from pipectl.launch.engines import rank_environment
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    assert rank_environment(gpus=True)["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in rank_environment(gpus=False)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
+    assert rank_environment(gpus=True)["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"
