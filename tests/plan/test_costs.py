@@ -329,6 +329,20 @@ def test_more_ranks_than_cores_share_them():
     assert forward(unknown_cores, 4, 4) == pytest.approx(1.5 * base)
 
 
+def test_a_plan_for_more_ranks_than_cores_says_why_it_leaves_some_idle():
+    from pipectl.artifacts.plan import PlanRequest
+    from pipectl.plan.search import plan
+
+    # Compute-bound CPU ranks: four on two cores take twice as long each, so two are chosen.
+    profile = _cpu_profile_with_runtime(concurrent_compute_slowdown=1.0, concurrent_ranks=2, host_cores=2)
+    result = plan(profile, local_cluster(4), PlanRequest(global_batch=16, workers=1))
+    assert result.chosen.devices == 2
+    assert "uses 2 of the 4 devices (the host has 2 cores: more ranks than cores share them)" in result.chosen.notes
+    # Where the cores are unknown, the four ranks look faster and are taken.
+    unknown = _cpu_profile_with_runtime(concurrent_compute_slowdown=1.0, concurrent_ranks=2)
+    assert plan(unknown, local_cluster(4), PlanRequest(global_batch=16, workers=1)).chosen.devices == 4
+
+
 @pytest.mark.parametrize("name", ["pipectl.plan.costs", "pipectl.plan.layer_table"])
 def test_docstring_examples_hold(name):
     import doctest

@@ -344,13 +344,13 @@ def plan_homogeneous(
             enumeration.rejections.add(Rejection.DEADLINE, count=missed)
     sharded_entries, sharded_notes = _gradient_sharded_comparison(pool, goal, evaluator, chosen_entry, request)
     plan_notes += sharded_notes
-    chosen = evaluator.candidate(chosen_entry[1], _device_note(chosen_entry[1], devices))
+    chosen = evaluator.candidate(chosen_entry[1], _device_note(chosen_entry[1], devices, hardware))
     ranked = list(ranking.top)
     # The best of each ZeRO-2/3 stage, when the top did not reach it: after the top (its key is
     # no better than theirs, or it would be among them).
     ranked += [entry for entry in sharded_entries if all(entry[1] is not spec for _, spec, _ in ranked)]
     candidates = [
-        chosen if spec is chosen_entry[1] else evaluator.candidate(spec, _device_note(spec, devices))
+        chosen if spec is chosen_entry[1] else evaluator.candidate(spec, _device_note(spec, devices, hardware))
         for _, spec, _ in ranked
     ]
     if not any(c is chosen for c in candidates):
@@ -468,10 +468,16 @@ def _ratio(entry: tuple[tuple, Spec, float], other: tuple[tuple, Spec, float], g
     return f": {mine / theirs:.2f}x its cost per sample" if theirs > 0 else ""
 
 
-def _device_note(spec: Spec, devices: int) -> list[str]:
-    if spec.devices < devices:
-        return [f"uses {spec.devices} of the {devices} devices"]
-    return []
+def _device_note(spec: Spec, devices: int, hardware: Hardware) -> list[str]:
+    """Why a plan leaves devices idle, where the hardware says: CPU ranks beyond the host's cores
+    share them (`costs.host_compute_slowdown`)."""
+    if spec.devices >= devices:
+        return []
+    note = f"uses {spec.devices} of the {devices} devices"
+    cores = hardware.runtime.host_cores if hardware.runtime is not None else 0
+    if 0 < cores < min(devices, hardware.devices_per_node):
+        note += f" (the host has {count(cores, 'core')}: more ranks than cores share them)"
+    return [note]
 
 
 def _nothing_fits(request: PlanRequest, rejections: Rejections, devices: int) -> str:
