@@ -264,6 +264,7 @@ class Evaluator:
             schedule=spec.variant.kind,
             recompute=spec.recompute,
             checkpoint_layers=spec.checkpoint_layers,
+            selective_recompute=spec.selective_recompute,
             zero_stage=spec.zero_stage,
             stage_layers=[tuple(stage) for stage in shape.stage_layers],
             predicted_step_seconds=step,

@@ -115,11 +115,13 @@ def hardware_extras(u: Utilisation) -> str:
 
 def _recompute_mark(c: Candidate) -> str:
     """'+R' (whole-stage recompute), '+ckpt' (per-layer checkpointing) or ''."""
-    return "+R" if c.recompute else "+ckpt" if c.checkpoint_layers else ""
+    return "+R" if c.recompute else "+ckpt" if c.checkpoint_layers else "+sel" if c.selective_recompute else ""
 
 
 def _recompute_words(c: Candidate) -> str:
-    """' recompute', ' checkpoint-layers' or '' for the chosen plan's line."""
+    """' recompute', ' checkpoint-layers', ' selective-recompute' or '' for the chosen plan's line."""
+    if c.selective_recompute:
+        return " selective-recompute"
     return " recompute" if c.recompute else " checkpoint-layers" if c.checkpoint_layers else ""
 
 
