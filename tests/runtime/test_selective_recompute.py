@@ -1,9 +1,11 @@
 """Selective recomputation run by real DeepSpeed ranks: the same losses as without.
 
-gpt-tiny on the built-in byte corpus, B = 8, fp32, seed 7, 5 steps, a two-stage 1F1B pipeline in
-DeepSpeed's pipeline engine, with and without `selective_recompute`: every block recomputes its
-attention core inside its backward, so the gradients, hence every step's loss, are those of the
-run that kept the core's activations.
+gpt-tiny on the built-in byte corpus, B = 8, fp32, seed 7, 5 steps: a two-stage 1F1B pipeline in
+DeepSpeed's pipeline engine, and one stage on two ZeRO-3 replicas in its ordinary engine
+(`runtime/plain.py`; the core holds no weights, so ZeRO-3's partitioning does not touch its
+recomputation), each with and without `selective_recompute`: every block recomputes its attention
+core inside its backward, so the gradients, hence every step's loss, are those of the run that
+kept the core's activations.
 """
 
 from __future__ import annotations
@@ -19,21 +21,26 @@ pytestmark = pytest.mark.multiprocess
 
 STEPS = 5
 TOLERANCE = 1e-5  # fp32; the recomputed core gives the same values, only rounding could differ
-LAYOUT = Layout(2, 1, 2, 4, ((0, 4), (4, 9)), ScheduleKind.ONE_F_ONE_B)
+LAYOUTS = {
+    "p2 1f1b": (Layout(2, 1, 2, 4, ((0, 4), (4, 9)), ScheduleKind.ONE_F_ONE_B), 1),
+    "p1 d2 ZeRO-3": (Layout(1, 2, 2, 2, ((0, 9),)), 3),
+}
 
 
-def _losses(layout: Layout) -> dict[int, list[float]]:
-    job = TrainingJob("gpt-tiny", layout, training_config(layout), steps=STEPS, seed=7)
+def _losses(layout: Layout, zero_stage: int) -> dict[int, list[float]]:
+    job = TrainingJob("gpt-tiny", layout, training_config(layout, zero_stage=zero_stage), steps=STEPS, seed=7)
     return {rank: outcome.losses for rank, outcome in spawn_ranks(job, timeout_seconds=120).items()}
 
 
-def test_recomputing_the_attention_core_gives_the_losses_of_keeping_it():
-    kept = _losses(LAYOUT)
-    selective = _losses(Layout(**{**LAYOUT.__dict__, "selective_recompute": True}))
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_recomputing_the_attention_core_gives_the_losses_of_keeping_it(name):
+    layout, zero_stage = LAYOUTS[name]
+    kept = _losses(layout, zero_stage)
+    selective = _losses(Layout(**{**layout.__dict__, "selective_recompute": True}), zero_stage)
     assert selective.keys() == kept.keys()
     for rank, losses in selective.items():
         assert len(losses) == STEPS and len(set(losses)) > 1  # it trained
-        assert losses == pytest.approx(kept[rank], rel=TOLERANCE), f"rank {rank}"
+        assert losses == pytest.approx(kept[rank], rel=TOLERANCE), f"{name} rank {rank}"
 
 
 def _core_calls(rank: int, world: int, port: int, selective: bool, checkpoint_layers: bool, results) -> None:
