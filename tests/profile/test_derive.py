@@ -365,3 +365,19 @@ def test_selective_recomputation_of_gpt3_costs_what_korthikanti_measured():
     flash = derive_profile(gpt3, "a100-80gb", [1], tensor_parallel=(8,)).layers[1].shards[0].costs[0]
     assert flash.attention_core_saved_bytes / flash.saved_activation_bytes < 0.001
     assert flash.attention_core_forward_seconds > 0
+
+
+def test_a_profile_without_its_attention_core_is_not_searched_selectively():
+    # An hf: model of GPT-2's shape derives as pipectl's block would, but its blocks are Hugging
+    # Face's, which the runtime runs whole: `pipectl profile --derive hf:...` strips the core.
+    from pipectl.profile.derive import without_attention_core
+
+    config = ModelConfig(name="g", family="gpt", layers=2, hidden=256, heads=4, seq_len=512, vocab=1000)
+    profile = derive_profile(config, "h100-80gb", [1, 2], tensor_parallel=(2,))
+    assert profile.records_attention_core
+    stripped = without_attention_core(profile)
+    assert not stripped.records_attention_core
+    assert all(cost.attention_core_forward_seconds is None for layer in stripped.layers
+               for holder in (layer, *layer.shards) for cost in holder.costs)  # fmt: skip
+    assert "attention_core" not in stripped.model_dump_json()  # written as a profile without them
+    assert stripped.layers[1].costs[1].saved_activation_bytes == profile.layers[1].costs[1].saved_activation_bytes

@@ -557,6 +557,25 @@ def _cost_of(
     )
 
 
+def without_attention_core(profile: ModelProfile) -> ModelProfile:
+    """The profile with no layer recording an attention core, so that the planner does not search
+    selective recomputation: for a model whose blocks pipectl's runtime runs whole (an hf: model,
+    even one of GPT-2's shape)."""
+
+    def strip(costs: list[LayerCost]) -> list[LayerCost]:
+        return [c.model_copy(update={"attention_core_saved_bytes": None, "attention_core_forward_seconds": None})
+                for c in costs]
+
+    layers = [
+        layer.model_copy(update={
+            "costs": strip(layer.costs),
+            "shards": [shard.model_copy(update={"costs": strip(shard.costs)}) for shard in layer.shards],
+        })
+        for layer in profile.layers
+    ]  # fmt: skip
+    return profile.model_copy(update={"layers": layers})
+
+
 def derive_profile(
     config: ModelConfig,
     device: DeviceSpec | str,
