@@ -572,12 +572,10 @@ def stage_costs(
     forward = [seconds.stage_forward(s, e) * slowdown for s, e in stage_layers]
     if checkpoint_layers:
         backward = [(seconds.stage_backward(s, e) + seconds.recomputed_forward(s, e)) * slowdown for s, e in stage_layers]
+    elif selective_recompute:
+        backward = [(seconds.stage_backward(s, e) + seconds.recomputed_attention(s, e)) * slowdown for s, e in stage_layers]
     else:
         backward = [seconds.stage_backward(s, e) * slowdown for s, e in stage_layers]
-    if selective_recompute:
-        backward = [
-            (seconds.stage_backward(s, e) + seconds.recomputed_attention(s, e)) * slowdown for s, e in stage_layers
-        ]
 
     sends = []
     jitter = 0.0

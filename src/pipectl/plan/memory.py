@@ -663,7 +663,8 @@ class FurthestFittingEnds:
     the same question for many pipelines of one (t, b): the stage memory only depends on the
     start, the bytes per parameter (training and step), the in-flight units and what the stage
     keeps (`keeps_input_only`: False/NONE its saved activations, True/STAGE only its input,
-    `Recompute.LAYER` its layers' inputs) — so the answers are remembered by exactly those values.
+    `Recompute.LAYER` its layers' inputs, `Recompute.SELECTIVE` its saved activations less the
+    attention cores') — so the answers are remembered by exactly those values.
 
         >>> from pipectl.plan.synthetic import synthetic_profile
         >>> from pipectl.plan.layer_table import layer_table

@@ -799,7 +799,7 @@ def _untimed_pass(
     return runs, taken_from
 
 
-def _recomputes_selectively(module: nn.Module) -> bool:
+def _has_attention_core(module: nn.Module) -> bool:
     """A block whose attention core can run under selective recomputation (pipectl's own)."""
     return hasattr(module, "selective_recompute") and hasattr(module, "attention_inputs")
 
@@ -809,7 +809,7 @@ def _attention_core_saved_bytes(under_test: _ModelUnderTest, index: int, layer_i
     the same forward with the attention core under a checkpoint (which keeps only q, k, v, views
     of the QKV output the block keeps anyway). None for a layer without such a core."""
     module = under_test.module(index)
-    if not _recomputes_selectively(module):
+    if not _has_attention_core(module):
         return None
     hooks, selective = _saved_bytes_hooks(under_test.parameter_storages)
     module.selective_recompute = True
@@ -830,7 +830,7 @@ def _attention_core_seconds(
     from pipectl.models.transformer import attention_core
 
     module = under_test.module(index)
-    if not _recomputes_selectively(module):
+    if not _has_attention_core(module):
         return None
     with torch.no_grad():
         q, k, v = module.attention_inputs(module.ln_attn(_detached_input(layer_input)))
