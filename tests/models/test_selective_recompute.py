@@ -86,3 +86,22 @@ def test_without_gradients_the_core_runs_once(core_calls):
 def test_pipectls_blocks_recompute_selectively_and_hugging_face_blocks_do_not():
     assert _recomputes_selectively(TransformerBlock) and _recomputes_selectively(TensorParallelBlock)
     assert not _recomputes_selectively(HFDecoderLayer)
+
+
+def test_a_tensor_parallel_shard_recomputes_its_local_heads_core_with_the_same_gradients(core_calls):
+    from pipectl.models.tensor_parallel import TensorParallelGroup
+
+    torch.manual_seed(0)
+    shard = TensorParallelBlock(64, 4, 4, True, tensor_group=TensorParallelGroup.without_communication(2, rank=1))
+    x = torch.randn(2, 16, 64, requires_grad=True)
+    grads = {}
+    for selective in (False, True):
+        shard.selective_recompute = selective
+        shard.zero_grad(set_to_none=True)
+        x.grad = None
+        core_calls[0] = 0
+        shard(x).square().mean().backward()
+        grads[selective] = ([x.grad.clone(), *(p.grad.clone() for p in shard.parameters())], core_calls[0])
+    assert (grads[False][1], grads[True][1]) == (1, 2)
+    for a, b in zip(grads[False][0], grads[True][0]):
+        assert torch.allclose(a, b, rtol=0, atol=1e-7)
