@@ -271,9 +271,10 @@ def pinned_request(row: dict, workers: int | None) -> PlanRequest:
         schedule=schedule,
         chunks=chunks,
         zero_stages=[layout.get("zero_stage", 1)],
-        # Megatron-LM's "full" recompute is per-layer activation checkpointing.
-        recompute={"full": RecomputeChoice.LAYER, "none": RecomputeChoice.NEVER}.get(row.get("recompute"),
-                                                                                     RecomputeChoice.AUTO),
+        # Megatron-LM's "full" recompute is per-layer activation checkpointing; its "selective" the
+        # attention core only.
+        recompute={"full": RecomputeChoice.LAYER, "selective": RecomputeChoice.SELECTIVE,
+                   "none": RecomputeChoice.NEVER}.get(row.get("recompute"), RecomputeChoice.AUTO),
         include_all=True,
         for_deepspeed=False,
         morph=False,
@@ -285,7 +286,8 @@ def pick_pinned(row: dict, candidates: list[Candidate]) -> tuple[Candidate | Non
     """The fastest candidate that matches what the source pins (recompute, chunks): "full" is
     per-layer activation checkpointing (Megatron-LM's), on every stage, p = 1 included."""
     layout = row["layout"]
-    wanted_recompute = {"full": Recompute.LAYER, "none": Recompute.NONE}.get(row.get("recompute"))
+    wanted_recompute = {"full": Recompute.LAYER, "selective": Recompute.SELECTIVE,
+                        "none": Recompute.NONE}.get(row.get("recompute"))
     matching = [
         c for c in candidates
         if (wanted_recompute is None or c.recompute_granularity is wanted_recompute)

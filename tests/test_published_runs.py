@@ -55,7 +55,7 @@ def test_row_is_complete_and_cited(row):
     if layout.get("v") and layout["v"] > 1:
         assert layout["schedule"] == "interleaved"
     assert row["attention"] in ("flash", "unfused")
-    assert row.get("recompute") in ("full", "none", None)
+    assert row.get("recompute") in ("full", "selective", "none", None)
 
     published = row["published"]
     if published:

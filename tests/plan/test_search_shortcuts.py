@@ -25,7 +25,7 @@ def _profile(blocks: int, seed: int):
     return synthetic_profile(
         blocks=blocks, micro_batch_sizes=[1, 2], hidden=128, seq_len=256,
         block_forward_seconds=[0.01 * rng.uniform(0.5, 2.0) for _ in range(blocks)],
-        head_working_per_logit=rng.choice((0.0, 8.0)),
+        head_working_per_logit=rng.choice((0.0, 8.0)), attention_core=(0.4, 0.1),
     )
 
 
@@ -41,8 +41,8 @@ def _memory_fits(builder, shape, kind, per_device, per_step, units, capacity):
     recomputes = recomputing_stages(shape, kind)
 
     def fits(index, start, end):
-        if shape.recompute is Recompute.LAYER:  # every stage keeps its layers' inputs
-            keeps = Recompute.LAYER
+        if shape.recompute in (Recompute.LAYER, Recompute.SELECTIVE):  # every stage: its layers' inputs, or
+            keeps = shape.recompute  # its saved activations less the attention cores'
         else:
             keeps = bool(recomputes[index]) and index != stages - 1
         return rows.stage_bytes(
@@ -64,8 +64,8 @@ def test_a_memory_fitting_cut_exists_exactly_when_the_partitioner_finds_one(seed
         t, b, recompute = rng.choice((1, 2)), rng.choice((1, 2)), rng.choice(list(Recompute))
         variant = rng.choice([ScheduleVariant(ScheduleKind.ONE_F_ONE_B), ScheduleVariant(ScheduleKind.GPIPE),
                               ScheduleVariant(ScheduleKind.INTERLEAVED, 2), ScheduleVariant(ScheduleKind.VARUNA)])
-        if variant.kind is ScheduleKind.VARUNA and recompute is Recompute.LAYER:
-            continue  # Varuna recomputes whole stages: never searched with per-layer checkpointing
+        if variant.kind is ScheduleKind.VARUNA and recompute in (Recompute.LAYER, Recompute.SELECTIVE):
+            continue  # Varuna recomputes whole stages: never searched with per-layer or selective recompute
         p = rng.randint(1, builder.layers // variant.chunks)
         m = p * rng.randint(1, 4)
         zero, d = rng.choice(((0, 1), (1, 2), (1, 8), (0, 4)))

@@ -80,7 +80,7 @@ def test_a_2bw_candidate_is_priced_at_two_bw_steady_state_on_its_stage_costs(pro
 def test_a_2bw_candidate_beats_the_flushed_1f1b_of_the_same_layout_and_its_notes_say_by_how_much(every_candidate):
     def layout(c):
         return (c.tensor_parallel, c.pipeline_parallel, c.data_parallel, c.micro_batch_size, c.recompute,
-                c.checkpoint_layers, c.zero_stage, tuple(map(tuple, c.stage_layers)))
+                c.checkpoint_layers, c.selective_recompute, c.zero_stage, tuple(map(tuple, c.stage_layers)))
 
     flushed = {layout(c): c for c in every_candidate.candidates if c.schedule is ScheduleKind.ONE_F_ONE_B}
     compared = 0

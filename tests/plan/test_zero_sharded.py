@@ -238,7 +238,7 @@ def test_the_enumeration_keeps_exactly_the_zero_2_and_3_points_that_fit_one_by_o
     from pipectl.plan.memory import in_flight_units
     from pipectl.schedule import ScheduleKind
 
-    profile = synthetic_profile(blocks=8, micro_batch_sizes=[1, 2], hidden=128, seq_len=256)
+    profile = synthetic_profile(blocks=8, micro_batch_sizes=[1, 2], hidden=128, seq_len=256, attention_core=(0.4, 0.1))
     hardware = _with_memory(hardware_for(load_cluster("a100-8x8"), profile), memory_gib)
     request = PlanRequest(global_batch=24, zero_stages=[1, 2, 3], schedules=[ScheduleKind.GPIPE])
     space = search_space(request, profile, hardware)
@@ -248,8 +248,10 @@ def test_the_enumeration_keeps_exactly_the_zero_2_and_3_points_that_fit_one_by_o
     builder = ShapeBuilder(profile, hardware)
     expected = set()
     for t in space.tensor_parallel:
-        # One stage: never whole-stage recompute; per-layer checkpointing gives points of its own.
-        for b, recompute in itertools.product(space.micro_batch_sizes, (Recompute.NONE, Recompute.LAYER)):
+        # One stage: never whole-stage recompute; per-layer checkpointing and selective
+        # recomputation give points of their own.
+        for b, recompute in itertools.product(space.micro_batch_sizes,
+                                              (Recompute.NONE, Recompute.LAYER, Recompute.SELECTIVE)):
             shape = builder.shape(t, b, recompute, 1, 1)
             for d in range(2, min(64 // t, 24 // b) + 1):
                 if 24 % (d * b):

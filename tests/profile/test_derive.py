@@ -348,3 +348,36 @@ def test_a_device_without_bfloat16_derives_float16_and_refuses_bfloat16():
     assert derive_profile(config, "a100-80gb", [1]).dtype == "bfloat16"
     with pytest.raises(UserInputError, match="v100-32gb has no bfloat16"):
         derive_profile(config, "v100-32gb", [1], dtype="bfloat16")
+
+
+def test_selective_recomputation_of_gpt3_costs_what_korthikanti_measured():
+    # Korthikanti et al. 2022, Table 4: selective recomputation adds 2.7 % to a GPT-3 175B layer's
+    # forward and backward (t = 8, unfused attention, A100). The derived block's attention core:
+    gpt3 = ModelConfig(name="gpt3", family="gpt", layers=2, hidden=12288, heads=96, seq_len=2048, vocab=51200,
+                       shape_only=True)  # fmt: skip
+    unfused = derive_profile(gpt3, "a100-80gb", [1], attention="unfused", tensor_parallel=(8,)).layers[1].shards[0]
+    cost = unfused.costs[0]
+    assert cost.attention_core_forward_seconds / (cost.forward_seconds + cost.backward_seconds) == pytest.approx(
+        0.027, abs=0.003)
+    assert cost.attention_core_saved_bytes == 2 * (96 // 8) * 2048 * 2048  # the bf16 softmax output
+    # With flash attention the core keeps only its log-sum-exp: selective recomputation frees
+    # almost nothing, and its time is still spent.
+    flash = derive_profile(gpt3, "a100-80gb", [1], tensor_parallel=(8,)).layers[1].shards[0].costs[0]
+    assert flash.attention_core_saved_bytes / flash.saved_activation_bytes < 0.001
+    assert flash.attention_core_forward_seconds > 0
+
+
+def test_a_profile_without_its_attention_core_is_not_searched_selectively():
+    # An hf: model of GPT-2's shape derives as pipectl's block would, but its blocks are Hugging
+    # Face's, which the runtime runs whole: `pipectl profile --derive hf:...` strips the core.
+    from pipectl.profile.derive import without_attention_core
+
+    config = ModelConfig(name="g", family="gpt", layers=2, hidden=256, heads=4, seq_len=512, vocab=1000)
+    profile = derive_profile(config, "h100-80gb", [1, 2], tensor_parallel=(2,))
+    assert profile.records_attention_core
+    stripped = without_attention_core(profile)
+    assert not stripped.records_attention_core
+    assert all(cost.attention_core_forward_seconds is None for layer in stripped.layers
+               for holder in (layer, *layer.shards) for cost in holder.costs)  # fmt: skip
+    assert "attention_core" not in stripped.model_dump_json()  # written as a profile without them
+    assert stripped.layers[1].costs[1].saved_activation_bytes == profile.layers[1].costs[1].saved_activation_bytes

@@ -341,3 +341,17 @@ def test_device_memory_is_recorded_only_where_the_runtime_reports_it(tiny_profil
     assert ModelProfile.model_validate(older).device_memory_bytes is None
     recorded = tiny_profile.model_copy(update={"device_memory_bytes": 85_520_809_984})
     assert ModelProfile.model_validate_json(recorded.model_dump_json()).device_memory_bytes == 85_520_809_984
+
+
+def test_blocks_record_their_attention_core_and_other_layers_do_not(tiny_profile):
+    # gpt-tiny (h 64, 4 heads, s 32) in fp32 on CPU: scaled_dot_product_attention runs its flash
+    # kernel, whose output proj reads as a view, so selective recomputation frees only the fp32
+    # log-sum-exp per token and head: b x 4 x 32 x 4 bytes.
+    assert tiny_profile.records_attention_core
+    for layer in tiny_profile.layers:
+        for cost in layer.costs:
+            if layer.kind != "transformer_block":
+                assert cost.attention_core_saved_bytes is None and cost.attention_core_forward_seconds is None
+                continue
+            assert cost.attention_core_saved_bytes == cost.micro_batch_size * 4 * 32 * 4
+            assert 0 < cost.attention_core_forward_seconds < cost.forward_seconds

@@ -7,6 +7,8 @@ and a checkpoint's manifest records the one that wrote it.
     't1p2d1 1f1b b2 m4'
     >>> Layout(2, 1, 2, 4, ((0, 4), (4, 9)), checkpoint_layers=True).label()
     't1p2d1 1f1b +ckpt b2 m4'
+    >>> Layout(2, 1, 2, 4, ((0, 4), (4, 9)), selective_recompute=True).label()
+    't1p2d1 1f1b +sel b2 m4'
     >>> Layout(2, 1, 2, 4, ((0, 3), (3, 5), (5, 7), (7, 9)), ScheduleKind.INTERLEAVED, chunks=2, engine=Engine.TORCH).label()
     't1p2d1 interleaved b2 m4 v2 torch'
 """
@@ -41,6 +43,9 @@ class Layout:
     # What runs it: DeepSpeed's pipeline engine, or PyTorch's pipelining runtime (`Candidate.engine`
     # torch: `runtime.torch_pipeline.TorchPipelineEngine`). Older manifests: deepspeed.
     engine: Engine = Engine.DEEPSPEED
+    # Selective recomputation: every transformer block recomputes its attention core inside its
+    # backward (`Candidate.selective_recompute`). Older manifests: false.
+    selective_recompute: bool = False
 
     @classmethod
     def from_candidate(cls, candidate: Candidate) -> "Layout":
@@ -61,6 +66,7 @@ class Layout:
             ),
             checkpoint_layers=candidate.checkpoint_layers,
             engine=Engine.TORCH if candidate.engine is Engine.TORCH else Engine.DEEPSPEED,
+            selective_recompute=candidate.selective_recompute,
         )
 
     @property
@@ -83,7 +89,7 @@ class Layout:
         """e.g. 't1p2d1 1f1b b2 m4' (metrics lines carry it); a torch-engine layout adds its chunks
         and engine: 't1p2d1 interleaved b2 m4 v2 torch'."""
         torch = (f" v{self.chunks}" if self.chunks > 1 else "") + " torch" if self.engine is Engine.TORCH else ""
-        recompute = " +R" if self.recompute else " +ckpt" if self.checkpoint_layers else ""
+        recompute = " +R" if self.recompute else " +ckpt" if self.checkpoint_layers else " +sel" if self.selective_recompute else ""
         if self.replica_shares:
             shares = "+".join(f"{b}x{m}" for b, m in self.replica_shares)
             return f"t{self.tensor_parallel}p{self.pipeline_parallel}d{self.data_parallel} {self.schedule.value}{recompute} {shares}{torch}"

@@ -6,10 +6,11 @@ and re-plans from `request` with the profile `profile` names (`pipectl.planfile`
 together on disk). Layer ranges are half-open: a stage holding
 layers [start, end) owns layer indices start..end-1 of the profile.
 
-A candidate recomputes activations in one of three ways (`Recompute`): not at all, whole stages
-(`recompute: true`, R actions in the schedule), or layer by layer (`checkpoint_layers: true`, added
-later: files without it load as false, their plans unchanged); `PlanRequest.recompute` says which
-the search may use.
+A candidate recomputes activations in one of four ways (`Recompute`): not at all, whole stages
+(`recompute: true`, R actions in the schedule), layer by layer (`checkpoint_layers: true`, added
+later: files without it load as false, their plans unchanged), or only each block's attention core
+(`selective_recompute: true`, written only when true); `PlanRequest.recompute` says which the
+search may use.
 """
 
 from __future__ import annotations
@@ -93,11 +94,16 @@ class Recompute(IntEnum):
       the last and a one-stage plan included, keeps each of its layers' input per in-flight
       micro-batch, and each layer's forward runs again inside the backward, just before that
       layer's backward; the schedule has no R actions.
+    - SELECTIVE: selective recomputation (Korthikanti et al. 2022, §5): every layer keeps its saved
+      activations except its attention core's (QK^T scores, softmax, softmax dropout, attention
+      over V), which runs forward again inside the block's backward; the schedule has no R actions.
+      The values are stored in files and caches: a new granularity takes a new number.
     """
 
     NONE = 0
     STAGE = 1
     LAYER = 2
+    SELECTIVE = 3
 
     @property
     def label(self) -> str:
@@ -105,14 +111,17 @@ class Recompute(IntEnum):
 
 
 class RecomputeChoice(str, Enum):
-    """`plan --recompute`: which recomputation the search may use besides none; memory and time
-    decide between them. `never`: none; `stage`: none or whole stages (what `allow_recompute`
-    meant before per-layer checkpointing existed); `layer`: none or per-layer checkpointing;
-    `auto`: all three."""
+    """`plan --recompute`: which recomputation the search may use; memory and time decide between
+    them. `never`: none; `stage`: none or whole stages (what `allow_recompute` meant before
+    per-layer checkpointing existed); `layer`: none or per-layer checkpointing; `selective`: none
+    or the attention core only; `always`: some recomputation on every candidate (stage, layer or
+    selective, never none); `auto`: all four."""
 
     NEVER = "never"
     STAGE = "stage"
     LAYER = "layer"
+    SELECTIVE = "selective"
+    ALWAYS = "always"
     AUTO = "auto"
 
 
@@ -120,15 +129,19 @@ def recompute_granularities(choice: "RecomputeChoice") -> tuple[Recompute, ...]:
     """The granularities a search tries for a `RecomputeChoice`.
 
     >>> [r.label for r in recompute_granularities(RecomputeChoice.AUTO)]
-    ['none', 'stage', 'layer']
+    ['none', 'stage', 'layer', 'selective']
     >>> [r.label for r in recompute_granularities(RecomputeChoice.LAYER)]
     ['none', 'layer']
+    >>> [r.label for r in recompute_granularities(RecomputeChoice.ALWAYS)]
+    ['stage', 'layer', 'selective']
     """
     return {
         RecomputeChoice.NEVER: (Recompute.NONE,),
         RecomputeChoice.STAGE: (Recompute.NONE, Recompute.STAGE),
         RecomputeChoice.LAYER: (Recompute.NONE, Recompute.LAYER),
-        RecomputeChoice.AUTO: (Recompute.NONE, Recompute.STAGE, Recompute.LAYER),
+        RecomputeChoice.SELECTIVE: (Recompute.NONE, Recompute.SELECTIVE),
+        RecomputeChoice.ALWAYS: (Recompute.STAGE, Recompute.LAYER, Recompute.SELECTIVE),
+        RecomputeChoice.AUTO: (Recompute.NONE, Recompute.STAGE, Recompute.LAYER, Recompute.SELECTIVE),
     }[choice]
 
 
@@ -158,9 +171,10 @@ class PlanRequest(Strict):
     )
     recompute: RecomputeChoice = Field(
         default=RecomputeChoice.AUTO,
-        description="Recomputation the search may use besides none: never, stage (whole-stage recompute, R actions "
-        "on every stage but the last), layer (per-layer activation checkpointing, every stage, p = 1 too), auto "
-        "(both; the default).",
+        description="Recomputation the search may use: never, stage (none or whole-stage recompute, R actions "
+        "on every stage but the last), layer (none or per-layer activation checkpointing, every stage, p = 1 too), "
+        "selective (none or the attention core only, Korthikanti et al. 2022 §5), always (stage, layer or "
+        "selective: never none), auto (all four; the default).",
     )
     uneven_replicas: bool = Field(
         default=True,
@@ -322,6 +336,14 @@ class Candidate(Strict):
         description="Per-layer activation checkpointing: every stage keeps its layers' inputs and recomputes each "
         "layer's forward inside its backward (no R actions). Absent in older files: false. Never with recompute.",
     )
+    selective_recompute: bool = Field(
+        default=False,
+        # Left out of the file when false: a plan without it reads and writes as before.
+        exclude_if=lambda selective: not selective,
+        description="Selective recomputation: every block keeps its saved activations but its attention core's "
+        "(scores, softmax, dropout, attention over V), which runs forward again inside the block's backward (no "
+        "R actions). Absent: false. Never with recompute or checkpoint_layers.",
+    )
     zero_stage: int = Field(ge=0, le=3)
     stage_layers: list[tuple[int, int]] = Field(
         description="Half-open layer index range [start, end) of every (virtual) stage, in order."
@@ -378,12 +400,16 @@ class Candidate(Strict):
     def recompute_granularity(self) -> Recompute:
         if self.checkpoint_layers:
             return Recompute.LAYER
+        if self.selective_recompute:
+            return Recompute.SELECTIVE
         return Recompute.STAGE if self.recompute else Recompute.NONE
 
     @model_validator(mode="after")
     def _consistent(self) -> "Candidate":
         if self.recompute and self.checkpoint_layers:
             raise ValueError("recompute (whole stages) and checkpoint_layers (per layer) exclude each other")
+        if self.selective_recompute and (self.recompute or self.checkpoint_layers):
+            raise ValueError("selective_recompute (the attention core) excludes recompute and checkpoint_layers")
         if self.devices != self.tensor_parallel * self.pipeline_parallel * self.data_parallel:
             raise ValueError(
                 f"devices {self.devices} != tensor {self.tensor_parallel} x pipeline "

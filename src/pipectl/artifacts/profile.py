@@ -44,6 +44,22 @@ class LayerCost(Strict):
     )
     peak_memory_bytes: Bytes = Field(description="Peak memory while running forward+backward.")
     forward_flops: float = Field(default=0.0, ge=0, le=MAX_FLOPS, description="Forward FLOPs (analytic), 0 if unknown.")
+    # Selective recomputation (Korthikanti et al. 2022, §5) of a transformer block: what its
+    # attention core keeps and costs. Left out of the file when None, so a profile without them
+    # reads and writes as before; the planner then does not offer selective recomputation.
+    attention_core_saved_bytes: Bytes | None = Field(
+        default=None,
+        exclude_if=lambda value: value is None,
+        description="Bytes of saved_activation_bytes that belong to the attention core (QK^T scores, softmax, "
+        "softmax dropout, attention over V) beyond its inputs q, k, v and its output, which the block keeps "
+        "anyway: what selective recomputation frees. 0 for a layer without attention; None: not recorded.",
+    )
+    attention_core_forward_seconds: Seconds | None = Field(
+        default=None,
+        exclude_if=lambda value: value is None,
+        description="Median forward time of the attention core alone: what selective recomputation adds to the "
+        "block's backward. None: not recorded.",
+    )
 
 
 def _working_memory_bytes(parameter_bytes: int, cost: LayerCost) -> int:
@@ -438,6 +454,12 @@ class ModelProfile(Artifact):
     def has_shards(self) -> bool:
         """Whether any layer has tensor-parallel shard costs (then layers without are replicated)."""
         return any(layer.shards for layer in self.layers)
+
+    @property
+    def records_attention_core(self) -> bool:
+        """Whether some layer records its attention core (`LayerCost.attention_core_saved_bytes`):
+        the planner offers selective recomputation only then."""
+        return any(cost.attention_core_saved_bytes is not None for layer in self.layers for cost in layer.costs)
 
     def shard_degrees(self) -> list[int]:
         """The tensor-parallel degrees t > 1 some layer has shard costs for, ascending."""

@@ -353,7 +353,7 @@ class RankFailure(Artifact):
     layout: str = Field(default="", description="Layout label, e.g. 't1p2d1 1f1b b2 m4'.")
     micro_batch_size: int | None = Field(default=None, gt=0)
     recompute: bool | None = Field(
-        default=None, description="Whether the layout recomputed activations (whole stages or every layer)."
+        default=None, description="Whether the layout recomputed activations (whole stages, every layer or the attention cores)."
     )
     pipeline_parallel: int | None = Field(default=None, gt=0)
     predicted_peak_memory_bytes: int | None = Field(

@@ -45,11 +45,13 @@ def parse_schedule(text: str) -> ScheduleKind:
 
 
 def parse_recompute(text: str | None, no_recompute: bool) -> RecomputeChoice:
-    """`--recompute` (never, stage, layer, auto; default auto); `--no-recompute` is `never`. A bad
-    value, or `--no-recompute` beside another value, is named.
+    """`--recompute` (never, stage, layer, selective, always, auto; default auto); `--no-recompute`
+    is `never`. A bad value, or `--no-recompute` beside another value, is named.
 
     >>> parse_recompute("layer", False).value, parse_recompute(None, True).value, parse_recompute(None, False).value
     ('layer', 'never', 'auto')
+    >>> parse_recompute("Selective", False).value, parse_recompute("always", False).value
+    ('selective', 'always')
     """
     known = ", ".join(choice.value for choice in RecomputeChoice)
     if text is None:
@@ -124,9 +126,11 @@ def plan_command(
         Optional[str],
         typer.Option(
             "--recompute",
-            help="Recomputation the search may use besides none: never; stage (re-run a stage's forward before "
-            "its backward, every stage but the last); layer (per-layer activation checkpointing, every stage, "
-            "p = 1 too); auto (both, the default: memory and time decide).",
+            help="Recomputation the search may use: never; stage (none or re-run a stage's forward before its "
+            "backward, every stage but the last); layer (none or per-layer activation checkpointing, every stage, "
+            "p = 1 too); selective (none or recompute only each block's attention core: scores, softmax, attention "
+            "over V); always (stage, layer or selective, never none); auto (all four, the default: memory and "
+            "time decide).",
         ),
     ] = None,
     no_recompute: Annotated[bool, typer.Option("--no-recompute", help="Never recompute activations (--recompute never).")] = False,

@@ -29,7 +29,7 @@ from pipectl.cli.groups import DefaultCommandGroup
 from pipectl.errors import UserInputError
 from pipectl.io import load_model, parse_model, read_mapping, write_json_atomic
 from pipectl.paths import HF_PREFIX, stored_reference
-from pipectl.profile.derive import DEFAULT_SHARD_DEGREES, derive_profile
+from pipectl.profile.derive import DEFAULT_SHARD_DEGREES, derive_profile, without_attention_core
 from pipectl.profile.links import CalibrationRequest, calibrate_links
 from pipectl.report.tables import links_view, profile_view
 
@@ -233,8 +233,12 @@ def _derive(model: str, kind: str, sizes: list[int], dtype: str | None, attentio
             raise UserInputError(
                 f"tensor-parallel degree {bad[0]} does not divide the {config.heads} attention heads of '{model}'"
             )
-    return derive_profile(config, get_device(kind), sizes, dtype, attention,
-                          tensor_parallel=DEFAULT_SHARD_DEGREES if degrees is None else degrees)  # fmt: skip
+    profile = derive_profile(config, get_device(kind), sizes, dtype, attention,
+                             tensor_parallel=DEFAULT_SHARD_DEGREES if degrees is None else degrees)  # fmt: skip
+    if model.startswith(HF_PREFIX):
+        # Its blocks are Hugging Face's, which the runtime cannot recompute selectively.
+        profile = without_attention_core(profile)
+    return profile
 
 
 def _measure(

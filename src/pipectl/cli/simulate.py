@@ -50,13 +50,14 @@ def _uniform_options_given(**options: Any) -> list[str]:
 
 def _stage_bytes(candidate: Any, profile: ModelProfile) -> tuple[list[int], list[int] | None]:
     """Per stage, per device: parameter bytes, and one micro-batch's saved activations (None with
-    recomputation, whole-stage or per layer, where a stage keeps only inputs, or when the profile
+    recomputation, whole-stage, per layer or selective, where a stage keeps less, or when the profile
     lacks the micro-batch size). With t > 1: a layer's shard for t if the profile has one; else the whole layer if the
     profile has shards elsewhere (it is replicated), else 1/t of it (as `pipectl.plan.memory`)."""
     t, b = candidate.tensor_parallel, candidate.micro_batch_size
     sharded = any(layer.shards for layer in profile.layers)
     parameters: list[int] = []
-    recomputes = candidate.recompute or getattr(candidate, "checkpoint_layers", False)
+    recomputes = (candidate.recompute or getattr(candidate, "checkpoint_layers", False)
+                  or getattr(candidate, "selective_recompute", False))
     activations: list[int] | None = None if recomputes else []
     for start, end in candidate.stage_layers:
         stage_parameters = stage_activations = 0.0

@@ -41,7 +41,7 @@ from torch import nn
 
 from pipectl.errors import UserInputError
 from pipectl.models.base import ModelLayers
-from pipectl.models.transformer import TransformerBlock
+from pipectl.models.transformer import TransformerBlock, run_attention_core
 
 
 @dataclass(frozen=True)
@@ -208,6 +208,7 @@ class TensorParallelBlock(nn.Module):
         self.group = tensor_group.group
         self.communicate = tensor_group.communicate
         self.causal = causal
+        self.selective_recompute = False  # as TransformerBlock's
         self.local_heads = heads // t
         self.head_dim = hidden // heads
         # Parameter names and order are those of TransformerBlock (`qkv.weight`, `proj.bias`, ...):
@@ -248,7 +249,7 @@ class TensorParallelBlock(nn.Module):
         q, k, v = F.linear(x, self.qkv.weight, self.qkv.bias).split(local, dim=-1)
         shape = (b, s, self.local_heads, self.head_dim)
         q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+        out = run_attention_core(q, k, v, self.causal, self.selective_recompute)
         partial = F.linear(out.transpose(1, 2).reshape(b, s, local), self.proj.weight)
         return self._reduce(partial) + self.proj.bias
 

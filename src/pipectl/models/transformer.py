@@ -11,6 +11,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 class Embedding(nn.Module):
@@ -27,6 +28,22 @@ class Embedding(nn.Module):
         return F.embedding(tokens, self.weight) + self.position[: tokens.shape[1]]
 
 
+def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+    """softmax(QK^T / sqrt(d)) V per head: what selective recomputation (Korthikanti et al. 2022,
+    §5) recomputes in the backward instead of keeping what it saves."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
+def run_attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, selective: bool) -> torch.Tensor:
+    """The attention core, kept (`selective` false) or under a non-reentrant checkpoint, which
+    keeps only q, k and v (views of the QKV output, which the block keeps anyway) and runs the core
+    forward again inside the backward. Non-reentrant: it works inside DeepSpeed's own per-layer
+    checkpoint and with inputs of any `requires_grad`."""
+    if selective and torch.is_grad_enabled():
+        return checkpoint(attention_core, q, k, v, causal, use_reentrant=False)
+    return attention_core(q, k, v, causal)
+
+
 def tied_head_forward(embedding: Embedding, hidden_states: torch.Tensor) -> torch.Tensor:
     """The output head reuses the token table: logits = x @ W^T (GPT-2, Megatron)."""
     return F.linear(hidden_states, embedding.weight)
@@ -39,6 +56,9 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.heads = heads
         self.causal = causal
+        # Selective recomputation of the attention core (`run_attention_core`); the runtime sets it
+        # for a plan that asks for it (`runtime.pipeline.build_pipeline_module`).
+        self.selective_recompute = False
         self.ln_attn = nn.LayerNorm(hidden)
         self.qkv = nn.Linear(hidden, 3 * hidden)
         self.proj = nn.Linear(hidden, hidden)
@@ -52,12 +72,18 @@ class TransformerBlock(nn.Module):
             nn.init.normal_(lin.weight, std=0.02 / math.sqrt(2))
             nn.init.zeros_(lin.bias)
 
-    def attention(self, x: torch.Tensor) -> torch.Tensor:
+    def attention_inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v as [b, heads, s, d] views of the QKV output (the attention core's inputs; the
+        profiler times the core on them)."""
         b, s, h = x.shape
         q, k, v = self.qkv(x).split(h, dim=-1)
         shape = (b, s, self.heads, h // self.heads)
-        q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+        return tuple(t.view(shape).transpose(1, 2) for t in (q, k, v))  # type: ignore[return-value]
+
+    def attention(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        q, k, v = self.attention_inputs(x)
+        out = run_attention_core(q, k, v, self.causal, self.selective_recompute)
         return self.proj(out.transpose(1, 2).reshape(b, s, h))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -185,6 +185,11 @@ class Spec:
         return self.shape.recompute is Recompute.LAYER
 
     @property
+    def selective_recompute(self) -> bool:
+        """Selective recomputation of each block's attention core (no R actions)."""
+        return self.shape.recompute is Recompute.SELECTIVE
+
+    @property
     def deepspeed_runnable(self) -> bool:
         return deepspeed_runnable(self.variant.kind, self.variant.chunks) and runtime_runs_zero(
             self.zero_stage, self.shape.pipeline_parallel, self.shape.tensor_parallel,
@@ -198,7 +203,7 @@ class Spec:
         no data or tensor parallelism yet)."""
         s = self.shape
         return (
-            torch_runnable(self.variant.kind, self.recompute or self.checkpoint_layers)
+            torch_runnable(self.variant.kind, self.recompute or self.checkpoint_layers or self.selective_recompute)
             and s.tensor_parallel == 1
             and self.data_parallel == 1
             and self.zero_stage <= 1
@@ -232,6 +237,7 @@ class Spec:
             self.recompute,
             self.zero_stage,
             self.checkpoint_layers,
+            self.selective_recompute,
         )
 
     def describe(self) -> str:
@@ -240,6 +246,7 @@ class Spec:
             f"t={s.tensor_parallel} p={s.pipeline_parallel} d={self.data_parallel} "
             f"b={s.micro_batch_size} m={self.micro_batches} {self.variant.label}"
             f"{' recompute' if self.recompute else ' checkpoint-layers' if self.checkpoint_layers else ''}"
+            f"{' selective-recompute' if self.selective_recompute else ''}"
             f" zero={self.zero_stage}"
         )
 
@@ -413,9 +420,10 @@ class ShapeBuilder:
             prefix = self._prefixes[key] = (0.0, *np.cumsum(self.work(t, b, recompute)).tolist())
         return prefix
 
-    def _stage_arrays(self, b: int, t: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    def _stage_arrays(self, b: int, t: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Forward and backward prefix sums, per-layer output bytes and the prefix sums of what
-        per-layer checkpointing recomputes (`LayerSeconds.checkpointed_prefix`) as arrays, per (b, t)."""
+        per-layer checkpointing recomputes (`LayerSeconds.checkpointed_prefix`) and selective
+        recomputation (`LayerSeconds.attention_core_prefix`) as arrays, per (b, t)."""
         key = (b, t)
         arrays = self._arrays.get(key)
         if arrays is None:
@@ -426,6 +434,7 @@ class ShapeBuilder:
                 np.asarray(seconds.backward_prefix, dtype=float),
                 np.asarray(table.output_activation_bytes, dtype=float),
                 np.asarray(seconds.checkpointed_prefix or seconds.forward_prefix, dtype=float),
+                np.asarray(seconds.attention_core_prefix or (0.0,) * len(seconds.forward_prefix), dtype=float),
             )
             self._arrays[key] = arrays
         return arrays
@@ -439,7 +448,7 @@ class ShapeBuilder:
         table = layer_table(self.profile, b, t)
         # `LayerSeconds.stage_forward/backward` and `LinkCost.seconds` over every stage at once:
         # the same float64 operations in the same order, so the same values.
-        forward_prefix, backward_prefix, output_bytes, checkpointed_prefix = self._stage_arrays(b, t)
+        forward_prefix, backward_prefix, output_bytes, checkpointed_prefix, core_prefix = self._stage_arrays(b, t)
         bounds = np.fromiter(itertools.chain.from_iterable(cuts), dtype=np.intp, count=2 * len(cuts)).reshape(-1, 2)
         starts, ends = bounds[:, 0], bounds[:, 1]
         forward = forward_prefix[ends] - forward_prefix[starts] + seconds.forward_overhead
@@ -449,6 +458,10 @@ class ShapeBuilder:
             # not the engine's per-micro-batch overhead: the stage's backward is still one call);
             # `LayerSeconds.recomputed_forward`, the same operations.
             backward = backward + (checkpointed_prefix[ends] - checkpointed_prefix[starts])
+        elif recompute is Recompute.SELECTIVE:
+            # Each block's attention core's forward again, inside its backward
+            # (`LayerSeconds.recomputed_attention`, the same operations).
+            backward = backward + (core_prefix[ends] - core_prefix[starts])
         fastest = self._fastest_link
         sends = fastest.latency_seconds + output_bytes[ends[:-1] - 1] / fastest.bandwidth_bytes_per_second
         memory = StageMemory.build(

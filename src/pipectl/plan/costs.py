@@ -356,6 +356,15 @@ class LayerSeconds:
     # Prefix sums of the forwards per-layer checkpointing runs again in the backward (every
     # layer's but `layer_table.NOT_CHECKPOINTED_KINDS`'); empty: every layer's (`forward_prefix`).
     checkpointed_prefix: tuple[float, ...] = ()
+    # Prefix sums of the attention cores' forwards selective recomputation runs again in the
+    # backward (`LayerTable.attention_core_forward_seconds` at the layers' scale); empty: none.
+    attention_core_prefix: tuple[float, ...] = ()
+
+    def recomputed_attention(self, start: int, end: int) -> float:
+        """What selective recomputation adds to the backward of a stage of layers [start, end)."""
+        if not self.attention_core_prefix:
+            return 0.0
+        return self.attention_core_prefix[end] - self.attention_core_prefix[start]
 
     def recomputed_forward(self, start: int, end: int) -> float:
         """What per-layer checkpointing adds to the backward of a stage of layers [start, end)."""
@@ -371,9 +380,14 @@ class LayerSeconds:
 
     def work(self, recompute: Recompute | bool) -> list[float]:
         """Per-layer time of one micro-batch's forward + backward (+ recompute forward: every
-        layer's for whole stages, the checkpointed layers' for per-layer checkpointing)."""
+        layer's for whole stages, the checkpointed layers' for per-layer checkpointing, the
+        attention cores' for selective recomputation)."""
         if recompute is Recompute.LAYER and self.checkpointed_prefix:
             again = [after - before for before, after in zip(self.checkpointed_prefix, self.checkpointed_prefix[1:])]
+            return [f + b + r for f, b, r in zip(self.forward, self.backward, again)]
+        if recompute is Recompute.SELECTIVE:
+            prefix = self.attention_core_prefix or (0.0,) * (len(self.forward) + 1)
+            again = [after - before for before, after in zip(prefix, prefix[1:])]
             return [f + b + r for f, b, r in zip(self.forward, self.backward, again)]
         factor = 2.0 if recompute else 1.0
         return [factor * f + b for f, b in zip(self.forward, self.backward)]
@@ -444,6 +458,11 @@ def layer_seconds(table: LayerTable, hardware: Hardware, tensor_parallel: int) -
         forward_overhead=runtime.forward_overhead_seconds if runtime else 0.0,
         backward_overhead=runtime.backward_overhead_seconds if runtime else 0.0,
         checkpointed_prefix=_prefix([f if table.checkpointed(i) else 0.0 for i, f in enumerate(forward)]),
+        # The core's kernels at the layer's compute scale; no tensor-parallel communication (the
+        # core is inside the split, between the all-reduces).
+        attention_core_prefix=_prefix([
+            core * scale * forward_ratio for core, scale in zip(table.attention_core_forward_seconds, scales)
+        ]) if table.attention_core_forward_seconds else (),
     )
 
 
@@ -560,12 +579,14 @@ def stage_costs(
     micro_batches: int = 1,
     checkpoint_layers: bool = False,
     v_placement: bool = False,
+    selective_recompute: bool = False,
 ) -> StageCosts:
     """The simulator's `StageCosts` for one candidate; `stage_layers` holds p*v virtual stages,
     stage s on rank s % p, or placed as zbv's V with `v_placement` (`pipectl.schedule.ir.stage_rank`).
     `micro_batches`: the step's m, which only ZeRO-2/3's per-micro-batch collectives read.
     `checkpoint_layers`: each backward recomputes its layers' forwards first (per-layer
-    activation checkpointing), so it costs their forward time more (`ShapeBuilder.shape_from_cuts`)."""
+    activation checkpointing), so it costs their forward time more (`ShapeBuilder.shape_from_cuts`).
+    `selective_recompute`: each backward recomputes its blocks' attention cores first."""
     table = layer_table(profile, micro_batch_size, tensor_parallel)
     t, d = tensor_parallel, data_parallel
     p = pipeline_parallel or len(stage_layers)
@@ -578,6 +599,8 @@ def stage_costs(
     forward = [seconds.stage_forward(s, e) * slowdown for s, e in stage_layers]
     if checkpoint_layers:
         backward = [(seconds.stage_backward(s, e) + seconds.recomputed_forward(s, e)) * slowdown for s, e in stage_layers]
+    elif selective_recompute:
+        backward = [(seconds.stage_backward(s, e) + seconds.recomputed_attention(s, e)) * slowdown for s, e in stage_layers]
     else:
         backward = [seconds.stage_backward(s, e) * slowdown for s, e in stage_layers]
 
@@ -892,6 +915,7 @@ def stage_costs_for(
         micro_batches=candidate.micro_batches,
         checkpoint_layers=candidate.checkpoint_layers,
         v_placement=ScheduleKind(candidate.schedule).v_placement,
+        selective_recompute=candidate.selective_recompute,
     )
 
 

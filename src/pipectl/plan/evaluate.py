@@ -16,7 +16,9 @@ Reported figures:
   ⌈B/(d*b)⌉ micro-batches, the others wait for it at the gradient all-reduce);
 - TFLOP/s per device = model FLOPs of the step / (step * devices), model FLOPs being the profile's
   forward FLOPs x 3 (forward + backward, SPEC §3) or x 4 with recomputation (hardware FLOPs,
-  Narayanan et al. 2021 §5.1; per-layer checkpointing: + every layer's forward but the head's);
+  Narayanan et al. 2021 §5.1; per-layer checkpointing: + every layer's forward but the head's;
+  selective recomputation's attention cores are not added: the profile records their time and
+  bytes, not their FLOPs, so its TFLOP/s is the model's, a slight under-count of the hardware's);
 - cost per million samples = price per device-hour * devices * step / 3600 / B * 1e6;
 - bubble % = mean over ranks of the simulator's idle / step; communication % = the simulator's
   exposed (not overlapped) transfer and all-reduce time / step.
@@ -264,6 +266,7 @@ class Evaluator:
             schedule=spec.variant.kind,
             recompute=spec.recompute,
             checkpoint_layers=spec.checkpoint_layers,
+            selective_recompute=spec.selective_recompute,
             zero_stage=spec.zero_stage,
             stage_layers=[tuple(stage) for stage in shape.stage_layers],
             predicted_step_seconds=step,

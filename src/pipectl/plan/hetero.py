@@ -324,6 +324,7 @@ def uneven_split(
         schedule=template.schedule,
         recompute=template.recompute,
         checkpoint_layers=template.checkpoint_layers,
+        selective_recompute=template.selective_recompute,
         zero_stage=template.zero_stage,
         stage_layers=template.stage_layers,
         predicted_step_seconds=slowest,
@@ -360,6 +361,7 @@ def replica_stage_costs(
         costs = stage_costs(mine, hardware, candidate.stage_layers, micro_batch_size=candidate.micro_batch_size,
                             tensor_parallel=t, data_parallel=candidate.data_parallel, pipeline_parallel=p,
                             zero_stage=candidate.zero_stage, checkpoint_layers=candidate.checkpoint_layers,
-                            v_placement=ScheduleKind(candidate.schedule).v_placement)  # fmt: skip
+                            v_placement=ScheduleKind(candidate.schedule).v_placement,
+                            selective_recompute=candidate.selective_recompute)  # fmt: skip
         result.append((kind, micro_batches, costs))
     return result

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from itertools import accumulate
 from typing import Sequence
 
+from pipectl.artifacts.plan import Recompute
 from pipectl.artifacts.profile import LayerCost, LayerProfile, ModelProfile
 from pipectl.errors import UserInputError
 
@@ -90,6 +91,15 @@ def _cost_at(layer: LayerProfile, micro_batch_size: int, field: str, costs: Sequ
     return _at([(c.micro_batch_size, float(getattr(c, field))) for c in costs], micro_batch_size)
 
 
+# The attention core's figures (`LayerCost.attention_core_*`), interpolated over b like the cost
+# fields; a cost that does not record them counts 0 (nothing to recompute, nothing freed).
+_ATTENTION_CORE_FIELDS = ("attention_core_saved_bytes", "attention_core_forward_seconds")
+
+
+def _core_at(costs: Sequence[LayerCost], micro_batch_size: int, field: str) -> float:
+    return _at([(c.micro_batch_size, float(getattr(c, field) or 0.0)) for c in costs], micro_batch_size)
+
+
 def _working_at(layer: LayerProfile, micro_batch_size: int, tensor_parallel: int = 1) -> float:
     """The layer's working memory at b (its shard's at t, when it has one), interpolated over b
     like the cost fields."""
@@ -132,6 +142,10 @@ class LayerTable:
     # Per layer, in a table for t > 1: whether its time and saved bytes are the whole layer's / t
     # (a layer that splits but has no shard at t); empty for whole-layer tables.
     divided: tuple[bool, ...] = ()
+    # Per layer: the attention core's saved bytes (part of `saved_activation_bytes`) and forward
+    # time, what selective recomputation frees and adds (`LayerCost.attention_core_*`); empty: none.
+    attention_core_saved_bytes: tuple[float, ...] = ()
+    attention_core_forward_seconds: tuple[float, ...] = ()
 
     @property
     def layers(self) -> int:
@@ -202,6 +216,25 @@ class LayerTable:
         per-layer checkpointing holds while a layer is recomputed for its backward."""
         return max((self.saved_activation_bytes[i] for i in range(start, end) if self.checkpointed(i)), default=0.0)
 
+    def attention_core_saved(self, index: int) -> float:
+        """The attention core's saved bytes of layer `index` (0 where none is recorded)."""
+        return self.attention_core_saved_bytes[index] if self.attention_core_saved_bytes else 0.0
+
+    def selective_kept(self, index: int, divisor: int) -> float:
+        """What layer `index` keeps per in-flight micro-batch under selective recomputation: its
+        saved activations less its attention core's, / `divisor` (`divisor(t)`)."""
+        return (self.saved_activation_bytes[index] - self.attention_core_saved(index)) / divisor
+
+    def selective_saved(self, start: int, end: int, divisor: int = 1) -> float:
+        """What a stage of layers [start, end) keeps per in-flight micro-batch under selective
+        recomputation: the sum of `selective_kept`, in layer order."""
+        return float(sum(self.selective_kept(index, divisor) for index in range(start, end)))
+
+    def largest_attention_core(self, start: int, end: int) -> float:
+        """The largest attention core's saved bytes of [start, end) (0 if none): what selective
+        recomputation holds again while one block's core is recomputed for its backward."""
+        return max((self.attention_core_saved(i) for i in range(start, end)), default=0.0)
+
     def total_forward_flops(self) -> float:
         return sum(self.forward_flops)
 
@@ -211,6 +244,8 @@ def build_layer_table(layers: Sequence[LayerProfile], micro_batch_size: int, ten
     if tensor_parallel > 1:
         return _rank_table(layers, micro_batch_size, tensor_parallel)
     columns = {field: [_cost_at(layer, micro_batch_size, field) for layer in layers] for field in _COST_FIELDS}
+    for field in _ATTENTION_CORE_FIELDS:
+        columns[field] = [_core_at(layer.costs, micro_batch_size, field) for layer in layers]
     return _table(
         layers, micro_batch_size, columns, [layer.parameter_count for layer in layers],
         [layer.shared_parameter_count for layer in layers],
@@ -223,7 +258,7 @@ def _ceil_div(value: int, divisor: int) -> int:
 
 def _rank_table(layers: Sequence[LayerProfile], b: int, t: int) -> LayerTable:
     """One tensor rank's figures at t: its shard, the whole replicated layer, or a split layer / t."""
-    columns: dict[str, list[float]] = {field: [] for field in _COST_FIELDS}
+    columns: dict[str, list[float]] = {field: [] for field in (*_COST_FIELDS, *_ATTENTION_CORE_FIELDS)}
     parameters: list[int] = []
     shared: list[int] = []
     divided: list[bool] = []
@@ -240,6 +275,12 @@ def _rank_table(layers: Sequence[LayerProfile], b: int, t: int) -> LayerTable:
                 if field != "output_activation_bytes":  # a split layer's output is whole on every rank
                     value = value / t
             columns[field].append(value)
+        for field in _ATTENTION_CORE_FIELDS:
+            # A shard's own figures; a shard that records none (measured shards), and a split layer
+            # without a shard, the layer's / t (its heads split t ways); a replicated layer's whole.
+            own = shard is not None and shard.costs[0].attention_core_saved_bytes is not None
+            value = _core_at(shard.costs if own else layer.costs, b, field)
+            columns[field].append(value / t if (estimate or (shard is not None and not own)) else value)
         if shard is not None:
             parameters.append(shard.parameter_count)
             shared.append(min(shard.parameter_count, layer.shared_parameter_count))
@@ -278,6 +319,8 @@ def _table(
         shared_layer_indices=tuple(i for i, layer in enumerate(layers) if layer.shared_group),
         tensor_parallel=tensor_parallel,
         divided=divided,
+        attention_core_saved_bytes=tuple(columns["attention_core_saved_bytes"]),
+        attention_core_forward_seconds=tuple(columns["attention_core_forward_seconds"]),
     )
 
 
@@ -309,3 +352,27 @@ def layer_table(profile: ModelProfile, micro_batch_size: int, tensor_parallel: i
         _TABLES.clear()
     _TABLES[key] = (profile, table)
     return table
+
+
+def offered_granularities(requested: Sequence[Recompute], profile: ModelProfile) -> tuple[Recompute, ...]:
+    """The recomputation granularities the search tries: those asked for, less selective
+    recomputation where the profile records no attention core (`ModelProfile.records_attention_core`:
+    older measured profiles, Hugging Face blocks, which pipectl's runtime cannot recompute
+    selectively). Asked for alone (`--recompute selective`), that is an error that says why.
+
+        >>> from pipectl.plan.synthetic import synthetic_profile
+        >>> offered_granularities((Recompute.NONE, Recompute.LAYER, Recompute.SELECTIVE), synthetic_profile(blocks=2))
+        (<Recompute.NONE: 0>, <Recompute.LAYER: 2>)
+    """
+    requested = tuple(requested)
+    if Recompute.SELECTIVE not in requested or profile.records_attention_core:
+        return requested
+    left = tuple(granularity for granularity in requested if granularity is not Recompute.SELECTIVE)
+    if set(left) <= {Recompute.NONE}:
+        raise UserInputError(
+            f"the profile of '{profile.model}' records no attention core (time and saved bytes), which selective "
+            "recomputation is priced from",
+            hint="re-run `pipectl profile` (it measures the core of pipectl's transformer blocks; Hugging Face "
+            "blocks have none), or plan with --recompute layer",
+        )
+    return left

@@ -81,11 +81,18 @@ and a one-stage plan included; there is no whole-stage recompute buffer. The lan
 is not checkpointed (`layer_table.NOT_CHECKPOINTED_KINDS`: as in Megatron-LM, and the runtime
 does the same): it keeps its saved activations, the 16-bit logits among them.
 
+With selective recomputation (`Recompute.SELECTIVE`; Korthikanti et al. 2022, §5 and Table 2's
+"selective" row: 34 sbh per layer instead of sbh (34 + 5as/h)) an in-flight micro-batch keeps each
+layer's saved activations less its attention core's (`LayerTable.selective_kept`: the s x s scores,
+softmax output, dropout mask and output of unfused attention; flash attention's log-sum-exp), and
+the backward recomputes one block's core at a time, so one core's saved bytes are alive on top.
+
     unit bytes per in-flight micro-batch      buffer (one micro-batch, while recomputing)
     none    saved(stage)                       0
     stage   input(stage)   (not the last)      saved(stage)
     layer   its layers' inputs (the head:      largest saved(layer) of the stage's checkpointed
             its saved activations)             layers
+    selective  saved(stage) - its cores'       largest attention core's saved bytes of the stage
 
 What one tensor rank holds comes from the table (`LayerTable.divisor`). A profile with shard costs
 gives each rank's own figures: a block shard's parameters (split matrices / t, LayerNorms and
@@ -399,6 +406,9 @@ class StageMemory:
             if recompute is Recompute.LAYER:
                 unit = by_rank(rows.layer_input_matrix[starts, ends], p, v_placement).max(axis=0)
                 buffer = by_rank(rows.largest_saved_matrix[starts, ends], p, v_placement).max(axis=0)
+            elif recompute is Recompute.SELECTIVE:
+                unit = by_rank(rows.selective_saved_matrix[starts, ends], p, v_placement).max(axis=0)
+                buffer = by_rank(rows.largest_core_matrix[starts, ends], p, v_placement).max(axis=0)
             else:
                 recomputes = (
                     np.arange(last + 1) != last if recompute is Recompute.STAGE else np.zeros(last + 1, dtype=bool)
@@ -419,6 +429,11 @@ class StageMemory:
                 if recompute is Recompute.LAYER:
                     unit[rank] = max(unit[rank], table.layer_inputs(start, end, divisor))
                     buffer[rank] = max(buffer[rank], table.largest_saved(start, end) / divisor)
+                    working[rank] = max(working[rank], table.working(start, end))
+                    continue
+                if recompute is Recompute.SELECTIVE:
+                    unit[rank] = max(unit[rank], table.selective_saved(start, end, divisor))
+                    buffer[rank] = max(buffer[rank], table.largest_attention_core(start, end) / divisor)
                     working[rank] = max(working[rank], table.working(start, end))
                     continue
                 recomputes = recompute is Recompute.STAGE and stage != last
@@ -548,6 +563,10 @@ class RangeMemory:
     # (`LayerTable.layer_inputs`: their inputs; the head's saved activations / t)
     layer_inputs: list[list[float]]
     largest_saved: list[list[float]]  # [start][end]: the largest saved activations of one checkpointed layer (/ t)
+    # [start][end]: what layers [start, end) keep per micro-batch under selective recomputation
+    # (`LayerTable.selective_saved`), and their largest attention core's saved bytes (/ t)
+    selective_saved: list[list[float]]
+    largest_core: list[list[float]]
     # The same values as arrays, for looking up every stage of a cut at once.
     parameter_matrix: np.ndarray
     saved_matrix: np.ndarray
@@ -555,6 +574,8 @@ class RangeMemory:
     working_matrix: np.ndarray
     layer_input_matrix: np.ndarray
     largest_saved_matrix: np.ndarray
+    selective_saved_matrix: np.ndarray
+    largest_core_matrix: np.ndarray
     parameter_prefix: np.ndarray  # the table's parameter counts, as float64 prefix sums (not divided)
 
     @classmethod
@@ -589,9 +610,21 @@ class RangeMemory:
         per_layer_input = np.asarray([table.checkpoint_kept(i, divisor) for i in range(layers)], dtype=float)
         for start in range(layers):
             layer_input[start, start + 1:] = np.cumsum(per_layer_input[start:])
+        # Selective recomputation, as `LayerTable.selective_saved` and `largest_attention_core` add
+        # and compare them.
+        selective = np.zeros((layers + 1, layers + 1))
+        per_layer_selective = np.asarray([table.selective_kept(i, divisor) for i in range(layers)], dtype=float)
+        largest_core = np.zeros((layers + 1, layers + 1))
+        per_layer_core = np.asarray([table.attention_core_saved(i) for i in range(layers)], dtype=float)
+        for start in range(layers):
+            selective[start, start + 1:] = np.cumsum(per_layer_selective[start:])
+            largest_core[start, start + 1:] = np.maximum.accumulate(per_layer_core[start:])
+        largest_core /= divisor
         return cls(
             rows, saved.tolist(), inputs, working.tolist(), layer_input.tolist(), largest.tolist(),
-            np.array(rows), saved, np.array(inputs), working, layer_input, largest, parameter_prefix,
+            selective.tolist(), largest_core.tolist(),
+            np.array(rows), saved, np.array(inputs), working, layer_input, largest, selective, largest_core,
+            parameter_prefix,
         )
 
     def stage_bytes(
@@ -607,6 +640,10 @@ class RangeMemory:
         if recompute is Recompute.LAYER:
             training = (
                 parameters * state_bytes + units * self.layer_inputs[start][end] + self.largest_saved[start][end]
+            )
+        elif recompute is Recompute.SELECTIVE:
+            training = (
+                parameters * state_bytes + units * self.selective_saved[start][end] + self.largest_core[start][end]
             )
         elif recompute:
             training = parameters * state_bytes + units * self.input_bytes[start] + self.saved[start][end]
@@ -626,7 +663,8 @@ class FurthestFittingEnds:
     the same question for many pipelines of one (t, b): the stage memory only depends on the
     start, the bytes per parameter (training and step), the in-flight units and what the stage
     keeps (`keeps_input_only`: False/NONE its saved activations, True/STAGE only its input,
-    `Recompute.LAYER` its layers' inputs) — so the answers are remembered by exactly those values.
+    `Recompute.LAYER` its layers' inputs, `Recompute.SELECTIVE` its saved activations less the
+    attention cores') — so the answers are remembered by exactly those values.
 
         >>> from pipectl.plan.synthetic import synthetic_profile
         >>> from pipectl.plan.layer_table import layer_table
@@ -676,9 +714,13 @@ class FurthestFittingEnds:
         rows = self.rows
         parameters, saved, working = rows.parameters[start], rows.saved[start], rows.working[start]
         capacity = self.capacity_bytes
-        if keeps_input_only is Recompute.LAYER:
-            # `RangeMemory.stage_bytes`'s per-layer checkpointing: `P*s + u*inputs + largest + W`.
-            layer_inputs, largest = rows.layer_inputs[start], rows.largest_saved[start]
+        if keeps_input_only is Recompute.LAYER or keeps_input_only is Recompute.SELECTIVE:
+            # `RangeMemory.stage_bytes`'s per-layer checkpointing: `P*s + u*inputs + largest + W`;
+            # selective recomputation: `P*s + u*(saved - cores) + largest core + W`.
+            if keeps_input_only is Recompute.LAYER:
+                layer_inputs, largest = rows.layer_inputs[start], rows.largest_saved[start]
+            else:
+                layer_inputs, largest = rows.selective_saved[start], rows.largest_core[start]
 
             def fits(end: int) -> bool:
                 held = parameters[end]

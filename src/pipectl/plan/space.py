@@ -17,7 +17,8 @@ never get those points: they are outside the space, not rejected), flagged with 
 Recomputation as asked (`PlanRequest.recompute_granularities`): none, whole stages (R actions on
 every stage but the last; never at p = 1, where the one stage is the last) and per-layer
 checkpointing (every stage, p = 1 included; its recomputed forwards are part of the backward's
-cost, its families are families like the others).
+cost, its families are families like the others), and selective recomputation of the attention
+core (the same, where the profile records the core: `layer_table.offered_granularities`).
 
 `enumerate_specs` visits them. The cut of each (t, b, recompute, p*v) is the balanced partition;
 a point that does not fit in memory tries the cut that fills later stages first and then the
@@ -55,7 +56,7 @@ from pipectl.plan.candidates import (
     transient_bytes,
 )
 from pipectl.plan.costs import TRANSFORMER_BLOCK, Hardware
-from pipectl.plan.layer_table import layer_table
+from pipectl.plan.layer_table import layer_table, offered_granularities
 from pipectl.plan.memory import format_gib, in_flight_units
 from pipectl.plan.partition import balanced_partition
 from pipectl.plan.workers import share
@@ -105,7 +106,7 @@ def search_space(request: PlanRequest, profile: ModelProfile, hardware: Hardware
         global_batch=request.global_batch,
         tensor_parallel=ts,
         micro_batch_sizes=bs,
-        recompute=request.recompute_granularities,
+        recompute=offered_granularities(request.recompute_granularities, profile),
         variants=tuple(variants),
         zero_stages=tuple(sorted(set(request.zero_stages))),
         pipeline_parallel=request.pipeline_parallel,
@@ -450,7 +451,8 @@ def zero_stages_at(zero_stages: Iterable[int], one_stage: bool) -> tuple[int, ..
 
 def _recompute_words(recompute: Recompute) -> str:
     """' recompute', ' checkpoint-layers' or '': a rejection example's words (as `Spec.describe`'s)."""
-    return {Recompute.STAGE: " recompute", Recompute.LAYER: " checkpoint-layers"}.get(recompute, "")
+    return {Recompute.STAGE: " recompute", Recompute.LAYER: " checkpoint-layers",
+            Recompute.SELECTIVE: " selective-recompute"}.get(recompute, "")
 
 
 def _variants_for(variants: Iterable[ScheduleVariant], p: int, recompute: Recompute) -> list[ScheduleVariant]:
@@ -480,9 +482,10 @@ def _state_bytes_of(dtype: str, zeros: tuple[int, ...], d: int, kind: ScheduleKi
 def _keeps_input_only(stages: int, recompute: Recompute) -> tuple[Recompute, ...]:
     """Per virtual stage: what it keeps per micro-batch, as `FurthestFittingEnds` reads it: only its
     input (STAGE: all but the last, when recomputing whole stages), its layers' inputs (LAYER:
-    every stage), or its saved activations (NONE)."""
-    if recompute is Recompute.LAYER:
-        return (Recompute.LAYER,) * stages
+    every stage), its saved activations less its attention cores' (SELECTIVE: every stage), or its
+    saved activations (NONE)."""
+    if recompute is Recompute.LAYER or recompute is Recompute.SELECTIVE:
+        return (recompute,) * stages
     stage = recompute is Recompute.STAGE
     return tuple(Recompute.STAGE if stage and i != stages - 1 else Recompute.NONE for i in range(stages))
 

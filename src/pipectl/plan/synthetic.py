@@ -10,7 +10,10 @@ whose figures are simple functions of b, so a test can predict them:
 - embed and head share the token table when `tied` (both carry it, it is counted once);
 - the head's working memory (`LayerProfile.working_memory_bytes`) is `head_working_per_logit`
   times its logits' bytes (0 by default; the fp32 logits, log-probabilities and their gradients of
-  a 16-bit model are about 8x its 16-bit logits).
+  a 16-bit model are about 8x its 16-bit logits);
+- with `attention_core` = (saved fraction, time fraction) a block records an attention core
+  (`LayerCost.attention_core_*`) keeping that fraction of its saved bytes and taking that fraction
+  of its forward time, so selective recomputation is searched; None (the default): not recorded.
 
     >>> profile = synthetic_profile(blocks=4, micro_batch_sizes=[1, 2])
     >>> [layer.name for layer in profile.layers]
@@ -43,6 +46,7 @@ def synthetic_profile(
     tied: bool = True,
     head_working_per_logit: float = 0.0,
     name: str = "synthetic",
+    attention_core: tuple[float, float] | None = None,
 ) -> ModelProfile:
     """A transformer-shaped profile with chosen per-block forward times (seconds at b = 1)."""
     if isinstance(block_forward_seconds, (int, float)):
@@ -57,7 +61,8 @@ def synthetic_profile(
     block_flops = 24 * seq_len * hidden * hidden + 4 * seq_len * seq_len * hidden  # per sample
 
     def costs(
-        forward: float, output: int, saved: float, flops: float, parameters: int, working: float = 0.0
+        forward: float, output: int, saved: float, flops: float, parameters: int, working: float = 0.0,
+        core: tuple[float, float] | None = None,
     ) -> list[LayerCost]:
         # Peak: weights and gradients + saved + output + working memory (`LayerCost.peak_memory_bytes`).
         return [
@@ -69,6 +74,8 @@ def synthetic_profile(
                 saved_activation_bytes=int(saved * b),
                 peak_memory_bytes=2 * parameters * element + output * b + int(saved * b) + int(working * b),
                 forward_flops=flops * b,
+                **({} if core is None else {"attention_core_saved_bytes": int(core[0] * int(saved * b)),
+                                            "attention_core_forward_seconds": core[1] * forward * b}),
             )
             for b in micro_batch_sizes
         ]
@@ -93,7 +100,8 @@ def synthetic_profile(
                 kind="transformer_block",
                 parameter_count=block_parameters,
                 parameter_bytes=block_parameters * element,
-                costs=costs(forward, hidden_bytes, saved_per_output * hidden_bytes, block_flops, block_parameters),
+                costs=costs(forward, hidden_bytes, saved_per_output * hidden_bytes, block_flops, block_parameters,
+                            core=attention_core),
             )
         )
     layers.append(

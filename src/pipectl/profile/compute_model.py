@@ -597,6 +597,40 @@ def block_saved_bytes(shape: BlockShape, bytes_per_element: int) -> int:
     return norms + split * e + extra
 
 
+def attention_core_saved_bytes(shape: BlockShape, bytes_per_element: int) -> int:
+    """What selective recomputation (Korthikanti et al. 2022, §5) frees of `block_saved_bytes`:
+    the attention core's saved tensors beyond its inputs q, k, v (views of the QKV output, kept
+    for the QKV backward and as the recomputation's inputs) and its output (proj's input).
+
+    Unfused: the softmax output (b x heads/t x s x s), with dropout also the dropped probabilities
+    and their 1-byte mask: 5 a s^2 b bytes in 16-bit, the s^2 term of Korthikanti's per-layer
+    s b h (34 + 5 a s / h), which drops to 34 s b h. Flash: only the log-sum-exp (4 bytes per token
+    and local head), the scores being never stored: a small saving.
+
+        >>> shape = BlockShape(hidden=1024, heads=16, seq_len=2048, micro_batch_size=1)
+        >>> attention_core_saved_bytes(shape, 2)  # flash: 2048 x 16 x 4
+        131072
+        >>> attention_core_saved_bytes(BlockShape(1024, 16, 2048, 1, attention=Attention.UNFUSED, dropout=True), 2)
+        335544320
+    """
+    if shape.attention is Attention.FLASH:
+        return shape.tokens * shape.local_heads * FP32_BYTES
+    scores = _scores_elements(shape)
+    kept = scores * bytes_per_element  # the softmax output
+    if shape.dropout:
+        kept += scores * (bytes_per_element + DROPOUT_MASK_BYTES)
+    return kept
+
+
+def attention_core_forward_kernels(shape: BlockShape, device: ComputeDevice) -> list[Kernel]:
+    """The attention core's forward kernels (what selective recomputation runs again in the
+    backward): the flash kernel, or unfused attention's scores, softmax, dropout and
+    probabilities x V (not the context's transpose for proj, which is outside the core)."""
+    if shape.attention is Attention.FLASH:
+        return [flash_attention_kernel("flash attention", shape, attention_flops(shape), device)]
+    return [kernel for kernel in _unfused_attention_forward(shape, device) if kernel.name != "context transpose"]
+
+
 def block_working_bytes(shape: BlockShape, bytes_per_element: int) -> int:
     """Transient bytes of a block shard's backward beyond saved, output and parameter bytes.
 

@@ -81,6 +81,8 @@ from pipectl.profile.compute_model import (
     block_forward_kernels,
     block_saved_bytes,
     block_working_bytes,
+    attention_core_forward_kernels,
+    attention_core_saved_bytes,
     gemm_kernel,
     memory_kernel,
     phase_seconds,
@@ -99,6 +101,10 @@ class _Work:
     backward: list[Kernel]
     saved_bytes: int
     working_bytes: int  # transient: freed when the layer's backward ends (see _layer_cost)
+    # A block whose runtime recomputes its attention core selectively: the core's forward kernels
+    # and the saved bytes that frees (`compute_model.attention_core_*`); None: not recorded.
+    attention_core_forward: list[Kernel] | None = None
+    attention_core_saved_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -205,7 +211,8 @@ def _embedding_work(vocab: int, hidden: int, seq_len: int, b: int, device: Compu
     return _Work(forward, backward, saved_bytes=T * TOKEN_ID_BYTES, working_bytes=working)
 
 
-def _block_work(shape: BlockShape, device: ComputeDevice) -> _Work:
+def _block_work(shape: BlockShape, device: ComputeDevice, selective: bool = False) -> _Work:
+    """A block's work; with `selective` its attention core's too (`_selective_blocks`)."""
     e = device.bytes_per_element
     largest_parameter = max(shape.parameter_tensors())
     return _Work(
@@ -214,7 +221,17 @@ def _block_work(shape: BlockShape, device: ComputeDevice) -> _Work:
         saved_bytes=block_saved_bytes(shape, e),
         # + the largest parameter's fresh gradient before it is added into `.grad`.
         working_bytes=block_working_bytes(shape, e) + largest_parameter * e,
+        attention_core_forward=attention_core_forward_kernels(shape, device) if selective else None,
+        attention_core_saved_bytes=attention_core_saved_bytes(shape, e) if selective else None,
     )
+
+
+def _selective_blocks(config: ModelConfig, engine: EngineFeatures | None) -> bool:
+    """Whether the blocks record their attention core, which the planner prices selective
+    recomputation from: pipectl's own block (GPT-2's shape), which the runtime recomputes
+    selectively, and another engine's (Megatron-LM's --recompute-granularity selective); not a
+    Hugging Face decoder's, which pipectl's runtime runs whole."""
+    return config.builtin_block or engine is not None
 
 
 def _final_norm_work(hidden: int, seq_len: int, b: int, device: ComputeDevice, rms: bool = False,
@@ -293,7 +310,9 @@ def _block_shards(
         if a % t or h % t or (config.kv_heads or a) % t:
             continue
         shape_at = lambda b, t=t: _block_shape(config, attention, b, t, engine)
-        shards[t] = (sum(shape_at(1).parameter_tensors()), lambda b, d, shape_at=shape_at: _block_work(shape_at(b), d))
+        selective = _selective_blocks(config, engine)
+        shards[t] = (sum(shape_at(1).parameter_tensors()),
+                     lambda b, d, shape_at=shape_at: _block_work(shape_at(b), d, selective))
     return shards
 
 
@@ -352,7 +371,8 @@ def _transformer_shapes(config: ModelConfig, attention: Attention, engine: Engin
                 shared_parameter_count=0,
                 forward_flops_per_sample=block_matmul_flops(config),
                 output_elements_per_sample=s * h,
-                work=lambda b, d: _block_work(_block_shape(config, attention, b, 1, engine), d),
+                work=lambda b, d: _block_work(_block_shape(config, attention, b, 1, engine), d,
+                                              _selective_blocks(config, engine)),
             )
         )
     shapes.append(
@@ -513,11 +533,13 @@ def _cost_of(
         work = work_of(b, compute)
         forward_seconds = phase_seconds(work.forward, compute)
         backward_seconds = phase_seconds(work.backward, compute)
+        core_seconds = None if work.attention_core_forward is None else phase_seconds(work.attention_core_forward, compute)
     else:
         curve = _curve_device(device, dtype, b)
         work = work_of(b, curve)
         forward_seconds = _curve_seconds(work.forward, curve)
         backward_seconds = _curve_seconds(work.backward, curve)
+        core_seconds = None if work.attention_core_forward is None else _curve_seconds(work.attention_core_forward, curve)
     if output_elements_per_sample is None:
         output_elements_per_sample = shape.output_elements_per_sample
     output_bytes = output_elements_per_sample * b * bytes_per_element
@@ -530,7 +552,28 @@ def _cost_of(
         saved_activation_bytes=int(work.saved_bytes),
         peak_memory_bytes=int(2 * parameter_bytes + work.saved_bytes + output_bytes + work.working_bytes),
         forward_flops=forward_flops_per_sample * b,
+        attention_core_saved_bytes=work.attention_core_saved_bytes,
+        attention_core_forward_seconds=core_seconds,
     )
+
+
+def without_attention_core(profile: ModelProfile) -> ModelProfile:
+    """The profile with no layer recording an attention core, so that the planner does not search
+    selective recomputation: for a model whose blocks pipectl's runtime runs whole (an hf: model,
+    even one of GPT-2's shape)."""
+
+    def strip(costs: list[LayerCost]) -> list[LayerCost]:
+        return [c.model_copy(update={"attention_core_saved_bytes": None, "attention_core_forward_seconds": None})
+                for c in costs]
+
+    layers = [
+        layer.model_copy(update={
+            "costs": strip(layer.costs),
+            "shards": [shard.model_copy(update={"costs": strip(shard.costs)}) for shard in layer.shards],
+        })
+        for layer in profile.layers
+    ]  # fmt: skip
+    return profile.model_copy(update={"layers": layers})
 
 
 def derive_profile(

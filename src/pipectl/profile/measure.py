@@ -94,6 +94,9 @@ class _LayerRun:
     output_bytes: int
     saved_bytes: int
     forward_flops: float = 0.0
+    # A block that recomputes its attention core selectively (`models.transformer.TransformerBlock`):
+    # the bytes that frees (saved bytes run normally less run selectively); None for other layers.
+    attention_core_saved_bytes: int | None = None
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -788,10 +791,59 @@ def _untimed_pass(
             if index == last:
                 loss_fn(output, labels)
         detached = output.detach() if isinstance(output, torch.Tensor) else output
-        runs[index] = _LayerRun(layer_input=x, output=detached, output_bytes=tensor_bytes(output),
-                                saved_bytes=saved[0], forward_flops=float(flops.get_total_flops()))
+        del output
+        runs[index] = _LayerRun(layer_input=x, output=detached, output_bytes=tensor_bytes(detached),
+                                saved_bytes=saved[0], forward_flops=float(flops.get_total_flops()),
+                                attention_core_saved_bytes=_attention_core_saved_bytes(under_test, index, x, saved[0]))
         x = detached
     return runs, taken_from
+
+
+def _has_attention_core(module: nn.Module) -> bool:
+    """A block whose attention core can run under selective recomputation (pipectl's own)."""
+    return hasattr(module, "selective_recompute") and hasattr(module, "attention_inputs")
+
+
+def _attention_core_saved_bytes(under_test: _ModelUnderTest, index: int, layer_input: Any, saved_bytes: int) -> int | None:
+    """What selective recomputation frees of a block's saved bytes: its saved bytes less those of
+    the same forward with the attention core under a checkpoint (which keeps only q, k, v, views
+    of the QKV output the block keeps anyway). None for a layer without such a core."""
+    module = under_test.module(index)
+    if not _has_attention_core(module):
+        return None
+    hooks, selective = _saved_bytes_hooks(under_test.parameter_storages)
+    module.selective_recompute = True
+    try:
+        with hooks:
+            under_test.forward(index, _detached_input(layer_input))
+    finally:
+        module.selective_recompute = False
+    return max(0, saved_bytes - selective[0])
+
+
+def _attention_core_seconds(
+    under_test: _ModelUnderTest, index: int, layer_input: Any, warmup: int, repeats: int, clock: "_Clock"
+) -> float | None:
+    """Median forward time of a block's attention core alone, on the q, k, v of its real input, with
+    autograd recording (as its recomputation inside the backward runs): what selective
+    recomputation adds to the block's backward. None for a layer without such a core."""
+    from pipectl.models.transformer import attention_core
+
+    module = under_test.module(index)
+    if not _has_attention_core(module):
+        return None
+    with torch.no_grad():
+        q, k, v = module.attention_inputs(module.ln_attn(_detached_input(layer_input)))
+    q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
+    times: list[float] = []
+    for attempt in range(warmup + repeats):
+        start = clock.now()
+        out = attention_core(q, k, v, module.causal)
+        end = clock.now()
+        del out
+        if attempt >= warmup:
+            times.append(end - start)
+    return statistics.median(times)
 
 
 def _measure_layer(
@@ -844,6 +896,11 @@ def _measure_layer(
         saved_activation_bytes=run.saved_bytes,
         peak_memory_bytes=peak,
         forward_flops=run.forward_flops,
+        attention_core_saved_bytes=run.attention_core_saved_bytes,
+        attention_core_forward_seconds=(
+            None if run.attention_core_saved_bytes is None
+            else _attention_core_seconds(under_test, index, layer_input, warmup, repeats, clock)
+        ),
     )
 
 

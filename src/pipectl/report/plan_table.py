@@ -114,12 +114,15 @@ def hardware_extras(u: Utilisation) -> str:
 
 
 def _recompute_mark(c: Candidate) -> str:
-    """'+R' (whole-stage recompute), '+ckpt' (per-layer checkpointing) or ''."""
-    return "+R" if c.recompute else "+ckpt" if c.checkpoint_layers else ""
+    """'+R' (whole-stage recompute), '+ckpt' (per-layer checkpointing), '+sel' (selective
+    recomputation of the attention cores) or ''."""
+    return "+R" if c.recompute else "+ckpt" if c.checkpoint_layers else "+sel" if c.selective_recompute else ""
 
 
 def _recompute_words(c: Candidate) -> str:
-    """' recompute', ' checkpoint-layers' or '' for the chosen plan's line."""
+    """' recompute', ' checkpoint-layers', ' selective-recompute' or '' for the chosen plan's line."""
+    if c.selective_recompute:
+        return " selective-recompute"
     return " recompute" if c.recompute else " checkpoint-layers" if c.checkpoint_layers else ""
 
 
@@ -136,7 +139,7 @@ def candidates_table(
     mfu: Sequence[float | None] = (),
 ) -> Table:
     """One row per candidate: degrees, b, m, schedule (+R: recompute whole stages, +ckpt: checkpoint
-    every layer), ZeRO, predicted figures, cost.
+    every layer, +sel: recompute attention cores), ZeRO, predicted figures, cost.
 
     `mfu`: each candidate's predicted model FLOPs utilisation (`plan.flops`), in order. Columns that
     say nothing for these candidates (ZeRO when all share one stage, TFLOP/s without FLOP counts, MFU
@@ -171,7 +174,8 @@ def candidates_table(
     ]
     if any(c.cost_per_million_samples > 0 for c in candidates):
         columns.append(("$/1M", "right", lambda c: f"{c.cost_per_million_samples:,.2f}"))
-    caption = "interleaved-v: v chunks per device; +R: recomputes whole stages; +ckpt: checkpoints every layer"
+    caption = ("interleaved-v: v chunks per device; +R: recomputes whole stages; +ckpt: checkpoints every layer; "
+               "+sel: recomputes attention cores")
     if len(zero_stages) > 1:
         caption += "; Z: ZeRO stage"
     if len(zero_stages) == 1:

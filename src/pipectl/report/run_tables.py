@@ -283,7 +283,7 @@ def out_of_memory_advice(failure: RankFailure) -> str:
     >>> record = RankFailure(rank=1, stage=1, exception="MemoryError", out_of_memory=True,
     ...                      micro_batch_size=4, recompute=False, pipeline_parallel=2)
     >>> print(out_of_memory_advice(record))
-    re-plan so that stage 1 fits: keep part of each device free with `pipectl plan --memory-headroom 0.1`, pin a smaller micro-batch (--micro-batch-size 2), allow recomputation (plan --recompute auto, the default: whole stages or every layer), or pin more pipeline stages (--pipeline-parallel 4)
+    re-plan so that stage 1 fits: keep part of each device free with `pipectl plan --memory-headroom 0.1`, pin a smaller micro-batch (--micro-batch-size 2), allow recomputation (plan --recompute auto, the default: whole stages, every layer or the attention cores), or pin more pipeline stages (--pipeline-parallel 4)
     """
     where = f"stage {failure.stage}" if failure.stage is not None else "every stage"
     options = ["keep part of each device free with `pipectl plan --memory-headroom 0.1`"]
@@ -291,7 +291,7 @@ def out_of_memory_advice(failure: RankFailure) -> str:
         smaller = f" (--micro-batch-size {failure.micro_batch_size // 2})" if failure.micro_batch_size else ""
         options.append(f"pin a smaller micro-batch{smaller}")
     if not failure.recompute:
-        options.append("allow recomputation (plan --recompute auto, the default: whole stages or every layer)")
+        options.append("allow recomputation (plan --recompute auto, the default: whole stages, every layer or the attention cores)")
     more = f" (--pipeline-parallel {2 * failure.pipeline_parallel})" if failure.pipeline_parallel else ""
     options.append(f"pin more pipeline stages{more}")
     return f"re-plan so that {where} fits: " + ", ".join(options[:-1]) + ", or " + options[-1]

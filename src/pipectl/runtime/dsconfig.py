@@ -243,6 +243,8 @@ def check_torch_candidate(candidate: Candidate) -> None:
         )
     if candidate.checkpoint_layers:
         problems.append("per-layer activation checkpointing (it recomputes nothing)")
+    if candidate.selective_recompute:
+        problems.append("selective recomputation (it recomputes nothing)")
     if candidate.tensor_parallel != 1 or candidate.data_parallel != 1 or candidate.replicas:
         problems.append(f"t{candidate.tensor_parallel} d{candidate.data_parallel} (it runs one pipeline: t = 1, d = 1)")
     if candidate.zero_stage > 1:

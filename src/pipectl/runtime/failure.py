@@ -167,7 +167,7 @@ def failure_record(exc: BaseException, context: RankContext) -> RankFailure:
         device=context.device,
         layout=layout.label() if layout is not None else "",
         micro_batch_size=layout.micro_batch_size if layout is not None else None,
-        recompute=(layout.recompute or layout.checkpoint_layers) if layout is not None else None,
+        recompute=(layout.recompute or layout.checkpoint_layers or layout.selective_recompute) if layout is not None else None,
         pipeline_parallel=layout.pipeline_parallel if layout is not None else None,
         predicted_peak_memory_bytes=predicted,
         time_unix=time.time(),

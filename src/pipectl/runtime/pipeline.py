@@ -37,6 +37,8 @@ from torch.overrides import TorchFunctionMode
 
 from pipectl.errors import UserInputError
 from pipectl.models.base import LayerDef, ModelLayers
+from pipectl.models.tensor_parallel import TensorParallelBlock
+from pipectl.models.transformer import TransformerBlock
 from pipectl.plan.layer_table import NOT_CHECKPOINTED_KINDS
 
 
@@ -226,6 +228,12 @@ def planned_topology(pipeline_parallel: int, data_parallel: int, tensor_parallel
     return ProcessTopology(axes=["data", "pipe"], dims=[data_parallel, pipeline_parallel])
 
 
+def _recomputes_selectively(module_cls: type) -> bool:
+    """Whether a block class runs its attention core through `run_attention_core` (pipectl's own
+    blocks, whole or split over a tensor group)."""
+    return issubclass(module_cls, (TransformerBlock, TensorParallelBlock))
+
+
 def build_pipeline_module(
     model: ModelLayers,
     stage_layers: Sequence[Sequence[int]],
@@ -236,6 +244,7 @@ def build_pipeline_module(
     chunks: int = 1,
     initialise: bool = True,
     checkpoint_layers: bool = False,
+    selective_recompute: bool = False,
 ) -> PlannedPipelineModule:
     """The model as a DeepSpeed `PipelineModule`, cut at the plan's half-open `stage_layers`.
 
@@ -253,6 +262,9 @@ def build_pipeline_module(
     one detaches a first layer whose input (token ids) needs no gradient, so the embedding would
     get none. Set on the module, not only in the config, so that the ordinary engine of a
     one-stage ZeRO-2 plan (`plain.py`) runs it too.
+    `selective_recompute`: every transformer block of the stage recomputes its attention core
+    inside its backward (`models.transformer.run_attention_core`), as the planner prices it; a
+    model whose blocks cannot (Hugging Face decoder layers) is refused.
 
     Example: gpt-tiny (9 layers) on two stages, the first holding the embedding and 3 blocks:
 
@@ -264,6 +276,14 @@ def build_pipeline_module(
             f"pipeline engine holds one contiguous layer range per rank and cannot run it",
             hint="re-plan for a DeepSpeed launch, which excludes interleaved schedules with v > 1",
         )
+    if selective_recompute:
+        unable = sorted({layer.module_cls.__name__ for layer in model.layers
+                         if layer.kind == "transformer_block" and not _recomputes_selectively(layer.module_cls)})
+        if unable:
+            raise UserInputError(
+                f"{', '.join(unable)} cannot recompute its attention core alone (selective recomputation)",
+                hint="re-plan with --recompute layer, stage or never",
+            )
     if topology is None and num_stages is None:
         raise UserInputError("give the pipeline topology or the number of stages")
     stages = topology.get_dim("pipe") if topology is not None else int(num_stages)
@@ -298,6 +318,10 @@ def build_pipeline_module(
         partition_method="uniform",  # ignored: _partition_layers installs the planned cut
         **checkpointing,
     )
+    if selective_recompute:
+        for block in module.modules():
+            if hasattr(block, "selective_recompute"):
+                block.selective_recompute = True
     if checkpoint_layers:
         # Which layers run under a checkpoint: DeepSpeed's pipeline engine works this out when it
         # is built, its ordinary engine never does (and the module's forward would then run no layer).

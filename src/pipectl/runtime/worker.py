@@ -198,7 +198,7 @@ def build_engine(job: TrainingJob, initialise: bool = True, memory: Any = None):
         ds_config = {**ds_config, "pipeline": pipeline}
     module = build_pipeline_module(
         model, layout.stage_layers, topology=topology, seed=job.seed, chunks=layout.chunks, initialise=initialise,
-        checkpoint_layers=layout.checkpoint_layers,
+        checkpoint_layers=layout.checkpoint_layers, selective_recompute=layout.selective_recompute,
     )
     # One stage with ZeRO-2 or ZeRO-3: DeepSpeed's ordinary engine (its pipeline engine refuses both).
     plain = layout.pipeline_parallel == 1 and ds_config.get("zero_optimization", {}).get("stage", 0) >= 2
