@@ -1,7 +1,8 @@
 """The search space and its enumeration: every feasible (t, p, d, b, v, schedule, recompute, ZeRO).
 
 `search_space` turns a request into the degrees, sizes and schedules to try: t divides the node
-size or spans whole nodes (`tensor_parallel_degrees`; the model must split at t), p ≤ layers, d with t*p*d ≤ devices, b from the profile and dividing B.
+size or spans whole nodes (`tensor_parallel_degrees`; the model must split t ways), p ≤ layers,
+d with t*p*d ≤ devices, b from the profile and dividing B.
 The B/b micro-batches of a step are dealt out over the d replicas: B/(d*b) each when d divides
 B/b, else ⌈·⌉ or ⌊·⌋ (`balanced_shares`, VirtualFlow's uneven virtual nodes; the slowest replica,
 with ⌈·⌉, sets the step and the memory), so B is never rounded and every device count has
@@ -99,11 +100,13 @@ def tensor_parallel_degrees(
 
     Without --max-tensor-parallel the degrees spanning nodes stop at
     `DEFAULT_MAX_TENSOR_PARALLEL_NODES` nodes (t = 2n). Each degree is a (t, b) unit of the search,
-    as much work as an in-node degree, and past two nodes the per-block all-reduces only grow
-    (2(t - 1) steps, each waiting for an inter-node hop) while each device's share of a block
-    shrinks: where 2n already loses to t <= n, larger multiples lose by more, and where it wins
-    (a model whose blocks fit nowhere else) the user can open the range with --max-tensor-parallel.
-    So the costs still decide between in-node and cross-node tensor groups, at one extra unit.
+    as much work as an in-node degree (t = 16 adds about a tenth to GPT 1T on 384 x 8 A100s,
+    `benchmarks/plan_scale.py`), and every further node buys less: a spanning ring's bandwidth term
+    stays about 2M / (n B_inter) per all-reduce whatever t is (`costs.tensor_parallel_link`) while
+    its latency term grows with t and each device's GEMMs get narrower and less efficient. Measured
+    runs say the same (Narayanan et al. 2021, §5.4.1, takeaway 1: tensor parallelism up to the g
+    GPUs of a server, pipeline parallelism beyond). One spanning degree lets the costs decide between a tensor group in a
+    node and one across nodes; --max-tensor-parallel opens the rest (every multiple of n up to it).
     """
     n = hardware.devices_per_node
     limit = request.max_tensor_parallel or DEFAULT_MAX_TENSOR_PARALLEL_NODES * n
