@@ -25,7 +25,8 @@ Per virtual stage and micro-batch (all seconds):
 - tensor-parallel communication (Megatron, Shoeybi et al. 2019 §3; Narayanan et al. 2021 §3.3): per
   transformer block two all-reduces of the b*s*h activation in the forward and two in the backward,
   ring all-reduces over the t devices of a node, or, for a group spanning t/n nodes, one ring over
-  all t whose every step waits for its slowest hop, the inter-node link (`tensor_parallel_link`);
+  all t whose every step waits for an inter-node hop, at the bus bandwidth of the node's n NICs
+  (`tensor_parallel_link`);
 - recompute: one more forward, communication included (SPEC §5: x4/3 of forward+backward); whole
   stages as the schedule's R actions, or, with per-layer checkpointing, inside each backward;
 - point-to-point: latency + bytes / bandwidth of the activation crossing each cut (the same bytes
