@@ -321,3 +321,20 @@ def test_recompute_option_decides_whether_per_layer_checkpointing_is_searched(tm
     assert written.request.recompute.value == (flags[1] if flags else "auto")
     # The table and the chosen line say which recomputation a candidate uses.
     assert "+ckpt" in result.output and "checkpoint-layers" in result.output
+
+
+def test_tensor_parallel_across_two_nodes_plans(profile_path, tmp_path):
+    out = tmp_path / "p.json"
+    result = runner.invoke(app, ["plan", "--profile", str(profile_path), "--cluster", "a100-8x8", "--global-batch", "32",
+                                 "--tensor-parallel", "16", "--no-morph", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert load_model(Plan, out).chosen.tensor_parallel == 16
+
+
+@pytest.mark.parametrize("t", ["12", "3"])
+def test_tensor_parallel_neither_in_a_node_nor_whole_nodes_is_refused(profile_path, tmp_path, t):
+    result = runner.invoke(app, ["plan", "--profile", str(profile_path), "--cluster", "a100-8x8", "--global-batch", "32",
+                                 "--tensor-parallel", t, "--no-morph", "-o", str(tmp_path / "p.json")])
+    assert result.exit_code == 2
+    assert f"tensor-parallel degree {t} neither divides the 8 devices of a node" in result.output
+    assert "Traceback" not in result.output and not (tmp_path / "p.json").exists()

@@ -91,6 +91,15 @@ def test_nodes_follow_the_clusters_devices_per_node_and_the_plans_device(monkeyp
     assert deepspeed.job.master_addr == "n0" and deepspeed.command.files["hostfile"].splitlines()[0] == "n0 slots=8"
 
 
+def test_a_plan_whose_tensor_groups_span_two_nodes_launches_on_whole_nodes(monkeypatch):
+    # t = 16 on 8-GPU nodes: ranks are numbered node by node and laid out (replica, stage, tensor
+    # rank), so each tensor group is two whole nodes, as the planner priced it.
+    monkeypatch.chdir("/")
+    plan = gpt3_plan(devices=64, t=16, p=4, d=1, cluster="a100-8x8")
+    job = prepare_launch(plan, RUN, LaunchOptions(engine=Engine.TORCHRUN, precision=Precision.BF16), write=False).job
+    assert (job.nodes, job.ranks_per_node, job.world_size) == (8, 8, 64)
+
+
 def test_a_cpu_plan_runs_cpu_ranks_and_a_gpu_plan_is_refused_on_a_host_without_gpus(tmp_path, monkeypatch):
     cpu = prepare_launch(plan_of(gpt_tiny_candidate()), tmp_path / "cpu", LaunchOptions(), write=False)
     assert cpu.job.accelerator == "cpu" and cpu.command.env["DS_ACCELERATOR"] == "cpu"

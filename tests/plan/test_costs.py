@@ -11,6 +11,8 @@ from pipectl.plan.costs import (
     ranks_share_node,
     replicas_share_node,
     stage_costs,
+    tensor_parallel_link,
+    tensor_parallel_placeable,
     tensor_parallel_slowdown,
 )
 from pipectl.plan.layer_table import interpolate, layer_table
@@ -58,6 +60,55 @@ def test_tensor_parallel_divides_compute_and_adds_two_allreduces_each_way():
     assert four.backward[block] == pytest.approx(one.backward[block] / 4 * slowdown + 2 * ring)
     # The embedding is not a block: no tensor-parallel all-reduce charged.
     assert four.forward[0] == pytest.approx(one.forward[0] / 4 * slowdown)
+
+
+def test_tensor_group_spanning_two_nodes_is_priced_on_their_inter_node_links():
+    # a100-8x8: NVLink 3 µs, 300 GB/s; InfiniBand 5 µs, 25 GB/s per GPU, 8 GPUs a node.
+    profile = synthetic_profile(blocks=2, micro_batch_sizes=[8], device="a100-80gb")
+    hardware = hardware_for(load_cluster("a100-8x8"), profile)
+    table = layer_table(profile, 8)
+    block = 1
+    assert table.output_activation_bytes[block] == 64 * 32 * 8 * 2  # h s b x 2 bytes = 32768
+    # One ring over 16 GPUs: 2(t - 1) steps of 5 µs + M/t over the node's 8 NICs (8 x 25 GB/s).
+    spanning = 2 * 15 * (5e-6 + 32768 / 16 / (8 * 25e9))
+    inside = 2 * 7 * (3e-6 + 32768 / 8 / 300e9)
+    assert spanning == pytest.approx(1.503072e-4)
+    one, eight, sixteen = (layer_seconds(table, hardware, t) for t in (1, 8, 16))
+    for t, seconds, ring in ((8, eight, inside), (16, sixteen, spanning)):
+        slowdown = tensor_parallel_slowdown(hardware.device, 8, t)
+        assert seconds.forward[block] == pytest.approx(one.forward[block] / t * slowdown + 2 * ring)
+        assert seconds.backward[block] == pytest.approx(one.backward[block] / t * slowdown + 2 * ring)
+    link = tensor_parallel_link(hardware.links, 16, 8)
+    assert (link.latency_seconds, link.bandwidth_bytes_per_second) == pytest.approx((5e-6, 200e9))
+    assert tensor_parallel_link(hardware.links, 8, 8) == hardware.links.allreduce_intra
+
+
+def test_tensor_group_link_is_never_faster_than_the_node_itself():
+    # One device per node: its own NIC; many slow NICs: NVLink is the slower link of the ring.
+    profile = synthetic_profile(blocks=1, micro_batch_sizes=[1], device="a100-80gb")
+    links = hardware_for(load_cluster("a100-8x8"), profile).links
+    assert tensor_parallel_link(links, 2, 1).bandwidth_bytes_per_second == pytest.approx(25e9)
+    assert tensor_parallel_link(links, 64, 32).bandwidth_bytes_per_second == pytest.approx(300e9)
+
+
+def test_tensor_groups_sit_in_a_node_or_span_whole_nodes():
+    assert [t for t in range(1, 33) if tensor_parallel_placeable(t, 8)] == [1, 2, 4, 8, 16, 24, 32]
+    assert [t for t in range(1, 7) if tensor_parallel_placeable(t, 1)] == [1, 2, 3, 4, 5, 6]
+
+
+def test_stages_and_replicas_of_tensor_groups_spanning_nodes_talk_over_inter_node_links():
+    # t = 16 on 8-GPU nodes: every stage has two nodes of its own, so every cut and every
+    # data-parallel ring crosses nodes.
+    assert not ranks_share_node(0, 1, p=2, t=16, d=2, devices_per_node=8)
+    assert not replicas_share_node(0, p=1, t=16, d=2, devices_per_node=8)
+    profile = synthetic_profile(blocks=4, micro_batch_sizes=[1], device="a100-80gb", tied=False)
+    hardware = hardware_for(load_cluster("a100-8x8"), profile)
+    table = layer_table(profile, 1, 16)
+    costs = stage_costs(profile, hardware, [(0, 3), (3, 7)], micro_batch_size=1, tensor_parallel=16, data_parallel=2)
+    assert costs.send_forward_seconds[0] == pytest.approx(hardware.links.inter.seconds(table.output_activation_bytes[2]))
+    gradient_bytes = table.parameters(0, 3) / 16 * 2
+    expected = hardware.links.allreduce_inter.ring_allreduce_seconds(gradient_bytes, 2)
+    assert costs.allreduce_seconds[0] == pytest.approx(expected)
 
 
 def test_placement_tensor_groups_then_stages_then_replicas():

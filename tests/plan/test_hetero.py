@@ -164,6 +164,18 @@ def test_a_layout_with_fewer_micro_batches_than_replicas_is_not_split():
     assert plan(profile, cluster, PlanRequest(global_batch=64, workers=1)).chosen.global_batch == 64
 
 
+def test_tensor_groups_spanning_two_vms_are_split_over_kinds_too():
+    # mixed-v100-p100: 4 GPUs a VM, so t = 8 is a tensor group over two VMs of one kind.
+    profile = synthetic_profile(blocks=8)
+    cluster = load_cluster("mixed-v100-p100")
+    template = plan(profile, cluster.model_copy(update={"node_types": cluster.node_types[:1]}),
+                    PlanRequest(global_batch=64, morph=False, pipeline_parallel=1, tensor_parallel=8)).chosen
+    split = uneven_split(profile, cluster, template, PlanRequest(global_batch=64))
+    assert split is not None and split.tensor_parallel == 8
+    assert sorted(share.device for share in split.replicas) == ["p100", "v100-16gb"]
+    assert sum(share.samples for share in split.replicas) == 64
+
+
 def test_kinds_with_different_replica_counts_split_without_failing_validation(tmp_path):
     """GPT-2 2.5B over 2 V100 nodes and 1 P100 node, each kind priced with its own derived profile:
     the split's slowest replica (a P100 one, with few micro-batches) is summarised at its own m,

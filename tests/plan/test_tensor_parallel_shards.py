@@ -61,11 +61,14 @@ def test_a_profile_without_shards_gives_the_plan_it_gave_before_shards_existed()
     # and the plan the planner made of it, tensor-parallel candidates included.
     profile = load_model(ModelProfile, DATA / "gpt2-2.5b-a100-unsharded.profile.json")
     assert not profile.has_shards
-    # Uneven replicas came later too: without them, the same plan.
-    made = plan(profile, load_cluster("a100-8x8"),
-                PlanRequest(global_batch=512, top=10, workers=1, uneven_replicas=False, recompute="stage"))
+    # Uneven replicas came later too: without them, the same plan. So did tensor groups spanning
+    # two nodes (t = 16): the search inside a node, --max-tensor-parallel 8, is the old one.
+    request = PlanRequest(global_batch=512, top=10, workers=1, uneven_replicas=False, recompute="stage")
+    made = plan(profile, load_cluster("a100-8x8"), request.model_copy(update={"max_tensor_parallel": 8}))
     before = json.loads((DATA / "gpt2-2.5b-a100-unsharded.plan.json").read_text())
     made_fields = json.loads(made.model_dump_json())
+    assert made_fields["request"]["max_tensor_parallel"] == 8 and before["request"]["max_tensor_parallel"] is None
+    made_fields["request"]["max_tensor_parallel"] = None
     assert made_fields["request"].pop("uneven_replicas") is False
     # Per-layer checkpointing came later too: without it (recompute "stage" is the old search).
     assert made_fields["request"].pop("recompute") == "stage"
@@ -81,6 +84,10 @@ def test_a_profile_without_shards_gives_the_plan_it_gave_before_shards_existed()
         assert candidate.pop("engine") == ("deepspeed" if candidate["deepspeed_runnable"] else None)
     assert made_fields == before
     assert {c.tensor_parallel for c in made.candidates} > {1}
+    # The default search prices t = 16 too; across two nodes it enters neither the choice nor the top 10.
+    spanning = plan(profile, load_cluster("a100-8x8"), request)
+    assert spanning.infeasible != made.infeasible  # t = 16 was searched
+    assert [spanning.chosen, *spanning.candidates] == [made.chosen, *made.candidates]
 
 
 def _small_request():

@@ -74,7 +74,7 @@ def test_docstring_examples_hold():
         assert result.attempted > 0 and result.failed == 0, module.__name__
 
 
-@pytest.mark.parametrize("p, d, t", [(2, 2, 1), (4, 3, 1), (2, 2, 2), (3, 4, 2), (1, 8, 1), (8, 1, 1)])
+@pytest.mark.parametrize("p, d, t", [(2, 2, 1), (4, 3, 1), (2, 2, 2), (3, 4, 2), (1, 8, 1), (8, 1, 1), (2, 2, 16), (3, 2, 8)])
 @pytest.mark.parametrize("devices_per_node", [1, 2, 4, 8])
 def test_ranks_sit_where_the_planner_priced_them(p, d, t, devices_per_node):
     """Ranks numbered node by node (every launcher): the nodes the runtime's topology gives each
@@ -91,6 +91,13 @@ def test_ranks_sit_where_the_planner_priced_them(p, d, t, devices_per_node):
             assert runtime == ranks_share_node(a, b, p, t, d, devices_per_node), (a, b)
         ring = {node(r, a) for r in range(d)}
         assert (len(ring) == 1) == replicas_share_node(a, p, t, d, devices_per_node), a
+
+
+def test_a_tensor_group_spanning_nodes_takes_whole_nodes():
+    # t = 16 on 8-device nodes (the planner's `tensor_parallel_placeable`): each group is two nodes.
+    topology = planned_topology(pipeline_parallel=2, data_parallel=2, tensor_parallel=16)
+    groups = topology.get_axis_comm_lists("model")
+    assert sorted(sorted({rank // 8 for rank in group}) for group in groups) == [[2 * i, 2 * i + 1] for i in range(4)]
 
 
 def test_a_replicas_ranks_are_consecutive_and_its_tensor_groups_inside():

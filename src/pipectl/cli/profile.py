@@ -167,7 +167,7 @@ def model_command(
             "--tensor-parallel",
             help="Tensor-parallel degrees whose one-rank block shards to profile too, e.g. 1,2,4,8 (measured: "
             "each shard timed on this device without its all-reduces; each t must divide the heads). "
-            "Default: none measured (t = 1 only); 2,4,8 derived (those dividing the heads).",
+            "Default: none measured (t = 1 only); 2,4,8,16 derived (those dividing the heads).",
             show_default=False,
         ),
     ] = None,

@@ -76,6 +76,7 @@ class Rejection(str, Enum):
     SHARDED_GRADIENTS_UNEVEN = "ZeRO-2/3 reduce after every micro-batch: replicas must run as many"
     TOO_FEW_LAYERS = "fewer layers than (virtual) stages"
     DEADLINE = "misses the deadline"
+    TENSOR_PARALLEL_NOT_PROFILED = "tensor-parallel degree across nodes without shard costs in the profile"
 
 
 @dataclass(frozen=True)
@@ -285,6 +286,8 @@ class SearchSpace:
     pipeline_parallel: int | None = None
     data_parallel: int | None = None
     uneven_replicas: bool = True  # replicas may run ⌈B/(d*b)⌉ or ⌊B/(d*b)⌋ micro-batches
+    # Degrees spanning nodes the search would try but the profile has no shard costs for (rejected, counted).
+    unprofiled_tensor_parallel: tuple[int, ...] = ()
 
 
 def divisors(n: int) -> list[int]:

@@ -5,9 +5,14 @@ devices are numbered node by node, and a candidate's ranks take them in the orde
 
     device = (replica * p + stage) * t + tensor_rank
 
-so a tensor-parallel group (t | devices per node) always sits inside one node, consecutive
-pipeline stages are neighbours (inside a node while the pipeline fits in one), and data-parallel
-replicas of a stage are p*t devices apart (the all-reduce crosses nodes first).
+so a tensor-parallel group whose t divides the devices per node n sits inside one node, and one
+whose t is a multiple of n spans t/n whole nodes (its collectives then go over the inter-node
+link, `tensor_parallel_link`; the planner searches both and lets the costs decide, a t that is
+neither is refused: `tensor_parallel_placeable`). Consecutive pipeline stages are neighbours
+(inside a node while the pipeline fits in one; with t >= n every stage starts a node of its own,
+so every cut crosses nodes), and data-parallel replicas of a stage are p*t devices apart (the
+all-reduce crosses nodes first). Which link a p2p message or a data-parallel ring takes is read
+from the device numbers above (`ranks_share_node`, `replicas_share_node`), whatever t is.
 
 Per virtual stage and micro-batch (all seconds):
 
@@ -19,7 +24,9 @@ Per virtual stage and micro-batch (all seconds):
   micro-batch t times smaller: x efficiency(b) / efficiency(b / t) from the device catalog;
 - tensor-parallel communication (Megatron, Shoeybi et al. 2019 §3; Narayanan et al. 2021 §3.3): per
   transformer block two all-reduces of the b*s*h activation in the forward and two in the backward,
-  ring all-reduces over the t devices of a node;
+  ring all-reduces over the t devices of a node, or, for a group spanning t/n nodes, one ring over
+  all t whose every step waits for an inter-node hop, at the bus bandwidth of the node's n NICs
+  (`tensor_parallel_link`);
 - recompute: one more forward, communication included (SPEC §5: x4/3 of forward+backward); whole
   stages as the schedule's R actions, or, with per-layer checkpointing, inside each backward;
 - point-to-point: latency + bytes / bandwidth of the activation crossing each cut (the same bytes
@@ -444,7 +451,8 @@ def layer_seconds(table: LayerTable, hardware: Hardware, tensor_parallel: int) -
     forward = [f * scale * forward_ratio for f, scale in zip(table.forward_seconds, scales)]
     backward = [b * scale * backward_ratio for b, scale in zip(table.backward_seconds, scales)]
     if t > 1:
-        forward_comm, backward_comm = tensor_parallel_communication(table, hardware.links.allreduce_intra, t, hardware.features)
+        ring = tensor_parallel_link(hardware.links, t, hardware.devices_per_node)
+        forward_comm, backward_comm = tensor_parallel_communication(table, ring, t, hardware.features)
         overlap = bool(hardware.features and hardware.features.tensor_parallel_overlap)
         for index in range(table.layers):
             forward[index] += exposed_tensor_parallel_seconds(forward_comm[index], forward[index], overlap)
@@ -470,7 +478,8 @@ def tensor_parallel_communication(
     table: LayerTable, ring: LinkCost, tensor_parallel: int, features: EngineFeatures | None = None
 ) -> tuple[list[float], list[float]]:
     """Per layer, the (forward, backward) seconds of one micro-batch's tensor-parallel collectives
-    on a ring of t devices inside a node.
+    on a ring of t devices over `ring` (`tensor_parallel_link`: the node's all-reduce link, or the
+    inter-node one for a group spanning nodes).
 
     Each transformer block: two all-reduces of its b s h output forward and two backward
     (Megatron; Shoeybi et al. 2019 §3). With sequence parallelism each all-reduce is an all-gather
@@ -539,6 +548,62 @@ def exposed_tensor_parallel_seconds(communication: float, compute: float, overla
 
 
 # --- placement ---------------------------------------------------------------------------------
+
+
+def tensor_parallel_placeable(tensor_parallel: int, devices_per_node: int) -> bool:
+    """Whether a tensor group of t devices has a place under the placement rule: t divides the
+    node's devices (the group sits inside one node) or is a multiple of them (it spans t/n whole
+    nodes). Any other t would put a group partly on one node and partly on another, different for
+    every group, which neither the cost model nor the launch numbering describes.
+
+        >>> [t for t in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32) if tensor_parallel_placeable(t, 8)]
+        [1, 2, 4, 8, 16, 24, 32]
+    """
+    return devices_per_node % tensor_parallel == 0 or tensor_parallel % devices_per_node == 0
+
+
+def tensor_group_spans_nodes(tensor_parallel: int, devices_per_node: int) -> bool:
+    """Whether a tensor group leaves its node: t > n (then t is a multiple of n, whole nodes)."""
+    return tensor_parallel > devices_per_node
+
+
+def tensor_parallel_link(links: ResolvedLinks, tensor_parallel: int, devices_per_node: int) -> LinkCost:
+    """The link a tensor group's ring all-reduces run on: the node's all-reduce link while the group
+    sits inside one node; for a group spanning k = t/n whole nodes, the inter-node link of all n
+    devices of each of its nodes at once.
+
+    NCCL runs an all-reduce over several nodes as rings (channels) over all t devices, each ring
+    leaving a node through a different NIC, with the data split between them; every device sends
+    2(t - 1)/t of the bytes in all (Patarasuk & Yuan 2009; nccl-tests' PERFORMANCE.md: bus
+    bandwidth = algorithm bandwidth x 2(t - 1)/t, set by the slowest link of the ring). The slowest
+    link of a spanning ring is the node's way out, n NICs of the per-device inter-node bandwidth
+    B_inter, unless NVLink, which carries all of each device's bytes, is slower still. Each of the
+    2(t - 1) steps waits for an inter-node hop, so the latency is the inter-node one a_inter:
+
+        all-reduce(M bytes, t) = 2(t - 1) (a_inter + M / t / min(n B_inter, B_intra))
+
+    (`LinkCost.ring_allreduce_seconds` with that latency and bus bandwidth). A whole node belongs to
+    one tensor group (t is a multiple of n), so no other tensor group shares its NICs. The
+    hierarchical all-reduce (reduce-scatter in the node, all-reduce of each device's 1/n over the
+    k nodes on its own NIC, all-gather in the node) sends 2(k - 1)/k M/n per NIC: the same order.
+
+    On the shipped A100 clusters (NVLink 3 µs, 300 GB/s; InfiniBand 5 µs, 25 GB/s a GPU, 8 a node)
+    one block all-reduce of 50 MB takes 14 (3e-6 + 50e6 / 8 / 300e9) = 0.334 ms at t = 8 and
+    30 (5e-6 + 50e6 / 16 / 200e9) = 0.619 ms at t = 16, nearly twice as long for half the work per
+    device:
+
+        >>> from pipectl.cluster import load_cluster, resolve_links
+        >>> links = resolve_links(load_cluster("a100-8x8"), "a100-nodes")
+        >>> [round(tensor_parallel_link(links, t, 8).ring_allreduce_seconds(50e6, t) * 1e3, 3) for t in (8, 16)]
+        [0.334, 0.619]
+    """
+    if not tensor_group_spans_nodes(tensor_parallel, devices_per_node):
+        return links.allreduce_intra
+    node_exit = devices_per_node * links.allreduce_inter_bandwidth_bytes_per_second
+    return LinkCost(
+        links.allreduce_inter_latency_seconds,
+        min(node_exit, links.allreduce_intra_bandwidth_bytes_per_second),
+    )
 
 
 def _node(device: int, devices_per_node: int) -> int:

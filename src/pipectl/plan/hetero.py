@@ -31,10 +31,13 @@ from pipectl.artifacts.plan import Candidate, Engine, Objective, Plan, PlanReque
 from pipectl.artifacts.profile import ModelProfile
 from pipectl.errors import InfeasibleError
 from pipectl.plan.candidates import ScheduleVariant, ShapeBuilder, Spec, SpecFigures, data_parallel_costs, in_flight, lower_bound_seconds, state_bytes, step_bytes
-from pipectl.plan.costs import Hardware, hardware_for, profile_for, replica_groups, stage_costs, stage_costs_for
+from pipectl.plan.costs import (
+    Hardware, hardware_for, profile_for, replica_groups, stage_costs, stage_costs_for, tensor_parallel_placeable,
+)
 from pipectl.plan.simulate import StageCosts
 from pipectl.plan.evaluate import TWO_BW_NOTE, Evaluator, two_bw_steady_note
 from pipectl.plan.homogeneous import SearchStats, plan_homogeneous
+from pipectl.plan.space import tensor_parallel_possible
 from pipectl.schedule import ScheduleKind
 from pipectl.words import count
 
@@ -173,7 +176,8 @@ def _pools(
         mine = _kind_profile(cluster, kind, profile, kind_profiles)
         hardware = hardware_for(_sub_cluster(cluster, kind), mine, memory_headroom=memory_headroom)
         replicas = hardware.devices // (t * p)
-        if replicas and hardware.devices_per_node % t == 0:
+        splits = t == 1 or tensor_parallel_possible(mine, t)  # the kind's profile has the shards
+        if replicas and splits and tensor_parallel_placeable(t, hardware.devices_per_node):  # in a node or whole nodes
             pools.append((kind, hardware, mine, replicas))
     return pools  # fmt: skip
 

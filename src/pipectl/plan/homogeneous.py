@@ -25,7 +25,7 @@ from pipectl.artifacts.plan import Engine, ModelShape, Objective, Plan, PlanRequ
 from pipectl.artifacts.profile import ModelProfile
 from pipectl.errors import InfeasibleError, UserInputError
 from pipectl.plan.candidates import Rejection, Rejections, Spec
-from pipectl.plan.costs import Hardware
+from pipectl.plan.costs import Hardware, tensor_parallel_placeable
 from pipectl.plan.evaluate import Evaluator
 from pipectl.plan.morph import morph_table
 from pipectl.plan.space import enumerate_specs, search_space, tensor_parallel_possible
@@ -63,9 +63,18 @@ def check_request(request: PlanRequest, profile: ModelProfile, hardware: Hardwar
         )
     t = request.tensor_parallel
     if t is not None:
-        if t > hardware.devices_per_node or hardware.devices_per_node % t:
+        n = hardware.devices_per_node
+        if not tensor_parallel_placeable(t, n):
             raise UserInputError(
-                f"tensor-parallel degree {t} must divide the {count(hardware.devices_per_node, 'device')} of a node"
+                f"tensor-parallel degree {t} neither divides the {count(n, 'device')} of a node nor is a multiple of "
+                "them: a tensor group sits inside one node or spans whole nodes",
+                hint=f"use a divisor of {n} or a multiple of {n}",
+            )
+        if t > 1 and profile.has_shards and not tensor_parallel_possible(profile, t):
+            raise UserInputError(
+                f"tensor-parallel degree {t} has no shard costs in the profile (it has t = "
+                f"{', '.join(map(str, profile.shard_degrees()))})",
+                hint=f"profile or derive the model with --tensor-parallel including {t}",
             )
         if t > 1 and not tensor_parallel_possible(profile, t):
             raise UserInputError(

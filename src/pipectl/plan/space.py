@@ -1,7 +1,8 @@
 """The search space and its enumeration: every feasible (t, p, d, b, v, schedule, recompute, ZeRO).
 
 `search_space` turns a request into the degrees, sizes and schedules to try: t divides the node
-size (and the hidden size), p ≤ layers, d with t*p*d ≤ devices, b from the profile and dividing B.
+size or spans whole nodes (`tensor_parallel_degrees`; the model must split t ways), p ≤ layers,
+d with t*p*d ≤ devices, b from the profile and dividing B.
 The B/b micro-batches of a step are dealt out over the d replicas: B/(d*b) each when d divides
 B/b, else ⌈·⌉ or ⌊·⌋ (`balanced_shares`, VirtualFlow's uneven virtual nodes; the slowest replica,
 with ⌈·⌉, sets the step and the memory), so B is never rounded and every device count has
@@ -76,21 +77,57 @@ def tensor_parallel_possible(profile: ModelProfile, t: int) -> bool:
     """Whether the search tries degree t > 1: the model has blocks to split, and a profile with
     shard costs has them for t (profiling writes shards for every t whose heads divide, so a
     degree without any would not build); without shards, t must divide the hidden size."""
-    has_blocks = any(layer.kind == TRANSFORMER_BLOCK for layer in profile.layers)
+    has_blocks = _has_blocks(profile)
     if profile.has_shards:
         return has_blocks and t in profile.shard_degrees()
     return has_blocks and (profile.hidden is None or profile.hidden % t == 0)
 
 
+# Tensor groups spanning nodes searched by default: up to this many whole nodes (t = 2n on 8-device
+# nodes: 16). See `tensor_parallel_degrees`.
+DEFAULT_MAX_TENSOR_PARALLEL_NODES = 2
+
+
+def tensor_parallel_degrees(
+    request: PlanRequest, profile: ModelProfile, hardware: Hardware
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(the degrees t to search, the degrees spanning nodes left out because the profile has no
+    shard costs for them), without a pinned --tensor-parallel.
+
+    Inside a node: every t that divides its n devices. Across nodes: t = k n for k >= 2, t dividing
+    the cluster's devices, so that tensor groups tile whole nodes (`costs.tensor_parallel_placeable`;
+    their all-reduces are priced on the inter-node link, `costs.tensor_parallel_link`). Both up to
+    --max-tensor-parallel when given, and the model must split at t (`tensor_parallel_possible`).
+
+    Without --max-tensor-parallel the degrees spanning nodes stop at
+    `DEFAULT_MAX_TENSOR_PARALLEL_NODES` nodes (t = 2n). Each degree is a (t, b) unit of the search,
+    as much work as an in-node degree (t = 16 adds about a tenth to GPT 1T on 384 x 8 A100s,
+    `benchmarks/plan_scale.py`), and every further node buys less: a spanning ring's bandwidth term
+    stays about 2M / (n B_inter) per all-reduce whatever t is (`costs.tensor_parallel_link`) while
+    its latency term grows with t and each device's GEMMs get narrower and less efficient. Measured
+    runs say the same (Narayanan et al. 2021, §5.4.1, takeaway 1: tensor parallelism up to the g
+    GPUs of a server, pipeline parallelism beyond). One spanning degree lets the costs decide between a tensor group in a
+    node and one across nodes; --max-tensor-parallel opens the rest (every multiple of n up to it).
+    """
+    n = hardware.devices_per_node
+    limit = request.max_tensor_parallel or DEFAULT_MAX_TENSOR_PARALLEL_NODES * n
+    inside = [t for t in divisors(n) if t <= limit]
+    across = [k * n for k in range(2, limit // n + 1) if hardware.devices % (k * n) == 0]
+    searched = [t for t in inside + across if t == 1 or tensor_parallel_possible(profile, t)]
+    unprofiled = tuple(t for t in across if t not in searched and _has_blocks(profile) and profile.has_shards)
+    return tuple(searched), unprofiled
+
+
+def _has_blocks(profile: ModelProfile) -> bool:
+    return any(layer.kind == TRANSFORMER_BLOCK for layer in profile.layers)
+
+
 def search_space(request: PlanRequest, profile: ModelProfile, hardware: Hardware) -> SearchSpace:
+    unprofiled: tuple[int, ...] = ()
     if request.tensor_parallel is not None:
         ts: tuple[int, ...] = (request.tensor_parallel,)
     else:
-        limit = min(hardware.devices_per_node, request.max_tensor_parallel or hardware.devices_per_node)
-        ts = tuple(
-            t for t in divisors(hardware.devices_per_node)
-            if t <= limit and (t == 1 or tensor_parallel_possible(profile, t))
-        )
+        ts, unprofiled = tensor_parallel_degrees(request, profile, hardware)
     bs = (request.micro_batch_size,) if request.micro_batch_size else tuple(profile.micro_batch_sizes)
     defaults = DEFAULT_SCHEDULES + DEEPSPEED_FREE_SCHEDULES if request.target_engine is Engine.TORCH else DEFAULT_SCHEDULES
     kinds = [request.schedule] if request.schedule else list(request.schedules or defaults)
@@ -112,6 +149,7 @@ def search_space(request: PlanRequest, profile: ModelProfile, hardware: Hardware
         pipeline_parallel=request.pipeline_parallel,
         data_parallel=request.data_parallel,
         uneven_replicas=request.uneven_replicas,
+        unprofiled_tensor_parallel=unprofiled,
     )
 
 
@@ -136,6 +174,12 @@ def enumerate_specs(
     so the result is the same whatever the number of workers.
     """
     units = [(t, b) for t in space.tensor_parallel for b in space.micro_batch_sizes]
+    unprofiled = Rejections()
+    for t in space.unprofiled_tensor_parallel:
+        unprofiled.add(
+            Rejection.TENSOR_PARALLEL_NOT_PROFILED,
+            f"t={t}: the profile has shard costs for t = {', '.join(map(str, profile.shard_degrees()))} only",
+        )
     builder = ShapeBuilder(profile, hardware)
     context = _UnitContext(profile, hardware, space, max_devices)
     weights = [context.estimated_families(t) for t, _ in units]
@@ -151,6 +195,7 @@ def enumerate_specs(
     rebuilt: dict[tuple, Shape] = {}
     outcomes = share(units, weights, lambda unit: context.enumerate_unit(builder, *unit), elsewhere, workers=workers)
     out = Enumeration()
+    out.rejections.merge(unprofiled)
     accepted: list[tuple[Shape, ScheduleVariant, tuple[int, int, int, float, tuple[int, ...]]]] = []
     for outcome in outcomes:  # in the units' order, as one process visits them: the same first examples
         result = outcome.local

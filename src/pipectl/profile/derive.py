@@ -37,7 +37,7 @@ P = 12 l h^2 (1 + 13/(12h) + (V+s)/(12 l h)): the closed form counts the blocks,
     (7.628, 31.57)
 
 Tensor-parallel shards. Each transformer block also gets one rank's shard for t in
-`tensor_parallel` (2, 4, 8 by default; each t that divides the heads): `BlockShape(tensor_parallel=t)`
+`tensor_parallel` (2, 4, 8, 16 by default; each t that divides the heads): `BlockShape(tensor_parallel=t)`
 (column-parallel QKV and fc1, row-parallel proj and fc2, heads/t local heads, LayerNorms whole), its
 kernels timed as above (small shards launch-bound), its saved bytes tensor by tensor (about
 8 + 24/t bytes per token and hidden unit in 16-bit: the LayerNorms' inputs and the block's input
@@ -46,7 +46,7 @@ stay whole on every rank). Embeddings, final norm and head are replicated and ha
     >>> h = 12288   # a rank holds 12h^2/t + 7h/t of the split matrices and biases, 6h whole
     >>> [(s.tensor_parallel, s.parameter_count == (12 * h * h + 7 * h) // s.tensor_parallel + 6 * h)
     ...  for s in gpt3.layers[1].shards]
-    [(2, True), (4, True), (8, True)]
+    [(2, True), (4, True), (8, True), (16, True)]
 """
 
 from __future__ import annotations
@@ -89,8 +89,10 @@ from pipectl.profile.compute_model import (
 )
 
 
-# The tensor-parallel degrees a derived profile has block shards for (where they divide the heads).
-DEFAULT_SHARD_DEGREES = (2, 4, 8)
+# The tensor-parallel degrees a derived profile has block shards for (where they divide the heads):
+# every t inside an 8-device node, and 16, the tensor group over two such nodes the planner
+# searches by default (`plan.space.tensor_parallel_degrees`).
+DEFAULT_SHARD_DEGREES = (2, 4, 8, 16)
 
 
 @dataclass(frozen=True)
