@@ -199,6 +199,16 @@ def test_shards_must_hold_at_least_their_share_and_agree_on_degrees():
         ModelProfile.model_validate(data)
 
 
+def test_a_shard_lists_the_layers_micro_batch_sizes_once_each():
+    # A shard whose costs repeat a size once divided by zero in the planner's interpolation.
+    profile = with_block_shards(synthetic_profile(blocks=2, micro_batch_sizes=[1, 2]), [2])
+    block = profile.layers[1].model_dump()
+    shard = block["shards"][0]
+    for costs in ([shard["costs"][0], shard["costs"][0]], shard["costs"][:1], shard["costs"][::-1]):
+        with pytest.raises(ValueError, match="t=2 shard has costs for micro-batch sizes"):
+            profile.layers[1].model_validate({**block, "shards": [{**shard, "costs": costs}]})
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_stage_memory_from_range_rows_is_the_same_with_shards(seed):
     """The vectorised path (`rows`) and the loop give the same bytes with shards: several chunks per

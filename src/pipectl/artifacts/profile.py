@@ -134,7 +134,14 @@ class LayerProfile(Strict):
         degrees = [shard.tensor_parallel for shard in self.shards]
         if degrees != sorted(set(degrees)):
             raise ValueError(f"layer {self.name}: shard degrees {degrees} are not distinct and ascending")
+        sizes = [cost.micro_batch_size for cost in self.costs]
         for shard in self.shards:
+            shard_sizes = [cost.micro_batch_size for cost in shard.costs]
+            if shard_sizes != sizes:
+                raise ValueError(
+                    f"layer {self.name}: its t={shard.tensor_parallel} shard has costs for micro-batch sizes "
+                    f"{shard_sizes}, the layer for {sizes} (each size once, ascending, the same as the layer's)"
+                )
             # A rank holds at least its 1/t of the layer (what the planner's pruning bounds assume).
             if shard.parameter_count * shard.tensor_parallel < self.parameter_count:
                 raise ValueError(
