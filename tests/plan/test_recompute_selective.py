@@ -8,13 +8,13 @@ import random
 import pytest
 
 from pipectl.artifacts.model import ModelConfig
-from pipectl.artifacts.plan import PlanRequest, Recompute, RecomputeChoice
+from pipectl.artifacts.plan import PlanRequest, Recompute, RecomputeChoice, recompute_granularities
 from pipectl.artifacts.profile import LayerCost, LayerProfile, ModelProfile, ProfileSource
 from pipectl.cluster import load_cluster, local_cluster
 from pipectl.errors import InfeasibleError, UserInputError
 from pipectl.plan.candidates import ShapeBuilder
 from pipectl.plan.costs import hardware_for, stage_costs_for
-from pipectl.plan.layer_table import layer_table, offered_granularities
+from pipectl.plan.layer_table import layer_table, offered_granularities, selective_frees_little
 from pipectl.plan.memory import FurthestFittingEnds, RangeMemory, StageMemory
 from pipectl.plan.search import plan
 from pipectl.plan.simulate import simulate
@@ -214,8 +214,13 @@ def test_memory_binds_and_selective_recomputation_suffices_so_the_search_takes_i
 def test_with_flash_attention_selective_recomputation_saves_little_and_is_not_taken():
     config = ModelConfig(name="gpt-1.3b", family="gpt", layers=24, hidden=2048, heads=16, seq_len=2048, vocab=50304)
     profile = derive_profile(config, "h100-80gb", [4], attention="flash", tensor_parallel=())
+    # Beside full recomputation it is not searched at all: it frees under 1 % of a block's bytes.
+    assert selective_frees_little(profile)
+    assert offered_granularities(recompute_granularities(RecomputeChoice.AUTO), profile) == (
+        Recompute.NONE, Recompute.STAGE, Recompute.LAYER)
+    # Asked for alone, it is, and loses to keeping everything.
     request = PlanRequest(global_batch=64, schedules=[ScheduleKind.ONE_F_ONE_B], micro_batch_size=4, morph=False,
-                          include_all=True)  # fmt: skip
+                          include_all=True, recompute=RecomputeChoice.SELECTIVE)  # fmt: skip
     result = plan(profile, _one_h100(), request)
     by_granularity = {c.recompute_granularity: c for c in result.candidates}
     none, selective = by_granularity[Recompute.NONE], by_granularity[Recompute.SELECTIVE]

@@ -354,18 +354,43 @@ def layer_table(profile: ModelProfile, micro_batch_size: int, tensor_parallel: i
     return table
 
 
+# Selective recomputation freeing less than this share of each layer's saved bytes changes what
+# fits by less than the memory model's own margins (the allocator's reserve, 6 % on an H100, and
+# --memory-headroom, 5 % by default). Flash attention keeps only its log-sum-exp in the core (0.1 %
+# of a GPT block's saved bytes): beside full recomputation its families would only lengthen a
+# large search (GPT-1T on 3,072 A100s: a sixth of the search's time), never change its plan.
+SELECTIVE_MIN_SHARE = 0.01
+
+
+def selective_frees_little(profile: ModelProfile) -> bool:
+    """Whether selective recomputation frees under `SELECTIVE_MIN_SHARE` of every layer's saved
+    bytes, at every profiled micro-batch size."""
+    return all(
+        (cost.attention_core_saved_bytes or 0) < SELECTIVE_MIN_SHARE * cost.saved_activation_bytes
+        for layer in profile.layers for cost in layer.costs
+        if cost.attention_core_saved_bytes
+    )
+
+
 def offered_granularities(requested: Sequence[Recompute], profile: ModelProfile) -> tuple[Recompute, ...]:
     """The recomputation granularities the search tries: those asked for, less selective
     recomputation where the profile records no attention core (`ModelProfile.records_attention_core`:
     older measured profiles, Hugging Face blocks, which pipectl's runtime cannot recompute
     selectively). Asked for alone (`--recompute selective`), that is an error that says why.
+    Asked for beside full recomputation (`auto`, `always`), it is left out where it frees little
+    (`selective_frees_little`: flash attention); asked for alone, it is searched all the same.
 
         >>> from pipectl.plan.synthetic import synthetic_profile
         >>> offered_granularities((Recompute.NONE, Recompute.LAYER, Recompute.SELECTIVE), synthetic_profile(blocks=2))
         (<Recompute.NONE: 0>, <Recompute.LAYER: 2>)
     """
     requested = tuple(requested)
-    if Recompute.SELECTIVE not in requested or profile.records_attention_core:
+    if Recompute.SELECTIVE in requested and profile.records_attention_core:
+        if set(requested) - {Recompute.NONE, Recompute.SELECTIVE} and selective_frees_little(profile):
+            # Beside full recomputation (`auto`, `always`) it only adds families to search.
+            return tuple(granularity for granularity in requested if granularity is not Recompute.SELECTIVE)
+        return requested
+    if Recompute.SELECTIVE not in requested:
         return requested
     left = tuple(granularity for granularity in requested if granularity is not Recompute.SELECTIVE)
     if set(left) <= {Recompute.NONE}:
