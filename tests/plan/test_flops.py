@@ -3,6 +3,8 @@ what recomputation and tensor parallelism change, where the FLOPs come from, and
 
 from __future__ import annotations
 
+import dataclasses
+
 from pathlib import Path
 
 import pytest
@@ -106,6 +108,25 @@ def test_the_last_stage_is_not_recomputed():
     flops = config_layer_flops(tiny)
     step = step_flops(flops, 8, [(0, 4), (4, 9)], recompute=True)
     assert step.recomputed == 8 * sum(flops.forward[0:4])  # 3 blocks of stage 0; stage 1 runs B after F
+
+
+def test_selective_recomputation_adds_each_blocks_attention_core_to_hfu_only():
+    gpt3 = load_model_config("gpt3-175b")
+    B, l, s, h = 1536, gpt3.layers, gpt3.seq_len, gpt3.hidden
+    flops = config_layer_flops(gpt3)
+    cuts = [(0, 49), (49, l + 3)]
+    plain = step_flops(flops, B, cuts, recompute=False, tensor_parallel=8)
+    selective = step_flops(flops, B, cuts, recompute=False, tensor_parallel=8, selective_recompute=True)
+    # QKᵀ and attention x V of every block once more, split over the tensor group (counted once).
+    assert selective.recomputed - plain.recomputed == pytest.approx(B * l * 4 * s * s * h, rel=1e-12)
+    assert selective.model == plain.model
+    with_sel = candidate(l + 3, cuts=cuts, p=2, m=B, device="a100-80gb").model_copy(
+        update={"selective_recompute": True})
+    u = utilisation(with_sel, flops, "bfloat16")
+    assert u.hfu > u.mfu
+    # A profile's counts have no core of their own: HFU from them leaves it out.
+    assert step_flops(dataclasses.replace(flops, attention_core=()), B, cuts, recompute=False,
+                      selective_recompute=True).recomputed == 0
 
 
 def test_tensor_ranks_each_run_the_unsplit_layers_which_raises_hfu_only():

@@ -35,7 +35,9 @@ every virtual stage but the last (`plan.candidates.recomputing_stages`; Varuna a
 stage runs its backward straight after its forward), so a GPT whose last stage holds only the
 final norm and the head gives Megatron's 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)) (the logits are not
 recomputed). Per-layer activation checkpointing recomputes every layer, the last stage's too, but
-the LM head (`layer_table.NOT_CHECKPOINTED_KINDS`), which gives the same formula. At t > 1 every layer but the transformer blocks (embedding, norms, head) runs whole
+the LM head (`layer_table.NOT_CHECKPOINTED_KINDS`), which gives the same formula. Selective
+recomputation adds each block's attention core once more, 4·s²·h per sample (from the shape; a
+profile counts its layers whole, so HFU from a profile's counts leaves the cores out). At t > 1 every layer but the transformer blocks (embedding, norms, head) runs whole
 on each of the t tensor ranks (`models.tensor_parallel`), so it counts t times.
 
 Where the figures come from, in order:
@@ -104,6 +106,9 @@ class LayerFlops:
     # Per layer: whether per-layer checkpointing leaves it alone (`layer_table.NOT_CHECKPOINTED_KINDS`:
     # the LM head); empty: none is.
     not_checkpointed: tuple[bool, ...] = ()
+    # Per layer, one sample: the attention core's share of `forward` (QKᵀ and attention x V), what
+    # selective recomputation runs again; empty: not known (a profile counts its layers whole).
+    attention_core: tuple[float, ...] = ()
 
     @property
     def per_sample(self) -> float:
@@ -133,11 +138,13 @@ def config_layer_flops(config: ModelConfig) -> LayerFlops:
     s, V, i = config.seq_len, config.vocab, config.mlp_width
     kv = (config.kv_heads or config.heads) * (h // config.heads)
     weights = 2 * h * h + 2 * h * kv + (3 if config.activation == "swiglu" else 2) * h * i
-    block = 2.0 * s * weights + 4.0 * s * s * h
+    core = 4.0 * s * s * h
+    block = 2.0 * s * weights + core
     forward = (0.0, *([block] * config.layers), 0.0, 2.0 * s * h * V)
     split = (False, *([True] * config.layers), False, False)
     head = (False,) * (len(forward) - 1) + (True,)
-    return LayerFlops(forward, split, "shape", f"the shape of {config.name}", head)
+    cores = (0.0, *([core] * config.layers), 0.0, 0.0)
+    return LayerFlops(forward, split, "shape", f"the shape of {config.name}", head, cores)
 
 
 def profile_layer_flops(profile: ModelProfile) -> LayerFlops | None:
@@ -209,6 +216,7 @@ def step_flops(
     recompute: bool,
     tensor_parallel: int = 1,
     checkpoint_layers: bool = False,
+    selective_recompute: bool = False,
 ) -> StepFlops:
     """Model and hardware FLOPs of one optimizer step of B samples on this cut."""
     recomputed_layers_ = recomputed_layers(stage_layers, recompute, checkpoint_layers)
@@ -219,6 +227,8 @@ def step_flops(
         again = index in recomputed_layers_ and not (alone and alone[index])
         recomputed += copies * again * forward
         replicated += (copies - 1) * TRAINING_FORWARDS * forward
+    if selective_recompute:
+        recomputed += sum(flops.attention_core)  # the blocks' cores, split over the tensor group
     return StepFlops(
         model=TRAINING_FORWARDS * global_batch * flops.per_sample,
         recomputed=global_batch * recomputed,
@@ -313,7 +323,7 @@ def utilisation(
                            detail="the model's shape is unknown and its profile counts no FLOPs", **base)  # fmt: skip
     batch = candidate.global_batch if global_batch is None else global_batch
     step = step_flops(flops, batch, candidate.stage_layers, candidate.recompute, candidate.tensor_parallel,
-                      candidate.checkpoint_layers)
+                      candidate.checkpoint_layers, candidate.selective_recompute)
     figures = dict(model_flops_per_step=step.model, hardware_flops_per_step=step.hardware, source=flops.source,
                    recomputed_flops_per_step=step.recomputed, replicated_flops_per_step=step.replicated)  # fmt: skip
     if peak is None:
