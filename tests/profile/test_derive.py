@@ -120,7 +120,7 @@ def test_saved_activations_are_what_a_flash_block_keeps():
     fp32 = derive_profile(config, A100, [b], dtype="float32").layers[1].cost(b)
     assert fp32.saved_activation_bytes == b * s * h * 64 + fp32_extras
     unfused = derive_profile(config, A100, [b], attention="unfused").layers[1].cost(b)
-    assert unfused.saved_activation_bytes - bf16.saved_activation_bytes == b * a * s * s * 2 + b * s * h * 2 - b * s * a * 4
+    assert unfused.saved_activation_bytes - bf16.saved_activation_bytes == b * a * s * s * 2 - b * s * a * 4
 
 
 def test_dtype_sets_the_bytes_and_the_peak():

@@ -565,8 +565,10 @@ def block_saved_bytes(shape: BlockShape, bytes_per_element: int) -> int:
         2 (4h + 12h/t) = 8 + 24/t bytes per token and hidden unit (32 at t = 1)
 
     plus fp32 per token: the two LayerNorms' mean and reciprocal std., flash's log-sum-exp per local
-    head. Unfused attention keeps the softmax output (b x heads/t x s x s) and a copy of the context
-    for proj instead of the log-sum-exp (Korthikanti et al. 2022, §4.2, without dropout).
+    head. Unfused attention keeps the softmax output (b x heads/t x s x s) instead of the
+    log-sum-exp (Korthikanti et al. 2022, §4.2, without dropout); its context is kept once, as the
+    (b, s, h/t) copy proj reads, since P·V saves its inputs, not its output (measured with
+    saved-tensor hooks on a CPU block under PyTorch's math attention: exact, as for flash).
 
     A Llama block keeps instead: per RMSNorm its fp32 input copy and its 16-bit output (and an fp32
     reciprocal root per token); attention's inputs, q and k after the rotary embeddings and v
@@ -589,7 +591,7 @@ def block_saved_bytes(shape: BlockShape, bytes_per_element: int) -> int:
     if shape.attention is Attention.FLASH:
         extra = T * shape.local_heads * FP32_BYTES  # log-sum-exp
     else:
-        extra = (_scores_elements(shape) + T * hl) * e
+        extra = _scores_elements(shape) * e
         if shape.dropout:  # the dropped probabilities (PV's input) and their mask (Korthikanti: 5 a s / h)
             extra += _scores_elements(shape) * (e + DROPOUT_MASK_BYTES)
     if shape.dropout:  # the two hidden dropouts' masks
