@@ -14,7 +14,6 @@ tolerance. How much faster the split is than the fast kind alone is measured by
 from __future__ import annotations
 
 import shutil
-import statistics
 
 import pytest
 
@@ -51,10 +50,12 @@ def test_a_split_over_emulated_kinds_gives_the_one_rank_losses_and_runs_slow_whe
         for r in m.ranks:
             assert (r.device, r.samples) == (("cpu", 11) if r.rank == 0 else ("cpu-slowed-2x", 5))
             per_sample.setdefault(r.device, []).append((r.forward_seconds + r.backward_seconds) / r.samples)
-    ratio = statistics.median(per_sample["cpu-slowed-2x"]) / statistics.median(per_sample["cpu"])
-    # 2 by construction; without the emulation about 1. Other jobs on the machine slow the fast
-    # rank's compute more than the slow rank's waits (measured 1.38 at a load average of 5).
-    assert ratio >= 1.25, ratio
+    # 2 by construction; without the emulation about 1. Other jobs on the machine only add time,
+    # and they slow the fast rank's compute more than the slow rank's waits, so each rank's least
+    # disturbed step is compared: under a CI run's load the medians' ratio came out at 1.18, the
+    # least disturbed steps' at 1.89.
+    ratio = min(per_sample["cpu-slowed-2x"]) / min(per_sample["cpu"])
+    assert ratio >= 1.5, ratio
 
     resized = tmp_path / "resized"
     shutil.copytree(mixed, resized)
