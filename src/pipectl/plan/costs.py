@@ -390,14 +390,15 @@ class LayerSeconds:
         layer's for whole stages, the checkpointed layers' for per-layer checkpointing, the
         attention cores' for selective recomputation)."""
         if recompute is Recompute.LAYER and self.checkpointed_prefix:
-            again = [after - before for before, after in zip(self.checkpointed_prefix, self.checkpointed_prefix[1:])]
-            return [f + b + r for f, b, r in zip(self.forward, self.backward, again)]
+            return self._with_runs_again(self.checkpointed_prefix)
         if recompute is Recompute.SELECTIVE:
-            prefix = self.attention_core_prefix or (0.0,) * (len(self.forward) + 1)
-            again = [after - before for before, after in zip(prefix, prefix[1:])]
-            return [f + b + r for f, b, r in zip(self.forward, self.backward, again)]
+            return self._with_runs_again(self.attention_core_prefix or (0.0,) * (len(self.forward) + 1))
         factor = 2.0 if recompute else 1.0
         return [factor * f + b for f, b in zip(self.forward, self.backward)]
+
+    def _with_runs_again(self, prefix: Sequence[float]) -> list[float]:
+        """Per layer forward + backward + what its backward runs again (the steps of `prefix`)."""
+        return [f + b + (after - before) for f, b, before, after in zip(self.forward, self.backward, prefix, prefix[1:])]
 
 
 def _prefix(values: Sequence[float]) -> tuple[float, ...]:
