@@ -58,9 +58,14 @@ def test_vocab_parallel_adds_one_all_reduce_to_embedding_forward_and_head_backwa
     assert backward[-1] == pytest.approx(one) and forward[-1] == 0.0
 
 
-def test_tensor_parallel_overlap_exposes_only_what_outlasts_the_compute():
+# Compute beside a collective runs 18.9 % slower (arXiv 2507.03114): a collective of C seconds
+# hidden whole behind its compute still adds C x 0.189 / 1.189.
+HIDDEN_SHARE = 0.189 / 1.189
+
+
+def test_tensor_parallel_overlap_exposes_what_outlasts_the_compute_or_what_the_compute_loses():
     assert exposed_tensor_parallel_seconds(0.003, 0.01, overlapped=False) == 0.003
-    assert exposed_tensor_parallel_seconds(0.003, 0.01, overlapped=True) == 0.0
+    assert exposed_tensor_parallel_seconds(0.003, 0.01, overlapped=True) == pytest.approx(0.003 * HIDDEN_SHARE)
     assert exposed_tensor_parallel_seconds(0.013, 0.01, overlapped=True) == pytest.approx(0.003)
     sp = EngineFeatures(name="e", sequence_parallel=True)
     overlap = EngineFeatures(name="e", sequence_parallel=True, tensor_parallel_overlap=True)
@@ -70,15 +75,20 @@ def test_tensor_parallel_overlap_exposes_only_what_outlasts_the_compute():
     exposed = layer_seconds(table, hardware, 8)
     hidden = layer_seconds(table, replace(hardware, features=overlap), 8)
     forward_comm, _ = tensor_parallel_communication(table, hardware.links.allreduce_intra, 8, sp)
-    assert exposed.forward[1] - hidden.forward[1] == pytest.approx(forward_comm[1])
-    assert hidden.forward[1] == pytest.approx(table.forward_seconds[1])
+    assert forward_comm[1] < table.forward_seconds[1]  # hidden whole: only the contention shows
+    assert exposed.forward[1] - hidden.forward[1] == pytest.approx(forward_comm[1] * (1 - HIDDEN_SHARE))
+    assert hidden.forward[1] == pytest.approx(table.forward_seconds[1] + forward_comm[1] * HIDDEN_SHARE)
 
 
 def test_overlapped_data_parallel_arithmetic():
-    # Reduce-scatter 0.3 s behind a 0.2 s backward: 0.1 s out; the gather behind a 0.5 s forward.
-    assert overlapped_data_parallel_seconds(0.3, 0.3, 0.01, 0.2, 0.5, gather_overlapped=True) == pytest.approx(0.1)
-    # Never less than the last bucket; the gather exposed whole without its overlap.
-    assert overlapped_data_parallel_seconds(0.3, 0.3, 0.05, 1.0, 0.5, gather_overlapped=False) == pytest.approx(0.35)
+    # Reduce-scatter 0.3 s (last bucket 0.01 s) behind a 0.2 s backward: the last bucket + the 0.09 s
+    # the other 0.29 s outlast it; the gather hidden behind a 0.5 s forward, less what it slows.
+    assert overlapped_data_parallel_seconds(0.3, 0.3, 0.01, 0.2, 0.5, gather_overlapped=True) == pytest.approx(
+        0.01 + 0.09 + 0.3 * HIDDEN_SHARE)
+    # Hidden behind a 1 s backward: the last bucket + what the backward loses; the gather whole
+    # without its overlap.
+    assert overlapped_data_parallel_seconds(0.3, 0.3, 0.05, 1.0, 0.5, gather_overlapped=False) == pytest.approx(
+        0.05 + 0.25 * HIDDEN_SHARE + 0.3)
 
 
 def test_gradient_overlap_hides_the_reduction_behind_the_last_backward():
@@ -93,8 +103,9 @@ def test_gradient_overlap_hides_the_reduction_behind_the_last_backward():
     held = sum(layer.parameter_count for layer in profile.layers)
     assert plain.allreduce_seconds[0] == pytest.approx(ring.ring_allreduce_seconds(held * 2, 32))
     bucket = ring.ring_allreduce_seconds(40e6 * 2, 32) / 2
-    expected = max(bucket, plain.allreduce_seconds[0] / 2 - plain.backward_seconds[0]) + max(
-        0.0, plain.allreduce_seconds[0] / 2 - plain.forward_seconds[0])
+    half = plain.allreduce_seconds[0] / 2  # the reduce-scatter, and the all-gather
+    expected = bucket + max(half - bucket - plain.backward_seconds[0], (half - bucket) * HIDDEN_SHARE) + max(
+        half - plain.forward_seconds[0], half * HIDDEN_SHARE)
     assert overlapped.allreduce_seconds[0] == pytest.approx(expected)
     assert overlapped.allreduce_seconds[0] < plain.allreduce_seconds[0]
 

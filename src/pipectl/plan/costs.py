@@ -57,7 +57,9 @@ a time, each hidden behind the layer computing while it runs (prefetch):
               + scatter(0)
 
 (while layer j runs its backward, the link gathers layer j - 1's weights and reduce-scatters the
-gradient layer j + 1 has just made; nothing is left to hide layer 0's gradient behind). The
+gradient layer j + 1 has just made; nothing is left to hide layer 0's gradient behind), each
+max(0, C - W) term never less than what the compute loses to the collective beside it
+(`overlapped_exposed_seconds`: `OVERLAP_COMPUTE_SLOWDOWN`). The
 exposed part of all m micro-batches is charged with the end-of-step collectives (one rank: where
 it is charged does not change the step), plus, under ZeRO-2, the all-gather of the updated
 parameters after the step (exposed, as ZeRO-0/1's all-reduce is: nothing overlaps the end of a
@@ -139,6 +141,12 @@ SMALL_COLLECTIVE_BYTES = 8
 # f2e5db402c: "make buckets larger [...] to remain bandwidth-bound"); the floor is
 # `EngineFeatures.bucket_parameters`.
 MEGATRON_BUCKET_PARAMETERS_PER_REPLICA = 1_000_000
+# Compute that runs beside a collective runs slower: the collective's kernels take SMs and memory
+# bandwidth from it. Measured with GPT and Llama training on 4 A100, H100, MI250 and MI210: 18.9 %
+# slower on average, at most 40.0 % (Agrawal et al. 2025, "Characterizing Compute-Communication
+# Overlap in GPU-Accelerated Distributed Deep Learning", arXiv 2507.03114, abstract). Used for every
+# overlap the planner prices (`overlapped_exposed_seconds`).
+OVERLAP_COMPUTE_SLOWDOWN = 0.189
 
 
 @dataclass(frozen=True)
@@ -536,16 +544,33 @@ def exposed_tensor_parallel_seconds(communication: float, compute: float, overla
     """What a layer's tensor-parallel collectives add to its time: all of it, or, overlapped with
     its GEMMs (`EngineFeatures.tensor_parallel_overlap`: Megatron's --tp-comm-overlap pipelines
     each all-gather and reduce-scatter in chunks against the GEMM that consumes or produces it),
-    only what the communication exceeds the layer's compute by.
+    what `overlapped_exposed_seconds` leaves of it.
 
-        >>> exposed_tensor_parallel_seconds(0.002, 0.010, False), exposed_tensor_parallel_seconds(0.002, 0.010, True)
-        (0.002, 0.0)
+        >>> exposed_tensor_parallel_seconds(0.002, 0.010, False), round(exposed_tensor_parallel_seconds(0.002, 0.010, True), 6)
+        (0.002, 0.000318)
         >>> round(exposed_tensor_parallel_seconds(0.012, 0.010, True), 6)
         0.002
     """
     if not overlapped:
         return communication
-    return max(0.0, communication - compute)
+    return overlapped_exposed_seconds(communication, compute)
+
+
+def overlapped_exposed_seconds(communication: float, compute: float) -> float:
+    """What a collective of `communication` seconds adds to `compute` seconds of work it runs
+    beside: what outlasts that work, and never less than what the work loses to it. While the
+    collective runs, the work runs `OVERLAP_COMPUTE_SLOWDOWN` slower, so a collective hidden
+    whole still adds sigma / (1 + sigma) of its own time (15.9 %):
+
+        >>> round(overlapped_exposed_seconds(0.002, 0.010), 6)   # hidden: 0.002 x 0.189 / 1.189
+        0.000318
+        >>> round(overlapped_exposed_seconds(0.012, 0.010), 6)   # outlasts the work
+        0.002
+        >>> overlapped_exposed_seconds(0.002, 0.0)               # nothing beside it
+        0.002
+    """
+    lost = communication * OVERLAP_COMPUTE_SLOWDOWN / (1.0 + OVERLAP_COMPUTE_SLOWDOWN)
+    return max(communication - compute, lost)
 
 
 # --- placement ---------------------------------------------------------------------------------
@@ -795,20 +820,22 @@ def overlapped_data_parallel_seconds(
 
     The gradient reduction (a reduce-scatter under the distributed optimizer, an all-reduce
     without) runs bucket by bucket while the rank's last micro-batch runs its backward: exposed
-    is what outlasts that backward, and never less than the last bucket, made by the backward's
-    last layers with nothing left to hide it. The parameter all-gather after the optimizer runs
-    beside the next step's first forward when overlapped (exposed: what outlasts it), else at the
-    end of the step:
+    is the last bucket, made by the backward's last layers with nothing left to hide it, plus what
+    the others add beside that backward (`overlapped_exposed_seconds`: what outlasts it, and never
+    less than what the backward loses to them). The parameter all-gather after the optimizer runs
+    beside the next step's first forward when overlapped (exposed: the same rule), else at the end
+    of the step:
 
-        >>> round(overlapped_data_parallel_seconds(0.3, 0.3, 0.01, 0.5, 0.2, gather_overlapped=True), 6)   # 0.01 + 0.1
-        0.11
-        >>> round(overlapped_data_parallel_seconds(0.3, 0.3, 0.01, 0.5, 0.2, gather_overlapped=False), 6)  # 0.01 + 0.3
-        0.31
+        >>> round(overlapped_data_parallel_seconds(0.3, 0.3, 0.01, 0.5, 0.2, gather_overlapped=True), 6)   # 0.01 + 0.046 + 0.1
+        0.156098
+        >>> round(overlapped_data_parallel_seconds(0.3, 0.3, 0.01, 0.5, 0.2, gather_overlapped=False), 6)  # 0.01 + 0.046 + 0.3
+        0.356098
         >>> round(overlapped_data_parallel_seconds(0.8, 0.0, 0.01, 0.5, 0.2, gather_overlapped=True), 6)
         0.3
     """
-    reduce_exposed = max(last_bucket_seconds, reduce_seconds - backward_window)
-    gather_exposed = max(0.0, gather_seconds - forward_window) if gather_overlapped else gather_seconds
+    overlapped = max(0.0, reduce_seconds - last_bucket_seconds)
+    reduce_exposed = min(reduce_seconds, last_bucket_seconds) + overlapped_exposed_seconds(overlapped, backward_window)
+    gather_exposed = overlapped_exposed_seconds(gather_seconds, forward_window) if gather_overlapped else gather_seconds
     return reduce_exposed + gather_exposed
 
 
@@ -842,10 +869,10 @@ def sharded_exposed_seconds(
     if gathers:
         exposed += moved[0] + moved[-1]  # the forward's first gather, the backward's first (last layer)
         for i in range(1, layers):
-            exposed += max(0.0, moved[i] - forward[i - 1])
+            exposed += overlapped_exposed_seconds(moved[i], forward[i - 1])
     for j in range(layers):
         on_link = (moved[j + 1] if j + 1 < layers else 0.0) + (moved[j - 1] if gathers and j > 0 else 0.0)
-        exposed += max(0.0, on_link - backward[j])
+        exposed += overlapped_exposed_seconds(on_link, backward[j])
     return exposed
 
 
