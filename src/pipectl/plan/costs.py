@@ -143,9 +143,9 @@ SMALL_COLLECTIVE_BYTES = 8
 MEGATRON_BUCKET_PARAMETERS_PER_REPLICA = 1_000_000
 # Compute that runs beside a collective runs slower: the collective's kernels take SMs and memory
 # bandwidth from it. Measured with GPT and Llama training on 4 A100, H100, MI250 and MI210: 18.9 %
-# slower on average, at most 40.0 % (Agrawal et al. 2025, "Characterizing Compute-Communication
-# Overlap in GPU-Accelerated Distributed Deep Learning", arXiv 2507.03114, abstract). Used for every
-# overlap the planner prices (`overlapped_exposed_seconds`).
+# slower on average, at most 40.0 % ("Characterizing Compute-Communication Overlap in
+# GPU-Accelerated Distributed Deep Learning: Performance and Power Implications", arXiv 2507.03114,
+# 2025, abstract). Used for every overlap the planner prices (`overlapped_exposed_seconds`).
 OVERLAP_COMPUTE_SLOWDOWN = 0.189
 
 
