@@ -112,6 +112,11 @@ CONSTANTS_PROVENANCE = {
     "a100.attention_efficiency = 0.6": "FlashAttention-2 paper (Dao 2023, 50-73 % of peak on A100); read only by flash attention (no A100 row here runs flash)",
     "v100-32gb.attention_efficiency = 0.3": "ESTIMATE (memory-efficient SDPA); read only by flash attention (the V100 rows run unfused)",
     "h100-80gb.attention_efficiency = 0.35": "FlashAttention-3 paper (Shah et al. 2024: FlashAttention-2 reaches 35 % of H100 peak)",
+    "plan.costs.OVERLAP_COMPUTE_SLOWDOWN = 0.189": (
+        "MEASURED by others: compute beside an overlapped collective runs 18.9 % slower on average (at most 40 %), "
+        "GPT and Llama training on 4 A100, H100, MI250 and MI210 (arXiv 2507.03114, abstract); prices every "
+        "overlapped collective (tensor-parallel, gradient reduction, parameter all-gather). Not tuned"
+    ),
     "engine features (published_runs.yaml `engine`)": (
         "NOT constants and not tuned: what each run's engine did (vocabulary-parallel embedding and head, sequence "
         "parallelism, fused kernels, dropout, the even split of the blocks, tensor-parallel and data-parallel overlap, "
