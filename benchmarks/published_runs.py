@@ -437,6 +437,28 @@ def plan_row(row: dict, workers: int | None, profile_cache: dict) -> dict:
     except PipectlError as error:
         out["own"], out["own_problem"] = None, str(error)
     out["own_plan_seconds"] = round(time.perf_counter() - started, 3)
+
+    # The layout pipectl would recommend to a user of the run's own engine: the same profile as the
+    # pinned prediction (the engine's features) and what that engine runs: 1F1B, and Megatron's
+    # interleaving where the pipeline transfers are not DeepSpeed's (`blocking_p2p`); no
+    # recomputation or per-layer checkpointing (selective instead where the run used it); the
+    # published ZeRO stage (Megatron's 2021 runs had no distributed optimizer). Against the pinned
+    # layout this compares layouts only, engine for engine.
+    out["own_on_engine"], out["own_on_engine_problem"] = None, None
+    if engine is not None:
+        started = time.perf_counter()
+        schedules = ["1f1b"] if engine.blocking_p2p else ["1f1b", "interleaved"]
+        recompute = RecomputeChoice.SELECTIVE if row.get("recompute") == "selective" else RecomputeChoice.LAYER
+        try:
+            chosen = plan(profile, cluster, PlanRequest(
+                global_batch=row["global_batch"], devices=row["devices"]["count"], morph=False, workers=workers,
+                engine="any", for_deepspeed=False, schedules=schedules, recompute=recompute,
+                zero_stages=[row["layout"].get("zero_stage", 1)],
+            )).chosen
+            out["own_on_engine"] = candidate_summary(chosen)
+        except PipectlError as error:
+            out["own_on_engine_problem"] = str(error)
+        out["own_on_engine_plan_seconds"] = round(time.perf_counter() - started, 3)
     return out
 
 
@@ -481,6 +503,26 @@ def summarise(errors: list[float]) -> dict:
         "mean_signed_error": round(statistics.fmean(errors), 4) if errors else None,
         "within_10pct": sum(a <= 0.10 for a in absolute),
         "within_20pct": sum(a <= 0.20 for a in absolute),
+    }
+
+
+def on_engine_summary(results: list[dict]) -> dict:
+    """How pipectl's layout on each run's own engine compares with the published one: how often it
+    is the same (t, p, d, b), faster by more than 1 %, or deeper or more tensor-parallel."""
+    pairs = [(r["pinned"], r["own_on_engine"], r["own_on_engine_gain_vs_pinned"]) for r in results
+             if r.get("pinned") and r.get("own_on_engine")]
+    same = [own for pinned, own, _ in pairs if all(own[k] == pinned[k] for k in ("t", "p", "d", "b"))]
+    gains = [gain for _, _, gain in pairs if gain is not None]
+    return {
+        "rows": len(pairs),
+        "same_t_p_d_b": len(same),
+        "faster_by_more_than_1_percent": sum(1 for gain in gains if gain > 0.01),
+        "median_gain": round(statistics.median(gains), 4) if gains else None,
+        "max_gain": round(max(gains), 4) if gains else None,
+        "deeper_pipeline": sum(1 for pinned, own, _ in pairs if own["p"] > pinned["p"]),
+        "shallower_pipeline": sum(1 for pinned, own, _ in pairs if own["p"] < pinned["p"]),
+        "more_tensor_parallel": sum(1 for pinned, own, _ in pairs if own["t"] > pinned["t"]),
+        "less_tensor_parallel": sum(1 for pinned, own, _ in pairs if own["t"] < pinned["t"]),
     }
 
 
@@ -547,6 +589,9 @@ def main() -> None:
             "own_choice_step_seconds": own["step_seconds"] if own else None,
             "own_choice_gain_vs_pinned": round(own_gain, 4) if own_gain is not None else None,
             "own_choice_vs_published": round((own["step_seconds"] - seconds) / seconds, 4) if own and seconds else None,
+            "own_on_engine_gain_vs_pinned": (
+                round((pinned["step_seconds"] - figures["own_on_engine"]["step_seconds"]) / pinned["step_seconds"], 4)
+                if pinned and figures["own_on_engine"] else None),
             **figures,
         }
         for label in ("time_model_only", "time_model_only_vocab_parallel"):
@@ -570,6 +615,11 @@ def main() -> None:
             print(f"    split: compute {split['compute_seconds']:.3f}s, tensor-parallel {split['tensor_parallel_exposed_seconds']:.3f}s, "
                   f"pipeline waits {split['pipeline_waits_seconds']:.3f}s, data-parallel {split['data_parallel_exposed_seconds']:.3f}s, "
                   f"optimizer {split['optimizer_seconds']:.3f}s")
+        on_engine = figures["own_on_engine"]
+        if on_engine:
+            gain = record["own_on_engine_gain_vs_pinned"]
+            print(f"    own choice on the run's engine: {candidate_text(on_engine)} {seconds_text(on_engine['step_seconds'])}"
+                  + (f" ({percent_text(-gain)} vs pinned)" if gain is not None else ""))
         notes = []
         for label, text in (("time_model_only", "memory check off"),
                             ("time_model_only_vocab_parallel", "and embedding/head split t ways")):
@@ -611,6 +661,7 @@ def main() -> None:
                           else r["pinned_problem"]} for r in results if r["error"] is None],
         "own_choice_faster_than_pinned": sum(1 for r in results if (r["own_choice_gain_vs_pinned"] or 0) > 0.005),
         "own_choice_slower_than_pinned": sum(1 for r in results if (r["own_choice_gain_vs_pinned"] or 0) < -0.005),
+        "own_on_engine": on_engine_summary(results),
     }
     print()
     print(f"compared rows: {overall['rows']}; median |error| {overall['median_abs_error']:.1%} "
@@ -622,6 +673,13 @@ def main() -> None:
     for label, figures in diagnostics.items():
         print(f"  diagnostic, {label.replace('_', ' ')}: {figures['rows']} rows, median {figures['median_abs_error']:.1%}, "
               f"max {figures['max_abs_error']:.1%}, mean signed {figures['mean_signed_error']:+.1%}")
+    choices = summary["own_on_engine"]
+    if choices["rows"]:
+        print(f"  own choice on the run's engine: {choices['rows']} rows, the published t, p, d, b in {choices['same_t_p_d_b']}, "
+              f"faster by > 1 % in {choices['faster_by_more_than_1_percent']} (median gain {choices['median_gain']:.1%}, "
+              f"max {choices['max_gain']:.1%}); deeper pipeline in {choices['deeper_pipeline']}, shallower in "
+              f"{choices['shallower_pipeline']}; more tensor-parallel in {choices['more_tensor_parallel']}, less in "
+              f"{choices['less_tensor_parallel']}")
     print(f"runtime {runtime:.1f} s")
 
     catalog_bytes = CATALOG.read_bytes()
@@ -635,6 +693,13 @@ def main() -> None:
             "pipectl plan with only the device count and global batch given (DeepSpeed-runnable schedules, "
             "ZeRO-1, micro-batch sizes 1, 2, 4, 8 plus the published one): gain = (pinned - own) / pinned "
             "of pipectl's two predictions"
+        ),
+        "own_on_engine_definition": (
+            "pipectl plan on the pinned prediction's profile (the run's engine features), only the device count and "
+            "global batch given, what the engine runs (1F1B, and interleaving unless its transfers are DeepSpeed's; "
+            "no recomputation or per-layer checkpointing, selective where the run used it; the published ZeRO "
+            "stage): gain = (pinned - "
+            "own) / pinned, both priced on the same engine, so it compares the layouts alone"
         ),
         "constants_tuned": CONSTANTS_PROVENANCE,
         "catalog_sha256": hashlib.sha256(catalog_bytes).hexdigest(),

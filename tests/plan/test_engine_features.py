@@ -21,6 +21,7 @@ from pipectl.plan.costs import (
     overlapped_data_parallel_seconds,
     stage_costs,
     tensor_parallel_communication,
+    tensor_parallel_link,
 )
 from pipectl.plan.layer_table import layer_table
 from pipectl.plan.search import plan
@@ -78,6 +79,22 @@ def test_tensor_parallel_overlap_exposes_what_outlasts_the_compute_or_what_the_c
     assert forward_comm[1] < table.forward_seconds[1]  # hidden whole: only the contention shows
     assert exposed.forward[1] - hidden.forward[1] == pytest.approx(forward_comm[1] * (1 - HIDDEN_SHARE))
     assert hidden.forward[1] == pytest.approx(table.forward_seconds[1] + forward_comm[1] * HIDDEN_SHARE)
+
+
+def test_tensor_parallel_overlap_stays_inside_a_node():
+    # Transformer Engine's Userbuffers overlap needs the tensor group in one NVLink domain: a t = 16
+    # group over two 8-GPU nodes pays its collectives whole, overlap asked for or not.
+    sp = EngineFeatures(name="e", sequence_parallel=True)
+    overlap = EngineFeatures(name="e", sequence_parallel=True, tensor_parallel_overlap=True)
+    profile = derive_profile(GPT, "h100-80gb", [1], engine=sp)
+    table = layer_table(profile, 1, 16)
+    hardware = hardware_for(_cluster(), profile)
+    exposed = layer_seconds(table, hardware, 16)
+    asked = layer_seconds(table, replace(hardware, features=overlap), 16)
+    assert asked.forward == exposed.forward and asked.backward == exposed.backward
+    link = tensor_parallel_link(hardware.links, 16, 8)  # the spanning ring, over both nodes' NICs
+    ring = tensor_parallel_communication(table, link, 16, sp)[0][1]
+    assert ring > 0 and exposed.forward[1] == pytest.approx(table.forward_seconds[1] + ring)
 
 
 def test_overlapped_data_parallel_arithmetic():

@@ -356,7 +356,8 @@ class EngineFeatures(Strict):
     tensor_parallel_overlap: bool = Field(
         default=False,
         description="Tensor-parallel communication overlapped with the block's GEMMs (Megatron's --tp-comm-overlap, "
-        "which needs sequence parallelism): a block exposes only what its communication exceeds its compute by.",
+        "which needs sequence parallelism) where the tensor group sits inside one node: a block exposes what its "
+        "communication exceeds its compute by, and never less than what the compute loses to it.",
     )
     gradient_reduce_overlap: bool = Field(
         default=False,

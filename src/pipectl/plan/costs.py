@@ -462,7 +462,11 @@ def layer_seconds(table: LayerTable, hardware: Hardware, tensor_parallel: int) -
     if t > 1:
         ring = tensor_parallel_link(hardware.links, t, hardware.devices_per_node)
         forward_comm, backward_comm = tensor_parallel_communication(table, ring, t, hardware.features)
-        overlap = bool(hardware.features and hardware.features.tensor_parallel_overlap)
+        # Transformer Engine's comm+GEMM overlap (Userbuffers) needs the group inside one NVLink
+        # domain: a group spanning nodes runs its collectives unoverlapped (TransformerEngine issue
+        # #1071, 2024: "only possible with single-node tensor-parallelism").
+        overlap = bool(hardware.features and hardware.features.tensor_parallel_overlap) and not (
+            tensor_group_spans_nodes(t, hardware.devices_per_node))
         for index in range(table.layers):
             forward[index] += exposed_tensor_parallel_seconds(forward_comm[index], forward[index], overlap)
             backward[index] += exposed_tensor_parallel_seconds(backward_comm[index], backward[index], overlap)
