@@ -48,13 +48,15 @@ ZeRO-0/1 do), and ZeRO-3 partitions the weights too: each layer's weights are al
 before its forward and again before its backward (ZeRO §7: 1.5x the volume of an all-reduce per
 micro-batch). A ring all-gather or reduce-scatter of a layer's B bytes over d ranks takes
 (d - 1)(latency + B / d / bandwidth), half a ring all-reduce (Thakur et al. 2005), on the intra- or
-inter-node all-reduce link by the placement rule. They run beside the compute, one collective at
-a time, each hidden behind the layer computing while it runs (prefetch):
+inter-node all-reduce link by the placement rule. ZeRO-3's run beside the compute, one collective
+at a time, each hidden behind the layer computing while it runs (prefetch); ZeRO-2's reduce-scatters
+run on the compute stream, as DeepSpeed runs them by default (`sharded_exposed_seconds`), and are
+exposed whole:
 
     forward   gather(0) + sum_i max(0, gather(i) - forward(i - 1))             (ZeRO-3)
-    backward  gather(L-1)                                                      (ZeRO-3)
-              + sum_j max(0, [gather(j - 1), ZeRO-3] + scatter(j + 1) - backward(j))
-              + scatter(0)
+    backward  gather(L-1) + sum_j max(0, gather(j - 1) + scatter(j + 1) - backward(j))
+              + scatter(0)                                                     (ZeRO-3)
+              sum_j scatter(j)                                                 (ZeRO-2)
 
 (while layer j runs its backward, the link gathers layer j - 1's weights and reduce-scatters the
 gradient layer j + 1 has just made; nothing is left to hide layer 0's gradient behind), each
@@ -853,21 +855,30 @@ def sharded_exposed_seconds(
     what each blocking collective waits besides (`collective_handoff_seconds`). 0 for stages 0
     and 1 and at d = 1.
 
+    DeepSpeed runs ZeRO-3's collectives on their own streams, beside the compute, but ZeRO-2's
+    reduce-scatters on the compute stream (its `overlap_comm` defaults to on for stage 3 only:
+    deepspeed/runtime/zero/config.py, `overlap_comm_valid`; stage_1_and_2.py reduces on
+    `reduction_stream` only with it), and pipectl's ds_config leaves it at that default: ZeRO-2
+    exposes every layer's reduce-scatter.
+
     Two layers of 1 GB over 8 ranks at 5 µs and 25 GB/s: one gather or scatter takes
     7 x (5e-6 + 1e9 / 8 / 25e9) = 35.035 ms; with 10 ms forwards and 20 ms backwards ZeRO-3 exposes
-    35.035 + 25.035 (forward) + 35.035 + 15.035 + 15.035 + 35.035 (backward) = 160.21 ms:
+    35.035 + 25.035 (forward) + 35.035 + 15.035 + 15.035 + 35.035 (backward) = 160.21 ms, ZeRO-2
+    2 x 35.035:
 
         >>> link = LinkCost(5e-6, 25e9)
         >>> round(sharded_exposed_seconds([1e9, 1e9], [0.01, 0.01], [0.02, 0.02], link, 8, 3) * 1e3, 2)
         160.21
-        >>> round(sharded_exposed_seconds([1e9, 1e9], [0.01, 0.01], [0.02, 0.02], link, 8, 2) * 1e3, 2)  # 15.035 + 35.035
-        50.07
+        >>> round(sharded_exposed_seconds([1e9, 1e9], [0.01, 0.01], [0.02, 0.02], link, 8, 2) * 1e3, 2)
+        70.07
     """
     d, layers = data_parallel, len(layer_bytes)
     if zero_stage < 2 or d <= 1 or layers == 0:
         return 0.0
     # One ring all-gather or reduce-scatter of each layer's bytes: half a ring all-reduce.
     moved = [link.ring_allreduce_seconds(size, d) / 2 + handoff_seconds for size in layer_bytes]
+    if zero_stage == 2:  # on the compute stream: nothing hides them
+        return sum(moved)
     gathers = zero_stage >= 3
     exposed = moved[0]  # layer 0's gradient, made last: nothing left to hide its reduce-scatter behind
     if gathers:
