@@ -21,7 +21,12 @@ the source of each published run) and, for every row:
    them. Schedules DeepSpeed cannot run and ZeRO-0 are allowed here (Megatron ran them);
 4. plans again with nothing pinned but the devices and the global batch (`pipectl plan`'s own
    search, DeepSpeed-runnable schedules, ZeRO-1, the profile without the engine's features: what
-   pipectl would launch) and reports its predicted step against the pinned prediction.
+   pipectl would launch) and reports its predicted step against the pinned prediction;
+5. plans a third time on the pinned prediction's profile, nothing pinned but the devices and the
+   global batch, with what the run's engine runs (1F1B, and interleaving unless its transfers are
+   DeepSpeed's; no recomputation or per-layer checkpointing, selective where the run used it; the
+   published ZeRO stage): the layout pipectl would recommend to a user of that engine, against the
+   published one on the same engine (`own_on_engine`, summarised in `summary.own_on_engine`).
 
 Each pinned step is split on its busiest stage twice: as `pipectl status` shows phases (forward,
 backward, pipeline waits, end of step) and by cause (`pinned_phases.split`): compute, the exposed
