@@ -143,6 +143,48 @@ def test_zero3_collectives_on_a_two_layer_toy_against_a_hand_computation():
     assert idle_costs.allreduce_seconds[0] == pytest.approx(3 * (gather_a + gather_b))
 
 
+def test_zero3_gathers_a_large_block_one_linear_ahead():
+    # DeepSpeed prefetches whole parameters up to its 5e7-element bucket: a block of 1.2 B
+    # parameters (linears of 300, 100, 400 and 400 M) is gathered one linear ahead, so fc1's
+    # 400 M gather hides behind proj's compute only. 12 ms forward, 24 ms backward; d = 16 over
+    # two nodes (5 µs, 25 GB/s): one gather of x M bf16 parameters takes 15 x (5 µs + 2x MB / 16 / 25 GB/s).
+    block = _layer(0, 1_200_000_000, 0.012).model_copy(update={"kind": "transformer_block"})
+    profile = ModelProfile(model="big", source=ProfileSource.DERIVED, device="a100-80gb", dtype="bfloat16",
+                           micro_batch_sizes=[1], layers=[block])  # fmt: skip
+    hardware = hardware_for(load_cluster("a100-8x8"), profile)
+
+    def gather(millions: float) -> float:
+        return 15 * (5e-6 + 2 * millions * 1e6 / 16 / 25e9)
+
+    sizes, forward, backward = (300, 100, 400, 400), (3 * MS, 1 * MS, 4 * MS, 4 * MS), (6 * MS, 2 * MS, 8 * MS, 8 * MS)
+    exposed = gather(sizes[0]) + sum(_beside(gather(sizes[k]), forward[k - 1]) for k in range(1, 4))  # forward
+    exposed += gather(sizes[3])  # the backward starts with fc2, gathered anew
+    for j in range(4):  # during linear j's backward: gather j - 1, reduce-scatter j + 1
+        on_link = (gather(sizes[j + 1]) if j + 1 < 4 else 0.0) + (gather(sizes[j - 1]) if j > 0 else 0.0)
+        exposed += _beside(on_link, backward[j])
+    exposed += gather(sizes[0])  # QKV's gradient: nothing left to hide it
+    costs = stage_costs(profile, hardware, [(0, 1)], micro_batch_size=1, tensor_parallel=1, data_parallel=16,
+                        zero_stage=3, micro_batches=1)
+    assert costs.allreduce_seconds[0] == pytest.approx(exposed)
+
+
+def test_zero3_one_linear_ahead_hides_less_than_a_layer_ahead():
+    # Sixteen such blocks whose compute matches their gathers (90 ms forward): a layer ahead, each
+    # block's gather would hide behind the previous block's whole forward; a linear ahead, fc1's
+    # hides behind proj's. (At the model's ends it is the other way: its first gather is QKV's.)
+    from pipectl.plan.costs import sharded_exposed_seconds
+
+    blocks = [_layer(i, 1_200_000_000, 0.09).model_copy(update={"kind": "transformer_block"}) for i in range(16)]
+    profile = ModelProfile(model="big", source=ProfileSource.DERIVED, device="a100-80gb", dtype="bfloat16",
+                           micro_batch_sizes=[1], layers=blocks)  # fmt: skip
+    hardware = hardware_for(load_cluster("a100-8x8"), profile)
+    costs = stage_costs(profile, hardware, [(0, 16)], micro_batch_size=1, tensor_parallel=1, data_parallel=16,
+                        zero_stage=3, micro_batches=1)
+    a_layer_ahead = sharded_exposed_seconds([2.4e9] * 16, [0.09] * 16, [0.18] * 16, hardware.links.allreduce_inter,
+                                            16, 3)  # fmt: skip
+    assert costs.allreduce_seconds[0] > 1.5 * a_layer_ahead  # 1.51 s against 0.92 s
+
+
 def test_zero2_against_zero1_under_this_model():
     """ZeRO-1 (the pipeline engine's): one all-reduce after the last micro-batch. ZeRO-2: a
     reduce-scatter of every layer in every micro-batch, on the compute stream (DeepSpeed's

@@ -143,6 +143,14 @@ SMALL_COLLECTIVE_BYTES = 8
 # f2e5db402c: "make buckets larger [...] to remain bandwidth-bound"); the floor is
 # `EngineFeatures.bucket_parameters`.
 MEGATRON_BUCKET_PARAMETERS_PER_REPLICA = 1_000_000
+# DeepSpeed's ZeRO-3 prefetch (deepspeed/runtime/zero/partitioned_param_coordinator.py,
+# `fetch_sub_module`, 0.19.8): at the start of each submodule it all-gathers the next parameters of
+# the recorded trace, whole parameters, until stage3_prefetch_bucket_size elements are on their way
+# (5e7 by default; pipectl's ds_config keeps it). A GPT block's linear layers, in the order they
+# run (QKV, proj, fc1, fc2), hold 3, 1, 4 and 4 twelfths of its weights and do as much of its GEMM
+# work (Shoeybi et al. 2019): `zero3_prefetch_units`.
+DEEPSPEED_PREFETCH_BUCKET_ELEMENTS = 50_000_000
+BLOCK_LINEAR_SHARES = (3 / 12, 1 / 12, 4 / 12, 4 / 12)
 # Compute that runs beside a collective runs slower: the collective's kernels take SMs and memory
 # bandwidth from it. Measured with GPT and Llama training on 4 A100, H100, MI250 and MI210: 18.9 %
 # slower on average, at most 40.0 % ("Characterizing Compute-Communication Overlap in
@@ -891,6 +899,32 @@ def sharded_exposed_seconds(
     return exposed
 
 
+def zero3_prefetch_units(
+    kinds: Sequence[str], parameters: Sequence[float], forward: Sequence[float], backward: Sequence[float]
+) -> tuple[list[float], list[float], list[float]]:
+    """(parameters, forward, backward) per unit that DeepSpeed's ZeRO-3 gathers one ahead of the
+    compute: each layer, except a transformer block whose every linear layer holds more than the
+    prefetch bucket (`DEEPSPEED_PREFETCH_BUCKET_ELEMENTS`). DeepSpeed then prefetches one linear
+    at a time, so fc1's gather hides only behind proj's compute, a quarter of its own: the block
+    becomes its four linears (`BLOCK_LINEAR_SHARES` of its parameters and of its time). Smaller
+    blocks keep one unit: the bucket then reaches a layer or more ahead.
+
+        >>> units = zero3_prefetch_units(["transformer_block"], [1.2e9], [0.012], [0.024])
+        >>> [round(x / 1e6) for x in units[0]], [round(x * 1e3) for x in units[1]]
+        ([300, 100, 400, 400], [3, 1, 4, 4])
+        >>> zero3_prefetch_units(["transformer_block"], [1.2e8], [0.012], [0.024])[0]   # proj: 10 M
+        [120000000.0]
+    """
+    units: tuple[list[float], list[float], list[float]] = ([], [], [])
+    for kind, count, f, b in zip(kinds, parameters, forward, backward):
+        shares = (BLOCK_LINEAR_SHARES if kind == TRANSFORMER_BLOCK
+                  and min(BLOCK_LINEAR_SHARES) * count > DEEPSPEED_PREFETCH_BUCKET_ELEMENTS else (1.0,))
+        for share in shares:
+            for column, value in zip(units, (count, f, b)):
+                column.append(share * value)
+    return units
+
+
 def sharded_data_parallel_seconds(
     table: LayerTable,
     seconds: LayerSeconds,
@@ -921,11 +955,14 @@ def sharded_data_parallel_seconds(
     inside = replicas_share_node(0, 1, t, d, hardware.devices_per_node)
     ring = hardware.links.allreduce_intra if inside else hardware.links.allreduce_inter
     handoff = collective_handoff_seconds(hardware, d, inside)
+    counts = [count / divisor for count in table.parameter_count]
+    forward = [f * slowdown for f in seconds.forward]
+    backward = [b * slowdown for b in seconds.backward]
+    if zero_stage == 3:
+        counts, forward, backward = zero3_prefetch_units(table.kinds, counts, forward, backward)
     exposed = sharded_exposed_seconds(
-        [count / divisor * element_bytes for count in table.parameter_count],
-        [f * slowdown for f in seconds.forward], [b * slowdown for b in seconds.backward],
-        ring, d, zero_stage, handoff,
-    )  # fmt: skip
+        [count * element_bytes for count in counts], forward, backward, ring, d, zero_stage, handoff
+    )
     communication = micro_batches * exposed
     if zero_stage == 2 and d > 1:
         communication += ring.ring_allreduce_seconds(held * element_bytes, d) / 2 + handoff
