@@ -185,6 +185,19 @@ def test_zero3_one_linear_ahead_hides_less_than_a_layer_ahead():
     assert costs.allreduce_seconds[0] > 1.5 * a_layer_ahead  # 1.51 s against 0.92 s
 
 
+def test_zero3_holds_a_large_block_one_linear_at_a_time():
+    # Gathered a linear at a time, a 1.2 B block holds at most fc1 and fc2 whole (800 M bf16
+    # weights) and fc1's gradient (400 M), not two blocks and a block's gradient.
+    from pipectl.plan.candidates import ShapeBuilder, transient_bytes
+
+    blocks = [_layer(i, 1_200_000_000, 0.09).model_copy(update={"kind": "transformer_block"}) for i in range(2)]
+    profile = ModelProfile(model="big", source=ProfileSource.DERIVED, device="a100-80gb", dtype="bfloat16",
+                           micro_batch_sizes=[1], layers=blocks)  # fmt: skip
+    shape = ShapeBuilder(profile, hardware_for(load_cluster("a100-8x8"), profile)).shape(1, 1, Recompute.NONE, 1, 1)
+    assert transient_bytes(shape, "bfloat16", 3, 16) == pytest.approx(2 * 800e6 + 2 * 400e6)
+    assert transient_bytes(shape, "bfloat16", 2, 16) == pytest.approx(2 * 1.2e9)  # ZeRO-2: a block's gradient
+
+
 def test_zero2_against_zero1_under_this_model():
     """ZeRO-1 (the pipeline engine's): one all-reduce after the last micro-batch. ZeRO-2: a
     reduce-scatter of every layer in every micro-batch, on the compute stream (DeepSpeed's

@@ -35,6 +35,7 @@ from pipectl.plan.costs import (
     host_compute_slowdown,
     sharded_data_parallel_seconds,
     layer_seconds,
+    zero3_prefetch_shares,
     ranks_share_node,
     replicas_share_node,
 )
@@ -699,15 +700,21 @@ def step_bytes(dtype: str, zero_stage: int, data_parallel: int, kind: ScheduleKi
 
 def transient_bytes(shape: Shape, dtype: str, zero_stage: int, data_parallel: int) -> float:
     """ZeRO-2/3's whole tensors on the rank of a one-stage shape (`memory.sharded_transient_bytes`
-    of its layers' parameters after the tensor split); 0 for stages 0 and 1."""
+    of its layers' parameters after the tensor split; under ZeRO-3, of the units DeepSpeed gathers
+    one at a time, `costs.zero3_prefetch_shares`: a large block's linears); 0 for stages 0 and 1."""
     if zero_stage < 2:
         return 0.0
-    layers = shape._derived.get("layer_parameters")
-    if layers is None:
+    key = "gathered_units" if zero_stage == 3 else "layer_parameters"
+    units = shape._derived.get(key)
+    if units is None:
         table = shape.table
         divisor = table.divisor(shape.tensor_parallel)
-        layers = shape._derived["layer_parameters"] = [count / divisor for count in table.parameter_count]
-    return sharded_transient_bytes(layers, dtype, zero_stage, data_parallel)
+        layers = [count / divisor for count in table.parameter_count]
+        if zero_stage == 3:
+            layers = [share * count for kind, count in zip(table.kinds, layers)
+                      for share in zero3_prefetch_shares(kind, count)]  # fmt: skip
+        units = shape._derived[key] = layers
+    return sharded_transient_bytes(units, dtype, zero_stage, data_parallel)
 
 
 def specs_from_points(

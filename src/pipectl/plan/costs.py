@@ -917,12 +917,17 @@ def zero3_prefetch_units(
     """
     units: tuple[list[float], list[float], list[float]] = ([], [], [])
     for kind, count, f, b in zip(kinds, parameters, forward, backward):
-        shares = (BLOCK_LINEAR_SHARES if kind == TRANSFORMER_BLOCK
-                  and min(BLOCK_LINEAR_SHARES) * count > DEEPSPEED_PREFETCH_BUCKET_ELEMENTS else (1.0,))
-        for share in shares:
+        for share in zero3_prefetch_shares(kind, count):
             for column, value in zip(units, (count, f, b)):
                 column.append(share * value)
     return units
+
+
+def zero3_prefetch_shares(kind: str, parameters: float) -> tuple[float, ...]:
+    """The shares of a layer that ZeRO-3 gathers one at a time (`zero3_prefetch_units`)."""
+    if kind == TRANSFORMER_BLOCK and min(BLOCK_LINEAR_SHARES) * parameters > DEEPSPEED_PREFETCH_BUCKET_ELEMENTS:
+        return BLOCK_LINEAR_SHARES
+    return (1.0,)
 
 
 def sharded_data_parallel_seconds(
