@@ -703,8 +703,7 @@ def main() -> None:
             "pipectl plan on the pinned prediction's profile (the run's engine features), only the device count and "
             "global batch given, what the engine runs (1F1B, and interleaving unless its transfers are DeepSpeed's; "
             "no recomputation or per-layer checkpointing, selective where the run used it; the published ZeRO "
-            "stage): gain = (pinned - "
-            "own) / pinned, both priced on the same engine, so it compares the layouts alone"
+            "stage): gain = (pinned - own) / pinned, both priced on the same engine, so it compares the layouts alone"
         ),
         "constants_tuned": CONSTANTS_PROVENANCE,
         "catalog_sha256": hashlib.sha256(catalog_bytes).hexdigest(),

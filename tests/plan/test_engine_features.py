@@ -64,18 +64,25 @@ def test_vocab_parallel_adds_one_all_reduce_to_embedding_forward_and_head_backwa
 HIDDEN_SHARE = 0.189 / 1.189
 
 
+SEQUENCE_PARALLEL = EngineFeatures(name="e", sequence_parallel=True)
+
+
+def _sequence_parallel_seconds(t: int):
+    """(table, hardware, layer seconds without overlap, with tensor-parallel overlap asked for) of
+    the sequence-parallel GPT at tensor-parallel degree t on 8-GPU H100 nodes."""
+    overlap = SEQUENCE_PARALLEL.model_copy(update={"tensor_parallel_overlap": True})
+    profile = derive_profile(GPT, "h100-80gb", [1], engine=SEQUENCE_PARALLEL)
+    table = layer_table(profile, 1, t)
+    hardware = hardware_for(_cluster(), profile)
+    return table, hardware, layer_seconds(table, hardware, t), layer_seconds(table, replace(hardware, features=overlap), t)
+
+
 def test_tensor_parallel_overlap_exposes_what_outlasts_the_compute_or_what_the_compute_loses():
     assert exposed_tensor_parallel_seconds(0.003, 0.01, overlapped=False) == 0.003
     assert exposed_tensor_parallel_seconds(0.003, 0.01, overlapped=True) == pytest.approx(0.003 * HIDDEN_SHARE)
     assert exposed_tensor_parallel_seconds(0.013, 0.01, overlapped=True) == pytest.approx(0.003)
-    sp = EngineFeatures(name="e", sequence_parallel=True)
-    overlap = EngineFeatures(name="e", sequence_parallel=True, tensor_parallel_overlap=True)
-    profile = derive_profile(GPT, "h100-80gb", [1], engine=sp)
-    table = layer_table(profile, 1, 8)
-    hardware = hardware_for(_cluster(), profile)
-    exposed = layer_seconds(table, hardware, 8)
-    hidden = layer_seconds(table, replace(hardware, features=overlap), 8)
-    forward_comm, _ = tensor_parallel_communication(table, hardware.links.allreduce_intra, 8, sp)
+    table, hardware, exposed, hidden = _sequence_parallel_seconds(8)
+    forward_comm, _ = tensor_parallel_communication(table, hardware.links.allreduce_intra, 8, SEQUENCE_PARALLEL)
     assert forward_comm[1] < table.forward_seconds[1]  # hidden whole: only the contention shows
     assert exposed.forward[1] - hidden.forward[1] == pytest.approx(forward_comm[1] * (1 - HIDDEN_SHARE))
     assert hidden.forward[1] == pytest.approx(table.forward_seconds[1] + forward_comm[1] * HIDDEN_SHARE)
@@ -84,16 +91,10 @@ def test_tensor_parallel_overlap_exposes_what_outlasts_the_compute_or_what_the_c
 def test_tensor_parallel_overlap_stays_inside_a_node():
     # Transformer Engine's Userbuffers overlap needs the tensor group in one NVLink domain: a t = 16
     # group over two 8-GPU nodes pays its collectives whole, overlap asked for or not.
-    sp = EngineFeatures(name="e", sequence_parallel=True)
-    overlap = EngineFeatures(name="e", sequence_parallel=True, tensor_parallel_overlap=True)
-    profile = derive_profile(GPT, "h100-80gb", [1], engine=sp)
-    table = layer_table(profile, 1, 16)
-    hardware = hardware_for(_cluster(), profile)
-    exposed = layer_seconds(table, hardware, 16)
-    asked = layer_seconds(table, replace(hardware, features=overlap), 16)
+    table, hardware, exposed, asked = _sequence_parallel_seconds(16)
     assert asked.forward == exposed.forward and asked.backward == exposed.backward
     link = tensor_parallel_link(hardware.links, 16, 8)  # the spanning ring, over both nodes' NICs
-    ring = tensor_parallel_communication(table, link, 16, sp)[0][1]
+    ring = tensor_parallel_communication(table, link, 16, SEQUENCE_PARALLEL)[0][1]
     assert ring > 0 and exposed.forward[1] == pytest.approx(table.forward_seconds[1] + ring)
 
 

@@ -45,6 +45,14 @@ def _two_layers() -> ModelProfile:
     )
 
 
+def _large_blocks(count: int, forward: float) -> ModelProfile:
+    """`count` transformer blocks of 1.2 B parameters (linears of 300, 100, 400 and 400 M, each
+    above DeepSpeed's 5e7-element prefetch bucket), `forward` seconds forward, twice that backward."""
+    blocks = [_layer(i, 1_200_000_000, forward).model_copy(update={"kind": "transformer_block"}) for i in range(count)]
+    return ModelProfile(model="big", source=ProfileSource.DERIVED, device="a100-80gb", dtype="bfloat16",
+                        micro_batch_sizes=[1], layers=blocks)  # fmt: skip
+
+
 def _with_memory(hardware, gib: float):
     device = hardware.device.model_copy(update={"memory_gib": gib, "outside_allocator_gib": 0.0})
     return dataclasses.replace(hardware, device=device)
@@ -148,9 +156,7 @@ def test_zero3_gathers_a_large_block_one_linear_ahead():
     # parameters (linears of 300, 100, 400 and 400 M) is gathered one linear ahead, so fc1's
     # 400 M gather hides behind proj's compute only. 12 ms forward, 24 ms backward; d = 16 over
     # two nodes (5 µs, 25 GB/s): one gather of x M bf16 parameters takes 15 x (5 µs + 2x MB / 16 / 25 GB/s).
-    block = _layer(0, 1_200_000_000, 0.012).model_copy(update={"kind": "transformer_block"})
-    profile = ModelProfile(model="big", source=ProfileSource.DERIVED, device="a100-80gb", dtype="bfloat16",
-                           micro_batch_sizes=[1], layers=[block])  # fmt: skip
+    profile = _large_blocks(1, 0.012)
     hardware = hardware_for(load_cluster("a100-8x8"), profile)
 
     def gather(millions: float) -> float:
@@ -174,9 +180,7 @@ def test_zero3_one_linear_ahead_hides_less_than_a_layer_ahead():
     # hides behind proj's. (At the model's ends it is the other way: its first gather is QKV's.)
     from pipectl.plan.costs import sharded_exposed_seconds
 
-    blocks = [_layer(i, 1_200_000_000, 0.09).model_copy(update={"kind": "transformer_block"}) for i in range(16)]
-    profile = ModelProfile(model="big", source=ProfileSource.DERIVED, device="a100-80gb", dtype="bfloat16",
-                           micro_batch_sizes=[1], layers=blocks)  # fmt: skip
+    profile = _large_blocks(16, 0.09)
     hardware = hardware_for(load_cluster("a100-8x8"), profile)
     costs = stage_costs(profile, hardware, [(0, 16)], micro_batch_size=1, tensor_parallel=1, data_parallel=16,
                         zero_stage=3, micro_batches=1)
@@ -190,9 +194,7 @@ def test_zero3_holds_a_large_block_one_linear_at_a_time():
     # weights) and fc1's gradient (400 M), not two blocks and a block's gradient.
     from pipectl.plan.candidates import ShapeBuilder, transient_bytes
 
-    blocks = [_layer(i, 1_200_000_000, 0.09).model_copy(update={"kind": "transformer_block"}) for i in range(2)]
-    profile = ModelProfile(model="big", source=ProfileSource.DERIVED, device="a100-80gb", dtype="bfloat16",
-                           micro_batch_sizes=[1], layers=blocks)  # fmt: skip
+    profile = _large_blocks(2, 0.09)
     shape = ShapeBuilder(profile, hardware_for(load_cluster("a100-8x8"), profile)).shape(1, 1, Recompute.NONE, 1, 1)
     assert transient_bytes(shape, "bfloat16", 3, 16) == pytest.approx(2 * 800e6 + 2 * 400e6)
     assert transient_bytes(shape, "bfloat16", 2, 16) == pytest.approx(2 * 1.2e9)  # ZeRO-2: a block's gradient
