@@ -10,7 +10,7 @@ from pipectl.errors import ArtifactError, UserInputError
 
 REQUIRED = [
     "k80", "p100", "v100-16gb", "v100-32gb", "t4", "a10",
-    "a100-40gb", "a100-80gb", "h100-80gb", "h200", "cpu",
+    "a100-40gb", "a100-80gb", "h100-80gb", "h100-pcie", "h200", "mi250x-gcd", "mi300x", "cpu",
 ]
 
 
@@ -62,6 +62,23 @@ def test_datasheet_figures_of_a_few_devices():
     assert get_device("h100-80gb").peak_tflops_bf16 == 989
     assert get_device("v100-16gb").memory_bytes == 16 * 1024**3
     assert get_device("h200").memory_gib > get_device("h100-80gb").memory_gib
+    # H100 PCIe 756 dense bf16 (1,513 with sparsity); MI300X 1,307.4, 192 GB; MI250X 383 per module
+    # of two GCDs, 128 GB: per GCD half of each.
+    assert get_device("h100-pcie").peak_tflops_bf16 == 756 and get_device("h100-pcie").memory_gib == 80
+    assert get_device("mi300x").peak_tflops_bf16 == 1307.4 and get_device("mi300x").memory_gib == 192
+    assert get_device("mi250x-gcd").peak_tflops_bf16 == 383 / 2 and get_device("mi250x-gcd").memory_gib == 128 / 2
+
+
+def test_estimated_sustained_gemm_rates_stay_below_the_measured_bursts():
+    # Each gemm_efficiency sits under the best matmul burst measured on one such device (the
+    # catalog's sources): a loaded GPU at its power limit holds a lower clock.
+    bursts = {"a100-80gb": 271.2 / 312, "h100-80gb": 794.5 / 989, "mi300x": 668.4 / 1300, "mi250x-gcd": 147.0 / 191.5}
+    for name, burst in bursts.items():
+        device = get_device(name)
+        assert 0.85 * burst < device.gemm_efficiency < burst, name
+        assert device.attention_efficiency < device.gemm_efficiency, name
+    # The PCIe card: the same die as the SXM one under a lower power limit, so a lower rate.
+    assert get_device("h100-pcie").gemm_efficiency < get_device("h100-80gb").gemm_efficiency
 
 
 def test_efficiency_interpolates_linearly_and_is_flat_beyond_the_ends():
@@ -134,7 +151,8 @@ def test_impossible_compute_constants_are_rejected(field, value):
 
 
 def test_shipped_gpus_carry_compute_constants_from_their_datasheets():
-    sms = {"p100": 56, "v100-16gb": 80, "v100-32gb": 80, "a100-40gb": 108, "a100-80gb": 108, "h100-80gb": 132, "h200": 132}
+    sms = {"p100": 56, "v100-16gb": 80, "v100-32gb": 80, "a100-40gb": 108, "a100-80gb": 108, "h100-80gb": 132,
+           "h100-pcie": 114, "h200": 132, "mi250x-gcd": 110, "mi300x": 304}
     for name, count in sms.items():
         device = get_device(name)
         assert device.has_compute_model() and device.multiprocessors == count, name

@@ -313,3 +313,26 @@ def test_six_stages_by_six_replicas_run_a_batch_six_does_not_divide():
     assert chosen.global_batch == 8192 and chosen.micro_batches == 342
     with pytest.raises(UserInputError, match="not divisible by data-parallel degree 6"):
         plan(profile, load_cluster("a100-8x8"), request.model_copy(update={"uneven_replicas": False}))
+
+
+def test_a_device_with_more_memory_fits_what_a_smaller_one_cannot():
+    # GPT-3 175B on 4 nodes of 8: its training state (16 bytes per parameter under ZeRO-1 at d = 1,
+    # 2.8 TB) needs more than 32 x 80 GB, but fits 32 x 192 GB; the catalog's MI300X against H100 SXM.
+    from pipectl.artifacts.cluster import ClusterSpec
+    from pipectl.catalog import get_device
+    from pipectl.models.registry import load_model_config
+    from pipectl.profile.derive import derive_profile
+
+    request = PlanRequest(global_batch=512, micro_batch_size=1, schedule="1f1b", morph=False)
+    chosen = {}
+    for name in ("h100-80gb", "mi300x"):
+        cluster = ClusterSpec(name=name, node_types=[{"name": "n", "device": name, "devices_per_node": 8, "nodes": 4}])
+        profile = derive_profile(load_model_config("gpt3-175b"), get_device(name), [1])
+        try:
+            chosen[name] = plan(profile, cluster, request).chosen
+        except InfeasibleError as error:
+            chosen[name] = str(error)
+    assert "nothing fits" in chosen["h100-80gb"] and "does not fit in device memory" in chosen["h100-80gb"]
+    mi300x = chosen["mi300x"]
+    assert mi300x.devices <= 32 and max(mi300x.peak_memory_bytes) > 80e9  # more than an H100 holds
+    assert max(mi300x.peak_memory_bytes) <= 192 * 2**30

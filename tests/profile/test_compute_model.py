@@ -140,7 +140,8 @@ def test_wave_quantization_matters_only_for_few_tiles():
 
 def test_devices_without_the_constants_have_no_compute_model():
     assert ComputeDevice.of(get_device("cpu"), "float32") is None
-    for name in ("p100", "v100-16gb", "v100-32gb", "a100-40gb", "a100-80gb", "h100-80gb", "h200"):
+    for name in ("p100", "v100-16gb", "v100-32gb", "a100-40gb", "a100-80gb", "h100-80gb", "h100-pcie", "h200",
+                 "mi250x-gcd", "mi300x"):
         assert ComputeDevice.of(get_device(name), "bfloat16") is not None, name
 
 
