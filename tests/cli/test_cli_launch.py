@@ -79,6 +79,18 @@ def test_existing_run_is_refused_and_bad_options_name_their_value(tmp_path):
     assert missing.exit_code == 2 and "missing.json" in missing.output
 
 
+@pytest.mark.parametrize("option, value", [("--lr", "0"), ("--keep-checkpoints", "9" * 40), ("--warmup-steps", "9" * 23),
+                                           ("--seed", "9" * 23)])
+def test_an_option_the_job_cannot_hold_is_named_with_its_value(tmp_path, option, value):
+    # Values typer's own bounds let through (--lr 0 is at its minimum; integers past 64 bits):
+    # the job's schema refuses them, and the refusal names the option, not the job's field.
+    plan = write_plan(tmp_path / "plan.json")
+    result = invoke("launch", plan, "--run-dir", tmp_path / "run", "--dry-run", option, value)
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert option in result.output and value in result.output
+    assert not (tmp_path / "run").exists()
+
+
 def test_recover_in_memory_runs_a_torchrun_per_replica_and_is_refused_where_nothing_survives(tmp_path):
     from builders import gpt_tiny_candidate
 

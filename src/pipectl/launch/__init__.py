@@ -18,6 +18,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from pipectl import __version__
 from pipectl.artifacts.cluster import ClusterSpec, SlurmSpec
 from pipectl.artifacts.layout import layout_label
@@ -424,6 +426,33 @@ def build_job(plan: Plan, name: str, options: LaunchOptions, cluster: ClusterSpe
             f"--checkpoint-every {options.checkpoint_every} exceeds --steps {options.steps}",
             hint="the run checkpoints at the end anyway; use a smaller K or 0",
         )
+    try:
+        return _job_spec(plan, name, options, cluster, devices, nodes, groups)
+    except ValidationError as exc:  # an option's value the job's schema refuses: name the option
+        raise UserInputError(_option_errors(exc)) from None
+
+
+# The job's fields that come straight from a `launch` option, by the option's name.
+_OPTION_OF_FIELD = {
+    "steps": "--steps", "keep_checkpoints": "--keep-checkpoints", "checkpoint_every": "--checkpoint-every",
+    "mtbf_hours": "--mtbf-hours", "seed": "--seed", "master_port": "--master-port",
+    "collective_timeout_seconds": "--collective-timeout", "learning_rate": "--lr", "weight_decay": "--weight-decay",
+    "gradient_clipping": "--gradient-clipping", "warmup_steps": "--warmup-steps",
+}
+
+
+def _option_errors(exc: ValidationError) -> str:
+    """`validation_message`, each field named by the `launch` option that set it."""
+    lines = []
+    for error in exc.errors():
+        field_name = str(error["loc"][-1]) if error["loc"] else ""
+        message = error["msg"].removeprefix("Value error, ")
+        lines.append(f"{_OPTION_OF_FIELD.get(field_name, field_name)} {error.get('input')!r}: {message}")
+    return "; ".join(lines)
+
+
+def _job_spec(plan: Plan, name: str, options: LaunchOptions, cluster: ClusterSpec, devices: int, nodes: int,
+              groups: list[NodeGroup]) -> JobSpec:
     return JobSpec(
         name=name,
         model=stored_reference(options.model or plan.model_reference or plan.model),
