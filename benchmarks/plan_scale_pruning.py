@@ -17,7 +17,10 @@ n; the chosen plan is its entry at 3,072), how many points could have changed it
 
 A point whose cut-free bound is no less than the fastest spec already known on as many devices or
 fewer can be skipped before its memory is even tested; the counts say how much of the enumeration
-a search ordered by that bound could skip. It prints and writes the counts; it times nothing.
+a search ordered by that bound could skip. It also counts the feasible points whose cut the memory
+limit forced (neither the balanced cut nor the right-filled one: each needs a partition of its own,
+the dearest part of the enumeration) and how many of those the cut-free bound leaves. It prints and
+writes the counts; it times nothing.
 """
 
 from __future__ import annotations
@@ -76,8 +79,18 @@ def main() -> None:
     by_own_bound = by_cut_free_bound = violations = 0
     families, families_left = set(), set()
     left_by_schedule: Counter = Counter()
+    constrained = constrained_left = 0
     for spec in specs:
         shape = spec.shape
+        # Is its cut one the memory limit forced (neither the balanced cut nor the right-filled one)?
+        placement = spec.variant.kind.v_placement
+        free_cuts = {
+            builder.shape(shape.tensor_parallel, shape.micro_batch_size, shape.recompute, shape.pipeline_parallel,
+                          shape.chunks, from_right=right, v_placement=placement).stage_layers
+            for right in (False, True)
+        }
+        forced = shape.stage_layers not in free_cuts
+        constrained += forced
         family = (shape.tensor_parallel, shape.micro_batch_size, shape.recompute, shape.pipeline_parallel,
                   spec.variant.label)
         families.add(family)
@@ -90,6 +103,7 @@ def main() -> None:
         by_own_bound += spec.lower_bound_seconds < limit
         if cut_free < limit:
             by_cut_free_bound += 1
+            constrained_left += forced
             families_left.add(family)
             left_by_schedule[spec.variant.label] += 1
     rejected = sum(enumeration.rejections.counts.values())
@@ -107,6 +121,10 @@ def main() -> None:
             "by_the_cut_free_bound": by_cut_free_bound,
             "families_with_such_a_point_by_the_cut_free_bound": len(families_left),
             "by_schedule_cut_free": dict(left_by_schedule),
+        },
+        "feasible_points_with_a_cut_the_memory_limit_forced": {
+            "all": constrained,
+            "that_could_change_the_morph_table_by_the_cut_free_bound": constrained_left,
         },
         "cut_free_bound_above_the_specs_own": violations,
         "morph_table_counts_with_a_spec": len(best),
