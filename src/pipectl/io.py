@@ -8,7 +8,7 @@ import os
 import stat
 import tempfile
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Mapping, TypeVar
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -79,11 +79,14 @@ def read_mapping(path: str | os.PathLike[str]) -> dict[str, Any]:
     return data
 
 
-def validation_message(exc: ValidationError) -> str:
-    """One line per validation error, naming the field and the offending value."""
+def validation_message(exc: ValidationError, names: Mapping[str, str] | None = None) -> str:
+    """One line per validation error, naming the field and the offending value; `names` calls a
+    field (the last part of its location) what the user set it as (a command-line option)."""
     lines = []
     for err in exc.errors():
         where = ".".join(str(part) for part in err["loc"]) or "(top level)"
+        if names and err["loc"] and str(err["loc"][-1]) in names:
+            where = names[str(err["loc"][-1])]
         value = err.get("input")
         shown = "{...}" if isinstance(value, dict) else "[...]" if isinstance(value, list) and len(repr(value)) > 80 else repr(value)
         if len(shown) > 200:

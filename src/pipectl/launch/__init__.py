@@ -28,7 +28,7 @@ from pipectl.artifacts.profile import ModelProfile
 from pipectl.artifacts.run import DataSpec, ElasticRange, Engine, JobSpec, LrSchedule, NodeGroup, Precision, TrainingSettings
 from pipectl.cluster import load_cluster, plan_cluster_spec
 from pipectl.errors import PipectlError, UserInputError
-from pipectl.io import load_model
+from pipectl.io import load_model, validation_message
 from pipectl.runtime.dsconfig import validated_config
 from pipectl.launch.engines import LaunchCommand, allocation_hosts, build_command, run_engine
 from pipectl.launch.placement import compute_slowdowns, node_groups, plan_accelerator, plan_kinds
@@ -427,9 +427,42 @@ def build_job(plan: Plan, name: str, options: LaunchOptions, cluster: ClusterSpe
             hint="the run checkpoints at the end anyway; use a smaller K or 0",
         )
     try:
-        return _job_spec(plan, name, options, cluster, devices, nodes, groups)
-    except ValidationError as exc:  # an option's value the job's schema refuses: name the option
-        raise UserInputError(_option_errors(exc)) from None
+        return JobSpec(
+            name=name,
+            model=stored_reference(options.model or plan.model_reference or plan.model),
+            steps=options.steps,
+            checkpoint_every=options.checkpoint_every,
+            checkpoint_every_seconds=options.checkpoint_every_seconds,
+            checkpoint_auto=options.checkpoint_auto,
+            mtbf_hours=options.mtbf_hours,
+            keep_checkpoints=options.keep_checkpoints,
+            seed=options.seed,
+            data=options.data,
+            engine=options.engine,
+            world_size=devices,
+            nodes=nodes,
+            ranks_per_node=devices // nodes,
+            master_addr=master_address(options, nodes),
+            master_port=options.master_port or free_port(),
+            precision=options.precision or Precision.FP32,
+            accelerator=plan_accelerator(plan, cluster),
+            compute_slowdowns=compute_slowdowns(plan, cluster),
+            node_groups=groups,
+            elastic=options.elastic,
+            recover_in_memory=options.recover_in_memory,
+            collective_timeout_seconds=options.collective_timeout,
+            training=TrainingSettings(
+                learning_rate=options.learning_rate,
+                weight_decay=options.weight_decay,
+                gradient_clipping=options.gradient_clipping,
+                lr_schedule=options.lr_schedule,
+                warmup_steps=options.warmup_steps,
+            ),
+            ds_config_overlay=options.ds_config_overlay,
+            pipectl_version=__version__,
+        )
+    except ValidationError as exc:  # a value the job's schema refuses: named by the option that set it
+        raise UserInputError(validation_message(exc, _OPTION_OF_FIELD)) from None
 
 
 # The job's fields that come straight from a `launch` option, by the option's name.
@@ -439,54 +472,6 @@ _OPTION_OF_FIELD = {
     "collective_timeout_seconds": "--collective-timeout", "learning_rate": "--lr", "weight_decay": "--weight-decay",
     "gradient_clipping": "--gradient-clipping", "warmup_steps": "--warmup-steps",
 }
-
-
-def _option_errors(exc: ValidationError) -> str:
-    """`validation_message`, each field named by the `launch` option that set it."""
-    lines = []
-    for error in exc.errors():
-        field_name = str(error["loc"][-1]) if error["loc"] else ""
-        message = error["msg"].removeprefix("Value error, ")
-        lines.append(f"{_OPTION_OF_FIELD.get(field_name, field_name)} {error.get('input')!r}: {message}")
-    return "; ".join(lines)
-
-
-def _job_spec(plan: Plan, name: str, options: LaunchOptions, cluster: ClusterSpec, devices: int, nodes: int,
-              groups: list[NodeGroup]) -> JobSpec:
-    return JobSpec(
-        name=name,
-        model=stored_reference(options.model or plan.model_reference or plan.model),
-        steps=options.steps,
-        checkpoint_every=options.checkpoint_every,
-        checkpoint_every_seconds=options.checkpoint_every_seconds,
-        checkpoint_auto=options.checkpoint_auto,
-        mtbf_hours=options.mtbf_hours,
-        keep_checkpoints=options.keep_checkpoints,
-        seed=options.seed,
-        data=options.data,
-        engine=options.engine,
-        world_size=devices,
-        nodes=nodes,
-        ranks_per_node=devices // nodes,
-        master_addr=master_address(options, nodes),
-        master_port=options.master_port or free_port(),
-        precision=options.precision or Precision.FP32,
-        accelerator=plan_accelerator(plan, cluster),
-        compute_slowdowns=compute_slowdowns(plan, cluster),
-        node_groups=groups,
-        elastic=options.elastic,
-        recover_in_memory=options.recover_in_memory,
-        collective_timeout_seconds=options.collective_timeout,
-        training=TrainingSettings(
-            learning_rate=options.learning_rate,
-            weight_decay=options.weight_decay,
-            gradient_clipping=options.gradient_clipping,
-            lr_schedule=options.lr_schedule,
-            warmup_steps=options.warmup_steps,
-        ),
-        ds_config_overlay=options.ds_config_overlay,
-        pipectl_version=__version__,
-    )
 
 
 def prepare_launch(
