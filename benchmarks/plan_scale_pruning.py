@@ -26,7 +26,6 @@ writes the counts; it times nothing.
 from __future__ import annotations
 
 import json
-import math
 import platform
 import subprocess
 import sys
@@ -45,19 +44,9 @@ from pipectl.models.registry import load_model_config  # noqa: E402
 from pipectl.plan.candidates import ShapeBuilder  # noqa: E402
 from pipectl.plan.costs import hardware_for  # noqa: E402
 from pipectl.plan.evaluate import Evaluator  # noqa: E402
-from pipectl.plan.morph import fastest_per_device_count  # noqa: E402
+from pipectl.plan.morph import PrefixMinimum, fastest_per_device_count  # noqa: E402
 from pipectl.plan.space import enumerate_specs, search_space  # noqa: E402
 from pipectl.profile.derive import derive_profile  # noqa: E402
-
-
-def fastest_at_most(best: dict, max_devices: int) -> list[float]:
-    """[n] -> the fastest step on at most n devices (infinite below the first count that fits)."""
-    table, running = [math.inf] * (max_devices + 1), math.inf
-    for n in range(1, max_devices + 1):
-        if n in best:
-            running = min(running, best[n][0])
-        table[n] = running
-    return table
 
 
 def main() -> None:
@@ -73,7 +62,9 @@ def main() -> None:
     best = fastest_per_device_count(
         [s for s in specs if s.runs_on(request.target_engine)], evaluator, hardware.devices
     )
-    bar = fastest_at_most(best, hardware.devices)
+    fastest = PrefixMinimum(hardware.devices)  # the fastest step on at most n devices, as the table's loop asks it
+    for n, (step, _) in best.items():
+        fastest.lower(n, step)
 
     builder = ShapeBuilder(profile, hardware)
     by_own_bound = by_cut_free_bound = violations = 0
@@ -99,7 +90,7 @@ def main() -> None:
             shape.tensor_parallel, shape.micro_batch_size, weights, shape.pipeline_parallel * shape.chunks
         )
         violations += cut_free > spec.lower_bound_seconds * (1 + 1e-9)
-        limit = bar[min(spec.devices, hardware.devices)]
+        limit = fastest.minimum(spec.devices)
         by_own_bound += spec.lower_bound_seconds < limit
         if cut_free < limit:
             by_cut_free_bound += 1
