@@ -13,7 +13,8 @@ the source of each published run) and, for every row:
    cluster of the published size (the catalog's links, or the source's network where it differs);
 3. derives the profile as the run's engine ran the model (`engine` in the YAML: vocabulary-parallel
    embedding and head, sequence parallelism, fused kernels, dropout, the even split of the blocks,
-   tensor-parallel and data-parallel overlap; `pipectl.artifacts.profile.EngineFeatures`) and
+   tensor-parallel and data-parallel overlap, gradients reduced in fp32;
+   `pipectl.artifacts.profile.EngineFeatures`) and
    plans with the published layout pinned: t, p, d, micro-batch, schedule (interleaved with the
    published chunks v), ZeRO stage and, where published, full recomputation (Megatron-LM's
    per-layer activation checkpointing, `checkpoint_layers`); fields the source
@@ -125,11 +126,12 @@ CONSTANTS_PROVENANCE = {
     "engine features (published_runs.yaml `engine`)": (
         "NOT constants and not tuned: what each run's engine did (vocabulary-parallel embedding and head, sequence "
         "parallelism, fused kernels, dropout, the even split of the blocks, tensor-parallel and data-parallel overlap, "
-        "DeepSpeed's synchronous pipeline transfers), each read in the engine's code or scripts at the row's commit "
+        "gradients reduced in fp32, DeepSpeed's synchronous pipeline transfers), each read in the engine's code or scripts at the row's commit "
         "(the row's `engine.source`), except llama3-*: Meta's engine is not public, its features are ASSUMED from "
         "the paper's description (a pipeline balanced for a vocabulary-split output layer, FSDP-style overlapped "
-        "data parallelism) and from the tensor-parallel engines of 2024 (Megatron-Core; PyTorch's torchtitan Llama 3 "
-        "recipe), marked verified: false. The overlaps, the even split and the rendezvous transfers are terms of the "
+        "data parallelism; gradients reduce-scattered in fp32, the paper's §3.3.2) and from the tensor-parallel "
+        "engines of 2024 (Megatron-Core; PyTorch's torchtitan Llama 3 recipe), marked verified: false. The overlaps, "
+        "the fp32 gradient reductions, the even split and the rendezvous transfers are terms of the "
         "cost model (plan/costs.py, plan/partition.py, plan/simulate.py), the rest of the derived profile "
         "(profile/compute_model.py, profile/derive.py)"
     ),

@@ -128,6 +128,48 @@ def test_gradient_overlap_hides_the_reduction_behind_the_last_backward():
     assert overlapped.allreduce_seconds[0] < plain.allreduce_seconds[0]
 
 
+FP32_GRADIENTS = EngineFeatures(name="megatron-core", gradients_reduced_in_fp32=True)
+
+
+@pytest.mark.parametrize("zero_stage", [0, 1])
+def test_gradients_reduced_in_fp32_move_four_bytes_and_the_parameters_two(zero_stage):
+    """Megatron with bf16 all-reduces (ZeRO-0) or reduce-scatters (its distributed optimizer)
+    fp32 gradients; the distributed optimizer all-gathers the bf16 parameters."""
+    profile = derive_profile(GPT, "h100-80gb", [1])
+    cut = [(0, len(profile.layers))]
+    hardware = hardware_for(_cluster(), profile)
+    d = 32
+    ring = hardware.links.allreduce_inter
+    held = sum(layer.parameter_count for layer in profile.layers)
+    plain = stage_costs(profile, hardware, cut, micro_batch_size=1, tensor_parallel=1, data_parallel=d,
+                        zero_stage=zero_stage)
+    fp32 = stage_costs(profile, replace(hardware, features=FP32_GRADIENTS), cut, micro_batch_size=1,
+                       tensor_parallel=1, data_parallel=d, zero_stage=zero_stage)
+    assert plain.allreduce_seconds[0] == pytest.approx(ring.ring_allreduce_seconds(held * 2, d))
+    if zero_stage == 0:
+        expected = ring.ring_allreduce_seconds(held * 4, d)
+    else:
+        expected = ring.ring_allreduce_seconds(held * 4, d) / 2 + ring.ring_allreduce_seconds(held * 2, d) / 2
+    assert fp32.allreduce_seconds[0] == pytest.approx(expected)
+    assert fp32.forward_seconds == plain.forward_seconds and fp32.optimizer_seconds == plain.optimizer_seconds
+
+
+def test_gradients_reduced_in_fp32_double_zero2_scatters_not_zero3_gathers():
+    from pipectl.plan.costs import sharded_exposed_seconds
+
+    link = LinkCost(5e-6, 25e9)
+    layer_bytes, forward, backward = [1e9, 1e9], [0.01, 0.01], [0.02, 0.02]
+    scatter = link.ring_allreduce_seconds(2e9, 8) / 2
+    assert sharded_exposed_seconds(layer_bytes, forward, backward, link, 8, 2, gradient_scale=2.0) == (
+        pytest.approx(2 * scatter))
+    gather = link.ring_allreduce_seconds(1e9, 8) / 2
+    # ZeRO-3 (the module docstring's formula): gather(0) + max(gather(1) - forward(0)) forward;
+    # scatter(0) + gather(1) + max(scatter(1) - backward(0)) + max(gather(0) - backward(1)) backward.
+    expected = gather + (gather - 0.01) + scatter + gather + (scatter - 0.02) + (gather - 0.02)
+    assert sharded_exposed_seconds(layer_bytes, forward, backward, link, 8, 3, gradient_scale=2.0) == (
+        pytest.approx(expected))
+
+
 def test_a_profile_with_engine_features_is_planned_for_comparison_only():
     profile = derive_profile(GPT, "h100-80gb", [1, 2], engine=EngineFeatures(name="megatron-core", vocab_parallel=True))
     with pytest.raises(UserInputError, match="megatron-core"):
@@ -140,11 +182,23 @@ def test_a_profile_with_engine_features_is_planned_for_comparison_only():
 def test_the_search_and_the_cost_table_agree_with_every_feature_on():
     """The vectorised search (`candidates.data_parallel_costs`) and `costs.stage_costs` give one
     step: a plan's prediction re-simulated from its cost table, for an engine profile."""
+    engine = EngineFeatures(name="megatron-core", sequence_parallel=True, vocab_parallel=True, fused_elementwise=True,
+                            tensor_parallel_overlap=True, gradient_reduce_overlap=True, parameter_gather_overlap=True,
+                            gradients_reduced_in_fp32=True)
+    _search_agrees_with_the_cost_table(engine)
+
+
+def test_the_search_and_the_cost_table_agree_on_fp32_gradients_reduced_at_the_end_of_the_step():
+    """Without the overlap the search prices the data-parallel ring itself, over every point at once
+    (`candidates._data_parallel_costs_over`): fp32 gradients there too, and the tied embedding's."""
+    tied = GPT.model_copy(update={"tied_embeddings": True})
+    _search_agrees_with_the_cost_table(FP32_GRADIENTS, tied)
+
+
+def _search_agrees_with_the_cost_table(engine: EngineFeatures, model: ModelConfig = GPT) -> None:
     from pipectl.plan.phases import simulated_phases
 
-    engine = EngineFeatures(name="megatron-core", sequence_parallel=True, vocab_parallel=True, fused_elementwise=True,
-                            tensor_parallel_overlap=True, gradient_reduce_overlap=True, parameter_gather_overlap=True)
-    profile = derive_profile(GPT, "h100-80gb", [1, 2], engine=engine)
+    profile = derive_profile(model, "h100-80gb", [1, 2], engine=engine)
     cluster = _cluster(4)
     result = plan(profile, cluster, PlanRequest(global_batch=64, devices=32, tensor_parallel=4, pipeline_parallel=2,
                                                 morph=False, workers=1, engine="any", include_all=True))

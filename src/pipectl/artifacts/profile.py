@@ -371,6 +371,14 @@ class EngineFeatures(Strict):
         "first forward (Megatron's --overlap-param-gather, which needs the distributed optimizer and "
         "--overlap-grad-reduce). Without it the all-gather half of the ring is exposed at the end of the step.",
     )
+    gradients_reduced_in_fp32: bool = Field(
+        default=False,
+        description="Gradients reduced across data-parallel replicas in fp32, 4 bytes each, whatever the training "
+        "dtype (Megatron with --bf16 forces --accumulate-allreduce-grads-in-fp32: megatron/training/arguments.py; "
+        "its gradient buffers are then fp32, megatron/core/distributed/distributed_data_parallel.py): the "
+        "all-reduce, the distributed optimizer's reduce-scatter, ZeRO-2/3's reduce-scatters and the tied "
+        "embedding's all-reduce move 4 bytes per parameter; parameter all-gathers stay in the training dtype.",
+    )
     dropout: bool = Field(
         default=False,
         description="The run's attention and hidden dropout (Megatron-LM's defaults, 0.1 each; pipectl's built-in "
@@ -406,7 +414,8 @@ class EngineFeatures(Strict):
         """Whether pipectl's runtime runs a plan priced with these features: only with none set."""
         return not (self.sequence_parallel or self.vocab_parallel or self.fused_elementwise or self.dropout
                     or self.gradient_accumulation_fusion
-                    or self.tensor_parallel_overlap or self.gradient_reduce_overlap or self.parameter_gather_overlap)
+                    or self.tensor_parallel_overlap or self.gradient_reduce_overlap or self.parameter_gather_overlap
+                    or self.gradients_reduced_in_fp32)
 
 
 class ModelProfile(Artifact):

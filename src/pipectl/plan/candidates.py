@@ -32,6 +32,7 @@ from pipectl.plan.costs import (
     LayerSeconds,
     collective_handoff_seconds,
     data_parallel_seconds,
+    gradient_bytes,
     host_compute_slowdown,
     sharded_data_parallel_seconds,
     layer_seconds,
@@ -584,7 +585,7 @@ def data_parallel_costs(
         # LinkCost.ring_allreduce_seconds (Patarasuk & Yuan 2009) on every rank at once, the same
         # operations in the same order: 2(d-1) * (latency + bytes / d / bandwidth).
         inside = np.array(_replicas_inside(p, t, d, n))
-        message = held * element
+        message = held * _ring_bytes(hardware, element, zero_stage >= 1)
         steps = 2 * (d - 1)
         for ring, where in ((links.allreduce_intra, inside), (links.allreduce_inter, ~inside)):
             seconds = steps * (ring.latency_seconds + message / d / ring.bandwidth_bytes_per_second)
@@ -613,6 +614,17 @@ def _sharded_costs(
 def _replicas_inside(p: int, t: int, d: int, devices_per_node: int) -> tuple[bool, ...]:
     """Per pipeline rank: whether its d replicas share a node (`costs.replicas_share_node`)."""
     return tuple(replicas_share_node(rank, p, t, d, devices_per_node) for rank in range(p))
+
+
+def _ring_bytes(hardware: Hardware, element: int, sharded):
+    """Bytes per parameter of the ring that `costs.data_parallel_seconds` times at the end of a
+    step: the gradient's all-reduce (ZeRO-0), or its reduce-scatter and the parameters' all-gather,
+    half a ring each (ZeRO-1, `sharded`: a bool or a column of them); `element` unless the engine
+    reduces gradients in fp32 (`costs.gradient_bytes`)."""
+    gradient = gradient_bytes(hardware, element)
+    if gradient == element:
+        return element
+    return np.where(sharded, (gradient + element) / 2, gradient)
 
 
 def _tied_seconds(shape: Shape, hardware: Hardware, d: int, element: int) -> np.ndarray:
@@ -673,7 +685,7 @@ def _tied_seconds_of(
             ranks_share_node(ordered[0], r, p, t, d, hardware.devices_per_node) for r in ordered[1:]
         )
         link = hardware.links.allreduce_intra if inside else hardware.links.allreduce_inter
-        seconds = link.ring_allreduce_seconds(size / divisor * element, len(ordered))
+        seconds = link.ring_allreduce_seconds(size / divisor * gradient_bytes(hardware, element), len(ordered))
         seconds += collective_handoff_seconds(hardware, len(ordered), inside)
         for rank in ordered:
             extra[rank] += seconds
@@ -838,7 +850,7 @@ def _data_parallel_costs_over(
     ranks = np.arange(p)
     t = np.array([shape.tensor_parallel for shape in shapes], dtype=np.int64)[:, None]
     inside = (ranks * t) // n == (((ds - 1) * p + ranks) * t) // n
-    message = held * element
+    message = held * _ring_bytes(hardware, element, sharded)
     steps = 2 * (ds - 1)  # d = 1 rows: 0 steps, so 0.0 on every rank, as the unreplicated case's zeros
     allreduce = np.zeros(held.shape)
     for ring, where in ((links.allreduce_intra, inside), (links.allreduce_inter, ~inside)):

@@ -34,7 +34,8 @@ Per virtual stage and micro-batch (all seconds):
   if any replica's cut crosses a node); SPEC §5: 2 a / Bw per boundary, one a / Bw each way;
 - data-parallel all-reduce, once per step per rank: ring all-reduce (Patarasuk & Yuan 2009) of the
   rank's gradient bytes over its d replicas; ZeRO-1's reduce-scatter + all-gather moves the same
-  bytes. Tied embeddings add an all-reduce of the shared table's gradient between the first and
+  bytes (an engine that reduces 16-bit weights' gradients in fp32 moves 4 bytes a parameter in
+  every gradient reduction, the parameters' all-gather still 2: `gradient_bytes`). Tied embeddings add an all-reduce of the shared table's gradient between the first and
   the last stage (Megatron's embedding group);
 - optimizer step: Adam is memory-bound: it reads fp32 master weights, momentum, variance and the
   gradient and writes the first three and the 16-bit weights, about 28 bytes per parameter,
@@ -670,6 +671,17 @@ def replicas_share_node(rank: int, p: int, t: int, d: int, devices_per_node: int
 # --- the cost table ----------------------------------------------------------------------------
 
 
+FP32_BYTES = 4
+
+
+def gradient_bytes(hardware: Hardware, element_bytes: int) -> int:
+    """Bytes per gradient element that a data-parallel reduction moves: fp32's where the engine
+    reduces gradients in fp32 (`EngineFeatures.gradients_reduced_in_fp32`), else the training
+    dtype's `element_bytes`. Parameter all-gathers always move `element_bytes`."""
+    features = hardware.features
+    return FP32_BYTES if features is not None and features.gradients_reduced_in_fp32 else element_bytes
+
+
 def stage_costs(
     profile: ModelProfile,
     hardware: Hardware,
@@ -773,7 +785,8 @@ def data_parallel_seconds(
     backward and forward of one micro-batch.
 
     `parameters_per_rank` are the parameters each rank holds after the tensor split. All-reduce:
-    the ring all-reduce of the rank's gradient over its d replicas, plus, with measured engine
+    the ring all-reduce of the rank's gradient over its d replicas (its bytes `gradient_bytes`;
+    under ZeRO-1 the parameters' all-gather half of it moves `element_bytes`), plus, with measured engine
     terms, the engine's extra collectives (module docstring). Optimizer: with measured engine
     terms, fixed + per-parameter seconds of the end of a step; otherwise Adam's memory traffic
     at the device's bandwidth. Worked example (gpt-tiny's 318 k parameters on one CPU rank, a
@@ -786,6 +799,7 @@ def data_parallel_seconds(
     links = hardware.links
     runtime = hardware.runtime
     memory_bandwidth = (hardware.device.memory_bandwidth_gbytes_per_second or 100.0) * 1e9
+    gradient = gradient_bytes(hardware, element_bytes)
     allreduce: list[float] = []
     optimizer: list[float] = []
     pipeline_inside = ranks_share_node(0, p - 1, p, t, d, n)
@@ -795,16 +809,20 @@ def data_parallel_seconds(
         inside = replicas_share_node(rank, p, t, d, n)
         ring = links.allreduce_intra if inside else links.allreduce_inter
         handoff = collective_handoff_seconds(hardware, d, inside)
-        gradient_seconds = ring.ring_allreduce_seconds(held * element_bytes, d)
-        seconds = gradient_seconds + handoff
+        gradient_seconds = ring.ring_allreduce_seconds(held * gradient, d)
+        # ZeRO-1 (the distributed optimizer): the gradients' reduce-scatter, half the ring, then the
+        # updated parameters' all-gather, half a ring of their bytes; ZeRO-0: the all-reduce.
+        sharded = zero_stage >= 1
+        reduce_seconds = gradient_seconds / 2 if sharded else gradient_seconds
+        gather_seconds = ring.ring_allreduce_seconds(held * element_bytes, d) / 2
+        seconds = reduce_seconds + (gather_seconds if sharded else 0.0) + handoff
         features = hardware.features
         if runtime is None and features is not None and features.gradient_reduce_overlap and d > 1:
-            sharded = zero_stage >= 1  # the distributed optimizer: reduce-scatter, then all-gather
             bucket = min(held, max(features.bucket_parameters, MEGATRON_BUCKET_PARAMETERS_PER_REPLICA * d))
-            bucket_seconds = ring.ring_allreduce_seconds(bucket * element_bytes, d) / (2 if sharded else 1)
+            bucket_seconds = ring.ring_allreduce_seconds(bucket * gradient, d) / (2 if sharded else 1)
             seconds = handoff + overlapped_data_parallel_seconds(
-                gradient_seconds / 2 if sharded else gradient_seconds,
-                gradient_seconds / 2 if sharded else 0.0,
+                reduce_seconds,
+                gather_seconds if sharded else 0.0,
                 bucket_seconds,
                 backward_window[rank] if backward_window else 0.0,
                 forward_window[rank] if forward_window else 0.0,
@@ -816,7 +834,7 @@ def data_parallel_seconds(
         else:
             optimizer.append(runtime.step_fixed_seconds + runtime.step_seconds_per_parameter * held)
             small = ring.ring_allreduce_seconds(SMALL_COLLECTIVE_BYTES, d) + handoff
-            seconds += gradient_seconds / 2 + handoff  # ZeRO-1 parameter all-gather
+            seconds += gather_seconds + handoff  # ZeRO-1 parameter all-gather
             seconds += SMALL_COLLECTIVES_PER_DATA_PARALLEL_GROUP * small
             seconds += SMALL_COLLECTIVES_PER_PIPELINE * (
                 pipeline_ring.ring_allreduce_seconds(SMALL_COLLECTIVE_BYTES, p) + pipeline_handoff
@@ -855,13 +873,14 @@ def overlapped_data_parallel_seconds(
 
 def sharded_exposed_seconds(
     layer_bytes: Sequence[float], forward: Sequence[float], backward: Sequence[float], link: LinkCost,
-    data_parallel: int, zero_stage: int, handoff_seconds: float = 0.0,
+    data_parallel: int, zero_stage: int, handoff_seconds: float = 0.0, gradient_scale: float = 1.0,
 ) -> float:
     """Exposed seconds of one micro-batch's ZeRO-2/3 collectives on a one-stage pipeline (the
     formulas in the module docstring). `layer_bytes`: each layer's weight bytes on the rank (its
     gradient's are the same); `forward`/`backward`: each layer's compute seconds; `handoff_seconds`:
-    what each blocking collective waits besides (`collective_handoff_seconds`). 0 for stages 0
-    and 1 and at d = 1.
+    what each blocking collective waits besides (`collective_handoff_seconds`); `gradient_scale`:
+    a gradient's bytes over its weight's (2 where 16-bit weights' gradients are reduced in fp32,
+    `gradient_bytes`). 0 for stages 0 and 1 and at d = 1.
 
     DeepSpeed runs ZeRO-3's collectives on their own streams, beside the compute, but ZeRO-2's
     reduce-scatters on the compute stream (its `overlap_comm` defaults to on for stage 3 only:
@@ -885,16 +904,19 @@ def sharded_exposed_seconds(
         return 0.0
     # One ring all-gather or reduce-scatter of each layer's bytes: half a ring all-reduce.
     moved = [link.ring_allreduce_seconds(size, d) / 2 + handoff_seconds for size in layer_bytes]
+    scattered = moved if gradient_scale == 1.0 else [
+        link.ring_allreduce_seconds(size * gradient_scale, d) / 2 + handoff_seconds for size in layer_bytes
+    ]
     if zero_stage == 2:  # on the compute stream: nothing hides them
-        return sum(moved)
+        return sum(scattered)
     gathers = zero_stage >= 3
-    exposed = moved[0]  # layer 0's gradient, made last: nothing left to hide its reduce-scatter behind
+    exposed = scattered[0]  # layer 0's gradient, made last: nothing left to hide its reduce-scatter behind
     if gathers:
         exposed += moved[0] + moved[-1]  # the forward's first gather, the backward's first (last layer)
         for i in range(1, layers):
             exposed += overlapped_exposed_seconds(moved[i], forward[i - 1])
     for j in range(layers):
-        on_link = (moved[j + 1] if j + 1 < layers else 0.0) + (moved[j - 1] if gathers and j > 0 else 0.0)
+        on_link = (scattered[j + 1] if j + 1 < layers else 0.0) + (moved[j - 1] if gathers and j > 0 else 0.0)
         exposed += overlapped_exposed_seconds(on_link, backward[j])
     return exposed
 
@@ -966,7 +988,8 @@ def sharded_data_parallel_seconds(
     if zero_stage == 3:
         counts, forward, backward = zero3_prefetch_units(table.kinds, counts, forward, backward)
     exposed = sharded_exposed_seconds(
-        [count * element_bytes for count in counts], forward, backward, ring, d, zero_stage, handoff
+        [count * element_bytes for count in counts], forward, backward, ring, d, zero_stage, handoff,
+        gradient_scale=gradient_bytes(hardware, element_bytes) / element_bytes,
     )
     communication = micro_batches * exposed
     if zero_stage == 2 and d > 1:
@@ -1019,7 +1042,8 @@ def _tied_allreduce_seconds(
         ordered = sorted(ranks)
         inside = all(ranks_share_node(ordered[0], r, p, t, d, devices_per_node) for r in ordered[1:])
         link: LinkCost = links.allreduce_intra if inside else links.allreduce_inter
-        seconds = link.ring_allreduce_seconds(shared_count[group] / table.divisor(t) * element_bytes, len(ordered))
+        gradient = element_bytes if hardware is None else gradient_bytes(hardware, element_bytes)
+        seconds = link.ring_allreduce_seconds(shared_count[group] / table.divisor(t) * gradient, len(ordered))
         if hardware is not None:
             seconds += collective_handoff_seconds(hardware, len(ordered), inside)
         for rank in ordered:

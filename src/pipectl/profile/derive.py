@@ -692,7 +692,8 @@ def _derive(
         )
     if engine is not None:
         features = [name for name in ("sequence_parallel", "vocab_parallel", "fused_elementwise", "gradient_accumulation_fusion", "dropout", "uniform_stages",
-                                      "tensor_parallel_overlap", "gradient_reduce_overlap", "parameter_gather_overlap")
+                                      "tensor_parallel_overlap", "gradient_reduce_overlap", "parameter_gather_overlap",
+                                      "gradients_reduced_in_fp32")
                     if getattr(engine, name)]
         notes.append(
             f"derived for a run of {engine.name} ({', '.join(f.replace('_', ' ') for f in features) or 'no features'}): "
