@@ -170,6 +170,20 @@ def test_gradients_reduced_in_fp32_double_zero2_scatters_not_zero3_gathers():
         pytest.approx(expected))
 
 
+def test_fp32_gradient_buffers_hold_four_bytes_a_parameter():
+    from pipectl.plan.memory import state_bytes_per_parameter, state_dtype, step_bytes_per_parameter
+
+    held = state_dtype("bfloat16", FP32_GRADIENTS)
+    assert state_bytes_per_parameter(held, 1, 4) == 2 + 4 + 12 / 4
+    assert step_bytes_per_parameter(held, 1, 4) == 2 + 4 + (12 + 4) / 4  # no fp32 copy at the step
+    assert state_dtype("float32", FP32_GRADIENTS) == "float32" and state_dtype("bfloat16", None) == "bfloat16"
+    request = PlanRequest(global_batch=64, devices=8, tensor_parallel=1, pipeline_parallel=2, data_parallel=4,
+                          micro_batch_size=1, morph=False, workers=1, engine="any")
+    peaks = [plan(derive_profile(GPT, "h100-80gb", [1], engine=engine), _cluster(1), request).chosen.peak_memory_bytes
+             for engine in (EngineFeatures(name="megatron-core"), FP32_GRADIENTS)]
+    assert all(fp32 > bf16 for bf16, fp32 in zip(*peaks))
+
+
 def test_a_profile_with_engine_features_is_planned_for_comparison_only():
     profile = derive_profile(GPT, "h100-80gb", [1, 2], engine=EngineFeatures(name="megatron-core", vocab_parallel=True))
     with pytest.raises(UserInputError, match="megatron-core"):

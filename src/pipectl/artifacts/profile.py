@@ -377,7 +377,9 @@ class EngineFeatures(Strict):
         "dtype (Megatron with --bf16 forces --accumulate-allreduce-grads-in-fp32: megatron/training/arguments.py; "
         "its gradient buffers are then fp32, megatron/core/distributed/distributed_data_parallel.py): the "
         "all-reduce, the distributed optimizer's reduce-scatter, ZeRO-2/3's reduce-scatters and the tied "
-        "embedding's all-reduce move 4 bytes per parameter; parameter all-gathers stay in the training dtype.",
+        "embedding's all-reduce move 4 bytes per parameter; parameter all-gathers stay in the training dtype. "
+        "The gradient buffers hold 4 bytes a parameter too, and the optimizer step needs no fp32 copy of them "
+        "(`plan.memory.state_dtype`).",
     )
     dropout: bool = Field(
         default=False,

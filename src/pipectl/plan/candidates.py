@@ -52,6 +52,7 @@ from pipectl.plan.memory import (
     sharded_transient_bytes,
     stage_holding,
     state_bytes_per_parameter,
+    state_dtype,
     step_bytes_per_parameter,
     weight_versions,
 )
@@ -796,13 +797,14 @@ def _specs_of_one_depth(
     sharded = np.array([point[2] >= 1 for point in points])[:, None]
     per_device = np.array([point[3] for point in points], dtype=float)[:, None]
     units = np.array([point[4] for point in points], dtype=np.int64)
-    per_step = np.array([step_bytes(dtype, zero, d, kind) for d, _, zero, _, _ in points], dtype=float)[:, None]
+    held = state_dtype(dtype, hardware.features)  # the model state's bytes; `dtype` the collectives'
+    per_step = np.array([step_bytes(held, zero, d, kind) for d, _, zero, _, _ in points], dtype=float)[:, None]
     # ZeRO-2/3 points (p = 1 only): their whole tensors on top, and their own communication below.
     gradients_sharded = [i for i, point in enumerate(points) if point[2] >= 2]
     transient: np.ndarray | float = 0.0
     if gradients_sharded:
         transient = np.array(
-            [transient_bytes(shape, dtype, zero, d) for shape, (d, _, zero, _, _) in zip(shapes, points)]
+            [transient_bytes(shape, held, zero, d) for shape, (d, _, zero, _, _) in zip(shapes, points)]
         )[:, None]
     # `StageMemory.per_rank_bytes`, one row per point; reported as the allocator's reserve.
     allocated = peak_bytes(parameters, unit_bytes, buffer_bytes, working_bytes, per_device, per_step, units, transient)

@@ -34,6 +34,7 @@ from pipectl.plan.candidates import ScheduleVariant, ShapeBuilder, Spec, SpecFig
 from pipectl.plan.costs import (
     Hardware, hardware_for, profile_for, replica_groups, stage_costs, stage_costs_for, tensor_parallel_placeable,
 )
+from pipectl.plan.memory import state_dtype
 from pipectl.plan.simulate import StageCosts
 from pipectl.plan.evaluate import TWO_BW_NOTE, Evaluator, two_bw_steady_note
 from pipectl.plan.homogeneous import SearchStats, plan_homogeneous
@@ -281,8 +282,9 @@ def uneven_split(
         evaluator = Evaluator(hardware, B)
         for m in sorted({m for m in counts[i] if m > 0}):
             units = in_flight(shape, variant, m)
-            per_device = state_bytes(profile.dtype, template.zero_stage, d_total, variant.kind)
-            per_step = step_bytes(profile.dtype, template.zero_stage, d_total, variant.kind)
+            held = state_dtype(profile.dtype, hardware.features)
+            per_device = state_bytes(held, template.zero_stage, d_total, variant.kind)
+            per_step = step_bytes(held, template.zero_stage, d_total, variant.kind)
             if not shape.memory.fits(per_device, per_step, units, hardware.memory_bytes):
                 return None
             allreduce, optimizer = data_parallel_costs(shape, hardware, d_total, template.zero_stage, profile.dtype)

@@ -23,7 +23,8 @@ shards them too. The activations are freed by then, so a rank's peak is the larg
     step:      parameters x step bytes (24 per parameter at d = 1 for 16-bit training, 20 for fp32)
 
 Bytes per parameter by ZeRO stage (16-bit training: weights w = 2, gradients g = 2, optimizer
-o = 12, the step's extra s = 8; fp32: 4, 4, 8, 4):
+o = 12, the step's extra s = 8; fp32: 4, 4, 8, 4; 16-bit weights whose gradients the engine keeps
+and reduces in fp32, `state_dtype`: 2, 4, 12, 4, the step needing no fp32 copy of them):
 
     stage   training                step
     0       w + g + o               w + g + o + s
@@ -142,6 +143,23 @@ _STATE_BYTES = {
     "float16": (2.0, 2.0, 12.0, 8.0),
     "float32": (4.0, 4.0, 8.0, 4.0),
 }
+FP32_GRADIENTS = "+fp32-gradients"
+for _dtype in ("bfloat16", "float16"):
+    _STATE_BYTES[_dtype + FP32_GRADIENTS] = (2.0, 4.0, 12.0, 4.0)
+
+
+def state_dtype(dtype: str, features) -> str:
+    """The key the model-state functions below read for a training dtype: the dtype itself, or, for
+    16-bit weights whose gradients the engine keeps and reduces in fp32 (`features`, the profile's
+    `EngineFeatures`: gradients_reduced_in_fp32; Megatron's fp32 gradient buffers), the dtype with
+    `FP32_GRADIENTS`: 4 bytes of gradient a parameter, and no fp32 copy of them at the step.
+
+    >>> state_dtype("bfloat16", None), state_bytes_per_parameter(state_dtype("bfloat16", None), 1, 4)
+    ('bfloat16', 7.0)
+    """
+    if features is not None and features.gradients_reduced_in_fp32 and dtype + FP32_GRADIENTS in _STATE_BYTES:
+        return dtype + FP32_GRADIENTS
+    return dtype
 
 
 def _sharded(weights: float, gradients: float, optimizer: float, zero_stage: int, data_parallel: int) -> float:

@@ -58,7 +58,7 @@ from pipectl.plan.candidates import (
 )
 from pipectl.plan.costs import TRANSFORMER_BLOCK, Hardware
 from pipectl.plan.layer_table import layer_table, offered_granularities
-from pipectl.plan.memory import format_gib, in_flight_units
+from pipectl.plan.memory import format_gib, in_flight_units, state_dtype
 from pipectl.plan.partition import balanced_partition
 from pipectl.plan.workers import share
 from pipectl.schedule import ScheduleKind, stage_ranks
@@ -275,13 +275,14 @@ class _UnitContext:
         self.layers = len(profile.layers)
         self.capacity = hardware.memory_bytes
         self.budget = hardware.memory_budget
+        self.state_dtype = state_dtype(profile.dtype, hardware.features)  # what the state bytes read
         # The least model state a device can hold: every parameter once, the most sharding asked
         # for over the largest d, at the optimizer step (its bytes per parameter are the training
         # ones and more); per depth kind (one stage or more), as ZeRO-2/3 only shard at p = 1.
         self.model_parameters = layer_table(profile, space.micro_batch_sizes[0]).parameters(0, self.layers)
         self.lightest_state = {
             one_stage: min(
-                (step_bytes(profile.dtype, zero, max(divisors(space.global_batch)), variant.kind)
+                (step_bytes(self.state_dtype, zero, max(divisors(space.global_batch)), variant.kind)
                  for zero in zero_stages_at(space.zero_stages, one_stage) for variant in space.variants),
                 default=math.inf,
             )
@@ -365,7 +366,7 @@ class _UnitContext:
         """The points of one family at the data-parallel degrees `ds`: each (shape, schedule, point)
         that fits is appended to `out.accepted`, the others counted in `out.rejections`."""
         t, b, recompute, p, variant = key.tensor_parallel, key.micro_batch_size, key.recompute, key.pipeline_parallel, key.variant
-        space, dtype, capacity = self.space, self.profile.dtype, self.capacity
+        space, dtype, capacity = self.space, self.state_dtype, self.capacity
         rejections, accepted = out.rejections, out.accepted
         B = space.global_batch
         v = variant.chunks
@@ -467,7 +468,7 @@ class _UnitContext:
     ) -> bool:
         """A ZeRO-2/3 point of a one-stage family: its one cut fits, with the stage's transient
         whole tensors (`transient_bytes`), or is rejected for memory. Whether it fits."""
-        kind, dtype = family.kind, self.profile.dtype
+        kind, dtype = family.kind, self.state_dtype
         shape = family.shape  # one stage: every layer
         units = in_flight_units(kind, 1, m)
         state, step = state_bytes(dtype, zero, d, kind), step_bytes(dtype, zero, d, kind)
