@@ -35,8 +35,9 @@ Per virtual stage and micro-batch (all seconds):
 - data-parallel all-reduce, once per step per rank: ring all-reduce (Patarasuk & Yuan 2009) of the
   rank's gradient bytes over its d replicas; ZeRO-1's reduce-scatter + all-gather moves the same
   bytes (an engine that reduces 16-bit weights' gradients in fp32 moves 4 bytes a parameter in
-  every gradient reduction, the parameters' all-gather still 2: `gradient_bytes`). Tied embeddings add an all-reduce of the shared table's gradient between the first and
-  the last stage (Megatron's embedding group);
+  every gradient reduction, the parameters' all-gather still 2: `gradient_bytes`). Tied
+  embeddings add an all-reduce of the shared table's gradient between the first and the last
+  stage (Megatron's embedding group);
 - optimizer step: Adam is memory-bound: it reads fp32 master weights, momentum, variance and the
   gradient and writes the first three and the 16-bit weights, about 28 bytes per parameter,
   at the device's memory bandwidth (ZeRO-1, 2, 3: each replica updates 1/d of them).
@@ -786,8 +787,8 @@ def data_parallel_seconds(
 
     `parameters_per_rank` are the parameters each rank holds after the tensor split. All-reduce:
     the ring all-reduce of the rank's gradient over its d replicas (its bytes `gradient_bytes`;
-    under ZeRO-1 the parameters' all-gather half of it moves `element_bytes`), plus, with measured engine
-    terms, the engine's extra collectives (module docstring). Optimizer: with measured engine
+    under ZeRO-1 the parameters' all-gather half of it moves `element_bytes`), plus, with
+    measured engine terms, the engine's extra collectives (module docstring). Optimizer: with measured engine
     terms, fixed + per-parameter seconds of the end of a step; otherwise Adam's memory traffic
     at the device's bandwidth. Worked example (gpt-tiny's 318 k parameters on one CPU rank, a
     measured 1.2 ms fixed and 22 ns per parameter):
