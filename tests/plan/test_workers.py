@@ -31,16 +31,23 @@ def test_every_unit_is_computed_once_and_returned_in_order(count):
 def test_two_processes_both_take_units(tmp_path):
     import time
 
-    taken = tmp_path / "child-took-a-unit"
-    deadline = time.monotonic() + 20  # for the whole test: a child that never takes one fails it
+    parent_took, child_took = tmp_path / "parent-took-a-unit", tmp_path / "child-took-a-unit"
+    deadline = time.monotonic() + 20  # for the whole test: a process that never takes one fails it
 
-    def here(unit):  # waits (bounded) until the child has taken a unit, however slow it starts
-        while not taken.exists() and time.monotonic() < deadline:
+    def took(mine, theirs):
+        # Each process's first unit waits (bounded) until the other has taken one too, however late
+        # either gets a core: on a busy machine the forked child can otherwise take every unit
+        # before this process takes its first (and the other way round).
+        mine.touch()
+        while not theirs.exists() and time.monotonic() < deadline:
             time.sleep(0.01)
+
+    def here(unit):
+        took(parent_took, child_took)
         return unit * 3
 
     def elsewhere(unit):
-        taken.touch()
+        took(child_took, parent_took)
         return unit * 3
 
     outcomes = share(list(range(16)), [1] * 16, here, elsewhere, workers=2)
