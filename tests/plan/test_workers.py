@@ -85,15 +85,13 @@ def test_the_environment_sets_the_number_of_workers(monkeypatch):
 def test_an_error_here_ends_the_children():
     import multiprocessing
 
-    def here(unit):
-        if unit == 3:
-            raise ValueError("bad unit")
-        return unit
+    def here(unit):  # whichever unit this process takes first: a fixed one could go to a child
+        raise ValueError("bad unit")
 
-    def elsewhere(unit):
+    def elsewhere(unit):  # still busy when this process fails, however late it gets a core
         import time
 
-        time.sleep(0.2)
+        time.sleep(5)
         return unit
 
     with pytest.raises(ValueError, match="bad unit"):
