@@ -412,6 +412,11 @@ class EngineFeatures(Strict):
     source: str | None = Field(default=None, max_length=2000, description="Where these features were read.")
 
     @property
+    def named(self) -> list[str]:
+        """The features set, in words and in the schema's order (e.g. ['sequence parallel', 'dropout'])."""
+        return [name.replace("_", " ") for name, value in self if isinstance(value, bool) and value]
+
+    @property
     def runnable_by_pipectl(self) -> bool:
         """Whether pipectl's runtime runs a plan priced with these features: only with none set."""
         return not (self.sequence_parallel or self.vocab_parallel or self.fused_elementwise or self.dropout

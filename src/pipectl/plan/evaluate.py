@@ -286,9 +286,7 @@ class Evaluator:
 def engine_features_note(features) -> str:
     """e.g. "priced as megatron-core runs it (sequence parallel, vocab parallel): pipectl's runtimes
     do not run these features (plan and simulate only)"."""
-    names = [name.replace("_", " ") for name in type(features).model_fields
-             if isinstance(getattr(features, name), bool) and getattr(features, name)]
-    return (f"priced as {features.name} runs it ({', '.join(names)}): pipectl's runtimes do not run these "
+    return (f"priced as {features.name} runs it ({', '.join(features.named)}): pipectl's runtimes do not run these "
             "features (plan and simulate only)")
 
 

@@ -691,12 +691,8 @@ def _derive(
             "embeddings, final norm and head are replicated on every tensor rank"
         )
     if engine is not None:
-        features = [name for name in ("sequence_parallel", "vocab_parallel", "fused_elementwise", "gradient_accumulation_fusion", "dropout", "uniform_stages",
-                                      "tensor_parallel_overlap", "gradient_reduce_overlap", "parameter_gather_overlap",
-                                      "gradients_reduced_in_fp32")
-                    if getattr(engine, name)]
         notes.append(
-            f"derived for a run of {engine.name} ({', '.join(f.replace('_', ' ') for f in features) or 'no features'}): "
+            f"derived for a run of {engine.name} ({', '.join(engine.named) or 'no features'}): "
             "planned for comparison only, pipectl's runtimes do not run these features"
         )
     return ModelProfile(
