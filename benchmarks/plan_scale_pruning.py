@@ -15,12 +15,21 @@ n; the chosen plan is its entry at 3,072), how many points could have changed it
   of the work without it, as the last stage does not recompute). The busiest rank runs at least
   that much work per step. Checked here against every spec's own bound (it must never exceed it).
 
+- by a tighter bound that needs no cut, with the pipeline's fill and drain (`fill_bound_seconds`),
+  for the flush schedules (1F1B, GPipe); the other schedules keep the bound above.
+
 A point whose cut-free bound is no less than the fastest spec already known on as many devices or
 fewer can be skipped before its memory is even tested; the counts say how much of the enumeration
 a search ordered by that bound could skip. It also counts the feasible points whose cut the memory
 limit forced (neither the balanced cut nor the right-filled one: each needs a partition of its own,
-the dearest part of the enumeration) and how many of those the cut-free bound leaves. It prints and
-writes the counts; it times nothing.
+the dearest part of the enumeration) and how many of those the cut-free bound leaves.
+
+The enumeration's time is measured per family (t, b, recompute, p, schedule; its points differ in
+d and ZeRO) by wrapping `_UnitContext.enumerate_family`: the seconds of the families each bound
+would skip whole (every d ruled out, infeasible points included, as a search skipping them
+could not know they do not fit) is time a bound-driven search would save for certain; a family
+it skips in part saves at most its share. The fill bound is checked against every step the
+search timed (it must never exceed one).
 """
 
 from __future__ import annotations
@@ -41,12 +50,44 @@ from pipectl.artifacts.plan import PlanRequest, Recompute  # noqa: E402
 from pipectl.catalog import get_device  # noqa: E402
 from pipectl.cluster import load_cluster  # noqa: E402
 from pipectl.models.registry import load_model_config  # noqa: E402
+from pipectl.plan import space as search_space_module  # noqa: E402
 from pipectl.plan.candidates import ShapeBuilder  # noqa: E402
 from pipectl.plan.costs import hardware_for  # noqa: E402
 from pipectl.plan.evaluate import Evaluator  # noqa: E402
 from pipectl.plan.morph import PrefixMinimum, fastest_per_device_count  # noqa: E402
 from pipectl.plan.space import enumerate_specs, search_space  # noqa: E402
 from pipectl.profile.derive import derive_profile  # noqa: E402
+from pipectl.schedule import ScheduleKind  # noqa: E402
+
+FLUSH_SCHEDULES = (ScheduleKind.ONE_F_ONE_B, ScheduleKind.GPIPE)
+
+
+def fill_bound_seconds(total: float, micro_batches: int, stages: int) -> float:
+    """A lower bound on a flush schedule's step over any cut into `stages` stages whose per-micro-
+    batch work (forward + backward) sums to `total`.
+
+    Stage k cannot start its first forward before micro-batch 0 has passed the k stages before it,
+    runs m forwards and m backwards, and its last backward precedes the last backward of each
+    stage before it: step >= P_k + m w_k, where P_k is the work of the stages before k. With c
+    the step, w_k <= (c - P_k) / m, so P_k <= c (1 - (1 - 1/m)^k), and P_p = total gives
+    c >= total / (1 - (1 - 1/m)^p): m (total / p) plus about half the bubble, with no cut known.
+    """
+    return total / (1 - (1 - 1 / micro_batches) ** stages)
+
+
+def _timed_families():
+    """Wrap `_UnitContext.enumerate_family`: each call's (family, d tried, seconds, points accepted)."""
+    calls = []
+    enumerate_family = search_space_module._UnitContext.enumerate_family
+
+    def timed(self, builder, key, ds, out):
+        accepted = len(out.accepted)
+        started = time.perf_counter()
+        enumerate_family(self, builder, key, ds, out)
+        calls.append((key, list(ds), time.perf_counter() - started, len(out.accepted) - accepted))
+
+    search_space_module._UnitContext.enumerate_family = timed
+    return calls
 
 
 def main() -> None:
@@ -56,7 +97,10 @@ def main() -> None:
     request = PlanRequest(global_batch=3072, workers=1)
     hardware = hardware_for(cluster, profile, memory_headroom=request.memory_headroom)  # as `plan.search.plan`
     space = search_space(request, profile, hardware)
+    calls = _timed_families()
+    enumerate_started = time.perf_counter()
     enumeration = enumerate_specs(profile, hardware, space, hardware.devices)
+    enumerate_seconds = time.perf_counter() - enumerate_started
     specs = enumeration.specs
     evaluator = Evaluator(hardware, request.global_batch, engine=request.target_engine)
     best = fastest_per_device_count(
@@ -97,6 +141,49 @@ def main() -> None:
             constrained_left += forced
             families_left.add(family)
             left_by_schedule[spec.variant.label] += 1
+    # Every (family, d) the enumeration visited, feasible or not, against both cut-free bounds.
+    B = request.global_batch
+    by_bound = {"cut_free": Counter(), "with_fill": Counter()}
+    for key, ds, seconds, accepted in calls:
+        t, b, p, variant = key.tensor_parallel, key.micro_batch_size, key.pipeline_parallel, key.variant
+        stages = p * variant.chunks
+        outcome = "all_rejected" if not accepted else "some_accepted"
+        for name in by_bound:
+            by_bound[name][f"{outcome}_families"] += 1
+            by_bound[name][f"{outcome}_seconds"] += seconds
+            by_bound[name]["points"] += len(ds)
+        if stages > builder.layers:
+            continue
+        weights = Recompute.NONE if key.recompute is Recompute.STAGE else key.recompute
+        bottleneck = builder.bottleneck(t, b, weights, stages)
+        total = sum(builder.work(t, b, weights))
+        flush = variant.kind in FLUSH_SCHEDULES
+        ruled_out = {name: 0 for name in by_bound}
+        for d in ds:
+            m = -(-B // (d * b))
+            limit = fastest.minimum(t * p * d)
+            cut_free = m * bottleneck
+            ruled_out["cut_free"] += cut_free >= limit
+            ruled_out["with_fill"] += max(cut_free, fill_bound_seconds(total, m, p) if flush else 0.0) >= limit
+        for name, count in ruled_out.items():
+            by_bound[name]["points_ruled_out"] += count
+            if count == len(ds):
+                by_bound[name]["families_ruled_out_whole"] += 1
+                by_bound[name]["seconds_of_families_ruled_out_whole"] += seconds
+            else:
+                by_bound[name]["seconds_pro_rata_of_the_others"] += seconds * count / len(ds)
+    # The fill bound never above a step the search timed.
+    fill_violations = fill_checked = 0
+    steps, _, _ = evaluator.timings()
+    for spec in specs:
+        step = steps.get(spec.key)
+        if step is None or spec.variant.kind not in FLUSH_SCHEDULES:
+            continue
+        shape = spec.shape
+        weights = Recompute.NONE if shape.recompute is Recompute.STAGE else shape.recompute
+        total = sum(builder.work(shape.tensor_parallel, shape.micro_batch_size, weights))
+        fill_checked += 1
+        fill_violations += fill_bound_seconds(total, spec.micro_batches, shape.pipeline_parallel) > step * (1 + 1e-9)
     rejected = sum(enumeration.rejections.counts.values())
     result = {
         "benchmark": "plan_scale_pruning",
@@ -118,6 +205,13 @@ def main() -> None:
             "that_could_change_the_morph_table_by_the_cut_free_bound": constrained_left,
         },
         "cut_free_bound_above_the_specs_own": violations,
+        "enumeration_seconds": round(enumerate_seconds, 3),
+        "enumeration_by_family": {
+            name: {key: round(value, 3) if isinstance(value, float) else value for key, value in sorted(counts.items())}
+            for name, counts in by_bound.items()
+        },
+        "fill_bound_checked_against_timed_steps": fill_checked,
+        "fill_bound_above_a_timed_step": fill_violations,
         "morph_table_counts_with_a_spec": len(best),
         "command": "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/plan_scale_pruning.py",
         "runtime_seconds": round(time.time() - started, 1),
