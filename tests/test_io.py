@@ -91,3 +91,32 @@ def test_a_long_value_in_a_validation_error_is_shortened(tmp_path):
         load_model(ModelConfig, path)
     assert "layers" in caught.value.message and "(got [...])" in caught.value.message
     assert len(caught.value.message) < 1000
+
+
+def test_a_file_to_read_is_named_for_what_it_is(tmp_path):
+    import os
+
+    with pytest.raises(UserInputError, match="is a directory, not a file"):
+        read_mapping(tmp_path)
+    with pytest.raises(UserInputError, match="cannot read .*: File name too long"):
+        read_mapping(tmp_path / ("a" * 300 + ".yaml"))
+    (tmp_path / "plain").write_text("x: 1\n")
+    with pytest.raises(UserInputError, match="cannot read .*: Not a directory"):
+        read_mapping(tmp_path / "plain" / "under.yaml")
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)  # a pipe (`<(cat file)`) is read like a file
+    writer = os.fork()
+    if writer == 0:  # pragma: no cover - the child only writes
+        with open(fifo, "w") as handle:
+            handle.write('{"x": 1}')
+        os._exit(0)
+    assert read_mapping(fifo) == {"x": 1}
+    os.waitpid(writer, 0)
+
+
+def test_a_write_the_system_refuses_names_the_file_meant_not_its_temporary():
+    from pipectl.io import temporary_file
+
+    with pytest.raises(OSError) as raised:
+        temporary_file("/proc", "x.json")  # no file can be created in /proc
+    assert raised.value.filename == "/proc/x.json"

@@ -62,11 +62,27 @@ def safe_load_yaml(text: str) -> Any:
         loader.dispose()
 
 
+def input_file(path: str | os.PathLike[str]) -> Path:
+    """`path` names a file to read: a regular file or a pipe (`<(...)`). Anything else is a user
+    error that says what it is: missing, a directory, a device, or a name the system refuses
+    (too long, a part of it a file)."""
+    path = Path(path)
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        raise UserInputError(f"file not found: {path}") from None
+    except OSError as exc:
+        raise UserInputError(f"cannot read {path}: {exc.strerror}") from None
+    if stat.S_ISDIR(mode):
+        raise UserInputError(f"{path} is a directory, not a file")
+    if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode)):
+        raise UserInputError(f"{path} is {_kind_of(mode)}, not a file to read")
+    return path
+
+
 def read_mapping(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Parse a YAML or JSON file into a mapping; a missing or malformed file is a user error."""
-    path = Path(path)
-    if not path.is_file():
-        raise UserInputError(f"file not found: {path}")
+    path = input_file(path)
     try:
         text = path.read_text()
         data = json.loads(text) if path.suffix == ".json" else safe_load_yaml(text)
@@ -158,18 +174,22 @@ def check_output_file(path: str | os.PathLike[str], *, what: str = "output") -> 
     except OSError as exc:
         raise UserInputError(f"cannot write {what} {path}: {exc.strerror}") from None
     if mode is not None and not stat.S_ISREG(mode):
-        kind = (
-            "a directory" if stat.S_ISDIR(mode)
-            else "a symbolic link" if stat.S_ISLNK(mode)
-            else "a FIFO" if stat.S_ISFIFO(mode)
-            else "a socket" if stat.S_ISSOCK(mode)
-            else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
-            else "not a regular file"
-        )
-        raise UserInputError(f"{what} {path} is {kind}; give the path of a regular file to write")
+        raise UserInputError(f"{what} {path} is {_kind_of(mode)}; give the path of a regular file to write")
     if path.parent.exists() and not path.parent.is_dir():
         raise UserInputError(f"cannot write {what} {path}: {path.parent} is not a directory")
     return path
+
+
+def _kind_of(mode: int) -> str:
+    """What a file that is not a regular one is, in words."""
+    return (
+        "a directory" if stat.S_ISDIR(mode)
+        else "a symbolic link" if stat.S_ISLNK(mode)
+        else "a FIFO" if stat.S_ISFIFO(mode)
+        else "a socket" if stat.S_ISSOCK(mode)
+        else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+        else "not a regular file"
+    )
 
 
 def _umask() -> int:
@@ -187,8 +207,12 @@ def _umask() -> int:
 
 def temporary_file(folder: str | os.PathLike[str], name: str) -> tuple[int, str]:
     """A new, uniquely named temporary file in `folder` for an atomic replace of `name`, with the
-    mode a plain `open(name, "w")` would give it (0o666 less the umask; mkstemp alone gives 0o600)."""
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=".tmp")
+    mode a plain `open(name, "w")` would give it (0o666 less the umask; mkstemp alone gives 0o600).
+    An error names the file meant, `folder/name`, not the temporary one."""
+    try:
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=".tmp")
+    except OSError as exc:
+        raise OSError(exc.errno, exc.strerror, str(Path(folder) / name)) from exc
     try:
         os.fchmod(fd, 0o666 & ~_umask())
     except BaseException:

@@ -56,9 +56,15 @@ def write_plan(
     """Write plan.json with the profile read from `profile_file` (and those of the cluster's other
     device kinds) copied beside it; returns the plan as written (with its references)."""
     path = check_output_file(path)  # before the profile copies are written beside it
-    refs = [_copied(Path(source), path.parent) for source in [profile_file, *kind_profile_files]]
-    written = plan.model_copy(update={"profile": refs[0], "kind_profiles": refs[1:]})
-    write_json_atomic(path, written)
+    try:
+        refs = [_copied(Path(source), path.parent) for source in [profile_file, *kind_profile_files]]
+        written = plan.model_copy(update={"profile": refs[0], "kind_profiles": refs[1:]})
+        write_json_atomic(path, written)
+    except OSError as exc:
+        if exc.filename is None:
+            raise
+        beside = "" if Path(exc.filename) == path else f" (writing {exc.filename} beside it)"
+        raise UserInputError(f"cannot write the plan {path}: {exc.strerror}{beside}") from None
     return written
 
 

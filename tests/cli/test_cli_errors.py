@@ -65,6 +65,12 @@ def _not_a_profile(tmp_path: Path) -> Path:
     return path
 
 
+def _model_copy(tmp_path: Path) -> Path:
+    path = tmp_path / "mine.yaml"
+    path.write_text((REPO / "configs" / "models" / "gpt-tiny.yaml").read_text())
+    return path
+
+
 CASES = {
     "missing model file": (lambda t: ["profile", str(t / "nowhere.yaml")], "nowhere.yaml"),
     "unknown model": (lambda t: ["profile", "gpt-huge"], "gpt-huge"),
@@ -81,7 +87,14 @@ CASES = {
     "missing links to embed": (lambda t: ["profile", "gpt-tiny", "--links", str(t / "l.json")], "l.json"),
     "show missing file": (lambda t: ["profile", "show", str(t / "none.json")], "none.json"),
     "show invalid profile": (lambda t: ["profile", "show", str(_not_a_profile(t))], "layers"),
+    "profile over its own model config": (lambda t: ["profile", str(_model_copy(t)), "-o", str(t / "mine.yaml")],
+                                          "is the model config this command reads"),
     "links one rank": (lambda t: ["profile", "links", "--ranks", "1"], "got 1"),
+    "links more ranks than the machine runs": (lambda t: ["profile", "links", "--ranks", "100000"], "--ranks 100000"),
+    "show a directory": (lambda t: ["profile", "show", str(t)], "is a directory, not a file"),
+    "show a name too long": (lambda t: ["profile", "show", str(t / ("a" * 300 + ".json"))], "File name too long"),
+    "status of a name too long": (lambda t: ["status", str(t / ("r" * 300))], "File name too long"),
+    "calibrate a name too long": (lambda t: ["calibrate", str(t / ("r" * 300)), "-o", str(t / "c.json")], "File name too long"),
     "links bad size": (lambda t: ["profile", "links", "--message-sizes", "1KiB,lots"], "lots"),
     "links bad device": (lambda t: ["profile", "links", "--device", "fpga"], "fpga"),
 }

@@ -71,6 +71,12 @@ def test_existing_run_is_refused_and_bad_options_name_their_value(tmp_path):
     assert invoke("launch", plan, "--run-dir", run, "--engine", "slurm").exit_code == 0
     again = invoke("launch", plan, "--run-dir", run, "--engine", "slurm")
     assert again.exit_code == 2 and "already exists" in again.output
+    # A dry run refuses what the launch would, and touches nothing.
+    dry = invoke("launch", plan, "--run-dir", run, "--engine", "slurm", "--dry-run")
+    assert dry.exit_code == 2 and "already exists" in dry.output
+    (tmp_path / "a-file").write_text("x")
+    dry = invoke("launch", plan, "--run-dir", tmp_path / "a-file", "--dry-run")
+    assert dry.exit_code == 2 and "is a file" in dry.output and (tmp_path / "a-file").read_text() == "x"
     bad_elastic = invoke("launch", plan, "--run-dir", tmp_path / "x", "--engine", "torchrun", "--elastic", "3:1")
     assert bad_elastic.exit_code == 2 and "'3:1'" in bad_elastic.output
     bad_data = invoke("launch", plan, "--run-dir", tmp_path / "y", "--data", "nowhere.bin")
@@ -80,7 +86,8 @@ def test_existing_run_is_refused_and_bad_options_name_their_value(tmp_path):
 
 
 @pytest.mark.parametrize("option, value", [("--lr", "0"), ("--keep-checkpoints", "9" * 40), ("--warmup-steps", "9" * 23),
-                                           ("--seed", "9" * 23)])
+                                           ("--seed", "9" * 23), ("--seed", str(2**63 - 1)), ("--seed", "-1"),
+                                           ("--master-addr", "bad!host"), ("--time-limit", "banana")])
 def test_an_option_the_job_cannot_hold_is_named_with_its_value(tmp_path, option, value):
     # Values typer's own bounds let through (--lr 0 is at its minimum; integers past 64 bits):
     # the job's schema refuses them, and the refusal names the option, not the job's field.
@@ -349,6 +356,10 @@ def test_resume_keeps_what_was_not_passed_and_refuses_another_global_batch(tmp_p
     assert (job["engine"], job["steps"], job["checkpoint_every"], job["seed"]) == ("slurm", 12, 4, 7)
     passed = json.loads(invoke("launch", plan, "--run-dir", run, "--resume", "--dry-run", "--json", "--steps", "16").output)
     assert (passed["job"]["steps"], passed["job"]["checkpoint_every"]) == (16, 4)
+    # A new total must lie beyond what the run has trained (its checkpoint at step 4).
+    fewer = invoke("launch", plan, "--run-dir", run, "--resume", "--dry-run", "--steps", "4")
+    assert fewer.exit_code == 2 and "--steps 4 is not beyond the 4 steps" in fewer.output
+    assert json.loads((run / "job.json").read_text())["steps"] == 12
 
     bigger = write_plan(tmp_path / "bigger.json", m=8)  # B 16 instead of 8
     result = invoke("launch", bigger, "--run-dir", run, "--resume", "--engine", "slurm")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import json
 
 import pytest
@@ -94,6 +96,34 @@ def test_missing_profile_is_a_user_error(tmp_path):
                                  "--global-batch", "4", "-o", str(tmp_path / "p.json")])
     assert result.exit_code == 2
     assert "not found" in result.output
+
+
+def plan_args(profile: Path, output: Path) -> list[str]:
+    return ["plan", "--profile", str(profile), "--cluster", "local", "--global-batch", "4", "-o", str(output)]
+
+
+def test_output_that_is_an_input_or_a_runs_own_file_is_refused_and_left_alone(profile_path, tmp_path):
+    before = profile_path.read_bytes()
+    result = runner.invoke(app, plan_args(profile_path, profile_path))
+    assert result.exit_code == 2 and "is the --profile" in result.output and "this command reads" in result.output
+    assert profile_path.read_bytes() == before
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "job.json").write_text("{}")
+    for name in ("job.json", "plan.json", "metrics.jsonl", "profile-0123456789ab.json"):
+        result = runner.invoke(app, plan_args(profile_path, run / name))
+        assert result.exit_code == 2 and f"is a file of the run in {run}" in result.output, name
+    assert sorted(p.name for p in run.iterdir()) == ["job.json"]
+    assert runner.invoke(app, plan_args(profile_path, run / "another-plan.json")).exit_code == 0
+
+
+def test_an_output_the_system_refuses_is_named_without_a_traceback(profile_path, tmp_path):
+    result = runner.invoke(app, plan_args(profile_path, Path("/proc/pipectl-plan.json")))
+    assert result.exit_code == 2 and "cannot write the plan /proc/pipectl-plan.json" in result.output
+    assert "Traceback" not in result.output and ".tmp" not in result.output
+    long_name = tmp_path / ("a" * 300 + ".json")
+    result = runner.invoke(app, plan_args(long_name, tmp_path / "p.json"))
+    assert result.exit_code == 2 and "File name too long" in result.output and "Traceback" not in result.output
 
 
 @pytest.mark.parametrize("objective, best", [("time", "fastest"), ("cost", "cheapest")])

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from pipectl.artifacts.base import Artifact, Strict
 
@@ -19,6 +20,9 @@ MAX_DEVICES = 2**17
 MAX_DEVICES_PER_NODE = 4096
 MAX_COMPUTE_SLOWDOWN = 1000.0
 SLURM_VALUE = r"^[A-Za-z0-9_.:,@%+=/-]*$"  # what an #SBATCH value may hold here: no spaces, quotes or '$'
+# sbatch --time's formats (sbatch(1)): minutes, minutes:seconds, hours:minutes:seconds, days-hours,
+# days-hours:minutes, days-hours:minutes:seconds; or no limit.
+SLURM_TIME = re.compile(r"\d+(:\d{1,2}){0,2}|\d+-\d{1,2}(:\d{1,2}){0,2}|unlimited|infinite", re.IGNORECASE)
 
 
 class LinkSpec(Strict):
@@ -94,7 +98,9 @@ class SlurmSpec(Strict):
 
     partition: str | None = Field(default=None, pattern=SLURM_VALUE, description="#SBATCH --partition.")
     account: str | None = Field(default=None, pattern=SLURM_VALUE, description="#SBATCH --account.")
-    time: str | None = Field(default=None, pattern=SLURM_VALUE, description="#SBATCH --time, e.g. '2-00:00:00'.")
+    time: str | None = Field(
+        default=None, description="#SBATCH --time: minutes, [days-]hours:minutes:seconds, e.g. '2-00:00:00'."
+    )
     qos: str | None = Field(default=None, pattern=SLURM_VALUE, description="#SBATCH --qos.")
     constraint: str | None = Field(default=None, pattern=SLURM_VALUE, description="#SBATCH --constraint.")
     cpus_per_rank: int | None = Field(
@@ -109,6 +115,16 @@ class SlurmSpec(Strict):
     python: str | None = Field(
         default=None, pattern=SLURM_VALUE, description="The Python on the compute nodes with pipectl installed (default: the one running launch)."
     )
+
+    @field_validator("time")
+    @classmethod
+    def _slurm_time(cls, value: str | None) -> str | None:
+        if value is not None and not SLURM_TIME.fullmatch(value):
+            raise ValueError(
+                f"{value!r} is not a Slurm time: minutes, minutes:seconds, hours:minutes:seconds or "
+                "days-hours[:minutes[:seconds]], e.g. 2-00:00:00"
+            )
+        return value
 
 
 class ClusterSpec(Artifact):

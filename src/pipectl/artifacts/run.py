@@ -19,8 +19,11 @@ A run directory `runs/NAME/` holds everything one training job needs and produce
 
 from __future__ import annotations
 
+import ipaddress
+import os
+import re
 from enum import Enum
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -42,6 +45,22 @@ MANIFEST_FILE = "manifest.json"
 FAILURE_FILE = "failure-rank{rank}.json"  # in LOGS_DIR
 RESUME_FILE = "resume.json"  # in LOGS_DIR
 HEARTBEAT_FILE = "heartbeat-rank{rank}.json"  # in LOGS_DIR
+LOCK_FILE = "job.lock"  # the pids of the launch that holds the run (`launch.rundir.lock_run_dir`)
+# What `launch` writes at a run directory's top and the run reads back (its profile copies and
+# per-rank schedules by pattern): no other command's output may replace them.
+RUN_OWN_FILES = frozenset({JOB_FILE, PLAN_FILE, DS_CONFIG_FILE, LAUNCH_SCRIPT, HOSTFILE, SBATCH_FILE,
+                           SLURM_JOB_ID_FILE, METRICS_FILE, LOCK_FILE})
+RUN_OWN_PATTERN = re.compile(r"profile-[0-9a-f]{12}\.json|schedule_rank\d+\.txt")
+
+
+def is_run_file(path: str | os.PathLike[str]) -> bool:
+    """Whether `path` is one of a run directory's own files (its folder holds a job.json)."""
+    path = Path(path)
+    own = path.name in RUN_OWN_FILES or RUN_OWN_PATTERN.fullmatch(path.name) is not None
+    try:
+        return own and (path.parent / JOB_FILE).is_file()
+    except OSError:
+        return False
 
 
 class Engine(str, Enum):
@@ -94,6 +113,15 @@ class DataKind(str, Enum):
     SYNTHETIC = "synthetic"  # random tokens/features from the model's `make_batch` (benchmarks)
     FILE = "file"  # the user's token or text file (`--data PATH`)
     DATASET = "dataset"  # the user's dataset function (`--data package.module:function`): code
+
+
+# A host name (RFC 1123 labels), an IPv4 or an IPv6 address, or '' (Slurm's first node).
+HOST_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*")
+
+# Generators are seeded with seed x SEED_STRIDE + a sample or step index (`runtime/data.py`,
+# `runtime/torch_pipeline.py`): with indices below 2^40 that must fit a signed 64-bit integer.
+SEED_STRIDE = 1_000_003
+MAX_SEED = (2**63 - 2**40) // SEED_STRIDE
 
 
 class DataSpec(Strict):
@@ -176,7 +204,7 @@ class JobSpec(Artifact):
         "interval); None: DEVICE_MTBF_HOURS / world size (runtime/checkpointer.py).",
     )
     keep_checkpoints: int = Field(default=3, gt=0, description="Verified checkpoints kept; older ones are removed.")
-    seed: int = Field(default=0, description="Seed of weights init and of the data order.")
+    seed: int = Field(default=0, ge=0, le=MAX_SEED, description="Seed of weights init and of the data order.")
     data: DataSpec = Field(default_factory=DataSpec)
     engine: Engine = Field(default=Engine.LOCAL)
     world_size: int = Field(gt=0, description="Ranks at launch: t * p * d of plan.chosen.")
@@ -184,7 +212,8 @@ class JobSpec(Artifact):
     ranks_per_node: int = Field(gt=0, description="Processes per node.")
     master_addr: str = Field(
         default="127.0.0.1",
-        description="Rendezvous / master address; '' for slurm: the first node of the allocation.",
+        description="Rendezvous / master address (a host name, IPv4 or IPv6 address); '' for slurm: the first "
+        "node of the allocation.",
     )
     master_port: int = Field(gt=0, lt=65536, description="Rendezvous / master port (distinct per concurrent job).")
     precision: Precision = Field(default=Precision.FP32)
@@ -231,6 +260,16 @@ class JobSpec(Artifact):
         description="Deliberate changes of the global batch on a resume (launch --resume "
         "--change-global-batch), one line each: 'B 8 -> 16 after step 4'.",
     )
+
+    @field_validator("master_addr")
+    @classmethod
+    def _host_address(cls, value: str) -> str:
+        if value and not HOST_NAME.fullmatch(value):
+            try:
+                ipaddress.ip_address(value)
+            except ValueError:
+                raise ValueError(f"{value!r} is not a host name or an IP address") from None
+        return value
 
     @field_validator("plan_file", "ds_config_file")
     @classmethod

@@ -9,7 +9,7 @@ import typer
 from rich import box
 from rich.table import Table
 
-from pipectl.cli.context import JsonFlag, console, output_file, print_json
+from pipectl.cli.context import JsonFlag, console, output_file, print_json, refuse_overwriting
 from pipectl.io import write_json_atomic
 
 
@@ -28,6 +28,8 @@ def register(app: typer.Typer) -> None:
         backward scale, end of step, hand-off between ranks) to the phases the runs measured, and
         write it; plan with it to predict the layouts not run."""
         from pipectl.profile.calibrate import calibrate  # torch-free, but the simulator: only when asked
+
+        refuse_overwriting(output, {})  # a run's files: calibrate reads every one of them
 
         profile, report = calibrate(runs)
         write_json_atomic(output, profile)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
@@ -11,6 +13,7 @@ from pydantic import BaseModel, ValidationError
 from rich.console import Console, ConsoleDimensions
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from pipectl.artifacts.run import is_run_file
 from pipectl.errors import UserInputError
 from pipectl.io import check_output_file
 
@@ -46,6 +49,24 @@ def output_file(path: Path | None) -> Path | None:
     """Option callback: a file the command will write is absent or a regular file, checked before
     any work (`pipectl.io.check_output_file`: no directory, link, FIFO or device)."""
     return None if path is None else check_output_file(path)
+
+
+def refuse_overwriting(output: Path, inputs: Mapping[str, str | os.PathLike[str] | None]) -> None:
+    """`-o` names neither a file this command reads (`inputs`, by what each is) nor a run
+    directory's own file (`artifacts.run.is_run_file`): writing it would replace what this
+    command, or a run, reads. Checked before any work."""
+    for what, source in inputs.items():
+        if source is not None and _same_file(output, Path(source)):
+            raise UserInputError(f"-o {output} is the {what} this command reads; write the result elsewhere")
+    if is_run_file(output):
+        raise UserInputError(f"-o {output} is a file of the run in {output.parent}; write the result elsewhere")
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return a.exists() and b.exists() and os.path.samefile(a, b)
+    except OSError:  # a name the system refuses is no file this command reads
+        return False
 
 
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print the result as JSON instead of a table.")]

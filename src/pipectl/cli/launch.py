@@ -24,7 +24,7 @@ from pipectl.artifacts.run import (
 )
 from pipectl.cli.context import JsonFlag, console, err_console, print_json, training_progress
 from pipectl.errors import LaunchError, UserInputError
-from pipectl.io import load_model, read_mapping, validation_message
+from pipectl.io import load_model, read_mapping
 from pipectl.launch import (
     TRAINING_DEFAULTS,
     LaunchOptions,
@@ -37,7 +37,7 @@ from pipectl.launch import (
 from pipectl.launch.engines import ENGINE_LOG, JobEnded
 from pipectl.launch.placement import placement_note
 from pipectl.paths import hf_tokenizer_file
-from pipectl.launch.rundir import is_run_dir, run_files, run_status
+from pipectl.launch.rundir import check_steps_beyond_trained, is_run_dir, run_files, run_status
 from pipectl.report.run_tables import failure_report, status_table
 from pipectl.resize.replicas import read_recovery, recovery_line
 from pipectl.runtime.checkpoint import read_events
@@ -88,11 +88,17 @@ def parse_data(text: str) -> DataSpec:
     )
 
 
+# SlurmSpec's fields that `launch` options set, by the option's name.
+_SLURM_OPTIONS = {"partition": "--partition", "account": "--account", "time": "--time-limit"}
+
+
 def _slurm_flags(**values: str | None) -> SlurmSpec:
     try:
         return SlurmSpec(**values)
     except ValidationError as exc:
-        raise UserInputError(f"--{'/--'.join(values)}: {validation_message(exc)}") from None
+        field = str(exc.errors()[0]["loc"][0]) if exc.errors()[0]["loc"] else ""
+        option = _SLURM_OPTIONS.get(field, "/".join(_SLURM_OPTIONS.values()))
+        raise UserInputError(f"{option} {values.get(field)!r}: {exc.errors()[0]['msg'].removeprefix('Value error, ')}") from None
 
 
 def _tcp_port(port: int | None) -> int | None:
@@ -296,6 +302,8 @@ def register(app: typer.Typer) -> None:
         if "checkpoint_every" in passed:  # one flag sets the interval in whichever unit it names
             passed |= {"checkpoint_every_seconds", "checkpoint_auto"}
         options = resumed_options(run_dir, options, passed, plan)
+        if resume and "steps" in passed and is_run_dir(run_dir):
+            check_steps_beyond_trained(run_dir, steps, steps)
         prepared = prepare_launch(plan, run_dir, options, plan_dir=plan_path.parent, write=not dry_run)
         try:
             _launch(prepared, plan_path, run_dir, timeout=timeout, dry_run=dry_run, json_output=json_output)

@@ -16,7 +16,7 @@ import typer
 from pipectl.artifacts.base import INT64_MAX
 from pipectl.artifacts.plan import Engine, Objective, PlanRequest, RecomputeChoice
 from pipectl.artifacts.profile import ModelProfile
-from pipectl.cli.context import JsonFlag, OutputPath, console, from_options, print_json
+from pipectl.cli.context import JsonFlag, OutputPath, console, from_options, print_json, refuse_overwriting
 from pipectl.cluster import load_cluster, local_cluster
 from pipectl.errors import UserInputError
 from pipectl.io import load_model
@@ -180,6 +180,7 @@ def plan_command(
     as_json: JsonFlag = False,
 ) -> None:
     """Search t, p, d, b, v, schedule, recomputation and ZeRO stage; write plan.json."""
+    refuse_overwriting(output, {**{f"--profile {path}": path for path in profile}, "--cluster file": cluster})
     profiles = [load_model(ModelProfile, path) for path in profile]
     check_kind_profiles([(str(path), p) for path, p in zip(profile, profiles)])
     cluster_spec = load_cluster(cluster)

@@ -24,7 +24,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from pipectl.artifacts.model import ModelFamily
 from pipectl.artifacts.profile import LinksProfile, ModelProfile
 from pipectl.catalog import get_device, load_catalog
-from pipectl.cli.context import JsonFlag, console, err_console, output_file, print_json
+from pipectl.cluster import usable_cores
+from pipectl.cli.context import JsonFlag, console, err_console, output_file, print_json, refuse_overwriting
 from pipectl.cli.groups import DefaultCommandGroup
 from pipectl.errors import UserInputError
 from pipectl.io import load_model, parse_model, read_mapping, write_json_atomic
@@ -32,6 +33,7 @@ from pipectl.paths import HF_PREFIX, stored_reference
 from pipectl.profile.derive import DEFAULT_SHARD_DEGREES, derive_profile, without_attention_core
 from pipectl.profile.links import CalibrationRequest, calibrate_links
 from pipectl.report.tables import links_view, profile_view
+from pipectl.words import count
 
 app = typer.Typer(
     cls=DefaultCommandGroup,
@@ -174,6 +176,7 @@ def model_command(
     as_json: JsonFlag = False,
 ) -> None:
     """Profile MODEL layer by layer (measured here, or derived with --derive) and write profile.json."""
+    refuse_overwriting(output, {"model config": model, "--links file": links})
     sizes = parse_micro_batch_sizes(micro_batch_sizes)
     degrees = parse_tensor_parallel(tensor_parallel) if tensor_parallel is not None else None
     links_profile = _load_links(links) if links is not None else None
@@ -332,6 +335,19 @@ def _memory_budget_bytes(kind: str, memory_budget_gib: float | None, *, required
     return spec.memory_bytes if spec is not None else None
 
 
+# Beyond this many ranks a core, a CPU link calibration times the scheduler, not the links.
+LINK_RANKS_PER_CORE = 4
+
+
+def _most_link_ranks(device: str) -> int:
+    """The most ranks `profile links` starts on this machine: a few a core, or one a GPU."""
+    if device == "cpu":
+        return max(2, LINK_RANKS_PER_CORE * usable_cores())
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def _load_links(path: Path):
     return load_model(LinksProfile, path)
 
@@ -353,10 +369,16 @@ def links_command(
     as_json: JsonFlag = False,
 ) -> None:
     """Calibrate point-to-point and all-reduce costs between real processes and write links.json."""
+    refuse_overwriting(output, {})
     if device not in _MEASURE_DEVICES:
         raise UserInputError(f"unknown device '{device}' for link calibration", hint="use cpu or cuda")
     if ranks < 2:
         raise UserInputError(f"--ranks must be at least 2, got {ranks}")
+    most = _most_link_ranks(device)
+    if ranks > most:
+        where = (f"{most} on its {count(usable_cores(), 'usable core')}, {LINK_RANKS_PER_CORE} a core" if device == "cpu"
+                 else f"one per GPU, {most} here")
+        raise UserInputError(f"--ranks {ranks} is more processes than this machine can calibrate links with ({where})")
     if timeout <= 0:
         raise UserInputError(f"--timeout must be positive, got {timeout}")
     request = CalibrationRequest(

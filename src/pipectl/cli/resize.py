@@ -12,7 +12,8 @@ from typing import Annotated, Optional
 import typer
 
 from pipectl.cli.context import JsonFlag, console, err_console, print_json, training_progress
-from pipectl.errors import LaunchError
+from pipectl.artifacts.base import INT64_MAX
+from pipectl.errors import LaunchError, UserInputError
 from pipectl.launch.rundir import run_status
 from pipectl.report.run_tables import decision_table, morph_history_table, status_table
 from pipectl.resize.live import LiveUnavailable, live_resize
@@ -70,6 +71,8 @@ def register(app: typer.Typer) -> None:
         hand their state over in memory at the next step boundary); otherwise it stops at a step
         boundary, the checkpoint is re-cut and the job relaunched with the same engine. Works on
         running, stopped and finished runs."""
+        if steps is not None and steps > INT64_MAX:  # job.json holds it (`artifacts.base`): refused before anything
+            raise UserInputError(f"--steps {steps} does not fit a 64-bit integer")
         requested_unix = time.time()
         policy = StragglerPolicy(slowdown_threshold=straggler_slowdown)
         decision = decide_resize(

@@ -32,7 +32,15 @@ from pipectl.io import load_model, validation_message
 from pipectl.runtime.dsconfig import validated_config
 from pipectl.launch.engines import LaunchCommand, allocation_hosts, build_command, run_engine
 from pipectl.launch.placement import compute_slowdowns, node_groups, plan_accelerator, plan_kinds
-from pipectl.launch.rundir import RunLock, is_run_dir, lock_run_dir, prepare_run_dir, read_run, write_run_files
+from pipectl.launch.rundir import (
+    RunLock,
+    check_run_dir,
+    is_run_dir,
+    lock_run_dir,
+    prepare_run_dir,
+    read_run,
+    write_run_files,
+)
 from pipectl.runtime.checkpoint import recover_staged, resume_point
 from pipectl.runtime.dsinit import free_port
 from pipectl.paths import stored_reference
@@ -468,7 +476,7 @@ def build_job(plan: Plan, name: str, options: LaunchOptions, cluster: ClusterSpe
 # The job's fields that come straight from a `launch` option, by the option's name.
 _OPTION_OF_FIELD = {
     "steps": "--steps", "keep_checkpoints": "--keep-checkpoints", "checkpoint_every": "--checkpoint-every",
-    "mtbf_hours": "--mtbf-hours", "seed": "--seed", "master_port": "--master-port",
+    "mtbf_hours": "--mtbf-hours", "seed": "--seed", "master_addr": "--master-addr", "master_port": "--master-port",
     "collective_timeout_seconds": "--collective-timeout", "learning_rate": "--lr", "weight_decay": "--weight-decay",
     "gradient_clipping": "--gradient-clipping", "warmup_steps": "--warmup-steps",
 }
@@ -525,6 +533,8 @@ def prepare_launch(
     if options.resume and options.force:
         raise UserInputError("--resume and --force contradict each other: keep the run, or start over")
     # One job per run directory: taken before anything is read for a resume or deleted by --force.
+    if not write:  # a dry run refuses what the launch would, touching nothing
+        check_run_dir(path, resume=options.resume, force=options.force)
     lock = lock_run_dir(path) if write else None
     try:
         if options.resume and is_run_dir(path) and write:

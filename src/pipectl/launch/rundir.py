@@ -33,6 +33,7 @@ from pipectl.artifacts.run import (
     DS_CONFIG_FILE,
     JOB_FILE,
     LAUNCH_SCRIPT,
+    LOCK_FILE,
     LOGS_DIR,
     PLAN_FILE,
     JobSpec,
@@ -43,7 +44,7 @@ from pipectl.io import load_model, read_mapping, write_json_atomic
 from pipectl.launch.engines import LaunchCommand, launch_script
 from pipectl.launch.processes import find_run_processes
 from pipectl.planfile import copy_plan
-from pipectl.runtime.checkpoint import list_checkpoints, read_events, staging_leftovers
+from pipectl.runtime.checkpoint import CheckpointInfo, list_checkpoints, read_events, staging_leftovers
 from pipectl.runtime.metrics import PredictionSummary, prediction_summary, read_metrics
 
 
@@ -56,8 +57,6 @@ class RunFiles:
     plan: Plan
     ds_config: dict[str, Any]
 
-
-LOCK_FILE = "job.lock"
 
 
 def is_run_dir(path: Path) -> bool:
@@ -164,8 +163,26 @@ def prepare_run_dir(run_dir: str | os.PathLike[str], *, resume: bool = False, fo
     - absent or empty: created;
     - an existing run + `force`: emptied (the lock file stays: take it first, `lock_run_dir`);
     - an existing run + `resume`: kept (checkpoints and metrics stay);
-    - an existing run otherwise, or a non-empty folder that is not a run: `UserInputError`.
+    - an existing run otherwise, or a non-empty folder that is not a run: `UserInputError`
+      (`check_run_dir`, which a dry run asks alone).
     """
+    path = check_run_dir(run_dir, resume=resume, force=force)
+    if force and is_run_dir(path):  # everything but the lock, which the caller holds (`lock_run_dir`)
+        for entry in path.iterdir():
+            if entry.name == LOCK_FILE:
+                continue
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+    path.mkdir(parents=True, exist_ok=True)
+    (path / LOGS_DIR).mkdir(exist_ok=True)
+    (path / CHECKPOINTS_DIR).mkdir(exist_ok=True)
+    return path
+
+
+def check_run_dir(run_dir: str | os.PathLike[str], *, resume: bool = False, force: bool = False) -> Path:
+    """What `prepare_run_dir` refuses, refused without touching anything (see there)."""
     path = Path(run_dir)
     if resume and force:
         raise UserInputError("--resume and --force contradict each other: keep the run, or start over")
@@ -179,25 +196,38 @@ def prepare_run_dir(run_dir: str | os.PathLike[str], *, resume: bool = False, fo
                 f"{path} is not empty and is not a pipectl run; refusing to write into it",
                 hint="choose another --run-dir",
             )
-        if force:  # everything but the lock, which the caller holds (`lock_run_dir`)
-            for entry in path.iterdir():
-                if entry.name == LOCK_FILE:
-                    continue
-                if entry.is_dir() and not entry.is_symlink():
-                    shutil.rmtree(entry)
-                else:
-                    entry.unlink()
-        elif not resume:
+        if not force and not resume:
             raise UserInputError(
                 f"run directory {path} already exists",
                 hint=f"continue it with --resume, start over with --force, or see `pipectl status {path}`",
             )
     elif resume:
         raise UserInputError(f"cannot resume {path}: no such run")
-    path.mkdir(parents=True, exist_ok=True)
-    (path / LOGS_DIR).mkdir(exist_ok=True)
-    (path / CHECKPOINTS_DIR).mkdir(exist_ok=True)
     return path
+
+
+def newest_complete_checkpoint(run_dir: Path) -> CheckpointInfo | None:
+    """The newest checkpoint with a manifest and all its files (`CheckpointInfo`), or None.
+
+    Only presence is checked here: hashing a large model's checkpoint takes long, and the ranks
+    verify every sha256 when they load it anyway (falling back to an older one if it is corrupted).
+    """
+    complete = [info for info in list_checkpoints(run_dir, hash_files=False) if info.verified]
+    return complete[-1] if complete else None
+
+
+def check_steps_beyond_trained(run_dir: Path, target_steps: int, more: int) -> None:
+    """A new total of steps for a run must lie beyond what it has trained: its newest complete
+    checkpoint's step or its last logged one, whichever is later (`more`: the hint's increment)."""
+    latest = newest_complete_checkpoint(run_dir)
+    metrics = read_metrics(run_dir)
+    checkpointed = latest.step if latest is not None and latest.step is not None else 0
+    trained = max(checkpointed, metrics[-1].step if metrics else 0)
+    if target_steps <= trained:
+        raise UserInputError(
+            f"--steps {target_steps} is not beyond the {trained} steps the run has already trained",
+            hint=f"pass a larger total, e.g. --steps {trained + more}",
+        )
 
 
 def run_files(plan: Plan, job: JobSpec, ds_config: dict[str, Any], command: LaunchCommand, run_dir: Path) -> dict[str, str]:

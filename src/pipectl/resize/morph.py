@@ -37,9 +37,16 @@ from pipectl.artifacts.run import HOSTFILE, Engine, JobSpec, ResumeRecord
 from pipectl.errors import CheckpointError, UserInputError
 from pipectl.launch.engines import LaunchCommand, build_command, run_engine, submit_slurm
 from pipectl.launch import run_training
-from pipectl.launch.rundir import RunLock, lock_run_dir, read_run, write_run_files
+from pipectl.launch.rundir import (
+    RunLock,
+    check_steps_beyond_trained,
+    lock_run_dir,
+    newest_complete_checkpoint,
+    read_run,
+    write_run_files,
+)
 from pipectl.resize.choose import LayoutChoice, choose_candidate, replanner, with_entry
-from pipectl.runtime.checkpoint import STOP_FILE, CheckpointInfo, list_checkpoints
+from pipectl.runtime.checkpoint import STOP_FILE
 from pipectl.runtime.dsconfig import check_candidate, validated_config
 from pipectl.runtime.dsinit import free_port
 from pipectl.runtime.failure import read_resume, resume_lines
@@ -135,15 +142,7 @@ def decide_resize(
             notes.append("no straggler found")
     choice = choose_candidate(files.plan, usable, replan=replanner(files.plan, files.path) if replan else None)
     notes += choice.notes
-    latest = newest_complete_checkpoint(files.path)
-    metrics = read_metrics(files.path)
-    checkpointed = latest.step if latest is not None and latest.step is not None else 0
-    trained = max(checkpointed, metrics[-1].step if metrics else 0)
-    if target_steps <= trained:
-        raise UserInputError(
-            f"--steps {target_steps} is not beyond the {trained} steps the run has already trained",
-            hint=f"pass a larger total, e.g. --steps {trained + job.steps}",
-        )
+    check_steps_beyond_trained(files.path, target_steps, job.steps)
     return ResizeDecision(
         run_dir=files.path,
         requested_devices=devices,
@@ -157,16 +156,6 @@ def decide_resize(
         excluded_ranks=excluded,
         notes=notes,
     )
-
-
-def newest_complete_checkpoint(run_dir: Path) -> CheckpointInfo | None:
-    """The newest checkpoint with a manifest and all its files (`CheckpointInfo`), or None.
-
-    Only presence is checked here: hashing a large model's checkpoint takes long, and the ranks
-    verify every sha256 when they load it anyway (falling back to an older one if it is corrupted).
-    """
-    complete = [info for info in list_checkpoints(run_dir, hash_files=False) if info.verified]
-    return complete[-1] if complete else None
 
 
 # --------------------------------------------------------------------------- rewriting the run

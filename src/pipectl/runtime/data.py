@@ -46,6 +46,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from pipectl.artifacts.run import SEED_STRIDE
 from pipectl.errors import UserInputError
 from pipectl.models.base import ModelLayers
 
@@ -299,7 +300,7 @@ class SyntheticSource:
     def batch(self, indices: Sequence[int]) -> MicroBatch:
         inputs, labels = [], []
         for index in indices:
-            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + int(index))
+            generator = torch.Generator().manual_seed(self.seed * SEED_STRIDE + int(index))
             x, y = self.model.make_batch(1, generator)
             inputs.append(x)
             labels.append(y)

@@ -62,6 +62,7 @@ from torch.distributed.pipelining.schedules import (
     _PipelineScheduleRuntime,
 )
 
+from pipectl.artifacts.run import SEED_STRIDE
 from pipectl.errors import LaunchError, ScheduleError, UserInputError
 from pipectl.runtime.local_ranks import run_local_ranks
 from pipectl.models.base import LayerDef, ModelLayers
@@ -270,7 +271,7 @@ class RankResult:
 
 def step_batch(model: ModelLayers, global_batch: int, seed: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The global batch of `step` (0-based): the same on every rank and in the reference."""
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    generator = torch.Generator().manual_seed(seed * SEED_STRIDE + step)
     return model.make_batch(global_batch, generator)
 
 
