@@ -96,7 +96,7 @@ def test_missing_entry_without_a_profile_cannot_be_replanned():
 
 def test_an_entry_where_nothing_fits_is_infeasible():
     plan = hand_plan({1: (None, "stage 0 needs 21.3 GiB > 16 GiB"), 2: (candidate(2), "")})
-    with pytest.raises(InfeasibleError, match="no layout fits on 1 devices: stage 0 needs 21.3 GiB"):
+    with pytest.raises(InfeasibleError, match="no layout fits on 1 device: stage 0 needs 21.3 GiB"):
         choose_candidate(plan, 1)
 
 
@@ -140,6 +140,17 @@ def test_a_replan_keeps_every_constraint_of_the_request(tmp_path, request_fields
     assert choice.source == "re-planned" and choice.candidate.devices == 4
     for name, value in kept.items():
         assert getattr(choice.candidate, name) == value, name
+
+
+def test_degrees_pinned_for_more_devices_than_the_resize_leaves_are_dropped_and_named(tmp_path):
+    # p = 2 pinned on 2 devices; a resize to 1 cannot keep it: it re-plans without, and says so.
+    plan = planned_on_disk(tmp_path, PlanRequest(global_batch=8, pipeline_parallel=2, max_tensor_parallel=1), devices=2)
+    assert plan.chosen.pipeline_parallel == 2 and plan.for_devices(1) is None
+    choice = choose_candidate(plan, 1, replan=replanner(plan, tmp_path / "out"))
+    assert choice.candidate.devices == 1 and choice.candidate.pipeline_parallel == 1
+    assert choice.candidate.global_batch == 8
+    assert any("pinned p = 2, more than 1 device can hold: re-planned without" in note for note in choice.notes)
+    # Where the pin holds, it is kept (above: `test_a_replan_keeps_every_constraint_of_the_request`).
 
 
 def test_a_replan_refuses_a_profile_that_changed_since_planning(tmp_path):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +36,7 @@ from pipectl.cluster import load_cluster, local_cluster
 from pipectl.errors import InfeasibleError, UserInputError
 from pipectl.plan.search import plan as search_plan
 from pipectl.planfile import load_kind_profiles, load_plan_profile
+from pipectl.words import count
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +100,7 @@ def choose_candidate(plan: Plan, devices: int, *, replan: Replanner | None = Non
             )
         if replan is None:
             raise UserInputError(
-                f"the plan's morph table has no entry for {devices} devices "
+                f"the plan's morph table has no entry for {count(devices, 'device')} "
                 f"(it covers {_ranges(known) or 'no counts'}) and the plan cannot be re-planned here",
                 hint="re-plan with pipectl plan --devices ... and launch that plan",
             )
@@ -106,12 +108,12 @@ def choose_candidate(plan: Plan, devices: int, *, replan: Replanner | None = Non
         source = "re-planned"
     if entry.candidate is None:
         raise InfeasibleError(
-            f"no layout fits on {devices} devices: {entry.note or 'the planner found none'}",
+            f"no layout fits on {count(devices, 'device')}: {entry.note or 'the planner found none'}",
             hint="pick another --devices count (see the plan's morph table)",
         )
     notes = []
     if source == "re-planned":
-        notes.append(f"the morph table had no entry for {devices} devices: re-planned from the plan's request and profile")
+        notes.append(f"the morph table had no entry for {count(devices, 'device')}: re-planned from the plan's request and profile")
     if entry.candidate.devices < devices:
         notes.append(_fewer_devices_note(plan, entry, devices))
     elif entry.note:
@@ -145,7 +147,7 @@ def replan_for_devices(plan: Plan, devices: int, *, plan_dir: Path) -> MorphEntr
     covered = _ranges([e.devices for e in plan.morph_table]) or "no counts"
     if plan.profile is None:
         raise UserInputError(
-            f"the plan's morph table has no entry for {devices} devices (it covers {covered}) and the "
+            f"the plan's morph table has no entry for {count(devices, 'device')} (it covers {covered}) and the "
             f"plan records no profile to re-plan from",
             hint="re-plan with pipectl plan --devices ... and launch that plan",
         )
@@ -155,17 +157,33 @@ def replan_for_devices(plan: Plan, devices: int, *, plan_dir: Path) -> MorphEntr
     if cluster.local:
         cluster = local_cluster(devices, base=cluster)
     request = plan.request.model_copy(update={"devices": devices})
+    # Degrees pinned for more devices than the resize leaves cannot hold; the global batch can: the
+    # job moves without them, and says so.
+    pinned = {name: getattr(request, name) for name in PINNED_DEGREES if getattr(request, name)}
+    unpinned = ""
+    if math.prod(pinned.values()) > devices:
+        request = request.model_copy(update={name: None for name in pinned})
+        unpinned = (f"the plan pinned {', '.join(f'{PINNED_DEGREES[name]} = {value}' for name, value in pinned.items())}, "
+                    f"more than {count(devices, 'device')} can hold: re-planned without")
     try:
         replanned = search_plan(profile, cluster, request, kind_profiles=kind_profiles)
     except (InfeasibleError, UserInputError) as exc:
-        return MorphEntry(devices=devices, candidate=None, note=exc.message)
+        return MorphEntry(devices=devices, candidate=None, note=_joined(unpinned, exc.message))
     entry = replanned.for_devices(devices)
     if entry is not None:
-        return entry
+        return entry.model_copy(update={"note": _joined(unpinned, entry.note)})
     note = "" if replanned.chosen.devices == devices else (
         f"the best plan that keeps B = {plan.global_batch} uses {replanned.chosen.devices} of {devices} devices"
     )
-    return MorphEntry(devices=devices, candidate=replanned.chosen, note=note)
+    return MorphEntry(devices=devices, candidate=replanned.chosen, note=_joined(unpinned, note))
+
+
+# The request's pinned degrees, by the letter a note names them with.
+PINNED_DEGREES = {"tensor_parallel": "t", "pipeline_parallel": "p", "data_parallel": "d"}
+
+
+def _joined(*notes: str) -> str:
+    return "; ".join(note for note in notes if note)
 
 
 def with_entry(plan: Plan, entry: MorphEntry) -> list[MorphEntry]:
