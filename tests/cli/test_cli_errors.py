@@ -95,6 +95,14 @@ CASES = {
     "show a name too long": (lambda t: ["profile", "show", str(t / ("a" * 300 + ".json"))], "File name too long"),
     "status of a name too long": (lambda t: ["status", str(t / ("r" * 300))], "File name too long"),
     "calibrate a name too long": (lambda t: ["calibrate", str(t / ("r" * 300)), "-o", str(t / "c.json")], "File name too long"),
+    "an integer option given a fraction": (
+        lambda t: ["plan", "--profile", "p.json", "--cluster", "local", "--global-batch", "2.5"], "--global-batch '2.5'"),
+    "a float option given nan": (
+        lambda t: ["plan", "--profile", "p.json", "--cluster", "local", "--global-batch", "4", "--memory-headroom", "nan"],
+        "--memory-headroom 'nan': not a number"),
+    "a choice given another word": (
+        lambda t: ["plan", "--profile", "p.json", "--cluster", "local", "--global-batch", "4", "--objective", "speed"],
+        "--objective 'speed': 'speed' is not one of"),
     "links bad size": (lambda t: ["profile", "links", "--message-sizes", "1KiB,lots"], "lots"),
     "links bad device": (lambda t: ["profile", "links", "--device", "fpga"], "fpga"),
 }

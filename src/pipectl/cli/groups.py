@@ -1,15 +1,23 @@
-"""A command group with a default sub-command: `pipectl profile gpt-tiny` runs `profile model gpt-tiny`."""
+"""The command groups: the root one, which turns every error a user can cause into one line and an
+exit code (`ErrorReportingGroup`), and one with a default sub-command, so that `pipectl profile
+gpt-tiny` runs `profile model gpt-tiny` (`DefaultCommandGroup`)."""
 
 from __future__ import annotations
 
 import errno
 import os
+import sys
 
+import typer
 from rich.markup import escape
 from typer.core import TyperGroup
 
 from pipectl.cli.context import err_console
 from pipectl.errors import PipectlError
+
+# click's UsageError, as typer raises it (typer >= 0.20 vendors click: typer._click): the base of
+# the one exception class typer exports from it.
+USAGE_ERROR = next(cls for cls in typer.BadParameter.__mro__ if cls.__name__ == "UsageError")
 
 # A file the system refuses for what its path names (missing, too long, a part of it a file,
 # permissions): the user's to fix, exit 2. Other refusals (a full disk, an I/O error) exit 1.
@@ -27,6 +35,11 @@ class ErrorReportingGroup(TyperGroup):
     Other exceptions are bugs and propagate.
     """
 
+    def main(self, args=None, *rest, **options):  # type: ignore[override]
+        # The command line as given: a refused option's value is quoted from it (`_usage_message`).
+        self.given_args = list(sys.argv[1:] if args is None else args)
+        return super().main(args, *rest, **options)
+
     def invoke(self, ctx):  # type: ignore[override]
         try:
             return super().invoke(ctx)
@@ -38,6 +51,11 @@ class ErrorReportingGroup(TyperGroup):
                 raise
             self._report(f"{exc.filename}: {exc.strerror}", None)
             ctx.exit(2 if exc.errno in PATH_ERRNOS else 1)
+        except USAGE_ERROR as exc:
+            # A sub-command's options that do not parse: one line with the value, as our own checks.
+            command = exc.ctx.command_path if exc.ctx is not None else ctx.command_path
+            self._report(_usage_message(exc, getattr(self, "given_args", [])), f"{command} --help")
+            ctx.exit(exc.exit_code)
 
     @staticmethod
     def _report(message: str, hint: str | None) -> None:
@@ -47,6 +65,25 @@ class ErrorReportingGroup(TyperGroup):
         err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
         if hint:
             err_console.print(f"[dim]hint:[/] {escape(hint)}", highlight=False, soft_wrap=True)
+
+def _usage_message(exc: Exception, args: list[str]) -> str:
+    """click's message, with the value given where it names an option it refused (`--global-batch
+    '2.5': Input should be a valid integer`; click's own message does not quote it)."""
+    message = exc.format_message()  # type: ignore[attr-defined]
+    param = getattr(exc, "param", None)
+    kinds = {cls.__name__ for cls in type(exc).__mro__}
+    if "BadParameter" not in kinds or "MissingParameter" in kinds or param is None:
+        return message
+    for opt in getattr(param, "opts", ()):
+        for i, arg in enumerate(args):
+            value = args[i + 1] if arg == opt and i + 1 < len(args) else arg[len(opt) + 1:] if arg.startswith(opt + "=") else None
+            if value is not None:
+                if value.strip().lower().lstrip("+-") == "nan":  # every range check fails on it: say why
+                    return f"{opt} {value!r}: not a number"
+                reason = exc.message.removeprefix("Value error, ")  # type: ignore[attr-defined]
+                return f"{opt} {value!r}: {reason}"
+    return message
+
 
 class DefaultCommandGroup(TyperGroup):
     """Arguments that name no sub-command go to the sub-command `default_command`."""

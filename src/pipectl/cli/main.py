@@ -1,6 +1,7 @@
 """The `pipectl` entry point: wires the commands and turns typed errors into messages.
 
-Every `PipectlError` becomes one red line (plus a hint) and its exit code (2 for bad input); set
+Every `PipectlError`, an option that does not parse and an `OSError` about a named file become one
+red line (plus a hint) and an exit code (2 for bad input; `cli.groups.ErrorReportingGroup`); set
 PIPECTL_DEBUG=1 to see the traceback. Anything else is a bug and keeps its traceback.
 """
 
