@@ -170,3 +170,15 @@ def test_status_hfu_counts_the_recomputed_forwards_mfu_does_not(tmp_path):
     # stage 0 ([0, 4): embed and 3 blocks) runs its forward again; the last stage does not
     assert measured["recomputed_flops_per_step"] == 8 * 3 * (24 * 32 * 64**2 + 4 * 32**2 * 64)
     assert "+ recompute" in runner.invoke(app, ["status", str(make_run(tmp_path / "c", recompute=True))]).output
+
+
+def test_status_names_the_metrics_lines_it_skipped_but_not_a_torn_last_one(tmp_path):
+    run = make_run(tmp_path, steps_done=3)
+    metrics = run / "metrics.jsonl"
+    lines = metrics.read_text().splitlines()
+    metrics.write_text("\n".join([lines[0], "not json at all", *lines[1:]]) + "\n" + '{"step": 4, "lo')
+    result = runner.invoke(app, ["status", str(run)])
+    assert result.exit_code == 0, result.output
+    assert "1 line not a step record, skipped (line 2)" in " ".join(result.output.split())
+    payload = json.loads(runner.invoke(app, ["status", str(run), "--json"]).output)
+    assert payload["unreadable_metrics_lines"] == [2] and payload["steps_done"] == 3

@@ -12,6 +12,8 @@ from pipectl.launch.rundir import run_status
 from pipectl.report.phases import phase_comparison
 from pipectl.report.run_tables import run_memory, run_utilisation, status_table
 from pipectl.runtime.history import read_history
+from pipectl.runtime.metrics import unreadable_metrics_lines
+from pipectl.words import count
 
 
 def register(app: typer.Typer) -> None:
@@ -30,6 +32,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Progress, last loss, predicted-vs-measured step time and memory, and checkpoints of a run."""
         status = run_status(run_dir, verify_hashes=verify)
+        unreadable = unreadable_metrics_lines(status.path)
         plot_path = None
         if plot is not None:
             from pipectl.report.run_plots import plot_run  # matplotlib: only when plotting
@@ -44,8 +47,13 @@ def register(app: typer.Typer) -> None:
             comparison, reason = phase_comparison(status)
             payload["phases"] = comparison.to_dict() if comparison is not None else {"unavailable": reason}
             payload["plot"] = str(plot_path) if plot_path else None
+            payload["unreadable_metrics_lines"] = unreadable
             print_json(payload)
             return
         console.print(status_table(status))
+        if unreadable:
+            shown = ", ".join(map(str, unreadable[:5])) + (", ..." if len(unreadable) > 5 else "")
+            console.print(f"[yellow]warning:[/] {status.path / 'metrics.jsonl'}: "
+                          f"{count(len(unreadable), 'line')} not a step record, skipped (line {shown})", highlight=False)
         if plot_path:
             console.print(f"plot written to {plot_path}")

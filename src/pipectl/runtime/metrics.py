@@ -82,6 +82,24 @@ def read_metrics(run_dir: str | os.PathLike[str]) -> list[StepMetrics]:
     return parse_metrics_lines(path.read_text().splitlines())
 
 
+def unreadable_metrics_lines(run_dir: str | os.PathLike[str]) -> list[int]:
+    """The numbers of metrics.jsonl's whole lines that are not step records (`read_metrics` skips
+    them); a last line without its newline is one the job may still be writing, not counted."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.is_file():
+        return []
+    whole = path.read_text(errors="replace").split("\n")[:-1]  # the part after the last newline is torn
+    bad = []
+    for number, line in enumerate(whole, start=1):
+        if not line.strip():
+            continue
+        try:
+            StepMetrics.model_validate(json.loads(line))
+        except (json.JSONDecodeError, ValidationError):
+            bad.append(number)
+    return bad
+
+
 class MetricsTail:
     r"""Follows a run's metrics.jsonl, parsing only what was appended since the last call.
 
