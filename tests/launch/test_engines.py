@@ -111,7 +111,7 @@ def test_slurm_script_content():
     assert "export OMP_NUM_THREADS=1" in lines
     srun = next(line for line in lines if line.startswith("srun "))
     assert "/venv/bin/python -m torch.distributed.run" in srun
-    assert "--nnodes $SLURM_JOB_NUM_NODES" in srun
+    assert '--nnodes "$SLURM_JOB_NUM_NODES"' in srun
     assert "--nproc_per_node 4" in srun
     assert '--rdzv_endpoint "$MASTER_ADDR:$MASTER_PORT"' in srun
     assert srun.endswith("-m pipectl.runtime.worker --run-dir /runs/demo")

@@ -318,7 +318,7 @@ def slurm_script(
         torchrun = shlex.join([*srun, "bash", "-c", "exec " + agent])
     else:
         nodes = f"{job.elastic.min_nodes}-{job.elastic.max_nodes}" if job.elastic else str(job.nodes)
-        nnodes = f"{job.elastic.min_nodes}:{job.elastic.max_nodes}" if job.elastic else "$SLURM_JOB_NUM_NODES"
+        nnodes = f"{job.elastic.min_nodes}:{job.elastic.max_nodes}" if job.elastic else '"$SLURM_JOB_NUM_NODES"'
         allocation = resources(nodes, slurm)
         torchrun = (
             shlex.join([*srun, python, "-m", "torch.distributed.run"])
@@ -342,8 +342,10 @@ def slurm_script(
         *allocation,
         "set -euo pipefail",
         *(f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items())),
-        ("export " if groups else "") + master,
-        ("export " if groups else "") + f"MASTER_PORT={job.master_port}",
+        master,
+        f"MASTER_PORT={job.master_port}",
+        # Exported apart from the assignment, so that a failing scontrol stops the script (set -e).
+        *(["export MASTER_ADDR MASTER_PORT"] if groups else []),
         f'echo "$SLURM_JOB_ID" > {shlex.quote(str(run_dir / SLURM_JOB_ID_FILE))}',
         torchrun,
     ]  # fmt: skip
