@@ -22,7 +22,7 @@ if [ "$want" != "$have" ]; then
   echo "setup: installing $TORCH_PIN, then pipectl and its dependencies (about a minute)"
   "$VENV/bin/python" -m pip install -q --upgrade pip
   "$VENV/bin/python" -m pip install -q "$TORCH_PIN"
-  "$VENV/bin/python" -m pip install -q -e "$ROOT[dev,hf]" "$TORCH_PIN"
+  "$VENV/bin/python" -m pip install -q -e "${ROOT}[dev,hf]" "$TORCH_PIN"
   echo "$want" > "$VENV/.pipectl-stamp"
 fi
 export PATH="$VENV/bin:$PATH"

@@ -36,3 +36,12 @@ def test_the_wheel_carries_configs_and_an_installed_pipectl_finds_them(tmp_path)
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     assert json.loads((work / "profile.json").read_text())["device"] == "a100-80gb"
+
+
+def test_the_projects_own_scripts_pass_shellcheck():
+    import shutil
+
+    scripts = sorted(str(path) for path in (ROOT / "scripts").glob("*.sh")) + [str(ROOT / ".ci" / "run")]
+    shellcheck = shutil.which("shellcheck") or str(Path(sys.executable).parent / "shellcheck")
+    found = subprocess.run([shellcheck, "--severity=warning", *scripts], capture_output=True, text=True)
+    assert found.returncode == 0, found.stdout + found.stderr
