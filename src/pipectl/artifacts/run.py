@@ -115,7 +115,8 @@ class DataKind(str, Enum):
     DATASET = "dataset"  # the user's dataset function (`--data package.module:function`): code
 
 
-# A host name (RFC 1123 labels), an IPv4 or an IPv6 address, or '' (Slurm's first node).
+# A host name: RFC 1123 labels. `JobSpec.master_addr` takes one, an IPv4 or IPv6 address, or ''
+# (Slurm's first node).
 HOST_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*")
 
 # Generators are seeded with seed x SEED_STRIDE + a sample or step index (`runtime/data.py`,

@@ -66,6 +66,7 @@ class ErrorReportingGroup(TyperGroup):
         if hint:
             err_console.print(f"[dim]hint:[/] {escape(hint)}", highlight=False, soft_wrap=True)
 
+
 def _usage_message(exc: Exception, args: list[str]) -> str:
     """click's message, with the value given where it names an option it refused (`--global-batch
     '2.5': Input should be a valid integer`; click's own message does not quote it)."""
@@ -75,14 +76,23 @@ def _usage_message(exc: Exception, args: list[str]) -> str:
     if "BadParameter" not in kinds or "MissingParameter" in kinds or param is None:
         return message
     for opt in getattr(param, "opts", ()):
-        for i, arg in enumerate(args):
-            value = args[i + 1] if arg == opt and i + 1 < len(args) else arg[len(opt) + 1:] if arg.startswith(opt + "=") else None
-            if value is not None:
-                if value.strip().lower().lstrip("+-") == "nan":  # every range check fails on it: say why
-                    return f"{opt} {value!r}: not a number"
-                reason = exc.message.removeprefix("Value error, ")  # type: ignore[attr-defined]
-                return f"{opt} {value!r}: {reason}"
+        value = _given_value(opt, args)
+        if value is None:
+            continue
+        if value.strip().lower().lstrip("+-") == "nan":  # every range check fails on it: say why
+            return f"{opt} {value!r}: not a number"
+        return f"{opt} {value!r}: {exc.message.removeprefix('Value error, ')}"  # type: ignore[attr-defined]
     return message
+
+
+def _given_value(opt: str, args: list[str]) -> str | None:
+    """What the command line gave option `opt` (`--opt VALUE` or `--opt=VALUE`), if anything."""
+    for i, arg in enumerate(args):
+        if arg == opt and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith(opt + "="):
+            return arg[len(opt) + 1:]
+    return None
 
 
 class DefaultCommandGroup(TyperGroup):
