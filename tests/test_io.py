@@ -95,6 +95,7 @@ def test_a_long_value_in_a_validation_error_is_shortened(tmp_path):
 
 def test_a_file_to_read_is_named_for_what_it_is(tmp_path):
     import os
+    import threading
 
     with pytest.raises(UserInputError, match="is a directory, not a file"):
         read_mapping(tmp_path)
@@ -105,13 +106,19 @@ def test_a_file_to_read_is_named_for_what_it_is(tmp_path):
         read_mapping(tmp_path / "plain" / "under.yaml")
     fifo = tmp_path / "fifo.json"
     os.mkfifo(fifo)  # a pipe (`<(cat file)`) is read like a file
-    writer = os.fork()
-    if writer == 0:  # pragma: no cover - the child only writes
+
+    def write() -> None:  # blocks until a reader opens the pipe
         with open(fifo, "w") as handle:
             handle.write('{"x": 1}')
-        os._exit(0)
-    assert read_mapping(fifo) == {"x": 1}
-    os.waitpid(writer, 0)
+
+    writer = threading.Thread(target=write, daemon=True)
+    writer.start()
+    try:
+        assert read_mapping(fifo) == {"x": 1}
+    finally:
+        if writer.is_alive():  # the read failed before opening the pipe: let the writer go
+            os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))
+        writer.join(timeout=10)
 
 
 def test_a_write_the_system_refuses_names_the_file_meant_not_its_temporary():
