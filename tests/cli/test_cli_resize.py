@@ -79,6 +79,13 @@ def test_steps_already_trained_exit_2(tmp_path):
     assert result.exit_code == 2 and "--steps 10 is not beyond the 10 steps" in result.output
 
 
+@pytest.mark.parametrize("flag", ["--submit", "--scancel"])
+def test_slurm_flags_on_a_local_run_exit_2(tmp_path, flag):
+    run = make_run(tmp_path)
+    result = invoke("resize", run, "--devices", "1", flag, "--dry-run")
+    assert result.exit_code == 2 and f"{flag} is for a Slurm run" in result.output and "engine local" in result.output
+
+
 def test_dry_run_shows_the_new_layout_and_changes_nothing(tmp_path):
     run = make_run(tmp_path)
     before = {name: (run / name).read_text() for name in ("plan.json", "job.json", "ds_config.json")}

@@ -14,7 +14,8 @@ import typer
 from pipectl.cli.context import JsonFlag, console, err_console, print_json, training_progress
 from pipectl.artifacts.base import INT64_MAX
 from pipectl.errors import LaunchError, UserInputError
-from pipectl.launch.rundir import run_status
+from pipectl.artifacts.run import Engine
+from pipectl.launch.rundir import read_run, run_status
 from pipectl.report.run_tables import decision_table, morph_history_table, status_table
 from pipectl.resize.live import LiveUnavailable, live_resize
 from pipectl.resize.morph import decide_resize, resize_run
@@ -73,6 +74,11 @@ def register(app: typer.Typer) -> None:
         running, stopped and finished runs."""
         if steps is not None and steps > INT64_MAX:  # job.json holds it (`artifacts.base`): refused before anything
             raise UserInputError(f"--steps {steps} does not fit a 64-bit integer")
+        if submit or scancel:
+            engine = read_run(run_dir).job.engine
+            if engine is not Engine.SLURM:
+                flag = "--submit" if submit else "--scancel"
+                raise UserInputError(f"{flag} is for a Slurm run; {run_dir} runs on engine {engine.value}")
         requested_unix = time.time()
         policy = StragglerPolicy(slowdown_threshold=straggler_slowdown)
         decision = decide_resize(

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from pipectl.cli.context import JsonFlag, console, output_file, print_json
+from pipectl.cli.context import JsonFlag, console, err_console, output_file, print_json
 from pipectl.launch.rundir import run_status
 from pipectl.report.phases import phase_comparison
 from pipectl.report.run_tables import run_memory, run_utilisation, status_table
@@ -49,6 +49,7 @@ def register(app: typer.Typer) -> None:
             payload["plot"] = str(plot_path) if plot_path else None
             payload["unreadable_metrics_lines"] = unreadable
             print_json(payload)
+            _exit_if_damaged(status, verify)
             return
         console.print(status_table(status))
         if unreadable:
@@ -57,3 +58,14 @@ def register(app: typer.Typer) -> None:
                           f"{count(len(unreadable), 'line')} not a step record, skipped (line {shown})", highlight=False)
         if plot_path:
             console.print(f"plot written to {plot_path}")
+        _exit_if_damaged(status, verify)
+
+
+def _exit_if_damaged(status, verify: bool) -> None:
+    """With --verify, a checkpoint that fails its hashes ends the command with exit 1, so that a
+    script checking a run's health sees it (the table or JSON above says which)."""
+    damaged = [c.tag for c in status.checkpoints if not c.verified]
+    if verify and damaged:
+        err_console.print(f"[bold red]error:[/] {count(len(damaged), 'checkpoint')} of {status.path} failed "
+                          f"verification: {', '.join(damaged)}", highlight=False, soft_wrap=True)
+        raise typer.Exit(1)
