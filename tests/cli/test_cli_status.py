@@ -108,12 +108,12 @@ def test_status_table_and_verify_flags_a_corrupted_checkpoint(tmp_path):
     plain = runner.invoke(app, ["status", str(run)])
     assert plain.exit_code == 0 and "4 / 10 steps" in plain.output and "prediction error" in plain.output
     verified = runner.invoke(app, ["status", str(run), "--verify", "--json"])
-    assert verified.exit_code == 1  # a script checking the run's health sees it
+    assert verified.exit_code == 2  # a damaged artifact, as everywhere: a script checking the run sees it
     checkpoint = json.loads(verified.stdout)["checkpoints"][0]
     assert not checkpoint["verified"] and "sha256 mismatch" in checkpoint["problems"][0]
     table = runner.invoke(app, ["status", str(run), "--verify"])
-    assert table.exit_code == 1 and "1 checkpoint of" in table.output and "failed verification: step00000004" in table.output
-    assert runner.invoke(app, ["status", str(run), "--verify", "--json"]).exit_code == 1
+    assert table.exit_code == 2 and "1 checkpoint of" in table.output and "failed verification: step00000004" in table.output
+    assert runner.invoke(app, ["status", str(run), "--json"]).exit_code == 0  # without --verify: hashes not read
 
 
 def test_status_plot_writes_a_png(tmp_path):

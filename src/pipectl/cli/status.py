@@ -62,10 +62,11 @@ def register(app: typer.Typer) -> None:
 
 
 def _exit_if_damaged(status, verify: bool) -> None:
-    """With --verify, a checkpoint that fails its hashes ends the command with exit 1, so that a
-    script checking a run's health sees it (the table or JSON above says which)."""
+    """With --verify, a checkpoint that fails its hashes ends the command with exit 2 (a damaged
+    artifact, as everywhere: `errors.ArtifactError`), so that a script checking a run's health
+    sees it (the table or JSON above says which)."""
     damaged = [c.tag for c in status.checkpoints if not c.verified]
     if verify and damaged:
         err_console.print(f"[bold red]error:[/] {count(len(damaged), 'checkpoint')} of {status.path} failed "
                           f"verification: {', '.join(damaged)}", highlight=False, soft_wrap=True)
-        raise typer.Exit(1)
+        raise typer.Exit(2)
