@@ -89,6 +89,19 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _replaced_number(original: dict, path: tuple, old: Any) -> bool:
+    """Whether a mutation at `path` replaces a number the schema asks for: the value it replaces
+    is one, and the original document did not hold a boolean there (an earlier mutation may have
+    put a number where a boolean belongs; a boolean written back is then valid again)."""
+    node: Any = original
+    for key in path:
+        try:
+            node = node[key]
+        except (KeyError, IndexError, TypeError):
+            return _is_number(old)
+    return _is_number(old) and not isinstance(node, bool)
+
+
 @st.composite
 def mutated(draw, document: dict, max_mutations: int = 3) -> tuple[dict, list[Mutation]]:
     """`document` with 1..max_mutations mutations, and the list of what was done."""
@@ -107,20 +120,20 @@ def mutated(draw, document: dict, max_mutations: int = 3) -> tuple[dict, list[Mu
         if op == "number":
             new = draw(st.sampled_from(BAD_NUMBERS))
             parent[key] = new
-            done.append(Mutation("replace", path, new, replaced_number=_is_number(old)))
+            done.append(Mutation("replace", path, new, replaced_number=_replaced_number(document, path, old)))
             continue
         if op == "drop":
             del parent[key]
         elif op == "replace":
             new = draw(values)
             parent[key] = new
-            done.append(Mutation(op, path, new, replaced_number=_is_number(old)))
+            done.append(Mutation(op, path, new, replaced_number=_replaced_number(document, path, old)))
             continue
         elif op == "scale" and _is_number(old):
             factor = draw(st.sampled_from([-1, 10**6, 10**30, 1e300, 0]))
             new = old * factor
             parent[key] = new
-            done.append(Mutation("replace", path, new, replaced_number=True))
+            done.append(Mutation("replace", path, new, replaced_number=_replaced_number(document, path, old)))
             continue
         elif op == "duplicate" and isinstance(parent, list):
             parent.insert(key, copy.deepcopy(old))
