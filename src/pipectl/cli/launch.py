@@ -96,9 +96,10 @@ def _slurm_flags(**values: str | None) -> SlurmSpec:
     try:
         return SlurmSpec(**values)
     except ValidationError as exc:
-        field = str(exc.errors()[0]["loc"][0]) if exc.errors()[0]["loc"] else ""
+        first = exc.errors()[0]
+        field = str(first["loc"][0]) if first["loc"] else ""
         option = _SLURM_OPTIONS.get(field, "/".join(_SLURM_OPTIONS.values()))
-        raise UserInputError(f"{option} {values.get(field)!r}: {exc.errors()[0]['msg'].removeprefix('Value error, ')}") from None
+        raise UserInputError(f"{option} {values.get(field)!r}: {first['msg'].removeprefix('Value error, ')}") from None
 
 
 def _tcp_port(port: int | None) -> int | None:

@@ -8,11 +8,10 @@ from typing import Annotated
 import typer
 
 from pipectl.cli.context import JsonFlag, console, err_console, output_file, print_json
-from pipectl.launch.rundir import run_status
+from pipectl.launch.rundir import RunStatus, run_status
 from pipectl.report.phases import phase_comparison
 from pipectl.report.run_tables import run_memory, run_utilisation, status_table
 from pipectl.runtime.history import read_history
-from pipectl.runtime.metrics import unreadable_metrics_lines
 from pipectl.words import count
 
 
@@ -32,7 +31,6 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Progress, last loss, predicted-vs-measured step time and memory, and checkpoints of a run."""
         status = run_status(run_dir, verify_hashes=verify)
-        unreadable = unreadable_metrics_lines(status.path)
         plot_path = None
         if plot is not None:
             from pipectl.report.run_plots import plot_run  # matplotlib: only when plotting
@@ -47,11 +45,11 @@ def register(app: typer.Typer) -> None:
             comparison, reason = phase_comparison(status)
             payload["phases"] = comparison.to_dict() if comparison is not None else {"unavailable": reason}
             payload["plot"] = str(plot_path) if plot_path else None
-            payload["unreadable_metrics_lines"] = unreadable
             print_json(payload)
             _exit_if_damaged(status, verify)
             return
         console.print(status_table(status))
+        unreadable = status.unreadable_metrics_lines
         if unreadable:
             shown = ", ".join(map(str, unreadable[:5])) + (", ..." if len(unreadable) > 5 else "")
             console.print(f"[yellow]warning:[/] {status.path / 'metrics.jsonl'}: "
@@ -61,7 +59,7 @@ def register(app: typer.Typer) -> None:
         _exit_if_damaged(status, verify)
 
 
-def _exit_if_damaged(status, verify: bool) -> None:
+def _exit_if_damaged(status: RunStatus, verify: bool) -> None:
     """With --verify, a checkpoint that fails its hashes ends the command with exit 2 (a damaged
     artifact, as everywhere: `errors.ArtifactError`), so that a script checking a run's health
     sees it (the table or JSON above says which)."""

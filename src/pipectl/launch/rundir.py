@@ -45,7 +45,7 @@ from pipectl.launch.engines import LaunchCommand, launch_script
 from pipectl.launch.processes import find_run_processes
 from pipectl.planfile import copy_plan
 from pipectl.runtime.checkpoint import CheckpointInfo, list_checkpoints, read_events, staging_leftovers
-from pipectl.runtime.metrics import PredictionSummary, prediction_summary, read_metrics
+from pipectl.runtime.metrics import PredictionSummary, prediction_summary, read_metrics, read_metrics_and_unreadable
 
 
 @dataclass(frozen=True)
@@ -317,6 +317,7 @@ class RunStatus:
     layouts: list[str]  # distinct layouts seen in metrics, in order (resizes show up here)
     staging: list[Path] = field(default_factory=list)  # checkpoints/.staging: saves running, or left by dead ones
     checkpoint_events: list[CheckpointEvent] = field(default_factory=list)  # logs/checkpoints.jsonl
+    unreadable_metrics_lines: list[int] = field(default_factory=list)  # of metrics.jsonl, skipped
 
     @property
     def steps_done(self) -> int:
@@ -363,6 +364,7 @@ class RunStatus:
             "first_loss": self.metrics[0].loss if self.metrics else None,
             "samples_per_second": self.metrics[-1].samples_per_second if self.metrics else None,
             "layouts": self.layouts,
+            "unreadable_metrics_lines": self.unreadable_metrics_lines,
             "prediction": None if self.prediction is None else {
                 "steps_compared": self.prediction.steps,
                 "median_measured_step_seconds": self.prediction.median_measured_seconds,
@@ -381,7 +383,7 @@ class RunStatus:
 def run_status(run_dir: str | os.PathLike[str], *, verify_hashes: bool = False) -> RunStatus:
     """Read a run's job, plan, metrics and checkpoints (hashing every file only if asked)."""
     files = read_run(run_dir)
-    metrics = read_metrics(files.path)
+    metrics, unreadable = read_metrics_and_unreadable(files.path)
     layouts: list[str] = []
     for m in metrics:
         if m.layout and (not layouts or layouts[-1] != m.layout):
@@ -407,4 +409,5 @@ def run_status(run_dir: str | os.PathLike[str], *, verify_hashes: bool = False) 
         layouts=layouts,
         staging=staging_leftovers(files.path),
         checkpoint_events=read_events(files.path),
+        unreadable_metrics_lines=unreadable,
     )

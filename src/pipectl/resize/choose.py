@@ -137,6 +137,10 @@ def replanner(plan: Plan, plan_dir: str | os.PathLike[str]) -> Replanner:
     return functools.partial(replan_for_devices, plan, plan_dir=Path(plan_dir))
 
 
+# The request's pinned degrees, by the letter a note names them with.
+PINNED_DEGREES = {"tensor_parallel": "t", "pipeline_parallel": "p", "data_parallel": "d"}
+
+
 def replan_for_devices(plan: Plan, devices: int, *, plan_dir: Path) -> MorphEntry:
     """Re-plan for exactly `devices` from the plan's own request (every constraint kept: schedules,
     recomputation, pinned degrees, ZeRO stages), its profile (the verified copy in `plan_dir`) and
@@ -176,10 +180,6 @@ def replan_for_devices(plan: Plan, devices: int, *, plan_dir: Path) -> MorphEntr
         f"the best plan that keeps B = {plan.global_batch} uses {replanned.chosen.devices} of {devices} devices"
     )
     return MorphEntry(devices=devices, candidate=replanned.chosen, note=_joined(unpinned, note))
-
-
-# The request's pinned degrees, by the letter a note names them with.
-PINNED_DEGREES = {"tensor_parallel": "t", "pipeline_parallel": "p", "data_parallel": "d"}
 
 
 def _joined(*notes: str) -> str:

@@ -60,44 +60,40 @@ def parse_metrics_lines(lines: list[str]) -> list[StepMetrics]:
 
     The last occurrence of a step wins; the result is sorted by step.
     """
+    return _parse_metrics(lines, last_line_whole=False)[0]
+
+
+def _parse_metrics(lines: list[str], *, last_line_whole: bool) -> tuple[list[StepMetrics], list[int]]:
+    """`parse_metrics_lines`, and the numbers of the lines skipped as not step records; a bad last
+    line counts among them only if `last_line_whole` (its newline was read, so it is not torn)."""
     by_step: dict[int, StepMetrics] = {}
+    unreadable: list[int] = []
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
             metrics = StepMetrics.model_validate(json.loads(line))
         except (json.JSONDecodeError, ValidationError) as exc:
-            if number != len(lines):
+            if number != len(lines) or last_line_whole:
                 log.warning("metrics line %d skipped: %s", number, exc)
+                unreadable.append(number)
             continue
         by_step[metrics.step] = metrics
-    return [by_step[s] for s in sorted(by_step)]
+    return [by_step[s] for s in sorted(by_step)], unreadable
 
 
 def read_metrics(run_dir: str | os.PathLike[str]) -> list[StepMetrics]:
     """All steps recorded so far (empty if the job has not finished a step)."""
-    path = Path(run_dir) / METRICS_FILE
-    if not path.is_file():
-        return []
-    return parse_metrics_lines(path.read_text().splitlines())
+    return read_metrics_and_unreadable(run_dir)[0]
 
 
-def unreadable_metrics_lines(run_dir: str | os.PathLike[str]) -> list[int]:
-    """The numbers of metrics.jsonl's whole lines that are not step records (`read_metrics` skips
-    them); a last line without its newline is one the job may still be writing, not counted."""
+def read_metrics_and_unreadable(run_dir: str | os.PathLike[str]) -> tuple[list[StepMetrics], list[int]]:
+    """`read_metrics`, and the numbers of metrics.jsonl's whole lines it skipped (not step records)."""
     path = Path(run_dir) / METRICS_FILE
     if not path.is_file():
-        return []
-    whole = path.read_text(errors="replace").split("\n")[:-1]  # the part after the last newline is torn
-    bad = []
-    for number, line in enumerate(whole, start=1):
-        if not line.strip():
-            continue
-        try:
-            StepMetrics.model_validate(json.loads(line))
-        except (json.JSONDecodeError, ValidationError):
-            bad.append(number)
-    return bad
+        return [], []
+    text = path.read_text()
+    return _parse_metrics(text.splitlines(), last_line_whole=text.endswith("\n"))
 
 
 class MetricsTail:
