@@ -155,12 +155,24 @@ def local_cluster(devices: int, base: ClusterSpec | None = None) -> ClusterSpec:
     return cluster.model_copy(update={"node_types": [node_type]})
 
 
+def cluster_file(name_or_path: str | os.PathLike[str]) -> str | None:
+    """The absolute path of a cluster given as a YAML file, recorded once when given (`Plan.cluster_file`);
+    None for a shipped name."""
+    path = Path(name_or_path).expanduser()
+    return str(path.resolve()) if path.is_file() else None
+
+
+def plan_cluster_source(plan: Plan) -> str:
+    """What a plan's cluster is read from: its YAML file by absolute path, else its shipped name."""
+    return plan.cluster_file or plan.cluster
+
+
 def plan_cluster_spec(plan: Plan) -> ClusterSpec:
     """The cluster a plan was made for: its cluster file, and for the local cluster as many CPU
     ranks as the plan was made for (`plan --devices`) or its layout uses, whichever is more (a
     plan resized onto more ranks than it was made for). Re-pricing a local plan of four ranks on
     the file's default of two would put two of them on another node."""
-    cluster = load_cluster(plan.cluster)
+    cluster = load_cluster(plan_cluster_source(plan))
     if not cluster.local:
         return cluster
     devices = max(plan.request.devices or cluster.total_devices, plan.chosen.devices)

@@ -4,6 +4,8 @@ Hugging Face model directory."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from pipectl.errors import UserInputError
@@ -39,8 +41,9 @@ def resolve_config(name_or_path: str | os.PathLike[str], kind: str) -> Path:
     )
 
 
-# Set by `pipectl launch` for every rank: the folder the user launched from, where a user model
-# factory (`package.module:factory`) is imported from (ranks run inside the run directory).
+# Set for every rank from the job's `import_root`: the folder the run was first launched from, where
+# a user's model or dataset factory (`package.module:function`) is imported from (ranks run inside
+# the run directory; a resume or resize may run anywhere).
 MODEL_PATH_VARIABLE = "PIPECTL_MODEL_PATH"
 
 
@@ -49,6 +52,25 @@ def factory_search_path() -> list[str]:
     folders = [os.environ[MODEL_PATH_VARIABLE]] if os.environ.get(MODEL_PATH_VARIABLE) else []
     folders.append(os.getcwd())
     return list(dict.fromkeys(folders))
+
+
+@contextmanager
+def import_root(folder: str | os.PathLike[str] | None) -> Iterator[None]:
+    """Resolve factories from `folder`, as a rank of a job launched from there does (the rank's
+    `PIPECTL_MODEL_PATH`); None changes nothing. The launch pre-flight builds the model and the
+    dataset under it, so that what passes here is what the ranks will import."""
+    if folder is None:
+        yield
+        return
+    before = os.environ.get(MODEL_PATH_VARIABLE)
+    os.environ[MODEL_PATH_VARIABLE] = str(folder)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(MODEL_PATH_VARIABLE, None)
+        else:
+            os.environ[MODEL_PATH_VARIABLE] = before
 
 
 HF_PREFIX = "hf:"  # a Hugging Face model directory: hf:PATH (models/hf.py)
@@ -68,13 +90,20 @@ def hf_model_dir(reference: str) -> Path:
 
 
 def stored_reference(reference: str) -> str:
-    """The model reference to record in a profile or a job: as given, except that a Hugging Face
-    directory becomes absolute (ranks run inside the run directory, elsewhere).
+    """The model reference to record in a profile, a plan or a job: a path made absolute once, when
+    given (a Hugging Face directory, a YAML file), so that it names the same file from wherever it
+    is read later (ranks run inside the run directory; `resize`, `launch --resume` and `status` run
+    anywhere). A shipped name and a `package.module:factory` stay as given: the factory is
+    imported from the job's `import_root`. A YAML file by path wins over a shipped name of the same
+    spelling, as `resolve_config` has it.
 
         >>> stored_reference("gpt-tiny")
         'gpt-tiny'
     """
-    return HF_PREFIX + str(hf_model_dir(reference)) if reference.startswith(HF_PREFIX) else reference
+    if reference.startswith(HF_PREFIX):
+        return HF_PREFIX + str(hf_model_dir(reference))
+    path = Path(reference).expanduser()
+    return str(path.resolve()) if path.is_file() else reference
 
 
 HF_TOKENIZER_FILE = "tokenizer.json"

@@ -100,10 +100,12 @@ def test_a_model_profiled_from_a_yaml_path_launches_without_naming_it_again(tmp_
     (tmp_path / "models" / "my-gpt.yaml").write_text(config)
     made = invoke("profile", "models/my-gpt.yaml", "--derive", "--device", "cpu", "-b", "1,2", "-o", "profile.json")
     assert made.exit_code == 0, made.output
-    assert json.loads((tmp_path / "profile.json").read_text())["model_reference"] == "models/my-gpt.yaml"
+    # Recorded absolute, once, when given: ranks start in the run directory, resize and resume anywhere.
+    absolute = str((tmp_path / "models" / "my-gpt.yaml").resolve())
+    assert json.loads((tmp_path / "profile.json").read_text())["model_reference"] == absolute
     planned = invoke("plan", "--profile", "profile.json", "--cluster", "local", "--devices", "2", "--global-batch", "8",
                      "-o", "plan.json", "--no-morph")  # fmt: skip
     assert planned.exit_code == 0, planned.output
     launched = invoke("launch", "plan.json", "--run-dir", "run", "--dry-run", "--json")
     assert launched.exit_code == 0, launched.output
-    assert json.loads(launched.output)["job"]["model"] == "models/my-gpt.yaml"
+    assert json.loads(launched.output)["job"]["model"] == absolute

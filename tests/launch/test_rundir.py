@@ -11,7 +11,7 @@ import yaml
 from pipectl.artifacts.plan import Candidate, Plan
 from pipectl.artifacts.run import DataKind, DataSpec, Engine, StepMetrics
 from pipectl.errors import UserInputError
-from pipectl.launch import LaunchOptions, build_job, prepare_launch
+from pipectl.launch import LaunchOptions, build_job, check_data, prepare_launch
 from pipectl.launch.rundir import prepare_run_dir, read_run, run_status
 from pipectl.runtime.metrics import MetricsWriter
 from pipectl.schedule.ir import ScheduleKind
@@ -152,7 +152,7 @@ def test_job_options_are_checked(tmp_path):
     with pytest.raises(UserInputError, match="exceeds --steps"):
         build_job(tiny_plan(), "r", LaunchOptions(steps=3, checkpoint_every=5))
     with pytest.raises(UserInputError, match="data file not found"):
-        build_job(tiny_plan(), "r", LaunchOptions(data=DataSpec(kind=DataKind.FILE, path=str(tmp_path / "no.bin"))))
+        check_data(tiny_plan(), DataSpec(kind=DataKind.FILE, path=str(tmp_path / "no.bin")), "gpt-tiny")
     with pytest.raises(UserInputError, match="evenly over 3 nodes"):
         build_job(tiny_plan(), "r", LaunchOptions(engine=Engine.TORCHRUN, nodes=3))
 

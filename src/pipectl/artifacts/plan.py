@@ -497,6 +497,11 @@ class Plan(Artifact):
         "plan.json like `profile`; a re-plan prices each kind with its own.",
     )
     cluster: str = Field(description="Cluster name.")
+    cluster_file: str | None = Field(
+        default=None,
+        description="The cluster YAML's absolute path when `plan --cluster` named a file (not a shipped name): "
+        "what `launch`, `resize` and `simulate` read the cluster from, from any directory.",
+    )
     request: PlanRequest = Field(description="The whole request; every re-plan (resize, elastic) starts from it.")
     chosen: Candidate
     candidates: list[Candidate] = Field(default_factory=list, description="Ranked feasible candidates.")

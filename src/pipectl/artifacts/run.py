@@ -188,7 +188,21 @@ class JobSpec(Artifact):
 
     schema_version: Literal[1] = 1
     name: str = Field(description="Run name (the run directory's name).")
-    model: str = Field(description="Model reference for pipectl.models.build_model: name, YAML or module:factory.")
+    model: str = Field(
+        description="Model reference for pipectl.models.build_model: a shipped name, an absolute YAML path, "
+        "hf:ABSOLUTE-DIR or package.module:factory (imported from `import_root`)."
+    )
+    import_root: str | None = Field(
+        default=None,
+        description="Absolute folder a model or dataset factory (package.module:function) is imported from: the "
+        "directory the run was first launched from, kept by every resume and resize so that they work from any "
+        "directory. None in files written before it was recorded: the directory the command runs in.",
+    )
+    as_given: dict[str, str] = Field(
+        default_factory=dict,
+        description="The model and data as the user typed them (`mine.yaml`, `corpus.txt`), beside the absolute "
+        "references the ranks use; for people.",
+    )
     steps: int = Field(gt=0, description="Optimizer steps to train in total (a resumed run stops here too).")
     checkpoint_every: int = Field(
         default=0, ge=0, description="Checkpoint every K optimizer steps; 0 = only at the end (and on SIGTERM)."

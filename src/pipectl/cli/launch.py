@@ -36,11 +36,10 @@ from pipectl.launch import (
 )
 from pipectl.launch.engines import ENGINE_LOG, JobEnded
 from pipectl.launch.placement import placement_note
-from pipectl.paths import hf_tokenizer_file
 from pipectl.launch.rundir import check_steps_beyond_trained, is_run_dir, run_files, run_status
 from pipectl.report.run_tables import failure_report, status_table
 from pipectl.resize.replicas import read_recovery, recovery_line
-from pipectl.runtime.checkpoint import read_events
+from pipectl.runtime.checkpoint import has_checkpoint, read_events
 from pipectl.runtime.dsconfig import check_schedule
 from pipectl.runtime.failure import read_failures, read_resume, resume_lines
 from pipectl.runtime.liveness import StallWatch, job_collective_timeout_seconds, read_heartbeats, stopped_cleanly
@@ -236,27 +235,13 @@ def register(app: typer.Typer) -> None:
         ] = None,
         json_output: JsonFlag = False,
     ) -> None:
-        """Run a plan inside DeepSpeed's pipeline engine, with checkpoints and metrics."""
+        """Run a plan inside DeepSpeed's pipeline engine (a plan for engine torch: PyTorch's pipelining
+        runtime), with checkpoints and metrics."""
         plan = load_model(Plan, plan_path)
         check_schedule(plan.chosen)  # before anything else: a 2BW plan is another optimizer
         if resume and not is_run_dir(run_dir):  # checked here too: a dry run never reaches prepare_run_dir
             raise UserInputError(f"cannot resume {run_dir}: no such run (it holds no job.json)")
-        data_spec = parse_data(data)
-        if data_spec.path is not None:
-            # numpy and torch: only when a file is given, so the CLI starts without them
-            from pipectl.runtime.data import check_token_file
-
-            tokenizer = hf_tokenizer_file(model or plan.model_reference)
-            check_token_file(data_spec.path, plan.model_shape.seq_len, plan.model_shape.vocab, tokenizer=tokenizer)
-        elif data_spec.reference is not None:
-            from pipectl.runtime.data import check_dataset
-
-            check_dataset(data_spec.reference)
-        elif data_spec.kind is DataKind.BUILTIN and plan.model_shape.vocab is not None and plan.model_shape.vocab < 256:
-            raise UserInputError(
-                f"the built-in corpus is bytes, and the model's vocabulary is {plan.model_shape.vocab} (fewer than 256)",
-                hint="give --data a token file, a text file the model's tokenizer covers, a dataset, or synthetic",
-            )
+        data_spec = parse_data(data)  # checked against the model in `prepare_launch`, as the ranks will read it
         every_steps, every_seconds, every_auto = parse_checkpoint_interval(checkpoint_every)
         elastic_range = parse_elastic(elastic) if elastic else None
         if elastic_range is not None and engine is not Engine.TORCHRUN:
@@ -293,6 +278,10 @@ def register(app: typer.Typer) -> None:
             force=force,
             change_global_batch=change_global_batch,
             collective_timeout=collective_timeout,
+            as_given={
+                **({"model": model} if model else {}),
+                **({"data": data} if data_spec.kind is not DataKind.BUILTIN else {}),
+            },
         )
         # A resume continues the run: what the user did not pass keeps the run's value.
         passed = {
@@ -387,9 +376,21 @@ def _failure(
     prepared: PreparedLaunch, started: float, progress: str, watch: StallWatch, *, log_tail: bool = False
 ) -> LaunchError:
     """The error for a job that failed or was ended: first the ranks that went silent (the ones
-    their peers waited for), then what the ranks' own failure records say; with `log_tail` and no
-    record, the engine log's last lines go to stderr first."""
-    run_dir = prepared.run_dir
+    their peers waited for), then `job_failure`'s account."""
+    silent = watch.lines()
+    if silent:
+        waited = "; the other ranks waited for it" if len(silent) == 1 else "; the other ranks waited for them"
+        silent[-1] += waited
+    return job_failure(prepared.run_dir, started, progress, before=silent, log_tail=log_tail, go_on="resume with --resume")
+
+
+def job_failure(
+    run_dir: Path, started: float, progress: str, *, go_on: str, before: list[str] = (), log_tail: bool = False
+) -> LaunchError:
+    """The error for a job (`launch`'s or `resize`'s) whose ranks failed: what the ranks' own
+    failure records say (the first one's exception), a replica lost for good, then `progress`;
+    the hint says how to go on (`go_on`) only where a checkpoint exists to go on from. With
+    `log_tail` and no record, the engine log's last lines go to stderr first."""
     logs = f"full traceback in {run_dir / LOGS_DIR / ENGINE_LOG}"
     failures = read_failures(run_dir, since_unix=started - 1.0)
     tail = _engine_log_tail(run_dir) if log_tail and not failures else ""
@@ -398,13 +399,12 @@ def _failure(
     failed, advice = failure_report(failures)
     recovery = read_recovery(run_dir, since_unix=started - 1.0)
     lost = [recovery_line(recovery)] if recovery is not None and not recovery.recovered else []
-    silent = watch.lines()
-    if silent:
-        waited = "; the other ranks waited for it" if len(silent) == 1 else "; the other ranks waited for them"
-        silent[-1] += waited
-    message = "\n".join([*silent, *([failed] if failed else []), *lost, progress])
-    hint = f"{advice}; {logs}" if advice else f"{logs}; resume with --resume"
-    return LaunchError(message, hint=hint)
+    message = "\n".join([*before, *([failed] if failed else []), *lost, progress])
+    if advice:
+        go_on = advice
+    elif not has_checkpoint(run_dir):
+        go_on = "no checkpoint was written: fix the cause and launch again with --force"
+    return LaunchError(message, hint=f"{go_on}; {logs}")
 
 
 def _run_with_progress(

@@ -17,7 +17,7 @@ from pipectl.artifacts.base import INT64_MAX
 from pipectl.artifacts.plan import Engine, Objective, PlanRequest, RecomputeChoice
 from pipectl.artifacts.profile import ModelProfile
 from pipectl.cli.context import JsonFlag, OutputPath, console, from_options, print_json, refuse_overwriting
-from pipectl.cluster import load_cluster, local_cluster
+from pipectl.cluster import cluster_file, load_cluster, local_cluster
 from pipectl.errors import UserInputError
 from pipectl.io import load_model
 from pipectl.plan.search import plan
@@ -114,7 +114,7 @@ def plan_command(
     deadline_hours: Annotated[Optional[float], typer.Option("--deadline-hours", help="cost-deadline: hours available.")] = None,
     samples: Annotated[Optional[str], typer.Option("--samples", help="cost-deadline: samples to train on (e.g. 150M).")] = None,
     tokens: Annotated[Optional[str], typer.Option("--tokens", help="cost-deadline: tokens to train on (e.g. 300B, 3e11; K, M, B, T decimal).")] = None,
-    schedules: Annotated[Optional[str], typer.Option("--schedules", help="Comma list: 1f1b,gpipe,interleaved,varuna,2bw.")] = None,
+    schedules: Annotated[Optional[str], typer.Option("--schedules", help=f"Comma list of {', '.join(k.value for k in ScheduleKind)} (default: 1f1b, gpipe, interleaved, varuna; engine torch adds zb-h1; 2bw and zbv only when listed).")] = None,
     max_tensor_parallel: Annotated[Optional[int], typer.Option("--max-tensor-parallel", help="Largest t to try.")] = None,
     pipeline_parallel: Annotated[Optional[int], typer.Option("--pipeline-parallel", help="Pin p.")] = None,
     tensor_parallel: Annotated[Optional[int], typer.Option("--tensor-parallel", help="Pin t.")] = None,
@@ -219,9 +219,10 @@ def plan_command(
         morph=not no_morph,
         workers=workers,
     )
+    made = plan(profiles[0], cluster_spec, request, kind_profiles=profiles[1:])
     result = write_plan(
         output,
-        plan(profiles[0], cluster_spec, request, kind_profiles=profiles[1:]),
+        made.model_copy(update={"cluster_file": cluster_file(cluster)}),
         profile_file=profile[0],
         kind_profile_files=profile[1:],
     )

@@ -12,8 +12,9 @@ from typing import Annotated, Optional
 import typer
 
 from pipectl.cli.context import JsonFlag, console, err_console, print_json, training_progress
+from pipectl.cli.launch import job_failure
 from pipectl.artifacts.base import INT64_MAX
-from pipectl.errors import LaunchError, UserInputError
+from pipectl.errors import UserInputError
 from pipectl.artifacts.run import Engine
 from pipectl.launch.rundir import read_run, run_status
 from pipectl.report.run_tables import decision_table, morph_history_table, status_table
@@ -130,9 +131,13 @@ def register(app: typer.Typer) -> None:
             scancel=scancel,
         )
         if result.exit_code not in (None, 0):
-            raise LaunchError(
-                f"the resized job exited with code {result.exit_code}",
-                hint=f"logs: {result.run_dir / 'logs'}; resize again or launch --resume",
+            done = run_status(result.run_dir).steps_done
+            raise job_failure(
+                result.run_dir,
+                requested_unix,
+                f"the resized job exited with code {result.exit_code} after {done} of {decision.target_steps} steps",
+                go_on=f"fix the cause, then resize again (pipectl resize {run_dir} --devices {devices})",
+                log_tail=not json_output,
             )
         if json_output:
             print_json(result.to_dict())

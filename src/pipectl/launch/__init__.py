@@ -25,7 +25,7 @@ from pipectl.artifacts.cluster import ClusterSpec, SlurmSpec
 from pipectl.artifacts.layout import layout_label
 from pipectl.artifacts.plan import Candidate, Plan
 from pipectl.artifacts.profile import ModelProfile
-from pipectl.artifacts.run import DataSpec, ElasticRange, Engine, JobSpec, LrSchedule, NodeGroup, Precision, TrainingSettings
+from pipectl.artifacts.run import DataKind, DataSpec, ElasticRange, Engine, JobSpec, LrSchedule, NodeGroup, Precision, TrainingSettings
 from pipectl.cluster import load_cluster, plan_cluster_spec
 from pipectl.errors import PipectlError, UserInputError
 from pipectl.io import load_model, validation_message
@@ -43,7 +43,7 @@ from pipectl.launch.rundir import (
 )
 from pipectl.runtime.checkpoint import recover_staged, resume_point
 from pipectl.runtime.dsinit import free_port
-from pipectl.paths import stored_reference
+from pipectl.paths import hf_tokenizer_file, import_root, stored_reference
 from pipectl.planfile import plan_profile_path
 from pipectl.words import count
 
@@ -86,6 +86,9 @@ class LaunchOptions:
     force: bool = False
     change_global_batch: bool = False  # with resume: a plan with another B is meant (recorded in job.json)
     collective_timeout: float | None = None  # seconds; None: the default for the plan (runtime/liveness.py)
+    # Where a factory is imported from: the directory of the first launch (a resume keeps the run's).
+    import_root: str | None = None  # default: this process's working directory
+    as_given: dict[str, str] = field(default_factory=dict)  # the model and data as typed (job.json's `as_given`)
 
 
 # LaunchOptions fields a resume takes from the run when the user did not pass them.
@@ -93,7 +96,7 @@ RESUMED_FIELDS = (
     "engine", "model", "steps", "checkpoint_every", "checkpoint_every_seconds", "checkpoint_auto", "mtbf_hours",
     "keep_checkpoints", "seed", "data", "precision",
     "learning_rate", "weight_decay", "gradient_clipping", "lr_schedule", "warmup_steps", "ds_config_overlay",
-    "elastic", "recover_in_memory", "nodes", "master_addr", "collective_timeout",
+    "elastic", "recover_in_memory", "nodes", "master_addr", "collective_timeout", "import_root",
 )  # fmt: skip
 
 
@@ -141,11 +144,12 @@ def resumed_options(
         "gradient_clipping": training.gradient_clipping, "lr_schedule": training.lr_schedule,
         "warmup_steps": training.warmup_steps, "ds_config_overlay": job.ds_config_overlay,
         "elastic": job.elastic, "nodes": job.nodes, "master_addr": job.master_addr,
-        "collective_timeout": job.collective_timeout_seconds,
+        "collective_timeout": job.collective_timeout_seconds, "import_root": job.import_root,
         # kept while the new plan still has replicas to recover from (a recovery may have left one)
         "recover_in_memory": job.recover_in_memory and (plan is None or plan.chosen.data_parallel > 1),
     }  # fmt: skip
-    return replace(options, **{name: kept[name] for name in RESUMED_FIELDS if name not in passed})
+    as_given = {**job.as_given, **options.as_given}  # what this resume names anew replaces the run's
+    return replace(options, as_given=as_given, **{name: kept[name] for name in RESUMED_FIELDS if name not in passed})
 
 
 def run_training(job: JobSpec, ds_config: dict[str, Any]) -> TrainingSettings:
@@ -223,6 +227,29 @@ def check_model(plan: Plan, model_reference: str) -> None:
     # Every distinct block split as the ranks will split it, on the meta device (heads, key/value
     # heads and widths t divides; no dropout in a Hugging Face layer): refused before any rank starts.
     check_tensor_parallel(model, [plan.chosen.tensor_parallel])
+
+
+def check_data(plan: Plan, data: DataSpec, model_reference: str) -> None:
+    """The training data must be readable as the ranks will read it, and fit the model: a token or
+    text file's ids inside the vocabulary and a sample of seq_len + 1 tokens, a dataset's first
+    sample collated (its code runs here too), and the built-in byte corpus only for a vocabulary
+    of 256 or more."""
+    vocab = plan.model_shape.vocab
+    if data.path is not None:
+        from pipectl.runtime.data import check_token_file  # numpy and torch: only when a file is given
+
+        if not Path(data.path).is_file():
+            raise UserInputError(f"data file not found: {data.path}")
+        check_token_file(data.path, plan.model_shape.seq_len, vocab, tokenizer=hf_tokenizer_file(model_reference))
+    elif data.reference is not None:
+        from pipectl.runtime.data import check_dataset
+
+        check_dataset(data.reference)
+    elif data.kind is DataKind.BUILTIN and vocab is not None and vocab < 256:
+        raise UserInputError(
+            f"the built-in corpus is bytes, and the model's vocabulary is {vocab} (fewer than 256)",
+            hint="give --data a token file, a text file the model's tokenizer covers, a dataset, or synthetic",
+        )
 
 
 # A profile's dtype -> the precision a run trains in.
@@ -427,17 +454,19 @@ def build_job(plan: Plan, name: str, options: LaunchOptions, cluster: ClusterSpe
         )
     if options.recover_in_memory:
         check_recoverable(plan.chosen, options.engine, groups)
-    if options.data.path is not None and not Path(options.data.path).is_file():
-        raise UserInputError(f"data file not found: {options.data.path}")
     if options.checkpoint_every > options.steps:
         raise UserInputError(
             f"--checkpoint-every {options.checkpoint_every} exceeds --steps {options.steps}",
             hint="the run checkpoints at the end anyway; use a smaller K or 0",
         )
+    model_given = options.model or plan.model_reference or plan.model
+    as_given = {"model": model_given, **options.as_given}
     try:
         return JobSpec(
             name=name,
-            model=stored_reference(options.model or plan.model_reference or plan.model),
+            model=stored_reference(model_given),
+            import_root=options.import_root or os.getcwd(),
+            as_given=as_given,
             steps=options.steps,
             checkpoint_every=options.checkpoint_every,
             checkpoint_every_seconds=options.checkpoint_every_seconds,
@@ -504,7 +533,9 @@ def prepare_launch(
         options = replace(options, hosts=deepspeed_hosts(options))
     cluster = plan_cluster(plan, options.cluster)
     job = build_job(plan, path.name, options, cluster)
-    check_model(plan, job.model)
+    with import_root(job.import_root):  # the model and the data resolved as the ranks will resolve them
+        check_model(plan, job.model)
+        check_data(plan, job.data, job.model)
     ds_config = validated_config(
         plan, precision=job.precision, training=job.training, total_steps=job.steps, overlay=job.ds_config_overlay
     )

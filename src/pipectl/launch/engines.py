@@ -71,11 +71,12 @@ class LaunchCommand:
         return f"{env} {cmd}" if env else cmd
 
 
-def rank_environment(*, gpus: bool) -> dict[str, str]:
+def rank_environment(*, gpus: bool, import_root: str | None = None) -> dict[str, str]:
     """Variables every rank needs: one OpenMP thread (2 threads made 20 steps 5x slower on 2 cores),
     DeepSpeed's CPU accelerator when there is no GPU (silences its auto-detection warning), and the
-    folder `pipectl launch` ran in, where a user's `package.module:factory` model is imported from
-    (ranks run inside the run directory). `PYTHONSAFEPATH` (Python 3.11+) keeps `python -m` from
+    folder a user's `package.module:factory` model is imported from: the job's `import_root`, the
+    folder the run was first launched from (ranks run inside the run directory, and a resume or a
+    resize may be started from anywhere); this process's directory for a job without one. `PYTHONSAFEPATH` (Python 3.11+) keeps `python -m` from
     putting the working directory, the run directory, first on `sys.path`: a file planted there
     (a `torch.py`) is never imported.
 
@@ -87,7 +88,7 @@ def rank_environment(*, gpus: bool) -> dict[str, str]:
     where allocated was 3.5 % above it); expandable segments grow one mapping instead (PyTorch's
     CUDA memory notes, "Optimizing memory usage with PYTORCH_CUDA_ALLOC_CONF").
     """
-    env = {"OMP_NUM_THREADS": "1", "PYTHONSAFEPATH": "1", MODEL_PATH_VARIABLE: os.getcwd()}
+    env = {"OMP_NUM_THREADS": "1", "PYTHONSAFEPATH": "1", MODEL_PATH_VARIABLE: import_root or os.getcwd()}
     if gpus:
         env[ALLOCATOR_VARIABLE] = os.environ.get(ALLOCATOR_VARIABLE, EXPANDABLE_SEGMENTS)
     else:
@@ -113,7 +114,7 @@ def local_command(job: JobSpec, run_dir: Path, *, python: str = sys.executable, 
         argv = [python, "-m", REPLICAS_MODULE, "--run-dir", str(run_dir)]
     else:
         argv = standalone_torchrun(python, job.world_size, run_dir)
-    return LaunchCommand(Engine.LOCAL, argv, rank_environment(gpus=gpus))
+    return LaunchCommand(Engine.LOCAL, argv, rank_environment(gpus=gpus, import_root=job.import_root))
 
 
 def standalone_torchrun(python: str, ranks: int, run_dir: Path) -> list[str]:
@@ -135,7 +136,7 @@ def torchrun_command(
 
     Run the same command on every node (each is one agent with `ranks_per_node` workers).
     """
-    env = rank_environment(gpus=gpus)
+    env = rank_environment(gpus=gpus, import_root=job.import_root)
     argv = [python, "-m", "torch.distributed.run"]
     if job.elastic is not None:
         argv += [
@@ -216,7 +217,7 @@ def deepspeed_command(
         "--module", WORKER_MODULE,
         "--run-dir", str(run_dir),
     ]  # fmt: skip
-    env = rank_environment(gpus=gpus)
+    env = rank_environment(gpus=gpus, import_root=job.import_root)
     return LaunchCommand(
         Engine.DEEPSPEED,
         argv,
@@ -286,7 +287,7 @@ def slurm_script(
             "#SBATCH --signal=TERM@120",
         ]  # fmt: skip
 
-    env = rank_environment(gpus=gpus)
+    env = rank_environment(gpus=gpus, import_root=job.import_root)
     if slurm.network_interface:
         env.update(NCCL_SOCKET_IFNAME=slurm.network_interface, GLOO_SOCKET_IFNAME=slurm.network_interface)
     if job.elastic:

@@ -1,8 +1,9 @@
 """Which layout a job gets on N devices: a morph-table look-up, a re-plan only when the table lacks N.
 
-The global batch B never changes (SPEC §1, §7). When B cannot be split over N devices (e.g.
-B = 8 on 3 devices: no d·b·m = 8 with t·p·d = 3 fits), the planner's morph-table entry for N
-holds the best plan that keeps B on *fewer* devices; the choice says so in its notes.
+The global batch B never changes (docs/design.md, 'The global batch' and 'Resize and recovery').
+When no layout on exactly N devices keeps B and fits in memory (or one on fewer devices is
+faster), the planner's morph-table entry for N holds the best plan on *fewer* devices; the
+choice says so in its notes.
 
     >>> from pipectl.artifacts.plan import Candidate, ModelShape, MorphEntry, Plan, PlanRequest
     >>> def cand(p, d, m):
@@ -32,7 +33,7 @@ from typing import Callable, Literal
 
 from pipectl.artifacts.plan import Candidate, MorphEntry, Plan
 from pipectl.artifacts.run import PLAN_FILE
-from pipectl.cluster import load_cluster, local_cluster
+from pipectl.cluster import load_cluster, local_cluster, plan_cluster_source
 from pipectl.errors import InfeasibleError, UserInputError
 from pipectl.plan.search import plan as search_plan
 from pipectl.planfile import load_kind_profiles, load_plan_profile
@@ -64,7 +65,7 @@ def cluster_capacity(plan: Plan) -> int | None:
     """Devices the plan's cluster has, or None when it has no fixed size (the local cluster: any
     number of CPU ranks) or its description cannot be read any more."""
     try:
-        cluster = load_cluster(plan.cluster)
+        cluster = load_cluster(plan_cluster_source(plan))
     except UserInputError:
         return None
     return None if cluster.local else cluster.total_devices
@@ -157,7 +158,7 @@ def replan_for_devices(plan: Plan, devices: int, *, plan_dir: Path) -> MorphEntr
         )
     profile = load_plan_profile(plan_dir / PLAN_FILE, plan)
     kind_profiles = load_kind_profiles(plan_dir / PLAN_FILE, plan)
-    cluster = load_cluster(plan.cluster)
+    cluster = load_cluster(plan_cluster_source(plan))
     if cluster.local:
         cluster = local_cluster(devices, base=cluster)
     request = plan.request.model_copy(update={"devices": devices})

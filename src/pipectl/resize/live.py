@@ -221,7 +221,7 @@ def _start_joiners(path: Path, job, ranks: range) -> list[subprocess.Popen]:
     for rank in ranks:
         env = {
             **os.environ,
-            **rank_environment(gpus=False),
+            **rank_environment(gpus=False, import_root=job.import_root),
             "RANK": str(rank),
             "LOCAL_RANK": str(rank),
             "WORLD_SIZE": str(job.world_size),

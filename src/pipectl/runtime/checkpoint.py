@@ -203,6 +203,13 @@ def find_latest_verified(
     return None, warnings
 
 
+def has_checkpoint(run_dir: str | os.PathLike[str]) -> bool:
+    """Whether the run committed a checkpoint (verified or not): something `--resume` starts from,
+    or refuses with the checkpoints' problems (`resume_point`), rather than a run that never got
+    that far and can only start over."""
+    return any((c.path / MANIFEST_FILE).is_file() for c in list_checkpoints(run_dir))
+
+
 def resume_point(
     run_dir: str | os.PathLike[str], *, load_check: bool = False
 ) -> tuple[CheckpointInfo | None, list[str]]:
@@ -214,7 +221,7 @@ def resume_point(
     steps they hold: that is refused, with every checkpoint's problems, never done silently.
     """
     info, warnings = find_latest_verified(run_dir, load_check=load_check)
-    if info is None and any((c.path / MANIFEST_FILE).is_file() for c in list_checkpoints(run_dir)):
+    if info is None and has_checkpoint(run_dir):
         raise CheckpointError(
             f"no checkpoint of {Path(run_dir)} can be loaded: " + "; ".join(warnings),
             hint="restore a good checkpoint, or start over deliberately with pipectl launch --force",
