@@ -7,6 +7,8 @@ from __future__ import annotations
 import errno
 import os
 import sys
+import typing
+from pathlib import PurePath
 
 import typer
 from rich.markup import escape
@@ -38,7 +40,13 @@ class ErrorReportingGroup(TyperGroup):
     def main(self, args=None, *rest, **options):  # type: ignore[override]
         # The command line as given: a refused option's value is quoted from it (`_usage_message`).
         self.given_args = list(sys.argv[1:] if args is None else args)
+        readable_metavars(self)
         return super().main(args, *rest, **options)
+
+    def list_commands(self, ctx) -> list[str]:  # type: ignore[override]
+        """The commands in the order a job meets them (`WORKFLOW`), then any others."""
+        names = super().list_commands(ctx)
+        return sorted(names, key=lambda name: WORKFLOW.index(name) if name in WORKFLOW else len(WORKFLOW))
 
     def invoke(self, ctx):  # type: ignore[override]
         try:
@@ -65,6 +73,49 @@ class ErrorReportingGroup(TyperGroup):
         err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
         if hint:
             err_console.print(f"[dim]hint:[/] {escape(hint)}", highlight=False, soft_wrap=True)
+
+
+HELP_OPTIONS = ("-h", "--help")
+
+# `pipectl --help` lists the commands in the order a job meets them.
+WORKFLOW = ("profile", "plan", "simulate", "launch", "status", "resize", "export", "calibrate")
+
+# What an option's value is, by its Python type: the help shows `--steps INT`, not `<int range>`.
+_METAVAR_OF_TYPE = {int: "INT", float: "NUM", str: "TEXT", bool: "BOOL"}
+
+
+def readable_metavars(command) -> None:
+    """Give every option of `command` and its sub-commands that names no metavar of its own a
+    plain one: none for a flag (`--resume`, not `--resume <bool>`), its choices for a choice
+    (`local|torchrun|deepspeed|slurm`), else the kind of value (`INT`, `NUM`, `TEXT`, `PATH`)."""
+    for param in command.params:
+        if param.param_type_name == "argument":
+            # An argument is named by its metavar (PLAN.json, RUN_DIR), which says what it is: no
+            # type column beside it (`<path>`).
+            param.metavar = param.metavar or param.name.upper()
+            param.display_type_rich = lambda ctx: None
+        elif param.metavar is None:
+            param.metavar = _metavar(param)
+    # -h/--help is made on first use, once per command (click keeps it): made here, as a flag.
+    helper = command.get_help_option(typer.Context(command, help_option_names=list(HELP_OPTIONS)))
+    if helper is not None:
+        helper.metavar = ""
+    for sub in getattr(command, "commands", {}).values():
+        readable_metavars(sub)
+
+
+def _metavar(param) -> str:
+    if getattr(param, "is_flag", False):
+        return ""
+    described = param.type_descriptor  # typer's account of the annotation (a list's element for a repeated option)
+    if described.is_choice:
+        return "|".join(str(getattr(choice, "value", choice)) for choice in described.choices)
+    if described.is_path:
+        return "PATH"
+    annotation = typing.get_args(described.annotation)[0] if described.is_list else described.annotation
+    if isinstance(annotation, type) and issubclass(annotation, PurePath):
+        return "PATH"
+    return _METAVAR_OF_TYPE.get(annotation, "VALUE")
 
 
 def _usage_message(exc: Exception, args: list[str]) -> str:

@@ -11,14 +11,14 @@ import typer
 
 from pipectl import __version__
 from pipectl.cli import calibrate, export, launch, plan, profile, resize, simulate, status
-from pipectl.cli.groups import ErrorReportingGroup
+from pipectl.cli.groups import HELP_OPTIONS, ErrorReportingGroup
 
 app = typer.Typer(
     name="pipectl",
     cls=ErrorReportingGroup,
     help="Profile, plan, launch and resize pipeline-parallel training jobs. The global batch never changes.",
     no_args_is_help=True,
-    add_completion=False,
+    context_settings={"help_option_names": list(HELP_OPTIONS)},
     pretty_exceptions_enable=False,
 )
 app.add_typer(profile.app, name="profile")

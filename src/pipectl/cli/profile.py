@@ -94,7 +94,8 @@ def parse_message_sizes(text: str) -> list[int]:
 ModelArgument = Annotated[
     str,
     typer.Argument(
-        help="A shipped model name (gpt-tiny), a model YAML path, or a factory 'package.module:function'.",
+        help="A shipped model name (gpt-tiny), a model YAML path, a factory 'package.module:function' or a Hugging Face "
+        "directory hf:PATH.",
         show_default=False,
     ),
 ]
