@@ -1,4 +1,4 @@
-"""The in-flight counts written as ranges equal their per-rank definitions (SPEC §3)."""
+"""The in-flight counts written as ranges equal their per-rank definitions (docs/design.md, 'Memory model')."""
 
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ def test_gpipe_and_1f1b_take_m_plus_p_minus_1_times_tf_plus_tb(kind, p, m):
     assert close(timeline.step_seconds, (m + p - 1) * (tf + tb))
     for rank in range(p):
         assert close(timeline.bubble_fraction[rank], (p - 1) / (m + p - 1))  # idle / step
-        assert close(timeline.bubble_ratio[rank], (p - 1) / m)  # SPEC's convention: idle / compute
+        assert close(timeline.bubble_ratio[rank], (p - 1) / m)  # the papers' convention: idle / compute
     assert timeline.communication_seconds == 0.0
 
 

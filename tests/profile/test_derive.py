@@ -90,7 +90,7 @@ def test_block_and_logit_flops_and_time_on_a_device_without_compute_constants():
 
 
 def test_step_flops_with_recomputation_match_the_closed_form():
-    # SPEC §3: with recomputation a step costs F = 96 B s l h^2 (1 + s/(6h) + V/(16 l h)):
+    # Narayanan et al. 2021, §5.1: with recomputation a step costs F = 96 B s l h^2 (1 + s/(6h) + V/(16 l h)):
     # blocks run forward, recompute and a 2x backward (4 forwards), the head 3 forwards.
     config = _config("gpt3-175b")
     batch = 8

@@ -1,4 +1,4 @@
-"""Continuity, the central promise of a resize (SPEC §7, issue 5): gpt-tiny trained 20 steps without
+"""Continuity, the central promise of a resize (docs/design.md, 'Resize and recovery'; issue 5): gpt-tiny trained 20 steps without
 interruption, and again with a resize after step 10, must give the same losses for steps 11..20
 (within 1e-4 relative, fp32) and the same final weights.
 

@@ -1,7 +1,7 @@
 """PipeDream-2BW across steps (`pipectl.schedule.twobw`): versions, double buffer, steady state.
 
 The times are checked against closed forms computed here and against `pipectl.plan.simulate`, the
-project's step simulator, run on the same F/B order; the versions against SPEC §4's formula, written
+project's step simulator, run on the same F/B order; the versions against the paper's formula (docs/design.md, 'PipeDream-2BW'), written
 out here rather than imported.
 """
 
@@ -34,7 +34,7 @@ DEGREES = [(1, 1), (1, 3), (2, 1), (2, 2), (3, 2), (3, 5), (4, 3), (4, 4), (4, 8
 
 
 def spec_version(k: int, m: int) -> int:
-    """SPEC §4: micro-batch k (1-based) uses weight version max(⌊(k−1)/m⌋ − 1, 0)."""
+    """PipeDream-2BW (Narayanan et al., ICML 2021, §3.1): micro-batch k (1-based) uses weight version max(⌊(k−1)/m⌋ − 1, 0)."""
     return max((k - 1) // m - 1, 0)
 
 

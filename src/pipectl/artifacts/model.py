@@ -81,7 +81,7 @@ class ModelConfig(Artifact):
         allocated): what the model will weigh before anyone builds it.
 
         Transformers: the embedding V*h + s*h; each block (4 + 2f)h^2 + (9 + f)h (attention
-        4h^2 + 4h, MLP 2f*h^2 + (f + 1)h, two LayerNorms 4h; 12h^2 + 13h at f = 4, SPEC §3); the
+        4h^2 + 4h, MLP 2f*h^2 + (f + 1)h, two LayerNorms 4h; 12h^2 + 13h at f = 4, Narayanan et al. 2021, §5.1); the
         final LayerNorm 2h; the head V*h (a tied head holds its copy of the table). MLP: the input
         projection, `layers` hidden h x h layers and the classifier, each with its bias.
 

@@ -1,4 +1,4 @@
-"""The morph history of a run: RUN/morphs.jsonl, one `MorphRecord` per resize (job morphing, SPEC §7).
+"""The morph history of a run: RUN/morphs.jsonl, one `MorphRecord` per resize (job morphing, docs/design.md, 'Resize and recovery').
 
 A resize takes one of two paths. A restart stops the job at a step boundary, checkpoints, and
 relaunches it on the new layout; its record is appended at the relaunch, before the new layout has

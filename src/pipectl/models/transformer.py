@@ -1,7 +1,7 @@
 """GPT-style decoder and BERT-style encoder layers (pre-LayerNorm blocks).
 
 Shapes: tokens [b, s] (int64) -> hidden [b, s, h] -> logits [b, s, V].
-Parameters per block: 12h^2 + 13h (SPEC §3; attention 4h^2+4h, MLP 8h^2+5h, two LayerNorms 4h).
+Parameters per block: 12h^2 + 13h (Narayanan et al. 2021, §5.1; attention 4h^2+4h, MLP 8h^2+5h, two LayerNorms 4h).
 """
 
 from __future__ import annotations

@@ -27,11 +27,11 @@ Per virtual stage and micro-batch (all seconds):
   ring all-reduces over the t devices of a node, or, for a group spanning t/n nodes, one ring over
   all t whose every step waits for an inter-node hop, at the bus bandwidth of the node's n NICs
   (`tensor_parallel_link`);
-- recompute: one more forward, communication included (SPEC §5: x4/3 of forward+backward); whole
+- recompute: one more forward, communication included (x4/3 of forward+backward: docs/design.md, 'Parameters and FLOPs'); whole
   stages as the schedule's R actions, or, with per-layer checkpointing, inside each backward;
 - point-to-point: latency + bytes / bandwidth of the activation crossing each cut (the same bytes
   for its gradient on the way back), intra-node or inter-node by the placement rule (inter-node
-  if any replica's cut crosses a node); SPEC §5: 2 a / Bw per boundary, one a / Bw each way;
+  if any replica's cut crosses a node); docs/design.md, 'Cost model': 2 a / Bw per boundary, one a / Bw each way;
 - data-parallel all-reduce, once per step per rank: ring all-reduce (Patarasuk & Yuan 2009) of the
   rank's gradient bytes over its d replicas; ZeRO-1's reduce-scatter + all-gather moves the same
   bytes (an engine that reduces 16-bit weights' gradients in fp32 moves 4 bytes a parameter in

@@ -15,7 +15,7 @@ Reported figures:
 - samples/s = B / step (with uneven replicas the step is the busiest replica's: it runs
   ⌈B/(d*b)⌉ micro-batches, the others wait for it at the gradient all-reduce);
 - TFLOP/s per device = model FLOPs of the step / (step * devices), model FLOPs being the profile's
-  forward FLOPs x 3 (forward + backward, SPEC §3) or x 4 with recomputation (hardware FLOPs,
+  forward FLOPs x 3 (forward + backward, docs/design.md, 'Parameters and FLOPs') or x 4 with recomputation (hardware FLOPs,
   Narayanan et al. 2021 §5.1; per-layer checkpointing: + every layer's forward but the head's;
   selective recomputation's attention cores are not added: the profile records their time and
   bytes, not their FLOPs, so its TFLOP/s is the model's, a slight under-count of the hardware's);

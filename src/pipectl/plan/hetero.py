@@ -1,6 +1,6 @@
 """Heterogeneous clusters: split the global batch unevenly over replicas on different device kinds.
 
-VirtualFlow (Or et al. 2022, §4; SPEC §2): with n_i devices of kind i, each replica processes v_i
+VirtualFlow (Or et al. 2022, §4; docs/design.md, 'The global batch'): with n_i devices of kind i, each replica processes v_i
 virtual nodes (here: micro-batches of size b) and the split solves
 
     minimise max_i t_i(b, v_i)   subject to   Σ_i n_i · b · v_i = B.

@@ -9,7 +9,7 @@
 3. The morph table (`pipectl.plan.morph`): the fastest spec for every device count, from the
    same specs.
 
-Objectives (SPEC §5): `time` (step seconds), `cost` (USD per sample = price * devices * step / B),
+Objectives (docs/design.md, 'Search and the morph table'): `time` (step seconds), `cost` (USD per sample = price * devices * step / B),
 `cost-deadline` (cheapest that finishes the requested samples or tokens before the deadline;
 when none does, the fastest, with a note).
 """

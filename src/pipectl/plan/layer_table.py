@@ -40,7 +40,7 @@ from pipectl.errors import UserInputError
 
 # Layer kinds per-layer activation checkpointing leaves alone: the language-model head keeps its
 # saved activations (Megatron-LM checkpoints its transformer layers only, and the logits are not
-# recomputed in the SPEC's 96 B s l h^2 (1 + s/(6h) + V/(16 l h)); the runtime's
+# recomputed in Narayanan et al. 2021's 96 B s l h^2 (1 + s/(6h) + V/(16 l h)); the runtime's
 # `PlannedPipelineModule` does not checkpoint them either).
 NOT_CHECKPOINTED_KINDS = frozenset({"lm_head"})
 

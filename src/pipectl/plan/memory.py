@@ -1,7 +1,7 @@
 """Memory per device of a pipeline stage: model state, the activations its schedule keeps, the
 working memory of its largest layer, and the optimizer step's peak.
 
-Model state (SPEC §3; ZeRO, Rajbhandari et al. 2020, §5.1): mixed-precision Adam holds 16 bytes per
+Model state (docs/design.md, 'Memory model'; ZeRO, Rajbhandari et al. 2020, §5.1): mixed-precision Adam holds 16 bytes per
 parameter while micro-batches run, 2 for the 16-bit weights, 2 for their gradients and 12 for the
 fp32 optimizer state (master weights, momentum, variance); fp32 training holds 4 + 4 + 8 = 16 as
 well. ZeRO stage 1 shards the optimizer part over the d data-parallel replicas, stage 2 the
@@ -48,7 +48,7 @@ their gradients, the largest by far (6.25 GiB at b = 16, sequence 2048, vocabula
 on top of everything else it holds.
 
 Activations: each micro-batch a stage has run forward on but not yet backward ("in flight") keeps
-the stage's saved activations (SPEC §3). How many are in flight is a property of the schedule:
+the stage's saved activations (docs/design.md, 'Memory model'). How many are in flight is a property of the schedule:
 
     GPipe                 m on every stage
     1F1B                  min(p - k, m) on stage k (0-based): warm-up forwards + 1
@@ -70,8 +70,8 @@ the stage's saved activations (SPEC §3). How many are in flight is a property o
                           2024 §4: ZB-V peaks at p M_B on every worker); held until W as for zb-h1
 
 With whole-stage recomputation (`Recompute.STAGE`) an in-flight micro-batch keeps only the stage's
-input activation, and the stage needs one micro-batch's full activations while it recomputes (SPEC
-§3). The last stage never recomputes (its backward follows its forward), so it keeps full
+input activation, and the stage needs one micro-batch's full activations while it recomputes
+(docs/design.md, 'Memory model'). The last stage never recomputes (its backward follows its forward), so it keeps full
 activations.
 
 With per-layer activation checkpointing (`Recompute.LAYER`, Megatron-LM's "full" recompute;
@@ -135,7 +135,7 @@ from pipectl.schedule.ir import ActionKind, Schedule, ScheduleKind, stage_ranks
 
 GIB = 1024**3
 
-# Bytes per parameter: (weights, gradients, optimizer state, optimizer step's extra). SPEC §3; the
+# Bytes per parameter: (weights, gradients, optimizer state, optimizer step's extra). Rajbhandari et al. 2020, §5.1; the
 # step's extra (fp32 gradient copy + Adam's temporaries; 16-bit training) from the H100 measurement
 # in the module docstring. fp32 training has no gradient copy to make: Adam's temporaries only.
 _STATE_BYTES = {

@@ -1,4 +1,4 @@
-"""The morph table: the fastest candidate for every device count, computed ahead (SPEC §5, §7).
+"""The morph table: the fastest candidate for every device count, computed ahead (docs/design.md, 'Search and the morph table').
 
 A resize is then a look-up (Varuna's job morphing). Entry c holds the fastest spec using at most c
 devices; when it uses fewer than c (nothing on exactly c devices fits in memory, or a smaller

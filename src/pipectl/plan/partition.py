@@ -1,4 +1,4 @@
-"""Cutting layers into pipeline stages (PipeDream, Narayanan et al., SOSP 2019, §3.1; SPEC §5).
+"""Cutting layers into pipeline stages (PipeDream, Narayanan et al., SOSP 2019, §3.1; docs/design.md, 'Partitioner').
 
 The search plans "parallel pipelines": p stages, each replicated the same d times, so PipeDream's
 per-stage replication drops out of its dynamic program and the problem is to cut L non-uniform

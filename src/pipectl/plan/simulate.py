@@ -1,4 +1,4 @@
-"""Event-driven simulation of one pipeline step (Varuna §4.2's simulator; SPEC §5 "Simulator").
+"""Event-driven simulation of one pipeline step (Varuna §4.2's simulator; docs/design.md, 'Simulator').
 
 `simulate(schedule, costs) -> Timeline` is a pure function. It reads the same `Schedule` the
 runtime executes and times every compute action (F, B, R, and the split backward's I and W), the
@@ -27,8 +27,8 @@ definition of a step's time for either kind of device.
 Units. Every cost is seconds per micro-batch per *virtual stage*. With v chunks per rank, a chunk
 holds 1/v of the rank's layers, so if a rank's whole share costs t_f forward and t_b backward per
 micro-batch, each chunk costs t_f/v and t_b/v (`uniform_costs` does this division). In that uniform,
-free-communication case the simulator reproduces the closed forms exactly (SPEC §4; Narayanan et
-al. 2021 §2.2):
+free-communication case the simulator reproduces the closed forms exactly (docs/design.md, 'Schedules and the
+bubble'; Narayanan et al. 2021 §2.2):
 
     GPipe, 1F1B:   step = (m + p − 1)(t_f + t_b)
     interleaved:   step = (m + (p − 1)/v)(t_f + t_b)
@@ -47,7 +47,7 @@ follows it and the step is longer than the formula (still shorter than 1F1B's on
 tests/plan/test_zero_bubble_timing.py).
 
 Bubble conventions. `Timeline.bubble_fraction[r]` is idle / step (idle = step − the rank's busy
-time, all-reduce and optimizer step counted as busy), in [0, 1]. SPEC's (p − 1)/m and
+time, all-reduce and optimizer step counted as busy), in [0, 1]. The papers' (p − 1)/m and
 (p − 1)/(v·m) are idle / useful compute: that is `Timeline.bubble_ratio[r]`. For GPipe/1F1B in the
 uniform case, bubble_fraction = (p − 1)/(m + p − 1) and bubble_ratio = (p − 1)/m.
 
@@ -175,7 +175,7 @@ class Timeline:
     bubble_fraction: tuple[float, ...]  # per rank: idle / step
     communication_seconds: float  # exposed (non-overlapped) p2p + all-reduce time, max over ranks
     peak_in_flight: tuple[int, ...]  # per rank: max (chunk, micro-batch) pairs holding full activations
-    bubble_ratio: tuple[float, ...] = ()  # per rank: idle / compute (F+B+R) -- SPEC's (p-1)/m
+    bubble_ratio: tuple[float, ...] = ()  # per rank: idle / compute (F+B+R) -- the papers' (p-1)/m
     communication_seconds_per_rank: tuple[float, ...] = ()  # exposed p2p wait + all-reduce, per rank
     peak_stashed_inputs: tuple[int, ...] = ()  # per rank: max micro-batches forwarded, not yet backwarded
 
@@ -433,7 +433,7 @@ def peak_memory_counts(actions: list[Action]) -> tuple[int, int]:
 
     Without recomputation a micro-batch holds its full activations from F until B. With it (an R
     before its B) only the stage's input is kept from F until R, and full activations from R until
-    B (SPEC §3 memory model). A split backward holds them until W, not I: W needs each layer's
+    B (docs/design.md, 'Memory model'). A split backward holds them until W, not I: W needs each layer's
     input and output gradient, which is most of what the forward saved (counted whole here).
     """
     recomputed = {(a.stage, a.microbatch) for a in actions if a.kind is ActionKind.RECOMPUTE}

@@ -3,8 +3,8 @@
 `synthetic_profile` builds a transformer-shaped `ModelProfile` (embed, blocks, final_norm, head)
 whose figures are simple functions of b, so a test can predict them:
 
-- a block takes `block_forward_seconds[i] * b` forward and twice that backward (SPEC §3: backward
-  costs 2x forward), outputs `hidden * seq_len * b * dtype_bytes` bytes and keeps
+- a block takes `block_forward_seconds[i] * b` forward and twice that backward (Narayanan et al. 2021:
+  backward costs 2x forward), outputs `hidden * seq_len * b * dtype_bytes` bytes and keeps
   `saved_per_output` times that for backward;
 - embed and head take `edge_forward_seconds * b`; the head keeps the logits (vocab-wide);
 - embed and head share the token table when `tied` (both carry it, it is counted once);
@@ -56,7 +56,7 @@ def synthetic_profile(
     element = _DTYPE_BYTES[dtype]
     hidden_bytes = hidden * seq_len * element  # one sample's [s, h] activation
     logits_bytes = vocab * seq_len * element
-    block_parameters = 12 * hidden * hidden + 13 * hidden  # SPEC §3
+    block_parameters = 12 * hidden * hidden + 13 * hidden  # docs/design.md, 'Parameters and FLOPs'
     embed_parameters = vocab * hidden + seq_len * hidden
     block_flops = 24 * seq_len * hidden * hidden + 4 * seq_len * seq_len * hidden  # per sample
 

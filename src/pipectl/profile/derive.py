@@ -7,7 +7,7 @@ attention, element-wise work at the memory bandwidth, and a host overhead per ke
 against measured H100 block shards (tests/profile/test_compute_model.py,
 benchmarks/derived_vs_measured.py). A catalog entry without the compute constants falls back to
 the whole-training efficiency curve: time = FLOPs / (peak FLOP/s x efficiency(b)).
-`forward_flops` keeps the matrix-multiply convention of Narayanan et al. 2021 (Appendix; SPEC §3):
+`forward_flops` keeps the matrix-multiply convention of Narayanan et al. 2021 (Appendix; docs/design.md, 'Parameters and FLOPs'):
 24 b s h^2 + 4 b s^2 h per block, full attention even where a causal kernel skips half.
 
 The layer list is exactly `pipectl.models.registry` builds it (embed, block.0 .. block.{l-1},
@@ -23,7 +23,7 @@ end of its backward (the fp32 logits and their gradients in the head, gradients 
 planner reads it back as max(0, peak - 2 x parameter_bytes - saved - output). So a derived and a
 measured profile of one config line up layer by layer.
 
-Parameter count. The layer list holds P + 2h parameters, P being SPEC §3's closed form
+Parameter count. The layer list holds P + 2h parameters, P being the closed form of Narayanan et al. 2021, §5.1
 P = 12 l h^2 (1 + 13/(12h) + (V+s)/(12 l h)): the closed form counts the blocks, the token table
 (once) and the position table, but not the final LayerNorm's weight and bias (2h).
 
@@ -144,7 +144,7 @@ def _check_dtype(dtype: str) -> int:
 
 
 def gpt_parameters_closed_form(layers: int, hidden: int, vocab: int, seq_len: int) -> float:
-    """SPEC §3: P = 12 l h^2 (1 + 13/(12h) + (V+s)/(12 l h)) (Narayanan et al. 2021, §5.1)."""
+    """P = 12 l h^2 (1 + 13/(12h) + (V+s)/(12 l h)) (Narayanan et al. 2021, §5.1)."""
     l, h = layers, hidden
     return 12 * l * h * h * (1 + 13 / (12 * h) + (vocab + seq_len) / (12 * l * h))
 
@@ -397,7 +397,7 @@ def _transformer_shapes(config: ModelConfig, attention: Attention, engine: Engin
             parameter_count=V * h,
             shared_group=tied_group,
             shared_parameter_count=V * h if config.tied_embeddings else 0,
-            forward_flops_per_sample=2 * s * h * V,  # logits: SPEC §3, 2bshV forward
+            forward_flops_per_sample=2 * s * h * V,  # logits: 2bshV forward (docs/design.md, 'Parameters and FLOPs')
             output_elements_per_sample=s * V,
             work=lambda b, d: _head_work(V, h, s, b, d),
         )

@@ -1,4 +1,4 @@
-"""Job morphing (SPEC §7): move a run to another device count with the same global batch.
+"""Job morphing (Varuna; docs/design.md, 'Resize and recovery'): move a run to another device count with the same global batch.
 
 - `morph`: `resize_run` (stop at a step boundary, morph-table look-up, rewrite the run, relaunch);
 - `choose`: the layout for N devices (morph table, re-plan only when the table lacks N);

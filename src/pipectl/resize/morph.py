@@ -1,4 +1,4 @@
-"""Resize a run: the same job, the same global batch, on another number of devices (SPEC §7).
+"""Resize a run: the same job, the same global batch, on another number of devices (docs/design.md, 'Resize and recovery').
 
     resize_run("runs/demo", devices=1)
 

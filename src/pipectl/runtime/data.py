@@ -1,6 +1,6 @@
 """Deterministic training data: the samples of step s depend on (seed, s, global batch) only.
 
-SPEC §6: data order is a function of the global step and B, so a step's batch is the same on any
+Data order (docs/design.md, 'The global batch') is a function of the global step and B, so a step's batch is the same on any
 hardware and across resizes, and each sample is seen once per epoch. VirtualFlow's virtual nodes
 make this the whole convergence promise: the mapping of the batch onto devices is free to change.
 

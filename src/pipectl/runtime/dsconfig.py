@@ -1,6 +1,6 @@
 """A plan candidate -> the DeepSpeed config, validated by DeepSpeed's own parser before anything starts.
 
-The batch arithmetic is the virtual-node mapping (SPEC §2, VirtualFlow): every data-parallel
+The batch arithmetic is the virtual-node mapping (VirtualFlow, Or et al., MLSys 2022; docs/design.md, 'The global batch'): every data-parallel
 replica runs m micro-batches of b samples and accumulates their gradients, so
 
     train_batch_size                = B = b * m * d
@@ -331,7 +331,7 @@ def has_uneven_replicas(candidate: Candidate) -> bool:
 def replica_config(config: dict[str, Any], micro_batch_size: int, micro_batches: int, data_parallel: int) -> dict[str, Any]:
     """One replica's batch keys (uneven replicas): each rank's engine sees its own b_r and m_r, and
     DeepSpeed checks train_batch_size = b_r x m_r x d per rank; the worker weights the replica's
-    loss by d x s_r / B so that the averaged gradient is the global-batch mean (SPEC §2)."""
+    loss by d x s_r / B so that the averaged gradient is the global-batch mean (docs/design.md, 'The global batch')."""
     return {**config, **batch_section(micro_batch_size=micro_batch_size, micro_batches=micro_batches, data_parallel=data_parallel)}
 
 

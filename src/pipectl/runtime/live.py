@@ -1,6 +1,6 @@
 """Live resize: the running job moves to another layout at a step boundary, in the same processes.
 
-VirtualFlow's promise (SPEC §7): a job's devices change while it runs, and it is not restarted.
+VirtualFlow's promise (Or et al., MLSys 2022; docs/design.md, 'Resize and recovery'): a job's devices change while it runs, and it is not restarted.
 `pipectl resize RUN --devices N` (live by default for a job running here) rewrites the run's files
 for the new layout (plan.json, job.json, ds_config.json: what a restart would write), starts the
 ranks that join (if N grows), waits until they have imported torch and DeepSpeed and built a

@@ -297,7 +297,7 @@ class WeightedLoss:
 def _weighted_replica(model, ds_config: dict[str, Any], layout: Layout, replica: int):
     """Uneven replicas (heterogeneous plans): this replica's DeepSpeed batch keys and loss weight.
 
-    VirtualFlow / SPEC §2: replica r with s_r = b_r * m_r of the B samples must contribute
+    VirtualFlow (Or et al., MLSys 2022; docs/design.md, 'The global batch'): replica r with s_r = b_r * m_r of the B samples must contribute
     (s_r / B) x its mean gradient, so that every sample counts equally. DeepSpeed divides each
     micro-batch loss by the replica's accumulation count m_r and averages the replicas' gradients
     (and reported losses) over d, giving (1/d) x (1/m_r) x sum_j grad L_rj. Multiplying the loss by

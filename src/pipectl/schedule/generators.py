@@ -3,7 +3,7 @@
 Each generator returns, for every rank, the ordered forward (F), backward (B) and recompute (R)
 actions of one optimizer step, followed by one all-reduce (AR) and one optimizer step (STEP).
 Sends and receives are added by a separate pass (`pipectl.schedule.comm.add_communication`); timing
-by the simulator (`pipectl.plan.simulate`). SPEC §4 describes every schedule here.
+by the simulator (`pipectl.plan.simulate`). docs/design.md, 'Schedules and the bubble', describes every schedule here.
 
 The AR and STEP actions carry the rank as their stage (the rank's chunk-0 virtual stage).
 

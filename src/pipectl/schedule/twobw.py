@@ -1,4 +1,4 @@
-"""PipeDream-2BW across steps: no flush, two weight versions per stage (SPEC §4; Narayanan et al.,
+"""PipeDream-2BW across steps: no flush, two weight versions per stage (Narayanan et al.,
 "Memory-Efficient Pipeline-Parallel DNN Training", ICML 2021, §3.1).
 
 `generators.pipedream_2bw` gives one step's order, which is 1F1B's. What makes 2BW different happens
@@ -7,7 +7,7 @@
 * **Order.** Each stage runs 1F1B over the whole run without a flush: stage s warms up with
   w_s = p − s − 1 forwards once, at the start of the run, then alternates one forward and one
   backward, across step boundaries, and drains only at the end of the run. Micro-batches are
-  numbered over the whole run (index i = k − 1 for SPEC's 1-based k).
+  numbered over the whole run (index i = k − 1 for the paper's 1-based k).
 * **Updates.** After its backward of the last micro-batch of each group of m (B(jm − 1)), stage s
   applies update j (`U j`): the m accumulated gradients (and, with data parallelism, the
   all-reduce) make weight version j. No stage waits for another one to do so.

@@ -1,4 +1,4 @@
-"""Varuna's order (Athlur et al., EuroSys 2022, §3.2; SPEC §4): the definition.
+"""Varuna's order (Athlur et al., EuroSys 2022, §3.2; docs/design.md, 'Schedules and the bubble'): the definition.
 
 Varuna derives its static schedule from a simulation of one step with uniform stage times: one
 forward takes T_f, one backward T_b, one recompute T_f, and communication is free. Whenever a
@@ -6,7 +6,7 @@ stage is idle, it runs the first of these it may:
 
 1. the recompute R(i) of its oldest pending backward i, once F(i) has run here and the next stage
    is known to finish B(i) at a time t with now ≥ t − T_f. t − T_f is the latest start that still
-   has the recompute done when the gradient arrives (SPEC's rule 1, t − t' ≥ T_f), and starting
+   has the recompute done when the gradient arrives (Varuna's rule 1, t − t' ≥ T_f), and starting
    exactly then keeps the activations alive for the shortest time: an idle stage gets
    t − t' = T_f, the equality the "≥" allows and Varuna's own generator produces. "Known" means
    the next stage started B(i) before now: stages decide together, each from what has happened;

@@ -9,7 +9,7 @@ forwards (and transfers) of micro-batch 0 through the stages before k, which mus
 first action, and B-chain(k) the backwards through the stages before k, which must follow its
 last one (then rank 0 still all-reduces and steps). Every schedule runs each rank's actions one
 at a time and respects those dependencies, so no simulated step is shorter. With equal stages and
-free communication it is exactly (m + p − 1)(t_f + t_b) (SPEC §4), so pruning by it is tight.
+free communication it is exactly (m + p − 1)(t_f + t_b) (docs/design.md, 'Schedules and the bubble'), so pruning by it is tight.
 
 **PipeDream-2BW** (`two_bw_bound_seconds`, every 2BW spec). A 2BW candidate is priced per
 update in steady state (`pipectl.plan.timing.two_bw_summary_of`), not as a step with a fill and a
