@@ -1,0 +1,169 @@
+"""A new user's first hour, as they live it: the `pipectl` command run as a subprocess from a
+temporary working directory, with their own model and data given by relative paths, then the run
+continued (`resize`, `launch --resume`, `status`) from another directory.
+
+The quick start is parsed from README.md, so the README cannot drift from what runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+_SCRIPT = Path(sys.executable).with_name("pipectl")
+PIPECTL = [str(_SCRIPT)] if _SCRIPT.is_file() else [sys.executable, "-m", "pipectl"]
+
+
+def pipectl(*args: object, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`pipectl ARGS` in `cwd`, as a user's shell runs it (a 100-column pipe, one thread a rank)."""
+    env = {**os.environ, "COLUMNS": "100", "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    env.pop("PIPECTL_MODEL_PATH", None)
+    return subprocess.run(
+        [*PIPECTL, *map(str, args)], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env
+    )
+
+
+def succeeded(done: subprocess.CompletedProcess) -> bool:
+    return done.returncode == 0
+
+
+def said(done: subprocess.CompletedProcess) -> str:
+    return f"exit {done.returncode}\n{done.stdout}\n{done.stderr}"
+
+
+def quick_start() -> list[list[str]]:
+    """The `$ ` lines of the README's quick-start console block, split as a shell would."""
+    text = (REPO / "README.md").read_text()
+    section = text.split("\n## Quick start", 1)[1].split("\n## ", 1)[0]
+    block = section.split("```console", 1)[1].split("```", 1)[0]
+    return [shlex.split(line[2:], comments=True) for line in block.splitlines() if line.startswith("$ ")]
+
+
+def run_quick_start(folder: Path) -> list[subprocess.CompletedProcess]:
+    """Each quick-start command in `folder`: `cp ../configs/...` copies from the checkout (the
+    README is read from a checkout's root), `pipectl ...` runs the CLI."""
+    results = []
+    for argv in quick_start():
+        if argv[0] == "cp":
+            source, target = argv[1], argv[2]
+            shutil.copy(REPO / source.removeprefix("../"), folder / target)
+            continue
+        assert argv[0] == "pipectl", f"the quick start runs cp and pipectl only, not {argv[0]}"
+        done = pipectl(*argv[1:], cwd=folder)
+        assert succeeded(done), f"$ {shlex.join(argv)}\n{said(done)}"
+        results.append(done)
+    return results
+
+
+@pytest.mark.multiprocess
+def test_the_readme_quick_start_trains_resizes_and_resumes_from_anywhere(tmp_path):
+    """The README's commands, typed in an empty directory with the model as `mine.yaml` by a
+    relative path: they train, resize and report; then the run is resumed and inspected from
+    another directory. (A relative model YAML used to be stored as given and every rank, which
+    starts in the run directory, failed to find it.)"""
+    work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
+    work.mkdir()
+    elsewhere.mkdir()
+    commands = quick_start()
+    assert [argv[:2] for argv in commands if argv[0] == "pipectl"] == [
+        ["pipectl", c] for c in ("profile", "plan", "simulate", "launch", "resize", "status")
+    ]
+    run_quick_start(work)
+    run = work / "runs" / "mine"
+    job = json.loads((run / "job.json").read_text())
+    assert job["model"] == str(work / "mine.yaml") and job["import_root"] == str(work)
+
+    trained = json.loads(pipectl("status", run, "--json", cwd=elsewhere).stdout)["steps_done"]
+    resumed = pipectl("launch", work / "plan.json", "--run-dir", "../work/runs/mine", "--resume",
+                      "--steps", trained + 2, cwd=elsewhere)  # fmt: skip
+    assert succeeded(resumed), said(resumed)
+    status = pipectl("status", "../work/runs/mine", "--json", cwd=elsewhere)
+    assert succeeded(status), said(status)
+    assert json.loads(status.stdout)["steps_done"] == trained + 2
+
+
+FACTORY = '''
+"""A user's model: an nn.Sequential factory, imported by every rank from the launch folder."""
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def build():
+    if "RANK" in os.environ and (Path(__file__).parent / "fail-in-ranks").exists():
+        raise RuntimeError("planted failure in the user's factory")
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
+def make_batch(batch_size, generator):
+    return torch.randn(batch_size, 16, generator=generator), torch.randint(0, 4, (batch_size,), generator=generator)
+
+
+def loss_fn(output, labels):
+    return F.cross_entropy(output, labels)
+'''
+
+
+@pytest.mark.multiprocess
+def test_a_factory_model_resizes_from_another_directory_and_a_failed_resize_names_the_ranks_error(tmp_path):
+    """`package.module:factory` is imported from the folder the run was launched from, whoever
+    continues it and from wherever (resize used to hand the ranks its own directory: "No module
+    named 'mymodels'"); and a resize whose ranks fail says what they raised, as launch does."""
+    work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
+    work.mkdir()
+    elsewhere.mkdir()
+    (work / "mymodels.py").write_text(FACTORY)
+    for argv in (
+        ["profile", "mymodels:build", "-o", "profile.json", "-b", "2,4", "--warmup", "1", "--repeats", "1"],
+        ["plan", "--profile", "profile.json", "--cluster", "local", "--devices", "2", "--pipeline-parallel", "2",
+         "--global-batch", "8", "-o", "plan.json"],
+        ["launch", "plan.json", "--run-dir", "runs/res", "--steps", "4", "--checkpoint-every", "2"],
+    ):  # fmt: skip
+        done = pipectl(*argv, cwd=work)
+        assert succeeded(done), said(done)
+
+    resized = pipectl("resize", "../work/runs/res", "--devices", "1", "--steps", "6", cwd=elsewhere)
+    assert succeeded(resized), said(resized)
+    assert json.loads((work / "runs/res/job.json").read_text())["import_root"] == str(work)
+
+    (work / "fail-in-ranks").touch()
+    failed = pipectl("resize", work / "runs/res", "--devices", "2", "--steps", "8", cwd=elsewhere)
+    assert failed.returncode == 1, said(failed)
+    assert "planted failure in the user's factory" in failed.stderr, said(failed)
+    assert "Traceback" not in failed.stderr.split("error:", 1)[-1], said(failed)
+
+
+def test_python_dash_m_h_and_the_commands_in_the_order_a_job_meets_them(tmp_path):
+    done = pipectl("-h", cwd=tmp_path)
+    module = subprocess.run(
+        [sys.executable, "-m", "pipectl", "--help"], cwd=tmp_path, capture_output=True, text=True,
+        env={**os.environ, "COLUMNS": "100"},
+    )  # fmt: skip
+    assert succeeded(done) and succeeded(module), said(done) + said(module)
+    assert "Usage: python -m pipectl" in module.stdout
+    for shown in (done.stdout, module.stdout):
+        rows = [line.split()[1] for line in shown.splitlines() if line.startswith("│ ") and line[2] != " "]
+        commands = [name for name in rows if not name.startswith("-")]
+        assert commands[:8] == ["profile", "plan", "simulate", "launch", "status", "resize", "export", "calibrate"]
+    assert "--install-completion" in done.stdout
+
+
+@pytest.mark.parametrize("command", ["plan", "launch", "resize", "profile model", "simulate", "status"])
+def test_help_names_values_plainly(tmp_path, command):
+    """`--resume`, not `--resume <bool>`; `--profile PATH`, not `<list[Path]>`; `RUN_DIR`, not
+    `run_dir <path>`."""
+    done = pipectl(*command.split(), "-h", cwd=tmp_path)
+    assert succeeded(done), said(done)
+    for typed in ("<bool>", "<str>", "<path>", "<int", "<float", "list["):
+        assert typed not in done.stdout, done.stdout
