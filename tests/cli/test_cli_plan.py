@@ -260,7 +260,7 @@ def test_zero3_row_is_shown_after_the_top_with_its_predicted_step(tmp_path):
     assert result.exit_code == 0, result.output
     plan = load_model(Plan, out)
     row = next(c for c in plan.candidates if c.zero_stage == 3)
-    assert plan.candidates.index(row) == 3 and row.pipeline_parallel == 1 and row.deepspeed_runnable
+    assert plan.candidates[-1] == row and row.pipeline_parallel == 1 and row.deepspeed_runnable  # after the top
     header = next(line for line in result.output.splitlines() if "samp/s" in line)
     assert "Z" in header.split()
     from pipectl.report.plan_table import format_step
@@ -279,12 +279,17 @@ def test_2bw_listed_is_priced_in_steady_state_marked_and_chosen_only_with_any_en
     out = tmp_path / "plan.json"
     args = ["plan", "--profile", str(profile_path), "--cluster", "a100-8x8", "--devices", "8", "--global-batch", "32",
             "--pipeline-parallel", "4", "--schedules", "1f1b,2bw", "--no-morph", "--top", "4"]
-    result = runner.invoke(app, [*args, "-o", str(out)], env={"COLUMNS": "200"})
+    shown = runner.invoke(app, [*args, "-o", str(out)], env={"COLUMNS": "200"})
+    assert shown.exit_code == 0, shown.output
+    assert "2bw" not in shown.output.split("note:")[0].split("other candidate")[0].split("chosen:", 1)[1]
+    assert "faster) no engine pipectl launches can run: left out (--all lists them)" in " ".join(shown.output.split())
+    result = runner.invoke(app, [*args, "--all", "-o", str(out)], env={"COLUMNS": "200"})  # listed apart
     assert result.exit_code == 0, result.output
+    assert "planned for comparison only" in result.output
     plan = load_model(Plan, out)
     assert plan.chosen.schedule.value == "1f1b"  # another optimizer: never chosen for DeepSpeed
     two_bw = [c for c in plan.candidates if c.schedule.value == "2bw"]
-    assert two_bw and all(c.predicted_step_seconds < plan.chosen.predicted_step_seconds for c in two_bw)
+    assert two_bw and two_bw[0].predicted_step_seconds < plan.chosen.predicted_step_seconds
     best = two_bw[0]  # the top of the ranking (the chosen one is put before it)
     steady = next(n for n in best.notes if n.startswith("2BW steady state"))
     assert f"2BW steady state {best.predicted_step_seconds:.4g} s per update of " in steady

@@ -44,7 +44,7 @@ def test_json_reports_the_steady_state_next_to_the_flushed_step_and_the_versions
 
 def test_table_says_what_2bw_is_and_that_the_runtime_cannot_run_it():
     out = invoke(*TWO_BW).stdout
-    assert "2bw  p=4 m=4 v=1  flushed step 0.021 s" in out
+    assert "2bw  p=4 m=4 v=1  flushed step 21 ms" in out
     assert "steady state (no flush): 0.012 s per update of 4 micro-batches" in out
     assert "with a flush (1f1b):     0.021 s per step" in out
     assert "k 9-12" in out and "W3 = W2 - lr*grad f(W1)" in out

@@ -167,3 +167,25 @@ def test_help_names_values_plainly(tmp_path, command):
     assert succeeded(done), said(done)
     for typed in ("<bool>", "<str>", "<path>", "<int", "<float", "list["):
         assert typed not in done.stdout, done.stdout
+
+
+def test_gpt3_profile_and_plan_fit_a_screen(tmp_path):
+    """GPT-3 175B on 3,072 A100s: `profile --derive` in at most 40 lines (its 96 identical blocks
+    one row group), `plan` in at most 45 (the chosen layout first, at most 10 that can run, the
+    morph table in ranges); every line within 100 columns when piped."""
+    profiled = pipectl("profile", "gpt3-175b", "--derive", "--device", "a100-80gb", "-o", "gpt3.json", cwd=tmp_path)
+    assert succeeded(profiled), said(profiled)
+    profile_lines = (profiled.stdout + profiled.stderr).splitlines()
+    assert len(profile_lines) <= 40, profiled.stdout
+    assert any("block.0–95 ×96" in line for line in profile_lines)
+
+    planned = pipectl("plan", "--profile", "gpt3.json", "--cluster", "a100-384x8", "--global-batch", "1536",
+                      "-o", "gpt3.plan.json", cwd=tmp_path)  # fmt: skip
+    assert succeeded(planned), said(planned)
+    plan_lines = (planned.stdout + planned.stderr).splitlines()
+    assert len(plan_lines) <= 45, planned.stdout
+    assert plan_lines[0].startswith("chosen: ")
+    table = plan_lines[plan_lines.index(next(line for line in plan_lines if line.startswith("t·p·d"))) + 2:]
+    rows = [line for line in table[:12] if line[:1].isdigit()]
+    assert 1 < len(rows) <= 10 and not any("*" in row for row in rows)  # only layouts DeepSpeed runs
+    assert all(len(line.rstrip()) <= 100 for line in profile_lines + plan_lines)

@@ -82,6 +82,13 @@ def test_a_profile_without_shards_gives_the_plan_it_gave_before_shards_existed()
     for candidate in [made_fields["chosen"], *made_fields["candidates"],
                       *(entry["candidate"] for entry in made_fields["morph_table"] if entry["candidate"])]:
         assert candidate.pop("engine") == ("deepspeed" if candidate["deepspeed_runnable"] else None)
+    assert made_fields.pop("cluster_file") is None  # a shipped cluster; a file's path came later
+    # The plan now also keeps the fastest ones DeepSpeed runs where the top 10 did not hold 10 of
+    # them: the top 10 are the old plan's, in its order, among them.
+    top = [c for c in made_fields["candidates"] if c in before["candidates"]]
+    runnable = [c for c in made_fields["candidates"] if c["deepspeed_runnable"]]
+    assert len(runnable) >= 10 and all(c in top or c in runnable[:10] for c in made_fields["candidates"])
+    made_fields["candidates"] = top
     assert made_fields == before
     assert {c.tensor_parallel for c in made.candidates} > {1}
     # The default search prices t = 16 too; across two nodes it enters neither the choice nor the top 10.

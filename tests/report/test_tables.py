@@ -20,8 +20,11 @@ def test_the_profile_table_shows_each_blocks_tensor_parallel_shards():
     profile = derive_profile(load_model_config("gpt-small"), get_device("a100-80gb"), [1], "bfloat16")
     text = _text(profile_view(profile))
     assert profile.shard_degrees() == [2, 4]
-    assert text.count("t=2 shard") == 12 and text.count("t=4 shard") == 12  # one per block
-    assert "t=8 shard" not in text
+    # The 12 identical blocks are one row group; their shards one table, a column per degree.
+    assert text.count("block.0–11 ×12") == 2 and "block.1 " not in text
+    header = next(line for line in text.splitlines() if "t=1 (" in line)
+    assert "t=2 (" in header and "t=4 (" in header and "t=8" not in header
+    assert text.count("block.") == 2 and "block.0 " in _text(profile_view(profile, every_layer=True))
 
 
 def test_a_profile_without_shards_shows_none():

@@ -159,7 +159,7 @@ def plan_command(
             help="Fraction of each device's memory to keep free beyond what the memory model predicts (0.05: 5 %).",
         ),
     ] = 0.05,
-    include_all: Annotated[bool, typer.Option("--all", help="Simulate and keep every feasible candidate.")] = False,
+    include_all: Annotated[bool, typer.Option("--all", help="Simulate and keep every feasible candidate, and list those no engine runs apart.")] = False,
     engine: Annotated[
         Optional[Engine],
         typer.Option(
@@ -172,6 +172,7 @@ def plan_command(
     ] = None,
     any_engine: Annotated[bool, typer.Option("--any-engine", help="Same as --engine any: also choose schedules DeepSpeed cannot run and ZeRO stages pipectl's runtime does not train with.")] = False,
     no_morph: Annotated[bool, typer.Option("--no-morph", help="Skip the morph table.")] = False,
+    full_morph: Annotated[bool, typer.Option("--morph-table", help="Print the whole morph table (default: the fastest plan per range of device counts).")] = False,
     top: Annotated[int, typer.Option("--top", help="Candidates to show.")] = 10,
     workers: Annotated[
         Optional[int],
@@ -232,7 +233,7 @@ def plan_command(
         payload["flops"] = plan_utilisations(result, profiles[0], [result.chosen])[0].to_dict()
         print_json(payload)
         return
-    console.print(plan_view(result, top=top, profile=profiles[0]))
+    console.print(plan_view(result, top=top, profile=profiles[0], every_candidate=include_all, full_morph=full_morph))
     console.print(f"wrote {output}", style="dim")
 
 

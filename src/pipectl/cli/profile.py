@@ -190,8 +190,8 @@ def model_command(
     else:
         profile = _measure(model, device, device_kind, sizes, dtype or "float32", warmup, repeats, threads,
                            memory_budget_gib, once, degrees or [])
-    # The reference as the user gave it (a YAML path stays a path; a Hugging Face directory is made
-    # absolute), so launch builds the same model.
+    # The reference resolved once, now (a YAML path or a Hugging Face directory made absolute), so
+    # that launch, its ranks and a resize build the same model from wherever they run.
     profile = profile.model_copy(update={"model_reference": stored_reference(model)})
     if links_profile is not None:
         profile = profile.model_copy(update={"links": links_profile})
@@ -199,7 +199,7 @@ def model_command(
     if as_json:
         print_json(profile)
     else:
-        console.print(profile_view(profile))
+        console.print(profile_view(profile, every_layer=once is False))  # --every-layer: shown so too
     err_console.print(f"wrote {output}", highlight=False)
 
 
@@ -407,6 +407,9 @@ def show_command(
     micro_batch_sizes: Annotated[
         Optional[str], typer.Option("--micro-batch-sizes", "-b", help="Only these sizes (comma-separated).")
     ] = None,
+    every_layer: Annotated[
+        bool, typer.Option("--every-layer", help="A row group per layer (default: identical layers as one, with their count).")
+    ] = False,
     as_json: JsonFlag = False,
 ) -> None:
     """Print a profile.json or links.json as a table (or as JSON)."""
@@ -427,4 +430,4 @@ def show_command(
                 f"{path} has no costs for micro-batch size {missing[0]}",
                 hint=f"profiled sizes: {', '.join(map(str, artifact.micro_batch_sizes))}",
             )
-    console.print(profile_view(artifact, sizes))
+    console.print(profile_view(artifact, sizes, every_layer=every_layer))

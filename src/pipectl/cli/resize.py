@@ -149,8 +149,7 @@ def register(app: typer.Typer) -> None:
             console.print(f"wrote the new layout into {result.run_dir} and submitted it as Slurm job {result.submitted_job}")
             return
 
-        console.print(morph_history_table(read_history(result.run_dir)))
-        console.print(status_table(run_status(result.run_dir)))
+        console.print(status_table(run_status(result.run_dir)))  # the morph history among the rest
         if result.record.downtime_seconds is None:
             err_console.print("[yellow]no step completed on the new layout: downtime unknown[/]")
 

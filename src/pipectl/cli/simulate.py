@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
+from rich import box
 from rich.table import Table
 from rich.text import Text
 
@@ -31,6 +32,7 @@ from pipectl.plan.hetero import replica_stage_costs
 from pipectl.plan.simulate import StageCosts, Timeline, simulate, simulate_step_seconds, uniform_costs
 from pipectl.planfile import load_kind_profiles, load_plan_profile
 from pipectl.report.gantt import terminal_gantt, write_gantt
+from pipectl.report.plan_table import format_step
 from pipectl.report.twobw import RUNTIME, SEMANTICS, two_bw_payload, two_bw_report
 from pipectl.schedule import ScheduleKind, generate
 from pipectl.schedule.comm import add_communication
@@ -177,26 +179,29 @@ def _two_bw_state(schedule: Schedule, costs: StageCosts) -> TwoBWSteadyState:
 
 
 def _summary_table(schedule: Schedule, timeline: Timeline, context: dict[str, Any]) -> Table:
+    """Per rank: busy time, bubble, idle per compute, exposed communication and peak in flight; times
+    in one unit for the whole table (ms below a 1 s step, else s), 4 significant digits."""
     # 2BW's table times one step with a flush; its steady state is reported under it.
     step = "flushed step" if schedule.kind is ScheduleKind.PIPEDREAM_2BW else "step"
     title = (
         f"{schedule.kind.value}  p={schedule.pipeline_parallel} m={schedule.micro_batches} "
-        f"v={schedule.chunks}  {step} {timeline.step_seconds:.6g} s"
+        f"v={schedule.chunks}  {step} {format_step(timeline.step_seconds)}"
     )
     if context.get("predicted_step_seconds") and schedule.kind is not ScheduleKind.PIPEDREAM_2BW:
         # (a 2bw plan predicts its steady state per update: shown beside it, under the table)
-        title += f" (plan predicted {context['predicted_step_seconds']:.6g} s)"
-    table = Table(title=title)
-    for column in ("rank", "busy s", "bubble % of step", "idle / compute", "exposed comm s", "peak in flight"):
+        title += f" (plan predicted {format_step(context['predicted_step_seconds'])})"
+    unit, scale = ("ms", 1e3) if timeline.step_seconds < 1 else ("s", 1.0)
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False)
+    for column in ("rank", f"busy {unit}", "bubble % of step", "idle / compute", f"exposed comm {unit}", "peak in flight"):
         table.add_column(column, justify="right")
     for rank in range(schedule.pipeline_parallel):
         busy = sum(r.end - r.start for r in timeline.rank_records(rank))
         table.add_row(
             str(rank),
-            f"{busy:.6g}",
+            f"{busy * scale:.4g}",
             f"{100 * timeline.bubble_fraction[rank]:.1f}",
             f"{timeline.bubble_ratio[rank]:.3f}",
-            f"{timeline.communication_seconds_per_rank[rank]:.6g}",
+            f"{timeline.communication_seconds_per_rank[rank] * scale:.4g}",
             str(timeline.peak_in_flight[rank]),
         )
     return table

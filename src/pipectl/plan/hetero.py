@@ -269,8 +269,13 @@ def uneven_split(
         _, i, r = heapq.heappop(heap)
         counts[i][r] += 1
         heapq.heappush(heap, (bound(i, counts[i][r] + 1), i, r))
-    if variant.kind is ScheduleKind.PIPEDREAM_2BW and any(0 < m < p - 1 for row in counts for m in row):
+    dealt = [m for row in counts for m in row if m > 0]
+    if variant.kind is ScheduleKind.PIPEDREAM_2BW and any(m < p - 1 for m in dealt):
         return None  # two weight versions need m >= p - 1 on every replica (`pipectl.schedule.twobw`)
+    if variant.kind is ScheduleKind.ZBV and any(m < 2 * p - 1 for m in dealt):
+        return None  # rank 0 warms up with 2p - 1 forwards (`schedule.generators.zbv`)
+    if variant.kind is ScheduleKind.INTERLEAVED and variant.chunks > 1 and any(m % p for m in dealt):
+        return None  # the interleaved order runs micro-batches in groups of p (`plan.space`)
     # Simulate every distinct (kind, m) and check memory on that kind.
     shares: list[ReplicaShare] = []
     slowest = 0.0

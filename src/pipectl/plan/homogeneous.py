@@ -209,43 +209,56 @@ def goal_for(request: PlanRequest, profile: ModelProfile, hardware: Hardware) ->
 
 @dataclass
 class Ranking:
-    """The top specs by the goal (simulated), and how many were simulated."""
+    """The top specs by the goal (simulated), the top ones the engine runs, and how many were
+    simulated."""
 
     top: list[tuple[tuple, Spec, float]]
-    best_runnable: tuple[tuple, Spec, float] | None
+    top_runnable: list[tuple[tuple, Spec, float]]
     simulated: int
+
+    @property
+    def best_runnable(self) -> tuple[tuple, Spec, float] | None:
+        return self.top_runnable[0] if self.top_runnable else None
 
 
 def rank(specs: list[Spec], goal: Goal, evaluator: Evaluator, *, keep: int, exhaustive: bool,
          engine: Engine) -> Ranking:
     """Branch and bound over specs sorted by their bound key; see the module docstring. The best
-    spec `engine` runs is kept too (`best_runnable`; any engine: every spec is)."""
+    `keep` specs `engine` runs are kept too (`top_runnable`; any engine: every spec runs), so that a
+    plan lists alternatives it can launch even where faster ones no engine runs fill the top."""
     need_runnable = engine is not Engine.ANY
     ordered = sorted(specs, key=goal.bound_key)
     heap: list[tuple] = []  # max-heap of the kept keys (negated), with a tie-breaking counter
-    best_runnable = None
+    runnable: list[tuple] = []  # the same for the specs `engine` runs
     simulated = 0
     for index, spec in enumerate(ordered):
         bound = goal.bound_key(spec)
-        if not exhaustive and len(heap) >= keep:
-            kth = _unnegate(heap[0][0])
-            if bound >= kth:
-                if not need_runnable or (best_runnable is not None and bound >= best_runnable[0]):
-                    break
-                if not spec.runs_on(engine):
-                    continue  # it can enter neither the top k nor be the best runnable one: not timed
+        if not exhaustive and len(heap) >= keep and bound >= _unnegate(heap[0][0]):
+            runnable_full = len(runnable) >= keep and bound >= _unnegate(runnable[0][0])
+            if not need_runnable or runnable_full:
+                break
+            if not spec.runs_on(engine):
+                continue  # it can enter neither the top k nor the runnable top k: not timed
         step = evaluator.step_seconds(spec)
         simulated += 1
         key = goal.key(spec, step)
         entry = (_negate(key), index, spec, step)
-        if exhaustive or len(heap) < keep:
-            heapq.heappush(heap, entry)
-        elif key < _unnegate(heap[0][0]):
-            heapq.heapreplace(heap, entry)
-        if spec.runs_on(engine) and (best_runnable is None or key < best_runnable[0]):
-            best_runnable = (key, spec, step)
-    top = sorted(((_unnegate(k), s, step) for k, _, s, step in heap), key=lambda item: item[0])
-    return Ranking(top, best_runnable, simulated)
+        _keep(heap, entry, keep, exhaustive)
+        if spec.runs_on(engine):
+            _keep(runnable, entry, keep, exhaustive)
+    return Ranking(_best_first(heap), _best_first(runnable), simulated)
+
+
+def _keep(heap: list[tuple], entry: tuple, keep: int, exhaustive: bool) -> None:
+    """Put `entry` into the max-heap of the `keep` best (all of them when `exhaustive`)."""
+    if exhaustive or len(heap) < keep:
+        heapq.heappush(heap, entry)
+    elif _unnegate(entry[0]) < _unnegate(heap[0][0]):
+        heapq.heapreplace(heap, entry)
+
+
+def _best_first(heap: list[tuple]) -> list[tuple[tuple, Spec, float]]:
+    return sorted(((_unnegate(k), s, step) for k, _, s, step in heap), key=lambda item: item[0])
 
 
 def _negate(key: tuple) -> tuple:
@@ -354,7 +367,9 @@ def plan_homogeneous(
     sharded_entries, sharded_notes = _gradient_sharded_comparison(pool, goal, evaluator, chosen_entry, request)
     plan_notes += sharded_notes
     chosen = evaluator.candidate(chosen_entry[1], _device_note(chosen_entry[1], devices, hardware))
-    ranked = list(ranking.top)
+    # The top, then the runnable ones it left out, in the goal's order.
+    ranked = sorted([*ranking.top, *[e for e in ranking.top_runnable if all(e[1] is not s for _, s, _ in ranking.top)]],
+                    key=lambda entry: entry[0])  # fmt: skip
     # The best of each ZeRO-2/3 stage, when the top did not reach it: after the top (its key is
     # no better than theirs, or it would be among them).
     ranked += [entry for entry in sharded_entries if all(entry[1] is not spec for _, spec, _ in ranked)]

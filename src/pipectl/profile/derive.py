@@ -663,13 +663,11 @@ def _derive(
         )
         for index, shape in enumerate(shapes)
     ]
-    notes = [f"derived from the {config.family.value} shape and the '{device.name}' datasheet, not measured"]
+    notes = []  # that it is derived, and for which device, the profile's source and device say
     if compute is not None:
         notes.append(
-            "time: kernel model (GEMMs at "
-            f"{compute.gemm_efficiency:g} of peak with wave quantization, attention at "
-            f"{compute.attention_efficiency:g}, element-wise work at the memory bandwidth, "
-            f"{compute.kernel_overhead_seconds * 1e6:g} µs host time per kernel; pipectl.profile.compute_model)"
+            f"time: kernel model (GEMMs {compute.gemm_efficiency:g} of peak, attention "
+            f"{compute.attention_efficiency:g}, element-wise by bandwidth, {compute.kernel_overhead_seconds * 1e6:g} µs/kernel)"
         )
     else:
         notes.append(
@@ -682,13 +680,12 @@ def _derive(
             + ("fused, no s x s scores kept" if attention is Attention.FLASH else "the s x s softmax output kept")
             + "); saved activations counted tensor by tensor"
         )
-    notes.append("peak memory = 2 x parameters + saved + output + transient working memory of the layer")
+    notes.append("peak memory = 2 x parameters + saved + output + the layer's transient working memory")
     shard_degrees = sorted({s.tensor_parallel for layer in layers for s in layer.shards})
     if shard_degrees:
         notes.append(
-            f"tensor-parallel shards (t = {', '.join(map(str, shard_degrees))}): one rank's shard of each block "
-            "from the same kernel model, no communication (the planner prices the all-reduces from the links); "
-            "embeddings, final norm and head are replicated on every tensor rank"
+            f"shards (t = {', '.join(map(str, shard_degrees))}): a rank's share of a block, compute only; "
+            "embed, norm, head whole"
         )
     if engine is not None:
         notes.append(

@@ -12,7 +12,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from pipectl.artifacts.plan import Candidate, Engine, Plan, ReplicaShare, runtime_runs_zero
+from pipectl.artifacts.plan import Candidate, Engine, MorphEntry, Plan, ReplicaShare, runtime_runs_zero
 from pipectl.artifacts.profile import ModelProfile
 from pipectl.plan.flops import Utilisation, plan_layer_flops, utilisation
 from pipectl.runtime.checkpoint_schedule import DEVICE_MTBF_HOURS, young_daly_seconds
@@ -196,7 +196,7 @@ def candidates_table(
 def morph_table_view(plan: Plan, *, every: int | None = None) -> Table:
     """The morph table, compressed to the rows where the best configuration changes."""
     table = Table(title="morph table (fastest plan per device count; rows where it changes)",
-                  box=box.SIMPLE_HEAD, title_justify="left")
+                  box=box.SIMPLE_HEAD, title_justify="left", show_edge=False)
     for header in ("devices", "uses", "t·p·d", "b×m", "schedule", "step", "note"):
         table.add_column(header, no_wrap=header != "note")
     previous = None
@@ -213,6 +213,38 @@ def morph_table_view(plan: Plan, *, every: int | None = None) -> Table:
             str(entry.devices), str(c.devices), f"{c.tensor_parallel}·{c.pipeline_parallel}·{c.data_parallel}",
             _batch_label(c), _schedule_label(c) + _steady(c),
             format_step(c.predicted_step_seconds), entry.note,
+        )
+    return table
+
+
+def morph_ranges(plan: Plan) -> list[tuple[int, int, int, MorphEntry]]:
+    """The morph table in device-count ranges that double ([1, 1], [2, 3], [4, 7], ...): per range
+    its first and last count, how many counts the table has there, and its fastest entry."""
+    buckets: dict[int, list[MorphEntry]] = {}
+    for entry in plan.morph_table:
+        if entry.candidate is not None:
+            buckets.setdefault(entry.devices.bit_length(), []).append(entry)
+    ranges = []
+    for _, entries in sorted(buckets.items()):
+        fastest = min(entries, key=lambda e: e.candidate.predicted_step_seconds)
+        ranges.append((entries[0].devices, entries[-1].devices, len(entries), fastest))
+    return ranges
+
+
+def morph_summary_view(plan: Plan) -> Table:
+    """The morph table in a few rows: per range of device counts, the fastest plan in it."""
+    counted = sum(1 for e in plan.morph_table if e.candidate is not None)
+    table = Table(title=f"morph table: {count(counted, 'device count')} planned; the fastest in each range "
+                        "(all of them: --morph-table)",
+                  box=box.SIMPLE_HEAD, title_justify="left", show_edge=False)
+    for header in ("devices", "counts", "fastest at", "t·p·d", "b×m", "schedule", "step"):
+        table.add_column(header, no_wrap=True, justify="right" if header in ("counts", "fastest at", "step") else "left")
+    for first, last, number, entry in morph_ranges(plan):
+        c = entry.candidate
+        table.add_row(
+            str(first) if first == last else f"{first}–{last}", str(number), str(entry.devices),
+            f"{c.tensor_parallel}·{c.pipeline_parallel}·{c.data_parallel}", _batch_label(c),
+            _schedule_label(c) + _steady(c), format_step(c.predicted_step_seconds),
         )
     return table
 
@@ -256,14 +288,27 @@ def plan_utilisations(plan: Plan, profile: ModelProfile | None, candidates: Sequ
     return [utilisation(c, flops, dtype, global_batch=plan.global_batch) for c in candidates]
 
 
-def plan_view(plan: Plan, *, top: int = 10, show_morph: bool = True, profile: ModelProfile | None = None) -> Group:
-    """Everything `pipectl plan` prints: the ranking, the chosen plan (with its predicted MFU and
-    HFU when `profile`, the plan's own, gives the precision), notes, the morph table."""
+def plan_view(
+    plan: Plan,
+    *,
+    top: int = 10,
+    show_morph: bool = True,
+    profile: ModelProfile | None = None,
+    every_candidate: bool = False,
+    full_morph: bool = False,
+) -> Group:
+    """Everything `pipectl plan` prints: the chosen plan first (with its predicted MFU and HFU when
+    `profile`, the plan's own, gives the precision), then at most `top` alternatives that can run;
+    the candidates no engine runs are counted in a line, or, with `every_candidate`, listed apart
+    (at most `top`); notes; the morph table in ranges, or whole with `full_morph`."""
     c = plan.chosen
+    runnable = [cand for cand in plan.candidates if cand.engine is not None and cand != c]
+    others = [cand for cand in plan.candidates if cand.engine is None and cand != c]
     # The top, and the best ZeRO-2/3 candidates the planner keeps after it (`--zero-stages 1,2,3`):
     # their rows say what those stages would give even where they are not among the fastest.
-    shown = plan.candidates[:top] + [cand for cand in plan.candidates[top:] if cand.zero_stage >= 2]
-    utilisations = plan_utilisations(plan, profile, [c, *shown]) if profile is not None else []
+    shown = [c, *runnable[:top], *[cand for cand in runnable[top:] if cand.zero_stage >= 2]]
+    apart = others[:top] if every_candidate else []
+    utilisations = plan_utilisations(plan, profile, [c, *shown, *apart]) if profile is not None else []
     headline = Text.assemble(
         ("chosen: ", "bold"),
         f"t={c.tensor_parallel} p={c.pipeline_parallel} d={c.data_parallel} b={c.micro_batch_size} "
@@ -272,16 +317,27 @@ def plan_view(plan: Plan, *, top: int = 10, show_morph: bool = True, profile: Mo
         f"{'per update (steady state, no flush)' if _steady(c) else 'per step'} "
         f"of {count(plan.global_batch, 'sample')}",
     )
-    parts: list = [
-        candidates_table(shown, chosen=c,
-                         title=f"{plan.model} on {plan.cluster}, global batch {plan.global_batch}, "
-                               f"objective {plan.objective.value}",
-                         mfu=[u.mfu for u in utilisations[1:]]),
-        headline,
-    ]
+    parts: list = [headline]
     if utilisations:
         parts.append(Text(utilisation_line(utilisations[0])))
-    flagged = [cand for cand in shown if not cand.deepspeed_runnable]
+    mfus = [u.mfu for u in utilisations[1:]]
+    parts.append(candidates_table(
+        shown, chosen=c, mfu=mfus[: len(shown)],
+        title=f"{plan.model} on {plan.cluster}, global batch {plan.global_batch}, objective "
+              f"{plan.objective.value}: the chosen plan and {count(len(shown) - 1, 'alternative')} that can run",
+    ))  # fmt: skip
+    if apart:
+        parts.append(candidates_table(
+            apart, mfu=mfus[len(shown):],
+            title="planned for comparison only: no engine pipectl launches runs these",
+        ))  # fmt: skip
+    elif others:
+        faster = sum(1 for cand in others if cand.predicted_step_seconds < c.predicted_step_seconds)
+        parts.append(Text(
+            f"{count(len(others), 'other candidate')} ({faster} faster) no engine pipectl launches can run: "
+            "left out (--all lists them)", style="dim",
+        ))
+    flagged = [cand for cand in [*shown, *apart] if not cand.deepspeed_runnable]
     if any(not deepspeed_runnable(cand.schedule, cand.chunks) for cand in flagged):
         torch_runs = any(cand.engine is Engine.TORCH for cand in flagged)
         parts.append(Text(
@@ -290,7 +346,7 @@ def plan_view(plan: Plan, *, top: int = 10, show_morph: bool = True, profile: Mo
                if torch_runs else "plan and simulate only)"),
             style="dim",
         ))
-    two_bw = [cand for cand in shown if _steady(cand)]
+    two_bw = [cand for cand in [*shown, *apart] if _steady(cand)]
     if two_bw:
         first = two_bw[0]
         line = (
@@ -328,5 +384,5 @@ def plan_view(plan: Plan, *, top: int = 10, show_morph: bool = True, profile: Mo
         parts.append(Text(checkpoint, style="dim"))
     parts.append(rejections_view(plan))
     if show_morph and plan.morph_table:
-        parts.append(morph_table_view(plan))
+        parts.append(morph_table_view(plan) if full_morph else morph_summary_view(plan))
     return Group(*parts)

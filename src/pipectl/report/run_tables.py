@@ -335,25 +335,31 @@ def _seconds(value: float | None) -> str:
 def morph_history_table(records: Sequence[MorphRecord]) -> Table:
     """One row per morph: when, from which layout to which, how (restart or live), at which step,
     the stop, the downtime (request -> first step after), a live resize's pause (last step before
-    -> first step after) and the state it moved."""
-    table = Table(box=box.SIMPLE_HEAD, title="morph history", title_justify="left")
-    for column in ("when", "from", "to", "path", "at step", "stop", "downtime", "pause", "moved", "notes"):
-        table.add_column(column)
-    for record in records:
-        when = datetime.datetime.fromtimestamp(record.requested_unix).strftime("%Y-%m-%d %H:%M:%S")
+    -> first step after) and the state it moved; each morph's notes under the table, numbered, so
+    that the rows stay one line each."""
+    table = Table(box=box.SIMPLE_HEAD, title="morph history", title_justify="left", show_edge=False)
+    for column in ("#", "when", "from", "to", "path", "at step", "stop", "downtime", "pause", "moved"):
+        table.add_column(column, no_wrap=True)
+    notes = []
+    for number, record in enumerate(records, start=1):
+        when = datetime.datetime.fromtimestamp(record.requested_unix).strftime("%m-%d %H:%M:%S")
         live = record.path == "live"
         table.add_row(
+            str(number),
             when,
-            f"{record.from_devices}: {record.from_layout}",
-            f"{record.to_devices}: {record.to_layout}",
+            record.from_layout,
+            record.to_layout,
             record.path if record.trigger is MorphTrigger.RESIZE else f"{record.path} ({record.trigger.value})",
             str(record.resume_step),
             _seconds(record.stop_seconds),
             _seconds(record.downtime_seconds) if record.relaunched_unix or live else "not relaunched",
             _seconds(record.pause_seconds),
             "-" if record.bytes_moved is None else f"{record.bytes_moved / 2**20:.1f} MiB",
-            "; ".join(record.notes),
         )
+        notes += [f"{number}: {note}" for note in record.notes]
+    if notes:
+        table.caption = "\n".join(notes)
+        table.caption_justify = "left"
     return table
 
 

@@ -12,7 +12,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from pipectl.artifacts.profile import LinksProfile, ModelProfile, RuntimeCosts
+from pipectl.artifacts.profile import LayerProfile, LinksProfile, ModelProfile, ProfileSource, RuntimeCosts
 from pipectl.words import count
 
 
@@ -66,28 +66,60 @@ def profile_summary(profile: ModelProfile) -> Text:
     """One header line: model, source, device, dtype, parameters, sizes, and what did not fit."""
     parts = [
         f"[bold]{profile.model}[/]",
-        f"{profile.source.value} on {profile.device}",
+        # derived: from the model's shape and the device's datasheet, nothing measured
+        f"{profile.source.value} {'for' if profile.source is ProfileSource.DERIVED else 'on'} {profile.device}",
         profile.dtype,
         f"{format_count(profile.parameter_count)} parameters",
         count(len(profile.layers), "layer"),
-        "micro-batch sizes " + ", ".join(str(b) for b in profile.micro_batch_sizes),
+        "b " + ", ".join(str(b) for b in profile.micro_batch_sizes),
     ]
     if profile.not_fitting_micro_batch_size is not None:
         parts.append(f"[yellow]b={profile.not_fitting_micro_batch_size} does not fit[/]")
     return Text.from_markup(" · ".join(parts))
 
 
-def profile_table(profile: ModelProfile, micro_batch_sizes: Sequence[int] | None = None) -> Table:
+def identical_runs(profile: ModelProfile) -> list[list[LayerProfile]]:
+    """The profile's layers in runs of consecutive identical ones (same kind, parameters, costs and
+    shards: GPT-3's 96 blocks are one run), each other layer a run of its own."""
+    runs: list[list[LayerProfile]] = []
+    for layer in profile.layers:
+        if runs and _same_figures(runs[-1][0], layer):
+            runs[-1].append(layer)
+        else:
+            runs.append([layer])
+    return runs
+
+
+def _same_figures(a: LayerProfile, b: LayerProfile) -> bool:
+    ignored = {"index", "name", "costs_from"}
+    return a.model_dump(exclude=ignored) == b.model_dump(exclude=ignored)
+
+
+def _run_name(run: Sequence[LayerProfile]) -> str:
+    """'embed'; 'block.0–95 ×96' for a run of identical layers."""
+    if len(run) == 1:
+        return run[0].name
+    first, last = run[0].name, run[-1].name
+    stem, dot, _ = first.rpartition(".")
+    last_index = last.rpartition(".")[2] if dot and last.startswith(stem + ".") else last
+    return f"{first}–{last_index} ×{len(run)}"
+
+
+def profile_table(
+    profile: ModelProfile, micro_batch_sizes: Sequence[int] | None = None, *, every_layer: bool = False
+) -> Table:
     """Per layer and per micro-batch size: forward/backward ms, output and saved bytes; then totals.
 
-    The totals row per size sums times and saved bytes over all layers (a one-stage pipeline), and
-    counts shared parameters once.
+    Identical consecutive layers are one row group named with their count (`identical_runs`),
+    unless `every_layer`. The totals row per size sums times and saved bytes over all layers (a
+    one-stage pipeline), and counts shared parameters once. Tensor-parallel shards are in
+    `shard_table`.
     """
     sizes = list(micro_batch_sizes) if micro_batch_sizes else list(profile.micro_batch_sizes)
     table = Table(
-        title=f"{profile.model} profile", title_justify="left", header_style="bold", box=box.SIMPLE_HEAD,
+        header_style="bold", box=box.SIMPLE_HEAD, show_edge=False,  # the summary line above names it
         caption=(
-            "* shares parameters with the other layers of its group (tied); the model counts them once"
+            "* tied: shares parameters with the other layers of its group, counted once"
             if any(layer.shared_group for layer in profile.layers)
             else None
         ),
@@ -97,28 +129,24 @@ def profile_table(profile: ModelProfile, micro_batch_sizes: Sequence[int] | None
     table.add_column("params", justify="right", no_wrap=True)
     for heading in ("b", "fwd ms", "bwd ms", "output", "saved", "peak mem"):
         table.add_column(heading, justify="right", no_wrap=True)
-    for layer in profile.layers:
+    runs = [[layer] for layer in profile.layers] if every_layer else identical_runs(profile)
+    for run in runs:
+        layer = run[0]
         params = format_bytes(layer.parameter_bytes)
         if layer.shared_group:
             params = f"*{params}"
-        # The layer, then one tensor rank's shard of it per degree t (when profiled).
-        groups = [(layer.name, params, layer.costs)] + [
-            (f"  t={shard.tensor_parallel} shard", format_bytes(shard.parameter_bytes), shard.costs)
-            for shard in layer.shards
-        ]
-        rows = [(name, held, cost, index == 0) for name, held, costs in groups
-                for index, cost in enumerate(c for c in costs if c.micro_batch_size in sizes)]  # fmt: skip
-        for position, (name, held, cost, first) in enumerate(rows):
+        costs = [c for c in layer.costs if c.micro_batch_size in sizes]
+        for position, cost in enumerate(costs):
             table.add_row(
-                name if first else "",
-                held if first else "",
+                _run_name(run) if position == 0 else "",
+                params if position == 0 else "",
                 str(cost.micro_batch_size),
                 format_seconds_ms(cost.forward_seconds),
                 format_seconds_ms(cost.backward_seconds),
                 format_bytes(cost.output_activation_bytes),
                 format_bytes(cost.saved_activation_bytes),
                 format_bytes(cost.peak_memory_bytes),
-                end_section=len(rows) > 1 and position == len(rows) - 1,
+                end_section=len(costs) > 1 and position == len(costs) - 1,
             )
     unique_parameter_bytes = _unique_parameter_bytes(profile)
     for position, size in enumerate(s for s in sizes if s in profile.micro_batch_sizes):
@@ -135,6 +163,37 @@ def profile_table(profile: ModelProfile, micro_batch_sizes: Sequence[int] | None
             style="bold",
         )
     return table
+
+
+def shard_tables(profile: ModelProfile, micro_batch_sizes: Sequence[int] | None = None) -> list[Table]:
+    """Per distinct layer that splits over tensor ranks: one rank's shard per degree t (t = 1: the
+    whole layer) as columns, forward / backward ms per micro-batch size as rows, the shard's
+    parameters in the header."""
+    sizes = list(micro_batch_sizes) if micro_batch_sizes else list(profile.micro_batch_sizes)
+    tables = []
+    for run in identical_runs(profile):
+        layer = run[0]
+        if not layer.shards:
+            continue
+        table = Table(
+            title=f"{_run_name(run)}: one tensor rank's shard, forward / backward ms", title_justify="left",
+            header_style="bold", box=box.SIMPLE_HEAD, show_edge=False,
+        )  # fmt: skip
+        table.add_column("b", justify="right", no_wrap=True)
+        shards = [(1, layer.parameter_bytes, layer.costs)] + [
+            (shard.tensor_parallel, shard.parameter_bytes, shard.costs) for shard in layer.shards
+        ]
+        for t, held, _ in shards:
+            table.add_column(f"t={t} ({format_bytes(held)})", justify="right", no_wrap=True)
+        for size in sizes:
+            cells = []
+            for _, _, costs in shards:
+                cost = next((c for c in costs if c.micro_batch_size == size), None)
+                cells.append("-" if cost is None else
+                             f"{format_seconds_ms(cost.forward_seconds)} / {format_seconds_ms(cost.backward_seconds)}")  # fmt: skip
+            table.add_row(str(size), *cells)
+        tables.append(table)
+    return tables
 
 
 def _unique_parameter_bytes(profile: ModelProfile) -> int:
@@ -228,9 +287,16 @@ def runtime_table(runtime: RuntimeCosts) -> Table:
     return table
 
 
-def profile_view(profile: ModelProfile, micro_batch_sizes: Sequence[int] | None = None) -> Group:
-    """Header line, per-layer table, notes, engine costs and link calibration when present."""
-    parts: list = [profile_summary(profile), profile_table(profile, micro_batch_sizes)]
+def profile_view(
+    profile: ModelProfile, micro_batch_sizes: Sequence[int] | None = None, *, every_layer: bool = False
+) -> Group:
+    """Header line, per-layer table (identical layers collapsed unless `every_layer`), the
+    tensor-parallel shards, notes, engine costs and link calibration when present."""
+    parts: list = [
+        profile_summary(profile),
+        profile_table(profile, micro_batch_sizes, every_layer=every_layer),
+        *shard_tables(profile, micro_batch_sizes),
+    ]
     parts += _notes(profile.notes)
     if profile.runtime is not None:
         parts.append(runtime_table(profile.runtime))
