@@ -364,7 +364,7 @@ def _launch(
         resume = None if resumed is None else resumed.model_dump(mode="json", exclude={"schema_version"})
         print_json({**described, "exit_code": exit_code, "resumed": resume, "status": status.to_dict()})
         return
-    console.print(status_table(status))
+    console.print(status_table(status, brief=True))
     if not status.finished:
         console.print(
             f"stopped at step {status.steps_done} of {prepared.job.steps} (signal or stop request), "

@@ -149,7 +149,7 @@ def register(app: typer.Typer) -> None:
             console.print(f"wrote the new layout into {result.run_dir} and submitted it as Slurm job {result.submitted_job}")
             return
 
-        console.print(status_table(run_status(result.run_dir)))  # the morph history among the rest
+        console.print(status_table(run_status(result.run_dir), brief=True))
         if result.record.downtime_seconds is None:
             err_console.print("[yellow]no step completed on the new layout: downtime unknown[/]")
 

@@ -137,7 +137,7 @@ def candidates_table(
     chosen: Candidate | None = None,
     title: str = "",
     mfu: Sequence[float | None] = (),
-) -> Table:
+) -> Group:
     """One row per candidate: degrees, b, m, schedule (+R: recompute whole stages, +ckpt: checkpoint
     every layer, +sel: recompute attention cores), ZeRO, predicted figures, cost.
 
@@ -180,17 +180,14 @@ def candidates_table(
         caption += "; Z: ZeRO stage"
     if len(zero_stages) == 1:
         caption += f"; all ZeRO-{zero_stages.pop()}"
-    table = Table(
-        title=title or None, box=box.SIMPLE_HEAD, title_justify="left", pad_edge=False, collapse_padding=True,
-        show_edge=False,
-        caption=caption, caption_justify="left",
-    )
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True, show_edge=False)
     for header, justify, _ in columns:
         table.add_column(header, justify=justify, no_wrap=True)
     for c in candidates:
         style = "bold green" if chosen is not None and c == chosen else None
         table.add_row(*(render(c) for _, _, render in columns), style=style)
-    return table
+    # The title and the legend as lines of their own: a table's title and caption wrap at its width.
+    return Group(*([Text(title, style="bold")] if title else []), table, Text(caption, style="dim"))
 
 
 def morph_table_view(plan: Plan, *, every: int | None = None) -> Table:
@@ -231,12 +228,10 @@ def morph_ranges(plan: Plan) -> list[tuple[int, int, int, MorphEntry]]:
     return ranges
 
 
-def morph_summary_view(plan: Plan) -> Table:
+def morph_summary_view(plan: Plan) -> Group:
     """The morph table in a few rows: per range of device counts, the fastest plan in it."""
     counted = sum(1 for e in plan.morph_table if e.candidate is not None)
-    table = Table(title=f"morph table: {count(counted, 'device count')} planned; the fastest in each range "
-                        "(all of them: --morph-table)",
-                  box=box.SIMPLE_HEAD, title_justify="left", show_edge=False)
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False)
     for header in ("devices", "counts", "fastest at", "t·p·d", "b×m", "schedule", "step"):
         table.add_column(header, no_wrap=True, justify="right" if header in ("counts", "fastest at", "step") else "left")
     for first, last, number, entry in morph_ranges(plan):
@@ -246,7 +241,8 @@ def morph_summary_view(plan: Plan) -> Table:
             f"{c.tensor_parallel}·{c.pipeline_parallel}·{c.data_parallel}", _batch_label(c),
             _schedule_label(c) + _steady(c), format_step(c.predicted_step_seconds),
         )
-    return table
+    title = f"morph table: {count(counted, 'device count')} planned; the fastest in each range (all: --morph-table)"
+    return Group(Text(title, style="bold"), table)
 
 
 def rejections_view(plan: Plan) -> Text:
@@ -323,8 +319,8 @@ def plan_view(
     mfus = [u.mfu for u in utilisations[1:]]
     parts.append(candidates_table(
         shown, chosen=c, mfu=mfus[: len(shown)],
-        title=f"{plan.model} on {plan.cluster}, global batch {plan.global_batch}, objective "
-              f"{plan.objective.value}: the chosen plan and {count(len(shown) - 1, 'alternative')} that can run",
+        title=f"the chosen plan and {count(len(shown) - 1, 'alternative')} that can run ({plan.model} on "
+              f"{plan.cluster}, global batch {plan.global_batch}, objective {plan.objective.value})",
     ))  # fmt: skip
     if apart:
         parts.append(candidates_table(

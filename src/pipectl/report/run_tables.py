@@ -65,8 +65,9 @@ def checkpoint_interval_text(status: RunStatus) -> str:
     return ", ".join(parts + ["at the end"]) if parts else "at the end and on SIGTERM only"
 
 
-def status_table(status: RunStatus) -> Group:
-    """Rich renderables: a summary table and a checkpoint table."""
+def status_table(status: RunStatus, *, brief: bool = False) -> Group:
+    """Rich renderables: a summary table, then (unless `brief`, what launch and resize print when
+    the job ends) memory, where the step goes, checkpoints, morph history and stragglers."""
     summary = Table(box=box.SIMPLE, show_header=False, title=f"run {status.path.name}", title_justify="left")
     summary.add_column(style="bold")
     summary.add_column()
@@ -110,6 +111,10 @@ def status_table(status: RunStatus) -> Group:
     for name, row in utilisation_rows(run_utilisation(status)):
         summary.add_row(name, row)
     parts: list = [summary]
+    if brief:
+        parts.append(Text(f"more (memory, where the step goes, checkpoints, stragglers): pipectl status {status.path}",
+                          style="dim"))  # fmt: skip
+        return Group(*parts)
     memory = run_memory(status)
     if memory is not None:
         parts.append(memory_table(memory))
