@@ -274,3 +274,13 @@ def test_ring_allreduce_model():
     assert link.ring_allreduce_seconds(1e9, 8) == pytest.approx(2 * 7 * (5e-6 + 1e9 / 8 / 25e9))
     # Bandwidth term tends to 2 * bytes / bw as the ring grows.
     assert link.ring_allreduce_seconds(1e9, 1024) < 2 * 1e9 / 25e9 + 2 * 1023 * 5e-6 + 1e-12
+
+
+def test_docstring_examples():
+    """cluster.py's worked examples hold (the local cluster, the note on a busier host)."""
+    import doctest
+
+    import pipectl.cluster
+    import pipectl.paths
+
+    assert doctest.testmod(pipectl.cluster).failed == 0 and doctest.testmod(pipectl.paths).failed == 0

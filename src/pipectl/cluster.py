@@ -28,11 +28,12 @@ from pathlib import Path
 
 from pipectl.artifacts.cluster import MAX_DEVICES_PER_NODE, ClusterSpec, LinkSpec, NodeType
 from pipectl.artifacts.plan import Plan
-from pipectl.artifacts.profile import LinkClass, LinkClassFit, LinksProfile
+from pipectl.artifacts.profile import HostState, LinkClass, LinkClassFit, LinksProfile
 from pipectl.catalog import DeviceSpec, get_device, load_catalog
 from pipectl.errors import UserInputError
 from pipectl.io import load_model
 from pipectl.paths import resolve_config
+from pipectl.words import count
 
 
 
@@ -136,6 +137,43 @@ def usable_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - not Linux
         return os.cpu_count() or 1
+
+
+def host_state(timing_spread: float | None = None) -> HostState | None:
+    """This host's cores and 1-minute load average now; None where the system has no load average."""
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):  # pragma: no cover - not Unix
+        return None
+    return HostState(cores=usable_cores(), load_average=round(load, 2), timing_spread=timing_spread)
+
+
+# A host this many times as contended as when the profile was measured is worth a word: below it,
+# the noise of one machine's timings (benchmarks/machine_noise.py) hides the difference.
+BUSIER = 1.5
+
+
+def busier_note(profiled: HostState | None, now: HostState | None) -> str | None:
+    """A line for the user when the host is much busier (or much quieter) than when its profile was
+    measured: the predictions scale with how much of each core a rank gets.
+
+        >>> quiet, busy = HostState(cores=2, load_average=0.2), HostState(cores=2, load_average=4.6)
+        >>> busier_note(quiet, busy)
+        'the host is 2.3x busier than when profiled (load 4.6 on 2 cores, was 0.2): predictions assume the profiled host; re-profile, or fit the profile to runs with pipectl calibrate'
+        >>> busier_note(quiet, quiet) is None
+        True
+    """
+    if profiled is None or now is None:
+        return None
+    ratio = now.contention / profiled.contention
+    if 1 / BUSIER < ratio < BUSIER:
+        return None
+    words = f"{ratio:.1f}x busier" if ratio > 1 else f"{1 / ratio:.1f}x quieter"
+    return (
+        f"the host is {words} than when profiled (load {now.load_average:g} on {count(now.cores, 'core')}, was "
+        f"{profiled.load_average:g}): predictions assume the profiled host; re-profile, or fit the profile to runs "
+        "with pipectl calibrate"
+    )
 
 
 def local_cluster(devices: int, base: ClusterSpec | None = None) -> ClusterSpec:

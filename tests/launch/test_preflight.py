@@ -109,3 +109,39 @@ def test_a_model_profiled_from_a_yaml_path_launches_without_naming_it_again(tmp_
     launched = invoke("launch", "plan.json", "--run-dir", "run", "--dry-run", "--json")
     assert launched.exit_code == 0, launched.output
     assert json.loads(launched.output)["job"]["model"] == absolute
+
+
+def test_a_host_much_busier_than_when_profiled_is_named_before_the_job_starts(tmp_path, monkeypatch):
+    """A profile measured on an idle host predicts an idle host: a launch onto a loaded one says so
+    (how much busier, the loads, what to do), rather than leaving the user with a large error."""
+    import pipectl.launch
+    from pipectl.artifacts.plan import Plan
+    from pipectl.artifacts.profile import HostState, ModelProfile
+    from pipectl.io import load_model, write_json_atomic
+    from pipectl.launch import LaunchOptions, prepare_launch
+
+    monkeypatch.chdir(tmp_path)
+    assert invoke("profile", "gpt-tiny", "--derive", "--device", "cpu", "-b", "1,2", "-o", "derived.json").exit_code == 0
+    profile = load_model(ModelProfile, tmp_path / "derived.json")
+    write_json_atomic(tmp_path / "profile.json",
+                      profile.model_copy(update={"host": HostState(cores=2, load_average=0.3, timing_spread=0.05)}))
+    planned = invoke("plan", "--profile", "profile.json", "--cluster", "local", "--devices", "2", "--global-batch", "8",
+                     "-o", "plan.json", "--no-morph")  # fmt: skip
+    assert planned.exit_code == 0, planned.output
+    plan = load_model(Plan, tmp_path / "plan.json")
+
+    monkeypatch.setattr(pipectl.launch, "host_state", lambda: HostState(cores=2, load_average=0.5))
+    assert prepare_launch(plan, tmp_path / "run", LaunchOptions(), plan_dir=tmp_path, write=False).busier is None
+    monkeypatch.setattr(pipectl.launch, "host_state", lambda: HostState(cores=2, load_average=6.0))
+    busier = prepare_launch(plan, tmp_path / "run", LaunchOptions(), plan_dir=tmp_path, write=False).busier
+    assert busier.startswith("the host is 3.0x busier than when profiled (load 6 on 2 cores, was 0.3)")
+    assert "re-profile" in busier
+
+
+def test_a_measured_profile_records_how_busy_the_host_was():
+    from pipectl.models import build_model
+    from pipectl.profile.measure import profile_model
+
+    profile = profile_model(build_model("gpt-tiny"), [1], warmup=1, repeats=3, runtime=False)
+    assert profile.host is not None and profile.host.cores >= 1 and profile.host.load_average >= 0
+    assert profile.host.timing_spread is not None and profile.host.timing_spread >= 0

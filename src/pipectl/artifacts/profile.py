@@ -206,6 +206,27 @@ class EngineComputeRatio(Strict):
     backward_ratio: float = Field(gt=0, le=MAX_RATIO, description="Engine backward compute / sum of profiled layer backwards.")
 
 
+class HostState(Strict):
+    """How busy the host was at a moment that predictions rest on: when a profile was measured
+    (`ModelProfile.host`), when a job was launched (`JobSpec.host_at_launch`). Other work on the
+    cores slows every measured time alike, so a profile measured on an idle host over-predicts
+    the speed of a run on a busy one (and the reverse): `pipectl.cluster.busier_note` says so."""
+
+    cores: int = Field(gt=0, description="Cores this process could run on (its affinity mask).")
+    load_average: float = Field(ge=0, description="The host's 1-minute load average (runnable tasks), os.getloadavg.")
+    timing_spread: float | None = Field(
+        default=None,
+        ge=0,
+        description="Median over the measured layers and sizes of (slowest - fastest) / median of the timed "
+        "runs: how steady the host was while measuring; None where nothing was timed.",
+    )
+
+    @property
+    def contention(self) -> float:
+        """Runnable tasks per core, at least 1: how many times slower a task runs than alone."""
+        return max(1.0, self.load_average / self.cores)
+
+
 class RuntimeCosts(Strict):
     """What a real training step pays besides the layers' own compute, measured once on one rank.
 
@@ -450,6 +471,9 @@ class ModelProfile(Artifact):
     runtime: RuntimeCosts | None = Field(
         default=None,
         description="Training-engine overheads measured on one rank (measured profiles); None: not measured.",
+    )
+    host: HostState | None = Field(
+        default=None, description="How busy the host was while measuring (measured profiles); None: derived or older."
     )
     notes: list[str] = Field(default_factory=list, description="What happened while profiling.")
     engine: EngineFeatures | None = Field(

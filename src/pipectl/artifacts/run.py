@@ -30,6 +30,7 @@ from pydantic import Field, field_validator, model_validator
 
 from pipectl.artifacts.base import Artifact, Sha256, Strict
 from pipectl.artifacts.layout import Layout
+from pipectl.artifacts.profile import HostState
 
 JOB_FILE = "job.json"
 PLAN_FILE = "plan.json"
@@ -266,6 +267,9 @@ class JobSpec(Artifact):
         le=7 * 24 * 3600,
         description="How long a rank waits in a collective for a silent peer before it fails; None: pipectl's "
         "default for the plan (runtime/liveness.py).",
+    )
+    host_at_launch: HostState | None = Field(
+        default=None, description="How busy the launching host was when the job started (engine local); None: other."
     )
     plan_file: str = Field(default=PLAN_FILE)
     ds_config_file: str = Field(default=DS_CONFIG_FILE)

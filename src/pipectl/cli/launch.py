@@ -332,6 +332,8 @@ def _launch(
         else:
             console.print(f"wrote {prepared.run_dir}; {prepared.command.submit_hint}")
         return
+    if prepared.busier and not json_output:
+        err_console.print(prepared.busier, style="yellow", highlight=False, markup=False, soft_wrap=True)
     started = time.time()
     watch = StallWatch(
         prepared.run_dir,

@@ -26,7 +26,7 @@ from pipectl.artifacts.layout import layout_label
 from pipectl.artifacts.plan import Candidate, Plan
 from pipectl.artifacts.profile import ModelProfile
 from pipectl.artifacts.run import DataKind, DataSpec, ElasticRange, Engine, JobSpec, LrSchedule, NodeGroup, Precision, TrainingSettings
-from pipectl.cluster import load_cluster, plan_cluster_spec
+from pipectl.cluster import busier_note, host_state, load_cluster, plan_cluster_spec
 from pipectl.errors import PipectlError, UserInputError
 from pipectl.io import load_model, validation_message
 from pipectl.runtime.dsconfig import validated_config
@@ -191,6 +191,7 @@ class PreparedLaunch:
     command: LaunchCommand
     lock: RunLock | None = None  # held for the job's life (None for a dry run); see `launch.rundir`
     hosts: list[str] | None = None  # DeepSpeed's hostfile, in order
+    busier: str | None = None  # the host is much busier or quieter than when profiled (`cluster.busier_note`)
 
 
 def check_model(plan: Plan, model_reference: str) -> None:
@@ -525,14 +526,17 @@ def prepare_launch(
     so a resize can re-plan from it (default: the run directory, which holds it when resuming).
     """
     path = Path(run_dir).resolve()
-    profile_dtype = None
+    profile = None
     if plan.profile is not None:  # present and unchanged, before anything is written
-        profile_dtype = load_model(ModelProfile, plan_profile_path(path if plan_dir is None else plan_dir, plan)).dtype
+        profile = load_model(ModelProfile, plan_profile_path(path if plan_dir is None else plan_dir, plan))
+    profile_dtype = profile.dtype if profile is not None else None
     options = replace(options, precision=planned_precision(profile_dtype, options.precision))
     if options.engine is Engine.DEEPSPEED:
         options = replace(options, hosts=deepspeed_hosts(options))
     cluster = plan_cluster(plan, options.cluster)
     job = build_job(plan, path.name, options, cluster)
+    if job.engine is Engine.LOCAL:  # the ranks run here: how busy this host is, beside the profile's
+        job = job.model_copy(update={"host_at_launch": host_state()})
     with import_root(job.import_root):  # the model and the data resolved as the ranks will resolve them
         check_model(plan, job.model)
         check_data(plan, job.data, job.model)
@@ -583,4 +587,5 @@ def prepare_launch(
         if lock is not None:
             lock.release()
         raise
-    return PreparedLaunch(path, plan, job, ds_config, command, lock, options.hosts)
+    busier = busier_note(profile.host if profile is not None else None, job.host_at_launch)
+    return PreparedLaunch(path, plan, job, ds_config, command, lock, options.hosts, busier)

@@ -58,6 +58,7 @@ from torch import nn
 
 from pipectl.artifacts.profile import LayerCost, LayerProfile, ModelProfile, ProfileSource, ShardProfile
 from pipectl.artifacts.run import Precision
+from pipectl.cluster import host_state
 from pipectl.errors import PipectlError, UserInputError
 from pipectl.models.base import LayerDef, ModelLayers
 from pipectl.models.tensor_parallel import TensorParallelBlock, TensorParallelGroup, shard_model, splits_itself
@@ -501,6 +502,9 @@ def _profile(
     measured_sizes: list[int] = []
     not_fitting: int | None = None
     notes: list[str] = []
+    # How busy the host is, before this process adds to it, and how steady its timings are.
+    load_before = host_state()
+    spreads: list[float] = []
     total_cells = len(sizes) * (count + len(shard_degrees) * len(_block_indices(model)))
     done = 0
 
@@ -527,7 +531,7 @@ def _profile(
                 source = taken_from[index]
                 if source == index:
                     cost = _measure_layer(under_test, index, labels, model.loss_fn, runs[index], size,
-                                          warmup, repeats, clock, device)
+                                          warmup, repeats, clock, device, spreads)
                 else:
                     cost = layer_costs[source]
                 layer_costs.append(cost)
@@ -627,6 +631,9 @@ def _profile(
         layers=layers,
         notes=notes,
         device_memory_bytes=device_memory_bytes(device),
+        host=None if load_before is None else load_before.model_copy(
+            update={"timing_spread": round(statistics.median(spreads), 4) if spreads else None}
+        ),
     )
 
 
@@ -862,8 +869,10 @@ def _measure_layer(
     repeats: int,
     clock: _Clock,
     device: torch.device,
+    spreads: list[float] | None = None,
 ) -> LayerCost:
-    """Median forward and backward seconds of one layer at one micro-batch size."""
+    """Median forward and backward seconds of one layer at one micro-batch size; the spread of its
+    timed runs, (slowest - fastest) / median, is appended to `spreads`."""
     layer_input = run.layer_input
     is_last = index == len(under_test.defs) - 1
     forward_times: list[float] = []
@@ -887,6 +896,11 @@ def _measure_layer(
             forward_times.append(middle - start)
             backward_times.append(end - backward_start)
         del output, loss, upstream, x
+    if spreads is not None:
+        totals = [f + b for f, b in zip(forward_times, backward_times)]
+        middle_total = statistics.median(totals)
+        if middle_total > 0:
+            spreads.append((max(totals) - min(totals)) / middle_total)
     parameter_bytes = under_test.parameter_bytes(index)
     if device.type == "cuda":
         # Everything allocated above the baseline (gradients, saved tensors, output) + the weights.

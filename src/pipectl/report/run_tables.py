@@ -19,6 +19,7 @@ from rich.text import Text
 from pipectl.artifacts.layout import layout_label
 from pipectl.artifacts.morph import MorphRecord, MorphTrigger
 from pipectl.artifacts.run import RankFailure
+from pipectl.cluster import busier_note
 from pipectl.errors import PipectlError
 from pipectl.launch.rundir import RunStatus
 from pipectl.plan.flops import PRECISION_DTYPE, Utilisation, plan_layer_flops, utilisation
@@ -108,6 +109,9 @@ def status_table(status: RunStatus, *, brief: bool = False) -> Group:
             "prediction error",
             f"median {_percent(prediction.median_abs_error)}, max {_percent(prediction.max_abs_error)}",
         )
+        busier = _busier_than_profiled(status)
+        if busier is not None:
+            summary.add_row("host", Text(busier, style="yellow"))
     for name, row in utilisation_rows(run_utilisation(status)):
         summary.add_row(name, row)
     parts: list = [summary]
@@ -137,6 +141,16 @@ def status_table(status: RunStatus, *, brief: bool = False) -> Group:
         ))  # fmt: skip
     parts.append(status_renderables(status.path))
     return Group(*parts)
+
+
+def _busier_than_profiled(status: RunStatus) -> str | None:
+    """`cluster.busier_note` for the host when this job was launched against the host when its
+    profile was measured; None when either is not recorded or the profile cannot be read."""
+    try:
+        profile = load_plan_profile(status.path / status.job.plan_file, status.plan)
+    except PipectlError:
+        return None
+    return busier_note(profile.host, status.job.host_at_launch)
 
 
 @dataclass(frozen=True)

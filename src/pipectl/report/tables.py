@@ -298,6 +298,11 @@ def profile_view(
         *shard_tables(profile, micro_batch_sizes),
     ]
     parts += _notes(profile.notes)
+    if profile.host is not None:
+        host = profile.host
+        spread = "" if host.timing_spread is None else (
+            f"; timings spread {host.timing_spread * 100:.0f} % (max - min over median)")
+        parts += _notes([f"host: load {host.load_average:g} on {count(host.cores, 'core')} when measured{spread}"])
     if profile.runtime is not None:
         parts.append(runtime_table(profile.runtime))
     if profile.links is not None:
