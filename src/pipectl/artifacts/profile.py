@@ -473,7 +473,10 @@ class ModelProfile(Artifact):
         description="Training-engine overheads measured on one rank (measured profiles); None: not measured.",
     )
     host: HostState | None = Field(
-        default=None, description="How busy the host was while measuring (measured profiles); None: derived or older."
+        default=None,
+        # Left out of the file when None: a profile without it reads and writes as before.
+        exclude_if=lambda host: host is None,
+        description="How busy the host was while measuring (measured profiles); None: derived or older.",
     )
     notes: list[str] = Field(default_factory=list, description="What happened while profiling.")
     engine: EngineFeatures | None = Field(
