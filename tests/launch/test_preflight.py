@@ -145,3 +145,25 @@ def test_a_measured_profile_records_how_busy_the_host_was():
     profile = profile_model(build_model("gpt-tiny"), [1], warmup=1, repeats=3, runtime=False)
     assert profile.host is not None and profile.host.cores >= 1 and profile.host.load_average >= 0
     assert profile.host.timing_spread is not None and profile.host.timing_spread >= 0
+
+
+def test_force_with_the_runs_own_plan_is_refused_and_deletes_nothing(tmp_path, monkeypatch):
+    """`launch RUN/plan.json --run-dir RUN --force` emptied the run (checkpoints, metrics, the plan
+    itself), then failed for want of the plan's profile; it is refused first, dry run or not."""
+    from pipectl.artifacts.plan import Plan
+    from pipectl.io import load_model
+    from pipectl.launch import LaunchOptions, prepare_launch
+
+    monkeypatch.chdir(tmp_path)
+    assert invoke("profile", "gpt-tiny", "--derive", "--device", "cpu", "-b", "1,2", "-o", "profile.json").exit_code == 0
+    assert invoke("plan", "--profile", "profile.json", "--cluster", "local", "--devices", "2", "--global-batch", "8",
+                  "-o", "plan.json", "--no-morph").exit_code == 0  # fmt: skip
+    run = tmp_path / "run"
+    prepared = prepare_launch(load_model(Plan, tmp_path / "plan.json"), run, LaunchOptions(steps=2), plan_dir=tmp_path)
+    prepared.lock.release()
+    before = sorted(p.name for p in run.iterdir())
+    own = load_model(Plan, run / "plan.json")
+    for write in (False, True):
+        with pytest.raises(UserInputError, match="--force would delete the plan this launch reads"):
+            prepare_launch(own, run, LaunchOptions(steps=2, force=True), plan_dir=run, write=write)
+    assert sorted(p.name for p in run.iterdir()) == before

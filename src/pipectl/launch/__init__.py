@@ -567,6 +567,12 @@ def prepare_launch(
             )
     if options.resume and options.force:
         raise UserInputError("--resume and --force contradict each other: keep the run, or start over")
+    if options.force and plan_dir is not None and is_run_dir(path) and Path(plan_dir).resolve().is_relative_to(path):
+        # --force empties the run directory first: the plan and its profile copy would go with it.
+        raise UserInputError(
+            f"--force would delete the plan this launch reads: it lies in the run directory {path}",
+            hint=f"copy plan.json and its profile-*.json out of {path} first, or continue the run with --resume",
+        )
     # One job per run directory: taken before anything is read for a resume or deleted by --force.
     if not write:  # a dry run refuses what the launch would, touching nothing
         check_run_dir(path, resume=options.resume, force=options.force)
