@@ -193,13 +193,6 @@ def local_cluster(devices: int, base: ClusterSpec | None = None) -> ClusterSpec:
     return cluster.model_copy(update={"node_types": [node_type]})
 
 
-def cluster_file(name_or_path: str | os.PathLike[str]) -> str | None:
-    """The absolute path of a cluster given as a YAML file, recorded once when given (`Plan.cluster_file`);
-    None for a shipped name."""
-    path = Path(name_or_path).expanduser()
-    return str(path.resolve()) if path.is_file() else None
-
-
 def plan_cluster_source(plan: Plan) -> str:
     """What a plan's cluster is read from: its YAML file by absolute path, else its shipped name."""
     return plan.cluster_file or plan.cluster

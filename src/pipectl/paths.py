@@ -23,6 +23,14 @@ def configs_dir() -> Path:
     return Path(__file__).resolve().parents[2] / "configs"
 
 
+def given_file(text: str | os.PathLike[str]) -> Path | None:
+    """The absolute path of a file the user named by path, else None (a shipped name, a reference,
+    a file that does not exist). Resolved once, when given: whatever reads it later may run in
+    another directory (a rank in the run directory, a resume or resize anywhere)."""
+    path = Path(text)
+    return path.resolve() if path.is_file() else None
+
+
 def resolve_config(name_or_path: str | os.PathLike[str], kind: str) -> Path:
     """A YAML file given by path, or by a shipped name (`gpt-tiny` -> configs/models/gpt-tiny.yaml).
 
@@ -102,8 +110,8 @@ def stored_reference(reference: str) -> str:
     """
     if reference.startswith(HF_PREFIX):
         return HF_PREFIX + str(hf_model_dir(reference))
-    path = Path(reference).expanduser()
-    return str(path.resolve()) if path.is_file() else reference
+    path = given_file(reference)
+    return reference if path is None else str(path)
 
 
 HF_TOKENIZER_FILE = "tokenizer.json"

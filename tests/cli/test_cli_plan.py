@@ -373,3 +373,19 @@ def test_tensor_parallel_neither_in_a_node_nor_whole_nodes_is_refused(profile_pa
     assert result.exit_code == 2
     assert f"tensor-parallel degree {t} neither divides the 8 devices of a node" in result.output
     assert "Traceback" not in result.output and not (tmp_path / "p.json").exists()
+
+
+def test_a_cluster_yaml_by_relative_path_is_recorded_absolute_and_read_back_from_anywhere(profile_path, tmp_path,
+                                                                                           monkeypatch):
+    from pipectl.cluster import plan_cluster_spec
+    from pipectl.paths import configs_dir
+
+    (tmp_path / "mine.yaml").write_text((configs_dir() / "clusters" / "a100-8x8.yaml").read_text())
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(app, ["plan", "--profile", str(profile_path), "--cluster", "mine.yaml", "--devices", "8",
+                                 "--global-batch", "16", "--no-morph", "-o", "plan.json"])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    plan = load_model(Plan, tmp_path / "plan.json")
+    assert plan.cluster_file == str(tmp_path.resolve() / "mine.yaml")
+    monkeypatch.chdir(tmp_path.parent)
+    assert plan_cluster_spec(plan).total_devices == 64

@@ -36,6 +36,7 @@ from pipectl.launch import (
 )
 from pipectl.launch.engines import ENGINE_LOG, JobEnded
 from pipectl.launch.placement import placement_note
+from pipectl.paths import given_file
 from pipectl.launch.rundir import check_steps_beyond_trained, is_run_dir, run_files, run_status
 from pipectl.report.run_tables import failure_report, status_table
 from pipectl.resize.replicas import read_recovery, recovery_line
@@ -76,9 +77,9 @@ def parse_data(text: str) -> DataSpec:
     function `package.module:function`."""
     if text in (DataKind.BUILTIN.value, DataKind.SYNTHETIC.value):
         return DataSpec(kind=DataKind(text))
-    path = Path(text)
-    if path.is_file():
-        return DataSpec(kind=DataKind.FILE, path=str(path.resolve()))
+    path = given_file(text)
+    if path is not None:
+        return DataSpec(kind=DataKind.FILE, path=str(path))
     module, sep, function = text.partition(":")
     if sep and module and function.isidentifier() and all(part.isidentifier() for part in module.split(".")):
         return DataSpec(kind=DataKind.DATASET, reference=text)

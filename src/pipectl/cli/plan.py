@@ -17,9 +17,10 @@ from pipectl.artifacts.base import INT64_MAX
 from pipectl.artifacts.plan import Engine, Objective, PlanRequest, RecomputeChoice
 from pipectl.artifacts.profile import ModelProfile
 from pipectl.cli.context import JsonFlag, OutputPath, console, from_options, print_json, refuse_overwriting
-from pipectl.cluster import cluster_file, load_cluster, local_cluster
+from pipectl.cluster import load_cluster, local_cluster
 from pipectl.errors import UserInputError
 from pipectl.io import load_model
+from pipectl.paths import given_file
 from pipectl.plan.search import plan
 from pipectl.planfile import check_kind_profiles, write_plan
 from pipectl.report.plan_table import plan_utilisations, plan_view
@@ -221,9 +222,10 @@ def plan_command(
         workers=workers,
     )
     made = plan(profiles[0], cluster_spec, request, kind_profiles=profiles[1:])
+    cluster_path = given_file(cluster)  # a YAML by path: recorded absolute (`Plan.cluster_file`)
     result = write_plan(
         output,
-        made.model_copy(update={"cluster_file": cluster_file(cluster)}),
+        made.model_copy(update={"cluster_file": None if cluster_path is None else str(cluster_path)}),
         profile_file=profile[0],
         kind_profile_files=profile[1:],
     )
