@@ -242,3 +242,20 @@ def shard_model(seed: int = 0) -> dict[str, tuple[torch.Tensor, TensorSplit | No
         "3.proj.weight": (torch.randn(8, 8, generator=generator), ROWS),
         "3.ln.bias": (torch.randn(8, generator=generator), None),
     }
+
+
+def write_plan(path: Path, p=2, b=2, m=4, zero_stage=1) -> Path:
+    """plan.json for gpt-tiny on p CPU ranks, 1F1B (what CLI tests launch)."""
+    from pipectl.io import write_json_atomic
+    from pipectl.schedule.ir import ScheduleKind
+
+    cuts = [(0, 4), (4, 9)] if p == 2 else [(0, 9)]
+    candidate = Candidate(
+        devices=p, device="cpu", tensor_parallel=1, pipeline_parallel=p, data_parallel=1,
+        micro_batch_size=b, micro_batches=m, schedule=ScheduleKind.ONE_F_ONE_B, recompute=False,
+        zero_stage=zero_stage, stage_layers=cuts, predicted_step_seconds=0.05, samples_per_second=160.0,
+        tflops_per_device=0.0, peak_memory_bytes=[1] * p, bubble_fraction=0.1,
+        communication_fraction=0.0, cost_per_million_samples=0.0,
+    )  # fmt: skip
+    plan = plan_of(candidate)
+    return write_json_atomic(path, plan)

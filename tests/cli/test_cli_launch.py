@@ -14,22 +14,9 @@ from pipectl.cli.main import app
 from pipectl.io import write_json_atomic
 from pipectl.report.run_tables import failure_report, out_of_memory_advice
 from pipectl.schedule.ir import ScheduleKind
-from builders import plan_of
+from builders import plan_of, write_plan
 
 runner = CliRunner()
-
-
-def write_plan(path: Path, p=2, b=2, m=4, zero_stage=1) -> Path:
-    cuts = [(0, 4), (4, 9)] if p == 2 else [(0, 9)]
-    candidate = Candidate(
-        devices=p, device="cpu", tensor_parallel=1, pipeline_parallel=p, data_parallel=1,
-        micro_batch_size=b, micro_batches=m, schedule=ScheduleKind.ONE_F_ONE_B, recompute=False,
-        zero_stage=zero_stage, stage_layers=cuts, predicted_step_seconds=0.05, samples_per_second=160.0,
-        tflops_per_device=0.0, peak_memory_bytes=[1] * p, bubble_fraction=0.1,
-        communication_fraction=0.0, cost_per_million_samples=0.0,
-    )  # fmt: skip
-    plan = plan_of(candidate)
-    return write_json_atomic(path, plan)
 
 
 def invoke(*args: str):

@@ -90,6 +90,49 @@ def test_the_readme_quick_start_trains_resizes_and_resumes_from_anywhere(tmp_pat
     assert json.loads(status.stdout)["steps_done"] == trained + 2
 
 
+@pytest.mark.multiprocess
+def test_one_config_file_drives_plan_and_launch_and_a_resume_keeps_its_options(tmp_path):
+    """`job.toml` in a sub-folder names the model and profile relative to itself; `plan` and
+    `launch` read it from the working directory; `--print-config` fed back gives the same job;
+    a resume from another directory keeps the file's options it does not name again."""
+    work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
+    (work / "conf").mkdir(parents=True)
+    elsewhere.mkdir()
+    shutil.copy(REPO / "configs/models/gpt-tiny.yaml", work / "mine.yaml")
+    profiled = pipectl("profile", "mine.yaml", "-o", "profile.json", cwd=work)
+    assert succeeded(profiled), said(profiled)
+    (work / "conf" / "job.toml").write_text(
+        '[model]\nreference = "../mine.yaml"\nprofile = "../profile.json"\n'
+        '[cluster]\nname = "local"\ndevices = 2\n'
+        '[training]\nglobal_batch = 8\nsteps = 4\nlr = 0.002\nlr_schedule = "warmup-decay"\nwarmup_steps = 2\n'
+        '[checkpoint]\nevery = 2\nkeep = 2\n[plan]\npipeline_parallel = 2\nmorph = false\n'
+    )  # fmt: skip
+    planned = pipectl("plan", "--config", "conf/job.toml", "-o", "plan.json", cwd=work)
+    assert succeeded(planned), said(planned)
+
+    printed = pipectl("launch", "plan.json", "--run-dir", "runs/c", "--config", "conf/job.toml", "--print-config", cwd=work)
+    assert succeeded(printed), said(printed)
+    (work / "printed.toml").write_text(printed.stdout)
+    jobs = [
+        json.loads(pipectl("launch", "plan.json", "--run-dir", "runs/c", "--config", config, "--dry-run", "--json",
+                           cwd=work).stdout)["job"]
+        for config in ("conf/job.toml", "printed.toml")
+    ]  # fmt: skip
+    for job in jobs:
+        job.pop("master_port"), job.pop("host_at_launch")
+    assert jobs[0] == jobs[1] and jobs[0]["model"] == str(work / "mine.yaml")
+
+    launched = pipectl("launch", "plan.json", "--run-dir", "runs/c", "--config", "conf/job.toml", cwd=work)
+    assert succeeded(launched), said(launched)
+    resumed = pipectl("launch", "../work/plan.json", "--run-dir", "../work/runs/c", "--resume", "--steps", 6,
+                      cwd=elsewhere)  # fmt: skip
+    assert succeeded(resumed), said(resumed)
+    job = json.loads((work / "runs/c/job.json").read_text())
+    assert job["steps"] == 6 and job["options"]["training"]["steps"] == 6
+    assert job["training"]["learning_rate"] == 0.002 and job["training"]["lr_schedule"] == "warmup-decay"
+    assert job["checkpoint_every"] == 2 and job["keep_checkpoints"] == 2
+
+
 FACTORY = '''
 """A user's model: an nn.Sequential factory, imported by every rank from the launch folder."""
 import os

@@ -318,12 +318,12 @@ def test_a_slurm_run_directory_with_a_blank_is_refused(monkeypatch):
 
 
 def test_hosts_are_named_once_each_and_none_blank():
-    from pipectl.cli.launch import parse_hosts
+    from pipectl.launch.options import parse_hosts
 
     assert parse_hosts("n1, n2") == ["n1", "n2"]
-    with pytest.raises(UserInputError, match="names a twice"):
+    with pytest.raises(ValueError, match="names a twice"):
         parse_hosts("a,a")
-    with pytest.raises(UserInputError, match="empty or blank entry"):
+    with pytest.raises(ValueError, match="empty or blank entry"):
         parse_hosts("a,,b")
 
 

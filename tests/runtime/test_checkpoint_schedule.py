@@ -7,7 +7,7 @@ import math
 import pytest
 
 from pipectl.errors import UserInputError
-from pipectl.launch import parse_checkpoint_interval
+from pipectl.launch.options import parse_checkpoint_interval
 from pipectl.runtime import checkpoint_schedule as cs
 
 
@@ -56,7 +56,19 @@ def test_the_interval_flag_takes_steps_a_wall_time_or_auto(text, parsed):
     assert parse_checkpoint_interval(text) == parsed
 
 
+def launch_options_error(**flags) -> str:
+    """The message `launch` refuses these flags with."""
+    from pipectl.config import flag_layer, layered
+    from pipectl.launch.options import LaunchOptions
+
+    with pytest.raises(UserInputError) as refused:
+        layered(LaunchOptions, [flag_layer(LaunchOptions, flags)])
+    return refused.value.message
+
+
 @pytest.mark.parametrize("text", ["-3", "10 minutes", "0m", "m", "auto5"])
 def test_a_bad_interval_is_named(text):
-    with pytest.raises(UserInputError, match=f"--checkpoint-every '{text}' is not a step count"):
+    with pytest.raises(ValueError, match="not a step count"):
         parse_checkpoint_interval(text)
+    refused = launch_options_error(checkpoint_every=text)
+    assert refused.startswith(f"--checkpoint-every {text!r}: not a step count"), refused

@@ -262,7 +262,7 @@ def test_bad_datasets_are_named(dataset_module, function, message):
 
 def test_data_specs_name_what_ranks_read(tmp_path, dataset_module):
     from pipectl.artifacts.run import DataKind, DataSpec
-    from pipectl.cli.launch import parse_data
+    from pipectl.launch.options import parse_data
 
     text = tmp_path / "corpus.txt"
     text.write_text("x")
@@ -270,7 +270,7 @@ def test_data_specs_name_what_ranks_read(tmp_path, dataset_module):
     spec = parse_data(f"{dataset_module}:squares")
     assert spec.kind is DataKind.DATASET and spec.source() == f"dataset:{dataset_module}:squares"
     assert parse_data("builtin").source() is None  # the byte corpus for a language model, synthetic otherwise
-    with pytest.raises(UserInputError, match="neither 'builtin', 'synthetic', an existing file nor a dataset"):
+    with pytest.raises(ValueError, match="neither 'builtin', 'synthetic', an existing file nor a dataset"):
         parse_data("no/such/file.txt")
 
 

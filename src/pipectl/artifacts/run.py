@@ -120,6 +120,16 @@ class DataKind(str, Enum):
 # (Slurm's first node).
 HOST_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*")
 
+def check_host_address(value: str) -> str:
+    """A host name, an IPv4 or IPv6 address, or '' (Slurm's first node); else ValueError."""
+    if value and not HOST_NAME.fullmatch(value):
+        try:
+            ipaddress.ip_address(value)
+        except ValueError:
+            raise ValueError(f"{value!r} is not a host name or an IP address") from None
+    return value
+
+
 # Generators are seeded with seed x SEED_STRIDE + a sample or step index (`runtime/data.py`,
 # `runtime/torch_pipeline.py`): with indices below 2^40 that must fit a signed 64-bit integer.
 SEED_STRIDE = 1_000_003
@@ -271,6 +281,12 @@ class JobSpec(Artifact):
     host_at_launch: HostState | None = Field(
         default=None, description="How busy the launching host was when the job started (engine local); None: other."
     )
+    options: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="The launch's options as chosen, by config-file section and key (what `pipectl launch "
+        "--print-config` writes), before the plan and the host filled them in; `launch --resume` reads them back. "
+        "Empty in files written before they were recorded.",
+    )
     plan_file: str = Field(default=PLAN_FILE)
     ds_config_file: str = Field(default=DS_CONFIG_FILE)
     pipectl_version: str = Field(default="", description="pipectl version that wrote the file.")
@@ -283,12 +299,7 @@ class JobSpec(Artifact):
     @field_validator("master_addr")
     @classmethod
     def _host_address(cls, value: str) -> str:
-        if value and not HOST_NAME.fullmatch(value):
-            try:
-                ipaddress.ip_address(value)
-            except ValueError:
-                raise ValueError(f"{value!r} is not a host name or an IP address") from None
-        return value
+        return check_host_address(value)
 
     @field_validator("plan_file", "ds_config_file")
     @classmethod

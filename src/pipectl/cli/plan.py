@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -17,10 +17,13 @@ from pipectl.artifacts.base import INT64_MAX
 from pipectl.artifacts.plan import Engine, Objective, PlanRequest, RecomputeChoice
 from pipectl.artifacts.profile import ModelProfile
 from pipectl.cli.context import JsonFlag, OutputPath, console, from_options, print_json, refuse_overwriting
+from pipectl.cli.options import ConfigOption, config_models, file_layers, passed_flags, with_options
 from pipectl.cluster import load_cluster, local_cluster
+from pipectl.config import layered
 from pipectl.errors import UserInputError
 from pipectl.io import load_model
 from pipectl.paths import given_file
+from pipectl.plan.options import PlanOptions
 from pipectl.plan.search import plan
 from pipectl.planfile import check_kind_profiles, write_plan
 from pipectl.report.plan_table import plan_utilisations, plan_view
@@ -98,131 +101,60 @@ def parse_amount(text: str | None, name: str) -> int | None:
     return int(value)
 
 
+@with_options(PlanOptions, after="config")
 def plan_command(
-    profile: Annotated[
-        list[Path],
-        typer.Option(
-            "--profile",
-            help="profile.json from `pipectl profile`. Repeat it with one profile per device kind of a "
-            "heterogeneous cluster (measured or --derive'd on each): each kind is priced with its own; the first "
-            "serves a kind without one, scaled by peak FLOP/s.",
-        ),
-    ],
-    cluster: Annotated[str, typer.Option("--cluster", help="A shipped cluster name (local, a100-8x8) or a YAML path.")],
-    global_batch: Annotated[int, typer.Option("--global-batch", help="B: samples per optimizer step (never changed).")],
+    ctx: typer.Context,
     output: OutputPath = Path("plan.json"),
-    objective: Annotated[Objective, typer.Option("--objective", help="time, cost or cost-deadline.")] = Objective.TIME,
-    deadline_hours: Annotated[Optional[float], typer.Option("--deadline-hours", help="cost-deadline: hours available.")] = None,
-    samples: Annotated[Optional[str], typer.Option("--samples", help="cost-deadline: samples to train on (e.g. 150M).")] = None,
-    tokens: Annotated[Optional[str], typer.Option("--tokens", help="cost-deadline: tokens to train on (e.g. 300B, 3e11; K, M, B, T decimal).")] = None,
-    schedules: Annotated[Optional[str], typer.Option("--schedules", help=f"Comma list of {', '.join(k.value for k in ScheduleKind)} (default: 1f1b, gpipe, interleaved, varuna; engine torch adds zb-h1; 2bw and zbv only when listed).")] = None,
-    max_tensor_parallel: Annotated[Optional[int], typer.Option("--max-tensor-parallel", help="Largest t to try.")] = None,
-    pipeline_parallel: Annotated[Optional[int], typer.Option("--pipeline-parallel", help="Pin p.")] = None,
-    tensor_parallel: Annotated[Optional[int], typer.Option("--tensor-parallel", help="Pin t.")] = None,
-    data_parallel: Annotated[Optional[int], typer.Option("--data-parallel", help="Pin d.")] = None,
-    micro_batch_size: Annotated[Optional[int], typer.Option("--micro-batch-size", help="Pin b.")] = None,
-    schedule: Annotated[Optional[str], typer.Option("--schedule", help="Pin the schedule.")] = None,
-    devices: Annotated[Optional[int], typer.Option("--devices", help="Plan for G devices (default: the whole cluster; a local cluster: its default).")] = None,
-    recompute: Annotated[
-        Optional[str],
-        typer.Option(
-            "--recompute",
-            help="Recomputation the search may use: never; stage (none or re-run a stage's forward before its "
-            "backward, every stage but the last); layer (none or per-layer activation checkpointing, every stage, "
-            "p = 1 too); selective (none or recompute only each block's attention core: scores, softmax, attention "
-            "over V); always (stage, layer or selective, never none); auto (all four, the default: memory and "
-            "time decide).",
-        ),
-    ] = None,
+    config: ConfigOption = None,
     no_recompute: Annotated[bool, typer.Option("--no-recompute", help="Never recompute activations (--recompute never).")] = False,
-    even_replicas: Annotated[
-        bool,
-        typer.Option(
-            "--even-replicas",
-            help="Only d x b dividing B. Default: when d does not divide B / b, replicas run the ceiling or "
-            "floor of B / (d x b) micro-batches, gradients weighted by samples, so every device count has a plan.",
-        ),
-    ] = False,
-    zero_stages: Annotated[
-        str,
-        typer.Option(
-            "--zero-stages",
-            help="ZeRO stages to try (0,1,2,3). Default 1: pipectl trains with ZeRO-1, the stage whose "
-            "optimizer partitions its checkpoints hold and re-cut for resize; 2 and 3 at p = 1 only (DeepSpeed's "
-            "pipeline engine refuses them; its ordinary engine trains them without a tensor split); ZeRO-0, "
-            "and 2 and 3 with a tensor split, are planner-only (marked *, chosen only with --any-engine).",
-        ),
-    ] = "1",
-    memory_headroom: Annotated[
-        float,
-        typer.Option(
-            "--memory-headroom", min=0.0, max=0.9,
-            help="Fraction of each device's memory to keep free beyond what the memory model predicts (0.05: 5 %).",
-        ),
-    ] = 0.05,
-    include_all: Annotated[bool, typer.Option("--all", help="Simulate and keep every feasible candidate, and list those no engine runs apart.")] = False,
-    engine: Annotated[
-        Optional[Engine],
-        typer.Option(
-            "--engine",
-            help="What will run the plan: deepspeed (default; pipectl launch), torch (PyTorch's pipelining runtime: "
-            "1f1b, gpipe, interleaved, zb-h1 without recompute, t = 1, d = 1, fp32; pipectl launch runs it too, "
-            "same checkpoints, data and metrics), or any (choose the best, runnable or not). "
-            "torch also searches zb-h1 (any: when listed in --schedules).",
-        ),
-    ] = None,
     any_engine: Annotated[bool, typer.Option("--any-engine", help="Same as --engine any: also choose schedules DeepSpeed cannot run and ZeRO stages pipectl's runtime does not train with.")] = False,
-    no_morph: Annotated[bool, typer.Option("--no-morph", help="Skip the morph table.")] = False,
-    full_morph: Annotated[bool, typer.Option("--morph-table", help="Print the whole morph table (default: the fastest plan per range of device counts).")] = False,
-    top: Annotated[int, typer.Option("--top", help="Candidates to show.")] = 10,
-    workers: Annotated[
-        Optional[int],
-        typer.Option("--workers", help="Processes for the search (default: $PIPECTL_PLAN_WORKERS, else the cores available); the plan is the same for any number."),
-    ] = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Search t, p, d, b, v, schedule, recomputation and ZeRO stage; write plan.json."""
-    refuse_overwriting(output, {**{f"--profile {path}": path for path in profile}, "--cluster file": cluster})
+    options = layered(PlanOptions, [*file_layers(PlanOptions, config, config_models()), passed_flags(ctx, PlanOptions)])
+    profile = [Path(path) for path in options.profile]
+    refuse_overwriting(output, {**{f"--profile {path}": path for path in profile}, "--cluster file": options.cluster})
     profiles = [load_model(ModelProfile, path) for path in profile]
     check_kind_profiles([(str(path), p) for path, p in zip(profile, profiles)])
-    cluster_spec = load_cluster(cluster)
-    if cluster_spec.local and devices is not None:
-        cluster_spec = local_cluster(devices, cluster_spec)
+    cluster_spec = load_cluster(options.cluster)
+    if cluster_spec.local and options.devices is not None:
+        cluster_spec = local_cluster(options.devices, cluster_spec)
     try:
-        zeros = [int(z) for z in zero_stages.split(",")]
+        zeros = [int(z) for z in options.zero_stages.split(",")]
     except ValueError:
-        raise UserInputError(f"--zero-stages '{zero_stages}' is not a comma list of numbers") from None
+        raise UserInputError(f"--zero-stages '{options.zero_stages}' is not a comma list of numbers") from None
+    engine = options.engine
     if any_engine and engine not in (None, Engine.ANY):
         raise UserInputError(f"--any-engine and --engine {engine.value} disagree", hint="give one of them")
     engine = Engine.ANY if any_engine else (engine or Engine.DEEPSPEED)
     request = from_options(
         PlanRequest,
-        global_batch=global_batch,
-        objective=objective,
-        schedules=parse_schedules(schedules),
-        max_tensor_parallel=max_tensor_parallel,
-        tensor_parallel=tensor_parallel,
-        pipeline_parallel=pipeline_parallel,
-        data_parallel=data_parallel,
-        micro_batch_size=micro_batch_size,
-        schedule=parse_schedule(schedule) if schedule else None,
-        devices=devices,
-        deadline_hours=deadline_hours,
-        samples=parse_amount(samples, "--samples"),
-        tokens=parse_amount(tokens, "--tokens"),
-        recompute=parse_recompute(recompute, no_recompute),
-        uneven_replicas=not even_replicas,
+        global_batch=options.global_batch,
+        objective=options.objective,
+        schedules=parse_schedules(options.schedules),
+        max_tensor_parallel=options.max_tensor_parallel,
+        tensor_parallel=options.tensor_parallel,
+        pipeline_parallel=options.pipeline_parallel,
+        data_parallel=options.data_parallel,
+        micro_batch_size=options.micro_batch_size,
+        schedule=parse_schedule(options.schedule) if options.schedule else None,
+        devices=options.devices,
+        deadline_hours=options.deadline_hours,
+        samples=parse_amount(options.samples, "--samples"),
+        tokens=parse_amount(options.tokens, "--tokens"),
+        recompute=parse_recompute(options.recompute, no_recompute),
+        uneven_replicas=not options.even_replicas,
         zero_stages=zeros,
-        memory_headroom=memory_headroom,
-        include_all=include_all,
+        memory_headroom=options.memory_headroom,
+        include_all=options.include_all,
         for_deepspeed=engine is Engine.DEEPSPEED,
         engine=engine,
-        top=max(top, 1),
-        morph=not no_morph,
-        workers=workers,
+        top=max(options.top, 1),
+        morph=options.morph,
+        workers=options.workers,
     )
     made = plan(profiles[0], cluster_spec, request, kind_profiles=profiles[1:])
-    cluster_path = given_file(cluster)  # a YAML by path: recorded absolute (`Plan.cluster_file`)
+    cluster_path = given_file(options.cluster)  # a YAML by path: recorded absolute (`Plan.cluster_file`)
     result = write_plan(
         output,
         made.model_copy(update={"cluster_file": None if cluster_path is None else str(cluster_path)}),
@@ -235,7 +167,9 @@ def plan_command(
         payload["flops"] = plan_utilisations(result, profiles[0], [result.chosen])[0].to_dict()
         print_json(payload)
         return
-    console.print(plan_view(result, top=top, profile=profiles[0], every_candidate=include_all, full_morph=full_morph))
+    console.print(
+        plan_view(result, top=options.top, profile=profiles[0], every_candidate=options.include_all, full_morph=options.full_morph)
+    )
     console.print(f"wrote {output}", style="dim")
 
 

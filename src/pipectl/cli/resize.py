@@ -7,19 +7,21 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
 from pipectl.cli.context import JsonFlag, console, err_console, print_json, training_progress
 from pipectl.cli.launch import job_failure
-from pipectl.artifacts.base import INT64_MAX
+from pipectl.cli.options import passed_flags, with_options
+from pipectl.config import layered
 from pipectl.errors import UserInputError
 from pipectl.artifacts.run import Engine
 from pipectl.launch.rundir import read_run, run_status
 from pipectl.report.run_tables import decision_table, morph_history_table, status_table
 from pipectl.resize.live import LiveUnavailable, live_resize
 from pipectl.resize.morph import decide_resize, resize_run
+from pipectl.resize.options import ResizeOptions
 from pipectl.resize.stragglers import StragglerPolicy
 from pipectl.runtime.history import read_history
 from pipectl.runtime.metrics import MetricsTail
@@ -29,63 +31,30 @@ def register(app: typer.Typer) -> None:
     """Add `pipectl resize` to the root app."""
 
     @app.command("resize")
+    @with_options(ResizeOptions, after="run_dir")
     def resize_command(
+        ctx: typer.Context,
         run_dir: Annotated[Path, typer.Argument(help="The run directory (runs/NAME).")],
-        devices: Annotated[int, typer.Option("--devices", help="Devices to run on from now on.")],
-        steps: Annotated[
-            Optional[int], typer.Option(help="Total steps to train up to (default: the job's own total).")
-        ] = None,
-        exclude_stragglers: Annotated[
-            bool,
-            typer.Option("--exclude-stragglers", help="Leave out ranks much slower than their data-parallel peers."),
-        ] = False,
-        straggler_slowdown: Annotated[
-            float, typer.Option(min=1.0, help="A straggler computes at least this many times as long as its peers.")
-        ] = StragglerPolicy.slowdown_threshold,
-        stop_timeout: Annotated[
-            float, typer.Option(min=1.0, help="Seconds to wait for a running job to checkpoint and exit.")
-        ] = 300.0,
-        timeout: Annotated[
-            Optional[float], typer.Option(min=1.0, help="Stop the relaunched job after this many seconds.")
-        ] = None,
-        dry_run: Annotated[
-            bool, typer.Option("--dry-run", help="Show the new layout; stop, write and start nothing.")
-        ] = False,
-        live: Annotated[
-            bool,
-            typer.Option(
-                "--live/--restart",
-                help="--live (default): a job running here (local or torchrun engine) moves without a restart, "
-                "its ranks handing their state over in memory at the next step boundary; otherwise, and with "
-                "--restart, the job stops at a step boundary, checkpoints and is relaunched.",
-            ),
-        ] = True,
-        submit: Annotated[
-            bool, typer.Option("--submit", help="Slurm run: submit the new job.sbatch with sbatch.")
-        ] = False,
-        scancel: Annotated[
-            bool,
-            typer.Option("--scancel", help="Slurm run: scancel the running job once its ranks have checkpointed and stopped."),
-        ] = False,
         json_output: JsonFlag = False,
     ) -> None:
         """Move a run to N devices with the same global batch. A job running here moves live (its ranks
         hand their state over in memory at the next step boundary); otherwise it stops at a step
         boundary, the checkpoint is re-cut and the job relaunched with the same engine. Works on
         running, stopped and finished runs."""
-        if steps is not None and steps > INT64_MAX:  # job.json holds it (`artifacts.base`): refused before anything
-            raise UserInputError(f"--steps {steps} does not fit a 64-bit integer")
+        options = layered(ResizeOptions, [passed_flags(ctx, ResizeOptions)])
+        devices, steps, submit, scancel = options.devices, options.steps, options.submit, options.scancel
+        stop_timeout, timeout = options.stop_timeout, options.timeout
         if submit or scancel:
             engine = read_run(run_dir).job.engine
             if engine is not Engine.SLURM:
                 flag = "--submit" if submit else "--scancel"
                 raise UserInputError(f"{flag} is for a Slurm run; {run_dir} runs on engine {engine.value}")
         requested_unix = time.time()
-        policy = StragglerPolicy(slowdown_threshold=straggler_slowdown)
+        policy = StragglerPolicy(slowdown_threshold=options.straggler_slowdown)
         decision = decide_resize(
-            run_dir, devices, steps=steps, exclude_stragglers=exclude_stragglers, straggler_policy=policy
+            run_dir, devices, steps=steps, exclude_stragglers=options.exclude_stragglers, straggler_policy=policy
         )
-        if dry_run:
+        if options.dry_run:
             if json_output:
                 print_json(
                     {
@@ -105,7 +74,7 @@ def register(app: typer.Typer) -> None:
             return
         if not json_output:
             console.print(decision_table(decision))
-        if live:
+        if options.live:
             try:
                 moved = live_resize(
                     decision,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import re
 import socket
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +25,12 @@ from pipectl.artifacts.cluster import ClusterSpec, SlurmSpec
 from pipectl.artifacts.layout import layout_label
 from pipectl.artifacts.plan import Candidate, Plan
 from pipectl.artifacts.profile import ModelProfile
-from pipectl.artifacts.run import DataKind, DataSpec, ElasticRange, Engine, JobSpec, LrSchedule, NodeGroup, Precision, TrainingSettings
+from pipectl.artifacts.run import JOB_FILE, DataKind, DataSpec, Engine, JobSpec, NodeGroup, Precision, TrainingSettings
 from pipectl.cluster import busier_note, host_state, load_cluster, plan_cluster_spec
 from pipectl.errors import PipectlError, UserInputError
+from pipectl.config import Layer, layered, stored_layer, to_sections
 from pipectl.io import load_model, validation_message
+from pipectl.launch.options import LaunchOptions
 from pipectl.runtime.dsconfig import validated_config
 from pipectl.launch.engines import LaunchCommand, allocation_hosts, build_command, run_engine
 from pipectl.launch.placement import compute_slowdowns, node_groups, plan_accelerator, plan_kinds
@@ -47,109 +49,54 @@ from pipectl.paths import hf_tokenizer_file, import_root, stored_reference
 from pipectl.planfile import plan_profile_path
 from pipectl.words import count
 
-TRAINING_DEFAULTS = TrainingSettings()
-
-__all__ = ["LaunchOptions", "PreparedLaunch", "build_job", "prepare_launch", "resumed_options", "run_engine"]
+__all__ = ["LaunchOptions", "PreparedLaunch", "build_job", "effective_options", "prepare_launch", "run_engine"]
 
 
-@dataclass(frozen=True)
-class LaunchOptions:
-    """What the user chose besides the plan (CLI flags)."""
-
-    engine: Engine = Engine.LOCAL
-    model: str | None = None  # default: the plan's (the reference its profile was made from)
-    steps: int = 20
-    checkpoint_every: int = 0  # steps; with the two below, see `parse_checkpoint_interval`
-    checkpoint_every_seconds: float = 0.0
-    checkpoint_auto: bool = False
-    mtbf_hours: float | None = None
-    keep_checkpoints: int = 3
-    seed: int = 0
-    data: DataSpec = field(default_factory=DataSpec)
-    precision: Precision | None = None  # default: the plan's (its profile's dtype)
-    # The training settings (job.json's `training`), with its defaults.
-    learning_rate: float = TRAINING_DEFAULTS.learning_rate
-    weight_decay: float = TRAINING_DEFAULTS.weight_decay
-    gradient_clipping: float = TRAINING_DEFAULTS.gradient_clipping
-    lr_schedule: LrSchedule = TRAINING_DEFAULTS.lr_schedule
-    warmup_steps: int = TRAINING_DEFAULTS.warmup_steps
-    ds_config_overlay: dict[str, Any] = field(default_factory=dict)  # the user's file's contents (data)
-    elastic: ElasticRange | None = None
-    recover_in_memory: bool = False  # one torchrun per replica, peer copies (`runtime.recovery`)
-    nodes: int | None = None  # default: 1 for local, else the plan's devices over the cluster's devices per node
-    hosts: list[str] | None = None
-    master_addr: str | None = None  # default: see `master_address`
-    master_port: int | None = None
-    cluster: str | None = None  # name or YAML; default: the plan's cluster
-    slurm: SlurmSpec = field(default_factory=SlurmSpec)  # flags over the cluster file's `slurm:` section
-    resume: bool = False
-    force: bool = False
-    change_global_batch: bool = False  # with resume: a plan with another B is meant (recorded in job.json)
-    collective_timeout: float | None = None  # seconds; None: the default for the plan (runtime/liveness.py)
-    # Where a factory is imported from: the directory of the first launch (a resume keeps the run's).
-    import_root: str | None = None  # default: this process's working directory
-    as_given: dict[str, str] = field(default_factory=dict)  # the model and data as typed (job.json's `as_given`)
-
-
-# LaunchOptions fields a resume takes from the run when the user did not pass them.
-RESUMED_FIELDS = (
-    "engine", "model", "steps", "checkpoint_every", "checkpoint_every_seconds", "checkpoint_auto", "mtbf_hours",
-    "keep_checkpoints", "seed", "data", "precision",
-    "learning_rate", "weight_decay", "gradient_clipping", "lr_schedule", "warmup_steps", "ds_config_overlay",
-    "elastic", "recover_in_memory", "nodes", "master_addr", "collective_timeout", "import_root",
-)  # fmt: skip
-
-
-_INTERVAL_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}
-
-
-def parse_checkpoint_interval(text: str) -> tuple[int, float, bool]:
-    """`--checkpoint-every`: K steps, a wall time (`90s`, `15m`, `2h`), or `auto` (Young/Daly from
-    the measured stall and the job's expected time between failures); returns (steps, seconds, auto).
-
-    >>> parse_checkpoint_interval("100"), parse_checkpoint_interval("15m"), parse_checkpoint_interval("auto")
-    ((100, 0.0, False), (0, 900.0, False), (0, 0.0, True))
-    """
-    value = text.strip().lower()
-    if value == "auto":
-        return 0, 0.0, True
-    if value.isdigit():
-        return int(value), 0.0, False
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([smh])", value)
-    if match is None or float(match.group(1)) <= 0:
-        raise UserInputError(
-            f"--checkpoint-every {text!r} is not a step count, a wall time or 'auto'",
-            hint="e.g. --checkpoint-every 100 (steps), 15m, 90s, 2h, or auto",
-        )
-    return 0, float(match.group(1)) * _INTERVAL_UNITS[match.group(2)], False
-
-
-def resumed_options(
-    run_dir: str | os.PathLike[str], options: LaunchOptions, passed: set[str], plan: Plan | None = None
+def effective_options(
+    run_dir: str | os.PathLike[str], layers: list[Layer], plan: Plan | None = None, *, as_given: dict[str, str] | None = None
 ) -> LaunchOptions:
-    """On `--resume`, every option in `RESUMED_FIELDS` the user did not pass keeps the run's value
-    (its job.json and ds_config.json): a resume continues the run, it does not re-default it.
-    `plan`: the plan resumed (an in-memory recovery is kept only while it has replicas)."""
+    """This launch's options: `layers` (a config file, the flags) over the model's defaults and, on
+    `--resume`, over the run's stored options (job.json's `options`): a resume continues the run,
+    it does not re-default it. `plan`: the plan resumed (an in-memory recovery is kept only while
+    it has replicas); `as_given`: the model and data as typed, for job.json."""
     path = Path(run_dir)
-    if not options.resume or not is_run_dir(path):
-        return options
+    given = {name for layer in layers for name in layer.values}
+    resume = any(layer.values.get("resume") for layer in layers)
+    if not resume or not is_run_dir(path):
+        return layered(LaunchOptions, layers, as_given=as_given or {})
     files = read_run(path)
     job = files.job
-    training = run_training(job, files.ds_config)
-    kept: dict[str, Any] = {
-        "engine": job.engine, "model": job.model, "steps": job.steps, "checkpoint_every": job.checkpoint_every,
-        "checkpoint_every_seconds": job.checkpoint_every_seconds, "checkpoint_auto": job.checkpoint_auto,
-        "mtbf_hours": job.mtbf_hours, "keep_checkpoints": job.keep_checkpoints, "seed": job.seed, "data": job.data, "precision": job.precision,
-        "learning_rate": training.learning_rate, "weight_decay": training.weight_decay,
-        "gradient_clipping": training.gradient_clipping, "lr_schedule": training.lr_schedule,
-        "warmup_steps": training.warmup_steps, "ds_config_overlay": job.ds_config_overlay,
-        "elastic": job.elastic, "nodes": job.nodes, "master_addr": job.master_addr,
-        "collective_timeout": job.collective_timeout_seconds, "import_root": job.import_root,
-        # kept while the new plan still has replicas to recover from (a recovery may have left one)
-        "recover_in_memory": job.recover_in_memory and (plan is None or plan.chosen.data_parallel > 1),
-    }  # fmt: skip
-    as_given = {**job.as_given, **options.as_given}  # what this resume names anew replaces the run's
-    return replace(options, as_given=as_given, **{name: kept[name] for name in RESUMED_FIELDS if name not in passed})
+    stored = job.options or legacy_options(job, files.ds_config)
+    options = layered(
+        LaunchOptions,
+        [stored_layer(LaunchOptions, stored, path / JOB_FILE), *layers],
+        import_root=job.import_root,
+        as_given={**job.as_given, **(as_given or {})},  # what this resume names anew replaces the run's
+    )
+    if "recover_in_memory" not in given and plan is not None and plan.chosen.data_parallel < 2:
+        options = options.model_copy(update={"recover_in_memory": False})  # no replica left to recover from
+    return options
+
+
+def legacy_options(job: JobSpec, ds_config: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The options of a run whose job.json predates `options`, from the job's own fields."""
+    training = run_training(job, ds_config)
+    if job.checkpoint_auto:
+        interval = "auto"
+    elif job.checkpoint_every_seconds:
+        interval = f"{job.checkpoint_every_seconds:g}s"
+    else:
+        interval = str(job.checkpoint_every)
+    options = LaunchOptions(
+        engine=job.engine, model=job.model, steps=job.steps, checkpoint_every=interval, mtbf_hours=job.mtbf_hours,
+        keep_checkpoints=job.keep_checkpoints, seed=job.seed, data=job.data, precision=job.precision,
+        learning_rate=training.learning_rate, weight_decay=training.weight_decay,
+        gradient_clipping=training.gradient_clipping, lr_schedule=training.lr_schedule,
+        warmup_steps=training.warmup_steps, ds_config_overlay=job.ds_config_overlay, elastic=job.elastic,
+        recover_in_memory=job.recover_in_memory, nodes=job.nodes, master_addr=job.master_addr or None,
+        collective_timeout=job.collective_timeout_seconds,
+    )  # fmt: skip
+    return to_sections(options)
 
 
 def run_training(job: JobSpec, ds_config: dict[str, Any]) -> TrainingSettings:
@@ -455,9 +402,10 @@ def build_job(plan: Plan, name: str, options: LaunchOptions, cluster: ClusterSpe
         )
     if options.recover_in_memory:
         check_recoverable(plan.chosen, options.engine, groups)
-    if options.checkpoint_every > options.steps:
+    every_steps, every_seconds, every_auto = options.interval
+    if every_steps > options.steps:
         raise UserInputError(
-            f"--checkpoint-every {options.checkpoint_every} exceeds --steps {options.steps}",
+            f"--checkpoint-every {every_steps} exceeds --steps {options.steps}",
             hint="the run checkpoints at the end anyway; use a smaller K or 0",
         )
     model_given = options.model or plan.model_reference or plan.model
@@ -469,9 +417,9 @@ def build_job(plan: Plan, name: str, options: LaunchOptions, cluster: ClusterSpe
             import_root=options.import_root or os.getcwd(),
             as_given=as_given,
             steps=options.steps,
-            checkpoint_every=options.checkpoint_every,
-            checkpoint_every_seconds=options.checkpoint_every_seconds,
-            checkpoint_auto=options.checkpoint_auto,
+            checkpoint_every=every_steps,
+            checkpoint_every_seconds=every_seconds,
+            checkpoint_auto=every_auto,
             mtbf_hours=options.mtbf_hours,
             keep_checkpoints=options.keep_checkpoints,
             seed=options.seed,
@@ -497,19 +445,11 @@ def build_job(plan: Plan, name: str, options: LaunchOptions, cluster: ClusterSpe
                 warmup_steps=options.warmup_steps,
             ),
             ds_config_overlay=options.ds_config_overlay,
+            options=to_sections(options),
             pipectl_version=__version__,
         )
-    except ValidationError as exc:  # a value the job's schema refuses: named by the option that set it
-        raise UserInputError(validation_message(exc, _OPTION_OF_FIELD)) from None
-
-
-# The job's fields that come straight from a `launch` option, by the option's name.
-_OPTION_OF_FIELD = {
-    "steps": "--steps", "keep_checkpoints": "--keep-checkpoints", "checkpoint_every": "--checkpoint-every",
-    "mtbf_hours": "--mtbf-hours", "seed": "--seed", "master_addr": "--master-addr", "master_port": "--master-port",
-    "collective_timeout_seconds": "--collective-timeout", "learning_rate": "--lr", "weight_decay": "--weight-decay",
-    "gradient_clipping": "--gradient-clipping", "warmup_steps": "--warmup-steps",
-}
+    except ValidationError as exc:  # a value the job's schema refuses (the options' bounds are the same)
+        raise UserInputError(validation_message(exc)) from None
 
 
 def prepare_launch(
@@ -530,11 +470,12 @@ def prepare_launch(
     if plan.profile is not None:  # present and unchanged, before anything is written
         profile = load_model(ModelProfile, plan_profile_path(path if plan_dir is None else plan_dir, plan))
     profile_dtype = profile.dtype if profile is not None else None
-    options = replace(options, precision=planned_precision(profile_dtype, options.precision))
+    given = options  # what job.json stores: the options as chosen, before the plan and the host fill them in
+    options = options.model_copy(update={"precision": planned_precision(profile_dtype, options.precision)})
     if options.engine is Engine.DEEPSPEED:
-        options = replace(options, hosts=deepspeed_hosts(options))
+        options = options.model_copy(update={"hosts": deepspeed_hosts(options)})
     cluster = plan_cluster(plan, options.cluster)
-    job = build_job(plan, path.name, options, cluster)
+    job = build_job(plan, path.name, options, cluster).model_copy(update={"options": to_sections(given)})
     if job.engine is Engine.LOCAL:  # the ranks run here: how busy this host is, beside the profile's
         job = job.model_copy(update={"host_at_launch": host_state()})
     with import_root(job.import_root):  # the model and the data resolved as the ranks will resolve them

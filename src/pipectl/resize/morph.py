@@ -186,14 +186,19 @@ def resized_job(job: JobSpec, candidate: Candidate, target_steps: int) -> JobSpe
         )
     port = free_port() if job.master_addr in LOOPBACK else job.master_port
     data = job.model_dump()
+    every = min(job.checkpoint_every, target_steps)
     data.update(
         world_size=world,
         nodes=nodes,
         ranks_per_node=world // nodes,
         steps=target_steps,
-        checkpoint_every=min(job.checkpoint_every, target_steps),
+        checkpoint_every=every,
         master_port=port,
     )
+    if data["options"]:  # the stored options a resume reads back train to the new total too
+        data["options"].setdefault("training", {})["steps"] = target_steps
+        if str(data["options"].get("checkpoint", {}).get("every", "")).isdigit():
+            data["options"]["checkpoint"]["every"] = str(every)
     return JobSpec.model_validate(data)
 
 

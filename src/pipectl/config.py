@@ -1,0 +1,355 @@
+"""Options declared once: one pydantic model per command, whose fields are its options.
+
+A field of such a model carries everything about one option: its type and bounds, its default, its
+`--help` text (the field's description), the flag that sets it and the config-file section and key
+that set it too (`Opt`). From that one declaration come
+
+- the command's flags (`pipectl.cli.options` turns each field into a Typer option),
+- the config file the command reads (`read_config`: TOML, or YAML, in sections),
+- the effective options a run stores in job.json (`to_sections`), which `launch --resume` reads
+  back, and the commented file `launch --print-config` writes (`render_config`).
+
+Layers, lowest first: the model's defaults; on a resume, the run's stored options; the config
+file; the flags (`layered`). A value a layer refuses is named as that layer gave it: `--lr 20.0`,
+`job.toml [training] lr = 20.0`.
+
+A config file's sections are shared by the commands (`plan` and `launch` read one `job.toml`), so
+a key is refused only when no command knows it: a misspelt key is a mistake, never a silent no-op.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import textwrap
+import tomllib
+import types
+import typing
+from collections.abc import Iterable
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from pipectl.errors import UserInputError
+from pipectl.io import input_file, safe_load_yaml
+
+OptionsT = TypeVar("OptionsT", bound=BaseModel)
+
+
+@dataclass(frozen=True)
+class Opt:
+    """Where an options field is set from; put it in the field's `Annotated[...]` metadata.
+
+    `section` is the config-file table (`training`); None makes the field a flag of one
+    invocation only (`--resume`), never read from a file nor stored. `key` is its name there
+    (default: the field's). `flag` is its command-line flag (default `--field-name`; None: file
+    only). `cli` is the flag's type where the field's own is richer (a comma list, a `MIN:MAX`
+    range): the field's validator parses the text. `path` marks a value that may name a file: a
+    config file's relative path is taken from the file's folder. `table`: the field is a model
+    that fills the whole section, key by key; `flags` names the few of its fields that flags set,
+    as (field, flag) pairs.
+    """
+
+    section: str | None
+    key: str | None = None
+    flag: str | None = ""
+    cli: type | None = None
+    path: bool = False
+    table: bool = False
+    flags: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class OptionField:
+    """One field of an options model, as `Opt` and the field's declaration describe it."""
+
+    name: str
+    section: str | None
+    key: str
+    flag: str | None
+    cli: type
+    description: str
+    path: bool
+    required: bool
+    default: Any
+    submodel: type[BaseModel] | None  # a whole section
+    flags: tuple[tuple[str, str], ...]
+
+
+def option_fields(model: type[BaseModel]) -> list[OptionField]:
+    """The fields of `model` that are options (they carry an `Opt`), in declaration order."""
+    found = []
+    for name, info in model.model_fields.items():
+        opt = next((m for m in info.metadata if isinstance(m, Opt)), None)
+        if opt is None:
+            continue
+        inner = _inner_type(info.annotation)
+        submodel = inner if opt.table else None
+        found.append(
+            OptionField(
+                name=name,
+                section=opt.section,
+                key=opt.key or name,
+                flag=None if opt.flag is None or submodel else (opt.flag or "--" + name.replace("_", "-")),
+                cli=opt.cli or (inner if isinstance(inner, type) and issubclass(inner, (bool, int, float, str, Enum)) else str),
+                description=info.description or "",
+                path=opt.path,
+                required=info.is_required(),
+                default=None if info.is_required() else info.get_default(call_default_factory=True),
+                submodel=submodel,
+                flags=opt.flags,
+            )
+        )
+    return found
+
+
+def _inner_type(annotation: Any) -> Any:
+    """`X` of `X | None`, else the annotation."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return annotation
+
+
+def known_keys(models: Iterable[type[BaseModel]]) -> dict[str, set[str]]:
+    """Every section and key some options model reads from a config file."""
+    known: dict[str, set[str]] = {}
+    for model in models:
+        for field in option_fields(model):
+            if field.section is None:
+                continue
+            keys = known.setdefault(field.section, set())
+            keys.update(field.submodel.model_fields if field.submodel else {field.key})
+    return known
+
+
+@dataclass(frozen=True)
+class ConfigFile:
+    """A config file's sections, as read (`read_config`)."""
+
+    path: Path
+    sections: dict[str, dict[str, Any]]
+
+    def values(self, model: type[BaseModel]) -> dict[str, Any]:
+        """The fields of `model` this file sets; a relative path is taken from the file's folder."""
+        values: dict[str, Any] = {}
+        for field in option_fields(model):
+            section = self.sections.get(field.section or "", {})
+            if field.submodel is not None:
+                if section:
+                    values[field.name] = dict(section)
+            elif field.key in section:
+                value = section[field.key]
+                if field.path:
+                    value = [self._beside(v) for v in value] if isinstance(value, list) else self._beside(value)
+                values[field.name] = value
+        return values
+
+    def _beside(self, value: Any) -> Any:
+        """A relative path that names a file beside this one: absolute."""
+        if isinstance(value, str) and value and not Path(value).is_absolute():
+            beside = self.path.parent / value
+            return str(beside.resolve()) if beside.exists() else value
+        return value
+
+    def where(self, model: type[BaseModel], name: str, sub: str | None = None) -> str:
+        """How the file names a field: `job.toml [training] lr`."""
+        field = next(f for f in option_fields(model) if f.name == name)
+        return f"{self.path} [{field.section}] {sub or field.key}"
+
+
+def read_config(path: str | os.PathLike[str], models: Iterable[type[BaseModel]]) -> ConfigFile:
+    """A config file: TOML (`.toml`), else YAML; tables of keys, each key one that some options
+    model in `models` reads. Anything else is refused, naming the section or key."""
+    path = input_file(path)
+    text = path.read_text(errors="replace")
+    try:
+        data = tomllib.loads(text) if path.suffix.lower() == ".toml" else safe_load_yaml(text)
+    except (tomllib.TOMLDecodeError, yaml.YAMLError) as exc:
+        kind = "TOML" if path.suffix.lower() == ".toml" else "YAML"
+        raise UserInputError(f"{path} is not valid {kind}: {str(exc).splitlines()[0]}") from None
+    data = {} if data is None else data
+    known = known_keys(models)
+    if not isinstance(data, dict):
+        raise UserInputError(f"{path} must hold sections ([training], [cluster], ...), found {type(data).__name__}")
+    for section, keys in data.items():
+        if not isinstance(keys, dict):
+            homes = [f"[{name}]" for name, names in known.items() if section in names]
+            raise UserInputError(
+                f"{path}: {section} = {keys!r} is outside any section, and keys go in tables",
+                hint=f"put it under {' or '.join(homes)}" if homes else f"sections: {', '.join(f'[{s}]' for s in known)}",
+            )
+        if section not in known:
+            raise UserInputError(
+                f"{path}: unknown section [{section}]", hint=f"sections: {', '.join(f'[{s}]' for s in known)}"
+            )
+        for key in keys:
+            if key not in known[section]:
+                raise UserInputError(
+                    f"{path}: [{section}] has no key {key!r}", hint=f"[{section}] keys: {', '.join(sorted(known[section]))}"
+                )
+    return ConfigFile(path, {section: dict(keys) for section, keys in data.items()})
+
+
+@dataclass(frozen=True)
+class Layer:
+    """Values for some fields of an options model, and how to name where one came from."""
+
+    values: dict[str, Any]
+    name: typing.Callable[[str, str | None], str]  # (field, sub-field) -> "--lr", "job.toml [training] lr"
+    assign: str = " "  # between the name and a value: "--lr 20.0", "job.toml [training] lr = 20.0"
+
+
+def flag_layer(model: type[BaseModel], values: dict[str, Any]) -> Layer:
+    """The flags a user passed, by field (a section field's by sub-field: {'slurm': {'account': ..}})."""
+    flags = {f.name: f for f in option_fields(model)}
+
+    def name(field: str, sub: str | None) -> str:
+        spec = flags[field]
+        return dict(spec.flags).get(sub or "", spec.flag or field) if sub else (spec.flag or field)
+
+    return Layer(values, name)
+
+
+def file_layer(model: type[BaseModel], config: ConfigFile) -> Layer:
+    return Layer(config.values(model), lambda field, sub: config.where(model, field, sub), " = ")
+
+
+def stored_layer(model: type[BaseModel], sections: dict[str, dict[str, Any]], source: str | os.PathLike[str]) -> Layer:
+    """A run's stored options (job.json's `options`), read back; named as `source [section] key`."""
+    return file_layer(model, ConfigFile(Path(source), sections))
+
+
+def layered(model: type[OptionsT], layers: list[Layer], **fixed: Any) -> OptionsT:
+    """The options `layers` give, later layers over earlier ones (a section's keys one by one),
+    over the model's defaults; `fixed` are values no user gave (what a run records about itself).
+    A refused value is named by the layer that gave it."""
+    merged: dict[str, Any] = {}
+    origin: dict[tuple[str, str | None], Layer] = {}
+    for layer in layers:
+        for name, value in layer.values.items():
+            if isinstance(value, dict) and isinstance(merged.get(name), dict) and _is_section(model, name):
+                merged[name] = {**merged[name], **value}
+                origin.update({(name, key): layer for key in value})
+            else:
+                merged[name] = value
+                origin[(name, None)] = layer
+                if isinstance(value, dict) and _is_section(model, name):
+                    origin.update({(name, key): layer for key in value})
+    try:
+        return model.model_validate({**merged, **fixed})
+    except ValidationError as exc:
+        message, hint = _refusal(model, exc, merged, origin)
+        raise UserInputError(message, hint=hint) from None
+
+
+def _is_section(model: type[BaseModel], name: str) -> bool:
+    return any(f.name == name and f.submodel is not None for f in option_fields(model))
+
+
+def _refusal(
+    model: type[BaseModel], exc: ValidationError, merged: dict[str, Any], origin: dict[tuple[str, str | None], Layer]
+) -> tuple[str, str | None]:
+    """One line per refused value, each named as its layer gave it, and the first one's hint."""
+    lines, hint = [], None
+    fields = {f.name: f for f in option_fields(model)}
+    for err in exc.errors():
+        loc = [str(part) for part in err["loc"]]
+        field, sub = (loc[0], loc[1] if len(loc) > 1 else None) if loc else ("", None)
+        if err["type"] == "missing" and sub is None and field in fields:
+            spec = fields[field]
+            in_file = f" (or [{spec.section}] {spec.key} in a --config file)" if spec.section else ""
+            lines.append(f"missing {spec.flag}{in_file}")
+            continue
+        layer = origin.get((field, sub)) or origin.get((field, None))
+        value = merged.get(field)
+        if sub is not None and isinstance(value, dict):
+            value = value.get(sub)
+        where = layer.name(field, sub) if layer is not None else (field or "options")
+        message = err["msg"].removeprefix("Value error, ")
+        if isinstance(value, float) and value != value:  # every bound fails on NaN: say why
+            value, message = "nan", "not a number"
+        lines.append(f"{where}{layer.assign}{_shown(value)}: {message}" if layer is not None else f"{where}: {message}")
+        error = (err.get("ctx") or {}).get("error")
+        hint = hint or getattr(error, "hint", None)
+    return "; ".join(lines), hint
+
+
+def _shown(value: Any) -> str:
+    shown = repr(value.value if isinstance(value, Enum) else value)
+    return shown if len(shown) <= 120 else shown[:117] + "..."
+
+
+class OptionValueError(ValueError):
+    """A validator's refusal with a hint for the person who gave the value."""
+
+    def __init__(self, message: str, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.hint = hint
+
+
+def to_sections(options: BaseModel) -> dict[str, dict[str, Any]]:
+    """The options that belong in a file, by section and key (JSON values; unset ones left out):
+    what job.json stores and `--print-config` writes."""
+    dumped = options.model_dump(mode="json")
+    sections: dict[str, dict[str, Any]] = {}
+    for field in option_fields(type(options)):
+        if field.section is None:
+            continue
+        value = dumped[field.name]
+        if field.submodel is not None:
+            value = {k: v for k, v in value.items() if v is not None}
+            if value:
+                sections.setdefault(field.section, {}).update(value)
+        elif value is not None and value != {}:
+            sections.setdefault(field.section, {})[field.key] = value
+    return sections
+
+
+def render_config(model: type[BaseModel], sections: dict[str, dict[str, Any]], *, title: str) -> str:
+    """`sections` as a TOML file with each key's description above it; a key without a value is
+    written commented out, so that every option appears once, where it goes."""
+    lines = [f"# {line}" for line in title.splitlines()]
+    by_section: dict[str, list[tuple[str, str, Any]]] = {}
+    for field in option_fields(model):
+        if field.section is None:
+            continue
+        entries = by_section.setdefault(field.section, [])
+        if field.submodel is not None:
+            for key, info in field.submodel.model_fields.items():
+                entries.append((key, info.description or "", sections.get(field.section, {}).get(key)))
+        else:
+            entries.append((field.key, field.description, sections.get(field.section, {}).get(field.key)))
+    for section, entries in by_section.items():
+        lines += ["", f"[{section}]"]
+        for key, description, value in entries:
+            lines += textwrap.wrap(description, width=98, initial_indent="# ", subsequent_indent="# ")
+            lines.append(f"# {key} =" if value is None else f"{_toml_key(key)} = {_toml_value(value)}")
+    return "\n".join(lines) + "\n"
+
+
+_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def _toml_key(key: str) -> str:
+    return key if _BARE_KEY.fullmatch(key) else json.dumps(key)
+
+
+def _toml_value(value: Any) -> str:
+    """A JSON value as TOML: JSON's strings, numbers and arrays are TOML's; an object becomes an
+    inline table. (None has no TOML form: an unset key is written commented out.)"""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in value.items() if v is not None) + " }"
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, float) and value.is_integer():
+        return repr(value)  # 1.0, not 1: read back as the float it is
+    return json.dumps(value)

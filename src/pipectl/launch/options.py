@@ -1,0 +1,277 @@
+"""`LaunchOptions`: everything `pipectl launch` takes besides the plan, declared once.
+
+Each field is one option: its description is its `--help` text, its `Opt` the flag and the
+config-file section and key that set it (`pipectl.config`). job.json stores the effective options
+by section (`JobSpec.options`); `launch --resume` reads them back, so that a resume continues the
+run instead of re-defaulting it, and `launch --print-config` writes them as a commented TOML file.
+
+Values arrive as a person types them (`--checkpoint-every 15m`, `--hosts n1,n2`, `--data
+corpus.txt`); the validators parse them into what the job needs, and the serialisers write them
+back in that same form, so that a printed config reads back to the same options.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator
+
+from pipectl.artifacts.cluster import SlurmSpec
+from pipectl.artifacts.run import (
+    MAX_SEED,
+    DataKind,
+    DataSpec,
+    ElasticRange,
+    Engine,
+    LrSchedule,
+    Precision,
+    TrainingSettings,
+    check_host_address,
+)
+from pipectl.config import Opt, OptionValueError
+from pipectl.errors import PipectlError
+from pipectl.io import read_mapping
+from pipectl.paths import given_file, stored_reference
+
+TRAINING_DEFAULTS = TrainingSettings()
+
+_INTERVAL_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_checkpoint_interval(text: str) -> tuple[int, float, bool]:
+    """`--checkpoint-every`: K steps, a wall time (`90s`, `15m`, `2h`), or `auto` (Young/Daly from
+    the measured stall and the job's expected time between failures); returns (steps, seconds, auto).
+
+    >>> parse_checkpoint_interval("100"), parse_checkpoint_interval("15m"), parse_checkpoint_interval("auto")
+    ((100, 0.0, False), (0, 900.0, False), (0, 0.0, True))
+    """
+    value = text.strip().lower()
+    if value == "auto":
+        return 0, 0.0, True
+    if value.isdigit():
+        return int(value), 0.0, False
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([smh])", value)
+    if match is None or float(match.group(1)) <= 0:
+        raise OptionValueError(
+            "not a step count, a wall time or 'auto'", hint="e.g. --checkpoint-every 100 (steps), 15m, 90s, 2h, or auto"
+        )
+    return 0, float(match.group(1)) * _INTERVAL_UNITS[match.group(2)], False
+
+
+def parse_data(text: str) -> DataSpec:
+    """`builtin` (default corpus), `synthetic`, a path to a token or text file, or a dataset
+    function `package.module:function`."""
+    if text in (DataKind.BUILTIN.value, DataKind.SYNTHETIC.value):
+        return DataSpec(kind=DataKind(text))
+    path = given_file(text)
+    if path is not None:
+        return DataSpec(kind=DataKind.FILE, path=str(path))
+    module, sep, function = text.partition(":")
+    if sep and module and function.isidentifier() and all(part.isidentifier() for part in module.split(".")):
+        return DataSpec(kind=DataKind.DATASET, reference=text)
+    raise OptionValueError("neither 'builtin', 'synthetic', an existing file nor a dataset 'package.module:function'")
+
+
+def data_text(data: DataSpec) -> str:
+    """What `parse_data` reads back as `data`."""
+    return data.path or data.reference or data.kind.value
+
+
+def parse_elastic(text: str) -> ElasticRange:
+    """`MIN:MAX` node counts, e.g. `1:2`."""
+    low, sep, high = text.partition(":")
+    if not sep or not low.isdigit() or not high.isdigit() or int(low) < 1 or int(low) > int(high):
+        raise OptionValueError("not MIN:MAX node counts with 1 <= MIN <= MAX (e.g. 1:2)")
+    return ElasticRange(min_nodes=int(low), max_nodes=int(high))
+
+
+def parse_hosts(text: str) -> list[str]:
+    """`--hosts h1,h2,...`: each host once, none empty.
+
+    >>> parse_hosts("n1, n2")
+    ['n1', 'n2']
+    """
+    hosts = [h.strip() for h in text.split(",")] if isinstance(text, str) else [str(h) for h in text]
+    if any(not h or any(c.isspace() for c in h) for h in hosts):
+        raise OptionValueError("an empty or blank entry", hint="give host names separated by commas")
+    repeated = next((h for i, h in enumerate(hosts) if h in hosts[:i]), None)
+    if repeated is not None:
+        raise OptionValueError(f"names {repeated} twice: one entry per node", hint="a node's ranks are its slots, not repeated names")
+    return hosts
+
+
+class LaunchOptions(BaseModel):
+    """What the user chose besides the plan: `pipectl launch`'s flags, its config file's values,
+    or a resumed run's."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=False)
+
+    # Flags of one invocation: never read from a file nor stored.
+    resume: Annotated[bool, Opt(None)] = Field(default=False, description="Continue an existing run from its checkpoint.")
+    force: Annotated[bool, Opt(None)] = Field(default=False, description="Delete an existing run directory first.")
+    change_global_batch: Annotated[bool, Opt(None)] = Field(
+        default=False,
+        description="With --resume: the plan's global batch differs from the run's on purpose (recorded in job.json).",
+    )
+
+    model: Annotated[str | None, Opt("model", key="reference", path=True)] = Field(
+        default=None,
+        description="Model reference: a shipped name, a model YAML, hf:DIR or package.module:factory (default: the "
+        "plan's).",
+    )
+    data: Annotated[DataSpec, Opt("data", key="source", cli=str, path=True)] = Field(
+        default_factory=DataSpec,
+        description="'builtin' corpus, 'synthetic', a token file (.npy, .bin), a text file (.txt, .md), or a dataset "
+        "function package.module:function.",
+    )
+
+    steps: Annotated[int, Opt("training")] = Field(default=20, gt=0, le=2**63 - 1, description="Optimizer steps in total.")
+    seed: Annotated[int, Opt("training")] = Field(default=0, ge=0, le=MAX_SEED, description="Seed of weights and data order.")
+    precision: Annotated[Precision | None, Opt("training")] = Field(
+        default=None, description="fp32, bf16 or fp16; default: the plan's (its profile's dtype), which it must match."
+    )
+    learning_rate: Annotated[float, Opt("training", key="lr", flag="--lr")] = Field(
+        default=TRAINING_DEFAULTS.learning_rate, gt=0, le=10, description="AdamW (peak) learning rate."
+    )
+    weight_decay: Annotated[float, Opt("training")] = Field(
+        default=TRAINING_DEFAULTS.weight_decay, ge=0, le=10, description="AdamW weight decay."
+    )
+    gradient_clipping: Annotated[float, Opt("training")] = Field(
+        default=TRAINING_DEFAULTS.gradient_clipping, ge=0, le=1e6, description="Clip the global gradient norm to this (0: no clipping)."
+    )
+    lr_schedule: Annotated[LrSchedule, Opt("training")] = Field(
+        default=TRAINING_DEFAULTS.lr_schedule,
+        description="constant (WarmupLR with --warmup-steps), warmup-decay or warmup-cosine.",
+    )
+    warmup_steps: Annotated[int, Opt("training")] = Field(
+        default=TRAINING_DEFAULTS.warmup_steps, ge=0, le=2**31, description="Steps of linear learning-rate warm-up."
+    )
+
+    checkpoint_every: Annotated[str, Opt("checkpoint", key="every")] = Field(
+        default="0",
+        description="Checkpoint every K steps, every wall time (15m, 90s, 2h), or 'auto' (Young/Daly from the measured "
+        "stall and --mtbf-hours); 0: only at the end and on SIGTERM.",
+    )
+    keep_checkpoints: Annotated[int, Opt("checkpoint", key="keep")] = Field(
+        default=3, gt=0, le=2**31, description="Verified checkpoints to keep."
+    )
+    mtbf_hours: Annotated[float | None, Opt("checkpoint")] = Field(
+        default=None,
+        ge=0.001,
+        description="Expected hours between failures of the whole job, for --checkpoint-every auto (default: 50,000 "
+        "device-hours / devices).",
+    )
+    recover_in_memory: Annotated[bool, Opt("checkpoint")] = Field(
+        default=False,
+        description="Engine local, d >= 2: one torchrun per data-parallel replica, each rank keeping a copy of its "
+        "neighbour replica's state after every step, so that a lost replica is recovered from the survivors' memory "
+        "without a checkpoint.",
+    )
+
+    engine: Annotated[Engine, Opt("cluster")] = Field(default=Engine.LOCAL, description="How to start the ranks.")
+    cluster: Annotated[str | None, Opt("cluster", key="name", path=True)] = Field(
+        default=None, description="Cluster name or YAML the job runs on (default: the plan's)."
+    )
+    nodes: Annotated[int | None, Opt("cluster")] = Field(
+        default=None,
+        gt=0,
+        le=2**31,
+        description="Nodes for torchrun/deepspeed/slurm (default: the plan's devices over the cluster's devices per node).",
+    )
+    hosts: Annotated[list[str] | None, Opt("cluster", cli=str)] = Field(
+        default=None, description="Comma-separated hosts for the deepspeed hostfile."
+    )
+    master_addr: Annotated[str | None, Opt("cluster")] = Field(
+        default=None,
+        description="Rendezvous/master address (default: loopback on one node, this host for torchrun, the first --hosts "
+        "entry for deepspeed, the allocation's first node for slurm).",
+    )
+    master_port: Annotated[int | None, Opt("cluster")] = Field(
+        default=None, ge=1, le=65535, description="Rendezvous/master port 1..65535 (default: a free one)."
+    )
+    elastic: Annotated[ElasticRange | None, Opt("cluster", cli=str)] = Field(
+        default=None, description="torchrun elastic node range MIN:MAX (engine torchrun)."
+    )
+    slurm: Annotated[
+        SlurmSpec, Opt("slurm", table=True, flags=(("partition", "--partition"), ("account", "--account"), ("time", "--time-limit")))
+    ] = Field(default_factory=SlurmSpec, description="The sbatch script's settings, over the cluster file's slurm: section.")
+
+    collective_timeout: Annotated[float | None, Opt("monitor")] = Field(
+        default=None,
+        ge=1.0,
+        le=7 * 24 * 3600.0,
+        description="Seconds a rank waits in a collective for a silent peer before the job fails (default: 10 predicted "
+        "steps, at least 120 s, plus a checkpoint write).",
+    )
+
+    ds_config_overlay: Annotated[dict[str, Any], Opt("deepspeed", key="overlay", cli=Path, path=True)] = Field(
+        default_factory=dict,
+        description="JSON or YAML merged into the DeepSpeed config (monitor, optimizer params, ...); keys the plan owns "
+        "are refused. Validated by DeepSpeed's parser. In a config file: a file's path, or the keys inline.",
+    )
+
+    # What the run records about itself, not options: set by launch, kept by every resume.
+    import_root: str | None = None  # where a factory is imported from; default: this process's working directory
+    as_given: dict[str, str] = Field(default_factory=dict)  # the model and data as typed (job.json's `as_given`)
+
+    @field_validator("model")
+    @classmethod
+    def _model_resolved(cls, value: str | None) -> str | None:
+        """A YAML or hf: directory by path: absolute, once (ranks, resume and resize run elsewhere)."""
+        return None if value is None else stored_reference(value)
+
+    @field_validator("master_addr")
+    @classmethod
+    def _host_address(cls, value: str | None) -> str | None:
+        return None if value is None else check_host_address(value)
+
+    @field_validator("data", mode="before")
+    @classmethod
+    def _data_parsed(cls, value: Any) -> Any:
+        return parse_data(value) if isinstance(value, str) else value
+
+    @field_serializer("data")
+    def _data_text(self, data: DataSpec) -> str:
+        return data_text(data)
+
+    @field_validator("checkpoint_every", mode="before")
+    @classmethod
+    def _interval_parsed(cls, value: Any) -> Any:
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            value = str(value)
+        if isinstance(value, str):
+            parse_checkpoint_interval(value)
+            return value.strip().lower()
+        return value
+
+    @field_validator("hosts", mode="before")
+    @classmethod
+    def _hosts_parsed(cls, value: Any) -> Any:
+        return parse_hosts(value) if isinstance(value, (str, list)) else value
+
+    @field_validator("elastic", mode="before")
+    @classmethod
+    def _elastic_parsed(cls, value: Any) -> Any:
+        return parse_elastic(value) if isinstance(value, str) else value
+
+    @field_serializer("elastic")
+    def _elastic_text(self, elastic: ElasticRange | None) -> str | None:
+        return None if elastic is None else f"{elastic.min_nodes}:{elastic.max_nodes}"
+
+    @field_validator("ds_config_overlay", mode="before")
+    @classmethod
+    def _overlay_read(cls, value: Any) -> Any:
+        """A file's path is read (its contents are data, kept in job.json); a mapping is the overlay."""
+        if isinstance(value, (str, Path)):
+            try:
+                return read_mapping(value)
+            except PipectlError as exc:
+                raise OptionValueError(exc.message, exc.hint) from None
+        return value
+
+    @property
+    def interval(self) -> tuple[int, float, bool]:
+        """`checkpoint_every` as (steps, seconds, auto)."""
+        return parse_checkpoint_interval(self.checkpoint_every)

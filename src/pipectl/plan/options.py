@@ -1,0 +1,128 @@
+"""`PlanOptions`: everything `pipectl plan` takes, declared once (`pipectl.config`).
+
+Each field is one flag and one config-file key: `plan --config job.toml` reads [model] profile,
+[cluster] name and devices, [training] global_batch and the [plan] section, the same file
+`launch --config` reads its own sections from. The values stay as typed (`--tokens 300B`,
+`--schedules 1f1b,gpipe`); the command parses them into the planner's `PlanRequest`, whose own
+checks name the flag of a value it refuses.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from pipectl.artifacts.plan import Engine, Objective
+from pipectl.config import Opt
+from pipectl.schedule import ScheduleKind
+
+SCHEDULE_NAMES = ", ".join(kind.value for kind in ScheduleKind)
+
+
+class PlanOptions(BaseModel):
+    """`pipectl plan`'s flags, or its config file's values."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # Flags of one invocation: what to show and how, never read from a file.
+    include_all: Annotated[bool, Opt(None, flag="--all")] = Field(
+        default=False, description="Simulate and keep every feasible candidate, and list those no engine runs apart."
+    )
+    full_morph: Annotated[bool, Opt(None, flag="--morph-table")] = Field(
+        default=False, description="Print the whole morph table (default: the fastest plan per range of device counts)."
+    )
+    top: Annotated[int, Opt(None)] = Field(default=10, description="Candidates to show.")
+    workers: Annotated[int | None, Opt(None)] = Field(
+        default=None,
+        description="Processes for the search (default: $PIPECTL_PLAN_WORKERS, else the cores available); the plan is "
+        "the same for any number.",
+    )
+
+    profile: Annotated[list[str], Opt("model", cli=list[Path], path=True)] = Field(
+        description="profile.json from `pipectl profile`. Repeat it with one profile per device kind of a "
+        "heterogeneous cluster (measured or --derive'd on each): each kind is priced with its own; the first serves "
+        "a kind without one, scaled by peak FLOP/s.",
+    )
+    cluster: Annotated[str, Opt("cluster", key="name", path=True)] = Field(
+        description="A shipped cluster name (local, a100-8x8) or a YAML path."
+    )
+    devices: Annotated[int | None, Opt("cluster")] = Field(
+        default=None, description="Plan for G devices (default: the whole cluster; a local cluster: its default)."
+    )
+    global_batch: Annotated[int, Opt("training")] = Field(
+        description="B: samples per optimizer step (never changed)."
+    )
+
+    objective: Annotated[Objective, Opt("plan")] = Field(default=Objective.TIME, description="time, cost or cost-deadline.")
+    deadline_hours: Annotated[float | None, Opt("plan")] = Field(default=None, description="cost-deadline: hours available.")
+    samples: Annotated[str | None, Opt("plan")] = Field(
+        default=None, description="cost-deadline: samples to train on (e.g. 150M)."
+    )
+    tokens: Annotated[str | None, Opt("plan")] = Field(
+        default=None, description="cost-deadline: tokens to train on (e.g. 300B, 3e11; K, M, B, T decimal)."
+    )
+    schedules: Annotated[str | None, Opt("plan")] = Field(
+        default=None,
+        description=f"Comma list of {SCHEDULE_NAMES} (default: 1f1b, gpipe, interleaved, varuna; engine torch adds "
+        "zb-h1; 2bw and zbv only when listed).",
+    )
+    max_tensor_parallel: Annotated[int | None, Opt("plan")] = Field(default=None, description="Largest t to try.")
+    pipeline_parallel: Annotated[int | None, Opt("plan")] = Field(default=None, description="Pin p.")
+    tensor_parallel: Annotated[int | None, Opt("plan")] = Field(default=None, description="Pin t.")
+    data_parallel: Annotated[int | None, Opt("plan")] = Field(default=None, description="Pin d.")
+    micro_batch_size: Annotated[int | None, Opt("plan")] = Field(default=None, description="Pin b.")
+    schedule: Annotated[str | None, Opt("plan")] = Field(default=None, description="Pin the schedule.")
+    recompute: Annotated[str | None, Opt("plan")] = Field(
+        default=None,
+        description="Recomputation the search may use: never; stage (none or re-run a stage's forward before its "
+        "backward, every stage but the last); layer (none or per-layer activation checkpointing, every stage, p = 1 "
+        "too); selective (none or recompute only each block's attention core: scores, softmax, attention over V); "
+        "always (stage, layer or selective, never none); auto (all four, the default: memory and time decide).",
+    )
+    even_replicas: Annotated[bool, Opt("plan")] = Field(
+        default=False,
+        description="Only d x b dividing B. Default: when d does not divide B / b, replicas run the ceiling or floor "
+        "of B / (d x b) micro-batches, gradients weighted by samples, so every device count has a plan.",
+    )
+    zero_stages: Annotated[str, Opt("plan")] = Field(
+        default="1",
+        description="ZeRO stages to try (0,1,2,3). Default 1: pipectl trains with ZeRO-1, the stage whose optimizer "
+        "partitions its checkpoints hold and re-cut for resize; 2 and 3 at p = 1 only (DeepSpeed's pipeline engine "
+        "refuses them; its ordinary engine trains them without a tensor split); ZeRO-0, and 2 and 3 with a tensor "
+        "split, are planner-only (marked *, chosen only with --any-engine).",
+    )
+    memory_headroom: Annotated[float, Opt("plan")] = Field(
+        default=0.05,
+        ge=0.0,
+        le=0.9,
+        description="Fraction of each device's memory to keep free beyond what the memory model predicts (0.05: 5 %).",
+    )
+    engine: Annotated[Engine | None, Opt("plan")] = Field(
+        default=None,
+        description="What will run the plan: deepspeed (default; pipectl launch), torch (PyTorch's pipelining runtime: "
+        "1f1b, gpipe, interleaved, zb-h1 without recompute, t = 1, d = 1, fp32; pipectl launch runs it too, same "
+        "checkpoints, data and metrics), or any (choose the best, runnable or not). torch also searches zb-h1 (any: "
+        "when listed in --schedules).",
+    )
+    morph: Annotated[bool, Opt("plan")] = Field(default=True, description="Compute the morph table (--no-morph: skip it).")
+
+    @field_validator("profile", mode="before")
+    @classmethod
+    def _one_or_more(cls, value: Any) -> Any:
+        """A config file may name one profile as a string; flags give a list."""
+        return [value] if isinstance(value, (str, Path)) else [str(v) for v in value] if isinstance(value, (list, tuple)) else value
+
+    @field_validator("schedules", "zero_stages", mode="before")
+    @classmethod
+    def _comma_list(cls, value: Any) -> Any:
+        """A config file's list (`zero_stages = [1, 2]`) is the flag's comma list."""
+        if isinstance(value, (list, tuple)):
+            return ",".join(str(v) for v in value)
+        return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+    @field_validator("samples", "tokens", mode="before")
+    @classmethod
+    def _amount_text(cls, value: Any) -> Any:
+        return str(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value

@@ -1,0 +1,121 @@
+"""`--config FILE`: one file of sections that `plan` and `launch` read, flags over it, refusals that
+name the file, section and key; `launch --print-config` writes the effective options back."""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from builders import write_plan
+from pipectl.plan.synthetic import synthetic_profile
+from pipectl.cli.main import app
+from pipectl.config import option_fields
+from pipectl.io import write_json_atomic
+from pipectl.launch.options import LaunchOptions
+from pipectl.plan.options import PlanOptions
+
+
+runner = CliRunner()
+
+
+def invoke(*args: object):
+    return runner.invoke(app, [str(a) for a in args], env={"COLUMNS": "200"})
+
+
+def dry_job(plan: Path, run: Path, *args: object) -> dict:
+    result = invoke("launch", plan, "--run-dir", run, "--dry-run", "--json", *args)
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output)["job"]
+
+
+def same_job(a: dict, b: dict) -> None:
+    """Two dry runs' jobs, but for what each launch picks anew (a free port, the host's load)."""
+    drop = ("master_port", "host_at_launch")
+    assert {k: v for k, v in a.items() if k not in drop} == {k: v for k, v in b.items() if k not in drop}
+
+
+def test_a_config_file_sets_options_flags_win_and_the_printed_config_reads_back_the_same(tmp_path):
+    plan = write_plan(tmp_path / "plan.json")
+    config = tmp_path / "job.toml"
+    config.write_text('[training]\nsteps = 8\nlr = 0.002\nlr_schedule = "warmup-cosine"\n'
+                      '[checkpoint]\nevery = "15m"\nkeep = 2\n[slurm]\nqos = "high"\n')  # fmt: skip
+    from_file = dry_job(plan, tmp_path / "run", "--config", config)
+    assert from_file["steps"] == 8 and from_file["training"]["learning_rate"] == 0.002
+    assert from_file["checkpoint_every_seconds"] == 900.0 and from_file["keep_checkpoints"] == 2
+    assert from_file["options"]["slurm"] == {"qos": "high"}
+    assert dry_job(plan, tmp_path / "run", "--config", config, "--steps", "5")["steps"] == 5  # the flag wins
+    (tmp_path / "qos.toml").write_text('[slurm]\nqos = "high"\n')
+    by_flags = dry_job(plan, tmp_path / "run", "--steps", "8", "--lr", "0.002", "--lr-schedule", "warmup-cosine",
+                       "--checkpoint-every", "15m", "--keep-checkpoints", "2", "--config", tmp_path / "qos.toml")
+    same_job(from_file, by_flags)
+
+    printed = invoke("launch", plan, "--run-dir", tmp_path / "run", "--config", config, "--print-config")
+    assert printed.exit_code == 0, printed.output
+    assert tomllib.loads(printed.output)["training"]["lr"] == 0.002
+    assert "# AdamW (peak) learning rate.\nlr = 0.002" in printed.output  # each key under its help text
+    (tmp_path / "printed.toml").write_text(printed.output)
+    same_job(from_file, dry_job(plan, tmp_path / "run", "--config", tmp_path / "printed.toml"))
+
+
+def test_a_yaml_config_and_paths_relative_to_the_file(tmp_path, monkeypatch):
+    plan = write_plan(tmp_path / "plan.json")
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "corpus.txt").write_text("hello pipectl " * 400)
+    (tmp_path / "conf" / "job.yaml").write_text("data:\n  source: ../corpus.txt\ntraining:\n  seed: 7\n")
+    monkeypatch.chdir(tmp_path / "conf")  # the path is the file's, wherever the command runs
+    job = dry_job(plan, tmp_path / "run", "--config", tmp_path / "conf" / "job.yaml")
+    assert job["data"]["path"] == str(tmp_path / "corpus.txt") and job["seed"] == 7
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("[trainig]\nsteps = 3\n", "unknown section [trainig]"),
+        ("[training]\nstep = 3\n", "[training] has no key 'step'"),
+        ("[training]\nsteps = \n", "is not valid TOML"),
+        ("[training]\nlr = 20\n", "[training] lr = 20: Input should be less than or equal to 10"),
+        ("[checkpoint]\nevery = \"soon\"\n", "[checkpoint] every = 'soon': not a step count"),
+        ("[slurm]\ntime = \"banana\"\n", "[slurm] time = 'banana': 'banana' is not a Slurm time"),
+        ("steps = 3\n", "steps = 3 is outside any section"),
+    ],
+)
+def test_a_bad_config_file_is_refused_naming_the_file_section_and_key(tmp_path, text, message):
+    plan = write_plan(tmp_path / "plan.json")
+    config = tmp_path / "job.toml"
+    config.write_text(text)
+    result = invoke("launch", plan, "--run-dir", tmp_path / "run", "--config", config, "--dry-run")
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert message in result.output and "job.toml" in result.output, result.output
+    assert not (tmp_path / "run").exists()
+
+
+def test_plan_reads_its_sections_of_the_same_file(tmp_path):
+    write_json_atomic(tmp_path / "profile.json", synthetic_profile(blocks=6, micro_batch_sizes=[1, 2, 4], device="cpu"))
+    config = tmp_path / "job.toml"
+    config.write_text('[model]\nprofile = "profile.json"\n[cluster]\nname = "local"\ndevices = 2\n'
+                      '[training]\nglobal_batch = 16\nsteps = 4\n[plan]\npipeline_parallel = 2\nschedules = ["1f1b"]\n'
+                      'morph = false\n')  # fmt: skip
+    result = invoke("plan", "--config", config, "-o", tmp_path / "plan.json", "--json")
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.output)
+    assert plan["request"]["global_batch"] == 16 and plan["chosen"]["pipeline_parallel"] == 2
+    assert plan["chosen"]["schedule"] == "1f1b" and plan["morph_table"] == []
+    missing = invoke("plan", "--profile", tmp_path / "profile.json", "--cluster", "local")
+    assert missing.exit_code == 2 and "missing --global-batch (or [training] global_batch" in missing.output
+
+
+@pytest.mark.parametrize("model, command", [(LaunchOptions, "launch"), (PlanOptions, "plan")])
+def test_every_option_is_one_flag_whose_help_is_the_fields_description(model, command):
+    """The options model is the only declaration: each field's flag is in the help, with the
+    field's own description as its text."""
+    shown = " ".join(invoke(command, "-h").output.replace("│", " ").split())
+    for field in option_fields(model):
+        flags = [flag for _, flag in field.flags] if field.submodel else [field.flag]
+        for flag in flags:
+            assert f" {flag} " in shown or f" {flag}/" in shown, flag
+        if not field.submodel:
+            assert " ".join(field.description.split()[:6]) in shown, field.name
