@@ -3,7 +3,8 @@
 Every engine starts the same worker, `python -m pipectl.runtime.worker --run-dir RUN`, through a
 real launcher (no home-made process manager):
 
-- `local`: `torchrun --standalone --nproc_per_node N` on this machine (the embedded default).
+- `local`: torchrun with `--nproc_per_node N` on this machine (the embedded default), its
+  rendezvous and stores on 127.0.0.1 only (`runtime/loopback.py`).
 - `torchrun`: a c10d rendezvous on `master_addr:master_port`, static (`--nnodes N`) or elastic
   (`--nnodes MIN:MAX --max_restarts R`). Measured here (shared/DEEPSPEED-ON-CPU.md): restarted
   gloo workers read stale addresses from torchrun's shared rendezvous store unless
@@ -27,6 +28,7 @@ quoted for a shell, so a run can be restarted by hand.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import shlex
 import signal
@@ -104,10 +106,8 @@ REPLICAS_MODULE = "pipectl.resize.replicas"  # one torchrun per replica (`launch
 
 
 def local_command(job: JobSpec, run_dir: Path, *, python: str = sys.executable, gpus: bool = False) -> LaunchCommand:
-    """`torchrun --standalone --nproc_per_node N -m pipectl.runtime.worker --run-dir RUN`.
-
-    `--standalone` runs its own rendezvous on a free localhost port, so concurrent local jobs
-    never collide on a master port. A job that recovers a lost replica in memory runs
+    """torchrun `--nproc_per_node N -m pipectl.runtime.worker --run-dir RUN` on loopback
+    (`standalone_torchrun`). A job that recovers a lost replica in memory runs
     `python -m pipectl.resize.replicas --run-dir RUN` instead: one such torchrun per replica.
     """
     if job.recover_in_memory and job.world_size > 1:
@@ -117,16 +117,36 @@ def local_command(job: JobSpec, run_dir: Path, *, python: str = sys.executable, 
     return LaunchCommand(Engine.LOCAL, argv, rank_environment(gpus=gpus, import_root=job.import_root))
 
 
+LOOPBACK_TORCHRUN = "pipectl.runtime.loopback"  # torchrun with its stores on 127.0.0.1 (`runtime/loopback.py`)
+
+
 def standalone_torchrun(python: str, ranks: int, run_dir: Path) -> list[str]:
     """torchrun on this machine alone, starting `ranks` workers of the run (the local engine's
-    command, and each replica's under the replicas agent)."""
+    command, and each replica's under the replicas agent): a c10d rendezvous on a free port of
+    127.0.0.1 (so concurrent local jobs never collide), this node's address 127.0.0.1, and every
+    store bound to loopback (`runtime.loopback`: torchrun's own binds every interface)."""
     return [
-        python, "-m", "torch.distributed.run",
-        "--standalone",
+        python, "-m", LOOPBACK_TORCHRUN,
+        "--rdzv_backend", "c10d",
+        "--rdzv_endpoint", "127.0.0.1:0",
+        "--rdzv_id", run_dir.name or "local",
+        "--local_addr", "127.0.0.1",
         "--nnodes", "1",
         "--nproc_per_node", str(ranks),
         *_worker_args(run_dir),
     ]  # fmt: skip
+
+
+def loopback_address(host: str) -> bool:
+    """'localhost', 127.0.0.0/8 or ::1.
+
+    >>> loopback_address("127.0.0.1"), loopback_address("node7")
+    (True, False)
+    """
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def torchrun_command(
@@ -134,10 +154,16 @@ def torchrun_command(
 ) -> LaunchCommand:
     """torchrun with a c10d rendezvous: static `--nnodes N` or elastic `--nnodes MIN:MAX`.
 
-    Run the same command on every node (each is one agent with `ranks_per_node` workers).
+    Run the same command on every node (each is one agent with `ranks_per_node` workers). A
+    rendezvous on a loopback address (one node) keeps every store on 127.0.0.1, as the local
+    engine does (`runtime.loopback`).
     """
     env = rank_environment(gpus=gpus, import_root=job.import_root)
-    argv = [python, "-m", "torch.distributed.run"]
+    one_node = job.nodes == 1 and (job.elastic is None or job.elastic.max_nodes == 1)
+    if one_node and loopback_address(job.master_addr):
+        argv = [python, "-m", LOOPBACK_TORCHRUN, "--local_addr", "127.0.0.1"]
+    else:
+        argv = [python, "-m", "torch.distributed.run"]
     if job.elastic is not None:
         argv += [
             "--nnodes", f"{job.elastic.min_nodes}:{job.elastic.max_nodes}",
@@ -500,13 +526,18 @@ def _supervise(
     say: Callable[[str], None],
 ) -> int:
     proc = processes.launcher
-    forwarded = (signal.SIGINT, signal.SIGTERM)
+    # SIGHUP: the terminal closed. The launcher runs in a session of its own, so only this
+    # process hears it; handled as SIGTERM, the job stops at the step's end with a checkpoint
+    # instead of training on unsupervised.
+    forwarded = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     previous = {}
     signals_seen = []
 
     kill_at = []  # after a second signal: when the processes still alive get SIGKILL
 
     def forward(signum: int, _frame: object) -> None:
+        if signum == signal.SIGHUP:
+            _detach_from_terminal()  # what is printed from now on would fail on a closed terminal
         signals_seen.append(signum)
         if len(signals_seen) == 1:
             say("stopping at the end of the step, after a checkpoint (again: end every process of the job)")
@@ -550,6 +581,17 @@ def _supervise(
             processes.end(grace_seconds=30)
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+def _detach_from_terminal() -> None:
+    """Point stdout and stderr at /dev/null: the terminal is gone, and a write to it would raise
+    in the middle of supervising the job."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        for fd in (1, 2):
+            os.dup2(null, fd)
+    finally:
+        os.close(null)
 
 
 def _in_main_thread() -> bool:

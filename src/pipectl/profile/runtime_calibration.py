@@ -82,6 +82,7 @@ from pipectl.errors import LaunchError
 from pipectl.models.base import LayerDef, ModelLayers
 from pipectl.runtime import dsinit
 from pipectl.runtime.dsconfig import deepspeed_config
+from pipectl.runtime.loopback import keep_stores_on_loopback
 from pipectl.runtime.dsinit import free_port
 from pipectl.schedule import ScheduleKind, generate
 
@@ -549,6 +550,7 @@ def _host_rank(connection, rank: int, port: int, compute: ComputeFn, plan: _Host
     _quiet_one_thread()
     try:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        keep_stores_on_loopback()  # rank 0's store serves 127.0.0.1 only
         dist.init_process_group("gloo", rank=rank, world_size=2)
         alone: list[tuple[float, float]] = []  # (wall, CPU) seconds per round
         together: list[tuple[float, float]] = []

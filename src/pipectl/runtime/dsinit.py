@@ -85,6 +85,10 @@ def init_distributed(timeout_seconds: float | None = None, store=None) -> None:
     skip_shared_memory_op_build()
     import deepspeed  # after the environment it reads at import is set
     import torch.distributed as torch_dist
+
+    from pipectl.runtime.loopback import keep_stores_on_loopback  # torch: after the environment too
+
+    keep_stores_on_loopback()  # a store this rank hosts for 127.0.0.1 listens there only
     from deepspeed.accelerator import get_accelerator
 
     backend = get_accelerator().communication_backend_name()

@@ -65,6 +65,7 @@ from torch.distributed.pipelining.schedules import (
 from pipectl.artifacts.run import SEED_STRIDE
 from pipectl.errors import LaunchError, ScheduleError, UserInputError
 from pipectl.runtime.local_ranks import run_local_ranks
+from pipectl.runtime.loopback import keep_stores_on_loopback
 from pipectl.models.base import LayerDef, ModelLayers
 from pipectl.schedule.ir import ActionKind, Schedule
 
@@ -669,6 +670,7 @@ def _rank_main(rank: int, world: int, port: int, jobs: Sequence[TorchPipelineJob
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     try:
+        keep_stores_on_loopback()  # rank 0's store serves 127.0.0.1 only
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         try:
             outcomes = []
