@@ -226,10 +226,10 @@ def stored_layer(model: type[BaseModel], sections: dict[str, dict[str, Any]], so
     return file_layer(model, ConfigFile(Path(source), sections))
 
 
-def layered(model: type[OptionsT], layers: list[Layer], **fixed: Any) -> OptionsT:
+def layered(model: type[OptionsT], layers: list[Layer], *, context: dict[str, Any] | None = None, **fixed: Any) -> OptionsT:
     """The options `layers` give, later layers over earlier ones (a section's keys one by one),
-    over the model's defaults; `fixed` are values no user gave (what a run records about itself).
-    A refused value is named by the layer that gave it."""
+    over the model's defaults; `fixed` are values no user gave (what a run records about itself);
+    `context` goes to the model's validators. A refused value is named by the layer that gave it."""
     merged: dict[str, Any] = {}
     origin: dict[tuple[str, str | None], Layer] = {}
     for layer in layers:
@@ -243,7 +243,7 @@ def layered(model: type[OptionsT], layers: list[Layer], **fixed: Any) -> Options
                 if isinstance(value, dict) and _is_section(model, name):
                     origin.update({(name, key): layer for key in value})
     try:
-        return model.model_validate({**merged, **fixed})
+        return model.model_validate({**merged, **fixed}, context=context)
     except ValidationError as exc:
         message, hint = _refusal(model, exc, merged, origin)
         raise UserInputError(message, hint=hint) from None

@@ -80,11 +80,20 @@ def input_file(path: str | os.PathLike[str]) -> Path:
     return path
 
 
+# The largest YAML or JSON file read (a GPT-3 plan with its morph table is ~20 MB; `plan --all`
+# at that scale stays well below): a larger one is refused before it fills memory.
+MAX_MAPPING_BYTES = 512 * 2**20
+
+
 def read_mapping(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Parse a YAML or JSON file into a mapping; a missing or malformed file is a user error."""
     path = input_file(path)
     try:
-        text = path.read_text()
+        with path.open("rb") as handle:  # read no more than a pipectl file can hold (a FIFO has no size)
+            raw = handle.read(MAX_MAPPING_BYTES + 1)
+        if len(raw) > MAX_MAPPING_BYTES:
+            raise ArtifactError(f"{path} is larger than {MAX_MAPPING_BYTES // 2**20} MiB: not one of pipectl's files")
+        text = raw.decode()
         data = json.loads(text) if path.suffix == ".json" else safe_load_yaml(text)
     except (yaml.YAMLError, json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ArtifactError(f"{path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {exc}") from None
@@ -192,7 +201,7 @@ def _kind_of(mode: int) -> str:
     )
 
 
-def _umask() -> int:
+def umask() -> int:
     """The process's umask: read from /proc (Linux 4.7+), else by setting it and back."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
@@ -214,7 +223,7 @@ def temporary_file(folder: str | os.PathLike[str], name: str) -> tuple[int, str]
     except OSError as exc:
         raise OSError(exc.errno, exc.strerror, str(Path(folder) / name)) from exc
     try:
-        os.fchmod(fd, 0o666 & ~_umask())
+        os.fchmod(fd, 0o666 & ~umask())
     except BaseException:
         os.close(fd)
         Path(tmp).unlink(missing_ok=True)

@@ -258,6 +258,33 @@ def test_a_checkpoint_that_verifies_but_does_not_load_is_skipped_and_the_termina
     assert resumed["step"] == 2 and resumed["tag"] == "step00000002"
 
 
+def test_a_checkpoint_missing_a_ranks_file_fails_verify_and_resume_falls_back(tmp_path):
+    """Rank 1's file of step 4 removed with its manifest entry: every listed file still hashes
+    clean, but the manifest no longer covers the 2-rank layout it records. `status --verify`
+    says so (exit 2) and a resume starts from step 2 on both ranks. (Every resume used to fail.)"""
+    from pipectl.artifacts.run import CheckpointManifest
+
+    plan = write_plan(tmp_path / "plan.json")
+    run = tmp_path / "run"
+    first = invoke("launch", plan, "--run-dir", run, "--steps", "4", "--checkpoint-every", "2", "--timeout", "120")
+    assert first.exit_code == 0, first.output
+    newest = run / "checkpoints" / "step00000004"
+    (newest / "rank-00001.safetensors").unlink()
+    manifest = CheckpointManifest.model_validate_json((newest / "manifest.json").read_text())
+    left = {k: v for k, v in manifest.files.items() if not k.endswith("rank-00001.safetensors")}
+    (newest / "manifest.json").write_text(manifest.model_copy(update={
+        "files": left, "file_bytes": {k: v for k, v in manifest.file_bytes.items() if k in left},
+    }).model_dump_json())  # fmt: skip
+
+    verified = invoke("status", run, "--verify")
+    assert verified.exit_code == 2, verified.output
+    assert "lists no file of rank 1 of the 2-rank layout it records" in " ".join(verified.output.split())
+    result = invoke("launch", plan, "--run-dir", run, "--steps", "5", "--resume", "--timeout", "120")
+    assert result.exit_code == 0, result.output + (run / "logs" / "engine.log").read_text()[-2000:]
+    resumed = json.loads((run / "logs" / "resume.json").read_text())
+    assert resumed["step"] == 2 and resumed["tag"] == "step00000002"
+
+
 def test_a_live_run_is_refused_naming_the_pid_of_the_process_holding_its_lock(tmp_path):
     """Another process holds the run's lock: a second launch, --resume and --force exit 2 naming
     its pid and touch nothing; once that process is killed the kernel releases the lock."""
@@ -423,6 +450,62 @@ def test_a_stopped_rank_ends_the_job_in_bounded_time_and_is_named(tmp_path):
 
 
 @pytest.mark.multiprocess
+def test_a_local_job_listens_on_loopback_only(tmp_path):
+    """Every socket a 2-rank local job listens on (torchrun's rendezvous and stores, the ranks'
+    own) is bound to 127.0.0.1: a store asks for no password, so none may be reachable from the
+    network. (torchrun's stores used to listen on every interface.)"""
+    import psutil
+
+    plan = write_plan(tmp_path / "plan.json")
+    run = tmp_path / "run"
+    launcher = _start_launch(plan, run, "--steps", "40", "--timeout", "240")
+    listening: dict[tuple[str, int], str] = {}
+    try:
+        _wait_for_steps(run, 2, launcher)
+        root = psutil.Process(launcher.pid)
+        for process in [root, *root.children(recursive=True)]:
+            try:
+                sockets = process.net_connections(kind="inet")
+                name = " ".join(process.cmdline()[1:3])
+            except psutil.NoSuchProcess:
+                continue
+            for sock in sockets:
+                if sock.status == psutil.CONN_LISTEN:
+                    listening[(name, sock.laddr.port)] = sock.laddr.ip
+        output, _ = launcher.communicate(timeout=180)
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 0, output
+    assert any("pipectl.runtime.loopback" in name for name, _ in listening), listening  # torchrun's stores seen
+    assert all(ip == "127.0.0.1" for ip in listening.values()), listening
+
+
+@pytest.mark.multiprocess
+def test_a_closed_terminal_stops_the_job_at_a_checkpoint_and_leaves_nothing_running(tmp_path):
+    """SIGHUP (the terminal closed) is handled as SIGTERM: the ranks stop at the end of a step
+    after a checkpoint, no process of the job is left, and the run resumes. (The ranks used to
+    train on, re-parented and unsupervised.)"""
+    import signal
+
+    plan = write_plan(tmp_path / "plan.json")
+    run = tmp_path / "run"
+    launcher = _start_launch(plan, run, "--steps", "100000", "--timeout", "240")
+    try:
+        _wait_for_steps(run, 3, launcher)
+        launcher.send_signal(signal.SIGHUP)
+        launcher.communicate(timeout=120)
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 0
+    assert _processes_of(run) == []
+    checkpoint = json.loads((run / "logs" / "heartbeat-rank0.json").read_text())["checkpoint_step"]
+    assert checkpoint >= 3
+    resumed = invoke("launch", plan, "--run-dir", run, "--resume", "--steps", checkpoint + 2)
+    assert resumed.exit_code == 0, resumed.output
+    assert f"resumed from step {checkpoint}" in resumed.output
+
+
+@pytest.mark.multiprocess
 def test_sigterm_to_torchrun_after_a_clean_checkpoint_exits_0(tmp_path):
     """torchrun exits 1 when it is signalled even though its ranks stop cleanly; pipectl says what
     happened and exits 0, and the run resumes from the checkpoint the ranks wrote."""
@@ -433,7 +516,7 @@ def test_sigterm_to_torchrun_after_a_clean_checkpoint_exits_0(tmp_path):
     launcher = _start_launch(plan, run, "--steps", "100000", "--timeout", "240")
     try:
         _wait_for_steps(run, 3, launcher)
-        torchrun = [p for p in psutil.Process(launcher.pid).children() if "torch.distributed.run" in " ".join(p.cmdline())]
+        torchrun = [p for p in psutil.Process(launcher.pid).children() if "pipectl.runtime.loopback" in " ".join(p.cmdline())]
         assert len(torchrun) == 1
         torchrun[0].terminate()
         output, _ = launcher.communicate(timeout=120)

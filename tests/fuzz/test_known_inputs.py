@@ -174,7 +174,7 @@ def test_resuming_a_run_that_does_not_exist_is_refused_in_a_dry_run(made, tmp_pa
         ("odd.bin", b"\x01\x02\x03", ["3 bytes", "uint16"]),
         ("empty.bin", b"", ["empty"]),
         ("big.bin", np.array([1, 2, 300] * 20, dtype=np.uint16).tobytes(), ["300", "vocabulary 0..255"]),
-        ("junk.npy", b"not an array at all", ["not a plain .npy array"]),
+        ("junk.npy", b"not an array at all", ["not a .npy array", "NumPy's header"]),
         ("float.npy", None, ["float64", "integer token ids"]),
     ],
 )
@@ -235,6 +235,25 @@ def test_written_files_keep_the_umask(tmp_path, umask):
     assert stat.S_IMODE(written.stat().st_mode) == 0o666 & ~umask
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_checkpoint_files_and_launch_sh_keep_the_umask(tmp_path, umask):
+    """A rank's safetensors file (safetensors creates it 0600) gets 0666 less the umask; launch.sh
+    is executable by whoever may read it (under 077: 0700, not 0711)."""
+    from builders import plan_of, gpt_tiny_candidate, shard_model, write_shard_layout
+    from pipectl.launch import prepare_launch
+    from pipectl.launch.options import LaunchOptions
+
+    previous = os.umask(umask)
+    try:
+        write_shard_layout(tmp_path, shard_model(), t=1, d=1)
+        prepared = prepare_launch(plan_of(gpt_tiny_candidate(1, 1)), tmp_path / "run", LaunchOptions())
+        prepared.lock.release()
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE((tmp_path / "rank-00000.safetensors").stat().st_mode) == 0o666 & ~umask
+    assert stat.S_IMODE((tmp_path / "run" / "launch.sh").stat().st_mode) == 0o777 & ~umask
+
+
 # --- model references -----------------------------------------------------------------------------------
 
 
@@ -286,3 +305,13 @@ def test_a_boolean_schema_version_is_refused(tmp_path):
     assert cli("profile", "show", str(path)).exit_code == 0  # valid as written
     path.write_text(json.dumps({**json.loads(path.read_text()), "schema_version": True}))
     refused(cli("profile", "show", str(path)), "schema_version", "boolean")
+
+
+def test_a_file_larger_than_any_pipectl_file_is_refused_before_it_is_read(tmp_path, monkeypatch):
+    import pipectl.io as io
+
+    monkeypatch.setattr(io, "MAX_MAPPING_BYTES", 1024)
+    big = tmp_path / "plan.json"
+    big.write_text('{"a": "' + "x" * 4096 + '"}')
+    with pytest.raises(UserInputError, match="plan.json is larger than 0 MiB: not one of pipectl's files"):
+        io.read_mapping(big)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -243,3 +244,27 @@ def test_a_lock_held_before_its_holder_wrote_its_pid_is_refused_without_a_pid(tm
             lock_run_dir(run)
     finally:
         os.close(fd)
+
+
+def test_a_lock_held_by_another_process_never_names_the_pids_of_a_job_that_ended(tmp_path):
+    """job.lock still records an ended job's pids while some other process holds the lock: the
+    refusal names no dead pid (a hint to kill it would say 'No such process')."""
+    import fcntl
+    import subprocess
+    import sys
+
+    from pipectl.launch.rundir import lock_run_dir
+
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = int(ended.stdout)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "job.lock").write_text(f"{dead} {dead}\n")
+    holder = os.open(run / "job.lock", os.O_RDWR)
+    fcntl.flock(holder, fcntl.LOCK_EX)  # another open file: held against lock_run_dir here too
+    try:
+        with pytest.raises(UserInputError) as refused:
+            lock_run_dir(run)
+    finally:
+        os.close(holder)
+    assert "pid unknown" in refused.value.message and str(dead) not in refused.value.message + refused.value.hint

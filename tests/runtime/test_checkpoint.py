@@ -15,6 +15,7 @@ import pytest
 
 from pipectl.artifacts.plan import Candidate, Plan
 from pipectl.artifacts.run import CheckpointManifest
+from pipectl.errors import CheckpointError
 from pipectl.runtime import checkpoint as ckpt
 from pipectl.schedule.ir import ScheduleKind
 from builders import plan_of
@@ -396,10 +397,38 @@ def test_a_save_that_does_not_fit_removes_old_checkpoints_but_never_the_newest_g
     usage = collections.namedtuple("usage", "total used free")
     free = {"bytes": 0}
     monkeypatch.setattr(checkpointer.shutil, "disk_usage", lambda _path: usage(0, 0, free["bytes"]))
-    reserve = checkpointer.FREE_SPACE_RESERVE_BYTES
+    reserve = checkpointer.MIN_FREE_SPACE_RESERVE_BYTES  # a small checkpoint keeps a small reserve
     free["bytes"] = reserve + 100
-    assert checkpointer.make_room(tmp_path, 100, 8) is None  # fits: nothing removed
+    assert checkpointer.make_room(tmp_path, 100, 8) == (None, True)  # fits: nothing removed
     assert [i.step for i in ckpt.list_checkpoints(tmp_path)] == [2, 4, 6]
-    reason = checkpointer.make_room(tmp_path, 101, 8)  # never fits: removes all but step 6, then says so
-    assert [i.step for i in ckpt.list_checkpoints(tmp_path)] == [6]
-    assert reason.startswith("checkpoint step 8 skipped: it needs 0.00 GiB") and "checkpoint step 6 is intact" in reason
+    reason, intact = checkpointer.make_room(tmp_path, 101, 8)  # never fits: removes all but step 6, then says so
+    assert [i.step for i in ckpt.list_checkpoints(tmp_path)] == [6] and intact
+    assert reason.startswith("checkpoint step 8 skipped: it needs 0.0 MiB") and "checkpoint step 6 is intact" in reason
+
+
+def test_the_reserve_scales_with_the_checkpoint_and_a_first_one_without_room_stops_the_job(tmp_path, monkeypatch):
+    """A 4 MiB checkpoint on a disk with 9 MiB free is saved (a fixed 256 MiB reserve skipped every
+    one); a first checkpoint with no room at all stops the job instead of training steps that
+    could never be resumed, unless told to train on."""
+    import collections
+
+    from pipectl.runtime import checkpointer
+
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(checkpointer.shutil, "disk_usage", lambda _path: usage(0, 0, 9 << 20))
+    assert checkpointer.make_room(tmp_path, 4 << 20, 2) == (None, True)
+    reason, intact = checkpointer.make_room(tmp_path, 12 << 20, 2)
+    assert not intact and "the run has no earlier checkpoint" in reason
+
+    class Host:
+        def capture(self, engine, step, data_position):
+            return type("Snapshot", (), {"bytes": 12 << 20})()
+
+    saver = checkpointer.Checkpointer(tmp_path, keep=3)
+    saver.host = Host()
+    with pytest.raises(CheckpointError, match="stopped after step 2, since no step trained from here could be resumed"):
+        saver.save(None, 2, {})
+    trains_on = checkpointer.Checkpointer(tmp_path, keep=3, train_without_checkpoints=True)
+    trains_on.host = Host()
+    trains_on.save(None, 2, {})  # skipped, recorded, and training goes on
+    assert ckpt.read_events(tmp_path)[-1].message.endswith("; training goes on")

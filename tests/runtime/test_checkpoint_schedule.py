@@ -66,9 +66,9 @@ def launch_options_error(**flags) -> str:
     return refused.value.message
 
 
-@pytest.mark.parametrize("text", ["-3", "10 minutes", "0m", "m", "auto5"])
+@pytest.mark.parametrize("text", ["-3", "10 minutes", "0m", "m", "auto5", "99999999999999999999999h", "9" * 23])
 def test_a_bad_interval_is_named(text):
-    with pytest.raises(ValueError, match="not a step count"):
+    with pytest.raises(ValueError, match="not a step count|longer than a year|64-bit"):
         parse_checkpoint_interval(text)
     refused = launch_options_error(checkpoint_every=text)
-    assert refused.startswith(f"--checkpoint-every {text!r}: not a step count"), refused
+    assert refused.startswith(f"--checkpoint-every {text!r}: "), refused

@@ -124,6 +124,9 @@ def test_bad_token_files_are_user_errors(tmp_path):
         TokenFileSource(tmp_path / "big.npy", seq_len=4, vocab=256)
     with pytest.raises(UserInputError, match="token file not found"):
         TokenFileSource(tmp_path / "missing.npy", seq_len=4, vocab=256)
+    (tmp_path / "zeros.npy").write_bytes(bytes(4096))  # not pickled data: no array at all
+    with pytest.raises(UserInputError, match="zeros.npy is not a .npy array: it does not start with NumPy's header"):
+        TokenFileSource(tmp_path / "zeros.npy", seq_len=4, vocab=256)
     (tmp_path / "t.txt").write_text("hello")
     with pytest.raises(UserInputError, match=r"must end in .npy or .bin"):
         TokenFileSource(tmp_path / "t.txt", seq_len=4, vocab=256)

@@ -43,6 +43,14 @@ METRICS_FILE = "metrics.jsonl"
 CHECKPOINTS_DIR = "checkpoints"
 LOGS_DIR = "logs"
 MANIFEST_FILE = "manifest.json"
+RANK_FILE = re.compile(r"rank-(\d{5})\.safetensors")  # one per rank in a checkpoint folder
+
+
+def rank_file_name(rank: int) -> str:
+    """`rank-00003.safetensors`: names sort in rank order."""
+    return f"rank-{rank:05d}.safetensors"
+
+
 FAILURE_FILE = "failure-rank{rank}.json"  # in LOGS_DIR
 RESUME_FILE = "resume.json"  # in LOGS_DIR
 HEARTBEAT_FILE = "heartbeat-rank{rank}.json"  # in LOGS_DIR
@@ -230,6 +238,11 @@ class JobSpec(Artifact):
         "interval); None: DEVICE_MTBF_HOURS / world size (runtime/checkpointer.py).",
     )
     keep_checkpoints: int = Field(default=3, gt=0, description="Verified checkpoints kept; older ones are removed.")
+    train_without_checkpoints: bool = Field(
+        default=False,
+        description="When the disk has no room for the run's first checkpoint, train on without one instead of "
+        "stopping there (a failure then loses every step).",
+    )
     seed: int = Field(default=0, ge=0, le=MAX_SEED, description="Seed of weights init and of the data order.")
     data: DataSpec = Field(default_factory=DataSpec)
     engine: Engine = Field(default=Engine.LOCAL)

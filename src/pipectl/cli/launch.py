@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 from typing import Annotated, Optional
@@ -21,6 +22,7 @@ from pipectl.launch.options import LaunchOptions
 from pipectl.launch.placement import placement_note
 from pipectl.launch.rundir import check_steps_beyond_trained, is_run_dir, run_files, run_status
 from pipectl.report.run_tables import failure_report, status_table
+from pipectl.report.tables import format_bytes
 from pipectl.resize.replicas import read_recovery, recovery_line
 from pipectl.runtime.checkpoint import has_checkpoint, read_events
 from pipectl.runtime.dsconfig import check_schedule
@@ -211,6 +213,39 @@ def job_failure(
     return LaunchError(message, hint=f"{go_on}; {logs}")
 
 
+# Below this much free space the disk is as good as full: a metrics line still fits, a checkpoint
+# of any real model does not.
+LOW_DISK_BYTES = 64 * 2**20
+
+
+class LowDiskWatch:
+    """Says once, on the terminal, that the run directory's disk is (nearly) full: the ranks go on
+    training, holding metrics lines in memory and skipping checkpoints, and only a person can
+    free space. Looks every `every_seconds`."""
+
+    def __init__(self, run_dir: Path, every_seconds: float = 5.0) -> None:
+        self.run_dir, self.every_seconds = run_dir, every_seconds
+        self._next = 0.0
+        self._said = False
+
+    def check(self) -> str | None:
+        now = time.monotonic()
+        if self._said or now < self._next:
+            return None
+        self._next = now + self.every_seconds
+        try:
+            free = shutil.disk_usage(self.run_dir).free
+        except OSError:
+            return None
+        if free >= LOW_DISK_BYTES:
+            return None
+        self._said = True
+        return (
+            f"the disk of {self.run_dir} is full ({format_bytes(free)} free): training goes on, metrics wait in "
+            "memory and checkpoints are skipped until space is freed"
+        )
+
+
 def _run_with_progress(
     prepared: PreparedLaunch, timeout: float | None, watch: StallWatch, *, quiet: bool, since_unix: float
 ) -> int:
@@ -247,8 +282,13 @@ def _run_with_progress(
                     err_console.print(event.message, style="yellow", highlight=False, markup=False, soft_wrap=True)
             checkpoints_seen = len(events)
 
+        low_disk = LowDiskWatch(prepared.run_dir)
+
         def tick() -> str | None:
             report()
+            warning = low_disk.check()
+            if warning:
+                err_console.print(warning, style="yellow", highlight=False, markup=False, soft_wrap=True)
             last = tail.latest()
             if last is not None:
                 stats = f"loss {last.loss:.4f}  {last.samples_per_second:.1f} samples/s"

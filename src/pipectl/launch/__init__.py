@@ -89,7 +89,7 @@ def legacy_options(job: JobSpec, ds_config: dict[str, Any]) -> dict[str, dict[st
         interval = str(job.checkpoint_every)
     options = LaunchOptions(
         engine=job.engine, model=job.model, steps=job.steps, checkpoint_every=interval, mtbf_hours=job.mtbf_hours,
-        keep_checkpoints=job.keep_checkpoints, seed=job.seed, data=job.data, precision=job.precision,
+        keep_checkpoints=job.keep_checkpoints, train_without_checkpoints=job.train_without_checkpoints, seed=job.seed, data=job.data, precision=job.precision,
         learning_rate=training.learning_rate, weight_decay=training.weight_decay,
         gradient_clipping=training.gradient_clipping, lr_schedule=training.lr_schedule,
         warmup_steps=training.warmup_steps, ds_config_overlay=job.ds_config_overlay, elastic=job.elastic,
@@ -422,6 +422,7 @@ def build_job(plan: Plan, name: str, options: LaunchOptions, cluster: ClusterSpe
             checkpoint_auto=every_auto,
             mtbf_hours=options.mtbf_hours,
             keep_checkpoints=options.keep_checkpoints,
+            train_without_checkpoints=options.train_without_checkpoints,
             seed=options.seed,
             data=options.data,
             engine=options.engine,

@@ -12,12 +12,14 @@ back in that same form, so that a printed config reads back to the same options.
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator
+from pydantic import ConfigDict, Field, ValidationInfo, field_serializer, field_validator
 
+from pipectl.artifacts.base import Strict
 from pipectl.artifacts.cluster import SlurmSpec
 from pipectl.artifacts.run import (
     MAX_SEED,
@@ -30,7 +32,7 @@ from pipectl.artifacts.run import (
     TrainingSettings,
     check_host_address,
 )
-from pipectl.config import Opt, OptionValueError
+from pipectl.config import Opt, OptionValueError, layered, stored_layer
 from pipectl.errors import PipectlError
 from pipectl.io import read_mapping
 from pipectl.paths import given_file, stored_reference
@@ -38,6 +40,7 @@ from pipectl.paths import given_file, stored_reference
 TRAINING_DEFAULTS = TrainingSettings()
 
 _INTERVAL_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}
+MAX_INTERVAL_SECONDS = 366 * 24 * 3600.0
 
 
 def parse_checkpoint_interval(text: str) -> tuple[int, float, bool]:
@@ -51,13 +54,18 @@ def parse_checkpoint_interval(text: str) -> tuple[int, float, bool]:
     if value == "auto":
         return 0, 0.0, True
     if value.isdigit():
+        if len(value) > 18:  # job.json holds a 64-bit integer
+            raise OptionValueError("more steps than a 64-bit integer holds")
         return int(value), 0.0, False
     match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([smh])", value)
     if match is None or float(match.group(1)) <= 0:
         raise OptionValueError(
             "not a step count, a wall time or 'auto'", hint="e.g. --checkpoint-every 100 (steps), 15m, 90s, 2h, or auto"
         )
-    return 0, float(match.group(1)) * _INTERVAL_UNITS[match.group(2)], False
+    seconds = float(match.group(1)) * _INTERVAL_UNITS[match.group(2)]
+    if seconds > MAX_INTERVAL_SECONDS:
+        raise OptionValueError("longer than a year", hint="a run checkpoints at its end anyway: give 0 for that alone")
+    return 0, seconds, False
 
 
 def parse_data(text: str) -> DataSpec:
@@ -102,11 +110,11 @@ def parse_hosts(text: str) -> list[str]:
     return hosts
 
 
-class LaunchOptions(BaseModel):
+class LaunchOptions(Strict):
     """What the user chose besides the plan: `pipectl launch`'s flags, its config file's values,
-    or a resumed run's."""
+    or a resumed run's. (`Strict`: numbers are finite numbers, never a boolean read as one.)"""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=False)
+    model_config = ConfigDict(frozen=True, validate_default=False)
 
     # Flags of one invocation: never read from a file nor stored.
     resume: Annotated[bool, Opt(None)] = Field(default=False, description="Continue an existing run from its checkpoint.")
@@ -162,6 +170,11 @@ class LaunchOptions(BaseModel):
         ge=0.001,
         description="Expected hours between failures of the whole job, for --checkpoint-every auto (default: 50,000 "
         "device-hours / devices).",
+    )
+    train_without_checkpoints: Annotated[bool, Opt("checkpoint")] = Field(
+        default=False,
+        description="When the disk has no room for the run's first checkpoint, train on without one instead of "
+        "stopping there (a failure then loses every step trained).",
     )
     recover_in_memory: Annotated[bool, Opt("checkpoint")] = Field(
         default=False,
@@ -229,7 +242,9 @@ class LaunchOptions(BaseModel):
 
     @field_validator("data", mode="before")
     @classmethod
-    def _data_parsed(cls, value: Any) -> Any:
+    def _data_parsed(cls, value: Any, info: ValidationInfo) -> Any:
+        if isinstance(value, str) and (info.context or {}).get("stored") and Path(value).is_absolute():
+            return DataSpec(kind=DataKind.FILE, path=value)  # a run's record: the file may be gone since
         return parse_data(value) if isinstance(value, str) else value
 
     @field_serializer("data")
@@ -275,3 +290,9 @@ class LaunchOptions(BaseModel):
     def interval(self) -> tuple[int, float, bool]:
         """`checkpoint_every` as (steps, seconds, auto)."""
         return parse_checkpoint_interval(self.checkpoint_every)
+
+
+def check_stored_options(sections: dict[str, dict[str, Any]], source: str | os.PathLike[str]) -> LaunchOptions:
+    """A run's stored options (job.json's `options`) as `LaunchOptions`; a value they cannot hold
+    is refused naming the file, section and key. Files they name need not exist any more."""
+    return layered(LaunchOptions, [stored_layer(LaunchOptions, sections, source)], context={"stored": True})

@@ -19,7 +19,6 @@ import fcntl
 import json
 import os
 import shutil
-import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +38,7 @@ from pipectl.artifacts.run import (
     JobSpec,
     StepMetrics,
 )
+from pipectl.launch.options import check_stored_options
 from pipectl.errors import UserInputError
 from pipectl.io import load_model, read_mapping, write_json_atomic
 from pipectl.launch.engines import LaunchCommand, launch_script
@@ -100,6 +100,17 @@ class RunLock:
         self.release()
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether a process `pid` exists (signal 0: nothing is sent)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: it exists
+        return True
+    return True
+
+
 def lock_holder(run_dir: str | os.PathLike[str]) -> list[int]:
     """The pids recorded by the job holding the run's lock (empty if none could be read)."""
     try:
@@ -133,7 +144,9 @@ def lock_run_dir(run_dir: str | os.PathLike[str], *, wait_seconds: float = 0.0) 
                 raise
             if time.monotonic() >= deadline:
                 os.close(fd)
-                pids = lock_holder(path)  # [] while the holder has not written its pid yet (a race)
+                # [] while the holder has not written its pid yet (a race); the pids of a job that
+                # ended are left out: another process holds the lock, and a hint names live ones only.
+                pids = [pid for pid in lock_holder(path) if pid_alive(pid)]
                 who = "pid unknown"
                 if pids:
                     who = f"pid {pids[0]}" + (f", launcher pid {', '.join(map(str, pids[1:]))}" if pids[1:] else "")
@@ -264,7 +277,8 @@ def write_run_files(
         target.write_text(texts[name])
         written.append(target)
     script = run_dir / LAUNCH_SCRIPT
-    script.chmod(script.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    mode = script.stat().st_mode
+    script.chmod(mode | (mode & 0o444) >> 2)  # executable by whoever may read it (umask 077: 0700, not 0711)
     return written
 
 
@@ -276,6 +290,8 @@ def read_run(run_dir: str | os.PathLike[str]) -> RunFiles:
     if not is_run_dir(path):
         raise UserInputError(f"{path} is not a pipectl run (no {JOB_FILE})", hint="start one with pipectl launch")
     job = load_model(JobSpec, path / JOB_FILE)
+    if job.options:  # what a resume reads back: refused here as there, naming the key
+        check_stored_options(job.options, path / JOB_FILE)
     plan = load_model(Plan, path / job.plan_file)
     ds_config = read_mapping(path / job.ds_config_file)
     return RunFiles(path, job, plan, ds_config)

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from pipectl.artifacts.run import CHECKPOINTS_DIR, LOGS_DIR, MANIFEST_FILE, CheckpointEvent, CheckpointManifest
+from pipectl.artifacts.run import CHECKPOINTS_DIR, LOGS_DIR, MANIFEST_FILE, CheckpointEvent, CheckpointManifest, rank_file_name
 from pipectl.errors import CheckpointError
 from pipectl.io import load_model, sha256_file, write_json_atomic
 
@@ -133,6 +133,17 @@ def verify_checkpoint(tag_dir: str | os.PathLike[str], *, hash_files: bool = Tru
                             f"({'truncated' if size < manifest.file_bytes[relative] else 'grown'})")
         elif hash_files and sha256_file(path) != expected:
             problems.append(f"{path}: sha256 mismatch (file corrupted or modified)")
+    if manifest.format == SHARDS_FORMAT and manifest.layout is not None:
+        # Every rank of the layout it records wrote a file: one missing with its entry leaves a
+        # checkpoint that hashes clean and cannot be loaded.
+        world = manifest.layout.world_size
+        listed = {Path(relative).name for relative in manifest.files}
+        missing = [rank for rank in range(world) if rank_file_name(rank) not in listed]
+        if missing:
+            problems.append(
+                f"{manifest_path}: lists no file of rank {', '.join(map(str, missing[:8]))}"
+                f"{' ...' if len(missing) > 8 else ''} of the {world}-rank layout it records"
+            )
     on_disk = {p.relative_to(tag_dir).as_posix() for p in tag_dir.rglob("*") if p.is_file() or p.is_symlink()}
     for extra in sorted(on_disk - set(manifest.files) - {MANIFEST_FILE}):
         problems.append(f"{tag_dir / extra}: not in the manifest")
@@ -179,17 +190,20 @@ def skipped_message(info: CheckpointInfo, problems: Iterable[str]) -> str:
 
 
 def find_latest_verified(
-    run_dir: str | os.PathLike[str], *, load_check: bool = False
+    run_dir: str | os.PathLike[str], *, load_check: bool = False, skip: Iterable[str] = ()
 ) -> tuple[CheckpointInfo | None, list[str]]:
     """The newest checkpoint whose every file matches its manifest, and a message for each newer
     one skipped (`skipped_message`). With `load_check`, every file must also load as data
-    (`unloadable_problem`; needs torch).
+    (`unloadable_problem`; needs torch). The tags in `skip` (did not load) are passed over.
 
     >>> find_latest_verified("/nonexistent/run")
     (None, [])
     """
     warnings: list[str] = []
+    skipped = set(skip)
     for info in reversed(list_checkpoints(run_dir, hash_files=False)):
+        if info.tag in skipped:
+            continue
         checked = verify_checkpoint(info.path, hash_files=True)
         problems = list(checked.problems)
         if not problems and checked.manifest is None:
@@ -211,7 +225,7 @@ def has_checkpoint(run_dir: str | os.PathLike[str]) -> bool:
 
 
 def resume_point(
-    run_dir: str | os.PathLike[str], *, load_check: bool = False
+    run_dir: str | os.PathLike[str], *, load_check: bool = False, skip: Iterable[str] = ()
 ) -> tuple[CheckpointInfo | None, list[str]]:
     """The verified checkpoint a resume starts from (None when the run has none at all), and
     messages for the newer ones skipped (`find_latest_verified`).
@@ -220,8 +234,8 @@ def resume_point(
     has committed checkpoints and none of them verifies, starting from step 0 would repeat the
     steps they hold: that is refused, with every checkpoint's problems, never done silently.
     """
-    info, warnings = find_latest_verified(run_dir, load_check=load_check)
-    if info is None and has_checkpoint(run_dir):
+    info, warnings = find_latest_verified(run_dir, load_check=load_check, skip=skip)
+    if info is None and has_checkpoint(run_dir) and not skip:
         raise CheckpointError(
             f"no checkpoint of {Path(run_dir)} can be loaded: " + "; ".join(warnings),
             hint="restore a good checkpoint, or start over deliberately with pipectl launch --force",
@@ -249,6 +263,17 @@ def broadcast_from_rank0(value: Any) -> Any:
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def all_gather_from_ranks(value: Any) -> list[Any]:
+    """Every rank's `value`, in rank order, on every rank ([value] without a process group)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [value]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
 
 
 # --------------------------------------------------------------------------- save
@@ -544,38 +569,55 @@ def load_latest(
     whatever layout wrote it. EVERY rank.
 
     Returns None when the run has no checkpoint (a fresh start). Corrupted newer checkpoints are
-    skipped with a warning naming the bad file (in `.warnings`, also logged); when every committed
-    checkpoint is bad, `CheckpointError` lists them (`resume_point`): never a silent restart.
+    skipped with a warning naming the bad file (in `.warnings`, also logged). One that verifies but
+    fails to load on some rank (a file that hashes clean and lacks a parameter) is skipped too, on
+    every rank alike, with each failing rank's reason, and the next older one is loaded. When no
+    committed checkpoint loads, `CheckpointError` lists them all: never a silent restart.
     """
     from pipectl.runtime import engine_state
     from pipectl.runtime.shards import ShardReader
 
     rank, _ = rank_and_world()
-    choice: tuple[str | None, list[str], str | None, list[str]] = (None, [], None, [])
-    if rank == 0:  # one rank hashes; all load the same tag
-        info, warnings, problem = None, [], None
+    failed: list[str] = []  # tags that verified but did not load, newest first
+    failures: list[str] = []  # why, one message each
+    while True:
+        choice: tuple[str | None, list[str], str | None, list[str], int | None] = (None, [], None, [], None)
+        if rank == 0:  # one rank hashes; all load the same tag
+            info, warnings, problem = None, [], None
+            try:
+                info, warnings = resume_point(run_dir, load_check=True, skip=failed)
+            except CheckpointError as exc:
+                problem = "; ".join([exc.message, *failures])
+            if info is None and failures and problem is None:
+                problem = f"no checkpoint of {Path(run_dir)} can be loaded: " + "; ".join([*failures, *warnings])
+            for warning in warnings if not failed else ():
+                log.warning(warning)
+            files = sorted(info.manifest.files) if info is not None and info.manifest is not None else []
+            choice = (info.tag if info else None, warnings, problem, files, info.step if info else None)
+        tag, warnings, problem, files, step = broadcast_from_rank0(choice)
+        if problem is not None:  # raised on every rank, before any of them loads
+            raise CheckpointError(problem, hint="restore a good checkpoint, or start over with --force")
+        if tag is None:
+            return None
+        path = checkpoints_dir(run_dir) / tag
+        header, error = None, None
         try:
-            info, warnings = resume_point(run_dir, load_check=True)
-        except CheckpointError as exc:
-            problem = exc.message
-        for warning in warnings:
-            log.warning(warning)
-        files = sorted(info.manifest.files) if info is not None and info.manifest is not None else []
-        choice = (info.tag if info else None, warnings, problem, files)
-    tag, warnings, problem, files = broadcast_from_rank0(choice)
-    if problem is not None:  # raised on every rank, before any of them loads
-        raise CheckpointError(problem, hint="restore a good checkpoint, or start over with --force")
-    if tag is None:
-        return None
-    path = checkpoints_dir(run_dir) / tag
-    header = engine_state.restore(engine, ShardReader(path, files), restore_rng=restore_rng)
-    return LoadedCheckpoint(
-        tag=tag,
-        step=header.step,
-        path=path,
-        data_position=dict(header.data_position),
-        warnings=list(warnings),
-    )
+            header = engine_state.restore(engine, ShardReader(path, files), restore_rng=restore_rng)
+        except (CheckpointError, KeyError, ValueError, RuntimeError, OSError) as exc:
+            error = f"rank {rank}: {getattr(exc, 'message', None) or exc}"
+        errors = [e for e in all_gather_from_ranks(error) if e]
+        if not errors:
+            return LoadedCheckpoint(
+                tag=tag,
+                step=header.step,
+                path=path,
+                data_position=dict(header.data_position),
+                warnings=[*warnings, *failures],
+            )
+        message = f"checkpoint {f'step {step}' if step is not None else tag} could not be loaded ({'; '.join(errors)})"
+        log.warning(message)
+        failed.append(tag)
+        failures.append(message)
 
 
 # --------------------------------------------------------------------------- stopping

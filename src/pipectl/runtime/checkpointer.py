@@ -69,7 +69,20 @@ from pipectl.runtime.shards import rank_file_name, write_rank_file
 log = logging.getLogger(__name__)
 
 
-FREE_SPACE_RESERVE_BYTES = 256 << 20  # left free beside a checkpoint (logs, metrics, the commit)
+# Left free beside a checkpoint (logs, metrics lines, the manifest and its commit): a quarter of
+# the checkpoint, at least 1 MiB and at most 256 MiB. A fixed 256 MiB skipped every checkpoint of a
+# small model on a small disk that had room for several.
+FREE_SPACE_RESERVE_BYTES = 256 << 20
+MIN_FREE_SPACE_RESERVE_BYTES = 1 << 20
+
+
+def free_space_reserve(needed_bytes: int) -> int:
+    """Bytes to keep free beside a checkpoint of `needed_bytes`.
+
+    >>> free_space_reserve(4 << 20) >> 20, free_space_reserve(100 << 30) >> 20
+    (1, 256)
+    """
+    return min(FREE_SPACE_RESERVE_BYTES, max(MIN_FREE_SPACE_RESERVE_BYTES, needed_bytes // 4))
 REPORT_POLL_SECONDS = 0.05
 DEFAULT_COMMIT_TIMEOUT_SECONDS = 1800.0  # torch's own collective default: how long rank 0 waits for reports
 
@@ -97,8 +110,11 @@ class Checkpointer:
         layout: Layout | None = None,
         commit_timeout_seconds: float = DEFAULT_COMMIT_TIMEOUT_SECONDS,
         schedule: CheckpointSchedule | None = None,
+        train_without_checkpoints: bool = False,
     ) -> None:
         self.run_dir = Path(run_dir)
+        # Without it a job whose first checkpoint finds no room stops there (`save`).
+        self.train_without_checkpoints = train_without_checkpoints
         self.schedule = schedule or CheckpointSchedule()
         self.root = checkpoints_dir(run_dir)
         self.keep = keep
@@ -134,9 +150,18 @@ class Checkpointer:
         started = time.perf_counter()
         self._join()
         snapshot = self.host.capture(engine, step, data_position)
-        skipped = self._room_for(step, snapshot.bytes)
+        skipped, intact = self._room_for(step, snapshot.bytes)
         stall = time.perf_counter() - started
         self.schedule.saved(stall)
+        if skipped is not None and not intact and not self.train_without_checkpoints:
+            # Nothing to resume from, and no room to make it: every further step would be lost
+            # with the job. Stopped now, on every rank alike (the verdict was broadcast).
+            raise CheckpointError(
+                f"{skipped}: stopped after step {step}, since no step trained from here could be resumed",
+                hint="free space (or give the run a larger disk) and launch again with --force; "
+                "--train-without-checkpoints trains on regardless",
+            )
+        skipped = None if skipped is None else f"{skipped}; training goes on"
         self._skipped = skipped
         if skipped is not None:
             log.warning(skipped)
@@ -183,18 +208,19 @@ class Checkpointer:
 
     # ----------------------------------------------------------------- disk space (collective)
 
-    def _room_for(self, step: int, rank_bytes: int) -> str | None:
-        """None when the checkpoint fits (after removing old ones if needed), else why it is skipped."""
+    def _room_for(self, step: int, rank_bytes: int) -> tuple[str | None, bool]:
+        """(None, _) when the checkpoint fits (after removing old ones if needed), else (why it is
+        skipped, whether an earlier checkpoint is intact), the same on every rank."""
         import torch.distributed as dist
 
         sizes = [rank_bytes]
         if dist.is_available() and dist.is_initialized() and self.world_size > 1:
             sizes = [0] * self.world_size
             dist.all_gather_object(sizes, rank_bytes)
-        reason = None
+        verdict: tuple[str | None, bool] = (None, True)
         if self.rank == 0:
-            reason = make_room(self.run_dir, sum(sizes), step)
-        return broadcast_from_rank0(reason)
+            verdict = make_room(self.run_dir, sum(sizes), step)
+        return broadcast_from_rank0(verdict)
 
     # ----------------------------------------------------------------- the background thread
 
@@ -297,26 +323,32 @@ def _yield_to_training() -> None:
 _SAVE_HINT = "free space or fix the folder's permissions, then continue with pipectl launch --resume"
 
 
-def make_room(run_dir: str | os.PathLike[str], needed_bytes: int, step: int) -> str | None:
-    """Rank 0, before a save: None when `needed_bytes` fit beside a reserve, removing the oldest
-    committed checkpoints if that makes room (never the newest verified one); else why not."""
+def make_room(run_dir: str | os.PathLike[str], needed_bytes: int, step: int) -> tuple[str | None, bool]:
+    """Rank 0, before a save: (None, _) when `needed_bytes` fit beside a reserve
+    (`free_space_reserve`), removing the oldest committed checkpoints if that makes room (never
+    the newest verified one); else (why not, whether an earlier checkpoint is intact)."""
     root = checkpoints_dir(run_dir)
     root.mkdir(parents=True, exist_ok=True)
+    reserve = free_space_reserve(needed_bytes)
 
     def free() -> int:
         return shutil.disk_usage(root).free
 
-    if free() >= needed_bytes + FREE_SPACE_RESERVE_BYTES:
-        return None
+    if free() >= needed_bytes + reserve:
+        return None, True
     good = [info for info in list_checkpoints(run_dir) if info.verified]
     for info in good[:-1]:  # oldest first; the newest good one stays
         shutil.rmtree(info.path, ignore_errors=True)
         log.warning(f"removed checkpoint step {info.step} to make room for checkpoint step {step}")
-        if free() >= needed_bytes + FREE_SPACE_RESERVE_BYTES:
-            return None
+        if free() >= needed_bytes + reserve:
+            return None, True
     intact = f"checkpoint step {good[-1].step} is intact" if good else "the run has no earlier checkpoint"
     return (
-        f"checkpoint step {step} skipped: it needs {needed_bytes / 2**30:.2f} GiB and {root} has "
-        f"{free() / 2**30:.2f} GiB free (keeping {FREE_SPACE_RESERVE_BYTES >> 20} MiB spare); {intact}; "
-        f"training goes on"
+        f"checkpoint step {step} skipped: it needs {_size(needed_bytes)} and {root} has {_size(free())} free "
+        f"(keeping {_size(reserve)} spare); {intact}",
+        bool(good),
     )
+
+
+def _size(count: int) -> str:
+    return f"{count / 2**30:.2f} GiB" if count >= 2**30 else f"{count / 2**20:.1f} MiB"

@@ -131,6 +131,9 @@ class ByteCorpus(TokenArraySource):
         super().__init__(tokens, seq_len, vocab, name="byte corpus")
 
 
+NPY_MAGIC = b"\x93NUMPY"  # the first bytes of every .npy file (NumPy's format.MAGIC_PREFIX)
+
+
 class TokenFileSource(TokenArraySource):
     """A user token file: `.npy` (any integer dtype) or raw `.bin` (uint16, or int32)."""
 
@@ -139,6 +142,10 @@ class TokenFileSource(TokenArraySource):
         if not path.is_file():
             raise UserInputError(f"token file not found: {path}")
         if path.suffix == ".npy":
+            with path.open("rb") as handle:
+                magic = handle.read(len(NPY_MAGIC))
+            if magic != NPY_MAGIC:  # else NumPy takes it for a pickle and says so
+                raise UserInputError(f"{path} is not a .npy array: it does not start with NumPy's header")
             try:
                 tokens = np.load(path, mmap_mode="r", allow_pickle=False)
             except (ValueError, OSError, EOFError) as exc:

@@ -76,7 +76,7 @@ def read_records(run_dir: str | os.PathLike[str]) -> list[MorphRecord]:
             continue
         try:
             records.append(MorphRecord.model_validate(json.loads(line)))
-        except json.JSONDecodeError as exc:
+        except (json.JSONDecodeError, RecursionError) as exc:  # RecursionError: nested too deeply
             log.warning("%s line %d skipped: %s", path, number, exc)
         except ValidationError as exc:
             log.warning("%s line %d skipped: %s", path, number, validation_message(exc))

@@ -38,21 +38,51 @@ class MetricsWriter:
     """Appends StepMetrics lines to RUN/metrics.jsonl. Ranks other than 0 write nothing.
 
     Each line is flushed and fsync'ed: `pipectl launch`/`status` tail the file while the job runs,
-    and a killed job keeps every completed step.
+    and a killed job keeps every completed step. A line the disk refuses (full, over quota, an I/O
+    error) never ends the job: the file is cut back to its last whole line, the lines wait in
+    memory and go out with the next step's, and the first refusal is logged (`failed_writes`
+    counts them). Training is worth more than its log.
     """
 
     def __init__(self, run_dir: str | os.PathLike[str], rank: int) -> None:
         self.path = Path(run_dir) / METRICS_FILE
         self.rank = rank
+        self.pending: list[str] = []  # lines not yet on disk, oldest first
+        self.failed_writes = 0
 
     def write(self, metrics: StepMetrics) -> None:
         if self.rank != 0:
             return
+        self.pending.append(metrics.model_dump_json() + "\n")
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self.path.open("a") as handle:
-            handle.write(metrics.model_dump_json() + "\n")
-            handle.flush()
-            os.fsync(handle.fileno())
+        data = "".join(self.pending).encode()
+        # Unbuffered: a refusal surfaces here, not in a close that cannot be caught apart.
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+        try:
+            whole = os.lseek(fd, 0, os.SEEK_END)  # the end of the last whole line
+            try:
+                written = 0
+                while written < len(data):
+                    written += os.write(fd, data[written:])
+                os.fsync(fd)
+            except OSError as exc:
+                self._refused(fd, whole, exc)
+                return
+        finally:
+            os.close(fd)
+        if self.failed_writes:
+            log.warning("metrics.jsonl: written again, with %d held lines", len(self.pending))
+        self.pending.clear()
+
+    def _refused(self, fd: int, whole: int, exc: OSError) -> None:
+        """Cut a torn line off (a later append would follow it) and keep the lines for the next step."""
+        self.failed_writes += 1
+        try:
+            os.ftruncate(fd, whole)
+        except OSError:  # a reader skips a torn line; the next write tries again
+            pass
+        if self.failed_writes == 1:
+            log.warning("metrics.jsonl: cannot write (%s); lines held in memory, retried every step", exc)
 
 
 def parse_metrics_lines(lines: list[str]) -> list[StepMetrics]:
@@ -73,7 +103,7 @@ def _parse_metrics(lines: list[str], *, last_line_whole: bool) -> tuple[list[Ste
             continue
         try:
             metrics = StepMetrics.model_validate(json.loads(line))
-        except (json.JSONDecodeError, ValidationError) as exc:
+        except (json.JSONDecodeError, ValidationError, RecursionError) as exc:  # RecursionError: nested too deeply
             if number != len(lines) or last_line_whole:
                 log.warning("metrics line %d skipped: %s", number, exc)
                 unreadable.append(number)

@@ -46,18 +46,14 @@ from typing import Any, Iterable, Protocol, Sequence
 
 import torch
 
+from pipectl.artifacts.run import RANK_FILE, rank_file_name
 from pipectl.errors import CheckpointError
+from pipectl.io import umask
 from pipectl.models.tensor_parallel import TensorSplit
 
 HEADER_KEY = "pipectl"
 FORMAT_VERSION = 1
-RANK_FILE = re.compile(r"rank-(\d{5})\.safetensors")
 FP32 = "fp32"  # the master weights' state name; the optimizer's own states use its key names
-
-
-def rank_file_name(rank: int) -> str:
-    """`rank-00003.safetensors`: names sort in rank order."""
-    return f"rank-{rank:05d}.safetensors"
 
 
 def group_tensor(group: int, state: str) -> str:
@@ -129,12 +125,16 @@ class RankHeader:
 
 
 def write_rank_file(path: str | os.PathLike[str], tensors: dict[str, torch.Tensor], header: RankHeader) -> int:
-    """Write one rank's tensors and header to `path` (safetensors), fsync it; returns its size."""
+    """Write one rank's tensors and header to `path` (safetensors), fsync it; returns its size.
+
+    safetensors creates its file 0600; it gets the user's umask instead, as every other file of
+    the run (a group that shares the run directory shares its checkpoints)."""
     from safetensors.torch import save_file
 
     path = Path(path)
     save_file(tensors, str(path), metadata={HEADER_KEY: header.to_json()})
     with open(path, "rb") as handle:
+        os.fchmod(handle.fileno(), 0o666 & ~umask())
         os.fsync(handle.fileno())
     return path.stat().st_size
 

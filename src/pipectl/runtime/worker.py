@@ -115,6 +115,7 @@ class TrainingJob:
     replica_kinds: tuple[str, ...] = ()  # the device kind of each data-parallel replica, from the plan
     compute_slowdowns: dict[str, float] = field(default_factory=dict)  # emulated slower kinds (JobSpec's)
     recover_in_memory: bool = False  # keep a copy of the neighbour replica's state (`recovery`)
+    train_without_checkpoints: bool = False  # train on when the first checkpoint finds no room (`Checkpointer`)
 
     @classmethod
     def from_run_dir(cls, run_dir: str | os.PathLike[str]) -> "TrainingJob":
@@ -145,6 +146,7 @@ class TrainingJob:
             checkpoint_auto=job.checkpoint_auto,
             mtbf_hours=job.mtbf_hours,
             keep_checkpoints=job.keep_checkpoints,
+            train_without_checkpoints=job.train_without_checkpoints,
             predicted_step_seconds=candidate.predicted_step_seconds,
             predicted_peak_memory_bytes=tuple(candidate.peak_memory_bytes),
             collective_timeout_seconds=job_collective_timeout_seconds(job, candidate),
@@ -575,6 +577,7 @@ class _Session:
             layout=layout,
             commit_timeout_seconds=job.collective_timeout_seconds or DEFAULT_COMMIT_TIMEOUT_SECONDS,
             schedule=schedule,
+            train_without_checkpoints=job.train_without_checkpoints,
         )
         if handed is not None:
             # No buffers are allocated in the pause: a GPU's hand-over buffers serve the checkpoints

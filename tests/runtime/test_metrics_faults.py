@@ -1,0 +1,63 @@
+"""metrics.jsonl on a disk that refuses writes: the job goes on, no torn line is left, and the
+held lines are written once the disk takes them again."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+from pipectl.artifacts.run import StepMetrics
+from pipectl.runtime.metrics import MetricsWriter, read_metrics_and_unreadable
+
+
+def step(n: int) -> StepMetrics:
+    return StepMetrics(step=n, loss=5.0 - n / 10, step_seconds=0.1, samples_per_second=80.0, global_batch=8, world_size=2)
+
+
+def test_a_full_disk_holds_the_lines_cuts_the_torn_one_and_writes_them_later(tmp_path, monkeypatch):
+    writer = MetricsWriter(tmp_path, rank=0)
+    writer.write(step(1))
+    real_write = os.write
+    full = {"on": True}
+
+    def half_then_full(fd, data):
+        if full["on"]:
+            real_write(fd, data[: len(data) // 2])  # part of the line lands, then the disk is full
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", half_then_full)
+    writer.write(step(2))  # refused: no exception reaches the training loop
+    writer.write(step(3))
+    metrics, unreadable = read_metrics_and_unreadable(tmp_path)
+    assert [m.step for m in metrics] == [1] and unreadable == []  # no torn line left behind
+    assert (tmp_path / "metrics.jsonl").read_text().endswith("\n")
+    assert writer.failed_writes == 2 and len(writer.pending) == 2
+
+    full["on"] = False
+    writer.write(step(4))
+    metrics, unreadable = read_metrics_and_unreadable(tmp_path)
+    assert [m.step for m in metrics] == [1, 2, 3, 4] and unreadable == [] and writer.pending == []
+
+
+def test_the_terminal_is_told_once_that_the_disk_is_full(tmp_path, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    from pipectl.cli.launch import LowDiskWatch
+
+    usage = namedtuple("usage", "total used free")
+    free = {"bytes": 10 * 2**30}
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(2**40, 0, free["bytes"]))
+    watch = LowDiskWatch(tmp_path, every_seconds=0.0)
+    assert watch.check() is None
+    free["bytes"] = 3 * 2**20
+    said = watch.check()
+    assert said is not None and str(tmp_path) in said and "is full" in said and "training goes on" in said
+    assert watch.check() is None  # once
+
+
+def test_a_line_nested_too_deeply_is_skipped_like_any_bad_line(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text(step(1).model_dump_json() + "\n" + "[" * 10_000 + "]" * 10_000 + "\n")
+    metrics, unreadable = read_metrics_and_unreadable(tmp_path)
+    assert [m.step for m in metrics] == [1] and unreadable == [2]
