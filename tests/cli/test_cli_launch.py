@@ -506,6 +506,36 @@ def test_a_closed_terminal_stops_the_job_at_a_checkpoint_and_leaves_nothing_runn
 
 
 @pytest.mark.multiprocess
+def test_a_killed_pipectl_leaves_no_job_training_unsupervised(tmp_path):
+    """kill -9 of `pipectl launch`: its ranks see their supervisor gone, stop together at the end of
+    a step after a checkpoint, and torchrun exits with them; the run resumes. (They used to train
+    on, re-parented, and a --resume was refused while they held the run.)"""
+    import signal
+    import time
+
+    plan = write_plan(tmp_path / "plan.json")
+    run = tmp_path / "run"
+    launcher = _start_launch(plan, run, "--steps", "100000", "--timeout", "240")
+    try:
+        _wait_for_steps(run, 3, launcher)
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait(timeout=10)
+        deadline = time.monotonic() + 90
+        while _processes_of(run) and time.monotonic() < deadline:
+            time.sleep(0.5)
+    finally:
+        launcher.kill()
+    left = _processes_of(run)
+    for process in left:
+        process.kill()
+    assert left == []
+    beats = [json.loads(p.read_text()) for p in sorted((run / "logs").glob("heartbeat-rank*.json"))]
+    assert {b["state"] for b in beats} == {"stopped"} and beats[0]["checkpoint_step"] >= 3, beats
+    resumed = invoke("launch", plan, "--run-dir", run, "--resume", "--steps", beats[0]["checkpoint_step"] + 2)
+    assert resumed.exit_code == 0, resumed.output
+
+
+@pytest.mark.multiprocess
 def test_sigterm_to_torchrun_after_a_clean_checkpoint_exits_0(tmp_path):
     """torchrun exits 1 when it is signalled even though its ranks stop cleanly; pipectl says what
     happened and exits 0, and the run resumes from the checkpoint the ranks wrote."""

@@ -46,6 +46,7 @@ from pipectl.artifacts.run import HOSTFILE, LOGS_DIR, RESUME_FILE, SBATCH_FILE, 
 from pipectl.errors import LaunchError, UserInputError
 from pipectl.launch.processes import WORKER_MODULE, JobProcesses
 from pipectl.paths import MODEL_PATH_VARIABLE
+from pipectl.runtime.liveness import SUPERVISOR_VARIABLE
 from pipectl.runtime.dsinit import cuda_available
 from pipectl.words import count
 
@@ -491,7 +492,8 @@ def run_engine(
     (logs / RESUME_FILE).unlink(missing_ok=True)
     # A live resize asked of an earlier job is not this job's to take (`runtime/live.py`).
     (Path(run_dir) / LIVE_REQUEST_FILE).unlink(missing_ok=True)
-    env = {**os.environ, **command.env}
+    # The ranks watch this process: gone (kill -9, a lost session), they stop at a checkpoint.
+    env = {**os.environ, **command.env, SUPERVISOR_VARIABLE: str(os.getpid())}
     with (logs / ENGINE_LOG).open("ab") as log_handle:
         try:
             proc = subprocess.Popen(

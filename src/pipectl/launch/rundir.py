@@ -39,6 +39,7 @@ from pipectl.artifacts.run import (
     StepMetrics,
 )
 from pipectl.launch.options import check_stored_options
+from pipectl.runtime.liveness import pid_alive
 from pipectl.errors import UserInputError
 from pipectl.io import load_model, read_mapping, write_json_atomic
 from pipectl.launch.engines import LaunchCommand, launch_script
@@ -98,17 +99,6 @@ class RunLock:
 
     def __del__(self) -> None:
         self.release()
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether a process `pid` exists (signal 0: nothing is sent)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process: it exists
-        return True
-    return True
 
 
 def lock_holder(run_dir: str | os.PathLike[str]) -> list[int]:

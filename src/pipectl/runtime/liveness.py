@@ -23,6 +23,11 @@ their next collective. Two things bound that wait and name the culprit:
   peers' timeout should have ended it by then). torchrun's own "root cause" names the first rank
   that raised, which is the healthy one that timed out; the heartbeats name the one it waited for.
 
+- **The supervisor.** `pipectl launch` (or `resize`) hands its pid to the ranks
+  (`PIPECTL_SUPERVISOR_PID`); each rank looks every second, and when that process is gone (killed,
+  its machine's session ended) the rank asks to stop: all ranks stop together at the next step
+  boundary, after a checkpoint, rather than train on with nobody watching (`watch_supervisor`).
+
 The last heartbeat a rank writes gives its final state: finished or stopped with a checkpoint
 (`RankState`). A launcher that exits non-zero although every rank stopped cleanly (torchrun
 signalled directly: it reports the signal as an error) is then told apart from a failure
@@ -335,3 +340,37 @@ def stopped_cleanly(heartbeats: dict[int, RankHeartbeat], world_size: int) -> in
     if len(steps) != 1 or any(b.state not in clean for b in staying):
         return None
     return steps.pop()
+
+
+SUPERVISOR_VARIABLE = "PIPECTL_SUPERVISOR_PID"  # the pid of the pipectl process supervising the job
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process `pid` exists (signal 0: nothing is sent)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: it exists
+        return True
+    return True
+
+
+def watch_supervisor(stop: Callable[[str], None], interval_seconds: float = 1.0) -> threading.Thread | None:
+    """Call `stop(reason)` once the process named by `PIPECTL_SUPERVISOR_PID` has ended (a thread
+    looking every `interval_seconds`); None when no supervisor is named (a launch by hand)."""
+    text = os.environ.get(SUPERVISOR_VARIABLE, "")
+    if not text.isdigit():
+        return None
+    pid = int(text)
+
+    def watch() -> None:
+        while pid_alive(pid):
+            time.sleep(interval_seconds)
+        reason = f"the launching pipectl (pid {pid}) ended"
+        log.warning("%s: stopping at the end of the step, after a checkpoint", reason)
+        stop(reason)
+
+    thread = threading.Thread(target=watch, name="supervisor-watch", daemon=True)
+    thread.start()
+    return thread

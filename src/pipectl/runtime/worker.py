@@ -52,7 +52,7 @@ from pipectl.runtime.dsconfig import check_torch_candidate
 from pipectl.runtime.elastic import ds_config_for_candidate, plan_for_world_size
 from pipectl.runtime.failure import RankContext, failure_record, write_failure, write_resume
 from pipectl.runtime.history import record_layout_change
-from pipectl.runtime.liveness import Heartbeat, job_collective_timeout_seconds
+from pipectl.runtime.liveness import Heartbeat, job_collective_timeout_seconds, watch_supervisor
 from pipectl.runtime.metrics import MetricsWriter, RankMemory, node_name, rank_memory, reset_peak_memory
 from pipectl.schedule import generate
 from pipectl.schedule.ir import ActionKind, Schedule
@@ -567,6 +567,7 @@ class _Session:
                     target_steps=job.steps,
                 )
         session.stop_flag = checkpoint.install_sigterm_handler()
+        watch_supervisor(session.stop_flag.set)  # the launching pipectl gone: stop at a checkpoint
         session.writer = MetricsWriter(job.run_dir, rank)
         schedule = CheckpointSchedule.for_job(
             job.checkpoint_every, job.checkpoint_every_seconds, job.checkpoint_auto, job.mtbf_hours, layout.world_size
