@@ -407,6 +407,20 @@ def _wait_for_steps(run: Path, steps: int, launcher, seconds: float = 120.0) -> 
     raise AssertionError(f"no step {steps} within {seconds} s: {launcher.poll()}")
 
 
+def _train_then(tmp_path: Path, act) -> tuple[Path, Path, object]:
+    """A long local job of 2 ranks that trains 3 steps, then `act(launcher)` (a signal to the
+    launching pipectl); returns (plan, run, launcher), the launcher ended either way."""
+    plan = write_plan(tmp_path / "plan.json")
+    run = tmp_path / "run"
+    launcher = _start_launch(plan, run, "--steps", "100000", "--timeout", "240")
+    try:
+        _wait_for_steps(run, 3, launcher)
+        act(launcher)
+    finally:
+        launcher.kill()
+    return plan, run, launcher
+
+
 def _processes_of(run: Path) -> list:
     import psutil
 
@@ -487,15 +501,7 @@ def test_a_closed_terminal_stops_the_job_at_a_checkpoint_and_leaves_nothing_runn
     train on, re-parented and unsupervised.)"""
     import signal
 
-    plan = write_plan(tmp_path / "plan.json")
-    run = tmp_path / "run"
-    launcher = _start_launch(plan, run, "--steps", "100000", "--timeout", "240")
-    try:
-        _wait_for_steps(run, 3, launcher)
-        launcher.send_signal(signal.SIGHUP)
-        launcher.communicate(timeout=120)
-    finally:
-        launcher.kill()
+    plan, run, launcher = _train_then(tmp_path, lambda job: (job.send_signal(signal.SIGHUP), job.communicate(timeout=120)))
     assert launcher.returncode == 0
     assert _processes_of(run) == []
     checkpoint = json.loads((run / "logs" / "heartbeat-rank0.json").read_text())["checkpoint_step"]
@@ -513,18 +519,10 @@ def test_a_killed_pipectl_leaves_no_job_training_unsupervised(tmp_path):
     import signal
     import time
 
-    plan = write_plan(tmp_path / "plan.json")
-    run = tmp_path / "run"
-    launcher = _start_launch(plan, run, "--steps", "100000", "--timeout", "240")
-    try:
-        _wait_for_steps(run, 3, launcher)
-        launcher.send_signal(signal.SIGKILL)
-        launcher.wait(timeout=10)
-        deadline = time.monotonic() + 90
-        while _processes_of(run) and time.monotonic() < deadline:
-            time.sleep(0.5)
-    finally:
-        launcher.kill()
+    plan, run, _ = _train_then(tmp_path, lambda job: (job.send_signal(signal.SIGKILL), job.wait(timeout=10)))
+    deadline = time.monotonic() + 90
+    while _processes_of(run) and time.monotonic() < deadline:
+        time.sleep(0.5)
     left = _processes_of(run)
     for process in left:
         process.kill()
