@@ -519,7 +519,7 @@ def test_a_killed_pipectl_leaves_no_job_training_unsupervised(tmp_path):
     import signal
     import time
 
-    plan, run, _ = _train_then(tmp_path, lambda job: (job.send_signal(signal.SIGKILL), job.wait(timeout=10)))
+    plan, run, launcher = _train_then(tmp_path, lambda job: (job.send_signal(signal.SIGKILL), job.wait(timeout=10)))
     deadline = time.monotonic() + 90
     while _processes_of(run) and time.monotonic() < deadline:
         time.sleep(0.5)
@@ -529,6 +529,9 @@ def test_a_killed_pipectl_leaves_no_job_training_unsupervised(tmp_path):
     assert left == []
     beats = [json.loads(p.read_text()) for p in sorted((run / "logs").glob("heartbeat-rank*.json"))]
     assert {b["state"] for b in beats} == {"stopped"} and beats[0]["checkpoint_step"] >= 3, beats
+    status = " ".join(invoke("status", run).output.split())
+    step = beats[0]["checkpoint_step"]
+    assert f"stopped at step {step}, checkpoint written: the launching pipectl (pid {launcher.pid}) ended" in status, status
     resumed = invoke("launch", plan, "--run-dir", run, "--resume", "--steps", beats[0]["checkpoint_step"] + 2)
     assert resumed.exit_code == 0, resumed.output
 

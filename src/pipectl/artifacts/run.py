@@ -570,6 +570,9 @@ class RankHeartbeat(Strict):
     checkpoint_step: int | None = Field(
         default=None, ge=0, description="Finished or stopped: the step of the checkpoint it wrote last."
     )
+    stop_reason: str = Field(
+        default="", description="Stopped: why (a signal, the stop file, the launching pipectl gone)."
+    )
     started_unix: float = Field(description="When the rank started (its job's start, for readers).")
     beat_unix: float = Field(description="When this was written.")
     progress_unix: float = Field(description="When the rank last started a new step or phase.")

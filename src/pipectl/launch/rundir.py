@@ -36,10 +36,12 @@ from pipectl.artifacts.run import (
     LOGS_DIR,
     PLAN_FILE,
     JobSpec,
+    RankHeartbeat,
+    RankState,
     StepMetrics,
 )
 from pipectl.launch.options import check_stored_options
-from pipectl.runtime.liveness import pid_alive
+from pipectl.runtime.liveness import pid_alive, read_heartbeats, stopped_cleanly
 from pipectl.errors import UserInputError
 from pipectl.io import load_model, read_mapping, write_json_atomic
 from pipectl.launch.engines import LaunchCommand, launch_script
@@ -324,6 +326,7 @@ class RunStatus:
     staging: list[Path] = field(default_factory=list)  # checkpoints/.staging: saves running, or left by dead ones
     checkpoint_events: list[CheckpointEvent] = field(default_factory=list)  # logs/checkpoints.jsonl
     unreadable_metrics_lines: list[int] = field(default_factory=list)  # of metrics.jsonl, skipped
+    heartbeats: dict[int, RankHeartbeat] = field(default_factory=dict)  # each rank's last, by rank
 
     @property
     def steps_done(self) -> int:
@@ -337,6 +340,17 @@ class RunStatus:
     def trained(self) -> bool:
         """Every step trained (its final checkpoint may still be missing)."""
         return self.steps_done >= self.job.steps
+
+    @property
+    def stopped(self) -> tuple[int, str] | None:
+        """(checkpoint step, why) when every rank of the job stopped early with the same checkpoint
+        written (a signal, the stop file, its launching pipectl gone); None otherwise."""
+        step = stopped_cleanly(self.heartbeats, self.job.world_size)
+        beats = [b for b in self.heartbeats.values() if b.state is RankState.STOPPED]
+        if step is None or not beats:
+            return None
+        # A rank told by the others says "another rank": the reason is the one that saw it first.
+        return step, next((b.stop_reason for b in beats if b.stop_reason not in ("", "another rank")), "")
 
     @property
     def finished(self) -> bool:
@@ -416,4 +430,5 @@ def run_status(run_dir: str | os.PathLike[str], *, verify_hashes: bool = False) 
         staging=staging_leftovers(files.path),
         checkpoint_events=read_events(files.path),
         unreadable_metrics_lines=unreadable,
+        heartbeats=read_heartbeats(files.path),
     )

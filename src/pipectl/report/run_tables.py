@@ -76,6 +76,9 @@ def status_table(status: RunStatus, *, brief: bool = False) -> Group:
         state = "finished"
     elif status.trained:
         state = "trained, but no checkpoint holds the last step: resume to write it"
+    elif status.stopped is not None:
+        step, why = status.stopped
+        state = f"stopped at step {step}, checkpoint written" + (f": {why}" if why else "")
     else:
         state = "not started" if not status.metrics else "in progress / stopped"
     summary.add_row("model", status.job.model)

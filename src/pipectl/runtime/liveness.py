@@ -155,6 +155,7 @@ class Heartbeat:
         self._stop = threading.Event()
         self._lock = threading.Lock()  # one writer at a time: the thread or `end`
         self._ended = False
+        self._reason = ""  # the final beat's stop reason (`end`)
         self._failed_writes = 0
         self._thread = threading.Thread(target=self._run, name=f"pipectl-heartbeat-rank{rank}", daemon=True)
 
@@ -180,6 +181,7 @@ class Heartbeat:
                 phase=phase,
                 state=state,
                 checkpoint_step=checkpoint_step,
+                stop_reason=self._reason,
                 started_unix=self.started_unix,
                 beat_unix=now,
                 progress_unix=self._progress_unix,
@@ -192,9 +194,10 @@ class Heartbeat:
                     log.warning("cannot write the heartbeat of rank %d: %s", self.rank, exc)
             self._ended = state is not RankState.RUNNING
 
-    def end(self, state: RankState, checkpoint_step: int | None = None) -> None:
-        """The final beat: finished, stopped (with the checkpoint written last) or failed."""
+    def end(self, state: RankState, checkpoint_step: int | None = None, reason: str = "") -> None:
+        """The final beat: finished, stopped (with the checkpoint written last, and why) or failed."""
         self._stop.set()
+        self._reason = reason
         self.beat(state, checkpoint_step)
 
     def _run(self) -> None:

@@ -344,7 +344,8 @@ def train(
         heartbeat.end(RankState.FAILED)
         raise
     state = RankState.LEFT if result.left else RankState.STOPPED if result.stopped_early else RankState.FINISHED
-    heartbeat.end(state, checkpoint_step=result.start_step + len(result.records))
+    reason = result.stopped_early if state is RankState.STOPPED else ""
+    heartbeat.end(state, checkpoint_step=result.start_step + len(result.records), reason=reason)
     return result
 
 
