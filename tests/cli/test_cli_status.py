@@ -186,3 +186,15 @@ def test_status_names_the_metrics_lines_it_skipped_but_not_a_torn_last_one(tmp_p
     assert "1 line not a step record, skipped (line 2)" in " ".join(result.output.split())
     payload = json.loads(runner.invoke(app, ["status", str(run), "--json"]).output)
     assert payload["unreadable_metrics_lines"] == [2] and payload["steps_done"] == 3
+
+
+def test_a_run_trained_without_any_checkpoint_is_not_told_to_resume(tmp_path):
+    """Every step trained and no checkpoint written (a disk without room for one): `--resume` has
+    nothing to start from, so status says to start over, not to resume."""
+    import shutil
+
+    run = make_run(tmp_path, steps_done=10)
+    shutil.rmtree(run / "checkpoints" / "step00000004")
+    output = " ".join(runner.invoke(app, ["status", str(run)]).output.split())
+    assert "trained, but no checkpoint was written: nothing to resume from; launch again with --force" in output
+    assert "resume to write it" not in output

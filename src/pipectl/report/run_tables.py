@@ -74,6 +74,8 @@ def status_table(status: RunStatus, *, brief: bool = False) -> Group:
     summary.add_column()
     if status.finished:
         state = "finished"
+    elif status.trained and not status.checkpoints:
+        state = "trained, but no checkpoint was written: nothing to resume from; launch again with --force"
     elif status.trained:
         state = "trained, but no checkpoint holds the last step: resume to write it"
     elif status.stopped is not None:
