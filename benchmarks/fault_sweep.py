@@ -80,9 +80,10 @@ def planned_trials(references: dict[str, ft.Reference], rng: random.Random, kill
     at_checkpoints = range(2 * setup.checkpoint_every, setup.steps + 1)
     for _ in range(3):
         triggered("disk-full", main, ft.draw_trigger(main, rng, rng.choice(("save", "commit")), "enospc", at_checkpoints))
-    for _ in range(2):
+    for name in ("SIGTERM", "SIGTERM", "SIGHUP", "SIGKILL"):  # to pipectl: Ctrl-C, a closed terminal, kill -9
         after = rng.randrange(1, setup.steps - 1)
-        trials.append((f"sigterm-launch after step {after}", lambda folder, after=after: ft.sigterm_launch_trial(main, folder, after)))
+        trials.append((f"{ft.LAUNCH_SIGNALS[name]} after step {after}",
+                       lambda folder, after=after, name=name: ft.signal_launch_trial(main, folder, after, name)))  # fmt: skip
     stop = setup.checkpoint_every * rng.randrange(1, setup.steps // setup.checkpoint_every)
     trials.append((f"disk-full-ulimit {SIZE_LIMIT_KIB} KiB from step {stop}",
                    lambda folder: ft.size_limit_trial(main, folder, stop, SIZE_LIMIT_KIB)))  # fmt: skip

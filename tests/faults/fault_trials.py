@@ -449,23 +449,41 @@ def damage_newest(run: Path, damage: dict, rng: random.Random) -> dict:
     return {"step": int(newest.name[4:]), "file": target.relative_to(newest).as_posix(), **done}
 
 
-def sigterm_launch_trial(reference: Reference, folder: Path, after_step: int) -> Trial:
-    """SIGTERM to the `pipectl launch` process once metrics.jsonl shows `after_step`: the ranks
-    finish their step, checkpoint, exit 0; the resume starts from the step they stopped at."""
+LAUNCH_SIGNALS = {"SIGTERM": "sigterm-launch", "SIGHUP": "sighup-launch", "SIGKILL": "kill-launch"}
+UNSUPERVISED_SECONDS = 90  # after kill -9 of pipectl: how long its ranks may take to stop by themselves
+
+
+def signal_launch_trial(reference: Reference, folder: Path, after_step: int, signal_name: str = "SIGTERM") -> Trial:
+    """A signal to the `pipectl launch` process once metrics.jsonl shows `after_step`: SIGTERM,
+    SIGHUP (its terminal closed) or SIGKILL. The ranks finish their step, checkpoint and exit 0
+    (after SIGKILL they see their supervisor gone and stop by themselves); the resume starts
+    from the step they stopped at."""
     setup = reference.setup
     run = folder / "run"
-    trial = Trial("sigterm-launch", setup.label, {"signal": "SIGTERM", "to": "pipectl launch", "after_step": after_step})
+    trial = Trial(LAUNCH_SIGNALS[signal_name], setup.label,
+                  {"signal": signal_name, "to": "pipectl launch", "after_step": after_step})  # fmt: skip
     argv = launch_argv(reference.plan, run, "--steps", str(setup.steps), "--checkpoint-every", str(setup.checkpoint_every))
     started = time.monotonic()
     proc = start(argv, launch_env())
     while proc.poll() is None and max((s for s, _ in read_losses(run)), default=0) < after_step:
         time.sleep(0.05)
+    ranks: list[int] = []
     if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
+        ranks = descendants(proc.pid)
+        proc.send_signal(getattr(signal, signal_name))
     else:
         trial.fired = False
     first = finish(proc, argv, started)
-    if first.exit_code != 0:
+    if signal_name == "SIGKILL":
+        deadline = time.monotonic() + UNSUPERVISED_SECONDS
+        while any(psutil.pid_exists(pid) for pid in ranks) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = [pid for pid in ranks if psutil.pid_exists(pid)]
+        if left:
+            trial.problems.append(f"{len(left)} process(es) of the job still ran {UNSUPERVISED_SECONDS} s after pipectl was killed")
+            for pid in left:
+                kill_tree(pid)
+    elif first.exit_code != 0:
         trial.problems.append(f"the stopped launch exited {first.exit_code}, not 0")
     trial.expected_resume = max((s for s, _ in read_losses(run)), default=0)  # the step it stopped after
     launches = [first]

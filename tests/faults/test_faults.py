@@ -171,6 +171,17 @@ def test_slow_sigterm_to_a_rank_stops_at_the_step_boundary(long_reference, tmp_p
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
+@pytest.mark.parametrize("signal_name", ["SIGHUP", "SIGKILL"])
+def test_slow_a_closed_terminal_or_a_killed_pipectl_loses_nothing(long_reference, tmp_path, signal_name):
+    """SIGHUP or kill -9 of `pipectl launch`: the ranks stop at a step boundary after a checkpoint
+    (by themselves after kill -9) and the resume goes on from there, bit for bit."""
+    trial = ft.signal_launch_trial(long_reference, tmp_path, 3, signal_name)
+    assert trial.fired and trial.expected_resume >= 3
+    assert_survived(trial)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_slow_a_full_disk_during_a_checkpoint_write(long_reference, tmp_path):
     trigger = {"rank": 1, "step": 4, "point": "save", "nth": 0, "action": "enospc"}
     assert_survived(ft.triggered_trial("disk-full", long_reference, tmp_path, trigger))
