@@ -80,6 +80,8 @@ def planned_trials(references: dict[str, ft.Reference], rng: random.Random, kill
     at_checkpoints = range(2 * setup.checkpoint_every, setup.steps + 1)
     for _ in range(3):
         triggered("disk-full", main, ft.draw_trigger(main, rng, rng.choice(("save", "commit")), "enospc", at_checkpoints))
+    for _ in range(2):  # a metrics line refused: held, written with a later step's
+        triggered("metrics-enospc", main, ft.draw_trigger(main, rng, "metrics", "enospc", range(1, setup.steps)))
     for name in ("SIGTERM", "SIGTERM", "SIGHUP", "SIGKILL"):  # to pipectl: Ctrl-C, a closed terminal, kill -9
         after = rng.randrange(1, setup.steps - 1)
         trials.append((f"{ft.LAUNCH_SIGNALS[name]} after step {after}",

@@ -18,14 +18,15 @@ acts:
     written     a rank's checkpoint file is written and fsynced, its report not yet (a kill
                 here is a kill during a background write: the main thread is training on)
     commit      rank 0 is about to write the manifest of a tag already renamed into place
+    metrics     rank 0 is about to append the step's line to metrics.jsonl
 
     save, written and commit happen in the checkpoint's background thread; they are counted at
     the step the checkpoint holds (the step whose end it was taken at), whatever step the main
     thread has reached meanwhile.
 
     action      kill: SIGKILL (nothing runs after it); term: SIGTERM (the rank's handler stops
-                it at the next step boundary); enospc: the write raises OSError(ENOSPC) (save
-                and commit only: a full disk); sleep: pause `seconds` (a slow rank: the job
+                it at the next step boundary); enospc: the write raises OSError(ENOSPC) (save,
+                commit and metrics only: a full disk); sleep: pause `seconds` (a slow rank: the job
                 stays busy, its results unchanged); stop: SIGSTOP (a hung rank: alive, silent,
                 its peers waiting in their collectives until the collective timeout)
 
@@ -59,7 +60,7 @@ from pipectl.models import ModelLayers, build_model
 TRIGGER_VARIABLE = "PIPECTL_FAULT_TRIGGER"
 RECORDS_VARIABLE = "PIPECTL_FAULT_RECORDS"
 CENSUS_VARIABLE = "PIPECTL_FAULT_CENSUS"
-POINTS = ("forward", "backward", "allreduce", "optimizer", "save", "written", "commit")
+POINTS = ("forward", "backward", "allreduce", "optimizer", "save", "written", "commit", "metrics")
 ACTIONS = ("kill", "term", "enospc", "sleep", "stop")
 # Gradient collectives, at the level DeepSpeed calls them (deepspeed.comm) and below (torch).
 _COLLECTIVES = {
@@ -174,6 +175,16 @@ def _install(probe: Probe) -> None:
         return original_write(path, payload, *args, **kwargs)
 
     checkpoint.write_json_atomic = write_json_atomic
+
+    from pipectl.runtime.metrics import MetricsWriter
+
+    original_append = MetricsWriter._append
+
+    def append(fd, data):
+        probe.event("metrics", "metrics.jsonl")
+        return original_append(fd, data)
+
+    MetricsWriter._append = staticmethod(append)
 
     for module_name, names in _COLLECTIVES.items():
         module = importlib.import_module(module_name)

@@ -182,6 +182,17 @@ def test_slow_a_closed_terminal_or_a_killed_pipectl_loses_nothing(long_reference
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
+def test_slow_a_full_disk_for_a_metrics_line_loses_nothing(long_reference, tmp_path):
+    """ENOSPC on rank 0's metrics.jsonl append at step 3: the job trains on, the line is written
+    with step 4's, and every loss and tensor equals the fault-free run's."""
+    trigger = {"rank": 0, "step": 3, "point": "metrics", "nth": 0, "action": "enospc"}
+    trial = ft.triggered_trial("metrics-enospc", long_reference, tmp_path, trigger)
+    assert trial.fired and trial.exit_codes[0] == 0
+    assert_survived(trial)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_slow_a_full_disk_during_a_checkpoint_write(long_reference, tmp_path):
     trigger = {"rank": 1, "step": 4, "point": "save", "nth": 0, "action": "enospc"}
     assert_survived(ft.triggered_trial("disk-full", long_reference, tmp_path, trigger))

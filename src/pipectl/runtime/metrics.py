@@ -61,9 +61,7 @@ class MetricsWriter:
         try:
             whole = os.lseek(fd, 0, os.SEEK_END)  # the end of the last whole line
             try:
-                written = 0
-                while written < len(data):
-                    written += os.write(fd, data[written:])
+                self._append(fd, data)
                 os.fsync(fd)
             except OSError as exc:
                 self._refused(fd, whole, exc)
@@ -73,6 +71,12 @@ class MetricsWriter:
         if self.failed_writes:
             log.warning("metrics.jsonl: written again, with %d held lines", len(self.pending))
         self.pending.clear()
+
+    @staticmethod
+    def _append(fd: int, data: bytes) -> None:
+        written = 0
+        while written < len(data):
+            written += os.write(fd, data[written:])
 
     def _refused(self, fd: int, whole: int, exc: OSError) -> None:
         """Cut a torn line off (a later append would follow it) and keep the lines for the next step."""
