@@ -75,7 +75,6 @@ class OptionField:
     cli: type
     description: str
     path: bool
-    required: bool
     default: Any
     submodel: type[BaseModel] | None  # a whole section
     flags: tuple[tuple[str, str], ...]
@@ -99,7 +98,6 @@ def option_fields(model: type[BaseModel]) -> list[OptionField]:
                 cli=opt.cli or (inner if isinstance(inner, type) and issubclass(inner, (bool, int, float, str, Enum)) else str),
                 description=info.description or "",
                 path=opt.path,
-                required=info.is_required(),
                 default=None if info.is_required() else info.get_default(call_default_factory=True),
                 submodel=submodel,
                 flags=opt.flags,
@@ -212,7 +210,7 @@ def flag_layer(model: type[BaseModel], values: dict[str, Any]) -> Layer:
 
     def name(field: str, sub: str | None) -> str:
         spec = flags[field]
-        return dict(spec.flags).get(sub or "", spec.flag or field) if sub else (spec.flag or field)
+        return dict(spec.flags).get(sub, spec.flag or field) if sub else (spec.flag or field)
 
     return Layer(values, name)
 
@@ -230,27 +228,24 @@ def layered(model: type[OptionsT], layers: list[Layer], *, context: dict[str, An
     """The options `layers` give, later layers over earlier ones (a section's keys one by one),
     over the model's defaults; `fixed` are values no user gave (what a run records about itself);
     `context` goes to the model's validators. A refused value is named by the layer that gave it."""
+    tables = {f.name for f in option_fields(model) if f.submodel is not None}
     merged: dict[str, Any] = {}
     origin: dict[tuple[str, str | None], Layer] = {}
     for layer in layers:
         for name, value in layer.values.items():
-            if isinstance(value, dict) and isinstance(merged.get(name), dict) and _is_section(model, name):
-                merged[name] = {**merged[name], **value}
+            if name in tables and isinstance(value, dict):  # a whole section: key by key
+                earlier = merged.get(name)
+                merged[name] = {**earlier, **value} if isinstance(earlier, dict) else value
+                origin.setdefault((name, None), layer)
                 origin.update({(name, key): layer for key in value})
             else:
                 merged[name] = value
                 origin[(name, None)] = layer
-                if isinstance(value, dict) and _is_section(model, name):
-                    origin.update({(name, key): layer for key in value})
     try:
         return model.model_validate({**merged, **fixed}, context=context)
     except ValidationError as exc:
         message, hint = _refusal(model, exc, merged, origin)
         raise UserInputError(message, hint=hint) from None
-
-
-def _is_section(model: type[BaseModel], name: str) -> bool:
-    return any(f.name == name and f.submodel is not None for f in option_fields(model))
 
 
 def _refusal(

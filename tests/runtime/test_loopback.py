@@ -6,7 +6,8 @@ import psutil
 import pytest
 import torch.distributed as dist
 
-from pipectl.runtime.loopback import LoopbackTCPStore, is_loopback
+from pipectl.artifacts.run import is_loopback_address as is_loopback
+from pipectl.runtime.loopback import LoopbackTCPStore
 
 
 def listening_on(port: int) -> list[str]:

@@ -128,6 +128,18 @@ class DataKind(str, Enum):
 # (Slurm's first node).
 HOST_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*")
 
+def is_loopback_address(host: str) -> bool:
+    """'localhost', 127.0.0.0/8 or ::1: an address only this machine reaches.
+
+    >>> is_loopback_address("127.1.2.3"), is_loopback_address("node7")
+    (True, False)
+    """
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def check_host_address(value: str) -> str:
     """A host name, an IPv4 or IPv6 address, or '' (Slurm's first node); else ValueError."""
     if value and not HOST_NAME.fullmatch(value):

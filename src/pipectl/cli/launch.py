@@ -12,7 +12,7 @@ import typer
 from pipectl.artifacts.plan import Plan
 from pipectl.artifacts.run import LOGS_DIR, CheckpointOutcome, DataKind, Engine, Precision
 from pipectl.cli.context import JsonFlag, console, err_console, print_json, training_progress
-from pipectl.cli.options import ConfigOption, config_models, file_layers, passed_flags, with_options
+from pipectl.cli.options import ConfigOption, file_layers, passed_flags, with_options
 from pipectl.config import render_config, to_sections
 from pipectl.errors import LaunchError, UserInputError
 from pipectl.io import load_model
@@ -79,7 +79,7 @@ def register(app: typer.Typer) -> None:
             if asked not in (None, Precision.BF16, "bf16"):
                 raise UserInputError(f"--bf16 contradicts --precision {getattr(asked, 'value', asked)}")
             flags.values["precision"] = Precision.BF16
-        layers = [*file_layers(LaunchOptions, config, config_models()), flags]
+        layers = [*file_layers(LaunchOptions, config), flags]
         resume = bool(flags.values.get("resume"))
         if resume and not is_run_dir(run_dir):  # checked here too: a dry run never reaches prepare_run_dir
             raise UserInputError(f"cannot resume {run_dir}: no such run (it holds no job.json)")

@@ -97,20 +97,9 @@ def _parameter(name: str, flag: str, cli: type, help_text: str, default: Any, se
         shown = (section is not None or "/" in flag) and bool(default)  # `--live/--restart` says which is the default
         info = typer.Option(*decls, help=help_text, show_default=shown, rich_help_panel=panel)
         return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=bool(default), annotation=Annotated[bool, info])
-    shown = _shown_default(default)
-    if shown is not None and isinstance(default, (int, float, str, Enum)):
-        shown = default  # typer shows a value as it is, a text in parentheses
+    shown = default if isinstance(default, (int, float, str, Enum)) else None  # not a model, a mapping or unset
     info = typer.Option(flag, help=help_text, show_default=shown is not None, rich_help_panel=panel)
     return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=shown, annotation=Annotated[Optional[cli], info])
-
-
-def _shown_default(default: Any) -> Any:
-    """A default as the help shows it; None shows none."""
-    if default is None or isinstance(default, (dict, list)) and not default:
-        return None
-    if isinstance(default, BaseModel):
-        return None
-    return default
 
 
 def config_models() -> tuple[type[BaseModel], ...]:
@@ -126,9 +115,9 @@ def passed_flags(ctx: typer.Context, model: type[BaseModel]) -> Layer:
     return flag_layer(model, dict(ctx.meta.get(_FLAGS, {})))
 
 
-def file_layers(model: type[BaseModel], config: Path | None, models: tuple[type[BaseModel], ...]) -> list[Layer]:
+def file_layers(model: type[BaseModel], config: Path | None) -> list[Layer]:
     """The config file's layer ([] without `--config`); its keys checked against every command's
-    model in `models` (the file is shared: `plan` and `launch` read one)."""
+    model (`config_models`: the file is shared, `plan` and `launch` read one)."""
     if config is None:
         return []
-    return [file_layer(model, read_config(config, models))]
+    return [file_layer(model, read_config(config, config_models()))]

@@ -17,7 +17,7 @@ from pipectl.artifacts.base import INT64_MAX
 from pipectl.artifacts.plan import Engine, Objective, PlanRequest, RecomputeChoice
 from pipectl.artifacts.profile import ModelProfile
 from pipectl.cli.context import JsonFlag, OutputPath, console, from_options, print_json, refuse_overwriting
-from pipectl.cli.options import ConfigOption, config_models, file_layers, passed_flags, with_options
+from pipectl.cli.options import ConfigOption, file_layers, passed_flags, with_options
 from pipectl.cluster import load_cluster, local_cluster
 from pipectl.config import layered
 from pipectl.errors import UserInputError
@@ -111,7 +111,7 @@ def plan_command(
     as_json: JsonFlag = False,
 ) -> None:
     """Search t, p, d, b, v, schedule, recomputation and ZeRO stage; write plan.json."""
-    options = layered(PlanOptions, [*file_layers(PlanOptions, config, config_models()), passed_flags(ctx, PlanOptions)])
+    options = layered(PlanOptions, [*file_layers(PlanOptions, config), passed_flags(ctx, PlanOptions)])
     profile = [Path(path) for path in options.profile]
     refuse_overwriting(output, {**{f"--profile {path}": path for path in profile}, "--cluster file": options.cluster})
     profiles = [load_model(ModelProfile, path) for path in profile]

@@ -28,7 +28,6 @@ quoted for a shell, so a run can be restarted by hand.
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import shlex
 import signal
@@ -42,7 +41,17 @@ from typing import Any, Callable
 
 from pipectl.artifacts.cluster import SlurmSpec
 from pipectl.artifacts.morph import LIVE_REQUEST_FILE
-from pipectl.artifacts.run import HOSTFILE, LOGS_DIR, RESUME_FILE, SBATCH_FILE, SLURM_JOB_ID_FILE, Engine, JobSpec, NodeGroup
+from pipectl.artifacts.run import (
+    HOSTFILE,
+    LOGS_DIR,
+    RESUME_FILE,
+    SBATCH_FILE,
+    SLURM_JOB_ID_FILE,
+    Engine,
+    JobSpec,
+    NodeGroup,
+    is_loopback_address,
+)
 from pipectl.errors import LaunchError, UserInputError
 from pipectl.launch.processes import WORKER_MODULE, JobProcesses
 from pipectl.paths import MODEL_PATH_VARIABLE
@@ -138,18 +147,6 @@ def standalone_torchrun(python: str, ranks: int, run_dir: Path) -> list[str]:
     ]  # fmt: skip
 
 
-def loopback_address(host: str) -> bool:
-    """'localhost', 127.0.0.0/8 or ::1.
-
-    >>> loopback_address("127.0.0.1"), loopback_address("node7")
-    (True, False)
-    """
-    try:
-        return host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def torchrun_command(
     job: JobSpec, run_dir: Path, *, python: str = sys.executable, gpus: bool = False
 ) -> LaunchCommand:
@@ -161,7 +158,7 @@ def torchrun_command(
     """
     env = rank_environment(gpus=gpus, import_root=job.import_root)
     one_node = job.nodes == 1 and (job.elastic is None or job.elastic.max_nodes == 1)
-    if one_node and loopback_address(job.master_addr):
+    if one_node and is_loopback_address(job.master_addr):
         argv = [python, "-m", LOOPBACK_TORCHRUN, "--local_addr", "127.0.0.1"]
     else:
         argv = [python, "-m", "torch.distributed.run"]

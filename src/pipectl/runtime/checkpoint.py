@@ -49,6 +49,7 @@ from typing import Any, Iterable
 from pipectl.artifacts.run import CHECKPOINTS_DIR, LOGS_DIR, MANIFEST_FILE, CheckpointEvent, CheckpointManifest, rank_file_name
 from pipectl.errors import CheckpointError
 from pipectl.io import load_model, sha256_file, write_json_atomic
+from pipectl.runtime.liveness import pid_alive
 
 # torch, DeepSpeed and the tensor-parallel model code are imported inside the functions that use
 # them: `pipectl status` and `resize` list and verify checkpoints without loading either.
@@ -335,15 +336,8 @@ def _writer_is_dead(entry: Path) -> bool:
     """A staging folder whose writer (w<rank 0's pid>-...) is no longer a live process on this host,
     or one of the older fixed-name layout (a run is written by one job at a time)."""
     match = re.fullmatch(r"w(\d+)-[0-9a-f]+", entry.name)
-    if not match:
-        return True
-    try:
-        os.kill(int(match.group(1)), 0)
-        return False  # alive: its save may be running
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False  # not ours to signal: alive
+    # alive (its save may be running) or not ours to signal: alive
+    return not match or not pid_alive(int(match.group(1)))
 
 
 def remove_dead_writers(staging: Path) -> None:

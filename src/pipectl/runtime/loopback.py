@@ -18,25 +18,16 @@ A server is bound by creating the socket here, bound to 127.0.0.1, and handing i
 
 from __future__ import annotations
 
-import ipaddress
 import socket
 import sys
 from datetime import timedelta
 
 import torch.distributed as dist
 
+from pipectl.artifacts.run import is_loopback_address
+
 LOOPBACK = "127.0.0.1"
 _ORIGINAL = dist.TCPStore
-
-
-def is_loopback(host: str) -> bool:
-    """'localhost', 127.0.0.0/8 or ::1."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def loopback_listener(port: int) -> tuple[int, int]:
@@ -68,7 +59,7 @@ class LoopbackTCPStore(_ORIGINAL):
         master_listen_fd: int | None = None,
         use_libuv: bool = True,
     ) -> None:
-        if is_master and master_listen_fd is None and is_loopback(host_name):
+        if is_master and master_listen_fd is None and is_loopback_address(host_name):
             master_listen_fd, port = loopback_listener(port)
         super().__init__(
             host_name, port, world_size, is_master, timeout, wait_for_workers, multi_tenant, master_listen_fd, use_libuv
