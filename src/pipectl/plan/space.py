@@ -589,9 +589,10 @@ class _Family:
         self.without_cut: list[tuple[float, tuple[int, ...]]] = []
         # Demands no cut satisfied (none fits, or the partitioner's cut did not fit its ranks).
         self.hopeless: list[tuple[float, tuple[int, ...]]] = []
-        # Demands partitioned, with the optimum bottleneck: a stricter demand cannot do better
-        # (its feasible cuts are a subset).
-        self.partitioned: list[tuple[float, tuple[int, ...], float]] = []
+        # Demands partitioned, with the optimum bottleneck and the cut found: a stricter demand
+        # cannot do better (its feasible cuts are a subset), and gets the same cut when that cut
+        # fits it (`_laxer_optimum`).
+        self.partitioned: list[tuple[float, tuple[int, ...], float, Shape]] = []
         # Memory-constrained cuts by (rounded state bytes, units).
         self.fitted: dict[tuple[float, tuple[int, ...]], Shape | None] = {}
         # What each virtual stage keeps per in-flight micro-batch (`recomputing_stages`: all but
@@ -696,6 +697,33 @@ def _dominates_one_of(per_device: float, units: tuple[int, ...], demands) -> boo
     return False
 
 
+def _laxer_optimum(family: _Family, per_device: float, units: tuple[int, ...]) -> tuple[float, Shape | None]:
+    """(the best bottleneck this demand can hope for, the cut that reaches it if already known).
+
+    The bound is the largest optimum of the laxer demands partitioned before (each at most this
+    one in every part), else the balanced cut's. The cut: a laxer demand's cut whose every rank
+    also fits this demand. It is exactly what `balanced_partition` would answer. Its bottleneck
+    is the bound (no laxer optimum is above a cut this demand can have), and the partition is the
+    greedy pass at the least feasible limit, each stage ending at min(time reach, room for later
+    stages, furthest fitting end); this demand's furthest end lies between that cut's end (the
+    stage fits: a rank's bytes are at least each of its stages') and the laxer demand's, so every
+    stage ends where that cut's does. Most memory-constrained cuts of a large search are found
+    this way (the d that follow one another share a cut), without partitioning again.
+    """
+    builder = family.builder
+    at_least = builder.bottleneck(family.t, family.b, family.recompute, family.stages)
+    step = family.step_of[per_device]
+    tried: set[int] = set()
+    for bytes_, units_, seconds, shape in reversed(family.partitioned):  # the nearest demand first
+        if bytes_ <= per_device and all(map(operator.ge, units, units_)):
+            if id(shape) not in tried:
+                if shape.memory.fits(per_device, step, units, family.capacity):
+                    return seconds, shape
+                tried.add(id(shape))
+            at_least = max(at_least, seconds)
+    return at_least, None
+
+
 def _fitting_shape(family: _Family, index: int, per_device: float, units: tuple[int, ...]) -> Shape | None:
     """This cut if it fits; else the right-filled cut; else the memory-constrained cut; else None.
 
@@ -740,27 +768,30 @@ def _fitting_shape(family: _Family, index: int, per_device: float, units: tuple[
     if key in family.fitted:
         return family.fitted[key]
     fitted = None
+    # No cut beats the optimum without a memory limit (the balanced cut's bottleneck, one of the
+    # same candidates), nor that of a laxer demand.
+    at_least, laxer = _laxer_optimum(family, per_device, units)
+    if laxer is not None:
+        family.partitioned.append((per_device, units, at_least, laxer))
+        family.fitted[key] = laxer
+        return laxer
     if family.has_memory_fitting_cut(per_device, units):
-        # No cut beats the optimum without a memory limit (the balanced cut's bottleneck, one of
-        # the same candidates), nor that of a laxer demand.
-        at_least = max(
-            (seconds for bytes_, units_, seconds in family.partitioned
-             if bytes_ <= per_device and all(map(operator.ge, units, units_))),
-            default=builder.bottleneck(t, b, rec, p * v),
-        )
         partition = balanced_partition(
             builder.work(t, b, rec), p * v, furthest=family.furthest_fitting_end(per_device, units),
             candidates=builder.candidates(t, b, rec), at_least=at_least, known_feasible=True,
             prefix=builder.partition_prefix(t, b, rec),
         )
-        if partition is not None:  # pragma: no branch - the memory-only pass above found a cut
-            family.partitioned.append((per_device, units, partition.bottleneck_seconds))
-            candidate = builder.shape_from_cuts(t, b, rec, p, v, partition.stage_layers, v_placement=family.v_placement)
-            if candidate.memory.fits(per_device, family.step_of[per_device], units, family.capacity):
-                fitted = candidate
-                builder.memory_constrained_cuts += 1
+        assert partition is not None  # the memory-only pass above found a cut
+        seconds = partition.bottleneck_seconds
+        candidate = builder.shape_from_cuts(t, b, rec, p, v, partition.stage_layers, v_placement=family.v_placement)
     else:
+        candidate = None
         family.without_cut.append((per_device, units))
+    if candidate is not None:
+        family.partitioned.append((per_device, units, seconds, candidate))
+        if candidate.memory.fits(per_device, family.step_of[per_device], units, family.capacity):
+            fitted = candidate
+            builder.memory_constrained_cuts += 1
     if fitted is None:
         family.hopeless.append((per_device, units))
     family.fitted[key] = fitted
