@@ -389,3 +389,27 @@ def test_a_cluster_yaml_by_relative_path_is_recorded_absolute_and_read_back_from
     assert plan.cluster_file == str(tmp_path.resolve() / "mine.yaml")
     monkeypatch.chdir(tmp_path.parent)
     assert plan_cluster_spec(plan).total_devices == 64
+
+
+@pytest.mark.parametrize("counts, expected", [
+    (None, [*range(1, 9), *range(16, 65, 8)]),
+    ("13,60-61", [*range(1, 9), 13, *range(16, 57, 8), 60, 61, 64]),
+    ("all", list(range(1, 65))),
+])
+def test_the_morph_table_covers_a_node_whole_nodes_and_the_counts_named(profile_path, tmp_path, counts, expected):
+    """On 8 x 8 A100s: every count up to a node, whole nodes beyond, the counts `--morph-counts`
+    names, or every count; a resize to another count re-plans."""
+    out = tmp_path / "plan.json"
+    result = runner.invoke(app, ["plan", "--profile", str(profile_path), "--cluster", "a100-8x8", "--global-batch", "32",
+                                 "-o", str(out), *(["--morph-counts", counts] if counts else [])])
+    assert result.exit_code == 0, result.output
+    table = [e.devices for e in load_model(Plan, out).morph_table]
+    assert table == [c for c in expected if c >= table[0]]
+
+
+@pytest.mark.parametrize("counts", ["x", "3-", "0", "9-4", "1-99999999999"])
+def test_a_bad_morph_count_is_named(profile_path, tmp_path, counts):
+    result = runner.invoke(app, ["plan", "--profile", str(profile_path), "--cluster", "a100-8x8", "--global-batch", "32",
+                                 "-o", str(tmp_path / "plan.json"), "--morph-counts", counts])
+    assert result.exit_code == 2 and f"--morph-counts '{counts}'" in result.output, result.output
+    assert not (tmp_path / "plan.json").exists()

@@ -1,4 +1,4 @@
-"""Morph table: every count covered, fastest at each, B fixed, fewer devices explained."""
+"""Morph table: the counts a job is given covered, fastest at each, B fixed, fewer devices explained."""
 
 from __future__ import annotations
 
@@ -28,10 +28,10 @@ def test_prefix_minimum():
         assert tree.minimum(position) == value
 
 
-def test_morph_entries_cover_every_count_and_keep_the_batch():
+def test_morph_entries_cover_a_node_then_whole_nodes_and_keep_the_batch():
     result = plan(_profile(), load_cluster("a100-8x8"), PlanRequest(global_batch=24, devices=8))
     counts = [e.devices for e in result.morph_table]
-    assert counts == list(range(counts[0], 65))
+    assert counts == [*range(counts[0], 9), *range(16, 65, 8)]
     assert result.for_devices(8).candidate.devices <= 8
     for entry in result.morph_table:
         assert entry.candidate.global_batch == 24
@@ -57,13 +57,44 @@ def test_morph_entry_is_the_exhaustive_fastest_at_each_count():
         assert entry.candidate.predicted_step_seconds == pytest.approx(best)
 
 
+@pytest.mark.parametrize("every, named", [(False, []), (False, [13, 61]), (True, [])])
+def test_each_entry_is_the_exhaustive_fastest_on_at_most_its_count(every, named):
+    """Whole nodes of a100-8x8, with counts named and with every count: entry c is the fastest
+    runnable spec on at most c devices, on fewer only when faster."""
+    profile = _profile()
+    cluster = load_cluster("a100-8x8")
+    request = PlanRequest(global_batch=24, morph_counts=named, morph_every_count=every)
+    hardware = hardware_for(cluster, profile)
+    specs = enumerate_specs(profile, hardware, search_space(request, profile, hardware), 64).specs
+    runnable = [s for s in specs if s.deepspeed_runnable]
+    evaluator = Evaluator(hardware, 24)
+    steps = {s.key: evaluator.step_seconds(s) for s in runnable}
+    result = plan(profile, cluster, request)
+    counts = [e.devices for e in result.morph_table]
+    expected = range(1, 65) if every else sorted({*range(1, 9), *range(8, 65, 8), *named})
+    assert counts == [c for c in expected if c >= counts[0]]
+    for entry in result.morph_table:
+        best = min(steps[s.key] for s in runnable if s.devices <= entry.devices)
+        assert entry.candidate.predicted_step_seconds == pytest.approx(best)
+
+
+def test_a_tie_within_one_entry_keeps_the_smaller_job():
+    from types import SimpleNamespace
+
+    larger = SimpleNamespace(devices=16, lower_bound_seconds=1.0, step=10.0)
+    smaller = SimpleNamespace(devices=12, lower_bound_seconds=2.0, step=10.0)
+    evaluator = SimpleNamespace(step_seconds=lambda spec: spec.step, tighter_bound_seconds=lambda spec: spec.lower_bound_seconds)
+    best = fastest_per_device_count([larger, smaller], evaluator, [8, 16])
+    assert best[16][1] is smaller
+
+
 def test_pruned_morph_search_simulates_less_than_everything():
     profile = _profile()
     hardware = hardware_for(load_cluster("a100-8x8"), profile)
     request = PlanRequest(global_batch=48)
     specs = enumerate_specs(profile, hardware, search_space(request, profile, hardware), 64).specs
     evaluator = Evaluator(hardware, 48)
-    best = fastest_per_device_count(specs, evaluator, 64)
+    best = fastest_per_device_count(specs, evaluator, list(range(1, 65)))
     assert best
     assert evaluator.simulations < len(specs) / 4
 
@@ -86,7 +117,7 @@ def test_a_rounding_level_tie_keeps_the_first_found_plan():
     tied = SimpleNamespace(devices=8, lower_bound_seconds=2.0, step=10.0 * (1 - 1e-14))
     faster = SimpleNamespace(devices=16, lower_bound_seconds=3.0, step=9.0)
     evaluator = SimpleNamespace(step_seconds=lambda spec: spec.step, tighter_bound_seconds=lambda spec: spec.lower_bound_seconds)
-    best = fastest_per_device_count([tied, faster, first], evaluator, 16)
+    best = fastest_per_device_count([tied, faster, first], evaluator, list(range(1, 17)))
     assert best[8][1] is first
     assert best[16][1] is faster
 
@@ -105,7 +136,7 @@ def test_the_tighter_bound_prunes_more_and_keeps_the_table():
     request = PlanRequest(global_batch=96, zero_stages=[0, 1], for_deepspeed=False, uneven_replicas=False)
     specs = enumerate_specs(profile, hardware, search_space(request, profile, hardware), 64).specs
     tight, loose = Evaluator(hardware, 96), SpecBoundOnly(hardware, 96)
-    assert morph_table(specs, tight, 64, request) == morph_table(specs, loose, 64, request)
+    assert morph_table(specs, tight, 64, request, 8) == morph_table(specs, loose, 64, request, 8)
     assert tight.simulations < loose.simulations
 
 
@@ -125,7 +156,7 @@ def test_the_varuna_bound_prunes_varuna_specs_and_keeps_the_table():
     request = PlanRequest(global_batch=128, schedules=["varuna"])
     specs = enumerate_specs(profile, hardware, search_space(request, profile, hardware), 64).specs
     tight, loose = Evaluator(hardware, 128), ChainsForVaruna(hardware, 128)
-    assert morph_table(specs, tight, 64, request) == morph_table(specs, loose, 64, request)
+    assert morph_table(specs, tight, 64, request, 8) == morph_table(specs, loose, 64, request, 8)
     assert tight.simulations < loose.simulations
 
 
@@ -143,13 +174,18 @@ def test_timing_ahead_in_two_processes_leaves_the_loop_nothing_to_time(monkeypat
     split = morph._split_count(specs)
     assert min(s.devices for s in specs) <= split < max(s.devices for s in specs)
 
+    counts = list(range(1, 65))
     alone = Evaluator(hardware, 128)
-    expected = fastest_per_device_count(specs, alone, 64)
+    expected = fastest_per_device_count(specs, alone, counts)
     ahead = Evaluator(hardware, 128)
-    morph._time_ahead(specs, ahead, 64)
+    morph._time_ahead(specs, ahead, counts)
     timed = ahead.simulations
     assert timed >= alone.simulations  # both processes' simulations are counted
     assert {s.key for s in specs if s.devices > split} & set(ahead.timings()[0])  # the other range came back
-    assert fastest_per_device_count(specs, ahead, 64) == expected
+    assert fastest_per_device_count(specs, ahead, counts) == expected
     assert ahead.simulations == timed
-    assert fastest_per_device_count(specs, Evaluator(hardware, 128), 64, workers=2) == expected
+    assert fastest_per_device_count(specs, Evaluator(hardware, 128), counts, workers=2) == expected
+    nodes = [*range(1, 9), *range(16, 65, 8)]  # a split at a table count: the same answer for whole nodes
+    assert fastest_per_device_count(specs, Evaluator(hardware, 128), nodes, workers=2) == fastest_per_device_count(
+        specs, Evaluator(hardware, 128), nodes
+    )

@@ -64,12 +64,15 @@ def test_a_profile_without_shards_gives_the_plan_it_gave_before_shards_existed()
     # Uneven replicas came later too: without them, the same plan. So did tensor groups spanning
     # two nodes (t = 16): the search inside a node, --max-tensor-parallel 8, is the old one.
     request = PlanRequest(global_batch=512, top=10, workers=1, uneven_replicas=False, recompute="stage")
-    made = plan(profile, load_cluster("a100-8x8"), request.model_copy(update={"max_tensor_parallel": 8}))
+    # The morph table covered every count then; now on request (by default a node's counts and whole nodes).
+    made = plan(profile, load_cluster("a100-8x8"),
+                request.model_copy(update={"max_tensor_parallel": 8, "morph_every_count": True}))
     before = json.loads((DATA / "gpt2-2.5b-a100-unsharded.plan.json").read_text())
     made_fields = json.loads(made.model_dump_json())
     assert made_fields["request"]["max_tensor_parallel"] == 8 and before["request"]["max_tensor_parallel"] is None
     made_fields["request"]["max_tensor_parallel"] = None
     assert made_fields["request"].pop("uneven_replicas") is False
+    assert made_fields["request"].pop("morph_every_count") is True and made_fields["request"].pop("morph_counts") == []
     # Per-layer checkpointing came later too: without it (recompute "stage" is the old search).
     assert made_fields["request"].pop("recompute") == "stage"
     for candidate in [made_fields["chosen"], *made_fields["candidates"]]:

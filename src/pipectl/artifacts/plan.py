@@ -206,6 +206,11 @@ class PlanRequest(Strict):
     )
     top: int = Field(default=10, gt=0, description="Candidates kept in the ranking (without include_all).")
     morph: bool = Field(default=True, description="Compute the morph table.")
+    morph_counts: list[Annotated[int, Field(gt=0)]] = Field(
+        default_factory=list, max_length=4096,
+        description="Device counts the morph table covers besides every count up to one node and whole nodes beyond.",
+    )
+    morph_every_count: bool = Field(default=False, description="The morph table covers every device count.")
     workers: int | None = Field(
         default=None,
         ge=1,

@@ -48,6 +48,37 @@ def parse_schedule(text: str) -> ScheduleKind:
         raise UserInputError(f"unknown schedule '{text}'", hint=f"known schedules: {known}") from None
 
 
+# A range of counts wider than this is a typo, not a table (every count: --morph-counts all).
+MAX_MORPH_RANGE = 1 << 20
+
+
+def parse_morph_counts(text: str | None) -> tuple[list[int], bool]:
+    """`--morph-counts`: (the counts named, whether every count is); a bad entry is named.
+
+    >>> parse_morph_counts("12, 100-102"), parse_morph_counts("all"), parse_morph_counts(None)
+    (([12, 100, 101, 102], False), ([], True), ([], False))
+    """
+    if text is None:
+        return [], False
+    if text.strip().lower() == "all":
+        return [], True
+    counts: set[int] = set()
+    for entry in text.split(","):
+        first, dash, last = entry.strip().partition("-")
+        try:
+            low = int(first)
+            high = int(last) if dash else low
+        except ValueError:
+            raise UserInputError(
+                f"--morph-counts '{text}': '{entry.strip()}' is not a device count or a range",
+                hint="e.g. --morph-counts 12,100-120, or all",
+            ) from None
+        if low < 1 or high < low or high - low > MAX_MORPH_RANGE:
+            raise UserInputError(f"--morph-counts '{text}': '{entry.strip()}' is not a range of positive counts")
+        counts.update(range(low, high + 1))
+    return sorted(counts), False
+
+
 def parse_recompute(text: str | None, no_recompute: bool) -> RecomputeChoice:
     """`--recompute` (never, stage, layer, selective, always, auto; default auto); `--no-recompute`
     is `never`. A bad value, or `--no-recompute` beside another value, is named.
@@ -127,6 +158,7 @@ def plan_command(
     if any_engine and engine not in (None, Engine.ANY):
         raise UserInputError(f"--any-engine and --engine {engine.value} disagree", hint="give one of them")
     engine = Engine.ANY if any_engine else (engine or Engine.DEEPSPEED)
+    morph_counts, morph_every_count = parse_morph_counts(options.morph_counts)
     request = from_options(
         PlanRequest,
         global_batch=options.global_batch,
@@ -151,6 +183,8 @@ def plan_command(
         engine=engine,
         top=max(options.top, 1),
         morph=options.morph,
+        morph_counts=morph_counts,
+        morph_every_count=morph_every_count,
         workers=options.workers,
     )
     made = plan(profiles[0], cluster_spec, request, kind_profiles=profiles[1:])

@@ -380,7 +380,10 @@ def plan_homogeneous(
     if not any(c is chosen for c in candidates):
         candidates.insert(0, chosen)
     phases["records"], clock = time.perf_counter() - clock, time.perf_counter()
-    morph = morph_table(enumeration.specs, evaluator, hardware.devices, request) if request.morph else []
+    morph = (
+        morph_table(enumeration.specs, evaluator, hardware.devices, request, hardware.devices_per_node)
+        if request.morph else []
+    )
     phases["morph"] = time.perf_counter() - clock
     for reason, example in enumeration.rejections.examples.items():
         if reason is Rejection.MEMORY:

@@ -1,8 +1,10 @@
 """The morph table: the fastest candidate for every device count, computed ahead (docs/design.md, 'Search and the morph table').
 
-A resize is then a look-up (Varuna's job morphing). Entry c holds the fastest spec using at most c
-devices; when it uses fewer than c (nothing on exactly c devices fits in memory, or a smaller
-configuration is simply faster), the entry's note says so. The global batch is the same in every
+A resize is then a look-up (Varuna's job morphing). The table covers the counts a job on the
+cluster is given (`table_counts`): every count up to one node's devices, whole nodes beyond, the
+counts the request names, or every count on request; a resize to another count re-plans. Entry c
+holds the fastest spec using at most c devices; when it uses fewer than c (nothing on exactly c
+devices fits in memory, or a smaller configuration is simply faster), the entry's note says so. The global batch is the same in every
 entry: m grows as devices shrink, and where d does not divide B/b the replicas take uneven shares
 (`pipectl.artifacts.plan.balanced_shares`), so no count is skipped for the batch's sake.
 
@@ -12,7 +14,7 @@ fast as the devices it has allow (the cost objective would otherwise leave devic
 It reuses the search's specs, cuts and simulations, and visits specs in the order of their lower
 bound: a spec is simulated only if no spec with as many devices or fewer is already known to be
 at least as fast as its bound, i.e. only if it could still improve some entry. A Fenwick tree
-answers "fastest known with at most n devices" in O(log n). Specs that pass that check are
+answers "fastest known for the table's counts up to the one serving n devices" in O(log n). Specs that pass that check are
 checked once more against the evaluator's tighter bound (`pipectl.plan.fast.bounds`: 1F1B's in-flight
 loops, Varuna's warm-up and cool-down) before they are simulated; skipping a spec that cannot
 improve any entry leaves the table unchanged. At GPT-1T scale on 3,072 GPUs (benchmarks/plan_scale.py)
@@ -31,6 +33,8 @@ together time 6 specs more than the one loop (167 simulations in all against 161
 """
 
 from __future__ import annotations
+
+from bisect import bisect_left
 
 from pipectl.artifacts.plan import Candidate, MorphEntry, PlanRequest
 from pipectl.plan.candidates import Spec
@@ -70,30 +74,49 @@ class PrefixMinimum:
 _TIE = 1e-12  # relative: step times closer than this are equal
 
 
-def fastest_per_device_count(specs: list[Spec], evaluator: Evaluator, max_devices: int, *,
-                             workers: int = 1) -> dict[int, tuple[float, Spec]]:
-    """For each device count n that some spec uses exactly: its fastest spec, if it can matter.
+def table_counts(request: PlanRequest, devices_per_node: int, max_devices: int) -> list[int]:
+    """The device counts the morph table covers, ascending: every count up to one node's devices
+    and whole nodes beyond (what a job on that cluster is given), plus the counts the request
+    names; every count with `morph_every_count`."""
+    if request.morph_every_count:
+        return list(range(1, max_devices + 1))
+    per_node = max(devices_per_node, 1)
+    counts = set(range(1, min(per_node, max_devices) + 1)) | set(range(per_node, max_devices + 1, per_node))
+    counts |= {n for n in request.morph_counts if n <= max_devices}
+    return sorted(counts)
 
-    Only counts whose fastest spec beats every spec with fewer devices are guaranteed present; the
+
+def fastest_per_device_count(specs: list[Spec], evaluator: Evaluator, counts: list[int], *,
+                             workers: int = 1) -> dict[int, tuple[float, Spec]]:
+    """For each table count c (`counts`, ascending): the fastest spec on more devices than the
+    count before c and at most c, if it can matter.
+
+    Only counts whose fastest spec beats every spec on fewer devices are guaranteed present; the
     others may be missing (they never improve an entry). The answer does not depend on `workers`.
     """
+    if not counts:
+        return {}
     if workers > 1:
-        _time_ahead(specs, evaluator, max_devices)
-    known = PrefixMinimum(max_devices)
+        _time_ahead(specs, evaluator, counts)
+    known = PrefixMinimum(len(counts))
     best: dict[int, tuple[float, Spec]] = {}
     for spec in sorted(specs, key=lambda s: (s.lower_bound_seconds, s.devices)):
         n = spec.devices
-        if n > max_devices:
+        if n > counts[-1]:
             continue
-        fastest_known = known.minimum(n)
+        position = bisect_left(counts, n) + 1  # the first count it serves, 1-based
+        fastest_known = known.minimum(position)
         if fastest_known <= spec.lower_bound_seconds:
             continue
         if fastest_known <= evaluator.tighter_bound_seconds(spec):
             continue  # cannot beat it either: see `pipectl.plan.fast.bounds`
         step = evaluator.step_seconds(spec)
-        if n not in best or step < best[n][0] * (1 - _TIE):  # a tie keeps the first found
-            best[n] = (step, spec)
-            known.lower(n, step)
+        count = counts[position - 1]
+        held = best.get(count)
+        # A tie keeps the first found, or the one on fewer devices (a smaller job, as the table's).
+        if held is None or step < held[0] * (1 - _TIE) or (step <= held[0] * (1 + _TIE) and n < held[1].devices):
+            best[count] = (step, spec)
+            known.lower(position, step)
     return best
 
 
@@ -104,23 +127,23 @@ PARALLEL_SPECS = 2000
 LIKELY_TIMED = 0.01
 
 
-def _time_ahead(specs: list[Spec], evaluator: Evaluator, max_devices: int) -> None:
+def _time_ahead(specs: list[Spec], evaluator: Evaluator, counts: list[int]) -> None:
     """Time in two processes what `fastest_per_device_count` will ask for (module docstring)."""
-    pool = [spec for spec in specs if spec.devices <= max_devices]
+    pool = [spec for spec in specs if spec.devices <= counts[-1]]
     if len(pool) < PARALLEL_SPECS:
         return
-    split = _split_count(pool)
+    split = counts[bisect_left(counts, _split_count(pool))]  # at a table count: the parts share no entry
     parts = [[spec for spec in pool if spec.devices <= split], [spec for spec in pool if spec.devices > split]]
     if not all(parts):
         return
 
     def here(part: list[Spec]) -> bool:
-        fastest_per_device_count(part, evaluator, max_devices)
+        fastest_per_device_count(part, evaluator, counts)
         return True
 
     def elsewhere(part: list[Spec]) -> tuple:
         simulations, actions = evaluator.simulations, evaluator.simulated_actions
-        fastest_per_device_count(part, evaluator, max_devices)
+        fastest_per_device_count(part, evaluator, counts)
         return evaluator.timings(), evaluator.simulations - simulations, evaluator.simulated_actions - actions
 
     for outcome in share(parts, [1.0, 1.0], here, elsewhere, workers=2):
@@ -152,10 +175,13 @@ def _split_count(pool: list[Spec]) -> int:
     return max(spec.devices for spec in pool)
 
 
-def morph_table(specs: list[Spec], evaluator: Evaluator, max_devices: int, request: PlanRequest) -> list[MorphEntry]:
-    """One entry per device count from the smallest that fits up to `max_devices`."""
+def morph_table(
+    specs: list[Spec], evaluator: Evaluator, max_devices: int, request: PlanRequest, devices_per_node: int
+) -> list[MorphEntry]:
+    """One entry per table count (`table_counts`) from the smallest that fits up to `max_devices`."""
     pool = [s for s in specs if s.runs_on(request.target_engine)]
-    best = fastest_per_device_count(pool, evaluator, max_devices, workers=request.workers or available_workers())
+    counts = table_counts(request, devices_per_node, max_devices)
+    best = fastest_per_device_count(pool, evaluator, counts, workers=request.workers or available_workers())
     if not best:
         return []
     exact_counts = {spec.devices for spec in pool}
@@ -163,7 +189,7 @@ def morph_table(specs: list[Spec], evaluator: Evaluator, max_devices: int, reque
     candidates: dict[tuple, Candidate] = {}
     first = min(best)
     running = best[first]  # the fastest plan on at most `count` devices so far
-    for count in range(first, max_devices + 1):
+    for count in counts[counts.index(first):]:
         # More devices only when faster beyond rounding: the step times come from different
         # evaluation orders (waves, skipped cycles), and a tie must keep the smaller job.
         if count in best and best[count][0] < running[0] * (1 - _TIE):

@@ -107,6 +107,12 @@ class PlanOptions(BaseModel):
         "when listed in --schedules).",
     )
     morph: Annotated[bool, Opt("plan")] = Field(default=True, description="Compute the morph table (--no-morph: skip it).")
+    morph_counts: Annotated[str | None, Opt("plan")] = Field(
+        default=None,
+        description="Device counts the morph table covers besides every count up to one node and whole nodes beyond: "
+        "a comma list of counts and ranges (12,100-120), or all for every count (resize re-plans for a count the "
+        "table lacks).",
+    )
 
     @field_validator("profile", mode="before")
     @classmethod
@@ -114,7 +120,7 @@ class PlanOptions(BaseModel):
         """A config file may name one profile as a string; flags give a list."""
         return [value] if isinstance(value, (str, Path)) else [str(v) for v in value] if isinstance(value, (list, tuple)) else value
 
-    @field_validator("schedules", "zero_stages", mode="before")
+    @field_validator("schedules", "zero_stages", "morph_counts", mode="before")
     @classmethod
     def _comma_list(cls, value: Any) -> Any:
         """A config file's list (`zero_stages = [1, 2]`) is the flag's comma list."""

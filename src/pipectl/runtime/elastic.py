@@ -25,7 +25,7 @@ def plan_for_world_size(plan: Plan, world_size: int) -> Candidate:
         known = sorted(e.devices for e in plan.morph_table if e.candidate is not None)
         raise UserInputError(
             f"the plan has no layout for {world_size} ranks (morph table: {known or 'empty'})",
-            hint="plan with a morph table that covers every size the elastic range allows",
+            hint="plan with --morph-counts naming every size the elastic range allows (or --morph-counts all)",
         )
     if entry.candidate.devices != world_size:
         raise UserInputError(
