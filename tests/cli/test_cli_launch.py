@@ -72,6 +72,18 @@ def test_existing_run_is_refused_and_bad_options_name_their_value(tmp_path):
     assert missing.exit_code == 2 and "missing.json" in missing.output
 
 
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_a_run_directory_name_too_long_is_refused_and_leaves_no_folder(tmp_path, dry_run):
+    """A 300-character name: one line naming its length and the limit, exit 2, and no `runs/`
+    left behind (the launch creates the missing folders only once the name is known to fit)."""
+    plan = write_plan(tmp_path / "plan.json")
+    run = tmp_path / "runs" / ("r" * 300)
+    result = invoke("launch", plan, "--run-dir", run, *(["--dry-run"] if dry_run else []))
+    assert result.exit_code == 2, result.output
+    assert "300 bytes" in result.output and "255" in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "runs").exists()
+
+
 @pytest.mark.parametrize("option, value", [("--lr", "0"), ("--keep-checkpoints", "9" * 40), ("--warmup-steps", "9" * 23),
                                            ("--seed", "9" * 23), ("--seed", str(2**63 - 1)), ("--seed", "-1"),
                                            ("--master-addr", "bad!host"), ("--time-limit", "banana")])

@@ -103,6 +103,49 @@ class RunLock:
         self.release()
 
 
+def _check_name_lengths(path: Path) -> None:
+    """Refuse a folder name the filesystem cannot hold, naming it, before anything is created."""
+    missing = []
+    existing = path.absolute()
+    while not existing.exists() and existing != existing.parent:
+        missing.append(existing.name)
+        existing = existing.parent
+    try:
+        limit = os.pathconf(existing, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        limit = 255  # what Linux's filesystems allow
+    for name in reversed(missing):
+        size = len(os.fsencode(name))
+        if size > limit:
+            shown = name if len(name) <= 40 else f"{name[:20]}…{name[-12:]}"
+            raise UserInputError(
+                f"run directory {shown!r}: the name is {size} bytes; the filesystem holding {existing} allows at most {limit}",
+                hint="choose a shorter --run-dir",
+            )
+
+
+def _make_folders(path: Path) -> None:
+    """`path.mkdir(parents=True)`, taking back the folders it made when it fails (a refused
+    launch leaves nothing behind); the failure is named as a `UserInputError`."""
+    _check_name_lengths(path)
+    made: list[Path] = []
+    try:
+        for folder in reversed([path, *path.parents]):
+            if not folder.exists():
+                try:
+                    folder.mkdir()
+                except FileExistsError:
+                    continue  # made meanwhile by another process: not ours to take back
+                made.append(folder)
+    except OSError as exc:
+        for folder in reversed(made):
+            try:
+                folder.rmdir()
+            except OSError:
+                pass
+        raise UserInputError(f"cannot create run directory {path}: {exc.strerror or exc}") from None
+
+
 def lock_holder(run_dir: str | os.PathLike[str]) -> list[int]:
     """The pids recorded by the job holding the run's lock (empty if none could be read)."""
     try:
@@ -120,7 +163,7 @@ def lock_run_dir(run_dir: str | os.PathLike[str], *, wait_seconds: float = 0.0) 
     path = Path(run_dir)
     if path.exists() and not path.is_dir():
         raise UserInputError(f"run directory {path} is a file")
-    path.mkdir(parents=True, exist_ok=True)
+    _make_folders(path)
     lock_path = path / LOCK_FILE
     if lock_path.is_symlink():
         raise UserInputError(f"{lock_path} is a link; a run's lock file is its own", hint="remove it")
@@ -189,6 +232,7 @@ def prepare_run_dir(run_dir: str | os.PathLike[str], *, resume: bool = False, fo
 def check_run_dir(run_dir: str | os.PathLike[str], *, resume: bool = False, force: bool = False) -> Path:
     """What `prepare_run_dir` refuses, refused without touching anything (see there)."""
     path = Path(run_dir)
+    _check_name_lengths(path)
     if resume and force:
         raise UserInputError("--resume and --force contradict each other: keep the run, or start over")
     if path.exists() and not path.is_dir():
