@@ -314,3 +314,45 @@ def test_a_resize_whose_job_does_not_stop_leaves_no_stop_request_behind(tmp_path
         assert read_run(run).job.world_size == 2  # nothing rewritten
     finally:
         proc.kill()
+
+
+STARTING_LAUNCH = """
+import os, subprocess, sys, time
+from pipectl.launch.rundir import lock_run_dir
+run = sys.argv[1]
+lock = lock_run_dir(run)  # what `launch --resume` holds from its pre-flight on
+time.sleep(1.5)  # the pre-flight: no rank yet
+rank = subprocess.Popen([sys.executable, "-c", os.environ["STAND_IN"], "-m", "pipectl.runtime.worker", "--run-dir", run])
+sys.exit(rank.wait())
+"""
+
+
+def test_a_job_still_starting_is_stopped_at_its_first_step_boundary_then_resized(tmp_path):
+    """`launch --resume` a moment before `resize`: the launch holds the run and has no rank yet.
+    The resize says so, asks for the stop at once, waits for the ranks and stops them, instead of
+    waiting silently on the lock and giving up with a hint to resize."""
+    run = make_run(tmp_path)
+    launch = subprocess.Popen([sys.executable, "-c", STARTING_LAUNCH, str(run)], env={**os.environ, "STAND_IN": STAND_IN})
+    try:
+        for _ in range(100):
+            if str(launch.pid) in (run / "job.lock").read_text().split():
+                break  # it holds the run
+            time.sleep(0.05)
+        said = []
+        result = resize_run(run, 1, steps=20, relaunch=False, stop_timeout_seconds=20, on_phase=said.append)
+        assert launch.wait(timeout=10) == 0  # its rank stopped through the stop file
+        assert said[0] == f"a job is starting in {run} (pid {launch.pid}): stopping it at its first step boundary"
+        assert any(line.startswith("stopping the running job") for line in said), said
+        assert result.record.stopped_running_job and read_run(run).job.world_size == 1
+        assert not (run / ckpt.STOP_FILE).exists()
+    finally:
+        launch.kill()
+
+
+def test_a_launch_refused_by_a_resize_holding_the_run_says_so(tmp_path):
+    from pipectl.launch.rundir import lock_run_dir
+
+    run = make_run(tmp_path)
+    with lock_run_dir(run, role="resize"):
+        with pytest.raises(UserInputError, match=f"run directory {run} is being resized \\(pipectl resize, pid {os.getpid()}\\)"):
+            lock_run_dir(run)

@@ -73,9 +73,10 @@ class RunLock:
     `fileno()`: the lock belongs to the open file, shared by every process that holds it).
     """
 
-    def __init__(self, path: Path, fd: int) -> None:
+    def __init__(self, path: Path, fd: int, role: str = "launch") -> None:
         self.path = path
         self._fd: int | None = fd
+        self.role = role  # what holds the run: launch, or resize (which relaunches the job itself)
 
     def fileno(self) -> int:
         if self._fd is None:
@@ -83,10 +84,10 @@ class RunLock:
         return self._fd
 
     def record(self, *pids: int) -> None:
-        """Write the pids of the processes running the job (this one first) into the lock file."""
+        """Write the pids of the processes running the job (this one first), and the role, into the lock file."""
         fd = self.fileno()
         os.ftruncate(fd, 0)
-        os.pwrite(fd, " ".join(str(pid) for pid in pids).encode() + b"\n", 0)
+        os.pwrite(fd, " ".join([*(str(pid) for pid in pids), self.role]).encode() + b"\n", 0)
 
     def release(self) -> None:
         if self._fd is not None:
@@ -101,6 +102,15 @@ class RunLock:
 
     def __del__(self) -> None:
         self.release()
+
+
+def _lock_role(run_dir: Path) -> str:
+    """What the lock file says holds the run (`RunLock.record`): launch or resize."""
+    try:
+        words = (run_dir / LOCK_FILE).read_text().split()
+    except OSError:
+        return "launch"
+    return next((word for word in words if not word.isdigit()), "launch")
 
 
 def _check_name_lengths(path: Path) -> None:
@@ -155,7 +165,7 @@ def lock_holder(run_dir: str | os.PathLike[str]) -> list[int]:
     return [int(word) for word in text.split() if word.isdigit()]
 
 
-def lock_run_dir(run_dir: str | os.PathLike[str], *, wait_seconds: float = 0.0) -> RunLock:
+def lock_run_dir(run_dir: str | os.PathLike[str], *, wait_seconds: float = 0.0, role: str = "launch") -> RunLock:
     """Take the run's lock (creating the folder if needed), waiting up to `wait_seconds` for a job
     that holds it to end; `UserInputError` naming the live job's pids if it does not, or if ranks
     of the run still run on this machine without a launcher holding the lock (both the launching
@@ -182,6 +192,11 @@ def lock_run_dir(run_dir: str | os.PathLike[str], *, wait_seconds: float = 0.0) 
                 # [] while the holder has not written its pid yet (a race); the pids of a job that
                 # ended are left out: another process holds the lock, and a hint names live ones only.
                 pids = [pid for pid in lock_holder(path) if pid_alive(pid)]
+                if pids and _lock_role(path) == "resize":
+                    raise UserInputError(
+                        f"run directory {path} is being resized (pipectl resize, pid {pids[0]})",
+                        hint="wait for the resize: it relaunches the job itself (pipectl status shows it)",
+                    ) from None
                 who = "pid unknown"
                 if pids:
                     who = f"pid {pids[0]}" + (f", launcher pid {', '.join(map(str, pids[1:]))}" if pids[1:] else "")
@@ -191,7 +206,7 @@ def lock_run_dir(run_dir: str | os.PathLike[str], *, wait_seconds: float = 0.0) 
                     f"{pids[0] if pids else 'PID'}), or move it with pipectl resize",
                 ) from None
             time.sleep(0.1)
-    lock = RunLock(lock_path, fd)
+    lock = RunLock(lock_path, fd, role)
     lock.record(os.getpid())  # at once: a launch refused meanwhile names this pid
     left = [p for p in find_run_processes(path) if p.is_worker]
     if left:  # the lock dies with the launching processes; ranks they left behind may not have

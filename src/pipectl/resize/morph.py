@@ -58,6 +58,8 @@ from pipectl.resize.stop import (
     cancel_slurm_job,
     find_run_processes,
     request_stop,
+    starting_launch,
+    wait_for_start,
     wait_for_exit,
     wait_for_ranks,
 )
@@ -345,6 +347,17 @@ def resize_run(
     remote = [] if processes else live_ranks(read_heartbeats(path), time.time())
     stopped = None
     stop_started = time.monotonic()
+    starting = [] if processes or remote else starting_launch(path)
+    if starting:
+        # A launch that holds the run but has no rank yet (`launch --resume` a moment ago): its
+        # ranks find the stop request at their first step boundary.
+        say(f"a job is starting in {path} (pid {starting[0]}): stopping it at its first step boundary")
+        request_stop(path, STOP_FILE)
+        try:
+            processes = wait_for_start(path, timeout_seconds=stop_timeout_seconds)
+        except BaseException:
+            (path / STOP_FILE).unlink(missing_ok=True)
+            raise
     if processes:
         say(f"stopping the running job at its next step boundary ({len(processes)} processes)")
         request_stop(path, STOP_FILE)
@@ -388,7 +401,7 @@ def resize_run(
 
     # One job per run directory: the stopped job's launching process lets go of the lock once
     # its launcher has exited (moments after its ranks); a job that still holds it is not ours.
-    lock = lock_run_dir(path, wait_seconds=lock_wait_seconds)
+    lock = lock_run_dir(path, wait_seconds=lock_wait_seconds, role="resize")
     try:
         return _rewrite_and_relaunch(
             decision, prepared, stopped, notes, lock, requested_unix, relaunch, run_timeout_seconds, say, on_tick, submit

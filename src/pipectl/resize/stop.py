@@ -30,7 +30,8 @@ from pathlib import Path
 from pipectl.artifacts.run import SLURM_JOB_ID_FILE, RankHeartbeat
 from pipectl.errors import LaunchError
 from pipectl.launch.processes import RunProcess, find_run_processes, is_alive
-from pipectl.runtime.liveness import live_ranks, read_heartbeats
+from pipectl.launch.rundir import lock_holder
+from pipectl.runtime.liveness import live_ranks, pid_alive, read_heartbeats
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,31 @@ def request_stop(run_dir: str | os.PathLike[str], stop_file: str) -> Path:
     stop_path = Path(run_dir) / stop_file
     stop_path.write_text(f"requested at {time.time():.3f} by pid {os.getpid()}\n")
     return stop_path
+
+
+def starting_launch(run_dir: str | os.PathLike[str]) -> list[int]:
+    """The live pids holding the run's lock (`launch.rundir.lock_run_dir`) other than this process:
+    a launch between taking the lock and starting its ranks (its pre-flight, DeepSpeed's config
+    check) has no process `find_run_processes` sees yet."""
+    return [pid for pid in lock_holder(run_dir) if pid != os.getpid() and pid_alive(pid)]
+
+
+def wait_for_start(
+    run_dir: str | os.PathLike[str], *, timeout_seconds: float = 300.0, poll_seconds: float = 0.1
+) -> list[RunProcess]:
+    """Wait until a starting launch (`starting_launch`) has started its ranks (they are returned)
+    or has let go of the run (nothing is). `LaunchError` after `timeout_seconds`."""
+    started = time.monotonic()
+    while True:
+        processes = find_run_processes(run_dir)
+        if processes or not starting_launch(run_dir):
+            return processes
+        if time.monotonic() - started >= timeout_seconds:
+            raise LaunchError(
+                f"the job starting in {run_dir} started no rank within {timeout_seconds:.0f} s",
+                hint="wait for it, or stop it (kill -TERM " + " ".join(map(str, starting_launch(run_dir))) + ")",
+            )
+        time.sleep(poll_seconds)
 
 
 def wait_for_exit(
