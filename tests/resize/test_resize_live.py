@@ -10,19 +10,27 @@ must match it within 1e-4 relative (fp32), and rank 0 must have kept its process
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from pipectl.artifacts.plan import MorphEntry
 from pipectl.launch import LaunchOptions, prepare_launch, run_engine
+from pipectl.launch.processes import find_run_processes
+from pipectl.launch.rundir import read_run
 from pipectl.resize.live import live_resize
 from pipectl.resize.morph import decide_resize
 from pipectl.resize.stop import request_stop
 from pipectl.runtime.checkpoint import STOP_FILE
 from pipectl.runtime.history import read_history
+from pipectl.artifacts.run import RankState
 from pipectl.runtime.liveness import read_heartbeats
 from pipectl.runtime.metrics import read_metrics
 from builders import gpt_tiny_candidate as candidate, plan_of
@@ -70,6 +78,9 @@ def test_a_running_job_moves_live_and_trains_on_as_if_never_moved(tmp_path):
     for devices, layout in moves:
         result = live_resize(decide_resize(job.run_dir, devices), requested_unix=time.time())
         assert result.record.to_layout == layout and result.record.path == "live"
+        # Rank 0 moved the new layout's files in after its first step, before the record.
+        assert read_run(job.run_dir).plan.chosen.devices == devices and read_run(job.run_dir).job.world_size == devices
+        assert not (job.run_dir / "live" / "next").exists()
         job.wait_for_step(result.record.resume_step + 3)
     last = read_history(job.run_dir)[-1].resume_step
     job.wait_for_step(last + 10)
@@ -92,3 +103,33 @@ def test_a_running_job_moves_live_and_trains_on_as_if_never_moved(tmp_path):
     expected = {m.step: m.loss for m in read_metrics(reference.run_dir)}
     for m in metrics:
         assert m.loss == pytest.approx(expected[m.step], rel=RELATIVE_TOLERANCE), m.step
+
+
+def test_a_live_resize_killed_before_it_asks_leaves_the_run_as_it_was_and_no_orphan(tmp_path):
+    """kill -9 of `pipectl resize --live` while its joining rank warms up: the run's files still
+    describe the running layout (status and --resume read them), the joining rank leaves at once
+    instead of waiting out the hand-over no one asked for, and the job trains on."""
+    job = BackgroundJob(plan_of(P1, global_batch=8, morph_table=[MorphEntry(devices=1, candidate=P1), MorphEntry(devices=2, candidate=D2)]), tmp_path / "killed")  # fmt: skip
+    job.wait_for_step(3)
+    names = ("job.json", "plan.json", "ds_config.json", "launch.sh")
+    before = {name: (job.run_dir / name).read_bytes() for name in names}
+    resize = subprocess.Popen([sys.executable, "-m", "pipectl", "resize", str(job.run_dir), "--devices", "2"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    deadline = time.monotonic() + RUN_TIMEOUT_SECONDS
+    while not (joiners := [p for p in find_run_processes(job.run_dir) if "--join" in p.argv]):
+        assert resize.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    (joiner,) = joiners
+    os.kill(resize.pid, signal.SIGKILL)
+    resize.wait()
+    try:
+        psutil.Process(joiner.pid).wait(timeout=120)  # its warm-up, then it sees the resize gone
+    except psutil.NoSuchProcess:
+        pass
+    assert {name: (job.run_dir / name).read_bytes() for name in names} == before
+    assert read_run(job.run_dir).job.world_size == 1
+    step = read_metrics(job.run_dir)[-1].step
+    job.wait_for_step(step + 3)
+    job.stop()
+    assert read_heartbeats(job.run_dir)[1].state is RankState.LEFT  # it left; it did not fail
+    assert not list((job.run_dir / "logs").glob("failure-rank*.json"))

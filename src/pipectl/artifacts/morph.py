@@ -95,7 +95,7 @@ class LiveResizeRequest(Artifact):
     schema_version: Literal[1] = 1
     generation: int = Field(ge=1, description="1 for the job's first live resize, then 2, ...")
     from_devices: int = Field(gt=0, description="Ranks handing their state over.")
-    to_devices: int = Field(gt=0, description="Ranks of the new layout (run files already rewritten for it).")
+    to_devices: int = Field(gt=0, description="Ranks of the new layout (its run files in `staged`).")
     master_addr: str = Field(description="Where the new layout's ranks meet.")
     master_port: int = Field(gt=0, lt=65536, description="A port free for the new layout's process group.")
     record: MorphRecord = Field(description="The morph as decided; the ranks fill in what they measure.")
@@ -106,6 +106,11 @@ class LiveResizeRequest(Artifact):
     )
     meeting_port: int | None = Field(
         default=None, gt=0, lt=65536, description="A recovery: where all the survivors first meet to hand over."
+    )
+    staged: str | None = Field(
+        default=None,
+        description="The folder (relative to the run) holding the new layout's run files; rank 0 moves them into "
+        "the run after the first step on it. None: the run's own files already describe it (a recovery).",
     )
 
     @model_validator(mode="after")

@@ -5,22 +5,28 @@ global batch); what differs is how the job gets there (`runtime/live.py` is the 
 
 1. check the job can move live: it runs here, on one host, under the local or torchrun engine,
    with no split over device kinds; otherwise `LiveUnavailable` says why (the CLI then restarts);
-2. rewrite plan.json, job.json and ds_config.json for the new layout (validated by DeepSpeed's
-   parser, exactly as a restart would; the previous files are put back if anything below fails);
+2. write plan.json, job.json and ds_config.json for the new layout into RUN/live/next (validated
+   by DeepSpeed's parser, exactly as a restart would): the run's own files change only once the
+   new layout has taken its first step, when rank 0 moves these in, so a resize that ends before
+   (refused, timed out, killed) leaves the run as it was;
 3. when N grows, start the N - W joining ranks (`python -m pipectl.runtime.worker --join`, new
    ranks W .. N-1, their logs in RUN/logs/join-rank{R}.log) and wait until each has imported torch
    and DeepSpeed and read the job (RUN/live/ready-rank{R}): the running ranks never wait for that;
 4. write RUN/resize_requested.json; the ranks take it at their next step boundary, hand their
-   state over in memory and go on; rank 0 appends the morph record after the first new step;
+   state over in memory and go on; rank 0 moves the staged files in and appends the morph record
+   after the first new step;
 5. wait for that record (or for the job to end) and return it.
 
-The joining ranks outlive this command: they belong to the job from then on, and end with it.
+The joining ranks outlive this command once it has written the request: they belong to the job
+from then on, and end with it. Before that, a joining rank leaves as soon as this command has
+ended (`runtime.live.JoinAbandoned`): no orphan waits for a hand-over no one asked for.
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -37,13 +43,14 @@ from pipectl.errors import LaunchError
 from pipectl.io import write_json_atomic
 from pipectl.launch.engines import rank_environment
 from pipectl.launch.processes import WORKER_MODULE, find_run_processes
-from pipectl.launch.rundir import read_run
-from pipectl.resize.morph import PreparedRelaunch, ResizeDecision, prepare_relaunch, write_relaunch
+from pipectl.launch.rundir import lock_holder, read_run, write_run_files
+from pipectl.resize.morph import PreparedRelaunch, ResizeDecision, prepare_relaunch
 from pipectl.runtime.checkpoint import STOP_FILE
 from pipectl.runtime.dsconfig import check_candidate
 from pipectl.runtime.dsinit import free_port
 from pipectl.runtime.history import read_records
-from pipectl.runtime.live import JOIN_DIR, ready_path, request_path
+from pipectl.runtime.live import JOIN_DIR, RESIZE_PID_VARIABLE, STAGED_DIR, ready_path, request_path
+from pipectl.runtime.liveness import SUPERVISOR_VARIABLE, pid_alive
 from pipectl.words import count
 
 
@@ -134,14 +141,13 @@ def _one_at_a_time(path: Path):
 def _move(decision: ResizeDecision, requested_unix: float, say: Phase, ready_timeout_seconds: float,
           handover_timeout_seconds: float) -> LiveResult:  # fmt: skip
     path = decision.run_dir
-    before = {name: (path / name).read_bytes() for name in run_file_names(path)}
     prepared = prepare_relaunch(decision)
     old_world, new_world = decision.previous.devices, decision.candidate.devices
-    request = live_request(decision, prepared, requested_unix=requested_unix)
+    request = live_request(decision, prepared, requested_unix=requested_unix).model_copy(update={"staged": STAGED_DIR})
     joiners: list[subprocess.Popen] = []
     requested = False
     try:
-        write_relaunch(path, prepared)
+        _stage(path, prepared)
         if new_world > old_world:
             joiners = _start_joiners(path, prepared.job, range(old_world, new_world))
             say(f"started {count(len(joiners), 'joining rank')}; waiting until they are ready")
@@ -151,14 +157,18 @@ def _move(decision: ResizeDecision, requested_unix: float, say: Phase, ready_tim
         say(f"asked the running job to move to {count(new_world, 'rank')} ({request.record.to_layout}) at its next step boundary")
         record = _wait_record(path, request, joiners, handover_timeout_seconds)
     except BaseException:
-        # Not asked yet, or asked and not taken (the ranks remove the request as they take it):
-        # the running job stays as it was, and so do its files.
-        if not requested or request_path(path).exists():
-            request_path(path).unlink(missing_ok=True)
-            for name, data in before.items():
-                (path / name).write_bytes(data)
+        # The run's own files were never touched: rank 0 moves the staged ones in after the first
+        # step on the new layout. Not asked yet: the staged files and the joining ranks go. Asked
+        # and not done (rank 0 removes the request after that step): the request is withdrawn; the
+        # staged files stay, as the ranks may have taken it already (they read them), and so do
+        # the joining ranks, which enter the job if it moves and leave once this command has ended
+        # with no request written (`runtime.live.JoinAbandoned`).
+        if not requested:
             for proc in joiners:
                 proc.kill()
+            shutil.rmtree(path / STAGED_DIR, ignore_errors=True)
+        else:
+            request_path(path).unlink(missing_ok=True)
         raise
     return LiveResult(record, [p.pid for p in joiners])
 
@@ -204,6 +214,18 @@ def live_request(
     )
 
 
+def _stage(path: Path, prepared: PreparedRelaunch) -> None:
+    """The new layout's run files into RUN/live/next (`runtime.live.STAGED_DIR`), a leftover of a
+    resize that ended early replaced."""
+    staged = path / STAGED_DIR
+    shutil.rmtree(staged, ignore_errors=True)
+    staged.mkdir(parents=True)
+    write_run_files(
+        staged, plan=prepared.plan, job=prepared.job, ds_config=prepared.ds_config, command=prepared.command,
+        plan_dir=path,
+    )
+
+
 def run_file_names(path: Path) -> list[str]:
     job = read_run(path).job
     names = [JOB_FILE, job.plan_file, job.ds_config_file, LAUNCH_SCRIPT]
@@ -217,6 +239,7 @@ def _start_joiners(path: Path, job, ranks: range) -> list[subprocess.Popen]:
     ready.mkdir(exist_ok=True)
     for stale in ready.glob("ready-rank*"):
         stale.unlink()
+    supervisor = [pid for pid in lock_holder(path) if pid_alive(pid)]  # the launching pipectl first
     procs = []
     for rank in ranks:
         env = {
@@ -228,6 +251,10 @@ def _start_joiners(path: Path, job, ranks: range) -> list[subprocess.Popen]:
             "LOCAL_WORLD_SIZE": str(job.world_size),
             "MASTER_ADDR": job.master_addr,
             "MASTER_PORT": str(job.master_port),
+            # Until it is in the job, it leaves when this resize ends unasked; then it watches
+            # the launching pipectl as every rank does (`liveness.watch_supervisor`).
+            RESIZE_PID_VARIABLE: str(os.getpid()),
+            **({SUPERVISOR_VARIABLE: str(supervisor[0])} if supervisor else {}),
         }
         with (logs / f"join-rank{rank}.log").open("ab") as log_handle:
             procs.append(

@@ -1,8 +1,9 @@
 """Live resize: the running job moves to another layout at a step boundary, in the same processes.
 
 VirtualFlow's promise (Or et al., MLSys 2022; docs/design.md, 'Resize and recovery'): a job's devices change while it runs, and it is not restarted.
-`pipectl resize RUN --devices N` (live by default for a job running here) rewrites the run's files
-for the new layout (plan.json, job.json, ds_config.json: what a restart would write), starts the
+`pipectl resize RUN --devices N` (live by default for a job running here) writes the run files of
+the new layout (plan.json, job.json, ds_config.json: what a restart would write) into RUN/live/next
+(`STAGED_DIR`; rank 0 moves them into the run after the first step on the new layout), starts the
 ranks that join (if N grows), waits until they have imported torch and DeepSpeed and built a
 throw-away engine (`warm_up`), then writes RUN/resize_requested.json (`LiveResizeRequest`). At the
 next step boundary the running ranks see it (it rides on the vote every boundary already has) and
@@ -86,6 +87,16 @@ if TYPE_CHECKING:  # torch: only in the ranks (the CLI's resize reads this modul
 log = logging.getLogger(__name__)
 
 JOIN_DIR = "live"  # RUN/live/ready-rank{R}: joining rank R has started and waits for the hand-over
+# RUN/live/next/: the new layout's run files (job.json, plan.json, ds_config.json, launch.sh), read
+# by the ranks for the hand-over and moved into the run by rank 0 after the first step on it, so a
+# resize that ends before then (killed, refused, timed out) leaves the run's files as they were.
+STAGED_DIR = f"{JOIN_DIR}/next"
+RESIZE_PID_VARIABLE = "PIPECTL_RESIZE_PID"  # a joining rank's resize: it gives up when that ends unasked
+
+
+class JoinAbandoned(LaunchError):
+    """The live resize that started this joining rank ended before it asked the job to move: the
+    rank leaves (exit 0, no failure record); the job never knew of it."""
 MEMORY_LABEL = "the running ranks' memory (live resize)"
 
 
@@ -116,6 +127,26 @@ def pending_generation(run_dir: str | os.PathLike[str] | None, generation: int) 
 
 def read_request(run_dir: str | os.PathLike[str]) -> LiveResizeRequest:
     return load_model(LiveResizeRequest, request_path(run_dir))
+
+
+def files_of(run_dir: str | os.PathLike[str], request: LiveResizeRequest | None) -> Path:
+    """Where the run files of `request`'s layout are: its staged folder, else the run itself."""
+    return Path(run_dir) / request.staged if request is not None and request.staged else Path(run_dir)
+
+
+def install_staged(run_dir: str | os.PathLike[str], request: LiveResizeRequest) -> None:
+    """Rank 0, after the first step on the new layout: the staged run files replace the run's, each
+    by an atomic rename, job.json last (it names the others)."""
+    if not request.staged:
+        return
+    staged = Path(run_dir) / request.staged
+    names = sorted((entry.name for entry in staged.iterdir() if entry.is_file()), key=lambda name: name == JOB_FILE)
+    for name in names:
+        os.replace(staged / name, Path(run_dir) / name)
+    try:
+        staged.rmdir()
+    except OSError:
+        pass
 
 
 # --------------------------------------------------------------------------- what moves
@@ -473,7 +504,8 @@ class _Landing:
 
 
 def reform(
-    address: str, port: int, world: int, rank: int, timeout_seconds: float | None, wait_seconds: float | None = None
+    address: str, port: int, world: int, rank: int, timeout_seconds: float | None, wait_seconds: float | None = None,
+    give_up: Callable[[], None] | None = None,
 ) -> None:
     """Leave the current process group (if any) and enter the new layout's: `world` ranks meeting
     at `address:port`, rank 0 hosting the store (`meet`; `wait_seconds`: how long a rank other than
@@ -494,7 +526,7 @@ def reform(
     )
     # torchrun's ranks meet in its agent's store; the new group has a store of its own.
     os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
-    dsinit.init_distributed(timeout_seconds, store=meet(address, port, world, rank, timeout_seconds, wait_seconds))
+    dsinit.init_distributed(timeout_seconds, store=meet(address, port, world, rank, timeout_seconds, wait_seconds, give_up))
 
 
 PROBE_SECONDS = 0.005
@@ -502,7 +534,8 @@ JOIN_WAIT_TIMEOUTS = 3  # a joining rank waits this many collective timeouts for
 
 
 def meet(
-    address: str, port: int, world: int, rank: int, timeout_seconds: float | None, wait_seconds: float | None = None
+    address: str, port: int, world: int, rank: int, timeout_seconds: float | None, wait_seconds: float | None = None,
+    give_up: Callable[[], None] | None = None,
 ):
     """The new group's store: rank 0 serves it, the others connect once it listens. A joining rank
     waits here from the moment it is ready; it probes the port every 5 ms with a plain TCP connect
@@ -523,6 +556,8 @@ def meet(
             socket.create_connection((address, port), timeout=1.0).close()
             break
         except OSError as exc:  # not listening yet
+            if give_up is not None:
+                give_up()
             if time.monotonic() > deadline:
                 raise LaunchError(f"live resize: nothing listens at {address}:{port} after {wait:.0f} s ({exc})") from None
             time.sleep(PROBE_SECONDS)
@@ -713,8 +748,9 @@ def _prepared_bytes(run_dir: Path, rank: int) -> int:
     request = read_request(run_dir)
     if request.to_devices < request.from_devices or rank >= request.to_devices:
         return 0
-    job = load_model(JobSpec, run_dir / JOB_FILE)
-    plan = load_model(Plan, run_dir / job.plan_file)
+    files = files_of(run_dir, request)
+    job = load_model(JobSpec, files / JOB_FILE)
+    plan = load_model(Plan, files / job.plan_file)
     layout = Layout.from_candidate(plan.chosen)
     if layout.world_size != request.to_devices:
         return 0
@@ -746,7 +782,8 @@ def join(
     # the boundary after the one where they saw the request, once they have prepared their memory
     # (`Preparation`) during one more step; so up to two steps, each within the collective timeout.
     wait = JOIN_WAIT_TIMEOUTS * (timeout_seconds or 1800.0)
-    reform(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), layout.world_size, rank, timeout_seconds, wait)
+    reform(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), layout.world_size, rank, timeout_seconds, wait,
+           give_up=_resize_ended_unasked(run_dir))
     request = read_request(run_dir)
     if request.to_devices != layout.world_size:
         raise LaunchError(f"live resize to {request.to_devices} ranks, but the run files describe {layout.world_size}")
@@ -758,6 +795,28 @@ def join(
         into = (handed.built[1], memory) if handed.built is not None else None
         handed.reader, handed.bytes_moved = exchange([], layout, model, into=into)
     return handed
+
+
+def _resize_ended_unasked(run_dir: str | os.PathLike[str]) -> Callable[[], None]:
+    """For a joining rank waiting to enter the job: raise `JoinAbandoned` once the resize that
+    started it (`RESIZE_PID_VARIABLE`) has ended without writing its request. A request written
+    is the resize's commitment: the running ranks take it and wait for this rank, with or without
+    the command that asked (looked at every quarter second)."""
+    from pipectl.runtime.liveness import pid_alive
+
+    text = os.environ.get(RESIZE_PID_VARIABLE, "")
+    pid = int(text) if text.isdigit() else None
+    looked = [0.0]
+
+    def give_up() -> None:
+        now = time.monotonic()
+        if pid is None or now - looked[0] < 0.25:
+            return
+        looked[0] = now
+        if not pid_alive(pid) and not request_path(run_dir).exists():
+            raise JoinAbandoned(f"the live resize that started this rank (pid {pid}) ended before asking the job to move")
+
+    return give_up
 
 
 def finished_record(

@@ -349,14 +349,19 @@ SUPERVISOR_VARIABLE = "PIPECTL_SUPERVISOR_PID"  # the pid of the pipectl process
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether a process `pid` exists (signal 0: nothing is sent)."""
+    """Whether a process `pid` exists (signal 0: nothing is sent) and has not exited: a zombie, an
+    ended process its parent has not collected yet, counts as ended."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # someone else's process: it exists
         return True
-    return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:  # no /proc (macOS), or it ended meanwhile: signal 0 said it exists
+        return True
+    return stat[stat.rfind(")") + 2:][:1] != "Z"  # the state follows the command name in parentheses
 
 
 def watch_supervisor(stop: Callable[[str], None], interval_seconds: float = 1.0) -> threading.Thread | None:

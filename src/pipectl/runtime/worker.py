@@ -54,6 +54,7 @@ from pipectl.runtime.failure import RankContext, failure_record, write_failure, 
 from pipectl.runtime.history import record_layout_change
 from pipectl.runtime.liveness import Heartbeat, job_collective_timeout_seconds, watch_supervisor
 from pipectl.runtime.metrics import MetricsWriter, RankMemory, node_name, rank_memory, reset_peak_memory
+from pipectl.runtime.live import STAGED_DIR, JoinAbandoned
 from pipectl.schedule import generate
 from pipectl.schedule.ir import ActionKind, Schedule
 
@@ -118,11 +119,14 @@ class TrainingJob:
     train_without_checkpoints: bool = False  # train on when the first checkpoint finds no room (`Checkpointer`)
 
     @classmethod
-    def from_run_dir(cls, run_dir: str | os.PathLike[str]) -> "TrainingJob":
+    def from_run_dir(cls, run_dir: str | os.PathLike[str], files: str | os.PathLike[str] | None = None) -> "TrainingJob":
+        """The job of `run_dir`, its run files read from `files` (default the run itself; a live
+        resize's staged folder, `live.files_of`)."""
         run_dir = Path(run_dir)
-        job = load_model(JobSpec, run_dir / "job.json")
-        plan = load_model(Plan, run_dir / job.plan_file)
-        ds_config = read_mapping(run_dir / job.ds_config_file)
+        files = run_dir if files is None else Path(files)
+        job = load_model(JobSpec, files / "job.json")
+        plan = load_model(Plan, files / job.plan_file)
+        ds_config = read_mapping(files / job.ds_config_file)
         candidate = plan.chosen
         # The worker on an elastic restart may see another world size: take the morph table's plan.
         world = int(os.environ.get("WORLD_SIZE", candidate.devices))
@@ -340,6 +344,9 @@ def train(
     heartbeat = Heartbeat(job.run_dir, context.rank, lambda: (context.stage, context.step, context.phase)).start()
     try:
         result = _train(job, on_step, context, joining)
+    except JoinAbandoned as exc:  # never part of the job: it leaves as a rank that handed over does
+        heartbeat.end(RankState.LEFT, reason=exc.message)
+        raise
     except BaseException:
         heartbeat.end(RankState.FAILED)
         raise
@@ -385,7 +392,7 @@ def _train(
             clock.phases["boundary"] = max(0.0, time.time() - last_step_unix)
         with clock.phase("read"):  # the run files describe the new layout
             os.environ["WORLD_SIZE"] = str(request.to_devices)
-            job = TrainingJob.from_run_dir(job.run_dir)
+            job = TrainingJob.from_run_dir(job.run_dir, files=live.files_of(job.run_dir, request))
             layers = build_model_layers(job)
         if request.recovery:
             context.phase = "recovery: handing over the survivors' state"
@@ -689,6 +696,9 @@ class _Session:
         handed, self.handed = self.handed, None
         if self.rank != 0:
             return
+        # The new layout has taken its first step: its run files become the run's, then the record
+        # that `pipectl resize` waits for.
+        live.install_staged(self.job.run_dir, handed.request)
         now = time.time()
         began = now - record.step_seconds if record is not None else now
         append_record(
@@ -865,8 +875,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     recovery.adopt_replica_environment()  # a rank of one replica's torchrun (`launch --recover-in-memory`)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s rank" + os.environ.get("RANK", "?") + " %(message)s")
     context = RankContext(rank=int(os.environ.get("RANK", "0")))
+    # A joining rank reads the layout a live resize staged for it (`live.STAGED_DIR`).
+    staged = args.run_dir / STAGED_DIR
+    files = staged if args.join and (staged / "job.json").is_file() else None
     try:
-        result = train(TrainingJob.from_run_dir(args.run_dir), context=context, joining=args.join)
+        result = train(TrainingJob.from_run_dir(args.run_dir, files=files), context=context, joining=args.join)
+    except JoinAbandoned as exc:  # the resize ended unasked: nothing to record, the job never knew
+        log.warning("%s: leaving", exc.message)
+        return 0
     except PipectlError as exc:
         print(f"pipectl worker: {exc.message}", file=sys.stderr)
         _record_failure(args.run_dir, exc, context)
