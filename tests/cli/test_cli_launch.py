@@ -615,3 +615,44 @@ def test_a_learning_rate_schedule_runs_is_monitored_and_survives_a_resume(tmp_pa
         assert after["loss"] == pytest.approx(before["loss"], rel=1e-6, abs=0), after["step"]
     config = json.loads((run / "ds_config.json").read_text())
     assert config["scheduler"]["type"] == "WarmupDecayLR" and config["optimizer"]["params"]["weight_decay"] == 0.01
+
+
+def _vanished_rank(run: Path, rank: int, phase: str) -> int:
+    """A heartbeat of `rank` still 'running' whose process has ended (killed): its pid."""
+    import subprocess
+    import sys
+    import time
+
+    from pipectl.artifacts.run import RankHeartbeat
+    from pipectl.runtime.liveness import heartbeat_path
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    now = time.time()
+    beat = RankHeartbeat(rank=rank, pid=gone.pid, host=__import__("socket").gethostname(), stage=rank, step=5,
+                         phase=phase, started_unix=now, beat_unix=now, progress_unix=now)  # fmt: skip
+    heartbeat_path(run, rank).parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(heartbeat_path(run, rank), beat)
+    return gone.pid
+
+
+@pytest.mark.parametrize("message, first", [("Connection reset by peer", True), ("loss is nan", False)])
+def test_a_rank_killed_without_a_record_is_named_before_the_peer_it_cut_off(tmp_path, message, first):
+    """A leaving rank killed in a live shrink: rank 0's record says only "Connection reset by peer";
+    the terminal names the killed rank first. When rank 0's own error is the cause, it stays first."""
+    import time
+
+    from pipectl.cli.launch import job_failure
+    from pipectl.runtime.failure import write_failure
+
+    run = tmp_path / "run"
+    started = time.time()
+    pid = _vanished_rank(run, 1, "live resize: handing the state over")
+    write_failure(run, failure(0, stage=0, step=5, phase="live resize: handing the state over",
+                               exception="builtins.RuntimeError", message=message, time_unix=time.time()))  # fmt: skip
+    lines = job_failure(run, started, "stopped after 4 of 10 steps", go_on="resume").message.splitlines()
+    killed = f"rank 1 (stage 1, pid {pid}) ended without a word in step 5 (live resize: handing the state over): it was killed, or its process crashed"
+    if first:
+        assert lines[0] == killed and lines[1].startswith("then rank 0 (stage 0) failed")
+    else:
+        assert lines[0].startswith("rank 0 (stage 0) failed") and f"  {killed}" in lines

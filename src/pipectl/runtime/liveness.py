@@ -251,6 +251,24 @@ def process_state(beat: RankHeartbeat) -> str:
     return f"its process is {status}"
 
 
+def vanished_ranks(run_dir: str | os.PathLike[str], *, since_unix: float = 0.0) -> list[RankHeartbeat]:
+    """This host's ranks whose process has ended without a final heartbeat (killed, or crashed in
+    a way no handler saw): the cause a peer's "Connection reset by peer" follows from."""
+    beats = read_heartbeats(run_dir, since_unix=since_unix)
+    return [
+        beat for _, beat in sorted(beats.items())
+        if beat.state is RankState.RUNNING and process_state(beat) == "its process has ended"
+    ]
+
+
+def vanished_line(beat: RankHeartbeat) -> str:
+    """'rank 1 (stage 1, pid 4242) ended without a word in step 7 (live resize: handing the state
+    over): it was killed, or its process crashed'"""
+    where = ", ".join(x for x in (f"stage {beat.stage}" if beat.stage is not None else "", f"pid {beat.pid}") if x)
+    seen = (f" in step {beat.step}" if beat.step is not None else "") + (f" ({beat.phase})" if beat.phase else "")
+    return f"rank {beat.rank} ({where}) ended without a word{seen}: it was killed, or its process crashed"
+
+
 class StallWatch:
     """Reads the job's heartbeats while it runs (from the launching process) and keeps the ranks
     that went silent, each with how long and what its process is doing."""
