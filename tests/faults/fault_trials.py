@@ -406,10 +406,11 @@ def triggered_trial(kind: str, reference: Reference, folder: Path, trigger: dict
             trial.problems.append(f"the launch exited {first.exit_code} after a checkpoint failed, not 0")
     elif first.exit_code in (0, None):
         trial.problems.append(f"the faulted launch exited {first.exit_code}")
-    if trigger["action"] == "enospc" and trigger["point"] != "metrics" and (
-        "no space left on device" not in " ".join(first.output.split())
-    ):  # a refused metrics line is held and written later, in the rank's log only
+    said = " ".join(first.output.split())
+    if trigger["action"] == "enospc" and "no space left on device" not in said.lower():
         trial.problems.append("the terminal did not say the disk was full")
+    if trigger["action"] == "enospc" and trigger["point"] == "metrics" and "metrics.jsonl could not be written" not in said:
+        trial.problems.append("the terminal did not say metrics.jsonl waited for the disk")  # held, written later
     if trigger["action"] == "stop":
         said = " ".join(first.output.split())
         if f"rank {trigger['rank']} (" not in said or "stopped responding" not in said:

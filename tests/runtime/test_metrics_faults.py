@@ -7,7 +7,7 @@ import errno
 import os
 
 from pipectl.artifacts.run import StepMetrics
-from pipectl.runtime.metrics import MetricsWriter, read_metrics_and_unreadable
+from pipectl.runtime.metrics import MetricsWriter, read_metrics_and_unreadable, read_refusals
 
 
 def step(n: int) -> StepMetrics:
@@ -15,6 +15,7 @@ def step(n: int) -> StepMetrics:
 
 
 def test_a_full_disk_holds_the_lines_cuts_the_torn_one_and_writes_them_later(tmp_path, monkeypatch):
+    (tmp_path / "logs").mkdir()
     writer = MetricsWriter(tmp_path, rank=0)
     writer.write(step(1))
     real_write = os.write
@@ -34,10 +35,15 @@ def test_a_full_disk_holds_the_lines_cuts_the_torn_one_and_writes_them_later(tmp
     assert (tmp_path / "metrics.jsonl").read_text().endswith("\n")
     assert writer.failed_writes == 2 and len(writer.pending) == 2
 
+    assert read_refusals(tmp_path) == []  # recorded once the lines are written, not meanwhile
+
     full["on"] = False
     writer.write(step(4))
     metrics, unreadable = read_metrics_and_unreadable(tmp_path)
     assert [m.step for m in metrics] == [1, 2, 3, 4] and unreadable == [] and writer.pending == []
+    (refusal,) = read_refusals(tmp_path)
+    assert refusal.file == "metrics.jsonl" and refusal.lines == 2 and "No space left on device" in refusal.error
+    assert refusal.first_unix <= refusal.written_unix
 
 
 def test_the_terminal_is_told_once_that_the_disk_is_full(tmp_path, monkeypatch):
@@ -50,11 +56,40 @@ def test_the_terminal_is_told_once_that_the_disk_is_full(tmp_path, monkeypatch):
     free = {"bytes": 10 * 2**30}
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(2**40, 0, free["bytes"]))
     watch = LowDiskWatch(tmp_path, every_seconds=0.0)
-    assert watch.check() is None
+    assert watch.check() == []
     free["bytes"] = 3 * 2**20
-    said = watch.check()
-    assert said is not None and str(tmp_path) in said and "is full" in said and "training goes on" in said
-    assert watch.check() is None  # once
+    (said,) = watch.check()
+    assert str(tmp_path) in said and "is full" in said and "training goes on" in said
+    assert watch.check() == []  # once
+
+
+def test_a_disk_full_for_a_moment_is_named_on_the_terminal_once_the_lines_are_written(tmp_path, monkeypatch):
+    """Between two looks at the free space the disk filled and emptied: the spell recorded by the
+    rank is what the terminal says, once."""
+    import shutil
+    from collections import namedtuple
+
+    from pipectl.cli.launch import LowDiskWatch
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(2**40, 0, 10 * 2**30))
+    (tmp_path / "logs").mkdir()
+    watch = LowDiskWatch(tmp_path, every_seconds=0.0)
+    writer = MetricsWriter(tmp_path, rank=0)
+    real_write = os.write
+
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "write", full)
+    writer.write(step(1))
+    assert watch.check() == []
+    monkeypatch.setattr(os, "write", real_write)
+    writer.write(step(2))
+    (said,) = watch.check()
+    assert said.startswith("metrics.jsonl could not be written for ") and "No space left on device" in said
+    assert "1 line waited in memory and are written now; training went on" in said
+    assert watch.check() == []
 
 
 def test_a_line_nested_too_deeply_is_skipped_like_any_bad_line(tmp_path):

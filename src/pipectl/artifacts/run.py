@@ -54,6 +54,9 @@ def rank_file_name(rank: int) -> str:
 FAILURE_FILE = "failure-rank{rank}.json"  # in LOGS_DIR
 RESUME_FILE = "resume.json"  # in LOGS_DIR
 HEARTBEAT_FILE = "heartbeat-rank{rank}.json"  # in LOGS_DIR
+# In LOGS_DIR: one line per spell when metrics.jsonl could not be written (`WriteRefusal`), added
+# once the disk takes lines again; `pipectl launch` names it on the terminal.
+REFUSALS_FILE = "refused-writes.jsonl"
 LOCK_FILE = "job.lock"  # the pids of the launch that holds the run (`launch.rundir.lock_run_dir`)
 # What `launch` writes at a run directory's top and the run reads back (its profile copies and
 # per-rank schedules by pattern): no other command's output may replace them.
@@ -561,6 +564,16 @@ class RankState(str, Enum):
     FAILED = "failed"  # an error ended it (its failure record says which)
     LEFT = "left"  # handed its state to the other ranks in a live resize, exiting 0
     LOST = "lost"  # its replica was lost and the survivors took over without it (written by the agent)
+
+
+class WriteRefusal(Strict):
+    """A line of logs/refused-writes.jsonl: a file the disk refused for a while, and what waited."""
+
+    file: str = Field(description="The file refused, relative to the run: metrics.jsonl.")
+    error: str = Field(description="The first refusal's error, e.g. '[Errno 28] No space left on device'.")
+    first_unix: float = Field(description="When the first write was refused.")
+    written_unix: float = Field(description="When the lines that waited were written.")
+    lines: int = Field(ge=1, description="Lines that waited in memory and are written now.")
 
 
 class RankHeartbeat(Strict):

@@ -36,7 +36,7 @@ from pipectl.runtime.liveness import (
     vanished_ranks,
 )
 from pipectl.runtime.recovery import PEER_LOSS_WORDS
-from pipectl.runtime.metrics import MetricsTail
+from pipectl.runtime.metrics import MetricsTail, read_refusals, refusal_line
 
 
 def _engine_log_tail(run_dir: Path, lines: int = 15) -> str:
@@ -242,31 +242,39 @@ LOW_DISK_BYTES = 64 * 2**20
 
 
 class LowDiskWatch:
-    """Says once, on the terminal, that the run directory's disk is (nearly) full: the ranks go on
+    """Says on the terminal, once, that the run directory's disk is (nearly) full: the ranks go on
     training, holding metrics lines in memory and skipping checkpoints, and only a person can
-    free space. Looks every `every_seconds`."""
+    free space; and each spell when metrics.jsonl was refused, once its lines are written (a disk
+    full for a few seconds, between two looks at its free space). Looks every `every_seconds`."""
 
-    def __init__(self, run_dir: Path, every_seconds: float = 5.0) -> None:
-        self.run_dir, self.every_seconds = run_dir, every_seconds
+    def __init__(self, run_dir: Path, every_seconds: float = 5.0, since_unix: float = 0.0) -> None:
+        self.run_dir, self.every_seconds, self.since_unix = run_dir, every_seconds, since_unix
         self._next = 0.0
         self._said = False
+        self._refusals_said = 0
 
-    def check(self) -> str | None:
-        now = time.monotonic()
-        if self._said or now < self._next:
-            return None
-        self._next = now + self.every_seconds
+    def check(self, *, now: bool = False) -> list[str]:
+        """What to say, if anything, at most every `every_seconds` (`now`: at once, as when the job ends)."""
+        if time.monotonic() < self._next and not now:
+            return []
+        self._next = time.monotonic() + self.every_seconds
+        refusals = read_refusals(self.run_dir, since_unix=self.since_unix)
+        lines = [refusal_line(refusal) for refusal in refusals[self._refusals_said:]]
+        self._refusals_said = len(refusals)
+        if self._said:
+            return lines
         try:
             free = shutil.disk_usage(self.run_dir).free
         except OSError:
-            return None
+            return lines
         if free >= LOW_DISK_BYTES:
-            return None
+            return lines
         self._said = True
-        return (
+        return [
             f"the disk of {self.run_dir} is full ({format_bytes(free)} free): training goes on, metrics wait in "
-            "memory and checkpoints are skipped until space is freed"
-        )
+            "memory and checkpoints are skipped until space is freed",
+            *lines,
+        ]
 
 
 def _run_with_progress(
@@ -305,12 +313,11 @@ def _run_with_progress(
                     err_console.print(event.message, style="yellow", highlight=False, markup=False, soft_wrap=True)
             checkpoints_seen = len(events)
 
-        low_disk = LowDiskWatch(prepared.run_dir)
+        low_disk = LowDiskWatch(prepared.run_dir, since_unix=since_unix)
 
         def tick() -> str | None:
             report()
-            warning = low_disk.check()
-            if warning:
+            for warning in low_disk.check():
                 err_console.print(warning, style="yellow", highlight=False, markup=False, soft_wrap=True)
             last = tail.latest()
             if last is not None:
@@ -327,3 +334,5 @@ def _run_with_progress(
             )
         finally:
             report()  # what the job wrote after the last tick (a short job may end before the first)
+            for warning in low_disk.check(now=True):
+                err_console.print(warning, style="yellow", highlight=False, markup=False, soft_wrap=True)

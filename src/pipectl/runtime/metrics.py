@@ -24,12 +24,13 @@ import os
 import socket
 import statistics
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from pydantic import ValidationError
 
-from pipectl.artifacts.run import METRICS_FILE, StepMetrics
+from pipectl.artifacts.run import LOGS_DIR, METRICS_FILE, REFUSALS_FILE, StepMetrics, WriteRefusal
 
 log = logging.getLogger(__name__)
 
@@ -41,14 +42,17 @@ class MetricsWriter:
     and a killed job keeps every completed step. A line the disk refuses (full, over quota, an I/O
     error) never ends the job: the file is cut back to its last whole line, the lines wait in
     memory and go out with the next step's, and the first refusal is logged (`failed_writes`
-    counts them). Training is worth more than its log.
+    counts them); once they are written, the spell is recorded in logs/refused-writes.jsonl
+    (`WriteRefusal`), which the launching terminal reports. Training is worth more than its log.
     """
 
     def __init__(self, run_dir: str | os.PathLike[str], rank: int) -> None:
         self.path = Path(run_dir) / METRICS_FILE
+        self.refusals_path = Path(run_dir) / LOGS_DIR / REFUSALS_FILE
         self.rank = rank
         self.pending: list[str] = []  # lines not yet on disk, oldest first
         self.failed_writes = 0
+        self._spell: tuple[float, str] | None = None  # (first refusal, its error) of the spell under way
 
     def write(self, metrics: StepMetrics) -> None:
         if self.rank != 0:
@@ -68,9 +72,20 @@ class MetricsWriter:
                 return
         finally:
             os.close(fd)
-        if self.failed_writes:
+        if self._spell is not None:
             log.warning("metrics.jsonl: written again, with %d held lines", len(self.pending))
+            self._record_refusal(len(self.pending) - 1)  # the lines of earlier steps waited
         self.pending.clear()
+
+    def _record_refusal(self, lines: int) -> None:
+        first, error = self._spell
+        self._spell = None
+        refusal = WriteRefusal(file=METRICS_FILE, error=error, first_unix=first, written_unix=time.time(), lines=max(lines, 1))
+        try:
+            with open(self.refusals_path, "a") as handle:
+                handle.write(refusal.model_dump_json() + "\n")
+        except OSError as exc:  # the log of a refusal is worth less than the lines it was about
+            log.warning("%s: cannot record the refusal (%s)", self.refusals_path, exc)
 
     @staticmethod
     def _append(fd: int, data: bytes) -> None:
@@ -81,6 +96,8 @@ class MetricsWriter:
     def _refused(self, fd: int, whole: int, exc: OSError) -> None:
         """Cut a torn line off (a later append would follow it) and keep the lines for the next step."""
         self.failed_writes += 1
+        if self._spell is None:
+            self._spell = (time.time(), str(exc))
         try:
             os.ftruncate(fd, whole)
         except OSError:  # a reader skips a torn line; the next write tries again
@@ -385,3 +402,29 @@ def memory_summary(metrics: list[StepMetrics], predicted_bytes: list[int] | None
         for stage in sorted(measured)
     ]
     return MemorySummary(measure=measure, layout=layout, steps=len(lines), stages=stages)
+
+
+def read_refusals(run_dir: str | os.PathLike[str], *, since_unix: float = 0.0) -> list[WriteRefusal]:
+    """The spells of refused metrics lines recorded at or after `since_unix` (unreadable lines skipped)."""
+    try:
+        lines = (Path(run_dir) / LOGS_DIR / REFUSALS_FILE).read_text().splitlines()
+    except OSError:
+        return []
+    refusals = []
+    for line in lines:
+        try:
+            refusal = WriteRefusal.model_validate_json(line)
+        except ValidationError:
+            continue
+        if refusal.written_unix >= since_unix:
+            refusals.append(refusal)
+    return refusals
+
+
+def refusal_line(refusal: WriteRefusal) -> str:
+    """'metrics.jsonl could not be written for 4.2 s ([Errno 28] No space left on device): 3 lines
+    waited in memory and are written now; training went on'"""
+    return (
+        f"{refusal.file} could not be written for {refusal.written_unix - refusal.first_unix:.1f} s ({refusal.error}): "
+        f"{refusal.lines} {'line' if refusal.lines == 1 else 'lines'} waited in memory and are written now; training went on"
+    )
