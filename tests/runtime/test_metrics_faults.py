@@ -88,7 +88,7 @@ def test_a_disk_full_for_a_moment_is_named_on_the_terminal_once_the_lines_are_wr
     writer.write(step(2))
     (said,) = watch.check()
     assert said.startswith("metrics.jsonl could not be written for ") and "No space left on device" in said
-    assert "1 line waited in memory and are written now; training went on" in said
+    assert "1 line waited in memory and is written now; training went on" in said
     assert watch.check() == []
 
 

@@ -31,6 +31,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from pipectl.artifacts.run import LOGS_DIR, METRICS_FILE, REFUSALS_FILE, StepMetrics, WriteRefusal
+from pipectl.words import count
 
 log = logging.getLogger(__name__)
 
@@ -426,5 +427,6 @@ def refusal_line(refusal: WriteRefusal) -> str:
     waited in memory and are written now; training went on'"""
     return (
         f"{refusal.file} could not be written for {refusal.written_unix - refusal.first_unix:.1f} s ({refusal.error}): "
-        f"{refusal.lines} {'line' if refusal.lines == 1 else 'lines'} waited in memory and are written now; training went on"
+        f"{count(refusal.lines, 'line')} waited in memory and {'is' if refusal.lines == 1 else 'are'} written now; "
+        "training went on"
     )
