@@ -13,6 +13,12 @@ the model whose ranks act at a named (rank, step, point, nth) event):
     bit-flipped      a kill, then one random bit of one file of the newest checkpoint flipped
     disk-full        a checkpoint file write that fails with ENOSPC (random rank, file, step)
     disk-full-ulimit a resume under `ulimit -f` too small for a checkpoint file
+    metrics-enospc   a metrics line refused (ENOSPC): held, written later, named on the terminal
+    tiny-disk        a disk with room for no checkpoint: the job stops at its first one, says so
+    unloadable       a kill, then the newest manifest made to list one rank's file only: verify
+                     refuses it, the resume falls back to the checkpoint before
+    sighup-launch,   SIGHUP (a closed terminal) and SIGKILL of `pipectl launch`: the ranks stop at a
+    kill-launch      step boundary after a checkpoint, and the run resumes
     concurrent       two launches on one run directory (together; one during a run; two resumes)
     stopped          SIGSTOP of one rank at a random point of a step: the job must end by its
                      collective timeout (10 s here), name the stopped rank, leave no process behind
@@ -86,6 +92,10 @@ def planned_trials(references: dict[str, ft.Reference], rng: random.Random, kill
         after = rng.randrange(1, setup.steps - 1)
         trials.append((f"{ft.LAUNCH_SIGNALS[name]} after step {after}",
                        lambda folder, after=after, name=name: ft.signal_launch_trial(main, folder, after, name)))  # fmt: skip
+    trials.append(("tiny-disk 1 MiB free", lambda folder: ft.tiny_disk_trial(main, folder, 2**20)))
+    for _ in range(2):
+        trigger = ft.draw_trigger(main, rng, rng.choice(IN_STEP_POINTS), "kill", after_second)
+        trials.append((f"unloadable {trigger}", lambda folder, trigger=trigger: ft.unloadable_trial(main, folder, trigger)))
     stop = setup.checkpoint_every * rng.randrange(1, setup.steps // setup.checkpoint_every)
     trials.append((f"disk-full-ulimit {SIZE_LIMIT_KIB} KiB from step {stop}",
                    lambda folder: ft.size_limit_trial(main, folder, stop, SIZE_LIMIT_KIB)))  # fmt: skip

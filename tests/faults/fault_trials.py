@@ -351,6 +351,7 @@ def check(trial: Trial, reference: Reference, run: Path, launches: list[Launch])
 
 
 NO_CHECKPOINT = "it has no checkpoint, so it would start over from step 0"
+UNLOADABLE = "can be loaded: checkpoint step"  # every checkpoint it has is refused, each named
 
 
 def resume(reference: Reference, run: Path, launches: list[Launch], trial: Trial | None = None) -> None:
@@ -360,7 +361,8 @@ def resume(reference: Reference, run: Path, launches: list[Launch], trial: Trial
     if trial is None or trial.expected_resume != 0:
         return
     refused = launches[-1]
-    if refused.exit_code != 2 or NO_CHECKPOINT not in " ".join(refused.output.split()):
+    said = " ".join(refused.output.split())
+    if refused.exit_code != 2 or not (NO_CHECKPOINT in said or UNLOADABLE in said):
         trial.problems.append(f"a resume without a checkpoint exited {refused.exit_code}: {refused.output[-600:]}")
     setup = reference.setup
     argv = launch_argv(reference.plan, run, "--force", "--steps", str(setup.steps), "--checkpoint-every", str(setup.checkpoint_every))
@@ -510,6 +512,57 @@ def size_limit_trial(reference: Reference, folder: Path, stop_step: int, limit_k
         trial.problems.append(f"the limited launch exited {limited.exit_code} without naming the size limit: {text[-800:]}")
     trial.fired = "file size limit reached" in text
     launches = [first, limited]
+    resume(reference, run, launches, trial)
+    return check(trial, reference, run, launches)
+
+
+def tiny_disk_trial(reference: Reference, folder: Path, free_bytes: int) -> Trial:
+    """A run directory whose disk has room for no checkpoint (it reports `free_bytes` free): the job
+    says so at its first checkpoint and stops there, exit 1, instead of training every step for
+    nothing; once space is freed, a resume is refused (nothing to resume) and `--force` trains the
+    whole run."""
+    setup = reference.setup
+    run = folder / "run"
+    trial = Trial("tiny-disk", setup.label, {"free_bytes": free_bytes}, expected_resume=0)
+    first = fault_launch(reference, run, launch_env(PIPECTL_FAULT_DISK_FREE=str(free_bytes)))
+    said = " ".join(first.output.split())
+    trial.fired = f"checkpoint step {setup.checkpoint_every} skipped: it needs" in said
+    trained = [step for step, _ in read_losses(run)]
+    if first.exit_code in (0, None) or f"stopped after step {setup.checkpoint_every}" not in said:
+        trial.problems.append(f"the launch on a tiny disk exited {first.exit_code} without stopping at its first checkpoint: {said[-800:]}")
+    if trained and max(trained) > setup.checkpoint_every:
+        trial.problems.append(f"it trained on to step {max(trained)} with no checkpoint possible")
+    launches = [first]
+    resume(reference, run, launches, trial)
+    return check(trial, reference, run, launches)
+
+
+def unloadable_trial(reference: Reference, folder: Path, trigger: dict) -> Trial:
+    """A kill, then the newest checkpoint's manifest made to list one rank's file only (the other
+    file removed with its entry): `status --verify` refuses it (the manifest does not cover its
+    layout) and the resume falls back to the checkpoint before it."""
+    setup = reference.setup
+    run = folder / "run"
+    trial = Trial("unloadable", setup.label, dict(trigger))
+    first = fault_launch(reference, run, trigger_env(folder / "records", trigger))
+    trial.fired = (folder / "records" / f"fired-rank{trigger['rank']}.json").is_file()
+    from pipectl.runtime.checkpoint import recover_staged
+
+    recover_staged(run)
+    newest = sorted(p for p in (run / "checkpoints").glob("step*") if (p / "manifest.json").is_file())[-1]
+    manifest = json.loads((newest / "manifest.json").read_text())
+    dropped = sorted(manifest["files"])[-1]
+    (newest / dropped).unlink()
+    manifest["bytes"] -= manifest["file_bytes"].pop(dropped)
+    del manifest["files"][dropped]
+    (newest / "manifest.json").write_text(json.dumps(manifest))
+    trial.fault["dropped"] = f"{newest.name}/{dropped}"
+    trial.expected_resume = setup.last_checkpoint_before(int(newest.name[4:]))
+    verify = subprocess.run([sys.executable, "-m", "pipectl", "status", str(run), "--verify"], capture_output=True,
+                            text=True, env=launch_env(), timeout=120)  # fmt: skip
+    if verify.returncode == 0:
+        trial.problems.append(f"status --verify passed a checkpoint missing {dropped}")
+    launches = [first]
     resume(reference, run, launches, trial)
     return check(trial, reference, run, launches)
 

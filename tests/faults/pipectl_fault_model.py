@@ -34,6 +34,9 @@ Steps are counted as the worker counts them, 1-based, from the start of this pro
 begins with the first forward after an optimizer step. (Triggers are meant for a fresh run; a
 resumed rank would count from its checkpoint's step + 1 only if it started at step 0.)
 
+With `PIPECTL_FAULT_DISK_FREE` (bytes) a rank's disk reports at most that much free: a disk too
+small for any checkpoint.
+
 Before acting, the rank lists the triggers it fired in `fired-rank{R}.json` in `PIPECTL_FAULT_RECORDS` (a folder), so
 a driver knows the fault happened where it was asked. With `PIPECTL_FAULT_CENSUS=1` every event
 is counted into `census-rank{R}.json` there instead (a fault-free run: how many events of each
@@ -60,6 +63,7 @@ from pipectl.models import ModelLayers, build_model
 TRIGGER_VARIABLE = "PIPECTL_FAULT_TRIGGER"
 RECORDS_VARIABLE = "PIPECTL_FAULT_RECORDS"
 CENSUS_VARIABLE = "PIPECTL_FAULT_CENSUS"
+DISK_FREE_VARIABLE = "PIPECTL_FAULT_DISK_FREE"  # bytes a rank's disk reports free (`_small_disk`)
 POINTS = ("forward", "backward", "allreduce", "optimizer", "save", "written", "commit", "metrics")
 ACTIONS = ("kill", "term", "enospc", "sleep", "stop")
 # Gradient collectives, at the level DeepSpeed calls them (deepspeed.comm) and below (torch).
@@ -237,9 +241,28 @@ def _probed(cls: type) -> type:
     return type(cls.__name__, (cls,), {"__init__": __init__, "__module__": cls.__module__, "__qualname__": cls.__qualname__})
 
 
+def _small_disk() -> None:
+    """In a rank whose environment names `DISK_FREE_VARIABLE` (bytes): the disk reports at most that
+    much free (`shutil.disk_usage`, what the checkpointer asks before a save), a disk too small for
+    a checkpoint without filling one."""
+    free = os.environ.get(DISK_FREE_VARIABLE)
+    if "RANK" not in os.environ or not free:
+        return
+    import shutil
+
+    real = shutil.disk_usage
+
+    def disk_usage(path):
+        usage = real(path)
+        return type(usage)(usage.total, usage.used, min(usage.free, int(free)))
+
+    shutil.disk_usage = disk_usage
+
+
 def _start() -> None:
     """Install the probe in a rank (RANK set) whose environment asks for one."""
     global PROBE
+    _small_disk()
     trigger_path = os.environ.get(TRIGGER_VARIABLE)
     census = os.environ.get(CENSUS_VARIABLE) == "1"
     records = os.environ.get(RECORDS_VARIABLE)

@@ -243,3 +243,20 @@ def test_slow_a_stopped_rank_ends_the_job_by_its_collective_timeout_and_loses_no
     trial = ft.triggered_trial("stopped", long_reference, tmp_path, trigger)
     assert trial.survived, trial.problems
     assert trial.launch_seconds[0] < ft.STOPPED_RANK_COLLECTIVE_TIMEOUT + 60  # bounded: not the 10-minute default
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_slow_a_disk_with_room_for_no_checkpoint_stops_at_the_first(long_reference, tmp_path):
+    assert_survived(ft.tiny_disk_trial(long_reference, tmp_path, 2**20))
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_slow_a_checkpoint_missing_a_ranks_file_is_refused_and_the_resume_falls_back(long_reference, tmp_path):
+    setup = long_reference.setup
+    step = setup.steps  # step 4's checkpoint committed by then, step 2's before it
+    trigger = ft.draw_trigger(long_reference, random.Random(0), "forward", "kill", range(step, step + 1))
+    trial = ft.unloadable_trial(long_reference, tmp_path, trigger)
+    assert trial.expected_resume > 0  # an earlier checkpoint to fall back to
+    assert_survived(trial)
