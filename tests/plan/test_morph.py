@@ -42,36 +42,25 @@ def test_morph_entries_cover_a_node_then_whole_nodes_and_keep_the_batch():
     assert all(b <= a for a, b in zip(steps, steps[1:]))  # more devices never slower
 
 
-def test_morph_entry_is_the_exhaustive_fastest_at_each_count():
+@pytest.mark.parametrize("cluster, batch, every, named, expected", [
+    ("local-6", 12, False, [], range(1, 7)),  # one node: every count
+    ("a100-8x8", 24, False, [], [*range(1, 9), *range(16, 65, 8)]),
+    ("a100-8x8", 24, False, [13, 61], [*range(1, 9), 13, *range(16, 57, 8), 61, 64]),
+    ("a100-8x8", 24, True, [], range(1, 65)),
+])
+def test_each_entry_is_the_exhaustive_fastest_on_at_most_its_count(cluster, batch, every, named, expected):
+    """A node's counts then whole nodes, with counts named, with every count: entry c is the
+    fastest runnable spec on at most c devices, on fewer only when faster."""
     profile = _profile()
-    cluster = local_cluster(6)
-    request = PlanRequest(global_batch=12)
+    cluster = local_cluster(6) if cluster == "local-6" else load_cluster(cluster)
+    request = PlanRequest(global_batch=batch, morph_counts=named, morph_every_count=every)
     hardware = hardware_for(cluster, profile)
-    specs = enumerate_specs(profile, hardware, search_space(request, profile, hardware), 6).specs
+    specs = enumerate_specs(profile, hardware, search_space(request, profile, hardware), hardware.devices).specs
     runnable = [s for s in specs if s.deepspeed_runnable]
-    evaluator = Evaluator(hardware, 12)
-    steps = {s.key: evaluator.step_seconds(s) for s in runnable}
-    result = plan(profile, cluster, request)
-    for entry in result.morph_table:
-        best = min(steps[s.key] for s in runnable if s.devices <= entry.devices)
-        assert entry.candidate.predicted_step_seconds == pytest.approx(best)
-
-
-@pytest.mark.parametrize("every, named", [(False, []), (False, [13, 61]), (True, [])])
-def test_each_entry_is_the_exhaustive_fastest_on_at_most_its_count(every, named):
-    """Whole nodes of a100-8x8, with counts named and with every count: entry c is the fastest
-    runnable spec on at most c devices, on fewer only when faster."""
-    profile = _profile()
-    cluster = load_cluster("a100-8x8")
-    request = PlanRequest(global_batch=24, morph_counts=named, morph_every_count=every)
-    hardware = hardware_for(cluster, profile)
-    specs = enumerate_specs(profile, hardware, search_space(request, profile, hardware), 64).specs
-    runnable = [s for s in specs if s.deepspeed_runnable]
-    evaluator = Evaluator(hardware, 24)
+    evaluator = Evaluator(hardware, batch)
     steps = {s.key: evaluator.step_seconds(s) for s in runnable}
     result = plan(profile, cluster, request)
     counts = [e.devices for e in result.morph_table]
-    expected = range(1, 65) if every else sorted({*range(1, 9), *range(8, 65, 8), *named})
     assert counts == [c for c in expected if c >= counts[0]]
     for entry in result.morph_table:
         best = min(steps[s.key] for s in runnable if s.devices <= entry.devices)
