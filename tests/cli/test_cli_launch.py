@@ -656,3 +656,17 @@ def test_a_rank_killed_without_a_record_is_named_before_the_peer_it_cut_off(tmp_
         assert lines[0] == killed and lines[1].startswith("then rank 0 (stage 0) failed")
     else:
         assert lines[0].startswith("rank 0 (stage 0) failed") and f"  {killed}" in lines
+
+
+def test_ranks_a_stop_ended_during_start_up_are_not_called_killed(tmp_path):
+    """Ctrl-C while the ranks start: they end before their handlers, with no record; the terminal
+    does not blame them."""
+    import time
+
+    from pipectl.cli.launch import job_failure
+
+    run = tmp_path / "run"
+    started = time.time()
+    _vanished_rank(run, 0, "start-up")
+    message = job_failure(run, started, "the job exited with code 1 after 0 of 10 steps", go_on="resume").message
+    assert message == "the job exited with code 1 after 0 of 10 steps"

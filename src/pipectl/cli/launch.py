@@ -214,9 +214,12 @@ def job_failure(
     # A rank killed (or crashed past every handler) leaves no record; its peers' records then say
     # only that their connection to it broke. Named first: it is the cause.
     # Named first when the records say only that a peer went away; else after them (a launcher
-    # tearing the job down kills the others).
+    # tearing the job down kills the others). Only beside a record: ranks a stop ended during their
+    # start-up (Ctrl-C before their handlers) leave none, and were not killed by anything but it.
     recorded = {failure.rank for failure in failures}
-    vanished = [vanished_line(beat) for beat in vanished_ranks(run_dir, since_unix=started - 1.0) if beat.rank not in recorded]
+    vanished = [
+        vanished_line(beat) for beat in vanished_ranks(run_dir, since_unix=started - 1.0) if beat.rank not in recorded
+    ] if failures else []
     if vanished and failed and not all(_peer_gone(failure) for failure in failures):
         failed, vanished = "\n".join([failed, *(f"  {line}" for line in vanished)]), []
     elif vanished and failed:
