@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 import typer
 
 from pipectl.artifacts.plan import Plan
-from pipectl.artifacts.run import LOGS_DIR, CheckpointOutcome, DataKind, Engine, Precision, RankFailure
+from pipectl.artifacts.run import LOGS_DIR, CheckpointOutcome, DataKind, Engine, Precision
 from pipectl.cli.context import JsonFlag, console, err_console, print_json, training_progress
 from pipectl.cli.options import ConfigOption, file_layers, passed_flags, with_options
 from pipectl.config import render_config, to_sections
@@ -35,7 +35,7 @@ from pipectl.runtime.liveness import (
     vanished_line,
     vanished_ranks,
 )
-from pipectl.runtime.recovery import PEER_LOSS_WORDS
+from pipectl.runtime.recovery import says_peer_loss
 from pipectl.runtime.metrics import MetricsTail, read_refusals, refusal_line
 
 
@@ -212,15 +212,15 @@ def job_failure(
         err_console.print(tail, highlight=False, markup=False)
     failed, advice = failure_report(failures)
     # A rank killed (or crashed past every handler) leaves no record; its peers' records then say
-    # only that their connection to it broke. Named first: it is the cause.
-    # Named first when the records say only that a peer went away; else after them (a launcher
-    # tearing the job down kills the others). Only beside a record: ranks a stop ended during their
-    # start-up (Ctrl-C before their handlers) leave none, and were not killed by anything but it.
+    # only that their connection to it broke. Named first when the records say only that a peer
+    # went away; else after them (a launcher tearing the job down kills the others). Only beside a
+    # record: ranks a stop ended during their start-up (Ctrl-C before their handlers) leave none,
+    # and were not killed by anything but it.
     recorded = {failure.rank for failure in failures}
     vanished = [
         vanished_line(beat) for beat in vanished_ranks(run_dir, since_unix=started - 1.0) if beat.rank not in recorded
     ] if failures else []
-    if vanished and failed and not all(_peer_gone(failure) for failure in failures):
+    if vanished and failed and not all(says_peer_loss(failure.message) for failure in failures):
         failed, vanished = "\n".join([failed, *(f"  {line}" for line in vanished)]), []
     elif vanished and failed:
         failed = "then " + failed
@@ -232,11 +232,6 @@ def job_failure(
     elif not has_checkpoint(run_dir):
         go_on = "no checkpoint was written: fix the cause and launch again with --force"
     return LaunchError(message, hint=f"{go_on}; {logs}")
-
-
-def _peer_gone(failure: RankFailure) -> bool:
-    """Whether a rank's record says only that the other end of a connection went away."""
-    return any(words in failure.message.lower() for words in PEER_LOSS_WORDS)
 
 
 # Below this much free space the disk is as good as full: a metrics line still fits, a checkpoint

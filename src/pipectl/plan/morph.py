@@ -4,9 +4,10 @@ A resize is then a look-up (Varuna's job morphing). The table covers the counts 
 cluster is given (`table_counts`): every count up to one node's devices, whole nodes beyond, the
 counts the request names, or every count on request; a resize to another count re-plans. Entry c
 holds the fastest spec using at most c devices; when it uses fewer than c (nothing on exactly c
-devices fits in memory, or a smaller configuration is simply faster), the entry's note says so. The global batch is the same in every
-entry: m grows as devices shrink, and where d does not divide B/b the replicas take uneven shares
-(`pipectl.artifacts.plan.balanced_shares`), so no count is skipped for the batch's sake.
+devices fits in memory, or a smaller configuration is simply faster), the entry's note says so.
+The global batch is the same in every entry: m grows as devices shrink, and where d does not
+divide B/b the replicas take uneven shares (`pipectl.artifacts.plan.balanced_shares`), so no
+count is skipped for the batch's sake.
 
 The table ranks by step time whatever the plan's objective: after a resize the job should run as
 fast as the devices it has allow (the cost objective would otherwise leave devices idle).
@@ -14,8 +15,8 @@ fast as the devices it has allow (the cost objective would otherwise leave devic
 It reuses the search's specs, cuts and simulations, and visits specs in the order of their lower
 bound: a spec is simulated only if no spec with as many devices or fewer is already known to be
 at least as fast as its bound, i.e. only if it could still improve some entry. A Fenwick tree
-answers "fastest known for the table's counts up to the one serving n devices" in O(log n). Specs that pass that check are
-checked once more against the evaluator's tighter bound (`pipectl.plan.fast.bounds`: 1F1B's in-flight
+over the table's counts answers "fastest known up to the count serving n devices" in O(log n).
+Specs that pass that check are checked once more against the evaluator's tighter bound (`pipectl.plan.fast.bounds`: 1F1B's in-flight
 loops, Varuna's warm-up and cool-down) before they are simulated; skipping a spec that cannot
 improve any entry leaves the table unchanged. At GPT-1T scale on 3,072 GPUs (benchmarks/plan_scale.py)
 the Varuna bound spares 15 of the 60 Varuna simulations, the dearest kind here (~10 ms each against

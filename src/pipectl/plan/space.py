@@ -781,17 +781,14 @@ def _fitting_shape(family: _Family, index: int, per_device: float, units: tuple[
             candidates=builder.candidates(t, b, rec), at_least=at_least, known_feasible=True,
             prefix=builder.partition_prefix(t, b, rec),
         )
-        assert partition is not None  # the memory-only pass above found a cut
-        seconds = partition.bottleneck_seconds
-        candidate = builder.shape_from_cuts(t, b, rec, p, v, partition.stage_layers, v_placement=family.v_placement)
+        if partition is not None:  # pragma: no branch - the memory-only pass above found a cut
+            candidate = builder.shape_from_cuts(t, b, rec, p, v, partition.stage_layers, v_placement=family.v_placement)
+            family.partitioned.append((per_device, units, partition.bottleneck_seconds, candidate))
+            if candidate.memory.fits(per_device, family.step_of[per_device], units, family.capacity):
+                fitted = candidate
+                builder.memory_constrained_cuts += 1
     else:
-        candidate = None
         family.without_cut.append((per_device, units))
-    if candidate is not None:
-        family.partitioned.append((per_device, units, seconds, candidate))
-        if candidate.memory.fits(per_device, family.step_of[per_device], units, family.capacity):
-            fitted = candidate
-            builder.memory_constrained_cuts += 1
     if fitted is None:
         family.hopeless.append((per_device, units))
     family.fitted[key] = fitted

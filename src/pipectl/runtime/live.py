@@ -92,12 +92,12 @@ JOIN_DIR = "live"  # RUN/live/ready-rank{R}: joining rank R has started and wait
 # resize that ends before then (killed, refused, timed out) leaves the run's files as they were.
 STAGED_DIR = f"{JOIN_DIR}/next"
 RESIZE_PID_VARIABLE = "PIPECTL_RESIZE_PID"  # a joining rank's resize: it gives up when that ends unasked
+MEMORY_LABEL = "the running ranks' memory (live resize)"
 
 
 class JoinAbandoned(LaunchError):
     """The live resize that started this joining rank ended before it asked the job to move: the
     rank leaves (exit 0, no failure record); the job never knew of it."""
-MEMORY_LABEL = "the running ranks' memory (live resize)"
 
 
 def request_path(run_dir: str | os.PathLike[str]) -> Path:

@@ -217,7 +217,7 @@ class SilentRank:
         """'rank 1 (stage 1, pid 4242) stopped responding: no heartbeat for 41 s, last seen in step 7
         (step); its process is stopped (SIGSTOP, or a debugger)'"""
         beat = self.heartbeat
-        where = ", ".join(x for x in (f"stage {beat.stage}" if beat.stage is not None else "", f"pid {beat.pid}") if x)
+        where = _stage_and_pid(beat)
         host = f" on {beat.host}" if beat.host and beat.host != socket.gethostname() else ""
         seen = ""
         if beat.step is not None or beat.phase:
@@ -225,6 +225,11 @@ class SilentRank:
             seen += f" ({beat.phase})" if beat.phase else ""
         process = f"; {self.process}" if self.process else ""
         return f"rank {beat.rank} ({where}{host}) stopped responding: no heartbeat for {self.silent_seconds:.0f} s{seen}{process}"
+
+
+def _stage_and_pid(beat: RankHeartbeat) -> str:
+    """'stage 1, pid 4242' (the stage when the rank knows it)."""
+    return ", ".join(x for x in (f"stage {beat.stage}" if beat.stage is not None else "", f"pid {beat.pid}") if x)
 
 
 def process_state(beat: RankHeartbeat) -> str:
@@ -264,7 +269,7 @@ def vanished_ranks(run_dir: str | os.PathLike[str], *, since_unix: float = 0.0) 
 def vanished_line(beat: RankHeartbeat) -> str:
     """'rank 1 (stage 1, pid 4242) ended without a word in step 7 (live resize: handing the state
     over): it was killed, or its process crashed'"""
-    where = ", ".join(x for x in (f"stage {beat.stage}" if beat.stage is not None else "", f"pid {beat.pid}") if x)
+    where = _stage_and_pid(beat)
     seen = (f" in step {beat.step}" if beat.step is not None else "") + (f" ({beat.phase})" if beat.phase else "")
     return f"rank {beat.rank} ({where}) ended without a word{seen}: it was killed, or its process crashed"
 

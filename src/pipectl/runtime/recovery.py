@@ -93,6 +93,15 @@ def under_agent() -> bool:
     return RANK_OFFSET_VARIABLE in os.environ
 
 
+def says_peer_loss(text: str) -> bool:
+    """Whether an error's text (or a failure record's message) says a peer is gone.
+
+    >>> says_peer_loss("Connection reset by peer"), says_peer_loss("loss is nan")
+    (True, False)
+    """
+    return any(words in text.lower() for words in PEER_LOSS_WORDS)
+
+
 def is_peer_loss(error: BaseException) -> bool:
     """Whether `error` (or what caused it) says a peer of a collective or a send is gone.
 
@@ -103,7 +112,7 @@ def is_peer_loss(error: BaseException) -> bool:
     """
     seen = 0
     while error is not None and seen < 8:
-        if any(words in str(error).lower() for words in PEER_LOSS_WORDS):
+        if says_peer_loss(str(error)):
             return True
         error, seen = error.__cause__ or error.__context__, seen + 1
     return False
