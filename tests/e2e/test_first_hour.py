@@ -232,3 +232,24 @@ def test_gpt3_profile_and_plan_fit_a_screen(tmp_path):
     rows = [line for line in table[:12] if line[:1].isdigit()]
     assert 1 < len(rows) <= 10 and not any("*" in row for row in rows)  # only layouts DeepSpeed runs
     assert all(len(line.rstrip()) <= 100 for line in profile_lines + plan_lines)
+
+
+def test_a_plan_names_its_morph_counts_and_a_run_name_too_long_leaves_nothing(tmp_path):
+    """From a temporary folder with relative paths: `--morph-counts` adds counts to a multi-node
+    table (a bad one named, exit 2); `launch` into a 300-character run name is refused, exit 2, with
+    no `runs/` left behind."""
+    assert succeeded(pipectl("profile", "gpt-tiny", "-o", "tiny.json", cwd=tmp_path))
+    planned = pipectl("plan", "--profile", "tiny.json", "--cluster", "a100-8x8", "--global-batch", "32",
+                      "--morph-counts", "13", "-o", "plan.json", cwd=tmp_path)  # fmt: skip
+    assert succeeded(planned), said(planned)
+    counts = [entry["devices"] for entry in json.loads((tmp_path / "plan.json").read_text())["morph_table"]]
+    assert 13 in counts and 12 not in counts and 16 in counts
+    bad = pipectl("plan", "--profile", "tiny.json", "--cluster", "a100-8x8", "--global-batch", "32",
+                  "--morph-counts", "9-4", "-o", "other.json", cwd=tmp_path)  # fmt: skip
+    assert bad.returncode == 2 and "--morph-counts '9-4'" in said(bad) and "Traceback" not in said(bad)
+    local = pipectl("plan", "--profile", "tiny.json", "--cluster", "local", "--devices", "2", "--global-batch", "8",
+                    "-o", "local.json", cwd=tmp_path)  # fmt: skip
+    assert succeeded(local), said(local)
+    refused = pipectl("launch", "local.json", "--run-dir", "runs/" + "r" * 300, "--steps", "2", cwd=tmp_path)
+    assert refused.returncode == 2 and "the name is 300 bytes" in said(refused), said(refused)
+    assert not (tmp_path / "runs").exists()
