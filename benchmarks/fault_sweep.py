@@ -22,6 +22,9 @@ the model whose ranks act at a named (rank, step, point, nth) event):
     concurrent       two launches on one run directory (together; one during a run; two resumes)
     stopped          SIGSTOP of one rank at a random point of a step: the job must end by its
                      collective timeout (10 s here), name the stopped rank, leave no process behind
+    killed-resize    kill -9 of `pipectl resize --devices 2` on a 1-rank job (p=1 d=1) while the
+                     joining rank warms up: the run's files unchanged, the joiner gone, the job
+                     trains on as if never resized
 
 Random points are drawn from a seeded RNG among the events a census of the fault-free reference
 run counted, so every trial's fault fires (a trial whose fault never fired is reported as not
@@ -103,6 +106,11 @@ def planned_trials(references: dict[str, ft.Reference], rng: random.Random, kill
         trials.append((f"concurrent {variant}", lambda folder, variant=variant: ft.concurrent_trial(main, folder, variant)))
     for _ in range(3):  # alive and silent: ends by the collective timeout, named by its heartbeat
         triggered("stopped", main, ft.draw_trigger(main, rng, rng.choice(IN_STEP_POINTS), "stop"))
+    if (one := references.get("p1d1")) is not None:
+        for _ in range(2):  # kill -9 of a live resize to 2 ranks while its joining rank warms up
+            at, delay = rng.randrange(1, one.setup.steps - 1), rng.uniform(0.0, 2.0)
+            trials.append((f"killed-resize at step {at} after {delay:.2f} s",
+                           lambda folder, at=at, delay=delay: ft.killed_resize_trial(one, folder, at, delay)))  # fmt: skip
     return trials
 
 
@@ -132,19 +140,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kill-trials", type=int, default=24, help="kill trials on p=2 d=1 (at least 20)")
-    parser.add_argument("--no-data-parallel", action="store_true", help="skip the p=1 d=2 layout")
+    parser.add_argument("--no-data-parallel", action="store_true", help="skip the p=1 d=2 and p=1 d=1 layouts")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "faults.json")
     parser.add_argument("--keep", action="store_true", help="keep the run directories (printed)")
     args = parser.parse_args(argv)
     started = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="pipectl-faults-"))
     rng = random.Random(args.seed)
+    p1d2 = ft.Setup(pipeline_parallel=1, data_parallel=2, micro_batch_size=2, micro_batches=2)
     setups = {"p2d1": ft.Setup()}
     if not args.no_data_parallel:
-        setups["p1d2"] = ft.Setup(pipeline_parallel=1, data_parallel=2, micro_batch_size=2, micro_batches=2)
+        setups["p1d2"] = p1d2
+        setups["p1d1"] = ft.Setup(pipeline_parallel=1, data_parallel=1)  # resized live towards p1d2
     references = {}
     for label, setup in setups.items():
-        references[label] = ft.reference_run(setup, work / "references")
+        morph = (p1d2,) if label == "p1d1" else ()
+        references[label] = ft.reference_run(setup, work / "references", morph)
         print(f"reference {label}: {references[label].seconds:.1f} s", flush=True)
     trials: list[ft.Trial] = []
     planned = planned_trials(references, rng, args.kill_trials)

@@ -85,27 +85,35 @@ class Setup:
         return max(whole, default=0)
 
 
-def write_plan(setup: Setup, path: Path) -> Path:
-    """A plan choosing `setup`'s layout for the fault model (gpt-tiny's shape, 1F1B, ZeRO-1, fp32)."""
-    from pipectl.artifacts.plan import Candidate, ModelShape, Plan, PlanRequest
+def write_plan(setup: Setup, path: Path, morph: tuple[Setup, ...] = ()) -> Path:
+    """A plan choosing `setup`'s layout for the fault model (gpt-tiny's shape, 1F1B, ZeRO-1, fp32);
+    its morph table holds `setup` and `morph` (the layouts a resize may move it to)."""
+    from pipectl.artifacts.plan import ModelShape, MorphEntry, Plan, PlanRequest
     from pipectl.io import write_json_atomic
     from pipectl.models import build_model
     from pipectl.models.base import shape_of
 
+    candidate = _candidate(setup)
+    shape: ModelShape = shape_of(build_model("gpt-tiny"))  # the fault model is gpt-tiny, hooks aside
+    table = [MorphEntry(devices=s.world_size, candidate=_candidate(s)) for s in (setup, *morph)] if morph else []
+    plan = Plan(
+        model=MODEL, model_reference=MODEL, model_shape=shape, cluster="local",
+        request=PlanRequest(global_batch=candidate.global_batch), chosen=candidate, morph_table=table,
+    )  # fmt: skip
+    return write_json_atomic(path, plan)
+
+
+def _candidate(setup: Setup):
+    from pipectl.artifacts.plan import Candidate
+
     p, d = setup.pipeline_parallel, setup.data_parallel
-    candidate = Candidate(
+    return Candidate(
         devices=p * d, device="cpu", tensor_parallel=1, pipeline_parallel=p, data_parallel=d,
         micro_batch_size=setup.micro_batch_size, micro_batches=setup.micro_batches, schedule="1f1b",
         recompute=False, zero_stage=1, stage_layers=[(0, 9)] if p == 1 else [(0, 4), (4, 9)],
         predicted_step_seconds=0.05, samples_per_second=160.0, tflops_per_device=0.0,
         peak_memory_bytes=[1] * p, bubble_fraction=0.0, communication_fraction=0.0, cost_per_million_samples=0.0,
     )  # fmt: skip
-    shape: ModelShape = shape_of(build_model("gpt-tiny"))  # the fault model is gpt-tiny, hooks aside
-    plan = Plan(
-        model=MODEL, model_reference=MODEL, model_shape=shape, cluster="local",
-        request=PlanRequest(global_batch=candidate.global_batch), chosen=candidate,
-    )  # fmt: skip
-    return write_json_atomic(path, plan)
 
 
 # --------------------------------------------------------------------------- launching
@@ -250,9 +258,9 @@ class Reference:
     seconds: float
 
 
-def reference_run(setup: Setup, folder: Path) -> Reference:
+def reference_run(setup: Setup, folder: Path, morph: tuple[Setup, ...] = ()) -> Reference:
     folder.mkdir(parents=True, exist_ok=True)
-    plan = write_plan(setup, folder / f"plan-{setup.label}.json")
+    plan = write_plan(setup, folder / f"plan-{setup.label}.json", morph)
     run, records = folder / f"reference-{setup.label}", folder / f"census-{setup.label}"
     records.mkdir()
     env = launch_env(PIPECTL_FAULT_CENSUS="1", PIPECTL_FAULT_RECORDS=str(records))
@@ -564,6 +572,62 @@ def unloadable_trial(reference: Reference, folder: Path, trigger: dict) -> Trial
         trial.problems.append(f"status --verify passed a checkpoint missing {dropped}")
     launches = [first]
     resume(reference, run, launches, trial)
+    return check(trial, reference, run, launches)
+
+
+RUN_FILES = ("job.json", "plan.json", "ds_config.json", "launch.sh")
+JOINER_GONE_SECONDS = 120  # its warm-up (imports, the model), then it sees the resize gone
+
+
+def killed_resize_trial(reference: Reference, folder: Path, at_step: int, delay: float) -> Trial:
+    """kill -9 of `pipectl resize RUN --devices 2` while its joining rank warms up (`delay`
+    seconds after the joiner appeared), the job held busy in step `at_step` meanwhile: the run's
+    files still describe the running layout, the joiner leaves (its heartbeat says so, no failure
+    record), and the job trains to its end as if no resize had been tried."""
+    from pipectl.artifacts.run import RankState
+    from pipectl.launch.processes import find_run_processes
+    from pipectl.runtime.liveness import read_heartbeats
+
+    setup = reference.setup
+    run = folder / "run"
+    held = {"rank": 0, "step": at_step, "point": "forward", "nth": 0, "action": "sleep", "seconds": 30}
+    trial = Trial("killed-resize", setup.label, {"at_step": at_step, "delay_seconds": round(delay, 2)})
+    argv = launch_argv(reference.plan, run, "--steps", str(setup.steps), "--checkpoint-every", str(setup.checkpoint_every))
+    started = time.monotonic()
+    proc = start(argv, trigger_env(folder / "records", held))
+    fired = folder / "records" / "fired-rank0.json"
+    while proc.poll() is None and not fired.is_file():
+        time.sleep(0.05)
+    before = {name: (run / name).read_bytes() for name in RUN_FILES if (run / name).is_file()}
+    resize = subprocess.Popen([sys.executable, "-m", "pipectl", "resize", str(run), "--devices", "2"], cwd=HERE,
+                              env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    deadline = time.monotonic() + 60
+    joiners = []
+    while resize.poll() is None and time.monotonic() < deadline and not joiners:
+        joiners = [p.pid for p in find_run_processes(run) if "--join" in p.argv]
+        time.sleep(0.05)
+    time.sleep(delay)
+    trial.fired = bool(joiners) and resize.poll() is None and proc.poll() is None
+    resize.kill()
+    said, _ = resize.communicate()
+    if not trial.fired:
+        trial.problems.append(f"no joining rank while the resize ran (it exited {resize.returncode}): {said[-600:]}")
+    after = {name: (run / name).read_bytes() for name in RUN_FILES if (run / name).is_file()}
+    if after != before:
+        trial.problems.append(f"the killed resize changed {sorted(n for n in after if after[n] != before.get(n))}")
+    gone = time.monotonic() + JOINER_GONE_SECONDS
+    while any(psutil.pid_exists(pid) for pid in joiners) and time.monotonic() < gone:
+        time.sleep(0.2)
+    for pid in joiners:
+        if psutil.pid_exists(pid):
+            trial.problems.append(f"the joining rank (pid {pid}) still ran {JOINER_GONE_SECONDS} s after the resize was killed")
+            kill_tree(pid)
+    launches = [finish(proc, argv, started)]
+    beats = read_heartbeats(run)
+    if joiners and (1 not in beats or beats[1].state is not RankState.LEFT):
+        trial.problems.append(f"the joining rank's heartbeat says {beats[1].state if 1 in beats else 'nothing'}, not left")
+    if list((run / "logs").glob("failure-rank*.json")):
+        trial.problems.append("a failure record was written")
     return check(trial, reference, run, launches)
 
 

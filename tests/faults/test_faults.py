@@ -260,3 +260,18 @@ def test_slow_a_checkpoint_missing_a_ranks_file_is_refused_and_the_resume_falls_
     trial = ft.unloadable_trial(long_reference, tmp_path, trigger)
     assert trial.expected_resume > 0  # an earlier checkpoint to fall back to
     assert_survived(trial)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_slow_a_live_resize_killed_while_its_joiner_warms_up_changes_nothing(tmp_path):
+    """The sweep's killed-resize kind: a 1-rank job with 2 ranks in its morph table; kill -9 of
+    `pipectl resize --devices 2` once the joining rank exists. The run's files are as they were,
+    the joiner leaves, and every loss and tensor equals the run that was never resized."""
+    one = ft.Setup(pipeline_parallel=1, data_parallel=1, steps=4, checkpoint_every=2)
+    two = ft.Setup(pipeline_parallel=1, data_parallel=2, micro_batch_size=2, micro_batches=2)
+    reference = ft.reference_run(one, tmp_path / "reference", (two,))
+    trial = ft.killed_resize_trial(reference, tmp_path / "trial", at_step=2, delay=0.5)
+    assert trial.fired and trial.exit_codes == [0]
+    assert trial.survived, "\n".join(trial.problems)
+    assert trial.weights_max_rel_diff <= ft.TOLERANCE and trial.moments_max_rel_diff <= ft.TOLERANCE
