@@ -53,7 +53,11 @@ def sbatch_of(plan, monkeypatch, **options) -> str:
 
 
 def test_the_gpt3_175b_sbatch_script_for_384_a100_nodes_matches_its_golden_file(monkeypatch):
-    slurm = SlurmSpec(partition="gpu", account="llm", time="2-00:00:00", python="/opt/venv/bin/python", network_interface="ib0")
+    slurm = SlurmSpec(
+        partition="gpu", account="llm", time="2-00:00:00", network_interface="ib0", qos="high", constraint="a100",
+        setup=["module load cuda/12.4 nccl/2.21", "source /opt/venvs/pipectl/bin/activate"],
+        env={"NCCL_IB_HCA": "mlx5", "NCCL_DEBUG": "WARN", "UCX_TLS": "rc,sm,self"},
+    )  # fmt: skip
     script = sbatch_of(gpt3_plan(), monkeypatch, slurm=slurm)
     golden = GOLDEN / "gpt3-175b-a100-384x8.sbatch"
     if os.environ.get("PIPECTL_UPDATE_GOLDEN"):
@@ -66,22 +70,41 @@ def test_the_gpt3_175b_sbatch_script_for_384_a100_nodes_matches_its_golden_file(
 
 def test_unset_slurm_facts_show_where_they_go_and_a_cluster_file_supplies_them(monkeypatch, tmp_path):
     script = sbatch_of(gpt3_plan(), monkeypatch)
-    assert "##SBATCH --partition=gpu   # unset: the cluster file's slurm.partition, or launch --partition" in script
-    assert "##SBATCH --time=2-00:00:00   # unset: the cluster file's slurm.time, or launch --time-limit" in script
+    assert "##SBATCH --partition=gpu   # TODO unset (slurm.partition or launch --partition)" in script
+    assert "##SBATCH --time=2-00:00:00   # TODO unset (slurm.time or launch --time-limit)" in script
+    assert "##SBATCH --qos=normal   # TODO unset (slurm.qos)" in script
+    assert f"# TODO set-up unset (slurm.setup: module loads, a venv or conda activation): the nodes run {sys.executable}" in script
     cluster = tmp_path / "mine.yaml"
     shipped = (Path(__file__).resolve().parents[2] / "configs" / "clusters" / "a100-384x8.yaml").read_text()
-    cluster.write_text(shipped + "slurm:\n  partition: a100\n  account: proj\n  container_image: nvcr.io/nvidia/pytorch:24.05-py3\n")
+    cluster.write_text(shipped + "slurm:\n  partition: a100\n  account: proj\n  container_image: nvcr.io/nvidia/pytorch:24.05-py3\n"
+                       "  container_mounts: ['/data:/data']\n  reservation: big\n  setup: ['module load x']\n  env: {A: '$B c'}\n")  # fmt: skip
     script = sbatch_of(gpt3_plan(), monkeypatch, cluster=str(cluster), slurm=SlurmSpec(account="other"))
     assert "#SBATCH --partition=a100" in script and "#SBATCH --account=other" in script  # the flag wins
-    assert "--container-image=nvcr.io/nvidia/pytorch:24.05-py3" in script
+    assert "#SBATCH --reservation=big" in script and "\nmodule load x\n" in script
+    assert "export A='$B c'" in script  # a value, quoted: never expanded
+    assert "--container-image=nvcr.io/nvidia/pytorch:24.05-py3 --container-mounts=/runs/gpt3:/runs/gpt3,/data:/data python -m" in script
+    # The requeue decision runs in the container too, where pipectl is installed.
+    assert "srun --nodes=1 --ntasks=1 --container-image=nvcr.io/nvidia/pytorch:24.05-py3" in script
+
+
+@pytest.mark.parametrize("slurm, message", [
+    ({"setup": ["module load a\nrm -rf /"]}, "is not one non-empty shell line"),
+    ({"env": {"NCCL IB": "x"}}, "is not an environment variable name"),
+    ({"container_mounts": ["/a b:/c"]}, "is not one mount"),
+    ({"requeue_limit": -1}, "greater than or equal to 0"),
+])  # fmt: skip
+def test_slurm_set_up_lines_variables_and_mounts_are_checked(slurm, message):
+    with pytest.raises(ValueError, match=message):
+        SlurmSpec(**slurm)
 
 
 def test_nodes_follow_the_clusters_devices_per_node_and_the_plans_device(monkeypatch):
     monkeypatch.chdir("/")
     plan = gpt3_plan(devices=64, t=8, p=8, d=1, cluster="a100-8x8")
-    job = prepare_launch(plan, RUN, LaunchOptions(engine=Engine.TORCHRUN, precision=Precision.BF16), write=False).job
+    job = prepare_launch(plan, RUN, LaunchOptions(engine=Engine.TORCHRUN, precision=Precision.BF16, hosts=[f"n{i}" for i in range(8)]),
+                         write=False).job  # fmt: skip
     assert (job.nodes, job.ranks_per_node, job.accelerator) == (8, 8, "cuda")
-    assert job.master_addr not in ("127.0.0.1", "")  # this host: the first agent of the rendezvous
+    assert job.master_addr == "n0"  # the first node: the head of the rendezvous
     explicit = prepare_launch(
         plan, RUN, LaunchOptions(engine=Engine.TORCHRUN, nodes=16, master_addr="node001", precision=Precision.BF16), write=False
     ).job
@@ -97,7 +120,7 @@ def test_a_plan_whose_tensor_groups_span_two_nodes_launches_on_whole_nodes(monke
     # rank), so each tensor group is two whole nodes, as the planner priced it.
     monkeypatch.chdir("/")
     plan = gpt3_plan(devices=64, t=16, p=4, d=1, cluster="a100-8x8")
-    job = prepare_launch(plan, RUN, LaunchOptions(engine=Engine.TORCHRUN, precision=Precision.BF16), write=False).job
+    job = prepare_launch(plan, RUN, LaunchOptions(engine=Engine.TORCHRUN, master_addr="n0", precision=Precision.BF16), write=False).job
     assert (job.nodes, job.ranks_per_node, job.world_size) == (8, 8, 64)
 
 
@@ -106,7 +129,7 @@ def test_a_cpu_plan_runs_cpu_ranks_and_a_gpu_plan_is_refused_on_a_host_without_g
     assert cpu.job.accelerator == "cpu" and cpu.command.env["DS_ACCELERATOR"] == "cpu"
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # this host, as far as launch can tell: no GPU
     with pytest.raises(UserInputError, match="the plan is for 64 a100-80gb GPUs and this host has none"):
-        prepare_launch(gpt3_plan(devices=64, t=8, p=8, d=1), tmp_path / "gpu", LaunchOptions(precision=Precision.BF16, nodes=8, engine=Engine.TORCHRUN))
+        prepare_launch(gpt3_plan(devices=64, t=8, p=8, d=1), tmp_path / "gpu", LaunchOptions(precision=Precision.BF16, nodes=8, engine=Engine.TORCHRUN, master_addr="n0"))
     assert not (tmp_path / "gpu").exists()
 
 
@@ -356,3 +379,30 @@ def test_every_engines_launch_script_passes_shellcheck(tmp_path, engine, extra):
     script = tmp_path / "launch.sh"
     script.write_text(launch_script(prepared.command, prepared.run_dir))
     _shellcheck([script])
+
+
+def test_a_multi_node_torchrun_job_without_a_head_node_is_refused_never_this_host(monkeypatch):
+    """384 nodes, no --master-addr, --hosts, --hostfile or allocation: every node would rendezvous
+    with itself at this host's name."""
+    monkeypatch.chdir("/")
+    monkeypatch.delenv("SLURM_JOB_NODELIST", raising=False)
+    with pytest.raises(UserInputError, match="a torchrun job on 384 nodes needs its rendezvous head"):
+        prepare_launch(gpt3_plan(), RUN, LaunchOptions(engine=Engine.TORCHRUN, precision=Precision.BF16), write=False)
+
+
+def test_a_hostfile_in_deepspeeds_format_names_the_nodes_and_the_head(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "hosts").write_text("# the allocation\n" + "".join(f"node{i:03d} slots=8\n" for i in range(8)))
+    plan = gpt3_plan(devices=64, t=8, p=8, d=1, cluster="a100-8x8")
+    for engine in (Engine.TORCHRUN, Engine.DEEPSPEED):
+        prepared = prepare_launch(plan, RUN, LaunchOptions(engine=engine, hostfile="hosts", precision=Precision.BF16), write=False)
+        assert prepared.job.master_addr == "node000" and prepared.hosts[-1] == "node007"
+        argv = prepared.command.argv
+        if engine is Engine.TORCHRUN:
+            assert argv[argv.index("--rdzv_endpoint") + 1] == f"node000:{prepared.job.master_port}"
+    (tmp_path / "hosts").write_text("node1 slots=4\nnode2 slots=8\n")
+    with pytest.raises(UserInputError, match="gives node1 slots=4; the plan runs 32 ranks on each node"):
+        prepare_launch(plan, RUN, LaunchOptions(engine=Engine.TORCHRUN, hostfile="hosts", precision=Precision.BF16), write=False)
+    (tmp_path / "hosts").write_text("node1 8\n")
+    with pytest.raises(ValueError, match="line 1 is not 'host slots=N'"):
+        LaunchOptions(hostfile="hosts")

@@ -111,9 +111,12 @@ def test_slurm_script_content():
     assert "#SBATCH --nodes=2" in lines
     assert "#SBATCH --ntasks-per-node=1" in lines
     assert "#SBATCH --gpus-per-node=4" in lines
-    assert "#SBATCH --signal=TERM@120" in lines
+    assert "#SBATCH --signal=B:USR1@120" in lines and "#SBATCH --requeue" in lines  # it requeues itself
+    assert "#SBATCH --open-mode=append" in lines  # a requeued start's output follows the first's
     assert "export OMP_NUM_THREADS=1" in lines
     srun = next(line for line in lines if line.startswith("srun "))
+    assert srun.endswith(" &")  # in the background: the USR1 trap runs at once, not when srun ends
+    srun = srun.removesuffix(" &")
     assert "/venv/bin/python -m torch.distributed.run" in srun
     assert '--nnodes "$SLURM_JOB_NUM_NODES"' in srun
     assert "--nproc_per_node 4" in srun

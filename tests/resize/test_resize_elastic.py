@@ -113,6 +113,7 @@ def test_kill_an_agent_training_continues_replanned_then_grows_back(tmp_path):
         LaunchOptions(
             engine=Engine.TORCHRUN,
             elastic=ElasticRange(min_nodes=1, max_nodes=2, max_restarts=6),
+            master_addr="127.0.0.1",  # both agents run here: the rendezvous head is this machine
             steps=100_000,  # stopped through the stop file once the scenario is done
             checkpoint_every=5,  # saving also paces the job, so that events land mid-run
         ),

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -22,6 +22,7 @@ MAX_COMPUTE_SLOWDOWN = 1000.0
 SLURM_VALUE = r"^[A-Za-z0-9_.:,@%+=/-]*$"  # what an #SBATCH value may hold here: no spaces, quotes or '$'
 # sbatch --time's formats (sbatch(1)): minutes, minutes:seconds, hours:minutes:seconds, days-hours,
 # days-hours:minutes, days-hours:minutes:seconds; or no limit.
+VARIABLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 SLURM_TIME = re.compile(r"\d+(:\d{1,2}){0,2}|\d+-\d{1,2}(:\d{1,2}){0,2}|unlimited|infinite", re.IGNORECASE)
 
 
@@ -93,8 +94,12 @@ def emulated_kind(device: str, slowdown: float) -> str:
 class SlurmSpec(Strict):
     """What `launch --engine slurm` writes into the sbatch script that the plan cannot know.
 
-    `launch --partition/--account/--time-limit` win over the file's values.
+    Every field is unset (None) unless given, so that a config file's `[slurm]` table and
+    `launch --partition/--account/--time-limit` win over the cluster file's values key by key.
     """
+
+    DEFAULT_SIGNAL_SECONDS: ClassVar[int] = 120
+    DEFAULT_REQUEUE_LIMIT: ClassVar[int] = 3
 
     partition: str | None = Field(default=None, pattern=SLURM_VALUE, description="#SBATCH --partition.")
     account: str | None = Field(default=None, pattern=SLURM_VALUE, description="#SBATCH --account.")
@@ -113,8 +118,68 @@ class SlurmSpec(Strict):
         default=None, pattern=SLURM_VALUE, description="NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME for the ranks, e.g. 'ib0'."
     )
     python: str | None = Field(
-        default=None, pattern=SLURM_VALUE, description="The Python on the compute nodes with pipectl installed (default: the one running launch)."
+        default=None,
+        pattern=SLURM_VALUE,
+        description="The Python on the compute nodes with pipectl installed (default: 'python' from the set-up "
+        "lines, or without them the one running launch).",
     )
+    setup: list[str] | None = Field(
+        default=None,
+        max_length=256,
+        description="Shell lines run before the ranks start, in order, as written: module loads, "
+        "'source VENV/bin/activate', 'conda activate ENV'.",
+    )
+    env: dict[str, str] | None = Field(
+        default=None,
+        max_length=256,
+        description="Variables exported for the ranks (NCCL_*, UCX_*, ...); values are quoted, not expanded.",
+    )
+    container_mounts: list[str] | None = Field(
+        default=None,
+        max_length=64,
+        description="srun --container-mounts beside the run directory's, e.g. '/data:/data'.",
+    )
+    reservation: str | None = Field(default=None, pattern=SLURM_VALUE, description="#SBATCH --reservation.")
+    signal_seconds: int | None = Field(
+        default=None,
+        ge=10,
+        le=24 * 3600,
+        description="Seconds before the time limit the job is told to checkpoint and requeue itself: at least a "
+        "step and a checkpoint write (default 120).",
+    )
+    requeue_limit: int | None = Field(
+        default=None,
+        ge=0,
+        le=10_000,
+        description="Requeues in a row without a newer checkpoint before the job stops requeueing (default 3; 0: "
+        "never requeue itself).",
+    )
+
+    @field_validator("setup")
+    @classmethod
+    def _one_line_each(cls, value: list[str] | None) -> list[str] | None:
+        for line in value or []:
+            if not line.strip() or "\n" in line or "\r" in line or "\0" in line:
+                raise ValueError(f"{line!r} is not one non-empty shell line")
+        return value
+
+    @field_validator("env")
+    @classmethod
+    def _variable_names(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        for name, text in (value or {}).items():
+            if not VARIABLE_NAME.fullmatch(name):
+                raise ValueError(f"{name!r} is not an environment variable name (letters, digits, '_')")
+            if "\0" in text or "\n" in text:
+                raise ValueError(f"the value of {name} holds a line break or a NUL")
+        return value
+
+    @field_validator("container_mounts")
+    @classmethod
+    def _mounts(cls, value: list[str] | None) -> list[str] | None:
+        for mount in value or []:
+            if not re.fullmatch(SLURM_VALUE, mount) or not mount or "," in mount:
+                raise ValueError(f"{mount!r} is not one mount SRC:DST[:FLAGS] without blanks, quotes, '$' or ','")
+        return value
 
     @field_validator("time")
     @classmethod

@@ -57,6 +57,8 @@ HEARTBEAT_FILE = "heartbeat-rank{rank}.json"  # in LOGS_DIR
 # In LOGS_DIR: one line per spell when metrics.jsonl could not be written (`WriteRefusal`), added
 # once the disk takes lines again; `pipectl launch` names it on the terminal.
 REFUSALS_FILE = "refused-writes.jsonl"
+# In LOGS_DIR: one line per end of a Slurm batch script, what it decided (`RequeueRecord`).
+REQUEUE_FILE = "requeues.jsonl"
 LOCK_FILE = "job.lock"  # the pids of the launch that holds the run (`launch.rundir.lock_run_dir`)
 # What `launch` writes at a run directory's top and the run reads back (its profile copies and
 # per-rank schedules by pattern): no other command's output may replace them.
@@ -553,6 +555,26 @@ class ResumeRecord(Artifact):
         default_factory=list, description="Newer checkpoints that could not be loaded, each with the file and why."
     )
     time_unix: float = Field(default=0.0, description="When the ranks resumed.")
+
+
+class RequeueOutcome(str, Enum):
+    FINISHED = "finished"  # every step trained, the last one checkpointed
+    REQUEUED = "requeued"  # `scontrol requeue`: the job starts again and resumes
+    STOPPED = "stopped"  # not requeued: the limit of requeues without progress, or none allowed
+
+
+class RequeueRecord(Strict):
+    """A line of logs/requeues.jsonl: how one start of a Slurm job ended (`launch/requeue.py`)."""
+
+    slurm_job_id: str = Field(default="", description="SLURM_JOB_ID (a requeued job keeps its id).")
+    restart_count: int = Field(default=0, ge=0, description="SLURM_RESTART_COUNT: the times Slurm restarted it.")
+    time_unix: float
+    exit_code: int = Field(description="srun's exit code: the ranks' worst.")
+    steps_done: int = Field(ge=0)
+    checkpoint_step: int = Field(ge=0, description="The newest verified checkpoint's step (0: none).")
+    ended: str = Field(description="How the ranks ended, in words.")
+    outcome: RequeueOutcome
+    reason: str = Field(default="", description="Why not requeued, when stopped.")
 
 
 class RankState(str, Enum):

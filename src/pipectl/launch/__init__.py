@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,7 @@ from pipectl.cluster import busier_note, host_state, load_cluster, plan_cluster_
 from pipectl.errors import PipectlError, UserInputError
 from pipectl.config import Layer, layered, stored_layer, to_sections
 from pipectl.io import load_model, validation_message
-from pipectl.launch.options import LaunchOptions
+from pipectl.launch.options import LaunchOptions, read_hostfile
 from pipectl.runtime.dsconfig import validated_config
 from pipectl.launch.engines import LaunchCommand, allocation_hosts, build_command, run_engine
 from pipectl.launch.placement import compute_slowdowns, node_groups, plan_accelerator, plan_kinds
@@ -319,25 +318,47 @@ def job_nodes(plan: Plan, options: LaunchOptions, cluster: ClusterSpec | None, g
 
 
 def master_address(options: LaunchOptions, nodes: int) -> str:
-    """Where the ranks meet: `--master-addr`; else loopback on one node, this host's name for
-    torchrun over several nodes (launch runs the first agent here; the same command runs on every
-    node), the first host for DeepSpeed's launcher (`deepspeed_hosts`), and the allocation's first
-    node for slurm ('')."""
+    """Where the ranks meet: `--master-addr`; else loopback on one node, the allocation's first
+    node for slurm ('': the script asks `scontrol`), and the first of the nodes (`node_hosts`) for
+    torchrun and DeepSpeed's launcher over several nodes. With several nodes and none of these,
+    the launch is refused: this host's own name would let every node rendezvous with itself."""
     if options.master_addr:
         return options.master_addr
-    if options.engine is Engine.SLURM:
-        return ""
-    if options.engine is Engine.DEEPSPEED and options.hosts:
-        return options.hosts[0]
+    if options.engine is Engine.SLURM or (options.engine is Engine.DEEPSPEED and not options.hosts):
+        return ""  # the script asks scontrol; DeepSpeed's launcher refuses without its hosts (`deepspeed_command`)
+    if options.hosts:
+        return options.hosts[0] if nodes > 1 or options.elastic or options.engine is Engine.DEEPSPEED else "127.0.0.1"
     if nodes > 1 or options.elastic:
-        return socket.getfqdn()
+        raise UserInputError(
+            f"a {options.engine.value} job on {count(nodes, 'node')} needs its rendezvous head: no --master-addr, "
+            "--hosts or --hostfile was given and launch does not run inside a Slurm allocation",
+            hint="pass --master-addr NODE (the first node, where the rendezvous runs), --hosts n1,n2,... or "
+            "--hostfile FILE; or use --engine slurm",
+        )
     return "127.0.0.1"
 
 
-def deepspeed_hosts(options: LaunchOptions) -> list[str] | None:
-    """The hosts of DeepSpeed's hostfile: `--hosts`, else the nodes of the Slurm allocation launch
-    runs in (`scontrol show hostnames $SLURM_JOB_NODELIST`), else None (one node: localhost)."""
-    return options.hosts or allocation_hosts() or None
+def node_hosts(options: LaunchOptions) -> list[str] | None:
+    """The job's nodes, in order: `--hosts`, else `--hostfile`'s, else the nodes of the Slurm
+    allocation launch runs in (`scontrol show hostnames $SLURM_JOB_NODELIST`), else None."""
+    if options.hosts:
+        return options.hosts
+    if options.hostfile:
+        return [host for host, _ in read_hostfile(options.hostfile)]
+    return allocation_hosts() or None
+
+
+def check_hostfile_slots(options: LaunchOptions, ranks_per_node: int) -> None:
+    """Every node of `--hostfile` has the job's ranks per node as its slots."""
+    if not options.hostfile:
+        return
+    wrong = [(host, slots) for host, slots in read_hostfile(options.hostfile) if slots != ranks_per_node]
+    if wrong:
+        host, slots = wrong[0]
+        raise UserInputError(
+            f"--hostfile {options.hostfile} gives {host} slots={slots}; the plan runs {ranks_per_node} ranks on each node",
+            hint=f"give every node slots={ranks_per_node}",
+        )
 
 
 def slurm_settings(cluster: ClusterSpec | None, flags: SlurmSpec, node_type: str | None = None) -> SlurmSpec:
@@ -473,10 +494,11 @@ def prepare_launch(
     profile_dtype = profile.dtype if profile is not None else None
     given = options  # what job.json stores: the options as chosen, before the plan and the host fill them in
     options = options.model_copy(update={"precision": planned_precision(profile_dtype, options.precision)})
-    if options.engine is Engine.DEEPSPEED:
-        options = options.model_copy(update={"hosts": deepspeed_hosts(options)})
+    if options.engine in (Engine.DEEPSPEED, Engine.TORCHRUN):
+        options = options.model_copy(update={"hosts": node_hosts(options)})
     cluster = plan_cluster(plan, options.cluster)
     job = build_job(plan, path.name, options, cluster).model_copy(update={"options": to_sections(given)})
+    check_hostfile_slots(options, job.ranks_per_node)
     if job.engine is Engine.LOCAL:  # the ranks run here: how busy this host is, beside the profile's
         job = job.model_copy(update={"host_at_launch": host_state()})
     with import_root(job.import_root):  # the model and the data resolved as the ranks will resolve them

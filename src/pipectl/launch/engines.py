@@ -16,7 +16,8 @@ real launcher (no home-made process manager):
   families (PYTHON*, ...) to the remote ranks plus the `KEY=VALUE` lines of `.deepspeed_env` in
   its working directory (DeepSpeed's launcher/runner.py), so the rank environment is written
   there too (the run directory is the launcher's working directory).
-- `slurm`: an sbatch script running `srun` + torchrun, one agent per node (tested by content).
+- `slurm`: an sbatch script running `srun` + torchrun, one agent per node, that requeues itself
+  (run under stand-ins of sbatch, srun and scontrol in tests/launch).
 
 Commands are argument lists (no shell). `launch.sh` in the run directory is the same command,
 quoted for a shell, so a run can be restarted by hand.
@@ -44,6 +45,7 @@ from pipectl.artifacts.morph import LIVE_REQUEST_FILE
 from pipectl.artifacts.run import (
     HOSTFILE,
     LOGS_DIR,
+    REQUEUE_FILE,
     RESUME_FILE,
     SBATCH_FILE,
     SLURM_JOB_ID_FILE,
@@ -55,6 +57,7 @@ from pipectl.artifacts.run import (
 from pipectl.errors import LaunchError, UserInputError
 from pipectl.launch.processes import WORKER_MODULE, JobProcesses
 from pipectl.paths import MODEL_PATH_VARIABLE
+from pipectl.runtime.checkpoint import STOP_FILE
 from pipectl.runtime.liveness import SUPERVISOR_VARIABLE
 from pipectl.runtime.dsinit import cuda_available
 from pipectl.words import count
@@ -112,6 +115,7 @@ def _worker_args(run_dir: Path) -> list[str]:
     return ["-m", WORKER_MODULE, "--run-dir", str(run_dir)]
 
 
+REQUEUE_MODULE = "pipectl.launch.requeue"  # the batch script's last step: requeue the job or not
 REPLICAS_MODULE = "pipectl.resize.replicas"  # one torchrun per replica (`launch --recover-in-memory`)
 
 
@@ -221,7 +225,7 @@ def deepspeed_command(
     python: str = sys.executable,
     gpus: bool = False,
 ) -> LaunchCommand:
-    """DeepSpeed's launcher over a hostfile of `hosts` (`launch.deepspeed_hosts`; `localhost` for
+    """DeepSpeed's launcher over a hostfile of `hosts` (`launch.node_hosts`; `localhost` for
     one node)."""
     hosts = hosts or (["localhost"] if job.nodes == 1 else [])
     if not hosts:
@@ -262,16 +266,30 @@ def slurm_script(
     slurm: SlurmSpec | None = None,
     components: list[SlurmSpec] | None = None,
 ) -> str:
-    """An sbatch script: one torchrun agent per node via srun, c10d rendezvous on the first node.
+    """An sbatch script a Slurm user submits unedited: one torchrun agent per node via srun, c10d
+    rendezvous on the allocation's first node, the cluster file's set-up and environment, and a
+    job that requeues itself.
 
     The allocation follows from the job: `--nodes` (a range for elastic jobs), one task per node
     (the torchrun agent) with `--cpus-per-task` = ranks per node x cores per rank, and
     `--gpus-per-node` = ranks per node when the plan's devices are GPUs. Partition, account, time
-    limit, QoS, constraint, container image, network interface and the compute nodes' Python come
-    from `slurm` (the cluster file's `slurm:` section and launch's flags); a line for each that is
-    unset says where it would go. `--signal=TERM@120` asks Slurm to send SIGTERM two minutes before
-    the time limit: the ranks finish their step, checkpoint and exit 0 (the path of a pre-emption).
-    The master address is the allocation's first node unless the job names one.
+    limit, QoS, constraint, reservation, container, set-up lines, environment, network interface
+    and the compute nodes' Python come from `slurm` (the cluster file's `slurm:` section, the
+    config file's `[slurm]`, launch's flags); each one unset that a site usually needs is a line
+    marked `TODO` saying where it would go.
+
+    Time limits and pre-emption (`launch/requeue.py`): `--signal=B:USR1@S` tells the batch shell
+    S seconds before the time limit; its trap writes the run's stop file, so every rank stops at
+    the same step boundary after a checkpoint (the stop the ranks already agree on at each step,
+    `runtime.checkpoint.step_boundary`). Signalling torchrun instead makes it end its workers 30 s
+    later whatever they are doing. srun runs in the background so that the trap runs at once
+    (bash runs a trap only between commands). When srun has ended, `pipectl.launch.requeue`
+    decides from the run itself: trained to the end, done; stopped or failed with progress since
+    the last requeue, `scontrol requeue` (`--requeue` makes the job requeueable; `--open-mode=append`
+    keeps the earlier starts' output). A pre-emption under `PreemptMode=REQUEUE` is Slurm's own
+    requeue; the ranks' SIGTERM handler checkpoints within Slurm's grace time if it can. Either
+    way the requeued script starts the same ranks, which resume from the newest checkpoint that
+    loads.
 
     A plan split over device kinds (`job.node_groups`) becomes a heterogeneous job: one component
     per node group, in rank order, each with its node type's partition and constraint
@@ -281,7 +299,7 @@ def slurm_script(
     (`launch.placement`). c10d's rendezvous would number the nodes by host name instead.
     """
     slurm = slurm or SlurmSpec()
-    python = slurm.python or python
+    python = slurm.python or ("python" if slurm.setup else python)
     groups = job.node_groups
     if any(c.isspace() for c in str(run_dir)):
         raise UserInputError(
@@ -290,11 +308,15 @@ def slurm_script(
         )
     cpus_per_rank = slurm.cpus_per_rank or (8 if gpus else 1)
     cpus_per_task = job.ranks_per_node * cpus_per_rank
+    signal_seconds = slurm.signal_seconds or SlurmSpec.DEFAULT_SIGNAL_SECONDS
+    requeue_limit = SlurmSpec.DEFAULT_REQUEUE_LIMIT if slurm.requeue_limit is None else slurm.requeue_limit
+    run = shlex.quote(str(run_dir))
 
-    def sbatch(option: str, value: str | None, example: str, flag: str) -> str:
+    def sbatch(option: str, value: str | None, example: str, flag: str = "") -> str:
         if value:
             return f"#SBATCH --{option}={value}"
-        return f"##SBATCH --{option}={example}   # unset: the cluster file's slurm.{option.replace('-', '_')}, or launch {flag}"
+        where = f"slurm.{option.replace('-', '_')}" + (f" or launch {flag}" if flag else "")
+        return f"##SBATCH --{option}={example}   # TODO unset ({where})"
 
     def resources(nodes: str, spec: SlurmSpec) -> list[str]:
         return [
@@ -305,10 +327,10 @@ def slurm_script(
             sbatch("partition", spec.partition, "gpu", "--partition"),
             sbatch("account", spec.account, "my-project", "--account"),
             sbatch("time", spec.time, "2-00:00:00", "--time-limit"),
-            *([f"#SBATCH --qos={spec.qos}"] if spec.qos else []),
-            *([f"#SBATCH --constraint={spec.constraint}"] if spec.constraint else []),
+            sbatch("qos", spec.qos, "normal"),
+            sbatch("constraint", spec.constraint, "a100"),
+            *([f"#SBATCH --reservation={spec.reservation}"] if spec.reservation else []),
             "#SBATCH --exclusive",
-            "#SBATCH --signal=TERM@120",
         ]  # fmt: skip
 
     env = rank_environment(gpus=gpus, import_root=job.import_root)
@@ -316,10 +338,14 @@ def slurm_script(
         env.update(NCCL_SOCKET_IFNAME=slurm.network_interface, GLOO_SOCKET_IFNAME=slurm.network_interface)
     if job.elastic:
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    env.update(slurm.env or {})  # the user's word wins
     # Slurm 22.05 and later no longer pass sbatch's --cpus-per-task on to srun: say it again there.
     srun = ["srun", "--kill-on-bad-exit=1", f"--cpus-per-task={cpus_per_task}"]
+    container: list[str] = []
     if slurm.container_image:
-        srun += [f"--container-image={slurm.container_image}", f"--container-mounts={run_dir}:{run_dir}"]
+        mounts = ",".join([f"{run_dir}:{run_dir}", *(slurm.container_mounts or [])])
+        container = [f"--container-image={slurm.container_image}", f"--container-mounts={mounts}"]
+    srun += container
     first_nodes = "$SLURM_JOB_NODELIST"
     if groups:
         if components is None or len(components) != len(groups):
@@ -353,26 +379,53 @@ def slurm_script(
             + ' --rdzv_backend c10d --rdzv_endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv_id "$SLURM_JOB_ID"'
             + " " + shlex.join(_worker_args(run_dir))
         )  # fmt: skip
+    # `sed -n 1p` reads every name: `head -n 1` may close the pipe while scontrol still writes,
+    # and under pipefail scontrol's SIGPIPE would end the script.
     master = (
         f"MASTER_ADDR={shlex.quote(job.master_addr)}"
         if job.master_addr
-        else f'MASTER_ADDR="$(scontrol show hostnames "{first_nodes}" | head -n 1)"'
+        else f'MASTER_ADDR="$(scontrol show hostnames "{first_nodes}" | sed -n 1p)"'
     )
+    if slurm.setup:
+        # Environment modules and conda's activation read variables they never set.
+        setup = ["# Set-up (the cluster file's slurm.setup)", "set +u", *slurm.setup, "set -u"]
+    else:
+        setup = [f"# TODO set-up unset (slurm.setup: module loads, a venv or conda activation): the nodes run {python}"]
+    # The decision runs where the ranks' Python is: inside the container when there is one.
+    decide = shlex.join([*(["srun", "--nodes=1", "--ntasks=1", *container] if container else []),
+                         python, "-m", REQUEUE_MODULE, "--run-dir", str(run_dir), "--limit", str(requeue_limit)])  # fmt: skip
+    stop_file = shlex.quote(str(run_dir / STOP_FILE))
     lines = [
         "#!/bin/bash",
         f"# Written by pipectl launch for run {job.name}: {count(job.world_size, 'rank')}, {count(job.nodes, 'node')} x "
         f"{count(job.ranks_per_node, 'GPU rank' if gpus else 'CPU rank')}, {job.precision.value}. Submit: sbatch {run_dir / SBATCH_FILE}",
+        f"# It requeues itself {signal_seconds} s before its time limit and after a failure that made progress "
+        f"(at most {count(requeue_limit, 'time')} in a row without a newer checkpoint): {run_dir / LOGS_DIR / REQUEUE_FILE}",
         f"#SBATCH --job-name={job.name}",
         f"#SBATCH --output={run_dir / LOGS_DIR}/slurm-%j.out",
+        "#SBATCH --open-mode=append",
         *allocation,
+        *(["#SBATCH --requeue"] if requeue_limit else ["#SBATCH --no-requeue"]),
+        f"#SBATCH --signal=B:USR1@{signal_seconds}",
         "set -euo pipefail",
+        *setup,
+        "# The ranks' environment",
         *(f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items())),
         master,
         f"MASTER_PORT={job.master_port}",
         # Exported apart from the assignment, so that a failing scontrol stops the script (set -e).
         *(["export MASTER_ADDR MASTER_PORT"] if groups else []),
         f'echo "$SLURM_JOB_ID" > {shlex.quote(str(run_dir / SLURM_JOB_ID_FILE))}',
-        torchrun,
+        f"rm -f {stop_file}  # a stop asked of an earlier start is not this one's",
+        f"trap 'echo \"time limit in {signal_seconds} s (Slurm USR1)\" > {stop_file}' USR1",
+        f"{torchrun} &",
+        'ranks=$! status=0',
+        'wait "$ranks" || status=$?',
+        'while kill -0 "$ranks" 2>/dev/null; do status=0; wait "$ranks" || status=$?; done  # a trap cut the wait short',
+        f'decision="$({decide} --exit-code "$status")" || decision=stop',
+        'if [ "$decision" = requeue ]; then scontrol requeue "$SLURM_JOB_ID"; exit 0; fi',
+        'if [ "$decision" = finished ]; then exit 0; fi',
+        'exit $(( status ? status : 1 ))',
     ]  # fmt: skip
     return "\n".join(lines) + "\n"
 

@@ -110,6 +110,35 @@ def parse_hosts(text: str) -> list[str]:
     return hosts
 
 
+def read_hostfile(path: str | os.PathLike[str]) -> list[tuple[str, int]]:
+    """A hostfile in DeepSpeed's format: one `host slots=N` line per node, `#` comments; (host,
+    slots) in the file's order.
+
+    >>> import tempfile, pathlib
+    >>> f = pathlib.Path(tempfile.mkdtemp()) / "hostfile"
+    >>> _ = f.write_text("# two nodes\\nnode1 slots=8\\nnode2 slots=8  # spare\\n")
+    >>> read_hostfile(f)
+    [('node1', 8), ('node2', 8)]
+    """
+    try:
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise OptionValueError(f"cannot be read ({exc.__class__.__name__}: {exc})") from None
+    entries = []
+    for number, line in enumerate(text.splitlines(), 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        match = re.fullmatch(r"(\S+)\s+slots\s*=\s*(\d+)", line)
+        if match is None or int(match.group(2)) < 1:
+            raise OptionValueError(f"line {number} is not 'host slots=N': {line[:80]!r}", hint="DeepSpeed's hostfile format")
+        entries.append((match.group(1), int(match.group(2))))
+    if not entries:
+        raise OptionValueError("names no host", hint="one 'host slots=N' line per node")
+    parse_hosts([host for host, _ in entries])  # each host once
+    return entries
+
+
 class LaunchOptions(Strict):
     """What the user chose besides the plan: `pipectl launch`'s flags, its config file's values,
     or a resumed run's. (`Strict`: numbers are finite numbers, never a boolean read as one.)"""
@@ -194,7 +223,12 @@ class LaunchOptions(Strict):
         description="Nodes for torchrun/deepspeed/slurm (default: the plan's devices over the cluster's devices per node).",
     )
     hosts: Annotated[list[str] | None, Opt("cluster", cli=str)] = Field(
-        default=None, description="Comma-separated hosts for the deepspeed hostfile."
+        default=None,
+        description="Comma-separated node names, the first the rendezvous head (torchrun) and the DeepSpeed "
+        "hostfile's hosts (default: the Slurm allocation's nodes, when launch runs inside one).",
+    )
+    hostfile: Annotated[str | None, Opt("cluster", path=True)] = Field(
+        default=None, description="The nodes as a DeepSpeed hostfile ('host slots=N' per line), instead of --hosts."
     )
     master_addr: Annotated[str | None, Opt("cluster")] = Field(
         default=None,
@@ -208,7 +242,8 @@ class LaunchOptions(Strict):
         default=None, description="torchrun elastic node range MIN:MAX (engine torchrun)."
     )
     slurm: Annotated[
-        SlurmSpec, Opt("slurm", table=True, flags=(("partition", "--partition"), ("account", "--account"), ("time", "--time-limit")))
+        SlurmSpec, Opt("slurm", table=True, flags=(("partition", "--partition"), ("account", "--account"), ("time", "--time-limit"),
+                                      ("requeue_limit", "--requeue-limit")))
     ] = Field(default_factory=SlurmSpec, description="The sbatch script's settings, over the cluster file's slurm: section.")
 
     collective_timeout: Annotated[float | None, Opt("monitor")] = Field(
@@ -234,6 +269,14 @@ class LaunchOptions(Strict):
     def _model_resolved(cls, value: str | None) -> str | None:
         """A YAML or hf: directory by path: absolute, once (ranks, resume and resize run elsewhere)."""
         return None if value is None else stored_reference(value)
+
+    @field_validator("hostfile")
+    @classmethod
+    def _hostfile_read(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is None or (info.context or {}).get("stored"):
+            return value
+        read_hostfile(value)
+        return str(Path(value).resolve())
 
     @field_validator("master_addr")
     @classmethod

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from pipectl.artifacts.plan import Plan
 from pipectl.artifacts.run import (
     CHECKPOINTS_DIR,
@@ -38,6 +40,9 @@ from pipectl.artifacts.run import (
     JobSpec,
     RankHeartbeat,
     RankState,
+    REQUEUE_FILE,
+    RequeueOutcome,
+    RequeueRecord,
     StepMetrics,
 )
 from pipectl.launch.options import check_stored_options
@@ -386,6 +391,11 @@ class RunStatus:
     checkpoint_events: list[CheckpointEvent] = field(default_factory=list)  # logs/checkpoints.jsonl
     unreadable_metrics_lines: list[int] = field(default_factory=list)  # of metrics.jsonl, skipped
     heartbeats: dict[int, RankHeartbeat] = field(default_factory=dict)  # each rank's last, by rank
+    requeues: list[RequeueRecord] = field(default_factory=list)  # logs/requeues.jsonl: a Slurm job's starts
+
+    @property
+    def requeue_count(self) -> int:
+        return sum(r.outcome is RequeueOutcome.REQUEUED for r in self.requeues)
 
     @property
     def steps_done(self) -> int:
@@ -456,7 +466,26 @@ class RunStatus:
                 for c in self.checkpoints
             ],
             "staging": [str(path) for path in self.staging],
+            "slurm": None if not self.requeues else {
+                "requeues": self.requeue_count,
+                "last": self.requeues[-1].model_dump(mode="json"),
+            },
         }
+
+
+def read_requeues(run_dir: str | os.PathLike[str]) -> list[RequeueRecord]:
+    """The run's requeue records, oldest first (unreadable lines skipped)."""
+    try:
+        lines = (Path(run_dir) / LOGS_DIR / REQUEUE_FILE).read_text().splitlines()
+    except OSError:
+        return []
+    records = []
+    for line in lines:
+        try:
+            records.append(RequeueRecord.model_validate_json(line))
+        except ValidationError:
+            continue
+    return records
 
 
 def run_status(run_dir: str | os.PathLike[str], *, verify_hashes: bool = False) -> RunStatus:
@@ -490,4 +519,5 @@ def run_status(run_dir: str | os.PathLike[str], *, verify_hashes: bool = False) 
         checkpoint_events=read_events(files.path),
         unreadable_metrics_lines=unreadable,
         heartbeats=read_heartbeats(files.path),
+        requeues=read_requeues(files.path),
     )

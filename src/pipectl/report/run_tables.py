@@ -18,7 +18,7 @@ from rich.text import Text
 
 from pipectl.artifacts.layout import layout_label
 from pipectl.artifacts.morph import MorphRecord, MorphTrigger
-from pipectl.artifacts.run import RankFailure
+from pipectl.artifacts.run import RankFailure, RequeueOutcome
 from pipectl.cluster import busier_note
 from pipectl.errors import PipectlError
 from pipectl.launch.rundir import RunStatus
@@ -66,6 +66,17 @@ def checkpoint_interval_text(status: RunStatus) -> str:
     return ", ".join(parts + ["at the end"]) if parts else "at the end and on SIGTERM only"
 
 
+def requeue_text(status: RunStatus) -> Text:
+    """How the Slurm job's starts ended (`launch/requeue.py`): 'requeued 2 times (last: stopped
+    after step 40 ...)', or why it stopped requeueing."""
+    last, times = status.requeues[-1], count(status.requeue_count, "time")
+    if last.outcome is RequeueOutcome.REQUEUED:
+        return Text(f"requeued {times}: the last start {last.ended}; it resumes from checkpoint step {last.checkpoint_step}")
+    if last.outcome is RequeueOutcome.FINISHED:
+        return Text(f"finished after being requeued {times}")
+    return Text(f"requeued {times}, then not again: {last.reason}", style="yellow")
+
+
 def status_table(status: RunStatus, *, brief: bool = False) -> Group:
     """Rich renderables: a summary table, then (unless `brief`, what launch and resize print when
     the job ends) memory, where the step goes, checkpoints, morph history and stragglers."""
@@ -84,6 +95,8 @@ def status_table(status: RunStatus, *, brief: bool = False) -> Group:
     else:
         state = "not started" if not status.metrics else "in progress / stopped"
     summary.add_row("model", status.job.model)
+    if status.requeues:
+        summary.add_row("slurm", requeue_text(status))
     summary.add_row("engine", f"{status.job.engine.value}, {count(status.job.world_size, 'rank')}")
     summary.add_row("progress", f"{status.steps_done} / {count(status.job.steps, 'step')} ({state})")
     if status.metrics:
