@@ -56,7 +56,7 @@ def test_a_config_file_sets_options_flags_win_and_the_printed_config_reads_back_
     printed = invoke("launch", plan, "--run-dir", tmp_path / "run", "--config", config, "--print-config")
     assert printed.exit_code == 0, printed.output
     assert tomllib.loads(printed.output)["training"]["lr"] == 0.002
-    assert "# AdamW (peak) learning rate.\nlr = 0.002" in printed.output  # each key under its help text
+    assert "# AdamW (peak) learning rate (default 0.001).\nlr = 0.002" in printed.output  # each key under its help text
     (tmp_path / "printed.toml").write_text(printed.output)
     same_job(from_file, dry_job(plan, tmp_path / "run", "--config", tmp_path / "printed.toml"))
 

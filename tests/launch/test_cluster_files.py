@@ -27,6 +27,7 @@ def _no_allocator_setting(monkeypatch):
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
 
 GOLDEN = Path(__file__).parent / "golden"
+AT_SCALE = {"steps": 1000, "data": "synthetic"}  # a GPU job names its length and its data
 RUN = Path("/runs/gpt3")
 
 
@@ -47,7 +48,7 @@ def gpt3_plan(devices: int = 3072, t: int = 8, p: int = 16, d: int = 24, device:
 
 def sbatch_of(plan, monkeypatch, **options) -> str:
     monkeypatch.chdir("/")  # the folder launch runs in is where a user's model factory is imported from
-    options = {"engine": Engine.SLURM, "master_port": 29500, "precision": Precision.BF16, **options}
+    options = {"engine": Engine.SLURM, "master_port": 29500, "precision": Precision.BF16, **AT_SCALE, **options}
     prepared = prepare_launch(plan, RUN, LaunchOptions(**options), write=False)
     return prepared.command.files["job.sbatch"]
 
@@ -101,16 +102,16 @@ def test_slurm_set_up_lines_variables_and_mounts_are_checked(slurm, message):
 def test_nodes_follow_the_clusters_devices_per_node_and_the_plans_device(monkeypatch):
     monkeypatch.chdir("/")
     plan = gpt3_plan(devices=64, t=8, p=8, d=1, cluster="a100-8x8")
-    job = prepare_launch(plan, RUN, LaunchOptions(engine=Engine.TORCHRUN, precision=Precision.BF16, hosts=[f"n{i}" for i in range(8)]),
+    job = prepare_launch(plan, RUN, LaunchOptions(engine=Engine.TORCHRUN, precision=Precision.BF16, **AT_SCALE, hosts=[f"n{i}" for i in range(8)]),
                          write=False).job  # fmt: skip
     assert (job.nodes, job.ranks_per_node, job.accelerator) == (8, 8, "cuda")
     assert job.master_addr == "n0"  # the first node: the head of the rendezvous
     explicit = prepare_launch(
-        plan, RUN, LaunchOptions(engine=Engine.TORCHRUN, nodes=16, master_addr="node001", precision=Precision.BF16), write=False
+        plan, RUN, LaunchOptions(engine=Engine.TORCHRUN, nodes=16, master_addr="node001", precision=Precision.BF16, **AT_SCALE), write=False
     ).job
     assert (explicit.nodes, explicit.ranks_per_node, explicit.master_addr) == (16, 4, "node001")
     deepspeed = prepare_launch(
-        plan, RUN, LaunchOptions(engine=Engine.DEEPSPEED, hosts=[f"n{i}" for i in range(8)], precision=Precision.BF16), write=False
+        plan, RUN, LaunchOptions(engine=Engine.DEEPSPEED, hosts=[f"n{i}" for i in range(8)], precision=Precision.BF16, **AT_SCALE), write=False
     )
     assert deepspeed.job.master_addr == "n0" and deepspeed.command.files["hostfile"].splitlines()[0] == "n0 slots=8"
 
@@ -120,7 +121,7 @@ def test_a_plan_whose_tensor_groups_span_two_nodes_launches_on_whole_nodes(monke
     # rank), so each tensor group is two whole nodes, as the planner priced it.
     monkeypatch.chdir("/")
     plan = gpt3_plan(devices=64, t=16, p=4, d=1, cluster="a100-8x8")
-    job = prepare_launch(plan, RUN, LaunchOptions(engine=Engine.TORCHRUN, master_addr="n0", precision=Precision.BF16), write=False).job
+    job = prepare_launch(plan, RUN, LaunchOptions(engine=Engine.TORCHRUN, master_addr="n0", precision=Precision.BF16, **AT_SCALE), write=False).job
     assert (job.nodes, job.ranks_per_node, job.world_size) == (8, 8, 64)
 
 
@@ -129,7 +130,7 @@ def test_a_cpu_plan_runs_cpu_ranks_and_a_gpu_plan_is_refused_on_a_host_without_g
     assert cpu.job.accelerator == "cpu" and cpu.command.env["DS_ACCELERATOR"] == "cpu"
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # this host, as far as launch can tell: no GPU
     with pytest.raises(UserInputError, match="the plan is for 64 a100-80gb GPUs and this host has none"):
-        prepare_launch(gpt3_plan(devices=64, t=8, p=8, d=1), tmp_path / "gpu", LaunchOptions(precision=Precision.BF16, nodes=8, engine=Engine.TORCHRUN, master_addr="n0"))
+        prepare_launch(gpt3_plan(devices=64, t=8, p=8, d=1), tmp_path / "gpu", LaunchOptions(precision=Precision.BF16, **AT_SCALE, nodes=8, engine=Engine.TORCHRUN, master_addr="n0"))
     assert not (tmp_path / "gpu").exists()
 
 
@@ -158,7 +159,7 @@ def mixed_plan():
 
 
 def test_a_split_over_kinds_is_a_heterogeneous_slurm_job_matching_its_golden_file(monkeypatch):
-    script = sbatch_of(mixed_plan(), monkeypatch, precision=Precision.FP16, slurm=SlurmSpec(python="/opt/venv/bin/python"))
+    script = sbatch_of(mixed_plan(), monkeypatch, precision=Precision.FP16, **AT_SCALE, slurm=SlurmSpec(python="/opt/venv/bin/python"))
     golden = GOLDEN / "gpt2-2.5b-mixed-v100-p100.sbatch"
     if os.environ.get("PIPECTL_UPDATE_GOLDEN"):
         golden.write_text(script)
@@ -174,7 +175,7 @@ def test_a_split_over_kinds_gets_a_hostfile_listing_each_kinds_hosts_together(mo
     monkeypatch.chdir("/")
     hosts = ["p1", "p2", "v1", "v2"]
     prepared = prepare_launch(
-        mixed_plan(), RUN, LaunchOptions(engine=Engine.DEEPSPEED, hosts=hosts, precision=Precision.FP16), write=False
+        mixed_plan(), RUN, LaunchOptions(engine=Engine.DEEPSPEED, hosts=hosts, precision=Precision.FP16, **AT_SCALE), write=False
     )
     assert prepared.command.files["hostfile"].splitlines() == [
         "# 2 p100-vms nodes (p100): replica 0", "p1 slots=4", "p2 slots=4",
@@ -182,7 +183,7 @@ def test_a_split_over_kinds_gets_a_hostfile_listing_each_kinds_hosts_together(mo
     ]  # fmt: skip
     assert [(g.node_type, g.nodes) for g in prepared.job.node_groups] == [("p100-vms", 2), ("v100-vms", 2)]
     with pytest.raises(UserInputError, match="3 nodes given for a plan split over 2 node types") as caught:
-        prepare_launch(mixed_plan(), RUN, LaunchOptions(engine=Engine.DEEPSPEED, hosts=hosts[:3], precision=Precision.FP16), write=False)
+        prepare_launch(mixed_plan(), RUN, LaunchOptions(engine=Engine.DEEPSPEED, hosts=hosts[:3], precision=Precision.FP16, **AT_SCALE), write=False)
     assert "each kind's hosts together" in caught.value.hint
 
 
@@ -199,7 +200,7 @@ def test_a_split_over_kinds_is_refused_where_replicas_cannot_be_placed_by_kind(m
     monkeypatch.chdir("/")
     plan = mixed_plan() if options.get("cluster") is None else plan_of(mixed_candidate(), cluster="local-mixed")
     with pytest.raises(UserInputError, match=message) as caught:
-        prepare_launch(plan, RUN, LaunchOptions(precision=Precision.FP16, **options), write=False)
+        prepare_launch(plan, RUN, LaunchOptions(precision=Precision.FP16, **AT_SCALE, **options), write=False)
     assert hint in caught.value.hint
 
 
@@ -210,21 +211,21 @@ def test_node_groups_of_unequal_ranks_per_node_or_too_few_nodes_are_refused(monk
     eight.write_text(shipped.replace("devices_per_node: 4\n    nodes: 2\n    price_per_device_hour_on_demand: 2.48",
                                      "devices_per_node: 8\n    nodes: 1\n    price_per_device_hour_on_demand: 2.48"))
     with pytest.raises(UserInputError, match="different numbers of ranks per node \\(p100-vms: 4, v100-vms: 8\\)"):
-        prepare_launch(mixed_plan(), RUN, LaunchOptions(engine=Engine.SLURM, cluster=str(eight), precision=Precision.FP16), write=False)
+        prepare_launch(mixed_plan(), RUN, LaunchOptions(engine=Engine.SLURM, cluster=str(eight), precision=Precision.FP16, **AT_SCALE), write=False)
     one = tmp_path / "one.yaml"
     one.write_text(shipped.replace("devices_per_node: 4\n    nodes: 2\n    price_per_device_hour_on_demand: 1.46",
                                    "devices_per_node: 4\n    nodes: 1\n    price_per_device_hour_on_demand: 1.46"))
     with pytest.raises(UserInputError, match="need 2 nodes of type p100-vms; cluster 'mixed-v100-p100' has 1"):
-        prepare_launch(mixed_plan(), RUN, LaunchOptions(engine=Engine.SLURM, cluster=str(one), precision=Precision.FP16), write=False)
+        prepare_launch(mixed_plan(), RUN, LaunchOptions(engine=Engine.SLURM, cluster=str(one), precision=Precision.FP16, **AT_SCALE), write=False)
 
 
 def test_without_a_readable_cluster_the_nodes_must_be_given(monkeypatch):
     monkeypatch.chdir("/")
     plan = gpt3_plan(cluster="/elsewhere/my-cluster.yaml")
     with pytest.raises(UserInputError, match="cannot tell how many nodes") as caught:
-        prepare_launch(plan, RUN, LaunchOptions(engine=Engine.SLURM, precision=Precision.BF16), write=False)
+        prepare_launch(plan, RUN, LaunchOptions(engine=Engine.SLURM, precision=Precision.BF16, **AT_SCALE), write=False)
     assert "--cluster" in caught.value.hint and "--nodes" in caught.value.hint
-    job = prepare_launch(plan, RUN, LaunchOptions(engine=Engine.SLURM, nodes=384, precision=Precision.BF16), write=False).job
+    job = prepare_launch(plan, RUN, LaunchOptions(engine=Engine.SLURM, nodes=384, precision=Precision.BF16, **AT_SCALE), write=False).job
     assert job.nodes == 384
 
 
@@ -232,7 +233,8 @@ def test_dry_run_of_a_shape_only_model_prints_every_file_it_would_write(tmp_path
     plan = write_json_atomic(tmp_path / "plan.json", gpt3_plan())
     run = tmp_path / "run"
     result = CliRunner().invoke(
-        app, ["launch", str(plan), "--run-dir", str(run), "--engine", "slurm", "--bf16", "--dry-run", "--partition", "gpu"],
+        app, ["launch", str(plan), "--run-dir", str(run), "--engine", "slurm", "--bf16", "--dry-run", "--partition", "gpu",
+                   "--steps", "1000", "--data", "synthetic"],
         env={"COLUMNS": "200"},
     )  # fmt: skip
     assert result.exit_code == 0, result.output
@@ -260,7 +262,7 @@ def v100_plan():
 def test_a_v100_fp16_plan_gets_fp16_with_dynamic_loss_scaling_and_one_gpu_per_vm(monkeypatch):
     monkeypatch.chdir("/")
     prepared = prepare_launch(
-        v100_plan(), RUN, LaunchOptions(engine=Engine.SLURM, master_port=29500, precision=Precision.FP16,
+        v100_plan(), RUN, LaunchOptions(engine=Engine.SLURM, master_port=29500, precision=Precision.FP16, **AT_SCALE,
                                          slurm=SlurmSpec(python="/opt/venv/bin/python")), write=False,
     )  # fmt: skip
     assert prepared.ds_config["fp16"]["enabled"] and prepared.ds_config["fp16"]["loss_scale"] == 0  # dynamic
@@ -280,7 +282,7 @@ def test_fp16_is_refused_where_deepspeeds_cpu_accelerator_cannot_train_it(tmp_pa
         pytest.skip("this CPU trains fp16 (oneDNN): nothing to refuse")
     plan = plan_of(gpt_tiny_candidate())
     with pytest.raises(UserInputError, match="fp16, which DeepSpeed's CPU accelerator cannot"):
-        prepare_launch(plan, tmp_path / "run", LaunchOptions(precision=Precision.FP16))
+        prepare_launch(plan, tmp_path / "run", LaunchOptions(precision=Precision.FP16, **AT_SCALE))
     assert not (tmp_path / "run").exists()
 
 
@@ -298,7 +300,7 @@ def test_deepspeeds_hostfile_comes_from_the_slurm_allocation_or_the_hosts_flag(t
     gives them (a stand-in here, where Slurm is not installed); outside one, hosts must be named."""
     monkeypatch.chdir("/")
     plan = gpt3_plan(devices=64, t=8, p=8, d=1, cluster="a100-8x8")
-    options = LaunchOptions(engine=Engine.DEEPSPEED, precision=Precision.BF16)
+    options = LaunchOptions(engine=Engine.DEEPSPEED, precision=Precision.BF16, **AT_SCALE)
     monkeypatch.delenv("SLURM_JOB_NODELIST", raising=False)
     with pytest.raises(UserInputError, match="needs the names of the job's 8 nodes") as caught:
         prepare_launch(plan, RUN, options, write=False)
@@ -322,7 +324,7 @@ def test_a_split_whose_kinds_interleave_is_refused(monkeypatch):
     chosen = plan.chosen.model_copy(update={"replicas": replicas, "data_parallel": 3, "devices": 24, "micro_batches": 216})
     with pytest.raises(UserInputError, match=r"the plan's p100 replicas \[0, 2\] are not consecutive"):
         prepare_launch(plan.model_copy(update={"chosen": chosen}), RUN,
-                       LaunchOptions(engine=Engine.SLURM, precision=Precision.FP16), write=False)  # fmt: skip
+                       LaunchOptions(engine=Engine.SLURM, precision=Precision.FP16, **AT_SCALE), write=False)  # fmt: skip
 
 
 def test_a_plan_of_one_kind_on_a_mixed_cluster_asks_slurm_for_its_node_types_nodes(monkeypatch):
@@ -331,13 +333,13 @@ def test_a_plan_of_one_kind_on_a_mixed_cluster_asks_slurm_for_its_node_types_nod
     v100_only = mixed_plan().chosen.model_copy(update={"device": "v100-16gb", "replicas": None, "data_parallel": 1,
                                                        "devices": 8, "micro_batches": 256})  # fmt: skip
     plan = plan_of(v100_only, model="gpt2-2.5b", cluster="mixed-v100-p100", shape=shape)
-    script = sbatch_of(plan, monkeypatch, precision=Precision.FP16)
+    script = sbatch_of(plan, monkeypatch, precision=Precision.FP16, **AT_SCALE)
     assert "#SBATCH --constraint=v100" in script and "p100" not in script
 
 
 def test_a_slurm_run_directory_with_a_blank_is_refused(monkeypatch):
     with pytest.raises(UserInputError, match="holds a blank, which #SBATCH lines cannot quote"):
-        prepare_launch(gpt3_plan(), Path("/runs/my run"), LaunchOptions(engine=Engine.SLURM, precision=Precision.BF16), write=False)
+        prepare_launch(gpt3_plan(), Path("/runs/my run"), LaunchOptions(engine=Engine.SLURM, precision=Precision.BF16, **AT_SCALE), write=False)
 
 
 def test_hosts_are_named_once_each_and_none_blank():
@@ -370,7 +372,7 @@ def test_every_golden_script_passes_shellcheck():
 
 
 @pytest.mark.parametrize("engine, extra", [(Engine.LOCAL, {}), (Engine.TORCHRUN, {}), (Engine.SLURM, {}),
-                                           (Engine.DEEPSPEED, {"hosts": ["n1", "n2"]})])
+                                           (Engine.DEEPSPEED, {"hosts": ["n1", "n2"], "steps": 4})])
 def test_every_engines_launch_script_passes_shellcheck(tmp_path, engine, extra):
     from pipectl.launch.engines import launch_script
 
@@ -387,7 +389,7 @@ def test_a_multi_node_torchrun_job_without_a_head_node_is_refused_never_this_hos
     monkeypatch.chdir("/")
     monkeypatch.delenv("SLURM_JOB_NODELIST", raising=False)
     with pytest.raises(UserInputError, match="a torchrun job on 384 nodes needs its rendezvous head"):
-        prepare_launch(gpt3_plan(), RUN, LaunchOptions(engine=Engine.TORCHRUN, precision=Precision.BF16), write=False)
+        prepare_launch(gpt3_plan(), RUN, LaunchOptions(engine=Engine.TORCHRUN, precision=Precision.BF16, **AT_SCALE), write=False)
 
 
 def test_a_hostfile_in_deepspeeds_format_names_the_nodes_and_the_head(monkeypatch, tmp_path):
@@ -395,14 +397,14 @@ def test_a_hostfile_in_deepspeeds_format_names_the_nodes_and_the_head(monkeypatc
     (tmp_path / "hosts").write_text("# the allocation\n" + "".join(f"node{i:03d} slots=8\n" for i in range(8)))
     plan = gpt3_plan(devices=64, t=8, p=8, d=1, cluster="a100-8x8")
     for engine in (Engine.TORCHRUN, Engine.DEEPSPEED):
-        prepared = prepare_launch(plan, RUN, LaunchOptions(engine=engine, hostfile="hosts", precision=Precision.BF16), write=False)
+        prepared = prepare_launch(plan, RUN, LaunchOptions(engine=engine, hostfile="hosts", precision=Precision.BF16, **AT_SCALE), write=False)
         assert prepared.job.master_addr == "node000" and prepared.hosts[-1] == "node007"
         argv = prepared.command.argv
         if engine is Engine.TORCHRUN:
             assert argv[argv.index("--rdzv_endpoint") + 1] == f"node000:{prepared.job.master_port}"
     (tmp_path / "hosts").write_text("node1 slots=4\nnode2 slots=8\n")
     with pytest.raises(UserInputError, match="gives node1 slots=4; the plan runs 32 ranks on each node"):
-        prepare_launch(plan, RUN, LaunchOptions(engine=Engine.TORCHRUN, hostfile="hosts", precision=Precision.BF16), write=False)
+        prepare_launch(plan, RUN, LaunchOptions(engine=Engine.TORCHRUN, hostfile="hosts", precision=Precision.BF16, **AT_SCALE), write=False)
     (tmp_path / "hosts").write_text("node1 8\n")
     with pytest.raises(ValueError, match="line 1 is not 'host slots=N'"):
         LaunchOptions(hostfile="hosts")

@@ -63,7 +63,8 @@ def _submit(tmp_path: Path, env: dict[str, str], *launch_args: str) -> tuple[Pat
     says, from a temporary working directory with relative paths."""
     write_json_atomic(tmp_path / "plan.json", plan_of(gpt_tiny_candidate(p=2)))
     launched = _cli(tmp_path, "launch", "plan.json", "--run-dir", "runs/job", "--engine", "slurm", "--nodes", "2",
-                    "--steps", str(STEPS), "--warmup-steps", str(WARMUP_STEPS), *launch_args, env=env)  # fmt: skip
+                    "--steps", str(STEPS), "--warmup-steps", str(WARMUP_STEPS), "--lr-schedule", "constant",
+                    "--weight-decay", "0", *launch_args, env=env)  # the local run's settings, not a 2-node job's defaults
     assert launched.returncode == 0, launched.stdout + launched.stderr
     assert "submit it with: sbatch" in launched.stdout
     submitted = subprocess.run(["sbatch", "runs/job/job.sbatch"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)

@@ -125,7 +125,13 @@ def _launch(
         "command": prepared.command.shell_line(),
         "job": prepared.job.model_dump(mode="json"),
         "ds_config": prepared.ds_config,
+        "defaults": prepared.defaults,
     }
+    chosen = (
+        f"[bold]chosen by default:[/] {'; '.join(prepared.defaults)} [dim](flags or --config set them)[/]"
+        if prepared.defaults and not json_output
+        else None
+    )
     if prepared.job.node_groups and not json_output:
         console.print(placement_note(prepared.job.node_groups, prepared.hosts), soft_wrap=True, highlight=False, markup=False)
     if dry_run:
@@ -136,8 +142,12 @@ def _launch(
                 console.print(f"── {prepared.run_dir / name} ──", style="dim", soft_wrap=True, highlight=False, markup=False)
                 console.print(text.rstrip("\n"), soft_wrap=True, highlight=False, markup=False)
             console.print(f"[bold]command:[/] {prepared.command.shell_line()}", soft_wrap=True, highlight=False)
+            if chosen:
+                console.print(chosen, highlight=False)
             console.print("[dim]dry run: nothing written, nothing started[/]")
         return
+    if chosen:
+        console.print(chosen, highlight=False)
     if not prepared.command.runnable_here:
         if json_output:
             print_json({**described, "submitted": False, "hint": prepared.command.submit_hint})

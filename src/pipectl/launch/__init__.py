@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,7 @@ from pipectl.cluster import busier_note, host_state, load_cluster, plan_cluster_
 from pipectl.errors import PipectlError, UserInputError
 from pipectl.config import Layer, layered, stored_layer, to_sections
 from pipectl.io import load_model, validation_message
-from pipectl.launch.options import LaunchOptions, read_hostfile
+from pipectl.launch.options import SCALE_MIN_LR_RATIO, LaunchOptions, read_hostfile, resolve_defaults
 from pipectl.runtime.dsconfig import validated_config
 from pipectl.launch.engines import LaunchCommand, allocation_hosts, build_command, run_engine
 from pipectl.launch.placement import compute_slowdowns, node_groups, plan_accelerator, plan_kinds
@@ -68,7 +68,9 @@ def effective_options(
     stored = job.options or legacy_options(job, files.ds_config)
     options = layered(
         LaunchOptions,
-        [stored_layer(LaunchOptions, stored, path / JOB_FILE), *layers],
+        # What the run was given, over what it chose by default then: a resume keeps both.
+        [stored_layer(LaunchOptions, chosen_defaults(job, files.ds_config), path / JOB_FILE),
+         stored_layer(LaunchOptions, stored, path / JOB_FILE), *layers],  # fmt: skip
         import_root=job.import_root,
         as_given={**job.as_given, **(as_given or {})},  # what this resume names anew replaces the run's
     )
@@ -77,15 +79,29 @@ def effective_options(
     return options
 
 
+def chosen_defaults(job: JobSpec, ds_config: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The settings `resolve_defaults` fills in, as the run has them (job.json), by section."""
+    training = run_training(job, ds_config)
+    return {
+        "training": {"steps": job.steps, "lr": training.learning_rate, "weight_decay": training.weight_decay,
+                     "lr_schedule": training.lr_schedule.value, "warmup_steps": training.warmup_steps},
+        "checkpoint": {"every": interval_text(job)},
+    }  # fmt: skip
+
+
+def interval_text(job: JobSpec) -> str:
+    """The run's checkpoint interval as `--checkpoint-every` takes it."""
+    if job.checkpoint_auto:
+        return "auto"
+    if job.checkpoint_every_seconds:
+        return f"{job.checkpoint_every_seconds:g}s"
+    return str(job.checkpoint_every)
+
+
 def legacy_options(job: JobSpec, ds_config: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """The options of a run whose job.json predates `options`, from the job's own fields."""
     training = run_training(job, ds_config)
-    if job.checkpoint_auto:
-        interval = "auto"
-    elif job.checkpoint_every_seconds:
-        interval = f"{job.checkpoint_every_seconds:g}s"
-    else:
-        interval = str(job.checkpoint_every)
+    interval = interval_text(job)
     options = LaunchOptions(
         engine=job.engine, model=job.model, steps=job.steps, checkpoint_every=interval, mtbf_hours=job.mtbf_hours,
         keep_checkpoints=job.keep_checkpoints, train_without_checkpoints=job.train_without_checkpoints, seed=job.seed, data=job.data, precision=job.precision,
@@ -138,6 +154,7 @@ class PreparedLaunch:
     lock: RunLock | None = None  # held for the job's life (None for a dry run); see `launch.rundir`
     hosts: list[str] | None = None  # DeepSpeed's hostfile, in order
     busier: str | None = None  # the host is much busier or quieter than when profiled (`cluster.busier_note`)
+    defaults: list[str] = field(default_factory=list)  # the settings launch chose, unasked (`resolve_defaults`)
 
 
 def check_model(plan: Plan, model_reference: str) -> None:
@@ -410,6 +427,27 @@ def check_recoverable(candidate: Candidate, engine: Engine, groups: list[NodeGro
         raise UserInputError("--recover-in-memory runs on one host; the plan splits the job over groups of nodes")
 
 
+def at_scale(nodes: int, accelerator: str | None) -> bool:
+    """A real training, not a try-out on this machine's CPU: GPUs, or several nodes."""
+    return nodes > 1 or accelerator == "cuda"
+
+
+def job_words(plan: Plan, nodes: int, accelerator: str | None) -> str:
+    """'a job on 384 nodes of 8 a100-80gb GPUs' (for messages)."""
+    kind = f"{plan.chosen.device} GPU" if accelerator == "cuda" else "CPU rank"
+    return f"a job on {count(nodes, 'node')} of {count(plan.chosen.devices // nodes, kind)}"
+
+
+def check_data_at_scale(data: DataSpec, accelerator: str | None) -> None:
+    """The builtin corpus (a few MB of Python's own source) is a try-out's data, refused on GPUs."""
+    if data.kind is DataKind.BUILTIN and accelerator == "cuda":
+        raise UserInputError(
+            "a GPU job needs its data: --data PATH (a token or text file) or package.module:function; "
+            "the builtin corpus is a few MB for try-outs on this machine",
+            hint="--data synthetic measures speed alone",
+        )
+
+
 def build_job(plan: Plan, name: str, options: LaunchOptions, cluster: ClusterSpec | None = None) -> JobSpec:
     """job.json for `plan.chosen` under `options`, on `cluster` (default: the plan's, if readable)."""
     devices = plan.chosen.devices
@@ -423,6 +461,9 @@ def build_job(plan: Plan, name: str, options: LaunchOptions, cluster: ClusterSpe
         )
     if options.recover_in_memory:
         check_recoverable(plan.chosen, options.engine, groups)
+    accelerator = plan_accelerator(plan, cluster)
+    options, _ = resolve_defaults(options, at_scale=at_scale(nodes, accelerator), what=job_words(plan, nodes, accelerator))
+    check_data_at_scale(options.data, accelerator)
     every_steps, every_seconds, every_auto = options.interval
     if every_steps > options.steps:
         raise UserInputError(
@@ -453,7 +494,7 @@ def build_job(plan: Plan, name: str, options: LaunchOptions, cluster: ClusterSpe
             master_addr=master_address(options, nodes),
             master_port=options.master_port or free_port(),
             precision=options.precision or Precision.FP32,
-            accelerator=plan_accelerator(plan, cluster),
+            accelerator=accelerator,
             compute_slowdowns=compute_slowdowns(plan, cluster),
             node_groups=groups,
             elastic=options.elastic,
@@ -465,6 +506,7 @@ def build_job(plan: Plan, name: str, options: LaunchOptions, cluster: ClusterSpe
                 gradient_clipping=options.gradient_clipping,
                 lr_schedule=options.lr_schedule,
                 warmup_steps=options.warmup_steps,
+                min_lr_ratio=SCALE_MIN_LR_RATIO if at_scale(nodes, accelerator) else 0.0,
             ),
             ds_config_overlay=options.ds_config_overlay,
             options=to_sections(options),
@@ -558,4 +600,5 @@ def prepare_launch(
             lock.release()
         raise
     busier = busier_note(profile.host if profile is not None else None, job.host_at_launch)
-    return PreparedLaunch(path, plan, job, ds_config, command, lock, options.hosts, busier)
+    _, defaults = resolve_defaults(options, at_scale=at_scale(job.nodes, job.accelerator), what="")  # build_job checked it
+    return PreparedLaunch(path, plan, job, ds_config, command, lock, options.hosts, busier, defaults)

@@ -33,11 +33,18 @@ from pipectl.artifacts.run import (
     check_host_address,
 )
 from pipectl.config import Opt, OptionValueError, layered, stored_layer
-from pipectl.errors import PipectlError
+from pipectl.errors import PipectlError, UserInputError
+from pipectl.words import count
 from pipectl.io import read_mapping
 from pipectl.paths import given_file, stored_reference
 
 TRAINING_DEFAULTS = TrainingSettings()
+LOCAL_STEPS = 20  # a run on this machine's CPU: a try-out, not a training
+# At scale (GPUs, or several nodes) the defaults of GPT-3's training (Brown et al. 2020, appendix
+# B): AdamW with weight decay 0.1, a linear warm-up, then cosine decay to 10 % of the peak.
+SCALE_WEIGHT_DECAY = 0.1
+SCALE_MIN_LR_RATIO = 0.1
+SCALE_WARMUP_FRACTION = 0.01
 
 _INTERVAL_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}
 MAX_INTERVAL_SECONDS = 366 * 24 * 3600.0
@@ -164,32 +171,45 @@ class LaunchOptions(Strict):
         "function package.module:function.",
     )
 
-    steps: Annotated[int, Opt("training")] = Field(default=20, gt=0, le=2**63 - 1, description="Optimizer steps in total.")
+    steps: Annotated[int | None, Opt("training")] = Field(
+        default=None,
+        gt=0,
+        le=2**63 - 1,
+        description=f"Optimizer steps in total (default {LOCAL_STEPS} for a run on this machine's CPU; a GPU or "
+        "multi-node job must say).",
+    )
     seed: Annotated[int, Opt("training")] = Field(default=0, ge=0, le=MAX_SEED, description="Seed of weights and data order.")
     precision: Annotated[Precision | None, Opt("training")] = Field(
         default=None, description="fp32, bf16 or fp16; default: the plan's (its profile's dtype), which it must match."
     )
-    learning_rate: Annotated[float, Opt("training", key="lr", flag="--lr")] = Field(
-        default=TRAINING_DEFAULTS.learning_rate, gt=0, le=10, description="AdamW (peak) learning rate."
+    learning_rate: Annotated[float | None, Opt("training", key="lr", flag="--lr")] = Field(
+        default=None, gt=0, le=10, description=f"AdamW (peak) learning rate (default {TRAINING_DEFAULTS.learning_rate:g})."
     )
-    weight_decay: Annotated[float, Opt("training")] = Field(
-        default=TRAINING_DEFAULTS.weight_decay, ge=0, le=10, description="AdamW weight decay."
+    weight_decay: Annotated[float | None, Opt("training")] = Field(
+        default=None,
+        ge=0,
+        le=10,
+        description=f"AdamW weight decay (default {SCALE_WEIGHT_DECAY:g} on GPUs or several nodes, else 0).",
     )
     gradient_clipping: Annotated[float, Opt("training")] = Field(
         default=TRAINING_DEFAULTS.gradient_clipping, ge=0, le=1e6, description="Clip the global gradient norm to this (0: no clipping)."
     )
-    lr_schedule: Annotated[LrSchedule, Opt("training")] = Field(
-        default=TRAINING_DEFAULTS.lr_schedule,
-        description="constant (WarmupLR with --warmup-steps), warmup-decay or warmup-cosine.",
+    lr_schedule: Annotated[LrSchedule | None, Opt("training")] = Field(
+        default=None,
+        description="constant (WarmupLR with --warmup-steps), warmup-decay or warmup-cosine (default: warmup-cosine on "
+        "GPUs or several nodes, else constant).",
     )
-    warmup_steps: Annotated[int, Opt("training")] = Field(
-        default=TRAINING_DEFAULTS.warmup_steps, ge=0, le=2**31, description="Steps of linear learning-rate warm-up."
+    warmup_steps: Annotated[int | None, Opt("training")] = Field(
+        default=None,
+        ge=0,
+        le=2**31,
+        description="Steps of linear learning-rate warm-up (default: 1% of the steps with a decaying schedule, else 0).",
     )
 
-    checkpoint_every: Annotated[str, Opt("checkpoint", key="every")] = Field(
-        default="0",
+    checkpoint_every: Annotated[str | None, Opt("checkpoint", key="every")] = Field(
+        default=None,
         description="Checkpoint every K steps, every wall time (15m, 90s, 2h), or 'auto' (Young/Daly from the measured "
-        "stall and --mtbf-hours); 0: only at the end and on SIGTERM.",
+        "stall and --mtbf-hours); 0: only at the end and on SIGTERM (default: auto on GPUs or several nodes, else 0).",
     )
     keep_checkpoints: Annotated[int, Opt("checkpoint", key="keep")] = Field(
         default=3, gt=0, le=2**31, description="Verified checkpoints to keep."
@@ -332,7 +352,52 @@ class LaunchOptions(Strict):
     @property
     def interval(self) -> tuple[int, float, bool]:
         """`checkpoint_every` as (steps, seconds, auto)."""
-        return parse_checkpoint_interval(self.checkpoint_every)
+        return parse_checkpoint_interval(self.checkpoint_every or "0")
+
+
+def resolve_defaults(options: LaunchOptions, *, at_scale: bool, what: str) -> tuple[LaunchOptions, list[str]]:
+    """`options` with every training default left unset filled in, and one note per default
+    chosen (`launch` prints them as its effective settings). A job `at_scale` (GPUs, or several
+    nodes) must name its steps, and gets a warmed-up cosine schedule with weight decay and
+    `--checkpoint-every auto`; a run on this machine's CPU gets a try-out's defaults. `what` names
+    the job in the refusal, e.g. 'a job on 384 nodes of 8 GPUs'.
+
+    >>> o, notes = resolve_defaults(LaunchOptions(), at_scale=False, what="")
+    >>> o.steps, o.lr_schedule.value, o.checkpoint_every, len(notes)
+    (20, 'constant', '0', 6)
+    >>> o, _ = resolve_defaults(LaunchOptions(steps=1000), at_scale=True, what="")
+    >>> o.lr_schedule.value, o.warmup_steps, o.weight_decay, o.checkpoint_every
+    ('warmup-cosine', 10, 0.1, 'auto')
+    """
+    if options.steps is None and at_scale:
+        raise UserInputError(
+            f"{what} needs its length: --steps N (or training.steps in --config)",
+            hint="the 20 steps of a try-out on this machine are no default for a real training",
+        )
+    steps = options.steps or LOCAL_STEPS
+    schedule = options.lr_schedule or (LrSchedule.WARMUP_COSINE if at_scale else LrSchedule.CONSTANT)
+    decays = schedule is not LrSchedule.CONSTANT
+    chosen = {
+        "steps": steps,
+        "learning_rate": options.learning_rate or TRAINING_DEFAULTS.learning_rate,
+        "lr_schedule": schedule,
+        "warmup_steps": options.warmup_steps if options.warmup_steps is not None
+        else (min(steps - 1, max(1, round(steps * SCALE_WARMUP_FRACTION))) if decays else 0),
+        "weight_decay": options.weight_decay if options.weight_decay is not None
+        else (SCALE_WEIGHT_DECAY if at_scale else TRAINING_DEFAULTS.weight_decay),
+        "checkpoint_every": options.checkpoint_every or ("auto" if at_scale else "0"),
+    }  # fmt: skip
+    words = {
+        "steps": f"steps {steps}" + ("" if at_scale else " (a try-out on this machine)"),
+        "learning_rate": f"lr {chosen['learning_rate']:g}",
+        "lr_schedule": f"lr schedule {schedule.value}",
+        "warmup_steps": f"warm-up {count(chosen['warmup_steps'], 'step')}",
+        "weight_decay": f"weight decay {chosen['weight_decay']:g}",
+        "checkpoint_every": "checkpoint every " + ("auto (Young/Daly)" if chosen["checkpoint_every"] == "auto"
+                                                  else "0 (only at the end and on a stop)"),
+    }  # fmt: skip
+    notes = [words[name] for name in chosen if getattr(options, name) is None]
+    return options.model_copy(update=chosen), notes
 
 
 def check_stored_options(sections: dict[str, dict[str, Any]], source: str | os.PathLike[str]) -> LaunchOptions:
