@@ -308,6 +308,10 @@ class JobSpec(Artifact):
         description="How long a rank waits in a collective for a silent peer before it fails; None: pipectl's "
         "default for the plan (runtime/liveness.py).",
     )
+    log_every: int = Field(
+        default=10, ge=0, le=2**31, description="Rank 0 prints a one-line step summary every this many steps (0: never)."
+    )
+    tensorboard: bool = Field(default=False, description="Rank 0 writes TensorBoard scalars to RUN/tensorboard/.")
     host_at_launch: HostState | None = Field(
         default=None, description="How busy the launching host was when the job started (engine local); None: other."
     )
@@ -426,6 +430,16 @@ class StepMetrics(Strict):
         default_factory=list,
         description="Plan's predicted peak memory per pipeline stage (per device) for this layout; "
         "empty in files written before it was recorded.",
+    )
+    learning_rate: float | None = Field(default=None, description="The learning rate this step trained with.")
+    grad_norm: float | None = Field(
+        default=None, description="The global gradient norm before clipping (None where the engine computes none)."
+    )
+    tokens_per_second: float | None = Field(
+        default=None, ge=0, description="samples_per_second x the sequence length (transformers)."
+    )
+    mfu: float | None = Field(
+        default=None, ge=0, description="Model FLOPs of the step over the devices' peak in its time (None without a peak)."
     )
 
 

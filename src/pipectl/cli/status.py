@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -28,8 +29,13 @@ def register(app: typer.Typer) -> None:
         verify: Annotated[
             bool, typer.Option("--verify", help="Hash every checkpoint file against its manifest (slower).")
         ] = False,
+        follow: Annotated[
+            bool, typer.Option("--follow", "-f", help="Update the summary live until the job ends, then print the whole status.")
+        ] = False,
     ) -> None:
         """Progress, last loss, predicted-vs-measured step time and memory, and checkpoints of a run."""
+        if follow and not json_output:
+            _follow(run_dir)
         status = run_status(run_dir, verify_hashes=verify)
         plot_path = None
         if plot is not None:
@@ -57,6 +63,34 @@ def register(app: typer.Typer) -> None:
         if plot_path:
             console.print(f"plot written to {plot_path}")
         _exit_if_damaged(status, verify)
+
+
+FOLLOW_SECONDS = 1.0  # how often --follow reads the run again
+
+
+def _follow(run_dir: Path) -> None:
+    """The brief summary, redrawn in place while the job is active (its ranks beat or its launch
+    lives); on a pipe, a line per step instead."""
+    from rich.live import Live
+
+    from pipectl.runtime.monitor import step_line
+
+    status = run_status(run_dir)
+    if not console.is_terminal:
+        shown = status.steps_done
+        while status.active:
+            for line in status.metrics:
+                if line.step > shown:
+                    console.print(step_line(line, status.job.steps), highlight=False, soft_wrap=True)
+                    shown = line.step
+            time.sleep(FOLLOW_SECONDS)
+            status = run_status(run_dir)
+        return
+    with Live(status_table(status, brief=True), console=console, auto_refresh=False, transient=True) as live:
+        while status.active:
+            time.sleep(FOLLOW_SECONDS)
+            status = run_status(run_dir)
+            live.update(status_table(status, brief=True), refresh=True)
 
 
 def _exit_if_damaged(status: RunStatus, verify: bool) -> None:

@@ -11,6 +11,7 @@ own parser accepts the config (`dsconfig`).
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 from dataclasses import dataclass, field
@@ -464,6 +465,11 @@ def build_job(plan: Plan, name: str, options: LaunchOptions, cluster: ClusterSpe
     accelerator = plan_accelerator(plan, cluster)
     options, _ = resolve_defaults(options, at_scale=at_scale(nodes, accelerator), what=job_words(plan, nodes, accelerator))
     check_data_at_scale(options.data, accelerator)
+    if options.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise UserInputError(
+            "--tensorboard needs the tensorboard package, which is not installed",
+            hint="pip install 'pipectl[monitor]' (or tensorboard) where the ranks run",
+        )
     every_steps, every_seconds, every_auto = options.interval
     if every_steps > options.steps:
         raise UserInputError(
@@ -500,6 +506,8 @@ def build_job(plan: Plan, name: str, options: LaunchOptions, cluster: ClusterSpe
             elastic=options.elastic,
             recover_in_memory=options.recover_in_memory,
             collective_timeout_seconds=options.collective_timeout,
+            log_every=options.log_every,
+            tensorboard=options.tensorboard,
             training=TrainingSettings(
                 learning_rate=options.learning_rate,
                 weight_decay=options.weight_decay,

@@ -274,6 +274,19 @@ class LaunchOptions(Strict):
         "steps, at least 120 s, plus a checkpoint write).",
     )
 
+    log_every: Annotated[int, Opt("monitor")] = Field(
+        default=10,
+        ge=0,
+        le=2**31,
+        description="Rank 0 prints a one-line step summary (loss, lr, gradient norm, tokens/s, MFU, step time) every "
+        "this many steps to its output: logs/engine.log, or a Slurm job's slurm-ID.out (0: never).",
+    )
+    tensorboard: Annotated[bool, Opt("monitor")] = Field(
+        default=False,
+        description="Write TensorBoard scalars against the step to RUN/tensorboard/ (the tensorboard package: "
+        "pip install 'pipectl[monitor]').",
+    )
+
     ds_config_overlay: Annotated[dict[str, Any], Opt("deepspeed", key="overlay", cli=Path, path=True)] = Field(
         default_factory=dict,
         description="JSON or YAML merged into the DeepSpeed config (monitor, optimizer params, ...); keys the plan owns "

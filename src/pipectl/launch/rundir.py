@@ -376,6 +376,9 @@ class CheckpointStatus:
     problems: tuple[str, ...]
 
 
+FRESH_HEARTBEAT_SECONDS = 15.0  # a rank rewrites its heartbeat every second; older than this, it is gone or frozen
+
+
 @dataclass(frozen=True)
 class RunStatus:
     """Where a run stands: progress, last loss, prediction quality, checkpoints."""
@@ -392,6 +395,22 @@ class RunStatus:
     unreadable_metrics_lines: list[int] = field(default_factory=list)  # of metrics.jsonl, skipped
     heartbeats: dict[int, RankHeartbeat] = field(default_factory=dict)  # each rank's last, by rank
     requeues: list[RequeueRecord] = field(default_factory=list)  # logs/requeues.jsonl: a Slurm job's starts
+    launching: bool = False  # a live `pipectl launch` (or resize) holds the run's lock
+    read_unix: float = 0.0  # when this was read: heartbeats are fresh against it
+
+    @property
+    def ranks_beating(self) -> bool:
+        """Some rank of the run is alive and training (its heartbeat, rewritten every second, is
+        recent and says running): on this host or another, under any engine."""
+        return any(
+            b.state is RankState.RUNNING and self.read_unix - b.beat_unix < FRESH_HEARTBEAT_SECONDS
+            for b in self.heartbeats.values()
+        )
+
+    @property
+    def active(self) -> bool:
+        """The job runs or starts: its ranks beat, or its launch is alive."""
+        return self.ranks_beating or self.launching
 
     @property
     def requeue_count(self) -> int:
@@ -446,6 +465,7 @@ class RunStatus:
             "steps_done": self.steps_done,
             "steps": self.job.steps,
             "finished": self.finished,
+            "active": self.active,
             "trained": self.trained,
             "checkpoint_problem": self.checkpoint_problem,
             "last_checkpoint_stall_seconds": self.last_committed.stall_seconds if self.last_committed else None,
@@ -520,4 +540,6 @@ def run_status(run_dir: str | os.PathLike[str], *, verify_hashes: bool = False) 
         unreadable_metrics_lines=unreadable,
         heartbeats=read_heartbeats(files.path),
         requeues=read_requeues(files.path),
+        launching=any(pid != os.getpid() and pid_alive(pid) for pid in lock_holder(files.path)),
+        read_unix=time.time(),
     )

@@ -336,6 +336,15 @@ def utilisation(
     return Utilisation(step.model / achieved, step.hardware / achieved, detail=flops.detail, **figures, **base)
 
 
+def ideal_step_seconds(plan: Plan, candidate: Candidate, dtype: str) -> float | None:
+    """The step time at 100 % MFU: the step's model FLOPs (from the model's shape) over the
+    devices' peak; a measured step's MFU is this over its time. None without either."""
+    figures = utilisation(candidate, plan_layer_flops(plan), dtype, global_batch=plan.global_batch)
+    if figures.model_flops_per_step is None or not figures.peak_flops_per_second:
+        return None
+    return figures.model_flops_per_step / figures.peak_flops_per_second
+
+
 def plan_utilisation(
     plan: Plan, profile: ModelProfile | None, dtype: str | None = None, candidate: Candidate | None = None
 ) -> Utilisation:

@@ -92,8 +92,13 @@ def status_table(status: RunStatus, *, brief: bool = False) -> Group:
     elif status.stopped is not None:
         step, why = status.stopped
         state = f"stopped at step {step}, checkpoint written" + (f": {why}" if why else "")
+    elif not status.metrics:
+        if status.ranks_beating:
+            state = "starting: the ranks are up, the first step is not done yet"
+        else:
+            state = "starting: the launch is preparing the ranks" if status.launching else "not started"
     else:
-        state = "not started" if not status.metrics else "in progress / stopped"
+        state = "in progress" if status.active else "stopped (no rank is running)"
     summary.add_row("model", status.job.model)
     if status.requeues:
         summary.add_row("slurm", requeue_text(status))

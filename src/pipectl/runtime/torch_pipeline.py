@@ -443,6 +443,7 @@ class TorchPipelineEngine:
         self.flat = _flatten(self.params)
         self.optimizer = FlatOptimizer(_adamw([self.flat], settings), {q: name for name, q in named})
         self.lr_scheduler = _lr_scheduler(self.optimizer.optimizer, settings.scheduler)
+        self.last_grad_norm: float | None = None  # the last step's, when it clips
         owners = {id(mod.tied[key]) for mod in self.modules.values() for key in mod.tied if key not in mod.tied_copies}
         copies = {id(mod.tied[key]) for mod in self.modules.values() for key in mod.tied_copies} - owners
         self.norm_params = [q for q in self.params if id(q) not in copies]
@@ -493,6 +494,14 @@ class TorchPipelineEngine:
         """The compute actions the rank ran in its last step, as torch's runtime called them."""
         return list(self.record)
 
+    def get_lr(self) -> list[float]:
+        """The learning rate of the next step (DeepSpeed's engine's name)."""
+        return [float(self.optimizer.optimizer.param_groups[0]["lr"])]
+
+    def get_global_grad_norm(self) -> float | None:
+        """The last step's global gradient norm before clipping; None without clipping (as DeepSpeed)."""
+        return self.last_grad_norm
+
     def train_step(self, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor] | None]) -> float:
         """One optimizer step over the step's micro-batches; the loss. A rank holding neither the
         first nor the last virtual stage is given None for each (it reads no data)."""
@@ -528,7 +537,8 @@ class TorchPipelineEngine:
             [q.grad.reshape(-1) if q.grad is not None else torch.zeros(q.numel()) for q in self.params]
         )
         if self.settings.clip_norm is not None:
-            coefficient = self.settings.clip_norm / (_grad_norm(self.norm_params, self.group) + 1e-6)
+            self.last_grad_norm = _grad_norm(self.norm_params, self.group)
+            coefficient = self.settings.clip_norm / (self.last_grad_norm + 1e-6)
             if coefficient < 1.0:
                 self.flat.grad.mul_(coefficient)
         self.optimizer.optimizer.step()

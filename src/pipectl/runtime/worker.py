@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 import time
@@ -53,6 +54,7 @@ from pipectl.runtime.elastic import ds_config_for_candidate, plan_for_world_size
 from pipectl.runtime.failure import RankContext, failure_record, write_failure, write_resume
 from pipectl.runtime.history import record_layout_change
 from pipectl.runtime.liveness import Heartbeat, job_collective_timeout_seconds, watch_supervisor
+from pipectl.runtime.monitor import StepMonitor
 from pipectl.runtime.metrics import MetricsWriter, RankMemory, node_name, rank_memory, reset_peak_memory
 from pipectl.runtime.live import STAGED_DIR, JoinAbandoned
 from pipectl.schedule import generate
@@ -73,6 +75,8 @@ class StepRecord:
     memory: RankMemory | None = None  # the rank's peaks in this step
     p2p_seconds: float | None = None  # in sends and receives (waiting for peers included)
     end_of_step_seconds: float | None = None  # gradient reductions and the optimizer step
+    learning_rate: float | None = None  # the step's (read before it: the scheduler moves on after)
+    grad_norm: float | None = None  # before clipping, where the engine computes it
 
 
 @dataclass
@@ -117,6 +121,10 @@ class TrainingJob:
     compute_slowdowns: dict[str, float] = field(default_factory=dict)  # emulated slower kinds (JobSpec's)
     recover_in_memory: bool = False  # keep a copy of the neighbour replica's state (`recovery`)
     train_without_checkpoints: bool = False  # train on when the first checkpoint finds no room (`Checkpointer`)
+    seq_len: int | None = None  # tokens per sample (transformers): tokens/s in metrics
+    ideal_step_seconds: float | None = None  # the step at 100 % MFU (`plan.flops.ideal_step_seconds`)
+    log_every: int = 0  # rank 0 prints a step summary every this many steps
+    tensorboard: bool = False  # rank 0 writes RUN/tensorboard/
 
     @classmethod
     def from_run_dir(cls, run_dir: str | os.PathLike[str], files: str | os.PathLike[str] | None = None) -> "TrainingJob":
@@ -136,6 +144,8 @@ class TrainingJob:
         elif candidate.engine is Engine.TORCH:
             # What launch checked, again: the run directory may have been edited since.
             check_torch_candidate(candidate)
+        from pipectl.plan.flops import PRECISION_DTYPE, ideal_step_seconds
+
         data = job.data.source()
         return cls(
             model=job.model,
@@ -157,6 +167,10 @@ class TrainingJob:
             replica_kinds=candidate.replica_kinds,
             compute_slowdowns=job.compute_slowdowns,
             recover_in_memory=job.recover_in_memory,
+            seq_len=plan.model_shape.seq_len if plan.model_shape is not None else None,
+            ideal_step_seconds=ideal_step_seconds(plan, candidate, PRECISION_DTYPE[job.precision.value]),
+            log_every=job.log_every,
+            tensorboard=job.tensorboard,
         )
 
 
@@ -483,6 +497,7 @@ class _Session:
     needs_data: bool = False
     stop_flag: Any = None
     writer: Any = None
+    monitor: StepMonitor | None = None  # rank 0's step lines and TensorBoard scalars
     saver: Any = None
     saved: int = 0
     handed: Any = None  # live.HandOver this layout started from
@@ -577,6 +592,8 @@ class _Session:
         session.stop_flag = checkpoint.install_sigterm_handler()
         watch_supervisor(session.stop_flag.set)  # the launching pipectl gone: stop at a checkpoint
         session.writer = MetricsWriter(job.run_dir, rank)
+        if rank == 0:
+            session.monitor = StepMonitor(job.run_dir, job.steps, log_every=job.log_every, tensorboard=job.tensorboard)
         schedule = CheckpointSchedule.for_job(
             job.checkpoint_every, job.checkpoint_every_seconds, job.checkpoint_auto, job.mtbf_hours, layout.world_size
         )
@@ -654,18 +671,22 @@ class _Session:
                 # checkpoint set-up, the boundary's vote (waiting for the slowest rank).
                 self.handed.clock.phases["resume"] = started - self.handed.restored
                 self.handed.restored = None
+            learning_rate = _learning_rate(engine)
             loss = engine.train_step(micro_batches)
             elapsed = time.perf_counter() - started
             self.step += 1
             self.last_step_unix = time.time()
             record = _record(engine, self.step, loss, elapsed, rank_memory(self.device))
+            record.learning_rate, record.grad_norm = learning_rate, _grad_norm(engine)
             result.records.append(record)
             if self.peers is not None:  # first: until it is done, a loss goes back to the step before
                 context.phase = "copying the state to the neighbour replica"
                 self.peers.refresh(engine, self.step, _data_position(self.layout, self.step))
             if self.writer is not None:
                 context.phase = "writing metrics"
-                _write_metrics(self.writer, job, engine, record)
+                line = _write_metrics(self.writer, job, engine, record)
+                if line is not None and self.monitor is not None:
+                    self.monitor.step(line)
                 if self.handed is not None:
                     self._record_live_resize(record)
             if on_step is not None:
@@ -727,7 +748,9 @@ class _Session:
             context.engine = None
         if self.retired is not None:
             self.retired.close(None)
-        self.engine = self.model = self.saver = self.writer = self.retired = None
+        if self.monitor is not None:
+            self.monitor.close()
+        self.engine = self.model = self.saver = self.writer = self.retired = self.monitor = None
         gc.collect()
 
     def finish(self, result: TrainResult, context: RankContext) -> None:
@@ -756,8 +779,31 @@ def _record(engine, step: int, loss: float, elapsed: float, memory: RankMemory) 
     return StepRecord(step, loss, elapsed, forward, backward, memory, phases.get("p2p"), phases.get("end_of_step"))
 
 
-def _write_metrics(writer, job: TrainingJob, engine, record: StepRecord) -> None:
-    """Gather every rank's heartbeat and memory (one collective), rank 0 appends the line."""
+def _learning_rate(engine) -> float | None:
+    """The learning rate the next step trains with (DeepSpeed's `get_lr`, the torch engine's)."""
+    try:
+        rates = engine.get_lr()
+    except (AttributeError, IndexError, TypeError):
+        return None
+    return float(rates[0]) if rates else None
+
+
+def _grad_norm(engine) -> float | None:
+    """The global gradient norm of the step just taken, before clipping; None where the engine
+    computes none (DeepSpeed does when it clips)."""
+    try:
+        norm = engine.get_global_grad_norm()
+    except AttributeError:
+        return None
+    if norm is None:
+        return None
+    norm = float(norm.item() if hasattr(norm, "item") else norm)
+    return norm if math.isfinite(norm) else None
+
+
+def _write_metrics(writer, job: TrainingJob, engine, record: StepRecord) -> StepMetrics | None:
+    """Gather every rank's heartbeat and memory (one collective), rank 0 appends the line (and
+    returns it; other ranks return None)."""
     import torch.distributed as torch_dist  # torch, after dsinit
 
     memory = record.memory
@@ -780,39 +826,44 @@ def _write_metrics(writer, job: TrainingJob, engine, record: StepRecord) -> None
     gathered: list[Any] = [None] * torch_dist.get_world_size()
     torch_dist.all_gather_object(gathered, mine)
     if engine.global_rank != 0:
-        return
+        return None
     layout = job.layout
-    writer.write(
-        StepMetrics(
-            step=record.step,
-            loss=record.loss,
-            step_seconds=record.step_seconds,
-            predicted_step_seconds=job.predicted_step_seconds,
-            samples_per_second=layout.global_batch / record.step_seconds if record.step_seconds > 0 else 0.0,
-            global_batch=layout.global_batch,
-            world_size=layout.world_size,
-            layout=layout.label(),
-            time_unix=time.time(),
-            ranks=[
-                RankTiming(
-                    rank=r,
-                    stage=s,
-                    samples=samples,
-                    device=device,
-                    host=host,
-                    forward_seconds=f,
-                    backward_seconds=b,
-                    p2p_seconds=p2p,
-                    end_of_step_seconds=end,
-                    peak_allocated_bytes=allocated,
-                    peak_reserved_bytes=reserved,
-                    peak_rss_bytes=rss,
-                )
-                for r, s, samples, device, host, f, b, p2p, end, allocated, reserved, rss in gathered
-            ],
-            predicted_peak_memory_bytes=list(job.predicted_peak_memory_bytes),
-        )
+    samples_per_second = layout.global_batch / record.step_seconds if record.step_seconds > 0 else 0.0
+    line = StepMetrics(
+        step=record.step,
+        loss=record.loss,
+        step_seconds=record.step_seconds,
+        predicted_step_seconds=job.predicted_step_seconds,
+        samples_per_second=samples_per_second,
+        learning_rate=record.learning_rate,
+        grad_norm=record.grad_norm,
+        tokens_per_second=samples_per_second * job.seq_len if job.seq_len else None,
+        mfu=job.ideal_step_seconds / record.step_seconds if job.ideal_step_seconds and record.step_seconds > 0 else None,
+        global_batch=layout.global_batch,
+        world_size=layout.world_size,
+        layout=layout.label(),
+        time_unix=time.time(),
+        ranks=[
+            RankTiming(
+                rank=r,
+                stage=s,
+                samples=samples,
+                device=device,
+                host=host,
+                forward_seconds=f,
+                backward_seconds=b,
+                p2p_seconds=p2p,
+                end_of_step_seconds=end,
+                peak_allocated_bytes=allocated,
+                peak_reserved_bytes=reserved,
+                peak_rss_bytes=rss,
+            )
+            for r, s, samples, device, host, f, b, p2p, end, allocated, reserved, rss in gathered
+        ],
+        predicted_peak_memory_bytes=list(job.predicted_peak_memory_bytes),
     )
+    writer.write(line)
+    return line
 
 
 def _data_position(layout: Layout, step: int) -> dict[str, int]:

@@ -1,0 +1,87 @@
+"""Monitoring a run as a user does: `pipectl launch ... --tensorboard --log-every 2` from a
+temporary folder, then the metrics lines, rank 0's step lines, TensorBoard's own reader and
+`pipectl status` (`--follow`, and a run whose ranks are still starting)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from pipectl.artifacts.run import RankHeartbeat, RankState
+from pipectl.runtime.metrics import read_metrics
+from test_first_hour import pipectl, said, succeeded
+
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def monitored(tmp_path_factory):
+    """A 2-rank gpt-tiny run with a warming-up cosine schedule, step lines every 2 steps and
+    TensorBoard scalars."""
+    folder = tmp_path_factory.mktemp("monitored")
+    profiled = pipectl("profile", "gpt-tiny", "-o", "profile.json", cwd=folder)
+    assert succeeded(profiled), said(profiled)
+    planned = pipectl("plan", "--profile", "profile.json", "--cluster", "local", "--devices", "2", "--pipeline-parallel",
+                      "2", "--global-batch", "8", "-o", "plan.json", cwd=folder)  # fmt: skip
+    assert succeeded(planned), said(planned)
+    launched = pipectl("launch", "plan.json", "--run-dir", "runs/watched", "--steps", STEPS, "--lr-schedule",
+                       "warmup-cosine", "--warmup-steps", "2", "--tensorboard", "--log-every", "2", cwd=folder)  # fmt: skip
+    assert succeeded(launched), said(launched)
+    return folder, folder / "runs" / "watched", launched
+
+
+@pytest.mark.multiprocess
+def test_each_step_line_holds_the_learning_rate_gradient_norm_and_throughput(monitored):
+    folder, run, launched = monitored
+    assert "chosen by default: lr 0.001; weight decay 0; checkpoint every 0" in " ".join(launched.stdout.split())
+    metrics = read_metrics(run)
+    assert [m.step for m in metrics] == list(range(1, STEPS + 1))
+    rates = [m.learning_rate for m in metrics]
+    assert rates[0] < rates[1] and rates[1] == pytest.approx(1e-3) and rates[3] < rates[2] < rates[1]  # warm-up, then cosine
+    assert all(m.grad_norm is not None and m.grad_norm > 0 for m in metrics)  # clipping at 1.0 computes it
+    seq_len = json.loads((run / "plan.json").read_text())["model_shape"]["seq_len"]
+    for m in metrics:
+        assert m.tokens_per_second == pytest.approx(m.samples_per_second * seq_len)
+    engine_log = (run / "logs" / "engine.log").read_text()
+    printed = [line for line in engine_log.splitlines() if " step 2/4 loss " in f" {line}" or " step 4/4 loss " in f" {line}"]
+    assert len(printed) == 2 and "lr " in printed[0] and "grad-norm" in printed[0], engine_log[-2000:]
+    assert "step 1/4 loss" not in engine_log  # every 2 steps, and the last
+
+
+@pytest.mark.multiprocess
+def test_tensorboards_own_reader_reads_every_step(monitored):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    _, run, _ = monitored
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    losses = {e.step: e.value for e in events.Scalars("train/loss")}
+    expected = {m.step: m.loss for m in read_metrics(run)}
+    assert sorted(losses) == sorted(expected)
+    for step, loss in expected.items():
+        assert losses[step] == pytest.approx(loss, rel=1e-6)
+    assert {"train/learning_rate", "train/grad_norm", "speed/tokens_per_second", "time/step_seconds"} <= set(
+        events.Tags()["scalars"]
+    )
+
+
+@pytest.mark.multiprocess
+def test_status_follows_until_the_end_and_tells_starting_from_not_started(monitored):
+    folder, run, _ = monitored
+    followed = pipectl("status", "runs/watched", "--follow", cwd=folder, timeout=60)
+    assert succeeded(followed) and "4 / 4 steps (finished)" in followed.stdout, said(followed)
+
+    # The same run as it looked before its first step: ranks beating, no metrics line yet.
+    (run / "metrics.jsonl").write_text("")
+    now = time.time()
+    for rank in (0, 1):
+        beat = RankHeartbeat(rank=rank, pid=1, state=RankState.RUNNING, started_unix=now, beat_unix=now, progress_unix=now)
+        (run / "logs" / f"heartbeat-rank{rank}.json").write_text(beat.model_dump_json())
+    starting = pipectl("status", "runs/watched", cwd=folder)
+    assert "0 / 4 steps (starting: the ranks are up, the first step is not done yet)" in " ".join(starting.stdout.split())
+    for rank in (0, 1):
+        (run / "logs" / f"heartbeat-rank{rank}.json").unlink()
+    quiet = pipectl("status", "runs/watched", cwd=folder)
+    assert "0 / 4 steps (not started)" in " ".join(quiet.stdout.split()), said(quiet)
