@@ -149,6 +149,22 @@ def artifact_kind(data: dict[str, Any]) -> str | None:
     return kinds[0] if len(kinds) == 1 else None
 
 
+def read_records(model_type: type[ModelT], path: str | os.PathLike[str]) -> list[ModelT]:
+    """The lines of a JSON-lines log that `model_type` validates, in order; a line that does not
+    (a write cut short by a kill or a full disk) is skipped, a missing file is empty."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError:
+        return []
+    records = []
+    for line in lines:
+        try:
+            records.append(model_type.model_validate_json(line))
+        except ValidationError:
+            continue
+    return records
+
+
 def load_model(model_type: type[ModelT], path: str | os.PathLike[str]) -> ModelT:
     """Read and validate an artifact file; errors name the file, the field and the value, or what
     the file is when it is another kind of pipectl file ("p.json is a profile (pipectl profile),

@@ -135,7 +135,9 @@ def test_real_launch_trains_checkpoints_and_reports_prediction_error(tmp_path):
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == [1, 2, 3, 4, 5, 6]
     assert lines[-1]["loss"] < lines[0]["loss"]
-    assert {r["rank"] for r in lines[-1]["ranks"]} == {0, 1}
+    assert lines[-1]["ranks"] == []  # the step's line holds no per-rank detail: logs/ranks.jsonl does
+    details = [json.loads(line) for line in (run / "logs" / "ranks.jsonl").read_text().splitlines()]
+    assert [d["step"] for d in details] == [1, 2, 3, 4, 5, 6] and {r["rank"] for r in details[-1]["ranks"]} == {0, 1}
     assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("step")) == [
         "step00000003",
         "step00000006",

@@ -39,6 +39,26 @@ def test_rank0_appends_one_line_per_step_and_others_write_nothing(tmp_path):
     assert read[0].ranks[0].backward_seconds == pytest.approx(0.02)
 
 
+def test_a_step_line_is_the_same_size_at_any_world_size_and_the_rank_detail_joins_back(tmp_path):
+    """Each rank's timings go to logs/ranks.jsonl, not into the step's line: at 3,072 ranks the line
+    would grow by ~320 bytes a rank (about 1 MB a step). Readers see them joined by step and layout;
+    a step trained again (after a resume) takes its last detail."""
+    sizes = {}
+    for world in (2, 3072):
+        run = tmp_path / f"w{world}"
+        line = metrics(1).model_copy(update={"world_size": world, "layout": "t1p2d1 1f1b b2 m4", "ranks": [
+            RankTiming(rank=r, stage=r % 2, host=f"node{r // 8:04d}", forward_seconds=0.01, backward_seconds=0.02,
+                       peak_allocated_bytes=2**34) for r in range(world)]})  # fmt: skip
+        MetricsWriter(run, rank=0).write(line)
+        sizes[world] = len((run / "metrics.jsonl").read_bytes())
+        assert read_metrics(run) == [line]
+    assert sizes[3072] - sizes[2] == len("3072") - len("2")  # the world size's digits, nothing else
+    retrained = metrics(1, loss=0.5).model_copy(update={"layout": "t1p2d1 1f1b b2 m4", "ranks": [RankTiming(
+        rank=0, stage=0, forward_seconds=9.0, backward_seconds=0.02)]})  # fmt: skip
+    MetricsWriter(tmp_path / "w2", rank=0).write(retrained)
+    assert read_metrics(tmp_path / "w2")[0].ranks[0].forward_seconds == 9.0
+
+
 def test_torn_last_line_is_ignored_and_retrained_steps_keep_the_last_line():
     lines = [
         metrics(1, loss=3.0).model_dump_json(),

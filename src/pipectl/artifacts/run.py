@@ -57,6 +57,9 @@ HEARTBEAT_FILE = "heartbeat-rank{rank}.json"  # in LOGS_DIR
 # In LOGS_DIR: one line per spell when metrics.jsonl could not be written (`WriteRefusal`), added
 # once the disk takes lines again; `pipectl launch` names it on the terminal.
 REFUSALS_FILE = "refused-writes.jsonl"
+# In LOGS_DIR: each step's per-rank timings and memory (`RankDetail`), apart from metrics.jsonl so
+# that a step's line stays the same size at any world size; `read_metrics` joins them back.
+RANKS_FILE = "ranks.jsonl"
 # In LOGS_DIR: one line per end of a Slurm batch script, what it decided (`RequeueRecord`).
 REQUEUE_FILE = "requeues.jsonl"
 LOCK_FILE = "job.lock"  # the pids of the launch that holds the run (`launch.rundir.lock_run_dir`)
@@ -441,6 +444,14 @@ class StepMetrics(Strict):
     mfu: float | None = Field(
         default=None, ge=0, description="Model FLOPs of the step over the devices' peak in its time (None without a peak)."
     )
+
+
+class RankDetail(Strict):
+    """A line of logs/ranks.jsonl: every rank's timings and memory in one step of one layout."""
+
+    step: int = Field(ge=1)
+    layout: str = ""
+    ranks: list[RankTiming]
 
 
 class RankFailure(Artifact):

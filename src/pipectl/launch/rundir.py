@@ -24,8 +24,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
-
 from pipectl.artifacts.plan import Plan
 from pipectl.artifacts.run import (
     CHECKPOINTS_DIR,
@@ -48,7 +46,7 @@ from pipectl.artifacts.run import (
 from pipectl.launch.options import check_stored_options
 from pipectl.runtime.liveness import pid_alive, read_heartbeats, stopped_cleanly
 from pipectl.errors import UserInputError
-from pipectl.io import load_model, read_mapping, write_json_atomic
+from pipectl.io import load_model, read_mapping, read_records, write_json_atomic
 from pipectl.launch.engines import LaunchCommand, launch_script
 from pipectl.launch.processes import find_run_processes
 from pipectl.planfile import copy_plan
@@ -495,17 +493,7 @@ class RunStatus:
 
 def read_requeues(run_dir: str | os.PathLike[str]) -> list[RequeueRecord]:
     """The run's requeue records, oldest first (unreadable lines skipped)."""
-    try:
-        lines = (Path(run_dir) / LOGS_DIR / REQUEUE_FILE).read_text().splitlines()
-    except OSError:
-        return []
-    records = []
-    for line in lines:
-        try:
-            records.append(RequeueRecord.model_validate_json(line))
-        except ValidationError:
-            continue
-    return records
+    return read_records(RequeueRecord, Path(run_dir) / LOGS_DIR / REQUEUE_FILE)
 
 
 def run_status(run_dir: str | os.PathLike[str], *, verify_hashes: bool = False) -> RunStatus:

@@ -30,7 +30,8 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from pipectl.artifacts.run import LOGS_DIR, METRICS_FILE, REFUSALS_FILE, StepMetrics, WriteRefusal
+from pipectl.artifacts.run import LOGS_DIR, METRICS_FILE, RANKS_FILE, REFUSALS_FILE, RankDetail, StepMetrics, WriteRefusal
+from pipectl.io import read_records
 from pipectl.words import count
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,7 @@ class MetricsWriter:
 
     def __init__(self, run_dir: str | os.PathLike[str], rank: int) -> None:
         self.path = Path(run_dir) / METRICS_FILE
+        self.ranks_path = Path(run_dir) / LOGS_DIR / RANKS_FILE
         self.refusals_path = Path(run_dir) / LOGS_DIR / REFUSALS_FILE
         self.rank = rank
         self.pending: list[str] = []  # lines not yet on disk, oldest first
@@ -56,8 +58,13 @@ class MetricsWriter:
         self._spell: tuple[float, str] | None = None  # (first refusal, its error) of the spell under way
 
     def write(self, metrics: StepMetrics) -> None:
+        """The step's line to metrics.jsonl; its per-rank detail, if any, to logs/ranks.jsonl
+        (`RankDetail`): the line stays the same size at any world size."""
         if self.rank != 0:
             return
+        if metrics.ranks:
+            self._write_detail(RankDetail(step=metrics.step, layout=metrics.layout, ranks=metrics.ranks))
+            metrics = metrics.model_copy(update={"ranks": []})
         self.pending.append(metrics.model_dump_json() + "\n")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         data = "".join(self.pending).encode()
@@ -77,6 +84,16 @@ class MetricsWriter:
             log.warning("metrics.jsonl: written again, with %d held lines", len(self.pending))
             self._record_refusal(len(self.pending) - 1)  # the lines of earlier steps waited
         self.pending.clear()
+
+    def _write_detail(self, detail: RankDetail) -> None:
+        """Append without fsync: the detail helps read a run, it is not the run's record; a disk
+        that refuses it loses that step's detail only."""
+        try:
+            self.ranks_path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.ranks_path, "a") as handle:
+                handle.write(detail.model_dump_json() + "\n")
+        except OSError as exc:
+            log.warning("%s: step %d's per-rank detail not written (%s)", self.ranks_path, detail.step, exc)
 
     def _record_refusal(self, lines: int) -> None:
         first, error = self._spell
@@ -145,7 +162,19 @@ def read_metrics_and_unreadable(run_dir: str | os.PathLike[str]) -> tuple[list[S
     if not path.is_file():
         return [], []
     text = path.read_text()
-    return _parse_metrics(text.splitlines(), last_line_whole=text.endswith("\n"))
+    metrics, unreadable = _parse_metrics(text.splitlines(), last_line_whole=text.endswith("\n"))
+    return with_rank_details(metrics, run_dir), unreadable
+
+
+def with_rank_details(metrics: list[StepMetrics], run_dir: str | os.PathLike[str]) -> list[StepMetrics]:
+    """`metrics` with each step's per-rank detail from logs/ranks.jsonl (the last written for a
+    step and layout: a step trained again after a resume replaces it). Lines written with their
+    detail inline (before the split) keep it."""
+    details = {(d.step, d.layout): d.ranks for d in read_records(RankDetail, Path(run_dir) / LOGS_DIR / RANKS_FILE)}
+    if not details:
+        return metrics
+    return [m if m.ranks or (m.step, m.layout) not in details else m.model_copy(update={"ranks": details[m.step, m.layout]})
+            for m in metrics]  # fmt: skip
 
 
 class MetricsTail:
@@ -407,19 +436,8 @@ def memory_summary(metrics: list[StepMetrics], predicted_bytes: list[int] | None
 
 def read_refusals(run_dir: str | os.PathLike[str], *, since_unix: float = 0.0) -> list[WriteRefusal]:
     """The spells of refused metrics lines recorded at or after `since_unix` (unreadable lines skipped)."""
-    try:
-        lines = (Path(run_dir) / LOGS_DIR / REFUSALS_FILE).read_text().splitlines()
-    except OSError:
-        return []
-    refusals = []
-    for line in lines:
-        try:
-            refusal = WriteRefusal.model_validate_json(line)
-        except ValidationError:
-            continue
-        if refusal.written_unix >= since_unix:
-            refusals.append(refusal)
-    return refusals
+    refusals = read_records(WriteRefusal, Path(run_dir) / LOGS_DIR / REFUSALS_FILE)
+    return [refusal for refusal in refusals if refusal.written_unix >= since_unix]
 
 
 def refusal_line(refusal: WriteRefusal) -> str:

@@ -801,6 +801,21 @@ def _grad_norm(engine) -> float | None:
     return norm if math.isfinite(norm) else None
 
 
+RANK_DETAIL_EVERY_STEP_UP_TO = 64  # ranks; a larger job gathers its ranks' detail every RANK_DETAIL_EVERY steps
+RANK_DETAIL_EVERY = 10
+
+
+def rank_detail_due(world_size: int, step: int) -> bool:
+    """Whether this step gathers every rank's timings and memory (one all-gather of a tuple per
+    rank): every step up to 64 ranks, else the first step and every 10th, so that a job of
+    thousands of ranks spends no collective per step on its own bookkeeping.
+
+    >>> [rank_detail_due(3072, s) for s in (1, 2, 10)], rank_detail_due(64, 7)
+    ([True, False, True], True)
+    """
+    return world_size <= RANK_DETAIL_EVERY_STEP_UP_TO or step == 1 or step % RANK_DETAIL_EVERY == 0
+
+
 def _write_metrics(writer, job: TrainingJob, engine, record: StepRecord) -> StepMetrics | None:
     """Gather every rank's heartbeat and memory (one collective), rank 0 appends the line (and
     returns it; other ranks return None)."""
@@ -823,8 +838,10 @@ def _write_metrics(writer, job: TrainingJob, engine, record: StepRecord) -> Step
         memory.peak_reserved_bytes if memory else None,
         memory.peak_rss_bytes if memory else None,
     )
-    gathered: list[Any] = [None] * torch_dist.get_world_size()
-    torch_dist.all_gather_object(gathered, mine)
+    gathered: list[Any] = []
+    if rank_detail_due(job.layout.world_size, record.step):  # the same answer on every rank
+        gathered = [None] * torch_dist.get_world_size()
+        torch_dist.all_gather_object(gathered, mine)
     if engine.global_rank != 0:
         return None
     layout = job.layout
