@@ -85,3 +85,27 @@ def test_status_follows_until_the_end_and_tells_starting_from_not_started(monito
         (run / "logs" / f"heartbeat-rank{rank}.json").unlink()
     quiet = pipectl("status", "runs/watched", cwd=folder)
     assert "0 / 4 steps (not started)" in " ".join(quiet.stdout.split()), said(quiet)
+
+
+@pytest.mark.multiprocess
+def test_one_weights_and_biases_run_across_a_resume_offline(monitored, monkeypatch, tmp_path):
+    folder = monitored[0]
+    monkeypatch.setenv("HOME", str(tmp_path))  # no `wandb login` here
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    planned = pipectl("plan", "--profile", "profile.json", "--cluster", "local", "--devices", "1", "--global-batch", "8",
+                      "-o", "one.json", cwd=folder)  # fmt: skip
+    assert succeeded(planned), said(planned)
+    refused = pipectl("launch", "one.json", "--run-dir", "runs/wb", "--wandb", "pipectl-tests", "--dry-run", cwd=folder)
+    assert refused.returncode == 2 and "--wandb needs a Weights & Biases login" in refused.stderr, said(refused)
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    first = pipectl("launch", "one.json", "--run-dir", "runs/wb", "--steps", "2", "--wandb", "pipectl-tests", cwd=folder)
+    assert succeeded(first), said(first)
+    resumed = pipectl("launch", "one.json", "--run-dir", "runs/wb", "--resume", "--steps", "3", cwd=folder)
+    assert succeeded(resumed), said(resumed)
+    run = folder / "runs" / "wb"
+    run_id = json.loads((run / "job.json").read_text())["wandb_run_id"]
+    starts = sorted((run / "wandb").glob("offline-run-*"))
+    assert len(starts) == 2 and all(start.name.endswith(f"-{run_id}") for start in starts), starts
+    assert all((start / f"run-{run_id}.wandb").stat().st_size > 0 for start in starts)

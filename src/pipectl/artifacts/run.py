@@ -315,6 +315,10 @@ class JobSpec(Artifact):
         default=10, ge=0, le=2**31, description="Rank 0 prints a one-line step summary every this many steps (0: never)."
     )
     tensorboard: bool = Field(default=False, description="Rank 0 writes TensorBoard scalars to RUN/tensorboard/.")
+    wandb_project: str | None = Field(default=None, description="The Weights & Biases project rank 0 logs to.")
+    wandb_run_id: str | None = Field(
+        default=None, pattern=r"^[a-z0-9]{1,64}$", description="The W&B run: made at the first launch, kept by every resume."
+    )
     host_at_launch: HostState | None = Field(
         default=None, description="How busy the launching host was when the job started (engine local); None: other."
     )

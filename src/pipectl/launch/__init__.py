@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -73,6 +74,7 @@ def effective_options(
         [stored_layer(LaunchOptions, chosen_defaults(job, files.ds_config), path / JOB_FILE),
          stored_layer(LaunchOptions, stored, path / JOB_FILE), *layers],  # fmt: skip
         import_root=job.import_root,
+        wandb_run_id=job.wandb_run_id,  # one W&B run for the whole run
         as_given={**job.as_given, **(as_given or {})},  # what this resume names anew replaces the run's
     )
     if "recover_in_memory" not in given and plan is not None and plan.chosen.data_parallel < 2:
@@ -449,6 +451,27 @@ def check_data_at_scale(data: DataSpec, accelerator: str | None) -> None:
         )
 
 
+WANDB_LOCAL_MODES = ("offline", "disabled", "dryrun")
+
+
+def check_wandb_login() -> None:
+    """`--wandb` online needs a W&B key (WANDB_API_KEY, or `wandb login`'s entry in ~/.netrc); rank
+    0 would otherwise fail as it starts, after every rank has built its engine."""
+    if os.environ.get("WANDB_MODE", "").lower() in WANDB_LOCAL_MODES or os.environ.get("WANDB_API_KEY"):
+        return
+    try:
+        import netrc
+
+        if netrc.netrc().authenticators(os.environ.get("WANDB_BASE_URL", "api.wandb.ai").split("//")[-1]):
+            return
+    except (OSError, netrc.NetrcParseError):
+        pass
+    raise UserInputError(
+        "--wandb needs a Weights & Biases login: no WANDB_API_KEY and no `wandb login` entry in ~/.netrc",
+        hint="run wandb login (or set WANDB_API_KEY), or log offline with WANDB_MODE=offline (wandb sync uploads it later)",
+    )
+
+
 def build_job(plan: Plan, name: str, options: LaunchOptions, cluster: ClusterSpec | None = None) -> JobSpec:
     """job.json for `plan.chosen` under `options`, on `cluster` (default: the plan's, if readable)."""
     devices = plan.chosen.devices
@@ -465,11 +488,14 @@ def build_job(plan: Plan, name: str, options: LaunchOptions, cluster: ClusterSpe
     accelerator = plan_accelerator(plan, cluster)
     options, _ = resolve_defaults(options, at_scale=at_scale(nodes, accelerator), what=job_words(plan, nodes, accelerator))
     check_data_at_scale(options.data, accelerator)
-    if options.tensorboard and importlib.util.find_spec("tensorboard") is None:
-        raise UserInputError(
-            "--tensorboard needs the tensorboard package, which is not installed",
-            hint="pip install 'pipectl[monitor]' (or tensorboard) where the ranks run",
-        )
+    if options.wandb:
+        check_wandb_login()
+    for wanted, package, extra in ((options.tensorboard, "tensorboard", "monitor"), (options.wandb, "wandb", "wandb")):
+        if wanted and importlib.util.find_spec(package) is None:
+            raise UserInputError(
+                f"--{package} needs the {package} package, which is not installed",
+                hint=f"pip install 'pipectl[{extra}]' (or {package}) where the ranks run",
+            )
     every_steps, every_seconds, every_auto = options.interval
     if every_steps > options.steps:
         raise UserInputError(
@@ -508,6 +534,8 @@ def build_job(plan: Plan, name: str, options: LaunchOptions, cluster: ClusterSpe
             collective_timeout_seconds=options.collective_timeout,
             log_every=options.log_every,
             tensorboard=options.tensorboard,
+            wandb_project=options.wandb,
+            wandb_run_id=(options.wandb_run_id or secrets.token_hex(8)) if options.wandb else options.wandb_run_id,
             training=TrainingSettings(
                 learning_rate=options.learning_rate,
                 weight_decay=options.weight_decay,

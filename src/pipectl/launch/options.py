@@ -286,6 +286,12 @@ class LaunchOptions(Strict):
         description="Write TensorBoard scalars against the step to RUN/tensorboard/ (the tensorboard package: "
         "pip install 'pipectl[monitor]').",
     )
+    wandb: Annotated[str | None, Opt("monitor")] = Field(
+        default=None,
+        pattern=r"^[A-Za-z0-9_.-]{1,128}$",
+        description="Log each step to Weights & Biases in this project, one W&B run for the whole run (resumes, "
+        "requeues and resizes included); WANDB_MODE=offline writes it under RUN/wandb/ (pip install 'pipectl[wandb]').",
+    )
 
     ds_config_overlay: Annotated[dict[str, Any], Opt("deepspeed", key="overlay", cli=Path, path=True)] = Field(
         default_factory=dict,
@@ -295,6 +301,7 @@ class LaunchOptions(Strict):
 
     # What the run records about itself, not options: set by launch, kept by every resume.
     import_root: str | None = None  # where a factory is imported from; default: this process's working directory
+    wandb_run_id: str | None = None  # the W&B run this run logs to, made at its first launch
     as_given: dict[str, str] = Field(default_factory=dict)  # the model and data as typed (job.json's `as_given`)
 
     @field_validator("model")

@@ -1,10 +1,14 @@
 """What rank 0 tells people about each step besides metrics.jsonl: a one-line summary on its
 output every `log_every` steps (a rank's output is what a Slurm job's slurm-ID.out and a local
-run's logs/engine.log show while it trains), and TensorBoard scalars against the step when the
-job asks for them (`launch --tensorboard`, through torch's own `SummaryWriter`).
+run's logs/engine.log show while it trains), TensorBoard scalars against the step when the job
+asks for them (`launch --tensorboard`, through torch's own `SummaryWriter`), and Weights & Biases
+(`launch --wandb PROJECT`).
 
 A resumed or requeued job appends to the same TensorBoard folder: each start writes a new
-event file, and TensorBoard merges a folder's files by step.
+event file, and TensorBoard merges a folder's files by step. W&B sees one run for the whole run:
+its id is made at the first launch and kept in job.json, and every start (a resume, a requeue, a
+resize) resumes that W&B run (`resume="allow"`). Its files go under RUN/wandb/ (offline with
+WANDB_MODE=offline, synced later with `wandb sync`).
 """
 
 from __future__ import annotations
@@ -65,14 +69,32 @@ def scalars(line: StepMetrics) -> dict[str, float]:
 class StepMonitor:
     """Rank 0's step summaries and TensorBoard writer (`step` after each metrics line)."""
 
-    def __init__(self, run_dir: str | os.PathLike[str] | None, steps: int, *, log_every: int, tensorboard: bool) -> None:
+    def __init__(
+        self,
+        run_dir: str | os.PathLike[str] | None,
+        steps: int,
+        *,
+        log_every: int,
+        tensorboard: bool,
+        wandb: tuple[str, str] | None = None,
+    ) -> None:
         self.steps = steps
         self.log_every = log_every
         self.writer: Any = None
+        self.wandb: Any = None
         if tensorboard and run_dir is not None:
             from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package (launch checks)
 
             self.writer = SummaryWriter(log_dir=str(Path(run_dir) / TENSORBOARD_DIR))
+        if wandb is not None and run_dir is not None:
+            import wandb as wandb_module  # the optional extra (launch checks)
+
+            project, run_id = wandb
+            # The rank's output stays its own (console capture off): a Slurm job's log reads as without W&B.
+            self.wandb = wandb_module.init(
+                project=project, id=run_id, resume="allow", dir=str(run_dir), name=Path(run_dir).name,
+                settings=wandb_module.Settings(console="off"),
+            )  # fmt: skip
 
     def step(self, line: StepMetrics) -> None:
         if self.log_every and (line.step % self.log_every == 0 or line.step == self.steps):
@@ -81,8 +103,13 @@ class StepMonitor:
             for tag, value in scalars(line).items():
                 self.writer.add_scalar(tag, value, global_step=line.step, walltime=line.time_unix or None)
             self.writer.flush()  # a reader (or a kill) sees every step written
+        if self.wandb is not None:
+            self.wandb.log(scalars(line), step=line.step)
 
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
             self.writer = None
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None

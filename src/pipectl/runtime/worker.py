@@ -125,6 +125,7 @@ class TrainingJob:
     ideal_step_seconds: float | None = None  # the step at 100 % MFU (`plan.flops.ideal_step_seconds`)
     log_every: int = 0  # rank 0 prints a step summary every this many steps
     tensorboard: bool = False  # rank 0 writes RUN/tensorboard/
+    wandb: tuple[str, str] | None = None  # (project, run id): rank 0 logs each step to Weights & Biases
 
     @classmethod
     def from_run_dir(cls, run_dir: str | os.PathLike[str], files: str | os.PathLike[str] | None = None) -> "TrainingJob":
@@ -171,6 +172,7 @@ class TrainingJob:
             ideal_step_seconds=ideal_step_seconds(plan, candidate, PRECISION_DTYPE[job.precision.value]),
             log_every=job.log_every,
             tensorboard=job.tensorboard,
+            wandb=(job.wandb_project, job.wandb_run_id) if job.wandb_project and job.wandb_run_id else None,
         )
 
 
@@ -593,7 +595,9 @@ class _Session:
         watch_supervisor(session.stop_flag.set)  # the launching pipectl gone: stop at a checkpoint
         session.writer = MetricsWriter(job.run_dir, rank)
         if rank == 0:
-            session.monitor = StepMonitor(job.run_dir, job.steps, log_every=job.log_every, tensorboard=job.tensorboard)
+            session.monitor = StepMonitor(
+                job.run_dir, job.steps, log_every=job.log_every, tensorboard=job.tensorboard, wandb=job.wandb
+            )
         schedule = CheckpointSchedule.for_job(
             job.checkpoint_every, job.checkpoint_every_seconds, job.checkpoint_auto, job.mtbf_hours, layout.world_size
         )
