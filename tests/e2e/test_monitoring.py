@@ -54,6 +54,7 @@ def test_each_step_line_holds_the_learning_rate_gradient_norm_and_throughput(mon
         schedule.step()
     assert [m.learning_rate for m in metrics] == pytest.approx(expected) and expected[0] < max(expected)  # it warms up
     assert all(m.grad_norm is not None and m.grad_norm > 0 for m in metrics)  # clipping at 1.0 computes it
+    assert all(len(m.stage_peak_memory_bytes) == 2 and min(m.stage_peak_memory_bytes) > 0 for m in metrics)
     seq_len = json.loads((run / "plan.json").read_text())["model_shape"]["seq_len"]
     for m in metrics:
         assert m.tokens_per_second == pytest.approx(m.samples_per_second * seq_len)
@@ -75,7 +76,8 @@ def test_tensorboards_own_reader_reads_every_step(monitored):
     assert sorted(losses) == sorted(expected)
     for step, loss in expected.items():
         assert losses[step] == pytest.approx(loss, rel=1e-6)
-    assert {"train/learning_rate", "train/grad_norm", "speed/tokens_per_second", "time/step_seconds"} <= set(
+    assert {"train/learning_rate", "train/grad_norm", "speed/tokens_per_second", "time/step_seconds",
+            "memory/stage1_peak_gib"} <= set(
         events.Tags()["scalars"]
     )
 

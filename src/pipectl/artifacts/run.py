@@ -448,6 +448,11 @@ class StepMetrics(Strict):
     mfu: float | None = Field(
         default=None, ge=0, description="Model FLOPs of the step over the devices' peak in its time (None without a peak)."
     )
+    stage_peak_memory_bytes: list[int] = Field(
+        default_factory=list,
+        description="Per pipeline stage, the highest peak of its ranks in this step (allocated on GPUs, RSS on CPU); "
+        "empty on steps without rank detail.",
+    )
 
 
 class RankDetail(Strict):

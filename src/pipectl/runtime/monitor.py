@@ -60,9 +60,8 @@ def scalars(line: StepMetrics) -> dict[str, float]:
         "time/step_seconds": line.step_seconds,
         "time/predicted_step_seconds": line.predicted_step_seconds,
     }
-    peaks = [r.peak_allocated_bytes for r in line.ranks if r.peak_allocated_bytes is not None]
-    if peaks:
-        figures["memory/peak_allocated_gib_max_rank"] = max(peaks) / 2**30
+    for stage, peak in enumerate(line.stage_peak_memory_bytes):
+        figures[f"memory/stage{stage}_peak_gib"] = peak / 2**30
     return {tag: float(value) for tag, value in figures.items() if value is not None}
 
 

@@ -820,6 +820,21 @@ def rank_detail_due(world_size: int, step: int) -> bool:
     return world_size <= RANK_DETAIL_EVERY_STEP_UP_TO or step == 1 or step % RANK_DETAIL_EVERY == 0
 
 
+def stage_peaks(gathered: list[Any], stages: int) -> list[int]:
+    """Each stage's highest peak over its ranks (allocated where measured, else RSS) from the
+    gathered rank tuples; [] when the step gathered none or a stage measured nothing.
+
+    >>> stage_peaks([(0, 0, 8, None, "h", 0, 0, None, None, None, None, 5), (1, 1, 8, None, "h", 0, 0, None, None, 7, 9, 6)], 2)
+    [5, 7]
+    """
+    peaks: dict[int, int] = {}
+    for _, stage, *_, allocated, _reserved, rss in gathered:
+        value = allocated if allocated is not None else rss
+        if value is not None:
+            peaks[stage] = max(peaks.get(stage, 0), value)
+    return [peaks[s] for s in range(stages)] if len(peaks) == stages else []
+
+
 def _write_metrics(writer, job: TrainingJob, engine, record: StepRecord) -> StepMetrics | None:
     """Gather every rank's heartbeat and memory (one collective), rank 0 appends the line (and
     returns it; other ranks return None)."""
@@ -882,6 +897,7 @@ def _write_metrics(writer, job: TrainingJob, engine, record: StepRecord) -> Step
             for r, s, samples, device, host, f, b, p2p, end, allocated, reserved, rss in gathered
         ],
         predicted_peak_memory_bytes=list(job.predicted_peak_memory_bytes),
+        stage_peak_memory_bytes=stage_peaks(gathered, layout.pipeline_parallel),
     )
     writer.write(line)
     return line
