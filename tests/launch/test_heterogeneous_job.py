@@ -79,7 +79,8 @@ def test_the_heterogeneous_slurm_script_runs_each_replica_on_its_kinds_nodes(tmp
     prepared = prepare_launch(
         plan_of(mixed_candidate(), cluster=str(cluster)),
         tmp_path / "split",
-        LaunchOptions(engine=Engine.SLURM, steps=STEPS, seed=0, warmup_steps=WARMUP_STEPS),
+        # The one-rank run's schedule and weight decay: a job on two nodes would default to a real training's.
+        LaunchOptions(engine=Engine.SLURM, steps=STEPS, seed=0, warmup_steps=WARMUP_STEPS, lr_schedule="constant", weight_decay=0.0),
     )
     script = prepared.run_dir / "job.sbatch"
     text = script.read_text()

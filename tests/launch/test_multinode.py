@@ -17,6 +17,11 @@ from pipectl.runtime.metrics import read_metrics
 from builders import gpt_tiny_candidate, plan_of
 
 
+# A job on several nodes defaults to a real training's schedule (`resolve_defaults`): the same
+# settings as the one-node run, named.
+ONE_NODE_TRAINING = {"lr_schedule": "constant", "weight_decay": 0.0}
+
+
 @pytest.fixture(scope="module")
 def one_node(tmp_path_factory):
     """The plan, and its 4-step single-node (local engine) run."""
@@ -33,7 +38,8 @@ def one_node(tmp_path_factory):
 def test_two_torchrun_nodes_train_like_one_node(one_node, tmp_path):
     plan, single = one_node
 
-    options = LaunchOptions(engine=Engine.TORCHRUN, nodes=2, master_addr="127.0.0.1", master_port=free_port(), steps=4)
+    options = LaunchOptions(engine=Engine.TORCHRUN, nodes=2, master_addr="127.0.0.1", master_port=free_port(), steps=4,
+                            **ONE_NODE_TRAINING)  # fmt: skip
     two = prepare_launch(plan, tmp_path / "two", options)
     two.lock.release()  # each "node" below is a separate agent, as on a cluster
     assert (two.job.nodes, two.job.ranks_per_node) == (2, 1)

@@ -263,7 +263,8 @@ def test_a_derived_profile_of_a_hugging_face_directory_plans_and_launches_for_a_
     steps = [
         ["profile", "hf:llama", "--derive", "--device", "a100-80gb", "-o", "profile.json"],
         ["plan", "--profile", "profile.json", "--cluster", "a100-8x8", "--global-batch", "64", "-o", "plan.json"],
-        ["launch", "plan.json", "--run-dir", "run", "--engine", "slurm", "--dry-run"],  # checks the model against the plan
+        ["launch", "plan.json", "--run-dir", "run", "--engine", "slurm", "--steps", "1000", "--data", "synthetic",
+         "--dry-run"],  # checks the model against the plan
     ]
     for args in steps:
         result = runner.invoke(app, args, env={"COLUMNS": "200"})
