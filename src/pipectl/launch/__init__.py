@@ -486,7 +486,8 @@ def build_job(plan: Plan, name: str, options: LaunchOptions, cluster: ClusterSpe
     if options.recover_in_memory:
         check_recoverable(plan.chosen, options.engine, groups)
     accelerator = plan_accelerator(plan, cluster)
-    options, _ = resolve_defaults(options, at_scale=at_scale(nodes, accelerator), what=job_words(plan, nodes, accelerator))
+    scale = at_scale(nodes, accelerator)
+    options, _ = resolve_defaults(options, at_scale=scale, what=job_words(plan, nodes, accelerator))
     check_data_at_scale(options.data, accelerator)
     if options.wandb:
         check_wandb_login()
@@ -542,7 +543,7 @@ def build_job(plan: Plan, name: str, options: LaunchOptions, cluster: ClusterSpe
                 gradient_clipping=options.gradient_clipping,
                 lr_schedule=options.lr_schedule,
                 warmup_steps=options.warmup_steps,
-                min_lr_ratio=SCALE_MIN_LR_RATIO if at_scale(nodes, accelerator) else 0.0,
+                min_lr_ratio=SCALE_MIN_LR_RATIO if scale else 0.0,
             ),
             ds_config_overlay=options.ds_config_overlay,
             options=to_sections(options),

@@ -392,7 +392,7 @@ def resolve_defaults(options: LaunchOptions, *, at_scale: bool, what: str) -> tu
     if options.steps is None and at_scale:
         raise UserInputError(
             f"{what} needs its length: --steps N (or training.steps in --config)",
-            hint="the 20 steps of a try-out on this machine are no default for a real training",
+            hint=f"the {LOCAL_STEPS} steps of a try-out on this machine are no default for a real training",
         )
     steps = options.steps or LOCAL_STEPS
     schedule = options.lr_schedule or (LrSchedule.WARMUP_COSINE if at_scale else LrSchedule.CONSTANT)
