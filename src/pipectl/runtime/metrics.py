@@ -25,12 +25,13 @@ import socket
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from pydantic import ValidationError
 
-from pipectl.artifacts.run import LOGS_DIR, METRICS_FILE, RANKS_FILE, REFUSALS_FILE, RankDetail, StepMetrics, WriteRefusal
+from pipectl.artifacts.run import LOGS_DIR, METRICS_FILE, RANKS_FILE, REFUSALS_FILE, RankDetail, RankTiming, StepMetrics, WriteRefusal
 from pipectl.io import read_records
 from pipectl.words import count
 
@@ -380,6 +381,34 @@ class MemorySummary:
         }
 
 
+def peak_measure(timings: list[RankTiming]) -> tuple[str, Callable[[RankTiming], int | None]] | None:
+    """Which peak ranks' timings are compared by: 'cuda', the allocator's, where any rank measured
+    it; else 'rss', the process's; None when neither was measured."""
+    if any(r.peak_allocated_bytes is not None for r in timings):
+        return "cuda", lambda r: r.peak_allocated_bytes
+    if any(r.peak_rss_bytes is not None for r in timings):
+        return "rss", lambda r: r.peak_rss_bytes
+    return None
+
+
+def stage_peaks(timings: list[RankTiming], stages: int) -> list[int]:
+    """Each stage's highest peak over its ranks in one step (by `peak_measure`), for the step's
+    line; [] when the step has no rank detail or a stage measured nothing.
+
+    >>> t = lambda rank, stage, rss: RankTiming(rank=rank, stage=stage, forward_seconds=0, backward_seconds=0, peak_rss_bytes=rss)
+    >>> stage_peaks([t(0, 0, 5), t(1, 1, 7), t(2, 1, 6)], 2), stage_peaks([], 2)
+    ([5, 7], [])
+    """
+    chosen = peak_measure(timings)
+    if chosen is None:
+        return []
+    peaks: dict[int, int] = {}
+    for timing in timings:
+        if (figure := chosen[1](timing)) is not None:
+            peaks[timing.stage] = max(peaks.get(timing.stage, 0), figure)
+    return [peaks[s] for s in range(stages)] if len(peaks) == stages else []
+
+
 def memory_summary(metrics: list[StepMetrics], predicted_bytes: list[int] | None = None) -> MemorySummary | None:
     """Each stage's highest measured peak (over its ranks and the steps of the last layout) against
     the plan's figure for that stage. None when no step recorded memory (files written before it).
@@ -402,12 +431,10 @@ def memory_summary(metrics: list[StepMetrics], predicted_bytes: list[int] | None
     layout = metrics[-1].layout
     lines = [m for m in metrics if m.layout == layout]
     timings = [r for m in lines for r in m.ranks]
-    if any(r.peak_allocated_bytes is not None for r in timings):
-        measure, value = "cuda", lambda r: r.peak_allocated_bytes
-    elif any(r.peak_rss_bytes is not None for r in timings):
-        measure, value = "rss", lambda r: r.peak_rss_bytes
-    else:
+    chosen = peak_measure(timings)
+    if chosen is None:
         return None
+    measure, value = chosen
     predicted = next((m.predicted_peak_memory_bytes for m in reversed(lines) if m.predicted_peak_memory_bytes), None)
     predicted = predicted or predicted_bytes or []
     measured: dict[int, int] = {}

@@ -55,7 +55,7 @@ from pipectl.runtime.failure import RankContext, failure_record, write_failure, 
 from pipectl.runtime.history import record_layout_change
 from pipectl.runtime.liveness import Heartbeat, job_collective_timeout_seconds, watch_supervisor
 from pipectl.runtime.monitor import StepMonitor
-from pipectl.runtime.metrics import MetricsWriter, RankMemory, node_name, rank_memory, reset_peak_memory
+from pipectl.runtime.metrics import MetricsWriter, RankMemory, node_name, rank_memory, reset_peak_memory, stage_peaks
 from pipectl.runtime.live import STAGED_DIR, JoinAbandoned
 from pipectl.schedule import generate
 from pipectl.schedule.ir import ActionKind, Schedule
@@ -820,21 +820,6 @@ def rank_detail_due(world_size: int, step: int) -> bool:
     return world_size <= RANK_DETAIL_EVERY_STEP_UP_TO or step == 1 or step % RANK_DETAIL_EVERY == 0
 
 
-def stage_peaks(gathered: list[Any], stages: int) -> list[int]:
-    """Each stage's highest peak over its ranks (allocated where measured, else RSS) from the
-    gathered rank tuples; [] when the step gathered none or a stage measured nothing.
-
-    >>> stage_peaks([(0, 0, 8, None, "h", 0, 0, None, None, None, None, 5), (1, 1, 8, None, "h", 0, 0, None, None, 7, 9, 6)], 2)
-    [5, 7]
-    """
-    peaks: dict[int, int] = {}
-    for _, stage, *_, allocated, _reserved, rss in gathered:
-        value = allocated if allocated is not None else rss
-        if value is not None:
-            peaks[stage] = max(peaks.get(stage, 0), value)
-    return [peaks[s] for s in range(stages)] if len(peaks) == stages else []
-
-
 def _write_metrics(writer, job: TrainingJob, engine, record: StepRecord) -> StepMetrics | None:
     """Gather every rank's heartbeat and memory (one collective), rank 0 appends the line (and
     returns it; other ranks return None)."""
@@ -865,6 +850,23 @@ def _write_metrics(writer, job: TrainingJob, engine, record: StepRecord) -> Step
         return None
     layout = job.layout
     samples_per_second = layout.global_batch / record.step_seconds if record.step_seconds > 0 else 0.0
+    ranks = [
+        RankTiming(
+            rank=r,
+            stage=s,
+            samples=samples,
+            device=device,
+            host=host,
+            forward_seconds=f,
+            backward_seconds=b,
+            p2p_seconds=p2p,
+            end_of_step_seconds=end,
+            peak_allocated_bytes=allocated,
+            peak_reserved_bytes=reserved,
+            peak_rss_bytes=rss,
+        )
+        for r, s, samples, device, host, f, b, p2p, end, allocated, reserved, rss in gathered
+    ]
     line = StepMetrics(
         step=record.step,
         loss=record.loss,
@@ -879,25 +881,9 @@ def _write_metrics(writer, job: TrainingJob, engine, record: StepRecord) -> Step
         world_size=layout.world_size,
         layout=layout.label(),
         time_unix=time.time(),
-        ranks=[
-            RankTiming(
-                rank=r,
-                stage=s,
-                samples=samples,
-                device=device,
-                host=host,
-                forward_seconds=f,
-                backward_seconds=b,
-                p2p_seconds=p2p,
-                end_of_step_seconds=end,
-                peak_allocated_bytes=allocated,
-                peak_reserved_bytes=reserved,
-                peak_rss_bytes=rss,
-            )
-            for r, s, samples, device, host, f, b, p2p, end, allocated, reserved, rss in gathered
-        ],
+        ranks=ranks,
         predicted_peak_memory_bytes=list(job.predicted_peak_memory_bytes),
-        stage_peak_memory_bytes=stage_peaks(gathered, layout.pipeline_parallel),
+        stage_peak_memory_bytes=stage_peaks(ranks, layout.pipeline_parallel),
     )
     writer.write(line)
     return line
