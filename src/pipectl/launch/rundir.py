@@ -44,7 +44,7 @@ from pipectl.artifacts.run import (
     StepMetrics,
 )
 from pipectl.launch.options import check_stored_options
-from pipectl.runtime.liveness import pid_alive, read_heartbeats, stopped_cleanly
+from pipectl.runtime.liveness import live_ranks, pid_alive, read_heartbeats, stopped_cleanly
 from pipectl.errors import UserInputError
 from pipectl.io import load_model, read_mapping, read_records, write_json_atomic
 from pipectl.launch.engines import LaunchCommand, launch_script
@@ -400,10 +400,7 @@ class RunStatus:
     def ranks_beating(self) -> bool:
         """Some rank of the run is alive and training (its heartbeat, rewritten every second, is
         recent and says running): on this host or another, under any engine."""
-        return any(
-            b.state is RankState.RUNNING and self.read_unix - b.beat_unix < FRESH_HEARTBEAT_SECONDS
-            for b in self.heartbeats.values()
-        )
+        return bool(live_ranks(self.heartbeats, self.read_unix, silent_after=FRESH_HEARTBEAT_SECONDS))
 
     @property
     def active(self) -> bool:
