@@ -29,7 +29,7 @@ from pathlib import Path
 from pipectl.artifacts.cluster import SlurmSpec
 from pipectl.artifacts.run import LOGS_DIR, REQUEUE_FILE, RequeueOutcome, RequeueRecord
 from pipectl.errors import PipectlError
-from pipectl.launch.rundir import read_requeues, run_status
+from pipectl.launch.rundir import run_status
 from pipectl.words import count
 
 
@@ -70,7 +70,7 @@ def decide(run_dir: str | os.PathLike[str], exit_code: int, limit: int, *, now: 
         ended = f"stopped after step {done} with checkpoint step {stopped[0]} (the time limit's signal or a pre-emption)"
     else:
         ended = f"failed (srun exit {exit_code}) after step {done}; newest checkpoint step {checkpoint}"
-    stalled = without_progress(read_requeues(run_dir), checkpoint)
+    stalled = without_progress(status.requeues, checkpoint)
     if limit == 0:
         reason = "requeue_limit is 0: the job does not requeue itself"
     elif stalled >= limit:
