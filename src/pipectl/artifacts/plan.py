@@ -77,6 +77,16 @@ class Engine(str, Enum):
     ANY = "any"
 
 
+class Framework(str, Enum):
+    """Another training framework a plan is made for (`plan --emit`, `pipectl export-plan`): the
+    search keeps to the layouts it can express (`pipectl.plan.frameworks`), and the chosen layout
+    is written as its arguments or config (`pipectl.emit`)."""
+
+    MEGATRON = "megatron"
+    TORCHTITAN = "torchtitan"
+    DEEPSPEED = "deepspeed"
+
+
 class Objective(str, Enum):
     TIME = "time"
     COST = "cost"
@@ -204,6 +214,13 @@ class PlanRequest(Strict):
         "1f1b, gpipe, interleaved, zb-h1; no recompute, t = 1, d = 1), or any (choose the best, runnable or not). "
         "torch adds zb-h1 to the default schedules (any prices it when listed).",
     )
+    framework: Framework | None = Field(
+        default=None,
+        # Left out of the file when unset: plans made for pipectl's own runtimes read and write as before.
+        exclude_if=lambda framework: framework is None,
+        description="Another framework the plan is for (plan --emit): megatron, torchtitan or deepspeed (a "
+        "PipelineModule script of one's own). The search keeps to the layouts it can express; engine any.",
+    )
     top: int = Field(default=10, gt=0, description="Candidates kept in the ranking (without include_all).")
     morph: bool = Field(default=True, description="Compute the morph table.")
     morph_counts: list[Annotated[int, Field(gt=0)]] = Field(
@@ -225,6 +242,9 @@ class PlanRequest(Strict):
     def _recompute_consistent(self) -> "PlanRequest":
         if not self.allow_recompute and self.recompute not in (RecomputeChoice.AUTO, RecomputeChoice.NEVER):
             raise ValueError(f"allow_recompute is false but recompute is {self.recompute.value!r}")
+        if self.framework is not None and self.engine is not Engine.ANY:
+            # The framework runs the plan, not pipectl's runtimes: what they can run does not bind.
+            raise ValueError(f"framework {self.framework.value} plans with engine any, not {self.engine.value}")
         return self
 
     @property

@@ -10,7 +10,7 @@ from __future__ import annotations
 import typer
 
 from pipectl import __version__
-from pipectl.cli import calibrate, export, launch, plan, profile, resize, simulate, status
+from pipectl.cli import calibrate, export, export_plan, launch, plan, profile, resize, simulate, status
 from pipectl.cli.groups import HELP_OPTIONS, ErrorReportingGroup
 
 app = typer.Typer(
@@ -28,6 +28,7 @@ launch.register(app)
 status.register(app)
 resize.register(app)
 export.register(app)
+export_plan.register(app)
 calibrate.register(app)
 
 

@@ -16,13 +16,15 @@ import typer
 from pipectl.artifacts.base import INT64_MAX
 from pipectl.artifacts.plan import Engine, Objective, PlanRequest, RecomputeChoice
 from pipectl.artifacts.profile import ModelProfile
-from pipectl.cli.context import JsonFlag, OutputPath, console, from_options, print_json, refuse_overwriting
+from pipectl.cli.context import JsonFlag, console, from_options, print_json, refuse_overwriting
 from pipectl.cli.options import ConfigOption, file_layers, passed_flags, with_options
 from pipectl.cluster import load_cluster, local_cluster
 from pipectl.config import layered
+from pipectl.emit import emitted_files, write_files
 from pipectl.errors import UserInputError
-from pipectl.io import load_model
+from pipectl.io import check_output_file, load_model
 from pipectl.paths import given_file
+from pipectl.plan.frameworks import framework_request
 from pipectl.plan.options import PlanOptions
 from pipectl.plan.search import plan
 from pipectl.planfile import check_kind_profiles, write_plan
@@ -135,7 +137,9 @@ def parse_amount(text: str | None, name: str) -> int | None:
 @with_options(PlanOptions, after="config")
 def plan_command(
     ctx: typer.Context,
-    output: OutputPath = Path("plan.json"),
+    output: Annotated[Path, typer.Option(
+        "--output", "-o", help="Where to write plan.json; with --emit a folder for it and the framework's files.",
+    )] = Path("plan.json"),
     config: ConfigOption = None,
     no_recompute: Annotated[bool, typer.Option("--no-recompute", help="Never recompute activations (--recompute never).")] = False,
     any_engine: Annotated[bool, typer.Option("--any-engine", help="Same as --engine any: also choose schedules DeepSpeed cannot run and ZeRO stages pipectl's runtime does not train with.")] = False,
@@ -143,6 +147,9 @@ def plan_command(
 ) -> None:
     """Search t, p, d, b, v, schedule, recomputation and ZeRO stage; write plan.json."""
     options = layered(PlanOptions, [*file_layers(PlanOptions, config), passed_flags(ctx, PlanOptions)])
+    if options.emit is not None and output.suffix != ".json":
+        output = output / "plan.json"  # -o DIR: plan.json and the framework's files in it
+    check_output_file(output)
     profile = [Path(path) for path in options.profile]
     refuse_overwriting(output, {**{f"--profile {path}": path for path in profile}, "--cluster file": options.cluster})
     profiles = [load_model(ModelProfile, path) for path in profile]
@@ -155,6 +162,15 @@ def plan_command(
     except ValueError:
         raise UserInputError(f"--zero-stages '{options.zero_stages}' is not a comma list of numbers") from None
     engine = options.engine
+    if options.emit is not None and (any_engine or engine not in (None, Engine.ANY)):
+        raise UserInputError(
+            f"--emit {options.emit.value} plans for that framework, not for an engine of pipectl's "
+            f"(--{'any-engine' if any_engine else 'engine ' + engine.value})",
+            hint="give one of them",
+        )
+    if options.emit_devices is not None and options.emit is None:
+        raise UserInputError("--emit-devices names layouts to write for --emit, which is not given")
+    emit_counts, _ = parse_morph_counts(options.emit_devices) if options.emit_devices else ([], False)
     if any_engine and engine not in (None, Engine.ANY):
         raise UserInputError(f"--any-engine and --engine {engine.value} disagree", hint="give one of them")
     engine = Engine.ANY if any_engine else (engine or Engine.DEEPSPEED)
@@ -187,24 +203,36 @@ def plan_command(
         morph_every_count=morph_every_count,
         workers=options.workers,
     )
+    if options.emit is not None:
+        request = framework_request(request, options.emit, zero_stages_given="zero_stages" in options.model_fields_set)
+        if not request.morph and emit_counts:
+            raise UserInputError("--emit-devices writes rows of the morph table, which --no-morph skips")
     made = plan(profiles[0], cluster_spec, request, kind_profiles=profiles[1:])
     cluster_path = given_file(options.cluster)  # a YAML by path: recorded absolute (`Plan.cluster_file`)
+    if options.emit is not None:
+        output.parent.mkdir(parents=True, exist_ok=True)
     result = write_plan(
         output,
         made.model_copy(update={"cluster_file": None if cluster_path is None else str(cluster_path)}),
         profile_file=profile[0],
         kind_profile_files=profile[1:],
     )
+    written: list[Path] = []
+    if options.emit is not None:
+        files = emitted_files(result, output, options.emit, devices=emit_counts, profile=profiles[0])
+        written = write_files(output.parent, files)
     if as_json:
         # The artifact, plus what plan.json does not keep: the chosen candidate's predicted MFU/HFU.
         payload = result.model_dump(mode="json")
         payload["flops"] = plan_utilisations(result, profiles[0], [result.chosen])[0].to_dict()
+        if written:
+            payload["emitted"] = [str(path) for path in written]
         print_json(payload)
         return
     console.print(
         plan_view(result, top=options.top, profile=profiles[0], every_candidate=options.include_all, full_morph=options.full_morph)
     )
-    console.print(f"wrote {output}", style="dim")
+    console.print(f"wrote {', '.join(map(str, [output, *written]))}", style="dim")
 
 
 def register(app: typer.Typer) -> None:

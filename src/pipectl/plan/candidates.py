@@ -40,6 +40,7 @@ from pipectl.plan.costs import (
     ranks_share_node,
     replicas_share_node,
 )
+from pipectl.plan.frameworks import joined_cuts
 from pipectl.plan.fast.bounds import chain_bound_seconds, two_bw_bound_seconds, zero_bubble_bound_seconds
 from pipectl.plan.layer_table import LayerTable, layer_table
 from pipectl.plan.memory import (
@@ -291,6 +292,8 @@ class SearchSpace:
     uneven_replicas: bool = True  # replicas may run ⌈B/(d*b)⌉ or ⌊B/(d*b)⌋ micro-batches
     # Degrees spanning nodes the search would try but the profile has no shard costs for (rejected, counted).
     unprofiled_tensor_parallel: tuple[int, ...] = ()
+    # Layers that share a stage with the next one (`plan.frameworks.kept_together`: Megatron's final norm).
+    kept_together: tuple[int, ...] = ()
 
 
 def divisors(n: int) -> list[int]:
@@ -301,10 +304,14 @@ def divisors(n: int) -> list[int]:
 class ShapeBuilder:
     """Builds (and caches) shapes: partitions per (t, b, recompute, stage count)."""
 
-    def __init__(self, profile: ModelProfile, hardware: Hardware) -> None:
+    def __init__(self, profile: ModelProfile, hardware: Hardware, *, kept_together: tuple[int, ...] = ()) -> None:
         self.profile = profile
         self.hardware = hardware
         self.layers = len(profile.layers)
+        # Layers no cut separates from the next (a framework's rule, `plan.frameworks.joined_cuts`):
+        # every cut is moved to keep them together, so fewer stages fit.
+        self.kept_together = kept_together
+        self.cuttable_layers = self.layers - len(kept_together)
         self._bottlenecks: dict[tuple[int, int, bool], dict[int, float]] = {}
         self._shapes: dict[tuple[int, int, bool, int, int], Shape] = {}
         self._seconds: dict[tuple[int, int], LayerSeconds] = {}
@@ -450,6 +457,11 @@ class ShapeBuilder:
         v_placement: bool = False,
     ) -> Shape:
         recompute = Recompute(recompute)
+        if self.kept_together:
+            joined = joined_cuts(tuple(cuts), self.kept_together)
+            if joined is None:  # pragma: no cover - the enumeration keeps p * v within cuttable_layers
+                raise RuntimeError(f"no {len(cuts)}-stage cut keeps layers {self.kept_together} with the next")
+            cuts = joined
         seconds = self.seconds(b, t)
         table = layer_table(self.profile, b, t)
         # `LayerSeconds.stage_forward/backward` and `LinkCost.seconds` over every stage at once:

@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from pipectl.artifacts.plan import Candidate, Engine, Recompute, ReplicaShare, replica_shares, runtime_runs_zero
+from pipectl.artifacts.plan import Candidate, Engine, Framework, Recompute, ReplicaShare, replica_shares, runtime_runs_zero
 from pipectl.plan.candidates import Spec
 from pipectl.plan.costs import Hardware, host_compute_slowdown, ranks_share_node
 from pipectl.plan.fast import bounds, varuna_flags, waves
@@ -129,10 +129,13 @@ class Evaluator:
     """
 
     def __init__(self, hardware: Hardware, global_batch: int, *, reference: bool | None = None,
-                 engine: Engine = Engine.DEEPSPEED) -> None:
+                 engine: Engine = Engine.DEEPSPEED, framework: Framework | None = None) -> None:
         self.hardware = hardware
         self.global_batch = global_batch
         self.engine = engine  # the request's: which engine each candidate is recorded as run by
+        # Another framework the plan is for (`plan --emit`): its candidates carry no notes about
+        # what pipectl's runtimes can run, which is not where they will run.
+        self.framework = framework
         self.reference = reference_mode() if reference is None else reference
         self._steps: dict[tuple, float] = {}
         self._summaries: dict[tuple, StepSummary] = {}
@@ -244,12 +247,15 @@ class Evaluator:
         if features is not None and not features.runnable_by_pipectl:
             engine = None  # priced with another engine's features: for comparison only
             notes.append(engine_features_note(features))
+        elif self.framework is not None:
+            pass
         elif engine is Engine.TORCH:
             notes.append(TORCH_NOTE)
         elif not deepspeed_runnable(spec.variant.kind, spec.variant.chunks):
             notes.append(NOT_DEEPSPEED_NOTE)
-        if not runtime_runs_zero(spec.zero_stage, shape.pipeline_parallel, shape.tensor_parallel,
-                                 checkpoint_layers=spec.checkpoint_layers):
+        if self.framework is None and not runtime_runs_zero(
+            spec.zero_stage, shape.pipeline_parallel, shape.tensor_parallel, checkpoint_layers=spec.checkpoint_layers
+        ):
             notes.append(zero_stage_note(spec.zero_stage, checkpoint_layers=spec.checkpoint_layers))
         replicas = replica_shares(self.global_batch, spec.data_parallel, shape.micro_batch_size, self.hardware.kind)
         if replicas:

@@ -102,7 +102,8 @@ def plan_heterogeneous(
         raise InfeasibleError("nothing fits on any device kind: " + "; ".join(failures))
     key = _objective_key(request.objective)
     best_plan, best_hardware = min(homogeneous, key=lambda item: key(item[0].chosen))
-    split = _best_split(profile, cluster, best_plan, request, kind_profiles, key)
+    # A framework runs one layout on every device (`plan.frameworks`): no split over the kinds.
+    split = None if request.framework else _best_split(profile, cluster, best_plan, request, kind_profiles, key)
     notes = [*best_plan.notes, _profile_note(cluster, profile, kind_profiles)]
     chosen = best_plan.chosen
     candidates = list(best_plan.candidates)
@@ -123,6 +124,8 @@ def plan_heterogeneous(
                 f"(${split.cost_per_million_samples:.2f} per 1M samples)"
                 + ("" if split.deepspeed_runnable else f", a schedule DeepSpeed's engine cannot run ({split.schedule.value})")
             )
+        elif request.framework is not None:
+            notes.append(f"no uneven split over the device kinds: {request.framework.value} runs one layout on every device")
         elif request.target_engine is Engine.TORCH:
             notes.append("no uneven split over the device kinds: its replicas are data parallelism, which "
                          "PyTorch's pipelining runtime does not have")

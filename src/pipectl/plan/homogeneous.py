@@ -27,6 +27,7 @@ from pipectl.errors import InfeasibleError, UserInputError
 from pipectl.plan.candidates import Rejection, Rejections, Spec
 from pipectl.plan.costs import Hardware, tensor_parallel_placeable
 from pipectl.plan.evaluate import Evaluator
+from pipectl.plan.frameworks import check_framework_request
 from pipectl.plan.morph import morph_table
 from pipectl.plan.space import enumerate_specs, search_space, tensor_parallel_possible
 from pipectl.plan.workers import available_workers
@@ -122,6 +123,7 @@ def check_request(request: PlanRequest, profile: ModelProfile, hardware: Hardwar
             hint="DeepSpeed's pipeline engine refuses ZeRO-2 and ZeRO-3: they are planned at p = 1 only; "
             "add ZeRO stage 0 or 1",
         )
+    check_framework_request(request, profile)
     bad_chunks = [v for v in request.chunks if v < 2]
     if bad_chunks:
         raise UserInputError(f"interleaved chunks v must be >= 2, got {bad_chunks[0]}")
@@ -304,7 +306,7 @@ def plan_homogeneous(
     )
     phases["enumerate"], clock = time.perf_counter() - clock, time.perf_counter()
     engine = request.target_engine
-    evaluator = Evaluator(hardware, request.global_batch, engine=engine)
+    evaluator = Evaluator(hardware, request.global_batch, engine=engine, framework=request.framework)
     goal = goal_for(request, profile, hardware)
     pool = [spec for spec in enumeration.specs if spec.devices <= devices]
     plan_notes = list(notes or [])

@@ -14,7 +14,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from pipectl.artifacts.plan import Engine, Objective
+from pipectl.artifacts.plan import Engine, Framework, Objective
 from pipectl.config import Opt
 from pipectl.schedule import ScheduleKind
 
@@ -105,6 +105,17 @@ class PlanOptions(BaseModel):
         "1f1b, gpipe, interleaved, zb-h1 without recompute, t = 1, d = 1, fp32; pipectl launch runs it too, same "
         "checkpoints, data and metrics), or any (choose the best, runnable or not). torch also searches zb-h1 (any: "
         "when listed in --schedules).",
+    )
+    emit: Annotated[Framework | None, Opt("plan")] = Field(
+        default=None,
+        description="Plan for another framework and write its settings beside plan.json (-o DIR: into DIR): megatron "
+        "(megatron-args.sh), torchtitan (torchtitan.toml) or deepspeed (ds_config.json, ds_pipeline.py). The search "
+        "keeps to the layouts that framework can run.",
+    )
+    emit_devices: Annotated[str | None, Opt("plan")] = Field(
+        default=None,
+        description="With --emit: also write the morph table's layouts for these device counts (12,64-66), each "
+        "into devices-N/.",
     )
     morph: Annotated[bool, Opt("plan")] = Field(default=True, description="Compute the morph table (--no-morph: skip it).")
     morph_counts: Annotated[str | None, Opt("plan")] = Field(

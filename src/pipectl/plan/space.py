@@ -57,6 +57,7 @@ from pipectl.plan.candidates import (
     transient_bytes,
 )
 from pipectl.plan.costs import TRANSFORMER_BLOCK, Hardware
+from pipectl.plan.frameworks import kept_together, recompute_offered, space_of
 from pipectl.plan.layer_table import layer_table, offered_granularities
 from pipectl.plan.memory import format_gib, in_flight_units, state_dtype
 from pipectl.plan.partition import balanced_partition
@@ -131,6 +132,8 @@ def search_space(request: PlanRequest, profile: ModelProfile, hardware: Hardware
     bs = (request.micro_batch_size,) if request.micro_batch_size else tuple(profile.micro_batch_sizes)
     defaults = DEFAULT_SCHEDULES + DEEPSPEED_FREE_SCHEDULES if request.target_engine is Engine.TORCH else DEFAULT_SCHEDULES
     kinds = [request.schedule] if request.schedule else list(request.schedules or defaults)
+    if request.framework is not None:  # only what that framework runs (`plan.frameworks`)
+        kinds = [kind for kind in kinds if kind in space_of(request.framework).schedules]
     variants: list[ScheduleVariant] = []
     for kind in kinds:
         if kind is ScheduleKind.INTERLEAVED:
@@ -143,13 +146,17 @@ def search_space(request: PlanRequest, profile: ModelProfile, hardware: Hardware
         global_batch=request.global_batch,
         tensor_parallel=ts,
         micro_batch_sizes=bs,
-        recompute=offered_granularities(request.recompute_granularities, profile),
+        recompute=offered_granularities(recompute_offered(request.framework, request.recompute_granularities), profile),
         variants=tuple(variants),
-        zero_stages=tuple(sorted(set(request.zero_stages))),
+        zero_stages=tuple(sorted(
+            zero for zero in set(request.zero_stages)
+            if request.framework is None or zero in space_of(request.framework).zero_stages
+        )),
         pipeline_parallel=request.pipeline_parallel,
         data_parallel=request.data_parallel,
         uneven_replicas=request.uneven_replicas,
         unprofiled_tensor_parallel=unprofiled,
+        kept_together=kept_together(request.framework, profile),
     )
 
 
@@ -180,7 +187,7 @@ def enumerate_specs(
             Rejection.TENSOR_PARALLEL_NOT_PROFILED,
             f"t={t}: the profile has shard costs for t = {', '.join(map(str, profile.shard_degrees()))} only",
         )
-    builder = ShapeBuilder(profile, hardware)
+    builder = ShapeBuilder(profile, hardware, kept_together=space.kept_together)
     context = _UnitContext(profile, hardware, space, max_devices)
     weights = [context.estimated_families(t) for t, _ in units]
     if sum(weights) < PARALLEL_MIN_FAMILIES:
@@ -371,8 +378,10 @@ class _UnitContext:
         B = space.global_batch
         v = variant.chunks
         kind = variant.kind
-        if p * v > builder.layers:
-            rejections.add(Rejection.TOO_FEW_LAYERS, f"p={p} x v={v} stages > {count(builder.layers, 'layer')}", len(ds))
+        if p * v > builder.cuttable_layers:
+            rejections.add(
+                Rejection.TOO_FEW_LAYERS, f"p={p} x v={v} stages > {count(builder.cuttable_layers, 'layer')}", len(ds)
+            )
             return
         # Largest d first: the least memory per device (smaller m, more ZeRO sharding), so a demand
         # that does not fit rules out every stricter one without partitioning again.

@@ -137,9 +137,11 @@ def candidates_table(
     chosen: Candidate | None = None,
     title: str = "",
     mfu: Sequence[float | None] = (),
+    mark_unrunnable: bool = True,
 ) -> Group:
     """One row per candidate: degrees, b, m, schedule (+R: recompute whole stages, +ckpt: checkpoint
-    every layer, +sel: recompute attention cores), ZeRO, predicted figures, cost.
+    every layer, +sel: recompute attention cores; * where DeepSpeed's engine cannot run it, unless
+    `mark_unrunnable` is off: a plan for another framework), ZeRO, predicted figures, cost.
 
     `mfu`: each candidate's predicted model FLOPs utilisation (`plan.flops`), in order. Columns that
     say nothing for these candidates (ZeRO when all share one stage, TFLOP/s without FLOP counts, MFU
@@ -152,9 +154,9 @@ def candidates_table(
         ("t·p·d", "left", lambda c: f"{c.tensor_parallel}·{c.pipeline_parallel}·{c.data_parallel}"),
         ("b×m", "left", _batch_label),
         ("schedule", "left", lambda c: _schedule_label(c) + _recompute_mark(c)
-         + ("" if c.deepspeed_runnable else "*") + _steady(c)),
+         + ("" if c.deepspeed_runnable or not mark_unrunnable else "*") + _steady(c)),
     ]
-    if any(c.engine is not None and c.engine is not Engine.DEEPSPEED for c in candidates):
+    if mark_unrunnable and any(c.engine is not None and c.engine is not Engine.DEEPSPEED for c in candidates):
         # a plan not for DeepSpeed (--engine torch or any): what would run each, '–' for neither
         columns.append(("engine", "left", lambda c: c.engine.value if c.engine is not None else "–"))
     if len(zero_stages) > 1:
@@ -298,8 +300,10 @@ def plan_view(
     the candidates no engine runs are counted in a line, or, with `every_candidate`, listed apart
     (at most `top`); notes; the morph table in ranges, or whole with `full_morph`."""
     c = plan.chosen
-    runnable = [cand for cand in plan.candidates if cand.engine is not None and cand != c]
-    others = [cand for cand in plan.candidates if cand.engine is None and cand != c]
+    framework = plan.request.framework  # plan --emit: every candidate is one that framework runs
+    runnable = [cand for cand in plan.candidates if (framework or cand.engine is not None) and cand != c]
+    others = [cand for cand in plan.candidates if not framework and cand.engine is None and cand != c]
+    runs = f"{framework.value} can run" if framework else "can run"
     # The top, and the best ZeRO-2/3 candidates the planner keeps after it (`--zero-stages 1,2,3`):
     # their rows say what those stages would give even where they are not among the fastest.
     shown = [c, *runnable[:top], *[cand for cand in runnable[top:] if cand.zero_stage >= 2]]
@@ -318,8 +322,8 @@ def plan_view(
         parts.append(Text(utilisation_line(utilisations[0])))
     mfus = [u.mfu for u in utilisations[1:]]
     parts.append(candidates_table(
-        shown, chosen=c, mfu=mfus[: len(shown)],
-        title=f"the chosen plan and {count(len(shown) - 1, 'alternative')} that can run ({plan.model} on "
+        shown, chosen=c, mfu=mfus[: len(shown)], mark_unrunnable=framework is None,
+        title=f"the chosen plan and {count(len(shown) - 1, 'alternative')} that {runs} ({plan.model} on "
               f"{plan.cluster}, global batch {plan.global_batch}, objective {plan.objective.value})",
     ))  # fmt: skip
     if apart:
@@ -333,7 +337,7 @@ def plan_view(
             f"{count(len(others), 'other candidate')} ({faster} faster) no engine pipectl launches can run: "
             "left out (--all lists them)", style="dim",
         ))
-    flagged = [cand for cand in [*shown, *apart] if not cand.deepspeed_runnable]
+    flagged = [cand for cand in [*shown, *apart] if not cand.deepspeed_runnable and not framework]
     if any(not deepspeed_runnable(cand.schedule, cand.chunks) for cand in flagged):
         torch_runs = any(cand.engine is Engine.TORCH for cand in flagged)
         parts.append(Text(
@@ -375,7 +379,7 @@ def plan_view(
             replicas.add_row(str(first) if first == last else f"{first}-{last}", r.device, str(r.micro_batch_size),
                              str(r.micro_batches), str(r.samples), f"{r.gradient_weight:.4g}")
         parts.append(replicas)
-    checkpoint = checkpoint_line(plan)
+    checkpoint = None if framework else checkpoint_line(plan)  # pipectl's own checkpoints
     if checkpoint is not None:
         parts.append(Text(checkpoint, style="dim"))
     parts.append(rejections_view(plan))

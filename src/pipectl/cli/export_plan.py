@@ -1,0 +1,83 @@
+"""`pipectl export-plan plan.json --to megatron|torchtitan|deepspeed -o DIR`: an existing plan as
+another framework's settings (`pipectl.emit`).
+
+A layout the framework cannot run is refused naming the feature, with the nearest layout it can:
+the plan's request re-planned within the framework's layouts (`plan --emit` writes that one).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from pipectl.artifacts.layout import layout_label
+from pipectl.artifacts.plan import Framework, Plan
+from pipectl.cli.context import JsonFlag, console, print_json
+from pipectl.cli.plan import parse_morph_counts
+from pipectl.cluster import plan_cluster_spec
+from pipectl.emit import emitted_files, write_files
+from pipectl.emit.common import GIB
+from pipectl.errors import PipectlError, UserInputError
+from pipectl.io import load_model
+from pipectl.plan.frameworks import framework_request, not_expressible, space_of
+from pipectl.plan.search import plan as make_plan
+from pipectl.planfile import load_kind_profiles, load_plan_profile
+
+
+def export_plan_command(
+    plan_file: Annotated[Path, typer.Argument(help="plan.json from `pipectl plan`.")],
+    to: Annotated[Framework, typer.Option("--to", help="megatron, torchtitan or deepspeed.")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="The folder to write the files into.")] = Path("."),
+    devices: Annotated[
+        str | None, typer.Option("--devices", help="Also the morph table's layouts for these counts (12,64-66), into devices-N/.")
+    ] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Write a plan's layout as Megatron-LM arguments, a torchtitan config or a DeepSpeed config and partition."""
+    plan = load_model(Plan, plan_file)
+    counts, _ = parse_morph_counts(devices) if devices else ([], False)
+    profile = load_plan_profile(plan_file, plan)
+    layouts = [(plan.request.devices, plan.chosen)] + [
+        (count, entry.candidate) for count in counts if (entry := plan.for_devices(count)) and entry.candidate
+    ]
+    for count, candidate in layouts:
+        why = not_expressible(candidate, to, profile)
+        if why is not None:
+            where = "the plan's chosen layout" if candidate is plan.chosen else f"the plan's layout for {count} devices"
+            raise UserInputError(
+                f"{space_of(to).title} cannot run {why} ({where}, {layout_label(candidate)})",
+                hint=_nearest(plan, plan_file, to, count),
+            )
+    if output.exists() and not output.is_dir():
+        raise UserInputError(f"-o {output} is a file; give the folder to write into")
+    written = write_files(output, emitted_files(plan, plan_file, to, devices=counts, profile=profile))
+    if as_json:
+        print_json({"framework": to.value, "written": [str(path) for path in written]})
+        return
+    for path in written:
+        console.print(f"wrote {path}")
+
+
+def _nearest(plan: Plan, plan_file: Path, framework: Framework, devices: int | None) -> str:
+    """The plan's request re-planned within the framework's layouts at `devices`, in words."""
+    request = framework_request(plan.request.model_copy(update={"devices": devices, "morph": False}), framework,
+                                zero_stages_given=False)
+    try:
+        profile = load_plan_profile(plan_file, plan)
+        nearest = make_plan(profile, plan_cluster_spec(plan), request, kind_profiles=load_kind_profiles(plan_file, plan))
+    except PipectlError as exc:
+        return f"nothing {space_of(framework).title} runs fits either ({exc.message})"
+    c = nearest.chosen
+    chunks = f" v{c.chunks}" if c.chunks > 1 else ""
+    return (
+        f"nearest it runs: {layout_label(c)}{chunks} ZeRO-{c.zero_stage}, {c.predicted_step_seconds:.4g} s/step against "
+        f"{plan.chosen.predicted_step_seconds:.4g}, peak {max(c.peak_memory_bytes) / GIB:.1f} GiB; write it with "
+        f"`pipectl plan ... --emit {framework.value}`"
+    )
+
+
+def register(app: typer.Typer) -> None:
+    """Add `pipectl export-plan` to the root app."""
+    app.command("export-plan")(export_plan_command)

@@ -1,0 +1,106 @@
+"""A plan as another framework's settings (`plan --emit`, `pipectl export-plan`).
+
+    emitted_files(plan, plan_file, Framework.MEGATRON, devices=[...]) -> {relative path: text}
+
+The chosen layout goes to the folder's top; each morph-table entry asked for to `devices-N/`.
+A layout the framework cannot run is refused naming the feature (`plan.frameworks.not_expressible`):
+a plan made with `--emit` keeps to the framework's layouts throughout, its morph table included.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from pipectl.artifacts.model import ModelConfig
+from pipectl.artifacts.plan import Candidate, Framework, Plan
+from pipectl.artifacts.profile import ModelProfile
+from pipectl.cluster import plan_cluster_spec
+from pipectl.emit.common import Origin, Target
+from pipectl.emit.deepspeed import deepspeed_files
+from pipectl.emit.megatron import megatron_files
+from pipectl.emit.torchtitan import torchtitan_files
+from pipectl.errors import UserInputError
+from pipectl.io import load_model
+from pipectl.paths import resolve_config
+from pipectl.planfile import load_plan_profile
+
+EMITTERS: dict[Framework, Callable[[Target], dict[str, str]]] = {
+    Framework.MEGATRON: megatron_files,
+    Framework.TORCHTITAN: torchtitan_files,
+    Framework.DEEPSPEED: deepspeed_files,
+}
+
+
+def model_config_of(plan: Plan) -> ModelConfig | None:
+    """The model's config where its reference is a shipped name or a YAML (not a factory or hf:)."""
+    reference = plan.model_reference or plan.model
+    if ":" in reference:
+        return None
+    try:
+        return load_model(ModelConfig, resolve_config(reference, "models"))
+    except UserInputError:
+        return None
+
+
+def emitted_files(
+    plan: Plan, plan_file: str | Path, framework: Framework, *, devices: Sequence[int] = (),
+    profile: ModelProfile | None = None,
+) -> dict[str, str]:
+    """{path relative to the output folder: text} for the chosen layout and each count in `devices`."""
+    plan_path = Path(plan_file)
+    profile = profile or load_plan_profile(plan_path, plan)
+    origin = Origin(
+        plan_file=str(plan_file),
+        plan_sha256=hashlib.sha256(plan_path.read_bytes()).hexdigest(),
+        profile=plan.profile.file if plan.profile else profile.model,
+        devices_per_node=_devices_per_node(plan),
+    )
+    model = model_config_of(plan)
+
+    def files_of(candidate: Candidate) -> dict[str, str]:
+        return EMITTERS[framework](Target(plan, candidate, profile, model, origin))
+
+    files = files_of(plan.chosen)
+    for count in devices:
+        entry = plan.for_devices(count)
+        if entry is None:
+            counts = [e.devices for e in plan.morph_table]
+            raise UserInputError(
+                f"the plan's morph table has no entry for {count} devices",
+                hint=f"it covers {_ranges(counts)}" if counts else "the plan has no morph table (re-plan without --no-morph)",
+            )
+        if entry.candidate is None:
+            raise UserInputError(f"nothing fits on {count} devices: {entry.note}")
+        files.update({f"devices-{count}/{name}": text for name, text in files_of(entry.candidate).items()})
+    return files
+
+
+def _devices_per_node(plan: Plan) -> int:
+    cluster = plan_cluster_spec(plan)
+    return max(node.devices_per_node for node in cluster.node_types)
+
+
+def _ranges(counts: Sequence[int]) -> str:
+    """[1, 2, 3, 8, 16] -> '1-3, 8, 16'."""
+    out, start = [], None
+    ordered = sorted(counts)
+    for i, value in enumerate(ordered):
+        if start is None:
+            start = value
+        if i + 1 == len(ordered) or ordered[i + 1] != value + 1:
+            out.append(str(start) if start == value else f"{start}-{value}")
+            start = None
+    return ", ".join(out)
+
+
+def write_files(folder: Path, files: dict[str, str]) -> list[Path]:
+    """Write each file under `folder` (made as needed); the paths written, in order."""
+    written = []
+    for name, text in files.items():
+        path = folder / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        written.append(path)
+    return written
