@@ -13,7 +13,7 @@ from typing import Annotated
 import typer
 
 from pipectl.artifacts.layout import layout_label
-from pipectl.artifacts.plan import Framework, Plan
+from pipectl.artifacts.plan import Framework, Plan, RecomputeChoice
 from pipectl.cli.context import JsonFlag, console, print_json
 from pipectl.cli.plan import parse_morph_counts
 from pipectl.cluster import plan_cluster_spec
@@ -62,8 +62,17 @@ def export_plan_command(
 
 def _nearest(plan: Plan, plan_file: Path, framework: Framework, devices: int | None) -> str:
     """The plan's request re-planned within the framework's layouts at `devices`, in words."""
-    request = framework_request(plan.request.model_copy(update={"devices": devices, "morph": False}), framework,
-                                zero_stages_given=False)
+    space = space_of(framework)
+    asked = plan.request
+    request = framework_request(asked.model_copy(update={
+        "devices": devices,
+        "morph": False,
+        # What the plan pinned or listed that the framework lacks is let go: the nearest layout it runs.
+        "schedule": asked.schedule if asked.schedule in space.schedules else None,
+        "schedules": [kind for kind in asked.schedules or [] if kind in space.schedules] or None,
+        "recompute": RecomputeChoice.AUTO,
+        "allow_recompute": True,
+    }), framework, zero_stages_given=False)
     try:
         profile = load_plan_profile(plan_file, plan)
         nearest = make_plan(profile, plan_cluster_spec(plan), request, kind_profiles=load_kind_profiles(plan_file, plan))

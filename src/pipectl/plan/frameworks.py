@@ -140,9 +140,10 @@ def check_framework_request(request: PlanRequest, profile: ModelProfile) -> None
             + (" (DDP replicates; FSDP shards everything, at one pipeline stage in pipectl's pricing)"
                if framework_has_no_zero_one(space) else ""),
         )
-    offered = [granularity for granularity in request.recompute_granularities if granularity in space.recompute]
-    if not offered:
-        asked = ", ".join(_RECOMPUTE_WORDS.get(g, g.label) for g in request.recompute_granularities)
+    # Asked for some recomputation (not only none): the framework has at least one of those kinds.
+    kinds = [g for g in request.recompute_granularities if g is not Recompute.NONE]
+    if kinds and not any(granularity in space.recompute for granularity in kinds):
+        asked = ", ".join(_RECOMPUTE_WORDS.get(g, g.label) for g in kinds)
         raise UserInputError(
             f"{space.title} has none of the recomputation asked for ({asked}) (--recompute {request.recompute.value})",
             hint=f"its recomputation: {', '.join(g.label for g in space.recompute)}",

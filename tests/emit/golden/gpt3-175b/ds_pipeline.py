@@ -1,0 +1,51 @@
+# pipectl 0.1.0: DeepSpeed's PipelineModule settings for plan gpt3-175b-deepspeed/plan.json (sha256 170c91ea5a6e), profile profile-7dc5d1784b99.json
+# model gpt3-175b, global batch 1536, cluster a100-384x8
+# layout t8p6d64 1f1b b1 m24 ZeRO-1 on 3072 x a100-80gb (384 nodes of 8): predicted 8.203 s/step, peak 45.2 GiB per device
+#
+# What this framework does that pipectl's prediction did not price (how far the step time holds here):
+# - the prediction is for DeepSpeed's own pipeline engine (pipectl's runtime runs the same); your layers must be those of the profile, in its order, for the cut and the times to hold
+# - tensor parallelism t = 8: priced as pipectl's split blocks; your layers must split themselves over the topology's model axis
+
+"""The plan's stage boundaries and rank layout for a DeepSpeed PipelineModule.
+
+    from ds_pipeline import planned_pipeline_module
+    model = planned_pipeline_module(layer_specs, loss_fn=loss_fn)   # your LayerSpec list, in the order below
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config="ds_config.json")
+"""
+
+from deepspeed.pipe import PipelineModule
+from deepspeed.runtime.pipe.topology import ProcessTopology
+
+# Stage s holds layers [PARTS[s], PARTS[s + 1]) of the layer list the plan cut:
+#   stage 0: layers 0-16 (embed .. block.15)
+#   stage 1: layers 17-33 (block.16 .. block.32)
+#   stage 2: layers 34-50 (block.33 .. block.49)
+#   stage 3: layers 51-67 (block.50 .. block.66)
+#   stage 4: layers 68-84 (block.67 .. block.83)
+#   stage 5: layers 85-98 (block.84 .. head)
+PARTS = [0, 17, 34, 51, 68, 85, 99]
+PIPELINE_PARALLEL, TENSOR_PARALLEL, DATA_PARALLEL = 6, 8, 64
+ACTIVATION_CHECKPOINT_INTERVAL = 0  # 1: every layer recomputes its forward in the backward
+
+
+class PlannedPipelineModule(PipelineModule):
+    """A PipelineModule cut at PARTS (DeepSpeed calls _partition_layers from its __init__)."""
+
+    def _partition_layers(self, method="uniform"):
+        if len(self._layer_specs) != PARTS[-1]:
+            raise ValueError(f"the plan cut {PARTS[-1]} layers; this PipelineModule has {len(self._layer_specs)}")
+        self.parts = list(PARTS)
+        stage = self._topo.get_coord(self.global_rank).pipe
+        self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
+
+
+def planned_topology():
+    """Ranks as the plan priced them: rank = (replica x p + stage) x t + tensor rank."""
+    if TENSOR_PARALLEL > 1:  # your layers split themselves over the "model" axis (Megatron-style)
+        return ProcessTopology(axes=["data", "pipe", "model"], dims=[DATA_PARALLEL, PIPELINE_PARALLEL, TENSOR_PARALLEL])
+    return ProcessTopology(axes=["data", "pipe"], dims=[DATA_PARALLEL, PIPELINE_PARALLEL])
+
+
+def planned_pipeline_module(layers, **kwargs):
+    kwargs.setdefault("activation_checkpoint_interval", ACTIVATION_CHECKPOINT_INTERVAL)
+    return PlannedPipelineModule(layers=layers, topology=planned_topology(), **kwargs)

@@ -1,0 +1,34 @@
+# pipectl 0.1.0: Megatron-LM settings for plan gpt3-175b-megatron/plan.json (sha256 07a2a485c4ec), profile profile-7dc5d1784b99.json
+# model gpt3-175b, global batch 1536, cluster a100-384x8
+# layout t4p16d48 interleaved b1 m32 v4 ZeRO-1 on 3072 x a100-80gb (384 nodes of 8): predicted 7.089 s/step, peak 70.4 GiB per device
+#
+# What this framework does that pipectl's prediction did not price (how far the step time holds here):
+# - the profile prices pipectl's own kernels: fused kernels (Transformer Engine or Apex where installed); sequence parallelism (norms and dropouts keep 1/t of their activations); the vocabulary-parallel embedding and head are not in the prediction (each shortens the step or lowers memory there)
+# - with --bf16 Megatron reduces gradients in fp32: twice the data-parallel bytes priced
+# - Megatron's attention and hidden dropout (0.1 each unless set to 0) is not priced
+# - --use-distributed-optimizer is priced as ZeRO-1: optimizer state split over the replicas
+
+# Source this file in a Megatron-LM launch script, then pass the array to pretrain_gpt.py:
+#   torchrun --nnodes "$PIPECTL_NODES" --nproc-per-node "$PIPECTL_GPUS_PER_NODE" ... pretrain_gpt.py \
+#       "${PIPECTL_MEGATRON_ARGS[@]}" <your data, tokenizer, optimizer and checkpoint arguments>
+PIPECTL_WORLD_SIZE=3072
+PIPECTL_NODES=384
+PIPECTL_GPUS_PER_NODE=8
+PIPECTL_MODEL_ARGS=(
+    --num-layers 96
+    --hidden-size 12288
+    --num-attention-heads 96
+    --ffn-hidden-size 49152
+    --seq-length 2048 --max-position-embeddings 2048
+)
+PIPECTL_PARALLEL_ARGS=(
+    --tensor-model-parallel-size 4
+    --sequence-parallel
+    --pipeline-model-parallel-size 16
+    --pipeline-model-parallel-layout 'Et|(t*2|)*33(t|)*29L'
+    --use-tp-pp-dp-mapping
+    --micro-batch-size 1 --global-batch-size 1536
+    --use-distributed-optimizer
+    --bf16
+)
+PIPECTL_MEGATRON_ARGS=("${PIPECTL_MODEL_ARGS[@]}" "${PIPECTL_PARALLEL_ARGS[@]}")

@@ -1,0 +1,276 @@
+"""`plan --emit` and `export-plan`: the settings other frameworks read, as a user makes them.
+
+Golden files hold what GPT-3 175B on a100-384x8 and Llama 3 8B on a100-8x8 emit for each
+framework (regenerate with PIPECTL_UPDATE_GOLDEN=1 after a deliberate change, and read the diff).
+Every Megatron-LM argument and torchtitan key is checked against the names their sources parse
+at the pinned releases (`pipectl.emit.vendored`), the DeepSpeed config against DeepSpeed's parser.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from pipectl.artifacts.plan import Framework, PlanRequest
+from pipectl.emit.vendored import MEGATRON_ARGUMENTS, TORCHTITAN_SECTIONS
+from pipectl.io import write_json_atomic
+from pipectl.plan.synthetic import synthetic_profile
+
+REPO = Path(__file__).resolve().parents[2]
+GOLDEN = Path(__file__).resolve().parent / "golden"
+LLAMA = Path(__file__).resolve().parent / "data" / "llama3-8b.yaml"
+_SCRIPT = Path(sys.executable).with_name("pipectl")
+PIPECTL = [str(_SCRIPT)] if _SCRIPT.is_file() else [sys.executable, "-m", "pipectl"]
+FILES = {
+    Framework.MEGATRON: ["megatron-args.sh"],
+    Framework.TORCHTITAN: ["torchtitan.toml"],
+    Framework.DEEPSPEED: ["ds_config.json", "ds_pipeline.py"],
+}
+# (model, derive device, cluster, global batch) of each golden set.
+SHAPES = {
+    "gpt3-175b": ("gpt3-175b", "a100-80gb", "a100-384x8", 1536),
+    "llama3-8b": (str(LLAMA), "a100-80gb", "a100-8x8", 512),
+}
+
+
+def pipectl(*args: object, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "COLUMNS": "100", "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    return subprocess.run([*PIPECTL, *map(str, args)], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def said(done: subprocess.CompletedProcess) -> str:
+    return f"exit {done.returncode}\n{done.stdout}\n{done.stderr}"
+
+
+@pytest.fixture(scope="module")
+def emitted(tmp_path_factory) -> dict[tuple[str, Framework], Path]:
+    """Each shape derived and planned with --emit for each framework, as a user types it."""
+    folder = tmp_path_factory.mktemp("emit")
+    out = {}
+    for shape, (model, device, cluster, batch) in SHAPES.items():
+        done = pipectl("profile", model, "--derive", "--device", device, "-o", f"{shape}.json", cwd=folder)
+        assert done.returncode == 0, said(done)
+        for framework in Framework:
+            target = f"{shape}-{framework.value}"
+            done = pipectl("plan", "--profile", f"{shape}.json", "--cluster", cluster, "--global-batch", batch,
+                           "--no-morph", "--emit", framework.value, "-o", target, cwd=folder)
+            assert done.returncode == 0, said(done)
+            assert f"{target}/{FILES[framework][0]}" in done.stdout, said(done)
+            out[(shape, framework)] = folder / target
+    return out
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("framework", list(Framework), ids=lambda f: f.value)
+def test_emitted_files_match_their_golden_copies(emitted, shape, framework):
+    for name in FILES[framework]:
+        text = (emitted[(shape, framework)] / name).read_text()
+        golden = GOLDEN / shape / name
+        if os.environ.get("PIPECTL_UPDATE_GOLDEN"):
+            golden.parent.mkdir(parents=True, exist_ok=True)
+            golden.write_text(text)
+        assert text == golden.read_text(), f"{name} of {shape} differs from {golden} (PIPECTL_UPDATE_GOLDEN=1 rewrites it)"
+
+
+def megatron_words(text: str) -> list[str]:
+    """The words of the file's bash arrays, as bash splits them."""
+    words = []
+    for body in re.findall(r"^PIPECTL_\w+_ARGS=\(\n(.*?)^\)", text, flags=re.S | re.M):
+        words += shlex.split(body)
+    return words
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_every_megatron_argument_is_one_megatron_parses(emitted, shape):
+    words = megatron_words((emitted[(shape, Framework.MEGATRON)] / "megatron-args.sh").read_text())
+    options = [word for word in words if word.startswith("--")]
+    assert "--tensor-model-parallel-size" in options and "--global-batch-size" in options
+    assert [o for o in options if o not in MEGATRON_ARGUMENTS] == []
+
+
+def megatron_layout(layout: str) -> list[str]:
+    """Megatron-LM's own reading of --pipeline-model-parallel-layout (PipelineParallelLayerLayout.
+    parse_str_to_list at the pinned release): commas dropped, '(...)*n' then 'x*n' unrolled, '|' splits."""
+    layout = layout.replace(",", "")
+    for pattern in (r"\(([^)]+)\)\*(\d+)", r"(.)\*(\d+)"):
+        layout = re.sub(pattern, lambda m: m.group(1) * int(m.group(2)), layout)
+    return layout.split("|")
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_the_megatron_layout_is_the_plans_cut(emitted, shape):
+    folder = emitted[(shape, Framework.MEGATRON)]
+    words = megatron_words((folder / "megatron-args.sh").read_text())
+    plan = json.loads((folder / "plan.json").read_text())
+    profile = json.loads((folder / plan["profile"]["file"]).read_text())
+    kinds = [layer["kind"] for layer in profile["layers"]]
+    cut = plan["chosen"]["stage_layers"]
+    expected = ["".join({"embedding": "E", "transformer_block": "t", "lm_head": "L"}.get(kinds[i], "") for i in range(a, b))
+                for a, b in cut]
+    if "--pipeline-model-parallel-layout" in words:
+        assert megatron_layout(words[words.index("--pipeline-model-parallel-layout") + 1]) == expected
+        assert all("L" in stage for stage, (a, b) in zip(expected, cut) if "layer_norm" in kinds[a:b])
+    blocks = int(words[words.index("--num-layers") + 1])
+    assert blocks == sum(stage.count("t") for stage in expected) == kinds.count("transformer_block")
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_every_torchtitan_key_is_one_its_job_config_has(emitted, shape):
+    config = tomllib.loads((emitted[(shape, Framework.TORCHTITAN)] / "torchtitan.toml").read_text())
+    assert set(config) <= set(TORCHTITAN_SECTIONS)
+    unknown = [f"{section}.{key}" for section, keys in config.items() for key in keys if key not in TORCHTITAN_SECTIONS[section]]
+    assert unknown == []
+    plan = json.loads((emitted[(shape, Framework.TORCHTITAN)] / "plan.json").read_text())
+    chosen, parallelism = plan["chosen"], config["parallelism"]
+    degrees = parallelism["data_parallel_replicate_degree"] * parallelism["data_parallel_shard_degree"]
+    assert (degrees, parallelism["tensor_parallel_degree"], parallelism["pipeline_parallel_degree"]) == (
+        chosen["data_parallel"], chosen["tensor_parallel"], chosen["pipeline_parallel"])
+    if chosen["pipeline_parallel"] > 1:
+        parts = parallelism["module_fqns_per_model_part"]
+        assert [len(part) for part in parts] == [b - a for a, b in chosen["stage_layers"]]
+        blocks = len(chosen["stage_layers"]) and sum(len(part) for part in parts) - 3
+        assert [name for part in parts for name in part] == [
+            "tok_embeddings", *(f"layers.{i}" for i in range(blocks)), "norm", "output"]
+        assert config["training"]["local_batch_size"] == chosen["micro_batch_size"] * chosen["micro_batches"]
+    assert config["training"]["global_batch_size"] == plan["request"]["global_batch"]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_the_deepspeed_config_passes_deepspeeds_parser_with_the_plans_batch(emitted, shape):
+    from pipectl.runtime.dsconfig import parse_with_deepspeed
+
+    folder = emitted[(shape, Framework.DEEPSPEED)]
+    chosen = json.loads((folder / "plan.json").read_text())["chosen"]
+    parsed = parse_with_deepspeed(json.loads((folder / "ds_config.json").read_text()), chosen["data_parallel"])
+    assert (parsed.train_batch_size, parsed.train_micro_batch_size_per_gpu, parsed.gradient_accumulation_steps) == (
+        SHAPES[shape][3], chosen["micro_batch_size"], chosen["micro_batches"])
+    assert parsed.zero_optimization_stage == chosen["zero_stage"]
+    namespace: dict = {}
+    exec(compile((folder / "ds_pipeline.py").read_text(), "ds_pipeline.py", "exec"), namespace)
+    assert namespace["PARTS"] == [a for a, _ in chosen["stage_layers"]] + [chosen["stage_layers"][-1][1]]
+
+
+def test_plans_for_a_framework_keep_to_what_it_runs():
+    """Each framework's search: no schedule, recomputation, ZeRO stage or replica split it lacks,
+    and Megatron's final norm always on the head's stage."""
+    from pipectl.cluster import load_cluster
+    from pipectl.plan.frameworks import framework_request, not_expressible
+    from pipectl.plan.search import plan
+
+    profile = synthetic_profile(blocks=12, micro_batch_sizes=[1, 2, 4], attention_core=(0.5, 0.3))
+    cluster = load_cluster("a100-8x8")
+    for framework in Framework:
+        request = framework_request(
+            PlanRequest(global_batch=96, devices=24, include_all=True, schedules=None, chunks=[2, 3]),
+            framework, zero_stages_given=False)
+        made = plan(profile, cluster, request)
+        layouts = [made.chosen, *made.candidates, *(e.candidate for e in made.morph_table if e.candidate)]
+        assert [not_expressible(c, framework, profile) for c in layouts if not_expressible(c, framework, profile)] == []
+        assert all(c.replicas is None for c in layouts)
+        if framework is Framework.MEGATRON:
+            assert any(c.chunks > 1 for c in layouts)  # interleaved is Megatron's
+
+
+def test_export_plan_writes_a_plan_made_without_emit_or_names_what_the_framework_lacks(tmp_path):
+    write_json_atomic(tmp_path / "p.json", synthetic_profile(blocks=6, micro_batch_sizes=[1, 2], device="cpu"))
+    done = pipectl("plan", "--profile", "p.json", "--cluster", "local", "--devices", "2", "--global-batch", "8",
+                   "--pipeline-parallel", "2", "--schedule", "1f1b", "-o", "plan.json", cwd=tmp_path)
+    assert done.returncode == 0, said(done)
+    done = pipectl("export-plan", "plan.json", "--to", "deepspeed", "-o", "ds", cwd=tmp_path)
+    assert done.returncode == 0, said(done)
+    assert (tmp_path / "ds" / "ds_config.json").is_file() and (tmp_path / "ds" / "ds_pipeline.py").is_file()
+    done = pipectl("plan", "--profile", "p.json", "--cluster", "local", "--devices", "2", "--global-batch", "8",
+                   "--pipeline-parallel", "2", "--schedule", "gpipe", "-o", "gpipe.json", cwd=tmp_path)
+    assert done.returncode == 0, said(done)
+    done = pipectl("export-plan", "gpipe.json", "--to", "megatron", "-o", "meg", cwd=tmp_path)
+    assert done.returncode == 2, said(done)
+    assert "Megatron-LM cannot run the GPipe schedule" in done.stderr and "nearest it runs: t1p2d1 1f1b" in done.stderr
+    assert "Traceback" not in done.stderr and not (tmp_path / "meg").exists()
+
+
+def test_emit_devices_writes_the_morph_tables_layouts_into_their_folders(tmp_path):
+    write_json_atomic(tmp_path / "p.json", synthetic_profile(blocks=6, micro_batch_sizes=[1, 2], device="cpu"))
+    done = pipectl("plan", "--profile", "p.json", "--cluster", "local", "--devices", "2", "--global-batch", "8",
+                   "--emit", "torchtitan", "--emit-devices", "1", "-o", "out", cwd=tmp_path)
+    assert done.returncode == 0, said(done)
+    assert (tmp_path / "out" / "plan.json").is_file() and (tmp_path / "out" / "devices-1" / "torchtitan.toml").is_file()
+    one = tomllib.loads((tmp_path / "out" / "devices-1" / "torchtitan.toml").read_text())
+    assert one["parallelism"]["pipeline_parallel_degree"] == 1 and one["training"]["global_batch_size"] == 8
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--emit", "megatron", "--engine", "torch"], "--emit megatron plans for that framework"),
+    (["--emit-devices", "4"], "--emit-devices names layouts to write for --emit"),
+    (["--emit", "caffe"], "caffe"),
+    (["--emit", "torchtitan", "--zero-stages", "1"], "torchtitan runs none of --zero-stages 1"),
+    (["--emit", "megatron", "--schedule", "varuna"], "Megatron-LM cannot run Varuna's schedule"),
+    (["--emit", "deepspeed", "--recompute", "selective"], "DeepSpeed's PipelineModule has none of the recomputation"),
+    (["--emit", "megatron", "--emit-devices", "3"], "no entry for 3 devices"),
+])
+def test_emit_refuses_what_it_cannot_write_in_one_line(tmp_path, args, words):
+    write_json_atomic(tmp_path / "p.json", synthetic_profile(blocks=6, micro_batch_sizes=[1, 2], device="cpu"))
+    done = pipectl("plan", "--profile", "p.json", "--cluster", "local", "--devices", "2", "--global-batch", "8",
+                   *args, "-o", "out", cwd=tmp_path)
+    assert done.returncode == 2, said(done)
+    assert words in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_model_that_is_not_a_decoder_is_refused_for_megatron(tmp_path):
+    done = pipectl("profile", "mlp-tiny", "--derive", "--device", "a100-80gb", "-o", "mlp.json", cwd=tmp_path)
+    assert done.returncode == 0, said(done)
+    done = pipectl("plan", "--profile", "mlp.json", "--cluster", "a100-8x8", "--global-batch", "64", "--emit",
+                   "megatron", "-o", "out", cwd=tmp_path)
+    assert done.returncode == 2, said(done)
+    assert "Megatron-LM holds a decoder as an embedding, transformer blocks, a final norm and a head" in done.stderr
+
+
+DEEPSPEED_RUN = """
+import json, os, sys
+import torch, torch.distributed as dist
+from torch import nn
+rank = int(sys.argv[1]); folder = sys.argv[2]
+os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[3])
+import deepspeed
+from deepspeed.pipe import LayerSpec
+deepspeed.init_distributed(dist_backend="gloo")
+sys.path.insert(0, folder)
+from ds_pipeline import PARTS, planned_pipeline_module
+model = planned_pipeline_module([LayerSpec(nn.Linear, 4, 4) for _ in range(PARTS[-1])], loss_fn=nn.MSELoss())
+engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                       optimizer=torch.optim.AdamW(model.parameters(), lr=0.1),
+                                       config=os.path.join(folder, "ds_config.json"))
+stage = engine.stage_id
+assert (model._local_start, model._local_stop) == (PARTS[stage], PARTS[stage + 1]), (stage, PARTS)
+data = iter([(torch.ones(engine.train_micro_batch_size_per_gpu(), 4),) * 2] * 100)
+loss = engine.train_batch(data_iter=data)
+print(f"rank {rank} stage {stage} layers {model._local_start}-{model._local_stop} loss {float(loss):.4f}")
+"""
+
+
+@pytest.mark.multiprocess
+def test_the_emitted_deepspeed_module_and_config_train_in_deepspeeds_pipeline_engine(tmp_path):
+    from pipectl.runtime.dsinit import free_port
+
+    profile = synthetic_profile(blocks=6, micro_batch_sizes=[1, 2], device="cpu", dtype="float32")  # float inputs
+    write_json_atomic(tmp_path / "p.json", profile)
+    done = pipectl("plan", "--profile", "p.json", "--cluster", "local", "--devices", "2", "--global-batch", "8",
+                   "--pipeline-parallel", "2", "--emit", "deepspeed", "-o", "ds", cwd=tmp_path)
+    assert done.returncode == 0, said(done)
+    (tmp_path / "run.py").write_text(DEEPSPEED_RUN)
+    port = str(free_port())
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    ranks = [subprocess.Popen([sys.executable, "run.py", str(rank), str(tmp_path / "ds"), port], cwd=tmp_path, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
+    outputs = [rank.communicate(timeout=240) for rank in ranks]
+    for rank, (out, err) in zip(ranks, outputs):
+        assert rank.returncode == 0, f"{out}\n{err[-3000:]}"
+    parts = json.loads((tmp_path / "ds" / "plan.json").read_text())["chosen"]["stage_layers"]
+    assert f"stage 0 layers 0-{parts[0][1]}" in outputs[0][0] + outputs[1][0]
