@@ -210,7 +210,7 @@ def test_emit_devices_writes_the_morph_tables_layouts_into_their_folders(tmp_pat
     (["--emit", "megatron", "--engine", "torch"], "--emit megatron plans for that framework"),
     (["--emit-devices", "4"], "--emit-devices names layouts to write for --emit"),
     (["--emit", "caffe"], "caffe"),
-    (["--emit", "torchtitan", "--zero-stages", "1"], "torchtitan runs none of --zero-stages 1"),
+    (["--emit", "megatron", "--zero-stages", "3"], "Megatron-LM runs none of --zero-stages 3"),
     (["--emit", "megatron", "--schedule", "varuna"], "Megatron-LM cannot run Varuna's schedule"),
     (["--emit", "deepspeed", "--recompute", "selective"], "DeepSpeed's PipelineModule has none of the recomputation"),
     (["--emit", "megatron", "--emit-devices", "3"], "no entry for 3 devices"),

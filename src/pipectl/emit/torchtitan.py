@@ -8,8 +8,8 @@ The keys are those of `torchtitan/config/job_config.py` at the release `pipectl.
 pins. The cut is `module_fqns_per_model_part`: one list per virtual stage in stage order, with
 torchtitan's decoder names (`tok_embeddings`, `layers.<i>`, `norm`, `output`: its Llama, Qwen and
 DeepSeek models); torchtitan places the stages on ranks as pipectl does (a loop, or a V for
-ZBVZeroBubble). Data parallelism replicates (DDP, ZeRO-0), or at one stage shards (FSDP:
-ZeRO-3 reshards parameters after the forward, ZeRO-2 keeps them).
+ZBVZeroBubble). Data parallelism replicates (DDP) or shards (FSDP) as
+`plan.frameworks.torchtitan_data_parallel` maps pipectl's ZeRO stages.
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ import json
 from pipectl.artifacts.plan import Framework, Recompute
 from pipectl.emit.common import Target, check_expressible, engine_differences, header
 from pipectl.errors import UserInputError
-from pipectl.plan.frameworks import BLOCK, EMBEDDING, FINAL_NORM, HEAD
+from pipectl.plan.frameworks import (
+    BLOCK, EMBEDDING, FINAL_NORM, HEAD, REPLICATE, SHARD_ALWAYS, SHARD_NEVER, torchtitan_data_parallel,
+)
 from pipectl.schedule import ScheduleKind
 
 FILE = "torchtitan.toml"
@@ -53,20 +55,21 @@ def torchtitan_files(target: Target) -> dict[str, str]:
         f"per node on {target.nodes} node{'s' if target.nodes != 1 else ''}.",
         "",
     ]
-    return {FILE: header(target, Framework.TORCHTITAN, differences(target)) + "\n".join(comment) + "\n" + body}
+    return {FILE: header(target, Framework.TORCHTITAN, differences(target)) + "\n" + "\n".join(comment) + "\n" + body}
 
 
 def config_sections(target: Target, precision: str) -> dict[str, dict[str, object]]:
     c = target.candidate
-    sharded = c.zero_stage >= 2 and c.data_parallel > 1
+    strategy = torchtitan_data_parallel(c.zero_stage, c.tensor_parallel, c.pipeline_parallel) if c.data_parallel > 1 else None
+    sharded = strategy in (SHARD_NEVER, SHARD_ALWAYS)
     parallelism: dict[str, object] = {
-        "data_parallel_replicate_degree": 1 if sharded else c.data_parallel,
+        "data_parallel_replicate_degree": c.data_parallel if strategy == REPLICATE else 1,
         "data_parallel_shard_degree": c.data_parallel if sharded else 1,
         "tensor_parallel_degree": c.tensor_parallel,
         "pipeline_parallel_degree": c.pipeline_parallel,
     }
-    if sharded:  # ZeRO-3 frees each block's gathered parameters after its forward; ZeRO-2 keeps them
-        parallelism["fsdp_reshard_after_forward"] = "always" if c.zero_stage == 3 else "never"
+    if sharded:  # reshard after the forward: ZeRO-3; keep the gathered parameters: ZeRO-2, and ZeRO-1 under a pipeline
+        parallelism["fsdp_reshard_after_forward"] = "always" if strategy == SHARD_ALWAYS else "never"
     if c.pipeline_parallel > 1:
         parallelism["pipeline_parallel_schedule"] = SCHEDULE_NAMES[c.schedule]
         parallelism["pipeline_parallel_microbatch_size"] = c.micro_batch_size
@@ -107,16 +110,17 @@ def differences(target: Target) -> list[str]:
     c, profile = target.candidate, target.profile
     unpriced = []
     if c.tensor_parallel > 1:
-        unpriced += ["sequence parallelism and loss parallelism (torchtitan's tensor parallelism always has them)"]
+        unpriced += ["sequence and loss parallelism, which torchtitan's tensor parallelism always has: less memory"]
     notes = engine_differences(profile, unpriced)
     if c.pipeline_parallel > 1 and c.data_parallel > 1 and c.tensor_parallel < target.origin.devices_per_node:
         notes.append(
             "torchtitan numbers ranks pipeline-outermost (a node holds replicas of one stage); pipectl priced a "
             "replica's stages on consecutive ranks (pipeline transfers inside a node, all-reduces across nodes)"
         )
-    if c.pipeline_parallel > 1:
-        notes.append("FSDP with pipeline parallelism (torchtitan's default) is not priced: this layout replicates (DDP)")
-    if c.zero_stage >= 2 and c.data_parallel > 1:
+    if c.data_parallel > 1 and c.zero_stage == 1:
+        notes.append("FSDP under a pipeline is priced as ZeRO-1 (the same bytes): it gathers a stage's parameters at "
+                     "its first forward, where ZeRO-1 gathers them after the optimizer step")
+    if c.data_parallel > 1 and c.zero_stage >= 1:
         notes.append("FSDP reduce-scatters gradients in fp32 (training.mixed_precision_reduce): twice the bytes priced")
     notes.append("torch.compile, Float8 and async tensor parallelism are not priced; leave them off to train as priced")
     return notes

@@ -22,7 +22,7 @@ from typing import Sequence
 
 import numpy as np
 
-from pipectl.artifacts.plan import Engine, Recompute, runtime_runs_zero
+from pipectl.artifacts.plan import Engine, Framework, Recompute, runtime_runs_zero
 from pipectl.artifacts.profile import ModelProfile
 from pipectl.catalog import DTYPE_BYTES
 from pipectl.plan.costs import (
@@ -294,6 +294,8 @@ class SearchSpace:
     unprofiled_tensor_parallel: tuple[int, ...] = ()
     # Layers that share a stage with the next one (`plan.frameworks.kept_together`: Megatron's final norm).
     kept_together: tuple[int, ...] = ()
+    # Another framework the plan is for (`plan.frameworks`): the ZeRO stages it runs at each degree.
+    framework: Framework | None = None
 
 
 def divisors(n: int) -> list[int]:

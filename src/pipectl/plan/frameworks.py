@@ -8,15 +8,15 @@ from its source at the release `pipectl.emit.names` pins:
 | framework | schedules | recomputation | ZeRO | cut | replicas |
 |---|---|---|---|---|---|
 | megatron | 1f1b; interleaved (virtual stages) | none; layer (`--recompute-granularity full`); selective (`core_attn`) | 0; 1 (`--use-distributed-optimizer`) | any contiguous cut (`--pipeline-model-parallel-layout`), the final norm on the loss's stage | even |
-| torchtitan | 1f1b, gpipe, interleaved, zbv | none; layer (`activation_checkpoint.mode = "full"`) | 0 (DDP); at p = 1 also 2 and 3 (FSDP) | any contiguous cut (`module_fqns_per_model_part`) | even |
+| torchtitan | 1f1b, gpipe, interleaved, zbv | none; layer (`activation_checkpoint.mode = "full"`) | as `torchtitan_data_parallel` says | any contiguous cut (`module_fqns_per_model_part`) | even |
 | deepspeed | 1f1b (`TrainSchedule`, the only one its pipeline engine runs) | none; layer (`activation_checkpoint_interval=1`) | 0, 1 (its pipeline engine refuses 2 and 3) | any contiguous cut (`parts`) | even |
 
 Not expressible anywhere but in pipectl's runtime: Varuna's whole-stage recomputation, uneven
 replicas (VirtualFlow's ⌈B/(d b)⌉ and ⌊B/(d b)⌋ micro-batches), PipeDream-2BW. torchtitan has no
 one-chunk zero-bubble schedule and its selective checkpointing keeps attention (per-op policy),
 unlike the attention-core recomputation pipectl prices (Korthikanti et al. 2022, §5), which
-Megatron runs. pipectl prices ZeRO-2/3 at one stage only (`plan.space.zero_stages_at`), so
-torchtitan's FSDP with pipeline parallelism is not among the layouts: a deeper pipeline replicates.
+Megatron runs. torchtitan replicates (DDP) only when data parallelism is its one dimension, and
+otherwise shards (FSDP), as `torchtitan_data_parallel` maps them.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ class FrameworkSpace:
     default_schedules: tuple[ScheduleKind, ...]
     recompute: tuple[Recompute, ...]
     zero_stages: tuple[int, ...]
+    default_zero_stages: tuple[int, ...]  # searched when --zero-stages is not given
     # The model must be an embedding, blocks, a final norm and a head (its layers are named by kind).
     decoder_only: bool
     # The final norm sits on the stage of the head (Megatron builds it with the loss, `L`).
@@ -57,21 +58,21 @@ SPACES = {
         schedules=(ScheduleKind.ONE_F_ONE_B, ScheduleKind.INTERLEAVED),
         default_schedules=(ScheduleKind.ONE_F_ONE_B, ScheduleKind.INTERLEAVED),
         recompute=(Recompute.NONE, Recompute.LAYER, Recompute.SELECTIVE),
-        zero_stages=(0, 1), decoder_only=True, norm_with_head=True,
+        zero_stages=(0, 1), default_zero_stages=(1,), decoder_only=True, norm_with_head=True,
     ),
     Framework.TORCHTITAN: FrameworkSpace(
         Framework.TORCHTITAN, "torchtitan",
         schedules=(ScheduleKind.ONE_F_ONE_B, ScheduleKind.GPIPE, ScheduleKind.INTERLEAVED, ScheduleKind.ZBV),
         default_schedules=(ScheduleKind.ONE_F_ONE_B, ScheduleKind.GPIPE, ScheduleKind.INTERLEAVED),
         recompute=(Recompute.NONE, Recompute.LAYER),
-        zero_stages=(0, 2, 3), decoder_only=True, norm_with_head=False,
+        zero_stages=(0, 1, 2, 3), default_zero_stages=(0, 1, 2, 3), decoder_only=True, norm_with_head=False,
     ),
     Framework.DEEPSPEED: FrameworkSpace(
         Framework.DEEPSPEED, "DeepSpeed's PipelineModule",
         schedules=(ScheduleKind.ONE_F_ONE_B,),
         default_schedules=(ScheduleKind.ONE_F_ONE_B,),
         recompute=(Recompute.NONE, Recompute.LAYER),
-        zero_stages=(0, 1), decoder_only=False, norm_with_head=False,
+        zero_stages=(0, 1), default_zero_stages=(1,), decoder_only=False, norm_with_head=False,
     ),
 }
 
@@ -95,22 +96,56 @@ def space_of(framework: Framework) -> FrameworkSpace:
     return SPACES[framework]
 
 
+# torchtitan's data parallelism (`parallelize_llama` at the pinned release): DDP only as the one
+# dimension ("DDP has not supported > 1D parallelism"), else FSDP. Under a pipeline, torch's
+# pipelining stage gathers a stage's parameters at its first forward, keeps them to its last
+# backward and reduce-scatters the accumulated gradients there (`reshard_after_forward` off, its
+# default with a pipeline): ZeRO-1's bytes and memory (sharded optimizer state, whole parameters
+# and gradients during the step), not ZeRO-2/3's, which pipectl prices at one stage only. At one
+# stage FSDP reduce-scatters after every micro-batch: ZeRO-3 resharding after the forward, ZeRO-2
+# keeping the parameters.
+REPLICATE, SHARD_NEVER, SHARD_ALWAYS = "replicate", "shard, reshard never", "shard, reshard always"
+
+
+def torchtitan_data_parallel(zero_stage: int, tensor_parallel: int, pipeline_parallel: int) -> str | None:
+    """How torchtitan runs data parallelism at ZeRO stage `zero_stage` with these degrees (d > 1):
+    REPLICATE, SHARD_NEVER or SHARD_ALWAYS; None where it cannot.
+
+    >>> torchtitan_data_parallel(0, 1, 1), torchtitan_data_parallel(0, 2, 1), torchtitan_data_parallel(1, 4, 8)
+    ('replicate', None, 'shard, reshard never')
+    >>> torchtitan_data_parallel(1, 1, 1), torchtitan_data_parallel(3, 8, 1), torchtitan_data_parallel(2, 1, 4)
+    (None, 'shard, reshard always', None)
+    """
+    one_stage = pipeline_parallel == 1
+    return {
+        0: REPLICATE if one_stage and tensor_parallel == 1 else None,
+        1: None if one_stage else SHARD_NEVER,
+        2: SHARD_NEVER if one_stage else None,
+        3: SHARD_ALWAYS if one_stage else None,
+    }.get(zero_stage)
+
+
+def zero_stages_run(framework: Framework, t: int, p: int, d: int, zeros: tuple[int, ...]) -> tuple[int, ...]:
+    """The ZeRO stages of `zeros` that `framework` runs at (t, p, d): where data parallelism
+    shards nothing (d = 1) all of them, otherwise its own (`torchtitan_data_parallel`)."""
+    if framework is not Framework.TORCHTITAN or d == 1:
+        return zeros
+    return tuple(zero for zero in zeros if torchtitan_data_parallel(zero, t, p) is not None)
+
+
 def framework_request(request: PlanRequest, framework: Framework, *, zero_stages_given: bool = True) -> PlanRequest:
-    """`request` for `framework`: even replicas, engine any, its default schedules when none are listed,
-    and its ZeRO stages among those asked for. ZeRO stages not given (pipectl's default, ZeRO-1)
-    are the framework's own when it has no ZeRO-1 (torchtitan: DDP, or FSDP at one stage). The
-    search keeps to the framework's layouts (`plan.space.search_space`); what it cannot express
-    at all is refused by `check_framework_request`."""
+    """`request` for `framework`: even replicas, engine any, its default schedules when none are
+    listed, and the ZeRO stages asked for, or when none were given its default ones (pipectl's
+    ZeRO-1, or for torchtitan whichever of DDP and FSDP fits each degree). The search keeps to the
+    framework's layouts (`plan.space.search_space`); what it cannot express at all is refused by
+    `check_framework_request`."""
     space = space_of(framework)
-    zeros = [zero for zero in request.zero_stages if zero in space.zero_stages]
-    if not zeros:
-        zeros = request.zero_stages if zero_stages_given else list(space.zero_stages)
     return request.model_copy(update={
         "framework": framework,
         "engine": Engine.ANY,
         "for_deepspeed": False,
         "uneven_replicas": False,
-        "zero_stages": zeros,
+        "zero_stages": request.zero_stages if zero_stages_given else list(space.default_zero_stages),
         "schedules": request.schedules or list(space.default_schedules),
     })
 
@@ -136,9 +171,7 @@ def check_framework_request(request: PlanRequest, profile: ModelProfile) -> None
     if not any(zero in space.zero_stages for zero in request.zero_stages):
         raise UserInputError(
             f"{space.title} runs none of --zero-stages {','.join(map(str, request.zero_stages))}",
-            hint=f"its ZeRO stages: {', '.join(map(str, space.zero_stages))}"
-            + (" (DDP replicates; FSDP shards everything, at one pipeline stage in pipectl's pricing)"
-               if framework_has_no_zero_one(space) else ""),
+            hint=f"its ZeRO stages: {', '.join(map(str, space.zero_stages))}",
         )
     # Asked for some recomputation (not only none): the framework has at least one of those kinds.
     kinds = [g for g in request.recompute_granularities if g is not Recompute.NONE]
@@ -158,10 +191,6 @@ def check_framework_request(request: PlanRequest, profile: ModelProfile) -> None
                 f"model '{profile.model}' has {what}",
                 hint="emit for deepspeed (a PipelineModule of your own layers), or plan for pipectl's runtime",
             )
-
-
-def framework_has_no_zero_one(space: FrameworkSpace) -> bool:
-    return 1 not in space.zero_stages
 
 
 def _is_decoder(kinds: list[str]) -> bool:
@@ -230,8 +259,10 @@ def not_expressible(candidate: Candidate, framework: Framework, profile: ModelPr
     granularity = candidate.recompute_granularity
     if granularity not in space.recompute:
         return _RECOMPUTE_WORDS.get(granularity, granularity.label)
-    if candidate.zero_stage not in space.zero_stages or (candidate.zero_stage >= 2 and candidate.pipeline_parallel > 1):
-        return f"ZeRO-{candidate.zero_stage}" + (" with a pipeline" if candidate.zero_stage >= 2 else "")
+    c = candidate
+    if c.zero_stage not in zero_stages_run(framework, c.tensor_parallel, c.pipeline_parallel, c.data_parallel,
+                                           space.zero_stages):
+        return f"ZeRO-{c.zero_stage} at t = {c.tensor_parallel}, p = {c.pipeline_parallel}, d = {c.data_parallel}"
     if profile is not None and space.norm_with_head:
         kept = kept_together(framework, profile)
         cuts = tuple((int(a), int(b)) for a, b in candidate.stage_layers)

@@ -57,7 +57,7 @@ from pipectl.plan.candidates import (
     transient_bytes,
 )
 from pipectl.plan.costs import TRANSFORMER_BLOCK, Hardware
-from pipectl.plan.frameworks import kept_together, recompute_offered, space_of
+from pipectl.plan.frameworks import kept_together, recompute_offered, space_of, zero_stages_run
 from pipectl.plan.layer_table import layer_table, offered_granularities
 from pipectl.plan.memory import format_gib, in_flight_units, state_dtype
 from pipectl.plan.partition import balanced_partition
@@ -157,6 +157,7 @@ def search_space(request: PlanRequest, profile: ModelProfile, hardware: Hardware
         uneven_replicas=request.uneven_replicas,
         unprofiled_tensor_parallel=unprofiled,
         kept_together=kept_together(request.framework, profile),
+        framework=request.framework,
     )
 
 
@@ -392,6 +393,9 @@ class _UnitContext:
         for d in sorted(ds, reverse=True):
             m = -(-B // (d * b))  # the most micro-batches a replica runs (`balanced_shares`)
             zeros, sharded = _zeros_split(d, space.zero_stages, p == 1)
+            if space.framework is not None:  # a framework may run a stage at some degrees only
+                zeros = zero_stages_run(space.framework, t, p, d, zeros)
+                sharded = zero_stages_run(space.framework, t, p, d, sharded)
             if kind is ScheduleKind.ZBV and B // b // d < 2 * p - 1:
                 # Rank 0's warm-up runs 2p - 1 forwards before its first backward (`schedule.zbv`).
                 rejections.add(
