@@ -19,10 +19,11 @@ import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
-from pipectl.artifacts.plan import ModelShape, Plan, ProfileRef
+from pipectl.artifacts.plan import Candidate, ModelShape, Plan, ProfileRef
 from pipectl.artifacts.profile import ModelProfile
 from pipectl.errors import ArtifactError, UserInputError
 from pipectl.io import check_output_file, load_model, sha256_file, temporary_file, write_json_atomic
+from pipectl.words import count
 
 
 def profile_copy_name(sha256: str) -> str:
@@ -148,3 +149,33 @@ def check_kind_profiles(profiles: Sequence[tuple[str, ModelProfile]]) -> None:
                 f"{name} was made in {profile.dtype} and {first_name} in {first.dtype}: one job trains in one precision",
                 hint="profile every kind in the same dtype (pipectl profile --dtype)",
             )
+
+
+def morph_layout(plan: Plan, devices: int) -> Candidate:
+    """The morph table's layout for `devices`; a count it lacks, or one where nothing fits, is refused."""
+    entry = plan.for_devices(devices)
+    if entry is None:
+        counts = [e.devices for e in plan.morph_table]
+        raise UserInputError(
+            f"the plan's morph table has no entry for {count(devices, 'device')}",
+            hint=f"it covers {count_ranges(counts)}" if counts else "the plan has no morph table (re-plan without --no-morph)",
+        )
+    if entry.candidate is None:
+        raise UserInputError(f"nothing fits on {count(devices, 'device')}: {entry.note or 'no feasible candidate'}")
+    return entry.candidate
+
+
+def count_ranges(counts: Sequence[int]) -> str:
+    """Counts as ranges: [1, 2, 3, 8, 16] -> '1-3, 8, 16'.
+
+    >>> count_ranges([16, 1, 2, 3, 8])
+    '1-3, 8, 16'
+    """
+    out: list[str] = []
+    ordered = sorted(counts)
+    start = ordered[0] if ordered else None
+    for i, value in enumerate(ordered):
+        if i + 1 == len(ordered) or ordered[i + 1] != value + 1:
+            out.append(str(start) if start == value else f"{start}-{value}")
+            start = ordered[i + 1] if i + 1 < len(ordered) else None
+    return ", ".join(out)

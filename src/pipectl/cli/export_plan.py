@@ -13,7 +13,7 @@ from typing import Annotated
 import typer
 
 from pipectl.artifacts.layout import layout_label
-from pipectl.artifacts.plan import Framework, Plan, RecomputeChoice
+from pipectl.artifacts.plan import Candidate, Framework, Plan, RecomputeChoice
 from pipectl.cli.context import JsonFlag, console, print_json
 from pipectl.cli.plan import parse_morph_counts
 from pipectl.cluster import plan_cluster_spec
@@ -47,8 +47,8 @@ def export_plan_command(
         if why is not None:
             where = "the plan's chosen layout" if candidate is plan.chosen else f"the plan's layout for {count} devices"
             raise UserInputError(
-                f"{space_of(to).title} cannot run {why} ({where}, {layout_label(candidate)})",
-                hint=_nearest(plan, plan_file, to, count),
+                f"{space_of(to).title} cannot run {why} ({where}, {_short_label(candidate)})",
+                hint=_nearest(plan, plan_file, to, count, candidate),
             )
     if output.exists() and not output.is_dir():
         raise UserInputError(f"-o {output} is a file; give the folder to write into")
@@ -60,8 +60,17 @@ def export_plan_command(
         console.print(f"wrote {path}")
 
 
-def _nearest(plan: Plan, plan_file: Path, framework: Framework, devices: int | None) -> str:
-    """The plan's request re-planned within the framework's layouts at `devices`, in words."""
+def _short_label(candidate: Candidate) -> str:
+    """The layout's label, uneven replicas as the most and fewest micro-batches ('m86/85')."""
+    c = candidate
+    if not c.replicas:
+        return layout_label(c)
+    counts = [r.micro_batches for r in c.replicas]
+    return f"t{c.tensor_parallel}p{c.pipeline_parallel}d{c.data_parallel} {c.schedule.value} b{c.micro_batch_size} m{max(counts)}/{min(counts)}"
+
+
+def _nearest(plan: Plan, plan_file: Path, framework: Framework, devices: int | None, layout: Candidate) -> str:
+    """The plan's request re-planned within the framework's layouts at `devices`, in words, against `layout`."""
     space = space_of(framework)
     asked = plan.request
     request = framework_request(asked.model_copy(update={
@@ -82,7 +91,7 @@ def _nearest(plan: Plan, plan_file: Path, framework: Framework, devices: int | N
     chunks = f" v{c.chunks}" if c.chunks > 1 else ""
     return (
         f"nearest it runs: {layout_label(c)}{chunks} ZeRO-{c.zero_stage}, {c.predicted_step_seconds:.4g} s/step against "
-        f"{plan.chosen.predicted_step_seconds:.4g}, peak {max(c.peak_memory_bytes) / GIB:.1f} GiB; write it with "
+        f"{layout.predicted_step_seconds:.4g}, peak {max(c.peak_memory_bytes) / GIB:.1f} GiB; write it with "
         f"`pipectl plan ... --emit {framework.value}`"
     )
 

@@ -30,7 +30,7 @@ from pipectl.errors import ScheduleError, UserInputError
 from pipectl.io import load_model
 from pipectl.plan.hetero import replica_stage_costs
 from pipectl.plan.simulate import StageCosts, Timeline, simulate, simulate_step_seconds, uniform_costs
-from pipectl.planfile import load_kind_profiles, load_plan_profile
+from pipectl.planfile import load_kind_profiles, load_plan_profile, morph_layout
 from pipectl.report.gantt import terminal_gantt, write_gantt
 from pipectl.report.plan_table import format_step
 from pipectl.report.twobw import RUNTIME, SEMANTICS, two_bw_payload, two_bw_report
@@ -86,16 +86,8 @@ def _from_plan(
     candidate = plan.chosen
     note = ""
     if devices is not None:
+        candidate = morph_layout(plan, devices)
         entry = plan.for_devices(devices)
-        if entry is None:
-            counts = [e.devices for e in plan.morph_table]
-            raise UserInputError(
-                f"the plan's morph table has no entry for {count(devices, 'device')}",
-                hint=f"entries: {counts[0]}..{counts[-1]}" if counts else "the plan has no morph table",
-            )
-        if entry.candidate is None:
-            raise UserInputError(f"nothing fits on {count(devices, 'device')}: {entry.note or 'no feasible candidate'}")
-        candidate = entry.candidate
         if candidate.devices != devices:
             # the morph entry's own reason ("no configuration of exactly 1000 devices divides ...")
             note = f"the plan's entry for {count(devices, 'device')} uses {candidate.devices}: " + (

@@ -24,7 +24,7 @@ from pipectl.emit.torchtitan import torchtitan_files
 from pipectl.errors import UserInputError
 from pipectl.io import load_model
 from pipectl.paths import resolve_config
-from pipectl.planfile import load_plan_profile
+from pipectl.planfile import load_plan_profile, morph_layout
 
 EMITTERS: dict[Framework, Callable[[Target], dict[str, str]]] = {
     Framework.MEGATRON: megatron_files,
@@ -63,36 +63,15 @@ def emitted_files(
         return EMITTERS[framework](Target(plan, candidate, profile, model, origin))
 
     files = files_of(plan.chosen)
-    for count in devices:
-        entry = plan.for_devices(count)
-        if entry is None:
-            counts = [e.devices for e in plan.morph_table]
-            raise UserInputError(
-                f"the plan's morph table has no entry for {count} devices",
-                hint=f"it covers {_ranges(counts)}" if counts else "the plan has no morph table (re-plan without --no-morph)",
-            )
-        if entry.candidate is None:
-            raise UserInputError(f"nothing fits on {count} devices: {entry.note}")
-        files.update({f"devices-{count}/{name}": text for name, text in files_of(entry.candidate).items()})
+    for devices_count in devices:
+        files.update({f"devices-{devices_count}/{name}": text
+                      for name, text in files_of(morph_layout(plan, devices_count)).items()})
     return files
 
 
 def _devices_per_node(plan: Plan) -> int:
     cluster = plan_cluster_spec(plan)
     return max(node.devices_per_node for node in cluster.node_types)
-
-
-def _ranges(counts: Sequence[int]) -> str:
-    """[1, 2, 3, 8, 16] -> '1-3, 8, 16'."""
-    out, start = [], None
-    ordered = sorted(counts)
-    for i, value in enumerate(ordered):
-        if start is None:
-            start = value
-        if i + 1 == len(ordered) or ordered[i + 1] != value + 1:
-            out.append(str(start) if start == value else f"{start}-{value}")
-            start = None
-    return ", ".join(out)
 
 
 def write_files(folder: Path, files: dict[str, str]) -> list[Path]:

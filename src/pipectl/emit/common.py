@@ -86,12 +86,7 @@ def engine_differences(profile: ModelProfile, unpriced: list[str]) -> list[str]:
     features = profile.engine
     if features is not None and features.named:
         return [f"priced with the profile's engine features ({features.name}): {', '.join(features.named)}"]
-    if not unpriced:
-        return []
-    return [
-        "the profile prices pipectl's own kernels: " + "; ".join(unpriced)
-        + " are not in the prediction (each shortens the step or lowers memory there)"
-    ]
+    return [f"not priced (the profile times pipectl's own layers): {what}" for what in unpriced]
 
 
 def stage_summary(target: Target) -> str:

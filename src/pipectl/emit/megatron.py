@@ -181,10 +181,10 @@ def _letters(stage: str) -> str:
 
 def differences(target: Target) -> list[str]:
     c, profile = target.candidate, target.profile
-    unpriced = ["fused kernels (Transformer Engine or Apex where installed)"]
+    unpriced = ["fused kernels (Transformer Engine or Apex where installed): a shorter step"]
     if c.tensor_parallel > 1:
-        unpriced += ["sequence parallelism (norms and dropouts keep 1/t of their activations)",
-                     "the vocabulary-parallel embedding and head"]
+        unpriced += ["sequence parallelism: norms and dropouts keep 1/t of their activations, less memory",
+                     "the vocabulary-parallel embedding and head: 1/t of their time and memory per tensor rank"]
     notes = engine_differences(profile, unpriced)
     features = profile.engine
     if profile.dtype == "bfloat16" and c.data_parallel > 1 and not (features and features.gradients_reduced_in_fp32):

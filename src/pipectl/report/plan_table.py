@@ -15,6 +15,7 @@ from rich.text import Text
 from pipectl.artifacts.plan import Candidate, Engine, MorphEntry, Plan, ReplicaShare, runtime_runs_zero
 from pipectl.artifacts.profile import ModelProfile
 from pipectl.plan.flops import Utilisation, plan_layer_flops, utilisation
+from pipectl.plan.frameworks import space_of
 from pipectl.runtime.checkpoint_schedule import DEVICE_MTBF_HOURS, young_daly_seconds
 from pipectl.schedule import ScheduleKind, deepspeed_runnable
 from pipectl.words import count
@@ -303,7 +304,7 @@ def plan_view(
     framework = plan.request.framework  # plan --emit: every candidate is one that framework runs
     runnable = [cand for cand in plan.candidates if (framework or cand.engine is not None) and cand != c]
     others = [cand for cand in plan.candidates if not framework and cand.engine is None and cand != c]
-    runs = f"{framework.value} can run" if framework else "can run"
+    runs = f"{space_of(framework).title} can run" if framework else "can run"
     # The top, and the best ZeRO-2/3 candidates the planner keeps after it (`--zero-stages 1,2,3`):
     # their rows say what those stages would give even where they are not among the fastest.
     shown = [c, *runnable[:top], *[cand for cand in runnable[top:] if cand.zero_stage >= 2]]

@@ -3,7 +3,9 @@
 # layout t4p16d48 interleaved b1 m32 v4 ZeRO-1 on 3072 x a100-80gb (384 nodes of 8): predicted 7.089 s/step, peak 70.4 GiB per device
 #
 # What this framework does that pipectl's prediction did not price (how far the step time holds here):
-# - the profile prices pipectl's own kernels: fused kernels (Transformer Engine or Apex where installed); sequence parallelism (norms and dropouts keep 1/t of their activations); the vocabulary-parallel embedding and head are not in the prediction (each shortens the step or lowers memory there)
+# - not priced (the profile times pipectl's own layers): fused kernels (Transformer Engine or Apex where installed): a shorter step
+# - not priced (the profile times pipectl's own layers): sequence parallelism: norms and dropouts keep 1/t of their activations, less memory
+# - not priced (the profile times pipectl's own layers): the vocabulary-parallel embedding and head: 1/t of their time and memory per tensor rank
 # - with --bf16 Megatron reduces gradients in fp32: twice the data-parallel bytes priced
 # - Megatron's attention and hidden dropout (0.1 each unless set to 0) is not priced
 # - --use-distributed-optimizer is priced as ZeRO-1: optimizer state split over the replicas

@@ -3,7 +3,7 @@
 # layout t1p2d32 interleaved b1 m16 v4 ZeRO-1 on 64 x a100-80gb (8 nodes of 8): predicted 8.969 s/step, peak 52.9 GiB per device
 #
 # What this framework does that pipectl's prediction did not price (how far the step time holds here):
-# - the profile prices pipectl's own kernels: fused kernels (Transformer Engine or Apex where installed) are not in the prediction (each shortens the step or lowers memory there)
+# - not priced (the profile times pipectl's own layers): fused kernels (Transformer Engine or Apex where installed): a shorter step
 # - with --bf16 Megatron reduces gradients in fp32: twice the data-parallel bytes priced
 # - Megatron's attention and hidden dropout (0.1 each unless set to 0) is not priced
 # - --use-distributed-optimizer is priced as ZeRO-1: optimizer state split over the replicas
