@@ -213,7 +213,8 @@ def test_emit_devices_writes_the_morph_tables_layouts_into_their_folders(tmp_pat
     (["--emit", "megatron", "--zero-stages", "3"], "Megatron-LM runs none of --zero-stages 3"),
     (["--emit", "megatron", "--schedule", "varuna"], "Megatron-LM cannot run Varuna's schedule"),
     (["--emit", "deepspeed", "--recompute", "selective"], "DeepSpeed's PipelineModule has none of the recomputation"),
-    (["--emit", "megatron", "--emit-devices", "3"], "no entry for 3 devices"),
+    (["--emit", "megatron", "--emit-devices", "3"], "--emit-devices 3: cluster 'local' has 2 devices"),
+    (["--emit", "megatron", "--emit-devices", "all"], "--emit-devices all: name the device counts"),
 ])
 def test_emit_refuses_what_it_cannot_write_in_one_line(tmp_path, args, words):
     write_json_atomic(tmp_path / "p.json", synthetic_profile(blocks=6, micro_batch_sizes=[1, 2], device="cpu"))
@@ -221,6 +222,47 @@ def test_emit_refuses_what_it_cannot_write_in_one_line(tmp_path, args, words):
                    *args, "-o", "out", cwd=tmp_path)
     assert done.returncode == 2, said(done)
     assert words in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "out").exists()  # nothing written
+
+
+def test_emit_devices_beyond_the_default_table_are_planned_too(tmp_path):
+    """A count the morph table would not cover by itself (12 on nodes of 8) is added to it."""
+    write_json_atomic(tmp_path / "p.json", synthetic_profile(blocks=6, micro_batch_sizes=[1, 2]))
+    done = pipectl("plan", "--profile", "p.json", "--cluster", "a100-8x8", "--global-batch", "96", "--emit", "megatron",
+                   "--emit-devices", "12", "-o", "out", cwd=tmp_path)
+    assert done.returncode == 0, said(done)
+    text = (tmp_path / "out" / "devices-12" / "megatron-args.sh").read_text()
+    nodes = int(re.search(r"^PIPECTL_NODES=(\d+)$", text, re.M).group(1))
+    per_node = int(re.search(r"^PIPECTL_GPUS_PER_NODE=(\d+)$", text, re.M).group(1))
+    assert nodes * per_node == int(re.search(r"^PIPECTL_WORLD_SIZE=(\d+)$", text, re.M).group(1))
+
+
+def test_torchtitan_layouts_that_would_train_in_fp32_are_not_among_a_16_bit_plans():
+    """torchtitan turns autocast off beside a tensor or pipeline split without FSDP (d = 1)."""
+    from pipectl.cluster import load_cluster
+    from pipectl.plan.frameworks import framework_request, not_expressible
+    from pipectl.plan.search import plan
+
+    profile = synthetic_profile(blocks=8, micro_batch_sizes=[1, 2])
+    request = framework_request(PlanRequest(global_batch=16, devices=8, include_all=True, morph=False),
+                                Framework.TORCHTITAN, zero_stages_given=False)
+    made = plan(profile, load_cluster("a100-8x8"), request)
+    assert not any(c.data_parallel == 1 and c.pipeline_parallel * c.tensor_parallel > 1 for c in made.candidates)
+    deepspeed = plan(profile, load_cluster("a100-8x8"), framework_request(
+        PlanRequest(global_batch=16, devices=8, pipeline_parallel=8, morph=False), Framework.DEEPSPEED))
+    assert not_expressible(deepspeed.chosen, Framework.TORCHTITAN, profile) == "bfloat16 training at t = 1, p = 8, d = 1"
+
+
+def test_export_plan_of_a_model_that_is_not_a_decoder_names_it(tmp_path):
+    done = pipectl("profile", "mlp-tiny", "--derive", "--device", "a100-80gb", "-o", "mlp.json", cwd=tmp_path)
+    assert done.returncode == 0, said(done)
+    done = pipectl("plan", "--profile", "mlp.json", "--cluster", "a100-8x8", "--global-batch", "64", "--no-morph",
+                   "-o", "plan.json", cwd=tmp_path)
+    assert done.returncode == 0, said(done)
+    done = pipectl("export-plan", "plan.json", "--to", "torchtitan", "-o", "tt", cwd=tmp_path)
+    assert done.returncode == 2, said(done)
+    assert "torchtitan cannot run model 'mlp-tiny', which is not an embedding" in done.stderr
+    assert "Traceback" not in done.stderr and not (tmp_path / "tt").exists()
 
 
 def test_a_model_that_is_not_a_decoder_is_refused_for_megatron(tmp_path):

@@ -17,11 +17,11 @@ from pipectl.artifacts.plan import Candidate, Framework, Plan, RecomputeChoice
 from pipectl.cli.context import JsonFlag, console, print_json
 from pipectl.cli.plan import parse_morph_counts
 from pipectl.cluster import plan_cluster_spec
-from pipectl.emit import emitted_files, write_files
+from pipectl.emit import emitted_files, emitted_layouts, write_files
 from pipectl.emit.common import GIB
 from pipectl.errors import PipectlError, UserInputError
 from pipectl.io import load_model
-from pipectl.plan.frameworks import framework_request, not_expressible, space_of
+from pipectl.plan.frameworks import framework_request, space_of
 from pipectl.plan.search import plan as make_plan
 from pipectl.planfile import load_kind_profiles, load_plan_profile
 
@@ -37,19 +37,10 @@ def export_plan_command(
 ) -> None:
     """Write a plan's layout as Megatron-LM arguments, a torchtitan config or a DeepSpeed config and partition."""
     plan = load_model(Plan, plan_file)
-    counts, _ = parse_morph_counts(devices) if devices else ([], False)
+    counts, _ = parse_morph_counts(devices, "--devices", allow_all=False)
     profile = load_plan_profile(plan_file, plan)
-    layouts = [(plan.request.devices, plan.chosen)] + [
-        (count, entry.candidate) for count in counts if (entry := plan.for_devices(count)) and entry.candidate
-    ]
-    for count, candidate in layouts:
-        why = not_expressible(candidate, to, profile)
-        if why is not None:
-            where = "the plan's chosen layout" if candidate is plan.chosen else f"the plan's layout for {count} devices"
-            raise UserInputError(
-                f"{space_of(to).title} cannot run {why} ({where}, {_short_label(candidate)})",
-                hint=_nearest(plan, plan_file, to, count, candidate),
-            )
+    emitted_layouts(plan, to, profile, counts,
+                    hint=lambda count, layout: _nearest(plan, plan_file, to, count or plan.request.devices, layout))
     if output.exists() and not output.is_dir():
         raise UserInputError(f"-o {output} is a file; give the folder to write into")
     written = write_files(output, emitted_files(plan, plan_file, to, devices=counts, profile=profile))
@@ -58,15 +49,6 @@ def export_plan_command(
         return
     for path in written:
         console.print(f"wrote {path}")
-
-
-def _short_label(candidate: Candidate) -> str:
-    """The layout's label, uneven replicas as the most and fewest micro-batches ('m86/85')."""
-    c = candidate
-    if not c.replicas:
-        return layout_label(c)
-    counts = [r.micro_batches for r in c.replicas]
-    return f"t{c.tensor_parallel}p{c.pipeline_parallel}d{c.data_parallel} {c.schedule.value} b{c.micro_batch_size} m{max(counts)}/{min(counts)}"
 
 
 def _nearest(plan: Plan, plan_file: Path, framework: Framework, devices: int | None, layout: Candidate) -> str:

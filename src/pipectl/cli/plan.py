@@ -20,7 +20,7 @@ from pipectl.cli.context import JsonFlag, console, from_options, print_json, ref
 from pipectl.cli.options import ConfigOption, file_layers, passed_flags, with_options
 from pipectl.cluster import load_cluster, local_cluster
 from pipectl.config import layered
-from pipectl.emit import emitted_files, write_files
+from pipectl.emit import emitted_files, emitted_layouts, write_files
 from pipectl.errors import UserInputError
 from pipectl.io import check_output_file, load_model
 from pipectl.paths import given_file
@@ -54,8 +54,9 @@ def parse_schedule(text: str) -> ScheduleKind:
 MAX_MORPH_RANGE = 1 << 20
 
 
-def parse_morph_counts(text: str | None) -> tuple[list[int], bool]:
-    """`--morph-counts`: (the counts named, whether every count is); a bad entry is named.
+def parse_morph_counts(text: str | None, flag: str = "--morph-counts", *, allow_all: bool = True) -> tuple[list[int], bool]:
+    """`--morph-counts` (or another `flag` naming device counts): (the counts named, whether every
+    count is); a bad entry is named, and `all` where `allow_all` is off.
 
     >>> parse_morph_counts("12, 100-102"), parse_morph_counts("all"), parse_morph_counts(None)
     (([12, 100, 101, 102], False), ([], True), ([], False))
@@ -63,6 +64,8 @@ def parse_morph_counts(text: str | None) -> tuple[list[int], bool]:
     if text is None:
         return [], False
     if text.strip().lower() == "all":
+        if not allow_all:
+            raise UserInputError(f"{flag} all: name the device counts", hint=f"e.g. {flag} 64,128")
         return [], True
     counts: set[int] = set()
     for entry in text.split(","):
@@ -72,11 +75,11 @@ def parse_morph_counts(text: str | None) -> tuple[list[int], bool]:
             high = int(last) if dash else low
         except ValueError:
             raise UserInputError(
-                f"--morph-counts '{text}': '{entry.strip()}' is not a device count or a range",
-                hint="e.g. --morph-counts 12,100-120, or all",
+                f"{flag} '{text}': '{entry.strip()}' is not a device count or a range",
+                hint=f"e.g. {flag} 12,100-120" + (", or all" if allow_all else ""),
             ) from None
         if low < 1 or high < low or high - low > MAX_MORPH_RANGE:
-            raise UserInputError(f"--morph-counts '{text}': '{entry.strip()}' is not a range of positive counts")
+            raise UserInputError(f"{flag} '{text}': '{entry.strip()}' is not a range of positive counts")
         counts.update(range(low, high + 1))
     return sorted(counts), False
 
@@ -170,11 +173,16 @@ def plan_command(
         )
     if options.emit_devices is not None and options.emit is None:
         raise UserInputError("--emit-devices names layouts to write for --emit, which is not given")
-    emit_counts, _ = parse_morph_counts(options.emit_devices) if options.emit_devices else ([], False)
+    emit_counts, _ = parse_morph_counts(options.emit_devices, "--emit-devices", allow_all=False)
     if any_engine and engine not in (None, Engine.ANY):
         raise UserInputError(f"--any-engine and --engine {engine.value} disagree", hint="give one of them")
     engine = Engine.ANY if any_engine else (engine or Engine.DEEPSPEED)
     morph_counts, morph_every_count = parse_morph_counts(options.morph_counts)
+    beyond = [n for n in emit_counts if n > cluster_spec.total_devices]
+    if beyond:
+        raise UserInputError(f"--emit-devices {beyond[0]}: cluster '{cluster_spec.name}' has "
+                             f"{cluster_spec.total_devices} devices")
+    morph_counts = sorted(set(morph_counts) | set(emit_counts))  # the table covers every count to emit
     request = from_options(
         PlanRequest,
         global_batch=options.global_batch,
@@ -208,6 +216,8 @@ def plan_command(
         if not request.morph and emit_counts:
             raise UserInputError("--emit-devices writes rows of the morph table, which --no-morph skips")
     made = plan(profiles[0], cluster_spec, request, kind_profiles=profiles[1:])
+    if options.emit is not None:  # every layout to write is one the framework runs, before anything is written
+        emitted_layouts(made, options.emit, profiles[0], emit_counts)
     cluster_path = given_file(options.cluster)  # a YAML by path: recorded absolute (`Plan.cluster_file`)
     if options.emit is not None:
         output.parent.mkdir(parents=True, exist_ok=True)

@@ -17,13 +17,14 @@ from pipectl.artifacts.model import ModelConfig
 from pipectl.artifacts.plan import Candidate, Framework, Plan
 from pipectl.artifacts.profile import ModelProfile
 from pipectl.cluster import plan_cluster_spec
-from pipectl.emit.common import Origin, Target
+from pipectl.emit.common import Origin, Target, short_label
 from pipectl.emit.deepspeed import deepspeed_files
 from pipectl.emit.megatron import megatron_files
 from pipectl.emit.torchtitan import torchtitan_files
 from pipectl.errors import UserInputError
 from pipectl.io import load_model
 from pipectl.paths import resolve_config
+from pipectl.plan.frameworks import not_expressible, space_of
 from pipectl.planfile import load_plan_profile, morph_layout
 
 EMITTERS: dict[Framework, Callable[[Target], dict[str, str]]] = {
@@ -44,6 +45,26 @@ def model_config_of(plan: Plan) -> ModelConfig | None:
         return None
 
 
+def emitted_layouts(
+    plan: Plan, framework: Framework, profile: ModelProfile, devices: Sequence[int] = (),
+    *, hint: Callable[[int | None, Candidate], str] | None = None,
+) -> list[tuple[int | None, Candidate]]:
+    """The layouts to write: the chosen one (count None) and the morph table's for each of `devices`.
+    One the framework cannot run is refused naming the feature (`plan.frameworks.not_expressible`);
+    `hint(count, layout)` adds the line after it."""
+    layouts: list[tuple[int | None, Candidate]] = [(None, plan.chosen)]
+    layouts += [(devices_count, morph_layout(plan, devices_count)) for devices_count in devices]
+    for devices_count, candidate in layouts:
+        why = not_expressible(candidate, framework, profile)
+        if why is not None:
+            where = "the plan's chosen layout" if devices_count is None else f"the plan's layout for {devices_count} devices"
+            raise UserInputError(
+                f"{space_of(framework).title} cannot run {why} ({where}, {short_label(candidate)})",
+                hint=hint(devices_count, candidate) if hint else None,
+            )
+    return layouts
+
+
 def emitted_files(
     plan: Plan, plan_file: str | Path, framework: Framework, *, devices: Sequence[int] = (),
     profile: ModelProfile | None = None,
@@ -51,6 +72,7 @@ def emitted_files(
     """{path relative to the output folder: text} for the chosen layout and each count in `devices`."""
     plan_path = Path(plan_file)
     profile = profile or load_plan_profile(plan_path, plan)
+    layouts = emitted_layouts(plan, framework, profile, devices)
     origin = Origin(
         plan_file=str(plan_file),
         plan_sha256=hashlib.sha256(plan_path.read_bytes()).hexdigest(),
@@ -58,14 +80,11 @@ def emitted_files(
         devices_per_node=_devices_per_node(plan),
     )
     model = model_config_of(plan)
-
-    def files_of(candidate: Candidate) -> dict[str, str]:
-        return EMITTERS[framework](Target(plan, candidate, profile, model, origin))
-
-    files = files_of(plan.chosen)
-    for devices_count in devices:
-        files.update({f"devices-{devices_count}/{name}": text
-                      for name, text in files_of(morph_layout(plan, devices_count)).items()})
+    files: dict[str, str] = {}
+    for devices_count, candidate in layouts:
+        folder = "" if devices_count is None else f"devices-{devices_count}/"
+        texts = EMITTERS[framework](Target(plan, candidate, profile, model, origin))
+        files.update({folder + name: text for name, text in texts.items()})
     return files
 
 

@@ -15,8 +15,7 @@ from pipectl.artifacts.layout import layout_label
 from pipectl.artifacts.model import ModelConfig
 from pipectl.artifacts.plan import Candidate, Framework, Plan
 from pipectl.artifacts.profile import ModelProfile
-from pipectl.errors import UserInputError
-from pipectl.plan.frameworks import not_expressible, space_of
+from pipectl.plan.frameworks import space_of
 
 GIB = 1024**3
 
@@ -43,7 +42,11 @@ class Target:
 
     @property
     def nodes(self) -> int:
-        return -(-self.candidate.devices // self.origin.devices_per_node)
+        return launch_shape(self.candidate.devices, self.origin.devices_per_node, self.candidate.tensor_parallel)[0]
+
+    @property
+    def ranks_per_node(self) -> int:
+        return launch_shape(self.candidate.devices, self.origin.devices_per_node, self.candidate.tensor_parallel)[1]
 
     @property
     def label(self) -> str:
@@ -52,14 +55,29 @@ class Target:
         return f"{layout_label(c)}{chunks} ZeRO-{c.zero_stage}"
 
 
-def check_expressible(target: Target, framework: Framework) -> None:
-    """Refuse a layout the framework cannot run, naming the feature (`plan.frameworks.not_expressible`)."""
-    why = not_expressible(target.candidate, framework, target.profile)
-    if why is not None:
-        raise UserInputError(
-            f"{space_of(framework).title} cannot run {why}: the layout {target.label} "
-            f"({target.candidate.devices} devices)",
-        )
+def launch_shape(devices: int, devices_per_node: int, tensor_parallel: int) -> tuple[int, int]:
+    """(nodes, ranks per node) whose product is `devices`, as torchrun needs: whole nodes where the
+    layout fills them, else the most ranks per node that divide `devices` and keep each tensor
+    group inside a node (or whole nodes inside a group that spans several).
+
+    >>> launch_shape(3072, 8, 4), launch_shape(6, 8, 2), launch_shape(60, 8, 1), launch_shape(60, 8, 4)
+    ((384, 8), (1, 6), (10, 6), (15, 4))
+    """
+    if devices <= devices_per_node:
+        return 1, devices
+    for per_node in range(devices_per_node, 0, -1):
+        if devices % per_node == 0 and (per_node % tensor_parallel == 0 or tensor_parallel % per_node == 0):
+            return devices // per_node, per_node
+    return devices, 1  # pragma: no cover - one rank per node always divides
+
+
+def short_label(candidate: Candidate) -> str:
+    """The layout's label, uneven replicas as the most and fewest micro-batches ('m86/85')."""
+    c = candidate
+    if not c.replicas:
+        return layout_label(c)
+    counts = [r.micro_batches for r in c.replicas]
+    return f"t{c.tensor_parallel}p{c.pipeline_parallel}d{c.data_parallel} {c.schedule.value} b{c.micro_batch_size} m{max(counts)}/{min(counts)}"
 
 
 def header(target: Target, framework: Framework, differences: list[str], comment: str = "#") -> str:
@@ -71,11 +89,14 @@ def header(target: Target, framework: Framework, differences: list[str], comment
         f"(sha256 {origin.plan_sha256[:12]}), profile {origin.profile}",
         f"model {plan.model}, global batch {plan.global_batch}, cluster {plan.cluster}",
         f"layout {target.label} on {c.devices} x {c.device} ({target.nodes} node{'s' if target.nodes != 1 else ''} of "
-        f"{origin.devices_per_node}): predicted {c.predicted_step_seconds:.4g} s/step, "
+        f"{target.ranks_per_node}): predicted {c.predicted_step_seconds:.4g} s/step, "
         f"peak {peak:.1f} GiB per device",
         "",
         "What this framework does that pipectl's prediction did not price (how far the step time holds here):",
         *[f"- {line}" for line in differences],
+        *([f"- {c.devices} devices fill no whole nodes of {origin.devices_per_node}: {target.nodes} nodes of "
+           f"{target.ranks_per_node} ranks, where pipectl priced ranks filling each node in turn"]
+          if target.nodes > 1 and target.ranks_per_node != origin.devices_per_node else []),
     ]
     return "".join(f"{comment} {line}".rstrip() + "\n" for line in lines)
 

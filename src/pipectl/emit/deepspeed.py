@@ -16,7 +16,7 @@ import json
 
 from pipectl.artifacts.plan import Framework, Recompute
 from pipectl.artifacts.run import Precision
-from pipectl.emit.common import Target, check_expressible, engine_differences, header
+from pipectl.emit.common import Target, engine_differences, header
 from pipectl.runtime.dsconfig import batch_section, parse_with_deepspeed, stage_partition
 
 CONFIG_FILE = "ds_config.json"
@@ -26,7 +26,6 @@ PRECISIONS = {"bfloat16": Precision.BF16, "float16": Precision.FP16, "float32": 
 
 
 def deepspeed_files(target: Target) -> dict[str, str]:
-    check_expressible(target, Framework.DEEPSPEED)
     config = ds_config(target)
     parse_with_deepspeed(config, target.candidate.data_parallel)  # DeepSpeed's own checks, or exit 2 naming them
     return {CONFIG_FILE: json.dumps(config, indent=2) + "\n", MODULE_FILE: pipeline_module(target)}

@@ -23,14 +23,13 @@ from __future__ import annotations
 import shlex
 
 from pipectl.artifacts.plan import Framework, Recompute
-from pipectl.emit.common import Target, check_expressible, engine_differences, header
+from pipectl.emit.common import Target, engine_differences, header
 from pipectl.plan.frameworks import BLOCK, EMBEDDING, HEAD
 
 FILE = "megatron-args.sh"
 
 
 def megatron_files(target: Target) -> dict[str, str]:
-    check_expressible(target, Framework.MEGATRON)
     model, parallel = model_arguments(target), parallel_arguments(target)
     c = target.candidate
     lines = [
@@ -38,9 +37,11 @@ def megatron_files(target: Target) -> dict[str, str]:
         "# Source this file in a Megatron-LM launch script, then pass the array to pretrain_gpt.py:",
         '#   torchrun --nnodes "$PIPECTL_NODES" --nproc-per-node "$PIPECTL_GPUS_PER_NODE" ... pretrain_gpt.py \\',
         '#       "${PIPECTL_MEGATRON_ARGS[@]}" <your data, tokenizer, optimizer and checkpoint arguments>',
+        *(["export CUDA_DEVICE_MAX_CONNECTIONS=1  # Megatron's validate_args asks it of tensor parallelism (before Blackwell)"]
+          if c.tensor_parallel > 1 else []),
         f"PIPECTL_WORLD_SIZE={c.devices}",
         f"PIPECTL_NODES={target.nodes}",
-        f"PIPECTL_GPUS_PER_NODE={min(target.origin.devices_per_node, c.devices)}",
+        f"PIPECTL_GPUS_PER_NODE={target.ranks_per_node}",
         _array("PIPECTL_MODEL_ARGS", model),
         _array("PIPECTL_PARALLEL_ARGS", parallel),
         'PIPECTL_MEGATRON_ARGS=("${PIPECTL_MODEL_ARGS[@]}" "${PIPECTL_PARALLEL_ARGS[@]}")',

@@ -17,8 +17,7 @@ from __future__ import annotations
 import json
 
 from pipectl.artifacts.plan import Framework, Recompute
-from pipectl.emit.common import Target, check_expressible, engine_differences, header
-from pipectl.errors import UserInputError
+from pipectl.emit.common import Target, engine_differences, header
 from pipectl.plan.frameworks import (
     BLOCK, EMBEDDING, FINAL_NORM, HEAD, REPLICATE, SHARD_ALWAYS, SHARD_NEVER, torchtitan_data_parallel,
 )
@@ -37,13 +36,7 @@ PRECISIONS = {"bfloat16": "bfloat16", "float32": "float32"}  # torchtitan's mixe
 
 
 def torchtitan_files(target: Target) -> dict[str, str]:
-    check_expressible(target, Framework.TORCHTITAN)
-    precision = PRECISIONS.get(target.profile.dtype)
-    if precision is None:
-        raise UserInputError(
-            f"torchtitan trains in bfloat16 or float32; the profile is {target.profile.dtype}",
-            hint="profile (or derive) the model in bfloat16",
-        )
+    precision = PRECISIONS[target.profile.dtype]
     sections = config_sections(target, precision)
     body = "\n".join(
         f"[{section}]\n" + "".join(f"{key} = {_toml(value)}\n" for key, value in keys.items())
@@ -51,8 +44,8 @@ def torchtitan_files(target: Target) -> dict[str, str]:
     )
     comment = [
         "# Merge these sections into your torchtitan train config (or pass them as --section.key overrides);",
-        f"# run it on {target.candidate.devices} GPUs: NGPU={min(target.origin.devices_per_node, target.candidate.devices)} "
-        f"per node on {target.nodes} node{'s' if target.nodes != 1 else ''}.",
+        f"# run it on {target.candidate.devices} GPUs: NGPU={target.ranks_per_node} per node on {target.nodes} "
+        f"node{'s' if target.nodes != 1 else ''}.",
         "",
     ]
     return {FILE: header(target, Framework.TORCHTITAN, differences(target)) + "\n" + "\n".join(comment) + "\n" + body}
@@ -122,5 +115,12 @@ def differences(target: Target) -> list[str]:
                      "its first forward, where ZeRO-1 gathers them after the optimizer step")
     if c.data_parallel > 1 and c.zero_stage >= 1:
         notes.append("FSDP reduce-scatters gradients in fp32 (training.mixed_precision_reduce): twice the bytes priced")
+    if c.data_parallel > 1 and c.zero_stage == 0:
+        notes.append("DDP trains under autocast with fp32 parameters: their memory and the all-reduce's bytes are "
+                     "twice what was priced")
+    config = target.model
+    if config is None or not (config.norm == "rms" and config.rotary and config.activation == "swiglu"):
+        notes.append(f"model '{target.plan.model}' is none of torchtitan's decoders (RMSNorm, rotary positions, "
+                     "SwiGLU: Llama, Qwen, DeepSeek): the cut is written in their module names")
     notes.append("torch.compile, Float8 and async tensor parallelism are not priced; leave them off to train as priced")
     return notes

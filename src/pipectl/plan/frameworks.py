@@ -1,9 +1,10 @@
 """What another training framework can express of a plan, as the planner's search space.
 
 `plan --emit FRAMEWORK` plans for a framework the user already runs; the search then visits only
-the layouts that framework can be told to run (`narrowed`), so the chosen layout and every row of
-the morph table can be written as its arguments (`pipectl.emit`). What each one expresses, read
-from its source at the release `pipectl.emit.names` pins:
+the layouts that framework can be told to run (`plan.space.search_space` reads `FrameworkSpace`),
+so the chosen layout and every row of the morph table can be written as its arguments
+(`pipectl.emit`). What each one expresses, read from its source at the release
+`pipectl.emit.vendored` pins:
 
 | framework | schedules | recomputation | ZeRO | cut | replicas |
 |---|---|---|---|---|---|
@@ -125,11 +126,16 @@ def torchtitan_data_parallel(zero_stage: int, tensor_parallel: int, pipeline_par
     }.get(zero_stage)
 
 
-def zero_stages_run(framework: Framework, t: int, p: int, d: int, zeros: tuple[int, ...]) -> tuple[int, ...]:
-    """The ZeRO stages of `zeros` that `framework` runs at (t, p, d): where data parallelism
-    shards nothing (d = 1) all of them, otherwise its own (`torchtitan_data_parallel`)."""
-    if framework is not Framework.TORCHTITAN or d == 1:
+def zero_stages_run(framework: Framework, t: int, p: int, d: int, zeros: tuple[int, ...], dtype: str) -> tuple[int, ...]:
+    """The ZeRO stages of `zeros` that `framework` runs at (t, p, d) in `dtype`: every one for
+    Megatron and DeepSpeed; torchtitan's by `torchtitan_data_parallel` where d > 1, and without
+    data parallelism none in 16 bits beside a tensor or pipeline split (its mixed precision is
+    FSDP's or autocast's, and it turns autocast off for tensor and pipeline parallelism:
+    `maybe_enable_amp`), so such a layout would train in fp32, not as priced."""
+    if framework is not Framework.TORCHTITAN:
         return zeros
+    if d == 1:
+        return () if (t > 1 or p > 1) and dtype != "float32" else zeros
     return tuple(zero for zero in zeros if torchtitan_data_parallel(zero, t, p) is not None)
 
 
@@ -181,6 +187,11 @@ def check_framework_request(request: PlanRequest, profile: ModelProfile) -> None
             f"{space.title} has none of the recomputation asked for ({asked}) (--recompute {request.recompute.value})",
             hint=f"its recomputation: {', '.join(g.label for g in space.recompute)}",
         )
+    if framework_lacks_dtype(request.framework, profile.dtype):
+        raise UserInputError(
+            f"{space.title} trains in bfloat16 or float32; the profile is {profile.dtype}",
+            hint="profile (or derive) the model in bfloat16",
+        )
     if space.decoder_only:
         kinds = [layer.kind for layer in profile.layers]
         if not _is_decoder(kinds):
@@ -191,6 +202,11 @@ def check_framework_request(request: PlanRequest, profile: ModelProfile) -> None
                 f"model '{profile.model}' has {what}",
                 hint="emit for deepspeed (a PipelineModule of your own layers), or plan for pipectl's runtime",
             )
+
+
+def framework_lacks_dtype(framework: Framework, dtype: str) -> bool:
+    """torchtitan's parameters train in bfloat16 or float32 (`training.mixed_precision_param`)."""
+    return framework is Framework.TORCHTITAN and dtype not in ("bfloat16", "float32")
 
 
 def _is_decoder(kinds: list[str]) -> bool:
@@ -247,25 +263,29 @@ def joined_cuts(cuts: tuple[tuple[int, int], ...], kept: tuple[int, ...]) -> tup
     return tuple(zip(edges[:-1], edges[1:]))
 
 
-def not_expressible(candidate: Candidate, framework: Framework, profile: ModelProfile | None = None) -> str | None:
-    """Why `framework` cannot run `candidate` as planned, in words; None when it can."""
-    space = space_of(framework)
-    if candidate.device == "mixed" or len(set(candidate.replica_kinds)) > 1:
+def not_expressible(candidate: Candidate, framework: Framework, profile: ModelProfile) -> str | None:
+    """Why `framework` cannot run `candidate` of a model with `profile`, in words; None when it can."""
+    space, c = space_of(framework), candidate
+    if space.decoder_only and not _is_decoder([layer.kind for layer in profile.layers]):
+        return f"model '{profile.model}', which is not an embedding, transformer blocks, a final norm and a head"
+    if framework_lacks_dtype(framework, profile.dtype):
+        return f"training in {profile.dtype}"
+    if c.device == "mixed" or len(set(c.replica_kinds)) > 1:
         return "replicas on different device kinds"
-    if candidate.replicas:
+    if c.replicas:
         return "uneven replicas (some run one micro-batch more than others)"
-    if candidate.schedule not in space.schedules:
-        return _SCHEDULE_WORDS.get(candidate.schedule, candidate.schedule.value)
-    granularity = candidate.recompute_granularity
+    if c.schedule not in space.schedules:
+        return _SCHEDULE_WORDS.get(c.schedule, c.schedule.value)
+    granularity = c.recompute_granularity
     if granularity not in space.recompute:
         return _RECOMPUTE_WORDS.get(granularity, granularity.label)
-    c = candidate
-    if c.zero_stage not in zero_stages_run(framework, c.tensor_parallel, c.pipeline_parallel, c.data_parallel,
-                                           space.zero_stages):
-        return f"ZeRO-{c.zero_stage} at t = {c.tensor_parallel}, p = {c.pipeline_parallel}, d = {c.data_parallel}"
-    if profile is not None and space.norm_with_head:
-        kept = kept_together(framework, profile)
-        cuts = tuple((int(a), int(b)) for a, b in candidate.stage_layers)
-        if joined_cuts(cuts, kept) != cuts:
+    runs = zero_stages_run(framework, c.tensor_parallel, c.pipeline_parallel, c.data_parallel, space.zero_stages,
+                           profile.dtype)
+    if c.zero_stage not in runs:
+        where = f"t = {c.tensor_parallel}, p = {c.pipeline_parallel}, d = {c.data_parallel}"
+        return f"{profile.dtype} training at {where}" if not runs else f"ZeRO-{c.zero_stage} at {where}"
+    if space.norm_with_head:
+        cuts = tuple((int(a), int(b)) for a, b in c.stage_layers)
+        if joined_cuts(cuts, kept_together(framework, profile)) != cuts:
             return "a cut between the final norm and the head"
     return None

@@ -46,6 +46,12 @@ def _positive(name: str, value: int | float | None) -> None:
         raise UserInputError(f"{name} must be positive, got {value}")
 
 
+def _even_hint(request: PlanRequest) -> str:
+    if request.framework is not None:
+        return f"{request.framework.value} gives every replica the same share: pin a d that divides it"
+    return "without --even-replicas, replicas take uneven shares of the batch"
+
+
 def check_request(request: PlanRequest, profile: ModelProfile, hardware: Hardware) -> None:
     """Bad input names the value: B <= 0, impossible pinned degrees, a missing deadline figure."""
     B = request.global_batch
@@ -54,6 +60,7 @@ def check_request(request: PlanRequest, profile: ModelProfile, hardware: Hardwar
     for name in ("max_tensor_parallel", "tensor_parallel", "pipeline_parallel", "data_parallel",
                  "micro_batch_size", "devices", "deadline_hours", "samples", "tokens", "top", "workers"):
         _positive(name.replace("_", " "), getattr(request, name))
+    check_framework_request(request, profile)  # before the checks below, which speak of pipectl's runtime
     if request.devices is not None and request.devices > hardware.devices:
         kind = f"'{hardware.kind}' device"
         raise UserInputError(f"--devices {request.devices} is more than the cluster's {count(hardware.devices, kind)}")
@@ -86,8 +93,7 @@ def check_request(request: PlanRequest, profile: ModelProfile, hardware: Hardwar
     if d is not None and d > B:
         raise UserInputError(f"data-parallel degree {d} is more than the global batch's {count(B, 'sample')}")
     if d is not None and B % d and not request.uneven_replicas:
-        raise UserInputError(f"global batch {B} is not divisible by data-parallel degree {d}",
-                             hint="without --even-replicas, replicas take uneven shares of the batch")
+        raise UserInputError(f"global batch {B} is not divisible by data-parallel degree {d}", hint=_even_hint(request))
     if b is not None and B % b:
         raise UserInputError(f"global batch {B} is not divisible by micro-batch size {b}")
     if d is not None and b is not None and d * b > B:
@@ -96,7 +102,7 @@ def check_request(request: PlanRequest, profile: ModelProfile, hardware: Hardwar
         )
     if d is not None and b is not None and B % (d * b) and not request.uneven_replicas:
         raise UserInputError(f"global batch {B} is not divisible by data-parallel degree {d} x micro-batch {b}",
-                             hint="without --even-replicas, replicas take uneven shares of the batch")
+                             hint=_even_hint(request))
     pinned = [x for x in (request.tensor_parallel, request.pipeline_parallel, request.data_parallel) if x]
     if math.prod(pinned) > (request.devices or hardware.devices):
         raise UserInputError(
@@ -123,7 +129,6 @@ def check_request(request: PlanRequest, profile: ModelProfile, hardware: Hardwar
             hint="DeepSpeed's pipeline engine refuses ZeRO-2 and ZeRO-3: they are planned at p = 1 only; "
             "add ZeRO stage 0 or 1",
         )
-    check_framework_request(request, profile)
     bad_chunks = [v for v in request.chunks if v < 2]
     if bad_chunks:
         raise UserInputError(f"interleaved chunks v must be >= 2, got {bad_chunks[0]}")

@@ -394,8 +394,8 @@ class _UnitContext:
             m = -(-B // (d * b))  # the most micro-batches a replica runs (`balanced_shares`)
             zeros, sharded = _zeros_split(d, space.zero_stages, p == 1)
             if space.framework is not None:  # a framework may run a stage at some degrees only
-                zeros = zero_stages_run(space.framework, t, p, d, zeros)
-                sharded = zero_stages_run(space.framework, t, p, d, sharded)
+                zeros = zero_stages_run(space.framework, t, p, d, zeros, self.profile.dtype)
+                sharded = zero_stages_run(space.framework, t, p, d, sharded, self.profile.dtype)
             if kind is ScheduleKind.ZBV and B // b // d < 2 * p - 1:
                 # Rank 0's warm-up runs 2p - 1 forwards before its first backward (`schedule.zbv`).
                 rejections.add(

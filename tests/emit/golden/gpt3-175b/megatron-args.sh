@@ -13,6 +13,7 @@
 # Source this file in a Megatron-LM launch script, then pass the array to pretrain_gpt.py:
 #   torchrun --nnodes "$PIPECTL_NODES" --nproc-per-node "$PIPECTL_GPUS_PER_NODE" ... pretrain_gpt.py \
 #       "${PIPECTL_MEGATRON_ARGS[@]}" <your data, tokenizer, optimizer and checkpoint arguments>
+export CUDA_DEVICE_MAX_CONNECTIONS=1  # Megatron's validate_args asks it of tensor parallelism (before Blackwell)
 PIPECTL_WORLD_SIZE=3072
 PIPECTL_NODES=384
 PIPECTL_GPUS_PER_NODE=8
