@@ -12,13 +12,13 @@ from typing import Annotated
 
 import typer
 
-from pipectl.artifacts.layout import layout_label
 from pipectl.artifacts.plan import Candidate, Framework, Plan, RecomputeChoice
+from pipectl.artifacts.profile import ModelProfile
 from pipectl.cli.context import JsonFlag, console, print_json
 from pipectl.cli.plan import parse_morph_counts
 from pipectl.cluster import plan_cluster_spec
 from pipectl.emit import emitted_files, emitted_layouts, write_files
-from pipectl.emit.common import GIB
+from pipectl.emit.common import GIB, layout_words
 from pipectl.errors import PipectlError, UserInputError
 from pipectl.io import load_model
 from pipectl.plan.frameworks import framework_request, space_of
@@ -40,7 +40,7 @@ def export_plan_command(
     counts, _ = parse_morph_counts(devices, "--devices", allow_all=False)
     profile = load_plan_profile(plan_file, plan)
     emitted_layouts(plan, to, profile, counts,
-                    hint=lambda count, layout: _nearest(plan, plan_file, to, count or plan.request.devices, layout))
+                    hint=lambda count, layout: _nearest(plan, plan_file, profile, to, count or plan.request.devices, layout))
     if output.exists() and not output.is_dir():
         raise UserInputError(f"-o {output} is a file; give the folder to write into")
     written = write_files(output, emitted_files(plan, plan_file, to, devices=counts, profile=profile))
@@ -51,7 +51,9 @@ def export_plan_command(
         console.print(f"wrote {path}")
 
 
-def _nearest(plan: Plan, plan_file: Path, framework: Framework, devices: int | None, layout: Candidate) -> str:
+def _nearest(
+    plan: Plan, plan_file: Path, profile: ModelProfile, framework: Framework, devices: int | None, layout: Candidate
+) -> str:
     """The plan's request re-planned within the framework's layouts at `devices`, in words, against `layout`."""
     space = space_of(framework)
     asked = plan.request
@@ -65,14 +67,12 @@ def _nearest(plan: Plan, plan_file: Path, framework: Framework, devices: int | N
         "allow_recompute": True,
     }), framework, zero_stages_given=False)
     try:
-        profile = load_plan_profile(plan_file, plan)
         nearest = make_plan(profile, plan_cluster_spec(plan), request, kind_profiles=load_kind_profiles(plan_file, plan))
     except PipectlError as exc:
         return f"nothing {space_of(framework).title} runs fits either ({exc.message})"
     c = nearest.chosen
-    chunks = f" v{c.chunks}" if c.chunks > 1 else ""
     return (
-        f"nearest it runs: {layout_label(c)}{chunks} ZeRO-{c.zero_stage}, {c.predicted_step_seconds:.4g} s/step against "
+        f"nearest it runs: {layout_words(c)}, {c.predicted_step_seconds:.4g} s/step against "
         f"{layout.predicted_step_seconds:.4g}, peak {max(c.peak_memory_bytes) / GIB:.1f} GiB; write it with "
         f"`pipectl plan ... --emit {framework.value}`"
     )

@@ -50,9 +50,7 @@ class Target:
 
     @property
     def label(self) -> str:
-        c = self.candidate
-        chunks = f" v{c.chunks}" if c.chunks > 1 else ""
-        return f"{layout_label(c)}{chunks} ZeRO-{c.zero_stage}"
+        return layout_words(self.candidate)
 
 
 def launch_shape(devices: int, devices_per_node: int, tensor_parallel: int) -> tuple[int, int]:
@@ -69,6 +67,12 @@ def launch_shape(devices: int, devices_per_node: int, tensor_parallel: int) -> t
         if devices % per_node == 0 and (per_node % tensor_parallel == 0 or tensor_parallel % per_node == 0):
             return devices // per_node, per_node
     return devices, 1  # pragma: no cover - one rank per node always divides
+
+
+def layout_words(candidate: Candidate) -> str:
+    """'t4p16d48 interleaved b1 m32 v4 ZeRO-1': the label, its chunks and its ZeRO stage."""
+    chunks = f" v{candidate.chunks}" if candidate.chunks > 1 else ""
+    return f"{layout_label(candidate)}{chunks} ZeRO-{candidate.zero_stage}"
 
 
 def short_label(candidate: Candidate) -> str:
