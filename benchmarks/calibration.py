@@ -87,7 +87,7 @@ def launch(plan: Path, run: Path, steps: int) -> Path:
 
 
 def measured_step(run: Path, warmup: int) -> float:
-    from pipectl.runtime.metrics import read_metrics
+    from pipectl.rundir.metrics import read_metrics
 
     steps = [m.step_seconds for m in read_metrics(run)]
     return statistics.median(steps[warmup:] if len(steps) > warmup else steps)

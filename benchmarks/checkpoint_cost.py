@@ -113,7 +113,7 @@ def read_run(run: Path) -> tuple[list[dict], list[dict]]:
 
 
 def measure(name: str, work: Path, steps: int, every: int) -> dict:
-    from pipectl.runtime.checkpoint import list_checkpoints
+    from pipectl.rundir.checkpoints import list_checkpoints
 
     model = write_model(work, name)
     plan, parameters = write_plan(work, model)

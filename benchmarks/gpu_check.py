@@ -156,7 +156,7 @@ def run_layout(label: str, candidate: dict, plan_path: Path, work: Path, steps: 
     from pipectl.artifacts.plan import Candidate, Plan
     from pipectl.io import load_model
     from pipectl.planfile import copy_plan
-    from pipectl.runtime.metrics import read_metrics
+    from pipectl.rundir.metrics import read_metrics
 
     plan = load_model(Plan, plan_path)
     layout_plan = work / f"plan-{label}.json"

@@ -107,7 +107,7 @@ def run_pipectl(plan_path: Path, work: Path, steps: int, warmup: int) -> dict:
     from pipectl.artifacts.run import DataKind, DataSpec
     from pipectl.io import load_model
     from pipectl.launch import LaunchOptions, prepare_launch, run_engine
-    from pipectl.runtime.metrics import read_metrics
+    from pipectl.rundir.metrics import read_metrics
 
     plan = load_model(Plan, plan_path)
     prepared = prepare_launch(
@@ -159,8 +159,8 @@ def baseline_worker(plan_path: Path, out: Path, steps: int) -> None:
     import torch
 
     from pipectl.models import build_model
-    from pipectl.runtime import dsinit
-    from pipectl.runtime.pipeline import build_pipeline_module
+    from pipectl.runtime.engines import dsinit
+    from pipectl.runtime.engines.pipeline import build_pipeline_module
 
     dsinit.init_distributed()  # only the CPU work-arounds (skip the shm-op JIT build)
     import deepspeed

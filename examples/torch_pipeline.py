@@ -2,7 +2,7 @@
 
 DeepSpeed's pipeline engine holds one stage per rank, so it cannot run interleaved 1F1B (several
 stages per rank) or the zero-bubble schedules (the backward split into input and weight
-gradients). `pipectl.runtime.torch_pipeline` runs pipectl's own `Schedule` objects, the ones the
+gradients). `pipectl.runtime.engines.torch_pipeline` runs pipectl's own `Schedule` objects, the ones the
 simulator times, on `torch.distributed.pipelining`'s runtime. This example starts two local gloo
 ranks itself, without a run directory; `pipectl plan --engine torch` plans for that runtime and
 `pipectl launch` runs such a plan with checkpoints, metrics and resizes.
@@ -24,7 +24,7 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from pipectl.runtime.torch_pipeline import TorchPipelineJob, even_cuts, reference_run, spawn_local  # noqa: E402
+from pipectl.runtime.engines.torch_pipeline import TorchPipelineJob, even_cuts, reference_run, spawn_local  # noqa: E402
 from pipectl.schedule import ScheduleKind, generate, torch_runnable  # noqa: E402
 
 LAYERS = 9  # gpt-tiny: embedding, 6 blocks, final norm, head (tied to the embedding)

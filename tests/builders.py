@@ -127,8 +127,8 @@ def train_run(plan: Plan, run_dir, steps: int, *, warmup_steps: int, timeout_sec
 def final_weights(run_dir, step: int) -> dict:
     """fp32 weights by parameter name from the newest checkpoint, which must be of `step`, whole
     (any layout gives the same names)."""
-    from pipectl.runtime.checkpoint import find_latest_verified
-    from pipectl.runtime.shards import whole_state
+    from pipectl.rundir.checkpoints import find_latest_verified
+    from pipectl.runtime.checkpoint.shards import whole_state
 
     info, _ = find_latest_verified(run_dir)
     assert info is not None and info.step == step
@@ -195,7 +195,7 @@ def write_shard_layout(folder: Path, parameters: dict[str, tuple[torch.Tensor, T
     the other, the flat group cut into d equal partitions. Returns the number of rank files."""
     import torch
 
-    from pipectl.runtime.shards import Fragment, RankHeader, rank_file_name, write_rank_file
+    from pipectl.runtime.checkpoint.shards import Fragment, RankHeader, rank_file_name, write_rank_file
 
     stages = stages or {}
     stage_ids = sorted({s for name in parameters for s in stages.get(name, (0,))})

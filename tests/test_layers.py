@@ -110,6 +110,20 @@ def test_the_cli_starts_without_torch_deepspeed_or_matplotlib():
     assert loaded.stdout.strip() == "[]"
 
 
+def test_the_run_directory_formats_import_without_torch():
+    """`pipectl.rundir` is what the user's process reads of a run (status, resize, launch): every
+    module of it imports without torch or DeepSpeed."""
+    names = sorted(m for m in modules() if m == "pipectl.rundir" or m.startswith("pipectl.rundir."))
+    assert len(names) > 5, names
+    code = (
+        "import importlib, sys\n"
+        f"for name in {names!r}: importlib.import_module(name)\n"
+        "print(sorted(m for m in ('torch', 'deepspeed') if m in sys.modules))"
+    )
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert loaded.stdout.strip() == "[]"
+
+
 def test_the_checker_sees_a_cycle_and_an_upward_import(tmp_path, monkeypatch):
     """The tests above can fail: a fake package with one cycle and one upward import is caught."""
     fake = tmp_path / "src" / "pipectl"

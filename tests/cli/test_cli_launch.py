@@ -220,7 +220,7 @@ def test_out_of_memory_gives_the_plans_figure_and_only_the_changes_that_apply():
 def test_wall_time_checkpoints_are_taken_by_both_ranks_together_and_change_no_loss(tmp_path):
     """--checkpoint-every 0.15s on two pipeline ranks: the ranks vote at each step boundary, so every
     checkpoint holds both ranks' files of one step; training is not changed by them."""
-    from pipectl.runtime.checkpoint import list_checkpoints, read_events
+    from pipectl.rundir.checkpoints import list_checkpoints, read_events
 
     plan = write_plan(tmp_path / "plan.json")
     plain, timed = tmp_path / "plain", tmp_path / "timed"
@@ -244,7 +244,7 @@ def test_wall_time_checkpoints_are_taken_by_both_ranks_together_and_change_no_lo
 def test_a_checkpoint_that_verifies_but_does_not_load_is_skipped_and_the_terminal_says_so(tmp_path):
     """Both ranks resume from step 2 when a file of step 4 is truncated behind a recomputed hash."""
     from pipectl.artifacts.run import CheckpointManifest
-    from pipectl.runtime.checkpoint import sha256_file, verify_checkpoint
+    from pipectl.rundir.checkpoints import sha256_file, verify_checkpoint
 
     plan = write_plan(tmp_path / "plan.json")
     run = tmp_path / "run"
@@ -305,7 +305,7 @@ def test_a_live_run_is_refused_naming_the_pid_of_the_process_holding_its_lock(tm
     import subprocess
     import sys
 
-    from pipectl.launch.rundir import lock_run_dir
+    from pipectl.rundir.lock import lock_run_dir
 
     plan = write_plan(tmp_path / "plan.json")
     run = tmp_path / "run"
@@ -341,7 +341,8 @@ def test_a_checkpoint_that_cannot_be_written_is_reported_without_a_traceback(tmp
     import subprocess
     import sys
 
-    from pipectl.runtime.checkpoint import find_latest_verified, staging_leftovers
+    from pipectl.rundir.checkpoints import find_latest_verified, staging_leftovers
+    from pipectl.runtime.checkpoint.ranks import unloadable_problem
 
     plan = write_plan(tmp_path / "plan.json")
     run = tmp_path / "run"
@@ -360,13 +361,13 @@ def test_a_checkpoint_that_cannot_be_written_is_reported_without_a_traceback(tmp
     assert f"file size limit reached (ulimit -f: files up to {limit_kib * 1024:,} bytes) while writing checkpoint step 4" in output
     assert "checkpoint step 2 is intact" in output and "Traceback" not in output
     assert staging_leftovers(run) == []
-    info, warnings = find_latest_verified(run, load_check=True)
+    info, warnings = find_latest_verified(run, load_check=unloadable_problem)
     assert info.step == 2 and warnings == []
 
 
 def test_resume_keeps_what_was_not_passed_and_refuses_another_global_batch(tmp_path):
     from pipectl.artifacts.run import CheckpointManifest
-    from pipectl.runtime import checkpoint as ckpt
+    from pipectl.rundir import checkpoints as ckpt
 
     plan = write_plan(tmp_path / "plan.json")
     run = tmp_path / "run"
@@ -504,7 +505,7 @@ def test_a_local_job_listens_on_loopback_only(tmp_path):
     finally:
         launcher.kill()
     assert launcher.returncode == 0, output
-    assert any("pipectl.runtime.loopback" in name for name, _ in listening), listening  # torchrun's stores seen
+    assert any("pipectl.runtime.engines.loopback" in name for name, _ in listening), listening  # torchrun's stores seen
     assert all(ip == "127.0.0.1" for ip in listening.values()), listening
 
 
@@ -561,7 +562,7 @@ def test_sigterm_to_torchrun_after_a_clean_checkpoint_exits_0(tmp_path):
     launcher = _start_launch(plan, run, "--steps", "100000", "--timeout", "240")
     try:
         _wait_for_steps(run, 3, launcher)
-        torchrun = [p for p in psutil.Process(launcher.pid).children() if "pipectl.runtime.loopback" in " ".join(p.cmdline())]
+        torchrun = [p for p in psutil.Process(launcher.pid).children() if "pipectl.runtime.engines.loopback" in " ".join(p.cmdline())]
         assert len(torchrun) == 1
         torchrun[0].terminate()
         output, _ = launcher.communicate(timeout=120)
@@ -626,7 +627,7 @@ def _vanished_rank(run: Path, rank: int, phase: str) -> int:
     import time
 
     from pipectl.artifacts.run import RankHeartbeat
-    from pipectl.runtime.liveness import heartbeat_path
+    from pipectl.rundir.heartbeats import heartbeat_path
 
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
@@ -645,7 +646,7 @@ def test_a_rank_killed_without_a_record_is_named_before_the_peer_it_cut_off(tmp_
     import time
 
     from pipectl.cli.launch import job_failure
-    from pipectl.runtime.failure import write_failure
+    from pipectl.rundir.failures import write_failure
 
     run = tmp_path / "run"
     started = time.time()

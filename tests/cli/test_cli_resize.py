@@ -17,11 +17,11 @@ from pipectl.artifacts.run import CheckpointManifest, Engine, RankTiming, StepMe
 from pipectl.cli.main import app
 from pipectl.report.run_tables import morph_history_table, status_renderables, straggler_table
 from pipectl.launch import LaunchOptions, prepare_launch
-from pipectl.launch.rundir import read_run
-from pipectl.runtime.history import append_record
+from pipectl.launch.prepare import read_run
+from pipectl.rundir.morph_history import append_record
 from pipectl.resize.stragglers import find_stragglers
-from pipectl.runtime import checkpoint as ckpt
-from pipectl.runtime.metrics import MetricsWriter
+from pipectl.rundir import checkpoints as ckpt
+from pipectl.rundir.metrics import MetricsWriter
 from builders import gpt_tiny_candidate, plan_of
 
 runner = CliRunner()
@@ -189,7 +189,7 @@ def test_resize_reports_the_step_the_ranks_really_resumed_from(tmp_path):
     """The newest checkpoint verifies but one of its files does not load: the ranks fall back to
     step 2, and resize says so and records step 2, not the newest tag's step 4."""
     from pipectl.launch import run_engine
-    from pipectl.runtime.history import read_history
+    from pipectl.rundir.morph_history import read_history
 
     plan = plan_of(
         candidate(), global_batch=8,
@@ -228,7 +228,7 @@ def test_a_slurm_job_seen_only_by_its_heartbeats_is_stopped_cancelled_and_the_ne
     import threading
 
     from pipectl.artifacts.run import RankHeartbeat, RankState
-    from pipectl.runtime.liveness import write_heartbeat
+    from pipectl.rundir.heartbeats import write_heartbeat
 
     run = make_run(tmp_path, engine=Engine.SLURM)
     (run / "slurm_job_id").write_text("4242\n")

@@ -14,8 +14,8 @@ from pipectl.artifacts.plan import Candidate
 from pipectl.artifacts.run import CheckpointManifest, RankTiming, StepMetrics
 from pipectl.cli.main import app
 from pipectl.launch import LaunchOptions, prepare_launch
-from pipectl.runtime import checkpoint as ckpt
-from pipectl.runtime.metrics import MetricsWriter
+from pipectl.rundir import checkpoints as ckpt
+from pipectl.rundir.metrics import MetricsWriter
 from pipectl.schedule.ir import ScheduleKind
 from builders import plan_of
 

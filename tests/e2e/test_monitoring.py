@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from pipectl.artifacts.run import RankHeartbeat, RankState
-from pipectl.runtime.metrics import read_metrics
+from pipectl.rundir.metrics import read_metrics
 
 sys.path.insert(0, str(Path(__file__).parent))  # test_first_hour, beside this file
 from test_first_hour import pipectl, said, succeeded  # noqa: E402

@@ -163,7 +163,7 @@ def test_every_torchtitan_key_is_one_its_job_config_has(emitted, shape):
 
 @pytest.mark.parametrize("shape", SHAPES)
 def test_the_deepspeed_config_passes_deepspeeds_parser_with_the_plans_batch(emitted, shape):
-    from pipectl.runtime.dsconfig import parse_with_deepspeed
+    from pipectl.runtime.engines.dsconfig import parse_with_deepspeed
 
     folder = emitted[(shape, Framework.DEEPSPEED)]
     chosen = json.loads((folder / "plan.json").read_text())["chosen"]
@@ -317,7 +317,7 @@ print(f"rank {rank} stage {stage} layers {model._local_start}-{model._local_stop
 
 @pytest.mark.multiprocess
 def test_the_emitted_deepspeed_module_and_config_train_in_deepspeeds_pipeline_engine(tmp_path):
-    from pipectl.runtime.dsinit import free_port
+    from pipectl.runtime.engines.dsinit import free_port
 
     profile = synthetic_profile(blocks=6, micro_batch_sizes=[1, 2], device="cpu", dtype="float32")  # float inputs
     write_json_atomic(tmp_path / "p.json", profile)

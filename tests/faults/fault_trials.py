@@ -211,7 +211,7 @@ def read_losses(run: Path) -> list[tuple[int, float]]:
 
 def final_tensors(run: Path, step: int) -> dict:
     """Every parameter's fp32 weights and Adam moments in checkpoint `step`, whole, keyed 'name/state'."""
-    from pipectl.runtime.shards import whole_state
+    from pipectl.runtime.checkpoint.shards import whole_state
 
     return whole_state(run / "checkpoints" / f"step{step:08d}", STATES)
 
@@ -442,7 +442,7 @@ def damage_newest(run: Path, damage: dict, rng: random.Random) -> dict:
     """Truncate one data file of the newest committed checkpoint (to a random fraction), or flip a
     random byte of it; returns what was done. A checkpoint the faulted job wrote whole but did not
     commit is committed first, as the resume would (`recover_staged`): it is the newest."""
-    from pipectl.runtime.checkpoint import recover_staged
+    from pipectl.rundir.checkpoints import recover_staged
 
     recover_staged(run)
     tags = sorted(p for p in (run / "checkpoints").glob("step*") if (p / "manifest.json").is_file())
@@ -554,7 +554,7 @@ def unloadable_trial(reference: Reference, folder: Path, trigger: dict) -> Trial
     trial = Trial("unloadable", setup.label, dict(trigger))
     first = fault_launch(reference, run, trigger_env(folder / "records", trigger))
     trial.fired = (folder / "records" / f"fired-rank{trigger['rank']}.json").is_file()
-    from pipectl.runtime.checkpoint import recover_staged
+    from pipectl.rundir.checkpoints import recover_staged
 
     recover_staged(run)
     newest = sorted(p for p in (run / "checkpoints").glob("step*") if (p / "manifest.json").is_file())[-1]
@@ -585,8 +585,8 @@ def killed_resize_trial(reference: Reference, folder: Path, at_step: int, delay:
     files still describe the running layout, the joiner leaves (its heartbeat says so, no failure
     record), and the job trains to its end as if no resize had been tried."""
     from pipectl.artifacts.run import RankState
-    from pipectl.launch.processes import find_run_processes
-    from pipectl.runtime.liveness import read_heartbeats
+    from pipectl.rundir.processes import find_run_processes
+    from pipectl.rundir.heartbeats import read_heartbeats
 
     setup = reference.setup
     run = folder / "run"

@@ -144,7 +144,8 @@ def _install(probe: Probe) -> None:
     """Global hooks: optimizer steps, the rank file's write, the manifest write, gradient collectives."""
     import importlib
 
-    from pipectl.runtime import checkpoint, checkpointer
+    from pipectl.rundir import checkpoints as checkpoint
+    from pipectl.runtime.checkpoint import checkpointer
 
     def before_step(_optimizer, _args, _kwargs):
         probe.event("optimizer")
@@ -180,7 +181,7 @@ def _install(probe: Probe) -> None:
 
     checkpoint.write_json_atomic = write_json_atomic
 
-    from pipectl.runtime.metrics import MetricsWriter
+    from pipectl.rundir.metrics import MetricsWriter
 
     original_append = MetricsWriter._append
 

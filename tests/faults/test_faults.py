@@ -114,7 +114,7 @@ def test_the_last_complete_checkpoint_before_a_step():
 def test_saving_a_committed_step_again_keeps_the_same_files_and_replaces_other_ones(tmp_path):
     """What the stop after a checkpoint step does (the slow trial below shows why it matters)."""
     from pipectl.artifacts.run import CheckpointManifest
-    from pipectl.runtime import checkpoint as ckpt
+    from pipectl.rundir import checkpoints as ckpt
 
     root = ckpt.checkpoints_dir(tmp_path)
 

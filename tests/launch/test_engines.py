@@ -14,7 +14,7 @@ import pytest
 
 from pipectl.artifacts.run import ElasticRange, Engine, JobSpec
 from pipectl.errors import LaunchError, UserInputError
-from pipectl.runtime.dsinit import free_port
+from pipectl.runtime.engines.dsinit import free_port
 from pipectl.launch.engines import (
     LaunchCommand,
     build_command,
@@ -39,7 +39,7 @@ def option(argv: list[str], name: str) -> str:
 
 def test_local_is_torchrun_on_loopback_of_the_worker_with_one_thread_per_rank():
     cmd = build_command(job(world=4), RUN, python="py", gpus=False)
-    assert cmd.argv[:3] == ["py", "-m", "pipectl.runtime.loopback"]  # torchrun, its stores on 127.0.0.1
+    assert cmd.argv[:3] == ["py", "-m", "pipectl.runtime.engines.loopback"]  # torchrun, its stores on 127.0.0.1
     assert option(cmd.argv, "--rdzv_endpoint") == "127.0.0.1:0" and option(cmd.argv, "--local_addr") == "127.0.0.1"
     assert option(cmd.argv, "--nproc_per_node") == "4"
     assert cmd.argv[-4:] == ["-m", "pipectl.runtime.worker", "--run-dir", "/runs/demo"]
@@ -55,7 +55,7 @@ def test_local_with_in_memory_recovery_runs_the_replicas_agent():
     assert cmd.argv == ["py", "-m", "pipectl.resize.replicas", "--run-dir", "/runs/demo"]
     assert cmd.env["OMP_NUM_THREADS"] == "1"
     alone = build_command(job(world=1).model_copy(update={"recover_in_memory": True}), RUN, python="py", gpus=False)
-    assert "pipectl.runtime.loopback" in alone.argv  # one rank: nothing to recover from
+    assert "pipectl.runtime.engines.loopback" in alone.argv  # one rank: nothing to recover from
 
 
 def test_local_refuses_several_nodes():
@@ -73,7 +73,7 @@ def test_static_torchrun_uses_c10d_rendezvous_on_the_master_port():
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in cmd.env
     assert cmd.argv[:3] == ["py", "-m", "torch.distributed.run"]  # several nodes: the stores serve the network
     one_node = build_command(job(Engine.TORCHRUN, world=2, port=29601), RUN, python="py", gpus=False)
-    assert one_node.argv[:3] == ["py", "-m", "pipectl.runtime.loopback"]  # on loopback: listening there only
+    assert one_node.argv[:3] == ["py", "-m", "pipectl.runtime.engines.loopback"]  # on loopback: listening there only
     assert option(one_node.argv, "--local_addr") == "127.0.0.1"
 
 

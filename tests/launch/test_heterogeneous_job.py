@@ -22,7 +22,7 @@ import pytest
 
 from pipectl.artifacts.run import Engine
 from pipectl.launch import LaunchOptions, prepare_launch
-from pipectl.runtime.metrics import read_metrics
+from pipectl.rundir.metrics import read_metrics
 from builders import gpt_tiny_candidate, mixed_candidate, plan_of, train_run
 
 pytestmark = pytest.mark.multiprocess

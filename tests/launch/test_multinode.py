@@ -12,8 +12,8 @@ import pytest
 
 from pipectl.artifacts.run import Engine
 from pipectl.launch import LaunchOptions, prepare_launch, run_engine
-from pipectl.runtime.dsinit import free_port
-from pipectl.runtime.metrics import read_metrics
+from pipectl.runtime.engines.dsinit import free_port
+from pipectl.rundir.metrics import read_metrics
 from builders import gpt_tiny_candidate, plan_of
 
 

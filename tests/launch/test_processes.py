@@ -12,7 +12,7 @@ import psutil
 
 from pipectl.artifacts.run import Engine
 from pipectl.launch.engines import LaunchCommand, run_engine
-from pipectl.launch.processes import JobProcesses
+from pipectl.rundir.processes import JobProcesses
 
 # A launcher that starts one 'rank' in a session of its own, as torchrun does, then waits for it.
 # The rank's argv runs the worker module (`-m pipectl.runtime.worker`), which is how ranks are told

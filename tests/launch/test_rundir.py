@@ -13,8 +13,10 @@ from pipectl.artifacts.plan import Candidate, Plan
 from pipectl.artifacts.run import DataKind, DataSpec, Engine, StepMetrics
 from pipectl.errors import UserInputError
 from pipectl.launch import LaunchOptions, build_job, check_data, prepare_launch
-from pipectl.launch.rundir import prepare_run_dir, read_run, run_status
-from pipectl.runtime.metrics import MetricsWriter
+from pipectl.launch.prepare import prepare_run_dir
+from pipectl.launch.prepare import read_run
+from pipectl.rundir.status import run_status
+from pipectl.rundir.metrics import MetricsWriter
 from pipectl.schedule.ir import ScheduleKind
 from builders import plan_of, model_shape
 
@@ -74,7 +76,7 @@ def test_deepspeed_engine_writes_a_hostfile_and_the_rank_environment(tmp_path):
 def fake_checkpoint(run: Path, step: int) -> Path:
     """A committed checkpoint of one file, as save_checkpoint leaves it."""
     from pipectl.artifacts.run import CheckpointManifest
-    from pipectl.runtime import checkpoint as ckpt
+    from pipectl.rundir import checkpoints as ckpt
 
     root = ckpt.checkpoints_dir(run)
     staged = root / ckpt.STAGING_DIR / "staged"
@@ -209,7 +211,7 @@ def test_ranks_left_running_without_their_launcher_keep_the_run_locked(tmp_path)
     import subprocess
     import sys
 
-    from pipectl.launch.rundir import lock_run_dir
+    from pipectl.rundir.lock import lock_run_dir
 
     run = tmp_path / "run"
     run.mkdir()
@@ -233,7 +235,8 @@ def test_a_lock_held_before_its_holder_wrote_its_pid_is_refused_without_a_pid(tm
     import fcntl
     import os
 
-    from pipectl.launch.rundir import LOCK_FILE, lock_run_dir
+    from pipectl.artifacts.run import LOCK_FILE
+    from pipectl.rundir.lock import lock_run_dir
 
     run = tmp_path / "run"
     run.mkdir()
@@ -253,7 +256,7 @@ def test_a_lock_held_by_another_process_never_names_the_pids_of_a_job_that_ended
     import subprocess
     import sys
 
-    from pipectl.launch.rundir import lock_run_dir
+    from pipectl.rundir.lock import lock_run_dir
 
     ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead = int(ended.stdout)

@@ -23,9 +23,9 @@ from pathlib import Path
 import pytest
 
 from pipectl.io import write_json_atomic
-from pipectl.launch.rundir import read_requeues
+from pipectl.rundir.run import read_requeues
 from pipectl.artifacts.run import RequeueOutcome
-from pipectl.runtime.metrics import read_metrics
+from pipectl.rundir.metrics import read_metrics
 from builders import gpt_tiny_candidate, plan_of, train_run
 
 FAKE_SLURM = Path(__file__).parent / "fake_slurm"

@@ -120,7 +120,7 @@ def test_a_two_stage_gpt2_trains_with_the_one_rank_losses_and_exports_to_transfo
     from pipectl.launch import LaunchOptions, prepare_launch, run_engine
     from pipectl.runtime.data import DeterministicBatches, make_source
     from pipectl.runtime.export import export_hf
-    from pipectl.runtime.metrics import read_metrics
+    from pipectl.rundir.metrics import read_metrics
 
     saved(GPT2LMHeadModel, gpt2_config(layers=4), tmp_path / "gpt2")  # 7 layers: embed, 4 blocks, norm, head
     reference = f"hf:{tmp_path / 'gpt2'}"
@@ -172,7 +172,7 @@ def test_a_llama_on_a_text_file_resized_from_two_stages_to_one_rank_keeps_the_on
     from pipectl.artifacts.run import DataKind, DataSpec
     from pipectl.launch import LaunchOptions, prepare_launch, run_engine
     from pipectl.resize.morph import resize_run
-    from pipectl.runtime.metrics import read_metrics
+    from pipectl.rundir.metrics import read_metrics
 
     saved(LlamaForCausalLM, llama_config(tied=False), tmp_path / "llama")  # 6 layers: embed, 3 blocks, norm, head
     reference = f"hf:{tmp_path / 'llama'}"

@@ -10,7 +10,7 @@ from pipectl.models import transformer
 from pipectl.models.hf import HFDecoderLayer
 from pipectl.models.tensor_parallel import TensorParallelBlock
 from pipectl.models.transformer import TransformerBlock
-from pipectl.runtime.pipeline import _recomputes_selectively
+from pipectl.runtime.engines.pipeline import _recomputes_selectively
 
 
 @pytest.fixture

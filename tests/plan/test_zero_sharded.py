@@ -234,7 +234,7 @@ def test_the_planner_prices_zero_2_and_3_as_simulate_does():
         costs = stage_costs_for(candidate, profile, cluster)
         resimulated = simulate(generate(candidate.schedule, 1, candidate.micro_batches), costs).step_seconds
         assert resimulated == pytest.approx(candidate.predicted_step_seconds, rel=1e-12)
-    # One stage, no tensor split: ZeRO-2 and ZeRO-3 run in DeepSpeed's ordinary engine (runtime/plain.py),
+    # One stage, no tensor split: ZeRO-2 and ZeRO-3 run in DeepSpeed's ordinary engine (runtime/engines/plain.py),
     # ZeRO-3 without per-layer checkpointing.
     for candidate in result.candidates:
         assert candidate.deepspeed_runnable == (candidate.zero_stage < 3 or not candidate.checkpoint_layers)

@@ -22,7 +22,7 @@ from pipectl.plan.search import plan as make_plan
 from pipectl.plan.synthetic import synthetic_profile
 from pipectl.planfile import write_plan
 from pipectl.profile.calibrate import calibrate
-from pipectl.runtime.metrics import MetricsWriter
+from pipectl.rundir.metrics import MetricsWriter
 
 PLANNED = RuntimeCosts(
     engine="test engine", forward_overhead_seconds=0.001, backward_overhead_seconds=0.002, step_fixed_seconds=0.004,

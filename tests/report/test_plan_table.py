@@ -5,7 +5,7 @@ from __future__ import annotations
 from builders import gpt_tiny_candidate, model_shape, plan_of
 
 from pipectl.report.plan_table import CHECKPOINT_BYTES_PER_PARAMETER, checkpoint_line
-from pipectl.runtime.checkpoint_schedule import DEVICE_MTBF_HOURS, young_daly_seconds
+from pipectl.runtime.checkpoint.schedule import DEVICE_MTBF_HOURS, young_daly_seconds
 
 
 def test_the_checkpoint_line_gives_the_largest_ranks_share_and_the_auto_interval():

@@ -31,7 +31,7 @@ from pipectl.artifacts.plan import MorphEntry  # noqa: E402
 from pipectl.io import write_json_atomic  # noqa: E402
 from pipectl.models import build_model  # noqa: E402
 from pipectl.models.base import shape_of  # noqa: E402
-from pipectl.runtime.history import read_history  # noqa: E402
+from pipectl.rundir.morph_history import read_history  # noqa: E402
 from builders import gpt_tiny_candidate, plan_of  # noqa: E402
 
 STEPS = 6

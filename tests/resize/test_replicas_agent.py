@@ -11,7 +11,7 @@ from pathlib import Path
 
 from pipectl.artifacts.morph import MorphRecord, MorphTrigger
 from pipectl.resize.replicas import Agent
-from pipectl.runtime.history import append_record
+from pipectl.rundir.morph_history import append_record
 
 REQUESTED = 123.0
 

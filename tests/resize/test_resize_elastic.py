@@ -23,8 +23,8 @@ import pytest
 from pipectl.artifacts.plan import Candidate, MorphEntry, Plan
 from pipectl.artifacts.run import ElasticRange, Engine
 from pipectl.launch import LaunchOptions, prepare_launch, run_engine
-from pipectl.runtime.checkpoint import STOP_FILE
-from pipectl.runtime.metrics import read_metrics
+from pipectl.rundir.checkpoints import STOP_FILE
+from pipectl.rundir.metrics import read_metrics
 from builders import plan_of
 
 pytestmark = pytest.mark.multiprocess  # about a minute: CI runs it (issue 5 asks for it)

@@ -23,16 +23,16 @@ import pytest
 
 from pipectl.artifacts.plan import MorphEntry
 from pipectl.launch import LaunchOptions, prepare_launch, run_engine
-from pipectl.launch.processes import find_run_processes
-from pipectl.launch.rundir import read_run
+from pipectl.rundir.processes import find_run_processes
+from pipectl.launch.prepare import read_run
 from pipectl.resize.live import live_resize
 from pipectl.resize.morph import decide_resize
 from pipectl.resize.stop import request_stop
-from pipectl.runtime.checkpoint import STOP_FILE
-from pipectl.runtime.history import read_history
+from pipectl.rundir.checkpoints import STOP_FILE
+from pipectl.rundir.morph_history import read_history
 from pipectl.artifacts.run import RankState
-from pipectl.runtime.liveness import read_heartbeats
-from pipectl.runtime.metrics import read_metrics
+from pipectl.rundir.heartbeats import read_heartbeats
+from pipectl.rundir.metrics import read_metrics
 from builders import gpt_tiny_candidate as candidate, plan_of
 
 pytestmark = pytest.mark.multiprocess

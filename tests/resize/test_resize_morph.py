@@ -16,18 +16,18 @@ from pipectl.artifacts.run import CheckpointManifest, Engine, NodeGroup, RankTim
 from pipectl.errors import LaunchError, UserInputError
 from pipectl.io import write_json_atomic
 from pipectl.launch import LaunchOptions, prepare_launch
-from pipectl.launch.rundir import read_run
-from pipectl.runtime.history import read_records
+from pipectl.launch.prepare import read_run
+from pipectl.rundir.morph_history import read_records
 from pipectl.resize.morph import (
     decide_resize,
     layout_label,
     prepare_relaunch,
     resize_run,
 )
-from pipectl.launch.processes import find_run_processes, run_dir_argument
+from pipectl.rundir.processes import find_run_processes, run_dir_argument
 from pipectl.resize.stop import stop_run
-from pipectl.runtime import checkpoint as ckpt
-from pipectl.runtime.metrics import MetricsWriter
+from pipectl.rundir import checkpoints as ckpt
+from pipectl.rundir.metrics import MetricsWriter
 
 from builders import gpt_tiny_candidate, plan_of
 
@@ -350,7 +350,7 @@ def test_a_job_still_starting_is_stopped_at_its_first_step_boundary_then_resized
 
 
 def test_a_launch_refused_by_a_resize_holding_the_run_says_so(tmp_path):
-    from pipectl.launch.rundir import lock_run_dir
+    from pipectl.rundir.lock import lock_run_dir
 
     run = make_run(tmp_path)
     with lock_run_dir(run, role="resize"):

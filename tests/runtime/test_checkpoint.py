@@ -16,7 +16,8 @@ import pytest
 from pipectl.artifacts.plan import Candidate, Plan
 from pipectl.artifacts.run import CheckpointManifest
 from pipectl.errors import CheckpointError
-from pipectl.runtime import checkpoint as ckpt
+from pipectl.rundir import checkpoints as ckpt
+from pipectl.runtime.checkpoint import ranks
 from pipectl.schedule.ir import ScheduleKind
 from builders import plan_of
 
@@ -28,7 +29,7 @@ def fake_checkpoint(run_dir: Path, step: int, payload: float = 1.0) -> Path:
     """Two small rank files (one parameter, half each), committed the way the checkpointer does."""
     import torch
 
-    from pipectl.runtime.shards import Fragment, RankHeader, write_rank_file
+    from pipectl.runtime.checkpoint.shards import Fragment, RankHeader, write_rank_file
 
     root = ckpt.checkpoints_dir(run_dir)
     staged = root / ckpt.STAGING_DIR / "w1-test" / ckpt.tag_for_step(step)
@@ -106,11 +107,11 @@ def test_a_file_that_verifies_but_does_not_load_falls_back_to_the_previous_check
     assert ckpt.verify_checkpoint(newest).verified  # hash and size match: only loading can tell
     latest, warnings = ckpt.find_latest_verified(tmp_path)
     assert latest.step == 10 and warnings == []  # without the load check it would be used
-    latest, warnings = ckpt.find_latest_verified(tmp_path, load_check=True)
+    latest, warnings = ckpt.find_latest_verified(tmp_path, load_check=ranks.unloadable_problem)
     assert latest.step == 5
     assert len(warnings) == 1 and warnings[0].startswith(f"checkpoint step 10 could not be loaded ({newest / relative}: ")
     planted = plant(newest, relative, tmp_path / "payload-ran")  # a pickle that runs code: refused too
-    latest, warnings = ckpt.find_latest_verified(tmp_path, load_check=True)
+    latest, warnings = ckpt.find_latest_verified(tmp_path, load_check=ranks.unloadable_problem)
     assert latest.step == 5 and f"{planted}: not a pipectl rank file" in warnings[0]
     assert not (tmp_path / "payload-ran").exists()
 
@@ -140,7 +141,7 @@ def test_prune_keeps_the_newest_verified_and_drops_stale_incomplete(tmp_path):
 def test_recommitting_a_step_replaces_it(tmp_path):
     import torch
 
-    from pipectl.runtime.shards import ShardReader
+    from pipectl.runtime.checkpoint.shards import ShardReader
 
     fake_checkpoint(tmp_path, 7, payload=1.0)
     path = fake_checkpoint(tmp_path, 7, payload=2.0)
@@ -151,16 +152,16 @@ def test_recommitting_a_step_replaces_it(tmp_path):
 def test_sigterm_sets_the_stop_flag_and_a_stop_file_does_too(tmp_path):
     previous = signal.getsignal(signal.SIGTERM)
     try:
-        flag = ckpt.install_sigterm_handler()
-        assert not ckpt.should_stop(flag, tmp_path)
+        flag = ranks.install_sigterm_handler()
+        assert not ranks.should_stop(flag, tmp_path)
         os.kill(os.getpid(), signal.SIGTERM)
         assert flag.is_set() and flag.reason == "SIGTERM"
-        assert ckpt.should_stop(flag)
+        assert ranks.should_stop(flag)
     finally:
         signal.signal(signal.SIGTERM, previous)
-    other = ckpt.StopFlag()
+    other = ranks.StopFlag()
     (tmp_path / ckpt.STOP_FILE).touch()
-    assert ckpt.should_stop(other, tmp_path) and other.reason == ckpt.STOP_FILE
+    assert ranks.should_stop(other, tmp_path) and other.reason == ckpt.STOP_FILE
 
 
 # --------------------------------------------------------------------------- real processes
@@ -180,7 +181,7 @@ def plan_for(p: int, cuts: list[tuple[int, int]], b: int = 2, m: int = 4) -> Pla
 def launch(plan: Plan, run_dir: Path, steps: int, checkpoint_every: int = 0, prepare=None) -> dict[int, float]:
     """Write the run directory, let `prepare(run_dir)` add to it, run it on real ranks, read the losses."""
     from pipectl.launch import LaunchOptions, prepare_launch, run_engine
-    from pipectl.runtime.metrics import read_metrics
+    from pipectl.rundir.metrics import read_metrics
 
     prepared = prepare_launch(plan, run_dir, LaunchOptions(steps=steps, checkpoint_every=checkpoint_every))
     if prepare is not None:
@@ -308,7 +309,7 @@ def test_a_planted_pickle_is_refused_naming_the_file_and_runs_nothing(tmp_path):
     planted = plant(tag_dir, RANK0, marker)
     info = ckpt.verify_checkpoint(tag_dir)
     assert info.verified  # the hash matches: only the load can refuse it
-    assert ckpt.unloadable_problem(info).startswith(f"{planted}: not a pipectl rank file")
+    assert ranks.unloadable_problem(info).startswith(f"{planted}: not a pipectl rank file")
     assert not marker.exists()
 
 
@@ -318,7 +319,7 @@ def test_a_checkpoint_of_an_earlier_format_is_listed_but_not_loaded(tmp_path):
     (tag_dir / "manifest.json").write_text(manifest.model_copy(update={"format": "deepspeed-universal"}).model_dump_json())
     info = ckpt.verify_checkpoint(tag_dir)
     assert info.verified
-    assert "written in the deepspeed-universal format of an earlier pipectl" in ckpt.unloadable_problem(info)
+    assert "written in the deepspeed-universal format of an earlier pipectl" in ranks.unloadable_problem(info)
 
 
 @pytest.mark.multiprocess
@@ -341,7 +342,7 @@ def staged_save(run_dir: Path, step: int, *, writer: str = "w999999999-0badc0de"
     """What a dead job's writers left: both rank files of `step` written and reported."""
     import torch
 
-    from pipectl.runtime.shards import Fragment, RankHeader, write_rank_file
+    from pipectl.runtime.checkpoint.shards import Fragment, RankHeader, write_rank_file
 
     staged = ckpt.checkpoints_dir(run_dir) / ckpt.STAGING_DIR / writer / ckpt.tag_for_step(step)
     staged.mkdir(parents=True)
@@ -369,7 +370,7 @@ def test_a_save_every_rank_reported_is_committed_by_the_next_job_and_a_partial_o
     committed = ckpt.recover_staged(tmp_path)
     assert [p.name for p in committed] == ["step00000004"]
     info = ckpt.verify_checkpoint(tmp_path / "checkpoints" / "step00000004")
-    assert info.verified and info.manifest.data_position == {"step": 4} and not ckpt.unloadable_problem(info)
+    assert info.verified and info.manifest.data_position == {"step": 4} and not ranks.unloadable_problem(info)
     assert (tmp_path / "checkpoints" / "latest").read_text() == "step00000004"
     assert partial.is_dir() and errored.is_dir() and live.is_dir()  # left for the clean-up, or their writer
     ckpt.remove_dead_writers(tmp_path / "checkpoints" / ckpt.STAGING_DIR)
@@ -384,13 +385,13 @@ def test_a_save_whose_commit_was_killed_while_writing_its_manifest_is_committed_
     committed = ckpt.recover_staged(tmp_path)
     assert [p.name for p in committed] == ["step00000004"]
     info = ckpt.verify_checkpoint(tmp_path / "checkpoints" / "step00000004")
-    assert info.verified and not ckpt.unloadable_problem(info), info.problems
+    assert info.verified and not ranks.unloadable_problem(info), info.problems
 
 
 def test_a_save_that_does_not_fit_removes_old_checkpoints_but_never_the_newest_good_one(tmp_path, monkeypatch):
     import collections
 
-    from pipectl.runtime import checkpointer
+    from pipectl.runtime.checkpoint import checkpointer
 
     for step in (2, 4, 6):
         fake_checkpoint(tmp_path, step)
@@ -412,7 +413,7 @@ def test_the_reserve_scales_with_the_checkpoint_and_a_first_one_without_room_sto
     could never be resumed, unless told to train on."""
     import collections
 
-    from pipectl.runtime import checkpointer
+    from pipectl.runtime.checkpoint import checkpointer
 
     usage = collections.namedtuple("usage", "total used free")
     monkeypatch.setattr(checkpointer.shutil, "disk_usage", lambda _path: usage(0, 0, 9 << 20))

@@ -12,11 +12,13 @@ from builders import shard_model, write_shard_layout
 from pipectl.artifacts.run import MANIFEST_FILE, CheckpointManifest
 from pipectl.errors import CheckpointError
 from pipectl.io import sha256_file, write_json_atomic
-from pipectl.runtime import checkpoint, engine_state
+from pipectl.runtime.checkpoint import ranks as checkpoint
+from pipectl.rundir import checkpoints
+from pipectl.runtime.checkpoint import engine_state
 
 
 def committed(run: Path, step: int) -> Path:
-    folder = checkpoint.checkpoints_dir(run) / checkpoint.tag_for_step(step)
+    folder = checkpoints.checkpoints_dir(run) / checkpoints.tag_for_step(step)
     folder.mkdir(parents=True)
     write_shard_layout(folder, shard_model(), t=1, d=1)
     files = sorted(folder.glob("rank-*.safetensors"))
@@ -31,7 +33,7 @@ def committed(run: Path, step: int) -> Path:
 def test_a_checkpoint_a_rank_cannot_load_is_passed_over_for_the_previous_one(tmp_path, monkeypatch):
     committed(tmp_path, 2)
     newest = committed(tmp_path, 4)
-    assert checkpoint.verify_checkpoint(newest).verified
+    assert checkpoints.verify_checkpoint(newest).verified
     broken = {newest.name}
 
     def restore(engine, reader, restore_rng=True):

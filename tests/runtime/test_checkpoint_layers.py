@@ -2,7 +2,7 @@
 
 gpt-tiny on the built-in byte corpus, B = 8, fp32, seed 7, 5 steps: a two-stage 1F1B pipeline in
 DeepSpeed's pipeline engine, and one stage on two ZeRO-2 replicas in its ordinary engine
-(`runtime/plain.py`), each run with and without `checkpoint_layers`. DeepSpeed's
+(`runtime/engines/plain.py`), each run with and without `checkpoint_layers`. DeepSpeed's
 `activation_checkpoint_interval=1` recomputes every layer's forward inside the backward, so the
 gradients, hence every step's loss, are those of the run that kept its activations.
 """
@@ -53,14 +53,14 @@ def _forward_counts(rank: int, world: int, port: int, model: str, checkpoint_lay
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
     try:
-        from pipectl.runtime.dsinit import init_distributed
+        from pipectl.runtime.engines.dsinit import init_distributed
 
         init_distributed()
         import torch  # after the rank's environment (dsinit)
         import torch.distributed as torch_dist
 
         from pipectl.models import build_model
-        from pipectl.runtime.pipeline import build_pipeline_module
+        from pipectl.runtime.engines.pipeline import build_pipeline_module
 
         module = build_pipeline_module(build_model(model), [(0, 9)], num_stages=1, checkpoint_layers=checkpoint_layers)
         counts = [0] * len(module.forward_funcs)
@@ -82,7 +82,7 @@ def _forward_counts(rank: int, world: int, port: int, model: str, checkpoint_lay
 @pytest.mark.parametrize("checkpoint_layers, tied", [(False, True), (True, True), (True, False)])
 def test_the_stage_module_recomputes_each_layer_but_the_head_in_its_backward(tmp_path, checkpoint_layers, tied):
     from pipectl.paths import resolve_config
-    from pipectl.runtime.local_ranks import run_local_ranks
+    from pipectl.runtime.engines.local_ranks import run_local_ranks
 
     model = "gpt-tiny"
     if not tied:  # the head an nn.Linear of its own, which DeepSpeed alone would checkpoint

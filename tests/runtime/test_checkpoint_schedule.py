@@ -8,7 +8,7 @@ import pytest
 
 from pipectl.errors import UserInputError
 from pipectl.launch.options import parse_checkpoint_interval
-from pipectl.runtime import checkpoint_schedule as cs
+from pipectl.runtime.checkpoint import schedule as cs
 
 
 def test_young_daly_grows_with_the_square_root_of_cost_and_mtbf():

@@ -19,8 +19,8 @@ import torch
 
 from pipectl.models.tensor_parallel import TensorParallelBlock, TensorParallelGroup
 from pipectl.models.transformer import TransformerBlock
-from pipectl.runtime import checkpoint as ckpt
-from pipectl.runtime.shards import whole_state
+from pipectl.rundir import checkpoints as ckpt
+from pipectl.runtime.checkpoint.shards import whole_state
 from pipectl.artifacts.layout import Layout
 from pipectl.runtime.worker import TrainingJob, spawn_ranks
 from builders import plan_of, training_config
@@ -137,7 +137,7 @@ def test_resize_moves_a_t2_job_to_one_rank_at_t1(tmp_path):
     from pipectl.artifacts.plan import MorphEntry
     from pipectl.launch import LaunchOptions, prepare_launch, run_engine
     from pipectl.resize.morph import resize_run
-    from pipectl.runtime.metrics import read_metrics
+    from pipectl.rundir.metrics import read_metrics
 
     one_rank = gpt_tiny_candidate(1, 1)
     two_tensor_ranks = one_rank.model_copy(update={"devices": 2, "tensor_parallel": 2})

@@ -7,14 +7,7 @@ import pytest
 
 from pipectl.artifacts.plan import Candidate, Plan, PlanRequest
 from pipectl.artifacts.run import Precision
-from pipectl.runtime.dsconfig import (
-    DeepSpeedConfigRejected,
-    check_pipeline_section,
-    deepspeed_config,
-    parse_with_deepspeed,
-    stage_partition,
-    validated_config,
-)
+from pipectl.runtime.engines.dsconfig import DeepSpeedConfigRejected, check_pipeline_section, deepspeed_config, parse_with_deepspeed, stage_partition, validated_config
 from pipectl.errors import UserInputError
 from pipectl.schedule.ir import ScheduleKind
 from builders import model_shape
@@ -117,7 +110,7 @@ def test_zero2_and_3_with_uneven_replicas_are_rejected(zero_stage):
 
 @pytest.mark.parametrize("zero_stage", [2, 3])
 def test_a_one_stage_zero2_or_3_plan_is_a_valid_deepspeed_config(zero_stage):
-    """DeepSpeed's ordinary engine runs it (`runtime/plain.py`); its parser accepts the config."""
+    """DeepSpeed's ordinary engine runs it (`runtime/engines/plain.py`); its parser accepts the config."""
     config = validated_config(make_plan(make_candidate(p=1, d=2, m=2, zero_stage=zero_stage)))
     assert config["zero_optimization"]["stage"] == zero_stage
 

@@ -8,8 +8,8 @@ import pytest
 
 from pipectl.artifacts.plan import MorphEntry, Plan
 from pipectl.errors import UserInputError
-from pipectl.runtime.dsconfig import DeepSpeedConfigRejected, parse_with_deepspeed, validated_config
-from pipectl.runtime.elastic import ds_config_for_candidate, plan_for_world_size
+from pipectl.runtime.engines.dsconfig import DeepSpeedConfigRejected, parse_with_deepspeed, validated_config
+from pipectl.runtime.elastic.world_size import ds_config_for_candidate, plan_for_world_size
 
 from builders import gpt_tiny_candidate as candidate, plan_of
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import doctest
 
-import pipectl.runtime.engine_state
-from pipectl.runtime.engine_state import uncovered
+import pipectl.runtime.checkpoint.engine_state
+from pipectl.runtime.checkpoint.engine_state import uncovered
 
 
 def test_doctests():
-    assert doctest.testmod(pipectl.runtime.engine_state).failed == 0
+    assert doctest.testmod(pipectl.runtime.checkpoint.engine_state).failed == 0
 
 
 def test_the_runs_no_piece_covers_are_what_a_restore_zeroes():

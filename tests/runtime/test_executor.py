@@ -6,12 +6,7 @@ import pytest
 from deepspeed.runtime.pipe import schedule as ds
 
 from pipectl.errors import ScheduleError, UserInputError
-from pipectl.runtime.executor import (
-    PlannedSchedule,
-    RecomputeForward,
-    executable_schedule,
-    translate_rank,
-)
+from pipectl.runtime.engines.executor import PlannedSchedule, RecomputeForward, executable_schedule, translate_rank
 from pipectl.schedule import generate
 from pipectl.schedule.ir import Action, ActionKind, Schedule, ScheduleKind
 

@@ -10,15 +10,7 @@ import torch
 from torch import nn
 
 from pipectl.artifacts.layout import Layout
-from pipectl.runtime.failure import (
-    RankContext,
-    failure_path,
-    failure_record,
-    is_out_of_memory,
-    locate,
-    read_failures,
-    write_failure,
-)
+from pipectl.rundir.failures import RankContext, failure_path, failure_record, is_out_of_memory, locate, read_failures, write_failure
 from pipectl.schedule.ir import Action, ScheduleKind
 
 IMPOSSIBLE = 2**60  # bytes no machine has

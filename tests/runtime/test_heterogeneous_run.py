@@ -19,7 +19,7 @@ import pytest
 
 from pipectl.artifacts.plan import MorphEntry
 from pipectl.resize.morph import resize_run
-from pipectl.runtime.metrics import read_metrics
+from pipectl.rundir.metrics import read_metrics
 from builders import gpt_tiny_candidate, mixed_candidate, plan_of, train_run
 
 pytestmark = pytest.mark.multiprocess

@@ -6,15 +6,8 @@ import pytest
 
 from pipectl.artifacts.morph import MORPHS_FILE, MorphRecord
 from pipectl.artifacts.run import StepMetrics
-from pipectl.runtime.history import (
-    append_record,
-    read_history,
-    read_records,
-    record_layout_change,
-    update_downtimes,
-    with_downtime,
-)
-from pipectl.runtime.metrics import MetricsWriter
+from pipectl.rundir.morph_history import append_record, read_history, read_records, record_layout_change, update_downtimes, with_downtime
+from pipectl.rundir.metrics import MetricsWriter
 
 
 def record(**overrides) -> MorphRecord:

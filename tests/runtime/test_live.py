@@ -13,8 +13,11 @@ from pipectl.artifacts.layout import Layout
 from pipectl.artifacts.morph import LIVE_REQUEST_FILE, LiveResizeRequest, MorphRecord
 from pipectl.io import write_json_atomic
 from pipectl.models import build_model
-from pipectl.runtime import checkpoint, live
-from pipectl.runtime.shards import FP32, HEADER_KEY, RankHeader, ShardReader, rank_file_name
+from pipectl.runtime.checkpoint import ranks as checkpoint
+from pipectl.rundir import checkpoints
+from pipectl.runtime.elastic import live_resize as live
+from pipectl.rundir import live_requests
+from pipectl.runtime.checkpoint.shards import FP32, HEADER_KEY, RankHeader, ShardReader, rank_file_name
 from builders import gpt_tiny_candidate, shard_model as model, write_shard_layout as write_layout
 
 
@@ -116,15 +119,15 @@ def request(generation: int) -> LiveResizeRequest:
 
 
 def test_a_rank_takes_only_a_newer_request_and_a_stop_wins(tmp_path):
-    assert live.pending_generation(tmp_path, 0) == 0  # none
+    assert live_requests.pending_generation(tmp_path, 0) == 0  # none
     write_json_atomic(tmp_path / LIVE_REQUEST_FILE, request(2))
-    assert live.pending_generation(tmp_path, 0) == 2
-    assert live.pending_generation(tmp_path, 2) == 0  # taken already
+    assert live_requests.pending_generation(tmp_path, 0) == 2
+    assert live_requests.pending_generation(tmp_path, 2) == 0  # taken already
     flag = checkpoint.StopFlag()
     assert checkpoint.step_boundary(flag, tmp_path, resize=2) == checkpoint.Boundary(False, False, 2, 2)
     # A rank still touching the memory of its next engine holds the resize back a step.
     assert checkpoint.step_boundary(flag, tmp_path, resize=2, preparing=True) == checkpoint.Boundary(False, False, 0, 2)
-    (tmp_path / checkpoint.STOP_FILE).write_text("")
+    (tmp_path / checkpoints.STOP_FILE).write_text("")
     assert checkpoint.step_boundary(flag, tmp_path, resize=2) == checkpoint.Boundary(True, False, 0, 2)
     (tmp_path / LIVE_REQUEST_FILE).write_text("{not json")
-    assert live.pending_generation(tmp_path, 0) == 0  # a damaged request is not taken
+    assert live_requests.pending_generation(tmp_path, 0) == 0  # a damaged request is not taken

@@ -12,19 +12,8 @@ import time
 import pytest
 
 from pipectl.artifacts.run import JobSpec, RankHeartbeat, RankState
-from pipectl.runtime.liveness import (
-    END_GRACE_SECONDS,
-    Heartbeat,
-    StallWatch,
-    default_collective_timeout_seconds,
-    heartbeat_path,
-    job_collective_timeout_seconds,
-    process_state,
-    read_heartbeats,
-    silent_after_seconds,
-    stopped_cleanly,
-    write_heartbeat,
-)
+from pipectl.runtime.liveness import END_GRACE_SECONDS, Heartbeat, StallWatch, default_collective_timeout_seconds, job_collective_timeout_seconds, silent_after_seconds
+from pipectl.rundir.heartbeats import heartbeat_path, process_state, read_heartbeats, stopped_cleanly, write_heartbeat
 from builders import gpt_tiny_candidate
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch.distributed as dist
 
 from pipectl.artifacts.run import is_loopback_address as is_loopback
-from pipectl.runtime.loopback import LoopbackTCPStore
+from pipectl.runtime.engines.loopback import LoopbackTCPStore
 
 
 def listening_on(port: int) -> list[str]:

@@ -10,14 +10,7 @@ import sys
 import pytest
 
 from pipectl.artifacts.run import RankTiming, StepMetrics
-from pipectl.runtime.metrics import (
-    MetricsWriter,
-    memory_summary,
-    parse_metrics_lines,
-    prediction_summary,
-    rank_memory,
-    read_metrics,
-)
+from pipectl.rundir.metrics import MetricsWriter, memory_summary, parse_metrics_lines, prediction_summary, rank_memory, read_metrics
 
 
 def metrics(step: int, loss: float = 1.0, seconds: float = 0.1, predicted: float | None = 0.1) -> StepMetrics:
@@ -86,7 +79,7 @@ def test_prediction_summary_skips_warmup_and_missing_predictions():
 
 def test_metrics_tail_reads_only_appended_lines_and_restarts_on_a_rewritten_file(tmp_path):
     from pipectl.artifacts.run import METRICS_FILE, StepMetrics
-    from pipectl.runtime.metrics import MetricsTail
+    from pipectl.rundir.metrics import MetricsTail
 
     def line(step: int) -> str:
         return StepMetrics(step=step, loss=1.0 / step, step_seconds=0.1, samples_per_second=10.0,
@@ -166,7 +159,7 @@ def test_peak_rss_is_measured_in_bytes_and_follows_what_the_process_touched():
     the peak before may exceed the RSS it grew from). And it starts from its own size, not from its
     parent's: getrusage's ru_maxrss would carry this process's 256 MiB over into the child."""
     code = (
-        "from pipectl.runtime.metrics import rank_memory\n"
+        "from pipectl.rundir.metrics import rank_memory\n"
         "before = rank_memory('cpu').peak_rss_bytes\n"
         "block = b'x' * (128 << 20)\n"
         "print(before, rank_memory('cpu').peak_rss_bytes)\n"

@@ -7,7 +7,7 @@ import errno
 import os
 
 from pipectl.artifacts.run import StepMetrics
-from pipectl.runtime.metrics import MetricsWriter, read_metrics_and_unreadable, read_refusals
+from pipectl.rundir.metrics import MetricsWriter, read_metrics_and_unreadable, read_refusals
 
 
 def step(n: int) -> StepMetrics:

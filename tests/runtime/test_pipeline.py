@@ -8,7 +8,7 @@ import torch
 from pipectl.errors import UserInputError
 from pipectl.models import build_model
 from pipectl.plan.costs import ranks_share_node, replicas_share_node
-from pipectl.runtime.pipeline import SeededTiedLayerSpec, layer_specs, planned_topology, stage_boundaries
+from pipectl.runtime.engines.pipeline import SeededTiedLayerSpec, layer_specs, planned_topology, stage_boundaries
 
 
 def test_boundaries_are_the_range_starts_plus_the_layer_count():
@@ -67,9 +67,9 @@ def test_docstring_examples_hold():
 
     import pipectl.models.tensor_parallel
     import pipectl.runtime.data
-    import pipectl.runtime.pipeline
+    import pipectl.runtime.engines.pipeline
 
-    for module in (pipectl.runtime.pipeline, pipectl.runtime.data, pipectl.models.tensor_parallel):
+    for module in (pipectl.runtime.engines.pipeline, pipectl.runtime.data, pipectl.models.tensor_parallel):
         result = doctest.testmod(module)
         assert result.attempted > 0 and result.failed == 0, module.__name__
 
@@ -111,7 +111,7 @@ def test_a_replicas_ranks_are_consecutive_and_its_tensor_groups_inside():
 def test_skipping_random_init_leaves_draws_out_and_keeps_everything_else():
     import torch
 
-    from pipectl.runtime.pipeline import SkipRandomInit
+    from pipectl.runtime.engines.pipeline import SkipRandomInit
 
     tensor = torch.full((4, 4), 7.0)
     with SkipRandomInit():

@@ -1,4 +1,4 @@
-"""ZeRO-2 and ZeRO-3 for one-stage plans in DeepSpeed's ordinary engine (`runtime/plain.py`, issue 17).
+"""ZeRO-2 and ZeRO-3 for one-stage plans in DeepSpeed's ordinary engine (`runtime/engines/plain.py`, issue 17).
 
 Real ranks through the run-directory contract: gpt-tiny, B = 8, two data-parallel replicas of one
 stage. With ZeRO-2 (gradients reduce-scattered and partitioned, DeepSpeed's ordinary engine) or
@@ -19,7 +19,7 @@ import pytest
 
 from builders import assert_same_weights, final_weights, gpt_tiny_candidate, plan_of, train_run
 from pipectl.artifacts.plan import MorphEntry
-from pipectl.runtime.metrics import read_metrics
+from pipectl.rundir.metrics import read_metrics
 
 pytestmark = pytest.mark.multiprocess
 

@@ -10,16 +10,16 @@ import pytest
 from pydantic import ValidationError
 
 import pipectl.resize.replicas
-import pipectl.runtime.recovery
+import pipectl.runtime.elastic.recovery
 from pipectl.artifacts.morph import LiveResizeRequest, MorphRecord, MorphTrigger
 from pipectl.io import write_json_atomic
 from pipectl.resize.replicas import recovery_blocker
-from pipectl.runtime import recovery
-from pipectl.runtime.live import pending_generation, request_path
+from pipectl.runtime.elastic import recovery
+from pipectl.rundir.live_requests import pending_generation, request_path
 
 
 def test_doctests():
-    for module in (pipectl.runtime.recovery, pipectl.resize.replicas):
+    for module in (pipectl.runtime.elastic.recovery, pipectl.resize.replicas):
         assert doctest.testmod(module).failed == 0
 
 

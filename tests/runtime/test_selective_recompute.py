@@ -2,7 +2,7 @@
 
 gpt-tiny on the built-in byte corpus, B = 8, fp32, seed 7, 5 steps: a two-stage 1F1B pipeline in
 DeepSpeed's pipeline engine, and one stage on two ZeRO-3 replicas in its ordinary engine
-(`runtime/plain.py`; the core holds no weights, so ZeRO-3's partitioning does not touch its
+(`runtime/engines/plain.py`; the core holds no weights, so ZeRO-3's partitioning does not touch its
 recomputation), each with and without `selective_recompute`: every block recomputes its attention
 core inside its backward, so the gradients, hence every step's loss, are those of the run that
 kept the core's activations.
@@ -51,14 +51,14 @@ def _core_calls(rank: int, world: int, port: int, selective: bool, checkpoint_la
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
     try:
-        from pipectl.runtime.dsinit import init_distributed
+        from pipectl.runtime.engines.dsinit import init_distributed
 
         init_distributed()
         import torch
         import torch.distributed as torch_dist
 
         from pipectl.models import build_model, transformer
-        from pipectl.runtime.pipeline import build_pipeline_module
+        from pipectl.runtime.engines.pipeline import build_pipeline_module
 
         calls = [0]
         real = transformer.attention_core
@@ -83,7 +83,7 @@ def _core_calls(rank: int, world: int, port: int, selective: bool, checkpoint_la
     (True, True, 18),  # inside per-layer checkpointing too: the layer's recomputed forward, then the core's
 ])  # fmt: skip
 def test_the_stage_module_recomputes_each_blocks_attention_core(selective, checkpoint_layers, calls):
-    from pipectl.runtime.local_ranks import run_local_ranks
+    from pipectl.runtime.engines.local_ranks import run_local_ranks
 
     got = run_local_ranks(_core_calls, (selective, checkpoint_layers), 1, preload=["torch", "deepspeed"],
                           timeout_seconds=60, what="gpt-tiny")[0]  # fmt: skip

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pipectl.errors import CheckpointError
-from pipectl.runtime.shards import FP32, ShardReader, rank_file_name, whole_state
+from pipectl.runtime.checkpoint.shards import FP32, ShardReader, rank_file_name, whole_state
 from builders import shard_model as model, write_shard_layout as write_layout
 
 

@@ -1,4 +1,4 @@
-"""The second execution path (`pipectl.runtime.torch_pipeline`): pipectl's own schedules (1F1B,
+"""The second execution path (`pipectl.runtime.engines.torch_pipeline`): pipectl's own schedules (1F1B,
 interleaved p=2 v=2, ZB-H1 with the split backward I/W, ZBV with two chunks per rank placed as a V)
 run by torch's `_PipelineScheduleRuntime`
 on 2 local gloo ranks give the one-process losses at every step,
@@ -18,14 +18,7 @@ import pytest
 import torch
 
 from pipectl.errors import ScheduleError
-from pipectl.runtime.torch_pipeline import (
-    TorchPipelineJob,
-    even_cuts,
-    planned_compute_order,
-    reference_run,
-    spawn_local,
-    to_torch_actions,
-)
+from pipectl.runtime.engines.torch_pipeline import TorchPipelineJob, even_cuts, planned_compute_order, reference_run, spawn_local, to_torch_actions
 from pipectl.schedule import interleaved, one_f_one_b, zb_h1, zbv
 from pipectl.schedule.validate import validate
 

@@ -66,7 +66,7 @@ class Engine(str, Enum):
 
     deepspeed: DeepSpeed's pipeline engine, what `pipectl launch` starts (one contiguous stage per
     rank, one backward per micro-batch, ZeRO-1). torch: PyTorch's pipelining runtime
-    (`pipectl.runtime.torch_pipeline`): GPipe, 1F1B, interleaved (v > 1) and zb-h1, without
+    (`pipectl.runtime.engines.torch_pipeline`): GPipe, 1F1B, interleaved (v > 1) and zb-h1, without
     recomputation, tensor or data parallelism, fp32 on CPU ranks; `pipectl launch` runs it in the
     worker (`runtime.worker.build_torch_engine`) with DeepSpeed's checkpoints, data and metrics. any
     (a request only): choose whatever is best, runnable or not.

@@ -159,7 +159,7 @@ def check_host_address(value: str) -> str:
 
 
 # Generators are seeded with seed x SEED_STRIDE + a sample or step index (`runtime/data.py`,
-# `runtime/torch_pipeline.py`): with indices below 2^40 that must fit a signed 64-bit integer.
+# `runtime/engines/torch_pipeline.py`): with indices below 2^40 that must fit a signed 64-bit integer.
 SEED_STRIDE = 1_000_003
 MAX_SEED = (2**63 - 2**40) // SEED_STRIDE
 
@@ -255,7 +255,7 @@ class JobSpec(Artifact):
     )
     mtbf_hours: float | None = Field(
         default=None, gt=0, description="Expected hours between failures of the whole job (for the automatic "
-        "interval); None: DEVICE_MTBF_HOURS / world size (runtime/checkpointer.py).",
+        "interval); None: DEVICE_MTBF_HOURS / world size (runtime/checkpoint/checkpointer.py).",
     )
     keep_checkpoints: int = Field(default=3, gt=0, description="Verified checkpoints kept; older ones are removed.")
     train_without_checkpoints: bool = Field(
@@ -506,7 +506,7 @@ class CheckpointManifest(Artifact):
     step: int = Field(ge=0, description="Optimizer steps completed when it was taken.")
     format: Literal["pipectl-shards", "deepspeed-universal"] = Field(
         default="pipectl-shards",
-        description="'pipectl-shards': a safetensors file per rank (runtime/shards.py); 'deepspeed-universal': "
+        description="'pipectl-shards': a safetensors file per rank (runtime/checkpoint/shards.py); 'deepspeed-universal': "
         "written by an earlier pipectl, listed and verified but not loaded.",
     )
     layout: Layout | None = Field(default=None, description="The layout that wrote it (degrees, cut, schedule).")

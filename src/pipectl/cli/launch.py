@@ -20,23 +20,19 @@ from pipectl.launch import PreparedLaunch, effective_options, prepare_launch, ru
 from pipectl.launch.engines import ENGINE_LOG, JobEnded
 from pipectl.launch.options import LaunchOptions
 from pipectl.launch.placement import placement_note
-from pipectl.launch.rundir import check_steps_beyond_trained, is_run_dir, run_files, run_status
+from pipectl.rundir.run import check_steps_beyond_trained, is_run_dir
+from pipectl.launch.prepare import run_files
+from pipectl.rundir.status import run_status
 from pipectl.report.run_tables import failure_report, status_table
 from pipectl.report.tables import format_bytes
 from pipectl.resize.replicas import read_recovery, recovery_line
-from pipectl.runtime.checkpoint import has_checkpoint, read_events
-from pipectl.runtime.dsconfig import check_schedule
-from pipectl.runtime.failure import read_failures, read_resume, resume_lines
-from pipectl.runtime.liveness import (
-    StallWatch,
-    job_collective_timeout_seconds,
-    read_heartbeats,
-    stopped_cleanly,
-    vanished_line,
-    vanished_ranks,
-)
-from pipectl.runtime.recovery import says_peer_loss
-from pipectl.runtime.metrics import MetricsTail, read_refusals, refusal_line
+from pipectl.rundir.checkpoints import has_checkpoint, read_events
+from pipectl.runtime.engines.dsconfig import check_schedule
+from pipectl.rundir.failures import read_failures, read_resume, resume_lines
+from pipectl.runtime.liveness import StallWatch, job_collective_timeout_seconds
+from pipectl.rundir.heartbeats import read_heartbeats, stopped_cleanly, vanished_line, vanished_ranks
+from pipectl.runtime.elastic.recovery import says_peer_loss
+from pipectl.rundir.metrics import MetricsTail, read_refusals, refusal_line
 
 
 def _engine_log_tail(run_dir: Path, lines: int = 15) -> str:

@@ -17,14 +17,15 @@ from pipectl.cli.options import passed_flags, with_options
 from pipectl.config import layered
 from pipectl.errors import UserInputError
 from pipectl.artifacts.run import Engine
-from pipectl.launch.rundir import read_run, run_status
+from pipectl.launch.prepare import read_run
+from pipectl.rundir.status import run_status
 from pipectl.report.run_tables import decision_table, morph_history_table, status_table
 from pipectl.resize.live import LiveUnavailable, live_resize
 from pipectl.resize.morph import decide_resize, resize_run
 from pipectl.resize.options import ResizeOptions
 from pipectl.resize.stragglers import StragglerPolicy
-from pipectl.runtime.history import read_history
-from pipectl.runtime.metrics import MetricsTail
+from pipectl.rundir.morph_history import read_history
+from pipectl.rundir.metrics import MetricsTail
 
 
 def register(app: typer.Typer) -> None:

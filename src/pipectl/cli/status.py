@@ -9,10 +9,10 @@ from typing import Annotated
 import typer
 
 from pipectl.cli.context import JsonFlag, console, err_console, output_file, print_json
-from pipectl.launch.rundir import RunStatus, run_status
+from pipectl.rundir.status import RunStatus, run_status
 from pipectl.report.phases import phase_comparison
 from pipectl.report.run_tables import run_memory, run_utilisation, status_table
-from pipectl.runtime.history import read_history
+from pipectl.rundir.morph_history import read_history
 from pipectl.words import count
 
 

@@ -17,7 +17,7 @@ import json
 from pipectl.artifacts.plan import Framework, Recompute
 from pipectl.artifacts.run import Precision
 from pipectl.emit.common import Target, engine_differences, header
-from pipectl.runtime.dsconfig import batch_section, parse_with_deepspeed, stage_partition
+from pipectl.runtime.engines.dsconfig import batch_section, parse_with_deepspeed, stage_partition
 
 CONFIG_FILE = "ds_config.json"
 MODULE_FILE = "ds_pipeline.py"

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import re
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,20 +31,15 @@ from pipectl.errors import PipectlError, UserInputError
 from pipectl.config import Layer, layered, stored_layer, to_sections
 from pipectl.io import load_model, validation_message
 from pipectl.launch.options import SCALE_MIN_LR_RATIO, LaunchOptions, read_hostfile, resolve_defaults
-from pipectl.runtime.dsconfig import validated_config
+from pipectl.runtime.engines.dsconfig import validated_config
 from pipectl.launch.engines import LaunchCommand, allocation_hosts, build_command, run_engine
 from pipectl.launch.placement import compute_slowdowns, node_groups, plan_accelerator, plan_kinds
-from pipectl.launch.rundir import (
-    RunLock,
-    check_run_dir,
-    is_run_dir,
-    lock_run_dir,
-    prepare_run_dir,
-    read_run,
-    write_run_files,
-)
-from pipectl.runtime.checkpoint import recover_staged, resume_point
-from pipectl.runtime.dsinit import free_port
+from pipectl.rundir.lock import RunLock, lock_run_dir
+from pipectl.launch.prepare import check_run_dir, prepare_run_dir, write_run_files
+from pipectl.rundir.run import is_run_dir
+from pipectl.launch.prepare import read_run
+from pipectl.rundir.checkpoints import recover_staged, resume_point
+from pipectl.runtime.engines.dsinit import free_port
 from pipectl.paths import hf_tokenizer_file, import_root, stored_reference
 from pipectl.planfile import plan_profile_path
 from pipectl.words import count

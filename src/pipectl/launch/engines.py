@@ -4,7 +4,7 @@ Every engine starts the same worker, `python -m pipectl.runtime.worker --run-dir
 real launcher (no home-made process manager):
 
 - `local`: torchrun with `--nproc_per_node N` on this machine (the embedded default), its
-  rendezvous and stores on 127.0.0.1 only (`runtime/loopback.py`).
+  rendezvous and stores on 127.0.0.1 only (`runtime/engines/loopback.py`).
 - `torchrun`: a c10d rendezvous on `master_addr:master_port`, static (`--nnodes N`) or elastic
   (`--nnodes MIN:MAX --max_restarts R`). Measured here (shared/DEEPSPEED-ON-CPU.md): restarted
   gloo workers read stale addresses from torchrun's shared rendezvous store unless
@@ -55,11 +55,11 @@ from pipectl.artifacts.run import (
     is_loopback_address,
 )
 from pipectl.errors import LaunchError, UserInputError
-from pipectl.launch.processes import WORKER_MODULE, JobProcesses
+from pipectl.rundir.processes import WORKER_MODULE, JobProcesses
 from pipectl.paths import MODEL_PATH_VARIABLE
-from pipectl.runtime.checkpoint import STOP_FILE
-from pipectl.runtime.liveness import SUPERVISOR_VARIABLE
-from pipectl.runtime.dsinit import cuda_available
+from pipectl.rundir.checkpoints import STOP_FILE
+from pipectl.rundir.heartbeats import SUPERVISOR_VARIABLE
+from pipectl.runtime.engines.dsinit import cuda_available
 from pipectl.words import count
 
 ENGINE_LOG = "engine.log"
@@ -131,7 +131,7 @@ def local_command(job: JobSpec, run_dir: Path, *, python: str = sys.executable, 
     return LaunchCommand(Engine.LOCAL, argv, rank_environment(gpus=gpus, import_root=job.import_root))
 
 
-LOOPBACK_TORCHRUN = "pipectl.runtime.loopback"  # torchrun with its stores on 127.0.0.1 (`runtime/loopback.py`)
+LOOPBACK_TORCHRUN = "pipectl.runtime.engines.loopback"  # torchrun with its stores on 127.0.0.1 (`runtime/engines/loopback.py`)
 
 
 def standalone_torchrun(python: str, ranks: int, run_dir: Path) -> list[str]:

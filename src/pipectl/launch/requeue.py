@@ -29,7 +29,7 @@ from pathlib import Path
 from pipectl.artifacts.cluster import SlurmSpec
 from pipectl.artifacts.run import LOGS_DIR, REQUEUE_FILE, RequeueOutcome, RequeueRecord
 from pipectl.errors import PipectlError
-from pipectl.launch.rundir import run_status
+from pipectl.rundir.status import run_status
 from pipectl.words import count
 
 

@@ -23,7 +23,7 @@ t=1 weights and gives the t=1 losses (up to summation order).
 Checkpoints do not depend on t either: the split block names its parameters like the unsplit one
 (`qkv.weight` holds this rank's [q_r; k_r; v_r] rows), and each slice carries its `TensorSplit`,
 which a checkpoint records to join the slices into the unsplit tensors and cut them again for
-another t (`pipectl.runtime.shards`).
+another t (`pipectl.runtime.checkpoint.shards`).
 
     >>> shard_rows(torch.arange(12.).view(6, 2), parts=3, rank=1).tolist()
     [[4.0, 5.0], [6.0, 7.0]]
@@ -117,7 +117,7 @@ class _ReduceFromTensorGroup(torch.autograd.Function):
 class TensorSplit:
     """How tensor parallelism splits a parameter: along `dim`, into t blocks of each of its `parts`
     sub-parameters (a fused QKV is 3 parts: rank r holds [q_r; k_r; v_r], not a third of [q; k; v]).
-    Checkpoints record it per slice (`pipectl.runtime.shards`): `join` makes the unsplit tensor of
+    Checkpoints record it per slice (`pipectl.runtime.checkpoint.shards`): `join` makes the unsplit tensor of
     the t slices a run wrote, `cut` the slice a rank of another t loads.
 
     >>> qkv = TensorSplit(dim=0, parts=3)

@@ -203,7 +203,7 @@ class Spec:
 
     @property
     def torch_runnable(self) -> bool:
-        """Whether PyTorch's pipelining runtime (`pipectl.runtime.torch_pipeline`) runs it: its
+        """Whether PyTorch's pipelining runtime (`pipectl.runtime.engines.torch_pipeline`) runs it: its
         schedule without recomputation of either kind, one tensor rank, one replica (that path has
         no data or tensor parallelism yet)."""
         s = self.shape

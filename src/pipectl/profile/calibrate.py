@@ -49,7 +49,7 @@ from pipectl.plan.costs import hardware_for, layer_seconds
 from pipectl.plan.layer_table import layer_table
 from pipectl.plan.phases import MeasuredPhases, measured_phases, simulated_phases
 from pipectl.planfile import load_plan_profile
-from pipectl.runtime.metrics import read_metrics
+from pipectl.rundir.metrics import read_metrics
 from pipectl.words import count
 
 GOLDEN = (math.sqrt(5) - 1) / 2

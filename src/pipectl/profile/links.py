@@ -37,7 +37,7 @@ from typing import Sequence
 
 from pipectl.artifacts.profile import LinkClass, LinkClassFit, LinkSample, LinksProfile
 from pipectl.errors import LaunchError, UserInputError
-from pipectl.runtime.dsinit import free_port
+from pipectl.runtime.engines.dsinit import free_port
 
 KIB = 1024
 MIB = 1024 * KIB

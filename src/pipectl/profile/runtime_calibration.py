@@ -80,10 +80,10 @@ from pipectl.artifacts.run import Precision
 from pipectl.cluster import usable_cores
 from pipectl.errors import LaunchError
 from pipectl.models.base import LayerDef, ModelLayers
-from pipectl.runtime import dsinit
-from pipectl.runtime.dsconfig import deepspeed_config
-from pipectl.runtime.loopback import keep_stores_on_loopback
-from pipectl.runtime.dsinit import free_port
+from pipectl.runtime.engines import dsinit
+from pipectl.runtime.engines.dsconfig import deepspeed_config
+from pipectl.runtime.engines.loopback import keep_stores_on_loopback
+from pipectl.runtime.engines.dsinit import free_port
 from pipectl.schedule import ScheduleKind, generate
 
 # Micro-batches per calibration step: two, so that per-micro-batch and per-step costs separate.
@@ -205,7 +205,7 @@ def _one_rank_config(
 
 def _timed_engine_class():
     """`PlannedPipelineEngine` whose instructions add their wall-clock seconds to `instruction_seconds`."""
-    from pipectl.runtime.executor import PlannedPipelineEngine  # DeepSpeed: in the calibrating child only
+    from pipectl.runtime.engines.executor import PlannedPipelineEngine  # DeepSpeed: in the calibrating child only
 
     def timed(name: str, handler):
         def run(self, *args, **kwargs):
@@ -232,8 +232,8 @@ def _timed_engine_class():
 def _engine(model: ModelLayers, micro_batch_size: int, data_parallel: int = 1, precision: Precision = Precision.FP32):
     # DeepSpeed: imported in the calibrating child, after dsinit has set its environment.
     import deepspeed
-    from pipectl.runtime.executor import plan_engine
-    from pipectl.runtime.pipeline import build_pipeline_module, planned_topology
+    from pipectl.runtime.engines.executor import plan_engine
+    from pipectl.runtime.engines.pipeline import build_pipeline_module, planned_topology
 
     module = build_pipeline_module(model, [(0, len(model.layers))], topology=planned_topology(1, data_parallel))
     engine, *_ = deepspeed.initialize(

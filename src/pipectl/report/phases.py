@@ -16,7 +16,7 @@ from rich.table import Table
 from pipectl.artifacts.layout import layout_label
 from pipectl.cluster import plan_cluster_spec
 from pipectl.errors import PipectlError
-from pipectl.launch.rundir import RunStatus
+from pipectl.rundir.status import RunStatus
 from pipectl.plan.phases import PHASES, measured_phases, simulated_phases
 from pipectl.planfile import load_kind_profiles, load_plan_profile
 

@@ -16,7 +16,7 @@ from pipectl.artifacts.plan import Candidate, Engine, MorphEntry, Plan, ReplicaS
 from pipectl.artifacts.profile import ModelProfile
 from pipectl.plan.flops import Utilisation, plan_layer_flops, utilisation
 from pipectl.plan.frameworks import space_of
-from pipectl.runtime.checkpoint_schedule import DEVICE_MTBF_HOURS, young_daly_seconds
+from pipectl.runtime.checkpoint.schedule import DEVICE_MTBF_HOURS, young_daly_seconds
 from pipectl.schedule import ScheduleKind, deepspeed_runnable
 from pipectl.words import count
 
@@ -255,7 +255,7 @@ def rejections_view(plan: Plan) -> Text:
     return Text(f"rejected: {parts}", style="dim")
 
 
-CHECKPOINT_BYTES_PER_PARAMETER = 12  # fp32 weights and two Adam moments (runtime/shards.py)
+CHECKPOINT_BYTES_PER_PARAMETER = 12  # fp32 weights and two Adam moments (runtime/checkpoint/shards.py)
 
 
 def checkpoint_line(plan: Plan) -> str | None:

@@ -21,17 +21,17 @@ from pipectl.artifacts.morph import MorphRecord, MorphTrigger
 from pipectl.artifacts.run import RankFailure, RequeueOutcome
 from pipectl.cluster import busier_note
 from pipectl.errors import PipectlError
-from pipectl.launch.rundir import RunStatus
+from pipectl.rundir.status import RunStatus
 from pipectl.plan.flops import PRECISION_DTYPE, Utilisation, plan_layer_flops, utilisation
 from pipectl.planfile import load_plan_profile
-from pipectl.runtime.checkpoint_schedule import DEVICE_MTBF_HOURS
+from pipectl.runtime.checkpoint.schedule import DEVICE_MTBF_HOURS
 from pipectl.report.phases import phase_comparison, phase_table
 from pipectl.report.plan_table import format_percent, hardware_extras
 from pipectl.report.tables import format_bytes
 from pipectl.resize.morph import ResizeDecision
 from pipectl.resize.stragglers import StragglerReport, find_stragglers
-from pipectl.runtime.history import read_history
-from pipectl.runtime.metrics import RSS_NOTE, MemorySummary, memory_summary, read_metrics
+from pipectl.rundir.morph_history import read_history
+from pipectl.rundir.metrics import RSS_NOTE, MemorySummary, memory_summary, read_metrics
 from pipectl.words import count
 
 

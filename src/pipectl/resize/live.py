@@ -42,15 +42,17 @@ from pipectl.artifacts.run import JOB_FILE, LAUNCH_SCRIPT, LOGS_DIR, Engine
 from pipectl.errors import LaunchError
 from pipectl.io import write_json_atomic
 from pipectl.launch.engines import rank_environment
-from pipectl.launch.processes import WORKER_MODULE, find_run_processes
-from pipectl.launch.rundir import lock_holder, read_run, write_run_files
+from pipectl.rundir.processes import WORKER_MODULE, find_run_processes
+from pipectl.rundir.lock import lock_holder
+from pipectl.launch.prepare import read_run
+from pipectl.launch.prepare import write_run_files
 from pipectl.resize.morph import PreparedRelaunch, ResizeDecision, prepare_relaunch
-from pipectl.runtime.checkpoint import STOP_FILE
-from pipectl.runtime.dsconfig import check_candidate
-from pipectl.runtime.dsinit import free_port
-from pipectl.runtime.history import read_records
-from pipectl.runtime.live import JOIN_DIR, RESIZE_PID_VARIABLE, STAGED_DIR, ready_path, request_path
-from pipectl.runtime.liveness import SUPERVISOR_VARIABLE, pid_alive
+from pipectl.rundir.checkpoints import STOP_FILE
+from pipectl.runtime.engines.dsconfig import check_candidate
+from pipectl.runtime.engines.dsinit import free_port
+from pipectl.rundir.morph_history import read_records
+from pipectl.rundir.live_requests import JOIN_DIR, RESIZE_PID_VARIABLE, STAGED_DIR, ready_path, request_path
+from pipectl.rundir.heartbeats import SUPERVISOR_VARIABLE, pid_alive
 from pipectl.words import count
 
 

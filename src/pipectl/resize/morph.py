@@ -13,7 +13,7 @@
    the newest verified checkpoint that loads (the record's `resume_step` is then corrected to the
    step the ranks report in RUN/logs/resume.json, should they have fallen back past one): each
    rank reads its new stage's parameters and Adam state out of the old layout's rank files
-   (`runtime/shards.py`); RNG and data position come from the files' headers, and the data order
+   (`runtime/checkpoint/shards.py`); RNG and data position come from the files' headers, and the data order
    depends on (seed, step, B) only;
 5. the record's downtime (request -> first step completed on the new layout) is filled in as
    soon as metrics.jsonl shows that step.
@@ -37,21 +37,17 @@ from pipectl.artifacts.run import HOSTFILE, Engine, JobSpec, ResumeRecord
 from pipectl.errors import CheckpointError, UserInputError
 from pipectl.launch.engines import LaunchCommand, build_command, run_engine, submit_slurm
 from pipectl.launch import run_training
-from pipectl.launch.rundir import (
-    RunLock,
-    check_steps_beyond_trained,
-    lock_run_dir,
-    newest_complete_checkpoint,
-    read_run,
-    write_run_files,
-)
+from pipectl.rundir.lock import RunLock, lock_run_dir
+from pipectl.rundir.run import check_steps_beyond_trained, newest_complete_checkpoint
+from pipectl.launch.prepare import read_run
+from pipectl.launch.prepare import write_run_files
 from pipectl.resize.choose import LayoutChoice, choose_candidate, replanner, with_entry
-from pipectl.runtime.checkpoint import STOP_FILE
-from pipectl.runtime.dsconfig import check_candidate, validated_config
-from pipectl.runtime.dsinit import free_port
-from pipectl.runtime.failure import read_resume, resume_lines
-from pipectl.runtime.history import append_record, read_records, update_downtimes, with_downtime, write_history
-from pipectl.runtime.metrics import read_metrics
+from pipectl.rundir.checkpoints import STOP_FILE
+from pipectl.runtime.engines.dsconfig import check_candidate, validated_config
+from pipectl.runtime.engines.dsinit import free_port
+from pipectl.rundir.failures import read_resume, resume_lines
+from pipectl.rundir.morph_history import append_record, read_records, update_downtimes, with_downtime, write_history
+from pipectl.rundir.metrics import read_metrics
 from pipectl.resize.stop import (
     RunProcess,
     StopOutcome,
@@ -63,7 +59,7 @@ from pipectl.resize.stop import (
     wait_for_exit,
     wait_for_ranks,
 )
-from pipectl.runtime.liveness import live_ranks, read_heartbeats
+from pipectl.rundir.heartbeats import live_ranks, read_heartbeats
 from pipectl.words import count
 from pipectl.resize.stragglers import StragglerPolicy, StragglerReport, find_stragglers
 

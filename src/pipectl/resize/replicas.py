@@ -44,8 +44,8 @@ from pipectl.artifacts.run import LOGS_DIR, RankState
 from pipectl.errors import PipectlError
 from pipectl.io import write_json_atomic
 from pipectl.launch.engines import standalone_torchrun
-from pipectl.launch.rundir import read_run
-from pipectl.runtime import recovery
+from pipectl.launch.prepare import read_run
+from pipectl.runtime.elastic import recovery
 from pipectl.words import count
 
 GATHER_SECONDS = 0.3  # replicas lost this close together are recovered from in one go
@@ -189,8 +189,8 @@ class Agent:
         """A recovery asked for is done once rank 0 has recorded its morph; a replica that fails
         before then (a survivor, or a second replica) means it failed: the run's files are put back
         as they were before it, so that `launch --resume` restarts the run as it was."""
-        from pipectl.runtime.history import read_records
-        from pipectl.runtime.live import request_path
+        from pipectl.rundir.morph_history import read_records
+        from pipectl.rundir.live_requests import request_path
 
         if self.pending is None:
             return
@@ -213,7 +213,7 @@ class Agent:
 
     def _recover(self, lost: set[int]) -> None:
         """Ask the survivors to take over from the `lost` replicas, or raise `NoRecovery`."""
-        from pipectl.runtime.failure import read_failures
+        from pipectl.rundir.failures import read_failures
 
         failures = {f.rank: f.message or f.exception for f in read_failures(self.run_dir, since_unix=self.started_unix - 1.0)}
         gone = {replica for replica, code in self.codes.items() if code != 0}  # every replica lost so far
@@ -228,7 +228,7 @@ class Agent:
         survivors have taken over), the request naming them."""
         from pipectl.resize.live import live_request, run_file_names
         from pipectl.resize.morph import decide_resize, prepare_relaunch, write_relaunch
-        from pipectl.runtime.live import request_path
+        from pipectl.rundir.live_requests import request_path
 
         lost_ranks = self._ranks_of(lost)
         survivors = [rank for rank in range(self.world) if rank not in lost_ranks]
@@ -256,7 +256,7 @@ class Agent:
 
     def _mark_lost(self, ranks: list[int]) -> None:
         """The lost ranks' heartbeats say so: a watcher must not wait for them."""
-        from pipectl.runtime.liveness import heartbeat_path, read_heartbeats, write_heartbeat
+        from pipectl.rundir.heartbeats import heartbeat_path, read_heartbeats, write_heartbeat
 
         beats = read_heartbeats(self.run_dir, since_unix=self.started_unix - 1.0)
         for rank in ranks:

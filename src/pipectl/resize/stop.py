@@ -29,9 +29,9 @@ from pathlib import Path
 
 from pipectl.artifacts.run import SLURM_JOB_ID_FILE, RankHeartbeat
 from pipectl.errors import LaunchError
-from pipectl.launch.processes import RunProcess, find_run_processes, is_alive
-from pipectl.launch.rundir import lock_holder
-from pipectl.runtime.liveness import live_ranks, pid_alive, read_heartbeats
+from pipectl.rundir.processes import RunProcess, find_run_processes, is_alive
+from pipectl.rundir.lock import lock_holder
+from pipectl.rundir.heartbeats import live_ranks, pid_alive, read_heartbeats
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ def hf_state(folder: Path, reference: str) -> dict:
     """The checkpoint in `folder` as {Hugging Face name: float32 tensor} for model `reference`."""
     from pipectl.models import build_model
     from pipectl.models.hf import hf_layer_names
-    from pipectl.runtime.shards import FP32, ShardReader
+    from pipectl.runtime.checkpoint.shards import FP32, ShardReader
 
     model = build_model(reference)
     names = hf_layer_names(model)
@@ -69,7 +69,7 @@ def export_hf(run_dir: str | os.PathLike[str], output: str | os.PathLike[str], s
     directory; returns (output, step). `output` must not exist."""
     from safetensors.torch import save_file
 
-    from pipectl.runtime.checkpoint import list_checkpoints
+    from pipectl.rundir.checkpoints import list_checkpoints
 
     job_file = Path(run_dir) / JOB_FILE
     if not job_file.is_file():

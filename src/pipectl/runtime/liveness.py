@@ -33,7 +33,8 @@ The last heartbeat a rank writes gives its final state: finished or stopped with
 signalled directly: it reports the signal as an error) is then told apart from a failure
 (`stopped_cleanly`).
 
-This module imports no torch: the CLI reads heartbeats with it.
+The heartbeat files themselves (their path, format and readers) are `rundir.heartbeats`; this
+module imports no torch either: the launching process runs `StallWatch`.
 """
 
 from __future__ import annotations
@@ -48,19 +49,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from pydantic import ValidationError
 
 from pipectl.artifacts.plan import Candidate
-from pipectl.artifacts.run import HEARTBEAT_FILE, LOGS_DIR, JobSpec, RankHeartbeat, RankState
-from pipectl.io import temporary_file
+from pipectl.artifacts.run import JobSpec, RankHeartbeat, RankState
+from pipectl.rundir.heartbeats import HEARTBEAT_SECONDS, SILENT_AFTER_SECONDS, SUPERVISOR_VARIABLE, stage_and_pid, pid_alive, process_state, read_heartbeats, write_heartbeat
 
 log = logging.getLogger(__name__)
-
-HEARTBEAT_SECONDS = 1.0
 MIN_COLLECTIVE_TIMEOUT_SECONDS = 120.0
 STEPS_PER_COLLECTIVE_TIMEOUT = 10
 CHECKPOINT_WRITE_BYTES_PER_SECOND = 120e6  # one H100 host: 35 s per 310 M parameters x 14 B
-SILENT_AFTER_SECONDS = 30.0  # a rank without a heartbeat this long is named (at most)
 END_GRACE_SECONDS = 60.0  # past the collective timeout, pipectl ends the job itself
 
 
@@ -93,39 +90,6 @@ def silent_after_seconds(collective_timeout_seconds: float) -> float:
     (30.0, 10.0, 5.0)
     """
     return min(SILENT_AFTER_SECONDS, max(5 * HEARTBEAT_SECONDS, collective_timeout_seconds / 2))
-
-
-def heartbeat_path(run_dir: str | os.PathLike[str], rank: int) -> Path:
-    return Path(run_dir) / LOGS_DIR / HEARTBEAT_FILE.format(rank=rank)
-
-
-def write_heartbeat(run_dir: str | os.PathLike[str], beat: RankHeartbeat) -> None:
-    """Write-then-rename without fsync: a reader never sees half a file, and a heartbeat lost to
-    a power cut does not matter (a fsync per second per rank would, on a shared filesystem)."""
-    path = heartbeat_path(run_dir, beat.rank)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = temporary_file(path.parent, path.name)
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(beat.model_dump_json() + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def read_heartbeats(run_dir: str | os.PathLike[str], *, since_unix: float = 0.0) -> dict[int, RankHeartbeat]:
-    """Rank -> its heartbeat, for the ranks started at or after `since_unix`; unreadable files
-    (a rank writing its first one, a stray file) are left out."""
-    beats = {}
-    for path in (Path(run_dir) / LOGS_DIR).glob(HEARTBEAT_FILE.format(rank="*")):
-        try:
-            beat = RankHeartbeat.model_validate_json(path.read_text())
-        except (OSError, ValueError, ValidationError):
-            continue
-        if beat.started_unix >= since_unix:
-            beats[beat.rank] = beat
-    return beats
 
 
 class Heartbeat:
@@ -217,7 +181,7 @@ class SilentRank:
         """'rank 1 (stage 1, pid 4242) stopped responding: no heartbeat for 41 s, last seen in step 7
         (step); its process is stopped (SIGSTOP, or a debugger)'"""
         beat = self.heartbeat
-        where = _stage_and_pid(beat)
+        where = stage_and_pid(beat)
         host = f" on {beat.host}" if beat.host and beat.host != socket.gethostname() else ""
         seen = ""
         if beat.step is not None or beat.phase:
@@ -225,53 +189,6 @@ class SilentRank:
             seen += f" ({beat.phase})" if beat.phase else ""
         process = f"; {self.process}" if self.process else ""
         return f"rank {beat.rank} ({where}{host}) stopped responding: no heartbeat for {self.silent_seconds:.0f} s{seen}{process}"
-
-
-def _stage_and_pid(beat: RankHeartbeat) -> str:
-    """'stage 1, pid 4242' (the stage when the rank knows it)."""
-    return ", ".join(x for x in (f"stage {beat.stage}" if beat.stage is not None else "", f"pid {beat.pid}") if x)
-
-
-def process_state(beat: RankHeartbeat) -> str:
-    """What this host's OS says of the rank's process: '' for another host's rank."""
-    if beat.host != socket.gethostname():
-        return ""
-    import psutil  # a DeepSpeed dependency; only where a job is watched
-
-    try:
-        process = psutil.Process(beat.pid)
-        if process.create_time() > beat.started_unix + 1.0:
-            return "its process has ended"  # the pid now belongs to another process
-        status = process.status()
-    except psutil.NoSuchProcess:
-        return "its process has ended"
-    except psutil.Error:
-        return ""
-    if status == psutil.STATUS_STOPPED or status == psutil.STATUS_TRACING_STOP:
-        return "its process is stopped (SIGSTOP, or a debugger)"
-    if status == psutil.STATUS_ZOMBIE:
-        return "its process has ended"
-    if status == psutil.STATUS_DISK_SLEEP:
-        return "its process is blocked in the kernel (uninterruptible I/O)"
-    return f"its process is {status}"
-
-
-def vanished_ranks(run_dir: str | os.PathLike[str], *, since_unix: float = 0.0) -> list[RankHeartbeat]:
-    """This host's ranks whose process has ended without a final heartbeat (killed, or crashed in
-    a way no handler saw): the cause a peer's "Connection reset by peer" follows from."""
-    beats = read_heartbeats(run_dir, since_unix=since_unix)
-    return [
-        beat for _, beat in sorted(beats.items())
-        if beat.state is RankState.RUNNING and process_state(beat) == "its process has ended"
-    ]
-
-
-def vanished_line(beat: RankHeartbeat) -> str:
-    """'rank 1 (stage 1, pid 4242) ended without a word in step 7 (live resize: handing the state
-    over): it was killed, or its process crashed'"""
-    where = _stage_and_pid(beat)
-    seen = (f" in step {beat.step}" if beat.step is not None else "") + (f" ({beat.phase})" if beat.phase else "")
-    return f"rank {beat.rank} ({where}) ended without a word{seen}: it was killed, or its process crashed"
 
 
 class StallWatch:
@@ -331,60 +248,6 @@ class StallWatch:
         """One line per silent rank, the longest silent first."""
         ranked = sorted(self.silent.values(), key=lambda s: (-s.silent_seconds, s.heartbeat.rank))
         return [s.describe() for s in ranked]
-
-
-def live_ranks(heartbeats: dict[int, RankHeartbeat], now: float, silent_after: float = SILENT_AFTER_SECONDS) -> list[RankHeartbeat]:
-    """The ranks still training: running, and beating within `silent_after` seconds. What a
-    process list cannot show of ranks on other nodes (a Slurm job seen from the login node).
-
-    >>> beat = dict(pid=1, started_unix=0.0, progress_unix=1.0)
-    >>> beats = {0: RankHeartbeat(rank=0, beat_unix=95.0, **beat), 1: RankHeartbeat(rank=1, beat_unix=10.0, **beat)}
-    >>> [b.rank for b in live_ranks(beats, now=100.0)]
-    [0]
-    """
-    return [b for b in heartbeats.values() if b.state is RankState.RUNNING and now - b.beat_unix < silent_after]
-
-
-def stopped_cleanly(heartbeats: dict[int, RankHeartbeat], world_size: int) -> int | None:
-    """The checkpoint step, if every one of the `world_size` ranks the job started with has a
-    heartbeat and every rank still in the job (not `left` in a live resize; ranks that joined one
-    count too) ended finished or stopped with the same checkpoint written; None otherwise.
-
-    >>> beat = dict(pid=1, started_unix=0.0, beat_unix=1.0, progress_unix=1.0)
-    >>> beats = {r: RankHeartbeat(rank=r, state=RankState.STOPPED, checkpoint_step=6, **beat) for r in (0, 1)}
-    >>> stopped_cleanly(beats, 2), stopped_cleanly(beats, 3)
-    (6, None)
-    >>> beats[1] = RankHeartbeat(rank=1, state=RankState.LEFT, checkpoint_step=4, **beat)
-    >>> stopped_cleanly(beats, 2)
-    6
-    """
-    if not set(range(world_size)) <= set(heartbeats):
-        return None
-    staying = [b for b in heartbeats.values() if b.state not in (RankState.LEFT, RankState.LOST)]
-    clean = (RankState.FINISHED, RankState.STOPPED)
-    steps = {b.checkpoint_step for b in staying if b.state in clean}
-    if len(steps) != 1 or any(b.state not in clean for b in staying):
-        return None
-    return steps.pop()
-
-
-SUPERVISOR_VARIABLE = "PIPECTL_SUPERVISOR_PID"  # the pid of the pipectl process supervising the job
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether a process `pid` exists (signal 0: nothing is sent) and has not exited: a zombie, an
-    ended process its parent has not collected yet, counts as ended."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process: it exists
-        return True
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:  # no /proc (macOS), or it ended meanwhile: signal 0 said it exists
-        return True
-    return stat[stat.rfind(")") + 2:][:1] != "Z"  # the state follows the command name in parentheses
 
 
 def watch_supervisor(stop: Callable[[str], None], interval_seconds: float = 1.0) -> threading.Thread | None:

@@ -48,15 +48,19 @@ from pipectl.artifacts.plan import Engine, Plan
 from pipectl.artifacts.run import JobSpec, RankState, RankTiming, ResumeRecord, StepMetrics
 from pipectl.errors import PipectlError, UserInputError
 from pipectl.io import load_model, read_mapping
-from pipectl.runtime import checkpoint, dsinit, recovery
-from pipectl.runtime.dsconfig import check_torch_candidate
-from pipectl.runtime.elastic import ds_config_for_candidate, plan_for_world_size
-from pipectl.runtime.failure import RankContext, failure_record, write_failure, write_resume
-from pipectl.runtime.history import record_layout_change
+from pipectl.runtime.checkpoint import ranks as checkpoint
+from pipectl.rundir import checkpoints
+from pipectl.runtime.engines import dsinit
+from pipectl.runtime.elastic import recovery
+from pipectl.runtime.engines.dsconfig import check_torch_candidate
+from pipectl.runtime.elastic.world_size import ds_config_for_candidate, plan_for_world_size
+from pipectl.rundir.failures import RankContext, failure_record, write_failure, write_resume
+from pipectl.rundir.morph_history import record_layout_change
 from pipectl.runtime.liveness import Heartbeat, job_collective_timeout_seconds, watch_supervisor
 from pipectl.runtime.monitor import StepMonitor
-from pipectl.runtime.metrics import MetricsWriter, RankMemory, node_name, rank_memory, reset_peak_memory, stage_peaks
-from pipectl.runtime.live import STAGED_DIR, JoinAbandoned
+from pipectl.rundir.metrics import MetricsWriter, RankMemory, node_name, rank_memory, reset_peak_memory, stage_peaks
+from pipectl.rundir.live_requests import STAGED_DIR
+from pipectl.runtime.elastic.live_resize import JoinAbandoned
 from pipectl.schedule import generate
 from pipectl.schedule.ir import ActionKind, Schedule
 
@@ -130,7 +134,7 @@ class TrainingJob:
     @classmethod
     def from_run_dir(cls, run_dir: str | os.PathLike[str], files: str | os.PathLike[str] | None = None) -> "TrainingJob":
         """The job of `run_dir`, its run files read from `files` (default the run itself; a live
-        resize's staged folder, `live.files_of`)."""
+        resize's staged folder, `live_requests.files_of`)."""
         run_dir = Path(run_dir)
         files = run_dir if files is None else Path(files)
         job = load_model(JobSpec, files / "job.json")
@@ -199,10 +203,10 @@ def build_engine(job: TrainingJob, initialise: bool = True, memory: Any = None):
 
     from pipectl.models import build_model
     from pipectl.models.tensor_parallel import new_tensor_parallel_groups, shard_model
-    from pipectl.runtime.engine_state import drawing_from
-    from pipectl.runtime.executor import plan_engine
-    from pipectl.runtime.pipeline import build_pipeline_module, planned_topology
-    from pipectl.runtime.plain import LayerStack, plan_plain_engine
+    from pipectl.runtime.checkpoint.engine_state import drawing_from
+    from pipectl.runtime.engines.executor import plan_engine
+    from pipectl.runtime.engines.pipeline import build_pipeline_module, planned_topology
+    from pipectl.runtime.engines.plain import LayerStack, plan_plain_engine
 
     topology = planned_topology(layout.pipeline_parallel, layout.data_parallel, layout.tensor_parallel)
     model = build_model(job.model, allow_shape_only=True)  # a LayerDef list: each rank builds its stage only
@@ -249,7 +253,7 @@ def build_torch_engine(job: TrainingJob):
     up (`build_engine`). The session drives it as it drives a DeepSpeed engine: the same data,
     metrics and checkpoints (`engine_state` reads both)."""
     from pipectl.models import build_model
-    from pipectl.runtime.torch_pipeline import OptimizerSettings, TorchPipelineEngine
+    from pipectl.runtime.engines.torch_pipeline import OptimizerSettings, TorchPipelineEngine
 
     layout = job.layout
     if dsinit.cuda_available():
@@ -375,7 +379,8 @@ def train(
 def _train(
     job: TrainingJob, on_step: Callable[[StepRecord], None] | None, context: RankContext, joining: bool = False
 ) -> TrainResult:
-    from pipectl.runtime import live
+    from pipectl.rundir import live_requests
+    from pipectl.runtime.elastic import live_resize as live
 
     handed = None
     if joining:  # started by a live resize: wait for the running ranks, receive this rank's share
@@ -408,7 +413,7 @@ def _train(
             clock.phases["boundary"] = max(0.0, time.time() - last_step_unix)
         with clock.phase("read"):  # the run files describe the new layout
             os.environ["WORLD_SIZE"] = str(request.to_devices)
-            job = TrainingJob.from_run_dir(job.run_dir, files=live.files_of(job.run_dir, request))
+            job = TrainingJob.from_run_dir(job.run_dir, files=live_requests.files_of(job.run_dir, request))
             layers = build_model_layers(job)
         if request.recovery:
             context.phase = "recovery: handing over the survivors' state"
@@ -513,9 +518,9 @@ class _Session:
         """Build the engine and bring its state: from the hand-over of a live resize, else from the
         newest checkpoint that loads (or fresh)."""
         # torch, after dsinit
-        from pipectl.runtime import engine_state
-        from pipectl.runtime.checkpoint_schedule import CheckpointSchedule
-        from pipectl.runtime.checkpointer import DEFAULT_COMMIT_TIMEOUT_SECONDS, Checkpointer
+        from pipectl.runtime.checkpoint import engine_state
+        from pipectl.runtime.checkpoint.schedule import CheckpointSchedule
+        from pipectl.runtime.checkpoint.checkpointer import DEFAULT_COMMIT_TIMEOUT_SECONDS, Checkpointer
         from pipectl.runtime.data import DeterministicBatches, make_source, replica_slices
 
         context.layout = job.layout
@@ -635,13 +640,13 @@ class _Session:
     def train(self, result: TrainResult, on_step, context: RankContext, generation: int):
         """Train up to the job's steps. Returns a live resize request taken at a step boundary (every
         rank the same), else None (done, or stopped: `result.stopped_early`)."""
-        from pipectl.runtime import live
+        from pipectl.rundir import live_requests
 
         job, engine, saver = self.job, self.engine, self.saver
         opened = self.step
         while self.step < job.steps:
             if self.stop_flag is not None:
-                pending = live.pending_generation(job.run_dir, generation)
+                pending = live_requests.pending_generation(job.run_dir, generation)
                 if pending:
                     self._prepare(pending)
                 boundary = checkpoint.step_boundary(
@@ -659,7 +664,7 @@ class _Session:
                     result.stopped_early = self.stop_flag.reason
                     return None
                 if boundary.resize:
-                    return live.read_request(job.run_dir)
+                    return live_requests.read_request(job.run_dir)
                 if boundary.announced:  # another rank saw it first: prepare too, take it at a later boundary
                     self._prepare(boundary.announced)
                 elif self.preparation is not None:  # the request was withdrawn: its memory is let go
@@ -707,7 +712,7 @@ class _Session:
     def _prepare(self, generation: int) -> None:
         """Start touching the memory this rank's engine takes after live resize `generation`
         (`live.Preparation`), once."""
-        from pipectl.runtime import live
+        from pipectl.runtime.elastic import live_resize as live
 
         if self.device != "cuda" and (self.preparation is None or self.preparation.generation != generation):
             self.preparation = live.Preparation(self.job.run_dir, self.rank, generation)
@@ -715,15 +720,16 @@ class _Session:
     def _record_live_resize(self, record: StepRecord | None) -> None:
         """Rank 0, after the first step on a layout a live resize made (None: it had no step left
         to train, as when a replica was lost in the last one): its morph record."""
-        from pipectl.runtime import live
-        from pipectl.runtime.history import append_record
+        from pipectl.rundir import live_requests
+        from pipectl.runtime.elastic import live_resize as live
+        from pipectl.rundir.morph_history import append_record
 
         handed, self.handed = self.handed, None
         if self.rank != 0:
             return
         # The new layout has taken its first step: its run files become the run's, then the record
         # that `pipectl resize` waits for.
-        live.install_staged(self.job.run_dir, handed.request)
+        live_requests.install_staged(self.job.run_dir, handed.request)
         now = time.time()
         began = now - record.step_seconds if record is not None else now
         append_record(
@@ -737,7 +743,7 @@ class _Session:
                 clock=handed.clock,
             ),
         )
-        live.request_path(self.job.run_dir).unlink(missing_ok=True)
+        live_requests.request_path(self.job.run_dir).unlink(missing_ok=True)
 
     def settle(self) -> None:
         """Before a hand-over: a checkpoint in flight commits (every old rank reports its file)."""
@@ -895,7 +901,7 @@ def _data_position(layout: Layout, step: int) -> dict[str, int]:
 
 
 def _write_executed_order(run_dir: Path, rank: int, order: Sequence[str]) -> None:
-    checkpoint.write_text_atomic(Path(run_dir) / f"schedule_rank{rank}.txt", " ".join(order) + "\n")
+    checkpoints.write_text_atomic(Path(run_dir) / f"schedule_rank{rank}.txt", " ".join(order) + "\n")
 
 
 @dataclass(frozen=True)
@@ -929,11 +935,11 @@ def spawn_ranks(job: TrainingJob, timeout_seconds: float = 120) -> dict[int, Ran
     """Train `job` on world-size local processes and return each rank's outcome (tests, benchmarks;
     `runtime.local_ranks`: a fork server that imported torch and DeepSpeed once). Ranks still
     running after `timeout_seconds` are killed and a `LaunchError` is raised."""
-    from pipectl.runtime.local_ranks import run_local_ranks
+    from pipectl.runtime.engines.local_ranks import run_local_ranks
 
     return run_local_ranks(
         _spawned_rank, (job,), job.layout.world_size,
-        preload=["torch", "deepspeed", "pipectl.runtime.worker", "pipectl.runtime.executor"],
+        preload=["torch", "deepspeed", "pipectl.runtime.worker", "pipectl.runtime.engines.executor"],
         timeout_seconds=timeout_seconds, what=job.layout.label(),
     )  # fmt: skip
 
@@ -949,7 +955,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     recovery.adopt_replica_environment()  # a rank of one replica's torchrun (`launch --recover-in-memory`)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s rank" + os.environ.get("RANK", "?") + " %(message)s")
     context = RankContext(rank=int(os.environ.get("RANK", "0")))
-    # A joining rank reads the layout a live resize staged for it (`live.STAGED_DIR`).
+    # A joining rank reads the layout a live resize staged for it (`live_requests.STAGED_DIR`).
     staged = args.run_dir / STAGED_DIR
     files = staged if args.join and (staged / "job.json").is_file() else None
     try:

@@ -46,7 +46,7 @@ def deepspeed_runnable(kind: ScheduleKind, chunks: int = 1) -> bool:
     return kind is not ScheduleKind.PIPEDREAM_2BW and not kind.splits_backward
 
 
-# What `pipectl.runtime.torch_pipeline` translates: F, B, I and W actions, any chunks per rank in
+# What `pipectl.runtime.engines.torch_pipeline` translates: F, B, I and W actions, any chunks per rank in
 # the loop placement or zbv's V; no recompute action (torch's runtime has none).
 TORCH_SCHEDULES = frozenset(
     (ScheduleKind.GPIPE, ScheduleKind.ONE_F_ONE_B, ScheduleKind.INTERLEAVED, ScheduleKind.ZB_H1, ScheduleKind.ZBV)
@@ -54,7 +54,7 @@ TORCH_SCHEDULES = frozenset(
 
 
 def torch_runnable(kind: ScheduleKind, recompute: bool = False) -> bool:
-    """Whether PyTorch's pipelining runtime (`pipectl.runtime.torch_pipeline`) runs this schedule:
+    """Whether PyTorch's pipelining runtime (`pipectl.runtime.engines.torch_pipeline`) runs this schedule:
     GPipe, 1F1B, interleaved (any v), zb-h1 and zbv (its V placement), without recomputation
     (Varuna always recomputes; 2BW keeps two weight versions, which that runtime does not).
 

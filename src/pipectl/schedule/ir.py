@@ -43,7 +43,7 @@ class ActionKind(str, Enum):
     # The split backward of the zero-bubble schedules: I(i) computes the gradient of the stage's
     # input (what the previous stage waits for), W(i) later the gradient of its weights. A stage
     # runs either B(i) or I(i) then W(i) for each micro-batch. DeepSpeed's engine cannot run them;
-    # the torch pipelining path (`pipectl.runtime.torch_pipeline`) can.
+    # the torch pipelining path (`pipectl.runtime.engines.torch_pipeline`) can.
     BACKWARD_INPUT = "I"
     BACKWARD_WEIGHT = "W"
 
@@ -116,7 +116,7 @@ class ScheduleKind(str, Enum):
     PIPEDREAM_2BW = "2bw"
     # Zero bubble H1 (Qi et al., ICLR 2024): 1F1B's order with every backward split into I (input
     # gradient) and W (weight gradient), W's postponed to fill the drain. DeepSpeed's engine cannot
-    # run it (no split backward); torch's pipelining runtime can (`pipectl.runtime.torch_pipeline`).
+    # run it (no split backward); torch's pipelining runtime can (`pipectl.runtime.engines.torch_pipeline`).
     ZB_H1 = "zb-h1"
     # ZB-V (Qi et al., ICLR 2024, §4): two chunks per rank in the V placement, split backward.
     # Only the torch pipelining path runs it.

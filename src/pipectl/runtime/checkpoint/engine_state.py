@@ -6,7 +6,7 @@ its stage's parameters (`single_partition_of_fp32_groups`: all of them with one 
 rank, 1/d of them with d) and the wrapped optimizer's state for that flat tensor (AdamW: `step`,
 `exp_avg`, `exp_avg_sq`). DeepSpeed links every model parameter to its piece of the partition
 (`param._hp_mapping`: where the piece starts in the parameter and in the partition); those links
-become the `Fragment`s of `pipectl.runtime.shards`.
+become the `Fragment`s of `pipectl.runtime.checkpoint.shards`.
 
 Under ZeRO-3 (`DeepSpeedZeroOptimizer_Stage3`, one-stage plans in DeepSpeed's ordinary engine)
 the model's parameters are partitioned too (`param.ds_tensor`: elements r x P .. (r + 1) x P of
@@ -40,7 +40,7 @@ from typing import Any, Iterable
 import torch
 
 from pipectl.errors import CheckpointError
-from pipectl.runtime.shards import FP32, Fragment, RankHeader, ShardReader, TensorSplit, group_tensor
+from pipectl.runtime.checkpoint.shards import FP32, Fragment, RankHeader, ShardReader, TensorSplit, group_tensor
 
 # DeepSpeed engine counters restored with the state (engine.load_checkpoint restores the same).
 ENGINE_COUNTERS = ("global_steps", "global_samples", "skipped_steps")

@@ -126,7 +126,7 @@ def locate(exc: BaseException, engine: Any) -> tuple[str, int | None]:
 
 def _memory_now(device: str) -> dict[str, int | None]:
     """The rank's peaks when it failed (torch only if this rank already imported it)."""
-    from pipectl.runtime.metrics import rank_memory  # torch-free at import
+    from pipectl.rundir.metrics import rank_memory  # torch-free at import
 
     figures = rank_memory(device)
     return {

@@ -42,8 +42,8 @@ from pipectl.artifacts.morph import LiveResizeRequest
 
 if TYPE_CHECKING:
     from pipectl.models.base import ModelLayers
-    from pipectl.runtime.engine_state import Snapshot
-    from pipectl.runtime.live import HandOver, PauseClock
+    from pipectl.runtime.checkpoint.engine_state import Snapshot
+    from pipectl.runtime.elastic.live_resize import HandOver, PauseClock
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +133,7 @@ def leave_broken_group() -> None:
 def await_request(run_dir: os.PathLike[str] | str, generation: int, stop: Any, timeout_seconds: float) -> LiveResizeRequest | None:
     """The agent's recovery request (newer than `generation`), or None if none comes within
     `timeout_seconds` or this rank is told to stop (its own replica is being ended)."""
-    from pipectl.runtime.live import read_request, request_path
+    from pipectl.rundir.live_requests import read_request, request_path
 
     deadline = time.monotonic() + timeout_seconds
     while time.monotonic() < deadline and not (stop is not None and stop.is_set()):
@@ -162,8 +162,8 @@ class PeerCopy:
     def __init__(self, layout: Layout, rank: int) -> None:
         import torch.distributed as dist
 
-        from pipectl.runtime.engine_state import HostSnapshot
-        from pipectl.runtime.pipeline import planned_topology
+        from pipectl.runtime.checkpoint.engine_state import HostSnapshot
+        from pipectl.runtime.engines.pipeline import planned_topology
 
         topology = planned_topology(layout.pipeline_parallel, layout.data_parallel, layout.tensor_parallel)
         coord = topology.get_coord(rank)
@@ -187,8 +187,8 @@ class PeerCopy:
         Every rank of the job together (pairwise messages only)."""
         import torch
 
-        from pipectl.runtime.engine_state import Snapshot
-        from pipectl.runtime.shards import RankHeader
+        from pipectl.runtime.checkpoint.engine_state import Snapshot
+        from pipectl.runtime.checkpoint.shards import RankHeader
 
         slot = 1 - self.kept[-1][1] if self.kept else 0
         self.kept = [entry for entry in self.kept if entry[1] != slot]  # its buffers are rewritten now
@@ -243,7 +243,7 @@ def recover(
     Returns None for a survivor the new layout does not use (it exits 0). Raises `LaunchError`
     when there is no such boundary (the job then fails, and `launch --resume` restarts it from its
     last checkpoint)."""
-    from pipectl.runtime.live import HandOver, exchange, exchange_then_regroup, reform
+    from pipectl.runtime.elastic.live_resize import HandOver, exchange, exchange_then_regroup, reform
 
     me = request.survivors.index(int(os.environ["RANK"]))
     handed = HandOver(request, None, 0, clock)

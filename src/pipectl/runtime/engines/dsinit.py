@@ -86,7 +86,7 @@ def init_distributed(timeout_seconds: float | None = None, store=None) -> None:
     import deepspeed  # after the environment it reads at import is set
     import torch.distributed as torch_dist
 
-    from pipectl.runtime.loopback import keep_stores_on_loopback  # torch: after the environment too
+    from pipectl.runtime.engines.loopback import keep_stores_on_loopback  # torch: after the environment too
 
     keep_stores_on_loopback()  # a store this rank hosts for 127.0.0.1 listens there only
     from deepspeed.accelerator import get_accelerator

@@ -17,7 +17,7 @@ schedule):
   tied-weight all-reduce, clipping and the optimizer step after the schedule). Recompute (R) has no
   torch counterpart and is refused.
 - `build_stage_module` makes one virtual stage from pipectl's `LayerDef`s, each layer built under
-  its own seed `seed + layer index` in a forked RNG, as `runtime/pipeline.py` does for DeepSpeed,
+  its own seed `seed + layer index` in a forked RNG, as `runtime/engines/pipeline.py` does for DeepSpeed,
   so every cut starts from the same weights.
 - Tied weights (gpt-tiny's head reuses the embedding table): every stage holding a tied layer keeps
   its own copy, initialised identically; after the backward the copies' gradients are summed
@@ -64,8 +64,8 @@ from torch.distributed.pipelining.schedules import (
 
 from pipectl.artifacts.run import SEED_STRIDE
 from pipectl.errors import LaunchError, ScheduleError, UserInputError
-from pipectl.runtime.local_ranks import run_local_ranks
-from pipectl.runtime.loopback import keep_stores_on_loopback
+from pipectl.runtime.engines.local_ranks import run_local_ranks
+from pipectl.runtime.engines.loopback import keep_stores_on_loopback
 from pipectl.models.base import LayerDef, ModelLayers
 from pipectl.schedule.ir import ActionKind, Schedule
 
@@ -481,7 +481,7 @@ class TorchPipelineEngine:
     def optimizer_groups(self) -> list[Any]:
         """The one optimizer group `engine_state` captures and restores: the flat tensor, every
         parameter and where each lies in it."""
-        from pipectl.runtime.engine_state import OptimizerGroup, Piece
+        from pipectl.runtime.checkpoint.engine_state import OptimizerGroup, Piece
 
         pieces, offset = [], 0
         for q in self.params:
@@ -514,7 +514,7 @@ class TorchPipelineEngine:
     def step(self, inputs: torch.Tensor | None, labels: torch.Tensor | None) -> float:
         """One optimizer step: `inputs` are read on the rank holding the first virtual stage,
         `labels` on the one holding the last (None elsewhere is fine)."""
-        from pipectl.runtime.executor import ExecutedAction
+        from pipectl.runtime.engines.executor import ExecutedAction
         from pipectl.schedule.ir import Action
 
         self.record.clear()
@@ -705,7 +705,7 @@ def spawn_local(jobs: Sequence[TorchPipelineJob], timeout_seconds: float = 120) 
     world = worlds.pop()
     return run_local_ranks(
         _rank_main, (list(jobs),), world,
-        preload=["torch", "pipectl.runtime.torch_pipeline"], timeout_seconds=timeout_seconds, what="torch pipeline",
+        preload=["torch", "pipectl.runtime.engines.torch_pipeline"], timeout_seconds=timeout_seconds, what="torch pipeline",
     )  # fmt: skip
 
 

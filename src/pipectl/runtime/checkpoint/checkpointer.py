@@ -44,27 +44,12 @@ from pipectl.artifacts.layout import Layout
 from pipectl.artifacts.run import CheckpointEvent, CheckpointOutcome
 from pipectl.errors import CheckpointError
 from pipectl.io import sha256_file, write_json_atomic
-from pipectl.runtime.checkpoint import (
-    STAGING_DIR,
-    broadcast_from_rank0,
-    rank_and_world,
-    remove_dead_writers,
-    checkpoints_dir,
-    commit_tag,
-    list_checkpoints,
-    manifest_from_reports,
-    prune_checkpoints,
-    read_reports,
-    recover_staged,
-    report_path,
-    reports_dir,
-    record_event,
-    save_failure_message,
-    tag_for_step,
-)
-from pipectl.runtime.checkpoint_schedule import CheckpointSchedule
-from pipectl.runtime.engine_state import HostSnapshot, Snapshot
-from pipectl.runtime.shards import rank_file_name, write_rank_file
+from pipectl.rundir.checkpoints import STAGING_DIR, remove_dead_writers, checkpoints_dir, commit_tag, list_checkpoints, manifest_from_reports, prune_checkpoints, read_reports, recover_staged, report_path, reports_dir, record_event, tag_for_step
+from pipectl.runtime.checkpoint.ranks import broadcast_from_rank0, rank_and_world, save_failure_message
+from pipectl.runtime.checkpoint.schedule import CheckpointSchedule
+from pipectl.runtime.checkpoint.engine_state import HostSnapshot, Snapshot
+from pipectl.artifacts.run import rank_file_name
+from pipectl.runtime.checkpoint.shards import write_rank_file
 
 log = logging.getLogger(__name__)
 

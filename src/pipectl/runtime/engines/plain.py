@@ -35,7 +35,7 @@ import torch
 from deepspeed.runtime.engine import DeepSpeedEngine
 
 from pipectl.errors import UserInputError
-from pipectl.runtime.executor import TIMED_PHASES, ExecutedAction, record_action
+from pipectl.runtime.engines.executor import TIMED_PHASES, ExecutedAction, record_action
 from pipectl.schedule.ir import Action, ActionKind, Schedule
 
 

@@ -5,7 +5,7 @@ backend binds the wildcard address), and a store asks for no password: whoever r
 reads and writes the rendezvous's keys, the addresses of every rank among them. A job whose ranks
 all run on this machine needs no other interface. So
 
-- the local engine runs torchrun as `python -m pipectl.runtime.loopback TORCHRUN-ARGS`: torchrun
+- the local engine runs torchrun as `python -m pipectl.runtime.engines.loopback TORCHRUN-ARGS`: torchrun
   itself (`torch.distributed.run.main`), with every store server it creates bound to 127.0.0.1,
   its c10d rendezvous on 127.0.0.1 and its node address 127.0.0.1 (`--local-addr`), so that the
   ranks' shared store is there too;

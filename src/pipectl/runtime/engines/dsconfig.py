@@ -7,13 +7,13 @@ replica runs m micro-batches of b samples and accumulates their gradients, so
     train_micro_batch_size_per_gpu  = b
     gradient_accumulation_steps     = m          (DeepSpeed's pipeline engine: one step = m micro-batches)
 
-    >>> from pipectl.runtime.dsconfig import batch_section
+    >>> from pipectl.runtime.engines.dsconfig import batch_section
     >>> batch_section(micro_batch_size=2, micro_batches=4, data_parallel=2)
     {'train_batch_size': 16, 'train_micro_batch_size_per_gpu': 2, 'gradient_accumulation_steps': 4}
 
 Choices and why:
 - The plan's ZeRO stage, which must be 1, or 2 or 3 for a one-stage plan without a tensor split
-  (`runtime_runs_zero`; DeepSpeed's ordinary engine runs them, `runtime/plain.py`): pipectl's
+  (`runtime_runs_zero`; DeepSpeed's ordinary engine runs them, `runtime/engines/plain.py`): pipectl's
   checkpoints read and write the fp32 partitions of DeepSpeed's ZeRO-1/2 and ZeRO-3 optimizers
   (`engine_state`), and DeepSpeed's pipeline engine rejects 2 and 3. The planner labels d = 1 candidates ZeRO-1 (they
   shard nothing; ZeRO-1 gave bit-identical losses to ZeRO-0 there, shared/DEEPSPEED-ON-CPU.md) and
@@ -34,7 +34,7 @@ from typing import Any, Iterator
 from pipectl.artifacts.plan import Candidate, Engine, Plan, runtime_runs_zero
 from pipectl.artifacts.run import LrSchedule, Precision, TrainingSettings
 from pipectl.errors import UserInputError
-from pipectl.runtime.dsinit import choose_accelerator
+from pipectl.runtime.engines.dsinit import choose_accelerator
 from pipectl.schedule import ScheduleKind, deepspeed_runnable, torch_runnable
 
 # Print DeepSpeed's own step log practically never: pipectl writes metrics.jsonl instead.
@@ -432,7 +432,7 @@ def validated_config(
             candidate.data_parallel,
         )
     if candidate.engine is Engine.TORCH:  # what the torch engine reads of it, checked before any rank starts
-        from pipectl.runtime.torch_pipeline import OptimizerSettings
+        from pipectl.runtime.engines.torch_pipeline import OptimizerSettings
 
         OptimizerSettings.from_ds_config(config)
     parsed = parse_with_deepspeed(config, candidate.data_parallel)

@@ -11,7 +11,7 @@ from typing import Any
 
 from pipectl.artifacts.plan import Candidate, Plan
 from pipectl.errors import UserInputError
-from pipectl.runtime.dsconfig import batch_section, check_candidate, stage_partition
+from pipectl.runtime.engines.dsconfig import batch_section, check_candidate, stage_partition
 
 
 def plan_for_world_size(plan: Plan, world_size: int) -> Candidate:

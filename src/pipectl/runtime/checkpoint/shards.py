@@ -39,14 +39,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Protocol, Sequence
 
 import torch
 
-from pipectl.artifacts.run import RANK_FILE, rank_file_name
+from pipectl.artifacts.run import RANK_FILE
 from pipectl.errors import CheckpointError
 from pipectl.io import umask
 from pipectl.models.tensor_parallel import TensorSplit

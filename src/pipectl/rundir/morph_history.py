@@ -33,7 +33,7 @@ from pydantic import ValidationError
 from pipectl.artifacts.morph import MORPHS_FILE, MorphRecord, MorphTrigger
 from pipectl.artifacts.run import StepMetrics
 from pipectl.io import validation_message
-from pipectl.runtime.metrics import read_metrics
+from pipectl.rundir.metrics import read_metrics
 
 log = logging.getLogger(__name__)
 

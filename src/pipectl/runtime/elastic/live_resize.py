@@ -75,7 +75,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 from pipectl.artifacts.layout import Layout
-from pipectl.artifacts.morph import LIVE_REQUEST_FILE, LiveResizeRequest, MorphRecord
+from pipectl.artifacts.morph import LiveResizeRequest, MorphRecord
 from pipectl.artifacts.plan import Plan
 from pipectl.artifacts.run import JOB_FILE, JobSpec
 from pipectl.errors import LaunchError
@@ -83,15 +83,9 @@ from pipectl.io import load_model
 
 if TYPE_CHECKING:  # torch: only in the ranks (the CLI's resize reads this module's file names)
     from pipectl.models.base import ModelLayers
+from pipectl.rundir.live_requests import RESIZE_PID_VARIABLE, files_of, read_request, ready_path, request_path
 
 log = logging.getLogger(__name__)
-
-JOIN_DIR = "live"  # RUN/live/ready-rank{R}: joining rank R has started and waits for the hand-over
-# RUN/live/next/: the new layout's run files (job.json, plan.json, ds_config.json, launch.sh), read
-# by the ranks for the hand-over and moved into the run by rank 0 after the first step on it, so a
-# resize that ends before then (killed, refused, timed out) leaves the run's files as they were.
-STAGED_DIR = f"{JOIN_DIR}/next"
-RESIZE_PID_VARIABLE = "PIPECTL_RESIZE_PID"  # a joining rank's resize: it gives up when that ends unasked
 MEMORY_LABEL = "the running ranks' memory (live resize)"
 
 
@@ -100,62 +94,13 @@ class JoinAbandoned(LaunchError):
     rank leaves (exit 0, no failure record); the job never knew of it."""
 
 
-def request_path(run_dir: str | os.PathLike[str]) -> Path:
-    return Path(run_dir) / LIVE_REQUEST_FILE
-
-
-def ready_path(run_dir: str | os.PathLike[str], rank: int) -> Path:
-    return Path(run_dir) / JOIN_DIR / f"ready-rank{rank}"
-
-
-def pending_generation(run_dir: str | os.PathLike[str] | None, generation: int) -> int:
-    """The generation of a live resize waiting for this job (one newer than `generation`), else 0.
-    Every rank calls it at every step boundary: one `stat` when there is none."""
-    if run_dir is None:
-        return 0
-    path = request_path(run_dir)
-    if not path.is_file():
-        return 0
-    try:
-        request = load_model(LiveResizeRequest, path)
-    except Exception as exc:  # a damaged request is not taken; the job goes on
-        log.warning("%s: not taken (%s)", path, exc)
-        return 0
-    # A recovery's request is taken only by ranks that lost a peer (`recovery.await_request`).
-    return request.generation if request.generation > generation and not request.recovery else 0
-
-
-def read_request(run_dir: str | os.PathLike[str]) -> LiveResizeRequest:
-    return load_model(LiveResizeRequest, request_path(run_dir))
-
-
-def files_of(run_dir: str | os.PathLike[str], request: LiveResizeRequest | None) -> Path:
-    """Where the run files of `request`'s layout are: its staged folder, else the run itself."""
-    return Path(run_dir) / request.staged if request is not None and request.staged else Path(run_dir)
-
-
-def install_staged(run_dir: str | os.PathLike[str], request: LiveResizeRequest) -> None:
-    """Rank 0, after the first step on the new layout: the staged run files replace the run's, each
-    by an atomic rename, job.json last (it names the others)."""
-    if not request.staged:
-        return
-    staged = Path(run_dir) / request.staged
-    names = sorted((entry.name for entry in staged.iterdir() if entry.is_file()), key=lambda name: name == JOB_FILE)
-    for name in names:
-        os.replace(staged / name, Path(run_dir) / name)
-    try:
-        staged.rmdir()
-    except OSError:
-        pass
-
-
 # --------------------------------------------------------------------------- what moves
 
 
 def held_names(names: Iterable[str], model: ModelLayers, layout: Layout, rank: int) -> list[str]:
     """Of the parameter and module-tensor `names` (DeepSpeed's `PipelineModule` names: a layer's
     under its index, a tied module's under `tied_modules.KEY`), those rank `rank` of `layout` holds."""
-    from pipectl.runtime.pipeline import planned_topology
+    from pipectl.runtime.engines.pipeline import planned_topology
 
     topology = planned_topology(layout.pipeline_parallel, layout.data_parallel, layout.tensor_parallel)
     start, stop = layout.stage_layers[topology.get_coord(rank).pipe]
@@ -355,8 +300,8 @@ def exchange(
     import torch
     import torch.distributed as dist
 
-    from pipectl.runtime import engine_state  # torch: only in the ranks
-    from pipectl.runtime.shards import RankHeader, ShardReader
+    from pipectl.runtime.checkpoint import engine_state  # torch: only in the ranks
+    from pipectl.runtime.checkpoint.shards import RankHeader, ShardReader
 
     me = dist.get_rank()
     offered_here = [
@@ -469,7 +414,7 @@ class _Landing:
     the sender's header) matched with the engine's `landing_sites`."""
 
     def __init__(self, into: tuple[Any, Any], headers: Sequence[Any]) -> None:
-        from pipectl.runtime import engine_state  # torch: only in the ranks
+        from pipectl.runtime.checkpoint import engine_state  # torch: only in the ranks
 
         engine, memory = into
         engine_state.prepare_states(engine, headers[0].group_states, memory)
@@ -512,7 +457,7 @@ def reform(
     0 waits for it to listen, default `timeout_seconds`)."""
     import torch.distributed as dist
 
-    from pipectl.runtime import dsinit
+    from pipectl.runtime.engines import dsinit
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
@@ -588,7 +533,7 @@ def hand_over(
     first."""
     import torch.distributed as dist
 
-    from pipectl.runtime.engine_state import HostSnapshot, TouchedMemory, device_kind
+    from pipectl.runtime.checkpoint.engine_state import HostSnapshot, TouchedMemory, device_kind
 
     rank, old_world = dist.get_rank(), dist.get_world_size()
     if old_world != request.from_devices:
@@ -658,7 +603,7 @@ def warm_up(ds_config: dict[str, Any]) -> None:
     import torch.distributed as dist
     from deepspeed.pipe import LayerSpec, PipelineModule
 
-    from pipectl.runtime import dsinit
+    from pipectl.runtime.engines import dsinit
 
     dsinit.set_rank_environment()
     dsinit.skip_shared_memory_op_build()
@@ -684,7 +629,7 @@ def engine_bytes(layout: Layout, model: ModelLayers, rank: int) -> int:
     the meta device. 0 with a tensor split (what a rank holds then is not counted here)."""
     import torch  # only in the ranks
 
-    from pipectl.runtime.pipeline import planned_topology
+    from pipectl.runtime.engines.pipeline import planned_topology
 
     if layout.tensor_parallel > 1:
         return 0
@@ -722,7 +667,7 @@ class Preparation:
             self._thread.start()
 
     def _touch(self, nbytes: int) -> None:
-        from pipectl.runtime.engine_state import TouchedMemory  # torch: only in the ranks
+        from pipectl.runtime.checkpoint.engine_state import TouchedMemory  # torch: only in the ranks
 
         try:
             self.memory = TouchedMemory(nbytes)
@@ -770,7 +715,7 @@ def join(
     (`engine_state.TouchedMemory`, `engine_bytes`), say it is ready, wait for the running ranks in
     the new world, then build its engine (`build(memory)`: its (model, engine)) and receive its
     share straight into it (`HandOver.built`). Without `build`, into a receive buffer."""
-    from pipectl.runtime.engine_state import TouchedMemory  # torch: only in the ranks
+    from pipectl.runtime.checkpoint.engine_state import TouchedMemory  # torch: only in the ranks
 
     warm_up(ds_config)
     rank = int(os.environ["RANK"])
@@ -802,7 +747,7 @@ def _resize_ended_unasked(run_dir: str | os.PathLike[str]) -> Callable[[], None]
     started it (`RESIZE_PID_VARIABLE`) has ended without writing its request. A request written
     is the resize's commitment: the running ranks take it and wait for this rank, with or without
     the command that asked (looked at every quarter second)."""
-    from pipectl.runtime.liveness import pid_alive
+    from pipectl.rundir.heartbeats import pid_alive
 
     text = os.environ.get(RESIZE_PID_VARIABLE, "")
     pid = int(text) if text.isdigit() else None

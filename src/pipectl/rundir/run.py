@@ -1,0 +1,139 @@
+"""A run directory `runs/NAME/` read back: its job, plan and DeepSpeed config, the schedules the
+ranks wrote, its Slurm requeues, and the checks a resume or resize makes before training more.
+
+    runs/NAME/plan.json  job.json  ds_config.json  launch.sh  [hostfile | job.sbatch]
+             metrics.jsonl  checkpoints/  schedule_rank{R}.txt  logs/
+
+Writing a new run directory (never clobbering one) is `launch.prepare`; the one-job-at-a-time lock
+is `rundir.lock`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipectl.artifacts.plan import Plan
+from pipectl.artifacts.run import (
+    JOB_FILE,
+    LOGS_DIR,
+    JobSpec,
+    REQUEUE_FILE,
+    RequeueRecord,
+)
+from pipectl.errors import UserInputError
+from pipectl.io import load_model, read_mapping, read_records
+from pipectl.rundir.checkpoints import CheckpointInfo, list_checkpoints
+from pipectl.rundir.metrics import read_metrics
+
+
+@dataclass(frozen=True)
+class RunFiles:
+    """A run directory's inputs, read back and validated."""
+
+    path: Path
+    job: JobSpec
+    plan: Plan
+    ds_config: dict[str, Any]
+
+
+
+def is_run_dir(path: Path) -> bool:
+    return (path / JOB_FILE).is_file()
+
+
+def newest_complete_checkpoint(run_dir: Path) -> CheckpointInfo | None:
+    """The newest checkpoint with a manifest and all its files (`CheckpointInfo`), or None.
+
+    Only presence is checked here: hashing a large model's checkpoint takes long, and the ranks
+    verify every sha256 when they load it anyway (falling back to an older one if it is corrupted).
+    """
+    complete = [info for info in list_checkpoints(run_dir, hash_files=False) if info.verified]
+    return complete[-1] if complete else None
+
+
+def check_steps_beyond_trained(run_dir: Path, target_steps: int, more: int) -> None:
+    """A new total of steps for a run must lie beyond what it has trained: its newest complete
+    checkpoint's step or its last logged one, whichever is later (`more`: the hint's increment)."""
+    latest = newest_complete_checkpoint(run_dir)
+    metrics = read_metrics(run_dir)
+    checkpointed = latest.step if latest is not None and latest.step is not None else 0
+    trained = max(checkpointed, metrics[-1].step if metrics else 0)
+    if target_steps <= trained:
+        raise UserInputError(
+            f"--steps {target_steps} is not beyond the {trained} steps the run has already trained",
+            hint=f"pass a larger total, e.g. --steps {trained + more}",
+        )
+
+
+def read_run_files(run_dir: str | os.PathLike[str]) -> RunFiles:
+    """job.json + plan.json + ds_config.json of a run, validated (errors name the file)."""
+    path = Path(run_dir)
+    if not path.is_dir():
+        raise UserInputError(f"no run directory at {path}")
+    if not is_run_dir(path):
+        raise UserInputError(f"{path} is not a pipectl run (no {JOB_FILE})", hint="start one with pipectl launch")
+    job = load_model(JobSpec, path / JOB_FILE)
+    plan = load_model(Plan, path / job.plan_file)
+    ds_config = read_mapping(path / job.ds_config_file)
+    return RunFiles(path, job, plan, ds_config)
+
+
+def schedule_files(run_dir: Path) -> dict[int, Path]:
+    """schedule_rank{R}.txt files the ranks wrote, by rank."""
+    found = {}
+    for path in run_dir.glob("schedule_rank*.txt"):
+        suffix = path.stem.removeprefix("schedule_rank")
+        if suffix.isdigit():
+            found[int(suffix)] = path
+    return dict(sorted(found.items()))
+
+
+def read_requeues(run_dir: str | os.PathLike[str]) -> list[RequeueRecord]:
+    """The run's requeue records, oldest first (unreadable lines skipped)."""
+    return read_records(RequeueRecord, Path(run_dir) / LOGS_DIR / REQUEUE_FILE)
+
+
+def check_name_lengths(path: Path) -> None:
+    """Refuse a folder name the filesystem cannot hold, naming it, before anything is created."""
+    missing = []
+    existing = path.absolute()
+    while not existing.exists() and existing != existing.parent:
+        missing.append(existing.name)
+        existing = existing.parent
+    try:
+        limit = os.pathconf(existing, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        limit = 255  # what Linux's filesystems allow
+    for name in reversed(missing):
+        size = len(os.fsencode(name))
+        if size > limit:
+            shown = name if len(name) <= 40 else f"{name[:20]}…{name[-12:]}"
+            raise UserInputError(
+                f"run directory {shown!r}: the name is {size} bytes; the filesystem holding {existing} allows at most {limit}",
+                hint="choose a shorter --run-dir",
+            )
+
+
+def make_run_folders(path: Path) -> None:
+    """`path.mkdir(parents=True)`, taking back the folders it made when it fails (a refused
+    launch leaves nothing behind); the failure is named as a `UserInputError`."""
+    check_name_lengths(path)
+    made: list[Path] = []
+    try:
+        for folder in reversed([path, *path.parents]):
+            if not folder.exists():
+                try:
+                    folder.mkdir()
+                except FileExistsError:
+                    continue  # made meanwhile by another process: not ours to take back
+                made.append(folder)
+    except OSError as exc:
+        for folder in reversed(made):
+            try:
+                folder.rmdir()
+            except OSError:
+                pass
+        raise UserInputError(f"cannot create run directory {path}: {exc.strerror or exc}") from None
