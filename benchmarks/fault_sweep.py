@@ -1,7 +1,7 @@
 """The fault sweep: real `pipectl launch` runs of gpt-tiny hit by faults, resumed, and compared with
 a fault-free run of the same length (issue "Reliability": lose nothing under faults).
 
-Kinds of trial (tests/faults/fault_trials.py runs each; tests/faults/pipectl_fault_model.py is
+Kinds of trial (src/pipectl/testing/fault_trials.py runs each; src/pipectl/testing/fault_model.py is
 the model whose ranks act at a named (rank, step, point, nth) event):
 
     kill             SIGKILL of one rank at a random point: forward, backward, all-reduce,
@@ -53,9 +53,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
-sys.path.insert(0, str(ROOT / "tests" / "faults"))
 
-import fault_trials as ft  # tests/faults, put on the path above
+from pipectl.testing import fault_trials as ft  # noqa: E402
 
 IN_STEP_POINTS = ("forward", "backward", "allreduce", "optimizer")
 KILL_POINTS = (*IN_STEP_POINTS, "save", "written", "commit")  # save, written: during a background write
@@ -168,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
             "benchmark": "fault_sweep",
             "command": "scripts/fault-sweep.sh --seed " + str(args.seed),
             "seed": args.seed,
-            "model": "gpt-tiny (tests/faults/pipectl_fault_model.py), fp32, CPU ranks (gloo)",
+            "model": "gpt-tiny (src/pipectl/testing/fault_model.py), fp32, CPU ranks (gloo)",
             "setups": {
                 label: {**vars(s), "global_batch": s.micro_batch_size * s.micro_batches * s.data_parallel}
                 for label, s in setups.items()

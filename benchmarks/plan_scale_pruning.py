@@ -54,7 +54,7 @@ from pipectl.plan import space as search_space_module  # noqa: E402
 from pipectl.plan.candidates import ShapeBuilder  # noqa: E402
 from pipectl.plan.costs import hardware_for  # noqa: E402
 from pipectl.plan.evaluate import Evaluator  # noqa: E402
-from pipectl.plan.morph import PrefixMinimum, fastest_per_device_count  # noqa: E402
+from pipectl.plan.morph_table import PrefixMinimum, fastest_per_device_count  # noqa: E402
 from pipectl.plan.space import enumerate_specs, search_space  # noqa: E402
 from pipectl.profile.derive import derive_profile  # noqa: E402
 from pipectl.schedule import ScheduleKind  # noqa: E402

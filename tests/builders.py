@@ -195,7 +195,9 @@ def write_shard_layout(folder: Path, parameters: dict[str, tuple[torch.Tensor, T
     the other, the flat group cut into d equal partitions. Returns the number of rank files."""
     import torch
 
-    from pipectl.runtime.checkpoint.shards import Fragment, RankHeader, rank_file_name, write_rank_file
+    from pipectl.artifacts.run import rank_file_name
+
+    from pipectl.runtime.checkpoint.shards import Fragment, RankHeader, write_rank_file
 
     stages = stages or {}
     stage_ids = sorted({s for name in parameters for s in stages.get(name, (0,))})

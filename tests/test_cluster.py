@@ -198,6 +198,18 @@ def test_precedence_yaml_over_links_file_over_catalog(tmp_path, monkeypatch):
     assert links.sources["inter_bandwidth"] == "catalog"
 
 
+def test_links_files_are_read_when_the_cluster_loads_not_while_planning(tmp_path):
+    """The planner prices layouts from the cluster it was given: the links file is read once, by
+    `load_cluster`; removing it afterwards changes nothing, and no file is opened to price."""
+    _write_links(tmp_path / "links.json", intra=INTRA_FIT)
+    _write_cluster(tmp_path / "c.yaml", {"links_file": "links.json"})
+    cluster = load_cluster(tmp_path / "c.yaml")
+    (tmp_path / "links.json").unlink()
+    links = resolve_links(cluster, "n")
+    assert links.intra_latency_seconds == 20e-6 and links.sources["intra_latency"] == "links.json"
+    assert resolve_links(cluster.model_copy(update={"pricing": "spot"}), "n") == links  # copies keep them
+
+
 def test_catalog_only_when_nothing_overrides(tmp_path):
     _write_cluster(tmp_path / "c.yaml", {}, device="h100-80gb")
     links = resolve_links(load_cluster(tmp_path / "c.yaml"), "n")

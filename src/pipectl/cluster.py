@@ -128,7 +128,19 @@ def load_cluster(name_or_path: str | os.PathLike[str]) -> ClusterSpec:
     """
     path = resolve_config(name_or_path, "clusters")
     cluster = load_model(ClusterSpec, path)
-    return _checked(_with_absolute_links_files(cluster, path.resolve().parent), source=str(path))
+    return with_links_read(_checked(_with_absolute_links_files(cluster, path.resolve().parent), source=str(path)))
+
+
+def with_links_read(cluster: ClusterSpec) -> ClusterSpec:
+    """`cluster` holding the links files it names, read now: a cluster is read once, when it is
+    loaded, so the planner prices thousands of layouts without touching a file (`resolve_links`)."""
+    read: dict[str, LinksProfile] = {}
+    for links in [node_type.links for node_type in cluster.node_types] + [cluster.inter_node_links]:
+        if links.links_file is not None and links.links_file not in read:
+            read[links.links_file] = _read_links_file(links.links_file)
+    loaded = cluster.model_copy()
+    loaded._links_read = read
+    return loaded
 
 
 def usable_cores() -> int:
@@ -266,6 +278,14 @@ def price_per_device_hour(cluster: ClusterSpec, node_type: NodeType | str) -> fl
     return node_type.price_per_device_hour_on_demand
 
 
+def _links_of(cluster: ClusterSpec, path: str | None) -> LinksProfile | None:
+    """A links file the cluster names: as read when it was loaded; read now only for a cluster
+    built in code (`local_cluster`, tests) rather than loaded."""
+    if path is not None and path in cluster._links_read:
+        return cluster._links_read[path]
+    return _read_links_file(path)
+
+
 def _read_links_file(path: str | None) -> LinksProfile | None:
     if path is None:
         return None
@@ -322,8 +342,8 @@ def resolve_links(cluster: ClusterSpec, node_type: NodeType | str) -> ResolvedLi
         node_type = node_type_named(cluster, node_type)
     device = device_of(node_type)
     own, shared = node_type.links, cluster.inter_node_links
-    intra_fit = _fit([_read_links_file(own.links_file)], LinkClass.INTRA_NODE)
-    inter_fit = _fit([_read_links_file(own.links_file), _read_links_file(shared.links_file)], LinkClass.INTER_NODE)
+    intra_fit = _fit([_links_of(cluster, own.links_file)], LinkClass.INTRA_NODE)
+    inter_fit = _fit([_links_of(cluster, own.links_file), _links_of(cluster, shared.links_file)], LinkClass.INTER_NODE)
     sources: dict[str, str] = {}
 
     intra_latency, allreduce_intra_latency = _pick(

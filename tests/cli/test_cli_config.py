@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from builders import write_plan
-from pipectl.plan.synthetic import synthetic_profile
+from pipectl.testing.profiles import synthetic_profile
 from pipectl.cli.main import app
 from pipectl.config import option_fields
 from pipectl.io import write_json_atomic

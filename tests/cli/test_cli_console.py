@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 from pipectl.cli.context import PipectlConsole
 from pipectl.cli.main import app
 from pipectl.io import write_json_atomic
-from pipectl.plan.synthetic import synthetic_profile
+from pipectl.testing.profiles import synthetic_profile
 
 runner = CliRunner()
 

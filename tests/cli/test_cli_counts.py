@@ -8,7 +8,7 @@ from pipectl.artifacts.plan import ModelShape
 from pipectl.cli.main import app
 from pipectl.launch import LaunchOptions, prepare_launch
 from pipectl.io import write_json_atomic
-from pipectl.plan.synthetic import synthetic_profile
+from pipectl.testing.profiles import synthetic_profile
 from pipectl.planfile import write_plan
 from builders import gpt_tiny_candidate, plan_of
 

@@ -312,7 +312,7 @@ def test_a_live_run_is_refused_naming_the_pid_of_the_process_holding_its_lock(tm
     assert invoke("launch", plan, "--run-dir", run, "--engine", "slurm").exit_code == 0  # writes the run only
     before = sorted(p.name for p in run.iterdir())
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from pipectl.launch.rundir import lock_run_dir; "
+        [sys.executable, "-c", "import sys; from pipectl.rundir.lock import lock_run_dir; "
          f"lock = lock_run_dir({str(run)!r}); print('locked', flush=True); sys.stdin.read()"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         env={**__import__("os").environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src")},

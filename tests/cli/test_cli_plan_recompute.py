@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 from pipectl.artifacts.plan import Plan
 from pipectl.cli.main import app
 from pipectl.io import load_model, write_json_atomic
-from pipectl.plan.synthetic import synthetic_profile
+from pipectl.testing.profiles import synthetic_profile
 
 runner = CliRunner()
 

@@ -159,7 +159,7 @@ def test_links_command_passes_its_options_and_writes_the_result(tmp_path, monkey
 
 def test_show_prints_the_engine_costs_of_a_calibrated_profile(tmp_path):
     from pipectl.artifacts.profile import EngineComputeRatio, RuntimeCosts
-    from pipectl.plan.synthetic import synthetic_profile
+    from pipectl.testing.profiles import synthetic_profile
 
     profile = synthetic_profile(2).model_copy(
         update={

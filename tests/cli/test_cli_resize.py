@@ -15,11 +15,12 @@ from pipectl.artifacts.morph import MorphRecord
 from pipectl.artifacts.plan import MorphEntry
 from pipectl.artifacts.run import CheckpointManifest, Engine, RankTiming, StepMetrics
 from pipectl.cli.main import app
-from pipectl.report.run_tables import morph_history_table, status_renderables, straggler_table
+from pipectl.report.run_tables import morph_history_table, status_table, straggler_table
+from pipectl.rundir.analysis import analyse
 from pipectl.launch import LaunchOptions, prepare_launch
 from pipectl.launch.prepare import read_run
 from pipectl.rundir.morph_history import append_record
-from pipectl.resize.stragglers import find_stragglers
+from pipectl.rundir.stragglers import find_stragglers
 from pipectl.rundir import checkpoints as ckpt
 from pipectl.rundir.metrics import MetricsWriter
 from builders import gpt_tiny_candidate, plan_of
@@ -120,7 +121,7 @@ def render(renderable) -> str:
     return console.export_text()
 
 
-def test_status_renderables_show_morphs_and_stragglers(tmp_path):
+def test_the_status_shows_morphs_and_stragglers(tmp_path, monkeypatch):
     run = make_run(tmp_path)
     append_record(
         run,
@@ -138,7 +139,15 @@ def test_status_renderables_show_morphs_and_stragglers(tmp_path):
             StepMetrics(step=s, loss=4.0, step_seconds=0.5, samples_per_second=16.0, global_batch=8, world_size=2,
                         layout="t1p1d2 1f1b b2 m2", time_unix=time.time() + s, ranks=ranks)  # fmt: skip
         )
-    text = render(status_renderables(run))
+    reads: list[str] = []
+    read_text = Path.read_text
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: reads.append(self.name) or read_text(self, *a, **k))
+    report = analyse(run)
+    monkeypatch.undo()
+    # One analysis reads each of the run's files once (the metrics feed the morph downtimes and
+    # the stragglers too).
+    assert reads.count("metrics.jsonl") == 1 and len(reads) == len(set(reads)), reads
+    text = render(status_table(report))
     assert "morph history" in text and "t1p1d2 1f1b b2 m2" in text and "3.2 s" in text
     assert "uses 2 of 3 devices" in text
     assert "straggler" in text and "2.50x" in text

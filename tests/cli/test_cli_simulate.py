@@ -79,7 +79,7 @@ def test_simulates_a_plan_candidate(tmp_path: Path, monkeypatch):
     from pipectl.plan.costs import stage_costs_for
     from pipectl.planfile import write_plan
     from pipectl.plan.simulate import simulate_step_seconds
-    from pipectl.plan.synthetic import synthetic_profile
+    from pipectl.testing.profiles import synthetic_profile
     from pipectl.schedule import ScheduleKind, generate
 
     profile = synthetic_profile(blocks=4, micro_batch_sizes=[1, 2], device="cpu")
@@ -122,7 +122,7 @@ def test_varuna_order_follows_the_given_stage_times():
 def test_a_morph_entry_using_fewer_devices_says_how_many_and_why(tmp_path: Path):
     from pipectl.artifacts.plan import Plan
     from pipectl.io import load_model, write_json_atomic
-    from pipectl.plan.synthetic import synthetic_profile
+    from pipectl.testing.profiles import synthetic_profile
 
     profile = write_json_atomic(tmp_path / "profile.json", synthetic_profile(blocks=2, micro_batch_sizes=[1, 2]))
     plan_path = tmp_path / "plan.json"

@@ -73,7 +73,7 @@ def test_too_few_micro_batches_per_update_is_explained_not_an_error():
 def _two_bw_plan(tmp_path: Path, *, runnable: bool = False) -> tuple[Path, Candidate, object]:
     """A 2bw plan of a synthetic 7-layer profile (no torch needed), written next to its profile."""
     from pipectl.artifacts.plan import ModelShape, Plan, PlanRequest
-    from pipectl.plan.synthetic import synthetic_profile
+    from pipectl.testing.profiles import synthetic_profile
     from pipectl.planfile import write_plan
 
     profile = synthetic_profile(blocks=4, micro_batch_sizes=[1, 2], device="cpu")
@@ -122,7 +122,7 @@ def test_a_planned_2bw_candidate_predicts_the_steady_state_simulate_shows(tmp_pa
     # The planner prices 2bw per update in steady state: simulate's figure for the same plan.
     from pipectl.artifacts.plan import Plan
     from pipectl.io import load_model
-    from pipectl.plan.synthetic import synthetic_profile
+    from pipectl.testing.profiles import synthetic_profile
 
     profile = tmp_path / "profile.json"
     write_json_atomic(profile, synthetic_profile(blocks=6, micro_batch_sizes=[1, 2], device="a100-80gb"))

@@ -13,7 +13,7 @@ from pipectl.catalog import DeviceCatalog
 from pipectl.cli.main import app
 from pipectl.io import ARTIFACT_KINDS, artifact_kind, read_mapping, write_json_atomic
 from pipectl.paths import configs_dir
-from pipectl.plan.synthetic import synthetic_profile
+from pipectl.testing.profiles import synthetic_profile
 from pipectl.planfile import write_plan
 from builders import gpt_tiny_candidate, plan_of
 

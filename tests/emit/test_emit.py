@@ -23,7 +23,7 @@ import pytest
 from pipectl.artifacts.plan import Framework, PlanRequest
 from pipectl.emit.vendored import MEGATRON_ARGUMENTS, TORCHTITAN_SECTIONS
 from pipectl.io import write_json_atomic
-from pipectl.plan.synthetic import synthetic_profile
+from pipectl.testing.profiles import synthetic_profile
 
 REPO = Path(__file__).resolve().parents[2]
 GOLDEN = Path(__file__).resolve().parent / "golden"

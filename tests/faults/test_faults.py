@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import json
 import random
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))  # fault_trials, beside this file
 
-import fault_trials as ft
+from pipectl.testing import fault_trials as ft
 
 CI_SETUP = ft.Setup(steps=4, checkpoint_every=2)
 LONG_SETUP = ft.Setup(steps=6, checkpoint_every=2)  # the slow trials: two checkpoints before a fault

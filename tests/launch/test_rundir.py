@@ -190,7 +190,7 @@ def test_status_summarises_metrics_and_layout_changes(tmp_path):
 
 def test_the_plans_profile_goes_into_the_run_and_a_missing_one_is_refused(tmp_path):
     from pipectl.io import load_model, write_json_atomic
-    from pipectl.plan.synthetic import synthetic_profile
+    from pipectl.testing.profiles import synthetic_profile
     from pipectl.planfile import write_plan
 
     write_json_atomic(tmp_path / "profile.json", synthetic_profile(blocks=2))

@@ -119,7 +119,7 @@ def test_a_two_stage_gpt2_trains_with_the_one_rank_losses_and_exports_to_transfo
 
     from pipectl.launch import LaunchOptions, prepare_launch, run_engine
     from pipectl.runtime.data import DeterministicBatches, make_source
-    from pipectl.runtime.export import export_hf
+    from pipectl.runtime.hf_export import export_hf
     from pipectl.rundir.metrics import read_metrics
 
     saved(GPT2LMHeadModel, gpt2_config(layers=4), tmp_path / "gpt2")  # 7 layers: embed, 4 blocks, norm, head
@@ -145,7 +145,7 @@ def test_a_two_stage_gpt2_trains_with_the_one_rank_losses_and_exports_to_transfo
 
 def test_export_refuses_a_run_of_another_model_and_an_existing_directory(tmp_path):
     from pipectl.launch import LaunchOptions, prepare_launch
-    from pipectl.runtime.export import export_hf
+    from pipectl.runtime.hf_export import export_hf
 
     prepare_launch(plan_of(gpt_tiny_candidate(1)), tmp_path / "tiny", LaunchOptions(steps=2))
     with pytest.raises(UserInputError, match="trains gpt-tiny, not a Hugging Face model"):
@@ -171,7 +171,7 @@ def test_a_llama_on_a_text_file_resized_from_two_stages_to_one_rank_keeps_the_on
     from pipectl.artifacts.plan import MorphEntry
     from pipectl.artifacts.run import DataKind, DataSpec
     from pipectl.launch import LaunchOptions, prepare_launch, run_engine
-    from pipectl.resize.morph import resize_run
+    from pipectl.resize.restart import resize_run
     from pipectl.rundir.metrics import read_metrics
 
     saved(LlamaForCausalLM, llama_config(tied=False), tmp_path / "llama")  # 6 layers: embed, 3 blocks, norm, head
@@ -319,7 +319,8 @@ def test_a_split_needs_divisible_heads_and_no_dropout(tmp_path):
                          ids=["gpt2", "llama"])  # fmt: skip
 def test_two_tensor_ranks_give_the_one_rank_losses(tmp_path, model_class, config):
     from pipectl.artifacts.layout import Layout
-    from pipectl.runtime.worker import TrainingJob, spawn_ranks
+    from pipectl.runtime.job import TrainingJob
+    from pipectl.runtime.worker import spawn_ranks
     from builders import training_config
 
     saved(model_class, config, tmp_path)

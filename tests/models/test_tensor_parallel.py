@@ -16,7 +16,8 @@ from pipectl.models.tensor_parallel import (
 )
 from pipectl.models.transformer import TransformerBlock
 from pipectl.artifacts.layout import Layout
-from pipectl.runtime.worker import TrainingJob, spawn_ranks
+from pipectl.runtime.job import TrainingJob
+from pipectl.runtime.worker import spawn_ranks
 from pipectl.schedule.ir import ScheduleKind
 from builders import training_config
 

@@ -16,7 +16,7 @@ from pipectl.plan.candidates import (
     step_bytes,
 )
 from pipectl.plan.costs import hardware_for
-from pipectl.plan.synthetic import synthetic_profile
+from pipectl.testing.profiles import synthetic_profile
 from pipectl.models.registry import load_model_config
 from pipectl.profile.derive import derive_profile
 from pipectl.schedule import ScheduleKind

@@ -17,7 +17,7 @@ from pipectl.plan.costs import (
 )
 from pipectl.plan.layer_table import interpolate, layer_table
 from pipectl.plan.simulate import simulate
-from pipectl.plan.synthetic import synthetic_profile
+from pipectl.testing.profiles import synthetic_profile
 from pipectl.schedule import ScheduleKind, generate
 
 

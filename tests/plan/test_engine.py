@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from pipectl.artifacts.plan import Candidate, Engine, PlanRequest
 from pipectl.cluster import load_cluster
 from pipectl.plan.search import plan
-from pipectl.plan.synthetic import synthetic_profile
+from pipectl.testing.profiles import synthetic_profile
 from pipectl.schedule import ScheduleKind
 
 ZB, INTERLEAVED, ONE_F_ONE_B = ScheduleKind.ZB_H1, ScheduleKind.INTERLEAVED, ScheduleKind.ONE_F_ONE_B

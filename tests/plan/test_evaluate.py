@@ -8,7 +8,7 @@ from pipectl.plan.costs import hardware_for
 from pipectl.plan.evaluate import Evaluator
 from pipectl.artifacts.plan import PlanRequest
 from pipectl.plan.space import enumerate_specs, search_space
-from pipectl.plan.synthetic import synthetic_profile
+from pipectl.testing.profiles import synthetic_profile
 
 
 def _specs():

@@ -26,7 +26,7 @@ from pipectl.plan.flops import (
     step_flops,
     utilisation,
 )
-from pipectl.plan.synthetic import synthetic_profile
+from pipectl.testing.profiles import synthetic_profile
 
 DATA = Path(__file__).parent / "data"
 

@@ -10,7 +10,7 @@ from pipectl.plan.costs import hardware_for
 from pipectl.plan.hetero import uneven_split
 from pipectl.artifacts.plan import PlanRequest
 from pipectl.plan.search import plan
-from pipectl.plan.synthetic import synthetic_profile
+from pipectl.testing.profiles import synthetic_profile
 
 
 def _cluster(tmp_path, fast: str, slow: str, nodes=(1, 1)):

@@ -15,9 +15,9 @@ from pipectl.plan.memory import (
     state_bytes_per_parameter,
     step_bytes_per_parameter,
 )
-from pipectl.plan.synthetic import synthetic_profile
+from pipectl.testing.profiles import synthetic_profile
 from pipectl.schedule import ScheduleKind, generate
-from pipectl.schedule.twobw import simulate_two_bw_run
+from pipectl.plan.twobw_steady_state import simulate_two_bw_run
 
 
 def test_state_bytes_mixed_precision_and_zero():

@@ -8,7 +8,7 @@ import pytest
 
 from pipectl.plan.layer_table import layer_table
 from pipectl.plan.memory import FurthestFittingEnds, RangeMemory
-from pipectl.plan.synthetic import synthetic_profile
+from pipectl.testing.profiles import synthetic_profile
 
 
 def _scan(

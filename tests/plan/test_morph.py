@@ -7,11 +7,11 @@ import pytest
 from pipectl.cluster import load_cluster, local_cluster
 from pipectl.plan.costs import hardware_for
 from pipectl.plan.evaluate import Evaluator
-from pipectl.plan.morph import PrefixMinimum, fastest_per_device_count
+from pipectl.plan.morph_table import PrefixMinimum, fastest_per_device_count
 from pipectl.artifacts.plan import PlanRequest
 from pipectl.plan.search import plan
 from pipectl.plan.space import enumerate_specs, search_space
-from pipectl.plan.synthetic import synthetic_profile
+from pipectl.testing.profiles import synthetic_profile
 
 
 def _profile():
@@ -100,7 +100,7 @@ def test_prime_batch_uses_fewer_devices_and_says_why():
 def test_a_rounding_level_tie_keeps_the_first_found_plan():
     from types import SimpleNamespace
 
-    from pipectl.plan.morph import fastest_per_device_count
+    from pipectl.plan.morph_table import fastest_per_device_count
 
     first = SimpleNamespace(devices=8, lower_bound_seconds=1.0, step=10.0)
     tied = SimpleNamespace(devices=8, lower_bound_seconds=2.0, step=10.0 * (1 - 1e-14))
@@ -112,7 +112,7 @@ def test_a_rounding_level_tie_keeps_the_first_found_plan():
 
 
 def test_the_tighter_bound_prunes_more_and_keeps_the_table():
-    from pipectl.plan.morph import morph_table
+    from pipectl.plan.morph_table import morph_table
 
     class SpecBoundOnly(Evaluator):
         def tighter_bound_seconds(self, spec):
@@ -130,7 +130,7 @@ def test_the_tighter_bound_prunes_more_and_keeps_the_table():
 
 
 def test_the_varuna_bound_prunes_varuna_specs_and_keeps_the_table():
-    from pipectl.plan.morph import morph_table
+    from pipectl.plan.morph_table import morph_table
     from pipectl.schedule import ScheduleKind
 
     class ChainsForVaruna(Evaluator):
@@ -152,7 +152,7 @@ def test_the_varuna_bound_prunes_varuna_specs_and_keeps_the_table():
 def test_timing_ahead_in_two_processes_leaves_the_loop_nothing_to_time(monkeypatch):
     """The lower range of device counts is timed as the whole loop would, the upper one as a
     superset: afterwards the loop finds every time it asks for, and its answer is the same."""
-    from pipectl.plan import morph
+    from pipectl.plan import morph_table as morph
 
     monkeypatch.setattr(morph, "PARALLEL_SPECS", 0)  # fork for a small search too
     profile = synthetic_profile(blocks=12, micro_batch_sizes=[1, 2],

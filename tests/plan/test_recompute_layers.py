@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import random
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from pipectl.plan.flops import LayerFlops, step_flops
 from pipectl.plan.layer_table import layer_table
 from pipectl.plan.memory import FurthestFittingEnds, RangeMemory, StageMemory
 from pipectl.plan.search import plan
-from pipectl.plan.synthetic import synthetic_profile
+from pipectl.testing.profiles import synthetic_profile
 from pipectl.schedule import ScheduleKind
 from tests.plan.test_memory_h100 import _one_h100, gpt_1_83b
 

@@ -18,7 +18,7 @@ from pipectl.plan.layer_table import layer_table, offered_granularities, selecti
 from pipectl.plan.memory import FurthestFittingEnds, RangeMemory, StageMemory
 from pipectl.plan.search import plan
 from pipectl.plan.simulate import simulate
-from pipectl.plan.synthetic import synthetic_profile
+from pipectl.testing.profiles import synthetic_profile
 from pipectl.profile.compute_model import Attention, BlockShape, attention_core_saved_bytes, block_saved_bytes
 from pipectl.profile.derive import derive_profile
 from pipectl.schedule import ScheduleKind, generate

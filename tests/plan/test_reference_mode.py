@@ -16,7 +16,7 @@ from pipectl.artifacts.plan import Objective, Plan, PlanRequest
 from pipectl.cluster import load_cluster, local_cluster
 from pipectl.plan.fast import varuna, waves
 from pipectl.plan.search import plan
-from pipectl.plan.synthetic import synthetic_profile
+from pipectl.testing.profiles import synthetic_profile
 from pipectl.models.registry import load_model_config
 from pipectl.profile.derive import derive_profile
 from pipectl.plan.timing import REFERENCE_ENV

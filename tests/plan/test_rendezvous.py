@@ -118,7 +118,7 @@ def test_blocking_costs_route_every_entry_point_to_the_rendezvous_timing(kind):
 def test_cpu_links_block_and_gpu_links_do_not():
     from pipectl.cluster import load_cluster, local_cluster
     from pipectl.plan.costs import hardware_for, stage_costs
-    from pipectl.plan.synthetic import synthetic_profile
+    from pipectl.testing.profiles import synthetic_profile
 
     profile = synthetic_profile(blocks=4, micro_batch_sizes=[1], device="cpu", dtype="float32")
     local = stage_costs(profile, hardware_for(local_cluster(2), profile), [(0, 3), (3, 6)],

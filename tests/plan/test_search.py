@@ -14,7 +14,7 @@ from pipectl.artifacts.plan import PlanRequest
 from pipectl.plan.homogeneous import goal_for, rank
 from pipectl.plan.search import plan
 from pipectl.plan.space import enumerate_specs, search_space
-from pipectl.plan.synthetic import synthetic_profile
+from pipectl.testing.profiles import synthetic_profile
 from pipectl.schedule import ScheduleKind
 
 

@@ -16,7 +16,7 @@ from pipectl.plan.costs import hardware_for
 from pipectl.plan.partition import balanced_partition
 from pipectl.artifacts.plan import PlanRequest, Recompute
 from pipectl.plan.space import FamilyKey, _Family, _variants_for, enumerate_specs, search_space
-from pipectl.plan.synthetic import synthetic_profile
+from pipectl.testing.profiles import synthetic_profile
 from pipectl.schedule import ScheduleKind
 
 

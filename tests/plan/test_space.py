@@ -13,7 +13,7 @@ from pipectl.plan.candidates import Rejection
 from pipectl.plan.costs import hardware_for
 from pipectl.plan.search import plan
 from pipectl.plan.space import search_space
-from pipectl.plan.synthetic import synthetic_profile
+from pipectl.testing.profiles import synthetic_profile
 from pipectl.profile.derive import derive_profile
 
 

@@ -18,7 +18,7 @@ from pipectl.plan.costs import hardware_for, layer_seconds, stage_costs
 from pipectl.plan.layer_table import interpolate, layer_table
 from pipectl.plan.memory import RangeMemory, StageMemory
 from pipectl.plan.search import plan
-from pipectl.plan.synthetic import synthetic_profile
+from pipectl.testing.profiles import synthetic_profile
 from pipectl.models.registry import load_model_config
 from pipectl.profile.derive import derive_profile
 

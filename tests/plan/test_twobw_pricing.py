@@ -1,7 +1,7 @@
 """The planner prices PipeDream-2BW in steady state: `two_bw_steady_state`'s figure per update.
 
 A 2bw candidate's `predicted_step_seconds` is the time per update of m micro-batches with no flush,
-the figure `pipectl.schedule.twobw.two_bw_steady_state` gives on the candidate's own stage costs
+the figure `pipectl.plan.twobw_steady_state.two_bw_steady_state` gives on the candidate's own stage costs
 (`stage_costs_for`, what `pipectl simulate` re-simulates). The planner computes it in waves
 (`pipectl.plan.fast.twobw`); these tests hold that equal to the event simulation, check the closed
 form of the uniform case, the flushed step kept in the notes, the memory (p − s micro-batches in
@@ -26,10 +26,10 @@ from pipectl.plan.memory import in_flight_units
 from pipectl.plan.search import plan
 from pipectl.plan.simulate import uniform_costs
 from pipectl.plan.space import enumerate_specs, search_space
-from pipectl.plan.synthetic import synthetic_profile
+from pipectl.testing.profiles import synthetic_profile
 from pipectl.plan.timing import two_bw_summary_of
 from pipectl.schedule import ScheduleKind
-from pipectl.schedule.twobw import simulate_two_bw_run, steady_state_window, two_bw_steady_state
+from pipectl.plan.twobw_steady_state import simulate_two_bw_run, steady_state_window, two_bw_steady_state
 from pipectl.words import count
 from builders import head_start_costs, random_stage_costs
 

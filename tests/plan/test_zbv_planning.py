@@ -21,7 +21,7 @@ from pipectl.plan.memory import StageMemory, in_flight_units, peak_in_flight_uni
 from pipectl.plan.partition import greedy_cuts, min_bottlenecks, prefix_sums, rank_loads, v_balanced_cuts
 from pipectl.plan.search import plan
 from pipectl.plan.simulate import simulate
-from pipectl.plan.synthetic import synthetic_profile
+from pipectl.testing.profiles import synthetic_profile
 from pipectl.schedule import ScheduleKind, generate, stage_ranks
 
 PROFILE = synthetic_profile(blocks=16, micro_batch_sizes=[1, 2, 4], block_forward_seconds=[0.01, 0.013] * 8)

@@ -14,7 +14,6 @@ m (f + b) + (p − 1)(f + I − W): the zero-bubble paper's ZB-H1 bubble (p − 
 from __future__ import annotations
 
 import math
-import random
 from dataclasses import replace
 
 import pytest

@@ -24,7 +24,7 @@ from pipectl.plan.memory import (
 from pipectl.plan.search import plan
 from pipectl.plan.simulate import simulate
 from pipectl.plan.space import enumerate_specs, search_space
-from pipectl.plan.synthetic import synthetic_profile
+from pipectl.testing.profiles import synthetic_profile
 from pipectl.schedule import generate
 
 MS = 1e-3

@@ -19,7 +19,7 @@ from pipectl.errors import UserInputError
 from pipectl.io import write_json_atomic
 from pipectl.plan.phases import simulated_phases
 from pipectl.plan.search import plan as make_plan
-from pipectl.plan.synthetic import synthetic_profile
+from pipectl.testing.profiles import synthetic_profile
 from pipectl.planfile import write_plan
 from pipectl.profile.calibrate import calibrate
 from pipectl.rundir.metrics import MetricsWriter

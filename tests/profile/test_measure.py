@@ -259,7 +259,7 @@ def test_identical_means_same_kind_arguments_parameter_shapes_and_input_shape():
 
     from pipectl.models.base import LayerDef
     from pipectl.models.mlp import DenseReLU
-    from pipectl.profile.measure import identical_layers
+    from pipectl.models.layer_facts import identical_layers
 
     setting, equal_setting = SimpleNamespace(factor=2), SimpleNamespace(factor=2)
     layers = [

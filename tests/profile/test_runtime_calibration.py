@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipectl.plan.synthetic import synthetic_profile
+from pipectl.testing.profiles import synthetic_profile
 from pipectl.profile.runtime_calibration import (
     MINIMUM_COMPUTE_RATIO,
     EngineTimings,

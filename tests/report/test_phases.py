@@ -17,9 +17,10 @@ from pipectl.rundir.status import RunStatus
 from pipectl.plan.costs import stage_costs_for
 from pipectl.plan.search import plan as make_plan
 from pipectl.plan.simulate import simulate
-from pipectl.plan.synthetic import synthetic_profile
+from pipectl.testing.profiles import synthetic_profile
 from pipectl.planfile import write_plan
-from pipectl.report.phases import phase_comparison, phase_table
+from pipectl.report.phase_table import phase_table
+from pipectl.rundir.analysis import phase_comparison
 from pipectl.schedule import generate
 
 FIELDS = ("forward_seconds", "backward_seconds", "p2p_seconds", "end_of_step_seconds")

@@ -10,7 +10,7 @@ from pipectl.cluster import local_cluster
 from pipectl.errors import InfeasibleError, UserInputError
 from pipectl.io import load_model, write_json_atomic
 from pipectl.plan.search import plan as search_plan
-from pipectl.plan.synthetic import synthetic_profile
+from pipectl.testing.profiles import synthetic_profile
 from pipectl.planfile import write_plan
 from pipectl.resize.choose import choose_candidate, replanner, with_entry
 from pipectl.schedule import ScheduleKind

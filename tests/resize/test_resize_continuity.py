@@ -22,7 +22,7 @@ import pytest
 from pipectl.artifacts.plan import Candidate, MorphEntry, Plan
 from pipectl.launch.prepare import read_run
 from pipectl.rundir.morph_history import read_history
-from pipectl.resize.morph import resize_run
+from pipectl.resize.restart import resize_run
 from pipectl.rundir.metrics import read_metrics
 from builders import assert_same_weights, final_weights, gpt_tiny_candidate, plan_of, train_run
 

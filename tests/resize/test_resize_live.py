@@ -26,7 +26,7 @@ from pipectl.launch import LaunchOptions, prepare_launch, run_engine
 from pipectl.rundir.processes import find_run_processes
 from pipectl.launch.prepare import read_run
 from pipectl.resize.live import live_resize
-from pipectl.resize.morph import decide_resize
+from pipectl.resize.restart import decide_resize
 from pipectl.resize.stop import request_stop
 from pipectl.rundir.checkpoints import STOP_FILE
 from pipectl.rundir.morph_history import read_history

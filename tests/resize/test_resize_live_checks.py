@@ -7,7 +7,7 @@ import pytest
 from pipectl.artifacts.plan import MorphEntry
 from pipectl.launch import LaunchOptions, prepare_launch
 from pipectl.resize.live import LiveUnavailable, check_live
-from pipectl.resize.morph import decide_resize
+from pipectl.resize.restart import decide_resize
 from builders import gpt_tiny_candidate as candidate, gpt_tiny_torch_candidate, plan_of
 
 

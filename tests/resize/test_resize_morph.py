@@ -18,7 +18,7 @@ from pipectl.io import write_json_atomic
 from pipectl.launch import LaunchOptions, prepare_launch
 from pipectl.launch.prepare import read_run
 from pipectl.rundir.morph_history import read_records
-from pipectl.resize.morph import (
+from pipectl.resize.restart import (
     decide_resize,
     layout_label,
     prepare_relaunch,
@@ -318,7 +318,7 @@ def test_a_resize_whose_job_does_not_stop_leaves_no_stop_request_behind(tmp_path
 
 STARTING_LAUNCH = """
 import os, subprocess, sys, time
-from pipectl.launch.rundir import lock_run_dir
+from pipectl.rundir.lock import lock_run_dir
 run = sys.argv[1]
 lock = lock_run_dir(run)  # what `launch --resume` holds from its pre-flight on
 time.sleep(1.5)  # the pre-flight: no rank yet

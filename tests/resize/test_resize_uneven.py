@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from pipectl.artifacts.plan import Candidate, MorphEntry, Plan
-from pipectl.resize.morph import resize_run
+from pipectl.resize.restart import resize_run
 from pipectl.rundir.metrics import read_metrics
 from builders import assert_same_weights, final_weights, gpt_tiny_candidate, plan_of, train_run
 

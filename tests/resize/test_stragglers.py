@@ -8,7 +8,7 @@ import pytest
 
 from pipectl.artifacts.run import RankTiming, StepMetrics
 from pipectl.errors import UserInputError
-from pipectl.resize.stragglers import StragglerPolicy, find_stragglers, recent_window
+from pipectl.rundir.stragglers import StragglerPolicy, find_stragglers, recent_window
 
 
 def step(number, compute_by_rank, stages, *, layout="t1p2d2 1f1b b2 m2", world=None, samples=None):

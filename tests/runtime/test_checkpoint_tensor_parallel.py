@@ -22,7 +22,8 @@ from pipectl.models.transformer import TransformerBlock
 from pipectl.rundir import checkpoints as ckpt
 from pipectl.runtime.checkpoint.shards import whole_state
 from pipectl.artifacts.layout import Layout
-from pipectl.runtime.worker import TrainingJob, spawn_ranks
+from pipectl.runtime.job import TrainingJob
+from pipectl.runtime.worker import spawn_ranks
 from builders import plan_of, training_config
 
 HIDDEN, HEADS = 64, 4
@@ -136,7 +137,7 @@ def test_resize_moves_a_t2_job_to_one_rank_at_t1(tmp_path):
 
     from pipectl.artifacts.plan import MorphEntry
     from pipectl.launch import LaunchOptions, prepare_launch, run_engine
-    from pipectl.resize.morph import resize_run
+    from pipectl.resize.restart import resize_run
     from pipectl.rundir.metrics import read_metrics
 
     one_rank = gpt_tiny_candidate(1, 1)

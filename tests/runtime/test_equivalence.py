@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import pytest
 
 from pipectl.artifacts.layout import Layout
-from pipectl.runtime.worker import TrainingJob, spawn_ranks
+from pipectl.runtime.job import TrainingJob
+from pipectl.runtime.worker import spawn_ranks
 from pipectl.schedule import generate
 from pipectl.schedule.ir import ScheduleKind
 from builders import training_config

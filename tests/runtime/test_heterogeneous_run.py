@@ -18,7 +18,7 @@ import shutil
 import pytest
 
 from pipectl.artifacts.plan import MorphEntry
-from pipectl.resize.morph import resize_run
+from pipectl.resize.restart import resize_run
 from pipectl.rundir.metrics import read_metrics
 from builders import gpt_tiny_candidate, mixed_candidate, plan_of, train_run
 

@@ -17,7 +17,8 @@ from pipectl.runtime.checkpoint import ranks as checkpoint
 from pipectl.rundir import checkpoints
 from pipectl.runtime.elastic import live_resize as live
 from pipectl.rundir import live_requests
-from pipectl.runtime.checkpoint.shards import FP32, HEADER_KEY, RankHeader, ShardReader, rank_file_name
+from pipectl.artifacts.run import rank_file_name
+from pipectl.runtime.checkpoint.shards import FP32, HEADER_KEY, RankHeader, ShardReader
 from builders import gpt_tiny_candidate, shard_model as model, write_shard_layout as write_layout
 
 

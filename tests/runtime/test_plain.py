@@ -51,7 +51,7 @@ def resume_and_check(tmp_path, half, devices: int, layouts: tuple[str, str], sta
     """Resize the stopped run `half` (3 steps) to `devices` and run it to step 6: the first 3
     steps in layout `layouts[0]`, the rest in `layouts[1]` with ZeRO stage `stage` and the
     `expected` losses."""
-    from pipectl.resize.morph import resize_run
+    from pipectl.resize.restart import resize_run
 
     resized = tmp_path / f"{half.name}-resized"
     shutil.copytree(half, resized)
@@ -110,7 +110,7 @@ def test_a_job_moves_live_into_and_out_of_zero2_and_3(tmp_path, sharded):
     from test_resize_live import BackgroundJob  # noqa: E402
 
     from pipectl.resize.live import live_resize
-    from pipectl.resize.morph import decide_resize
+    from pipectl.resize.restart import decide_resize
 
     p2 = gpt_tiny_candidate(2, 1, m=4)
     table = [MorphEntry(devices=1, candidate=P1), MorphEntry(devices=2, candidate=sharded)]

@@ -14,7 +14,8 @@ import pytest
 
 from builders import training_config
 from pipectl.artifacts.layout import Layout
-from pipectl.runtime.worker import TrainingJob, spawn_ranks
+from pipectl.runtime.job import TrainingJob
+from pipectl.runtime.worker import spawn_ranks
 from pipectl.schedule.ir import ScheduleKind
 
 pytestmark = pytest.mark.multiprocess

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from pipectl.errors import CheckpointError
-from pipectl.runtime.checkpoint.shards import FP32, ShardReader, rank_file_name, whole_state
+from pipectl.artifacts.run import rank_file_name
+from pipectl.runtime.checkpoint.shards import FP32, ShardReader, whole_state
 from builders import shard_model as model, write_shard_layout as write_layout
 
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from pipectl.artifacts.plan import Candidate, MorphEntry, Plan
-from pipectl.resize.morph import resize_run
+from pipectl.resize.restart import resize_run
 from pipectl.rundir.metrics import read_metrics
 from pipectl.runtime.engines.torch_pipeline import planned_compute_order
 from pipectl.schedule import generate

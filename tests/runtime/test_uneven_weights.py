@@ -1,5 +1,5 @@
 """Uneven replicas' arithmetic, for random batches, replica counts and shares: the shares cover the
-global batch, and the loss weights the worker gives each replica (`_weighted_replica`) turn
+global batch, and the loss weights the worker gives each replica (`weighted_replica`) turn
 DeepSpeed's averaging (each replica's micro-batch losses divided by its own accumulation count,
 then the mean over the d replicas) into the gradient of the mean loss over all B samples — the
 single-device gradient. Per-sample gradients are random vectors; no processes."""
@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from pipectl.artifacts.layout import Layout
 from pipectl.artifacts.plan import balanced_shares
-from pipectl.runtime.worker import _weighted_replica
+from pipectl.runtime.engines.build import weighted_replica
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ def deepspeed_gradient(layout: Layout, per_sample: np.ndarray) -> np.ndarray:
     replicas = []
     start = 0
     for replica in range(layout.data_parallel):
-        model, config = _weighted_replica(Model(lambda outputs, labels: outputs), {}, layout, replica)
+        model, config = weighted_replica(Model(lambda outputs, labels: outputs), {}, layout, replica)
         b, m = config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"]
         total = np.zeros(per_sample.shape[1])
         for _ in range(m):

@@ -1,4 +1,4 @@
-"""PipeDream-2BW across steps (`pipectl.schedule.twobw`): versions, double buffer, steady state.
+"""PipeDream-2BW across steps (`pipectl.schedule.twobw`, `pipectl.plan.twobw_steady_state`): versions, double buffer, steady state.
 
 The times are checked against closed forms computed here and against `pipectl.plan.simulate`, the
 project's step simulator, run on the same F/B order; the versions against the paper's formula (docs/design.md, 'PipeDream-2BW'), written
@@ -16,18 +16,10 @@ from pipectl.errors import ScheduleError
 from pipectl.plan.simulate import StageCosts, simulate
 from pipectl.schedule import generate, one_f_one_b
 from pipectl.schedule.ir import ActionKind, ScheduleKind
+from pipectl.plan import twobw_steady_state
 from pipectl.schedule import twobw
-from pipectl.schedule.twobw import (
-    BACKWARD,
-    FORWARD,
-    RECOMPUTE,
-    UPDATE,
-    TwoBWOp,
-    simulate_two_bw_run,
-    two_bw_memory,
-    two_bw_order,
-    two_bw_steady_state,
-)
+from pipectl.schedule.twobw import BACKWARD, FORWARD, RECOMPUTE, UPDATE, TwoBWOp, two_bw_order
+from pipectl.plan.twobw_steady_state import simulate_two_bw_run, two_bw_memory, two_bw_steady_state
 
 # (p, m) with m >= p - 1, the boundary m = p - 1 included
 DEGREES = [(1, 1), (1, 3), (2, 1), (2, 2), (3, 2), (3, 5), (4, 3), (4, 4), (4, 8), (5, 7), (6, 6)]
@@ -39,8 +31,8 @@ def spec_version(k: int, m: int) -> int:
 
 
 def test_docstring_examples():
-    result = doctest.testmod(twobw)
-    assert result.attempted > 0 and result.failed == 0
+    results = [doctest.testmod(module) for module in (twobw, twobw_steady_state)]
+    assert sum(r.attempted for r in results) > 0 and sum(r.failed for r in results) == 0
 
 
 @pytest.mark.parametrize("p, m", DEGREES)

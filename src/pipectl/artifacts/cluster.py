@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import re
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from pipectl.artifacts.base import Artifact, Strict
 
@@ -205,6 +205,9 @@ class ClusterSpec(Artifact):
         description="Local CPU ranks on this machine: `--devices N` sets how many (devices_per_node is the default).",
     )
     inter_node_links: LinkSpec = Field(default_factory=LinkSpec, description="Links between node groups.")
+    # The links files this cluster names, read when it was loaded (`cluster.load_cluster`): path ->
+    # LinksProfile. Not part of the file: pricing a layout then reads nothing from disk.
+    _links_read: dict[str, Any] = PrivateAttr(default_factory=dict)
     one_host: bool = Field(
         default=False,
         description="Every node type is one node of ranks on one and the same machine (a heterogeneous cluster "

@@ -7,7 +7,7 @@ run a step, and its downtime is filled in once metrics.jsonl shows the first ste
     requested_unix ──(stop at a step boundary, checkpoint)──► relaunched_unix ──► first_step_unix
     └──────────────────────────── downtime_seconds ──────────────────────────────┘
 
-A live resize (`runtime/live.py`) keeps the job running: at a step boundary the ranks hand their
+A live resize (`runtime/elastic/live_resize.py`) keeps the job running: at a step boundary the ranks hand their
 state to the new layout's ranks in memory and go on; rank 0 appends the record after the first step
 on the new layout, with the pause (last step completed before -> first step begun after), its phases
 and the bytes moved.
@@ -90,7 +90,7 @@ LIVE_REQUEST_FILE = "resize_requested.json"  # in RUN: a live resize for the run
 
 class LiveResizeRequest(Artifact):
     """RUN/resize_requested.json: written by `pipectl resize` once any joining ranks are ready; the
-    running ranks take it at their next step boundary (`runtime/live.py`)."""
+    running ranks take it at their next step boundary (`runtime/elastic/live_resize.py`)."""
 
     schema_version: Literal[1] = 1
     generation: int = Field(ge=1, description="1 for the job's first live resize, then 2, ...")

@@ -62,7 +62,7 @@ REFUSALS_FILE = "refused-writes.jsonl"
 RANKS_FILE = "ranks.jsonl"
 # In LOGS_DIR: one line per end of a Slurm batch script, what it decided (`RequeueRecord`).
 REQUEUE_FILE = "requeues.jsonl"
-LOCK_FILE = "job.lock"  # the pids of the launch that holds the run (`launch.rundir.lock_run_dir`)
+LOCK_FILE = "job.lock"  # the pids of the launch that holds the run (`rundir.lock.lock_run_dir`)
 # What `launch` writes at a run directory's top and the run reads back (its profile copies and
 # per-rank schedules by pattern): no other command's output may replace them.
 RUN_OWN_FILES = frozenset({JOB_FILE, PLAN_FILE, DS_CONFIG_FILE, LAUNCH_SCRIPT, HOSTFILE, SBATCH_FILE,

@@ -1,4 +1,4 @@
-"""`pipectl export RUN -o DIR`: a run's checkpoint as a Hugging Face directory (`runtime/export.py`)."""
+"""`pipectl export RUN -o DIR`: a run's checkpoint as a Hugging Face directory (`runtime/hf_export.py`)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Write a run's checkpoint as a Hugging Face directory that transformers loads (config,
         tokenizer files, model.safetensors in float32)."""
-        from pipectl.runtime.export import export_hf  # torch: only when exporting
+        from pipectl.runtime.hf_export import export_hf  # torch: only when exporting
 
         path, exported = export_hf(run_dir, output, step)
         if json_output:

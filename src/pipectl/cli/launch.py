@@ -22,6 +22,7 @@ from pipectl.launch.options import LaunchOptions
 from pipectl.launch.placement import placement_note
 from pipectl.rundir.run import check_steps_beyond_trained, is_run_dir
 from pipectl.launch.prepare import run_files
+from pipectl.rundir.analysis import analyse
 from pipectl.rundir.status import run_status
 from pipectl.report.run_tables import failure_report, status_table
 from pipectl.report.tables import format_bytes
@@ -165,7 +166,8 @@ def _launch(
         raise _failure(
             prepared, started, f"pipectl ended the job after {done} of {prepared.job.steps} steps: {ended.message}", watch
         ) from None
-    status = run_status(prepared.run_dir)
+    report = analyse(prepared.run_dir, detail=False)
+    status = report.status
     resumed = read_resume(prepared.run_dir, since_unix=started - 1.0)
     if exit_code != 0:
         stopped_at = stopped_cleanly(read_heartbeats(prepared.run_dir, since_unix=started - 1.0), prepared.job.world_size)
@@ -184,7 +186,7 @@ def _launch(
         resume = None if resumed is None else resumed.model_dump(mode="json", exclude={"schema_version"})
         print_json({**described, "exit_code": exit_code, "resumed": resume, "status": status.to_dict()})
         return
-    console.print(status_table(status, brief=True))
+    console.print(status_table(report, brief=True))
     if not status.finished:
         console.print(
             f"stopped at step {status.steps_done} of {prepared.job.steps} (signal or stop request), "

@@ -14,7 +14,7 @@ from typing import Annotated
 import typer
 
 from pipectl.artifacts.base import INT64_MAX
-from pipectl.artifacts.plan import Engine, Objective, PlanRequest, RecomputeChoice
+from pipectl.artifacts.plan import Engine, PlanRequest, RecomputeChoice
 from pipectl.artifacts.profile import ModelProfile
 from pipectl.cli.context import JsonFlag, console, from_options, print_json, refuse_overwriting
 from pipectl.cli.options import ConfigOption, file_layers, passed_flags, with_options

@@ -260,13 +260,8 @@ def _measure(
 ):
     # torch: only when measuring, so the CLI starts without it
     from pipectl.models import build_model
-    from pipectl.profile.measure import (
-        check_tensor_parallel,
-        parse_dtype,
-        profile_model,
-        resolve_device,
-        with_runtime_costs,
-    )
+    from pipectl.models.layer_facts import check_tensor_parallel
+    from pipectl.profile.measure import parse_dtype, profile_model, resolve_device, with_runtime_costs
 
     torch_device = resolve_device(device)  # before building: a bad device fails fast
     dtype = parse_dtype(dtype_text)

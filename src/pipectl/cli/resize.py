@@ -18,12 +18,13 @@ from pipectl.config import layered
 from pipectl.errors import UserInputError
 from pipectl.artifacts.run import Engine
 from pipectl.launch.prepare import read_run
+from pipectl.rundir.analysis import analyse
 from pipectl.rundir.status import run_status
 from pipectl.report.run_tables import decision_table, morph_history_table, status_table
 from pipectl.resize.live import LiveUnavailable, live_resize
-from pipectl.resize.morph import decide_resize, resize_run
+from pipectl.resize.restart import decide_resize, resize_run
 from pipectl.resize.options import ResizeOptions
-from pipectl.resize.stragglers import StragglerPolicy
+from pipectl.rundir.stragglers import StragglerPolicy
 from pipectl.rundir.morph_history import read_history
 from pipectl.rundir.metrics import MetricsTail
 
@@ -119,7 +120,7 @@ def register(app: typer.Typer) -> None:
             console.print(f"wrote the new layout into {result.run_dir} and submitted it as Slurm job {result.submitted_job}")
             return
 
-        console.print(status_table(run_status(result.run_dir), brief=True))
+        console.print(status_table(analyse(result.run_dir, detail=False), brief=True))
         if result.record.downtime_seconds is None:
             err_console.print("[yellow]no step completed on the new layout: downtime unknown[/]")
 

@@ -6,7 +6,7 @@
     pipectl simulate --schedule 2bw --pipeline-parallel 4 --micro-batches 4   # + 2BW's steady state
 
 PipeDream-2BW (`--schedule 2bw`, or a plan that chose it): the table times one step with a flush;
-under it, 2BW across steps without one (`pipectl.schedule.twobw`): the steady-state time per update,
+under it, 2BW across steps without one (`pipectl.plan.twobw_steady_state`): the steady-state time per update,
 the weight version each micro-batch's forward and backward use, the two stashed versions' memory
 (with a plan), and that pipectl's runtime cannot run it.
 """
@@ -30,15 +30,17 @@ from pipectl.errors import ScheduleError, UserInputError
 from pipectl.io import load_model
 from pipectl.plan.hetero import replica_stage_costs
 from pipectl.plan.simulate import StageCosts, Timeline, simulate, simulate_step_seconds, uniform_costs
+from pipectl.plan.memory import stage_parameter_and_activation_bytes
 from pipectl.planfile import load_kind_profiles, load_plan_profile, morph_layout
 from pipectl.report.gantt import terminal_gantt, write_gantt
 from pipectl.report.plan_table import format_step
-from pipectl.report.twobw import RUNTIME, SEMANTICS, two_bw_payload, two_bw_report
+from pipectl.report.twobw_table import RUNTIME, SEMANTICS, two_bw_payload, two_bw_report
 from pipectl.schedule import ScheduleKind, generate
 from pipectl.schedule.comm import add_communication
 from pipectl.schedule.generators import generate_for_stage_times
 from pipectl.schedule.ir import ActionKind, Schedule
-from pipectl.schedule.twobw import TwoBWSteadyState, order_text, two_bw_memory, two_bw_order, two_bw_steady_state
+from pipectl.plan.twobw_steady_state import TwoBWSteadyState, two_bw_memory, two_bw_steady_state
+from pipectl.schedule.twobw import order_text, two_bw_order
 from pipectl.words import count
 
 
@@ -48,34 +50,6 @@ MAX_SIMULATED_ACTIONS = 1_000_000
 
 def _uniform_options_given(**options: Any) -> list[str]:
     return [name for name, value in options.items() if value is not None]
-
-
-def _stage_bytes(candidate: Any, profile: ModelProfile) -> tuple[list[int], list[int] | None]:
-    """Per stage, per device: parameter bytes, and one micro-batch's saved activations (None with
-    recomputation, whole-stage, per layer or selective, where a stage keeps less, or when the profile
-    lacks the micro-batch size). With t > 1: a layer's shard for t if the profile has one; else the whole layer if the
-    profile has shards elsewhere (it is replicated), else 1/t of it (as `pipectl.plan.memory`)."""
-    t, b = candidate.tensor_parallel, candidate.micro_batch_size
-    sharded = any(layer.shards for layer in profile.layers)
-    parameters: list[int] = []
-    recomputes = (candidate.recompute or getattr(candidate, "checkpoint_layers", False)
-                  or getattr(candidate, "selective_recompute", False))
-    activations: list[int] | None = None if recomputes else []
-    for start, end in candidate.stage_layers:
-        stage_parameters = stage_activations = 0.0
-        for layer in profile.layers[start:end]:
-            shard = next((sh for sh in layer.shards if sh.tensor_parallel == t), None) if t > 1 else None
-            owner, divisor = (shard, 1) if shard is not None else (layer, 1 if t == 1 or sharded else t)
-            stage_parameters += owner.parameter_bytes / divisor
-            if activations is not None:
-                try:
-                    stage_activations += owner.cost(b).saved_activation_bytes / divisor
-                except KeyError:  # not profiled at this micro-batch size
-                    activations = None
-        parameters.append(round(stage_parameters))
-        if activations is not None:
-            activations.append(round(stage_activations))
-    return parameters, activations
 
 
 def _from_plan(
@@ -125,7 +99,7 @@ def _from_plan(
     if devices is not None:
         context["requested_devices"] = devices
     if schedule.kind is ScheduleKind.PIPEDREAM_2BW:
-        parameters, activations = _stage_bytes(candidate, profile)
+        parameters, activations = stage_parameter_and_activation_bytes(candidate, profile)
         context["stage_parameter_bytes"] = parameters
         context["stage_activation_bytes"] = activations
         context["plan_peak_memory_bytes"] = list(candidate.peak_memory_bytes)

@@ -9,10 +9,9 @@ from typing import Annotated
 import typer
 
 from pipectl.cli.context import JsonFlag, console, err_console, output_file, print_json
+from pipectl.report.run_tables import status_table
+from pipectl.rundir.analysis import analyse
 from pipectl.rundir.status import RunStatus, run_status
-from pipectl.report.phases import phase_comparison
-from pipectl.report.run_tables import run_memory, run_utilisation, status_table
-from pipectl.rundir.morph_history import read_history
 from pipectl.words import count
 
 
@@ -36,25 +35,20 @@ def register(app: typer.Typer) -> None:
         """Progress, last loss, predicted-vs-measured step time and memory, and checkpoints of a run."""
         if follow and not json_output:
             _follow(run_dir)
-        status = run_status(run_dir, verify_hashes=verify)
+        report = analyse(run_dir, verify_hashes=verify)
+        status = report.status
         plot_path = None
         if plot is not None:
             from pipectl.report.run_plots import plot_run  # matplotlib: only when plotting
 
             plot_path = plot_run(status.metrics, plot, title=status.path.name)
         if json_output:
-            payload = status.to_dict()
-            memory = run_memory(status)
-            payload["memory"] = None if memory is None else memory.to_dict()
-            payload["flops"] = run_utilisation(status).to_dict()
-            payload["morphs"] = [record.model_dump(mode="json") for record in read_history(status.path)]
-            comparison, reason = phase_comparison(status)
-            payload["phases"] = comparison.to_dict() if comparison is not None else {"unavailable": reason}
+            payload = report.to_dict()
             payload["plot"] = str(plot_path) if plot_path else None
             print_json(payload)
             _exit_if_damaged(status, verify)
             return
-        console.print(status_table(status))
+        console.print(status_table(report))
         unreadable = status.unreadable_metrics_lines
         if unreadable:
             shown = ", ".join(map(str, unreadable[:5])) + (", ..." if len(unreadable) > 5 else "")
@@ -86,11 +80,12 @@ def _follow(run_dir: Path) -> None:
             time.sleep(FOLLOW_SECONDS)
             status = run_status(run_dir)
         return
-    with Live(status_table(status, brief=True), console=console, auto_refresh=False, transient=True) as live:
-        while status.active:
+    report = analyse(run_dir, detail=False)
+    with Live(status_table(report, brief=True), console=console, auto_refresh=False, transient=True) as live:
+        while report.status.active:
             time.sleep(FOLLOW_SECONDS)
-            status = run_status(run_dir)
-            live.update(status_table(status, brief=True), refresh=True)
+            report = analyse(run_dir, detail=False)
+            live.update(status_table(report, brief=True), refresh=True)
 
 
 def _exit_if_damaged(status: RunStatus, verify: bool) -> None:

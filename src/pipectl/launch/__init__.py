@@ -148,7 +148,7 @@ class PreparedLaunch:
     job: JobSpec
     ds_config: dict[str, Any]
     command: LaunchCommand
-    lock: RunLock | None = None  # held for the job's life (None for a dry run); see `launch.rundir`
+    lock: RunLock | None = None  # held for the job's life (None for a dry run); see `rundir.lock`
     hosts: list[str] | None = None  # DeepSpeed's hostfile, in order
     busier: str | None = None  # the host is much busier or quieter than when profiled (`cluster.busier_note`)
     defaults: list[str] = field(default_factory=list)  # the settings launch chose, unasked (`resolve_defaults`)
@@ -159,7 +159,7 @@ def check_model(plan: Plan, model_reference: str) -> None:
     same parameters (the cut indexes them, the memory figures count them) and the same shape."""
     from pipectl.models import build_model  # torch: only when launching
     from pipectl.models.base import shape_of
-    from pipectl.profile.measure import check_tensor_parallel
+    from pipectl.models.layer_facts import check_tensor_parallel
 
     model = build_model(model_reference, allow_shape_only=True)  # counted on the meta device; ranks build a stage each
     built = shape_of(model)

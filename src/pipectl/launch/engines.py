@@ -540,7 +540,7 @@ def run_engine(
     # Where a job resumed is its own record: the previous job's, written maybe a moment ago, must
     # not be taken for it (the readers' time filter allows for clock skew between nodes).
     (logs / RESUME_FILE).unlink(missing_ok=True)
-    # A live resize asked of an earlier job is not this job's to take (`runtime/live.py`).
+    # A live resize asked of an earlier job is not this job's to take (`runtime/elastic/live_resize.py`).
     (Path(run_dir) / LIVE_REQUEST_FILE).unlink(missing_ok=True)
     # The ranks watch this process: gone (kill -9, a lost session), they stop at a checkpoint.
     env = {**os.environ, **command.env, SUPERVISOR_VARIABLE: str(os.getpid())}

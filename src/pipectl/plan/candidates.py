@@ -757,7 +757,7 @@ def specs_from_points(
     maximum does not depend on the order), so the same values. The search at scale builds ~10^4
     specs; one call per point would spend most of its time in numpy's per-call overhead.
 
-        >>> from pipectl.plan.synthetic import synthetic_profile
+        >>> from pipectl.testing.profiles import synthetic_profile
         >>> from pipectl.cluster import local_cluster
         >>> from pipectl.plan.costs import hardware_for
         >>> profile = synthetic_profile(blocks=4, micro_batch_sizes=[1])

@@ -98,7 +98,7 @@ costed as the training engine really runs it (Varuna §4: calibrate once, scale-
   for the slices other jobs take and for what ranks sharing a host's caches and memory take from
   each other.
 
-    >>> from pipectl.plan.synthetic import synthetic_profile
+    >>> from pipectl.testing.profiles import synthetic_profile
     >>> from pipectl.cluster import local_cluster
     >>> profile = synthetic_profile(blocks=4, micro_batch_sizes=[1, 2], device="cpu")
     >>> hardware = hardware_for(local_cluster(2), profile)
@@ -306,10 +306,9 @@ def host_compute_slowdown(hardware: Hardware, ranks: int) -> float:
     measured slowdown of `concurrent_ranks` ranks is scaled by how much more over-subscribed r
     ranks are. Every rank is taken to compute at once, as in a data-parallel step or a pipeline's
     steady state; in the warm-up and cool-down fewer do, so a deep pipeline's step comes out
-    somewhat long. On a 2-core host four ranks compute twice as slowly as two. In a pipeline the
-    sharing shows in the step, not phase by phase: `pipectl status` of a gpt-tiny p 2 x d 2 run on
-    2 cores measured each forward at 30 ms (52 predicted) and the waits at 96 ms (35), a step 15 %
-    above the prediction; d 3, d 4 and p 4 came within 10 % (`benchmarks/calibration.py`).
+    somewhat long: with 2 cores, four ranks compute twice as slowly as two. In a pipeline the
+    sharing shows in the step more than phase by phase (the forwards come out shorter than
+    predicted and the waits longer); `benchmarks/calibration.py` measures how close the step is.
     """
     runtime = hardware.runtime
     if runtime is None:
@@ -518,7 +517,7 @@ def tensor_parallel_communication(
     One block of 100 MB (sequence-parallel: 12.5 MB a rank) over 8 ranks at 1 µs and 100 GB/s:
     2 x 14 x (1e-6 + 12.5e6 / 100e9) = 3.528 ms forward and backward either way:
 
-        >>> from pipectl.plan.synthetic import synthetic_profile
+        >>> from pipectl.testing.profiles import synthetic_profile
         >>> link = LinkCost(1e-6, 100e9)
         >>> table = layer_table(synthetic_profile(blocks=1), 1)
         >>> table.kinds

@@ -7,7 +7,7 @@ relative where one applies, by the simulation itself otherwise or in reference m
 (`tighter_bound_seconds`) only decide what need not be timed; no figure comes from them.
 
 PipeDream-2BW has no flush: its "step" is the time per update (m micro-batches) in steady state,
-`pipectl.schedule.twobw`'s figure (`timing.two_bw_summary_of`), and so are its samples/s, TFLOP/s,
+`pipectl.plan.twobw_steady_state`'s figure (`timing.two_bw_summary_of`), and so are its samples/s, TFLOP/s,
 cost, bubble and communication. Its notes give the flushed 1F1B step of the same layout beside it.
 
 Reported figures:

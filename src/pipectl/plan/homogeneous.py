@@ -6,7 +6,7 @@
 2. Rank: specs are visited in the order of a closed-form lower bound on their objective; each is
    timed until the lower bound of the next one cannot beat the k-th best found (branch and
    bound: the pruned ones provably cannot enter the top k, see `pipectl.plan.fast.bounds`).
-3. The morph table (`pipectl.plan.morph`): the fastest spec for every device count, from the
+3. The morph table (`pipectl.plan.morph_table`): the fastest spec for every device count, from the
    same specs.
 
 Objectives (docs/design.md, 'Search and the morph table'): `time` (step seconds), `cost` (USD per sample = price * devices * step / B),
@@ -28,7 +28,7 @@ from pipectl.plan.candidates import Rejection, Rejections, Spec
 from pipectl.plan.costs import Hardware, tensor_parallel_placeable
 from pipectl.plan.evaluate import Evaluator
 from pipectl.plan.frameworks import check_framework_request
-from pipectl.plan.morph import morph_table
+from pipectl.plan.morph_table import morph_table
 from pipectl.plan.space import enumerate_specs, search_space, tensor_parallel_possible
 from pipectl.plan.workers import available_workers
 from pipectl.schedule import ScheduleKind, deepspeed_runnable

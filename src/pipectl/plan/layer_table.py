@@ -20,7 +20,7 @@ its parameters divided by t, rounded up. Measured shards of small layers are lau
 the LayerNorm inputs whole on every rank, which a division by t misses (tests/profile/data/
 h100-block-shards.json). FLOPs stay the whole layer's: they count the model's work, not a rank's.
 
-    >>> from pipectl.plan.synthetic import synthetic_profile
+    >>> from pipectl.testing.profiles import synthetic_profile
     >>> profile = synthetic_profile(blocks=2, micro_batch_sizes=[1, 4])  # linear in b
     >>> table = layer_table(profile, 2)  # b = 2 was not measured: interpolated
     >>> round(table.forward_seconds[1] / layer_table(profile, 1).forward_seconds[1], 3)
@@ -380,7 +380,7 @@ def offered_granularities(requested: Sequence[Recompute], profile: ModelProfile)
     Asked for beside full recomputation (`auto`, `always`), it is left out where it frees little
     (`selective_frees_little`: flash attention); asked for alone, it is searched all the same.
 
-        >>> from pipectl.plan.synthetic import synthetic_profile
+        >>> from pipectl.testing.profiles import synthetic_profile
         >>> offered_granularities((Recompute.NONE, Recompute.LAYER, Recompute.SELECTIVE), synthetic_profile(blocks=2))
         (<Recompute.NONE: 0>, <Recompute.LAYER: 2>)
     """

@@ -11,8 +11,9 @@ second copy of the weights (Narayanan et al. 2021, §3.1). Tensor parallelism (M
 stage's transformer blocks over its t devices; embeddings, the final norm and the head are
 replicated on each.
 
-The optimizer step is a second peak. Measured on one H100 (DeepSpeed 0.19.8's bf16 engine, torch
-AdamW, ZeRO-0 and ZeRO-1 at d = 1): 14 bytes per parameter held between steps (weights and the
+The optimizer step is a second peak. DeepSpeed's bf16 engine with torch AdamW (ZeRO-0 and ZeRO-1
+at d = 1, allocator peaks read on an H100; `benchmarks/gpu_check.py` holds the predicted peak
+against a GPU's): 14 bytes per parameter held between steps (weights and the
 fp32 optimizer state) and 22-24 at the step, where the engine adds the fp32 copy of the gradients
 (4) and Adam's temporaries (4; torch's multi-tensor Adam allocates one fp32 buffer per parameter
 for its update) to the 16 above. Both of these belong to the optimizer partition, so ZeRO-1
@@ -105,7 +106,7 @@ Korthikanti et al. 2022, §4.1), and replicated layers whole. A profile without 
 parameters and saved bytes by t, an under-estimate. The stage's input activation is replicated and
 never divided; working memory is per layer and never divided.
 
-    >>> from pipectl.plan.synthetic import synthetic_profile
+    >>> from pipectl.testing.profiles import synthetic_profile
     >>> from pipectl.plan.layer_table import layer_table
     >>> table = layer_table(synthetic_profile(blocks=4, micro_batch_sizes=[1]), 1)
     >>> stages = StageMemory.build(table, [(0, 3), (3, 7)], tensor_parallel=1, recompute=False)
@@ -125,11 +126,12 @@ import math
 from bisect import bisect_right
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
 from pipectl.artifacts.plan import Recompute
+from pipectl.artifacts.profile import ModelProfile
 from pipectl.plan.layer_table import LayerTable
 from pipectl.schedule.ir import ActionKind, Schedule, ScheduleKind, stage_ranks
 
@@ -686,7 +688,7 @@ class FurthestFittingEnds:
     `Recompute.LAYER` its layers' inputs, `Recompute.SELECTIVE` its saved activations less the
     attention cores') — so the answers are remembered by exactly those values.
 
-        >>> from pipectl.plan.synthetic import synthetic_profile
+        >>> from pipectl.testing.profiles import synthetic_profile
         >>> from pipectl.plan.layer_table import layer_table
         >>> rows = RangeMemory.build(layer_table(synthetic_profile(blocks=4, micro_batch_sizes=[1]), 1), 1)
         >>> ends = FurthestFittingEnds(rows, capacity_bytes=10**12)
@@ -787,3 +789,31 @@ class FurthestFittingEnds:
         if low > start:
             self._lengths[demand] = low - start
         return low
+
+
+def stage_parameter_and_activation_bytes(candidate: Any, profile: ModelProfile) -> tuple[list[int], list[int] | None]:
+    """Per stage, per device: parameter bytes (2BW keeps two versions of them: `plan.twobw_steady_state`), and one micro-batch's saved activations (None with
+    recomputation, whole-stage, per layer or selective, where a stage keeps less, or when the profile
+    lacks the micro-batch size). With t > 1: a layer's shard for t if the profile has one; else the whole layer if the
+    profile has shards elsewhere (it is replicated), else 1/t of it (as the memory model above)."""
+    t, b = candidate.tensor_parallel, candidate.micro_batch_size
+    sharded = any(layer.shards for layer in profile.layers)
+    parameters: list[int] = []
+    recomputes = (candidate.recompute or getattr(candidate, "checkpoint_layers", False)
+                  or getattr(candidate, "selective_recompute", False))
+    activations: list[int] | None = None if recomputes else []
+    for start, end in candidate.stage_layers:
+        stage_parameters = stage_activations = 0.0
+        for layer in profile.layers[start:end]:
+            shard = next((sh for sh in layer.shards if sh.tensor_parallel == t), None) if t > 1 else None
+            owner, divisor = (shard, 1) if shard is not None else (layer, 1 if t == 1 or sharded else t)
+            stage_parameters += owner.parameter_bytes / divisor
+            if activations is not None:
+                try:
+                    stage_activations += owner.cost(b).saved_activation_bytes / divisor
+                except KeyError:  # not profiled at this micro-batch size
+                    activations = None
+        parameters.append(round(stage_parameters))
+        if activations is not None:
+            activations.append(round(stage_activations))
+    return parameters, activations

@@ -3,11 +3,11 @@
     plan(profile, cluster, PlanRequest(global_batch=B)) -> Plan
 
 A cluster of one device kind is searched by `pipectl.plan.homogeneous` (enumeration in
-`pipectl.plan.space`, timing in `pipectl.plan.timing`, the morph table in `pipectl.plan.morph`);
+`pipectl.plan.space`, timing in `pipectl.plan.timing`, the morph table in `pipectl.plan.morph_table`);
 one of several kinds by `pipectl.plan.hetero`, which searches each kind alone and then tries an
 uneven split of the batch over all of them.
 
-    >>> from pipectl.plan.synthetic import synthetic_profile
+    >>> from pipectl.testing.profiles import synthetic_profile
     >>> from pipectl.cluster import load_cluster
     >>> result = plan(synthetic_profile(blocks=8), load_cluster("a100-8x8"), PlanRequest(global_batch=64, devices=8))
     >>> result.chosen.global_batch, result.chosen.devices <= 8

@@ -41,7 +41,6 @@ import numpy as np
 
 from pipectl.artifacts.plan import RUNTIME_ZERO_STAGES, Engine, PlanRequest, Recompute
 from pipectl.artifacts.profile import ModelProfile
-from pipectl.errors import UserInputError
 from pipectl.plan.candidates import (
     Rejection,
     Rejections,
@@ -67,9 +66,9 @@ from pipectl.words import count
 
 DEFAULT_SCHEDULES = (ScheduleKind.ONE_F_ONE_B, ScheduleKind.GPIPE, ScheduleKind.INTERLEAVED, ScheduleKind.VARUNA)
 # Searched by default too when the plan is for PyTorch's pipelining runtime (engine torch): zero
-# bubble. Not for engine any (--any-engine), whose search spans every layout and keeps today's
-# schedules: zb-h1 is timed by a direct walk (`pipectl.plan.fast.zero_bubble`), not in waves, and
-# GPT-3 175B on a100-384x8 took 14.6 s with it against 9.9 s; list it in --schedules to price it.
+# bubble. Not for engine any (--any-engine), whose search spans every layout: zb-h1 is timed by a
+# direct walk (`pipectl.plan.fast.zero_bubble`), not in waves, so a search at scale with it is
+# markedly slower; list it in --schedules to price it.
 DEEPSPEED_FREE_SCHEDULES = (ScheduleKind.ZB_H1, ScheduleKind.ZBV)
 ZBV_CHUNKS = 2  # zbv's stages per rank
 

@@ -9,7 +9,7 @@ transfers) it is used instead; each equals the simulation to 1e-12 relative, whi
 hold. Jittered and blocking cost tables always take the simulation.
 
 PipeDream-2BW. Its candidates are priced in steady state instead, per update of m micro-batches
-with no flush (`two_bw_summary_of`): the figure `pipectl.schedule.twobw.two_bw_steady_state`
+with no flush (`two_bw_summary_of`): the figure `pipectl.plan.twobw_steady_state.two_bw_steady_state`
 defines on the same stage costs, by its own event simulation in reference mode and otherwise by
 `pipectl.plan.fast.twobw`, which a test holds equal to it. `step_seconds_of` and `summary_of`
 keep timing one flushed step of any kind (2BW's is 1F1B's: the figure its notes compare with).
@@ -50,16 +50,8 @@ from pipectl.plan.simulate import (
 from pipectl.schedule.comm import add_communication
 from pipectl.schedule.generators import generate
 from pipectl.schedule.ir import Schedule, ScheduleKind
-from pipectl.schedule.twobw import (
-    AVERAGED_UPDATES,
-    BACKWARD,
-    FORWARD,
-    TRANSIENT_UPDATES,
-    UPDATE,
-    TwoBWSteadyState,
-    steady_state_window,
-    two_bw_steady_state,
-)
+from pipectl.plan.twobw_steady_state import AVERAGED_UPDATES, TRANSIENT_UPDATES, TwoBWSteadyState, steady_state_window, two_bw_steady_state
+from pipectl.schedule.twobw import BACKWARD, FORWARD, UPDATE
 
 __all__ = [
     "REFERENCE_ENV",

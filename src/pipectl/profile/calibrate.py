@@ -180,11 +180,9 @@ def smooth_compute_ratios(profile: ModelProfile, cluster: ClusterSpec) -> ModelP
     through the whole model lies on a line a + c b, per direction (Theil-Sen over the profiled b).
 
     A micro-batch's engine compute is close to a line in b on this kind of host (per-operator
-    dispatch and autograd bookkeeping, then work in proportion to the samples; gpt-tiny on one CPU
-    rank, measured in runs: forward 1.95, 2.39, 3.29, 4.80 ms and backward 3.25, 4.03, 5.59,
-    8.36 ms at b = 1, 2, 4, 8), while the profile's ratio at each b comes from a few short steps
-    of its own, and one of them can stand 20 % off the others (backward 1.30 at b = 4 against
-    1.06, 1.08, 1.04). Calibration scales every b by what the runs measured at theirs: from a
+    dispatch and autograd bookkeeping, then work in proportion to the samples), while the
+    profile's ratio at each b comes from a few short steps of its own, and one of them can stand
+    well off the others on a busy host. Calibration scales every b by what the runs measured at theirs: from a
     stray point, that error would reach every other b. Fewer than three profiled sizes: as is."""
     runtime = profile.runtime
     if runtime is None or len(runtime.compute_ratios) < 3:

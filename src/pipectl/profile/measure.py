@@ -60,10 +60,10 @@ from pipectl.artifacts.profile import LayerCost, LayerProfile, ModelProfile, Pro
 from pipectl.artifacts.run import Precision
 from pipectl.cluster import host_state
 from pipectl.errors import PipectlError, UserInputError
-from pipectl.models.base import LayerDef, ModelLayers
-from pipectl.models.tensor_parallel import TensorParallelBlock, TensorParallelGroup, shard_model, splits_itself
-from pipectl.models.transformer import TransformerBlock
+from pipectl.models.base import ModelLayers
+from pipectl.models.tensor_parallel import TensorParallelGroup, shard_model
 from pipectl.profile.runtime_calibration import CUDA_TWO_RANK_NOTE, calibrate_runtime
+from pipectl.models.layer_facts import block_indices, tied_holders, plain_value, check_tensor_parallel, identical_layers
 
 DEFAULT_MICRO_BATCH_SIZES = (1, 2, 4, 8)
 # Engine calibration (runtime terms): warm-up and timed steps per micro-batch size.
@@ -182,85 +182,6 @@ def _to_device(value: Any, device: torch.device, dtype: torch.dtype) -> Any:
     return value
 
 
-def _plain(value: Any) -> Any:
-    """A comparable stand-in for a constructor argument: numbers, strings, booleans, None, types and
-    dtypes by value and type (1, 1.0 and True differ), tuples, lists and dicts element by element,
-    anything else by identity (only the same object is the same argument)."""
-    if value is None or isinstance(value, (bool, int, float, complex, str, bytes, type, torch.dtype)):
-        return (type(value).__name__, value)
-    if isinstance(value, (tuple, list)):
-        return (type(value).__name__, tuple(_plain(item) for item in value))
-    if isinstance(value, dict):
-        return ("dict", tuple(sorted((repr(key), _plain(item)) for key, item in value.items())))
-    return ("object", id(value))
-
-
-def _holders(model: ModelLayers) -> list[int | None]:
-    """For each layer, the index of the first holder of its tie key when it is a later holder, else None."""
-    first: dict[str, int] = {}
-    holder_of: list[int | None] = []
-    for index, layer in enumerate(model.layers):
-        if layer.tie_key is not None and layer.tie_key in first:
-            holder_of.append(first[layer.tie_key])
-        else:
-            holder_of.append(None)
-            if layer.tie_key is not None:
-                first[layer.tie_key] = index
-    return holder_of
-
-
-def _signature(layer: LayerDef, holder: LayerDef | None) -> tuple:
-    """What a layer computes, as far as its definition says: a tied layer runs its holder's module."""
-    source = holder if holder is not None else layer
-    tied = layer.tie_key is not None
-    return (
-        layer.kind, source.module_cls, _plain(source.args), _plain(source.kwargs), tied, holder is not None,
-        layer.tied_forward, layer.tied_weight_attr if tied else None,
-    )
-
-
-def _parameter_shapes(module: nn.Module) -> tuple:
-    return tuple((name, tuple(p.shape), p.dtype) for name, p in module.named_parameters())
-
-
-def identical_layers(model: ModelLayers) -> list[int]:
-    """For each layer, the index of the first layer identical to it (itself when none is earlier).
-
-    Two layers are identical when they have the same `kind`, build the same module class from
-    equal constructor arguments (`_plain`: plain values by value, other objects by identity),
-    play the same part in weight tying (a tied layer after the first holder runs its holder's
-    module, so the holders must be identical) and their modules have the same parameter names,
-    shapes and dtypes (checked on the meta device, nothing allocated). The profiler also requires
-    the same input (shapes and dtypes) and treats the last layer apart (its backward includes the
-    loss); those are known only while it runs. Weights differ (each layer is initialised on its
-    own): a layer's cost is taken not to depend on its weights' values.
-
-        >>> from pipectl.models import build_model
-        >>> identical_layers(build_model("gpt-tiny"))   # embed, 6 blocks, final_norm, head
-        [0, 1, 1, 1, 1, 1, 1, 7, 8]
-    """
-    holder_of = _holders(model)
-    layers = model.layers
-    same_as = list(range(len(layers)))
-    groups: dict[tuple, list[int]] = {}
-    for index, layer in enumerate(layers):
-        if holder_of[index] is None:
-            groups.setdefault(_signature(layer, None), []).append(index)
-    with torch.random.fork_rng(devices=[]), torch.device("meta"):
-        for members in groups.values():
-            if len(members) < 2:  # nothing to compare: not even built on meta (a factory's layers)
-                continue
-            first_with: dict[tuple, int] = {}
-            for index in members:
-                same_as[index] = first_with.setdefault(_parameter_shapes(layers[index].build()), index)
-    followers: dict[tuple, int] = {}
-    for index, holder in enumerate(holder_of):
-        if holder is not None:
-            key = (_signature(layers[index], layers[holder]), same_as[holder])
-            same_as[index] = followers.setdefault(key, index)
-    return same_as
-
-
 class _ModelUnderTest:
     """The modules being measured, each built on first use.
 
@@ -274,7 +195,7 @@ class _ModelUnderTest:
         self.device = device
         self.dtype = dtype
         self.same_as = same_as
-        self.holder_of = _holders(model)
+        self.holder_of = tied_holders(model)
         self.built: dict[int, nn.Module] = {}
         self.parameter_storages: set[int] = set()
 
@@ -391,7 +312,7 @@ def profile_model(
     `tensor_parallel`: degrees t whose block shards to measure too (t = 1 is the layers
     themselves; module docstring). Every t must divide every block's heads and hidden size.
 
-    Example (gpt-tiny, 9 layers, on this 2-core CPU in about a second):
+    Example (gpt-tiny, 9 layers):
 
         >>> from pipectl.models import build_model
         >>> profile = profile_model(build_model("gpt-tiny"), [1, 2], warmup=1, repeats=3)
@@ -505,7 +426,7 @@ def _profile(
     # How busy the host is, before this process adds to it, and how steady its timings are.
     load_before = host_state()
     spreads: list[float] = []
-    total_cells = len(sizes) * (count + len(shard_degrees) * len(_block_indices(model)))
+    total_cells = len(sizes) * (count + len(shard_degrees) * len(block_indices(model)))
     done = 0
 
     for size in sizes:
@@ -542,7 +463,7 @@ def _profile(
             for t, shard in shards.items():
                 measured: dict[tuple, int] = {}
                 shard_layer_costs[t] = {}
-                for index in _block_indices(model):
+                for index in block_indices(model):
                     run = runs[taken_from[index]]
                     key = (shard.same_as[index], _input_signature(run.layer_input))
                     source = measured.setdefault(key, index)
@@ -683,34 +604,6 @@ def _over_budget(
     )
 
 
-def check_tensor_parallel(model: ModelLayers, degrees: Sequence[int]) -> list[int]:
-    """The distinct degrees t > 1 to measure shards for (t = 1 is the layers themselves), each
-    checked against every transformer block on the meta device: t must divide its heads and its
-    hidden size. A model without transformer blocks has nothing to split."""
-    bad = [t for t in degrees if isinstance(t, bool) or not isinstance(t, int) or t < 1]
-    if bad:
-        raise UserInputError(f"tensor-parallel degree {bad[0]!r} is not a positive integer")
-    shard_degrees = sorted({t for t in degrees if t > 1})
-    if not shard_degrees:
-        return []
-    for t in shard_degrees:
-        sharded = shard_model(model, TensorParallelGroup.without_communication(t))  # no blocks: a UserInputError
-        same_as = identical_layers(sharded)
-        with torch.random.fork_rng(devices=[]), torch.device("meta"):
-            for index in _block_indices(sharded):
-                if same_as[index] == index:
-                    sharded.layers[index].build()  # refuses heads (or a hidden size) t does not divide
-    return shard_degrees
-
-
-def _block_indices(model: ModelLayers) -> list[int]:
-    """The layers that split over a tensor group: transformer blocks (plain or already split)."""
-    return [
-        i for i, layer in enumerate(model.layers)
-        if layer.module_cls in (TransformerBlock, TensorParallelBlock) or splits_itself(layer.module_cls)
-    ]  # fmt: skip
-
-
 def _shard_under_test(model: ModelLayers, t: int, device: torch.device, dtype: torch.dtype) -> _ModelUnderTest:
     """Rank 0's shards of a t-way group without communication, one module per distinct block."""
     sharded = shard_model(model, TensorParallelGroup.without_communication(t))
@@ -754,14 +647,14 @@ def _once_note(model: ModelLayers, costs_from: list[int | None]) -> str:
 
 
 def _input_signature(value: Any) -> Any:
-    """Shapes and dtypes of a layer's input (tensors in tuples, lists or dicts); other values by `_plain`."""
+    """Shapes and dtypes of a layer's input (tensors in tuples, lists or dicts); other values by `plain_value`."""
     if isinstance(value, torch.Tensor):
         return ("tensor", tuple(value.shape), value.dtype)
     if isinstance(value, (tuple, list)):
         return (type(value).__name__, tuple(_input_signature(item) for item in value))
     if isinstance(value, dict):
         return ("dict", tuple(sorted((repr(key), _input_signature(item)) for key, item in value.items())))
-    return _plain(value)
+    return plain_value(value)
 
 
 def _untimed_pass(
@@ -939,11 +832,9 @@ __all__ = [
     "check_micro_batch_sizes",
     "device_memory_bytes",
     "dtype_name",
-    "identical_layers",
     "layer_parameter_tensors",
     "parse_dtype",
     "profile_model",
     "resolve_device",
-    "check_tensor_parallel",
     "tensor_bytes",
 ]

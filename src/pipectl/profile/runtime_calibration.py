@@ -22,11 +22,11 @@ evaluate it for any pipeline/data-parallel layout (p2p bandwidth and all-reduce 
 the link calibration).
 
 One more term needs two ranks: the *busy handoff*. Link calibration times a tight ping-pong, where
-both processes spend their time waiting and wake at once (about 0.1 ms with gloo here). In a
+both processes spend their time waiting and wake at once (a fraction of a millisecond). In a
 pipeline both ranks compute, then one blocks on a message; on a host with more runnable processes
 than cores its core goes to another process, and when the message arrives it waits for the
-scheduler (measured here, with other jobs on the machine: 3-4 ms per message, the same for a
-gradient all-reduce). `measure_host_sharing` reproduces that pattern with two forked ranks:
+scheduler (milliseconds per message on a host shared with other jobs, the same for a gradient
+all-reduce). `measure_host_sharing` reproduces that pattern with two forked ranks:
 
     rank 0:  compute ~W ------------| send ->
     rank 1:  compute ~W ----------| recv ...........| running again
@@ -34,8 +34,8 @@ gradient all-reduce). `measure_host_sharing` reproduces that pattern with two fo
 
 and, in the same run, how much of a core a rank gets: wall-clock over CPU time of the same compute
 on one rank alone and on both ranks at once. The layer profile keeps medians of short runs, which
-are close to CPU time; a step lasts long enough to pay for every time slice other jobs take (a
-one-rank step measured 35 ms at a load average of 3 and 63 ms at 5 on this 2-core machine).
+are close to CPU time; a step lasts long enough to pay for every time slice other jobs take, so
+a one-rank step grows with the host's load average.
 
 The engine runs in a child process, with its output silenced, one thread, a world of one (gloo on
 127.0.0.1 on CPU, NCCL on CUDA); the profiling process itself never starts torch.distributed.
@@ -45,18 +45,17 @@ second) and spawned on a host with CUDA (`start_method`). CPU children are pinne
 runs on CPU ranks whatever the host has. On CUDA (`calibrate_runtime(device="cuda:N")`) the
 one-rank engine terms are measured on that GPU; the two-rank terms describe ranks sharing a CPU
 host (its cores, caches and scheduler) and are not measured there (`CUDA_TWO_RANK_NOTE`). The configuration is the one `pipectl
-launch` writes (`launch.dsconfig.deepspeed_config`: ZeRO-1, torch AdamW, gradient clipping), in the
+launch` writes (`runtime.engines.dsconfig.deepspeed_config`: ZeRO-1, torch AdamW, gradient clipping), in the
 profile's precision (a bf16 profile runs DeepSpeed's bf16 engine).
-Example (gpt-tiny on this shared 2-core CPU; the whole calibration takes 3-5 s, figures vary
-with the machine's load):
+Example (the figures depend on the host and on how busy it is; `pipectl profile show` prints them):
 
     profile = profile_model(build_model("gpt-tiny"), [1, 2, 4, 8])
-    profile.runtime.forward_overhead_seconds      # 0.00019  per micro-batch and stage
-    profile.runtime.step_fixed_seconds            # 0.0013   per step and rank
-    profile.runtime.step_seconds_per_parameter    # 2.2e-08  (7 ms for 318 k parameters)
-    profile.runtime.busy_handoff_seconds          # 0.0001 .. 0.004 (other jobs' load)
-    profile.runtime.alone_compute_slowdown        # 1.0 .. 1.5  wall / CPU time, one rank
-    profile.runtime.concurrent_compute_slowdown   # 1.4 .. 2.5  wall / CPU time, two ranks at once
+    profile.runtime.forward_overhead_seconds      # per micro-batch and stage
+    profile.runtime.step_fixed_seconds            # per step and rank
+    profile.runtime.step_seconds_per_parameter    # the optimizer step, per parameter held
+    profile.runtime.busy_handoff_seconds          # one blocking message after both ranks computed
+    profile.runtime.alone_compute_slowdown        # wall / CPU time, one rank
+    profile.runtime.concurrent_compute_slowdown   # wall / CPU time, two ranks at once
 """
 
 from __future__ import annotations

@@ -6,9 +6,6 @@ build renderables (or text) and return them; the CLI prints them.
 from __future__ import annotations
 
 import datetime
-import statistics
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Sequence
 
 from rich import box
@@ -19,19 +16,15 @@ from rich.text import Text
 from pipectl.artifacts.layout import layout_label
 from pipectl.artifacts.morph import MorphRecord, MorphTrigger
 from pipectl.artifacts.run import RankFailure, RequeueOutcome
-from pipectl.cluster import busier_note
-from pipectl.errors import PipectlError
+from pipectl.rundir.analysis import RunReport, RunUtilisation
 from pipectl.rundir.status import RunStatus
-from pipectl.plan.flops import PRECISION_DTYPE, Utilisation, plan_layer_flops, utilisation
-from pipectl.planfile import load_plan_profile
 from pipectl.runtime.checkpoint.schedule import DEVICE_MTBF_HOURS
-from pipectl.report.phases import phase_comparison, phase_table
+from pipectl.report.phase_table import phase_table
 from pipectl.report.plan_table import format_percent, hardware_extras
 from pipectl.report.tables import format_bytes
-from pipectl.resize.morph import ResizeDecision
-from pipectl.resize.stragglers import StragglerReport, find_stragglers
-from pipectl.rundir.morph_history import read_history
-from pipectl.rundir.metrics import RSS_NOTE, MemorySummary, memory_summary, read_metrics
+from pipectl.resize.restart import ResizeDecision
+from pipectl.rundir.stragglers import StragglerReport
+from pipectl.rundir.metrics import RSS_NOTE, MemorySummary
 from pipectl.words import count
 
 
@@ -77,9 +70,10 @@ def requeue_text(status: RunStatus) -> Text:
     return Text(f"requeued {times}, then not again: {last.reason}", style="yellow")
 
 
-def status_table(status: RunStatus, *, brief: bool = False) -> Group:
+def status_table(report: RunReport, *, brief: bool = False) -> Group:
     """Rich renderables: a summary table, then (unless `brief`, what launch and resize print when
     the job ends) memory, where the step goes, checkpoints, morph history and stragglers."""
+    status = report.status
     summary = Table(box=box.SIMPLE, show_header=False, title=f"run {status.path.name}", title_justify="left")
     summary.add_column(style="bold")
     summary.add_column()
@@ -132,21 +126,19 @@ def status_table(status: RunStatus, *, brief: bool = False) -> Group:
             "prediction error",
             f"median {_percent(prediction.median_abs_error)}, max {_percent(prediction.max_abs_error)}",
         )
-        busier = _busier_than_profiled(status)
-        if busier is not None:
-            summary.add_row("host", Text(busier, style="yellow"))
-    for name, row in utilisation_rows(run_utilisation(status)):
+        if report.host_note is not None:
+            summary.add_row("host", Text(report.host_note, style="yellow"))
+    for name, row in utilisation_rows(report.utilisation):
         summary.add_row(name, row)
     parts: list = [summary]
     if brief:
         parts.append(Text(f"more (memory, where the step goes, checkpoints, stragglers): pipectl status {status.path}",
                           style="dim"))  # fmt: skip
         return Group(*parts)
-    memory = run_memory(status)
-    if memory is not None:
-        parts.append(memory_table(memory))
+    if report.memory is not None:
+        parts.append(memory_table(report.memory))
     if status.metrics:
-        comparison, reason = phase_comparison(status)
+        comparison, reason = report.phases, report.phases_unavailable
         parts.append(phase_table(comparison) if comparison is not None else Text(reason or "", style="dim"))
     if status.checkpoints:
         table = Table(box=box.SIMPLE_HEAD, title="checkpoints", title_justify="left")
@@ -162,62 +154,11 @@ def status_table(status: RunStatus, *, brief: bool = False) -> Group:
             f"left by one that failed (removed at the next save): " + ", ".join(p.name for p in status.staging),
             style="yellow",
         ))  # fmt: skip
-    parts.append(status_renderables(status.path))
+    if report.morphs:
+        parts.append(morph_history_table(report.morphs))
+    if report.stragglers is not None and report.stragglers.scores:
+        parts.append(straggler_table(report.stragglers))
     return Group(*parts)
-
-
-def _busier_than_profiled(status: RunStatus) -> str | None:
-    """`cluster.busier_note` for the host when this job was launched against the host when its
-    profile was measured; None when either is not recorded or the profile cannot be read."""
-    try:
-        profile = load_plan_profile(status.path / status.job.plan_file, status.plan)
-    except PipectlError:
-        return None
-    return busier_note(profile.host, status.job.host_at_launch)
-
-
-@dataclass(frozen=True)
-class RunUtilisation:
-    """MFU and HFU of the run's layout (the run's plan's chosen candidate): predicted from its
-    predicted step, measured from the median step time of its metrics lines (the first, warm-up,
-    line left out, as for the step-time comparison)."""
-
-    layout: str
-    steps: int  # measured steps the median is over (0: none yet)
-    predicted: Utilisation
-    measured: Utilisation | None
-
-    def to_dict(self) -> dict:
-        return {
-            "layout": self.layout,
-            "steps_measured": self.steps,
-            "predicted": self.predicted.to_dict(),
-            "measured": None if self.measured is None else self.measured.to_dict(),
-        }
-
-
-def run_utilisation(status: RunStatus) -> RunUtilisation:
-    """Predicted and measured MFU/HFU, in the run's precision (job.json) against the catalog's peak
-    of its devices (`plan.flops`); model FLOPs from the model's shape, else the run's profile copy."""
-    plan, candidate = status.plan, status.plan.chosen
-    flops = plan_layer_flops(plan)
-    if flops is None and plan.profile is not None:
-        try:
-            flops = plan_layer_flops(plan, load_plan_profile(status.path / status.job.plan_file, plan))
-        except PipectlError:
-            flops = None
-    dtype = PRECISION_DTYPE[status.job.precision.value]
-    label = layout_label(candidate)
-    lines = [m for m in status.metrics if m.layout == label]
-    if not lines and not any(m.layout for m in status.metrics):
-        lines = list(status.metrics)  # lines written before layouts were recorded
-    measured_seconds = [m.step_seconds for m in lines[1:] if m.step_seconds > 0]
-    batch = plan.global_batch
-    measured = None
-    if measured_seconds:
-        measured = utilisation(candidate, flops, dtype, statistics.median(measured_seconds), global_batch=batch)
-    predicted = utilisation(candidate, flops, dtype, global_batch=batch)
-    return RunUtilisation(label, len(measured_seconds), predicted, measured)
 
 
 def utilisation_rows(flops: RunUtilisation) -> list[tuple[str, str]]:
@@ -240,16 +181,6 @@ def utilisation_rows(flops: RunUtilisation) -> list[tuple[str, str]]:
         ("utilisation of", f"{predicted.devices} x {per_device:.3g} TFLOP/s {predicted.dtype} peak; "
                            f"model FLOPs from {predicted.detail}"),
     ]  # fmt: skip
-
-
-def run_memory(status: RunStatus) -> MemorySummary | None:
-    """Predicted vs measured memory of the run's last layout (the plan's figure if the metrics
-    lines predate recording it and the layout is the plan's own)."""
-    if not status.metrics:
-        return None
-    chosen = status.plan.chosen
-    fallback = chosen.peak_memory_bytes if status.metrics[-1].layout == layout_label(chosen) else None
-    return memory_summary(status.metrics, fallback)
 
 
 def memory_table(summary: MemorySummary) -> Table:
@@ -427,18 +358,6 @@ def straggler_table(report: StragglerReport) -> Table:
             verdict,
         )
     return table
-
-
-def status_renderables(run_dir: Path) -> Group:
-    """What `pipectl status` adds for resizes: the morph history and the straggler verdict."""
-    parts = []
-    records = read_history(run_dir)
-    if records:
-        parts.append(morph_history_table(records))
-    report = find_stragglers(read_metrics(run_dir))
-    if report.scores:
-        parts.append(straggler_table(report))
-    return Group(*parts)
 
 
 def _devices(number: int) -> str:

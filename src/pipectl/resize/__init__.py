@@ -9,7 +9,7 @@ A run's morph history (RUN/morphs.jsonl) is `runtime.history`: the worker record
 there too. Elastic restarts take their layout from the same morph table (`runtime.elastic`).
 """
 
-from pipectl.resize.morph import resize_run
-from pipectl.resize.stragglers import StragglerPolicy, find_stragglers
+from pipectl.resize.restart import resize_run
+from pipectl.rundir.stragglers import StragglerPolicy, find_stragglers
 
 __all__ = ["StragglerPolicy", "find_stragglers", "resize_run"]

@@ -1,7 +1,7 @@
 """`pipectl resize RUN --devices N --live`: the running job takes the new layout without a restart.
 
 The decision is the restart path's (`morph.decide_resize`: the morph table's entry for N, the same
-global batch); what differs is how the job gets there (`runtime/live.py` is the ranks' side):
+global batch); what differs is how the job gets there (`runtime/elastic/live_resize.py` is the ranks' side):
 
 1. check the job can move live: it runs here, on one host, under the local or torchrun engine,
    with no split over device kinds; otherwise `LiveUnavailable` says why (the CLI then restarts);
@@ -19,7 +19,7 @@ global batch); what differs is how the job gets there (`runtime/live.py` is the 
 
 The joining ranks outlive this command once it has written the request: they belong to the job
 from then on, and end with it. Before that, a joining rank leaves as soon as this command has
-ended (`runtime.live.JoinAbandoned`): no orphan waits for a hand-over no one asked for.
+ended (`runtime.elastic.live_resize.JoinAbandoned`): no orphan waits for a hand-over no one asked for.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from pipectl.rundir.processes import WORKER_MODULE, find_run_processes
 from pipectl.rundir.lock import lock_holder
 from pipectl.launch.prepare import read_run
 from pipectl.launch.prepare import write_run_files
-from pipectl.resize.morph import PreparedRelaunch, ResizeDecision, prepare_relaunch
+from pipectl.resize.restart import PreparedRelaunch, ResizeDecision, prepare_relaunch
 from pipectl.rundir.checkpoints import STOP_FILE
 from pipectl.runtime.engines.dsconfig import check_candidate
 from pipectl.runtime.engines.dsinit import free_port
@@ -164,7 +164,7 @@ def _move(decision: ResizeDecision, requested_unix: float, say: Phase, ready_tim
         # and not done (rank 0 removes the request after that step): the request is withdrawn; the
         # staged files stay, as the ranks may have taken it already (they read them), and so do
         # the joining ranks, which enter the job if it moves and leave once this command has ended
-        # with no request written (`runtime.live.JoinAbandoned`).
+        # with no request written (`runtime.elastic.live_resize.JoinAbandoned`).
         if not requested:
             for proc in joiners:
                 proc.kill()
@@ -217,7 +217,7 @@ def live_request(
 
 
 def _stage(path: Path, prepared: PreparedRelaunch) -> None:
-    """The new layout's run files into RUN/live/next (`runtime.live.STAGED_DIR`), a leftover of a
+    """The new layout's run files into RUN/live/next (`rundir.live_requests.STAGED_DIR`), a leftover of a
     resize that ended early replaced."""
     staged = path / STAGED_DIR
     shutil.rmtree(staged, ignore_errors=True)

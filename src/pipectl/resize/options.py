@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pipectl.artifacts.base import INT64_MAX
 from pipectl.config import Opt
-from pipectl.resize.stragglers import StragglerPolicy
+from pipectl.rundir.stragglers import StragglerPolicy
 
 
 class ResizeOptions(BaseModel):

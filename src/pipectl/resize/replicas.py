@@ -227,7 +227,7 @@ class Agent:
         """The survivors' layout, the run files rewritten for it (the old ones kept until the
         survivors have taken over), the request naming them."""
         from pipectl.resize.live import live_request, run_file_names
-        from pipectl.resize.morph import decide_resize, prepare_relaunch, write_relaunch
+        from pipectl.resize.restart import decide_resize, prepare_relaunch, write_relaunch
         from pipectl.rundir.live_requests import request_path
 
         lost_ranks = self._ranks_of(lost)
@@ -304,7 +304,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import deepspeed.runtime.config  # noqa: F401
 
     import pipectl.resize.live  # noqa: F401
-    import pipectl.resize.morph  # noqa: F401
+    import pipectl.resize.restart  # noqa: F401
 
     return agent.wait()
 

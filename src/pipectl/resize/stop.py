@@ -49,7 +49,7 @@ def request_stop(run_dir: str | os.PathLike[str], stop_file: str) -> Path:
 
 
 def starting_launch(run_dir: str | os.PathLike[str]) -> list[int]:
-    """The live pids holding the run's lock (`launch.rundir.lock_run_dir`) other than this process:
+    """The live pids holding the run's lock (`rundir.lock.lock_run_dir`) other than this process:
     a launch between taking the lock and starting its ranks (its pre-flight, DeepSpeed's config
     check) has no process `find_run_processes` sees yet."""
     return [pid for pid in lock_holder(run_dir) if pid != os.getpid() and pid_alive(pid)]

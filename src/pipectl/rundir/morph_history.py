@@ -107,12 +107,14 @@ def with_downtime(record: MorphRecord, metrics: Sequence[StepMetrics]) -> MorphR
     )
 
 
-def read_history(run_dir: str | os.PathLike[str]) -> list[MorphRecord]:
-    """Every morph of the run, oldest first, downtimes filled from metrics.jsonl where known."""
+def read_history(run_dir: str | os.PathLike[str], *, metrics: list[StepMetrics] | None = None) -> list[MorphRecord]:
+    """Every morph of the run, oldest first, downtimes filled from metrics.jsonl where known
+    (`metrics`: the run's, when the caller has read them already)."""
     records = read_records(run_dir)
     if not records or all(r.downtime_seconds is not None for r in records):
         return records
-    metrics = read_metrics(run_dir)
+    if metrics is None:
+        metrics = read_metrics(run_dir)
     return [with_downtime(r, metrics) for r in records]
 
 

@@ -11,9 +11,10 @@ their next collective. Two things bound that wait and name the culprit:
 
       timeout = max(120 s, 10 x predicted step) + peak bytes of the largest stage / 120 MB/s
 
-  120 MB/s is what one H100 host wrote: a checkpoint stopped training for 35 s per 310 M
-  parameters, at 14 bytes of state per parameter (bf16 weights, fp32 master weights, two Adam
-  moments). `launch --collective-timeout` overrides it.
+  120 MB/s is a slow host's rate for writing a checkpoint (14 bytes of state per parameter: bf16
+  weights, fp32 master weights, two Adam moments), so the timeout errs long rather than ending a
+  job that is only saving; `benchmarks/checkpoint_cost.py` measures a host's own stall, and
+  `launch --collective-timeout` overrides the default.
 - **Heartbeats.** A thread of each rank rewrites logs/heartbeat-rank{R}.json every second
   (`RankHeartbeat`: step, phase, when it last progressed). Torch releases the interpreter lock while
   it computes or waits in a collective, so a blocked rank keeps beating; a stopped or frozen
@@ -57,7 +58,7 @@ from pipectl.rundir.heartbeats import HEARTBEAT_SECONDS, SILENT_AFTER_SECONDS, S
 log = logging.getLogger(__name__)
 MIN_COLLECTIVE_TIMEOUT_SECONDS = 120.0
 STEPS_PER_COLLECTIVE_TIMEOUT = 10
-CHECKPOINT_WRITE_BYTES_PER_SECOND = 120e6  # one H100 host: 35 s per 310 M parameters x 14 B
+CHECKPOINT_WRITE_BYTES_PER_SECOND = 120e6  # a slow host's checkpoint write: the timeout errs long
 END_GRACE_SECONDS = 60.0  # past the collective timeout, pipectl ends the job itself
 
 

@@ -19,13 +19,7 @@ from pipectl.schedule.generators import (
     zbv,
 )
 from pipectl.schedule.ir import Action, ActionKind, Schedule, ScheduleKind, stage_rank, stage_ranks
-from pipectl.schedule.twobw import (
-    TwoBWSteadyState,
-    simulate_two_bw_run,
-    two_bw_memory,
-    two_bw_order,
-    two_bw_steady_state,
-)
+from pipectl.schedule.twobw import two_bw_order
 
 
 def deepspeed_runnable(kind: ScheduleKind, chunks: int = 1) -> bool:
@@ -69,7 +63,6 @@ __all__ = [
     "ActionKind",
     "Schedule",
     "ScheduleKind",
-    "TwoBWSteadyState",
     "TORCH_SCHEDULES",
     "deepspeed_runnable",
     "torch_runnable",
@@ -78,9 +71,6 @@ __all__ = [
     "interleaved",
     "one_f_one_b",
     "pipedream_2bw",
-    "simulate_two_bw_run",
-    "two_bw_steady_state",
-    "two_bw_memory",
     "two_bw_order",
     "varuna",
     "weight_version",

@@ -165,7 +165,8 @@ class Schedule:
     """One optimizer step of a pipeline: per rank, the ordered actions it performs.
 
     `pipeline_parallel` ranks, `micro_batches` micro-batches per step, `chunks` model chunks per
-    rank (v; 1 unless interleaved). Virtual stage s runs on rank s % p.
+    rank (v; 1 unless interleaved or zbv). Virtual stage s runs on rank s % p in a loop placement
+    and on the V's rank under zbv (`rank_of`).
     """
 
     kind: ScheduleKind

@@ -16,7 +16,7 @@ from pipectl.plan.evaluate import Evaluator
 from pipectl.artifacts.plan import PlanRequest
 from pipectl.plan.space import enumerate_specs, search_space
 from pipectl.plan.simulate import simulate, uniform_costs
-from pipectl.plan.synthetic import synthetic_profile
+from pipectl.testing.profiles import synthetic_profile
 from pipectl.schedule import generate
 from pipectl.schedule.ir import ScheduleKind
 

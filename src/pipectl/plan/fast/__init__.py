@@ -10,7 +10,7 @@ named here hold them to it.
   relative (tests/plan/fast/test_waves.py, test_waves_head_start.py). For 2BW that is one
   flushed step, the figure its notes compare with.
 - `twobw` — PipeDream-2BW's steady state per update, no flush (how the planner prices 2BW):
-  equals `pipectl.schedule.twobw.two_bw_steady_state` to 1e-12 relative
+  equals `pipectl.plan.twobw_steady_state.two_bw_steady_state` to 1e-12 relative
   (tests/plan/test_twobw_pricing.py).
 - `varuna` — Varuna, no jitter, asynchronous transfers: equals
   `simulate(generate(VARUNA, p, m), costs)` to 1e-12 relative (tests/plan/fast/test_varuna.py,

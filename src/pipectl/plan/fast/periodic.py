@@ -21,9 +21,11 @@ bit for bit.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
-__all__ = ["PERIOD_ULPS", "LinearRegime", "cycles_keeping_sides"]
+__all__ = ["PERIOD_ULPS", "LinearRegime", "cycles_keeping_sides", "skip_repeats"]
 
 # Deviation from an exact period tolerated, in units of the largest end time's spacing
 # (np.spacing): a few roundings per wave, far below any difference between candidates.
@@ -119,3 +121,29 @@ def cycles_keeping_sides(earlier: np.ndarray, later: np.ndarray, tolerance: floa
     # A drift known to within the tolerance closes a margin by at most |drift| + tolerance a cycle.
     room = (np.abs(later[closing]) - tolerance) / (np.abs(drift[closing]) + tolerance)
     return max(int(np.floor(np.min(room))) - 1, 0)
+
+
+def skip_repeats(
+    history: Any, regime: LinearRegime | None, index: int, state: np.ndarray, exposed: np.ndarray, final: int
+) -> tuple[int, np.ndarray, np.ndarray, LinearRegime | None]:
+    """One turn of the repeat detection that the wave loops share (`waves`, `twobw`): record
+    `state` after wave `index`; on an exact cycle, jump whole cycles up to wave `final` and stop
+    looking; when a linear regime holds, jump it and start looking again. `history` is a
+    `waves._History`; returns (index, state, exposed, regime) to carry on from."""
+    found = history.record(index, state, exposed)
+    if found is not None and found[1] is not None:
+        # Every later cycle repeats this one, shifted by `shift` (the `waves` module docstring).
+        cycle, shift, exposed_per_cycle = found
+        cycles = (final - index) // cycle
+        history.disable()
+        return index + cycles * cycle, state + cycles * shift, exposed + cycles * exposed_per_cycle, None
+    if regime is not None:
+        jump = regime.observe(index, state, exposed, final)
+        if jump is not None:
+            cycles, advance, exposed_advance = jump
+            history.restart()
+            return index + cycles * regime.cycle, state + advance, exposed + exposed_advance, None
+        return index, state, exposed, None if regime.done else regime
+    if found is not None:
+        return index, state, exposed, LinearRegime(index, found[0], state, exposed)
+    return index, state, exposed, None

@@ -1,6 +1,6 @@
 """PipeDream-2BW's steady state for the planner: `two_bw_steady_state`'s figure, from waves.
 
-`pipectl.schedule.twobw.two_bw_steady_state` defines the figure: the run of T + K + 1 updates
+`pipectl.plan.twobw_steady_state.two_bw_steady_state` defines the figure: the run of T + K + 1 updates
 in `two_bw_order`'s order (1F1B across updates, no flush, stage s's update U j right after its
 backward of micro-batch jm − 1), the mean interval between updates T and T + K, the largest over
 stages, with (T, K) from `steady_state_window`. Its event simulation walks every operation in
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipectl.plan.fast.periodic import PERIOD_ULPS, LinearRegime
+from pipectl.plan.fast.periodic import PERIOD_ULPS, LinearRegime, skip_repeats
 from pipectl.plan.fast.waves import _backward_chain, _backward_suffix, _chain_warmup, _History, _start_after_input
 
 __all__ = ["SteadyState", "steady_state"]
@@ -128,29 +128,8 @@ def _between_updates(wave, waves: int, ranks: int, last, forward_end, exposed):
         last, forward_end, exposed = wave(last, forward_end, exposed, margins)
         if history.enabled:
             state = np.concatenate((last, forward_end, last))  # `_History` keeps three entries per rank
-            found = history.record(index, state, exposed)
-            if found is not None and found[1] is not None:
-                cycle, shift, exposed_per_cycle = found
-                cycles = (final - index) // cycle
-                last = last + cycles * shift
-                forward_end = forward_end + cycles * shift
-                exposed = exposed + cycles * exposed_per_cycle
-                index += cycles * cycle
-                history.disable()
-                regime = None
-            elif regime is not None:
-                jump = regime.observe(index, state, exposed, final)
-                if jump is not None:
-                    cycles, advance, exposed_advance = jump
-                    last, forward_end, _ = np.split(state + advance, 3)
-                    exposed = exposed + exposed_advance
-                    index += cycles * regime.cycle
-                    history.restart()
-                    regime = None
-                elif regime.done:
-                    regime = None
-            elif found is not None:
-                regime = LinearRegime(index, found[0], state, exposed)
+            index, state, exposed, regime = skip_repeats(history, regime, index, state, exposed, final)
+            last, forward_end, _ = np.split(state, 3)
         if index >= final:
             regime = None
         index += 1

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipectl.plan.fast.periodic import PERIOD_ULPS, LinearRegime
+from pipectl.plan.fast.periodic import PERIOD_ULPS, LinearRegime, skip_repeats
 from pipectl.plan.simulate import StepSummary
 from pipectl.schedule.ir import ScheduleKind
 
@@ -290,32 +290,8 @@ def pair_schedule_ends(kind: ScheduleKind, p: int, m: int, v: int, t: _Tables) -
         last, forward_end, backward_end, exposed = run_wave(wave, last, forward_end, backward_end, exposed, margins)
         if steady_from <= wave <= steady_to and history.enabled:
             state = np.concatenate((last, forward_end, backward_end))
-            found = history.record(wave, state, exposed)
-            if found is not None and found[1] is not None:
-                # Every later cycle repeats this one, shifted by `shift` (module docstring).
-                cycle, shift, exposed_per_cycle = found
-                cycles = (steady_to - wave) // cycle
-                exposed = exposed + cycles * exposed_per_cycle
-                advance = cycles * shift
-                last = last + advance
-                forward_end = forward_end + advance
-                backward_end = backward_end + advance
-                wave += cycles * cycle
-                history.disable()
-                regime = None
-            elif regime is not None:
-                jump = regime.observe(wave, state, exposed, steady_to)
-                if jump is not None:
-                    cycles, advance, exposed_advance = jump
-                    last, forward_end, backward_end = np.split(state + advance, 3)
-                    exposed = exposed + exposed_advance
-                    wave += cycles * regime.cycle
-                    history.restart()
-                    regime = None
-                elif regime.done:
-                    regime = None
-            elif found is not None:
-                regime = LinearRegime(wave, found[0], state, exposed)
+            wave, state, exposed, regime = skip_repeats(history, regime, wave, state, exposed, steady_to)
+            last, forward_end, backward_end = np.split(state, 3)
         if wave >= steady_to:
             regime = None  # no steady wave left to check it on
         wave += 1

@@ -2,8 +2,8 @@
 
 The planner times zb-h1 candidates of hundreds of micro-batches on tens of stages, a new (p, m)
 for nearly every one (the morph table's device counts give new d, hence new m). Simulating one
-(`pipectl.plan.simulate`) costs a generated `Schedule` and its compiled DAG per (p, m): ~70 ms at
-p = 33, m = 67, of which the timing pass itself is 1.5 ms. Here each rank's order is the one
+(`pipectl.plan.simulate`) costs a generated `Schedule` and its compiled DAG per (p, m), far more
+than the timing pass itself. Here each rank's order is the one
 `pipectl.schedule.generators.zb_h1` generates, as (kind, micro-batch) pairs from the same
 arithmetic (1F1B's warm-up of min(p − s − 1, m) forwards, F/I pairs, W(i) after I(i + d),
 d = min(s, m), the d W's left closing the step), and the ranks are advanced in turn as far as
@@ -14,8 +14,7 @@ their inputs exist, each action ending at
 with the simulator's operations in the simulator's order (I = fraction × B, W = B − I; the
 all-reduce, then the optimizer step), so the step, and the summary's idle and exposed
 communication per rank, are the simulated ones exactly: tests/plan/fast/test_zero_bubble.py holds
-them equal on random costs. ~9 ms at p = 33, m = 67 against the simulation's ~70 ms. Asynchronous transfers and
-no jitter only (`pipectl.plan.timing` simulates the others).
+them equal on random costs. Asynchronous transfers and no jitter only (`pipectl.plan.timing` simulates the others).
 
     >>> from pipectl.plan.simulate import uniform_costs
     >>> step_seconds(4, 8, uniform_costs(4, 1, 1.0, 2.0))  # m (f + b) + (p − 1)(f + I − W)

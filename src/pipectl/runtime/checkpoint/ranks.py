@@ -263,7 +263,7 @@ class Boundary:
 
     stop: bool  # any rank was signalled, or RUN/stop_requested exists
     checkpoint: bool  # any rank's clock says a wall-time checkpoint is due
-    resize: int  # the generation of a live resize to take now (`runtime.live`), else 0
+    resize: int  # the generation of a live resize to take now (`runtime.elastic.live_resize`), else 0
     announced: int = 0  # the generation of a live resize some rank saw, taken now or not
 
 

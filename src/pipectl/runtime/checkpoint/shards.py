@@ -27,7 +27,7 @@ slices (`TensorSplit.join`); `ShardReader.local(...)` cuts the slice a loading r
 (`TensorSplit.cut`). A loading rank reads only the byte ranges of its own parameters (the files
 are memory-mapped), so a resume into another pipeline, tensor or data-parallel degree needs no
 conversion step and no second copy on disk. A live resize reads the ranks' states out of memory
-with the same reader (`ShardReader.in_memory`, `runtime.live`): one re-cutting routine for both.
+with the same reader (`ShardReader.in_memory`, `runtime.elastic.live_resize`): one re-cutting routine for both.
 
 Everything here is data: safetensors holds raw tensor bytes and a JSON header, so nothing in a
 checkpoint can run code when it is read. No DeepSpeed in this module (`engine_state` maps a
@@ -183,7 +183,7 @@ class ShardReader:
 
     @classmethod
     def in_memory(cls, label: str, sources: Sequence[RankSource], headers: Sequence[RankHeader]) -> "ShardReader":
-        """The same reader over rank states held in memory (a live resize: `runtime.live`), one
+        """The same reader over rank states held in memory (a live resize: `runtime.elastic.live_resize`), one
         `RankSource` and header per rank of the layout that holds them; `label` names them in errors."""
         reader = cls.__new__(cls)
         reader._index(label, list(sources), list(headers))
@@ -251,7 +251,7 @@ class ShardReader:
         scalar optimizer states (every restore reads them) and the torch RNG of the ranks in
         `rng_of`. `held`: per parameter, the elements (start, count) of it whose optimizer state
         the restoring rank keeps (None: none), read with `part` where it can; without `held`, every
-        state whole. A live resize moves exactly these ranges (`runtime.live`); this is the one place
+        state whole. A live resize moves exactly these ranges (`runtime.elastic.live_resize`); this is the one place
         that knows what `whole`, `part` and `module_tensor` read, so both paths read the same pieces.
         """
         reads: dict[int, list[tuple[str, int, int]]] = {}

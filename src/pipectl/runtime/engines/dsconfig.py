@@ -18,8 +18,8 @@ Choices and why:
   (`engine_state`), and DeepSpeed's pipeline engine rejects 2 and 3. The planner labels d = 1 candidates ZeRO-1 (they
   shard nothing; ZeRO-1 gave bit-identical losses to ZeRO-0 there, shared/DEEPSPEED-ON-CPU.md) and
   marks any other stage as not runnable, so a plan and its run never differ silently.
-- `"torch_adam": true`: otherwise DeepSpeed JIT-compiles its fused Adam (101 s on this machine);
-  the losses are identical.
+- `"torch_adam": true`: otherwise DeepSpeed JIT-compiles its fused Adam before the first step (minutes on
+  a CPU host); the losses are identical.
 - `pipeline.stages`/`partition` are written for the record, but DeepSpeed ignores them (a 2-stage
   module passes with `stages: 4`), so they are checked here against the plan and the runtime passes
   the cut to the PipelineModule itself.

@@ -79,7 +79,7 @@ def init_distributed(timeout_seconds: float | None = None, store=None) -> None:
 
     Expects RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT (torchrun, DeepSpeed's
     launcher and our spawn helper all set them). With `store` (a live resize's own rendezvous,
-    `runtime.live`) the group is started on it, and DeepSpeed adopts it.
+    `runtime.elastic.live_resize`) the group is started on it, and DeepSpeed adopts it.
     """
     set_rank_environment()
     skip_shared_memory_op_build()

@@ -1,6 +1,6 @@
 """PipeDream-2BW's steady state for `pipectl simulate`: times, weight versions, stashed memory.
 
-Built from `pipectl.schedule.twobw.TwoBWSteadyState`; the numbers are that module's simulation,
+Built from `pipectl.plan.twobw_steady_state.TwoBWSteadyState`; the numbers are that module's simulation,
 this module only lays them out (a JSON payload and Rich renderables).
 """
 
@@ -14,7 +14,7 @@ from rich.table import Table
 from rich.text import Text
 
 from pipectl.report.tables import format_bytes
-from pipectl.schedule.twobw import TwoBWMemory, TwoBWSteadyState
+from pipectl.plan.twobw_steady_state import TwoBWMemory, TwoBWSteadyState
 
 # The rows of the version table: the first three updates show the 1-step staleness settling in.
 VERSION_ROWS = 3

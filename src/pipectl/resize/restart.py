@@ -61,7 +61,7 @@ from pipectl.resize.stop import (
 )
 from pipectl.rundir.heartbeats import live_ranks, read_heartbeats
 from pipectl.words import count
-from pipectl.resize.stragglers import StragglerPolicy, StragglerReport, find_stragglers
+from pipectl.rundir.stragglers import StragglerPolicy, StragglerReport, find_stragglers
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -316,7 +316,7 @@ def resize_run(
     relaunching), `on_tick` is called while the new job runs (to tail metrics). A `decision`
     from `decide_resize` (e.g. shown to the user first) is used as is; `requested_unix` is when
     the resize was asked for (default: now), the start of its downtime. The run is rewritten and
-    relaunched under its lock (`launch.rundir.lock_run_dir`), waited for up to `lock_wait_seconds`.
+    relaunched under its lock (`rundir.lock.lock_run_dir`), waited for up to `lock_wait_seconds`.
 
     A job running on other hosts (no process here; its heartbeats live: a Slurm job seen from the
     login node) is stopped through the same stop file and waited for through its heartbeats; with

@@ -1,8 +1,9 @@
 """Fault trials on real `pipectl launch` runs: a fault, `launch --resume`, and the checks.
 
 Shared by tests/faults/ (a few trials in CI) and benchmarks/fault_sweep.py (the full sweep). Every
-launch is the real CLI (`python -m pipectl.cli.main launch`) started as a user would, from this
-folder so that the ranks import `pipectl_fault_model:build` (gpt-tiny with fault points). A trial:
+launch is the real CLI (`python -m pipectl.cli.main launch`) started as a user would; the ranks
+import `pipectl.testing.fault_model:build` (gpt-tiny with fault points), a factory reference as a
+user's would be. A trial:
 
 1. faulted launch: `--steps T --checkpoint-every K` with a trigger (a rank SIGKILLs itself at a
    (rank, step, point, nth) event; or SIGTERMs itself; or a checkpoint write fails with ENOSPC),
@@ -34,8 +35,8 @@ from pathlib import Path
 import psutil
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
-MODEL = "pipectl_fault_model:build"
+SRC = HERE.parents[1]  # the folder holding the pipectl package, put on the ranks' PYTHONPATH
+MODEL = "pipectl.testing.fault_model:build"
 TOLERANCE = 1e-6
 LAUNCH_TIMEOUT_SECONDS = 150  # the CLI's --timeout; the driver waits 60 s longer before calling it hung
 STATES = ("fp32", "exp_avg", "exp_avg_sq")
@@ -144,12 +145,12 @@ def launch_argv(plan: Path, run: Path, *extra: str) -> list[str]:
 
 def launch_env(**fault: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PIPECTL_FAULT_")}
-    env.update(PYTHONPATH=str(ROOT / "src"), COLUMNS="300", OMP_NUM_THREADS="1", **fault)
+    env.update(PYTHONPATH=str(SRC), COLUMNS="300", OMP_NUM_THREADS="1", **fault)
     return env
 
 
 def start(argv: list[str], env: dict[str, str], *, limit_kib: int | None = None) -> subprocess.Popen:
-    """Start the CLI from this folder (the ranks import the fault model from it); with `limit_kib`,
+    """Start the CLI (from this folder, which holds the fault model); with `limit_kib`,
     under `ulimit -f` (a shell wrapper, as an administrator or a full disk would impose it)."""
     if limit_kib is not None:
         argv = ["bash", "-c", f'ulimit -f {limit_kib} && exec "$@"', "limited", *argv]
