@@ -1,7 +1,7 @@
 """The fault sweep: real `pipectl launch` runs of gpt-tiny hit by faults, resumed, and compared with
 a fault-free run of the same length (issue "Reliability": lose nothing under faults).
 
-Kinds of trial (src/pipectl/testing/fault_trials.py runs each; src/pipectl/testing/fault_model.py is
+Kinds of trial (src/pipectl/testing/fault_trials.py runs each; src/pipectl/testing/user_model/pipectl_fault_model.py is
 the model whose ranks act at a named (rank, step, point, nth) event):
 
     kill             SIGKILL of one rank at a random point: forward, backward, all-reduce,
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
             "benchmark": "fault_sweep",
             "command": "scripts/fault-sweep.sh --seed " + str(args.seed),
             "seed": args.seed,
-            "model": "gpt-tiny (src/pipectl/testing/fault_model.py), fp32, CPU ranks (gloo)",
+            "model": "gpt-tiny (src/pipectl/testing/user_model/pipectl_fault_model.py), fp32, CPU ranks (gloo)",
             "setups": {
                 label: {**vars(s), "global_batch": s.micro_batch_size * s.micro_batches * s.data_parallel}
                 for label, s in setups.items()

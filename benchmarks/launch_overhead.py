@@ -15,7 +15,7 @@ average is recorded next to every run).
 
 Prediction error of (a), per layout: |predicted - measured| / measured, the measured step being the
 median over the layout's repeats. Two predictions are reported: the plan's (what `pipectl plan`
-wrote, from the search's own cost arithmetic) and the cost model's (`plan.costs.stage_costs_for`
+wrote, from the search's own cost arithmetic) and the cost model's (`plan.cost_table.stage_costs_for`
 re-simulated, what `pipectl simulate` shows). Profiles come from `pipectl profile`, which includes
 the engine calibration (`ModelProfile.runtime`). The machine is shared with other jobs whose load
 changes from minute to minute (a one-rank step measured 35 ms at a load average of 3 and 63 ms at
@@ -82,12 +82,12 @@ def make_plan(profile: Path, layout: LayoutRequest, global_batch: int, out: Path
 
 
 def cost_model_step_seconds(plan_path: Path, profile_path: Path) -> float:
-    """The chosen candidate re-simulated with `plan.costs` (what `pipectl simulate` shows)."""
+    """The chosen candidate re-simulated with `plan.cost_table` (what `pipectl simulate` shows)."""
     from pipectl.artifacts.plan import Plan
     from pipectl.artifacts.profile import ModelProfile
     from pipectl.cluster import local_cluster
     from pipectl.io import load_model
-    from pipectl.plan.costs import stage_costs_for
+    from pipectl.plan.cost_table import stage_costs_for
     from pipectl.plan.simulate import simulate_step_seconds
     from pipectl.schedule import generate
 

@@ -68,7 +68,8 @@ from pipectl.artifacts.profile import EngineFeatures  # noqa: E402
 from pipectl.catalog import get_device  # noqa: E402
 from pipectl.errors import PipectlError  # noqa: E402
 from pipectl.io import write_json_atomic  # noqa: E402
-from pipectl.plan.costs import hardware_for, layer_seconds, stage_costs_for  # noqa: E402
+from pipectl.plan.costs import hardware_for, layer_seconds
+from pipectl.plan.cost_table import stage_costs_for  # noqa: E402
 from pipectl.plan.layer_table import layer_table  # noqa: E402
 from pipectl.plan.phases import simulated_phases  # noqa: E402
 from pipectl.plan.search import plan  # noqa: E402
@@ -132,7 +133,7 @@ CONSTANTS_PROVENANCE = {
         "data parallelism; gradients reduce-scattered in fp32, the paper's §3.3.2) and from the tensor-parallel "
         "engines of 2024 (Megatron-Core; PyTorch's torchtitan Llama 3 recipe), marked verified: false. The overlaps, "
         "the fp32 gradient reductions, the even split and the rendezvous transfers are terms of the "
-        "cost model (plan/costs.py, plan/partition.py, plan/simulate.py), the rest of the derived profile "
+        "cost model (plan/costs.py, plan/cost_table.py, plan/partition.py, plan/simulate.py), the rest of the derived profile "
         "(profile/compute_model.py, profile/derive.py)"
     ),
     "efficiency_by_micro_batch curves": (

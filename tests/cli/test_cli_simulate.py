@@ -76,7 +76,7 @@ def test_simulates_a_plan_candidate(tmp_path: Path, monkeypatch):
     from pipectl.artifacts.plan import Candidate, ModelShape, Plan, PlanRequest
     from pipectl.cluster import load_cluster
     from pipectl.io import write_json_atomic
-    from pipectl.plan.costs import stage_costs_for
+    from pipectl.plan.cost_table import stage_costs_for
     from pipectl.planfile import write_plan
     from pipectl.plan.simulate import simulate_step_seconds
     from pipectl.testing.profiles import synthetic_profile

@@ -5,16 +5,8 @@ from __future__ import annotations
 import pytest
 
 from pipectl.cluster import load_cluster
-from pipectl.plan.candidates import (
-    ScheduleVariant,
-    ShapeBuilder,
-    data_parallel_costs,
-    in_flight,
-    lower_bound_seconds,
-    specs_from_points,
-    state_bytes,
-    step_bytes,
-)
+from pipectl.plan.candidates import ScheduleVariant, ShapeBuilder, lower_bound_seconds
+from pipectl.plan.spec_costs import data_parallel_costs, in_flight, specs_from_points, state_bytes, step_bytes
 from pipectl.plan.costs import hardware_for
 from pipectl.testing.profiles import synthetic_profile
 from pipectl.models.registry import load_model_config

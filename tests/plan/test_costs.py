@@ -5,16 +5,9 @@ from __future__ import annotations
 import pytest
 
 from pipectl.cluster import load_cluster, local_cluster
-from pipectl.plan.costs import (
-    hardware_for,
-    layer_seconds,
-    ranks_share_node,
-    replicas_share_node,
-    stage_costs,
-    tensor_parallel_link,
-    tensor_parallel_placeable,
-    tensor_parallel_slowdown,
-)
+from pipectl.plan.costs import hardware_for, layer_seconds, tensor_parallel_slowdown
+from pipectl.plan.placement import ranks_share_node, replicas_share_node, tensor_parallel_link, tensor_parallel_placeable
+from pipectl.plan.cost_table import stage_costs
 from pipectl.plan.layer_table import interpolate, layer_table
 from pipectl.plan.simulate import simulate
 from pipectl.testing.profiles import synthetic_profile
@@ -175,7 +168,7 @@ def test_recompute_costs_one_more_forward_in_the_simulated_step():
 
 @pytest.mark.parametrize("cluster_name, devices, batch", [("a100-8x8", 16, 64), ("local", 4, 16)])
 def test_stage_costs_for_reproduces_the_plans_prediction(cluster_name, devices, batch):
-    from pipectl.plan.costs import stage_costs_for
+    from pipectl.plan.cost_table import stage_costs_for
     from pipectl.artifacts.plan import PlanRequest
     from pipectl.plan.search import plan
 
@@ -246,12 +239,7 @@ def test_engine_end_of_step_replaces_the_bandwidth_estimate_of_adam():
 
 
 def test_engine_collectives_with_data_and_pipeline_parallelism():
-    from pipectl.plan.costs import (
-        SMALL_COLLECTIVE_BYTES,
-        SMALL_COLLECTIVES_PER_DATA_PARALLEL_GROUP,
-        SMALL_COLLECTIVES_PER_PIPELINE,
-        data_parallel_seconds,
-    )
+    from pipectl.plan.cost_table import SMALL_COLLECTIVE_BYTES, SMALL_COLLECTIVES_PER_DATA_PARALLEL_GROUP, SMALL_COLLECTIVES_PER_PIPELINE, data_parallel_seconds
 
     profile = _cpu_profile_with_runtime()
     hardware = hardware_for(local_cluster(4), profile)
@@ -301,7 +289,7 @@ def test_engine_ratio_is_flat_beyond_the_measured_sizes():
 
 
 def test_busy_handoff_raises_the_intra_node_latency_and_each_collective():
-    from pipectl.plan.costs import data_parallel_seconds
+    from pipectl.plan.cost_table import data_parallel_seconds
 
     slow = _cpu_profile_with_runtime(busy_handoff_seconds=0.003)
     fast = _cpu_profile_with_runtime(busy_handoff_seconds=1e-6)
@@ -321,7 +309,7 @@ def test_busy_handoff_raises_the_intra_node_latency_and_each_collective():
 
 
 def test_busy_allreduce_fit_prices_intra_node_collectives_without_a_separate_handoff():
-    from pipectl.plan.costs import data_parallel_seconds
+    from pipectl.plan.cost_table import data_parallel_seconds
 
     measured = _cpu_profile_with_runtime(
         busy_handoff_seconds=0.003, busy_allreduce_latency_seconds=0.0005,

@@ -14,15 +14,9 @@ from pipectl.artifacts.profile import EngineFeatures
 from pipectl.artifacts.cluster import ClusterSpec
 from pipectl.cluster import LinkCost
 from pipectl.errors import UserInputError
-from pipectl.plan.costs import (
-    exposed_tensor_parallel_seconds,
-    hardware_for,
-    layer_seconds,
-    overlapped_data_parallel_seconds,
-    stage_costs,
-    tensor_parallel_communication,
-    tensor_parallel_link,
-)
+from pipectl.plan.costs import exposed_tensor_parallel_seconds, hardware_for, layer_seconds, tensor_parallel_communication
+from pipectl.plan.cost_table import overlapped_data_parallel_seconds, stage_costs
+from pipectl.plan.placement import tensor_parallel_link
 from pipectl.plan.layer_table import layer_table
 from pipectl.plan.search import plan
 from pipectl.profile.derive import derive_profile
@@ -155,7 +149,7 @@ def test_gradients_reduced_in_fp32_move_four_bytes_and_the_parameters_two(zero_s
 
 
 def test_gradients_reduced_in_fp32_double_zero2_scatters_not_zero3_gathers():
-    from pipectl.plan.costs import sharded_exposed_seconds
+    from pipectl.plan.cost_table import sharded_exposed_seconds
 
     link = LinkCost(5e-6, 25e9)
     layer_bytes, forward, backward = [1e9, 1e9], [0.01, 0.01], [0.02, 0.02]

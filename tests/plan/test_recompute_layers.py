@@ -13,7 +13,8 @@ from pipectl.artifacts.plan import Candidate, Plan, PlanRequest, Recompute, Reco
 from pipectl.artifacts.profile import LayerCost, LayerProfile, ModelProfile, ProfileSource
 from pipectl.cluster import load_cluster, local_cluster
 from pipectl.plan.candidates import ShapeBuilder
-from pipectl.plan.costs import hardware_for, stage_costs_for
+from pipectl.plan.costs import hardware_for
+from pipectl.plan.cost_table import stage_costs_for
 from pipectl.plan.flops import LayerFlops, step_flops
 from pipectl.plan.layer_table import layer_table
 from pipectl.plan.memory import FurthestFittingEnds, RangeMemory, StageMemory

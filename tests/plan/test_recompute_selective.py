@@ -13,7 +13,8 @@ from pipectl.artifacts.profile import LayerCost, LayerProfile, ModelProfile, Pro
 from pipectl.cluster import load_cluster, local_cluster
 from pipectl.errors import InfeasibleError, UserInputError
 from pipectl.plan.candidates import ShapeBuilder
-from pipectl.plan.costs import hardware_for, stage_costs_for
+from pipectl.plan.costs import hardware_for
+from pipectl.plan.cost_table import stage_costs_for
 from pipectl.plan.layer_table import layer_table, offered_granularities, selective_frees_little
 from pipectl.plan.memory import FurthestFittingEnds, RangeMemory, StageMemory
 from pipectl.plan.search import plan

@@ -117,7 +117,8 @@ def test_blocking_costs_route_every_entry_point_to_the_rendezvous_timing(kind):
 
 def test_cpu_links_block_and_gpu_links_do_not():
     from pipectl.cluster import load_cluster, local_cluster
-    from pipectl.plan.costs import hardware_for, stage_costs
+    from pipectl.plan.costs import hardware_for
+    from pipectl.plan.cost_table import stage_costs
     from pipectl.testing.profiles import synthetic_profile
 
     profile = synthetic_profile(blocks=4, micro_batch_sizes=[1], device="cpu", dtype="float32")

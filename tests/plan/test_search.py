@@ -189,7 +189,8 @@ def test_cost_deadline_picks_the_cheapest_meeting_it():
 
 
 def test_shape_stage_times_match_the_per_stage_definitions():
-    from pipectl.plan.candidates import ShapeBuilder, _tied_seconds
+    from pipectl.plan.candidates import ShapeBuilder
+    from pipectl.plan.spec_costs import tied_seconds
     from pipectl.plan.layer_table import layer_table
 
     profile = synthetic_profile(blocks=8, micro_batch_sizes=[2])
@@ -206,20 +207,21 @@ def test_shape_stage_times_match_the_per_stage_definitions():
     assert shape.send_lower_bound.tolist() == expected_sends
     # The tied embedding (layer 0, stage 0 on rank 0) and head (last layer, stage 3 on rank 1)
     # sit on different ranks: both ranks pay the tied all-reduce, the same amount.
-    tied = _tied_seconds(shape, hardware, 2, 2)
+    tied = tied_seconds(shape, hardware, 2, 2)
     assert tied[0] > 0 and tied[0] == tied[1]
     # On one rank (p = 1 with two chunks) there is nothing to synchronise.
     one_rank = builder.shape_from_cuts(2, 2, False, 1, 2, [(0, 5), (5, 11)])
-    assert not _tied_seconds(one_rank, hardware, 2, 2).any()
+    assert not tied_seconds(one_rank, hardware, 2, 2).any()
 
 
 def test_tied_all_reduce_lands_on_the_ranks_holding_the_tied_layers():
-    from pipectl.plan.candidates import ShapeBuilder, _tied_seconds
+    from pipectl.plan.candidates import ShapeBuilder
+    from pipectl.plan.spec_costs import tied_seconds
 
     profile = synthetic_profile(blocks=8, micro_batch_sizes=[1])
     hardware = hardware_for(local_cluster(8), profile)
     shape = ShapeBuilder(profile, hardware).shape_from_cuts(1, 1, False, 4, 1, [(0, 3), (3, 6), (6, 9), (9, 11)])
-    tied = _tied_seconds(shape, hardware, 2, 2)
+    tied = tied_seconds(shape, hardware, 2, 2)
     assert [rank for rank in range(4) if tied[rank] > 0] == [0, 3]
 
 

@@ -8,10 +8,8 @@ import random
 import pytest
 
 from pipectl.cluster import load_cluster
-from pipectl.plan.candidates import (
-    ScheduleVariant, ShapeBuilder, in_flight, recomputing_stages, state_bytes,
-    step_bytes,
-)
+from pipectl.plan.candidates import ScheduleVariant, ShapeBuilder, recomputing_stages
+from pipectl.plan.spec_costs import in_flight, state_bytes, step_bytes
 from pipectl.plan.costs import hardware_for
 from pipectl.plan.partition import balanced_partition
 from pipectl.artifacts.plan import PlanRequest, Recompute

@@ -14,7 +14,8 @@ from pipectl.artifacts.profile import LayerCost, ModelProfile, ShardProfile
 from pipectl.cluster import load_cluster
 from pipectl.io import load_model
 from pipectl.plan.candidates import ShapeBuilder
-from pipectl.plan.costs import hardware_for, layer_seconds, stage_costs
+from pipectl.plan.costs import hardware_for, layer_seconds
+from pipectl.plan.cost_table import stage_costs
 from pipectl.plan.layer_table import interpolate, layer_table
 from pipectl.plan.memory import RangeMemory, StageMemory
 from pipectl.plan.search import plan

@@ -18,8 +18,10 @@ import pytest
 from pipectl.artifacts.plan import PlanRequest
 from pipectl.cluster import load_cluster
 from pipectl.errors import InfeasibleError
-from pipectl.plan.candidates import Rejection, state_bytes, step_bytes
-from pipectl.plan.costs import hardware_for, stage_costs_for
+from pipectl.plan.candidates import Rejection
+from pipectl.plan.spec_costs import state_bytes, step_bytes
+from pipectl.plan.costs import hardware_for
+from pipectl.plan.cost_table import stage_costs_for
 from pipectl.plan.evaluate import Evaluator
 from pipectl.plan.fast import twobw
 from pipectl.plan.memory import in_flight_units

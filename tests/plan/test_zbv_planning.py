@@ -15,7 +15,8 @@ from pipectl.artifacts.plan import Engine, PlanRequest, Recompute
 from pipectl.cluster import load_cluster
 from pipectl.errors import InfeasibleError
 from pipectl.plan.candidates import Rejection, ShapeBuilder
-from pipectl.plan.costs import hardware_for, stage_costs, stage_costs_for
+from pipectl.plan.costs import hardware_for
+from pipectl.plan.cost_table import stage_costs, stage_costs_for
 from pipectl.plan.layer_table import layer_table
 from pipectl.plan.memory import StageMemory, in_flight_units, peak_in_flight_units
 from pipectl.plan.partition import greedy_cuts, min_bottlenecks, prefix_sums, rank_loads, v_balanced_cuts

@@ -12,7 +12,8 @@ from pipectl.artifacts.plan import PlanRequest, Recompute
 from pipectl.artifacts.profile import LayerCost, LayerProfile, ModelProfile, ProfileSource
 from pipectl.cluster import load_cluster
 from pipectl.errors import InfeasibleError
-from pipectl.plan.costs import hardware_for, stage_costs, stage_costs_for
+from pipectl.plan.costs import hardware_for
+from pipectl.plan.cost_table import stage_costs, stage_costs_for
 from pipectl.plan.homogeneous import plan_homogeneous
 from pipectl.plan.layer_table import layer_table
 from pipectl.plan.memory import (
@@ -178,7 +179,7 @@ def test_zero3_one_linear_ahead_hides_less_than_a_layer_ahead():
     # Sixteen such blocks whose compute matches their gathers (90 ms forward): a layer ahead, each
     # block's gather would hide behind the previous block's whole forward; a linear ahead, fc1's
     # hides behind proj's. (At the model's ends it is the other way: its first gather is QKV's.)
-    from pipectl.plan.costs import sharded_exposed_seconds
+    from pipectl.plan.cost_table import sharded_exposed_seconds
 
     profile = _large_blocks(16, 0.09)
     hardware = hardware_for(load_cluster("a100-8x8"), profile)
@@ -192,7 +193,8 @@ def test_zero3_one_linear_ahead_hides_less_than_a_layer_ahead():
 def test_zero3_holds_a_large_block_one_linear_at_a_time():
     # Gathered a linear at a time, a 1.2 B block holds at most fc1 and fc2 whole (800 M bf16
     # weights) and fc1's gradient (400 M), not two blocks and a block's gradient.
-    from pipectl.plan.candidates import ShapeBuilder, transient_bytes
+    from pipectl.plan.candidates import ShapeBuilder
+    from pipectl.plan.spec_costs import transient_bytes
 
     profile = _large_blocks(2, 0.09)
     shape = ShapeBuilder(profile, hardware_for(load_cluster("a100-8x8"), profile)).shape(1, 1, Recompute.NONE, 1, 1)
@@ -299,7 +301,8 @@ def test_a_plan_keeps_the_best_zero3_row_and_says_what_it_lost_to():
 def test_the_enumeration_keeps_exactly_the_zero_2_and_3_points_that_fit_one_by_one(memory_gib):
     # Largest d first, a stage that does not fit at some d is not tried at smaller ones: the same
     # points as checking each.
-    from pipectl.plan.candidates import ShapeBuilder, state_bytes, step_bytes, transient_bytes
+    from pipectl.plan.candidates import ShapeBuilder
+    from pipectl.plan.spec_costs import state_bytes, step_bytes, transient_bytes
     from pipectl.plan.memory import in_flight_units
     from pipectl.schedule import ScheduleKind
 

@@ -14,7 +14,7 @@ from pipectl.artifacts.run import JobSpec, RankTiming, StepMetrics
 from pipectl.cluster import load_cluster
 from pipectl.io import write_json_atomic
 from pipectl.rundir.status import RunStatus
-from pipectl.plan.costs import stage_costs_for
+from pipectl.plan.cost_table import stage_costs_for
 from pipectl.plan.search import plan as make_plan
 from pipectl.plan.simulate import simulate
 from pipectl.testing.profiles import synthetic_profile

@@ -4,7 +4,7 @@ checkpoint (the run has none before its last step), and trains every remaining s
 fault-free run does.
 
 Real processes: `pipectl launch` started as a user would, one torchrun per replica, gloo ranks of
-gpt-tiny with fault points (src/pipectl/testing/fault_model.py): rank 1 SIGKILLs itself as the
+gpt-tiny with fault points (src/pipectl/testing/user_model/pipectl_fault_model.py): rank 1 SIGKILLs itself as the
 forward of step 3 begins. The survivor (rank 0) must find its peer gone, the agent must choose the
 one-rank layout of the morph table (the same global batch), and the run must end with exit 0,
 every step trained once, and each loss and the final weights and Adam moments exactly those of the

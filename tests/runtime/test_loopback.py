@@ -1,4 +1,4 @@
-"""`runtime.loopback`: a store server for a loopback address listens on 127.0.0.1 only."""
+"""`runtime.engines.loopback`: a store server for a loopback address listens on 127.0.0.1 only."""
 
 from __future__ import annotations
 

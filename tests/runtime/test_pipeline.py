@@ -7,7 +7,7 @@ import torch
 
 from pipectl.errors import UserInputError
 from pipectl.models import build_model
-from pipectl.plan.costs import ranks_share_node, replicas_share_node
+from pipectl.plan.placement import ranks_share_node, replicas_share_node
 from pipectl.runtime.engines.pipeline import SeededTiedLayerSpec, layer_specs, planned_topology, stage_boundaries
 
 

@@ -41,7 +41,7 @@ class Layout:
     # its backward (`Candidate.checkpoint_layers`); the schedule has no R actions for it.
     checkpoint_layers: bool = False
     # What runs it: DeepSpeed's pipeline engine, or PyTorch's pipelining runtime (`Candidate.engine`
-    # torch: `runtime.torch_pipeline.TorchPipelineEngine`). Older manifests: deepspeed.
+    # torch: `runtime.engines.torch_pipeline.TorchPipelineEngine`). Older manifests: deepspeed.
     engine: Engine = Engine.DEEPSPEED
     # Selective recomputation: every transformer block recomputes its attention core inside its
     # backward (`Candidate.selective_recompute`). Older manifests: false.

@@ -28,7 +28,7 @@ from pipectl.schedule.ir import ScheduleKind
 # The ZeRO stages pipectl's runtime trains with in any layout: 1, the stage whose optimizer
 # partitions its checkpoints hold and re-cut for a resize. DeepSpeed's pipeline engine rejects 2
 # and 3; a one-stage plan (p = 1, t = 1) runs ZeRO-2 and ZeRO-3 in DeepSpeed's ordinary engine,
-# whose optimizers' partitions `runtime.engine_state` reads and writes in the same checkpoint
+# whose optimizers' partitions `runtime.checkpoint.engine_state` reads and writes in the same checkpoint
 # format (`runtime_runs_zero`). A candidate with another stage is planned for comparison only.
 RUNTIME_ZERO_STAGES = (1,)
 ONE_STAGE_ZERO_STAGES = (1, 2, 3)
@@ -68,7 +68,7 @@ class Engine(str, Enum):
     rank, one backward per micro-batch, ZeRO-1). torch: PyTorch's pipelining runtime
     (`pipectl.runtime.engines.torch_pipeline`): GPipe, 1F1B, interleaved (v > 1) and zb-h1, without
     recomputation, tensor or data parallelism, fp32 on CPU ranks; `pipectl launch` runs it in the
-    worker (`runtime.worker.build_torch_engine`) with DeepSpeed's checkpoints, data and metrics. any
+    worker (`runtime.engines.build.build_torch_engine`) with DeepSpeed's checkpoints, data and metrics. any
     (a request only): choose whatever is best, runnable or not.
     """
 

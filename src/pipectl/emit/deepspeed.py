@@ -2,11 +2,11 @@
 `ds_pipeline.py`.
 
 `ds_config.json` holds what the plan decides (batch sizes, gradient accumulation, ZeRO stage,
-precision), checked by DeepSpeed's own parser (`runtime.dsconfig.parse_with_deepspeed`); plain
+precision), checked by DeepSpeed's own parser (`runtime.engines.dsconfig.parse_with_deepspeed`); plain
 JSON, so merge your optimizer and scheduler sections into it. `ds_pipeline.py` holds the cut:
 `PipelineModule(partition_method=...)` offers only `parameters`, `uniform` and `type:regex`
 (DeepSpeed issues #2974, #5078), so a subclass installs the plan's boundaries (`parts`) in
-`_partition_layers`, as pipectl's runtime does (`runtime.pipeline.PlannedPipelineModule`), and lays
+`_partition_layers`, as pipectl's runtime does (`runtime.engines.pipeline.PlannedPipelineModule`), and lays
 the ranks out as the plan priced them (a replica's stages on consecutive ranks).
 """
 

@@ -138,7 +138,7 @@ def standalone_torchrun(python: str, ranks: int, run_dir: Path) -> list[str]:
     """torchrun on this machine alone, starting `ranks` workers of the run (the local engine's
     command, and each replica's under the replicas agent): a c10d rendezvous on a free port of
     127.0.0.1 (so concurrent local jobs never collide), this node's address 127.0.0.1, and every
-    store bound to loopback (`runtime.loopback`: torchrun's own binds every interface)."""
+    store bound to loopback (`runtime.engines.loopback`: torchrun's own binds every interface)."""
     return [
         python, "-m", LOOPBACK_TORCHRUN,
         "--rdzv_backend", "c10d",
@@ -158,7 +158,7 @@ def torchrun_command(
 
     Run the same command on every node (each is one agent with `ranks_per_node` workers). A
     rendezvous on a loopback address (one node) keeps every store on 127.0.0.1, as the local
-    engine does (`runtime.loopback`).
+    engine does (`runtime.engines.loopback`).
     """
     env = rank_environment(gpus=gpus, import_root=job.import_root)
     one_node = job.nodes == 1 and (job.elastic is None or job.elastic.max_nodes == 1)
@@ -281,7 +281,7 @@ def slurm_script(
     Time limits and pre-emption (`launch/requeue.py`): `--signal=B:USR1@S` tells the batch shell
     S seconds before the time limit; its trap writes the run's stop file, so every rank stops at
     the same step boundary after a checkpoint (the stop the ranks already agree on at each step,
-    `runtime.checkpoint.step_boundary`). Signalling torchrun instead makes it end its workers 30 s
+    `runtime.checkpoint.ranks.step_boundary`). Signalling torchrun instead makes it end its workers 30 s
     later whatever they are doing. srun runs in the background so that the trap runs at once
     (bash runs a trap only between commands). When srun has ended, `pipectl.launch.requeue`
     decides from the run itself: trained to the end, done; stopped or failed with progress since

@@ -3,7 +3,7 @@ the nodes of each kind in rank order.
 
 Every launcher numbers ranks node by node (torchrun by node rank, DeepSpeed's launcher by the
 hostfile's order, Slurm by the order of a heterogeneous job's components), and the runtime lays
-ranks out replica by replica (`runtime.pipeline.planned_topology`: rank = (replica * p + stage) *
+ranks out replica by replica (`runtime.engines.pipeline.planned_topology`: rank = (replica * p + stage) *
 t + tensor rank). A split's replicas are grouped by kind (`plan.hetero`), so listing each kind's
 nodes in replica order puts every replica on nodes of its own kind:
 

@@ -57,7 +57,7 @@ class TransformerBlock(nn.Module):
         self.heads = heads
         self.causal = causal
         # Selective recomputation of the attention core (`run_attention_core`); the runtime sets it
-        # for a plan that asks for it (`runtime.pipeline.build_pipeline_module`).
+        # for a plan that asks for it (`runtime.engines.pipeline.build_pipeline_module`).
         self.selective_recompute = False
         self.ln_attn = nn.LayerNorm(hidden)
         self.qkv = nn.Linear(hidden, 3 * hidden)

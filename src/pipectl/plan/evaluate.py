@@ -31,7 +31,8 @@ from functools import lru_cache
 
 from pipectl.artifacts.plan import Candidate, Engine, Framework, Recompute, ReplicaShare, replica_shares, runtime_runs_zero
 from pipectl.plan.candidates import Spec
-from pipectl.plan.costs import Hardware, host_compute_slowdown, ranks_share_node
+from pipectl.plan.costs import Hardware, host_compute_slowdown
+from pipectl.plan.placement import ranks_share_node
 from pipectl.plan.fast import bounds, varuna_flags, waves
 from pipectl.plan.simulate import StageCosts, StepSummary
 from pipectl.plan.timing import actions_per_step, reference_mode, step_seconds_of, summary_of, two_bw_summary_of
@@ -82,7 +83,7 @@ def _schedule_args(spec: Spec) -> tuple:
 
 
 def costs_of(spec: Spec, hardware: Hardware) -> StageCosts:
-    """The simulator's cost table for a spec (same rules as `costs.stage_costs`, from the shape)."""
+    """The simulator's cost table for a spec (same rules as `cost_table.stage_costs`, from the shape)."""
     shape = spec.shape
     p, t, d = shape.pipeline_parallel, shape.tensor_parallel, spec.data_parallel
     sends = []

@@ -12,7 +12,7 @@ replica that would finish it earliest under the closed-form bound (m + p − 1)-
 `pipectl.plan.fast.bounds`; then every distinct (kind, m) is simulated and the step is the
 slowest replica. One data-parallel ring spans every replica, so its all-reduce is priced on the
 slowest inter-node link of any kind (`_on_one_ring`). Gradients are averaged with weights
-samples_r / B (`ReplicaShare`), which the runtime applies (`runtime.worker.WeightedLoss`: each
+samples_r / B (`ReplicaShare`), which the runtime applies (`runtime.engines.build.WeightedLoss`: each
 rank's DeepSpeed engine runs its own replica's micro-batches); plain averaging of replica means
 would over-weight slow replicas.
 
@@ -30,10 +30,11 @@ from pipectl.artifacts.cluster import ClusterSpec
 from pipectl.artifacts.plan import Candidate, Engine, Objective, Plan, PlanRequest, ReplicaShare
 from pipectl.artifacts.profile import ModelProfile
 from pipectl.errors import InfeasibleError
-from pipectl.plan.candidates import ScheduleVariant, ShapeBuilder, Spec, SpecFigures, data_parallel_costs, in_flight, lower_bound_seconds, state_bytes, step_bytes
-from pipectl.plan.costs import (
-    Hardware, hardware_for, profile_for, replica_groups, stage_costs, stage_costs_for, tensor_parallel_placeable,
-)
+from pipectl.plan.candidates import ScheduleVariant, ShapeBuilder, Spec, SpecFigures, lower_bound_seconds
+from pipectl.plan.spec_costs import data_parallel_costs, in_flight, state_bytes, step_bytes
+from pipectl.plan.costs import Hardware, hardware_for, profile_for
+from pipectl.plan.cost_table import replica_groups, stage_costs, stage_costs_for
+from pipectl.plan.placement import tensor_parallel_placeable
 from pipectl.plan.memory import state_dtype
 from pipectl.plan.simulate import StageCosts
 from pipectl.plan.evaluate import TWO_BW_NOTE, Evaluator, two_bw_steady_note

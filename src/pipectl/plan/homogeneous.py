@@ -25,7 +25,8 @@ from pipectl.artifacts.plan import Engine, ModelShape, Objective, Plan, PlanRequ
 from pipectl.artifacts.profile import ModelProfile
 from pipectl.errors import InfeasibleError, UserInputError
 from pipectl.plan.candidates import Rejection, Rejections, Spec
-from pipectl.plan.costs import Hardware, tensor_parallel_placeable
+from pipectl.plan.costs import Hardware
+from pipectl.plan.placement import tensor_parallel_placeable
 from pipectl.plan.evaluate import Evaluator
 from pipectl.plan.frameworks import check_framework_request
 from pipectl.plan.morph_table import morph_table

@@ -12,9 +12,9 @@ Four phases of a rank's step (`PHASES`):
 `simulated_phases` times a candidate's schedule under its cost table (`plan.simulate`): the waits
 are what the step leaves besides the rank's compute and end of step. `measured_phases` reads what
 each rank records every step (`RankTiming`, timed around DeepSpeed's instructions by
-`runtime.executor`): medians over the steps of one layout after its first, and over the ranks of a
+`runtime.engines.executor`): medians over the steps of one layout after its first, and over the ranks of a
 stage; what no phase covers (loading micro-batches, the engine's bookkeeping) is kept apart.
-`pipectl status` shows both (`report.phases`); `pipectl calibrate` fits the profile's engine terms
+`pipectl status` shows both (`report.phase_table`); `pipectl calibrate` fits the profile's engine terms
 to them (`profile.calibrate`).
 """
 
@@ -28,7 +28,7 @@ from pipectl.artifacts.cluster import ClusterSpec
 from pipectl.artifacts.plan import Candidate
 from pipectl.artifacts.profile import ModelProfile
 from pipectl.artifacts.run import StepMetrics
-from pipectl.plan.costs import stage_costs_for
+from pipectl.plan.cost_table import stage_costs_for
 from pipectl.plan.simulate import simulate
 from pipectl.schedule import generate
 from pipectl.schedule.ir import ActionKind

@@ -41,20 +41,8 @@ import numpy as np
 
 from pipectl.artifacts.plan import RUNTIME_ZERO_STAGES, Engine, PlanRequest, Recompute
 from pipectl.artifacts.profile import ModelProfile
-from pipectl.plan.candidates import (
-    Rejection,
-    Rejections,
-    ScheduleVariant,
-    SearchSpace,
-    Shape,
-    ShapeBuilder,
-    Spec,
-    divisors,
-    specs_from_points,
-    state_bytes,
-    step_bytes,
-    transient_bytes,
-)
+from pipectl.plan.candidates import Rejection, Rejections, ScheduleVariant, SearchSpace, Shape, ShapeBuilder, Spec, divisors
+from pipectl.plan.spec_costs import specs_from_points, state_bytes, step_bytes, transient_bytes
 from pipectl.plan.costs import TRANSFORMER_BLOCK, Hardware
 from pipectl.plan.frameworks import kept_together, recompute_offered, space_of, zero_stages_run
 from pipectl.plan.layer_table import layer_table, offered_granularities

@@ -5,7 +5,7 @@
 - `stop`: find a run's live processes, stop them at a step boundary;
 - `stragglers`: fail-stutter ranks from the per-rank heartbeats (pure).
 
-A run's morph history (RUN/morphs.jsonl) is `runtime.history`: the worker records elastic restarts
+A run's morph history (RUN/morphs.jsonl) is `rundir.morph_history`: the worker records elastic restarts
 there too. Elastic restarts take their layout from the same morph table (`runtime.elastic`).
 """
 

@@ -7,7 +7,7 @@ one per replica group: the local engine's command for such a job (its launch.sh)
     python -m pipectl.resize.replicas --run-dir RUN
 
 which starts torchrun `--standalone --nproc_per_node t*p` once per replica r, its ranks numbered
-r*t*p + local rank in one job-wide group (`runtime.recovery.adopt_replica_environment`), and
+r*t*p + local rank in one job-wide group (`runtime.elastic.recovery.adopt_replica_environment`), and
 waits. When a replica's torchrun exits with an error (a rank killed, a node lost: torchrun has
 ended the replica's other ranks), this agent:
 
@@ -17,7 +17,7 @@ ended the replica's other ranks), this agent:
    would meet the same error), and no replica was recovered before in this launch;
 2. chooses the survivors' layout as `pipectl resize` would (the morph table's entry for their
    count, the same global batch), rewrites the run files for it and asks the survivors to take
-   over (RUN/resize_requested.json naming them: `runtime.recovery`);
+   over (RUN/resize_requested.json naming them: `runtime.elastic.recovery`);
 3. marks the lost ranks' heartbeats `lost` and writes RUN/logs/recovery.json, read by the
    launching terminal and by `status`.
 

@@ -199,7 +199,7 @@ def _undrawn_builder(job: TrainingJob) -> Callable[[Any], tuple[Any, Any]]:
 
 def _await_recovery(session: "_Session", error: Exception, context: RankContext, generation: int, clock: Any):
     """After `error` in a job that keeps peer copies: if a peer was lost, leave the broken group and
-    wait for the agent's recovery request (`runtime.recovery`); re-raise `error` when there is
+    wait for the agent's recovery request (`runtime.elastic.recovery`); re-raise `error` when there is
     nothing to recover from or no request names this rank."""
     if session.peers is None or not recovery.is_peer_loss(error):
         raise error
@@ -544,7 +544,7 @@ def _spawned_rank(rank: int, world: int, port: int, job: TrainingJob, results) -
 
 def spawn_ranks(job: TrainingJob, timeout_seconds: float = 120) -> dict[int, RankOutcome]:
     """Train `job` on world-size local processes and return each rank's outcome (tests, benchmarks;
-    `runtime.local_ranks`: a fork server that imported torch and DeepSpeed once). Ranks still
+    `runtime.engines.local_ranks`: a fork server that imported torch and DeepSpeed once). Ranks still
     running after `timeout_seconds` are killed and a `LaunchError` is raised."""
     from pipectl.runtime.engines.local_ranks import run_local_ranks
 

@@ -1,9 +1,9 @@
 """Fault trials on real `pipectl launch` runs: a fault, `launch --resume`, and the checks.
 
 Shared by tests/faults/ (a few trials in CI) and benchmarks/fault_sweep.py (the full sweep). Every
-launch is the real CLI (`python -m pipectl.cli.main launch`) started as a user would; the ranks
-import `pipectl.testing.fault_model:build` (gpt-tiny with fault points), a factory reference as a
-user's would be. A trial:
+launch is the real CLI (`python -m pipectl.cli.main launch`) started as a user would, from the
+folder holding `pipectl_fault_model.py` (user_model/), so that the ranks import
+`pipectl_fault_model:build` (gpt-tiny with fault points) as a user's factory. A trial:
 
 1. faulted launch: `--steps T --checkpoint-every K` with a trigger (a rank SIGKILLs itself at a
    (rank, step, point, nth) event; or SIGTERMs itself; or a checkpoint write fails with ENOSPC),
@@ -36,7 +36,10 @@ import psutil
 
 HERE = Path(__file__).resolve().parent
 SRC = HERE.parents[1]  # the folder holding the pipectl package, put on the ranks' PYTHONPATH
-MODEL = "pipectl.testing.fault_model:build"
+# The fault model is a user's factory, in a folder of its own that is not a package of pipectl
+# (pipectl refuses a factory of its own modules): the CLI runs from that folder, as a user would.
+MODEL_FOLDER = HERE / "user_model"
+MODEL = "pipectl_fault_model:build"
 TOLERANCE = 1e-6
 LAUNCH_TIMEOUT_SECONDS = 150  # the CLI's --timeout; the driver waits 60 s longer before calling it hung
 STATES = ("fp32", "exp_avg", "exp_avg_sq")
@@ -150,11 +153,11 @@ def launch_env(**fault: str) -> dict[str, str]:
 
 
 def start(argv: list[str], env: dict[str, str], *, limit_kib: int | None = None) -> subprocess.Popen:
-    """Start the CLI (from this folder, which holds the fault model); with `limit_kib`,
+    """Start the CLI from the fault model's folder (the ranks import it from there); with `limit_kib`,
     under `ulimit -f` (a shell wrapper, as an administrator or a full disk would impose it)."""
     if limit_kib is not None:
         argv = ["bash", "-c", f'ulimit -f {limit_kib} && exec "$@"', "limited", *argv]
-    return subprocess.Popen(argv, cwd=HERE, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(argv, cwd=MODEL_FOLDER, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def finish(proc: subprocess.Popen, argv: list[str], started: float) -> Launch:
@@ -600,7 +603,7 @@ def killed_resize_trial(reference: Reference, folder: Path, at_step: int, delay:
     while proc.poll() is None and not fired.is_file():
         time.sleep(0.05)
     before = {name: (run / name).read_bytes() for name in RUN_FILES if (run / name).is_file()}
-    resize = subprocess.Popen([sys.executable, "-m", "pipectl", "resize", str(run), "--devices", "2"], cwd=HERE,
+    resize = subprocess.Popen([sys.executable, "-m", "pipectl", "resize", str(run), "--devices", "2"], cwd=MODEL_FOLDER,
                               env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
     deadline = time.monotonic() + 60
     joiners = []

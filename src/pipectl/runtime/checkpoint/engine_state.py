@@ -90,7 +90,7 @@ def optimizer_groups(engine: Any) -> list[OptimizerGroup]:
     """Per optimizer group (ZeRO-3: per sub-group): the flat fp32 partition this rank holds and
     its links to the parameters. Raises `CheckpointError` for an optimizer that keeps no such
     partition. An engine that lays its state out so itself (the torch engine,
-    `runtime.torch_pipeline.TorchPipelineEngine`: one flat fp32 tensor) says where through its own
+    `runtime.engines.torch_pipeline.TorchPipelineEngine`: one flat fp32 tensor) says where through its own
     `optimizer_groups()`; the rest of this module reads only those groups and named parameters."""
     if hasattr(engine, "optimizer_groups"):
         return engine.optimizer_groups()

@@ -105,7 +105,7 @@ def deepspeed_config(
                 "seed_layers": False,
                 # Whole-stage recomputation is the schedule's R actions (the runtime's executor);
                 # per-layer checkpointing is DeepSpeed's own, every layer, non-reentrant
-                # (`runtime.pipeline.build_pipeline_module` sets the same on the module).
+                # (`runtime.engines.pipeline.build_pipeline_module` sets the same on the module).
                 "activation_checkpoint_interval": 1 if candidate.checkpoint_layers else 0,
                 **({"use_reentrant": False} if candidate.checkpoint_layers else {}),
             },
@@ -205,7 +205,7 @@ def check_schedule(candidate: Candidate) -> None:
     """Whether the candidate's engine runs its schedule as planned. DeepSpeed's pipeline engine: not
     2BW (a different optimizer), not interleaved with v > 1, no split backward. Not only the stored
     flag: a plan written by hand keeps its default (True). A candidate for engine torch (PyTorch's
-    pipelining runtime, `runtime.torch_pipeline`): `check_torch_candidate`."""
+    pipelining runtime, `runtime.engines.torch_pipeline`): `check_torch_candidate`."""
     if candidate.engine is Engine.TORCH:
         check_torch_candidate(candidate)
         return

@@ -208,7 +208,7 @@ class PlannedPipelineModule(PipelineModule):
 
 
 def planned_topology(pipeline_parallel: int, data_parallel: int, tensor_parallel: int = 1) -> ProcessTopology:
-    """Ranks laid out as the planner prices them (`plan/costs.py`, placement rule):
+    """Ranks laid out as the planner prices them (`plan/placement.py`):
 
         rank = (replica * p + stage) * t + tensor_rank
 

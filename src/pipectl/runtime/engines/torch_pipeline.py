@@ -30,7 +30,7 @@ schedule):
 
 `TorchPipelineEngine` is the launch engine for plans whose engine is torch (`runtime.worker`
 builds it; the worker's session drives it as it drives DeepSpeed's engine): a rank's parameters
-in one flat fp32 tensor under DeepSpeed's module names, so that `runtime.engine_state` checkpoints
+in one flat fp32 tensor under DeepSpeed's module names, so that `runtime.checkpoint.engine_state` checkpoints
 both engines in one format, the optimizer settings and learning-rate schedule from the run's
 DeepSpeed config. `train_rank` trains with it on local ranks (tests, `examples/torch_pipeline.py`).
 
@@ -386,7 +386,7 @@ class TorchPipelineEngine:
 
     The rank's parameters live in one flat fp32 tensor (each parameter a view of its piece) on which
     AdamW keeps its moments: the layout DeepSpeed's ZeRO-1 optimizer keeps at d = 1, so that
-    `runtime.engine_state` captures and restores both engines with the same code and a checkpoint
+    `runtime.checkpoint.engine_state` captures and restores both engines with the same code and a checkpoint
     re-cuts across them. The modules are registered under DeepSpeed's `PipelineModule` names (layer
     i: `"{i}.<param>"`; a tied module: `"tied_modules.<key>.<param>"`), which makes the checkpoint
     names the same too. Every parameter of a tied copy is held (DeepSpeed's copy holds them too); a

@@ -1,6 +1,6 @@
 """gpt-tiny with fault points: a rank SIGKILLs (or SIGTERMs) itself at a named point of a named step.
 
-`pipectl.testing.fault_model:build` is gpt-tiny, layer for layer
+`pipectl_fault_model:build` (`pipectl launch` run from this folder) is gpt-tiny, layer for layer
 and weight for weight (the same classes, subclassed only to attach hooks, so parameter names and
 checkpoints are gpt-tiny's). In a rank whose environment names a trigger file
 (`PIPECTL_FAULT_TRIGGER`, JSON `{"rank", "step", "point", "nth", "action"}`, or a list of

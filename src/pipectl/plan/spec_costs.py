@@ -1,0 +1,359 @@
+"""A spec's figures without simulating it, computed for many specs at once (numpy over the points
+of one shape): the data-parallel and optimizer seconds per rank (as `plan.cost_table` prices them
+for one candidate), the tied embedding's all-reduce, the memory per parameter and ZeRO-2/3's
+transient tensors (`plan.memory`'s arithmetic, cached per dtype, stage and schedule), the peak
+micro-batches in flight, and the specs themselves with their lower bounds (`candidates.Spec`)."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Sequence
+
+import numpy as np
+
+from pipectl.artifacts.plan import Recompute
+from pipectl.catalog import DTYPE_BYTES
+from pipectl.plan.cost_table import ADAM_BYTES_PER_PARAMETER, data_parallel_seconds, gradient_bytes, sharded_data_parallel_seconds, zero3_prefetch_shares
+from pipectl.plan.costs import Hardware, collective_handoff_seconds, host_compute_slowdown
+from pipectl.plan.placement import ranks_share_node, replicas_share_node
+from pipectl.plan.fast.bounds import chain_bound_seconds, two_bw_bound_seconds, zero_bubble_bound_seconds
+from pipectl.plan.memory import (
+    in_flight_units,
+    peak_bytes,
+    sharded_transient_bytes,
+    stage_holding,
+    state_bytes_per_parameter,
+    state_dtype,
+    step_bytes_per_parameter,
+    weight_versions,
+)
+from pipectl.schedule import ScheduleKind
+from pipectl.plan.candidates import ScheduleVariant, Shape, Spec, SpecFigures, read_only, chains, recomputing_stages
+
+
+def data_parallel_costs(
+    shape: Shape, hardware: Hardware, data_parallel: int, zero_stage: int, dtype: str, micro_batches: int = 1
+) -> tuple[np.ndarray, np.ndarray]:
+    """(all-reduce, optimizer) seconds per rank, as `cost_table.stage_costs` computes them.
+
+    With measured engine terms (a profile calibrated on this device) it is `cost_table`'s own
+    `data_parallel_seconds`; without them, the same ring formula vectorised over ranks (the
+    search at scale runs it for every candidate). ZeRO-2/3 (p = 1): `costs.sharded_data_parallel_seconds`,
+    whose per-micro-batch collectives read `micro_batches`.
+    """
+    p, t, d = shape.pipeline_parallel, shape.tensor_parallel, data_parallel
+    n = hardware.devices_per_node
+    element = DTYPE_BYTES.get(dtype, 4)
+    held = shape.parameters_per_rank
+    links = hardware.links
+    if zero_stage >= 2:
+        return _sharded_costs(shape, hardware, d, zero_stage, micro_batches, element)
+    features = hardware.features
+    if hardware.runtime is not None or (features is not None and features.gradient_reduce_overlap):
+        # Measured engine terms, or another engine's overlap: `cost_table`'s own formula, rank by rank,
+        # the overlap windows each rank's one micro-batch of backward and of forward.
+        backward_window, forward_window = np.zeros(p), np.zeros(p)
+        np.add.at(backward_window, np.array(shape.stage_ranks), shape.backward)
+        np.add.at(forward_window, np.array(shape.stage_ranks), shape.forward)
+        allreduce_list, optimizer_list = data_parallel_seconds(
+            [float(x) for x in held], hardware, pipeline_parallel=p, tensor_parallel=t,
+            data_parallel=d, zero_stage=zero_stage, element_bytes=element,
+            backward_window=backward_window.tolist(), forward_window=forward_window.tolist(),
+        )  # fmt: skip
+        slowdown = host_compute_slowdown(hardware, t * p * d)
+        allreduce_measured = np.array(allreduce_list) + tied_seconds(shape, hardware, d, element)
+        return allreduce_measured, np.array(optimizer_list) * slowdown
+    allreduce = np.zeros(p)
+    if d > 1:
+        # LinkCost.ring_allreduce_seconds (Patarasuk & Yuan 2009) on every rank at once, the same
+        # operations in the same order: 2(d-1) * (latency + bytes / d / bandwidth).
+        inside = np.array(_replicas_inside(p, t, d, n))
+        message = held * _ring_bytes(hardware, element, zero_stage >= 1)
+        steps = 2 * (d - 1)
+        for ring, where in ((links.allreduce_intra, inside), (links.allreduce_inter, ~inside)):
+            seconds = steps * (ring.latency_seconds + message / d / ring.bandwidth_bytes_per_second)
+            allreduce = np.where(where, seconds, allreduce)
+    allreduce += tied_seconds(shape, hardware, d, element)
+    bandwidth = (hardware.device.memory_bandwidth_gbytes_per_second or 100.0) * 1e9
+    updated = held / d if zero_stage >= 1 else held
+    return allreduce, updated * ADAM_BYTES_PER_PARAMETER / bandwidth
+
+
+def _sharded_costs(
+    shape: Shape, hardware: Hardware, d: int, zero_stage: int, micro_batches: int, element: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """ZeRO-2/3's (communication, optimizer) seconds of a one-stage shape, as `cost_table.stage_costs`
+    computes them (`costs.sharded_data_parallel_seconds`, the optimizer x the host's slowdown)."""
+    t = shape.tensor_parallel
+    slowdown = host_compute_slowdown(hardware, t * shape.pipeline_parallel * d)
+    communication, optimizer = sharded_data_parallel_seconds(
+        shape.table, shape.seconds, hardware, pipeline_parallel=shape.pipeline_parallel, tensor_parallel=t,
+        data_parallel=d, zero_stage=zero_stage, micro_batches=micro_batches, element_bytes=element, slowdown=slowdown,
+    )  # fmt: skip
+    return np.array(communication), np.array(optimizer) * slowdown
+
+
+@lru_cache(maxsize=65536)
+def _replicas_inside(p: int, t: int, d: int, devices_per_node: int) -> tuple[bool, ...]:
+    """Per pipeline rank: whether its d replicas share a node (`costs.replicas_share_node`)."""
+    return tuple(replicas_share_node(rank, p, t, d, devices_per_node) for rank in range(p))
+
+
+def _ring_bytes(hardware: Hardware, element: int, sharded):
+    """Bytes per parameter of the ring that `costs.data_parallel_seconds` times at the end of a
+    step: the gradient's all-reduce (ZeRO-0), or its reduce-scatter and the parameters' all-gather,
+    half a ring each (ZeRO-1, `sharded`: a bool or a column of them); `element` unless the engine
+    reduces gradients in fp32 (`costs.gradient_bytes`)."""
+    gradient = gradient_bytes(hardware, element)
+    if gradient == element:
+        return element
+    return np.where(sharded, (gradient + element) / 2, gradient)
+
+
+def tied_seconds(shape: Shape, hardware: Hardware, d: int, element: int) -> np.ndarray:
+    return _tied_seconds_of(
+        _tied_groups(shape), shape.pipeline_parallel, shape.tensor_parallel, d, hardware, element,
+        shape.table.divisor(shape.tensor_parallel),
+    )
+
+
+def _work_per_rank(shape: Shape, kind: ScheduleKind) -> np.ndarray:
+    """`shape.work_per_rank(recomputing_stages(shape, kind))`, once per shape and recomputation."""
+    key = ("work", shape.recompute is Recompute.STAGE or kind is ScheduleKind.VARUNA)  # what `recomputing_stages` reads
+    work = shape._derived.get(key)
+    if work is None:
+        (work,) = read_only(shape.work_per_rank(recomputing_stages(shape, kind)))
+        shape._derived[key] = work
+    return work
+
+
+def _tied_groups(shape: Shape) -> tuple[tuple[tuple[int, ...], int], ...]:
+    """Per shared group held by two or more ranks: (those ranks in order, its parameter count)."""
+    groups = shape._derived.get("tied")
+    if groups is None:
+        groups = shape._derived["tied"] = _tied_groups_of(shape)
+    return groups
+
+
+def _tied_groups_of(shape: Shape) -> tuple[tuple[tuple[int, ...], int], ...]:
+    table, p = shape.table, shape.pipeline_parallel
+    if not table.shared_layer_indices or p == 1:
+        return ()
+    groups: dict[str, set[int]] = {}
+    sizes: dict[str, int] = {}
+    # The stage holding each shared layer, visited in (stage, index) order as a scan over every
+    # stage would visit them.
+    stages = shape.stage_layers
+    holders = sorted(
+        (stage_holding(stages, index), position, index)
+        for position, index in enumerate(table.shared_layer_indices)
+        if 0 <= index < stages[-1][1]
+    )
+    ranks = shape.stage_ranks
+    for stage, _, index in holders:
+        groups.setdefault(table.shared_group[index], set()).add(ranks[stage])  # type: ignore[arg-type]
+        sizes[table.shared_group[index]] = table.shared_parameter_count[index]  # type: ignore[index]
+    return tuple((tuple(sorted(ranks)), sizes[group]) for group, ranks in groups.items() if len(ranks) >= 2)
+
+
+def _tied_seconds_of(
+    groups: tuple[tuple[tuple[int, ...], int], ...], p: int, t: int, d: int, hardware: Hardware, element: int,
+    divisor: int,
+) -> np.ndarray:
+    """Per rank: the all-reduce of the shared groups it holds (`cost_table.stage_costs`' tied term);
+    `divisor`: the shape's `LayerTable.divisor(t)`."""
+    extra = np.zeros(p)
+    for ordered, size in groups:
+        inside = all(
+            ranks_share_node(ordered[0], r, p, t, d, hardware.devices_per_node) for r in ordered[1:]
+        )
+        link = hardware.links.allreduce_intra if inside else hardware.links.allreduce_inter
+        seconds = link.ring_allreduce_seconds(size / divisor * gradient_bytes(hardware, element), len(ordered))
+        seconds += collective_handoff_seconds(hardware, len(ordered), inside)
+        for rank in ordered:
+            extra[rank] += seconds
+    return extra
+
+
+def in_flight(shape: Shape, variant: ScheduleVariant, micro_batches: int) -> tuple[int, ...]:
+    """Peak in-flight chunk-micro-batches per rank for this schedule."""
+    kind = variant.kind
+    return in_flight_units(kind, shape.pipeline_parallel, micro_batches, variant.chunks)
+
+
+@lru_cache(maxsize=4096)
+def state_bytes(dtype: str, zero_stage: int, data_parallel: int, kind: ScheduleKind) -> float:
+    """Bytes per parameter held while micro-batches run (`memory.state_bytes_per_parameter`)."""
+    return state_bytes_per_parameter(dtype, zero_stage, data_parallel, weight_versions(kind))
+
+
+@lru_cache(maxsize=4096)
+def step_bytes(dtype: str, zero_stage: int, data_parallel: int, kind: ScheduleKind) -> float:
+    """Bytes per parameter at the optimizer step (`memory.step_bytes_per_parameter`)."""
+    return step_bytes_per_parameter(dtype, zero_stage, data_parallel, weight_versions(kind))
+
+
+def transient_bytes(shape: Shape, dtype: str, zero_stage: int, data_parallel: int) -> float:
+    """ZeRO-2/3's whole tensors on the rank of a one-stage shape (`memory.sharded_transient_bytes`
+    of its layers' parameters after the tensor split; under ZeRO-3, of the units DeepSpeed gathers
+    one at a time, `costs.zero3_prefetch_shares`: a large block's linears); 0 for stages 0 and 1."""
+    if zero_stage < 2:
+        return 0.0
+    key = "gathered_units" if zero_stage == 3 else "layer_parameters"
+    units = shape._derived.get(key)
+    if units is None:
+        table = shape.table
+        divisor = table.divisor(shape.tensor_parallel)
+        layers = [count / divisor for count in table.parameter_count]
+        if zero_stage == 3:
+            layers = [share * count for kind, count in zip(table.kinds, layers)
+                      for share in zero3_prefetch_shares(kind, count)]  # fmt: skip
+        units = shape._derived[key] = layers
+    return sharded_transient_bytes(units, dtype, zero_stage, data_parallel)
+
+
+def specs_from_points(
+    points: Sequence[tuple[Shape, ScheduleVariant, tuple[int, int, int, float, tuple[int, ...]]]],
+    hardware: Hardware,
+    dtype: str,
+) -> list[Spec]:
+    """The specs of (shape, schedule, (d, m, ZeRO stage, state bytes per parameter, in-flight units)), in order.
+
+    Each gets what `data_parallel_costs`, `lower_bound_seconds` and `StageMemory.per_rank_bytes`
+    give it alone, computed for every point of the same pipeline depth and schedule at once: one
+    row per point, the same float64 operations in the same order on every element (a row's
+    maximum does not depend on the order), so the same values. The search at scale builds ~10^4
+    specs; one call per point would spend most of its time in numpy's per-call overhead.
+
+        >>> from pipectl.testing.profiles import synthetic_profile
+        >>> from pipectl.cluster import local_cluster
+        >>> from pipectl.plan.costs import hardware_for
+        >>> from pipectl.plan.candidates import ShapeBuilder
+        >>> profile = synthetic_profile(blocks=4, micro_batch_sizes=[1])
+        >>> hardware = hardware_for(local_cluster(4), profile)
+        >>> shape = ShapeBuilder(profile, hardware).shape(1, 1, False, 2, 1)
+        >>> variant = ScheduleVariant(ScheduleKind.ONE_F_ONE_B)
+        >>> one, two = specs_from_points(
+        ...     [(shape, variant, (2, 4, 1, 7.0, (2, 1))), (shape, variant, (1, 8, 0, 16.0, (2, 1)))], hardware, profile.dtype
+        ... )
+        >>> (one.data_parallel, one.micro_batches, one.zero_stage), two.peak_memory_bytes[0] > one.peak_memory_bytes[0]
+        ((2, 4, 1), True)
+    """
+    groups: dict[tuple[int, ScheduleVariant], list[int]] = {}
+    for index, (shape, variant, _) in enumerate(points):
+        groups.setdefault((shape.pipeline_parallel, variant), []).append(index)
+    specs: list[Spec | None] = [None] * len(points)
+    # The tied all-reduce only depends on these figures: (holding ranks and sizes, p, t, d) -> row.
+    tied_rows: dict[tuple, np.ndarray] = {}
+    for (_, variant), indices in groups.items():
+        built = _specs_of_one_depth(
+            [points[i][0] for i in indices], variant, [points[i][2] for i in indices], hardware, dtype, tied_rows
+        )
+        for index, spec in zip(indices, built):
+            specs[index] = spec
+    return specs  # type: ignore[return-value]
+
+
+def _specs_of_one_depth(
+    shapes: list[Shape], variant: ScheduleVariant, points: list[tuple[int, int, int, float, tuple[int, ...]]],
+    hardware: Hardware, dtype: str, tied_rows: dict[tuple, np.ndarray],
+) -> list[Spec]:
+    """`specs_from_points` for points whose shapes all have the same p (rows of equal width)."""
+    distinct: dict[int, int] = {}
+    for shape in shapes:
+        distinct.setdefault(id(shape), len(distinct))
+    unique = list({id(shape): shape for shape in shapes}.values())
+    row_of = np.array([distinct[id(shape)] for shape in shapes])
+    kind = variant.kind
+    # Per shape (one row each), then one row per point by look-up.
+    parameters = np.array([shape.memory.parameters for shape in unique])[row_of]
+    unit_bytes = np.array([shape.memory.unit_bytes for shape in unique])[row_of]
+    buffer_bytes = np.array([shape.memory.recompute_buffer_bytes for shape in unique])[row_of]
+    working_bytes = np.array([shape.memory.working_bytes for shape in unique])[row_of]
+    work = np.array([_work_per_rank(shape, kind) for shape in unique])[row_of]
+    shape_chains = [chains(shape) for shape in unique]
+    forward_chain = np.array([forward for forward, _ in shape_chains])[row_of]
+    backward_chain = np.array([backward for _, backward in shape_chains])[row_of]
+
+    ds = np.array([point[0] for point in points], dtype=np.int64)[:, None]
+    micro_batches = np.array([point[1] for point in points], dtype=np.int64)[:, None]
+    sharded = np.array([point[2] >= 1 for point in points])[:, None]
+    per_device = np.array([point[3] for point in points], dtype=float)[:, None]
+    units = np.array([point[4] for point in points], dtype=np.int64)
+    held = state_dtype(dtype, hardware.features)  # the model state's bytes; `dtype` the collectives'
+    per_step = np.array([step_bytes(held, zero, d, kind) for d, _, zero, _, _ in points], dtype=float)[:, None]
+    # ZeRO-2/3 points (p = 1 only): their whole tensors on top, and their own communication below.
+    gradients_sharded = [i for i, point in enumerate(points) if point[2] >= 2]
+    transient: np.ndarray | float = 0.0
+    if gradients_sharded:
+        transient = np.array(
+            [transient_bytes(shape, held, zero, d) for shape, (d, _, zero, _, _) in zip(shapes, points)]
+        )[:, None]
+    # `StageMemory.per_rank_bytes`, one row per point; reported as the allocator's reserve.
+    allocated = peak_bytes(parameters, unit_bytes, buffer_bytes, working_bytes, per_device, per_step, units, transient)
+    peak = hardware.memory_budget.reserved(allocated)
+    overlapped = hardware.features is not None and hardware.features.gradient_reduce_overlap
+    if hardware.runtime is not None or overlapped:  # rank by rank (measured terms; another engine's overlap)
+        costs = [
+            data_parallel_costs(shape, hardware, d, zero, dtype, m) for shape, (d, m, zero, _, _) in zip(shapes, points)
+        ]
+        allreduce = np.array([row for row, _ in costs])
+        optimizer = np.array([row for _, row in costs])
+    else:
+        allreduce, optimizer = _data_parallel_costs_over(
+            shapes, parameters, ds, sharded, hardware, dtype, tied_rows
+        )
+        for i in gradients_sharded:
+            d, m, zero, _, _ = points[i]
+            allreduce[i], optimizer[i] = data_parallel_costs(shapes[i], hardware, d, zero, dtype, m)
+    if kind is ScheduleKind.PIPEDREAM_2BW:  # priced per update in steady state
+        bounds = two_bw_bound_seconds(work, micro_batches, allreduce, optimizer).tolist()
+    elif kind.splits_backward:  # a rank's last W's have no B-chain after them
+        bounds = zero_bubble_bound_seconds(forward_chain, work, micro_batches, allreduce, optimizer).tolist()
+    else:
+        bounds = chain_bound_seconds(forward_chain, backward_chain, work, micro_batches, allreduce, optimizer).tolist()
+    figures = SpecFigures(peak.astype(np.int64), allreduce, optimizer)  # int64: truncation, as int() does
+    return [
+        Spec(shape, d, m, variant, zero, bounds[i], figures, i)
+        for i, (shape, (d, m, zero, _, _)) in enumerate(zip(shapes, points))
+    ]
+
+
+def _data_parallel_costs_over(
+    shapes: list[Shape], held: np.ndarray, ds: np.ndarray, sharded: np.ndarray, hardware: Hardware, dtype: str,
+    tied_rows: dict[tuple, np.ndarray],
+) -> tuple[np.ndarray, np.ndarray]:
+    """`data_parallel_costs` without measured engine terms, one row per point: its shape's
+    parameters per rank `held`, its d in `ds`, whether ZeRO shards the optimizer in `sharded`."""
+    p = held.shape[1]
+    n = hardware.devices_per_node
+    element = DTYPE_BYTES.get(dtype, 4)
+    links = hardware.links
+    degrees = ds[:, 0].tolist()
+    # `costs.replicas_share_node` for every rank of every point: rank k's first replica sits on
+    # device k*t, its last on ((d-1)*p + k)*t; integer arithmetic, so the same answers.
+    ranks = np.arange(p)
+    t = np.array([shape.tensor_parallel for shape in shapes], dtype=np.int64)[:, None]
+    inside = (ranks * t) // n == (((ds - 1) * p + ranks) * t) // n
+    message = held * _ring_bytes(hardware, element, sharded)
+    steps = 2 * (ds - 1)  # d = 1 rows: 0 steps, so 0.0 on every rank, as the unreplicated case's zeros
+    allreduce = np.zeros(held.shape)
+    for ring, where in ((links.allreduce_intra, inside), (links.allreduce_inter, ~inside)):
+        seconds = steps * (ring.latency_seconds + message / ds / ring.bandwidth_bytes_per_second)
+        allreduce = np.where(where, seconds, allreduce)
+    tied = []
+    groups_of: dict[int, tuple] = {}
+    for shape, d in zip(shapes, degrees):
+        groups = groups_of.get(id(shape))
+        if groups is None:
+            groups = groups_of[id(shape)] = _tied_groups(shape)  # once per shape of this depth
+        divisor = shape.table.divisor(shape.tensor_parallel)
+        key = (groups, p, shape.tensor_parallel, d, divisor)
+        row = tied_rows.get(key)
+        if row is None:
+            row = tied_rows[key] = _tied_seconds_of(groups, p, shape.tensor_parallel, d, hardware, element, divisor)
+        tied.append(row)
+    allreduce += np.array(tied)
+    bandwidth = (hardware.device.memory_bandwidth_gbytes_per_second or 100.0) * 1e9
+    updated = held / np.where(sharded, ds, 1)
+    return allreduce, updated * ADAM_BYTES_PER_PARAMETER / bandwidth
