@@ -30,7 +30,7 @@ from pipectl.artifacts.cluster import MAX_DEVICES_PER_NODE, ClusterSpec, LinkSpe
 from pipectl.artifacts.plan import Plan
 from pipectl.artifacts.profile import HostState, LinkClass, LinkClassFit, LinksProfile
 from pipectl.catalog import DeviceSpec, get_device, load_catalog
-from pipectl.errors import UserInputError
+from pipectl.errors import PipectlError, UserInputError
 from pipectl.io import load_model
 from pipectl.paths import resolve_config
 from pipectl.words import count
@@ -137,7 +137,10 @@ def with_links_read(cluster: ClusterSpec) -> ClusterSpec:
     read: dict[str, LinksProfile] = {}
     for links in [node_type.links for node_type in cluster.node_types] + [cluster.inter_node_links]:
         if links.links_file is not None and links.links_file not in read:
-            read[links.links_file] = _read_links_file(links.links_file)
+            try:
+                read[links.links_file] = _read_links_file(links.links_file)
+            except PipectlError:  # not readable: refused where its figures are needed, naming it
+                continue
     loaded = cluster.model_copy()
     loaded._links_read = read
     return loaded

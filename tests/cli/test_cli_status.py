@@ -198,3 +198,15 @@ def test_a_run_trained_without_any_checkpoint_is_not_told_to_resume(tmp_path):
     output = " ".join(runner.invoke(app, ["status", str(run)]).output.split())
     assert "trained, but no checkpoint was written: nothing to resume from; launch again with --force" in output
     assert "resume to write it" not in output
+
+
+def test_a_stored_option_this_version_refuses_is_named_as_a_resume_would(tmp_path):
+    """Status reads a run through `rundir` (which knows nothing of launch options) and still checks
+    job.json's stored options, as `launch --resume` would take them back: exit 2, naming the key."""
+    run = make_run(tmp_path)
+    job = json.loads((run / "job.json").read_text())
+    job["options"]["training"]["seed"] = "not a number"
+    (run / "job.json").write_text(json.dumps(job))
+    result = runner.invoke(app, ["status", str(run)])
+    assert result.exit_code == 2, result.output
+    assert "seed" in result.output and "Traceback" not in result.output

@@ -188,7 +188,7 @@ def test_a_profile_with_engine_features_is_planned_for_comparison_only():
 
 
 def test_the_search_and_the_cost_table_agree_with_every_feature_on():
-    """The vectorised search (`candidates.data_parallel_costs`) and `costs.stage_costs` give one
+    """The vectorised search (`spec_costs.data_parallel_costs`) and `cost_table.stage_costs` give one
     step: a plan's prediction re-simulated from its cost table, for an engine profile."""
     engine = EngineFeatures(name="megatron-core", sequence_parallel=True, vocab_parallel=True, fused_elementwise=True,
                             tensor_parallel_overlap=True, gradient_reduce_overlap=True, parameter_gather_overlap=True,
@@ -198,7 +198,7 @@ def test_the_search_and_the_cost_table_agree_with_every_feature_on():
 
 def test_the_search_and_the_cost_table_agree_on_fp32_gradients_reduced_at_the_end_of_the_step():
     """Without the overlap the search prices the data-parallel ring itself, over every point at once
-    (`candidates._data_parallel_costs_over`): fp32 gradients there too, and the tied embedding's."""
+    (`spec_costs._data_parallel_costs_over`): fp32 gradients there too, and the tied embedding's."""
     tied = GPT.model_copy(update={"tied_embeddings": True})
     _search_agrees_with_the_cost_table(FP32_GRADIENTS, tied)
 

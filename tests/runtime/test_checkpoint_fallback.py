@@ -1,5 +1,5 @@
 """A checkpoint that verifies but does not load on some rank is passed over, with the rank's
-reason, and the next older one is loaded (`checkpoint.load_latest`)."""
+reason, and the next older one is loaded (`checkpoint.ranks.load_latest`)."""
 
 from __future__ import annotations
 

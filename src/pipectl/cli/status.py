@@ -10,7 +10,9 @@ import typer
 
 from pipectl.cli.context import JsonFlag, console, err_console, output_file, print_json
 from pipectl.report.run_tables import status_table
-from pipectl.rundir.analysis import analyse
+from pipectl.artifacts.run import JOB_FILE
+from pipectl.launch.options import check_stored_options
+from pipectl.rundir.analysis import RunReport, analyse
 from pipectl.rundir.status import RunStatus, run_status
 from pipectl.words import count
 
@@ -35,7 +37,7 @@ def register(app: typer.Typer) -> None:
         """Progress, last loss, predicted-vs-measured step time and memory, and checkpoints of a run."""
         if follow and not json_output:
             _follow(run_dir)
-        report = analyse(run_dir, verify_hashes=verify)
+        report = _analysed(run_dir, verify_hashes=verify)
         status = report.status
         plot_path = None
         if plot is not None:
@@ -59,6 +61,16 @@ def register(app: typer.Typer) -> None:
         _exit_if_damaged(status, verify)
 
 
+def _analysed(run_dir: Path, **how) -> RunReport:
+    """`analyse`, with the run's stored options (job.json's `options`) checked as a resume would
+    take them back: a value this version refuses is named with its key."""
+    report = analyse(run_dir, **how)
+    job = report.status.job
+    if job.options:
+        check_stored_options(job.options, report.status.path / JOB_FILE)
+    return report
+
+
 FOLLOW_SECONDS = 1.0  # how often --follow reads the run again
 
 
@@ -69,7 +81,7 @@ def _follow(run_dir: Path) -> None:
 
     from pipectl.runtime.monitor import step_line
 
-    status = run_status(run_dir)
+    status = _analysed(run_dir, detail=False).status
     if not console.is_terminal:
         shown = status.steps_done
         while status.active:
@@ -80,11 +92,11 @@ def _follow(run_dir: Path) -> None:
             time.sleep(FOLLOW_SECONDS)
             status = run_status(run_dir)
         return
-    report = analyse(run_dir, detail=False)
+    report = _analysed(run_dir, detail=False)
     with Live(status_table(report, brief=True), console=console, auto_refresh=False, transient=True) as live:
         while report.status.active:
             time.sleep(FOLLOW_SECONDS)
-            report = analyse(run_dir, detail=False)
+            report = _analysed(run_dir, detail=False)
             live.update(status_table(report, brief=True), refresh=True)
 
 

@@ -80,7 +80,7 @@ def new_tensor_parallel_groups(topology) -> TensorParallelGroup:
         if me in ranks:
             mine = TensorParallelGroup(group, ranks.index(me), len(ranks))
     if mine is None:
-        raise UserInputError("the topology has no 'model' axis: build it with runtime.pipeline.planned_topology(p, d, t), t > 1")
+        raise UserInputError("the topology has no 'model' axis: build it with runtime.engines.pipeline.planned_topology(p, d, t), t > 1")
     return mine
 
 

@@ -39,7 +39,7 @@ layer's gradient (g x its parameters) is added to the training peak (DeepSpeed's
 sized to one layer); under ZeRO-3 the weights of the layer running and of the one prefetched
 are gathered whole, plus the running layer's whole gradient: w x the largest two adjacent layers'
 parameters + g x the largest layer's, where a block too large for DeepSpeed's prefetch bucket
-counts as its four linear layers, fetched and released one at a time (`costs.zero3_prefetch_shares`).
+counts as its four linear layers, fetched and released one at a time (`cost_table.zero3_prefetch_shares`).
 The optimizer step works on shards only.
 
 A layer's working memory is what its forward and backward allocate and free again beyond its

@@ -83,15 +83,15 @@ def tensor_parallel_degrees(
     shard costs for them), without a pinned --tensor-parallel.
 
     Inside a node: every t that divides its n devices. Across nodes: t = k n for k >= 2, t dividing
-    the cluster's devices, so that tensor groups tile whole nodes (`costs.tensor_parallel_placeable`;
-    their all-reduces are priced on the inter-node link, `costs.tensor_parallel_link`). Both up to
+    the cluster's devices, so that tensor groups tile whole nodes (`placement.tensor_parallel_placeable`;
+    their all-reduces are priced on the inter-node link, `placement.tensor_parallel_link`). Both up to
     --max-tensor-parallel when given, and the model must split at t (`tensor_parallel_possible`).
 
     Without --max-tensor-parallel the degrees spanning nodes stop at
     `DEFAULT_MAX_TENSOR_PARALLEL_NODES` nodes (t = 2n). Each degree is a (t, b) unit of the search,
     as much work as an in-node degree (t = 16 adds about a tenth to GPT 1T on 384 x 8 A100s,
     `benchmarks/plan_scale.py`), and every further node buys less: a spanning ring's bandwidth term
-    stays about 2M / (n B_inter) per all-reduce whatever t is (`costs.tensor_parallel_link`) while
+    stays about 2M / (n B_inter) per all-reduce whatever t is (`placement.tensor_parallel_link`) while
     its latency term grows with t and each device's GEMMs get narrower and less efficient. Measured
     runs say the same (Narayanan et al. 2021, §5.4.1, takeaway 1: tensor parallelism up to the g
     GPUs of a server, pipeline parallelism beyond). One spanning degree lets the costs decide between a tensor group in a

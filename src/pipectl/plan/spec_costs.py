@@ -38,7 +38,7 @@ def data_parallel_costs(
 
     With measured engine terms (a profile calibrated on this device) it is `cost_table`'s own
     `data_parallel_seconds`; without them, the same ring formula vectorised over ranks (the
-    search at scale runs it for every candidate). ZeRO-2/3 (p = 1): `costs.sharded_data_parallel_seconds`,
+    search at scale runs it for every candidate). ZeRO-2/3 (p = 1): `cost_table.sharded_data_parallel_seconds`,
     whose per-micro-batch collectives read `micro_batches`.
     """
     p, t, d = shape.pipeline_parallel, shape.tensor_parallel, data_parallel
@@ -83,7 +83,7 @@ def _sharded_costs(
     shape: Shape, hardware: Hardware, d: int, zero_stage: int, micro_batches: int, element: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """ZeRO-2/3's (communication, optimizer) seconds of a one-stage shape, as `cost_table.stage_costs`
-    computes them (`costs.sharded_data_parallel_seconds`, the optimizer x the host's slowdown)."""
+    computes them (`cost_table.sharded_data_parallel_seconds`, the optimizer x the host's slowdown)."""
     t = shape.tensor_parallel
     slowdown = host_compute_slowdown(hardware, t * shape.pipeline_parallel * d)
     communication, optimizer = sharded_data_parallel_seconds(
@@ -95,15 +95,15 @@ def _sharded_costs(
 
 @lru_cache(maxsize=65536)
 def _replicas_inside(p: int, t: int, d: int, devices_per_node: int) -> tuple[bool, ...]:
-    """Per pipeline rank: whether its d replicas share a node (`costs.replicas_share_node`)."""
+    """Per pipeline rank: whether its d replicas share a node (`placement.replicas_share_node`)."""
     return tuple(replicas_share_node(rank, p, t, d, devices_per_node) for rank in range(p))
 
 
 def _ring_bytes(hardware: Hardware, element: int, sharded):
-    """Bytes per parameter of the ring that `costs.data_parallel_seconds` times at the end of a
+    """Bytes per parameter of the ring that `cost_table.data_parallel_seconds` times at the end of a
     step: the gradient's all-reduce (ZeRO-0), or its reduce-scatter and the parameters' all-gather,
     half a ring each (ZeRO-1, `sharded`: a bool or a column of them); `element` unless the engine
-    reduces gradients in fp32 (`costs.gradient_bytes`)."""
+    reduces gradients in fp32 (`cost_table.gradient_bytes`)."""
     gradient = gradient_bytes(hardware, element)
     if gradient == element:
         return element
@@ -196,7 +196,7 @@ def step_bytes(dtype: str, zero_stage: int, data_parallel: int, kind: ScheduleKi
 def transient_bytes(shape: Shape, dtype: str, zero_stage: int, data_parallel: int) -> float:
     """ZeRO-2/3's whole tensors on the rank of a one-stage shape (`memory.sharded_transient_bytes`
     of its layers' parameters after the tensor split; under ZeRO-3, of the units DeepSpeed gathers
-    one at a time, `costs.zero3_prefetch_shares`: a large block's linears); 0 for stages 0 and 1."""
+    one at a time, `cost_table.zero3_prefetch_shares`: a large block's linears); 0 for stages 0 and 1."""
     if zero_stage < 2:
         return 0.0
     key = "gathered_units" if zero_stage == 3 else "layer_parameters"
@@ -330,7 +330,7 @@ def _data_parallel_costs_over(
     element = DTYPE_BYTES.get(dtype, 4)
     links = hardware.links
     degrees = ds[:, 0].tolist()
-    # `costs.replicas_share_node` for every rank of every point: rank k's first replica sits on
+    # `placement.replicas_share_node` for every rank of every point: rank k's first replica sits on
     # device k*t, its last on ((d-1)*p + k)*t; integer arithmetic, so the same answers.
     ranks = np.arange(p)
     t = np.array([shape.tensor_parallel for shape in shapes], dtype=np.int64)[:, None]

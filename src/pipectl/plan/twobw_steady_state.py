@@ -376,15 +376,11 @@ def two_bw_memory(
 __all__ = [
     "TwoBWEvent",
     "TwoBWMemory",
-    "TwoBWOp",
     "TwoBWRun",
     "TwoBWSteadyState",
     "VersionRow",
-    "check_micro_batches",
-    "order_text",
     "simulate_two_bw_run",
     "steady_state_window",
-    "two_bw_steady_state",
     "two_bw_memory",
-    "two_bw_order",
+    "two_bw_steady_state",
 ]

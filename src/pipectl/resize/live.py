@@ -1,6 +1,6 @@
 """`pipectl resize RUN --devices N --live`: the running job takes the new layout without a restart.
 
-The decision is the restart path's (`morph.decide_resize`: the morph table's entry for N, the same
+The decision is the restart path's (`restart.decide_resize`: the morph table's entry for N, the same
 global batch); what differs is how the job gets there (`runtime/elastic/live_resize.py` is the ranks' side):
 
 1. check the job can move live: it runs here, on one host, under the local or torchrun engine,

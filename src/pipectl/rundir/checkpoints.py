@@ -49,8 +49,8 @@ from pipectl.errors import CheckpointError
 from pipectl.io import load_model, sha256_file, write_json_atomic
 from pipectl.rundir.heartbeats import pid_alive
 
-# torch, DeepSpeed and the tensor-parallel model code are imported inside the functions that use
-# them: `pipectl status` and `resize` list and verify checkpoints without loading either.
+# Torch-free: `pipectl status` and `resize` list and verify checkpoints without it (what needs
+# torch, the load, is `runtime.checkpoint.ranks`).
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,6 @@ metrics settings, read from a run directory (job.json, plan.json, ds_config.json
 
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,8 +17,6 @@ from pipectl.runtime.engines.dsconfig import check_torch_candidate
 from pipectl.runtime.elastic.world_size import ds_config_for_candidate, plan_for_world_size
 from pipectl.runtime.liveness import job_collective_timeout_seconds
 from pipectl.schedule.ir import Schedule
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,6 @@ every rank's detail gathered on the steps it is due."""
 
 from __future__ import annotations
 
-import logging
 import math
 import time
 from dataclasses import dataclass
@@ -14,8 +13,6 @@ from pipectl.artifacts.run import RankTiming, StepMetrics
 from pipectl.rundir.metrics import RankMemory, node_name, stage_peaks
 from pipectl.schedule.ir import ActionKind
 from pipectl.runtime.job import TrainingJob
-
-log = logging.getLogger(__name__)
 
 
 @dataclass

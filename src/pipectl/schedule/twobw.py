@@ -105,3 +105,6 @@ def two_bw_order(
 def order_text(orders: dict[int, tuple[TwoBWOp, ...]]) -> str:
     """One line per stage: `stage: op op ...`."""
     return "\n".join(f"{s}: " + " ".join(str(op) for op in ops) for s, ops in sorted(orders.items()))
+
+
+__all__ = ["BACKWARD", "FORWARD", "RECOMPUTE", "UPDATE", "TwoBWOp", "check_micro_batches", "order_text", "two_bw_order"]

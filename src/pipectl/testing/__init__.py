@@ -1,1 +1,2 @@
-"""Fixtures for tests and doctests: small model profiles built in code, not measured."""
+"""Fixtures for tests, doctests and benchmarks: model profiles built in code (`profiles`), and the
+fault trials (`fault_trials`) with their model, a user's factory in `user_model/`."""

@@ -277,7 +277,7 @@ def step_boundary(
     """Collective, once per step boundary on every rank: stop if ANY rank was signalled or
     RUN/stop_requested exists; checkpoint if any rank's clock says a wall-time checkpoint is due
     (`CheckpointSchedule`); resize live if any rank saw a request (`resize`: its generation) and
-    no rank is still preparing for it (`preparing`: `live.Preparation`, touching the memory its
+    no rank is still preparing for it (`preparing`: `live_resize.Preparation`, touching the memory its
     next engine takes while the job trains on). One all-reduce of four numbers: one rank deciding
     alone would deadlock the others. A stop wins over a resize.
     """

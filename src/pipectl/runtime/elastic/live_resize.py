@@ -651,7 +651,7 @@ class Preparation:
     """A running rank's memory for its engine after a live resize (`engine_state.TouchedMemory`,
     `engine_bytes` of the layout the rewritten run files describe), touched in a thread while the
     job trains on. The ranks take the resize at the first step boundary where no rank is still
-    preparing (`checkpoint.step_boundary`), so the pause writes into no fresh page."""
+    preparing (`checkpoint.ranks.step_boundary`), so the pause writes into no fresh page."""
 
     def __init__(self, run_dir: str | os.PathLike[str], rank: int, generation: int) -> None:
         self.generation = generation

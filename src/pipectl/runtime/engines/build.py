@@ -6,7 +6,6 @@ its share of the batch)."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 from dataclasses import replace
@@ -18,8 +17,6 @@ from pipectl.errors import UserInputError
 from pipectl.runtime.engines import dsinit
 from pipectl.schedule import generate
 from pipectl.runtime.job import TrainingJob
-
-log = logging.getLogger(__name__)
 
 
 def build_engine(job: TrainingJob, initialise: bool = True, memory: Any = None):
