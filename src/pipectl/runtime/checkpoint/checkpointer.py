@@ -21,9 +21,9 @@ Each outcome is one line of `logs/checkpoints.jsonl` (`CheckpointEvent`): commit
 rank's write or the commit failed), or skipped (no room). `finish` waits for the last save and
 tells every rank whether it committed, so a run whose final checkpoint failed exits non-zero.
 
-    >>> saver = Checkpointer(run_dir, keep=3, layout=layout)         # doctest: +SKIP
-    >>> saver.save(engine, step=100, data_position={"step": 100})    # pauses ~ a host copy
-    >>> saver.finish()                                               # at the end: waits, checks
+    saver = Checkpointer(run_dir, keep=3, layout=layout)
+    saver.save(engine, step=100, data_position={"step": 100})    # pauses ~ a host copy
+    saver.finish()                                               # at the end: waits, checks
 """
 
 from __future__ import annotations
@@ -68,6 +68,8 @@ def free_space_reserve(needed_bytes: int) -> int:
     (1, 256)
     """
     return min(FREE_SPACE_RESERVE_BYTES, max(MIN_FREE_SPACE_RESERVE_BYTES, needed_bytes // 4))
+
+
 REPORT_POLL_SECONDS = 0.05
 DEFAULT_COMMIT_TIMEOUT_SECONDS = 1800.0  # torch's own collective default: how long rank 0 waits for reports
 
