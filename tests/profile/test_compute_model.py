@@ -159,12 +159,12 @@ def test_saved_bytes_equal_what_autograd_saves_for_pipectls_block_on_this_cpu(at
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from pipectl.models.transformer import TransformerBlock
-    from pipectl.profile.measure import _saved_bytes_hooks
+    from pipectl.profile.layer_timing import saved_bytes_hooks
 
     torch.manual_seed(0)
     hidden, heads, seq_len, batch = 256, 4, 128, 2
     block = TransformerBlock(hidden, heads)
-    hooks, total = _saved_bytes_hooks({p.untyped_storage().data_ptr() for p in block.parameters()})
+    hooks, total = saved_bytes_hooks({p.untyped_storage().data_ptr() for p in block.parameters()})
     backend = SDPBackend.FLASH_ATTENTION if attention is Attention.FLASH else SDPBackend.MATH
     with sdpa_kernel(backend), hooks:
         block(torch.randn(batch, seq_len, hidden, requires_grad=True))

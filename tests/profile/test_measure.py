@@ -7,7 +7,8 @@ import torch
 
 from pipectl.errors import UserInputError
 from pipectl.models import build_model
-from pipectl.profile.measure import layer_parameter_tensors, profile_model, tensor_bytes
+from pipectl.profile.layer_timing import layer_parameter_tensors, tensor_bytes
+from pipectl.profile.measure import profile_model
 
 
 @pytest.fixture(scope="module")

@@ -49,21 +49,22 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
-from torch import nn
 
 from pipectl.artifacts.profile import LayerCost, LayerProfile, ModelProfile, ProfileSource, ShardProfile
 from pipectl.artifacts.run import Precision
 from pipectl.cluster import host_state
 from pipectl.errors import PipectlError, UserInputError
 from pipectl.models.base import ModelLayers
-from pipectl.models.tensor_parallel import TensorParallelGroup, shard_model
 from pipectl.profile.runtime_calibration import CUDA_TWO_RANK_NOTE, calibrate_runtime
-from pipectl.models.layer_facts import block_indices, tied_holders, plain_value, check_tensor_parallel, identical_layers
+from pipectl.models.layer_facts import block_indices, check_tensor_parallel, identical_layers
+from pipectl.profile.layer_timing import (
+    Clock, LayerRun, ModelUnderTest, input_signature, measure_layer, shard_run, shard_under_test,
+    to_device, untimed_pass,
+)
 
 DEFAULT_MICRO_BATCH_SIZES = (1, 2, 4, 8)
 # Engine calibration (runtime terms): warm-up and timed steps per micro-batch size.
@@ -84,20 +85,6 @@ class ProfileProgress:
 
 
 ProgressCallback = Callable[[ProfileProgress], None]
-
-
-@dataclass
-class _LayerRun:
-    """What one layer produced during the untimed pass of one micro-batch size."""
-
-    layer_input: Any  # detached
-    output: Any  # detached
-    output_bytes: int
-    saved_bytes: int
-    forward_flops: float = 0.0
-    # A block that recomputes its attention core selectively (`models.transformer.TransformerBlock`):
-    # the bytes that frees (saved bytes run normally less run selectively); None for other layers.
-    attention_core_saved_bytes: int | None = None
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -136,143 +123,6 @@ def check_micro_batch_sizes(sizes: Sequence[int]) -> list[int]:
     if bad:
         raise UserInputError(f"micro-batch sizes must be positive, got {bad[0]}")
     return sorted(set(sizes))
-
-
-def tensor_bytes(value: Any) -> int:
-    """Bytes of a tensor, or of every tensor in a tuple/list/dict (layers may return several)."""
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    if isinstance(value, (tuple, list)):
-        return sum(tensor_bytes(item) for item in value)
-    if isinstance(value, dict):
-        return sum(tensor_bytes(item) for item in value.values())
-    return 0
-
-
-def _floating_tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value] if value.is_floating_point() else []
-    if isinstance(value, (tuple, list)):
-        return [t for item in value for t in _floating_tensors(item)]
-    if isinstance(value, dict):
-        return [t for item in value.values() for t in _floating_tensors(item)]
-    return []
-
-
-def _detached_input(value: Any) -> Any:
-    """The next layer's input: detached from the previous graph, requiring grad when float."""
-    if isinstance(value, torch.Tensor):
-        detached = value.detach()
-        return detached.requires_grad_(True) if detached.is_floating_point() else detached
-    if isinstance(value, tuple):
-        return tuple(_detached_input(item) for item in value)
-    if isinstance(value, list):
-        return [_detached_input(item) for item in value]
-    if isinstance(value, dict):
-        return {key: _detached_input(item) for key, item in value.items()}
-    return value
-
-
-def _to_device(value: Any, device: torch.device, dtype: torch.dtype) -> Any:
-    """Move a batch to the device; floating tensors take the profiled dtype, integer tensors keep theirs."""
-    if isinstance(value, torch.Tensor):
-        return value.to(device=device, dtype=dtype if value.is_floating_point() else value.dtype)
-    if isinstance(value, (tuple, list)):
-        return type(value)(_to_device(item, device, dtype) for item in value)
-    return value
-
-
-class _ModelUnderTest:
-    """The modules being measured, each built on first use.
-
-    `same_as[i]` is the layer whose module layer i runs (itself in every-layer mode; the first
-    identical layer in one-instance mode, so a uniform model's blocks share one module); a tied
-    layer after the first holder runs the module of its holder's `same_as`.
-    """
-
-    def __init__(self, model: ModelLayers, device: torch.device, dtype: torch.dtype, same_as: list[int]) -> None:
-        self.defs = model.layers
-        self.device = device
-        self.dtype = dtype
-        self.same_as = same_as
-        self.holder_of = tied_holders(model)
-        self.built: dict[int, nn.Module] = {}
-        self.parameter_storages: set[int] = set()
-
-    def owner(self, index: int) -> int:
-        holder = self.holder_of[index]
-        return self.same_as[holder if holder is not None else index]
-
-    def module(self, index: int) -> nn.Module:
-        owner = self.owner(index)
-        if owner not in self.built:
-            with torch.device(self.device):  # on the device from the start: no host copy of a large layer
-                module = self.defs[owner].build()
-            module = module.to(device=self.device, dtype=self.dtype)
-            self.built[owner] = module
-            self.parameter_storages.update(p.untyped_storage().data_ptr() for p in module.parameters())
-        return self.built[owner]
-
-    def parameters(self, index: int) -> list[nn.Parameter]:
-        """What layer `index` is charged with: its module's parameters, or the tied weight it uses."""
-        module = self.module(index)
-        if self.holder_of[index] is not None:
-            return [self.defs[index].tied_weight(module)]
-        return list(module.parameters())
-
-    def shared_count(self, index: int) -> int:
-        layer = self.defs[index]
-        return layer.tied_weight(self.module(index)).numel() if layer.tie_key is not None else 0
-
-    def parameter_bytes(self, index: int) -> int:
-        return sum(p.numel() * p.element_size() for p in self.parameters(index))
-
-    def forward(self, index: int, x: Any) -> Any:
-        return self.defs[index].forward(self.module(index), x)
-
-    def zero_grad(self) -> None:
-        for module in self.built.values():
-            module.zero_grad(set_to_none=True)
-
-
-def _saved_bytes_hooks(parameter_storages: set[int]):
-    """Hooks that sum the bytes autograd saves, each storage once, parameters excluded."""
-    seen: set[int] = set()
-    total = [0]
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        pointer = storage.data_ptr()
-        if pointer not in parameter_storages and pointer not in seen:
-            seen.add(pointer)
-            total[0] += storage.nbytes()
-        return tensor
-
-    def unpack(tensor: torch.Tensor) -> torch.Tensor:
-        return tensor
-
-    return torch.autograd.graph.saved_tensors_hooks(pack, unpack), total
-
-
-def _backward(output: Any, loss: torch.Tensor | None, upstream: list[torch.Tensor]) -> None:
-    if loss is not None:
-        loss.backward()
-        return
-    tensors = [t for t in _floating_tensors(output) if t.requires_grad]
-    if tensors:
-        torch.autograd.backward(tensors, upstream)
-
-
-class _Clock:
-    """Wall-clock seconds, synchronising CUDA so that queued kernels are counted."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-
-    def now(self) -> float:
-        if self.cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter()
 
 
 def profile_model(
@@ -397,6 +247,64 @@ def with_runtime_costs(
     return profile.model_copy(update={"runtime": costs, "notes": [*profile.notes, *notes]})
 
 
+@dataclass
+class _Sweep:
+    """What every micro-batch size of one profile shares: the layers and shards under test, the
+    clock, the timing settings, and the progress counted over all sizes."""
+
+    model: ModelLayers
+    under_test: ModelUnderTest
+    shards: dict[int, ModelUnderTest]
+    clock: Clock
+    device: torch.device
+    warmup: int
+    repeats: int
+    progress: ProgressCallback | None
+    total_cells: int
+    done: int = 0
+    spreads: list[float] = field(default_factory=list)  # how steady the timings were, per layer timed
+
+    def _advance(self, name: str, size: int) -> None:
+        self.done += 1
+        if self.progress is not None:
+            self.progress(ProfileProgress(self.done, self.total_cells, name, size))
+
+    def layers_at(self, size: int, runs: dict[int, LayerRun], taken_from: list[int], labels: Any) -> list[LayerCost]:
+        """Every layer's costs at `size`; an identical layer takes those of the one it copies."""
+        layer_costs: list[LayerCost] = []
+        for index, source in enumerate(taken_from):
+            if source == index:
+                cost = measure_layer(self.under_test, index, labels, self.model.loss_fn, runs[index], size,
+                                     self.warmup, self.repeats, self.clock, self.device, self.spreads)  # fmt: skip
+            else:
+                cost = layer_costs[source]
+            layer_costs.append(cost)
+            self._advance(self.model.layers[index].name, size)
+        return layer_costs
+
+    def shards_at(
+        self, size: int, runs: dict[int, LayerRun], taken_from: list[int], labels: Any
+    ) -> dict[int, dict[int, LayerCost]]:
+        """t -> block -> the costs of one rank's shard at `size`, one measurement per distinct block
+        and input shape."""
+        by_degree: dict[int, dict[int, LayerCost]] = {}
+        for t, shard in self.shards.items():
+            measured: dict[tuple, int] = {}
+            by_degree[t] = {}
+            for index in block_indices(self.model):
+                run = runs[taken_from[index]]
+                source = measured.setdefault((shard.same_as[index], input_signature(run.layer_input)), index)
+                if source == index:
+                    on_shard = shard_run(shard, index, run.layer_input)
+                    cost = measure_layer(shard, index, labels, self.model.loss_fn, on_shard, size,
+                                         self.warmup, self.repeats, self.clock, self.device)  # fmt: skip
+                else:
+                    cost = by_degree[t][source]
+                by_degree[t][index] = cost
+                self._advance(f"{self.model.layers[index].name} (t={t} shard)", size)
+        return by_degree
+
+
 def _profile(
     model: ModelLayers,
     sizes: list[int],
@@ -414,28 +322,27 @@ def _profile(
 ) -> ModelProfile:
     count = len(model.layers)
     same_as = identical_layers(model) if once else list(range(count))
-    under_test = _ModelUnderTest(model, device, dtype, same_as)
-    shards = {t: _shard_under_test(model, t, device, dtype) for t in shard_degrees}
-    shard_costs: dict[int, list[list[LayerCost]]] = {t: [[] for _ in model.layers] for t in shard_degrees}
-    clock = _Clock(device)
+    under_test = ModelUnderTest(model, device, dtype, same_as)
+    sweep = _Sweep(
+        model, under_test, {t: shard_under_test(model, t, device, dtype) for t in shard_degrees}, Clock(device),
+        device, warmup, repeats, progress, len(sizes) * (count + len(shard_degrees) * len(block_indices(model))),
+    )
     costs: list[list[LayerCost]] = [[] for _ in model.layers]
+    shard_costs: dict[int, list[list[LayerCost]]] = {t: [[] for _ in model.layers] for t in shard_degrees}
     sources: list[list[int]] = []  # per measured size: the layer each layer's costs come from
     measured_sizes: list[int] = []
     not_fitting: int | None = None
     notes: list[str] = []
     # How busy the host is, before this process adds to it, and how steady its timings are.
     load_before = host_state()
-    spreads: list[float] = []
-    total_cells = len(sizes) * (count + len(shard_degrees) * len(block_indices(model)))
-    done = 0
 
     for size in sizes:
         generator = torch.Generator().manual_seed(seed + size)
         inputs, labels = model.make_batch(size, generator)
-        inputs = _to_device(inputs, device, dtype)
-        labels = _to_device(labels, device, dtype)
+        inputs = to_device(inputs, device, dtype)
+        labels = to_device(labels, device, dtype)
         try:
-            runs, taken_from = _untimed_pass(under_test, inputs, labels, model.loss_fn)
+            runs, taken_from = untimed_pass(under_test, inputs, labels, model.loss_fn)
         except torch.cuda.OutOfMemoryError:
             not_fitting = size
             notes.append(f"micro-batch size {size} ran out of CUDA memory; stopped there")
@@ -447,36 +354,8 @@ def _profile(
                 notes.append(too_large)
                 break
         try:
-            layer_costs: list[LayerCost] = []
-            for index in range(count):
-                source = taken_from[index]
-                if source == index:
-                    cost = _measure_layer(under_test, index, labels, model.loss_fn, runs[index], size,
-                                          warmup, repeats, clock, device, spreads)
-                else:
-                    cost = layer_costs[source]
-                layer_costs.append(cost)
-                done += 1
-                if progress is not None:
-                    progress(ProfileProgress(done, total_cells, model.layers[index].name, size))
-            shard_layer_costs: dict[int, dict[int, LayerCost]] = {}
-            for t, shard in shards.items():
-                measured: dict[tuple, int] = {}
-                shard_layer_costs[t] = {}
-                for index in block_indices(model):
-                    run = runs[taken_from[index]]
-                    key = (shard.same_as[index], _input_signature(run.layer_input))
-                    source = measured.setdefault(key, index)
-                    if source == index:
-                        shard_run = _shard_run(shard, index, run.layer_input)
-                        cost = _measure_layer(shard, index, labels, model.loss_fn, shard_run, size,
-                                              warmup, repeats, clock, device)  # fmt: skip
-                    else:
-                        cost = shard_layer_costs[t][source]
-                    shard_layer_costs[t][index] = cost
-                    done += 1
-                    if progress is not None:
-                        progress(ProfileProgress(done, total_cells, f"{model.layers[index].name} (t={t} shard)", size))
+            layer_costs = sweep.layers_at(size, runs, taken_from, labels)
+            shard_layer_costs = sweep.shards_at(size, runs, taken_from, labels)
         except torch.cuda.OutOfMemoryError:
             not_fitting = size
             notes.append(f"micro-batch size {size} ran out of CUDA memory while timing; stopped there")
@@ -501,6 +380,31 @@ def _profile(
     ]
     if once:
         notes.append(_once_note(model, costs_from))
+    notes += _method_notes(device, cpu_threads, warmup, repeats, shard_degrees)
+    return ModelProfile(
+        model=model.name,
+        source=ProfileSource.MEASURED,
+        device=device_name or device.type,
+        dtype=dtype_name(dtype),
+        micro_batch_sizes=measured_sizes,
+        not_fitting_micro_batch_size=not_fitting,
+        seq_len=model.seq_len,
+        hidden=model.hidden,
+        vocab=model.vocab,
+        layers=_layer_profiles(model, under_test, sweep.shards, costs, shard_costs, costs_from),
+        notes=notes,
+        device_memory_bytes=device_memory_bytes(device),
+        host=None if load_before is None else load_before.model_copy(
+            update={"timing_spread": round(statistics.median(sweep.spreads), 4) if sweep.spreads else None}
+        ),
+    )
+
+
+def _method_notes(
+    device: torch.device, cpu_threads: int | None, warmup: int, repeats: int, shard_degrees: Sequence[int]
+) -> list[str]:
+    """How the figures were taken, for the profile's notes."""
+    notes = []
     if device.type == "cpu":
         notes.append(
             "peak_memory_bytes on CPU is an estimate: parameters + gradients + saved + output bytes of the layer"
@@ -514,8 +418,18 @@ def _profile(
             "transformer block, timed on this device with the all-reduces skipped (compute only; the planner "
             "prices them from the links); embeddings, final norm and head are replicated on every tensor rank"
         )
+    return notes
 
-    layers = [
+
+def _layer_profiles(
+    model: ModelLayers,
+    under_test: ModelUnderTest,
+    shards: dict[int, ModelUnderTest],
+    costs: list[list[LayerCost]],
+    shard_costs: dict[int, list[list[LayerCost]]],
+    costs_from: list[int | None],
+) -> list[LayerProfile]:
+    return [
         LayerProfile(
             index=index,
             name=layer.name,
@@ -539,23 +453,6 @@ def _profile(
         )
         for index, layer in enumerate(model.layers)
     ]
-    return ModelProfile(
-        model=model.name,
-        source=ProfileSource.MEASURED,
-        device=device_name or device.type,
-        dtype=dtype_name(dtype),
-        micro_batch_sizes=measured_sizes,
-        not_fitting_micro_batch_size=not_fitting,
-        seq_len=model.seq_len,
-        hidden=model.hidden,
-        vocab=model.vocab,
-        layers=layers,
-        notes=notes,
-        device_memory_bytes=device_memory_bytes(device),
-        host=None if load_before is None else load_before.model_copy(
-            update={"timing_spread": round(statistics.median(spreads), 4) if spreads else None}
-        ),
-    )
 
 
 def device_memory_bytes(device: torch.device) -> int | None:
@@ -568,8 +465,8 @@ def device_memory_bytes(device: torch.device) -> int | None:
 
 def _over_budget(
     model: ModelLayers,
-    under_test: _ModelUnderTest,
-    runs: dict[int, _LayerRun],
+    under_test: ModelUnderTest,
+    runs: dict[int, LayerRun],
     taken_from: list[int],
     size: int,
     budget_bytes: int,
@@ -604,23 +501,6 @@ def _over_budget(
     )
 
 
-def _shard_under_test(model: ModelLayers, t: int, device: torch.device, dtype: torch.dtype) -> _ModelUnderTest:
-    """Rank 0's shards of a t-way group without communication, one module per distinct block."""
-    sharded = shard_model(model, TensorParallelGroup.without_communication(t))
-    return _ModelUnderTest(sharded, device, dtype, identical_layers(sharded))
-
-
-def _shard_run(shard: _ModelUnderTest, index: int, layer_input: Any) -> _LayerRun:
-    """A shard's untimed pass on the block's own input: its output, saved bytes and FLOPs."""
-    shard.module(index)  # built before the hooks below, which leave its parameters out
-    hooks, saved = _saved_bytes_hooks(shard.parameter_storages)
-    flops = FlopCounterMode(display=False)
-    with hooks, flops:
-        output = shard.forward(index, _detached_input(layer_input))
-    return _LayerRun(layer_input=layer_input, output=output.detach(), output_bytes=tensor_bytes(output),
-                     saved_bytes=saved[0], forward_flops=float(flops.get_total_flops()))  # fmt: skip
-
-
 def _names(model: ModelLayers, indices: list[int]) -> str:
     """Layer names, a long list of them shortened: 'block.1, block.2, ..., block.95 (95 layers)'."""
     names = [model.layers[i].name for i in indices]
@@ -646,195 +526,14 @@ def _once_note(model: ModelLayers, costs_from: list[int | None]) -> str:
     )
 
 
-def _input_signature(value: Any) -> Any:
-    """Shapes and dtypes of a layer's input (tensors in tuples, lists or dicts); other values by `plain_value`."""
-    if isinstance(value, torch.Tensor):
-        return ("tensor", tuple(value.shape), value.dtype)
-    if isinstance(value, (tuple, list)):
-        return (type(value).__name__, tuple(_input_signature(item) for item in value))
-    if isinstance(value, dict):
-        return ("dict", tuple(sorted((repr(key), _input_signature(item)) for key, item in value.items())))
-    return plain_value(value)
-
-
-def _untimed_pass(
-    under_test: _ModelUnderTest, inputs: Any, labels: Any, loss_fn: Callable[[Any, Any], torch.Tensor]
-) -> tuple[dict[int, _LayerRun], list[int]]:
-    """Run the layers once in order: each measured layer's real output and the bytes it saves for backward.
-
-    Returns the runs by layer index and, for every layer, the index of the layer it takes its
-    run from: itself, or an earlier layer identical to it (`under_test.same_as`) that got the same
-    input shapes (and is not the last: the last layer's backward includes the loss). Such a layer
-    is not run; its output (the earlier layer's) is the next layer's input.
-    Each layer runs on a detached copy of its input, so only one layer's graph is alive at a time.
-    """
-    runs: dict[int, _LayerRun] = {}
-    taken_from: list[int] = []
-    first_with: dict[tuple, int] = {}
-    x = inputs
-    last = len(under_test.defs) - 1
-    for index in range(len(under_test.defs)):
-        key = (under_test.same_as[index], _input_signature(x), index == last)
-        source = first_with.setdefault(key, index)
-        taken_from.append(source)
-        if source != index:
-            x = runs[source].output
-            continue
-        under_test.module(index)  # built before the hooks below, which leave its parameters out
-        layer_input = _detached_input(x)
-        hooks, saved = _saved_bytes_hooks(under_test.parameter_storages)
-        # PyTorch's own FLOP counter (matmuls, attention, convolutions) on the same real forward:
-        # what the plan's TFLOP/s per device is computed from.
-        flops = FlopCounterMode(display=False)
-        with hooks, flops:
-            output = under_test.forward(index, layer_input)
-            if index == last:
-                loss_fn(output, labels)
-        detached = output.detach() if isinstance(output, torch.Tensor) else output
-        del output
-        runs[index] = _LayerRun(layer_input=x, output=detached, output_bytes=tensor_bytes(detached),
-                                saved_bytes=saved[0], forward_flops=float(flops.get_total_flops()),
-                                attention_core_saved_bytes=_attention_core_saved_bytes(under_test, index, x, saved[0]))
-        x = detached
-    return runs, taken_from
-
-
-def _has_attention_core(module: nn.Module) -> bool:
-    """A block whose attention core can run under selective recomputation (pipectl's own)."""
-    return hasattr(module, "selective_recompute") and hasattr(module, "attention_inputs")
-
-
-def _attention_core_saved_bytes(under_test: _ModelUnderTest, index: int, layer_input: Any, saved_bytes: int) -> int | None:
-    """What selective recomputation frees of a block's saved bytes: its saved bytes less those of
-    the same forward with the attention core under a checkpoint (which keeps only q, k, v, views
-    of the QKV output the block keeps anyway). None for a layer without such a core."""
-    module = under_test.module(index)
-    if not _has_attention_core(module):
-        return None
-    hooks, selective = _saved_bytes_hooks(under_test.parameter_storages)
-    module.selective_recompute = True
-    try:
-        with hooks:
-            under_test.forward(index, _detached_input(layer_input))
-    finally:
-        module.selective_recompute = False
-    return max(0, saved_bytes - selective[0])
-
-
-def _attention_core_seconds(
-    under_test: _ModelUnderTest, index: int, layer_input: Any, warmup: int, repeats: int, clock: "_Clock"
-) -> float | None:
-    """Forward time of a block's attention core alone, on the q, k, v of its real input, with
-    autograd recording (as its recomputation inside the backward runs): what selective
-    recomputation adds to the block's backward. None for a layer without such a core.
-
-    The least disturbed of the runs, not their median: on a small model the core takes tens of
-    microseconds, and one time slice another process takes is a hundred times that (a CI run
-    measured a median of 3.0 ms for gpt-tiny's core inside a 0.26 ms block forward). Other work
-    only adds time; the host slowdowns scale the figure like every other compute term."""
-    from pipectl.models.transformer import attention_core
-
-    module = under_test.module(index)
-    if not _has_attention_core(module):
-        return None
-    with torch.no_grad():
-        q, k, v = module.attention_inputs(module.ln_attn(_detached_input(layer_input)))
-    q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
-    times: list[float] = []
-    for attempt in range(warmup + repeats):
-        start = clock.now()
-        out = attention_core(q, k, v, module.causal)
-        end = clock.now()
-        del out
-        if attempt >= warmup:
-            times.append(end - start)
-    return min(times)
-
-
-def _measure_layer(
-    under_test: _ModelUnderTest,
-    index: int,
-    labels: Any,
-    loss_fn: Callable[[Any, Any], torch.Tensor],
-    run: _LayerRun,
-    micro_batch_size: int,
-    warmup: int,
-    repeats: int,
-    clock: _Clock,
-    device: torch.device,
-    spreads: list[float] | None = None,
-) -> LayerCost:
-    """Median forward and backward seconds of one layer at one micro-batch size; the spread of its
-    timed runs, (slowest - fastest) / median, is appended to `spreads`."""
-    layer_input = run.layer_input
-    is_last = index == len(under_test.defs) - 1
-    forward_times: list[float] = []
-    backward_times: list[float] = []
-    # Gradients start unallocated, as on a stage's first micro-batch; warm-up absorbs the allocation.
-    under_test.zero_grad()
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        baseline = torch.cuda.memory_allocated(device)
-    for attempt in range(warmup + repeats):
-        x = _detached_input(layer_input)
-        start = clock.now()
-        output = under_test.forward(index, x)
-        loss = loss_fn(output, labels) if is_last else None
-        middle = clock.now()
-        upstream = [torch.randn_like(t) for t in _floating_tensors(output) if t.requires_grad]
-        backward_start = clock.now()
-        _backward(output, loss, upstream)
-        end = clock.now()
-        if attempt >= warmup:
-            forward_times.append(middle - start)
-            backward_times.append(end - backward_start)
-        del output, loss, upstream, x
-    if spreads is not None:
-        totals = [f + b for f, b in zip(forward_times, backward_times)]
-        middle_total = statistics.median(totals)
-        if middle_total > 0:
-            spreads.append((max(totals) - min(totals)) / middle_total)
-    parameter_bytes = under_test.parameter_bytes(index)
-    if device.type == "cuda":
-        # Everything allocated above the baseline (gradients, saved tensors, output) + the weights.
-        peak = torch.cuda.max_memory_allocated(device) - baseline + parameter_bytes
-    else:
-        peak = 2 * parameter_bytes + run.saved_bytes + run.output_bytes
-    return LayerCost(
-        micro_batch_size=micro_batch_size,
-        forward_seconds=statistics.median(forward_times),
-        backward_seconds=statistics.median(backward_times),
-        output_activation_bytes=run.output_bytes,
-        saved_activation_bytes=run.saved_bytes,
-        peak_memory_bytes=peak,
-        forward_flops=run.forward_flops,
-        attention_core_saved_bytes=run.attention_core_saved_bytes,
-        attention_core_forward_seconds=(
-            None if run.attention_core_saved_bytes is None
-            else _attention_core_seconds(under_test, index, layer_input, warmup, repeats, clock)
-        ),
-    )
-
-
-def layer_parameter_tensors(model: ModelLayers) -> list[list[torch.Tensor]]:
-    """The parameter tensors each layer is charged with, built the way `profile_model` builds them.
-
-    Useful to check a profile against the real modules (tests, reports).
-    """
-    under_test = _ModelUnderTest(model, torch.device("cpu"), torch.float32, list(range(len(model.layers))))
-    return [under_test.parameters(index) for index in range(len(model.layers))]
-
-
 __all__ = [
-    "DEFAULT_MICRO_BATCH_SIZES",
-    "ProfileProgress",
-    "ProgressCallback",
     "check_micro_batch_sizes",
+    "DEFAULT_MICRO_BATCH_SIZES",
     "device_memory_bytes",
     "dtype_name",
-    "layer_parameter_tensors",
     "parse_dtype",
     "profile_model",
+    "ProfileProgress",
+    "ProgressCallback",
     "resolve_device",
-    "tensor_bytes",
 ]
