@@ -5,16 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pipectl.plan.layer_table import layer_table
-from pipectl.plan.memory import (
-    GIB,
-    MemoryEstimate,
-    StageMemory,
-    in_flight_units,
-    peak_in_flight_units,
-    MemoryBudget,
-    state_bytes_per_parameter,
-    step_bytes_per_parameter,
-)
+from pipectl.plan.memory import GIB, MemoryEstimate, StageMemory, in_flight_units, peak_in_flight_units, MemoryBudget, state_bytes_per_parameter, step_bytes_per_parameter
 from pipectl.testing.profiles import synthetic_profile
 from pipectl.schedule import ScheduleKind, generate
 from pipectl.plan.twobw_steady_state import simulate_two_bw_run
@@ -210,7 +201,7 @@ def test_range_rows_give_the_stage_memory_of_a_cut_exactly(tied, t):
     # The partitioner's per-range test (`RangeMemory.stage_bytes`) against a cut's per-rank bytes
     # from the table's own range queries (`StageMemory.build` without rows), every stage alone
     # on its rank: a stage in the middle, first or last, recomputing or not.
-    from pipectl.plan.memory import RangeMemory
+    from pipectl.plan.memory_ranges import RangeMemory
 
     table = layer_table(
         synthetic_profile(blocks=6, micro_batch_sizes=[1, 2], tied=tied, hidden=96, head_working_per_logit=8.0), 2
@@ -238,7 +229,7 @@ def test_range_rows_give_the_stage_memory_of_a_cut_exactly(tied, t):
 @pytest.mark.parametrize("recompute", [True, False])
 @pytest.mark.parametrize("t", [1, 4])
 def test_stage_memory_from_range_rows_is_the_same(recompute, t):
-    from pipectl.plan.memory import RangeMemory
+    from pipectl.plan.memory_ranges import RangeMemory
 
     table = layer_table(synthetic_profile(blocks=7, micro_batch_sizes=[1, 2], hidden=80, head_working_per_logit=8.0), 1)
     rows = RangeMemory.build(table, t)
@@ -258,7 +249,7 @@ def test_interleaved_stage_memory_from_range_rows_is_the_same(seed):
     """Several chunks per rank, tied embeddings or not, one rank holding both tied layers or not."""
     import random
 
-    from pipectl.plan.memory import RangeMemory
+    from pipectl.plan.memory_ranges import RangeMemory
 
     rng = random.Random(seed)
     table = layer_table(

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from pipectl.plan.layer_table import layer_table
-from pipectl.plan.memory import FurthestFittingEnds, RangeMemory
+from pipectl.plan.memory_ranges import FurthestFittingEnds, RangeMemory
 from pipectl.testing.profiles import synthetic_profile
 
 

@@ -17,7 +17,8 @@ from pipectl.plan.costs import hardware_for
 from pipectl.plan.cost_table import stage_costs_for
 from pipectl.plan.flops import LayerFlops, step_flops
 from pipectl.plan.layer_table import layer_table
-from pipectl.plan.memory import FurthestFittingEnds, RangeMemory, StageMemory
+from pipectl.plan.memory_ranges import FurthestFittingEnds, RangeMemory
+from pipectl.plan.memory import StageMemory
 from pipectl.plan.search import plan
 from pipectl.testing.profiles import synthetic_profile
 from pipectl.schedule import ScheduleKind

@@ -16,7 +16,8 @@ from pipectl.plan.candidates import ShapeBuilder
 from pipectl.plan.costs import hardware_for
 from pipectl.plan.cost_table import stage_costs_for
 from pipectl.plan.layer_table import layer_table, offered_granularities, selective_frees_little
-from pipectl.plan.memory import FurthestFittingEnds, RangeMemory, StageMemory
+from pipectl.plan.memory_ranges import FurthestFittingEnds, RangeMemory
+from pipectl.plan.memory import StageMemory
 from pipectl.plan.search import plan
 from pipectl.plan.simulate import simulate
 from pipectl.testing.profiles import synthetic_profile

@@ -17,7 +17,8 @@ from pipectl.plan.candidates import ShapeBuilder
 from pipectl.plan.costs import hardware_for, layer_seconds
 from pipectl.plan.cost_table import stage_costs
 from pipectl.plan.layer_table import interpolate, layer_table
-from pipectl.plan.memory import RangeMemory, StageMemory
+from pipectl.plan.memory_ranges import RangeMemory
+from pipectl.plan.memory import StageMemory
 from pipectl.plan.search import plan
 from pipectl.testing.profiles import synthetic_profile
 from pipectl.models.registry import load_model_config

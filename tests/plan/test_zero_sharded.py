@@ -16,12 +16,7 @@ from pipectl.plan.costs import hardware_for
 from pipectl.plan.cost_table import stage_costs, stage_costs_for
 from pipectl.plan.homogeneous import plan_homogeneous
 from pipectl.plan.layer_table import layer_table
-from pipectl.plan.memory import (
-    StageMemory,
-    sharded_transient_bytes,
-    state_bytes_per_parameter,
-    step_bytes_per_parameter,
-)
+from pipectl.plan.memory import StageMemory, sharded_transient_bytes, state_bytes_per_parameter, step_bytes_per_parameter
 from pipectl.plan.search import plan
 from pipectl.plan.simulate import simulate
 from pipectl.plan.space import enumerate_specs, search_space

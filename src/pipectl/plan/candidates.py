@@ -27,12 +27,8 @@ from pipectl.plan.costs import TRANSFORMER_BLOCK, Hardware, LayerSeconds, layer_
 from pipectl.plan.frameworks import joined_cuts
 from pipectl.plan.fast.bounds import chain_bound_seconds, two_bw_bound_seconds, zero_bubble_bound_seconds
 from pipectl.plan.layer_table import LayerTable, layer_table
-from pipectl.plan.memory import (
-    FurthestFittingEnds,
-    RangeMemory,
-    StageMemory,
-    by_rank,
-)
+from pipectl.plan.memory_ranges import FurthestFittingEnds, RangeMemory
+from pipectl.plan.memory import StageMemory, by_rank
 from pipectl.plan.partition import (
     candidate_values,
     greedy_cuts,

@@ -1,110 +1,27 @@
 """Memory per device of a pipeline stage: model state, the activations its schedule keeps, the
 working memory of its largest layer, and the optimizer step's peak.
 
-Model state (docs/design.md, 'Memory model'; ZeRO, Rajbhandari et al. 2020, §5.1): mixed-precision Adam holds 16 bytes per
-parameter while micro-batches run, 2 for the 16-bit weights, 2 for their gradients and 12 for the
-fp32 optimizer state (master weights, momentum, variance); fp32 training holds 4 + 4 + 8 = 16 as
-well. ZeRO stage 1 shards the optimizer part over the d data-parallel replicas, stage 2 the
-gradients too, stage 3 the weights too (ZeRO §5.1-5.3; stages 2 and 3 only at p = 1, where
-DeepSpeed's ordinary engine runs them: its pipeline engine refuses them). PipeDream-2BW keeps a
-second copy of the weights (Narayanan et al. 2021, §3.1). Tensor parallelism (Megatron) splits a
-stage's transformer blocks over its t devices; embeddings, the final norm and the head are
-replicated on each.
-
-The optimizer step is a second peak. DeepSpeed's bf16 engine with torch AdamW (ZeRO-0 and ZeRO-1
-at d = 1, allocator peaks read on an H100; `benchmarks/gpu_check.py` holds the predicted peak
-against a GPU's): 14 bytes per parameter held between steps (weights and the
-fp32 optimizer state) and 22-24 at the step, where the engine adds the fp32 copy of the gradients
-(4) and Adam's temporaries (4; torch's multi-tensor Adam allocates one fp32 buffer per parameter
-for its update) to the 16 above. Both of these belong to the optimizer partition, so ZeRO-1
-shards them too. The activations are freed by then, so a rank's peak is the larger of
+A rank's peak is the larger of two moments (docs/design.md, 'Memory model', which derives every
+term below with its source):
 
     training:  parameters x state bytes + in-flight activations + recompute buffer + working memory
-               (+ ZeRO-2/3's transient whole tensors, below)
-    step:      parameters x step bytes (24 per parameter at d = 1 for 16-bit training, 20 for fp32)
+               (+ ZeRO-2/3's transient whole tensors)
+    step:      parameters x step bytes (activations are freed; the fp32 gradient copy and Adam's
+               temporaries are not)
 
-Bytes per parameter by ZeRO stage (16-bit training: weights w = 2, gradients g = 2, optimizer
-o = 12, the step's extra s = 8; fp32: 4, 4, 8, 4; 16-bit weights whose gradients the engine keeps
-and reduces in fp32, `state_dtype`: 2, 4, 12, 4, the step needing no fp32 copy of them):
-
-    stage   training                step
-    0       w + g + o               w + g + o + s
-    1       w + g + o/d             w + g + (o + s)/d
-    2       w + (g + o)/d           w + (g + o + s)/d
-    3       (w + g + o)/d           (w + g + o + s)/d
-
-Sharded tensors are whole for a while (`sharded_transient_bytes`, with d > 1 only): under ZeRO-2 a
-layer's gradient is produced whole and kept until its reduce-scatter has run, so the largest
-layer's gradient (g x its parameters) is added to the training peak (DeepSpeed's reduce bucket,
-sized to one layer); under ZeRO-3 the weights of the layer running and of the one prefetched
-are gathered whole, plus the running layer's whole gradient: w x the largest two adjacent layers'
-parameters + g x the largest layer's, where a block too large for DeepSpeed's prefetch bucket
-counts as its four linear layers, fetched and released one at a time (`cost_table.zero3_prefetch_shares`).
-The optimizer step works on shards only.
-
-A layer's working memory is what its forward and backward allocate and free again beyond its
-weights, gradients, saved activations and output: the head's fp32 logits, log-probabilities and
-their gradients, the largest by far (6.25 GiB at b = 16, sequence 2048, vocabulary 51200).
-`LayerProfile.working_memory_bytes` reads it from the profile; a stage needs its largest layer's,
-on top of everything else it holds.
-
-Activations: each micro-batch a stage has run forward on but not yet backward ("in flight") keeps
-the stage's saved activations (docs/design.md, 'Memory model'). How many are in flight is a property of the schedule:
-
-    GPipe                 m on every stage
-    1F1B                  min(p - k, m) on stage k (0-based): warm-up forwards + 1
-    2BW                   p - k on stage k: 1F1B's order with no flush between updates, so the
-                          warm-up is never drained (p on stage 0 even at m = p - 1, the fewest
-                          micro-batches per update 2BW runs with: `pipectl.schedule.twobw`)
-    interleaved (v > 1)   min(2(p - k - 1) + (v - 1) p + 1, m v) chunk-micro-batches on rank k
-                          (all m v when m == p), each holding one chunk (Megatron-LM's warm-up)
-    Varuna                min(3 (p - 1 - k), m) on stage k < p - 1, 1 on the last stage: the
-                          generated order (`generate`'s default, backward = 2 x forward) runs
-                          forwards ahead until its first recompute is due; tests check this
-                          closed form against `peak_in_flight_units` of the generated schedule
-    zb-h1                 min(p, m) on every stage: a micro-batch's activations are held until its
-                          W, which stage k postpones by k micro-batches; stage 0 holds 1F1B's
-                          peak, the later stages as many (Qi et al. 2024: ZB-H1 peaks at 1F1B's
-                          p M_B). Counted whole until W (W reads each layer's saved input)
-    zbv                   2p chunk-micro-batches on every rank (m >= 2p - 1), each holding one of
-                          its two chunks: p full-stage activations, 1F1B's stage-0 peak (Qi et al.
-                          2024 §4: ZB-V peaks at p M_B on every worker); held until W as for zb-h1
-
-With whole-stage recomputation (`Recompute.STAGE`) an in-flight micro-batch keeps only the stage's
-input activation, and the stage needs one micro-batch's full activations while it recomputes
-(docs/design.md, 'Memory model'). The last stage never recomputes (its backward follows its forward), so it keeps full
-activations.
-
-With per-layer activation checkpointing (`Recompute.LAYER`, Megatron-LM's "full" recompute;
-Korthikanti et al. 2022, §2 and Table 2's "full" row: 2sbh per layer) an in-flight micro-batch
-keeps every layer's input (`LayerTable.layer_inputs`: the sum over the stage's layers of the
-previous layer's output), and the backward recomputes one layer at a time just before that
-layer's backward, so one layer's full saved activations are alive on top (the stage's largest,
-`LayerTable.largest_saved`, divided by t like any saved bytes). It applies to every stage, the last
-and a one-stage plan included; there is no whole-stage recompute buffer. The language-model head
-is not checkpointed (`layer_table.NOT_CHECKPOINTED_KINDS`: as in Megatron-LM, and the runtime
-does the same): it keeps its saved activations, the 16-bit logits among them.
-
-With selective recomputation (`Recompute.SELECTIVE`; Korthikanti et al. 2022, §5 and Table 2's
-"selective" row: 34 sbh per layer instead of sbh (34 + 5as/h)) an in-flight micro-batch keeps each
-layer's saved activations less its attention core's (`LayerTable.selective_kept`: the s x s scores,
-softmax output, dropout mask and output of unfused attention; flash attention's log-sum-exp), and
-the backward recomputes one block's core at a time, so one core's saved bytes are alive on top.
-
-    unit bytes per in-flight micro-batch      buffer (one micro-batch, while recomputing)
-    none    saved(stage)                       0
-    stage   input(stage)   (not the last)      saved(stage)
-    layer   its layers' inputs (the head:      largest saved(layer) of the stage's checkpointed
-            its saved activations)             layers
-    selective  saved(stage) - its cores'       largest attention core's saved bytes of the stage
-
-What one tensor rank holds comes from the table (`LayerTable.divisor`). A profile with shard costs
-gives each rank's own figures: a block shard's parameters (split matrices / t, LayerNorms and
-row-parallel biases whole) and saved bytes (about 8 + 24/t bytes per token and hidden unit in
-16-bit, not 32/t: the LayerNorms' inputs and the block's input are kept whole on every rank,
-Korthikanti et al. 2022, §4.1), and replicated layers whole. A profile without divides every layer's
-parameters and saved bytes by t, an under-estimate. The stage's input activation is replicated and
-never divided; working memory is per layer and never divided.
+- Model state per parameter by precision and ZeRO stage (Rajbhandari et al. 2020, §5.1-5.3):
+  `state_bytes_per_parameter`, `step_bytes_per_parameter`; ZeRO-2/3's whole tensors:
+  `sharded_transient_bytes`. PipeDream-2BW keeps a second copy of the weights (Narayanan et al.
+  2021, §3.1): `weight_versions`.
+- Micro-batches in flight per stage, a property of the schedule: `in_flight_units` (closed forms
+  per schedule), `peak_in_flight_units` (counted on a generated schedule; tests hold one to the other).
+- What an in-flight micro-batch keeps, by recomputation (none, whole stage, per layer, selective;
+  Korthikanti et al. 2022, §2, §5 and Table 2), and the buffer a recomputation needs: `StageMemory`.
+- What one tensor rank holds: a profile's shard figures where it has them (the LayerNorms' inputs
+  and the block's input stay whole, Korthikanti et al. 2022, §4.1), else every layer divided by t
+  (`LayerTable.divisor`, an under-estimate); the stage input and working memory are never divided.
+- The partitioner asks the same questions per layer range, millions of times: `RangeMemory` and
+  `FurthestFittingEnds` evaluate the same expressions from precomputed rows.
 
     >>> from pipectl.testing.profiles import synthetic_profile
     >>> from pipectl.plan.layer_table import layer_table
@@ -133,21 +50,22 @@ import numpy as np
 from pipectl.artifacts.plan import Recompute
 from pipectl.artifacts.profile import ModelProfile
 from pipectl.plan.layer_table import LayerTable
+from pipectl.plan.memory_ranges import RangeMemory
 from pipectl.schedule.ir import ActionKind, Schedule, ScheduleKind, stage_ranks
 
 GIB = 1024**3
 
 # Bytes per parameter: (weights, gradients, optimizer state, optimizer step's extra). Rajbhandari et al. 2020, §5.1; the
-# step's extra (fp32 gradient copy + Adam's temporaries; 16-bit training) from the H100 measurement
-# in the module docstring. fp32 training has no gradient copy to make: Adam's temporaries only.
+# step's extra (fp32 gradient copy + Adam's temporaries; 16-bit training) from allocator peaks read on
+# a GPU (docs/design.md, 'Memory model'). fp32 training has no gradient copy to make: Adam's temporaries only.
+FP32_GRADIENTS = "+fp32-gradients"
 _STATE_BYTES = {
     "bfloat16": (2.0, 2.0, 12.0, 8.0),
     "float16": (2.0, 2.0, 12.0, 8.0),
     "float32": (4.0, 4.0, 8.0, 4.0),
+    "bfloat16" + FP32_GRADIENTS: (2.0, 4.0, 12.0, 4.0),
+    "float16" + FP32_GRADIENTS: (2.0, 4.0, 12.0, 4.0),
 }
-FP32_GRADIENTS = "+fp32-gradients"
-for _dtype in ("bfloat16", "float16"):
-    _STATE_BYTES[_dtype + FP32_GRADIENTS] = (2.0, 4.0, 12.0, 4.0)
 
 
 def state_dtype(dtype: str, features) -> str:
@@ -177,7 +95,7 @@ def _sharded(weights: float, gradients: float, optimizer: float, zero_stage: int
 
 
 def state_bytes_per_parameter(dtype: str, zero_stage: int, data_parallel: int, weight_versions: int = 1) -> float:
-    """Bytes of model state per parameter held on a device (the table in the module docstring).
+    """Bytes of model state per parameter held on a device (docs/design.md, 'Memory model').
 
     >>> state_bytes_per_parameter("bfloat16", 0, 8)
     16.0
@@ -198,7 +116,7 @@ def step_bytes_per_parameter(dtype: str, zero_stage: int, data_parallel: int, we
     """Bytes per parameter at the optimizer step's peak: the held state plus the step's fp32
     gradient copy and Adam's temporaries, sharded with the optimizer state from ZeRO-1 on.
 
-    >>> step_bytes_per_parameter("bfloat16", 0, 8)  # the H100 measurement: 22-24
+    >>> step_bytes_per_parameter("bfloat16", 0, 8)  # 22-24 measured at the step on a GPU
     24.0
     >>> step_bytes_per_parameter("bfloat16", 1, 4)  # 2 + 2 + (12 + 8)/4
     9.0
@@ -215,7 +133,7 @@ def step_bytes_per_parameter(dtype: str, zero_stage: int, data_parallel: int, we
 
 def sharded_transient_bytes(layer_parameters: Sequence[float], dtype: str, zero_stage: int, data_parallel: int) -> float:
     """Bytes ZeRO-2/3 hold whole for a while during a micro-batch, on top of the sharded state
-    (module docstring); 0 for stages 0 and 1 and at d = 1 (nothing is sharded then).
+    (docs/design.md, 'Memory model'); 0 for stages 0 and 1 and at d = 1 (nothing is sharded then).
     `layer_parameters`: each layer's parameters on the rank (after the tensor split), in order.
 
     >>> sharded_transient_bytes([10, 40, 40, 30], "bfloat16", 2, 4)  # g x 40
@@ -399,7 +317,7 @@ class StageMemory:
         tensor_parallel: int,
         recompute: Recompute | bool,
         pipeline_parallel: int | None = None,
-        rows: "RangeMemory | None" = None,
+        rows: RangeMemory | None = None,
         bounds: np.ndarray | None = None,
         v_placement: bool = False,
     ) -> "StageMemory":
@@ -564,231 +482,6 @@ def parameters_on_rank(table: LayerTable, chunks: list[tuple[int, int, int]]) ->
                     )
                 seen.add(group)  # type: ignore[arg-type]
     return total
-
-
-@dataclass(frozen=True)
-class RangeMemory:
-    """The terms of one stage's memory for every layer range [start, end) of one table and t, as lists.
-
-    The memory-constrained partitioner asks "does layers [start, end) fit on stage i?" millions of
-    times at scale; reading these rows costs a few list look-ups instead of the table's range
-    queries. Values are computed with the same operations as `StageMemory.build` from the table
-    (parameter counts are exact in float64 below 2**53), so a stage alone on its rank gets
-    exactly the same bytes.
-    """
-
-    parameters: list[list[float]]  # [start][end]: parameters on a rank (/ t, `LayerTable.divisor`; 0 where end <= start)
-    saved: list[list[float]]  # [start][end]: saved activations on a rank (/ t likewise)
-    input_bytes: list[float]  # [start]: the activation a stage starting there receives
-    working: list[list[float]]  # [start][end]: the largest working memory of layers [start, end)
-    # [start][end]: what layers [start, end) keep per micro-batch under per-layer checkpointing
-    # (`LayerTable.layer_inputs`: their inputs; the head's saved activations / t)
-    layer_inputs: list[list[float]]
-    largest_saved: list[list[float]]  # [start][end]: the largest saved activations of one checkpointed layer (/ t)
-    # [start][end]: what layers [start, end) keep per micro-batch under selective recomputation
-    # (`LayerTable.selective_saved`), and their largest attention core's saved bytes (/ t)
-    selective_saved: list[list[float]]
-    largest_core: list[list[float]]
-    # The same values as arrays, for looking up every stage of a cut at once.
-    parameter_matrix: np.ndarray
-    saved_matrix: np.ndarray
-    input_array: np.ndarray
-    working_matrix: np.ndarray
-    layer_input_matrix: np.ndarray
-    largest_saved_matrix: np.ndarray
-    selective_saved_matrix: np.ndarray
-    largest_core_matrix: np.ndarray
-    parameter_prefix: np.ndarray  # the table's parameter counts, as float64 prefix sums (not divided)
-
-    @classmethod
-    def build(cls, table, tensor_parallel: int) -> "RangeMemory":
-        layers = table.layers
-        divisor = table.divisor(tensor_parallel)  # t for whole layers, 1 for one tensor rank's figures
-        parameter_prefix = np.asarray(table.parameter_prefix, dtype=float)
-        saved_prefix = np.asarray(table.saved_prefix, dtype=float)
-        parameters = (parameter_prefix[None, :] - parameter_prefix[:, None]) / divisor
-        saved = (saved_prefix[None, :] - saved_prefix[:, None]) / divisor
-        rows = parameters.tolist()
-        # Ranges holding two members of a shared group (a tied embedding) count it once.
-        shared = np.zeros(layers + 1, dtype=int)
-        for index in table.shared_layer_indices:
-            shared[index + 1:] += 1
-        for start, end in zip(*np.nonzero(shared[None, :] - shared[:, None] >= 2)):
-            rows[start][end] = table.parameters(int(start), int(end)) / divisor
-        inputs = [table.input_activation_bytes(start) for start in range(layers)] + [0.0]
-        working = np.zeros((layers + 1, layers + 1))
-        per_layer = np.asarray(table.working_bytes, dtype=float)
-        largest = np.zeros((layers + 1, layers + 1))
-        per_layer_saved = np.asarray(
-            [saved if table.checkpointed(i) else 0.0 for i, saved in enumerate(table.saved_activation_bytes)], dtype=float
-        )
-        for start in range(layers):
-            working[start, start + 1:] = np.maximum.accumulate(per_layer[start:])
-            largest[start, start + 1:] = np.maximum.accumulate(per_layer_saved[start:])
-        largest /= divisor
-        # What layers [start, end) keep under per-layer checkpointing, added in layer order as
-        # `LayerTable.layer_inputs` adds them (a cumulative sum is the same sequence of float additions).
-        layer_input = np.zeros((layers + 1, layers + 1))
-        per_layer_input = np.asarray([table.checkpoint_kept(i, divisor) for i in range(layers)], dtype=float)
-        for start in range(layers):
-            layer_input[start, start + 1:] = np.cumsum(per_layer_input[start:])
-        # Selective recomputation, as `LayerTable.selective_saved` and `largest_attention_core` add
-        # and compare them.
-        selective = np.zeros((layers + 1, layers + 1))
-        per_layer_selective = np.asarray([table.selective_kept(i, divisor) for i in range(layers)], dtype=float)
-        largest_core = np.zeros((layers + 1, layers + 1))
-        per_layer_core = np.asarray([table.attention_core_saved(i) for i in range(layers)], dtype=float)
-        for start in range(layers):
-            selective[start, start + 1:] = np.cumsum(per_layer_selective[start:])
-            largest_core[start, start + 1:] = np.maximum.accumulate(per_layer_core[start:])
-        largest_core /= divisor
-        return cls(
-            rows, saved.tolist(), inputs, working.tolist(), layer_input.tolist(), largest.tolist(),
-            selective.tolist(), largest_core.tolist(),
-            np.array(rows), saved, np.array(inputs), working, layer_input, largest, selective, largest_core,
-            parameter_prefix,
-        )
-
-    def stage_bytes(
-        self, start: int, end: int, *, state_bytes: float, step_bytes: float, units: int,
-        recompute: Recompute | bool,
-    ) -> float:
-        """Peak bytes of a stage holding layers [start, end) with `units` micro-batches in flight:
-        the larger of parameters × step bytes (the optimizer step) and parameters × state bytes +
-        units × what one keeps + what recomputing holds + its largest working memory (the table in
-        the module docstring). Pass `recompute=False` (NONE) for the last stage of a pipeline that
-        recomputes whole stages: it never does."""
-        parameters = self.parameters[start][end]
-        if recompute is Recompute.LAYER:
-            training = (
-                parameters * state_bytes + units * self.layer_inputs[start][end] + self.largest_saved[start][end]
-            )
-        elif recompute is Recompute.SELECTIVE:
-            training = (
-                parameters * state_bytes + units * self.selective_saved[start][end] + self.largest_core[start][end]
-            )
-        elif recompute:
-            training = parameters * state_bytes + units * self.input_bytes[start] + self.saved[start][end]
-        else:
-            training = parameters * state_bytes + units * self.saved[start][end]
-        return max(training + self.working[start][end], parameters * step_bytes)
-
-
-class FurthestFittingEnds:
-    """For a stage starting at a layer: the furthest end whose stage still fits, memoised.
-
-    `end(start, state_bytes, step_bytes, units, keeps_input_only)` is the largest `end` in
-    (start, layers] with `RangeMemory.stage_bytes(start, end, ...) <= capacity` (the same float
-    expressions the partitioner's memory test evaluates), or `start` when not even one layer fits.
-    A stage's bytes never shrink as its range grows (parameters, saved activations and working
-    memory are non-negative; a shared group counts once), so bisection finds it. The search asks
-    the same question for many pipelines of one (t, b): the stage memory only depends on the
-    start, the bytes per parameter (training and step), the in-flight units and what the stage
-    keeps (`keeps_input_only`: False/NONE its saved activations, True/STAGE only its input,
-    `Recompute.LAYER` its layers' inputs, `Recompute.SELECTIVE` its saved activations less the
-    attention cores') — so the answers are remembered by exactly those values.
-
-        >>> from pipectl.testing.profiles import synthetic_profile
-        >>> from pipectl.plan.layer_table import layer_table
-        >>> rows = RangeMemory.build(layer_table(synthetic_profile(blocks=4, micro_batch_sizes=[1]), 1), 1)
-        >>> ends = FurthestFittingEnds(rows, capacity_bytes=10**12)
-        >>> ends.end(0, 16.0, 24.0, 1, False)  # everything fits: up to the last layer
-        7
-        >>> FurthestFittingEnds(rows, capacity_bytes=0).end(0, 16.0, 24.0, 1, False)  # nothing fits
-        0
-    """
-
-    def __init__(self, rows: RangeMemory, capacity_bytes: float) -> None:
-        self.rows = rows
-        self.capacity_bytes = capacity_bytes
-        self.layers = len(rows.input_bytes) - 1
-        # (state bytes, step bytes, keeps input only) -> units -> end per start (-1: not yet
-        # asked). Callers on hot paths read these rows directly; nested by kind of key so a
-        # look-up hashes an int.
-        self._rows: dict[tuple[float, float, Recompute | bool], dict[int, list[int]]] = {}
-        self._lengths: dict[tuple[float, float, int, Recompute | bool], int] = {}  # last fitting stage length per demand
-
-    def by_units(self, state_bytes: float, step_bytes: float, keeps_input_only: Recompute | bool) -> dict[int, list[int]]:
-        """The memo rows of one (bytes per parameter, keeps input only), by in-flight units."""
-        key = (state_bytes, step_bytes, keeps_input_only)
-        rows = self._rows.get(key)
-        if rows is None:
-            rows = self._rows[key] = {}
-        return rows
-
-    def row(self, state_bytes: float, step_bytes: float, units: int, keeps_input_only: Recompute | bool) -> list[int]:
-        """The memo row of one demand: the end for each start, -1 where not yet asked."""
-        rows = self.by_units(state_bytes, step_bytes, keeps_input_only)
-        row = rows.get(units)
-        if row is None:
-            row = rows[units] = [-1] * (self.layers + 1)
-        return row
-
-    def end(self, start: int, state_bytes: float, step_bytes: float, units: int, keeps_input_only: Recompute | bool) -> int:
-        row = self.row(state_bytes, step_bytes, units, keeps_input_only)
-        end = row[start]
-        if end < 0:
-            end = row[start] = self.search(start, state_bytes, step_bytes, units, keeps_input_only)
-        return end
-
-    def search(self, start: int, state_bytes: float, step_bytes: float, units: int, keeps_input_only: Recompute | bool) -> int:
-        """`end` without the memo (callers holding a memo row store the answer themselves)."""
-        rows = self.rows
-        parameters, saved, working = rows.parameters[start], rows.saved[start], rows.working[start]
-        capacity = self.capacity_bytes
-        if keeps_input_only is Recompute.LAYER or keeps_input_only is Recompute.SELECTIVE:
-            # `RangeMemory.stage_bytes`'s per-layer checkpointing: `P*s + u*inputs + largest + W`;
-            # selective recomputation: `P*s + u*(saved - cores) + largest core + W`.
-            if keeps_input_only is Recompute.LAYER:
-                layer_inputs, largest = rows.layer_inputs[start], rows.largest_saved[start]
-            else:
-                layer_inputs, largest = rows.selective_saved[start], rows.largest_core[start]
-
-            def fits(end: int) -> bool:
-                held = parameters[end]
-                return (
-                    held * state_bytes + units * layer_inputs[end] + largest[end] + working[end] <= capacity
-                    and held * step_bytes <= capacity
-                )
-
-        else:
-            # One expression for both other kinds of stage: `P*s + u*I + S + W` keeping only the
-            # input, else `P*s + 0.0 + u*S + W`; adding 0.0 and multiplying by 1 are exact, so each
-            # equals `RangeMemory.stage_bytes`'s training peak; the optimizer step's `P*step` is the other.
-            if keeps_input_only:
-                held_input, saved_coefficient = units * rows.input_bytes[start], 1
-            else:
-                held_input, saved_coefficient = 0.0, units
-
-            def fits(end: int) -> bool:
-                held = parameters[end]
-                return (
-                    held * state_bytes + held_input + saved_coefficient * saved[end] + working[end] <= capacity
-                    and held * step_bytes <= capacity
-                )
-
-        low, high = start, self.layers  # low fits (or is `start`); every end above `high` fails
-        # Bracket first around the length last found for this demand (stages of a model's
-        # repeated blocks fit the same number of layers), then bisect what is left.
-        demand = (state_bytes, step_bytes, units, keeps_input_only)
-        length = self._lengths.get(demand)
-        if length is not None and start + length <= high:
-            guess = start + length
-            if fits(guess):
-                low = guess
-                if guess + 1 <= high and not fits(guess + 1):
-                    high = guess
-            else:
-                high = guess - 1
-        while low < high:
-            middle = (low + high + 1) // 2
-            if fits(middle):
-                low = middle
-            else:
-                high = middle - 1
-        if low > start:
-            self._lengths[demand] = low - start
-        return low
 
 
 def stage_parameter_and_activation_bytes(candidate: Any, profile: ModelProfile) -> tuple[list[int], list[int] | None]:

@@ -17,16 +17,7 @@ from pipectl.plan.cost_table import ADAM_BYTES_PER_PARAMETER, data_parallel_seco
 from pipectl.plan.costs import Hardware, collective_handoff_seconds, host_compute_slowdown
 from pipectl.plan.placement import ranks_share_node, replicas_share_node
 from pipectl.plan.fast.bounds import chain_bound_seconds, two_bw_bound_seconds, zero_bubble_bound_seconds
-from pipectl.plan.memory import (
-    in_flight_units,
-    peak_bytes,
-    sharded_transient_bytes,
-    stage_holding,
-    state_bytes_per_parameter,
-    state_dtype,
-    step_bytes_per_parameter,
-    weight_versions,
-)
+from pipectl.plan.memory import in_flight_units, peak_bytes, sharded_transient_bytes, stage_holding, state_bytes_per_parameter, state_dtype, step_bytes_per_parameter, weight_versions
 from pipectl.schedule import ScheduleKind
 from pipectl.plan.candidates import ScheduleVariant, Shape, Spec, SpecFigures, read_only, chains, recomputing_stages
 
