@@ -25,7 +25,7 @@ limit forced (neither the balanced cut nor the right-filled one: each needs a pa
 the dearest part of the enumeration) and how many of those the cut-free bound leaves.
 
 The enumeration's time is measured per family (t, b, recompute, p, schedule; its points differ in
-d and ZeRO) by wrapping `_UnitContext.enumerate_family`: the seconds of the families each bound
+d and ZeRO) by wrapping `UnitContext.enumerate_family`: the seconds of the families each bound
 would skip whole (every d ruled out, infeasible points included, as a search skipping them
 could not know they do not fit) is time a bound-driven search would save for certain; a family
 it skips in part saves at most its share. The fill bound is checked against every step the
@@ -50,7 +50,7 @@ from pipectl.artifacts.plan import PlanRequest, Recompute  # noqa: E402
 from pipectl.catalog import get_device  # noqa: E402
 from pipectl.cluster import load_cluster  # noqa: E402
 from pipectl.models.registry import load_model_config  # noqa: E402
-from pipectl.plan import space as search_space_module  # noqa: E402
+from pipectl.plan import families as families_module  # noqa: E402
 from pipectl.plan.candidates import ShapeBuilder  # noqa: E402
 from pipectl.plan.costs import hardware_for  # noqa: E402
 from pipectl.plan.evaluate import Evaluator  # noqa: E402
@@ -76,9 +76,9 @@ def fill_bound_seconds(total: float, micro_batches: int, stages: int) -> float:
 
 
 def _timed_families():
-    """Wrap `_UnitContext.enumerate_family`: each call's (family, d tried, seconds, points accepted)."""
+    """Wrap `UnitContext.enumerate_family`: each call's (family, d tried, seconds, points accepted)."""
     calls = []
-    enumerate_family = search_space_module._UnitContext.enumerate_family
+    enumerate_family = families_module.UnitContext.enumerate_family
 
     def timed(self, builder, key, ds, out):
         accepted = len(out.accepted)
@@ -86,7 +86,7 @@ def _timed_families():
         enumerate_family(self, builder, key, ds, out)
         calls.append((key, list(ds), time.perf_counter() - started, len(out.accepted) - accepted))
 
-    search_space_module._UnitContext.enumerate_family = timed
+    families_module.UnitContext.enumerate_family = timed
     return calls
 
 

@@ -13,7 +13,8 @@ from pipectl.plan.spec_costs import in_flight, state_bytes, step_bytes
 from pipectl.plan.costs import hardware_for
 from pipectl.plan.partition import balanced_partition
 from pipectl.artifacts.plan import PlanRequest, Recompute
-from pipectl.plan.space import FamilyKey, _Family, _variants_for, enumerate_specs, search_space
+from pipectl.plan.families import FamilyKey, _Family, _variants_for
+from pipectl.plan.space import enumerate_specs, search_space
 from pipectl.testing.profiles import synthetic_profile
 from pipectl.schedule import ScheduleKind
 
