@@ -15,7 +15,7 @@ from pipectl.io import write_json_atomic
 from pipectl.models import build_model
 from pipectl.runtime.checkpoint import ranks as checkpoint
 from pipectl.rundir import checkpoints
-from pipectl.runtime.elastic import live_resize as live
+from pipectl.runtime.elastic import state_exchange as live
 from pipectl.rundir import live_requests
 from pipectl.artifacts.run import rank_file_name
 from pipectl.runtime.checkpoint.shards import FP32, HEADER_KEY, RankHeader, ShardReader

@@ -243,7 +243,8 @@ def recover(
     Returns None for a survivor the new layout does not use (it exits 0). Raises `LaunchError`
     when there is no such boundary (the job then fails, and `launch --resume` restarts it from its
     last checkpoint)."""
-    from pipectl.runtime.elastic.live_resize import HandOver, exchange, exchange_then_regroup, reform
+    from pipectl.runtime.elastic.live_resize import HandOver, exchange_then_regroup, reform
+    from pipectl.runtime.elastic.state_exchange import exchange
 
     me = request.survivors.index(int(os.environ["RANK"]))
     handed = HandOver(request, None, 0, clock)
