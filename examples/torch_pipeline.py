@@ -24,7 +24,8 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from pipectl.runtime.engines.torch_pipeline import TorchPipelineJob, even_cuts, reference_run, spawn_local  # noqa: E402
+from pipectl.runtime.engines.torch_pipeline import TorchPipelineJob, reference_run, spawn_local
+from pipectl.runtime.engines.torch_stages import even_cuts  # noqa: E402
 from pipectl.schedule import ScheduleKind, generate, torch_runnable  # noqa: E402
 
 LAYERS = 9  # gpt-tiny: embedding, 6 blocks, final norm, head (tied to the embedding)

@@ -31,7 +31,7 @@ import pytest
 from pipectl.artifacts.plan import Candidate, MorphEntry, Plan
 from pipectl.resize.restart import resize_run
 from pipectl.rundir.metrics import read_metrics
-from pipectl.runtime.engines.torch_pipeline import planned_compute_order
+from pipectl.runtime.engines.torch_stages import planned_compute_order
 from pipectl.schedule import generate
 from builders import assert_same_weights, final_weights, gpt_tiny_candidate, gpt_tiny_torch_candidate, plan_of, train_run
 

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from pipectl.errors import ScheduleError
-from pipectl.runtime.engines.torch_pipeline import TorchPipelineJob, even_cuts, planned_compute_order, reference_run, spawn_local, to_torch_actions
+from pipectl.runtime.engines.torch_pipeline import TorchPipelineJob, reference_run, spawn_local
+from pipectl.runtime.engines.torch_stages import even_cuts, planned_compute_order, to_torch_actions
 from pipectl.schedule import interleaved, one_f_one_b, zb_h1, zbv
 from pipectl.schedule.validate import validate
 
