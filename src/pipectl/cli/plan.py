@@ -14,7 +14,7 @@ from typing import Annotated
 import typer
 
 from pipectl.artifacts.base import INT64_MAX
-from pipectl.artifacts.plan import Engine, PlanRequest, RecomputeChoice
+from pipectl.artifacts.plan import Engine, Plan, PlanRequest, RecomputeChoice
 from pipectl.artifacts.profile import ModelProfile
 from pipectl.cli.context import JsonFlag, console, from_options, print_json, refuse_overwriting
 from pipectl.cli.options import ConfigOption, file_layers, passed_flags, with_options
@@ -137,6 +137,62 @@ def parse_amount(text: str | None, name: str) -> int | None:
     return int(value)
 
 
+def _parse_zero_stages(text: str) -> list[int]:
+    """`--zero-stages`: '0,1' -> [0, 1]; anything else is named."""
+    try:
+        return [int(z) for z in text.split(",")]
+    except ValueError:
+        raise UserInputError(f"--zero-stages '{text}' is not a comma list of numbers") from None
+
+
+def _engine_and_emit_counts(options: PlanOptions, any_engine: bool) -> tuple[Engine, list[int]]:
+    """The engine to plan for and the device counts `--emit-devices` names; `--emit` (a framework's
+    own plan) beside an engine, or flags that contradict each other, are named."""
+    engine = options.engine
+    if options.emit is not None and (any_engine or engine not in (None, Engine.ANY)):
+        raise UserInputError(
+            f"--emit {options.emit.value} plans for that framework, not for an engine of pipectl's "
+            f"(--{'any-engine' if any_engine else 'engine ' + engine.value})",
+            hint="give one of them",
+        )
+    if options.emit_devices is not None and options.emit is None:
+        raise UserInputError("--emit-devices names layouts to write for --emit, which is not given")
+    emit_counts, _ = parse_morph_counts(options.emit_devices, "--emit-devices", allow_all=False)
+    if any_engine and engine not in (None, Engine.ANY):
+        raise UserInputError(f"--any-engine and --engine {engine.value} disagree", hint="give one of them")
+    return Engine.ANY if any_engine else (engine or Engine.DEEPSPEED), emit_counts
+
+
+def _write_plan_files(
+    output: Path, made: Plan, options: PlanOptions, profile: list[Path], model: ModelProfile, emit_counts: list[int]
+) -> tuple[Plan, list[Path]]:
+    """Write plan.json, and with `--emit` the framework's files beside it: the plan as written, and
+    those files."""
+    cluster_path = given_file(options.cluster)  # a YAML by path: recorded absolute (`Plan.cluster_file`)
+    if options.emit is not None:
+        output.parent.mkdir(parents=True, exist_ok=True)
+    result = write_plan(
+        output,
+        made.model_copy(update={"cluster_file": None if cluster_path is None else str(cluster_path)}),
+        profile_file=profile[0],
+        kind_profile_files=profile[1:],
+    )
+    written: list[Path] = []
+    if options.emit is not None:
+        files = emitted_files(result, output, options.emit, devices=emit_counts, profile=model)
+        written = write_files(output.parent, files)
+    return result, written
+
+
+def _print_plan_json(result: Plan, model: ModelProfile, written: list[Path]) -> None:
+    # The artifact, plus what plan.json does not keep: the chosen candidate's predicted MFU/HFU.
+    payload = result.model_dump(mode="json")
+    payload["flops"] = plan_utilisations(result, model, [result.chosen])[0].to_dict()
+    if written:
+        payload["emitted"] = [str(path) for path in written]
+    print_json(payload)
+
+
 @with_options(PlanOptions, after="config")
 def plan_command(
     ctx: typer.Context,
@@ -160,23 +216,8 @@ def plan_command(
     cluster_spec = load_cluster(options.cluster)
     if cluster_spec.local and options.devices is not None:
         cluster_spec = local_cluster(options.devices, cluster_spec)
-    try:
-        zeros = [int(z) for z in options.zero_stages.split(",")]
-    except ValueError:
-        raise UserInputError(f"--zero-stages '{options.zero_stages}' is not a comma list of numbers") from None
-    engine = options.engine
-    if options.emit is not None and (any_engine or engine not in (None, Engine.ANY)):
-        raise UserInputError(
-            f"--emit {options.emit.value} plans for that framework, not for an engine of pipectl's "
-            f"(--{'any-engine' if any_engine else 'engine ' + engine.value})",
-            hint="give one of them",
-        )
-    if options.emit_devices is not None and options.emit is None:
-        raise UserInputError("--emit-devices names layouts to write for --emit, which is not given")
-    emit_counts, _ = parse_morph_counts(options.emit_devices, "--emit-devices", allow_all=False)
-    if any_engine and engine not in (None, Engine.ANY):
-        raise UserInputError(f"--any-engine and --engine {engine.value} disagree", hint="give one of them")
-    engine = Engine.ANY if any_engine else (engine or Engine.DEEPSPEED)
+    zeros = _parse_zero_stages(options.zero_stages)
+    engine, emit_counts = _engine_and_emit_counts(options, any_engine)
     morph_counts, morph_every_count = parse_morph_counts(options.morph_counts)
     beyond = [n for n in emit_counts if n > cluster_spec.total_devices]
     if beyond:
@@ -218,26 +259,9 @@ def plan_command(
     made = plan(profiles[0], cluster_spec, request, kind_profiles=profiles[1:])
     if options.emit is not None:  # every layout to write is one the framework runs, before anything is written
         emitted_layouts(made, options.emit, profiles[0], emit_counts)
-    cluster_path = given_file(options.cluster)  # a YAML by path: recorded absolute (`Plan.cluster_file`)
-    if options.emit is not None:
-        output.parent.mkdir(parents=True, exist_ok=True)
-    result = write_plan(
-        output,
-        made.model_copy(update={"cluster_file": None if cluster_path is None else str(cluster_path)}),
-        profile_file=profile[0],
-        kind_profile_files=profile[1:],
-    )
-    written: list[Path] = []
-    if options.emit is not None:
-        files = emitted_files(result, output, options.emit, devices=emit_counts, profile=profiles[0])
-        written = write_files(output.parent, files)
+    result, written = _write_plan_files(output, made, options, profile, profiles[0], emit_counts)
     if as_json:
-        # The artifact, plus what plan.json does not keep: the chosen candidate's predicted MFU/HFU.
-        payload = result.model_dump(mode="json")
-        payload["flops"] = plan_utilisations(result, profiles[0], [result.chosen])[0].to_dict()
-        if written:
-            payload["emitted"] = [str(path) for path in written]
-        print_json(payload)
+        _print_plan_json(result, profiles[0], written)
         return
     console.print(
         plan_view(result, top=options.top, profile=profiles[0], every_candidate=options.include_all, full_morph=options.full_morph)

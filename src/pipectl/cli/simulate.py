@@ -144,6 +144,83 @@ def _two_bw_state(schedule: Schedule, costs: StageCosts) -> TwoBWSteadyState:
     )  # fmt: skip
 
 
+def _uniform_pipeline(
+    schedule_kind: Optional[ScheduleKind],
+    pipeline_parallel: Optional[int],
+    micro_batches: Optional[int],
+    chunks: Optional[int],
+    recompute: Optional[bool],
+    *,
+    forward_ms: Optional[float],
+    backward_ms: Optional[float],
+    send_ms: Optional[float],
+    allreduce_ms: Optional[float],
+    optimizer_ms: Optional[float],
+    jitter_ms: float,
+    seed: int,
+) -> tuple[Schedule, StageCosts]:
+    """The schedule and cost table of a uniform pipeline (no plan): every rank the same costs."""
+    if schedule_kind is None or pipeline_parallel is None or micro_batches is None:
+        raise UserInputError(
+            "give a PLAN.json, or --schedule, --pipeline-parallel and --micro-batches",
+            hint="pipectl simulate --schedule 1f1b --pipeline-parallel 4 --micro-batches 8 --terminal",
+        )
+    v = chunks or (2 if schedule_kind is ScheduleKind.ZBV else 1)  # zbv: two chunks, a V
+    if schedule_kind.splits_backward and recompute:
+        raise UserInputError(
+            f"the {schedule_kind.value} schedule does not recompute: its W keeps each micro-batch's "
+            "activations until the drain, so a recompute would run the forward again for nothing",
+            hint=f"pipectl simulate --schedule {schedule_kind.value} without --recompute",
+        )
+    if pipeline_parallel * micro_batches * v > MAX_SIMULATED_ACTIONS:
+        raise UserInputError(
+            f"p {pipeline_parallel} x m {micro_batches} x v {v} = {pipeline_parallel * micro_batches * v:,} "
+            f"forward passes to simulate, more than {MAX_SIMULATED_ACTIONS:,}"
+        )
+    forward_s = (1.0 if forward_ms is None else forward_ms) / 1e3
+    backward_s = (2.0 if backward_ms is None else backward_ms) / 1e3
+    schedule = generate_for_stage_times(
+        schedule_kind, pipeline_parallel, micro_batches, v, bool(recompute),
+        forward_seconds=forward_s, backward_seconds=backward_s,
+    )
+    costs = uniform_costs(
+        pipeline_parallel, v, forward_s, backward_s,
+        send=(send_ms or 0.0) / 1e3,
+        allreduce=(allreduce_ms or 0.0) / 1e3,
+        optimizer=(optimizer_ms or 0.0) / 1e3,
+        jitter=jitter_ms / 1e3,
+        seed=seed,
+    )
+    return schedule, costs
+
+
+def _two_bw_across_steps(
+    schedule: Schedule, costs: StageCosts, context: dict[str, Any]
+) -> tuple[Optional[TwoBWSteadyState], list[str]]:
+    """A 2bw schedule's steady state (None where it cannot be computed, or for another schedule) and
+    the notes that go with it: why it is missing, and where the table above times transfers otherwise."""
+    if schedule.kind is not ScheduleKind.PIPEDREAM_2BW:
+        return None, []
+    two_bw: Optional[TwoBWSteadyState] = None
+    notes: list[str] = []
+    try:
+        two_bw = _two_bw_state(schedule, costs)
+    except ScheduleError as exc:
+        notes.append(f"2BW's steady state: {exc.message}" + (f" ({exc.hint})" if exc.hint else ""))
+        if context.get("predicted_step_seconds"):
+            notes.append(f"the plan predicted {context['predicted_step_seconds']:.6g} s per update in "
+                         "steady state (the planner computes it without simulating every operation)")
+    differences = (["blocking (gloo) transfers"] if costs.blocking_p2p else []) + (
+        ["transfer jitter"] if costs.jitter_seconds else []
+    )
+    if differences:
+        notes.append(
+            f"the table above times {' and '.join(differences)}; 2BW's figures below time transfers as "
+            "asynchronous and exact"
+        )
+    return two_bw, notes
+
+
 def _summary_table(schedule: Schedule, timeline: Timeline, context: dict[str, Any]) -> Table:
     """Per rank: busy time, bubble, idle per compute, exposed communication and peak in flight; times
     in one unit for the whole table (ms below a 1 s step, else s), 4 significant digits."""
@@ -242,57 +319,14 @@ def register(app: typer.Typer) -> None:
             plan_only = [n for n, v in (("profile", profile), ("cluster", cluster), ("devices", devices)) if v is not None]
             if plan_only:
                 raise UserInputError(f"--{plan_only[0]} needs a PLAN.json")
-            if schedule_kind is None or pipeline_parallel is None or micro_batches is None:
-                raise UserInputError(
-                    "give a PLAN.json, or --schedule, --pipeline-parallel and --micro-batches",
-                    hint="pipectl simulate --schedule 1f1b --pipeline-parallel 4 --micro-batches 8 --terminal",
-                )
-            v = chunks or (2 if schedule_kind is ScheduleKind.ZBV else 1)  # zbv: two chunks, a V
-            if schedule_kind.splits_backward and recompute:
-                raise UserInputError(
-                    f"the {schedule_kind.value} schedule does not recompute: its W keeps each micro-batch's "
-                    "activations until the drain, so a recompute would run the forward again for nothing",
-                    hint=f"pipectl simulate --schedule {schedule_kind.value} without --recompute",
-                )
-            if pipeline_parallel * micro_batches * v > MAX_SIMULATED_ACTIONS:
-                raise UserInputError(
-                    f"p {pipeline_parallel} x m {micro_batches} x v {v} = {pipeline_parallel * micro_batches * v:,} "
-                    f"forward passes to simulate, more than {MAX_SIMULATED_ACTIONS:,}"
-                )
-            forward_s = (1.0 if forward_ms is None else forward_ms) / 1e3
-            backward_s = (2.0 if backward_ms is None else backward_ms) / 1e3
-            schedule = generate_for_stage_times(
-                schedule_kind, pipeline_parallel, micro_batches, v, bool(recompute),
-                forward_seconds=forward_s, backward_seconds=backward_s,
-            )
-            costs = uniform_costs(
-                pipeline_parallel, v, forward_s, backward_s,
-                send=(send_ms or 0.0) / 1e3,
-                allreduce=(allreduce_ms or 0.0) / 1e3,
-                optimizer=(optimizer_ms or 0.0) / 1e3,
-                jitter=jitter_ms / 1e3,
-                seed=seed,
-            )
+            schedule, costs = _uniform_pipeline(
+                schedule_kind, pipeline_parallel, micro_batches, chunks, recompute,
+                forward_ms=forward_ms, backward_ms=backward_ms, send_ms=send_ms, allreduce_ms=allreduce_ms,
+                optimizer_ms=optimizer_ms, jitter_ms=jitter_ms, seed=seed,
+            )  # fmt: skip
             context = {"source": "uniform"}
         timeline = simulate(schedule, costs)
-        two_bw: Optional[TwoBWSteadyState] = None
-        two_bw_notes: list[str] = []
-        if schedule.kind is ScheduleKind.PIPEDREAM_2BW:
-            try:
-                two_bw = _two_bw_state(schedule, costs)
-            except ScheduleError as exc:
-                two_bw_notes.append(f"2BW's steady state: {exc.message}" + (f" ({exc.hint})" if exc.hint else ""))
-                if context.get("predicted_step_seconds"):
-                    two_bw_notes.append(f"the plan predicted {context['predicted_step_seconds']:.6g} s per update in "
-                                        "steady state (the planner computes it without simulating every operation)")
-            differences = (["blocking (gloo) transfers"] if costs.blocking_p2p else []) + (
-                ["transfer jitter"] if costs.jitter_seconds else []
-            )
-            if differences:
-                two_bw_notes.append(
-                    f"the table above times {' and '.join(differences)}; 2BW's figures below time transfers as "
-                    "asynchronous and exact"
-                )
+        two_bw, two_bw_notes = _two_bw_across_steps(schedule, costs, context)
         two_bw_memory_rows = None
         if two_bw is not None and context.get("stage_parameter_bytes") is not None:
             two_bw_memory_rows = two_bw_memory(

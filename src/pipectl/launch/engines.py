@@ -310,7 +310,6 @@ def slurm_script(
     cpus_per_task = job.ranks_per_node * cpus_per_rank
     signal_seconds = slurm.signal_seconds or SlurmSpec.DEFAULT_SIGNAL_SECONDS
     requeue_limit = SlurmSpec.DEFAULT_REQUEUE_LIMIT if slurm.requeue_limit is None else slurm.requeue_limit
-    run = shlex.quote(str(run_dir))
 
     def sbatch(option: str, value: str | None, example: str, flag: str = "") -> str:
         if value:
@@ -333,18 +332,10 @@ def slurm_script(
             "#SBATCH --exclusive",
         ]  # fmt: skip
 
-    env = rank_environment(gpus=gpus, import_root=job.import_root)
-    if slurm.network_interface:
-        env.update(NCCL_SOCKET_IFNAME=slurm.network_interface, GLOO_SOCKET_IFNAME=slurm.network_interface)
-    if job.elastic:
-        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    env.update(slurm.env or {})  # the user's word wins
+    env = _slurm_rank_environment(job, slurm, gpus)
     # Slurm 22.05 and later no longer pass sbatch's --cpus-per-task on to srun: say it again there.
     srun = ["srun", "--kill-on-bad-exit=1", f"--cpus-per-task={cpus_per_task}"]
-    container: list[str] = []
-    if slurm.container_image:
-        mounts = ",".join([f"{run_dir}:{run_dir}", *(slurm.container_mounts or [])])
-        container = [f"--container-image={slurm.container_image}", f"--container-mounts={mounts}"]
+    container = _container_options(slurm, run_dir)
     srun += container
     first_nodes = "$SLURM_JOB_NODELIST"
     if groups:
@@ -360,25 +351,11 @@ def slurm_script(
             allocation += resources(str(group.nodes), spec)
         first_nodes = "$SLURM_JOB_NODELIST_HET_GROUP_0"
         srun.insert(1, "--het-group=" + ",".join(map(str, range(len(groups)))))
-        agent = shlex.join([python, "-m", "torch.distributed.run"]) + (
-            f" --nnodes {job.nodes} --nproc_per_node {job.ranks_per_node} --rdzv_backend static"
-            ' --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" --node_rank "$SLURM_PROCID" '
-            + shlex.join(_worker_args(run_dir))
-        )
-        # Each task expands its own $SLURM_PROCID: the command goes through a shell on the node.
-        torchrun = shlex.join([*srun, "bash", "-c", "exec " + agent])
+        torchrun = _static_rendezvous_agents(job, run_dir, python, srun)
     else:
         nodes = f"{job.elastic.min_nodes}-{job.elastic.max_nodes}" if job.elastic else str(job.nodes)
-        nnodes = f"{job.elastic.min_nodes}:{job.elastic.max_nodes}" if job.elastic else '"$SLURM_JOB_NUM_NODES"'
         allocation = resources(nodes, slurm)
-        torchrun = (
-            shlex.join([*srun, python, "-m", "torch.distributed.run"])
-            + f" --nnodes {nnodes}"
-            + (f" --max_restarts {job.elastic.max_restarts} --rdzv_conf last_call_timeout=1" if job.elastic else "")
-            + f" --nproc_per_node {job.ranks_per_node}"
-            + ' --rdzv_backend c10d --rdzv_endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv_id "$SLURM_JOB_ID"'
-            + " " + shlex.join(_worker_args(run_dir))
-        )  # fmt: skip
+        torchrun = _c10d_rendezvous_agents(job, run_dir, python, srun)
     # `sed -n 1p` reads every name: `head -n 1` may close the pipe while scontrol still writes,
     # and under pipefail scontrol's SIGPIPE would end the script.
     master = (
@@ -386,11 +363,7 @@ def slurm_script(
         if job.master_addr
         else f'MASTER_ADDR="$(scontrol show hostnames "{first_nodes}" | sed -n 1p)"'
     )
-    if slurm.setup:
-        # Environment modules and conda's activation read variables they never set.
-        setup = ["# Set-up (the cluster file's slurm.setup)", "set +u", *slurm.setup, "set -u"]
-    else:
-        setup = [f"# TODO set-up unset (slurm.setup: module loads, a venv or conda activation): the nodes run {python}"]
+    setup = _slurm_setup(slurm, python)
     # The decision runs where the ranks' Python is: inside the container when there is one.
     decide = shlex.join([*(["srun", "--nodes=1", "--ntasks=1", *container] if container else []),
                          python, "-m", REQUEUE_MODULE, "--run-dir", str(run_dir), "--limit", str(requeue_limit)])  # fmt: skip
@@ -428,6 +401,60 @@ def slurm_script(
         'exit $(( status ? status : 1 ))',
     ]  # fmt: skip
     return "\n".join(lines) + "\n"
+
+
+def _slurm_rank_environment(job: JobSpec, slurm: SlurmSpec, gpus: bool) -> dict[str, str]:
+    """The environment the batch script exports to the ranks: pipectl's, the cluster file's network
+    interface, then the cluster file's own variables."""
+    env = rank_environment(gpus=gpus, import_root=job.import_root)
+    if slurm.network_interface:
+        env.update(NCCL_SOCKET_IFNAME=slurm.network_interface, GLOO_SOCKET_IFNAME=slurm.network_interface)
+    if job.elastic:
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    env.update(slurm.env or {})  # the user's word wins
+    return env
+
+
+def _container_options(slurm: SlurmSpec, run_dir: Path) -> list[str]:
+    """srun's options that run a step in the cluster file's container, the run directory mounted; [] without one."""
+    if not slurm.container_image:
+        return []
+    mounts = ",".join([f"{run_dir}:{run_dir}", *(slurm.container_mounts or [])])
+    return [f"--container-image={slurm.container_image}", f"--container-mounts={mounts}"]
+
+
+def _static_rendezvous_agents(job: JobSpec, run_dir: Path, python: str, srun: list[str]) -> str:
+    """A heterogeneous job's step: one torchrun agent per node, its node rank the task number Slurm
+    gives it (component by component), so the first component's nodes run the first ranks."""
+    agent = shlex.join([python, "-m", "torch.distributed.run"]) + (
+        f" --nnodes {job.nodes} --nproc_per_node {job.ranks_per_node} --rdzv_backend static"
+        ' --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" --node_rank "$SLURM_PROCID" '
+        + shlex.join(_worker_args(run_dir))
+    )
+    # Each task expands its own $SLURM_PROCID: the command goes through a shell on the node.
+    return shlex.join([*srun, "bash", "-c", "exec " + agent])
+
+
+def _c10d_rendezvous_agents(job: JobSpec, run_dir: Path, python: str, srun: list[str]) -> str:
+    """The step of a job on one kind of node: one torchrun agent per node meeting at a c10d
+    rendezvous, over a range of node counts when the job is elastic."""
+    nnodes = f"{job.elastic.min_nodes}:{job.elastic.max_nodes}" if job.elastic else '"$SLURM_JOB_NUM_NODES"'
+    return (
+        shlex.join([*srun, python, "-m", "torch.distributed.run"])
+        + f" --nnodes {nnodes}"
+        + (f" --max_restarts {job.elastic.max_restarts} --rdzv_conf last_call_timeout=1" if job.elastic else "")
+        + f" --nproc_per_node {job.ranks_per_node}"
+        + ' --rdzv_backend c10d --rdzv_endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv_id "$SLURM_JOB_ID"'
+        + " " + shlex.join(_worker_args(run_dir))
+    )  # fmt: skip
+
+
+def _slurm_setup(slurm: SlurmSpec, python: str) -> list[str]:
+    """The script's set-up lines (module loads, an activation), or a TODO naming the Python the nodes run."""
+    if slurm.setup:
+        # Environment modules and conda's activation read variables they never set.
+        return ["# Set-up (the cluster file's slurm.setup)", "set +u", *slurm.setup, "set -u"]
+    return [f"# TODO set-up unset (slurm.setup: module loads, a venv or conda activation): the nodes run {python}"]
 
 
 def slurm_command(

@@ -287,6 +287,52 @@ def plan_utilisations(plan: Plan, profile: ModelProfile | None, candidates: Sequ
     return [utilisation(c, flops, dtype, global_batch=plan.global_batch) for c in candidates]
 
 
+def _two_bw_legend(rows: Sequence[Candidate], chosen: Candidate) -> Text | None:
+    """What a '2bw (steady)' row's figures are, with the first such alternative's steady state beside
+    its flushed step; None without a 2bw row."""
+    two_bw = [cand for cand in rows if _steady(cand)]
+    if not two_bw:
+        return None
+    first = two_bw[0]
+    line = (
+        "2bw (steady): PipeDream-2BW's time per update in steady state, no flush between updates "
+        "(1-stale weights: another optimizer than 1f1b's; pipectl launch refuses it)"
+    )
+    note = _steady_note(first)
+    if first != chosen and note:
+        line += (f"; {first.tensor_parallel}·{first.pipeline_parallel}·{first.data_parallel} "
+                 f"{_batch_label(first)}: {note}")
+    return Text(line, style="dim")
+
+
+def _zero_legend(flagged: Sequence[Candidate]) -> Text | None:
+    """The ZeRO stages among `flagged` that pipectl's runtime does not train with, and which it does;
+    None when it trains with all of them."""
+    stages = sorted({
+        cand.zero_stage for cand in flagged
+        if not runtime_runs_zero(cand.zero_stage, cand.pipeline_parallel, cand.tensor_parallel,
+                                 checkpoint_layers=cand.checkpoint_layers)
+    })
+    if not stages:
+        return None
+    return Text(
+        f"* {', '.join(f'ZeRO-{z}' for z in stages)}: pipectl's runtime trains with ZeRO-1, and ZeRO-2 and "
+        f"ZeRO-3 with one stage and no tensor split, ZeRO-3 without per-layer checkpointing (plan and simulate only)"
+        f"{'; ZeRO-2 and ZeRO-3 are planned at p = 1 only' if stages[-1] >= 2 else ''}", style="dim",
+    )
+
+
+def _replicas_table(replicas: Sequence[ReplicaShare]) -> Table:
+    """An uneven split's share of the batch per replica (runs of equal shares as one row)."""
+    table = Table(title="batch split over replicas", box=box.SIMPLE_HEAD, title_justify="left")
+    for header in ("replica", "device", "b", "m", "samples", "gradient weight"):
+        table.add_column(header)
+    for first, last, r in _replica_runs(replicas):
+        table.add_row(str(first) if first == last else f"{first}-{last}", r.device, str(r.micro_batch_size),
+                      str(r.micro_batches), str(r.samples), f"{r.gradient_weight:.4g}")
+    return table
+
+
 def plan_view(
     plan: Plan,
     *,
@@ -347,39 +393,13 @@ def plan_view(
                if torch_runs else "plan and simulate only)"),
             style="dim",
         ))
-    two_bw = [cand for cand in [*shown, *apart] if _steady(cand)]
-    if two_bw:
-        first = two_bw[0]
-        line = (
-            "2bw (steady): PipeDream-2BW's time per update in steady state, no flush between updates "
-            "(1-stale weights: another optimizer than 1f1b's; pipectl launch refuses it)"
-        )
-        note = _steady_note(first)
-        if first != c and note:
-            line += (f"; {first.tensor_parallel}·{first.pipeline_parallel}·{first.data_parallel} "
-                     f"{_batch_label(first)}: {note}")
-        parts.append(Text(line, style="dim"))
-    stages = sorted({
-        cand.zero_stage for cand in flagged
-        if not runtime_runs_zero(cand.zero_stage, cand.pipeline_parallel, cand.tensor_parallel,
-                                 checkpoint_layers=cand.checkpoint_layers)
-    })
-    if stages:
-        parts.append(Text(
-            f"* {', '.join(f'ZeRO-{z}' for z in stages)}: pipectl's runtime trains with ZeRO-1, and ZeRO-2 and "
-            f"ZeRO-3 with one stage and no tensor split, ZeRO-3 without per-layer checkpointing (plan and simulate only)"
-            f"{'; ZeRO-2 and ZeRO-3 are planned at p = 1 only' if stages[-1] >= 2 else ''}", style="dim",
-        ))
+    for legend in (_two_bw_legend([*shown, *apart], c), _zero_legend(flagged)):
+        if legend is not None:
+            parts.append(legend)
     for note in [*plan.notes, *c.notes]:
         parts.append(Text(f"note: {note}", style="yellow"))
     if c.replicas:
-        replicas = Table(title="batch split over replicas", box=box.SIMPLE_HEAD, title_justify="left")
-        for header in ("replica", "device", "b", "m", "samples", "gradient weight"):
-            replicas.add_column(header)
-        for first, last, r in _replica_runs(c.replicas):
-            replicas.add_row(str(first) if first == last else f"{first}-{last}", r.device, str(r.micro_batch_size),
-                             str(r.micro_batches), str(r.samples), f"{r.gradient_weight:.4g}")
-        parts.append(replicas)
+        parts.append(_replicas_table(c.replicas))
     checkpoint = None if framework else checkpoint_line(plan)  # pipectl's own checkpoints
     if checkpoint is not None:
         parts.append(Text(checkpoint, style="dim"))

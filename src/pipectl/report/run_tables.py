@@ -70,6 +70,36 @@ def requeue_text(status: RunStatus) -> Text:
     return Text(f"requeued {times}, then not again: {last.reason}", style="yellow")
 
 
+def _run_state(status: RunStatus) -> str:
+    """Where the run stands, for the progress row: finished, trained (and whether it can resume),
+    stopped, starting or in progress."""
+    if status.finished:
+        return "finished"
+    if status.trained and not status.checkpoints:
+        return "trained, but no checkpoint was written: nothing to resume from; launch again with --force"
+    if status.trained:
+        return "trained, but no checkpoint holds the last step: resume to write it"
+    if status.stopped is not None:
+        step, why = status.stopped
+        return f"stopped at step {step}, checkpoint written" + (f": {why}" if why else "")
+    if not status.metrics:
+        if status.ranks_beating:
+            return "starting: the ranks are up, the first step is not done yet"
+        return "starting: the launch is preparing the ranks" if status.launching else "not started"
+    return "in progress" if status.active else "stopped (no rank is running)"
+
+
+def _checkpoints_table(status: RunStatus) -> Table:
+    """Each checkpoint of the run: its tag, step, whether it verifies (else its problems) and size."""
+    table = Table(box=box.SIMPLE_HEAD, title="checkpoints", title_justify="left")
+    for column in ("tag", "step", "state", "size"):
+        table.add_column(column)
+    for ckpt in status.checkpoints:
+        state = Text("ok", style="green") if ckpt.verified else Text("; ".join(ckpt.problems), style="red")
+        table.add_row(ckpt.tag, str(ckpt.step if ckpt.step is not None else "?"), state, format_bytes(ckpt.bytes))
+    return table
+
+
 def status_table(report: RunReport, *, brief: bool = False) -> Group:
     """Rich renderables: a summary table, then (unless `brief`, what launch and resize print when
     the job ends) memory, where the step goes, checkpoints, morph history and stragglers."""
@@ -77,22 +107,7 @@ def status_table(report: RunReport, *, brief: bool = False) -> Group:
     summary = Table(box=box.SIMPLE, show_header=False, title=f"run {status.path.name}", title_justify="left")
     summary.add_column(style="bold")
     summary.add_column()
-    if status.finished:
-        state = "finished"
-    elif status.trained and not status.checkpoints:
-        state = "trained, but no checkpoint was written: nothing to resume from; launch again with --force"
-    elif status.trained:
-        state = "trained, but no checkpoint holds the last step: resume to write it"
-    elif status.stopped is not None:
-        step, why = status.stopped
-        state = f"stopped at step {step}, checkpoint written" + (f": {why}" if why else "")
-    elif not status.metrics:
-        if status.ranks_beating:
-            state = "starting: the ranks are up, the first step is not done yet"
-        else:
-            state = "starting: the launch is preparing the ranks" if status.launching else "not started"
-    else:
-        state = "in progress" if status.active else "stopped (no rank is running)"
+    state = _run_state(status)
     summary.add_row("model", status.job.model)
     if status.requeues:
         summary.add_row("slurm", requeue_text(status))
@@ -141,13 +156,7 @@ def status_table(report: RunReport, *, brief: bool = False) -> Group:
         comparison, reason = report.phases, report.phases_unavailable
         parts.append(phase_table(comparison) if comparison is not None else Text(reason or "", style="dim"))
     if status.checkpoints:
-        table = Table(box=box.SIMPLE_HEAD, title="checkpoints", title_justify="left")
-        for column in ("tag", "step", "state", "size"):
-            table.add_column(column)
-        for ckpt in status.checkpoints:
-            state = Text("ok", style="green") if ckpt.verified else Text("; ".join(ckpt.problems), style="red")
-            table.add_row(ckpt.tag, str(ckpt.step if ckpt.step is not None else "?"), state, format_bytes(ckpt.bytes))
-        parts.append(table)
+        parts.append(_checkpoints_table(status))
     if status.staging:
         parts.append(Text(
             f"{count(len(status.staging), 'staging folder')} in {status.staging[0].parent}: a save in progress, or "

@@ -247,8 +247,6 @@ class _Session:
         newest checkpoint that loads (or fresh)."""
         # torch, after dsinit
         from pipectl.runtime.checkpoint import engine_state
-        from pipectl.runtime.checkpoint.schedule import CheckpointSchedule
-        from pipectl.runtime.checkpoint.checkpointer import DEFAULT_COMMIT_TIMEOUT_SECONDS, Checkpointer
         from pipectl.runtime.data import DeterministicBatches, make_source, replica_slices
 
         context.layout = job.layout
@@ -298,32 +296,7 @@ class _Session:
         if job.run_dir is None:
             return session
         if handed is None:
-            context.phase = "loading the checkpoint"
-            loaded = checkpoint.load_latest(engine, job.run_dir)
-            if loaded is not None:
-                session.step = loaded.step
-                for warning in loaded.warnings:
-                    log.warning(warning)
-            if rank == 0:
-                # What was loaded, and what could not be, for the launching terminal (launch, resize).
-                write_resume(
-                    job.run_dir,
-                    ResumeRecord(
-                        step=session.step,
-                        tag=loaded.tag if loaded else None,
-                        skipped=loaded.warnings if loaded else [],
-                        time_unix=time.time(),
-                    ),
-                )
-                # An elastic engine may have re-formed the group on another layout: record the morph.
-                record_layout_change(
-                    job.run_dir,
-                    to_layout=layout.label(),
-                    to_devices=layout.world_size,
-                    global_batch=layout.global_batch,
-                    resume_step=session.step,
-                    target_steps=job.steps,
-                )
+            session._resume(context)
         session.stop_flag = checkpoint.install_sigterm_handler()
         watch_supervisor(session.stop_flag.set)  # the launching pipectl gone: stop at a checkpoint
         session.writer = MetricsWriter(job.run_dir, rank)
@@ -331,10 +304,56 @@ class _Session:
             session.monitor = StepMonitor(
                 job.run_dir, job.steps, log_every=job.log_every, tensorboard=job.tensorboard, wandb=job.wandb
             )
+        session._start_checkpointer()
+        # A recovery may restore a step whose checkpoint was abandoned: this layout has saved nothing.
+        session.saved = -1 if handed is not None and handed.request.recovery else session.step
+        if job.recover_in_memory and layout.data_parallel > 1 and handed is None and recovery.under_agent():
+            context.phase = "copying the state to the neighbour replica"
+            session.peers = recovery.PeerCopy(layout, rank)
+            session.peers.refresh(engine, session.step, _data_position(layout, session.step))
+        return session
+
+    def _resume(self, context: RankContext) -> None:
+        """Bring the newest checkpoint that loads (none: train from the start); rank 0 records what it
+        brought, and the layout it resumes on."""
+        job, layout = self.job, self.layout
+        context.phase = "loading the checkpoint"
+        loaded = checkpoint.load_latest(self.engine, job.run_dir)
+        if loaded is not None:
+            self.step = loaded.step
+            for warning in loaded.warnings:
+                log.warning(warning)
+        if self.rank == 0:
+            # What was loaded, and what could not be, for the launching terminal (launch, resize).
+            write_resume(
+                job.run_dir,
+                ResumeRecord(
+                    step=self.step,
+                    tag=loaded.tag if loaded else None,
+                    skipped=loaded.warnings if loaded else [],
+                    time_unix=time.time(),
+                ),
+            )
+            # An elastic engine may have re-formed the group on another layout: record the morph.
+            record_layout_change(
+                job.run_dir,
+                to_layout=layout.label(),
+                to_devices=layout.world_size,
+                global_batch=layout.global_batch,
+                resume_step=self.step,
+                target_steps=job.steps,
+            )
+
+    def _start_checkpointer(self) -> None:
+        """This layout's checkpointer, its host buffers those of the hand-over it started from, if any."""
+        from pipectl.runtime.checkpoint.checkpointer import DEFAULT_COMMIT_TIMEOUT_SECONDS, Checkpointer
+        from pipectl.runtime.checkpoint.schedule import CheckpointSchedule
+
+        job, layout, handed = self.job, self.layout, self.handed
         schedule = CheckpointSchedule.for_job(
             job.checkpoint_every, job.checkpoint_every_seconds, job.checkpoint_auto, job.mtbf_hours, layout.world_size
         )
-        session.saver = Checkpointer(
+        self.saver = Checkpointer(
             job.run_dir,
             keep=job.keep_checkpoints,
             layout=layout,
@@ -347,23 +366,16 @@ class _Session:
             # from now on (those whose shapes changed are replaced at the first save); on a CPU the
             # first save allocates them.
             if handed.host is not None:
-                session.saver.host = handed.host
+                self.saver.host = handed.host
             log.warning(
                 "live resize to %s at step %d: %s; %.1f MiB moved by all ranks",
                 layout.label(),
-                session.step,
+                self.step,
                 handed.clock.describe(),
                 handed.bytes_moved / 2**20,
             )
         else:
-            session.saver.prepare(engine)
-        # A recovery may restore a step whose checkpoint was abandoned: this layout has saved nothing.
-        session.saved = -1 if handed is not None and handed.request.recovery else session.step
-        if job.recover_in_memory and layout.data_parallel > 1 and handed is None and recovery.under_agent():
-            context.phase = "copying the state to the neighbour replica"
-            session.peers = recovery.PeerCopy(layout, rank)
-            session.peers.refresh(engine, session.step, _data_position(layout, session.step))
-        return session
+            self.saver.prepare(self.engine)
 
     def train(self, result: TrainResult, on_step, context: RankContext, generation: int):
         """Train up to the job's steps. Returns a live resize request taken at a step boundary (every

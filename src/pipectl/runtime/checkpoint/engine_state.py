@@ -539,6 +539,38 @@ def _coordinates(header: RankHeader) -> tuple[int, int, int]:
     return header.stage, header.data_parallel_rank, header.tp_rank
 
 
+def _restore_group_settings(optimizer: Any, source: RankHeader, group: int, zero3: bool) -> None:
+    """The optimizer group's hyperparameters as written (lr, betas, ...), in the types the optimizer keeps."""
+    settings = optimizer.optimizer.param_groups[
+        optimizer.sub_group_to_group_id[group] if zero3 else group
+    ]
+    for key, value in source.group_settings[group].items():
+        if key in settings:
+            settings[key] = tuple(value) if isinstance(settings[key], tuple) else value
+
+
+def _restore_module_tensors(engine: Any, reader: ShardReader, trained: set[int]) -> None:
+    """The persistent buffers and parameters no optimizer group holds, which its pieces do not bring."""
+    for name, value in _module_tensors(engine.module, trained).items():
+        stored = reader.module_tensor(name)
+        if stored is None:
+            raise CheckpointError(f"{reader.folder}: holds no module tensor {name!r} (written for another model?)")
+        value.copy_(stored)
+
+
+def _restore_counters(engine: Any, optimizer: Any, source: RankHeader) -> None:
+    """The engine's step and sample counters, its learning-rate schedule and its loss scaler."""
+    for key, value in source.engine_counters.items():
+        setattr(engine, key, value)
+    if engine.lr_scheduler is not None and source.lr_scheduler is not None:
+        engine.lr_scheduler.load_state_dict(source.lr_scheduler)
+    scaler = getattr(optimizer, "loss_scaler", None)
+    if scaler is not None and source.loss_scaler:
+        for key, value in source.loss_scaler.items():
+            if hasattr(scaler, key):
+                setattr(scaler, key, value)
+
+
 def restore(engine: Any, reader: ShardReader, *, restore_rng: bool = True) -> RankHeader:
     """Load a checkpoint written in any layout into this rank's engine. Every rank (no collective).
 
@@ -604,26 +636,9 @@ def restore(engine: Any, reader: ShardReader, *, restore_rng: bool = True) -> Ra
                     for piece in linked.pieces:  # DeepSpeed's views of each piece's moments
                         piece.parameter._hp_mapping.set_optim_state_fragment(partition, state)
                     optimizer._hp_optimizer_states_linked = True
-            settings = optimizer.optimizer.param_groups[
-                optimizer.sub_group_to_group_id[group] if zero3 else group
-            ]
-            for key, value in source.group_settings[group].items():
-                if key in settings:
-                    settings[key] = tuple(value) if isinstance(settings[key], tuple) else value
-        for name, value in _module_tensors(engine.module, trained).items():
-            stored = reader.module_tensor(name)
-            if stored is None:
-                raise CheckpointError(f"{reader.folder}: holds no module tensor {name!r} (written for another model?)")
-            value.copy_(stored)
-    for key, value in source.engine_counters.items():
-        setattr(engine, key, value)
-    if engine.lr_scheduler is not None and source.lr_scheduler is not None:
-        engine.lr_scheduler.load_state_dict(source.lr_scheduler)
-    scaler = getattr(optimizer, "loss_scaler", None)
-    if scaler is not None and source.loss_scaler:
-        for key, value in source.loss_scaler.items():
-            if hasattr(scaler, key):
-                setattr(scaler, key, value)
+            _restore_group_settings(optimizer, source, group, zero3)
+        _restore_module_tensors(engine, reader, trained)
+    _restore_counters(engine, optimizer, source)
     if restore_rng:
         # Its own generators when the layout is the one that wrote them (the file of this rank
         # number was written at the same stage, replica and tensor rank), else rank 0's.
