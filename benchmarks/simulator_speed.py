@@ -17,7 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-from pipectl.plan.simulate import StageCosts, _compiled, simulate, simulate_step_seconds
+from pipectl.plan.stage_costs import StageCosts
+from pipectl.plan.simulate import _compiled, simulate, simulate_step_seconds
 from pipectl.schedule import ScheduleKind, generate
 
 CASES = [

@@ -12,7 +12,7 @@ if TYPE_CHECKING:  # torch only where a helper needs it: planner tests import th
     import torch
 
     from pipectl.models.tensor_parallel import TensorSplit
-    from pipectl.plan.simulate import StageCosts
+    from pipectl.plan.stage_costs import StageCosts
 
 
 def gpt_tiny_candidate(p: int = 2, d: int = 1, b: int = 2, m: int = 4, *, global_batch: int | None = None) -> Candidate:
@@ -150,7 +150,7 @@ def assert_same_weights(weights: dict, reference: dict, tolerance: float) -> Non
 def random_stage_costs(p: int, v: int, rng, spread: float = 1.0):
     """Non-uniform stages and links for p ranks of v chunks; `spread` < 1 makes stages nearly
     equal (long transients), 0 makes them equal."""
-    from pipectl.plan.simulate import StageCosts
+    from pipectl.plan.stage_costs import StageCosts
 
     s = p * v
     return StageCosts(
@@ -178,7 +178,7 @@ def head_start_costs(stages: int, p: int, slower: float, heavier_last: float, rn
     if rng is not None:  # tiny per-stage noise: nearly equal, not equal
         forward = [f * (1 + rng.uniform(0, 1e-5)) for f in forward]
     sends = [0.0004 if s % 2 and alternating_links else 0.004 for s in range(stages - 1)]
-    from pipectl.plan.simulate import StageCosts
+    from pipectl.plan.stage_costs import StageCosts
 
     return StageCosts(
         forward_seconds=forward, backward_seconds=backward, recompute_seconds=forward,

@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipectl.errors import ScheduleError
-from pipectl.plan.simulate import simulate, simulate_rendezvous, simulate_step_seconds, uniform_costs
+from pipectl.plan.simulate import simulate, simulate_rendezvous, simulate_step_seconds
+from pipectl.plan.stage_costs import uniform_costs
 from pipectl.plan.timing import executed_schedule, step_seconds_of, summary_of
 from pipectl.schedule import generate
 from pipectl.schedule.ir import Schedule, ScheduleKind

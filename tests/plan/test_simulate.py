@@ -6,7 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipectl.errors import ScheduleError, UserInputError
-from pipectl.plan.simulate import StageCosts, simulate, simulate_step_seconds, uniform_costs
+from pipectl.plan.stage_costs import StageCosts, uniform_costs
+from pipectl.plan.simulate import simulate, simulate_step_seconds
 from pipectl.schedule import generate
 from pipectl.schedule.comm import add_communication
 from pipectl.schedule.ir import Action, ActionKind, Schedule, ScheduleKind

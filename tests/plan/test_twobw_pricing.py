@@ -26,7 +26,7 @@ from pipectl.plan.evaluate import Evaluator
 from pipectl.plan.fast import twobw
 from pipectl.plan.memory import in_flight_units
 from pipectl.plan.search import plan
-from pipectl.plan.simulate import uniform_costs
+from pipectl.plan.stage_costs import uniform_costs
 from pipectl.plan.space import enumerate_specs, search_space
 from pipectl.testing.profiles import synthetic_profile
 from pipectl.plan.timing import two_bw_summary_of

@@ -23,7 +23,8 @@ from hypothesis import strategies as st
 from pipectl.errors import UserInputError
 from pipectl.plan.fast.bounds import zero_bubble_bound_seconds
 from pipectl.plan.memory import in_flight_units, peak_in_flight_units
-from pipectl.plan.simulate import BACKWARD_INPUT_FRACTION, StageCosts, simulate, simulate_step_seconds, uniform_costs
+from pipectl.plan.stage_costs import BACKWARD_INPUT_FRACTION, StageCosts, uniform_costs
+from pipectl.plan.simulate import simulate, simulate_step_seconds
 from pipectl.plan.timing import actions_per_step, step_seconds_of, summary_of
 from pipectl.schedule import ScheduleKind, generate
 

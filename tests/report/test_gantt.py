@@ -3,7 +3,8 @@ import re
 import pytest
 
 from pipectl.errors import UserInputError
-from pipectl.plan.simulate import simulate, uniform_costs
+from pipectl.plan.simulate import simulate
+from pipectl.plan.stage_costs import uniform_costs
 from pipectl.report.gantt import KIND_COLOURS, describe, gantt_figure, micro_batch_id, terminal_gantt, write_gantt
 from pipectl.schedule import ScheduleKind, generate
 

@@ -239,7 +239,8 @@ def test_varuna_beats_gpipe_on_the_papers_figure_4_instance_at_any_time_unit(uni
     """4 stages, 5 micro-batches, forward = recompute = 1, backward = 2, free communication (Athlur
     et al. 2022, Figure 4): Varuna's order finishes in 27 units, GPipe with recompute in 28. The
     order is derived in exact time, so milliseconds (float sums that miss ties) give the same one."""
-    from pipectl.plan.simulate import simulate, uniform_costs
+    from pipectl.plan.simulate import simulate
+    from pipectl.plan.stage_costs import uniform_costs
 
     costs = uniform_costs(4, 1, unit, 2 * unit)
     times = {}
@@ -253,7 +254,8 @@ def test_varuna_beats_gpipe_on_the_papers_figure_4_instance_at_any_time_unit(uni
 def test_varuna_is_never_slower_than_gpipe_with_recompute(times):
     """Uniform stages, free communication, p <= 6 and m <= 12: Varuna's order (derived for these
     times) finishes no later than GPipe's, which recomputes every stage's activations too."""
-    from pipectl.plan.simulate import simulate, uniform_costs
+    from pipectl.plan.simulate import simulate
+    from pipectl.plan.stage_costs import uniform_costs
 
     tf, tb = times
     for p in range(1, 7):

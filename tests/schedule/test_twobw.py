@@ -13,7 +13,8 @@ import random
 import pytest
 
 from pipectl.errors import ScheduleError
-from pipectl.plan.simulate import StageCosts, simulate
+from pipectl.plan.stage_costs import StageCosts
+from pipectl.plan.simulate import simulate
 from pipectl.schedule import generate, one_f_one_b
 from pipectl.schedule.ir import ActionKind, ScheduleKind
 from pipectl.plan import twobw_steady_state

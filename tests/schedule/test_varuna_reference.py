@@ -40,7 +40,8 @@ from varuna_reference import (  # noqa: E402
     time_units,
 )
 
-from pipectl.plan.simulate import simulate, uniform_costs  # noqa: E402
+from pipectl.plan.simulate import simulate
+from pipectl.plan.stage_costs import uniform_costs  # noqa: E402
 from pipectl.schedule.generators import generate, gpipe, one_f_one_b  # noqa: E402
 from pipectl.schedule.ir import ScheduleKind  # noqa: E402
 from pipectl.schedule.varuna_order import varuna_order  # noqa: E402

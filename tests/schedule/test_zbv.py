@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 
 from pipectl.errors import ScheduleError
 from pipectl.plan.memory import in_flight_units, peak_in_flight_units
-from pipectl.plan.simulate import simulate, simulate_rendezvous, uniform_costs
+from pipectl.plan.simulate import simulate, simulate_rendezvous
+from pipectl.plan.stage_costs import uniform_costs
 from pipectl.schedule import Schedule, ScheduleKind, deepspeed_runnable, generate, stage_rank, torch_runnable, zbv
 from pipectl.schedule.comm import add_communication
 from pipectl.schedule.ir import Action, ActionKind

@@ -29,7 +29,8 @@ from pipectl.cluster import load_cluster, plan_cluster_spec
 from pipectl.errors import ScheduleError, UserInputError
 from pipectl.io import load_model
 from pipectl.plan.hetero import replica_stage_costs
-from pipectl.plan.simulate import StageCosts, Timeline, simulate, simulate_step_seconds, uniform_costs
+from pipectl.plan.stage_costs import StageCosts, uniform_costs
+from pipectl.plan.simulate import Timeline, simulate, simulate_step_seconds
 from pipectl.plan.memory import stage_parameter_and_activation_bytes
 from pipectl.planfile import load_kind_profiles, load_plan_profile, morph_layout
 from pipectl.report.gantt import terminal_gantt, write_gantt

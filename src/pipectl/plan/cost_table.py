@@ -17,7 +17,7 @@ from pipectl.cluster import LinkCost, ResolvedLinks
 from pipectl.errors import UserInputError
 from pipectl.plan.layer_table import LayerTable, layer_table
 from pipectl.plan.memory import chunks_by_rank, parameters_on_rank
-from pipectl.plan.simulate import StageCosts
+from pipectl.plan.stage_costs import StageCosts
 from pipectl.schedule import ScheduleKind, stage_ranks
 from pipectl.plan.costs import Hardware, LayerSeconds, TRANSFORMER_BLOCK, collective_handoff_seconds, hardware_for, host_compute_slowdown, layer_seconds, overlapped_exposed_seconds, profile_for
 from pipectl.plan.placement import ranks_share_node, replicas_share_node

@@ -34,7 +34,8 @@ from pipectl.plan.candidates import Spec
 from pipectl.plan.costs import Hardware, host_compute_slowdown
 from pipectl.plan.placement import ranks_share_node
 from pipectl.plan.fast import bounds, varuna_flags, waves
-from pipectl.plan.simulate import StageCosts, StepSummary
+from pipectl.plan.stage_costs import StageCosts
+from pipectl.plan.simulate import StepSummary
 from pipectl.plan.timing import actions_per_step, reference_mode, step_seconds_of, summary_of, two_bw_summary_of
 from pipectl.schedule import ScheduleKind, deepspeed_runnable, stage_ranks
 from pipectl.words import count

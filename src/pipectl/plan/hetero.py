@@ -36,7 +36,7 @@ from pipectl.plan.costs import Hardware, hardware_for, profile_for
 from pipectl.plan.cost_table import replica_groups, stage_costs, stage_costs_for
 from pipectl.plan.placement import tensor_parallel_placeable
 from pipectl.plan.memory import state_dtype
-from pipectl.plan.simulate import StageCosts
+from pipectl.plan.stage_costs import StageCosts
 from pipectl.plan.evaluate import TWO_BW_NOTE, Evaluator, two_bw_steady_note
 from pipectl.plan.homogeneous import SearchStats, plan_homogeneous
 from pipectl.plan.space import tensor_parallel_possible

@@ -21,7 +21,7 @@ bounds the search prunes with stay on in both modes: they are lower bounds on th
 itself (their tests compare them with `simulate`, not with a fast path), so a pruned candidate
 could not have entered the ranking or the morph table in either mode.
 
-    >>> from pipectl.plan.simulate import uniform_costs
+    >>> from pipectl.plan.stage_costs import uniform_costs
     >>> costs = uniform_costs(4, 1, 1.0, 2.0)
     >>> step_seconds_of(ScheduleKind.GPIPE, 4, 8, 1, False, costs)  # (m + p - 1)(t_f + t_b)
     33.0
@@ -39,14 +39,8 @@ import numpy as np
 
 from pipectl.errors import UserInputError
 from pipectl.plan.fast import twobw, varuna, waves, zero_bubble
-from pipectl.plan.simulate import (
-    StageCosts,
-    StepSummary,
-    check_costs,
-    simulate,
-    simulate_step_seconds,
-    transfers_block,
-)
+from pipectl.plan.stage_costs import StageCosts, check_costs
+from pipectl.plan.simulate import StepSummary, simulate, simulate_step_seconds, transfers_block
 from pipectl.schedule.comm import add_communication
 from pipectl.schedule.generators import generate
 from pipectl.schedule.ir import Schedule, ScheduleKind
@@ -173,7 +167,7 @@ def two_bw_summary_of(
     busy time (m (t_f + t_b (+ t_r)) + all-reduce + optimizer step); exposed communication = the
     waits for transfers in the window, per update, + the all-reduce. m ≥ p − 1.
 
-    >>> from pipectl.plan.simulate import uniform_costs
+    >>> from pipectl.plan.stage_costs import uniform_costs
     >>> summary = two_bw_summary_of(4, 8, False, uniform_costs(4, 1, 1.0, 2.0, allreduce=0.5))
     >>> summary.step_seconds, summary.communication_seconds  # m (t_f + t_b) + the all-reduce
     (24.5, 0.5)

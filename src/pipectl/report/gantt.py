@@ -5,7 +5,8 @@ recompute, all-reduce, optimizer step), the micro-batch number on every bar wide
 it, and later chunks of an interleaved schedule drawn lighter. The title carries the step time and
 the mean bubble fraction.
 
-    >>> from pipectl.plan.simulate import simulate, uniform_costs
+    >>> from pipectl.plan.simulate import simulate
+    >>> from pipectl.plan.stage_costs import uniform_costs
     >>> from pipectl.schedule import ScheduleKind, generate
     >>> timeline = simulate(generate(ScheduleKind.ONE_F_ONE_B, 2, 3), uniform_costs(2, 1, 1.0, 2.0))
     >>> for line in terminal_gantt(timeline, width=24).plain.splitlines():

@@ -15,7 +15,8 @@ from pipectl.plan.costs import hardware_for
 from pipectl.plan.evaluate import Evaluator
 from pipectl.artifacts.plan import PlanRequest
 from pipectl.plan.space import enumerate_specs, search_space
-from pipectl.plan.simulate import simulate, uniform_costs
+from pipectl.plan.simulate import simulate
+from pipectl.plan.stage_costs import uniform_costs
 from pipectl.testing.profiles import synthetic_profile
 from pipectl.schedule import generate
 from pipectl.schedule.ir import ScheduleKind

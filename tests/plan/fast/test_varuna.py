@@ -7,7 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipectl.plan.fast import varuna, varuna_flags
-from pipectl.plan.simulate import StageCosts, simulate
+from pipectl.plan.stage_costs import StageCosts
+from pipectl.plan.simulate import simulate
 from pipectl.plan.timing import step_seconds_of, summary_of
 from pipectl.schedule import generate
 from pipectl.schedule.ir import ScheduleKind

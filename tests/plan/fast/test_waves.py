@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipectl.plan.fast import waves
-from pipectl.plan.simulate import simulate, simulate_step_seconds, uniform_costs
+from pipectl.plan.simulate import simulate, simulate_step_seconds
+from pipectl.plan.stage_costs import uniform_costs
 from pipectl.plan.timing import actions_per_step, step_seconds_of, summary_of
 from pipectl.schedule import generate
 from pipectl.schedule.ir import ScheduleKind

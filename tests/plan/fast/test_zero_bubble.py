@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipectl.plan.fast import zero_bubble
-from pipectl.plan.simulate import StageCosts, simulate, simulate_step_seconds, uniform_costs
+from pipectl.plan.stage_costs import StageCosts, uniform_costs
+from pipectl.plan.simulate import simulate, simulate_step_seconds
 from pipectl.plan.timing import summary_of
 from pipectl.schedule import ScheduleKind, generate
 from pipectl.schedule.ir import ActionKind

@@ -140,7 +140,7 @@ def pair_loop_bound_seconds(micro_batches: int, recompute: bool, costs) -> float
     with m ≥ p (`has_pair_loops`); `recompute` as the schedule runs it (R before every backward
     but the last stage's).
 
-    >>> from pipectl.plan.simulate import uniform_costs
+    >>> from pipectl.plan.stage_costs import uniform_costs
     >>> pair_loop_bound_seconds(8, False, uniform_costs(4, 1, 1.0, 2.0))  # (m + p - 1)(f + b)
     33.0
     """
@@ -186,7 +186,8 @@ def varuna_bound_seconds(micro_batches: int, warm_up, cool_down, costs) -> float
     one chunk, recomputing on every rank but the last (as Varuna does).
 
     >>> from pipectl.plan.fast import varuna_flags
-    >>> from pipectl.plan.simulate import simulate, uniform_costs
+    >>> from pipectl.plan.simulate import simulate
+    >>> from pipectl.plan.stage_costs import uniform_costs
     >>> from pipectl.schedule import ScheduleKind, generate
     >>> costs = uniform_costs(4, 1, 1.0, 2.0)  # the chains: 2 (f + b) + 16 (f + r + b) = 70
     >>> varuna_bound_seconds(16, *varuna_flags.order_ends(4, 16), costs)

@@ -24,7 +24,7 @@ Exposed communication is counted as in `pipectl.plan.simulate`: the part of an o
 for its input that lies after its producer had finished. Tests (tests/plan/test_twobw_pricing.py)
 hold the update time equal to `two_bw_steady_state` to 1e-12 relative on random costs.
 
-    >>> from pipectl.plan.simulate import uniform_costs
+    >>> from pipectl.plan.stage_costs import uniform_costs
     >>> state = steady_state(4, 8, False, uniform_costs(4, 1, 1.0, 2.0), (8, 12))
     >>> state.update_seconds  # m (t_f + t_b) with uniform stages and free communication
     24.0

@@ -17,7 +17,8 @@ steadily drifting cycles of the order are skipped (`_run_with_cycle_jump`,
 `pipectl.plan.fast.periodic`): the step time equals the simulation's to rounding (the tests
 hold it to 1e-12 relative on random non-uniform costs).
 
-    >>> from pipectl.plan.simulate import simulate, uniform_costs
+    >>> from pipectl.plan.simulate import simulate
+    >>> from pipectl.plan.stage_costs import uniform_costs
     >>> from pipectl.schedule import ScheduleKind, generate
     >>> costs = uniform_costs(3, 1, 1.0, 2.0, send=0.25)
     >>> summary(3, 8, costs).step_seconds == simulate(generate(ScheduleKind.VARUNA, 3, 8), costs).step_seconds

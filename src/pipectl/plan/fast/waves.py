@@ -32,7 +32,7 @@ Communication is an edge delay, as in the simulator; jitter (random per-transfer
 periodic, so callers use the event-driven simulator when `jitter_seconds > 0`. Varuna's
 rule-based order has no wave structure: `pipectl.plan.fast.varuna` times it.
 
-    >>> from pipectl.plan.simulate import uniform_costs
+    >>> from pipectl.plan.stage_costs import uniform_costs
     >>> from pipectl.schedule import ScheduleKind
     >>> step_seconds(ScheduleKind.ONE_F_ONE_B, 4, 1000, 1, False, uniform_costs(4, 1, 1.0, 2.0))
     3009.0

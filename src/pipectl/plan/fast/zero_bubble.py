@@ -16,7 +16,7 @@ all-reduce, then the optimizer step), so the step, and the summary's idle and ex
 communication per rank, are the simulated ones exactly: tests/plan/fast/test_zero_bubble.py holds
 them equal on random costs. Asynchronous transfers and no jitter only (`pipectl.plan.timing` simulates the others).
 
-    >>> from pipectl.plan.simulate import uniform_costs
+    >>> from pipectl.plan.stage_costs import uniform_costs
     >>> step_seconds(4, 8, uniform_costs(4, 1, 1.0, 2.0))  # m (f + b) + (p − 1)(f + I − W)
     27.0
 """
