@@ -232,6 +232,79 @@ def _objective_key(objective: Objective):
     return lambda c: (c.cost_per_million_samples, c.predicted_step_seconds)
 
 
+def _water_fill(
+    kinds: list, total: int, d_total: int, variant: ScheduleVariant, zero_stage: int, dtype: str
+) -> list[list[int]]:
+    """Per kind and replica, its micro-batches: each of the `total` goes to the replica that would
+    finish it earliest, with the closed-form bound as each replica's time for m micro-batches."""
+    def bound(index: int, m: int) -> float:
+        _, hardware, shape, _ = kinds[index]
+        allreduce, optimizer = data_parallel_costs(shape, hardware, d_total, zero_stage, dtype)
+        return lower_bound_seconds(shape, variant.kind, m, allreduce, optimizer)
+
+    counts = [[0] * replicas for *_, replicas in kinds]
+    heap = [(bound(i, 1), i, r) for i, (*_, replicas) in enumerate(kinds) for r in range(replicas)]
+    heapq.heapify(heap)
+    for _ in range(total):
+        _, i, r = heapq.heappop(heap)
+        counts[i][r] += 1
+        heapq.heappush(heap, (bound(i, counts[i][r] + 1), i, r))
+    return counts
+
+
+def _schedule_runs_shares(variant: ScheduleVariant, p: int, dealt: list[int]) -> bool:
+    """Whether the schedule's order runs with every replica's dealt micro-batch count."""
+    if variant.kind is ScheduleKind.PIPEDREAM_2BW and any(m < p - 1 for m in dealt):
+        return False  # two weight versions need m >= p - 1 on every replica (`pipectl.schedule.twobw`)
+    if variant.kind is ScheduleKind.ZBV and any(m < 2 * p - 1 for m in dealt):
+        return False  # rank 0 warms up with 2p - 1 forwards (`schedule.generators.zbv`)
+    if variant.kind is ScheduleKind.INTERLEAVED and variant.chunks > 1 and any(m % p for m in dealt):
+        return False  # the interleaved order runs micro-batches in groups of p (`plan.space`)
+    return True
+
+
+def _slowest_replica(
+    kinds: list, counts: list[list[int]], template: Candidate, variant: ScheduleVariant, d_total: int, dtype: str,
+    global_batch: int,
+) -> tuple[float, tuple[Evaluator, Spec] | None, list[int]] | None:
+    """(step, (evaluator, spec), peak memory per stage) of the slowest replica, every distinct
+    (kind, m) simulated on its kind; None when one does not fit that kind's memory."""
+    slowest = 0.0
+    slowest_run = None
+    peak = [0] * template.pipeline_parallel
+    for i, (_, hardware, shape, _) in enumerate(kinds):
+        evaluator = Evaluator(hardware, global_batch)
+        for m in sorted({m for m in counts[i] if m > 0}):
+            units = in_flight(shape, variant, m)
+            held = state_dtype(dtype, hardware.features)
+            per_device = state_bytes(held, template.zero_stage, d_total, variant.kind)
+            per_step = step_bytes(held, template.zero_stage, d_total, variant.kind)
+            if not shape.memory.fits(per_device, per_step, units, hardware.memory_bytes):
+                return None
+            allreduce, optimizer = data_parallel_costs(shape, hardware, d_total, template.zero_stage, dtype)
+            allocated = shape.memory.per_rank_bytes(per_device, per_step, units)
+            figures = SpecFigures.single(
+                [int(x) for x in hardware.memory_budget.reserved(allocated)], allreduce.tolist(), optimizer.tolist()
+            )
+            spec = Spec(shape, d_total, m, variant, template.zero_stage, 0.0, figures)
+            step = evaluator.step_seconds(spec)
+            if step > slowest:
+                slowest, slowest_run = step, (evaluator, spec)
+            peak = [max(a, x) for a, x in zip(peak, spec.peak_memory_bytes)]
+    return slowest, slowest_run, peak
+
+
+def _slowest_fractions(slowest_run: tuple[Evaluator, Spec] | None, template: Candidate) -> tuple[float, float]:
+    """The bubble and exposed communication of the slowest replica (its own m; not a candidate of
+    d_total replicas of that kind, whose even shares would differ from this split's)."""
+    if slowest_run is None:
+        return template.bubble_fraction, template.communication_fraction
+    summary = slowest_run[0].summary(slowest_run[1])
+    bubble = min(max(sum(summary.bubble_fraction) / len(summary.bubble_fraction), 0.0), 1.0)
+    exposed = min(summary.communication_seconds / summary.step_seconds, 1.0) if summary.step_seconds > 0 else 0.0
+    return bubble, exposed
+
+
 def uneven_split(
     profile: ModelProfile,
     cluster: ClusterSpec,
@@ -260,52 +333,18 @@ def uneven_split(
     d_total = sum(replicas for *_, replicas in kinds)
     if total < d_total:  # a replica without a micro-batch: fewer replicas would be another layout
         return None
-    # Water-filling with the closed-form bound as each replica's time for m micro-batches.
-    def bound(index: int, m: int) -> float:
-        _, hardware, shape, _ = kinds[index]
-        allreduce, optimizer = data_parallel_costs(shape, hardware, d_total, template.zero_stage, profile.dtype)
-        return lower_bound_seconds(shape, variant.kind, m, allreduce, optimizer)
-
-    counts = [[0] * replicas for *_, replicas in kinds]
-    heap = [(bound(i, 1), i, r) for i, (*_, replicas) in enumerate(kinds) for r in range(replicas)]
-    heapq.heapify(heap)
-    for _ in range(total):
-        _, i, r = heapq.heappop(heap)
-        counts[i][r] += 1
-        heapq.heappush(heap, (bound(i, counts[i][r] + 1), i, r))
-    dealt = [m for row in counts for m in row if m > 0]
-    if variant.kind is ScheduleKind.PIPEDREAM_2BW and any(m < p - 1 for m in dealt):
-        return None  # two weight versions need m >= p - 1 on every replica (`pipectl.schedule.twobw`)
-    if variant.kind is ScheduleKind.ZBV and any(m < 2 * p - 1 for m in dealt):
-        return None  # rank 0 warms up with 2p - 1 forwards (`schedule.generators.zbv`)
-    if variant.kind is ScheduleKind.INTERLEAVED and variant.chunks > 1 and any(m % p for m in dealt):
-        return None  # the interleaved order runs micro-batches in groups of p (`plan.space`)
+    counts = _water_fill(kinds, total, d_total, variant, template.zero_stage, profile.dtype)
+    if not _schedule_runs_shares(variant, p, [m for row in counts for m in row if m > 0]):
+        return None
     # Simulate every distinct (kind, m) and check memory on that kind.
+    slowest_replica = _slowest_replica(kinds, counts, template, variant, d_total, profile.dtype, B)
+    if slowest_replica is None:
+        return None
+    slowest, slowest_run, peak = slowest_replica
     shares: list[ReplicaShare] = []
-    slowest = 0.0
-    slowest_run = None
-    peak = [0] * p
     price = 0.0
     used_devices = 0
-    for i, (kind, hardware, shape, _) in enumerate(kinds):
-        evaluator = Evaluator(hardware, B)
-        for m in sorted({m for m in counts[i] if m > 0}):
-            units = in_flight(shape, variant, m)
-            held = state_dtype(profile.dtype, hardware.features)
-            per_device = state_bytes(held, template.zero_stage, d_total, variant.kind)
-            per_step = step_bytes(held, template.zero_stage, d_total, variant.kind)
-            if not shape.memory.fits(per_device, per_step, units, hardware.memory_bytes):
-                return None
-            allreduce, optimizer = data_parallel_costs(shape, hardware, d_total, template.zero_stage, profile.dtype)
-            allocated = shape.memory.per_rank_bytes(per_device, per_step, units)
-            figures = SpecFigures.single(
-                [int(x) for x in hardware.memory_budget.reserved(allocated)], allreduce.tolist(), optimizer.tolist()
-            )
-            spec = Spec(shape, d_total, m, variant, template.zero_stage, 0.0, figures)
-            step = evaluator.step_seconds(spec)
-            if step > slowest:
-                slowest, slowest_run = step, (evaluator, spec)
-            peak = [max(a, x) for a, x in zip(peak, spec.peak_memory_bytes)]
+    for i, (kind, hardware, _, _) in enumerate(kinds):
         for m in counts[i]:
             if m == 0:
                 continue
@@ -315,14 +354,7 @@ def uneven_split(
             used_devices += t * p
     # The template's step does the same model FLOPs for the same B.
     step_flops = template.tflops_per_device * template.predicted_step_seconds * template.devices * 1e12
-    # The bubble and exposed communication of the slowest replica (its own m; not a candidate of
-    # d_total replicas of that kind, whose even shares would differ from this split's).
-    if slowest_run is not None:
-        summary = slowest_run[0].summary(slowest_run[1])
-        bubble = min(max(sum(summary.bubble_fraction) / len(summary.bubble_fraction), 0.0), 1.0)
-        exposed = min(summary.communication_seconds / summary.step_seconds, 1.0) if summary.step_seconds > 0 else 0.0
-    else:
-        bubble, exposed = template.bubble_fraction, template.communication_fraction
+    bubble, exposed = _slowest_fractions(slowest_run, template)
     notes = [_split_note(shares, B)]
     if variant.kind is ScheduleKind.PIPEDREAM_2BW and slowest_run is not None:
         evaluator, spec = slowest_run  # the slowest replica's steady state, beside its flushed step

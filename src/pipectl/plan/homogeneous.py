@@ -21,7 +21,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from pipectl.artifacts.plan import Engine, ModelShape, Objective, Plan, PlanRequest, runtime_runs_zero
+from pipectl.artifacts.plan import Candidate, Engine, ModelShape, Objective, Plan, PlanRequest, runtime_runs_zero
 from pipectl.artifacts.profile import ModelProfile
 from pipectl.errors import InfeasibleError, UserInputError
 from pipectl.plan.candidates import Rejection, Rejections, Spec
@@ -30,7 +30,7 @@ from pipectl.plan.placement import tensor_parallel_placeable
 from pipectl.plan.evaluate import Evaluator
 from pipectl.plan.frameworks import check_framework_request
 from pipectl.plan.morph_table import morph_table
-from pipectl.plan.space import enumerate_specs, search_space, tensor_parallel_possible
+from pipectl.plan.space import Enumeration, enumerate_specs, search_space, tensor_parallel_possible
 from pipectl.plan.workers import available_workers
 from pipectl.schedule import ScheduleKind, deepspeed_runnable
 from pipectl.words import count
@@ -70,40 +70,9 @@ def check_request(request: PlanRequest, profile: ModelProfile, hardware: Hardwar
         raise UserInputError(
             f"pipeline-parallel degree {request.pipeline_parallel} exceeds the model's {count(layers, 'layer')}"
         )
-    t = request.tensor_parallel
-    if t is not None:
-        n = hardware.devices_per_node
-        if not tensor_parallel_placeable(t, n):
-            raise UserInputError(
-                f"tensor-parallel degree {t} neither divides the {count(n, 'device')} of a node nor is a multiple of "
-                "them: a tensor group sits inside one node or spans whole nodes",
-                hint=f"use a divisor of {n} or a multiple of {n}",
-            )
-        if t > 1 and profile.has_shards and not tensor_parallel_possible(profile, t):
-            raise UserInputError(
-                f"tensor-parallel degree {t} has no shard costs in the profile (it has t = "
-                f"{', '.join(map(str, profile.shard_degrees()))})",
-                hint=f"profile or derive the model with --tensor-parallel including {t}",
-            )
-        if t > 1 and not tensor_parallel_possible(profile, t):
-            raise UserInputError(
-                f"tensor-parallel degree {t} does not divide the model's hidden size {profile.hidden} "
-                "(or the model has no transformer blocks to split)"
-            )
-    d, b = request.data_parallel, request.micro_batch_size
-    if d is not None and d > B:
-        raise UserInputError(f"data-parallel degree {d} is more than the global batch's {count(B, 'sample')}")
-    if d is not None and B % d and not request.uneven_replicas:
-        raise UserInputError(f"global batch {B} is not divisible by data-parallel degree {d}", hint=_even_hint(request))
-    if b is not None and B % b:
-        raise UserInputError(f"global batch {B} is not divisible by micro-batch size {b}")
-    if d is not None and b is not None and d * b > B:
-        raise UserInputError(
-            f"data-parallel degree {d} x micro-batch {b} is more than the global batch's {count(B, 'sample')}"
-        )
-    if d is not None and b is not None and B % (d * b) and not request.uneven_replicas:
-        raise UserInputError(f"global batch {B} is not divisible by data-parallel degree {d} x micro-batch {b}",
-                             hint=_even_hint(request))
+    if request.tensor_parallel is not None:
+        _check_tensor_parallel(request.tensor_parallel, profile, hardware)
+    _check_batch_split(request)
     pinned = [x for x in (request.tensor_parallel, request.pipeline_parallel, request.data_parallel) if x]
     if math.prod(pinned) > (request.devices or hardware.devices):
         raise UserInputError(
@@ -117,19 +86,7 @@ def check_request(request: PlanRequest, profile: ModelProfile, hardware: Hardwar
             f"(engine {request.target_engine.value} asked)",
             hint="plan it with --engine any (for comparison), or derive the profile without --engine",
         )
-    bad_zero = [z for z in request.zero_stages if z not in SUPPORTED_ZERO_STAGES]
-    if bad_zero or not request.zero_stages:
-        raise UserInputError(
-            f"ZeRO stage {bad_zero[0] if bad_zero else '(none)'} is not supported",
-            hint="use ZeRO stages 0 to 3 (2 and 3 at p = 1 only)",
-        )
-    p = request.pipeline_parallel
-    if p is not None and p > 1 and not any(z in PIPELINE_ZERO_STAGES for z in request.zero_stages):
-        raise UserInputError(
-            f"ZeRO stage {min(request.zero_stages)} is not supported with pipeline parallelism (p = {p})",
-            hint="DeepSpeed's pipeline engine refuses ZeRO-2 and ZeRO-3: they are planned at p = 1 only; "
-            "add ZeRO stage 0 or 1",
-        )
+    _check_zero_stages(request)
     bad_chunks = [v for v in request.chunks if v < 2]
     if bad_chunks:
         raise UserInputError(f"interleaved chunks v must be >= 2, got {bad_chunks[0]}")
@@ -144,6 +101,64 @@ def check_request(request: PlanRequest, profile: ModelProfile, hardware: Hardwar
         raise UserInputError(
             f"pinned schedule '{request.schedule.value}' is not among --schedules "
             f"{','.join(s.value for s in request.schedules)}"
+        )
+
+
+def _check_tensor_parallel(t: int, profile: ModelProfile, hardware: Hardware) -> None:
+    """A pinned t must place on the nodes and split the model (shard costs, when the profile has them)."""
+    n = hardware.devices_per_node
+    if not tensor_parallel_placeable(t, n):
+        raise UserInputError(
+            f"tensor-parallel degree {t} neither divides the {count(n, 'device')} of a node nor is a multiple of "
+            "them: a tensor group sits inside one node or spans whole nodes",
+            hint=f"use a divisor of {n} or a multiple of {n}",
+        )
+    if t > 1 and profile.has_shards and not tensor_parallel_possible(profile, t):
+        raise UserInputError(
+            f"tensor-parallel degree {t} has no shard costs in the profile (it has t = "
+            f"{', '.join(map(str, profile.shard_degrees()))})",
+            hint=f"profile or derive the model with --tensor-parallel including {t}",
+        )
+    if t > 1 and not tensor_parallel_possible(profile, t):
+        raise UserInputError(
+            f"tensor-parallel degree {t} does not divide the model's hidden size {profile.hidden} "
+            "(or the model has no transformer blocks to split)"
+        )
+
+
+def _check_batch_split(request: PlanRequest) -> None:
+    """A pinned d and b must leave every replica a micro-batch, and divide B unless replicas may be uneven."""
+    B = request.global_batch
+    d, b = request.data_parallel, request.micro_batch_size
+    if d is not None and d > B:
+        raise UserInputError(f"data-parallel degree {d} is more than the global batch's {count(B, 'sample')}")
+    if d is not None and B % d and not request.uneven_replicas:
+        raise UserInputError(f"global batch {B} is not divisible by data-parallel degree {d}", hint=_even_hint(request))
+    if b is not None and B % b:
+        raise UserInputError(f"global batch {B} is not divisible by micro-batch size {b}")
+    if d is not None and b is not None and d * b > B:
+        raise UserInputError(
+            f"data-parallel degree {d} x micro-batch {b} is more than the global batch's {count(B, 'sample')}"
+        )
+    if d is not None and b is not None and B % (d * b) and not request.uneven_replicas:
+        raise UserInputError(f"global batch {B} is not divisible by data-parallel degree {d} x micro-batch {b}",
+                             hint=_even_hint(request))
+
+
+def _check_zero_stages(request: PlanRequest) -> None:
+    """Only stages 0 to 3, and with a pinned p > 1 at least one DeepSpeed's pipeline engine accepts."""
+    bad_zero = [z for z in request.zero_stages if z not in SUPPORTED_ZERO_STAGES]
+    if bad_zero or not request.zero_stages:
+        raise UserInputError(
+            f"ZeRO stage {bad_zero[0] if bad_zero else '(none)'} is not supported",
+            hint="use ZeRO stages 0 to 3 (2 and 3 at p = 1 only)",
+        )
+    p = request.pipeline_parallel
+    if p is not None and p > 1 and not any(z in PIPELINE_ZERO_STAGES for z in request.zero_stages):
+        raise UserInputError(
+            f"ZeRO stage {min(request.zero_stages)} is not supported with pipeline parallelism (p = {p})",
+            hint="DeepSpeed's pipeline engine refuses ZeRO-2 and ZeRO-3: they are planned at p = 1 only; "
+            "add ZeRO stage 0 or 1",
         )
 
 
@@ -315,24 +330,73 @@ def plan_homogeneous(
     evaluator = Evaluator(hardware, request.global_batch, engine=engine, framework=request.framework)
     goal = goal_for(request, profile, hardware)
     pool = [spec for spec in enumeration.specs if spec.devices <= devices]
-    plan_notes = list(notes or [])
-    if profile.device != hardware.device.name and hardware.peak_ratio != 1.0:
-        plan_notes.append(
-            f"profile measured on '{profile.device}', planned for '{hardware.device.name}': layer times "
-            f"scaled by {hardware.peak_ratio:.3g} (ratio of peak FLOP/s)"
-        )
-    if hardware.emulated_slowdown != 1.0:
-        plan_notes.append(
-            f"'{hardware.kind}' emulates a slower kind: layer times x {hardware.emulated_slowdown:g} "
-            "(the worker waits out the difference)"
-        )
+    plan_notes = [*(notes or []), *_hardware_notes(profile, hardware)]
     if not pool:
         raise InfeasibleError(_nothing_fits(request, enumeration.rejections, devices))
     ranking = rank(
         pool, goal, evaluator, keep=request.top, exhaustive=request.include_all, engine=engine
     )
     phases["rank"], clock = time.perf_counter() - clock, time.perf_counter()
+    chosen_entry, fallback_notes = _choose_runnable(ranking, goal, engine)
+    plan_notes += fallback_notes
+    if goal.objective is Objective.COST_DEADLINE and not goal.meets_deadline(chosen_entry[2]):
+        plan_notes.append(
+            f"no candidate finishes {count(goal.steps_needed, 'step')} within {request.deadline_hours} h: chose the fastest"
+        )
+    if goal.objective is Objective.COST_DEADLINE:
+        missed = sum(1 for key, _, _ in ranking.top if key[0] == 1)
+        if missed:
+            enumeration.rejections.add(Rejection.DEADLINE, count=missed)
+    sharded_entries, sharded_notes = _gradient_sharded_comparison(pool, goal, evaluator, chosen_entry, request)
+    plan_notes += sharded_notes
+    chosen = evaluator.candidate(chosen_entry[1], _device_note(chosen_entry[1], devices, hardware))
+    candidates = _candidate_records(ranking, sharded_entries, chosen_entry[1], chosen, evaluator, devices, hardware)
+    phases["records"], clock = time.perf_counter() - clock, time.perf_counter()
+    morph = (
+        morph_table(enumeration.specs, evaluator, hardware.devices, request, hardware.devices_per_node)
+        if request.morph else []
+    )
+    phases["morph"] = time.perf_counter() - clock
+    for reason, example in enumeration.rejections.examples.items():
+        if reason is Rejection.MEMORY:
+            plan_notes.append(f"e.g. {example}")
+    if stats is not None:
+        _record_stats(stats, enumeration, evaluator, phases)
+    return Plan(
+        model=profile.model,
+        model_reference=profile.model_reference,
+        model_shape=ModelShape.of_profile(profile),
+        cluster=cluster_name,
+        request=request,
+        chosen=chosen,
+        candidates=candidates,
+        infeasible=enumeration.rejections.summary(),
+        morph_table=morph,
+        notes=plan_notes,
+    )
+
+
+def _hardware_notes(profile: ModelProfile, hardware: Hardware) -> list[str]:
+    """What the layer times were scaled by: another device's peak FLOP/s, or an emulated slowdown."""
+    notes = []
+    if profile.device != hardware.device.name and hardware.peak_ratio != 1.0:
+        notes.append(
+            f"profile measured on '{profile.device}', planned for '{hardware.device.name}': layer times "
+            f"scaled by {hardware.peak_ratio:.3g} (ratio of peak FLOP/s)"
+        )
+    if hardware.emulated_slowdown != 1.0:
+        notes.append(
+            f"'{hardware.kind}' emulates a slower kind: layer times x {hardware.emulated_slowdown:g} "
+            "(the worker waits out the difference)"
+        )
+    return notes
+
+
+def _choose_runnable(ranking: Ranking, goal: Goal, engine: Engine) -> tuple[tuple[tuple, Spec, float], list[str]]:
+    """The best entry `engine` can run: the top one, or the best runnable one with a note saying
+    what was passed over; infeasible when the engine runs none that fits."""
     chosen_entry = ranking.top[0]
+    plan_notes: list[str] = []
     if engine is Engine.TORCH and not chosen_entry[1].runs_on(engine):
         if ranking.best_runnable is None:
             raise InfeasibleError(
@@ -364,17 +428,19 @@ def plan_homogeneous(
             plan_notes.append(_fallback_note(goal, chosen_entry, ranking.best_runnable, "which DeepSpeed cannot run",
                                              "DeepSpeed-runnable candidate"))  # fmt: skip
         chosen_entry = ranking.best_runnable
-    if goal.objective is Objective.COST_DEADLINE and not goal.meets_deadline(chosen_entry[2]):
-        plan_notes.append(
-            f"no candidate finishes {count(goal.steps_needed, 'step')} within {request.deadline_hours} h: chose the fastest"
-        )
-    if goal.objective is Objective.COST_DEADLINE:
-        missed = sum(1 for key, _, _ in ranking.top if key[0] == 1)
-        if missed:
-            enumeration.rejections.add(Rejection.DEADLINE, count=missed)
-    sharded_entries, sharded_notes = _gradient_sharded_comparison(pool, goal, evaluator, chosen_entry, request)
-    plan_notes += sharded_notes
-    chosen = evaluator.candidate(chosen_entry[1], _device_note(chosen_entry[1], devices, hardware))
+    return chosen_entry, plan_notes
+
+
+def _candidate_records(
+    ranking: Ranking,
+    sharded_entries: list[tuple[tuple, Spec, float]],
+    chosen_spec: Spec,
+    chosen: Candidate,
+    evaluator: Evaluator,
+    devices: int,
+    hardware: Hardware,
+) -> list[Candidate]:
+    """The plan's candidate list: the chosen one always among them, first when the ranking left it out."""
     # The top, then the runnable ones it left out, in the goal's order.
     ranked = sorted([*ranking.top, *[e for e in ranking.top_runnable if all(e[1] is not s for _, s, _ in ranking.top)]],
                     key=lambda entry: entry[0])  # fmt: skip
@@ -382,39 +448,22 @@ def plan_homogeneous(
     # no better than theirs, or it would be among them).
     ranked += [entry for entry in sharded_entries if all(entry[1] is not spec for _, spec, _ in ranked)]
     candidates = [
-        chosen if spec is chosen_entry[1] else evaluator.candidate(spec, _device_note(spec, devices, hardware))
+        chosen if spec is chosen_spec else evaluator.candidate(spec, _device_note(spec, devices, hardware))
         for _, spec, _ in ranked
     ]
     if not any(c is chosen for c in candidates):
         candidates.insert(0, chosen)
-    phases["records"], clock = time.perf_counter() - clock, time.perf_counter()
-    morph = (
-        morph_table(enumeration.specs, evaluator, hardware.devices, request, hardware.devices_per_node)
-        if request.morph else []
-    )
-    phases["morph"] = time.perf_counter() - clock
-    for reason, example in enumeration.rejections.examples.items():
-        if reason is Rejection.MEMORY:
-            plan_notes.append(f"e.g. {example}")
-    if stats is not None:
-        stats.specs = len(enumeration.specs)
-        stats.shapes = enumeration.shapes
-        stats.simulations = evaluator.simulations
-        stats.simulated_actions = evaluator.simulated_actions
-        stats.rejected = sum(enumeration.rejections.counts.values())
-        stats.phase_seconds = {name: round(seconds, 3) for name, seconds in phases.items()}
-    return Plan(
-        model=profile.model,
-        model_reference=profile.model_reference,
-        model_shape=ModelShape.of_profile(profile),
-        cluster=cluster_name,
-        request=request,
-        chosen=chosen,
-        candidates=candidates,
-        infeasible=enumeration.rejections.summary(),
-        morph_table=morph,
-        notes=plan_notes,
-    )
+    return candidates
+
+
+def _record_stats(stats: SearchStats, enumeration: Enumeration, evaluator: Evaluator, phases: dict[str, float]) -> None:
+    """Copy what the search did into `stats` (the benchmark reports it)."""
+    stats.specs = len(enumeration.specs)
+    stats.shapes = enumeration.shapes
+    stats.simulations = evaluator.simulations
+    stats.simulated_actions = evaluator.simulated_actions
+    stats.rejected = sum(enumeration.rejections.counts.values())
+    stats.phase_seconds = {name: round(seconds, 3) for name, seconds in phases.items()}
 
 
 def _fallback_note(goal, best_entry, runnable_entry, why: str, what: str) -> str:

@@ -78,6 +78,47 @@ def _per_stage(name: str, value: float | Sequence[float], count: int) -> tuple[f
     return values
 
 
+class _WeightBuffers:
+    """Every stage's double weight buffer as a 2BW run plays it, what each micro-batch's forward and
+    backward read, and the micro-batches in flight (`simulate_two_bw_run`)."""
+
+    def __init__(self, pipeline_parallel: int, micro_batches: int) -> None:
+        p = pipeline_parallel
+        self.micro_batches = micro_batches
+        self.buffers: dict[int, list[int | None]] = {s: [0, None] for s in range(p)}
+        self.newest = dict.fromkeys(range(p), 0)
+        self.buffer_of: dict[tuple[int, int], int] = {}
+        self.versions_f: dict[tuple[int, int], int] = {}
+        self.versions_b: dict[tuple[int, int], int] = {}
+        self.in_flight = dict.fromkeys(range(p), 0)
+        self.peak = dict.fromkeys(range(p), 0)
+
+    def play(self, s: int, op: TwoBWOp) -> int:
+        """Run `op` on stage s's buffers: the version it used (F/R/B) or made (U)."""
+        buffers = self.buffers[s]
+        if op.kind == UPDATE:
+            slot = 1 - buffers.index(self.newest[s])
+            buffers[slot] = op.index
+            self.newest[s] = version = op.index
+        elif op.kind == FORWARD:
+            wanted = weight_version(op.index + 1, self.micro_batches)
+            if wanted not in buffers:
+                raise ScheduleError(
+                    f"stage {s} runs F{op.index} (micro-batch k={op.index + 1}), which needs weight version "
+                    f"{wanted}, while it holds versions {[v for v in buffers if v is not None]}"
+                )
+            self.buffer_of[(s, op.index)] = buffers.index(wanted)
+            self.versions_f[(s, op.index)] = version = wanted
+            self.in_flight[s] += 1
+            self.peak[s] = max(self.peak[s], self.in_flight[s])
+        else:
+            version = buffers[self.buffer_of[(s, op.index)]]  # type: ignore[assignment]
+            if op.kind == BACKWARD:
+                self.versions_b[(s, op.index)] = version
+                self.in_flight[s] -= 1
+        return version
+
+
 def simulate_two_bw_run(
     pipeline_parallel: int,
     micro_batches: int,
@@ -117,13 +158,7 @@ def simulate_two_bw_run(
     waiting: dict[tuple[str, int, int], int] = {}
     heads = dict.fromkeys(range(p), 0)
     clock = dict.fromkeys(range(p), 0.0)
-    buffers: dict[int, list[int | None]] = {s: [0, None] for s in range(p)}
-    newest = dict.fromkeys(range(p), 0)
-    buffer_of: dict[tuple[int, int], int] = {}
-    versions_f: dict[tuple[int, int], int] = {}
-    versions_b: dict[tuple[int, int], int] = {}
-    in_flight = dict.fromkeys(range(p), 0)
-    peak = dict.fromkeys(range(p), 0)
+    weights = _WeightBuffers(p, m)
     events: list[TwoBWEvent] = []
     runnable = list(reversed(range(p)))
     while runnable:
@@ -143,26 +178,7 @@ def simulate_two_bw_run(
                     break
                 ready = max(ready, ends[needed] + delay)
             end = ready + durations[op.kind][s]
-            if op.kind == UPDATE:
-                slot = 1 - buffers[s].index(newest[s])
-                buffers[s][slot] = op.index
-                newest[s] = version = op.index
-            elif op.kind == FORWARD:
-                wanted = weight_version(op.index + 1, m)
-                if wanted not in buffers[s]:
-                    raise ScheduleError(
-                        f"stage {s} runs F{op.index} (micro-batch k={op.index + 1}), which needs weight version "
-                        f"{wanted}, while it holds versions {[v for v in buffers[s] if v is not None]}"
-                    )
-                buffer_of[(s, op.index)] = buffers[s].index(wanted)
-                versions_f[(s, op.index)] = version = wanted
-                in_flight[s] += 1
-                peak[s] = max(peak[s], in_flight[s])
-            else:
-                version = buffers[s][buffer_of[(s, op.index)]]  # type: ignore[assignment]
-                if op.kind == BACKWARD:
-                    versions_b[(s, op.index)] = version
-                    in_flight[s] -= 1
+            version = weights.play(s, op)
             events.append(TwoBWEvent(s, op, ready, end, version))
             clock[s] = end
             heads[s] += 1
@@ -193,9 +209,9 @@ def simulate_two_bw_run(
         events=tuple(events),
         update_ends=update_ends,
         run_seconds=max(e.end for e in events),
-        forward_versions=across_stages(versions_f, "forward"),
-        backward_versions=across_stages(versions_b, "backward"),
-        peak_in_flight=tuple(peak[s] for s in range(p)),
+        forward_versions=across_stages(weights.versions_f, "forward"),
+        backward_versions=across_stages(weights.versions_b, "backward"),
+        peak_in_flight=tuple(weights.peak[s] for s in range(p)),
     )
 
 

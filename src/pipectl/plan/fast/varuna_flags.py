@@ -178,9 +178,7 @@ def _derive(p: int, m: int, tf: float, tb: float, *, watch: bool) -> tuple[tuple
     kept faster: moments on a heap, end tables grown as stage 0 gets further, states compared
     by a cheap summary first.
     """
-    seen: dict[tuple, tuple[list[int], int]] = {}  # full state -> (each stage's order length, base)
-    # coarse key -> (moments not summarised yet, summaries seen); see the repeat check below
-    summaries_by_key: dict[tuple, tuple[list[tuple], set[tuple]]] = {}
+    repeats = _RepeatWatch()
     last = p - 1
     # Ends per stage and micro-batch, grown as stage 0 (always the furthest on) gets further:
     # a derivation that finds its cycle reads only the first few p micro-batches of m.
@@ -204,10 +202,7 @@ def _derive(p: int, m: int, tf: float, tb: float, *, watch: bool) -> tuple[tuple
     while unfinished:
         if allocated < m and next_forward[0] + 2 > allocated:
             # Read and written this moment: up to one past the next forward of stage 0.
-            more = min(allocated, m - allocated)
-            for ends in forward_end + backward_end:
-                ends.extend([_NEVER] * more)
-            allocated += more
+            allocated = _grow_ends(forward_end + backward_end, allocated, m)
         forward_done = now + tf  # when an F or R started now ends
         backward_done = now + tb
         for s in range(p):
@@ -262,34 +257,65 @@ def _derive(p: int, m: int, tf: float, tb: float, *, watch: bool) -> tuple[tuple
             break
         upcoming = moments[0]
         if watch and next_forward[0] < m:
-            # A cheap summary first; the full state only once the summary has come round before.
-            # Summaries are filed under a coarser key (part of the summary) as raw copies, and
-            # only computed once another moment with the same key needs comparing.
-            base = next_forward[0]
-            key = (tuple(recomputed), next_forward[last] - base, next_backward[last] - base)
-            filed = summaries_by_key.get(key)
-            if filed is None:
-                summaries_by_key[key] = ([(now, base, free_at[:], next_forward[:], next_backward[:])], set())
-                now = upcoming
-                continue
-            pending, seen_summaries = filed
-            for earlier in pending:
-                seen_summaries.add(_varuna_summary(*earlier))
-            pending.clear()
-            summary = _varuna_summary(now, base, free_at, next_forward, next_backward)
-            if summary in seen_summaries:
-                state = _varuna_state(now, free_at, recomputed, next_forward, next_backward, forward_end, backward_end)
-                earlier = seen.get(state)
-                if earlier is not None:
-                    starts, earlier_base = earlier
-                    periodic_order = _PeriodicOrder(orders, starts, base - earlier_base)
-                    return (), periodic_order
-                seen[state] = ([len(order) for order in orders], base)
-            seen_summaries.add(summary)
+            periodic_order = repeats.periodic_order(
+                now, orders, free_at, recomputed, next_forward, next_backward, forward_end, backward_end
+            )
+            if periodic_order is not None:
+                return (), periodic_order
         now = upcoming
     if any(nf < m for nf in next_forward):  # pragma: no cover - B(i) implies F(i)
         raise ScheduleError(f"Varuna schedule generation left forwards unscheduled (p={p}, m={m})")
     return tuple(tuple(order) for order in orders), None
+
+
+def _grow_ends(tables: list[list[float]], allocated: int, m: int) -> int:
+    """Extend every end table by up to `allocated` more micro-batches (doubling, at most to m);
+    the new length."""
+    more = min(allocated, m - allocated)
+    for ends in tables:
+        ends.extend([_NEVER] * more)
+    return allocated + more
+
+
+class _RepeatWatch:
+    """The derivation's states so far, to find the first one that repeats (`_derive`, `watch`).
+
+    A cheap summary first; the full state only once the summary has come round before.
+    Summaries are filed under a coarser key (part of the summary) as raw copies, and only
+    computed once another moment with the same key needs comparing.
+    """
+
+    def __init__(self) -> None:
+        self.seen: dict[tuple, tuple[list[int], int]] = {}  # full state -> (each stage's order length, base)
+        # coarse key -> (moments not summarised yet, summaries seen)
+        self.summaries_by_key: dict[tuple, tuple[list[tuple], set[tuple]]] = {}
+
+    def periodic_order(
+        self, now: float, orders: list[list[bool]], free_at, recomputed, next_forward, next_backward, forward_end,
+        backward_end,
+    ) -> _PeriodicOrder | None:
+        """The periodic order when this moment's state was seen before, else None (the state filed)."""
+        base = next_forward[0]
+        last = len(orders) - 1
+        key = (tuple(recomputed), next_forward[last] - base, next_backward[last] - base)
+        filed = self.summaries_by_key.get(key)
+        if filed is None:
+            self.summaries_by_key[key] = ([(now, base, free_at[:], next_forward[:], next_backward[:])], set())
+            return None
+        pending, seen_summaries = filed
+        for earlier in pending:
+            seen_summaries.add(_varuna_summary(*earlier))
+        pending.clear()
+        summary = _varuna_summary(now, base, free_at, next_forward, next_backward)
+        if summary in seen_summaries:
+            state = _varuna_state(now, free_at, recomputed, next_forward, next_backward, forward_end, backward_end)
+            earlier = self.seen.get(state)
+            if earlier is not None:
+                starts, earlier_base = earlier
+                return _PeriodicOrder(orders, starts, base - earlier_base)
+            self.seen[state] = ([len(order) for order in orders], base)
+        seen_summaries.add(summary)
+        return None
 
 
 def _varuna_summary(now: float, base: int, free_at, next_forward, next_backward) -> tuple:
