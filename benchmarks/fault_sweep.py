@@ -54,6 +54,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+from pipectl.testing import fault_harness  # noqa: E402
 from pipectl.testing import fault_trials as ft  # noqa: E402
 
 IN_STEP_POINTS = ("forward", "backward", "allreduce", "optimizer")
@@ -61,13 +62,13 @@ KILL_POINTS = (*IN_STEP_POINTS, "save", "written", "commit")  # save, written: d
 SIZE_LIMIT_KIB = 48  # above every log and metrics file of these runs, below a checkpoint's larger files
 
 
-def planned_trials(references: dict[str, ft.Reference], rng: random.Random, kill_trials: int) -> list[tuple[str, Callable]]:
+def planned_trials(references: dict[str, fault_harness.Reference], rng: random.Random, kill_trials: int) -> list[tuple[str, Callable]]:
     """Every trial of the sweep, as (label, run(folder) -> Trial), drawn from `rng`."""
     main, dp = references["p2d1"], references.get("p1d2")
     setup = main.setup
     trials: list[tuple[str, Callable]] = []
 
-    def triggered(kind: str, reference: ft.Reference, trigger: dict, damage: dict | None = None):
+    def triggered(kind: str, reference: fault_harness.Reference, trigger: dict, damage: dict | None = None):
         trials.append((f"{kind} {reference.setup.label} {trigger}", lambda folder: ft.triggered_trial(kind, reference, folder, trigger, damage)))
 
     points = [KILL_POINTS[i % len(KILL_POINTS)] for i in range(kill_trials)]
@@ -146,15 +147,15 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="pipectl-faults-"))
     rng = random.Random(args.seed)
-    p1d2 = ft.Setup(pipeline_parallel=1, data_parallel=2, micro_batch_size=2, micro_batches=2)
-    setups = {"p2d1": ft.Setup()}
+    p1d2 = fault_harness.Setup(pipeline_parallel=1, data_parallel=2, micro_batch_size=2, micro_batches=2)
+    setups = {"p2d1": fault_harness.Setup()}
     if not args.no_data_parallel:
         setups["p1d2"] = p1d2
-        setups["p1d1"] = ft.Setup(pipeline_parallel=1, data_parallel=1)  # resized live towards p1d2
+        setups["p1d1"] = fault_harness.Setup(pipeline_parallel=1, data_parallel=1)  # resized live towards p1d2
     references = {}
     for label, setup in setups.items():
         morph = (p1d2,) if label == "p1d1" else ()
-        references[label] = ft.reference_run(setup, work / "references", morph)
+        references[label] = fault_harness.reference_run(setup, work / "references", morph)
         print(f"reference {label}: {references[label].seconds:.1f} s", flush=True)
     trials: list[ft.Trial] = []
     planned = planned_trials(references, rng, args.kill_trials)
@@ -172,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
                 label: {**vars(s), "global_batch": s.micro_batch_size * s.micro_batches * s.data_parallel}
                 for label, s in setups.items()
             },
-            "tolerance_relative": ft.TOLERANCE,
+            "tolerance_relative": fault_harness.TOLERANCE,
             "host": {
                 "platform": platform.platform(),
                 "python": platform.python_version(),

@@ -13,27 +13,28 @@ from pathlib import Path
 import pytest
 
 
+from pipectl.testing import fault_harness
 from pipectl.testing import fault_trials as ft
 
-CI_SETUP = ft.Setup(steps=4, checkpoint_every=2)
-LONG_SETUP = ft.Setup(steps=6, checkpoint_every=2)  # the slow trials: two checkpoints before a fault
+CI_SETUP = fault_harness.Setup(steps=4, checkpoint_every=2)
+LONG_SETUP = fault_harness.Setup(steps=6, checkpoint_every=2)  # the slow trials: two checkpoints before a fault
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> ft.Reference:
+def reference(tmp_path_factory) -> fault_harness.Reference:
     """The fault-free run every trial is compared with, and its census of fault points."""
-    return ft.reference_run(CI_SETUP, tmp_path_factory.mktemp("faults"))
+    return fault_harness.reference_run(CI_SETUP, tmp_path_factory.mktemp("faults"))
 
 
 @pytest.fixture(scope="module")
-def long_reference(tmp_path_factory) -> ft.Reference:
-    return ft.reference_run(LONG_SETUP, tmp_path_factory.mktemp("faults-long"))
+def long_reference(tmp_path_factory) -> fault_harness.Reference:
+    return fault_harness.reference_run(LONG_SETUP, tmp_path_factory.mktemp("faults-long"))
 
 
 def assert_survived(trial: ft.Trial) -> None:
     assert trial.survived, "\n".join(trial.problems)
     assert trial.lost == 0 and trial.resumed == trial.expected_resume
-    assert trial.weights_max_rel_diff <= ft.TOLERANCE and trial.moments_max_rel_diff <= ft.TOLERANCE
+    assert trial.weights_max_rel_diff <= fault_harness.TOLERANCE and trial.moments_max_rel_diff <= fault_harness.TOLERANCE
 
 
 @pytest.mark.multiprocess
@@ -97,14 +98,14 @@ def test_a_changed_tensor_and_a_missing_one_are_differences():
     import torch
 
     reference = {"w/fp32": torch.tensor([1.0, -4.0]), "w/exp_avg": torch.tensor([2.0])}
-    assert ft.max_relative_difference(dict(reference), reference) == 0.0
-    assert ft.max_relative_difference({**reference, "w/fp32": torch.tensor([1.0, -4.004])}, reference) == pytest.approx(1e-3, rel=1e-4)
-    assert ft.max_relative_difference({"w/exp_avg": torch.tensor([2.0])}, reference) == float("inf")
-    assert ft.max_relative_difference({"w/fp32": reference["w/fp32"]}, reference, ("exp_avg",)) == float("inf")
+    assert fault_harness.max_relative_difference(dict(reference), reference) == 0.0
+    assert fault_harness.max_relative_difference({**reference, "w/fp32": torch.tensor([1.0, -4.004])}, reference) == pytest.approx(1e-3, rel=1e-4)
+    assert fault_harness.max_relative_difference({"w/exp_avg": torch.tensor([2.0])}, reference) == float("inf")
+    assert fault_harness.max_relative_difference({"w/fp32": reference["w/fp32"]}, reference, ("exp_avg",)) == float("inf")
 
 
 def test_the_last_complete_checkpoint_before_a_step():
-    setup = ft.Setup(steps=7, checkpoint_every=3)
+    setup = fault_harness.Setup(steps=7, checkpoint_every=3)
     assert setup.checkpoint_steps == [3, 6, 7]
     assert [setup.last_checkpoint_before(s) for s in range(1, 8)] == [0, 0, 0, 3, 3, 3, 6]
 
@@ -266,10 +267,10 @@ def test_slow_a_live_resize_killed_while_its_joiner_warms_up_changes_nothing(tmp
     """The sweep's killed-resize kind: a 1-rank job with 2 ranks in its morph table; kill -9 of
     `pipectl resize --devices 2` once the joining rank exists. The run's files are as they were,
     the joiner leaves, and every loss and tensor equals the run that was never resized."""
-    one = ft.Setup(pipeline_parallel=1, data_parallel=1, steps=4, checkpoint_every=2)
-    two = ft.Setup(pipeline_parallel=1, data_parallel=2, micro_batch_size=2, micro_batches=2)
-    reference = ft.reference_run(one, tmp_path / "reference", (two,))
+    one = fault_harness.Setup(pipeline_parallel=1, data_parallel=1, steps=4, checkpoint_every=2)
+    two = fault_harness.Setup(pipeline_parallel=1, data_parallel=2, micro_batch_size=2, micro_batches=2)
+    reference = fault_harness.reference_run(one, tmp_path / "reference", (two,))
     trial = ft.killed_resize_trial(reference, tmp_path / "trial", at_step=2, delay=0.5)
     assert trial.fired and trial.exit_codes == [0]
     assert trial.survived, "\n".join(trial.problems)
-    assert trial.weights_max_rel_diff <= ft.TOLERANCE and trial.moments_max_rel_diff <= ft.TOLERANCE
+    assert trial.weights_max_rel_diff <= fault_harness.TOLERANCE and trial.moments_max_rel_diff <= fault_harness.TOLERANCE

@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 
 
-from pipectl.testing import fault_trials as ft
+from pipectl.testing import fault_harness as harness
+from pipectl.testing import fault_trials
 
 from pipectl.artifacts.morph import MorphTrigger  # noqa: E402
 from pipectl.artifacts.plan import MorphEntry  # noqa: E402
@@ -38,14 +39,14 @@ D2P2, P2 = gpt_tiny_candidate(2, 2, m=2), gpt_tiny_candidate(2, 1, m=4)
 
 def write_plan(path: Path, chosen, *morph_table) -> Path:
     plan = plan_of(
-        chosen, global_batch=8, model=ft.MODEL, shape=shape_of(build_model("gpt-tiny")), model_reference=ft.MODEL,
+        chosen, global_batch=8, model=harness.MODEL, shape=shape_of(build_model("gpt-tiny")), model_reference=harness.MODEL,
         morph_table=[MorphEntry(devices=c.devices, candidate=c) for c in morph_table],
     )  # fmt: skip
     return write_json_atomic(path, plan)
 
 
-def launch(plan: Path, run: Path, env: dict[str, str], *extra: str, steps: int = STEPS) -> ft.Launch:
-    done = ft.run_launch(ft.launch_argv(plan, run, "--steps", str(steps), "--checkpoint-every", str(steps), *extra), env)
+def launch(plan: Path, run: Path, env: dict[str, str], *extra: str, steps: int = STEPS) -> harness.Launch:
+    done = harness.run_launch(harness.launch_argv(plan, run, "--steps", str(steps), "--checkpoint-every", str(steps), *extra), env)
     assert done.exit_code == 0, done.output + (run / "logs" / "engine.log").read_text()[-4000:]
     return done
 
@@ -53,19 +54,19 @@ def launch(plan: Path, run: Path, env: dict[str, str], *extra: str, steps: int =
 def restarted(tmp_path: Path, before: Path, after: Path, step: int) -> Path:
     """The restart path: `before`'s layout checkpointed after `step`, resumed in `after`'s."""
     run = tmp_path / "restarted"
-    launch(before, run, ft.launch_env(), steps=step)
-    launch(after, run, ft.launch_env(), "--resume")
+    launch(before, run, harness.launch_env(), steps=step)
+    launch(after, run, harness.launch_env(), "--resume")
     return run
 
 
 def assert_same_run(run: Path, reference: Path) -> None:
-    losses = ft.read_losses(run)
+    losses = harness.read_losses(run)
     assert [step for step, _ in losses] == list(range(1, STEPS + 1))  # each step once: none lost
-    expected = dict(ft.read_losses(reference))
+    expected = dict(harness.read_losses(reference))
     for step, loss in losses:
-        assert loss == pytest.approx(expected[step], rel=ft.TOLERANCE), step
-    final, wanted = ft.final_tensors(run, STEPS), ft.final_tensors(reference, STEPS)
-    assert ft.max_relative_difference(final, wanted, ft.STATES) <= ft.TOLERANCE
+        assert loss == pytest.approx(expected[step], rel=harness.TOLERANCE), step
+    final, wanted = harness.final_tensors(run, STEPS), harness.final_tensors(reference, STEPS)
+    assert harness.max_relative_difference(final, wanted, harness.STATES) <= harness.TOLERANCE
 
 
 @pytest.mark.multiprocess
@@ -73,7 +74,7 @@ def test_a_replica_killed_mid_step_is_recovered_from_the_survivors_memory(tmp_pa
     plan = write_plan(tmp_path / "plan.json", D2, D1, D2)
     trigger = {"rank": 1, "step": 3, "point": "forward", "nth": 0, "action": "kill"}
     run = tmp_path / "faulted"
-    faulted = launch(plan, run, ft.trigger_env(tmp_path / "fault", trigger), "--recover-in-memory")
+    faulted = launch(plan, run, fault_trials.trigger_env(tmp_path / "fault", trigger), "--recover-in-memory")
     assert json.loads((tmp_path / "fault" / "fired-rank1.json").read_text()), "rank 1 was not killed"
     assert "take over in memory" in faulted.output and not faulted.traceback
 
@@ -95,7 +96,7 @@ def test_the_replica_holding_rank_0_is_lost_from_a_two_stage_pipeline(tmp_path):
     plan = write_plan(tmp_path / "plan.json", D2P2, P2, D2P2)
     trigger = {"rank": 0, "step": 2, "point": "backward", "nth": 0, "action": "kill"}
     run = tmp_path / "faulted"
-    launch(plan, run, ft.trigger_env(tmp_path / "fault", trigger), "--recover-in-memory")
+    launch(plan, run, fault_trials.trigger_env(tmp_path / "fault", trigger), "--recover-in-memory")
     (record,) = read_history(run)
     assert (record.to_layout, record.resume_step, record.excluded_ranks) == ("t1p2d1 1f1b b2 m4", 1, [0, 1])
     assert record.bytes_moved > 0  # the stages' halves of the state moved between the survivors
