@@ -136,7 +136,7 @@ def has_pair_loops(kind: ScheduleKind, pipeline_parallel: int, micro_batches: in
 def pair_loop_bound_seconds(micro_batches: int, recompute: bool, costs) -> float:
     """A lower bound on the simulated step of 1F1B's order under `costs` (see the module docstring).
 
-    `costs` is a `pipectl.plan.simulate.StageCosts` for p = len(forward_seconds) stages, one chunk,
+    `costs` is a `pipectl.plan.stage_costs.StageCosts` for p = len(forward_seconds) stages, one chunk,
     with m ≥ p (`has_pair_loops`); `recompute` as the schedule runs it (R before every backward
     but the last stage's).
 

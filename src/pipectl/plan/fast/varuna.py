@@ -46,7 +46,7 @@ def step_seconds(pipeline_parallel: int, micro_batches: int, costs) -> float:
 def summary(pipeline_parallel: int, micro_batches: int, costs) -> StepSummary:
     """Step time, idle fraction and exposed communication per rank, as `simulate` reports them.
 
-    `costs` is a checked `pipectl.plan.simulate.StageCosts` with p virtual stages and no jitter.
+    `costs` is a checked `pipectl.plan.stage_costs.StageCosts` with p virtual stages and no jitter.
     """
     p, m = pipeline_parallel, micro_batches
     last_stage = p - 1

@@ -108,7 +108,7 @@ def step_seconds(kind: ScheduleKind, pipeline_parallel: int, micro_batches: int,
                  recompute: bool, costs) -> float:
     """The step time the event-driven simulator gives for `generate(kind, p, m, v, recompute)`.
 
-    `costs` is a `pipectl.plan.simulate.StageCosts` (already checked by the caller) with no jitter.
+    `costs` is a `pipectl.plan.stage_costs.StageCosts` (already checked by the caller) with no jitter.
     """
     p, m, v = pipeline_parallel, micro_batches, chunks
     t = _tables(p * v, recompute, costs)

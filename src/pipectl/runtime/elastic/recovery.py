@@ -21,7 +21,7 @@ How a loss plays out (the launcher's side is `resize/replicas.py`):
                 writes RUN/resize_requested.json naming the survivors (`LiveResizeRequest`)
     survivors   meet in a new group and hand over what they keep of every old rank's state (their
                 own and their copies) at the newest step boundary where all of it is kept
-                (`live_resize.exchange`, the hand-over of a planned live resize), and go on in the new
+                (`state_exchange.exchange`, the hand-over of a planned live resize), and go on in the new
                 layout from there (`recover`): the step in flight when the replica was lost, or at
                 most the one before, is trained again
 
@@ -239,7 +239,7 @@ def recover(
 ) -> HandOver | None:
     """A survivor, its old group left: meet the other survivors, offer every state it keeps (its own
     and its neighbour's, at the last two boundaries) and receive what its rank of `layout` restores,
-    from the newest boundary at which the survivors hold every old rank's state (`live_resize.exchange`).
+    from the newest boundary at which the survivors hold every old rank's state (`state_exchange.exchange`).
     Returns None for a survivor the new layout does not use (it exits 0). Raises `LaunchError`
     when there is no such boundary (the job then fails, and `launch --resume` restarts it from its
     last checkpoint)."""
