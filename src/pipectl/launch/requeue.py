@@ -27,9 +27,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from pipectl.artifacts.cluster import SlurmSpec
-from pipectl.artifacts.run import LOGS_DIR, REQUEUE_FILE, RequeueOutcome, RequeueRecord
+from pipectl.artifacts.run import JOB_FILE, LOGS_DIR, REQUEUE_FILE, RequeueOutcome, RequeueRecord
 from pipectl.errors import PipectlError
-from pipectl.launch.prepare import read_run
+from pipectl.launch.options import check_stored_options
 from pipectl.rundir.status import run_status
 from pipectl.words import count
 
@@ -52,8 +52,9 @@ def without_progress(history: Sequence[RequeueRecord], checkpoint_step: int) -> 
 
 def decide(run_dir: str | os.PathLike[str], exit_code: int, limit: int, *, now: float | None = None) -> RequeueRecord:
     """What this start of the job came to, and whether to requeue it (not yet recorded)."""
-    read_run(run_dir)  # its stored options checked, as the requeued start will take them back
     status = run_status(run_dir)
+    if status.job.options:  # checked as the requeued start will take them back
+        check_stored_options(status.job.options, status.path / JOB_FILE)
     checkpoint = max((c.step or 0 for c in status.checkpoints if c.verified), default=0)
     done = status.steps_done
     record = dict(

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pipectl.artifacts.layout import layout_label
@@ -135,10 +135,8 @@ def analyse(run_dir: str | os.PathLike[str], *, verify_hashes: bool = False, det
     if not detail:
         return report
     comparison, unavailable = phase_comparison(status, profile)
-    return RunReport(
-        status=status,
-        utilisation=report.utilisation,
-        host_note=report.host_note,
+    return replace(
+        report,
         memory=run_memory(status),
         phases=comparison,
         phases_unavailable=unavailable,
