@@ -166,8 +166,8 @@ def data_parallel_seconds(
     under ZeRO-1 the parameters' all-gather half of it moves `element_bytes`), plus, with
     measured engine terms, the engine's extra collectives (module docstring). Optimizer: with measured engine
     terms, fixed + per-parameter seconds of the end of a step; otherwise Adam's memory traffic
-    at the device's bandwidth. Worked example (gpt-tiny's 318 k parameters on one CPU rank, a
-    measured 1.2 ms fixed and 22 ns per parameter):
+    at the device's bandwidth. Worked example (gpt-tiny's 318 k parameters on one rank whose
+    calibration gave 1.2 ms fixed and 22 ns per parameter):
 
         1.2 ms + 318e3 x 22e-9 s = 8.2 ms of optimizer step, no all-reduce (d = 1)
     """

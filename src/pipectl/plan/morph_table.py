@@ -19,8 +19,8 @@ over the table's counts answers "fastest known up to the count serving n devices
 Specs that pass that check are checked once more against the evaluator's tighter bound (`pipectl.plan.fast.bounds`: 1F1B's in-flight
 loops, Varuna's warm-up and cool-down) before they are simulated; skipping a spec that cannot
 improve any entry leaves the table unchanged. At GPT-1T scale on 3,072 GPUs (benchmarks/plan_scale.py)
-the Varuna bound spares 15 of the 60 Varuna simulations, the dearest kind here (~10 ms each against
-~2 ms for 1F1B); every 1F1B spec simulated improves an entry.
+the Varuna bound spares a quarter of the Varuna simulations, the dearest kind to simulate; every
+1F1B spec simulated improves an entry.
 
 With several workers (`pipectl.plan.workers`) the specs are first timed in two processes
 (`_time_ahead`), each running the same loop over one range of device counts: specs on at most n

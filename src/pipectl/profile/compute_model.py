@@ -22,7 +22,8 @@ FlashAttention papers) and the host's per-kernel overhead.
 
 Worked example, one forward of the h=4096, t=1, b=1, s=2048 block on an H100 (989 TFLOP/s,
 3.35 TB/s): 10 kernels; the four GEMMs hold 0.82 TFLOP (1.16 ms at 0.74 of peak and 97 % wave
-efficiency), flash attention 34 GFLOP (0.10 ms), element-wise work 0.10 ms; measured 1.23 ms:
+efficiency), flash attention 34 GFLOP (0.10 ms), element-wise work 0.10 ms; measured on an H100,
+1.23 ms (`benchmarks/derived_vs_measured.py`):
 
     >>> from pipectl.catalog import get_device
     >>> device = ComputeDevice.of(get_device("h100-80gb"), "bfloat16")

@@ -272,8 +272,8 @@ def _attention_core_seconds(
     recomputation adds to the block's backward. None for a layer without such a core.
 
     The least disturbed of the runs, not their median: on a small model the core takes tens of
-    microseconds, and one time slice another process takes is a hundred times that (a CI run
-    measured a median of 3.0 ms for gpt-tiny's core inside a 0.26 ms block forward). Other work
+    microseconds, and one time slice another process takes is a hundred times that (a median on a
+    busy host can exceed the whole block's forward). Other work
     only adds time; the host slowdowns scale the figure like every other compute term."""
     from pipectl.models.transformer import attention_core
 

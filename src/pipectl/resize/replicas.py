@@ -300,7 +300,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         signal.signal(signum, lambda received, _frame: agent.signal(received))
     agent.start()
     # What a recovery runs (the resize decision; DeepSpeed's config parser validating the new
-    # layout) is imported while the job trains, not after a loss (about 1 s here).
+    # layout) is imported while the job trains, not after a loss, where it would lengthen the pause.
     import deepspeed.runtime.config  # noqa: F401
 
     import pipectl.resize.live  # noqa: F401

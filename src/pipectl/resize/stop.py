@@ -86,7 +86,7 @@ def wait_for_exit(
     """Wait until the run's ranks are gone; SIGTERM the ranks still alive after `signal_after_seconds`.
 
     The ranks are what holds devices and writes the checkpoint; a launcher (torchrun, DeepSpeed's
-    runner) exits by itself once its ranks have exited 0 (about 0.6 s later here), so it is waited
+    runner) exits by itself shortly after its ranks have exited 0, so it is waited
     for only while it has no rank yet (it could still start one), or with `include_launchers` (an
     elastic launcher may restart ranks that failed). Ranks that appear meanwhile are waited for too.
 

@@ -277,8 +277,8 @@ def peak_rss_bytes() -> int | None:
 
     Linux: `VmHWM` of /proc/self/status (kB), the high-water mark of this process image (proc(5)).
     Not getrusage's ru_maxrss there: Linux carries it across fork and exec, so a rank started by a
-    large parent reports the parent's size (measured: a fresh interpreter forked from a 728 MiB
-    pytest process reported 728 MiB). Elsewhere ru_maxrss (bytes on macOS, getrusage(2)).
+    large parent reports the parent's size (a fresh interpreter forked from a large test process
+    reports that process's peak). Elsewhere ru_maxrss (bytes on macOS, getrusage(2)).
     None where neither exists.
     """
     try:

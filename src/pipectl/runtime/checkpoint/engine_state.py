@@ -200,8 +200,8 @@ class HostSnapshot:
     """Host buffers reused from one checkpoint to the next (pinned when the engine is on a GPU).
 
     With `copy=False` a tensor already in host memory is taken as it is, not copied: for an engine
-    that trains no further (a live resize hands its state over and drops it; 0.35 s saved for
-    gpt-small's 750 MiB per rank here).
+    that trains no further (a live resize hands its state over and drops it: its pause saves a copy
+    of every tensor).
 
     The buffers of one snapshot are overwritten by the next `capture`: a caller must have finished
     writing a snapshot before taking another (the checkpointer keeps at most one save in flight).
@@ -337,8 +337,8 @@ def _write(target: torch.Tensor, values: torch.Tensor) -> None:
 class TouchedMemory:
     """Host memory whose pages are touched already, handed out piece by piece (`take`).
 
-    The first write to freshly allocated memory costs a page fault per 4 KiB page: copying 500 MB
-    into fresh pages took 0.25-0.32 s here, into touched ones 0.05-0.08 s. A rank that will build
+    The first write to freshly allocated memory costs a page fault per 4 KiB page, several times
+    what copying into touched pages costs. A rank that will build
     an engine in a live resize's pause allocates and touches this beforehand, while the job still
     trains; the engine's flat tensors and optimizer moments are then taken from it
     (`drawing_from`, `prepare_states`). A piece is never given back: the memory lives as long as

@@ -277,8 +277,8 @@ def exchange_then_regroup(
 def warm_up(ds_config: dict[str, Any]) -> None:
     """Build and drop a DeepSpeed pipeline engine for a one-layer model on a private one-rank group,
     with the job's optimizer, ZeRO stage and precision: what an engine imports and sets up the
-    first time it is built (1.3 s here, most of it DeepSpeed's optimizer check importing torch's
-    inductor) is then done before the hand-over, not in the running job's pause."""
+    first time it is built (most of it DeepSpeed's optimizer check importing torch's inductor) is
+    then done before the hand-over, not in the running job's pause."""
     import deepspeed
     import torch
     import torch.distributed as dist

@@ -323,8 +323,8 @@ class PlannedPipelineEngine(PipelineEngine):
         DeepSpeed's ZeRO-0 fp32 path (`runtime.utils.clip_grad_norm_`) counts a parameter only on
         model-parallel rank 0 (which, in a pipeline grid, is stage 0) unless it is tagged as
         model-parallel; every later stage's gradients are left out of the norm, so with p > 1 each
-        step is clipped by a different factor than with p = 1 (measured: 16.3 instead of 18.8 on
-        gpt-tiny, p=2). ZeRO-1 computes the norm correctly; this makes ZeRO-0 agree with it.
+        step is clipped by a different factor than with p = 1 (`tests/runtime/test_equivalence.py`
+        compares the two). ZeRO-1 computes the norm correctly; this makes ZeRO-0 agree with it.
 
         Each gradient is counted once: tied copies on non-owner stages (`ds_pipe_replicated`)
         are skipped, and with tensor parallelism a parameter replicated across the tensor group is
