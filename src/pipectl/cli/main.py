@@ -10,7 +10,7 @@ from __future__ import annotations
 import typer
 
 from pipectl import __version__
-from pipectl.cli import calibrate, export, export_plan, launch, plan, profile, resize, simulate, status
+from pipectl.cli import calibrate, export, export_plan, launch, plan, profile, resize, simulate, status, validate
 from pipectl.cli.groups import HELP_OPTIONS, ErrorReportingGroup
 
 app = typer.Typer(
@@ -30,6 +30,7 @@ resize.register(app)
 export.register(app)
 export_plan.register(app)
 calibrate.register(app)
+validate.register(app)
 
 
 @app.callback(invoke_without_command=True)

@@ -1,0 +1,117 @@
+"""pipectl's predictions against training runs measured on real clusters (issue #45).
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/measured_runs.py [--runs DIR] [--limit N] [--no-write]
+
+Runs what `pipectl validate MEASURED.csv --conditions CONDITIONS.yaml --json` runs, in process, on
+vTrain's single-node ground truth (Bang et al., MICRO'24: 1,440 Megatron-DeepSpeed runs of GPT
+shapes on 2, 4 and 8 A100s; `--runs` names the folder holding `single-node.csv` and
+`conditions.yaml`, by default the shared reference copy beside the checkout). Every row's layout is
+pinned; nothing is fitted. Prints the summary, the signed median error per hidden size and GPU count
+(where the model runs fast or slow), the memory model's refusals of runs that ran, and the groups
+ranked worst; writes benchmarks/results/measured_runs.json with the command, machine and date.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from pipectl.io import write_json_atomic  # noqa: E402
+from pipectl.measured.predict import predict_runs  # noqa: E402
+from pipectl.measured.runs import load_conditions, read_runs  # noqa: E402
+from pipectl.measured.summary import summarise_errors, summarise_groups  # noqa: E402
+
+DEFAULT_RUNS = ROOT.parent / "shared" / "reference" / "vtrain-a100"
+RESULTS = ROOT / "benchmarks" / "results" / "measured_runs.json"
+
+
+def by_slice(predictions, key) -> dict[str, dict]:
+    """Signed median and MAPE of the rows sharing `key(run)`."""
+    slices: dict[str, list[float]] = {}
+    for p in predictions:
+        if p.error is not None:
+            slices.setdefault(key(p.run), []).append(p.error)
+    return {
+        name: {"rows": len(errors), "signed_median": round(statistics.median(errors), 4),
+               "mape": round(statistics.fmean(abs(e) for e in errors), 4)}
+        for name, errors in sorted(slices.items())
+    }  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=Path, default=DEFAULT_RUNS, help="folder with single-node.csv and conditions.yaml")
+    parser.add_argument("--limit", type=int, help="the first N rows only (a quick look)")
+    parser.add_argument("--no-write", action="store_true", help="do not update the results file")
+    args = parser.parse_args()
+
+    runs = read_runs(args.runs / "single-node.csv")
+    if args.limit:
+        runs = runs[: args.limit]
+    conditions = load_conditions(args.runs / "conditions.yaml")
+    load_before = os.getloadavg()[0]
+    started = time.perf_counter()
+    predictions = predict_runs(runs, conditions)
+    seconds = time.perf_counter() - started
+    errors, groups = summarise_errors(predictions), summarise_groups(predictions)
+    ranked = [g for g in groups if g.spearman is not None]
+    refused = [p for p in predictions if p.memory_refused]
+    unpredicted = [p for p in predictions if p.predicted_seconds is None]
+    summary = {
+        **errors.to_dict(),
+        "groups_ranked": len(ranked),
+        "spearman_median": statistics.median(g.spearman for g in ranked) if ranked else None,
+        "spearman_min": min(g.spearman for g in ranked) if ranked else None,
+        "regret_max": max(g.regret for g in groups) if groups else None,
+        "regret_median": statistics.median(g.regret for g in groups) if groups else None,
+        "memory_refused_rows": len(refused),
+        "unpredicted_rows": len(unpredicted),
+    }
+    print(f"{len(runs)} rows in {seconds:.1f} s")
+    for name, value in summary.items():
+        print(f"  {name:<22} {value:.4f}" if isinstance(value, float) else f"  {name:<22} {value}")
+    slices = {
+        "hidden": by_slice(predictions, lambda r: f"h{r.hidden}"),
+        "gpus": by_slice(predictions, lambda r: f"{r.gpus} GPUs"),
+        "tensor_parallel": by_slice(predictions, lambda r: f"t{r.tensor_parallel}"),
+        "pipeline_parallel": by_slice(predictions, lambda r: f"p{r.pipeline_parallel}"),
+        "micro_batch": by_slice(predictions, lambda r: f"b{r.micro_batch}"),
+    }
+    for kind, rows in slices.items():
+        print(f"  by {kind}: " + ", ".join(f"{name} {s['signed_median']:+.1%} ({s['rows']})" for name, s in rows.items()))
+    worst = sorted(ranked, key=lambda g: g.spearman)[:5]
+    for g in worst:
+        print(f"  worst-ranked group: {g.key}: rows {g.rows}, Spearman {g.spearman:.2f}, regret {g.regret:.1%}")
+    if args.no_write:
+        return
+    write_json_atomic(RESULTS, {
+        "command": "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/measured_runs.py"
+                   + (f" --limit {args.limit}" if args.limit else ""),
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, load {load_before:.2f}",
+        "rows_file": "vTrain data/ground_truth_single.csv (shared reference copy)",
+        "conditions": conditions.model_dump(mode="json"),
+        "seconds": round(seconds, 1),
+        "summary": summary,
+        "slices": slices,
+        "groups": [g.to_dict() for g in groups],
+        "memory_refused_examples": [
+            {"line": p.run.line, "layout": p.run.layout_label, "group": p.run.group, "why": p.memory_refused}
+            for p in refused[:10]
+        ],
+        "unpredicted": [{"line": p.run.line, "problem": p.problem} for p in unpredicted[:10]],
+    })  # fmt: skip
+    print(f"wrote {RESULTS.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    main()

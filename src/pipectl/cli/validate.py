@@ -1,0 +1,133 @@
+"""`pipectl validate MEASURED.csv --conditions CONDITIONS.yaml`: predictions against measured runs."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich import box
+from rich.table import Table
+
+from pipectl.cli.context import JsonFlag, console, print_json
+
+WORST_ROWS = 10  # rows shown without --all-rows: the largest errors
+
+
+def register(app: typer.Typer) -> None:
+    """Add `pipectl validate` to the root app."""
+
+    @app.command("validate")
+    def validate_command(
+        measured: Annotated[
+            Path, typer.Argument(help="CSV of measured runs: shape, GPUs, global batch, layout, iteration time (ms).")
+        ],
+        conditions: Annotated[
+            Path,
+            typer.Option("--conditions", "-c", help="YAML of what every run shares: device, links, framework, precision."),
+        ],
+        all_rows: Annotated[
+            bool, typer.Option("--all-rows", help=f"Print every row, not only the {WORST_ROWS} largest errors.")
+        ] = False,
+        json_output: JsonFlag = False,
+    ) -> None:
+        """Predict every measured run with its layout pinned and compare: errors over the rows, and
+        per group of competing layouts how well the predictions rank them."""
+        # torch-free, but the planner: only when asked
+        from pipectl.measured.predict import predict_runs
+        from pipectl.measured.runs import load_conditions, read_runs
+        from pipectl.measured.summary import summarise_errors, summarise_groups
+
+        shared = load_conditions(conditions)
+        runs = read_runs(measured)
+        if console.is_terminal and not json_output:
+            with console.status(f"predicting {len(runs)} runs"):
+                predictions = predict_runs(runs, shared)
+        else:
+            predictions = predict_runs(runs, shared)
+        errors, groups = summarise_errors(predictions), summarise_groups(predictions)
+        if json_output:
+            print_json({
+                "summary": errors.to_dict(),
+                "groups": [group.to_dict() for group in groups],
+                "rows": [_row_dict(p) for p in predictions],
+            })  # fmt: skip
+            return
+        shown = predictions if all_rows else _worst(predictions)
+        console.print(_rows_table(shown, all_rows, len(predictions)))
+        console.print(_groups_table(groups))
+        unpredicted = [p for p in predictions if p.predicted_seconds is None]
+        refused = [p for p in predictions if p.memory_refused]
+        console.print(_summary_line(errors, groups, len(predictions)), soft_wrap=True, highlight=False)
+        if refused:
+            console.print(
+                f"the memory model refuses {len(refused)} of the layouts that ran (their step predicted without the "
+                f"memory check; first: line {refused[0].run.line}, {refused[0].memory_refused})",
+                soft_wrap=True, highlight=False, markup=False,
+            )  # fmt: skip
+        for p in unpredicted[:3]:
+            console.print(f"line {p.run.line}: not predicted: {p.problem}", soft_wrap=True, highlight=False, markup=False)
+
+
+def _worst(predictions):
+    predicted = [p for p in predictions if p.error is not None]
+    worst = sorted(predicted, key=lambda p: -abs(p.error))[:WORST_ROWS]
+    return sorted(worst, key=lambda p: p.run.line)
+
+
+def _row_dict(p) -> dict:
+    run = p.run
+    return {
+        "line": run.line,
+        "group": run.group,
+        "layout": run.layout_label,
+        "measured_seconds": run.measured_seconds,
+        "predicted_seconds": p.predicted_seconds,
+        "error": p.error,
+        "peak_memory_gib": p.peak_memory_gib,
+        "memory_refused": p.memory_refused,
+        "problem": p.problem,
+    }
+
+
+def _rows_table(shown, all_rows: bool, total: int) -> Table:
+    title = "step time per run, ms" if all_rows else f"the {len(shown)} largest errors of {total} runs, ms (--all-rows: every run)"
+    table = Table(title=title, box=box.SIMPLE, title_justify="left")
+    for column in ("line", "group", "layout", "measured", "predicted", "error"):
+        table.add_column(column, justify="left" if column in ("group", "layout") else "right")
+    for p in shown:
+        predicted = "—" if p.predicted_seconds is None else f"{p.predicted_seconds * 1e3:.1f}"
+        error = "—" if p.error is None else f"{p.error:+.1%}"
+        table.add_row(str(p.run.line), p.run.group, p.run.layout_label, f"{p.run.measured_seconds * 1e3:.1f}", predicted, error)
+    return table
+
+
+def _groups_table(groups) -> Table:
+    table = Table(title="ranking per group (one shape, GPU count and global batch)", box=box.SIMPLE, title_justify="left")
+    for column in ("group", "rows", "Spearman", "regret", "best measured", "predicted fastest"):
+        table.add_column(column, justify="left" if column in ("group", "best measured", "predicted fastest") else "right")
+    # The groups ranked worst first: a group of one row ranks nothing.
+    ranked = sorted((g for g in groups if g.rows > 1), key=lambda g: (g.spearman if g.spearman is not None else 1.0, -g.regret))
+    for g in ranked[:WORST_ROWS]:
+        spearman = "—" if g.spearman is None else f"{g.spearman:.2f}"
+        table.add_row(g.key, str(g.rows), spearman, f"{g.regret:.1%}", g.best_measured, g.ranked_first)
+    if len(ranked) > WORST_ROWS:
+        table.caption = f"the {WORST_ROWS} groups ranked worst of {len(ranked)} with two runs or more (--json: every group)"
+    return table
+
+
+def _summary_line(errors, groups, total: int) -> str:
+    if errors.rows == 0:
+        return f"no run of {total} could be predicted"
+    rho = [g.spearman for g in groups if g.spearman is not None]
+    ranking = (
+        f"; Spearman median {statistics.median(rho):.2f}, min {min(rho):.2f}; regret max "
+        f"{max(g.regret for g in groups):.1%} over {len(groups)} groups"
+        if rho else ""
+    )
+    return (
+        f"{errors.rows} of {total} runs predicted: median |error| {errors.median_abs_error:.1%}, "
+        f"MAPE {errors.mape:.1%}, max {errors.max_abs_error:.1%}, signed median {errors.signed_median_error:+.1%}"
+        + ranking
+    )

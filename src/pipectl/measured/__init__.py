@@ -1,0 +1,1 @@
+"""Predictions checked against training runs measured on real clusters: `pipectl validate`."""

@@ -1,0 +1,196 @@
+"""pipectl's prediction of each measured run, its layout pinned, under the runs' conditions.
+
+A row's model is derived for the conditions' device (`profile.derive`, the kernel model) as the
+framework ran it (`EngineFeatures`: Megatron's vocabulary-parallel embedding and head, its fused
+element-wise kernels and dropout, blocks split evenly over the stages; DeepSpeed's pipeline engine
+holding both ranks through a transfer), on a cluster of the row's GPUs with the conditions' links,
+and planned with everything the row fixes pinned: t, p, d, b, the schedule, the recomputation and
+the ZeRO stage (`plan.search.plan`, nothing re-searched but the cut). Nothing is fitted to the rows.
+
+A run that was measured did fit its GPUs. Where pipectl's memory model refuses its layout anyway,
+the step is still predicted (the memory check set aside) and the row says what the model refused:
+a memory model wrong about a run that ran is a finding of its own, not a reason to drop the row.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from pipectl.artifacts.cluster import ClusterSpec
+from pipectl.artifacts.model import ModelConfig, ModelFamily
+from pipectl.artifacts.plan import Candidate, PlanRequest, Recompute, RecomputeChoice
+from pipectl.artifacts.profile import EngineFeatures, ModelProfile
+from pipectl.catalog import get_device
+from pipectl.errors import PipectlError
+from pipectl.measured.runs import MeasuredRun, RunConditions
+from pipectl.plan.search import plan
+from pipectl.profile.derive import derive_profile
+
+# The profile's dtype for a run's precision.
+PROFILE_DTYPE = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
+# A device no layout outgrows: the time model alone, for rows the memory model refuses.
+UNBOUNDED_MEMORY_BYTES = 2**50
+# Frameworks whose pipeline transfers hold both ranks until the receive is posted: DeepSpeed's
+# pipeline engine sends and receives synchronously (deepspeed/runtime/pipe/p2p.py).
+BLOCKING_PIPELINES = ("megatron-deepspeed", "deepspeed")
+_RECOMPUTE = {
+    "none": (RecomputeChoice.NEVER, Recompute.NONE),
+    "full": (RecomputeChoice.LAYER, Recompute.LAYER),  # Megatron's "full": per-layer checkpointing
+    "selective": (RecomputeChoice.SELECTIVE, Recompute.SELECTIVE),
+}
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A row and what pipectl predicts of it: its step (None with `problem` when it cannot be
+    predicted), its predicted peak memory, and whether the memory model accepts the layout."""
+
+    run: MeasuredRun
+    predicted_seconds: float | None
+    peak_memory_gib: float | None = None
+    memory_refused: str | None = None  # the memory model's reason, for a run that did run
+    problem: str | None = None
+
+    @property
+    def error(self) -> float | None:
+        """(predicted - measured) / measured."""
+        if self.predicted_seconds is None:
+            return None
+        return self.predicted_seconds / self.run.measured_seconds - 1.0
+
+
+def engine_features(conditions: RunConditions) -> EngineFeatures | None:
+    """How the conditions' framework ran the model, in the planner's terms; None: as pipectl's own
+    runtime runs it."""
+    framework = conditions.framework.lower()
+    megatron = framework.startswith("megatron")
+    if not megatron and framework not in BLOCKING_PIPELINES:
+        return None
+    return EngineFeatures(
+        name=conditions.framework,
+        vocab_parallel=conditions.vocab_parallel,
+        # Megatron fuses the scale-mask-softmax and the bias-GeLU (megatron/model/fused_*).
+        fused_elementwise=megatron,
+        dropout=conditions.dropout > 0,
+        # Megatron partitions the blocks evenly over the stages ('type:transformer' in
+        # Megatron-DeepSpeed's pipeline model).
+        uniform_stages=megatron,
+        gradient_reduce_overlap=conditions.gradient_reduce_overlap,
+        blocking_p2p=framework in BLOCKING_PIPELINES,
+        source=conditions.source,
+    )
+
+
+class Predictor:
+    """Predicts rows under one set of conditions, deriving each model shape's profile once."""
+
+    def __init__(self, conditions: RunConditions, runs: list[MeasuredRun]) -> None:
+        self.conditions = conditions
+        self.engine = engine_features(conditions)
+        # Every micro-batch size a shape is measured at, derived at once.
+        self.sizes: dict[tuple, set[int]] = {}
+        for run in runs:
+            self.sizes.setdefault((run.shape, self._device(run)), set()).add(run.micro_batch)
+        self.profiles: dict[tuple, ModelProfile] = {}
+
+    def _device(self, run: MeasuredRun) -> str:
+        return run.device or self.conditions.device
+
+    def profile(self, run: MeasuredRun) -> ModelProfile:
+        key = (run.shape, self._device(run))
+        if key not in self.profiles:
+            hidden, heads, layers, seq_len = run.shape
+            config = ModelConfig(
+                name=f"h{hidden}-a{heads}-l{layers}-s{seq_len}",
+                family=ModelFamily.GPT,
+                layers=layers,
+                hidden=hidden,
+                heads=heads,
+                seq_len=seq_len,
+                vocab=self.conditions.vocab,
+                tied_embeddings=self.conditions.tied_embeddings,
+                shape_only=True,
+            )
+            self.profiles[key] = derive_profile(
+                config, get_device(self._device(run)), sorted(self.sizes[key]),
+                dtype=PROFILE_DTYPE[self.conditions.precision], attention=self.conditions.attention, engine=self.engine,
+            )  # fmt: skip
+        return self.profiles[key]
+
+    def cluster(self, run: MeasuredRun) -> ClusterSpec:
+        per_node = self.conditions.devices_per_node
+        links: dict[str, float] = {}
+        if self.conditions.links.intra_node_gbytes_per_second is not None:
+            links["intra_node_bandwidth_gbytes_per_second"] = self.conditions.links.intra_node_gbytes_per_second
+        if self.conditions.links.inter_node_gbits_per_second_per_node is not None:
+            # A node's network, shared by its GPUs: GB/s per GPU, as the catalog states links.
+            links["inter_node_bandwidth_gbytes_per_second"] = (
+                self.conditions.links.inter_node_gbits_per_second_per_node / 8 / per_node
+            )
+        node_type = {
+            "name": "measured-nodes",
+            "device": self._device(run),
+            "devices_per_node": per_node,
+            "nodes": math.ceil(run.gpus / per_node),
+        }
+        if links:
+            node_type["links"] = links
+        return ClusterSpec(name="measured", node_types=[node_type])
+
+    def request(self, run: MeasuredRun) -> PlanRequest:
+        choice, _ = _RECOMPUTE[run.recompute or self.conditions.recompute]
+        return PlanRequest(
+            global_batch=run.global_batch,
+            devices=run.gpus,
+            tensor_parallel=run.tensor_parallel,
+            pipeline_parallel=run.pipeline_parallel,
+            data_parallel=run.data_parallel,
+            micro_batch_size=run.micro_batch,
+            schedule=run.schedule or self.conditions.schedule,
+            zero_stages=[self.conditions.zero_stage if run.zero_stage is None else run.zero_stage],
+            recompute=choice,
+            include_all=True,
+            for_deepspeed=False,
+            morph=False,
+            workers=1,
+        )
+
+    def predict(self, run: MeasuredRun) -> Prediction:
+        try:
+            profile, cluster, request = self.profile(run), self.cluster(run), self.request(run)
+            pinned, refused = self._pinned(run, profile, cluster, request)
+            if pinned is None:  # the memory model refuses a run that ran: the time model alone
+                unbounded = profile.model_copy(update={"device_memory_bytes": UNBOUNDED_MEMORY_BYTES})
+                pinned, _ = self._pinned(run, unbounded, cluster, request)
+        except PipectlError as error:  # a shape or layout this version cannot plan: said on its row
+            return Prediction(run, None, problem=error.message)
+        if pinned is None:
+            return Prediction(run, None, problem=refused or "no candidate with this layout")
+        return Prediction(
+            run,
+            pinned.predicted_step_seconds,
+            peak_memory_gib=max(pinned.peak_memory_bytes) / 2**30,
+            memory_refused=refused,
+        )
+
+    def _pinned(
+        self, run: MeasuredRun, profile: ModelProfile, cluster: ClusterSpec, request: PlanRequest
+    ) -> tuple[Candidate | None, str | None]:
+        """The fastest candidate of the pinned layout with the row's recomputation, or None and why
+        not (the planner's refusal, which names its first example)."""
+        _, granularity = _RECOMPUTE[run.recompute or self.conditions.recompute]
+        try:
+            result = plan(profile, cluster, request)
+        except PipectlError as error:
+            return None, error.message
+        matching = [c for c in result.candidates if c.recompute_granularity is granularity]
+        if matching:
+            return min(matching, key=lambda c: c.predicted_step_seconds), None
+        return None, f"no candidate with {granularity.label} recomputation"
+
+
+def predict_runs(runs: list[MeasuredRun], conditions: RunConditions) -> list[Prediction]:
+    """Every row's prediction, in the rows' order."""
+    predictor = Predictor(conditions, runs)
+    return [predictor.predict(run) for run in runs]

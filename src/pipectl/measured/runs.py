@@ -1,0 +1,245 @@
+"""Training runs measured on a cluster: a CSV of layouts and step times, and the conditions they share.
+
+A row is one run: the model's shape, the GPUs, the global batch and the layout (t, d, p, micro-batch)
+with its measured iteration time. Columns are read by their header, in any order, case and spacing
+aside, so a cluster's own job log can be read as it is. Headers (those of vTrain's ground truth,
+Bang et al., MICRO'24):
+
+    # GPUs, global batch, micro batch, hidden size, attention heads, # layers, sequence length,
+    tensor parallelism, data parallelism, pipeline parallelism, iteration time (ms)
+
+and, optionally, `Parameters (billion)`, and per-row overrides of the conditions: `schedule`,
+`recompute`, `zero stage`, `device`. Any other column is ignored.
+
+The conditions (`RunConditions`, a YAML file) say what every row shares and the CSV does not: the
+device, the node size and links, the framework and how it ran the model (schedule, recomputation,
+attention kernel, vocabulary, tied embeddings, vocabulary-parallel layers, dropout), the precision
+and the ZeRO stage. A field this version does not know is refused, naming it: a condition silently
+ignored would make every prediction wrong the same way.
+
+    >>> import io
+    >>> text = "# GPUs,global batch,micro batch,hidden size,attention heads,# layers,sequence length,"
+    >>> text += "tensor parallelism,data parallelism,pipeline parallelism,iteration time (ms)\\n"
+    >>> text += "8,32,4,1024,16,24,1024,2,2,2,219.73\\n"
+    >>> [run] = parse_runs(io.StringIO(text), source="runs.csv")
+    >>> run.layout_label, round(run.measured_seconds, 5), run.group
+    ('t2 d2 p2 b4', 0.21973, 'h1024 a16 l24 s1024, 8 GPUs, B 32')
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+from dataclasses import dataclass
+from typing import IO, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from pipectl.errors import UserInputError
+from pipectl.io import load_model
+
+# field -> header, as normalised by `_normal` (lower case, single spaces).
+REQUIRED_COLUMNS = {
+    "gpus": "# gpus",
+    "global_batch": "global batch",
+    "micro_batch": "micro batch",
+    "hidden": "hidden size",
+    "heads": "attention heads",
+    "layers": "# layers",
+    "seq_len": "sequence length",
+    "tensor_parallel": "tensor parallelism",
+    "data_parallel": "data parallelism",
+    "pipeline_parallel": "pipeline parallelism",
+    "iteration_ms": "iteration time (ms)",
+}
+OPTIONAL_COLUMNS = {
+    "parameters_billion": "parameters (billion)",
+    "schedule": "schedule",
+    "recompute": "recompute",
+    "zero_stage": "zero stage",
+    "device": "device",
+}
+RECOMPUTE_VALUES = ("none", "full", "selective")
+
+
+class _Closed(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ConditionLinks(_Closed):
+    """The links every row's nodes had (None: the catalog's figures for the device)."""
+
+    intra_node_gbytes_per_second: float | None = Field(default=None, gt=0, description="GPU to GPU in a node, GB/s.")
+    inter_node_gbits_per_second_per_node: float | None = Field(
+        default=None, gt=0, description="A node's network bandwidth, Gb/s (all its GPUs together)."
+    )
+
+
+class RunConditions(_Closed):
+    """What every row of a measured CSV shares (a row's own `schedule`, `recompute`, `zero stage` or
+    `device` column overrides the field of that name)."""
+
+    source: str | None = Field(default=None, description="Where the runs were measured: a paper, a cluster, a log.")
+    device: str = Field(description="Catalog name of the GPUs (pipectl's configs/devices.yaml).")
+    devices_per_node: int = Field(gt=0, description="GPUs per node.")
+    links: ConditionLinks = Field(default_factory=ConditionLinks)
+    framework: str = Field(description="The training framework, e.g. megatron-deepspeed, megatron-lm, deepspeed.")
+    schedule: str = Field(default="1f1b", description="Pipeline schedule: 1f1b or gpipe.")
+    recompute: Literal["none", "full", "selective"] = Field(
+        default="none", description="Activation recomputation: Megatron's full (per layer) or selective."
+    )
+    gradient_reduce_overlap: bool = Field(
+        default=False, description="Whether the data-parallel all-reduce overlapped the last backward."
+    )
+    attention: Literal["flash", "unfused"] = Field(default="flash", description="The attention kernel.")
+    vocab: int = Field(gt=0, description="Vocabulary size.")
+    tied_embeddings: bool = Field(default=True, description="Whether the head reuses the token embedding.")
+    vocab_parallel: bool = Field(
+        default=False, description="Whether embedding, logits and loss are split by vocabulary over t (Megatron)."
+    )
+    dropout: float = Field(default=0.0, ge=0, lt=1, description="Dropout probability.")
+    precision: Literal["fp16", "bf16", "fp32"] = Field(description="Training precision.")
+    zero_stage: int = Field(default=0, ge=0, le=3, description="ZeRO stage.")
+
+
+def load_conditions(path: str | os.PathLike[str]) -> RunConditions:
+    """The conditions file, checked: a wrong or unknown field is one error naming it."""
+    return load_model(RunConditions, path)
+
+
+@dataclass(frozen=True)
+class MeasuredRun:
+    """One row: the model's shape, the layout and what it measured (seconds)."""
+
+    line: int  # in the CSV, for messages
+    gpus: int
+    global_batch: int
+    micro_batch: int
+    hidden: int
+    heads: int
+    layers: int
+    seq_len: int
+    tensor_parallel: int
+    data_parallel: int
+    pipeline_parallel: int
+    measured_seconds: float
+    parameters_billion: float | None = None
+    schedule: str | None = None
+    recompute: str | None = None
+    zero_stage: int | None = None
+    device: str | None = None
+
+    @property
+    def layout_label(self) -> str:
+        return f"t{self.tensor_parallel} d{self.data_parallel} p{self.pipeline_parallel} b{self.micro_batch}"
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (self.hidden, self.heads, self.layers, self.seq_len)
+
+    @property
+    def group(self) -> str:
+        """The rows whose layouts compete: one model shape on one GPU count at one global batch."""
+        return (
+            f"h{self.hidden} a{self.heads} l{self.layers} s{self.seq_len}, {self.gpus} GPUs, B {self.global_batch}"
+        )
+
+
+def read_runs(path: str | os.PathLike[str]) -> list[MeasuredRun]:
+    """Every row of a measured CSV (see the module docstring)."""
+    try:
+        with open(path, newline="", encoding="utf-8-sig") as handle:
+            return parse_runs(handle, source=str(path))
+    except UnicodeDecodeError:
+        raise UserInputError(f"{path} is not a text CSV file") from None
+
+
+def _normal(header: str) -> str:
+    return " ".join(header.strip().lower().split())
+
+
+def parse_runs(handle: IO[str], *, source: str) -> list[MeasuredRun]:
+    reader = csv.reader(handle)
+    header = next(reader, None)
+    if header is None:
+        raise UserInputError(f"{source} is empty: no header row")
+    position = {_normal(name): index for index, name in enumerate(header)}
+    missing = [name for name in REQUIRED_COLUMNS.values() if name not in position]
+    if missing:
+        raise UserInputError(
+            f"{source} has no column {', '.join(repr(m) for m in missing)}",
+            hint="the header must name: " + ", ".join(REQUIRED_COLUMNS.values()),
+        )
+    runs = []
+    for line, row in enumerate(reader, start=2):
+        if not row or all(not cell.strip() for cell in row):
+            continue
+        runs.append(_run_of(row, position, line, source))
+    if not runs:
+        raise UserInputError(f"{source} has a header but no rows")
+    return runs
+
+
+def _cell(row: list[str], position: dict[str, int], header: str) -> str | None:
+    index = position.get(header)
+    if index is None or index >= len(row) or not row[index].strip():
+        return None
+    return row[index].strip()
+
+
+def _run_of(row: list[str], position: dict[str, int], line: int, source: str) -> MeasuredRun:
+    where = f"{source} line {line}"
+    values: dict[str, object] = {}
+    for field, header in REQUIRED_COLUMNS.items():
+        text = _cell(row, position, header)
+        if text is None:
+            raise UserInputError(f"{where}: no value in column '{header}'")
+        if field == "iteration_ms":
+            values["measured_seconds"] = _positive_number(text, header, where) / 1e3
+        else:
+            values[field] = _positive_integer(text, header, where)
+    optional = {field: _cell(row, position, header) for field, header in OPTIONAL_COLUMNS.items()}
+    if optional["parameters_billion"] is not None:
+        values["parameters_billion"] = _positive_number(optional["parameters_billion"], "parameters (billion)", where)
+    if optional["zero_stage"] is not None:
+        stage = _positive_integer(optional["zero_stage"], "zero stage", where, allow_zero=True)
+        if stage > 3:
+            raise UserInputError(f"{where}: zero stage {stage} is not 0, 1, 2 or 3")
+        values["zero_stage"] = stage
+    if optional["recompute"] is not None:
+        recompute = optional["recompute"].lower()
+        if recompute not in RECOMPUTE_VALUES:
+            raise UserInputError(f"{where}: recompute '{optional['recompute']}' is not one of {', '.join(RECOMPUTE_VALUES)}")
+        values["recompute"] = recompute
+    for field in ("schedule", "device"):
+        if optional[field] is not None:
+            values[field] = optional[field].lower()
+    run = MeasuredRun(line=line, **values)  # type: ignore[arg-type]
+    devices = run.tensor_parallel * run.data_parallel * run.pipeline_parallel
+    if devices != run.gpus:
+        raise UserInputError(
+            f"{where}: t x d x p = {run.tensor_parallel} x {run.data_parallel} x {run.pipeline_parallel} = {devices}, "
+            f"not the row's {run.gpus} GPUs"
+        )
+    return run
+
+
+def _positive_integer(text: str, header: str, where: str, *, allow_zero: bool = False) -> int:
+    try:
+        number = float(text)
+    except ValueError:
+        number = float("nan")
+    if not number.is_integer() or number < (0 if allow_zero else 1):
+        kind = "a whole number >= 0" if allow_zero else "a positive whole number"
+        raise UserInputError(f"{where}: '{header}' is {text!r}, not {kind}")
+    return int(number)
+
+
+def _positive_number(text: str, header: str, where: str) -> float:
+    try:
+        number = float(text)
+    except ValueError:
+        number = float("nan")
+    if not number > 0 or number == float("inf"):
+        raise UserInputError(f"{where}: '{header}' is {text!r}, not a positive number")
+    return number

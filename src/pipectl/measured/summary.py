@@ -1,0 +1,133 @@
+"""How well predictions match measured runs: errors over the rows, and per group how well they rank.
+
+Each row's error is (predicted - measured) / measured. Over the rows: the median and the mean of
+|error| (MAPE), the largest |error|, and the signed median (negative: predictions run fast).
+
+A planner's purpose is to rank layouts, so the rows are also grouped by what makes their layouts
+compete (one model shape on one GPU count at one global batch, `MeasuredRun.group`). Per group:
+
+- Spearman's rank correlation ρ between predicted and measured step times (tied values take their
+  mean rank; undefined below two rows or where either side is constant);
+- the regret: the measured time of the layout pipectl predicts fastest over the group's measured
+  best, less one (0: pipectl would have picked the best layout measured).
+
+    >>> spearman([1.0, 2.0, 3.0], [10.0, 30.0, 20.0])
+    0.5
+    >>> round(regret([1.0, 2.0, 3.0], [12.0, 10.0, 11.0]), 3)
+    0.2
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from pipectl.measured.predict import Prediction
+
+
+@dataclass(frozen=True)
+class ErrorSummary:
+    rows: int  # rows with a prediction
+    median_abs_error: float | None
+    mape: float | None
+    max_abs_error: float | None
+    signed_median_error: float | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "rows": self.rows,
+            "median_abs_error": self.median_abs_error,
+            "mape": self.mape,
+            "max_abs_error": self.max_abs_error,
+            "signed_median_error": self.signed_median_error,
+        }
+
+
+@dataclass(frozen=True)
+class GroupSummary:
+    key: str
+    rows: int
+    spearman: float | None
+    regret: float | None
+    best_measured: str  # the layout measured fastest
+    ranked_first: str  # the layout pipectl predicts fastest
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "key": self.key,
+            "rows": self.rows,
+            "spearman": self.spearman,
+            "regret": self.regret,
+            "best_measured": self.best_measured,
+            "ranked_first": self.ranked_first,
+        }
+
+
+def summarise_errors(predictions: Sequence[Prediction]) -> ErrorSummary:
+    errors = [p.error for p in predictions if p.error is not None]
+    if not errors:
+        return ErrorSummary(0, None, None, None, None)
+    absolute = [abs(e) for e in errors]
+    return ErrorSummary(
+        rows=len(errors),
+        median_abs_error=statistics.median(absolute),
+        mape=statistics.fmean(absolute),
+        max_abs_error=max(absolute),
+        signed_median_error=statistics.median(errors),
+    )
+
+
+def summarise_groups(predictions: Sequence[Prediction]) -> list[GroupSummary]:
+    """One summary per group of predicted rows, in the order groups first appear."""
+    groups: dict[str, list[Prediction]] = {}
+    for p in predictions:
+        if p.predicted_seconds is not None:
+            groups.setdefault(p.run.group, []).append(p)
+    out = []
+    for key, members in groups.items():
+        predicted = [p.predicted_seconds for p in members]
+        measured = [p.run.measured_seconds for p in members]
+        first = min(range(len(members)), key=lambda i: predicted[i])
+        best = min(range(len(members)), key=lambda i: measured[i])
+        out.append(GroupSummary(
+            key=key,
+            rows=len(members),
+            spearman=spearman(predicted, measured),
+            regret=regret(predicted, measured),
+            best_measured=members[best].run.layout_label,
+            ranked_first=members[first].run.layout_label,
+        ))  # fmt: skip
+    return out
+
+
+def ranks(values: Sequence[float]) -> list[float]:
+    """1-based ranks, ties sharing their mean rank."""
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    out = [0.0] * len(values)
+    start = 0
+    while start < len(order):
+        end = start
+        while end + 1 < len(order) and values[order[end + 1]] == values[order[start]]:
+            end += 1
+        for position in range(start, end + 1):
+            out[order[position]] = (start + end) / 2 + 1
+        start = end + 1
+    return out
+
+
+def spearman(predicted: Sequence[float], measured: Sequence[float]) -> float | None:
+    """Pearson's correlation of the ranks; None below two rows or where a side is constant."""
+    if len(predicted) < 2:
+        return None
+    a, b = ranks(predicted), ranks(measured)
+    mean_a, mean_b = statistics.fmean(a), statistics.fmean(b)
+    covariance = sum((x - mean_a) * (y - mean_b) for x, y in zip(a, b))
+    spread = (sum((x - mean_a) ** 2 for x in a) * sum((y - mean_b) ** 2 for y in b)) ** 0.5
+    return None if spread == 0 else covariance / spread
+
+
+def regret(predicted: Sequence[float], measured: Sequence[float]) -> float:
+    """The measured time of the row predicted fastest over the measured best, less one."""
+    first = min(range(len(predicted)), key=lambda i: predicted[i])
+    return measured[first] / min(measured) - 1.0

@@ -1,0 +1,138 @@
+"""`pipectl validate`: measured runs read by header, predicted with their layout pinned, and summarised."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+
+import pytest
+
+from pipectl.errors import UserInputError
+from pipectl.measured.runs import load_conditions, parse_runs
+from pipectl.measured.summary import ranks, regret, spearman
+
+HEADER = (
+    "# GPUs,global batch,micro batch,hidden size,attention heads,# layers,sequence length,"
+    "tensor parallelism,data parallelism,pipeline parallelism,iteration time (ms)"
+)
+# One shape on 8 GPUs at one global batch, four layouts; and one row of another group. The times are
+# of the right order for these shapes on A100s; the tests check what validate computes from them.
+ROWS = [
+    "8,32,4,1024,16,12,1024,2,2,2,120.0",
+    "8,32,4,1024,16,12,1024,1,8,1,95.0",
+    "8,32,2,1024,16,12,1024,8,1,1,160.0",
+    "8,32,1,1024,16,12,1024,1,2,4,140.0",
+    "2,8,2,1024,16,12,1024,1,1,2,110.0",
+]
+CONDITIONS = """\
+source: a test cluster
+device: a100-80gb
+devices_per_node: 8
+links:
+  intra_node_gbytes_per_second: 150
+  inter_node_gbits_per_second_per_node: 800
+framework: megatron-deepspeed
+schedule: 1f1b
+recompute: full
+gradient_reduce_overlap: false
+attention: unfused
+vocab: 50257
+tied_embeddings: true
+vocab_parallel: true
+dropout: 0.1
+precision: fp16
+zero_stage: 0
+"""
+
+
+def pipectl(cwd, *args):
+    return subprocess.run([sys.executable, "-m", "pipectl", *args], cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture()
+def measured(tmp_path):
+    (tmp_path / "runs.csv").write_text("\n".join([HEADER, *ROWS]) + "\n")
+    (tmp_path / "conditions.yaml").write_text(CONDITIONS)
+    return tmp_path
+
+
+def test_validate_predicts_every_row_and_summarises_from_a_working_directory(measured):
+    result = pipectl(measured, "validate", "runs.csv", "--conditions", "conditions.yaml", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    rows = report["rows"]
+    assert [r["line"] for r in rows] == [2, 3, 4, 5, 6]
+    for row in rows:
+        assert row["predicted_seconds"] > 0 and row["problem"] is None
+        assert row["error"] == pytest.approx(row["predicted_seconds"] / row["measured_seconds"] - 1)
+    errors = sorted(abs(r["error"]) for r in rows)
+    assert report["summary"]["rows"] == 5
+    assert report["summary"]["max_abs_error"] == pytest.approx(errors[-1])
+    assert report["summary"]["median_abs_error"] == pytest.approx(errors[2])
+    group = next(g for g in report["groups"] if g["rows"] == 4)
+    members = [r for r in rows if r["group"] == group["key"]]
+    predicted = [r["predicted_seconds"] for r in members]
+    measured_times = [r["measured_seconds"] for r in members]
+    assert group["spearman"] == pytest.approx(spearman(predicted, measured_times))
+    assert group["regret"] == pytest.approx(regret(predicted, measured_times))
+    assert group["best_measured"] == "t1 d8 p1 b4"
+
+    table = pipectl(measured, "validate", "runs.csv", "-c", "conditions.yaml")
+    assert table.returncode == 0, table.stderr
+    assert "5 of 5 runs predicted: median |error|" in table.stdout
+    assert "Spearman" in table.stdout and "t1 d8 p1 b4" in table.stdout
+
+
+def test_a_row_column_overrides_the_conditions(measured):
+    (measured / "runs.csv").write_text(HEADER + ",recompute\n" + ROWS[0] + ",none\n" + ROWS[0] + ",full\n")
+    result = pipectl(measured, "validate", "runs.csv", "-c", "conditions.yaml", "--json")
+    assert result.returncode == 0, result.stderr
+    without, with_recompute = (r["predicted_seconds"] for r in json.loads(result.stdout)["rows"])
+    assert with_recompute > without  # full recomputation runs every forward twice
+
+
+@pytest.mark.parametrize(
+    "csv_text, conditions, message",
+    [
+        (HEADER.replace(",iteration time (ms)", "") + "\n1,2\n", CONDITIONS, "no column 'iteration time (ms)'"),
+        (HEADER + "\n" + ROWS[0].replace("2,2,2,120.0", "2,2,1,120.0") + "\n", CONDITIONS, "not the row's 8 GPUs"),
+        (HEADER + "\n" + ROWS[0].replace("120.0", "fast") + "\n", CONDITIONS, "line 2: 'iteration time (ms)' is 'fast'"),
+        (HEADER + "\n" + ROWS[0] + "\n", CONDITIONS + "pipeline_flush: true\n", "pipeline_flush"),
+        (HEADER + "\n" + ROWS[0] + "\n", CONDITIONS.replace("fp16", "fp8"), "precision"),
+    ],
+)
+def test_bad_input_is_one_line_naming_the_value(measured, csv_text, conditions, message):
+    (measured / "runs.csv").write_text(csv_text)
+    (measured / "conditions.yaml").write_text(conditions)
+    result = pipectl(measured, "validate", "runs.csv", "-c", "conditions.yaml")
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_headers_are_read_by_name_in_any_order_and_case():
+    text = (
+        "Iteration Time (ms),pipeline parallelism,data parallelism,tensor parallelism,sequence length,# Layers,"
+        "attention heads,hidden size,micro batch,global batch,# GPUs,Parameters (billion),notes\n"
+        "120.0,2,2,2,1024,12,16,1024,4,32,8,0.35,first run\n"
+    )
+    [run] = parse_runs(io.StringIO(text), source="log.csv")
+    assert (run.tensor_parallel, run.data_parallel, run.pipeline_parallel, run.micro_batch) == (2, 2, 2, 4)
+    assert run.measured_seconds == pytest.approx(0.12) and run.parameters_billion == pytest.approx(0.35)
+
+
+def test_unknown_condition_fields_are_refused(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(CONDITIONS + "overlap_everything: true\n")
+    with pytest.raises(UserInputError, match="overlap_everything"):
+        load_conditions(path)
+
+
+def test_ranks_share_ties_and_spearman_is_undefined_without_spread():
+    assert ranks([3.0, 1.0, 3.0, 2.0]) == [3.5, 1.0, 3.5, 2.0]
+    assert spearman([1.0, 2.0, 3.0], [3.0, 2.0, 1.0]) == pytest.approx(-1.0)
+    assert spearman([1.0, 1.0], [2.0, 3.0]) is None
+    assert spearman([1.0], [2.0]) is None
+    assert regret([2.0, 1.0], [10.0, 11.0]) == pytest.approx(0.1)
