@@ -101,6 +101,13 @@ def test_a_row_column_overrides_the_conditions(measured):
         (HEADER + "\n" + ROWS[0].replace("120.0", "fast") + "\n", CONDITIONS, "line 2: 'iteration time (ms)' is 'fast'"),
         (HEADER + "\n" + ROWS[0] + "\n", CONDITIONS + "pipeline_flush: true\n", "pipeline_flush"),
         (HEADER + "\n" + ROWS[0] + "\n", CONDITIONS.replace("fp16", "fp8"), "precision"),
+        (HEADER + ",schedule\n" + ROWS[0] + ",foo\n", CONDITIONS, "line 2: schedule 'foo' is not one of 1f1b, gpipe"),
+        (HEADER + ",device\n" + ROWS[0] + ",h900\n", CONDITIONS, "unknown device kind 'h900'"),
+        (HEADER + "\n" + ROWS[0] + "\n", CONDITIONS.replace("a100-80gb", "h900"), "unknown device kind 'h900'"),
+        (HEADER + "\n" + ROWS[0] + "\n", CONDITIONS.replace("megatron-deepspeed", "megatron_deepspeed"), "framework"),
+        (HEADER + "\n" + ROWS[0].replace(",1024,16,", ",1000,16,") + "\n", CONDITIONS, "not a multiple of its 16"),
+        (HEADER + ",# GPUs\n" + ROWS[0] + ",4\n", CONDITIONS, "two columns named '# gpus'"),
+        (HEADER + "\n" + ROWS[0].replace("8,32,", "8,3000000000,", 1) + "\n", CONDITIONS, "line 2: "),
     ],
 )
 def test_bad_input_is_one_line_naming_the_value(measured, csv_text, conditions, message):
@@ -130,7 +137,32 @@ def test_unknown_condition_fields_are_refused(tmp_path):
         load_conditions(path)
 
 
+def test_a_file_with_a_byte_order_mark_reads_as_one_without(measured):
+    (measured / "runs.csv").write_bytes(b"\xef\xbb\xbf" + ("\n".join([HEADER, ROWS[-1]]) + "\n").encode())
+    result = pipectl(measured, "validate", "runs.csv", "-c", "conditions.yaml", "--json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["summary"]["rows"] == 1
+
+
+def test_ties_for_fastest_count_the_slower_and_the_best_includes_unpredicted_rows():
+    from pipectl.measured.predict import Prediction
+    from pipectl.measured.runs import MeasuredRun
+    from pipectl.measured.summary import summarise_groups
+
+    def run(line, t, measured):
+        return MeasuredRun(line, 8, 32, 4, 1024, 16, 12, 1024, t, 8 // t, 1, measured)
+
+    predictions = [
+        Prediction(run(2, 1, 0.10), 0.05), Prediction(run(3, 2, 0.12), 0.05),  # tied fastest
+        Prediction(run(4, 4, 0.09), None, problem="cannot plan"),  # the best measured, not predicted
+    ]
+    [group] = summarise_groups(predictions)
+    assert group.ranked_first == "t2 d4 p1 b4" and group.best_measured == "t4 d2 p1 b4"
+    assert group.regret == pytest.approx(0.12 / 0.09 - 1) and group.unpredicted == 1 and group.rows == 2
+
+
 def test_ranks_share_ties_and_spearman_is_undefined_without_spread():
+    assert spearman([1.0, 1.0, 2.0, 3.0], [4.0, 3.0, 3.0, 1.0]) == pytest.approx(-5 / 6)
     assert ranks([3.0, 1.0, 3.0, 2.0]) == [3.5, 1.0, 3.5, 2.0]
     assert spearman([1.0, 2.0, 3.0], [3.0, 2.0, 1.0]) == pytest.approx(-1.0)
     assert spearman([1.0, 1.0], [2.0, 3.0]) is None

@@ -120,10 +120,11 @@ def _groups_table(groups) -> Table:
 def _summary_line(errors, groups, total: int) -> str:
     if errors.rows == 0:
         return f"no run of {total} could be predicted"
-    rho = [g.spearman for g in groups if g.spearman is not None]
+    ranked = [g for g in groups if g.rows > 1]  # a group of one row ranks nothing
+    rho = [g.spearman for g in ranked if g.spearman is not None]
     ranking = (
         f"; Spearman median {statistics.median(rho):.2f}, min {min(rho):.2f}; regret max "
-        f"{max(g.regret for g in groups):.1%} over {len(groups)} groups"
+        f"{max(g.regret for g in ranked):.1%} over {len(ranked)} groups of two runs or more"
         if rho else ""
     )
     return (

@@ -17,12 +17,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from pydantic import ValidationError
+
 from pipectl.artifacts.cluster import ClusterSpec
 from pipectl.artifacts.model import ModelConfig, ModelFamily
 from pipectl.artifacts.plan import Candidate, PlanRequest, Recompute, RecomputeChoice
 from pipectl.artifacts.profile import EngineFeatures, ModelProfile
 from pipectl.catalog import get_device
-from pipectl.errors import PipectlError
+from pipectl.errors import PipectlError, UserInputError
+from pipectl.io import validation_message
 from pipectl.measured.runs import MeasuredRun, RunConditions
 from pipectl.plan.search import plan
 from pipectl.profile.derive import derive_profile
@@ -165,6 +168,8 @@ class Predictor:
                 pinned, _ = self._pinned(run, unbounded, cluster, request)
         except PipectlError as error:  # a shape or layout this version cannot plan: said on its row
             return Prediction(run, None, problem=error.message)
+        except ValidationError as error:  # a figure beyond what a model, cluster or request may hold
+            raise UserInputError(f"line {run.line}: {validation_message(error)}") from None
         if pinned is None:
             return Prediction(run, None, problem=refused or "no candidate with this layout")
         return Prediction(

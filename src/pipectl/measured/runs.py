@@ -8,8 +8,9 @@ Bang et al., MICRO'24):
     # GPUs, global batch, micro batch, hidden size, attention heads, # layers, sequence length,
     tensor parallelism, data parallelism, pipeline parallelism, iteration time (ms)
 
-and, optionally, `Parameters (billion)`, and per-row overrides of the conditions: `schedule`,
-`recompute`, `zero stage`, `device`. Any other column is ignored.
+and, optionally, per-row overrides of the conditions: `schedule`, `recompute`, `zero stage`,
+`device`. Any other column is ignored (`Parameters (billion)` is read and checked, not used: pipectl
+counts a shape's parameters itself). Two columns of one header are refused.
 
 The conditions (`RunConditions`, a YAML file) say what every row shares and the CSV does not: the
 device, the node size and links, the framework and how it ran the model (schedule, recomputation,
@@ -35,6 +36,7 @@ from typing import IO, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pipectl.catalog import get_device
 from pipectl.errors import UserInputError
 from pipectl.io import load_model
 
@@ -60,6 +62,10 @@ OPTIONAL_COLUMNS = {
     "device": "device",
 }
 RECOMPUTE_VALUES = ("none", "full", "selective")
+# Schedules a row can pin: a CSV says nothing of interleaving's chunks, so interleaved is not one of them.
+SCHEDULE_VALUES = ("1f1b", "gpipe")
+# Frameworks whose way of running a model pipectl knows (`predict.engine_features`); pipectl: its own.
+FRAMEWORKS = ("megatron-deepspeed", "megatron-lm", "deepspeed", "pipectl")
 
 
 class _Closed(BaseModel):
@@ -83,8 +89,10 @@ class RunConditions(_Closed):
     device: str = Field(description="Catalog name of the GPUs (pipectl's configs/devices.yaml).")
     devices_per_node: int = Field(gt=0, description="GPUs per node.")
     links: ConditionLinks = Field(default_factory=ConditionLinks)
-    framework: str = Field(description="The training framework, e.g. megatron-deepspeed, megatron-lm, deepspeed.")
-    schedule: str = Field(default="1f1b", description="Pipeline schedule: 1f1b or gpipe.")
+    framework: Literal["megatron-deepspeed", "megatron-lm", "deepspeed", "pipectl"] = Field(
+        description="The training framework that ran the rows."
+    )
+    schedule: Literal["1f1b", "gpipe"] = Field(default="1f1b", description="Pipeline schedule.")
     recompute: Literal["none", "full", "selective"] = Field(
         default="none", description="Activation recomputation: Megatron's full (per layer) or selective."
     )
@@ -103,8 +111,11 @@ class RunConditions(_Closed):
 
 
 def load_conditions(path: str | os.PathLike[str]) -> RunConditions:
-    """The conditions file, checked: a wrong or unknown field is one error naming it."""
-    return load_model(RunConditions, path)
+    """The conditions file, checked: a wrong or unknown field, or a device the catalog does not
+    know, is one error naming it."""
+    conditions = load_model(RunConditions, path)
+    get_device(conditions.device)
+    return conditions
 
 
 @dataclass(frozen=True)
@@ -139,10 +150,10 @@ class MeasuredRun:
 
     @property
     def group(self) -> str:
-        """The rows whose layouts compete: one model shape on one GPU count at one global batch."""
-        return (
-            f"h{self.hidden} a{self.heads} l{self.layers} s{self.seq_len}, {self.gpus} GPUs, B {self.global_batch}"
-        )
+        """The rows whose layouts compete: one model shape on one GPU count (of one kind, where a row
+        names its device) at one global batch."""
+        gpus = f"{self.gpus} {self.device} GPUs" if self.device else f"{self.gpus} GPUs"
+        return f"h{self.hidden} a{self.heads} l{self.layers} s{self.seq_len}, {gpus}, B {self.global_batch}"
 
 
 def read_runs(path: str | os.PathLike[str]) -> list[MeasuredRun]:
@@ -151,7 +162,7 @@ def read_runs(path: str | os.PathLike[str]) -> list[MeasuredRun]:
         with open(path, newline="", encoding="utf-8-sig") as handle:
             return parse_runs(handle, source=str(path))
     except UnicodeDecodeError:
-        raise UserInputError(f"{path} is not a text CSV file") from None
+        raise UserInputError(f"{path} is not UTF-8 text: save the CSV as UTF-8") from None
 
 
 def _normal(header: str) -> str:
@@ -163,7 +174,11 @@ def parse_runs(handle: IO[str], *, source: str) -> list[MeasuredRun]:
     header = next(reader, None)
     if header is None:
         raise UserInputError(f"{source} is empty: no header row")
-    position = {_normal(name): index for index, name in enumerate(header)}
+    names = [_normal(name) for name in header]
+    position = {name: index for index, name in enumerate(names)}
+    repeated = sorted({name for name in names if name and names.count(name) > 1})
+    if repeated:
+        raise UserInputError(f"{source} has two columns named {', '.join(repr(r) for r in repeated)}")
     missing = [name for name in REQUIRED_COLUMNS.values() if name not in position]
     if missing:
         raise UserInputError(
@@ -171,10 +186,12 @@ def parse_runs(handle: IO[str], *, source: str) -> list[MeasuredRun]:
             hint="the header must name: " + ", ".join(REQUIRED_COLUMNS.values()),
         )
     runs = []
-    for line, row in enumerate(reader, start=2):
-        if not row or all(not cell.strip() for cell in row):
-            continue
-        runs.append(_run_of(row, position, line, source))
+    try:
+        for row in reader:
+            if row and any(cell.strip() for cell in row):
+                runs.append(_run_of(row, position, reader.line_num, source))
+    except csv.Error as error:
+        raise UserInputError(f"{source} line {reader.line_num}: {error}") from None
     if not runs:
         raise UserInputError(f"{source} has a header but no rows")
     return runs
@@ -211,10 +228,16 @@ def _run_of(row: list[str], position: dict[str, int], line: int, source: str) ->
         if recompute not in RECOMPUTE_VALUES:
             raise UserInputError(f"{where}: recompute '{optional['recompute']}' is not one of {', '.join(RECOMPUTE_VALUES)}")
         values["recompute"] = recompute
-    for field in ("schedule", "device"):
-        if optional[field] is not None:
-            values[field] = optional[field].lower()
+    if optional["schedule"] is not None:
+        schedule = optional["schedule"].lower()
+        if schedule not in SCHEDULE_VALUES:
+            raise UserInputError(f"{where}: schedule '{optional['schedule']}' is not one of {', '.join(SCHEDULE_VALUES)}")
+        values["schedule"] = schedule
+    if optional["device"] is not None:
+        values["device"] = get_device(optional["device"].lower()).name
     run = MeasuredRun(line=line, **values)  # type: ignore[arg-type]
+    if run.hidden % run.heads:
+        raise UserInputError(f"{where}: hidden size {run.hidden} is not a multiple of its {run.heads} attention heads")
     devices = run.tensor_parallel * run.data_parallel * run.pipeline_parallel
     if devices != run.gpus:
         raise UserInputError(

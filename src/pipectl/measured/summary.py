@@ -9,12 +9,16 @@ compete (one model shape on one GPU count at one global batch, `MeasuredRun.grou
 - Spearman's rank correlation ρ between predicted and measured step times (tied values take their
   mean rank; undefined below two rows or where either side is constant);
 - the regret: the measured time of the layout pipectl predicts fastest over the group's measured
-  best, less one (0: pipectl would have picked the best layout measured).
+  best, less one (0: pipectl would have picked the best layout measured). Where several layouts
+  tie for fastest, the slowest of them counts; the best is over every row of the group, those
+  pipectl could not predict included.
 
     >>> spearman([1.0, 2.0, 3.0], [10.0, 30.0, 20.0])
     0.5
     >>> round(regret([1.0, 2.0, 3.0], [12.0, 10.0, 11.0]), 3)
     0.2
+    >>> round(regret([1.0, 1.0, 2.0], [10.0, 11.0, 12.0]), 3)  # a tie for fastest: the slower counts
+    0.1
 """
 
 from __future__ import annotations
@@ -33,10 +37,12 @@ class ErrorSummary:
     mape: float | None
     max_abs_error: float | None
     signed_median_error: float | None
+    unpredicted: int = 0  # rows without one (each says why)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "rows": self.rows,
+            "unpredicted": self.unpredicted,
             "median_abs_error": self.median_abs_error,
             "mape": self.mape,
             "max_abs_error": self.max_abs_error,
@@ -47,16 +53,18 @@ class ErrorSummary:
 @dataclass(frozen=True)
 class GroupSummary:
     key: str
-    rows: int
+    rows: int  # rows with a prediction
     spearman: float | None
     regret: float | None
     best_measured: str  # the layout measured fastest
     ranked_first: str  # the layout pipectl predicts fastest
+    unpredicted: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "key": self.key,
             "rows": self.rows,
+            "unpredicted": self.unpredicted,
             "spearman": self.spearman,
             "regret": self.regret,
             "best_measured": self.best_measured,
@@ -66,8 +74,9 @@ class GroupSummary:
 
 def summarise_errors(predictions: Sequence[Prediction]) -> ErrorSummary:
     errors = [p.error for p in predictions if p.error is not None]
+    unpredicted = len(predictions) - len(errors)
     if not errors:
-        return ErrorSummary(0, None, None, None, None)
+        return ErrorSummary(0, None, None, None, None, unpredicted)
     absolute = [abs(e) for e in errors]
     return ErrorSummary(
         rows=len(errors),
@@ -75,30 +84,40 @@ def summarise_errors(predictions: Sequence[Prediction]) -> ErrorSummary:
         mape=statistics.fmean(absolute),
         max_abs_error=max(absolute),
         signed_median_error=statistics.median(errors),
+        unpredicted=unpredicted,
     )
 
 
 def summarise_groups(predictions: Sequence[Prediction]) -> list[GroupSummary]:
-    """One summary per group of predicted rows, in the order groups first appear."""
+    """One summary per group with a predicted row, in the order groups first appear."""
     groups: dict[str, list[Prediction]] = {}
     for p in predictions:
-        if p.predicted_seconds is not None:
-            groups.setdefault(p.run.group, []).append(p)
+        groups.setdefault(p.run.group, []).append(p)
     out = []
     for key, members in groups.items():
-        predicted = [p.predicted_seconds for p in members]
-        measured = [p.run.measured_seconds for p in members]
-        first = min(range(len(members)), key=lambda i: predicted[i])
-        best = min(range(len(members)), key=lambda i: measured[i])
+        predicted_rows = [p for p in members if p.predicted_seconds is not None]
+        if not predicted_rows:
+            continue
+        predicted = [p.predicted_seconds for p in predicted_rows]
+        measured = [p.run.measured_seconds for p in predicted_rows]
+        best = min(members, key=lambda p: p.run.measured_seconds)
+        first = _fastest_predicted(predicted, measured)
         out.append(GroupSummary(
             key=key,
-            rows=len(members),
+            rows=len(predicted_rows),
             spearman=spearman(predicted, measured),
-            regret=regret(predicted, measured),
-            best_measured=members[best].run.layout_label,
-            ranked_first=members[first].run.layout_label,
+            regret=measured[first] / best.run.measured_seconds - 1.0,
+            best_measured=best.run.layout_label,
+            ranked_first=predicted_rows[first].run.layout_label,
+            unpredicted=len(members) - len(predicted_rows),
         ))  # fmt: skip
     return out
+
+
+def _fastest_predicted(predicted: Sequence[float], measured: Sequence[float]) -> int:
+    """The row predicted fastest; of several tied, the one measured slowest (ties do not flatter)."""
+    fastest = min(predicted)
+    return max((i for i, value in enumerate(predicted) if value == fastest), key=lambda i: measured[i])
 
 
 def ranks(values: Sequence[float]) -> list[float]:
@@ -129,5 +148,4 @@ def spearman(predicted: Sequence[float], measured: Sequence[float]) -> float | N
 
 def regret(predicted: Sequence[float], measured: Sequence[float]) -> float:
     """The measured time of the row predicted fastest over the measured best, less one."""
-    first = min(range(len(predicted)), key=lambda i: predicted[i])
-    return measured[first] / min(measured) - 1.0
+    return measured[_fastest_predicted(predicted, measured)] / min(measured) - 1.0
