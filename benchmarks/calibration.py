@@ -112,30 +112,9 @@ def planned_label(plan_path: Path) -> str:
     return layout_label(load_model(Plan, plan_path).chosen)
 
 
-def spearman(xs: list[float], ys: list[float]) -> float:
-    """Spearman's rank correlation, tied values given the mean of their ranks."""
-
-    def ranks(values):
-        order = sorted(range(len(values)), key=values.__getitem__)
-        result = [0.0] * len(values)
-        start = 0
-        while start < len(order):
-            end = start
-            while end + 1 < len(order) and values[order[end + 1]] == values[order[start]]:
-                end += 1
-            for position in range(start, end + 1):
-                result[order[position]] = (start + end) / 2
-            start = end + 1
-        return result
-
-    rx, ry = ranks(xs), ranks(ys)
-    n = len(xs)
-    mx, my = sum(rx) / n, sum(ry) / n
-    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
-    return cov / (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
-
-
 def summary(rows: list[dict]) -> dict:
+    from pipectl.measured.summary import spearman
+
     if not rows:
         return {}
     before = [r["error_before"] for r in rows]
