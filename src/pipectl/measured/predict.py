@@ -27,11 +27,10 @@ from pipectl.catalog import get_device
 from pipectl.errors import PipectlError, UserInputError
 from pipectl.io import validation_message
 from pipectl.measured.runs import MeasuredRun, RunConditions
+from pipectl.plan.flops import PRECISION_DTYPE
 from pipectl.plan.search import plan
 from pipectl.profile.derive import derive_profile
 
-# The profile's dtype for a run's precision.
-PROFILE_DTYPE = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 # A device no layout outgrows: the time model alone, for rows the memory model refuses.
 UNBOUNDED_MEMORY_BYTES = 2**50
 # Frameworks whose pipeline transfers hold both ranks until the receive is posted: DeepSpeed's
@@ -117,7 +116,7 @@ class Predictor:
             )
             self.profiles[key] = derive_profile(
                 config, get_device(self._device(run)), sorted(self.sizes[key]),
-                dtype=PROFILE_DTYPE[self.conditions.precision], attention=self.conditions.attention, engine=self.engine,
+                dtype=PRECISION_DTYPE[self.conditions.precision], attention=self.conditions.attention, engine=self.engine,
             )  # fmt: skip
         return self.profiles[key]
 

@@ -24,7 +24,7 @@ compete (one model shape on one GPU count at one global batch, `MeasuredRun.grou
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
 from pipectl.measured.predict import Prediction
@@ -40,14 +40,7 @@ class ErrorSummary:
     unpredicted: int = 0  # rows without one (each says why)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "rows": self.rows,
-            "unpredicted": self.unpredicted,
-            "median_abs_error": self.median_abs_error,
-            "mape": self.mape,
-            "max_abs_error": self.max_abs_error,
-            "signed_median_error": self.signed_median_error,
-        }
+        return asdict(self)
 
 
 @dataclass(frozen=True)
@@ -61,15 +54,7 @@ class GroupSummary:
     unpredicted: int = 0
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "key": self.key,
-            "rows": self.rows,
-            "unpredicted": self.unpredicted,
-            "spearman": self.spearman,
-            "regret": self.regret,
-            "best_measured": self.best_measured,
-            "ranked_first": self.ranked_first,
-        }
+        return asdict(self)
 
 
 def summarise_errors(predictions: Sequence[Prediction]) -> ErrorSummary:
