@@ -430,6 +430,21 @@ class EngineFeatures(Strict):
         description="Parameters per gradient bucket (Megatron-Core's DistributedDataParallel default: "
         "max(40e6, 1e6 x d)); the last bucket's reduction is always exposed.",
     )
+    # Fitted to an engine's measured runs (`pipectl calibrate MEASURED.csv`); left out of the file at 0,
+    # so a profile without them reads and writes as before.
+    micro_batch_overhead_seconds: Seconds = Field(
+        default=0.0,
+        exclude_if=lambda seconds: seconds == 0,
+        description="The engine's time per micro-batch and pipeline stage beyond its kernels (the pipeline "
+        "engine's instructions, the micro-batch's load and broadcast to the tensor group, the loss's "
+        "bookkeeping), half charged to the forward and half to the backward. 0: not fitted.",
+    )
+    step_overhead_seconds: Seconds = Field(
+        default=0.0,
+        exclude_if=lambda seconds: seconds == 0,
+        description="The engine's time per step and rank beyond the optimizer's memory traffic and the gradient "
+        "reductions (fp16 overflow check, gradient clipping, the engine's bookkeeping). 0: not fitted.",
+    )
     source: str | None = Field(default=None, max_length=2000, description="Where these features were read.")
 
     @property

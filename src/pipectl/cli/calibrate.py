@@ -9,8 +9,10 @@ import typer
 from rich import box
 from rich.table import Table
 
-from pipectl.cli.context import JsonFlag, console, output_file, print_json, refuse_overwriting
+from pipectl.cli.context import JsonFlag, console, err_console, output_file, print_json, refuse_overwriting
+from pipectl.errors import UserInputError
 from pipectl.io import write_json_atomic
+from pipectl.measured.calibration import DEFAULT_FOLDS
 
 
 def register(app: typer.Typer) -> None:
@@ -18,45 +20,111 @@ def register(app: typer.Typer) -> None:
 
     @app.command("calibrate")
     def calibrate_command(
-        runs: Annotated[list[Path], typer.Argument(help="Run directories (runs/NAME) planned from one measured profile.")],
+        runs: Annotated[
+            list[Path],
+            typer.Argument(help="Run directories (runs/NAME) planned from one measured profile; or one CSV of runs "
+                           "measured on a cluster (with --conditions)."),
+        ],
+        conditions: Annotated[
+            Path | None,
+            typer.Option("--conditions", "-c", help="With a CSV: YAML of what every run shares (as for validate)."),
+        ] = None,
+        folds: Annotated[
+            int, typer.Option("--folds", min=0, help="With a CSV: cross-validation folds (0: none).")
+        ] = DEFAULT_FOLDS,
         output: Annotated[
-            Path, typer.Option("--output", "-o", help="Where to write the calibrated profile.", callback=output_file)
-        ] = Path("calibrated.json"),
+            Path | None,
+            typer.Option("--output", "-o", help="Where to write the calibrated profile (runs; default calibrated.json) "
+                         "or the calibration (a CSV; default calibration.json).", callback=output_file),
+        ] = None,
         json_output: JsonFlag = False,
     ) -> None:
         """Fit the profile the runs were planned from (its engine terms: host slowdowns, forward and
         backward scale, end of step, hand-off between ranks) to the phases the runs measured, and
-        write it; plan with it to predict the layouts not run."""
-        from pipectl.profile.calibrate import calibrate  # torch-free, but the simulator: only when asked
-
-        refuse_overwriting(output, {})  # a run's files: calibrate reads every one of them
-
-        profile, report = calibrate(runs)
-        write_json_atomic(output, profile)
-        if json_output:
-            print_json({
-                "output": str(output),
-                "runs": [
-                    {"run": r.run, "layout": r.layout, "measured_step_seconds": r.measured_step_seconds,
-                     "predicted_before": r.predicted_before, "predicted_after": r.predicted_after}
-                    for r in report.runs
-                ],
-                "fitted": {name: {"before": a, "after": b} for name, (a, b) in report.fitted.items()},
-            })  # fmt: skip
+        write it; plan with it to predict the layouts not run. Given a CSV of runs measured on a
+        cluster, fit its device, link and engine terms to them instead (`--calibration` of
+        validate, profile --derive, plan and simulate)."""
+        if len(runs) == 1 and runs[0].is_file():
+            _calibrate_measured(runs[0], conditions, folds, output or Path("calibration.json"), json_output)
             return
-        runs_table = Table(title="step time per run, ms", box=box.SIMPLE, title_justify="left")
-        for column in ("run", "layout", "measured", "predicted before", "after"):
-            runs_table.add_column(column, justify="right" if column not in ("run", "layout") else "left")
-        for r in report.runs:
-            runs_table.add_row(
-                Path(r.run).name, r.layout, f"{r.measured_step_seconds * 1e3:.2f}",
-                f"{r.predicted_before * 1e3:.2f} ({r.error_before:.1%})", f"{r.predicted_after * 1e3:.2f} ({r.error_after:.1%})",
-            )  # fmt: skip
-        terms = Table(title="engine terms fitted", box=box.SIMPLE, title_justify="left")
-        for column in ("term", "before", "after"):
-            terms.add_column(column, justify="left" if column == "term" else "right")
-        for name, (before, after) in report.fitted.items():
-            terms.add_row(name, f"{before:.4g}", f"{after:.4g}")
-        console.print(runs_table)
-        console.print(terms)
-        console.print(f"wrote {output}: plan with it (pipectl plan --profile {output} ...) to predict other layouts")
+        if conditions is not None:
+            raise UserInputError("--conditions goes with a CSV of measured runs, not with run directories")
+        _calibrate_runs(runs, output or Path("calibrated.json"), json_output)
+
+
+def _calibrate_runs(runs: list[Path], output: Path, json_output: bool) -> None:
+    from pipectl.profile.calibrate import calibrate  # torch-free, but the simulator: only when asked
+
+    refuse_overwriting(output, {})  # a run's files: calibrate reads every one of them
+
+    profile, report = calibrate(runs)
+    write_json_atomic(output, profile)
+    if json_output:
+        print_json({
+            "output": str(output),
+            "runs": [
+                {"run": r.run, "layout": r.layout, "measured_step_seconds": r.measured_step_seconds,
+                 "predicted_before": r.predicted_before, "predicted_after": r.predicted_after}
+                for r in report.runs
+            ],
+            "fitted": {name: {"before": a, "after": b} for name, (a, b) in report.fitted.items()},
+        })  # fmt: skip
+        return
+    runs_table = Table(title="step time per run, ms", box=box.SIMPLE, title_justify="left")
+    for column in ("run", "layout", "measured", "predicted before", "after"):
+        runs_table.add_column(column, justify="right" if column not in ("run", "layout") else "left")
+    for r in report.runs:
+        runs_table.add_row(
+            Path(r.run).name, r.layout, f"{r.measured_step_seconds * 1e3:.2f}",
+            f"{r.predicted_before * 1e3:.2f} ({r.error_before:.1%})", f"{r.predicted_after * 1e3:.2f} ({r.error_after:.1%})",
+        )  # fmt: skip
+    terms = Table(title="engine terms fitted", box=box.SIMPLE, title_justify="left")
+    for column in ("term", "before", "after"):
+        terms.add_column(column, justify="left" if column == "term" else "right")
+    for name, (before, after) in report.fitted.items():
+        terms.add_row(name, f"{before:.4g}", f"{after:.4g}")
+    console.print(runs_table)
+    console.print(terms)
+    console.print(f"wrote {output}: plan with it (pipectl plan --profile {output} ...) to predict other layouts")
+
+
+def _calibrate_measured(csv: Path, conditions: Path | None, folds: int, output: Path, json_output: bool) -> None:
+    from pipectl.measured.calibrate import calibrate_runs
+    from pipectl.measured.runs import load_conditions, read_runs
+    from pipectl.plan.workers import available_workers
+
+    if conditions is None:
+        raise UserInputError(
+            f"{csv} is a file: calibrating to measured runs needs --conditions CONDITIONS.yaml",
+            hint="pipectl calibrate MEASURED.csv --conditions CONDITIONS.yaml -o calibration.json",
+        )
+    refuse_overwriting(output, {"measured runs": csv, "conditions": conditions})
+    shared = load_conditions(conditions)
+    measured = read_runs(csv)
+    say = (lambda line: None) if json_output else (lambda line: err_console.print(line, highlight=False, markup=False))
+    calibration = calibrate_runs(
+        measured, shared, rows_file=csv, conditions_file=conditions, folds=folds, workers=available_workers(),
+        progress=say,
+    )  # fmt: skip
+    write_json_atomic(output, calibration)
+    if json_output:
+        print_json({"output": str(output), **calibration.model_dump(mode="json")})
+        return
+    terms = Table(title="terms fitted", box=box.SIMPLE, title_justify="left")
+    for column in ("term", "before", "after"):
+        terms.add_column(column, justify="left" if column == "term" else "right")
+    for name, before in calibration.uncalibrated:
+        terms.add_row(name, f"{before:.4g}", f"{getattr(calibration.terms, name):.4g}")
+    errors = Table(title=f"errors over {calibration.rows} runs", box=box.SIMPLE, title_justify="left")
+    for column in ("", "median |error|", "MAPE", "max |error|", "signed median"):
+        errors.add_column(column, justify="left" if not column else "right")
+    rows = [("uncalibrated", calibration.before), ("fitted (the rows fitted on)", calibration.after)]
+    if calibration.cross_validated is not None:
+        rows.append((f"{calibration.folds}-fold cross-validated", calibration.cross_validated))
+    for label, e in rows:
+        errors.add_row(label, f"{e.median_abs_error:.1%}", f"{e.mape:.1%}", f"{e.max_abs_error:.1%}",
+                       f"{e.signed_median_error:+.1%}")  # fmt: skip
+    console.print(terms)
+    console.print(errors)
+    console.print(f"wrote {output}: pass it as --calibration to validate, profile --derive, plan and simulate",
+                  soft_wrap=True, highlight=False)  # fmt: skip

@@ -138,6 +138,14 @@ def model_command(
             help="With --derive: the attention the blocks run, flash (fused, default) or unfused (s x s scores kept).",
         ),
     ] = None,
+    calibration: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--calibration",
+            help="With --derive: a calibration of the device (pipectl calibrate MEASURED.csv) whose GEMM efficiency, "
+            "memory bandwidth and kernel overhead replace the catalog's.",
+        ),
+    ] = None,
     warmup: Annotated[int, typer.Option(help="Discarded runs per layer and size.")] = 2,
     repeats: Annotated[int, typer.Option(help="Timed runs per layer and size (the median is kept).")] = 5,
     threads: Annotated[
@@ -177,7 +185,7 @@ def model_command(
     as_json: JsonFlag = False,
 ) -> None:
     """Profile MODEL layer by layer (measured here, or derived with --derive) and write profile.json."""
-    refuse_overwriting(output, {"model config": model, "--links file": links})
+    refuse_overwriting(output, {"model config": model, "--links file": links, "--calibration file": calibration})
     sizes = parse_micro_batch_sizes(micro_batch_sizes)
     degrees = parse_tensor_parallel(tensor_parallel) if tensor_parallel is not None else None
     links_profile = _load_links(links) if links is not None else None
@@ -185,8 +193,12 @@ def model_command(
         raise UserInputError(
             f"--attention {attention} applies to --derive only", hint="a measured profile runs the model's own attention"
         )
+    if calibration is not None and not derive:
+        raise UserInputError(
+            "--calibration applies to --derive only", hint="a measured profile is measured on the device itself"
+        )
     if derive:
-        profile = _derive(model, device_kind or device, sizes, dtype, attention or "flash", degrees)
+        profile = _derive(model, device_kind or device, sizes, dtype, attention or "flash", degrees, calibration)
     else:
         profile = _measure(model, device, device_kind, sizes, dtype or "float32", warmup, repeats, threads,
                            memory_budget_gib, once, degrees or [])
@@ -220,12 +232,26 @@ def _derivable_config(model: str):
     return load_model_config(model)
 
 
-def _derive(model: str, kind: str, sizes: list[int], dtype: str | None, attention: str, degrees: list[int] | None):
+def _derive(model: str, kind: str, sizes: list[int], dtype: str | None, attention: str, degrees: list[int] | None,
+            calibration_file: Path | None = None):  # fmt: skip
     if kind == "cuda" or kind.startswith("cuda:"):
         raise UserInputError(
             f"--derive needs a catalog device kind, got '{kind}'",
             hint="e.g. pipectl profile gpt3-175b --derive --device a100-80gb",
         )
+    device = get_device(kind)
+    note = None
+    if calibration_file is not None:
+        from pipectl.measured.calibration import load_calibration
+
+        calibration = load_calibration(calibration_file)
+        if calibration.device != device.name:
+            raise UserInputError(
+                f"{calibration_file} calibrates {calibration.device}, not {device.name}",
+                hint=f"derive for --device {calibration.device}, or calibrate with runs on {device.name}",
+            )
+        device = calibration.device_spec(device)
+        note = calibration.device_note(calibration_file)
     if dtype not in (None, "float32", "bfloat16", "float16"):
         raise UserInputError(f"unknown dtype '{dtype}'", hint="choose one of: float32, bfloat16, float16")
     config = _derivable_config(model)
@@ -237,8 +263,10 @@ def _derive(model: str, kind: str, sizes: list[int], dtype: str | None, attentio
             raise UserInputError(
                 f"tensor-parallel degree {bad[0]} does not divide the {config.heads} attention heads of '{model}'"
             )
-    profile = derive_profile(config, get_device(kind), sizes, dtype, attention,
+    profile = derive_profile(config, device, sizes, dtype, attention,
                              tensor_parallel=DEFAULT_SHARD_DEGREES if degrees is None else degrees)  # fmt: skip
+    if note is not None:
+        profile = profile.model_copy(update={"notes": [*profile.notes, note]})
     if model.startswith(HF_PREFIX):
         # Its blocks are Hugging Face's, which the runtime cannot recompute selectively.
         profile = without_attention_core(profile)

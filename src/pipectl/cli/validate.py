@@ -27,6 +27,11 @@ def register(app: typer.Typer) -> None:
             Path,
             typer.Option("--conditions", "-c", help="YAML of what every run shares: device, links, framework, precision."),
         ],
+        calibration: Annotated[
+            Path | None,
+            typer.Option("--calibration", help="A calibration (pipectl calibrate MEASURED.csv): its device, link and "
+                         "engine terms for the rows of its device."),
+        ] = None,
         all_rows: Annotated[
             bool, typer.Option("--all-rows", help=f"Print every row, not only the {WORST_ROWS} largest errors.")
         ] = False,
@@ -35,17 +40,19 @@ def register(app: typer.Typer) -> None:
         """Predict every measured run with its layout pinned and compare: errors over the rows, and
         per group of competing layouts how well the predictions rank them."""
         # torch-free, but the planner: only when asked
+        from pipectl.measured.calibration import load_calibration
         from pipectl.measured.predict import predict_runs
         from pipectl.measured.runs import load_conditions, read_runs
         from pipectl.measured.summary import summarise_errors, summarise_groups
 
         shared = load_conditions(conditions)
         runs = read_runs(measured)
+        fitted = load_calibration(calibration, shared) if calibration is not None else None
         if console.is_terminal and not json_output:
             with console.status(f"predicting {len(runs)} runs"):
-                predictions = predict_runs(runs, shared)
+                predictions = predict_runs(runs, shared, fitted)
         else:
-            predictions = predict_runs(runs, shared)
+            predictions = predict_runs(runs, shared, fitted)
         errors, groups = summarise_errors(predictions), summarise_groups(predictions)
         if json_output:
             print_json({

@@ -23,9 +23,10 @@ from pipectl.artifacts.cluster import ClusterSpec
 from pipectl.artifacts.model import ModelConfig, ModelFamily
 from pipectl.artifacts.plan import Candidate, PlanRequest, Recompute, RecomputeChoice
 from pipectl.artifacts.profile import EngineFeatures, ModelProfile
-from pipectl.catalog import get_device
+from pipectl.catalog import DeviceSpec, get_device
 from pipectl.errors import PipectlError, UserInputError
 from pipectl.io import validation_message
+from pipectl.measured.calibration import RunsCalibration
 from pipectl.measured.runs import MeasuredRun, RunConditions
 from pipectl.plan.flops import PRECISION_DTYPE
 from pipectl.plan.search import plan
@@ -85,10 +86,14 @@ def engine_features(conditions: RunConditions) -> EngineFeatures | None:
 
 
 class Predictor:
-    """Predicts rows under one set of conditions, deriving each model shape's profile once."""
+    """Predicts rows under one set of conditions, deriving each model shape's profile once; with a
+    calibration, the rows of its device take its device, link and engine terms."""
 
-    def __init__(self, conditions: RunConditions, runs: list[MeasuredRun]) -> None:
+    def __init__(
+        self, conditions: RunConditions, runs: list[MeasuredRun], calibration: RunsCalibration | None = None
+    ) -> None:
         self.conditions = conditions
+        self.calibration = calibration
         self.engine = engine_features(conditions)
         # Every micro-batch size a shape is measured at, derived at once.
         self.sizes: dict[tuple, set[int]] = {}
@@ -98,6 +103,17 @@ class Predictor:
 
     def _device(self, run: MeasuredRun) -> str:
         return run.device or self.conditions.device
+
+    def _calibrated(self, run: MeasuredRun) -> bool:
+        return self.calibration is not None and self.calibration.device == self._device(run)
+
+    def device_spec(self, run: MeasuredRun) -> DeviceSpec:
+        """The row's device: the catalog's entry, with the calibration's figures where they are of it."""
+        device = get_device(self._device(run))
+        return self.calibration.device_spec(device) if self._calibrated(run) else device
+
+    def engine_of(self, run: MeasuredRun) -> EngineFeatures | None:
+        return self.calibration.engine(self.engine) if self._calibrated(run) else self.engine
 
     def profile(self, run: MeasuredRun) -> ModelProfile:
         key = (run.shape, self._device(run))
@@ -115,8 +131,9 @@ class Predictor:
                 shape_only=True,
             )
             self.profiles[key] = derive_profile(
-                config, get_device(self._device(run)), sorted(self.sizes[key]),
-                dtype=PRECISION_DTYPE[self.conditions.precision], attention=self.conditions.attention, engine=self.engine,
+                config, self.device_spec(run), sorted(self.sizes[key]),
+                dtype=PRECISION_DTYPE[self.conditions.precision], attention=self.conditions.attention,
+                engine=self.engine_of(run),
             )  # fmt: skip
         return self.profiles[key]
 
@@ -136,6 +153,8 @@ class Predictor:
             "devices_per_node": per_node,
             "nodes": math.ceil(run.gpus / per_node),
         }
+        if self._calibrated(run):
+            links.update(self.calibration.links())
         if links:
             node_type["links"] = links
         return ClusterSpec(name="measured", node_types=[node_type])
@@ -194,7 +213,9 @@ class Predictor:
         return None, f"no candidate with {granularity.label} recomputation"
 
 
-def predict_runs(runs: list[MeasuredRun], conditions: RunConditions) -> list[Prediction]:
+def predict_runs(
+    runs: list[MeasuredRun], conditions: RunConditions, calibration: RunsCalibration | None = None
+) -> list[Prediction]:
     """Every row's prediction, in the rows' order."""
-    predictor = Predictor(conditions, runs)
+    predictor = Predictor(conditions, runs, calibration)
     return [predictor.predict(run) for run in runs]

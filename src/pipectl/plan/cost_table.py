@@ -207,7 +207,7 @@ def data_parallel_seconds(
             )
         if runtime is None:
             updated = held / d if zero_stage >= 1 else held
-            optimizer.append(updated * ADAM_BYTES_PER_PARAMETER / memory_bandwidth)
+            optimizer.append(updated * ADAM_BYTES_PER_PARAMETER / memory_bandwidth + engine_step_overhead(hardware))
         else:
             optimizer.append(runtime.step_fixed_seconds + runtime.step_seconds_per_parameter * held)
             small = ring.ring_allreduce_seconds(SMALL_COLLECTIVE_BYTES, d) + handoff
@@ -218,6 +218,14 @@ def data_parallel_seconds(
             )
         allreduce.append(seconds)
     return allreduce, optimizer
+
+
+def engine_step_overhead(hardware: Hardware) -> float:
+    """Another engine's fitted time per step and rank beyond the optimizer's traffic
+    (`EngineFeatures.step_overhead_seconds`); 0 with measured engine terms, which include it."""
+    if hardware.runtime is not None or hardware.features is None:
+        return 0.0
+    return hardware.features.step_overhead_seconds
 
 
 def overlapped_data_parallel_seconds(
@@ -374,7 +382,7 @@ def sharded_data_parallel_seconds(
     runtime = hardware.runtime
     if runtime is None:
         memory_bandwidth = (hardware.device.memory_bandwidth_gbytes_per_second or 100.0) * 1e9
-        optimizer = held / d * ADAM_BYTES_PER_PARAMETER / memory_bandwidth
+        optimizer = held / d * ADAM_BYTES_PER_PARAMETER / memory_bandwidth + engine_step_overhead(hardware)
     else:
         optimizer = runtime.step_fixed_seconds + runtime.step_seconds_per_parameter * held
         if d > 1:

@@ -420,6 +420,18 @@ def engine_compute_ratios(runtime: RuntimeCosts | None, micro_batch_size: int) -
     return forward, backward
 
 
+def micro_batch_overheads(hardware: Hardware) -> tuple[float, float]:
+    """(forward, backward) fixed seconds per micro-batch and stage: the measured engine terms', else
+    another engine's fitted overhead (`EngineFeatures.micro_batch_overhead_seconds`), half to each
+    direction; (0, 0) without either."""
+    if hardware.runtime is not None:
+        return hardware.runtime.forward_overhead_seconds, hardware.runtime.backward_overhead_seconds
+    if hardware.features is not None:
+        half = hardware.features.micro_batch_overhead_seconds / 2
+        return half, half
+    return 0.0, 0.0
+
+
 def layer_seconds(table: LayerTable, hardware: Hardware, tensor_parallel: int) -> LayerSeconds:
     """Per-layer time on the target device at the table's b with t-way tensor parallelism.
 
@@ -448,14 +460,14 @@ def layer_seconds(table: LayerTable, hardware: Hardware, tensor_parallel: int) -
         for index in range(table.layers):
             forward[index] += exposed_tensor_parallel_seconds(forward_comm[index], forward[index], overlap)
             backward[index] += exposed_tensor_parallel_seconds(backward_comm[index], backward[index], overlap)
-    runtime = hardware.runtime
+    forward_overhead, backward_overhead = micro_batch_overheads(hardware)
     return LayerSeconds(
         tuple(forward),
         tuple(backward),
         _prefix(forward),
         _prefix(backward),
-        forward_overhead=runtime.forward_overhead_seconds if runtime else 0.0,
-        backward_overhead=runtime.backward_overhead_seconds if runtime else 0.0,
+        forward_overhead=forward_overhead,
+        backward_overhead=backward_overhead,
         checkpointed_prefix=_prefix([f if table.checkpointed(i) else 0.0 for i, f in enumerate(forward)]),
         # The core's kernels at the layer's compute scale; no tensor-parallel communication (the
         # core is inside the split, between the all-reduces).

@@ -1,0 +1,266 @@
+"""Fitting a cluster's terms to its measured runs: `pipectl calibrate MEASURED.csv --conditions C.yaml`.
+
+The uncalibrated model prices a run from datasheets and from how the engines work; a cluster's own
+log of jobs says how its GPUs, links and framework really behave. The fit adjusts the terms of the
+model that the rows can tell apart (`CalibratedTerms`), never a row's own figure:
+
+- GEMM efficiency (what large products sustain), memory bandwidth (element-wise kernels: the
+  unfused attention's s x s passes, the fp32 loss), and the host's time per kernel (what small
+  shards are bound by): three device figures the kernel model (`profile.compute_model`) reads;
+- the in-node link's latency and bandwidth (tensor-parallel all-reduces, pipeline transfers,
+  gradient reductions);
+- the engine's time per micro-batch and stage, and per step.
+
+Each row's prediction is a full plan of its pinned layout (`measured.predict`), so the terms act
+through the same partitioner, schedule simulation and collectives as any plan. The fit minimises
+the sum of squared relative errors ((predicted - measured) / measured) by Levenberg-Marquardt
+(Marquardt 1963) on a finite-difference Jacobian: the five rates as log multipliers of their
+starting figures (they stay positive; the GEMM efficiency at most 1), the two overheads in
+milliseconds (at least 0). Each Jacobian is 7 independent predictions of every row: they run in
+parallel (`plan.workers.share`).
+
+k-fold cross-validation (rows dealt to folds in their file order, round robin) fits on k - 1
+folds and predicts the held-out one: the error to expect on runs the fit has not seen. The
+predictions at the starting terms (and their Jacobian) use no measured time, so the folds share
+them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from pipectl.catalog import get_device
+from pipectl.errors import UserInputError
+from pipectl.measured.calibration import DEFAULT_FOLDS, CalibratedTerms, FitErrors, RunsCalibration
+from pipectl.measured.predict import Predictor
+from pipectl.measured.runs import MeasuredRun, RunConditions
+from pipectl.plan.workers import share
+
+# Fitted as log multipliers of their starting figures; then the two overheads, in milliseconds.
+RATES = (
+    "gemm_efficiency",
+    "memory_bandwidth_gbytes_per_second",
+    "kernel_overhead_us",
+    "intra_node_latency_us",
+    "intra_node_bandwidth_gbytes_per_second",
+)
+OVERHEADS = ("micro_batch_overhead_seconds", "step_overhead_seconds")
+TERMS = RATES + OVERHEADS
+# Finite-difference steps: 5 % of a rate, 0.5 ms of an overhead.
+RATE_STEP = math.log(1.05)
+OVERHEAD_STEP_MS = 0.5
+# A rate moves at most this far from its starting figure (x 4 either way): beyond it the model
+# would explain the rows with a figure no device has; the fit stops there and the table shows it.
+MOST_LOG_MULTIPLIER = math.log(4.0)
+ITERATIONS = 6
+LAMBDA_START = 1e-2
+# Stop when an iteration improves the sum of squares by less than this fraction.
+CONVERGED = 1e-4
+SMALLEST_FIT = 8  # rows: fewer cannot tell seven terms apart
+
+
+def starting_terms(conditions: RunConditions) -> CalibratedTerms:
+    """The terms the uncalibrated model uses: the catalog's device figures, the conditions' link."""
+    device = get_device(conditions.device)
+    if not device.has_compute_model():
+        raise UserInputError(
+            f"device '{device.name}' has no kernel-model figures in the catalog (GEMM efficiency, kernel "
+            "overhead, memory bandwidth, SMs): nothing to calibrate",
+        )
+    bandwidth = conditions.links.intra_node_gbytes_per_second or (
+        device.intra_node_allreduce_bandwidth_gbytes_per_second or device.intra_node_bandwidth_gbytes_per_second
+    )
+    return CalibratedTerms(
+        gemm_efficiency=float(device.gemm_efficiency),
+        memory_bandwidth_gbytes_per_second=float(device.memory_bandwidth_gbytes_per_second),
+        kernel_overhead_us=float(device.kernel_overhead_us),
+        intra_node_latency_us=device.intra_node_latency_us,
+        intra_node_bandwidth_gbytes_per_second=bandwidth,
+        micro_batch_overhead_seconds=0.0,
+        step_overhead_seconds=0.0,
+    )
+
+
+def terms_at(start: CalibratedTerms, x: Sequence[float]) -> CalibratedTerms:
+    """The terms at fit coordinates `x` (log multipliers of the rates, then overheads in ms)."""
+    values = {name: getattr(start, name) * math.exp(value) for name, value in zip(RATES, x)}
+    values["gemm_efficiency"] = min(1.0, values["gemm_efficiency"])
+    for name, value in zip(OVERHEADS, x[len(RATES):]):
+        values[name] = max(0.0, value) / 1e3
+    return CalibratedTerms(**values)
+
+
+def _bounded(x: np.ndarray, start: CalibratedTerms) -> np.ndarray:
+    x = x.copy()
+    x[: len(RATES)] = np.clip(x[: len(RATES)], -MOST_LOG_MULTIPLIER, MOST_LOG_MULTIPLIER)
+    x[0] = min(x[0], math.log(1.0 / start.gemm_efficiency))  # a GEMM reaches at most the peak
+    x[len(RATES):] = np.maximum(x[len(RATES):], 0.0)
+    return x
+
+
+@dataclass
+class _Problem:
+    """The rows and what predicting them at fit coordinates takes; predictions cached by coordinates."""
+
+    runs: list[MeasuredRun]
+    conditions: RunConditions
+    start: CalibratedTerms
+    workers: int
+    device: str
+    cache: dict[tuple[float, ...], np.ndarray]
+
+    def calibration(self, x: Sequence[float]) -> RunsCalibration:
+        """A calibration holding the terms at `x` (the bookkeeping fields are placeholders)."""
+        return _placeholder(self, terms_at(self.start, x))
+
+    def predict(self, x: Sequence[float]) -> np.ndarray:
+        """Predicted seconds of every row at `x` (NaN where a row cannot be predicted)."""
+        predictor = Predictor(self.conditions, self.runs, self.calibration(x))
+        return np.array([_seconds(predictor.predict(run)) for run in self.runs])
+
+    def predictions(self, points: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """`predict` at each point, those not cached computed in parallel."""
+        keys = [tuple(float(v) for v in point) for point in points]
+        missing = sorted({key for key in keys if key not in self.cache})
+        if missing:
+            outcomes = share(missing, [1.0] * len(missing), self.predict, lambda key: self.predict(key).tolist(),
+                             workers=self.workers)  # fmt: skip
+            for key, outcome in zip(missing, outcomes):
+                self.cache[key] = outcome.local if outcome.local is not None else np.array(outcome.remote)
+        return [self.cache[key] for key in keys]
+
+
+def _seconds(prediction) -> float:
+    return math.nan if prediction.predicted_seconds is None else prediction.predicted_seconds
+
+
+def _placeholder(problem: _Problem, terms: CalibratedTerms) -> RunsCalibration:
+    errors = FitErrors(rows=0, median_abs_error=0, mape=0, max_abs_error=0, signed_median_error=0)
+    return RunsCalibration(
+        device=problem.device, framework=problem.conditions.framework, rows_file="-", rows_sha256="0" * 64,
+        conditions_sha256="0" * 64, rows=max(1, len(problem.runs)), uncalibrated=problem.start, terms=terms,
+        before=errors, after=errors,
+    )  # fmt: skip
+
+
+def _steps() -> np.ndarray:
+    return np.array([RATE_STEP] * len(RATES) + [OVERHEAD_STEP_MS] * len(OVERHEADS))
+
+
+def fit(problem: _Problem, rows: np.ndarray, measured: np.ndarray, progress: Callable[[str], None]) -> np.ndarray:
+    """Fit coordinates minimising the squared relative errors of `rows` (indices into the runs)."""
+    x = np.zeros(len(TERMS))
+    steps = _steps()
+    lam = LAMBDA_START
+
+    def residuals(predicted: np.ndarray) -> np.ndarray:
+        return predicted[rows] / measured[rows] - 1.0
+
+    (current,) = problem.predictions([x])
+    r = residuals(current)
+    usable = np.isfinite(r)
+    cost = float(np.sum(r[usable] ** 2))
+    for iteration in range(ITERATIONS):
+        shifted = problem.predictions([x + steps[k] * np.eye(len(TERMS))[k] for k in range(len(TERMS))])
+        jacobian = np.column_stack([(residuals(p) - r) / steps[k] for k, p in enumerate(shifted)])
+        usable = np.isfinite(r) & np.all(np.isfinite(jacobian), axis=1)
+        J, rr = jacobian[usable], r[usable]
+        normal, gradient = J.T @ J, J.T @ rr
+        accepted = False
+        for _ in range(8):  # the damping grows until a step lowers the cost
+            damped = normal + lam * np.diag(np.diag(normal)) + 1e-12 * np.eye(len(TERMS))
+            trial = _bounded(x - np.linalg.solve(damped, gradient), problem.start)
+            (predicted,) = problem.predictions([trial])
+            r_trial = residuals(predicted)
+            ok = np.isfinite(r_trial) & usable
+            trial_cost = float(np.sum(r_trial[ok] ** 2)) if ok.sum() == usable.sum() else math.inf
+            if trial_cost < cost:
+                accepted = True
+                break
+            lam *= 4.0
+        if not accepted:
+            break
+        improvement = (cost - trial_cost) / cost if cost > 0 else 0.0
+        x, r, cost, lam = trial, r_trial, trial_cost, max(lam / 3.0, 1e-6)
+        progress(f"iteration {iteration + 1}: RMS relative error {math.sqrt(cost / max(1, usable.sum())):.2%}")
+        if improvement < CONVERGED:
+            break
+    return x
+
+
+def errors_of(predicted: np.ndarray, measured: np.ndarray) -> FitErrors:
+    """The error summary of predicted against measured seconds (NaN predictions left out)."""
+    errors = [p / m - 1.0 for p, m in zip(predicted, measured) if math.isfinite(p)]
+    if not errors:
+        return FitErrors(rows=0, median_abs_error=0, mape=0, max_abs_error=0, signed_median_error=0)
+    absolute = [abs(e) for e in errors]
+    return FitErrors(
+        rows=len(errors), median_abs_error=statistics.median(absolute), mape=statistics.fmean(absolute),
+        max_abs_error=max(absolute), signed_median_error=statistics.median(errors),
+    )  # fmt: skip
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def calibrate_runs(
+    runs: list[MeasuredRun],
+    conditions: RunConditions,
+    *,
+    rows_file: Path,
+    conditions_file: Path,
+    folds: int | None = DEFAULT_FOLDS,
+    workers: int = 1,
+    progress: Callable[[str], None] = lambda line: None,
+) -> RunsCalibration:
+    """The rows' calibration (see the module docstring); `folds` None or 0: no cross-validation."""
+    devices = sorted({run.device or conditions.device for run in runs})
+    if len(devices) > 1:
+        raise UserInputError(
+            f"the rows ran on {len(devices)} devices ({', '.join(devices)}): calibrate one device's rows at a time"
+        )
+    if len(runs) < SMALLEST_FIT:
+        raise UserInputError(f"{len(runs)} rows cannot tell {len(TERMS)} terms apart: calibrate needs {SMALLEST_FIT} or more")
+    if folds and not 2 <= folds <= len(runs) // 2:
+        raise UserInputError(f"--folds {folds}: each fold needs 2 rows or more; use 2 to {len(runs) // 2}, or 0 for none")
+    start = starting_terms(conditions)
+    problem = _Problem(runs, conditions, start, workers, devices[0], {})
+    measured = np.array([run.measured_seconds for run in runs])
+    everything = np.arange(len(runs))
+    progress(f"fitting {len(TERMS)} terms to {len(runs)} rows")
+    x = fit(problem, everything, measured, progress)
+    uncalibrated = Predictor(conditions, runs)  # the catalog's and the conditions' figures as they are
+    before = np.array([_seconds(uncalibrated.predict(run)) for run in runs])
+    (after,) = problem.predictions([x])
+    cross_validated = None
+    if folds:
+        held_out = np.full(len(runs), math.nan)
+        for fold in range(folds):
+            test = everything[everything % folds == fold]
+            progress(f"fold {fold + 1} of {folds}: fitting to {len(runs) - len(test)} rows, predicting {len(test)}")
+            x_fold = fit(problem, everything[everything % folds != fold], measured, lambda line: None)
+            (predicted,) = problem.predictions([x_fold])
+            held_out[test] = predicted[test]
+        cross_validated = errors_of(held_out, measured)
+    return RunsCalibration(
+        device=devices[0],
+        framework=conditions.framework,
+        rows_file=str(rows_file),
+        rows_sha256=_sha256(rows_file),
+        conditions_sha256=_sha256(conditions_file),
+        rows=len(runs),
+        uncalibrated=start,
+        terms=terms_at(start, x),
+        before=errors_of(before, measured),
+        after=errors_of(after, measured),
+        folds=folds or None,
+        cross_validated=cross_validated,
+    )

@@ -1,0 +1,147 @@
+"""`pipectl calibrate MEASURED.csv`: the cluster's terms fitted to its runs, then used by validate."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pipectl.measured.calibrate import TERMS, _placeholder, _Problem, calibrate_runs, fit, starting_terms, terms_at
+from pipectl.measured.predict import Predictor
+from pipectl.measured.runs import MeasuredRun, load_conditions
+
+from tests.measured.test_validate import CONDITIONS, HEADER
+
+# Layouts that tell the terms apart: small and large shards (kernel overhead against GEMM and
+# memory rates), one to eight micro-batches (per micro-batch), t up to 4 (the link), d up to 4.
+LAYOUTS = [  # gpus, B, b, hidden, layers, t, d, p
+    (2, 8, 2, 1024, 12, 1, 1, 2), (2, 16, 4, 1024, 12, 1, 2, 1), (2, 8, 1, 1024, 12, 2, 1, 1),
+    (4, 16, 4, 2048, 12, 1, 2, 2), (4, 8, 1, 2048, 12, 4, 1, 1), (4, 16, 2, 1024, 12, 2, 2, 1),
+    (4, 32, 8, 2048, 12, 2, 1, 2), (8, 32, 4, 1024, 12, 2, 2, 2), (8, 16, 1, 2048, 12, 1, 4, 2),
+    (8, 64, 8, 1024, 12, 4, 2, 1), (2, 4, 1, 2048, 12, 1, 1, 2), (4, 32, 2, 2048, 12, 1, 4, 1),
+]
+# What the synthetic cluster is: slower GEMMs, a busier host, a slower link, an engine overhead.
+TRUTH = {
+    "gemm_efficiency": 0.7,
+    "memory_bandwidth_gbytes_per_second": 1700.0,
+    "kernel_overhead_us": 55.0,
+    "intra_node_latency_us": 6.0,
+    "intra_node_bandwidth_gbytes_per_second": 110.0,
+    "micro_batch_overhead_seconds": 0.003,
+    "step_overhead_seconds": 0.004,
+}
+
+
+def _runs(seconds=None) -> list[MeasuredRun]:
+    return [
+        MeasuredRun(line=i + 2, gpus=g, global_batch=B, micro_batch=b, hidden=h, heads=16, layers=layers, seq_len=1024,
+                    tensor_parallel=t, data_parallel=d, pipeline_parallel=p,
+                    measured_seconds=1.0 if seconds is None else seconds[i])
+        for i, (g, B, b, h, layers, t, d, p) in enumerate(LAYOUTS)
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def conditions(tmp_path_factory):
+    path = tmp_path_factory.mktemp("conditions") / "conditions.yaml"
+    path.write_text(CONDITIONS)
+    return load_conditions(path)
+
+
+def _truth_seconds(conditions) -> list[float]:
+    start = starting_terms(conditions)
+    runs = _runs()
+    problem = _Problem(runs, conditions, start, 1, "a100-80gb", {})
+    truth = _placeholder(problem, start.model_copy(update=TRUTH))
+    predictor = Predictor(conditions, runs, truth)
+    return [predictor.predict(run).predicted_seconds for run in runs]
+
+
+def test_the_fit_recovers_a_cluster_made_of_known_terms(conditions):
+    """Rows priced with known terms: the fit explains them and finds the terms the rows determine."""
+    seconds = _truth_seconds(conditions)
+    runs = _runs(seconds)
+    start = starting_terms(conditions)
+    problem = _Problem(runs, conditions, start, 1, "a100-80gb", {})
+    measured = np.array(seconds)
+    (before,) = problem.predictions([np.zeros(len(TERMS))])
+    assert np.max(np.abs(before / measured - 1)) > 0.15  # the starting terms are far off
+    x = fit(problem, np.arange(len(runs)), measured, lambda line: None)
+    (after,) = problem.predictions([x])
+    assert np.max(np.abs(after / measured - 1)) < 0.01
+    fitted = terms_at(start, x)
+    assert fitted.gemm_efficiency == pytest.approx(TRUTH["gemm_efficiency"], rel=0.05)
+    assert fitted.kernel_overhead_us == pytest.approx(TRUTH["kernel_overhead_us"], rel=0.05)
+    assert fitted.micro_batch_overhead_seconds == pytest.approx(TRUTH["micro_batch_overhead_seconds"], rel=0.2)
+
+
+def test_calibrate_reports_errors_before_after_and_cross_validated(conditions, tmp_path):
+    seconds = _truth_seconds(conditions)
+    rows = tmp_path / "runs.csv"
+    rows.write_text(HEADER + "\n")
+    (tmp_path / "conditions.yaml").write_text(CONDITIONS)
+    calibration = calibrate_runs(_runs(seconds), conditions, rows_file=rows, conditions_file=tmp_path / "conditions.yaml",
+                                 folds=3)  # fmt: skip
+    assert calibration.rows == len(LAYOUTS) and calibration.folds == 3
+    assert calibration.before.mape > 0.1
+    assert calibration.after.max_abs_error < 0.01
+    # Held-out rows are predicted by terms fitted without them: close, not exact.
+    assert calibration.cross_validated.rows == len(LAYOUTS)
+    assert calibration.after.mape <= calibration.cross_validated.mape < 0.05
+
+
+def pipectl(cwd, *args):
+    return subprocess.run([sys.executable, "-m", "pipectl", *args], cwd=cwd, capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture()
+def measured(tmp_path, conditions):
+    seconds = _truth_seconds(conditions)
+    lines = [HEADER] + [
+        f"{g},{B},{b},{h},16,{layers},1024,{t},{d},{p},{s * 1e3:.4f}"
+        for (g, B, b, h, layers, t, d, p), s in zip(LAYOUTS, seconds)
+    ]
+    (tmp_path / "runs.csv").write_text("\n".join(lines) + "\n")
+    (tmp_path / "conditions.yaml").write_text(CONDITIONS)
+    return tmp_path
+
+
+def test_calibrate_then_validate_with_it_from_a_working_directory(measured):
+    result = pipectl(measured, "calibrate", "runs.csv", "--conditions", "conditions.yaml", "--folds", "0", "-o", "cal.json")
+    assert result.returncode == 0, result.stderr
+    assert "wrote cal.json" in result.stdout
+    calibration = json.loads((measured / "cal.json").read_text())
+    assert calibration["rows_file"] == "runs.csv" and calibration["cross_validated"] is None
+    plain = pipectl(measured, "validate", "runs.csv", "-c", "conditions.yaml", "--json")
+    fitted = pipectl(measured, "validate", "runs.csv", "-c", "conditions.yaml", "--calibration", "cal.json", "--json")
+    assert plain.returncode == 0 and fitted.returncode == 0, plain.stderr + fitted.stderr
+    before, after = json.loads(plain.stdout)["summary"], json.loads(fitted.stdout)["summary"]
+    assert after["max_abs_error"] < 0.01 < before["max_abs_error"]
+    assert after["max_abs_error"] == pytest.approx(calibration["after"]["max_abs_error"], abs=1e-6)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["calibrate", "runs.csv"], "needs --conditions"),
+        (["calibrate", "runs.csv", "-c", "conditions.yaml", "--folds", "9"], "--folds 9"),
+        (["calibrate", ".", "-c", "conditions.yaml"], "--conditions goes with a CSV"),
+        (["calibrate", "runs.csv", "-c", "conditions.yaml", "-o", "runs.csv"], "-o runs.csv is the measured runs"),
+        (["validate", "runs.csv", "-c", "conditions.yaml", "--calibration", "other.json"], "fitted to megatron-lm runs"),
+    ],
+)
+def test_calibrate_refuses_in_one_line(measured, args, message):
+    other = {"schema_version": 1, "device": "a100-80gb", "framework": "megatron-lm", "rows_file": "x.csv",
+             "rows_sha256": "0" * 64, "conditions_sha256": "0" * 64, "rows": 10}  # fmt: skip
+    terms = starting_terms(load_conditions(measured / "conditions.yaml")).model_dump()
+    errors = {"rows": 10, "median_abs_error": 0.1, "mape": 0.1, "max_abs_error": 0.2, "signed_median_error": 0.0}
+    other.update(uncalibrated=terms, terms=terms, before=errors, after=errors)
+    (measured / "other.json").write_text(json.dumps(other))
+    result = pipectl(measured, *args)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert message in result.stderr and "Traceback" not in result.stderr
+    assert not Path(measured / "calibration.json").exists()
