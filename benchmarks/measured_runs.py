@@ -1,6 +1,7 @@
 """pipectl's predictions against training runs measured on real clusters (issue #45).
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/measured_runs.py [--runs DIR] [--limit N] [--no-write]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/measured_runs.py [--runs DIR] [--limit N] [--folds K]
+                                                                    [--no-calibrate] [--no-write]
 
 Runs what `pipectl validate MEASURED.csv --conditions CONDITIONS.yaml --json` runs, in process, on
 vTrain's single-node ground truth (Bang et al., MICRO'24: 1,440 Megatron-DeepSpeed runs of GPT
@@ -8,7 +9,10 @@ shapes on 2, 4 and 8 A100s; `--runs` names the folder holding `single-node.csv` 
 `conditions.yaml`, by default the shared reference copy beside the checkout). Every row's layout is
 pinned; nothing is fitted. Prints the summary, the signed median error per hidden size and GPU count
 (where the model runs fast or slow), the memory model's refusals of runs that ran, and the groups
-ranked worst; writes benchmarks/results/measured_runs.json with the command, machine and date.
+ranked worst. Then what `pipectl calibrate MEASURED.csv --conditions CONDITIONS.yaml` fits to the
+same rows: the terms, the errors on the rows fitted on, and the K-fold cross-validated errors (each
+row predicted by terms fitted without it; default K = 5). Writes benchmarks/results/measured_runs.json
+with the command, machine and date.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from pipectl.io import write_json_atomic  # noqa: E402
+from pipectl.measured.calibrate import calibrate_runs  # noqa: E402
+from pipectl.artifacts.calibration import DEFAULT_FOLDS  # noqa: E402
 from pipectl.measured.predict import predict_runs  # noqa: E402
 from pipectl.measured.runs import load_conditions, read_runs  # noqa: E402
 from pipectl.measured.summary import summarise_errors, summarise_groups  # noqa: E402
@@ -51,6 +57,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=Path, default=DEFAULT_RUNS, help="folder with single-node.csv and conditions.yaml")
     parser.add_argument("--limit", type=int, help="the first N rows only (a quick look)")
+    parser.add_argument("--folds", type=int, default=DEFAULT_FOLDS, help="cross-validation folds of the calibration")
+    parser.add_argument("--no-calibrate", action="store_true", help="the uncalibrated predictions only")
     parser.add_argument("--no-write", action="store_true", help="do not update the results file")
     args = parser.parse_args()
 
@@ -91,11 +99,30 @@ def main() -> None:
     worst = sorted(ranked, key=lambda g: g.spearman)[:5]
     for g in worst:
         print(f"  worst-ranked group: {g.key}: rows {g.rows}, Spearman {g.spearman:.2f}, regret {g.regret:.1%}")
+    calibrated = None
+    if not args.no_calibrate:
+        started = time.perf_counter()
+        calibration = calibrate_runs(
+            runs, conditions, rows_file=args.runs / "single-node.csv", conditions_file=args.runs / "conditions.yaml",
+            folds=args.folds, workers=os.cpu_count() or 1, progress=lambda line: print("  " + line),
+        )  # fmt: skip
+        calibrated = {
+            "seconds": round(time.perf_counter() - started, 1),
+            **calibration.model_dump(mode="json", include={"uncalibrated", "terms", "before", "after", "folds",
+                                                             "cross_validated"}),
+        }  # fmt: skip
+        for label, e in (("fitted on", calibration.after), (f"{args.folds}-fold CV", calibration.cross_validated)):
+            if e is not None:
+                print(f"  calibrated, {label}: median {e.median_abs_error:.1%}, MAPE {e.mape:.1%}, "
+                      f"max {e.max_abs_error:.1%}, signed median {e.signed_median_error:+.1%}")  # fmt: skip
+        print("  terms: " + ", ".join(f"{name} {value:.4g}" for name, value in calibration.terms))
     if args.no_write:
         return
     write_json_atomic(RESULTS, {
         "command": "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/measured_runs.py"
-                   + (f" --limit {args.limit}" if args.limit else ""),
+                   + (f" --limit {args.limit}" if args.limit else "")
+                   + (f" --folds {args.folds}" if args.folds != DEFAULT_FOLDS else "")
+                   + (" --no-calibrate" if args.no_calibrate else ""),
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, load {load_before:.2f}",
         "rows_file": "vTrain data/ground_truth_single.csv (shared reference copy)",
@@ -109,6 +136,7 @@ def main() -> None:
             for p in refused[:10]
         ],
         "unpredicted": [{"line": p.run.line, "problem": p.problem} for p in unpredicted[:10]],
+        "calibrated": calibrated,
     })  # fmt: skip
     print(f"wrote {RESULTS.relative_to(ROOT)}")
 

@@ -26,12 +26,13 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
+from pipectl.artifacts.calibration import RunsCalibration
 from pipectl.artifacts.cluster import MAX_DEVICES_PER_NODE, ClusterSpec, LinkSpec, NodeType
 from pipectl.artifacts.plan import Plan
-from pipectl.artifacts.profile import HostState, LinkClass, LinkClassFit, LinksProfile
+from pipectl.artifacts.profile import HostState, LinkClass, LinkClassFit, LinksProfile, ModelProfile, ProfileSource
 from pipectl.catalog import DeviceSpec, get_device, load_catalog
 from pipectl.errors import PipectlError, UserInputError
-from pipectl.io import load_model
+from pipectl.io import load_model, sha256_file
 from pipectl.paths import resolve_config
 from pipectl.words import count
 
@@ -213,12 +214,49 @@ def plan_cluster_source(plan: Plan) -> str:
     return plan.cluster_file or plan.cluster
 
 
-def plan_cluster_spec(plan: Plan) -> ClusterSpec:
-    """The cluster a plan was made for: its cluster file, and for the local cluster as many CPU
-    ranks as the plan was made for (`plan --devices`) or its layout uses, whichever is more (a
-    plan resized onto more ranks than it was made for). Re-pricing a local plan of four ranks on
-    the file's default of two would put two of them on another node."""
+def calibrated_cluster(cluster: ClusterSpec, calibration: RunsCalibration) -> ClusterSpec:
+    """`cluster` with the calibration's in-node links on its node types of the calibration's device,
+    as a cluster YAML's `links:` would set them (the others as they are)."""
+    node_types = [
+        node_type.model_copy(update={"links": node_type.links.model_copy(update=calibration.links())})
+        if node_type.device == calibration.device else node_type
+        for node_type in cluster.node_types
+    ]  # fmt: skip
+    return cluster.model_copy(update={"node_types": node_types})
+
+
+def load_calibration_for(path: str | os.PathLike[str], profiles: list[tuple[str, ModelProfile]]) -> RunsCalibration:
+    """The calibration `plan` or `simulate --calibration` names, refused where a profile derived
+    for its device was derived with the catalog's figures (or another calibration's): its links
+    would then price one plan with two views of one GPU."""
+    calibration = load_model(RunsCalibration, path)
+    sha = sha256_file(path)
+    for name, profile in profiles:
+        derived_for_it = profile.source is ProfileSource.DERIVED and profile.device == calibration.device
+        if derived_for_it and profile.calibration_sha256 != sha:
+            raise UserInputError(
+                f"{name} was derived for {profile.device} with "
+                + ("another calibration" if profile.calibration_sha256 else "the catalog's figures")
+                + f", not with {path}",
+                hint=f"derive it with them: pipectl profile MODEL --derive --device {profile.device} --calibration {path}",
+            )
+    return calibration
+
+
+def plan_cluster_file(plan: Plan) -> ClusterSpec:
+    """The cluster a plan names, with the calibration it was planned with (`plan --calibration`)."""
     cluster = load_cluster(plan_cluster_source(plan))
+    if plan.calibration_file is not None:
+        cluster = calibrated_cluster(cluster, load_model(RunsCalibration, plan.calibration_file))
+    return cluster
+
+
+def plan_cluster_spec(plan: Plan) -> ClusterSpec:
+    """The cluster a plan was made for: its cluster file (with its calibration), and for the local
+    cluster as many CPU ranks as the plan was made for (`plan --devices`) or its layout uses,
+    whichever is more (a plan resized onto more ranks than it was made for). Re-pricing a local
+    plan of four ranks on the file's default of two would put two of them on another node."""
+    cluster = plan_cluster_file(plan)
     if not cluster.local:
         return cluster
     devices = max(plan.request.devices or cluster.total_devices, plan.chosen.devices)

@@ -134,6 +134,7 @@ ARTIFACT_KINDS: dict[str, tuple[str, frozenset[str]]] = {
     "CheckpointManifest": ("a checkpoint manifest", frozenset({"tag", "files", "bytes"})),
     "MorphRecord": ("a resize record (pipectl resize)", frozenset({"from_layout", "to_layout"})),
     "RankFailure": ("a rank's failure record", frozenset({"rank", "exception"})),
+    "RunsCalibration": ("a calibration (pipectl calibrate MEASURED.csv)", frozenset({"uncalibrated", "terms"})),
 }
 
 

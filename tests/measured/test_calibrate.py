@@ -145,3 +145,50 @@ def test_calibrate_refuses_in_one_line(measured, args, message):
     assert result.returncode == 2, result.stdout + result.stderr
     assert message in result.stderr and "Traceback" not in result.stderr
     assert not Path(measured / "calibration.json").exists()
+
+
+def test_a_calibration_prices_a_derived_profile_a_plan_and_its_simulation(measured):
+    """calibrate, then the device figures into a derived profile and the links into a plan, which
+    simulate (from another directory) prices as the plan did."""
+    assert pipectl(measured, "calibrate", "runs.csv", "-c", "conditions.yaml", "--folds", "0", "-o", "cal.json").returncode == 0
+    assert pipectl(measured, "profile", "gpt-tiny", "--derive", "--device", "a100-80gb", "-o", "plain.json").returncode == 0
+    refused = pipectl(measured, "plan", "--profile", "plain.json", "--cluster", "a100-8x8", "--global-batch", "64",
+                      "--calibration", "cal.json", "-o", "plan.json")  # fmt: skip
+    assert refused.returncode == 2 and "derived for a100-80gb with the catalog's figures" in refused.stderr
+    derived = pipectl(measured, "profile", "gpt-tiny", "--derive", "--device", "a100-80gb", "--calibration", "cal.json",
+                      "-o", "calibrated.json", "--json")  # fmt: skip
+    assert derived.returncode == 0, derived.stderr
+    profile = json.loads((measured / "calibrated.json").read_text())
+    assert "device figures calibrated by cal.json" in profile["notes"][-1]
+    plain = json.loads((measured / "plain.json").read_text())
+    forward = lambda p: p["layers"][1]["costs"][0]["forward_seconds"]  # noqa: E731
+    assert forward(profile) != forward(plain)  # the fitted kernel figures, not the catalog's
+    planned = pipectl(measured, "plan", "--profile", "calibrated.json", "--cluster", "a100-8x8", "--global-batch", "64",
+                      "--calibration", "cal.json", "-o", "plan.json", "--json")  # fmt: skip
+    assert planned.returncode == 0, planned.stderr
+    plan = json.loads((measured / "plan.json").read_text())
+    assert plan["calibration_file"] == str(measured / "cal.json")
+    elsewhere = measured / "elsewhere"
+    elsewhere.mkdir()
+    simulated = pipectl(elsewhere, "simulate", "../plan.json", "--json")
+    assert simulated.returncode == 0, simulated.stderr
+    step = json.loads(simulated.stdout)["step_seconds"]
+    assert step == pytest.approx(plan["chosen"]["predicted_step_seconds"], rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["profile", "gpt-tiny", "--calibration", "cal.json", "-o", "p.json"], "--calibration applies to --derive only"),
+        (["profile", "gpt-tiny", "--derive", "--device", "h100-80gb", "--calibration", "cal.json", "-o", "p.json"],
+         "cal.json calibrates a100-80gb, not h100-80gb"),
+        (["profile", "gpt-tiny", "--derive", "--device", "a100-80gb", "--calibration", "runs.csv", "-o", "p.json"],
+         "runs.csv"),
+    ],
+)
+def test_profile_refuses_a_calibration_it_cannot_use(measured, args, message):
+    assert pipectl(measured, "calibrate", "runs.csv", "-c", "conditions.yaml", "--folds", "0", "-o", "cal.json").returncode == 0
+    result = pipectl(measured, *args)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert message in result.stderr and "Traceback" not in result.stderr
+    assert not (measured / "p.json").exists()

@@ -527,6 +527,12 @@ class Plan(Artifact):
         description="The cluster YAML's absolute path when `plan --cluster` named a file (not a shipped name): "
         "what `launch`, `resize` and `simulate` read the cluster from, from any directory.",
     )
+    calibration_file: str | None = Field(
+        default=None,
+        exclude_if=lambda path: path is None,  # a plan without one reads and writes as before
+        description="The calibration's absolute path when `plan --calibration` named one: its in-node links priced "
+        "the plan, and every re-pricing (simulate, status, resize) applies them too.",
+    )
     request: PlanRequest = Field(description="The whole request; every re-plan (resize, elastic) starts from it.")
     chosen: Candidate
     candidates: list[Candidate] = Field(default_factory=list, description="Ranked feasible candidates.")

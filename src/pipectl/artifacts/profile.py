@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from pipectl.artifacts.base import MAX_BYTES, MAX_BYTES_PER_SECOND, Artifact, Bytes, BytesPerSecond, Seconds, Strict
+from pipectl.artifacts.base import MAX_BYTES, MAX_BYTES_PER_SECOND, Artifact, Bytes, BytesPerSecond, Seconds, Sha256, Strict
 
 
 # A layer's forward FLOPs: 1e30 is 10^12 times GPT-3's whole training run (3.14e23).
@@ -499,6 +499,12 @@ class ModelProfile(Artifact):
         exclude_if=lambda engine: engine is None,  # a profile of pipectl's runtime reads as it always did
         description="A derived profile of a run of another engine: the features it was derived and is priced "
         "with (`EngineFeatures`); None: pipectl's own runtime.",
+    )
+    calibration_sha256: Sha256 | None = Field(
+        default=None,
+        exclude_if=lambda sha: sha is None,
+        description="The sha256 of the calibration file whose device figures a derived profile was derived with "
+        "(`profile --derive --calibration`); None: the catalog's.",
     )
     device_memory_bytes: int | None = Field(
         default=None,

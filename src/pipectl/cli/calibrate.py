@@ -12,7 +12,7 @@ from rich.table import Table
 from pipectl.cli.context import JsonFlag, console, err_console, output_file, print_json, refuse_overwriting
 from pipectl.errors import UserInputError
 from pipectl.io import write_json_atomic
-from pipectl.measured.calibration import DEFAULT_FOLDS
+from pipectl.artifacts.calibration import DEFAULT_FOLDS
 
 
 def register(app: typer.Typer) -> None:

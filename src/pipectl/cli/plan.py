@@ -18,7 +18,7 @@ from pipectl.artifacts.plan import Engine, Plan, PlanRequest, RecomputeChoice
 from pipectl.artifacts.profile import ModelProfile
 from pipectl.cli.context import JsonFlag, console, from_options, print_json, refuse_overwriting
 from pipectl.cli.options import ConfigOption, file_layers, passed_flags, with_options
-from pipectl.cluster import load_cluster, local_cluster
+from pipectl.cluster import calibrated_cluster, load_calibration_for, load_cluster, local_cluster
 from pipectl.config import layered
 from pipectl.emit import emitted_files, emitted_layouts, write_files
 from pipectl.errors import UserInputError
@@ -169,11 +169,13 @@ def _write_plan_files(
     """Write plan.json, and with `--emit` the framework's files beside it: the plan as written, and
     those files."""
     cluster_path = given_file(options.cluster)  # a YAML by path: recorded absolute (`Plan.cluster_file`)
+    calibration = None if options.calibration is None else str(Path(options.calibration).resolve())
     if options.emit is not None:
         output.parent.mkdir(parents=True, exist_ok=True)
     result = write_plan(
         output,
-        made.model_copy(update={"cluster_file": None if cluster_path is None else str(cluster_path)}),
+        made.model_copy(update={"cluster_file": None if cluster_path is None else str(cluster_path),
+                                "calibration_file": calibration}),
         profile_file=profile[0],
         kind_profile_files=profile[1:],
     )
@@ -210,12 +212,16 @@ def plan_command(
         output = output / "plan.json"  # -o DIR: plan.json and the framework's files in it
     check_output_file(output)
     profile = [Path(path) for path in options.profile]
-    refuse_overwriting(output, {**{f"--profile {path}": path for path in profile}, "--cluster file": options.cluster})
+    refuse_overwriting(output, {**{f"--profile {path}": path for path in profile}, "--cluster file": options.cluster,
+                                "--calibration file": options.calibration})
     profiles = [load_model(ModelProfile, path) for path in profile]
     check_kind_profiles([(str(path), p) for path, p in zip(profile, profiles)])
     cluster_spec = load_cluster(options.cluster)
     if cluster_spec.local and options.devices is not None:
         cluster_spec = local_cluster(options.devices, cluster_spec)
+    if options.calibration is not None:
+        calibration = load_calibration_for(options.calibration, [(str(path), p) for path, p in zip(profile, profiles)])
+        cluster_spec = calibrated_cluster(cluster_spec, calibration)
     zeros = _parse_zero_stages(options.zero_stages)
     engine, emit_counts = _engine_and_emit_counts(options, any_engine)
     morph_counts, morph_every_count = parse_morph_counts(options.morph_counts)

@@ -28,7 +28,7 @@ from pipectl.cluster import usable_cores
 from pipectl.cli.context import JsonFlag, console, err_console, output_file, print_json, refuse_overwriting
 from pipectl.cli.groups import DefaultCommandGroup
 from pipectl.errors import UserInputError
-from pipectl.io import load_model, parse_model, read_mapping, write_json_atomic
+from pipectl.io import load_model, parse_model, read_mapping, write_json_atomic, sha256_file
 from pipectl.paths import HF_PREFIX, stored_reference
 from pipectl.profile.derive import DEFAULT_SHARD_DEGREES, derive_profile, without_attention_core
 from pipectl.profile.links import CalibrationRequest, calibrate_links
@@ -242,7 +242,7 @@ def _derive(model: str, kind: str, sizes: list[int], dtype: str | None, attentio
     device = get_device(kind)
     note = None
     if calibration_file is not None:
-        from pipectl.measured.calibration import load_calibration
+        from pipectl.measured.runs import load_calibration
 
         calibration = load_calibration(calibration_file)
         if calibration.device != device.name:
@@ -266,7 +266,7 @@ def _derive(model: str, kind: str, sizes: list[int], dtype: str | None, attentio
     profile = derive_profile(config, device, sizes, dtype, attention,
                              tensor_parallel=DEFAULT_SHARD_DEGREES if degrees is None else degrees)  # fmt: skip
     if note is not None:
-        profile = profile.model_copy(update={"notes": [*profile.notes, note]})
+        profile = profile.model_copy(update={"notes": [*profile.notes, note], "calibration_sha256": sha256_file(calibration_file)})
     if model.startswith(HF_PREFIX):
         # Its blocks are Hugging Face's, which the runtime cannot recompute selectively.
         profile = without_attention_core(profile)

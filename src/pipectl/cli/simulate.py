@@ -25,7 +25,7 @@ from rich.text import Text
 from pipectl.artifacts.plan import Plan
 from pipectl.artifacts.profile import ModelProfile
 from pipectl.cli.context import JsonFlag, console, output_file, print_json
-from pipectl.cluster import load_cluster, plan_cluster_spec
+from pipectl.cluster import calibrated_cluster, load_calibration_for, load_cluster, plan_cluster_spec
 from pipectl.errors import ScheduleError, UserInputError
 from pipectl.io import load_model
 from pipectl.plan.hetero import replica_stage_costs
@@ -54,7 +54,8 @@ def _uniform_options_given(**options: Any) -> list[str]:
 
 
 def _from_plan(
-    plan_path: Path, profile_path: Optional[Path], cluster_name: Optional[str], devices: Optional[int]
+    plan_path: Path, profile_path: Optional[Path], cluster_name: Optional[str], devices: Optional[int],
+    calibration: Optional[Path] = None,
 ) -> tuple[Schedule, StageCosts, dict[str, Any]]:
     """The schedule and cost table of a plan's candidate (the chosen one, or the morph entry)."""
     plan = load_model(Plan, plan_path)
@@ -75,6 +76,9 @@ def _from_plan(
     else:
         profile = load_model(ModelProfile, profile_path)
     cluster = load_cluster(cluster_name) if cluster_name else plan_cluster_spec(plan)
+    if calibration is not None:  # the plan's own calibration, if any, is in its cluster already
+        named = [(str(profile_path or "the plan's profile"), profile), *((f"the plan's {p.device} profile", p) for p in kind_profiles)]
+        cluster = calibrated_cluster(cluster, load_calibration_for(calibration, named))
     # A split over device kinds: each kind's replicas run their own micro-batches on their own
     # kind; the slowest sets the step, and is the one shown.
     runs = []
@@ -265,6 +269,10 @@ def register(app: typer.Typer) -> None:
         cluster: Annotated[
             Optional[str], typer.Option(help="Cluster name or YAML (default: the plan's cluster).")
         ] = None,
+        calibration: Annotated[
+            Optional[Path], typer.Option(help="A calibration (pipectl calibrate MEASURED.csv) whose in-node links price "
+                                         "the plan (default: the one it was planned with, if any).")
+        ] = None,
         devices: Annotated[
             Optional[int], typer.Option(min=1, help="Simulate the plan's morph-table entry for N devices.")
         ] = None,
@@ -313,11 +321,12 @@ def register(app: typer.Typer) -> None:
                     f"--{uniform[0].replace('_', '-')} describes a uniform pipeline; it cannot be combined with a plan",
                     hint="drop PLAN.json, or drop the uniform-pipeline options",
                 )
-            schedule, costs, context = _from_plan(plan_path, profile, cluster, devices)
+            schedule, costs, context = _from_plan(plan_path, profile, cluster, devices, calibration)
             if jitter_ms:
                 costs = replace(costs, jitter_seconds=jitter_ms / 1e3, seed=seed)
         else:
-            plan_only = [n for n, v in (("profile", profile), ("cluster", cluster), ("devices", devices)) if v is not None]
+            plan_only = [n for n, v in (("profile", profile), ("cluster", cluster), ("devices", devices),
+                                        ("calibration", calibration)) if v is not None]
             if plan_only:
                 raise UserInputError(f"--{plan_only[0]} needs a PLAN.json")
             schedule, costs = _uniform_pipeline(

@@ -27,7 +27,6 @@ them.
 
 from __future__ import annotations
 
-import hashlib
 import math
 import statistics
 from collections.abc import Callable, Sequence
@@ -38,7 +37,8 @@ import numpy as np
 
 from pipectl.catalog import get_device
 from pipectl.errors import UserInputError
-from pipectl.measured.calibration import DEFAULT_FOLDS, CalibratedTerms, FitErrors, RunsCalibration
+from pipectl.io import sha256_file
+from pipectl.artifacts.calibration import DEFAULT_FOLDS, CalibratedTerms, FitErrors, RunsCalibration
 from pipectl.measured.predict import Predictor
 from pipectl.measured.runs import MeasuredRun, RunConditions
 from pipectl.plan.workers import share
@@ -207,10 +207,6 @@ def errors_of(predicted: np.ndarray, measured: np.ndarray) -> FitErrors:
     )  # fmt: skip
 
 
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 def calibrate_runs(
     runs: list[MeasuredRun],
     conditions: RunConditions,
@@ -254,8 +250,8 @@ def calibrate_runs(
         device=devices[0],
         framework=conditions.framework,
         rows_file=str(rows_file),
-        rows_sha256=_sha256(rows_file),
-        conditions_sha256=_sha256(conditions_file),
+        rows_sha256=sha256_file(rows_file),
+        conditions_sha256=sha256_file(conditions_file),
         rows=len(runs),
         uncalibrated=start,
         terms=terms_at(start, x),

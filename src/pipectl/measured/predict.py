@@ -26,7 +26,7 @@ from pipectl.artifacts.profile import EngineFeatures, ModelProfile
 from pipectl.catalog import DeviceSpec, get_device
 from pipectl.errors import PipectlError, UserInputError
 from pipectl.io import validation_message
-from pipectl.measured.calibration import RunsCalibration
+from pipectl.artifacts.calibration import RunsCalibration
 from pipectl.measured.runs import MeasuredRun, RunConditions
 from pipectl.plan.flops import PRECISION_DTYPE
 from pipectl.plan.search import plan

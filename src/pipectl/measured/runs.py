@@ -36,6 +36,7 @@ from typing import IO, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pipectl.artifacts.calibration import RunsCalibration
 from pipectl.catalog import get_device
 from pipectl.errors import UserInputError
 from pipectl.io import load_model
@@ -266,3 +267,16 @@ def _positive_number(text: str, header: str, where: str) -> float:
     if not number > 0 or number == float("inf"):
         raise UserInputError(f"{where}: '{header}' is {text!r}, not a positive number")
     return number
+
+
+def load_calibration(path: str | os.PathLike[str], conditions: RunConditions | None = None) -> RunsCalibration:
+    """The calibration file, checked; with `conditions`, refused unless fitted to runs of their
+    framework (its engine terms are that framework's)."""
+    calibration = load_model(RunsCalibration, path)
+    if conditions is not None and calibration.framework != conditions.framework:
+        raise UserInputError(
+            f"{path} was fitted to {calibration.framework} runs, these ran on {conditions.framework}: its engine "
+            "terms are another framework's",
+            hint="calibrate with runs of this framework: pipectl calibrate MEASURED.csv --conditions CONDITIONS.yaml",
+        )
+    return calibration

@@ -48,6 +48,12 @@ class PlanOptions(BaseModel):
     cluster: Annotated[str, Opt("cluster", key="name", path=True)] = Field(
         description="A shipped cluster name (local, a100-8x8) or a YAML path."
     )
+    calibration: Annotated[str | None, Opt("cluster", path=True)] = Field(
+        default=None,
+        description="A calibration of the cluster's GPUs (pipectl calibrate MEASURED.csv): its in-node links for the "
+        "node types of its device; a profile derived for that device must be derived with it (profile --derive "
+        "--calibration).",
+    )
     devices: Annotated[int | None, Opt("cluster")] = Field(
         default=None, description="Plan for G devices (default: the whole cluster; a local cluster: its default)."
     )

@@ -33,7 +33,7 @@ from typing import Callable, Literal
 
 from pipectl.artifacts.plan import Candidate, MorphEntry, Plan
 from pipectl.artifacts.run import PLAN_FILE
-from pipectl.cluster import load_cluster, local_cluster, plan_cluster_source
+from pipectl.cluster import local_cluster, plan_cluster_file
 from pipectl.errors import InfeasibleError, UserInputError
 from pipectl.plan.search import plan as search_plan
 from pipectl.planfile import load_kind_profiles, load_plan_profile
@@ -65,7 +65,7 @@ def cluster_capacity(plan: Plan) -> int | None:
     """Devices the plan's cluster has, or None when it has no fixed size (the local cluster: any
     number of CPU ranks) or its description cannot be read any more."""
     try:
-        cluster = load_cluster(plan_cluster_source(plan))
+        cluster = plan_cluster_file(plan)
     except UserInputError:
         return None
     return None if cluster.local else cluster.total_devices
@@ -158,7 +158,7 @@ def replan_for_devices(plan: Plan, devices: int, *, plan_dir: Path) -> MorphEntr
         )
     profile = load_plan_profile(plan_dir / PLAN_FILE, plan)
     kind_profiles = load_kind_profiles(plan_dir / PLAN_FILE, plan)
-    cluster = load_cluster(plan_cluster_source(plan))
+    cluster = plan_cluster_file(plan)
     if cluster.local:
         cluster = local_cluster(devices, base=cluster)
     request = plan.request.model_copy(update={"devices": devices})

@@ -23,12 +23,12 @@ from pydantic import Field
 
 from pipectl.artifacts.base import Artifact, Seconds, Sha256, Strict
 from pipectl.artifacts.profile import EngineFeatures
-from pipectl.catalog import MAX_GBYTES_PER_SECOND, MAX_LATENCY_US, MIN_GBYTES_PER_SECOND, DeviceSpec
-from pipectl.errors import UserInputError
-from pipectl.io import load_model
-
 if TYPE_CHECKING:
-    from pipectl.measured.runs import RunConditions
+    from pipectl.catalog import DeviceSpec
+
+# The catalog's bounds of a rate and a latency (`pipectl.catalog`): 1 kB/s to 1 PB/s, 1000 s.
+MIN_GBYTES_PER_SECOND, MAX_GBYTES_PER_SECOND = 1e-6, 1e6
+MAX_LATENCY_US = 1e9
 
 # k of the k-fold cross-validation `pipectl calibrate MEASURED.csv` reports by default.
 DEFAULT_FOLDS = 5
@@ -118,15 +118,3 @@ class RunsCalibration(Artifact):
             "step_overhead_seconds": self.terms.step_overhead_seconds,
         })  # fmt: skip
 
-
-def load_calibration(path: str | os.PathLike[str], conditions: RunConditions | None = None) -> RunsCalibration:
-    """The calibration file, checked; with `conditions`, refused unless fitted to runs of their
-    framework (its engine terms are that framework's)."""
-    calibration = load_model(RunsCalibration, path)
-    if conditions is not None and calibration.framework != conditions.framework:
-        raise UserInputError(
-            f"{path} was fitted to {calibration.framework} runs, these ran on {conditions.framework}: its engine "
-            "terms are another framework's",
-            hint="calibrate with runs of this framework: pipectl calibrate MEASURED.csv --conditions CONDITIONS.yaml",
-        )
-    return calibration
