@@ -350,7 +350,7 @@ def staged_save(run_dir: Path, step: int, *, writer: str = "w999999999-0badc0de"
     for rank, name in enumerate((RANK0, RANK1)):
         fragment = Fragment(name="0.weight", group=0, offset=0, start=4 * rank, numel=4, shape=(8,), stage=0)
         header = RankHeader(rank=rank, stage=0, step=step, world_size=2, fragments=[fragment])
-        size = write_rank_file(staged / name, {"group0.fp32": torch.full((4,), float(step))}, header)
+        size = write_rank_file(staged / name, {"group0.fp32": torch.full((4,), float(step))}, header).size
         report = {"rank": rank, "world_size": 2, "step": step, "file": name, "sha256": ckpt.sha256_file(staged / name),
                   "bytes": size, **({"data_position": {"step": step}} if rank == 0 else {})}  # fmt: skip
         ckpt.report_path(staged, rank).write_text(json.dumps(report))

@@ -443,6 +443,9 @@ class _Session:
             if self.retired is not None:  # the previous layout's engine, kept through the pause
                 self.retired.close(None)  # after the step's metrics: its time stamps are the step's
                 self.retired = None
+            if saver is not None and self.step == opened + 1:
+                context.phase = "allocating the checkpoint's host buffers"
+                saver.ready(engine)
             if saver is not None and saver.schedule.step_due(self.step, job.steps):
                 context.phase = "copying the checkpoint to host memory"
                 saver.save(engine, self.step, _data_position(self.layout, self.step))

@@ -43,7 +43,7 @@ from pydantic import TypeAdapter
 from pipectl.artifacts.layout import Layout
 from pipectl.artifacts.run import CheckpointEvent, CheckpointOutcome
 from pipectl.errors import CheckpointError
-from pipectl.io import sha256_file, write_json_atomic
+from pipectl.io import write_json_atomic
 from pipectl.rundir.checkpoints import STAGING_DIR, remove_dead_writers, checkpoints_dir, commit_tag, list_checkpoints, manifest_from_reports, prune_checkpoints, read_reports, recover_staged, report_path, reports_dir, record_event, tag_for_step
 from pipectl.runtime.checkpoint.ranks import broadcast_from_rank0, rank_and_world, save_failure_message
 from pipectl.runtime.checkpoint.schedule import CheckpointSchedule
@@ -130,6 +130,12 @@ class Checkpointer:
         with it, the later ones 0.04 s; the first checkpoint step's extra wall time 1.17 s without
         and 0.62 s with, one run each, with step jitter of +-0.3 s.)"""
         self.host.capture(engine, 0, {})
+
+    def ready(self, engine: Any) -> None:
+        """After a session's first optimizer step: the buffers of the optimizer state that step
+        created (`HostSnapshot.covers`), before any checkpoint pause needs them."""
+        if not self.host.covers(engine):
+            self.host.capture(engine, 0, {})
 
     def save(self, engine: Any, step: int, data_position: dict[str, int]) -> float:
         """Checkpoint `engine` after `step` optimizer steps; returns the seconds training paused.
@@ -223,8 +229,8 @@ class Checkpointer:
                 )
             save.staged.mkdir(parents=True, exist_ok=True)
             name = rank_file_name(self.rank)
-            size = write_rank_file(save.staged / name, snapshot.tensors, snapshot.header)
-            report.update(file=name, sha256=sha256_file(save.staged / name), bytes=size)
+            written = write_rank_file(save.staged / name, snapshot.tensors, snapshot.header)
+            report.update(file=name, sha256=written.sha256, bytes=written.size)
         except Exception as exc:  # a full disk, a size limit, a folder made read-only: said plainly
             log.debug("writing the rank file failed", exc_info=True)
             report["error"] = f"rank {self.rank}: " + save_failure_message(exc, self.run_dir, save.step)

@@ -36,9 +36,13 @@ DeepSpeed engine to and from these records).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
+import queue
+import struct
+import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Protocol, Sequence
@@ -47,7 +51,6 @@ import torch
 
 from pipectl.artifacts.run import RANK_FILE
 from pipectl.errors import CheckpointError
-from pipectl.io import umask
 from pipectl.models.tensor_parallel import TensorSplit
 
 HEADER_KEY = "pipectl"
@@ -123,19 +126,93 @@ class RankHeader:
 # --------------------------------------------------------------------------- writing
 
 
-def write_rank_file(path: str | os.PathLike[str], tensors: dict[str, torch.Tensor], header: RankHeader) -> int:
-    """Write one rank's tensors and header to `path` (safetensors), fsync it; returns its size.
+# safetensors' names of the dtypes a checkpoint holds (the format: github.com/huggingface/safetensors,
+# README "Format": 8 bytes of header length, the JSON header padded to 8 bytes, then the tensors' bytes).
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+}  # fmt: skip
+# Bytes handed to the disk and to the hash at a time: large enough that a write and a hash update
+# each cost one system call or one C loop, small enough that the two overlap over a shard.
+WRITE_CHUNK_BYTES = 16 << 20
 
-    safetensors creates its file 0600; it gets the user's umask instead, as every other file of
-    the run (a group that shares the run directory shares its checkpoints)."""
-    from safetensors.torch import save_file
 
-    path = Path(path)
-    save_file(tensors, str(path), metadata={HEADER_KEY: header.to_json()})
-    with open(path, "rb") as handle:
-        os.fchmod(handle.fileno(), 0o666 & ~umask())
-        os.fsync(handle.fileno())
-    return path.stat().st_size
+@dataclass(frozen=True)
+class WrittenFile:
+    """A rank file as written: its size and the sha256 of its bytes."""
+
+    size: int
+    sha256: str
+
+
+def write_rank_file(path: str | os.PathLike[str], tensors: dict[str, torch.Tensor], header: RankHeader) -> WrittenFile:
+    """Write one rank's tensors and header to `path` in the safetensors format, fsync it; its size
+    and sha256.
+
+    The bytes are hashed as they are written, on a second thread (hashlib and the write both run
+    without the GIL): the save is bounded by the slower of the disk and one core's sha256, not by
+    their sum plus a second read of the file. The file gets the user's umask, as every other file
+    of the run (a group that shares the run directory shares its checkpoints); safetensors' own
+    loader reads it (`ShardReader`)."""
+    ordered = sorted(tensors.items(), key=lambda item: (-item[1].element_size(), item[0]))  # aligned offsets
+    views = [_byte_view(name, tensor) for name, tensor in ordered]
+    head = _safetensors_header(ordered, [len(view) for view in views], {HEADER_KEY: header.to_json()})
+    digest = hashlib.sha256()
+    chunks: queue.Queue[memoryview | None] = queue.Queue(maxsize=4)
+    hasher = threading.Thread(target=_hash_chunks, args=(chunks, digest), daemon=True, name="pipectl-hash")
+    hasher.start()
+    size = 0
+    try:
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+        try:
+            for chunk in _chunks([memoryview(head), *views]):
+                chunks.put(chunk)
+                size += _write_all(descriptor, chunk)
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
+    finally:
+        chunks.put(None)
+        hasher.join()
+    return WrittenFile(size, digest.hexdigest())
+
+
+def _byte_view(name: str, tensor: torch.Tensor) -> memoryview:
+    if tensor.dtype not in SAFETENSORS_DTYPES:
+        raise CheckpointError(f"cannot write tensor '{name}': dtype {tensor.dtype} has no safetensors name")
+    flat = tensor.detach().cpu().contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+
+
+def _safetensors_header(ordered: list[tuple[str, torch.Tensor]], sizes: list[int], metadata: dict[str, str]) -> bytes:
+    """The length prefix and the JSON header, padded with spaces to 8 bytes as safetensors pads it."""
+    entries: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for (name, tensor), nbytes in zip(ordered, sizes):
+        entries[name] = {"dtype": SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
+                         "data_offsets": [offset, offset + nbytes]}  # fmt: skip
+        offset += nbytes
+    text = json.dumps(entries, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+def _chunks(views: list[memoryview]) -> Iterable[memoryview]:
+    for view in views:
+        for start in range(0, len(view), WRITE_CHUNK_BYTES):
+            yield view[start : start + WRITE_CHUNK_BYTES]
+
+
+def _hash_chunks(chunks: queue.Queue, digest: Any) -> None:
+    while (chunk := chunks.get()) is not None:
+        digest.update(chunk)
+
+
+def _write_all(descriptor: int, chunk: memoryview) -> int:
+    written = 0
+    while written < len(chunk):  # a write may take fewer bytes than offered
+        written += os.write(descriptor, chunk[written:])
+    return written
 
 
 # --------------------------------------------------------------------------- reading
