@@ -152,10 +152,37 @@ def layouts_to_run(plan: dict, limit: int) -> list[tuple[str, dict]]:
     return picked[:limit]
 
 
-def run_layout(label: str, candidate: dict, plan_path: Path, work: Path, steps: int, warmup: int, gpu: bool) -> dict:
+def checkpoint_figures(run_dir: Path, metrics: list, warmup: int) -> dict:
+    """What the run's checkpoints cost (issue #46): the longest pause (training stopped for the
+    copy to host memory), each step right after a checkpoint over the median of the steps not
+    after one, and the background write rate (bytes over write + hash + commit seconds)."""
+    from pipectl.rundir.checkpoints import read_events
+
+    events = [e for e in read_events(run_dir) if e.outcome.value == "committed"]
+    if not events:
+        return {"checkpoints": 0}
+    saved = {e.step for e in events}
+    by_step = {m.step: m.step_seconds for m in metrics if m.step > warmup}
+    plain = [seconds for step, seconds in by_step.items() if step - 1 not in saved]
+    median = statistics.median(plain) if plain else None
+    after = [by_step[step + 1] / median for step in saved if median and step + 1 in by_step]
+    written = [e for e in events if e.write_seconds > 0]
+    return {
+        "checkpoints": len(events),
+        "checkpoint_pause_seconds": max(e.stall_seconds for e in events),
+        "step_after_checkpoint_ratio": max(after) if after else None,
+        "checkpoint_write_gbytes_per_second": (statistics.median(e.bytes / e.write_seconds for e in written) / 1e9
+                                               if written else None),
+        "checkpoint_bytes": max(e.bytes for e in events),
+    }  # fmt: skip
+
+
+def run_layout(label: str, candidate: dict, plan_path: Path, work: Path, steps: int, warmup: int, gpu: bool,
+               checkpoint_every: int | None = None) -> dict:  # fmt: skip
     from pipectl.artifacts.plan import Candidate, Plan
     from pipectl.io import load_model
     from pipectl.planfile import copy_plan
+    from pipectl.rundir.analysis import analyse
     from pipectl.rundir.metrics import read_metrics
 
     plan = load_model(Plan, plan_path)
@@ -163,8 +190,9 @@ def run_layout(label: str, candidate: dict, plan_path: Path, work: Path, steps: 
     copy_plan(plan.model_copy(update={"chosen": Candidate.model_validate(candidate)}), plan_path.parent, layout_plan)
     run_dir = work / f"run-{label}"
     started = time.perf_counter()
+    checkpoints = ["--checkpoint-every", checkpoint_every] if checkpoint_every else []
     result = pipectl("launch", layout_plan, "--run-dir", run_dir, "--steps", steps, "--data", "synthetic", "--force",
-                     check=False)
+                     *checkpoints, check=False)  # fmt: skip
     metrics = read_metrics(run_dir)
     record = {
         "label": label,
@@ -191,6 +219,11 @@ def run_layout(label: str, candidate: dict, plan_path: Path, work: Path, steps: 
             record[f"measured_peak{suffix}_bytes"] = max(peaks)
             record[f"memory_error{suffix}"] = abs(record["predicted_peak_bytes"] - max(peaks)) / max(peaks)
     record["memory_measure"] = "max_memory_reserved (and allocated)" if gpu else "resident set size"
+    if timed:
+        measured_mfu = analyse(run_dir, detail=False).utilisation.measured
+        record["measured_mfu"] = measured_mfu.mfu if measured_mfu is not None else None
+    if checkpoint_every:
+        record.update(checkpoint_figures(run_dir, metrics, warmup))
     return record
 
 
@@ -255,6 +288,8 @@ def main() -> None:
     parser.add_argument("--sizes", default=None, help="micro-batch sizes to profile (default 1,2,4,8 on GPU)")
     parser.add_argument("--tensor-parallel", default="1,2,4,8", help="blocks' tensor-parallel shards to measure on GPU")
     parser.add_argument("--layouts", type=int, default=3, help="how many layouts to launch (chosen first)")
+    parser.add_argument("--checkpoint-every", type=int, default=4,
+                        help="the chosen layout checkpoints every N steps (0: never): the pause and the next step")
     parser.add_argument("--work", type=Path, default=None, help="folder for profiles, plans and runs")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -290,8 +325,10 @@ def main() -> None:
             "--all", "--no-morph", "-o", plan_path)  # fmt: skip
     plan = json.loads(plan_path.read_text())
     layouts = []
-    for label, candidate in layouts_to_run(plan, args.layouts):
-        layouts.append(run_layout(label, candidate, plan_path, work, args.steps, args.warmup, gpu))
+    for index, (label, candidate) in enumerate(layouts_to_run(plan, args.layouts)):
+        # The plan's choice checkpoints every few steps: the pause and the next step's slowdown.
+        every = args.checkpoint_every if index == 0 else None
+        layouts.append(run_layout(label, candidate, plan_path, work, args.steps, args.warmup, gpu, every))
         print(json.dumps(layouts[-1], indent=1), flush=True)
         out.parent.mkdir(parents=True, exist_ok=True)  # what ran so far, should a later layout hang
         out.with_suffix(".partial.json").write_text(json.dumps({"rows": layer_rows, "layouts": layouts}, indent=1))
@@ -325,6 +362,10 @@ def main() -> None:
             "max_memory_error_allocated": max((r["memory_error_allocated"] for r in ran if "memory_error_allocated" in r),
                                               default=None),
             "baseline_ratio": reference["ratio"] if reference else None,
+            "measured_mfu": max((r["measured_mfu"] for r in ran if r.get("measured_mfu") is not None), default=None),
+            "checkpoint_pause_seconds": layouts[0].get("checkpoint_pause_seconds") if layouts else None,
+            "step_after_checkpoint_ratio": layouts[0].get("step_after_checkpoint_ratio") if layouts else None,
+            "checkpoint_write_gbytes_per_second": layouts[0].get("checkpoint_write_gbytes_per_second") if layouts else None,
             "out_of_memory": [r["label"] for r in layouts if r["out_of_memory"]],
             "failed": [r["label"] for r in layouts if r["exit_code"] != 0],
         },

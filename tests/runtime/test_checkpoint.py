@@ -422,8 +422,8 @@ def test_the_reserve_scales_with_the_checkpoint_and_a_first_one_without_room_sto
     assert not intact and "the run has no earlier checkpoint" in reason
 
     class Host:
-        def capture(self, engine, step, data_position):
-            return type("Snapshot", (), {"bytes": 12 << 20})()
+        def capture(self, engine, step, data_position, overlap=False):
+            return type("Snapshot", (), {"bytes": 12 << 20, "copied": None})()
 
     saver = checkpointer.Checkpointer(tmp_path, keep=3)
     saver.host = Host()

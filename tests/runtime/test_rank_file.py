@@ -76,7 +76,8 @@ def test_the_host_buffers_of_state_the_first_step_creates_are_allocated_before_a
     """Adam's moments appear at the first optimizer step: `covers` says their buffers are missing."""
     from types import SimpleNamespace
 
-    from pipectl.runtime.checkpoint.engine_state import HostSnapshot, group_tensor
+    from pipectl.runtime.checkpoint.shards import group_tensor
+    from pipectl.runtime.checkpoint.snapshot import HostSnapshot
 
     partition = torch.zeros(6)
     linked = SimpleNamespace(partition=partition)
@@ -92,3 +93,52 @@ def test_the_host_buffers_of_state_the_first_step_creates_are_allocated_before_a
     assert host.covers(engine)  # the 0-d step is copied in the pause: no buffer worth allocating early
     state[partition]["exp_avg"] = torch.zeros(6, dtype=torch.float64)
     assert not host.covers(engine)
+
+
+@pytest.mark.gpu
+def test_side_stream_copies_hold_the_state_of_the_step_before_the_next_update():
+    """A checkpoint's copies run beside the next step; the update that step makes waits for them."""
+    from pipectl.runtime.checkpoint.snapshot import HostSnapshot, SideCopies
+    from pipectl.runtime.engines.executor import wait_for_snapshot
+    from types import SimpleNamespace
+
+    state = torch.randn(64 << 20, device="cuda")  # 256 MiB: the copy outlasts the enqueueing
+    state.mul_(2.0)  # the optimizer step the checkpoint follows, still queued
+    expected = (state.cpu())
+    host, tensors = HostSnapshot(), {}
+    side = SideCopies()
+    host._copy_all(tensors, [("group0.fp32", state)], side)
+    engine = SimpleNamespace(snapshot_copied=side.done())
+    wait_for_snapshot(engine)  # the next optimizer step
+    state.add_(1.0)
+    engine_copied = engine.snapshot_copied
+    torch.cuda.synchronize()
+    assert engine_copied is None and tensors["group0.fp32"].is_pinned()
+    assert torch.equal(tensors["group0.fp32"], expected)
+
+
+@pytest.mark.gpu
+def test_a_gpu_ranks_action_times_are_the_gpus_not_the_hosts():
+    """The host returns as soon as the kernels are queued; the events say how long the GPU ran them."""
+    from types import SimpleNamespace
+
+    from pipectl.runtime.engines.executor import TIMED_PHASES, DeviceTimes, begin, record_action
+    from pipectl.schedule.ir import Action
+
+    engine = SimpleNamespace(executed=[], phase_seconds=dict.fromkeys(TIMED_PHASES, 0.0))
+    times = DeviceTimes()
+    a = torch.randn(8192, 8192, device="cuda")
+    torch.cuda.synchronize()
+    began = begin(True)
+    for _ in range(20):  # about 22 TFLOP: tens of milliseconds on any GPU, microseconds to queue
+        a = a @ a.T / 8192
+    record_action(engine.executed, Action.parse("0F0"), began.host, 1.0)
+    times.action(0, began)
+    phase = begin(True)
+    torch.cuda._sleep(1_000_000)  # a wait the GPU does, as a receive does
+    times.phase("p2p", phase)
+    host_seconds = engine.executed[0].seconds
+    times.apply(engine)
+    assert engine.executed[0].seconds > 5 * host_seconds
+    assert engine.phase_seconds["p2p"] > 0 and engine.phase_seconds["end_of_step"] == 0
+    assert times.actions == [] and times.phases == []

@@ -32,9 +32,19 @@ def _verdict(report: Any) -> str | None:
     return None
 
 
+_is_worker = False
+
+
+def pytest_configure(config: Any) -> None:
+    # An xdist worker has `workerinput`; the controller writes what the workers report. (Not the
+    # PYTEST_XDIST_WORKER variable: a pytest started from inside a worker inherits it.)
+    global _is_worker
+    _is_worker = hasattr(config, "workerinput")
+
+
 def pytest_runtest_logreport(report: Any) -> None:
     path = os.environ.get(VERDICTS_ENV)
-    if not path or os.environ.get("PYTEST_XDIST_WORKER"):  # the controller writes what the workers report
+    if not path or _is_worker:
         return
     outcome = _verdict(report)
     if outcome is None:

@@ -3,7 +3,9 @@
 At a checkpoint step every rank (collectively, at the step boundary):
 
 1. waits for its previous save, if one is still being written (at most one in flight);
-2. copies its state into reused host buffers (`engine_state.HostSnapshot`): the only pause;
+2. copies its state into reused host buffers (`snapshot.HostSnapshot`): the only pause. On a
+   GPU the copies are only enqueued, on a side stream, and run beside the next step's forward and
+   backward; that step's optimizer update waits for them (`executor.wait_for_snapshot`);
 3. learns from rank 0 whether the checkpoint fits on disk (one gather, one broadcast: rank 0 adds
    the ranks' sizes, removes old checkpoints if that makes room, but never the newest good one,
    and skips the save when it still cannot fit: training goes on, and `status` says so);
@@ -47,7 +49,7 @@ from pipectl.io import write_json_atomic
 from pipectl.rundir.checkpoints import STAGING_DIR, remove_dead_writers, checkpoints_dir, commit_tag, list_checkpoints, manifest_from_reports, prune_checkpoints, read_reports, recover_staged, report_path, reports_dir, record_event, tag_for_step
 from pipectl.runtime.checkpoint.ranks import broadcast_from_rank0, rank_and_world, save_failure_message
 from pipectl.runtime.checkpoint.schedule import CheckpointSchedule
-from pipectl.runtime.checkpoint.engine_state import HostSnapshot, Snapshot
+from pipectl.runtime.checkpoint.snapshot import HostSnapshot, Snapshot
 from pipectl.artifacts.run import rank_file_name
 from pipectl.runtime.checkpoint.shards import write_rank_file
 
@@ -142,7 +144,13 @@ class Checkpointer:
         Every rank, at a step boundary."""
         started = time.perf_counter()
         self._join()
-        snapshot = self.host.capture(engine, step, data_position)
+        # A GPU rank's copies run on a side stream through the next step's forward and backward;
+        # the engine's next optimizer step waits for them (`executor.wait_for_snapshot`), the
+        # writer too. An engine without that gate copies in the pause.
+        overlap = hasattr(engine, "snapshot_copied")
+        snapshot = self.host.capture(engine, step, data_position, overlap=overlap)
+        if snapshot.copied is not None:
+            engine.snapshot_copied = snapshot.copied
         skipped, intact = self._room_for(step, snapshot.bytes)
         stall = time.perf_counter() - started
         self.schedule.saved(stall)
@@ -229,6 +237,7 @@ class Checkpointer:
                 )
             save.staged.mkdir(parents=True, exist_ok=True)
             name = rank_file_name(self.rank)
+            snapshot.wait()  # a GPU rank's copies, still on their side stream
             written = write_rank_file(save.staged / name, snapshot.tensors, snapshot.header)
             report.update(file=name, sha256=written.sha256, bytes=written.size)
         except Exception as exc:  # a full disk, a size limit, a folder made read-only: said plainly

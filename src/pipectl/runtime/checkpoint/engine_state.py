@@ -19,9 +19,9 @@ optimizers' checkpoints are one format and load into each other. (DeepSpeed's de
 `sub_group_size`, 1e9 elements, gives one sub-group per parameter group below a billion elements
 per rank; `restore` refuses a checkpoint with another number of groups.)
 
-`HostSnapshot.capture` copies the partitions and states into host buffers that are allocated once
-and reused (pinned when the engine runs on a GPU), so the training loop pauses only for the copy.
-`restore` is the inverse for any layout: each parameter this rank holds is read from the
+`runtime.checkpoint.snapshot.HostSnapshot.capture` copies the partitions and states into host
+buffers that are allocated once and reused (pinned when the engine runs on a GPU), so the training
+loop pauses only for the copy. `restore` is the inverse for any layout: each parameter this rank holds is read from the
 checkpoint, cut for this rank's tensor slice, and written into its piece of the partition, its
 optimizer state and the model's own (possibly bf16) copy.
 
@@ -40,7 +40,7 @@ from typing import Any, Iterable
 import torch
 
 from pipectl.errors import CheckpointError
-from pipectl.runtime.checkpoint.shards import FP32, Fragment, RankHeader, ShardReader, TensorSplit, group_tensor
+from pipectl.runtime.checkpoint.shards import FP32, RankHeader, ShardReader, TensorSplit, group_tensor
 
 # DeepSpeed engine counters restored with the state (engine.load_checkpoint restores the same).
 ENGINE_COUNTERS = ("global_steps", "global_samples", "skipped_steps")
@@ -179,137 +179,6 @@ def _numbers(values: dict[str, Any]) -> dict[str, Any]:
         elif isinstance(value, (tuple, list)) and value and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
             kept[key] = list(value)
     return kept
-
-
-# --------------------------------------------------------------------------- capture
-
-
-@dataclass
-class Snapshot:
-    """One rank's state at one step boundary, in host memory: ready for `shards.write_rank_file`."""
-
-    tensors: dict[str, torch.Tensor]
-    header: RankHeader
-
-    @property
-    def bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
-
-
-class HostSnapshot:
-    """Host buffers reused from one checkpoint to the next (pinned when the engine is on a GPU).
-
-    With `copy=False` a tensor already in host memory is taken as it is, not copied: for an engine
-    that trains no further (a live resize hands its state over and drops it: its pause saves a copy
-    of every tensor).
-
-    The buffers of one snapshot are overwritten by the next `capture`: a caller must have finished
-    writing a snapshot before taking another (the checkpointer keeps at most one save in flight).
-    """
-
-    def __init__(self, *, copy: bool = True) -> None:
-        self._buffers: dict[str, torch.Tensor] = {}
-        self.copy = copy
-
-    def _copy(self, key: str, source: torch.Tensor) -> torch.Tensor:
-        source = source.detach()
-        if not self.copy and not source.is_cuda:
-            return source  # host memory already, and its engine is done with it (a live resize)
-        buffer = self._buffers.get(key)
-        if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype:
-            buffer = torch.empty(source.shape, dtype=source.dtype, pin_memory=source.is_cuda)
-            self._buffers[key] = buffer
-        buffer.copy_(source, non_blocking=source.is_cuda)
-        return buffer
-
-    def covers(self, engine: Any) -> bool:
-        """Whether every optimizer state tensor of `engine` has its host buffer already. Adam's
-        moments appear at the first optimizer step, after `Checkpointer.prepare`: without their
-        buffers the first checkpoint would allocate two thirds of its bytes in its pause (pinned
-        allocation of gigabytes takes seconds on a GPU host)."""
-        state = engine.optimizer.optimizer.state
-        for group, linked in enumerate(optimizer_groups(engine)):
-            for key, value in state.get(linked.partition, {}).items():
-                if torch.is_tensor(value) and value.shape == linked.partition.shape:
-                    buffer = self._buffers.get(group_tensor(group, key))
-                    if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
-                        return False
-        return True
-
-    def capture(self, engine: Any, step: int, data_position: dict[str, int]) -> Snapshot:
-        """Copy this rank's weights, optimizer state, schedule, loss scale and RNG. Every rank,
-        at a step boundary (no collective)."""
-        optimizer = engine.optimizer
-        names = optimizer.param_names
-        stage = engine.stage_id
-        tp_rank, tensor_parallel = tensor_rank(engine)
-        tensors: dict[str, torch.Tensor] = {}
-        header = RankHeader(
-            rank=engine.global_rank,
-            stage=stage,
-            step=step,
-            world_size=engine.grid.world_size,
-            data_parallel_rank=engine.grid.get_data_parallel_rank(),
-            tp_rank=tp_rank,
-            tensor_parallel=tensor_parallel,
-            data_position=dict(data_position),
-        )
-        trained: set[int] = set()
-        for group, linked in enumerate(optimizer_groups(engine)):
-            partition = linked.partition
-            tensors[group_tensor(group, FP32)] = self._copy(group_tensor(group, FP32), partition)
-            states, scalars = [], []
-            for key, value in optimizer.optimizer.state.get(partition, {}).items():
-                if torch.is_tensor(value) and value.shape == partition.shape:
-                    tensors[group_tensor(group, key)] = self._copy(group_tensor(group, key), value)
-                    states.append(key)
-                elif torch.is_tensor(value) and value.dim() == 0:
-                    tensors[group_tensor(group, f"state.{key}")] = self._copy(group_tensor(group, f"state.{key}"), value)
-                    scalars.append(key)
-            header.group_states.append(states)
-            header.group_scalars.append(scalars)
-            header.group_settings.append(_numbers(linked.settings))
-            trained.update(id(parameter) for parameter in linked.parameters)
-            for piece in linked.pieces:
-                header.fragments.append(
-                    Fragment(
-                        name=names[piece.parameter],
-                        group=group,
-                        offset=piece.offset,
-                        start=piece.start,
-                        numel=piece.numel,
-                        shape=parameter_shape(piece.parameter),
-                        stage=stage,
-                        tp_rank=tp_rank,
-                        tensor_parallel=tensor_parallel,
-                        split=parameter_split(piece.parameter),
-                    )
-                )
-        for name, value in _module_tensors(engine.module, trained).items():
-            tensors[f"module.{name}"] = self._copy(f"module.{name}", value)
-            header.module_tensors.append(name)
-        header.engine_counters = {key: int(getattr(engine, key)) for key in ENGINE_COUNTERS}
-        if engine.lr_scheduler is not None:
-            header.lr_scheduler = engine.lr_scheduler.state_dict()
-        scaler = getattr(optimizer, "loss_scaler", None)
-        if scaler is not None:
-            header.loss_scaler = _numbers(vars(scaler))
-        header.rng = _rng_state()
-        tensors["rng.torch"] = self._copy("rng.torch", torch.get_rng_state())
-        if any(t.is_pinned() for t in tensors.values()) and torch.cuda.is_available():
-            torch.cuda.synchronize()  # the non-blocking copies have landed
-        return Snapshot(tensors=tensors, header=header)
-
-
-def _rng_state() -> dict[str, Any]:
-    import numpy as np
-
-    version, keys, gauss = random.getstate()
-    name, np_keys, position, has_gauss, cached = np.random.get_state(legacy=True)
-    return {
-        "python": [version, list(keys), gauss],
-        "numpy": [name, [int(k) for k in np_keys], int(position), int(has_gauss), float(cached)],
-    }
 
 
 def _restore_rng(state: dict[str, Any], torch_state: torch.Tensor) -> None:

@@ -9,7 +9,7 @@ throw-away engine (`warm_up`), then writes RUN/resize_requested.json (`LiveResiz
 next step boundary the running ranks see it (it rides on the vote every boundary already has) and
 hand over:
 
-    old ranks   take their state (`engine_state.HostSnapshot`: weights, Adam's moments, schedule,
+    old ranks   take their state (`snapshot.HostSnapshot`: weights, Adam's moments, schedule,
                 RNG, the step: the instant a checkpoint holds; a CPU engine's tensors as they are,
                 a GPU's copied to host memory)
 
@@ -214,7 +214,8 @@ def hand_over(
     first."""
     import torch.distributed as dist
 
-    from pipectl.runtime.checkpoint.engine_state import HostSnapshot, TouchedMemory, device_kind
+    from pipectl.runtime.checkpoint.engine_state import TouchedMemory, device_kind
+    from pipectl.runtime.checkpoint.snapshot import HostSnapshot
 
     rank, old_world = dist.get_rank(), dist.get_world_size()
     if old_world != request.from_devices:

@@ -42,7 +42,7 @@ from pipectl.artifacts.morph import LiveResizeRequest
 
 if TYPE_CHECKING:
     from pipectl.models.base import ModelLayers
-    from pipectl.runtime.checkpoint.engine_state import Snapshot
+    from pipectl.runtime.checkpoint.snapshot import Snapshot
     from pipectl.runtime.elastic.live_resize import HandOver, PauseClock
 
 log = logging.getLogger(__name__)
@@ -162,7 +162,7 @@ class PeerCopy:
     def __init__(self, layout: Layout, rank: int) -> None:
         import torch.distributed as dist
 
-        from pipectl.runtime.checkpoint.engine_state import HostSnapshot
+        from pipectl.runtime.checkpoint.snapshot import HostSnapshot
         from pipectl.runtime.engines.pipeline import planned_topology
 
         topology = planned_topology(layout.pipeline_parallel, layout.data_parallel, layout.tensor_parallel)
@@ -187,7 +187,7 @@ class PeerCopy:
         Every rank of the job together (pairwise messages only)."""
         import torch
 
-        from pipectl.runtime.checkpoint.engine_state import Snapshot
+        from pipectl.runtime.checkpoint.snapshot import Snapshot
         from pipectl.runtime.checkpoint.shards import RankHeader
 
         slot = 1 - self.kept[-1][1] if self.kept else 0

@@ -49,6 +49,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from typing import Any
+
 import torch
 from deepspeed.runtime.pipe import schedule as ds_schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
@@ -173,7 +175,8 @@ class PlannedSchedule(ds_schedule.PipeSchedule):
 
 @dataclass(frozen=True)
 class ExecutedAction:
-    """A compute action the engine ran, with its wall-clock duration."""
+    """A compute action the engine ran, with its duration: on the host clock on a CPU, from CUDA
+    events on a GPU (`DeviceTimes`)."""
 
     action: Action
     seconds: float
@@ -196,20 +199,118 @@ def record_action(executed: list[ExecutedAction], action: Action, start: float, 
 TIMED_PHASES = ("p2p", "end_of_step")
 
 
-def _timed(function, phase: str):
-    """`function` (an engine method), its wall time added to the step's `phase_seconds[phase]`."""
+@dataclass(frozen=True)
+class Began:
+    """When an action or a phase began: on the host clock, and on a GPU as an event on the training stream."""
+
+    host: float
+    event: Any = None
+
+
+def begin(cuda: bool) -> Began:
+    event = None
+    if cuda:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+    return Began(time.perf_counter(), event)
+
+
+class DeviceTimes:
+    """A GPU rank's action and phase times from CUDA events (issue #46: where a step's time goes).
+
+    On a GPU the host only enqueues kernels: its clock says when an action was issued, not how long
+    the GPU ran it (a forward's host time is its launch overhead; the GPU's time turns up later, in
+    whatever waits first). Each action and phase records an event before and after it on the
+    training stream; once the step is over (`apply`), their elapsed times replace the host's in
+    `executed` and `phase_seconds`, so a step's metrics split it as the GPU spent it: forward,
+    backward, pipeline transfers and waits, the end of the step.
+    """
+
+    def __init__(self) -> None:
+        self.actions: list[tuple[int, Any, Any]] = []  # (index in executed, start, end)
+        self.phases: list[tuple[str, Any, Any]] = []
+
+    @staticmethod
+    def _end() -> Any:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def action(self, index: int, began: Began) -> None:
+        self.actions.append((index, began.event, self._end()))
+
+    def phase(self, name: str, began: Began) -> None:
+        self.phases.append((name, began.event, self._end()))
+
+    def apply(self, engine: Any) -> None:
+        """Put the GPU's times of the step just ended into the engine's `executed` and `phase_seconds`."""
+        if not self.actions and not self.phases:
+            return
+        torch.cuda.current_stream().synchronize()
+        executed = list(engine.executed)
+        for index, start, end in self.actions:
+            executed[index] = ExecutedAction(executed[index].action, start.elapsed_time(end) / 1e3)
+        phases = dict.fromkeys(TIMED_PHASES, 0.0)
+        for name, start, end in self.phases:
+            phases[name] += start.elapsed_time(end) / 1e3
+        engine.executed, engine.phase_seconds = executed, phases
+        self.actions, self.phases = [], []
+
+
+class TimedActions:
+    """What both planned DeepSpeed engines time alike: each compute action on the host clock, and
+    on a GPU by events too (`DeviceTimes`). Needs `executed`, `compute_slowdown` and `device_times`."""
+
+    def _begin(self) -> Began:
+        return begin(self.device_times is not None)
+
+    def _record(self, action: Action, began: Began) -> None:
+        record_action(self.executed, action, began.host, self.compute_slowdown)
+        if self.device_times is not None:
+            self.device_times.action(len(self.executed) - 1, began)
+
+
+def device_times_for(engine: Any) -> DeviceTimes | None:
+    """Event timing for an engine on a GPU; None on a CPU, whose host clock is the device's."""
+    device = getattr(engine, "device", None)
+    return DeviceTimes() if device is not None and torch.device(device).type == "cuda" else None
+
+
+def wait_for_snapshot(engine: Any) -> None:
+    """Before an optimizer step: the training stream waits for a checkpoint's copies still on
+    their side stream (`snapshot.SideCopies`), which read the state this step overwrites."""
+    copied = getattr(engine, "snapshot_copied", None)
+    if copied is not None:
+        torch.cuda.current_stream().wait_event(copied)
+        engine.snapshot_copied = None
+
+
+def _after_snapshot(function):
+    """`function` (the optimizer step's instruction), once a checkpoint's copies have landed."""
 
     def run(self, *args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return function(self, *args, **kwargs)
-        finally:
-            self.phase_seconds[phase] += time.perf_counter() - start
+        wait_for_snapshot(self)
+        return function(self, *args, **kwargs)
 
     return run
 
 
-class PlannedPipelineEngine(PipelineEngine):
+def _timed(function, phase: str):
+    """`function` (an engine method), its wall time added to the step's `phase_seconds[phase]`."""
+
+    def run(self, *args, **kwargs):
+        began = self._begin()
+        try:
+            return function(self, *args, **kwargs)
+        finally:
+            self.phase_seconds[phase] += time.perf_counter() - began.host
+            if self.device_times is not None:
+                self.device_times.phase(phase, began)
+
+    return run
+
+
+class PlannedPipelineEngine(TimedActions, PipelineEngine):
     """`PipelineEngine` running a planned `Schedule` (see the module docstring for what changes).
 
     `deepspeed.initialize()` picks the engine class itself, so `attach_schedule` turns the engine
@@ -235,6 +336,8 @@ class PlannedPipelineEngine(PipelineEngine):
         self.executed: list[ExecutedAction] = []
         self.phase_seconds = dict.fromkeys(TIMED_PHASES, 0.0)
         self.compute_slowdown = compute_slowdown
+        self.snapshot_copied = None  # a checkpoint's copies the next optimizer step waits for
+        self.device_times = device_times_for(self)
         self._loss_by_buffer: dict[int, torch.Tensor] = {}
         self._grad_by_buffer: dict[int, object] = {}
 
@@ -251,6 +354,8 @@ class PlannedPipelineEngine(PipelineEngine):
         self.phase_seconds = dict.fromkeys(TIMED_PHASES, 0.0)
         loss = self.train_batch()
         self.planned_batches = ()
+        if self.device_times is not None:
+            self.device_times.apply(self)
         return float(loss)
 
     def executed_order(self) -> list[Action]:
@@ -269,7 +374,7 @@ class PlannedPipelineEngine(PipelineEngine):
         self.data_iterator = None
 
     def _exec_planned_forward(self, buffer_id: int, action: Action, keep_graph: bool = True) -> None:
-        start = time.perf_counter()
+        start = self._begin()
         if keep_graph:
             PipelineEngine._exec_forward_pass(self, buffer_id)
         else:
@@ -280,7 +385,7 @@ class PlannedPipelineEngine(PipelineEngine):
         self._record(action, start)
 
     def _exec_recompute(self, buffer_id: int, action: Action) -> None:
-        start = time.perf_counter()
+        start = self._begin()
         if self.is_last_stage():
             # The loss was counted by the first forward; don't count it twice.
             counted = (self.total_loss, list(self.fwd_outputs), self.total_additional_losses)
@@ -291,8 +396,6 @@ class PlannedPipelineEngine(PipelineEngine):
             PipelineEngine._exec_forward_pass(self, buffer_id)
         self._record(action, start)
 
-    def _record(self, action: Action, start: float) -> None:
-        record_action(self.executed, action, start, self.compute_slowdown)
 
     def _exec_planned_recv_grads(self, buffer_id: int) -> None:
         PipelineEngine._exec_recv_grads(self, buffer_id)
@@ -303,7 +406,7 @@ class PlannedPipelineEngine(PipelineEngine):
             self._grad_by_buffer[buffer_id] = [t.clone() for t in received]
 
     def _exec_planned_backward(self, buffer_id: int, action: Action) -> None:
-        start = time.perf_counter()
+        start = self._begin()
         if self.is_last_stage():
             self.loss = self._loss_by_buffer.pop(buffer_id)
         received = self._grad_by_buffer.pop(buffer_id, None)
@@ -365,8 +468,9 @@ class PlannedPipelineEngine(PipelineEngine):
         },
         **{
             instruction: _timed(PipelineEngine._INSTRUCTION_MAP[instruction], "end_of_step")
-            for instruction in (ds_schedule.ReduceTiedGrads, ds_schedule.ReduceGrads, ds_schedule.OptimizerStep)
+            for instruction in (ds_schedule.ReduceTiedGrads, ds_schedule.ReduceGrads)
         },
+        ds_schedule.OptimizerStep: _timed(_after_snapshot(PipelineEngine._INSTRUCTION_MAP[ds_schedule.OptimizerStep]), "end_of_step"),
     }
 
 

@@ -35,7 +35,7 @@ import torch
 from deepspeed.runtime.engine import DeepSpeedEngine
 
 from pipectl.errors import UserInputError
-from pipectl.runtime.engines.executor import TIMED_PHASES, ExecutedAction, record_action
+from pipectl.runtime.engines.executor import TIMED_PHASES, ExecutedAction, TimedActions, device_times_for, wait_for_snapshot
 from pipectl.schedule.ir import Action, ActionKind, Schedule
 
 
@@ -54,7 +54,7 @@ class LayerStack(torch.nn.Module):
         return self.pipe(inputs)
 
 
-class PlannedPlainEngine(DeepSpeedEngine):
+class PlannedPlainEngine(TimedActions, DeepSpeedEngine):
     """`DeepSpeedEngine` running a one-stage plan's micro-batches (see the module docstring).
 
     `deepspeed.initialize()` returns a `DeepSpeedEngine`; `plan_plain_engine` turns it into this
@@ -76,6 +76,8 @@ class PlannedPlainEngine(DeepSpeedEngine):
         self.compute_slowdown = compute_slowdown
         self.executed: list[ExecutedAction] = []
         self.phase_seconds = dict.fromkeys(TIMED_PHASES, 0.0)
+        self.snapshot_copied = None  # a checkpoint's copies the next optimizer step waits for
+        self.device_times = device_times_for(self)
 
     def is_first_stage(self) -> bool:
         return True
@@ -95,7 +97,7 @@ class PlannedPlainEngine(DeepSpeedEngine):
         losses: dict[int, torch.Tensor] = {}
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         for action in self.compute_order:
-            start = time.perf_counter()
+            start = self._begin()
             index = action.microbatch
             if action.kind is ActionKind.FORWARD:
                 inputs, labels = micro_batches[index]
@@ -107,24 +109,28 @@ class PlannedPlainEngine(DeepSpeedEngine):
                 self.backward(losses.pop(index))
                 self._record(action, start)
                 boundary = self.is_gradient_accumulation_boundary()  # before `step` counts this one
-                start = time.perf_counter()
+                start = self._begin()
+                if boundary:
+                    wait_for_snapshot(self)
                 self.step()  # counts the micro-batch; at the step's last one, reduces and updates
                 if boundary:
-                    self.phase_seconds["end_of_step"] += time.perf_counter() - start
+                    self.phase_seconds["end_of_step"] += time.perf_counter() - start.host
+                    if self.device_times is not None:
+                        self.device_times.phase("end_of_step", start)
             else:
                 raise UserInputError(f"one stage runs forwards and backwards only, not {action}")
         total /= len(micro_batches)
         if self.grid.get_data_parallel_world_size() > 1:
             torch.distributed.all_reduce(total, group=self.grid.get_data_parallel_group())
             total /= self.grid.get_data_parallel_world_size()
+        if self.device_times is not None:
+            self.device_times.apply(self)
         return float(total)
 
     def executed_order(self) -> list[Action]:
         """The compute actions of the last step, in the order they ran."""
         return [record.action for record in self.executed]
 
-    def _record(self, action: Action, start: float) -> None:
-        record_action(self.executed, action, start, self.compute_slowdown)
 
 
 def plan_plain_engine(
