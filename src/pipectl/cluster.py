@@ -215,7 +215,7 @@ def plan_cluster_source(plan: Plan) -> str:
 
 
 def calibrated_cluster(cluster: ClusterSpec, calibration: RunsCalibration) -> ClusterSpec:
-    """`cluster` with the calibration's in-node links on its node types of the calibration's device,
+    """`cluster` with the calibration's links on its node types of the calibration's device,
     as a cluster YAML's `links:` would set them (the others as they are)."""
     node_types = [
         node_type.model_copy(update={"links": node_type.links.model_copy(update=calibration.links())})

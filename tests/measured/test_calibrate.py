@@ -77,6 +77,9 @@ def test_the_fit_recovers_a_cluster_made_of_known_terms(conditions):
     assert fitted.gemm_efficiency == pytest.approx(TRUTH["gemm_efficiency"], rel=0.05)
     assert fitted.kernel_overhead_us == pytest.approx(TRUTH["kernel_overhead_us"], rel=0.05)
     assert fitted.micro_batch_overhead_seconds == pytest.approx(TRUTH["micro_batch_overhead_seconds"], rel=0.2)
+    # Every row ran on one node: the network between nodes is left as it was.
+    assert fitted.inter_node_latency_us == start.inter_node_latency_us
+    assert fitted.inter_node_bandwidth_gbytes_per_second == start.inter_node_bandwidth_gbytes_per_second
 
 
 def test_calibrate_reports_errors_before_after_and_cross_validated(conditions, tmp_path):

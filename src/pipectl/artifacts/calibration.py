@@ -8,8 +8,8 @@ predicts layouts, shapes and batch sizes the log does not hold:
 - the device (its catalog entry's figures: `DeviceSpec`): the fraction of the 16-bit peak large
   GEMMs sustain, the memory bandwidth element-wise kernels reach, the host's time to issue one
   kernel;
-- the links inside a node (as a cluster YAML's `links:` sets them): latency and bandwidth of
-  point-to-point transfers and collectives alike;
+- the links inside a node and between nodes (as a cluster YAML's `links:` sets them): latency
+  and bandwidth of point-to-point transfers and collectives alike;
 - the engine (`EngineFeatures`): its time per micro-batch and stage, and per step, beyond the
   kernels and the collectives.
 """
@@ -48,6 +48,11 @@ class CalibratedTerms(Strict):
     intra_node_bandwidth_gbytes_per_second: float = Field(
         ge=MIN_GBYTES_PER_SECOND, le=MAX_GBYTES_PER_SECOND,
         description="Bandwidth of a link inside a node, GB/s: point-to-point transfers and collectives' bus bandwidth.",
+    )  # fmt: skip
+    inter_node_latency_us: float = Field(ge=0, le=MAX_LATENCY_US, description="Latency of the network between nodes, µs.")
+    inter_node_bandwidth_gbytes_per_second: float = Field(
+        ge=MIN_GBYTES_PER_SECOND, le=MAX_GBYTES_PER_SECOND,
+        description="A GPU's share of its node's network, GB/s (as the catalog and a cluster YAML state it).",
     )  # fmt: skip
     micro_batch_overhead_seconds: Seconds = Field(
         description="The engine's time per micro-batch and stage beyond its kernels (EngineFeatures)."
@@ -104,10 +109,12 @@ class RunsCalibration(Artifact):
         )
 
     def links(self) -> dict[str, float]:
-        """The fitted in-node links, as a cluster YAML's node type states them."""
+        """The fitted links, in the node and between nodes, as a cluster YAML's node type states them."""
         return {
             "intra_node_latency_us": self.terms.intra_node_latency_us,
             "intra_node_bandwidth_gbytes_per_second": self.terms.intra_node_bandwidth_gbytes_per_second,
+            "inter_node_latency_us": self.terms.inter_node_latency_us,
+            "inter_node_bandwidth_gbytes_per_second": self.terms.inter_node_bandwidth_gbytes_per_second,
         }
 
     def engine(self, engine: EngineFeatures | None) -> EngineFeatures:

@@ -530,7 +530,7 @@ class Plan(Artifact):
     calibration_file: str | None = Field(
         default=None,
         exclude_if=lambda path: path is None,  # a plan without one reads and writes as before
-        description="The calibration's absolute path when `plan --calibration` named one: its in-node links priced "
+        description="The calibration's absolute path when `plan --calibration` named one: its links priced "
         "the plan, and every re-pricing (simulate, status, resize) applies them too.",
     )
     request: PlanRequest = Field(description="The whole request; every re-plan (resize, elastic) starts from it.")

@@ -270,7 +270,7 @@ def register(app: typer.Typer) -> None:
             Optional[str], typer.Option(help="Cluster name or YAML (default: the plan's cluster).")
         ] = None,
         calibration: Annotated[
-            Optional[Path], typer.Option(help="A calibration (pipectl calibrate MEASURED.csv) whose in-node links price "
+            Optional[Path], typer.Option(help="A calibration (pipectl calibrate MEASURED.csv) whose links price "
                                          "the plan (default: the one it was planned with, if any).")
         ] = None,
         devices: Annotated[

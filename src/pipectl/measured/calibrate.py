@@ -7,16 +7,17 @@ model that the rows can tell apart (`CalibratedTerms`), never a row's own figure
 - GEMM efficiency (what large products sustain), memory bandwidth (element-wise kernels: the
   unfused attention's s x s passes, the fp32 loss), and the host's time per kernel (what small
   shards are bound by): three device figures the kernel model (`profile.compute_model`) reads;
-- the in-node link's latency and bandwidth (tensor-parallel all-reduces, pipeline transfers,
-  gradient reductions);
+- the latency and bandwidth of the link inside a node and of the network between nodes
+  (tensor-parallel all-reduces, pipeline transfers, gradient reductions): the network's stay as
+  they are when every row ran on one node;
 - the engine's time per micro-batch and stage, and per step.
 
 Each row's prediction is a full plan of its pinned layout (`measured.predict`), so the terms act
 through the same partitioner, schedule simulation and collectives as any plan. The fit minimises
 the sum of squared relative errors ((predicted - measured) / measured) by Levenberg-Marquardt
-(Marquardt 1963) on a finite-difference Jacobian: the five rates as log multipliers of their
+(Marquardt 1963) on a finite-difference Jacobian: the seven rates as log multipliers of their
 starting figures (they stay positive; the GEMM efficiency at most 1), the two overheads in
-milliseconds (at least 0). Each Jacobian is 7 independent predictions of every row: they run in
+milliseconds (at least 0). Each Jacobian is 9 independent predictions of every row: they run in
 parallel (`plan.workers.share`).
 
 k-fold cross-validation (rows dealt to folds in their file order, round robin) fits on k - 1
@@ -50,6 +51,8 @@ RATES = (
     "kernel_overhead_us",
     "intra_node_latency_us",
     "intra_node_bandwidth_gbytes_per_second",
+    "inter_node_latency_us",
+    "inter_node_bandwidth_gbytes_per_second",
 )
 OVERHEADS = ("micro_batch_overhead_seconds", "step_overhead_seconds")
 TERMS = RATES + OVERHEADS
@@ -63,7 +66,7 @@ ITERATIONS = 6
 LAMBDA_START = 1e-2
 # Stop when an iteration improves the sum of squares by less than this fraction.
 CONVERGED = 1e-4
-SMALLEST_FIT = 8  # rows: fewer cannot tell seven terms apart
+SMALLEST_FIT = 8  # rows: fewer cannot tell the terms apart
 
 
 def starting_terms(conditions: RunConditions) -> CalibratedTerms:
@@ -83,6 +86,12 @@ def starting_terms(conditions: RunConditions) -> CalibratedTerms:
         kernel_overhead_us=float(device.kernel_overhead_us),
         intra_node_latency_us=device.intra_node_latency_us,
         intra_node_bandwidth_gbytes_per_second=bandwidth,
+        inter_node_latency_us=device.inter_node_latency_us,
+        # The conditions give a node's network in Gb/s, all its GPUs together; the catalog a GPU's share.
+        inter_node_bandwidth_gbytes_per_second=(
+            conditions.links.inter_node_gbits_per_second_per_node / 8 / conditions.devices_per_node
+            if conditions.links.inter_node_gbits_per_second_per_node else device.inter_node_bandwidth_gbytes_per_second
+        ),
         micro_batch_overhead_seconds=0.0,
         step_overhead_seconds=0.0,
     )
@@ -167,16 +176,25 @@ def fit(problem: _Problem, rows: np.ndarray, measured: np.ndarray, progress: Cal
     r = residuals(current)
     usable = np.isfinite(r)
     cost = float(np.sum(r[usable] ** 2))
+    moving = np.ones(len(TERMS), dtype=bool)
     for iteration in range(ITERATIONS):
-        shifted = problem.predictions([x + steps[k] * np.eye(len(TERMS))[k] for k in range(len(TERMS))])
-        jacobian = np.column_stack([(residuals(p) - r) / steps[k] for k, p in enumerate(shifted)])
+        terms = np.flatnonzero(moving)
+        shifted = problem.predictions([x + steps[k] * np.eye(len(TERMS))[k] for k in terms])
+        jacobian = np.zeros((len(r), len(TERMS)))
+        for k, p in zip(terms, shifted):
+            jacobian[:, k] = (residuals(p) - r) / steps[k]
         usable = np.isfinite(r) & np.all(np.isfinite(jacobian), axis=1)
         J, rr = jacobian[usable], r[usable]
-        normal, gradient = J.T @ J, J.T @ rr
+        # A term no row depends on (the network between nodes, for rows of one node each) stays put,
+        # and is not perturbed again.
+        moving &= np.any(J != 0, axis=0)
+        normal, gradient = J[:, moving].T @ J[:, moving], J[:, moving].T @ rr
         accepted = False
         for _ in range(8):  # the damping grows until a step lowers the cost
-            damped = normal + lam * np.diag(np.diag(normal)) + 1e-12 * np.eye(len(TERMS))
-            trial = _bounded(x - np.linalg.solve(damped, gradient), problem.start)
+            damped = normal + lam * np.diag(np.diag(normal)) + 1e-12 * np.eye(int(moving.sum()))
+            step = np.zeros(len(TERMS))
+            step[moving] = -np.linalg.solve(damped, gradient)
+            trial = _bounded(x + step, problem.start)
             (predicted,) = problem.predictions([trial])
             r_trial = residuals(predicted)
             ok = np.isfinite(r_trial) & usable

@@ -50,7 +50,7 @@ class PlanOptions(BaseModel):
     )
     calibration: Annotated[str | None, Opt("cluster", path=True)] = Field(
         default=None,
-        description="A calibration of the cluster's GPUs (pipectl calibrate MEASURED.csv): its in-node links for the "
+        description="A calibration of the cluster's GPUs (pipectl calibrate MEASURED.csv): its links for the "
         "node types of its device; a profile derived for that device must be derived with it (profile --derive "
         "--calibration).",
     )
