@@ -10,6 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from pipectl.errors import UserInputError
+
 from pipectl.measured.calibrate import TERMS, _placeholder, _Problem, calibrate_runs, fit, starting_terms, terms_at
 from pipectl.measured.predict import Predictor
 from pipectl.measured.runs import MeasuredRun, load_conditions
@@ -95,6 +97,20 @@ def test_calibrate_reports_errors_before_after_and_cross_validated(conditions, t
     # Held-out rows are predicted by terms fitted without them: close, not exact.
     assert calibration.cross_validated.rows == len(LAYOUTS)
     assert calibration.after.mape <= calibration.cross_validated.mape < 0.05
+
+
+def test_calibrate_refuses_rows_it_cannot_predict(conditions, tmp_path):
+    """Rows whose layouts the planner cannot run (t = 32 over 16 heads) leave nothing to fit to."""
+    runs = [
+        MeasuredRun(line=i + 2, gpus=32, global_batch=32, micro_batch=1, hidden=1024, heads=16, layers=12, seq_len=1024,
+                    tensor_parallel=32, data_parallel=1, pipeline_parallel=1, measured_seconds=0.1)
+        for i in range(10)
+    ]  # fmt: skip
+    (tmp_path / "runs.csv").write_text(HEADER + "\n")
+    (tmp_path / "conditions.yaml").write_text(CONDITIONS)
+    with pytest.raises(UserInputError, match=r"only 0 of 10 rows can be predicted: calibrate needs 8 or more \(line 2: "):
+        calibrate_runs(runs, conditions, rows_file=tmp_path / "runs.csv", conditions_file=tmp_path / "conditions.yaml",
+                       folds=None)  # fmt: skip
 
 
 def pipectl(cwd, *args):

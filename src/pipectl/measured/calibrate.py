@@ -246,13 +246,22 @@ def calibrate_runs(
     if folds and not 2 <= folds <= len(runs) // 2:
         raise UserInputError(f"--folds {folds}: each fold needs 2 rows or more; use 2 to {len(runs) // 2}, or 0 for none")
     start = starting_terms(conditions)
+    uncalibrated = Predictor(conditions, runs)  # the catalog's and the conditions' figures as they are
+    predictions = [uncalibrated.predict(run) for run in runs]
+    predicted = [p for p in predictions if p.predicted_seconds is not None]
+    if len(predicted) < SMALLEST_FIT:
+        first = next((p for p in predictions if p.problem), None)
+        raise UserInputError(
+            f"only {len(predicted)} of {len(runs)} rows can be predicted: calibrate needs {SMALLEST_FIT} or more"
+            + (f" (line {first.run.line}: {first.problem})" if first else ""),
+            hint="pipectl validate MEASURED.csv --conditions CONDITIONS.yaml says why of each row",
+        )
+    before = np.array([_seconds(p) for p in predictions])
     problem = _Problem(runs, conditions, start, workers, devices[0], {})
     measured = np.array([run.measured_seconds for run in runs])
     everything = np.arange(len(runs))
     progress(f"fitting {len(TERMS)} terms to {len(runs)} rows")
     x = fit(problem, everything, measured, progress)
-    uncalibrated = Predictor(conditions, runs)  # the catalog's and the conditions' figures as they are
-    before = np.array([_seconds(uncalibrated.predict(run)) for run in runs])
     (after,) = problem.predictions([x])
     cross_validated = None
     if folds:
