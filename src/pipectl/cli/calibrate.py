@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Annotated
 
@@ -23,7 +24,7 @@ def register(app: typer.Typer) -> None:
         runs: Annotated[
             list[Path],
             typer.Argument(help="Run directories (runs/NAME) planned from one measured profile; or one CSV of runs "
-                           "measured on a cluster (with --conditions)."),
+                           "measured on a cluster (with --conditions).", metavar="RUN_DIR | MEASURED.csv"),
         ],
         conditions: Annotated[
             Path | None,
@@ -89,7 +90,7 @@ def _calibrate_runs(runs: list[Path], output: Path, json_output: bool) -> None:
 
 
 def _calibrate_measured(csv: Path, conditions: Path | None, folds: int, output: Path, json_output: bool) -> None:
-    from pipectl.measured.calibrate import calibrate_runs
+    from pipectl.measured.calibrate import MOST_LOG_MULTIPLIER, RATES, calibrate_runs
     from pipectl.measured.runs import load_conditions, read_runs
     from pipectl.plan.workers import available_workers
 
@@ -113,8 +114,16 @@ def _calibrate_measured(csv: Path, conditions: Path | None, folds: int, output: 
     terms = Table(title="terms fitted", box=box.SIMPLE, title_justify="left")
     for column in ("term", "before", "after"):
         terms.add_column(column, justify="left" if column == "term" else "right")
+    bounded = []
     for name, before in calibration.uncalibrated:
-        terms.add_row(name, f"{before:.4g}", f"{getattr(calibration.terms, name):.4g}")
+        after = getattr(calibration.terms, name)
+        # A rate the fit left at its bound: the rows ask for more of it than a device could have.
+        at_bound = name in RATES and before > 0 and abs(abs(math.log(after / before)) - MOST_LOG_MULTIPLIER) < 1e-6
+        terms.add_row(name, f"{before:.4g}", f"{after:.4g}" + (" *" if at_bound else ""))
+        bounded += [name] if at_bound else []
+    if bounded:
+        terms.caption = (f"* at the fit's bound, {math.exp(MOST_LOG_MULTIPLIER):.0f}x its starting figure: more rows of other "
+                         "layouts and shapes tell the terms apart better")  # fmt: skip
     errors = Table(title=f"errors over {calibration.rows} runs", box=box.SIMPLE, title_justify="left")
     for column in ("", "median |error|", "MAPE", "max |error|", "signed median"):
         errors.add_column(column, justify="left" if not column else "right")
