@@ -24,6 +24,7 @@ from typing import Literal
 from pydantic import Field, ValidationError, field_validator
 
 from pipectl.artifacts.base import Artifact, Strict
+from pipectl.artifacts.cluster import MAX_GBYTES_PER_SECOND, MAX_LATENCY_US, MIN_GBYTES_PER_SECOND
 from pipectl.errors import ArtifactError, UserInputError
 from pipectl.io import read_mapping, validation_message
 from pipectl.paths import configs_dir
@@ -34,8 +35,7 @@ GIB = 1024**3
 # 3.35 TB/s of memory bandwidth), close enough that the planner's sums stay finite and positive.
 MAX_GIB = 2.0**20  # 1 PiB
 MIN_TFLOPS, MAX_TFLOPS = 1e-6, 1e6
-MIN_GBYTES_PER_SECOND, MAX_GBYTES_PER_SECOND = 1e-6, 1e6  # 1 kB/s .. 1 PB/s
-MAX_LATENCY_US = 1e9  # 1000 s
+# A link's bounds (GB/s, µs) are artifacts.cluster's: a datasheet's figure and a cluster's override alike.
 
 # Bytes per element of the dtypes a profile can be made for.
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

@@ -218,7 +218,7 @@ def calibrated_cluster(cluster: ClusterSpec, calibration: RunsCalibration) -> Cl
     """`cluster` with the calibration's links on its node types of the calibration's device,
     as a cluster YAML's `links:` would set them (the others as they are)."""
     node_types = [
-        node_type.model_copy(update={"links": node_type.links.model_copy(update=calibration.links())})
+        node_type.model_copy(update={"links": node_type.links.model_copy(update=calibration.terms.links())})
         if node_type.device == calibration.device else node_type
         for node_type in cluster.node_types
     ]  # fmt: skip

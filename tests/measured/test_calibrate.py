@@ -12,8 +12,8 @@ import pytest
 
 from pipectl.errors import UserInputError
 
-from pipectl.measured.calibrate import TERMS, _placeholder, _Problem, calibrate_runs, fit, starting_terms, terms_at
-from pipectl.measured.predict import Predictor
+from pipectl.measured.calibrate import TERMS, _Problem, calibrate_runs, fit, starting_terms, terms_at
+from pipectl.measured.predict import Calibrated, Predictor
 from pipectl.measured.runs import MeasuredRun, load_conditions
 
 from tests.measured.test_validate import CONDITIONS, HEADER
@@ -55,10 +55,8 @@ def conditions(tmp_path_factory):
 
 
 def _truth_seconds(conditions) -> list[float]:
-    start = starting_terms(conditions)
     runs = _runs()
-    problem = _Problem(runs, conditions, start, 1, "a100-80gb", {})
-    truth = _placeholder(problem, start.model_copy(update=TRUTH))
+    truth = Calibrated("a100-80gb", starting_terms(conditions).model_copy(update=TRUTH))
     predictor = Predictor(conditions, runs, truth)
     return [predictor.predict(run).predicted_seconds for run in runs]
 

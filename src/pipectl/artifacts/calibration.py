@@ -22,13 +22,11 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import Field
 
 from pipectl.artifacts.base import Artifact, Seconds, Sha256, Strict
+from pipectl.artifacts.cluster import MAX_GBYTES_PER_SECOND, MAX_LATENCY_US, MIN_GBYTES_PER_SECOND
 from pipectl.artifacts.profile import EngineFeatures
+
 if TYPE_CHECKING:
     from pipectl.catalog import DeviceSpec
-
-# The catalog's bounds of a rate and a latency (`pipectl.catalog`): 1 kB/s to 1 PB/s, 1000 s.
-MIN_GBYTES_PER_SECOND, MAX_GBYTES_PER_SECOND = 1e-6, 1e6
-MAX_LATENCY_US = 1e9
 
 # k of the k-fold cross-validation `pipectl calibrate MEASURED.csv` reports by default.
 DEFAULT_FOLDS = 5
@@ -58,6 +56,31 @@ class CalibratedTerms(Strict):
         description="The engine's time per micro-batch and stage beyond its kernels (EngineFeatures)."
     )
     step_overhead_seconds: Seconds = Field(description="The engine's time per step and rank beyond the optimizer's traffic.")
+
+    def device_spec(self, device: DeviceSpec) -> DeviceSpec:
+        """`device` with the fitted device figures (its name kept: a catalog device, calibrated)."""
+        return device.model_copy(update={
+            "gemm_efficiency": self.gemm_efficiency,
+            "memory_bandwidth_gbytes_per_second": self.memory_bandwidth_gbytes_per_second,
+            "kernel_overhead_us": self.kernel_overhead_us,
+        })  # fmt: skip
+
+    def links(self) -> dict[str, float]:
+        """The fitted links, in the node and between nodes, as a cluster YAML's node type states them."""
+        return {
+            "intra_node_latency_us": self.intra_node_latency_us,
+            "intra_node_bandwidth_gbytes_per_second": self.intra_node_bandwidth_gbytes_per_second,
+            "inter_node_latency_us": self.inter_node_latency_us,
+            "inter_node_bandwidth_gbytes_per_second": self.inter_node_bandwidth_gbytes_per_second,
+        }
+
+    def engine(self, engine: EngineFeatures | None, framework: str) -> EngineFeatures:
+        """`engine` (None: `framework`'s name alone) with the fitted per-micro-batch and per-step costs."""
+        base = engine if engine is not None else EngineFeatures(name=framework)
+        return base.model_copy(update={
+            "micro_batch_overhead_seconds": self.micro_batch_overhead_seconds,
+            "step_overhead_seconds": self.step_overhead_seconds,
+        })  # fmt: skip
 
 
 class FitErrors(Strict):
@@ -91,14 +114,6 @@ class RunsCalibration(Artifact):
         "runs the fit has not seen.",
     )
 
-    def device_spec(self, device: DeviceSpec) -> DeviceSpec:
-        """`device` with the fitted device figures (its name kept: a catalog device, calibrated)."""
-        return device.model_copy(update={
-            "gemm_efficiency": self.terms.gemm_efficiency,
-            "memory_bandwidth_gbytes_per_second": self.terms.memory_bandwidth_gbytes_per_second,
-            "kernel_overhead_us": self.terms.kernel_overhead_us,
-        })  # fmt: skip
-
     def device_note(self, path: str | os.PathLike[str]) -> str:
         """What a profile derived with the calibrated device says of it."""
         t = self.terms
@@ -107,21 +122,3 @@ class RunsCalibration(Artifact):
             f"{t.gemm_efficiency:.3g}, memory bandwidth {t.memory_bandwidth_gbytes_per_second:.4g} GB/s, kernel "
             f"overhead {t.kernel_overhead_us:.3g} µs"
         )
-
-    def links(self) -> dict[str, float]:
-        """The fitted links, in the node and between nodes, as a cluster YAML's node type states them."""
-        return {
-            "intra_node_latency_us": self.terms.intra_node_latency_us,
-            "intra_node_bandwidth_gbytes_per_second": self.terms.intra_node_bandwidth_gbytes_per_second,
-            "inter_node_latency_us": self.terms.inter_node_latency_us,
-            "inter_node_bandwidth_gbytes_per_second": self.terms.inter_node_bandwidth_gbytes_per_second,
-        }
-
-    def engine(self, engine: EngineFeatures | None) -> EngineFeatures:
-        """`engine` (None: the framework's name alone) with the fitted per-micro-batch and per-step costs."""
-        base = engine if engine is not None else EngineFeatures(name=self.framework)
-        return base.model_copy(update={
-            "micro_batch_overhead_seconds": self.terms.micro_batch_overhead_seconds,
-            "step_overhead_seconds": self.terms.step_overhead_seconds,
-        })  # fmt: skip
-

@@ -250,7 +250,7 @@ def _derive(model: str, kind: str, sizes: list[int], dtype: str | None, attentio
                 f"{calibration_file} calibrates {calibration.device}, not {device.name}",
                 hint=f"derive for --device {calibration.device}, or calibrate with runs on {device.name}",
             )
-        device = calibration.device_spec(device)
+        device = calibration.terms.device_spec(device)
         note = calibration.device_note(calibration_file)
     if dtype not in (None, "float32", "bfloat16", "float16"):
         raise UserInputError(f"unknown dtype '{dtype}'", hint="choose one of: float32, bfloat16, float16")

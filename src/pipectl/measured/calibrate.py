@@ -29,7 +29,6 @@ them.
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,8 +39,9 @@ from pipectl.catalog import get_device
 from pipectl.errors import UserInputError
 from pipectl.io import sha256_file
 from pipectl.artifacts.calibration import DEFAULT_FOLDS, CalibratedTerms, FitErrors, RunsCalibration
-from pipectl.measured.predict import Predictor
+from pipectl.measured.predict import Calibrated, Predictor
 from pipectl.measured.runs import MeasuredRun, RunConditions
+from pipectl.measured.summary import error_summary
 from pipectl.plan.workers import share
 
 # Fitted as log multipliers of their starting figures; then the two overheads, in milliseconds.
@@ -125,13 +125,9 @@ class _Problem:
     device: str
     cache: dict[tuple[float, ...], np.ndarray]
 
-    def calibration(self, x: Sequence[float]) -> RunsCalibration:
-        """A calibration holding the terms at `x` (the bookkeeping fields are placeholders)."""
-        return _placeholder(self, terms_at(self.start, x))
-
     def predict(self, x: Sequence[float]) -> np.ndarray:
         """Predicted seconds of every row at `x` (NaN where a row cannot be predicted)."""
-        predictor = Predictor(self.conditions, self.runs, self.calibration(x))
+        predictor = Predictor(self.conditions, self.runs, Calibrated(self.device, terms_at(self.start, x)))
         return np.array([_seconds(predictor.predict(run)) for run in self.runs])
 
     def predictions(self, points: Sequence[np.ndarray]) -> list[np.ndarray]:
@@ -148,15 +144,6 @@ class _Problem:
 
 def _seconds(prediction) -> float:
     return math.nan if prediction.predicted_seconds is None else prediction.predicted_seconds
-
-
-def _placeholder(problem: _Problem, terms: CalibratedTerms) -> RunsCalibration:
-    errors = FitErrors(rows=0, median_abs_error=0, mape=0, max_abs_error=0, signed_median_error=0)
-    return RunsCalibration(
-        device=problem.device, framework=problem.conditions.framework, rows_file="-", rows_sha256="0" * 64,
-        conditions_sha256="0" * 64, rows=max(1, len(problem.runs)), uncalibrated=problem.start, terms=terms,
-        before=errors, after=errors,
-    )  # fmt: skip
 
 
 def _steps() -> np.ndarray:
@@ -215,13 +202,12 @@ def fit(problem: _Problem, rows: np.ndarray, measured: np.ndarray, progress: Cal
 
 def errors_of(predicted: np.ndarray, measured: np.ndarray) -> FitErrors:
     """The error summary of predicted against measured seconds (NaN predictions left out)."""
-    errors = [p / m - 1.0 for p, m in zip(predicted, measured) if math.isfinite(p)]
-    if not errors:
+    summary = error_summary([p / m - 1.0 for p, m in zip(predicted, measured) if math.isfinite(p)])
+    if summary.rows == 0:
         return FitErrors(rows=0, median_abs_error=0, mape=0, max_abs_error=0, signed_median_error=0)
-    absolute = [abs(e) for e in errors]
     return FitErrors(
-        rows=len(errors), median_abs_error=statistics.median(absolute), mape=statistics.fmean(absolute),
-        max_abs_error=max(absolute), signed_median_error=statistics.median(errors),
+        rows=summary.rows, median_abs_error=summary.median_abs_error, mape=summary.mape,
+        max_abs_error=summary.max_abs_error, signed_median_error=summary.signed_median_error,
     )  # fmt: skip
 
 

@@ -26,7 +26,7 @@ from pipectl.artifacts.profile import EngineFeatures, ModelProfile
 from pipectl.catalog import DeviceSpec, get_device
 from pipectl.errors import PipectlError, UserInputError
 from pipectl.io import validation_message
-from pipectl.artifacts.calibration import RunsCalibration
+from pipectl.artifacts.calibration import CalibratedTerms, RunsCalibration
 from pipectl.measured.runs import MeasuredRun, RunConditions
 from pipectl.plan.flops import PRECISION_DTYPE
 from pipectl.plan.search import plan
@@ -85,13 +85,23 @@ def engine_features(conditions: RunConditions) -> EngineFeatures | None:
     )
 
 
-class Predictor:
-    """Predicts rows under one set of conditions, deriving each model shape's profile once; with a
-    calibration, the rows of its device take its device, link and engine terms."""
+@dataclass(frozen=True)
+class Calibrated:
+    """Fitted terms (`pipectl calibrate MEASURED.csv`, or a fit in progress) and the device whose rows take them."""
 
-    def __init__(
-        self, conditions: RunConditions, runs: list[MeasuredRun], calibration: RunsCalibration | None = None
-    ) -> None:
+    device: str
+    terms: CalibratedTerms
+
+    @classmethod
+    def of(cls, calibration: RunsCalibration | None) -> Calibrated | None:
+        return None if calibration is None else cls(calibration.device, calibration.terms)
+
+
+class Predictor:
+    """Predicts rows under one set of conditions, deriving each model shape's profile once; with
+    `calibration`, the rows of its device take its device, link and engine terms."""
+
+    def __init__(self, conditions: RunConditions, runs: list[MeasuredRun], calibration: Calibrated | None = None) -> None:
         self.conditions = conditions
         self.calibration = calibration
         self.engine = engine_features(conditions)
@@ -110,10 +120,12 @@ class Predictor:
     def device_spec(self, run: MeasuredRun) -> DeviceSpec:
         """The row's device: the catalog's entry, with the calibration's figures where they are of it."""
         device = get_device(self._device(run))
-        return self.calibration.device_spec(device) if self._calibrated(run) else device
+        return self.calibration.terms.device_spec(device) if self._calibrated(run) else device
 
     def engine_of(self, run: MeasuredRun) -> EngineFeatures | None:
-        return self.calibration.engine(self.engine) if self._calibrated(run) else self.engine
+        if not self._calibrated(run):
+            return self.engine
+        return self.calibration.terms.engine(self.engine, self.conditions.framework)
 
     def profile(self, run: MeasuredRun) -> ModelProfile:
         key = (run.shape, self._device(run))
@@ -154,7 +166,7 @@ class Predictor:
             "nodes": math.ceil(run.gpus / per_node),
         }
         if self._calibrated(run):
-            links.update(self.calibration.links())
+            links.update(self.calibration.terms.links())
         if links:
             node_type["links"] = links
         return ClusterSpec(name="measured", node_types=[node_type])
@@ -217,5 +229,5 @@ def predict_runs(
     runs: list[MeasuredRun], conditions: RunConditions, calibration: RunsCalibration | None = None
 ) -> list[Prediction]:
     """Every row's prediction, in the rows' order."""
-    predictor = Predictor(conditions, runs, calibration)
+    predictor = Predictor(conditions, runs, Calibrated.of(calibration))
     return [predictor.predict(run) for run in runs]

@@ -59,7 +59,11 @@ class GroupSummary:
 
 def summarise_errors(predictions: Sequence[Prediction]) -> ErrorSummary:
     errors = [p.error for p in predictions if p.error is not None]
-    unpredicted = len(predictions) - len(errors)
+    return error_summary(errors, unpredicted=len(predictions) - len(errors))
+
+
+def error_summary(errors: Sequence[float], unpredicted: int = 0) -> ErrorSummary:
+    """Median and mean |error|, the largest, and the signed median of (predicted - measured) / measured."""
     if not errors:
         return ErrorSummary(0, None, None, None, None, unpredicted)
     absolute = [abs(e) for e in errors]
