@@ -10,8 +10,9 @@ and RNG.
 from __future__ import annotations
 
 import random
+from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -47,24 +48,20 @@ class Snapshot:
 
 
 class SideCopies:
-    """Device-to-host copies on a stream of their own, overlapped with the next step (issue #46).
+    """Device-to-host copies on a stream of their own, overlapped with the next step.
 
     The stream first waits for everything the training stream has queued, the optimizer step
     included, so each copy reads the state after that step. What the next step's forward and
     backward may write (a module's buffers, e.g. a norm's running statistics) is copied first and
-    the training stream waits for that (`module_copied`: small); the optimizer state, which only
-    the next optimizer step writes, is copied after, and that step waits for `state_copied`
-    (`executor.wait_for_snapshot`). The host buffers are pinned, so the copies run on the copy
-    engines, beside the compute.
+    the training stream waits for that (`fence_training`: small); the optimizer state, which only
+    the next optimizer step writes, is copied after, and that step waits for the event `done`
+    returns (`executor.wait_for_snapshot`). The host buffers are pinned, so the copies run on the
+    copy engines, beside the compute.
     """
 
     def __init__(self) -> None:
         self.stream = torch.cuda.Stream()
         self.stream.wait_stream(torch.cuda.current_stream())
-
-    def copy(self, copy: Callable[[], None]) -> None:
-        with torch.cuda.stream(self.stream):
-            copy()
 
     def fence_training(self) -> None:
         """The training stream waits for the copies enqueued so far."""
@@ -94,7 +91,7 @@ class HostSnapshot:
         if not self.copy and not source.is_cuda:
             return source  # host memory already, and its engine is done with it (a live resize)
         buffer = self._buffers.get(key)
-        if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype:
+        if not _holds(buffer, source):
             buffer = torch.empty(source.shape, dtype=source.dtype, pin_memory=source.is_cuda)
             self._buffers[key] = buffer
         buffer.copy_(source, non_blocking=source.is_cuda)
@@ -105,14 +102,12 @@ class HostSnapshot:
         moments appear at the first optimizer step, after `Checkpointer.prepare`: without their
         buffers the first checkpoint would allocate two thirds of its bytes in its pause (pinned
         allocation of gigabytes takes seconds on a GPU host)."""
-        state = engine.optimizer.optimizer.state
-        for group, linked in enumerate(optimizer_groups(engine)):
-            for key, value in state.get(linked.partition, {}).items():
-                if torch.is_tensor(value) and value.shape == linked.partition.shape:
-                    buffer = self._buffers.get(group_tensor(group, key))
-                    if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
-                        return False
-        return True
+        return all(
+            _holds(self._buffers.get(group_tensor(group, key)), value)
+            for group, linked in enumerate(optimizer_groups(engine))
+            for key, value, per_element in _optimizer_states(engine, linked.partition)
+            if per_element
+        )
 
     def capture(self, engine: Any, step: int, data_position: dict[str, int], *, overlap: bool = False) -> Snapshot:
         """Copy this rank's weights, optimizer state, schedule, loss scale and RNG. Every rank,
@@ -141,13 +136,9 @@ class HostSnapshot:
             partition = linked.partition
             state_sources.append((group_tensor(group, FP32), partition))
             states, scalars = [], []
-            for key, value in optimizer.optimizer.state.get(partition, {}).items():
-                if torch.is_tensor(value) and value.shape == partition.shape:
-                    state_sources.append((group_tensor(group, key), value))
-                    states.append(key)
-                elif torch.is_tensor(value) and value.dim() == 0:
-                    state_sources.append((group_tensor(group, f"state.{key}"), value))
-                    scalars.append(key)
+            for key, value, per_element in _optimizer_states(engine, partition):
+                state_sources.append((group_tensor(group, key if per_element else f"state.{key}"), value))
+                (states if per_element else scalars).append(key)
             header.group_states.append(states)
             header.group_scalars.append(scalars)
             header.group_settings.append(_numbers(linked.settings))
@@ -191,11 +182,26 @@ class HostSnapshot:
 
     def _copy_all(self, tensors: dict[str, torch.Tensor], sources: list[tuple[str, torch.Tensor]],
                   side: SideCopies | None) -> None:  # fmt: skip
-        for key, source in sources:
-            if side is None:
+        with torch.cuda.stream(side.stream) if side is not None else nullcontext():
+            for key, source in sources:
                 tensors[key] = self._copy(key, source)
-            else:
-                side.copy(lambda key=key, source=source: tensors.__setitem__(key, self._copy(key, source)))
+
+
+def _holds(buffer: torch.Tensor | None, source: torch.Tensor) -> bool:
+    """Whether `buffer` can take a copy of `source` as it is (else a new one is allocated)."""
+    return buffer is not None and buffer.shape == source.shape and buffer.dtype == source.dtype
+
+
+def _optimizer_states(engine: Any, partition: torch.Tensor) -> list[tuple[str, torch.Tensor, bool]]:
+    """The optimizer's tensors kept for a flat partition: (key, tensor, per element), per element
+    when shaped as the partition (Adam's moments), else a 0-d scalar (its step); others are not
+    checkpointed."""
+    states = engine.optimizer.optimizer.state.get(partition, {})
+    return [
+        (key, value, value.shape == partition.shape)
+        for key, value in states.items()
+        if torch.is_tensor(value) and (value.shape == partition.shape or value.dim() == 0)
+    ]
 
 
 def _on_cuda(engine: Any) -> bool:

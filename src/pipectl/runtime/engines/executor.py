@@ -48,7 +48,6 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-
 from typing import Any
 
 import torch
@@ -207,16 +206,19 @@ class Began:
     event: Any = None
 
 
+def _recorded_event() -> Any:
+    """A timing event recorded now on the current (training) stream."""
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
 def begin(cuda: bool) -> Began:
-    event = None
-    if cuda:
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-    return Began(time.perf_counter(), event)
+    return Began(time.perf_counter(), _recorded_event() if cuda else None)
 
 
 class DeviceTimes:
-    """A GPU rank's action and phase times from CUDA events (issue #46: where a step's time goes).
+    """A GPU rank's action and phase times from CUDA events (where a step's time goes).
 
     On a GPU the host only enqueues kernels: its clock says when an action was issued, not how long
     the GPU ran it (a forward's host time is its launch overhead; the GPU's time turns up later, in
@@ -230,17 +232,11 @@ class DeviceTimes:
         self.actions: list[tuple[int, Any, Any]] = []  # (index in executed, start, end)
         self.phases: list[tuple[str, Any, Any]] = []
 
-    @staticmethod
-    def _end() -> Any:
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
     def action(self, index: int, began: Began) -> None:
-        self.actions.append((index, began.event, self._end()))
+        self.actions.append((index, began.event, _recorded_event()))
 
     def phase(self, name: str, began: Began) -> None:
-        self.phases.append((name, began.event, self._end()))
+        self.phases.append((name, began.event, _recorded_event()))
 
     def apply(self, engine: Any) -> None:
         """Put the GPU's times of the step just ended into the engine's `executed` and `phase_seconds`."""
@@ -268,6 +264,12 @@ class TimedActions:
         record_action(self.executed, action, began.host, self.compute_slowdown)
         if self.device_times is not None:
             self.device_times.action(len(self.executed) - 1, began)
+
+    def _add_phase(self, phase: str, began: Began) -> None:
+        """What a phase (`TIMED_PHASES`) that began at `began` took, added to the step's."""
+        self.phase_seconds[phase] += time.perf_counter() - began.host
+        if self.device_times is not None:
+            self.device_times.phase(phase, began)
 
 
 def device_times_for(engine: Any) -> DeviceTimes | None:
@@ -303,9 +305,7 @@ def _timed(function, phase: str):
         try:
             return function(self, *args, **kwargs)
         finally:
-            self.phase_seconds[phase] += time.perf_counter() - began.host
-            if self.device_times is not None:
-                self.device_times.phase(phase, began)
+            self._add_phase(phase, began)
 
     return run
 
@@ -395,7 +395,6 @@ class PlannedPipelineEngine(TimedActions, PipelineEngine):
         else:
             PipelineEngine._exec_forward_pass(self, buffer_id)
         self._record(action, start)
-
 
     def _exec_planned_recv_grads(self, buffer_id: int) -> None:
         PipelineEngine._exec_recv_grads(self, buffer_id)

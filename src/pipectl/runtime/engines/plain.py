@@ -28,7 +28,6 @@ attributes (`train_step`, `executed`, `phase_seconds`, `grid`, `stage_id`, ...).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 
 import torch
@@ -114,9 +113,7 @@ class PlannedPlainEngine(TimedActions, DeepSpeedEngine):
                     wait_for_snapshot(self)
                 self.step()  # counts the micro-batch; at the step's last one, reduces and updates
                 if boundary:
-                    self.phase_seconds["end_of_step"] += time.perf_counter() - start.host
-                    if self.device_times is not None:
-                        self.device_times.phase("end_of_step", start)
+                    self._add_phase("end_of_step", start)
             else:
                 raise UserInputError(f"one stage runs forwards and backwards only, not {action}")
         total /= len(micro_batches)
@@ -130,7 +127,6 @@ class PlannedPlainEngine(TimedActions, DeepSpeedEngine):
     def executed_order(self) -> list[Action]:
         """The compute actions of the last step, in the order they ran."""
         return [record.action for record in self.executed]
-
 
 
 def plan_plain_engine(
