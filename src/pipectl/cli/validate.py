@@ -40,9 +40,8 @@ def register(app: typer.Typer) -> None:
         """Predict every measured run with its layout pinned and compare: errors over the rows, and
         per group of competing layouts how well the predictions rank them."""
         # torch-free, but the planner: only when asked
-        from pipectl.measured.runs import load_calibration
         from pipectl.measured.predict import predict_runs
-        from pipectl.measured.runs import load_conditions, read_runs
+        from pipectl.measured.runs import load_calibration, load_conditions, read_runs
         from pipectl.measured.summary import summarise_errors, summarise_groups
 
         shared = load_conditions(conditions)

@@ -4,7 +4,7 @@
 
 pytest writes its JUnit file when the run ends; a run that a time box kills (a GPU host lent for
 minutes, `scripts/gpu-check.sh --tests`) leaves none. This plugin appends one JSON line per test
-(`{"test", "outcome", "seconds"}`: passed, failed, error or skipped) as each ends, flushed, from the
+(`{"test", "outcome", "seconds"}`: passed, failed, error or skipped) as each ends, the file closed each time, from the
 process that collects the reports (pytest-xdist's controller, not its workers), so what ran before
 the kill is on disk. `summary_line` reads the file back into the line gpu-check prints.
 """
@@ -24,7 +24,7 @@ OUTCOMES = ("passed", "failed", "error", "skipped")
 def _verdict(report: Any) -> str | None:
     """The test's outcome from one of its reports, or None where this report settles nothing."""
     if report.when == "call":
-        return "failed" if report.failed else report.outcome
+        return report.outcome  # passed, failed or skipped
     if report.failed:  # a fixture's setup or teardown broke: pytest's "error"
         return "error"
     if report.when == "setup" and report.skipped:
@@ -50,9 +50,8 @@ def pytest_runtest_logreport(report: Any) -> None:
     if outcome is None:
         return
     line = json.dumps({"test": report.nodeid, "outcome": outcome, "seconds": round(report.duration, 3)})
-    with open(path, "a", encoding="utf-8") as handle:
+    with open(path, "a", encoding="utf-8") as handle:  # closed, so on disk, at once
         handle.write(line + "\n")
-        handle.flush()
 
 
 def summary_line(path: str | os.PathLike[str], budget_seconds: float | None = None) -> str:
