@@ -1,12 +1,13 @@
-"""Planner at scale: GPT 1T on 384 x 8 A100-80GB, global batch 3072, every schedule + morph table.
+"""Planner at scale: GPT 1T (global batch 3072) or GPT-3 175B (1536) on 384 x 8 A100-80GB, the default search + morph table.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/plan_scale.py [--repeats 3] [--workers 1,auto]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/plan_scale.py [--model gpt-1t|gpt3-175b] [--repeats 3] [--workers 1,auto]
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/plan_scale.py --single --workers 1 [--profile-out stats.prof]
 
-Derives the 1T profile (128 blocks, h 25600, s 2048, V 51200; micro-batch sizes 1, 2, 4, 8),
-plans for all 3,072 GPUs with the schedules 1f1b, gpipe, interleaved (v = 2, 4) and Varuna,
-recomputation on/off, the runtime's ZeRO-1 (the request's default), and the morph table for
-every count up to 3,072.
+Derives the model's profile (1T: 128 blocks, h 25600, s 2048, V 51200; GPT-3: 96 blocks, h 12288,
+s 2048; micro-batch sizes 1, 2, 4, 8) and plans for all 3,072 GPUs what `pipectl plan` searches by
+default (the schedules 1f1b, gpipe, interleaved (v = 2, 4) and Varuna, the recomputations offered,
+the runtime's ZeRO-1) with the morph table over the counts a resize reaches. GPT-3 is the first-hour
+plan of issue #40 (target 5 s); its figures go to results/plan_scale_gpt3.json.
 
 Every timing is a cold search in a fresh process (the planner's caches start empty), and the
 worker counts asked for are run alternately, `--repeats` times each, so their ratio comes from
@@ -33,10 +34,15 @@ import sys
 import time
 from pathlib import Path
 
-RESULTS = Path(__file__).parent / "results" / "plan_scale.json"
+RESULTS = Path(__file__).parent / "results"
+# model -> (global batch, results file, target wall seconds on two cores)
+MODELS = {
+    "gpt-1t": (3072, "plan_scale.json", 2.0),
+    "gpt3-175b": (1536, "plan_scale_gpt3.json", 5.0),
+}
 
 
-def single(workers: int | None, profile_out: str | None) -> dict:
+def single(model: str, workers: int | None, profile_out: str | None) -> dict:
     """One cold search in this process: its figures."""
     from pipectl.catalog import get_device
     from pipectl.cluster import load_cluster
@@ -48,11 +54,11 @@ def single(workers: int | None, profile_out: str | None) -> dict:
     from pipectl.profile.derive import derive_profile
 
     started = time.perf_counter()
-    profile = derive_profile(load_model_config("gpt-1t"), get_device("a100-80gb"), [1, 2, 4, 8])
+    profile = derive_profile(load_model_config(model), get_device("a100-80gb"), [1, 2, 4, 8])
     cluster = load_cluster("a100-384x8")
     derive_seconds = time.perf_counter() - started
 
-    request = PlanRequest(global_batch=3072, workers=workers)
+    request = PlanRequest(global_batch=MODELS[model][0], workers=workers)
     stats = SearchStats()
     profiler = cProfile.Profile() if profile_out else None
     children_before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -113,6 +119,7 @@ def _worker_counts(text: str) -> list[int | None]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=sorted(MODELS), default="gpt-1t", help="the model planned")
     parser.add_argument("--single", action="store_true", help="one cold search in this process, figures as JSON")
     parser.add_argument("--workers", default="1,auto", help="worker counts to compare (auto: the cores available)")
     parser.add_argument("--repeats", type=int, default=3, help="cold runs per worker count, alternating")
@@ -122,14 +129,15 @@ def main() -> None:
 
     counts = _worker_counts(args.workers)
     if args.single:
-        print(json.dumps(single(counts[0], args.profile_out)))
+        print(json.dumps(single(args.model, counts[0], args.profile_out)))
         return
 
     load_before = os.getloadavg()[0]
     runs: dict[int, list[dict]] = {}
     for _ in range(args.repeats):
         for workers in counts:
-            command = [sys.executable, __file__, "--single", "--workers", "auto" if workers is None else str(workers)]
+            command = [sys.executable, __file__, "--single", "--model", args.model,
+                       "--workers", "auto" if workers is None else str(workers)]
             output = subprocess.run(command, check=True, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}).stdout
             figures = json.loads(output)
             runs.setdefault(figures["workers"], []).append(figures)
@@ -144,10 +152,11 @@ def main() -> None:
     best = dict(runs[most][0])
     best.pop("under_cprofile")
     wall = medians[most]
+    global_batch, results_file, target = MODELS[args.model]
     figures = {
-        "model": "gpt-1t (derived, a100-80gb, micro-batch sizes 1,2,4,8)",
+        "model": f"{args.model} (derived, a100-80gb, micro-batch sizes 1,2,4,8)",
         "cluster": "a100-384x8 (3072 x A100-80GB)",
-        "global_batch": 3072,
+        "global_batch": global_batch,
         **best,
         "wall_seconds": round(wall, 3),
         "specs_per_second": round(best["specs_enumerated"] / wall),
@@ -162,18 +171,19 @@ def main() -> None:
             for w, every in sorted(runs.items())
         },
         "one_worker_over_most": round(medians[min(runs)] / wall, 3) if len(runs) > 1 else None,
-        "target_wall_seconds": 2.0,
+        "target_wall_seconds": target,
         "cpus": os.cpu_count(),
         "load_average_1min": {"before": round(load_before, 2), "after": round(os.getloadavg()[0], 2)},
         "machine": f"{platform.processor() or platform.machine()}, python {platform.python_version()}",
         "command": "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/plan_scale.py"
+        + (f" --model {args.model}" if args.model != "gpt-1t" else "")
         + (f" --workers {args.workers}" if args.workers != "1,auto" else "")
         + (f" --repeats {args.repeats}" if args.repeats != 3 else ""),
     }
     print(json.dumps(figures, indent=2))
     if not args.no_write:
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        RESULTS.write_text(json.dumps(figures, indent=2) + "\n")
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        (RESULTS / results_file).write_text(json.dumps(figures, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from enum import Enum
+from functools import cache
 import itertools
 from typing import Sequence
 
@@ -122,6 +123,21 @@ class SpecFigures:
         return cls(np.array([peak], dtype=np.int64), np.array([allreduce], dtype=float), np.array([optimizer], dtype=float))
 
 
+# Which engine runs a spec depends on a few of its figures only: answered once per combination
+# (the morph table and the ranking ask it of every spec of a search, ~10^5 at scale).
+@cache
+def _deepspeed_runs(variant: ScheduleVariant, zero_stage: int, p: int, t: int, recompute: Recompute) -> bool:
+    return deepspeed_runnable(variant.kind, variant.chunks) and runtime_runs_zero(
+        zero_stage, p, t, checkpoint_layers=recompute is Recompute.LAYER
+    )
+
+
+@cache
+def _torch_runs(variant: ScheduleVariant, zero_stage: int, t: int, recompute: Recompute, one_replica: bool) -> bool:
+    recomputes = recompute is not Recompute.NONE or variant.kind is ScheduleKind.VARUNA
+    return torch_runnable(variant.kind, recomputes) and t == 1 and one_replica and zero_stage <= 1
+
+
 @dataclass(frozen=True)
 class Spec:
     """A candidate before simulation; its per-rank figures are row `row` of `figures`."""
@@ -168,10 +184,8 @@ class Spec:
 
     @property
     def deepspeed_runnable(self) -> bool:
-        return deepspeed_runnable(self.variant.kind, self.variant.chunks) and runtime_runs_zero(
-            self.zero_stage, self.shape.pipeline_parallel, self.shape.tensor_parallel,
-            checkpoint_layers=self.checkpoint_layers,
-        )
+        s = self.shape
+        return _deepspeed_runs(self.variant, self.zero_stage, s.pipeline_parallel, s.tensor_parallel, Recompute(s.recompute))
 
     @property
     def torch_runnable(self) -> bool:
@@ -179,12 +193,7 @@ class Spec:
         schedule without recomputation of either kind, one tensor rank, one replica (that path has
         no data or tensor parallelism yet)."""
         s = self.shape
-        return (
-            torch_runnable(self.variant.kind, self.recompute or self.checkpoint_layers or self.selective_recompute)
-            and s.tensor_parallel == 1
-            and self.data_parallel == 1
-            and self.zero_stage <= 1
-        )
+        return _torch_runs(self.variant, self.zero_stage, s.tensor_parallel, Recompute(s.recompute), self.data_parallel == 1)
 
     def engine_for(self, requested: Engine) -> Engine | None:
         """What runs this spec under a request for `requested`: that engine when it can (any:

@@ -37,6 +37,8 @@ from __future__ import annotations
 
 from bisect import bisect_left
 
+import numpy as np
+
 from pipectl.artifacts.plan import Candidate, MorphEntry, PlanRequest
 from pipectl.plan.candidates import Spec
 from pipectl.plan.evaluate import Evaluator
@@ -100,25 +102,40 @@ def fastest_per_device_count(specs: list[Spec], evaluator: Evaluator, counts: li
     if workers > 1:
         _time_ahead(specs, evaluator, counts)
     known = PrefixMinimum(len(counts))
+    lowest = np.full(len(counts), np.inf)  # per count, the fastest step found on exactly its devices
     best: dict[int, tuple[float, Spec]] = {}
-    for spec in sorted(specs, key=lambda s: (s.lower_bound_seconds, s.devices)):
-        n = spec.devices
-        if n > counts[-1]:
-            continue
-        position = bisect_left(counts, n) + 1  # the first count it serves, 1-based
-        fastest_known = known.minimum(position)
-        if fastest_known <= spec.lower_bound_seconds:
-            continue
-        if fastest_known <= evaluator.tighter_bound_seconds(spec):
-            continue  # cannot beat it either: see `pipectl.plan.fast.bounds`
-        step = evaluator.step_seconds(spec)
-        count = counts[position - 1]
-        held = best.get(count)
-        # A tie keeps the first found, or the one on fewer devices (a smaller job, as the table's).
-        if held is None or step < held[0] * (1 - _TIE) or (step <= held[0] * (1 + _TIE) and n < held[1].devices):
-            best[count] = (step, spec)
-            known.lower(position, step)
+    bounds = np.fromiter((s.lower_bound_seconds for s in specs), dtype=float, count=len(specs))
+    devices = np.fromiter((s.devices for s in specs), dtype=np.int64, count=len(specs))
+    # By bound, then devices (a stable sort: ties keep the specs' order); beyond the last count none serves.
+    order = np.lexsort((devices, bounds))
+    order = order[devices[order] <= counts[-1]]
+    positions = np.searchsorted(np.asarray(counts), devices, side="left")  # the first count each serves, 0-based
+    for start in range(0, len(order), _CHUNK):
+        chunk = order[start:start + _CHUNK]
+        # The fastest known up to each count only falls as the loop goes: a spec whose bound is
+        # not below it now is skipped below too, so it is left out here at once.
+        chunk = chunk[bounds[chunk] < np.minimum.accumulate(lowest)[positions[chunk]]].tolist()
+        for index in chunk:
+            spec, position = specs[index], int(positions[index]) + 1  # 1-based
+            fastest_known = known.minimum(position)
+            if fastest_known <= spec.lower_bound_seconds:
+                continue
+            if fastest_known <= evaluator.tighter_bound_seconds(spec):
+                continue  # cannot beat it either: see `pipectl.plan.fast.bounds`
+            step = evaluator.step_seconds(spec)
+            count = counts[position - 1]
+            held = best.get(count)
+            # A tie keeps the first found, or the one on fewer devices (a smaller job, as the table's).
+            if held is None or step < held[0] * (1 - _TIE) or (step <= held[0] * (1 + _TIE) and spec.devices < held[1].devices):
+                best[count] = (step, spec)
+                known.lower(position, step)
+                lowest[position - 1] = min(lowest[position - 1], step)
     return best
+
+
+# Specs filtered at once against the fastest steps known (`fastest_per_device_count`): large enough
+# that numpy's per-call cost is small beside the loop, small enough that the figures stay fresh.
+_CHUNK = 4096
 
 
 # Below this many specs the table is timed in one process: a fork would cost more than it saves.
