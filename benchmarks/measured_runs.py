@@ -9,7 +9,8 @@ shapes on 2, 4 and 8 A100s; `--runs` names the folder holding `single-node.csv` 
 `conditions.yaml`, by default the shared reference copy beside the checkout). Every row's layout is
 pinned; nothing is fitted. Prints the summary, the signed median error per hidden size and GPU count
 (where the model runs fast or slow), the memory model's refusals of runs that ran, and the groups
-ranked worst. Then what `pipectl calibrate MEASURED.csv --conditions CONDITIONS.yaml` fits to the
+ranked worst, and what one constant cost per block, per micro-batch or per step would explain of
+the error (`missing_costs`: a diagnostic, not a term the predictions use). Then what `pipectl calibrate MEASURED.csv --conditions CONDITIONS.yaml` fits to the
 same rows: the terms, the errors on the rows fitted on, and the K-fold cross-validated errors (each
 row predicted by terms fitted without it; default K = 5). Writes benchmarks/results/measured_runs.json
 with the command, machine and date.
@@ -51,6 +52,34 @@ def by_slice(predictions, key) -> dict[str, dict]:
                "mape": round(statistics.fmean(abs(e) for e in errors), 4)}
         for name, errors in sorted(slices.items())
     }  # fmt: skip
+
+
+# Where the uncalibrated model's error could come from: costs it may lack, each as a count of
+# occurrences on a 1F1B step's critical path ((m + p - 1) micro-batch slots on the busiest stage).
+MISSING_COST_SHAPES = {
+    "per block and micro-batch": lambda r, m: (m + r.pipeline_parallel - 1) * r.layers / r.pipeline_parallel,
+    "per micro-batch and stage": lambda r, m: m + r.pipeline_parallel - 1,
+    "per step": lambda r, m: 1.0,
+}
+
+
+def missing_costs(predictions) -> dict[str, dict]:
+    """Per shape of `MISSING_COST_SHAPES`: the one constant that, added that many times to every
+    prediction, best explains the measured steps (least squares of the relative errors), and the
+    errors it would leave. A diagnostic of the model's bias, not a term the predictions use."""
+    rows = [p for p in predictions if p.predicted_seconds is not None]
+    out = {}
+    for name, occurrences in MISSING_COST_SHAPES.items():
+        xs, ys = [], []
+        for p in rows:
+            m = -(-p.run.global_batch // (p.run.micro_batch * p.run.data_parallel))
+            xs.append(occurrences(p.run, m) / p.run.measured_seconds)
+            ys.append(1.0 - p.predicted_seconds / p.run.measured_seconds)
+        constant = sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)
+        left = [constant * x - y for x, y in zip(xs, ys)]
+        out[name] = {"seconds": round(constant, 7), "mape": round(statistics.fmean(abs(e) for e in left), 4),
+                     "signed_median": round(statistics.median(left), 4)}
+    return out
 
 
 def main() -> None:
@@ -96,6 +125,10 @@ def main() -> None:
     }
     for kind, rows in slices.items():
         print(f"  by {kind}: " + ", ".join(f"{name} {s['signed_median']:+.1%} ({s['rows']})" for name, s in rows.items()))
+    missing = missing_costs(predictions)
+    for name, figures in missing.items():
+        print(f"  one constant {name}: {figures['seconds'] * 1e3:.3g} ms would leave MAPE {figures['mape']:.1%}, "
+              f"signed median {figures['signed_median']:+.1%}")
     worst = sorted(ranked, key=lambda g: g.spearman)[:5]
     for g in worst:
         print(f"  worst-ranked group: {g.key}: rows {g.rows}, Spearman {g.spearman:.2f}, regret {g.regret:.1%}")
@@ -130,6 +163,7 @@ def main() -> None:
         "seconds": round(seconds, 1),
         "summary": summary,
         "slices": slices,
+        "missing_costs": missing,
         "groups": [g.to_dict() for g in groups],
         "memory_refused_examples": [
             {"line": p.run.line, "layout": p.run.layout_label, "group": p.run.group, "why": p.memory_refused}
