@@ -56,10 +56,21 @@ def by_slice(predictions, key) -> dict[str, dict]:
 
 # Where the uncalibrated model's error could come from: costs it may lack, each as a count of
 # occurrences on a 1F1B step's critical path ((m + p - 1) micro-batch slots on the busiest stage).
+def _blocks(r, m) -> float:
+    """Blocks run on the busiest stage's critical path: (m + p - 1) micro-batch slots of layers / p."""
+    return (m + r.pipeline_parallel - 1) * r.layers / r.pipeline_parallel
+
+
 MISSING_COST_SHAPES = {
-    "per block and micro-batch": lambda r, m: (m + r.pipeline_parallel - 1) * r.layers / r.pipeline_parallel,
+    "per block and micro-batch": _blocks,
     "per micro-batch and stage": lambda r, m: m + r.pipeline_parallel - 1,
     "per step": lambda r, m: 1.0,
+    # Costs that would grow with a block shard's work: h / t, h^2 / t, its tokens (1024 = 1).
+    "per block, x h / t": lambda r, m: _blocks(r, m) * r.hidden / 1024 / r.tensor_parallel,
+    "per block, x h^2 / t": lambda r, m: _blocks(r, m) * (r.hidden / 1024) ** 2 / r.tensor_parallel,
+    "per block, x tokens": lambda r, m: _blocks(r, m) * r.micro_batch * r.seq_len / 1024,
+    # Six tensor-parallel all-reduces per block and micro-batch (two each forward, recomputed forward, backward).
+    "per tensor-parallel all-reduce": lambda r, m: _blocks(r, m) * 6 * (r.tensor_parallel > 1),
 }
 
 
