@@ -220,8 +220,12 @@ def run_layout(label: str, candidate: dict, plan_path: Path, work: Path, steps: 
             record[f"memory_error{suffix}"] = abs(record["predicted_peak_bytes"] - max(peaks)) / max(peaks)
     record["memory_measure"] = "max_memory_reserved (and allocated)" if gpu else "resident set size"
     if timed:
-        measured_mfu = analyse(run_dir, detail=False).utilisation.measured
+        report = analyse(run_dir)
+        measured_mfu = report.utilisation.measured
         record["measured_mfu"] = measured_mfu.mfu if measured_mfu is not None else None
+        # Where the step goes per stage, predicted and measured (CUDA events on a GPU): forward,
+        # backward, pipeline waits, gradient reductions, optimizer.
+        record["phases"] = report.phases.to_dict() if report.phases is not None else report.phases_unavailable
     if checkpoint_every:
         record.update(checkpoint_figures(run_dir, metrics, warmup))
     return record

@@ -58,6 +58,8 @@ def test_each_step_line_holds_the_learning_rate_gradient_norm_and_throughput(mon
     seq_len = json.loads((run / "plan.json").read_text())["model_shape"]["seq_len"]
     for m in metrics:
         assert m.tokens_per_second == pytest.approx(m.samples_per_second * seq_len)
+        # Where each rank's step went: its optimizer step timed apart from the gradient reductions.
+        assert all(r.optimizer_seconds is not None and 0 < r.optimizer_seconds <= r.end_of_step_seconds for r in m.ranks)
     engine_log = (run / "logs" / "engine.log").read_text()
     printed = [line for line in engine_log.splitlines() if " step 2/4 loss " in f" {line}" or " step 4/4 loss " in f" {line}"]
     assert len(printed) == 2 and "lr " in printed[0] and "grad-norm" in printed[0], engine_log[-2000:]

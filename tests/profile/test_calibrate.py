@@ -60,8 +60,8 @@ def write_run(folder, pipeline: int, micro_batch_size: int, *, truth=TRUE, steps
     for s in range(1, steps + 1):
         ranks = [
             RankTiming(rank=r, stage=r, forward_seconds=f, backward_seconds=b,
-                       **({"p2p_seconds": w, "end_of_step_seconds": e} if phases else {}))
-            for r, (f, b, w, e) in enumerate(stages)
+                       **({"p2p_seconds": w, "end_of_step_seconds": e + o, "optimizer_seconds": o} if phases else {}))
+            for r, (f, b, w, e, o) in enumerate(stages)
         ]  # fmt: skip
         writer.write(StepMetrics(step=s, loss=1.0, step_seconds=step, samples_per_second=8 / step, global_batch=8,
                                  world_size=chosen.devices, layout=layout_label(chosen), time_unix=time.time(), ranks=ranks))  # fmt: skip

@@ -4,9 +4,11 @@ heartbeats; no processes."""
 
 from __future__ import annotations
 
+import io
 import time
 
 import pytest
+from rich.console import Console
 
 from pipectl.artifacts.layout import layout_label
 from pipectl.artifacts.plan import PlanRequest
@@ -23,12 +25,12 @@ from pipectl.report.phase_table import phase_table
 from pipectl.rundir.analysis import phase_comparison
 from pipectl.schedule import generate
 
-FIELDS = ("forward_seconds", "backward_seconds", "p2p_seconds", "end_of_step_seconds")
+FIELDS = ("forward_seconds", "backward_seconds", "p2p_seconds", "end_of_step_seconds", "optimizer_seconds")
 
 
 def run_status(tmp_path, measured: list[list[tuple]], step_seconds: float) -> RunStatus:
     """A run of a 2-stage plan of a synthetic model whose steps' ranks measured (forward,
-    backward[, sends and receives, end of step])."""
+    backward[, sends and receives, end of step, optimizer step])."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     profile = synthetic_profile(blocks=4, micro_batch_sizes=[1, 2, 4, 8])
     write_json_atomic(tmp_path / "profile.json", profile)
@@ -46,9 +48,9 @@ def run_status(tmp_path, measured: list[list[tuple]], step_seconds: float) -> Ru
 
 
 def test_predictions_are_the_simulated_stages_and_measurements_the_medians_after_the_first_step(tmp_path):
-    steps = [[(9.0, 9.0, 9.0, 9.0)] * 2, [(0.010, 0.020, 0.03, 0.004), (0.011, 0.021, 0.03, 0.005)],
-             [(0.012, 0.022, 0.04, 0.006), (0.013, 0.023, 0.04, 0.007)],
-             [(0.014, 0.024, 0.05, 0.008), (0.015, 0.025, 0.05, 0.009)]]  # fmt: skip
+    steps = [[(9.0, 9.0, 9.0, 9.0, 9.0)] * 2, [(0.010, 0.020, 0.03, 0.004, 0.001), (0.011, 0.021, 0.03, 0.005, 0.002)],
+             [(0.012, 0.022, 0.04, 0.006, 0.002), (0.013, 0.023, 0.04, 0.007, 0.003)],
+             [(0.014, 0.024, 0.05, 0.008, 0.003), (0.015, 0.025, 0.05, 0.009, 0.004)]]  # fmt: skip
     status = run_status(tmp_path, steps, step_seconds=0.1)
     comparison, reason = phase_comparison(status)
     assert reason is None and comparison.steps == (2, 4)
@@ -60,38 +62,52 @@ def test_predictions_are_the_simulated_stages_and_measurements_the_medians_after
         for r in timeline.rank_records(stage.stage):
             seconds[r.action.kind.value] = seconds.get(r.action.kind.value, 0.0) + r.end - r.start
         forward, backward = seconds.get("F", 0) + seconds.get("R", 0), seconds["B"]
-        end = seconds.get("AR", 0) + seconds.get("STEP", 0)
-        assert stage.predicted == pytest.approx((forward, backward, timeline.step_seconds - forward - backward - end, end))
-    # step 1 (9 s each) is left out; the medians are step 3's
-    assert comparison.stages[0].measured == pytest.approx((0.012, 0.022, 0.04, 0.006))
+        reductions, optimizer = seconds.get("AR", 0), seconds.get("STEP", 0)
+        waits = timeline.step_seconds - forward - backward - reductions - optimizer
+        assert optimizer > 0
+        assert stage.predicted == pytest.approx((forward, backward, waits, reductions, optimizer))
+    # step 1 (9 s each) is left out; the medians are step 3's; the end of step splits into reductions and the optimizer
+    assert comparison.stages[0].measured == pytest.approx((0.012, 0.022, 0.04, 0.004, 0.002))
     assert comparison.stages[0].unaccounted == pytest.approx(0.1 - 0.08)
-    assert comparison.stages[1].measured == pytest.approx((0.013, 0.023, 0.04, 0.007))
+    assert comparison.stages[1].measured == pytest.approx((0.013, 0.023, 0.04, 0.004, 0.003))
     rendered = phase_table(comparison)
     assert rendered.row_count == 2 and "steps 2-4" in str(rendered.title)
     assert comparison.to_dict()["stages"][0]["measured"]["pipeline waits"] == pytest.approx(0.04)
+    assert comparison.to_dict()["stages"][1]["measured"]["optimizer"] == pytest.approx(0.003)
 
 
 def test_the_furthest_phase_is_named_and_a_short_run_says_why_there_is_none(tmp_path):
-    probe, _ = phase_comparison(run_status(tmp_path / "probe", [[(0.0, 0.0, 0.0, 0.0)] * 2] * 2, step_seconds=0.0))
-    predicted = [stage.predicted for stage in probe.stages]
-    step = max(sum(phases) for phases in predicted)
-    slow_links = [(f, b, w + 1.0, e) for f, b, w, e in predicted]
+    probe, _ = phase_comparison(run_status(tmp_path / "probe", [[(0.0, 0.0, 0.0, 0.0, 0.0)] * 2] * 2, step_seconds=0.0))
+    # As ranks record them: the end of step is the reductions and the optimizer step together.
+    predicted = [(f, b, w, r + o, o) for f, b, w, r, o in (stage.predicted for stage in probe.stages)]
+    step = max(f + b + w + e for f, b, w, e, _ in predicted)
+    slow_links = [(f, b, w + 1.0, e, o) for f, b, w, e, o in predicted]
     comparison, _ = phase_comparison(run_status(tmp_path / "links", [slow_links] * 3, step_seconds=step + 1.0))
     assert {stage.furthest for stage in comparison.stages} == {"pipeline waits"}
-    slow_backward = [(f, 3 * b, w, e) for f, b, w, e in predicted]
+    console = Console(width=100, record=True, file=io.StringIO())
+    console.print(phase_table(comparison))
+    text = console.export_text()  # five phases, each predicted / measured, in 100 columns; one unit (s: long steps)
+    assert "…" not in text and max(len(line.rstrip()) for line in text.splitlines()) <= 100
+    assert "predicted / measured s " in text and "reductions" in text and "optimizer" in text
+    row = next(line for line in text.splitlines() if line.split() and line.split()[0] == "0")
+    assert row.count("/") == 5 and row.split()[-1] == "waits"
+    slow_backward = [(f, 3 * b, w, e, o) for f, b, w, e, o in predicted]
     comparison, _ = phase_comparison(run_status(tmp_path / "compute", [slow_backward] * 3, step_seconds=step * 3))
     assert {stage.furthest for stage in comparison.stages} == {"backward"}
-    older = [(f, b) for f, b, _, _ in predicted]  # a run that recorded compute only
+    older = [(f, b) for f, b, _, _, _ in predicted]  # a run that recorded compute only
     comparison, _ = phase_comparison(run_status(tmp_path / "older", [older] * 3, step_seconds=step))
-    assert comparison.stages[0].measured[2:] == (None, None) and comparison.stages[0].unaccounted is None
-    short = run_status(tmp_path / "short", [[(0.01, 0.02, 0.0, 0.0)] * 2], step_seconds=0.1)
+    assert comparison.stages[0].measured[2:] == (None, None, None) and comparison.stages[0].unaccounted is None
+    before_split = [(f, b, w, e) for f, b, w, e, _ in predicted]  # a run that recorded its end of step whole
+    comparison, _ = phase_comparison(run_status(tmp_path / "whole", [before_split] * 3, step_seconds=step))
+    assert comparison.stages[0].measured[2] is not None and comparison.stages[0].measured[3:] == (None, None)
+    short = run_status(tmp_path / "short", [[(0.01, 0.02, 0.0, 0.0, 0.0)] * 2], step_seconds=0.1)
     assert phase_comparison(short) == (None, f"phases are compared after two steps of {layout_label(short.plan.chosen)}")
 
 
 def test_a_split_over_device_kinds_is_not_compared_per_stage(tmp_path):
     from pipectl.artifacts.plan import ReplicaShare
 
-    status = run_status(tmp_path, [[(0.01, 0.02, 0.0, 0.0)] * 2] * 3, step_seconds=0.1)
+    status = run_status(tmp_path, [[(0.01, 0.02, 0.0, 0.0, 0.0)] * 2] * 3, step_seconds=0.1)
     shares = [ReplicaShare(replica=r, device=kind, micro_batch_size=4, micro_batches=1, samples=4, gradient_weight=0.5)
               for r, kind in enumerate(["cpu", "cpu-slowed-2x"])]  # fmt: skip
     split = status.plan.chosen.model_copy(update={"device": "mixed", "replicas": shares, "data_parallel": 2})

@@ -399,6 +399,11 @@ class RankTiming(Strict):
         description="The rank's gradient reductions (tied and data-parallel) and optimizer step. None in files "
         "written before it existed.",
     )
+    optimizer_seconds: float | None = Field(
+        default=None, ge=0,
+        description="The optimizer step alone, part of end_of_step_seconds (DeepSpeed's ordinary engine reduces the "
+        "gradients in the last backward: its end of step is its optimizer step). None in files written before it existed.",
+    )
     peak_allocated_bytes: int | None = Field(
         default=None,
         ge=0,

@@ -1,16 +1,19 @@
 """A step split into phases, per pipeline stage, as the simulator predicts it and as ranks measure it.
 
-Four phases of a rank's step (`PHASES`):
+Five phases of a rank's step (`PHASES`):
 
 - forward: its forwards and recomputes;
 - backward: its backwards;
 - pipeline waits: its sends and receives, waiting for its peers included (the bubble and the
   transfers between stages);
-- end of step: the tied and data-parallel gradient reductions and the optimizer step (a stage
-  that finishes its backwards early waits there for the slowest peer of its reductions).
+- gradient reductions: the tied and data-parallel reductions at the end of the step (a stage that
+  finishes its backwards early waits there for the slowest peer of its reductions; DeepSpeed's
+  ordinary engine, one stage, reduces in the last backward instead, where its ranks time them);
+- optimizer: the optimizer step (with ZeRO, its gather of the updated parameters; the gradient
+  norm's collective waits for the slowest rank too).
 
 `simulated_phases` times a candidate's schedule under its cost table (`plan.simulate`): the waits
-are what the step leaves besides the rank's compute and end of step. `measured_phases` reads what
+are what the step leaves besides the rank's compute, reductions and optimizer. `measured_phases` reads what
 each rank records every step (`RankTiming`, timed around DeepSpeed's instructions by
 `runtime.engines.executor`): medians over the steps of one layout after its first, and over the ranks of a
 stage; what no phase covers (loading micro-batches, the engine's bookkeeping) is kept apart.
@@ -33,8 +36,8 @@ from pipectl.plan.simulate import simulate
 from pipectl.schedule import generate
 from pipectl.schedule.ir import ActionKind
 
-PHASES = ("forward", "backward", "pipeline waits", "end of step")
-Phases = tuple[float, float, float, float]
+PHASES = ("forward", "backward", "pipeline waits", "gradient reductions", "optimizer")
+Phases = tuple[float, float, float, float, float]
 
 
 def simulated_phases(
@@ -55,9 +58,9 @@ def simulated_phases(
         backward = (  # a split backward's I and W are its backward phase
             seconds[ActionKind.BACKWARD] + seconds[ActionKind.BACKWARD_INPUT] + seconds[ActionKind.BACKWARD_WEIGHT]
         )
-        end = seconds[ActionKind.ALL_REDUCE] + seconds[ActionKind.OPTIMIZER_STEP]
-        waits = timeline.step_seconds - forward - backward - end
-        phases.append((forward, backward, waits if waits > 1e-9 * timeline.step_seconds else 0.0, end))
+        reductions, optimizer = seconds[ActionKind.ALL_REDUCE], seconds[ActionKind.OPTIMIZER_STEP]
+        waits = timeline.step_seconds - forward - backward - reductions - optimizer
+        phases.append((forward, backward, waits if waits > 1e-9 * timeline.step_seconds else 0.0, reductions, optimizer))
     return phases, timeline.step_seconds
 
 
@@ -84,11 +87,14 @@ def measured_phases(metrics: Sequence[StepMetrics], layout: str) -> MeasuredPhas
     rows: dict[int, list[tuple]] = {}
     for step in steps:
         for rank in step.ranks:
-            phases = (rank.forward_seconds, rank.backward_seconds, rank.p2p_seconds, rank.end_of_step_seconds)
+            end, optimizer = rank.end_of_step_seconds, rank.optimizer_seconds
+            reductions = None if end is None or optimizer is None else max(0.0, end - optimizer)
+            phases = (rank.forward_seconds, rank.backward_seconds, rank.p2p_seconds, reductions, optimizer)
             left = step.step_seconds - sum(phases) if None not in phases else None
             rows.setdefault(rank.stage, []).append((*phases, left))
+    count = len(PHASES)
     stages = {
-        stage: (tuple(_median([row[k] for row in values]) for k in range(4)), _median([row[4] for row in values]))
+        stage: (tuple(_median([row[k] for row in values]) for k in range(count)), _median([row[count] for row in values]))
         for stage, values in sorted(rows.items())
     }
     return MeasuredPhases(stages, (steps[0].step, steps[-1].step), statistics.median(m.step_seconds for m in steps))

@@ -113,7 +113,7 @@ def observe(run_dir: str | Path) -> tuple[Observation, ModelProfile]:
     missing = [stage for stage, (phases, _) in measured.stages.items() if None in phases]
     if missing:
         raise UserInputError(
-            f"run {run} does not record its pipeline waits and end of step (pipectl before this version)",
+            f"run {run} does not record its pipeline waits, gradient reductions and optimizer step (pipectl before this version)",
             hint="run the layout again with this pipectl",
         )
     cluster = plan_cluster_spec(plan)
@@ -214,7 +214,8 @@ def _held_parameters(profile: ModelProfile, candidate: Candidate) -> list[float]
 
 
 def _fit_end_of_step(profile: ModelProfile, observations: Sequence[Observation], predictions) -> ModelProfile:
-    """y = (measured end - predicted reductions) / slowdown = fixed + per_parameter x held.
+    """y = (measured end of step - predicted reductions) / slowdown = fixed + per_parameter x held,
+    the end of step being the reductions and the optimizer step measured together.
 
     One point per run: its stage with the shortest such y. A stage that finishes its backwards
     before another waits for it in their gradient reductions, which the simulator does not count
@@ -226,9 +227,7 @@ def _fit_end_of_step(profile: ModelProfile, observations: Sequence[Observation],
         held = _held_parameters(profile, observation.candidate)
         candidates = []
         for stage, (measured, _) in observation.measured.stages.items():
-            optimizer = (runtime.step_fixed_seconds + runtime.step_seconds_per_parameter * held[stage]) * slowdown
-            reductions = max(0.0, phases[stage][3] - optimizer)
-            candidates.append((max(0.0, measured[3] - reductions) / slowdown, held[stage]))
+            candidates.append((max(0.0, measured[3] + measured[4] - phases[stage][3]) / slowdown, held[stage]))
         y, x = min(candidates)
         points.append((x, y))
     xs = [x for x, _ in points]

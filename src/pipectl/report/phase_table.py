@@ -11,29 +11,42 @@ from pipectl.plan.phases import PHASES
 from pipectl.rundir.analysis import PhaseComparison
 
 
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.3g}"
+def _figure(value: float) -> str:
+    """Three significant digits, never in exponent form (1234, not 1.23e+03)."""
+    return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
+
+
+def _unit(comparison: PhaseComparison) -> tuple[str, float]:
+    """One unit for the whole table: ms, or s where a phase lasts 10 s or more."""
+    figures = [v for s in comparison.stages for v in (*s.predicted, *s.measured, s.unaccounted) if v is not None]
+    return ("s", 1.0) if max(figures, default=0.0) >= 10 else ("ms", 1e3)
+
+
+# Column headings short enough for five phases in 100 columns; the caption says what they hold.
+_HEADINGS = {"pipeline waits": "waits", "gradient reductions": "reductions"}
 
 
 def phase_table(comparison: PhaseComparison) -> Table:
-    """Per stage: each phase predicted / measured in ms, what no phase covers, and the phase
-    furthest from its prediction."""
+    """Per stage: each phase predicted / measured (ms, or s for long steps), what no phase covers,
+    and the phase furthest from its prediction."""
+    unit, scale = _unit(comparison)
     table = Table(
-        title=f"where the step goes, predicted / measured ms (medians over steps {comparison.steps[0]}-{comparison.steps[1]})",
+        title=f"where the step goes, predicted / measured {unit} (medians over steps {comparison.steps[0]}-{comparison.steps[1]})",
         box=box.SIMPLE,
         title_justify="left",
     )
     table.add_column("stage", justify="right")
     for phase in PHASES:
-        table.add_column(phase, justify="right")
+        table.add_column(_HEADINGS.get(phase, phase), justify="right")
     table.add_column("other", justify="right")
-    table.add_column("furthest from its prediction")
+    table.add_column("furthest off")
     for s in comparison.stages:
-        cells = [f"{_ms(p)} / {_ms(m) if m is not None else '-'}" for p, m in zip(s.predicted, s.measured)]
-        other = _ms(s.unaccounted) if s.unaccounted is not None else "-"
-        table.add_row(str(s.stage), *cells, other, s.furthest)
+        cells = [f"{_figure(p * scale)} / {_figure(m * scale) if m is not None else '-'}" for p, m in zip(s.predicted, s.measured)]
+        other = _figure(s.unaccounted * scale) if s.unaccounted is not None else "-"
+        table.add_row(str(s.stage), *cells, other, _HEADINGS.get(s.furthest, s.furthest))
     table.caption = (
-        "pipeline waits: sends and receives, waiting for peers included (bubble and transfers); end of step: "
-        "gradient reductions and the optimizer; other: measured time no phase covers"
+        "waits: sends and receives, waiting for peers included (bubble and transfers); reductions: the tied and "
+        "data-parallel gradient reductions at the end of the step; other: measured time no phase covers; furthest off: "
+        "the phase furthest from its prediction"
     )
     return table

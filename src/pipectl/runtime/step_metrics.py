@@ -27,6 +27,7 @@ class StepRecord:
     memory: RankMemory | None = None  # the rank's peaks in this step
     p2p_seconds: float | None = None  # in sends and receives (waiting for peers included)
     end_of_step_seconds: float | None = None  # gradient reductions and the optimizer step
+    optimizer_seconds: float | None = None  # the optimizer step alone
     learning_rate: float | None = None  # the step's (read before it: the scheduler moves on after)
     grad_norm: float | None = None  # before clipping, where the engine computes it
 
@@ -39,7 +40,9 @@ def step_record(engine, step: int, loss: float, elapsed: float, memory: RankMemo
     forward = sum(r.seconds for r in engine.executed if r.action.kind not in BACKWARD_KINDS)
     backward = sum(r.seconds for r in engine.executed if r.action.kind in BACKWARD_KINDS)
     phases = getattr(engine, "phase_seconds", {})
-    return StepRecord(step, loss, elapsed, forward, backward, memory, phases.get("p2p"), phases.get("end_of_step"))
+    optimizer = phases.get("optimizer")
+    end = None if optimizer is None else phases.get("reductions", 0.0) + optimizer
+    return StepRecord(step, loss, elapsed, forward, backward, memory, phases.get("p2p"), end, optimizer_seconds=optimizer)
 
 
 def learning_rate_of(engine) -> float | None:
@@ -97,6 +100,7 @@ def write_metrics(writer, job: TrainingJob, engine, record: StepRecord) -> StepM
         record.backward_seconds,
         record.p2p_seconds,
         record.end_of_step_seconds,
+        record.optimizer_seconds,
         memory.peak_allocated_bytes if memory else None,
         memory.peak_reserved_bytes if memory else None,
         memory.peak_rss_bytes if memory else None,
@@ -120,11 +124,12 @@ def write_metrics(writer, job: TrainingJob, engine, record: StepRecord) -> StepM
             backward_seconds=b,
             p2p_seconds=p2p,
             end_of_step_seconds=end,
+            optimizer_seconds=optimizer,
             peak_allocated_bytes=allocated,
             peak_reserved_bytes=reserved,
             peak_rss_bytes=rss,
         )
-        for r, s, samples, device, host, f, b, p2p, end, allocated, reserved, rss in gathered
+        for r, s, samples, device, host, f, b, p2p, end, optimizer, allocated, reserved, rss in gathered
     ]
     line = StepMetrics(
         step=record.step,

@@ -193,9 +193,9 @@ def record_action(executed: list[ExecutedAction], action: Action, start: float, 
 
 
 # What a rank's step spends besides its compute, timed per step (`phase_seconds`): its sends and
-# receives (a receive waits for the peer: the pipeline's bubble and the transfer), and the end of
-# the step (tied and data-parallel gradient reductions, the optimizer step).
-TIMED_PHASES = ("p2p", "end_of_step")
+# receives (a receive waits for the peer: the pipeline's bubble and the transfer), its tied and
+# data-parallel gradient reductions, and its optimizer step.
+TIMED_PHASES = ("p2p", "reductions", "optimizer")
 
 
 @dataclass(frozen=True)
@@ -225,7 +225,7 @@ class DeviceTimes:
     whatever waits first). Each action and phase records an event before and after it on the
     training stream; once the step is over (`apply`), their elapsed times replace the host's in
     `executed` and `phase_seconds`, so a step's metrics split it as the GPU spent it: forward,
-    backward, pipeline transfers and waits, the end of the step.
+    backward, pipeline transfers and waits, gradient reductions, the optimizer step.
     """
 
     def __init__(self) -> None:
@@ -466,10 +466,10 @@ class PlannedPipelineEngine(TimedActions, PipelineEngine):
             for instruction in (ds_schedule.SendActivation, ds_schedule.RecvActivation, ds_schedule.SendGrad)
         },
         **{
-            instruction: _timed(PipelineEngine._INSTRUCTION_MAP[instruction], "end_of_step")
+            instruction: _timed(PipelineEngine._INSTRUCTION_MAP[instruction], "reductions")
             for instruction in (ds_schedule.ReduceTiedGrads, ds_schedule.ReduceGrads)
         },
-        ds_schedule.OptimizerStep: _timed(_after_snapshot(PipelineEngine._INSTRUCTION_MAP[ds_schedule.OptimizerStep]), "end_of_step"),
+        ds_schedule.OptimizerStep: _timed(_after_snapshot(PipelineEngine._INSTRUCTION_MAP[ds_schedule.OptimizerStep]), "optimizer"),
     }
 
 

@@ -111,9 +111,11 @@ class PlannedPlainEngine(TimedActions, DeepSpeedEngine):
                 start = self._begin()
                 if boundary:
                     wait_for_snapshot(self)
-                self.step()  # counts the micro-batch; at the step's last one, reduces and updates
+                # Counts the micro-batch; at the step's last one, updates (DeepSpeed reduced the
+                # gradients in that micro-batch's backward, where they are timed).
+                self.step()
                 if boundary:
-                    self._add_phase("end_of_step", start)
+                    self._add_phase("optimizer", start)
             else:
                 raise UserInputError(f"one stage runs forwards and backwards only, not {action}")
         total /= len(micro_batches)

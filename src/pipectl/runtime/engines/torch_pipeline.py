@@ -359,6 +359,7 @@ class TorchPipelineEngine:
         self.flat.grad = torch.cat(
             [q.grad.reshape(-1) if q.grad is not None else torch.zeros(q.numel()) for q in self.params]
         )
+        reduced = time.perf_counter()
         if self.settings.clip_norm is not None:
             self.last_grad_norm = _grad_norm(self.norm_params, self.group)
             coefficient = self.settings.clip_norm / (self.last_grad_norm + 1e-6)
@@ -375,7 +376,9 @@ class TorchPipelineEngine:
         finished = time.perf_counter()
         self.executed = [ExecutedAction(Action.parse(text), seconds) for text, seconds in self.timings]
         compute = sum(seconds for _, seconds in self.timings)
-        self.phase_seconds = {"p2p": max(0.0, scheduled - started - compute), "end_of_step": finished - scheduled}
+        self.phase_seconds = {
+            "p2p": max(0.0, scheduled - started - compute), "reductions": reduced - scheduled, "optimizer": finished - reduced,
+        }
         return float(loss)
 
 
