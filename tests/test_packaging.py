@@ -10,6 +10,8 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -45,3 +47,23 @@ def test_the_projects_own_scripts_pass_shellcheck():
     shellcheck = shutil.which("shellcheck") or str(Path(sys.executable).parent / "shellcheck")
     found = subprocess.run([shellcheck, "--severity=warning", *scripts], capture_output=True, text=True)
     assert found.returncode == 0, found.stdout + found.stderr
+
+
+@pytest.mark.slow
+def test_a_wheelhouse_holds_pipectl_deepspeed_and_the_packages_named(tmp_path):
+    """scripts/wheelhouse.sh (needs the package index): pipectl and DeepSpeed built here, each named
+    package at this environment's version for the Python asked for; a name not installed is refused."""
+    script = ROOT / "scripts" / "wheelhouse.sh"
+    env = {**os.environ, "PYTHON": sys.executable}
+    version = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    built = subprocess.run(["bash", script, "--python-version", version, "--dir", tmp_path / "w", "hjson"],
+                           env=env, capture_output=True, text=True)  # fmt: skip
+    assert built.returncode == 0, built.stdout + built.stderr
+    from importlib.metadata import version as installed
+
+    names = sorted(path.name for path in (tmp_path / "w").glob("*.whl"))
+    assert [name.split("-")[0] for name in names] == ["deepspeed", "hjson", "pipectl"]
+    assert f"deepspeed-{installed('deepspeed')}-" in names[0] and f"hjson-{installed('hjson')}-" in names[1]
+    refused = subprocess.run(["bash", script, "--dir", tmp_path / "x", "no-such-package"], env=env,
+                             capture_output=True, text=True)  # fmt: skip
+    assert refused.returncode != 0 and "no-such-package is not installed" in refused.stderr
