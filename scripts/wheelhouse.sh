@@ -24,7 +24,7 @@ while [[ $# -gt 0 ]]; do
     case "$1" in
         --python-version) version="$2"; shift 2 ;;
         --dir) dir="$2"; shift 2 ;;
-        -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
         -*) echo "wheelhouse: unknown option $1 (see --help)" >&2; exit 2 ;;
         *) names+=("$1"); shift ;;
     esac

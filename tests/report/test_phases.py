@@ -100,6 +100,7 @@ def test_the_furthest_phase_is_named_and_a_short_run_says_why_there_is_none(tmp_
     before_split = [(f, b, w, e) for f, b, w, e, _ in predicted]  # a run that recorded its end of step whole
     comparison, _ = phase_comparison(run_status(tmp_path / "whole", [before_split] * 3, step_seconds=step))
     assert comparison.stages[0].measured[2] is not None and comparison.stages[0].measured[3:] == (None, None)
+    assert comparison.stages[0].unaccounted == pytest.approx(0.0, abs=1e-9)  # what the phases leave, from the whole end
     short = run_status(tmp_path / "short", [[(0.01, 0.02, 0.0, 0.0, 0.0)] * 2], step_seconds=0.1)
     assert phase_comparison(short) == (None, f"phases are compared after two steps of {layout_label(short.plan.chosen)}")
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pipectl.artifacts.cluster import ClusterSpec
 from pipectl.artifacts.plan import Candidate
@@ -67,11 +67,13 @@ def simulated_phases(
 @dataclass(frozen=True)
 class MeasuredPhases:
     """Medians of one layout's steps after its first: per stage, each phase (None: not recorded,
-    by a run of an older pipectl) and the time no phase covers; and the step."""
+    by a run of an older pipectl) and the time no phase covers; per stage the end of the step
+    (reductions and optimizer step together, recorded before the two were timed apart); and the step."""
 
     stages: dict[int, tuple[tuple[float | None, ...], float | None]]
     steps: tuple[int, int]  # the first and last step counted
     step_seconds: float
+    end_of_step: dict[int, float | None] = field(default_factory=dict)
 
 
 def _median(values: list[float | None]) -> float | None:
@@ -90,11 +92,13 @@ def measured_phases(metrics: Sequence[StepMetrics], layout: str) -> MeasuredPhas
             end, optimizer = rank.end_of_step_seconds, rank.optimizer_seconds
             reductions = None if end is None or optimizer is None else max(0.0, end - optimizer)
             phases = (rank.forward_seconds, rank.backward_seconds, rank.p2p_seconds, reductions, optimizer)
-            left = step.step_seconds - sum(phases) if None not in phases else None
-            rows.setdefault(rank.stage, []).append((*phases, left))
+            covered = (rank.forward_seconds, rank.backward_seconds, rank.p2p_seconds, end)
+            left = step.step_seconds - sum(covered) if None not in covered else None
+            rows.setdefault(rank.stage, []).append((*phases, left, end))
     count = len(PHASES)
     stages = {
         stage: (tuple(_median([row[k] for row in values]) for k in range(count)), _median([row[count] for row in values]))
         for stage, values in sorted(rows.items())
     }
-    return MeasuredPhases(stages, (steps[0].step, steps[-1].step), statistics.median(m.step_seconds for m in steps))
+    ends = {stage: _median([row[count + 1] for row in values]) for stage, values in sorted(rows.items())}
+    return MeasuredPhases(stages, (steps[0].step, steps[-1].step), statistics.median(m.step_seconds for m in steps), ends)

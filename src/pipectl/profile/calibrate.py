@@ -110,10 +110,10 @@ def observe(run_dir: str | Path) -> tuple[Observation, ModelProfile]:
     measured = measured_phases(read_metrics(run), label)
     if measured is None:
         raise UserInputError(f"run {run} has fewer than two steps of {label}: nothing to calibrate from")
-    missing = [stage for stage, (phases, _) in measured.stages.items() if None in phases]
+    missing = [stage for stage, (phases, _) in measured.stages.items() if None in (*phases[:3], measured.end_of_step[stage])]
     if missing:
         raise UserInputError(
-            f"run {run} does not record its pipeline waits, gradient reductions and optimizer step (pipectl before this version)",
+            f"run {run} does not record its pipeline waits and end of step (pipectl before this version)",
             hint="run the layout again with this pipectl",
         )
     cluster = plan_cluster_spec(plan)
@@ -214,8 +214,8 @@ def _held_parameters(profile: ModelProfile, candidate: Candidate) -> list[float]
 
 
 def _fit_end_of_step(profile: ModelProfile, observations: Sequence[Observation], predictions) -> ModelProfile:
-    """y = (measured end of step - predicted reductions) / slowdown = fixed + per_parameter x held,
-    the end of step being the reductions and the optimizer step measured together.
+    """y = (measured end - predicted reductions) / slowdown = fixed + per_parameter x held, the end
+    of the step being the reductions and the optimizer step together (as every run records it).
 
     One point per run: its stage with the shortest such y. A stage that finishes its backwards
     before another waits for it in their gradient reductions, which the simulator does not count
@@ -226,8 +226,11 @@ def _fit_end_of_step(profile: ModelProfile, observations: Sequence[Observation],
         slowdown = runtime.concurrent_compute_slowdown if observation.shares_host else runtime.alone_compute_slowdown
         held = _held_parameters(profile, observation.candidate)
         candidates = []
-        for stage, (measured, _) in observation.measured.stages.items():
-            candidates.append((max(0.0, measured[3] + measured[4] - phases[stage][3]) / slowdown, held[stage]))
+        for stage in observation.measured.stages:
+            optimizer = (runtime.step_fixed_seconds + runtime.step_seconds_per_parameter * held[stage]) * slowdown
+            reductions = max(0.0, phases[stage][3] + phases[stage][4] - optimizer)
+            end = observation.measured.end_of_step[stage]
+            candidates.append((max(0.0, end - reductions) / slowdown, held[stage]))
         y, x = min(candidates)
         points.append((x, y))
     xs = [x for x, _ in points]
