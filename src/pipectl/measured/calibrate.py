@@ -77,7 +77,8 @@ def starting_terms(conditions: RunConditions) -> CalibratedTerms:
             f"device '{device.name}' has no kernel-model figures in the catalog (GEMM efficiency, kernel "
             "overhead, memory bandwidth, SMs): nothing to calibrate",
         )
-    bandwidth = conditions.links.intra_node_gbytes_per_second or (
+    links = conditions.cluster_links()
+    bandwidth = links.get("intra_node_bandwidth_gbytes_per_second") or (
         device.intra_node_allreduce_bandwidth_gbytes_per_second or device.intra_node_bandwidth_gbytes_per_second
     )
     return CalibratedTerms(
@@ -87,10 +88,8 @@ def starting_terms(conditions: RunConditions) -> CalibratedTerms:
         intra_node_latency_us=device.intra_node_latency_us,
         intra_node_bandwidth_gbytes_per_second=bandwidth,
         inter_node_latency_us=device.inter_node_latency_us,
-        # The conditions give a node's network in Gb/s, all its GPUs together; the catalog a GPU's share.
-        inter_node_bandwidth_gbytes_per_second=(
-            conditions.links.inter_node_gbits_per_second_per_node / 8 / conditions.devices_per_node
-            if conditions.links.inter_node_gbits_per_second_per_node else device.inter_node_bandwidth_gbytes_per_second
+        inter_node_bandwidth_gbytes_per_second=links.get(
+            "inter_node_bandwidth_gbytes_per_second", device.inter_node_bandwidth_gbytes_per_second
         ),
         micro_batch_overhead_seconds=0.0,
         step_overhead_seconds=0.0,

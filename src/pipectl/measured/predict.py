@@ -151,14 +151,7 @@ class Predictor:
 
     def cluster(self, run: MeasuredRun) -> ClusterSpec:
         per_node = self.conditions.devices_per_node
-        links: dict[str, float] = {}
-        if self.conditions.links.intra_node_gbytes_per_second is not None:
-            links["intra_node_bandwidth_gbytes_per_second"] = self.conditions.links.intra_node_gbytes_per_second
-        if self.conditions.links.inter_node_gbits_per_second_per_node is not None:
-            # A node's network, shared by its GPUs: GB/s per GPU, as the catalog states links.
-            links["inter_node_bandwidth_gbytes_per_second"] = (
-                self.conditions.links.inter_node_gbits_per_second_per_node / 8 / per_node
-            )
+        links = self.conditions.cluster_links()
         node_type = {
             "name": "measured-nodes",
             "device": self._device(run),

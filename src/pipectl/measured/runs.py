@@ -110,6 +110,19 @@ class RunConditions(_Closed):
     precision: Literal["fp16", "bf16", "fp32"] = Field(description="Training precision.")
     zero_stage: int = Field(default=0, ge=0, le=3, description="ZeRO stage.")
 
+    def cluster_links(self) -> dict[str, float]:
+        """The links the conditions state, as a cluster YAML's node type states them (GB/s; the
+        network as a GPU's share of its node's); those they leave out are the catalog's."""
+        links: dict[str, float] = {}
+        if self.links.intra_node_gbytes_per_second is not None:
+            links["intra_node_bandwidth_gbytes_per_second"] = self.links.intra_node_gbytes_per_second
+        if self.links.inter_node_gbits_per_second_per_node is not None:
+            # A node's network in Gb/s, shared by its GPUs.
+            links["inter_node_bandwidth_gbytes_per_second"] = (
+                self.links.inter_node_gbits_per_second_per_node / 8 / self.devices_per_node
+            )
+        return links
+
 
 def load_conditions(path: str | os.PathLike[str]) -> RunConditions:
     """The conditions file, checked: a wrong or unknown field, or a device the catalog does not
