@@ -8,18 +8,15 @@ from rich import box
 from rich.table import Table
 
 from pipectl.plan.phases import PHASES
+from pipectl.report.tables import format_seconds_ms
 from pipectl.rundir.analysis import PhaseComparison
 
 
-def _figure(value: float) -> str:
-    """Three significant digits, never in exponent form (1234, not 1.23e+03)."""
-    return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
-
-
 def _unit(comparison: PhaseComparison) -> tuple[str, float]:
-    """One unit for the whole table: ms, or s where a phase lasts 10 s or more."""
+    """One unit for the whole table and what seconds are divided by to write them with
+    `format_seconds_ms`: ms, or s where a phase lasts 10 s or more."""
     figures = [v for s in comparison.stages for v in (*s.predicted, *s.measured, s.unaccounted) if v is not None]
-    return ("s", 1.0) if max(figures, default=0.0) >= 10 else ("ms", 1e3)
+    return ("s", 1e3) if max(figures, default=0.0) >= 10 else ("ms", 1.0)
 
 
 # Column headings short enough for five phases in 100 columns; the caption says what they hold.
@@ -29,7 +26,11 @@ _HEADINGS = {"pipeline waits": "waits", "gradient reductions": "reductions"}
 def phase_table(comparison: PhaseComparison) -> Table:
     """Per stage: each phase predicted / measured (ms, or s for long steps), what no phase covers,
     and the phase furthest from its prediction."""
-    unit, scale = _unit(comparison)
+    unit, divisor = _unit(comparison)
+
+    def figure(seconds: float) -> str:
+        return format_seconds_ms(seconds / divisor)
+
     table = Table(
         title=f"where the step goes, predicted / measured {unit} (medians over steps {comparison.steps[0]}-{comparison.steps[1]})",
         box=box.SIMPLE,
@@ -41,8 +42,8 @@ def phase_table(comparison: PhaseComparison) -> Table:
     table.add_column("other", justify="right")
     table.add_column("furthest off")
     for s in comparison.stages:
-        cells = [f"{_figure(p * scale)} / {_figure(m * scale) if m is not None else '-'}" for p, m in zip(s.predicted, s.measured)]
-        other = _figure(s.unaccounted * scale) if s.unaccounted is not None else "-"
+        cells = [f"{figure(p)} / {figure(m) if m is not None else '-'}" for p, m in zip(s.predicted, s.measured)]
+        other = figure(s.unaccounted) if s.unaccounted is not None else "-"
         table.add_row(str(s.stage), *cells, other, _HEADINGS.get(s.furthest, s.furthest))
     table.caption = (
         "waits: sends and receives, waiting for peers included (bubble and transfers); reductions: the tied and "
