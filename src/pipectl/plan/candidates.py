@@ -185,7 +185,7 @@ class Spec:
     @property
     def deepspeed_runnable(self) -> bool:
         s = self.shape
-        return _deepspeed_runs(self.variant, self.zero_stage, s.pipeline_parallel, s.tensor_parallel, Recompute(s.recompute))
+        return _deepspeed_runs(self.variant, self.zero_stage, s.pipeline_parallel, s.tensor_parallel, s.recompute)
 
     @property
     def torch_runnable(self) -> bool:
@@ -193,7 +193,7 @@ class Spec:
         schedule without recomputation of either kind, one tensor rank, one replica (that path has
         no data or tensor parallelism yet)."""
         s = self.shape
-        return _torch_runs(self.variant, self.zero_stage, s.tensor_parallel, Recompute(s.recompute), self.data_parallel == 1)
+        return _torch_runs(self.variant, self.zero_stage, s.tensor_parallel, s.recompute, self.data_parallel == 1)
 
     def engine_for(self, requested: Engine) -> Engine | None:
         """What runs this spec under a request for `requested`: that engine when it can (any:
