@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from functools import cache
 import itertools
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -108,19 +108,31 @@ class Shape:
 
 
 class SpecFigures:
-    """Per-rank figures of a batch of specs, one row each: peak bytes, all-reduce and optimizer
-    seconds. Kept as arrays and read as tuples on demand: a search builds ~10^4 specs and reads
-    these for the few hundred it simulates or records."""
+    """Per-rank figures of a batch of specs, row by row: (peak bytes, all-reduce seconds, optimizer
+    seconds), computed by `compute(row)` on first read and kept. A search builds ~10^5 specs and
+    reads these for the few hundred it simulates or records."""
 
-    __slots__ = ("peaks", "allreduce", "optimizer")
+    __slots__ = ("_compute", "_rows")
 
-    def __init__(self, peaks: np.ndarray, allreduce: np.ndarray, optimizer: np.ndarray) -> None:
-        self.peaks, self.allreduce, self.optimizer = peaks, allreduce, optimizer
+    def __init__(self, compute: Callable[[int], tuple[tuple[int, ...], tuple[float, ...], tuple[float, ...]]]) -> None:
+        self._compute = compute
+        self._rows: dict[int, tuple[tuple[int, ...], tuple[float, ...], tuple[float, ...]]] = {}
+
+    def row(self, index: int) -> tuple[tuple[int, ...], tuple[float, ...], tuple[float, ...]]:
+        figures = self._rows.get(index)
+        if figures is None:
+            figures = self._rows[index] = self._compute(index)
+        return figures
 
     @classmethod
     def single(cls, peak: Sequence[int], allreduce: Sequence[float], optimizer: Sequence[float]) -> "SpecFigures":
         """The figures of one spec (row 0)."""
-        return cls(np.array([peak], dtype=np.int64), np.array([allreduce], dtype=float), np.array([optimizer], dtype=float))
+        figures = (
+            tuple(np.array(peak, dtype=np.int64).tolist()),
+            tuple(np.array(allreduce, dtype=float).tolist()),
+            tuple(np.array(optimizer, dtype=float).tolist()),
+        )
+        return cls(lambda _: figures)
 
 
 # Which engine runs a spec depends on a few of its figures only: answered once per combination
@@ -138,7 +150,7 @@ def _torch_runs(variant: ScheduleVariant, zero_stage: int, t: int, recompute: Re
     return torch_runnable(variant.kind, recomputes) and t == 1 and one_replica and zero_stage <= 1
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Spec:
     """A candidate before simulation; its per-rank figures are row `row` of `figures`."""
 
@@ -151,17 +163,28 @@ class Spec:
     figures: SpecFigures = field(repr=False, compare=False)
     row: int = 0
 
+    def __init__(
+        self, shape: Shape, data_parallel: int, micro_batches: int, variant: ScheduleVariant, zero_stage: int,
+        lower_bound_seconds: float, figures: SpecFigures, row: int = 0,
+    ) -> None:
+        # One dictionary update instead of the frozen dataclass's eight `object.__setattr__` calls:
+        # a search builds ~10^5 specs. Assigning a field afterwards still raises.
+        self.__dict__.update(
+            shape=shape, data_parallel=data_parallel, micro_batches=micro_batches, variant=variant,
+            zero_stage=zero_stage, lower_bound_seconds=lower_bound_seconds, figures=figures, row=row,
+        )
+
     @property
     def peak_memory_bytes(self) -> tuple[int, ...]:
-        return tuple(self.figures.peaks[self.row].tolist())
+        return self.figures.row(self.row)[0]
 
     @property
     def allreduce_seconds(self) -> tuple[float, ...]:
-        return tuple(self.figures.allreduce[self.row].tolist())
+        return self.figures.row(self.row)[1]
 
     @property
     def optimizer_seconds(self) -> tuple[float, ...]:
-        return tuple(self.figures.optimizer[self.row].tolist())
+        return self.figures.row(self.row)[2]
 
     @property
     def devices(self) -> int:

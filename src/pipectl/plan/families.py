@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import operator
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Iterable
 
 import numpy as np
@@ -24,7 +24,7 @@ import numpy as np
 from pipectl.artifacts.plan import RUNTIME_ZERO_STAGES, Recompute
 from pipectl.artifacts.profile import ModelProfile
 from pipectl.plan.candidates import Rejection, Rejections, ScheduleVariant, SearchSpace, Shape, ShapeBuilder, divisors
-from pipectl.plan.spec_costs import state_bytes, step_bytes, transient_bytes
+from pipectl.plan.spec_costs import rows_array, state_bytes, step_bytes, transient_bytes
 from pipectl.plan.costs import Hardware
 from pipectl.plan.frameworks import zero_stages_run
 from pipectl.plan.layer_table import layer_table
@@ -35,7 +35,7 @@ from pipectl.words import count
 
 
 @dataclass
-class _UnitResult:
+class UnitResult:
     """One (t, b) unit's accepted points (shape, schedule, (d, m, ZeRO, state bytes, units)) and rejections."""
 
     accepted: list[tuple[Shape, ScheduleVariant, tuple[int, int, int, float, tuple[int, ...]]]]
@@ -53,7 +53,7 @@ class PortableUnit:
     accepted: list[tuple[tuple, ScheduleVariant, tuple[int, int, int, float, tuple[int, ...]]]]
     rejections: Rejections
 
-    def rebuild(self, builder: ShapeBuilder, rebuilt: dict[tuple, Shape]) -> _UnitResult:
+    def rebuild(self, builder: ShapeBuilder, rebuilt: dict[tuple, Shape]) -> UnitResult:
         """Shapes from their cuts (`shape_from_cuts`: the same arithmetic, so the same figures),
         one object per distinct cut as the enumerating process shared them."""
         accepted = []
@@ -62,12 +62,43 @@ class PortableUnit:
             if shape is None:
                 shape = rebuilt[cut] = builder.shape_from_cuts(*cut)
             accepted.append((shape, variant, point))
-        return _UnitResult(accepted, self.rejections)
+        return UnitResult(accepted, self.rejections)
 
 
 def _cut_of(shape: Shape) -> tuple:
     return (shape.tensor_parallel, shape.micro_batch_size, shape.recompute, shape.pipeline_parallel,
             shape.chunks, shape.stage_layers, shape.v_placement)
+
+
+@dataclass
+class _Recorded:
+    """A value found once and the rejections found with it, replayed each time it is reused."""
+
+    value: list[int]
+    rejections: Rejections
+
+
+@dataclass
+class _Demands:
+    """The points of the families of one (t, b, p, schedule) and their memory demands
+    (`UnitContext._demands`)."""
+
+    per_d: list[tuple]  # (d, m, ZeRO stages, units or None, state bytes per ZeRO stage), largest d first
+    gradients_sharded: list[tuple[int, int, int]]  # ZeRO-2/3 points (d, m, stage)
+    rejections: Rejections  # what finding them rejected
+    step_of: dict[float, float]  # training bytes per parameter -> the optimizer step's
+
+    @cached_property
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(state bytes, step bytes) as columns and in-flight units (a row per rank's), one row per
+        ZeRO-0/1 point with whole interleaved rounds, in `_fit_points`' order: what
+        `StageMemory.per_rank_bytes` reads for all of them at once (most families are rejected
+        before it is needed)."""
+        per_d = self.per_d
+        states = [state for _, _, _, units, per_device in per_d if units is not None for state in per_device]
+        units = [units for _, _, zeros, units, _ in per_d if units is not None for _ in zeros]
+        steps = [self.step_of[state] for state in states]
+        return np.array(states)[:, None], np.array(steps)[:, None], rows_array(units)
 
 
 @dataclass(frozen=True)
@@ -120,11 +151,15 @@ class UnitContext:
         depths = [p for p in self._depths() if t * p <= self.max_devices and self._least_state_bytes(t, p) <= self.capacity]
         return len(depths) * len(self.space.variants) * len(self.space.recompute)
 
-    def enumerate_unit(self, builder: ShapeBuilder, t: int, b: int) -> _UnitResult:
+    def enumerate_unit(self, builder: ShapeBuilder, t: int, b: int) -> UnitResult:
         space = self.space
-        out = _UnitResult([], Rejections())
+        out = UnitResult([], Rejections())
         rejections = out.rejections
         max_devices, capacity = self.max_devices, self.capacity
+        # What does not depend on recomputation, found once per depth (and schedule) and replayed
+        # for each granularity: the degrees tried, the points and their memory demands.
+        degrees: dict[int, _Recorded] = {}
+        points: dict[tuple[int, ScheduleVariant], _Demands] = {}
         for granularity in space.recompute:
             for p in self._depths():
                 if t * p > max_devices:
@@ -142,11 +177,24 @@ class UnitContext:
                         f"{format_gib(self.budget.usable_bytes)} per device",
                     )
                     continue
-                ds = self._data_parallel_degrees(t * p, b, rejections)
-                if not ds:
+                ds = degrees.get(p)
+                if ds is None:
+                    ds = degrees[p] = _Recorded(self._data_parallel_degrees(t * p, b, found := Rejections()), found)
+                rejections.merge(ds.rejections)
+                if not ds.value:
                     continue
                 for variant in _variants_for(space.variants, p, recompute):
-                    self.enumerate_family(builder, FamilyKey(t, b, recompute, p, variant), ds, out)
+                    key, v = FamilyKey(t, b, recompute, p, variant), variant.chunks
+                    if p * v > builder.cuttable_layers:
+                        rejections.add(
+                            Rejection.TOO_FEW_LAYERS,
+                            f"p={p} x v={v} stages > {count(builder.cuttable_layers, 'layer')}", len(ds.value),
+                        )
+                        continue
+                    demands = points.get((p, variant))
+                    if demands is None:
+                        demands = points[(p, variant)] = self._demands(key, ds.value)
+                    self.enumerate_family(builder, key, demands, out)
         return out
 
     def _data_parallel_degrees(self, devices_per_replica: int, b: int, rejections: Rejections) -> list[int]:
@@ -180,23 +228,25 @@ class UnitContext:
                 ds.append(d)
         return ds
 
-    def enumerate_family(self, builder: ShapeBuilder, key: FamilyKey, ds: list[int], out: _UnitResult) -> None:
-        """The points of one family at the data-parallel degrees `ds`: each (shape, schedule, point)
-        that fits is appended to `out.accepted`, the others counted in `out.rejections`."""
-        p, v = key.pipeline_parallel, key.variant.chunks
-        if p * v > builder.cuttable_layers:
-            out.rejections.add(
-                Rejection.TOO_FEW_LAYERS, f"p={p} x v={v} stages > {count(builder.cuttable_layers, 'layer')}", len(ds)
-            )
-            return
-        per_d, gradients_sharded = self._points_by_d(key, ds, out.rejections)
+    def _demands(self, key: FamilyKey, ds: list[int]) -> "_Demands":
+        """The points at the data-parallel degrees `ds` of every family of this (t, b, p, schedule)
+        and their memory demands: the same whatever the recomputation."""
+        rejections = Rejections()
+        per_d, gradients_sharded = self._points_by_d(key, ds, rejections)
         dtype, kind = self.state_dtype, key.variant.kind
         step_of = {
             state: step_bytes(dtype, zero, d, kind)
             for d, _, zeros, units, per_device in per_d if units is not None
             for zero, state in zip(zeros, per_device)
         }
-        family = _Family(builder, key, self.capacity, per_d, step_of)
+        return _Demands(per_d, gradients_sharded, rejections, step_of)
+
+    def enumerate_family(self, builder: ShapeBuilder, key: FamilyKey, demands: "_Demands", out: UnitResult) -> None:
+        """The points of one family (`demands`, on a pipeline its layers can fill): each (shape,
+        schedule, point) that fits is appended to `out.accepted`, the others counted in `out.rejections`."""
+        out.rejections.merge(demands.rejections)
+        per_d, gradients_sharded, step_of = demands.per_d, demands.gradients_sharded, demands.step_of
+        family = _Family(builder, key, self.capacity, demands)
         self._fit_points(family, key, per_d, step_of, out)
         # Largest d first: a stage that does not fit at some d fits at no smaller one (its state
         # per parameter only grows as d shrinks, its in-flight micro-batches too, and d = 1 drops
@@ -264,7 +314,7 @@ class UnitContext:
         return per_d, gradients_sharded
 
     def _fit_points(
-        self, family: _Family, key: FamilyKey, per_d: list[tuple], step_of: dict[float, float], out: _UnitResult
+        self, family: _Family, key: FamilyKey, per_d: list[tuple], step_of: dict[float, float], out: UnitResult
     ) -> None:
         """Each ZeRO-0/1 point of the family on a cut that fits (accepted), or rejected for memory
         with the first example's figures."""
@@ -303,7 +353,7 @@ class UnitContext:
                 accepted.append((fitted, variant, (d, m, zero, state, units)))
 
     def _sharded_point(
-        self, family: "_Family", variant: ScheduleVariant, d: int, m: int, zero: int, out: _UnitResult
+        self, family: "_Family", variant: ScheduleVariant, d: int, m: int, zero: int, out: UnitResult
     ) -> bool:
         """A ZeRO-2/3 point of a one-stage family: its one cut fits, with the stage's transient
         whole tensors (`transient_bytes`), or is rejected for memory. Whether it fits."""
@@ -409,7 +459,7 @@ class _Family:
     both phases, which is what the remembered answers below rely on.
     """
 
-    def __init__(self, builder: ShapeBuilder, key: FamilyKey, capacity: float, per_d: list, step_of: dict) -> None:
+    def __init__(self, builder: ShapeBuilder, key: FamilyKey, capacity: float, demands: _Demands) -> None:
         t, b, recompute, p, variant = key.tensor_parallel, key.micro_batch_size, key.recompute, key.pipeline_parallel, key.variant
         self.builder = builder
         self.t, self.b, self.recompute, self.p, self.v = t, b, recompute, p, variant.chunks
@@ -419,8 +469,8 @@ class _Family:
         self.ranks = stage_ranks(p * variant.chunks, p, self.v_placement)
         self.capacity = capacity
         self.stages = p * variant.chunks
-        self._per_d = per_d  # (d, m, ZeRO stages, units or None, state bytes per ZeRO stage)
-        self.step_of: dict[float, float] = step_of  # training bytes per parameter -> the step's
+        self.demands = demands
+        self.step_of: dict[float, float] = demands.step_of  # training bytes per parameter -> the step's
         self._shape: Shape | None = None
         self._fits: dict[bool, list[bool]] = {}  # from_right -> whether that cut fits each point
         # Demands without any cut whose every virtual stage fits: a demand at least as large in
@@ -462,11 +512,7 @@ class _Family:
             shape = self.builder.shape(
                 self.t, self.b, self.recompute, self.p, self.v, from_right=from_right, v_placement=self.v_placement
             )
-            memory = shape.memory
-            states = [state for _, _, _, units, per_device in self._per_d if units is not None for state in per_device]
-            steps = [self.step_of[state] for state in states]
-            units = [units for _, _, zeros, units, _ in self._per_d if units is not None for _ in zeros]
-            per_rank = memory.per_rank_bytes(np.array(states)[:, None], np.array(steps)[:, None], units)
+            per_rank = shape.memory.per_rank_bytes(*self.demands.arrays)
             fits = self._fits[from_right] = (per_rank <= self.capacity).all(axis=1).tolist()
         return fits[index]
 

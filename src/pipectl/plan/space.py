@@ -33,13 +33,13 @@ from dataclasses import dataclass, field
 from pipectl.artifacts.plan import Engine, PlanRequest
 from pipectl.artifacts.profile import ModelProfile
 from pipectl.plan.candidates import Rejection, Rejections, ScheduleVariant, SearchSpace, Shape, ShapeBuilder, Spec, divisors
-from pipectl.plan.spec_costs import specs_from_points
+from pipectl.plan.spec_costs import point_bounds, specs_from_points
 from pipectl.plan.costs import TRANSFORMER_BLOCK, Hardware
 from pipectl.plan.frameworks import kept_together, recompute_offered, space_of
 from pipectl.plan.layer_table import offered_granularities
 from pipectl.plan.workers import share
 from pipectl.schedule import ScheduleKind
-from pipectl.plan.families import PortableUnit, UnitContext
+from pipectl.plan.families import PortableUnit, UnitContext, UnitResult
 
 DEFAULT_SCHEDULES = (ScheduleKind.ONE_F_ONE_B, ScheduleKind.GPIPE, ScheduleKind.INTERLEAVED, ScheduleKind.VARUNA)
 # Searched by default too when the plan is for PyTorch's pipelining runtime (engine torch): zero
@@ -171,26 +171,34 @@ def enumerate_specs(
         workers = 1
     shapes_elsewhere = 0
 
-    def elsewhere(unit: tuple[int, int]) -> tuple[PortableUnit, int]:
+    def here(unit: tuple[int, int]) -> tuple[UnitResult, list[float]]:
+        # Each unit's points are bounded where they were found (numpy over the points of one
+        # depth and schedule at once): only the bounds travel, not the per-rank figures.
+        result = context.enumerate_unit(builder, *unit)
+        return result, point_bounds(result.accepted, hardware, profile.dtype)
+
+    def elsewhere(unit: tuple[int, int]) -> tuple[PortableUnit, int, list[float]]:
         before = builder.shapes_built
-        result = context.enumerate_unit(builder, *unit).portable()
-        return result, builder.shapes_built - before
+        result, bounds = here(unit)
+        return result.portable(), builder.shapes_built - before, bounds
 
     rebuilt: dict[tuple, Shape] = {}
-    outcomes = share(units, weights, lambda unit: context.enumerate_unit(builder, *unit), elsewhere, workers=workers)
+    outcomes = share(units, weights, here, elsewhere, workers=workers)
     out = Enumeration()
     out.rejections.merge(unprofiled)
     accepted: list[tuple[Shape, ScheduleVariant, tuple[int, int, int, float, tuple[int, ...]]]] = []
+    bounds: list[float] = []
     for outcome in outcomes:  # in the units' order, as one process visits them: the same first examples
-        result = outcome.local
-        if result is None:
-            portable, built = outcome.remote
+        if outcome.local is not None:
+            result, found = outcome.local
+        else:
+            portable, built, found = outcome.remote
             shapes_elsewhere += built
             result = portable.rebuild(builder, rebuilt)
         out.rejections.merge(result.rejections)
         accepted += result.accepted
-    # Costed once every point is known: numpy works on all points of a pipeline depth at once.
-    out.specs = specs_from_points(accepted, hardware, profile.dtype)
+        bounds += found
+    out.specs = specs_from_points(accepted, hardware, profile.dtype, bounds)
     out.shapes = builder.shapes_built + shapes_elsewhere
     return out
 

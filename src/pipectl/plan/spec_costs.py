@@ -207,14 +207,15 @@ def specs_from_points(
     points: Sequence[tuple[Shape, ScheduleVariant, tuple[int, int, int, float, tuple[int, ...]]]],
     hardware: Hardware,
     dtype: str,
+    bounds: Sequence[float] | None = None,
 ) -> list[Spec]:
     """The specs of (shape, schedule, (d, m, ZeRO stage, state bytes per parameter, in-flight units)), in order.
 
-    Each gets what `data_parallel_costs`, `lower_bound_seconds` and `StageMemory.per_rank_bytes`
-    give it alone, computed for every point of the same pipeline depth and schedule at once: one
-    row per point, the same float64 operations in the same order on every element (a row's
-    maximum does not depend on the order), so the same values. The search at scale builds ~10^4
-    specs; one call per point would spend most of its time in numpy's per-call overhead.
+    Each gets its lower bound (`point_bounds`, unless the caller computed `bounds` already) and
+    the per-rank figures that `data_parallel_costs` and `StageMemory.per_rank_bytes` give it
+    alone, computed on first read: a search at scale builds ~10^5 specs and reads them for the
+    few hundred it simulates or records. A row is computed by the same code as many rows at once
+    (element-wise float64 operations), so it has the same values.
 
         >>> from pipectl.testing.profiles import synthetic_profile
         >>> from pipectl.cluster import local_cluster
@@ -230,26 +231,55 @@ def specs_from_points(
         >>> (one.data_parallel, one.micro_batches, one.zero_stage), two.peak_memory_bytes[0] > one.peak_memory_bytes[0]
         ((2, 4, 1), True)
     """
+    if bounds is None:
+        bounds = point_bounds(points, hardware, dtype)
+    tied_rows: dict[tuple, np.ndarray] = {}
+
+    def row(index: int) -> tuple[tuple[int, ...], tuple[float, ...], tuple[float, ...]]:
+        shape, variant, point = points[index]
+        peak, allreduce, optimizer, _ = _figures_of_one_depth([shape], variant, [point], hardware, dtype, tied_rows)
+        return tuple(peak[0].tolist()), tuple(allreduce[0].tolist()), tuple(optimizer[0].tolist())
+
+    figures = SpecFigures(row)
+    return [
+        Spec(shape, d, m, variant, zero, bound, figures, i)
+        for i, ((shape, variant, (d, m, zero, _, _)), bound) in enumerate(zip(points, bounds))
+    ]
+
+
+def point_bounds(
+    points: Sequence[tuple[Shape, ScheduleVariant, tuple[int, int, int, float, tuple[int, ...]]]],
+    hardware: Hardware,
+    dtype: str,
+) -> list[float]:
+    """The lower bound of each point (as `specs_from_points` takes them), computed for every point
+    of the same pipeline depth and schedule at once: one row per point, the same float64
+    operations in the same order on every element (a row's maximum does not depend on the
+    order), so the same values however the points are grouped. One call per point would spend
+    most of its time in numpy's per-call overhead."""
     groups: dict[tuple[int, ScheduleVariant], list[int]] = {}
     for index, (shape, variant, _) in enumerate(points):
         groups.setdefault((shape.pipeline_parallel, variant), []).append(index)
-    specs: list[Spec | None] = [None] * len(points)
+    bounds = [0.0] * len(points)
     # The tied all-reduce only depends on these figures: (holding ranks and sizes, p, t, d) -> row.
     tied_rows: dict[tuple, np.ndarray] = {}
     for (_, variant), indices in groups.items():
-        built = _specs_of_one_depth(
-            [points[i][0] for i in indices], variant, [points[i][2] for i in indices], hardware, dtype, tied_rows
+        *_, found = _figures_of_one_depth(
+            [points[i][0] for i in indices], variant, [points[i][2] for i in indices], hardware, dtype, tied_rows,
+            peaks=False,
         )
-        for index, spec in zip(indices, built):
-            specs[index] = spec
-    return specs  # type: ignore[return-value]
+        for index, bound in zip(indices, found.tolist()):
+            bounds[index] = bound
+    return bounds
 
 
-def _specs_of_one_depth(
+def _figures_of_one_depth(
     shapes: list[Shape], variant: ScheduleVariant, points: list[tuple[int, int, int, float, tuple[int, ...]]],
-    hardware: Hardware, dtype: str, tied_rows: dict[tuple, np.ndarray],
-) -> list[Spec]:
-    """`specs_from_points` for points whose shapes all have the same p (rows of equal width)."""
+    hardware: Hardware, dtype: str, tied_rows: dict[tuple, np.ndarray], *, peaks: bool = True,
+) -> tuple[np.ndarray | None, np.ndarray, np.ndarray, np.ndarray]:
+    """(peak reserved bytes, all-reduce seconds, optimizer seconds) per rank, one row per point,
+    and each point's lower bound, for points whose shapes all have the same p (rows of equal
+    width); the peaks only when asked (None otherwise)."""
     distinct: dict[int, int] = {}
     for shape in shapes:
         distinct.setdefault(id(shape), len(distinct))
@@ -258,9 +288,6 @@ def _specs_of_one_depth(
     kind = variant.kind
     # Per shape (one row each), then one row per point by look-up.
     parameters = np.array([shape.memory.parameters for shape in unique])[row_of]
-    unit_bytes = np.array([shape.memory.unit_bytes for shape in unique])[row_of]
-    buffer_bytes = np.array([shape.memory.recompute_buffer_bytes for shape in unique])[row_of]
-    working_bytes = np.array([shape.memory.working_bytes for shape in unique])[row_of]
     work = np.array([_work_per_rank(shape, kind) for shape in unique])[row_of]
     shape_chains = [chains(shape) for shape in unique]
     forward_chain = np.array([forward for forward, _ in shape_chains])[row_of]
@@ -269,20 +296,26 @@ def _specs_of_one_depth(
     ds = np.array([point[0] for point in points], dtype=np.int64)[:, None]
     micro_batches = np.array([point[1] for point in points], dtype=np.int64)[:, None]
     sharded = np.array([point[2] >= 1 for point in points])[:, None]
-    per_device = np.array([point[3] for point in points], dtype=float)[:, None]
-    units = np.array([point[4] for point in points], dtype=np.int64)
     held = state_dtype(dtype, hardware.features)  # the model state's bytes; `dtype` the collectives'
-    per_step = np.array([step_bytes(held, zero, d, kind) for d, _, zero, _, _ in points], dtype=float)[:, None]
     # ZeRO-2/3 points (p = 1 only): their whole tensors on top, and their own communication below.
     gradients_sharded = [i for i, point in enumerate(points) if point[2] >= 2]
-    transient: np.ndarray | float = 0.0
-    if gradients_sharded:
-        transient = np.array(
-            [transient_bytes(shape, held, zero, d) for shape, (d, _, zero, _, _) in zip(shapes, points)]
-        )[:, None]
-    # `StageMemory.per_rank_bytes`, one row per point; reported as the allocator's reserve.
-    allocated = peak_bytes(parameters, unit_bytes, buffer_bytes, working_bytes, per_device, per_step, units, transient)
-    peak = hardware.memory_budget.reserved(allocated)
+    peak = None
+    if peaks:
+        unit_bytes = np.array([shape.memory.unit_bytes for shape in unique])[row_of]
+        buffer_bytes = np.array([shape.memory.recompute_buffer_bytes for shape in unique])[row_of]
+        working_bytes = np.array([shape.memory.working_bytes for shape in unique])[row_of]
+        per_device = np.array([point[3] for point in points], dtype=float)[:, None]
+        units = rows_array([point[4] for point in points])
+        per_step = np.array([step_bytes(held, zero, d, kind) for d, _, zero, _, _ in points], dtype=float)[:, None]
+        transient: np.ndarray | float = 0.0
+        if gradients_sharded:
+            transient = np.array(
+                [transient_bytes(shape, held, zero, d) for shape, (d, _, zero, _, _) in zip(shapes, points)]
+            )[:, None]
+        # `StageMemory.per_rank_bytes`, one row per point; reported as the allocator's reserve
+        # (int64: truncation, as int() does).
+        allocated = peak_bytes(parameters, unit_bytes, buffer_bytes, working_bytes, per_device, per_step, units, transient)
+        peak = hardware.memory_budget.reserved(allocated).astype(np.int64)
     overlapped = hardware.features is not None and hardware.features.gradient_reduce_overlap
     if hardware.runtime is not None or overlapped:  # rank by rank (measured terms; another engine's overlap)
         costs = [
@@ -298,16 +331,22 @@ def _specs_of_one_depth(
             d, m, zero, _, _ = points[i]
             allreduce[i], optimizer[i] = data_parallel_costs(shapes[i], hardware, d, zero, dtype, m)
     if kind is ScheduleKind.PIPEDREAM_2BW:  # priced per update in steady state
-        bounds = two_bw_bound_seconds(work, micro_batches, allreduce, optimizer).tolist()
+        bounds = two_bw_bound_seconds(work, micro_batches, allreduce, optimizer)
     elif kind.splits_backward:  # a rank's last W's have no B-chain after them
-        bounds = zero_bubble_bound_seconds(forward_chain, work, micro_batches, allreduce, optimizer).tolist()
+        bounds = zero_bubble_bound_seconds(forward_chain, work, micro_batches, allreduce, optimizer)
     else:
-        bounds = chain_bound_seconds(forward_chain, backward_chain, work, micro_batches, allreduce, optimizer).tolist()
-    figures = SpecFigures(peak.astype(np.int64), allreduce, optimizer)  # int64: truncation, as int() does
-    return [
-        Spec(shape, d, m, variant, zero, bounds[i], figures, i)
-        for i, (shape, (d, m, zero, _, _)) in enumerate(zip(shapes, points))
-    ]
+        bounds = chain_bound_seconds(forward_chain, backward_chain, work, micro_batches, allreduce, optimizer)
+    return peak, allreduce, optimizer, bounds
+
+
+def rows_array(rows: Sequence[tuple[int, ...]]) -> np.ndarray:
+    """An int64 array of equal-length tuples, one row each. A search's rows repeat (the in-flight
+    units of one (schedule, p, m)): each distinct tuple is converted once, then indexed."""
+    if not rows:
+        return np.zeros((0, 0), dtype=np.int64)
+    index: dict[tuple[int, ...], int] = {}
+    positions = [index.setdefault(row, len(index)) for row in rows]
+    return np.array(list(index), dtype=np.int64).reshape(len(index), -1)[positions]
 
 
 def _data_parallel_costs_over(
