@@ -67,13 +67,24 @@ def test_each_entry_is_the_exhaustive_fastest_on_at_most_its_count(cluster, batc
         assert entry.candidate.predicted_step_seconds == pytest.approx(best)
 
 
+def _pool(*specs):
+    """Stand-ins with a bound, a device count and a step time, as the morph table's loop reads them."""
+    from pipectl.plan.spec_pool import SpecPool
+
+    n = len(specs)
+    return SpecPool.build(
+        n, specs.__getitem__, bounds=[s.lower_bound_seconds for s in specs], devices=[s.devices for s in specs],
+        pipeline_parallel=[1] * n, zero_stages=[0] * n, deepspeed=[True] * n, torch=[True] * n,
+    )
+
+
 def test_a_tie_within_one_entry_keeps_the_smaller_job():
     from types import SimpleNamespace
 
     larger = SimpleNamespace(devices=16, lower_bound_seconds=1.0, step=10.0)
     smaller = SimpleNamespace(devices=12, lower_bound_seconds=2.0, step=10.0)
     evaluator = SimpleNamespace(step_seconds=lambda spec: spec.step, tighter_bound_seconds=lambda spec: spec.lower_bound_seconds)
-    best = fastest_per_device_count([larger, smaller], evaluator, [8, 16])
+    best = fastest_per_device_count(_pool(larger, smaller), evaluator, [8, 16])
     assert best[16][1] is smaller
 
 
@@ -106,7 +117,7 @@ def test_a_rounding_level_tie_keeps_the_first_found_plan():
     tied = SimpleNamespace(devices=8, lower_bound_seconds=2.0, step=10.0 * (1 - 1e-14))
     faster = SimpleNamespace(devices=16, lower_bound_seconds=3.0, step=9.0)
     evaluator = SimpleNamespace(step_seconds=lambda spec: spec.step, tighter_bound_seconds=lambda spec: spec.lower_bound_seconds)
-    best = fastest_per_device_count([tied, faster, first], evaluator, list(range(1, 17)))
+    best = fastest_per_device_count(_pool(tied, faster, first), evaluator, list(range(1, 17)))
     assert best[8][1] is first
     assert best[16][1] is faster
 

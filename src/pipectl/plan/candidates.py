@@ -150,6 +150,16 @@ def _torch_runs(variant: ScheduleVariant, zero_stage: int, t: int, recompute: Re
     return torch_runnable(variant.kind, recomputes) and t == 1 and one_replica and zero_stage <= 1
 
 
+def engines_running(shape: Shape, variant: ScheduleVariant, zero_stage: int, data_parallel: int) -> tuple[bool, bool]:
+    """(whether DeepSpeed's pipeline engine runs it, whether torch's pipelining runtime does): a
+    spec's `deepspeed_runnable` and `torch_runnable` from its figures."""
+    t, recompute = shape.tensor_parallel, shape.recompute
+    return (
+        _deepspeed_runs(variant, zero_stage, shape.pipeline_parallel, t, recompute),
+        _torch_runs(variant, zero_stage, t, recompute, data_parallel == 1),
+    )
+
+
 @dataclass(frozen=True, init=False)
 class Spec:
     """A candidate before simulation; its per-rank figures are row `row` of `figures`."""

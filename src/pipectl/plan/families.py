@@ -7,8 +7,8 @@ that fills later stages first and then the memory-constrained partition before i
 its reason (`_fitting_shape`). A point whose demands are no laxer than one already refused is
 refused without partitioning again (`_Family`). Families come in (t, b) units (`UnitContext`) that
 share nothing but read-only inputs, so `plan.space.enumerate_specs` can spread them over processes
-(`pipectl.plan.workers`); a unit's result travels as cuts (`PortableUnit`) and is rebuilt with the
-same arithmetic.
+(`pipectl.plan.workers`); a unit's result travels as cuts (`PortableUnit`), each shape rebuilt with
+the same arithmetic when a spec on it is read (`plan.space`).
 """
 
 from __future__ import annotations
@@ -52,17 +52,6 @@ class UnitResult:
 class PortableUnit:
     accepted: list[tuple[tuple, ScheduleVariant, tuple[int, int, int, float, tuple[int, ...]]]]
     rejections: Rejections
-
-    def rebuild(self, builder: ShapeBuilder, rebuilt: dict[tuple, Shape]) -> UnitResult:
-        """Shapes from their cuts (`shape_from_cuts`: the same arithmetic, so the same figures),
-        one object per distinct cut as the enumerating process shared them."""
-        accepted = []
-        for cut, variant, point in self.accepted:
-            shape = rebuilt.get(cut)
-            if shape is None:
-                shape = rebuilt[cut] = builder.shape_from_cuts(*cut)
-            accepted.append((shape, variant, point))
-        return UnitResult(accepted, self.rejections)
 
 
 def _cut_of(shape: Shape) -> tuple:
@@ -241,7 +230,7 @@ class UnitContext:
         }
         return _Demands(per_d, gradients_sharded, rejections, step_of)
 
-    def enumerate_family(self, builder: ShapeBuilder, key: FamilyKey, demands: "_Demands", out: UnitResult) -> None:
+    def enumerate_family(self, builder: ShapeBuilder, key: FamilyKey, demands: _Demands, out: UnitResult) -> None:
         """The points of one family (`demands`, on a pipeline its layers can fill): each (shape,
         schedule, point) that fits is appended to `out.accepted`, the others counted in `out.rejections`."""
         out.rejections.merge(demands.rejections)

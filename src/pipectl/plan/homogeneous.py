@@ -20,6 +20,9 @@ import heapq
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
 
 from pipectl.artifacts.plan import Candidate, Engine, ModelShape, Objective, Plan, PlanRequest, runtime_runs_zero
 from pipectl.artifacts.profile import ModelProfile
@@ -31,6 +34,7 @@ from pipectl.plan.evaluate import Evaluator
 from pipectl.plan.frameworks import check_framework_request
 from pipectl.plan.morph_table import morph_table
 from pipectl.plan.space import Enumeration, enumerate_specs, search_space, tensor_parallel_possible
+from pipectl.plan.spec_pool import SpecPool
 from pipectl.plan.workers import available_workers
 from pipectl.schedule import ScheduleKind, deepspeed_runnable
 from pipectl.words import count
@@ -211,6 +215,22 @@ class Goal:
     def bound_key(self, spec: Spec) -> tuple:
         return self.key(spec, spec.lower_bound_seconds)
 
+    def bound_order(self, pool: SpecPool) -> np.ndarray:
+        """The pool's positions by `bound_key`, ties in the pool's order (as a stable sort by that
+        key): its columns through the same float64 operations as `key`, so the same keys."""
+        bounds = pool.bounds
+        if self.objective is Objective.TIME:
+            return np.argsort(bounds, kind="stable")
+        cost = self.hardware.price_per_device_hour * pool.devices * bounds / 3600 / self.global_batch
+        if self.objective is Objective.COST:
+            return np.lexsort((bounds, cost))
+        if self.steps_needed is None or self.deadline_seconds is None:
+            meets = np.ones(len(bounds), dtype=bool)
+        else:
+            meets = bounds * self.steps_needed <= self.deadline_seconds
+        # (0, cost, step) where the deadline is met, else (1, step): the same order as those tuples.
+        return np.lexsort((np.where(meets, bounds, 0.0), np.where(meets, cost, bounds), ~meets))
+
     def meets_deadline(self, step: float) -> bool:
         if self.steps_needed is None or self.deadline_seconds is None:
             return True
@@ -244,30 +264,32 @@ class Ranking:
         return self.top_runnable[0] if self.top_runnable else None
 
 
-def rank(specs: list[Spec], goal: Goal, evaluator: Evaluator, *, keep: int, exhaustive: bool,
+def rank(specs: Sequence[Spec], goal: Goal, evaluator: Evaluator, *, keep: int, exhaustive: bool,
          engine: Engine) -> Ranking:
     """Branch and bound over specs sorted by their bound key; see the module docstring. The best
     `keep` specs `engine` runs are kept too (`top_runnable`; any engine: every spec runs), so that a
     plan lists alternatives it can launch even where faster ones no engine runs fill the top."""
+    pool = SpecPool.of(specs)
     need_runnable = engine is not Engine.ANY
-    ordered = sorted(specs, key=goal.bound_key)
+    runs = pool.runs_on(engine).tolist()
     heap: list[tuple] = []  # max-heap of the kept keys (negated), with a tie-breaking counter
     runnable: list[tuple] = []  # the same for the specs `engine` runs
     simulated = 0
-    for index, spec in enumerate(ordered):
+    for index, position in enumerate(goal.bound_order(pool).tolist()):
+        spec = pool[position]
         bound = goal.bound_key(spec)
         if not exhaustive and len(heap) >= keep and bound >= _unnegate(heap[0][0]):
             runnable_full = len(runnable) >= keep and bound >= _unnegate(runnable[0][0])
             if not need_runnable or runnable_full:
                 break
-            if not spec.runs_on(engine):
+            if not runs[position]:
                 continue  # it can enter neither the top k nor the runnable top k: not timed
         step = evaluator.step_seconds(spec)
         simulated += 1
         key = goal.key(spec, step)
         entry = (_negate(key), index, spec, step)
         _keep(heap, entry, keep, exhaustive)
-        if spec.runs_on(engine):
+        if runs[position]:
             _keep(runnable, entry, keep, exhaustive)
     return Ranking(_best_first(heap), _best_first(runnable), simulated)
 
@@ -329,9 +351,9 @@ def plan_homogeneous(
     engine = request.target_engine
     evaluator = Evaluator(hardware, request.global_batch, engine=engine, framework=request.framework)
     goal = goal_for(request, profile, hardware)
-    pool = [spec for spec in enumeration.specs if spec.devices <= devices]
+    pool = enumeration.specs.take(enumeration.specs.devices <= devices)
     plan_notes = [*(notes or []), *_hardware_notes(profile, hardware)]
-    if not pool:
+    if not len(pool):
         raise InfeasibleError(_nothing_fits(request, enumeration.rejections, devices))
     ranking = rank(
         pool, goal, evaluator, keep=request.top, exhaustive=request.include_all, engine=engine
@@ -487,11 +509,12 @@ def _zero_not_run(spec: Spec) -> bool:
     )
 
 
-def _best_of(specs: list[Spec], goal: Goal, evaluator: Evaluator) -> tuple[tuple, Spec, float] | None:
-    """The best of `specs` by the goal: branch and bound as `rank` with k = 1 (times a spec only
+def _best_of(pool: SpecPool, goal: Goal, evaluator: Evaluator) -> tuple[tuple, Spec, float] | None:
+    """The best of the pool by the goal: branch and bound as `rank` with k = 1 (times a spec only
     while its bound can beat the best found)."""
     best = None
-    for spec in sorted(specs, key=goal.bound_key):
+    for position in goal.bound_order(pool).tolist():
+        spec = pool[position]
         if best is not None and goal.bound_key(spec) >= best[0]:
             break
         step = evaluator.step_seconds(spec)
@@ -502,7 +525,7 @@ def _best_of(specs: list[Spec], goal: Goal, evaluator: Evaluator) -> tuple[tuple
 
 
 def _gradient_sharded_comparison(
-    pool: list[Spec], goal: Goal, evaluator: Evaluator, chosen: tuple[tuple, Spec, float], request: PlanRequest
+    pool: SpecPool, goal: Goal, evaluator: Evaluator, chosen: tuple[tuple, Spec, float], request: PlanRequest
 ) -> tuple[list[tuple[tuple, Spec, float]], list[str]]:
     """Per ZeRO stage 2 or 3 asked for: its best candidate (p = 1 only) and a note saying whether
     it beats the best candidate pipectl's runtime can run (the chosen one, unless --any-engine chose
@@ -514,11 +537,11 @@ def _gradient_sharded_comparison(
     if not stages:
         return entries, notes
     runnable = chosen if chosen[1].deepspeed_runnable else _best_of(
-        [spec for spec in pool if spec.deepspeed_runnable], goal, evaluator
+        pool.take(pool.deepspeed_runnable), goal, evaluator
     )
     for stage in stages:
         label = f"ZeRO-{stage} (planned at p = 1 only: DeepSpeed's pipeline engine refuses it with p > 1)"
-        best = _best_of([spec for spec in pool if spec.zero_stage == stage], goal, evaluator)
+        best = _best_of(pool.take(pool.zero_stages == stage), goal, evaluator)
         if best is None:
             notes.append(f"{label}: no one-stage layout with ZeRO-{stage} fits")
             continue

@@ -36,12 +36,14 @@ together time 6 specs more than the one loop (167 simulations in all against 161
 from __future__ import annotations
 
 from bisect import bisect_left
+from typing import Sequence
 
 import numpy as np
 
 from pipectl.artifacts.plan import Candidate, MorphEntry, PlanRequest
 from pipectl.plan.candidates import Spec
 from pipectl.plan.evaluate import Evaluator
+from pipectl.plan.spec_pool import SpecPool
 from pipectl.plan.workers import available_workers, share
 
 
@@ -89,7 +91,7 @@ def table_counts(request: PlanRequest, devices_per_node: int, max_devices: int) 
     return sorted(counts)
 
 
-def fastest_per_device_count(specs: list[Spec], evaluator: Evaluator, counts: list[int], *,
+def fastest_per_device_count(specs: Sequence[Spec], evaluator: Evaluator, counts: list[int], *,
                              workers: int = 1) -> dict[int, tuple[float, Spec]]:
     """For each table count c (`counts`, ascending): the fastest spec on more devices than the
     count before c and at most c, if it can matter.
@@ -99,13 +101,13 @@ def fastest_per_device_count(specs: list[Spec], evaluator: Evaluator, counts: li
     """
     if not counts:
         return {}
+    pool = SpecPool.of(specs)
     if workers > 1:
-        _time_ahead(specs, evaluator, counts)
+        _time_ahead(pool, evaluator, counts)
     known = PrefixMinimum(len(counts))
     lowest = np.full(len(counts), np.inf)  # per count, the fastest step found on exactly its devices
     best: dict[int, tuple[float, Spec]] = {}
-    bounds = np.fromiter((s.lower_bound_seconds for s in specs), dtype=float, count=len(specs))
-    devices = np.fromiter((s.devices for s in specs), dtype=np.int64, count=len(specs))
+    bounds, devices = pool.bounds, pool.devices
     # By bound, then devices (a stable sort: ties keep the specs' order); beyond the last count none serves.
     order = np.lexsort((devices, bounds))
     order = order[devices[order] <= counts[-1]]
@@ -116,7 +118,7 @@ def fastest_per_device_count(specs: list[Spec], evaluator: Evaluator, counts: li
         # not below it now is skipped below too, so it is left out here at once.
         chunk = chunk[bounds[chunk] < np.minimum.accumulate(lowest)[positions[chunk]]].tolist()
         for index in chunk:
-            spec, position = specs[index], int(positions[index]) + 1  # 1-based
+            spec, position = pool[index], int(positions[index]) + 1  # 1-based
             fastest_known = known.minimum(position)
             if fastest_known <= spec.lower_bound_seconds:
                 continue
@@ -145,21 +147,21 @@ PARALLEL_SPECS = 2000
 LIKELY_TIMED = 0.01
 
 
-def _time_ahead(specs: list[Spec], evaluator: Evaluator, counts: list[int]) -> None:
+def _time_ahead(specs: SpecPool, evaluator: Evaluator, counts: list[int]) -> None:
     """Time in two processes what `fastest_per_device_count` will ask for (module docstring)."""
-    pool = [spec for spec in specs if spec.devices <= counts[-1]]
+    pool = specs.take(specs.devices <= counts[-1])
     if len(pool) < PARALLEL_SPECS:
         return
     split = counts[bisect_left(counts, _split_count(pool))]  # at a table count: the parts share no entry
-    parts = [[spec for spec in pool if spec.devices <= split], [spec for spec in pool if spec.devices > split]]
-    if not all(parts):
+    parts = [pool.take(pool.devices <= split), pool.take(pool.devices > split)]
+    if not all(len(part) for part in parts):
         return
 
-    def here(part: list[Spec]) -> bool:
+    def here(part: SpecPool) -> bool:
         fastest_per_device_count(part, evaluator, counts)
         return True
 
-    def elsewhere(part: list[Spec]) -> tuple:
+    def elsewhere(part: SpecPool) -> tuple:
         simulations, actions = evaluator.simulations, evaluator.simulated_actions
         fastest_per_device_count(part, evaluator, counts)
         return evaluator.timings(), evaluator.simulations - simulations, evaluator.simulated_actions - actions
@@ -169,40 +171,34 @@ def _time_ahead(specs: list[Spec], evaluator: Evaluator, counts: list[int]) -> N
             evaluator.adopt(*outcome.remote)
 
 
-def _split_count(pool: list[Spec]) -> int:
+def _split_count(pool: SpecPool) -> int:
     """A device count that about halves the timing work ahead: p² summed over the specs likely to be
     timed (bound within `LIKELY_TIMED` of the least bound on as many devices or fewer). The fast
     paths skip a step's repeating middle (`pipectl.plan.fast.periodic`); what they evaluate, the
     fill and the drain, is p ranks by about p micro-batches in flight."""
-    least_at: dict[int, float] = {}
-    for spec in pool:
-        least_at[spec.devices] = min(least_at.get(spec.devices, float("inf")), spec.lower_bound_seconds)
-    least = float("inf")
-    for count in sorted(least_at):
-        least = least_at[count] = min(least, least_at[count])
-    likely = sorted(
-        (spec.devices, spec.shape.pipeline_parallel ** 2) for spec in pool
-        if spec.lower_bound_seconds <= least_at[spec.devices] * (1 + LIKELY_TIMED)
-    )
-    half = sum(work for _, work in likely) / 2
-    done = 0
-    for count, work in likely:
-        done += work
-        if done >= half:
-            return count
-    return max(spec.devices for spec in pool)
+    counts, at = np.unique(pool.devices, return_inverse=True)
+    least = np.full(len(counts), np.inf)
+    np.minimum.at(least, at, pool.bounds)
+    least = np.minimum.accumulate(least)  # the least bound on as many devices or fewer
+    likely = pool.bounds <= least[at] * (1 + LIKELY_TIMED)
+    if not likely.any():
+        return int(pool.devices.max())
+    order = np.argsort(pool.devices[likely], kind="stable")
+    work = np.cumsum(pool.pipeline_parallel[likely][order] ** 2)  # integers: exact
+    return int(pool.devices[likely][order][np.searchsorted(work, work[-1] / 2, side="left")])
 
 
 def morph_table(
-    specs: list[Spec], evaluator: Evaluator, max_devices: int, request: PlanRequest, devices_per_node: int
+    specs: Sequence[Spec], evaluator: Evaluator, max_devices: int, request: PlanRequest, devices_per_node: int
 ) -> list[MorphEntry]:
     """One entry per table count (`table_counts`) from the smallest that fits up to `max_devices`."""
-    pool = [s for s in specs if s.runs_on(request.target_engine)]
+    pool = SpecPool.of(specs)
+    pool = pool.take(pool.runs_on(request.target_engine))
     counts = table_counts(request, devices_per_node, max_devices)
     best = fastest_per_device_count(pool, evaluator, counts, workers=request.workers or available_workers())
     if not best:
         return []
-    exact_counts = {spec.devices for spec in pool}
+    exact_counts = set(pool.devices.tolist())
     entries: list[MorphEntry] = []
     candidates: dict[tuple, Candidate] = {}
     first = min(best)

@@ -29,14 +29,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 
 from pipectl.artifacts.plan import Engine, PlanRequest
 from pipectl.artifacts.profile import ModelProfile
-from pipectl.plan.candidates import Rejection, Rejections, ScheduleVariant, SearchSpace, Shape, ShapeBuilder, Spec, divisors
-from pipectl.plan.spec_costs import point_bounds, specs_from_points
+from pipectl.plan.candidates import (
+    Rejection, Rejections, ScheduleVariant, SearchSpace, Shape, ShapeBuilder, Spec, divisors, engines_running,
+)
+from pipectl.plan.spec_costs import point_bounds, spec_figures
 from pipectl.plan.costs import TRANSFORMER_BLOCK, Hardware
 from pipectl.plan.frameworks import kept_together, recompute_offered, space_of
 from pipectl.plan.layer_table import offered_granularities
+from pipectl.plan.spec_pool import SpecPool
 from pipectl.plan.workers import share
 from pipectl.schedule import ScheduleKind
 from pipectl.plan.families import PortableUnit, UnitContext, UnitResult
@@ -142,7 +147,7 @@ def search_space(request: PlanRequest, profile: ModelProfile, hardware: Hardware
 
 @dataclass
 class Enumeration:
-    specs: list[Spec] = field(default_factory=list)
+    specs: SpecPool = field(default_factory=lambda: SpecPool.of([]))
     rejections: Rejections = field(default_factory=Rejections)
     shapes: int = 0
 
@@ -170,37 +175,78 @@ def enumerate_specs(
     if sum(weights) < PARALLEL_MIN_FAMILIES:
         workers = 1
     shapes_elsewhere = 0
+    tied_rows: dict[tuple, np.ndarray] = {}  # `point_bounds`' look-ups, kept across the units of a process
 
-    def here(unit: tuple[int, int]) -> tuple[UnitResult, list[float]]:
-        # Each unit's points are bounded where they were found (numpy over the points of one
-        # depth and schedule at once): only the bounds travel, not the per-rank figures.
+    def here(unit: tuple[int, int]) -> tuple[UnitResult, tuple[np.ndarray, ...]]:
+        # Each unit's points get their columns where they were found (the bounds by numpy over
+        # the points of one depth and schedule at once): only those travel, not per-rank figures.
         result = context.enumerate_unit(builder, *unit)
-        return result, point_bounds(result.accepted, hardware, profile.dtype)
+        return result, _columns(result.accepted, hardware, profile.dtype, tied_rows)
 
-    def elsewhere(unit: tuple[int, int]) -> tuple[PortableUnit, int, list[float]]:
+    def elsewhere(unit: tuple[int, int]) -> tuple[PortableUnit, int, tuple[np.ndarray, ...]]:
         before = builder.shapes_built
-        result, bounds = here(unit)
-        return result.portable(), builder.shapes_built - before, bounds
+        result, columns = here(unit)
+        return result.portable(), builder.shapes_built - before, columns
 
-    rebuilt: dict[tuple, Shape] = {}
     outcomes = share(units, weights, here, elsewhere, workers=workers)
     out = Enumeration()
     out.rejections.merge(unprofiled)
-    accepted: list[tuple[Shape, ScheduleVariant, tuple[int, int, int, float, tuple[int, ...]]]] = []
-    bounds: list[float] = []
+    # (shape, or the cut to rebuild it from when another process found it; schedule; point)
+    entries: list[tuple[Shape | tuple, ScheduleVariant, tuple[int, int, int, float, tuple[int, ...]]]] = []
+    columns: list[tuple[np.ndarray, ...]] = []
     for outcome in outcomes:  # in the units' order, as one process visits them: the same first examples
         if outcome.local is not None:
             result, found = outcome.local
         else:
-            portable, built, found = outcome.remote
+            result, built, found = outcome.remote
             shapes_elsewhere += built
-            result = portable.rebuild(builder, rebuilt)
         out.rejections.merge(result.rejections)
-        accepted += result.accepted
-        bounds += found
-    out.specs = specs_from_points(accepted, hardware, profile.dtype, bounds)
+        entries += result.accepted
+        columns.append(found)
+    bounds, devices, depths, zeros, deepspeed, torch = (
+        [np.concatenate(column) for column in zip(*columns)] if columns else [np.zeros(0)] * 6
+    )
+    rebuilt: dict[tuple, Shape] = {}  # one shape per distinct cut, as the process that found them shared them
+
+    def point_of(index: int) -> tuple[Shape, ScheduleVariant, tuple[int, int, int, float, tuple[int, ...]]]:
+        shape, variant, point = entries[index]
+        if not isinstance(shape, Shape):  # a cut: `shape_from_cuts` is the same arithmetic, so the same figures
+            cut = shape
+            shape = rebuilt.get(cut)
+            if shape is None:
+                shape = rebuilt[cut] = builder.shape_from_cuts(*cut)
+            entries[index] = (shape, variant, point)
+        return shape, variant, point
+
+    figures = spec_figures(point_of, hardware, profile.dtype)
+
+    def spec(index: int) -> Spec:
+        shape, variant, (d, m, zero, _, _) = point_of(index)
+        return Spec(shape, d, m, variant, zero, float(bounds[index]), figures, index)
+
+    out.specs = SpecPool.build(
+        len(entries), spec, bounds=bounds, devices=devices, pipeline_parallel=depths, zero_stages=zeros,
+        deepspeed=deepspeed, torch=torch,
+    )
     out.shapes = builder.shapes_built + shapes_elsewhere
     return out
+
+
+def _columns(
+    accepted: list[tuple[Shape, ScheduleVariant, tuple[int, int, int, float, tuple[int, ...]]]],
+    hardware: Hardware, dtype: str, tied_rows: dict[tuple, np.ndarray],
+) -> tuple[np.ndarray, ...]:
+    """What `SpecPool` reads of each accepted point: (lower bound, devices, p, ZeRO stage, whether
+    DeepSpeed runs it, whether torch's pipelining runs it)."""
+    runs = [engines_running(shape, variant, point[2], point[0]) for shape, variant, point in accepted]
+    return (
+        np.array(point_bounds(accepted, hardware, dtype, tied_rows), dtype=float),
+        np.array([shape.tensor_parallel * shape.pipeline_parallel * point[0] for shape, _, point in accepted], dtype=np.int64),
+        np.array([shape.pipeline_parallel for shape, _, _ in accepted], dtype=np.int64),
+        np.array([point[2] for _, _, point in accepted], dtype=np.int64),
+        np.array([deepspeed for deepspeed, _ in runs], dtype=bool),
+        np.array([torch for _, torch in runs], dtype=bool),
+    )
 
 
 # Below this many (t, b, recompute, p, schedule) families a search takes tens of milliseconds:

@@ -7,7 +7,7 @@ micro-batches in flight, and the specs themselves with their lower bounds (`cand
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -233,24 +233,35 @@ def specs_from_points(
     """
     if bounds is None:
         bounds = point_bounds(points, hardware, dtype)
-    tied_rows: dict[tuple, np.ndarray] = {}
-
-    def row(index: int) -> tuple[tuple[int, ...], tuple[float, ...], tuple[float, ...]]:
-        shape, variant, point = points[index]
-        peak, allreduce, optimizer, _ = _figures_of_one_depth([shape], variant, [point], hardware, dtype, tied_rows)
-        return tuple(peak[0].tolist()), tuple(allreduce[0].tolist()), tuple(optimizer[0].tolist())
-
-    figures = SpecFigures(row)
+    figures = spec_figures(points.__getitem__, hardware, dtype)
     return [
         Spec(shape, d, m, variant, zero, bound, figures, i)
         for i, ((shape, variant, (d, m, zero, _, _)), bound) in enumerate(zip(points, bounds))
     ]
 
 
+def spec_figures(
+    point_of: Callable[[int], tuple[Shape, ScheduleVariant, tuple[int, int, int, float, tuple[int, ...]]]],
+    hardware: Hardware,
+    dtype: str,
+) -> SpecFigures:
+    """The per-rank figures of the specs whose points `point_of(row)` gives, each row computed on
+    first read by the same element-wise code as for many rows (`point_bounds`), so the same values."""
+    tied_rows: dict[tuple, np.ndarray] = {}
+
+    def row(index: int) -> tuple[tuple[int, ...], tuple[float, ...], tuple[float, ...]]:
+        shape, variant, point = point_of(index)
+        peak, allreduce, optimizer, _ = _figures_of_one_depth([shape], variant, [point], hardware, dtype, tied_rows)
+        return tuple(peak[0].tolist()), tuple(allreduce[0].tolist()), tuple(optimizer[0].tolist())
+
+    return SpecFigures(row)
+
+
 def point_bounds(
     points: Sequence[tuple[Shape, ScheduleVariant, tuple[int, int, int, float, tuple[int, ...]]]],
     hardware: Hardware,
     dtype: str,
+    tied_rows: dict[tuple, np.ndarray] | None = None,
 ) -> list[float]:
     """The lower bound of each point (as `specs_from_points` takes them), computed for every point
     of the same pipeline depth and schedule at once: one row per point, the same float64
@@ -262,7 +273,7 @@ def point_bounds(
         groups.setdefault((shape.pipeline_parallel, variant), []).append(index)
     bounds = [0.0] * len(points)
     # The tied all-reduce only depends on these figures: (holding ranks and sizes, p, t, d) -> row.
-    tied_rows: dict[tuple, np.ndarray] = {}
+    tied_rows = {} if tied_rows is None else tied_rows
     for (_, variant), indices in groups.items():
         *_, found = _figures_of_one_depth(
             [points[i][0] for i in indices], variant, [points[i][2] for i in indices], hardware, dtype, tied_rows,
@@ -325,7 +336,7 @@ def _figures_of_one_depth(
         optimizer = np.array([row for _, row in costs])
     else:
         allreduce, optimizer = _data_parallel_costs_over(
-            shapes, parameters, ds, sharded, hardware, dtype, tied_rows
+            unique, row_of, parameters, ds, sharded, hardware, dtype, tied_rows
         )
         for i in gradients_sharded:
             d, m, zero, _, _ = points[i]
@@ -341,29 +352,38 @@ def _figures_of_one_depth(
 
 def rows_array(rows: Sequence[tuple[int, ...]]) -> np.ndarray:
     """An int64 array of equal-length tuples, one row each. A search's rows repeat (the in-flight
-    units of one (schedule, p, m)): each distinct tuple is converted once, then indexed."""
+    units of one (schedule, p, m)): each tuple object is converted once, then indexed."""
     if not rows:
         return np.zeros((0, 0), dtype=np.int64)
-    index: dict[tuple[int, ...], int] = {}
-    positions = [index.setdefault(row, len(index)) for row in rows]
-    return np.array(list(index), dtype=np.int64).reshape(len(index), -1)[positions]
+    # By identity: the repeated tuples are one object (`memory.in_flight_units` is cached), and
+    # hashing a tuple of p integers per row would cost more than converting it.
+    index: dict[int, int] = {}
+    distinct: list[tuple[int, ...]] = []
+    positions = []
+    for row in rows:
+        position = index.get(id(row))
+        if position is None:
+            position = index[id(row)] = len(distinct)
+            distinct.append(row)
+        positions.append(position)
+    return np.array(distinct, dtype=np.int64).reshape(len(distinct), -1)[positions]
 
 
 def _data_parallel_costs_over(
-    shapes: list[Shape], held: np.ndarray, ds: np.ndarray, sharded: np.ndarray, hardware: Hardware, dtype: str,
-    tied_rows: dict[tuple, np.ndarray],
+    unique: list[Shape], row_of: np.ndarray, held: np.ndarray, ds: np.ndarray, sharded: np.ndarray,
+    hardware: Hardware, dtype: str, tied_rows: dict[tuple, np.ndarray],
 ) -> tuple[np.ndarray, np.ndarray]:
-    """`data_parallel_costs` without measured engine terms, one row per point: its shape's
-    parameters per rank `held`, its d in `ds`, whether ZeRO shards the optimizer in `sharded`."""
+    """`data_parallel_costs` without measured engine terms, one row per point: its shape
+    `unique[row_of[i]]`, its parameters per rank `held`, its d in `ds`, whether ZeRO shards the
+    optimizer in `sharded`."""
     p = held.shape[1]
     n = hardware.devices_per_node
     element = DTYPE_BYTES.get(dtype, 4)
     links = hardware.links
-    degrees = ds[:, 0].tolist()
     # `placement.replicas_share_node` for every rank of every point: rank k's first replica sits on
     # device k*t, its last on ((d-1)*p + k)*t; integer arithmetic, so the same answers.
     ranks = np.arange(p)
-    t = np.array([shape.tensor_parallel for shape in shapes], dtype=np.int64)[:, None]
+    t = np.array([shape.tensor_parallel for shape in unique], dtype=np.int64)[row_of][:, None]
     inside = (ranks * t) // n == (((ds - 1) * p + ranks) * t) // n
     message = held * _ring_bytes(hardware, element, sharded)
     steps = 2 * (ds - 1)  # d = 1 rows: 0 steps, so 0.0 on every rank, as the unreplicated case's zeros
@@ -371,17 +391,20 @@ def _data_parallel_costs_over(
     for ring, where in ((links.allreduce_intra, inside), (links.allreduce_inter, ~inside)):
         seconds = steps * (ring.latency_seconds + message / ds / ring.bandwidth_bytes_per_second)
         allreduce = np.where(where, seconds, allreduce)
+    # The tied all-reduce per distinct (shape, d) of the points (the groups are only hashed then).
     tied = []
-    groups_of: dict[int, tuple] = {}
-    for shape, d in zip(shapes, degrees):
-        groups = groups_of.get(id(shape))
-        if groups is None:
-            groups = groups_of[id(shape)] = _tied_groups(shape)  # once per shape of this depth
-        divisor = shape.table.divisor(shape.tensor_parallel)
-        key = (groups, p, shape.tensor_parallel, d, divisor)
-        row = tied_rows.get(key)
+    known: dict[tuple[int, int], np.ndarray] = {}
+    for shape_row, d in zip(row_of.tolist(), ds[:, 0].tolist()):
+        row = known.get((shape_row, d))
         if row is None:
-            row = tied_rows[key] = _tied_seconds_of(groups, p, shape.tensor_parallel, d, hardware, element, divisor)
+            shape = unique[shape_row]
+            groups, t_shape = _tied_groups(shape), shape.tensor_parallel
+            divisor = shape.table.divisor(t_shape)
+            key = (groups, p, t_shape, d, divisor)
+            row = tied_rows.get(key)
+            if row is None:
+                row = tied_rows[key] = _tied_seconds_of(groups, p, t_shape, d, hardware, element, divisor)
+            known[(shape_row, d)] = row
         tied.append(row)
     allreduce += np.array(tied)
     bandwidth = (hardware.device.memory_bandwidth_gbytes_per_second or 100.0) * 1e9
