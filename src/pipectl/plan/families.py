@@ -42,10 +42,16 @@ class UnitResult:
     rejections: Rejections
 
     def portable(self) -> "PortableUnit":
-        """The same with each shape named by its cut (what another process can rebuild it from)."""
-        return PortableUnit(
-            [(_cut_of(shape), variant, point) for shape, variant, point in self.accepted], self.rejections
-        )
+        """The same with each shape named by its cut (what another process can rebuild it from).
+        One cut object per shape: pickle then sends each once and refers to it after."""
+        cuts: dict[int, tuple] = {}
+        accepted = []
+        for shape, variant, point in self.accepted:
+            cut = cuts.get(id(shape))
+            if cut is None:
+                cut = cuts[id(shape)] = _cut_of(shape)
+            accepted.append((cut, variant, point))
+        return PortableUnit(accepted, self.rejections)
 
 
 @dataclass
@@ -81,7 +87,7 @@ class _Demands:
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(state bytes, step bytes) as columns and in-flight units (a row per rank's), one row per
         ZeRO-0/1 point with whole interleaved rounds, in `_fit_points`' order: what
-        `StageMemory.per_rank_bytes` reads for all of them at once (most families are rejected
+        `StageMemory.fitting_rows` reads for all of them at once (most families are rejected
         before it is needed)."""
         per_d = self.per_d
         states = [state for _, _, _, units, per_device in per_d if units is not None for state in per_device]
@@ -261,9 +267,13 @@ class UnitContext:
         # ZeRO-2/3 points (p = 1 only) are checked on their one cut below, not by the family's
         # remembered demands: their whole-tensor transients are not bytes per parameter.
         gradients_sharded: list[tuple[int, int, int]] = []
+        # The stages tried depend on d only through d = 1 (`_zeros_descending`); the in-flight
+        # units on m, which runs of d share. Looked up here by int: the loop runs ~10^6 times.
+        split = {one: _zeros_split(1 if one else 2, space.zero_stages, p == 1) for one in (True, False)}
+        units_of: dict[int, tuple[int, ...]] = {}
         for d in sorted(ds, reverse=True):
             m = -(-B // (d * b))  # the most micro-batches a replica runs (`balanced_shares`)
-            zeros, sharded = _zeros_split(d, space.zero_stages, p == 1)
+            zeros, sharded = split[d == 1]
             if space.framework is not None:  # a framework may run a stage at some degrees only
                 zeros = zero_stages_run(space.framework, t, p, d, zeros, self.profile.dtype)
                 sharded = zero_stages_run(space.framework, t, p, d, sharded, self.profile.dtype)
@@ -299,7 +309,10 @@ class UnitContext:
             if kind is ScheduleKind.INTERLEAVED and v > 1 and (m % p or B % (d * b)):
                 per_d.append((d, m, zeros, None, ()))
                 continue
-            per_d.append((d, m, zeros, in_flight_units(kind, p, m, v), _state_bytes_of(dtype, zeros, d, kind)))
+            units = units_of.get(m)
+            if units is None:
+                units = units_of[m] = in_flight_units(kind, p, m, v)
+            per_d.append((d, m, zeros, units, _state_bytes_of(dtype, zeros, d, kind)))
         return per_d, gradients_sharded
 
     def _fit_points(
@@ -310,6 +323,11 @@ class UnitContext:
         t, b, p, variant = key.tensor_parallel, key.micro_batch_size, key.pipeline_parallel, key.variant
         rejections, accepted = out.rejections, out.accepted
         index = 0  # of the point among the family's (d, ZeRO) points with whole interleaved rounds
+        # Once the balanced cut is built and checked against every point, a point it fits takes it
+        # without `_fitting_shape` (what that would answer: a demand the balanced cut fits has a
+        # cut, so no demand without one is below it); most accepted points of a large search.
+        balanced_fits = None
+        uniform = family.builder.uniform_stages
         for d, m, zeros, units, per_device in per_d:
             if units is None:
                 example = f"m={m} is not a multiple of p={p}" if m % p else f"uneven replicas run {m} or {m - 1}"
@@ -323,6 +341,12 @@ class UnitContext:
                     index += len(zeros)
                     continue
             for zero, state in zip(zeros, per_device):
+                if balanced_fits is None and not uniform:
+                    balanced_fits = family.balanced_fits()
+                if balanced_fits is not None and balanced_fits[index]:
+                    accepted.append((family.shape, variant, (d, m, zero, state, units)))
+                    index += 1
+                    continue
                 fitted = _fitting_shape(family, index, state, units)
                 index += 1
                 if fitted is None:
@@ -501,9 +525,12 @@ class _Family:
             shape = self.builder.shape(
                 self.t, self.b, self.recompute, self.p, self.v, from_right=from_right, v_placement=self.v_placement
             )
-            per_rank = shape.memory.per_rank_bytes(*self.demands.arrays)
-            fits = self._fits[from_right] = (per_rank <= self.capacity).all(axis=1).tolist()
+            fits = self._fits[from_right] = shape.memory.fitting_rows(*self.demands.arrays, self.capacity).tolist()
         return fits[index]
+
+    def balanced_fits(self) -> list[bool] | None:
+        """Whether the balanced cut fits each point (`cut_fits`), once that cut is built and checked."""
+        return self._fits.get(False) if self._shape is not None else None
 
     def has_memory_fitting_cut(self, per_device: float, units: tuple[int, ...]) -> bool:
         """Whether `balanced_partition(..., fits=...)` finds any cut for this demand.

@@ -238,7 +238,15 @@ def _columns(
 ) -> tuple[np.ndarray, ...]:
     """What `SpecPool` reads of each accepted point: (lower bound, devices, p, ZeRO stage, whether
     DeepSpeed runs it, whether torch's pipelining runs it)."""
-    runs = [engines_running(shape, variant, point[2], point[0]) for shape, variant, point in accepted]
+    # Which engines run a point depends on its shape, schedule, ZeRO stage and whether d = 1.
+    known: dict[tuple[int, int, int, bool], tuple[bool, bool]] = {}
+    runs = []
+    for shape, variant, (d, _, zero, _, _) in accepted:
+        key = (id(shape), id(variant), zero, d == 1)
+        answer = known.get(key)
+        if answer is None:
+            answer = known[key] = engines_running(shape, variant, zero, d)
+        runs.append(answer)
     return (
         np.array(point_bounds(accepted, hardware, dtype, tied_rows), dtype=float),
         np.array([shape.tensor_parallel * shape.pipeline_parallel * point[0] for shape, _, point in accepted], dtype=np.int64),

@@ -387,10 +387,12 @@ def _data_parallel_costs_over(
     inside = (ranks * t) // n == (((ds - 1) * p + ranks) * t) // n
     message = held * _ring_bytes(hardware, element, sharded)
     steps = 2 * (ds - 1)  # d = 1 rows: 0 steps, so 0.0 on every rank, as the unreplicated case's zeros
-    allreduce = np.zeros(held.shape)
-    for ring, where in ((links.allreduce_intra, inside), (links.allreduce_inter, ~inside)):
-        seconds = steps * (ring.latency_seconds + message / ds / ring.bandwidth_bytes_per_second)
-        allreduce = np.where(where, seconds, allreduce)
+    # Each element through its own ring's formula, steps * (latency + bytes / d / bandwidth): the
+    # ring's figures picked first, then one pass (the same operations as per ring, so the same values).
+    intra, inter = links.allreduce_intra, links.allreduce_inter
+    latency = np.where(inside, intra.latency_seconds, inter.latency_seconds)
+    bandwidth = np.where(inside, intra.bandwidth_bytes_per_second, inter.bandwidth_bytes_per_second)
+    allreduce = steps * (latency + message / ds / bandwidth)
     # The tied all-reduce per distinct (shape, d) of the points (the groups are only hashed then).
     tied = []
     known: dict[tuple[int, int], np.ndarray] = {}
@@ -407,6 +409,6 @@ def _data_parallel_costs_over(
             known[(shape_row, d)] = row
         tied.append(row)
     allreduce += np.array(tied)
-    bandwidth = (hardware.device.memory_bandwidth_gbytes_per_second or 100.0) * 1e9
+    memory_bandwidth = (hardware.device.memory_bandwidth_gbytes_per_second or 100.0) * 1e9
     updated = held / np.where(sharded, ds, 1)
-    return allreduce, updated * ADAM_BYTES_PER_PARAMETER / bandwidth
+    return allreduce, updated * ADAM_BYTES_PER_PARAMETER / memory_bandwidth
