@@ -78,7 +78,7 @@ def test_figures_read_one_at_a_time_are_those_of_all_points_at_once(monkeypatch)
         groups.setdefault((shape.pipeline_parallel, variant), []).append(index)
     for (_, variant), indices in groups.items():  # every point of a depth and schedule at once
         peaks, allreduce, optimizer, bounds = _figures_of_one_depth(
-            [found[i][0] for i in indices], variant, [found[i][2] for i in indices], hardware, profile.dtype, {}
+            [found[i][0] for i in indices], [found[i][1] for i in indices], [found[i][2] for i in indices], hardware, profile.dtype, {}
         )
         for row, index in enumerate(indices):
             spec = specs[index]
@@ -119,11 +119,11 @@ def test_bound_order_is_a_stable_sort_by_the_bound_key(searched, objective, pric
         assert 0 < sum(met) < len(met)
 
 
-def test_split_count_halves_the_likely_work_as_the_loop_over_specs_did(searched):
+def test_split_count_halves_the_specs_likely_to_be_evaluated(searched):
     _, _, enumeration = searched
     pool = enumeration.specs
     specs = list(pool)
-    # The loop it replaces, spec by spec.
+    # Spec by spec: the count at which half of the likely ones are on as many devices or fewer.
     least_at: dict[int, float] = {}
     for spec in specs:
         least_at[spec.devices] = min(least_at.get(spec.devices, float("inf")), spec.lower_bound_seconds)
@@ -131,7 +131,7 @@ def test_split_count_halves_the_likely_work_as_the_loop_over_specs_did(searched)
     for count in sorted(least_at):
         least = least_at[count] = min(least, least_at[count])
     likely = sorted(
-        (spec.devices, spec.shape.pipeline_parallel ** 2) for spec in specs
+        (spec.devices, 1) for spec in specs
         if spec.lower_bound_seconds <= least_at[spec.devices] * (1 + LIKELY_TIMED)
     )
     half, done, expected = sum(work for _, work in likely) / 2, 0, None

@@ -143,8 +143,8 @@ _CHUNK = 4096
 # Below this many specs the table is timed in one process: a fork would cost more than it saves.
 PARALLEL_SPECS = 2000
 # A spec whose bound is this close (relative) to the least bound on as many devices or fewer is
-# likely to be timed (`_split_count`).
-LIKELY_TIMED = 0.01
+# likely to be bounded more tightly or timed (`_split_count`).
+LIKELY_TIMED = 0.03
 
 
 def _time_ahead(specs: SpecPool, evaluator: Evaluator, counts: list[int]) -> None:
@@ -172,20 +172,19 @@ def _time_ahead(specs: SpecPool, evaluator: Evaluator, counts: list[int]) -> Non
 
 
 def _split_count(pool: SpecPool) -> int:
-    """A device count that about halves the timing work ahead: p² summed over the specs likely to be
-    timed (bound within `LIKELY_TIMED` of the least bound on as many devices or fewer). The fast
-    paths skip a step's repeating middle (`pipectl.plan.fast.periodic`); what they evaluate, the
-    fill and the drain, is p ranks by about p micro-batches in flight."""
+    """A device count that about halves the timing work ahead: the specs likely to be evaluated
+    (bound within `LIKELY_TIMED` of the least bound on as many devices or fewer), counted. Each
+    costs about the same: most are checked against the evaluator's tighter bound and dropped, and
+    the fast paths time the rest in about as long whatever p (GPT-3 175B on 3,072 GPUs,
+    benchmarks/plan_scale.py: a split by p² left one process twice the other's work)."""
     counts, at = np.unique(pool.devices, return_inverse=True)
     least = np.full(len(counts), np.inf)
     np.minimum.at(least, at, pool.bounds)
     least = np.minimum.accumulate(least)  # the least bound on as many devices or fewer
-    likely = pool.bounds <= least[at] * (1 + LIKELY_TIMED)
-    if not likely.any():
+    likely = np.sort(pool.devices[pool.bounds <= least[at] * (1 + LIKELY_TIMED)])
+    if not len(likely):
         return int(pool.devices.max())
-    order = np.argsort(pool.devices[likely], kind="stable")
-    work = np.cumsum(pool.pipeline_parallel[likely][order] ** 2)  # integers: exact
-    return int(pool.devices[likely][order][np.searchsorted(work, work[-1] / 2, side="left")])
+    return int(likely[(len(likely) - 1) // 2])  # the count at which half of them are on as many devices or fewer
 
 
 def morph_table(

@@ -251,7 +251,7 @@ def spec_figures(
 
     def row(index: int) -> tuple[tuple[int, ...], tuple[float, ...], tuple[float, ...]]:
         shape, variant, point = point_of(index)
-        peak, allreduce, optimizer, _ = _figures_of_one_depth([shape], variant, [point], hardware, dtype, tied_rows)
+        peak, allreduce, optimizer, _ = _figures_of_one_depth([shape], [variant], [point], hardware, dtype, tied_rows)
         return tuple(peak[0].tolist()), tuple(allreduce[0].tolist()), tuple(optimizer[0].tolist())
 
     return SpecFigures(row)
@@ -268,38 +268,59 @@ def point_bounds(
     operations in the same order on every element (a row's maximum does not depend on the
     order), so the same values however the points are grouped. One call per point would spend
     most of its time in numpy's per-call overhead."""
-    groups: dict[tuple[int, ScheduleVariant], list[int]] = {}
+    groups: dict[tuple[int, str], list[int]] = {}
+    family_of = {variant: _bound_family(variant.kind) for variant in {variant for _, variant, _ in points}}
     for index, (shape, variant, _) in enumerate(points):
-        groups.setdefault((shape.pipeline_parallel, variant), []).append(index)
+        groups.setdefault((shape.pipeline_parallel, family_of[variant]), []).append(index)
     bounds = [0.0] * len(points)
     # The tied all-reduce only depends on these figures: (holding ranks and sizes, p, t, d) -> row.
     tied_rows = {} if tied_rows is None else tied_rows
-    for (_, variant), indices in groups.items():
+    for indices in groups.values():
         *_, found = _figures_of_one_depth(
-            [points[i][0] for i in indices], variant, [points[i][2] for i in indices], hardware, dtype, tied_rows,
-            peaks=False,
+            [points[i][0] for i in indices], [points[i][1] for i in indices], [points[i][2] for i in indices],
+            hardware, dtype, tied_rows, peaks=False,
         )
         for index, bound in zip(indices, found.tolist()):
             bounds[index] = bound
     return bounds
 
 
+def _bound_family(kind: ScheduleKind) -> str:
+    """Which lower bound prices a schedule (`pipectl.plan.fast.bounds`): points of one family and
+    depth are bounded together."""
+    if kind is ScheduleKind.PIPEDREAM_2BW:
+        return "2bw"
+    return "zero-bubble" if kind.splits_backward else "chains"
+
+
 def _figures_of_one_depth(
-    shapes: list[Shape], variant: ScheduleVariant, points: list[tuple[int, int, int, float, tuple[int, ...]]],
+    shapes: list[Shape], variants: Sequence[ScheduleVariant], points: list[tuple[int, int, int, float, tuple[int, ...]]],
     hardware: Hardware, dtype: str, tied_rows: dict[tuple, np.ndarray], *, peaks: bool = True,
 ) -> tuple[np.ndarray | None, np.ndarray, np.ndarray, np.ndarray]:
     """(peak reserved bytes, all-reduce seconds, optimizer seconds) per rank, one row per point,
     and each point's lower bound, for points whose shapes all have the same p (rows of equal
-    width); the peaks only when asked (None otherwise)."""
+    width) and whose schedules (`variants`, one per point) the same bound prices (`_bound_family`);
+    the peaks only when asked (None otherwise)."""
     distinct: dict[int, int] = {}
     for shape in shapes:
         distinct.setdefault(id(shape), len(distinct))
     unique = list({id(shape): shape for shape in shapes}.values())
     row_of = np.array([distinct[id(shape)] for shape in shapes])
-    kind = variant.kind
-    # Per shape (one row each), then one row per point by look-up.
+    kind = variants[0].kind  # the bound's family
+    # Per shape (one row each), then one row per point by look-up; the work per rank per shape and
+    # whether the schedule recomputes whole stages (what `_work_per_rank` reads of it).
     parameters = np.array([shape.memory.parameters for shape in unique])[row_of]
-    work = np.array([_work_per_rank(shape, kind) for shape in unique])[row_of]
+    works: dict[tuple[int, bool], int] = {}
+    work_rows: list[np.ndarray] = []
+    work_of = []
+    for shape, variant in zip(shapes, variants):
+        key = (distinct[id(shape)], variant.kind is ScheduleKind.VARUNA)
+        row = works.get(key)
+        if row is None:
+            row = works[key] = len(work_rows)
+            work_rows.append(_work_per_rank(shape, variant.kind))
+        work_of.append(row)
+    work = np.array(work_rows)[work_of]
     shape_chains = [chains(shape) for shape in unique]
     forward_chain = np.array([forward for forward, _ in shape_chains])[row_of]
     backward_chain = np.array([backward for _, backward in shape_chains])[row_of]
@@ -317,7 +338,9 @@ def _figures_of_one_depth(
         working_bytes = np.array([shape.memory.working_bytes for shape in unique])[row_of]
         per_device = np.array([point[3] for point in points], dtype=float)[:, None]
         units = rows_array([point[4] for point in points])
-        per_step = np.array([step_bytes(held, zero, d, kind) for d, _, zero, _, _ in points], dtype=float)[:, None]
+        per_step = np.array(
+            [step_bytes(held, zero, d, variant.kind) for variant, (d, _, zero, _, _) in zip(variants, points)], dtype=float
+        )[:, None]
         transient: np.ndarray | float = 0.0
         if gradients_sharded:
             transient = np.array(
