@@ -142,9 +142,20 @@ class UnitContext:
         return self.model_parameters / (t * p) * self.lightest_state[p == 1]
 
     def estimated_families(self, t: int) -> int:
-        """Families of one (t, b) unit that get past the model-state test: the unit's share of the work."""
-        depths = [p for p in self._depths() if t * p <= self.max_devices and self._least_state_bytes(t, p) <= self.capacity]
-        return len(depths) * len(self.space.variants) * len(self.space.recompute)
+        """Families of one (t, b) unit that get past the model-state test."""
+        return len(self._fitting_depths(t)) * len(self.space.variants) * len(self.space.recompute)
+
+    def estimated_points(self, t: int, b: int) -> int:
+        """The (p, d) points of one (t, b) unit's families that get past the model-state test: the
+        unit's share of the work (each d up to the devices and the micro-batches; the fewer tensor
+        ranks, the more replicas)."""
+        micro_batches = self.space.global_batch // b
+        return sum(min(self.max_devices // (t * p), micro_batches) for p in self._fitting_depths(t)) * (
+            len(self.space.variants) * len(self.space.recompute)
+        )
+
+    def _fitting_depths(self, t: int) -> list[int]:
+        return [p for p in self._depths() if t * p <= self.max_devices and self._least_state_bytes(t, p) <= self.capacity]
 
     def enumerate_unit(self, builder: ShapeBuilder, t: int, b: int) -> UnitResult:
         space = self.space

@@ -171,9 +171,9 @@ def enumerate_specs(
         )
     builder = ShapeBuilder(profile, hardware, kept_together=space.kept_together)
     context = UnitContext(profile, hardware, space, max_devices)
-    weights = [context.estimated_families(t) for t, _ in units]
-    if sum(weights) < PARALLEL_MIN_FAMILIES:
+    if sum(context.estimated_families(t) for t, _ in units) < PARALLEL_MIN_FAMILIES:
         workers = 1
+    weights = [context.estimated_points(t, b) for t, b in units]  # the heaviest taken first
     shapes_elsewhere = 0
     tied_rows: dict[tuple, np.ndarray] = {}  # `point_bounds`' look-ups, kept across the units of a process
 
@@ -248,7 +248,7 @@ def _columns(
             answer = known[key] = engines_running(shape, variant, zero, d)
         runs.append(answer)
     return (
-        np.array(point_bounds(accepted, hardware, dtype, tied_rows), dtype=float),
+        point_bounds(accepted, hardware, dtype, tied_rows),
         np.array([shape.tensor_parallel * shape.pipeline_parallel * point[0] for shape, _, point in accepted], dtype=np.int64),
         np.array([shape.pipeline_parallel for shape, _, _ in accepted], dtype=np.int64),
         np.array([point[2] for _, _, point in accepted], dtype=np.int64),

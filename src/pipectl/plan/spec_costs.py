@@ -232,7 +232,7 @@ def specs_from_points(
         ((2, 4, 1), True)
     """
     if bounds is None:
-        bounds = point_bounds(points, hardware, dtype)
+        bounds = point_bounds(points, hardware, dtype).tolist()
     figures = spec_figures(points.__getitem__, hardware, dtype)
     return [
         Spec(shape, d, m, variant, zero, bound, figures, i)
@@ -262,26 +262,31 @@ def point_bounds(
     hardware: Hardware,
     dtype: str,
     tied_rows: dict[tuple, np.ndarray] | None = None,
-) -> list[float]:
-    """The lower bound of each point (as `specs_from_points` takes them), computed for every point
+) -> np.ndarray:
+    """The lower bound of each point (as `specs_from_points` takes them; an array), computed for every point
     of the same pipeline depth and schedule at once: one row per point, the same float64
     operations in the same order on every element (a row's maximum does not depend on the
     order), so the same values however the points are grouped. One call per point would spend
     most of its time in numpy's per-call overhead."""
-    groups: dict[tuple[int, str], list[int]] = {}
+    groups: dict[tuple[int, str], list[tuple]] = {}
+    positions: dict[tuple[int, str], list[int]] = {}
     family_of = {variant: _bound_family(variant.kind) for variant in {variant for _, variant, _ in points}}
-    for index, (shape, variant, _) in enumerate(points):
-        groups.setdefault((shape.pipeline_parallel, family_of[variant]), []).append(index)
-    bounds = [0.0] * len(points)
+    for index, entry in enumerate(points):
+        key = (entry[0].pipeline_parallel, family_of[entry[1]])
+        group = groups.get(key)
+        if group is None:
+            group = groups[key] = []
+            positions[key] = []
+        group.append(entry)
+        positions[key].append(index)
+    bounds = np.empty(len(points))
     # The tied all-reduce only depends on these figures: (holding ranks and sizes, p, t, d) -> row.
     tied_rows = {} if tied_rows is None else tied_rows
-    for indices in groups.values():
-        *_, found = _figures_of_one_depth(
-            [points[i][0] for i in indices], [points[i][1] for i in indices], [points[i][2] for i in indices],
-            hardware, dtype, tied_rows, peaks=False,
-        )
-        for index, bound in zip(indices, found.tolist()):
-            bounds[index] = bound
+    for key, group in groups.items():
+        shapes, variants, found = zip(*group)
+        bounds[positions[key]] = _figures_of_one_depth(
+            list(shapes), variants, list(found), hardware, dtype, tied_rows, peaks=False
+        )[3]
     return bounds
 
 
@@ -302,10 +307,15 @@ def _figures_of_one_depth(
     width) and whose schedules (`variants`, one per point) the same bound prices (`_bound_family`);
     the peaks only when asked (None otherwise)."""
     distinct: dict[int, int] = {}
+    unique: list[Shape] = []
+    rows = []
     for shape in shapes:
-        distinct.setdefault(id(shape), len(distinct))
-    unique = list({id(shape): shape for shape in shapes}.values())
-    row_of = np.array([distinct[id(shape)] for shape in shapes])
+        row = distinct.get(id(shape))
+        if row is None:
+            row = distinct[id(shape)] = len(unique)
+            unique.append(shape)
+        rows.append(row)
+    row_of = np.array(rows)
     kind = variants[0].kind  # the bound's family
     # Per shape (one row each), then one row per point by look-up; the work per rank per shape and
     # whether the schedule recomputes whole stages (what `_work_per_rank` reads of it).
@@ -325,9 +335,8 @@ def _figures_of_one_depth(
     forward_chain = np.array([forward for forward, _ in shape_chains])[row_of]
     backward_chain = np.array([backward for _, backward in shape_chains])[row_of]
 
-    ds = np.array([point[0] for point in points], dtype=np.int64)[:, None]
-    micro_batches = np.array([point[1] for point in points], dtype=np.int64)[:, None]
-    sharded = np.array([point[2] >= 1 for point in points])[:, None]
+    degrees = np.array([point[:3] for point in points], dtype=np.int64)  # (d, m, ZeRO stage) per point
+    ds, micro_batches, sharded = degrees[:, 0:1], degrees[:, 1:2], degrees[:, 2:3] >= 1
     held = state_dtype(dtype, hardware.features)  # the model state's bytes; `dtype` the collectives'
     # ZeRO-2/3 points (p = 1 only): their whole tensors on top, and their own communication below.
     gradients_sharded = [i for i, point in enumerate(points) if point[2] >= 2]
