@@ -89,13 +89,44 @@ def test_figures_read_one_at_a_time_are_those_of_all_points_at_once(monkeypatch)
             assert spec.optimizer_seconds == tuple(optimizer[row].tolist())
 
 
-def test_the_pool_is_the_same_from_several_processes():
-    request = PlanRequest(global_batch=32)
+def test_the_pool_is_the_same_from_several_processes(monkeypatch):
+    import pipectl.plan.space as space_module
+
+    monkeypatch.setattr(space_module, "PARALLEL_MIN_FAMILIES", 0)  # share even this small search
+    request = PlanRequest(global_batch=32, schedules=list(ScheduleKind), zero_stages=[0, 1, 2, 3])
     *_, one = _enumeration(request, workers=1)
     *_, two = _enumeration(request, workers=2)
     assert one.specs.bounds.tolist() == two.specs.bounds.tolist()
     assert [s.key for s in one.specs] == [s.key for s in two.specs]
     assert [s.peak_memory_bytes for s in one.specs] == [s.peak_memory_bytes for s in two.specs]
+    assert [s.allreduce_seconds for s in one.specs] == [s.allreduce_seconds for s in two.specs]
+
+
+def test_a_unit_sent_to_another_process_rebuilds_every_point():
+    import pickle
+
+    from pipectl.plan.candidates import ShapeBuilder
+    from pipectl.plan.families import UnitContext
+
+    request = PlanRequest(global_batch=32, schedules=list(ScheduleKind), zero_stages=[0, 1, 2, 3])
+    profile = synthetic_profile(blocks=8, micro_batch_sizes=[1, 2, 4])
+    hardware = hardware_for(load_cluster("a100-8x8"), profile)
+    space = search_space(request, profile, hardware)
+    builder = ShapeBuilder(profile, hardware, kept_together=space.kept_together)
+    context = UnitContext(profile, hardware, space, 32)
+    result = context.enumerate_unit(builder, 1, 2)
+    sent = pickle.loads(pickle.dumps(result.portable()))
+    assert len(sent) == len(result.accepted) > 50
+    elsewhere = ShapeBuilder(profile, hardware, kept_together=space.kept_together)
+    for row, (shape, variant, point) in enumerate(result.accepted):
+        cut, sent_variant = sent.pairs[sent.pair_of[row]]
+        rebuilt = elsewhere.shape_from_cuts(*cut)
+        assert sent_variant == variant
+        assert (rebuilt.pipeline_parallel, rebuilt.stage_layers, rebuilt.recompute) == (
+            shape.pipeline_parallel, shape.stage_layers, shape.recompute
+        )
+        assert context.point(rebuilt, variant, int(sent.data_parallel[row]), int(sent.zero_stages[row])) == point
+    assert {point[2] for _, _, point in result.accepted} >= {0, 1, 2}  # ZeRO-2/3 points rebuilt too
 
 
 @pytest.mark.parametrize("price", [0.5, 1e9])  # cost per sample below and above the step times

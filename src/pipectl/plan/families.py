@@ -42,22 +42,38 @@ class UnitResult:
     rejections: Rejections
 
     def portable(self) -> "PortableUnit":
-        """The same with each shape named by its cut (what another process can rebuild it from).
-        One cut object per shape: pickle then sends each once and refers to it after."""
-        cuts: dict[int, tuple] = {}
-        accepted = []
+        """What another process needs to rebuild it: each point's shape named by its cut, with its
+        schedule (one pair per distinct shape and schedule), its d and its ZeRO stage; the rest
+        of the point follows from those (`UnitContext.point`). Sent as arrays, not as ~10^5 tuples."""
+        pairs: dict[tuple[int, int], int] = {}
+        portable_pairs: list[tuple[tuple, ScheduleVariant]] = []
+        pair_of, degrees = [], []
         for shape, variant, point in self.accepted:
-            cut = cuts.get(id(shape))
-            if cut is None:
-                cut = cuts[id(shape)] = _cut_of(shape)
-            accepted.append((cut, variant, point))
-        return PortableUnit(accepted, self.rejections)
+            pair = pairs.get((id(shape), id(variant)))
+            if pair is None:
+                pair = pairs[(id(shape), id(variant))] = len(portable_pairs)
+                portable_pairs.append((_cut_of(shape), variant))
+            pair_of.append(pair)
+            degrees.append(point[0])
+        return PortableUnit(
+            portable_pairs, np.array(pair_of, dtype=np.int32), np.array(degrees, dtype=np.int32),
+            np.array([point[2] for _, _, point in self.accepted], dtype=np.int8), self.rejections,
+        )
 
 
 @dataclass
 class PortableUnit:
-    accepted: list[tuple[tuple, ScheduleVariant, tuple[int, int, int, float, tuple[int, ...]]]]
+    """A unit's accepted points as another process sends them (`UnitResult.portable`): point i is
+    on the cut and schedule `pairs[pair_of[i]]` at d = `data_parallel[i]`, ZeRO `zero_stages[i]`."""
+
+    pairs: list[tuple[tuple, ScheduleVariant]]
+    pair_of: np.ndarray
+    data_parallel: np.ndarray
+    zero_stages: np.ndarray
     rejections: Rejections
+
+    def __len__(self) -> int:
+        return len(self.pair_of)
 
 
 def _cut_of(shape: Shape) -> tuple:
@@ -140,6 +156,13 @@ class UnitContext:
         """The least model state a device of a (t, p) pipeline can hold (infinite where no ZeRO
         stage asked for applies at p)."""
         return self.model_parameters / (t * p) * self.lightest_state[p == 1]
+
+    def point(self, shape: Shape, variant: ScheduleVariant, d: int, zero: int) -> tuple[int, int, int, float, tuple[int, ...]]:
+        """(d, m, ZeRO stage, state bytes per parameter, in-flight units per rank) of a point of
+        this search, as `_points_by_d` makes it (the same cached functions, so the same values)."""
+        kind, p = variant.kind, shape.pipeline_parallel
+        m = -(-self.space.global_batch // (d * shape.micro_batch_size))
+        return d, m, zero, state_bytes(self.state_dtype, zero, d, kind), in_flight_units(kind, p, m, variant.chunks)
 
     def estimated_families(self, t: int) -> int:
         """Families of one (t, b) unit that get past the model-state test."""

@@ -27,6 +27,7 @@ spread over processes (`pipectl.plan.workers`).
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -191,17 +192,22 @@ def enumerate_specs(
     outcomes = share(units, weights, here, elsewhere, workers=workers)
     out = Enumeration()
     out.rejections.merge(unprofiled)
-    # (shape, or the cut to rebuild it from when another process found it; schedule; point)
-    entries: list[tuple[Shape | tuple, ScheduleVariant, tuple[int, int, int, float, tuple[int, ...]]]] = []
+    # (shape, schedule, point); None for a point another process found until it is read.
+    entries: list[tuple[Shape, ScheduleVariant, tuple[int, int, int, float, tuple[int, ...]]] | None] = []
+    elsewhere_starts: list[int] = []  # where each unit found elsewhere starts among the entries
+    found_elsewhere: list[PortableUnit] = []
     columns: list[tuple[np.ndarray, ...]] = []
     for outcome in outcomes:  # in the units' order, as one process visits them: the same first examples
         if outcome.local is not None:
             result, found = outcome.local
+            entries += result.accepted
         else:
             result, built, found = outcome.remote
             shapes_elsewhere += built
+            elsewhere_starts.append(len(entries))
+            found_elsewhere.append(result)
+            entries += [None] * len(result)
         out.rejections.merge(result.rejections)
-        entries += result.accepted
         columns.append(found)
     bounds, devices, depths, zeros, deepspeed, torch = (
         [np.concatenate(column) for column in zip(*columns)] if columns else [np.zeros(0)] * 6
@@ -209,14 +215,17 @@ def enumerate_specs(
     rebuilt: dict[tuple, Shape] = {}  # one shape per distinct cut, as the process that found them shared them
 
     def point_of(index: int) -> tuple[Shape, ScheduleVariant, tuple[int, int, int, float, tuple[int, ...]]]:
-        shape, variant, point = entries[index]
-        if not isinstance(shape, Shape):  # a cut: `shape_from_cuts` is the same arithmetic, so the same figures
-            cut = shape
+        entry = entries[index]
+        if entry is None:  # found elsewhere: `shape_from_cuts` is the same arithmetic, so the same figures
+            which = bisect_right(elsewhere_starts, index) - 1
+            unit, row = found_elsewhere[which], index - elsewhere_starts[which]
+            cut, variant = unit.pairs[unit.pair_of[row]]
             shape = rebuilt.get(cut)
             if shape is None:
                 shape = rebuilt[cut] = builder.shape_from_cuts(*cut)
-            entries[index] = (shape, variant, point)
-        return shape, variant, point
+            point = context.point(shape, variant, int(unit.data_parallel[row]), int(unit.zero_stages[row]))
+            entry = entries[index] = (shape, variant, point)
+        return entry
 
     figures = spec_figures(point_of, hardware, profile.dtype)
 
