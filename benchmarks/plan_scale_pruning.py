@@ -76,15 +76,18 @@ def fill_bound_seconds(total: float, micro_batches: int, stages: int) -> float:
 
 
 def _timed_families():
-    """Wrap `UnitContext.enumerate_family`: each call's (family, d tried, seconds, points accepted)."""
+    """Wrap `UnitContext.enumerate_family`: each call's (family, d tried, seconds, points accepted).
+    Families with more stages than layers are rejected before it (and not counted here)."""
     calls = []
     enumerate_family = families_module.UnitContext.enumerate_family
 
-    def timed(self, builder, key, ds, out):
+    def timed(self, builder, key, demands, out):
         accepted = len(out.accepted)
         started = time.perf_counter()
-        enumerate_family(self, builder, key, ds, out)
-        calls.append((key, list(ds), time.perf_counter() - started, len(out.accepted) - accepted))
+        enumerate_family(self, builder, key, demands, out)
+        # The d tried: those with ZeRO-0/1 points and those with ZeRO-2/3 points (p = 1).
+        ds = sorted({d for d, *_ in demands.per_d} | {d for d, _, _ in demands.gradients_sharded}, reverse=True)
+        calls.append((key, ds, time.perf_counter() - started, len(out.accepted) - accepted))
 
     families_module.UnitContext.enumerate_family = timed
     return calls
@@ -103,8 +106,8 @@ def main() -> None:
     enumerate_seconds = time.perf_counter() - enumerate_started
     specs = enumeration.specs
     evaluator = Evaluator(hardware, request.global_batch, engine=request.target_engine)
-    best = fastest_per_device_count(
-        [s for s in specs if s.runs_on(request.target_engine)], evaluator, hardware.devices
+    best = fastest_per_device_count(  # every count: the fastest spec on at most n devices, for each n
+        specs.take(specs.runs_on(request.target_engine)), evaluator, list(range(1, hardware.devices + 1))
     )
     fastest = PrefixMinimum(hardware.devices)  # the fastest step on at most n devices, as the table's loop asks it
     for n, (step, _) in best.items():

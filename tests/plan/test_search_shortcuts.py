@@ -13,7 +13,8 @@ from pipectl.plan.spec_costs import in_flight, state_bytes, step_bytes
 from pipectl.plan.costs import hardware_for
 from pipectl.plan.partition import balanced_partition
 from pipectl.artifacts.plan import PlanRequest, Recompute
-from pipectl.plan.families import FamilyKey, _Demands, _Family, _variants_for
+from pipectl.plan.families import _variants_for
+from pipectl.plan.family_cuts import Demands, Family, FamilyKey
 from pipectl.plan.space import enumerate_specs, search_space
 from pipectl.testing.profiles import synthetic_profile
 from pipectl.schedule import ScheduleKind
@@ -70,7 +71,7 @@ def test_a_memory_fitting_cut_exists_exactly_when_the_partitioner_finds_one(seed
         zero, d = rng.choice(((0, 1), (1, 2), (1, 8), (0, 4)))
         per_device = state_bytes(profile.dtype, zero, d, variant.kind)
         per_step = step_bytes(profile.dtype, zero, d, variant.kind)
-        family = _Family(builder, FamilyKey(t, b, recompute, p, variant), capacity, _Demands([], [], Rejections(), {per_device: per_step}))
+        family = Family(builder, FamilyKey(t, b, recompute, p, variant), capacity, Demands([], [], Rejections(), {per_device: per_step}))
         shape = builder.shape(t, b, recompute, p, variant.chunks)
         units = in_flight(shape, variant, m)
         fits = _memory_fits(builder, shape, variant.kind, per_device, per_step, units, capacity)

@@ -109,8 +109,8 @@ class Shape:
 
 class SpecFigures:
     """Per-rank figures of a batch of specs, row by row: (peak bytes, all-reduce seconds, optimizer
-    seconds), computed by `compute(row)` on first read and kept. A search builds ~10^5 specs and
-    reads these for the few hundred it simulates or records."""
+    seconds), computed by `compute(row)` on first read and kept: a search reads them for the few
+    hundred specs it simulates or records."""
 
     __slots__ = ("_compute", "_rows")
 
@@ -136,7 +136,7 @@ class SpecFigures:
 
 
 # Which engine runs a spec depends on a few of its figures only: answered once per combination
-# (the morph table and the ranking ask it of every spec of a search, ~10^5 at scale).
+# (the search asks it of every point it accepts, ~3 x 10^5 at scale: `plan.space._columns`).
 @cache
 def _deepspeed_runs(variant: ScheduleVariant, zero_stage: int, p: int, t: int, recompute: Recompute) -> bool:
     return deepspeed_runnable(variant.kind, variant.chunks) and runtime_runs_zero(
@@ -160,7 +160,7 @@ def engines_running(shape: Shape, variant: ScheduleVariant, zero_stage: int, dat
     )
 
 
-@dataclass(frozen=True, init=False)
+@dataclass(frozen=True)
 class Spec:
     """A candidate before simulation; its per-rank figures are row `row` of `figures`."""
 
@@ -172,17 +172,6 @@ class Spec:
     lower_bound_seconds: float
     figures: SpecFigures = field(repr=False, compare=False)
     row: int = 0
-
-    def __init__(
-        self, shape: Shape, data_parallel: int, micro_batches: int, variant: ScheduleVariant, zero_stage: int,
-        lower_bound_seconds: float, figures: SpecFigures, row: int = 0,
-    ) -> None:
-        # One dictionary update instead of the frozen dataclass's eight `object.__setattr__` calls:
-        # a search builds ~10^5 specs. Assigning a field afterwards still raises.
-        self.__dict__.update(
-            shape=shape, data_parallel=data_parallel, micro_batches=micro_batches, variant=variant,
-            zero_stage=zero_stage, lower_bound_seconds=lower_bound_seconds, figures=figures, row=row,
-        )
 
     @property
     def peak_memory_bytes(self) -> tuple[int, ...]:

@@ -537,7 +537,7 @@ def _gradient_sharded_comparison(
     if not stages:
         return entries, notes
     runnable = chosen if chosen[1].deepspeed_runnable else _best_of(
-        pool.take(pool.deepspeed_runnable), goal, evaluator
+        pool.take(pool.runs_on(Engine.DEEPSPEED)), goal, evaluator
     )
     for stage in stages:
         label = f"ZeRO-{stage} (planned at p = 1 only: DeepSpeed's pipeline engine refuses it with p > 1)"

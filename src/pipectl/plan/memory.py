@@ -406,8 +406,7 @@ class StageMemory:
         training += units * self.unit_bytes
         training += self.recompute_buffer_bytes
         training += self.working_bytes
-        step = self.parameters.max() * step_bytes[:, 0] if len(self.parameters) else np.zeros(len(step_bytes))
-        return (training <= capacity_bytes).all(axis=1) & (step <= capacity_bytes)
+        return (training <= capacity_bytes).all(axis=1) & (self.parameters.max() * step_bytes[:, 0] <= capacity_bytes)
 
     def estimate(
         self, state_bytes: float, step_bytes: float, units: Sequence[int], capacity_bytes: float,

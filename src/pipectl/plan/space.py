@@ -180,7 +180,7 @@ def enumerate_specs(
 
     def here(unit: tuple[int, int]) -> tuple[UnitResult, tuple[np.ndarray, ...]]:
         # Each unit's points get their columns where they were found (the bounds by numpy over
-        # the points of one depth and schedule at once): only those travel, not per-rank figures.
+        # the points of one depth and bound at once): only those travel, not per-rank figures.
         result = context.enumerate_unit(builder, *unit)
         return result, _columns(result.accepted, hardware, profile.dtype, tied_rows)
 

@@ -207,15 +207,12 @@ def specs_from_points(
     points: Sequence[tuple[Shape, ScheduleVariant, tuple[int, int, int, float, tuple[int, ...]]]],
     hardware: Hardware,
     dtype: str,
-    bounds: Sequence[float] | None = None,
 ) -> list[Spec]:
-    """The specs of (shape, schedule, (d, m, ZeRO stage, state bytes per parameter, in-flight units)), in order.
+    """The specs of (shape, schedule, (d, m, ZeRO stage, state bytes per parameter, in-flight units)), in order,
+    as a list (the search itself keeps them as columns: `plan.space.enumerate_specs`).
 
-    Each gets its lower bound (`point_bounds`, unless the caller computed `bounds` already) and
-    the per-rank figures that `data_parallel_costs` and `StageMemory.per_rank_bytes` give it
-    alone, computed on first read: a search at scale builds ~10^5 specs and reads them for the
-    few hundred it simulates or records. A row is computed by the same code as many rows at once
-    (element-wise float64 operations), so it has the same values.
+    Each gets its lower bound (`point_bounds`) and the per-rank figures that `data_parallel_costs`
+    and `StageMemory.per_rank_bytes` give it alone, computed on first read (`spec_figures`).
 
         >>> from pipectl.testing.profiles import synthetic_profile
         >>> from pipectl.cluster import local_cluster
@@ -231,8 +228,7 @@ def specs_from_points(
         >>> (one.data_parallel, one.micro_batches, one.zero_stage), two.peak_memory_bytes[0] > one.peak_memory_bytes[0]
         ((2, 4, 1), True)
     """
-    if bounds is None:
-        bounds = point_bounds(points, hardware, dtype).tolist()
+    bounds = point_bounds(points, hardware, dtype).tolist()
     figures = spec_figures(points.__getitem__, hardware, dtype)
     return [
         Spec(shape, d, m, variant, zero, bound, figures, i)
@@ -263,11 +259,11 @@ def point_bounds(
     dtype: str,
     tied_rows: dict[tuple, np.ndarray] | None = None,
 ) -> np.ndarray:
-    """The lower bound of each point (as `specs_from_points` takes them; an array), computed for every point
-    of the same pipeline depth and schedule at once: one row per point, the same float64
-    operations in the same order on every element (a row's maximum does not depend on the
-    order), so the same values however the points are grouped. One call per point would spend
-    most of its time in numpy's per-call overhead."""
+    """The lower bound of each point (as `specs_from_points` takes them; an array), computed for
+    every point of the same pipeline depth and bound (`_bound_family`) at once: one row per point,
+    the same float64 operations in the same order on every element (a row's maximum does not
+    depend on the order), so the same values however the points are grouped. One call per point
+    would spend most of its time in numpy's per-call overhead."""
     groups: dict[tuple[int, str], list[tuple]] = {}
     positions: dict[tuple[int, str], list[int]] = {}
     family_of = {variant: _bound_family(variant.kind) for variant in {variant for _, variant, _ in points}}
@@ -398,7 +394,7 @@ def rows_array(rows: Sequence[tuple[int, ...]]) -> np.ndarray:
             position = index[id(row)] = len(distinct)
             distinct.append(row)
         positions.append(position)
-    return np.array(distinct, dtype=np.int64).reshape(len(distinct), -1)[positions]
+    return np.array(distinct, dtype=np.int64)[positions]
 
 
 def _data_parallel_costs_over(

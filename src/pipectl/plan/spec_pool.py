@@ -128,7 +128,3 @@ class SpecPool(Sequence[Spec]):
         if engine is Engine.TORCH:
             return self._torch
         return np.ones(len(self), dtype=bool)
-
-    @property
-    def deepspeed_runnable(self) -> np.ndarray:
-        return self._deepspeed
