@@ -7,7 +7,7 @@ micro-batches in flight, and the specs themselves with their lower bounds (`cand
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Callable, Sequence
+from typing import Callable, Sequence, TypeVar
 
 import numpy as np
 
@@ -20,6 +20,8 @@ from pipectl.plan.fast.bounds import chain_bound_seconds, two_bw_bound_seconds, 
 from pipectl.plan.memory import in_flight_units, peak_bytes, sharded_transient_bytes, stage_holding, state_bytes_per_parameter, state_dtype, step_bytes_per_parameter, weight_versions
 from pipectl.schedule import ScheduleKind
 from pipectl.plan.candidates import ScheduleVariant, Shape, Spec, SpecFigures, read_only, chains, recomputing_stages
+
+T = TypeVar("T")
 
 
 def data_parallel_costs(
@@ -302,15 +304,7 @@ def _figures_of_one_depth(
     and each point's lower bound, for points whose shapes all have the same p (rows of equal
     width) and whose schedules (`variants`, one per point) the same bound prices (`_bound_family`);
     the peaks only when asked (None otherwise)."""
-    distinct: dict[int, int] = {}
-    unique: list[Shape] = []
-    rows = []
-    for shape in shapes:
-        row = distinct.get(id(shape))
-        if row is None:
-            row = distinct[id(shape)] = len(unique)
-            unique.append(shape)
-        rows.append(row)
+    unique, rows = _distinct(shapes)
     row_of = np.array(rows)
     kind = variants[0].kind  # the bound's family
     # Per shape (one row each), then one row per point by look-up; the work per rank per shape and
@@ -319,8 +313,8 @@ def _figures_of_one_depth(
     works: dict[tuple[int, bool], int] = {}
     work_rows: list[np.ndarray] = []
     work_of = []
-    for shape, variant in zip(shapes, variants):
-        key = (distinct[id(shape)], variant.kind is ScheduleKind.VARUNA)
+    for shape_row, shape, variant in zip(rows, shapes, variants):
+        key = (shape_row, variant.kind is ScheduleKind.VARUNA)
         row = works.get(key)
         if row is None:
             row = works[key] = len(work_rows)
@@ -385,16 +379,23 @@ def rows_array(rows: Sequence[tuple[int, ...]]) -> np.ndarray:
         return np.zeros((0, 0), dtype=np.int64)
     # By identity: the repeated tuples are one object (`memory.in_flight_units` is cached), and
     # hashing a tuple of p integers per row would cost more than converting it.
-    index: dict[int, int] = {}
-    distinct: list[tuple[int, ...]] = []
-    positions = []
-    for row in rows:
-        position = index.get(id(row))
-        if position is None:
-            position = index[id(row)] = len(distinct)
-            distinct.append(row)
-        positions.append(position)
+    distinct, positions = _distinct(rows)
     return np.array(distinct, dtype=np.int64)[positions]
+
+
+def _distinct(items: Sequence[T]) -> tuple[list[T], list[int]]:
+    """The distinct objects among `items` by identity, in the order first met, and the position of
+    each item among them (every item stays alive meanwhile, so no identity is reused)."""
+    index: dict[int, int] = {}
+    distinct: list[T] = []
+    positions = []
+    for item in items:
+        position = index.get(id(item))
+        if position is None:
+            position = index[id(item)] = len(distinct)
+            distinct.append(item)
+        positions.append(position)
+    return distinct, positions
 
 
 def _data_parallel_costs_over(
