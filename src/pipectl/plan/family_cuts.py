@@ -53,7 +53,7 @@ class Demands:
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(state bytes, step bytes) as columns and in-flight units (a row per rank's), one row per
         ZeRO-0/1 point with whole interleaved rounds, in the order `UnitContext` visits them: what
-        `StageMemory.fitting_rows` reads for all of them at once (most families are rejected
+        `StageMemory.per_rank_bytes` reads for all of them at once (most families are rejected
         before it is needed)."""
         per_d = self.per_d
         states = [state for _, _, _, units, per_device in per_d if units is not None for state in per_device]
@@ -138,7 +138,8 @@ class Family:
             shape = self.builder.shape(
                 self.t, self.b, self.recompute, self.p, self.v, from_right=from_right, v_placement=self.v_placement
             )
-            fits = self._fits[from_right] = shape.memory.fitting_rows(*self.demands.arrays, self.capacity).tolist()
+            per_rank = shape.memory.per_rank_bytes(*self.demands.arrays)
+            fits = self._fits[from_right] = (per_rank <= self.capacity).all(axis=1).tolist()
         return fits[index]
 
     def balanced_fits(self) -> list[bool] | None:

@@ -393,21 +393,6 @@ class StageMemory:
             state_bytes, step_bytes, np.asarray(units), transient_bytes,
         )
 
-    def fitting_rows(
-        self, state_bytes: np.ndarray, step_bytes: np.ndarray, units: np.ndarray, capacity_bytes: float
-    ) -> np.ndarray:
-        """Per demand (columns of state and step bytes per parameter, a row of units per rank for
-        each): whether every rank fits, i.e. `(per_rank_bytes(...) <= capacity_bytes).all(axis=1)`
-        without the array of peaks. The training sum is built in place in `peak_bytes`' order (the
-        same values); the optimizer step's bytes, parameters x step bytes, are largest on the rank
-        with the most parameters (rounding is monotonic). A family's first memory check asks this
-        for all its points at once: rows x ranks elements, ~10^7 at GPT-3 scale."""
-        training = self.parameters * state_bytes
-        training += units * self.unit_bytes
-        training += self.recompute_buffer_bytes
-        training += self.working_bytes
-        return (training <= capacity_bytes).all(axis=1) & (self.parameters.max() * step_bytes[:, 0] <= capacity_bytes)
-
     def estimate(
         self, state_bytes: float, step_bytes: float, units: Sequence[int], capacity_bytes: float,
         reserved_per_allocated: float = 1.0, transient_bytes: float = 0.0,

@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-
 from pipectl.artifacts.plan import Engine, PlanRequest
 from pipectl.artifacts.profile import ModelProfile
 from pipectl.plan.candidates import (
