@@ -128,3 +128,35 @@ def test_a_config_of_a_block_pipectl_does_not_build_is_refused_but_derives(tmp_p
         assert "--derive" in caught.value.hint and "hf:PATH" in caught.value.hint
     profile = derive_profile(config, get_device("a100-80gb"), [1])
     assert [layer.parameter_count for layer in profile.layers] == config.layer_parameter_counts()
+
+
+def test_counting_a_models_shape_on_the_meta_device_starts_nothing_heavy():
+    """`shape_of` runs in every launch's pre-flight: an embedding's normal initialiser on the meta
+    device would import torch._dynamo (seconds of a command's start) to draw nothing."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "from pipectl.models import build_model\n"
+        "from pipectl.models.base import shape_of\n"
+        "assert shape_of(build_model('gpt-tiny')).parameter_count > 0\n"
+        "print('torch._dynamo' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.strip() == "False", done.stderr
+
+
+def test_real_tensors_are_initialised_as_ever_inside_a_meta_build():
+    """Only meta tensors skip the normal initialisers (another thread may build a real model
+    meanwhile), and `torch.nn.init` is itself again afterwards."""
+    from pipectl.models.base import on_meta_device
+
+    before = torch.nn.init.normal_
+    with on_meta_device():
+        embedding = torch.nn.Embedding(8, 4)
+        real = torch.nn.init.normal_(torch.zeros(64, device="cpu"))
+        kaiming = torch.nn.init.kaiming_normal_(torch.zeros(8, 8, device="cpu"))
+    assert embedding.weight.is_meta
+    assert real.std() > 0 and kaiming.std() > 0
+    assert torch.nn.init.normal_ is before

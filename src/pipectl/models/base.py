@@ -12,8 +12,10 @@ consumes `inputs`, `loss_fn(last_output, labels)` gives the scalar loss.
 
 from __future__ import annotations
 
+import functools
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -71,6 +73,36 @@ class ModelLayers:
         return len(self.layers)
 
 
+# `torch.nn.init`'s initialisers that draw from a normal distribution: on a meta tensor torch runs
+# them through its Python reference kernels, whose first call imports torch._dynamo (1-2 s of a
+# command's start, for a model with an embedding: `nn.Embedding` initialises with `normal_`).
+_NORMAL_INITIALISERS = ("normal_", "xavier_normal_", "kaiming_normal_")
+
+
+@contextmanager
+def on_meta_device() -> Iterator[None]:
+    """Modules built inside are on the meta device (shapes only, nothing allocated), and the
+    normal initialisers of `torch.nn.init` leave meta tensors as they are: a meta tensor has no
+    values to draw. Any other tensor, from any thread, is initialised as ever."""
+    saved = {name: getattr(nn.init, name) for name in _NORMAL_INITIALISERS}
+    for name, initialiser in saved.items():
+        setattr(nn.init, name, _skipping_meta(initialiser))
+    try:
+        with torch.device("meta"):
+            yield
+    finally:
+        for name, initialiser in saved.items():
+            setattr(nn.init, name, initialiser)
+
+
+def _skipping_meta(initialiser: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    @functools.wraps(initialiser)
+    def initialise(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return tensor if tensor.is_meta else initialiser(tensor, *args, **kwargs)
+
+    return initialise
+
+
 def shape_of(model: ModelLayers) -> ModelShape:
     """The `ModelShape` a profile of `model` records (what launch checks a plan against): a tied
     layer after the first holder counts its copy of the shared weight, the model counts it once.
@@ -79,7 +111,7 @@ def shape_of(model: ModelLayers) -> ModelShape:
     counts: list[int] = []
     copies = 0
     holders: dict[str, nn.Module] = {}
-    with torch.device("meta"):
+    with on_meta_device():
         for layer in model.layers:
             if layer.tie_key is not None and layer.tie_key in holders:
                 count = layer.tied_weight(holders[layer.tie_key]).numel()

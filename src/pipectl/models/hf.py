@@ -39,7 +39,7 @@ from torch import nn
 
 from pipectl.errors import UserInputError
 from pipectl.io import validation_message
-from pipectl.models.base import LayerDef, ModelLayers
+from pipectl.models.base import LayerDef, ModelLayers, on_meta_device
 from pipectl.models.transformer import lm_loss
 from pipectl.paths import HF_CONFIG_FILE, HF_PREFIX, hf_model_dir, hf_tokenizer_file
 
@@ -182,7 +182,7 @@ def _initialise(module: nn.Module, config) -> None:
         for name, sub in module.named_modules():
             if isinstance(sub, (nn.Linear, nn.Embedding)) or (conv1d and isinstance(sub, conv1d)):
                 scale = 1 / math.sqrt(2 * config.num_hidden_layers) if _is_gpt2(config) and name.endswith("c_proj") else 1.0
-                sub.weight.normal_(0.0, std * scale)
+                nn.init.normal_(sub.weight, 0.0, std * scale)  # (skipped on the meta device: `on_meta_device`)
                 if getattr(sub, "bias", None) is not None:
                     sub.bias.zero_()
             elif hasattr(sub, "weight") and isinstance(sub.weight, nn.Parameter) and sub.weight.dim() == 1:
@@ -409,5 +409,5 @@ def _model_config(config, directory: str, common: dict):
 def hf_layer_names(model: ModelLayers) -> list[dict[str, str]]:
     """Per layer of an `hf:` model: its parameters' local names -> Hugging Face names (a tied head
     holds none of its own). Built on the meta device: nothing is allocated or read."""
-    with torch.device("meta"):
+    with on_meta_device():
         return [{} if layer.tied_forward is not None else layer.build().hf_names() for layer in model.layers]

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from pipectl.errors import UserInputError
-from pipectl.models.base import LayerDef, ModelLayers
+from pipectl.models.base import LayerDef, ModelLayers, on_meta_device
 from pipectl.models.tensor_parallel import TensorParallelBlock, TensorParallelGroup, shard_model, splits_itself
 from pipectl.models.transformer import TransformerBlock
 
@@ -79,7 +79,7 @@ def identical_layers(model: ModelLayers) -> list[int]:
     for index, layer in enumerate(layers):
         if holder_of[index] is None:
             groups.setdefault(layer_signature(layer, None), []).append(index)
-    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+    with torch.random.fork_rng(devices=[]), on_meta_device():
         for members in groups.values():
             if len(members) < 2:  # nothing to compare: not even built on meta (a factory's layers)
                 continue
@@ -107,7 +107,7 @@ def check_tensor_parallel(model: ModelLayers, degrees: Sequence[int]) -> list[in
     for t in shard_degrees:
         sharded = shard_model(model, TensorParallelGroup.without_communication(t))  # no blocks: a UserInputError
         same_as = identical_layers(sharded)
-        with torch.random.fork_rng(devices=[]), torch.device("meta"):
+        with torch.random.fork_rng(devices=[]), on_meta_device():
             for index in block_indices(sharded):
                 if same_as[index] == index:
                     sharded.layers[index].build()  # refuses heads (or a hidden size) t does not divide

@@ -309,8 +309,7 @@ def engine_bytes(layout: Layout, model: ModelLayers, rank: int) -> int:
     ZeRO-1/2: the flat copy of its stage's trained parameters and, for its data-parallel share, the
     fp32 partition and Adam's two moments (4-byte elements, alignment slack included). Counted on
     the meta device. 0 with a tensor split (what a rank holds then is not counted here)."""
-    import torch  # only in the ranks
-
+    from pipectl.models.base import on_meta_device  # torch: only in the ranks
     from pipectl.runtime.engines.pipeline import planned_topology
 
     if layout.tensor_parallel > 1:
@@ -318,7 +317,7 @@ def engine_bytes(layout: Layout, model: ModelLayers, rank: int) -> int:
     topology = planned_topology(layout.pipeline_parallel, layout.data_parallel, layout.tensor_parallel)
     start, stop = layout.stage_layers[topology.get_coord(rank).pipe]
     numel, ties = 0, set()
-    with torch.device("meta"):
+    with on_meta_device():
         for layer in model.layers[start:stop]:
             if layer.tie_key is not None:
                 if layer.tie_key in ties:
