@@ -32,3 +32,64 @@ def test_a_move_to_or_from_the_torch_engine_is_not_live(tmp_path, start):
     with pytest.raises(LiveUnavailable, match=f"the {which} layout runs on the torch engine") as raised:
         check_live(decide_resize(prepared.run_dir, 2))
     assert raised.value.running  # the CLI says "cannot resize live: ...; restarting instead"
+
+
+def _ranks_of(run_dir, seconds: list[float]) -> list:
+    """Processes that look like ranks of `run_dir` to `find_run_processes` (their command line
+    names the worker module and the run), each ending after its `seconds`."""
+    import subprocess
+    import sys
+
+    return [
+        subprocess.Popen([sys.executable, "-c", f"import time; time.sleep({s})", "-m", "pipectl.runtime.worker",
+                          "--run-dir", str(run_dir)])
+        for s in seconds
+    ]  # fmt: skip
+
+
+def _shrunk_run(tmp_path, live: bool):
+    """A run whose plan has one rank, after a move from two ranks (live or by restart)."""
+    import time
+
+    from pipectl.artifacts.morph import MorphRecord
+    from pipectl.rundir.morph_history import append_record
+
+    plan = plan_of(candidate(1, 1), global_batch=8, morph_table=[MorphEntry(devices=2, candidate=candidate(1, 2, m=2))])
+    prepared = prepare_launch(plan, tmp_path / "run", LaunchOptions(steps=40, seed=0))
+    append_record(prepared.run_dir, MorphRecord(
+        requested_unix=time.time(), requested_devices=1, from_devices=2, from_layout="t1p1d2 1f1b b2 m2", to_devices=1,
+        to_layout="t1p1d1 1f1b b2 m4", global_batch=8, resume_step=3, target_steps=40, stopped_running_job=not live,
+        path="live" if live else "restart", plan_source="morph-table",
+    ))  # fmt: skip
+    return prepared.run_dir
+
+
+def test_a_resize_right_after_a_live_shrink_waits_for_the_rank_it_left_out(tmp_path):
+    """The rank a live shrink leaves out exits on its own after the hand-over; a resize asked
+    meanwhile waits for it (and then moves live) instead of calling the run busy, which the CLI
+    answered with a restart."""
+    run_dir = _shrunk_run(tmp_path, live=True)
+    ranks = _ranks_of(run_dir, [60, 2])
+    said: list[str] = []
+    try:
+        check_live(decide_resize(run_dir, 2), said.append)
+        assert ranks[1].poll() is not None and ranks[0].poll() is None
+        assert said == ["waiting for the ranks the last live resize left out to exit"]
+    finally:
+        for rank in ranks:
+            rank.kill()
+            rank.wait()
+
+
+def test_more_ranks_than_the_layout_without_a_live_shrink_are_a_move_under_way(tmp_path):
+    run_dir = _shrunk_run(tmp_path, live=False)
+    ranks = _ranks_of(run_dir, [60, 60])
+    said: list[str] = []
+    try:
+        with pytest.raises(LiveUnavailable, match="2 ranks running here for a layout of 1"):
+            check_live(decide_resize(run_dir, 2), said.append)
+        assert said == []
+    finally:
+        for rank in ranks:
+            rank.kill()
+            rank.wait()

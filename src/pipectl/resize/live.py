@@ -42,7 +42,7 @@ from pipectl.artifacts.run import JOB_FILE, LAUNCH_SCRIPT, LOGS_DIR, Engine
 from pipectl.errors import LaunchError
 from pipectl.io import write_json_atomic
 from pipectl.launch.engines import rank_environment
-from pipectl.rundir.processes import WORKER_MODULE, find_run_processes
+from pipectl.rundir.processes import WORKER_MODULE, RunProcess, find_run_processes
 from pipectl.rundir.lock import lock_holder
 from pipectl.launch.prepare import read_run
 from pipectl.launch.prepare import write_run_files
@@ -74,7 +74,13 @@ class LiveResult:
 Phase = Callable[[str], None]
 
 
-def check_live(decision: ResizeDecision) -> None:
+# How long a resize waits for the ranks a live shrink left out to exit (they do once the hand-over
+# is done; a loaded host can take a few steps) before it calls the run busy.
+DEPARTING_RANKS_SECONDS = 60.0
+
+
+def check_live(decision: ResizeDecision, say: Phase | None = None,
+               departing_seconds: float = DEPARTING_RANKS_SECONDS) -> None:  # fmt: skip
     """Raise `LiveUnavailable` naming why this run cannot be resized live, before anything changes."""
     files = read_run(decision.run_dir)
     job = files.job
@@ -99,6 +105,8 @@ def check_live(decision: ResizeDecision) -> None:
             "the job recovers a lost replica in memory, one torchrun per replica; ranks moved live would "
             "be outside them"
         )
+    if len(ranks) > files.plan.chosen.devices and _shrunk_live_to(decision.run_dir, files.plan.chosen.devices):
+        ranks = _without_departing(decision.run_dir, files.plan.chosen.devices, say, departing_seconds)
     if files.plan.chosen.devices != len(ranks):
         raise LiveUnavailable(
             f"{count(len(ranks), 'rank')} running here for a layout of {files.plan.chosen.devices} "
@@ -106,6 +114,24 @@ def check_live(decision: ResizeDecision) -> None:
         )
     if files.plan.chosen.device != decision.candidate.device:
         raise LiveUnavailable(f"the new layout runs on {decision.candidate.device}, the job on {files.plan.chosen.device}")
+
+
+def _shrunk_live_to(path: Path, devices: int) -> bool:
+    """Whether the run's last move was a live one down to `devices` ranks (the others then exit)."""
+    records = read_records(path)
+    return bool(records) and records[-1].path == "live" and records[-1].to_devices == devices < records[-1].from_devices
+
+
+def _without_departing(path: Path, devices: int, say: Phase | None, seconds: float) -> list[RunProcess]:
+    """The run's ranks once at most `devices` are left, or as they are after `seconds`."""
+    if say is not None:
+        say("waiting for the ranks the last live resize left out to exit")
+    deadline = time.monotonic() + seconds
+    while True:
+        ranks = [p for p in find_run_processes(path) if p.is_worker]
+        if len(ranks) <= devices or time.monotonic() >= deadline:
+            return ranks
+        time.sleep(0.2)
 
 
 def live_resize(
@@ -123,7 +149,7 @@ def live_resize(
     path = decision.run_dir
     check_candidate(decision.candidate, global_batch=decision.global_batch, layers=decision.layers)
     with _one_at_a_time(path):
-        check_live(decision)
+        check_live(decision, say)
         return _move(decision, requested_unix, say, ready_timeout_seconds, handover_timeout_seconds)
 
 
