@@ -433,3 +433,37 @@ def test_the_reserve_scales_with_the_checkpoint_and_a_first_one_without_room_sto
     trains_on.host = Host()
     trains_on.save(None, 2, {})  # skipped, recorded, and training goes on
     assert ckpt.read_events(tmp_path)[-1].message.endswith("; training goes on")
+
+
+def test_rank0_stops_waiting_for_the_report_of_a_rank_killed_on_this_host(tmp_path):
+    """A rank killed before it reported its file never will: rank 0 ends the commit's wait as soon
+    as the rank's heartbeat names a process that has ended, not at the commit timeout (a peer's
+    death left the job waiting 30 s, until its launcher killed the ranks it had asked to stop)."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from pipectl.artifacts.run import CheckpointOutcome, RankHeartbeat
+    from pipectl.io import write_json_atomic
+    from pipectl.rundir.heartbeats import write_heartbeat
+    from pipectl.runtime.checkpoint.checkpointer import Checkpointer, _Save
+
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    now = time.time()
+    write_heartbeat(tmp_path, RankHeartbeat(rank=1, pid=ended.pid, host=socket.gethostname(), stage=1, step=4,
+                                            phase="step", started_unix=now - 5, beat_unix=now, progress_unix=now))  # fmt: skip
+    saver = Checkpointer(tmp_path, keep=2, commit_timeout_seconds=120.0)
+    saver.world_size = 2  # rank 0 of two; rank 1 wrote nothing
+    save = _Save(step=4, staged=saver.writer / ckpt.tag_for_step(4), stall_seconds=0.0, started=time.perf_counter(),
+                 data_position={})  # fmt: skip
+    save.staged.mkdir(parents=True)
+    write_json_atomic(ckpt.report_path(save.staged, 0), {"rank": 0, "world_size": 2, "step": 4, "file": "x", "sha256": "0", "bytes": 1})
+    started = time.monotonic()
+    event = saver._commit(save)
+    assert time.monotonic() - started < 30
+    assert event.outcome is CheckpointOutcome.FAILED
+    assert event.message.startswith("checkpoint step 4 was not committed: rank 1 (stage 1, pid")
+    assert "ended without a word in step 4" in event.message
+    assert not save.staged.exists()  # nothing loadable left behind

@@ -13,7 +13,7 @@ At a checkpoint step every rank (collectively, at the step boundary):
 
 The thread writes the rank's file into `.staging/WRITER/TAG/`, fsyncs and hashes it, and reports
 (`TAG.reports/rank-NNNNN.json`: its sha256 and size, or why it failed). Rank 0's thread then waits
-for every rank's report and commits: the manifest, listing every file with its hash, is the
+for every rank's report (no longer once a rank of this host has ended without one) and commits: the manifest, listing every file with its hash, is the
 staged folder's last file; the folder is renamed into place, then `latest` moves; old checkpoints
 beyond `keep` are removed. A checkpoint is committed whole or not at all: a rank killed mid-write
 leaves a staging folder that nothing loads and the next job removes; a job that dies after every
@@ -47,6 +47,7 @@ from pipectl.artifacts.run import CheckpointEvent, CheckpointOutcome
 from pipectl.errors import CheckpointError
 from pipectl.io import write_json_atomic
 from pipectl.rundir.checkpoints import STAGING_DIR, remove_dead_writers, checkpoints_dir, commit_tag, list_checkpoints, manifest_from_reports, prune_checkpoints, read_reports, recover_staged, report_path, reports_dir, record_event, tag_for_step
+from pipectl.rundir.heartbeats import HEARTBEAT_SECONDS, vanished_line, vanished_ranks
 from pipectl.runtime.checkpoint.ranks import broadcast_from_rank0, rank_and_world, save_failure_message
 from pipectl.runtime.checkpoint.schedule import CheckpointSchedule
 from pipectl.runtime.checkpoint.snapshot import HostSnapshot, Snapshot
@@ -266,6 +267,7 @@ class Checkpointer:
         deadline = time.monotonic() + self.commit_timeout_seconds
         found = read_reports(staged)
         message = ""
+        look_for_vanished = time.monotonic() + HEARTBEAT_SECONDS
         while len(found) < self.world_size:
             if self.abandoned:
                 message = f"checkpoint step {step}: abandoned, its layout was lost"
@@ -274,6 +276,15 @@ class Checkpointer:
                 missing = sorted(set(range(self.world_size)) - set(found))
                 message = f"checkpoint step {step}: ranks {missing} never reported their files"
                 break
+            if time.monotonic() > look_for_vanished:
+                # A rank of this host killed before it reported never will: end the wait now, not
+                # at the timeout (its launcher gives the ranks left 30 s to act on a SIGTERM, then
+                # kills them; this rank would still be waiting here).
+                look_for_vanished = time.monotonic() + HEARTBEAT_SECONDS
+                gone = [beat for beat in vanished_ranks(self.run_dir) if beat.rank not in found and beat.rank < self.world_size]
+                if gone:
+                    message = f"checkpoint step {step} was not committed: " + "; ".join(map(vanished_line, gone))
+                    break
             time.sleep(REPORT_POLL_SECONDS)
             found = read_reports(staged)
         errors = [report["error"] for report in found.values() if "error" in report]
