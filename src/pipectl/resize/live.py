@@ -42,7 +42,7 @@ from pipectl.artifacts.run import JOB_FILE, LAUNCH_SCRIPT, LOGS_DIR, Engine
 from pipectl.errors import LaunchError
 from pipectl.io import write_json_atomic
 from pipectl.launch.engines import rank_environment
-from pipectl.rundir.processes import WORKER_MODULE, RunProcess, find_run_processes
+from pipectl.rundir.processes import WORKER_MODULE, RunProcess, find_run_ranks
 from pipectl.rundir.lock import lock_holder
 from pipectl.launch.prepare import read_run
 from pipectl.launch.prepare import write_run_files
@@ -90,7 +90,7 @@ def check_live(decision: ResizeDecision, say: Phase | None = None,
             "(PyTorch's pipelining runtime); a live resize hands DeepSpeed engines' state over in memory, the torch "
             "engine moves through its checkpoint (the same format: a restart resumes it in either engine)"
         )
-    ranks = [p for p in find_run_processes(decision.run_dir) if p.is_worker]
+    ranks = find_run_ranks(decision.run_dir)
     if not ranks:
         raise LiveUnavailable("no rank of the run is running on this machine", running=False)
     if job.engine not in (Engine.LOCAL, Engine.TORCHRUN) or job.nodes != 1 or job.elastic is not None:
@@ -128,7 +128,7 @@ def _without_departing(path: Path, devices: int, say: Phase | None, seconds: flo
         say("waiting for the ranks the last live resize left out to exit")
     deadline = time.monotonic() + seconds
     while True:
-        ranks = [p for p in find_run_processes(path) if p.is_worker]
+        ranks = find_run_ranks(path)
         if len(ranks) <= devices or time.monotonic() >= deadline:
             return ranks
         time.sleep(0.2)
@@ -334,7 +334,7 @@ def _wait_record(
             if record.path == "live" and record.requested_unix == request.record.requested_unix:
                 return record
         taken = not request_path(path).exists()  # the ranks remove the request as they take it
-        if not any(p.is_worker and p.pid not in joining for p in find_run_processes(path)):
+        if not any(p.pid not in joining for p in find_run_ranks(path)):
             raise LaunchError(
                 "the job ended before the live resize completed" + ("" if taken else " (the request was not taken)"),
                 hint=f"see {path / LOGS_DIR}; resize again (a stopped run is resized by a restart)",

@@ -17,7 +17,7 @@ from pipectl.artifacts.run import (
 )
 from pipectl.rundir.heartbeats import pid_alive
 from pipectl.errors import UserInputError
-from pipectl.rundir.processes import find_run_processes
+from pipectl.rundir.processes import find_run_ranks
 from pipectl.rundir.run import make_run_folders
 
 
@@ -120,7 +120,7 @@ def lock_run_dir(run_dir: str | os.PathLike[str], *, wait_seconds: float = 0.0, 
             time.sleep(0.1)
     lock = RunLock(lock_path, fd, role)
     lock.record(os.getpid())  # at once: a launch refused meanwhile names this pid
-    left = [p for p in find_run_processes(path) if p.is_worker]
+    left = find_run_ranks(path)
     if left:  # the lock dies with the launching processes; ranks they left behind may not have
         lock.release()
         pids = " ".join(str(p.pid) for p in left)

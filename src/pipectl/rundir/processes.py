@@ -85,6 +85,11 @@ def find_run_processes(run_dir: str | os.PathLike[str]) -> list[RunProcess]:
     return sorted(found, key=lambda p: p.pid)
 
 
+def find_run_ranks(run_dir: str | os.PathLike[str]) -> list[RunProcess]:
+    """The ranks among `find_run_processes(run_dir)` (not their launchers)."""
+    return [process for process in find_run_processes(run_dir) if process.is_worker]
+
+
 def is_alive(process: RunProcess) -> bool:
     """Still running and still the same program (a recycled pid does not count)."""
     try:
