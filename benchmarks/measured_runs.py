@@ -1,7 +1,7 @@
 """pipectl's predictions against training runs measured on real clusters (issue #45).
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/measured_runs.py [--runs DIR] [--limit N] [--folds K]
-                                                                    [--no-calibrate] [--no-write]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/measured_runs.py [--runs DIR] [--conditions FILE]
+                                                    [--limit N] [--folds K] [--no-calibrate] [--no-write]
 
 Runs what `pipectl validate MEASURED.csv --conditions CONDITIONS.yaml --json` runs, in process, on
 vTrain's single-node ground truth (Bang et al., MICRO'24: 1,440 Megatron-DeepSpeed runs of GPT
@@ -10,7 +10,8 @@ shapes on 2, 4 and 8 A100s; `--runs` names the folder holding `single-node.csv` 
 pinned; nothing is fitted. Prints the summary, the signed median error per hidden size and GPU count
 (where the model runs fast or slow), the memory model's refusals of runs that ran, and the groups
 ranked worst, and what one constant cost per block, per micro-batch or per step would explain of
-the error (`missing_costs`: a diagnostic, not a term the predictions use). Then what `pipectl calibrate MEASURED.csv --conditions CONDITIONS.yaml` fits to the
+the error (`missing_costs`), and where a step's time goes, measured and predicted (`time_split`):
+diagnostics, not terms the predictions use. Then what `pipectl calibrate MEASURED.csv --conditions CONDITIONS.yaml` fits to the
 same rows: the terms, the errors on the rows fitted on, and the K-fold cross-validated errors (each
 row predicted by terms fitted without it; default K = 5). Writes benchmarks/results/measured_runs.json
 with the command, machine and date.
@@ -93,9 +94,47 @@ def missing_costs(predictions) -> dict[str, dict]:
     return out
 
 
+def time_split(predictions) -> list[dict]:
+    """Where a step's time goes, measured and predicted alike, without a pipeline (p = 1).
+
+    Rows of one shape, t and b differ in layers l, micro-batches m = B / (b d) and replicas d; a
+    step of such a row is a sum of costs that repeat m x l times (a block's forward, recomputed
+    forward and backward of one micro-batch), m times (one micro-batch's work outside the blocks:
+    embedding, head and loss, the engine's own), l times per d (a block's share of the optimizer
+    step and gradient reduction) and once per d. Least squares of the step times on those counts
+    gives the four costs from the measured times and, the same way, from the predicted ones: a
+    model that misses one shows it there, whatever the others do. A diagnostic of the rows'
+    structure, not a term the predictions use."""
+    import numpy as np
+
+    groups: dict[tuple, list] = {}
+    for p in predictions:
+        r = p.run
+        if r.pipeline_parallel == 1 and p.predicted_seconds is not None:
+            groups.setdefault((r.hidden, r.heads, r.seq_len, r.tensor_parallel, r.micro_batch), []).append(p)
+    out = []
+    for (h, a, s, t, b), rows in sorted(groups.items()):
+        ms = [-(-p.run.global_batch // (b * p.run.data_parallel)) for p in rows]
+        ds = sorted({p.run.data_parallel for p in rows})
+        if len(set(ms)) < 2 or len({p.run.layers for p in rows}) < 2:
+            continue  # the per-micro-batch and per-step shares cannot be told apart
+        x = np.array([[m * p.run.layers, m] + [p.run.layers * (p.run.data_parallel == d) for d in ds]
+                      + [float(p.run.data_parallel == d) for d in ds] for m, p in zip(ms, rows)])
+        split = {}
+        for name, times in (("measured", [p.run.measured_seconds for p in rows]),
+                            ("predicted", [p.predicted_seconds for p in rows])):
+            c, *_ = np.linalg.lstsq(x, np.array(times), rcond=None)
+            split[name] = {"block_micro_batch_ms": round(c[0] * 1e3, 3), "micro_batch_ms": round(c[1] * 1e3, 3),
+                           "block_step_ms": {f"d{d}": round(v * 1e3, 3) for d, v in zip(ds, c[2:2 + len(ds)])},
+                           "step_ms": {f"d{d}": round(v * 1e3, 3) for d, v in zip(ds, c[2 + len(ds):])}}
+        out.append({"key": f"h{h} a{a} s{s} t{t} b{b}", "rows": len(rows), **split})
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=Path, default=DEFAULT_RUNS, help="folder with single-node.csv and conditions.yaml")
+    parser.add_argument("--conditions", type=Path, help="another conditions file for the rows (default: the folder's)")
     parser.add_argument("--limit", type=int, help="the first N rows only (a quick look)")
     parser.add_argument("--folds", type=int, default=DEFAULT_FOLDS, help="cross-validation folds of the calibration")
     parser.add_argument("--no-calibrate", action="store_true", help="the uncalibrated predictions only")
@@ -105,7 +144,8 @@ def main() -> None:
     runs = read_runs(args.runs / "single-node.csv")
     if args.limit:
         runs = runs[: args.limit]
-    conditions = load_conditions(args.runs / "conditions.yaml")
+    conditions_file = args.conditions or args.runs / "conditions.yaml"
+    conditions = load_conditions(conditions_file)
     load_before = os.getloadavg()[0]
     started = time.perf_counter()
     predictions = predict_runs(runs, conditions)
@@ -140,6 +180,15 @@ def main() -> None:
     for name, figures in missing.items():
         print(f"  one constant {name}: {figures['seconds'] * 1e3:.3g} ms would leave MAPE {figures['mape']:.1%}, "
               f"signed median {figures['signed_median']:+.1%}")
+    split = time_split(predictions)
+    print("  time per block and micro-batch | per micro-batch outside the blocks | per block and step, ms "
+          "(measured / predicted):")
+    for g in split:
+        measured, predicted = g["measured"], g["predicted"]
+        per_layer = ", ".join(f"{d} {measured['block_step_ms'][d]:.2f}/{predicted['block_step_ms'][d]:.2f}"
+                              for d in measured["block_step_ms"])
+        print(f"    {g['key']}: {measured['block_micro_batch_ms']:.2f}/{predicted['block_micro_batch_ms']:.2f}"
+              f" | {measured['micro_batch_ms']:.2f}/{predicted['micro_batch_ms']:.2f} | {per_layer}")
     worst = sorted(ranked, key=lambda g: g.spearman)[:5]
     for g in worst:
         print(f"  worst-ranked group: {g.key}: rows {g.rows}, Spearman {g.spearman:.2f}, regret {g.regret:.1%}")
@@ -147,7 +196,7 @@ def main() -> None:
     if not args.no_calibrate:
         started = time.perf_counter()
         calibration = calibrate_runs(
-            runs, conditions, rows_file=args.runs / "single-node.csv", conditions_file=args.runs / "conditions.yaml",
+            runs, conditions, rows_file=args.runs / "single-node.csv", conditions_file=conditions_file,
             folds=args.folds, workers=os.cpu_count() or 1, progress=lambda line: print("  " + line),
         )  # fmt: skip
         calibrated = {
@@ -166,7 +215,8 @@ def main() -> None:
         "command": "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/measured_runs.py"
                    + (f" --limit {args.limit}" if args.limit else "")
                    + (f" --folds {args.folds}" if args.folds != DEFAULT_FOLDS else "")
-                   + (" --no-calibrate" if args.no_calibrate else ""),
+                   + (" --no-calibrate" if args.no_calibrate else "")
+                   + (f" --conditions {args.conditions}" if args.conditions else ""),
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, load {load_before:.2f}",
         "rows_file": "vTrain data/ground_truth_single.csv (shared reference copy)",
@@ -175,6 +225,7 @@ def main() -> None:
         "summary": summary,
         "slices": slices,
         "missing_costs": missing,
+        "time_split": split,
         "groups": [g.to_dict() for g in groups],
         "memory_refused_examples": [
             {"line": p.run.line, "layout": p.run.layout_label, "group": p.run.group, "why": p.memory_refused}

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from pipectl.cluster import load_cluster, local_cluster
-from pipectl.plan.costs import hardware_for, layer_seconds, tensor_parallel_slowdown
+from pipectl.plan.costs import hardware_for, layer_seconds, tensor_parallel_communication, tensor_parallel_slowdown
 from pipectl.plan.placement import ranks_share_node, replicas_share_node, tensor_parallel_link, tensor_parallel_placeable
 from pipectl.plan.cost_table import stage_costs
 from pipectl.plan.layer_table import interpolate, layer_table
@@ -49,8 +51,10 @@ def test_tensor_parallel_divides_compute_and_adds_two_allreduces_each_way():
     assert slowdown > 1
     block = 1
     ring = hardware.links.allreduce_intra.ring_allreduce_seconds(table.output_activation_bytes[block], 4)
-    assert four.forward[block] == pytest.approx(one.forward[block] / 4 * slowdown + 2 * ring)
-    assert four.backward[block] == pytest.approx(one.backward[block] / 4 * slowdown + 2 * ring)
+    # A collective takes at least the host's time to issue it, as a kernel does.
+    collective = max(ring, hardware.device.kernel_overhead_us * 1e-6)
+    assert four.forward[block] == pytest.approx(one.forward[block] / 4 * slowdown + 2 * collective)
+    assert four.backward[block] == pytest.approx(one.backward[block] / 4 * slowdown + 2 * collective)
     # The embedding is not a block: no tensor-parallel all-reduce charged.
     assert four.forward[0] == pytest.approx(one.forward[0] / 4 * slowdown)
 
@@ -141,6 +145,38 @@ def test_data_parallel_allreduce_and_zero_optimizer():
     assert eight.allreduce_seconds[0] == pytest.approx(expected)
     sharded = stage_costs(profile, hardware, [(0, 7)], micro_batch_size=1, tensor_parallel=1, data_parallel=8, zero_stage=1)
     assert sharded.optimizer_seconds[0] == pytest.approx(eight.optimizer_seconds[0] / 8)
+
+
+def test_fp16_optimizer_step_adds_loss_scaling_passes_over_the_gradients():
+    # DeepSpeed's fp16 step: overflow check, flatten, fp32 cast, norm, unscale, Adam, copy back.
+    bf16 = synthetic_profile(blocks=4, micro_batch_sizes=[1], device="a100-80gb", tied=False)
+    fp16 = bf16.model_copy(update={"dtype": "float16"})
+    cluster = load_cluster("a100-8x8")
+    seconds = {}
+    for name, profile in (("bf16", bf16), ("fp16", fp16)):
+        hardware = hardware_for(cluster, profile)
+        assert hardware.loss_scaled is (name == "fp16")
+        costs = stage_costs(profile, hardware, [(0, 7)], micro_batch_size=1, tensor_parallel=1, data_parallel=8,
+                            zero_stage=1)
+        seconds[name] = costs.optimizer_seconds[0]
+    parameters = layer_table(bf16, 1).parameters(0, 7) / 8
+    bandwidth = hardware.device.memory_bandwidth_gbytes_per_second * 1e9
+    assert seconds["bf16"] == pytest.approx(parameters * 28 / bandwidth)
+    assert seconds["fp16"] == pytest.approx(parameters * 66 / bandwidth)
+
+
+def test_a_small_tensor_parallel_collective_costs_its_issue_on_the_host():
+    profile = synthetic_profile(blocks=2, micro_batch_sizes=[1], device="a100-80gb")
+    hardware = hardware_for(load_cluster("a100-8x8"), profile)
+    table = layer_table(profile, 1)
+    small = replace(table, output_activation_bytes=tuple(0.0 if b == 0 else 1e3 for b in table.output_activation_bytes))
+    ring = hardware.links.allreduce_intra.ring_allreduce_seconds(1e3, 4)
+    issue = hardware.device.kernel_overhead_us * 1e-6
+    assert ring < issue
+    forward, backward = tensor_parallel_communication(small, hardware.links.allreduce_intra, 4, issue_seconds=issue)
+    assert forward[1] == pytest.approx(2 * issue) and backward[1] == pytest.approx(2 * issue)
+    forward, _ = tensor_parallel_communication(small, hardware.links.allreduce_intra, 4)
+    assert forward[1] == pytest.approx(2 * ring)
 
 
 def test_tied_embedding_gradients_are_all_reduced_between_first_and_last_stage():

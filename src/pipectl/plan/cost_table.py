@@ -24,6 +24,20 @@ from pipectl.plan.placement import ranks_share_node, replicas_share_node
 
 # Bytes of memory traffic per parameter of one Adam step (read 4+4+4+2, write 4+4+4+2).
 ADAM_BYTES_PER_PARAMETER = 28
+# The same step under fp16 with loss scaling, as DeepSpeed's 16-bit optimizers run it per parameter
+# they update (deepspeed/runtime/zero/stage_1_and_2.py `step`, fp16/fused_optimizer.py): the overflow
+# check sums each gradient as fp32 (`x.float().sum()`: read 2, write 4, read 4), the gradients are
+# flattened (2 + 2) and cast into the fp32 partition (2 + 4), the norm reads them (4), unscaling and
+# clipping rewrite them (4 + 4), Adam reads the fp32 parameter, gradient and both moments and writes
+# three (16 + 12), and the fp32 parameters are copied back to 16 bits (4 + 2).
+LOSS_SCALED_ADAM_BYTES_PER_PARAMETER = 10 + 4 + 6 + 4 + 8 + 28 + 6
+
+
+def adam_seconds_per_parameter(hardware: Hardware) -> float:
+    """Seconds of optimizer step per parameter a rank updates: its memory traffic at the datasheet
+    bandwidth (a streaming pass; the step's kernels are large)."""
+    bytes_per_parameter = LOSS_SCALED_ADAM_BYTES_PER_PARAMETER if hardware.loss_scaled else ADAM_BYTES_PER_PARAMETER
+    return bytes_per_parameter / ((hardware.device.memory_bandwidth_gbytes_per_second or 100.0) * 1e9)
 # Latency-bound collectives DeepSpeed's ZeRO-1 pipeline engine adds at the end of a step (counted by
 # instrumenting torch.distributed in real runs, DeepSpeed 0.19.8): per data-parallel group (d > 1)
 # the gradient-norm and loss all-reduces, per pipeline (p > 1) the gradient-norm all-reduce and the
@@ -175,7 +189,6 @@ def data_parallel_seconds(
     n = hardware.devices_per_node
     links = hardware.links
     runtime = hardware.runtime
-    memory_bandwidth = (hardware.device.memory_bandwidth_gbytes_per_second or 100.0) * 1e9
     gradient = gradient_bytes(hardware, element_bytes)
     allreduce: list[float] = []
     optimizer: list[float] = []
@@ -207,7 +220,7 @@ def data_parallel_seconds(
             )
         if runtime is None:
             updated = held / d if zero_stage >= 1 else held
-            optimizer.append(updated * ADAM_BYTES_PER_PARAMETER / memory_bandwidth + engine_step_overhead(hardware))
+            optimizer.append(updated * adam_seconds_per_parameter(hardware) + engine_step_overhead(hardware))
         else:
             optimizer.append(runtime.step_fixed_seconds + runtime.step_seconds_per_parameter * held)
             small = ring.ring_allreduce_seconds(SMALL_COLLECTIVE_BYTES, d) + handoff
@@ -381,8 +394,7 @@ def sharded_data_parallel_seconds(
         communication += ring.ring_allreduce_seconds(held * element_bytes, d) / 2 + handoff
     runtime = hardware.runtime
     if runtime is None:
-        memory_bandwidth = (hardware.device.memory_bandwidth_gbytes_per_second or 100.0) * 1e9
-        optimizer = held / d * ADAM_BYTES_PER_PARAMETER / memory_bandwidth + engine_step_overhead(hardware)
+        optimizer = held / d * adam_seconds_per_parameter(hardware) + engine_step_overhead(hardware)
     else:
         optimizer = runtime.step_fixed_seconds + runtime.step_seconds_per_parameter * held
         if d > 1:

@@ -145,6 +145,8 @@ class Hardware:
     emulated_slowdown: float = 1.0  # NodeType.compute_slowdown
     # Another engine's features the profile was derived for (`ModelProfile.engine`); None: pipectl's.
     features: EngineFeatures | None = None
+    # fp16 training: loss scaling's passes over the gradients in the optimizer step (`cost_table`).
+    loss_scaled: bool = False
 
     @property
     def compute_scale(self) -> float:
@@ -227,6 +229,7 @@ def hardware_for(
         measured_memory_bytes=profile.device_memory_bytes if profile.device == device.name else None,
         emulated_slowdown=node_type.compute_slowdown,
         features=profile.engine,
+        loss_scaled=profile.dtype == "float16",
     )
 
 
@@ -451,7 +454,9 @@ def layer_seconds(table: LayerTable, hardware: Hardware, tensor_parallel: int) -
     backward = [b * scale * backward_ratio for b, scale in zip(table.backward_seconds, scales)]
     if t > 1:
         ring = tensor_parallel_link(hardware.links, t, hardware.devices_per_node)
-        forward_comm, backward_comm = tensor_parallel_communication(table, ring, t, hardware.features)
+        forward_comm, backward_comm = tensor_parallel_communication(
+            table, ring, t, hardware.features, issue_seconds=(hardware.device.kernel_overhead_us or 0.0) * 1e-6
+        )
         # Transformer Engine's comm+GEMM overlap (Userbuffers) needs the group inside one NVLink
         # domain: a group spanning nodes runs its collectives unoverlapped (TransformerEngine issue
         # #1071, 2024: "only possible with single-node tensor-parallelism").
@@ -478,7 +483,8 @@ def layer_seconds(table: LayerTable, hardware: Hardware, tensor_parallel: int) -
 
 
 def tensor_parallel_communication(
-    table: LayerTable, ring: LinkCost, tensor_parallel: int, features: EngineFeatures | None = None
+    table: LayerTable, ring: LinkCost, tensor_parallel: int, features: EngineFeatures | None = None,
+    issue_seconds: float = 0.0,
 ) -> tuple[list[float], list[float]]:
     """Per layer, the (forward, backward) seconds of one micro-batch's tensor-parallel collectives
     on a ring of t devices over `ring` (`tensor_parallel_link`: the node's all-reduce link, or the
@@ -488,7 +494,10 @@ def tensor_parallel_communication(
     (Megatron; Shoeybi et al. 2019 §3). With sequence parallelism each all-reduce is an all-gather
     plus a reduce-scatter of the same whole b s h bytes: the same ring time (Korthikanti et al.
     2022, §4.2.2); the block's output is then 1/t of the sequence on each rank, so the whole is t
-    times the table's output bytes. The backward's second all-gather of the saved s/t norm outputs
+    times the table's output bytes. A collective is issued by the host like a kernel (the autograd
+    function, the process group's stream handshake, the launch): one that moves less than the host
+    takes to issue it (`issue_seconds`, the device's per-kernel overhead of a derived profile) costs
+    that issue, as a kernel of a launch-bound phase does (`compute_model.phase_seconds`). The backward's second all-gather of the saved s/t norm outputs
     (for the weight gradients) runs beside the input-gradient GEMMs and is not charged. With a
     vocabulary-parallel embedding and head (`VOCAB_PARALLEL_KINDS`): one all-reduce of b s h in the
     embedding's forward and one in the head's backward. Replicated layers: none.
@@ -528,13 +537,13 @@ def tensor_parallel_communication(
     for index, kind in enumerate(table.kinds):
         if kind == TRANSFORMER_BLOCK:
             message = table.output_activation_bytes[index] * (t if sequence_parallel else 1)
-            allreduce = ring.ring_allreduce_seconds(message, t)
+            allreduce = max(ring.ring_allreduce_seconds(message, t), issue_seconds)
             forward[index] = TENSOR_PARALLEL_ALLREDUCES_FORWARD * allreduce
             backward[index] = TENSOR_PARALLEL_ALLREDUCES_BACKWARD * allreduce
         elif vocab_parallel and kind == "embedding":
-            forward[index] = ring.ring_allreduce_seconds(whole, t)
+            forward[index] = max(ring.ring_allreduce_seconds(whole, t), issue_seconds)
         elif vocab_parallel and kind == "lm_head":
-            backward[index] = ring.ring_allreduce_seconds(whole, t)
+            backward[index] = max(ring.ring_allreduce_seconds(whole, t), issue_seconds)
     return forward, backward
 
 

@@ -13,7 +13,7 @@ import numpy as np
 
 from pipectl.artifacts.plan import Recompute
 from pipectl.catalog import DTYPE_BYTES
-from pipectl.plan.cost_table import ADAM_BYTES_PER_PARAMETER, data_parallel_seconds, gradient_bytes, sharded_data_parallel_seconds, zero3_prefetch_shares
+from pipectl.plan.cost_table import adam_seconds_per_parameter, data_parallel_seconds, gradient_bytes, sharded_data_parallel_seconds, zero3_prefetch_shares
 from pipectl.plan.costs import Hardware, collective_handoff_seconds, host_compute_slowdown
 from pipectl.plan.placement import ranks_share_node, replicas_share_node
 from pipectl.plan.fast.bounds import chain_bound_seconds, two_bw_bound_seconds, zero_bubble_bound_seconds
@@ -67,9 +67,8 @@ def data_parallel_costs(
             seconds = steps * (ring.latency_seconds + message / d / ring.bandwidth_bytes_per_second)
             allreduce = np.where(where, seconds, allreduce)
     allreduce += tied_seconds(shape, hardware, d, element)
-    bandwidth = (hardware.device.memory_bandwidth_gbytes_per_second or 100.0) * 1e9
     updated = held / d if zero_stage >= 1 else held
-    return allreduce, updated * ADAM_BYTES_PER_PARAMETER / bandwidth
+    return allreduce, updated * adam_seconds_per_parameter(hardware)
 
 
 def _sharded_costs(
@@ -438,6 +437,5 @@ def _data_parallel_costs_over(
             known[(shape_row, d)] = row
         tied.append(row)
     allreduce += np.array(tied)
-    memory_bandwidth = (hardware.device.memory_bandwidth_gbytes_per_second or 100.0) * 1e9
     updated = held / np.where(sharded, ds, 1)
-    return allreduce, updated * ADAM_BYTES_PER_PARAMETER / memory_bandwidth
+    return allreduce, updated * adam_seconds_per_parameter(hardware)
