@@ -131,6 +131,24 @@ def time_split(predictions) -> list[dict]:
     return out
 
 
+def zero_stage_readings(runs, conditions) -> dict[str, dict]:
+    """The rows predicted as if run with ZeRO stage 0 and with stage 1 (the conditions file only
+    assumes its stage): the summary, and the per block and step time at t = 1 (the optimizer's share
+    and the gradient reduction), where the two stages differ in how it changes with d: under stage
+    0 the optimizer's share is the same at every d and the reduction grows with it; under stage 1
+    the optimizer's share falls as 1/d."""
+    out = {}
+    for stage in (0, 1):
+        predictions = predict_runs(runs, conditions.model_copy(update={"zero_stage": stage}))
+        t1 = [g for g in time_split(predictions) if " t1 b1" in g["key"]]
+        out[str(stage)] = {
+            "summary": summarise_errors(predictions).to_dict(),
+            "block_step_ms_t1": [{"key": g["key"], "measured": g["measured"]["block_step_ms"],
+                                  "predicted": g["predicted"]["block_step_ms"]} for g in t1],
+        }  # fmt: skip
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=Path, default=DEFAULT_RUNS, help="folder with single-node.csv and conditions.yaml")
@@ -189,6 +207,14 @@ def main() -> None:
                               for d in measured["block_step_ms"])
         print(f"    {g['key']}: {measured['block_micro_batch_ms']:.2f}/{predicted['block_micro_batch_ms']:.2f}"
               f" | {measured['micro_batch_ms']:.2f}/{predicted['micro_batch_ms']:.2f} | {per_layer}")
+    readings = zero_stage_readings(runs, conditions)
+    for stage, reading in readings.items():
+        e = reading["summary"]
+        print(f"  read as ZeRO stage {stage}: MAPE {e['mape']:.1%}, signed median {e['signed_median_error']:+.1%}; "
+              "per block and step at t1, ms (measured / predicted): " + "; ".join(
+                  f"{g['key'].split(' t1 ')[0]} " + ", ".join(f"{d} {m:.2f}/{g['predicted'][d]:.2f}"
+                                                         for d, m in g["measured"].items())
+                  for g in reading["block_step_ms_t1"]))
     worst = sorted(ranked, key=lambda g: g.spearman)[:5]
     for g in worst:
         print(f"  worst-ranked group: {g.key}: rows {g.rows}, Spearman {g.spearman:.2f}, regret {g.regret:.1%}")
@@ -226,6 +252,7 @@ def main() -> None:
         "slices": slices,
         "missing_costs": missing,
         "time_split": split,
+        "zero_stage_readings": readings,
         "groups": [g.to_dict() for g in groups],
         "memory_refused_examples": [
             {"line": p.run.line, "layout": p.run.layout_label, "group": p.run.group, "why": p.memory_refused}
