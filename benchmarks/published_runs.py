@@ -69,7 +69,6 @@ from pipectl.catalog import get_device  # noqa: E402
 from pipectl.errors import PipectlError  # noqa: E402
 from pipectl.io import write_json_atomic  # noqa: E402
 from pipectl.plan.costs import hardware_for, layer_seconds
-from pipectl.plan.cost_table import stage_costs_for  # noqa: E402
 from pipectl.plan.layer_table import layer_table  # noqa: E402
 from pipectl.plan.phases import simulated_phases  # noqa: E402
 from pipectl.plan.search import plan  # noqa: E402
@@ -360,16 +359,16 @@ def phase_breakdown(candidate: Candidate, profile, cluster: ClusterSpec) -> dict
     optimizer step."""
     stages, step = simulated_phases(candidate, profile, cluster)
     index = max(range(len(stages)), key=lambda i: stages[i][0] + stages[i][1])
-    forward, backward, waits, end = stages[index]
+    forward, backward, waits, reductions, optimizer = stages[index]
+    end = reductions + optimizer
     tensor_parallel = min(tensor_parallel_seconds(candidate, profile, cluster, index), forward + backward)
-    optimizer = min(stage_costs_for(candidate, profile, cluster).optimizer_seconds[index], end)
     return {"stage": index, "forward_seconds": round(forward, 4), "backward_seconds": round(backward, 4),
             "pipeline_waits_seconds": round(waits, 4), "end_of_step_seconds": round(end, 4),
             "step_seconds": round(step, 4),
             "split": {"compute_seconds": round(forward + backward - tensor_parallel, 4),
                       "tensor_parallel_exposed_seconds": round(tensor_parallel, 4),
                       "pipeline_waits_seconds": round(waits, 4),
-                      "data_parallel_exposed_seconds": round(end - optimizer, 4),
+                      "data_parallel_exposed_seconds": round(reductions, 4),
                       "optimizer_seconds": round(optimizer, 4)}}
 
 
