@@ -88,3 +88,23 @@ def test_ptdp_1t_published_step():
     row = next(r for r in ROWS if r["id"] == "ptdp-1t")
     seconds, _ = benchmark.published_step(row)
     assert seconds == pytest.approx(102.6, rel=0.002)
+
+
+def test_phase_breakdown_splits_the_simulated_step():
+    """The benchmark's split of a pinned step reads the simulator's phases (a plan of 16 A100s)."""
+    from pipectl.artifacts.plan import PlanRequest
+    from pipectl.cluster import load_cluster
+    from pipectl.plan.search import plan
+    from pipectl.testing.profiles import synthetic_profile
+
+    profile = synthetic_profile(blocks=8, micro_batch_sizes=[1, 2], device="a100-80gb")
+    cluster = load_cluster("a100-8x8")
+    request = PlanRequest(global_batch=32, devices=16, tensor_parallel=2, pipeline_parallel=2, data_parallel=4)
+    chosen = plan(profile, cluster, request).chosen
+    phases = _benchmark_module().phase_breakdown(chosen, profile, cluster)
+    split = phases["split"]
+    assert phases["forward_seconds"] > 0
+    assert phases["end_of_step_seconds"] == pytest.approx(
+        split["data_parallel_exposed_seconds"] + split["optimizer_seconds"], abs=2e-4)
+    assert sum(split.values()) == pytest.approx(phases["step_seconds"], abs=1e-3)
+    assert split["tensor_parallel_exposed_seconds"] > 0  # t = 2: collectives inside the blocks
