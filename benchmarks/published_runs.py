@@ -331,8 +331,10 @@ def tensor_parallel_seconds(candidate: Candidate, profile, cluster: ClusterSpec,
     if t <= 1:
         return 0.0
     hardware = hardware_for(cluster, profile)
-    free = dataclasses.replace(hardware, links=dataclasses.replace(
-        hardware.links, allreduce_intra_latency_seconds=0.0, allreduce_intra_bandwidth_bytes_per_second=1e30))
+    # Collectives that cost nothing: no latency, no bandwidth limit, no host time to issue them.
+    free = dataclasses.replace(hardware, device=hardware.device.model_copy(update={"kernel_overhead_us": 0.0}),
+                               links=dataclasses.replace(hardware.links, allreduce_intra_latency_seconds=0.0,
+                                                         allreduce_intra_bandwidth_bytes_per_second=1e30))
     table = layer_table(profile, candidate.micro_batch_size, t)
     priced, bare = layer_seconds(table, hardware, t), layer_seconds(table, free, t)
     p = candidate.pipeline_parallel
