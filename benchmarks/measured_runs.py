@@ -36,7 +36,7 @@ from pipectl.measured.calibrate import calibrate_runs  # noqa: E402
 from pipectl.artifacts.calibration import DEFAULT_FOLDS  # noqa: E402
 from pipectl.measured.predict import predict_runs  # noqa: E402
 from pipectl.measured.runs import load_conditions, read_runs  # noqa: E402
-from pipectl.measured.summary import summarise_errors, summarise_groups  # noqa: E402
+from pipectl.measured.summary import summarise_errors, summarise_groups, time_split  # noqa: E402
 
 DEFAULT_RUNS = ROOT.parent / "shared" / "reference" / "vtrain-a100"
 RESULTS = ROOT / "benchmarks" / "results" / "measured_runs.json"
@@ -94,41 +94,17 @@ def missing_costs(predictions) -> dict[str, dict]:
     return out
 
 
-def time_split(predictions) -> list[dict]:
-    """Where a step's time goes, measured and predicted alike, without a pipeline (p = 1).
+def time_split_ms(predictions) -> list[dict]:
+    """`pipectl.measured.summary.time_split` in milliseconds, as this file's JSON has it."""
+    def ms(parts) -> dict:
+        return {"block_micro_batch_ms": round(parts.block_micro_batch * 1e3, 3),
+                "micro_batch_ms": round(parts.micro_batch * 1e3, 3),
+                "block_step_ms": {f"d{d}": round(v * 1e3, 3) for d, v in parts.block_step.items()},
+                "step_ms": {f"d{d}": round(v * 1e3, 3) for d, v in parts.step.items()}}
 
-    Rows of one shape, t and b differ in layers l, micro-batches m = B / (b d) and replicas d; a
-    step of such a row is a sum of costs that repeat m x l times (a block's forward, recomputed
-    forward and backward of one micro-batch), m times (one micro-batch's work outside the blocks:
-    embedding, head and loss, the engine's own), l times per d (a block's share of the optimizer
-    step and gradient reduction) and once per d. Least squares of the step times on those counts
-    gives the four costs from the measured times and, the same way, from the predicted ones: a
-    model that misses one shows it there, whatever the others do. A diagnostic of the rows'
-    structure, not a term the predictions use."""
-    import numpy as np
-
-    groups: dict[tuple, list] = {}
-    for p in predictions:
-        r = p.run
-        if r.pipeline_parallel == 1 and p.predicted_seconds is not None:
-            groups.setdefault((r.hidden, r.heads, r.seq_len, r.tensor_parallel, r.micro_batch), []).append(p)
-    out = []
-    for (h, a, s, t, b), rows in sorted(groups.items()):
-        ms = [-(-p.run.global_batch // (b * p.run.data_parallel)) for p in rows]
-        ds = sorted({p.run.data_parallel for p in rows})
-        if len(set(ms)) < 2 or len({p.run.layers for p in rows}) < 2:
-            continue  # the per-micro-batch and per-step shares cannot be told apart
-        x = np.array([[m * p.run.layers, m] + [p.run.layers * (p.run.data_parallel == d) for d in ds]
-                      + [float(p.run.data_parallel == d) for d in ds] for m, p in zip(ms, rows)])
-        split = {}
-        for name, times in (("measured", [p.run.measured_seconds for p in rows]),
-                            ("predicted", [p.predicted_seconds for p in rows])):
-            c, *_ = np.linalg.lstsq(x, np.array(times), rcond=None)
-            split[name] = {"block_micro_batch_ms": round(c[0] * 1e3, 3), "micro_batch_ms": round(c[1] * 1e3, 3),
-                           "block_step_ms": {f"d{d}": round(v * 1e3, 3) for d, v in zip(ds, c[2:2 + len(ds)])},
-                           "step_ms": {f"d{d}": round(v * 1e3, 3) for d, v in zip(ds, c[2 + len(ds):])}}
-        out.append({"key": f"h{h} a{a} s{s} t{t} b{b}", "rows": len(rows), **split})
-    return out
+    return [{"key": g.key, "rows": g.rows, "measured": ms(g.measured), "predicted": ms(g.predicted),
+             "largest_residual": round(g.largest_residual, 6)}
+            for g in sorted(time_split(predictions), key=lambda g: g.key)]  # fmt: skip
 
 
 def zero_stage_readings(runs, conditions) -> dict[str, dict]:
@@ -140,7 +116,7 @@ def zero_stage_readings(runs, conditions) -> dict[str, dict]:
     out = {}
     for stage in (0, 1):
         predictions = predict_runs(runs, conditions.model_copy(update={"zero_stage": stage}))
-        t1 = [g for g in time_split(predictions) if " t1 b1" in g["key"]]
+        t1 = [g for g in time_split_ms(predictions) if " t1 b1" in g["key"]]
         out[str(stage)] = {
             "summary": summarise_errors(predictions).to_dict(),
             "block_step_ms_t1": [{"key": g["key"], "measured": g["measured"]["block_step_ms"],
@@ -198,7 +174,7 @@ def main() -> None:
     for name, figures in missing.items():
         print(f"  one constant {name}: {figures['seconds'] * 1e3:.3g} ms would leave MAPE {figures['mape']:.1%}, "
               f"signed median {figures['signed_median']:+.1%}")
-    split = time_split(predictions)
+    split = time_split_ms(predictions)
     print("  time per block and micro-batch | per micro-batch outside the blocks | per block and step, ms "
           "(measured / predicted):")
     for g in split:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import subprocess
 import sys
 
@@ -168,3 +169,38 @@ def test_ranks_share_ties_and_spearman_is_undefined_without_spread():
     assert spearman([1.0, 1.0], [2.0, 3.0]) is None
     assert spearman([1.0], [2.0]) is None
     assert regret([2.0, 1.0], [10.0, 11.0]) == pytest.approx(0.1)
+
+
+def _additive_rows() -> list[str]:
+    """Rows of one shape at t = 1, b = 2 whose steps are exact sums of known parts (ms): 4 per block
+    and micro-batch, 9 per micro-batch, 0.5 + 0.1 d per block and step, 3 per step."""
+    rows = []
+    for layers in (12, 24):
+        for micro_batches in (2, 4):
+            for d in (2, 4):
+                step = micro_batches * layers * 4 + micro_batches * 9 + layers * (0.5 + 0.1 * d) + 3
+                rows.append(f"{d},{micro_batches * 2 * d},2,1024,16,{layers},1024,1,{d},1,{step}")
+    return rows
+
+
+def test_split_shows_where_the_measured_and_predicted_steps_go(measured):
+    (measured / "runs.csv").write_text("\n".join([HEADER, *_additive_rows(), ROWS[0]]) + "\n")
+    report = json.loads(pipectl(measured, "validate", "runs.csv", "-c", "conditions.yaml", "--json").stdout)
+    (split,) = report["time_split"]  # the p = 2 row forms no group
+    assert split["key"] == "h1024 a16 s1024 t1 b2" and split["rows"] == 8
+    parts = split["measured"]
+    assert parts["block_micro_batch_seconds"] == pytest.approx(4e-3)
+    assert parts["micro_batch_seconds"] == pytest.approx(9e-3)
+    assert parts["block_step_seconds"] == pytest.approx({"d2": 0.7e-3, "d4": 0.9e-3})
+    assert parts["step_seconds"] == pytest.approx({"d2": 3e-3, "d4": 3e-3})
+    assert split["largest_residual"] < 1e-9
+    # The predicted steps split the same way: their block part is the model's block.
+    assert 1e-3 < split["predicted"]["block_micro_batch_seconds"] < 10e-3
+
+    table = pipectl(measured, "validate", "runs.csv", "-c", "conditions.yaml", "--split")
+    assert table.returncode == 0, table.stderr
+    assert "where a step's time goes" in table.stdout
+    # One line per d: the parts every d shares on the first, a block's share of the end of the step on each.
+    assert re.search(r"h1024 a16 s1024 t1 b2\s+2\s+4\.00 / [\d.]+\s+9\.00 / [\d.]+\s+0\.70 / [\d.]+ *\n\s+4\s+0\.90 / ",
+                     table.stdout)
+    assert "where a step's time goes" not in pipectl(measured, "validate", "runs.csv", "-c", "conditions.yaml").stdout

@@ -35,6 +35,10 @@ def register(app: typer.Typer) -> None:
         all_rows: Annotated[
             bool, typer.Option("--all-rows", help=f"Print every row, not only the {WORST_ROWS} largest errors.")
         ] = False,
+        split: Annotated[
+            bool, typer.Option("--split", help="Also print where a step's time goes, measured and predicted: per "
+                               "block and micro-batch, per micro-batch, per block and step (rows without a pipeline).")
+        ] = False,
         json_output: JsonFlag = False,
     ) -> None:
         """Predict every measured run with its layout pinned and compare: errors over the rows, and
@@ -42,7 +46,7 @@ def register(app: typer.Typer) -> None:
         # torch-free, but the planner: only when asked
         from pipectl.measured.predict import predict_runs
         from pipectl.measured.runs import load_calibration, load_conditions, read_runs
-        from pipectl.measured.summary import summarise_errors, summarise_groups
+        from pipectl.measured.summary import summarise_errors, summarise_groups, time_split
 
         shared = load_conditions(conditions)
         runs = read_runs(measured)
@@ -58,11 +62,14 @@ def register(app: typer.Typer) -> None:
                 "summary": errors.to_dict(),
                 "groups": [group.to_dict() for group in groups],
                 "rows": [_row_dict(p) for p in predictions],
+                "time_split": [part.to_dict() for part in time_split(predictions)],
             })  # fmt: skip
             return
         shown = predictions if all_rows else _worst(predictions)
         console.print(_rows_table(shown, all_rows, len(predictions)))
         console.print(_groups_table(groups))
+        if split:
+            console.print(_split_table(time_split(predictions)))
         unpredicted = [p for p in predictions if p.predicted_seconds is None]
         refused = [p for p in predictions if p.memory_refused]
         console.print(_summary_line(errors, groups, len(predictions)), soft_wrap=True, highlight=False)
@@ -120,6 +127,31 @@ def _groups_table(groups) -> Table:
         table.add_row(g.key, str(g.rows), spearman, f"{g.regret:.1%}", g.best_measured, g.ranked_first)
     if len(ranked) > WORST_ROWS:
         table.caption = f"the {WORST_ROWS} groups ranked worst of {len(ranked)} with two runs or more (--json: every group)"
+    return table
+
+
+def _split_table(parts) -> Table:
+    """`summary.time_split`, measured / predicted in ms: per group the parts every d shares, then one
+    line per d of a block's share of the end of the step."""
+    table = Table(title="where a step's time goes (rows without a pipeline), measured / predicted, ms", box=box.SIMPLE,
+                  title_justify="left")  # fmt: skip
+    table.add_column("shape, t, b", no_wrap=True)
+    for column in ("d", "block x micro-batch", "micro-batch", "block x step"):
+        table.add_column(column, justify="right")
+    for g in parts:
+        m, p = g.measured, g.predicted
+        for i, d in enumerate(m.block_step):
+            first = i == 0
+            table.add_row(
+                g.key if first else "", str(d),
+                f"{m.block_micro_batch * 1e3:.2f} / {p.block_micro_batch * 1e3:.2f}" if first else "",
+                f"{m.micro_batch * 1e3:.2f} / {p.micro_batch * 1e3:.2f}" if first else "",
+                f"{m.block_step[d] * 1e3:.2f} / {p.block_step[d] * 1e3:.2f}",
+            )  # fmt: skip
+    table.caption = (
+        "each group: one shape, t and b; its rows differ in layers, m and d"
+        if parts else "no group of rows without a pipeline differs in both layers and micro-batches"
+    )
     return table
 
 

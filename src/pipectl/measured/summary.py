@@ -138,3 +138,92 @@ def spearman(predicted: Sequence[float], measured: Sequence[float]) -> float | N
 def regret(predicted: Sequence[float], measured: Sequence[float]) -> float:
     """The measured time of the row predicted fastest over the measured best, less one."""
     return measured[_fastest_predicted(predicted, measured)] / min(measured) - 1.0
+
+
+@dataclass(frozen=True)
+class StepParts:
+    """A step's time by what repeats it (seconds): per block and micro-batch (forward, recomputed
+    forward and backward of one block on one micro-batch), per micro-batch outside the blocks
+    (embedding, head, loss and the framework's own work), per block and step and per step, the
+    last two for each number of replicas d (the optimizer's share and the gradient reduction)."""
+
+    block_micro_batch: float
+    micro_batch: float
+    block_step: dict[int, float]
+    step: dict[int, float]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"block_micro_batch_seconds": self.block_micro_batch, "micro_batch_seconds": self.micro_batch,
+                "block_step_seconds": {f"d{d}": v for d, v in self.block_step.items()},
+                "step_seconds": {f"d{d}": v for d, v in self.step.items()}}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class TimeSplit:
+    """Where the steps of one shape, t and b without a pipeline go, measured and predicted."""
+
+    key: str
+    rows: int
+    measured: StepParts
+    predicted: StepParts
+    largest_residual: float  # of the measured steps against their parts, relative
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"key": self.key, "rows": self.rows, "measured": self.measured.to_dict(),
+                "predicted": self.predicted.to_dict(), "largest_residual": self.largest_residual}  # fmt: skip
+
+
+def time_split(predictions: Sequence[Prediction]) -> list[TimeSplit]:
+    """Where a step's time goes, measured and predicted alike, for rows without a pipeline (p = 1).
+
+    Rows of one shape, t and b (and device, ZeRO stage, recomputation and schedule) differ in layers l, micro-batches m (B / (b d), rounded up) and
+    replicas d; such a step is m l x a block's work on one micro-batch, m x a micro-batch's work
+    outside the blocks, l x a block's share of the end of the step at its d, and a fixed part at its
+    d. Least squares of the steps on those counts gives the parts from the measured times and, the
+    same way, from the predicted ones: a model that misses one part shows it there, whatever the
+    others do. Groups whose rows cannot tell the parts apart (one m, or one l) are left out.
+
+        >>> from pipectl.measured.runs import MeasuredRun
+        >>> def step(m, l, d): return m * l * 3e-3 + m * 7e-3 + l * (0.4e-3 + 0.1e-3 * d) + 2e-3
+        >>> runs = [MeasuredRun(line=0, gpus=d, global_batch=m * d, micro_batch=1, hidden=1024, heads=16,
+        ...                     layers=l, seq_len=1024, tensor_parallel=1, data_parallel=d, pipeline_parallel=1,
+        ...                     measured_seconds=step(m, l, d))
+        ...         for m in (2, 4) for l in (12, 24) for d in (2, 4)]
+        >>> (split,) = time_split([Prediction(run, run.measured_seconds * 0.9) for run in runs])
+        >>> round(split.measured.block_micro_batch * 1e3, 3), round(split.measured.block_step[4] * 1e3, 3)
+        (3.0, 0.8)
+        >>> round(split.predicted.micro_batch * 1e3, 3)
+        6.3
+    """
+    import numpy as np
+
+    groups: dict[tuple, list[Prediction]] = {}
+    for p in predictions:
+        r = p.run
+        if r.pipeline_parallel == 1 and p.predicted_seconds is not None:
+            key = (r.hidden, r.heads, r.seq_len, r.tensor_parallel, r.micro_batch, r.device, r.zero_stage, r.recompute, r.schedule)
+            groups.setdefault(key, []).append(p)
+    out = []
+    for (h, a, s, t, b, device, *_), rows in sorted(groups.items(), key=lambda item: (item[0][:5], str(item[0][5:]))):
+        ms = [-(-p.run.global_batch // (b * p.run.data_parallel)) for p in rows]
+        ds = sorted({p.run.data_parallel for p in rows})
+        if len(set(ms)) < 2 or len({p.run.layers for p in rows}) < 2:
+            continue  # the per-micro-batch and per-step parts cannot be told apart
+        counts = np.array([
+            [m * p.run.layers, m] + [p.run.layers * (p.run.data_parallel == d) for d in ds]
+            + [float(p.run.data_parallel == d) for d in ds]
+            for m, p in zip(ms, rows)
+        ])  # fmt: skip
+        parts = []
+        for times in ([p.run.measured_seconds for p in rows], [p.predicted_seconds for p in rows]):
+            times = np.array(times)
+            fitted, *_ = np.linalg.lstsq(counts, times, rcond=None)
+            parts.append((StepParts(
+                block_micro_batch=float(fitted[0]), micro_batch=float(fitted[1]),
+                block_step={d: float(v) for d, v in zip(ds, fitted[2:2 + len(ds)])},
+                step={d: float(v) for d, v in zip(ds, fitted[2 + len(ds):])},
+            ), float(np.max(np.abs(times - counts @ fitted) / times))))  # fmt: skip
+        (measured, residual), (predicted, _) = parts
+        label = f"h{h} a{a} s{s} t{t} b{b}" + (f" {device}" if device else "")
+        out.append(TimeSplit(label, len(rows), measured, predicted, residual))
+    return out
