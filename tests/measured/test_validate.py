@@ -171,14 +171,14 @@ def test_ranks_share_ties_and_spearman_is_undefined_without_spread():
     assert regret([2.0, 1.0], [10.0, 11.0]) == pytest.approx(0.1)
 
 
-def _additive_rows() -> list[str]:
+def _additive_rows(block_step=lambda d: 0.5 + 0.1 * d) -> list[str]:
     """Rows of one shape at t = 1, b = 2 whose steps are exact sums of known parts (ms): 4 per block
-    and micro-batch, 9 per micro-batch, 0.5 + 0.1 d per block and step, 3 per step."""
+    and micro-batch, 9 per micro-batch, `block_step(d)` per block and step, 3 per step."""
     rows = []
     for layers in (12, 24):
         for micro_batches in (2, 4):
             for d in (2, 4):
-                step = micro_batches * layers * 4 + micro_batches * 9 + layers * (0.5 + 0.1 * d) + 3
+                step = micro_batches * layers * 4 + micro_batches * 9 + layers * block_step(d) + 3
                 rows.append(f"{d},{micro_batches * 2 * d},2,1024,16,{layers},1024,1,{d},1,{step}")
     return rows
 
@@ -204,3 +204,19 @@ def test_split_shows_where_the_measured_and_predicted_steps_go(measured):
     assert re.search(r"h1024 a16 s1024 t1 b2\s+2\s+4\.00 / [\d.]+\s+9\.00 / [\d.]+\s+0\.70 / [\d.]+ *\n\s+4\s+0\.90 / ",
                      table.stdout)
     assert "where a step's time goes" not in pipectl(measured, "validate", "runs.csv", "-c", "conditions.yaml").stdout
+
+
+def test_rows_whose_end_of_step_falls_with_d_are_said_to_split_the_optimizer(measured):
+    """A block's end-of-step share that falls as d grows cannot be ZeRO stage 0's: validate says so."""
+    falling = _additive_rows(block_step=lambda d: 0.9 - 0.1 * d)  # 0.7 ms at d = 2, 0.5 at d = 4
+    (measured / "runs.csv").write_text("\n".join([HEADER, *falling]) + "\n")
+    result = pipectl(measured, "validate", "runs.csv", "-c", "conditions.yaml")
+    assert result.returncode == 0, result.stderr
+    assert ("note: a block's share of the end of the step falls as d grows (h1024 a16 s1024 t1 b2: 0.70 ms at "
+            "d = 2, 0.50 ms at d = 4)") in result.stdout
+    assert json.loads(pipectl(measured, "validate", "runs.csv", "-c", "conditions.yaml", "--json").stdout)["notes"]
+    # Rows that say their stage (1), or rows whose share grows with d: nothing to say.
+    (measured / "runs.csv").write_text(HEADER + ",zero stage\n" + "\n".join(row + ",1" for row in falling) + "\n")
+    assert "note:" not in pipectl(measured, "validate", "runs.csv", "-c", "conditions.yaml").stdout
+    (measured / "runs.csv").write_text("\n".join([HEADER, *_additive_rows()]) + "\n")
+    assert "note:" not in pipectl(measured, "validate", "runs.csv", "-c", "conditions.yaml").stdout

@@ -57,19 +57,22 @@ def register(app: typer.Typer) -> None:
         else:
             predictions = predict_runs(runs, shared, fitted)
         errors, groups = summarise_errors(predictions), summarise_groups(predictions)
+        splits = time_split(predictions)
+        notes = _condition_notes(splits, shared)
         if json_output:
             print_json({
                 "summary": errors.to_dict(),
                 "groups": [group.to_dict() for group in groups],
                 "rows": [_row_dict(p) for p in predictions],
-                "time_split": [part.to_dict() for part in time_split(predictions)],
+                "time_split": [part.to_dict() for part in splits],
+                "notes": notes,
             })  # fmt: skip
             return
         shown = predictions if all_rows else _worst(predictions)
         console.print(_rows_table(shown, all_rows, len(predictions)))
         console.print(_groups_table(groups))
         if split:
-            console.print(_split_table(time_split(predictions)))
+            console.print(_split_table(splits))
         unpredicted = [p for p in predictions if p.predicted_seconds is None]
         refused = [p for p in predictions if p.memory_refused]
         console.print(_summary_line(errors, groups, len(predictions)), soft_wrap=True, highlight=False)
@@ -81,6 +84,22 @@ def register(app: typer.Typer) -> None:
             )  # fmt: skip
         for p in unpredicted[:3]:
             console.print(f"line {p.run.line}: not predicted: {p.problem}", soft_wrap=True, highlight=False, markup=False)
+        for note in notes:
+            console.print(f"note: {note}", soft_wrap=True, highlight=False, markup=False)
+
+
+def _condition_notes(splits, shared) -> list[str]:
+    """What the rows say against the conditions (`summary.split_optimizer_evidence`)."""
+    from pipectl.measured.summary import split_optimizer_evidence
+
+    evidence = split_optimizer_evidence(splits, shared.zero_stage)
+    if evidence is None:
+        return []
+    return [
+        f"a block's share of the end of the step falls as d grows ({evidence}): the runs behave as if the "
+        "optimizer state were split over the replicas (ZeRO stage 1 or more), but they are priced with stage 0; "
+        "give the conditions (or a 'zero stage' column) the stage the runs used"
+    ]
 
 
 def _worst(predictions):

@@ -167,6 +167,7 @@ class TimeSplit:
     measured: StepParts
     predicted: StepParts
     largest_residual: float  # of the measured steps against their parts, relative
+    zero_stage: int | None = None  # the rows' own ZeRO stage (None: the conditions')
 
     def to_dict(self) -> dict[str, Any]:
         return {"key": self.key, "rows": self.rows, "measured": self.measured.to_dict(),
@@ -204,7 +205,7 @@ def time_split(predictions: Sequence[Prediction]) -> list[TimeSplit]:
             key = (r.hidden, r.heads, r.seq_len, r.tensor_parallel, r.micro_batch, r.device, r.zero_stage, r.recompute, r.schedule)
             groups.setdefault(key, []).append(p)
     out = []
-    for (h, a, s, t, b, device, *_), rows in sorted(groups.items(), key=lambda item: (item[0][:5], str(item[0][5:]))):
+    for (h, a, s, t, b, device, zero_stage, *_), rows in sorted(groups.items(), key=lambda item: (item[0][:5], str(item[0][5:]))):
         ms = [-(-p.run.global_batch // (b * p.run.data_parallel)) for p in rows]
         ds = sorted({p.run.data_parallel for p in rows})
         if len(set(ms)) < 2 or len({p.run.layers for p in rows}) < 2:
@@ -225,5 +226,39 @@ def time_split(predictions: Sequence[Prediction]) -> list[TimeSplit]:
             ), float(np.max(np.abs(times - counts @ fitted) / times))))  # fmt: skip
         (measured, residual), (predicted, _) = parts
         label = f"h{h} a{a} s{s} t{t} b{b}" + (f" {device}" if device else "")
-        out.append(TimeSplit(label, len(rows), measured, predicted, residual))
+        out.append(TimeSplit(label, len(rows), measured, predicted, residual, zero_stage))
     return out
+
+
+# How far a block's share of the end of the step must fall from the fewest replicas to the most
+# (relative) to say that the optimizer state is split over them: more than a log's step-to-step
+# noise, less than the 4-5 % vTrain's A100 rows show (`benchmarks/measured_runs.py`).
+SHARDED_FALL = 0.03
+
+
+def split_optimizer_evidence(splits: Sequence[TimeSplit], stated_zero_stage: int) -> str | None:
+    """Where rows priced with ZeRO stage 0 behave as if the optimizer state were split over the
+    replicas, the first such group in words; else None.
+
+    Under stage 0 every replica runs the whole optimizer step and the gradient reduction only grows
+    with d, so a block's share of the end of the step cannot fall as d grows; under stage 1 or more
+    the optimizer's part is 1/d and it can.
+
+        >>> parts = lambda shares: StepParts(3e-3, 9e-3, shares, {d: 1e-3 for d in shares})
+        >>> falling = TimeSplit("h2048 a16 s1024 t1 b1", 48, parts({2: 1.49e-3, 4: 1.44e-3, 8: 1.42e-3}),
+        ...                     parts({2: 2.3e-3, 4: 2.6e-3, 8: 2.8e-3}), 0.0)
+        >>> split_optimizer_evidence([falling], 0)
+        'h2048 a16 s1024 t1 b1: 1.49 ms at d = 2, 1.42 ms at d = 8'
+        >>> split_optimizer_evidence([falling], 1) is None
+        True
+    """
+    for split in splits:
+        stage = stated_zero_stage if split.zero_stage is None else split.zero_stage
+        shares = split.measured.block_step
+        if stage != 0 or len(shares) < 2:
+            continue
+        fewest, most = min(shares), max(shares)
+        if shares[most] < shares[fewest] * (1 - SHARDED_FALL):
+            return (f"{split.key}: {shares[fewest] * 1e3:.2f} ms at d = {fewest}, "
+                    f"{shares[most] * 1e3:.2f} ms at d = {most}")  # fmt: skip
+    return None
