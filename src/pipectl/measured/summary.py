@@ -177,8 +177,8 @@ class TimeSplit:
 def time_split(predictions: Sequence[Prediction]) -> list[TimeSplit]:
     """Where a step's time goes, measured and predicted alike, for rows without a pipeline (p = 1).
 
-    Rows of one shape, t and b (and device, ZeRO stage, recomputation and schedule) differ in layers l, micro-batches m (B / (b d), rounded up) and
-    replicas d; such a step is m l x a block's work on one micro-batch, m x a micro-batch's work
+    Rows of one shape, t and b (and device, ZeRO stage, recomputation and schedule, where rows give
+    them) differ in layers l, micro-batches m (B / (b d), rounded up) and replicas d; such a step is m l x a block's work on one micro-batch, m x a micro-batch's work
     outside the blocks, l x a block's share of the end of the step at its d, and a fixed part at its
     d. Least squares of the steps on those counts gives the parts from the measured times and, the
     same way, from the predicted ones: a model that misses one part shows it there, whatever the
@@ -202,10 +202,12 @@ def time_split(predictions: Sequence[Prediction]) -> list[TimeSplit]:
     for p in predictions:
         r = p.run
         if r.pipeline_parallel == 1 and p.predicted_seconds is not None:
-            key = (r.hidden, r.heads, r.seq_len, r.tensor_parallel, r.micro_batch, r.device, r.zero_stage, r.recompute, r.schedule)
+            key = (r.hidden, r.heads, r.seq_len, r.tensor_parallel, r.micro_batch,
+                   r.device, r.zero_stage, r.recompute, r.schedule)  # fmt: skip
             groups.setdefault(key, []).append(p)
     out = []
-    for (h, a, s, t, b, device, zero_stage, *_), rows in sorted(groups.items(), key=lambda item: (item[0][:5], str(item[0][5:]))):
+    ordered = sorted(groups.items(), key=lambda item: (item[0][:5], str(item[0][5:])))  # numbers, then the rest
+    for (h, a, s, t, b, device, zero_stage, *_), rows in ordered:
         ms = [-(-p.run.global_batch // (b * p.run.data_parallel)) for p in rows]
         ds = sorted({p.run.data_parallel for p in rows})
         if len(set(ms)) < 2 or len({p.run.layers for p in rows}) < 2:
@@ -231,8 +233,8 @@ def time_split(predictions: Sequence[Prediction]) -> list[TimeSplit]:
 
 
 # How far a block's share of the end of the step must fall from the fewest replicas to the most
-# (relative) to say that the optimizer state is split over them: more than a log's step-to-step
-# noise, less than the 4-5 % vTrain's A100 rows show (`benchmarks/measured_runs.py`).
+# (relative) to say that the optimizer state is split over them: a threshold, not a fit; below the
+# 4-5 % fall of vTrain's A100 rows (`benchmarks/measured_runs.py`, `zero_stage_readings`).
 SHARDED_FALL = 0.03
 
 
