@@ -104,21 +104,22 @@ def time_split_ms(predictions) -> list[dict]:
 
     return [{"key": g.key, "rows": g.rows, "measured": ms(g.measured), "predicted": ms(g.predicted),
              "largest_residual": round(g.largest_residual, 6)}
-            for g in sorted(time_split(predictions), key=lambda g: g.key)]  # fmt: skip
+            for g in time_split(predictions)]  # fmt: skip
 
 
-def zero_stage_readings(runs, conditions) -> dict[str, dict]:
+def zero_stage_readings(runs, conditions, predictions) -> dict[str, dict]:
     """The rows predicted as if run with ZeRO stage 0 and with stage 1 (the conditions file only
-    assumes its stage): the summary, and the per block and step time at t = 1 (the optimizer's share
-    and the gradient reduction), where the two stages differ in how it changes with d: under stage
-    0 the optimizer's share is the same at every d and the reduction grows with it; under stage 1
-    the optimizer's share falls as 1/d."""
+    assumes its stage; `predictions` are the rows under it): the summary, and the per block and
+    step time at t = 1 (the optimizer's share and the gradient reduction), where the two stages
+    differ in how it changes with d: under stage 0 the optimizer's share is the same at every d and
+    the reduction grows with it; under stage 1 the optimizer's share falls as 1/d."""
     out = {}
     for stage in (0, 1):
-        predictions = predict_runs(runs, conditions.model_copy(update={"zero_stage": stage}))
-        t1 = [g for g in time_split_ms(predictions) if " t1 b1" in g["key"]]
+        read = predictions if stage == conditions.zero_stage else predict_runs(
+            runs, conditions.model_copy(update={"zero_stage": stage}))
+        t1 = [g for g in time_split_ms(read) if " t1 b1" in g["key"]]
         out[str(stage)] = {
-            "summary": summarise_errors(predictions).to_dict(),
+            "summary": summarise_errors(read).to_dict(),
             "block_step_ms_t1": [{"key": g["key"], "measured": g["measured"]["block_step_ms"],
                                   "predicted": g["predicted"]["block_step_ms"]} for g in t1],
         }  # fmt: skip
@@ -183,7 +184,7 @@ def main() -> None:
                               for d in measured["block_step_ms"])
         print(f"    {g['key']}: {measured['block_micro_batch_ms']:.2f}/{predicted['block_micro_batch_ms']:.2f}"
               f" | {measured['micro_batch_ms']:.2f}/{predicted['micro_batch_ms']:.2f} | {per_layer}")
-    readings = zero_stage_readings(runs, conditions)
+    readings = zero_stage_readings(runs, conditions, predictions)
     for stage, reading in readings.items():
         e = reading["summary"]
         print(f"  read as ZeRO stage {stage}: MAPE {e['mape']:.1%}, signed median {e['signed_median_error']:+.1%}; "

@@ -32,12 +32,6 @@ ADAM_BYTES_PER_PARAMETER = 28
 # three (16 + 12), and the fp32 parameters are copied back to 16 bits (4 + 2).
 LOSS_SCALED_ADAM_BYTES_PER_PARAMETER = 10 + 4 + 6 + 4 + 8 + 28 + 6
 
-
-def adam_seconds_per_parameter(hardware: Hardware) -> float:
-    """Seconds of optimizer step per parameter a rank updates: its memory traffic at the datasheet
-    bandwidth (a streaming pass; the step's kernels are large)."""
-    bytes_per_parameter = LOSS_SCALED_ADAM_BYTES_PER_PARAMETER if hardware.loss_scaled else ADAM_BYTES_PER_PARAMETER
-    return bytes_per_parameter / ((hardware.device.memory_bandwidth_gbytes_per_second or 100.0) * 1e9)
 # Latency-bound collectives DeepSpeed's ZeRO-1 pipeline engine adds at the end of a step (counted by
 # instrumenting torch.distributed in real runs, DeepSpeed 0.19.8): per data-parallel group (d > 1)
 # the gradient-norm and loss all-reduces, per pipeline (p > 1) the gradient-norm all-reduce and the
@@ -63,6 +57,13 @@ BLOCK_LINEAR_SHARES = (3 / 12, 1 / 12, 4 / 12, 4 / 12)
 
 
 FP32_BYTES = 4
+
+
+def adam_seconds_per_parameter(hardware: Hardware) -> float:
+    """Seconds of optimizer step per parameter a rank updates: its memory traffic at the datasheet
+    bandwidth (a streaming pass; the step's kernels are large)."""
+    bytes_per_parameter = LOSS_SCALED_ADAM_BYTES_PER_PARAMETER if hardware.loss_scaled else ADAM_BYTES_PER_PARAMETER
+    return bytes_per_parameter / ((hardware.device.memory_bandwidth_gbytes_per_second or 100.0) * 1e9)
 
 
 def gradient_bytes(hardware: Hardware, element_bytes: int) -> int:

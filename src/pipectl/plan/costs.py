@@ -497,8 +497,9 @@ def tensor_parallel_communication(
     times the table's output bytes. A collective is issued by the host like a kernel (the autograd
     function, the process group's stream handshake, the launch): one that moves less than the host
     takes to issue it (`issue_seconds`, the device's per-kernel overhead of a derived profile) costs
-    that issue, as a kernel of a launch-bound phase does (`compute_model.phase_seconds`). The backward's second all-gather of the saved s/t norm outputs
-    (for the weight gradients) runs beside the input-gradient GEMMs and is not charged. With a
+    that issue, as a kernel of a launch-bound phase does (`compute_model.phase_seconds`). The
+    backward's second all-gather of the saved s/t norm outputs (for the weight gradients) runs
+    beside the input-gradient GEMMs and is not charged. With a
     vocabulary-parallel embedding and head (`VOCAB_PARALLEL_KINDS`): one all-reduce of b s h in the
     embedding's forward and one in the head's backward. Replicated layers: none.
 

@@ -15,9 +15,10 @@ The thread writes the rank's file into `.staging/WRITER/TAG/`, fsyncs and hashes
 (`TAG.reports/rank-NNNNN.json`: its sha256 and size, or why it failed). Rank 0's thread then waits
 for every rank's report (no longer once a rank of this host has ended without one) and commits:
 the manifest, listing every file with its hash, is the staged folder's last file; the folder is
-renamed into place, then `latest` moves; old checkpoints beyond `keep` are removed. A checkpoint is committed whole or not at all: a rank killed mid-write
-leaves a staging folder that nothing loads and the next job removes; a job that dies after every
-rank reported but before the rename leaves one the next job commits (`recover_staged`).
+renamed into place, then `latest` moves; old checkpoints beyond `keep` are removed. A checkpoint
+is committed whole or not at all: a rank killed mid-write leaves a staging folder that nothing
+loads and the next job removes; a job that dies after every rank reported but before the rename
+leaves one the next job commits (`recover_staged`).
 
 Each outcome is one line of `logs/checkpoints.jsonl` (`CheckpointEvent`): committed, failed (a
 rank's write or the commit failed), or skipped (no room). `finish` waits for the last save and
