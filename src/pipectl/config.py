@@ -36,7 +36,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from pipectl.errors import UserInputError
-from pipectl.io import input_file, safe_load_yaml
+from pipectl.io import input_file, parse_error, safe_load_yaml
 
 OptionsT = TypeVar("OptionsT", bound=BaseModel)
 
@@ -171,7 +171,7 @@ def read_config(path: str | os.PathLike[str], models: Iterable[type[BaseModel]])
         data = tomllib.loads(text) if path.suffix.lower() == ".toml" else safe_load_yaml(text)
     except (tomllib.TOMLDecodeError, yaml.YAMLError) as exc:
         kind = "TOML" if path.suffix.lower() == ".toml" else "YAML"
-        raise UserInputError(f"{path} is not valid {kind}: {str(exc).splitlines()[0]}") from None
+        raise UserInputError(f"{path} is not valid {kind}: {parse_error(exc)}") from None
     data = {} if data is None else data
     known = known_keys(models)
     if not isinstance(data, dict):
@@ -307,20 +307,30 @@ def to_sections(options: BaseModel) -> dict[str, dict[str, Any]]:
     return sections
 
 
-def render_config(model: type[BaseModel], sections: dict[str, dict[str, Any]], *, title: str) -> str:
+def render_config(
+    models: type[BaseModel] | Iterable[type[BaseModel]], sections: dict[str, dict[str, Any]], *, title: str
+) -> str:
     """`sections` as a TOML file with each key's description above it; a key without a value is
-    written commented out, so that every option appears once, where it goes."""
+    written commented out, so that every option of `models` appears once, where it goes (a key two
+    models read, under the first one's description)."""
     lines = [f"# {line}" for line in title.splitlines()]
     by_section: dict[str, list[tuple[str, str, Any]]] = {}
-    for field in option_fields(model):
-        if field.section is None:
-            continue
-        entries = by_section.setdefault(field.section, [])
-        if field.submodel is not None:
-            for key, info in field.submodel.model_fields.items():
-                entries.append((key, info.description or "", sections.get(field.section, {}).get(key)))
-        else:
-            entries.append((field.key, field.description, sections.get(field.section, {}).get(field.key)))
+    seen: set[tuple[str, str]] = set()
+
+    def add(section: str, key: str, description: str) -> None:
+        if (section, key) not in seen:
+            seen.add((section, key))
+            by_section.setdefault(section, []).append((key, description, sections.get(section, {}).get(key)))
+
+    for model in [models] if isinstance(models, type) else models:
+        for field in option_fields(model):
+            if field.section is None:
+                continue
+            if field.submodel is not None:
+                for key, info in field.submodel.model_fields.items():
+                    add(field.section, key, info.description or "")
+            else:
+                add(field.section, field.key, field.description)
     for section, entries in by_section.items():
         lines += ["", f"[{section}]"]
         for key, description, value in entries:

@@ -13,7 +13,7 @@ from typing import Any, Mapping, TypeVar
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from pipectl.errors import ArtifactError, UserInputError
+from pipectl.errors import ArtifactError, PipectlError, UserInputError
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
@@ -96,12 +96,29 @@ def read_mapping(path: str | os.PathLike[str]) -> dict[str, Any]:
         text = raw.decode()
         data = json.loads(text) if path.suffix == ".json" else safe_load_yaml(text)
     except (yaml.YAMLError, json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ArtifactError(f"{path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {exc}") from None
+        raise ArtifactError(f"{path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {parse_error(exc)}") from None
     except RecursionError:
         raise ArtifactError(f"{path} is nested too deeply to be one of pipectl's files") from None
     if not isinstance(data, dict):
         raise ArtifactError(f"{path} must hold a mapping at the top level, found {type(data).__name__}")
     return data
+
+
+def parse_error(exc: Exception) -> str:
+    """A parser's complaint on one line, with the line and column in the file where it has them
+    (PyYAML's own text spans several lines and names "<unicode string>", not the file).
+
+    >>> try:
+    ...     safe_load_yaml("node_types: [")
+    ... except yaml.YAMLError as exc:
+    ...     parse_error(exc)
+    "expected the node content, but found '<stream end>' (at line 1, column 14)"
+    """
+    if isinstance(exc, yaml.MarkedYAMLError):
+        mark = exc.problem_mark or exc.context_mark
+        what = exc.problem or exc.context or "not valid"
+        return f"{what} (at line {mark.line + 1}, column {mark.column + 1})" if mark is not None else what
+    return " ".join(str(exc).split())
 
 
 def validation_message(exc: ValidationError, names: Mapping[str, str] | None = None) -> str:
@@ -148,6 +165,16 @@ def artifact_kind(data: dict[str, Any]) -> str | None:
     """
     kinds = [name for name, (_, keys) in ARTIFACT_KINDS.items() if keys <= data.keys()]
     return kinds[0] if len(kinds) == 1 else None
+
+
+def file_kind(path: str | os.PathLike[str]) -> str | None:
+    """What kind of pipectl file `path` is, in words ("a plan (pipectl plan)"), or None when it is
+    not one (or cannot be read)."""
+    try:
+        kind = artifact_kind(read_mapping(path))
+    except PipectlError:
+        return None
+    return ARTIFACT_KINDS[kind][0] if kind is not None else None
 
 
 def read_records(model_type: type[ModelT], path: str | os.PathLike[str]) -> list[ModelT]:

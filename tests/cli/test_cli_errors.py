@@ -65,6 +65,12 @@ def _not_a_profile(tmp_path: Path) -> Path:
     return path
 
 
+def _plan_file(tmp_path: Path) -> Path:
+    path = tmp_path / "plan.json"  # what a plan holds at the top, as far as telling kinds apart goes
+    path.write_text('{"model_shape": {}, "request": {}, "chosen": {}}')
+    return path
+
+
 def _model_copy(tmp_path: Path) -> Path:
     path = tmp_path / "mine.yaml"
     path.write_text((REPO / "configs" / "models" / "gpt-tiny.yaml").read_text())
@@ -75,6 +81,9 @@ CASES = {
     "missing model file": (lambda t: ["profile", str(t / "nowhere.yaml")], "nowhere.yaml"),
     "unknown model": (lambda t: ["profile", "gpt-huge"], "gpt-huge"),
     "bad yaml": (lambda t: ["profile", str(_bad_yaml(t))], "broken.yaml"),
+    "bad yaml, where": (lambda t: ["profile", str(_bad_yaml(t))], "(at line 3, column 1)"),
+    "status of a plan file": (lambda t: ["status", str(_plan_file(t))], "is a plan (pipectl plan), not a run directory"),
+    "resize a plan file": (lambda t: ["resize", str(_plan_file(t)), "--devices", "1"], "not a run directory"),
     "bad field": (lambda t: ["profile", str(_bad_field_yaml(t))], "-3"),
     "impossible micro-batch sizes": (lambda t: ["profile", "gpt-tiny", "--micro-batch-sizes", "0,x"], "'0'"),
     "non-numeric micro-batch size": (lambda t: ["profile", "gpt-tiny", "-b", "1,x"], "'x'"),

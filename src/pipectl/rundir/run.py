@@ -24,7 +24,7 @@ from pipectl.artifacts.run import (
     RequeueRecord,
 )
 from pipectl.errors import UserInputError
-from pipectl.io import load_model, read_mapping, read_records
+from pipectl.io import file_kind, load_model, read_mapping, read_records
 from pipectl.rundir.checkpoints import CheckpointInfo, list_checkpoints
 from pipectl.rundir.metrics import read_metrics
 
@@ -71,6 +71,9 @@ def check_steps_beyond_trained(run_dir: Path, target_steps: int, more: int) -> N
 def read_run_files(run_dir: str | os.PathLike[str]) -> RunFiles:
     """job.json + plan.json + ds_config.json of a run, validated (errors name the file)."""
     path = Path(run_dir)
+    if path.is_file():
+        raise UserInputError(f"{path} is {file_kind(path) or 'a file'}, not a run directory",
+                             hint="give the folder pipectl launch --run-dir created (runs/NAME)")
     if not path.is_dir():
         raise UserInputError(f"no run directory at {path}")
     if not is_run_dir(path):
