@@ -108,6 +108,34 @@ def test_plan_reads_its_sections_of_the_same_file(tmp_path):
     assert missing.exit_code == 2 and "missing --global-batch (or [training] global_batch" in missing.output
 
 
+def test_the_printed_config_re_plans_the_same_plan_and_launch_keeps_its_global_batch(tmp_path, monkeypatch):
+    """`launch --print-config` (no run directory needed) writes the plan's own keys too: `plan
+    --config` from another folder makes the same request and the same choice; a file whose global
+    batch is not the plan's is refused by launch, nothing written."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    write_json_atomic(tmp_path / "a" / "profile.json", synthetic_profile(blocks=6, micro_batch_sizes=[1, 2, 4], device="cpu"))
+    monkeypatch.chdir(tmp_path / "a")
+    made = invoke("plan", "--profile", "profile.json", "--cluster", "local", "--devices", "2", "--global-batch", "16",
+                  "--schedules", "1f1b,gpipe", "--zero-stages", "0,1", "--recompute", "layer", "--micro-batch-size", "2",
+                  "--morph-counts", "3-4", "-o", "plan.json")  # fmt: skip
+    assert made.exit_code == 0, made.output
+    printed = invoke("launch", "plan.json", "--print-config")
+    assert printed.exit_code == 0, printed.output
+    monkeypatch.chdir(tmp_path / "b")
+    (tmp_path / "b" / "job.toml").write_text(printed.output)
+    again = invoke("plan", "--config", "job.toml", "-o", "plan.json")
+    assert again.exit_code == 0, again.output
+    first, second = (json.loads((tmp_path / d / "plan.json").read_text()) for d in ("a", "b"))
+    assert second["request"] == first["request"] and second["chosen"] == first["chosen"]
+
+    (tmp_path / "b" / "other.toml").write_text(printed.output.replace("global_batch = 16", "global_batch = 32"))
+    refused = invoke("launch", tmp_path / "a" / "plan.json", "--run-dir", "run", "--config", "other.toml")
+    assert refused.exit_code == 2 and "Traceback" not in refused.output, refused.output
+    assert "other.toml [training] global_batch = 32" in refused.output and "global batch of 16" in refused.output
+    assert not (tmp_path / "b" / "run").exists()
+
+
 @pytest.mark.parametrize("model, command", [(LaunchOptions, "launch"), (PlanOptions, "plan")])
 def test_every_option_is_one_flag_whose_help_is_the_fields_description(model, command):
     """The options model is the only declaration: each field's flag is in the help, with the

@@ -19,6 +19,7 @@ from pipectl.io import load_model
 from pipectl.launch import PreparedLaunch, effective_options, prepare_launch, run_engine
 from pipectl.launch.engines import ENGINE_LOG, JobEnded
 from pipectl.launch.options import LaunchOptions
+from pipectl.plan.options import PlanOptions, plan_sections
 from pipectl.launch.placement import placement_note
 from pipectl.rundir.run import check_steps_beyond_trained, is_run_dir
 from pipectl.launch.prepare import run_files
@@ -43,9 +44,10 @@ def _engine_log_tail(run_dir: Path, lines: int = 15) -> str:
     return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
 
 
-PRINT_CONFIG_TITLE = """pipectl launch options. Use: pipectl launch PLAN.json --run-dir DIR --config FILE
-(pipectl plan reads its [model] [cluster] [training] [plan] keys too). Flags win over the file;
-a relative path is taken from the file's folder; a commented-out key keeps its default."""
+PRINT_CONFIG_TITLE = """pipectl launch options, and the plan's. Use: pipectl launch PLAN.json --run-dir DIR --config FILE;
+pipectl plan --config FILE re-plans from the same file ([model] profile, [cluster], [training] global_batch,
+[plan]: as the plan was made). Flags win over the file; a relative path is taken from the file's folder;
+a commented-out key keeps its default."""
 
 
 def register(app: typer.Typer) -> None:
@@ -56,7 +58,9 @@ def register(app: typer.Typer) -> None:
     def launch_command(
         ctx: typer.Context,
         plan_path: Annotated[Path, typer.Argument(help="plan.json from `pipectl plan`.", metavar="PLAN.json")],
-        run_dir: Annotated[Path, typer.Option("--run-dir", help="Run directory to create, e.g. runs/demo.")],
+        run_dir: Annotated[
+            Optional[Path], typer.Option("--run-dir", help="Run directory to create, e.g. runs/demo.")
+        ] = None,
         config: ConfigOption = None,
         bf16: Annotated[bool, typer.Option("--bf16", help="Same as --precision bf16.")] = False,
         print_config: Annotated[
@@ -78,6 +82,7 @@ def register(app: typer.Typer) -> None:
         """Run a plan inside DeepSpeed's pipeline engine (a plan for engine torch: PyTorch's pipelining
         runtime), with checkpoints and metrics."""
         plan = load_model(Plan, plan_path)
+        check_planned_batch(config, plan, plan_path)
         flags = passed_flags(ctx, LaunchOptions)
         if bf16:
             asked = flags.values.get("precision")
@@ -85,6 +90,9 @@ def register(app: typer.Typer) -> None:
                 raise UserInputError(f"--bf16 contradicts --precision {getattr(asked, 'value', asked)}")
             flags.values["precision"] = Precision.BF16
         layers = [*file_layers(LaunchOptions, config), flags]
+        if run_dir is None and not print_config:
+            raise UserInputError("missing --run-dir (the run directory to create, e.g. runs/demo)")
+        run_dir = run_dir or Path(".")  # --print-config: no run directory is read unless --resume names one
         resume = bool(flags.values.get("resume"))
         if resume and not is_run_dir(run_dir):  # checked here too: a dry run never reaches prepare_run_dir
             raise UserInputError(f"cannot resume {run_dir}: no such run (it holds no job.json)")
@@ -95,8 +103,14 @@ def register(app: typer.Typer) -> None:
             if name in ("model", "data") and isinstance(value, str) and value != DataKind.BUILTIN.value
         }
         options = effective_options(run_dir, layers, plan, as_given=as_given)
+        if options.cluster is not None and options.cluster in (plan.cluster, plan.cluster_file):
+            # The plan's own cluster (a printed config names it for `plan`): the default, kept as such.
+            options = options.model_copy(update={"cluster": None})
         if print_config:
-            typer.echo(render_config(LaunchOptions, to_sections(options), title=PRINT_CONFIG_TITLE), nl=False)
+            sections = plan_sections(plan, plan_path.parent)
+            for section, keys in to_sections(options).items():  # the launch's values over the plan's
+                sections.setdefault(section, {}).update(keys)
+            typer.echo(render_config([LaunchOptions, PlanOptions], sections, title=PRINT_CONFIG_TITLE), nl=False)
             return
         check_schedule(plan.chosen)  # before anything else: a 2BW plan is another optimizer
         if options.elastic is not None and options.engine is not Engine.TORCHRUN:
@@ -109,6 +123,18 @@ def register(app: typer.Typer) -> None:
         finally:
             if prepared.lock is not None:  # the job has ended: the run directory is free again
                 prepared.lock.release()
+
+
+def check_planned_batch(config: Path | None, plan: Plan, plan_path: Path) -> None:
+    """Refuse a config file whose global batch is not the plan's: the global batch is fixed when
+    planning (every layout divides it), and a launch never changes it."""
+    planned = next((layer.values.get("global_batch") for layer in file_layers(PlanOptions, config)), None)
+    if planned is not None and planned != plan.request.global_batch:
+        raise UserInputError(
+            f"{config} [training] global_batch = {planned!r}, but {plan_path} was planned for a global batch of "
+            f"{plan.request.global_batch}",
+            hint=f"re-plan with the file (pipectl plan --config {config} -o plan.json), then launch that plan",
+        )
 
 
 def _launch(

@@ -14,7 +14,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from pipectl.artifacts.plan import Engine, Framework, Objective
+from pipectl.artifacts.plan import Engine, Framework, Objective, Plan
 from pipectl.config import Opt
 from pipectl.schedule import ScheduleKind
 
@@ -149,3 +149,46 @@ class PlanOptions(BaseModel):
     @classmethod
     def _amount_text(cls, value: Any) -> Any:
         return str(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
+
+
+def plan_sections(plan: Plan, plan_dir: Path) -> dict[str, dict[str, Any]]:
+    """The config-file keys with which `pipectl plan` searches again what made `plan` (read from
+    `plan_dir`): its profiles (the copies plan.json keeps beside itself), cluster, global batch and
+    search options, as plan.json recorded them, paths absolute. `launch --print-config` writes
+    them beside the launch's own, so that one file re-plans and launches the job."""
+    request = plan.request
+    profiles = [
+        str((plan_dir / ref.file).resolve()) if (plan_dir / ref.file).is_file() else ref.source
+        for ref in (plan.profile, *plan.kind_profiles) if ref is not None
+    ]
+    profiles = [path for path in profiles if path]
+    framework = request.framework
+    search = {
+        "objective": request.objective.value,
+        "deadline_hours": request.deadline_hours,
+        "samples": None if request.samples is None else str(request.samples),
+        "tokens": None if request.tokens is None else str(request.tokens),
+        "schedules": ",".join(kind.value for kind in request.schedules) if request.schedules else None,
+        "max_tensor_parallel": request.max_tensor_parallel,
+        "tensor_parallel": request.tensor_parallel,
+        "pipeline_parallel": request.pipeline_parallel,
+        "data_parallel": request.data_parallel,
+        "micro_batch_size": request.micro_batch_size,
+        "schedule": request.schedule.value if request.schedule else None,
+        "recompute": request.recompute.value if request.allow_recompute else "never",
+        "even_replicas": not request.uneven_replicas,
+        "zero_stages": ",".join(str(zero) for zero in request.zero_stages),
+        "memory_headroom": request.memory_headroom,
+        # A framework's plan is for no engine of pipectl's (`plan.frameworks.framework_request`).
+        "engine": None if framework is not None else request.engine.value,
+        "emit": None if framework is None else framework.value,
+        "morph": request.morph,
+        "morph_counts": "all" if request.morph_every_count else ",".join(map(str, request.morph_counts)) or None,
+    }
+    sections = {
+        "model": {"profile": profiles[0] if len(profiles) == 1 else profiles or None},
+        "cluster": {"name": plan.cluster_file or plan.cluster, "calibration": plan.calibration_file, "devices": request.devices},
+        "training": {"global_batch": request.global_batch},
+        "plan": search,
+    }
+    return {name: {key: value for key, value in keys.items() if value is not None} for name, keys in sections.items()}
