@@ -461,7 +461,7 @@ def _rewrite_and_relaunch(
         return result
 
     say(
-        f"relaunching on {decision.candidate.devices} ranks ({record.to_layout}); "
+        f"relaunching on {count(decision.candidate.devices, 'rank')} ({record.to_layout}); "
         f"newest complete checkpoint: step {resume_step}"
     )
     record = record.model_copy(update={"relaunched_unix": time.time()})
