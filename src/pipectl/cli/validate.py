@@ -11,6 +11,7 @@ from rich import box
 from rich.table import Table
 
 from pipectl.cli.context import JsonFlag, console, print_json
+from pipectl.words import count
 
 WORST_ROWS = 10  # rows shown without --all-rows: the largest errors
 
@@ -69,8 +70,9 @@ def register(app: typer.Typer) -> None:
             })  # fmt: skip
             return
         shown = predictions if all_rows else _worst(predictions)
-        console.print(_rows_table(shown, all_rows, len(predictions)))
-        console.print(_groups_table(groups))
+        console.print(_rows_table(shown, all_rows, sum(1 for p in predictions if p.error is not None)))
+        if any(g.rows > 1 for g in groups):  # a group of one row ranks nothing
+            console.print(_groups_table(groups))
         if split:
             console.print(_split_table(splits))
         unpredicted = [p for p in predictions if p.predicted_seconds is None]
@@ -124,7 +126,8 @@ def _row_dict(p) -> dict:
 
 
 def _rows_table(shown, all_rows: bool, total: int) -> Table:
-    title = "step time per run, ms" if all_rows else f"the {len(shown)} largest errors of {total} runs, ms (--all-rows: every run)"
+    title = ("step time per run, ms" if all_rows
+             else f"the {len(shown)} largest errors of {count(total, 'run')} predicted, ms (--all-rows: every run)")
     table = Table(title=title, box=box.SIMPLE, title_justify="left")
     for column in ("line", "group", "layout", "measured", "predicted", "error"):
         table.add_column(column, justify="left" if column in ("group", "layout") else "right")
