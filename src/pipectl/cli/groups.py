@@ -5,7 +5,9 @@ gpt-tiny` runs `profile model gpt-tiny` (`DefaultCommandGroup`)."""
 from __future__ import annotations
 
 import errno
+import inspect
 import os
+import shutil
 import sys
 import typing
 from pathlib import PurePath
@@ -41,6 +43,7 @@ class ErrorReportingGroup(TyperGroup):
         # The command line as given: a refused option's value is quoted from it (`_usage_message`).
         self.given_args = list(sys.argv[1:] if args is None else args)
         readable_metavars(self)
+        tidy_help(self, plain=shutil.get_terminal_size().columns < RICH_HELP_COLUMNS)
         return super().main(args, *rest, **options)
 
     def list_commands(self, ctx) -> list[str]:  # type: ignore[override]
@@ -102,6 +105,36 @@ def readable_metavars(command) -> None:
         helper.metavar = ""
     for sub in getattr(command, "commands", {}).values():
         readable_metavars(sub)
+
+
+# Below this width the help is click's plain text: Rich's option tables cut long option names
+# short (`--max-tensor-par…`) to make room for the help column.
+RICH_HELP_COLUMNS = 100
+
+
+def tidy_help(command, *, plain: bool = False) -> None:
+    """Help texts as sentences, not as the docstring's lines: each paragraph of `command`'s and its
+    sub-commands' help on one line (the terminal wraps it; a paragraph with indented or listed lines
+    keeps them), and the command list's entry its first sentence (`pipectl -h`). `plain`: click's
+    plain layout (every name whole, the help wrapped beside it) instead of Rich's panels."""
+    if plain:
+        command.rich_markup_mode = None
+        for param in command.params:  # Rich's escapes (`\[model]`) are plain text's brackets
+            if getattr(param, "help", None):
+                param.help = param.help.replace("\\[", "[")
+    if command.help:
+        paragraphs = inspect.cleandoc(command.help).split("\n\n")
+        command.help = "\n\n".join(
+            paragraph if any(line[:1] in (" ", "-", "*", "\b") for line in paragraph.splitlines()[1:])
+            else " ".join(paragraph.split())
+            for paragraph in paragraphs
+        )
+        if command.short_help is None:
+            first = command.help.split("\n\n")[0]
+            end = first.find(". ")
+            command.short_help = first if end < 0 else first[: end + 1]
+    for sub in getattr(command, "commands", {}).values():
+        tidy_help(sub, plain=plain)
 
 
 def _metavar(param) -> str:
