@@ -38,7 +38,9 @@ from pipectl.words import count
 app = typer.Typer(
     cls=DefaultCommandGroup,
     no_args_is_help=True,
-    help="Measure or derive a model profile (default sub-command: model), calibrate links, show a profile.",
+    help="Measure or derive a model profile, calibrate links, show a profile.\n\n"
+    "pipectl profile MODEL -o profile.json [OPTIONS] runs the sub-command model (its options: pipectl profile "
+    "model -h).",
 )
 
 _MEASURE_DEVICES = ("cpu", "cuda")
