@@ -84,6 +84,21 @@ def _plan_file(tmp_path: Path) -> Path:
     return path
 
 
+def _profile(tmp_path: Path) -> str:
+    from pipectl.io import write_json_atomic
+    from pipectl.testing.profiles import synthetic_profile
+
+    write_json_atomic(tmp_path / "p.json", synthetic_profile(blocks=4, micro_batch_sizes=[1, 2], device="cpu"))
+    return str(tmp_path / "p.json")
+
+
+def _conditions(tmp_path: Path) -> str:
+    from tests.measured.test_validate import CONDITIONS
+
+    (tmp_path / "c.yaml").write_text(CONDITIONS)
+    return str(tmp_path / "c.yaml")
+
+
 def _model_copy(tmp_path: Path) -> Path:
     path = tmp_path / "mine.yaml"
     path.write_text((REPO / "configs" / "models" / "gpt-tiny.yaml").read_text())
@@ -125,6 +140,13 @@ CASES = {
     "a choice given another word": (
         lambda t: ["plan", "--profile", "p.json", "--cluster", "local", "--global-batch", "4", "--objective", "speed"],
         "--objective 'speed': 'speed' is not one of"),
+    "a ZeRO stage out of range": (
+        lambda t: ["plan", "--profile", _profile(t), "--cluster", "local", "--global-batch", "4", "--zero-stages", "1,5"],
+        "--zero-stages [1, 5]: zero_stages must list ZeRO stages 0..3"),
+    "validate a missing CSV": (lambda t: ["validate", str(t / "runs.csv"), "--conditions", _conditions(t)],
+                               "runs.csv"),
+    "calibrate a missing CSV": (lambda t: ["calibrate", str(t / "runs.csv"), "--conditions", _conditions(t)],
+                                "runs.csv"),
     "links bad size": (lambda t: ["profile", "links", "--message-sizes", "1KiB,lots"], "lots"),
     "links bad device": (lambda t: ["profile", "links", "--device", "fpga"], "fpga"),
 }

@@ -45,7 +45,7 @@ def register(app: typer.Typer) -> None:
         write it; plan with it to predict the layouts not run. Given a CSV of runs measured on a
         cluster, fit its device, link and engine terms to them instead (`--calibration` of
         validate, profile --derive, plan and simulate)."""
-        if len(runs) == 1 and runs[0].is_file():
+        if len(runs) == 1 and (runs[0].is_file() or runs[0].suffix.lower() == ".csv"):
             _calibrate_measured(runs[0], conditions, folds, output or Path("calibration.json"), json_output)
             return
         if conditions is not None:

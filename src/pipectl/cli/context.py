@@ -88,7 +88,7 @@ def from_options(model_type: type[ModelT], **options: Any) -> ModelT:
         for err in exc.errors():
             name = str(err["loc"][0]) if err["loc"] else ""
             option = f"--{name.replace('_', '-')} {options.get(name)!r}" if name in options else "options"
-            problems.append(f"{option}: {err['msg']}")
+            problems.append(f"{option}: {err['msg'].removeprefix('Value error, ')}")
         raise UserInputError("; ".join(problems)) from None
 
 

@@ -39,7 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pipectl.artifacts.calibration import RunsCalibration
 from pipectl.catalog import get_device
 from pipectl.errors import UserInputError
-from pipectl.io import load_model
+from pipectl.io import input_file, load_model
 
 # field -> header, as normalised by `_normal` (lower case, single spaces).
 REQUIRED_COLUMNS = {
@@ -173,7 +173,7 @@ class MeasuredRun:
 def read_runs(path: str | os.PathLike[str]) -> list[MeasuredRun]:
     """Every row of a measured CSV (see the module docstring)."""
     try:
-        with open(path, newline="", encoding="utf-8-sig") as handle:
+        with open(input_file(path), newline="", encoding="utf-8-sig") as handle:
             return parse_runs(handle, source=str(path))
     except UnicodeDecodeError:
         raise UserInputError(f"{path} is not UTF-8 text: save the CSV as UTF-8") from None
