@@ -125,7 +125,8 @@ def profile_table(
         ),
         caption_justify="left",
     )
-    table.add_column("layer", no_wrap=True)
+    # The figures never wrap; in a narrow terminal a run's name does ("block.0–95" over "×96").
+    table.add_column("layer", overflow="fold")
     table.add_column("params", justify="right", no_wrap=True)
     for heading in ("b", "fwd ms", "bwd ms", "output", "saved", "peak mem"):
         table.add_column(heading, justify="right", no_wrap=True)
@@ -184,7 +185,7 @@ def shard_tables(profile: ModelProfile, micro_batch_sizes: Sequence[int] | None 
             (shard.tensor_parallel, shard.parameter_bytes, shard.costs) for shard in layer.shards
         ]
         for t, held, _ in shards:
-            table.add_column(f"t={t} ({format_bytes(held)})", justify="right", no_wrap=True)
+            table.add_column(f"t={t}\n{format_bytes(held)}", justify="right", no_wrap=True)  # two header lines: narrow
         for size in sizes:
             cells = []
             for _, _, costs in shards:
