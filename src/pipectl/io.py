@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import os
@@ -125,7 +126,24 @@ def validation_message(exc: ValidationError, names: Mapping[str, str] | None = N
     """One line per validation error, naming the field and the offending value; `names` calls a
     field (the last part of its location) what the user set it as (a command-line option)."""
     lines = []
-    for err in exc.errors():
+    errors = exc.errors()
+    # A misspelt key is an unknown key beside a missing one: said once, as the misspelling.
+    missing = {tuple(err["loc"]) for err in errors if err["type"] == "missing" and err["loc"]}
+    misspelt: dict[tuple, str] = {}
+    for err in errors:
+        loc = tuple(err["loc"])
+        if err["type"] == "extra_forbidden" and loc:
+            near = difflib.get_close_matches(str(loc[-1]), [str(m[-1]) for m in missing if m[:-1] == loc[:-1]], n=1)
+            if near:
+                misspelt[loc] = near[0]
+                missing.discard((*loc[:-1], near[0]))
+    for err in errors:
+        loc = tuple(err["loc"])
+        if loc in misspelt:
+            lines.append(f"{'.'.join(map(str, loc))}: unknown key; did you mean {misspelt[loc]}?")
+            continue
+        if err["type"] == "missing" and any(loc == (*m[:-1], near) for m, near in misspelt.items()):
+            continue
         where = ".".join(str(part) for part in err["loc"]) or "(top level)"
         if names and err["loc"] and str(err["loc"][-1]) in names:
             where = names[str(err["loc"][-1])]

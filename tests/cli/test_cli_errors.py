@@ -72,6 +72,12 @@ def _bad_field_yaml(tmp_path: Path) -> Path:
     return path
 
 
+def _misspelt_cluster(tmp_path: Path) -> Path:
+    path = tmp_path / "mine.yaml"
+    path.write_text((REPO / "configs" / "clusters" / "a100-8x8.yaml").read_text().replace("devices_per_node", "devices_per_nod"))
+    return path
+
+
 def _not_a_profile(tmp_path: Path) -> Path:
     path = tmp_path / "profile.json"
     path.write_text('{"model": "x", "layers": "nope"}')
@@ -140,6 +146,9 @@ CASES = {
     "a choice given another word": (
         lambda t: ["plan", "--profile", "p.json", "--cluster", "local", "--global-batch", "4", "--objective", "speed"],
         "--objective 'speed': 'speed' is not one of"),
+    "a misspelt cluster key": (
+        lambda t: ["plan", "--profile", _profile(t), "--cluster", str(_misspelt_cluster(t)), "--global-batch", "4"],
+        "devices_per_nod: unknown key; did you mean devices_per_node?"),
     "a ZeRO stage out of range": (
         lambda t: ["plan", "--profile", _profile(t), "--cluster", "local", "--global-batch", "4", "--zero-stages", "1,5"],
         "--zero-stages [1, 5]: zero_stages must list ZeRO stages 0..3"),
