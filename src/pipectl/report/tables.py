@@ -185,7 +185,7 @@ def shard_tables(profile: ModelProfile, micro_batch_sizes: Sequence[int] | None 
             (shard.tensor_parallel, shard.parameter_bytes, shard.costs) for shard in layer.shards
         ]
         for t, held, _ in shards:
-            table.add_column(f"t={t}\n{format_bytes(held)}", justify="right", no_wrap=True)  # two header lines: narrow
+            table.add_column(f"t={t} {format_bytes(held)}", justify="right", no_wrap=True)  # as narrow as its cells
         for size in sizes:
             cells = []
             for _, _, costs in shards:
