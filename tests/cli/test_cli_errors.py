@@ -51,6 +51,8 @@ def test_help_reads_whole_at_any_width(columns):
     listed = " ".join(runner.invoke(app, ["-h"], env={"COLUMNS": columns}).output.replace("│", " ").split())
     assert "resize Move a run to N devices with the same global batch. export" in listed
     assert "PyTorch's pipelining runtime), with checkpoints" in listed
+    usage = runner.invoke(app, ["resize", "-h"], env={"COLUMNS": columns}).output
+    assert "pipectl resize [OPTIONS] RUN_DIR" in usage and "{RUN_DIR}" not in usage
 
 
 @pytest.mark.parametrize("path", COMMAND_PATHS, ids=[" ".join(p) for p in COMMAND_PATHS])

@@ -97,6 +97,8 @@ def readable_metavars(command) -> None:
             # type column beside it (`<path>`).
             param.metavar = param.metavar or param.name.upper()
             param.display_type_rich = lambda ctx: None
+            # The usage line names it as the help does (`pipectl resize RUN_DIR`, not `{RUN_DIR}`).
+            param._usage_display_name = lambda metavar=param.metavar: metavar
         elif param.metavar is None:
             param.metavar = _metavar(param)
     # -h/--help is made on first use, once per command (click keeps it): made here, as a flag.

@@ -19,10 +19,10 @@ from pipectl.io import load_model
 from pipectl.launch import PreparedLaunch, effective_options, prepare_launch, run_engine
 from pipectl.launch.engines import ENGINE_LOG, JobEnded
 from pipectl.launch.options import LaunchOptions
-from pipectl.plan.options import PlanOptions, plan_sections
 from pipectl.launch.placement import placement_note
 from pipectl.rundir.run import check_steps_beyond_trained, is_run_dir
 from pipectl.launch.prepare import run_files
+from pipectl.plan.options import PlanOptions, plan_sections
 from pipectl.rundir.analysis import analyse
 from pipectl.rundir.status import run_status
 from pipectl.report.run_tables import failure_report, status_table
@@ -44,10 +44,11 @@ def _engine_log_tail(run_dir: Path, lines: int = 15) -> str:
     return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
 
 
-PRINT_CONFIG_TITLE = """pipectl launch options, and the plan's. Use: pipectl launch PLAN.json --run-dir DIR --config FILE;
-pipectl plan --config FILE re-plans from the same file ([model] profile, [cluster], [training] global_batch,
-[plan]: as the plan was made). Flags win over the file; a relative path is taken from the file's folder;
-a commented-out key keeps its default."""
+PRINT_CONFIG_TITLE = """pipectl launch options, and the plan's.
+Use: pipectl launch PLAN.json --run-dir DIR --config FILE; pipectl plan --config FILE re-plans from
+the same file ([model] profile, [cluster], [training] global_batch, [plan]: as the plan was made).
+Flags win over the file; a relative path is taken from the file's folder; a commented-out key keeps
+its default."""
 
 
 def register(app: typer.Typer) -> None:
