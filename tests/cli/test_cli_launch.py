@@ -17,6 +17,7 @@ from pipectl.schedule.ir import ScheduleKind
 from builders import plan_of, write_plan
 
 runner = CliRunner()
+REPO = Path(__file__).resolve().parents[2]
 
 
 def invoke(*args: str):
@@ -397,6 +398,40 @@ def test_resume_keeps_what_was_not_passed_and_refuses_another_global_batch(tmp_p
     result = invoke("launch", bigger, "--run-dir", run, "--resume", "--change-global-batch")
     assert result.exit_code == 0, result.output
     assert json.loads((run / "job.json").read_text())["global_batch_changes"] == ["B 8 -> 16 after step 4"]
+
+
+def test_resume_refuses_a_plan_of_another_model_before_touching_the_run(tmp_path):
+    """The run's checkpoint holds another model's tensors: refused before any rank starts, the
+    run's files as they were (the ranks used to fail loading it, after job.json had been rewritten)."""
+    from pipectl.artifacts.plan import ModelShape
+    from pipectl.catalog import get_device
+    from pipectl.models.registry import load_model_config
+    from pipectl.profile.derive import derive_profile
+    from pipectl.rundir import checkpoints as ckpt
+    from pipectl.artifacts.run import CheckpointManifest
+
+    plan = write_plan(tmp_path / "plan.json")
+    run = tmp_path / "run"
+    assert invoke("launch", plan, "--run-dir", run, "--engine", "slurm", "--steps", "12").exit_code == 0
+    staged = run / "checkpoints" / ckpt.STAGING_DIR / "w1-00" / "step00000004_universal"
+    staged.mkdir(parents=True)
+    (staged / "weights.pt").write_bytes(b"w")
+    ckpt.commit_tag(run / "checkpoints", staged, "step00000004",
+                    CheckpointManifest(tag="step00000004", step=4, files=ckpt.hash_tree(staged), bytes=1))  # fmt: skip
+    wide = (REPO / "configs" / "models" / "gpt-tiny.yaml").read_text().replace("hidden: 64", "hidden: 128")
+    (tmp_path / "wide.yaml").write_text(wide.replace("name: gpt-tiny", "name: gpt-wide"))
+    config = load_model_config(str(tmp_path / "wide.yaml"))
+    other = json.loads(plan.read_text())
+    other.update(model="gpt-wide", model_reference=str(tmp_path / "wide.yaml"),
+                 model_shape=ModelShape.of_profile(derive_profile(config, get_device("cpu"), [2])).model_dump(mode="json"))
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    before = (run / "job.json").read_text()
+
+    result = invoke("launch", tmp_path / "other.json", "--run-dir", run, "--resume")
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert "the plan is for model 'gpt-wide', the run at" in " ".join(result.output.split())
+    assert "trains 'gpt-tiny'" in result.output
+    assert (run / "job.json").read_text() == before
 
 
 def _start_launch(plan: Path, run: Path, *args: str):

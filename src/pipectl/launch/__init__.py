@@ -126,6 +126,15 @@ def check_resume_contract(run_dir: Path, plan: Plan, job: JobSpec, options: Laun
     if not options.resume or not is_run_dir(run_dir):
         return job
     previous = read_run(run_dir)
+    if previous.plan.model_shape != plan.model_shape:
+        # Its checkpoint holds another model's tensors: the ranks would fail loading it, after the
+        # run's files had been rewritten for this plan.
+        raise UserInputError(
+            f"the plan is for model '{plan.model}', the run at {run_dir} trains '{previous.plan.model}' "
+            "(another shape): a resume continues the run's own model",
+            hint=f"resume with a plan of '{previous.plan.model}' (its own: {run_dir / 'plan.json'}), or start a new "
+            "run for this plan",
+        )
     before, after = previous.plan.global_batch, plan.global_batch
     changes = list(previous.job.global_batch_changes)
     if before != after:
