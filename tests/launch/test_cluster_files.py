@@ -66,7 +66,8 @@ def test_the_gpt3_175b_sbatch_script_for_384_a100_nodes_matches_its_golden_file(
     assert script == golden.read_text()
     lines = script.splitlines()
     assert "#SBATCH --nodes=384" in lines and "#SBATCH --gpus-per-node=8" in lines
-    assert "DS_ACCELERATOR" not in script  # written on a CPU host, for GPU nodes
+    # Written on a CPU host (DS_ACCELERATOR=cpu here), for GPU nodes: sbatch would pass this shell's on.
+    assert "DS_ACCELERATOR=cuda" in script and "DS_ACCELERATOR=cpu" not in script
 
 
 def test_unset_slurm_facts_show_where_they_go_and_a_cluster_file_supplies_them(monkeypatch, tmp_path):

@@ -46,7 +46,7 @@ def test_local_is_torchrun_on_loopback_of_the_worker_with_one_thread_per_rank():
     assert cmd.env == {
         "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONSAFEPATH": "1", "PIPECTL_MODEL_PATH": os.getcwd()
     }
-    assert "DS_ACCELERATOR" not in build_command(job(), RUN, python="py", gpus=True).env
+    assert build_command(job(), RUN, python="py", gpus=True).env["DS_ACCELERATOR"] == "cuda"
 
 
 def test_local_with_in_memory_recovery_runs_the_replicas_agent():

@@ -88,7 +88,7 @@ class LaunchCommand:
 
 def rank_environment(*, gpus: bool, import_root: str | None = None) -> dict[str, str]:
     """Variables every rank needs: one OpenMP thread (2 threads made 20 steps 5x slower on 2 cores),
-    DeepSpeed's CPU accelerator when there is no GPU (silences its auto-detection warning), and the
+    DeepSpeed's accelerator (cpu without a GPU, which silences its auto-detection warning), and the
     folder a user's `package.module:factory` model is imported from: the job's `import_root`, the
     folder the run was first launched from (ranks run inside the run directory, and a resume or a
     resize may be started from anywhere); this process's directory for a job without one. `PYTHONSAFEPATH` (Python 3.11+) keeps `python -m` from
@@ -106,8 +106,10 @@ def rank_environment(*, gpus: bool, import_root: str | None = None) -> dict[str,
     env = {"OMP_NUM_THREADS": "1", "PYTHONSAFEPATH": "1", MODEL_PATH_VARIABLE: import_root or os.getcwd()}
     if gpus:
         env[ALLOCATOR_VARIABLE] = os.environ.get(ALLOCATOR_VARIABLE, EXPANDABLE_SEGMENTS)
-    else:
-        env["DS_ACCELERATOR"] = "cpu"
+    # Named either way: sbatch hands the job the submitting shell's environment (--export=ALL, its
+    # default), and a login node without GPUs may well have DS_ACCELERATOR=cpu set, which would put
+    # DeepSpeed on its CPU accelerator on the GPU nodes.
+    env["DS_ACCELERATOR"] = "cuda" if gpus else "cpu"
     return env
 
 
