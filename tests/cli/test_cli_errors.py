@@ -126,6 +126,8 @@ CASES = {
     "unknown device": (lambda t: ["profile", "gpt-tiny", "--device", "tpu"], "tpu"),
     "unknown dtype": (lambda t: ["profile", "gpt-tiny", "--dtype", "int3"], "int3"),
     "bad factory": (lambda t: ["profile", "no_such_pkg.mod:build"], "no_such_pkg.mod:build"),
+    "a factory not importable from here": (lambda t: ["profile", "no_such_pkg.mod:build"],
+                                           "run from the folder that holds 'no_such_pkg'"),
     "shape-only model measured": (lambda t: ["profile", "gpt3-175b"], "gpt3-175b"),
     "unknown derive device": (lambda t: ["profile", "gpt-tiny", "--derive", "--device", "z80"], "z80"),
     "derive a factory": (lambda t: ["profile", "examples.custom_model:build", "--derive"], "examples.custom_model"),

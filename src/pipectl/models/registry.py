@@ -218,7 +218,14 @@ def import_factory(reference: str, what: str = "model"):
         module = importlib.import_module(module_name)
         factory = getattr(module, attr)
     except (ImportError, AttributeError, SyntaxError) as exc:
-        raise UserInputError(f"cannot load {what} factory '{reference}': {exc}") from exc
+        top = module_name.split(".")[0]
+        hint = (
+            f"it is imported as Python imports it: run from the folder that holds '{top}' (or its {top}.py), "
+            "or install its package"
+            if isinstance(exc, ModuleNotFoundError) and exc.name is not None and top.startswith(exc.name.split(".")[0])
+            else None
+        )
+        raise UserInputError(f"cannot load {what} factory '{reference}': {exc}", hint=hint) from exc
     if isinstance(factory, type) and issubclass(factory, nn.Module):
         raise UserInputError(f"{what} factory '{reference}' is a module class; give a function that builds the {what}")
     if not inspect.isfunction(factory):
