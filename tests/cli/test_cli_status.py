@@ -103,6 +103,8 @@ def test_status_on_cpu_shows_rss_as_rss_without_an_error_figure(tmp_path):
 
 
 def test_status_table_and_verify_flags_a_corrupted_checkpoint(tmp_path):
+    healthy = runner.invoke(app, ["status", str(make_run(tmp_path / "ok")), "--verify"])
+    assert healthy.exit_code == 0 and "verified: every file of 1 checkpoint matches its manifest's sha256" in healthy.output
     run = make_run(tmp_path)
     (run / "checkpoints" / "step00000004" / "fp32.pt").write_bytes(b"x")
     plain = runner.invoke(app, ["status", str(run)])

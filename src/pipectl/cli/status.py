@@ -109,3 +109,7 @@ def _exit_if_damaged(status: RunStatus, verify: bool) -> None:
         err_console.print(f"[bold red]error:[/] {count(len(damaged), 'checkpoint')} of {status.path} failed "
                           f"verification: {', '.join(damaged)}", highlight=False, soft_wrap=True)
         raise typer.Exit(2)
+    if verify:  # say what was checked: a clean run's table reads as without --verify
+        err_console.print(f"verified: every file of {count(len(status.checkpoints), 'checkpoint')} matches its "
+                          "manifest's sha256" if status.checkpoints else "verified: the run has no checkpoint yet",
+                          highlight=False, soft_wrap=True)
