@@ -434,6 +434,23 @@ def test_resume_refuses_a_plan_of_another_model_before_touching_the_run(tmp_path
     assert (run / "job.json").read_text() == before
 
 
+def test_resuming_a_finished_run_without_a_new_total_is_refused_before_any_rank_starts(tmp_path):
+    from pipectl.artifacts.run import CheckpointManifest
+    from pipectl.rundir import checkpoints as ckpt
+
+    plan = write_plan(tmp_path / "plan.json")
+    run = tmp_path / "run"
+    assert invoke("launch", plan, "--run-dir", run, "--engine", "slurm", "--steps", "4").exit_code == 0
+    staged = run / "checkpoints" / ckpt.STAGING_DIR / "w1-00" / "step00000004_universal"
+    staged.mkdir(parents=True)
+    (staged / "weights.pt").write_bytes(b"w")
+    ckpt.commit_tag(run / "checkpoints", staged, "step00000004",
+                    CheckpointManifest(tag="step00000004", step=4, files=ckpt.hash_tree(staged), bytes=1))  # fmt: skip
+    result = invoke("launch", plan, "--run-dir", run, "--resume")
+    assert result.exit_code == 2 and "has trained all its 4 steps: nothing is left to train" in result.output
+    assert "--steps 8" in result.output and "Traceback" not in result.output
+
+
 def _start_launch(plan: Path, run: Path, *args: str):
     """`pipectl launch` as its own process (a user's terminal), output captured."""
     import os

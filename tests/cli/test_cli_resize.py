@@ -76,8 +76,11 @@ def test_beyond_the_cluster_and_not_in_the_table_exits_2(tmp_path):
 
 def test_steps_already_trained_exit_2(tmp_path):
     run = make_run(tmp_path)
-    result = invoke("resize", run, "--devices", "1")
-    assert result.exit_code == 2 and "--steps 10 is not beyond the 10 steps" in result.output
+    result = invoke("resize", run, "--devices", "1")  # a finished run, no new total
+    assert result.exit_code == 2 and "has trained all its 10 steps: nothing is left to train" in result.output
+    assert "--steps 20" in result.output
+    given = invoke("resize", run, "--devices", "1", "--steps", "10")
+    assert given.exit_code == 2 and "--steps 10 is not beyond the 10 steps" in given.output
 
 
 @pytest.mark.parametrize("flag", ["--submit", "--scancel"])

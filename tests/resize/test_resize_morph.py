@@ -87,7 +87,7 @@ def test_bad_requests_name_the_value(tmp_path):
         decide_resize(run, 0, steps=20)
     with pytest.raises(UserInputError, match="no run directory at .*nope"):
         decide_resize(tmp_path / "nope", 1)
-    with pytest.raises(UserInputError, match="--steps 10 is not beyond the 10 steps"):
+    with pytest.raises(UserInputError, match="has trained all its 10 steps"):
         decide_resize(run, 1)  # the job's own total, already reached
     with pytest.raises(UserInputError, match="no entry for 7 devices"):
         decide_resize(run, 7, steps=20, replan=None)

@@ -116,8 +116,9 @@ def register(app: typer.Typer) -> None:
         check_schedule(plan.chosen)  # before anything else: a 2BW plan is another optimizer
         if options.elastic is not None and options.engine is not Engine.TORCHRUN:
             raise UserInputError(f"--elastic needs --engine torchrun, not {options.engine.value}")
-        if resume and any("steps" in layer.values for layer in layers) and is_run_dir(run_dir):
-            check_steps_beyond_trained(run_dir, options.steps, options.steps)
+        if resume and is_run_dir(run_dir):  # before any rank starts: a finished run has nothing left to train
+            given = any("steps" in layer.values for layer in layers)
+            check_steps_beyond_trained(run_dir, options.steps, options.steps, given=given)
         prepared = prepare_launch(plan, run_dir, options, plan_dir=plan_path.parent, write=not dry_run)
         try:
             _launch(prepared, plan_path, run_dir, timeout=timeout, dry_run=dry_run, json_output=json_output)

@@ -140,7 +140,7 @@ def decide_resize(
             notes.append("no straggler found")
     choice = choose_candidate(files.plan, usable, replan=replanner(files.plan, files.path) if replan else None)
     notes += choice.notes
-    check_steps_beyond_trained(files.path, target_steps, job.steps)
+    check_steps_beyond_trained(files.path, target_steps, job.steps, given=steps is not None)
     return ResizeDecision(
         run_dir=files.path,
         requested_devices=devices,

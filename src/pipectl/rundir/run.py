@@ -54,16 +54,19 @@ def newest_complete_checkpoint(run_dir: Path) -> CheckpointInfo | None:
     return complete[-1] if complete else None
 
 
-def check_steps_beyond_trained(run_dir: Path, target_steps: int, more: int) -> None:
+def check_steps_beyond_trained(run_dir: Path, target_steps: int, more: int, *, given: bool = True) -> None:
     """A new total of steps for a run must lie beyond what it has trained: its newest complete
-    checkpoint's step or its last logged one, whichever is later (`more`: the hint's increment)."""
+    checkpoint's step or its last logged one, whichever is later (`more`: the hint's increment).
+    The run's own total (`given` False) must lie beyond its newest checkpoint only: a run whose last
+    checkpoints were lost trains their steps again."""
     latest = newest_complete_checkpoint(run_dir)
     metrics = read_metrics(run_dir)
     checkpointed = latest.step if latest is not None and latest.step is not None else 0
-    trained = max(checkpointed, metrics[-1].step if metrics else 0)
+    trained = max(checkpointed, metrics[-1].step if metrics else 0) if given else checkpointed
     if target_steps <= trained:
         raise UserInputError(
-            f"--steps {target_steps} is not beyond the {trained} steps the run has already trained",
+            f"--steps {target_steps} is not beyond the {trained} steps the run has already trained" if given
+            else f"{run_dir} has trained all its {trained} steps: nothing is left to train",
             hint=f"pass a larger total, e.g. --steps {trained + more}",
         )
 
