@@ -644,8 +644,8 @@ def _supervise(
                 processes.end()
                 raise JobEnded(reason)
             if deadline is not None and time.monotonic() > deadline:
-                processes.end(grace_seconds=30)
-                raise LaunchError(f"the job ran past its {timeout_seconds:.0f} s limit and was stopped")
+                processes.end(grace_seconds=30)  # as a stop request: the ranks checkpoint first
+                raise JobEnded(f"it ran past its --timeout of {timeout_seconds:.0f} s")
             try:
                 proc.wait(timeout=tick_seconds)
             except subprocess.TimeoutExpired:
