@@ -212,3 +212,22 @@ def test_a_stored_option_this_version_refuses_is_named_as_a_resume_would(tmp_pat
     result = runner.invoke(app, ["status", str(run)])
     assert result.exit_code == 2, result.output
     assert "seed" in result.output and "Traceback" not in result.output
+
+
+def test_a_run_stopped_by_a_signal_says_it_was_a_stop_request(tmp_path):
+    """A Ctrl-C reaches the ranks as SIGTERM (pipectl passes a stop on so): status does not call
+    the user's Ctrl-C a SIGTERM, but says what the ranks were sent."""
+    import time
+
+    from pipectl.artifacts.run import RankHeartbeat, RankState
+    from pipectl.rundir.heartbeats import write_heartbeat
+
+    run = make_run(tmp_path)
+    now = time.time()
+    for rank in (0, 1):
+        write_heartbeat(run, RankHeartbeat(
+            rank=rank, pid=999_999, host="here", stage=rank, step=4, phase="step", state=RankState.STOPPED,
+            checkpoint_step=4, started_unix=now - 5, beat_unix=now, progress_unix=now, stop_reason="SIGTERM",
+        ))  # fmt: skip
+    shown = " ".join(runner.invoke(app, ["status", str(run)], env={"COLUMNS": "200"}).output.split())
+    assert "stopped at step 4, checkpoint written: a stop request (SIGTERM to the ranks)" in shown, shown

@@ -81,6 +81,8 @@ def _run_state(status: RunStatus) -> str:
         return "trained, but no checkpoint holds the last step: resume to write it"
     if status.stopped is not None:
         step, why = status.stopped
+        if why.startswith("SIG"):  # what the ranks were sent: pipectl passes a Ctrl-C or a stop on as SIGTERM
+            why = f"a stop request ({why} to the ranks)"
         return f"stopped at step {step}, checkpoint written" + (f": {why}" if why else "")
     if not status.metrics:
         if status.ranks_beating:
