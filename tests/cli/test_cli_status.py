@@ -231,3 +231,26 @@ def test_a_run_stopped_by_a_signal_says_it_was_a_stop_request(tmp_path):
         ))  # fmt: skip
     shown = " ".join(runner.invoke(app, ["status", str(run)], env={"COLUMNS": "200"}).output.split())
     assert "stopped at step 4, checkpoint written: a stop request (SIGTERM to the ranks)" in shown, shown
+
+
+def test_a_fresh_heartbeat_of_a_rank_whose_process_ended_is_not_a_rank_up(tmp_path):
+    """A job killed a second ago left beats that look fresh: a rank of this host whose process has
+    ended is not 'up' (the heartbeat alone would say so for several seconds more)."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from pipectl.artifacts.run import RankHeartbeat, RankState
+    from pipectl.rundir.heartbeats import write_heartbeat
+
+    run = make_run(tmp_path, steps_done=0)
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    now = time.time()
+    write_heartbeat(run, RankHeartbeat(
+        rank=0, pid=ended.pid, host=socket.gethostname(), stage=0, step=None, phase="start-up",
+        state=RankState.RUNNING, started_unix=now - 5, beat_unix=now, progress_unix=now,
+    ))  # fmt: skip
+    shown = " ".join(runner.invoke(app, ["status", str(run)], env={"COLUMNS": "200"}).output.split())
+    assert "the ranks are up" not in shown and "not started" in shown, shown

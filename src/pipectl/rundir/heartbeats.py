@@ -59,6 +59,9 @@ def stage_and_pid(beat: RankHeartbeat) -> str:
     return ", ".join(x for x in (f"stage {beat.stage}" if beat.stage is not None else "", f"pid {beat.pid}") if x)
 
 
+ENDED = "its process has ended"  # `process_state` of a rank that no longer runs
+
+
 def process_state(beat: RankHeartbeat) -> str:
     """What this host's OS says of the rank's process: '' for another host's rank."""
     if beat.host != socket.gethostname():
@@ -68,16 +71,16 @@ def process_state(beat: RankHeartbeat) -> str:
     try:
         process = psutil.Process(beat.pid)
         if process.create_time() > beat.started_unix + 1.0:
-            return "its process has ended"  # the pid now belongs to another process
+            return ENDED  # the pid now belongs to another process
         status = process.status()
     except psutil.NoSuchProcess:
-        return "its process has ended"
+        return ENDED
     except psutil.Error:
         return ""
     if status == psutil.STATUS_STOPPED or status == psutil.STATUS_TRACING_STOP:
         return "its process is stopped (SIGSTOP, or a debugger)"
     if status == psutil.STATUS_ZOMBIE:
-        return "its process has ended"
+        return ENDED
     if status == psutil.STATUS_DISK_SLEEP:
         return "its process is blocked in the kernel (uninterruptible I/O)"
     return f"its process is {status}"
@@ -89,7 +92,7 @@ def vanished_ranks(run_dir: str | os.PathLike[str], *, since_unix: float = 0.0) 
     beats = read_heartbeats(run_dir, since_unix=since_unix)
     return [
         beat for _, beat in sorted(beats.items())
-        if beat.state is RankState.RUNNING and process_state(beat) == "its process has ended"
+        if beat.state is RankState.RUNNING and process_state(beat) == ENDED
     ]
 
 

@@ -22,7 +22,7 @@ from pipectl.artifacts.run import (
     RequeueRecord,
     StepMetrics,
 )
-from pipectl.rundir.heartbeats import live_ranks, pid_alive, read_heartbeats, stopped_cleanly
+from pipectl.rundir.heartbeats import ENDED, live_ranks, pid_alive, process_state, read_heartbeats, stopped_cleanly
 from pipectl.rundir.checkpoints import list_checkpoints, read_events, staging_leftovers
 from pipectl.rundir.metrics import PredictionSummary, prediction_summary, read_metrics_and_unreadable
 from pipectl.rundir.run import read_requeues, read_run_files
@@ -63,8 +63,12 @@ class RunStatus:
     @property
     def ranks_beating(self) -> bool:
         """Some rank of the run is alive and training (its heartbeat, rewritten every second, is
-        recent and says running): on this host or another, under any engine."""
-        return bool(live_ranks(self.heartbeats, self.read_unix, silent_after=FRESH_HEARTBEAT_SECONDS))
+        recent and says running): on this host or another, under any engine. A rank of this host
+        whose process has ended is not, however recent its last beat (a job just killed)."""
+        return any(
+            process_state(beat) != ENDED
+            for beat in live_ranks(self.heartbeats, self.read_unix, silent_after=FRESH_HEARTBEAT_SECONDS)
+        )
 
     @property
     def active(self) -> bool:
