@@ -254,3 +254,22 @@ def test_a_fresh_heartbeat_of_a_rank_whose_process_ended_is_not_a_rank_up(tmp_pa
     ))  # fmt: skip
     shown = " ".join(runner.invoke(app, ["status", str(run)], env={"COLUMNS": "200"}).output.split())
     assert "the ranks are up" not in shown and "not started" in shown, shown
+
+
+def test_follow_waits_for_a_run_that_a_launch_is_about_to_write(tmp_path):
+    """`launch ... &` then `status --follow` at once: the run directory is waited for, not refused."""
+    import threading
+    import time
+
+    def launch_a_moment_later() -> None:
+        time.sleep(1.0)
+        make_run(tmp_path)
+
+    writer = threading.Thread(target=launch_a_moment_later)
+    writer.start()
+    try:
+        result = runner.invoke(app, ["status", str(tmp_path / "run"), "--follow"], env={"COLUMNS": "200"})
+    finally:
+        writer.join()
+    assert result.exit_code == 0, result.output
+    assert "waiting for" in result.output and "4 / 10 steps" in result.output

@@ -13,6 +13,7 @@ from pipectl.report.run_tables import status_table
 from pipectl.artifacts.run import JOB_FILE
 from pipectl.launch.options import check_stored_options
 from pipectl.rundir.analysis import RunReport, analyse
+from pipectl.rundir.run import is_run_dir
 from pipectl.rundir.status import RunStatus, run_status
 from pipectl.words import count
 
@@ -72,14 +73,24 @@ def _analysed(run_dir: Path, **how) -> RunReport:
 
 
 FOLLOW_SECONDS = 1.0  # how often --follow reads the run again
+# How long --follow waits for a run directory that is not there yet (a launch just started beside it).
+APPEAR_SECONDS = 60.0
 
 
 def _follow(run_dir: Path) -> None:
     """The brief summary, redrawn in place while the job is active (its ranks beat or its launch
-    lives); on a pipe, a line per step instead."""
+    lives); on a pipe, a line per step instead. A run not there yet is waited for a while: the
+    launch writing it may have started a moment ago."""
     from rich.live import Live
 
     from pipectl.runtime.monitor import step_line
+
+    if not is_run_dir(run_dir):
+        err_console.print(f"waiting for {run_dir} to appear (up to {APPEAR_SECONDS:.0f} s)", highlight=False, soft_wrap=True)
+        deadline = time.monotonic() + APPEAR_SECONDS
+        while not is_run_dir(run_dir) and time.monotonic() < deadline:
+            time.sleep(FOLLOW_SECONDS / 4)
+        time.sleep(FOLLOW_SECONDS / 2)  # the launch writes the run's other files right after job.json
 
     status = _analysed(run_dir, detail=False).status
     if not console.is_terminal:
