@@ -366,19 +366,25 @@ def test_a_checkpoint_that_cannot_be_written_is_reported_without_a_traceback(tmp
     assert info.step == 2 and warnings == []
 
 
-def test_resume_keeps_what_was_not_passed_and_refuses_another_global_batch(tmp_path):
+def _commit_checkpoint(run: Path, step: int) -> None:
+    """A checkpoint of `step` committed in `run` as the ranks commit one (its manifest, one file)."""
     from pipectl.artifacts.run import CheckpointManifest
     from pipectl.rundir import checkpoints as ckpt
 
+    tag = f"step{step:08d}"
+    staged = run / "checkpoints" / ckpt.STAGING_DIR / "w1-00" / f"{tag}_universal"
+    staged.mkdir(parents=True)
+    (staged / "weights.pt").write_bytes(b"w")
+    ckpt.commit_tag(run / "checkpoints", staged, tag,
+                    CheckpointManifest(tag=tag, step=step, files=ckpt.hash_tree(staged), bytes=1))  # fmt: skip
+
+
+def test_resume_keeps_what_was_not_passed_and_refuses_another_global_batch(tmp_path):
     plan = write_plan(tmp_path / "plan.json")
     run = tmp_path / "run"
     assert invoke("launch", plan, "--run-dir", run, "--engine", "slurm", "--steps", "12",
                   "--checkpoint-every", "4", "--seed", "7").exit_code == 0  # fmt: skip
-    staged = run / "checkpoints" / ckpt.STAGING_DIR / "w1-00" / "step00000004_universal"
-    staged.mkdir(parents=True)
-    (staged / "weights.pt").write_bytes(b"w")
-    ckpt.commit_tag(run / "checkpoints", staged, "step00000004",
-                    CheckpointManifest(tag="step00000004", step=4, files=ckpt.hash_tree(staged), bytes=1))  # fmt: skip
+    _commit_checkpoint(run, 4)
 
     result = invoke("launch", plan, "--run-dir", run, "--resume", "--dry-run", "--json")
     assert result.exit_code == 0, result.output
@@ -407,17 +413,11 @@ def test_resume_refuses_a_plan_of_another_model_before_touching_the_run(tmp_path
     from pipectl.catalog import get_device
     from pipectl.models.registry import load_model_config
     from pipectl.profile.derive import derive_profile
-    from pipectl.rundir import checkpoints as ckpt
-    from pipectl.artifacts.run import CheckpointManifest
 
     plan = write_plan(tmp_path / "plan.json")
     run = tmp_path / "run"
     assert invoke("launch", plan, "--run-dir", run, "--engine", "slurm", "--steps", "12").exit_code == 0
-    staged = run / "checkpoints" / ckpt.STAGING_DIR / "w1-00" / "step00000004_universal"
-    staged.mkdir(parents=True)
-    (staged / "weights.pt").write_bytes(b"w")
-    ckpt.commit_tag(run / "checkpoints", staged, "step00000004",
-                    CheckpointManifest(tag="step00000004", step=4, files=ckpt.hash_tree(staged), bytes=1))  # fmt: skip
+    _commit_checkpoint(run, 4)
     wide = (REPO / "configs" / "models" / "gpt-tiny.yaml").read_text().replace("hidden: 64", "hidden: 128")
     (tmp_path / "wide.yaml").write_text(wide.replace("name: gpt-tiny", "name: gpt-wide"))
     config = load_model_config(str(tmp_path / "wide.yaml"))
@@ -435,17 +435,10 @@ def test_resume_refuses_a_plan_of_another_model_before_touching_the_run(tmp_path
 
 
 def test_resuming_a_finished_run_without_a_new_total_is_refused_before_any_rank_starts(tmp_path):
-    from pipectl.artifacts.run import CheckpointManifest
-    from pipectl.rundir import checkpoints as ckpt
-
     plan = write_plan(tmp_path / "plan.json")
     run = tmp_path / "run"
     assert invoke("launch", plan, "--run-dir", run, "--engine", "slurm", "--steps", "4").exit_code == 0
-    staged = run / "checkpoints" / ckpt.STAGING_DIR / "w1-00" / "step00000004_universal"
-    staged.mkdir(parents=True)
-    (staged / "weights.pt").write_bytes(b"w")
-    ckpt.commit_tag(run / "checkpoints", staged, "step00000004",
-                    CheckpointManifest(tag="step00000004", step=4, files=ckpt.hash_tree(staged), bytes=1))  # fmt: skip
+    _commit_checkpoint(run, 4)
     result = invoke("launch", plan, "--run-dir", run, "--resume")
     assert result.exit_code == 2 and "has trained all its 4 steps: nothing is left to train" in result.output
     assert "--steps 8" in result.output and "Traceback" not in result.output
