@@ -334,9 +334,11 @@ def replica_shares(global_batch: int, data_parallel: int, micro_batch_size: int,
     if len(set(shares)) == 1:
         return None
     b = micro_batch_size
+    # Built unchecked: every figure is derived here from the arguments (a file's shares are
+    # checked when it is read). A large job has hundreds of replicas per candidate.
     return [
-        ReplicaShare(replica=r, device=device, micro_batch_size=b, micro_batches=m, samples=b * m,
-                     gradient_weight=b * m / global_batch)
+        ReplicaShare.model_construct(replica=r, device=device, micro_batch_size=b, micro_batches=m, samples=b * m,
+                                     gradient_weight=b * m / global_batch)
         for r, m in enumerate(shares)
     ]
 

@@ -129,7 +129,7 @@ def _between_updates(wave, waves: int, ranks: int, last, forward_end, exposed):
         if history.enabled:
             state = np.concatenate((last, forward_end, last))  # `_History` keeps three entries per rank
             index, state, exposed, regime = skip_repeats(history, regime, index, state, exposed, final)
-            last, forward_end, _ = np.split(state, 3)
+            last, forward_end, _ = state.reshape(3, -1)  # views, as np.split's
         if index >= final:
             regime = None
         index += 1

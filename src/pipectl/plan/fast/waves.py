@@ -291,7 +291,7 @@ def pair_schedule_ends(kind: ScheduleKind, p: int, m: int, v: int, t: _Tables) -
         if steady_from <= wave <= steady_to and history.enabled:
             state = np.concatenate((last, forward_end, backward_end))
             wave, state, exposed, regime = skip_repeats(history, regime, wave, state, exposed, steady_to)
-            last, forward_end, backward_end = np.split(state, 3)
+            last, forward_end, backward_end = state.reshape(3, -1)  # views, as np.split's
         if wave >= steady_to:
             regime = None  # no steady wave left to check it on
         wave += 1
