@@ -11,7 +11,7 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from pipectl.artifacts.morph import MorphRecord
+from pipectl.artifacts.morph import MorphRecord, MorphTrigger
 from pipectl.artifacts.plan import MorphEntry
 from pipectl.artifacts.run import CheckpointManifest, Engine, RankTiming, StepMetrics
 from pipectl.cli.main import app
@@ -19,7 +19,7 @@ from pipectl.report.run_tables import morph_history_table, status_table, straggl
 from pipectl.rundir.analysis import analyse
 from pipectl.launch import LaunchOptions, prepare_launch
 from pipectl.launch.prepare import read_run
-from pipectl.rundir.morph_history import append_record
+from pipectl.rundir.morph_history import append_record, with_downtime
 from pipectl.rundir.stragglers import find_stragglers
 from pipectl.rundir import checkpoints as ckpt
 from pipectl.rundir.metrics import MetricsWriter
@@ -163,6 +163,30 @@ def test_the_status_shows_morphs_and_stragglers(tmp_path, monkeypatch):
             global_batch=8, resume_step=0, target_steps=1, stopped_running_job=False, plan_source="morph-table",
         )  # fmt: skip
     ]))
+
+
+def test_a_history_of_restarts_fits_100_columns_and_a_failed_relaunch_is_marked():
+    """The stop, pause and moved columns appear only when a morph has them, and a relaunch that
+    failed before its first step reads as failed, not as a move with a downtime."""
+    layouts = ("t1p2d1 1f1b +R b8 m1", "t1p1d1 1f1b +R b8 m1")
+    common = dict(requested_devices=1, from_devices=2, from_layout=layouts[0], to_devices=1, to_layout=layouts[1],
+                  global_batch=8, resume_step=8, target_steps=10, stopped_running_job=False, plan_source="re-planned")
+    failed = MorphRecord(requested_unix=0.0, relaunched_unix=1.0, failed_exit_code=1, **common)
+    moved = MorphRecord(requested_unix=10.0, relaunched_unix=11.0, first_step_unix=15.0, downtime_seconds=5.0,
+                        trigger=MorphTrigger.ELASTIC, **common)  # fmt: skip
+    text = render(morph_history_table([failed, moved]))
+    assert max(len(line.rstrip()) for line in text.splitlines()) <= 100, text
+    assert "failed" in text.splitlines()[3] and "5.0 s" in text and "elastic" in text
+    assert "exited with code 1 before its first step: the run last trained on t1p2d1" in " ".join(text.split())
+    header = text.splitlines()[1].split()
+    assert "stop" not in header and "pause" not in header and "moved" not in header, header
+    # A metrics step after the failed relaunch is the next move's, not the failed one's downtime.
+    step = StepMetrics(step=9, loss=4.0, step_seconds=0.5, samples_per_second=16.0, global_batch=8, world_size=1,
+                       layout=layouts[1], time_unix=20.0)  # fmt: skip
+    assert with_downtime(failed, [step]).downtime_seconds is None
+    assert with_downtime(failed.model_copy(update={"failed_exit_code": None}), [step]).downtime_seconds == 20.0
+    live = MorphRecord(requested_unix=0.0, path="live", pause_seconds=0.4, bytes_moved=2**20, **common)
+    assert {"pause", "moved"} <= set(render(morph_history_table([live])).splitlines()[1].split())
 
 
 @pytest.mark.parametrize(

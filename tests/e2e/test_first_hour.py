@@ -185,6 +185,19 @@ def test_a_factory_model_resizes_from_another_directory_and_a_failed_resize_name
     assert failed.returncode == 1, said(failed)
     assert "planted failure in the user's factory" in failed.stderr, said(failed)
     assert "Traceback" not in failed.stderr.split("error:", 1)[-1], said(failed)
+    # The failed move is recorded as failed, and the next resize starts from what last trained.
+    history = [json.loads(line) for line in (work / "runs/res/morphs.jsonl").read_text().splitlines()]
+    assert history[-1]["failed_exit_code"] == 1 and history[-1]["downtime_seconds"] is None, history[-1]
+    trained = history[0]["to_layout"]  # the first resize's layout trained steps 5-6
+    (work / "fail-in-ranks").unlink()
+    again = pipectl("resize", work / "runs/res", "--devices", "2", "--steps", "8", cwd=elsewhere)
+    assert succeeded(again), said(again)
+    assert f"1 device: {trained}" in again.stdout, said(again)  # the decision's "from" row
+    history = [json.loads(line) for line in (work / "runs/res/morphs.jsonl").read_text().splitlines()]
+    assert history[-2]["failed_exit_code"] == 1 and history[-2]["downtime_seconds"] is None, history[-2]
+    assert history[-1]["from_layout"] == trained and history[-1]["failed_exit_code"] is None, history[-1]
+    shown = pipectl("status", work / "runs/res", cwd=elsewhere)
+    assert "exited with code 1 before its first step" in shown.stdout, said(shown)
 
 
 def test_python_dash_m_h_and_the_commands_in_the_order_a_job_meets_them(tmp_path):

@@ -77,6 +77,10 @@ class MorphRecord(Artifact):
     )
     bytes_moved: int | None = Field(default=None, ge=0, description="Live: state bytes sent from rank to rank.")
     notes: list[str] = Field(default_factory=list, description="What the user should know (fewer devices, ...).")
+    failed_exit_code: int | None = Field(
+        default=None,
+        description="Set when the relaunched job ended with this exit code before it trained a step on the new layout: the move did not take place.",
+    )
 
     @model_validator(mode="after")
     def _downtime_matches_times(self) -> "MorphRecord":

@@ -316,30 +316,58 @@ def _seconds(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f} s"
 
 
+def _morph_path(record: MorphRecord) -> str:
+    """restart or live (a resize), elastic (a restart the launcher made: its note says so, from
+    `rundir.morph_history.record_layout_change`), or live (failure)."""
+    if record.trigger is MorphTrigger.RESIZE:
+        return record.path
+    if record.trigger is MorphTrigger.ELASTIC:
+        return record.trigger.value
+    return f"{record.path} ({record.trigger.value})"
+
+
 def morph_history_table(records: Sequence[MorphRecord]) -> Table:
-    """One row per morph: when, from which layout to which, how (restart or live), at which step,
-    the stop, the downtime (request -> first step after), a live resize's pause (last step before
+    """One row per morph: when, from which layout to which, how (restart, live, or an elastic
+    restart the launcher made), at which step, the stop, the downtime (request -> first step after;
+    "failed" for a relaunch that ended before it), a live resize's pause (last step before
     -> first step after) and the state it moved; each morph's notes under the table, numbered, so
-    that the rows stay one line each."""
+    that the rows stay one line each. The stop, pause and moved columns only when some morph has
+    them: a history of restarts fits 100 columns."""
     table = Table(box=box.SIMPLE_HEAD, title="morph history", title_justify="left", show_edge=False)
-    for column in ("#", "when", "from", "to", "path", "at step", "stop", "downtime", "pause", "moved"):
+    optional = {
+        "stop": [_seconds(record.stop_seconds) for record in records],
+        "pause": [_seconds(record.pause_seconds) for record in records],
+        "moved": ["-" if r.bytes_moved is None else f"{r.bytes_moved / 2**20:.1f} MiB" for r in records],
+    }
+    shown = [name for name, cells in optional.items() if any(cell != "-" for cell in cells)]
+    columns = ["#", "when", "from", "to", "path", "at step", *(["stop"] if "stop" in shown else []), "downtime",
+               *(name for name in ("pause", "moved") if name in shown)]
+    for column in columns:
         table.add_column(column, no_wrap=True)
     notes = []
     for number, record in enumerate(records, start=1):
         when = datetime.datetime.fromtimestamp(record.requested_unix).strftime("%m-%d %H:%M:%S")
         live = record.path == "live"
-        table.add_row(
-            str(number),
-            when,
-            record.from_layout,
-            record.to_layout,
-            record.path if record.trigger is MorphTrigger.RESIZE else f"{record.path} ({record.trigger.value})",
-            str(record.resume_step),
-            _seconds(record.stop_seconds),
-            _seconds(record.downtime_seconds) if record.relaunched_unix or live else "not relaunched",
-            _seconds(record.pause_seconds),
-            "-" if record.bytes_moved is None else f"{record.bytes_moved / 2**20:.1f} MiB",
-        )
+        if record.failed_exit_code is not None:
+            downtime = "failed"  # the exit code in its note
+        elif record.relaunched_unix or live:
+            downtime = _seconds(record.downtime_seconds)
+        else:
+            downtime = "not relaunched"
+        cells = {
+            "#": str(number),
+            "when": when,
+            "from": record.from_layout,
+            "to": record.to_layout,
+            "path": _morph_path(record),
+            "at step": str(record.resume_step),
+            "downtime": downtime,
+            **{name: optional[name][number - 1] for name in shown},
+        }
+        table.add_row(*(cells[column] for column in columns))
+        if record.failed_exit_code is not None:
+            notes.append(f"{number}: the relaunched job exited with code {record.failed_exit_code} before its first "
+                         f"step: the run last trained on {record.from_layout}")
         notes += [f"{number}: {note}" for note in record.notes]
     if notes:
         table.caption = "\n".join(notes)
@@ -380,7 +408,7 @@ def decision_table(decision: ResizeDecision) -> Table:
     table = Table(box=box.SIMPLE, show_header=False, title=f"resize {decision.run_dir.name}", title_justify="left")
     table.add_column(style="bold")
     table.add_column()
-    table.add_row("from", f"{_devices(decision.previous.devices)}: {layout_label(decision.previous)}")
+    table.add_row("from", f"{_devices(decision.from_devices)}: {decision.from_layout}")
     table.add_row("to", f"{_devices(decision.candidate.devices)}: {layout_label(decision.candidate)}")
     table.add_row("requested", f"{_devices(decision.requested_devices)} ({decision.choice.source})")
     table.add_row("global batch", f"{decision.candidate.global_batch} (unchanged)")

@@ -81,10 +81,21 @@ class ResizeDecision:
     stragglers: StragglerReport | None
     excluded_ranks: list[int]
     notes: list[str]
+    # (ranks, layout label) of the newest step in metrics.jsonl: what the run last trained on, which
+    # `previous` (its plan) is not after a relaunch that failed before its first step.
+    trained: tuple[int, str] | None = None
 
     @property
     def candidate(self) -> Candidate:
         return self.choice.candidate
+
+    @property
+    def from_devices(self) -> int:
+        return self.trained[0] if self.trained else self.previous.devices
+
+    @property
+    def from_layout(self) -> str:
+        return self.trained[1] if self.trained else layout_label(self.previous)
 
 
 def decide_resize(
@@ -153,7 +164,17 @@ def decide_resize(
         stragglers=stragglers,
         excluded_ranks=excluded,
         notes=notes,
+        trained=_last_trained(files.path),
     )
+
+
+def _last_trained(run_dir: Path) -> tuple[int, str] | None:
+    """(ranks, layout label) of the newest step in the run's metrics, None before its first step."""
+    metrics = read_metrics(run_dir)
+    if not metrics:
+        return None
+    last = max(metrics, key=lambda m: m.time_unix)
+    return (last.world_size, last.layout) if last.layout else None
 
 
 # --------------------------------------------------------------------------- rewriting the run
@@ -437,8 +458,8 @@ def _rewrite_and_relaunch(
         trigger=MorphTrigger.RESIZE,
         requested_unix=requested_unix,
         requested_devices=decision.requested_devices,
-        from_devices=decision.previous.devices,
-        from_layout=layout_label(decision.previous),
+        from_devices=decision.from_devices,
+        from_layout=decision.from_layout,
         to_devices=decision.candidate.devices,
         to_layout=layout_label(decision.candidate),
         global_batch=prepared.plan.global_batch,
@@ -485,6 +506,11 @@ def _rewrite_and_relaunch(
         _fill_resume_step(path, result, index, resumed, say)
     records = update_downtimes(path)
     if index < len(records):
+        if result.exit_code != 0 and records[index].first_step_unix is None:
+            # Not one step on the new layout: the run still stands where its checkpoint is, and a
+            # later step (another resize's) must not be taken for this move's downtime.
+            records[index] = records[index].model_copy(update={"failed_exit_code": result.exit_code})
+            write_history(path, records)
         result.record = records[index]
     return result
 

@@ -94,8 +94,8 @@ def first_step_after(metrics: Sequence[StepMetrics], since_unix: float, resume_s
 
 def with_downtime(record: MorphRecord, metrics: Sequence[StepMetrics]) -> MorphRecord:
     """`record` with first_step_unix and downtime_seconds filled from `metrics`, when they show it."""
-    if record.downtime_seconds is not None or record.relaunched_unix is None:
-        return record
+    if record.downtime_seconds is not None or record.relaunched_unix is None or record.failed_exit_code is not None:
+        return record  # known already, never relaunched, or failed (a later step is another move's)
     first = first_step_after(metrics, record.relaunched_unix, record.resume_step)
     if first is None:
         return record
