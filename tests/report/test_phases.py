@@ -71,7 +71,7 @@ def test_predictions_are_the_simulated_stages_and_measurements_the_medians_after
     assert comparison.stages[0].unaccounted == pytest.approx(0.1 - 0.08)
     assert comparison.stages[1].measured == pytest.approx((0.013, 0.023, 0.04, 0.004, 0.003))
     rendered = phase_table(comparison)
-    assert rendered.row_count == 2 and "steps 2-4" in str(rendered.title)
+    assert rendered.row_count == 4 and "steps 2-4" in str(rendered.title)  # predicted, then measured, per stage
     assert comparison.to_dict()["stages"][0]["measured"]["pipeline waits"] == pytest.approx(0.04)
     assert comparison.to_dict()["stages"][1]["measured"]["optimizer"] == pytest.approx(0.003)
 
@@ -86,11 +86,13 @@ def test_the_furthest_phase_is_named_and_a_short_run_says_why_there_is_none(tmp_
     assert {stage.furthest for stage in comparison.stages} == {"pipeline waits"}
     console = Console(width=100, record=True, file=io.StringIO())
     console.print(phase_table(comparison))
-    text = console.export_text()  # five phases, each predicted / measured, in 100 columns; one unit (s: long steps)
+    text = console.export_text()  # five phases, predicted then measured, in 100 columns; one unit (s: long steps)
     assert "…" not in text and max(len(line.rstrip()) for line in text.splitlines()) <= 100
-    assert "predicted / measured s " in text and "reductions" in text and "optimizer" in text
-    row = next(line for line in text.splitlines() if line.split() and line.split()[0] == "0")
-    assert row.count("/") == 5 and row.split()[-1] == "waits"
+    assert "where the step goes, s " in text and "reductions" in text and "optimizer" in text
+    lines = text.splitlines()
+    first = next(i for i, line in enumerate(lines) if line.split()[:2] == ["0", "predicted"])
+    assert len(lines[first].split()) == 7 and lines[first + 1].split()[0] == "measured"
+    assert lines[first + 1].split()[-1] == "waits"
     slow_backward = [(f, 3 * b, w, e, o) for f, b, w, e, o in predicted]
     comparison, _ = phase_comparison(run_status(tmp_path / "compute", [slow_backward] * 3, step_seconds=step * 3))
     assert {stage.furthest for stage in comparison.stages} == {"backward"}

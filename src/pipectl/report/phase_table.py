@@ -24,27 +24,30 @@ _HEADINGS = {"pipeline waits": "waits", "gradient reductions": "reductions"}
 
 
 def phase_table(comparison: PhaseComparison) -> Table:
-    """Per stage: each phase predicted / measured (ms, or s for long steps), what no phase covers,
-    and the phase furthest from its prediction."""
+    """Per stage two rows, each phase predicted, then measured (ms, or s for long steps), what no
+    phase covers, and the phase furthest from its prediction: a figure per cell, so that five
+    phases fit 100 columns whatever the figures."""
     unit, divisor = _unit(comparison)
 
-    def figure(seconds: float) -> str:
-        return format_seconds_ms(seconds / divisor)
+    def figure(seconds: float | None) -> str:
+        return "-" if seconds is None else format_seconds_ms(seconds / divisor)
 
     table = Table(
-        title=f"where the step goes, predicted / measured {unit} (medians over steps {comparison.steps[0]}-{comparison.steps[1]})",
+        title=f"where the step goes, {unit} (medians over steps {comparison.steps[0]}-{comparison.steps[1]})",
         box=box.SIMPLE,
         title_justify="left",
+        caption_justify="left",
     )
     table.add_column("stage", justify="right")
+    table.add_column("")
     for phase in PHASES:
         table.add_column(_HEADINGS.get(phase, phase), justify="right")
     table.add_column("other", justify="right")
     table.add_column("furthest off")
     for s in comparison.stages:
-        cells = [f"{figure(p)} / {figure(m) if m is not None else '-'}" for p, m in zip(s.predicted, s.measured)]
-        other = figure(s.unaccounted) if s.unaccounted is not None else "-"
-        table.add_row(str(s.stage), *cells, other, _HEADINGS.get(s.furthest, s.furthest))
+        table.add_row(str(s.stage), "predicted", *(figure(p) for p in s.predicted), "", "")
+        table.add_row("", "measured", *(figure(m) for m in s.measured), figure(s.unaccounted),
+                      _HEADINGS.get(s.furthest, s.furthest), end_section=True)  # fmt: skip
     table.caption = (
         "waits: sends and receives, waiting for peers included (bubble and transfers); reductions: the tied and "
         "data-parallel gradient reductions at the end of the step; other: measured time no phase covers; furthest off: "

@@ -102,13 +102,19 @@ def _checkpoints_table(status: RunStatus) -> Table:
     return table
 
 
+# The value column of a run's summary and of a resize's decision: long values (a layout history,
+# a checkpoint's figures, a note) wrap within it, so the table fits 100 columns at any width,
+# piped output included, beside the longest name ("checkpoint interval").
+SUMMARY_VALUE_WIDTH = 72
+
+
 def status_table(report: RunReport, *, brief: bool = False) -> Group:
     """Rich renderables: a summary table, then (unless `brief`, what launch and resize print when
     the job ends) memory, where the step goes, checkpoints, morph history and stragglers."""
     status = report.status
     summary = Table(box=box.SIMPLE, show_header=False, title=f"run {status.path.name}", title_justify="left")
     summary.add_column(style="bold")
-    summary.add_column()
+    summary.add_column(max_width=SUMMARY_VALUE_WIDTH)
     state = _run_state(status)
     summary.add_row("model", status.job.model)
     if status.requeues:
@@ -407,7 +413,7 @@ def decision_table(decision: ResizeDecision) -> Table:
     """What a resize will do: from which layout to which, the batch kept, the notes."""
     table = Table(box=box.SIMPLE, show_header=False, title=f"resize {decision.run_dir.name}", title_justify="left")
     table.add_column(style="bold")
-    table.add_column()
+    table.add_column(max_width=SUMMARY_VALUE_WIDTH)
     table.add_row("from", f"{_devices(decision.from_devices)}: {decision.from_layout}")
     table.add_row("to", f"{_devices(decision.candidate.devices)}: {layout_label(decision.candidate)}")
     table.add_row("requested", f"{_devices(decision.requested_devices)} ({decision.choice.source})")
