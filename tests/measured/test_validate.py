@@ -220,3 +220,15 @@ def test_rows_whose_end_of_step_falls_with_d_are_said_to_split_the_optimizer(mea
     assert "note:" not in pipectl(measured, "validate", "runs.csv", "-c", "conditions.yaml").stdout
     (measured / "runs.csv").write_text("\n".join([HEADER, *_additive_rows()]) + "\n")
     assert "note:" not in pipectl(measured, "validate", "runs.csv", "-c", "conditions.yaml").stdout
+
+
+def test_megatron_deepspeeds_rows_are_priced_with_its_own_layer(tmp_path):
+    """Rows run by Megatron-DeepSpeed take its layer's kernels and blocking copies
+    (`EngineFeatures.megatron_deepspeed_layer`); Megatron-LM's rows do not: another code base."""
+    from pipectl.measured.predict import engine_features
+
+    path = tmp_path / "conditions.yaml"
+    path.write_text(CONDITIONS)
+    conditions = load_conditions(path)
+    assert engine_features(conditions.model_copy(update={"framework": "megatron-deepspeed"})).megatron_deepspeed_layer
+    assert not engine_features(conditions.model_copy(update={"framework": "megatron-lm"})).megatron_deepspeed_layer

@@ -122,6 +122,25 @@ def test_unfused_attention_keeps_the_scores_and_runs_longer():
     assert phase_seconds(block_backward_kernels(unfused, H100), H100) > phase_seconds(block_backward_kernels(flash, H100), H100)
 
 
+def test_megatron_deepspeeds_layer_issues_the_kernels_its_code_does():
+    """Megatron-DeepSpeed's ParallelTransformerLayer (late 2023, nvfuser), read from its code: 16
+    kernels and 2 blocking scalar copies forward; 32 kernels backward, plus one accumulation per
+    parameter (12) after the first micro-batch. A launch-bound shard takes longer for them, and a
+    blocking copy keeps the host from running ahead of a GPU-bound one."""
+    megatron = BlockShape(1024, 16, 1024, 1, attention=Attention.UNFUSED, fused=True, dropout=True,
+                          megatron_deepspeed=True)  # fmt: skip
+    forward = block_forward_kernels(megatron, H100)
+    assert sum(not k.blocks_host for k in forward) == 16 and sum(k.blocks_host for k in forward) == 2
+    assert len(block_backward_kernels(megatron, H100, accumulate_gradients=False)) == 32
+    assert len(block_backward_kernels(megatron, H100)) == 32 + 12
+    plain = BlockShape(1024, 16, 1024, 1, attention=Attention.UNFUSED, fused=True, dropout=True)
+    assert len(block_forward_kernels(plain, H100)) == 14 and not any(k.blocks_host for k in block_forward_kernels(plain, H100))
+    assert phase_seconds(forward, H100) > phase_seconds(block_forward_kernels(plain, H100), H100)
+    copy = next(k for k in forward if k.blocks_host)
+    big = [k for k in block_forward_kernels(BlockShape(8192, 64, 4096, 4), H100)]
+    assert phase_seconds([*big, copy, *big], H100) > 2 * phase_seconds(big, H100)  # the host cannot run ahead
+
+
 def test_large_shards_reach_sixty_to_eighty_percent_of_peak_and_small_ones_far_less():
     def forward_tflops(row):
         flops = 2 * row["b"] * row["s"] * 12 * row["h"] ** 2 / row["t"] + 2 * row["b"] * row["s"] ** 2 * row["h"] / row["t"]

@@ -425,6 +425,17 @@ class EngineFeatures(Strict):
         "(`plan.simulate`), not as edge delays beside the compute. A property of the engine pipectl's "
         "DeepSpeed runtime shares, so it does not make a plan unrunnable.",
     )
+    megatron_deepspeed_layer: bool = Field(
+        default=False,
+        exclude_if=lambda value: not value,
+        description="The transformer layer as Megatron-DeepSpeed's code issues it (megatron/model/transformer.py "
+        "ParallelTransformerLayer, megatron/core/tensor_parallel/layers.py, as of late 2023, under DeepSpeed's "
+        "pipeline engine and a PyTorch whose TorchScript fuser is nvfuser, 1.10-2.1): the QKV and fc2 biases "
+        "added by kernels of their own, not in the GEMMs; two blocking copies of a scalar to the device in each "
+        "forward (the layer's moe_loss and mlp_bias, torch.tensor(0.0, device=...): the host waits for the GPU "
+        "each time); in the backward, each fused bias-dropout-add's own kernel, Apex LayerNorm's third kernel "
+        "per norm and baddbmm's two products by its scale, while the context's permute stays a view (no copy).",
+    )
     bucket_parameters: int = Field(
         default=40_000_000, gt=0, le=10**13,
         description="Parameters per gradient bucket (Megatron-Core's DistributedDataParallel default: "

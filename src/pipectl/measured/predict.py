@@ -81,6 +81,7 @@ def engine_features(conditions: RunConditions) -> EngineFeatures | None:
         uniform_stages=megatron,
         gradient_reduce_overlap=conditions.gradient_reduce_overlap,
         blocking_p2p=framework in BLOCKING_PIPELINES,
+        megatron_deepspeed_layer=framework == "megatron-deepspeed",
         source=conditions.source,
     )
 

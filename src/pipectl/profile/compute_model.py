@@ -109,6 +109,9 @@ class Kernel:
     flops: float
     bytes_moved: float
     seconds: float
+    # A blocking copy to the device (a pageable host tensor, `non_blocking=False`): the host issues
+    # it only once the GPU has run everything before it, so it cannot run ahead past it.
+    blocks_host: bool = False
 
 
 def phase_seconds(kernels: Sequence[Kernel], device: ComputeDevice) -> float:
@@ -116,17 +119,23 @@ def phase_seconds(kernels: Sequence[Kernel], device: ComputeDevice) -> float:
 
     The host issues kernel i at (i+1) x overhead; the GPU runs it once issued and once the previous
     one ended (one stream). Launch-bound phases last n x overhead, GPU-bound ones the sum of the
-    kernels (plus one overhead):
+    kernels (plus one overhead). A blocking copy (`Kernel.blocks_host`) is issued only once the GPU
+    has caught up, and the host's issues count on from there:
 
         >>> d = ComputeDevice("x", 1e12, 1e12, 1.0, 1.0, 1e-5, 1, 2)
         >>> round(phase_seconds([Kernel("a", 0, 0, 1e-6)] * 3, d) * 1e6, 1)   # 3 x 10 µs + 1 µs
         31.0
         >>> round(phase_seconds([Kernel("a", 0, 0, 1e-3)] * 3, d) * 1e3, 2)   # 10 µs + 3 ms
         3.01
+        >>> copy = Kernel("copy", 0, 0, 0.0, blocks_host=True)
+        >>> round(phase_seconds([Kernel("a", 0, 0, 1e-3), copy, Kernel("a", 0, 0, 1e-3)], d) * 1e3, 2)
+        2.03
     """
-    gpu_free = 0.0
-    for index, kernel in enumerate(kernels):
-        issued = (index + 1) * device.kernel_overhead_seconds
+    issued = gpu_free = 0.0
+    for kernel in kernels:
+        if kernel.blocks_host:
+            issued = max(issued, gpu_free)
+        issued += device.kernel_overhead_seconds
         gpu_free = max(gpu_free, issued) + kernel.seconds
     return gpu_free
 
@@ -200,6 +209,8 @@ class BlockShape:
     # Weight gradients accumulated by the weight-gradient GEMM into fp32 main gradients
     # (`EngineFeatures.gradient_accumulation_fusion`): no separate accumulation pass.
     accumulation_fused: bool = False
+    # The layer as Megatron-DeepSpeed issues it (`EngineFeatures.megatron_deepspeed_layer`).
+    megatron_deepspeed: bool = False
 
     @property
     def tokens(self) -> int:
@@ -314,8 +325,14 @@ def _unfused_attention_backward(shape: BlockShape, device: ComputeDevice) -> lis
     e, s, d = device.bytes_per_element, shape.seq_len, shape.head_dim
     batch = shape.micro_batch_size * shape.local_heads
     scores = _scores_elements(shape)
+    megatron_deepspeed = shape.megatron_deepspeed
+    # Megatron-DeepSpeed: the context's permute stays a view in the backward (no copy), and
+    # baddbmm's backward multiplies dQ and dK by its scale alpha, one kernel each (torch's
+    # `maybe_multiply`): QK^T is scaled there, not in the softmax.
+    scaled = [memory_kernel(f"{name} x alpha", 2 * shape.tokens * shape.local_hidden * e, device) for name in ("dQ", "dK")]
     return [
-        memory_kernel("context transpose backward", 2 * shape.tokens * shape.local_hidden * e, device),
+        *([] if megatron_deepspeed else
+          [memory_kernel("context transpose backward", 2 * shape.tokens * shape.local_hidden * e, device)]),
         _batched_gemm("dP = dO V^T", batch, s, s, d, device),
         _batched_gemm("dV = P^T dO", batch, s, d, s, device),
         *([memory_kernel("attention dropout backward", scores * (2 * e + DROPOUT_MASK_BYTES), device)]
@@ -324,6 +341,7 @@ def _unfused_attention_backward(shape: BlockShape, device: ComputeDevice) -> lis
         *([] if shape.fused else [memory_kernel("scale and mask backward", 2 * scores * e, device)]),
         _batched_gemm("dQ = dS K", batch, s, d, s, device),
         _batched_gemm("dK = dS^T Q", batch, s, d, s, device),
+        *(scaled if megatron_deepspeed else []),
     ]
 
 
@@ -378,10 +396,16 @@ def _norm_backward(shape: BlockShape, device: ComputeDevice) -> list[Kernel]:
     if shape.rms_norm and not shape.fused:
         return rms_norm_backward_kernels(shape.norm_tokens, shape.hidden, device)
     e, T, h = device.bytes_per_element, shape.norm_tokens, shape.hidden
-    return [
+    kernels = [
         memory_kernel("layer norm backward", 3 * T * h * e, device),
         memory_kernel("layer norm weight gradient", 2 * T * h * e, device),
     ]
+    if shape.megatron_deepspeed:
+        # Apex's fused LayerNorm backward is three kernels: partial weight and bias gradients per
+        # block of rows (counted above), their sum over the blocks (this one: small), the input's
+        # gradient (apex/csrc/layer_norm_cuda_kernel.cu, cuComputeGradGammaBeta).
+        kernels.append(memory_kernel("layer norm weight gradient sum", 2 * h * FP32_BYTES, device))
+    return kernels
 
 
 # Rotary embeddings as transformers applies them to q and to k: rotate_half (a copy), x * cos,
@@ -489,16 +513,27 @@ def block_forward_kernels(shape: BlockShape, device: ComputeDevice) -> list[Kern
         attention = [flash_attention_kernel("flash attention", shape, attention_flops(shape), device)]
     else:
         attention = _unfused_attention_forward(shape, device)
+    megatron_deepspeed = shape.megatron_deepspeed
     return [
         *_norm_forward(shape, device),
         *_qkv_forward(shape, device),
+        *([memory_kernel("qkv bias add", 2 * T * shape.qkv_width * e, device)] if megatron_deepspeed else []),
         *attention,
         gemm_kernel("proj", T, h, hl, device),
         memory_kernel("residual add", _residual_bytes(shape, e), device),
         *_norm_forward(shape, device),
+        *(_scalars_to_device() if megatron_deepspeed else []),
         *_mlp_forward(shape, device),
+        *([memory_kernel("fc2 bias add", 2 * T * h * e, device)] if megatron_deepspeed else []),
         memory_kernel("residual add", _residual_bytes(shape, e), device),
     ]
+
+
+def _scalars_to_device() -> list[Kernel]:
+    """Megatron-DeepSpeed's layer makes `moe_loss` and `mlp_bias` as `torch.tensor(0.0,
+    device=...)` in every forward (megatron/model/transformer.py, ParallelTransformerLayer.forward):
+    each a copy from pageable host memory, which the host waits on."""
+    return [Kernel("scalar to device (blocking)", 0.0, 4.0, 0.0, blocks_host=True)] * 2
 
 
 def _residual_bytes(shape: BlockShape, e: int) -> int:
@@ -539,10 +574,16 @@ def block_backward_kernels(shape: BlockShape, device: ComputeDevice, accumulate_
         ]
     else:
         attention = _unfused_attention_backward(shape, device)
+    # Megatron-DeepSpeed (`EngineFeatures.megatron_deepspeed_layer`): the backward of each fused
+    # bias-dropout-add is a kernel of its own (its mask applied to the gradient).
+    dropout_add = ([memory_kernel("bias-dropout-add backward", _residual_bytes(shape, e), device)]
+                   if shape.megatron_deepspeed else [])  # fmt: skip
     kernels = [
+        *dropout_add,
         *_mlp_backward(shape, device),
         *_norm_backward(shape, device),
         memory_kernel("residual gradient add", _residual_bytes(shape, e), device),
+        *dropout_add,
         *_linear_backward("proj", T, hl, h, device, shape.bias),
         *attention,
         *_qkv_backward(shape, device),

@@ -85,6 +85,7 @@ def _block_shape(
         sequence_parallel=bool(engine and engine.sequence_parallel), fused=bool(engine and engine.fused_elementwise),
         dropout=bool(engine and engine.dropout),
         accumulation_fused=bool(engine and engine.gradient_accumulation_fusion),
+        megatron_deepspeed=bool(engine and engine.megatron_deepspeed_layer),
     )  # fmt: skip
 
 
