@@ -10,7 +10,7 @@ import typer
 
 from pipectl.cli.context import JsonFlag, console, err_console, output_file, print_json
 from pipectl.report.run_tables import status_table
-from pipectl.artifacts.run import JOB_FILE
+from pipectl.artifacts.run import JOB_FILE, Engine
 from pipectl.launch.options import check_stored_options
 from pipectl.rundir.analysis import RunReport, analyse
 from pipectl.rundir.run import is_run_dir
@@ -92,7 +92,7 @@ def _follow(run_dir: Path) -> None:
             time.sleep(FOLLOW_SECONDS / 4)
         time.sleep(FOLLOW_SECONDS / 2)  # the launch writes the run's other files right after job.json
 
-    status = _analysed(run_dir, detail=False).status
+    status = _while_queued(run_dir, _analysed(run_dir, detail=False).status)
     if not console.is_terminal:
         shown = status.steps_done
         while status.active:
@@ -109,6 +109,29 @@ def _follow(run_dir: Path) -> None:
             time.sleep(FOLLOW_SECONDS)
             report = _analysed(run_dir, detail=False)
             live.update(status_table(report, brief=True), refresh=True)
+
+
+# How often --follow asks Slurm about a job still in its queue (squeue is a request to slurmctld).
+QUEUE_POLL_SECONDS = 10.0
+
+
+def _while_queued(run_dir: Path, status: RunStatus) -> RunStatus:
+    """A Slurm run whose ranks do not beat (yet) may be waiting in the queue: as long as Slurm holds
+    a job of the run's name (`#SBATCH --job-name`), say its state and wait; the run's status then."""
+    if status.active or status.job.engine is not Engine.SLURM:
+        return status
+    from pipectl.launch.engines import slurm_queue_state
+
+    said = None
+    while not status.active and (queued := slurm_queue_state(status.job.name)) is not None:
+        if queued != said:
+            job_id, state = queued
+            err_console.print(f"Slurm job {job_id} ({status.job.name}) is {state.lower()}: waiting for its ranks",
+                              highlight=False, soft_wrap=True)  # fmt: skip
+            said = queued
+        time.sleep(QUEUE_POLL_SECONDS)
+        status = run_status(run_dir)
+    return status
 
 
 def _exit_if_damaged(status: RunStatus, verify: bool) -> None:

@@ -491,6 +491,24 @@ def submit_slurm(run_dir: Path) -> str:
     return words[-1]  # "Submitted batch job 4242"
 
 
+def slurm_queue_state(job_name: str) -> tuple[str, str] | None:
+    """(job id, state) of this user's newest job named `job_name` that Slurm still holds (pending,
+    configuring, running, requeued, ...), as `squeue` reports it; None when there is none, or no
+    squeue on this host (then nothing can be said about a queue)."""
+    import getpass
+
+    try:
+        done = subprocess.run(
+            ["squeue", "--noheader", "--user", getpass.getuser(), "--name", job_name, "--format", "%i %T"],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    jobs = [line.split() for line in done.stdout.splitlines() if len(line.split()) == 2] if done.returncode == 0 else []
+    jobs = [(job_id, state) for job_id, state in jobs if job_id.split("_")[0].isdigit()]
+    return max(jobs, key=lambda job: int(job[0].split("_")[0])) if jobs else None
+
+
 def build_command(
     job: JobSpec,
     run_dir: Path,
