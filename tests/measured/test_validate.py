@@ -232,3 +232,6 @@ def test_megatron_deepspeeds_rows_are_priced_with_its_own_layer(tmp_path):
     conditions = load_conditions(path)
     assert engine_features(conditions.model_copy(update={"framework": "megatron-deepspeed"})).megatron_deepspeed_layer
     assert not engine_features(conditions.model_copy(update={"framework": "megatron-lm"})).megatron_deepspeed_layer
+    from pipectl.artifacts.profile import EngineFeatures
+
+    assert not EngineFeatures(name="megatron-deepspeed", megatron_deepspeed_layer=True).runnable_by_pipectl

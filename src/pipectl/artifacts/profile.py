@@ -469,7 +469,7 @@ class EngineFeatures(Strict):
         return not (self.sequence_parallel or self.vocab_parallel or self.fused_elementwise or self.dropout
                     or self.gradient_accumulation_fusion
                     or self.tensor_parallel_overlap or self.gradient_reduce_overlap or self.parameter_gather_overlap
-                    or self.gradients_reduced_in_fp32)
+                    or self.gradients_reduced_in_fp32 or self.megatron_deepspeed_layer)
 
 
 class ModelProfile(Artifact):
