@@ -1,6 +1,6 @@
-"""`pipectl status --follow` of a Slurm run whose job waits in the queue: it says so and waits,
-instead of ending at once on a run that has not started. squeue is a stand-in on PATH that holds
-the job PENDING for its first answer, then lists nothing (the job gone)."""
+"""`pipectl status` of a Slurm run whose job waits in the queue says so; `--follow` waits, instead
+of ending at once on a run that has not started. squeue is a stand-in on PATH that holds the job
+PENDING for its first two answers, then lists nothing (the job gone)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ asked = Path(__file__).with_name("asked")
 count = int(asked.read_text()) if asked.exists() else 0
 asked.write_text(str(count + 1))
 assert "--name" in sys.argv and sys.argv[sys.argv.index("--name") + 1] == "job", sys.argv
-if count == 0:
+if count < 2:
     print("4242 PENDING")
 """
 
@@ -30,7 +30,7 @@ def _cli(cwd: Path, *args: str, env: dict[str, str]) -> subprocess.CompletedProc
                           timeout=120)  # fmt: skip
 
 
-def test_follow_waits_while_the_slurm_job_is_queued(tmp_path):
+def test_status_says_and_follow_waits_while_the_slurm_job_is_queued(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "squeue").write_text(SQUEUE)
@@ -41,10 +41,15 @@ def test_follow_waits_while_the_slurm_job_is_queued(tmp_path):
                     "--steps", "2", env=env)  # fmt: skip
     assert launched.returncode == 0, launched.stdout + launched.stderr
 
+    shown = _cli(tmp_path, "status", "runs/job", env=env)
+    assert shown.returncode == 0, shown.stdout + shown.stderr
+    assert "not started" in shown.stdout
+    assert "Slurm job 4242 (job) is pending: waiting for its ranks" in shown.stderr, shown.stderr
+
     started = time.monotonic()
     followed = _cli(tmp_path, "status", "runs/job", "--follow", env=env)
     assert followed.returncode == 0, followed.stdout + followed.stderr
     assert "Slurm job 4242 (job) is pending: waiting for its ranks" in followed.stderr, followed.stderr
-    assert (bin_dir / "asked").read_text() == "2"  # asked again after waiting, then the job was gone
+    assert (bin_dir / "asked").read_text() == "3"  # asked again after waiting, then the job was gone
     assert time.monotonic() - started >= 10  # QUEUE_POLL_SECONDS
     assert "not started" in followed.stdout

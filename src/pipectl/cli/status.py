@@ -52,6 +52,8 @@ def register(app: typer.Typer) -> None:
             _exit_if_damaged(status, verify)
             return
         console.print(status_table(report))
+        if not follow:
+            _say_if_queued(status)
         unreadable = status.unreadable_metrics_lines
         if unreadable:
             shown = ", ".join(map(str, unreadable[:5])) + (", ..." if len(unreadable) > 5 else "")
@@ -115,19 +117,34 @@ def _follow(run_dir: Path) -> None:
 QUEUE_POLL_SECONDS = 10.0
 
 
+def _queued(status: RunStatus) -> tuple[str, str] | None:
+    """(job id, state) of a Slurm job of this run that Slurm still holds while no rank beats (it
+    waits in the queue, or starts); None otherwise, and for a run of another engine."""
+    if status.active or status.job.engine is not Engine.SLURM or status.finished:
+        return None
+    from pipectl.launch.engines import slurm_queue_state
+
+    return slurm_queue_state(status.job.name)
+
+
+def _queue_words(status: RunStatus, queued: tuple[str, str]) -> str:
+    return f"Slurm job {queued[0]} ({status.job.name}) is {queued[1].lower()}: waiting for its ranks"
+
+
+def _say_if_queued(status: RunStatus) -> None:
+    """Under a Slurm run's summary that reads "not started" (or stopped): whether its job waits in the queue."""
+    queued = _queued(status)
+    if queued is not None:
+        err_console.print(_queue_words(status, queued), highlight=False, soft_wrap=True)
+
+
 def _while_queued(run_dir: Path, status: RunStatus) -> RunStatus:
     """A Slurm run whose ranks do not beat (yet) may be waiting in the queue: as long as Slurm holds
     a job of the run's name (`#SBATCH --job-name`), say its state and wait; the run's status then."""
-    if status.active or status.job.engine is not Engine.SLURM:
-        return status
-    from pipectl.launch.engines import slurm_queue_state
-
     said = None
-    while not status.active and (queued := slurm_queue_state(status.job.name)) is not None:
+    while (queued := _queued(status)) is not None:
         if queued != said:
-            job_id, state = queued
-            err_console.print(f"Slurm job {job_id} ({status.job.name}) is {state.lower()}: waiting for its ranks",
-                              highlight=False, soft_wrap=True)  # fmt: skip
+            err_console.print(_queue_words(status, queued), highlight=False, soft_wrap=True)
             said = queued
         time.sleep(QUEUE_POLL_SECONDS)
         status = run_status(run_dir)
