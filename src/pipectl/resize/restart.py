@@ -47,7 +47,7 @@ from pipectl.runtime.engines.dsconfig import check_candidate, validated_config
 from pipectl.runtime.engines.dsinit import free_port
 from pipectl.rundir.failures import read_resume, resume_lines
 from pipectl.rundir.morph_history import append_record, read_records, update_downtimes, with_downtime, write_history
-from pipectl.rundir.metrics import read_metrics
+from pipectl.rundir.metrics import newest_step, read_metrics
 from pipectl.resize.stop import (
     RunProcess,
     StopOutcome,
@@ -130,8 +130,9 @@ def decide_resize(
     stragglers = None
     excluded: list[int] = []
     usable = devices
+    metrics = read_metrics(files.path)
     if exclude_stragglers:
-        stragglers = find_stragglers(read_metrics(files.path), straggler_policy)
+        stragglers = find_stragglers(metrics, straggler_policy)
         excluded = stragglers.straggler_ranks
         if excluded:
             usable = devices - len(excluded)
@@ -151,7 +152,8 @@ def decide_resize(
             notes.append("no straggler found")
     choice = choose_candidate(files.plan, usable, replan=replanner(files.plan, files.path) if replan else None)
     notes += choice.notes
-    check_steps_beyond_trained(files.path, target_steps, job.steps, given=steps is not None)
+    check_steps_beyond_trained(files.path, target_steps, job.steps, given=steps is not None, metrics=metrics)
+    last = newest_step(metrics)
     return ResizeDecision(
         run_dir=files.path,
         requested_devices=devices,
@@ -164,17 +166,8 @@ def decide_resize(
         stragglers=stragglers,
         excluded_ranks=excluded,
         notes=notes,
-        trained=_last_trained(files.path),
+        trained=(last.world_size, last.layout) if last is not None and last.layout else None,
     )
-
-
-def _last_trained(run_dir: Path) -> tuple[int, str] | None:
-    """(ranks, layout label) of the newest step in the run's metrics, None before its first step."""
-    metrics = read_metrics(run_dir)
-    if not metrics:
-        return None
-    last = max(metrics, key=lambda m: m.time_unix)
-    return (last.world_size, last.layout) if last.layout else None
 
 
 # --------------------------------------------------------------------------- rewriting the run

@@ -167,6 +167,12 @@ def read_metrics_and_unreadable(run_dir: str | os.PathLike[str]) -> tuple[list[S
     return with_rank_details(metrics, run_dir), unreadable
 
 
+def newest_step(metrics: list[StepMetrics]) -> StepMetrics | None:
+    """The step completed last (by its time: a resumed run logs steps again after later ones), None
+    before the first."""
+    return max(metrics, key=lambda m: m.time_unix) if metrics else None
+
+
 def with_rank_details(metrics: list[StepMetrics], run_dir: str | os.PathLike[str]) -> list[StepMetrics]:
     """`metrics` with each step's per-rank detail from logs/ranks.jsonl (the last written for a
     step and layout: a step trained again after a resume replaces it). Lines written with their

@@ -33,7 +33,7 @@ from pydantic import ValidationError
 from pipectl.artifacts.morph import MORPHS_FILE, MorphRecord, MorphTrigger
 from pipectl.artifacts.run import StepMetrics
 from pipectl.io import validation_message
-from pipectl.rundir.metrics import read_metrics
+from pipectl.rundir.metrics import newest_step, read_metrics
 
 log = logging.getLogger(__name__)
 
@@ -145,9 +145,9 @@ def record_layout_change(
     (failure detection, re-rendezvous, restart, checkpoint load). Returns the record, or None.
     """
     metrics = read_metrics(run_dir)
-    if not metrics:
+    last = newest_step(metrics)
+    if last is None:
         return None
-    last = max(metrics, key=lambda m: m.time_unix)
     if last.layout == to_layout:
         return None
     records = read_records(run_dir)

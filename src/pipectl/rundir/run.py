@@ -22,6 +22,7 @@ from pipectl.artifacts.run import (
     JobSpec,
     REQUEUE_FILE,
     RequeueRecord,
+    StepMetrics,
 )
 from pipectl.errors import UserInputError
 from pipectl.io import file_kind, load_model, read_mapping, read_records
@@ -54,13 +55,15 @@ def newest_complete_checkpoint(run_dir: Path) -> CheckpointInfo | None:
     return complete[-1] if complete else None
 
 
-def check_steps_beyond_trained(run_dir: Path, target_steps: int, more: int, *, given: bool = True) -> None:
+def check_steps_beyond_trained(
+    run_dir: Path, target_steps: int, more: int, *, given: bool = True, metrics: list[StepMetrics] | None = None
+) -> None:
     """A new total of steps for a run must lie beyond what it has trained: its newest complete
     checkpoint's step or its last logged one, whichever is later (`more`: the hint's increment).
     The run's own total (`given` False) must lie beyond its newest checkpoint only: a run whose last
-    checkpoints were lost trains their steps again."""
+    checkpoints were lost trains their steps again. `metrics`: the run's, when the caller has read them."""
     latest = newest_complete_checkpoint(run_dir)
-    metrics = read_metrics(run_dir)
+    metrics = read_metrics(run_dir) if metrics is None else metrics
     checkpointed = latest.step if latest is not None and latest.step is not None else 0
     trained = max(checkpointed, metrics[-1].step if metrics else 0) if given else checkpointed
     if target_steps <= trained:
