@@ -504,9 +504,12 @@ def slurm_queue_state(job_name: str) -> tuple[str, str] | None:
         )  # fmt: skip
     except (OSError, subprocess.TimeoutExpired):
         return None
-    jobs = [line.split() for line in done.stdout.splitlines() if len(line.split()) == 2] if done.returncode == 0 else []
-    jobs = [(job_id, state) for job_id, state in jobs if job_id.split("_")[0].isdigit()]
-    return max(jobs, key=lambda job: int(job[0].split("_")[0])) if jobs else None
+    jobs: dict[int, tuple[str, str]] = {}  # by the job's number (an array task's id is NUMBER_TASK)
+    for line in done.stdout.splitlines() if done.returncode == 0 else []:
+        words = line.split()
+        if len(words) == 2 and words[0].split("_")[0].isdigit():
+            jobs.setdefault(int(words[0].split("_")[0]), (words[0], words[1]))
+    return jobs[max(jobs)] if jobs else None
 
 
 def build_command(

@@ -326,13 +326,13 @@ def _unfused_attention_backward(shape: BlockShape, device: ComputeDevice) -> lis
     batch = shape.micro_batch_size * shape.local_heads
     scores = _scores_elements(shape)
     megatron_deepspeed = shape.megatron_deepspeed
+    context = 2 * shape.tokens * shape.local_hidden * e  # bytes of a pass over the context (or q, or k)
     # Megatron-DeepSpeed: the context's permute stays a view in the backward (no copy), and
     # baddbmm's backward multiplies dQ and dK by its scale alpha, one kernel each (torch's
     # `maybe_multiply`): QK^T is scaled there, not in the softmax.
-    scaled = [memory_kernel(f"{name} x alpha", 2 * shape.tokens * shape.local_hidden * e, device) for name in ("dQ", "dK")]
+    scaled = [memory_kernel(f"{name} x alpha", context, device) for name in ("dQ", "dK")] if megatron_deepspeed else []
     return [
-        *([] if megatron_deepspeed else
-          [memory_kernel("context transpose backward", 2 * shape.tokens * shape.local_hidden * e, device)]),
+        *([] if megatron_deepspeed else [memory_kernel("context transpose backward", context, device)]),
         _batched_gemm("dP = dO V^T", batch, s, s, d, device),
         _batched_gemm("dV = P^T dO", batch, s, d, s, device),
         *([memory_kernel("attention dropout backward", scores * (2 * e + DROPOUT_MASK_BYTES), device)]
@@ -341,7 +341,7 @@ def _unfused_attention_backward(shape: BlockShape, device: ComputeDevice) -> lis
         *([] if shape.fused else [memory_kernel("scale and mask backward", 2 * scores * e, device)]),
         _batched_gemm("dQ = dS K", batch, s, d, s, device),
         _batched_gemm("dK = dS^T Q", batch, s, d, s, device),
-        *(scaled if megatron_deepspeed else []),
+        *scaled,
     ]
 
 

@@ -346,8 +346,8 @@ def morph_history_table(records: Sequence[MorphRecord]) -> Table:
         "moved": ["-" if r.bytes_moved is None else f"{r.bytes_moved / 2**20:.1f} MiB" for r in records],
     }
     shown = [name for name, cells in optional.items() if any(cell != "-" for cell in cells)]
-    columns = ["#", "when", "from", "to", "path", "at step", *(["stop"] if "stop" in shown else []), "downtime",
-               *(name for name in ("pause", "moved") if name in shown)]
+    columns = [column for column in ("#", "when", "from", "to", "path", "at step", "stop", "downtime", "pause", "moved")
+               if column not in optional or column in shown]  # fmt: skip
     for column in columns:
         table.add_column(column, no_wrap=True)
     notes = []
