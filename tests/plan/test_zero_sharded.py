@@ -134,6 +134,21 @@ def test_zero3_collectives_on_a_two_layer_toy_against_a_hand_computation():
     costs = stage_costs(profile, hardware, [(0, 2)], micro_batch_size=1, tensor_parallel=1, data_parallel=16,
                         zero_stage=3, micro_batches=2)
     assert costs.allreduce_seconds[0] == pytest.approx(2 * per_micro_batch)
+    # Per-layer checkpointing: each backward first runs its layer's forward again, which DeepSpeed's
+    # hooks gather the weights for and partition after, so the backward gathers them once more; the
+    # link has the recomputation's 5 ms more to hide behind in each layer's window.
+    window = forward_a + backward_b  # 15 ms
+    checkpointed = (
+        gather_a + _beside(gather_b, forward_a)  # the forward as before
+        + gather_b  # B's gather for its recomputation
+        + _beside(gather_a + gather_b, window)  # A's for its recomputation, B's again for its backward: 7.65 ms out
+        + _beside(gather_b + gather_a, window)  # B's reduce-scatter, A's gather again: 7.65 ms out
+        + gather_a  # A's reduce-scatter
+    )
+    assert checkpointed == pytest.approx(55.600 * MS, abs=1e-6)
+    recomputing = stage_costs(profile, hardware, [(0, 2)], micro_batch_size=1, tensor_parallel=1, data_parallel=16,
+                              zero_stage=3, micro_batches=2, checkpoint_layers=True)
+    assert recomputing.allreduce_seconds[0] == pytest.approx(2 * checkpointed)
     adam = 300e6 / 16 * 28 / (hardware.device.memory_bandwidth_gbytes_per_second * 1e9)
     assert costs.optimizer_seconds[0] == pytest.approx(adam)
     # One rank: the step is m x (F + B) plus the exposed collectives plus the step.
@@ -225,7 +240,7 @@ def test_the_planner_prices_zero_2_and_3_as_simulate_does():
     request = PlanRequest(global_batch=32, zero_stages=[1, 2, 3], pipeline_parallel=1, data_parallel=16,
                           for_deepspeed=False, include_all=True, morph=False, workers=1)
     result = plan(profile, cluster, request)
-    by_stage = {c.zero_stage: c for c in result.candidates}
+    by_stage = {c.zero_stage: c for c in result.candidates if not c.checkpoint_layers}
     assert set(by_stage) == {1, 2, 3}
     for candidate in result.candidates:
         costs = stage_costs_for(candidate, profile, cluster)
@@ -239,6 +254,10 @@ def test_the_planner_prices_zero_2_and_3_as_simulate_does():
     # m = 2: 2 x 30 ms of compute + the collectives above + Adam's step.
     assert by_stage[3].predicted_step_seconds - by_stage[1].predicted_step_seconds == pytest.approx(
         (2 * 46.579 - 45.15) * MS, abs=1e-6)
+    # Checkpointed, ZeRO-3 gathers each layer once more per micro-batch (2 x 9.021 ms more).
+    checkpointed = {c.zero_stage: c for c in result.candidates if c.checkpoint_layers}
+    assert checkpointed[3].predicted_step_seconds - checkpointed[1].predicted_step_seconds == pytest.approx(
+        (2 * 55.600 - 45.15) * MS, abs=1e-6)
 
 
 # --- search ----------------------------------------------------------------------------------------

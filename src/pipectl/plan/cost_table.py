@@ -127,6 +127,7 @@ def stage_costs(
         allreduce, optimizer = sharded_data_parallel_seconds(
             table, seconds, hardware, pipeline_parallel=p, tensor_parallel=t, data_parallel=d,
             zero_stage=zero_stage, micro_batches=micro_batches, element_bytes=element_bytes, slowdown=slowdown,
+            checkpoint_layers=checkpoint_layers,
         )  # fmt: skip
     else:
         parameters = parameters_per_rank(table, stage_layers, p, ranks)
@@ -273,13 +274,23 @@ def overlapped_data_parallel_seconds(
 def sharded_exposed_seconds(
     layer_bytes: Sequence[float], forward: Sequence[float], backward: Sequence[float], link: LinkCost,
     data_parallel: int, zero_stage: int, handoff_seconds: float = 0.0, gradient_scale: float = 1.0,
+    recomputed: Sequence[float] | None = None,
 ) -> float:
     """Exposed seconds of one micro-batch's ZeRO-2/3 collectives on a one-stage pipeline (the
     formulas in the module docstring). `layer_bytes`: each layer's weight bytes on the rank (its
     gradient's are the same); `forward`/`backward`: each layer's compute seconds; `handoff_seconds`:
     what each blocking collective waits besides (`collective_handoff_seconds`); `gradient_scale`:
     a gradient's bytes over its weight's (2 where 16-bit weights' gradients are reduced in fp32,
-    `gradient_bytes`). 0 for stages 0 and 1 and at d = 1.
+    `gradient_bytes`); `recomputed`: with per-layer checkpointing, each layer's forward run again
+    at the start of its backward (0 for a layer not checkpointed). 0 for stages 0 and 1 and at d = 1.
+
+    Under ZeRO-3 a checkpointed layer's weights are gathered three times a micro-batch, not two:
+    its recomputed forward is an ordinary forward to DeepSpeed's module hooks, which gather the
+    weights before it and partition them again after it, and the backward's hooks gather them once
+    more (the behaviour traced in huggingface/transformers#47254 on DeepSpeed 0.19). The
+    recomputed forward also lengthens the window the link hides behind: while layer j recomputes
+    and runs its backward, the link gathers layer j - 1's weights for its recomputation, layer j's
+    again for its backward, and reduce-scatters layer j + 1's gradient.
 
     DeepSpeed runs ZeRO-3's collectives on their own streams, beside the compute, but ZeRO-2's
     reduce-scatters on the compute stream (its `overlap_comm` defaults to on for stage 3 only:
@@ -297,6 +308,13 @@ def sharded_exposed_seconds(
         160.21
         >>> round(sharded_exposed_seconds([1e9, 1e9], [0.01, 0.01], [0.02, 0.02], link, 8, 2) * 1e3, 2)
         70.07
+
+    Checkpointed, each backward window is 30 ms and carries one gather more: the backward exposes
+    35.035 + 2 x (70.07 - 30) + 35.035, 50 ms more:
+
+        >>> round(sharded_exposed_seconds([1e9, 1e9], [0.01, 0.01], [0.02, 0.02], link, 8, 3,
+        ...                               recomputed=[0.01, 0.01]) * 1e3, 2)
+        210.28
     """
     d, layers = data_parallel, len(layer_bytes)
     if zero_stage < 2 or d <= 1 or layers == 0:
@@ -316,15 +334,19 @@ def sharded_exposed_seconds(
             exposed += overlapped_exposed_seconds(moved[i], forward[i - 1])
     for j in range(layers):
         on_link = (scattered[j + 1] if j + 1 < layers else 0.0) + (moved[j - 1] if gathers and j > 0 else 0.0)
-        exposed += overlapped_exposed_seconds(on_link, backward[j])
+        window = backward[j]
+        if recomputed is not None and recomputed[j] > 0:
+            window += recomputed[j]
+            on_link += moved[j] if gathers else 0.0  # the backward's own gather, after the recomputation's
+        exposed += overlapped_exposed_seconds(on_link, window)
     return exposed
 
 
 def zero3_prefetch_units(
-    kinds: Sequence[str], parameters: Sequence[float], forward: Sequence[float], backward: Sequence[float]
-) -> tuple[list[float], list[float], list[float]]:
-    """(parameters, forward, backward) per unit that DeepSpeed's ZeRO-3 gathers one ahead of the
-    compute: each layer, except a transformer block whose every linear layer holds more than the
+    kinds: Sequence[str], parameters: Sequence[float], *per_layer: Sequence[float]
+) -> tuple[list[float], ...]:
+    """(parameters, *per_layer) per unit that DeepSpeed's ZeRO-3 gathers one ahead of the compute
+    (`per_layer`: seconds per layer, forward, backward, ..., split as the parameters are): each layer, except a transformer block whose every linear layer holds more than the
     prefetch bucket (`DEEPSPEED_PREFETCH_BUCKET_ELEMENTS`). DeepSpeed then prefetches one linear
     at a time, so fc1's gather hides only behind proj's compute, a quarter of its own: the block
     becomes its four linears (`BLOCK_LINEAR_SHARES` of its parameters and of its time). Smaller
@@ -336,10 +358,10 @@ def zero3_prefetch_units(
         >>> zero3_prefetch_units(["transformer_block"], [1.2e8], [0.012], [0.024])[0]   # proj: 10 M
         [120000000.0]
     """
-    units: tuple[list[float], list[float], list[float]] = ([], [], [])
-    for kind, count, f, b in zip(kinds, parameters, forward, backward):
+    units: tuple[list[float], ...] = tuple([] for _ in range(1 + len(per_layer)))
+    for kind, count, *values in zip(kinds, parameters, *per_layer):
         for share in zero3_prefetch_shares(kind, count):
-            for column, value in zip(units, (count, f, b)):
+            for column, value in zip(units, (count, *values)):
                 column.append(share * value)
     return units
 
@@ -363,10 +385,11 @@ def sharded_data_parallel_seconds(
     micro_batches: int,
     element_bytes: int,
     slowdown: float = 1.0,
+    checkpoint_layers: bool = False,
 ) -> tuple[list[float], list[float]]:
     """(communication, optimizer) seconds of the one rank of a ZeRO-2/3 candidate (p = 1; module
     docstring): m x `sharded_exposed_seconds` of the rank's layers (their compute x the host's
-    `slowdown`), plus ZeRO-2's all-gather of the updated parameters after the step, plus, with
+    `slowdown`; with `checkpoint_layers`, each backward after its layers' recomputed forwards), plus ZeRO-2's all-gather of the updated parameters after the step, plus, with
     measured engine terms, the engine's latency-bound collectives. Optimizer: as
     `data_parallel_seconds` (Adam on 1/d of the parameters; with measured terms, the measured end
     of a step, which is ZeRO-1's)."""
@@ -384,11 +407,13 @@ def sharded_data_parallel_seconds(
     counts = [count / divisor for count in table.parameter_count]
     forward = [f * slowdown for f in seconds.forward]
     backward = [b * slowdown for b in seconds.backward]
+    recomputed = [seconds.recomputed_forward(i, i + 1) * slowdown if checkpoint_layers else 0.0
+                  for i in range(len(forward))]
     if zero_stage == 3:
-        counts, forward, backward = zero3_prefetch_units(table.kinds, counts, forward, backward)
+        counts, forward, backward, recomputed = zero3_prefetch_units(table.kinds, counts, forward, backward, recomputed)
     exposed = sharded_exposed_seconds(
         [count * element_bytes for count in counts], forward, backward, ring, d, zero_stage, handoff,
-        gradient_scale=gradient_bytes(hardware, element_bytes) / element_bytes,
+        gradient_scale=gradient_bytes(hardware, element_bytes) / element_bytes, recomputed=recomputed,
     )
     communication = micro_batches * exposed
     if zero_stage == 2 and d > 1:

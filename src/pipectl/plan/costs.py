@@ -50,7 +50,10 @@ exposed whole:
               sum_j scatter(j)                                                 (ZeRO-2)
 
 (while layer j runs its backward, the link gathers layer j - 1's weights and reduce-scatters the
-gradient layer j + 1 has just made; nothing is left to hide layer 0's gradient behind), each
+gradient layer j + 1 has just made; nothing is left to hide layer 0's gradient behind; with
+per-layer checkpointing layer j's window is its recomputed forward and its backward, and the link
+gathers layer j's weights once more in it: the recomputation is a forward to DeepSpeed's hooks,
+which partition the weights again after it), each
 max(0, C - W) term never less than what the compute loses to the collective beside it
 (`overlapped_exposed_seconds`: `OVERLAP_COMPUTE_SLOWDOWN`). The
 exposed part of all m micro-batches is charged with the end-of-step collectives (one rank: where

@@ -81,6 +81,7 @@ def _sharded_costs(
     communication, optimizer = sharded_data_parallel_seconds(
         shape.table, shape.seconds, hardware, pipeline_parallel=shape.pipeline_parallel, tensor_parallel=t,
         data_parallel=d, zero_stage=zero_stage, micro_batches=micro_batches, element_bytes=element, slowdown=slowdown,
+        checkpoint_layers=shape.recompute is Recompute.LAYER,
     )  # fmt: skip
     return np.array(communication), np.array(optimizer) * slowdown
 
