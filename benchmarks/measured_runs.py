@@ -15,6 +15,11 @@ diagnostics, not terms the predictions use. Then what `pipectl calibrate MEASURE
 same rows: the terms, the errors on the rows fitted on, and the K-fold cross-validated errors (each
 row predicted by terms fitted without it; default K = 5). Writes benchmarks/results/measured_runs.json
 with the command, machine and date.
+
+Last, the published large-scale runs of benchmarks/published_runs.yaml (Megatron-LM, Megatron-DeepSpeed,
+Megatron-Core, DeepSpeed ZeRO-3 and Llama 3 runs on 32 to 16,384 GPUs), each predicted with its
+published layout pinned as `benchmarks/published_runs.py` predicts it (`pinned_errors`), against the
+published step: `published_runs` in the results (skip with `--no-published`).
 """
 
 from __future__ import annotations
@@ -37,6 +42,9 @@ from pipectl.artifacts.calibration import DEFAULT_FOLDS  # noqa: E402
 from pipectl.measured.predict import predict_runs  # noqa: E402
 from pipectl.measured.runs import load_conditions, read_runs  # noqa: E402
 from pipectl.measured.summary import summarise_errors, summarise_groups, time_split  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from published_runs import pinned_errors  # noqa: E402
 
 DEFAULT_RUNS = ROOT.parent / "shared" / "reference" / "vtrain-a100"
 RESULTS = ROOT / "benchmarks" / "results" / "measured_runs.json"
@@ -133,6 +141,7 @@ def main() -> None:
     parser.add_argument("--limit", type=int, help="the first N rows only (a quick look)")
     parser.add_argument("--folds", type=int, default=DEFAULT_FOLDS, help="cross-validation folds of the calibration")
     parser.add_argument("--no-calibrate", action="store_true", help="the uncalibrated predictions only")
+    parser.add_argument("--no-published", action="store_true", help="leave out the published large-scale runs")
     parser.add_argument("--no-write", action="store_true", help="do not update the results file")
     args = parser.parse_args()
 
@@ -212,6 +221,14 @@ def main() -> None:
                 print(f"  calibrated, {label}: median {e.median_abs_error:.1%}, MAPE {e.mape:.1%}, "
                       f"max {e.max_abs_error:.1%}, signed median {e.signed_median_error:+.1%}")  # fmt: skip
         print("  terms: " + ", ".join(f"{name} {value:.4g}" for name, value in calibration.terms))
+    published = None
+    if not args.no_published:
+        started = time.perf_counter()
+        published = pinned_errors(workers=os.cpu_count() or 1)
+        published["seconds"] = round(time.perf_counter() - started, 1)
+        e = published["summary"]
+        print(f"  published runs ({e['rows']}, layouts pinned): median {e['median_abs_error']:.1%} (target 10 %), "
+              f"max {e['max_abs_error']:.1%} (target 20 %), mean signed {e['mean_signed_error']:+.1%}")
     if args.no_write:
         return
     write_json_atomic(RESULTS, {
@@ -219,6 +236,7 @@ def main() -> None:
                    + (f" --limit {args.limit}" if args.limit else "")
                    + (f" --folds {args.folds}" if args.folds != DEFAULT_FOLDS else "")
                    + (" --no-calibrate" if args.no_calibrate else "")
+                   + (" --no-published" if args.no_published else "")
                    + (f" --conditions {args.conditions}" if args.conditions else ""),
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, load {load_before:.2f}",
@@ -237,6 +255,7 @@ def main() -> None:
         ],
         "unpredicted": [{"line": p.run.line, "problem": p.problem} for p in unpredicted[:10]],
         "calibrated": calibrated,
+        "published_runs": published,
     })  # fmt: skip
     print(f"wrote {RESULTS.relative_to(ROOT)}")
 

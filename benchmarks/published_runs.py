@@ -386,15 +386,16 @@ def vocab_parallel_copy(profile, t: int):
     return profile.model_copy(update={"layers": layers})
 
 
-def plan_row(row: dict, workers: int | None, profile_cache: dict) -> dict:
+def row_profiles(row: dict, profile_cache: dict):
+    """(pipectl's own profile, the run's engine's profile) of a row's shape on its device, derived
+    once per shape: the pinned prediction reads the profile of the run as its engine ran it
+    (`engine`), pipectl's own choice the profile of pipectl's runtime (no engine features), what
+    `pipectl plan` would launch."""
     device = get_device(row["devices"]["kind"])
     config = model_config(row)
     sizes = micro_batch_sizes(row)
     engine = engine_features(row)
     key = (tuple(sorted((k, str(v)) for k, v in row["model"].items())), device.name, row["attention"], tuple(sizes))
-    started = time.perf_counter()
-    # The pinned prediction: the profile of the run as its engine ran it (`engine`); pipectl's own
-    # choice: the profile of pipectl's runtime (no engine features), what `pipectl plan` would launch.
     if key not in profile_cache:
         profile_cache[key] = derive_profile(config, device, sizes, attention=row["attention"])
     own_profile = profile_cache[key]
@@ -402,7 +403,40 @@ def plan_row(row: dict, workers: int | None, profile_cache: dict) -> dict:
     if engine_key not in profile_cache:
         profile_cache[engine_key] = (derive_profile(config, device, sizes, attention=row["attention"], engine=engine)
                                      if engine else own_profile)
-    profile = profile_cache[engine_key]
+    return own_profile, profile_cache[engine_key]
+
+
+def pinned_errors(workers: int | None = 1) -> dict:
+    """Every row's pinned prediction against its published step, and their summary (the figures
+    `benchmarks/measured_runs.py` reports beside the measured rows; pipectl's own choices, the slow
+    part of this benchmark, left out)."""
+    cache: dict = {}
+    rows, errors = [], []
+    for row in yaml.safe_load(RUNS.read_text())["runs"]:
+        seconds, _ = published_step(row)
+        if not seconds:
+            continue
+        _, profile = row_profiles(row, cache)
+        chosen, why, _ = pinned_plan(row, profile, cluster_of(row), workers)
+        error = chosen.predicted_step_seconds / seconds - 1 if chosen else None
+        if error is not None:
+            errors.append(error)
+        rows.append({"id": row["id"], "device": row["devices"]["kind"], "devices": row["devices"]["count"],
+                     "published_step_seconds": round(seconds, 3),
+                     "predicted_step_seconds": round(chosen.predicted_step_seconds, 3) if chosen else None,
+                     "error": round(error, 4) if error is not None else None, "problem": why or None})
+    summary = summarise(errors)
+    summary["median_met"] = summary["median_abs_error"] is not None and summary["median_abs_error"] <= TARGET_MEDIAN
+    summary["max_met"] = summary["max_abs_error"] is not None and summary["max_abs_error"] <= TARGET_MAX
+    return {"rows_file": str(RUNS.relative_to(ROOT)), "summary": summary, "rows": rows}
+
+
+def plan_row(row: dict, workers: int | None, profile_cache: dict) -> dict:
+    config = model_config(row)
+    sizes = micro_batch_sizes(row)
+    engine = engine_features(row)
+    started = time.perf_counter()
+    own_profile, profile = row_profiles(row, profile_cache)
     derive_seconds = time.perf_counter() - started
     cluster = cluster_of(row)
     t = row["layout"]["t"]
