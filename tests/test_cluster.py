@@ -102,6 +102,20 @@ def test_collectives_inside_a_node_run_at_the_catalogs_measured_bus_bandwidth():
     assert a100.allreduce_inter_bandwidth_bytes_per_second == a100.inter_bandwidth_bytes_per_second == 25e9
 
 
+def test_a_clusters_own_collective_figure_replaces_only_the_collectives():
+    """A node type may state NCCL's bus bandwidth apart from its link's rate: transfers keep the
+    link's figure (the cluster's, or the catalog's), collectives inside a node take the stated one."""
+    def links(**own):
+        node_type = {"name": "nodes", "device": "a100-80gb", "devices_per_node": 8, "nodes": 2, "links": own}
+        return resolve_links(ClusterSpec(name="c", node_types=[node_type]), "nodes")
+
+    both = links(intra_node_bandwidth_gbytes_per_second=150, intra_node_allreduce_bandwidth_gbytes_per_second=210)
+    assert (both.intra_bandwidth_bytes_per_second, both.allreduce_intra_bandwidth_bytes_per_second) == (150e9, 210e9)
+    alone = links(intra_node_allreduce_bandwidth_gbytes_per_second=210)
+    assert (alone.intra_bandwidth_bytes_per_second, alone.allreduce_intra_bandwidth_bytes_per_second) == (300e9, 210e9)
+    assert alone.sources["allreduce_intra_bandwidth"] == both.sources["intra_bandwidth"]
+
+
 def test_yaml_path_by_file(tmp_path):
     path = tmp_path / "mine.yaml"
     path.write_text((configs_dir() / "clusters" / "v100-4vm.yaml").read_text())

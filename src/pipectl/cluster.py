@@ -357,20 +357,30 @@ def _pick(
     to_si: Callable[[float], float],
     sources: dict[str, str],
     catalog_allreduce: float | None = None,
+    allreduce_override: float | None = None,
 ) -> tuple[float, float]:
     """(p2p value, all-reduce value) in SI units from the first source that has the figure; the
     catalog's all-reduce figure is `catalog_allreduce` where it has one (a measured bus bandwidth),
-    else its p2p figure."""
+    else its p2p figure. `allreduce_override` (a cluster's own all-reduce figure) replaces the
+    all-reduce value whatever the p2p value's source."""
+    p2p = allreduce = None
     for value in overrides:
         if value is not None:
             sources[name] = FROM_CLUSTER
-            return to_si(value), to_si(value)
-    if fit_p2p is not None and fit_allreduce is not None:
-        sources[name] = FROM_LINKS_FILE
-        return fit_p2p, fit_allreduce
-    sources[name] = FROM_CATALOG
-    allreduce = catalog_value if catalog_allreduce is None else catalog_allreduce
-    return to_si(catalog_value), to_si(allreduce)
+            p2p, allreduce = to_si(value), to_si(value)
+            break
+    else:
+        if fit_p2p is not None and fit_allreduce is not None:
+            sources[name] = FROM_LINKS_FILE
+            p2p, allreduce = fit_p2p, fit_allreduce
+        else:
+            sources[name] = FROM_CATALOG
+            p2p = to_si(catalog_value)
+            allreduce = to_si(catalog_value if catalog_allreduce is None else catalog_allreduce)
+    if allreduce_override is not None:
+        sources[f"allreduce_{name}"] = FROM_CLUSTER
+        allreduce = to_si(allreduce_override)
+    return p2p, allreduce
 
 
 def resolve_links(cluster: ClusterSpec, node_type: NodeType | str) -> ResolvedLinks:
@@ -405,6 +415,7 @@ def resolve_links(cluster: ClusterSpec, node_type: NodeType | str) -> ResolvedLi
         _gigabytes_to_bytes,
         sources,
         catalog_allreduce=device.intra_node_allreduce_bandwidth_gbytes_per_second,
+        allreduce_override=own.intra_node_allreduce_bandwidth_gbytes_per_second,
     )
     inter_latency, allreduce_inter_latency = _pick(
         "inter_latency",

@@ -235,3 +235,18 @@ def test_megatron_deepspeeds_rows_are_priced_with_its_own_layer(tmp_path):
     from pipectl.artifacts.profile import EngineFeatures
 
     assert not EngineFeatures(name="megatron-deepspeed", megatron_deepspeed_layer=True).runnable_by_pipectl
+
+
+def test_the_conditions_link_prices_transfers_and_nccls_figure_the_collectives(tmp_path):
+    """A GPU-to-GPU figure is not an all-reduce's bus bandwidth: collectives inside a node take the
+    conditions' own all-reduce figure where they state one, else the catalog's measured one (A100:
+    230 GB/s), and transfers the stated link."""
+    path = tmp_path / "conditions.yaml"
+    path.write_text(CONDITIONS)
+    links = load_conditions(path).cluster_links()
+    assert links["intra_node_bandwidth_gbytes_per_second"] == 150
+    assert links["intra_node_allreduce_bandwidth_gbytes_per_second"] == 230
+    path.write_text(CONDITIONS.replace("  inter_node_gbits", "  intra_node_allreduce_gbytes_per_second: 180\n  inter_node_gbits"))
+    assert load_conditions(path).cluster_links()["intra_node_allreduce_bandwidth_gbytes_per_second"] == 180
+    path.write_text(CONDITIONS.replace("  intra_node_gbytes_per_second: 150\n", ""))
+    assert "intra_node_allreduce_bandwidth_gbytes_per_second" not in load_conditions(path).cluster_links()

@@ -70,6 +70,7 @@ class CalibratedTerms(Strict):
         return {
             "intra_node_latency_us": self.intra_node_latency_us,
             "intra_node_bandwidth_gbytes_per_second": self.intra_node_bandwidth_gbytes_per_second,
+            "intra_node_allreduce_bandwidth_gbytes_per_second": self.intra_node_bandwidth_gbytes_per_second,
             "inter_node_latency_us": self.inter_node_latency_us,
             "inter_node_bandwidth_gbytes_per_second": self.inter_node_bandwidth_gbytes_per_second,
         }

@@ -78,7 +78,9 @@ def starting_terms(conditions: RunConditions) -> CalibratedTerms:
             "overhead, memory bandwidth, SMs): nothing to calibrate",
         )
     links = conditions.cluster_links()
-    bandwidth = links.get("intra_node_bandwidth_gbytes_per_second") or (
+    # One fitted figure inside a node, starting from the collectives' (they carry most of its bytes).
+    bandwidth = links.get("intra_node_allreduce_bandwidth_gbytes_per_second") or links.get(
+        "intra_node_bandwidth_gbytes_per_second") or (
         device.intra_node_allreduce_bandwidth_gbytes_per_second or device.intra_node_bandwidth_gbytes_per_second
     )
     return CalibratedTerms(

@@ -76,7 +76,15 @@ class _Closed(BaseModel):
 class ConditionLinks(_Closed):
     """The links every row's nodes had (None: the catalog's figures for the device)."""
 
-    intra_node_gbytes_per_second: float | None = Field(default=None, gt=0, description="GPU to GPU in a node, GB/s.")
+    intra_node_gbytes_per_second: float | None = Field(
+        default=None, gt=0, description="GPU to GPU in a node, GB/s: the pipeline's transfers inside a node."
+    )
+    intra_node_allreduce_gbytes_per_second: float | None = Field(
+        default=None, gt=0,
+        description="NCCL's bus bandwidth of a collective inside a node, GB/s (tensor-parallel all-reduces, "
+        "gradient reductions within a node). Default: the catalog's measured figure for the device, else "
+        "intra_node_gbytes_per_second.",
+    )
     inter_node_gbits_per_second_per_node: float | None = Field(
         default=None, gt=0, description="A node's network bandwidth, Gb/s (all its GPUs together)."
     )
@@ -112,10 +120,22 @@ class RunConditions(_Closed):
 
     def cluster_links(self) -> dict[str, float]:
         """The links the conditions state, as a cluster YAML's node type states them (GB/s; the
-        network as a GPU's share of its node's); those they leave out are the catalog's."""
+        network as a GPU's share of its node's); those they leave out are the catalog's.
+
+        A GPU-to-GPU figure prices the transfers inside a node, not its collectives: an all-reduce
+        inside a node runs at NCCL's bus bandwidth, which is neither the link's rate nor one figure
+        a simulator may use for every group (vTrain, whose conditions state 150 GB/s, applies it
+        only to all-reduces over more than 8 GPUs and its measured NCCL table below that). So
+        collectives take the conditions' own all-reduce figure, else the catalog's measured one.
+        """
         links: dict[str, float] = {}
         if self.links.intra_node_gbytes_per_second is not None:
             links["intra_node_bandwidth_gbytes_per_second"] = self.links.intra_node_gbytes_per_second
+        allreduce = self.links.intra_node_allreduce_gbytes_per_second
+        if allreduce is None and self.links.intra_node_gbytes_per_second is not None:
+            allreduce = get_device(self.device).intra_node_allreduce_bandwidth_gbytes_per_second
+        if allreduce is not None:
+            links["intra_node_allreduce_bandwidth_gbytes_per_second"] = allreduce
         if self.links.inter_node_gbits_per_second_per_node is not None:
             # A node's network in Gb/s, shared by its GPUs.
             links["inter_node_bandwidth_gbytes_per_second"] = (
