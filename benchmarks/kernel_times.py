@@ -44,8 +44,8 @@ from pipectl.profile.compute_model import (  # noqa: E402
 )
 
 RESULTS = ROOT / "benchmarks" / "results"
-# Narayanan et al. 2021's 1.7B block at b = 4 (t = 1), and one tensor rank of its 18B block (t = 8).
-DEFAULT_SHAPES = ("2304,24,2048,4,1", "6144,48,2048,8,8")
+# Narayanan et al. 2021's 1.7B block at its b = 16 (t = 1), and one tensor rank of its 18B block (t = 8, b = 8).
+DEFAULT_SHAPES = ("2304,24,2048,16,1", "6144,48,2048,8,8")
 CPU_SHAPES = ("256,4,128,2,1", "256,4,128,2,2")
 DROPOUT = 0.1
 
@@ -72,6 +72,13 @@ def bias_dropout_add(x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor
     return residual + out
 
 
+@torch.jit.script
+def dropout_add_back(grad: torch.Tensor, residual_grad: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """The residual's gradient plus the dropped branch's: the gradient, its 1-byte mask and the residual
+    read, the sum written (the bytes the model counts for the residual gradient add with dropout)."""
+    return residual_grad + grad * mask * scale
+
+
 class Block:
     """Random tensors of one block shard's shapes, and the operation behind each model kernel."""
 
@@ -85,6 +92,7 @@ class Block:
             return torch.randn(*size, device=device, dtype=dtype)
 
         self.x, self.residual, self.grad_h = rand(tokens, h), rand(tokens, h), rand(tokens, h)
+        self.residual_mask = torch.rand(tokens, h, device=device) > DROPOUT
         self.norm_weight, self.norm_bias = rand(h), rand(h)
         _, self.mean, self.rstd = torch.native_layer_norm(self.x, [h], self.norm_weight, self.norm_bias, 1e-5)
         self.weights = {"qkv": rand(h, 3 * hl), "proj": rand(hl, h), "fc1": rand(h, f), "fc2": rand(f, h)}
@@ -147,6 +155,8 @@ class Block:
         if kernel == "residual add":
             return lambda: bias_dropout_add(s.grad_h, s.h_bias, s.residual, DROPOUT)
         if kernel == "residual gradient add":
+            if s.shape.dropout:
+                return lambda: dropout_add_back(s.grad_h, s.residual, s.residual_mask, 1.0 / (1.0 - DROPOUT))
             return lambda: s.grad_h + s.residual
         if kernel == "gelu":
             return lambda: bias_gelu(s.ffn_bias, s.outputs["fc1"])

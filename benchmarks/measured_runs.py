@@ -19,7 +19,7 @@ with the command, machine and date.
 Last, the published large-scale runs of benchmarks/published_runs.yaml (Megatron-LM, Megatron-DeepSpeed,
 Megatron-Core, DeepSpeed ZeRO-3 and Llama 3 runs on 32 to 16,384 GPUs), each predicted with its
 published layout pinned as `benchmarks/published_runs.py` predicts it (`pinned_errors`), against the
-published step: `published_runs` in the results (skip with `--no-published`).
+published step: `published_runs` in the results (skip with `--no-published`; `--limit` skips it too).
 """
 
 from __future__ import annotations
@@ -222,7 +222,7 @@ def main() -> None:
                       f"max {e.max_abs_error:.1%}, signed median {e.signed_median_error:+.1%}")  # fmt: skip
         print("  terms: " + ", ".join(f"{name} {value:.4g}" for name, value in calibration.terms))
     published = None
-    if not args.no_published:
+    if not args.no_published and not args.limit:  # --limit: a quick look at the measured rows only
         started = time.perf_counter()
         published = pinned_errors(workers=os.cpu_count() or 1)
         published["seconds"] = round(time.perf_counter() - started, 1)

@@ -386,8 +386,10 @@ def _pick(
 def resolve_links(cluster: ClusterSpec, node_type: NodeType | str) -> ResolvedLinks:
     """The link costs of one node type: cluster YAML override > links.json > catalog.
 
-    A figure set in the YAML replaces both the p2p and the all-reduce figure of that link class;
-    a links.json supplies its p2p fit, its all-reduce fit and its measured jitter.
+    A figure set in the YAML replaces both the p2p and the all-reduce figure of that link class,
+    except that `intra_node_allreduce_bandwidth_gbytes_per_second` replaces the all-reduce figure
+    inside a node whatever the rest; a links.json supplies its p2p fit, its all-reduce fit and its
+    measured jitter.
     """
     if isinstance(node_type, str):
         node_type = node_type_named(cluster, node_type)

@@ -246,6 +246,8 @@ def test_the_conditions_link_prices_transfers_and_nccls_figure_the_collectives(t
     links = load_conditions(path).cluster_links()
     assert links["intra_node_bandwidth_gbytes_per_second"] == 150
     assert links["intra_node_allreduce_bandwidth_gbytes_per_second"] == 230
+    # A row on another device (its `device` column) takes that device's figure (H100: 370 GB/s).
+    assert load_conditions(path).cluster_links("h100-80gb")["intra_node_allreduce_bandwidth_gbytes_per_second"] == 370
     path.write_text(CONDITIONS.replace("  inter_node_gbits", "  intra_node_allreduce_gbytes_per_second: 180\n  inter_node_gbits"))
     assert load_conditions(path).cluster_links()["intra_node_allreduce_bandwidth_gbytes_per_second"] == 180
     path.write_text(CONDITIONS.replace("  intra_node_gbytes_per_second: 150\n", ""))

@@ -35,7 +35,8 @@ class LinkSpec(Strict):
     intra_node_allreduce_bandwidth_gbytes_per_second: float | None = Field(
         default=None, ge=MIN_GBYTES_PER_SECOND, le=MAX_GBYTES_PER_SECOND,
         description="NCCL's bus bandwidth of a collective inside a node, GB/s, where it is not the link's figure "
-        "above (which then prices transfers only); default: that figure where it is set, else the catalog's.",
+        "above (which then prices transfers only); default: that figure where it is set, else a links_file's "
+        "all-reduce fit, else the catalog's.",
     )
     intra_node_latency_us: float | None = Field(default=None, ge=0, le=MAX_LATENCY_US)
     inter_node_bandwidth_gbytes_per_second: float | None = Field(

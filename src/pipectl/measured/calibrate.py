@@ -70,7 +70,10 @@ SMALLEST_FIT = 8  # rows: fewer cannot tell the terms apart
 
 
 def starting_terms(conditions: RunConditions) -> CalibratedTerms:
-    """The terms the uncalibrated model uses: the catalog's device figures, the conditions' link."""
+    """Where the fit starts: the catalog's device figures and the conditions' links, as the
+    uncalibrated model uses them, except inside a node, where one fitted figure stands for transfers
+    and collectives alike and starts at the collectives' (they carry most of its bytes; the
+    uncalibrated model times the few transfers at the conditions' link figure)."""
     device = get_device(conditions.device)
     if not device.has_compute_model():
         raise UserInputError(
@@ -78,7 +81,6 @@ def starting_terms(conditions: RunConditions) -> CalibratedTerms:
             "overhead, memory bandwidth, SMs): nothing to calibrate",
         )
     links = conditions.cluster_links()
-    # One fitted figure inside a node, starting from the collectives' (they carry most of its bytes).
     bandwidth = links.get("intra_node_allreduce_bandwidth_gbytes_per_second") or links.get(
         "intra_node_bandwidth_gbytes_per_second") or (
         device.intra_node_allreduce_bandwidth_gbytes_per_second or device.intra_node_bandwidth_gbytes_per_second

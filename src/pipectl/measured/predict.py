@@ -152,7 +152,7 @@ class Predictor:
 
     def cluster(self, run: MeasuredRun) -> ClusterSpec:
         per_node = self.conditions.devices_per_node
-        links = self.conditions.cluster_links()
+        links = self.conditions.cluster_links(self._device(run))
         node_type = {
             "name": "measured-nodes",
             "device": self._device(run),

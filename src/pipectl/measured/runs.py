@@ -82,7 +82,7 @@ class ConditionLinks(_Closed):
     intra_node_allreduce_gbytes_per_second: float | None = Field(
         default=None, gt=0,
         description="NCCL's bus bandwidth of a collective inside a node, GB/s (tensor-parallel all-reduces, "
-        "gradient reductions within a node). Default: the catalog's measured figure for the device, else "
+        "gradient reductions within a node). Default: the catalog's measured figure for the row's device, else "
         "intra_node_gbytes_per_second.",
     )
     inter_node_gbits_per_second_per_node: float | None = Field(
@@ -118,7 +118,7 @@ class RunConditions(_Closed):
     precision: Literal["fp16", "bf16", "fp32"] = Field(description="Training precision.")
     zero_stage: int = Field(default=0, ge=0, le=3, description="ZeRO stage.")
 
-    def cluster_links(self) -> dict[str, float]:
+    def cluster_links(self, device: str | None = None) -> dict[str, float]:
         """The links the conditions state, as a cluster YAML's node type states them (GB/s; the
         network as a GPU's share of its node's); those they leave out are the catalog's.
 
@@ -126,14 +126,16 @@ class RunConditions(_Closed):
         inside a node runs at NCCL's bus bandwidth, which is neither the link's rate nor one figure
         a simulator may use for every group (vTrain, whose conditions state 150 GB/s, applies it
         only to all-reduces over more than 8 GPUs and its measured NCCL table below that). So
-        collectives take the conditions' own all-reduce figure, else the catalog's measured one.
+        collectives take the conditions' own all-reduce figure, else the catalog's measured one for
+        `device` (a row's own device; default the conditions'), else the link's.
         """
         links: dict[str, float] = {}
         if self.links.intra_node_gbytes_per_second is not None:
             links["intra_node_bandwidth_gbytes_per_second"] = self.links.intra_node_gbytes_per_second
         allreduce = self.links.intra_node_allreduce_gbytes_per_second
         if allreduce is None and self.links.intra_node_gbytes_per_second is not None:
-            allreduce = get_device(self.device).intra_node_allreduce_bandwidth_gbytes_per_second
+            allreduce = (get_device(device or self.device).intra_node_allreduce_bandwidth_gbytes_per_second
+                         or self.links.intra_node_gbytes_per_second)
         if allreduce is not None:
             links["intra_node_allreduce_bandwidth_gbytes_per_second"] = allreduce
         if self.links.inter_node_gbits_per_second_per_node is not None:
