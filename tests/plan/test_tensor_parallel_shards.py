@@ -67,8 +67,12 @@ def test_a_profile_without_shards_gives_the_plan_it_gave_before_shards_existed()
     # two nodes (t = 16): the search inside a node, --max-tensor-parallel 8, is the old one.
     request = PlanRequest(global_batch=512, top=10, workers=1, uneven_replicas=False, recompute="stage")
     # The morph table covered every count then; now on request (by default a node's counts and whole nodes).
-    made = plan(profile, load_cluster("a100-8x8"),
-                request.model_copy(update={"max_tensor_parallel": 8, "morph_every_count": True}))
+    # The cluster then priced collectives inside a node at NVLink's 300 GB/s (now NCCL's 230 apart).
+    cluster = load_cluster("a100-8x8")
+    (nodes,) = cluster.node_types
+    old_links = nodes.links.model_copy(update={"intra_node_allreduce_bandwidth_gbytes_per_second": 300.0})
+    cluster = cluster.model_copy(update={"node_types": [nodes.model_copy(update={"links": old_links})]})
+    made = plan(profile, cluster, request.model_copy(update={"max_tensor_parallel": 8, "morph_every_count": True}))
     before = json.loads((DATA / "gpt2-2.5b-a100-unsharded.plan.json").read_text())
     made_fields = json.loads(made.model_dump_json())
     assert made_fields["request"]["max_tensor_parallel"] == 8 and before["request"]["max_tensor_parallel"] is None
@@ -97,7 +101,7 @@ def test_a_profile_without_shards_gives_the_plan_it_gave_before_shards_existed()
     assert made_fields == before
     assert {c.tensor_parallel for c in made.candidates} > {1}
     # The default search prices t = 16 too; across two nodes it enters neither the choice nor the top 10.
-    spanning = plan(profile, load_cluster("a100-8x8"), request)
+    spanning = plan(profile, cluster, request)
     assert spanning.infeasible != made.infeasible  # t = 16 was searched
     assert [spanning.chosen, *spanning.candidates] == [made.chosen, *made.candidates]
 

@@ -1,6 +1,6 @@
-# pipectl 0.1.0: Megatron-LM settings for plan gpt3-175b-megatron/plan.json (sha256 07a2a485c4ec), profile profile-7dc5d1784b99.json
+# pipectl 0.1.0: Megatron-LM settings for plan gpt3-175b-megatron/plan.json (sha256 777e74a1ec09), profile profile-7dc5d1784b99.json
 # model gpt3-175b, global batch 1536, cluster a100-384x8
-# layout t4p16d48 interleaved b1 m32 v4 ZeRO-1 on 3072 x a100-80gb (384 nodes of 8): predicted 7.089 s/step, peak 70.4 GiB per device
+# layout t4p16d48 interleaved b1 m32 v4 ZeRO-1 on 3072 x a100-80gb (384 nodes of 8): predicted 7.152 s/step, peak 70.4 GiB per device
 #
 # What this framework does that pipectl's prediction did not price (how far the step time holds here):
 # - not priced (the profile times pipectl's own layers): fused kernels (Transformer Engine or Apex where installed): a shorter step

@@ -1,4 +1,4 @@
-# pipectl 0.1.0: DeepSpeed's PipelineModule settings for plan llama3-8b-deepspeed/plan.json (sha256 2a927cb153db), profile profile-2530732cf363.json
+# pipectl 0.1.0: DeepSpeed's PipelineModule settings for plan llama3-8b-deepspeed/plan.json (sha256 f1e8340e9cd1), profile profile-2530732cf363.json
 # model llama3-8b, global batch 512, cluster a100-8x8
 # layout t1p2d32 1f1b b1 m16 ZeRO-1 on 64 x a100-80gb (8 nodes of 8): predicted 9.346 s/step, peak 44.7 GiB per device
 #

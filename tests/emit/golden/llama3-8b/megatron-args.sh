@@ -1,4 +1,4 @@
-# pipectl 0.1.0: Megatron-LM settings for plan llama3-8b-megatron/plan.json (sha256 97165607139c), profile profile-2530732cf363.json
+# pipectl 0.1.0: Megatron-LM settings for plan llama3-8b-megatron/plan.json (sha256 246a7459a9c7), profile profile-2530732cf363.json
 # model llama3-8b, global batch 512, cluster a100-8x8
 # layout t1p2d32 interleaved b1 m16 v4 ZeRO-1 on 64 x a100-80gb (8 nodes of 8): predicted 8.969 s/step, peak 52.9 GiB per device
 #
