@@ -61,15 +61,15 @@ def tensor_parallel_link(links: ResolvedLinks, tensor_parallel: int, devices_per
     hierarchical all-reduce (reduce-scatter in the node, all-reduce of each device's 1/n over the
     k nodes on its own NIC, all-gather in the node) sends 2(k - 1)/k M/n per NIC: the same order.
 
-    On the shipped A100 clusters (NVLink 3 µs, 300 GB/s; InfiniBand 5 µs, 25 GB/s a GPU, 8 a node)
-    one block all-reduce of 50 MB takes 14 (3e-6 + 50e6 / 8 / 300e9) = 0.334 ms at t = 8 and
-    30 (5e-6 + 50e6 / 16 / 200e9) = 0.619 ms at t = 16, nearly twice as long for half the work per
-    device:
+    On the shipped A100 clusters (NVLink 3 µs, its collectives at NCCL's 230 GB/s; InfiniBand 5 µs,
+    25 GB/s a GPU, 8 a node) one block all-reduce of 50 MB takes 14 (3e-6 + 50e6 / 8 / 230e9) =
+    0.422 ms at t = 8 and 30 (5e-6 + 50e6 / 16 / 200e9) = 0.619 ms at t = 16, half as long again for
+    half the work per device:
 
         >>> from pipectl.cluster import load_cluster, resolve_links
         >>> links = resolve_links(load_cluster("a100-8x8"), "a100-nodes")
         >>> [round(tensor_parallel_link(links, t, 8).ring_allreduce_seconds(50e6, t) * 1e3, 3) for t in (8, 16)]
-        [0.334, 0.619]
+        [0.422, 0.619]
     """
     if not tensor_group_spans_nodes(tensor_parallel, devices_per_node):
         return links.allreduce_intra
