@@ -81,8 +81,8 @@ def starting_terms(conditions: RunConditions) -> CalibratedTerms:
             "overhead, memory bandwidth, SMs): nothing to calibrate",
         )
     links = conditions.cluster_links()
-    bandwidth = links.get("intra_node_allreduce_bandwidth_gbytes_per_second") or links.get(
-        "intra_node_bandwidth_gbytes_per_second") or (
+    # `cluster_links` sets the collectives' figure wherever the conditions state an in-node link.
+    bandwidth = links.get("intra_node_allreduce_bandwidth_gbytes_per_second") or (
         device.intra_node_allreduce_bandwidth_gbytes_per_second or device.intra_node_bandwidth_gbytes_per_second
     )
     return CalibratedTerms(

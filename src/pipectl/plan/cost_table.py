@@ -346,11 +346,12 @@ def zero3_prefetch_units(
     kinds: Sequence[str], parameters: Sequence[float], *per_layer: Sequence[float]
 ) -> tuple[list[float], ...]:
     """(parameters, *per_layer) per unit that DeepSpeed's ZeRO-3 gathers one ahead of the compute
-    (`per_layer`: seconds per layer, forward, backward, ..., split as the parameters are): each layer, except a transformer block whose every linear layer holds more than the
-    prefetch bucket (`DEEPSPEED_PREFETCH_BUCKET_ELEMENTS`). DeepSpeed then prefetches one linear
-    at a time, so fc1's gather hides only behind proj's compute, a quarter of its own: the block
-    becomes its four linears (`BLOCK_LINEAR_SHARES` of its parameters and of its time). Smaller
-    blocks keep one unit: the bucket then reaches a layer or more ahead.
+    (`per_layer`: seconds per layer, forward, backward, ..., split as the parameters are): each
+    layer, except a transformer block whose every linear layer holds more than the prefetch bucket
+    (`DEEPSPEED_PREFETCH_BUCKET_ELEMENTS`). DeepSpeed then prefetches one linear at a time, so fc1's
+    gather hides only behind proj's compute, a quarter of its own: the block becomes its four
+    linears (`BLOCK_LINEAR_SHARES` of its parameters and of its time). Smaller blocks keep one unit:
+    the bucket then reaches a layer or more ahead.
 
         >>> units = zero3_prefetch_units(["transformer_block"], [1.2e9], [0.012], [0.024])
         >>> [round(x / 1e6) for x in units[0]], [round(x * 1e3) for x in units[1]]
@@ -389,10 +390,10 @@ def sharded_data_parallel_seconds(
 ) -> tuple[list[float], list[float]]:
     """(communication, optimizer) seconds of the one rank of a ZeRO-2/3 candidate (p = 1; module
     docstring): m x `sharded_exposed_seconds` of the rank's layers (their compute x the host's
-    `slowdown`; with `checkpoint_layers`, each backward after its layers' recomputed forwards), plus ZeRO-2's all-gather of the updated parameters after the step, plus, with
-    measured engine terms, the engine's latency-bound collectives. Optimizer: as
-    `data_parallel_seconds` (Adam on 1/d of the parameters; with measured terms, the measured end
-    of a step, which is ZeRO-1's)."""
+    `slowdown`; with `checkpoint_layers`, each backward after its layers' recomputed forwards), plus
+    ZeRO-2's all-gather of the updated parameters after the step, plus, with measured engine terms,
+    the engine's latency-bound collectives. Optimizer: as `data_parallel_seconds` (Adam on 1/d of
+    the parameters; with measured terms, the measured end of a step, which is ZeRO-1's)."""
     if pipeline_parallel != 1:
         raise UserInputError(
             f"ZeRO stage {zero_stage} is priced for one pipeline stage only (p = 1), not p = {pipeline_parallel}",

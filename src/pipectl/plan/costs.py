@@ -37,7 +37,8 @@ reduce-scattered over the d replicas as soon as the backward has made it, in eve
 (DeepSpeed reduces on every micro-step when gradients are partitioned, not once per step as
 ZeRO-0/1 do), and ZeRO-3 partitions the weights too: each layer's weights are all-gathered
 before its forward and again before its backward (ZeRO §7: 1.5x the volume of an all-reduce per
-micro-batch; 2x with per-layer checkpointing, which gathers them for the recomputed forward too). A ring all-gather or reduce-scatter of a layer's B bytes over d ranks takes
+micro-batch; 2x with per-layer checkpointing, which gathers them for the recomputed forward too).
+A ring all-gather or reduce-scatter of a layer's B bytes over d ranks takes
 (d - 1)(latency + B / d / bandwidth), half a ring all-reduce (Thakur et al. 2005), on the intra- or
 inter-node all-reduce link by the placement rule. ZeRO-3's run beside the compute, one collective
 at a time, each hidden behind the layer computing while it runs (prefetch); ZeRO-2's reduce-scatters
