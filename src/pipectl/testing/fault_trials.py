@@ -56,6 +56,7 @@ class Trial:
     weights_max_rel_diff: float | None = None
     moments_max_rel_diff: float | None = None
     losses_max_rel_diff: float | None = None
+    found_complete: bool = False  # the resume was refused: the run's newest checkpoint is its last step
     steps_trained: list[int] = field(default_factory=list)
     exit_codes: list[int | None] = field(default_factory=list)
     launch_seconds: list[float] = field(default_factory=list)
@@ -90,10 +91,10 @@ def check(trial: Trial, reference: Reference, run: Path, launches: list[Launch])
         trial.problems.append("a traceback reached the terminal")
     if not trial.fired:
         trial.problems.append("the fault never fired")
-    if launches[-1].exit_code != 0:
+    if launches[-1].exit_code != 0 and not trial.found_complete:
         trial.problems.append(f"the last launch exited {launches[-1].exit_code}: {launches[-1].output[-1500:]}")
     if trial.expected_resume is not None:
-        trial.resumed = resumed_step(run)
+        trial.resumed = setup.steps if trial.found_complete else resumed_step(run)
         if trial.resumed is None:
             trial.problems.append("no resume record")
         else:
@@ -122,18 +123,24 @@ def check(trial: Trial, reference: Reference, run: Path, launches: list[Launch])
     return trial
 
 
+COMPLETE = "nothing is left to train"
 NO_CHECKPOINT = "it has no checkpoint, so it would start over from step 0"
 UNLOADABLE = "can be loaded: checkpoint step"  # every checkpoint it has is refused, each named
 
 
 def resume(reference: Reference, run: Path, launches: list[Launch], trial: Trial | None = None) -> None:
     """`launch --resume`; for a run whose fault came before its first complete checkpoint, the
-    resume is refused (exit 2: it would start over) and the run starts over with `--force`."""
+    resume is refused (exit 2: it would start over) and the run starts over with `--force`; for a
+    run already checkpointed at its last step it is refused too (exit 2: nothing is left to train)."""
     launches.append(run_launch(launch_argv(reference.plan, run, "--resume"), launch_env()))
+    said = " ".join(launches[-1].output.split())
+    if trial is not None and trial.expected_resume == reference.setup.steps:
+        # A run checkpointed at its last step is complete: `launch --resume` refuses it (exit 2).
+        trial.found_complete = launches[-1].exit_code == 2 and COMPLETE in said
+        return
     if trial is None or trial.expected_resume != 0:
         return
     refused = launches[-1]
-    said = " ".join(refused.output.split())
     if refused.exit_code != 2 or not (NO_CHECKPOINT in said or UNLOADABLE in said):
         trial.problems.append(f"a resume without a checkpoint exited {refused.exit_code}: {refused.output[-600:]}")
     setup = reference.setup
