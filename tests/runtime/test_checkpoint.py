@@ -467,3 +467,52 @@ def test_rank0_stops_waiting_for_the_report_of_a_rank_killed_on_this_host(tmp_pa
     assert event.message.startswith("checkpoint step 4 was not committed: rank 1 (stage 1, pid")
     assert "ended without a word in step 4" in event.message
     assert not save.staged.exists()  # nothing loadable left behind
+
+
+def test_a_checkpoint_due_while_the_last_one_is_written_is_deferred_not_waited_for(tmp_path, monkeypatch):
+    """A disk slower than the checkpoints are asked for costs checkpoints, not training time: a due
+    checkpoint whose predecessor is still being written is taken at the first step boundary after
+    the write ends, holds that step's state, and says which step it was due at; the last one waits."""
+    import threading
+
+    import torch
+
+    from pipectl.runtime.checkpoint import checkpointer
+    from safetensors.torch import load_file
+
+    from pipectl.runtime.checkpoint.shards import Fragment, RankHeader
+    from pipectl.runtime.checkpoint.snapshot import Snapshot
+
+    class Host:  # the state after `step`: one tensor holding the step
+        def capture(self, engine, step, data_position, overlap=False):
+            fragment = Fragment(name="0.weight", group=0, offset=0, start=0, numel=4, shape=(4,), stage=0)
+            header = RankHeader(rank=0, stage=0, step=step, world_size=1, data_parallel_rank=0, fragments=[fragment])
+            return Snapshot({"group0.fp32": torch.full((4,), float(step))}, header)
+
+    gate = threading.Event()
+    real_write = checkpointer.write_rank_file
+
+    def slow_disk(path, tensors, header):
+        if header.step == 4:
+            assert gate.wait(30), "the test's gate never opened"
+        return real_write(path, tensors, header)
+
+    monkeypatch.setattr(checkpointer, "write_rank_file", slow_disk)
+    monkeypatch.setattr(checkpointer, "DEFER_AFTER_SECONDS", 0.01)
+    saver = checkpointer.Checkpointer(tmp_path, keep=3)
+    saver.host = Host()
+    assert saver.save(None, 4, {"step": 4}, defer=True) is not None
+    assert saver.save(None, 8, {"step": 8}, defer=True) is None and saver.deferred == 8
+    assert saver.save(None, 9, {"step": 9}, defer=True) is None and saver.deferred == 8
+    gate.set()
+    saver._inflight.written.wait(30)
+    assert saver.save(None, 10, {"step": 10}, defer=True) is not None and saver.deferred is None
+    saver.save(None, 12, {"step": 12})  # the last: waits for the write before it, however long
+    saver.finish()
+    events = ckpt.read_events(tmp_path)
+    assert [(e.step, e.outcome.value, e.due_step) for e in events] == [
+        (4, "committed", None), (10, "committed", 8), (12, "committed", None)
+    ]
+    infos = {info.step: info for info in ckpt.list_checkpoints(tmp_path)}
+    assert sorted(infos) == [4, 10, 12] and all(info.verified for info in infos.values())
+    assert load_file(infos[10].path / RANK0)["group0.fp32"].tolist() == [10.0] * 4

@@ -576,6 +576,9 @@ class CheckpointEvent(Strict):
     interval_seconds: float | None = Field(
         default=None, description="The wall-time interval chosen after it (--checkpoint-every auto or a time)."
     )
+    due_step: int | None = Field(
+        default=None, description="The step it was due at, when the write of the one before still ran then."
+    )
     time_unix: float = 0.0
 
 

@@ -133,7 +133,8 @@ def status_table(report: RunReport, *, brief: bool = False) -> Group:
         summary.add_row(
             "last checkpoint",
             f"step {last.step}: training paused {last.stall_seconds:.2f} s, written in the background in "
-            f"{last.write_seconds:.2f} s ({format_bytes(last.bytes)})",
+            f"{last.write_seconds:.2f} s ({format_bytes(last.bytes)})"
+            + (f"; due at step {last.due_step}, deferred while the one before was written" if last.due_step else ""),
         )
     if status.checkpoint_problem:
         summary.add_row("checkpoint problem", Text(status.checkpoint_problem, style="yellow"))

@@ -398,8 +398,8 @@ class _Session:
                 )
                 if boundary.checkpoint and self.step > self.saved:  # a wall-time checkpoint: the state after the step just done
                     context.phase = "copying the checkpoint to host memory"
-                    saver.save(engine, self.step, _data_position(self.layout, self.step))
-                    self.saved = self.step
+                    if saver.save(engine, self.step, _data_position(self.layout, self.step), defer=True) is not None:
+                        self.saved = self.step
                 if boundary.stop:
                     result.stopped_early = self.stop_flag.reason
                     return None
@@ -446,10 +446,11 @@ class _Session:
             if saver is not None and self.step == opened + 1:
                 context.phase = "allocating the checkpoint's host buffers"
                 saver.ready(engine)
-            if saver is not None and saver.schedule.step_due(self.step, job.steps):
+            if saver is not None and (saver.schedule.step_due(self.step, job.steps) or saver.deferred is not None):
+                # A write still running defers it to a later boundary (`Checkpointer.save`).
                 context.phase = "copying the checkpoint to host memory"
-                saver.save(engine, self.step, _data_position(self.layout, self.step))
-                self.saved = self.step
+                if saver.save(engine, self.step, _data_position(self.layout, self.step), defer=True) is not None:
+                    self.saved = self.step
         return None
 
     def _prepare(self, generation: int) -> None:
