@@ -52,6 +52,20 @@ def test_every_tensor_and_the_header_read_back_with_the_hash_of_the_bytes_on_dis
         assert RankHeader.from_json(handle.metadata()[HEADER_KEY]) == _header()
 
 
+def test_the_written_bytes_are_handed_to_writeback_as_the_file_grows(tmp_path, monkeypatch):
+    """Each flush-behind covers the bytes written since the one before, from the start of the file:
+    the disk works while the rest is copied, instead of all of it in the closing fsync."""
+    monkeypatch.setattr(shards, "WRITE_CHUNK_BYTES", 512)
+    monkeypatch.setattr(shards, "FLUSH_BEHIND_BYTES", 1024)
+    ranges = []
+    monkeypatch.setattr(shards, "_flush_behind", lambda _descriptor, offset, length: ranges.append((offset, length)))
+    written = write_rank_file(tmp_path / "r.safetensors", _tensors(), _header())
+    assert len(ranges) >= 3 and ranges[0][0] == 0
+    assert all(offset + length == following for (offset, length), (following, _) in zip(ranges, ranges[1:]))
+    assert all(length >= 1024 for _offset, length in ranges)
+    assert written.size - sum(length for _offset, length in ranges) < 1024 + 512
+
+
 def test_the_file_takes_the_users_umask_and_no_thread_outlives_the_write(tmp_path):
     old = os.umask(0o027)
     try:
