@@ -294,6 +294,8 @@ def main() -> None:
     parser.add_argument("--layouts", type=int, default=3, help="how many layouts to launch (chosen first)")
     parser.add_argument("--checkpoint-every", type=int, default=4,
                         help="the chosen layout checkpoints every N steps (0: never): the pause and the next step")
+    parser.add_argument("--no-baseline", dest="baseline", action="store_false",
+                        help="skip the hand-written loop (the result is written after each layout either way)")
     parser.add_argument("--work", type=Path, default=None, help="folder for profiles, plans and runs")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -328,23 +330,7 @@ def main() -> None:
     pipectl("plan", "--profile", measured_path, "--cluster", cluster, *device_args, "--global-batch", global_batch,
             "--all", "--no-morph", "-o", plan_path)  # fmt: skip
     plan = json.loads(plan_path.read_text())
-    layouts = []
-    for index, (label, candidate) in enumerate(layouts_to_run(plan, args.layouts)):
-        # The plan's choice checkpoints every few steps: the pause and the next step's slowdown.
-        every = args.checkpoint_every if index == 0 else None
-        layouts.append(run_layout(label, candidate, plan_path, work, args.steps, args.warmup, gpu, every))
-        print(json.dumps(layouts[-1], indent=1), flush=True)
-        out.parent.mkdir(parents=True, exist_ok=True)  # what ran so far, should a later layout hang
-        out.with_suffix(".partial.json").write_text(json.dumps({"rows": layer_rows, "layouts": layouts}, indent=1))
-    one_gpu = next((r for r in layouts if r["layout"]["devices"] == 1 and "measured_step_seconds" in r), None)
-    reference = None
-    if one_gpu is not None:
-        reference = baseline(model, {**one_gpu["layout"]}, args.steps, args.warmup, device, dtype)
-        reference["pipectl_step_seconds"] = one_gpu["measured_step_seconds"]
-        reference["ratio"] = reference["step_seconds"] / one_gpu["measured_step_seconds"]
-
-    ran = [r for r in layouts if "step_error" in r]
-    result = {
+    facts = {
         "device": torch.cuda.get_device_name(0) if gpu else platform.processor() or "cpu",
         "device_kind": kind,
         "visible_devices": gpus,
@@ -358,6 +344,31 @@ def main() -> None:
         "dtype": dtype,
         "profile_seconds": profile_seconds,
         "derived_vs_measured": {"rows": layer_rows, "transformer_block": summarise_ratios(layer_rows, "transformer_block")},
+    }  # fmt: skip
+    layouts: list[dict] = []
+    for index, (label, candidate) in enumerate(layouts_to_run(plan, args.layouts)):
+        # The plan's choice checkpoints every few steps: the pause and the next step's slowdown.
+        every = args.checkpoint_every if index == 0 else None
+        layouts.append(run_layout(label, candidate, plan_path, work, args.steps, args.warmup, gpu, every))
+        print(json.dumps(layouts[-1], indent=1), flush=True)
+        write_result(out, facts, layouts, None)  # what ran so far, should a later layout or the baseline be cut short
+    one_gpu = next((r for r in layouts if r["layout"]["devices"] == 1 and "measured_step_seconds" in r), None)
+    reference = None
+    if one_gpu is not None and args.baseline:
+        reference = baseline(model, {**one_gpu["layout"]}, args.steps, args.warmup, device, dtype)
+        reference["pipectl_step_seconds"] = one_gpu["measured_step_seconds"]
+        reference["ratio"] = reference["step_seconds"] / one_gpu["measured_step_seconds"]
+    result = write_result(out, facts, layouts, reference)
+    print(json.dumps(result["summary"], indent=1))
+    print(f"wrote {out}")
+
+
+def write_result(out: Path, facts: dict, layouts: list[dict], reference: dict | None) -> dict:
+    """The run's JSON with its summary, as far as it has come (`baseline` None until it ran)."""
+    ran = [r for r in layouts if "step_error" in r]
+    first = layouts[0] if layouts else {}
+    result = {
+        **facts,
         "layouts": layouts,
         "baseline": reference,
         "summary": {
@@ -367,17 +378,16 @@ def main() -> None:
                                               default=None),
             "baseline_ratio": reference["ratio"] if reference else None,
             "measured_mfu": max((r["measured_mfu"] for r in ran if r.get("measured_mfu") is not None), default=None),
-            "checkpoint_pause_seconds": layouts[0].get("checkpoint_pause_seconds") if layouts else None,
-            "step_after_checkpoint_ratio": layouts[0].get("step_after_checkpoint_ratio") if layouts else None,
-            "checkpoint_write_gbytes_per_second": layouts[0].get("checkpoint_write_gbytes_per_second") if layouts else None,
+            "checkpoint_pause_seconds": first.get("checkpoint_pause_seconds"),
+            "step_after_checkpoint_ratio": first.get("step_after_checkpoint_ratio"),
+            "checkpoint_write_gbytes_per_second": first.get("checkpoint_write_gbytes_per_second"),
             "out_of_memory": [r["label"] for r in layouts if r["out_of_memory"]],
             "failed": [r["label"] for r in layouts if r["exit_code"] != 0],
         },
     }  # fmt: skip
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps(result["summary"], indent=1))
-    print(f"wrote {out}")
+    return result
 
 
 def _version(package: str) -> str | None:

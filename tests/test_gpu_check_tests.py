@@ -80,6 +80,22 @@ def test_gpu_check_tests_runs_a_part_of_the_suite_and_summarises(tmp_path):
     assert "<testsuite" in (tmp_path / "tests-junit.xml").read_text()
 
 
+@pytest.mark.multiprocess
+def test_gpu_check_on_cpu_ranks_writes_its_summary_with_the_checkpoint_figures(tmp_path):
+    """The check's own path, on CPU ranks (a check of the script, not a figure): profile, plan,
+    launch with checkpoints, and the result with its summary even without the baseline loop."""
+    out = tmp_path / "gpu-cpu.json"
+    env = {**os.environ, "PYTHON": sys.executable}
+    argv = ["bash", "scripts/gpu-check.sh", "--device", "cpu", "--quick", "--steps", "4", "--warmup", "1", "--layouts", "1",
+            "--checkpoint-every", "2", "--no-baseline", "--work", str(tmp_path / "work"), "--out", str(out)]  # fmt: skip
+    result = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads(out.read_text())["summary"]
+    assert summary["failed"] == [] and summary["baseline_ratio"] is None
+    assert summary["max_step_error"] is not None and summary["checkpoint_pause_seconds"] >= 0
+    assert summary["checkpoint_write_gbytes_per_second"] > 0
+
+
 @pytest.mark.skipif(os.environ.get("PIPECTL_TEST_GPU") == "1", reason="a GPU run shows the GPUs")
 def test_the_suite_runs_with_no_gpu_visible_to_it_or_its_ranks():
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "" and os.environ["DS_ACCELERATOR"] == "cpu"
