@@ -516,3 +516,74 @@ def test_a_checkpoint_due_while_the_last_one_is_written_is_deferred_not_waited_f
     infos = {info.step: info for info in ckpt.list_checkpoints(tmp_path)}
     assert sorted(infos) == [4, 10, 12] and all(info.verified for info in infos.values())
     assert load_file(infos[10].path / RANK0)["group0.fp32"].tolist() == [10.0] * 4
+
+
+def _deferring_rank(rank: int, port: int, run_dir: Path, gate: Path, out: Path) -> None:
+    """One of two gloo ranks: rank 1's write of step 2 waits for `gate`; `out`: where it took what."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from pipectl.runtime.checkpoint import checkpointer
+    from pipectl.runtime.checkpoint.shards import Fragment, RankHeader
+    from pipectl.runtime.checkpoint.snapshot import Snapshot
+
+    class Host:
+        def capture(self, engine, step, data_position, overlap=False):
+            fragment = Fragment(name="0.weight", group=0, offset=0, start=4 * rank, numel=4, shape=(8,), stage=0)
+            header = RankHeader(rank=rank, stage=0, step=step, world_size=2, data_parallel_rank=rank, fragments=[fragment])
+            return Snapshot({"group0.fp32": torch.full((4,), float(step))}, header)
+
+    real_write = checkpointer.write_rank_file
+
+    def slow_disk(path, tensors, header):
+        while header.step == 2 and rank == 1 and not gate.exists():
+            time.sleep(0.01)
+        return real_write(path, tensors, header)
+
+    checkpointer.write_rank_file = slow_disk
+    checkpointer.DEFER_AFTER_SECONDS = 0.01
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    saver = checkpointer.Checkpointer(run_dir, keep=3)
+    saver.host = Host()
+    taken = [saver.save(None, 2, {"step": 2}, defer=True) is not None, saver.save(None, 4, {"step": 4}, defer=True) is None]
+    if rank == 0:
+        gate.touch()
+    for step in range(5, 2000):
+        if saver.save(None, step, {"step": step}, defer=True) is not None:
+            break
+        time.sleep(0.01)
+    saver.finish()
+    out.write_text(json.dumps({"first_saved_and_then_deferred": taken, "taken_at": step}))
+    dist.destroy_process_group()
+
+
+@pytest.mark.multiprocess
+def test_every_rank_defers_while_any_rank_still_writes_and_takes_it_at_the_same_step(tmp_path):
+    """Rank 1's disk is slow: both ranks defer the due checkpoint (one gather decides), then take it
+    at the same later boundary; it commits whole, naming the step it was due at."""
+    import multiprocessing
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    context = multiprocessing.get_context("fork")
+    outs = [tmp_path / f"rank{rank}.json" for rank in range(2)]
+    ranks = [context.Process(target=_deferring_rank, args=(rank, port, tmp_path / "run", tmp_path / "gate", outs[rank]))
+             for rank in range(2)]  # fmt: skip
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join(120)
+    for process in ranks:
+        if process.is_alive():  # a rank stuck in a collective the other never joined
+            process.kill()
+    assert [process.exitcode for process in ranks] == [0, 0]
+    results = [json.loads(out.read_text()) for out in outs]
+    assert results[0] == results[1] and results[0]["first_saved_and_then_deferred"] == [True, True]
+    taken_at = results[0]["taken_at"]
+    events = ckpt.read_events(tmp_path / "run")
+    assert [(e.step, e.outcome.value, e.due_step) for e in events] == [(2, "committed", None), (taken_at, "committed", 4)]
+    assert all(info.verified for info in ckpt.list_checkpoints(tmp_path / "run"))
