@@ -253,6 +253,21 @@ def test_a_zb_h1_plan_is_refused_naming_the_split_backward():
         validated_config(make_plan(make_candidate(schedule=ScheduleKind.ZB_H1)))
 
 
+def test_zbv_on_a_torch_older_than_its_runtime_needs_is_refused_naming_both_versions(monkeypatch):
+    """torch 2.11's pipelining runtime fails at a V's first step on gloo (measured): a zbv plan is
+    refused before any rank starts, naming the torch found and the one needed; 2.12 runs it."""
+    from pipectl.artifacts.plan import Engine
+    from pipectl.runtime.engines import dsconfig
+
+    zbv = make_candidate(schedule=ScheduleKind.ZBV, chunks=2, engine=Engine.TORCH, deepspeed_runnable=False,
+                         cuts=[(0, 2), (2, 4), (4, 6), (6, 9)], peak_memory_bytes=[1, 1])  # fmt: skip
+    monkeypatch.setattr(dsconfig, "installed_torch", lambda: (2, 11))
+    with pytest.raises(DeepSpeedConfigRejected, match=r"schedule zbv needs torch 2\.12 or later .* has torch 2\.11"):
+        validated_config(make_plan(zbv))
+    monkeypatch.setattr(dsconfig, "installed_torch", lambda: (2, 12))
+    validated_config(make_plan(zbv))
+
+
 def test_a_plan_for_engine_torch_is_checked_against_what_that_runtime_runs():
     """The torch engine runs 1f1b, gpipe, interleaved and zb-h1 on one pipeline in fp32; its cut has
     p x v ranges. Anything else is refused naming the value."""

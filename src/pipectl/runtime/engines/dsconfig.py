@@ -232,9 +232,34 @@ def check_schedule(candidate: Candidate) -> None:
         )
 
 
+# zbv puts the V's two middle stages on one rank. Before 2.12, torch's pipelining runtime warmed up
+# every stage's neighbours with a batched send and receive, to that same rank as well, which gloo
+# refuses ("Pair is not connected") at the first step; 2.12 warms up with a vote between ranks.
+# Measured: zbv at p = 2 fails on torch 2.11.0 and trains on 2.12.1 and 2.13.0.
+ZBV_MIN_TORCH = (2, 12)
+
+
+def installed_torch() -> tuple[int, int] | None:
+    """torch's (major, minor) as installed, without importing it; None if it cannot be read."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        major, minor = version("torch").split(".")[:2]
+        return int(major), int(minor)
+    except (PackageNotFoundError, ValueError):
+        return None
+
+
 def check_torch_candidate(candidate: Candidate) -> None:
     """What the torch engine runs: 1f1b, gpipe, interleaved (v chunks per rank), zb-h1 or zbv (v = 2), without
     recomputation, one pipeline (t = 1, d = 1), ZeRO-1 (at d = 1: plain AdamW), p x v stage ranges."""
+    torch_version = installed_torch()
+    if candidate.schedule is ScheduleKind.ZBV and torch_version is not None and torch_version < ZBV_MIN_TORCH:
+        raise DeepSpeedConfigRejected(
+            f"schedule zbv needs torch {'.'.join(map(str, ZBV_MIN_TORCH))} or later on engine torch; this environment "
+            f"has torch {'.'.join(map(str, torch_version))}, whose pipelining runtime fails at a V's first step",
+            hint="install a newer torch, or re-plan with --schedules 1f1b,zb-h1,interleaved",
+        )
     problems = []
     if not torch_runnable(candidate.schedule, candidate.recompute):
         problems.append(
