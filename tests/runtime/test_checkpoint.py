@@ -469,25 +469,34 @@ def test_rank0_stops_waiting_for_the_report_of_a_rank_killed_on_this_host(tmp_pa
     assert not save.staged.exists()  # nothing loadable left behind
 
 
+class StepHost:
+    """A rank's host snapshot (`HostSnapshot.capture`) of the state after `step`: its 4 elements of
+    one parameter, each holding the step."""
+
+    def __init__(self, rank: int = 0, world_size: int = 1) -> None:
+        self.rank, self.world_size = rank, world_size
+
+    def capture(self, engine, step, data_position, overlap=False):
+        import torch
+
+        from pipectl.runtime.checkpoint.shards import Fragment, RankHeader
+        from pipectl.runtime.checkpoint.snapshot import Snapshot
+
+        rank, world = self.rank, self.world_size
+        fragment = Fragment(name="0.weight", group=0, offset=0, start=4 * rank, numel=4, shape=(4 * world,), stage=0)
+        header = RankHeader(rank=rank, stage=0, step=step, world_size=world, data_parallel_rank=rank, fragments=[fragment])
+        return Snapshot({"group0.fp32": torch.full((4,), float(step))}, header)
+
+
 def test_a_checkpoint_due_while_the_last_one_is_written_is_deferred_not_waited_for(tmp_path, monkeypatch):
     """A disk slower than the checkpoints are asked for costs checkpoints, not training time: a due
     checkpoint whose predecessor is still being written is taken at the first step boundary after
     the write ends, holds that step's state, and says which step it was due at; the last one waits."""
     import threading
 
-    import torch
-
-    from pipectl.runtime.checkpoint import checkpointer
     from safetensors.torch import load_file
 
-    from pipectl.runtime.checkpoint.shards import Fragment, RankHeader
-    from pipectl.runtime.checkpoint.snapshot import Snapshot
-
-    class Host:  # the state after `step`: one tensor holding the step
-        def capture(self, engine, step, data_position, overlap=False):
-            fragment = Fragment(name="0.weight", group=0, offset=0, start=0, numel=4, shape=(4,), stage=0)
-            header = RankHeader(rank=0, stage=0, step=step, world_size=1, data_parallel_rank=0, fragments=[fragment])
-            return Snapshot({"group0.fp32": torch.full((4,), float(step))}, header)
+    from pipectl.runtime.checkpoint import checkpointer
 
     gate = threading.Event()
     real_write = checkpointer.write_rank_file
@@ -500,7 +509,7 @@ def test_a_checkpoint_due_while_the_last_one_is_written_is_deferred_not_waited_f
     monkeypatch.setattr(checkpointer, "write_rank_file", slow_disk)
     monkeypatch.setattr(checkpointer, "DEFER_AFTER_SECONDS", 0.01)
     saver = checkpointer.Checkpointer(tmp_path, keep=3)
-    saver.host = Host()
+    saver.host = StepHost()
     assert saver.save(None, 4, {"step": 4}, defer=True) is not None
     assert saver.save(None, 8, {"step": 8}, defer=True) is None and saver.deferred == 8
     assert saver.save(None, 9, {"step": 9}, defer=True) is None and saver.deferred == 8
@@ -522,18 +531,9 @@ def _deferring_rank(rank: int, port: int, run_dir: Path, gate: Path, out: Path) 
     """One of two gloo ranks: rank 1's write of step 2 waits for `gate`; `out`: where it took what."""
     import time
 
-    import torch
     import torch.distributed as dist
 
     from pipectl.runtime.checkpoint import checkpointer
-    from pipectl.runtime.checkpoint.shards import Fragment, RankHeader
-    from pipectl.runtime.checkpoint.snapshot import Snapshot
-
-    class Host:
-        def capture(self, engine, step, data_position, overlap=False):
-            fragment = Fragment(name="0.weight", group=0, offset=0, start=4 * rank, numel=4, shape=(8,), stage=0)
-            header = RankHeader(rank=rank, stage=0, step=step, world_size=2, data_parallel_rank=rank, fragments=[fragment])
-            return Snapshot({"group0.fp32": torch.full((4,), float(step))}, header)
 
     real_write = checkpointer.write_rank_file
 
@@ -546,7 +546,7 @@ def _deferring_rank(rank: int, port: int, run_dir: Path, gate: Path, out: Path) 
     checkpointer.DEFER_AFTER_SECONDS = 0.01
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     saver = checkpointer.Checkpointer(run_dir, keep=3)
-    saver.host = Host()
+    saver.host = StepHost(rank, world_size=2)
     taken = [saver.save(None, 2, {"step": 2}, defer=True) is not None, saver.save(None, 4, {"step": 4}, defer=True) is None]
     if rank == 0:
         gate.touch()

@@ -253,8 +253,8 @@ def installed_torch() -> tuple[int, int] | None:
 def check_torch_candidate(candidate: Candidate) -> None:
     """What the torch engine runs: 1f1b, gpipe, interleaved (v chunks per rank), zb-h1 or zbv (v = 2), without
     recomputation, one pipeline (t = 1, d = 1), ZeRO-1 (at d = 1: plain AdamW), p x v stage ranges."""
-    torch_version = installed_torch()
-    if candidate.schedule is ScheduleKind.ZBV and torch_version is not None and torch_version < ZBV_MIN_TORCH:
+    torch_version = installed_torch() if candidate.schedule is ScheduleKind.ZBV else None  # read only when it matters
+    if torch_version is not None and torch_version < ZBV_MIN_TORCH:
         raise DeepSpeedConfigRejected(
             f"schedule zbv needs torch {'.'.join(map(str, ZBV_MIN_TORCH))} or later on engine torch; this environment "
             f"has torch {'.'.join(map(str, torch_version))}, whose pipelining runtime fails at a V's first step",
