@@ -273,3 +273,23 @@ def test_follow_waits_for_a_run_that_a_launch_is_about_to_write(tmp_path):
         writer.join()
     assert result.exit_code == 0, result.output
     assert "waiting for" in result.output and "4 / 10 steps" in result.output
+
+
+def test_status_says_when_the_last_checkpoint_was_deferred_for_a_slow_disk(tmp_path):
+    """`pipectl status run` from the run's folder: a checkpoint taken later than it was due (the
+    write before it still ran) says the step it was due at."""
+    import os
+    import subprocess
+    import sys
+
+    from pipectl.artifacts.run import CheckpointEvent, CheckpointOutcome
+
+    make_run(tmp_path)
+    ckpt.record_event(tmp_path / "run", CheckpointEvent(step=4, outcome=CheckpointOutcome.COMMITTED, stall_seconds=0.01,
+                                                        write_seconds=8.2, bytes=MIB, due_step=3))  # fmt: skip
+    env = {**os.environ, "COLUMNS": "200"}
+    shown = subprocess.run([sys.executable, "-m", "pipectl.cli.main", "status", "run"], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert shown.returncode == 0, shown.stdout + shown.stderr
+    assert "step 4: training paused 0.01 s" in shown.stdout
+    assert "due at step 3, deferred while the one before was written" in shown.stdout
