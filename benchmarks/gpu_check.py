@@ -154,8 +154,10 @@ def layouts_to_run(plan: dict, limit: int) -> list[tuple[str, dict]]:
 
 def checkpoint_figures(run_dir: Path, metrics: list, warmup: int) -> dict:
     """What the run's checkpoints cost (issue #46): the longest pause (training stopped for the
-    copy to host memory), each step right after a checkpoint over the median of the steps not
-    after one, and the background write rate (bytes over write + hash + commit seconds)."""
+    copy to host memory), the longest wait of an optimizer step for a checkpoint's copies (on a GPU
+    they overlap the step after the checkpoint), each step right after a checkpoint over the median
+    of the steps not after one, and the background write rate (bytes over write + hash + commit
+    seconds)."""
     from pipectl.rundir.checkpoints import read_events
 
     events = [e for e in read_events(run_dir) if e.outcome.value == "committed"]
@@ -167,9 +169,11 @@ def checkpoint_figures(run_dir: Path, metrics: list, warmup: int) -> dict:
     median = statistics.median(plain) if plain else None
     after = [by_step[step + 1] / median for step in saved if median and step + 1 in by_step]
     written = [e for e in events if e.write_seconds > 0]
+    waits = [rank.checkpoint_seconds for m in metrics for rank in m.ranks if rank.checkpoint_seconds is not None]
     return {
         "checkpoints": len(events),
         "checkpoint_pause_seconds": max(e.stall_seconds for e in events),
+        "checkpoint_copy_wait_seconds": max(waits, default=None),
         "step_after_checkpoint_ratio": max(after) if after else None,
         "checkpoint_write_gbytes_per_second": (statistics.median(e.bytes / e.write_seconds for e in written) / 1e9
                                                if written else None),
@@ -379,6 +383,7 @@ def write_result(out: Path, facts: dict, layouts: list[dict], reference: dict | 
             "baseline_ratio": reference["ratio"] if reference else None,
             "measured_mfu": max((r["measured_mfu"] for r in ran if r.get("measured_mfu") is not None), default=None),
             "checkpoint_pause_seconds": first.get("checkpoint_pause_seconds"),
+            "checkpoint_copy_wait_seconds": first.get("checkpoint_copy_wait_seconds"),
             "step_after_checkpoint_ratio": first.get("step_after_checkpoint_ratio"),
             "checkpoint_write_gbytes_per_second": first.get("checkpoint_write_gbytes_per_second"),
             "out_of_memory": [r["label"] for r in layouts if r["out_of_memory"]],

@@ -361,7 +361,7 @@ def phase_breakdown(candidate: Candidate, profile, cluster: ClusterSpec) -> dict
     optimizer step."""
     stages, step = simulated_phases(candidate, profile, cluster)
     index = max(range(len(stages)), key=lambda i: stages[i][0] + stages[i][1])
-    forward, backward, waits, reductions, optimizer = stages[index]
+    forward, backward, waits, reductions, optimizer, _ = stages[index]  # no checkpoint in a pinned step
     end = reductions + optimizer
     tensor_parallel = min(tensor_parallel_seconds(candidate, profile, cluster, index), forward + backward)
     return {"stage": index, "forward_seconds": round(forward, 4), "backward_seconds": round(backward, 4),

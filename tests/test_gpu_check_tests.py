@@ -93,6 +93,7 @@ def test_gpu_check_on_cpu_ranks_writes_its_summary_with_the_checkpoint_figures(t
     summary = json.loads(out.read_text())["summary"]
     assert summary["failed"] == [] and summary["baseline_ratio"] is None
     assert summary["max_step_error"] is not None and summary["checkpoint_pause_seconds"] >= 0
+    assert summary["checkpoint_copy_wait_seconds"] == 0.0  # CPU ranks copy between steps: no step waits
     assert summary["checkpoint_write_gbytes_per_second"] > 0
 
 

@@ -64,7 +64,7 @@ def write_run(folder, pipeline: int, micro_batch_size: int, *, truth=TRUE, steps
             RankTiming(rank=r, stage=r, forward_seconds=f, backward_seconds=b,
                        **({"p2p_seconds": w, "end_of_step_seconds": e + o} if phases else {}),
                        **({"optimizer_seconds": o} if phases and optimizer_apart else {}))
-            for r, (f, b, w, e, o) in enumerate(stages)
+            for r, (f, b, w, e, o, _) in enumerate(stages)
         ]  # fmt: skip
         writer.write(StepMetrics(step=s, loss=1.0, step_seconds=step, samples_per_second=8 / step, global_batch=8,
                                  world_size=chosen.devices, layout=layout_label(chosen), time_unix=time.time(), ranks=ranks))  # fmt: skip

@@ -17,6 +17,7 @@ from pipectl.cluster import load_cluster
 from pipectl.io import write_json_atomic
 from pipectl.rundir.status import RunStatus
 from pipectl.plan.cost_table import stage_costs_for
+from pipectl.plan.phases import PHASES
 from pipectl.plan.search import plan as make_plan
 from pipectl.plan.simulate import simulate
 from pipectl.testing.profiles import synthetic_profile
@@ -25,7 +26,8 @@ from pipectl.report.phase_table import phase_table
 from pipectl.rundir.analysis import phase_comparison
 from pipectl.schedule import generate
 
-FIELDS = ("forward_seconds", "backward_seconds", "p2p_seconds", "end_of_step_seconds", "optimizer_seconds")
+FIELDS = ("forward_seconds", "backward_seconds", "p2p_seconds", "end_of_step_seconds", "optimizer_seconds",
+          "checkpoint_seconds")
 
 
 def run_status(tmp_path, measured: list[list[tuple]], step_seconds: float) -> RunStatus:
@@ -48,9 +50,10 @@ def run_status(tmp_path, measured: list[list[tuple]], step_seconds: float) -> Ru
 
 
 def test_predictions_are_the_simulated_stages_and_measurements_the_medians_after_the_first_step(tmp_path):
-    steps = [[(9.0, 9.0, 9.0, 9.0, 9.0)] * 2, [(0.010, 0.020, 0.03, 0.004, 0.001), (0.011, 0.021, 0.03, 0.005, 0.002)],
-             [(0.012, 0.022, 0.04, 0.006, 0.002), (0.013, 0.023, 0.04, 0.007, 0.003)],
-             [(0.014, 0.024, 0.05, 0.008, 0.003), (0.015, 0.025, 0.05, 0.009, 0.004)]]  # fmt: skip
+    steps = [[(9.0, 9.0, 9.0, 9.0, 9.0, 0.0)] * 2,
+             [(0.010, 0.020, 0.03, 0.004, 0.001, 0.0), (0.011, 0.021, 0.03, 0.005, 0.002, 0.0)],
+             [(0.012, 0.022, 0.04, 0.006, 0.002, 0.0), (0.013, 0.023, 0.04, 0.007, 0.003, 0.0)],
+             [(0.014, 0.024, 0.05, 0.008, 0.003, 0.0), (0.015, 0.025, 0.05, 0.009, 0.004, 0.0)]]  # fmt: skip
     status = run_status(tmp_path, steps, step_seconds=0.1)
     comparison, reason = phase_comparison(status)
     assert reason is None and comparison.steps == (2, 4)
@@ -65,11 +68,11 @@ def test_predictions_are_the_simulated_stages_and_measurements_the_medians_after
         reductions, optimizer = seconds.get("AR", 0), seconds.get("STEP", 0)
         waits = timeline.step_seconds - forward - backward - reductions - optimizer
         assert optimizer > 0
-        assert stage.predicted == pytest.approx((forward, backward, waits, reductions, optimizer))
+        assert stage.predicted == pytest.approx((forward, backward, waits, reductions, optimizer, 0.0))
     # step 1 (9 s each) is left out; the medians are step 3's; the end of step splits into reductions and the optimizer
-    assert comparison.stages[0].measured == pytest.approx((0.012, 0.022, 0.04, 0.004, 0.002))
+    assert comparison.stages[0].measured == pytest.approx((0.012, 0.022, 0.04, 0.004, 0.002, 0.0))
     assert comparison.stages[0].unaccounted == pytest.approx(0.1 - 0.08)
-    assert comparison.stages[1].measured == pytest.approx((0.013, 0.023, 0.04, 0.004, 0.003))
+    assert comparison.stages[1].measured == pytest.approx((0.013, 0.023, 0.04, 0.004, 0.003, 0.0))
     rendered = phase_table(comparison)
     assert rendered.row_count == 4 and "steps 2-4" in str(rendered.title)  # predicted, then measured, per stage
     assert comparison.to_dict()["stages"][0]["measured"]["pipeline waits"] == pytest.approx(0.04)
@@ -79,14 +82,14 @@ def test_predictions_are_the_simulated_stages_and_measurements_the_medians_after
 def test_the_furthest_phase_is_named_and_a_short_run_says_why_there_is_none(tmp_path):
     probe, _ = phase_comparison(run_status(tmp_path / "probe", [[(0.0, 0.0, 0.0, 0.0, 0.0)] * 2] * 2, step_seconds=0.0))
     # As ranks record them: the end of step is the reductions and the optimizer step together.
-    predicted = [(f, b, w, r + o, o) for f, b, w, r, o in (stage.predicted for stage in probe.stages)]
+    predicted = [(f, b, w, r + o, o) for f, b, w, r, o, _ in (stage.predicted for stage in probe.stages)]
     step = max(f + b + w + e for f, b, w, e, _ in predicted)
     slow_links = [(f, b, w + 1.0, e, o) for f, b, w, e, o in predicted]
     comparison, _ = phase_comparison(run_status(tmp_path / "links", [slow_links] * 3, step_seconds=step + 1.0))
     assert {stage.furthest for stage in comparison.stages} == {"pipeline waits"}
     console = Console(width=100, record=True, file=io.StringIO())
     console.print(phase_table(comparison))
-    text = console.export_text()  # five phases, predicted then measured, in 100 columns; one unit (s: long steps)
+    text = console.export_text()  # five phases (no checkpoint waited), predicted then measured, in 100 columns
     assert "…" not in text and max(len(line.rstrip()) for line in text.splitlines()) <= 100
     assert "where the step goes, s " in text and "reductions" in text and "optimizer" in text
     lines = text.splitlines()
@@ -98,13 +101,31 @@ def test_the_furthest_phase_is_named_and_a_short_run_says_why_there_is_none(tmp_
     assert {stage.furthest for stage in comparison.stages} == {"backward"}
     older = [(f, b) for f, b, _, _, _ in predicted]  # a run that recorded compute only
     comparison, _ = phase_comparison(run_status(tmp_path / "older", [older] * 3, step_seconds=step))
-    assert comparison.stages[0].measured[2:] == (None, None, None) and comparison.stages[0].unaccounted is None
+    assert comparison.stages[0].measured[2:] == (None,) * 4 and comparison.stages[0].unaccounted is None
     before_split = [(f, b, w, e) for f, b, w, e, _ in predicted]  # a run that recorded its end of step whole
     comparison, _ = phase_comparison(run_status(tmp_path / "whole", [before_split] * 3, step_seconds=step))
-    assert comparison.stages[0].measured[2] is not None and comparison.stages[0].measured[3:] == (None, None)
+    assert comparison.stages[0].measured[2] is not None and comparison.stages[0].measured[3:] == (None,) * 3
     assert comparison.stages[0].unaccounted == pytest.approx(0.0, abs=1e-9)  # what the phases leave, from the whole end
     short = run_status(tmp_path / "short", [[(0.01, 0.02, 0.0, 0.0, 0.0)] * 2], step_seconds=0.1)
     assert phase_comparison(short) == (None, f"phases are compared after two steps of {layout_label(short.plan.chosen)}")
+
+
+def test_a_checkpoints_wait_is_its_own_phase_spread_over_the_steps(tmp_path):
+    # The step after a checkpoint waits 30 ms for its copies (inside the end of step, as ranks record
+    # it); the other steps none. The phase is the mean over steps 2-4, the reductions stay apart.
+    plain, after_checkpoint = (0.01, 0.02, 0.0, 0.005, 0.002, 0.0), (0.01, 0.02, 0.0, 0.035, 0.002, 0.03)
+    steps = [[plain] * 2, [plain] * 2, [after_checkpoint] * 2, [plain] * 2]
+    status = run_status(tmp_path, steps, step_seconds=0.1)
+    comparison, _ = phase_comparison(status)
+    measured = comparison.stages[0].measured
+    assert measured[PHASES.index("checkpoint copy")] == pytest.approx(0.01)
+    assert measured[PHASES.index("gradient reductions")] == pytest.approx(0.003)
+    assert comparison.stages[0].predicted[PHASES.index("checkpoint copy")] == 0.0
+    assert comparison.to_dict()["stages"][0]["measured"]["checkpoint copy"] == pytest.approx(0.01)
+    console = Console(width=100, record=True, file=io.StringIO())
+    console.print(phase_table(comparison))
+    text = console.export_text()  # a column where a step waited (a GPU's copies), else none; 100 columns
+    assert "ckpt" in text and "…" not in text and max(len(line.rstrip()) for line in text.splitlines()) <= 100
 
 
 def test_a_split_over_device_kinds_is_not_compared_per_stage(tmp_path):

@@ -111,10 +111,10 @@ def test_the_host_buffers_of_state_the_first_step_creates_are_allocated_before_a
 
 @pytest.mark.gpu
 def test_side_stream_copies_hold_the_state_of_the_step_before_the_next_update():
-    """A checkpoint's copies run beside the next step; the update that step makes waits for them."""
+    """A checkpoint's copies run beside the next step; the update that step makes waits for them,
+    and that wait is the step's checkpoint phase, timed by the GPU's events."""
     from pipectl.runtime.checkpoint.snapshot import HostSnapshot, SideCopies
-    from pipectl.runtime.engines.executor import wait_for_snapshot
-    from types import SimpleNamespace
+    from pipectl.runtime.engines.executor import TIMED_PHASES, DeviceTimes, TimedActions, wait_for_snapshot
 
     state = torch.randn(64 << 20, device="cuda")  # 256 MiB: the copy outlasts the enqueueing
     state.mul_(2.0)  # the optimizer step the checkpoint follows, still queued
@@ -122,13 +122,17 @@ def test_side_stream_copies_hold_the_state_of_the_step_before_the_next_update():
     host, tensors = HostSnapshot(), {}
     side = SideCopies()
     host._copy_all(tensors, [("group0.fp32", state)], side)
-    engine = SimpleNamespace(snapshot_copied=side.done())
+    engine = TimedActions()
+    engine.executed, engine.compute_slowdown, engine.device_times = [], 1.0, DeviceTimes()
+    engine.phase_seconds, engine.snapshot_copied = dict.fromkeys(TIMED_PHASES, 0.0), side.done()
     wait_for_snapshot(engine)  # the next optimizer step
     state.add_(1.0)
     engine_copied = engine.snapshot_copied
     torch.cuda.synchronize()
     assert engine_copied is None and tensors["group0.fp32"].is_pinned()
     assert torch.equal(tensors["group0.fp32"], expected)
+    engine.device_times.apply(engine)
+    assert engine.phase_seconds["checkpoint"] > 0 and engine.phase_seconds["optimizer"] == 0
 
 
 @pytest.mark.gpu

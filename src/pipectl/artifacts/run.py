@@ -396,13 +396,19 @@ class RankTiming(Strict):
     )
     end_of_step_seconds: float | None = Field(
         default=None, ge=0,
-        description="The rank's gradient reductions (tied and data-parallel) and optimizer step. None in files "
-        "written before it existed.",
+        description="The rank's gradient reductions (tied and data-parallel) and optimizer step, with the step's "
+        "wait for a checkpoint's copies. None in files written before it existed.",
     )
     optimizer_seconds: float | None = Field(
         default=None, ge=0,
         description="The optimizer step alone, part of end_of_step_seconds (DeepSpeed's ordinary engine reduces the "
         "gradients in the last backward: its end of step is its optimizer step). None in files written before it existed.",
+    )
+    checkpoint_seconds: float | None = Field(
+        default=None, ge=0,
+        description="The optimizer step's wait for a checkpoint's copies to host memory, part of end_of_step_seconds "
+        "(on a GPU the copies overlap the step after the checkpoint; 0 in other steps and where the copy is taken "
+        "between steps). None in files written before it existed.",
     )
     peak_allocated_bytes: int | None = Field(
         default=None,

@@ -1,6 +1,6 @@
 """A step split into phases, per pipeline stage, as the simulator predicts it and as ranks measure it.
 
-Five phases of a rank's step (`PHASES`):
+Six phases of a rank's step (`PHASES`):
 
 - forward: its forwards and recomputes;
 - backward: its backwards;
@@ -11,6 +11,10 @@ Five phases of a rank's step (`PHASES`):
   ordinary engine, one stage, reduces in the last backward instead, where its ranks time them);
 - optimizer: the optimizer step (with ZeRO, its gather of the updated parameters; the gradient
   norm's collective waits for the slowest rank too).
+- checkpoint copy: the optimizer step's wait for a checkpoint's copies to host memory, which on a
+  GPU overlap the step after the checkpoint (`runtime.engines.executor.wait_for_snapshot`). The
+  planner prices a step without checkpoints (predicted 0); measured, it is the mean over the steps,
+  so that a checkpoint every k steps shows as its wait over k.
 
 `simulated_phases` times a candidate's schedule under its cost table (`plan.simulate`): the waits
 are what the step leaves besides the rank's compute, reductions and optimizer. `measured_phases` reads what
@@ -36,8 +40,8 @@ from pipectl.plan.simulate import simulate
 from pipectl.schedule import generate
 from pipectl.schedule.ir import ActionKind
 
-PHASES = ("forward", "backward", "pipeline waits", "gradient reductions", "optimizer")
-Phases = tuple[float, float, float, float, float]
+PHASES = ("forward", "backward", "pipeline waits", "gradient reductions", "optimizer", "checkpoint copy")
+Phases = tuple[float, float, float, float, float, float]
 
 
 def simulated_phases(
@@ -60,15 +64,17 @@ def simulated_phases(
         )
         reductions, optimizer = seconds[ActionKind.ALL_REDUCE], seconds[ActionKind.OPTIMIZER_STEP]
         waits = timeline.step_seconds - forward - backward - reductions - optimizer
-        phases.append((forward, backward, waits if waits > 1e-9 * timeline.step_seconds else 0.0, reductions, optimizer))
+        waits = waits if waits > 1e-9 * timeline.step_seconds else 0.0
+        phases.append((forward, backward, waits, reductions, optimizer, 0.0))
     return phases, timeline.step_seconds
 
 
 @dataclass(frozen=True)
 class MeasuredPhases:
-    """Medians of one layout's steps after its first: per stage, each phase (None: not recorded,
-    by a run of an older pipectl) and the time no phase covers; per stage the end of the step
-    (reductions and optimizer step together, recorded before the two were timed apart); and the step."""
+    """Medians of one layout's steps after its first (the checkpoint copy: their mean): per stage,
+    each phase (None: not recorded, by a run of an older pipectl) and the time no phase covers; per
+    stage the end of the step (reductions, optimizer step and checkpoint wait together, recorded
+    before they were timed apart); and the step."""
 
     stages: dict[int, tuple[tuple[float | None, ...], float | None]]
     steps: tuple[int, int]  # the first and last step counted
@@ -80,6 +86,10 @@ def _median(values: list[float | None]) -> float | None:
     return None if any(v is None for v in values) else statistics.median(values)
 
 
+def _mean(values: list[float | None]) -> float | None:
+    return None if any(v is None for v in values) else statistics.fmean(values)
+
+
 def measured_phases(metrics: Sequence[StepMetrics], layout: str) -> MeasuredPhases | None:
     """The medians of the steps of `layout` after its first; None with fewer than two steps."""
     steps = [m for m in metrics if m.layout == layout and m.ranks]
@@ -89,15 +99,16 @@ def measured_phases(metrics: Sequence[StepMetrics], layout: str) -> MeasuredPhas
     rows: dict[int, list[tuple]] = {}
     for step in steps:
         for rank in step.ranks:
-            end, optimizer = rank.end_of_step_seconds, rank.optimizer_seconds
-            reductions = None if end is None or optimizer is None else max(0.0, end - optimizer)
-            phases = (rank.forward_seconds, rank.backward_seconds, rank.p2p_seconds, reductions, optimizer)
-            covered = (rank.forward_seconds, rank.backward_seconds, rank.p2p_seconds, end)
+            end, optimizer, checkpoint = rank.end_of_step_seconds, rank.optimizer_seconds, rank.checkpoint_seconds
+            reductions = None if end is None or optimizer is None else max(0.0, end - optimizer - (checkpoint or 0.0))
+            phases = (rank.forward_seconds, rank.backward_seconds, rank.p2p_seconds, reductions, optimizer, checkpoint)
+            covered = (rank.forward_seconds, rank.backward_seconds, rank.p2p_seconds, end)  # end holds the checkpoint's
             left = step.step_seconds - sum(covered) if None not in covered else None
             rows.setdefault(rank.stage, []).append((*phases, left, end))
     count = len(PHASES)
+    average = [_mean if phase == "checkpoint copy" else _median for phase in PHASES]
     stages = {
-        stage: (tuple(_median([row[k] for row in values]) for k in range(count)), _median([row[count] for row in values]))
+        stage: (tuple(average[k]([row[k] for row in values]) for k in range(count)), _median([row[count] for row in values]))
         for stage, values in sorted(rows.items())
     }
     ends = {stage: _median([row[count + 1] for row in values]) for stage, values in sorted(rows.items())}

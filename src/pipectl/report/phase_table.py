@@ -19,15 +19,25 @@ def _unit(comparison: PhaseComparison) -> tuple[str, float]:
     return ("s", 1e3) if max(figures, default=0.0) >= 10 else ("ms", 1.0)
 
 
-# Column headings short enough for five phases in 100 columns; the caption says what they hold.
-_HEADINGS = {"pipeline waits": "waits", "gradient reductions": "reductions"}
+# Column headings short enough for the phases in 100 columns; the caption says what they hold.
+_HEADINGS = {"pipeline waits": "waits", "gradient reductions": "reduce", "checkpoint copy": "ckpt"}
+
+
+def _shown(comparison: PhaseComparison) -> list[int]:
+    """The phases the table shows: all but the checkpoint copy where no step waited for one (a CPU
+    run, whose copies are taken between steps, or a run without checkpoints): five phases fit 100
+    columns, six only with shorter figures."""
+    index = PHASES.index("checkpoint copy")
+    waited = any((s.measured[index] or 0.0) > 0 for s in comparison.stages)
+    return [k for k in range(len(PHASES)) if k != index or waited]
 
 
 def phase_table(comparison: PhaseComparison) -> Table:
     """Per stage two rows, each phase predicted, then measured (ms, or s for long steps), what no
-    phase covers, and the phase furthest from its prediction: a figure per cell, so that five
+    phase covers, and the phase furthest from its prediction: a figure per cell, so that the
     phases fit 100 columns whatever the figures."""
     unit, divisor = _unit(comparison)
+    shown = _shown(comparison)
 
     def figure(seconds: float | None) -> str:
         return "-" if seconds is None else format_seconds_ms(seconds / divisor)
@@ -40,17 +50,19 @@ def phase_table(comparison: PhaseComparison) -> Table:
     )
     table.add_column("stage", justify="right")
     table.add_column("")
-    for phase in PHASES:
-        table.add_column(_HEADINGS.get(phase, phase), justify="right")
+    for k in shown:
+        table.add_column(_HEADINGS.get(PHASES[k], PHASES[k]), justify="right")
     table.add_column("other", justify="right")
     table.add_column("furthest off")
     for s in comparison.stages:
-        table.add_row(str(s.stage), "predicted", *(figure(p) for p in s.predicted), "", "")
-        table.add_row("", "measured", *(figure(m) for m in s.measured), figure(s.unaccounted),
+        table.add_row(str(s.stage), "predicted", *(figure(s.predicted[k]) for k in shown), "", "")
+        table.add_row("", "measured", *(figure(s.measured[k]) for k in shown), figure(s.unaccounted),
                       _HEADINGS.get(s.furthest, s.furthest), end_section=True)  # fmt: skip
+    checkpoint = ("ckpt: the optimizer step's wait for a checkpoint's copies to host memory (mean over the "
+                  "steps); " if PHASES.index("checkpoint copy") in shown else "")  # fmt: skip
     table.caption = (
-        "waits: sends and receives, waiting for peers included (bubble and transfers); reductions: the tied and "
-        "data-parallel gradient reductions at the end of the step; other: measured time no phase covers; furthest off: "
-        "the phase furthest from its prediction"
+        "waits: sends and receives, waiting for peers included (bubble and transfers); reduce: the tied and "
+        f"data-parallel gradient reductions at the end of the step; {checkpoint}other: measured time no phase covers; "
+        "furthest off: the phase furthest from its prediction"
     )
     return table

@@ -28,6 +28,7 @@ class StepRecord:
     p2p_seconds: float | None = None  # in sends and receives (waiting for peers included)
     end_of_step_seconds: float | None = None  # gradient reductions and the optimizer step
     optimizer_seconds: float | None = None  # the optimizer step alone
+    checkpoint_seconds: float | None = None  # the optimizer step's wait for a checkpoint's copies
     learning_rate: float | None = None  # the step's (read before it: the scheduler moves on after)
     grad_norm: float | None = None  # before clipping, where the engine computes it
 
@@ -42,7 +43,13 @@ def step_record(engine, step: int, loss: float, elapsed: float, memory: RankMemo
     phases = getattr(engine, "phase_seconds", {})
     optimizer = phases.get("optimizer")
     end = None if optimizer is None else phases.get("reductions", 0.0) + optimizer
-    return StepRecord(step, loss, elapsed, forward, backward, memory, phases.get("p2p"), end, optimizer_seconds=optimizer)
+    checkpoint = phases.get("checkpoint")
+    if end is not None and checkpoint is not None:
+        end += checkpoint
+    return StepRecord(
+        step, loss, elapsed, forward, backward, memory, phases.get("p2p"), end,
+        optimizer_seconds=optimizer, checkpoint_seconds=checkpoint,
+    )  # fmt: skip
 
 
 def learning_rate_of(engine) -> float | None:
@@ -101,6 +108,7 @@ def write_metrics(writer, job: TrainingJob, engine, record: StepRecord) -> StepM
         record.p2p_seconds,
         record.end_of_step_seconds,
         record.optimizer_seconds,
+        record.checkpoint_seconds,
         memory.peak_allocated_bytes if memory else None,
         memory.peak_reserved_bytes if memory else None,
         memory.peak_rss_bytes if memory else None,
@@ -125,11 +133,12 @@ def write_metrics(writer, job: TrainingJob, engine, record: StepRecord) -> StepM
             p2p_seconds=p2p,
             end_of_step_seconds=end,
             optimizer_seconds=optimizer,
+            checkpoint_seconds=checkpoint,
             peak_allocated_bytes=allocated,
             peak_reserved_bytes=reserved,
             peak_rss_bytes=rss,
         )
-        for r, s, samples, device, host, f, b, p2p, end, optimizer, allocated, reserved, rss in gathered
+        for r, s, samples, device, host, f, b, p2p, end, optimizer, checkpoint, allocated, reserved, rss in gathered
     ]
     line = StepMetrics(
         step=record.step,

@@ -194,8 +194,9 @@ def record_action(executed: list[ExecutedAction], action: Action, start: float, 
 
 # What a rank's step spends besides its compute, timed per step (`phase_seconds`): its sends and
 # receives (a receive waits for the peer: the pipeline's bubble and the transfer), its tied and
-# data-parallel gradient reductions, and its optimizer step.
-TIMED_PHASES = ("p2p", "reductions", "optimizer")
+# data-parallel gradient reductions, its optimizer step, and the optimizer step's wait for a
+# checkpoint's copies to host memory (`wait_for_snapshot`; 0 where the copy is not overlapped).
+TIMED_PHASES = ("p2p", "reductions", "optimizer", "checkpoint")
 
 
 @dataclass(frozen=True)
@@ -280,15 +281,21 @@ def device_times_for(engine: Any) -> DeviceTimes | None:
 
 def wait_for_snapshot(engine: Any) -> None:
     """Before an optimizer step: the training stream waits for a checkpoint's copies still on
-    their side stream (`snapshot.SideCopies`), which read the state this step overwrites."""
+    their side stream (`snapshot.SideCopies`), which read the state this step overwrites.
+
+    The wait is the step's "checkpoint" phase: on a GPU the events around it span the time the
+    training stream stood still for the copies (the copies' own sharing of the GPU with the
+    forwards and backwards they overlap shows in those, not here)."""
     copied = getattr(engine, "snapshot_copied", None)
     if copied is not None:
+        began = engine._begin()
         torch.cuda.current_stream().wait_event(copied)
+        engine._add_phase("checkpoint", began)
         engine.snapshot_copied = None
 
 
 def _after_snapshot(function):
-    """`function` (the optimizer step's instruction), once a checkpoint's copies have landed."""
+    """`function` (the optimizer step's instruction, timed), once a checkpoint's copies have landed."""
 
     def run(self, *args, **kwargs):
         wait_for_snapshot(self)
@@ -469,7 +476,7 @@ class PlannedPipelineEngine(TimedActions, PipelineEngine):
             instruction: _timed(PipelineEngine._INSTRUCTION_MAP[instruction], "reductions")
             for instruction in (ds_schedule.ReduceTiedGrads, ds_schedule.ReduceGrads)
         },
-        ds_schedule.OptimizerStep: _timed(_after_snapshot(PipelineEngine._INSTRUCTION_MAP[ds_schedule.OptimizerStep]), "optimizer"),
+        ds_schedule.OptimizerStep: _after_snapshot(_timed(PipelineEngine._INSTRUCTION_MAP[ds_schedule.OptimizerStep], "optimizer")),
     }
 
 

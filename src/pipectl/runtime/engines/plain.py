@@ -108,9 +108,9 @@ class PlannedPlainEngine(TimedActions, DeepSpeedEngine):
                 self.backward(losses.pop(index))
                 self._record(action, start)
                 boundary = self.is_gradient_accumulation_boundary()  # before `step` counts this one
-                start = self._begin()
                 if boundary:
                     wait_for_snapshot(self)
+                start = self._begin()
                 # Counts the micro-batch; at the step's last one, updates (DeepSpeed reduced the
                 # gradients in that micro-batch's backward, where they are timed).
                 self.step()
