@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipectl.artifacts.model import ModelConfig
+from pipectl.artifacts.profile import EngineFeatures
 from pipectl.catalog import DeviceSpec, get_device
 from pipectl.errors import UserInputError
 from pipectl.io import load_model
@@ -277,18 +278,25 @@ def test_embedding_backward_pays_for_the_dense_vocabulary_gradient():
 
 
 def test_peak_memory_is_parameters_twice_saved_output_and_working():
-    # The head's working memory (read back as peak - 2 x parameters - saved - output) holds the
-    # fp32 log-softmax gradient and the fp32 logits' gradient together: 8 b s V bytes.
+    # pipectl's loss keeps the 16-bit logit gradient it makes in the forward (2 b s V bytes, not
+    # eager's 4 b s V of fp32 log-softmax); its working memory (read back as peak - 2 x parameters
+    # - saved - output) is one chunk of fp32 log-probabilities or the backward's two gradients.
+    # Another engine's eager fp32 loss holds two fp32 gradients together: 8 b s V bytes.
+    from pipectl.profile.layer_shapes import LOSS_CHUNK_BYTES
+
     config = _config("gpt2-2.5b")
     b = 4
-    profile = derive_profile(config, H100, [b])
-    head = profile.layers[-1]
-    cost = head.cost(b)
     tokens, V, h = b * config.seq_len, config.vocab, config.hidden
-    assert cost.saved_activation_bytes == tokens * h * 2 + tokens * V * 4
-    assert cost.output_activation_bytes == tokens * V * 2
-    working = cost.peak_memory_bytes - 2 * head.parameter_bytes - cost.saved_activation_bytes - cost.output_activation_bytes
-    assert working == 8 * tokens * V
+    for engine, saved, working in ((None, tokens * h * 2 + tokens * V * 2,
+                                    max(LOSS_CHUNK_BYTES // (4 * V) * 4 * V, 2 * tokens * h + 2 * V * h)),
+                                   (EngineFeatures(name="megatron"), tokens * h * 2 + tokens * V * 4, 8 * tokens * V)):  # fmt: skip
+        head = derive_profile(config, H100, [b], engine=engine).layers[-1]
+        cost = head.cost(b)
+        assert cost.saved_activation_bytes == saved
+        assert cost.output_activation_bytes == tokens * V * 2
+        rest = cost.peak_memory_bytes - 2 * head.parameter_bytes - cost.saved_activation_bytes - cost.output_activation_bytes
+        assert rest == working
+    profile = derive_profile(config, H100, [b])
     # Every layer's working memory is non-negative and smaller than its saved + output bytes.
     for layer in profile.layers:
         c = layer.cost(b)

@@ -95,6 +95,69 @@ class FinalNorm(nn.LayerNorm):
     """The LayerNorm before the head, as its own cuttable layer."""
 
 
+# Rows of logits `lm_loss` takes at a time: this many bytes of fp32 log-probabilities per chunk
+# (at a vocabulary of 50k, about 1,300 tokens: a few dozen kernels for a micro-batch of 16k tokens).
+LOSS_CHUNK_BYTES = 256 << 20
+IGNORE_INDEX = -100  # F.cross_entropy's default: labels that count for neither loss nor gradient
+
+
+def _token_losses(flat: torch.Tensor, labels: torch.Tensor, gradient: torch.Tensor | None) -> torch.Tensor:
+    """Each row's cross-entropy in fp32 (0 where ignored), a chunk of rows at a time; with
+    `gradient` (the logits' shape and dtype), each row's softmax - one-hot written into it."""
+    vocab = flat.shape[-1]
+    valid = labels != IGNORE_INDEX
+    picked = labels.masked_fill(~valid, 0).unsqueeze(1)
+    losses = torch.empty(flat.shape[0], dtype=torch.float32, device=flat.device)
+    rows = max(1, LOSS_CHUNK_BYTES // (4 * vocab))
+    for start in range(0, flat.shape[0], rows):
+        end = start + rows
+        log_probs = torch.log_softmax(flat[start:end], dim=-1, dtype=torch.float32)
+        losses[start:end] = -log_probs.gather(1, picked[start:end]).squeeze(1)
+        if gradient is not None:
+            probs = log_probs.exp_()
+            probs.scatter_add_(1, picked[start:end], probs.new_full((probs.shape[0], 1), -1.0))
+            gradient[start:end].copy_(probs)
+    return losses * valid
+
+
+class _CrossEntropy(torch.autograd.Function):
+    """Mean token cross-entropy whose gradient is made in the forward, chunk by chunk.
+
+    Eager `F.cross_entropy(logits.float(), labels)` keeps an fp32 copy of the logits and their fp32
+    log-softmax for the backward (4 bytes per token and vocabulary entry kept, 8 more passing; the
+    logits are the largest activation of a language model: Korthikanti et al. 2022, §4.3) and runs
+    about 44 bytes of memory traffic per logit over forward and backward. Here each chunk's
+    log-softmax is taken in fp32 from the 16-bit logits in one kernel, its loss read off, and its
+    gradient softmax - one-hot written once in the logits' dtype; that gradient is all the backward
+    keeps (the logits themselves are not kept), and the backward scales it in place by the incoming
+    gradient over the token count: about 24 bytes per logit, and the logits' own size kept instead
+    of twice it in fp32. The same loss and gradient as eager cross-entropy, up to the 16-bit rounding
+    eager's gradient gets too, ignored labels (-100) included.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        flat, labels = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
+        gradient = torch.empty_like(flat)
+        losses = _token_losses(flat, labels, gradient)
+        valid = labels != IGNORE_INDEX
+        count = valid.sum()
+        ctx.save_for_backward(gradient, valid, count)
+        ctx.shape = logits.shape
+        return losses.sum() / count
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_output: torch.Tensor):  # type: ignore[override]
+        gradient, valid, count = ctx.saved_tensors
+        scale = valid.to(torch.float32) * (grad_output.to(torch.float32) / count)
+        return gradient.mul_(scale.unsqueeze(1)).view(ctx.shape), None
+
+
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean token cross-entropy."""
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
+    """Mean token cross-entropy, its gradient made in the forward a chunk at a time (`_CrossEntropy`);
+    without autograd (an evaluation) the losses alone, by the same chunks."""
+    if torch.is_grad_enabled() and logits.requires_grad:
+        return _CrossEntropy.apply(logits, labels)
+    labels = labels.reshape(-1)
+    return _token_losses(logits.reshape(-1, logits.shape[-1]), labels, None).sum() / (labels != IGNORE_INDEX).sum()

@@ -179,10 +179,49 @@ def _final_norm_work(hidden: int, seq_len: int, b: int, device: ComputeDevice, r
     )
 
 
-def _head_work(vocab: int, hidden: int, seq_len: int, b: int, device: ComputeDevice) -> LayerWork:
-    """Logits x W^T and the loss `pipectl.models.transformer.lm_loss` computes on them.
+# `pipectl.models.transformer.LOSS_CHUNK_BYTES` (kept apart: deriving a profile imports no torch; a
+# test holds the two equal).
+LOSS_CHUNK_BYTES = 256 << 20
 
-    lm_loss upcasts the logits to fp32 and takes cross-entropy = log-softmax + NLL. Saved: the
+
+def _head_work(vocab: int, hidden: int, seq_len: int, b: int, device: ComputeDevice) -> LayerWork:
+    """Logits x W^T and pipectl's loss on them (`pipectl.models.transformer.lm_loss`).
+
+    A chunk of rows at a time (`LOSS_CHUNK_BYTES` of fp32): log-softmax in fp32 from the 16-bit
+    logits (one kernel reading them twice, for the maximum and sum and for the output), the
+    picked log-probabilities, exp in place, the one-hot subtracted, the gradient written in 16-bit.
+    Saved: the head's input and that 16-bit gradient (not the logits). The backward scales the
+    gradient in place, then the two GEMMs. Transient: one chunk's fp32 log-probabilities in the
+    forward; the input gradient and the V x h weight gradient in the backward.
+    """
+    e, T, h, V = device.bytes_per_element, b * seq_len, hidden, vocab
+    rows = max(1, LOSS_CHUNK_BYTES // (FP32_BYTES * V))
+    forward = [gemm_kernel("logits", T, V, h, device)]
+    for start in range(0, T, rows):
+        n = min(rows, T - start)
+        forward += [
+            memory_kernel("log-softmax to fp32 (max and sum pass)", n * V * e, device),
+            memory_kernel("log-softmax to fp32", n * V * (e + FP32_BYTES), device),
+            memory_kernel("picked log-probabilities", n * (FP32_BYTES + TOKEN_ID_BYTES), device),
+            memory_kernel("exp", 2 * n * V * FP32_BYTES, device),
+            memory_kernel("minus one-hot", n * (FP32_BYTES + TOKEN_ID_BYTES), device),
+            memory_kernel("gradient to dtype", n * V * (FP32_BYTES + e), device),
+        ]
+    forward.append(memory_kernel("mean over tokens", 2 * T * FP32_BYTES, device))
+    backward = [
+        memory_kernel("gradient x incoming / tokens", 2 * T * V * e, device),
+        gemm_kernel("logits input gradient", T, h, V, device),
+        gemm_kernel("logits weight gradient", V, h, T, device),
+        _accumulate("token table", V * h, device),
+    ]
+    working = max(FP32_BYTES * min(rows, T) * V, e * T * h + e * V * h)
+    return LayerWork(forward, backward, saved_bytes=T * h * e + T * V * e, working_bytes=working)
+
+
+def _fp32_loss_head_work(vocab: int, hidden: int, seq_len: int, b: int, device: ComputeDevice) -> LayerWork:
+    """Logits x W^T and an eager fp32 cross-entropy on them, as Megatron's runs take it.
+
+    The logits are upcast to fp32 and cross-entropy = log-softmax + NLL. Saved: the
     head's input (for the weight gradient) and the fp32 log-softmax output (Korthikanti et al. 2022,
     §4.3: 4 s b V bytes). Transient, beyond those and the 16-bit logits (the output):
 
@@ -254,7 +293,7 @@ def engine_shards(
             parameters = local_vocab * h + (s * h if positions else 0)
             shards[t] = (parameters, lambda b, d, v=local_vocab: _embedding_work(v, h, s, b, d, positions))
         elif shape.kind == "lm_head" and engine.vocab_parallel:
-            shards[t] = (local_vocab * h, lambda b, d, v=local_vocab: _head_work(v, h, s, b, d))
+            shards[t] = (local_vocab * h, lambda b, d, v=local_vocab: _fp32_loss_head_work(v, h, s, b, d))
         elif shape.kind == "layer_norm" and engine.sequence_parallel:
             shards[t] = (shape.parameter_count,
                          lambda b, d, t=t: _final_norm_work(h, -(-s // t), b, d, rms, engine.fused_elementwise))
@@ -318,7 +357,8 @@ def transformer_shapes(config: ModelConfig, attention: Attention, engine: Engine
             shared_parameter_count=V * h if config.tied_embeddings else 0,
             forward_flops_per_sample=2 * s * h * V,  # logits: 2bshV forward (docs/design.md, 'Parameters and FLOPs')
             output_elements_per_sample=s * V,
-            work=lambda b, d: _head_work(V, h, s, b, d),
+            # pipectl's own loss, or another engine's fp32 one.
+            work=lambda b, d: (_head_work if engine is None else _fp32_loss_head_work)(V, h, s, b, d),
         )
     )
     return shapes
