@@ -114,6 +114,18 @@ def engine_differences(profile: ModelProfile, unpriced: list[str]) -> list[str]:
     return [f"not priced (the profile times pipectl's own layers): {what}" for what in unpriced]
 
 
+# The head of a profile of pipectl's own layers is priced with pipectl's loss (`models.transformer.
+# lm_loss`), which keeps a 16-bit logit gradient; the frameworks' cross-entropies keep fp32.
+FP32_LOSS = "an fp32 cross-entropy ({who}): 2 bytes more per logit on the last stage than pipectl's chunked loss, priced"
+
+
+
+def profile_is_pipectls(target: Target) -> bool:
+    """Whether the profile prices pipectl's own layers and loss (measured, or derived without another
+    engine's features)."""
+    return target.profile.engine is None
+
+
 def stage_summary(target: Target) -> str:
     """'embed + block.0-16 | block.17-33 | ... | block.90-95 + final_norm + head': the cut in layer names."""
     names = [layer.name for layer in target.profile.layers]

@@ -16,7 +16,7 @@ import json
 
 from pipectl.artifacts.plan import Framework, Recompute
 from pipectl.artifacts.run import Precision
-from pipectl.emit.common import Target, engine_differences, header
+from pipectl.emit.common import FP32_LOSS, profile_is_pipectls, Target, engine_differences, header
 from pipectl.runtime.engines.dsconfig import batch_section, parse_with_deepspeed, stage_partition
 
 CONFIG_FILE = "ds_config.json"
@@ -109,6 +109,9 @@ def differences(target: Target) -> list[str]:
         "the prediction is for DeepSpeed's own pipeline engine (pipectl's runtime runs the same); your layers must "
         "be those of the profile, in its order, for the cut and the times to hold"
     )
+    if profile_is_pipectls(target):
+        notes.append("the loss is priced as pipectl's (models.transformer.lm_loss); with " +
+                     FP32_LOSS.format(who="F.cross_entropy(logits.float(), labels)"))
     if c.tensor_parallel > 1:
         notes.append(f"tensor parallelism t = {c.tensor_parallel}: priced as pipectl's split blocks; your layers "
                      "must split themselves over the topology's model axis")

@@ -23,7 +23,7 @@ from __future__ import annotations
 import shlex
 
 from pipectl.artifacts.plan import Framework, Recompute
-from pipectl.emit.common import Target, engine_differences, header
+from pipectl.emit.common import FP32_LOSS, Target, engine_differences, header
 from pipectl.plan.frameworks import BLOCK, EMBEDDING, HEAD
 
 FILE = "megatron-args.sh"
@@ -182,7 +182,8 @@ def _letters(stage: str) -> str:
 
 def differences(target: Target) -> list[str]:
     c, profile = target.candidate, target.profile
-    unpriced = ["fused kernels (Transformer Engine or Apex where installed): a shorter step"]
+    unpriced = ["fused kernels (Transformer Engine or Apex where installed): a shorter step",
+                FP32_LOSS.format(who="Megatron's vocabulary-parallel one keeps its softmax")]
     if c.tensor_parallel > 1:
         unpriced += ["sequence parallelism: norms and dropouts keep 1/t of their activations, less memory",
                      "the vocabulary-parallel embedding and head: 1/t of their time and memory per tensor rank"]

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 
 from pipectl.artifacts.plan import Framework, Recompute
-from pipectl.emit.common import Target, engine_differences, header
+from pipectl.emit.common import FP32_LOSS, profile_is_pipectls, Target, engine_differences, header
 from pipectl.plan.frameworks import (
     BLOCK, EMBEDDING, FINAL_NORM, HEAD, REPLICATE, SHARD_ALWAYS, SHARD_NEVER, torchtitan_data_parallel,
 )
@@ -122,5 +122,7 @@ def differences(target: Target) -> list[str]:
     if config is None or not (config.norm == "rms" and config.rotary and config.activation == "swiglu"):
         notes.append(f"model '{target.plan.model}' is none of torchtitan's decoders (RMSNorm, rotary positions, "
                      "SwiGLU: Llama, Qwen, DeepSeek): the cut is written in their module names")
+    if profile_is_pipectls(target):
+        notes.append("not priced: " + FP32_LOSS.format(who="torchtitan's upcasts the logits"))
     notes.append("torch.compile, Float8 and async tensor parallelism are not priced; leave them off to train as priced")
     return notes

@@ -398,7 +398,8 @@ def plan_view(
             parts.append(legend)
     for note in [*plan.notes, *c.notes]:
         parts.append(Text(f"note: {note}", style="yellow"))
-    if c.replicas:
+    if c.replicas and len({(r.device, r.micro_batch_size) for r in c.replicas}) > 1:
+        # Replicas of one kind and b differ only in m, which the uneven-replicas note says in a line.
         parts.append(_replicas_table(c.replicas))
     checkpoint = None if framework else checkpoint_line(plan)  # pipectl's own checkpoints
     if checkpoint is not None:

@@ -1,9 +1,10 @@
-# pipectl 0.1.0: DeepSpeed's PipelineModule settings for plan gpt3-175b-deepspeed/plan.json (sha256 d76054e070fd), profile profile-7dc5d1784b99.json
+# pipectl 0.1.0: DeepSpeed's PipelineModule settings for plan gpt3-175b-deepspeed/plan.json (sha256 54fc8ebd9026), profile profile-3cabdcec96e7.json
 # model gpt3-175b, global batch 1536, cluster a100-384x8
-# layout t8p6d64 1f1b b1 m24 ZeRO-1 on 3072 x a100-80gb (384 nodes of 8): predicted 8.376 s/step, peak 45.2 GiB per device
+# layout t8p6d64 1f1b b1 m24 ZeRO-1 on 3072 x a100-80gb (384 nodes of 8): predicted 8.374 s/step, peak 45.2 GiB per device
 #
 # What this framework does that pipectl's prediction did not price (how far the step time holds here):
 # - the prediction is for DeepSpeed's own pipeline engine (pipectl's runtime runs the same); your layers must be those of the profile, in its order, for the cut and the times to hold
+# - the loss is priced as pipectl's (models.transformer.lm_loss); with an fp32 cross-entropy (F.cross_entropy(logits.float(), labels)): 2 bytes more per logit on the last stage than pipectl's chunked loss, priced
 # - tensor parallelism t = 8: priced as pipectl's split blocks; your layers must split themselves over the topology's model axis
 
 """The plan's stage boundaries and rank layout for a DeepSpeed PipelineModule.

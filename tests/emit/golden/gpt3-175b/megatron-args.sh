@@ -1,9 +1,10 @@
-# pipectl 0.1.0: Megatron-LM settings for plan gpt3-175b-megatron/plan.json (sha256 777e74a1ec09), profile profile-7dc5d1784b99.json
+# pipectl 0.1.0: Megatron-LM settings for plan gpt3-175b-megatron/plan.json (sha256 ee6979e2898c), profile profile-3cabdcec96e7.json
 # model gpt3-175b, global batch 1536, cluster a100-384x8
-# layout t4p16d48 interleaved b1 m32 v4 ZeRO-1 on 3072 x a100-80gb (384 nodes of 8): predicted 7.152 s/step, peak 70.4 GiB per device
+# layout t4p16d48 interleaved b1 m32 v4 ZeRO-1 on 3072 x a100-80gb (384 nodes of 8): predicted 7.136 s/step, peak 70.4 GiB per device
 #
 # What this framework does that pipectl's prediction did not price (how far the step time holds here):
 # - not priced (the profile times pipectl's own layers): fused kernels (Transformer Engine or Apex where installed): a shorter step
+# - not priced (the profile times pipectl's own layers): an fp32 cross-entropy (Megatron's vocabulary-parallel one keeps its softmax): 2 bytes more per logit on the last stage than pipectl's chunked loss, priced
 # - not priced (the profile times pipectl's own layers): sequence parallelism: norms and dropouts keep 1/t of their activations, less memory
 # - not priced (the profile times pipectl's own layers): the vocabulary-parallel embedding and head: 1/t of their time and memory per tensor rank
 # - with --bf16 Megatron reduces gradients in fp32: twice the data-parallel bytes priced

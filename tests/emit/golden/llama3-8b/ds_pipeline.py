@@ -1,9 +1,10 @@
-# pipectl 0.1.0: DeepSpeed's PipelineModule settings for plan llama3-8b-deepspeed/plan.json (sha256 f1e8340e9cd1), profile profile-2530732cf363.json
+# pipectl 0.1.0: DeepSpeed's PipelineModule settings for plan llama3-8b-deepspeed/plan.json (sha256 5d7cfe16988a), profile profile-64c365a94447.json
 # model llama3-8b, global batch 512, cluster a100-8x8
-# layout t1p2d32 1f1b b1 m16 ZeRO-1 on 64 x a100-80gb (8 nodes of 8): predicted 9.346 s/step, peak 44.7 GiB per device
+# layout t1p2d32 1f1b b1 m16 ZeRO-1 on 64 x a100-80gb (8 nodes of 8): predicted 9.264 s/step, peak 44.7 GiB per device
 #
 # What this framework does that pipectl's prediction did not price (how far the step time holds here):
 # - the prediction is for DeepSpeed's own pipeline engine (pipectl's runtime runs the same); your layers must be those of the profile, in its order, for the cut and the times to hold
+# - the loss is priced as pipectl's (models.transformer.lm_loss); with an fp32 cross-entropy (F.cross_entropy(logits.float(), labels)): 2 bytes more per logit on the last stage than pipectl's chunked loss, priced
 
 """The plan's stage boundaries and rank layout for a DeepSpeed PipelineModule.
 

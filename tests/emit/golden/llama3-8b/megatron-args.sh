@@ -1,9 +1,10 @@
-# pipectl 0.1.0: Megatron-LM settings for plan llama3-8b-megatron/plan.json (sha256 246a7459a9c7), profile profile-2530732cf363.json
+# pipectl 0.1.0: Megatron-LM settings for plan llama3-8b-megatron/plan.json (sha256 e9490c43bab3), profile profile-64c365a94447.json
 # model llama3-8b, global batch 512, cluster a100-8x8
-# layout t1p2d32 interleaved b1 m16 v4 ZeRO-1 on 64 x a100-80gb (8 nodes of 8): predicted 8.969 s/step, peak 52.9 GiB per device
+# layout t1p2d32 interleaved b1 m16 v4 ZeRO-1 on 64 x a100-80gb (8 nodes of 8): predicted 8.938 s/step, peak 52.9 GiB per device
 #
 # What this framework does that pipectl's prediction did not price (how far the step time holds here):
 # - not priced (the profile times pipectl's own layers): fused kernels (Transformer Engine or Apex where installed): a shorter step
+# - not priced (the profile times pipectl's own layers): an fp32 cross-entropy (Megatron's vocabulary-parallel one keeps its softmax): 2 bytes more per logit on the last stage than pipectl's chunked loss, priced
 # - with --bf16 Megatron reduces gradients in fp32: twice the data-parallel bytes priced
 # - Megatron's attention and hidden dropout (0.1 each unless set to 0) is not priced
 # - --use-distributed-optimizer is priced as ZeRO-1: optimizer state split over the replicas
