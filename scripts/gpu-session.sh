@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# A lent GPU host's whole check in one call, each part in its own time box, everything under $OUT
+# (issue #46). For a host whose image has python3 with a CUDA torch but not pipectl's other
+# packages: carry their wheels and a wheel of pipectl (docs/guide/gpu-check.md, "Checking pipectl
+# on a GPU host") in DIR.
+#
+#   OUT=/tmp/out scripts/gpu-session.sh [--wheels DIR] [--budget SECONDS]
+#
+# In order, the most wanted figures first:
+#   1. gpu-check of a 1.15 B GPT (9 blocks, hidden 3072, 24 heads, sequence 4096, vocabulary 51,200,
+#      global batch 64) on one GPU, checkpointing every 4 steps: step and memory error, MFU, the
+#      checkpoint pause and copy wait, the write rate -> $OUT/gpu-1.15b.json
+#   2. benchmarks/lm_loss.py on the GPU -> $OUT/lm_loss-cuda.json
+#   3. the disk's own rate (dd with fsync) and the host's facts -> $OUT/session.log
+#   4. the suite pinned to CPU, then the gpu tests, in what time is left -> $OUT/tests-*, gpu-tests-*
+# That is 8 files. --budget (default 540) is the seconds all parts share; each part's box is a
+# share of what is left when it starts.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+WHEELS=.whl
+BUDGET=540
+while (($#)); do
+    case "$1" in
+        --wheels) WHEELS="$2"; shift 2 ;;
+        --budget) BUDGET="$2"; shift 2 ;;
+        *) echo "gpu-session: unknown argument $1" >&2; exit 2 ;;
+    esac
+done
+OUT="${OUT:?set OUT to the folder the results go to}"
+mkdir -p "$OUT"
+LOG="$OUT/session.log"
+START=$SECONDS
+left() { echo $((BUDGET - (SECONDS - START))); }
+box() { local share=$1 rest; rest=$(left); echo $((rest * share / 100 > 10 ? rest * share / 100 : 10)); }
+
+{
+    echo "== host"; date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+    echo "cores: $(nproc)"; python3 -c 'import torch; print("torch", torch.__version__, torch.version.cuda)'
+} >"$LOG" 2>&1
+
+if [[ -d "$WHEELS" ]]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$WHEELS"/*.whl >>"$LOG" 2>&1
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH
+fi
+export PYTHON=python3
+
+WORK="$(mktemp -d)"
+cat >"$WORK/gpt-1.15b.yaml" <<'YAML'
+name: gpt-1.15b
+family: gpt
+layers: 9
+hidden: 3072
+heads: 24
+seq_len: 4096
+vocab: 51200
+tied_embeddings: true
+YAML
+
+echo "== 1. gpu-check, 1.15 B ($(box 45) s)" >>"$LOG"
+timeout "$(box 45)" scripts/gpu-check.sh --model "$WORK/gpt-1.15b.yaml" --layouts 1 --sizes 1,2,4 --tensor-parallel 1 \
+    --checkpoint-every 4 --steps 12 --no-baseline --work "$WORK/check" --out "$OUT/gpu-1.15b.json" >>"$LOG" 2>&1 \
+    || echo "gpu-check ended with $?" >>"$LOG"
+rm -rf "$WORK/check"  # its checkpoints: tens of GB
+
+echo "== 2. lm_loss" >>"$LOG"
+timeout "$(box 15)" python3 benchmarks/lm_loss.py --device cuda --tokens 16384 --vocab 51200 --repeats 5 \
+    --out "$OUT/lm_loss-cuda.json" >>"$LOG" 2>&1 || echo "lm_loss ended with $?" >>"$LOG"
+
+echo "== 3. disk" >>"$LOG"
+timeout 60 dd if=/dev/zero of="$WORK/dd.bin" bs=64M count=64 conv=fsync >>"$LOG" 2>&1 || true
+rm -f "$WORK/dd.bin"
+
+echo "== 4. suite ($(left) s left)" >>"$LOG"
+OUT="$OUT" PIPECTL_TESTS_BUDGET=$(($(left) * 75 / 100)) PIPECTL_GPU_TESTS_BUDGET=$(($(left) * 20 / 100)) \
+    scripts/gpu-check.sh --tests >>"$LOG" 2>&1 || echo "suite ended with $?" >>"$LOG"
+rm -rf "$WORK"
+echo "== done in $((SECONDS - START)) s" >>"$LOG"
