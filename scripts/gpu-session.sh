@@ -32,7 +32,16 @@ mkdir -p "$OUT"
 LOG="$OUT/session.log"
 START=$SECONDS
 left() { echo $((BUDGET - (SECONDS - START))); }
+# A share (%) of the seconds left, at least 10 (`timeout 0` would mean no limit at all).
 box() { local share=$1 rest; rest=$(left); echo $((rest * share / 100 > 10 ? rest * share / 100 : 10)); }
+# A timed-out launch stops its ranks gracefully (they run in a session of their own, which timeout's
+# signal does not reach): wait until no process holds the GPU before the next part measures it.
+gpu_idle() {
+    local waited=0
+    while [[ -n "$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null)" && $waited -lt 60 ]]; do
+        sleep 2; waited=$((waited + 2))
+    done
+}
 
 {
     echo "== host"; date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
@@ -58,13 +67,14 @@ tied_embeddings: true
 YAML
 
 echo "== 1. gpu-check, 1.15 B ($(box 45) s)" >>"$LOG"
-timeout "$(box 45)" scripts/gpu-check.sh --model "$WORK/gpt-1.15b.yaml" --layouts 1 --sizes 1,2,4 --tensor-parallel 1 \
+timeout -k 15 "$(box 45)" scripts/gpu-check.sh --model "$WORK/gpt-1.15b.yaml" --layouts 1 --sizes 1,2,4 --tensor-parallel 1 \
     --checkpoint-every 4 --steps 12 --no-baseline --work "$WORK/check" --out "$OUT/gpu-1.15b.json" >>"$LOG" 2>&1 \
     || echo "gpu-check ended with $?" >>"$LOG"
-rm -rf "$WORK/check"  # its checkpoints: tens of GB
+gpu_idle
+rm -rf "$WORK/check" || true  # its checkpoints: tens of GB
 
 echo "== 2. lm_loss" >>"$LOG"
-timeout "$(box 15)" python3 benchmarks/lm_loss.py --device cuda --tokens 16384 --vocab 51200 --repeats 5 \
+timeout -k 5 "$(box 15)" python3 benchmarks/lm_loss.py --device cuda --tokens 16384 --vocab 51200 --repeats 5 \
     --out "$OUT/lm_loss-cuda.json" >>"$LOG" 2>&1 || echo "lm_loss ended with $?" >>"$LOG"
 
 echo "== 3. disk" >>"$LOG"
@@ -72,7 +82,8 @@ timeout 60 dd if=/dev/zero of="$WORK/dd.bin" bs=64M count=64 conv=fsync >>"$LOG"
 rm -f "$WORK/dd.bin"
 
 echo "== 4. suite ($(left) s left)" >>"$LOG"
-OUT="$OUT" PIPECTL_TESTS_BUDGET=$(($(left) * 75 / 100)) PIPECTL_GPU_TESTS_BUDGET=$(($(left) * 20 / 100)) \
+suite_box=$(box 75) gpu_box=$(box 20)
+OUT="$OUT" PIPECTL_TESTS_BUDGET=$suite_box PIPECTL_GPU_TESTS_BUDGET=$gpu_box \
     scripts/gpu-check.sh --tests >>"$LOG" 2>&1 || echo "suite ended with $?" >>"$LOG"
-rm -rf "$WORK"
+rm -rf "$WORK" || true
 echo "== done in $((SECONDS - START)) s" >>"$LOG"

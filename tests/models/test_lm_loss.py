@@ -55,3 +55,15 @@ def test_the_backward_keeps_the_gradient_in_the_logits_dtype_not_fp32_copies():
 
 def test_the_derived_head_chunks_as_the_loss_does():
     assert layer_shapes.LOSS_CHUNK_BYTES == transformer.LOSS_CHUNK_BYTES
+
+
+def test_a_micro_batch_without_a_valid_label_has_a_nan_loss_and_a_zero_gradient_as_eager():
+    logits = torch.randn(2, 8, 50, dtype=torch.bfloat16)
+    logits[0, 0, 0] = float("-inf")  # an ignored row whose picked index (0) is -inf: still no loss, no gradient
+    labels = torch.full((2, 8), -100)
+    (loss, gradient), (eager_loss, eager_gradient) = _both(logits, labels, incoming=1.0)
+    assert torch.isnan(loss) and torch.isnan(eager_loss)
+    assert torch.equal(gradient, torch.zeros_like(gradient)) and torch.equal(eager_gradient, gradient)
+    labels[1, 3] = 7
+    (loss, gradient), (eager_loss, _) = _both(logits, labels, incoming=1.0)
+    assert loss.item() == pytest.approx(eager_loss.item(), rel=1e-6) and torch.isfinite(gradient).all()

@@ -165,9 +165,9 @@ def test_profile_measures_the_engine_runtime_terms_by_default(gpt_tiny):
     assert runtime.calibration_parameter_count == profile.parameter_count
     assert [r.micro_batch_size for r in runtime.compute_ratios] == [1, 2]
     # Engine over profiled compute: about 0.5-1.1 on an idle host; a CI host running other tests'
-    # ranks beside this one measured 5.5 once. Plausible means within a decade either way of 1.
+    # ranks beside this one measured 5.5 once. Plausible: within a factor 4 below and 8 above 1.
     for ratio in runtime.compute_ratios:
-        assert 0.1 <= ratio.forward_ratio < 10 and 0.1 <= ratio.backward_ratio < 10
+        assert 0.25 <= ratio.forward_ratio < 8 and 0.25 <= ratio.backward_ratio < 8
     # Two forked ranks measured how they share this host.
     assert runtime.concurrent_ranks == 2 and runtime.concurrent_compute_slowdown >= 1.0
     assert runtime.alone_compute_slowdown >= 1.0

@@ -17,7 +17,7 @@ from pipectl.cluster import load_cluster
 from pipectl.io import write_json_atomic
 from pipectl.rundir.status import RunStatus
 from pipectl.plan.cost_table import stage_costs_for
-from pipectl.plan.phases import PHASES
+from pipectl.plan.phases import PHASES, measured_phases
 from pipectl.plan.search import plan as make_plan
 from pipectl.plan.simulate import simulate
 from pipectl.testing.profiles import synthetic_profile
@@ -121,6 +121,9 @@ def test_a_checkpoints_wait_is_its_own_phase_spread_over_the_steps(tmp_path):
     assert measured[PHASES.index("checkpoint copy")] == pytest.approx(0.01)
     assert measured[PHASES.index("gradient reductions")] == pytest.approx(0.003)
     assert comparison.stages[0].predicted[PHASES.index("checkpoint copy")] == 0.0
+    assert comparison.stages[0].furthest != "checkpoint copy"  # priced at 0 by design: never the term to look at
+    # What calibration fits the end of the step to: without the checkpoint's wait (0.005 s every step).
+    assert measured_phases(status.metrics, comparison.layout).end_of_step[0] == pytest.approx(0.005)
     assert comparison.to_dict()["stages"][0]["measured"]["checkpoint copy"] == pytest.approx(0.01)
     console = Console(width=100, record=True, file=io.StringIO())
     console.print(phase_table(comparison))

@@ -110,8 +110,8 @@ def differences(target: Target) -> list[str]:
         "be those of the profile, in its order, for the cut and the times to hold"
     )
     if profile_is_pipectls(target):
-        notes.append("the loss is priced as pipectl's (models.transformer.lm_loss); with " +
-                     FP32_LOSS.format(who="F.cross_entropy(logits.float(), labels)"))
+        notes.append("the loss is priced as pipectl's (models.transformer.lm_loss); with yours, if it is an fp32 one, "
+                     + FP32_LOSS.format(who="F.cross_entropy(logits.float(), labels)"))
     if c.tensor_parallel > 1:
         notes.append(f"tensor parallelism t = {c.tensor_parallel}: priced as pipectl's split blocks; your layers "
                      "must split themselves over the topology's model axis")

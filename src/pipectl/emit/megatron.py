@@ -23,7 +23,7 @@ from __future__ import annotations
 import shlex
 
 from pipectl.artifacts.plan import Framework, Recompute
-from pipectl.emit.common import FP32_LOSS, Target, engine_differences, header
+from pipectl.emit.common import FP32_LOSS, Target, engine_differences, header, profile_is_pipectls
 from pipectl.plan.frameworks import BLOCK, EMBEDDING, HEAD
 
 FILE = "megatron-args.sh"
@@ -182,12 +182,13 @@ def _letters(stage: str) -> str:
 
 def differences(target: Target) -> list[str]:
     c, profile = target.candidate, target.profile
-    unpriced = ["fused kernels (Transformer Engine or Apex where installed): a shorter step",
-                FP32_LOSS.format(who="Megatron's vocabulary-parallel one keeps its softmax")]
+    unpriced = ["fused kernels (Transformer Engine or Apex where installed): a shorter step"]
     if c.tensor_parallel > 1:
         unpriced += ["sequence parallelism: norms and dropouts keep 1/t of their activations, less memory",
                      "the vocabulary-parallel embedding and head: 1/t of their time and memory per tensor rank"]
     notes = engine_differences(profile, unpriced)
+    if profile_is_pipectls(target):  # a profile derived with an engine's features prices an fp32 loss
+        notes.append("not priced: " + FP32_LOSS.format(who="vocabulary-parallel, keeping its softmax"))
     features = profile.engine
     if profile.dtype == "bfloat16" and c.data_parallel > 1 and not (features and features.gradients_reduced_in_fp32):
         notes.append("with --bf16 Megatron reduces gradients in fp32: twice the data-parallel bytes priced")

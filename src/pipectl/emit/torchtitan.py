@@ -123,6 +123,6 @@ def differences(target: Target) -> list[str]:
         notes.append(f"model '{target.plan.model}' is none of torchtitan's decoders (RMSNorm, rotary positions, "
                      "SwiGLU: Llama, Qwen, DeepSeek): the cut is written in their module names")
     if profile_is_pipectls(target):
-        notes.append("not priced: " + FP32_LOSS.format(who="torchtitan's upcasts the logits"))
+        notes.append("not priced: " + FP32_LOSS.format(who="the logits upcast whole"))
     notes.append("torch.compile, Float8 and async tensor parallelism are not priced; leave them off to train as priced")
     return notes

@@ -117,7 +117,7 @@ def _token_losses(flat: torch.Tensor, labels: torch.Tensor, gradient: torch.Tens
             probs = log_probs.exp_()
             probs.scatter_add_(1, picked[start:end], probs.new_full((probs.shape[0], 1), -1.0))
             gradient[start:end].copy_(probs)
-    return losses * valid
+    return torch.where(valid, losses, 0.0)  # an ignored row's loss is 0 whatever its logits
 
 
 class _CrossEntropy(torch.autograd.Function):
@@ -131,8 +131,11 @@ class _CrossEntropy(torch.autograd.Function):
     gradient softmax - one-hot written once in the logits' dtype; that gradient is all the backward
     keeps (the logits themselves are not kept), and the backward scales it in place by the incoming
     gradient over the token count: about 24 bytes per logit, and the logits' own size kept instead
-    of twice it in fp32. The same loss and gradient as eager cross-entropy, up to the 16-bit rounding
-    eager's gradient gets too, ignored labels (-100) included.
+    of twice it in fp32. The same loss and gradient as eager cross-entropy, ignored labels (-100)
+    included, up to one rounding to the logits' dtype; in fp16 that rounding comes before the loss
+    scale rather than after it, so more of the tiniest probabilities flush to zero (about 1 % of the
+    entries at a vocabulary of 51,200 and a scale of 65,536, against eager's 0.003 %) for the same
+    relative error of the gradient as a whole.
     """
 
     @staticmethod
@@ -150,7 +153,8 @@ class _CrossEntropy(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_output: torch.Tensor):  # type: ignore[override]
         gradient, valid, count = ctx.saved_tensors
-        scale = valid.to(torch.float32) * (grad_output.to(torch.float32) / count)
+        # No valid label at all: the loss is NaN, as eager's, and the gradient zero, as eager's.
+        scale = valid.to(torch.float32) * (grad_output.to(torch.float32) / count.clamp_min(1))
         return gradient.mul_(scale.unsqueeze(1)).view(ctx.shape), None
 
 

@@ -73,8 +73,8 @@ def simulated_phases(
 class MeasuredPhases:
     """Medians of one layout's steps after its first (the checkpoint copy: their mean): per stage,
     each phase (None: not recorded, by a run of an older pipectl) and the time no phase covers; per
-    stage the end of the step (reductions, optimizer step and checkpoint wait together, recorded
-    before they were timed apart); and the step."""
+    stage the end of the step less a checkpoint's wait (reductions and optimizer step together, as
+    recorded before the two were timed apart); and the step."""
 
     stages: dict[int, tuple[tuple[float | None, ...], float | None]]
     steps: tuple[int, int]  # the first and last step counted
@@ -104,7 +104,9 @@ def measured_phases(metrics: Sequence[StepMetrics], layout: str) -> MeasuredPhas
             phases = (rank.forward_seconds, rank.backward_seconds, rank.p2p_seconds, reductions, optimizer, checkpoint)
             covered = (rank.forward_seconds, rank.backward_seconds, rank.p2p_seconds, end)  # end holds the checkpoint's
             left = step.step_seconds - sum(covered) if None not in covered else None
-            rows.setdefault(rank.stage, []).append((*phases, left, end))
+            # The end of the step as the planner prices it: without a checkpoint's wait.
+            priced_end = None if end is None else end - (checkpoint or 0.0)
+            rows.setdefault(rank.stage, []).append((*phases, left, priced_end))
     count = len(PHASES)
     average = [_mean if phase == "checkpoint copy" else _median for phase in PHASES]
     stages = {

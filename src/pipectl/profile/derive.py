@@ -14,12 +14,13 @@ The layer list is exactly `pipectl.models.registry` builds it (embed, block.0 ..
 final_norm, head; input, hidden.i, classifier for MLPs), with the measured profiler's conventions
 (`pipectl.profile.measure`): the tied head is charged the token table it uses (V*h parameters, all
 of them shared with `embed`); saved bytes are what autograd keeps (the head's include the loss's
-fp32 log-softmax); and
+16-bit logit gradient, or with another engine's fp32 loss its fp32 log-softmax); and
 
     peak_memory_bytes = 2 x parameter bytes + saved + output + working
 
 where working is the transient memory the layer's forward and backward allocate and free by the
-end of its backward (the fp32 logits and their gradients in the head, gradients in flight). The
+end of its backward (the head's chunk of fp32 log-probabilities and its gradients, or an fp32 loss's
+whole fp32 logits; gradients in flight). The
 planner reads it back as max(0, peak - 2 x parameter_bytes - saved - output). So a derived and a
 measured profile of one config line up layer by layer.
 

@@ -26,7 +26,7 @@ class StepRecord:
     backward_seconds: float
     memory: RankMemory | None = None  # the rank's peaks in this step
     p2p_seconds: float | None = None  # in sends and receives (waiting for peers included)
-    end_of_step_seconds: float | None = None  # gradient reductions and the optimizer step
+    end_of_step_seconds: float | None = None  # gradient reductions, the optimizer step and its checkpoint wait
     optimizer_seconds: float | None = None  # the optimizer step alone
     checkpoint_seconds: float | None = None  # the optimizer step's wait for a checkpoint's copies
     learning_rate: float | None = None  # the step's (read before it: the scheduler moves on after)

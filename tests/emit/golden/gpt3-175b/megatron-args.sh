@@ -4,9 +4,9 @@
 #
 # What this framework does that pipectl's prediction did not price (how far the step time holds here):
 # - not priced (the profile times pipectl's own layers): fused kernels (Transformer Engine or Apex where installed): a shorter step
-# - not priced (the profile times pipectl's own layers): an fp32 cross-entropy (Megatron's vocabulary-parallel one keeps its softmax): 2 bytes more per logit on the last stage than pipectl's chunked loss, priced
 # - not priced (the profile times pipectl's own layers): sequence parallelism: norms and dropouts keep 1/t of their activations, less memory
 # - not priced (the profile times pipectl's own layers): the vocabulary-parallel embedding and head: 1/t of their time and memory per tensor rank
+# - not priced: its fp32 cross-entropy (vocabulary-parallel, keeping its softmax) needs up to 6 bytes more per logit on the last stage than the chunked loss pipectl priced
 # - with --bf16 Megatron reduces gradients in fp32: twice the data-parallel bytes priced
 # - Megatron's attention and hidden dropout (0.1 each unless set to 0) is not priced
 # - --use-distributed-optimizer is priced as ZeRO-1: optimizer state split over the replicas

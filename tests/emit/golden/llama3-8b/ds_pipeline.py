@@ -4,7 +4,7 @@
 #
 # What this framework does that pipectl's prediction did not price (how far the step time holds here):
 # - the prediction is for DeepSpeed's own pipeline engine (pipectl's runtime runs the same); your layers must be those of the profile, in its order, for the cut and the times to hold
-# - the loss is priced as pipectl's (models.transformer.lm_loss); with an fp32 cross-entropy (F.cross_entropy(logits.float(), labels)): 2 bytes more per logit on the last stage than pipectl's chunked loss, priced
+# - the loss is priced as pipectl's (models.transformer.lm_loss); with yours, if it is an fp32 one, its fp32 cross-entropy (F.cross_entropy(logits.float(), labels)) needs up to 6 bytes more per logit on the last stage than the chunked loss pipectl priced
 
 """The plan's stage boundaries and rank layout for a DeepSpeed PipelineModule.
 
