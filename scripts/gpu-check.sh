@@ -25,7 +25,8 @@ if [[ "${1:-}" == "--tests" ]]; then
     shift
     out="${OUT:-$ROOT/benchmarks/results}"
     mkdir -p "$out"
-    cores="$(nproc)"
+    # GNU nproc honours OMP_NUM_THREADS, which the caller may have set to 1 for its ranks: count the cores.
+    cores="$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)"
     workers="${PIPECTL_TEST_WORKERS:-$(( cores < 8 ? cores : 8 ))}"
     rm -f "$out/tests-verdicts.jsonl" "$out/gpu-tests-verdicts.jsonl" "$out/tests-summary.txt"
     export DS_ACCELERATOR=cpu OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
@@ -46,6 +47,7 @@ for label, name, status in (("suite pinned to CPU", "tests", os.environ["SUITE"]
     boxed = " (the time box ran out)" if status == "124" else ""
     print(f"{label}: {summary_line(os.path.join(out, name + '-verdicts.jsonl'))}{boxed}")
 PY
+    echo "xdist workers: $workers of $cores cores" | tee -a "$out/tests-summary.txt"
     [[ "$suite" == 0 && "$gpu" == 0 ]]
     exit $?
 fi

@@ -4,7 +4,7 @@
 # packages: carry their wheels and a wheel of pipectl (docs/guide/gpu-check.md, "Checking pipectl
 # on a GPU host") in DIR.
 #
-#   OUT=/tmp/out scripts/gpu-session.sh [--wheels DIR] [--budget SECONDS]
+#   OUT=/tmp/out scripts/gpu-session.sh [--wheels DIR] [--budget SECONDS] [--parts check,loss,disk,suite]
 #
 # In order, the most wanted figures first:
 #   1. gpu-check of a 1.15 B GPT (9 blocks, hidden 3072, 24 heads, sequence 4096, vocabulary 51,200,
@@ -14,16 +14,19 @@
 #   3. the disk's own rate (dd with fsync) and the host's facts -> $OUT/session.log
 #   4. the suite pinned to CPU, then the gpu tests, in what time is left -> $OUT/tests-*, gpu-tests-*
 # That is 8 files. --budget (default 540) is the seconds all parts share; each part's box is a
-# share of what is left when it starts.
+# share of what is left when it starts. The whole suite needs more than what the first two leave of
+# one 10-minute call on a 16-core host: `--parts suite` gives it a call of its own.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 WHEELS=.whl
 BUDGET=540
+PARTS=check,loss,disk,suite
 while (($#)); do
     case "$1" in
         --wheels) WHEELS="$2"; shift 2 ;;
         --budget) BUDGET="$2"; shift 2 ;;
+        --parts) PARTS="$2"; shift 2 ;;
         *) echo "gpu-session: unknown argument $1" >&2; exit 2 ;;
     esac
 done
@@ -32,6 +35,7 @@ mkdir -p "$OUT"
 LOG="$OUT/session.log"
 START=$SECONDS
 left() { echo $((BUDGET - (SECONDS - START))); }
+wanted() { [[ ",$PARTS," == *",$1,"* ]]; }
 # A share (%) of the seconds left, at least 10 (`timeout 0` would mean no limit at all).
 box() { local share=$1 rest; rest=$(left); echo $((rest * share / 100 > 10 ? rest * share / 100 : 10)); }
 # A timed-out launch stops its ranks gracefully (they run in a session of their own, which timeout's
@@ -45,7 +49,7 @@ gpu_idle() {
 
 {
     echo "== host"; date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-    echo "cores: $(nproc)"; python3 -c 'import torch; print("torch", torch.__version__, torch.version.cuda)'
+    echo "cores: $(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)"; python3 -c 'import torch; print("torch", torch.__version__, torch.version.cuda)'
 } >"$LOG" 2>&1
 
 if [[ -d "$WHEELS" ]]; then
@@ -66,24 +70,32 @@ vocab: 51200
 tied_embeddings: true
 YAML
 
-echo "== 1. gpu-check, 1.15 B ($(box 45) s)" >>"$LOG"
-timeout -k 15 "$(box 45)" scripts/gpu-check.sh --model "$WORK/gpt-1.15b.yaml" --layouts 1 --sizes 1,2,4 --tensor-parallel 1 \
-    --checkpoint-every 4 --steps 12 --no-baseline --work "$WORK/check" --out "$OUT/gpu-1.15b.json" >>"$LOG" 2>&1 \
-    || echo "gpu-check ended with $?" >>"$LOG"
-gpu_idle
-rm -rf "$WORK/check" || true  # its checkpoints: tens of GB
+if wanted check; then
+    echo "== 1. gpu-check, 1.15 B ($(box 45) s)" >>"$LOG"
+    timeout -k 15 "$(box 45)" scripts/gpu-check.sh --model "$WORK/gpt-1.15b.yaml" --layouts 1 --sizes 1,2,4 \
+        --tensor-parallel 1 --checkpoint-every 4 --steps 12 --no-baseline --work "$WORK/check" \
+        --out "$OUT/gpu-1.15b.json" >>"$LOG" 2>&1 || echo "gpu-check ended with $?" >>"$LOG"
+    gpu_idle
+    rm -rf "$WORK/check" || true  # its checkpoints: tens of GB
+fi
 
-echo "== 2. lm_loss" >>"$LOG"
-timeout -k 5 "$(box 15)" python3 benchmarks/lm_loss.py --device cuda --tokens 16384 --vocab 51200 --repeats 5 \
-    --out "$OUT/lm_loss-cuda.json" >>"$LOG" 2>&1 || echo "lm_loss ended with $?" >>"$LOG"
+if wanted loss; then
+    echo "== 2. lm_loss" >>"$LOG"
+    timeout -k 5 "$(box 15)" python3 benchmarks/lm_loss.py --device cuda --tokens 16384 --vocab 51200 --repeats 5 \
+        --out "$OUT/lm_loss-cuda.json" >>"$LOG" 2>&1 || echo "lm_loss ended with $?" >>"$LOG"
+fi
 
-echo "== 3. disk" >>"$LOG"
-timeout 60 dd if=/dev/zero of="$WORK/dd.bin" bs=64M count=64 conv=fsync >>"$LOG" 2>&1 || true
-rm -f "$WORK/dd.bin"
+if wanted disk; then
+    echo "== 3. disk" >>"$LOG"
+    timeout 60 dd if=/dev/zero of="$WORK/dd.bin" bs=64M count=64 conv=fsync >>"$LOG" 2>&1 || true
+    rm -f "$WORK/dd.bin"
+fi
 
-echo "== 4. suite ($(left) s left)" >>"$LOG"
-suite_box=$(box 75) gpu_box=$(box 20)
-OUT="$OUT" PIPECTL_TESTS_BUDGET=$suite_box PIPECTL_GPU_TESTS_BUDGET=$gpu_box \
-    scripts/gpu-check.sh --tests >>"$LOG" 2>&1 || echo "suite ended with $?" >>"$LOG"
+if wanted suite; then
+    echo "== 4. suite ($(left) s left)" >>"$LOG"
+    suite_box=$(box 75) gpu_box=$(box 20)
+    OUT="$OUT" PIPECTL_TESTS_BUDGET=$suite_box PIPECTL_GPU_TESTS_BUDGET=$gpu_box \
+        scripts/gpu-check.sh --tests >>"$LOG" 2>&1 || echo "suite ended with $?" >>"$LOG"
+fi
 rm -rf "$WORK" || true
 echo "== done in $((SECONDS - START)) s" >>"$LOG"

@@ -77,7 +77,19 @@ def test_gpu_check_tests_runs_a_part_of_the_suite_and_summarises(tmp_path):
     passed = len((tmp_path / "tests-verdicts.jsonl").read_text().splitlines())
     assert summary[0] == f"suite pinned to CPU: {passed} passed, 0 failed, 0 errors, 0 skipped" and passed > 0
     assert summary[1] == "gpu tests: 0 passed, 0 failed, 0 errors, 0 skipped"
+    assert summary[2] == f"xdist workers: 1 of {len(os.sched_getaffinity(0))} cores"
     assert "<testsuite" in (tmp_path / "tests-junit.xml").read_text()
+
+
+def test_gpu_check_tests_counts_the_cores_whatever_omp_num_threads_says(tmp_path):
+    # GNU nproc answers OMP_NUM_THREADS (1 for the ranks): on a 16-core GPU host the suite ran 1 worker.
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
+    env.pop("PIPECTL_TEST_WORKERS", None)
+    result = subprocess.run(["bash", "scripts/gpu-check.sh", "--tests", "tests/test_words.py"], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    cores = len(os.sched_getaffinity(0))
+    assert (tmp_path / "tests-summary.txt").read_text().splitlines()[2] == f"xdist workers: {min(cores, 8)} of {cores} cores"
 
 
 @pytest.mark.multiprocess
