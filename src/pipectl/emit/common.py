@@ -122,7 +122,6 @@ FP32_LOSS = ("its fp32 cross-entropy ({who}) needs up to 6 bytes more per logit 
              "chunked loss pipectl priced")
 
 
-
 def profile_is_pipectls(target: Target) -> bool:
     """Whether the profile prices pipectl's own layers and loss (measured, or derived without another
     engine's features)."""

@@ -16,7 +16,7 @@ import json
 
 from pipectl.artifacts.plan import Framework, Recompute
 from pipectl.artifacts.run import Precision
-from pipectl.emit.common import FP32_LOSS, profile_is_pipectls, Target, engine_differences, header
+from pipectl.emit.common import FP32_LOSS, Target, engine_differences, header, profile_is_pipectls
 from pipectl.runtime.engines.dsconfig import batch_section, parse_with_deepspeed, stage_partition
 
 CONFIG_FILE = "ds_config.json"

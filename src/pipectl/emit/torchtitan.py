@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 
 from pipectl.artifacts.plan import Framework, Recompute
-from pipectl.emit.common import FP32_LOSS, profile_is_pipectls, Target, engine_differences, header
+from pipectl.emit.common import FP32_LOSS, Target, engine_differences, header, profile_is_pipectls
 from pipectl.plan.frameworks import (
     BLOCK, EMBEDDING, FINAL_NORM, HEAD, REPLICATE, SHARD_ALWAYS, SHARD_NEVER, torchtitan_data_parallel,
 )

@@ -101,9 +101,11 @@ LOSS_CHUNK_BYTES = 256 << 20
 IGNORE_INDEX = -100  # F.cross_entropy's default: labels that count for neither loss nor gradient
 
 
-def _token_losses(flat: torch.Tensor, labels: torch.Tensor, gradient: torch.Tensor | None) -> torch.Tensor:
-    """Each row's cross-entropy in fp32 (0 where ignored), a chunk of rows at a time; with
-    `gradient` (the logits' shape and dtype), each row's softmax - one-hot written into it."""
+def _token_losses(
+    flat: torch.Tensor, labels: torch.Tensor, gradient: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's cross-entropy in fp32 (0 where ignored) and which rows count, a chunk of rows at a
+    time; with `gradient` (the logits' shape and dtype), each row's softmax - one-hot written into it."""
     vocab = flat.shape[-1]
     valid = labels != IGNORE_INDEX
     picked = labels.masked_fill(~valid, 0).unsqueeze(1)
@@ -117,7 +119,7 @@ def _token_losses(flat: torch.Tensor, labels: torch.Tensor, gradient: torch.Tens
             probs = log_probs.exp_()
             probs.scatter_add_(1, picked[start:end], probs.new_full((probs.shape[0], 1), -1.0))
             gradient[start:end].copy_(probs)
-    return torch.where(valid, losses, 0.0)  # an ignored row's loss is 0 whatever its logits
+    return torch.where(valid, losses, 0.0), valid  # an ignored row's loss is 0 whatever its logits
 
 
 class _CrossEntropy(torch.autograd.Function):
@@ -142,8 +144,7 @@ class _CrossEntropy(torch.autograd.Function):
     def forward(ctx, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         flat, labels = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
         gradient = torch.empty_like(flat)
-        losses = _token_losses(flat, labels, gradient)
-        valid = labels != IGNORE_INDEX
+        losses, valid = _token_losses(flat, labels, gradient)
         count = valid.sum()
         ctx.save_for_backward(gradient, valid, count)
         ctx.shape = logits.shape
@@ -163,5 +164,5 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     without autograd (an evaluation) the losses alone, by the same chunks."""
     if torch.is_grad_enabled() and logits.requires_grad:
         return _CrossEntropy.apply(logits, labels)
-    labels = labels.reshape(-1)
-    return _token_losses(logits.reshape(-1, logits.shape[-1]), labels, None).sum() / (labels != IGNORE_INDEX).sum()
+    losses, valid = _token_losses(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), None)
+    return losses.sum() / valid.sum()

@@ -40,7 +40,8 @@ from pipectl.plan.simulate import simulate
 from pipectl.schedule import generate
 from pipectl.schedule.ir import ActionKind
 
-PHASES = ("forward", "backward", "pipeline waits", "gradient reductions", "optimizer", "checkpoint copy")
+CHECKPOINT_COPY = "checkpoint copy"  # priced 0: the plan's step has no checkpoint
+PHASES = ("forward", "backward", "pipeline waits", "gradient reductions", "optimizer", CHECKPOINT_COPY)
 Phases = tuple[float, float, float, float, float, float]
 
 
@@ -108,7 +109,7 @@ def measured_phases(metrics: Sequence[StepMetrics], layout: str) -> MeasuredPhas
             priced_end = None if end is None else end - (checkpoint or 0.0)
             rows.setdefault(rank.stage, []).append((*phases, left, priced_end))
     count = len(PHASES)
-    average = [_mean if phase == "checkpoint copy" else _median for phase in PHASES]
+    average = [_mean if phase == CHECKPOINT_COPY else _median for phase in PHASES]
     stages = {
         stage: (tuple(average[k]([row[k] for row in values]) for k in range(count)), _median([row[count] for row in values]))
         for stage, values in sorted(rows.items())

@@ -7,7 +7,7 @@ from __future__ import annotations
 from rich import box
 from rich.table import Table
 
-from pipectl.plan.phases import PHASES
+from pipectl.plan.phases import CHECKPOINT_COPY, PHASES
 from pipectl.report.tables import format_seconds_ms
 from pipectl.rundir.analysis import PhaseComparison
 
@@ -20,14 +20,14 @@ def _unit(comparison: PhaseComparison) -> tuple[str, float]:
 
 
 # Column headings short enough for the phases in 100 columns; the caption says what they hold.
-_HEADINGS = {"pipeline waits": "waits", "gradient reductions": "reduce", "checkpoint copy": "ckpt"}
+_HEADINGS = {"pipeline waits": "waits", "gradient reductions": "reduce", CHECKPOINT_COPY: "ckpt"}
 
 
 def _shown(comparison: PhaseComparison) -> list[int]:
     """The phases the table shows: all but the checkpoint copy where no step waited for one (a CPU
     run, whose copies are taken between steps, or a run without checkpoints): five phases fit 100
     columns, six only with shorter figures."""
-    index = PHASES.index("checkpoint copy")
+    index = PHASES.index(CHECKPOINT_COPY)
     waited = any((s.measured[index] or 0.0) > 0 for s in comparison.stages)
     return [k for k in range(len(PHASES)) if k != index or waited]
 
@@ -59,7 +59,7 @@ def phase_table(comparison: PhaseComparison) -> Table:
         table.add_row("", "measured", *(figure(s.measured[k]) for k in shown), figure(s.unaccounted),
                       _HEADINGS.get(s.furthest, s.furthest), end_section=True)  # fmt: skip
     checkpoint = ("ckpt: the optimizer step's wait for a checkpoint's copies to host memory (mean over the "
-                  "steps); " if PHASES.index("checkpoint copy") in shown else "")  # fmt: skip
+                  "steps); " if PHASES.index(CHECKPOINT_COPY) in shown else "")  # fmt: skip
     table.caption = (
         "waits: sends and receives, waiting for peers included (bubble and transfers); reduce: the tied and "
         f"data-parallel gradient reductions at the end of the step; {checkpoint}other: measured time no phase covers; "

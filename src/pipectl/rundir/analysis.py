@@ -23,7 +23,7 @@ from pipectl.artifacts.profile import ModelProfile
 from pipectl.cluster import busier_note, plan_cluster_spec
 from pipectl.errors import PipectlError
 from pipectl.plan.flops import PRECISION_DTYPE, Utilisation, plan_layer_flops, utilisation
-from pipectl.plan.phases import PHASES, measured_phases, simulated_phases
+from pipectl.plan.phases import CHECKPOINT_COPY, PHASES, measured_phases, simulated_phases
 from pipectl.planfile import load_kind_profiles, load_plan_profile
 from pipectl.rundir.metrics import MemorySummary, memory_summary
 from pipectl.rundir.morph_history import read_history
@@ -65,7 +65,7 @@ class StagePhases:
     def furthest(self) -> str:
         """The phase whose measured time differs most from its prediction, in seconds; not the
         checkpoint copy, which the plan prices at 0 by design (a step without a checkpoint)."""
-        gaps = [abs(m - p) if m is not None and phase != "checkpoint copy" else -1.0
+        gaps = [abs(m - p) if m is not None and phase != CHECKPOINT_COPY else -1.0
                 for phase, p, m in zip(PHASES, self.predicted, self.measured)]  # fmt: skip
         return PHASES[gaps.index(max(gaps))]
 
