@@ -275,6 +275,45 @@ def test_follow_waits_for_a_run_that_a_launch_is_about_to_write(tmp_path):
     assert "waiting for" in result.output and "4 / 10 steps" in result.output
 
 
+def test_follow_on_a_pipe_prints_the_steps_written_just_before_the_job_ended(tmp_path):
+    """`pipectl status run --follow | cat` prints a line for every step, also for the steps written
+    between its last two reads, when the job ended in between."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from pipectl.artifacts.run import RankHeartbeat, RankState
+    from pipectl.rundir.heartbeats import write_heartbeat
+
+    run = make_run(tmp_path, steps_done=4)
+    (run / "job.lock").unlink()  # written by this process's prepare_launch, which stands for a launch long gone
+    rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        now = time.time()
+        write_heartbeat(run, RankHeartbeat(
+            rank=0, pid=rank.pid, host=socket.gethostname(), stage=0, step=4, phase="training",
+            state=RankState.RUNNING, started_unix=now, beat_unix=now, progress_unix=now,
+        ))  # fmt: skip
+        env = {**os.environ, "COLUMNS": "200"}
+        follow = subprocess.Popen([sys.executable, "-m", "pipectl.cli.main", "status", "run", "--follow"], cwd=tmp_path,
+                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        time.sleep(4.0)  # it reads the run as active, then once a second
+        writer = MetricsWriter(run, rank=0)
+        for step in range(5, 11):  # the last steps, then the ranks end: both between two of its reads
+            writer.write(StepMetrics(step=step, loss=1.0, step_seconds=0.05, predicted_step_seconds=0.05,
+                                     samples_per_second=160.0, global_batch=8, world_size=2))  # fmt: skip
+        rank.kill()
+        rank.wait()
+        out, err = follow.communicate(timeout=60)
+    finally:
+        rank.kill()
+    assert follow.returncode == 0, out + err
+    printed = [line.split()[1] for line in out.splitlines() if line.startswith("step ")]
+    assert printed == [f"{step}/10" for step in range(5, 11)], out
+
+
 def test_status_says_when_the_last_checkpoint_was_deferred_for_a_slow_disk(tmp_path):
     """`pipectl status run` from the run's folder: a checkpoint taken later than it was due (the
     write before it still ran) says the step it was due at."""

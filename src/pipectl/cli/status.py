@@ -97,14 +97,15 @@ def _follow(run_dir: Path) -> None:
     status = _while_queued(run_dir, _analysed(run_dir, detail=False).status)
     if not console.is_terminal:
         shown = status.steps_done
-        while status.active:
+        while True:  # the read that finds the job ended may hold its last steps: print them, then stop
             for line in status.metrics:
                 if line.step > shown:
                     console.print(step_line(line, status.job.steps), highlight=False, soft_wrap=True)
                     shown = line.step
+            if not status.active:
+                return
             time.sleep(FOLLOW_SECONDS)
             status = run_status(run_dir)
-        return
     report = _analysed(run_dir, detail=False)
     with Live(status_table(report, brief=True), console=console, auto_refresh=False, transient=True) as live:
         while report.status.active:
