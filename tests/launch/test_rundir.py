@@ -129,6 +129,20 @@ def test_foreign_folder_and_bad_flags_are_refused(tmp_path):
         prepare_run_dir(tmp_path / "missing", resume=True)
 
 
+@pytest.mark.parametrize("force", [False, True])
+def test_a_launch_refused_for_its_run_directory_leaves_the_folder_as_it_was(tmp_path, force):
+    """`pipectl launch plan.json --run-dir mydata` where mydata is a user's folder: refused, and no
+    job.lock is left among the user's files; nor is a folder made for a refused --resume."""
+    (tmp_path / "mydata").mkdir()
+    (tmp_path / "mydata" / "notes.txt").write_text("mine")
+    with pytest.raises(UserInputError, match="not a pipectl run"):
+        prepare_launch(tiny_plan(), tmp_path / "mydata", LaunchOptions(steps=5, force=force))
+    assert sorted(p.name for p in (tmp_path / "mydata").iterdir()) == ["notes.txt"]
+    with pytest.raises(UserInputError, match="no such run"):
+        prepare_launch(tiny_plan(), tmp_path / "missing", LaunchOptions(steps=5, resume=True))
+    assert not (tmp_path / "missing").exists()
+
+
 def test_model_must_have_the_plans_layer_count(tmp_path):
     with pytest.raises(UserInputError, match="has 9 layers but the plan cuts 10"):
         prepare_launch(tiny_plan(layers=10, cuts=((0, 4), (4, 10))), tmp_path / "r", LaunchOptions())
