@@ -266,3 +266,22 @@ def test_a_plan_names_its_morph_counts_and_a_run_name_too_long_leaves_nothing(tm
     refused = pipectl("launch", "local.json", "--run-dir", "runs/" + "r" * 300, "--steps", "2", cwd=tmp_path)
     assert refused.returncode == 2 and "the name is 300 bytes" in said(refused), said(refused)
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_misspelt_deepspeed_overlay_key_is_refused_before_anything_starts(tmp_path):
+    """`pipectl launch plan.json --ds-config-overlay over.yaml` where the overlay misspells a key:
+    DeepSpeed's parser would pass over 'optimiser' (training on with the defaults) and the ranks
+    would fail on a misspelt AdamW argument; both are one line and exit 2, and no run is left."""
+    from builders import write_plan
+
+    write_plan(tmp_path / "plan.json")
+    (tmp_path / "over.yaml").write_text("optimiser:\n  params:\n    betas: [0.9, 0.95]\n")
+    done = pipectl("launch", "plan.json", "--run-dir", "runs/x", "--steps", "2", "--ds-config-overlay", "over.yaml",
+                   cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 2 and "'optimiser'" in done.stderr and "did you mean 'optimizer'?" in done.stderr, said(done)
+    assert done.stderr.count("error:") == 1 and "Traceback" not in done.stderr, said(done)
+    (tmp_path / "over.yaml").write_text("optimizer:\n  params:\n    betaz: [0.9, 0.95]\n")
+    done = pipectl("launch", "plan.json", "--run-dir", "runs/x", "--steps", "2", "--ds-config-overlay", "over.yaml",
+                   cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 2 and "optimizer.params.betaz" in done.stderr and "'betas'" in done.stderr, said(done)
+    assert not (tmp_path / "runs").exists()

@@ -221,6 +221,38 @@ def test_an_overlay_is_merged_section_by_section_and_validated_by_deepspeed(tmp_
 
 
 @pytest.mark.parametrize(
+    "overlay, message, hint",
+    [
+        ({"optimiser": {"params": {"betas": [0.9, 0.95]}}}, "sets 'optimiser', which DeepSpeed's config parser does "
+         "not read", "did you mean 'optimizer'?"),
+        ({"tensorbord": {"enabled": True}}, "sets 'tensorbord'", "did you mean 'tensorboard'?"),
+        ({"overlay": {"gradient_clipping": 0.5}}, "sets 'overlay'", "config reference"),
+        ({"optimizer": {"params": {"betaz": [0.9, 0.95]}}}, "sets optimizer.params.betaz, which AdamW does not take",
+         "did you mean 'betas'?"),
+        ({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_step": 5}}},
+         "sets scheduler.params.warmup_num_step, which WarmupLR does not take", "did you mean 'warmup_num_steps'?"),
+    ],
+)
+def test_an_overlay_key_deepspeed_would_ignore_or_fail_on_in_the_ranks_is_refused(overlay, message, hint):
+    """DeepSpeed's parser passes over a top-level key it does not know, and hands optimizer and
+    scheduler params to their constructors as they are (a TypeError in every rank, after start)."""
+    with pytest.raises(DeepSpeedConfigRejected) as info:
+        validated_config(make_plan(make_candidate()), overlay=overlay)
+    assert message in info.value.message and hint in info.value.hint
+
+
+def test_every_key_of_pipectls_own_config_and_its_documented_overlays_is_read_by_deepspeed(tmp_path):
+    overlay = {
+        "optimizer": {"params": {"betas": [0.9, 0.95], "foreach": False, "amsgrad": False}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 3, "warmup_type": "linear"}},
+        "tensorboard": {"enabled": True, "output_path": str(tmp_path)},
+        "comms_logger": {"enabled": False}, "flops_profiler": {"enabled": False}, "communication_data_type": "fp32",
+    }  # fmt: skip
+    config = validated_config(make_plan(make_candidate()), overlay=overlay)
+    assert config["tensorboard"]["enabled"] and config["scheduler"]["params"]["warmup_num_steps"] == 3
+
+
+@pytest.mark.parametrize(
     "overlay, key",
     [
         ({"train_batch_size": 64}, "train_batch_size"),

@@ -409,15 +409,105 @@ def parse_with_deepspeed(config: dict[str, Any], data_parallel: int) -> Any:
         raise DeepSpeedConfigRejected(
             f"optimizer type {optimizer!r} is not one of DeepSpeed's: {', '.join(DEEPSPEED_OPTIMIZERS)}"
         )
+    reading = _ReadKeys(config)
     try:
         with _quiet_deepspeed_logger():
-            return PlannedDeepSpeedConfig(dict(config))
+            parsed = PlannedDeepSpeedConfig(reading)
     except Exception as exc:  # DeepSpeed raises AssertionError, ValueError and pydantic errors alike
         detail = str(exc).strip().splitlines()
         raise DeepSpeedConfigRejected(
             f"DeepSpeed rejected the config (data-parallel {data_parallel}): "
             f"{type(exc).__name__}: {' '.join(detail)[:600]}"
         ) from exc
+    parsed.unread_keys = sorted(set(config) - reading.read)
+    parsed.read_keys = sorted(k for k in reading.read if isinstance(k, str))  # every key DeepSpeed looks for
+    return parsed
+
+
+class _ReadKeys(dict):
+    """A config that notes which of its top-level keys are looked up: DeepSpeed's parser reads
+    every key it knows and passes over the rest in silence, so a key it never read is one that
+    no part of DeepSpeed acts on (a misspelt section, say)."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        super().__init__(config)
+        self.read: set[str] = set()
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        self.read.add(key)
+        return super().get(key, default)
+
+    def __getitem__(self, key: Any) -> Any:
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def __contains__(self, key: Any) -> bool:
+        self.read.add(key)
+        return super().__contains__(key)
+
+
+def check_overlay_is_read(overlay: dict[str, Any], config: dict[str, Any], parsed: Any) -> None:
+    """Refuse what the user's overlay sets that DeepSpeed would ignore or fail on only in the ranks:
+    a top-level key its parser never reads (`unread`), and keyword arguments that the optimizer's
+    or the learning-rate scheduler's constructor does not take (DeepSpeed passes `params` to it as
+    they are, so a misspelt one raises a TypeError in every rank, after the job started).
+    `parsed`: `parse_with_deepspeed`'s result, which knows the keys the parser read and looked for."""
+    from difflib import get_close_matches
+
+    for key in (k for k in overlay if k in parsed.unread_keys):
+        near = get_close_matches(key, parsed.read_keys, n=1)
+        raise DeepSpeedConfigRejected(
+            f"the DeepSpeed config overlay sets {key!r}, which DeepSpeed's config parser does not read: it would "
+            "be ignored",
+            hint=f"did you mean {near[0]!r}?" if near else "see DeepSpeed's config reference for its keys",
+        )
+    for section, accepted in (("optimizer", _optimizer_arguments(config)), ("scheduler", _scheduler_arguments(config))):
+        given = (overlay.get(section) or {}).get("params") if isinstance(overlay.get(section), dict) else None
+        if accepted is None or not isinstance(given, dict):
+            continue
+        for key in given:
+            if key not in accepted:
+                near = get_close_matches(key, sorted(accepted), n=1)
+                raise DeepSpeedConfigRejected(
+                    f"the DeepSpeed config overlay sets {section}.params.{key}, which "
+                    f"{config[section].get('type')} does not take",
+                    hint=(f"did you mean {near[0]!r}? " if near else "") + f"it takes {', '.join(sorted(accepted))}",
+                )
+
+
+# Keys of `optimizer.params` that DeepSpeed's engine takes out before it builds torch's Adam or AdamW
+# (`DeepSpeedEngine.get_optimizer_configuration`, 0.19.8).
+DEEPSPEED_ADAM_KEYS = {"torch_adam", "adam_w_mode", "fp32_optimizer_states", "foreach"}
+
+
+def _optimizer_arguments(config: dict[str, Any]) -> set[str] | None:
+    """What `optimizer.params` may hold where DeepSpeed builds torch's Adam or AdamW (`torch_adam`,
+    which pipectl's config sets); None for another optimizer, whose arguments are not checked here."""
+    import inspect
+
+    import torch
+
+    section = config.get("optimizer") or {}
+    kind = str(section.get("type", "")).lower()
+    if kind not in ("adam", "adamw") or not (section.get("params") or {}).get("torch_adam"):
+        return None
+    built = torch.optim.AdamW if kind == "adamw" else torch.optim.Adam
+    return set(inspect.signature(built).parameters) - {"params"} | DEEPSPEED_ADAM_KEYS
+
+
+def _scheduler_arguments(config: dict[str, Any]) -> set[str] | None:
+    """What `scheduler.params` may hold: the keyword arguments of the class DeepSpeed builds from
+    `scheduler.type` (its own `lr_schedules`, else torch's), but the optimizer; None if neither has it."""
+    import inspect
+
+    import torch
+    from deepspeed.runtime import lr_schedules
+
+    kind = str((config.get("scheduler") or {}).get("type", ""))
+    built = getattr(lr_schedules, kind, None) or getattr(torch.optim.lr_scheduler, kind, None)
+    if not kind or not inspect.isclass(built):
+        return None
+    return set(inspect.signature(built).parameters) - {"optimizer"}
 
 
 def validated_config(
@@ -461,6 +551,7 @@ def validated_config(
 
         OptimizerSettings.from_ds_config(config)
     parsed = parse_with_deepspeed(config, candidate.data_parallel)
+    check_overlay_is_read(overlay or {}, config, parsed)
     derived = (parsed.train_batch_size, parsed.train_micro_batch_size_per_gpu, parsed.gradient_accumulation_steps)
     wanted = (config["train_batch_size"], candidate.micro_batch_size, candidate.micro_batches)  # base config
     if derived != wanted:
