@@ -134,6 +134,24 @@ def test_the_printed_config_re_plans_the_same_plan_and_launch_keeps_its_global_b
     assert refused.exit_code == 2 and "Traceback" not in refused.output, refused.output
     assert "other.toml [training] global_batch = 32" in refused.output and "global batch of 16" in refused.output
     assert not (tmp_path / "b" / "run").exists()
+    # The plan's own keys, from another folder: nothing differs, and the launch goes on to the model
+    # (this synthetic profile's, which no launch builds).
+    past_the_file = "model 'synthetic' is neither a file nor a shipped name"
+    same = invoke("launch", tmp_path / "a" / "plan.json", "--run-dir", "run", "--config", "job.toml", "--dry-run")
+    assert past_the_file in same.output, same.output
+
+    # A launch runs the plan it is given: a file asking for another layout is refused, not ignored.
+    (tmp_path / "b" / "mine.toml").write_text('[plan]\npipeline_parallel = 1\nschedules = ["gpipe"]\n'
+                                              '[training]\nsteps = 2\n')  # fmt: skip
+    refused = invoke("launch", tmp_path / "a" / "plan.json", "--run-dir", "run", "--config", "mine.toml")
+    assert refused.exit_code == 2 and "Traceback" not in refused.output, refused.output
+    shown = " ".join(refused.output.split())
+    assert 'mine.toml [plan] schedules = ["gpipe"], but' in shown, shown
+    assert 'was planned with "1f1b,gpipe" (and 1 other key)' in shown, shown
+    (tmp_path / "b" / "mine.toml").write_text('[plan]\nschedules = ["1f1b", "gpipe"]\nzero_stages = [0, 1]\n'
+                                              '[cluster]\ndevices = 2\n')  # fmt: skip
+    same = invoke("launch", tmp_path / "a" / "plan.json", "--run-dir", "run", "--config", "mine.toml", "--dry-run")
+    assert past_the_file in same.output, same.output  # the plan's values, written as lists
 
 
 @pytest.mark.parametrize("model, command", [(LaunchOptions, "launch"), (PlanOptions, "plan")])

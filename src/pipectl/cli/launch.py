@@ -22,6 +22,7 @@ from pipectl.launch.options import LaunchOptions
 from pipectl.launch.placement import placement_note
 from pipectl.rundir.run import check_steps_beyond_trained, is_run_dir
 from pipectl.launch.prepare import run_files
+from pipectl.cli.plan import planned_otherwise
 from pipectl.plan.options import PlanOptions, plan_sections
 from pipectl.rundir.analysis import analyse
 from pipectl.rundir.status import run_status
@@ -35,6 +36,7 @@ from pipectl.runtime.liveness import StallWatch, job_collective_timeout_seconds
 from pipectl.rundir.heartbeats import read_heartbeats, stopped_cleanly, vanished_line, vanished_ranks
 from pipectl.runtime.elastic.recovery import says_peer_loss
 from pipectl.rundir.metrics import MetricsTail, read_refusals, refusal_line
+from pipectl.words import count
 
 
 def _engine_log_tail(run_dir: Path, lines: int = 15) -> str:
@@ -128,15 +130,33 @@ def register(app: typer.Typer) -> None:
 
 
 def check_planned_batch(config: Path | None, plan: Plan, plan_path: Path) -> None:
-    """Refuse a config file whose global batch is not the plan's: the global batch is fixed when
-    planning (every layout divides it), and a launch never changes it."""
-    planned = next((layer.values.get("global_batch") for layer in file_layers(PlanOptions, config)), None)
-    if planned is not None and planned != plan.request.global_batch:
+    """Refuse a config file whose planning keys are not what the plan was made with: a launch runs
+    the plan it is given, so its file's [plan] pipeline_parallel, [cluster] devices or [training]
+    global_batch would otherwise be ignored in silence (and the global batch is fixed when planning:
+    every layout divides it, and a launch never changes it)."""
+    for layer in file_layers(PlanOptions, config):
+        differ = planned_otherwise(plan, plan_path.parent, layer)
+        if not differ:
+            continue
+        where, value, planned = differ[0]
+        said = (f"was planned for a global batch of {planned}" if where.endswith("global_batch")
+                else f"was planned with {_planned_words(planned)}")  # fmt: skip
+        more = f" (and {count(len(differ) - 1, 'other key')})" if len(differ) > 1 else ""
         raise UserInputError(
-            f"{config} [training] global_batch = {planned!r}, but {plan_path} was planned for a global batch of "
-            f"{plan.request.global_batch}",
-            hint=f"re-plan with the file (pipectl plan --config {config} -o plan.json), then launch that plan",
+            f"{where} = {_planned_words(value)}, but {plan_path} {said}{more}",
+            hint=f"re-plan with the file (pipectl plan --config {config} -o plan.json), then launch that plan; "
+            "or leave the key out of the file",
         )
+
+
+def _planned_words(value: object) -> str:
+    """A planning value as a config file writes it: 2, "gpipe", ["1f1b", "gpipe"], or (unset)."""
+    if value is None:
+        return "(unset)"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_planned_words(v) for v in value) + "]"
+    value = getattr(value, "value", value)
+    return f'"{value}"' if isinstance(value, str) else str(value)
 
 
 def _launch(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -19,13 +19,13 @@ from pipectl.artifacts.profile import ModelProfile
 from pipectl.cli.context import JsonFlag, console, from_options, print_json, refuse_overwriting
 from pipectl.cli.options import ConfigOption, file_layers, passed_flags, with_options
 from pipectl.cluster import calibrated_cluster, load_calibration_for, load_cluster, local_cluster
-from pipectl.config import layered
+from pipectl.config import Layer, layered, stored_layer
 from pipectl.emit import emitted_files, emitted_layouts, write_files
 from pipectl.errors import UserInputError
 from pipectl.io import check_output_file, load_model
 from pipectl.paths import given_file
 from pipectl.plan.frameworks import framework_request
-from pipectl.plan.options import PlanOptions
+from pipectl.plan.options import PlanOptions, plan_sections
 from pipectl.plan.search import plan
 from pipectl.planfile import check_kind_profiles, write_plan
 from pipectl.report.plan_table import plan_utilisations, plan_view
@@ -143,6 +143,51 @@ def _parse_zero_stages(text: str) -> list[int]:
         return [int(z) for z in text.split(",")]
     except ValueError:
         raise UserInputError(f"--zero-stages '{text}' is not a comma list of numbers") from None
+
+
+# Not compared with the plan's: the profile and calibration (the plan keeps copies of the files it
+# read, beside itself) and the cluster, which a launch reads itself (`LaunchOptions.cluster`).
+NOT_COMPARED = ("profile", "calibration", "cluster")
+
+
+def planned_otherwise(plan: Plan, plan_dir: Path, layer: Layer) -> list[tuple[str, Any, Any]]:
+    """The keys of a config file (its `PlanOptions` layer) that `pipectl plan` would read otherwise
+    than `plan` was made: (where the file sets it, the file's value, the plan's), in the options'
+    order. A launch runs the plan it is given and reads no planning key itself, so a file that asks
+    for another pipeline depth, device count or schedule than its plan's would be silently ignored.
+    Compared as the search reads them (`_as_searched`: "1f1b,gpipe" and ["1f1b", "gpipe"] are one
+    list, 150M is 150000000). A plan whose own keys no longer validate (a profile gone, say) is
+    compared by global batch only."""
+    try:
+        own = stored_layer(PlanOptions, plan_sections(plan, plan_dir), plan_dir / "plan.json")
+        planned = layered(PlanOptions, [own])
+    except UserInputError:
+        batch = layer.values.get("global_batch")
+        if batch is None or batch == plan.request.global_batch:
+            return []
+        return [(layer.name("global_batch", None), batch, plan.request.global_batch)]
+    asked = layered(PlanOptions, [own, layer])
+    return [
+        (layer.name(name, None), value, getattr(planned, name))
+        for name, value in layer.values.items()
+        if name not in NOT_COMPARED
+        and _as_searched(name, getattr(asked, name)) != _as_searched(name, getattr(planned, name))
+    ]
+
+
+def _as_searched(name: str, value: Any) -> Any:
+    """An option's value as the search reads it (`plan_command`'s parsing)."""
+    if value is None:
+        return None
+    parse = {
+        "schedules": parse_schedules,
+        "zero_stages": _parse_zero_stages,
+        "morph_counts": parse_morph_counts,
+        "emit_devices": lambda text: parse_morph_counts(text, allow_all=False),
+        "samples": lambda text: parse_amount(text, "--samples"),
+        "tokens": lambda text: parse_amount(text, "--tokens"),
+    }.get(name)
+    return parse(value) if parse is not None else value
 
 
 def _engine_and_emit_counts(options: PlanOptions, any_engine: bool) -> tuple[Engine, list[int]]:
