@@ -13,6 +13,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -80,6 +81,11 @@ def test_the_readme_quick_start_trains_resizes_and_resumes_from_anywhere(tmp_pat
     run = work / "runs" / "mine"
     job = json.loads((run / "job.json").read_text())
     assert job["model"] == str(work / "mine.yaml") and job["import_root"] == str(work)
+    # The resized run's own plan re-plans what it now runs: 1 device, the p = 2 pin let go.
+    printed = pipectl("launch", "runs/mine/plan.json", "--run-dir", "runs/mine", "--resume", "--print-config", cwd=work)
+    assert succeeded(printed), said(printed)
+    sections = tomllib.loads(printed.stdout)
+    assert sections["cluster"]["devices"] == 1 and "pipeline_parallel" not in sections["plan"], printed.stdout
 
     trained = json.loads(pipectl("status", run, "--json", cwd=elsewhere).stdout)["steps_done"]
     resumed = pipectl("launch", work / "plan.json", "--run-dir", "../work/runs/mine", "--resume",

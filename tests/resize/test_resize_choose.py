@@ -149,8 +149,17 @@ def test_degrees_pinned_for_more_devices_than_the_resize_leaves_are_dropped_and_
     choice = choose_candidate(plan, 1, replan=replanner(plan, tmp_path / "out"))
     assert choice.candidate.devices == 1 and choice.candidate.pipeline_parallel == 1
     assert choice.candidate.global_batch == 8
-    assert any("pinned p = 2, more than 1 device can hold: re-planned without" in note for note in choice.notes)
+    assert any("pinned p = 2, more than 1 device can hold: re-planned without pinning them" in note
+               for note in choice.notes)  # fmt: skip
     # Where the pin holds, it is kept (above: `test_a_replan_keeps_every_constraint_of_the_request`).
+    # The run's plan.json says so too: its request (what `launch --print-config` writes back, to
+    # re-plan the job) asks for 1 device, without the pin; the rest of the request stays.
+    from pipectl.resize.restart import resized_plan
+
+    resized = resized_plan(plan, choice)
+    assert resized.request == plan.request.model_copy(update={"devices": 1, "pipeline_parallel": None})
+    back = resized_plan(resized, choose_candidate(resized, 2, replan=replanner(resized, tmp_path / "out")))
+    assert back.request.devices == 2 and back.chosen.devices == 2
 
 
 def test_a_replan_refuses_a_profile_that_changed_since_planning(tmp_path):

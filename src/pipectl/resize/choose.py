@@ -169,7 +169,7 @@ def replan_for_devices(plan: Plan, devices: int, *, plan_dir: Path) -> MorphEntr
     if math.prod(pinned.values()) > devices:
         request = request.model_copy(update={name: None for name in pinned})
         unpinned = (f"the plan pinned {', '.join(f'{PINNED_DEGREES[name]} = {value}' for name, value in pinned.items())}, "
-                    f"more than {count(devices, 'device')} can hold: re-planned without")
+                    f"more than {count(devices, 'device')} can hold: re-planned without pinning them")
     try:
         replanned = search_plan(profile, cluster, request, kind_profiles=kind_profiles)
     except (InfeasibleError, UserInputError) as exc:

@@ -41,7 +41,7 @@ from pipectl.rundir.lock import RunLock, lock_run_dir
 from pipectl.rundir.run import check_steps_beyond_trained, newest_complete_checkpoint
 from pipectl.launch.prepare import read_run
 from pipectl.launch.prepare import write_run_files
-from pipectl.resize.choose import LayoutChoice, choose_candidate, replanner, with_entry
+from pipectl.resize.choose import PINNED_DEGREES, LayoutChoice, choose_candidate, replanner, with_entry
 from pipectl.rundir.checkpoints import STOP_FILE
 from pipectl.runtime.engines.dsconfig import check_candidate, validated_config
 from pipectl.runtime.engines.dsinit import free_port
@@ -175,14 +175,21 @@ def decide_resize(
 
 def resized_plan(plan: Plan, choice: LayoutChoice) -> Plan:
     """plan.json after the resize: chosen = the new candidate, the morph table kept (and completed
-    with a re-planned entry), a note of the change."""
+    with a re-planned entry), a note of the change, and the request as the new layout answers it:
+    the device count asked for, without the degrees it pinned that the new layout does not keep
+    (`launch --print-config` writes the request back as the keys that re-plan the job)."""
     morph_table = with_entry(plan, choice.entry) if choice.source == "re-planned" else plan.morph_table
     note = (
         f"resized to {choice.candidate.devices} devices ({layout_label(choice.candidate)}) "
         f"from the {choice.source} entry for {choice.requested_devices}"
     )
+    unpinned = {
+        name: None for name in PINNED_DEGREES if getattr(plan.request, name) not in (None, getattr(choice.candidate, name))
+    }
+    request = plan.request.model_copy(update={"devices": choice.requested_devices, **unpinned})
     data = plan.model_dump()
-    data.update(chosen=choice.candidate.model_dump(), morph_table=[e.model_dump() for e in morph_table])
+    data.update(chosen=choice.candidate.model_dump(), morph_table=[e.model_dump() for e in morph_table],
+                request=request.model_dump())  # fmt: skip
     data["notes"] = [*plan.notes, note]
     return Plan.model_validate(data)
 
