@@ -224,3 +224,25 @@ def test_a_shape_only_config_is_profiled_one_layer_at_a_time_in_bounded_memory(t
     assert profile.parameter_count * 4 == full_parameter_bytes
     assert sum(layer.costs_from is None for layer in profile.layers) == 4
     assert any("shape-only" in note and "runtime terms not measured" in note for note in profile.notes)
+
+
+def test_options_may_come_before_the_model_and_profile_alone_prints_its_help(tmp_path):
+    """`pipectl profile --derive --device a100-80gb gpt-tiny -o p.json`, options first as every other
+    command takes them; `pipectl profile` alone prints its help (exit 2, as `pipectl` alone), not an
+    error line."""
+    import os
+    import subprocess
+    import sys
+
+    def pipectl(*args: str) -> subprocess.CompletedProcess:
+        env = {**os.environ, "COLUMNS": "100"}
+        return subprocess.run([sys.executable, "-m", "pipectl.cli.main", *args], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+
+    done = pipectl("profile", "--derive", "--device", "a100-80gb", "-b", "1,2", "gpt-tiny", "-o", "p.json")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert load_model(ModelProfile, tmp_path / "p.json").micro_batch_sizes == [1, 2]
+    alone = pipectl("profile")
+    shown = " ".join((alone.stdout + alone.stderr).replace("│", " ").split())
+    assert alone.returncode == 2 and "profile [OPTIONS] COMMAND" in shown, shown
+    assert "error:" not in shown and "pipectl profile model -h" in shown, shown

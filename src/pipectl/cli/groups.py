@@ -63,6 +63,9 @@ class ErrorReportingGroup(TyperGroup):
             self._report(f"{exc.filename}: {exc.strerror}", None)
             ctx.exit(2 if exc.errno in PATH_ERRNOS else 1)
         except USAGE_ERROR as exc:
+            if type(exc).__name__ == "NoArgsIsHelpError":  # `pipectl profile` alone: its help, as `pipectl` alone
+                err_console.print(escape(exc.format_message()), highlight=False, soft_wrap=True)
+                ctx.exit(exc.exit_code)
             # A sub-command's options that do not parse: one line with the value, as our own checks.
             command = exc.ctx.command_path if exc.ctx is not None else ctx.command_path
             self._report(_usage_message(exc, getattr(self, "given_args", [])), f"{command} --help")
@@ -182,9 +185,16 @@ def _given_value(opt: str, args: list[str]) -> str | None:
 
 
 class DefaultCommandGroup(TyperGroup):
-    """Arguments that name no sub-command go to the sub-command `default_command`."""
+    """Arguments that name no sub-command go to the sub-command `default_command`, options first
+    too (`pipectl profile -o p.json MODEL`, as every other command takes them): the group has no
+    option of its own but --help."""
 
     default_command = "model"
+
+    def parse_args(self, ctx, args: list[str]) -> list[str]:
+        if args and args[0].startswith("-") and args[0] not in self.get_help_option_names(ctx):
+            args = [self.default_command, *args]
+        return super().parse_args(ctx, args)
 
     def resolve_command(self, ctx, args: list[str]):
         if args and args[0] not in self.commands and not args[0].startswith("-"):
