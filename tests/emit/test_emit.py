@@ -224,6 +224,18 @@ def test_emit_devices_writes_the_morph_tables_layouts_into_their_folders(tmp_pat
     assert one["parallelism"]["pipeline_parallel_degree"] == 1 and one["training"]["global_batch_size"] == 8
 
 
+@pytest.mark.parametrize("dtype, doubled", [("float32", False), ("bfloat16", True)])
+def test_the_torchtitan_header_doubles_the_bytes_of_16_bit_plans_only(tmp_path, dtype, doubled):
+    """FSDP reduces in fp32 and DDP keeps fp32 parameters: twice a 16-bit plan's bytes, an fp32
+    plan's own."""
+    write_json_atomic(tmp_path / "p.json", synthetic_profile(blocks=6, micro_batch_sizes=[1, 2], device="cpu", dtype=dtype))
+    for zero, words in (("0", "DDP trains under autocast with fp32 parameters"), ("3", "FSDP reduce-scatters gradients")):
+        done = pipectl("plan", "--profile", "p.json", "--cluster", "local", "--devices", "2", "--global-batch", "8",
+                       "--data-parallel", "2", "--zero-stages", zero, "--emit", "torchtitan", "-o", f"z{zero}", cwd=tmp_path)
+        assert done.returncode == 0, said(done)
+        assert (words in (tmp_path / f"z{zero}" / "torchtitan.toml").read_text()) is doubled, (dtype, zero)
+
+
 @pytest.mark.parametrize("args, words", [
     (["--emit", "megatron", "--engine", "torch"], "--emit megatron plans for that framework"),
     (["--emit-devices", "4"], "--emit-devices names layouts to write for --emit"),

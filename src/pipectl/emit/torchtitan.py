@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 
 from pipectl.artifacts.plan import Framework, Recompute
+from pipectl.catalog import DTYPE_BYTES
 from pipectl.emit.common import FP32_LOSS, Target, engine_differences, header, profile_is_pipectls
 from pipectl.plan.frameworks import (
     BLOCK, EMBEDDING, FINAL_NORM, HEAD, REPLICATE, SHARD_ALWAYS, SHARD_NEVER, torchtitan_data_parallel,
@@ -113,9 +114,11 @@ def differences(target: Target) -> list[str]:
     if c.data_parallel > 1 and c.zero_stage == 1:
         notes.append("FSDP under a pipeline is priced as ZeRO-1 (the same bytes): it gathers a stage's parameters at "
                      "its first forward, where ZeRO-1 gathers them after the optimizer step")
-    if c.data_parallel > 1 and c.zero_stage >= 1:
+    # Both below double a 16-bit plan's bytes; an fp32 plan already priced 4 bytes an element.
+    sixteen_bit = DTYPE_BYTES.get(profile.dtype, 4) == 2
+    if c.data_parallel > 1 and c.zero_stage >= 1 and sixteen_bit:
         notes.append("FSDP reduce-scatters gradients in fp32 (training.mixed_precision_reduce): twice the bytes priced")
-    if c.data_parallel > 1 and c.zero_stage == 0:
+    if c.data_parallel > 1 and c.zero_stage == 0 and sixteen_bit:
         notes.append("DDP trains under autocast with fp32 parameters: their memory and the all-reduce's bytes are "
                      "twice what was priced")
     config = target.model
