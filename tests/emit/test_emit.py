@@ -234,6 +234,7 @@ def test_the_torchtitan_header_doubles_the_bytes_of_16_bit_plans_only(tmp_path, 
                        "--data-parallel", "2", "--zero-stages", zero, "--emit", "torchtitan", "-o", f"z{zero}", cwd=tmp_path)
         assert done.returncode == 0, said(done)
         assert (words in (tmp_path / f"z{zero}" / "torchtitan.toml").read_text()) is doubled, (dtype, zero)
+        assert "pipectl's runtime" not in done.stdout + done.stderr, said(done)  # a plan for torchtitan
 
 
 @pytest.mark.parametrize("args, words", [

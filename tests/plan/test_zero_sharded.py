@@ -311,6 +311,15 @@ def test_a_plan_keeps_the_best_zero3_row_and_says_what_it_lost_to():
     assert f"({result.chosen.predicted_step_seconds:.4g} s/step)" in note
 
 
+def test_a_zero3_plan_that_chose_zero3_says_so_and_compares_it_with_nothing():
+    profile = synthetic_profile(blocks=4, micro_batch_sizes=[1, 2])
+    request = PlanRequest(global_batch=8, zero_stages=[3], pipeline_parallel=1, data_parallel=2, morph=False, workers=1)
+    result = plan(profile, load_cluster("a100-8x8").model_copy(update={"nodes": 1}), request.model_copy(update={"devices": 2}))
+    assert result.chosen.zero_stage == 3
+    note = next(n for n in result.notes if n.startswith("ZeRO-3"))
+    assert note.endswith(", the best candidate pipectl's runtime can run") and "loses" not in note, note
+
+
 @pytest.mark.parametrize("memory_gib", [0.004, 0.006, 0.01])
 def test_the_enumeration_keeps_exactly_the_zero_2_and_3_points_that_fit_one_by_one(memory_gib):
     # Largest d first, a stage that does not fit at some d is not tried at smaller ones: the same

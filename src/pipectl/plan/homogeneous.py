@@ -529,8 +529,9 @@ def _gradient_sharded_comparison(
 ) -> tuple[list[tuple[tuple, Spec, float]], list[str]]:
     """Per ZeRO stage 2 or 3 asked for: its best candidate (p = 1 only) and a note saying whether
     it beats the best candidate pipectl's runtime can run (the chosen one, unless --any-engine chose
-    another) or loses to it. The runtime trains them with one stage and no tensor split; a best
-    candidate with a tensor split is planned only, and its note says so."""
+    another), loses to it, or is it (no note in a plan for another framework). The runtime trains
+    them with one stage and no tensor split; a best candidate with a tensor split is planned only,
+    and its note says so."""
     entries: list[tuple[tuple, Spec, float]] = []
     notes: list[str] = []
     stages = sorted({z for z in request.zero_stages if z >= 2})
@@ -546,7 +547,12 @@ def _gradient_sharded_comparison(
             notes.append(f"{label}: no one-stage layout with ZeRO-{stage} fits")
             continue
         entries.append(best)
+        if request.framework is not None:
+            continue  # a plan for another framework (--emit): pipectl's runtime is not the question
         figures = f"{best[1].describe()} ({goal.figures(best[1], best[2])})"
+        if runnable is not None and best[1] is runnable[1]:
+            notes.append(f"{label}: best {figures}, the best candidate pipectl's runtime can run")
+            continue
         if runnable is None:
             notes.append(f"{label}: best {figures}; no candidate pipectl's runtime can run fits")
             continue
