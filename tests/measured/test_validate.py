@@ -252,3 +252,12 @@ def test_the_conditions_link_prices_transfers_and_nccls_figure_the_collectives(t
     assert load_conditions(path).cluster_links()["intra_node_allreduce_bandwidth_gbytes_per_second"] == 180
     path.write_text(CONDITIONS.replace("  intra_node_gbytes_per_second: 150\n", ""))
     assert "intra_node_allreduce_bandwidth_gbytes_per_second" not in load_conditions(path).cluster_links()
+
+
+def test_rows_that_cannot_be_predicted_are_each_named_and_no_empty_table_is_printed(measured):
+    """A pipeline deeper than the model: the row's reason, not a table of "the 0 largest errors"."""
+    (measured / "deep.csv").write_text(HEADER + "\n8,32,4,1024,16,2,1024,1,1,8,120.0\n")
+    done = pipectl(measured, "validate", "deep.csv", "--conditions", "conditions.yaml")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "no run of 1 could be predicted" in done.stdout and "largest errors" not in done.stdout, done.stdout
+    assert "line 2: not predicted: pipeline-parallel degree 8 exceeds the model's" in " ".join(done.stdout.split())

@@ -70,7 +70,8 @@ def register(app: typer.Typer) -> None:
             })  # fmt: skip
             return
         shown = predictions if all_rows else _worst(predictions)
-        console.print(_rows_table(shown, all_rows, sum(1 for p in predictions if p.error is not None)))
+        if shown:  # none predicted: the summary line says so, and each row's reason follows
+            console.print(_rows_table(shown, all_rows, sum(1 for p in predictions if p.error is not None)))
         if any(g.rows > 1 for g in groups):  # a group of one row ranks nothing
             console.print(_groups_table(groups))
         if split:

@@ -9,7 +9,7 @@ Bang et al., MICRO'24):
     tensor parallelism, data parallelism, pipeline parallelism, iteration time (ms)
 
 and, optionally, per-row overrides of the conditions: `schedule`, `recompute`, `zero stage`,
-`device`. Any other column is ignored (`Parameters (billion)` is read and checked, not used: pipectl
+`device`. Any other column is ignored (`Parameters (billion)` is read, a positive number, not used: pipectl
 counts a shape's parameters itself). Two columns of one header are refused.
 
 The conditions (`RunConditions`, a YAML file) say what every row shares and the CSV does not: the
