@@ -277,6 +277,8 @@ def _refusal(
 
 
 def _shown(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()  # as the file wrote it
     shown = repr(value.value if isinstance(value, Enum) else value)
     return shown if len(shown) <= 120 else shown[:117] + "..."
 

@@ -100,8 +100,11 @@ def read_mapping(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise ArtifactError(f"{path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {parse_error(exc)}") from None
     except RecursionError:
         raise ArtifactError(f"{path} is nested too deeply to be one of pipectl's files") from None
+    if data is None:
+        raise ArtifactError(f"{path} is empty: it must hold a mapping of keys to values")
     if not isinstance(data, dict):
-        raise ArtifactError(f"{path} must hold a mapping at the top level, found {type(data).__name__}")
+        kind = "a list" if isinstance(data, list) else "text" if isinstance(data, str) else f"the value {data!r}"
+        raise ArtifactError(f"{path} must hold a mapping of keys to values at the top level, not {kind}")
     return data
 
 

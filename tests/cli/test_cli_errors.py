@@ -86,6 +86,18 @@ def _not_a_profile(tmp_path: Path) -> Path:
     return path
 
 
+def _empty_yaml(tmp_path: Path) -> Path:
+    path = tmp_path / "empty.yaml"
+    path.write_text("")
+    return path
+
+
+def _bool_config(tmp_path: Path) -> Path:
+    path = tmp_path / "job.toml"
+    path.write_text(f'[model]\nprofile = "{_profile(tmp_path)}"\n[cluster]\nname = "local"\n[training]\nglobal_batch = true\n')
+    return path
+
+
 def _plan_file(tmp_path: Path) -> Path:
     path = tmp_path / "plan.json"  # what a plan holds at the top, as far as telling kinds apart goes
     path.write_text('{"model_shape": {}, "request": {}, "chosen": {}}')
@@ -150,12 +162,15 @@ CASES = {
     "a choice given another word": (
         lambda t: ["plan", "--profile", "p.json", "--cluster", "local", "--global-batch", "4", "--objective", "speed"],
         "--objective 'speed': 'speed' is not one of"),
+    "an empty model file": (lambda t: ["profile", str(_empty_yaml(t))], "empty.yaml is empty: it must hold a mapping"),
+    "a boolean for a number in a config file": (
+        lambda t: ["plan", "--config", str(_bool_config(t))], "job.toml [training] global_batch = true: true is a boolean"),
     "a misspelt cluster key": (
         lambda t: ["plan", "--profile", _profile(t), "--cluster", str(_misspelt_cluster(t)), "--global-batch", "4"],
         "devices_per_nod: unknown key; did you mean devices_per_node?"),
     "a ZeRO stage out of range": (
         lambda t: ["plan", "--profile", _profile(t), "--cluster", "local", "--global-batch", "4", "--zero-stages", "1,5"],
-        "--zero-stages [1, 5]: zero_stages must list ZeRO stages 0..3"),
+        "--zero-stages 1,5: ZeRO stages are 0, 1, 2 and 3"),
     "validate a missing CSV": (lambda t: ["validate", str(t / "runs.csv"), "--conditions", _conditions(t)],
                                "runs.csv"),
     "calibrate a missing CSV": (lambda t: ["calibrate", str(t / "runs.csv"), "--conditions", _conditions(t)],

@@ -63,7 +63,7 @@ def _model(tmp_path, **fields) -> Path:
 def test_a_boolean_layer_count_is_refused(tmp_path):
     from pipectl.models import build_model
 
-    with pytest.raises(UserInputError, match="layers: True is a boolean"):
+    with pytest.raises(UserInputError, match="layers: true is a boolean"):
         build_model(str(_model(tmp_path, layers=True)))
 
 

@@ -41,7 +41,7 @@ def _misplaced_number(annotation: Any, value: Any) -> str | None:
     origin = typing.get_origin(annotation)
     if annotation in (int, float):
         if isinstance(value, bool):
-            return f"{value!r} is a boolean, not a number"
+            return f"{str(value).lower()} is a boolean, not a number"  # as a YAML or TOML file writes it
         if annotation is int and isinstance(value, int) and not -INT64_MAX - 1 <= value <= INT64_MAX:
             return f"{value} does not fit a 64-bit integer"
         return None

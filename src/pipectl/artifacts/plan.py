@@ -296,7 +296,7 @@ class PlanRequest(Strict):
     @classmethod
     def _known_zero_stages(cls, stages: list[int]) -> list[int]:
         if not stages or any(not 0 <= stage <= 3 for stage in stages):
-            raise ValueError(f"zero_stages must list ZeRO stages 0..3, got {stages}")
+            raise ValueError("ZeRO stages are 0, 1, 2 and 3")
         return stages
 
 

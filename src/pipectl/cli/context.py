@@ -87,9 +87,16 @@ def from_options(model_type: type[ModelT], **options: Any) -> ModelT:
         problems = []
         for err in exc.errors():
             name = str(err["loc"][0]) if err["loc"] else ""
-            option = f"--{name.replace('_', '-')} {options.get(name)!r}" if name in options else "options"
+            option = f"--{name.replace('_', '-')} {_as_typed(options.get(name))}" if name in options else "options"
             problems.append(f"{option}: {err['msg'].removeprefix('Value error, ')}")
         raise UserInputError("; ".join(problems)) from None
+
+
+def _as_typed(value: Any) -> str:
+    """An option's value as a user types it: a list as its comma list (`--zero-stages 1,4`)."""
+    if isinstance(value, (list, tuple)):
+        return ",".join(str(getattr(v, "value", v)) for v in value)
+    return repr(getattr(value, "value", value))
 
 
 def print_json(payload: BaseModel | dict[str, Any] | list[Any]) -> None:

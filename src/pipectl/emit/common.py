@@ -88,13 +88,14 @@ def header(target: Target, framework: Framework, differences: list[str], comment
     """The comment every emitted file starts with."""
     c, plan, origin = target.candidate, target.plan, target.origin
     peak = max(c.peak_memory_bytes) / GIB
+    peak_words = f"{peak:.1f} GiB" if peak >= 1 else f"{peak * 1024:.1f} MiB"  # a CPU test model: MiB
     lines = [
         f"pipectl {__version__}: {space_of(framework).title} settings for plan {origin.plan_file} "
         f"(sha256 {origin.plan_sha256[:12]}), profile {origin.profile}",
         f"model {plan.model}, global batch {plan.global_batch}, cluster {plan.cluster}",
         f"layout {target.label} on {c.devices} x {c.device} ({target.nodes} node{'s' if target.nodes != 1 else ''} of "
         f"{target.ranks_per_node}): predicted {c.predicted_step_seconds:.4g} s/step, "
-        f"peak {peak:.1f} GiB per device",
+        f"peak {peak_words} per device",
         "",
         "What this framework does that pipectl's prediction did not price (how far the step time holds here):",
         *[f"- {line}" for line in differences],

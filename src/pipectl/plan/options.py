@@ -14,6 +14,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from pipectl.artifacts.base import Strict
 from pipectl.artifacts.plan import Engine, Framework, Objective, Plan
 from pipectl.config import Opt
 from pipectl.schedule import ScheduleKind
@@ -21,8 +22,9 @@ from pipectl.schedule import ScheduleKind
 SCHEDULE_NAMES = ", ".join(kind.value for kind in ScheduleKind)
 
 
-class PlanOptions(BaseModel):
-    """`pipectl plan`'s flags, or its config file's values."""
+class PlanOptions(Strict):
+    """`pipectl plan`'s flags, or its config file's values (`Strict`: `global_batch = true` in a file
+    is refused, not read as 1)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
