@@ -62,6 +62,12 @@ def test_batch_that_cannot_be_split_uses_fewer_devices_and_says_so():
     assert choice.fewer_devices and choice.candidate.devices < 3
     assert choice.candidate.global_batch == 8  # B kept exactly
     assert any(f"uses {choice.candidate.devices} of 3 devices" in note for note in choice.notes)
+    assert " ".join(choice.notes).count("of 3 devices") == 1, choice.notes  # said once
+    # A re-plan's own note says so already (`replan_for_devices`): not said twice.
+    said = f"the best plan that keeps B = 8 uses {choice.candidate.devices} of 3 devices"
+    entry = plan.for_devices(3).model_copy(update={"note": said})
+    replanned = choose_candidate(plan.model_copy(update={"morph_table": []}), 3, replan=lambda _: entry)
+    assert " ".join(replanned.notes).count("of 3 devices") == 1, replanned.notes
     # Every count the table covers keeps B; the entries that fit exactly are not flagged.
     for entry in plan.morph_table:
         assert entry.candidate.global_batch == 8

@@ -619,10 +619,11 @@ def prepare_launch(
             f"--force would delete the plan this launch reads: it lies in the run directory {path}",
             hint=f"copy plan.json and its profile-*.json out of {path} first, or continue the run with --resume",
         )
-    # What the run directory refuses is refused before the lock is taken, which would leave its
-    # job.lock in a user's folder (a dry run touches nothing at all); under the lock,
-    # `prepare_run_dir` asks again, for a job that got there first.
-    check_run_dir(path, resume=options.resume, force=options.force)
+    # A folder that is not a run is refused before the lock is taken, which would leave its job.lock
+    # among the user's files (a dry run touches nothing at all); a run is locked first, so that a
+    # live job's is named by its pid. Under the lock, `prepare_run_dir` asks again.
+    if not write or not is_run_dir(path):
+        check_run_dir(path, resume=options.resume, force=options.force)
     # One job per run directory: taken before anything is read for a resume or deleted by --force.
     lock = lock_run_dir(path) if write else None
     try:

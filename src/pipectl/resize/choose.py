@@ -77,7 +77,8 @@ def _fewer_devices_note(plan: Plan, entry: MorphEntry, requested: int) -> str:
         f"the global batch {plan.global_batch} cannot be split over {requested} devices "
         f"(d x b x m = {plan.global_batch} with t x p x d = {requested})"
     )
-    return f"{reason}; the best plan that keeps B = {plan.global_batch} uses {used} of {requested} devices"
+    said = f"the best plan that keeps B = {plan.global_batch} uses {used} of {requested} devices"
+    return reason if said in reason else f"{reason}; {said}"  # a re-plan's note may say it already
 
 
 def choose_candidate(plan: Plan, devices: int, *, replan: Replanner | None = None) -> LayoutChoice:
