@@ -77,8 +77,9 @@ def _fewer_devices_note(plan: Plan, entry: MorphEntry, requested: int) -> str:
         f"the global batch {plan.global_batch} cannot be split over {requested} devices "
         f"(d x b x m = {plan.global_batch} with t x p x d = {requested})"
     )
-    said = f"the best plan that keeps B = {plan.global_batch} uses {used} of {requested} devices"
-    return reason if said in reason else f"{reason}; {said}"  # a re-plan's note may say it already
+    if f"uses {used} of {requested} devices" in reason:  # the morph table's or a re-plan's note says it already
+        return reason
+    return f"{reason}; the best plan that keeps B = {plan.global_batch} uses {used} of {requested} devices"
 
 
 def choose_candidate(plan: Plan, devices: int, *, replan: Replanner | None = None) -> LayoutChoice:
