@@ -314,6 +314,19 @@ def test_follow_on_a_pipe_prints_the_steps_written_just_before_the_job_ended(tmp
     assert printed == [f"{step}/10" for step in range(5, 11)], out
 
 
+def test_status_json_names_the_run_directory_absolute_as_launch_json_does(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    make_run(tmp_path)
+    env = {**os.environ, "COLUMNS": "200"}
+    shown = subprocess.run([sys.executable, "-m", "pipectl.cli.main", "status", "run", "--json"], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert shown.returncode == 0, shown.stdout + shown.stderr
+    assert json.loads(shown.stdout)["run_dir"] == str(tmp_path / "run")
+
+
 def test_status_says_when_the_last_checkpoint_was_deferred_for_a_slow_disk(tmp_path):
     """`pipectl status run` from the run's folder: a checkpoint taken later than it was due (the
     write before it still ran) says the step it was due at."""

@@ -122,7 +122,7 @@ class RunStatus:
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready summary (`pipectl status --json`)."""
         return {
-            "run_dir": str(self.path),
+            "run_dir": str(Path(self.path).absolute()),  # as `launch --json` gives it, whatever the caller's folder
             "model": self.job.model,
             "engine": self.job.engine.value,
             "steps_done": self.steps_done,
