@@ -337,7 +337,7 @@ def render_config(
         lines += ["", f"[{section}]"]
         for key, description, value in entries:
             lines += textwrap.wrap(description, width=98, initial_indent="# ", subsequent_indent="# ")
-            lines.append(f"# {key} =" if value is None else f"{_toml_key(key)} = {_toml_value(value)}")
+            lines.append(f"# {key} =" if value is None else f"{_toml_key(key)} = {toml_value(value)}")
     return "\n".join(lines) + "\n"
 
 
@@ -348,15 +348,15 @@ def _toml_key(key: str) -> str:
     return key if _BARE_KEY.fullmatch(key) else json.dumps(key)
 
 
-def _toml_value(value: Any) -> str:
+def toml_value(value: Any) -> str:
     """A JSON value as TOML: JSON's strings, numbers and arrays are TOML's; an object becomes an
     inline table. (None has no TOML form: an unset key is written commented out.)"""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, dict):
-        return "{ " + ", ".join(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in value.items() if v is not None) + " }"
+        return "{ " + ", ".join(f"{_toml_key(k)} = {toml_value(v)}" for k, v in value.items() if v is not None) + " }"
     if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
     if isinstance(value, float) and value.is_integer():
         return repr(value)  # 1.0, not 1: read back as the float it is
     return json.dumps(value)

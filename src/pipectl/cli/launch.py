@@ -13,7 +13,7 @@ from pipectl.artifacts.plan import Plan
 from pipectl.artifacts.run import LOGS_DIR, CheckpointOutcome, DataKind, Engine, Precision
 from pipectl.cli.context import JsonFlag, console, err_console, print_json, training_progress
 from pipectl.cli.options import ConfigOption, file_layers, passed_flags, with_options
-from pipectl.config import render_config, to_sections
+from pipectl.config import render_config, to_sections, toml_value
 from pipectl.errors import LaunchError, UserInputError
 from pipectl.io import load_model
 from pipectl.launch import PreparedLaunch, effective_options, prepare_launch, run_engine
@@ -138,8 +138,8 @@ def check_planned_batch(config: Path | None, plan: Plan, plan_path: Path) -> Non
         differ = planned_otherwise(plan, plan_path.parent, layer)
         if not differ:
             continue
-        where, value, planned = differ[0]
-        said = (f"was planned for a global batch of {planned}" if where.endswith("global_batch")
+        name, where, value, planned = differ[0]
+        said = (f"was planned for a global batch of {planned}" if name == "global_batch"
                 else f"was planned with {_planned_words(planned)}")  # fmt: skip
         more = f" (and {count(len(differ) - 1, 'other key')})" if len(differ) > 1 else ""
         raise UserInputError(
@@ -150,13 +150,8 @@ def check_planned_batch(config: Path | None, plan: Plan, plan_path: Path) -> Non
 
 
 def _planned_words(value: object) -> str:
-    """A planning value as a config file writes it: 2, "gpipe", ["1f1b", "gpipe"], or (unset)."""
-    if value is None:
-        return "(unset)"
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_planned_words(v) for v in value) + "]"
-    value = getattr(value, "value", value)
-    return f'"{value}"' if isinstance(value, str) else str(value)
+    """A planning value as a config file writes it (`config.toml_value`): 2, "gpipe", or (unset)."""
+    return "(unset)" if value is None else toml_value(getattr(value, "value", value))
 
 
 def _launch(

@@ -150,10 +150,10 @@ def _parse_zero_stages(text: str) -> list[int]:
 NOT_COMPARED = ("profile", "calibration", "cluster")
 
 
-def planned_otherwise(plan: Plan, plan_dir: Path, layer: Layer) -> list[tuple[str, Any, Any]]:
+def planned_otherwise(plan: Plan, plan_dir: Path, layer: Layer) -> list[tuple[str, str, Any, Any]]:
     """The keys of a config file (its `PlanOptions` layer) that `pipectl plan` would read otherwise
-    than `plan` was made: (where the file sets it, the file's value, the plan's), in the options'
-    order. A launch runs the plan it is given and reads no planning key itself, so a file that asks
+    than `plan` was made: (the option, where the file sets it, the file's value, the plan's), in the
+    options' order. A launch runs the plan it is given and reads no planning key itself, so a file that asks
     for another pipeline depth, device count or schedule than its plan's would be silently ignored.
     Compared as the search reads them (`_as_searched`: "1f1b,gpipe" and ["1f1b", "gpipe"] are one
     list, 150M is 150000000). A plan whose own keys no longer validate (a profile gone, say) is
@@ -165,10 +165,10 @@ def planned_otherwise(plan: Plan, plan_dir: Path, layer: Layer) -> list[tuple[st
         batch = layer.values.get("global_batch")
         if batch is None or batch == plan.request.global_batch:
             return []
-        return [(layer.name("global_batch", None), batch, plan.request.global_batch)]
+        return [("global_batch", layer.name("global_batch", None), batch, plan.request.global_batch)]
     asked = layered(PlanOptions, [own, layer])
     return [
-        (layer.name(name, None), value, getattr(planned, name))
+        (name, layer.name(name, None), value, getattr(planned, name))
         for name, value in layer.values.items()
         if name not in NOT_COMPARED
         and _as_searched(name, getattr(asked, name)) != _as_searched(name, getattr(planned, name))

@@ -419,7 +419,6 @@ def parse_with_deepspeed(config: dict[str, Any], data_parallel: int) -> Any:
             f"DeepSpeed rejected the config (data-parallel {data_parallel}): "
             f"{type(exc).__name__}: {' '.join(detail)[:600]}"
         ) from exc
-    parsed.unread_keys = sorted(set(config) - reading.read)
     parsed.read_keys = sorted(k for k in reading.read if isinstance(k, str))  # every key DeepSpeed looks for
     return parsed
 
@@ -448,13 +447,13 @@ class _ReadKeys(dict):
 
 def check_overlay_is_read(overlay: dict[str, Any], config: dict[str, Any], parsed: Any) -> None:
     """Refuse what the user's overlay sets that DeepSpeed would ignore or fail on only in the ranks:
-    a top-level key its parser never reads (`unread`), and keyword arguments that the optimizer's
+    a top-level key its parser never reads, and keyword arguments that the optimizer's
     or the learning-rate scheduler's constructor does not take (DeepSpeed passes `params` to it as
     they are, so a misspelt one raises a TypeError in every rank, after the job started).
     `parsed`: `parse_with_deepspeed`'s result, which knows the keys the parser read and looked for."""
     from difflib import get_close_matches
 
-    for key in (k for k in overlay if k in parsed.unread_keys):
+    for key in (k for k in overlay if k not in parsed.read_keys):
         near = get_close_matches(key, parsed.read_keys, n=1)
         raise DeepSpeedConfigRejected(
             f"the DeepSpeed config overlay sets {key!r}, which DeepSpeed's config parser does not read: it would "
