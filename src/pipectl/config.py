@@ -11,7 +11,8 @@ that set it too (`Opt`). From that one declaration come
 
 Layers, lowest first: the model's defaults; on a resume, the run's stored options; the config
 file; the flags (`layered`). A value a layer refuses is named as that layer gave it: `--lr 20.0`,
-`job.toml [training] lr = 20.0`.
+`job.toml [training] lr = 20.0`; so is one a later check refuses beside another (`given`:
+`job.toml [checkpoint] every = '4' exceeds job.toml [training] steps = 2`).
 
 A config file's sections are shared by the commands (`plan` and `launch` read one `job.toml`), so
 a key is refused only when no command knows it: a misspelt key is a mistake, never a silent no-op.
@@ -33,7 +34,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, PrivateAttr, ValidationError
 
 from pipectl.errors import UserInputError
 from pipectl.io import input_file, parse_error, safe_load_yaml
@@ -242,10 +243,43 @@ def layered(model: type[OptionsT], layers: list[Layer], *, context: dict[str, An
                 merged[name] = value
                 origin[(name, None)] = layer
     try:
-        return model.model_validate({**merged, **fixed}, context=context)
+        options = model.model_validate({**merged, **fixed}, context=context)
     except ValidationError as exc:
         message, hint = _refusal(model, exc, merged, origin)
         raise UserInputError(message, hint=hint) from None
+    if isinstance(options, Layered):
+        options._given = {
+            name: (_named(layer.name(name, None), layer.assign, merged[name]), getattr(options, name))
+            for (name, sub), layer in origin.items()
+            if sub is None and name not in tables
+        }
+    return options
+
+
+class Layered(BaseModel):
+    """An options model that remembers how `layered` was given each value, for `given`."""
+
+    # field -> (how it was given, the value it validated to)
+    _given: dict[str, tuple[str, Any]] = PrivateAttr(default_factory=dict)
+
+
+def given(options: Layered, name: str) -> str:
+    """A field's value named as the user gave it (`--steps 2`, `job.toml [training] steps = 2`, a
+    resumed run's `job.json [training] steps = 2`), for a check that refuses two values together;
+    a value no layer gave (a default, or one set after layering) is named by its flag."""
+    value = getattr(options, name)
+    text, validated = options._given.get(name, (None, None))
+    if text is not None and validated == value:
+        return text
+    flag = next(f.flag for f in option_fields(type(options)) if f.name == name) or name
+    return _named(flag, " ", value)
+
+
+def _named(name: str, assign: str, value: Any) -> str:
+    """`--steps 2`, `--tensorboard` (a switch that is on), `job.toml [training] steps = 2`."""
+    if assign == " " and value is True:
+        return name
+    return f"{name}{assign}{_shown(value, bare=assign == ' ')}"
 
 
 def _refusal(
@@ -276,10 +310,13 @@ def _refusal(
     return "; ".join(lines), hint
 
 
-def _shown(value: Any) -> str:
+def _shown(value: Any, *, bare: bool = False) -> str:
+    """A value as the user wrote it; a refused one quoted (`--tokens '300X'`), an accepted flag's
+    text `bare` (`--checkpoint-every 4`)."""
     if isinstance(value, bool):
         return str(value).lower()  # as the file wrote it
-    shown = repr(value.value if isinstance(value, Enum) else value)
+    value = value.value if isinstance(value, Enum) else value
+    shown = value if bare and isinstance(value, str) else repr(value)
     return shown if len(shown) <= 120 else shown[:117] + "..."
 
 

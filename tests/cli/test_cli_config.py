@@ -93,6 +93,27 @@ def test_a_bad_config_file_is_refused_naming_the_file_section_and_key(tmp_path, 
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize(
+    "text, flags, message",
+    [
+        ("[training]\nsteps = 2\n[checkpoint]\nevery = 4\n", [],
+         "job.toml [checkpoint] every = 4 exceeds job.toml [training] steps = 2"),
+        ("[checkpoint]\nevery = 4\n", ["--steps", "3"], "job.toml [checkpoint] every = 4 exceeds --steps 3"),
+        ("[training]\nsteps = 3\n", ["--checkpoint-every", "4"], "--checkpoint-every 4 exceeds job.toml [training] steps = 3"),
+        ("[checkpoint]\nrecover_in_memory = true\n", [], "job.toml [checkpoint] recover_in_memory = true needs data-parallel"),
+    ],
+)
+def test_a_check_of_two_values_names_each_as_it_was_given(tmp_path, text, flags, message):
+    """A value refused beside another (after both were read) is named where it came from: the file
+    and its key, or the flag; a new user who wrote only a config file is not told of flags."""
+    plan = write_plan(tmp_path / "plan.json")
+    (tmp_path / "job.toml").write_text(text)
+    result = invoke("launch", plan, "--run-dir", tmp_path / "run", "--config", tmp_path / "job.toml", *flags, "--dry-run")
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert message in " ".join(result.output.replace(str(tmp_path) + "/", "").split()), result.output
+    assert not (tmp_path / "run").exists()
+
+
 def test_plan_reads_its_sections_of_the_same_file(tmp_path):
     write_json_atomic(tmp_path / "profile.json", synthetic_profile(blocks=6, micro_batch_sizes=[1, 2, 4], device="cpu"))
     config = tmp_path / "job.toml"

@@ -31,6 +31,8 @@ def test_another_precision_than_the_plans_is_refused_with_both_named():
     with pytest.raises(UserInputError, match=r"--precision fp32: the plan was made for bfloat16") as error:
         planned_precision("bfloat16", Precision.FP32)
     assert "--dtype float32" in error.value.hint
+    with pytest.raises(UserInputError, match=r"^job.toml \[training\] precision = 'fp32': the plan was made"):
+        planned_precision("bfloat16", Precision.FP32, "job.toml [training] precision = 'fp32'")  # named as given
     with pytest.raises(UserInputError, match="pipectl's runtime does not train in yet"):
         planned_precision("float64", None)  # said before anything starts
 

@@ -19,7 +19,7 @@ from pipectl.artifacts.profile import ModelProfile
 from pipectl.cli.context import JsonFlag, console, from_options, print_json, refuse_overwriting
 from pipectl.cli.options import ConfigOption, file_layers, passed_flags, with_options
 from pipectl.cluster import calibrated_cluster, load_calibration_for, load_cluster, local_cluster
-from pipectl.config import Layer, layered, stored_layer
+from pipectl.config import Layer, given, layered, stored_layer
 from pipectl.emit import emitted_files, emitted_layouts, write_files
 from pipectl.errors import UserInputError
 from pipectl.io import check_output_file, load_model
@@ -196,8 +196,8 @@ def _engine_and_emit_counts(options: PlanOptions, any_engine: bool) -> tuple[Eng
     engine = options.engine
     if options.emit is not None and (any_engine or engine not in (None, Engine.ANY)):
         raise UserInputError(
-            f"--emit {options.emit.value} plans for that framework, not for an engine of pipectl's "
-            f"(--{'any-engine' if any_engine else 'engine ' + engine.value})",
+            f"{given(options, 'emit')} plans for that framework, not for an engine of pipectl's "
+            f"({'--any-engine' if any_engine else given(options, 'engine')})",
             hint="give one of them",
         )
     if options.emit_devices is not None and options.emit is None:

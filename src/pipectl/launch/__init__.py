@@ -28,7 +28,7 @@ from pipectl.artifacts.profile import ModelProfile
 from pipectl.artifacts.run import JOB_FILE, DataKind, DataSpec, Engine, JobSpec, NodeGroup, Precision, TrainingSettings
 from pipectl.cluster import busier_note, host_state, load_cluster, plan_cluster_spec
 from pipectl.errors import PipectlError, UserInputError
-from pipectl.config import Layer, layered, stored_layer, to_sections
+from pipectl.config import Layer, given, layered, stored_layer, to_sections
 from pipectl.io import load_model, validation_message
 from pipectl.launch.options import SCALE_MIN_LR_RATIO, LaunchOptions, read_hostfile, resolve_defaults
 from pipectl.runtime.engines.dsconfig import validated_config
@@ -55,7 +55,7 @@ def effective_options(
     it does not re-default it. `plan`: the plan resumed (an in-memory recovery is kept only while
     it has replicas); `as_given`: the model and data as typed, for job.json."""
     path = Path(run_dir)
-    given = {name for layer in layers for name in layer.values}
+    passed = {name for layer in layers for name in layer.values}
     resume = any(layer.values.get("resume") for layer in layers)
     if not resume or not is_run_dir(path):
         return layered(LaunchOptions, layers, as_given=as_given or {})
@@ -71,7 +71,7 @@ def effective_options(
         wandb_run_id=job.wandb_run_id,  # one W&B run for the whole run
         as_given={**job.as_given, **(as_given or {})},  # what this resume names anew replaces the run's
     )
-    if "recover_in_memory" not in given and plan is not None and plan.chosen.data_parallel < 2:
+    if "recover_in_memory" not in passed and plan is not None and plan.chosen.data_parallel < 2:
         options = options.model_copy(update={"recover_in_memory": False})  # no replica left to recover from
     return options
 
@@ -227,8 +227,9 @@ _PRECISION_OF_DTYPE = {"float32": Precision.FP32, "bfloat16": Precision.BF16, "f
 _DTYPE_OF_PRECISION = {precision: dtype for dtype, precision in _PRECISION_OF_DTYPE.items()}
 
 
-def planned_precision(profile_dtype: str | None, asked: Precision | None) -> Precision:
-    """The precision to train in: the plan's (its profile's dtype), which `asked` must match.
+def planned_precision(profile_dtype: str | None, asked: Precision | None, named: str | None = None) -> Precision:
+    """The precision to train in: the plan's (its profile's dtype), which `asked` must match
+    (`named`: how the user gave it, for the refusal).
 
     The plan's memory and step-time figures hold for its profile's dtype only (fp32 weights and
     activations take twice the bytes of bf16 ones), so another precision is refused rather than
@@ -248,7 +249,7 @@ def planned_precision(profile_dtype: str | None, asked: Precision | None) -> Pre
         )
     if asked is not None and asked is not planned:
         raise UserInputError(
-            f"--precision {asked.value}: the plan was made for {profile_dtype} ({planned.value}); its memory and "
+            f"{named or '--precision ' + asked.value}: the plan was made for {profile_dtype} ({planned.value}); its memory and "
             f"step-time predictions hold for that precision only",
             hint=f"launch without --precision, or profile and plan again with --dtype {_DTYPE_OF_PRECISION[asked]}",
         )
@@ -310,10 +311,10 @@ def job_nodes(plan: Plan, options: LaunchOptions, cluster: ClusterSpec | None, g
     devices = plan.chosen.devices
     if groups:
         nodes = sum(group.nodes for group in groups)
-        given = len(options.hosts) if options.hosts else options.nodes
-        if given and given != nodes:
+        asked = len(options.hosts) if options.hosts else options.nodes
+        if asked and asked != nodes:
             raise UserInputError(
-                f"{count(given, 'node')} given for a plan split over {count(len(groups), 'node type')} that runs on "
+                f"{count(asked, 'node')} given for a plan split over {count(len(groups), 'node type')} that runs on "
                 + ", ".join(f"{count(g.nodes, g.node_type + ' node')}" for g in groups),
                 hint="give one host per node, each kind's hosts together in this order",
             )
@@ -379,7 +380,7 @@ def check_hostfile_slots(options: LaunchOptions, ranks_per_node: int) -> None:
     if wrong:
         host, slots = wrong[0]
         raise UserInputError(
-            f"--hostfile {options.hostfile} gives {host} slots={slots}; the plan runs {ranks_per_node} ranks on each node",
+            f"{given(options, 'hostfile')} gives {host} slots={slots}; the plan runs {ranks_per_node} ranks on each node",
             hint=f"give every node slots={ranks_per_node}",
         )
 
@@ -395,8 +396,8 @@ def slurm_settings(cluster: ClusterSpec | None, flags: SlurmSpec, node_type: str
     own = {}
     if cluster is not None and node_type is not None:
         own = next(n for n in cluster.node_types if n.name == node_type).slurm.model_dump(exclude_none=True)
-    given = {k: v for k, v in flags.model_dump().items() if v is not None}
-    return base.model_copy(update={**own, **given})
+    set_by_flags = {k: v for k, v in flags.model_dump().items() if v is not None}
+    return base.model_copy(update={**own, **set_by_flags})
 
 
 def job_node_type(plan: Plan, cluster: ClusterSpec | None) -> str | None:
@@ -415,22 +416,25 @@ def slurm_components(cluster: ClusterSpec | None, flags: SlurmSpec, groups: list
     return [slurm_settings(cluster, flags, group.node_type) for group in groups]
 
 
-def check_recoverable(candidate: Candidate, engine: Engine, groups: list[NodeGroup]) -> None:
+def check_recoverable(
+    candidate: Candidate, engine: Engine, groups: list[NodeGroup], named: str = "--recover-in-memory"
+) -> None:
     """`--recover-in-memory` needs another replica to recover from, and one torchrun per replica on
-    this machine (the local engine); raises `UserInputError` naming what is missing."""
+    this machine (the local engine); raises `UserInputError` naming what is missing (the option as
+    given: `named`)."""
     if engine is not Engine.LOCAL:
         raise UserInputError(
-            f"--recover-in-memory runs one torchrun per replica on this machine (engine local), not {engine.value}",
+            f"{named} runs one torchrun per replica on this machine (engine local), not {engine.value}",
             hint="a multi-node job recovers from its checkpoint (launch --resume, or --elastic)",
         )
     if candidate.data_parallel < 2:
         raise UserInputError(
-            f"--recover-in-memory needs data-parallel replicas to recover from; the plan's layout "
+            f"{named} needs data-parallel replicas to recover from; the plan's layout "
             f"{layout_label(candidate)} has d = {candidate.data_parallel}",
             hint="plan with --data-parallel 2 or more, or recover from checkpoints (launch --resume)",
         )
     if groups:
-        raise UserInputError("--recover-in-memory runs on one host; the plan splits the job over groups of nodes")
+        raise UserInputError(f"{named} runs on one host; the plan splits the job over groups of nodes")
 
 
 def at_scale(nodes: int, accelerator: str | None) -> bool:
@@ -457,7 +461,7 @@ def check_data_at_scale(data: DataSpec, accelerator: str | None) -> None:
 WANDB_LOCAL_MODES = ("offline", "disabled", "dryrun")
 
 
-def check_wandb_login() -> None:
+def check_wandb_login(named: str = "--wandb") -> None:
     """`--wandb` online needs a W&B key (WANDB_API_KEY, or `wandb login`'s entry in ~/.netrc); rank
     0 would otherwise fail as it starts, after every rank has built its engine."""
     if os.environ.get("WANDB_MODE", "").lower() in WANDB_LOCAL_MODES or os.environ.get("WANDB_API_KEY"):
@@ -470,7 +474,7 @@ def check_wandb_login() -> None:
     except (OSError, netrc.NetrcParseError):
         pass
     raise UserInputError(
-        "--wandb needs a Weights & Biases login: no WANDB_API_KEY and no `wandb login` entry in ~/.netrc",
+        f"{named} needs a Weights & Biases login: no WANDB_API_KEY and no `wandb login` entry in ~/.netrc",
         hint="run wandb login (or set WANDB_API_KEY), or log offline with WANDB_MODE=offline (wandb sync uploads it later)",
     )
 
@@ -487,23 +491,23 @@ def build_job(plan: Plan, name: str, options: LaunchOptions, cluster: ClusterSpe
             f"the local engine runs on this machine only, not {count(nodes, 'node')}", hint="use --engine torchrun"
         )
     if options.recover_in_memory:
-        check_recoverable(plan.chosen, options.engine, groups)
+        check_recoverable(plan.chosen, options.engine, groups, given(options, "recover_in_memory"))
     accelerator = plan_accelerator(plan, cluster)
     scale = at_scale(nodes, accelerator)
     options, _ = resolve_defaults(options, at_scale=scale, what=job_words(plan, nodes, accelerator))
     check_data_at_scale(options.data, accelerator)
     if options.wandb:
-        check_wandb_login()
+        check_wandb_login(given(options, "wandb"))
     for wanted, package, extra in ((options.tensorboard, "tensorboard", "monitor"), (options.wandb, "wandb", "wandb")):
         if wanted and importlib.util.find_spec(package) is None:
             raise UserInputError(
-                f"--{package} needs the {package} package, which is not installed",
+                f"{given(options, package)} needs the {package} package, which is not installed",
                 hint=f"pip install 'pipectl[{extra}]' (or {package}) where the ranks run",
             )
     every_steps, every_seconds, every_auto = options.interval
     if every_steps > options.steps:
         raise UserInputError(
-            f"--checkpoint-every {every_steps} exceeds --steps {options.steps}",
+            f"{given(options, 'checkpoint_every')} exceeds {given(options, 'steps')}",
             hint="the run checkpoints at the end anyway; use a smaller K or 0",
         )
     model_given = options.model or plan.model_reference or plan.model
@@ -574,12 +578,13 @@ def prepare_launch(
     if plan.profile is not None:  # present and unchanged, before anything is written
         profile = load_model(ModelProfile, plan_profile_path(path if plan_dir is None else plan_dir, plan))
     profile_dtype = profile.dtype if profile is not None else None
-    given = options  # what job.json stores: the options as chosen, before the plan and the host fill them in
-    options = options.model_copy(update={"precision": planned_precision(profile_dtype, options.precision)})
+    as_chosen = options  # what job.json stores: the options as chosen, before the plan and the host fill them in
+    named = given(options, "precision")
+    options = options.model_copy(update={"precision": planned_precision(profile_dtype, options.precision, named)})
     if options.engine in (Engine.DEEPSPEED, Engine.TORCHRUN):
         options = options.model_copy(update={"hosts": node_hosts(options)})
     cluster = plan_cluster(plan, options.cluster)
-    job = build_job(plan, path.name, options, cluster).model_copy(update={"options": to_sections(given)})
+    job = build_job(plan, path.name, options, cluster).model_copy(update={"options": to_sections(as_chosen)})
     check_hostfile_slots(options, job.ranks_per_node)
     if job.engine is Engine.LOCAL:  # the ranks run here: how busy this host is, beside the profile's
         job = job.model_copy(update={"host_at_launch": host_state()})

@@ -32,7 +32,7 @@ from pipectl.artifacts.run import (
     TrainingSettings,
     check_host_address,
 )
-from pipectl.config import Opt, OptionValueError, layered, stored_layer
+from pipectl.config import Layered, Opt, OptionValueError, layered, stored_layer
 from pipectl.errors import PipectlError, UserInputError
 from pipectl.words import count
 from pipectl.io import read_mapping
@@ -146,7 +146,7 @@ def read_hostfile(path: str | os.PathLike[str]) -> list[tuple[str, int]]:
     return entries
 
 
-class LaunchOptions(Strict):
+class LaunchOptions(Strict, Layered):
     """What the user chose besides the plan: `pipectl launch`'s flags, its config file's values,
     or a resumed run's. (`Strict`: numbers are finite numbers, never a boolean read as one.)"""
 

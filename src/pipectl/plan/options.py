@@ -16,13 +16,13 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from pipectl.artifacts.base import Strict
 from pipectl.artifacts.plan import Engine, Framework, Objective, Plan
-from pipectl.config import Opt
+from pipectl.config import Layered, Opt
 from pipectl.schedule import ScheduleKind
 
 SCHEDULE_NAMES = ", ".join(kind.value for kind in ScheduleKind)
 
 
-class PlanOptions(Strict):
+class PlanOptions(Strict, Layered):
     """`pipectl plan`'s flags, or its config file's values (`Strict`: `global_batch = true` in a file
     is refused, not read as 1)."""
 
