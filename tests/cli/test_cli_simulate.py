@@ -45,6 +45,15 @@ def test_interleaved_with_chunks_and_gantt_file(tmp_path: Path):
     assert picture.read_text().lstrip().startswith("<?xml")
 
 
+def test_interleaved_without_chunks_simulates_two_chunks_not_1f1b():
+    """`--schedule interleaved` alone is the interleaved schedule (v = 2), not 1F1B under its name."""
+    args = ["simulate", "--pipeline-parallel", "2", "--micro-batches", "4"]
+    interleaved = invoke(*args, "--schedule", "interleaved").stdout
+    one_f_one_b = invoke(*args, "--schedule", "1f1b").stdout
+    assert "interleaved  p=2 m=4 v=2" in interleaved, interleaved
+    assert interleaved.split("step")[1].split()[0] != one_f_one_b.split("step")[1].split()[0]  # a shorter bubble
+
+
 def test_print_schedule_shows_sends_and_receives():
     out = invoke("simulate", "--schedule", "gpipe", "--pipeline-parallel", "2", "--micro-batches", "2",
                  "--print-schedule").stdout

@@ -170,7 +170,8 @@ def _uniform_pipeline(
             "give a PLAN.json, or --schedule, --pipeline-parallel and --micro-batches",
             hint="pipectl simulate --schedule 1f1b --pipeline-parallel 4 --micro-batches 8 --terminal",
         )
-    v = chunks or (2 if schedule_kind is ScheduleKind.ZBV else 1)  # zbv: two chunks, a V
+    # zbv is a V of two chunks; interleaved's chunks default to 2, its least that differs from 1F1B
+    v = chunks or (2 if schedule_kind in (ScheduleKind.ZBV, ScheduleKind.INTERLEAVED) else 1)
     if schedule_kind.splits_backward and recompute:
         raise UserInputError(
             f"the {schedule_kind.value} schedule does not recompute: its W keeps each micro-batch's "
@@ -281,7 +282,7 @@ def register(app: typer.Typer) -> None:
         ] = None,
         pipeline_parallel: Annotated[Optional[int], typer.Option(min=1, help="Without a plan: ranks p.")] = None,
         micro_batches: Annotated[Optional[int], typer.Option(min=1, help="Without a plan: micro-batches m.")] = None,
-        chunks: Annotated[Optional[int], typer.Option(min=1, help="Without a plan: chunks per rank v (interleaved; zbv holds 2).")] = None,
+        chunks: Annotated[Optional[int], typer.Option(min=1, help="Without a plan: chunks per rank v (interleaved, default 2; zbv holds 2).")] = None,
         recompute: Annotated[
             Optional[bool], typer.Option("--recompute/--no-recompute", help="Without a plan: recompute before backward.")
         ] = None,
