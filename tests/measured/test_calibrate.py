@@ -141,6 +141,37 @@ def test_calibrate_then_validate_with_it_from_a_working_directory(measured):
     assert after["max_abs_error"] == pytest.approx(calibration["after"]["max_abs_error"], abs=1e-6)
 
 
+def test_a_fit_worse_on_the_rows_held_out_than_no_fit_says_so(measured, monkeypatch):
+    """Cross-validation that predicts the held-out rows worse than the uncalibrated terms means the
+    rows do not tell the terms apart: the user is warned, with both figures (the fit itself stood
+    in by a calibration whose figures say so)."""
+    from typer.testing import CliRunner
+
+    from pipectl.artifacts.calibration import RunsCalibration
+    from pipectl.cli.main import app
+
+    terms = starting_terms(load_conditions(measured / "conditions.yaml")).model_dump()
+
+    def errors(mape):
+        return {"rows": 12, "median_abs_error": mape, "mape": mape, "max_abs_error": 2 * mape, "signed_median_error": 0.0}
+
+    def calibration(held_out_mape):
+        return RunsCalibration.model_validate({
+            "device": "a100-80gb", "framework": "megatron-deepspeed", "rows_file": "runs.csv", "rows_sha256": "0" * 64,
+            "conditions_sha256": "0" * 64, "rows": 12, "uncalibrated": terms, "terms": terms, "before": errors(0.1),
+            "after": errors(0.02), "folds": 3, "cross_validated": errors(held_out_mape),
+        })  # fmt: skip
+
+    monkeypatch.chdir(measured)
+    for held_out_mape, warned in ((0.2, True), (0.05, False)):
+        monkeypatch.setattr("pipectl.measured.calibrate.calibrate_runs", lambda *a, **k: calibration(held_out_mape))
+        result = CliRunner().invoke(app, ["calibrate", "runs.csv", "-c", "conditions.yaml", "-o", "cal.json"])
+        assert result.exit_code == 0 and (measured / "cal.json").is_file(), result.output
+        said = " ".join(result.output.split())
+        assert ("warning: fitted on some rows, the terms predict the rows held out worse than uncalibrated "
+                "(MAPE 10.0% -> 20.0%)" in said) is warned, said  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

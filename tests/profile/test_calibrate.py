@@ -43,9 +43,10 @@ def profile_with(runtime: RuntimeCosts):
 
 
 def write_run(folder, pipeline: int, micro_batch_size: int, *, truth=TRUE, steps: int = 3, phases: bool = True,
-              optimizer_apart: bool = True):
+              optimizer_apart: bool = True, step_truth=None):
     """A run planned from the PLANNED profile whose ranks measured what TRUE simulates (without
-    `optimizer_apart`, as ranks recorded it before the optimizer step was timed on its own)."""
+    `optimizer_apart`, as ranks recorded it before the optimizer step was timed on its own;
+    `step_truth`: the step time another profile simulates, phases and step disagreeing)."""
     folder.mkdir(parents=True)
     planned = profile_with(PLANNED)
     write_json_atomic(folder / "profile-source.json", planned)
@@ -58,6 +59,8 @@ def write_run(folder, pipeline: int, micro_batch_size: int, *, truth=TRUE, steps
                   master_port=29500)  # fmt: skip
     write_json_atomic(folder / "job.json", job)
     stages, step = simulated_phases(chosen, profile_with(truth), cluster)
+    if step_truth is not None:
+        step = simulated_phases(chosen, profile_with(step_truth), cluster)[1]
     writer = MetricsWriter(folder, rank=0)
     for s in range(1, steps + 1):
         ranks = [
@@ -117,6 +120,20 @@ def test_the_cli_writes_the_profile_and_bad_inputs_are_named(tmp_path):
         calibrate([short])
     missing = CliRunner().invoke(app, ["calibrate", str(tmp_path / "nowhere"), "-o", str(tmp_path / "x.json")])
     assert missing.exit_code == 2 and "no run directory" in missing.output
+
+
+def test_a_fit_that_predicts_its_own_runs_worse_says_so(tmp_path):
+    """Runs whose phases say TRUE but whose step times are what PLANNED predicts (phases and step
+    disagreeing, as on a busy host): the fit follows the phases and misses the steps; the user is
+    told, with both errors, and the profile is still written."""
+    runs = [write_run(tmp_path / "one", 1, 2, step_truth=PLANNED), write_run(tmp_path / "two", 2, 4, step_truth=PLANNED)]
+    result = CliRunner().invoke(app, ["calibrate", *map(str, runs), "-o", str(tmp_path / "cal.json")], env={"COLUMNS": "160"})
+    assert result.exit_code == 0 and (tmp_path / "cal.json").is_file(), result.output
+    said = " ".join(result.output.split())
+    assert "warning: the fitted terms predict these runs' step times worse than the profile did (mean error 0.0% ->" in said
+    agreeing = [write_run(tmp_path / "three", 1, 2), write_run(tmp_path / "four", 2, 4)]
+    quiet = CliRunner().invoke(app, ["calibrate", *map(str, agreeing), "-o", str(tmp_path / "cal2.json")], env={"COLUMNS": "160"})
+    assert quiet.exit_code == 0 and "warning" not in quiet.output, quiet.output
 
 
 def test_a_run_given_twice_or_a_split_over_kinds_is_refused(tmp_path):

@@ -8,6 +8,7 @@ from typing import Annotated
 
 import typer
 from rich import box
+from rich.markup import escape
 from rich.table import Table
 
 from pipectl.cli.context import JsonFlag, console, err_console, output_file, print_json, refuse_overwriting
@@ -60,9 +61,13 @@ def _calibrate_runs(runs: list[Path], output: Path, json_output: bool) -> None:
 
     profile, report = calibrate(runs)
     write_json_atomic(output, profile)
+    error_before = sum(r.error_before for r in report.runs) / len(report.runs)
+    error_after = sum(r.error_after for r in report.runs) / len(report.runs)
     if json_output:
         print_json({
             "output": str(output),
+            "mean_error_before": error_before,
+            "mean_error_after": error_after,
             "runs": [
                 {"run": r.run, "layout": r.layout, "measured_step_seconds": r.measured_step_seconds,
                  "predicted_before": r.predicted_before, "predicted_after": r.predicted_after}
@@ -87,6 +92,17 @@ def _calibrate_runs(runs: list[Path], output: Path, json_output: bool) -> None:
     console.print(runs_table)
     console.print(terms)
     console.print(f"wrote {output}: plan with it (pipectl plan --profile {output} ...) to predict other layouts")
+    if error_after > error_before:
+        # The fit matches each run's phases; a step time its phases do not add up to (a busy host,
+        # a run cut short) can leave the steps themselves predicted worse than before.
+        _warn(f"the fitted terms predict these runs' step times worse than the profile did (mean error "
+              f"{error_before:.1%} -> {error_after:.1%}): their measured phases do not add up to their step "
+              "times, as on a busy host; run the layouts again on a quiet host, or keep planning with the "
+              "profile as it was")  # fmt: skip
+
+
+def _warn(text: str) -> None:
+    err_console.print(f"[yellow]warning:[/] {escape(text)}", highlight=False, soft_wrap=True)
 
 
 def _calibrate_measured(csv: Path, conditions: Path | None, folds: int, output: Path, json_output: bool) -> None:
@@ -141,3 +157,8 @@ def _calibrate_measured(csv: Path, conditions: Path | None, folds: int, output: 
     console.print(errors)
     console.print(f"wrote {output}: pass it as --calibration to validate, profile --derive, plan and simulate",
                   soft_wrap=True, highlight=False)  # fmt: skip
+    held_out = calibration.cross_validated
+    if held_out is not None and held_out.mape > calibration.before.mape:
+        _warn(f"fitted on some rows, the terms predict the rows held out worse than uncalibrated (MAPE "
+              f"{calibration.before.mape:.1%} -> {held_out.mape:.1%}): the rows do not tell the terms apart (too "
+              "few, or too alike in shape and layout); predictions for other layouts may be worse with it")  # fmt: skip
