@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+import re
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import typer
 from pydantic import BaseModel, ValidationError
 from rich.console import Console, ConsoleDimensions
+from rich.segment import Segment
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from pipectl.artifacts.run import is_run_file
@@ -19,6 +21,7 @@ from pipectl.io import check_output_file
 
 # Wide enough that no table of ours is ever narrowed; text is not padded to it.
 PIPED_WIDTH = 1000
+_TRAILING_BLANKS = re.compile(r"[ \t]+$", re.MULTILINE)
 
 
 class PipectlConsole(Console):
@@ -27,7 +30,13 @@ class PipectlConsole(Console):
     Piped into a file or a log, Rich would take the width of whatever terminal it can find (80
     columns without one) and cut table cells to fit ("13.59…"). There, unless COLUMNS is set,
     the console is `PIPED_WIDTH` wide: tables keep their natural width and no figure is cut.
+    Nor does a line end in the blanks that pad a table's cells to its width (`grep`, `diff` and
+    editors see them; a terminal does not).
     """
+
+    def _render_buffer(self, buffer: Iterable[Segment]) -> str:
+        text = super()._render_buffer(buffer)
+        return text if self.is_terminal else _TRAILING_BLANKS.sub("", text)
 
     @property
     def size(self) -> ConsoleDimensions:
