@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -124,6 +125,16 @@ def test_status_plot_writes_a_png(tmp_path):
     result = runner.invoke(app, ["status", str(run), "--plot", str(out)])
     assert result.exit_code == 0, result.output
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_plot_marks_whole_steps_only(tmp_path):
+    """A short run's step axis: ticks at whole steps, none at 2.5 (matplotlib's SVG keeps each
+    label's text in a comment)."""
+    run = make_run(tmp_path)
+    out = tmp_path / "run.svg"
+    assert runner.invoke(app, ["status", str(run), "--plot", str(out)]).exit_code == 0
+    labels = re.findall(r"<!-- (\S+) -->", out.read_text())
+    assert "2" in labels and not [label for label in labels if re.fullmatch(r"\d+\.5", label)], labels
 
 
 def test_status_of_something_that_is_not_a_run_exits_2(tmp_path):

@@ -19,6 +19,7 @@ def plot_run(metrics: list[StepMetrics], path: str | os.PathLike[str], *, title:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     path = Path(path)
     if not metrics:
@@ -36,6 +37,7 @@ def plot_run(metrics: list[StepMetrics], path: str | os.PathLike[str], *, title:
         time_ax.plot(*zip(*predicted), linestyle="--", label="predicted")
     time_ax.set_ylabel("step time (ms)")
     time_ax.set_xlabel("step")
+    time_ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole: no tick at step 2.5
     time_ax.grid(alpha=0.3)
     time_ax.legend()
     for previous, current in zip(metrics, metrics[1:]):

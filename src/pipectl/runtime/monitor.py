@@ -30,13 +30,14 @@ def step_line(line: StepMetrics, steps: int) -> str:
     >>> m = StepMetrics(step=3, loss=4.5, step_seconds=0.5, predicted_step_seconds=0.4, samples_per_second=32,
     ...                 global_batch=16, world_size=2, learning_rate=1e-3, grad_norm=0.5, tokens_per_second=4096)
     >>> step_line(m, 10)
-    'step 3/10 loss 4.5000 lr 1.00e-03 grad-norm 0.5 32.0 samples/s 4,096 tokens/s step 500.0 ms (predicted 400.0 ms)'
+    'step 3/10 loss 4.5000 lr 1.00e-03 grad-norm 0.500 32.0 samples/s 4,096 tokens/s step 500.0 ms (predicted 400.0 ms)'
     """
     parts = [f"step {line.step}/{steps}", f"loss {line.loss:.4f}"]
     if line.learning_rate is not None:
         parts.append(f"lr {line.learning_rate:.2e}")
     if line.grad_norm is not None:
-        parts.append(f"grad-norm {line.grad_norm:.3g}")
+        # Three figures, trailing zeros kept: a norm that moves from 2.71 to 2.70 keeps its width.
+        parts.append(f"grad-norm {line.grad_norm:#.3g}".rstrip("."))
     parts.append(f"{line.samples_per_second:.1f} samples/s")
     if line.tokens_per_second is not None:
         parts.append(f"{line.tokens_per_second:,.0f} tokens/s")
