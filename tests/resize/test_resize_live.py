@@ -70,13 +70,14 @@ class BackgroundJob:
         assert self.exit_codes == [0], (self.run_dir / "logs" / "engine.log").read_text()[-3000:]
 
 
-def test_a_running_job_moves_live_and_trains_on_as_if_never_moved(tmp_path):
+def test_a_running_job_moves_live_and_trains_on_as_if_never_moved(tmp_path, monkeypatch):
     job = BackgroundJob(plan_of(P2, global_batch=8, morph_table=[MorphEntry(devices=1, candidate=P1), MorphEntry(devices=2, candidate=D2)]), tmp_path / "live")  # fmt: skip
     job.wait_for_step(3)
     rank0_pid = read_heartbeats(job.run_dir)[0].pid
     moves = [(2, "t1p1d2 1f1b b2 m2"), (1, "t1p1d1 1f1b b2 m4"), (2, "t1p1d2 1f1b b2 m2")]
+    monkeypatch.chdir(tmp_path)  # the run named as a user in this folder names it (the joining rank starts in it)
     for devices, layout in moves:
-        result = live_resize(decide_resize(job.run_dir, devices), requested_unix=time.time())
+        result = live_resize(decide_resize(Path("live"), devices), requested_unix=time.time())
         assert result.record.to_layout == layout and result.record.path == "live"
         # Rank 0 moved the new layout's files in after its first step, before the record.
         assert read_run(job.run_dir).plan.chosen.devices == devices and read_run(job.run_dir).job.world_size == devices

@@ -261,6 +261,7 @@ def run_file_names(path: Path) -> list[str]:
 
 
 def _start_joiners(path: Path, job, ranks: range) -> list[subprocess.Popen]:
+    path = path.resolve()  # each rank starts in the run directory: a relative name would not be it
     logs = path / LOGS_DIR
     logs.mkdir(parents=True, exist_ok=True)
     ready = path / JOIN_DIR

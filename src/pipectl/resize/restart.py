@@ -155,7 +155,8 @@ def decide_resize(
     check_steps_beyond_trained(files.path, target_steps, job.steps, given=steps is not None, metrics=metrics)
     last = newest_step(metrics)
     return ResizeDecision(
-        run_dir=files.path,
+        # Absolute: the ranks a resize starts run in the run directory, where a relative name is not it.
+        run_dir=files.path.resolve(),
         requested_devices=devices,
         usable_devices=usable,
         choice=choice,
