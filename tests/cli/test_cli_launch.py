@@ -597,6 +597,33 @@ def test_a_killed_pipectl_leaves_no_job_training_unsupervised(tmp_path):
 
 
 @pytest.mark.multiprocess
+def test_ctrl_c_while_the_ranks_start_is_a_stop_not_a_failure(tmp_path):
+    """Ctrl-C before the first step (the ranks still importing, their handlers not yet set): the
+    launcher reports them ended by SIGTERM as failed; pipectl says the job was stopped, nothing
+    trained, how to start again, and exits 130, without the launcher's failure dump."""
+    import signal
+    import time
+
+    plan = write_plan(tmp_path / "plan.json")
+    run = tmp_path / "run"
+    launcher = _start_launch(plan, run, "--steps", "100000", "--timeout", "240")
+    try:
+        deadline = time.monotonic() + 60
+        while not (run / "logs" / "engine.log").is_file() and time.monotonic() < deadline:
+            time.sleep(0.02)  # the launcher has started; its ranks are far from their first step
+        launcher.send_signal(signal.SIGINT)
+        output, _ = launcher.communicate(timeout=120)
+    finally:
+        launcher.kill()
+    said = " ".join(output.split())
+    assert launcher.returncode == 130, said
+    assert f"stopped before the first step (SIGINT): nothing trained; start it again with: pipectl launch {plan} " \
+           f"--run-dir {run} --force" in said, said  # fmt: skip
+    assert "Root Cause" not in said and "error:" not in said and not (run / "metrics.jsonl").is_file(), said
+    assert _processes_of(run) == []
+
+
+@pytest.mark.multiprocess
 def test_sigterm_to_torchrun_after_a_clean_checkpoint_exits_0(tmp_path):
     """torchrun exits 1 when it is signalled even though its ranks stop cleanly; pipectl says what
     happened and exits 0, and the run resumes from the checkpoint the ranks wrote."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import signal
 import time
 from pathlib import Path
 from typing import Annotated, Optional
@@ -203,7 +204,9 @@ def _launch(
         collective_timeout_seconds=job_collective_timeout_seconds(prepared.job, prepared.plan.chosen),
     )
     try:
-        exit_code = _run_with_progress(prepared, timeout, watch, quiet=json_output, since_unix=started - 1.0)
+        signals: list[int] = []  # what stopped the job, if a person did
+        exit_code = _run_with_progress(prepared, timeout, watch, quiet=json_output, since_unix=started - 1.0,
+                                       signals=signals)  # fmt: skip
     except JobEnded as ended:
         done = run_status(prepared.run_dir).steps_done
         raise _failure(
@@ -214,6 +217,16 @@ def _launch(
     resumed = read_resume(prepared.run_dir, since_unix=started - 1.0)
     if exit_code != 0:
         stopped_at = stopped_cleanly(read_heartbeats(prepared.run_dir, since_unix=started - 1.0), prepared.job.world_size)
+        if stopped_at is None and signals and not status.steps_done and not read_failures(prepared.run_dir, since_unix=started - 1.0):
+            # Ctrl-C while the ranks still start (before their handlers): the launcher reports the
+            # ranks it saw end by SIGTERM as failed, but nothing failed and nothing was trained.
+            again = "--resume" if has_checkpoint(prepared.run_dir) else "--force"
+            err_console.print(
+                f"stopped before the first step ({signal.Signals(signals[0]).name}): nothing trained; start it again "
+                f"with: pipectl launch {plan_path} --run-dir {run_dir} {again}",
+                style="yellow", highlight=False, markup=False, soft_wrap=True,
+            )  # fmt: skip
+            raise typer.Exit(128 + signals[0])
         if stopped_at is None:
             progress = f"the job exited with code {exit_code} after {status.steps_done} of {prepared.job.steps} steps"
             raise _failure(prepared, started, progress, watch, log_tail=not json_output)
@@ -327,7 +340,8 @@ class LowDiskWatch:
 
 
 def _run_with_progress(
-    prepared: PreparedLaunch, timeout: float | None, watch: StallWatch, *, quiet: bool, since_unix: float
+    prepared: PreparedLaunch, timeout: float | None, watch: StallWatch, *, quiet: bool, since_unix: float,
+    signals: list[int],
 ) -> int:
     """Run the engine; tail metrics.jsonl into a Rich progress bar with loss and samples/s, and say
     where the ranks resumed (and which checkpoints could not be loaded) as soon as they have."""
@@ -379,8 +393,9 @@ def _run_with_progress(
 
         try:
             return run_engine(
-                prepared.command, prepared.run_dir, on_tick=tick, timeout_seconds=timeout, lock=prepared.lock, say=say
-            )
+                prepared.command, prepared.run_dir, on_tick=tick, timeout_seconds=timeout, lock=prepared.lock, say=say,
+                signals=signals,
+            )  # fmt: skip
         finally:
             report()  # what the job wrote after the last tick (a short job may end before the first)
             for warning in low_disk.check(now=True):

@@ -566,6 +566,7 @@ def run_engine(
     timeout_seconds: float | None = None,
     lock: Any = None,
     say: Callable[[str], None] | None = None,
+    signals: list[int] | None = None,
 ) -> int:
     """Run the launcher, its output in RUN/logs/engine.log; return its exit code.
 
@@ -578,7 +579,8 @@ def run_engine(
     to pipectl becomes SIGTERM to the ranks (they finish the step, checkpoint and exit 0); a second
     one ends every process of the job (SIGTERM, then SIGKILL `KILL_AFTER_SECONDS` later), a third
     kills them now.
-    `say` is told what each signal does. `on_tick` is called every `tick_seconds` while the job
+    `say` is told what each signal does, and `signals` (when given) gets each one received, so
+    that the caller can tell a job its user stopped from one that failed. `on_tick` is called every `tick_seconds` while the job
     runs (the CLI tails metrics.jsonl and watches heartbeats there); when it returns a reason, the
     job is ended and `JobEnded` raised. Past `timeout_seconds` the job is ended and a `LaunchError`
     raised. Ranks still alive after their launcher exited are ended too.
@@ -610,7 +612,10 @@ def run_engine(
             raise LaunchError(f"cannot start {command.argv[0]}: {exc}") from exc
         if lock is not None:
             lock.record(os.getpid(), proc.pid)
-        return _supervise(JobProcesses(proc), on_tick, tick_seconds, timeout_seconds, say or (lambda _: None))
+        return _supervise(
+            JobProcesses(proc), on_tick, tick_seconds, timeout_seconds, say or (lambda _: None),
+            [] if signals is None else signals,
+        )  # fmt: skip
 
 
 KILL_AFTER_SECONDS = 10.0  # after a second Ctrl-C / SIGTERM to pipectl
@@ -626,6 +631,7 @@ def _supervise(
     tick_seconds: float,
     timeout_seconds: float | None,
     say: Callable[[str], None],
+    signals_seen: list[int],
 ) -> int:
     proc = processes.launcher
     # SIGHUP: the terminal closed. The launcher runs in a session of its own, so only this
@@ -633,7 +639,6 @@ def _supervise(
     # instead of training on unsupervised.
     forwarded = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     previous = {}
-    signals_seen = []
 
     kill_at = []  # after a second signal: when the processes still alive get SIGKILL
 
