@@ -366,6 +366,45 @@ def test_a_checkpoint_that_cannot_be_written_is_reported_without_a_traceback(tmp
     assert info.step == 2 and warnings == []
 
 
+def _limited_launch(plan: Path, run: Path, limit_kib: int, *args: str):
+    """`pipectl launch` under a file-size limit (`ulimit -f`, set by a shell wrapper)."""
+    import os
+    import subprocess
+    import sys
+
+    command = [
+        "bash", "-c", f'ulimit -f {limit_kib} && exec "$@"', "limited",
+        sys.executable, "-m", "pipectl.cli.main", "launch", str(plan), "--run-dir", str(run), *args,
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src"), "COLUMNS": "300"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=150, env=env)
+    return done, " ".join((done.stdout + done.stderr).split())
+
+
+@pytest.mark.multiprocess
+def test_a_first_checkpoint_that_fails_stops_the_run_unless_it_trains_without_checkpoints(tmp_path):
+    """No checkpoint to fall back on and the first one cannot be written (a file-size limit): the
+    run stops at the next step boundary, not after training every step that could never be
+    resumed. With --train-without-checkpoints it trains to the end and exits 0, saying so."""
+    from pipectl.rundir.checkpoints import staging_leftovers
+    from pipectl.rundir.metrics import read_metrics
+
+    plan = write_plan(tmp_path / "plan.json")
+    run = tmp_path / "run"
+    done, output = _limited_launch(plan, run, 48, "--steps", "40", "--checkpoint-every", "2", "--timeout", "120")
+    assert done.returncode not in (0, 2), output
+    assert "file size limit reached" in output and "stopped after step" in output, output
+    assert "since no step trained from here could be resumed" in output and "Traceback" not in output
+    assert len(read_metrics(run)) < 10, output  # stopped within a few steps of the failure, not at 40
+    assert staging_leftovers(run) == []
+
+    anyway = tmp_path / "anyway"
+    done, output = _limited_launch(plan, anyway, 48, "--steps", "6", "--checkpoint-every", "2", "--timeout", "120",
+                                   "--train-without-checkpoints")  # fmt: skip
+    assert done.returncode == 0, output
+    assert len(read_metrics(anyway)) == 6 and "file size limit reached" in output, output
+
+
 def _commit_checkpoint(run: Path, step: int) -> None:
     """A checkpoint of `step` committed in `run` as the ranks commit one (its manifest, one file)."""
     from pipectl.artifacts.run import CheckpointManifest

@@ -59,8 +59,11 @@ def test_the_terminal_is_told_once_that_the_disk_is_full(tmp_path, monkeypatch):
     assert watch.check() == []
     free["bytes"] = 3 * 2**20
     (said,) = watch.check()
-    assert str(tmp_path) in said and "is full" in said and "training goes on" in said
+    assert str(tmp_path) in said and "has 3 MiB free" in said and "training goes on" in said
     assert watch.check() == []  # once
+    # A run with no checkpoint yet, which its first checkpoint would stop without room: not "goes on".
+    (first,) = LowDiskWatch(tmp_path, every_seconds=0.0, trains_without_checkpoints=False).check()
+    assert "no checkpoint yet: a first checkpoint that finds no room stops the run" in first and "goes on" not in first
 
 
 def test_a_disk_full_for_a_moment_is_named_on_the_terminal_once_the_lines_are_written(tmp_path, monkeypatch):

@@ -309,8 +309,12 @@ class LowDiskWatch:
     free space; and each spell when metrics.jsonl was refused, once its lines are written (a disk
     full for a few seconds, between two looks at its free space). Looks every `every_seconds`."""
 
-    def __init__(self, run_dir: Path, every_seconds: float = 5.0, since_unix: float = 0.0) -> None:
+    def __init__(
+        self, run_dir: Path, every_seconds: float = 5.0, since_unix: float = 0.0, *, trains_without_checkpoints: bool = True
+    ) -> None:
         self.run_dir, self.every_seconds, self.since_unix = run_dir, every_seconds, since_unix
+        # False: a first checkpoint that finds no room stops the run (`Checkpointer.save`).
+        self.trains_without_checkpoints = trains_without_checkpoints
         self._next = 0.0
         self._said = False
         self._refusals_said = 0
@@ -332,9 +336,15 @@ class LowDiskWatch:
         if free >= LOW_DISK_BYTES:
             return lines
         self._said = True
+        if not self.trains_without_checkpoints and not has_checkpoint(self.run_dir):
+            return [
+                f"the disk of {self.run_dir} has {format_bytes(free)} free and the run no checkpoint yet: a first "
+                "checkpoint that finds no room stops the run (free space, or launch with --train-without-checkpoints)",
+                *lines,
+            ]
         return [
-            f"the disk of {self.run_dir} is full ({format_bytes(free)} free): training goes on, metrics wait in "
-            "memory and checkpoints are skipped until space is freed",
+            f"the disk of {self.run_dir} has {format_bytes(free)} free: training goes on, metrics wait in memory and "
+            "checkpoints are skipped until space is freed",
             *lines,
         ]
 
@@ -376,7 +386,9 @@ def _run_with_progress(
                     err_console.print(event.message, style="yellow", highlight=False, markup=False, soft_wrap=True)
             checkpoints_seen = len(events)
 
-        low_disk = LowDiskWatch(prepared.run_dir, since_unix=since_unix)
+        low_disk = LowDiskWatch(
+            prepared.run_dir, since_unix=since_unix, trains_without_checkpoints=prepared.job.train_without_checkpoints
+        )
 
         def tick() -> str | None:
             report()

@@ -259,7 +259,8 @@ def _during(failure: RankFailure) -> str:
         parts.append(f"layer {failure.layer_index}{name}")
     text = "in " + ", ".join(parts) if parts else ""
     if failure.phase:
-        text = f"{text} ({failure.phase})" if text else f"during {failure.phase}"
+        doing = failure.phase.split()[0].rstrip(":").endswith("ing")  # 'while copying ...', 'during live resize: ...'
+        text = f"{text} ({failure.phase})" if text else f"{'while' if doing else 'during'} {failure.phase}"
     return text
 
 

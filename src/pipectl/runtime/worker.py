@@ -386,6 +386,10 @@ class _Session:
         opened = self.step
         while self.step < job.steps:
             if self.stop_flag is not None:
+                lost = saver.unrecoverable()  # rank 0 only; the boundary's vote stops every rank
+                if lost is not None:
+                    log.error("%s, and the run has no earlier checkpoint: stopping", lost)
+                    self.stop_flag.set("a checkpoint failed with none to fall back on")
                 pending = live_requests.pending_generation(job.run_dir, generation)
                 if pending:
                     self._prepare(pending)

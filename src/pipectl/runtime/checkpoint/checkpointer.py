@@ -51,7 +51,7 @@ from pipectl.artifacts.layout import Layout
 from pipectl.artifacts.run import CheckpointEvent, CheckpointOutcome
 from pipectl.errors import CheckpointError
 from pipectl.io import write_json_atomic
-from pipectl.rundir.checkpoints import STAGING_DIR, remove_dead_writers, checkpoints_dir, commit_tag, list_checkpoints, manifest_from_reports, prune_checkpoints, read_reports, recover_staged, report_path, reports_dir, record_event, tag_for_step
+from pipectl.rundir.checkpoints import STAGING_DIR, remove_dead_writers, checkpoints_dir, commit_tag, has_checkpoint, list_checkpoints, manifest_from_reports, prune_checkpoints, read_reports, recover_staged, report_path, reports_dir, record_event, tag_for_step
 from pipectl.rundir.heartbeats import HEARTBEAT_SECONDS, vanished_line, vanished_ranks
 from pipectl.runtime.checkpoint.ranks import all_gather_from_ranks, broadcast_from_rank0, rank_and_world, save_failure_message
 from pipectl.runtime.checkpoint.schedule import CheckpointSchedule
@@ -134,6 +134,7 @@ class Checkpointer:
         self._skipped: str | None = None  # why the latest save was skipped, until the next one
         self.deferred: int | None = None  # the step a checkpoint was due at, while a write held it back
         self.abandoned = False  # a replica was lost: a save in flight will never have every report
+        self.lost: str | None = None  # rank 0: a save failed with no checkpoint to fall back on (`unrecoverable`)
         writer = None
         if self.rank == 0:
             recover_staged(run_dir)  # saves a job that died had written whole but not committed
@@ -213,9 +214,24 @@ class Checkpointer:
         self._inflight = save
         return stall
 
+    def unrecoverable(self) -> str | None:
+        """Rank 0, at a step boundary: why the run should stop now, when a save has failed and the
+        run has no checkpoint to fall back on (every step trained from here would be lost with the
+        job, as when the first checkpoint finds no room: `save`); None otherwise, and always with
+        `train_without_checkpoints`. The caller stops every rank through the boundary's vote."""
+        if self.rank != 0 or self.train_without_checkpoints or self.lost is not None:
+            return None
+        for save in (self._last, self._inflight):
+            event = save.event if save is not None else None
+            if event is not None and event.outcome is CheckpointOutcome.FAILED and not has_checkpoint(self.run_dir):
+                self.lost = event.message
+                return self.lost
+        return None
+
     def finish(self) -> CheckpointEvent | None:
         """Wait for the save in flight; every rank learns whether the last save committed. Raises
-        `CheckpointError` on every rank when it did not. Collective."""
+        `CheckpointError` on every rank when it did not, unless the run trains without checkpoints
+        (then it is said, and the job ends as trained). Collective."""
         self._join()
         last = self._last
         verdict = self._skipped
@@ -224,10 +240,14 @@ class Checkpointer:
                 verdict = f"checkpoint step {last.step}: its writer ended without a verdict (see the log)"
             elif last.event.outcome is not CheckpointOutcome.COMMITTED:
                 verdict = last.event.message
+        if verdict is not None and self.lost is not None and last is not None:
+            verdict = f"stopped after step {last.step}, since no step trained from here could be resumed: {self.lost}"
         verdict = broadcast_from_rank0(verdict)
         if self.rank == 0:  # nothing of this job's saves is left to write
             shutil.rmtree(self.writer, ignore_errors=True)
-        if verdict is not None:
+        if verdict is not None and self.train_without_checkpoints:
+            log.warning("%s; the run trained without checkpoints, as asked", verdict)
+        elif verdict is not None:
             raise CheckpointError(verdict, hint=_SAVE_HINT)
         return last.event if last is not None else None
 
