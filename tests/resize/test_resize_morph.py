@@ -155,6 +155,18 @@ def test_a_run_without_checkpoint_starts_from_step_zero_and_says_so(tmp_path):
     assert any("no verified checkpoint" in note for note in result.notes)
 
 
+def test_a_run_that_trained_but_never_checkpointed_is_not_started_over_by_a_resize(tmp_path):
+    """As `launch --resume` refuses it: the steps it trained would be thrown away without a word."""
+    run = make_run(tmp_path, checkpoint_step=None)
+    writer = MetricsWriter(run, rank=0)
+    for s in range(1, 6):
+        writer.write(StepMetrics(step=s, loss=4.0, step_seconds=0.3, samples_per_second=26.0, global_batch=8,
+                                 world_size=2, layout="t1p2d1 1f1b b2 m4", time_unix=time.time()))  # fmt: skip
+    with pytest.raises(UserInputError, match="it trained 5 steps but wrote no checkpoint, so the new layout would start over"):
+        resize_run(run, 1, relaunch=False)
+    assert read_records(run) == [] and read_run(run).job.world_size == 2  # nothing rewritten
+
+
 def test_stragglers_are_left_out_on_request(tmp_path):
     run = make_run(tmp_path, chosen=candidate(2, 2, m=2), checkpoint_step=None)
     writer = MetricsWriter(run, rank=0)

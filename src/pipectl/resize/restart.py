@@ -446,6 +446,14 @@ def _rewrite_and_relaunch(
     latest = newest_complete_checkpoint(path)
     resume_step = latest.step if latest is not None and latest.step is not None else 0
     if latest is None:
+        trained = max((m.step for m in read_metrics(path)), default=0)
+        if trained:  # as `launch --resume` refuses: a resize must not quietly throw them away
+            raise UserInputError(
+                f"cannot resize {path}: it trained {count(trained, 'step')} but wrote no checkpoint, so the new layout "
+                "would start over from step 0",
+                hint=f"start over deliberately: plan for {count(decision.requested_devices, 'device')}, then pipectl "
+                f"launch NEW_PLAN --run-dir {path} --force",
+            )
         notes.append("the run has no verified checkpoint: the new layout starts from step 0")
     if decision.target_steps <= resume_step:
         raise CheckpointError(
