@@ -312,3 +312,29 @@ def test_a_slurm_job_seen_only_by_its_heartbeats_is_stopped_cancelled_and_the_ne
     assert (tmp_path / "sbatch.log").read_text().split() == [str(run / "job.sbatch")]
     assert "--nproc_per_node 1" in (run / "job.sbatch").read_text()
     assert not (run / "stop_requested").exists()
+
+
+def test_a_running_job_asked_for_the_layout_it_has_is_left_alone(tmp_path, monkeypatch):
+    """`resize --devices 2` of a job training on the morph table's layout for 2: nothing to move,
+    said in one line, exit 0; nothing stopped, written or recorded (it used to 'move' live to the
+    same layout, pausing the job)."""
+    import os
+
+    from pipectl.artifacts.run import RankHeartbeat
+    from pipectl.io import write_json_atomic
+    from pipectl.rundir.heartbeats import heartbeat_path
+    from pipectl.rundir.morph_history import read_records
+
+    run = make_run(tmp_path)
+    now = time.time()
+    for rank in (0, 1):  # both ranks training, as their heartbeats say
+        write_json_atomic(heartbeat_path(run, rank), RankHeartbeat(rank=rank, pid=os.getpid(), started_unix=now,
+                                                                   progress_unix=now, beat_unix=now))  # fmt: skip
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    monkeypatch.chdir(tmp_path)
+    result = invoke("resize", "runs/demo", "--devices", "2", "--steps", "20")
+    assert result.exit_code == 0, result.output
+    said = " ".join(result.output.split())
+    assert "runs/demo already runs t1p2d1 1f1b b2 m4 on 2 devices: nothing to move" in said
+    assert "launch --resume --steps 20" in said  # how its total of steps changes
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before and read_records(run) == []

@@ -11,6 +11,7 @@ from typing import Annotated
 
 import typer
 
+from pipectl.artifacts.layout import layout_label
 from pipectl.cli.context import JsonFlag, console, err_console, print_json, training_progress
 from pipectl.cli.launch import job_failure
 from pipectl.cli.options import passed_flags, with_options
@@ -22,11 +23,13 @@ from pipectl.rundir.analysis import analyse
 from pipectl.rundir.status import run_status
 from pipectl.report.run_tables import decision_table, morph_history_table, status_table
 from pipectl.resize.live import LiveUnavailable, live_resize
-from pipectl.resize.restart import decide_resize, resize_run
+from pipectl.resize.restart import ResizeDecision, decide_resize, resize_run
 from pipectl.resize.options import ResizeOptions
 from pipectl.rundir.stragglers import StragglerPolicy
 from pipectl.rundir.morph_history import read_history
+from pipectl.rundir.heartbeats import live_ranks, read_heartbeats
 from pipectl.rundir.metrics import MetricsTail
+from pipectl.words import count
 
 
 def register(app: typer.Typer) -> None:
@@ -73,6 +76,16 @@ def register(app: typer.Typer) -> None:
             else:
                 console.print(decision_table(decision))
                 console.print("[dim]dry run: nothing stopped, written or started[/]")
+            return
+        if _same_layout_running(decision):
+            message = (f"{run_dir} already runs {layout_label(decision.previous)} on "
+                       f"{count(decision.previous.devices, 'device')}: nothing to move")  # fmt: skip
+            if decision.target_steps != read_run(run_dir).job.steps:
+                message += f" (a running job's total of steps changes on a resume: launch --resume --steps {decision.target_steps})"
+            if json_output:
+                print_json({"run_dir": str(decision.run_dir), "moved": False, "reason": message})
+            else:
+                console.print(message, highlight=False, soft_wrap=True)
             return
         if not json_output:
             console.print(decision_table(decision))
@@ -165,3 +178,10 @@ def _resize_with_progress(
             submit=submit,
             cancel_slurm=scancel,
         )
+
+
+def _same_layout_running(decision: ResizeDecision) -> bool:
+    """The run trains now, on the layout the resize would give it: nothing to move (a stopped run
+    with the same layout is resumed, to the steps asked)."""
+    same = layout_label(decision.candidate) == layout_label(decision.previous)
+    return same and bool(live_ranks(read_heartbeats(decision.run_dir), now=time.time()))
