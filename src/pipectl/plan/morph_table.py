@@ -217,6 +217,17 @@ def morph_table(
             else:
                 why = (f"fits in memory with the global batch {evaluator.global_batch}" if request.uneven_replicas
                        else f"divides the global batch {evaluator.global_batch} and fits in memory")
-                note = f"uses {spec.devices} of {count} devices: no configuration of exactly {count} devices {why}"
+                note = f"uses {spec.devices} of {count} devices: no configuration of exactly {count} devices{_pinned(request)} {why}"
         entries.append(MorphEntry(devices=count, candidate=candidates[spec.key], note=note))
     return entries
+
+
+def _pinned(request: PlanRequest) -> str:
+    """' with p = 2 pinned': the degrees the request fixed, which may be what rules a count out.
+
+    >>> _pinned(PlanRequest(global_batch=16, pipeline_parallel=2))
+    ' with p = 2 pinned'
+    """
+    letters = (("tensor_parallel", "t"), ("pipeline_parallel", "p"), ("data_parallel", "d"), ("micro_batch_size", "b"))
+    pins = [f"{letter} = {getattr(request, name)}" for name, letter in letters if getattr(request, name) is not None]
+    return f" with {', '.join(pins)} pinned" if pins else ""
