@@ -114,11 +114,12 @@ def test_one_weights_and_biases_run_across_a_resume_offline(monitored, monkeypat
                       "-o", "one.json", cwd=folder)  # fmt: skip
     assert succeeded(planned), said(planned)
     refused = pipectl("launch", "one.json", "--run-dir", "runs/wb", "--wandb", "pipectl-tests", "--dry-run", cwd=folder)
-    assert refused.returncode == 2 and "--wandb needs a Weights & Biases login" in refused.stderr, said(refused)
+    assert refused.returncode == 2 and "--wandb pipectl-tests needs a Weights & Biases login" in refused.stderr, said(refused)
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     first = pipectl("launch", "one.json", "--run-dir", "runs/wb", "--steps", "2", "--wandb", "pipectl-tests", cwd=folder)
     assert succeeded(first), said(first)
+    assert "left behind" not in said(first)  # W&B's helpers outlive rank 0: not ranks left behind
     resumed = pipectl("launch", "one.json", "--run-dir", "runs/wb", "--resume", "--steps", "3", cwd=folder)
     assert succeeded(resumed), said(resumed)
     run = folder / "runs" / "wb"

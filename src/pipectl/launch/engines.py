@@ -40,6 +40,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import psutil
+
 from pipectl.artifacts.cluster import SlurmSpec
 from pipectl.artifacts.morph import LIVE_REQUEST_FILE
 from pipectl.artifacts.run import (
@@ -679,8 +681,13 @@ def _supervise(
         if on_tick is not None:
             on_tick()
         left = processes.alive()
-        if left:  # ranks that outlived their launcher would hold their devices
-            say(f"ending {len(left)} process(es) the launcher left behind: pids {', '.join(str(p.pid) for p in left)}")
+        if left:
+            # Ranks that outlived their launcher would hold their devices: said, and ended. A rank's
+            # own helpers (W&B's service and system monitor, which outlive rank 0 by seconds) are
+            # ended without a word: the rank that started them has finished with them.
+            ranks = processes.workers()
+            if ranks:
+                say(f"ending {count(len(ranks), 'rank')} the launcher left behind: {', '.join(map(_named_pid, ranks))}")
             processes.end()
         return int(proc.returncode)
     finally:
@@ -688,6 +695,14 @@ def _supervise(
             processes.end(grace_seconds=30)
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+def _named_pid(process: psutil.Process) -> str:
+    """'pid 123 (wandb-core)': which process, for the person reading why it was ended."""
+    try:
+        return f"pid {process.pid} ({process.name()})"
+    except psutil.Error:
+        return f"pid {process.pid}"
 
 
 def _detach_from_terminal() -> None:
