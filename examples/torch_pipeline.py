@@ -7,8 +7,8 @@ simulator times, on `torch.distributed.pipelining`'s runtime. This example start
 ranks itself, without a run directory; `pipectl plan --engine torch` plans for that runtime and
 `pipectl launch` runs such a plan with checkpoints, metrics and resizes.
 
-    .venv/bin/python examples/torch_pipeline.py [--steps 20] [--schedules 1f1b,interleaved,zb-h1]
-        [--profile gpt-tiny.profile.json]
+    python examples/torch_pipeline.py [--steps 20] [--schedules 1f1b,interleaved,zb-h1]
+        [--profile gpt-tiny.json]
 
 prints, per schedule (named as `--schedule` names it everywhere; interleaved with `--chunks` v),
 the losses (equal across schedules and to one process within 1e-4) and the median step time of
@@ -24,7 +24,8 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from pipectl.runtime.engines.torch_pipeline import TorchPipelineJob, reference_run, spawn_local
+from pipectl.errors import PipectlError  # noqa: E402
+from pipectl.runtime.engines.torch_pipeline import TorchPipelineJob, reference_run, spawn_local  # noqa: E402
 from pipectl.runtime.engines.torch_stages import even_cuts  # noqa: E402
 from pipectl.schedule import ScheduleKind, generate, torch_runnable  # noqa: E402
 
@@ -75,7 +76,10 @@ def main() -> None:
         name = f"{kind.value} p{RANKS}" + (f" v{v}" if v > 1 else "")
         cuts = even_cuts(LAYERS, RANKS * v)
         if args.profile:
-            candidate = planned(args.profile, kind, v, m, batch)
+            try:
+                candidate = planned(args.profile, kind, v, m, batch)
+            except PipectlError as exc:  # a missing or unreadable profile: one line, exit 2
+                parser.error(f"--profile {args.profile}: {exc.message}" + (f" ({exc.hint})" if exc.hint else ""))
             cuts = tuple(tuple(stage) for stage in candidate.stage_layers)
             predictions[name] = candidate.predicted_step_seconds
         jobs[name] = TorchPipelineJob("gpt-tiny", generate(kind, RANKS, m, v), cuts, steps, batch)
