@@ -338,3 +338,16 @@ def test_a_running_job_asked_for_the_layout_it_has_is_left_alone(tmp_path, monke
     assert "runs/demo already runs t1p2d1 1f1b b2 m4 on 2 devices: nothing to move" in said
     assert "launch --resume --steps 20" in said  # how its total of steps changes
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before and read_records(run) == []
+
+
+def test_launching_into_a_finished_run_says_how_to_train_on(tmp_path):
+    """The hint for an existing run that trained all its steps: a larger total (a plain --resume is
+    refused there), not just '--resume'."""
+    run = make_run(tmp_path)
+    writer = MetricsWriter(run, rank=0)
+    for s in range(1, 11):
+        writer.write(StepMetrics(step=s, loss=4.0, step_seconds=0.3, samples_per_second=26.0, global_batch=8,
+                                 world_size=2, layout="t1p2d1 1f1b b2 m4", time_unix=time.time()))  # fmt: skip
+    result = invoke("launch", run / "plan.json", "--run-dir", run)
+    assert result.exit_code == 2
+    assert "it trained all its 10 steps: train on with --resume --steps N (a larger total)" in " ".join(result.output.split())

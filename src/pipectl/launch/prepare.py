@@ -78,9 +78,14 @@ def check_run_dir(run_dir: str | os.PathLike[str], *, resume: bool = False, forc
                 hint="choose another --run-dir",
             )
         if not force and not resume:
+            from pipectl.rundir.status import run_status
+
+            status = run_status(path)
+            go_on = (f"it trained all its {status.job.steps} steps: train on with --resume --steps N (a larger total)"
+                     if status.finished else "continue it with --resume")  # fmt: skip
             raise UserInputError(
                 f"run directory {path} already exists",
-                hint=f"continue it with --resume, start over with --force, or see `pipectl status {path}`",
+                hint=f"{go_on}, start over with --force, or see `pipectl status {path}`",
             )
     elif resume:
         raise UserInputError(f"cannot resume {path}: no such run")
