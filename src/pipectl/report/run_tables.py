@@ -56,7 +56,7 @@ def checkpoint_interval_text(status: RunStatus) -> str:
             f"auto (Young/Daly, MTBF {mtbf}): every {_duration(chosen.interval_seconds)} after a "
             f"{chosen.stall_seconds:.2f} s stall" if chosen else f"auto (Young/Daly, MTBF {mtbf}): not measured yet"
         )
-    return ", ".join(parts + ["at the end"]) if parts else "at the end and on SIGTERM only"
+    return ", ".join(parts + ["at the end"]) if parts else "only at the end and on a stop"
 
 
 def requeue_text(status: RunStatus) -> Text:
