@@ -558,6 +558,7 @@ def test_a_stopped_rank_ends_the_job_in_bounded_time_and_is_named(tmp_path):
     assert "its process is stopped (SIGSTOP, or a debugger); the other ranks waited for it" in output
     assert "Timed out waiting 10000ms" in output  # rank 0's own record, after the named cause
     assert output.index("rank 1 (stage 1") < output.index("rank 0 (stage 0")
+    assert "ended without a word" not in output  # pipectl ended the stopped rank itself: no second, wrong account
     assert "Traceback" not in output
     assert _processes_of(run) == []
 

@@ -15,14 +15,8 @@ import pytest
 from pipectl.artifacts.run import ElasticRange, Engine, JobSpec
 from pipectl.errors import LaunchError, UserInputError
 from pipectl.runtime.engines.dsinit import free_port
-from pipectl.launch.engines import (
-    JobEnded,
-    LaunchCommand,
-    build_command,
-    launch_script,
-    run_engine,
-    slurm_script,
-)
+from pipectl.launch.engines import LaunchCommand, build_command, launch_script, slurm_script
+from pipectl.launch.supervise import JobEnded, run_engine
 
 RUN = Path("/runs/demo")
 

@@ -11,7 +11,8 @@ import time
 import psutil
 
 from pipectl.artifacts.run import Engine
-from pipectl.launch.engines import LaunchCommand, run_engine
+from pipectl.launch.engines import LaunchCommand
+from pipectl.launch.supervise import run_engine
 from pipectl.rundir.processes import JobProcesses
 
 # A launcher that starts one 'rank' in a session of its own, as torchrun does, then waits for it.
@@ -84,5 +85,5 @@ def test_ranks_left_behind_by_their_launcher_are_ended(tmp_path):
     code = run_engine(LaunchCommand(Engine.LOCAL, [sys.executable, "-c", script]), tmp_path, tick_seconds=0.05, say=said.append)
     assert code == 0
     rank = int((tmp_path / "logs" / "engine.log").read_text().split()[0])
-    assert said and f"pids {rank}" in said[0]
+    assert said and f"ending 1 rank the launcher left behind: pid {rank} (" in said[0]
     assert wait_until(lambda: not psutil.pid_exists(rank) or psutil.Process(rank).status() == psutil.STATUS_ZOMBIE)

@@ -18,7 +18,8 @@ from pipectl.config import render_config, to_sections, toml_value
 from pipectl.errors import LaunchError, UserInputError
 from pipectl.io import load_model
 from pipectl.launch import PreparedLaunch, effective_options, prepare_launch, run_engine
-from pipectl.launch.engines import ENGINE_LOG, JobEnded
+from pipectl.launch.engines import ENGINE_LOG
+from pipectl.launch.supervise import JobEnded
 from pipectl.launch.options import LaunchOptions
 from pipectl.launch.placement import placement_note
 from pipectl.rundir.run import check_steps_beyond_trained, is_run_dir
@@ -217,16 +218,8 @@ def _launch(
     resumed = read_resume(prepared.run_dir, since_unix=started - 1.0)
     if exit_code != 0:
         stopped_at = stopped_cleanly(read_heartbeats(prepared.run_dir, since_unix=started - 1.0), prepared.job.world_size)
-        if stopped_at is None and signals and not status.steps_done and not read_failures(prepared.run_dir, since_unix=started - 1.0):
-            # Ctrl-C while the ranks still start (before their handlers): the launcher reports the
-            # ranks it saw end by SIGTERM as failed, but nothing failed and nothing was trained.
-            again = "--resume" if has_checkpoint(prepared.run_dir) else "--force"
-            err_console.print(
-                f"stopped before the first step ({signal.Signals(signals[0]).name}): nothing trained; start it again "
-                f"with: pipectl launch {plan_path} --run-dir {run_dir} {again}",
-                style="yellow", highlight=False, markup=False, soft_wrap=True,
-            )  # fmt: skip
-            raise typer.Exit(128 + signals[0])
+        if stopped_at is None and signals and not status.steps_done:
+            _check_stopped_while_starting(prepared, started, signals[0], f"pipectl launch {plan_path} --run-dir {run_dir}")
         if stopped_at is None:
             progress = f"the job exited with code {exit_code} after {status.steps_done} of {prepared.job.steps} steps"
             raise _failure(prepared, started, progress, watch, log_tail=not json_output)
@@ -250,6 +243,22 @@ def _launch(
         )
 
 
+def _check_stopped_while_starting(prepared: PreparedLaunch, started: float, signum: int, again: str) -> None:
+    """A person stopped the job before its first step (Ctrl-C while the ranks still start, before
+    their handlers): the launcher reports the ranks it saw end by SIGTERM as failed, but nothing
+    failed and nothing was trained. Said, with the command that starts it again (`again`), exit
+    128 + the signal. A rank that did fail (its record) is left to the failure report."""
+    if read_failures(prepared.run_dir, since_unix=started - 1.0):
+        return
+    flag = "--resume" if has_checkpoint(prepared.run_dir) else "--force"
+    err_console.print(
+        f"stopped before the first step ({signal.Signals(signum).name}): nothing trained; start it again with: "
+        f"{again} {flag}",
+        style="yellow", highlight=False, markup=False, soft_wrap=True,
+    )  # fmt: skip
+    raise typer.Exit(128 + signum)
+
+
 def _failure(
     prepared: PreparedLaunch, started: float, progress: str, watch: StallWatch, *, log_tail: bool = False
 ) -> LaunchError:
@@ -259,16 +268,19 @@ def _failure(
     if silent:
         waited = "; the other ranks waited for it" if len(silent) == 1 else "; the other ranks waited for them"
         silent[-1] += waited
-    return job_failure(prepared.run_dir, started, progress, before=silent, log_tail=log_tail, go_on="resume with --resume")
+    return job_failure(prepared.run_dir, started, progress, before=silent, log_tail=log_tail, go_on="resume with --resume",
+                       named=set(watch.silent))  # fmt: skip
 
 
 def job_failure(
-    run_dir: Path, started: float, progress: str, *, go_on: str, before: list[str] = (), log_tail: bool = False
+    run_dir: Path, started: float, progress: str, *, go_on: str, before: list[str] = (), log_tail: bool = False,
+    named: set[int] = frozenset(),
 ) -> LaunchError:
     """The error for a job (`launch`'s or `resize`'s) whose ranks failed: what the ranks' own
     failure records say (the first one's exception), a replica lost for good, then `progress`;
     the hint says how to go on (`go_on`) only where a checkpoint exists to go on from. With
-    `log_tail` and no record, the engine log's last lines go to stderr first."""
+    `log_tail` and no record, the engine log's last lines go to stderr first. `named`: ranks the
+    lines `before` already account for (silent ones, which pipectl itself ended: not "vanished")."""
     logs = f"full traceback in {run_dir / LOGS_DIR / ENGINE_LOG}"
     failures = read_failures(run_dir, since_unix=started - 1.0)
     tail = _engine_log_tail(run_dir) if log_tail and not failures else ""
@@ -280,7 +292,7 @@ def job_failure(
     # went away; else after them (a launcher tearing the job down kills the others). Only beside a
     # record: ranks a stop ended during their start-up (Ctrl-C before their handlers) leave none,
     # and were not killed by anything but it.
-    recorded = {failure.rank for failure in failures}
+    recorded = {failure.rank for failure in failures} | set(named)
     vanished = [
         vanished_line(beat) for beat in vanished_ranks(run_dir, since_unix=started - 1.0) if beat.rank not in recorded
     ] if failures else []

@@ -60,32 +60,9 @@ def register(app: typer.Typer) -> None:
             run_dir, devices, steps=steps, exclude_stragglers=options.exclude_stragglers, straggler_policy=policy
         )
         if options.dry_run:
-            if json_output:
-                print_json(
-                    {
-                        "run_dir": str(decision.run_dir),
-                        "requested_devices": devices,
-                        "devices": decision.candidate.devices,
-                        "plan_source": decision.choice.source,
-                        "candidate": decision.candidate.model_dump(mode="json"),
-                        "target_steps": decision.target_steps,
-                        "excluded_ranks": decision.excluded_ranks,
-                        "notes": decision.notes,
-                    }
-                )
-            else:
-                console.print(decision_table(decision))
-                console.print("[dim]dry run: nothing stopped, written or started[/]")
+            _print_dry_run(decision, devices, json_output)
             return
-        if _same_layout_running(decision):
-            message = (f"{run_dir} already runs {layout_label(decision.previous)} on "
-                       f"{count(decision.previous.devices, 'device')}: nothing to move")  # fmt: skip
-            if decision.target_steps != read_run(run_dir).job.steps:
-                message += f" (a running job's total of steps changes on a resume: launch --resume --steps {decision.target_steps})"
-            if json_output:
-                print_json({"run_dir": str(decision.run_dir), "moved": False, "reason": message})
-            else:
-                console.print(message, highlight=False, soft_wrap=True)
+        if _nothing_to_move(decision, run_dir, json_output):
             return
         if not json_output:
             console.print(decision_table(decision))
@@ -180,8 +157,30 @@ def _resize_with_progress(
         )
 
 
-def _same_layout_running(decision: ResizeDecision) -> bool:
-    """The run trains now, on the layout the resize would give it: nothing to move (a stopped run
+def _print_dry_run(decision: ResizeDecision, devices: int, json_output: bool) -> None:
+    """What the resize would do, as a table or JSON; nothing stopped, written or started."""
+    if json_output:
+        print_json({
+            "run_dir": str(decision.run_dir), "requested_devices": devices, "devices": decision.candidate.devices,
+            "plan_source": decision.choice.source, "candidate": decision.candidate.model_dump(mode="json"),
+            "target_steps": decision.target_steps, "excluded_ranks": decision.excluded_ranks, "notes": decision.notes,
+        })  # fmt: skip
+        return
+    console.print(decision_table(decision))
+    console.print("[dim]dry run: nothing stopped, written or started[/]")
+
+
+def _nothing_to_move(decision: ResizeDecision, run_dir: Path, json_output: bool) -> bool:
+    """The run trains now, on the layout the resize would give it: said, and True (a stopped run
     with the same layout is resumed, to the steps asked)."""
     same = layout_label(decision.candidate) == layout_label(decision.previous)
-    return same and bool(live_ranks(read_heartbeats(decision.run_dir), now=time.time()))
+    if not same or not live_ranks(read_heartbeats(decision.run_dir), now=time.time()):
+        return False
+    message = f"{run_dir} already runs {layout_label(decision.previous)} on {count(decision.previous.devices, 'device')}: nothing to move"
+    if decision.target_steps != read_run(run_dir).job.steps:
+        message += f" (a running job's total of steps changes on a resume: launch --resume --steps {decision.target_steps})"
+    if json_output:
+        print_json({"run_dir": str(decision.run_dir), "moved": False, "reason": message})
+    else:
+        console.print(message, highlight=False, soft_wrap=True)
+    return True

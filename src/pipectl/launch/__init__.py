@@ -32,7 +32,8 @@ from pipectl.config import Layer, given, layered, stored_layer, to_sections
 from pipectl.io import load_model, validation_message
 from pipectl.launch.options import SCALE_MIN_LR_RATIO, LaunchOptions, read_hostfile, resolve_defaults
 from pipectl.runtime.engines.dsconfig import validated_config
-from pipectl.launch.engines import LaunchCommand, allocation_hosts, build_command, run_engine
+from pipectl.launch.engines import LaunchCommand, allocation_hosts, build_command
+from pipectl.launch.supervise import run_engine
 from pipectl.launch.placement import compute_slowdowns, node_groups, plan_accelerator, plan_kinds
 from pipectl.rundir.lock import RunLock, lock_run_dir
 from pipectl.launch.prepare import check_run_dir, prepare_run_dir, write_run_files

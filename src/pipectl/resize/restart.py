@@ -35,7 +35,8 @@ from pipectl.artifacts.morph import MorphRecord, MorphTrigger
 from pipectl.artifacts.plan import Candidate, Plan
 from pipectl.artifacts.run import HOSTFILE, Engine, JobSpec, ResumeRecord
 from pipectl.errors import CheckpointError, UserInputError
-from pipectl.launch.engines import LaunchCommand, build_command, run_engine, submit_slurm
+from pipectl.launch.engines import LaunchCommand, build_command, submit_slurm
+from pipectl.launch.supervise import run_engine
 from pipectl.launch import run_training
 from pipectl.rundir.lock import RunLock, lock_run_dir
 from pipectl.rundir.run import check_steps_beyond_trained, newest_complete_checkpoint

@@ -1,0 +1,188 @@
+"""Running a launch command and supervising its job until it ends.
+
+`run_engine` starts the launcher (`engines.build_command`'s argument list, no shell) with its
+output in RUN/logs/engine.log and watches every process of the job until the launcher exits:
+signals to pipectl become a graceful stop of the ranks (then harder ones), `on_tick` may end the
+job, and ranks left behind by their launcher are ended.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import psutil
+
+from pipectl.artifacts.morph import LIVE_REQUEST_FILE
+from pipectl.artifacts.run import LOGS_DIR, RESUME_FILE
+from pipectl.errors import LaunchError
+from pipectl.launch.engines import ENGINE_LOG, LaunchCommand
+from pipectl.rundir.heartbeats import SUPERVISOR_VARIABLE
+from pipectl.rundir.processes import JobProcesses
+from pipectl.words import count
+
+
+def run_engine(
+    command: LaunchCommand,
+    run_dir: Path,
+    *,
+    on_tick: Callable[[], str | None] | None = None,
+    tick_seconds: float = 0.5,
+    timeout_seconds: float | None = None,
+    lock: Any = None,
+    say: Callable[[str], None] | None = None,
+    signals: list[int] | None = None,
+) -> int:
+    """Run the launcher, its output in RUN/logs/engine.log; return its exit code.
+
+    `lock`, the run's `RunLock`, is shared with the launcher (its descriptor is inherited), so the
+    run stays locked while the launcher lives even if this process is killed; the launcher's pid
+    is recorded beside this one's.
+
+    The launcher gets its own process group, and every process of the job is tracked
+    (`JobProcesses`: torchrun starts ranks in sessions of their own). A first SIGINT/SIGTERM sent
+    to pipectl becomes SIGTERM to the ranks (they finish the step, checkpoint and exit 0); a second
+    one ends every process of the job (SIGTERM, then SIGKILL `KILL_AFTER_SECONDS` later), a third
+    kills them now.
+    `say` is told what each signal does, and `signals` (when given) gets each one received, so
+    that the caller can tell a job its user stopped from one that failed. `on_tick` is called every `tick_seconds` while the job
+    runs (the CLI tails metrics.jsonl and watches heartbeats there); when it returns a reason, the
+    job is ended and `JobEnded` raised. Past `timeout_seconds` the job is ended and a `LaunchError`
+    raised. Ranks still alive after their launcher exited are ended too.
+    """
+    if not command.runnable_here:
+        raise LaunchError(f"the {command.engine.value} engine is not run by pipectl; {command.submit_hint}")
+    logs = Path(run_dir) / LOGS_DIR
+    logs.mkdir(parents=True, exist_ok=True)
+    # Where a job resumed is its own record: the previous job's, written maybe a moment ago, must
+    # not be taken for it (the readers' time filter allows for clock skew between nodes).
+    (logs / RESUME_FILE).unlink(missing_ok=True)
+    # A live resize asked of an earlier job is not this job's to take (`runtime/elastic/live_resize.py`).
+    (Path(run_dir) / LIVE_REQUEST_FILE).unlink(missing_ok=True)
+    # The ranks watch this process: gone (kill -9, a lost session), they stop at a checkpoint.
+    env = {**os.environ, **command.env, SUPERVISOR_VARIABLE: str(os.getpid())}
+    with (logs / ENGINE_LOG).open("ab") as log_handle:
+        try:
+            proc = subprocess.Popen(
+                command.argv,
+                cwd=run_dir,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log_handle,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                pass_fds=(lock.fileno(),) if lock is not None else (),
+            )
+        except OSError as exc:
+            raise LaunchError(f"cannot start {command.argv[0]}: {exc}") from exc
+        if lock is not None:
+            lock.record(os.getpid(), proc.pid)
+        return _supervise(
+            JobProcesses(proc), on_tick, tick_seconds, timeout_seconds, say or (lambda _: None),
+            [] if signals is None else signals,
+        )  # fmt: skip
+
+
+KILL_AFTER_SECONDS = 10.0  # after a second Ctrl-C / SIGTERM to pipectl
+
+
+class JobEnded(LaunchError):
+    """pipectl ended the job (`on_tick` gave the reason, e.g. a rank silent for too long)."""
+
+
+def _supervise(
+    processes: JobProcesses,
+    on_tick: Callable[[], str | None] | None,
+    tick_seconds: float,
+    timeout_seconds: float | None,
+    say: Callable[[str], None],
+    signals_seen: list[int],
+) -> int:
+    proc = processes.launcher
+    # SIGHUP: the terminal closed. The launcher runs in a session of its own, so only this
+    # process hears it; handled as SIGTERM, the job stops at the step's end with a checkpoint
+    # instead of training on unsupervised.
+    forwarded = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {}
+
+    kill_at = []  # after a second signal: when the processes still alive get SIGKILL
+
+    def forward(signum: int, _frame: object) -> None:
+        if signum == signal.SIGHUP:
+            _detach_from_terminal()  # what is printed from now on would fail on a closed terminal
+        signals_seen.append(signum)
+        if len(signals_seen) == 1:
+            say("stopping at the end of the step, after a checkpoint (again: end every process of the job)")
+            processes.stop_gracefully()
+        elif len(signals_seen) == 2:
+            say(f"ending every process of the job: SIGTERM, SIGKILL in {KILL_AFTER_SECONDS:.0f} s (again: now)")
+            processes.signal(processes.alive(), signal.SIGTERM)
+            kill_at.append(time.monotonic() + KILL_AFTER_SECONDS)
+        else:
+            processes.signal(processes.alive(), signal.SIGKILL)
+
+    in_main_thread = _in_main_thread()
+    if in_main_thread:
+        previous = {s: signal.signal(s, forward) for s in forwarded}
+    deadline = None if timeout_seconds is None else time.monotonic() + timeout_seconds
+    try:
+        while proc.poll() is None:
+            processes.refresh()
+            if kill_at and time.monotonic() > kill_at[0]:
+                processes.signal(processes.alive(), signal.SIGKILL)
+            reason = on_tick() if on_tick is not None else None
+            if reason:
+                processes.end()
+                raise JobEnded(reason)
+            if deadline is not None and time.monotonic() > deadline:
+                processes.end(grace_seconds=30)  # as a stop request: the ranks checkpoint first
+                raise JobEnded(f"it ran past its --timeout of {timeout_seconds:.0f} s")
+            try:
+                proc.wait(timeout=tick_seconds)
+            except subprocess.TimeoutExpired:
+                pass
+        if on_tick is not None:
+            on_tick()
+        left = processes.alive()
+        if left:
+            # Ranks that outlived their launcher would hold their devices: said, and ended. A rank's
+            # own helpers (W&B's service and system monitor, which outlive rank 0 by seconds) are
+            # ended without a word: the rank that started them has finished with them.
+            ranks = processes.workers()
+            if ranks:
+                say(f"ending {count(len(ranks), 'rank')} the launcher left behind: {', '.join(map(_named_pid, ranks))}")
+            processes.end()
+        return int(proc.returncode)
+    finally:
+        if proc.poll() is None:  # an exception (e.g. from on_tick): do not leave ranks behind
+            processes.end(grace_seconds=30)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _named_pid(process: psutil.Process) -> str:
+    """'pid 123 (wandb-core)': which process, for the person reading why it was ended."""
+    try:
+        return f"pid {process.pid} ({process.name()})"
+    except psutil.Error:
+        return f"pid {process.pid}"
+
+
+def _detach_from_terminal() -> None:
+    """Point stdout and stderr at /dev/null: the terminal is gone, and a write to it would raise
+    in the middle of supervising the job."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        for fd in (1, 2):
+            os.dup2(null, fd)
+    finally:
+        os.close(null)
+
+
+def _in_main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
