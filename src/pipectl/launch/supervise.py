@@ -26,6 +26,12 @@ from pipectl.rundir.heartbeats import SUPERVISOR_VARIABLE
 from pipectl.rundir.processes import JobProcesses
 from pipectl.words import count
 
+KILL_AFTER_SECONDS = 10.0  # after a second Ctrl-C / SIGTERM to pipectl
+# SIGHUP: the terminal closed. The launcher runs in a session of its own, so only this process
+# hears it; handled as SIGTERM, the job stops at the step's end with a checkpoint instead of
+# training on unsupervised.
+FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
 
 def run_engine(
     command: LaunchCommand,
@@ -66,6 +72,26 @@ def run_engine(
     (Path(run_dir) / LIVE_REQUEST_FILE).unlink(missing_ok=True)
     # The ranks watch this process: gone (kill -9, a lost session), they stop at a checkpoint.
     env = {**os.environ, **command.env, SUPERVISOR_VARIABLE: str(os.getpid())}
+    # A signal before the job is supervised (Ctrl-C as the launcher starts) is held, then acted on
+    # as soon as it is: never a KeyboardInterrupt that leaves the launcher running on its own.
+    early: list[int] = []
+    originals = {}
+    if _in_main_thread():
+        originals = {s: signal.signal(s, lambda signum, _frame: early.append(signum)) for s in FORWARDED_SIGNALS}
+    try:
+        return _start_and_supervise(command, run_dir, logs, env, lock, on_tick, tick_seconds, timeout_seconds, say,
+                                    [] if signals is None else signals, early)  # fmt: skip
+    finally:
+        for signum, handler in originals.items():
+            signal.signal(signum, handler)
+
+
+def _start_and_supervise(
+    command: LaunchCommand, run_dir: Path, logs: Path, env: dict[str, str], lock: Any,
+    on_tick: Callable[[], str | None] | None, tick_seconds: float, timeout_seconds: float | None,
+    say: Callable[[str], None] | None, signals: list[int], early: list[int],
+) -> int:  # fmt: skip
+    """Start the launcher (its output in `logs`/engine.log) and supervise it (`_supervise`)."""
     with (logs / ENGINE_LOG).open("ab") as log_handle:
         try:
             proc = subprocess.Popen(
@@ -82,13 +108,9 @@ def run_engine(
             raise LaunchError(f"cannot start {command.argv[0]}: {exc}") from exc
         if lock is not None:
             lock.record(os.getpid(), proc.pid)
-        return _supervise(
-            JobProcesses(proc), on_tick, tick_seconds, timeout_seconds, say or (lambda _: None),
-            [] if signals is None else signals,
-        )  # fmt: skip
+        return _supervise(JobProcesses(proc), on_tick, tick_seconds, timeout_seconds, say or (lambda _: None), signals, early)
 
 
-KILL_AFTER_SECONDS = 10.0  # after a second Ctrl-C / SIGTERM to pipectl
 
 
 class JobEnded(LaunchError):
@@ -102,12 +124,9 @@ def _supervise(
     timeout_seconds: float | None,
     say: Callable[[str], None],
     signals_seen: list[int],
+    early: list[int],
 ) -> int:
     proc = processes.launcher
-    # SIGHUP: the terminal closed. The launcher runs in a session of its own, so only this
-    # process hears it; handled as SIGTERM, the job stops at the step's end with a checkpoint
-    # instead of training on unsupervised.
-    forwarded = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     previous = {}
 
     kill_at = []  # after a second signal: when the processes still alive get SIGKILL
@@ -128,7 +147,9 @@ def _supervise(
 
     in_main_thread = _in_main_thread()
     if in_main_thread:
-        previous = {s: signal.signal(s, forward) for s in forwarded}
+        previous = {s: signal.signal(s, forward) for s in FORWARDED_SIGNALS}
+    for signum in early:  # received while the launcher started
+        forward(signum, None)
     deadline = None if timeout_seconds is None else time.monotonic() + timeout_seconds
     try:
         while proc.poll() is None:
