@@ -351,3 +351,16 @@ def test_launching_into_a_finished_run_says_how_to_train_on(tmp_path):
     result = invoke("launch", run / "plan.json", "--run-dir", run)
     assert result.exit_code == 2
     assert "it trained all its 10 steps: train on with --resume --steps N (a larger total)" in " ".join(result.output.split())
+
+
+def test_a_command_in_a_hint_quotes_a_path_with_a_space(tmp_path):
+    """What a hint gives to paste into a shell pastes: `'runs/my run'`, not `runs/my run`."""
+    from shlex import quote
+
+    plan = plan_of(candidate(), global_batch=8)
+    prepared = prepare_launch(plan, tmp_path / "my run", LaunchOptions(steps=2))
+    prepared.lock.release()  # the run as a launch that ended leaves it
+    (tmp_path / "plan.json").write_text(plan.model_dump_json())
+    result = invoke("launch", tmp_path / "plan.json", "--run-dir", tmp_path / "my run")
+    assert result.exit_code == 2
+    assert f"`pipectl status {quote(str(prepared.run_dir))}`" in " ".join(result.output.split()), result.output

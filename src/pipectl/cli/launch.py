@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import signal
+from shlex import quote
 import time
 from pathlib import Path
 from typing import Annotated, Optional
@@ -219,7 +220,7 @@ def _launch(
     if exit_code != 0:
         stopped_at = stopped_cleanly(read_heartbeats(prepared.run_dir, since_unix=started - 1.0), prepared.job.world_size)
         if stopped_at is None and signals and not status.steps_done:
-            _check_stopped_while_starting(prepared, started, signals[0], f"pipectl launch {plan_path} --run-dir {run_dir}")
+            _check_stopped_while_starting(prepared, started, signals[0], f"pipectl launch {quote(str(plan_path))} --run-dir {quote(str(run_dir))}")
         if stopped_at is None:
             progress = f"the job exited with code {exit_code} after {status.steps_done} of {prepared.job.steps} steps"
             raise _failure(prepared, started, progress, watch, log_tail=not json_output)
@@ -239,7 +240,7 @@ def _launch(
     if not status.finished:
         console.print(
             f"stopped at step {status.steps_done} of {prepared.job.steps} (signal or stop request), "
-            f"checkpoint written; continue with: pipectl launch {plan_path} --run-dir {run_dir} --resume"
+            f"checkpoint written; continue with: pipectl launch {quote(str(plan_path))} --run-dir {quote(str(run_dir))} --resume"
         )
 
 

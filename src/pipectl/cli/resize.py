@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from shlex import quote
 from typing import Annotated
 
 import typer
@@ -97,7 +98,7 @@ def register(app: typer.Typer) -> None:
                 result.run_dir,
                 requested_unix,
                 f"the resized job exited with code {result.exit_code} after {done} of {decision.target_steps} steps",
-                go_on=f"fix the cause, then resize again (pipectl resize {run_dir} --devices {devices})",
+                go_on=f"fix the cause, then resize again (pipectl resize {quote(str(run_dir))} --devices {devices})",
                 log_tail=not json_output,
             )
         if json_output:

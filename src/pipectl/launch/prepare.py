@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from shlex import quote
 from pathlib import Path
 from typing import Any
 
@@ -85,7 +86,7 @@ def check_run_dir(run_dir: str | os.PathLike[str], *, resume: bool = False, forc
                      if status.finished else "continue it with --resume")  # fmt: skip
             raise UserInputError(
                 f"run directory {path} already exists",
-                hint=f"{go_on}, start over with --force, or see `pipectl status {path}`",
+                hint=f"{go_on}, start over with --force, or see `pipectl status {quote(str(path))}`",
             )
     elif resume:
         raise UserInputError(f"cannot resume {path}: no such run")

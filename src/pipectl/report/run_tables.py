@@ -6,6 +6,7 @@ build renderables (or text) and return them; the CLI prints them.
 from __future__ import annotations
 
 import datetime
+from shlex import quote
 from typing import Sequence
 
 from rich import box
@@ -156,7 +157,7 @@ def status_table(report: RunReport, *, brief: bool = False) -> Group:
         summary.add_row(name, row)
     parts: list = [summary]
     if brief:
-        parts.append(Text(f"more (memory, where the step goes, checkpoints, stragglers): pipectl status {status.path}",
+        parts.append(Text(f"more (memory, where the step goes, checkpoints, stragglers): pipectl status {quote(str(status.path))}",
                           style="dim"))  # fmt: skip
         return Group(*parts)
     if report.memory is not None:
