@@ -118,6 +118,17 @@ def test_slurm_run_is_rewritten_for_submission(tmp_path):
     assert "--nproc_per_node 1" in (run / "job.sbatch").read_text()
 
 
+def test_live_asked_by_name_of_a_run_not_running_says_it_restarts(tmp_path):
+    """--live is the default; given by name for a run with no rank running, the resize says why it
+    restarts instead (it used to restart without a word)."""
+    run = make_run(tmp_path, engine=Engine.SLURM)
+    asked = invoke("resize", run, "--devices", "1", "--steps", "20", "--live")
+    assert asked.exit_code == 0, asked.output
+    assert "cannot resize live: no rank of the run is running on this machine; restarting instead" in asked.output
+    again = invoke("resize", run, "--devices", "2", "--steps", "30")  # the default: no word needed
+    assert again.exit_code == 0 and "cannot resize live" not in again.output, again.output
+
+
 def render(renderable) -> str:
     console = Console(record=True, width=200)
     console.print(renderable)

@@ -47,7 +47,8 @@ def register(app: typer.Typer) -> None:
         hand their state over in memory at the next step boundary); otherwise it stops at a step
         boundary, the checkpoint is re-cut and the job relaunched with the same engine. Works on
         running, stopped and finished runs."""
-        options = layered(ResizeOptions, [passed_flags(ctx, ResizeOptions)])
+        flags = passed_flags(ctx, ResizeOptions)
+        options = layered(ResizeOptions, [flags])
         devices, steps, submit, scancel = options.devices, options.steps, options.submit, options.scancel
         stop_timeout, timeout = options.stop_timeout, options.timeout
         if submit or scancel:
@@ -75,7 +76,7 @@ def register(app: typer.Typer) -> None:
                     say=None if json_output else (lambda line: console.print(line, style="dim", highlight=False, markup=False)),
                 )
             except LiveUnavailable as exc:
-                if exc.running:
+                if exc.running or "live" in flags.values:  # asked for by name: say why it is not
                     err_console.print(f"[yellow]cannot resize live: {exc.message}; restarting instead[/]", highlight=False)
             else:
                 if json_output:
