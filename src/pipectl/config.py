@@ -12,7 +12,7 @@ that set it too (`Opt`). From that one declaration come
 Layers, lowest first: the model's defaults; on a resume, the run's stored options; the config
 file; the flags (`layered`). A value a layer refuses is named as that layer gave it: `--lr 20.0`,
 `job.toml [training] lr = 20.0`; so is one a later check refuses beside another (`given`:
-`job.toml [checkpoint] every = '4' exceeds job.toml [training] steps = 2`).
+`job.toml [checkpoint] every = 4 exceeds job.toml [training] steps = 2`).
 
 A config file's sections are shared by the commands (`plan` and `launch` read one `job.toml`), so
 a key is refused only when no command knows it: a misspelt key is a mistake, never a silent no-op.

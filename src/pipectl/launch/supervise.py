@@ -56,9 +56,9 @@ def run_engine(
     one ends every process of the job (SIGTERM, then SIGKILL `KILL_AFTER_SECONDS` later), a third
     kills them now.
     `say` is told what each signal does, and `signals` (when given) gets each one received, so
-    that the caller can tell a job its user stopped from one that failed. `on_tick` is called every `tick_seconds` while the job
-    runs (the CLI tails metrics.jsonl and watches heartbeats there); when it returns a reason, the
-    job is ended and `JobEnded` raised. Past `timeout_seconds` the job is ended and a `LaunchError`
+    that the caller can tell a job its user stopped from one that failed. `on_tick` is called
+    every `tick_seconds` while the job runs (the CLI tails metrics.jsonl and watches heartbeats
+    there); when it returns a reason, the job is ended and `JobEnded` raised. Past `timeout_seconds` the job is ended and a `LaunchError`
     raised. Ranks still alive after their launcher exited are ended too.
     """
     if not command.runnable_here:
@@ -79,38 +79,29 @@ def run_engine(
     if _in_main_thread():
         originals = {s: signal.signal(s, lambda signum, _frame: early.append(signum)) for s in FORWARDED_SIGNALS}
     try:
-        return _start_and_supervise(command, run_dir, logs, env, lock, on_tick, tick_seconds, timeout_seconds, say,
-                                    [] if signals is None else signals, early)  # fmt: skip
+        with (logs / ENGINE_LOG).open("ab") as log_handle:
+            try:
+                proc = subprocess.Popen(
+                    command.argv,
+                    cwd=run_dir,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log_handle,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    pass_fds=(lock.fileno(),) if lock is not None else (),
+                )
+            except OSError as exc:
+                raise LaunchError(f"cannot start {command.argv[0]}: {exc}") from exc
+            if lock is not None:
+                lock.record(os.getpid(), proc.pid)
+            return _supervise(
+                JobProcesses(proc), on_tick, tick_seconds, timeout_seconds, say or (lambda _: None),
+                [] if signals is None else signals, early,
+            )  # fmt: skip
     finally:
         for signum, handler in originals.items():
             signal.signal(signum, handler)
-
-
-def _start_and_supervise(
-    command: LaunchCommand, run_dir: Path, logs: Path, env: dict[str, str], lock: Any,
-    on_tick: Callable[[], str | None] | None, tick_seconds: float, timeout_seconds: float | None,
-    say: Callable[[str], None] | None, signals: list[int], early: list[int],
-) -> int:  # fmt: skip
-    """Start the launcher (its output in `logs`/engine.log) and supervise it (`_supervise`)."""
-    with (logs / ENGINE_LOG).open("ab") as log_handle:
-        try:
-            proc = subprocess.Popen(
-                command.argv,
-                cwd=run_dir,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=log_handle,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                pass_fds=(lock.fileno(),) if lock is not None else (),
-            )
-        except OSError as exc:
-            raise LaunchError(f"cannot start {command.argv[0]}: {exc}") from exc
-        if lock is not None:
-            lock.record(os.getpid(), proc.pid)
-        return _supervise(JobProcesses(proc), on_tick, tick_seconds, timeout_seconds, say or (lambda _: None), signals, early)
-
-
 
 
 class JobEnded(LaunchError):

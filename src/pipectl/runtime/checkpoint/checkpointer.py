@@ -104,6 +104,7 @@ class _Save:
     # rank 0 still commits this one.
     written: threading.Event = field(default_factory=threading.Event)
     previous: threading.Thread | None = None  # the save before: finished before this one commits
+    judged: bool = False  # rank 0: its failure was weighed against the checkpoints (`unrecoverable`)
 
 
 class Checkpointer:
@@ -222,8 +223,11 @@ class Checkpointer:
         if self.rank != 0 or self.train_without_checkpoints or self.lost is not None:
             return None
         for save in (self._last, self._inflight):
-            event = save.event if save is not None else None
-            if event is not None and event.outcome is CheckpointOutcome.FAILED and not has_checkpoint(self.run_dir):
+            event = save.event if save is not None and not save.judged else None
+            if event is None or event.outcome is not CheckpointOutcome.FAILED:
+                continue
+            save.judged = True  # the checkpoints are listed once per failed save, not at every step
+            if not has_checkpoint(self.run_dir):
                 self.lost = event.message
                 return self.lost
         return None
