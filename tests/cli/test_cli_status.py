@@ -116,6 +116,8 @@ def test_status_table_and_verify_flags_a_corrupted_checkpoint(tmp_path):
     assert not checkpoint["verified"] and "sha256 mismatch" in checkpoint["problems"][0]
     table = runner.invoke(app, ["status", str(run), "--verify"])
     assert table.exit_code == 2 and "1 checkpoint of" in table.output and "failed verification: step00000004" in table.output
+    row = next(line for line in table.stdout.splitlines() if line.strip().startswith("step00000004"))
+    assert "fp32.pt: sha256 mismatch" in row and str(run) not in row  # the row names the checkpoint: its file alone
     assert runner.invoke(app, ["status", str(run), "--json"]).exit_code == 0  # without --verify: hashes not read
 
 

@@ -96,9 +96,11 @@ def _checkpoints_table(status: RunStatus) -> Table:
     """Each checkpoint of the run: its tag, step, whether it verifies (else its problems) and size."""
     table = Table(box=box.SIMPLE_HEAD, title="checkpoints", title_justify="left")
     for column in ("tag", "step", "state", "size"):
-        table.add_column(column)
+        table.add_column(column, max_width=SUMMARY_VALUE_WIDTH if column == "state" else None)
     for ckpt in status.checkpoints:
-        state = Text("ok", style="green") if ckpt.verified else Text("; ".join(ckpt.problems), style="red")
+        # The row names the checkpoint: its problems name files inside it, not the folder again.
+        problems = [problem.partition(f"/{ckpt.tag}/")[2] or problem for problem in ckpt.problems]
+        state = Text("ok", style="green") if ckpt.verified else Text("; ".join(problems), style="red")
         table.add_row(ckpt.tag, str(ckpt.step if ckpt.step is not None else "?"), state, format_bytes(ckpt.bytes))
     return table
 
