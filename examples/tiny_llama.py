@@ -10,7 +10,8 @@ a text file is read as bytes when the directory has no tokenizer.json), and wind
 
 from __future__ import annotations
 
-import sys
+import argparse
+from pathlib import Path
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -28,4 +29,9 @@ def main(folder: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "tiny-llama")
+    parser = argparse.ArgumentParser(description="Write a tiny Llama directory to try `pipectl profile hf:PATH`.")
+    parser.add_argument("folder", nargs="?", default="tiny-llama", help="a new folder to write (default: tiny-llama)")
+    folder = parser.parse_args().folder
+    if Path(folder).exists() and any(Path(folder).iterdir()):  # never write over someone's model
+        parser.error(f"{folder}: already exists and is not empty; name a new folder")
+    main(folder)
