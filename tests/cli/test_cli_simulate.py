@@ -145,3 +145,17 @@ def test_a_morph_entry_using_fewer_devices_says_how_many_and_why(tmp_path: Path)
     payload = json.loads(invoke("simulate", str(plan_path), "--devices", "7", "--json").stdout)
     assert payload["requested_devices"] == 7 and payload["devices"] == used
     assert payload["note"].startswith(f"the plan's entry for 7 devices uses {used}: ")
+
+
+def test_a_plan_of_uneven_replicas_simulates_to_its_own_step(tmp_path: Path, monkeypatch):
+    # 12 A100s as t = 2, p = 2, d = 3, b = 2: B = 16 is 8 micro-batches over 3 replicas (3, 3, 2).
+    from pipectl.io import write_json_atomic
+    from pipectl.testing.profiles import synthetic_profile
+
+    monkeypatch.chdir(tmp_path)
+    write_json_atomic(tmp_path / "profile.json", synthetic_profile(blocks=4, micro_batch_sizes=[1, 2]))
+    invoke("plan", "--profile", "profile.json", "--cluster", "a100-8x8", "--devices", "12", "--global-batch", "16",
+           "--tensor-parallel", "2", "--pipeline-parallel", "2", "--micro-batch-size", "2", "--no-morph", "-o", "plan.json")
+    payload = json.loads(invoke("simulate", "plan.json", "--json").stdout)
+    assert payload["step_seconds"] == pytest.approx(payload["predicted_step_seconds"], rel=1e-9)
+    assert payload["note"] == "uneven replicas run 3 or 2 micro-batches: one of 3 sets the step and is shown"

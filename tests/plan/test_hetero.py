@@ -192,3 +192,42 @@ def test_kinds_with_different_replica_counts_split_without_failing_validation(tm
     split_note = [n for n in result.notes if "uneven split over p100, v100-16gb" in n]
     assert split_note, result.notes  # the split was priced (chosen or not, the note says how it compares)
     assert result.chosen.global_batch == 512
+
+
+def test_a_splits_tensor_parallel_all_reduces_stay_on_each_kinds_own_links(tmp_path):
+    # t = 2 inside a node of 4: its all-reduces never leave the node, so a slow link between the
+    # kinds' nodes slows the split's data-parallel ring only, not its forward and backward.
+    cluster = _cluster(tmp_path, "v100-32gb", "v100-16gb")
+    profile = synthetic_profile(blocks=4, micro_batch_sizes=[1, 2, 4], device="v100-16gb")
+    template = plan(profile, cluster.model_copy(update={"node_types": cluster.node_types[:1]}),
+                    PlanRequest(global_batch=64, morph=False, tensor_parallel=2, pipeline_parallel=1)).chosen
+    from pipectl.plan.hetero import replica_stage_costs
+
+    costs = {}
+    for name, gbytes in (("fast", 100.0), ("slow", 0.1)):
+        split = uneven_split(profile, _with_links(cluster, inter_node_bandwidth_gbytes_per_second=gbytes), template,
+                             PlanRequest(global_batch=64))
+        assert split is not None and split.tensor_parallel == 2
+        costs[name] = replica_stage_costs(split, profile, _with_links(cluster, inter_node_bandwidth_gbytes_per_second=gbytes))
+    for (_, _, fast), (_, _, slow) in zip(costs["fast"], costs["slow"]):
+        assert list(slow.forward_seconds) == list(fast.forward_seconds)
+        assert list(slow.backward_seconds) == list(fast.backward_seconds)
+        assert slow.allreduce_seconds[0] > fast.allreduce_seconds[0]
+
+
+def test_simulate_re_prices_uneven_replicas_of_one_kind_as_the_plan_did(tmp_path):
+    # d = 3 replicas of t = 2 share B / b = 8 micro-batches as 3, 3, 2: one kind, one pool on the
+    # node's own links (before, its tensor-parallel all-reduces were priced on the inter-node link).
+    from pipectl.plan.hetero import replica_stage_costs
+    from pipectl.plan.simulate import simulate_step_seconds
+    from pipectl.schedule import generate
+
+    cluster = load_cluster("a100-8x8")
+    profile = synthetic_profile(blocks=4, micro_batch_sizes=[1, 2], device="a100-80gb")
+    chosen = plan(profile, cluster, PlanRequest(global_batch=16, morph=False, tensor_parallel=2, pipeline_parallel=2,
+                                                data_parallel=3, micro_batch_size=2)).chosen
+    groups = replica_stage_costs(chosen, profile, cluster)
+    assert [m for _, m, _ in groups] == [3, 2]
+    steps = [simulate_step_seconds(generate(chosen.schedule, 2, m, chosen.chunks, chosen.recompute), costs)
+             for _, m, costs in groups]
+    assert max(steps) == pytest.approx(chosen.predicted_step_seconds, rel=1e-9)

@@ -88,10 +88,15 @@ def _from_plan(
         )
         runs.append((simulate_step_seconds(schedule, costs), kind, micro_batches, schedule, costs))
     _, kind, micro_batches, schedule, costs = max(runs, key=lambda run: run[0])
-    if len(runs) > 1:
+    if len({run[1] for run in runs}) > 1:
         note = (note + "; " if note else "") + (
             f"a split over device kinds: its slowest replica ({kind}, {micro_batches} micro-batches) sets the step "
             "and is shown"
+        )
+    elif len(runs) > 1:
+        shares = " or ".join(str(run[2]) for run in runs)
+        note = (note + "; " if note else "") + (
+            f"uneven replicas run {shares} micro-batches: one of {micro_batches} sets the step and is shown"
         )
     context = {
         "source": str(plan_path),

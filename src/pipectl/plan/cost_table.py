@@ -198,7 +198,7 @@ def data_parallel_seconds(
     pipeline_ring = links.allreduce_intra if pipeline_inside else links.allreduce_inter
     pipeline_handoff = collective_handoff_seconds(hardware, p, pipeline_inside)
     for rank, held in enumerate(parameters_per_rank):
-        inside = replicas_share_node(rank, p, t, d, n)
+        inside = replicas_share_node(rank, p, t, d, n) and not hardware.replicas_span_nodes
         ring = links.allreduce_intra if inside else links.allreduce_inter
         handoff = collective_handoff_seconds(hardware, d, inside)
         gradient_seconds = ring.ring_allreduce_seconds(held * gradient, d)
@@ -402,7 +402,7 @@ def sharded_data_parallel_seconds(
     t, d = tensor_parallel, data_parallel
     divisor = table.divisor(t)
     held = table.parameters(0, table.layers) / divisor
-    inside = replicas_share_node(0, 1, t, d, hardware.devices_per_node)
+    inside = replicas_share_node(0, 1, t, d, hardware.devices_per_node) and not hardware.replicas_span_nodes
     ring = hardware.links.allreduce_intra if inside else hardware.links.allreduce_inter
     handoff = collective_handoff_seconds(hardware, d, inside)
     counts = [count / divisor for count in table.parameter_count]

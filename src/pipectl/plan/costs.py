@@ -151,6 +151,10 @@ class Hardware:
     features: EngineFeatures | None = None
     # fp16 training: loss scaling's passes over the gradients in the optimizer step (`cost_table`).
     loss_scaled: bool = False
+    # A split over device kinds (`hetero._on_one_ring`): the data-parallel ring runs through every
+    # kind's nodes, so it leaves the node wherever its replicas sit; tensor-parallel and pipeline
+    # collectives stay on the kind's own links.
+    replicas_span_nodes: bool = False
 
     @property
     def compute_scale(self) -> float:

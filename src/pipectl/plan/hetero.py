@@ -190,22 +190,24 @@ def _pools(
 def _on_one_ring(kinds: list, one_host: bool = False) -> list:
     """The kinds' hardware with one data-parallel ring for all: every replica's gradient goes round
     the same ring, which leaves each node and runs at the pace of its slowest hop, so every kind's
-    all-reduce is priced on the slowest inter-node link of any kind (the highest latency, the
-    lowest bandwidth) instead of its own.
+    data-parallel all-reduce is priced on the slowest inter-node link of any kind (the highest
+    latency, the lowest bandwidth) instead of its own (`Hardware.replicas_span_nodes`). A kind's
+    tensor-parallel all-reduces stay inside its nodes, on its own links.
 
     On a cluster of one host (`ClusterSpec.one_host`: kinds emulated on one machine) the ring never
-    leaves it: it is priced on the slowest intra-node all-reduce of any kind (the host's busy
-    all-reduce where the profile measured one), and every kind's ranks count as sharing the host's
+    leaves it: every all-reduce is priced on the slowest intra-node all-reduce of any kind (the host's
+    busy all-reduce where the profile measured one), and every kind's ranks count as sharing the host's
     cores (its devices per node are all the ranks of the split)."""
     links = [hardware.links for _, hardware, _, _ in kinds]
     side = "intra" if one_host else "inter"
     latency = max(getattr(link, f"allreduce_{side}_latency_seconds") for link in links)
     bandwidth = min(getattr(link, f"allreduce_{side}_bandwidth_bytes_per_second") for link in links)
-    ring = dict(allreduce_intra_latency_seconds=latency, allreduce_intra_bandwidth_bytes_per_second=bandwidth,
-                allreduce_inter_latency_seconds=latency, allreduce_inter_bandwidth_bytes_per_second=bandwidth)
+    ring = dict(allreduce_inter_latency_seconds=latency, allreduce_inter_bandwidth_bytes_per_second=bandwidth)
+    if one_host:
+        ring.update(allreduce_intra_latency_seconds=latency, allreduce_intra_bandwidth_bytes_per_second=bandwidth)
     ranks = sum(hardware.devices for _, hardware, _, _ in kinds)
     return [
-        (kind, replace(hardware, links=replace(hardware.links, **ring),
+        (kind, replace(hardware, links=replace(hardware.links, **ring), replicas_span_nodes=not one_host,
                        devices_per_node=ranks if one_host else hardware.devices_per_node), shape, replicas)
         for kind, hardware, shape, replicas in kinds
     ]
@@ -395,10 +397,16 @@ def replica_stage_costs(
     """Per distinct (kind, micro-batches) of the candidate's replicas (`replica_groups`), its cost
     table (`stage_costs`): for a split, each kind on its own nodes with its own profile and the
     split's one data-parallel ring (`_on_one_ring`), as `uneven_split` priced it; the step is the
-    slowest replica's. One entry for an even layout (`stage_costs_for`)."""
+    slowest replica's. One entry for an even layout (`stage_costs_for`); replicas of one kind that
+    run uneven shares of the batch (ceiling and floor of B / (d x b)) are one pool, as the search
+    priced them: one entry per share on the cluster's own links."""
     groups = replica_groups(candidate)
-    if len(groups) == 1:
-        return [(*groups[0], stage_costs_for(candidate, profile, cluster, kind_profiles))]
+    if len({kind for kind, _ in groups}) == 1:
+        return [
+            (kind, micro_batches,
+             stage_costs_for(candidate.model_copy(update={"micro_batches": micro_batches}), profile, cluster, kind_profiles))
+            for kind, micro_batches in groups
+        ]  # fmt: skip
     t, p = candidate.tensor_parallel, candidate.pipeline_parallel
     pools = _on_one_ring(_pools(cluster, profile, kind_profiles, t, p), cluster.one_host)
     priced = {kind: (hardware, mine) for kind, hardware, mine, _ in pools}

@@ -60,7 +60,7 @@ def data_parallel_costs(
     if d > 1:
         # LinkCost.ring_allreduce_seconds (Patarasuk & Yuan 2009) on every rank at once, the same
         # operations in the same order: 2(d-1) * (latency + bytes / d / bandwidth).
-        inside = np.array(_replicas_inside(p, t, d, n))
+        inside = np.array(_replicas_inside(p, t, d, n)) & (not hardware.replicas_span_nodes)
         message = held * _ring_bytes(hardware, element, zero_stage >= 1)
         steps = 2 * (d - 1)
         for ring, where in ((links.allreduce_intra, inside), (links.allreduce_inter, ~inside)):
@@ -413,7 +413,7 @@ def _data_parallel_costs_over(
     # device k*t, its last on ((d-1)*p + k)*t; integer arithmetic, so the same answers.
     ranks = np.arange(p)
     t = np.array([shape.tensor_parallel for shape in unique], dtype=np.int64)[row_of][:, None]
-    inside = (ranks * t) // n == (((ds - 1) * p + ranks) * t) // n
+    inside = ((ranks * t) // n == (((ds - 1) * p + ranks) * t) // n) & (not hardware.replicas_span_nodes)
     message = held * _ring_bytes(hardware, element, sharded)
     steps = 2 * (ds - 1)  # d = 1 rows: 0 steps, so 0.0 on every rank, as the unreplicated case's zeros
     # Each element through its own ring's formula, steps * (latency + bytes / d / bandwidth): the
