@@ -117,6 +117,20 @@ def test_nodes_follow_the_clusters_devices_per_node_and_the_plans_device(monkeyp
     assert deepspeed.job.master_addr == "n0" and deepspeed.command.files["hostfile"].splitlines()[0] == "n0 slots=8"
 
 
+def test_fewer_nodes_than_the_ranks_need_are_refused_by_the_value_given(monkeypatch):
+    # 64 ranks on 8-GPU nodes: 2 nodes would start 32 processes on each node's 8 GPUs.
+    monkeypatch.chdir("/")
+    plan = gpt3_plan(devices=64, t=8, p=8, d=1, cluster="a100-8x8")
+    for engine, given in ((Engine.SLURM, dict(nodes=2)), (Engine.TORCHRUN, dict(nodes=1, master_addr="n0")),
+                          (Engine.DEEPSPEED, dict(hosts=["h1", "h2"]))):
+        with pytest.raises(UserInputError) as caught:
+            prepare_launch(plan, RUN, LaunchOptions(engine=engine, precision=Precision.BF16, **AT_SCALE, **given), write=False)
+        named = "--hosts h1,h2" if "hosts" in given else f"--nodes {given['nodes']}"
+        assert caught.value.message == (f"{named}: {64 // len(given.get('hosts', [0] * given.get('nodes', 0)))} of the "
+                                         "plan's 64 ranks on each node, but each a100-80gb node of cluster 'a100-8x8' holds 8")
+        assert caught.value.hint.startswith("give 8 ")
+
+
 def test_a_plan_whose_tensor_groups_span_two_nodes_launches_on_whole_nodes(monkeypatch):
     # t = 16 on 8-GPU nodes: ranks are numbered node by node and laid out (replica, stage, tensor
     # rank), so each tensor group is two whole nodes, as the planner priced it.

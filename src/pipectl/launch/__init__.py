@@ -339,6 +339,18 @@ def job_nodes(plan: Plan, options: LaunchOptions, cluster: ClusterSpec | None, g
         nodes = -(-devices // max(per_node))
     if devices % nodes:
         raise UserInputError(f"the plan's {count(devices, 'rank')} cannot be split evenly over {count(nodes, 'node')}")
+    per_node = [n.devices_per_node for n in (cluster.nodes_of_kind(plan.chosen.device) if cluster else [])]
+    fewer = options.engine is not Engine.LOCAL and not options.hostfile  # a hostfile's slots are checked apart
+    if fewer and per_node and devices // nodes > max(per_node):
+        # More ranks than a node has devices: every node would start that many processes on its
+        # GPUs (a hostfile of 'slots=1512', torchrun's --nproc_per_node 1512).
+        name = "hosts" if options.hosts else "elastic" if options.elastic else "nodes"
+        raise UserInputError(
+            f"{given(options, name)}: {devices // nodes} of the plan's {count(devices, 'rank')} on each node, "
+            f"but each {plan.chosen.device} node of cluster '{cluster.name}' holds {max(per_node)}",
+            hint=f"give {-(-devices // max(per_node))} {'hosts' if options.hosts else 'nodes'}"
+            + (", or leave the nodes out to have them counted" if name == "nodes" else ""),
+        )
     return nodes
 
 
