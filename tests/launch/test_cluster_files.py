@@ -182,6 +182,8 @@ def test_a_split_over_kinds_is_a_heterogeneous_slurm_job_matching_its_golden_fil
     first, second = script.split("#SBATCH hetjob")
     assert "#SBATCH --constraint=p100" in first and "#SBATCH --nodes=2" in first  # replica 0: the P100 nodes first
     assert "#SBATCH --constraint=v100" in second and "#SBATCH --nodes=2" in second
+    # The job's options in component 0, where its batch shell runs (Slurm carries options forward only).
+    assert "#SBATCH --requeue" in first and "#SBATCH --signal=B:USR1@120" in first and "#SBATCH --requeue" not in second
     assert "srun --het-group=0,1 " in second and "--rdzv_backend static" in second
     assert "'" in second.split("bash -c ")[1][:1]  # quoted: each task expands its own $SLURM_PROCID
 

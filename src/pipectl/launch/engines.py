@@ -372,9 +372,11 @@ def slurm_script(
         f"#SBATCH --job-name={job.name}",
         f"#SBATCH --output={run_dir / LOGS_DIR}/slurm-%j.out",
         "#SBATCH --open-mode=append",
-        *allocation,
+        # The job's own options before the first component: a heterogeneous job's batch shell runs
+        # in component 0, and Slurm carries options to the components after, never before.
         *(["#SBATCH --requeue"] if requeue_limit else ["#SBATCH --no-requeue"]),
         f"#SBATCH --signal=B:USR1@{signal_seconds}",
+        *allocation,
         "set -euo pipefail",
         *setup,
         "# The ranks' environment",
