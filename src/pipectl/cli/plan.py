@@ -270,10 +270,11 @@ def plan_command(
     zeros = _parse_zero_stages(options.zero_stages)
     engine, emit_counts = _engine_and_emit_counts(options, any_engine)
     morph_counts, morph_every_count = parse_morph_counts(options.morph_counts)
-    beyond = [n for n in emit_counts if n > cluster_spec.total_devices]
-    if beyond:
-        raise UserInputError(f"--emit-devices {beyond[0]}: cluster '{cluster_spec.name}' has "
-                             f"{cluster_spec.total_devices} devices")
+    for name, counts in (("morph_counts", morph_counts), ("emit_devices", emit_counts)):
+        beyond = [n for n in counts if n > cluster_spec.total_devices]
+        if beyond:
+            raise UserInputError(f"{given(options, name)}: cluster '{cluster_spec.name}' has "
+                                 f"{cluster_spec.total_devices} devices, not {beyond[0]}")
     morph_counts = sorted(set(morph_counts) | set(emit_counts))  # the table covers every count to emit
     request = from_options(
         PlanRequest,

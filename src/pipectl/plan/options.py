@@ -35,7 +35,7 @@ class PlanOptions(Strict, Layered):
     full_morph: Annotated[bool, Opt(None, flag="--morph-table")] = Field(
         default=False, description="Print the whole morph table (default: the fastest plan per range of device counts)."
     )
-    top: Annotated[int, Opt(None)] = Field(default=10, description="Candidates to show.")
+    top: Annotated[int, Opt(None)] = Field(default=10, ge=0, description="Candidates to show.")
     workers: Annotated[int | None, Opt(None)] = Field(
         default=None,
         description="Processes for the search (default: $PIPECTL_PLAN_WORKERS, else the cores available); the plan is "
