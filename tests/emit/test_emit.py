@@ -212,6 +212,12 @@ def test_export_plan_writes_a_plan_made_without_emit_or_names_what_the_framework
     assert done.returncode == 2, said(done)
     assert "Megatron-LM cannot run the GPipe schedule" in done.stderr and "nearest it runs: t1p2d1 1f1b" in done.stderr
     assert "Traceback" not in done.stderr and not (tmp_path / "meg").exists()
+    # A count asked for by name is the one named, whatever the chosen layout lacks too.
+    done = pipectl("plan", "--profile", "p.json", "--cluster", "local", "--devices", "4", "--global-batch", "8",
+                   "--pipeline-parallel", "2", "--schedule", "gpipe", "-o", "four.json", cwd=tmp_path)
+    assert done.returncode == 0, said(done)
+    done = pipectl("export-plan", "four.json", "--to", "megatron", "-o", "meg", "--devices", "2", cwd=tmp_path)
+    assert done.returncode == 2 and "(the plan's layout for 2 devices, t1p2d1 gpipe" in done.stderr, said(done)
 
 
 def test_emit_devices_writes_the_morph_tables_layouts_into_their_folders(tmp_path):

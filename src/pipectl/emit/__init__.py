@@ -54,7 +54,7 @@ def emitted_layouts(
     `hint(count, layout)` adds the line after it."""
     layouts: list[tuple[int | None, Candidate]] = [(None, plan.chosen)]
     layouts += [(devices_count, morph_layout(plan, devices_count)) for devices_count in devices]
-    for devices_count, candidate in layouts:
+    for devices_count, candidate in [*layouts[1:], layouts[0]]:  # the counts asked for by name first
         why = not_expressible(candidate, framework, profile)
         if why is not None:
             where = "the plan's chosen layout" if devices_count is None else f"the plan's layout for {devices_count} devices"
