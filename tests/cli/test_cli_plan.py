@@ -311,6 +311,9 @@ def test_2bw_listed_is_priced_in_steady_state_marked_and_chosen_only_with_any_en
     assert f"2bw (steady) zero=1 on {chosen.devices} x a100-80gb: {format_step(chosen.predicted_step_seconds)} per " \
            "update (steady state, no flush) of 32 samples" in text
     assert "note: 2BW steady state" in text and "note: PipeDream-2BW: 1-stale weight updates" in text
+    # The alternatives an engine runs are listed though faster 2BW rows fill the top (before: "0 alternatives").
+    alternatives = [c for c in load_model(Plan, out).candidates if c.schedule.value == "1f1b"]
+    assert len(alternatives) >= 4 and "the chosen plan and 4 alternatives that can run" in text
 
 
 def test_2bw_with_fewer_than_p_minus_1_micro_batches_is_rejected_with_its_reason(profile_path, tmp_path):

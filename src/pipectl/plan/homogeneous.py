@@ -267,11 +267,15 @@ class Ranking:
 def rank(specs: Sequence[Spec], goal: Goal, evaluator: Evaluator, *, keep: int, exhaustive: bool,
          engine: Engine) -> Ranking:
     """Branch and bound over specs sorted by their bound key; see the module docstring. The best
-    `keep` specs `engine` runs are kept too (`top_runnable`; any engine: every spec runs), so that a
-    plan lists alternatives it can launch even where faster ones no engine runs fill the top."""
+    `keep` specs `engine` runs are kept too (`top_runnable`; any engine: those one of pipectl's
+    engines runs), so that a plan lists alternatives it can launch even where faster ones no engine
+    runs fill the top (`--any-engine --schedules 1f1b,2bw`: the top all 2BW)."""
     pool = SpecPool.of(specs)
-    need_runnable = engine is not Engine.ANY
-    runs = pool.runs_on(engine).tolist()
+    need_runnable = True
+    if engine is Engine.ANY:
+        runs = (pool.runs_on(Engine.DEEPSPEED) | pool.runs_on(Engine.TORCH)).tolist()
+    else:
+        runs = pool.runs_on(engine).tolist()
     heap: list[tuple] = []  # max-heap of the kept keys (negated), with a tie-breaking counter
     runnable: list[tuple] = []  # the same for the specs `engine` runs
     simulated = 0
