@@ -244,10 +244,16 @@ def load_calibration_for(path: str | os.PathLike[str], profiles: list[tuple[str,
 
 
 def plan_cluster_file(plan: Plan) -> ClusterSpec:
-    """The cluster a plan names, with the calibration it was planned with (`plan --calibration`)."""
-    cluster = load_cluster(plan_cluster_source(plan))
+    """The cluster a plan names, with the calibration it was planned with (`plan --calibration`):
+    its file where it still is (edited or not: the cluster as it stands), else the copy the plan
+    keeps of it."""
+    if plan.cluster_file is not None and plan.cluster_copy is not None and not Path(plan.cluster_file).is_file():
+        cluster = plan.cluster_copy
+    else:
+        cluster = load_cluster(plan_cluster_source(plan))
     if plan.calibration_file is not None:
-        cluster = calibrated_cluster(cluster, load_model(RunsCalibration, plan.calibration_file))
+        gone = plan.calibration_copy is not None and not Path(plan.calibration_file).is_file()
+        cluster = calibrated_cluster(cluster, plan.calibration_copy if gone else load_model(RunsCalibration, plan.calibration_file))
     return cluster
 
 

@@ -394,6 +394,16 @@ def test_a_cluster_yaml_by_relative_path_is_recorded_absolute_and_read_back_from
     assert plan.cluster_file == str(tmp_path.resolve() / "mine.yaml")
     monkeypatch.chdir(tmp_path.parent)
     assert plan_cluster_spec(plan).total_devices == 64
+    # The file moved away: the plan keeps a copy, and simulate and launch read it.
+    (tmp_path / "mine.yaml").rename(tmp_path / "mine.yaml.bak")
+    assert plan_cluster_spec(plan).total_devices == 64
+    simulated = runner.invoke(app, ["simulate", str(tmp_path / "plan.json"), "--json"])
+    assert simulated.exit_code == 0, simulated.output
+    assert json.loads(simulated.stdout)["step_seconds"] == pytest.approx(plan.chosen.predicted_step_seconds, rel=1e-9)
+    dry = runner.invoke(app, ["launch", str(tmp_path / "plan.json"), "--run-dir", str(tmp_path / "runs" / "x"),
+                              "--engine", "slurm", "--steps", "10", "--data", "synthetic", "--dry-run"])
+    # Past the cluster, on to the model (this synthetic profile's, which no launch builds).
+    assert "model 'synthetic' is neither a file" in dry.output and "cluster" not in dry.output, dry.output
 
 
 @pytest.mark.parametrize("counts, expected", [

@@ -222,6 +222,10 @@ def test_a_calibration_prices_a_derived_profile_a_plan_and_its_simulation(measur
     assert simulated.returncode == 0, simulated.stderr
     step = json.loads(simulated.stdout)["step_seconds"]
     assert step == pytest.approx(plan["chosen"]["predicted_step_seconds"], rel=1e-6)
+    (measured / "cal.json").rename(measured / "cal.json.bak")  # gone: the plan's copy prices it the same
+    simulated = pipectl(elsewhere, "simulate", "../plan.json", "--json")
+    assert simulated.returncode == 0, simulated.stderr
+    assert json.loads(simulated.stdout)["step_seconds"] == step
 
 
 @pytest.mark.parametrize(

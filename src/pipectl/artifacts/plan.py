@@ -21,6 +21,8 @@ from typing import Annotated, Literal
 from pydantic import Field, field_validator, model_validator
 
 from pipectl.artifacts.base import MAX_SECONDS, Artifact, Bytes, Sha256, Strict
+from pipectl.artifacts.calibration import RunsCalibration
+from pipectl.artifacts.cluster import ClusterSpec
 from pipectl.artifacts.profile import ModelProfile
 from pipectl.schedule.ir import ScheduleKind
 
@@ -529,11 +531,22 @@ class Plan(Artifact):
         description="The cluster YAML's absolute path when `plan --cluster` named a file (not a shipped name): "
         "what `launch`, `resize` and `simulate` read the cluster from, from any directory.",
     )
+    cluster_copy: ClusterSpec | None = Field(
+        default=None,
+        exclude_if=lambda spec: spec is None,
+        description="The cluster file as the plan read it: what the plan is re-priced and launched on when "
+        "`cluster_file` is no longer there (moved, or a plan copied to another machine).",
+    )
     calibration_file: str | None = Field(
         default=None,
         exclude_if=lambda path: path is None,  # a plan without one reads and writes as before
         description="The calibration's absolute path when `plan --calibration` named one: its links priced "
         "the plan, and every re-pricing (simulate, status, resize) applies them too.",
+    )
+    calibration_copy: RunsCalibration | None = Field(
+        default=None,
+        exclude_if=lambda calibration: calibration is None,
+        description="The calibration as the plan read it, applied when `calibration_file` is no longer there.",
     )
     request: PlanRequest = Field(description="The whole request; every re-plan (resize, elastic) starts from it.")
     chosen: Candidate

@@ -14,6 +14,7 @@ from typing import Annotated, Any
 import typer
 
 from pipectl.artifacts.base import INT64_MAX
+from pipectl.artifacts.calibration import RunsCalibration
 from pipectl.artifacts.plan import Engine, Plan, PlanRequest, RecomputeChoice
 from pipectl.artifacts.profile import ModelProfile
 from pipectl.cli.context import JsonFlag, console, from_options, print_json, refuse_overwriting
@@ -220,7 +221,9 @@ def _write_plan_files(
     result = write_plan(
         output,
         made.model_copy(update={"cluster_file": None if cluster_path is None else str(cluster_path),
-                                "calibration_file": calibration}),
+                                "cluster_copy": None if cluster_path is None else load_cluster(cluster_path),
+                                "calibration_file": calibration,
+                                "calibration_copy": None if calibration is None else load_model(RunsCalibration, calibration)}),
         profile_file=profile[0],
         kind_profile_files=profile[1:],
     )
