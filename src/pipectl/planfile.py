@@ -166,16 +166,26 @@ def morph_layout(plan: Plan, devices: int) -> Candidate:
 
 
 def count_ranges(counts: Sequence[int]) -> str:
-    """Counts as ranges: [1, 2, 3, 8, 16] -> '1-3, 8, 16'.
+    """Counts as ranges, a step named where it is not 1: a morph table's whole nodes read as one
+    range, not 377 numbers.
 
     >>> count_ranges([16, 1, 2, 3, 8])
     '1-3, 8, 16'
+    >>> count_ranges([*range(1, 9), *range(16, 3073, 8)])
+    '1-8, 16-3072 every 8'
     """
+    ordered = sorted(set(counts))
     out: list[str] = []
-    ordered = sorted(counts)
-    start = ordered[0] if ordered else None
-    for i, value in enumerate(ordered):
-        if i + 1 == len(ordered) or ordered[i + 1] != value + 1:
-            out.append(str(start) if start == value else f"{start}-{value}")
-            start = ordered[i + 1] if i + 1 < len(ordered) else None
+    i = 0
+    while i < len(ordered):
+        step = ordered[i + 1] - ordered[i] if i + 1 < len(ordered) else 1
+        end = i
+        while end + 1 < len(ordered) and ordered[end + 1] - ordered[end] == step:
+            end += 1
+        if end == i or (step != 1 and end - i < 2):  # one count, or two a step apart: themselves
+            out.append(str(ordered[i]))
+            i += 1
+            continue
+        out.append(f"{ordered[i]}-{ordered[end]}" + (f" every {step}" if step != 1 else ""))
+        i = end + 1
     return ", ".join(out)

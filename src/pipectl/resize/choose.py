@@ -36,7 +36,7 @@ from pipectl.artifacts.run import PLAN_FILE
 from pipectl.cluster import local_cluster, plan_cluster_file
 from pipectl.errors import InfeasibleError, UserInputError
 from pipectl.plan.search import plan as search_plan
-from pipectl.planfile import load_kind_profiles, load_plan_profile
+from pipectl.planfile import count_ranges, load_kind_profiles, load_plan_profile
 from pipectl.words import count
 
 log = logging.getLogger(__name__)
@@ -98,13 +98,13 @@ def choose_candidate(plan: Plan, devices: int, *, replan: Replanner | None = Non
         if capacity is not None and devices > capacity:
             raise UserInputError(
                 f"--devices {devices} exceeds cluster '{plan.cluster}' ({capacity} devices) and the plan's "
-                f"morph table has no entry for it (it covers {_ranges(known) or 'no counts'})",
+                f"morph table has no entry for it (it covers {count_ranges(known) or 'no counts'})",
                 hint="re-plan for a bigger cluster with pipectl plan, then resize",
             )
         if replan is None:
             raise UserInputError(
                 f"the plan's morph table has no entry for {count(devices, 'device')} "
-                f"(it covers {_ranges(known) or 'no counts'}) and the plan cannot be re-planned here",
+                f"(it covers {count_ranges(known) or 'no counts'}) and the plan cannot be re-planned here",
                 hint="re-plan with pipectl plan --devices ... and launch that plan",
             )
         entry = replan(devices)
@@ -124,17 +124,6 @@ def choose_candidate(plan: Plan, devices: int, *, replan: Replanner | None = Non
     return LayoutChoice(devices, entry.candidate, source, entry, notes)
 
 
-def _ranges(counts: list[int]) -> str:
-    """Device counts as ranges: [1, 2, 3, 5, 8, 9] -> '1-3, 5, 8-9'."""
-    runs: list[list[int]] = []
-    for count in sorted(counts):
-        if runs and runs[-1][1] == count - 1:
-            runs[-1][1] = count
-        else:
-            runs.append([count, count])
-    return ", ".join(str(low) if low == high else f"{low}-{high}" for low, high in runs)
-
-
 def replanner(plan: Plan, plan_dir: str | os.PathLike[str]) -> Replanner:
     """Re-plans `plan` (whose plan.json lies in `plan_dir`) for a device count: see `replan_for_devices`."""
     return functools.partial(replan_for_devices, plan, plan_dir=Path(plan_dir))
@@ -151,7 +140,7 @@ def replan_for_devices(plan: Plan, devices: int, *, plan_dir: Path) -> MorphEntr
 
     Used only when the morph table lacks the count (the table is meant to make a resize a look-up).
     """
-    covered = _ranges([e.devices for e in plan.morph_table]) or "no counts"
+    covered = count_ranges([e.devices for e in plan.morph_table]) or "no counts"
     if plan.profile is None:
         raise UserInputError(
             f"the plan's morph table has no entry for {count(devices, 'device')} (it covers {covered}) and the "
