@@ -248,11 +248,16 @@ class Spec:
             self.selective_recompute,
         )
 
-    def describe(self) -> str:
+    def describe(self, global_batch: int | None = None) -> str:
+        """e.g. 't=4 p=14 d=18 b=1 m=86/85 1f1b zero=1': with `global_batch`, replicas that run
+        uneven shares show both counts, as the plan table does."""
         s = self.shape
+        m = str(self.micro_batches)
+        if global_batch is not None and s.micro_batch_size * self.micro_batches * self.data_parallel != global_batch:
+            m = f"{self.micro_batches}/{self.micro_batches - 1}"  # ⌈B/(d·b)⌉ and ⌊B/(d·b)⌋
         return (
             f"t={s.tensor_parallel} p={s.pipeline_parallel} d={self.data_parallel} "
-            f"b={s.micro_batch_size} m={self.micro_batches} {self.variant.label}"
+            f"b={s.micro_batch_size} m={m} {self.variant.label}"
             f"{' recompute' if self.recompute else ' checkpoint-layers' if self.checkpoint_layers else ''}"
             f"{' selective-recompute' if self.selective_recompute else ''}"
             f" zero={self.zero_stage}"

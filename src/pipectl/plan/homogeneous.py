@@ -427,7 +427,7 @@ def _choose_runnable(ranking: Ranking, goal: Goal, engine: Engine) -> tuple[tupl
         if ranking.best_runnable is None:
             raise InfeasibleError(
                 "no candidate PyTorch's pipelining runtime can run fits (it runs 1f1b, gpipe, interleaved, "
-                f"zb-h1 and zbv without recomputation, tensor or data parallelism; best: {chosen_entry[1].describe()})",
+                f"zb-h1 and zbv without recomputation, tensor or data parallelism; best: {chosen_entry[1].describe(goal.global_batch)})",
                 hint="plan with --engine deepspeed (or --engine any to see what fits)",
             )
         plan_notes.append(_fallback_note(goal, chosen_entry, ranking.best_runnable,
@@ -438,13 +438,13 @@ def _choose_runnable(ranking: Ranking, goal: Goal, engine: Engine) -> tuple[tupl
         if ranking.best_runnable is None:
             if zero_only:
                 raise InfeasibleError(
-                    f"only ZeRO stages pipectl's runtime cannot run fit (best: {chosen_entry[1].describe()})",
+                    f"only ZeRO stages pipectl's runtime cannot run fit (best: {chosen_entry[1].describe(goal.global_batch)})",
                     hint="plan with --any-engine to see them; pipectl's runtime trains with ZeRO-1, and ZeRO-2 "
                     "and ZeRO-3 with one stage and no tensor split",
                 )
             raise InfeasibleError(
                 "only schedules DeepSpeed's pipeline engine cannot run fit "
-                f"(best: {chosen_entry[1].describe()})",
+                f"(best: {chosen_entry[1].describe(goal.global_batch)})",
                 hint="plan with --any-engine to see them, or allow 1f1b/gpipe/varuna",
             )
         if zero_only:
@@ -498,7 +498,7 @@ def _fallback_note(goal, best_entry, runnable_entry, why: str, what: str) -> str
     best, scope = goal.best_words(best_entry[0])
     runnable, runnable_scope = goal.best_words(runnable_entry[0])
     return (
-        f"{best} {scope or 'overall'} is {best_entry[1].describe()} ({goal.figures(best_entry[1], best_entry[2])}), "
+        f"{best} {scope or 'overall'} is {best_entry[1].describe(goal.global_batch)} ({goal.figures(best_entry[1], best_entry[2])}), "
         f"{why}; chose the {runnable} {what}{' ' + runnable_scope if runnable_scope else ''}"
     )
 
@@ -553,14 +553,14 @@ def _gradient_sharded_comparison(
         entries.append(best)
         if request.framework is not None:
             continue  # a plan for another framework (--emit): pipectl's runtime is not the question
-        figures = f"{best[1].describe()} ({goal.figures(best[1], best[2])})"
+        figures = f"{best[1].describe(goal.global_batch)} ({goal.figures(best[1], best[2])})"
         if runnable is not None and best[1] is runnable[1]:
             notes.append(f"{label}: best {figures}, the best candidate pipectl's runtime can run")
             continue
         if runnable is None:
             notes.append(f"{label}: best {figures}; no candidate pipectl's runtime can run fits")
             continue
-        other = f"{runnable[1].describe()} ({goal.figures(runnable[1], runnable[2])})"
+        other = f"{runnable[1].describe(goal.global_batch)} ({goal.figures(runnable[1], runnable[2])})"
         ratio = _ratio(best, runnable, goal)
         if best[0] < runnable[0]:
             verdict = f"beats the best candidate pipectl's runtime can run, {other}{ratio}"

@@ -354,8 +354,8 @@ def _notes(
     notes = []
     if compute is not None:
         notes.append(
-            f"time: kernel model (GEMMs {compute.gemm_efficiency:g} of peak, attention "
-            f"{compute.attention_efficiency:g}, element-wise by bandwidth, {compute.kernel_overhead_seconds * 1e6:g} µs/kernel)"
+            f"time: kernel model (GEMMs {compute.gemm_efficiency:.3g} of peak, attention "
+            f"{compute.attention_efficiency:.3g}, element-wise by bandwidth, {compute.kernel_overhead_seconds * 1e6:.3g} µs/kernel)"
         )
     else:
         notes.append(

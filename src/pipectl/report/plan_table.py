@@ -17,10 +17,9 @@ from pipectl.artifacts.profile import ModelProfile
 from pipectl.plan.flops import Utilisation, plan_layer_flops, utilisation
 from pipectl.plan.frameworks import space_of
 from pipectl.runtime.checkpoint.schedule import DEVICE_MTBF_HOURS, young_daly_seconds
+from pipectl.report.tables import format_bytes
 from pipectl.schedule import ScheduleKind, deepspeed_runnable
 from pipectl.words import count
-
-GIB = 1024**3
 
 
 STEADY = " (steady)"  # a 2bw row: priced per update in steady state, no flush
@@ -70,12 +69,6 @@ def _replica_runs(replicas: Sequence[ReplicaShare]) -> list[tuple[int, int, Repl
         else:
             runs.append((r.replica, r.replica, r))
     return runs
-
-
-def _gib(num_bytes: float) -> str:
-    if num_bytes < GIB:
-        return f"{num_bytes / 1024**2:.3g} MiB"
-    return f"{num_bytes / GIB:.3g} GiB"
 
 
 def _short_percent(fraction: float | None) -> str:
@@ -171,7 +164,7 @@ def candidates_table(
     if any(value is not None for value in utilisations.values()):
         columns.append(("MFU", "right", lambda c: _short_percent(utilisations.get(id(c)))))
     columns += [
-        ("mem/dev", "right", lambda c: _gib(max(c.peak_memory_bytes))),
+        ("mem/dev", "right", lambda c: format_bytes(max(c.peak_memory_bytes))),
         ("bubble", "right", lambda c: f"{c.bubble_fraction * 100:.0f}%"),
         ("comm", "right", lambda c: f"{c.communication_fraction * 100:.0f}%"),
     ]
@@ -274,7 +267,7 @@ def checkpoint_line(plan: Plan) -> str | None:
     interval = young_daly_seconds(1.0, mtbf_hours * 3600.0)
     replicated = " (more where layers are whole on every tensor rank)" if c.tensor_parallel > 1 else ""
     return (
-        f"checkpoint: about {_gib(per_rank)} per rank{replicated}, {_gib(total)} in all, every rank writing its "
+        f"checkpoint: about {format_bytes(per_rank)} per rank{replicated}, {format_bytes(total)} in all, every rank writing its "
         f"own in the background; --checkpoint-every auto at a 1 s pause and {mtbf_hours:,.0f} h between "
         f"failures of {count(c.devices, 'device')}: every {interval / 60:,.0f} min"
     )
