@@ -104,7 +104,7 @@ def test_a_row_column_overrides_the_conditions(measured):
         (HEADER + "\n" + ROWS[0] + "\n", CONDITIONS.replace("fp16", "fp8"), "precision"),
         (HEADER + ",schedule\n" + ROWS[0] + ",foo\n", CONDITIONS, "line 2: schedule 'foo' is not one of 1f1b, gpipe"),
         (HEADER + ",device\n" + ROWS[0] + ",h900\n", CONDITIONS, "unknown device kind 'h900'"),
-        (HEADER + "\n" + ROWS[0] + "\n", CONDITIONS.replace("a100-80gb", "h900"), "unknown device kind 'h900'"),
+        (HEADER + "\n" + ROWS[0] + "\n", CONDITIONS.replace("a100-80gb", "h900"), "conditions.yaml: device: unknown device kind 'h900'"),
         (HEADER + "\n" + ROWS[0] + "\n", CONDITIONS.replace("megatron-deepspeed", "megatron_deepspeed"), "framework"),
         (HEADER + "\n" + ROWS[0].replace(",1024,16,", ",1000,16,") + "\n", CONDITIONS, "not a multiple of its 16"),
         (HEADER + ",# GPUs\n" + ROWS[0] + ",4\n", CONDITIONS, "two columns named '# gpus'"),

@@ -150,7 +150,10 @@ def load_conditions(path: str | os.PathLike[str]) -> RunConditions:
     """The conditions file, checked: a wrong or unknown field, or a device the catalog does not
     know, is one error naming it."""
     conditions = load_model(RunConditions, path)
-    get_device(conditions.device)
+    try:
+        get_device(conditions.device)
+    except UserInputError as exc:
+        raise UserInputError(f"{path}: device: {exc.message}", hint=exc.hint) from None
     return conditions
 
 
