@@ -20,3 +20,21 @@ def test_the_checkpoint_line_gives_the_largest_ranks_share_and_the_auto_interval
     largest = max(sum(shape.layer_parameter_counts[a:b]) for a, b in ((0, 4), (4, 9)))
     assert split.startswith(f"checkpoint: about {format_bytes(CHECKPOINT_BYTES_PER_PARAMETER * largest / 2)} per rank")
     assert f"{DEVICE_MTBF_HOURS / 4:,.0f} h between failures of 4 devices" in split
+
+
+def test_the_morph_summary_says_when_its_fastest_entry_uses_fewer_devices():
+    from rich.console import Console
+
+    from pipectl.artifacts.plan import MorphEntry
+    from pipectl.report.plan_table import morph_summary_view
+
+    two = gpt_tiny_candidate(p=2)
+    plan = plan_of(two, morph_table=[MorphEntry(devices=2, candidate=two), MorphEntry(devices=3, candidate=two)])
+    console = Console(width=100, record=True)
+    console.print(morph_summary_view(plan))
+    row = next(line for line in console.export_text().splitlines() if line.strip().startswith("2–3"))
+    assert "2 (uses 2)" not in row and row.split()[:3] == ["2–3", "2", "2"]
+    three = plan_of(two, morph_table=[MorphEntry(devices=3, candidate=two)])
+    console = Console(width=100, record=True)
+    console.print(morph_summary_view(three))
+    assert "3 (uses 2)" in console.export_text()

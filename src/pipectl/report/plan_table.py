@@ -233,7 +233,8 @@ def morph_summary_view(plan: Plan) -> Group:
     for first, last, number, entry in morph_ranges(plan):
         c = entry.candidate
         table.add_row(
-            str(first) if first == last else f"{first}–{last}", str(number), str(entry.devices),
+            str(first) if first == last else f"{first}–{last}", str(number),
+            str(entry.devices) + (f" (uses {c.devices})" if c.devices != entry.devices else ""),  # none fits all
             f"{c.tensor_parallel}·{c.pipeline_parallel}·{c.data_parallel}", _batch_label(c),
             _schedule_label(c) + _steady(c), format_step(c.predicted_step_seconds),
         )
