@@ -315,3 +315,13 @@ def test_a_file_larger_than_any_pipectl_file_is_refused_before_it_is_read(tmp_pa
     big.write_text('{"a": "' + "x" * 4096 + '"}')
     with pytest.raises(UserInputError, match="plan.json is larger than 0 MiB: not one of pipectl's files"):
         io.read_mapping(big)
+
+
+def test_a_resumed_run_whose_job_json_lost_its_total_of_steps_is_named(made, tmp_path):
+    # Found by the job.json sweep: `launch --resume` compared None with the steps trained (a TypeError).
+    _, _, plan = made
+    run = tmp_path / "run"
+    assert cli("launch", str(plan), "--run-dir", str(run), "--engine", "slurm", "--steps", "4").exit_code == 0
+    _edited(run / "job.json", run / "job.json", lambda doc: doc["options"]["training"].update(steps=None))
+    refused(cli("launch", str(run / "plan.json"), "--run-dir", str(run), "--resume", "--dry-run"),
+            f"{run / 'job.json'} [training] steps is not set", "--steps N")

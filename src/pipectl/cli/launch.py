@@ -12,7 +12,7 @@ from typing import Annotated, Optional
 import typer
 
 from pipectl.artifacts.plan import Plan
-from pipectl.artifacts.run import LOGS_DIR, CheckpointOutcome, DataKind, Engine, Precision
+from pipectl.artifacts.run import JOB_FILE, LOGS_DIR, CheckpointOutcome, DataKind, Engine, Precision
 from pipectl.cli.context import JsonFlag, console, err_console, print_json, training_progress
 from pipectl.cli.options import ConfigOption, file_layers, passed_flags, with_options
 from pipectl.config import render_config, to_sections, toml_value
@@ -123,6 +123,9 @@ def register(app: typer.Typer) -> None:
             raise UserInputError(f"--elastic needs --engine torchrun, not {options.engine.value}")
         if resume and is_run_dir(run_dir):  # before any rank starts: a finished run has nothing left to train
             given = any("steps" in layer.values for layer in layers)
+            if options.steps is None:  # every launch stores its total: only an edited job.json lacks it
+                raise UserInputError(f"{run_dir / JOB_FILE} [training] steps is not set: the run's total is unknown",
+                                     hint="pass the total to train to with --steps N")
             check_steps_beyond_trained(run_dir, options.steps, options.steps, given=given)
         prepared = prepare_launch(plan, run_dir, options, plan_dir=plan_path.parent, write=not dry_run)
         try:
