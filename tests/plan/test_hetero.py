@@ -231,3 +231,19 @@ def test_simulate_re_prices_uneven_replicas_of_one_kind_as_the_plan_did(tmp_path
     steps = [simulate_step_seconds(generate(chosen.schedule, 2, m, chosen.chunks, chosen.recompute), costs)
              for _, m, costs in groups]
     assert max(steps) == pytest.approx(chosen.predicted_step_seconds, rel=1e-9)
+
+
+def test_devices_and_a_pinned_d_bound_a_split_and_its_count_is_in_the_morph_table():
+    # local-mixed: one CPU rank and one emulated twice as slow (2 devices in all).
+    from pipectl.errors import UserInputError
+
+    profile = synthetic_profile(blocks=4, micro_batch_sizes=[1, 2, 4], device="cpu")
+    cluster = load_cluster("local-mixed")
+    with pytest.raises(UserInputError, match="--devices 3 is more than the cluster's 2 devices"):
+        plan(profile, cluster, PlanRequest(global_batch=16, devices=3))
+    assert plan(profile, cluster, PlanRequest(global_batch=16, devices=1, morph=False)).chosen.devices == 1  # was 2
+    pinned = plan(profile, cluster, PlanRequest(global_batch=16, data_parallel=2, morph=False)).chosen
+    assert pinned.device == "mixed" and pinned.data_parallel == 2  # was refused: "need more than the 1 device"
+    whole = plan(profile, cluster, PlanRequest(global_batch=16))
+    entry = whole.for_devices(2)
+    assert entry is not None and entry.candidate == whole.chosen  # was missing: the table stopped at 1

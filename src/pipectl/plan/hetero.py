@@ -27,9 +27,9 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from pipectl.artifacts.cluster import ClusterSpec
-from pipectl.artifacts.plan import Candidate, Engine, Objective, Plan, PlanRequest, ReplicaShare
+from pipectl.artifacts.plan import Candidate, Engine, MorphEntry, Objective, Plan, PlanRequest, ReplicaShare
 from pipectl.artifacts.profile import ModelProfile
-from pipectl.errors import InfeasibleError
+from pipectl.errors import InfeasibleError, UserInputError
 from pipectl.plan.candidates import ScheduleVariant, ShapeBuilder, Spec, SpecFigures, lower_bound_seconds
 from pipectl.plan.spec_costs import data_parallel_costs, in_flight, state_bytes, step_bytes
 from pipectl.plan.costs import Hardware, hardware_for, profile_for
@@ -85,26 +85,26 @@ def plan_heterogeneous(
     stats: SearchStats | None = None,
 ) -> Plan:
     """The best homogeneous subset, or an uneven split over every kind when that is better; each
-    kind priced with its own profile where `kind_profiles` (or `profile`) holds one."""
-    homogeneous: list[tuple[Plan, Hardware]] = []
-    failures = []
-    for kind in cluster.device_kinds:
-        sub = _sub_cluster(cluster, kind)
-        mine = _kind_profile(cluster, kind, profile, kind_profiles)
-        hardware = hardware_for(sub, mine, memory_headroom=request.memory_headroom)
-        sub_request = request.model_copy(update={"devices": None})
-        try:
-            result = plan_homogeneous(mine, f"{cluster.name}[{kind}]", hardware, sub_request)
-        except InfeasibleError as exc:
-            failures.append(f"{kind}: {exc.message}")
-            continue
-        homogeneous.append((result, hardware))
-    if not homogeneous:
-        raise InfeasibleError("nothing fits on any device kind: " + "; ".join(failures))
+    kind priced with its own profile where `kind_profiles` (or `profile`) holds one. `--devices`
+    bounds both; a pinned d is the split's replicas, or one kind's."""
+    total = cluster.total_devices
+    if request.devices is not None and request.devices > total:
+        raise UserInputError(f"--devices {request.devices} is more than the cluster's {count(total, 'device')} "
+                             f"({', '.join(cluster.device_kinds)})")
+    homogeneous, templates = _kind_plans(profile, cluster, request, kind_profiles)
     key = _objective_key(request.objective)
+    split = None if request.framework else _best_split(profile, cluster, min(templates, key=lambda p: key(p.chosen)),
+                                                       request, kind_profiles, key)  # fmt: skip
+    if not homogeneous and split is None:
+        raise InfeasibleError(f"nothing fits on any device kind with d = {request.data_parallel} pinned, "
+                              "nor split over them")
+    if not homogeneous:  # only the split holds the pinned d
+        best = min(templates, key=lambda p: key(p.chosen))
+        made = best.model_copy(update={"cluster": cluster.name, "request": request, "chosen": split,
+                                       "candidates": [split], "notes": [*best.notes, _profile_note(cluster, profile, kind_profiles)]})
+        return made.model_copy(update={"morph_table": _with_split_entry(made, split, total)})
     best_plan, best_hardware = min(homogeneous, key=lambda item: key(item[0].chosen))
-    # A framework runs one layout on every device (`plan.frameworks`): no split over the kinds.
-    split = None if request.framework else _best_split(profile, cluster, best_plan, request, kind_profiles, key)
+    # A framework runs one layout on every device (`plan.frameworks`): no split over the kinds (above).
     notes = [*best_plan.notes, _profile_note(cluster, profile, kind_profiles)]
     chosen = best_plan.chosen
     candidates = list(best_plan.candidates)
@@ -132,9 +132,48 @@ def plan_heterogeneous(
                          "PyTorch's pipelining runtime does not have")
         else:
             notes.append("no uneven split over the device kinds fits the global batch and memory")
-    return best_plan.model_copy(
+    made = best_plan.model_copy(
         update={"cluster": cluster.name, "request": request, "chosen": chosen, "candidates": candidates, "notes": notes}
     )
+    return made.model_copy(update={"morph_table": _with_split_entry(made, chosen, total)})
+
+
+def _kind_plans(
+    profile: ModelProfile, cluster: ClusterSpec, request: PlanRequest, kind_profiles: Sequence[ModelProfile]
+) -> tuple[list[tuple[Plan, Hardware]], list[Plan]]:
+    """Each kind's own best plan within `--devices`: those that keep a pinned d (candidates for the
+    choice), and every one (templates of the split, whose replicas may hold a d no kind holds alone)."""
+    homogeneous: list[tuple[Plan, Hardware]] = []
+    templates: list[Plan] = []
+    failures = []
+    for kind in cluster.device_kinds:
+        sub = _sub_cluster(cluster, kind)
+        mine = _kind_profile(cluster, kind, profile, kind_profiles)
+        hardware = hardware_for(sub, mine, memory_headroom=request.memory_headroom)
+        update: dict = {"devices": None if request.devices is None else min(request.devices, hardware.devices)}
+        pinned = (request.tensor_parallel or 1) * (request.pipeline_parallel or 1) * (request.data_parallel or 1)
+        if request.data_parallel is not None and pinned > hardware.devices:
+            update["data_parallel"] = None  # more replicas than this kind holds: a split's to hold
+        try:
+            result = plan_homogeneous(mine, f"{cluster.name}[{kind}]", hardware, request.model_copy(update=update))
+        except InfeasibleError as exc:
+            failures.append(f"{kind}: {exc.message}")
+            continue
+        templates.append(result)
+        if "data_parallel" not in update:
+            homogeneous.append((result, hardware))
+    if not templates:
+        raise InfeasibleError("nothing fits on any device kind: " + "; ".join(failures))
+    return homogeneous, templates
+
+
+def _with_split_entry(plan: Plan, chosen: Candidate, total: int) -> list:
+    """The best kind's morph table (its counts up to its own devices), with the cluster's whole
+    count: the chosen layout there, a split over every kind or the subset it beat."""
+    if plan.request.devices not in (None, total) or any(e.devices == total for e in plan.morph_table):
+        return list(plan.morph_table)
+    note = "" if chosen.devices == total else f"the best homogeneous subset uses {chosen.devices} of {total} devices"
+    return sorted([*plan.morph_table, MorphEntry(devices=total, candidate=chosen, note=note)], key=lambda e: e.devices)
 
 
 def _per(candidate: Candidate) -> str:
@@ -165,7 +204,11 @@ def _best_split(
             continue  # ZeRO-2/3 (p = 1, planned only) are priced for even replicas of one kind only
         seen.add(pipeline)
         split = uneven_split(profile, cluster, template, request, kind_profiles=kind_profiles)
-        if split is not None and (split.engine is not None or request.target_engine is Engine.ANY):
+        if split is None or split.devices > (request.devices or cluster.total_devices):
+            continue  # every replica of every kind: more devices than --devices gives
+        if request.data_parallel is not None and split.data_parallel != request.data_parallel:
+            continue
+        if split.engine is not None or request.target_engine is Engine.ANY:
             splits.append(split)
     return min(splits, key=key, default=None)
 
