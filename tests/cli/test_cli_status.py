@@ -358,3 +358,21 @@ def test_status_says_when_the_last_checkpoint_was_deferred_for_a_slow_disk(tmp_p
     assert shown.returncode == 0, shown.stdout + shown.stderr
     assert "step 4: training paused 0.01 s" in shown.stdout
     assert "due at step 3, deferred while the one before was written" in shown.stdout
+
+
+def test_the_first_step_after_a_relaunch_is_left_out_of_the_prediction_error(tmp_path):
+    # Steps 1-4 on the plan's layout, 5-6 on another (a resize), 7-8 back on the first: steps 1 and
+    # 7 warm up (0.5 s each against 0.05 predicted) and are left out; the rest are exact.
+    run = make_run(tmp_path, steps_done=0)
+    writer = MetricsWriter(run, rank=0)
+    layout = layout_label(json_candidate(run))
+    for step, label in enumerate([layout] * 4 + ["t1p1d2 1f1b b4 m1"] * 2 + [layout] * 2, start=1):
+        seconds = 0.5 if step in (1, 5, 7) else 0.05
+        writer.write(StepMetrics(step=step, loss=1.0, step_seconds=seconds, predicted_step_seconds=0.05,
+                                 samples_per_second=8 / seconds, global_batch=8, world_size=2, layout=label))  # fmt: skip
+    prediction = json.loads(runner.invoke(app, ["status", str(run), "--json"]).stdout)["prediction"]
+    assert prediction["steps_compared"] == 4 and prediction["max_abs_error"] == 0.0  # steps 2, 3, 4 and 8
+
+
+def json_candidate(run: Path) -> Candidate:
+    return Candidate.model_validate(json.loads((run / "plan.json").read_text())["chosen"])

@@ -91,12 +91,31 @@ def _mean(values: list[float | None]) -> float | None:
     return None if any(v is None for v in values) else statistics.fmean(values)
 
 
+def steady_steps(metrics: Sequence[StepMetrics], layout: str) -> list[StepMetrics]:
+    """The steps of `layout` but the first of each start, which warms up (allocator, lazy
+    initialisation): a start begins the run, follows a step of another layout (a resize), or goes
+    back to a step already trained (a resume from an older checkpoint).
+
+        >>> from pipectl.artifacts.run import StepMetrics
+        >>> rows = [StepMetrics(step=s, loss=1.0, step_seconds=1.0, samples_per_second=1.0, global_batch=1,
+        ...                     world_size=1, layout=layout) for s, layout in [(1, "a"), (2, "a"), (3, "b"), (4, "a"), (5, "a")]]
+        >>> [m.step for m in steady_steps(rows, "a")]
+        [2, 5]
+    """
+    steady, previous = [], None
+    for row in metrics:
+        starts = previous is None or row.layout != previous.layout or row.step <= previous.step
+        if row.layout == layout and not starts:
+            steady.append(row)
+        previous = row
+    return steady
+
+
 def measured_phases(metrics: Sequence[StepMetrics], layout: str) -> MeasuredPhases | None:
-    """The medians of the steps of `layout` after its first; None with fewer than two steps."""
-    steps = [m for m in metrics if m.layout == layout and m.ranks]
-    if len(steps) < 2:
+    """The medians of the steps of `layout` but each start's first (`steady_steps`); None without any."""
+    steps = [m for m in steady_steps(metrics, layout) if m.ranks]
+    if not steps:
         return None
-    steps = steps[1:]  # the first step of a layout warms up
     rows: dict[int, list[tuple]] = {}
     for step in steps:
         for rank in step.ranks:

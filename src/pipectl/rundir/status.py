@@ -22,6 +22,7 @@ from pipectl.artifacts.run import (
     RequeueRecord,
     StepMetrics,
 )
+from pipectl.plan.phases import steady_steps
 from pipectl.rundir.heartbeats import ENDED, live_ranks, pid_alive, process_state, read_heartbeats, stopped_cleanly
 from pipectl.rundir.checkpoints import list_checkpoints, read_events, staging_leftovers
 from pipectl.rundir.metrics import PredictionSummary, prediction_summary, read_metrics_and_unreadable
@@ -179,8 +180,9 @@ def run_status(run_dir: str | os.PathLike[str], *, verify_hashes: bool = False) 
         job=files.job,
         plan=files.plan,
         metrics=metrics,
-        # The current layout's steps only: a resize changes the step and its prediction.
-        prediction=prediction_summary([m for m in metrics if not layouts or m.layout == layouts[-1]]),
+        # The current layout's steps only (a resize changes the step and its prediction), but the
+        # first of each start, which warms up.
+        prediction=prediction_summary(steady_steps(metrics, layouts[-1] if layouts else ""), warmup_steps=0),
         checkpoints=checkpoints,
         layouts=layouts,
         staging=staging_leftovers(files.path),
