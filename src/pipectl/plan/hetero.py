@@ -118,7 +118,7 @@ def plan_heterogeneous(
         candidates.insert(0, split)
     else:
         if split is not None:
-            candidates.append(split)
+            candidates = sorted([*candidates, split], key=key)  # in the ranking, not after it
             notes.append(
                 f"homogeneous subset of {chosen.devices} x {chosen.device} recommended: the uneven split over "
                 f"{', '.join(cluster.device_kinds)} predicts {split.predicted_step_seconds:.4g} {_per(split)} "
