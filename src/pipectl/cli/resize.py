@@ -28,7 +28,6 @@ from pipectl.resize.restart import ResizeDecision, decide_resize, resize_run
 from pipectl.resize.options import ResizeOptions
 from pipectl.rundir.stragglers import StragglerPolicy
 from pipectl.rundir.morph_history import read_history
-from pipectl.rundir.heartbeats import live_ranks, read_heartbeats
 from pipectl.rundir.metrics import MetricsTail
 from pipectl.words import count
 
@@ -175,10 +174,12 @@ def _print_dry_run(decision: ResizeDecision, devices: int, json_output: bool) ->
 def _nothing_to_move(decision: ResizeDecision, run_dir: Path, json_output: bool) -> bool:
     """The run trains now, on the layout the resize would give it: said, and True (a stopped run
     with the same layout is resumed, to the steps asked)."""
-    same = layout_label(decision.candidate) == layout_label(decision.previous)
-    if not same or not live_ranks(read_heartbeats(decision.run_dir), now=time.time()):
+    # What the job last trained on (its plan may name a relaunch that failed before its first step),
+    # and ranks that still beat (a rank of this host whose process ended does not, however fresh).
+    same = layout_label(decision.candidate) == decision.from_layout
+    if not same or not run_status(decision.run_dir).ranks_beating:
         return False
-    message = f"{run_dir} already runs {layout_label(decision.previous)} on {count(decision.previous.devices, 'device')}: nothing to move"
+    message = f"{run_dir} already runs {decision.from_layout} on {count(decision.from_devices, 'device')}: nothing to move"
     if decision.target_steps != read_run(run_dir).job.steps:
         message += f" (a running job's total of steps changes on a resume: launch --resume --steps {decision.target_steps})"
     if json_output:
