@@ -79,29 +79,33 @@ def run_engine(
     if _in_main_thread():
         originals = {s: signal.signal(s, lambda signum, _frame: early.append(signum)) for s in FORWARDED_SIGNALS}
     try:
-        with (logs / ENGINE_LOG).open("ab") as log_handle:
-            try:
-                proc = subprocess.Popen(
-                    command.argv,
-                    cwd=run_dir,
-                    env=env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=log_handle,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                    pass_fds=(lock.fileno(),) if lock is not None else (),
-                )
-            except OSError as exc:
-                raise LaunchError(f"cannot start {command.argv[0]}: {exc}") from exc
-            if lock is not None:
-                lock.record(os.getpid(), proc.pid)
-            return _supervise(
-                JobProcesses(proc), on_tick, tick_seconds, timeout_seconds, say or (lambda _: None),
-                [] if signals is None else signals, early,
-            )  # fmt: skip
+        try:
+            proc = start_detached(command.argv, cwd=run_dir, env=env, log=logs / ENGINE_LOG,
+                                  pass_fds=(lock.fileno(),) if lock is not None else ())  # fmt: skip
+        except OSError as exc:
+            raise LaunchError(f"cannot start {command.argv[0]}: {exc}") from exc
+        if lock is not None:
+            lock.record(os.getpid(), proc.pid)
+        return _supervise(
+            JobProcesses(proc), on_tick, tick_seconds, timeout_seconds, say or (lambda _: None),
+            [] if signals is None else signals, early,
+        )  # fmt: skip
     finally:
         for signum, handler in originals.items():
             signal.signal(signum, handler)
+
+
+def start_detached(
+    argv: list[str], *, cwd: str | os.PathLike[str], env: dict[str, str], log: Path, pass_fds: tuple[int, ...] = ()
+) -> subprocess.Popen:
+    """A job's process (the launcher, or a rank joining a live resize) in a session of its own, so
+    that a Ctrl-C at the terminal reaches pipectl alone, which decides what the job is told; no
+    stdin; its output appended to `log`, which outlives it."""
+    with log.open("ab") as handle:
+        return subprocess.Popen(
+            argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=handle, stderr=subprocess.STDOUT,
+            start_new_session=True, pass_fds=pass_fds,
+        )  # fmt: skip
 
 
 class JobEnded(LaunchError):

@@ -46,6 +46,7 @@ from pipectl.rundir.processes import WORKER_MODULE, RunProcess, find_run_ranks
 from pipectl.rundir.lock import lock_holder
 from pipectl.launch.prepare import read_run
 from pipectl.launch.prepare import write_run_files
+from pipectl.launch.supervise import start_detached
 from pipectl.resize.restart import PreparedRelaunch, ResizeDecision, prepare_relaunch
 from pipectl.rundir.checkpoints import STOP_FILE
 from pipectl.runtime.engines.dsconfig import check_candidate
@@ -285,18 +286,8 @@ def _start_joiners(path: Path, job, ranks: range) -> list[subprocess.Popen]:
             RESIZE_PID_VARIABLE: str(os.getpid()),
             **({SUPERVISOR_VARIABLE: str(supervisor[0])} if supervisor else {}),
         }
-        with (logs / f"join-rank{rank}.log").open("ab") as log_handle:
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", WORKER_MODULE, "--run-dir", str(path), "--join"],
-                    cwd=path,
-                    env=env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=log_handle,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-            )
+        procs.append(start_detached([sys.executable, "-m", WORKER_MODULE, "--run-dir", str(path), "--join"],
+                                    cwd=path, env=env, log=logs / f"join-rank{rank}.log"))
     return procs
 
 
