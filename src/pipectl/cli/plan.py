@@ -15,6 +15,7 @@ import typer
 
 from pipectl.artifacts.base import INT64_MAX
 from pipectl.artifacts.calibration import RunsCalibration
+from pipectl.artifacts.cluster import ClusterSpec
 from pipectl.artifacts.plan import Engine, Plan, PlanRequest, RecomputeChoice
 from pipectl.artifacts.profile import ModelProfile
 from pipectl.cli.context import JsonFlag, console, from_options, print_json, refuse_overwriting
@@ -210,10 +211,11 @@ def _engine_and_emit_counts(options: PlanOptions, any_engine: bool) -> tuple[Eng
 
 
 def _write_plan_files(
-    output: Path, made: Plan, options: PlanOptions, profile: list[Path], model: ModelProfile, emit_counts: list[int]
+    output: Path, made: Plan, options: PlanOptions, profile: list[Path], model: ModelProfile, emit_counts: list[int],
+    read: tuple[ClusterSpec, RunsCalibration | None],
 ) -> tuple[Plan, list[Path]]:
     """Write plan.json, and with `--emit` the framework's files beside it: the plan as written, and
-    those files."""
+    those files. `read`: the cluster file and the calibration as the plan read them, which it keeps."""
     cluster_path = given_file(options.cluster)  # a YAML by path: recorded absolute (`Plan.cluster_file`)
     calibration = None if options.calibration is None else str(Path(options.calibration).resolve())
     if options.emit is not None:
@@ -221,9 +223,8 @@ def _write_plan_files(
     result = write_plan(
         output,
         made.model_copy(update={"cluster_file": None if cluster_path is None else str(cluster_path),
-                                "cluster_copy": None if cluster_path is None else load_cluster(cluster_path),
-                                "calibration_file": calibration,
-                                "calibration_copy": None if calibration is None else load_model(RunsCalibration, calibration)}),
+                                "cluster_copy": None if cluster_path is None else read[0],
+                                "calibration_file": calibration, "calibration_copy": read[1]}),
         profile_file=profile[0],
         kind_profile_files=profile[1:],
     )
@@ -264,7 +265,8 @@ def plan_command(
                                 "--calibration file": options.calibration})
     profiles = [load_model(ModelProfile, path) for path in profile]
     check_kind_profiles([(str(path), p) for path, p in zip(profile, profiles)])
-    cluster_spec = load_cluster(options.cluster)
+    cluster_spec = read_cluster = load_cluster(options.cluster)
+    calibration = None
     if cluster_spec.local and options.devices is not None:
         cluster_spec = local_cluster(options.devices, cluster_spec)
     if options.calibration is not None:
@@ -314,7 +316,7 @@ def plan_command(
     made = plan(profiles[0], cluster_spec, request, kind_profiles=profiles[1:])
     if options.emit is not None:  # every layout to write is one the framework runs, before anything is written
         emitted_layouts(made, options.emit, profiles[0], emit_counts)
-    result, written = _write_plan_files(output, made, options, profile, profiles[0], emit_counts)
+    result, written = _write_plan_files(output, made, options, profile, profiles[0], emit_counts, (read_cluster, calibration))
     if as_json:
         _print_plan_json(result, profiles[0], written)
         return
