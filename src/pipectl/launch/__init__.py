@@ -310,6 +310,8 @@ def job_nodes(plan: Plan, options: LaunchOptions, cluster: ClusterSpec | None, g
     the devices per node of the cluster's node type for the plan's device (3,072 A100s on 8-GPU
     nodes: 384 nodes)."""
     devices = plan.chosen.devices
+    # The devices a node of the plan's kind holds (none: the cluster is not readable here).
+    per_node = [n.devices_per_node for n in (cluster.nodes_of_kind(plan.chosen.device) if cluster else [])]
     if groups:
         nodes = sum(group.nodes for group in groups)
         asked = len(options.hosts) if options.hosts else options.nodes
@@ -329,7 +331,6 @@ def job_nodes(plan: Plan, options: LaunchOptions, cluster: ClusterSpec | None, g
     elif options.nodes:
         nodes = options.nodes
     else:
-        per_node = [n.devices_per_node for n in (cluster.nodes_of_kind(plan.chosen.device) if cluster else [])]
         if not per_node:
             raise UserInputError(
                 f"cannot tell how many nodes the plan's {devices} x {plan.chosen.device} span: cluster "
@@ -339,7 +340,6 @@ def job_nodes(plan: Plan, options: LaunchOptions, cluster: ClusterSpec | None, g
         nodes = -(-devices // max(per_node))
     if devices % nodes:
         raise UserInputError(f"the plan's {count(devices, 'rank')} cannot be split evenly over {count(nodes, 'node')}")
-    per_node = [n.devices_per_node for n in (cluster.nodes_of_kind(plan.chosen.device) if cluster else [])]
     fewer = options.engine is not Engine.LOCAL and not options.hostfile  # a hostfile's slots are checked apart
     if fewer and per_node and devices // nodes > max(per_node):
         # More ranks than a node has devices: every node would start that many processes on its

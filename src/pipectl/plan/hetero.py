@@ -93,18 +93,18 @@ def plan_heterogeneous(
                              f"({', '.join(cluster.device_kinds)})")
     homogeneous, templates = _kind_plans(profile, cluster, request, kind_profiles)
     key = _objective_key(request.objective)
-    split = None if request.framework else _best_split(profile, cluster, min(templates, key=lambda p: key(p.chosen)),
-                                                       request, kind_profiles, key)  # fmt: skip
+    best_template = min(templates, key=lambda p: key(p.chosen))
+    # A framework runs one layout on every device (`plan.frameworks`): no split over the kinds.
+    split = None if request.framework else _best_split(profile, cluster, best_template, request, kind_profiles, key)
     if not homogeneous and split is None:
         raise InfeasibleError(f"nothing fits on any device kind with d = {request.data_parallel} pinned, "
                               "nor split over them")
     if not homogeneous:  # only the split holds the pinned d
-        best = min(templates, key=lambda p: key(p.chosen))
-        made = best.model_copy(update={"cluster": cluster.name, "request": request, "chosen": split,
-                                       "candidates": [split], "notes": [*best.notes, _profile_note(cluster, profile, kind_profiles)]})
+        made = best_template.model_copy(update={
+            "cluster": cluster.name, "request": request, "chosen": split, "candidates": [split],
+            "notes": [*best_template.notes, _profile_note(cluster, profile, kind_profiles)]})  # fmt: skip
         return made.model_copy(update={"morph_table": _with_split_entry(made, split, total)})
     best_plan, best_hardware = min(homogeneous, key=lambda item: key(item[0].chosen))
-    # A framework runs one layout on every device (`plan.frameworks`): no split over the kinds (above).
     notes = [*best_plan.notes, _profile_note(cluster, profile, kind_profiles)]
     chosen = best_plan.chosen
     candidates = list(best_plan.candidates)

@@ -271,7 +271,6 @@ def rank(specs: Sequence[Spec], goal: Goal, evaluator: Evaluator, *, keep: int, 
     engines runs), so that a plan lists alternatives it can launch even where faster ones no engine
     runs fill the top (`--any-engine --schedules 1f1b,2bw`: the top all 2BW)."""
     pool = SpecPool.of(specs)
-    need_runnable = True
     if engine is Engine.ANY:
         runs = (pool.runs_on(Engine.DEEPSPEED) | pool.runs_on(Engine.TORCH)).tolist()
     else:
@@ -283,8 +282,7 @@ def rank(specs: Sequence[Spec], goal: Goal, evaluator: Evaluator, *, keep: int, 
         spec = pool[position]
         bound = goal.bound_key(spec)
         if not exhaustive and len(heap) >= keep and bound >= _unnegate(heap[0][0]):
-            runnable_full = len(runnable) >= keep and bound >= _unnegate(runnable[0][0])
-            if not need_runnable or runnable_full:
+            if len(runnable) >= keep and bound >= _unnegate(runnable[0][0]):
                 break
             if not runs[position]:
                 continue  # it can enter neither the top k nor the runnable top k: not timed
