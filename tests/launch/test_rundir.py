@@ -231,9 +231,14 @@ def test_ranks_left_running_without_their_launcher_keep_the_run_locked(tmp_path)
     run.mkdir()
     # what `ps` shows of a rank of this run: its argv names the worker module and the run directory
     orphan = subprocess.Popen(
-        [sys.executable, "-c", "import time; time.sleep(60)", "-m", "pipectl.runtime.worker", "--run-dir", str(run)]
+        [sys.executable, "-c", "import time; print(flush=True); time.sleep(60)"]
+        + ["-m", "pipectl.runtime.worker", "--run-dir", str(run)],
+        stdout=subprocess.PIPE,
     )
     try:
+        # Popen returns once the child is forked; its argv is the one below only after exec, so
+        # wait for the line it prints (a scan before that sees pytest's argv under load)
+        orphan.stdout.readline()
         with pytest.raises(UserInputError, match=rf"ranks of an earlier job still run \(pids {orphan.pid}\)") as caught:
             lock_run_dir(run)
         assert f"kill -TERM {orphan.pid}" in caught.value.hint
