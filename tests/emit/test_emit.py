@@ -319,6 +319,10 @@ rank = int(sys.argv[1]); folder = sys.argv[2]
 os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[3])
 import deepspeed
 from deepspeed.pipe import LayerSpec
+# On a CPU accelerator only, DeepSpeed's first init JIT-compiles a shared-memory op that serves
+# inference all-reduces (30-40 s of both cores); skipped as pipectl's own ranks skip it
+from pipectl.runtime.engines.dsinit import skip_shared_memory_op_build
+skip_shared_memory_op_build()
 deepspeed.init_distributed(dist_backend="gloo")
 sys.path.insert(0, folder)
 from ds_pipeline import PARTS, planned_pipeline_module
