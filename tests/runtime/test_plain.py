@@ -85,7 +85,10 @@ def test_zero2_in_the_ordinary_engine_trains_as_zero1_and_its_checkpoint_resumes
 
 
 def test_zero3_in_the_ordinary_engine_trains_as_zero1_and_its_checkpoints_load_both_ways(tmp_path, zero1_reference):
-    trains_as_zero1(run(tmp_path, "zero3", ZERO3, STEPS), 3, zero1_reference)
+    zero3 = run(tmp_path, "zero3", ZERO3, STEPS)
+    trains_as_zero1(zero3, 3, zero1_reference)
+    # torch's deprecation of the collectives DeepSpeed's ZeRO-3 calls, once a call, is kept out of the log
+    assert "is deprecated" not in (zero3 / "logs" / "engine.log").read_text()
     expected = losses(zero1_reference)
     # ZeRO-3's checkpoint after step 3 (each replica's half of every parameter), resumed on one
     # ZeRO-1 rank in the pipeline engine ...

@@ -37,6 +37,7 @@ import os
 import sys
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -585,6 +586,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
     recovery.adopt_replica_environment()  # a rank of one replica's torchrun (`launch --recover-in-memory`)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s rank" + os.environ.get("RANK", "?") + " %(message)s")
+    # DeepSpeed's ZeRO calls torch's renamed collectives (all_gather_into_tensor, ...), and torch
+    # warns at every call: its once-per-place memory is cleared whenever any code enters
+    # warnings.catch_warnings. Three lines a step a rank in engine.log, none a user can act on.
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
     context = RankContext(rank=int(os.environ.get("RANK", "0")))
     # A joining rank reads the layout a live resize staged for it (`live_requests.STAGED_DIR`).
     staged = args.run_dir / STAGED_DIR
