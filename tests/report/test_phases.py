@@ -142,3 +142,21 @@ def test_a_split_over_device_kinds_is_not_compared_per_stage(tmp_path):
 
     status = replace(status, plan=status.plan.model_copy(update={"chosen": split}))
     assert phase_comparison(status) == (None, "the layout splits its replicas over device kinds: phases are compared for layouts of one kind")
+
+
+def test_steps_of_another_layout_between_are_not_counted_and_the_title_says_so(tmp_path):
+    """A resize away and back: the layout's steps 2-3 and 6-7 are counted, not 4-5 of the other."""
+    timings = [(0.01, 0.02, 0.0, 0.001, 0.001, 0.0)] * 2
+    status = run_status(tmp_path, [timings] * 7, step_seconds=0.05)
+    for row in status.metrics[3:5]:
+        row.layout = "t1p1d2 1f1b b4 m1"
+    comparison, _ = phase_comparison(status)
+    assert comparison.steps == (2, 7) and comparison.count == 3  # 2, 3 and 7: step 6 restarts the layout
+    console = Console(width=100, record=True, file=io.StringIO())
+    console.print(phase_table(comparison))
+    assert f"(medians over 3 steps of {comparison.layout} between 2 and 7)" in console.export_text()
+    assert comparison.to_dict()["steps_counted"] == 3
+    comparison, _ = phase_comparison(run_status(tmp_path / "one", [timings] * 7, step_seconds=0.05))
+    console = Console(width=100, record=True, file=io.StringIO())
+    console.print(phase_table(comparison))
+    assert "(medians over steps 2-7)" in console.export_text()

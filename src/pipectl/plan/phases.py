@@ -81,6 +81,7 @@ class MeasuredPhases:
     steps: tuple[int, int]  # the first and last step counted
     step_seconds: float
     end_of_step: dict[int, float | None] = field(default_factory=dict)
+    count: int = 0  # how many steps: fewer than the range holds when another layout ran between
 
 
 def _median(values: list[float | None]) -> float | None:
@@ -134,4 +135,5 @@ def measured_phases(metrics: Sequence[StepMetrics], layout: str) -> MeasuredPhas
         for stage, values in sorted(rows.items())
     }
     ends = {stage: _median([row[count + 1] for row in values]) for stage, values in sorted(rows.items())}
-    return MeasuredPhases(stages, (steps[0].step, steps[-1].step), statistics.median(m.step_seconds for m in steps), ends)
+    step_seconds = statistics.median(m.step_seconds for m in steps)
+    return MeasuredPhases(stages, (steps[0].step, steps[-1].step), step_seconds, ends, len(steps))

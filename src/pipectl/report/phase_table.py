@@ -32,6 +32,14 @@ def _shown(comparison: PhaseComparison) -> list[int]:
     return [k for k in range(len(PHASES)) if k != index or waited]
 
 
+def _steps(comparison: PhaseComparison) -> str:
+    """"steps 2-12", or "7 steps of t1p2d1 between 2 and 12" when another layout ran between."""
+    first, last = comparison.steps
+    if comparison.count in (0, last - first + 1):
+        return f"steps {first}-{last}"
+    return f"{comparison.count} steps of {comparison.layout} between {first} and {last}"
+
+
 def phase_table(comparison: PhaseComparison) -> Table:
     """Per stage two rows, each phase predicted, then measured (ms, or s for long steps), what no
     phase covers, and the phase furthest from its prediction: a figure per cell, so that the
@@ -43,7 +51,7 @@ def phase_table(comparison: PhaseComparison) -> Table:
         return "-" if seconds is None else format_seconds_ms(seconds / divisor)
 
     table = Table(
-        title=f"where the step goes, {unit} (medians over steps {comparison.steps[0]}-{comparison.steps[1]})",
+        title=f"where the step goes, {unit} (medians over {_steps(comparison)})",
         box=box.SIMPLE,
         title_justify="left",
         caption_justify="left",

@@ -79,11 +79,13 @@ class PhaseComparison:
     stages: list[StagePhases]
     steps: tuple[int, int]  # the first and last step measured
     layout: str
+    count: int = 0  # the steps measured: fewer than the range holds when another layout ran between
 
     def to_dict(self) -> dict:
         return {
             "layout": self.layout,
             "steps": list(self.steps),
+            "steps_counted": self.count,
             "stages": [
                 {
                     "stage": s.stage,
@@ -201,4 +203,4 @@ def phase_comparison(status: RunStatus, profile: ModelProfile | None = None) -> 
         for stage, (phases, unaccounted) in measured.stages.items()
         if stage < len(predicted)
     ]
-    return PhaseComparison(stages, measured.steps, label), None
+    return PhaseComparison(stages, measured.steps, label, measured.count), None
