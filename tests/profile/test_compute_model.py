@@ -9,6 +9,7 @@ datasheet or paper figures.
 
 from __future__ import annotations
 
+import dataclasses
 import doctest
 import importlib
 import json
@@ -139,6 +140,50 @@ def test_megatron_deepspeeds_layer_issues_the_kernels_its_code_does():
     copy = next(k for k in forward if k.blocks_host)
     big = [k for k in block_forward_kernels(BlockShape(8192, 64, 4096, 4), H100)]
     assert phase_seconds([*big, copy, *big], H100) > 2 * phase_seconds(big, H100)  # the host cannot run ahead
+
+
+def test_megatrons_fused_softmax_falls_back_to_fp32_where_its_kernel_cannot_run():
+    """FusedScaleMaskSoftmax's causal kernel takes b x heads/t rows in blocks of 4 (8 for keys of at
+    most 128) and keys of 17-4096; elsewhere Megatron runs torch's five-kernel fp32 path each way,
+    which also keeps softmax's fp32 output for the backward."""
+
+    def shape(b, t, s=1024, **kw):
+        return BlockShape(1024, 16, s, b, tensor_parallel=t, attention=Attention.UNFUSED, **{"fused": True, **kw})
+
+    assert shape(1, 8).softmax_fallback  # 2 rows
+    assert not shape(2, 8).softmax_fallback and not shape(1, 4).softmax_fallback  # 4 rows
+    assert shape(1, 4, s=128).softmax_fallback and not shape(2, 4, s=128).softmax_fallback  # 8 rows a block
+    assert shape(4, 1, s=8192).softmax_fallback  # keys beyond the kernel
+    assert not shape(1, 8, fused=False).softmax_fallback  # pipectl's own eager attention has no such kernel
+    assert not BlockShape(1024, 16, 1024, 1, tensor_parallel=8, fused=True).softmax_fallback  # flash
+    fallback = shape(1, 8)
+    fused = dataclasses.replace(fallback, heads=32)  # 4 rows: the kernel runs
+    assert not fused.softmax_fallback
+    forward, backward = block_forward_kernels(fallback, H100), block_backward_kernels(fallback, H100)
+    assert len(forward) == len(block_forward_kernels(fused, H100)) + 4
+    assert len(backward) == len(block_backward_kernels(fused, H100)) + 4
+    scores = 1 * 2 * 1024 * 1024
+    plain = shape(1, 8, fused=False)  # the same shape without Megatron's softmax: no fp32 copy
+    assert block_saved_bytes(fallback, 2) - block_saved_bytes(plain, 2) == 4 * scores
+
+
+def test_megatrons_fp32_softmax_path_saves_its_fp32_output_as_the_model_counts():
+    # forward_torch_softmax as megatron/model/fused_softmax.py runs it, counted by the profiler's
+    # saved-tensor hooks: softmax keeps its fp32 output; the casts, the scale and the mask keep
+    # nothing per layer but the (shared) mask.
+    import torch
+
+    from pipectl.profile.layer_timing import saved_bytes_hooks
+
+    b, heads, s = 1, 2, 64
+    scores = torch.randn(b, heads, s, s, dtype=torch.bfloat16, requires_grad=True)
+    mask = torch.ones(1, 1, s, s, dtype=torch.bool).triu(1)
+    hooks, total = saved_bytes_hooks(set())
+    with hooks:
+        x = scores.float() * 0.125
+        x.masked_fill_(mask, -10000.0)
+        torch.nn.Softmax(dim=-1)(x).bfloat16().sum().backward()
+    assert total[0] == b * heads * s * s * 4 + mask.numel()
 
 
 def test_large_shards_reach_sixty_to_eighty_percent_of_peak_and_small_ones_far_less():

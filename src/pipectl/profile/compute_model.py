@@ -217,6 +217,28 @@ class BlockShape:
         return self.micro_batch_size * self.seq_len
 
     @property
+    def softmax_fallback(self) -> bool:
+        """Megatron's fused softmax (`fused` unfused attention) falling back to torch's path.
+
+        FusedScaleMaskSoftmax runs its kernel only for keys 17-4096 long (2048 in 2021's code) and
+        a multiple of 4, and, causal, for b x heads/t a multiple of the rows one 128-thread block
+        takes (`is_kernel_available` in megatron/model/fused_softmax.py, `get_batch_per_block` in
+        its scaled_upper_triang_masked_softmax.h: 4, or 8 for keys of at most 128). Otherwise it
+        casts the scores to fp32, scales, masks and softmaxes them and casts back: five kernels
+        each way instead of one. At 16 heads and t = 8, b = 1 (two rows) falls back; vTrain's
+        A100 rows there (`benchmarks/measured_runs.py`) measured ~25 % over the fused prediction,
+        their t = 8, b >= 2 siblings within 9 %.
+        """
+        if not self.fused or self.attention is not Attention.UNFUSED:
+            return False
+        s = self.seq_len
+        if not (16 < s <= 4096 and s % 4 == 0):
+            return True
+        warp = min(1 << (s - 1).bit_length(), 32)
+        rows_per_block = (128 // warp) * (2 if s <= 128 else 1)
+        return (self.micro_batch_size * self.local_heads if self.causal else s) % rows_per_block != 0
+
+    @property
     def norm_tokens(self) -> int:
         """Tokens the norms and residual adds of one rank run on: b s, or b s / t (rounded up) with
         sequence parallelism (Korthikanti et al. 2022, §4.2.2)."""
@@ -309,11 +331,18 @@ def _unfused_attention_forward(shape: BlockShape, device: ComputeDevice) -> list
     e, s, d = device.bytes_per_element, shape.seq_len, shape.head_dim
     batch = shape.micro_batch_size * shape.local_heads
     scores = _scores_elements(shape)
+    if shape.softmax_fallback:  # Megatron's torch path in fp32: cast, scale, mask, softmax, cast back
+        f = FP32_BYTES
+        softmax = [memory_kernel("scores to fp32", scores * (e + f), device), memory_kernel("scale", 2 * scores * f, device),
+                   memory_kernel("mask", scores * (2 * f + 1), device), memory_kernel("softmax", 2 * scores * f, device),
+                   memory_kernel("probabilities to 16-bit", scores * (f + e), device)]  # fmt: skip
+    elif shape.fused:  # Megatron's FusedScaleMaskSoftmax: one pass
+        softmax = [memory_kernel("scale, mask and softmax", 2 * scores * e, device)]
+    else:  # eager: scale and mask, then softmax
+        softmax = [memory_kernel("scale and mask", 2 * scores * e, device), memory_kernel("softmax", 2 * scores * e, device)]
     return [
         _batched_gemm("scores QK^T", batch, s, s, d, device),
-        # Fused (Megatron's FusedScaleMaskSoftmax): one pass; eager: scale and mask, then softmax.
-        *([memory_kernel("scale, mask and softmax", 2 * scores * e, device)] if shape.fused else
-          [memory_kernel("scale and mask", 2 * scores * e, device), memory_kernel("softmax", 2 * scores * e, device)]),
+        *softmax,
         *([memory_kernel("attention dropout", scores * (2 * e + DROPOUT_MASK_BYTES), device)] if shape.dropout else []),
         _batched_gemm("probabilities x V", batch, s, d, s, device),
         # The context [b, heads, s, d] back to [b, s, h/t] for proj: a copy.
@@ -337,12 +366,23 @@ def _unfused_attention_backward(shape: BlockShape, device: ComputeDevice) -> lis
         _batched_gemm("dV = P^T dO", batch, s, d, s, device),
         *([memory_kernel("attention dropout backward", scores * (2 * e + DROPOUT_MASK_BYTES), device)]
           if shape.dropout else []),
-        memory_kernel("softmax backward", 3 * scores * e, device),
-        *([] if shape.fused else [memory_kernel("scale and mask backward", 2 * scores * e, device)]),
+        *_softmax_backward(shape, scores, device),
         _batched_gemm("dQ = dS K", batch, s, d, s, device),
         _batched_gemm("dK = dS^T Q", batch, s, d, s, device),
         *scaled,
     ]
+
+
+def _softmax_backward(shape: BlockShape, scores: int, device: ComputeDevice) -> list[Kernel]:
+    e, f = device.bytes_per_element, FP32_BYTES
+    if shape.softmax_fallback:  # autograd back through the fp32 path: five kernels
+        return [memory_kernel("gradient to fp32", scores * (e + f), device),
+                memory_kernel("softmax backward", 3 * scores * f, device),
+                memory_kernel("mask backward", scores * (2 * f + 1), device),
+                memory_kernel("scale backward", 2 * scores * f, device),
+                memory_kernel("gradient to 16-bit", scores * (f + e), device)]  # fmt: skip
+    fused = [memory_kernel("softmax backward", 3 * scores * e, device)]
+    return fused if shape.fused else [*fused, memory_kernel("scale and mask backward", 2 * scores * e, device)]
 
 
 def _batched_gemm(name: str, batch: int, m: int, n: int, k: int, device: ComputeDevice) -> Kernel:
@@ -636,6 +676,8 @@ def block_saved_bytes(shape: BlockShape, bytes_per_element: int) -> int:
         extra = _scores_elements(shape) * e
         if shape.dropout:  # the dropped probabilities (PV's input) and their mask (Korthikanti: 5 a s / h)
             extra += _scores_elements(shape) * (e + DROPOUT_MASK_BYTES)
+        if shape.softmax_fallback:  # softmax's backward keeps its fp32 output too
+            extra += _scores_elements(shape) * FP32_BYTES
     if shape.dropout:  # the two hidden dropouts' masks
         norms += 2 * Tn * h * DROPOUT_MASK_BYTES
     return norms + split * e + extra
@@ -663,6 +705,8 @@ def attention_core_saved_bytes(shape: BlockShape, bytes_per_element: int) -> int
     kept = scores * bytes_per_element  # the softmax output
     if shape.dropout:
         kept += scores * (bytes_per_element + DROPOUT_MASK_BYTES)
+    if shape.softmax_fallback:  # and its fp32 copy, which softmax's backward keeps
+        kept += scores * FP32_BYTES
     return kept
 
 
@@ -684,6 +728,7 @@ def block_working_bytes(shape: BlockShape, bytes_per_element: int) -> int:
     """
     e, T, h, il = bytes_per_element, shape.tokens, shape.hidden, shape.local_ffn
     mlp = (2 * T * h + (3 if shape.activation == "swiglu" else 2) * T * il) * e
-    if shape.attention is Attention.UNFUSED:
-        return max(mlp, (2 * T * h + 2 * _scores_elements(shape)) * e)
+    if shape.attention is Attention.UNFUSED:  # Megatron's fallback: the two gradients in fp32
+        scores = 2 * _scores_elements(shape) * (FP32_BYTES if shape.softmax_fallback else e)
+        return max(mlp, 2 * T * h * e + scores)
     return mlp
