@@ -222,15 +222,20 @@ def test_p2_checkpoint_continues_exactly_in_p1_past_a_corrupted_newer_checkpoint
         corrupted.append(run_dir / "checkpoints" / "step00000008" / RANK1)
         flip_a_byte(corrupted[0])
 
-    losses = launch(plan_for(1, [(0, 9)]), run, steps=8, prepare=prepare)
+    losses = launch(plan_for(1, [(0, 9)]), run, steps=7, prepare=prepare)
     bad = corrupted[0]
-    # Steps 5..8 are retrained from step 4 on one rank: step 5 checks the weights, steps 6..8 the
-    # restored Adam moments (fresh moments would give a different update).
-    assert sorted(losses) == [5, 6, 7, 8]
-    for step in range(5, 9):
+    # Steps 5..7 are retrained from step 4 on one rank: step 5 checks the weights, steps 6 and 7
+    # the restored Adam moments (fresh moments would give a different update).
+    assert sorted(losses) == [5, 6, 7]
+    for step in range(5, 8):
         assert losses[step] == pytest.approx(reference[step], rel=1e-6, abs=0), step
     log = (run / "logs" / "engine.log").read_text()
     assert f"checkpoint step 8 could not be loaded ({bad}: sha256 mismatch" in log
+    # The resume recorded why it passed step 8 over: no longer a verified checkpoint, even to the
+    # listing that does not hash (`--keep-checkpoints` counts with it), and no longer the newest.
+    (passed_over,) = [info for info in ckpt.list_checkpoints(run) if info.step == 8]
+    assert not passed_over.verified and f"a resume passed it over: checkpoint step 8 could not be loaded ({bad}" in passed_over.problems[0]
+    assert ckpt.find_latest_verified(run)[0].step == 7
 
 
 @pytest.mark.multiprocess
@@ -242,6 +247,29 @@ def test_p2_checkpoint_continues_exactly_in_another_cut(reference_run, tmp_path)
         assert losses[step] == pytest.approx(reference[step], rel=1e-6, abs=0), step
     final = ckpt.verify_checkpoint(run / "checkpoints" / "step00000008")
     assert final.verified and final.manifest.layout.stage_layers == ((0, 2), (2, 9))
+
+
+def test_a_checkpoint_a_resume_passed_over_takes_no_kept_place_and_goes_once_a_newer_verifies(tmp_path):
+    """A byte flipped in the newest checkpoint: a resume falls back past it and records why; the
+    listing (which does not hash) then counts it out of `--keep-checkpoints`, so the next prune
+    keeps the older good ones and removes it, not them."""
+    for step in (2, 4, 6, 8):
+        fake_checkpoint(tmp_path, step)
+    flip_a_byte(tmp_path / "checkpoints" / "step00000008" / RANK1)
+    assert [info.verified for info in ckpt.list_checkpoints(tmp_path)] == [True] * 4  # sizes only
+    passed_over: dict[str, str] = {}
+    info, _ = ckpt.resume_point(tmp_path, skipped=passed_over)
+    assert info.step == 6 and list(passed_over) == ["step00000008"]
+    ckpt.mark_rejected(tmp_path, passed_over)
+    assert [info.verified for info in ckpt.list_checkpoints(tmp_path)] == [True, True, True, False]
+    assert ckpt.prune_checkpoints(tmp_path, keep=3) == []  # newer than every good one: kept, not counted
+    fake_checkpoint(tmp_path, 10)
+    removed = ckpt.prune_checkpoints(tmp_path, keep=3)
+    assert sorted(p.name for p in removed) == ["step00000002", "step00000008"]
+    assert [info.step for info in ckpt.list_checkpoints(tmp_path)] == [4, 6, 10]
+    ckpt.mark_rejected(tmp_path, {"step00000010": "once more"})  # marked once: the first reason stays
+    ckpt.mark_rejected(tmp_path, {"step00000010": "twice"})
+    assert (tmp_path / "checkpoints" / "step00000010" / ckpt.REJECTED_FILE).read_text() == "once more\n"
 
 
 def test_a_copied_checkpoint_folder_or_an_edited_tag_is_not_verified(tmp_path):

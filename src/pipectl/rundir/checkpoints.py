@@ -60,6 +60,9 @@ STOP_FILE = "stop_requested"  # RUN/stop_requested: stop at the next step bounda
 SHARDS_FORMAT = "pipectl-shards"
 EVENTS_FILE = "checkpoints.jsonl"  # in RUN/logs: one CheckpointEvent per save (rank 0)
 DEFAULT_KEEP = 3
+# In a tag a resume passed over (it did not verify or load): why. Such a tag is never loaded and
+# not one of the `--keep-checkpoints` kept; it is removed once a newer checkpoint verifies.
+REJECTED_FILE = "rejected"
 
 
 def tag_for_step(step: int) -> str:
@@ -114,6 +117,9 @@ def verify_checkpoint(tag_dir: str | os.PathLike[str], *, hash_files: bool = Tru
     except Exception as exc:  # a torn or edited manifest is a corrupted checkpoint, not a crash
         return CheckpointInfo(tag_dir.name, tag_dir, None, None, (f"{manifest_path}: unreadable manifest ({exc})",))
     problems: list[str] = []
+    rejected = tag_dir / REJECTED_FILE
+    if rejected.is_file():
+        problems.append(f"{tag_dir}: a resume passed it over: {rejected.read_text().strip()}")
     if tag_dir.is_symlink():
         problems.append(f"{tag_dir}: a link (a checkpoint holds its own files)")
     if manifest.tag != tag_dir.name:
@@ -144,7 +150,7 @@ def verify_checkpoint(tag_dir: str | os.PathLike[str], *, hash_files: bool = Tru
                 f"{' ...' if len(missing) > 8 else ''} of the {world}-rank layout it records"
             )
     on_disk = {p.relative_to(tag_dir).as_posix() for p in tag_dir.rglob("*") if p.is_file() or p.is_symlink()}
-    for extra in sorted(on_disk - set(manifest.files) - {MANIFEST_FILE}):
+    for extra in sorted(on_disk - set(manifest.files) - {MANIFEST_FILE, REJECTED_FILE}):
         problems.append(f"{tag_dir / extra}: not in the manifest")
     return CheckpointInfo(tag_dir.name, tag_dir, manifest.step, manifest, tuple(problems))
 
@@ -169,19 +175,20 @@ def find_latest_verified(
     *,
     load_check: Callable[[CheckpointInfo], str | None] | None = None,
     skip: Iterable[str] = (),
+    skipped: dict[str, str] | None = None,
 ) -> tuple[CheckpointInfo | None, list[str]]:
     """The newest checkpoint whose every file matches its manifest, and a message for each newer
-    one skipped (`skipped_message`). With `load_check` (the ranks pass
-    `runtime.checkpoint.ranks.unloadable_problem`, which needs torch), every file must also load as
-    data. The tags in `skip` (did not load) are passed over.
+    one skipped (`skipped_message`; by tag into `skipped` too, for those with a manifest). With
+    `load_check` (the ranks pass `runtime.checkpoint.ranks.unloadable_problem`, which needs torch),
+    every file must also load as data. The tags in `skip` (did not load) are passed over.
 
     >>> find_latest_verified("/nonexistent/run")
     (None, [])
     """
     warnings: list[str] = []
-    skipped = set(skip)
+    passed = set(skip)
     for info in reversed(list_checkpoints(run_dir, hash_files=False)):
-        if info.tag in skipped:
+        if info.tag in passed:
             continue
         checked = verify_checkpoint(info.path, hash_files=True)
         problems = list(checked.problems)
@@ -193,7 +200,19 @@ def find_latest_verified(
         if not problems:
             return checked, warnings
         warnings.append(skipped_message(checked, problems))
+        if skipped is not None and checked.manifest is not None:
+            skipped[checked.tag] = warnings[-1]
     return None, warnings
+
+
+def mark_rejected(run_dir: str | os.PathLike[str], passed_over: dict[str, str]) -> None:
+    """Record in each tag a resume passed over why (`REJECTED_FILE`): listed and verified as such
+    from then on, so that it takes none of the kept places and a later prune removes it, instead
+    of a good older checkpoint."""
+    for tag, message in passed_over.items():
+        path = checkpoints_dir(run_dir) / tag
+        if path.is_dir() and not path.is_symlink() and not (path / REJECTED_FILE).exists():
+            write_text_atomic(path / REJECTED_FILE, message + "\n")
 
 
 def has_checkpoint(run_dir: str | os.PathLike[str]) -> bool:
@@ -208,6 +227,7 @@ def resume_point(
     *,
     load_check: Callable[[CheckpointInfo], str | None] | None = None,
     skip: Iterable[str] = (),
+    skipped: dict[str, str] | None = None,
 ) -> tuple[CheckpointInfo | None, list[str]]:
     """The verified checkpoint a resume starts from (None when the run has none at all), and
     messages for the newer ones skipped (`find_latest_verified`).
@@ -216,7 +236,7 @@ def resume_point(
     has committed checkpoints and none of them verifies, starting from step 0 would repeat the
     steps they hold: that is refused, with every checkpoint's problems, never done silently.
     """
-    info, warnings = find_latest_verified(run_dir, load_check=load_check, skip=skip)
+    info, warnings = find_latest_verified(run_dir, load_check=load_check, skip=skip, skipped=skipped)
     if info is None and has_checkpoint(run_dir) and not skip:
         raise CheckpointError(
             f"no checkpoint of {Path(run_dir)} can be loaded: " + "; ".join(warnings),

@@ -18,7 +18,15 @@ from pathlib import Path
 from typing import Any
 
 from pipectl.errors import CheckpointError
-from pipectl.rundir.checkpoints import SHARDS_FORMAT, STOP_FILE, CheckpointInfo, checkpoints_dir, list_checkpoints, resume_point
+from pipectl.rundir.checkpoints import (
+    SHARDS_FORMAT,
+    STOP_FILE,
+    CheckpointInfo,
+    checkpoints_dir,
+    list_checkpoints,
+    mark_rejected,
+    resume_point,
+)
 
 # torch, DeepSpeed and the tensor-parallel model code are imported inside the functions that use
 # them: `pipectl status` and `resize` list and verify checkpoints without loading either.
@@ -183,12 +191,13 @@ def load_latest(
     rank, _ = rank_and_world()
     failed: list[str] = []  # tags that verified but did not load, newest first
     failures: list[str] = []  # why, one message each
+    passed_over: dict[str, str] = {}  # rank 0: every committed tag skipped, and why
     while True:
         choice: tuple[str | None, list[str], str | None, list[str], int | None] = (None, [], None, [], None)
         if rank == 0:  # one rank hashes; all load the same tag
             info, warnings, problem = None, [], None
             try:
-                info, warnings = resume_point(run_dir, load_check=unloadable_problem, skip=failed)
+                info, warnings = resume_point(run_dir, load_check=unloadable_problem, skip=failed, skipped=passed_over)
             except CheckpointError as exc:
                 problem = "; ".join([exc.message, *failures])
             if info is None and failures and problem is None:
@@ -210,6 +219,8 @@ def load_latest(
             error = f"rank {rank}: {getattr(exc, 'message', None) or exc}"
         errors = [e for e in all_gather_from_ranks(error) if e]
         if not errors:
+            if rank == 0:
+                mark_rejected(run_dir, passed_over)
             return LoadedCheckpoint(
                 tag=tag,
                 step=header.step,
@@ -221,6 +232,7 @@ def load_latest(
         log.warning(message)
         failed.append(tag)
         failures.append(message)
+        passed_over[tag] = message
 
 
 # --------------------------------------------------------------------------- stopping
