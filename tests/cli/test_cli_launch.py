@@ -773,6 +773,30 @@ def test_a_rank_killed_without_a_record_is_named_before_the_peer_it_cut_off(tmp_
         assert lines[0].startswith("rank 0 (stage 0) failed") and f"  {killed}" in lines
 
 
+def test_a_rank_killed_while_training_is_named_in_the_step_after_the_last_recorded(tmp_path):
+    """kill -9 of a rank on a fast job: its last heartbeat (once a second) says step 5, but this
+    launch recorded steps up to 8, so it died in step 9; steps an earlier launch recorded (up to
+    12, before a resume from an older checkpoint) do not count."""
+    import time
+
+    from pipectl.artifacts.run import StepMetrics
+    from pipectl.cli.launch import job_failure
+    from pipectl.rundir.failures import write_failure
+    from pipectl.rundir.heartbeats import TRAINING_PHASE
+
+    run = tmp_path / "run"
+    started = time.time()
+    pid = _vanished_rank(run, 1, TRAINING_PHASE)
+    rows = [(step, started - 60) for step in range(1, 13)] + [(step, started + 1) for step in range(5, 9)]
+    (run / "metrics.jsonl").write_text("".join(
+        StepMetrics(step=step, loss=1.0, step_seconds=0.1, samples_per_second=1.0, global_batch=8, world_size=2,
+                    time_unix=at).model_dump_json() + "\n" for step, at in rows))  # fmt: skip
+    write_failure(run, failure(0, stage=0, step=9, exception="builtins.RuntimeError", message="Connection reset by peer",
+                               time_unix=time.time()))  # fmt: skip
+    message = job_failure(run, started, "the job exited with code 1 after 8 of 20 steps", go_on="resume").message
+    assert f"rank 1 (stage 1, pid {pid}) ended without a word in step 9 (training)" in message
+
+
 def test_ranks_a_stop_ended_during_start_up_are_not_called_killed(tmp_path):
     """Ctrl-C while the ranks start: they end before their handlers, with no record; the terminal
     does not blame them."""

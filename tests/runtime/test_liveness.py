@@ -22,7 +22,7 @@ def beat(rank: int, at: float, *, state=RankState.RUNNING, step=3, started=100.0
 
     return RankHeartbeat(
         rank=rank, pid=pid or 1000 + rank, host=host if host is not None else socket.gethostname(), stage=rank,
-        step=step, phase="step", state=state, started_unix=started, beat_unix=at, progress_unix=at, **fields,
+        step=step, phase="training", state=state, started_unix=started, beat_unix=at, progress_unix=at, **fields,
     )  # fmt: skip
 
 
@@ -52,13 +52,13 @@ def test_a_job_that_sets_its_timeout_keeps_it_and_a_plan_gives_the_default():
 
 def test_a_heartbeat_moves_its_progress_only_when_the_rank_does_and_ends_with_its_state(tmp_path):
     clock = Clock(100.0)
-    doing = {"now": (0, 1, "step")}
+    doing = {"now": (0, 1, "training")}
     heartbeat = Heartbeat(tmp_path, 3, lambda: doing["now"], interval_seconds=3600, clock=clock).start()
     clock.now = 105.0
     heartbeat.beat()  # same step and phase: alive, no progress
     first = read_heartbeats(tmp_path)[3]
     assert (first.beat_unix, first.progress_unix, first.pid, first.state) == (105.0, 100.0, os.getpid(), RankState.RUNNING)
-    clock.now, doing["now"] = 107.0, (0, 2, "step")
+    clock.now, doing["now"] = 107.0, (0, 2, "training")
     heartbeat.beat()
     assert read_heartbeats(tmp_path)[3].progress_unix == 107.0
     clock.now = 110.0
@@ -115,7 +115,7 @@ def test_a_silent_rank_is_named_with_what_its_process_was_doing_when_it_went_sil
     clock.now = 124.0
     assert watch.check() is None  # silent now, but nothing failed and the timeout has not passed
     assert watch.lines() == [
-        "rank 1 (stage 1, pid 1001) stopped responding: no heartbeat for 12 s, last seen in step 7 (step); "
+        "rank 1 (stage 1, pid 1001) stopped responding: no heartbeat for 12 s, last seen in step 7 (training); "
         "its process is stopped (SIGSTOP, or a debugger)"
     ]
     states[1] = "its process has ended"  # killed later by the launcher: the first state is the story

@@ -660,7 +660,7 @@ class RankHeartbeat(Strict):
     host: str = ""
     stage: int | None = Field(default=None, ge=0)
     step: int | None = Field(default=None, ge=1, description="The step being trained (1-based), if any.")
-    phase: str = Field(default="", description="What the main thread does: 'step', 'saving the checkpoint', ...")
+    phase: str = Field(default="", description="What the main thread does: 'training', 'writing metrics', ...")
     state: RankState = RankState.RUNNING
     checkpoint_step: int | None = Field(
         default=None, ge=0, description="Finished or stopped: the step of the checkpoint it wrote last."

@@ -38,7 +38,7 @@ from pipectl.rundir.failures import read_failures, read_resume, resume_lines
 from pipectl.runtime.liveness import StallWatch, job_collective_timeout_seconds
 from pipectl.rundir.heartbeats import read_heartbeats, stopped_cleanly, vanished_line, vanished_ranks
 from pipectl.runtime.elastic.recovery import says_peer_loss
-from pipectl.rundir.metrics import MetricsTail, read_refusals, refusal_line
+from pipectl.rundir.metrics import MetricsTail, read_metrics, read_refusals, refusal_line
 from pipectl.words import count
 
 
@@ -297,8 +297,10 @@ def job_failure(
     # record: ranks a stop ended during their start-up (Ctrl-C before their handlers) leave none,
     # and were not killed by anything but it.
     recorded = {failure.rank for failure in failures} | set(named)
+    trained = [m.step for m in read_metrics(run_dir) if m.time_unix >= started - 1.0]  # by this launch
     vanished = [
-        vanished_line(beat) for beat in vanished_ranks(run_dir, since_unix=started - 1.0) if beat.rank not in recorded
+        vanished_line(beat, max(trained, default=None))
+        for beat in vanished_ranks(run_dir, since_unix=started - 1.0) if beat.rank not in recorded
     ] if failures else []
     if vanished and failed and not all(says_peer_loss(failure.message) for failure in failures):
         failed, vanished = "\n".join([failed, *(f"  {line}" for line in vanished)]), []

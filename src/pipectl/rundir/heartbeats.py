@@ -59,6 +59,7 @@ def stage_and_pid(beat: RankHeartbeat) -> str:
     return ", ".join(x for x in (f"stage {beat.stage}" if beat.stage is not None else "", f"pid {beat.pid}") if x)
 
 
+TRAINING_PHASE = "training"  # a heartbeat's phase while the rank trains a step
 ENDED = "its process has ended"  # `process_state` of a rank that no longer runs
 
 
@@ -96,11 +97,23 @@ def vanished_ranks(run_dir: str | os.PathLike[str], *, since_unix: float = 0.0) 
     ]
 
 
-def vanished_line(beat: RankHeartbeat) -> str:
+def vanished_line(beat: RankHeartbeat, trained: int | None = None) -> str:
     """'rank 1 (stage 1, pid 4242) ended without a word in step 7 (live resize: handing the state
-    over): it was killed, or its process crashed'"""
+    over): it was killed, or its process crashed'. `trained`: the last step the job recorded; a
+    rank beats once a second, several steps apart on a fast job, so one that was training is
+    named in the step after that when its last beat is older.
+
+        >>> from pipectl.artifacts.run import RankHeartbeat
+        >>> beat = RankHeartbeat(rank=1, stage=1, pid=7, step=50, phase=TRAINING_PHASE,
+        ...                      started_unix=0.0, beat_unix=0.0, progress_unix=0.0)
+        >>> vanished_line(beat, trained=57)
+        'rank 1 (stage 1, pid 7) ended without a word in step 58 (training): it was killed, or its process crashed'
+    """
     where = stage_and_pid(beat)
-    seen = (f" in step {beat.step}" if beat.step is not None else "") + (f" ({beat.phase})" if beat.phase else "")
+    step = beat.step
+    if step is not None and beat.phase == TRAINING_PHASE and trained is not None:
+        step = max(step, trained + 1)
+    seen = (f" in step {step}" if step is not None else "") + (f" ({beat.phase})" if beat.phase else "")
     return f"rank {beat.rank} ({where}) ended without a word{seen}: it was killed, or its process crashed"
 
 

@@ -52,6 +52,7 @@ from pipectl.rundir import checkpoints
 from pipectl.runtime.elastic import recovery
 from pipectl.rundir.failures import RankContext, failure_record, write_failure, write_resume
 from pipectl.rundir.morph_history import record_layout_change
+from pipectl.rundir.heartbeats import TRAINING_PHASE
 from pipectl.runtime.liveness import Heartbeat, watch_supervisor
 from pipectl.runtime.monitor import StepMonitor
 from pipectl.rundir.metrics import MetricsWriter, rank_memory, reset_peak_memory
@@ -414,7 +415,7 @@ class _Session:
                     self._prepare(boundary.announced)
                 elif self.preparation is not None:  # the request was withdrawn: its memory is let go
                     self.preparation = None
-            context.step, context.phase = self.step + 1, "step"
+            context.step, context.phase = self.step + 1, TRAINING_PHASE
             micro_batches = (
                 self.batches.micro_batches(self.step, self.replica) if self.needs_data else [None] * self.replica.micro_batches
             )
