@@ -612,6 +612,25 @@ def test_a_closed_terminal_stops_the_job_at_a_checkpoint_and_leaves_nothing_runn
 
 
 @pytest.mark.multiprocess
+def test_a_job_a_resize_stops_says_so_in_its_launch_terminal_not_to_resume_it(tmp_path):
+    """`resize --restart` from another terminal writes the stop file and relaunches the job itself:
+    the first terminal says the resize stopped it and where to follow it, not the raw file name
+    and a `--resume` that the running relaunch would refuse."""
+    from pipectl.rundir.checkpoints import STOP_FILE
+
+    said: list[str] = []
+
+    def stop_as_a_resize_does(job):
+        (tmp_path / "run" / STOP_FILE).write_text("")
+        said.append(job.communicate(timeout=120)[0])
+
+    _, run, launcher = _train_then(tmp_path, stop_as_a_resize_does)
+    assert launcher.returncode == 0, said
+    step = json.loads((run / "logs" / "heartbeat-rank0.json").read_text())["checkpoint_step"]
+    assert f"stopped at step {step}, checkpoint written: pipectl resize" in said[0]  # not the file's name
+    assert f"stopped at step {step} for pipectl resize, which starts the job again" in said[0]
+    assert f"pipectl status {run} --follow" in said[0] and "--resume" not in said[0]
+@pytest.mark.multiprocess
 def test_a_killed_pipectl_leaves_no_job_training_unsupervised(tmp_path):
     """kill -9 of `pipectl launch`: its ranks see their supervisor gone, stop together at the end of
     a step after a checkpoint, and torchrun exits with them; the run resumes. (They used to train

@@ -32,7 +32,7 @@ from pipectl.rundir.status import run_status
 from pipectl.report.run_tables import failure_report, status_table
 from pipectl.report.tables import format_bytes
 from pipectl.resize.replicas import read_recovery, recovery_line
-from pipectl.rundir.checkpoints import has_checkpoint, read_events
+from pipectl.rundir.checkpoints import RESIZE_STOP, has_checkpoint, read_events
 from pipectl.runtime.engines.dsconfig import check_schedule
 from pipectl.rundir.failures import read_failures, read_resume, resume_lines
 from pipectl.runtime.liveness import StallWatch, job_collective_timeout_seconds
@@ -240,7 +240,10 @@ def _launch(
         print_json({**described, "exit_code": exit_code, "resumed": resume, "status": status.to_dict()})
         return
     console.print(status_table(report, brief=True))
-    if not status.finished:
+    if status.stopped is not None and status.stopped[1] == RESIZE_STOP:  # the resize starts it again, not the user
+        console.print(f"stopped at step {status.steps_done} for pipectl resize, which starts the job again in its new "
+                      f"layout; follow it with: pipectl status {quote(str(run_dir))} --follow")  # fmt: skip
+    elif not status.finished:
         console.print(
             f"stopped at step {status.steps_done} of {prepared.job.steps} (signal or stop request), "
             f"checkpoint written; continue with: pipectl launch {quote(str(plan_path))} --run-dir {quote(str(run_dir))} --resume"

@@ -57,6 +57,7 @@ log = logging.getLogger(__name__)
 STAGING_DIR = ".staging"
 LATEST_FILE = "latest"
 STOP_FILE = "stop_requested"  # RUN/stop_requested: stop at the next step boundary (resize)
+RESIZE_STOP = "pipectl resize asked it to stop"  # why the ranks stopped, when the stop file said so
 SHARDS_FORMAT = "pipectl-shards"
 EVENTS_FILE = "checkpoints.jsonl"  # in RUN/logs: one CheckpointEvent per save (rank 0)
 DEFAULT_KEEP = 3

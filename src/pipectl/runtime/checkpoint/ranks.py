@@ -19,6 +19,7 @@ from typing import Any
 
 from pipectl.errors import CheckpointError
 from pipectl.rundir.checkpoints import (
+    RESIZE_STOP,
     SHARDS_FORMAT,
     STOP_FILE,
     CheckpointInfo,
@@ -297,7 +298,7 @@ def step_boundary(
     import torch.distributed as dist
 
     if run_dir is not None and (Path(run_dir) / STOP_FILE).exists():
-        flag.set(STOP_FILE)
+        flag.set(RESIZE_STOP)
     votes = torch.tensor(
         [1.0 if flag.is_set() else 0.0, 1.0 if checkpoint_due else 0.0, float(resize), 1.0 if preparing else 0.0]
     )
