@@ -26,7 +26,9 @@ def register(app: typer.Typer) -> None:
         run_dir: Annotated[Path, typer.Argument(help="The run directory (runs/NAME).")],
         json_output: JsonFlag = False,
         plot: Annotated[
-            Path | None, typer.Option("--plot", help="Write a PNG: loss curve and predicted vs measured step time.", callback=output_file)
+            Path | None,
+            typer.Option("--plot", help="Write a figure (.png, .svg or .pdf): loss curve and predicted vs measured step time.",
+                         callback=output_file),
         ] = None,
         verify: Annotated[
             bool, typer.Option("--verify", help="Hash every checkpoint file against its manifest (slower).")
