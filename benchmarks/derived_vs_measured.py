@@ -37,9 +37,9 @@ from pipectl.profile.compute_model import (  # noqa: E402
     ComputeDevice,
     block_backward_kernels,
     block_forward_kernels,
-    block_saved_bytes,
     phase_seconds,
 )
+from pipectl.profile.block_memory import block_saved_bytes  # noqa: E402
 
 DEFAULT_REFERENCE = ROOT / "tests" / "profile" / "data" / "h100-block-shards.json"
 DEFAULT_OUTPUT = ROOT / "benchmarks" / "results" / "derived_vs_measured.json"

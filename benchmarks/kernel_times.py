@@ -103,6 +103,9 @@ class Block:
         self.scores, self.scores_grad = rand(batch, s, s), rand(batch, s, s)
         self.scores_out = torch.empty_like(self.scores)
         self.probs = torch.softmax(self.scores.float(), dim=-1).to(dtype)
+        # Megatron's fp32 softmax path, where its fused kernel does not run (`BlockShape.softmax_fallback`)
+        self.scores32, self.probs32 = self.scores.float(), self.probs.float()
+        self.causal = torch.ones(1, s, s, device=device, dtype=torch.bool).triu(1)
         self.dropped, self.mask = torch.native_dropout(self.probs, DROPOUT, True)
         self.context = rand(b, heads, s, d)
         self.qkv_parts = [rand(tokens, hl) for _ in range(3)]
@@ -134,6 +137,20 @@ class Block:
             return lambda: torch.baddbmm(s.scores_out, s.q, s.k.transpose(1, 2), beta=0.0, alpha=scale)
         if kernel == "scale, mask and softmax":
             return lambda: torch.softmax(s.scores, dim=-1)
+        fp32_path = {
+            "scores to fp32": lambda: s.scores.float(),
+            "scale": lambda: s.scores32 * 0.125,
+            "mask": lambda: s.scores32.masked_fill(s.causal, -10000.0),
+            "softmax (fp32)": lambda: torch.softmax(s.scores32, dim=-1),
+            "probabilities to 16-bit": lambda: s.probs32.to(s.probs.dtype),
+            "gradient to fp32": lambda: s.scores_grad.float(),
+            "softmax backward (fp32)": lambda: torch.ops.aten._softmax_backward_data(s.probs32, s.probs32, -1, torch.float32),
+            "mask backward": lambda: s.probs32.masked_fill(s.causal, 0.0),
+            "scale backward": lambda: s.probs32 * 0.125,
+            "gradient to 16-bit": lambda: s.probs32.to(s.probs.dtype),
+        }
+        if kernel in fp32_path:
+            return fp32_path[kernel]
         if kernel == "attention dropout":
             return lambda: torch.native_dropout(s.probs, DROPOUT, True)
         if kernel == "attention dropout backward":

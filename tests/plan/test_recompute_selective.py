@@ -21,7 +21,8 @@ from pipectl.plan.memory import StageMemory
 from pipectl.plan.search import plan
 from pipectl.plan.simulate import simulate
 from pipectl.testing.profiles import synthetic_profile
-from pipectl.profile.compute_model import Attention, BlockShape, attention_core_saved_bytes, block_saved_bytes
+from pipectl.profile.block_memory import attention_core_saved_bytes, block_saved_bytes
+from pipectl.profile.compute_model import Attention, BlockShape
 from pipectl.profile.derive import derive_profile
 from pipectl.schedule import ScheduleKind, generate
 from tests.plan.test_memory_h100 import _one_h100

@@ -19,13 +19,13 @@ from pathlib import Path
 import pytest
 
 from pipectl.catalog import get_device
+from pipectl.profile.block_memory import block_saved_bytes
 from pipectl.profile.compute_model import (
     Attention,
     BlockShape,
     ComputeDevice,
     block_backward_kernels,
     block_forward_kernels,
-    block_saved_bytes,
     phase_seconds,
     wave_efficiency,
 )

@@ -13,8 +13,8 @@ from pipectl.profile.compute_model import (
     ComputeDevice,
     block_backward_kernels,
     block_forward_kernels,
-    block_saved_bytes,
 )
+from pipectl.profile.block_memory import block_saved_bytes
 from pipectl.profile.derive import derive_profile
 
 H100 = ComputeDevice.of(get_device("h100-80gb"), "bfloat16")

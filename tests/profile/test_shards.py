@@ -21,9 +21,9 @@ from pipectl.profile.compute_model import (
     ComputeDevice,
     block_backward_kernels,
     block_forward_kernels,
-    block_saved_bytes,
     phase_seconds,
 )
+from pipectl.profile.block_memory import block_saved_bytes
 from pipectl.profile.derive import derive_profile
 from pipectl.profile.measure import profile_model
 

@@ -25,13 +25,11 @@ from pipectl.profile.compute_model import (
     rms_norm_forward_kernels,
     block_backward_kernels,
     block_forward_kernels,
-    block_saved_bytes,
-    block_working_bytes,
     attention_core_forward_kernels,
-    attention_core_saved_bytes,
     gemm_kernel,
     memory_kernel,
 )
+from pipectl.profile.block_memory import attention_core_saved_bytes, block_saved_bytes, block_working_bytes
 
 
 @dataclass(frozen=True)
