@@ -28,7 +28,7 @@ from pipectl.launch.prepare import run_files
 from pipectl.cli.plan import planned_otherwise
 from pipectl.plan.options import PlanOptions, plan_sections
 from pipectl.rundir.analysis import analyse
-from pipectl.rundir.status import run_status
+from pipectl.rundir.status import RunStatus, run_status
 from pipectl.report.run_tables import failure_report, status_table
 from pipectl.report.tables import format_bytes
 from pipectl.resize.replicas import read_recovery, recovery_line
@@ -240,12 +240,18 @@ def _launch(
         print_json({**described, "exit_code": exit_code, "resumed": resume, "status": status.to_dict()})
         return
     console.print(status_table(report, brief=True))
-    if status.stopped is not None and status.stopped[1] == RESIZE_STOP:  # the resize starts it again, not the user
+    _say_how_to_go_on(status, prepared.job.steps, plan_path, run_dir)
+
+
+def _say_how_to_go_on(status: RunStatus, steps: int, plan_path: Path, run_dir: Path) -> None:
+    """After a job that stopped early: the command that continues it, or, when `pipectl resize`
+    stopped it (and starts it again itself), where to follow it."""
+    if status.stopped is not None and status.stopped[1] == RESIZE_STOP:
         console.print(f"stopped at step {status.steps_done} for pipectl resize, which starts the job again in its new "
                       f"layout; follow it with: pipectl status {quote(str(run_dir))} --follow")  # fmt: skip
     elif not status.finished:
         console.print(
-            f"stopped at step {status.steps_done} of {prepared.job.steps} (signal or stop request), "
+            f"stopped at step {status.steps_done} of {steps} (signal or stop request), "
             f"checkpoint written; continue with: pipectl launch {quote(str(plan_path))} --run-dir {quote(str(run_dir))} --resume"
         )
 
