@@ -161,7 +161,7 @@ def test_sigterm_sets_the_stop_flag_and_a_stop_file_does_too(tmp_path):
         signal.signal(signal.SIGTERM, previous)
     other = ranks.StopFlag()
     (tmp_path / ckpt.STOP_FILE).touch()
-    assert ranks.should_stop(other, tmp_path) and other.reason == ckpt.STOP_FILE
+    assert ranks.should_stop(other, tmp_path) and other.reason == ckpt.RESIZE_STOP  # only a resize writes it
 
 
 # --------------------------------------------------------------------------- real processes

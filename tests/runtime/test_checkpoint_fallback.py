@@ -45,7 +45,10 @@ def test_a_checkpoint_a_rank_cannot_load_is_passed_over_for_the_previous_one(tmp
     loaded = checkpoint.load_latest(object(), tmp_path)
     assert loaded is not None and loaded.tag == "step00000002"
     assert any(w.startswith("checkpoint step 4 could not be loaded (rank 0: ") and "head.weight" in w for w in loaded.warnings)
+    # passed over for good: no longer verified, even by a listing that does not hash
+    passed_over = checkpoints.verify_checkpoint(newest, hash_files=False)
+    assert not passed_over.verified and "a resume passed it over: checkpoint step 4" in passed_over.problems[0]
 
     broken.add("step00000002")
-    with pytest.raises(CheckpointError, match="no checkpoint of .* can be loaded: checkpoint step 4 .*; checkpoint step 2"):
+    with pytest.raises(CheckpointError, match="no checkpoint of .* can be loaded: checkpoint step 2 .*; checkpoint step 4 "):
         checkpoint.load_latest(object(), tmp_path)

@@ -128,3 +128,19 @@ def test_an_action_before_its_forward_is_a_schedule_error():
     broken = Schedule.from_text("# gpipe p=1 m=1 v=1\n0: 0B0 0F0 0AR 0STEP\n")
     with pytest.raises(ScheduleError, match="0B0 comes before micro-batch 0's forward"):
         translate_rank(broken, 0)
+
+
+def test_an_emulated_slower_kind_holds_each_action_k_times_as_long():
+    """`NodeType.compute_slowdown` k: the rank waits (k - 1) times what the action took, so that a
+    split over emulated kinds runs slow where planned (what tests/runtime/test_heterogeneous_run.py
+    sees end to end, there timed under load)."""
+    import time
+
+    from pipectl.runtime.engines.executor import record_action
+
+    executed = []
+    record_action(executed, Action.parse("0F0"), time.perf_counter() - 0.05, 1.0)  # as it is: no wait
+    waited = time.perf_counter()
+    record_action(executed, Action.parse("0B0"), waited - 0.05, 3.0)  # took 0.05 s: waits 0.1 s more
+    assert time.perf_counter() - waited >= 0.1
+    assert executed[0].seconds < 0.15 <= executed[1].seconds
