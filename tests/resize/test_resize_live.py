@@ -107,6 +107,28 @@ def test_a_running_job_moves_live_and_trains_on_as_if_never_moved(tmp_path, monk
         assert m.loss == pytest.approx(expected[m.step], rel=RELATIVE_TOLERANCE), m.step
 
 
+def test_ctrl_c_during_a_live_resize_says_the_job_trains_on_and_stops_the_joining_rank(tmp_path):
+    """Ctrl-C of `pipectl resize` while its joining rank warms up: one line says nothing was asked
+    of the job, exit 130, the joining rank is gone, the run's files are as they were."""
+    job = BackgroundJob(plan_of(P1, global_batch=8, morph_table=[MorphEntry(devices=1, candidate=P1), MorphEntry(devices=2, candidate=D2)]), tmp_path / "cancelled")  # fmt: skip
+    job.wait_for_step(3)
+    before = (job.run_dir / "job.json").read_bytes()
+    resize = subprocess.Popen([sys.executable, "-m", "pipectl", "resize", str(job.run_dir), "--devices", "2"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    deadline = time.monotonic() + RUN_TIMEOUT_SECONDS
+    while not (joiners := [p for p in find_run_processes(job.run_dir) if "--join" in p.argv]):
+        assert resize.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    resize.send_signal(signal.SIGINT)
+    _, err = resize.communicate(timeout=60)
+    assert resize.returncode == 130, err
+    assert err.strip().startswith("resize cancelled (Ctrl-C): nothing was asked of the job") and "Traceback" not in err
+    assert not [p for p in find_run_processes(job.run_dir) if "--join" in p.argv]
+    assert (job.run_dir / "job.json").read_bytes() == before
+    job.wait_for_step(read_metrics(job.run_dir)[-1].step + 2)
+    job.stop()
+
+
 def test_a_live_resize_killed_before_it_asks_leaves_the_run_as_it_was_and_no_orphan(tmp_path):
     """kill -9 of `pipectl resize --live` while its joining rank warms up: the run's files still
     describe the running layout (status and --resume read them), the joining rank leaves at once

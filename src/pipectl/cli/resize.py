@@ -23,7 +23,7 @@ from pipectl.launch.prepare import read_run
 from pipectl.rundir.analysis import analyse
 from pipectl.rundir.status import run_status
 from pipectl.report.run_tables import decision_table, morph_history_table, status_table
-from pipectl.resize.live import LiveUnavailable, live_resize
+from pipectl.resize.live import LiveUnavailable, ResizeInterrupted, live_resize
 from pipectl.resize.restart import ResizeDecision, decide_resize, resize_run
 from pipectl.resize.options import ResizeOptions
 from pipectl.rundir.stragglers import StragglerPolicy
@@ -74,6 +74,8 @@ def register(app: typer.Typer) -> None:
                     requested_unix=requested_unix,
                     say=None if json_output else (lambda line: console.print(line, style="dim", highlight=False, markup=False)),
                 )
+            except KeyboardInterrupt as stop:  # before the request or after (`ResizeInterrupted`)
+                _say_cancelled(isinstance(stop, ResizeInterrupted) and stop.asked, run_dir)
             except LiveUnavailable as exc:
                 if exc.running or "live" in flags.values:  # asked for by name: say why it is not
                     err_console.print(f"[yellow]cannot resize live: {exc.message}; restarting instead[/]", highlight=False)
@@ -156,6 +158,17 @@ def _resize_with_progress(
             submit=submit,
             cancel_slurm=scancel,
         )
+
+
+def _say_cancelled(asked: bool, run_dir: Path) -> None:
+    """Ctrl-C during a live resize: what the job does now, then exit 130 as for any Ctrl-C."""
+    if asked:
+        what = ("the request was withdrawn; the job trains on as it was unless its ranks had taken it already "
+                f"(pipectl status {quote(str(run_dir))} shows the layout it runs)")  # fmt: skip
+    else:
+        what = "nothing was asked of the job (a joining rank started for it is stopped): it trains on as it was"
+    err_console.print(f"resize cancelled (Ctrl-C): {what}", style="yellow", highlight=False, markup=False, soft_wrap=True)
+    raise typer.Exit(130)
 
 
 def _print_dry_run(decision: ResizeDecision, devices: int, json_output: bool) -> None:

@@ -66,6 +66,15 @@ class LiveUnavailable(LaunchError):
         self.running = running
 
 
+class ResizeInterrupted(KeyboardInterrupt):
+    """Ctrl-C during a live resize, after its clean-up: `asked` whether the request had been
+    written (then withdrawn: a job whose ranks had taken it already moves all the same)."""
+
+    def __init__(self, asked: bool) -> None:
+        super().__init__()
+        self.asked = asked
+
+
 @dataclass
 class LiveResult:
     record: MorphRecord
@@ -185,7 +194,7 @@ def _move(decision: ResizeDecision, requested_unix: float, say: Phase, ready_tim
         requested = True
         say(f"asked the running job to move to {count(new_world, 'rank')} ({request.record.to_layout}) at its next step boundary")
         record = _wait_record(path, request, joiners, handover_timeout_seconds)
-    except BaseException:
+    except BaseException as exc:
         # The run's own files were never touched: rank 0 moves the staged ones in after the first
         # step on the new layout. Not asked yet: the staged files and the joining ranks go. Asked
         # and not done (rank 0 removes the request after that step): the request is withdrawn; the
@@ -198,6 +207,8 @@ def _move(decision: ResizeDecision, requested_unix: float, say: Phase, ready_tim
             shutil.rmtree(path / STAGED_DIR, ignore_errors=True)
         else:
             request_path(path).unlink(missing_ok=True)
+        if isinstance(exc, KeyboardInterrupt) and not isinstance(exc, ResizeInterrupted):
+            raise ResizeInterrupted(asked=requested) from exc
         raise
     return LiveResult(record, [p.pid for p in joiners])
 
