@@ -5,6 +5,7 @@ temporary folder, then the metrics lines, rank 0's step lines, TensorBoard's own
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -127,3 +128,31 @@ def test_one_weights_and_biases_run_across_a_resume_offline(monitored, monkeypat
     starts = sorted((run / "wandb").glob("offline-run-*"))
     assert len(starts) == 2 and all(start.name.endswith(f"-{run_id}") for start in starts), starts
     assert all((start / f"run-{run_id}.wandb").stat().st_size > 0 for start in starts)
+
+
+@pytest.mark.multiprocess
+def test_tensorboard_shows_steps_trained_again_after_a_resume_once(monitored):
+    """A resume from an older checkpoint trains its later steps again: TensorBoard's own reader sees
+    each step once, from the start that trained it last (the first event files would add a second)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    folder = monitored[0]
+    planned = pipectl("plan", "--profile", "profile.json", "--cluster", "local", "--devices", "1", "--global-batch", "8",
+                      "-o", "single.json", cwd=folder)  # fmt: skip
+    assert succeeded(planned), said(planned)
+    first = pipectl("launch", "single.json", "--run-dir", "runs/tb", "--steps", "4", "--checkpoint-every", "2",
+                    "--tensorboard", cwd=folder)  # fmt: skip
+    assert succeeded(first), said(first)
+    run = folder / "runs" / "tb"
+    newest = run / "checkpoints" / "step00000004"
+    assert newest.is_dir(), sorted(p.name for p in (run / "checkpoints").iterdir())
+    shutil.rmtree(newest)  # steps 3 and 4 are trained again from step 2's checkpoint
+    resumed = pipectl("launch", "single.json", "--run-dir", "runs/tb", "--resume", cwd=folder)
+    assert succeeded(resumed), said(resumed)
+    assert "resumed from step 2" in resumed.stdout, said(resumed)
+    assert len(list((run / "tensorboard").glob("events.out.tfevents.*"))) == 2
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    losses = [(e.step, e.value) for e in events.Scalars("train/loss")]
+    assert [step for step, _ in losses] == [1, 2, 3, 4], losses
+    assert [loss for _, loss in losses] == pytest.approx([m.loss for m in read_metrics(run)], rel=1e-6)

@@ -5,7 +5,11 @@ asks for them (`launch --tensorboard`, through torch's own `SummaryWriter`), and
 (`launch --wandb PROJECT`).
 
 A resumed or requeued job appends to the same TensorBoard folder: each start writes a new
-event file, and TensorBoard merges a folder's files by step. W&B sees one run for the whole run:
+event file, and TensorBoard merges a folder's files by step. A resume trains again the steps after
+its checkpoint, so each start marks its first step (`SummaryWriter`'s `purge_step`): TensorBoard
+hides what earlier starts wrote from that step on, and shows one trajectory, as metrics.jsonl's
+readers do. W&B's steps only go forward: there a step trained again keeps the values it was first
+logged with, and the start logs from the first step W&B has not seen. W&B sees one run for the whole run:
 its id is made at the first launch and kept in job.json, and every start (a resume, a requeue, a
 resize) resumes that W&B run (`resume="allow"`). Its files go under RUN/wandb/ (offline with
 WANDB_MODE=offline, synced later with `wandb sync`).
@@ -77,6 +81,7 @@ class StepMonitor:
         log_every: int,
         tensorboard: bool,
         wandb: tuple[str, str] | None = None,
+        first_step: int = 1,
     ) -> None:
         self.steps = steps
         self.log_every = log_every
@@ -85,7 +90,8 @@ class StepMonitor:
         if tensorboard and run_dir is not None:
             from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package (launch checks)
 
-            self.writer = SummaryWriter(log_dir=str(Path(run_dir) / TENSORBOARD_DIR))
+            purge = first_step if first_step > 1 else None  # a resume: what earlier starts wrote from here on is stale
+            self.writer = SummaryWriter(log_dir=str(Path(run_dir) / TENSORBOARD_DIR), purge_step=purge)
         if wandb is not None and run_dir is not None:
             import wandb as wandb_module  # the optional extra (launch checks)
 
@@ -103,7 +109,7 @@ class StepMonitor:
             for tag, value in scalars(line).items():
                 self.writer.add_scalar(tag, value, global_step=line.step, walltime=line.time_unix or None)
             self.writer.flush()  # a reader (or a kill) sees every step written
-        if self.wandb is not None:
+        if self.wandb is not None and line.step >= self.wandb.step:  # W&B drops, with a warning, steps below its own
             self.wandb.log(scalars(line), step=line.step)
 
     def close(self) -> None:

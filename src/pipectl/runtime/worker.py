@@ -304,7 +304,8 @@ class _Session:
         session.writer = MetricsWriter(job.run_dir, rank)
         if rank == 0:
             session.monitor = StepMonitor(
-                job.run_dir, job.steps, log_every=job.log_every, tensorboard=job.tensorboard, wandb=job.wandb
+                job.run_dir, job.steps, log_every=job.log_every, tensorboard=job.tensorboard, wandb=job.wandb,
+                first_step=session.step + 1,
             )
         session._start_checkpointer()
         # A recovery may restore a step whose checkpoint was abandoned: this layout has saved nothing.
