@@ -65,14 +65,16 @@ def run_quick_start(folder: Path) -> list[subprocess.CompletedProcess]:
 
 
 @pytest.mark.multiprocess
-def test_the_readme_quick_start_trains_resizes_and_resumes_from_anywhere(tmp_path):
+def test_the_readme_quick_start_trains_resizes_and_resumes_from_anywhere(tmp_path, monkeypatch):
     """The README's commands, typed in an empty directory with the model as `mine.yaml` by a
     relative path: they train, resize and report; then the run is resumed and inspected from
     another directory. (A relative model YAML used to be stored as given and every rank, which
-    starts in the run directory, failed to find it.)"""
-    work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
-    work.mkdir()
-    elsewhere.mkdir()
+    starts in the run directory, failed to find it.) No launch leaves a folder of its own in the temporary folder
+    (torchrun's default log folder used to be, at each launch)."""
+    work, elsewhere, temporary = tmp_path / "work", tmp_path / "elsewhere", tmp_path / "tmp"
+    for folder in (work, elsewhere, temporary):
+        folder.mkdir()
+    monkeypatch.setenv("TMPDIR", str(temporary))
     commands = quick_start()
     assert [argv[:2] for argv in commands if argv[0] == "pipectl"] == [
         ["pipectl", c] for c in ("profile", "plan", "simulate", "launch", "resize", "status")
@@ -97,6 +99,7 @@ def test_the_readme_quick_start_trains_resizes_and_resumes_from_anywhere(tmp_pat
     status = pipectl("status", "../work/runs/mine", "--json", cwd=elsewhere)
     assert succeeded(status), said(status)
     assert json.loads(status.stdout)["steps_done"] == trained + 2
+    assert not list(temporary.glob("torchelastic_*"))  # caches (torchinductor_USER) are shared, not left per launch
 
 
 @pytest.mark.multiprocess

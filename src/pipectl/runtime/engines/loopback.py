@@ -18,6 +18,7 @@ A server is bound by creating the socket here, bound to 127.0.0.1, and handing i
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
 from datetime import timedelta
@@ -78,6 +79,10 @@ def keep_stores_on_loopback() -> None:
 
 if __name__ == "__main__":
     keep_stores_on_loopback()
+    # torchrun's log folder holds nothing here (the ranks' output goes to the launch's log, and no
+    # rank writes torchelastic's error file); without one, every launch left an empty
+    # /tmp/torchelastic_* tree behind. os.devnull is torchrun's own "no log folder".
+    os.environ.setdefault("PET_LOG_DIR", os.devnull)
     from torch.distributed.run import main
 
     main()
