@@ -69,8 +69,8 @@ def test_the_readme_quick_start_trains_resizes_and_resumes_from_anywhere(tmp_pat
     """The README's commands, typed in an empty directory with the model as `mine.yaml` by a
     relative path: they train, resize and report; then the run is resumed and inspected from
     another directory. (A relative model YAML used to be stored as given and every rank, which
-    starts in the run directory, failed to find it.) No launch leaves a folder of its own in the temporary folder
-    (torchrun's default log folder used to be, at each launch)."""
+    starts in the run directory, failed to find it.) No launch leaves a folder of its own in the
+    temporary folder (torchrun's default log folder used to be, at each launch)."""
     work, elsewhere, temporary = tmp_path / "work", tmp_path / "elsewhere", tmp_path / "tmp"
     for folder in (work, elsewhere, temporary):
         folder.mkdir()
