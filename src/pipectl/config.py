@@ -151,16 +151,33 @@ class ConfigFile:
         return values
 
     def _beside(self, value: Any) -> Any:
-        """A relative path that names a file beside this one: absolute."""
-        if isinstance(value, str) and value and not Path(value).is_absolute():
-            beside = self.path.parent / value
-            return str(beside.resolve()) if beside.exists() else value
+        """A relative path, taken from this file's folder: absolute. A value that names nothing
+        there stays as it is only if it is no path at all (a shipped name, `package.module:function`,
+        `hf:NAME`): a path, or a name that is a file in the current directory, is the file's
+        folder's even when missing there, so that the error names where it was looked for, and a
+        file of the same name where the command happens to run is never taken instead."""
+        if not isinstance(value, str) or not value or Path(value).is_absolute():
+            return value
+        beside = (self.path.parent / value).resolve()
+        if beside.exists() or Path(value).exists() or (not _is_reference(value) and _looks_like_path(value)):
+            return str(beside)
         return value
 
     def where(self, model: type[BaseModel], name: str, sub: str | None = None) -> str:
         """How the file names a field: `job.toml [training] lr`."""
         field = next(f for f in option_fields(model) if f.name == name)
         return f"{self.path} [{field.section}] {sub or field.key}"
+
+
+def _is_reference(value: str) -> bool:
+    """`package.module:function` or `hf:NAME`: what a model or data field names besides files."""
+    return ":" in value
+
+
+def _looks_like_path(value: str) -> bool:
+    """`sub/mine.yaml`, `../tokens.bin`, `corpus.txt`: a folder in it, or a file's suffix (a
+    shipped name such as `gpt-tiny`, `local` or `gpt2-2.5b` has neither)."""
+    return "/" in value or os.sep in value or re.fullmatch(r"\.[A-Za-z][A-Za-z0-9]*", Path(value).suffix) is not None
 
 
 def read_config(path: str | os.PathLike[str], models: Iterable[type[BaseModel]]) -> ConfigFile:

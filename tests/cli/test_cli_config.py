@@ -71,6 +71,26 @@ def test_a_yaml_config_and_paths_relative_to_the_file(tmp_path, monkeypatch):
     assert job["data"]["path"] == str(tmp_path / "corpus.txt") and job["seed"] == 7
 
 
+def test_a_path_missing_beside_the_file_is_not_taken_from_where_the_command_runs(tmp_path, monkeypatch):
+    """A file of the same name in the current directory used to be taken silently in its place."""
+    plan = write_plan(tmp_path / "plan.json")
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "corpus.txt").write_text("hello pipectl " * 400)  # here, not beside the file
+    (tmp_path / "overlay.json").write_text('{"wall_clock_breakdown": false}')
+    monkeypatch.chdir(tmp_path)
+    for text, message in [
+        ('[data]\nsource = "corpus.txt"\n', f"'{tmp_path / 'conf' / 'corpus.txt'}'"),
+        ('[deepspeed]\noverlay = "overlay.json"\n', f"file not found: {tmp_path / 'conf' / 'overlay.json'}"),
+        ('[model]\nreference = "sub/mine.yaml"\n', f"model '{tmp_path / 'conf' / 'sub' / 'mine.yaml'}'"),
+    ]:
+        (tmp_path / "conf" / "job.toml").write_text(text)
+        result = invoke("launch", plan, "--run-dir", "run", "--dry-run", "--config", "conf/job.toml")
+        assert result.exit_code == 2 and message in result.output, result.output
+    # Names that are no paths stay names: a shipped model, a dataset function.
+    (tmp_path / "conf" / "job.toml").write_text('[model]\nreference = "gpt-tiny"\n[data]\nsource = "synthetic"\n')
+    assert dry_job(plan, tmp_path / "run", "--config", "conf/job.toml")["model"] == "gpt-tiny"
+
+
 @pytest.mark.parametrize(
     "text, message",
     [
