@@ -175,6 +175,13 @@ CASES = {
                                "runs.csv"),
     "calibrate a missing CSV": (lambda t: ["calibrate", str(t / "runs.csv"), "--conditions", _conditions(t)],
                                 "runs.csv"),
+    "a python file as the model": (lambda t: ["profile", "models/net.py"],
+                                   "models/net.py is a Python file, not a model YAML"),
+    "a python file as the model, its import path": (lambda t: ["profile", "models/net.py"], "models.net:FUNCTION"),
+    "a measured profile recorded as a GPU": (lambda t: ["profile", "mlp-tiny", "--device-kind", "a100-80gb"],
+                                             "--device-kind a100-80gb is a cuda device"),
+    "derive for two devices": (lambda t: ["profile", "gpt-tiny", "--derive", "--device", "a100-80gb", "--device-kind",
+                                          "h100-80gb"], "--device a100-80gb and --device-kind h100-80gb"),
     "links bad size": (lambda t: ["profile", "links", "--message-sizes", "1KiB,lots"], "lots"),
     "links bad device": (lambda t: ["profile", "links", "--device", "fpga"], "fpga"),
 }

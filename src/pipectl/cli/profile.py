@@ -126,7 +126,8 @@ def model_command(
         Optional[str],
         typer.Option(
             "--device-kind",
-            help="Catalog name of the device: what --derive models, or what a measured profile is recorded as.",
+            help="Catalog name of the device: what --derive models, or what a measured profile is recorded as (a "
+            "device of the kind it is measured on).",
         ),
     ] = None,
     dtype: Annotated[
@@ -198,6 +199,11 @@ def model_command(
     if calibration is not None and not derive:
         raise UserInputError(
             "--calibration applies to --derive only", hint="a measured profile is measured on the device itself"
+        )
+    if derive and device_kind is not None and device not in ("cpu", device_kind):
+        raise UserInputError(
+            f"--device {device} and --device-kind {device_kind} name two devices to derive for",
+            hint=f"give one of them: pipectl profile {model} --derive --device {device_kind} (or {device})",
         )
     if derive:
         profile = _derive(model, device_kind or device, sizes, dtype, attention or "flash", degrees, calibration)
@@ -294,6 +300,15 @@ def _measure(
     from pipectl.profile.measure import parse_dtype, profile_model, resolve_device, with_runtime_costs
 
     torch_device = resolve_device(device)  # before building: a bad device fails fast
+    recorded = load_catalog().get(device_kind) if device_kind is not None else None
+    if recorded is not None and recorded.accelerator != torch_device.type:
+        # Times measured here would be planned with as that device's: an A100 priced at a CPU's speed.
+        raise UserInputError(
+            f"--device-kind {device_kind} is a {recorded.accelerator} device, and this profile is measured on "
+            f"{torch_device.type}",
+            hint=f"measure on the device itself (--device cuda on its host), or derive its profile: pipectl profile "
+            f"{model} --derive --device {device_kind}",
+        )
     dtype = parse_dtype(dtype_text)
     if threads < 1:
         raise UserInputError(f"--threads must be at least 1, got {threads}")

@@ -33,6 +33,18 @@ from pipectl.paths import HF_PREFIX, factory_search_path, resolve_config
 
 def load_model_config(name_or_path: str | Path) -> ModelConfig:
     """A shipped model name (`gpt-tiny`) or a YAML path -> validated `ModelConfig`."""
+    path = Path(name_or_path)
+    if path.suffix == ".py":  # code is named by its import path, never read as a file (nor as YAML)
+        parts = path.with_suffix("").parts
+        if path.is_absolute() or ".." in parts:
+            hint = f"e.g. {path.stem}:FUNCTION, run from {path.parent}"
+        else:
+            hint = f"e.g. {'.'.join(p for p in parts if p != '.')}:FUNCTION from here"
+        raise UserInputError(
+            f"{name_or_path} is a Python file, not a model YAML: name the function that builds the model as "
+            "package.module:function",
+            hint=hint,
+        )
     return load_model(ModelConfig, resolve_config(name_or_path, "models"))
 
 
