@@ -134,6 +134,16 @@ def test_a_check_of_two_values_names_each_as_it_was_given(tmp_path, text, flags,
     assert not (tmp_path / "run").exists()
 
 
+def test_a_warm_up_longer_than_the_run_is_noted_not_refused(tmp_path):
+    """A first launch may be short and resumed with more steps (the warm-up counts from step 0)."""
+    plan = write_plan(tmp_path / "plan.json")
+    result = invoke("launch", plan, "--run-dir", tmp_path / "run", "--steps", "4", "--warmup-steps", "50", "--dry-run")
+    assert result.exit_code == 0, result.output
+    assert "note: the warm-up (50 steps) outlasts the 4 steps to train" in " ".join(result.output.split())
+    result = invoke("launch", plan, "--run-dir", tmp_path / "run", "--steps", "4", "--warmup-steps", "3", "--dry-run")
+    assert result.exit_code == 0 and "outlasts" not in result.output, result.output
+
+
 def test_plan_reads_its_sections_of_the_same_file(tmp_path):
     write_json_atomic(tmp_path / "profile.json", synthetic_profile(blocks=6, micro_batch_sizes=[1, 2, 4], device="cpu"))
     config = tmp_path / "job.toml"

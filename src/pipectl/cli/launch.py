@@ -178,6 +178,10 @@ def _launch(
         if prepared.defaults and not json_output
         else None
     )
+    warmup = prepared.job.training.warmup_steps
+    if warmup >= prepared.job.steps and not json_output:  # allowed: a later --resume --steps N may train on past it
+        err_console.print(f"note: the warm-up ({count(warmup, 'step')}) outlasts the {count(prepared.job.steps, 'step')} "
+                          "to train: the learning rate stays below its peak", highlight=False, markup=False)
     if prepared.job.node_groups and not json_output:
         console.print(placement_note(prepared.job.node_groups, prepared.hosts), soft_wrap=True, highlight=False, markup=False)
     if dry_run:
