@@ -228,6 +228,14 @@ def test_emit_devices_writes_the_morph_tables_layouts_into_their_folders(tmp_pat
     assert (tmp_path / "out" / "plan.json").is_file() and (tmp_path / "out" / "devices-1" / "torchtitan.toml").is_file()
     one = tomllib.loads((tmp_path / "out" / "devices-1" / "torchtitan.toml").read_text())
     assert one["parallelism"]["pipeline_parallel_degree"] == 1 and one["training"]["global_batch_size"] == 8
+    assert "note:" not in done.stdout
+    # A count whose best layout leaves devices idle says so (B = 8 does not split over 3 replicas).
+    done = pipectl("plan", "--profile", "p.json", "--cluster", "local", "--devices", "4", "--global-batch", "8",
+                   "--emit", "torchtitan", "--emit-devices", "3", "-o", "three", cwd=tmp_path)
+    assert done.returncode == 0, said(done)
+    assert "note: devices-3/ holds t1p1d2 1f1b b1 m4, on 2 of the 3 devices" in " ".join(done.stdout.split()), said(done)
+    done = pipectl("export-plan", "three/plan.json", "--to", "torchtitan", "-o", "again", "--devices", "3", cwd=tmp_path)
+    assert done.returncode == 0 and "on 2 of the 3 devices" in " ".join(done.stdout.split()), said(done)
 
 
 @pytest.mark.parametrize("dtype, doubled", [("float32", False), ("bfloat16", True)])

@@ -17,7 +17,7 @@ from pipectl.artifacts.profile import ModelProfile
 from pipectl.cli.context import JsonFlag, console, print_json
 from pipectl.cli.plan import parse_morph_counts
 from pipectl.cluster import plan_cluster_spec
-from pipectl.emit import emitted_files, emitted_layouts, write_files
+from pipectl.emit import emitted_files, emitted_layouts, fewer_devices_notes, write_files
 from pipectl.emit.common import GIB, layout_words
 from pipectl.errors import PipectlError, UserInputError
 from pipectl.io import load_model
@@ -39,8 +39,9 @@ def export_plan_command(
     plan = load_model(Plan, plan_file)
     counts, _ = parse_morph_counts(devices, "--devices", allow_all=False)
     profile = load_plan_profile(plan_file, plan)
-    emitted_layouts(plan, to, profile, counts,
-                    hint=lambda count, layout: _nearest(plan, plan_file, profile, to, count or plan.request.devices, layout))
+    layouts = emitted_layouts(plan, to, profile, counts,
+                              hint=lambda count, layout: _nearest(plan, plan_file, profile, to, count or plan.request.devices,
+                                                                  layout))
     if output.exists() and not output.is_dir():
         raise UserInputError(f"-o {output} is a file; give the folder to write into")
     written = write_files(output, emitted_files(plan, plan_file, to, devices=counts, profile=profile))
@@ -49,6 +50,8 @@ def export_plan_command(
         return
     for path in written:
         console.print(f"wrote {path}")
+    for note in fewer_devices_notes(plan, layouts):
+        console.print(note, highlight=False, soft_wrap=True)
 
 
 def _nearest(

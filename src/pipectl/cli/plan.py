@@ -22,7 +22,7 @@ from pipectl.cli.context import JsonFlag, console, from_options, print_json, ref
 from pipectl.cli.options import ConfigOption, file_layers, passed_flags, with_options
 from pipectl.cluster import calibrated_cluster, load_calibration_for, load_cluster, local_cluster
 from pipectl.config import Layer, given, layered, stored_layer
-from pipectl.emit import emitted_files, emitted_layouts, write_files
+from pipectl.emit import emitted_files, emitted_layouts, fewer_devices_notes, write_files
 from pipectl.errors import UserInputError
 from pipectl.io import check_output_file, load_model
 from pipectl.paths import given_file
@@ -314,8 +314,9 @@ def plan_command(
         if not request.morph and emit_counts:
             raise UserInputError("--emit-devices writes rows of the morph table, which --no-morph skips")
     made = plan(profiles[0], cluster_spec, request, kind_profiles=profiles[1:])
+    layouts = []
     if options.emit is not None:  # every layout to write is one the framework runs, before anything is written
-        emitted_layouts(made, options.emit, profiles[0], emit_counts)
+        layouts = emitted_layouts(made, options.emit, profiles[0], emit_counts)
     result, written = _write_plan_files(output, made, options, profile, profiles[0], emit_counts, (read_cluster, calibration))
     if as_json:
         _print_plan_json(result, profiles[0], written)
@@ -324,6 +325,8 @@ def plan_command(
         plan_view(result, top=options.top, profile=profiles[0], every_candidate=options.include_all, full_morph=options.full_morph)
     )
     console.print(f"wrote {', '.join(map(str, [output, *written]))}", style="dim")
+    for note in fewer_devices_notes(result, layouts):
+        console.print(note, highlight=False, soft_wrap=True)
 
 
 def register(app: typer.Typer) -> None:

@@ -65,6 +65,17 @@ def emitted_layouts(
     return layouts
 
 
+def fewer_devices_notes(plan: Plan, layouts: Sequence[tuple[int | None, Candidate]]) -> list[str]:
+    """A line for each `devices-N/` whose layout runs on fewer than N devices: the best layout that
+    keeps the global batch need not use them all, and the folder's name alone would say it does."""
+    return [
+        f"note: devices-{count}/ holds {short_label(candidate)}, on {candidate.devices} of the {count} devices: the "
+        f"best layout that keeps B = {plan.global_batch}"
+        for count, candidate in layouts
+        if count is not None and candidate.devices != count
+    ]
+
+
 def emitted_files(
     plan: Plan, plan_file: str | Path, framework: Framework, *, devices: Sequence[int] = (),
     profile: ModelProfile | None = None,
