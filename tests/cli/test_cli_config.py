@@ -144,6 +144,16 @@ def test_a_warm_up_longer_than_the_run_is_noted_not_refused(tmp_path):
     assert result.exit_code == 0 and "outlasts" not in result.output, result.output
 
 
+def test_a_cluster_without_the_plans_devices_is_refused_not_recorded(tmp_path):
+    """launch --cluster used to record a GPU cluster's name for a CPU plan and run it locally anyway."""
+    plan = write_plan(tmp_path / "plan.json")
+    result = invoke("launch", plan, "--run-dir", tmp_path / "run", "--cluster", "a100-8x8", "--dry-run")
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert "--cluster a100-8x8: cluster 'a100-8x8' has no cpu devices, which the plan runs on" in " ".join(
+        result.output.split()), result.output
+    assert dry_job(plan, tmp_path / "run", "--cluster", "local")["engine"] == "local"
+
+
 def test_plan_reads_its_sections_of_the_same_file(tmp_path):
     write_json_atomic(tmp_path / "profile.json", synthetic_profile(blocks=6, micro_batch_sizes=[1, 2, 4], device="cpu"))
     config = tmp_path / "job.toml"

@@ -297,7 +297,16 @@ def plan_cluster(plan: Plan, asked: str | None) -> ClusterSpec | None:
     """The cluster the job runs on: `--cluster` if given, else the plan's (None if that cannot be
     read here: a YAML path from another machine)."""
     if asked is not None:
-        return load_cluster(asked)
+        cluster = load_cluster(asked)
+        missing = sorted(set(plan.chosen.replica_kinds) - set(cluster.device_kinds))
+        if missing:  # the job would run, and be recorded, on a cluster that has none of its devices
+            raise UserInputError(
+                f"--cluster {asked}: cluster '{cluster.name}' has no {' or '.join(missing)} devices, which the plan "
+                f"runs on (it was made for '{plan.cluster}')",
+                hint="leave --cluster out to run on the plan's cluster, or re-plan for this one: pipectl plan --cluster "
+                f"{asked} ...",
+            )
+        return cluster
     try:
         return plan_cluster_spec(plan)
     except PipectlError:
