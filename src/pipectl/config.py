@@ -333,6 +333,7 @@ def _shown(value: Any, *, bare: bool = False) -> str:
     if isinstance(value, bool):
         return str(value).lower()  # as the file wrote it
     value = value.value if isinstance(value, Enum) else value
+    value = os.fspath(value) if isinstance(value, os.PathLike) else value  # a path flag: as typed, not PosixPath(...)
     if bare and isinstance(value, (list, tuple)):  # a comma list flag: `--hosts n1,n2`
         value = ",".join(map(str, value))
     shown = value if bare and isinstance(value, str) else repr(value)

@@ -154,6 +154,13 @@ def test_a_cluster_without_the_plans_devices_is_refused_not_recorded(tmp_path):
     assert dry_job(plan, tmp_path / "run", "--cluster", "local")["engine"] == "local"
 
 
+def test_a_refused_path_flag_is_named_as_typed(tmp_path, monkeypatch):
+    plan = write_plan(tmp_path / "plan.json")
+    monkeypatch.chdir(tmp_path)
+    result = invoke("launch", plan, "--run-dir", "run", "--ds-config-overlay", "nope.json", "--dry-run")
+    assert result.exit_code == 2 and "--ds-config-overlay 'nope.json': file not found" in result.output, result.output
+
+
 def test_plan_reads_its_sections_of_the_same_file(tmp_path):
     write_json_atomic(tmp_path / "profile.json", synthetic_profile(blocks=6, micro_batch_sizes=[1, 2, 4], device="cpu"))
     config = tmp_path / "job.toml"
