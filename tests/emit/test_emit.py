@@ -13,6 +13,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -91,6 +92,10 @@ def test_emitted_files_match_their_golden_copies(emitted, shape, framework):
             golden.write_text(text)
         assert without_hashes(text) == without_hashes(golden.read_text()), (
             f"{name} of {shape} differs from {golden} (PIPECTL_UPDATE_GOLDEN=1 rewrites it)")
+        if name.endswith(".sh"):  # sourced by a user's launch script: shellcheck has nothing to say of it
+            shellcheck = shutil.which("shellcheck") or str(Path(sys.executable).parent / "shellcheck")
+            checked = subprocess.run([shellcheck, folder / name], capture_output=True, text=True)
+            assert checked.returncode == 0, checked.stdout
         if name.endswith(".json"):
             continue  # plain JSON: its provenance is in the other file's header
         provenance = PROVENANCE.search(text)

@@ -33,6 +33,9 @@ def megatron_files(target: Target) -> dict[str, str]:
     model, parallel = model_arguments(target), parallel_arguments(target)
     c = target.candidate
     lines = [
+        # Sourced, never run: no shebang. The directives tell shellcheck its shell, and that the
+        # variables it sets are for the script that sources it (SC2034, "appears unused").
+        "# shellcheck shell=bash disable=SC2034",
         header(target, Framework.MEGATRON, differences(target)),
         "# Source this file in a Megatron-LM launch script, then pass the array to pretrain_gpt.py:",
         '#   torchrun --nnodes "$PIPECTL_NODES" --nproc-per-node "$PIPECTL_GPUS_PER_NODE" ... pretrain_gpt.py \\',

@@ -1,4 +1,5 @@
-# pipectl 0.1.0: Megatron-LM settings for plan gpt3-175b-megatron/plan.json (sha256 ee6979e2898c), profile profile-3cabdcec96e7.json
+# shellcheck shell=bash disable=SC2034
+# pipectl 0.1.0: Megatron-LM settings for plan gpt3-175b-megatron/plan.json (sha256 c455707960b1), profile profile-3cabdcec96e7.json
 # model gpt3-175b, global batch 1536, cluster a100-384x8
 # layout t4p16d48 interleaved b1 m32 v4 ZeRO-1 on 3072 x a100-80gb (384 nodes of 8): predicted 7.136 s/step, peak 70.4 GiB per device
 #

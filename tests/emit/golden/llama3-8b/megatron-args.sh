@@ -1,4 +1,5 @@
-# pipectl 0.1.0: Megatron-LM settings for plan llama3-8b-megatron/plan.json (sha256 e9490c43bab3), profile profile-64c365a94447.json
+# shellcheck shell=bash disable=SC2034
+# pipectl 0.1.0: Megatron-LM settings for plan llama3-8b-megatron/plan.json (sha256 7614fd69a179), profile profile-64c365a94447.json
 # model llama3-8b, global batch 512, cluster a100-8x8
 # layout t1p2d32 interleaved b1 m16 v4 ZeRO-1 on 64 x a100-80gb (8 nodes of 8): predicted 8.938 s/step, peak 52.9 GiB per device
 #
