@@ -74,7 +74,8 @@ def register(app: typer.Typer) -> None:
             typer.Option(
                 "--print-config",
                 help="Print the effective options (defaults, the run's on --resume, --config, flags) as a commented "
-                "TOML config file, and exit: nothing is checked, written or started.",
+                "TOML config file, and exit: each value is checked, nothing is written or started (--dry-run checks "
+                "the job too).",
             ),
         ] = False,
         dry_run: Annotated[
