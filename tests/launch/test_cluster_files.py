@@ -365,8 +365,11 @@ def test_hosts_are_named_once_each_and_none_blank():
     assert parse_hosts("n1, n2") == ["n1", "n2"]
     with pytest.raises(ValueError, match="names a twice"):
         parse_hosts("a,a")
-    with pytest.raises(ValueError, match="empty or blank entry"):
+    with pytest.raises(ValueError, match="an empty entry"):
         parse_hosts("a,,b")
+    with pytest.raises(ValueError, match="'a;b c' is not a host name"):
+        parse_hosts("a;b c,d")
+    assert parse_hosts("node-1.cluster,node_2,fe80::1") == ["node-1.cluster", "node_2", "fe80::1"]
 
 
 def _shellcheck(scripts: list[Path]) -> None:

@@ -109,8 +109,14 @@ def parse_hosts(text: str) -> list[str]:
     ['n1', 'n2']
     """
     hosts = [h.strip() for h in text.split(",")] if isinstance(text, str) else [str(h) for h in text]
-    if any(not h or any(c.isspace() for c in h) for h in hosts):
-        raise OptionValueError("an empty or blank entry", hint="give host names separated by commas")
+    if any(not h for h in hosts):
+        raise OptionValueError("an empty entry", hint="give host names separated by commas")
+    # A host name or address: letters, digits, '.', '-', '_' (and ':' of an IPv6 address); it goes
+    # into launch commands and hostfiles, where a blank or a ';' would mean something else.
+    odd = next((h for h in hosts if not re.fullmatch(r"[A-Za-z0-9._:-]+", h)), None)
+    if odd is not None:
+        raise OptionValueError(f"{odd!r} is not a host name (letters, digits, '.', '-', '_')",
+                               hint="give host names separated by commas")
     repeated = next((h for i, h in enumerate(hosts) if h in hosts[:i]), None)
     if repeated is not None:
         raise OptionValueError(f"names {repeated} twice: one entry per node", hint="a node's ranks are its slots, not repeated names")
