@@ -375,8 +375,10 @@ def master_address(options: LaunchOptions, nodes: int) -> str:
     if options.hosts:
         return options.hosts[0] if nodes > 1 or options.elastic or options.engine is Engine.DEEPSPEED else "127.0.0.1"
     if nodes > 1 or options.elastic:
+        job = (f"an elastic {options.engine.value} job ({options.elastic.min_nodes}:{options.elastic.max_nodes} nodes)"
+               if options.elastic else f"a {options.engine.value} job on {count(nodes, 'node')}")
         raise UserInputError(
-            f"a {options.engine.value} job on {count(nodes, 'node')} needs its rendezvous head: no --master-addr, "
+            f"{job} needs its rendezvous head: no --master-addr, "
             "--hosts or --hostfile was given and launch does not run inside a Slurm allocation",
             hint="pass --master-addr NODE (the first node, where the rendezvous runs), --hosts n1,n2,... or "
             "--hostfile FILE; or use --engine slurm",
@@ -402,7 +404,8 @@ def check_hostfile_slots(options: LaunchOptions, ranks_per_node: int) -> None:
     if wrong:
         host, slots = wrong[0]
         raise UserInputError(
-            f"{given(options, 'hostfile')} gives {host} slots={slots}; the plan runs {ranks_per_node} ranks on each node",
+            f"{given(options, 'hostfile')} gives {host} slots={slots}; the plan runs {count(ranks_per_node, 'rank')} on "
+            "each node",
             hint=f"give every node slots={ranks_per_node}",
         )
 
