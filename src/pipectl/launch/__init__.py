@@ -370,7 +370,7 @@ def master_address(options: LaunchOptions, nodes: int) -> str:
     the launch is refused: this host's own name would let every node rendezvous with itself."""
     if options.master_addr:
         return options.master_addr
-    if options.engine is Engine.SLURM or (options.engine is Engine.DEEPSPEED and not options.hosts):
+    if options.engine is Engine.SLURM or (options.engine is Engine.DEEPSPEED and not options.hosts and nodes > 1):
         return ""  # the script asks scontrol; DeepSpeed's launcher refuses without its hosts (`deepspeed_command`)
     if options.hosts:
         return options.hosts[0] if nodes > 1 or options.elastic or options.engine is Engine.DEEPSPEED else "127.0.0.1"
