@@ -26,6 +26,29 @@ VARIABLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 SLURM_TIME = re.compile(r"\d+(:\d{1,2}){0,2}|\d+-\d{1,2}(:\d{1,2}){0,2}|unlimited|infinite", re.IGNORECASE)
 
 
+def slurm_time_seconds(value: str) -> int | None:
+    """The time limit an sbatch `--time` value gives, in seconds; None for no limit. Slurm counts
+    whole minutes, rounding seconds up, and takes 0 for no limit (sbatch(1), "--time").
+
+        >>> [slurm_time_seconds(v) for v in ("1", "1:30", "1:00:00", "2-0", "2-03:04", "1-0:0:1", "0", "UNLIMITED")]
+        [60, 120, 3600, 172800, 183840, 86460, None, None]
+    """
+    if not SLURM_TIME.fullmatch(value):
+        raise ValueError(f"{value!r} is not a Slurm time")
+    if value.isalpha():  # unlimited, infinite
+        return None
+    days, _, clock = value.rpartition("-")
+    parts = [int(part) for part in clock.split(":")]
+    if days:  # days-hours[:minutes[:seconds]]
+        hours, minutes, seconds = (parts + [0, 0])[:3]
+    elif len(parts) == 3:  # hours:minutes:seconds
+        hours, minutes, seconds = parts
+    else:  # minutes[:seconds]
+        hours, (minutes, seconds) = 0, (parts + [0])[:2]
+    total_minutes = (int(days or 0) * 24 + hours) * 60 + minutes + (1 if seconds else 0)
+    return total_minutes * 60 or None
+
+
 class LinkSpec(Strict):
     """Link figures that override the device catalog, or a links.json to read them from."""
 

@@ -36,7 +36,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipectl.artifacts.cluster import SlurmSpec
+from pipectl.artifacts.cluster import SlurmSpec, slurm_time_seconds
 from pipectl.artifacts.run import (
     HOSTFILE,
     LOGS_DIR,
@@ -304,6 +304,8 @@ def slurm_script(
     cpus_per_rank = slurm.cpus_per_rank or (8 if gpus else 1)
     cpus_per_task = job.ranks_per_node * cpus_per_rank
     signal_seconds = slurm.signal_seconds or SlurmSpec.DEFAULT_SIGNAL_SECONDS
+    for spec in [slurm, *(components or [])]:
+        _check_signal_before_time_limit(spec.time, signal_seconds)
     requeue_limit = SlurmSpec.DEFAULT_REQUEUE_LIMIT if slurm.requeue_limit is None else slurm.requeue_limit
 
     def sbatch(option: str, value: str | None, example: str, flag: str = "") -> str:
@@ -398,6 +400,20 @@ def slurm_script(
         'exit $(( status ? status : 1 ))',
     ]  # fmt: skip
     return "\n".join(lines) + "\n"
+
+
+def _check_signal_before_time_limit(time: str | None, signal_seconds: int) -> None:
+    """Refuse a signal lead time not shorter than the time limit: Slurm would signal the job as it
+    starts or never (the limit comes first), and the ranks would stop at once or be killed without
+    a checkpoint. The value is checked here, where the cluster file and launch's flags have met."""
+    limit = slurm_time_seconds(time) if time else None
+    if limit is not None and signal_seconds >= limit:
+        raise UserInputError(
+            f"the Slurm time limit {time} ({limit} s; Slurm counts whole minutes) is not longer than the signal lead "
+            f"time {signal_seconds} s (slurm.signal_seconds, default {SlurmSpec.DEFAULT_SIGNAL_SECONDS})",
+            hint=f"give a time limit longer than {signal_seconds} s (launch --time-limit, slurm.time) or a shorter "
+            "slurm.signal_seconds",
+        )
 
 
 def _slurm_rank_environment(job: JobSpec, slurm: SlurmSpec, gpus: bool) -> dict[str, str]:
