@@ -30,14 +30,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from pipectl.artifacts.cluster import ClusterSpec, SlurmSpec
 from pipectl.artifacts.layout import layout_label
 from pipectl.artifacts.morph import MorphRecord, MorphTrigger
 from pipectl.artifacts.plan import Candidate, Plan
 from pipectl.artifacts.run import HOSTFILE, Engine, JobSpec, ResumeRecord
-from pipectl.errors import CheckpointError, UserInputError
+from pipectl.errors import CheckpointError, PipectlError, UserInputError
 from pipectl.launch.engines import LaunchCommand, build_command, submit_slurm
 from pipectl.launch.supervise import run_engine
-from pipectl.launch import run_training
+from pipectl.launch import job_node_type, plan_cluster, run_training, slurm_settings
 from pipectl.rundir.lock import RunLock, lock_run_dir
 from pipectl.rundir.run import check_steps_beyond_trained, newest_complete_checkpoint
 from pipectl.launch.prepare import read_run
@@ -85,6 +86,7 @@ class ResizeDecision:
     # (ranks, layout label) of the newest step in metrics.jsonl: what the run last trained on, which
     # `previous` (its plan) is not after a relaunch that failed before its first step.
     trained: tuple[int, str] | None = None
+    nodes: int | None = None  # the nodes the new layout runs on (`resized_nodes`); None: the job's
 
     @property
     def candidate(self) -> Candidate:
@@ -153,6 +155,12 @@ def decide_resize(
             notes.append("no straggler found")
     choice = choose_candidate(files.plan, usable, replan=replanner(files.plan, files.path) if replan else None)
     notes += choice.notes
+    # Refused here, before anything is stopped or locked, so that a dry run refuses it too.
+    nodes = resized_nodes(job, choice.candidate, run_cluster(files.plan, job) if job.engine is Engine.SLURM else None)
+    if nodes != job.nodes and job.engine is Engine.SLURM:
+        per_node = choice.candidate.devices // nodes
+        notes.append(f"the Slurm job is written anew for {nodes} nodes x {per_node} ranks "
+                     f"(was {job.nodes} x {job.ranks_per_node})")  # fmt: skip
     check_steps_beyond_trained(files.path, target_steps, job.steps, given=steps is not None, metrics=metrics)
     last = newest_step(metrics)
     return ResizeDecision(
@@ -169,7 +177,48 @@ def decide_resize(
         excluded_ranks=excluded,
         notes=notes,
         trained=(last.world_size, last.layout) if last is not None and last.layout else None,
+        nodes=nodes,
     )
+
+
+def run_cluster(plan: Plan, job: JobSpec) -> ClusterSpec | None:
+    """The cluster the run was launched for: its `--cluster`, else the plan's (None if neither can be
+    read here)."""
+    asked = (job.options or {}).get("cluster", {}).get("name")
+    try:
+        return plan_cluster(plan, asked)
+    except PipectlError:  # a --cluster file moved since the launch: the plan's own copy
+        return plan_cluster(plan, None)
+
+
+def resized_nodes(job: JobSpec, candidate: Candidate, cluster: ClusterSpec | None) -> int:
+    """The nodes the new layout runs on. A Slurm job is submitted anew, so it asks for as many
+    nodes as the new layout fills, as `launch` counts them (`launch.job_nodes`): its devices over
+    the devices per node of the cluster's node type (the job's ranks per node where the cluster is
+    not readable). Other engines keep their nodes (named hosts, an elastic range); the local engine
+    runs one. Raises `UserInputError` when the ranks cannot be spread evenly."""
+    world = candidate.devices
+    if job.engine is Engine.LOCAL:
+        return 1
+    if job.engine is not Engine.SLURM or job.elastic is not None:
+        if world % job.nodes:
+            raise UserInputError(
+                f"the new layout's {world} ranks cannot be split evenly over the job's {job.nodes} nodes",
+                hint="resize to a multiple of the node count",
+            )
+        return job.nodes
+    kinds = cluster.nodes_of_kind(candidate.device) if cluster is not None else []
+    per_node = max((n.devices_per_node for n in kinds), default=job.ranks_per_node)
+    nodes = -(-world // per_node)
+    if world % nodes:
+        fewer, more = world // per_node * per_node, nodes * per_node
+        raise UserInputError(
+            f"the new layout's {world} ranks ({layout_label(candidate)}) cannot be spread evenly over the "
+            f"{nodes} nodes of {per_node} devices they need",
+            hint=f"resize to a device count that fills whole nodes, e.g. --devices {more}"
+            + (f" or {fewer}" if fewer else ""),
+        )
+    return nodes
 
 
 # --------------------------------------------------------------------------- rewriting the run
@@ -196,15 +245,11 @@ def resized_plan(plan: Plan, choice: LayoutChoice) -> Plan:
     return Plan.model_validate(data)
 
 
-def resized_job(job: JobSpec, candidate: Candidate, target_steps: int) -> JobSpec:
-    """job.json for the new layout: world size, ranks per node and total steps."""
+def resized_job(job: JobSpec, candidate: Candidate, target_steps: int, nodes: int | None = None) -> JobSpec:
+    """job.json for the new layout: world size, nodes (`resized_nodes` unless given), ranks per
+    node and total steps."""
     world = candidate.devices
-    nodes = 1 if job.engine is Engine.LOCAL else job.nodes
-    if world % nodes:
-        raise UserInputError(
-            f"the new layout's {world} ranks cannot be split evenly over the job's {nodes} nodes",
-            hint="resize to a multiple of the node count",
-        )
+    nodes = resized_nodes(job, candidate, None) if nodes is None else nodes
     port = free_port() if job.master_addr in LOOPBACK else job.master_port
     data = job.model_dump()
     every = min(job.checkpoint_every, target_steps)
@@ -218,6 +263,8 @@ def resized_job(job: JobSpec, candidate: Candidate, target_steps: int) -> JobSpe
     )
     if data["options"]:  # the stored options a resume reads back train to the new total too
         data["options"].setdefault("training", {})["steps"] = target_steps
+        if data["options"].get("cluster", {}).get("nodes"):  # and run on the new layout's nodes
+            data["options"]["cluster"]["nodes"] = nodes
         if str(data["options"].get("checkpoint", {}).get("every", "")).isdigit():
             data["options"]["checkpoint"]["every"] = str(every)
     return JobSpec.model_validate(data)
@@ -257,9 +304,14 @@ def prepare_relaunch(decision: ResizeDecision) -> PreparedRelaunch:
     Nothing is written."""
     files = read_run(decision.run_dir)
     plan = resized_plan(files.plan, decision.choice)
-    job = resized_job(files.job, decision.candidate, decision.target_steps)
+    job = resized_job(files.job, decision.candidate, decision.target_steps, decision.nodes)
     ds_config = resized_ds_config(plan, job, files.ds_config)
-    command = build_command(job, files.path, hosts=hosts_of(files.path))
+    slurm = None
+    if job.engine is Engine.SLURM:  # the script `launch` wrote, with the cluster file's and launch's settings
+        cluster = run_cluster(plan, job)
+        stored = SlurmSpec.model_validate((job.options or {}).get("slurm", {}))
+        slurm = slurm_settings(cluster, stored, job_node_type(plan, cluster))
+    command = build_command(job, files.path, hosts=hosts_of(files.path), slurm=slurm)
     return PreparedRelaunch(plan, job, ds_config, command)
 
 
