@@ -115,8 +115,9 @@ def test_existing_run_is_not_clobbered_without_resume_or_force(tmp_path):
     fake_checkpoint(run, 4)
     prepare_launch(tiny_plan(), run, LaunchOptions(steps=9, resume=True))
     assert (run / "metrics.jsonl").is_file() and read_run(run).job.steps == 9
-    prepare_launch(tiny_plan(), run, LaunchOptions(steps=5, force=True))
+    forced = prepare_launch(tiny_plan(), run, LaunchOptions(steps=5, force=True))
     assert not (run / "metrics.jsonl").exists()
+    assert forced.forced_away == f"{run} (0 steps trained, 1 checkpoint, the newest at step 4)"  # launch says it
 
 
 def test_foreign_folder_and_bad_flags_are_refused(tmp_path):

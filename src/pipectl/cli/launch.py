@@ -179,6 +179,9 @@ def _launch(
         if prepared.defaults and not json_output
         else None
     )
+    if prepared.forced_away and not json_output:  # nothing of a run goes without a word
+        err_console.print(f"--force {'would delete' if dry_run else 'deleted'} the run in {prepared.forced_away}",
+                          highlight=False, markup=False, soft_wrap=True)
     warmup = prepared.job.training.warmup_steps
     if warmup >= prepared.job.steps and not json_output:  # allowed: a later --resume --steps N may train on past it
         err_console.print(f"note: the warm-up ({count(warmup, 'step')}) outlasts the {count(prepared.job.steps, 'step')} "

@@ -36,7 +36,7 @@ from pipectl.launch.engines import LaunchCommand, allocation_hosts, build_comman
 from pipectl.launch.supervise import run_engine
 from pipectl.launch.placement import compute_slowdowns, node_groups, plan_accelerator, plan_kinds
 from pipectl.rundir.lock import RunLock, lock_run_dir
-from pipectl.launch.prepare import check_run_dir, prepare_run_dir, write_run_files
+from pipectl.launch.prepare import check_run_dir, forced_away, prepare_run_dir, write_run_files
 from pipectl.rundir.run import is_run_dir
 from pipectl.launch.prepare import read_run
 from pipectl.rundir.checkpoints import recover_staged, resume_point
@@ -162,6 +162,7 @@ class PreparedLaunch:
     hosts: list[str] | None = None  # DeepSpeed's hostfile, in order
     busier: str | None = None  # the host is much busier or quieter than when profiled (`cluster.busier_note`)
     defaults: list[str] = field(default_factory=list)  # the settings launch chose, unasked (`resolve_defaults`)
+    forced_away: str | None = None  # the run --force deletes (deleted, unless a dry run): `prepare.forced_away`
 
 
 def check_model(plan: Plan, model_reference: str) -> None:
@@ -665,6 +666,7 @@ def prepare_launch(
                 hint="start over deliberately with --force",
             )
         job = check_resume_contract(path, plan, job, options)
+        replaced = forced_away(path) if options.force else None
         if write:
             prepare_run_dir(path, resume=options.resume, force=options.force)
             write_run_files(path, plan=plan, job=job, ds_config=ds_config, command=command, plan_dir=plan_dir)
@@ -674,4 +676,4 @@ def prepare_launch(
         raise
     busier = busier_note(profile.host if profile is not None else None, job.host_at_launch)
     _, defaults = resolve_defaults(options, at_scale=at_scale(job.nodes, job.accelerator), what="")  # build_job checked it
-    return PreparedLaunch(path, plan, job, ds_config, command, lock, options.hosts, busier, defaults)
+    return PreparedLaunch(path, plan, job, ds_config, command, lock, options.hosts, busier, defaults, replaced)

@@ -35,7 +35,10 @@ from pipectl.io import write_json_atomic
 from pipectl.launch.engines import LaunchCommand, launch_script
 from pipectl.planfile import copy_plan
 from pipectl.launch.options import check_stored_options
+from pipectl.rundir.checkpoints import list_checkpoints
+from pipectl.rundir.metrics import read_metrics
 from pipectl.rundir.run import RunFiles, check_name_lengths, is_run_dir, read_run_files
+from pipectl.words import count
 
 
 def prepare_run_dir(run_dir: str | os.PathLike[str], *, resume: bool = False, force: bool = False) -> Path:
@@ -60,6 +63,18 @@ def prepare_run_dir(run_dir: str | os.PathLike[str], *, resume: bool = False, fo
     (path / LOGS_DIR).mkdir(exist_ok=True)
     (path / CHECKPOINTS_DIR).mkdir(exist_ok=True)
     return path
+
+
+def forced_away(run_dir: Path) -> str | None:
+    """What `--force` deletes in `run_dir`, in words: 'runs/x (12 steps trained, 3 checkpoints, the
+    newest at step 12)'; None when no run is there."""
+    if not is_run_dir(run_dir):
+        return None
+    metrics = read_metrics(run_dir)
+    kept = [info for info in list_checkpoints(run_dir) if info.verified]
+    newest = f", the newest at step {kept[-1].step}" if kept and kept[-1].step is not None else ""
+    trained = max((m.step for m in metrics), default=0)
+    return f"{run_dir} ({count(trained, 'step')} trained, {count(len(kept), 'checkpoint')}{newest})"
 
 
 def check_run_dir(run_dir: str | os.PathLike[str], *, resume: bool = False, force: bool = False) -> Path:
