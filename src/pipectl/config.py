@@ -194,11 +194,15 @@ def read_config(path: str | os.PathLike[str], models: Iterable[type[BaseModel]])
     known = known_keys(models)
     if not isinstance(data, dict):
         raise UserInputError(f"{path} must hold sections ([training], [cluster], ...), found {type(data).__name__}")
+    toml = path.suffix.lower() == ".toml"
     for section, keys in data.items():
+        if not isinstance(keys, dict) and section in known:  # a section's name given a value, not its keys
+            example = f"[{section}] with KEY = VALUE lines" if toml else f"{section}: then indented KEY: VALUE lines"
+            raise UserInputError(f"{path}: section {section} holds {keys!r}, not keys", hint=f"write {example}")
         if not isinstance(keys, dict):
-            homes = [f"[{name}]" for name, names in known.items() if section in names]
+            homes = [f"[{name}]" if toml else f"{name}:" for name, names in known.items() if section in names]
             raise UserInputError(
-                f"{path}: {section} = {keys!r} is outside any section, and keys go in tables",
+                f"{path}: {section} = {keys!r} is outside any section, and every key goes in one",
                 hint=f"put it under {' or '.join(homes)}" if homes else f"sections: {', '.join(f'[{s}]' for s in known)}",
             )
         if section not in known:
