@@ -18,7 +18,8 @@ from pipectl.cli.context import JsonFlag, console, print_json
 from pipectl.cli.plan import parse_morph_counts
 from pipectl.cluster import plan_cluster_spec
 from pipectl.emit import emitted_files, emitted_layouts, fewer_devices_notes, write_files
-from pipectl.emit.common import GIB, layout_words
+from pipectl.emit.common import layout_words
+from pipectl.report.tables import format_bytes
 from pipectl.errors import PipectlError, UserInputError
 from pipectl.io import load_model
 from pipectl.plan.frameworks import framework_request, space_of
@@ -76,7 +77,7 @@ def _nearest(
     c = nearest.chosen
     return (
         f"nearest it runs: {layout_words(c)}, {c.predicted_step_seconds:.4g} s/step against "
-        f"{layout.predicted_step_seconds:.4g}, peak {max(c.peak_memory_bytes) / GIB:.1f} GiB; write it with "
+        f"{layout.predicted_step_seconds:.4g}, peak {format_bytes(max(c.peak_memory_bytes))}; write it with "
         f"`pipectl plan ... --emit {framework.value}`"
     )
 
