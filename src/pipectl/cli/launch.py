@@ -161,6 +161,19 @@ def _planned_words(value: object) -> str:
     return "(unset)" if value is None else toml_value(getattr(value, "value", value))
 
 
+def _say_before_starting(prepared: PreparedLaunch, dry_run: bool) -> None:
+    """What the launch deleted, what it may not want, and where the ranks go, before the job starts."""
+    if prepared.forced_away:  # nothing of a run goes without a word
+        err_console.print(f"--force {'would delete' if dry_run else 'deleted'} the run in {prepared.forced_away}",
+                          highlight=False, markup=False, soft_wrap=True)
+    warmup = prepared.job.training.warmup_steps
+    if warmup >= prepared.job.steps:  # allowed: a later --resume --steps N may train on past it
+        err_console.print(f"note: the warm-up ({count(warmup, 'step')}) outlasts the {count(prepared.job.steps, 'step')} "
+                          "to train: the learning rate stays below its peak", highlight=False, markup=False)
+    if prepared.job.node_groups:
+        console.print(placement_note(prepared.job.node_groups, prepared.hosts), soft_wrap=True, highlight=False, markup=False)
+
+
 def _launch(
     prepared: PreparedLaunch, plan_path: Path, run_dir: Path, *, timeout: float | None, dry_run: bool, json_output: bool
 ) -> None:
@@ -179,15 +192,8 @@ def _launch(
         if prepared.defaults and not json_output
         else None
     )
-    if prepared.forced_away and not json_output:  # nothing of a run goes without a word
-        err_console.print(f"--force {'would delete' if dry_run else 'deleted'} the run in {prepared.forced_away}",
-                          highlight=False, markup=False, soft_wrap=True)
-    warmup = prepared.job.training.warmup_steps
-    if warmup >= prepared.job.steps and not json_output:  # allowed: a later --resume --steps N may train on past it
-        err_console.print(f"note: the warm-up ({count(warmup, 'step')}) outlasts the {count(prepared.job.steps, 'step')} "
-                          "to train: the learning rate stays below its peak", highlight=False, markup=False)
-    if prepared.job.node_groups and not json_output:
-        console.print(placement_note(prepared.job.node_groups, prepared.hosts), soft_wrap=True, highlight=False, markup=False)
+    if not json_output:
+        _say_before_starting(prepared, dry_run)
     if dry_run:
         if json_output:
             print_json({**described, "files": files})
