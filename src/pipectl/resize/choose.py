@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Literal
 
-from pipectl.artifacts.plan import Candidate, MorphEntry, Plan
+from pipectl.artifacts.plan import Candidate, MorphEntry, Plan, PlanRequest
 from pipectl.artifacts.run import PLAN_FILE
 from pipectl.cluster import local_cluster, plan_cluster_file
 from pipectl.errors import InfeasibleError, UserInputError
@@ -155,9 +155,9 @@ def replan_for_devices(plan: Plan, devices: int, *, plan_dir: Path) -> MorphEntr
     request = plan.request.model_copy(update={"devices": devices})
     # Degrees pinned for more devices than the resize leaves cannot hold; the global batch can: the
     # job moves without them, and says so.
-    pinned = {name: getattr(request, name) for name in PINNED_DEGREES if getattr(request, name)}
+    pinned = pins_beyond(request, devices)
     unpinned = ""
-    if math.prod(pinned.values()) > devices:
+    if pinned:
         request = request.model_copy(update={name: None for name in pinned})
         unpinned = (f"the plan pinned {', '.join(f'{PINNED_DEGREES[name]} = {value}' for name, value in pinned.items())}, "
                     f"more than {count(devices, 'device')} can hold: re-planned without pinning them")
@@ -178,7 +178,29 @@ def _joined(*notes: str) -> str:
     return "; ".join(note for note in notes if note)
 
 
+def pins_beyond(request: PlanRequest, devices: int) -> dict[str, int]:
+    """The request's pinned degrees (t, p, d by field name) when together they need more than
+    `devices` devices, which a re-plan for that count then drops (`replan_for_devices`); else {}.
+
+    >>> pins_beyond(PlanRequest(global_batch=16, pipeline_parallel=2), 1)
+    {'pipeline_parallel': 2}
+    >>> pins_beyond(PlanRequest(global_batch=16, pipeline_parallel=2), 3)
+    {}
+    """
+    pinned = {name: getattr(request, name) for name in PINNED_DEGREES if getattr(request, name)}
+    return pinned if math.prod(pinned.values()) > devices else {}
+
+
 def with_entry(plan: Plan, entry: MorphEntry) -> list[MorphEntry]:
-    """The morph table with `entry` added (or replacing the one for its count), sorted by count."""
+    """The morph table to keep with a re-planned `entry`: the plan's with `entry` added (or replacing
+    the one for its count), sorted by count; only `entry` when its re-plan dropped the plan's pins.
+
+    Every other entry was planned under those pins, which the resized plan's request no longer
+    holds: kept, a later resize would take a pinned layout slower than one on fewer devices (a p = 2
+    entry for 2 devices after a move to 1 device without the pin). Left out, those counts are
+    re-planned from the request without the pins, as `entry` was.
+    """
+    if pins_beyond(plan.request, entry.devices):
+        return [entry]
     others = [e for e in plan.morph_table if e.devices != entry.devices]
     return sorted([*others, entry], key=lambda e: e.devices)
