@@ -91,11 +91,16 @@ def plan_heterogeneous(
     if request.devices is not None and request.devices > total:
         raise UserInputError(f"--devices {request.devices} is more than the cluster's {count(total, 'device')} "
                              f"({', '.join(cluster.device_kinds)})")
+    _check_pins(cluster, request)
     homogeneous, templates = _kind_plans(profile, cluster, request, kind_profiles)
     key = _objective_key(request.objective)
     best_template = min(templates, key=lambda p: key(p.chosen))
     # A framework runs one layout on every device (`plan.frameworks`): no split over the kinds.
-    split = None if request.framework else _best_split(profile, cluster, best_template, request, kind_profiles, key)
+    split = None
+    if request.framework is None:
+        pipelines = ([best_template.chosen, *best_template.candidates] if request.data_parallel is None
+                     else _pinned_split_templates(profile, cluster, request, kind_profiles))
+        split = _best_split(profile, cluster, pipelines, request, kind_profiles, key)
     if not homogeneous and split is None:
         raise InfeasibleError(f"nothing fits on any device kind with d = {request.data_parallel} pinned, "
                               "nor split over them")
@@ -151,7 +156,9 @@ def _kind_plans(
         mine = _kind_profile(cluster, kind, profile, kind_profiles)
         hardware = hardware_for(sub, mine, memory_headroom=request.memory_headroom)
         update: dict = {"devices": None if request.devices is None else min(request.devices, hardware.devices)}
-        pinned = (request.tensor_parallel or 1) * (request.pipeline_parallel or 1) * (request.data_parallel or 1)
+        if _pinned_pipeline(request) > (update["devices"] or hardware.devices):
+            continue  # not one replica of the pinned pipeline here (`_check_pins`: another kind holds one)
+        pinned = _pinned_pipeline(request) * (request.data_parallel or 1)
         if request.data_parallel is not None and pinned > hardware.devices:
             update["data_parallel"] = None  # more replicas than this kind holds: a split's to hold
         try:
@@ -165,6 +172,72 @@ def _kind_plans(
     if not templates:
         raise InfeasibleError("nothing fits on any device kind: " + "; ".join(failures))
     return homogeneous, templates
+
+
+def _pinned_pipeline(request: PlanRequest) -> int:
+    """Devices one replica of the pinned pipeline takes: t x p pinned (1 for a degree left free)."""
+    return (request.tensor_parallel or 1) * (request.pipeline_parallel or 1)
+
+
+def _check_pins(cluster: ClusterSpec, request: PlanRequest) -> None:
+    """Pinned degrees that no layout on the cluster holds, refused in one line naming what it holds.
+
+    A pipeline replica (t x p devices) runs on devices of one kind: a split over the kinds gives each
+    kind whole replicas (`uneven_split`). So a pinned t x p must fit in one kind, and t x p x d in all.
+    """
+    kinds = {kind: _sub_cluster(cluster, kind).total_devices for kind in cluster.device_kinds}
+    holds = ", ".join(f"{n} {kind}" for kind, n in kinds.items())
+    pipeline = _pinned_pipeline(request)
+    if pipeline > max(kinds.values()):
+        raise UserInputError(
+            f"pinned t x p = {pipeline} needs {pipeline} devices of one device kind (a pipeline replica never spans "
+            f"kinds), and {cluster.name} holds {holds}",
+            hint=f"pin t x p of at most {max(kinds.values())}, or let the planner choose them",
+        )
+    needed = pipeline * (request.data_parallel or 1)
+    available = min(request.devices or cluster.total_devices, cluster.total_devices)
+    if needed > available:
+        given = f"--devices {request.devices}" if request.devices else f"{cluster.name} holds {holds}"
+        raise UserInputError(f"pinned t x p x d = {needed} needs {needed} devices, more than the {available} available ({given})")
+
+
+def _pinned_split_templates(
+    profile: ModelProfile, cluster: ClusterSpec, request: PlanRequest, kind_profiles: Sequence[ModelProfile]
+) -> list[Candidate]:
+    """With d pinned, the pipelines to split the batch with: every layout of every (t, p) whose
+    replicas over all the kinds number exactly d (`_pools`), each kind's planned with t, p and its
+    own replicas pinned and every candidate kept.
+
+    Not the best kind's ranked candidates, as without a pin: with d pinned they often hold none of
+    those (t, p) (16 replicas on 8 + 8 devices: t = p = 1 only, while the ten fastest layouts of one
+    kind pipeline), and what `--top` and `--all` show would decide what fits. Pinning t, p and d
+    bounds each search to the micro-batch sizes, schedules and recomputations of one pipeline.
+    """
+    d = request.data_parallel
+    # Every device of each kind, as `_pools` counts replicas (a split beyond --devices is dropped later).
+    kinds = [_sub_cluster(cluster, kind).total_devices for kind in cluster.device_kinds]
+    layers = len(profile.layers)
+    templates: list[Candidate] = []
+    for replica in range(1, (request.devices or cluster.total_devices) // d + 1):  # t x p of one replica
+        if sum(n // replica for n in kinds) != d:
+            continue  # cheap first: placement only lowers the count
+        for t in (t for t in range(1, replica + 1) if not replica % t):
+            p = replica // t
+            if request.tensor_parallel not in (None, t) or request.pipeline_parallel not in (None, p) or p > layers:
+                continue
+            pools = _pools(cluster, profile, kind_profiles, t, p, request.memory_headroom)
+            if len(pools) < 2 or sum(replicas for *_, replicas in pools) != d:
+                continue
+            for kind, hardware, mine, replicas in pools:
+                pinned = request.model_copy(update={
+                    "tensor_parallel": t, "pipeline_parallel": p, "data_parallel": replicas,
+                    "devices": t * p * replicas, "include_all": True, "morph": False})  # fmt: skip
+                try:
+                    made = plan_homogeneous(mine, f"{cluster.name}[{kind}]", hardware, pinned)
+                except (InfeasibleError, UserInputError):
+                    continue  # e.g. the layout fits no memory of this kind, or --even-replicas refuses its d
+                templates += [made.chosen, *made.candidates]
+    return templates
 
 
 def _with_split_entry(plan: Plan, chosen: Candidate, total: int) -> list:
@@ -184,20 +257,21 @@ def _per(candidate: Candidate) -> str:
 def _best_split(
     profile: ModelProfile,
     cluster: ClusterSpec,
-    best: Plan,
+    templates: Sequence[Candidate],
     request: PlanRequest,
     kind_profiles: Sequence[ModelProfile],
     key,
 ) -> Candidate | None:
-    """The best uneven split whose pipeline is one of the best kind's ranked candidates.
+    """The best uneven split whose pipeline is one of `templates`: the best kind's ranked candidates,
+    or with d pinned those of the pipelines that make d replicas (`_pinned_split_templates`).
 
     The fastest layout on one kind is not always the best to split: a smaller micro-batch deals
     the batch out in finer shares (at B = 16 over a kind and one twice as slow, 4 micro-batches of
-    4 split 3 + 1, 16 of 1 split 11 + 5). So every distinct pipeline among the ranked candidates
-    (t, p, b, cut, schedule, recomputation) is tried as the template, a few dozen simulations at most.
+    4 split 3 + 1, 16 of 1 split 11 + 5). So every distinct pipeline among the templates
+    (t, p, b, cut, schedule, recomputation) is tried, a few dozen simulations at most.
     """
     seen, splits = set(), []
-    for template in [best.chosen, *best.candidates]:
+    for template in templates:
         pipeline = (template.tensor_parallel, template.pipeline_parallel, template.micro_batch_size, template.chunks,
                     template.schedule, template.recompute_granularity, template.zero_stage, tuple(map(tuple, template.stage_layers)))
         if pipeline in seen or template.zero_stage >= 2:
