@@ -18,28 +18,9 @@ from pathlib import Path
 
 import pytest
 
+from cli_process import pipectl, said, succeeded
+
 REPO = Path(__file__).resolve().parents[2]
-_SCRIPT = Path(sys.executable).with_name("pipectl")
-PIPECTL = [str(_SCRIPT)] if _SCRIPT.is_file() else [sys.executable, "-m", "pipectl"]
-
-
-def pipectl(*args: object, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    """`pipectl ARGS` in `cwd`, as a user's shell runs it (a 100-column pipe, one thread a rank)."""
-    env = {**os.environ, "COLUMNS": "100", "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-    env.pop("PIPECTL_MODEL_PATH", None)
-    return subprocess.run(
-        [*PIPECTL, *map(str, args)], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env
-    )
-
-
-def succeeded(done: subprocess.CompletedProcess) -> bool:
-    return done.returncode == 0
-
-
-def said(done: subprocess.CompletedProcess) -> str:
-    return f"exit {done.returncode}\n{done.stdout}\n{done.stderr}"
-
-
 def quick_start() -> list[list[str]]:
     """The `$ ` lines of the README's quick-start console block, split as a shell would."""
     text = (REPO / "README.md").read_text()

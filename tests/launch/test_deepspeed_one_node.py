@@ -6,26 +6,14 @@ any machine without an ssh server to itself."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
+from cli_process import pipectl
 from pipectl.artifacts.run import Engine
 from pipectl.launch import LaunchOptions, master_address
 from builders import write_plan
 
-_SCRIPT = Path(sys.executable).with_name("pipectl")
-PIPECTL = [str(_SCRIPT)] if _SCRIPT.is_file() else [sys.executable, "-m", "pipectl"]
-
-
-def pipectl(*args: object, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    """`pipectl ARGS` in `cwd`, as a user's shell runs it (tests/e2e/test_first_hour.py's helper)."""
-    env = {**os.environ, "COLUMNS": "100", "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-    env.pop("PIPECTL_MODEL_PATH", None)
-    return subprocess.run([*PIPECTL, *map(str, args)], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def test_a_one_node_deepspeed_job_without_a_master_meets_on_loopback():

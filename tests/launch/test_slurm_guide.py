@@ -6,26 +6,16 @@ the plan chooses and the script asks for. The guide used to say 384 nodes, which
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 
+from cli_process import pipectl
+
 REPO = Path(__file__).resolve().parents[2]
 GUIDE = REPO / "docs/guide/clusters-and-slurm.md"
-_SCRIPT = Path(sys.executable).with_name("pipectl")
-PIPECTL = [str(_SCRIPT)] if _SCRIPT.is_file() else [sys.executable, "-m", "pipectl"]
-
-
-def pipectl(*args: object, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    """`pipectl ARGS` in `cwd`, as a user's shell runs it (tests/e2e/test_first_hour.py's helper)."""
-    env = {**os.environ, "COLUMNS": "200", "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-    env.pop("PIPECTL_MODEL_PATH", None)
-    return subprocess.run([*PIPECTL, *map(str, args)], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def test_the_guides_gpt3_example_names_the_layout_and_nodes_its_commands_produce(tmp_path):
@@ -40,7 +30,7 @@ def test_the_guides_gpt3_example_names_the_layout_and_nodes_its_commands_produce
     assert [argv[:2] for argv in commands] == [["pipectl", c] for c in ("profile", "plan", "launch")]
     outputs = []
     for argv in commands:
-        done = pipectl(*argv[1:], cwd=tmp_path)
+        done = pipectl(*argv[1:], cwd=tmp_path, columns=200)
         assert done.returncode == 0, f"$ {shlex.join(argv)}\nexit {done.returncode}\n{done.stdout}\n{done.stderr}"
         outputs.append(done.stdout)
     chosen = re.search(r"chosen: (t=\d+ p=\d+ d=\d+) .* on ([\d]+) x a100-80gb", outputs[1])
@@ -51,8 +41,8 @@ def test_the_guides_gpt3_example_names_the_layout_and_nodes_its_commands_produce
     assert f"{nodes} nodes × 8 GPUs (`#SBATCH --nodes={nodes}`" in prose
     assert f"{devices:,} of `a100-384x8`'s A100s: {nodes} nodes × 8 ranks" in prose
     # The resize the guide tells of, of the run launched (not a dry run, there is no sbatch here).
-    assert pipectl(*[a for a in commands[2][1:] if a != "--dry-run"], cwd=tmp_path).returncode == 0
-    resize = pipectl("resize", "runs/gpt3", "--devices", 1024, "--dry-run", cwd=tmp_path)
+    assert pipectl(*[a for a in commands[2][1:] if a != "--dry-run"], cwd=tmp_path, columns=200).returncode == 0
+    resize = pipectl("resize", "runs/gpt3", "--devices", 1024, "--dry-run", cwd=tmp_path, columns=200)
     assert "to 1008 devices: t4p14d18" in " ".join(resize.stdout.split()), resize.stdout
     assert "written anew for 126 nodes x 8 ranks" in " ".join(resize.stdout.split()), resize.stdout
     assert "`resize runs/gpt3 --devices 1024` chooses 1,008 devices (`t=4 p=14 d=18`), 126 nodes × 8" in prose

@@ -4,18 +4,15 @@ limit was written as if nothing were wrong, and its job would be killed with no 
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from cli_process import pipectl
 from pipectl.artifacts.cluster import slurm_time_seconds
 from builders import write_plan
 
-_SCRIPT = Path(sys.executable).with_name("pipectl")
-PIPECTL = [str(_SCRIPT)] if _SCRIPT.is_file() else [sys.executable, "-m", "pipectl"]
 
 CPU_CLUSTER = """\
 schema_version: 1
@@ -25,13 +22,6 @@ node_types:
 slurm:
   partition: batch
 {slurm}"""
-
-
-def pipectl(*args: object, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    """`pipectl ARGS` in `cwd`, as a user's shell runs it (tests/e2e/test_first_hour.py's helper)."""
-    env = {**os.environ, "COLUMNS": "100", "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-    env.pop("PIPECTL_MODEL_PATH", None)
-    return subprocess.run([*PIPECTL, *map(str, args)], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 @pytest.mark.parametrize(
