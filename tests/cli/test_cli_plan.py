@@ -428,3 +428,38 @@ def test_a_bad_morph_count_is_named(profile_path, tmp_path, counts):
                                  "-o", str(tmp_path / "plan.json"), "--morph-counts", counts])
     assert result.exit_code == 2 and f"--morph-counts '{counts}'" in result.output, result.output
     assert not (tmp_path / "plan.json").exists()
+
+
+def test_a_terminal_sees_what_is_planned_while_it_runs_and_a_pipe_does_not(profile_path, tmp_path):
+    """A long search said nothing until it ended (minutes for a large batch on CPU ranks): a terminal
+    gets a transient line naming the search; a pipe's stderr stays empty."""
+    import os
+    import pty
+    import subprocess
+
+    from cli_process import PIPECTL, pipectl
+
+    args = ["plan", "--profile", profile_path, "--cluster", "local", "--devices", "2", "--global-batch", "8"]
+    piped = pipectl(*args, "-o", tmp_path / "piped.json", cwd=tmp_path)
+    assert piped.returncode == 0 and piped.stderr == "", piped.stderr
+    main, terminal = pty.openpty()
+    try:
+        done = subprocess.run([*PIPECTL, *map(str, args), "-o", tmp_path / "tty.json"], cwd=tmp_path,
+                              stdout=subprocess.DEVNULL, stderr=terminal, timeout=120, env={**os.environ, "TERM": "xterm"})
+        os.close(terminal)
+        seen = b""
+        while chunk := _read(main):
+            seen += chunk
+    finally:
+        os.close(main)
+    assert done.returncode == 0
+    assert "planning " in seen.decode(errors="replace") and "on local, global batch 8" in seen.decode(errors="replace")
+
+
+def _read(fd: int) -> bytes:
+    import os
+
+    try:
+        return os.read(fd, 65536)
+    except OSError:  # the terminal's other end closed: all read
+        return b""

@@ -18,7 +18,7 @@ from pipectl.artifacts.calibration import RunsCalibration
 from pipectl.artifacts.cluster import ClusterSpec
 from pipectl.artifacts.plan import Engine, Plan, PlanRequest, RecomputeChoice
 from pipectl.artifacts.profile import ModelProfile
-from pipectl.cli.context import JsonFlag, console, from_options, print_json, refuse_overwriting
+from pipectl.cli.context import JsonFlag, console, err_console, from_options, print_json, refuse_overwriting
 from pipectl.cli.options import ConfigOption, file_layers, passed_flags, with_options
 from pipectl.cluster import calibrated_cluster, load_calibration_for, load_cluster, local_cluster
 from pipectl.config import Layer, given, layered, stored_layer
@@ -313,7 +313,10 @@ def plan_command(
         request = framework_request(request, options.emit, zero_stages_given="zero_stages" in options.model_fields_set)
         if not request.morph and emit_counts:
             raise UserInputError("--emit-devices writes rows of the morph table, which --no-morph skips")
-    made = plan(profiles[0], cluster_spec, request, kind_profiles=profiles[1:])
+    # A large search (thousands of GPUs, or a large batch on CPU ranks, whose blocking sends are
+    # simulated action by action) takes seconds to minutes: say what runs, on a terminal only.
+    with err_console.status(f"planning {profiles[0].model} on {cluster_spec.name}, global batch {options.global_batch:,}"):
+        made = plan(profiles[0], cluster_spec, request, kind_profiles=profiles[1:])
     layouts = []
     if options.emit is not None:  # every layout to write is one the framework runs, before anything is written
         layouts = emitted_layouts(made, options.emit, profiles[0], emit_counts)
