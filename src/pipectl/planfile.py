@@ -71,7 +71,8 @@ def write_plan(
 
 def _copied(source: Path, folder: Path) -> ProfileRef:
     sha256 = sha256_file(source)
-    ref = ProfileRef(file=profile_copy_name(sha256), sha256=sha256, source=str(source))
+    # Absolute, as every path a user gives is stored (a flag's was kept relative, a config file's not).
+    ref = ProfileRef(file=profile_copy_name(sha256), sha256=sha256, source=str(source.resolve()))
     _copy_once(source, folder / ref.file, sha256)
     return ref
 

@@ -35,6 +35,14 @@ def test_plan_writes_plan_json_and_prints_a_table(profile_path, tmp_path):
     assert [e.devices for e in written.morph_table][-1] == 4
 
 
+def test_the_profile_a_plan_was_made_from_is_recorded_by_its_absolute_path(profile_path, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(app, ["plan", "--profile", "profile.json", "--cluster", "local", "--devices", "2",
+                                 "--global-batch", "8", "-o", "plan.json"])
+    assert result.exit_code == 0, result.output
+    assert load_model(Plan, tmp_path / "plan.json").profile.source == str(profile_path.resolve())
+
+
 def test_plan_json_output(profile_path, tmp_path):
     result = runner.invoke(app, ["plan", "--profile", str(profile_path), "--cluster", "a100-8x8",
                                  "--global-batch", "32", "--json", "--no-morph", "-o", str(tmp_path / "p.json")])
