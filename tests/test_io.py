@@ -1,6 +1,7 @@
 import json
 
 import pytest
+import yaml
 
 from pipectl.artifacts import ClusterSpec, ModelConfig
 from pipectl.errors import ArtifactError, UserInputError
@@ -127,3 +128,16 @@ def test_a_write_the_system_refuses_names_the_file_meant_not_its_temporary():
     with pytest.raises(OSError) as raised:
         temporary_file("/proc", "x.json")  # no file can be created in /proc
     assert raised.value.filename == "/proc/x.json"
+
+
+def test_a_yaml_key_written_twice_is_refused_not_half_dropped(tmp_path):
+    """YAML loaders keep the last of two equal keys: a conditions file with zero_stage: 0 then
+    zero_stage: 1 was validated as stage 1, without a word."""
+    from pipectl.io import safe_load_yaml
+
+    with pytest.raises(yaml.YAMLError, match="the key 'zero_stage' is written twice"):
+        safe_load_yaml("device: a100-80gb\nzero_stage: 0\nzero_stage: 1\n")
+    with pytest.raises(yaml.YAMLError, match="the key 'hidden' is written twice"):
+        safe_load_yaml("model:\n  hidden: 1\n  hidden: 2\n")
+    # A merge's keys are overridden by those written beside it, as YAML means.
+    assert safe_load_yaml("d: &d {x: 1, y: 2}\ne:\n  <<: *d\n  x: 3\n")["e"] == {"x": 3, "y": 2}

@@ -9,7 +9,7 @@ import os
 import stat
 import tempfile
 from pathlib import Path
-from typing import Any, Mapping, TypeVar
+from typing import Any, Hashable, Mapping, TypeVar
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -41,6 +41,22 @@ class BoundedSafeLoader(yaml.SafeLoader):
         if self._expanded > MAX_YAML_NODES:
             raise yaml.YAMLError(f"its aliases expand to more than {MAX_YAML_NODES:,} values")
         return node
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        """A mapping; a key written twice in it is an error, where YAML loaders keep the last one
+        and drop the first without a word (a condition, a cluster figure, a model dimension)."""
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *defaults`: keys written beside it override the merged ones, as meant
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, Hashable):
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"the key {key!r} is written twice (the first would be dropped)", key_node.start_mark
+                    )
+                seen.add(key)
+        return super().construct_mapping(node, deep)
 
     def _size(self, node: yaml.Node) -> int:
         """Values in `node` with every alias expanded (memoised per node)."""
