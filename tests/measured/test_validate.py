@@ -109,6 +109,9 @@ def test_a_row_column_overrides_the_conditions(measured):
         (HEADER + "\n" + ROWS[0].replace(",1024,16,", ",1000,16,") + "\n", CONDITIONS, "not a multiple of its 16"),
         (HEADER + ",# GPUs\n" + ROWS[0] + ",4\n", CONDITIONS, "two columns named '# gpus'"),
         (HEADER + "\n" + ROWS[0].replace("8,32,", "8,3000000000,", 1) + "\n", CONDITIONS, "line 2: "),
+        (HEADER + "\n" + ROWS[0].replace("120.0", "120,5") + "\n", CONDITIONS, "line 2: 12 values, the header names 11"),
+        (HEADER + "\n" + ROWS[0] + "\n", CONDITIONS.replace("precision: fp16", "precision: fp16\nprecision: bf16"),
+         "the key 'precision' is written twice"),
     ],
 )
 def test_bad_input_is_one_line_naming_the_value(measured, csv_text, conditions, message):

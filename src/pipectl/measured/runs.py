@@ -227,6 +227,11 @@ def parse_runs(handle: IO[str], *, source: str) -> list[MeasuredRun]:
     runs = []
     try:
         for row in reader:
+            if len(row) > len(header) and any(cell.strip() for cell in row[len(header):]):
+                # A value without a column (a decimal comma, `372,16`, splits one): read, it would shift nothing
+                # but be dropped, and the row's time would be 372 ms.
+                raise UserInputError(f"{source} line {reader.line_num}: {len(row)} values, the header names "
+                                     f"{len(header)} columns", hint="a decimal comma? write 372.16, or quote the value")
             if row and any(cell.strip() for cell in row):
                 runs.append(_run_of(row, position, reader.line_num, source))
     except csv.Error as error:
