@@ -264,3 +264,22 @@ def test_rows_that_cannot_be_predicted_are_each_named_and_no_empty_table_is_prin
     assert done.returncode == 0, done.stdout + done.stderr
     assert "no run of 1 could be predicted" in done.stdout and "largest errors" not in done.stdout, done.stdout
     assert "line 2: not predicted: pipeline-parallel degree 8 exceeds the model's" in " ".join(done.stdout.split())
+
+
+def test_a_split_is_shown_only_where_the_rows_determine_it():
+    """Two rows of one d against four parts used to give a least-squares split with a negative part
+    (a minimum-norm answer, any of many), with a residual of zero that read as a perfect fit."""
+    from pipectl.measured.runs import MeasuredRun
+    from pipectl.measured.summary import Prediction, time_split
+
+    def run(m: int, layers: int, d: int) -> MeasuredRun:
+        return MeasuredRun(line=0, gpus=d, global_batch=m * d, micro_batch=1, hidden=1024, heads=16, layers=layers,
+                           seq_len=1024, tensor_parallel=1, data_parallel=d, pipeline_parallel=1,
+                           measured_seconds=m * layers * 3e-3 + m * 7e-3 + layers * 5e-4 + 2e-3)  # fmt: skip
+
+    two = [run(2, 12, 4), run(4, 24, 4)]
+    assert time_split([Prediction(r, r.measured_seconds) for r in two]) == []
+    four = [*two, run(2, 24, 4), run(4, 12, 4)]
+    (split,) = time_split([Prediction(r, r.measured_seconds) for r in four])
+    assert round(split.measured.block_micro_batch, 6) == 3e-3 and round(split.measured.micro_batch, 6) == 7e-3
+

@@ -173,7 +173,8 @@ def _split_table(parts) -> Table:
             )  # fmt: skip
     table.caption = (
         "each group: one shape, t and b; its rows differ in layers, m and d"
-        if parts else "no group of rows without a pipeline differs in both layers and micro-batches"
+        if parts else "no group of rows without a pipeline has rows enough, differing in layers and micro-batches, to "
+        "tell the parts apart"
     )
     return table
 

@@ -182,7 +182,8 @@ def time_split(predictions: Sequence[Prediction]) -> list[TimeSplit]:
     outside the blocks, l x a block's share of the end of the step at its d, and a fixed part at its
     d. Least squares of the steps on those counts gives the parts from the measured times and, the
     same way, from the predicted ones: a model that misses one part shows it there, whatever the
-    others do. Groups whose rows cannot tell the parts apart (one m, or one l) are left out.
+    others do. Groups whose rows cannot tell the parts apart (one m, one l, or fewer independent rows
+    than parts) are left out.
 
         >>> from pipectl.measured.runs import MeasuredRun
         >>> def step(m, l, d): return m * l * 3e-3 + m * 7e-3 + l * (0.4e-3 + 0.1e-3 * d) + 2e-3
@@ -217,6 +218,8 @@ def time_split(predictions: Sequence[Prediction]) -> list[TimeSplit]:
             + [float(p.run.data_parallel == d) for d in ds]
             for m, p in zip(ms, rows)
         ])  # fmt: skip
+        if np.linalg.matrix_rank(counts) < counts.shape[1]:
+            continue  # fewer independent rows than parts (two rows, one d): any split would be one of many
         parts = []
         for times in ([p.run.measured_seconds for p in rows], [p.predicted_seconds for p in rows]):
             times = np.array(times)
