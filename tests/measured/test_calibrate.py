@@ -128,11 +128,23 @@ def measured(tmp_path, conditions):
 
 
 def test_calibrate_then_validate_with_it_from_a_working_directory(measured):
+    # A row the model cannot predict (B = 17 over b = 8) is named and left out, not counted: it used
+    # to be dropped from the fit without a word while the counts included it.
+    with open(measured / "runs.csv", "a") as rows:
+        rows.write("2,17,8,1024,16,12,1024,1,1,2,372.16\n")
     result = pipectl(measured, "calibrate", "runs.csv", "--conditions", "conditions.yaml", "--folds", "0", "-o", "cal.json")
     assert result.returncode == 0, result.stderr
     assert "wrote cal.json" in result.stdout
+    assert f"line {len(LAYOUTS) + 2}: left out, not predicted: global batch 17" in result.stderr, result.stderr
+    assert f"fitting 9 terms to {len(LAYOUTS)} rows" in result.stderr
     calibration = json.loads((measured / "cal.json").read_text())
     assert calibration["rows_file"] == "runs.csv" and calibration["cross_validated"] is None
+    assert calibration["rows"] == calibration["before"]["rows"] == calibration["after"]["rows"] == len(LAYOUTS)
+    # Two folds of 12 rows fit to 6 rows each, fewer than a fit needs (refused before, for the whole set).
+    folds = pipectl(measured, "calibrate", "runs.csv", "-c", "conditions.yaml", "--folds", "2", "-o", "x.json")
+    said = " ".join(folds.stderr.split())
+    assert folds.returncode == 2 and "the rows the other folds hold, 8 or more, of 12 predicted rows" in said, said
+    assert "use 3 to 6, or 0 for none" in said
     plain = pipectl(measured, "validate", "runs.csv", "-c", "conditions.yaml", "--json")
     fitted = pipectl(measured, "validate", "runs.csv", "-c", "conditions.yaml", "--calibration", "cal.json", "--json")
     assert plain.returncode == 0 and fitted.returncode == 0, plain.stderr + fitted.stderr

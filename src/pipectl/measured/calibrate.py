@@ -232,8 +232,6 @@ def calibrate_runs(
         )
     if len(runs) < SMALLEST_FIT:
         raise UserInputError(f"{len(runs)} rows cannot tell {len(TERMS)} terms apart: calibrate needs {SMALLEST_FIT} or more")
-    if folds and not 2 <= folds <= len(runs) // 2:
-        raise UserInputError(f"--folds {folds}: each fold needs 2 rows or more; use 2 to {len(runs) // 2}, or 0 for none")
     start = starting_terms(conditions)
     uncalibrated = Predictor(conditions, runs)  # the catalog's and the conditions' figures as they are
     predictions = [uncalibrated.predict(run) for run in runs]
@@ -244,6 +242,18 @@ def calibrate_runs(
             f"only {len(predicted)} of {len(runs)} rows can be predicted: calibrate needs {SMALLEST_FIT} or more"
             + (f" (line {first.run.line}: {first.problem})" if first else ""),
             hint="pipectl validate MEASURED.csv --conditions CONDITIONS.yaml says why of each row",
+        )
+    for left_out in (p for p in predictions if p.predicted_seconds is None):  # fitted to the others, and said so
+        progress(f"line {left_out.run.line}: left out, not predicted: {left_out.problem}")
+    runs, predictions = [p.run for p in predicted], predicted
+    # Each fold fits to the rows the others hold: as many as a fit needs, like the whole.
+    allowed = [f for f in range(2, len(runs) // 2 + 1) if len(runs) - -(-len(runs) // f) >= SMALLEST_FIT]
+    if folds and folds not in allowed:
+        raise UserInputError(
+            f"--folds {folds}: each fold holds 2 rows or more and fits to the rows the other folds hold, "
+            f"{SMALLEST_FIT} or more, of {len(runs)} predicted rows",
+            hint=f"use {allowed[0]} to {allowed[-1]}, or 0 for none" if allowed else "use 0 (no cross-validation), or "
+            "give more rows",
         )
     before = np.array([_seconds(p) for p in predictions])
     problem = _Problem(runs, conditions, start, workers, devices[0], {})
