@@ -226,11 +226,20 @@ def calibrated_cluster(cluster: ClusterSpec, calibration: RunsCalibration) -> Cl
     return cluster.model_copy(update={"node_types": node_types})
 
 
-def load_calibration_for(path: str | os.PathLike[str], profiles: list[tuple[str, ModelProfile]]) -> RunsCalibration:
+def load_calibration_for(
+    path: str | os.PathLike[str], profiles: list[tuple[str, ModelProfile]], cluster: ClusterSpec
+) -> RunsCalibration:
     """The calibration `plan` or `simulate --calibration` names, refused where a profile derived
     for its device was derived with the catalog's figures (or another calibration's): its links
-    would then price one plan with two views of one GPU."""
+    would then price one plan with two views of one GPU. Refused too on a cluster without its
+    device, where it would change nothing, without a word."""
     calibration = load_model(RunsCalibration, path)
+    if calibration.device not in cluster.device_kinds:
+        raise UserInputError(
+            f"--calibration {path} was fitted to {calibration.device} runs, and cluster '{cluster.name}' has no "
+            f"{calibration.device} (it has {', '.join(cluster.device_kinds)}): it would change nothing",
+            hint="leave --calibration out, or plan on a cluster of that device",
+        )
     sha = sha256_file(path)
     for name, profile in profiles:
         derived_for_it = profile.source is ProfileSource.DERIVED and profile.device == calibration.device
@@ -242,6 +251,18 @@ def load_calibration_for(path: str | os.PathLike[str], profiles: list[tuple[str,
                 hint=f"derive it with them: pipectl profile MODEL --derive --device {profile.device} --calibration {path}",
             )
     return calibration
+
+
+def check_profiles_calibrated_alike(profiles: list[tuple[str, ModelProfile]]) -> None:
+    """Without `--calibration`, a profile derived with one prices the GPU with fitted figures and
+    the links with the catalog's: refused, as the opposite mix is (`load_calibration_for`)."""
+    for name, profile in profiles:
+        if profile.source is ProfileSource.DERIVED and profile.calibration_sha256:
+            raise UserInputError(
+                f"{name} was derived for {profile.device} with a calibration (sha256 {profile.calibration_sha256[:12]}), "
+                "and no --calibration is given: its links would be the catalog's",
+                hint="plan with the same --calibration FILE, or derive the profile without one",
+            )
 
 
 def plan_cluster_file(plan: Plan) -> ClusterSpec:

@@ -192,6 +192,8 @@ def test_a_fit_worse_on_the_rows_held_out_than_no_fit_says_so(measured, monkeypa
         (["calibrate", ".", "-c", "conditions.yaml"], "--conditions goes with a CSV"),
         (["calibrate", "runs.csv", "-c", "conditions.yaml", "-o", "runs.csv"], "-o runs.csv is the measured runs"),
         (["validate", "runs.csv", "-c", "conditions.yaml", "--calibration", "other.json"], "fitted to megatron-lm runs"),
+        (["validate", "runs.csv", "-c", "conditions.yaml", "--calibration", "h100.json"],
+         "--calibration h100.json was fitted to h100-80gb runs, and no row ran on one"),
     ],
 )
 def test_calibrate_refuses_in_one_line(measured, args, message):
@@ -201,6 +203,7 @@ def test_calibrate_refuses_in_one_line(measured, args, message):
     errors = {"rows": 10, "median_abs_error": 0.1, "mape": 0.1, "max_abs_error": 0.2, "signed_median_error": 0.0}
     other.update(uncalibrated=terms, terms=terms, before=errors, after=errors)
     (measured / "other.json").write_text(json.dumps(other))
+    (measured / "h100.json").write_text(json.dumps({**other, "framework": "megatron-deepspeed", "device": "h100-80gb"}))
     result = pipectl(measured, *args)
     assert result.returncode == 2, result.stdout + result.stderr
     assert message in result.stderr and "Traceback" not in result.stderr
@@ -223,6 +226,14 @@ def test_a_calibration_prices_a_derived_profile_a_plan_and_its_simulation(measur
     plain = json.loads((measured / "plain.json").read_text())
     forward = lambda p: p["layers"][1]["costs"][0]["forward_seconds"]  # noqa: E731
     assert forward(profile) != forward(plain)  # the fitted kernel figures, not the catalog's
+    # Neither mix prices one plan with two views of the GPU: the calibrated profile without its links,
+    # nor a calibration on a cluster without its device (which changed nothing, without a word).
+    alone = pipectl(measured, "plan", "--profile", "calibrated.json", "--cluster", "a100-8x8", "--global-batch", "64",
+                    "-o", "plan.json")  # fmt: skip
+    assert alone.returncode == 2 and "derived for a100-80gb with a calibration" in alone.stderr, alone.stderr
+    elsewhere_device = pipectl(measured, "plan", "--profile", "calibrated.json", "--cluster", "local", "--global-batch",
+                               "64", "--calibration", "cal.json", "-o", "plan.json")  # fmt: skip
+    assert elsewhere_device.returncode == 2 and "cluster 'local' has no a100-80gb" in elsewhere_device.stderr
     planned = pipectl(measured, "plan", "--profile", "calibrated.json", "--cluster", "a100-8x8", "--global-batch", "64",
                       "--calibration", "cal.json", "-o", "plan.json", "--json")  # fmt: skip
     assert planned.returncode == 0, planned.stderr

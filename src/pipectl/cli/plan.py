@@ -20,7 +20,9 @@ from pipectl.artifacts.plan import Engine, Plan, PlanRequest, RecomputeChoice
 from pipectl.artifacts.profile import ModelProfile
 from pipectl.cli.context import JsonFlag, console, err_console, from_options, print_json, refuse_overwriting
 from pipectl.cli.options import ConfigOption, file_layers, passed_flags, with_options
-from pipectl.cluster import calibrated_cluster, load_calibration_for, load_cluster, local_cluster
+from pipectl.cluster import (
+    calibrated_cluster, check_profiles_calibrated_alike, load_calibration_for, load_cluster, local_cluster,
+)
 from pipectl.config import Layer, given, layered, stored_layer
 from pipectl.emit import emitted_files, emitted_layouts, fewer_devices_notes, write_files
 from pipectl.errors import UserInputError
@@ -269,9 +271,12 @@ def plan_command(
     calibration = None
     if cluster_spec.local and options.devices is not None:
         cluster_spec = local_cluster(options.devices, cluster_spec)
+    named = [(str(path), p) for path, p in zip(profile, profiles)]
     if options.calibration is not None:
-        calibration = load_calibration_for(options.calibration, [(str(path), p) for path, p in zip(profile, profiles)])
+        calibration = load_calibration_for(options.calibration, named, cluster_spec)
         cluster_spec = calibrated_cluster(cluster_spec, calibration)
+    else:
+        check_profiles_calibrated_alike(named)
     zeros = _parse_zero_stages(options.zero_stages)
     engine, emit_counts = _engine_and_emit_counts(options, any_engine)
     morph_counts, morph_every_count = parse_morph_counts(options.morph_counts)

@@ -78,7 +78,7 @@ def _from_plan(
     cluster = load_cluster(cluster_name) if cluster_name else plan_cluster_spec(plan)
     if calibration is not None:  # the plan's own calibration, if any, is in its cluster already
         named = [(str(profile_path or "the plan's profile"), profile), *((f"the plan's {p.device} profile", p) for p in kind_profiles)]
-        cluster = calibrated_cluster(cluster, load_calibration_for(calibration, named))
+        cluster = calibrated_cluster(cluster, load_calibration_for(calibration, named, cluster))
     # A split over device kinds: each kind's replicas run their own micro-batches on their own
     # kind; the slowest sets the step, and is the one shown.
     runs = []

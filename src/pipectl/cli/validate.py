@@ -11,6 +11,7 @@ from rich import box
 from rich.table import Table
 
 from pipectl.cli.context import JsonFlag, console, print_json
+from pipectl.errors import UserInputError
 from pipectl.words import count
 
 WORST_ROWS = 10  # rows shown without --all-rows: the largest errors
@@ -52,6 +53,10 @@ def register(app: typer.Typer) -> None:
         shared = load_conditions(conditions)
         runs = read_runs(measured)
         fitted = load_calibration(calibration, shared) if calibration is not None else None
+        if fitted is not None and all((run.device or shared.device) != fitted.device for run in runs):
+            raise UserInputError(
+                f"--calibration {calibration} was fitted to {fitted.device} runs, and no row ran on one: it would "
+                "change nothing", hint="leave --calibration out, or give the rows of that device")
         if console.is_terminal and not json_output:
             with console.status(f"predicting {len(runs)} runs"):
                 predictions = predict_runs(runs, shared, fitted)
