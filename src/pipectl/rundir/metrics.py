@@ -145,11 +145,27 @@ def _parse_metrics(lines: list[str], *, last_line_whole: bool) -> tuple[list[Ste
             metrics = StepMetrics.model_validate(json.loads(line))
         except (json.JSONDecodeError, ValidationError, RecursionError) as exc:  # RecursionError: nested too deeply
             if number != len(lines) or last_line_whole:
-                log.warning("metrics line %d skipped: %s", number, exc)
+                log.warning("metrics line %d skipped: %s", number, _first_reason(exc))
                 unreadable.append(number)
             continue
         by_step[metrics.step] = metrics
     return [by_step[s] for s in sorted(by_step)], unreadable
+
+
+def _first_reason(exc: Exception) -> str:
+    """One line of why a metrics line was skipped (pydantic's own message takes ten for one line).
+
+    >>> try:
+    ...     StepMetrics.model_validate({"step": 3, "loss": "x"})
+    ... except ValidationError as exc:
+    ...     _first_reason(exc)
+    'loss: Input should be a valid number, unable to parse string as a number (and 4 more)'
+    """
+    if isinstance(exc, ValidationError):
+        first, more = exc.errors()[0], exc.error_count() - 1
+        where = ".".join(map(str, first["loc"])) or "the line"
+        return f"{where}: {first['msg']}" + (f" (and {more} more)" if more else "")
+    return str(exc).splitlines()[0]
 
 
 def read_metrics(run_dir: str | os.PathLike[str]) -> list[StepMetrics]:
