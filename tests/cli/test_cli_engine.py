@@ -133,3 +133,13 @@ def test_plan_prices_zbv_and_simulate_reproduces_it(torch_plan, tmp_path):
     assert both.exit_code == 0, both.output
     written = load_model(Plan, tmp_path / "both.json")
     assert {c.schedule.value for c in [written.chosen, *written.candidates]} == {"zb-h1", "zbv"}
+
+def test_a_schedule_only_the_torch_engine_runs_is_pointed_to_it(tmp_path):
+    """--schedule interleaved on the default engine was refused with a hint to --any-engine only,
+    though pipectl launches it with --engine torch."""
+    write_json_atomic(tmp_path / "p.json", synthetic_profile(blocks=6, micro_batch_sizes=[1, 2, 4, 8], device="cpu"))
+    args = ["plan", "--profile", str(tmp_path / "p.json"), "--cluster", "local", "--devices", "2", "--global-batch", "16",
+            "--schedule", "interleaved", "-o", str(tmp_path / "plan.json")]  # fmt: skip
+    refused = runner.invoke(app, args)
+    assert refused.exit_code == 2 and "plan with --engine torch (pipectl launches it" in " ".join(refused.output.split())
+    assert runner.invoke(app, [*args, "--engine", "torch"]).exit_code == 0

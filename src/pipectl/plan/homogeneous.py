@@ -440,10 +440,12 @@ def _choose_runnable(ranking: Ranking, goal: Goal, engine: Engine) -> tuple[tupl
                     hint="plan with --any-engine to see them; pipectl's runtime trains with ZeRO-1, and ZeRO-2 "
                     "and ZeRO-3 with one stage and no tensor split",
                 )
+            torch_runs_it = chosen_entry[1].runs_on(Engine.TORCH)  # pipectl launches it there: say so first
             raise InfeasibleError(
                 "only schedules DeepSpeed's pipeline engine cannot run fit "
                 f"(best: {chosen_entry[1].describe(goal.global_batch)})",
-                hint="plan with --any-engine to see them, or allow 1f1b/gpipe/varuna",
+                hint=("plan with --engine torch (pipectl launches it on its torch runtime), " if torch_runs_it else "plan ")
+                + "with --any-engine to see them all, or allow 1f1b/gpipe/varuna",
             )
         if zero_only:
             why = f"which pipectl's runtime cannot run (ZeRO-{chosen_entry[1].zero_stage})"
