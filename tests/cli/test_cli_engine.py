@@ -141,5 +141,5 @@ def test_a_schedule_only_the_torch_engine_runs_is_pointed_to_it(tmp_path):
     args = ["plan", "--profile", str(tmp_path / "p.json"), "--cluster", "local", "--devices", "2", "--global-batch", "16",
             "--schedule", "interleaved", "-o", str(tmp_path / "plan.json")]  # fmt: skip
     refused = runner.invoke(app, args)
-    assert refused.exit_code == 2 and "plan with --engine torch (pipectl launches it" in " ".join(refused.output.split())
+    assert refused.exit_code == 2 and "plan with --engine torch (its torch runtime launches it)" in " ".join(refused.output.split())
     assert runner.invoke(app, [*args, "--engine", "torch"]).exit_code == 0

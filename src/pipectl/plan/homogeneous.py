@@ -444,7 +444,7 @@ def _choose_runnable(ranking: Ranking, goal: Goal, engine: Engine) -> tuple[tupl
             raise InfeasibleError(
                 "only schedules DeepSpeed's pipeline engine cannot run fit "
                 f"(best: {chosen_entry[1].describe(goal.global_batch)})",
-                hint=("plan with --engine torch (pipectl launches it on its torch runtime), " if torch_runs_it else "plan ")
+                hint=("plan with --engine torch (its torch runtime launches it), " if torch_runs_it else "plan ")
                 + "with --any-engine to see them all, or allow 1f1b/gpipe/varuna",
             )
         if zero_only:
