@@ -215,6 +215,18 @@ def test_a_run_trained_without_any_checkpoint_is_not_told_to_resume(tmp_path):
     assert "resume to write it" not in output
 
 
+def test_a_run_whose_metrics_file_was_deleted_counts_the_steps_its_checkpoint_holds(tmp_path):
+    """metrics.jsonl deleted (or emptied) after a run checkpointed step 4: status said "0 / 10 steps
+    (not started)" beside "last checkpoint step 4"; the checkpoint holds 4 trained steps."""
+    run = make_run(tmp_path)
+    (run / "metrics.jsonl").unlink()
+    payload = json.loads(runner.invoke(app, ["status", str(run), "--json"]).output)
+    assert payload["steps_done"] == 4 and not payload["finished"]
+    output = " ".join(runner.invoke(app, ["status", str(run)]).output.split())
+    assert "4 / 10 steps (stopped; metrics.jsonl holds no step (deleted?)" in output, output
+    assert "not started" not in output
+
+
 def test_a_stored_option_this_version_refuses_is_named_as_a_resume_would(tmp_path):
     """Status reads a run through `rundir` (which knows nothing of launch options) and still checks
     job.json's stored options, as `launch --resume` would take them back: exit 2, naming the key."""

@@ -86,6 +86,8 @@ def _run_state(status: RunStatus) -> str:
             why = f"a stop request ({why} to the ranks)"
         return f"stopped at step {step}, checkpoint written" + (f": {why}" if why else "")
     if not status.metrics:
+        if status.steps_done and not status.active:
+            return "stopped; metrics.jsonl holds no step (deleted?): the count is the last checkpoint's"
         if status.ranks_beating:
             return "starting: the ranks are up, the first step is not done yet"
         return "starting: the launch is preparing the ranks" if status.launching else "not started"

@@ -82,7 +82,10 @@ class RunStatus:
 
     @property
     def steps_done(self) -> int:
-        return self.metrics[-1].step if self.metrics else 0
+        """The last step trained: metrics.jsonl's last line, or a verified checkpoint's step where that
+        is later (metrics.jsonl deleted or cut short: the checkpoint still holds the steps)."""
+        logged = self.metrics[-1].step if self.metrics else 0
+        return max([logged, *(c.step or 0 for c in self.checkpoints if c.verified)])
 
     @property
     def last_loss(self) -> float | None:
