@@ -283,3 +283,16 @@ def test_a_split_is_shown_only_where_the_rows_determine_it():
     (split,) = time_split([Prediction(r, r.measured_seconds) for r in four])
     assert round(split.measured.block_micro_batch, 6) == 3e-3 and round(split.measured.micro_batch, 6) == 7e-3
 
+
+
+def test_times_in_seconds_under_the_milliseconds_header_are_pointed_out(measured):
+    """A log exported in seconds reads as runs 1000x faster than predicted: every row's error is
+    about -100 %, and the figures alone do not say why; a note names the column's unit."""
+    in_seconds = [",".join([*row.split(",")[:-1], str(float(row.split(",")[-1]) / 1e3)]) for row in ROWS]
+    (measured / "runs.csv").write_text("\n".join([HEADER, *in_seconds]) + "\n")
+    result = pipectl(measured, "validate", "runs.csv", "-c", "conditions.yaml")
+    assert result.returncode == 0, result.stderr
+    assert "below their predictions: is the column 'iteration time (ms)' in milliseconds?" in result.stdout
+    (measured / "runs.csv").write_text("\n".join([HEADER, *ROWS]) + "\n")
+    right = pipectl(measured, "validate", "runs.csv", "-c", "conditions.yaml", "--json")
+    assert not any("milliseconds" in note for note in json.loads(right.stdout)["notes"])

@@ -64,7 +64,7 @@ def register(app: typer.Typer) -> None:
             predictions = predict_runs(runs, shared, fitted)
         errors, groups = summarise_errors(predictions), summarise_groups(predictions)
         splits = time_split(predictions)
-        notes = _condition_notes(splits, shared)
+        notes = _unit_notes(predictions) + _condition_notes(splits, shared)
         if json_output:
             print_json({
                 "summary": errors.to_dict(),
@@ -94,6 +94,26 @@ def register(app: typer.Typer) -> None:
             console.print(f"line {p.run.line}: not predicted: {p.problem}", soft_wrap=True, highlight=False, markup=False)
         for note in notes:
             console.print(f"note: {note}", soft_wrap=True, highlight=False, markup=False)
+
+
+# Predictions miss by tens of percent, not by a factor of 30: a median that far off is a unit.
+UNIT_SUSPECT_RATIO = 30.0
+
+
+def _unit_notes(predictions) -> list[str]:
+    """Measured times that are all a factor of ~1000 from their predictions were most likely
+    written in seconds (or microseconds) under the header that says milliseconds."""
+    import statistics
+
+    ratios = [p.predicted_seconds / p.run.measured_seconds for p in predictions if p.error is not None]
+    if not ratios:
+        return []
+    ratio = statistics.median(ratios)
+    if 1 / UNIT_SUSPECT_RATIO < ratio < UNIT_SUSPECT_RATIO:
+        return []
+    side = f"{ratio:.0f}x below" if ratio > 1 else f"{1 / ratio:.0f}x above"
+    return [f"the measured times are a median {side} their predictions: is the column 'iteration time (ms)' "
+            "in milliseconds?"]
 
 
 def _condition_notes(splits, shared) -> list[str]:
