@@ -279,6 +279,26 @@ def plan_cluster_file(plan: Plan) -> ClusterSpec:
     return cluster
 
 
+def plan_files_changed(plan: Plan) -> list[str]:
+    """The plan's cluster and calibration files that now differ from the copies it kept: re-pricing
+    reads them as they stand (an edit is meant to count), and says so, since the figures then differ
+    from the plan's for a reason no flag of the command shows."""
+    changed = []
+    for path, copy, read in (
+        (plan.cluster_file, plan.cluster_copy, load_cluster),
+        (plan.calibration_file, plan.calibration_copy, lambda file: load_model(RunsCalibration, file)),
+    ):
+        if path is None or copy is None or not Path(path).is_file():
+            continue
+        try:
+            now = read(path)
+        except UserInputError:
+            continue  # unreadable: re-pricing names why
+        if now != copy:
+            changed.append(path)
+    return changed
+
+
 def plan_cluster_spec(plan: Plan) -> ClusterSpec:
     """The cluster a plan was made for: its cluster file (with its calibration), and for the local
     cluster as many CPU ranks as the plan was made for (`plan --devices`) or its layout uses,

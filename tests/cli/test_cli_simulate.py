@@ -159,3 +159,25 @@ def test_a_plan_of_uneven_replicas_simulates_to_its_own_step(tmp_path: Path, mon
     payload = json.loads(invoke("simulate", "plan.json", "--json").stdout)
     assert payload["step_seconds"] == pytest.approx(payload["predicted_step_seconds"], rel=1e-9)
     assert payload["note"] == "uneven replicas run 3 or 2 micro-batches: one of 3 sets the step and is shown"
+
+
+def test_a_cluster_file_edited_since_planning_is_said_to_price_the_simulation(tmp_path: Path, monkeypatch):
+    """simulate re-prices a plan with its cluster file as it stands (an edit is meant to count), so
+    the step may differ from the plan's: the note says which file changed; unedited, no note."""
+    import shutil
+
+    from pipectl.io import write_json_atomic
+    from pipectl.paths import resolve_config
+    from pipectl.testing.profiles import synthetic_profile
+
+    monkeypatch.chdir(tmp_path)
+    shutil.copy(resolve_config("a100-8x8", "clusters"), "mine.yaml")
+    write_json_atomic(tmp_path / "profile.json", synthetic_profile(blocks=4, micro_batch_sizes=[1, 2]))
+    invoke("plan", "--profile", "profile.json", "--cluster", "mine.yaml", "--devices", "16", "--global-batch", "16",
+           "--data-parallel", "2", "--no-morph", "-o", "plan.json")
+    assert "note" not in json.loads(invoke("simulate", "plan.json", "--json").stdout)
+    text = Path("mine.yaml").read_text()
+    Path("mine.yaml").write_text(text.replace("inter_node_bandwidth_gbytes_per_second: 25",
+                                              "inter_node_bandwidth_gbytes_per_second: 2"))
+    payload = json.loads(invoke("simulate", "plan.json", "--json").stdout)
+    assert payload["note"] == f"{tmp_path / 'mine.yaml'} changed since planning: priced as it is now"

@@ -245,10 +245,17 @@ def test_a_calibration_prices_a_derived_profile_a_plan_and_its_simulation(measur
     assert simulated.returncode == 0, simulated.stderr
     step = json.loads(simulated.stdout)["step_seconds"]
     assert step == pytest.approx(plan["chosen"]["predicted_step_seconds"], rel=1e-6)
+    assert "note" not in json.loads(simulated.stdout)
     (measured / "cal.json").rename(measured / "cal.json.bak")  # gone: the plan's copy prices it the same
     simulated = pipectl(elsewhere, "simulate", "../plan.json", "--json")
     assert simulated.returncode == 0, simulated.stderr
-    assert json.loads(simulated.stdout)["step_seconds"] == step
+    assert json.loads(simulated.stdout)["step_seconds"] == step and "note" not in json.loads(simulated.stdout)
+    # Replaced by another fit: priced as it stands, and said so (the figures differ from the plan's).
+    other = json.loads((measured / "cal.json.bak").read_text())
+    other["rows_file"] = "other-runs.csv"
+    (measured / "cal.json").write_text(json.dumps(other))
+    simulated = pipectl(elsewhere, "simulate", "../plan.json", "--json")
+    assert json.loads(simulated.stdout)["note"] == f"{measured / 'cal.json'} changed since planning: priced as it is now"
 
 
 @pytest.mark.parametrize(

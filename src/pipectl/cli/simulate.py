@@ -25,7 +25,9 @@ from rich.text import Text
 from pipectl.artifacts.plan import Plan
 from pipectl.artifacts.profile import ModelProfile
 from pipectl.cli.context import JsonFlag, console, output_file, print_json
-from pipectl.cluster import calibrated_cluster, load_calibration_for, load_cluster, plan_cluster_spec
+from pipectl.cluster import (
+    calibrated_cluster, load_calibration_for, load_cluster, plan_cluster_spec, plan_files_changed,
+)
 from pipectl.errors import ScheduleError, UserInputError
 from pipectl.io import load_model
 from pipectl.plan.hetero import replica_stage_costs
@@ -76,6 +78,9 @@ def _from_plan(
     else:
         profile = load_model(ModelProfile, profile_path)
     cluster = load_cluster(cluster_name) if cluster_name else plan_cluster_spec(plan)
+    if cluster_name is None:
+        for path in plan_files_changed(plan):
+            note = (note + "; " if note else "") + f"{path} changed since planning: priced as it is now"
     if calibration is not None:  # the plan's own calibration, if any, is in its cluster already
         named = [(str(profile_path or "the plan's profile"), profile), *((f"the plan's {p.device} profile", p) for p in kind_profiles)]
         cluster = calibrated_cluster(cluster, load_calibration_for(calibration, named, cluster))
