@@ -11,6 +11,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from pipectl.artifacts.layout import layout_label
 from pipectl.artifacts.plan import Plan
 from pipectl.artifacts.run import JOB_FILE, LOGS_DIR, CheckpointOutcome, DataKind, Engine, Precision
 from pipectl.cli.context import JsonFlag, console, err_console, print_json, training_progress
@@ -249,24 +250,36 @@ def _launch(
             highlight=False,
         )
         exit_code = 0
+    # A person's signal stopped a run short of its end: 128 + the signal, as before the first step,
+    # so `pipectl launch ... && next` does not go on as if it had finished.
+    interrupted = bool(signals) and not status.finished and not _stopped_for_resize(status)
     if json_output:
         resume = None if resumed is None else resumed.model_dump(mode="json", exclude={"schema_version"})
         print_json({**described, "exit_code": exit_code, "resumed": resume, "status": status.to_dict()})
-        return
-    console.print(status_table(report, brief=True))
-    _say_how_to_go_on(status, prepared.job.steps, plan_path, run_dir)
+    else:
+        console.print(status_table(report, brief=True))
+        _say_how_to_go_on(status, prepared, plan_path, run_dir)
+    if interrupted:
+        raise typer.Exit(128 + signals[0])
 
 
-def _say_how_to_go_on(status: RunStatus, steps: int, plan_path: Path, run_dir: Path) -> None:
+def _stopped_for_resize(status: RunStatus) -> bool:
+    return status.stopped is not None and status.stopped[1] == RESIZE_STOP
+
+
+def _say_how_to_go_on(status: RunStatus, prepared: PreparedLaunch, plan_path: Path, run_dir: Path) -> None:
     """After a job that stopped early: the command that continues it, or, when `pipectl resize`
-    stopped it (and starts it again itself), where to follow it."""
-    if status.stopped is not None and status.stopped[1] == RESIZE_STOP:
+    stopped it (and starts it again itself), where to follow it. A run a live resize moved while
+    it trained continues from its own plan: the one launched would move it back."""
+    if _stopped_for_resize(status):
         console.print(f"stopped at step {status.steps_done} for pipectl resize, which starts the job again in its new "
                       f"layout; follow it with: pipectl status {quote(str(run_dir))} --follow")  # fmt: skip
     elif not status.finished:
+        moved = layout_label(status.plan.chosen) != layout_label(prepared.plan.chosen)
+        plan = run_dir / status.job.plan_file if moved else plan_path
         console.print(
-            f"stopped at step {status.steps_done} of {steps} (signal or stop request), "
-            f"checkpoint written; continue with: pipectl launch {quote(str(plan_path))} --run-dir {quote(str(run_dir))} --resume"
+            f"stopped at step {status.steps_done} of {prepared.job.steps} (signal or stop request), "
+            f"checkpoint written; continue with: pipectl launch {quote(str(plan))} --run-dir {quote(str(run_dir))} --resume"
         )
 
 

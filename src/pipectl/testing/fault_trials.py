@@ -239,9 +239,9 @@ UNSUPERVISED_SECONDS = 90  # after kill -9 of pipectl: how long its ranks may ta
 
 def signal_launch_trial(reference: Reference, folder: Path, after_step: int, signal_name: str = "SIGTERM") -> Trial:
     """A signal to the `pipectl launch` process once metrics.jsonl shows `after_step`: SIGTERM,
-    SIGHUP (its terminal closed) or SIGKILL. The ranks finish their step, checkpoint and exit 0
-    (after SIGKILL they see their supervisor gone and stop by themselves); the resume starts
-    from the step they stopped at."""
+    SIGHUP (its terminal closed) or SIGKILL. The ranks finish their step, checkpoint and exit 0,
+    pipectl 128 + the signal (after SIGKILL they see their supervisor gone and stop by
+    themselves); the resume starts from the step they stopped at."""
     setup = reference.setup
     run = folder / "run"
     trial = Trial(LAUNCH_SIGNALS[signal_name], setup.label,
@@ -267,8 +267,8 @@ def signal_launch_trial(reference: Reference, folder: Path, after_step: int, sig
             trial.problems.append(f"{len(left)} process(es) of the job still ran {UNSUPERVISED_SECONDS} s after pipectl was killed")
             for pid in left:
                 kill_tree(pid)
-    elif first.exit_code != 0:
-        trial.problems.append(f"the stopped launch exited {first.exit_code}, not 0")
+    elif first.exit_code != 128 + getattr(signal, signal_name):  # stopped by a person's signal: 128 + it
+        trial.problems.append(f"the stopped launch exited {first.exit_code}, not 128 + {signal_name}")
     trial.expected_resume = max((s for s, _ in read_losses(run)), default=0)  # the step it stopped after
     launches = [first]
     resume(reference, run, launches, trial)
