@@ -58,8 +58,9 @@ def make_run(tmp_path: Path, steps_done: int = 4, memory: str | None = None, rec
     staged = run / "checkpoints" / ckpt.STAGING_DIR / "x"
     staged.mkdir(parents=True)
     (staged / "fp32.pt").write_bytes(b"w")
-    manifest = CheckpointManifest(tag="step00000004", step=4, files=ckpt.hash_tree(staged), bytes=1)
-    ckpt.commit_tag(run / "checkpoints", staged, "step00000004", manifest)
+    if steps_done >= 4:  # the checkpoint of step 4, once it trained (a leftover staging folder either way)
+        manifest = CheckpointManifest(tag="step00000004", step=4, files=ckpt.hash_tree(staged), bytes=1)
+        ckpt.commit_tag(run / "checkpoints", staged, "step00000004", manifest)
     return run
 
 
@@ -256,6 +257,28 @@ def test_a_run_stopped_by_a_signal_says_it_was_a_stop_request(tmp_path):
         ))  # fmt: skip
     shown = " ".join(runner.invoke(app, ["status", str(run)], env={"COLUMNS": "200"}).output.split())
     assert "stopped at step 4, checkpoint written: a stop request (SIGTERM to the ranks)" in shown, shown
+
+
+def test_a_rank_of_an_older_wider_layout_does_not_hide_a_clean_stop(tmp_path):
+    """Resized by a restart from 3 ranks to 2, then stopped: the third rank's last beat (finished,
+    an older checkpoint) is still on disk, and status said "stopped (no rank is running)" instead
+    of the clean stop the job's two ranks report."""
+    import time
+
+    from pipectl.artifacts.run import RankHeartbeat, RankState
+    from pipectl.rundir.heartbeats import write_heartbeat
+
+    run = make_run(tmp_path)
+    now = time.time()
+    beats = [(0, RankState.STOPPED, 4, now - 5, now), (1, RankState.STOPPED, 4, now - 5, now),
+             (2, RankState.FINISHED, 2, now - 60, now - 30)]  # fmt: skip
+    for rank, state, checkpoint, started, beat in beats:
+        write_heartbeat(run, RankHeartbeat(
+            rank=rank, pid=999_999, host="here", stage=rank, step=checkpoint, phase="step", state=state,
+            checkpoint_step=checkpoint, started_unix=started, beat_unix=beat, progress_unix=beat, stop_reason="SIGTERM",
+        ))  # fmt: skip
+    shown = " ".join(runner.invoke(app, ["status", str(run)], env={"COLUMNS": "200"}).output.split())
+    assert "stopped at step 4, checkpoint written" in shown, shown
 
 
 def test_a_fresh_heartbeat_of_a_rank_whose_process_ended_is_not_a_rank_up(tmp_path):

@@ -54,6 +54,19 @@ def read_heartbeats(run_dir: str | os.PathLike[str], *, since_unix: float = 0.0)
     return beats
 
 
+def current_heartbeats(run_dir: str | os.PathLike[str], world_size: int) -> dict[int, RankHeartbeat]:
+    """`read_heartbeats` less the files of ranks beyond the job's `world_size` that ended before its
+    ranks started: a restart into fewer ranks leaves the old ranks' last beats on disk, and a
+    finished old rank would read as one still to stop. A rank that left in a live resize beat
+    after the job started, and keeps its beat (it says it left)."""
+    beats = read_heartbeats(run_dir)
+    starts = [beat.started_unix for rank, beat in beats.items() if rank < world_size]
+    if not starts:
+        return beats
+    start = min(starts)
+    return {rank: beat for rank, beat in beats.items() if rank < world_size or beat.beat_unix >= start}
+
+
 def stage_and_pid(beat: RankHeartbeat) -> str:
     """'stage 1, pid 4242' (the stage when the rank knows it)."""
     return ", ".join(x for x in (f"stage {beat.stage}" if beat.stage is not None else "", f"pid {beat.pid}") if x)

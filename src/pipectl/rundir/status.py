@@ -23,7 +23,7 @@ from pipectl.artifacts.run import (
     StepMetrics,
 )
 from pipectl.plan.phases import steady_steps
-from pipectl.rundir.heartbeats import ENDED, live_ranks, pid_alive, process_state, read_heartbeats, stopped_cleanly
+from pipectl.rundir.heartbeats import ENDED, live_ranks, pid_alive, process_state, current_heartbeats, stopped_cleanly
 from pipectl.rundir.checkpoints import list_checkpoints, read_events, staging_leftovers
 from pipectl.rundir.metrics import PredictionSummary, prediction_summary, read_metrics_and_unreadable
 from pipectl.rundir.run import read_requeues, read_run_files
@@ -191,7 +191,7 @@ def run_status(run_dir: str | os.PathLike[str], *, verify_hashes: bool = False) 
         staging=staging_leftovers(files.path),
         checkpoint_events=read_events(files.path),
         unreadable_metrics_lines=unreadable,
-        heartbeats=read_heartbeats(files.path),
+        heartbeats=current_heartbeats(files.path, files.job.world_size),
         requeues=read_requeues(files.path),
         launching=any(pid != os.getpid() and pid_alive(pid) for pid in lock_holder(files.path)),
         read_unix=time.time(),
