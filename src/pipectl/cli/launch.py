@@ -238,7 +238,7 @@ def _launch(
     if exit_code != 0:
         stopped_at = stopped_cleanly(read_heartbeats(prepared.run_dir, since_unix=started - 1.0), prepared.job.world_size)
         if stopped_at is None and signals and not status.steps_done:
-            _check_stopped_while_starting(prepared, started, signals[0], f"pipectl launch {quote(str(plan_path))} --run-dir {quote(str(run_dir))}")
+            check_stopped_while_starting(prepared.run_dir, started, signals[0], f"pipectl launch {quote(str(plan_path))} --run-dir {quote(str(run_dir))}")
         if stopped_at is None:
             progress = f"the job exited with code {exit_code} after {status.steps_done} of {prepared.job.steps} steps"
             raise _failure(prepared, started, progress, watch, log_tail=not json_output)
@@ -283,14 +283,14 @@ def _say_how_to_go_on(status: RunStatus, prepared: PreparedLaunch, plan_path: Pa
         )
 
 
-def _check_stopped_while_starting(prepared: PreparedLaunch, started: float, signum: int, again: str) -> None:
+def check_stopped_while_starting(run_dir: Path, started: float, signum: int, again: str) -> None:
     """A person stopped the job before its first step (Ctrl-C while the ranks still start, before
     their handlers): the launcher reports the ranks it saw end by SIGTERM as failed, but nothing
     failed and nothing was trained. Said, with the command that starts it again (`again`), exit
     128 + the signal. A rank that did fail (its record) is left to the failure report."""
-    if read_failures(prepared.run_dir, since_unix=started - 1.0):
+    if read_failures(run_dir, since_unix=started - 1.0):
         return
-    flag = "--resume" if has_checkpoint(prepared.run_dir) else "--force"
+    flag = "--resume" if has_checkpoint(run_dir) else "--force"
     err_console.print(
         f"stopped before the first step ({signal.Signals(signum).name}): nothing trained; start it again with: "
         f"{again} {flag}",

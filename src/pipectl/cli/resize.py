@@ -14,7 +14,7 @@ import typer
 
 from pipectl.artifacts.layout import layout_label
 from pipectl.cli.context import JsonFlag, console, err_console, print_json, training_progress
-from pipectl.cli.launch import job_failure
+from pipectl.cli.launch import check_stopped_while_starting, job_failure
 from pipectl.cli.options import passed_flags, with_options
 from pipectl.config import layered
 from pipectl.errors import UserInputError
@@ -94,6 +94,8 @@ def register(app: typer.Typer) -> None:
             submit=submit,
             scancel=scancel,
         )
+        if result.signals:
+            _check_stopped(result, run_dir, requested_unix, json_output)
         if result.exit_code not in (None, 0):
             done = run_status(result.run_dir).steps_done
             raise job_failure(
@@ -116,6 +118,27 @@ def register(app: typer.Typer) -> None:
         console.print(status_table(analyse(result.run_dir, detail=False), brief=True))
         if result.record.downtime_seconds is None:
             err_console.print("[yellow]no step completed on the new layout: downtime unknown[/]")
+
+
+def _check_stopped(result, run_dir: Path, requested_unix: float, json_output: bool) -> None:
+    """A person stopped the relaunched job (Ctrl-C): before its first step that is no failure of
+    the new layout, and after it the run stopped at a checkpoint; either way said with the command
+    that continues it in its new layout (the run's own plan), exit 128 + the signal."""
+    again = f"pipectl launch {quote(str(run_dir / read_run(run_dir).job.plan_file))} --run-dir {quote(str(run_dir))}"
+    signum = result.signals[0]
+    if result.record.first_step_unix is None:
+        check_stopped_while_starting(result.run_dir, result.record.relaunched_unix or requested_unix, signum, again)
+        return  # a rank failed as well: the failure report follows
+    status = run_status(result.run_dir)
+    if status.finished or status.stopped is None:
+        return
+    if json_output:
+        print_json(result.to_dict())
+    else:
+        console.print(status_table(analyse(result.run_dir, detail=False), brief=True))
+        console.print(f"stopped at step {status.steps_done} of {result.decision.target_steps} (signal or stop request), "
+                      f"checkpoint written; continue with: {again} --resume")  # fmt: skip
+    raise typer.Exit(128 + signum)
 
 
 def _resize_with_progress(

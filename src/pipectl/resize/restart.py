@@ -338,6 +338,7 @@ class ResizeResult:
     submit_hint: str = ""
     submitted_job: str | None = None  # the Slurm job id, when the new script was submitted
     notes: list[str] = field(default_factory=list)
+    signals: list[int] = field(default_factory=list)  # a person's signals to pipectl while the relaunch ran
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -562,13 +563,14 @@ def _rewrite_and_relaunch(
             on_tick()
 
     result.exit_code = run_engine(
-        prepared.command, path, on_tick=tick, timeout_seconds=run_timeout_seconds, lock=lock
+        prepared.command, path, on_tick=tick, timeout_seconds=run_timeout_seconds, lock=lock, signals=result.signals
     )
     if not resumed:
         _fill_resume_step(path, result, index, resumed, say)
     records = update_downtimes(path)
     if index < len(records):
-        if result.exit_code != 0 and records[index].first_step_unix is None:
+        # A person's stop before the first step is no failure of the new layout (nothing ran on it).
+        if result.exit_code != 0 and records[index].first_step_unix is None and not result.signals:
             # Not one step on the new layout: the run still stands where its checkpoint is, and a
             # later step (another resize's) must not be taken for this move's downtime.
             records[index] = records[index].model_copy(update={"failed_exit_code": result.exit_code})
