@@ -111,8 +111,12 @@ def test_existing_run_is_not_clobbered_without_resume_or_force(tmp_path):
     (run / "metrics.jsonl").write_text("{}\n")
     with pytest.raises(UserInputError, match="already exists") as info:
         prepare_launch(tiny_plan(), run, LaunchOptions(steps=5))
-    assert "--resume" in info.value.hint and "--force" in info.value.hint
+    # No checkpoint yet: --resume would be refused, so the hint does not offer it.
+    assert info.value.hint.startswith("it has no checkpoint to resume from: start over with --force"), info.value.hint
     fake_checkpoint(run, 4)
+    with pytest.raises(UserInputError, match="already exists") as info:
+        prepare_launch(tiny_plan(), run, LaunchOptions(steps=5))
+    assert info.value.hint.startswith("continue it with --resume, start over with --force"), info.value.hint
     prepare_launch(tiny_plan(), run, LaunchOptions(steps=9, resume=True))
     assert (run / "metrics.jsonl").is_file() and read_run(run).job.steps == 9
     forced = prepare_launch(tiny_plan(), run, LaunchOptions(steps=5, force=True))

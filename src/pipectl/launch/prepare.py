@@ -97,11 +97,15 @@ def check_run_dir(run_dir: str | os.PathLike[str], *, resume: bool = False, forc
             from pipectl.rundir.status import run_status
 
             status = run_status(path)
-            go_on = (f"it trained all its {status.job.steps} steps: train on with --resume --steps N (a larger total)"
-                     if status.finished else "continue it with --resume")  # fmt: skip
+            if status.finished:
+                go_on = f"it trained all its {status.job.steps} steps: train on with --resume --steps N (a larger total), "
+            elif any(c.verified for c in status.checkpoints):
+                go_on = "continue it with --resume, "
+            else:  # --resume would be refused: nothing to resume from
+                go_on = "it has no checkpoint to resume from: "
             raise UserInputError(
                 f"run directory {path} already exists",
-                hint=f"{go_on}, start over with --force, or see `pipectl status {quote(str(path))}`",
+                hint=f"{go_on}start over with --force, or see `pipectl status {quote(str(path))}`",
             )
     elif resume:
         raise UserInputError(f"cannot resume {path}: no such run")
