@@ -124,6 +124,19 @@ def test_existing_run_is_not_clobbered_without_resume_or_force(tmp_path):
     assert forced.forced_away == f"{run} (0 steps trained, 1 checkpoint, the newest at step 4)"  # launch says it
 
 
+def test_a_resume_keeps_its_checkpoint_interval_whatever_total_it_trains_to(tmp_path):
+    """A run of 300 steps checkpointing every 100, stopped at 39 and resumed to 41: the stored
+    interval outlasts the new total; the resume is not refused for a value this command did not
+    give (its end is checkpointed anyway). A new run with that interval still is."""
+    run = tmp_path / "r"
+    prepare_launch(tiny_plan(), run, LaunchOptions(steps=300, checkpoint_every="100"))
+    fake_checkpoint(run, 39)
+    prepare_launch(tiny_plan(), run, LaunchOptions(steps=41, resume=True))
+    assert read_run(run).job.steps == 41
+    with pytest.raises(UserInputError, match="--checkpoint-every 100 exceeds --steps 41"):
+        prepare_launch(tiny_plan(), tmp_path / "new", LaunchOptions(steps=41, checkpoint_every="100"))
+
+
 def test_foreign_folder_and_bad_flags_are_refused(tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
     with pytest.raises(UserInputError, match="not a pipectl run"):

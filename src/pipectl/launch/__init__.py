@@ -531,7 +531,9 @@ def build_job(plan: Plan, name: str, options: LaunchOptions, cluster: ClusterSpe
                 hint=f"pip install 'pipectl[{extra}]' (or {package}) where the ranks run",
             )
     every_steps, every_seconds, every_auto = options.interval
-    if every_steps > options.steps:
+    # A new run whose interval outlasts it was likely mistyped; a resumed run keeps its own
+    # interval (job.json's) whatever total it now trains to: its end is checkpointed either way.
+    if every_steps > options.steps and not options.resume:
         raise UserInputError(
             f"{given(options, 'checkpoint_every')} exceeds {given(options, 'steps')}",
             hint="the run checkpoints at the end anyway; use a smaller K or 0",
