@@ -128,13 +128,20 @@ def test_a_resume_keeps_its_checkpoint_interval_whatever_total_it_trains_to(tmp_
     """A run of 300 steps checkpointing every 100, stopped at 39 and resumed to 41: the stored
     interval outlasts the new total; the resume is not refused for a value this command did not
     give (its end is checkpointed anyway). A new run with that interval still is."""
+    from typer.testing import CliRunner
+
+    from pipectl.cli.main import app
+    from pipectl.io import write_json_atomic
+
+    plan = write_json_atomic(tmp_path / "plan.json", tiny_plan())
     run = tmp_path / "r"
     prepare_launch(tiny_plan(), run, LaunchOptions(steps=300, checkpoint_every="100"))
     fake_checkpoint(run, 39)
-    prepare_launch(tiny_plan(), run, LaunchOptions(steps=41, resume=True))
-    assert read_run(run).job.steps == 41
-    with pytest.raises(UserInputError, match="--checkpoint-every 100 exceeds --steps 41"):
-        prepare_launch(tiny_plan(), tmp_path / "new", LaunchOptions(steps=41, checkpoint_every="100"))
+    launch = lambda *args: CliRunner().invoke(app, ["launch", str(plan), "--dry-run", *args])  # noqa: E731
+    resumed = launch("--run-dir", str(run), "--resume", "--steps", "41")  # job.json's interval, this total
+    assert resumed.exit_code == 0, resumed.output
+    new = launch("--run-dir", str(tmp_path / "new"), "--steps", "41", "--checkpoint-every", "100")
+    assert new.exit_code == 2 and "--checkpoint-every 100 exceeds --steps 41" in new.output, new.output
 
 
 def test_foreign_folder_and_bad_flags_are_refused(tmp_path):
