@@ -393,6 +393,12 @@ def test_status_says_when_the_last_checkpoint_was_deferred_for_a_slow_disk(tmp_p
     assert shown.returncode == 0, shown.stdout + shown.stderr
     assert "step 4: training paused 0.01 s" in shown.stdout
     assert "due at step 3, deferred while the one before was written" in shown.stdout
+    assert "it no longer verifies" not in shown.stdout
+    # Its manifest deleted since: the row of the commit says so, as the checkpoints table does.
+    (tmp_path / "run" / "checkpoints" / "step00000004" / "manifest.json").unlink()
+    shown = subprocess.run([sys.executable, "-m", "pipectl.cli.main", "status", "run"], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert "deferred while the one before was written; it no longer verifies" in " ".join(shown.stdout.split())
 
 
 def test_the_first_step_after_a_relaunch_is_left_out_of_the_prediction_error(tmp_path):

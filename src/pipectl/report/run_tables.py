@@ -139,7 +139,9 @@ def status_table(report: RunReport, *, brief: bool = False) -> Group:
             "last checkpoint",
             f"step {last.step}: training paused {last.stall_seconds:.2f} s, written in the background in "
             f"{last.write_seconds:.2f} s ({format_bytes(last.bytes)})"
-            + (f"; due at step {last.due_step}, deferred while the one before was written" if last.due_step else ""),
+            + (f"; due at step {last.due_step}, deferred while the one before was written" if last.due_step else "")
+            # Committed then, since damaged or removed: the checkpoints table below says how.
+            + ("" if any(c.verified and c.step == last.step for c in status.checkpoints) else "; it no longer verifies"),
         )
     if status.checkpoint_problem:
         summary.add_row("checkpoint problem", Text(status.checkpoint_problem, style="yellow"))
