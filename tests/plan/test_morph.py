@@ -110,11 +110,11 @@ def test_prime_batch_uses_fewer_devices_and_says_why():
 
 def test_a_count_a_pinned_degree_rules_out_names_the_pin():
     """With p = 2 pinned, 3 devices can run nothing (3 is not a multiple of 2): the note says the
-    pin, not only the batch and memory (which a p = 3 layout would satisfy)."""
+    pin, not the batch and memory (which read as the reason, though a p = 3 layout fits)."""
     result = plan(_profile(), local_cluster(4), PlanRequest(global_batch=12, devices=2, pipeline_parallel=2))
     entry = result.for_devices(3)
     assert entry.candidate.devices == 2
-    assert "no configuration of exactly 3 devices with p = 2 pinned" in entry.note, entry.note
+    assert entry.note == "uses 2 of 3 devices: 3 is not a multiple of 2 (pinned p = 2)", entry.note
 
 
 def test_a_rounding_level_tie_keeps_the_first_found_plan():

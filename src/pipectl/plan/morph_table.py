@@ -214,12 +214,20 @@ def morph_table(
         if spec.devices < count:
             if count in exact_counts:
                 note = f"uses {spec.devices} of {count} devices: faster than any configuration of all {count}"
+            elif count % _pinned_product(request):
+                pins = _pinned(request).removeprefix(" with ").removesuffix(" pinned")
+                note = f"uses {spec.devices} of {count} devices: {count} is not a multiple of {_pinned_product(request)} (pinned {pins})"
             else:
                 why = (f"fits in memory with the global batch {evaluator.global_batch}" if request.uneven_replicas
                        else f"divides the global batch {evaluator.global_batch} and fits in memory")
                 note = f"uses {spec.devices} of {count} devices: no configuration of exactly {count} devices{_pinned(request)} {why}"
         entries.append(MorphEntry(devices=count, candidate=candidates[spec.key], note=note))
     return entries
+
+
+def _pinned_product(request: PlanRequest) -> int:
+    """What every device count must be a multiple of under the request's pinned t, p and d."""
+    return (request.tensor_parallel or 1) * (request.pipeline_parallel or 1) * (request.data_parallel or 1)
 
 
 def _pinned(request: PlanRequest) -> str:
