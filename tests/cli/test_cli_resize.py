@@ -348,6 +348,9 @@ def test_a_running_job_asked_for_the_layout_it_has_is_left_alone(tmp_path, monke
     said = " ".join(result.output.split())
     assert "runs/demo already runs t1p2d1 1f1b b2 m4 on 2 devices: nothing to move" in said
     assert "launch --resume --steps 20" in said  # how its total of steps changes
+    # Asked for 3: the table's entry for 3 is this layout on 2; the note of why, as the dry run gives it.
+    said = " ".join(invoke("resize", "runs/demo", "--devices", "3", "--steps", "20").output.split())
+    assert "--steps 20) note: uses 2 of 3 devices: 8 cannot be split over 3" in said, said
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before and read_records(run) == []
 
 

@@ -219,7 +219,9 @@ def _nothing_to_move(decision: ResizeDecision, run_dir: Path, json_output: bool)
     if decision.target_steps != read_run(run_dir).job.steps:
         message += f" (a running job's total of steps changes on a resume: launch --resume --steps {decision.target_steps})"
     if json_output:
-        print_json({"run_dir": str(decision.run_dir), "moved": False, "reason": message})
+        print_json({"run_dir": str(decision.run_dir), "moved": False, "reason": message, "notes": decision.notes})
     else:
         console.print(message, highlight=False, soft_wrap=True)
+        for note in decision.notes:  # why the layout asked for is the one it runs (fewer devices than asked)
+            console.print(f"note: {note}", highlight=False, soft_wrap=True, markup=False)
     return True
