@@ -115,7 +115,7 @@ def test_a_silent_rank_is_named_with_what_its_process_was_doing_when_it_went_sil
     clock.now = 124.0
     assert watch.check() is None  # silent now, but nothing failed and the timeout has not passed
     assert watch.lines() == [
-        "rank 1 (stage 1, pid 1001) stopped responding: no heartbeat for 12 s, last seen in step 7 (training); "
+        "rank 1 (stage 1, pid 1001) stopped responding: no heartbeat for 12 s, the last one in step 7 (training); "
         "its process is stopped (SIGSTOP, or a debugger)"
     ]
     states[1] = "its process has ended"  # killed later by the launcher: the first state is the story

@@ -179,14 +179,15 @@ class SilentRank:
     process: str  # what the OS says of its process, "" when it runs on another host
 
     def describe(self) -> str:
-        """'rank 1 (stage 1, pid 4242) stopped responding: no heartbeat for 41 s, last seen in step 7
-        (step); its process is stopped (SIGSTOP, or a debugger)'"""
+        """'rank 1 (stage 1, pid 4242) stopped responding: no heartbeat for 41 s, the last one in step 7
+        (step); its process is stopped (SIGSTOP, or a debugger)'. The step is the last beat's: a
+        beat a second, so a rank may have trained a few steps more before it went silent."""
         beat = self.heartbeat
         where = stage_and_pid(beat)
         host = f" on {beat.host}" if beat.host and beat.host != socket.gethostname() else ""
         seen = ""
         if beat.step is not None or beat.phase:
-            seen = ", last seen" + (f" in step {beat.step}" if beat.step is not None else "")
+            seen = ", the last one" + (f" in step {beat.step}" if beat.step is not None else "")
             seen += f" ({beat.phase})" if beat.phase else ""
         process = f"; {self.process}" if self.process else ""
         return f"rank {beat.rank} ({where}{host}) stopped responding: no heartbeat for {self.silent_seconds:.0f} s{seen}{process}"
