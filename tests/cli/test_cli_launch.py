@@ -395,6 +395,10 @@ def test_a_first_checkpoint_that_fails_stops_the_run_unless_it_trains_without_ch
     assert done.returncode not in (0, 2), output
     assert "file size limit reached" in output and "stopped after step" in output, output
     assert "since no step trained from here could be resumed" in output and "Traceback" not in output
+    # Both ranks stop for the one save that failed: the reason once, whole, naming the ranks together.
+    said = " ".join(output.split())
+    assert "also failed" not in said and ", as did rank " in said and "ranks 0, 1: file size limit reached" in said, said
+    assert "launch again with --force (or with --train-without-checkpoints)" in said, said
     assert len(read_metrics(run)) < 10, output  # stopped within a few steps of the failure, not at 40
     assert staging_leftovers(run) == []
 

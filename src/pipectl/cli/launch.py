@@ -349,6 +349,8 @@ def job_failure(
         go_on = advice
     elif not has_checkpoint(run_dir):
         go_on = "no checkpoint was written: fix the cause and launch again with --force"
+        if any(failure.exception.endswith("CheckpointError") for failure in failures):  # a save failed, not a rank
+            go_on += " (or with --train-without-checkpoints)"
     return LaunchError(message, hint=f"{go_on}; {logs}")
 
 

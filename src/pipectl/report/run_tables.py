@@ -320,10 +320,16 @@ def failure_report(failures: Sequence[RankFailure]) -> tuple[str, str | None]:
                 f"stage {first.stage} (per device{', layout ' + first.layout if first.layout else ''}){measured}"
             )
         hint = out_of_memory_advice(first)
+    # Ranks that failed with the first one's error (every rank stopping for one checkpoint) are
+    # named on its line, not given the same message again.
+    alike = [o for o in others if (o.exception, o.message) == (first.exception, first.message)]
+    if alike:
+        lines[0] += ", as did " + ", ".join(_where(other) for other in alike)
     for other in others:
-        lines.append(
-            f"  {_where(other)} also failed: {other.exception.rsplit('.', 1)[-1]}: {_first_line(other.message, 160)}"
-        )
+        if other not in alike:
+            lines.append(
+                f"  {_where(other)} also failed: {other.exception.rsplit('.', 1)[-1]}: {_first_line(other.message, 160)}"
+            )
     return "\n".join(lines), hint
 
 

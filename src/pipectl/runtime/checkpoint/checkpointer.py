@@ -356,7 +356,7 @@ class Checkpointer:
             found = read_reports(staged)
         errors = [report["error"] for report in found.values() if "error" in report]
         if errors:
-            message = "; ".join(errors)
+            message = ranks_alike(errors)
         manifest = None
         if not message:
             try:
@@ -432,3 +432,20 @@ def make_room(run_dir: str | os.PathLike[str], needed_bytes: int, step: int) -> 
 
 def _size(count: int) -> str:
     return f"{count / 2**30:.2f} GiB" if count >= 2**30 else f"{count / 2**20:.1f} MiB"
+
+
+def ranks_alike(errors: list[str]) -> str:
+    """Per-rank errors ('rank 0: X') joined, the ranks that failed alike named once: a full disk or
+    a file-size limit fails every rank with one reason, which the terminal should read once.
+
+    >>> ranks_alike(["rank 0: disk full", "rank 1: disk full", "rank 2: killed"])
+    'ranks 0, 1: disk full; rank 2: killed'
+    """
+    by_reason: dict[str, list[str]] = {}
+    for error in errors:
+        who, _, reason = error.partition(": ")
+        by_reason.setdefault(reason, []).append(who.removeprefix("rank "))
+    return "; ".join(
+        f"rank {ranks[0]}: {reason}" if len(ranks) == 1 else f"ranks {', '.join(ranks)}: {reason}"
+        for reason, ranks in by_reason.items()
+    )
