@@ -239,6 +239,10 @@ def test_the_plans_profile_goes_into_the_run_and_a_missing_one_is_refused(tmp_pa
     assert (run / plan.profile.file).read_bytes() == (tmp_path / "plans" / plan.profile.file).read_bytes()
     assert load_model(Plan, run / "plan.json").profile == plan.profile
     (tmp_path / "plans" / plan.profile.file).unlink()
+    # plan.json copied alone: the profile it was made from, still the same bytes, stands in for the copy.
+    copied = prepare_launch(plan, tmp_path / "runs" / "copied", LaunchOptions(steps=4), plan_dir=tmp_path / "plans")
+    assert (copied.run_dir / plan.profile.file).read_bytes() == (tmp_path / "profile.json").read_bytes()
+    (tmp_path / "profile.json").write_text("{}")  # changed since: no stand-in
     with pytest.raises(UserInputError, match=f"profile .*{plan.profile.file} is missing"):
         prepare_launch(plan, tmp_path / "runs" / "other", LaunchOptions(steps=4), plan_dir=tmp_path / "plans")
     assert not (tmp_path / "runs" / "other").exists()
