@@ -75,7 +75,8 @@ def register(app: typer.Typer) -> None:
                     say=None if json_output else (lambda line: console.print(line, style="dim", highlight=False, markup=False)),
                 )
             except KeyboardInterrupt as stop:  # before the request or after (`ResizeInterrupted`)
-                _say_cancelled(isinstance(stop, ResizeInterrupted) and stop.asked, run_dir)
+                _say_cancelled(isinstance(stop, ResizeInterrupted) and stop.asked, run_dir,
+                               grows=decision.candidate.devices > decision.from_devices)  # fmt: skip
             except LiveUnavailable as exc:
                 if exc.running or "live" in flags.values:  # asked for by name: say why it is not
                     err_console.print(f"[yellow]cannot resize live: {exc.message}; restarting instead[/]", highlight=False)
@@ -183,13 +184,15 @@ def _resize_with_progress(
         )
 
 
-def _say_cancelled(asked: bool, run_dir: Path) -> None:
-    """Ctrl-C during a live resize: what the job does now, then exit 130 as for any Ctrl-C."""
+def _say_cancelled(asked: bool, run_dir: Path, *, grows: bool) -> None:
+    """Ctrl-C during a live resize: what the job does now, then exit 130 as for any Ctrl-C. Only a
+    resize to more ranks starts ranks of its own to join the job."""
     if asked:
         what = ("the request was withdrawn; the job trains on as it was unless its ranks had taken it already "
                 f"(pipectl status {quote(str(run_dir))} shows the layout it runs)")  # fmt: skip
     else:
-        what = "nothing was asked of the job (a joining rank started for it is stopped): it trains on as it was"
+        joining = " (a joining rank started for it is stopped)" if grows else ""
+        what = f"nothing was asked of the job{joining}: it trains on as it was"
     err_console.print(f"resize cancelled (Ctrl-C): {what}", style="yellow", highlight=False, markup=False, soft_wrap=True)
     raise typer.Exit(130)
 
