@@ -138,7 +138,7 @@ def verify_checkpoint(tag_dir: str | os.PathLike[str], *, hash_files: bool = Tru
             problems.append(f"{path}: {size:,} bytes, the manifest records {manifest.file_bytes[relative]:,} "
                             f"({'truncated' if size < manifest.file_bytes[relative] else 'grown'})")
         elif hash_files and sha256_file(path) != expected:
-            problems.append(f"{path}: sha256 mismatch (file corrupted or modified)")
+            problems.append(f"{path}: sha256 mismatch, the file corrupted or modified")
     if manifest.format == SHARDS_FORMAT and manifest.layout is not None:
         # Every rank of the layout it records wrote a file: one missing with its entry leaves a
         # checkpoint that hashes clean and cannot be loaded.
