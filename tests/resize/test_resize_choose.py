@@ -155,7 +155,7 @@ def test_degrees_pinned_for_more_devices_than_the_resize_leaves_are_dropped_and_
     choice = choose_candidate(plan, 1, replan=replanner(plan, tmp_path / "out"))
     assert choice.candidate.devices == 1 and choice.candidate.pipeline_parallel == 1
     assert choice.candidate.global_batch == 8
-    assert any("pinned p = 2, more than 1 device can hold: re-planned without pinning them" in note
+    assert any("pinned p = 2, more than 1 device can hold: re-planned without pinning it" in note
                for note in choice.notes)  # fmt: skip
     # Where the pin holds, it is kept (above: `test_a_replan_keeps_every_constraint_of_the_request`).
     # The run's plan.json says so too: its request (what `launch --print-config` writes back, to

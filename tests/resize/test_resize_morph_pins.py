@@ -73,7 +73,7 @@ def test_after_a_resize_drops_the_pin_more_devices_are_never_slower_than_fewer(t
     launched = pipectl("launch", "plan.json", "--run-dir", "runs/mine", "--steps", 12, "--engine", "slurm", cwd=tmp_path)
     assert succeeded(launched), said(launched)
     resized = pipectl("resize", "runs/mine", "--devices", 1, "--steps", 16, cwd=tmp_path)
-    assert succeeded(resized) and "re-planned without pinning them" in " ".join(resized.stdout.split()), said(resized)
+    assert succeeded(resized) and "re-planned without pinning it" in " ".join(resized.stdout.split()), said(resized)
     unpinned = pipectl("plan", "--profile", "profile.json", "--cluster", "local", "--devices", 2, "--global-batch", 16,
                        "-o", "fresh.json", cwd=tmp_path)  # fmt: skip
     assert succeeded(unpinned), said(unpinned)

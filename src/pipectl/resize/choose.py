@@ -160,7 +160,8 @@ def replan_for_devices(plan: Plan, devices: int, *, plan_dir: Path) -> MorphEntr
     if pinned:
         request = request.model_copy(update={name: None for name in pinned})
         unpinned = (f"the plan pinned {', '.join(f'{PINNED_DEGREES[name]} = {value}' for name, value in pinned.items())}, "
-                    f"more than {count(devices, 'device')} can hold: re-planned without pinning them")
+                    f"more than {count(devices, 'device')} can hold: re-planned without pinning "
+                    + ("them" if len(pinned) > 1 else "it"))
     try:
         replanned = search_plan(profile, cluster, request, kind_profiles=kind_profiles)
     except (InfeasibleError, UserInputError) as exc:
