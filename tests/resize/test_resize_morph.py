@@ -165,6 +165,13 @@ def test_a_run_that_trained_but_never_checkpointed_is_not_started_over_by_a_resi
     with pytest.raises(UserInputError, match="it trained 5 steps but wrote no checkpoint, so the new layout would start over"):
         resize_run(run, 1, relaunch=False)
     assert read_records(run) == [] and read_run(run).job.world_size == 2  # nothing rewritten
+    # The command says so before it prints the layout it would move to.
+    from typer.testing import CliRunner
+
+    from pipectl.cli.main import app
+
+    refused = CliRunner().invoke(app, ["resize", str(run), "--devices", "1"])
+    assert refused.exit_code == 2 and refused.output.lstrip().startswith("error: cannot resize"), refused.output
 
 
 def test_stragglers_are_left_out_on_request(tmp_path):

@@ -24,7 +24,7 @@ from pipectl.rundir.analysis import analyse
 from pipectl.rundir.status import run_status
 from pipectl.report.run_tables import decision_table, morph_history_table, status_table
 from pipectl.resize.live import LiveUnavailable, ResizeInterrupted, live_resize
-from pipectl.resize.restart import ResizeDecision, decide_resize, resize_run
+from pipectl.resize.restart import ResizeDecision, check_resumable, decide_resize, resize_run
 from pipectl.resize.options import ResizeOptions
 from pipectl.rundir.stragglers import StragglerPolicy
 from pipectl.rundir.morph_history import read_history
@@ -65,6 +65,8 @@ def register(app: typer.Typer) -> None:
             return
         if _nothing_to_move(decision, run_dir, json_output):
             return
+        if not run_status(decision.run_dir).active:  # a running job may still checkpoint as it stops
+            check_resumable(decision)
         if not json_output:
             console.print(decision_table(decision))
         if options.live:

@@ -482,6 +482,24 @@ def resize_run(
         lock.release()
 
 
+def check_resumable(decision: ResizeDecision) -> None:
+    """Refuse a resize of a run that trained steps but holds no complete checkpoint: the new layout
+    would start over from step 0 (as `launch --resume` refuses, a resize must not quietly throw the
+    steps away). Checked before anything is printed for a stopped run, and again under the lock
+    once a running job has stopped (it may have checkpointed meanwhile)."""
+    path = decision.run_dir
+    if newest_complete_checkpoint(path) is not None:
+        return
+    trained = max((m.step for m in read_metrics(path)), default=0)
+    if trained:
+        raise UserInputError(
+            f"cannot resize {path}: it trained {count(trained, 'step')} but wrote no checkpoint, so the new layout "
+            "would start over from step 0",
+            hint=f"start over deliberately: plan for {count(decision.requested_devices, 'device')}, then pipectl "
+            f"launch NEW_PLAN --run-dir {path} --force",
+        )
+
+
 def _rewrite_and_relaunch(
     decision: ResizeDecision,
     prepared: PreparedRelaunch,
@@ -500,14 +518,7 @@ def _rewrite_and_relaunch(
     latest = newest_complete_checkpoint(path)
     resume_step = latest.step if latest is not None and latest.step is not None else 0
     if latest is None:
-        trained = max((m.step for m in read_metrics(path)), default=0)
-        if trained:  # as `launch --resume` refuses: a resize must not quietly throw them away
-            raise UserInputError(
-                f"cannot resize {path}: it trained {count(trained, 'step')} but wrote no checkpoint, so the new layout "
-                "would start over from step 0",
-                hint=f"start over deliberately: plan for {count(decision.requested_devices, 'device')}, then pipectl "
-                f"launch NEW_PLAN --run-dir {path} --force",
-            )
+        check_resumable(decision)
         notes.append("the run has no verified checkpoint: the new layout starts from step 0")
     if decision.target_steps <= resume_step:
         raise CheckpointError(
