@@ -108,6 +108,9 @@ def test_the_furthest_phase_is_named_and_a_short_run_says_why_there_is_none(tmp_
     assert comparison.stages[0].unaccounted == pytest.approx(0.0, abs=1e-9)  # what the phases leave, from the whole end
     short = run_status(tmp_path / "short", [[(0.01, 0.02, 0.0, 0.0, 0.0)] * 2], step_seconds=0.1)
     assert phase_comparison(short) == (None, f"phases are compared after two steps of {layout_label(short.plan.chosen)}")
+    # Steps trained, their ranks' detail gone (logs/ deleted): not "after two steps".
+    bare = run_status(tmp_path / "bare", [[]] * 3, step_seconds=0.1)
+    assert phase_comparison(bare)[1].startswith("no phases per rank recorded for the steps of "), phase_comparison(bare)
 
 
 def test_a_checkpoints_wait_is_its_own_phase_spread_over_the_steps(tmp_path):

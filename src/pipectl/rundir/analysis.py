@@ -190,6 +190,8 @@ def phase_comparison(status: RunStatus, profile: ModelProfile | None = None) -> 
         return None, "the layout splits its replicas over device kinds: phases are compared for layouts of one kind"
     measured = measured_phases(status.metrics, label)
     if measured is None:
+        if sum(m.layout == label for m in status.metrics) >= 2:  # the steps are there, their ranks' detail not
+            return None, f"no phases per rank recorded for the steps of {label} (logs/ranks.jsonl missing?)"
         return None, f"phases are compared after two steps of {label}"
     try:
         if profile is None:  # not readable: the error names the file
