@@ -70,6 +70,7 @@ def test_status_json_reports_progress_loss_prediction_and_checkpoints(tmp_path):
     assert result.exit_code == 0, result.output
     payload = json.loads(result.output)
     assert payload["steps_done"] == 4 and payload["steps"] == 10 and not payload["finished"]
+    assert payload["state"] == "interrupted"  # no rank runs, and none stopped at a checkpoint
     assert payload["last_loss"] == 4.0 and payload["first_loss"] == 5.5
     # steps 2..4 measured 0.06, 0.07, 0.08 s against 0.05 s predicted
     assert payload["prediction"]["steps_compared"] == 3
@@ -257,6 +258,7 @@ def test_a_run_stopped_by_a_signal_says_it_was_a_stop_request(tmp_path):
         ))  # fmt: skip
     shown = " ".join(runner.invoke(app, ["status", str(run)], env={"COLUMNS": "200"}).output.split())
     assert "stopped at step 4, checkpoint written: a stop request (SIGTERM to the ranks)" in shown, shown
+    assert json.loads(runner.invoke(app, ["status", str(run), "--json"]).output)["state"] == "stopped"
 
 
 def test_a_rank_of_an_older_wider_layout_does_not_hide_a_clean_stop(tmp_path):

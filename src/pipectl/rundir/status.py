@@ -123,12 +123,29 @@ class RunStatus:
         last = self.checkpoint_events[-1] if self.checkpoint_events else None
         return last.message if last is not None and last.outcome is not CheckpointOutcome.COMMITTED else None
 
+    @property
+    def state(self) -> str:
+        """Where the run stands, one word (`status --json`; the table says it in words): finished,
+        trained (every step, the last not in a checkpoint), stopped (at a checkpoint: a signal, a
+        stop request), running, starting, not-started, or interrupted (no rank runs, and the run
+        did not stop at a checkpoint: killed, or failed)."""
+        if self.finished:
+            return "finished"
+        if self.trained:
+            return "trained"
+        if self.stopped is not None:
+            return "stopped"
+        if not self.metrics and not self.steps_done:
+            return "starting" if self.active else "not-started"
+        return "running" if self.active else "interrupted"
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready summary (`pipectl status --json`)."""
         return {
             "run_dir": str(Path(self.path).absolute()),  # as `launch --json` gives it, whatever the caller's folder
             "model": self.job.model,
             "engine": self.job.engine.value,
+            "state": self.state,
             "steps_done": self.steps_done,
             "steps": self.job.steps,
             "finished": self.finished,
