@@ -183,7 +183,18 @@ def status_table(report: RunReport, *, brief: bool = False) -> Group:
         parts.append(morph_history_table(report.morphs))
     if report.stragglers is not None and report.stragglers.scores:
         parts.append(straggler_table(report.stragglers))
-    return Group(*parts)
+    return Group(*_spaced(parts))
+
+
+def _spaced(parts: list) -> list:
+    """A blank line after each part that ends in text (a note, a table's caption), before the
+    next part's title; a table without a caption ends in one already."""
+    spaced = []
+    for part in parts:
+        spaced.append(part)
+        if isinstance(part, Text) or (isinstance(part, Table) and part.caption):
+            spaced.append(Text(""))
+    return spaced
 
 
 def utilisation_rows(flops: RunUtilisation) -> list[tuple[str, str]]:
