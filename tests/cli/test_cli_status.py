@@ -283,6 +283,20 @@ def test_a_rank_of_an_older_wider_layout_does_not_hide_a_clean_stop(tmp_path):
     assert "stopped at step 4, checkpoint written" in shown, shown
 
 
+def test_an_interrupted_run_says_what_ended_it(tmp_path):
+    """A rank killed (kill -9) or failed: status said only "stopped (no rank is running)", though
+    the failure records launch reported from are in logs/; it now gives their first line."""
+    from pipectl.artifacts.run import RankFailure
+    from pipectl.rundir.failures import write_failure
+
+    run = make_run(tmp_path)
+    write_failure(run, RankFailure(rank=0, stage=0, step=5, phase="forward of micro-batch 1",
+                                   exception="RuntimeError", message="Connection closed by peer"))  # fmt: skip
+    shown = " ".join(runner.invoke(app, ["status", str(run)], env={"COLUMNS": "200"}).output.split())
+    assert "(stopped (no rank is running)) failure rank 0 (stage 0) failed in step 5 (forward of micro-batch 1)" in shown, shown
+    assert json.loads(runner.invoke(app, ["status", str(run), "--json"]).output)["state"] == "interrupted"
+
+
 def test_a_fresh_heartbeat_of_a_rank_whose_process_ended_is_not_a_rank_up(tmp_path):
     """A job killed a second ago left beats that look fresh: a rank of this host whose process has
     ended is not 'up' (the heartbeat alone would say so for several seconds more)."""

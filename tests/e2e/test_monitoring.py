@@ -91,8 +91,9 @@ def test_status_follows_until_the_end_and_tells_starting_from_not_started(monito
     followed = pipectl("status", "runs/watched", "--follow", cwd=folder, timeout=60)
     assert succeeded(followed) and "4 / 4 steps (finished)" in followed.stdout, said(followed)
 
-    # The same run as it looked before its first step: ranks beating, no metrics line yet.
+    # The same run as it looked before its first step: ranks beating, no metrics line nor checkpoint yet.
     (run / "metrics.jsonl").write_text("")
+    (run / "checkpoints").rename(run / "checkpoints.away")
     now = time.time()
     for rank in (0, 1):
         beat = RankHeartbeat(rank=rank, pid=1, state=RankState.RUNNING, started_unix=now, beat_unix=now, progress_unix=now)
@@ -102,6 +103,7 @@ def test_status_follows_until_the_end_and_tells_starting_from_not_started(monito
     for rank in (0, 1):
         (run / "logs" / f"heartbeat-rank{rank}.json").unlink()
     quiet = pipectl("status", "runs/watched", cwd=folder)
+    (run / "checkpoints.away").rename(run / "checkpoints")
     assert "0 / 4 steps (not started)" in " ".join(quiet.stdout.split()), said(quiet)
 
 

@@ -126,6 +126,8 @@ def status_table(report: RunReport, *, brief: bool = False) -> Group:
         summary.add_row("slurm", requeue_text(status))
     summary.add_row("engine", f"{status.job.engine.value}, {count(status.job.world_size, 'rank')}")
     summary.add_row("progress", f"{status.steps_done} / {count(status.job.steps, 'step')} ({state})")
+    if report.failures:  # what ended an interrupted run, as launch said it (the records are in logs/)
+        summary.add_row("failure", Text(failure_report(report.failures)[0].splitlines()[0], style="red"))
     if status.metrics:
         first, last = status.metrics[0], status.metrics[-1]
         summary.add_row("loss", f"{first.loss:.4f} (step {first.step}) -> {last.loss:.4f} (step {last.step})")

@@ -20,11 +20,13 @@ from typing import Any
 from pipectl.artifacts.layout import layout_label
 from pipectl.artifacts.morph import MorphRecord
 from pipectl.artifacts.profile import ModelProfile
+from pipectl.artifacts.run import RankFailure
 from pipectl.cluster import busier_note, plan_cluster_spec
 from pipectl.errors import PipectlError
 from pipectl.plan.flops import PRECISION_DTYPE, Utilisation, plan_layer_flops, utilisation
 from pipectl.plan.phases import CHECKPOINT_COPY, PHASES, measured_phases, simulated_phases
 from pipectl.planfile import load_kind_profiles, load_plan_profile
+from pipectl.rundir.failures import read_failures
 from pipectl.rundir.metrics import MemorySummary, memory_summary
 from pipectl.rundir.morph_history import read_history
 from pipectl.rundir.status import RunStatus, run_status
@@ -112,6 +114,7 @@ class RunReport:
     phases_unavailable: str | None = None  # why there is no phase comparison
     morphs: list[MorphRecord] = field(default_factory=list)
     stragglers: StragglerReport | None = None
+    failures: list[RankFailure] = field(default_factory=list)  # an interrupted run's last start's, first first
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready (`pipectl status --json`)."""
@@ -146,7 +149,17 @@ def analyse(run_dir: str | os.PathLike[str], *, verify_hashes: bool = False, det
         phases_unavailable=unavailable,
         morphs=read_history(status.path, metrics=status.metrics),
         stragglers=find_stragglers(status.metrics),
+        failures=_last_start_failures(status),
     )
+
+
+def _last_start_failures(status: RunStatus) -> list[RankFailure]:
+    """The ranks' failure records of the job's last start, for a run no rank runs that did not
+    stop at a checkpoint (killed, or failed): what ended it, as `launch` said at the time."""
+    if status.state != "interrupted":
+        return []
+    starts = [beat.started_unix for rank, beat in status.heartbeats.items() if rank < status.job.world_size]
+    return read_failures(status.path, since_unix=min(starts) - 1.0 if starts else 0.0)
 
 
 def run_utilisation(status: RunStatus, profile: ModelProfile | None) -> RunUtilisation:
