@@ -433,3 +433,18 @@ def test_the_first_step_after_a_relaunch_is_left_out_of_the_prediction_error(tmp
 
 def json_candidate(run: Path) -> Candidate:
     return Candidate.model_validate(json.loads((run / "plan.json").read_text())["chosen"])
+
+
+def test_an_automatic_interval_held_at_its_floor_says_so(tmp_path):
+    """--checkpoint-every auto with a tiny MTBF: Young/Daly asks for a checkpoint every fraction of
+    a second, auto takes one a minute at most; status said 'MTBF 0 h ... every 60 s' as if the
+    formula gave it."""
+    from pipectl.artifacts.run import CheckpointEvent, CheckpointOutcome
+
+    plan = plan_of(json_candidate(make_run(tmp_path / "first")), global_batch=8)
+    run = tmp_path / "auto"
+    prepare_launch(plan, run, LaunchOptions(steps=10, checkpoint_every="auto", mtbf_hours=0.001))
+    ckpt.record_event(run, CheckpointEvent(step=2, outcome=CheckpointOutcome.COMMITTED, stall_seconds=0.01,
+                                           write_seconds=0.1, bytes=MIB, interval_seconds=60.0))  # fmt: skip
+    shown = " ".join(runner.invoke(app, ["status", str(run)], env={"COLUMNS": "200"}).output.split())
+    assert "auto (Young/Daly, MTBF 0.001 h): every 60 s (at least 60 s apart) after a 0.01 s stall" in shown, shown

@@ -19,7 +19,7 @@ from pipectl.artifacts.morph import MorphRecord, MorphTrigger
 from pipectl.artifacts.run import RankFailure, RequeueOutcome
 from pipectl.rundir.analysis import RunReport, RunUtilisation
 from pipectl.rundir.status import RunStatus
-from pipectl.runtime.checkpoint.schedule import DEVICE_MTBF_HOURS
+from pipectl.runtime.checkpoint.schedule import AUTO_MIN_INTERVAL_SECONDS, DEVICE_MTBF_HOURS
 from pipectl.report.phase_table import phase_table
 from pipectl.report.plan_table import format_percent, hardware_extras
 from pipectl.report.tables import format_bytes
@@ -52,9 +52,14 @@ def checkpoint_interval_text(status: RunStatus) -> str:
         parts.append(f"every {_duration(job.checkpoint_every_seconds)}")
     if job.checkpoint_auto:
         chosen = next((e for e in reversed(status.checkpoint_events) if e.interval_seconds), None)
-        mtbf = f"{job.mtbf_hours:,.0f} h" if job.mtbf_hours else f"{DEVICE_MTBF_HOURS:,.0f} device-hours / {job.world_size}"
+        hours = job.mtbf_hours
+        mtbf = (f"{hours:,.0f} h" if hours >= 10 else f"{hours:.2g} h") if hours else \
+            f"{DEVICE_MTBF_HOURS:,.0f} device-hours / {job.world_size}"
+        floor = ""  # Young/Daly's figure below the floor: the floor is what runs
+        if chosen and chosen.interval_seconds <= AUTO_MIN_INTERVAL_SECONDS:
+            floor = f" (at least {_duration(AUTO_MIN_INTERVAL_SECONDS)} apart)"
         parts.append(
-            f"auto (Young/Daly, MTBF {mtbf}): every {_duration(chosen.interval_seconds)} after a "
+            f"auto (Young/Daly, MTBF {mtbf}): every {_duration(chosen.interval_seconds)}{floor} after a "
             f"{chosen.stall_seconds:.2f} s stall" if chosen else f"auto (Young/Daly, MTBF {mtbf}): not measured yet"
         )
     return ", ".join(parts + ["at the end"]) if parts else "only at the end and on a stop"
