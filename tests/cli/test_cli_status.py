@@ -144,6 +144,9 @@ def test_the_plot_marks_whole_steps_only(tmp_path):
 def test_status_of_something_that_is_not_a_run_exits_2(tmp_path):
     result = runner.invoke(app, ["status", str(tmp_path)])
     assert result.exit_code == 2 and "not a pipectl run" in result.output
+    # Not there yet (a launch a moment ago has not written it): says how one is written, and waited for.
+    missing = " ".join(runner.invoke(app, ["status", str(tmp_path / "soon")]).output.split())
+    assert "no run directory at" in missing and "`pipectl status --follow` waits for a run a launch is about to write" in missing
     empty = make_run(tmp_path / "b", steps_done=0)
     plot = runner.invoke(app, ["status", str(empty), "--plot", str(tmp_path / "p.png")])
     assert plot.exit_code == 2 and "no metrics" in plot.output

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from shlex import quote
 from typing import Any
 
 from pipectl.artifacts.plan import Plan
@@ -81,7 +82,11 @@ def read_run_files(run_dir: str | os.PathLike[str]) -> RunFiles:
         raise UserInputError(f"{path} is {file_kind(path) or 'a file'}, not a run directory",
                              hint="give the folder pipectl launch --run-dir created (runs/NAME)")
     if not path.is_dir():
-        raise UserInputError(f"no run directory at {path}")
+        raise UserInputError(
+            f"no run directory at {path}",
+            hint=f"pipectl launch PLAN --run-dir {quote(str(path))} writes one (`pipectl status --follow` waits for a run "
+            "a launch is about to write)",
+        )
     if not is_run_dir(path):
         raise UserInputError(f"{path} is not a pipectl run (no {JOB_FILE})", hint="start one with pipectl launch")
     job = load_model(JobSpec, path / JOB_FILE)
