@@ -198,6 +198,10 @@ def test_a_history_of_restarts_fits_100_columns_and_a_failed_relaunch_is_marked(
     assert with_downtime(failed.model_copy(update={"failed_exit_code": None}), [step]).downtime_seconds == 20.0
     live = MorphRecord(requested_unix=0.0, path="live", pause_seconds=0.4, bytes_moved=2**20, **common)
     assert {"pause", "moved"} <= set(render(morph_history_table([live])).splitlines()[1].split())
+    # A lost replica's takeover: its downtime (from the loss noticed) under its pause (from the last step) is said.
+    lost = live.model_copy(update={"trigger": MorphTrigger.FAILURE, "pause_seconds": 1.8, "downtime_seconds": 0.5,
+                                   "first_step_unix": 0.5, "bytes_moved": 0})  # fmt: skip
+    assert "the downtime counts from when the lost replica was noticed" in " ".join(render(morph_history_table([lost])).split())
 
 
 @pytest.mark.parametrize(

@@ -407,6 +407,9 @@ def morph_history_table(records: Sequence[MorphRecord]) -> Table:
         if record.failed_exit_code is not None:
             notes.append(f"{number}: the relaunched job exited with code {record.failed_exit_code} before its first "
                          f"step: the run last trained on {record.from_layout}")
+        if record.trigger is MorphTrigger.FAILURE:  # the two clocks start apart; a reader sees pause > downtime
+            notes.append(f"{number}: the downtime counts from when the lost replica was noticed, the pause from the last "
+                         "step before; the survivors hold the state, so little or nothing moves")  # fmt: skip
         notes += [f"{number}: {note}" for note in record.notes]
     if notes:
         table.caption = "\n".join(notes)
