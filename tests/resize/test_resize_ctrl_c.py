@@ -7,7 +7,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
@@ -17,12 +16,12 @@ from pipectl.io import write_json_atomic
 from pipectl.rundir.metrics import read_metrics
 from pipectl.rundir.morph_history import read_history
 from builders import gpt_tiny_candidate as candidate, plan_of
+from cli_process import PIPECTL, pipectl, said
 
 pytestmark = pytest.mark.multiprocess
 
 SECONDS = 240
 P1, P2 = candidate(1, 1, m=4), candidate(2, 1, m=4)
-PIPECTL = [sys.executable, "-m", "pipectl"]
 ENV = {**os.environ, "COLUMNS": "300"}
 
 
@@ -44,24 +43,23 @@ def _resize_then_ctrl_c(folder, ready) -> tuple[int, str]:
 
 def test_ctrl_c_on_a_resizes_relaunch_is_a_stop_before_and_after_its_first_step(tmp_path):
     write_json_atomic(tmp_path / "plan.json", plan_of(P2, global_batch=8, morph_table=[MorphEntry(devices=1, candidate=P1), MorphEntry(devices=2, candidate=P2)]))  # fmt: skip
-    first = subprocess.run([*PIPECTL, "launch", "plan.json", "--run-dir", "runs/r", "--steps", "4"], cwd=tmp_path, env=ENV,
-                           capture_output=True, text=True, timeout=SECONDS)  # fmt: skip
-    assert first.returncode == 0, first.stdout + first.stderr
+    first = pipectl("launch", "plan.json", "--run-dir", "runs/r", "--steps", 4, cwd=tmp_path, timeout=SECONDS)
+    assert first.returncode == 0, said(first)
     run = tmp_path / "runs" / "r"
     again = "pipectl launch runs/r/plan.json --run-dir runs/r"
 
-    # The relaunched rank still starting: said as a stop, not "the resized job exited with code 1".
-    code, said = _resize_then_ctrl_c(tmp_path, lambda: any(r.relaunched_unix for r in read_history(run)))
-    assert code == 130, said
-    assert f"stopped before the first step (SIGINT): nothing trained; start it again with: {again} --resume" in said, said
-    assert "error:" not in said and "Traceback" not in said, said
+    # The relaunched rank still starting: shown as a stop, not "the resized job exited with code 1".
+    code, shown = _resize_then_ctrl_c(tmp_path, lambda: any(r.relaunched_unix for r in read_history(run)))
+    assert code == 130, shown
+    assert f"stopped before the first step (SIGINT): nothing trained; start it again with: {again} --resume" in shown, shown
+    assert "error:" not in shown and "Traceback" not in shown, shown
     assert read_history(run)[-1].failed_exit_code is None
     assert [m.step for m in read_metrics(run)] == [1, 2, 3, 4]
 
     # Training on the new layout: stopped at a checkpoint, and the way on keeps the new layout.
-    code, said = _resize_then_ctrl_c(tmp_path, lambda: read_metrics(run)[-1].step >= 6)
-    assert code == 130, said
+    code, shown = _resize_then_ctrl_c(tmp_path, lambda: read_metrics(run)[-1].step >= 6)
+    assert code == 130, shown
     step = read_metrics(run)[-1].step
     assert f"stopped at step {step} of 100000 (signal or stop request), checkpoint written; continue with: {again} " \
-           "--resume" in said, said  # fmt: skip
+           "--resume" in shown, shown  # fmt: skip
     assert json.loads((run / "plan.json").read_text())["chosen"]["devices"] == 1

@@ -166,19 +166,19 @@ def test_ctrl_c_after_a_live_resize_exits_130_and_says_to_continue_from_the_runs
     from pipectl.io import write_json_atomic
 
     write_json_atomic(tmp_path / "plan.json", plan_of(P2, global_batch=8, morph_table=[MorphEntry(devices=1, candidate=P1), MorphEntry(devices=2, candidate=P2)]))  # fmt: skip
-    env = {**os.environ, "COLUMNS": "300"}
-    pipectl = [sys.executable, "-m", "pipectl"]
-    launch = subprocess.Popen([*pipectl, "launch", "plan.json", "--run-dir", "runs/l", "--steps", str(STEPS)], cwd=tmp_path,
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    from cli_process import PIPECTL, pipectl, said
+
+    launch = subprocess.Popen([*PIPECTL, "launch", "plan.json", "--run-dir", "runs/l", "--steps", str(STEPS)], cwd=tmp_path,
+                              env={**os.environ, "COLUMNS": "300"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True)  # fmt: skip
     run = tmp_path / "runs" / "l"
     try:
         deadline = time.monotonic() + RUN_TIMEOUT_SECONDS
         while len(read_metrics(run)) < 3:
             assert launch.poll() is None and time.monotonic() < deadline
             time.sleep(0.05)
-        moved = subprocess.run([*pipectl, "resize", "runs/l", "--devices", "1", "--live"], cwd=tmp_path, env=env,
-                               capture_output=True, text=True, timeout=RUN_TIMEOUT_SECONDS)  # fmt: skip
-        assert moved.returncode == 0, moved.stdout + moved.stderr
+        moved = pipectl("resize", "runs/l", "--devices", 1, "--live", cwd=tmp_path, timeout=RUN_TIMEOUT_SECONDS)
+        assert moved.returncode == 0, said(moved)
         launch.send_signal(signal.SIGINT)
         output, _ = launch.communicate(timeout=RUN_TIMEOUT_SECONDS)
     finally:
@@ -187,7 +187,7 @@ def test_ctrl_c_after_a_live_resize_exits_130_and_says_to_continue_from_the_runs
     assert launch.returncode == 130, said
     assert "continue with: pipectl launch runs/l/plan.json --run-dir runs/l --resume" in said, said
     step = read_metrics(run)[-1].step
-    resumed = subprocess.run([*pipectl, "launch", "runs/l/plan.json", "--run-dir", "runs/l", "--resume", "--steps",
-                              str(step + 2)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_SECONDS)  # fmt: skip
-    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    resumed = pipectl("launch", "runs/l/plan.json", "--run-dir", "runs/l", "--resume", "--steps", step + 2, cwd=tmp_path,
+                      timeout=RUN_TIMEOUT_SECONDS)  # fmt: skip
+    assert resumed.returncode == 0, said(resumed)
     assert {m.layout for m in read_metrics(run) if m.step > step} == {"t1p1d1 1f1b b2 m4"}
