@@ -229,7 +229,7 @@ def test_a_run_whose_metrics_file_was_deleted_counts_the_steps_its_checkpoint_ho
     assert payload["steps_done"] == 4 and not payload["finished"]
     output = " ".join(runner.invoke(app, ["status", str(run)]).output.split())
     assert "4 / 10 steps (stopped; metrics.jsonl holds no step (deleted?)" in output, output
-    assert "not started" not in output
+    assert "not started" not in output and "MFU measured n/a (metrics.jsonl holds no step)" in output, output
 
 
 def test_a_stored_option_this_version_refuses_is_named_as_a_resume_would(tmp_path):

@@ -166,7 +166,7 @@ def status_table(report: RunReport, *, brief: bool = False) -> Group:
         )
         if report.host_note is not None:
             summary.add_row("host", Text(report.host_note, style="yellow"))
-    for name, row in utilisation_rows(report.utilisation):
+    for name, row in utilisation_rows(report.utilisation, unlogged=bool(status.steps_done) and not status.metrics):
         summary.add_row(name, row)
     parts: list = [summary]
     if brief:
@@ -204,15 +204,16 @@ def _spaced(parts: list) -> list:
     return spaced
 
 
-def utilisation_rows(flops: RunUtilisation) -> list[tuple[str, str]]:
-    """The status summary's rows: MFU and HFU, measured beside predicted, and what they are of."""
+def utilisation_rows(flops: RunUtilisation, *, unlogged: bool = False) -> list[tuple[str, str]]:
+    """The status summary's rows: MFU and HFU, measured beside predicted, and what they are of
+    (`unlogged`: steps trained, but metrics.jsonl holds none to measure from)."""
     predicted, measured = flops.predicted, flops.measured
     if not predicted.available:
         return [("MFU, HFU", f"n/a: {predicted.detail}")]
 
     def pair(name: str) -> str:
         if measured is None:
-            shown = f"n/a (after two steps of {flops.layout})"
+            shown = "n/a (metrics.jsonl holds no step)" if unlogged else f"n/a (after two steps of {flops.layout})"
         else:
             shown = format_percent(getattr(measured, name))
         return f"measured {shown}, predicted {format_percent(getattr(predicted, name))}"
