@@ -27,6 +27,7 @@ from pipectl.plan.flops import PRECISION_DTYPE, Utilisation, plan_layer_flops, u
 from pipectl.plan.phases import CHECKPOINT_COPY, PHASES, measured_phases, simulated_phases
 from pipectl.planfile import load_kind_profiles, load_plan_profile
 from pipectl.rundir.failures import read_failures
+from pipectl.rundir.heartbeats import job_started_unix
 from pipectl.rundir.metrics import MemorySummary, memory_summary
 from pipectl.rundir.morph_history import read_history
 from pipectl.rundir.status import RunStatus, run_status
@@ -158,8 +159,8 @@ def _last_start_failures(status: RunStatus) -> list[RankFailure]:
     stop at a checkpoint (killed, or failed): what ended it, as `launch` said at the time."""
     if status.state != "interrupted":
         return []
-    starts = [beat.started_unix for rank, beat in status.heartbeats.items() if rank < status.job.world_size]
-    return read_failures(status.path, since_unix=min(starts) - 1.0 if starts else 0.0)
+    started = job_started_unix(status.heartbeats, status.job.world_size)
+    return read_failures(status.path, since_unix=started - 1.0 if started is not None else 0.0)
 
 
 def run_utilisation(status: RunStatus, profile: ModelProfile | None) -> RunUtilisation:

@@ -60,11 +60,16 @@ def current_heartbeats(run_dir: str | os.PathLike[str], world_size: int) -> dict
     finished old rank would read as one still to stop. A rank that left in a live resize beat
     after the job started, and keeps its beat (it says it left)."""
     beats = read_heartbeats(run_dir)
-    starts = [beat.started_unix for rank, beat in beats.items() if rank < world_size]
-    if not starts:
+    start = job_started_unix(beats, world_size)
+    if start is None:
         return beats
-    start = min(starts)
     return {rank: beat for rank, beat in beats.items() if rank < world_size or beat.beat_unix >= start}
+
+
+def job_started_unix(beats: dict[int, RankHeartbeat], world_size: int) -> float | None:
+    """When the job's latest start began: its first rank's start (the ranks below `world_size`);
+    None without a beat of one."""
+    return min((beat.started_unix for rank, beat in beats.items() if rank < world_size), default=None)
 
 
 def stage_and_pid(beat: RankHeartbeat) -> str:
