@@ -99,7 +99,7 @@ def check_run_dir(run_dir: str | os.PathLike[str], *, resume: bool = False, forc
             status = run_status(path)
             if status.finished:
                 go_on = f"it trained all its {status.job.steps} steps: train on with --resume --steps N (a larger total), "
-            elif any(c.verified for c in status.checkpoints):
+            elif status.checkpointed_step:
                 go_on = "continue it with --resume, "
             else:  # --resume would be refused: nothing to resume from
                 go_on = "it has no checkpoint to resume from: "

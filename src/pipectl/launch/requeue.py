@@ -55,7 +55,7 @@ def decide(run_dir: str | os.PathLike[str], exit_code: int, limit: int, *, now: 
     status = run_status(run_dir)
     if status.job.options:  # checked as the requeued start will take them back
         check_stored_options(status.job.options, status.path / JOB_FILE)
-    checkpoint = max((c.step or 0 for c in status.checkpoints if c.verified), default=0)
+    checkpoint = status.checkpointed_step
     done = status.steps_done
     record = dict(
         slurm_job_id=os.environ.get("SLURM_JOB_ID", ""),

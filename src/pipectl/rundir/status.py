@@ -84,8 +84,12 @@ class RunStatus:
     def steps_done(self) -> int:
         """The last step trained: metrics.jsonl's last line, or a verified checkpoint's step where that
         is later (metrics.jsonl deleted or cut short: the checkpoint still holds the steps)."""
-        logged = self.metrics[-1].step if self.metrics else 0
-        return max([logged, *(c.step or 0 for c in self.checkpoints if c.verified)])
+        return max(self.metrics[-1].step if self.metrics else 0, self.checkpointed_step)
+
+    @property
+    def checkpointed_step(self) -> int:
+        """The step of the newest verified checkpoint (0: none)."""
+        return max((c.step or 0 for c in self.checkpoints if c.verified), default=0)
 
     @property
     def last_loss(self) -> float | None:
