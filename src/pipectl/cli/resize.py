@@ -21,7 +21,7 @@ from pipectl.errors import UserInputError
 from pipectl.artifacts.run import Engine
 from pipectl.launch.prepare import read_run
 from pipectl.rundir.analysis import analyse
-from pipectl.rundir.status import run_status
+from pipectl.rundir.status import RunStatus, run_status
 from pipectl.report.run_tables import decision_table, morph_history_table, status_table
 from pipectl.resize.live import LiveUnavailable, ResizeInterrupted, live_resize
 from pipectl.resize.restart import ResizeDecision, check_resumable, decide_resize, resize_run
@@ -63,9 +63,10 @@ def register(app: typer.Typer) -> None:
         if options.dry_run:
             _print_dry_run(decision, devices, json_output)
             return
-        if _nothing_to_move(decision, run_dir, json_output):
+        status = run_status(decision.run_dir)
+        if _nothing_to_move(decision, status, run_dir, json_output):
             return
-        if not run_status(decision.run_dir).active:  # a running job may still checkpoint as it stops
+        if not status.active:  # a running job may still checkpoint as it stops
             check_resumable(decision)
         if not json_output:
             console.print(decision_table(decision))
@@ -132,13 +133,14 @@ def _check_stopped(result, run_dir: Path, requested_unix: float, json_output: bo
     if result.record.first_step_unix is None:
         check_stopped_while_starting(result.run_dir, result.record.relaunched_unix or requested_unix, signum, again)
         return  # a rank failed as well: the failure report follows
-    status = run_status(result.run_dir)
+    report = analyse(result.run_dir, detail=False)
+    status = report.status
     if status.finished or status.stopped is None:
         return
     if json_output:
         print_json(result.to_dict())
     else:
-        console.print(status_table(analyse(result.run_dir, detail=False), brief=True))
+        console.print(status_table(report, brief=True))
         console.print(f"stopped at step {status.steps_done} of {result.decision.target_steps} (signal or stop request), "
                       f"checkpoint written; continue with: {again} --resume")  # fmt: skip
     raise typer.Exit(128 + signum)
@@ -212,13 +214,13 @@ def _print_dry_run(decision: ResizeDecision, devices: int, json_output: bool) ->
     console.print("[dim]dry run: nothing stopped, written or started[/]")
 
 
-def _nothing_to_move(decision: ResizeDecision, run_dir: Path, json_output: bool) -> bool:
+def _nothing_to_move(decision: ResizeDecision, status: RunStatus, run_dir: Path, json_output: bool) -> bool:
     """The run trains now, on the layout the resize would give it: said, and True (a stopped run
     with the same layout is resumed, to the steps asked)."""
     # What the job last trained on (its plan may name a relaunch that failed before its first step),
     # and ranks that still beat (a rank of this host whose process ended does not, however fresh).
     same = layout_label(decision.candidate) == decision.from_layout
-    if not same or not run_status(decision.run_dir).ranks_beating:
+    if not same or not status.ranks_beating:
         return False
     message = f"{run_dir} already runs {decision.from_layout} on {count(decision.from_devices, 'device')}: nothing to move"
     if decision.target_steps != read_run(run_dir).job.steps:
