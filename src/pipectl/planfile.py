@@ -103,9 +103,9 @@ def _verified(plan_dir: str | os.PathLike[str], ref: ProfileRef) -> Path:
     """The profile copy beside the plan, checked by its sha256; where the copy is not there (a plan
     copied alone), the file the plan was made from, if it still holds the same bytes."""
     path = Path(plan_dir) / ref.file
-    if not path.is_file() and ref.source and Path(ref.source).is_file() and sha256_file(ref.source) == ref.sha256:
-        return Path(ref.source)
     if not path.is_file():
+        if ref.source and Path(ref.source).is_file() and sha256_file(ref.source) == ref.sha256:
+            return Path(ref.source)
         raise UserInputError(
             f"the plan's profile {path} is missing (it was made from {ref.source or 'an unnamed file'})",
             hint="keep the profile-<hash>.json file next to plan.json, or re-plan",

@@ -214,9 +214,8 @@ def morph_table(
         if spec.devices < count:
             if count in exact_counts:
                 note = f"uses {spec.devices} of {count} devices: faster than any configuration of all {count}"
-            elif count % _pinned_product(request):
-                pins = _pinned(request).removeprefix(" with ").removesuffix(" pinned")
-                note = f"uses {spec.devices} of {count} devices: {count} is not a multiple of {_pinned_product(request)} (pinned {pins})"
+            elif count % (product := _pinned_product(request)):
+                note = f"uses {spec.devices} of {count} devices: {count} is not a multiple of {product} (pinned {_pins(request)})"
             else:
                 why = (f"fits in memory with the global batch {evaluator.global_batch}" if request.uneven_replicas
                        else f"divides the global batch {evaluator.global_batch} and fits in memory")
@@ -236,6 +235,11 @@ def _pinned(request: PlanRequest) -> str:
     >>> _pinned(PlanRequest(global_batch=16, pipeline_parallel=2))
     ' with p = 2 pinned'
     """
+    pins = _pins(request)
+    return f" with {pins} pinned" if pins else ""
+
+
+def _pins(request: PlanRequest) -> str:
+    """'t = 2, p = 2': the degrees the request fixed ('' for none)."""
     letters = (("tensor_parallel", "t"), ("pipeline_parallel", "p"), ("data_parallel", "d"), ("micro_batch_size", "b"))
-    pins = [f"{letter} = {getattr(request, name)}" for name, letter in letters if getattr(request, name) is not None]
-    return f" with {', '.join(pins)} pinned" if pins else ""
+    return ", ".join(f"{letter} = {getattr(request, name)}" for name, letter in letters if getattr(request, name) is not None)
