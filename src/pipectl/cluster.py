@@ -147,6 +147,22 @@ def with_links_read(cluster: ClusterSpec) -> ClusterSpec:
     return loaded
 
 
+def links_read(cluster: ClusterSpec) -> dict[str, LinksProfile]:
+    """The links files `cluster` held when it was loaded, by absolute path (`with_links_read`)."""
+    return dict(cluster._links_read)
+
+
+def _with_links_copies(cluster: ClusterSpec, copies: Mapping[str, LinksProfile]) -> ClusterSpec:
+    """`cluster` with the plan's copy of each links file it names that is no longer readable."""
+    named = {links.links_file for links in [n.links for n in cluster.node_types] + [cluster.inter_node_links]}
+    missing = {path: copies[path] for path in named if path in copies and path not in cluster._links_read}
+    if not missing:
+        return cluster
+    loaded = cluster.model_copy()
+    loaded._links_read = {**cluster._links_read, **missing}
+    return loaded
+
+
 def usable_cores() -> int:
     """The CPU cores this process may run on (its affinity mask; all of them off Linux)."""
     try:
@@ -273,6 +289,7 @@ def plan_cluster_file(plan: Plan) -> ClusterSpec:
         cluster = plan.cluster_copy
     else:
         cluster = load_cluster(plan_cluster_source(plan))
+    cluster = _with_links_copies(cluster, plan.links_copies)
     if plan.calibration_file is not None:
         gone = plan.calibration_copy is not None and not Path(plan.calibration_file).is_file()
         cluster = calibrated_cluster(cluster, plan.calibration_copy if gone else load_model(RunsCalibration, plan.calibration_file))
@@ -286,6 +303,7 @@ def plan_files_changed(plan: Plan) -> list[str]:
     changed = []
     for path, copy, read in (
         (plan.cluster_file, plan.cluster_copy, load_cluster),
+        *((links, copy, _read_links_file) for links, copy in plan.links_copies.items()),
         (plan.calibration_file, plan.calibration_copy, lambda file: load_model(RunsCalibration, file)),
     ):
         if path is None or copy is None or not Path(path).is_file():
@@ -294,7 +312,7 @@ def plan_files_changed(plan: Plan) -> list[str]:
             now = read(path)
         except UserInputError:
             continue  # unreadable: re-pricing names why
-        if now != copy:
+        if now.model_dump() != copy.model_dump():  # the fields: a loaded cluster also holds its links files
             changed.append(path)
     return changed
 

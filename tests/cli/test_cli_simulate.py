@@ -181,3 +181,37 @@ def test_a_cluster_file_edited_since_planning_is_said_to_price_the_simulation(tm
                                               "inter_node_bandwidth_gbytes_per_second: 2"))
     payload = json.loads(invoke("simulate", "plan.json", "--json").stdout)
     assert payload["note"] == f"{tmp_path / 'mine.yaml'} changed since planning: priced as it is now"
+
+
+def test_a_cluster_with_a_links_file_is_unchanged_after_planning_and_its_copy_holds_the_links(
+    tmp_path: Path, monkeypatch
+):
+    """A cluster file naming a links_file: simulate right after plan says nothing changed, and once the
+    file's folder is gone the plan's copy prices with the links it was planned with."""
+    from pipectl.artifacts.profile import LinkClass, LinkClassFit, LinksProfile
+    from pipectl.io import write_json_atomic
+    from pipectl.testing.profiles import synthetic_profile
+
+    monkeypatch.chdir(tmp_path)
+    Path("sub").mkdir()
+    fit = LinkClassFit(link_class=LinkClass.INTRA_NODE, p2p_latency_seconds=5e-5, p2p_bandwidth_bytes_per_second=3e8,
+                       allreduce_latency_seconds=7e-5, allreduce_bandwidth_bytes_per_second=1.5e8)
+    write_json_atomic(Path("sub/links.json"), LinksProfile(backend="gloo", device="cpu", fits=[fit]))
+    Path("sub/mine.yaml").write_text(
+        "schema_version: 1\nname: mine\nlocal: true\nnode_types:\n  - name: cpus\n    device: cpu\n"
+        "    devices_per_node: 2\n    nodes: 1\n    links:\n      links_file: links.json\n"
+    )
+    write_json_atomic(tmp_path / "profile.json", synthetic_profile(blocks=4, micro_batch_sizes=[1, 2], device="cpu"))
+    invoke("plan", "--profile", "profile.json", "--cluster", "sub/mine.yaml", "--global-batch", "8",
+           "--pipeline-parallel", "2", "--no-morph", "-o", "plan.json")
+    payload = json.loads(invoke("simulate", "plan.json", "--json").stdout)
+    assert "note" not in payload, payload["note"]
+    Path("sub").rename("moved")
+    moved = json.loads(invoke("simulate", "plan.json", "--json").stdout)
+    assert moved["step_seconds"] == pytest.approx(payload["step_seconds"], rel=1e-9)
+    Path("moved").rename("sub")
+    write_json_atomic(Path("sub/links.json"), LinksProfile(backend="gloo", device="cpu", fits=[
+        fit.model_copy(update={"p2p_bandwidth_bytes_per_second": 3e6})]))
+    edited = json.loads(invoke("simulate", "plan.json", "--json").stdout)
+    assert edited["note"] == f"{tmp_path / 'sub' / 'links.json'} changed since planning: priced as it is now"
+    assert edited["step_seconds"] > payload["step_seconds"]

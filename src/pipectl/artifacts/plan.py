@@ -23,7 +23,7 @@ from pydantic import Field, field_validator, model_validator
 from pipectl.artifacts.base import MAX_SECONDS, Artifact, Bytes, Sha256, Strict
 from pipectl.artifacts.calibration import RunsCalibration
 from pipectl.artifacts.cluster import ClusterSpec
-from pipectl.artifacts.profile import ModelProfile
+from pipectl.artifacts.profile import LinksProfile, ModelProfile
 from pipectl.schedule.ir import ScheduleKind
 
 
@@ -536,6 +536,12 @@ class Plan(Artifact):
         exclude_if=lambda spec: spec is None,
         description="The cluster file as the plan read it: what the plan is re-priced and launched on when "
         "`cluster_file` is no longer there (moved, or a plan copied to another machine).",
+    )
+    links_copies: dict[str, LinksProfile] = Field(
+        default_factory=dict,
+        exclude_if=lambda copies: not copies,
+        description="The links files the cluster file names, by absolute path, as the plan read them: what "
+        "prices the plan where one of them is no longer there.",
     )
     calibration_file: str | None = Field(
         default=None,

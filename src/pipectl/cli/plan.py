@@ -21,7 +21,7 @@ from pipectl.artifacts.profile import ModelProfile
 from pipectl.cli.context import JsonFlag, console, err_console, from_options, print_json, refuse_overwriting
 from pipectl.cli.options import ConfigOption, file_layers, passed_flags, with_options
 from pipectl.cluster import (
-    calibrated_cluster, check_profiles_calibrated_alike, load_calibration_for, load_cluster, local_cluster,
+    calibrated_cluster, check_profiles_calibrated_alike, links_read, load_calibration_for, load_cluster, local_cluster,
 )
 from pipectl.config import Layer, given, layered, stored_layer
 from pipectl.emit import emitted_files, emitted_layouts, fewer_devices_notes, write_files
@@ -226,6 +226,7 @@ def _write_plan_files(
         output,
         made.model_copy(update={"cluster_file": None if cluster_path is None else str(cluster_path),
                                 "cluster_copy": None if cluster_path is None else read[0],
+                                "links_copies": {} if cluster_path is None else links_read(read[0]),
                                 "calibration_file": calibration, "calibration_copy": read[1]}),
         profile_file=profile[0],
         kind_profile_files=profile[1:],
