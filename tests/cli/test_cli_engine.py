@@ -143,3 +143,26 @@ def test_a_schedule_only_the_torch_engine_runs_is_pointed_to_it(tmp_path):
     refused = runner.invoke(app, args)
     assert refused.exit_code == 2 and "plan with --engine torch (its torch runtime launches it)" in " ".join(refused.output.split())
     assert runner.invoke(app, [*args, "--engine", "torch"]).exit_code == 0
+
+
+def test_a_16_bit_torch_plan_is_refused_with_a_way_out_that_works(tmp_path):
+    """A torch-engine plan from a bf16 (derived) profile: launch refuses it, and the hint's way out,
+    a float32 profile planned again, launches. (Its hint used to say `--precision fp32`, which the
+    plan's precision check refused in turn.)"""
+    from cli_process import pipectl, said
+
+    def plan(dtype: str) -> None:
+        done = pipectl("profile", "gpt-tiny", "--derive", "--dtype", dtype, "-o", "profile.json", cwd=tmp_path)
+        assert done.returncode == 0, said(done)
+        done = pipectl("plan", "--profile", "profile.json", "--cluster", "local", "--global-batch", "16", "--engine",
+                       "torch", "--pipeline-parallel", "2", "--no-morph", "-o", "plan.json", cwd=tmp_path)
+        assert done.returncode == 0, said(done)
+
+    plan("bfloat16")
+    refused = pipectl("launch", "plan.json", "--run-dir", "runs/a", "--steps", "4", "--dry-run", cwd=tmp_path)
+    assert refused.returncode == 2, said(refused)
+    assert "torch (PyTorch's pipelining runtime), trains in fp32 only" in refused.stderr
+    assert "hint: profile and plan again with --dtype float32" in refused.stderr and "Traceback" not in said(refused)
+    plan("float32")
+    done = pipectl("launch", "plan.json", "--run-dir", "runs/a", "--steps", "4", "--dry-run", cwd=tmp_path)
+    assert done.returncode == 0, said(done)

@@ -23,7 +23,7 @@ from pydantic import ValidationError
 from pipectl import __version__
 from pipectl.artifacts.cluster import ClusterSpec, SlurmSpec
 from pipectl.artifacts.layout import layout_label
-from pipectl.artifacts.plan import Candidate, Plan
+from pipectl.artifacts.plan import Candidate, Plan, Engine as PlanEngine
 from pipectl.artifacts.profile import ModelProfile
 from pipectl.artifacts.run import JOB_FILE, DataKind, DataSpec, Engine, JobSpec, NodeGroup, Precision, TrainingSettings
 from pipectl.cluster import busier_note, host_state, load_cluster, plan_cluster_spec
@@ -229,9 +229,13 @@ _PRECISION_OF_DTYPE = {"float32": Precision.FP32, "bfloat16": Precision.BF16, "f
 _DTYPE_OF_PRECISION = {precision: dtype for dtype, precision in _PRECISION_OF_DTYPE.items()}
 
 
-def planned_precision(profile_dtype: str | None, asked: Precision | None, named: str | None = None) -> Precision:
+def planned_precision(
+    profile_dtype: str | None, asked: Precision | None, named: str | None = None, *, torch_engine: bool = False
+) -> Precision:
     """The precision to train in: the plan's (its profile's dtype), which `asked` must match
-    (`named`: how the user gave it, for the refusal).
+    (`named`: how the user gave it, for the refusal). The torch engine trains in fp32 only
+    (`torch_engine`: a plan for it made from a 16-bit profile is refused here, where the way out
+    is to profile again, not to ask for another precision).
 
     The plan's memory and step-time figures hold for its profile's dtype only (fp32 weights and
     activations take twice the bytes of bf16 ones), so another precision is refused rather than
@@ -248,6 +252,12 @@ def planned_precision(profile_dtype: str | None, asked: Precision | None, named:
         raise UserInputError(
             f"the plan was made for {profile_dtype}, which pipectl's runtime does not train in yet",
             hint="profile and plan again with --dtype bfloat16 or --dtype float32",
+        )
+    if torch_engine and planned is not Precision.FP32:
+        raise UserInputError(
+            f"the plan was made for {profile_dtype} ({planned.value}) and its engine, torch (PyTorch's pipelining "
+            "runtime), trains in fp32 only",
+            hint="profile and plan again with --dtype float32, or re-plan with --engine deepspeed",
         )
     if asked is not None and asked is not planned:
         raise UserInputError(
@@ -608,7 +618,8 @@ def prepare_launch(
     profile_dtype = profile.dtype if profile is not None else None
     as_chosen = options  # what job.json stores: the options as chosen, before the plan and the host fill them in
     named = given(options, "precision")
-    options = options.model_copy(update={"precision": planned_precision(profile_dtype, options.precision, named)})
+    precision = planned_precision(profile_dtype, options.precision, named, torch_engine=plan.chosen.engine is PlanEngine.TORCH)
+    options = options.model_copy(update={"precision": precision})
     if options.engine in (Engine.DEEPSPEED, Engine.TORCHRUN):
         options = options.model_copy(update={"hosts": node_hosts(options)})
     cluster = plan_cluster(plan, options.cluster)

@@ -528,7 +528,7 @@ def validated_config(
     if candidate.engine is Engine.TORCH and precision is not Precision.FP32:
         raise DeepSpeedConfigRejected(
             f"precision {precision.value}: the torch engine (PyTorch's pipelining runtime) trains in fp32 only",
-            hint="launch with --precision fp32, or re-plan with --engine deepspeed",
+            hint="launch without --precision (fp32), or re-plan with --engine deepspeed",
         )
     uneven = has_uneven_replicas(candidate)
     config = deepspeed_config(
