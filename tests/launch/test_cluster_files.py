@@ -131,6 +131,21 @@ def test_fewer_nodes_than_the_ranks_need_are_refused_by_the_value_given(monkeypa
         assert caught.value.hint.startswith("give 8 ")
 
 
+def test_a_local_launch_of_more_gpus_than_a_node_holds_is_refused_even_as_a_dry_run(monkeypatch):
+    # Engine local starts every rank on this one machine: 64 A100 ranks on a cluster of 8-GPU nodes
+    # cannot run there, which a dry run (it skips the checks of this host's GPUs) also says.
+    monkeypatch.chdir("/")
+    plan = gpt3_plan(devices=64, t=8, p=8, d=1, cluster="a100-8x8")
+    with pytest.raises(UserInputError) as caught:
+        prepare_launch(plan, RUN, LaunchOptions(engine=Engine.LOCAL, precision=Precision.BF16, **AT_SCALE), write=False)
+    assert caught.value.message == ("engine local starts the plan's 64 ranks on this one node, but each a100-80gb "
+                                    "node of cluster 'a100-8x8' holds 8")
+    assert caught.value.hint == "launch on 8 nodes with --engine slurm or torchrun (--dry-run shows their files)"
+    one_node = gpt3_plan(devices=8, t=8, p=1, d=1, cluster="a100-8x8")
+    job = prepare_launch(one_node, RUN, LaunchOptions(engine=Engine.LOCAL, precision=Precision.BF16, **AT_SCALE), write=False).job
+    assert (job.nodes, job.ranks_per_node) == (1, 8)
+
+
 def test_a_plan_whose_tensor_groups_span_two_nodes_launches_on_whole_nodes(monkeypatch):
     # t = 16 on 8-GPU nodes: ranks are numbered node by node and laid out (replica, stage, tensor
     # rank), so each tensor group is two whole nodes, as the planner priced it.

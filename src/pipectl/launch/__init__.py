@@ -360,15 +360,23 @@ def job_nodes(plan: Plan, options: LaunchOptions, cluster: ClusterSpec | None, g
         nodes = -(-devices // max(per_node))
     if devices % nodes:
         raise UserInputError(f"the plan's {count(devices, 'rank')} cannot be split evenly over {count(nodes, 'node')}")
-    fewer = options.engine is not Engine.LOCAL and not options.hostfile  # a hostfile's slots are checked apart
+    # A hostfile's slots are checked apart; local CPU ranks are as many as asked (`local_cluster`),
+    # but a node holds no more GPUs than its cluster file says, whoever starts the ranks.
+    fewer = not options.hostfile and (options.engine is not Engine.LOCAL or plan_accelerator(plan, cluster) == "cuda")
     if fewer and per_node and devices // nodes > max(per_node):
         # More ranks than a node has devices: every node would start that many processes on its
         # GPUs (a hostfile of 'slots=1512', torchrun's --nproc_per_node 1512).
+        held = f"but each {plan.chosen.device} node of cluster '{cluster.name}' holds {max(per_node)}"
+        needed = -(-devices // max(per_node))
+        if options.engine is Engine.LOCAL and not options.nodes:
+            raise UserInputError(
+                f"engine local starts the plan's {count(devices, 'rank')} on this one node, {held}",
+                hint=f"launch on {needed} nodes with --engine slurm or torchrun (--dry-run shows their files)",
+            )
         name = "hosts" if options.hosts else "elastic" if options.elastic else "nodes"
         raise UserInputError(
-            f"{given(options, name)}: {devices // nodes} of the plan's {count(devices, 'rank')} on each node, "
-            f"but each {plan.chosen.device} node of cluster '{cluster.name}' holds {max(per_node)}",
-            hint=f"give {-(-devices // max(per_node))} {'hosts' if options.hosts else 'nodes'}"
+            f"{given(options, name)}: {devices // nodes} of the plan's {count(devices, 'rank')} on each node, {held}",
+            hint=f"give {needed} {'hosts' if options.hosts else 'nodes'}"
             + (", or leave the nodes out to have them counted" if name == "nodes" else ""),
         )
     return nodes
