@@ -128,14 +128,14 @@ def measured(tmp_path, conditions):
 
 
 def test_calibrate_then_validate_with_it_from_a_working_directory(measured):
-    # A row the model cannot predict (B = 17 over b = 8) is named and left out, not counted: it used
-    # to be dropped from the fit without a word while the counts included it.
+    # A row the model cannot predict (a pipeline deeper than the model) is named and left out, not
+    # counted: it used to be dropped from the fit without a word while the counts included it.
     with open(measured / "runs.csv", "a") as rows:
-        rows.write("2,17,8,1024,16,12,1024,1,1,2,372.16\n")
+        rows.write("8,32,4,1024,16,2,1024,1,1,8,120.0\n")
     result = pipectl(measured, "calibrate", "runs.csv", "--conditions", "conditions.yaml", "--folds", "0", "-o", "cal.json")
     assert result.returncode == 0, result.stderr
     assert "wrote cal.json" in result.stdout
-    assert f"line {len(LAYOUTS) + 2}: left out, not predicted: global batch 17" in result.stderr, result.stderr
+    assert f"line {len(LAYOUTS) + 2}: left out, not predicted: pipeline-parallel degree 8 exceeds" in result.stderr, result.stderr
     assert f"fitting 9 terms to {len(LAYOUTS)} rows" in result.stderr
     calibration = json.loads((measured / "cal.json").read_text())
     assert calibration["rows_file"] == "runs.csv" and calibration["cross_validated"] is None

@@ -258,10 +258,19 @@ def test_the_conditions_link_prices_transfers_and_nccls_figure_the_collectives(t
 
 
 def test_rows_that_cannot_be_predicted_are_each_named_and_no_empty_table_is_printed(measured):
-    """A pipeline deeper than the model: the row's reason, not a table of "the 0 largest errors"."""
+    """A pipeline deeper than the model: the row's reason, not a table of "the 0 largest errors", and
+    exit 2 (nothing predicted: nothing validated; it used to exit 0), in JSON too. A row no engine
+    can have run (B not a multiple of b x d) is refused as the file is read, naming it."""
     (measured / "deep.csv").write_text(HEADER + "\n8,32,4,1024,16,2,1024,1,1,8,120.0\n")
+    done = pipectl(measured, "validate", "deep.csv", "--conditions", "conditions.yaml", "--json")
+    assert done.returncode == 2 and json.loads(done.stdout)["summary"]["rows"] == 0, done.stdout + done.stderr
+    (measured / "odd.csv").write_text(HEADER + "\n2,15,8,1024,16,24,1024,1,1,2,300\n")
+    odd = pipectl(measured, "validate", "odd.csv", "--conditions", "conditions.yaml")
+    assert odd.returncode == 2 and odd.stdout == "", odd.stdout
+    assert odd.stderr.strip() == ("error: odd.csv line 2: global batch 15 is not a multiple of micro batch x data "
+                                  "parallelism = 8 x 1 = 8"), odd.stderr
     done = pipectl(measured, "validate", "deep.csv", "--conditions", "conditions.yaml")
-    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.returncode == 2, done.stdout + done.stderr
     assert "no run of 1 could be predicted" in done.stdout and "largest errors" not in done.stdout, done.stdout
     assert "line 2: not predicted: pipeline-parallel degree 8 exceeds the model's" in " ".join(done.stdout.split())
 

@@ -73,6 +73,7 @@ def register(app: typer.Typer) -> None:
                 "time_split": [part.to_dict() for part in splits],
                 "notes": notes,
             })  # fmt: skip
+            _exit_if_none_predicted(errors)
             return
         shown = predictions if all_rows else _worst(predictions)
         if shown:  # none predicted: the summary line says so, and each row's reason follows
@@ -94,6 +95,13 @@ def register(app: typer.Typer) -> None:
             console.print(f"line {p.run.line}: not predicted: {p.problem}", soft_wrap=True, highlight=False, markup=False)
         for note in notes:
             console.print(f"note: {note}", soft_wrap=True, highlight=False, markup=False)
+        _exit_if_none_predicted(errors)
+
+
+def _exit_if_none_predicted(errors) -> None:
+    """Rows that all fail to predict (each row's reason printed) are input validate cannot use: exit 2."""
+    if errors.rows == 0:
+        raise typer.Exit(2)
 
 
 # Predictions miss by tens of percent, not by a factor of 30: a median that far off is a unit.

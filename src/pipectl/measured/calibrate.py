@@ -37,6 +37,7 @@ import numpy as np
 
 from pipectl.catalog import get_device
 from pipectl.errors import UserInputError
+from pipectl.words import count
 from pipectl.io import sha256_file
 from pipectl.artifacts.calibration import DEFAULT_FOLDS, CalibratedTerms, FitErrors, RunsCalibration
 from pipectl.measured.predict import Calibrated, Predictor
@@ -231,7 +232,7 @@ def calibrate_runs(
             f"the rows ran on {len(devices)} devices ({', '.join(devices)}): calibrate one device's rows at a time"
         )
     if len(runs) < SMALLEST_FIT:
-        raise UserInputError(f"{len(runs)} rows cannot tell {len(TERMS)} terms apart: calibrate needs {SMALLEST_FIT} or more")
+        raise UserInputError(f"{count(len(runs), 'row')} cannot tell {len(TERMS)} terms apart: calibrate needs {SMALLEST_FIT} or more")
     start = starting_terms(conditions)
     uncalibrated = Predictor(conditions, runs)  # the catalog's and the conditions' figures as they are
     predictions = [uncalibrated.predict(run) for run in runs]

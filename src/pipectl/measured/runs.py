@@ -288,6 +288,12 @@ def _run_of(row: list[str], position: dict[str, int], line: int, source: str) ->
             f"{where}: t x d x p = {run.tensor_parallel} x {run.data_parallel} x {run.pipeline_parallel} = {devices}, "
             f"not the row's {run.gpus} GPUs"
         )
+    per_step = run.micro_batch * run.data_parallel  # Megatron and DeepSpeed run B = b x m x d, m whole
+    if run.global_batch % per_step:
+        raise UserInputError(
+            f"{where}: global batch {run.global_batch} is not a multiple of micro batch x data parallelism = "
+            f"{run.micro_batch} x {run.data_parallel} = {per_step}"
+        )
     return run
 
 
