@@ -125,6 +125,15 @@ def test_slurm_script_content():
     assert "job.sbatch" in cmd.files
 
 
+def test_a_slurm_script_that_does_not_requeue_says_so_in_its_header():
+    from pipectl.artifacts.cluster import SlurmSpec
+
+    script = slurm_script(job(Engine.SLURM, world=8, nodes=2), RUN, python="py", gpus=True, slurm=SlurmSpec(requeue_limit=0))
+    lines = script.splitlines()
+    assert "#SBATCH --no-requeue" in lines and not any("requeues itself" in line for line in lines)
+    assert lines[2].startswith("# It checkpoints and stops 120 s before its time limit and does not requeue itself")
+
+
 def test_elastic_slurm_script_allows_a_node_range():
     elastic = ElasticRange(min_nodes=2, max_nodes=4)
     script = slurm_script(job(Engine.SLURM, world=4, nodes=2, elastic=elastic), RUN, python="py", gpus=False)

@@ -369,8 +369,11 @@ def slurm_script(
         "#!/bin/bash",
         f"# Written by pipectl launch for run {job.name}: {count(job.world_size, 'rank')}, {count(job.nodes, 'node')} x "
         f"{count(job.ranks_per_node, 'GPU rank' if gpus else 'CPU rank')}, {job.precision.value}. Submit: sbatch {run_dir / SBATCH_FILE}",
-        f"# It requeues itself {signal_seconds} s before its time limit and after a failure that made progress "
-        f"(at most {count(requeue_limit, 'time')} in a row without a newer checkpoint): {run_dir / LOGS_DIR / REQUEUE_FILE}",
+        (f"# It requeues itself {signal_seconds} s before its time limit and after a failure that made progress "
+         f"(at most {count(requeue_limit, 'time')} in a row without a newer checkpoint): {run_dir / LOGS_DIR / REQUEUE_FILE}"
+         if requeue_limit else
+         f"# It checkpoints and stops {signal_seconds} s before its time limit and does not requeue itself "
+         f"(slurm requeue_limit 0): {run_dir / LOGS_DIR / REQUEUE_FILE}"),
         f"#SBATCH --job-name={job.name}",
         f"#SBATCH --output={run_dir / LOGS_DIR}/slurm-%j.out",
         "#SBATCH --open-mode=append",
