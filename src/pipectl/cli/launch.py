@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import shutil
 import signal
-from shlex import quote
+from shlex import join, quote
 import time
 from pathlib import Path
 from typing import Annotated, Optional
@@ -27,6 +27,7 @@ from pipectl.launch.placement import placement_note
 from pipectl.rundir.run import check_steps_beyond_trained, is_run_dir
 from pipectl.launch.prepare import run_files
 from pipectl.cli.plan import planned_otherwise
+from pipectl.cluster import plan_cluster_source
 from pipectl.plan.options import PlanOptions, plan_sections
 from pipectl.rundir.analysis import analyse
 from pipectl.rundir.status import RunStatus, run_status
@@ -152,9 +153,22 @@ def check_planned_batch(config: Path | None, plan: Plan, plan_path: Path) -> Non
         more = f" (and {count(len(differ) - 1, 'other key')})" if len(differ) > 1 else ""
         raise UserInputError(
             f"{where} = {_planned_words(value)}, but {plan_path} {said}{more}",
-            hint=f"re-plan with the file (pipectl plan --config {config} -o plan.json), then launch that plan; "
-            "or leave the key out of the file",
+            hint=f"re-plan with the file ({_replan_command(config, plan, plan_path, layer)}), then launch that "
+            "plan; or leave the key out of the file",
         )
+
+
+def _replan_command(config: Path, plan: Plan, plan_path: Path, layer) -> str:
+    """`pipectl plan --config FILE` with what the file leaves to the plan (its profile copy, its
+    cluster, its device count), written beside the plan under another name than the plan's."""
+    words = ["pipectl", "plan", "--config", str(config)]
+    if "profile" not in layer.values and plan.profile is not None:
+        words += ["--profile", str(plan_path.parent / plan.profile.file)]
+    if "cluster" not in layer.values:
+        words += ["--cluster", plan_cluster_source(plan)]
+    if "devices" not in layer.values and plan.request.devices is not None:
+        words += ["--devices", str(plan.request.devices)]
+    return join([*words, "-o", str(plan_path.with_name(f"{plan_path.stem}-replanned.json"))])
 
 
 def _planned_words(value: object) -> str:
