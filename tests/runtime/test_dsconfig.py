@@ -108,6 +108,25 @@ def test_zero2_and_3_with_uneven_replicas_are_rejected(zero_stage):
         validated_config(make_plan(candidate, global_batch=6))
 
 
+def test_uneven_replicas_write_the_global_batch_beside_the_largest_replicas_batch_keys():
+    """B = 10 over d = 3 replicas of b = 2: 2, 2 and 1 micro-batches. The file's top-level keys are the
+    largest replica's (2 x 2 x 3 = 12, each rank takes its own), so the global batch and the replicas
+    are written in the pipeline section, where a reader of the file finds them; an elastic restart
+    onto an even layout drops them."""
+    from pipectl.artifacts.plan import replica_shares
+    from pipectl.runtime.elastic.world_size import ds_config_for_candidate
+
+    candidate = make_candidate(p=1, d=3, m=2, replicas=replica_shares(10, 3, 2, "cpu"))
+    config = validated_config(make_plan(candidate, global_batch=10))
+    assert config["train_batch_size"] == 12
+    uneven = config["pipeline"]["uneven_replicas"]
+    assert uneven["global_batch"] == 10
+    assert sorted((r["micro_batches"], r["count"]) for r in uneven["replicas"]) == [(1, 1), (2, 2)]
+    assert sum(r["micro_batch_size"] * r["micro_batches"] * r["count"] for r in uneven["replicas"]) == 10
+    even = ds_config_for_candidate(config, make_candidate(p=1, d=1, m=5), 10)
+    assert even["train_batch_size"] == 10 and "uneven_replicas" not in even["pipeline"]
+
+
 @pytest.mark.parametrize("zero_stage", [2, 3])
 def test_a_one_stage_zero2_or_3_plan_is_a_valid_deepspeed_config(zero_stage):
     """DeepSpeed's ordinary engine runs it (`runtime/engines/plain.py`); its parser accepts the config."""

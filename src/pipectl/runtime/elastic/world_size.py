@@ -11,7 +11,9 @@ from typing import Any
 
 from pipectl.artifacts.plan import Candidate, Plan
 from pipectl.errors import UserInputError
-from pipectl.runtime.engines.dsconfig import batch_section, check_candidate, stage_partition
+from pipectl.runtime.engines.dsconfig import (
+    batch_section, check_candidate, has_uneven_replicas, stage_partition, uneven_replicas_section,
+)
 
 
 def plan_for_world_size(plan: Plan, world_size: int) -> Candidate:
@@ -65,5 +67,8 @@ def ds_config_for_candidate(ds_config: dict[str, Any], candidate: Candidate, glo
     )
     pipeline = dict(config.get("pipeline", {}))
     pipeline.update(stages=candidate.pipeline_parallel, partition=stage_partition(candidate.stage_layers))
+    pipeline.pop("uneven_replicas", None)  # the launched layout's
+    if has_uneven_replicas(candidate):
+        pipeline["uneven_replicas"] = uneven_replicas_section(candidate, global_batch)
     config["pipeline"] = pipeline
     return config

@@ -360,6 +360,22 @@ def replica_config(config: dict[str, Any], micro_batch_size: int, micro_batches:
     return {**config, **batch_section(micro_batch_size=micro_batch_size, micro_batches=micro_batches, data_parallel=data_parallel)}
 
 
+def uneven_replicas_section(candidate: Candidate, global_batch: int) -> dict[str, Any]:
+    """What the run's ds_config.json says of uneven replicas: its top-level batch keys are the
+    largest replica's (b x m x d can exceed B), and each rank's engine takes its own replica's
+    (`replica_config`); the global batch and the replicas' shares, counted by (b, m)."""
+    shares: dict[tuple[int, int], int] = {}
+    for share in candidate.replicas or []:
+        key = (share.micro_batch_size, share.micro_batches)
+        shares[key] = shares.get(key, 0) + 1
+    return {
+        "global_batch": global_batch,
+        "replicas": [{"micro_batch_size": b, "micro_batches": m, "count": n} for (b, m), n in shares.items()],
+        "note": "the top-level batch keys are the largest replica's; each rank's engine takes its own replica's "
+        "(train_batch_size = b x m x d of that replica), and the replicas together train global_batch samples",
+    }
+
+
 def check_pipeline_section(config: dict[str, Any], candidate: Candidate) -> None:
     """DeepSpeed ignores `pipeline.stages`/`partition`; make sure they say what the plan says."""
     pipeline = config.get("pipeline", {})
@@ -538,6 +554,8 @@ def validated_config(
         training=training,
         total_steps=total_steps,
     )
+    if uneven:  # written down where a reader of the file looks for the batch (DeepSpeed ignores it)
+        config["pipeline"]["uneven_replicas"] = uneven_replicas_section(candidate, plan.global_batch)
     config = merge_overlay(config, overlay or {})
     check_pipeline_section(config, candidate)
     for share in (candidate.replicas or []) if uneven else []:
