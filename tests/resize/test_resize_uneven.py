@@ -59,7 +59,7 @@ def test_uneven_replicas_give_the_one_rank_losses_before_and_after_a_resize(base
 
     run = train(plan_with(THREE_RANKS), tmp_path / "three-ranks", RESIZE_AT)
     first = read_metrics(run)
-    assert {m.layout for m in first} == {"t1p1d3 1f1b 1x6+1x5+1x5"}
+    assert {m.layout for m in first} == {"t1p1d3 1f1b b1 m6+5*2"}
     for m in first:
         assert m.loss == pytest.approx(expected[m.step], rel=RELATIVE_TOLERANCE), m.step
 
@@ -84,6 +84,6 @@ def test_uneven_replicas_of_a_two_stage_pipeline_give_the_one_rank_losses(baseli
     run = train(plan_of(pipelines, global_batch=GLOBAL_BATCH), tmp_path / "p2-d3", RESIZE_AT)
     metrics = read_metrics(run)
     assert [m.step for m in metrics] == list(range(1, RESIZE_AT + 1))
-    assert {m.layout for m in metrics} == {"t1p2d3 1f1b 1x6+1x5+1x5"}
+    assert {m.layout for m in metrics} == {"t1p2d3 1f1b b1 m6+5*2"}
     for m in metrics:
         assert m.loss == pytest.approx(expected[m.step], rel=RELATIVE_TOLERANCE), m.step

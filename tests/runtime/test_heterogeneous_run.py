@@ -41,7 +41,7 @@ def test_a_split_over_emulated_kinds_gives_the_one_rank_losses_and_runs_slow_whe
     expected = {m.step: m.loss for m in read_metrics(one)}
     metrics = read_metrics(mixed)
     assert [m.step for m in metrics] == list(range(1, STEPS + 1))
-    assert {m.layout for m in metrics} == {"t1p1d2 1f1b 1x11+1x5"}
+    assert {m.layout for m in metrics} == {"t1p1d2 1f1b b1 m11+5"}
     for m in metrics:
         assert m.loss == pytest.approx(expected[m.step], rel=RELATIVE_TOLERANCE), m.step
 

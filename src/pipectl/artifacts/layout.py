@@ -91,12 +91,32 @@ class Layout:
         torch = (f" v{self.chunks}" if self.chunks > 1 else "") + " torch" if self.engine is Engine.TORCH else ""
         recompute = " +R" if self.recompute else " +ckpt" if self.checkpoint_layers else " +sel" if self.selective_recompute else ""
         if self.replica_shares:
-            shares = "+".join(f"{b}x{m}" for b, m in self.replica_shares)
-            return f"t{self.tensor_parallel}p{self.pipeline_parallel}d{self.data_parallel} {self.schedule.value}{recompute} {shares}{torch}"
+            return (f"t{self.tensor_parallel}p{self.pipeline_parallel}d{self.data_parallel} {self.schedule.value}"
+                    f"{recompute} {_shares_label(self.replica_shares)}{torch}")  # fmt: skip
         return (
             f"t{self.tensor_parallel}p{self.pipeline_parallel}d{self.data_parallel} "
             f"{self.schedule.value}{recompute} b{self.micro_batch_size} m{self.micro_batches}{torch}"
         )
+
+
+def _shares_label(shares: tuple[tuple[int, int], ...]) -> str:
+    """The replicas' (b, m) in replica order, a run of equal ones counted: 'b1 m6+5*2' (one replica
+    of 6 micro-batches, two of 5), '2x3+1x4*2' where b differs; as long as the kinds of share, not
+    the replicas (27 replicas: 'b1 m57*24+56*3').
+
+        >>> _shares_label(((1, 6), (1, 5), (1, 5))), _shares_label(((2, 3), (1, 4), (1, 4)))
+        ('b1 m6+5*2', '2x3+1x4*2')
+    """
+    runs: list[list] = []
+    for share in shares:
+        if runs and runs[-1][0] == share:
+            runs[-1][1] += 1
+        else:
+            runs.append([share, 1])
+    counted = lambda n: f"*{n}" if n > 1 else ""  # noqa: E731
+    if len({b for b, _ in shares}) == 1:
+        return f"b{shares[0][0]} m" + "+".join(f"{m}{counted(n)}" for (_, m), n in runs)
+    return "+".join(f"{b}x{m}{counted(n)}" for (b, m), n in runs)
 
 
 def layout_label(candidate: Candidate) -> str:
