@@ -213,7 +213,8 @@ def morph_table(
         note = ""
         if spec.devices < count:
             if count in exact_counts:
-                note = f"uses {spec.devices} of {count} devices: faster than any configuration of all {count}"
+                every = "both" if count == 2 else f"all {count}"
+                note = f"uses {spec.devices} of {count} devices: faster than any configuration of {every}"
             elif count % (product := _pinned_product(request)):
                 note = f"uses {spec.devices} of {count} devices: {count} is not a multiple of {product} (pinned {_pins(request)})"
             else:
