@@ -155,7 +155,10 @@ class ConfigFile:
         there stays as it is only if it is no path at all (a shipped name, `package.module:function`,
         `hf:NAME`): a path, or a name that is a file in the current directory, is the file's
         folder's even when missing there, so that the error names where it was looked for, and a
-        file of the same name where the command happens to run is never taken instead."""
+        file of the same name where the command happens to run is never taken instead. `~` is the
+        home folder, as a shell would have it on the command line."""
+        if isinstance(value, str) and value.startswith("~"):
+            value = str(Path(value).expanduser())
         if not isinstance(value, str) or not value or Path(value).is_absolute():
             return value
         beside = (self.path.parent / value).resolve()

@@ -71,6 +71,18 @@ def test_a_yaml_config_and_paths_relative_to_the_file(tmp_path, monkeypatch):
     assert job["data"]["path"] == str(tmp_path / "corpus.txt") and job["seed"] == 7
 
 
+def test_a_home_folder_path_in_a_config_file_is_the_users_home(tmp_path, monkeypatch):
+    """`source = "~/corpus.txt"`, as on the command line; it used to be taken as a folder named '~'
+    beside the file."""
+    plan = write_plan(tmp_path / "plan.json")
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "corpus.txt").write_text("hello pipectl " * 400)
+    (tmp_path / "job.toml").write_text('[data]\nsource = "~/corpus.txt"\n')
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    assert dry_job(plan, tmp_path / "run", "--config", "job.toml")["data"]["path"] == str(tmp_path / "home" / "corpus.txt")
+
+
 def test_a_path_missing_beside_the_file_is_not_taken_from_where_the_command_runs(tmp_path, monkeypatch):
     """A file of the same name in the current directory used to be taken silently in its place."""
     plan = write_plan(tmp_path / "plan.json")
