@@ -20,6 +20,7 @@ a key is refused only when no command knows it: a misspelt key is a mistake, nev
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import re
@@ -210,14 +211,23 @@ def read_config(path: str | os.PathLike[str], models: Iterable[type[BaseModel]])
             )
         if section not in known:
             raise UserInputError(
-                f"{path}: unknown section [{section}]", hint=f"sections: {', '.join(f'[{s}]' for s in known)}"
+                f"{path}: unknown section [{section}]",
+                hint=_did_you_mean(section, known, "[{}]") + f"sections: {', '.join(f'[{s}]' for s in known)}",
             )
         for key in keys:
             if key not in known[section]:
                 raise UserInputError(
-                    f"{path}: [{section}] has no key {key!r}", hint=f"[{section}] keys: {', '.join(sorted(known[section]))}"
+                    f"{path}: [{section}] has no key {key!r}",
+                    hint=_did_you_mean(key, known[section], "'{}'") + f"[{section}] keys: {', '.join(sorted(known[section]))}",
                 )
     return ConfigFile(path, {section: dict(keys) for section, keys in data.items()})
+
+
+def _did_you_mean(word: str, names: typing.Iterable[str], form: str) -> str:
+    """'did you mean [training]? ' for a near miss among `names` (as `io.validation_message` says it
+    of model and cluster YAML keys), else ''."""
+    near = difflib.get_close_matches(word, list(names), n=1)
+    return f"did you mean {form.format(near[0])}? " if near else ""
 
 
 @dataclass(frozen=True)
