@@ -150,6 +150,9 @@ def test_status_of_something_that_is_not_a_run_exits_2(tmp_path):
     empty = make_run(tmp_path / "b", steps_done=0)
     plot = runner.invoke(app, ["status", str(empty), "--plot", str(tmp_path / "p.png")])
     assert plot.exit_code == 2 and "no metrics" in plot.output
+    # The folder of runs (`runs`, not `runs/mine`): the runs it holds are named.
+    runs = " ".join(runner.invoke(app, ["status", str(empty.parent)]).output.split())
+    assert f"hint: give a run it holds (1 run): {empty}" in runs, runs
 
 
 def test_plain_status_shows_a_truncated_file_and_leftover_staging_folders(tmp_path):

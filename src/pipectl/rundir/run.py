@@ -29,6 +29,7 @@ from pipectl.errors import UserInputError
 from pipectl.io import file_kind, load_model, read_mapping, read_records
 from pipectl.rundir.checkpoints import CheckpointInfo, list_checkpoints
 from pipectl.rundir.metrics import read_metrics
+from pipectl.words import count
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,10 @@ def read_run_files(run_dir: str | os.PathLike[str]) -> RunFiles:
             "a launch is about to write)",
         )
     if not is_run_dir(path):
-        raise UserInputError(f"{path} is not a pipectl run (no {JOB_FILE})", hint="start one with pipectl launch")
+        inside = sorted(child for child in path.iterdir() if child.is_dir() and is_run_dir(child))
+        hint = (f"give a run it holds ({count(len(inside), 'run')}): {', '.join(quote(str(run)) for run in inside[:3])}"
+                + (", …" if len(inside) > 3 else "") if inside else "start one with pipectl launch")
+        raise UserInputError(f"{path} is not a pipectl run (no {JOB_FILE})", hint=hint)
     job = load_model(JobSpec, path / JOB_FILE)
     plan = load_model(Plan, path / job.plan_file)
     ds_config = read_mapping(path / job.ds_config_file)
