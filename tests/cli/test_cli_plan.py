@@ -153,7 +153,7 @@ def test_note_on_an_engine_the_best_cannot_run_names_the_objective(profile_path,
     other = {"fastest": "cheapest", "cheapest": "fastest"}[best]
     assert other not in note
     if objective == "cost":
-        assert f"${best_overall.cost_per_million_samples:,.4g} per 1M samples" in note
+        assert f"${best_overall.cost_per_million_samples:,.2f} per 1M samples" in note
 
 
 @pytest.mark.parametrize(

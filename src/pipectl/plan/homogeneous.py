@@ -210,7 +210,7 @@ class Goal:
             seconds = f"{step:.4g} s per update, 2BW steady state"
         if self.objective is Objective.TIME:
             return seconds
-        return f"${self.cost_per_sample(spec, step) * 1e6:,.4g} per 1M samples, {seconds}"
+        return f"${self.cost_per_sample(spec, step) * 1e6:,.2f} per 1M samples, {seconds}"  # as the table writes it
 
     def bound_key(self, spec: Spec) -> tuple:
         return self.key(spec, spec.lower_bound_seconds)
