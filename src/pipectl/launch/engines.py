@@ -320,11 +320,11 @@ def slurm_script(
             "#SBATCH --ntasks-per-node=1",
             f"#SBATCH --cpus-per-task={cpus_per_task}",
             *([f"#SBATCH --gpus-per-node={job.ranks_per_node}"] if gpus else []),
-            sbatch("partition", spec.partition, "gpu", "--partition"),
+            sbatch("partition", spec.partition, "gpu" if gpus else "cpu", "--partition"),
             sbatch("account", spec.account, "my-project", "--account"),
             sbatch("time", spec.time, "2-00:00:00", "--time-limit"),
             sbatch("qos", spec.qos, "normal"),
-            sbatch("constraint", spec.constraint, "a100"),
+            sbatch("constraint", spec.constraint, "a100" if gpus else "skylake"),
             *([f"#SBATCH --reservation={spec.reservation}"] if spec.reservation else []),
             "#SBATCH --exclusive",
         ]  # fmt: skip
