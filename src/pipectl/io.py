@@ -171,6 +171,9 @@ def validation_message(exc: ValidationError, names: Mapping[str, str] | None = N
         if len(shown) > 200:
             shown = shown[:200] + "..."
         message = err["msg"].removeprefix("Value error, ")  # a validator's own words say enough
+        if not err["loc"] and isinstance(value, dict):  # a check of the whole file names its values itself
+            lines.append(message)
+            continue
         lines.append(f"{where}: {message} (got {shown})")
     return "; ".join(lines)
 
