@@ -67,7 +67,7 @@ def test_print_schedule_shows_sends_and_receives():
         (["simulate"], "give a PLAN.json, or --schedule"),
         (["simulate", "--schedule", "interleaved", "--pipeline-parallel", "4", "--micro-batches", "6", "--chunks", "2"],
          "m=6 to be a multiple of the pipeline-parallel degree p=4"),
-        (UNIFORM + ["--gantt", "step.pdf"], "must end in .png or .svg"),
+        (UNIFORM + ["--gantt", "step.gif"], "must end in .png, .svg or .pdf"),
         (["simulate", "missing-plan.json"], "file not found: missing-plan.json"),
         (["simulate", "plan.json", "--schedule", "1f1b"], "cannot be combined with a plan"),
         (UNIFORM + ["--devices", "4"], "--devices needs a PLAN.json"),

@@ -59,15 +59,15 @@ def test_figure_has_one_bar_per_record_and_a_titled_axis(timeline):
     assert numbers.count("0") == 6  # F0 and B0 on each of 3 ranks
 
 
-@pytest.mark.parametrize("suffix, magic", [(".png", b"\x89PNG"), (".svg", b"<?xml")])
+@pytest.mark.parametrize("suffix, magic", [(".png", b"\x89PNG"), (".svg", b"<?xml"), (".pdf", b"%PDF")])
 def test_write_gantt_picks_the_format_from_the_suffix(tmp_path, timeline, suffix, magic):
     path = write_gantt(timeline, tmp_path / f"step{suffix}")
     assert path.read_bytes().startswith(magic)
 
 
 def test_write_gantt_rejects_other_suffixes(tmp_path, timeline):
-    with pytest.raises(UserInputError, match=r"must end in .png or .svg, not '.pdf'"):
-        write_gantt(timeline, tmp_path / "step.pdf")
+    with pytest.raises(UserInputError, match=r"must end in .png, .svg or .pdf, not '.jpg'"):
+        write_gantt(timeline, tmp_path / "step.jpg")
 
 
 def test_terminal_width_must_be_usable(timeline):

@@ -308,7 +308,7 @@ def register(app: typer.Typer) -> None:
         jitter_ms: Annotated[float, typer.Option(min=0.0, help="Std. dev. of extra delay per p2p transfer, ms.")] = 0.0,
         seed: Annotated[int, typer.Option(help="Seed of the jitter.")] = 0,
         gantt: Annotated[
-            Optional[Path], typer.Option(help="Write the Gantt chart here (.png or .svg).", metavar="FILE", callback=output_file)
+            Optional[Path], typer.Option(help="Write the Gantt chart here (.png, .svg or .pdf).", metavar="FILE", callback=output_file)
         ] = None,
         terminal: Annotated[bool, typer.Option("--terminal", help="Draw the Gantt chart in the terminal.")] = False,
         width: Annotated[int, typer.Option(min=10, max=10_000, help="Characters per row of the terminal chart.")] = 100,

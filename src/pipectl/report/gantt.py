@@ -57,7 +57,7 @@ TERMINAL_LETTERS = {
     ActionKind.ALL_REDUCE: "A",
     ActionKind.OPTIMIZER_STEP: "S",
 }
-PICTURE_FORMATS = (".png", ".svg")
+PICTURE_FORMATS = (".png", ".svg", ".pdf")  # what matplotlib writes without extra software
 _BASE36 = "0123456789abcdefghijklmnopqrstuvwxyz"
 
 
@@ -94,11 +94,11 @@ def _ranks(timeline: Timeline) -> int:
 
 
 def write_gantt(timeline: Timeline, path: str | Path, *, title: str | None = None) -> Path:
-    """Draw the step and write it to `path` (.png or .svg, chosen by the suffix)."""
+    """Draw the step and write it to `path` (.png, .svg or .pdf, chosen by the suffix)."""
     path = Path(path)
     if path.suffix.lower() not in PICTURE_FORMATS:
         raise UserInputError(
-            f"Gantt chart file {str(path)!r} must end in .png or .svg, not {path.suffix or '(no suffix)'!r}"
+            f"Gantt chart file {str(path)!r} must end in .png, .svg or .pdf, not {path.suffix or '(no suffix)'!r}"
         )
     figure = gantt_figure(timeline, title=title)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from pipectl.artifacts.run import StepMetrics
 from pipectl.errors import UserInputError
+from pipectl.report.gantt import PICTURE_FORMATS
 
 
 def plot_run(metrics: list[StepMetrics], path: str | os.PathLike[str], *, title: str = "") -> Path:
@@ -24,7 +25,7 @@ def plot_run(metrics: list[StepMetrics], path: str | os.PathLike[str], *, title:
     path = Path(path)
     if not metrics:
         raise UserInputError("the run has no metrics yet: nothing to plot")
-    if path.suffix.lower() not in (".png", ".svg", ".pdf"):
+    if path.suffix.lower() not in PICTURE_FORMATS:
         raise UserInputError(f"plot file {path} must end in .png, .svg or .pdf")
     steps = [m.step for m in metrics]
     fig, (loss_ax, time_ax) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
