@@ -84,7 +84,7 @@ def _calibrate_runs(runs: list[Path], output: Path, json_output: bool) -> None:
             Path(r.run).name, r.layout, f"{r.measured_step_seconds * 1e3:.2f}",
             f"{r.predicted_before * 1e3:.2f} ({r.error_before:.1%})", f"{r.predicted_after * 1e3:.2f} ({r.error_after:.1%})",
         )  # fmt: skip
-    terms = Table(title="engine terms fitted", box=box.SIMPLE, title_justify="left")
+    terms = Table(title="engine terms fitted", box=box.SIMPLE, title_justify="left", caption_justify="left")
     for column in ("term", "before", "after"):
         terms.add_column(column, justify="left" if column == "term" else "right")
     for name, (before, after) in report.fitted.items():
@@ -127,7 +127,7 @@ def _calibrate_measured(csv: Path, conditions: Path | None, folds: int, output: 
     if json_output:
         print_json({"output": str(output), **calibration.model_dump(mode="json")})
         return
-    terms = Table(title="terms fitted", box=box.SIMPLE, title_justify="left")
+    terms = Table(title="terms fitted", box=box.SIMPLE, title_justify="left", caption_justify="left")
     for column in ("term", "before", "after"):
         terms.add_column(column, justify="left" if column == "term" else "right")
     any_bounded = False

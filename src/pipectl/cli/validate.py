@@ -173,7 +173,8 @@ def _rows_table(shown, all_rows: bool, total: int) -> Table:
 
 
 def _groups_table(groups) -> Table:
-    table = Table(title="ranking per group (one shape, GPU count and global batch)", box=box.SIMPLE, title_justify="left")
+    table = Table(title="ranking per group (one shape, GPU count and global batch)", box=box.SIMPLE, title_justify="left",
+                  caption_justify="left")
     for column in ("group", "rows", "Spearman", "regret", "best measured", "predicted fastest"):
         table.add_column(column, justify="left" if column in ("group", "best measured", "predicted fastest") else "right")
     # The groups ranked worst first: a group of one row ranks nothing.
@@ -190,7 +191,7 @@ def _split_table(parts) -> Table:
     """`summary.time_split`, measured / predicted in ms: per group the parts every d shares, then one
     line per d of a block's share of the end of the step."""
     table = Table(title="where a step's time goes (rows without a pipeline), measured / predicted, ms", box=box.SIMPLE,
-                  title_justify="left")  # fmt: skip
+                  title_justify="left", caption_justify="left")  # fmt: skip
     table.add_column("shape, t, b", no_wrap=True)
     for column in ("d", "block x micro-batch", "micro-batch", "block x step"):
         table.add_column(column, justify="right")
