@@ -362,7 +362,7 @@ def replica_config(config: dict[str, Any], micro_batch_size: int, micro_batches:
 
 def uneven_replicas_section(candidate: Candidate, global_batch: int) -> dict[str, Any]:
     """What the run's ds_config.json says of uneven replicas: its top-level batch keys are the
-    largest replica's (b x m x d can exceed B), and each rank's engine takes its own replica's
+    plan's b and largest m (b x m x d can exceed B), and each rank's engine takes its own replica's
     (`replica_config`); the global batch and the replicas' shares, counted by (b, m)."""
     shares: dict[tuple[int, int], int] = {}
     for share in candidate.replicas or []:
@@ -371,7 +371,7 @@ def uneven_replicas_section(candidate: Candidate, global_batch: int) -> dict[str
     return {
         "global_batch": global_batch,
         "replicas": [{"micro_batch_size": b, "micro_batches": m, "count": n} for (b, m), n in shares.items()],
-        "note": "the top-level batch keys are the largest replica's; each rank's engine takes its own replica's "
+        "note": "the top-level batch keys are the plan's b and largest m; each rank's engine takes its own replica's "
         "(train_batch_size = b x m x d of that replica), and the replicas together train global_batch samples",
     }
 
