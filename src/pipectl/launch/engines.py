@@ -366,14 +366,7 @@ def slurm_script(
                          python, "-m", REQUEUE_MODULE, "--run-dir", str(run_dir), "--limit", str(requeue_limit)])  # fmt: skip
     stop_file = shlex.quote(str(run_dir / STOP_FILE))
     lines = [
-        "#!/bin/bash",
-        f"# Written by pipectl launch for run {job.name}: {count(job.world_size, 'rank')}, {count(job.nodes, 'node')} x "
-        f"{count(job.ranks_per_node, 'GPU rank' if gpus else 'CPU rank')}, {job.precision.value}. Submit: sbatch {run_dir / SBATCH_FILE}",
-        (f"# It requeues itself {signal_seconds} s before its time limit and after a failure that made progress "
-         f"(at most {count(requeue_limit, 'time')} in a row without a newer checkpoint): {run_dir / LOGS_DIR / REQUEUE_FILE}"
-         if requeue_limit else
-         f"# It checkpoints and stops {signal_seconds} s before its time limit and does not requeue itself "
-         f"(slurm requeue_limit 0): {run_dir / LOGS_DIR / REQUEUE_FILE}"),
+        *_slurm_header(job, run_dir, gpus, signal_seconds, requeue_limit),
         f"#SBATCH --job-name={job.name}",
         f"#SBATCH --output={run_dir / LOGS_DIR}/slurm-%j.out",
         "#SBATCH --open-mode=append",
@@ -471,6 +464,22 @@ def _slurm_setup(slurm: SlurmSpec, python: str) -> list[str]:
         # Environment modules and conda's activation read variables they never set.
         return ["# Set-up (the cluster file's slurm.setup)", "set +u", *slurm.setup, "set -u"]
     return [f"# TODO set-up unset (slurm.setup: module loads, a venv or conda activation): the nodes run {python}"]
+
+
+def _slurm_header(job: JobSpec, run_dir: Path, gpus: bool, signal_seconds: int, requeue_limit: int) -> list[str]:
+    """The script's first lines: what it runs, how to submit it, and what it does at its time limit."""
+    log = run_dir / LOGS_DIR / REQUEUE_FILE
+    ranks = count(job.ranks_per_node, "GPU rank" if gpus else "CPU rank")
+    return [
+        "#!/bin/bash",
+        f"# Written by pipectl launch for run {job.name}: {count(job.world_size, 'rank')}, {count(job.nodes, 'node')} x "
+        f"{ranks}, {job.precision.value}. Submit: sbatch {run_dir / SBATCH_FILE}",
+        f"# It requeues itself {signal_seconds} s before its time limit and after a failure that made progress "
+        f"(at most {count(requeue_limit, 'time')} in a row without a newer checkpoint): {log}"
+        if requeue_limit
+        else f"# It checkpoints and stops {signal_seconds} s before its time limit and does not requeue itself "
+        f"(slurm requeue_limit 0): {log}",
+    ]
 
 
 def slurm_command(
