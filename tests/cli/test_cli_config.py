@@ -252,8 +252,8 @@ def test_every_option_is_one_flag_whose_help_is_the_fields_description(model, co
 def test_a_config_files_other_global_batch_is_refused_with_a_re_plan_command_that_runs(tmp_path):
     """The refusal's hint is a command a user can paste: a file with only [training] global_batch
     re-plans with the plan's profile copy, cluster and device count, into a new file beside the plan
-    (it used to say `pipectl plan --config FILE -o plan.json`: no profile or cluster, and the user's
-    plan overwritten). The new plan then takes the file."""
+    and the plan's search options (it used to say `pipectl plan --config FILE -o plan.json`: no profile
+    or cluster, and the user's plan overwritten). The new plan then takes the file."""
     import re
     import shlex
 
@@ -261,6 +261,7 @@ def test_a_config_files_other_global_batch_is_refused_with_a_re_plan_command_tha
 
     write_json_atomic(tmp_path / "profile.json", synthetic_profile(blocks=6, micro_batch_sizes=[1, 2, 4], device="cpu"))
     made = pipectl("plan", "--profile", "profile.json", "--cluster", "local", "--devices", "2", "--global-batch", "16",
+                   "--pipeline-parallel", "2", "--schedules", "1f1b,gpipe", "--zero-stages", "1", "--even-replicas",
                    "-o", "plan.json", cwd=tmp_path)
     assert made.returncode == 0, said(made)
     before = (tmp_path / "plan.json").read_bytes()
@@ -271,7 +272,9 @@ def test_a_config_files_other_global_batch_is_refused_with_a_re_plan_command_tha
     assert command.endswith("-o plan-replanned.json"), command
     replanned = pipectl(*shlex.split(command)[1:], cwd=tmp_path)
     assert replanned.returncode == 0, said(replanned)
-    assert json.loads((tmp_path / "plan-replanned.json").read_text())["request"]["global_batch"] == 32
+    request = json.loads((tmp_path / "plan-replanned.json").read_text())["request"]
+    planned = json.loads(before)["request"]
+    assert request == {**planned, "global_batch": 32}  # the search that made the plan, with the file's batch
     assert (tmp_path / "plan.json").read_bytes() == before
     taken = pipectl("launch", "plan-replanned.json", "--run-dir", "run", "--config", "job.toml", "--dry-run", cwd=tmp_path)
     assert "model 'synthetic' is neither a file nor a shipped name" in taken.stderr, said(taken)

@@ -16,7 +16,7 @@ from pipectl.artifacts.plan import Plan
 from pipectl.artifacts.run import JOB_FILE, LOGS_DIR, CheckpointOutcome, DataKind, Engine, Precision
 from pipectl.cli.context import JsonFlag, console, err_console, print_json, training_progress
 from pipectl.cli.options import ConfigOption, file_layers, passed_flags, with_options
-from pipectl.config import render_config, to_sections, toml_value
+from pipectl.config import option_fields, render_config, to_sections, toml_value
 from pipectl.errors import LaunchError, UserInputError
 from pipectl.io import load_model
 from pipectl.launch import PreparedLaunch, effective_options, prepare_launch, run_engine
@@ -27,7 +27,6 @@ from pipectl.launch.placement import placement_note
 from pipectl.rundir.run import check_steps_beyond_trained, is_run_dir
 from pipectl.launch.prepare import run_files
 from pipectl.cli.plan import planned_otherwise
-from pipectl.cluster import plan_cluster_source
 from pipectl.plan.options import PlanOptions, plan_sections
 from pipectl.rundir.analysis import analyse
 from pipectl.rundir.status import RunStatus, run_status
@@ -159,15 +158,22 @@ def check_planned_batch(config: Path | None, plan: Plan, plan_path: Path) -> Non
 
 
 def _replan_command(config: Path, plan: Plan, plan_path: Path, layer) -> str:
-    """`pipectl plan --config FILE` with what the file leaves to the plan (its profile copy, its
-    cluster, its device count), written beside the plan under another name than the plan's."""
+    """`pipectl plan --config FILE` with the plan's own keys (`plan_sections`: its profiles, cluster,
+    calibration, devices and search options) as flags where the file leaves them out and they are
+    not the defaults: the search that made the plan, with the file's values; written beside the plan
+    under another name than the plan's."""
     words = ["pipectl", "plan", "--config", str(config)]
-    if "profile" not in layer.values and plan.profile is not None:
-        words += ["--profile", str(plan_path.parent / plan.profile.file)]
-    if "cluster" not in layer.values:
-        words += ["--cluster", plan_cluster_source(plan)]
-    if "devices" not in layer.values and plan.request.devices is not None:
-        words += ["--devices", str(plan.request.devices)]
+    sections = plan_sections(plan, plan_path.parent)
+    for field in option_fields(PlanOptions):
+        value = sections.get(field.section or "", {}).get(field.key)
+        default = getattr(field.default, "value", field.default)
+        if value is None or value == default or field.name in layer.values or field.flag is None:
+            continue
+        if isinstance(value, bool):
+            words.append(field.flag if value else "--no-" + field.flag.removeprefix("--"))
+        else:
+            for one in value if isinstance(value, list) else [value]:
+                words += [field.flag, str(one)]
     return join([*words, "-o", str(plan_path.with_name(f"{plan_path.stem}-replanned.json"))])
 
 
