@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pipectl.artifacts.morph import MORPHS_FILE, MorphRecord
-from pipectl.artifacts.run import StepMetrics
+from pipectl.artifacts.run import METRICS_FILE, StepMetrics
 from pipectl.rundir.morph_history import append_record, read_history, read_records, record_layout_change, update_downtimes, with_downtime
 from pipectl.rundir.metrics import MetricsWriter
 
@@ -90,6 +90,17 @@ def test_an_elastic_relaunch_on_another_layout_is_recorded_once(tmp_path):
     # A restart on the layout that ran last is no morph.
     assert record_layout_change(tmp_path, now_unix=1030.0, **kwargs) is None
     assert len(read_records(tmp_path)) == 1
+
+
+def test_an_uneven_layout_labelled_before_shares_were_counted_is_the_same_layout(tmp_path):
+    """metrics.jsonl of a run trained before labels counted uneven shares ('1x6+1x5+1x5'): a restart
+    on that layout (now 'b1 m6+5*2') is no morph, and its steps are the layout's."""
+    (tmp_path / METRICS_FILE).write_text(metrics(11, 1011.0, "t1p1d3 1f1b 1x6+1x5+1x5").model_dump_json()
+                                         .replace("b1 m6+5*2", "1x6+1x5+1x5") + "\n")  # fmt: skip
+    assert "1x6+1x5+1x5" in (tmp_path / METRICS_FILE).read_text()  # as the older version wrote it
+    kwargs = dict(to_layout="t1p1d3 1f1b b1 m6+5*2", to_devices=3, global_batch=16, resume_step=11, target_steps=30)
+    assert record_layout_change(tmp_path, now_unix=1020.0, **kwargs) is None
+    assert read_records(tmp_path) == []
 
 
 def test_a_relaunch_already_recorded_by_resize_is_not_recorded_again(tmp_path):

@@ -15,7 +15,11 @@ and a checkpoint's manifest records the one that wrote it.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from typing import Annotated
+
+from pydantic import AfterValidator
 
 from pipectl.artifacts.plan import Candidate, Engine
 from pipectl.schedule.ir import ScheduleKind
@@ -117,6 +121,30 @@ def _shares_label(shares: tuple[tuple[int, int], ...]) -> str:
     if len({b for b, _ in shares}) == 1:
         return f"b{shares[0][0]} m" + "+".join(f"{m}{counted(n)}" for (_, m), n in runs)
     return "+".join(f"{b}x{m}{counted(n)}" for (b, m), n in runs)
+
+
+# The replicas' shares as labels were written before they were counted: '1x6+1x5+1x5'.
+_SHARE_LIST = re.compile(r"\d+x\d+(?:\+\d+x\d+)+")
+
+
+def canonical_label(label: str) -> str:
+    """A layout label as `Layout.label` writes it now: an uneven layout's shares listed one by one
+    (metrics and morph records of runs written before they were counted) become counted, so that a
+    run trained across the change compares its layouts as one.
+
+        >>> canonical_label("t1p1d3 1f1b 1x6+1x5+1x5"), canonical_label("t1p2d1 1f1b b2 m4")
+        ('t1p1d3 1f1b b1 m6+5*2', 't1p2d1 1f1b b2 m4')
+    """
+    words = label.split(" ")
+    for index, word in enumerate(words):
+        if _SHARE_LIST.fullmatch(word):
+            shares = tuple(tuple(int(n) for n in share.split("x")) for share in word.split("+"))
+            words[index] = _shares_label(shares)  # type: ignore[arg-type]
+    return " ".join(words)
+
+
+# A layout label read from a file: canonical (`canonical_label`).
+LayoutLabel = Annotated[str, AfterValidator(canonical_label)]
 
 
 def layout_label(candidate: Candidate) -> str:

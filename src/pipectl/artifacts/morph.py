@@ -21,6 +21,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from pipectl.artifacts.base import Artifact
+from pipectl.artifacts.layout import LayoutLabel
 
 MORPHS_FILE = "morphs.jsonl"
 
@@ -41,9 +42,9 @@ class MorphRecord(Artifact):
     requested_unix: float = Field(description="When the resize was requested (seconds since the epoch).")
     requested_devices: int = Field(gt=0, description="Devices asked for (before leaving out stragglers).")
     from_devices: int = Field(gt=0, description="Ranks of the layout that ran before.")
-    from_layout: str = Field(description="Layout label before, e.g. 't1p2d1 1f1b b2 m4'.")
+    from_layout: LayoutLabel = Field(description="Layout label before, e.g. 't1p2d1 1f1b b2 m4'.")
     to_devices: int = Field(gt=0, description="Ranks of the new layout (may be fewer than requested).")
-    to_layout: str = Field(description="Layout label after.")
+    to_layout: LayoutLabel = Field(description="Layout label after.")
     global_batch: int = Field(gt=0, description="B: the same before and after, by construction.")
     resume_step: int = Field(ge=0, description="Optimizer steps in the checkpoint the new layout starts from.")
     target_steps: int = Field(gt=0, description="Total steps the relaunched job trains up to.")
@@ -145,4 +146,4 @@ class RecoveryRecord(Artifact):
     lost_ranks: list[int] = Field(description="Their ranks.")
     recovered: bool = Field(description="Whether the survivors were asked to take over in memory.")
     reason: str = Field(description="What happened, or why the survivors could not take over.")
-    to_layout: str | None = Field(default=None, description="The survivors' layout, when recovered.")
+    to_layout: LayoutLabel | None = Field(default=None, description="The survivors' layout, when recovered.")

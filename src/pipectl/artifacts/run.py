@@ -29,7 +29,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from pipectl.artifacts.base import Artifact, Sha256, Strict
-from pipectl.artifacts.layout import Layout
+from pipectl.artifacts.layout import Layout, LayoutLabel
 from pipectl.artifacts.profile import HostState
 
 JOB_FILE = "job.json"
@@ -441,7 +441,7 @@ class StepMetrics(Strict):
     samples_per_second: float = Field(ge=0, description="global batch / step_seconds.")
     global_batch: int = Field(gt=0)
     world_size: int = Field(gt=0)
-    layout: str = Field(default="", description="Layout label, e.g. 't1p2d1 1f1b b2 m4'.")
+    layout: LayoutLabel = Field(default="", description="Layout label, e.g. 't1p2d1 1f1b b2 m4'.")
     time_unix: float = Field(default=0.0, description="When the step finished (seconds since the epoch).")
     ranks: list[RankTiming] = Field(default_factory=list, description="Per-rank heartbeats.")
     predicted_peak_memory_bytes: list[int] = Field(
@@ -470,7 +470,7 @@ class RankDetail(Strict):
     """A line of logs/ranks.jsonl: every rank's timings and memory in one step of one layout."""
 
     step: int = Field(ge=1)
-    layout: str = ""
+    layout: LayoutLabel = ""
     ranks: list[RankTiming]
 
 
@@ -494,7 +494,7 @@ class RankFailure(Artifact):
     message: str = Field(default="", description="The exception's message (truncated).")
     out_of_memory: bool = Field(default=False, description="The device (or the host, on CPU) ran out of memory.")
     device: str = Field(default="cpu", description="'cuda' or 'cpu'.")
-    layout: str = Field(default="", description="Layout label, e.g. 't1p2d1 1f1b b2 m4'.")
+    layout: LayoutLabel = Field(default="", description="Layout label, e.g. 't1p2d1 1f1b b2 m4'.")
     micro_batch_size: int | None = Field(default=None, gt=0)
     recompute: bool | None = Field(
         default=None, description="Whether the layout recomputed activations (whole stages, every layer or the attention cores)."
