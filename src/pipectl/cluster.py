@@ -120,16 +120,21 @@ class ResolvedLinks:
 # --- loading -----------------------------------------------------------------------------------
 
 
-def load_cluster(name_or_path: str | os.PathLike[str]) -> ClusterSpec:
+def load_cluster(
+    name_or_path: str | os.PathLike[str], *, links_copies: Mapping[str, LinksProfile] | None = None
+) -> ClusterSpec:
     """A shipped cluster name (`local`, `a100-8x8`) or a YAML path -> validated `ClusterSpec`.
 
     Checks what the schema alone cannot: every device kind is in the catalog, every `links_file`
     exists (a relative one is taken relative to the YAML's folder and returned absolute), and a
-    spot-priced cluster has spot prices.
+    spot-priced cluster has spot prices. `links_copies`: links files as a plan read them
+    (`Plan.links_copies`), which stand in for those no longer readable.
     """
+    copies = links_copies or {}
     path = resolve_config(name_or_path, "clusters")
-    cluster = load_model(ClusterSpec, path)
-    return with_links_read(_checked(_with_absolute_links_files(cluster, path.resolve().parent), source=str(path)))
+    cluster = _checked(_with_absolute_links_files(load_model(ClusterSpec, path), path.resolve().parent),
+                       source=str(path), kept=copies)  # fmt: skip
+    return _with_links_copies(with_links_read(cluster), copies)
 
 
 def with_links_read(cluster: ClusterSpec) -> ClusterSpec:
@@ -286,10 +291,9 @@ def plan_cluster_file(plan: Plan) -> ClusterSpec:
     its file where it still is (edited or not: the cluster as it stands), else the copy the plan
     keeps of it."""
     if plan.cluster_file is not None and plan.cluster_copy is not None and not Path(plan.cluster_file).is_file():
-        cluster = plan.cluster_copy
+        cluster = _with_links_copies(with_links_read(plan.cluster_copy), plan.links_copies)  # links files as they stand
     else:
-        cluster = load_cluster(plan_cluster_source(plan))
-    cluster = _with_links_copies(cluster, plan.links_copies)
+        cluster = load_cluster(plan_cluster_source(plan), links_copies=plan.links_copies)
     if plan.calibration_file is not None:
         gone = plan.calibration_copy is not None and not Path(plan.calibration_file).is_file()
         cluster = calibrated_cluster(cluster, plan.calibration_copy if gone else load_model(RunsCalibration, plan.calibration_file))
@@ -339,7 +343,7 @@ def _with_absolute_links_files(cluster: ClusterSpec, folder: Path) -> ClusterSpe
     return cluster.model_copy(update={"node_types": node_types, "inter_node_links": absolute(cluster.inter_node_links)})
 
 
-def _checked(cluster: ClusterSpec, *, source: str) -> ClusterSpec:
+def _checked(cluster: ClusterSpec, *, source: str, kept: Mapping[str, LinksProfile] | None = None) -> ClusterSpec:
     catalog = load_catalog()
     for node_type in cluster.node_types:
         if node_type.device not in catalog:
@@ -355,7 +359,7 @@ def _checked(cluster: ClusterSpec, *, source: str) -> ClusterSpec:
     if cluster.local and (len(cluster.node_types) != 1 or cluster.node_types[0].nodes != 1):
         raise UserInputError(f"{source}: a local cluster is one machine: one node type with nodes: 1")
     for links in [cluster.inter_node_links, *(n.links for n in cluster.node_types)]:
-        if links.links_file is not None and not Path(links.links_file).is_file():
+        if links.links_file is not None and not Path(links.links_file).is_file() and links.links_file not in (kept or {}):
             raise UserInputError(f"{source}: links_file not found: {links.links_file}")
     return cluster
 

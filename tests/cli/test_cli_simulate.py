@@ -186,8 +186,10 @@ def test_a_cluster_file_edited_since_planning_is_said_to_price_the_simulation(tm
 def test_a_cluster_with_a_links_file_is_unchanged_after_planning_and_its_copy_holds_the_links(
     tmp_path: Path, monkeypatch
 ):
-    """A cluster file naming a links_file: simulate right after plan says nothing changed, and once the
-    file's folder is gone the plan's copy prices with the links it was planned with."""
+    """A cluster file naming a links_file: simulate right after plan says nothing changed; once the
+    folder is gone, or only the links file, the plan's copy prices with the links it was planned
+    with; a links file edited is priced as it stands, with the note, whether the cluster file is
+    there or not."""
     from pipectl.artifacts.profile import LinkClass, LinkClassFit, LinksProfile
     from pipectl.io import write_json_atomic
     from pipectl.testing.profiles import synthetic_profile
@@ -210,8 +212,13 @@ def test_a_cluster_with_a_links_file_is_unchanged_after_planning_and_its_copy_ho
     moved = json.loads(invoke("simulate", "plan.json", "--json").stdout)
     assert moved["step_seconds"] == pytest.approx(payload["step_seconds"], rel=1e-9)
     Path("moved").rename("sub")
+    Path("sub/links.json").rename("links.json")
+    links_gone = json.loads(invoke("simulate", "plan.json", "--json").stdout)
+    assert links_gone["step_seconds"] == pytest.approx(payload["step_seconds"], rel=1e-9)
     write_json_atomic(Path("sub/links.json"), LinksProfile(backend="gloo", device="cpu", fits=[
         fit.model_copy(update={"p2p_bandwidth_bytes_per_second": 3e6})]))
     edited = json.loads(invoke("simulate", "plan.json", "--json").stdout)
     assert edited["note"] == f"{tmp_path / 'sub' / 'links.json'} changed since planning: priced as it is now"
     assert edited["step_seconds"] > payload["step_seconds"]
+    Path("sub/mine.yaml").rename("mine.yaml")  # the cluster file gone, its edited links file there
+    assert json.loads(invoke("simulate", "plan.json", "--json").stdout) == edited

@@ -541,7 +541,7 @@ class Plan(Artifact):
         default_factory=dict,
         exclude_if=lambda copies: not copies,
         description="The links files the cluster file names, by absolute path, as the plan read them: what "
-        "prices the plan where one of them is no longer there.",
+        "prices the plan where one of them is no longer there (moved, or the plan copied to another machine).",
     )
     calibration_file: str | None = Field(
         default=None,
