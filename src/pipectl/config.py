@@ -159,7 +159,10 @@ class ConfigFile:
         file of the same name where the command happens to run is never taken instead. `~` is the
         home folder, as a shell would have it on the command line."""
         if isinstance(value, str) and value.startswith("~"):
-            value = str(Path(value).expanduser())
+            try:
+                value = str(Path(value).expanduser())
+            except RuntimeError:  # ~name of no user: left as written, as a shell leaves it
+                pass
         if not isinstance(value, str) or not value or Path(value).is_absolute():
             return value
         beside = (self.path.parent / value).resolve()

@@ -81,6 +81,9 @@ def test_a_home_folder_path_in_a_config_file_is_the_users_home(tmp_path, monkeyp
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.chdir(tmp_path)
     assert dry_job(plan, tmp_path / "run", "--config", "job.toml")["data"]["path"] == str(tmp_path / "home" / "corpus.txt")
+    (tmp_path / "job.toml").write_text('[data]\nsource = "~nosuchuser-pipectl/corpus.txt"\n')  # no such user: a path
+    result = invoke("launch", plan, "--run-dir", "run", "--dry-run", "--config", "job.toml")
+    assert result.exit_code == 2 and "Traceback" not in result.output and "nosuchuser-pipectl" in result.output, result.output
 
 
 def test_a_path_missing_beside_the_file_is_not_taken_from_where_the_command_runs(tmp_path, monkeypatch):
