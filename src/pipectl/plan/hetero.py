@@ -127,7 +127,7 @@ def plan_heterogeneous(
             notes.append(
                 f"homogeneous subset of {chosen.devices} x {chosen.device} recommended: the uneven split over "
                 f"{', '.join(cluster.device_kinds)} predicts {split.predicted_step_seconds:.4g} {_per(split)} "
-                f"(${split.cost_per_million_samples:.2f} per 1M samples)"
+                f"(${split.cost_per_million_samples:,.2f} per 1M samples)"
                 + ("" if split.deepspeed_runnable else f", a schedule DeepSpeed's engine cannot run ({split.schedule.value})")
             )
         elif request.framework is not None:

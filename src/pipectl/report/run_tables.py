@@ -425,6 +425,7 @@ def straggler_table(report: StragglerReport) -> Table:
         title=f"stragglers (steps {report.steps[0]}-{report.steps[-1]}, {report.layout})" if report.steps else "stragglers",
         title_justify="left",
         caption=report.reason or None,
+        caption_justify="left",
     )
     for column in ("rank", "stage", "peers", "compute", "slowdown", "z", "verdict"):
         table.add_column(column)
