@@ -141,6 +141,9 @@ def test_a_local_launch_of_more_gpus_than_a_node_holds_is_refused_even_as_a_dry_
     assert caught.value.message == ("engine local starts the plan's 64 ranks on this one node, but each a100-80gb "
                                     "node of cluster 'a100-8x8' holds 8")
     assert caught.value.hint == "launch on 8 nodes with --engine slurm or torchrun (--dry-run shows their files)"
+    with pytest.raises(UserInputError) as caught:  # --nodes given: the same way out, not "give 8 nodes" to local
+        prepare_launch(plan, RUN, LaunchOptions(engine=Engine.LOCAL, nodes=1, precision=Precision.BF16, **AT_SCALE), write=False)
+    assert caught.value.hint == "launch on 8 nodes with --engine slurm or torchrun (--dry-run shows their files)"
     one_node = gpt3_plan(devices=8, t=8, p=1, d=1, cluster="a100-8x8")
     job = prepare_launch(one_node, RUN, LaunchOptions(engine=Engine.LOCAL, precision=Precision.BF16, **AT_SCALE), write=False).job
     assert (job.nodes, job.ranks_per_node) == (1, 8)

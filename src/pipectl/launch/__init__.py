@@ -368,7 +368,7 @@ def job_nodes(plan: Plan, options: LaunchOptions, cluster: ClusterSpec | None, g
         # GPUs (a hostfile of 'slots=1512', torchrun's --nproc_per_node 1512).
         held = f"but each {plan.chosen.device} node of cluster '{cluster.name}' holds {max(per_node)}"
         needed = -(-devices // max(per_node))
-        if options.engine is Engine.LOCAL and not options.nodes:
+        if options.engine is Engine.LOCAL:  # one machine, whatever --nodes says (`build_job` refuses more)
             raise UserInputError(
                 f"engine local starts the plan's {count(devices, 'rank')} on this one node, {held}",
                 hint=f"launch on {needed} nodes with --engine slurm or torchrun (--dry-run shows their files)",
