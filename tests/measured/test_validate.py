@@ -271,6 +271,7 @@ def test_rows_that_cannot_be_predicted_are_each_named_and_no_empty_table_is_prin
                                   "parallelism = 8 x 1 = 8"), odd.stderr
     done = pipectl(measured, "validate", "deep.csv", "--conditions", "conditions.yaml")
     assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.startswith("error: no row of deep.csv could be predicted"), done.stderr
     assert "no run of 1 could be predicted" in done.stdout and "largest errors" not in done.stdout, done.stdout
     assert "line 2: not predicted: pipeline-parallel degree 8 exceeds the model's" in " ".join(done.stdout.split())
 

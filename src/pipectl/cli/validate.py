@@ -73,7 +73,7 @@ def register(app: typer.Typer) -> None:
                 "time_split": [part.to_dict() for part in splits],
                 "notes": notes,
             })  # fmt: skip
-            _exit_if_none_predicted(errors)
+            _exit_if_none_predicted(errors, measured, where="each row's 'problem' in the JSON")
             return
         shown = predictions if all_rows else _worst(predictions)
         if shown:  # none predicted: the summary line says so, and each row's reason follows
@@ -91,17 +91,25 @@ def register(app: typer.Typer) -> None:
                 f"memory check; first: line {refused[0].run.line}, {refused[0].memory_refused})",
                 soft_wrap=True, highlight=False, markup=False,
             )  # fmt: skip
-        for p in unpredicted[:3]:
+        for p in unpredicted[:UNPREDICTED_SHOWN]:
             console.print(f"line {p.run.line}: not predicted: {p.problem}", soft_wrap=True, highlight=False, markup=False)
+        if len(unpredicted) > UNPREDICTED_SHOWN:
+            console.print(f"… and {len(unpredicted) - UNPREDICTED_SHOWN} more rows not predicted (--json: each row's reason)",
+                          soft_wrap=True, highlight=False, markup=False)  # fmt: skip
         for note in notes:
             console.print(f"note: {note}", soft_wrap=True, highlight=False, markup=False)
-        _exit_if_none_predicted(errors)
+        _exit_if_none_predicted(errors, measured, where="each row's reason is above")
 
 
-def _exit_if_none_predicted(errors) -> None:
-    """Rows that all fail to predict (each row's reason printed) are input validate cannot use: exit 2."""
+# Reasons of rows not predicted printed by name (--json holds every row's).
+UNPREDICTED_SHOWN = 3
+
+
+def _exit_if_none_predicted(errors, measured: Path, *, where: str) -> None:
+    """Rows that all fail to predict (their reasons printed) are input validate cannot use: one
+    error line, exit 2."""
     if errors.rows == 0:
-        raise typer.Exit(2)
+        raise UserInputError(f"no row of {measured} could be predicted", hint=where)
 
 
 # Predictions miss by tens of percent, not by a factor of 30: a median that far off is a unit.
