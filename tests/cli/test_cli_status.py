@@ -153,6 +153,9 @@ def test_status_of_something_that_is_not_a_run_exits_2(tmp_path):
     # The folder of runs (`runs`, not `runs/mine`): the runs it holds are named.
     runs = " ".join(runner.invoke(app, ["status", str(empty.parent)]).output.split())
     assert f"hint: give a run it holds (1 run): {empty}" in runs, runs
+    resume = " ".join(runner.invoke(app, ["launch", str(empty / "plan.json"), "--run-dir", str(empty.parent),
+                                          "--resume"]).output.split())  # fmt: skip
+    assert "cannot resume" in resume and f"hint: give a run it holds (1 run): {empty}" in resume, resume
 
 
 def test_plain_status_shows_a_truncated_file_and_leftover_staging_folders(tmp_path):

@@ -24,7 +24,7 @@ from pipectl.launch.engines import ENGINE_LOG
 from pipectl.launch.supervise import JobEnded
 from pipectl.launch.options import LaunchOptions
 from pipectl.launch.placement import placement_note
-from pipectl.rundir.run import check_steps_beyond_trained, is_run_dir
+from pipectl.rundir.run import check_steps_beyond_trained, is_run_dir, runs_inside_hint
 from pipectl.launch.prepare import run_files
 from pipectl.cli.plan import planned_otherwise
 from pipectl.plan.options import PlanOptions, plan_sections
@@ -103,7 +103,8 @@ def register(app: typer.Typer) -> None:
         run_dir = run_dir or Path(".")  # --print-config: no run directory is read unless --resume names one
         resume = bool(flags.values.get("resume"))
         if resume and not is_run_dir(run_dir):  # checked here too: a dry run never reaches prepare_run_dir
-            raise UserInputError(f"cannot resume {run_dir}: no such run (it holds no job.json)")
+            raise UserInputError(f"cannot resume {run_dir}: no such run (it holds no job.json)",
+                                 hint=runs_inside_hint(run_dir))
         as_given = {  # the model and data as typed (the last layer naming them), beside their absolute forms
             name: value
             for layer in layers

@@ -37,7 +37,7 @@ from pipectl.planfile import copy_plan
 from pipectl.launch.options import check_stored_options
 from pipectl.rundir.checkpoints import list_checkpoints
 from pipectl.rundir.metrics import read_metrics
-from pipectl.rundir.run import RunFiles, check_name_lengths, is_run_dir, read_run_files
+from pipectl.rundir.run import RunFiles, check_name_lengths, is_run_dir, read_run_files, runs_inside_hint
 from pipectl.words import count
 
 
@@ -88,7 +88,7 @@ def check_run_dir(run_dir: str | os.PathLike[str], *, resume: bool = False, forc
     if path.is_dir() and any(entry.name != LOCK_FILE for entry in path.iterdir()):
         if not is_run_dir(path):
             if resume:
-                raise UserInputError(f"cannot resume {path}: it holds no {JOB_FILE}")
+                raise UserInputError(f"cannot resume {path}: it holds no {JOB_FILE}", hint=runs_inside_hint(path))
             raise UserInputError(
                 f"{path} is not empty and is not a pipectl run; refusing to write into it",
                 hint="choose another --run-dir",

@@ -43,6 +43,16 @@ class RunFiles:
 
 
 
+def runs_inside_hint(path: Path) -> str | None:
+    """'give a run it holds (2 runs): runs/a, runs/b' for a folder of runs given as a run (`runs`
+    for `runs/mine`); None for a folder holding none."""
+    inside = sorted(child for child in path.iterdir() if child.is_dir() and is_run_dir(child)) if path.is_dir() else []
+    if not inside:
+        return None
+    shown = ", ".join(quote(str(run)) for run in inside[:3]) + (", …" if len(inside) > 3 else "")
+    return f"give a run it holds ({count(len(inside), 'run')}): {shown}"
+
+
 def is_run_dir(path: Path) -> bool:
     return (path / JOB_FILE).is_file()
 
@@ -89,10 +99,8 @@ def read_run_files(run_dir: str | os.PathLike[str]) -> RunFiles:
             "a launch is about to write)",
         )
     if not is_run_dir(path):
-        inside = sorted(child for child in path.iterdir() if child.is_dir() and is_run_dir(child))
-        hint = (f"give a run it holds ({count(len(inside), 'run')}): {', '.join(quote(str(run)) for run in inside[:3])}"
-                + (", …" if len(inside) > 3 else "") if inside else "start one with pipectl launch")
-        raise UserInputError(f"{path} is not a pipectl run (no {JOB_FILE})", hint=hint)
+        raise UserInputError(f"{path} is not a pipectl run (no {JOB_FILE})",
+                             hint=runs_inside_hint(path) or "start one with pipectl launch")
     job = load_model(JobSpec, path / JOB_FILE)
     plan = load_model(Plan, path / job.plan_file)
     ds_config = read_mapping(path / job.ds_config_file)
