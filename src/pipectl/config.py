@@ -226,7 +226,7 @@ def read_config(path: str | os.PathLike[str], models: Iterable[type[BaseModel]])
     return ConfigFile(path, {section: dict(keys) for section, keys in data.items()})
 
 
-def _did_you_mean(word: str, names: typing.Iterable[str], form: str) -> str:
+def _did_you_mean(word: str, names: Iterable[str], form: str) -> str:
     """'did you mean [training]? ' for a near miss among `names` (as `io.validation_message` says it
     of model and cluster YAML keys), else ''."""
     near = difflib.get_close_matches(word, list(names), n=1)

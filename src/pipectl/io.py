@@ -142,8 +142,9 @@ def parse_error(exc: Exception) -> str:
 
 
 def validation_message(exc: ValidationError, names: Mapping[str, str] | None = None) -> str:
-    """One line per validation error, naming the field and the offending value; `names` calls a
-    field (the last part of its location) what the user set it as (a command-line option)."""
+    """One line per validation error, naming the field and the offending value (a check of the whole
+    file, whose message names its values, as it is); `names` calls a field (the last part of its
+    location) what the user set it as (a command-line option)."""
     lines = []
     errors = exc.errors()
     # A misspelt key is an unknown key beside a missing one: said once, as the misspelling.

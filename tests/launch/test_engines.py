@@ -125,6 +125,12 @@ def test_slurm_script_content():
     assert "job.sbatch" in cmd.files
 
 
+def test_a_cpu_jobs_unset_partition_and_constraint_have_cpu_examples():
+    lines = slurm_script(job(Engine.SLURM, world=4, nodes=2), RUN, python="py", gpus=False).splitlines()
+    assert "##SBATCH --partition=cpu   # TODO unset (slurm.partition or launch --partition)" in lines
+    assert not any("gpu" in line or "a100" in line for line in lines if line.startswith("##SBATCH"))
+
+
 def test_a_slurm_script_that_does_not_requeue_says_so_in_its_header():
     from pipectl.artifacts.cluster import SlurmSpec
 
