@@ -28,6 +28,7 @@ from rich.text import Text
 
 from pipectl.errors import UserInputError
 from pipectl.plan.simulate import Timeline
+from pipectl.report import PICTURE_FORMATS
 from pipectl.schedule.ir import ActionKind
 
 KIND_COLOURS = {
@@ -57,7 +58,6 @@ TERMINAL_LETTERS = {
     ActionKind.ALL_REDUCE: "A",
     ActionKind.OPTIMIZER_STEP: "S",
 }
-PICTURE_FORMATS = (".png", ".svg", ".pdf")  # what matplotlib writes without extra software
 _BASE36 = "0123456789abcdefghijklmnopqrstuvwxyz"
 
 

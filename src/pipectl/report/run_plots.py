@@ -7,7 +7,7 @@ from pathlib import Path
 
 from pipectl.artifacts.run import StepMetrics
 from pipectl.errors import UserInputError
-from pipectl.report.gantt import PICTURE_FORMATS
+from pipectl.report import PICTURE_FORMATS
 
 
 def plot_run(metrics: list[StepMetrics], path: str | os.PathLike[str], *, title: str = "") -> Path:
