@@ -151,18 +151,20 @@ def test_a_16_bit_torch_plan_is_refused_with_a_way_out_that_works(tmp_path):
     plan's precision check refused in turn.)"""
     from cli_process import pipectl, said
 
-    def plan(dtype: str) -> None:
+    def plan(dtype: str) -> str:
         done = pipectl("profile", "gpt-tiny", "--derive", "--dtype", dtype, "-o", "profile.json", cwd=tmp_path)
         assert done.returncode == 0, said(done)
         done = pipectl("plan", "--profile", "profile.json", "--cluster", "local", "--global-batch", "16", "--engine",
-                       "torch", "--pipeline-parallel", "2", "--no-morph", "-o", "plan.json", cwd=tmp_path)
+                       "torch", "--pipeline-parallel", "2", "--no-morph", "-o", "plan.json", cwd=tmp_path, columns=300)
         assert done.returncode == 0, said(done)
+        return done.stdout + done.stderr
 
-    plan("bfloat16")
+    # Said when planning already: the plan is for comparison until profiled in float32.
+    assert "the torch engine trains in fp32 only: launch refuses this plan of a bfloat16 profile" in plan("bfloat16")
     refused = pipectl("launch", "plan.json", "--run-dir", "runs/a", "--steps", "4", "--dry-run", cwd=tmp_path)
     assert refused.returncode == 2, said(refused)
     assert "torch (PyTorch's pipelining runtime), trains in fp32 only" in refused.stderr
     assert "hint: profile and plan again with --dtype float32" in refused.stderr and "Traceback" not in said(refused)
-    plan("float32")
+    assert "fp32 only" not in plan("float32")
     done = pipectl("launch", "plan.json", "--run-dir", "runs/a", "--steps", "4", "--dry-run", cwd=tmp_path)
     assert done.returncode == 0, said(done)

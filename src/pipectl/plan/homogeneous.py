@@ -374,6 +374,9 @@ def plan_homogeneous(
     sharded_entries, sharded_notes = _gradient_sharded_comparison(pool, goal, evaluator, chosen_entry, request)
     plan_notes += sharded_notes
     chosen = evaluator.candidate(chosen_entry[1], _device_note(chosen_entry[1], devices, hardware))
+    if chosen.engine is Engine.TORCH and profile.dtype != "float32":  # `launch.planned_precision` refuses it
+        plan_notes.append(f"the torch engine trains in fp32 only: launch refuses this plan of a {profile.dtype} profile "
+                          "(profile again with --dtype float32 to run it)")  # fmt: skip
     candidates = _candidate_records(ranking, sharded_entries, chosen_entry[1], chosen, evaluator, devices, hardware)
     phases["records"], clock = time.perf_counter() - clock, time.perf_counter()
     morph = (
