@@ -38,7 +38,8 @@ from pipectl.artifacts.run import HOSTFILE, Engine, JobSpec, ResumeRecord
 from pipectl.errors import CheckpointError, PipectlError, UserInputError
 from pipectl.launch.engines import LaunchCommand, build_command, submit_slurm
 from pipectl.launch.supervise import run_engine
-from pipectl.launch import job_node_type, plan_cluster, run_training, slurm_settings
+from pipectl.launch import check_data, check_model, job_node_type, plan_cluster, run_training, slurm_settings
+from pipectl.paths import import_root
 from pipectl.rundir.lock import RunLock, lock_run_dir
 from pipectl.rundir.run import check_steps_beyond_trained, newest_complete_checkpoint
 from pipectl.launch.prepare import read_run
@@ -299,6 +300,17 @@ class PreparedRelaunch:
     command: LaunchCommand
 
 
+def check_model_and_data(decision: ResizeDecision) -> None:
+    """The model and the data as the new layout's ranks will load them (from the run's import root),
+    checked as `launch` checks them before any process starts: a data file moved away since the
+    launch is refused here, before the running job is stopped or a file rewritten."""
+    files = read_run(decision.run_dir)
+    with import_root(files.job.import_root):
+        plan = resized_plan(files.plan, decision.choice)
+        check_model(plan, files.job.model)
+        check_data(plan, files.job.data, files.job.model)
+
+
 def prepare_relaunch(decision: ResizeDecision) -> PreparedRelaunch:
     """The new plan, job, DeepSpeed config (validated by DeepSpeed's parser) and engine command.
     Nothing is written."""
@@ -414,6 +426,8 @@ def resize_run(
     notes = list(decision.notes)
     # What pipectl itself can check is checked before the running job is disturbed.
     check_candidate(decision.candidate, global_batch=decision.global_batch, layers=decision.layers)
+    if relaunch:
+        check_model_and_data(decision)
 
     processes: list[RunProcess] = find_run_processes(path)
     remote = [] if processes else live_ranks(read_heartbeats(path), time.time())
