@@ -151,3 +151,64 @@ def test_layer_specs_are_built_only_where_a_stage_holds_them(tmp_path, monkeypat
 def test_the_example_builds_lazily_the_same_layers():
     eager, lazy = build_model("examples.sequential_model:build"), build_model("examples.sequential_model:build_lazily")
     assert [layer.kind for layer in lazy.layers] == [layer.kind for layer in eager.layers]
+
+
+FAULTY_FACTORIES = '''
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipectl.models import LayerDef, ModelLayers
+
+
+class Dense(nn.Module):
+    def __init__(self, inputs, outputs):
+        super().__init__()
+        self.linear = nn.Linear(inputs, outputs)
+
+    def forward(self, x):
+        return self.linear(x)
+
+
+def batch(size, generator):
+    x = torch.randn(size, 16, generator=generator)
+    return x, x[:, :4].argmax(1)
+
+
+def loss(out, y):
+    return F.cross_entropy(out, y)
+
+
+def model(layers, make_batch=batch, loss_fn=loss):
+    return ModelLayers(name="faulty", layers=layers, make_batch=make_batch, loss_fn=loss_fn)
+
+
+def unchained():
+    return model([LayerDef("inp", "dense", Dense, (16, 32)), LayerDef("head", "head", Dense, (64, 4))])
+
+
+def bad_batch():
+    return model([LayerDef("inp", "dense", Dense, (16, 4))], make_batch=lambda size: (None, None))
+
+
+def bad_loss():
+    return model([LayerDef("inp", "dense", Dense, (16, 4))], loss_fn=lambda out, y: out.foo())
+'''
+
+
+@pytest.mark.parametrize("factory, said", [
+    ("unchained", "error: layer 1 (head) raised RuntimeError: mat1 and mat2 shapes cannot be multiplied"),
+    ("bad_batch", "error: the model's make_batch(1, generator) raised TypeError:"),
+    ("bad_loss", "error: the model's loss_fn raised AttributeError: 'Tensor' object has no attribute 'foo'"),
+])  # fmt: skip
+def test_a_factory_models_own_code_failing_as_it_is_profiled_is_one_line_and_exit_2(tmp_path, factory, said):
+    """The user's layers, batch maker or loss raising on the first run: one line naming which and the
+    error, exit 2, nothing written (it was a traceback through pipectl's measuring code, exit 1)."""
+    from cli_process import pipectl, said as output
+
+    (tmp_path / "faulty.py").write_text(FAULTY_FACTORIES)
+    done = pipectl("profile", f"faulty:{factory}", "-b", "1", "-o", "profile.json", cwd=tmp_path)
+    assert done.returncode == 2 and done.stderr.strip().startswith(said), output(done)
+    assert "Traceback" not in output(done) and not (tmp_path / "profile.json").exists()

@@ -9,6 +9,8 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Callable
 
 import torch
@@ -16,6 +18,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from torch import nn
 
 from pipectl.artifacts.profile import LayerCost
+from pipectl.errors import UserInputError
 from pipectl.models.base import ModelLayers
 from pipectl.models.tensor_parallel import TensorParallelGroup, shard_model
 from pipectl.models.layer_facts import tied_holders, plain_value, identical_layers
@@ -200,6 +203,22 @@ def input_signature(value: Any) -> Any:
     return plain_value(value)
 
 
+LAYER_CHAIN = "a layer takes the previous one's output; the last one's output goes to loss_fn(output, labels)"
+
+
+@contextmanager
+def model_code(what: str, hint: str = LAYER_CHAIN) -> Iterator[None]:
+    """The model's own code (a factory's layers, loss, batches) failing on its first run: one line
+    naming the part and the error, a user's mistake (exit 2), not a traceback of pipectl's.
+    Running out of memory is no mistake: it goes on to the caller, which stops the sweep there."""
+    try:
+        yield
+    except (torch.cuda.OutOfMemoryError, MemoryError):
+        raise
+    except Exception as exc:
+        raise UserInputError(f"{what} raised {type(exc).__name__}: {exc}", hint=hint) from exc
+
+
 def untimed_pass(
     under_test: ModelUnderTest, inputs: Any, labels: Any, loss_fn: Callable[[Any, Any], torch.Tensor]
 ) -> tuple[dict[int, LayerRun], list[int]]:
@@ -229,10 +248,12 @@ def untimed_pass(
         # PyTorch's own FLOP counter (matmuls, attention, convolutions) on the same real forward:
         # what the plan's TFLOP/s per device is computed from.
         flops = FlopCounterMode(display=False)
-        with hooks, flops:
-            output = under_test.forward(index, layer_input)
+        with hooks, flops:  # the loss's saved tensors count as the last layer's
+            with model_code(f"layer {index} ({under_test.defs[index].name})"):
+                output = under_test.forward(index, layer_input)
             if index == last:
-                loss_fn(output, labels)
+                with model_code("the model's loss_fn"):
+                    loss_fn(output, labels)
         detached = output.detach() if isinstance(output, torch.Tensor) else output
         del output
         runs[index] = LayerRun(layer_input=x, output=detached, output_bytes=tensor_bytes(detached),

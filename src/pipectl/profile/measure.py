@@ -63,7 +63,7 @@ from pipectl.profile.runtime_calibration import CUDA_TWO_RANK_NOTE, calibrate_ru
 from pipectl.models.layer_facts import block_indices, check_tensor_parallel, identical_layers
 from pipectl.profile.layer_timing import (
     Clock, LayerRun, ModelUnderTest, input_signature, measure_layer, shard_run, shard_under_test,
-    to_device, untimed_pass,
+    model_code, to_device, untimed_pass,
 )
 
 DEFAULT_MICRO_BATCH_SIZES = (1, 2, 4, 8)
@@ -338,7 +338,9 @@ def _profile(
 
     for size in sizes:
         generator = torch.Generator().manual_seed(seed + size)
-        inputs, labels = model.make_batch(size, generator)
+        with model_code(f"the model's make_batch({size}, generator)",
+                        hint="make_batch(micro_batch_size, generator) returns (inputs, labels)"):
+            inputs, labels = model.make_batch(size, generator)
         inputs = to_device(inputs, device, dtype)
         labels = to_device(labels, device, dtype)
         try:
