@@ -81,6 +81,9 @@ def import_root(folder: str | os.PathLike[str] | None) -> Iterator[None]:
             os.environ[MODEL_PATH_VARIABLE] = before
 
 
+# How a factory is named, for a hint that holds from any folder (examples/ is only in a checkout).
+FACTORY_FORM = ("write it as package.module:function, the module importable from the folder you run in "
+                "(docs/guide/models-and-data.md; examples/ in pipectl's source holds two)")
 HF_PREFIX = "hf:"  # a Hugging Face model directory: hf:PATH (models/hf.py)
 HF_CONFIG_FILE = "config.json"
 

@@ -113,6 +113,20 @@ def test_derive_with_device_kind(tmp_path):
     assert load_model(ModelProfile, out).device == "v100-16gb"
 
 
+def test_deriving_a_factory_is_refused_with_a_hint_that_runs_or_the_reference_named(tmp_path):
+    """A factory's shape only a measurement knows: the hint measures it, for a reference that is
+    one; a path given as a reference is named as no reference (its hint used to be a command that
+    failed in turn)."""
+    refused = runner.invoke(app, ["profile", "examples.custom_model:build", "--derive", "--device", "a100-80gb"])
+    said = " ".join(refused.output.split())
+    assert refused.exit_code == 2 and "derived profiles need a model config" in said, said
+    assert "hint: derive a built-in gpt, bert or mlp config" in said and "pipectl profile examples.custom_model:build" in said
+    path = runner.invoke(app, ["profile", "../b/mypkg.net:build", "--derive", "--device", "a100-80gb"])
+    said = " ".join(path.output.split())
+    assert path.exit_code == 2 and "model reference '../b/mypkg.net:build' is not 'package.module:function'" in said, said
+    assert "pipectl profile ../b" not in said
+
+
 def test_user_factory_from_the_repo_root(tmp_path, monkeypatch):
     monkeypatch.chdir(REPO)
     out = tmp_path / "c.json"

@@ -28,7 +28,7 @@ from pipectl.models.transformer import (
     lm_loss,
     tied_head_forward,
 )
-from pipectl.paths import HF_PREFIX, factory_search_path, resolve_config
+from pipectl.paths import FACTORY_FORM, HF_PREFIX, factory_search_path, resolve_config
 
 
 def load_model_config(name_or_path: str | Path) -> ModelConfig:
@@ -218,7 +218,7 @@ def import_factory(reference: str, what: str = "model"):
         part.isidentifier() for part in module_name.split(".")
     ):
         raise UserInputError(
-            f"{what} reference '{reference}' is not 'package.module:function'", hint="see examples/"
+            f"{what} reference '{reference}' is not 'package.module:function'", hint=FACTORY_FORM
         )
     if _not_a_factory_package(module_name):
         raise UserInputError(
@@ -243,7 +243,7 @@ def import_factory(reference: str, what: str = "model"):
     if not inspect.isfunction(factory):
         raise UserInputError(
             f"{what} factory '{reference}' is a {type(factory).__name__}, not a Python function that builds the {what}",
-            hint="see examples/",
+            hint=FACTORY_FORM,
         )
     if _not_a_factory_package(factory.__module__ or ""):
         raise UserInputError(
