@@ -134,6 +134,12 @@ def test_user_factory_from_the_repo_root(tmp_path, monkeypatch):
     profile = load_model(ModelProfile, out)
     assert profile.model == "residual-mlp"
     assert [layer.name for layer in profile.layers][-1] == "classifier"
+    # Not a language model: the byte corpus cannot feed it, and its run's job.json says what does
+    # (its own batches), not 'builtin' (which it used to record while training on synthetic batches).
+    _invoke("plan", "--profile", str(out), "--cluster", "local", "--devices", "1", "--global-batch", "8",
+            "-o", str(tmp_path / "plan.json"))  # fmt: skip
+    dry = _invoke("launch", str(tmp_path / "plan.json"), "--run-dir", str(tmp_path / "run"), "--data", "builtin", "--dry-run")
+    assert '"data": {\n    "kind": "synthetic"' in dry.output, dry.output
 
 
 def test_memory_budget_stops_the_sweep_and_says_so(tmp_path):

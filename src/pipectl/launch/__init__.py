@@ -233,9 +233,8 @@ def planned_precision(
     profile_dtype: str | None, asked: Precision | None, named: str | None = None, *, torch_engine: bool = False
 ) -> Precision:
     """The precision to train in: the plan's (its profile's dtype), which `asked` must match
-    (`named`: how the user gave it, for the refusal). The torch engine trains in fp32 only
-    (`torch_engine`: a plan for it made from a 16-bit profile is refused here, where the way out
-    is to profile again, not to ask for another precision).
+    (`named`: how the user gave it, for the refusal). The torch engine trains in fp32 only: its
+    plan of a 16-bit profile is refused, with a way out (profile again), not another precision.
 
     The plan's memory and step-time figures hold for its profile's dtype only (fp32 weights and
     activations take twice the bytes of bf16 ones), so another precision is refused rather than
@@ -360,8 +359,7 @@ def job_nodes(plan: Plan, options: LaunchOptions, cluster: ClusterSpec | None, g
         nodes = -(-devices // max(per_node))
     if devices % nodes:
         raise UserInputError(f"the plan's {count(devices, 'rank')} cannot be split evenly over {count(nodes, 'node')}")
-    # A hostfile's slots are checked apart; local CPU ranks are as many as asked (`local_cluster`),
-    # but a node holds no more GPUs than its cluster file says, whoever starts the ranks.
+    # A hostfile's slots are checked apart; local CPU ranks are as many as asked, GPUs as a node holds.
     fewer = not options.hostfile and (options.engine is not Engine.LOCAL or plan_accelerator(plan, cluster) == "cuda")
     if fewer and per_node and devices // nodes > max(per_node):
         # More ranks than a node has devices: every node would start that many processes on its
@@ -539,6 +537,8 @@ def build_job(plan: Plan, name: str, options: LaunchOptions, cluster: ClusterSpe
     accelerator = plan_accelerator(plan, cluster)
     scale = at_scale(nodes, accelerator)
     options, _ = resolve_defaults(options, at_scale=scale, what=job_words(plan, nodes, accelerator))
+    if options.data.kind is DataKind.BUILTIN and plan.model_shape.vocab is None:  # bytes feed language models only:
+        options = options.model_copy(update={"data": DataSpec(kind=DataKind.SYNTHETIC)})  # its own batches, said so
     check_data_at_scale(options.data, accelerator)
     if options.wandb:
         check_wandb_login(given(options, "wandb"))
