@@ -274,7 +274,11 @@ def test_data_specs_name_what_ranks_read(tmp_path, dataset_module):
     assert spec.kind is DataKind.DATASET and spec.source() == f"dataset:{dataset_module}:squares"
     assert parse_data("builtin").source() is None  # the byte corpus for a language model, synthetic otherwise
     with pytest.raises(ValueError, match="neither 'builtin', 'synthetic', an existing file nor a dataset"):
+        parse_data("nonsense")
+    with pytest.raises(ValueError, match="^no such data file$"):  # a file's name: said as missing
         parse_data("no/such/file.txt")
+    with pytest.raises(ValueError, match="^a directory, not a data file$"):
+        parse_data(str(tmp_path))
 
 
 def test_the_example_dataset_fits_mlp_tiny(monkeypatch):

@@ -86,6 +86,10 @@ def parse_data(text: str) -> DataSpec:
     module, sep, function = text.partition(":")
     if sep and module and function.isidentifier() and all(part.isidentifier() for part in module.split(".")):
         return DataSpec(kind=DataKind.DATASET, reference=text)
+    if Path(text).is_dir():
+        raise OptionValueError("a directory, not a data file")
+    if Path(text).suffix:  # a file name: one that is not there
+        raise OptionValueError("no such data file")
     raise OptionValueError("neither 'builtin', 'synthetic', an existing file nor a dataset 'package.module:function'")
 
 

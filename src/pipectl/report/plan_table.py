@@ -245,8 +245,8 @@ def morph_summary_view(plan: Plan) -> Group:
 def rejections_view(plan: Plan) -> Text:
     if not plan.infeasible:
         return Text("")
-    parts = ", ".join(f"{number} {reason}" for reason, number in plan.infeasible.items())
-    return Text(f"rejected: {parts}", style="dim")
+    parts = "; ".join(f"{reason}: {number:,}" for reason, number in plan.infeasible.items())
+    return Text(f"layouts rejected, by reason: {parts}", style="dim")
 
 
 CHECKPOINT_BYTES_PER_PARAMETER = 12  # fp32 weights and two Adam moments (runtime/checkpoint/shards.py)
