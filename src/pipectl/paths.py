@@ -84,6 +84,18 @@ def import_root(folder: str | os.PathLike[str] | None) -> Iterator[None]:
 # How a factory is named, for a hint that holds from any folder (examples/ is only in a checkout).
 FACTORY_FORM = ("write it as package.module:function, the module importable from the folder you run in "
                 "(docs/guide/models-and-data.md; examples/ in pipectl's source holds two)")
+
+
+def is_factory_reference(text: str) -> bool:
+    """Whether `text` is written as `package.module:function` (dotted identifiers, a colon, an identifier).
+
+        >>> is_factory_reference("mypkg.net:build"), is_factory_reference("../b/mypkg.net:build")
+        (True, False)
+    """
+    module, sep, function = text.partition(":")
+    return bool(sep and module) and function.isidentifier() and all(part.isidentifier() for part in module.split("."))
+
+
 HF_PREFIX = "hf:"  # a Hugging Face model directory: hf:PATH (models/hf.py)
 HF_CONFIG_FILE = "config.json"
 

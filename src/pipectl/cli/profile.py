@@ -29,7 +29,7 @@ from pipectl.cli.context import JsonFlag, console, err_console, output_file, pri
 from pipectl.cli.groups import DefaultCommandGroup
 from pipectl.errors import UserInputError
 from pipectl.io import load_model, parse_model, read_mapping, write_json_atomic, sha256_file
-from pipectl.paths import FACTORY_FORM, HF_PREFIX, stored_reference
+from pipectl.paths import FACTORY_FORM, HF_PREFIX, is_factory_reference, stored_reference
 from pipectl.profile.derive import DEFAULT_SHARD_DEGREES, derive_profile, without_attention_core
 from pipectl.profile.links import CalibrationRequest, calibrate_links
 from pipectl.report.tables import links_view, profile_view
@@ -230,8 +230,7 @@ def _derivable_config(model: str):
 
         return model_config(model)
     if ":" in model and not Path(model).exists() and not model.endswith((".yaml", ".yml")):
-        module, _, function = model.partition(":")
-        if not function.isidentifier() or not all(part.isidentifier() for part in module.split(".")):
+        if not is_factory_reference(model):
             raise UserInputError(f"model reference '{model}' is not 'package.module:function'", hint=FACTORY_FORM)
         raise UserInputError(
             f"cannot derive a profile for the factory '{model}': derived profiles need a model config",

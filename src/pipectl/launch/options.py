@@ -36,7 +36,7 @@ from pipectl.config import Layered, Opt, OptionValueError, layered, stored_layer
 from pipectl.errors import PipectlError, UserInputError
 from pipectl.words import count
 from pipectl.io import read_mapping
-from pipectl.paths import given_file, stored_reference
+from pipectl.paths import given_file, is_factory_reference, stored_reference
 
 TRAINING_DEFAULTS = TrainingSettings()
 LOCAL_STEPS = 20  # a run on this machine's CPU: a try-out, not a training
@@ -83,8 +83,7 @@ def parse_data(text: str) -> DataSpec:
     path = given_file(text)
     if path is not None:
         return DataSpec(kind=DataKind.FILE, path=str(path))
-    module, sep, function = text.partition(":")
-    if sep and module and function.isidentifier() and all(part.isidentifier() for part in module.split(".")):
+    if is_factory_reference(text):
         return DataSpec(kind=DataKind.DATASET, reference=text)
     if Path(text).is_dir():
         raise OptionValueError("a directory, not a data file")

@@ -28,7 +28,7 @@ from pipectl.models.transformer import (
     lm_loss,
     tied_head_forward,
 )
-from pipectl.paths import FACTORY_FORM, HF_PREFIX, factory_search_path, resolve_config
+from pipectl.paths import FACTORY_FORM, HF_PREFIX, factory_search_path, is_factory_reference, resolve_config
 
 
 def load_model_config(name_or_path: str | Path) -> ModelConfig:
@@ -213,13 +213,11 @@ def import_factory(reference: str, what: str = "model"):
     the factory runs the factory. A model or dataset reference is code: a plan or a run directory from
     someone else names code that `pipectl launch` will import and run.
     """
-    module_name, sep, attr = reference.partition(":")
-    if not sep or not module_name or not attr.isidentifier() or not all(
-        part.isidentifier() for part in module_name.split(".")
-    ):
+    if not is_factory_reference(reference):
         raise UserInputError(
             f"{what} reference '{reference}' is not 'package.module:function'", hint=FACTORY_FORM
         )
+    module_name, _, attr = reference.partition(":")
     if _not_a_factory_package(module_name):
         raise UserInputError(
             f"{what} reference '{reference}' names {module_name!r}, a module of Python or pipectl, not a {what} factory",
