@@ -180,6 +180,8 @@ CASES = {
     "a python file as the model, its import path": (lambda t: ["profile", "models/net.py"], "models.net:FUNCTION"),
     "a measured profile recorded as a GPU": (lambda t: ["profile", "mlp-tiny", "--device-kind", "a100-80gb"],
                                              "--device-kind a100-80gb is a cuda device"),
+    "a catalog GPU to measure on": (lambda t: ["profile", "gpt-tiny", "--device", "a100-80gb"],
+                                    "pipectl profile gpt-tiny --derive --device a100-80gb"),
     "derive for two devices": (lambda t: ["profile", "gpt-tiny", "--derive", "--device", "a100-80gb", "--device-kind",
                                           "h100-80gb"], "--device a100-80gb and --device-kind h100-80gb"),
     "links bad size": (lambda t: ["profile", "links", "--message-sizes", "1KiB,lots"], "lots"),

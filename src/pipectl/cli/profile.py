@@ -301,8 +301,15 @@ def _measure(
     from pipectl.models.layer_facts import check_tensor_parallel
     from pipectl.profile.measure import parse_dtype, profile_model, resolve_device, with_runtime_costs
 
+    catalog = load_catalog()
+    if device in catalog and catalog[device].accelerator != "cpu":
+        # A catalog GPU is a datasheet here, not a device to time on: its profile is derived.
+        raise UserInputError(
+            f"--device {device} is a catalog device, not one on this host to measure on",
+            hint=f"derive its profile from the model's shape: pipectl profile {model} --derive --device {device}",
+        )
     torch_device = resolve_device(device)  # before building: a bad device fails fast
-    recorded = load_catalog().get(device_kind) if device_kind is not None else None
+    recorded = catalog.get(device_kind) if device_kind is not None else None
     if recorded is not None and recorded.accelerator != torch_device.type:
         # Times measured here would be planned with as that device's: an A100 priced at a CPU's speed.
         raise UserInputError(

@@ -110,7 +110,7 @@ def resolve_device(device: str) -> torch.device:
     if resolved.type == "cuda" and not torch.cuda.is_available():
         raise UserInputError(
             f"device '{device}' requested but CUDA is not available on this machine",
-            hint="profile on cpu, or derive a profile: pipectl profile MODEL --derive --device-kind a100-80gb",
+            hint="profile on cpu, or derive a profile: pipectl profile MODEL --derive --device a100-80gb",
         )
     return resolved
 
