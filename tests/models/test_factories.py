@@ -212,3 +212,27 @@ def test_a_factory_models_own_code_failing_as_it_is_profiled_is_one_line_and_exi
     done = pipectl("profile", f"faulty:{factory}", "-b", "1", "-o", "profile.json", cwd=tmp_path)
     assert done.returncode == 2 and done.stderr.strip().startswith(said), output(done)
     assert "Traceback" not in output(done) and not (tmp_path / "profile.json").exists()
+
+
+
+EXITING_FACTORIES = {
+    "exiting.py": "import sys\n\n\ndef exits():\n    sys.exit(3)\n",
+    # a training script's own command line, read as it is imported: pipectl's
+    "scripted.py": "import argparse\n\nargparse.ArgumentParser().parse_args()\n\n\ndef model():\n    pass\n",
+}
+
+
+@pytest.mark.parametrize("reference, said", [
+    ("exiting:exits", "error: model factory 'exiting:exits' called sys.exit(3)"),
+    ("scripted:model", "error: module 'scripted' of model factory 'scripted:model' called sys.exit(2) as it was imported"),
+])  # fmt: skip
+def test_a_factory_that_calls_sys_exit_is_named_not_a_silent_exit(tmp_path, reference, said):
+    """A factory's module or function ending the process (a script's argument parsing at import
+    reads pipectl's command line) ended pipectl with its code and no word of pipectl's."""
+    from cli_process import pipectl, said as output
+
+    for name, text in EXITING_FACTORIES.items():
+        (tmp_path / name).write_text(text)
+    done = pipectl("profile", reference, cwd=tmp_path)
+    assert done.returncode == 2 and said in done.stderr, output(done)
+    assert '`if __name__ == "__main__":`' in " ".join(done.stderr.split()), output(done)

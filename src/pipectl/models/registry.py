@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import inspect
 import os
 import sys
+from collections.abc import Iterator
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -225,7 +227,8 @@ def import_factory(reference: str, what: str = "model"):
         )
     _factory_search_path()
     try:
-        module = importlib.import_module(module_name)
+        with _no_exit(f"module '{module_name}' of {what} factory '{reference}'", " as it was imported"):
+            module = importlib.import_module(module_name)
         factory = getattr(module, attr)
     except (ImportError, AttributeError, SyntaxError) as exc:
         top = module_name.split(".")[0]
@@ -260,9 +263,27 @@ def import_factory(reference: str, what: str = "model"):
 def call_factory(factory, reference: str, what: str):
     """The factory's result; an exception it raises is the user's code failing, named as such."""
     try:
-        return factory()
+        with _no_exit(f"{what} factory '{reference}'"):
+            return factory()
+    except UserInputError:
+        raise
     except Exception as exc:
         raise UserInputError(f"{what} factory '{reference}' raised {type(exc).__name__}: {exc}") from exc
+
+
+@contextlib.contextmanager
+def _no_exit(what: str, when: str = "") -> Iterator[None]:
+    """A factory's module or function that calls sys.exit (a training script's argument parsing at
+    import, reading pipectl's own command line) would end pipectl silently with its code: one line
+    naming it instead, exit 2."""
+    try:
+        yield
+    except SystemExit as exc:
+        raise UserInputError(
+            f"{what} called sys.exit({exc.code!r}){when}",
+            hint="the module is imported and the function called: keep a script's own code (argument parsing, "
+            "training) under `if __name__ == \"__main__\":`",
+        ) from None
 
 
 @functools.lru_cache(maxsize=None)
@@ -275,7 +296,7 @@ def _sequential_layers(reference: str) -> tuple[nn.Module, ...]:
     every later build).
     """
     _, factory = import_factory(reference)
-    with torch.random.fork_rng(devices=[]), torch.device("cpu"):
+    with torch.random.fork_rng(devices=[]), torch.device("cpu"), _no_exit(f"model factory '{reference}'"):
         torch.manual_seed(0)
         result = factory()
     return tuple(result)
