@@ -172,7 +172,7 @@ def test_resuming_a_run_that_does_not_exist_is_refused_in_a_dry_run(made, tmp_pa
     "name, content, words",
     [
         ("odd.bin", b"\x01\x02\x03", ["3 bytes", "uint16"]),
-        ("empty.bin", b"", ["empty"]),
+        ("empty.bin", b"", ["empty.bin is empty: no tokens to train on"]),
         ("big.bin", np.array([1, 2, 300] * 20, dtype=np.uint16).tobytes(), ["300", "vocabulary 0..255"]),
         ("junk.npy", b"not an array at all", ["not a .npy array", "NumPy's header"]),
         ("float.npy", None, ["float64", "integer token ids"]),

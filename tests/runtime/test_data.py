@@ -142,6 +142,9 @@ def test_make_source_picks_by_model_and_request(tmp_path):
     assert isinstance(make_source(mlp, None, 0), SyntheticSource)
     with pytest.raises(UserInputError, match="not a language model"):
         make_source(mlp, "corpus", 0)
+    with pytest.raises(UserInputError, match="not a language model: text file notes.txt") as refused:
+        make_source(mlp, "notes.txt", 0)
+    assert "synthetic" in refused.value.hint and "package.module:function" in refused.value.hint
 
 
 # --------------------------------------------------------------------------- text files, datasets

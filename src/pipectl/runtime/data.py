@@ -155,10 +155,11 @@ class TokenFileSource(TokenArraySource):
                 raise UserInputError(f"token .bin dtype must be uint16 or int32, got {bin_dtype!r}")
             size = path.stat().st_size
             width = np.dtype(bin_dtype).itemsize
-            if size == 0 or size % width:
+            if size == 0:
+                raise UserInputError(f"{path} is empty: no tokens to train on")
+            if size % width:
                 raise UserInputError(
                     f"{path} holds {size} bytes, not a whole number of {bin_dtype} tokens ({width} bytes each)"
-                    + (": it is empty" if size == 0 else "")
                 )
             try:
                 tokens = np.memmap(path, dtype=np.dtype(bin_dtype), mode="r")
@@ -269,10 +270,17 @@ def check_token_file(
     if it has one; a model without them is not a language model, and no token file fits it.
     """
     if seq_len is None or vocab is None:
-        raise UserInputError(f"the model is not a language model: token file {path} does not fit it")
+        raise UserInputError(f"the model is not a language model: {_file_kind(path)} {path} does not fit it", hint=NOT_LM_HINT)
     if Path(path).suffix in TEXT_SUFFIXES:
         return TextFileSource(path, seq_len, vocab, tokenizer=tokenizer).num_samples
     return TokenFileSource(path, seq_len, vocab, bin_dtype=bin_dtype).num_samples
+
+
+NOT_LM_HINT = "give --data a dataset function (package.module:function), or synthetic: the model's own make_batch"
+
+
+def _file_kind(path: str | Path) -> str:
+    return "text file" if Path(path).suffix in TEXT_SUFFIXES else "token file"
 
 
 def check_dataset(reference: str) -> int:
@@ -328,7 +336,9 @@ def make_source(model: ModelLayers, data: str | None, seed: int, bin_dtype: str 
             return SyntheticSource(model, seed)
         return ByteCorpus(model.seq_len, model.vocab)
     if model.seq_len is None or model.vocab is None:
-        raise UserInputError(f"model {model.name} is not a language model: token file {data} does not fit it")
+        raise UserInputError(
+            f"model {model.name} is not a language model: {_file_kind(data)} {data} does not fit it", hint=NOT_LM_HINT
+        )
     if Path(data).suffix in TEXT_SUFFIXES:
         return TextFileSource(data, model.seq_len, model.vocab, tokenizer=model.tokenizer)
     return TokenFileSource(data, model.seq_len, model.vocab, bin_dtype=bin_dtype)
