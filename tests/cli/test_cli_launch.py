@@ -685,6 +685,27 @@ def test_ctrl_c_while_the_ranks_start_is_a_stop_not_a_failure(tmp_path):
     assert "Root Cause" not in said and "error:" not in said and not (run / "metrics.jsonl").is_file(), said
     assert _processes_of(run) == []
 
+    # The same while a resume starts: the run's earlier steps were not trained by this launch.
+    trained = _start_launch(plan, run, "--steps", "2", "--force", "--timeout", "240")
+    assert trained.wait(timeout=240) == 0, trained.communicate()[0]
+    log = run / "logs" / "engine.log"
+    written = log.stat().st_size
+    launcher = _start_launch(plan, run, "--resume", "--steps", "100000", "--timeout", "240")
+    try:
+        deadline = time.monotonic() + 60
+        while log.stat().st_size == written and time.monotonic() < deadline:
+            time.sleep(0.02)  # the launcher has started; its ranks are far from their first step
+        launcher.send_signal(signal.SIGINT)
+        output, _ = launcher.communicate(timeout=120)
+    finally:
+        launcher.kill()
+    said = " ".join(output.split())
+    assert launcher.returncode == 130, said
+    assert f"stopped before its first step (SIGINT): the run stays at its checkpoint; continue with: pipectl launch " \
+           f"{plan} --run-dir {run} --resume" in said, said  # fmt: skip
+    assert "Root Cause" not in said and "error:" not in said, said
+    assert _processes_of(run) == []
+
 
 @pytest.mark.multiprocess
 def test_sigterm_to_torchrun_after_a_clean_checkpoint_exits_0(tmp_path):

@@ -51,7 +51,8 @@ def test_ctrl_c_on_a_resizes_relaunch_is_a_stop_before_and_after_its_first_step(
     # The relaunched rank still starting: shown as a stop, not "the resized job exited with code 1".
     code, shown = _resize_then_ctrl_c(tmp_path, lambda: any(r.relaunched_unix for r in read_history(run)))
     assert code == 130, shown
-    assert f"stopped before the first step (SIGINT): nothing trained; start it again with: {again} --resume" in shown, shown
+    assert f"stopped before its first step (SIGINT): the run stays at its checkpoint; continue with: {again} --resume" \
+        in shown, shown  # fmt: skip
     assert "error:" not in shown and "Traceback" not in shown, shown
     assert read_history(run)[-1].failed_exit_code is None
     assert [m.step for m in read_metrics(run)] == [1, 2, 3, 4]

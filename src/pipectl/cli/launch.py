@@ -258,7 +258,8 @@ def _launch(
     resumed = read_resume(prepared.run_dir, since_unix=started - 1.0)
     if exit_code != 0:
         stopped_at = stopped_cleanly(read_heartbeats(prepared.run_dir, since_unix=started - 1.0), prepared.job.world_size)
-        if stopped_at is None and signals and not status.steps_done:
+        trained_here = any(m.time_unix >= started - 1.0 for m in status.metrics)  # a resumed run has older steps
+        if stopped_at is None and signals and not trained_here:
             check_stopped_while_starting(prepared.run_dir, started, signals[0], f"pipectl launch {quote(str(plan_path))} --run-dir {quote(str(run_dir))}")
         if stopped_at is None:
             progress = f"the job exited with code {exit_code} after {status.steps_done} of {prepared.job.steps} steps"
@@ -311,12 +312,12 @@ def check_stopped_while_starting(run_dir: Path, started: float, signum: int, aga
     128 + the signal. A rank that did fail (its record) is left to the failure report."""
     if read_failures(run_dir, since_unix=started - 1.0):
         return
-    flag = "--resume" if has_checkpoint(run_dir) else "--force"
-    err_console.print(
-        f"stopped before the first step ({signal.Signals(signum).name}): nothing trained; start it again with: "
-        f"{again} {flag}",
-        style="yellow", highlight=False, markup=False, soft_wrap=True,
-    )  # fmt: skip
+    name = signal.Signals(signum).name
+    if has_checkpoint(run_dir):
+        said = f"stopped before its first step ({name}): the run stays at its checkpoint; continue with: {again} --resume"
+    else:
+        said = f"stopped before the first step ({name}): nothing trained; start it again with: {again} --force"
+    err_console.print(said, style="yellow", highlight=False, markup=False, soft_wrap=True)
     raise typer.Exit(128 + signum)
 
 
