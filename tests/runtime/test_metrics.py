@@ -63,6 +63,32 @@ def test_torn_last_line_is_ignored_and_retrained_steps_keep_the_last_line():
     assert [(m.step, m.loss) for m in parsed] == [(1, 3.0), (2, 2.2)]
 
 
+def test_a_run_resumed_from_an_older_checkpoint_drops_the_steps_it_abandoned(tmp_path):
+    """Killed at step 6 with its newest checkpoint at step 3: the resumed run logs 4 and 5 again.
+    Steps 6 of the first start are of an abandoned timeline, not what the run has trained (status
+    said 'stopped at step 6' after a resume stopped at 5, and refused --steps 5.5 as not beyond 6);
+    the launch's progress follows the new lines. From its resume record on, before it logs a step,
+    the run stands at the checkpoint."""
+    from pipectl.artifacts.run import LOGS_DIR, RESUME_FILE, ResumeRecord
+    from pipectl.io import write_json_atomic
+    from pipectl.rundir.metrics import MetricsTail
+
+    first = [metrics(step, loss=1.0).model_copy(update={"time_unix": 100.0 + step}) for step in range(1, 7)]
+    for line in first:
+        MetricsWriter(tmp_path, rank=0).write(line)
+    tail = MetricsTail(tmp_path)
+    assert tail.latest().step == 6
+    write_json_atomic(tmp_path / LOGS_DIR / RESUME_FILE, ResumeRecord(step=3, tag="step00000003", time_unix=200.0))
+    assert [m.step for m in read_metrics(tmp_path)] == [1, 2, 3]  # resumed: nothing logged yet
+    for step in (4, 5):
+        MetricsWriter(tmp_path, rank=0).write(metrics(step, loss=0.5).model_copy(update={"time_unix": 200.0 + step}))
+    assert [(m.step, m.loss) for m in read_metrics(tmp_path)] == [(1, 1.0), (2, 1.0), (3, 1.0), (4, 0.5), (5, 0.5)]
+    assert tail.latest().step == 5
+    # Without the record (an older run), the lines alone say the same once the new timeline logs.
+    (tmp_path / LOGS_DIR / RESUME_FILE).unlink()
+    assert [m.step for m in read_metrics(tmp_path)] == [1, 2, 3, 4, 5]
+
+
 def test_missing_file_means_no_steps(tmp_path):
     assert read_metrics(tmp_path) == []
 

@@ -31,8 +31,11 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from pipectl.artifacts.run import LOGS_DIR, METRICS_FILE, RANKS_FILE, REFUSALS_FILE, RankDetail, RankTiming, StepMetrics, WriteRefusal
+from pipectl.artifacts.run import (
+    LOGS_DIR, METRICS_FILE, RANKS_FILE, REFUSALS_FILE, RankDetail, RankTiming, ResumeRecord, StepMetrics, WriteRefusal,
+)  # fmt: skip
 from pipectl.io import read_records
+from pipectl.rundir.failures import read_resume
 from pipectl.words import count
 
 log = logging.getLogger(__name__)
@@ -128,15 +131,26 @@ class MetricsWriter:
 def parse_metrics_lines(lines: list[str]) -> list[StepMetrics]:
     """Parse JSONL lines, skipping a torn last line (the job may be writing it) and bad lines.
 
-    The last occurrence of a step wins; the result is sorted by step.
+    The last occurrence of a step wins, and drops the steps after it logged before it (a resumed
+    run's abandoned steps, `_parse_metrics`); the result is sorted by step.
     """
     return _parse_metrics(lines, last_line_whole=False)[0]
 
 
-def _parse_metrics(lines: list[str], *, last_line_whole: bool) -> tuple[list[StepMetrics], list[int]]:
+def _parse_metrics(
+    lines: list[str], *, last_line_whole: bool, resumed: ResumeRecord | None = None
+) -> tuple[list[StepMetrics], list[int]]:
     """`parse_metrics_lines`, and the numbers of the lines skipped as not step records; a bad last
-    line counts among them only if `last_line_whole` (its newline was read, so it is not torn)."""
+    line counts among them only if `last_line_whole` (its newline was read, so it is not torn).
+
+    The file is the run's history: a run that resumed from an older checkpoint than its last step
+    (killed between checkpoints, or a newer one that did not load) logs those steps again, and the
+    steps the older lines hold past that point were abandoned. So a line of step s drops every
+    step after s logged before it, and with `resumed` (the latest start's record) a line older than
+    that start and past its step is dropped even before the new timeline logs anything.
+    """
     by_step: dict[int, StepMetrics] = {}
+    newest = -1
     unreadable: list[int] = []
     for number, line in enumerate(lines, start=1):
         if not line.strip():
@@ -148,7 +162,12 @@ def _parse_metrics(lines: list[str], *, last_line_whole: bool) -> tuple[list[Ste
                 log.warning("metrics line %d skipped: %s", number, _first_reason(exc))
                 unreadable.append(number)
             continue
+        if resumed is not None and metrics.step > resumed.step and metrics.time_unix < resumed.time_unix:
+            continue
+        if metrics.step <= newest:
+            by_step = {step: kept for step, kept in by_step.items() if step < metrics.step}
         by_step[metrics.step] = metrics
+        newest = metrics.step
     return [by_step[s] for s in sorted(by_step)], unreadable
 
 
@@ -179,7 +198,8 @@ def read_metrics_and_unreadable(run_dir: str | os.PathLike[str]) -> tuple[list[S
     if not path.is_file():
         return [], []
     text = path.read_text()
-    metrics, unreadable = _parse_metrics(text.splitlines(), last_line_whole=text.endswith("\n"))
+    resumed = read_resume(run_dir)
+    metrics, unreadable = _parse_metrics(text.splitlines(), last_line_whole=text.endswith("\n"), resumed=resumed)
     return with_rank_details(metrics, run_dir), unreadable
 
 
@@ -229,14 +249,14 @@ class MetricsTail:
             return self.last
         with self.path.open("rb") as handle:
             if os.fstat(handle.fileno()).st_size < self.offset:
-                # Rewritten (a resumed run trims steps past its checkpoint): read it again.
+                # Shorter than what was read (the file replaced): read it again.
                 self.offset, self.last = 0, None
             handle.seek(self.offset)
             appended = handle.read()
         complete = appended[: appended.rfind(b"\n") + 1]
         self.offset += len(complete)
         parsed = parse_metrics_lines(complete.decode(errors="replace").splitlines())
-        if parsed and (self.last is None or parsed[-1].step >= self.last.step):
+        if parsed:  # the step logged last, also where a resumed run logs a step again
             self.last = parsed[-1]
         return self.last
 
