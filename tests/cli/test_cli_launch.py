@@ -407,6 +407,8 @@ def test_a_first_checkpoint_that_fails_stops_the_run_unless_it_trains_without_ch
                                    "--train-without-checkpoints")  # fmt: skip
     assert done.returncode == 0, output
     assert len(read_metrics(anyway)) == 6 and "file size limit reached" in output, output
+    said = " ".join(output.split())
+    assert "nothing to resume from" in said and "--resume" not in said, said  # not 'continue with: ... --resume'
 
 
 def _commit_checkpoint(run: Path, step: int) -> None:

@@ -290,13 +290,13 @@ def _stopped_for_resize(status: RunStatus) -> bool:
 
 
 def _say_how_to_go_on(status: RunStatus, prepared: PreparedLaunch, plan_path: Path, run_dir: Path) -> None:
-    """After a job that stopped early: the command that continues it, or, when `pipectl resize`
+    """After a job that stopped early at a checkpoint: the command that continues it, or, when `pipectl resize`
     stopped it (and starts it again itself), where to follow it. A run a live resize moved while
     it trained continues from its own plan: the one launched would move it back."""
     if _stopped_for_resize(status):
         console.print(f"stopped at step {status.steps_done} for pipectl resize, which starts the job again in its new "
                       f"layout; follow it with: pipectl status {quote(str(run_dir))} --follow")  # fmt: skip
-    elif not status.finished:
+    elif status.stopped is not None:  # not a run that trained every step short of its checkpoints: the table says
         moved = layout_label(status.plan.chosen) != layout_label(prepared.plan.chosen)
         plan = run_dir / status.job.plan_file if moved else plan_path
         console.print(
