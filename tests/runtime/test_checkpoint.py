@@ -267,6 +267,13 @@ def test_a_checkpoint_a_resume_passed_over_takes_no_kept_place_and_goes_once_a_n
     removed = ckpt.prune_checkpoints(tmp_path, keep=3)
     assert sorted(p.name for p in removed) == ["step00000002", "step00000008"]
     assert [info.step for info in ckpt.list_checkpoints(tmp_path)] == [4, 6, 10]
+    # Passed over again, and the resumed run's next checkpoint is an older step: still newer.
+    ckpt.mark_rejected(tmp_path, {"step00000010": "flipped"})
+    assert ckpt.prune_checkpoints(tmp_path, keep=3) == []
+    fake_checkpoint(tmp_path, 7)
+    assert [p.name for p in ckpt.prune_checkpoints(tmp_path, keep=3)] == ["step00000010"]
+    assert [info.step for info in ckpt.list_checkpoints(tmp_path)] == [4, 6, 7]
+    fake_checkpoint(tmp_path, 10)
     ckpt.mark_rejected(tmp_path, {"step00000010": "once more"})  # marked once: the first reason stays
     ckpt.mark_rejected(tmp_path, {"step00000010": "twice"})
     assert (tmp_path / "checkpoints" / "step00000010" / ckpt.REJECTED_FILE).read_text() == "once more\n"

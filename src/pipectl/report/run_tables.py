@@ -6,6 +6,7 @@ build renderables (or text) and return them; the CLI prints them.
 from __future__ import annotations
 
 import datetime
+import re
 from shlex import quote
 from typing import Sequence
 
@@ -105,11 +106,21 @@ def _checkpoints_table(status: RunStatus) -> Table:
     for column in ("tag", "step", "state", "size"):
         table.add_column(column, max_width=SUMMARY_VALUE_WIDTH if column == "state" else None)
     for ckpt in status.checkpoints:
-        # The row names the checkpoint: its problems name files inside it, not the folder again.
-        problems = [problem.partition(f"/{ckpt.tag}/")[2] or problem for problem in ckpt.problems]
+        problems = [within_checkpoint(problem, ckpt.tag) for problem in ckpt.problems]
         state = Text("ok", style="green") if ckpt.verified else Text("; ".join(problems), style="red")
         table.add_row(ckpt.tag, str(ckpt.step if ckpt.step is not None else "?"), state, format_bytes(ckpt.bytes))
     return table
+
+
+def within_checkpoint(problem: str, tag: str) -> str:
+    """A checkpoint's problem as its row shows it: the row names the checkpoint, so its folder's
+    path goes, before a file inside it and before what is said of the folder itself.
+
+        >>> within_checkpoint("/r/checkpoints/step8: a resume passed it over: checkpoint step 8 could not be "
+        ...                   "loaded (/r/checkpoints/step8/rank-0.safetensors: sha256 mismatch)", "step8")
+        'a resume passed it over: checkpoint step 8 could not be loaded (rank-0.safetensors: sha256 mismatch)'
+    """
+    return re.sub(rf"[^\s(]*/{re.escape(tag)}(/|: )", "", problem)
 
 
 # The value column of a run's summary and of a resize's decision: long values (a layout history,

@@ -409,18 +409,30 @@ def recover_staged(run_dir: str | os.PathLike[str]) -> list[Path]:
 
 
 def prune_checkpoints(run_dir: str | os.PathLike[str], keep: int) -> list[Path]:
-    """Remove all but the newest `keep` verified tags, and incomplete tags older than the newest one."""
+    """Remove all but the newest `keep` verified tags, incomplete tags older than the newest one,
+    and tags a resume passed over (`REJECTED_FILE`) once a checkpoint committed after that resume
+    verifies, whatever its step (a resume that fell back past step 60 commits step 24 next)."""
     infos = list_checkpoints(run_dir, hash_files=False)
     good = [i for i in infos if i.verified]
     keep_paths = {i.path for i in good[-keep:]} if keep > 0 else set()
-    newest_good_step = good[-1].step if good else None
+    last_commit = max((_mtime(i.path / MANIFEST_FILE) for i in good), default=0.0)
     removed = []
     for info in infos:
-        stale_incomplete = not info.verified and newest_good_step is not None and info.path.name < good[-1].tag
-        if (info.verified and info.path not in keep_paths) or stale_incomplete:
+        stale = not info.verified and bool(good) and (
+            info.path.name < good[-1].tag or 0.0 < _mtime(info.path / REJECTED_FILE) < last_commit
+        )
+        if (info.verified and info.path not in keep_paths) or stale:
             shutil.rmtree(info.path, ignore_errors=True)
             removed.append(info.path)
     return removed
+
+
+def _mtime(path: Path) -> float:
+    """When `path` was last written (0.0: it is not there)."""
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
 
 
 def record_event(run_dir: str | os.PathLike[str], event: CheckpointEvent) -> None:
