@@ -294,7 +294,8 @@ def test_a_rank_of_an_older_wider_layout_does_not_hide_a_clean_stop(tmp_path):
 
 def test_an_interrupted_run_says_what_ended_it(tmp_path):
     """A rank killed (kill -9) or failed: status said only "stopped (no rank is running)", though
-    the failure records launch reported from are in logs/; it now gives their first line."""
+    the failure records launch reported from are in logs/; it now gives their first line, and calls
+    the run interrupted (it said "stopped", which is a run that stopped at a checkpoint)."""
     from pipectl.artifacts.run import RankFailure
     from pipectl.rundir.failures import write_failure
 
@@ -302,7 +303,8 @@ def test_an_interrupted_run_says_what_ended_it(tmp_path):
     write_failure(run, RankFailure(rank=0, stage=0, step=5, phase="forward of micro-batch 1",
                                    exception="RuntimeError", message="Connection closed by peer"))  # fmt: skip
     shown = " ".join(runner.invoke(app, ["status", str(run)], env={"COLUMNS": "200"}).output.split())
-    assert "(stopped (no rank is running)) failure rank 0 (stage 0) failed in step 5 (forward of micro-batch 1)" in shown, shown
+    assert "(interrupted: no rank is running; the newest checkpoint is step 4) failure rank 0 (stage 0) failed in " \
+        "step 5 (forward of micro-batch 1)" in shown, shown  # one word for it, as --json says
     assert json.loads(runner.invoke(app, ["status", str(run), "--json"]).output)["state"] == "interrupted"
 
 

@@ -79,7 +79,7 @@ def requeue_text(status: RunStatus) -> Text:
 
 def _run_state(status: RunStatus) -> str:
     """Where the run stands, for the progress row: finished, trained (and whether it can resume),
-    stopped, starting or in progress."""
+    stopped, starting, in progress or interrupted (`RunStatus.state`'s words)."""
     if status.finished:
         return "finished"
     if status.trained and not status.checkpoints:
@@ -97,7 +97,11 @@ def _run_state(status: RunStatus) -> str:
         if status.ranks_beating:
             return "starting: the ranks are up, the first step is not done yet"
         return "starting: the launch is preparing the ranks" if status.launching else "not started"
-    return "in progress" if status.active else "stopped (no rank is running)"
+    if status.active:
+        return "in progress"
+    # Ended without stopping at a checkpoint (killed, failed): it resumes from its newest one.
+    return f"interrupted: no rank is running; the newest checkpoint is step {status.checkpointed_step}" if (
+        status.checkpointed_step) else "interrupted: no rank is running, and no checkpoint to resume from"
 
 
 def _checkpoints_table(status: RunStatus) -> Table:
