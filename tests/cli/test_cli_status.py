@@ -350,6 +350,15 @@ def test_follow_waits_for_a_run_that_a_launch_is_about_to_write(tmp_path):
     assert "waiting for" in result.output and "4 / 10 steps" in result.output
 
 
+def test_follow_that_waited_in_vain_says_so_without_suggesting_follow(tmp_path, monkeypatch):
+    from pipectl.cli import status
+
+    monkeypatch.setattr(status, "APPEAR_SECONDS", 0.2)
+    result = runner.invoke(app, ["status", str(tmp_path / "typo"), "--follow"], env={"COLUMNS": "200"})
+    shown = " ".join(result.output.split())
+    assert result.exit_code == 2 and "no run directory appeared at" in shown and "--follow" not in shown, shown
+
+
 def test_follow_on_a_pipe_prints_the_steps_written_just_before_the_job_ended(tmp_path):
     """`pipectl status run --follow | cat` prints a line for every step, also for the steps written
     between its last two reads, when the job ended in between."""

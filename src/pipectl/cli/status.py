@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import time
+from shlex import quote
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from pipectl.cli.context import JsonFlag, console, err_console, output_file, print_json
+from pipectl.errors import UserInputError
 from pipectl.report.run_tables import status_table
 from pipectl.artifacts.run import JOB_FILE, Engine
 from pipectl.launch.options import check_stored_options
@@ -94,6 +96,11 @@ def _follow(run_dir: Path) -> None:
         deadline = time.monotonic() + APPEAR_SECONDS
         while not is_run_dir(run_dir) and time.monotonic() < deadline:
             time.sleep(FOLLOW_SECONDS / 4)
+        if not is_run_dir(run_dir):
+            raise UserInputError(
+                f"no run directory appeared at {run_dir} in {APPEAR_SECONDS:.0f} s",
+                hint=f"check the path; pipectl launch PLAN --run-dir {quote(str(run_dir))} writes it",
+            )
         time.sleep(FOLLOW_SECONDS / 2)  # the launch writes the run's other files right after job.json
 
     status = _while_queued(run_dir, _analysed(run_dir, detail=False).status)
