@@ -106,6 +106,11 @@ class DeviceSpec(Strict):
         default=None, gt=0, le=1,
         description="Fraction of the dense peak a large 16-bit GEMM sustains (the clock held at the power limit).",
     )
+    gemm_efficiency_best: float | None = Field(
+        default=None, gt=0, le=1,
+        description="Fraction of the dense peak the best-shaped GEMM reaches in a burst, measured: the most a "
+        "calibration may fit `gemm_efficiency` to (default: the peak).",
+    )
     attention_efficiency: float | None = Field(
         default=None, gt=0, le=1, description="Fraction of the dense peak fused (flash) attention reaches."
     )

@@ -12,7 +12,9 @@ import pytest
 
 from pipectl.errors import UserInputError
 
-from pipectl.measured.calibrate import TERMS, _Problem, calibrate_runs, fit, starting_terms, terms_at
+from pipectl.measured.calibrate import (
+    TERMS, _Problem, bounded_terms, calibrate_runs, ceilings, fit, starting_terms, terms_at,
+)
 from pipectl.measured.predict import Calibrated, Predictor
 from pipectl.measured.runs import MeasuredRun, load_conditions
 
@@ -80,6 +82,29 @@ def test_the_fit_recovers_a_cluster_made_of_known_terms(conditions):
     # Every row ran on one node: the network between nodes is left as it was.
     assert fitted.inter_node_latency_us == start.inter_node_latency_us
     assert fitted.inter_node_bandwidth_gbytes_per_second == start.inter_node_bandwidth_gbytes_per_second
+
+
+def test_the_fit_stops_at_what_a_device_of_the_kind_can_have(conditions):
+    """Rows that ask for A100 GEMMs at 100 % of peak and an NVLink twice its line rate (a cost the
+    model misses on them, carried into the device figures, predicted every larger shape fast): the
+    fit stops at the best GEMM measured on the part, its link's line rate, its datasheet memory,
+    and says which terms it left there."""
+    start = starting_terms(conditions)
+    most = ceilings(conditions, start)
+    assert most["gemm_efficiency"] == 0.869 and most["memory_bandwidth_gbytes_per_second"] == 2039
+    assert most["intra_node_bandwidth_gbytes_per_second"] == 300  # NVLink 3, one direction
+    assert most["inter_node_bandwidth_gbytes_per_second"] == start.inter_node_bandwidth_gbytes_per_second
+    runs = _runs()
+    impossible = Calibrated("a100-80gb", start.model_copy(update={
+        "gemm_efficiency": 1.0, "intra_node_bandwidth_gbytes_per_second": 600.0}))  # fmt: skip
+    predictor = Predictor(conditions, runs, impossible)
+    measured = np.array([predictor.predict(run).predicted_seconds for run in runs])
+    problem = _Problem(_runs(list(measured)), conditions, start, 1, "a100-80gb", {})
+    fitted = terms_at(start, fit(problem, np.arange(len(runs)), measured, lambda line: None))
+    assert fitted.gemm_efficiency == pytest.approx(0.869)
+    assert fitted.intra_node_bandwidth_gbytes_per_second <= 300 * (1 + 1e-9)
+    assert "gemm_efficiency" in bounded_terms(conditions, start, fitted)
+    assert bounded_terms(conditions, start, start) == []
 
 
 def test_calibrate_reports_errors_before_after_and_cross_validated(conditions, tmp_path):

@@ -106,7 +106,7 @@ def _warn(text: str) -> None:
 
 
 def _calibrate_measured(csv: Path, conditions: Path | None, folds: int, output: Path, json_output: bool) -> None:
-    from pipectl.measured.calibrate import MOST_LOG_MULTIPLIER, RATES, calibrate_runs
+    from pipectl.measured.calibrate import MOST_LOG_MULTIPLIER, bounded_terms, calibrate_runs
     from pipectl.measured.runs import load_conditions, read_runs
     from pipectl.plan.workers import available_workers
 
@@ -130,20 +130,16 @@ def _calibrate_measured(csv: Path, conditions: Path | None, folds: int, output: 
     terms = Table(title="terms fitted", box=box.SIMPLE, title_justify="left", caption_justify="left")
     for column in ("term", "before", "after"):
         terms.add_column(column, justify="left" if column == "term" else "right")
-    any_bounded = False
+    bounded = bounded_terms(shared, calibration.uncalibrated, calibration.terms)
     for name, before in calibration.uncalibrated:
         after = getattr(calibration.terms, name)
-        # A rate the fit left at its bound (4x its start, or GEMMs at the device's peak): the rows
-        # ask for more of it than a device could have.
-        at_bound = name in RATES and before > 0 and (
-            abs(abs(math.log(after / before)) - MOST_LOG_MULTIPLIER) < 1e-6
-            or (name == "gemm_efficiency" and after >= 1.0 - 1e-9)
-        )
-        terms.add_row(name, f"{before:.4g}", f"{after:.4g}" + (" *" if at_bound else ""))
-        any_bounded |= at_bound
-    if any_bounded:
-        terms.caption = (f"* at the fit's bound ({math.exp(MOST_LOG_MULTIPLIER):.0f}x its starting figure, or GEMMs at the "
-                         "device's peak): more rows of other layouts and shapes tell the terms apart better")  # fmt: skip
+        terms.add_row(name, f"{before:.4g}", f"{after:.4g}" + (" *" if name in bounded else ""))
+    if bounded:
+        # The rows ask for more of a rate than a device could have: the model misses a cost they share.
+        terms.caption = (f"* at the fit's bound ({math.exp(MOST_LOG_MULTIPLIER):.0f}x its starting figure, or what a device "
+                         "of the kind can have: its best GEMM, its datasheet memory, its links' line rate): these rows "
+                         "share a cost the model misses; more rows of other layouts and shapes tell the terms apart "
+                         "better")  # fmt: skip
     errors = Table(title=f"errors over {calibration.rows} runs", box=box.SIMPLE, title_justify="left")
     for column in ("", "median |error|", "MAPE", "max |error|", "signed median"):
         errors.add_column(column, justify="left" if not column else "right")

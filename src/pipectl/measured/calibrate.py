@@ -16,8 +16,8 @@ Each row's prediction is a full plan of its pinned layout (`measured.predict`), 
 through the same partitioner, schedule simulation and collectives as any plan. The fit minimises
 the sum of squared relative errors ((predicted - measured) / measured) by Levenberg-Marquardt
 (Marquardt 1963) on a finite-difference Jacobian: the seven rates as log multipliers of their
-starting figures (they stay positive; the GEMM efficiency at most 1), the two overheads in
-milliseconds (at least 0). Each Jacobian is 9 independent predictions of every row: they run in
+starting figures (they stay positive, and below what a device of the kind can have: `ceilings`),
+the two overheads in milliseconds (at least 0). Each Jacobian is 9 independent predictions of every row: they run in
 parallel (`plan.workers.share`).
 
 k-fold cross-validation (rows dealt to folds in their file order, round robin) fits on k - 1
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -101,6 +101,38 @@ def starting_terms(conditions: RunConditions) -> CalibratedTerms:
     )
 
 
+def ceilings(conditions: RunConditions, start: CalibratedTerms) -> dict[str, float]:
+    """The most each rate may be fitted to: 4x its starting figure, and nothing a device of the kind
+    cannot have. A fitted GEMM efficiency above the best shape's measured burst (the device's
+    `gemm_efficiency_best`, else the peak), a memory bandwidth above the datasheet's, a collective
+    or transfer inside a node faster than the link's line rate, or across nodes faster than the
+    conditions' network, would explain the rows by a GPU or a link that does not exist: the fit
+    would carry a cost the model misses on these rows into every other shape it is used for."""
+    device = get_device(conditions.device)
+    most = {name: getattr(start, name) * math.exp(MOST_LOG_MULTIPLIER) for name in RATES}
+    most["gemm_efficiency"] = min(device.gemm_efficiency_best or 1.0, 1.0)
+    most["memory_bandwidth_gbytes_per_second"] = float(device.memory_bandwidth_gbytes_per_second)
+    most["intra_node_bandwidth_gbytes_per_second"] = min(
+        most["intra_node_bandwidth_gbytes_per_second"], device.intra_node_bandwidth_gbytes_per_second
+    )
+    most["inter_node_bandwidth_gbytes_per_second"] = start.inter_node_bandwidth_gbytes_per_second
+    return most
+
+
+def bounded_terms(conditions: RunConditions, start: CalibratedTerms, fitted: CalibratedTerms) -> list[str]:
+    """The rates a fit moved to a bound (up to its `ceilings`, or 4x below its start): the rows ask for
+    more of them than a device could have, or less than it plausibly has. (A rate that starts at its
+    ceiling, the datasheet's memory bandwidth, is not seen pressing on it.)"""
+    most = ceilings(conditions, start)
+    return [
+        name for name in RATES
+        if getattr(start, name) > 0 and (
+            getattr(start, name) < getattr(fitted, name) >= most[name] * (1 - 1e-6)
+            or getattr(fitted, name) <= getattr(start, name) * math.exp(-MOST_LOG_MULTIPLIER) * (1 + 1e-6)
+        )
+    ]  # fmt: skip
+
+
 def terms_at(start: CalibratedTerms, x: Sequence[float]) -> CalibratedTerms:
     """The terms at fit coordinates `x` (log multipliers of the rates, then overheads in ms)."""
     values = {name: getattr(start, name) * math.exp(value) for name, value in zip(RATES, x)}
@@ -110,10 +142,9 @@ def terms_at(start: CalibratedTerms, x: Sequence[float]) -> CalibratedTerms:
     return CalibratedTerms(**values)
 
 
-def _bounded(x: np.ndarray, start: CalibratedTerms) -> np.ndarray:
+def _bounded(x: np.ndarray, problem: "_Problem") -> np.ndarray:
     x = x.copy()
-    x[: len(RATES)] = np.clip(x[: len(RATES)], -MOST_LOG_MULTIPLIER, MOST_LOG_MULTIPLIER)
-    x[0] = min(x[0], math.log(1.0 / start.gemm_efficiency))  # a GEMM reaches at most the peak
+    x[: len(RATES)] = np.clip(x[: len(RATES)], -MOST_LOG_MULTIPLIER, problem.most)
     x[len(RATES):] = np.maximum(x[len(RATES):], 0.0)
     return x
 
@@ -128,6 +159,11 @@ class _Problem:
     workers: int
     device: str
     cache: dict[tuple[float, ...], np.ndarray]
+    most: np.ndarray = field(init=False)  # the rates' `ceilings` as fit coordinates (log multipliers of their start)
+
+    def __post_init__(self) -> None:
+        most = ceilings(self.conditions, self.start)
+        self.most = np.array([max(0.0, math.log(most[name] / getattr(self.start, name))) for name in RATES])
 
     def predict(self, x: Sequence[float]) -> np.ndarray:
         """Predicted seconds of every row at `x` (NaN where a row cannot be predicted)."""
@@ -185,7 +221,7 @@ def fit(problem: _Problem, rows: np.ndarray, measured: np.ndarray, progress: Cal
             damped = normal + lam * np.diag(np.diag(normal)) + 1e-12 * np.eye(int(moving.sum()))
             step = np.zeros(len(TERMS))
             step[moving] = -np.linalg.solve(damped, gradient)
-            trial = _bounded(x + step, problem.start)
+            trial = _bounded(x + step, problem)
             (predicted,) = problem.predictions([trial])
             r_trial = residuals(predicted)
             ok = np.isfinite(r_trial) & usable
