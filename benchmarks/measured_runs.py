@@ -134,6 +134,12 @@ def zero_stage_readings(runs, conditions, predictions) -> dict[str, dict]:
     return out
 
 
+def _abs_summary(errors: list[float]) -> dict:
+    """MAPE, max |error| and mean signed error of relative errors."""
+    return {"rows": len(errors), "mape": round(statistics.mean(map(abs, errors)), 4),
+            "max_abs_error": round(max(map(abs, errors)), 4), "mean_signed_error": round(statistics.mean(errors), 4)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=Path, default=DEFAULT_RUNS, help="folder with single-node.csv and conditions.yaml")
@@ -229,6 +235,20 @@ def main() -> None:
         e = published["summary"]
         print(f"  published runs ({e['rows']}, layouts pinned): median {e['median_abs_error']:.1%} (target 10 %), "
               f"max {e['max_abs_error']:.1%} (target 20 %), mean signed {e['mean_signed_error']:+.1%}")
+        if calibrated is not None:
+            # The calibration's device figures on the published runs of its device (larger shapes,
+            # other engines, not fitted on): how far it carries beyond the rows it was fitted to.
+            device = calibration.device
+            carried = pinned_errors(workers=os.cpu_count() or 1, calibration=calibration)
+            alone = [r["error"] for r in published["rows"] if r["device"] == device and r["error"] is not None]
+            calibrated["published_runs_of_its_device"] = {
+                "device": device, "uncalibrated": _abs_summary(alone),
+                "with_its_device_figures": _abs_summary([r["error"] for r in carried["rows"] if r["error"] is not None]),
+            }  # fmt: skip
+            for label, e in calibrated["published_runs_of_its_device"].items():
+                if isinstance(e, dict):
+                    print(f"  published {device} runs, {label.replace('_', ' ')}: MAPE {e['mape']:.1%}, "
+                          f"max {e['max_abs_error']:.1%}, mean signed {e['mean_signed_error']:+.1%} ({e['rows']} rows)")
     if args.no_write:
         return
     write_json_atomic(RESULTS, {

@@ -61,6 +61,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
+from pipectl.artifacts.calibration import RunsCalibration  # noqa: E402
 from pipectl.artifacts.cluster import ClusterSpec  # noqa: E402
 from pipectl.artifacts.model import ModelConfig  # noqa: E402
 from pipectl.artifacts.plan import Candidate, PlanRequest, Recompute, RecomputeChoice  # noqa: E402
@@ -386,12 +387,15 @@ def vocab_parallel_copy(profile, t: int):
     return profile.model_copy(update={"layers": layers})
 
 
-def row_profiles(row: dict, profile_cache: dict):
+def row_profiles(row: dict, profile_cache: dict, calibration: RunsCalibration | None = None):
     """(pipectl's own profile, the run's engine's profile) of a row's shape on its device, derived
     once per shape: the pinned prediction reads the profile of the run as its engine ran it
     (`engine`), pipectl's own choice the profile of pipectl's runtime (no engine features), what
-    `pipectl plan` would launch."""
+    `pipectl plan` would launch. With `calibration`, its device figures on its device (as
+    `pipectl profile --derive --calibration` takes them)."""
     device = get_device(row["devices"]["kind"])
+    if calibration is not None and calibration.device == device.name:
+        device = calibration.terms.device_spec(device)
     config = model_config(row)
     sizes = micro_batch_sizes(row)
     engine = engine_features(row)
@@ -406,17 +410,18 @@ def row_profiles(row: dict, profile_cache: dict):
     return own_profile, profile_cache[engine_key]
 
 
-def pinned_errors(workers: int | None = 1) -> dict:
+def pinned_errors(workers: int | None = 1, calibration: RunsCalibration | None = None) -> dict:
     """Every row's pinned prediction against its published step, and their summary (the figures
     `benchmarks/measured_runs.py` reports beside the measured rows; pipectl's own choices, the slow
-    part of this benchmark, left out)."""
+    part of this benchmark, left out). With `calibration`: its device's rows only, derived with its
+    device figures (how a calibration fitted on other runs carries to these)."""
     cache: dict = {}
     rows, errors = [], []
     for row in yaml.safe_load(RUNS.read_text())["runs"]:
         seconds, _ = published_step(row)
-        if not seconds:
+        if not seconds or (calibration is not None and row["devices"]["kind"] != calibration.device):
             continue
-        _, profile = row_profiles(row, cache)
+        _, profile = row_profiles(row, cache, calibration)
         chosen, why, _ = pinned_plan(row, profile, cluster_of(row), workers)
         error = chosen.predicted_step_seconds / seconds - 1 if chosen else None
         if error is not None:
