@@ -661,27 +661,35 @@ def test_a_killed_pipectl_leaves_no_job_training_unsupervised(tmp_path):
     assert resumed.exit_code == 0, resumed.output
 
 
-@pytest.mark.multiprocess
-def test_ctrl_c_while_the_ranks_start_is_a_stop_not_a_failure(tmp_path):
-    """Ctrl-C before the first step (the ranks still importing, their handlers not yet set): the
-    launcher reports them ended by SIGTERM as failed; pipectl says the job was stopped, nothing
-    trained, how to start again, and exits 130, without the launcher's failure dump."""
+def _ctrl_c_while_starting(plan: Path, run: Path, *args: str) -> tuple[int, str]:
+    """`pipectl launch` interrupted once it has started its ranks (engine.log written to), long
+    before their first step: its exit code and output on one line."""
     import signal
     import time
 
-    plan = write_plan(tmp_path / "plan.json")
-    run = tmp_path / "run"
-    launcher = _start_launch(plan, run, "--steps", "100000", "--timeout", "240")
+    log = run / "logs" / "engine.log"
+    written = log.stat().st_size if log.is_file() else -1
+    launcher = _start_launch(plan, run, *args, "--timeout", "240")
     try:
         deadline = time.monotonic() + 60
-        while not (run / "logs" / "engine.log").is_file() and time.monotonic() < deadline:
+        while (log.stat().st_size if log.is_file() else -1) == written and time.monotonic() < deadline:
             time.sleep(0.02)  # the launcher has started; its ranks are far from their first step
         launcher.send_signal(signal.SIGINT)
         output, _ = launcher.communicate(timeout=120)
     finally:
         launcher.kill()
-    said = " ".join(output.split())
-    assert launcher.returncode == 130, said
+    return launcher.returncode, " ".join(output.split())
+
+
+@pytest.mark.multiprocess
+def test_ctrl_c_while_the_ranks_start_is_a_stop_not_a_failure(tmp_path):
+    """Ctrl-C before the first step (the ranks still importing, their handlers not yet set): the
+    launcher reports them ended by SIGTERM as failed; pipectl says the job was stopped, nothing
+    trained, how to start again, and exits 130, without the launcher's failure dump."""
+    plan = write_plan(tmp_path / "plan.json")
+    run = tmp_path / "run"
+    code, said = _ctrl_c_while_starting(plan, run, "--steps", "100000")
+    assert code == 130, said
     assert f"stopped before the first step (SIGINT): nothing trained; start it again with: pipectl launch {plan} " \
            f"--run-dir {run} --force" in said, said  # fmt: skip
     assert "Root Cause" not in said and "error:" not in said and not (run / "metrics.jsonl").is_file(), said
@@ -690,19 +698,8 @@ def test_ctrl_c_while_the_ranks_start_is_a_stop_not_a_failure(tmp_path):
     # The same while a resume starts: the run's earlier steps were not trained by this launch.
     trained = _start_launch(plan, run, "--steps", "2", "--force", "--timeout", "240")
     assert trained.wait(timeout=240) == 0, trained.communicate()[0]
-    log = run / "logs" / "engine.log"
-    written = log.stat().st_size
-    launcher = _start_launch(plan, run, "--resume", "--steps", "100000", "--timeout", "240")
-    try:
-        deadline = time.monotonic() + 60
-        while log.stat().st_size == written and time.monotonic() < deadline:
-            time.sleep(0.02)  # the launcher has started; its ranks are far from their first step
-        launcher.send_signal(signal.SIGINT)
-        output, _ = launcher.communicate(timeout=120)
-    finally:
-        launcher.kill()
-    said = " ".join(output.split())
-    assert launcher.returncode == 130, said
+    code, said = _ctrl_c_while_starting(plan, run, "--resume", "--steps", "100000")
+    assert code == 130, said
     assert f"stopped before its first step (SIGINT): the run stays at its checkpoint; continue with: pipectl launch " \
            f"{plan} --run-dir {run} --resume" in said, said  # fmt: skip
     assert "Root Cause" not in said and "error:" not in said, said
