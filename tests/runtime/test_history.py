@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from pipectl.artifacts.morph import MORPHS_FILE, MorphRecord
-from pipectl.artifacts.run import METRICS_FILE, StepMetrics
+from pipectl.artifacts.run import METRICS_FILE, ResumeRecord, StepMetrics
 from pipectl.rundir.morph_history import append_record, read_history, read_records, record_layout_change, update_downtimes, with_downtime
+from pipectl.rundir.failures import write_resume
 from pipectl.rundir.metrics import MetricsWriter
 
 
@@ -80,6 +81,9 @@ def test_an_elastic_relaunch_on_another_layout_is_recorded_once(tmp_path):
     writer.write(metrics(11, 1011.0, "t1p2d1 1f1b b2 m4"))
     writer.write(metrics(12, 1012.0, "t1p2d1 1f1b b2 m4"))
     kwargs = dict(to_layout="t1p1d1 1f1b b2 m4", to_devices=1, global_batch=8, resume_step=10, target_steps=30)
+    # As rank 0 does it: its resume record first (steps past 10 are abandoned for the run's readers),
+    # then the morph, whose downtime still runs from the last step trained on the old layout.
+    write_resume(tmp_path, ResumeRecord(step=10, tag="step00000010", time_unix=1019.0))
     record = record_layout_change(tmp_path, now_unix=1020.0, **kwargs)
     assert record.trigger.value == "elastic" and record.from_layout == "t1p2d1 1f1b b2 m4"
     assert record.requested_unix == 1012.0 and record.relaunched_unix == 1020.0

@@ -4,6 +4,7 @@ memory per rank and stage against the plan's figure."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -69,7 +70,7 @@ def test_a_run_resumed_from_an_older_checkpoint_drops_the_steps_it_abandoned(tmp
     said 'stopped at step 6' after a resume stopped at 5, and refused --steps 5.5 as not beyond 6);
     the launch's progress follows the new lines. From its resume record on, before it logs a step,
     the run stands at the checkpoint."""
-    from pipectl.artifacts.run import LOGS_DIR, RESUME_FILE, ResumeRecord
+    from pipectl.artifacts.run import LOGS_DIR, PREVIOUS_RESUME_FILE, RESUME_FILE, ResumeRecord
     from pipectl.io import write_json_atomic
     from pipectl.rundir.metrics import MetricsTail
 
@@ -80,6 +81,11 @@ def test_a_run_resumed_from_an_older_checkpoint_drops_the_steps_it_abandoned(tmp
     assert tail.latest().step == 6
     write_json_atomic(tmp_path / LOGS_DIR / RESUME_FILE, ResumeRecord(step=3, tag="step00000003", time_unix=200.0))
     assert [m.step for m in read_metrics(tmp_path)] == [1, 2, 3]  # resumed: nothing logged yet
+    # The next start puts the record aside; dead before its own, the run still stands at step 3.
+    os.replace(tmp_path / LOGS_DIR / RESUME_FILE, tmp_path / LOGS_DIR / PREVIOUS_RESUME_FILE)
+    assert [m.step for m in read_metrics(tmp_path)] == [1, 2, 3]
+    assert [m.step for m in read_metrics(tmp_path, as_resumed=False)] == [1, 2, 3, 4, 5, 6]  # what was trained
+    os.replace(tmp_path / LOGS_DIR / PREVIOUS_RESUME_FILE, tmp_path / LOGS_DIR / RESUME_FILE)
     for step in (4, 5):
         MetricsWriter(tmp_path, rank=0).write(metrics(step, loss=0.5).model_copy(update={"time_unix": 200.0 + step}))
     assert [(m.step, m.loss) for m in read_metrics(tmp_path)] == [(1, 1.0), (2, 1.0), (3, 1.0), (4, 0.5), (5, 0.5)]

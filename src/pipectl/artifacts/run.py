@@ -53,6 +53,7 @@ def rank_file_name(rank: int) -> str:
 
 FAILURE_FILE = "failure-rank{rank}.json"  # in LOGS_DIR
 RESUME_FILE = "resume.json"  # in LOGS_DIR
+PREVIOUS_RESUME_FILE = "resume-previous.json"  # in LOGS_DIR: the record of the start before, kept by the next
 HEARTBEAT_FILE = "heartbeat-rank{rank}.json"  # in LOGS_DIR
 # In LOGS_DIR: one line per spell when metrics.jsonl could not be written (`WriteRefusal`), added
 # once the disk takes lines again; `pipectl launch` names it on the terminal.

@@ -19,7 +19,7 @@ from typing import Any, Callable
 import psutil
 
 from pipectl.artifacts.morph import LIVE_REQUEST_FILE
-from pipectl.artifacts.run import LOGS_DIR, RESUME_FILE
+from pipectl.artifacts.run import LOGS_DIR, PREVIOUS_RESUME_FILE, RESUME_FILE
 from pipectl.errors import LaunchError
 from pipectl.launch.engines import ENGINE_LOG, LaunchCommand
 from pipectl.rundir.heartbeats import SUPERVISOR_VARIABLE
@@ -66,8 +66,10 @@ def run_engine(
     logs = Path(run_dir) / LOGS_DIR
     logs.mkdir(parents=True, exist_ok=True)
     # Where a job resumed is its own record: the previous job's, written maybe a moment ago, must
-    # not be taken for it (the readers' time filter allows for clock skew between nodes).
-    (logs / RESUME_FILE).unlink(missing_ok=True)
+    # not be taken for it (the readers' time filter allows for clock skew between nodes). It is kept
+    # aside: which steps a resume abandoned stays known if this start dies before its own record.
+    if (logs / RESUME_FILE).is_file():
+        os.replace(logs / RESUME_FILE, logs / PREVIOUS_RESUME_FILE)
     # A live resize asked of an earlier job is not this job's to take (`runtime/elastic/live_resize.py`).
     (Path(run_dir) / LIVE_REQUEST_FILE).unlink(missing_ok=True)
     # The ranks watch this process: gone (kill -9, a lost session), they stop at a checkpoint.

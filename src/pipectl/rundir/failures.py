@@ -207,9 +207,11 @@ def write_resume(run_dir: str | os.PathLike[str], record: ResumeRecord) -> Path:
     return write_json_atomic(Path(run_dir) / LOGS_DIR / RESUME_FILE, record)
 
 
-def read_resume(run_dir: str | os.PathLike[str], *, since_unix: float = 0.0) -> ResumeRecord | None:
+def read_resume(
+    run_dir: str | os.PathLike[str], *, since_unix: float = 0.0, file: str = RESUME_FILE
+) -> ResumeRecord | None:
     """The resume record written at or after `since_unix` (by the job started then), or None."""
-    path = Path(run_dir) / LOGS_DIR / RESUME_FILE
+    path = Path(run_dir) / LOGS_DIR / file
     try:
         record = ResumeRecord.model_validate_json(path.read_text())
     except FileNotFoundError:

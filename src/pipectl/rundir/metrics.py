@@ -32,10 +32,10 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from pipectl.artifacts.run import (
-    LOGS_DIR, METRICS_FILE, RANKS_FILE, REFUSALS_FILE, RankDetail, RankTiming, ResumeRecord, StepMetrics, WriteRefusal,
+    LOGS_DIR, METRICS_FILE, PREVIOUS_RESUME_FILE, RANKS_FILE, REFUSALS_FILE, RESUME_FILE, RankDetail, RankTiming,
+    ResumeRecord, StepMetrics, WriteRefusal,
 )  # fmt: skip
 from pipectl.io import read_records
-from pipectl.rundir.failures import read_resume
 from pipectl.words import count
 
 log = logging.getLogger(__name__)
@@ -187,18 +187,36 @@ def _first_reason(exc: Exception) -> str:
     return str(exc).splitlines()[0]
 
 
-def read_metrics(run_dir: str | os.PathLike[str]) -> list[StepMetrics]:
-    """All steps recorded so far (empty if the job has not finished a step)."""
-    return read_metrics_and_unreadable(run_dir)[0]
+def latest_resume(run_dir: str | os.PathLike[str]) -> ResumeRecord | None:
+    """Where the run last resumed: this start's record (`rundir.failures.read_resume`), else the one
+    before it, which the launch put aside (a start that ended before its rank 0 loaded a
+    checkpoint wrote none), else None."""
+    for name in (RESUME_FILE, PREVIOUS_RESUME_FILE):
+        try:
+            return ResumeRecord.model_validate_json((Path(run_dir) / LOGS_DIR / name).read_text())
+        except FileNotFoundError:
+            continue
+        except (OSError, ValueError, ValidationError) as exc:
+            log.warning("%s skipped: %s", name, exc)
+    return None
 
 
-def read_metrics_and_unreadable(run_dir: str | os.PathLike[str]) -> tuple[list[StepMetrics], list[int]]:
+def read_metrics(run_dir: str | os.PathLike[str], *, as_resumed: bool = True) -> list[StepMetrics]:
+    """All steps recorded so far (empty if the job has not finished a step). `as_resumed` False:
+    the steps past the latest resume's checkpoint that no new line has replaced yet are kept (what
+    the job trained before it restarted: a morph's downtime runs from its last step)."""
+    return read_metrics_and_unreadable(run_dir, as_resumed=as_resumed)[0]
+
+
+def read_metrics_and_unreadable(
+    run_dir: str | os.PathLike[str], *, as_resumed: bool = True
+) -> tuple[list[StepMetrics], list[int]]:
     """`read_metrics`, and the numbers of metrics.jsonl's whole lines it skipped (not step records)."""
     path = Path(run_dir) / METRICS_FILE
     if not path.is_file():
         return [], []
     text = path.read_text()
-    resumed = read_resume(run_dir)
+    resumed = latest_resume(run_dir) if as_resumed else None
     metrics, unreadable = _parse_metrics(text.splitlines(), last_line_whole=text.endswith("\n"), resumed=resumed)
     return with_rank_details(metrics, run_dir), unreadable
 

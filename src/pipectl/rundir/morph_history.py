@@ -144,7 +144,7 @@ def record_layout_change(
     downtime then runs from the last step completed on the old layout to the first on the new one
     (failure detection, re-rendezvous, restart, checkpoint load). Returns the record, or None.
     """
-    metrics = read_metrics(run_dir)
+    metrics = read_metrics(run_dir, as_resumed=False)  # this start's resume record is written: the old steps count
     last = newest_step(metrics)
     if last is None:
         return None
