@@ -105,6 +105,9 @@ def test_the_fit_stops_at_what_a_device_of_the_kind_can_have(conditions):
     assert fitted.intra_node_bandwidth_gbytes_per_second <= 300 * (1 + 1e-9)
     assert "gemm_efficiency" in bounded_terms(conditions, start, fitted)
     assert bounded_terms(conditions, start, start) == []
+    # A rate that starts at 0 stays there (a multiple of 0), without a division by it.
+    at_zero = start.model_copy(update={"intra_node_latency_us": 0.0})
+    assert _Problem(runs, conditions, at_zero, 1, "a100-80gb", {}).most[3] == 0.0
 
 
 def test_calibrate_reports_errors_before_after_and_cross_validated(conditions, tmp_path):

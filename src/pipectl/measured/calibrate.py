@@ -112,11 +112,17 @@ def ceilings(conditions: RunConditions, start: CalibratedTerms) -> dict[str, flo
     most = {name: getattr(start, name) * math.exp(MOST_LOG_MULTIPLIER) for name in RATES}
     most["gemm_efficiency"] = min(device.gemm_efficiency_best or 1.0, 1.0)
     most["memory_bandwidth_gbytes_per_second"] = float(device.memory_bandwidth_gbytes_per_second)
-    most["intra_node_bandwidth_gbytes_per_second"] = min(
-        most["intra_node_bandwidth_gbytes_per_second"], device.intra_node_bandwidth_gbytes_per_second
-    )
+    # In a node, the fastest figure stated for it: a link's line rate, a collective's measured bus
+    # bandwidth (on a fully connected part, above one peer link's), the conditions' own.
+    links = conditions.cluster_links()
+    most["intra_node_bandwidth_gbytes_per_second"] = min(most["intra_node_bandwidth_gbytes_per_second"], max(
+        device.intra_node_bandwidth_gbytes_per_second, device.intra_node_allreduce_bandwidth_gbytes_per_second or 0.0,
+        links.get("intra_node_bandwidth_gbytes_per_second") or 0.0,
+        links.get("intra_node_allreduce_bandwidth_gbytes_per_second") or 0.0,
+    ))  # fmt: skip
     most["inter_node_bandwidth_gbytes_per_second"] = start.inter_node_bandwidth_gbytes_per_second
-    return most
+    # A starting figure already beyond its ceiling (a catalog of the user's) stays where it is.
+    return {name: max(value, getattr(start, name)) for name, value in most.items()}
 
 
 def bounded_terms(conditions: RunConditions, start: CalibratedTerms, fitted: CalibratedTerms) -> list[str]:
@@ -163,7 +169,9 @@ class _Problem:
 
     def __post_init__(self) -> None:
         most = ceilings(self.conditions, self.start)
-        self.most = np.array([max(0.0, math.log(most[name] / getattr(self.start, name))) for name in RATES])
+        # A rate that starts at 0 (no kernel overhead, no latency) stays there: a multiple of 0.
+        self.most = np.array([math.log(most[name] / getattr(self.start, name)) if getattr(self.start, name) > 0 else 0.0
+                              for name in RATES])  # fmt: skip
 
     def predict(self, x: Sequence[float]) -> np.ndarray:
         """Predicted seconds of every row at `x` (NaN where a row cannot be predicted)."""
