@@ -357,6 +357,10 @@ def test_follow_that_waited_in_vain_says_so_without_suggesting_follow(tmp_path, 
     result = runner.invoke(app, ["status", str(tmp_path / "typo"), "--follow"], env={"COLUMNS": "200"})
     shown = " ".join(result.output.split())
     assert result.exit_code == 2 and "no run directory appeared at" in shown and "--follow" not in shown, shown
+    make_run(tmp_path / "runs")  # a folder of runs, not a run: said as without --follow
+    result = runner.invoke(app, ["status", str(tmp_path / "runs"), "--follow"], env={"COLUMNS": "200"})
+    shown = " ".join(result.output.split())
+    assert result.exit_code == 2 and "give a run it holds" in shown, shown
 
 
 def test_follow_on_a_pipe_prints_the_steps_written_just_before_the_job_ended(tmp_path):

@@ -13,7 +13,7 @@ import typer
 
 from pipectl.artifacts.layout import layout_label
 from pipectl.artifacts.plan import Plan
-from pipectl.artifacts.run import JOB_FILE, LOGS_DIR, CheckpointOutcome, DataKind, Engine, Precision
+from pipectl.artifacts.run import JOB_FILE, LOGS_DIR, METRICS_FILE, CheckpointOutcome, DataKind, Engine, Precision
 from pipectl.cli.context import JsonFlag, console, err_console, print_json, training_progress
 from pipectl.cli.options import ConfigOption, file_layers, passed_flags, with_options
 from pipectl.config import option_fields, render_config, to_sections, toml_value
@@ -239,6 +239,7 @@ def _launch(
     if prepared.busier and not json_output:
         err_console.print(prepared.busier, style="yellow", highlight=False, markup=False, soft_wrap=True)
     started = time.time()
+    logged_before = _metrics_bytes(prepared.run_dir)  # a resumed run's steps were logged by earlier launches
     watch = StallWatch(
         prepared.run_dir,
         since_unix=started - 1.0,
@@ -258,8 +259,7 @@ def _launch(
     resumed = read_resume(prepared.run_dir, since_unix=started - 1.0)
     if exit_code != 0:
         stopped_at = stopped_cleanly(read_heartbeats(prepared.run_dir, since_unix=started - 1.0), prepared.job.world_size)
-        trained_here = any(m.time_unix >= started - 1.0 for m in status.metrics)  # a resumed run has older steps
-        if stopped_at is None and signals and not trained_here:
+        if stopped_at is None and signals and _metrics_bytes(prepared.run_dir) == logged_before:
             check_stopped_while_starting(prepared.run_dir, started, signals[0], f"pipectl launch {quote(str(plan_path))} --run-dir {quote(str(run_dir))}")
         if stopped_at is None:
             progress = f"the job exited with code {exit_code} after {status.steps_done} of {prepared.job.steps} steps"
@@ -283,6 +283,14 @@ def _launch(
         _say_how_to_go_on(status, prepared, plan_path, run_dir)
     if interrupted:
         raise typer.Exit(128 + signals[0])
+
+
+def _metrics_bytes(run_dir: Path) -> int:
+    """metrics.jsonl's size: it grows by a line a step."""
+    try:
+        return (run_dir / METRICS_FILE).stat().st_size
+    except OSError:
+        return 0
 
 
 def _stopped_for_resize(status: RunStatus) -> bool:

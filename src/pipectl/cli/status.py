@@ -96,7 +96,7 @@ def _follow(run_dir: Path) -> None:
         deadline = time.monotonic() + APPEAR_SECONDS
         while not is_run_dir(run_dir) and time.monotonic() < deadline:
             time.sleep(FOLLOW_SECONDS / 4)
-        if not is_run_dir(run_dir):
+        if not run_dir.exists():  # a folder or file there that is no run: the reader below says what it is
             raise UserInputError(
                 f"no run directory appeared at {run_dir} in {APPEAR_SECONDS:.0f} s",
                 hint=f"check the path; pipectl launch PLAN --run-dir {quote(str(run_dir))} writes it",

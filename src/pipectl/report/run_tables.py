@@ -6,7 +6,8 @@ build renderables (or text) and return them; the CLI prints them.
 from __future__ import annotations
 
 import datetime
-import re
+import os
+from pathlib import Path
 from shlex import quote
 from typing import Sequence
 
@@ -110,21 +111,25 @@ def _checkpoints_table(status: RunStatus) -> Table:
     for column in ("tag", "step", "state", "size"):
         table.add_column(column, max_width=SUMMARY_VALUE_WIDTH if column == "state" else None)
     for ckpt in status.checkpoints:
-        problems = [within_checkpoint(problem, ckpt.tag) for problem in ckpt.problems]
+        folder = status.path / "checkpoints" / ckpt.tag
+        problems = [within_checkpoint(problem, folder) for problem in ckpt.problems]
         state = Text("ok", style="green") if ckpt.verified else Text("; ".join(problems), style="red")
         table.add_row(ckpt.tag, str(ckpt.step if ckpt.step is not None else "?"), state, format_bytes(ckpt.bytes))
     return table
 
 
-def within_checkpoint(problem: str, tag: str) -> str:
+def within_checkpoint(problem: str, folder: str | os.PathLike[str]) -> str:
     """A checkpoint's problem as its row shows it: the row names the checkpoint, so its folder's
     path goes, before a file inside it and before what is said of the folder itself.
 
-        >>> within_checkpoint("/r/checkpoints/step8: a resume passed it over: checkpoint step 8 could not be "
-        ...                   "loaded (/r/checkpoints/step8/rank-0.safetensors: sha256 mismatch)", "step8")
+        >>> within_checkpoint("/my runs/r/checkpoints/step8: a resume passed it over: checkpoint step 8 could not "
+        ...                   "be loaded (/my runs/r/checkpoints/step8/rank-0.safetensors: sha256 mismatch)",
+        ...                   "/my runs/r/checkpoints/step8")
         'a resume passed it over: checkpoint step 8 could not be loaded (rank-0.safetensors: sha256 mismatch)'
     """
-    return re.sub(rf"[^\s(]*/{re.escape(tag)}(/|: )", "", problem)
+    for named in dict.fromkeys((str(folder), str(Path(folder).resolve()))):  # as read here, and as a rank wrote it
+        problem = problem.replace(f"{named}/", "").removeprefix(f"{named}: ")
+    return problem
 
 
 # The value column of a run's summary and of a resize's decision: long values (a layout history,
