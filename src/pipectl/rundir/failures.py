@@ -207,19 +207,12 @@ def write_resume(run_dir: str | os.PathLike[str], record: ResumeRecord) -> Path:
     return write_json_atomic(Path(run_dir) / LOGS_DIR / RESUME_FILE, record)
 
 
-def read_resume(
-    run_dir: str | os.PathLike[str], *, since_unix: float = 0.0, file: str = RESUME_FILE
-) -> ResumeRecord | None:
+def read_resume(run_dir: str | os.PathLike[str], *, since_unix: float = 0.0) -> ResumeRecord | None:
     """The resume record written at or after `since_unix` (by the job started then), or None."""
-    path = Path(run_dir) / LOGS_DIR / file
-    try:
-        record = ResumeRecord.model_validate_json(path.read_text())
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, ValidationError) as exc:
-        log.warning("%s skipped: %s", path, exc)
-        return None
-    return record if record.time_unix >= since_unix else None
+    from pipectl.rundir.metrics import resume_record  # one reader: metrics.jsonl's readers take it too
+
+    record = resume_record(run_dir)
+    return record if record is not None and record.time_unix >= since_unix else None
 
 
 def resume_lines(record: ResumeRecord) -> list[str]:

@@ -187,18 +187,23 @@ def _first_reason(exc: Exception) -> str:
     return str(exc).splitlines()[0]
 
 
+def resume_record(run_dir: str | os.PathLike[str], name: str = RESUME_FILE) -> ResumeRecord | None:
+    """logs/NAME's resume record (`ResumeRecord`); None where there is none, or it does not read
+    (said in the log). `rundir.failures.read_resume` reads this start's through it."""
+    path = Path(run_dir) / LOGS_DIR / name
+    try:
+        return ResumeRecord.model_validate_json(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, ValidationError) as exc:
+        log.warning("%s skipped: %s", path, exc)
+        return None
+
+
 def latest_resume(run_dir: str | os.PathLike[str]) -> ResumeRecord | None:
-    """Where the run last resumed: this start's record (`rundir.failures.read_resume`), else the one
-    before it, which the launch put aside (a start that ended before its rank 0 loaded a
-    checkpoint wrote none), else None."""
-    for name in (RESUME_FILE, PREVIOUS_RESUME_FILE):
-        try:
-            return ResumeRecord.model_validate_json((Path(run_dir) / LOGS_DIR / name).read_text())
-        except FileNotFoundError:
-            continue
-        except (OSError, ValueError, ValidationError) as exc:
-            log.warning("%s skipped: %s", name, exc)
-    return None
+    """Where the run last resumed: this start's record, else the one before it, which the launch
+    put aside (a start that ended before its rank 0 loaded a checkpoint wrote none), else None."""
+    return resume_record(run_dir) or resume_record(run_dir, PREVIOUS_RESUME_FILE)
 
 
 def read_metrics(run_dir: str | os.PathLike[str], *, as_resumed: bool = True) -> list[StepMetrics]:
