@@ -4,6 +4,7 @@ stop of a running job (stand-in processes), and the hooks for elastic restarts."
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -375,3 +376,73 @@ def test_a_launch_refused_by_a_resize_holding_the_run_says_so(tmp_path):
     with lock_run_dir(run, role="resize"):
         with pytest.raises(UserInputError, match=f"run directory {run} is being resized \\(pipectl resize, pid {os.getpid()}\\)"):
             lock_run_dir(run)
+
+
+# --------------------------------------------------------------------------- Ctrl-C during a restart
+
+
+def test_a_ctrl_c_while_the_run_is_rewritten_is_held_and_starts_no_job(tmp_path, monkeypatch):
+    """The run is rewritten whole, then not started: the signal is the resize's result, not a
+    KeyboardInterrupt that leaves a half-written run and a record of a relaunch that never was."""
+    from pipectl.resize import restart
+
+    run = make_run(tmp_path)
+    real_write = restart.write_relaunch
+
+    def write_then_ctrl_c(path, prepared):
+        os.kill(os.getpid(), signal.SIGINT)  # delivered at once, in the middle of the rewrite
+        real_write(path, prepared)
+
+    monkeypatch.setattr(restart, "write_relaunch", write_then_ctrl_c)
+    monkeypatch.setattr(restart, "run_engine", lambda *a, **k: pytest.fail("a job was started after Ctrl-C"))
+    result = resize_run(run, 1, steps=20)
+    assert result.signals == [signal.SIGINT] and result.exit_code is None
+    assert read_run(run).job.world_size == 1  # the new layout, written whole
+    (record,) = read_records(run)
+    assert record.to_devices == 1 and record.relaunched_unix is None
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Ctrl-C is itself again
+
+
+def test_a_ctrl_c_while_the_job_stops_withdraws_the_stop_request(tmp_path, monkeypatch):
+    """Ctrl-C while DeepSpeed's parser checks the new layout (the old job finishing its step): the
+    request must not stop the job, or a later resume of it, at some step boundary to come."""
+    from pipectl.resize import restart
+
+    run = make_run(tmp_path)
+    proc = start_stand_in(run, IGNORE_STOP="1")
+
+    def ctrl_c(_decision):
+        assert (run / ckpt.STOP_FILE).exists()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(restart, "prepare_relaunch", ctrl_c)
+    try:
+        with pytest.raises(restart.RestartInterrupted) as interrupted:
+            resize_run(run, 1, steps=20, relaunch=False, stop_timeout_seconds=10)
+        assert interrupted.value.asked and not interrupted.value.stopped
+        assert not (run / ckpt.STOP_FILE).exists() and proc.poll() is None
+        assert read_records(run) == [] and read_run(run).job.world_size == 2  # nothing rewritten
+    finally:
+        proc.kill()
+
+
+@pytest.mark.parametrize("running", [True, False])
+def test_the_resize_command_says_what_a_ctrl_c_left(tmp_path, monkeypatch, running):
+    from typer.testing import CliRunner
+
+    from pipectl.cli.main import app
+    from pipectl.resize import restart
+
+    run = make_run(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(restart, "prepare_relaunch", lambda _decision: (_ for _ in ()).throw(KeyboardInterrupt()))
+    proc = start_stand_in(run, IGNORE_STOP="1") if running else None
+    try:
+        said = CliRunner().invoke(app, ["resize", "runs/demo", "--devices", "1", "--steps", "20"])
+    finally:
+        if proc is not None:
+            proc.kill()
+    assert said.exit_code == 130, said.output
+    left = ("the stop request was withdrawn; the job trains on unless its ranks had taken it already "
+            "(pipectl status runs/demo shows whether it runs)") if running else "nothing was changed"  # fmt: skip
+    assert f"resize cancelled (Ctrl-C): {left}" in " ".join(said.output.split()), said.output

@@ -24,7 +24,7 @@ from pipectl.rundir.analysis import analyse
 from pipectl.rundir.status import RunStatus, run_status
 from pipectl.report.run_tables import decision_table, morph_history_table, status_table
 from pipectl.resize.live import LiveUnavailable, ResizeInterrupted, live_resize
-from pipectl.resize.restart import ResizeDecision, check_resumable, decide_resize, resize_run
+from pipectl.resize.restart import ResizeDecision, RestartInterrupted, check_resumable, decide_resize, resize_run
 from pipectl.resize.options import ResizeOptions
 from pipectl.rundir.stragglers import StragglerPolicy
 from pipectl.rundir.morph_history import read_history
@@ -89,15 +89,18 @@ def register(app: typer.Typer) -> None:
                     return
                 console.print(morph_history_table(read_history(decision.run_dir)))
                 return
-        result = _resize_with_progress(
-            decision,
-            requested_unix=requested_unix,
-            stop_timeout=stop_timeout,
-            timeout=timeout,
-            quiet=json_output,
-            submit=submit,
-            scancel=scancel,
-        )
+        try:
+            result = _resize_with_progress(
+                decision,
+                requested_unix=requested_unix,
+                stop_timeout=stop_timeout,
+                timeout=timeout,
+                quiet=json_output,
+                submit=submit,
+                scancel=scancel,
+            )
+        except RestartInterrupted as stop:
+            _say_restart_cancelled(stop, run_dir)
         if result.signals:
             _check_stopped(result, run_dir, requested_unix, json_output)
         if result.exit_code not in (None, 0):
@@ -197,6 +200,22 @@ def _say_cancelled(asked: bool, run_dir: Path, *, grows: bool) -> None:
     else:
         joining = " (a joining rank started for it is stopped)" if grows else ""
         what = f"nothing was asked of the job{joining}: it trains on as it was"
+    err_console.print(f"resize cancelled (Ctrl-C): {what}", style="yellow", highlight=False, markup=False, soft_wrap=True)
+    raise typer.Exit(130)
+
+
+def _say_restart_cancelled(stop: RestartInterrupted, run_dir: Path) -> None:
+    """Ctrl-C while a resize by restart stopped the job, before the new one started: what became of
+    the job, then exit 130 as for any Ctrl-C."""
+    if not stop.asked:
+        what = "nothing was changed"
+    elif not stop.stopped:
+        what = (f"the stop request was withdrawn; the job trains on unless its ranks had taken it already "
+                f"(pipectl status {quote(str(run_dir))} shows whether it runs)")  # fmt: skip
+    else:
+        plan = run_dir / read_run(run_dir).job.plan_file
+        what = (f"the job stopped at its checkpoint and was not started again; continue with: pipectl launch "
+                f"{quote(str(plan))} --run-dir {quote(str(run_dir))} --resume, or resize again")  # fmt: skip
     err_console.print(f"resize cancelled (Ctrl-C): {what}", style="yellow", highlight=False, markup=False, soft_wrap=True)
     raise typer.Exit(130)
 

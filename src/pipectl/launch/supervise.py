@@ -13,6 +13,8 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable
 
@@ -43,6 +45,7 @@ def run_engine(
     lock: Any = None,
     say: Callable[[str], None] | None = None,
     signals: list[int] | None = None,
+    held: list[int] | None = None,
 ) -> int:
     """Run the launcher, its output in RUN/logs/engine.log; return its exit code.
 
@@ -56,7 +59,9 @@ def run_engine(
     one ends every process of the job (SIGTERM, then SIGKILL `KILL_AFTER_SECONDS` later), a third
     kills them now.
     `say` is told what each signal does, and `signals` (when given) gets each one received, so
-    that the caller can tell a job its user stopped from one that failed. `on_tick` is called
+    that the caller can tell a job its user stopped from one that failed. `held` is the list of a
+    caller's `signals_held` block: a signal held there before the launcher started is acted on as
+    soon as the job is supervised. `on_tick` is called
     every `tick_seconds` while the job runs (the CLI tails metrics.jsonl and watches heartbeats
     there); when it returns a reason, the job is ended and `JobEnded` raised. Past `timeout_seconds` the job is ended and a `LaunchError`
     raised. Ranks still alive after their launcher exited are ended too.
@@ -76,7 +81,7 @@ def run_engine(
     env = {**os.environ, **command.env, SUPERVISOR_VARIABLE: str(os.getpid())}
     # A signal before the job is supervised (Ctrl-C as the launcher starts) is held, then acted on
     # as soon as it is: never a KeyboardInterrupt that leaves the launcher running on its own.
-    early: list[int] = []
+    early: list[int] = [] if held is None else held
     originals = {}
     if _in_main_thread():
         originals = {s: signal.signal(s, lambda signum, _frame: early.append(signum)) for s in FORWARDED_SIGNALS}
@@ -92,6 +97,23 @@ def run_engine(
             JobProcesses(proc), on_tick, tick_seconds, timeout_seconds, say or (lambda _: None),
             [] if signals is None else signals, early,
         )  # fmt: skip
+    finally:
+        for signum, handler in originals.items():
+            signal.signal(signum, handler)
+
+
+@contextmanager
+def signals_held() -> Iterator[list[int]]:
+    """A block no Ctrl-C may cut in two (a run directory rewritten for a new layout, then its job
+    started): SIGINT, SIGTERM and SIGHUP are recorded in the list yielded instead of raising, for
+    the block to act on (pass it to `run_engine` as `held`). Off the main thread, where no handler
+    can be set, nothing is held."""
+    held: list[int] = []
+    originals = {}
+    if _in_main_thread():
+        originals = {s: signal.signal(s, lambda signum, _frame: held.append(signum)) for s in FORWARDED_SIGNALS}
+    try:
+        yield held
     finally:
         for signum, handler in originals.items():
             signal.signal(signum, handler)

@@ -37,7 +37,7 @@ from pipectl.artifacts.plan import Candidate, Plan
 from pipectl.artifacts.run import HOSTFILE, Engine, JobSpec, ResumeRecord
 from pipectl.errors import CheckpointError, PipectlError, UserInputError
 from pipectl.launch.engines import LaunchCommand, build_command, submit_slurm
-from pipectl.launch.supervise import run_engine
+from pipectl.launch.supervise import run_engine, signals_held
 from pipectl.launch import check_data, check_model, job_node_type, plan_cluster, run_training, slurm_settings
 from pipectl.paths import import_root
 from pipectl.rundir.lock import RunLock, lock_run_dir
@@ -431,69 +431,99 @@ def resize_run(
 
     processes: list[RunProcess] = find_run_processes(path)
     remote = [] if processes else live_ranks(read_heartbeats(path), time.time())
+    stopping = _Stopping(processes, remote, starting=[] if processes or remote else starting_launch(path))
+    try:
+        prepared, stopped = _stop_job(decision, stopping, signal_after_seconds, stop_timeout_seconds, cancel_slurm, say)
+        stopping.done = True
+        # One job per run directory: the stopped job's launching process lets go of the lock once
+        # its launcher has exited (moments after its ranks); a job that still holds it is not ours.
+        lock = lock_run_dir(path, wait_seconds=lock_wait_seconds, role="resize")
+    except KeyboardInterrupt as interrupt:
+        raise RestartInterrupted(asked=stopping.asked, stopped=stopping.done) from interrupt
+    try:
+        # From here a Ctrl-C must not leave the run half rewritten, nor a launcher started and not
+        # supervised: it is held, and acted on once the job is started (or instead of starting it).
+        with signals_held() as held:
+            return _rewrite_and_relaunch(decision, prepared, stopped, notes, lock, requested_unix, relaunch,
+                                         run_timeout_seconds, say, on_tick, submit, held)  # fmt: skip
+    finally:
+        lock.release()
+
+
+class RestartInterrupted(KeyboardInterrupt):
+    """Ctrl-C during a resize by restart, before the new job was started: `asked` whether a stop
+    request had been written for the running job, `stopped` whether that job had stopped (the run
+    then stands at its checkpoint, in its old layout); a request not yet taken is withdrawn."""
+
+    def __init__(self, *, asked: bool, stopped: bool) -> None:
+        super().__init__()
+        self.asked = asked
+        self.stopped = stopped
+
+
+@dataclass
+class _Stopping:
+    """The job a resize stops first: its processes here, its ranks elsewhere (seen by their
+    heartbeats), or a launch still starting; whether it was asked to stop and has stopped."""
+
+    processes: list[RunProcess]
+    remote: list
+    starting: list[int]
+    asked: bool = False
+    done: bool = False
+
+
+def _stop_job(
+    decision: ResizeDecision,
+    job: _Stopping,
+    signal_after_seconds: float,
+    stop_timeout_seconds: float,
+    cancel_slurm: bool,
+    say: Phase,
+) -> tuple[PreparedRelaunch, StopOutcome | None]:
+    """Steps 1-2 of a resize: ask the running job (if any) to stop at its next step boundary,
+    prepare the relaunch while it finishes the step, wait until it has stopped. Interrupted or
+    failed, the stop request is withdrawn: it must not stop the job, or a later resume of it, at
+    some step boundary to come."""
+    path = decision.run_dir
     stopped = None
     stop_started = time.monotonic()
-    starting = [] if processes or remote else starting_launch(path)
-    if starting:
-        # A launch that holds the run but has no rank yet (`launch --resume` a moment ago): its
-        # ranks find the stop request at their first step boundary.
-        say(f"a job is starting in {path} (pid {starting[0]}): stopping it at its first step boundary")
-        request_stop(path, STOP_FILE)
-        try:
-            processes = wait_for_start(path, timeout_seconds=stop_timeout_seconds)
-        except BaseException:
-            (path / STOP_FILE).unlink(missing_ok=True)
-            raise
-    if processes:
-        say(f"stopping the running job at its next step boundary ({len(processes)} processes)")
-        request_stop(path, STOP_FILE)
-    elif remote:
-        hosts = ", ".join(sorted({b.host for b in remote}))
-        say(f"stopping the job running on {hosts} at its next step boundary ({count(len(remote), 'rank')}, seen by their heartbeats)")
-        request_stop(path, STOP_FILE)
     try:
+        if job.starting:
+            # A launch that holds the run but has no rank yet (`launch --resume` a moment ago): its
+            # ranks find the stop request at their first step boundary.
+            say(f"a job is starting in {path} (pid {job.starting[0]}): stopping it at its first step boundary")
+            job.asked = True
+            request_stop(path, STOP_FILE)
+            job.processes = wait_for_start(path, timeout_seconds=stop_timeout_seconds)
+        if job.processes:
+            say(f"stopping the running job at its next step boundary ({len(job.processes)} processes)")
+            job.asked = True
+            request_stop(path, STOP_FILE)
+        elif job.remote:
+            hosts = ", ".join(sorted({b.host for b in job.remote}))
+            say(f"stopping the job running on {hosts} at its next step boundary "
+                f"({count(len(job.remote), 'rank')}, seen by their heartbeats)")  # fmt: skip
+            job.asked = True
+            request_stop(path, STOP_FILE)
         # DeepSpeed's parser validates the new config while the old ranks finish their step.
         prepared = prepare_relaunch(decision)
-    except Exception:
-        (path / STOP_FILE).unlink(missing_ok=True)  # withdraw the request if it is not too late
+        if job.processes:
+            stopped = wait_for_exit(path, job.processes, signal_after_seconds=signal_after_seconds,
+                                    timeout_seconds=stop_timeout_seconds, started=stop_started,
+                                    include_launchers=prepared.job.elastic is not None)  # fmt: skip
+            say(f"stopped in {stopped.seconds:.1f} s" + (" (SIGTERM was needed)" if stopped.signalled else ""))
+        elif job.remote:
+            stopped = wait_for_ranks(path, job.remote, timeout_seconds=stop_timeout_seconds, started=stop_started)
+            say(f"stopped in {stopped.seconds:.1f} s")
+    except BaseException:
+        (path / STOP_FILE).unlink(missing_ok=True)
         raise
-    if processes:
-        try:
-            stopped = wait_for_exit(
-                path,
-                processes,
-                signal_after_seconds=signal_after_seconds,
-                timeout_seconds=stop_timeout_seconds,
-                started=stop_started,
-                include_launchers=prepared.job.elastic is not None,
-            )
-        except BaseException:
-            # The job did not stop (or the wait was interrupted): withdraw the request, so it
-            # cannot stop the job, or a later resume of it, at some step boundary to come.
-            (path / STOP_FILE).unlink(missing_ok=True)
-            raise
-        say(f"stopped in {stopped.seconds:.1f} s" + (" (SIGTERM was needed)" if stopped.signalled else ""))
-    elif remote:
-        try:
-            stopped = wait_for_ranks(path, remote, timeout_seconds=stop_timeout_seconds, started=stop_started)
-        except BaseException:
-            (path / STOP_FILE).unlink(missing_ok=True)
-            raise
-        say(f"stopped in {stopped.seconds:.1f} s")
-    if cancel_slurm and (processes or remote):
+    if cancel_slurm and (job.processes or job.remote):
         say(f"cancelled Slurm job {cancel_slurm_job(path)}")
     # A stop request left behind (by this resize or an earlier one) would stop the new job at once.
     (path / STOP_FILE).unlink(missing_ok=True)
-
-    # One job per run directory: the stopped job's launching process lets go of the lock once
-    # its launcher has exited (moments after its ranks); a job that still holds it is not ours.
-    lock = lock_run_dir(path, wait_seconds=lock_wait_seconds, role="resize")
-    try:
-        return _rewrite_and_relaunch(
-            decision, prepared, stopped, notes, lock, requested_unix, relaunch, run_timeout_seconds, say, on_tick, submit
-        )
-    finally:
-        lock.release()
+    return prepared, stopped
 
 
 def check_resumable(decision: ResizeDecision) -> None:
@@ -526,8 +556,11 @@ def _rewrite_and_relaunch(
     say: Phase,
     on_tick: Callable[[], None] | None,
     submit: bool = False,
+    held: list[int] | None = None,
 ) -> ResizeResult:
-    """Steps 3-5 of a resize, under the run's lock."""
+    """Steps 3-5 of a resize, under the run's lock. `held`: the signals a person sent meanwhile
+    (`signals_held`); one sent before the new job starts keeps it from starting."""
+    held = [] if held is None else held
     path = decision.run_dir
     latest = newest_complete_checkpoint(path)
     resume_step = latest.step if latest is not None and latest.step is not None else 0
@@ -569,6 +602,10 @@ def _rewrite_and_relaunch(
             result.submit_hint = prepared.command.submit_hint
         return result
 
+    if held:  # stopped by its user before it started again: the run stands at its checkpoint, in its new layout
+        append_record(path, record)
+        result.signals.extend(held)
+        return result
     say(
         f"relaunching on {count(decision.candidate.devices, 'rank')} ({record.to_layout}); "
         f"newest complete checkpoint: step {resume_step}"
@@ -588,7 +625,8 @@ def _rewrite_and_relaunch(
             on_tick()
 
     result.exit_code = run_engine(
-        prepared.command, path, on_tick=tick, timeout_seconds=run_timeout_seconds, lock=lock, signals=result.signals
+        prepared.command, path, on_tick=tick, timeout_seconds=run_timeout_seconds, lock=lock, signals=result.signals,
+        held=held,
     )
     if not resumed:
         _fill_resume_step(path, result, index, resumed, say)
