@@ -138,6 +138,11 @@ def test_a_bad_config_file_is_refused_naming_the_file_section_and_key(tmp_path, 
         ("[checkpoint]\nevery = 4\n", ["--steps", "3"], "job.toml [checkpoint] every = 4 exceeds --steps 3"),
         ("[training]\nsteps = 3\n", ["--checkpoint-every", "4"], "--checkpoint-every 4 exceeds job.toml [training] steps = 3"),
         ("[checkpoint]\nrecover_in_memory = true\n", [], "job.toml [checkpoint] recover_in_memory = true needs data-parallel"),
+        # Only `auto` reads the failure rate: given beside another interval it would change nothing.
+        ("[checkpoint]\nmtbf_hours = 5\n", ["--checkpoint-every", "2"],
+         "job.toml [checkpoint] mtbf_hours = 5 chooses the interval of --checkpoint-every auto, but the interval is "
+         "--checkpoint-every 2"),
+        ("", ["--mtbf-hours", "5"], "but the interval is --checkpoint-every 0 (the default here)"),
     ],
 )
 def test_a_check_of_two_values_names_each_as_it_was_given(tmp_path, text, flags, message):

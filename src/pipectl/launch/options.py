@@ -32,7 +32,7 @@ from pipectl.artifacts.run import (
     TrainingSettings,
     check_host_address,
 )
-from pipectl.config import Layered, Opt, OptionValueError, layered, stored_layer
+from pipectl.config import Layered, Opt, OptionValueError, given, layered, stored_layer
 from pipectl.errors import PipectlError, UserInputError
 from pipectl.words import count
 from pipectl.io import read_mapping
@@ -416,6 +416,13 @@ def resolve_defaults(options: LaunchOptions, *, at_scale: bool, what: str) -> tu
         else (SCALE_WEIGHT_DECAY if at_scale else TRAINING_DEFAULTS.weight_decay),
         "checkpoint_every": options.checkpoint_every or ("auto" if at_scale else "0"),
     }  # fmt: skip
+    if options.mtbf_hours is not None and chosen["checkpoint_every"] != "auto" and not options.resume:
+        # Only `auto` reads it: a figure that changes nothing would be believed to.
+        interval = given(options, "checkpoint_every") if options.checkpoint_every else "--checkpoint-every 0 (the default here)"
+        raise UserInputError(
+            f"{given(options, 'mtbf_hours')} chooses the interval of --checkpoint-every auto, but the interval is {interval}",
+            hint="add --checkpoint-every auto, or leave out --mtbf-hours",
+        )
     words = {
         "steps": f"steps {steps}" + ("" if at_scale else " (a try-out on this machine)"),
         "learning_rate": f"lr {chosen['learning_rate']:g}",
