@@ -93,6 +93,11 @@ def test_a_run_resumed_from_an_older_checkpoint_drops_the_steps_it_abandoned(tmp
     # Without the record (an older run), the lines alone say the same once the new timeline logs.
     (tmp_path / LOGS_DIR / RESUME_FILE).unlink()
     assert [m.step for m in read_metrics(tmp_path)] == [1, 2, 3, 4, 5]
+    # A launch's progress follows its own job only: the steps a resume abandoned are not where it stands.
+    from_now = MetricsTail(tmp_path, from_end=True)
+    assert from_now.latest() is None
+    MetricsWriter(tmp_path, rank=0).write(metrics(6, loss=0.4).model_copy(update={"time_unix": 206.0}))
+    assert from_now.latest().step == 6
 
 
 def test_missing_file_means_no_steps(tmp_path):

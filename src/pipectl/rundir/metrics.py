@@ -261,9 +261,13 @@ class MetricsTail:
         1
     """
 
-    def __init__(self, run_dir: str | os.PathLike[str]) -> None:
+    def __init__(self, run_dir: str | os.PathLike[str], *, from_end: bool = False) -> None:
+        """`from_end`: only what is appended from now on (a resumed run's earlier launches logged
+        steps its resume may abandon: they are not this job's progress)."""
         self.path = Path(run_dir) / METRICS_FILE
         self.offset = 0
+        if from_end and self.path.is_file():
+            self.offset = self.path.stat().st_size
         self.last: StepMetrics | None = None
 
     def latest(self) -> StepMetrics | None:
