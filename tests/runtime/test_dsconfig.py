@@ -250,6 +250,9 @@ def test_an_overlay_is_merged_section_by_section_and_validated_by_deepspeed(tmp_
          "did you mean 'betas'?"),
         ({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_step": 5}}},
          "sets scheduler.params.warmup_num_step, which WarmupLR does not take", "did you mean 'warmup_num_steps'?"),
+        # The default constant rate has no scheduler: DeepSpeed builds none without a type, whatever the params.
+        ({"scheduler": {"params": {"warmup_num_steps": 5}}}, "sets scheduler.params, but the run has no learning-rate "
+         "scheduler", "--lr-schedule or --warmup-steps"),
     ],
 )
 def test_an_overlay_key_deepspeed_would_ignore_or_fail_on_in_the_ranks_is_refused(overlay, message, hint):

@@ -476,6 +476,14 @@ def check_overlay_is_read(overlay: dict[str, Any], config: dict[str, Any], parse
             "be ignored",
             hint=f"did you mean {near[0]!r}?" if near else "see DeepSpeed's config reference for its keys",
         )
+    scheduler = overlay.get("scheduler")
+    if isinstance(scheduler, dict) and scheduler and not (config.get("scheduler") or {}).get("type"):
+        # DeepSpeed builds no scheduler without a type: the parameters would change nothing.
+        raise DeepSpeedConfigRejected(
+            f"the DeepSpeed config overlay sets scheduler.{next(iter(scheduler))}, but the run has no learning-rate "
+            "scheduler (a constant rate without warm-up): it would be ignored",
+            hint="choose one with --lr-schedule or --warmup-steps (then the overlay tunes it), or set scheduler.type",
+        )
     for section, accepted in (("optimizer", _optimizer_arguments(config)), ("scheduler", _scheduler_arguments(config))):
         given = (overlay.get(section) or {}).get("params") if isinstance(overlay.get(section), dict) else None
         if accepted is None or not isinstance(given, dict):
