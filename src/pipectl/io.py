@@ -9,7 +9,7 @@ import os
 import stat
 import tempfile
 from pathlib import Path
-from typing import Any, Hashable, Mapping, TypeVar
+from typing import Any, Hashable, Iterable, Mapping, TypeVar
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -141,10 +141,13 @@ def parse_error(exc: Exception) -> str:
     return " ".join(str(exc).split())
 
 
-def validation_message(exc: ValidationError, names: Mapping[str, str] | None = None) -> str:
+def validation_message(
+    exc: ValidationError, names: Mapping[str, str] | None = None, known: Iterable[str] = ()
+) -> str:
     """One line per validation error, naming the field and the offending value (a check of the whole
     file, whose message names its values, as it is); `names` calls a field (the last part of its
-    location) what the user set it as (a command-line option)."""
+    location) what the user set it as (a command-line option). An unknown key is said as one, with
+    the nearest of the missing keys, or of the `known` top-level ones, as its likely spelling."""
     lines = []
     errors = exc.errors()
     # A misspelt key is an unknown key beside a missing one: said once, as the misspelling.
@@ -163,6 +166,10 @@ def validation_message(exc: ValidationError, names: Mapping[str, str] | None = N
             lines.append(f"{'.'.join(map(str, loc))}: unknown key; did you mean {misspelt[loc]}?")
             continue
         if err["type"] == "missing" and any(loc == (*m[:-1], near) for m, near in misspelt.items()):
+            continue
+        if err["type"] == "extra_forbidden" and len(loc) == 1:
+            near = difflib.get_close_matches(str(loc[0]), [str(k) for k in known], n=1)
+            lines.append(f"{loc[0]}: unknown key" + (f"; did you mean {near[0]}?" if near else ""))
             continue
         where = ".".join(str(part) for part in err["loc"]) or "(top level)"
         if names and err["loc"] and str(err["loc"][-1]) in names:
@@ -193,6 +200,7 @@ ARTIFACT_KINDS: dict[str, tuple[str, frozenset[str]]] = {
     "MorphRecord": ("a resize record (pipectl resize)", frozenset({"from_layout", "to_layout"})),
     "RankFailure": ("a rank's failure record", frozenset({"rank", "exception"})),
     "RunsCalibration": ("a calibration (pipectl calibrate MEASURED.csv)", frozenset({"uncalibrated", "terms"})),
+    "RunConditions": ("a conditions file (pipectl validate --conditions)", frozenset({"devices_per_node", "vocab", "precision"})),
 }
 
 
@@ -250,7 +258,7 @@ def parse_model(model_type: type[ModelT], data: dict[str, Any], *, source: str) 
         found = artifact_kind(data)
         if expected is not None and found is not None and found != model_type.__name__:
             raise ArtifactError(f"{source} is {ARTIFACT_KINDS[found][0]}, not {expected[0]}") from None
-        raise ArtifactError(f"{source}: {validation_message(exc)}") from exc
+        raise ArtifactError(f"{source}: {validation_message(exc, known=model_type.model_fields)}") from exc
 
 
 def check_output_file(path: str | os.PathLike[str], *, what: str = "output") -> Path:

@@ -103,7 +103,7 @@ def test_a_row_column_overrides_the_conditions(measured):
         (HEADER + "\n" + ROWS[0] + "\n", CONDITIONS + "pipeline_flush: true\n", "pipeline_flush"),
         (HEADER + "\n" + ROWS[0] + "\n", CONDITIONS.replace("fp16", "fp8"), "precision"),
         (HEADER + ",schedule\n" + ROWS[0] + ",foo\n", CONDITIONS, "line 2: schedule 'foo' is not one of 1f1b, gpipe"),
-        (HEADER + ",device\n" + ROWS[0] + ",h900\n", CONDITIONS, "unknown device kind 'h900'"),
+        (HEADER + ",device\n" + ROWS[0] + ",h900\n", CONDITIONS, "runs.csv line 2: device: unknown device kind 'h900'"),
         (HEADER + "\n" + ROWS[0] + "\n", CONDITIONS.replace("a100-80gb", "h900"), "conditions.yaml: device: unknown device kind 'h900'"),
         (HEADER + "\n" + ROWS[0] + "\n", CONDITIONS.replace("megatron-deepspeed", "megatron_deepspeed"), "framework"),
         (HEADER + "\n" + ROWS[0].replace(",1024,16,", ",1000,16,") + "\n", CONDITIONS, "not a multiple of its 16"),
@@ -112,6 +112,11 @@ def test_a_row_column_overrides_the_conditions(measured):
         (HEADER + "\n" + ROWS[0].replace("120.0", "120,5") + "\n", CONDITIONS, "line 2: 12 values, the header names 11"),
         (HEADER + "\n" + ROWS[0] + "\n", CONDITIONS.replace("precision: fp16", "precision: fp16\nprecision: bf16"),
          "the key 'precision' is written twice"),
+        (HEADER + "\n" + ROWS[0] + "\n", CONDITIONS.replace("vocab:", "vocab_size:"), "vocab_size: unknown key; did you mean vocab?"),
+        (HEADER + "\n" + ROWS[0] + "\n", "sorce: x\n" + CONDITIONS, "sorce: unknown key; did you mean source?"),
+        # Another pipectl file in its place is named as what it is, not as 14 missing and unknown keys.
+        (HEADER + "\n" + ROWS[0] + "\n", '{"schema_version": 1, "uncalibrated": {}, "terms": {}}',
+         "conditions.yaml is a calibration (pipectl calibrate MEASURED.csv), not a conditions file"),
     ],
 )
 def test_bad_input_is_one_line_naming_the_value(measured, csv_text, conditions, message):

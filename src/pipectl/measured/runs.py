@@ -278,7 +278,10 @@ def _run_of(row: list[str], position: dict[str, int], line: int, source: str) ->
             raise UserInputError(f"{where}: schedule '{optional['schedule']}' is not one of {', '.join(SCHEDULE_VALUES)}")
         values["schedule"] = schedule
     if optional["device"] is not None:
-        values["device"] = get_device(optional["device"].lower()).name
+        try:
+            values["device"] = get_device(optional["device"].lower()).name
+        except UserInputError as exc:
+            raise UserInputError(f"{where}: device: {exc.message}", hint=exc.hint) from None
     run = MeasuredRun(line=line, **values)  # type: ignore[arg-type]
     if run.hidden % run.heads:
         raise UserInputError(f"{where}: hidden size {run.hidden} is not a multiple of its {run.heads} attention heads")
