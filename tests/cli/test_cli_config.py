@@ -198,6 +198,24 @@ def test_plan_reads_its_sections_of_the_same_file(tmp_path):
     assert missing.exit_code == 2 and "missing --global-batch (or [training] global_batch" in missing.output
 
 
+@pytest.mark.parametrize(
+    "text",
+    ["[plan]\npipeline_parallel = 0", "[cluster]\ndevices = -1", "[training]\nglobal_batch = 0",
+     "[plan]\nmicro_batch_size = 0", "[plan]\ndeadline_hours = 0"],
+)
+def test_a_plan_value_out_of_range_is_named_where_the_file_set_it(tmp_path, text):
+    """Not as a flag the user never typed (`--pipeline-parallel 0`), nor without a name at all."""
+    write_json_atomic(tmp_path / "profile.json", synthetic_profile(blocks=6, micro_batch_sizes=[1, 2], device="cpu"))
+    (tmp_path / "job.toml").write_text(text + "\n")
+    flags = [] if "global_batch" in text else ["--global-batch", "16"]
+    result = invoke("plan", "--profile", tmp_path / "profile.json", "--cluster", "local", *flags,
+                    "--config", tmp_path / "job.toml", "-o", tmp_path / "plan.json")  # fmt: skip
+    section, assignment = text.split("\n")
+    assert result.exit_code == 2 and f"job.toml {section} {assignment}: Input should be greater than 0" in result.output, \
+        result.output  # fmt: skip
+    assert not (tmp_path / "plan.json").exists()
+
+
 def test_the_printed_config_re_plans_the_same_plan_and_launch_keeps_its_global_batch(tmp_path, monkeypatch):
     """`launch --print-config` (no run directory needed) writes the plan's own keys too: `plan
     --config` from another folder makes the same request and the same choice; a file whose global

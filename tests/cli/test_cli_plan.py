@@ -71,7 +71,7 @@ def test_plan_shows_predicted_mfu_and_hfu(profile_path, tmp_path):
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["--global-batch", "0"], "global batch must be a positive"),
+        (["--global-batch", "0"], "--global-batch 0: Input should be greater than 0"),
         (["--global-batch", "16", "--schedules", "1f1b,zigzag"], "unknown schedule 'zigzag'"),
         (["--global-batch", "16", "--pipeline-parallel", "50"], "pipeline-parallel degree 50"),
         (["--global-batch", "16", "--data-parallel", "3", "--even-replicas"], "not divisible by data-parallel degree 3"),

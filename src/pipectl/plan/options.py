@@ -57,14 +57,14 @@ class PlanOptions(Strict, Layered):
         "--calibration).",
     )
     devices: Annotated[int | None, Opt("cluster")] = Field(
-        default=None, description="Plan for G devices (default: the whole cluster; a local cluster: its default)."
+        default=None, gt=0, le=2**31, description="Plan for G devices (default: the whole cluster; a local cluster: its default)."
     )
     global_batch: Annotated[int, Opt("training")] = Field(
-        description="B: samples per optimizer step (never changed)."
+        gt=0, le=2**31, description="B: samples per optimizer step (never changed)."
     )
 
     objective: Annotated[Objective, Opt("plan")] = Field(default=Objective.TIME, description="time, cost or cost-deadline.")
-    deadline_hours: Annotated[float | None, Opt("plan")] = Field(default=None, description="cost-deadline: hours available.")
+    deadline_hours: Annotated[float | None, Opt("plan")] = Field(default=None, gt=0, description="cost-deadline: hours available.")
     samples: Annotated[str | None, Opt("plan")] = Field(
         default=None, description="cost-deadline: samples to train on (e.g. 150M)."
     )
@@ -76,11 +76,11 @@ class PlanOptions(Strict, Layered):
         description=f"Comma list of {SCHEDULE_NAMES} (default: 1f1b, gpipe, interleaved, varuna; engine torch adds "
         "zb-h1; 2bw and zbv only when listed).",
     )
-    max_tensor_parallel: Annotated[int | None, Opt("plan")] = Field(default=None, description="Largest t to try.")
-    pipeline_parallel: Annotated[int | None, Opt("plan")] = Field(default=None, description="Pin p.")
-    tensor_parallel: Annotated[int | None, Opt("plan")] = Field(default=None, description="Pin t.")
-    data_parallel: Annotated[int | None, Opt("plan")] = Field(default=None, description="Pin d.")
-    micro_batch_size: Annotated[int | None, Opt("plan")] = Field(default=None, description="Pin b.")
+    max_tensor_parallel: Annotated[int | None, Opt("plan")] = Field(default=None, gt=0, le=2**31, description="Largest t to try.")
+    pipeline_parallel: Annotated[int | None, Opt("plan")] = Field(default=None, gt=0, le=2**31, description="Pin p.")
+    tensor_parallel: Annotated[int | None, Opt("plan")] = Field(default=None, gt=0, le=2**31, description="Pin t.")
+    data_parallel: Annotated[int | None, Opt("plan")] = Field(default=None, gt=0, le=2**31, description="Pin d.")
+    micro_batch_size: Annotated[int | None, Opt("plan")] = Field(default=None, gt=0, le=2**31, description="Pin b.")
     schedule: Annotated[str | None, Opt("plan")] = Field(default=None, description="Pin the schedule.")
     recompute: Annotated[str | None, Opt("plan")] = Field(
         default=None,
