@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -216,6 +217,18 @@ def test_help_names_values_plainly(tmp_path, command):
     assert succeeded(done), said(done)
     for typed in ("<bool>", "<str>", "<path>", "<int", "<float", "list["):
         assert typed not in done.stdout, done.stdout
+
+
+@pytest.mark.parametrize("columns", [80, 120])
+def test_help_lists_the_flags_by_config_section_at_any_width(tmp_path, columns):
+    """As docs/guide/config-files.md says: under a narrow terminal too (click's plain layout there,
+    Rich's panels from 100 columns), each flag under the section a config file sets it in."""
+    done = pipectl("launch", "-h", cwd=tmp_path, columns=columns)
+    assert succeeded(done), said(done)
+    headings = re.findall(r"^[╭─ ]*\[(\w+)\] options", done.stdout, flags=re.MULTILINE)
+    assert {"model", "training", "checkpoint", "deepspeed"} <= set(headings), done.stdout
+    training = done.stdout.index("[training] options")
+    assert training < done.stdout.index("--steps") < done.stdout.index("[checkpoint] options"), done.stdout
 
 
 def test_gpt3_profile_and_plan_fit_a_screen(tmp_path):

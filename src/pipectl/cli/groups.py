@@ -11,6 +11,7 @@ import shutil
 import sys
 import typing
 from pathlib import PurePath
+from types import MethodType
 
 import typer
 from rich.markup import escape
@@ -117,6 +118,20 @@ def readable_metavars(command) -> None:
 RICH_HELP_COLUMNS = 100
 
 
+def _options_by_section(command, ctx, formatter) -> None:
+    """Click's plain option list, under the same headings as Rich's panels: the options of each
+    config section apart (`[training] options`), as the file holds them."""
+    sections: dict[str, list[tuple[str, str]]] = {}
+    for param in command.get_params(ctx):
+        record = param.get_help_record(ctx)
+        if record is not None:
+            panel = (getattr(param, "rich_help_panel", None) or "Options").replace("\\[", "[")
+            sections.setdefault(panel, []).append(record)
+    for name in sorted(sections, key=lambda n: n != "Options"):  # the command's own first, then file order
+        with formatter.section(name):
+            formatter.write_dl(sections[name])
+
+
 def tidy_help(command, *, plain: bool = False) -> None:
     """Help texts as sentences, not as the docstring's lines: each paragraph of `command`'s and its
     sub-commands' help on one line (the terminal wraps it; a paragraph with indented or listed lines
@@ -127,6 +142,7 @@ def tidy_help(command, *, plain: bool = False) -> None:
         for param in command.params:  # Rich's escapes (`\[model]`) are plain text's brackets
             if getattr(param, "help", None):
                 param.help = param.help.replace("\\[", "[")
+        command.format_options = MethodType(_options_by_section, command)
     if command.help:
         paragraphs = inspect.cleandoc(command.help).split("\n\n")
         command.help = "\n\n".join(
