@@ -142,7 +142,8 @@ def tidy_help(command, *, plain: bool = False) -> None:
         for param in command.params:  # Rich's escapes (`\[model]`) are plain text's brackets
             if getattr(param, "help", None):
                 param.help = param.help.replace("\\[", "[")
-        command.format_options = MethodType(_options_by_section, command)
+        if not hasattr(command, "commands"):  # a group's own options are few; it lists its commands after them
+            command.format_options = MethodType(_options_by_section, command)
     if command.help:
         paragraphs = inspect.cleandoc(command.help).split("\n\n")
         command.help = "\n\n".join(
