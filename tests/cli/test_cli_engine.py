@@ -152,7 +152,7 @@ def test_a_16_bit_torch_plan_is_refused_with_a_way_out_that_works(tmp_path):
     from cli_process import pipectl, said
 
     def plan(dtype: str) -> str:
-        done = pipectl("profile", "gpt-tiny", "--derive", "--dtype", dtype, "-o", "profile.json", cwd=tmp_path)
+        done = pipectl("profile", "gpt-tiny", "--derive", "--device", "cpu", "--dtype", dtype, "-o", "profile.json", cwd=tmp_path)
         assert done.returncode == 0, said(done)
         done = pipectl("plan", "--profile", "profile.json", "--cluster", "local", "--global-batch", "16", "--engine",
                        "torch", "--pipeline-parallel", "2", "--no-morph", "-o", "plan.json", cwd=tmp_path, columns=300)

@@ -142,7 +142,10 @@ CASES = {
                                            "run from the folder that holds 'no_such_pkg'"),
     "shape-only model measured": (lambda t: ["profile", "gpt3-175b"], "gpt3-175b"),
     "unknown derive device": (lambda t: ["profile", "gpt-tiny", "--derive", "--device", "z80"], "z80"),
-    "derive a factory": (lambda t: ["profile", "examples.custom_model:build", "--derive"], "examples.custom_model"),
+    "derive a factory": (lambda t: ["profile", "examples.custom_model:build", "--derive", "--device", "a100-80gb"],
+                         "examples.custom_model"),
+    # Deriving for this machine's cores, unasked, is not what --derive alone means.
+    "derive without a device": (lambda t: ["profile", "gpt-tiny", "--derive"], "--derive models a catalog device"),
     "missing links to embed": (lambda t: ["profile", "gpt-tiny", "--links", str(t / "l.json")], "l.json"),
     "show missing file": (lambda t: ["profile", "show", str(t / "none.json")], "none.json"),
     "show invalid profile": (lambda t: ["profile", "show", str(_not_a_profile(t))], "layers"),

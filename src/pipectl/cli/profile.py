@@ -110,15 +110,20 @@ def model_command(
         "profile.json"
     ),
     micro_batch_sizes: Annotated[
-        str, typer.Option("--micro-batch-sizes", "-b", help="Comma-separated micro-batch sizes, ascending.")
-    ] = "1,2,4,8",
-    device: Annotated[
         str,
         typer.Option(
-            "--device",
-            help="Measure on cpu or cuda; with --derive, the catalog device kind (e.g. a100-80gb).",
+            "--micro-batch-sizes", "-b",
+            help="Comma-separated micro-batch sizes (in any order; each measured once, smallest first).",
         ),
-    ] = "cpu",
+    ] = "1,2,4,8",
+    device: Annotated[
+        Optional[str],
+        typer.Option(
+            "--device",
+            help="Measure on cpu (the default) or cuda; with --derive, the catalog device kind it models (e.g. "
+            "a100-80gb, or cpu for this machine's cores).",
+        ),
+    ] = None,
     derive: Annotated[
         bool, typer.Option("--derive", help="Derive the profile from the model's shape and a device datasheet.")
     ] = False,
@@ -200,7 +205,12 @@ def model_command(
         raise UserInputError(
             "--calibration applies to --derive only", hint="a measured profile is measured on the device itself"
         )
-    if derive and device_kind is not None and device not in ("cpu", device_kind):
+    if derive and device is None and device_kind is None:
+        raise UserInputError(
+            "--derive models a catalog device: name it with --device",
+            hint=f"e.g. pipectl profile {model} --derive --device a100-80gb (cpu: this machine's cores)",
+        )
+    if derive and device_kind is not None and device not in (None, device_kind):
         raise UserInputError(
             f"--device {device} and --device-kind {device_kind} name two devices to derive for",
             hint=f"give one of them: pipectl profile {model} --derive --device {device_kind} (or {device})",
@@ -208,7 +218,7 @@ def model_command(
     if derive:
         profile = _derive(model, device_kind or device, sizes, dtype, attention or "flash", degrees, calibration)
     else:
-        profile = _measure(model, device, device_kind, sizes, dtype or "float32", warmup, repeats, threads,
+        profile = _measure(model, device or "cpu", device_kind, sizes, dtype or "float32", warmup, repeats, threads,
                            memory_budget_gib, once, degrees or [])
     # The reference resolved once, now (a YAML path or a Hugging Face directory made absolute), so
     # that launch, its ranks and a resize build the same model from wherever they run.
