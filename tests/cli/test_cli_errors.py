@@ -223,3 +223,23 @@ def test_debug_variable_shows_the_traceback(tmp_path):
     )
     assert completed.returncode == 2  # the error's own code, the traceback shown too
     assert "Traceback" in completed.stderr and "missing.json" in completed.stderr
+
+
+@pytest.mark.parametrize(
+    "args, said",
+    [
+        (["plan", "--steps", "10"], "error: pipectl plan takes no --steps: it is an option of pipectl launch and "
+         "pipectl resize"),
+        (["simulate", "plan.json", "--global-batch", "8"], "pipectl simulate takes no --global-batch: it is an option "
+         "of pipectl plan"),
+        (["plan", "--stepz", "10"], "No such option: --stepz"),  # no command's: click's own words
+    ],
+)
+def test_another_commands_option_is_said_to_be_its(tmp_path, args, said):
+    """A new user's `pipectl plan ... --steps 10`: which command takes it, not click's near spellings
+    of plan's own options (`--samples, --tokens, --top`). In a real process, which loads one command."""
+    from cli_process import pipectl
+
+    done = pipectl(*args, cwd=tmp_path)
+    assert done.returncode == 2 and said in " ".join(done.stderr.split()), done.stderr
+    assert "Traceback" not in done.stderr

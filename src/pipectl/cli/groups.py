@@ -10,6 +10,7 @@ import os
 import shutil
 import sys
 import typing
+from collections.abc import Callable
 from pathlib import PurePath
 from types import MethodType
 
@@ -40,6 +41,10 @@ class ErrorReportingGroup(TyperGroup):
     Other exceptions are bugs and propagate.
     """
 
+    # The commands (`launch`, `profile model`) that take an option: set by `cli.main`, which knows
+    # every command while a command line loads its own only.
+    option_owners: Callable[[str], list[str]] | None = None
+
     def main(self, args=None, *rest, **options):  # type: ignore[override]
         # The command line as given: a refused option's value is quoted from it (`_usage_message`).
         self.given_args = list(sys.argv[1:] if args is None else args)
@@ -69,7 +74,14 @@ class ErrorReportingGroup(TyperGroup):
                 ctx.exit(exc.exit_code)
             # A sub-command's options that do not parse: one line with the value, as our own checks.
             command = exc.ctx.command_path if exc.ctx is not None else ctx.command_path
-            self._report(_usage_message(exc, getattr(self, "given_args", [])), f"{command} --help")
+            message = _usage_message(exc, getattr(self, "given_args", []))
+            if type(exc).__name__ == "NoSuchOption" and self.option_owners is not None:
+                # Another command's option (`plan --steps`): where it belongs, not click's near spellings.
+                here = command.removeprefix(f"{ctx.command_path} ")
+                owners = [f"pipectl {name}" for name in self.option_owners(exc.option_name) if name != here]
+                if owners:
+                    message = f"{command} takes no {exc.option_name}: it is an option of {' and '.join(owners)}"
+            self._report(message, f"{command} --help")
             ctx.exit(exc.exit_code)
 
     @staticmethod

@@ -14,6 +14,7 @@ import sys
 from collections.abc import Sequence
 
 import typer
+import typer.main
 
 from pipectl import __version__
 from pipectl.cli.groups import HELP_OPTIONS, ErrorReportingGroup
@@ -56,6 +57,23 @@ def build_app(names: Sequence[str] | None = None) -> typer.Typer:
             module.register(app)
     app.callback(invoke_without_command=True)(_main)
     return app
+
+
+def option_owners(option: str) -> list[str]:
+    """The commands that take `option` (`--steps`: launch, resize), in `pipectl --help`'s order."""
+    owners: list[str] = []
+
+    def walk(command, path: list[str]) -> None:
+        if path and any(option in param.opts or option in param.secondary_opts for param in command.params):
+            owners.append(" ".join(path))
+        for name in getattr(command, "commands", {}):
+            walk(command.commands[name], [*path, name])
+
+    walk(typer.main.get_command(build_app()), [])
+    return owners
+
+
+ErrorReportingGroup.option_owners = staticmethod(option_owners)
 
 
 def _main(
