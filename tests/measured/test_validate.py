@@ -84,6 +84,7 @@ def test_validate_predicts_every_row_and_summarises_from_a_working_directory(mea
     assert table.returncode == 0, table.stderr
     assert "5 of 5 runs predicted: median |error|" in table.stdout
     assert "Spearman" in table.stdout and "t1 d8 p1 b4" in table.stdout
+    assert "step time per run, ms" in table.stdout and "largest errors" not in table.stdout  # all 5 shown
 
 
 def test_a_row_column_overrides_the_conditions(measured):

@@ -168,7 +168,7 @@ def _row_dict(p) -> dict:
 
 
 def _rows_table(shown, all_rows: bool, total: int) -> Table:
-    title = ("step time per run, ms" if all_rows
+    title = ("step time per run, ms" if all_rows or len(shown) == total  # every run shown: none left out
              else f"the {len(shown)} largest errors of {count(total, 'run')} predicted, ms (--all-rows: every run)")
     table = Table(title=title, box=box.SIMPLE, title_justify="left")
     for column in ("line", "group", "layout", "measured", "predicted", "error"):
