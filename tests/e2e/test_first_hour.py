@@ -95,6 +95,7 @@ def test_one_config_file_drives_plan_and_launch_and_a_resume_keeps_its_options(t
     shutil.copy(REPO / "configs/models/gpt-tiny.yaml", work / "mine.yaml")
     profiled = pipectl("profile", "mine.yaml", "-o", "profile.json", cwd=work)
     assert succeeded(profiled), said(profiled)
+    assert "" not in profiled.stderr.splitlines(), profiled.stderr  # piped: no bar, nor the blank line it left
     (work / "conf" / "job.toml").write_text(
         '[model]\nreference = "../mine.yaml"\nprofile = "../profile.json"\n'
         '[cluster]\nname = "local"\ndevices = 2\n'

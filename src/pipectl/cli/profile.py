@@ -349,6 +349,7 @@ def _measure(
         TimeElapsedColumn(),
         console=err_console,
         transient=True,
+        disable=not err_console.is_terminal,  # piped or logged: no bar, and no blank line where it was
     ) as bar:
         task = bar.add_task(f"[bold]profiling[/] {layers.name}", total=(len(layers) + shard_cells) * len(sizes))
 
