@@ -20,6 +20,9 @@ its bandwidth, for three sets of kernels:
 - `all`: every kernel timed, the fused softmax and the JIT-fused GELU and bias-dropout-add too (their
   stand-ins are torch.softmax and TorchScript in the GPU's PyTorch, not the engines' kernels).
 
+A kernel is matched by its name: those the GPU did not time (Megatron-DeepSpeed's bias-dropout-add
+backward and bias adds, the losses' and embeddings' kernels) keep the model's time in every reading.
+
 Nothing is fitted: the ratios come from the GPU's timings alone; the rows only say which reading
 they agree with. A diagnostic, not a term the predictions use. Writes
 benchmarks/results/memory_kernels.json with the command and date.
@@ -43,6 +46,7 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import pipectl.profile.compute_model as compute_model  # noqa: E402
+import pipectl.profile.layer_shapes as layer_shapes  # noqa: E402
 from pipectl.io import write_json_atomic  # noqa: E402
 from pipectl.measured.predict import predict_runs  # noqa: E402
 from pipectl.measured.runs import load_conditions, read_runs  # noqa: E402
@@ -81,11 +85,12 @@ def memory_kernels_scaled(factors: dict[str, float]):
         return kernel if factor == 1.0 else compute_model.Kernel(
             kernel.name, kernel.flops, kernel.bytes_moved, kernel.seconds * factor, kernel.blocks_host)
 
-    compute_model.memory_kernel = scaled
+    # Both modules that price memory-bound kernels (layer_shapes: the final norm, embeddings, head, loss).
+    compute_model.memory_kernel = layer_shapes.memory_kernel = scaled
     try:
         yield
     finally:
-        compute_model.memory_kernel = original
+        compute_model.memory_kernel = layer_shapes.memory_kernel = original
 
 
 def predict_both(runs, conditions) -> dict:

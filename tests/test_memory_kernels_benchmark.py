@@ -43,3 +43,15 @@ def test_only_the_named_kernels_slow_and_only_inside_the_block(bench):
     assert inside["layer norm"] == pytest.approx(2 * before["layer norm"])
     assert all(inside[name] == seconds for name, seconds in before.items() if name != "layer norm")
     assert after == before and compute_model.memory_kernel.__name__ == "memory_kernel"
+
+
+def test_the_kernels_outside_the_blocks_slow_too(bench):
+    """The final layer norm, embeddings, head and loss are priced in profile/layer_shapes.py, which
+    holds memory_kernel under its own name."""
+    from pipectl.profile import layer_shapes
+
+    device = ComputeDevice.of(get_device("a100-80gb"), "float16")
+    before = layer_shapes.memory_kernel("layer norm", 1e9, device).seconds
+    with bench.memory_kernels_scaled({"layer norm": 2.0}):
+        assert layer_shapes.memory_kernel("layer norm", 1e9, device).seconds == pytest.approx(2 * before)
+    assert layer_shapes.memory_kernel is compute_model.memory_kernel

@@ -230,6 +230,8 @@ def test_help_lists_the_flags_by_config_section_at_any_width(tmp_path, columns):
     assert {"model", "training", "checkpoint", "deepspeed"} <= set(headings), done.stdout
     training = done.stdout.index("[training] options")
     assert training < done.stdout.index("--steps") < done.stdout.index("[checkpoint] options"), done.stdout
+    arguments = done.stdout.index("Arguments")  # PLAN.json under its own heading, before the options
+    assert "PLAN.json" in done.stdout[arguments:done.stdout.index("--run-dir")], done.stdout
 
 
 def test_gpt3_profile_and_plan_fit_a_screen(tmp_path):

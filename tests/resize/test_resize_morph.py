@@ -446,3 +446,39 @@ def test_the_resize_command_says_what_a_ctrl_c_left(tmp_path, monkeypatch, runni
     left = ("the stop request was withdrawn; the job trains on unless its ranks had taken it already "
             "(pipectl status runs/demo shows whether it runs)") if running else "nothing was changed"  # fmt: skip
     assert f"resize cancelled (Ctrl-C): {left}" in " ".join(said.output.split()), said.output
+
+
+def test_a_ctrl_c_held_while_a_run_not_started_here_is_rewritten_is_its_result(tmp_path, monkeypatch):
+    """relaunch=False (and a Slurm run, submitted or not): the held signal is still the result, so the
+    command says the run stopped instead of reporting a resize that went on (or a submitted job)."""
+    from pipectl.resize import restart
+
+    run = make_run(tmp_path)
+    real_write = restart.write_relaunch
+
+    def write_then_ctrl_c(path, prepared):
+        os.kill(os.getpid(), signal.SIGINT)
+        real_write(path, prepared)
+
+    monkeypatch.setattr(restart, "write_relaunch", write_then_ctrl_c)
+    monkeypatch.setattr(restart, "submit_slurm", lambda _path: pytest.fail("submitted after Ctrl-C"))
+    result = resize_run(run, 1, steps=20, relaunch=False)
+    assert result.signals == [signal.SIGINT] and result.submitted_job is None
+    assert read_run(run).job.world_size == 1
+
+
+def test_a_ctrl_c_after_the_job_stopped_says_so_and_leaves_no_stop_request(tmp_path, monkeypatch):
+    """Ctrl-C while the stopped job's Slurm allocation is cancelled: the job has stopped (not 'trains on'),
+    and the stop request is gone (it would stop the `launch --resume` that follows at its first step)."""
+    from pipectl.resize import restart
+
+    run = make_run(tmp_path)
+    proc = start_stand_in(run)
+    monkeypatch.setattr(restart, "cancel_slurm_job", lambda _path: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        with pytest.raises(restart.RestartInterrupted) as interrupted:
+            resize_run(run, 1, steps=20, relaunch=False, stop_timeout_seconds=10, cancel_slurm=True)
+        assert interrupted.value.asked and interrupted.value.stopped
+        assert proc.wait(timeout=5) == 0 and not (run / ckpt.STOP_FILE).exists()
+    finally:
+        proc.kill()

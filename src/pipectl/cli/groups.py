@@ -78,7 +78,10 @@ class ErrorReportingGroup(TyperGroup):
             if type(exc).__name__ == "NoSuchOption" and self.option_owners is not None:
                 # Another command's option (`plan --steps`): where it belongs, not click's near spellings.
                 here = command.removeprefix(f"{ctx.command_path} ")
-                owners = [f"pipectl {name}" for name in self.option_owners(exc.option_name) if name != here]
+                try:
+                    owners = [f"pipectl {name}" for name in self.option_owners(exc.option_name) if name != here]
+                except Exception:  # a command that cannot load must not turn a usage error into a traceback
+                    owners = []
                 if owners:
                     message = f"{command} takes no {exc.option_name}: it is an option of {' and '.join(owners)}"
             self._report(message, f"{command} --help")
@@ -133,15 +136,16 @@ RICH_HELP_COLUMNS = 100
 def _options_by_section(command, ctx, formatter) -> None:
     """Click's plain option list, under the same headings as Rich's panels: the options of each
     config section apart (`[training] options`), as the file holds them."""
-    sections: dict[str, list[tuple[str, str]]] = {}
+    sections: dict[str, list[tuple[str, str]]] = {"Arguments": [], "Options": []}
     for param in command.get_params(ctx):
         record = param.get_help_record(ctx)
         if record is not None:
-            panel = (getattr(param, "rich_help_panel", None) or "Options").replace("\\[", "[")
-            sections.setdefault(panel, []).append(record)
-    for name in sorted(sections, key=lambda n: n != "Options"):  # the command's own first, then file order
-        with formatter.section(name):
-            formatter.write_dl(sections[name])
+            panel = "Arguments" if param.param_type_name == "argument" else getattr(param, "rich_help_panel", None)
+            sections.setdefault((panel or "Options").replace("\\[", "["), []).append(record)
+    for name, records in sections.items():  # arguments, the command's own options, then file order
+        if records:
+            with formatter.section(name):
+                formatter.write_dl(records)
 
 
 def tidy_help(command, *, plain: bool = False) -> None:

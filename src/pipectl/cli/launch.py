@@ -313,12 +313,15 @@ def _say_how_to_go_on(status: RunStatus, prepared: PreparedLaunch, plan_path: Pa
         )
 
 
-def check_stopped_while_starting(run_dir: Path, started: float, signum: int, again: str) -> None:
+def check_stopped_while_starting(
+    run_dir: Path, started: float, signum: int, again: str, *, ranks_started: bool = True
+) -> None:
     """A person stopped the job before its first step (Ctrl-C while the ranks still start, before
     their handlers): the launcher reports the ranks it saw end by SIGTERM as failed, but nothing
     failed and nothing was trained. Said, with the command that starts it again (`again`), exit
-    128 + the signal. A rank that did fail (its record) is left to the failure report."""
-    if read_failures(run_dir, since_unix=started - 1.0):
+    128 + the signal. A rank that did fail (its record) is left to the failure report; without
+    `ranks_started` (the stop came before the job was started) none of this start's can have."""
+    if ranks_started and read_failures(run_dir, since_unix=started - 1.0):
         return
     name = signal.Signals(signum).name
     if has_checkpoint(run_dir):

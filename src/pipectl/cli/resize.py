@@ -29,6 +29,7 @@ from pipectl.resize.options import ResizeOptions
 from pipectl.rundir.stragglers import StragglerPolicy
 from pipectl.rundir.morph_history import read_history
 from pipectl.rundir.metrics import MetricsTail
+from pipectl.rundir.run import newest_complete_checkpoint
 from pipectl.words import count
 
 
@@ -134,7 +135,9 @@ def _check_stopped(result, run_dir: Path, requested_unix: float, json_output: bo
     again = f"pipectl launch {quote(str(run_dir / read_run(run_dir).job.plan_file))} --run-dir {quote(str(run_dir))}"
     signum = result.signals[0]
     if result.record.first_step_unix is None:
-        check_stopped_while_starting(result.run_dir, result.record.relaunched_unix or requested_unix, signum, again)
+        relaunched = result.record.relaunched_unix
+        check_stopped_while_starting(result.run_dir, relaunched or requested_unix, signum, again,
+                                     ranks_started=relaunched is not None)  # fmt: skip
         return  # a rank failed as well: the failure report follows
     report = analyse(result.run_dir, detail=False)
     status = report.status
@@ -160,15 +163,20 @@ def _resize_with_progress(
         task = None
 
         def phase(line: str) -> None:
-            nonlocal task
+            nonlocal task, tail
             if "could not be loaded" in line:  # the ranks fell back past a checkpoint: stderr, always
                 err_console.print(line, style="yellow", highlight=False, markup=False, soft_wrap=True)
             elif not quiet:
                 progress.console.print(line, style="dim", highlight=False, markup=False)
             if line.startswith("relaunching") and task is None:
+                # The new job's steps only (the stopped job's last ones may lie past its checkpoint),
+                # from the checkpoint it resumes.
+                tail = MetricsTail(run_dir, from_end=True)
+                newest = newest_complete_checkpoint(run_dir)
                 task = progress.add_task(
-                    f"training {run_dir.name}", total=decision.target_steps, stats="starting ranks…"
-                )
+                    f"training {run_dir.name}", total=decision.target_steps, stats="starting ranks…",
+                    completed=min(newest.step or 0, decision.target_steps) if newest is not None else 0,
+                )  # fmt: skip
 
         def tick() -> None:
             last = tail.latest()

@@ -152,8 +152,10 @@ def check_fits_host(config: ModelConfig, memory_bytes: int | None = None) -> Non
         raise UserInputError(
             f"model '{config.name}' has {sum(counts):,} parameters, {_gib(needed)} as float32, more than "
             f"this host's {_gib(memory_bytes)} of memory (layers {config.layers}, hidden {config.hidden})",
-            hint=("derive its profile (--derive) or profile one layer at a time (--once)" if config.name.startswith(HF_PREFIX)
-                  else "mark it shape_only: true and derive its profile (--derive) or profile one layer at a time (--once)"),
+            hint=("derive its profile (--derive --device KIND) or profile one layer at a time (--once)"
+                  if config.name.startswith(HF_PREFIX)
+                  else "mark it shape_only: true and derive its profile (--derive --device KIND) or profile one layer "
+                  "at a time (--once)"),
         )
 
 

@@ -424,17 +424,16 @@ def resize_run(
         )
     path = decision.run_dir
     notes = list(decision.notes)
-    # What pipectl itself can check is checked before the running job is disturbed.
-    check_candidate(decision.candidate, global_batch=decision.global_batch, layers=decision.layers)
-    if relaunch:
-        check_model_and_data(decision)
-
-    processes: list[RunProcess] = find_run_processes(path)
-    remote = [] if processes else live_ranks(read_heartbeats(path), time.time())
-    stopping = _Stopping(processes, remote, starting=[] if processes or remote else starting_launch(path))
+    stopping = _Stopping()
     try:
+        # What pipectl itself can check is checked before the running job is disturbed.
+        check_candidate(decision.candidate, global_batch=decision.global_batch, layers=decision.layers)
+        if relaunch:
+            check_model_and_data(decision)
+        stopping.processes = find_run_processes(path)
+        stopping.remote = [] if stopping.processes else live_ranks(read_heartbeats(path), time.time())
+        stopping.starting = [] if stopping.processes or stopping.remote else starting_launch(path)
         prepared, stopped = _stop_job(decision, stopping, signal_after_seconds, stop_timeout_seconds, cancel_slurm, say)
-        stopping.done = True
         # One job per run directory: the stopped job's launching process lets go of the lock once
         # its launcher has exited (moments after its ranks); a job that still holds it is not ours.
         lock = lock_run_dir(path, wait_seconds=lock_wait_seconds, role="resize")
@@ -466,9 +465,9 @@ class _Stopping:
     """The job a resize stops first: its processes here, its ranks elsewhere (seen by their
     heartbeats), or a launch still starting; whether it was asked to stop and has stopped."""
 
-    processes: list[RunProcess]
-    remote: list
-    starting: list[int]
+    processes: list[RunProcess] = field(default_factory=list)
+    remote: list = field(default_factory=list)
+    starting: list[int] = field(default_factory=list)
     asked: bool = False
     done: bool = False
 
@@ -482,9 +481,8 @@ def _stop_job(
     say: Phase,
 ) -> tuple[PreparedRelaunch, StopOutcome | None]:
     """Steps 1-2 of a resize: ask the running job (if any) to stop at its next step boundary,
-    prepare the relaunch while it finishes the step, wait until it has stopped. Interrupted or
-    failed, the stop request is withdrawn: it must not stop the job, or a later resume of it, at
-    some step boundary to come."""
+    prepare the relaunch while it finishes the step, wait until it has stopped (`job.done`), and
+    withdraw the stop request, also when interrupted or failed."""
     path = decision.run_dir
     stopped = None
     stop_started = time.monotonic()
@@ -516,13 +514,14 @@ def _stop_job(
         elif job.remote:
             stopped = wait_for_ranks(path, job.remote, timeout_seconds=stop_timeout_seconds, started=stop_started)
             say(f"stopped in {stopped.seconds:.1f} s")
-    except BaseException:
+        job.done = True
+        if cancel_slurm and (job.processes or job.remote):
+            say(f"cancelled Slurm job {cancel_slurm_job(path)}")
+    finally:
+        # A stop request left behind (by this resize or an earlier one) would stop the new job at
+        # once; one the job has not taken yet (interrupted, failed) must not stop it, or a later
+        # resume of it, at some step boundary to come.
         (path / STOP_FILE).unlink(missing_ok=True)
-        raise
-    if cancel_slurm and (job.processes or job.remote):
-        say(f"cancelled Slurm job {cancel_slurm_job(path)}")
-    # A stop request left behind (by this resize or an earlier one) would stop the new job at once.
-    (path / STOP_FILE).unlink(missing_ok=True)
     return prepared, stopped
 
 
@@ -593,6 +592,11 @@ def _rewrite_and_relaunch(
         notes=notes,
     )
     result = ResizeResult(path, decision, record, stopped, prepared, notes=notes)
+    if held:  # stopped by its user before it started again (or was submitted): the run stands at its
+        append_record(path, record)  # checkpoint, in its new layout
+        result.signals.extend(held)
+        result.submit_hint = "" if prepared.command.runnable_here else prepared.command.submit_hint
+        return result
     if not relaunch or not prepared.command.runnable_here:
         append_record(path, record)
         if relaunch and submit and prepared.job.engine is Engine.SLURM:
@@ -600,11 +604,6 @@ def _rewrite_and_relaunch(
             say(f"submitted Slurm job {result.submitted_job}")
         else:
             result.submit_hint = prepared.command.submit_hint
-        return result
-
-    if held:  # stopped by its user before it started again: the run stands at its checkpoint, in its new layout
-        append_record(path, record)
-        result.signals.extend(held)
         return result
     say(
         f"relaunching on {count(decision.candidate.devices, 'rank')} ({record.to_layout}); "
