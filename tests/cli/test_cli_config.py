@@ -176,6 +176,21 @@ def test_a_cluster_without_the_plans_devices_is_refused_not_recorded(tmp_path):
     assert dry_job(plan, tmp_path / "run", "--cluster", "local")["engine"] == "local"
 
 
+def test_a_cluster_too_small_for_the_plan_is_refused_not_written(tmp_path, monkeypatch):
+    """A plan for 128 A100s launched with --cluster a100-8x8 (64) wrote a Slurm script for 16 nodes."""
+    monkeypatch.chdir(tmp_path)
+    assert invoke("profile", "gpt-tiny", "--derive", "--device", "a100-80gb", "-o", "p.json").exit_code == 0
+    planned = invoke("plan", "--profile", "p.json", "--cluster", "a100-384x8", "--devices", "128", "--global-batch", "256",
+                     "--no-morph", "-o", "plan.json")  # fmt: skip
+    assert planned.exit_code == 0, planned.output
+    result = invoke("launch", "plan.json", "--run-dir", "run", "--engine", "slurm", "--steps", "10", "--cluster",
+                    "a100-8x8", "--dry-run")  # fmt: skip
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert "--cluster a100-8x8: cluster 'a100-8x8' has 64 a100-80gb devices, and the plan runs on 128" in " ".join(
+        result.output.split()), result.output
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_refused_path_flag_is_named_as_typed(tmp_path, monkeypatch):
     plan = write_plan(tmp_path / "plan.json")
     monkeypatch.chdir(tmp_path)

@@ -34,7 +34,7 @@ from pipectl.launch.options import SCALE_MIN_LR_RATIO, LaunchOptions, read_hostf
 from pipectl.runtime.engines.dsconfig import validated_config
 from pipectl.launch.engines import LaunchCommand, allocation_hosts, build_command
 from pipectl.launch.supervise import run_engine
-from pipectl.launch.placement import compute_slowdowns, node_groups, plan_accelerator, plan_kinds
+from pipectl.launch.placement import check_cluster_runs, compute_slowdowns, node_groups, plan_accelerator, plan_kinds
 from pipectl.rundir.lock import RunLock, lock_run_dir
 from pipectl.launch.prepare import check_run_dir, forced_away, prepare_run_dir, write_run_files
 from pipectl.rundir.run import is_run_dir
@@ -308,14 +308,7 @@ def plan_cluster(plan: Plan, asked: str | None) -> ClusterSpec | None:
     read here: a YAML path from another machine)."""
     if asked is not None:
         cluster = load_cluster(asked)
-        missing = sorted(set(plan.chosen.replica_kinds) - set(cluster.device_kinds))
-        if missing:  # the job would run, and be recorded, on a cluster that has none of its devices
-            raise UserInputError(
-                f"--cluster {asked}: cluster '{cluster.name}' has no {' or '.join(missing)} devices, which the plan "
-                f"runs on (it was made for '{plan.cluster}')",
-                hint="leave --cluster out to run on the plan's cluster, or re-plan for this one: pipectl plan --cluster "
-                f"{asked} ...",
-            )
+        check_cluster_runs(plan, cluster, asked)
         return cluster
     try:
         return plan_cluster_spec(plan)

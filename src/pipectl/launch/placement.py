@@ -147,3 +147,28 @@ def placement_note(groups: list[NodeGroup], hosts: list[str] | None = None) -> s
             parts.append(f"{count(group.nodes, group.node_type + ' node')} ({group.device}, {group.replica_words()})")
         start += group.nodes
     return "nodes in rank order: " + "; ".join(parts)
+
+
+def check_cluster_runs(plan: Plan, cluster: ClusterSpec, asked: str) -> None:
+    """`launch --cluster` names a cluster that can run the plan: one with its device kinds and, but
+    for one host (whose ranks are processes), as many of them as the plan uses (a split plan's, per
+    kind, in `node_groups`). Else the job would be written, and recorded, for nodes it does not have."""
+    kinds = set(plan.chosen.replica_kinds)
+    missing = sorted(kinds - set(cluster.device_kinds))
+    way_out = f"leave --cluster out to run on the plan's cluster, or re-plan for this one: pipectl plan --cluster {asked} ..."
+    if missing:
+        raise UserInputError(
+            f"--cluster {asked}: cluster '{cluster.name}' has no {' or '.join(missing)} devices, which the plan runs on "
+            f"(it was made for '{plan.cluster}')",
+            hint=way_out,
+        )
+    if cluster.one_host or len(kinds) > 1:  # a split plan's nodes are counted per kind (`node_groups`)
+        return
+    (kind,) = kinds
+    have = sum(node.devices for node in cluster.nodes_of_kind(kind))
+    if have < plan.chosen.devices:
+        raise UserInputError(
+            f"--cluster {asked}: cluster '{cluster.name}' has {count(have, kind + ' device')}, and the plan runs on "
+            f"{plan.chosen.devices} (it was made for '{plan.cluster}')",
+            hint=way_out,
+        )
