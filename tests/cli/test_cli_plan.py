@@ -80,7 +80,7 @@ def test_plan_shows_predicted_mfu_and_hfu(profile_path, tmp_path):
         (["--global-batch", "16", "--recompute", "sometimes"], "unknown --recompute 'sometimes'"),
         (["--global-batch", "16", "--recompute", "layer", "--no-recompute"], "--no-recompute contradicts --recompute layer"),
         (["--global-batch", "16", "--top", "-1"], "--top -1: Input should be greater than or equal to 0"),
-        (["--global-batch", "16", "--morph-counts", "1,3-4"], "--morph-counts 1,3-4: cluster 'local' has 2 devices, not 3"),
+        (["--global-batch", "16", "--morph-counts", "1,3-4"], "--morph-counts 1,3-4: the plan is for 2 devices of this machine, not 3"),
     ],
 )
 def test_bad_input_exits_2_naming_the_value(profile_path, tmp_path, extra, message):

@@ -263,7 +263,7 @@ def test_the_torchtitan_header_doubles_the_bytes_of_16_bit_plans_only(tmp_path, 
     (["--emit", "megatron", "--zero-stages", "3"], "Megatron-LM runs none of --zero-stages 3"),
     (["--emit", "megatron", "--schedule", "varuna"], "Megatron-LM cannot run Varuna's schedule"),
     (["--emit", "deepspeed", "--recompute", "selective"], "DeepSpeed's PipelineModule has none of the recomputation"),
-    (["--emit", "megatron", "--emit-devices", "3"], "--emit-devices 3: cluster 'local' has 2 devices, not 3"),
+    (["--emit", "megatron", "--emit-devices", "3"], "--emit-devices 3: the plan is for 2 devices of this machine, not 3"),
     (["--emit", "megatron", "--emit-devices", "all"], "--emit-devices all: name the device counts"),
 ])
 def test_emit_refuses_what_it_cannot_write_in_one_line(tmp_path, args, words):

@@ -283,6 +283,10 @@ def plan_command(
     morph_counts, morph_every_count = parse_morph_counts(options.morph_counts)
     for name, counts in (("morph_counts", morph_counts), ("emit_devices", emit_counts)):
         beyond = [n for n in counts if n > cluster_spec.total_devices]
+        if beyond and cluster_spec.local:  # this machine: as many ranks as --devices asks
+            raise UserInputError(
+                f"{given(options, name)}: the plan is for {cluster_spec.total_devices} devices of this machine, not "
+                f"{beyond[0]}", hint=f"plan for at least {max(beyond)}: --devices {max(beyond)}")  # fmt: skip
         if beyond:
             raise UserInputError(f"{given(options, name)}: cluster '{cluster_spec.name}' has "
                                  f"{cluster_spec.total_devices} devices, not {beyond[0]}")

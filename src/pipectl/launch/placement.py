@@ -162,7 +162,7 @@ def check_cluster_runs(plan: Plan, cluster: ClusterSpec, asked: str) -> None:
             f"(it was made for '{plan.cluster}')",
             hint=way_out,
         )
-    if cluster.one_host or len(kinds) > 1:  # a split plan's nodes are counted per kind (`node_groups`)
+    if cluster.local or cluster.one_host or len(kinds) > 1:  # a split plan's nodes: per kind (`node_groups`)
         return
     (kind,) = kinds
     have = sum(node.devices for node in cluster.nodes_of_kind(kind))
