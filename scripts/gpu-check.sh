@@ -20,10 +20,12 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PYTHON="${PYTHON:-python3}"
+CALLER="$PWD"  # the check's own paths (--model, --work, --out) are the caller's, as pipectl's are
 cd "$ROOT"
 if [[ "${1:-}" == "--tests" ]]; then
     shift
     out="${OUT:-$ROOT/benchmarks/results}"
+    [[ "$out" == /* ]] || out="$CALLER/$out"
     mkdir -p "$out"
     # GNU nproc honours OMP_NUM_THREADS, which the caller may have set to 1 for its ranks: count the cores.
     cores="$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)"
@@ -71,4 +73,5 @@ else
     unset DS_ACCELERATOR  # DeepSpeed picks CUDA itself
 fi
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-exec "$PYTHON" benchmarks/gpu_check.py "$@"
+cd "$CALLER"
+exec "$PYTHON" "$ROOT/benchmarks/gpu_check.py" "$@"

@@ -95,18 +95,20 @@ def test_gpu_check_tests_counts_the_cores_whatever_omp_num_threads_says(tmp_path
 @pytest.mark.multiprocess
 def test_gpu_check_on_cpu_ranks_writes_its_summary_with_the_checkpoint_figures(tmp_path):
     """The check's own path, on CPU ranks (a check of the script, not a figure): profile, plan,
-    launch with checkpoints, and the result with its summary even without the baseline loop."""
+    launch with checkpoints, and the result with its summary even without the baseline loop. Run
+    from the user's folder, its relative paths are that folder's (not the checkout's)."""
     out = tmp_path / "gpu-cpu.json"
     env = {**os.environ, "PYTHON": sys.executable}
-    argv = ["bash", "scripts/gpu-check.sh", "--device", "cpu", "--quick", "--steps", "4", "--warmup", "1", "--layouts", "1",
-            "--checkpoint-every", "2", "--no-baseline", "--work", str(tmp_path / "work"), "--out", str(out)]  # fmt: skip
-    result = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    argv = ["bash", str(REPO / "scripts" / "gpu-check.sh"), "--device", "cpu", "--quick", "--steps", "4", "--warmup",
+            "1", "--layouts", "1", "--checkpoint-every", "2", "--no-baseline", "--work", "work", "--out", "gpu-cpu.json"]  # fmt: skip
+    result = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads(out.read_text())["summary"]
     assert summary["failed"] == [] and summary["baseline_ratio"] is None
     assert summary["max_step_error"] is not None and summary["checkpoint_pause_seconds"] >= 0
     assert summary["checkpoint_copy_wait_seconds"] == 0.0  # CPU ranks copy between steps: no step waits
     assert summary["checkpoint_write_gbytes_per_second"] > 0
+    assert (tmp_path / "work").is_dir() and not (REPO / "work").exists() and not (REPO / "gpu-cpu.json").exists()
 
 
 @pytest.mark.skipif(os.environ.get("PIPECTL_TEST_GPU") == "1", reason="a GPU run shows the GPUs")
