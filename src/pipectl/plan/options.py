@@ -74,7 +74,7 @@ class PlanOptions(Strict, Layered):
     schedules: Annotated[str | None, Opt("plan")] = Field(
         default=None,
         description=f"Comma list of {SCHEDULE_NAMES} (default: 1f1b, gpipe, interleaved, varuna; engine torch adds "
-        "zb-h1; 2bw and zbv only when listed).",
+        "zb-h1 and zbv; 2bw only when listed).",
     )
     max_tensor_parallel: Annotated[int | None, Opt("plan")] = Field(default=None, gt=0, le=2**31, description="Largest t to try.")
     pipeline_parallel: Annotated[int | None, Opt("plan")] = Field(default=None, gt=0, le=2**31, description="Pin p.")
@@ -110,9 +110,9 @@ class PlanOptions(Strict, Layered):
     engine: Annotated[Engine | None, Opt("plan")] = Field(
         default=None,
         description="What will run the plan: deepspeed (default; pipectl launch), torch (PyTorch's pipelining runtime: "
-        "1f1b, gpipe, interleaved, zb-h1 without recompute, t = 1, d = 1, fp32; pipectl launch runs it too, same "
-        "checkpoints, data and metrics), or any (choose the best, runnable or not). torch also searches zb-h1 (any: "
-        "when listed in --schedules).",
+        "1f1b, gpipe, interleaved, zb-h1 and zbv without recompute, t = 1, d = 1, fp32; pipectl launch runs it too, "
+        "same checkpoints, data and metrics), or any (choose the best, runnable or not). torch also searches zb-h1 and "
+        "zbv (any: when listed in --schedules).",
     )
     emit: Annotated[Framework | None, Opt("plan")] = Field(
         default=None,
