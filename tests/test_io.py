@@ -143,3 +143,19 @@ def test_a_yaml_key_written_twice_is_refused_not_half_dropped(tmp_path):
         safe_load_yaml("model:\n  hidden: 1\n  hidden: 2\n")
     # A merge's keys are overridden by those written beside it, as YAML means.
     assert safe_load_yaml("d: &d {x: 1, y: 2}\ne:\n  <<: *d\n  x: 3\n")["e"] == {"x": 3, "y": 2}
+
+
+def test_an_unknown_key_at_any_depth_is_named_with_its_likely_spelling():
+    """A cluster file's `slurm: {partiton: gpu}` said pydantic's 'Extra inputs are not permitted (got
+    'gpu')'; a key of the model's own at its place is offered, wherever the key sits."""
+    from pipectl.io import parse_model
+
+    node = {"name": "a", "device": "a100-80gb", "devices_per_node": 8, "nodes": 2, "price_per_device_hour_on_demand": 1}
+    for data, said in [
+        ({"name": "c", "node_types": [node], "slurm": {"partiton": "gpu"}}, "slurm.partiton: unknown key; did you mean partition?"),
+        ({"name": "c", "node_types": [node], "pricng": "spot"}, "pricng: unknown key; did you mean pricing?"),
+        ({"name": "c", "node_types": [{**node, "xyz": 1}]}, "node_types.0.xyz: unknown key"),
+    ]:
+        with pytest.raises(ArtifactError) as caught:
+            parse_model(ClusterSpec, {"schema_version": 1, **data}, source="c.yaml")
+        assert caught.value.message == f"c.yaml: {said}"

@@ -8,8 +8,9 @@ import json
 import os
 import stat
 import tempfile
+import typing
 from pathlib import Path
-from typing import Any, Hashable, Iterable, Mapping, TypeVar
+from typing import Any, Hashable, Mapping, TypeVar
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -142,12 +143,12 @@ def parse_error(exc: Exception) -> str:
 
 
 def validation_message(
-    exc: ValidationError, names: Mapping[str, str] | None = None, known: Iterable[str] = ()
+    exc: ValidationError, names: Mapping[str, str] | None = None, model: type[BaseModel] | None = None
 ) -> str:
     """One line per validation error, naming the field and the offending value (a check of the whole
     file, whose message names its values, as it is); `names` calls a field (the last part of its
     location) what the user set it as (a command-line option). An unknown key is said as one, with
-    the nearest of the missing keys, or of the `known` top-level ones, as its likely spelling."""
+    the nearest of the missing keys, or of `model`'s fields at its place, as its likely spelling."""
     lines = []
     errors = exc.errors()
     # A misspelt key is an unknown key beside a missing one: said once, as the misspelling.
@@ -167,9 +168,9 @@ def validation_message(
             continue
         if err["type"] == "missing" and any(loc == (*m[:-1], near) for m, near in misspelt.items()):
             continue
-        if err["type"] == "extra_forbidden" and len(loc) == 1:
-            near = difflib.get_close_matches(str(loc[0]), [str(k) for k in known], n=1)
-            lines.append(f"{loc[0]}: unknown key" + (f"; did you mean {near[0]}?" if near else ""))
+        if err["type"] == "extra_forbidden" and loc:
+            near = difflib.get_close_matches(str(loc[-1]), _field_names_at(model, loc[:-1]), n=1)
+            lines.append(f"{'.'.join(map(str, loc))}: unknown key" + (f"; did you mean {near[0]}?" if near else ""))
             continue
         where = ".".join(str(part) for part in err["loc"]) or "(top level)"
         if names and err["loc"] and str(err["loc"][-1]) in names:
@@ -184,6 +185,27 @@ def validation_message(
             continue
         lines.append(f"{where}: {message} (got {shown})")
     return "; ".join(lines)
+
+
+def _field_names_at(model: type[BaseModel] | None, loc: tuple) -> list[str]:
+    """The fields of the model found at `loc` inside `model` (list indices passed over), or none."""
+    for part in loc:
+        if isinstance(part, int) or model is None:
+            continue
+        field = model.model_fields.get(str(part))
+        model = None if field is None else _model_in(field.annotation)
+    return list(model.model_fields) if model is not None else []
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    """The pydantic model an annotation holds (`SlurmSpec`, `list[NodeType]`, `LinkSpec | None`)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for argument in typing.get_args(annotation):
+        found = _model_in(argument)
+        if found is not None:
+            return found
+    return None
 
 
 # The kinds of file one command may be handed in place of another, by their model's class name:
@@ -258,7 +280,7 @@ def parse_model(model_type: type[ModelT], data: dict[str, Any], *, source: str) 
         found = artifact_kind(data)
         if expected is not None and found is not None and found != model_type.__name__:
             raise ArtifactError(f"{source} is {ARTIFACT_KINDS[found][0]}, not {expected[0]}") from None
-        raise ArtifactError(f"{source}: {validation_message(exc, known=model_type.model_fields)}") from exc
+        raise ArtifactError(f"{source}: {validation_message(exc, model=model_type)}") from exc
 
 
 def check_output_file(path: str | os.PathLike[str], *, what: str = "output") -> Path:
