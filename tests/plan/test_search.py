@@ -338,3 +338,12 @@ def test_a_device_with_more_memory_fits_what_a_smaller_one_cannot():
     mi300x = chosen["mi300x"]
     assert mi300x.devices <= 32 and max(mi300x.peak_memory_bytes) > get_device("h100-80gb").memory_bytes
     assert max(mi300x.peak_memory_bytes) <= 192 * 2**30
+
+
+def test_a_deadline_no_candidate_meets_is_said_with_the_steps_it_needs_readably():
+    """'no candidate finishes 585937500 steps' was hard to read; every other count has separators."""
+    profile = _profile()
+    request = PlanRequest(global_batch=64, objective="cost-deadline", deadline_hours=0.001, samples=64 * 12345,
+                          morph=False)  # fmt: skip
+    notes = plan(profile, load_cluster("a100-8x8"), request).notes
+    assert any(note.startswith("no candidate finishes 12,345 steps within 0.001 h") for note in notes), notes

@@ -365,7 +365,8 @@ def plan_homogeneous(
     plan_notes += fallback_notes
     if goal.objective is Objective.COST_DEADLINE and not goal.meets_deadline(chosen_entry[2]):
         plan_notes.append(
-            f"no candidate finishes {count(goal.steps_needed, 'step')} within {request.deadline_hours} h: chose the fastest"
+            f"no candidate finishes {goal.steps_needed:,} step{'' if goal.steps_needed == 1 else 's'} within "
+            f"{request.deadline_hours} h: chose the fastest"
         )
     if goal.objective is Objective.COST_DEADLINE:
         missed = sum(1 for key, _, _ in ranking.top if key[0] == 1)
