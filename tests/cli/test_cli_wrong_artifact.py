@@ -76,13 +76,14 @@ def test_each_kind_is_told_by_required_keys_no_other_kind_has():
     import pipectl.artifacts.cluster, pipectl.artifacts.model, pipectl.artifacts.morph  # noqa: F401, E401
     import pipectl.artifacts.plan, pipectl.artifacts.profile, pipectl.artifacts.run  # noqa: F401, E401
     from pipectl.artifacts.base import Artifact
+    from pipectl.measured.runs import RunConditions  # a conditions file: data of the user's, not pipectl's
 
     def subclasses(cls):
         for sub in cls.__subclasses__():
             yield sub
             yield from subclasses(sub)
 
-    models = {cls.__name__: cls for cls in [*subclasses(Artifact), DeviceCatalog]}
+    models = {cls.__name__: cls for cls in [*subclasses(Artifact), DeviceCatalog, RunConditions]}
     for name, (_, keys) in ARTIFACT_KINDS.items():
         fields = models[name].model_fields
         assert all(fields[key].is_required() for key in keys), name
