@@ -24,7 +24,7 @@ from pipectl.launch.engines import ENGINE_LOG
 from pipectl.launch.supervise import JobEnded
 from pipectl.launch.options import LaunchOptions
 from pipectl.launch.placement import placement_note
-from pipectl.rundir.run import check_steps_beyond_trained, is_run_dir, newest_complete_checkpoint, runs_inside_hint
+from pipectl.rundir.run import check_steps_beyond_trained, is_run_dir, newest_checkpoint_step, runs_inside_hint
 from pipectl.launch.prepare import run_files
 from pipectl.cli.plan import planned_otherwise
 from pipectl.plan.options import PlanOptions, plan_sections
@@ -448,10 +448,9 @@ def _run_with_progress(
     tail = MetricsTail(prepared.run_dir, from_end=True)
     reported, lost = [], []
     checkpoints_seen = len(read_events(prepared.run_dir))
-    newest = newest_complete_checkpoint(prepared.run_dir)  # where a resume starts, unless it falls back
     with training_progress(quiet=quiet) as progress:
         task = progress.add_task(f"training {prepared.run_dir.name}", total=total, stats="starting ranks…",
-                                 completed=min(newest.step or 0, total) if newest is not None else 0)  # fmt: skip
+                                 completed=min(newest_checkpoint_step(prepared.run_dir), total))  # fmt: skip
 
         def report() -> None:
             """Where the ranks resumed (once), a lost replica (once), and each checkpoint that did

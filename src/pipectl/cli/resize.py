@@ -29,7 +29,7 @@ from pipectl.resize.options import ResizeOptions
 from pipectl.rundir.stragglers import StragglerPolicy
 from pipectl.rundir.morph_history import read_history
 from pipectl.rundir.metrics import MetricsTail
-from pipectl.rundir.run import newest_complete_checkpoint
+from pipectl.rundir.run import newest_checkpoint_step
 from pipectl.words import count
 
 
@@ -172,10 +172,9 @@ def _resize_with_progress(
                 # The new job's steps only (the stopped job's last ones may lie past its checkpoint),
                 # from the checkpoint it resumes.
                 tail = MetricsTail(run_dir, from_end=True)
-                newest = newest_complete_checkpoint(run_dir)
                 task = progress.add_task(
                     f"training {run_dir.name}", total=decision.target_steps, stats="starting ranks…",
-                    completed=min(newest.step or 0, decision.target_steps) if newest is not None else 0,
+                    completed=min(newest_checkpoint_step(run_dir), decision.target_steps),
                 )  # fmt: skip
 
         def tick() -> None:
@@ -208,13 +207,18 @@ def _say_cancelled(asked: bool, run_dir: Path, *, grows: bool) -> None:
     else:
         joining = " (a joining rank started for it is stopped)" if grows else ""
         what = f"nothing was asked of the job{joining}: it trains on as it was"
+    _cancelled(what)
+
+
+def _cancelled(what: str) -> None:
+    """A resize a person cancelled: what it left, then exit 130 as for any Ctrl-C."""
     err_console.print(f"resize cancelled (Ctrl-C): {what}", style="yellow", highlight=False, markup=False, soft_wrap=True)
     raise typer.Exit(130)
 
 
 def _say_restart_cancelled(stop: RestartInterrupted, run_dir: Path) -> None:
     """Ctrl-C while a resize by restart stopped the job, before the new one started: what became of
-    the job, then exit 130 as for any Ctrl-C."""
+    the job (`_cancelled`)."""
     if not stop.asked:
         what = "nothing was changed"
     elif not stop.stopped:
@@ -224,8 +228,7 @@ def _say_restart_cancelled(stop: RestartInterrupted, run_dir: Path) -> None:
         plan = run_dir / read_run(run_dir).job.plan_file
         what = (f"the job stopped at its checkpoint and was not started again; continue with: pipectl launch "
                 f"{quote(str(plan))} --run-dir {quote(str(run_dir))} --resume, or resize again")  # fmt: skip
-    err_console.print(f"resize cancelled (Ctrl-C): {what}", style="yellow", highlight=False, markup=False, soft_wrap=True)
-    raise typer.Exit(130)
+    _cancelled(what)
 
 
 def _print_dry_run(decision: ResizeDecision, devices: int, json_output: bool) -> None:

@@ -81,11 +81,7 @@ def run_engine(
     env = {**os.environ, **command.env, SUPERVISOR_VARIABLE: str(os.getpid())}
     # A signal before the job is supervised (Ctrl-C as the launcher starts) is held, then acted on
     # as soon as it is: never a KeyboardInterrupt that leaves the launcher running on its own.
-    early: list[int] = [] if held is None else held
-    originals = {}
-    if _in_main_thread():
-        originals = {s: signal.signal(s, lambda signum, _frame: early.append(signum)) for s in FORWARDED_SIGNALS}
-    try:
+    with signals_held(held) as early:
         try:
             proc = start_detached(command.argv, cwd=run_dir, env=env, log=logs / ENGINE_LOG,
                                   pass_fds=(lock.fileno(),) if lock is not None else ())  # fmt: skip
@@ -97,18 +93,15 @@ def run_engine(
             JobProcesses(proc), on_tick, tick_seconds, timeout_seconds, say or (lambda _: None),
             [] if signals is None else signals, early,
         )  # fmt: skip
-    finally:
-        for signum, handler in originals.items():
-            signal.signal(signum, handler)
 
 
 @contextmanager
-def signals_held() -> Iterator[list[int]]:
+def signals_held(held: list[int] | None = None) -> Iterator[list[int]]:
     """A block no Ctrl-C may cut in two (a run directory rewritten for a new layout, then its job
-    started): SIGINT, SIGTERM and SIGHUP are recorded in the list yielded instead of raising, for
-    the block to act on (pass it to `run_engine` as `held`). Off the main thread, where no handler
-    can be set, nothing is held."""
-    held: list[int] = []
+    started): SIGINT, SIGTERM and SIGHUP are recorded in the list yielded (`held`, when given: an
+    outer block's, which goes on filling) instead of raising, for the block to act on (pass it to
+    `run_engine` as `held`). Off the main thread, where no handler can be set, nothing is held."""
+    held = [] if held is None else held
     originals = {}
     if _in_main_thread():
         originals = {s: signal.signal(s, lambda signum, _frame: held.append(signum)) for s in FORWARDED_SIGNALS}

@@ -486,24 +486,24 @@ def _stop_job(
     path = decision.run_dir
     stopped = None
     stop_started = time.monotonic()
+
+    def ask(line: str) -> None:
+        say(line)
+        job.asked = True  # before the request is written: an interruption may come between
+        request_stop(path, STOP_FILE)
+
     try:
         if job.starting:
             # A launch that holds the run but has no rank yet (`launch --resume` a moment ago): its
             # ranks find the stop request at their first step boundary.
-            say(f"a job is starting in {path} (pid {job.starting[0]}): stopping it at its first step boundary")
-            job.asked = True
-            request_stop(path, STOP_FILE)
+            ask(f"a job is starting in {path} (pid {job.starting[0]}): stopping it at its first step boundary")
             job.processes = wait_for_start(path, timeout_seconds=stop_timeout_seconds)
         if job.processes:
-            say(f"stopping the running job at its next step boundary ({len(job.processes)} processes)")
-            job.asked = True
-            request_stop(path, STOP_FILE)
+            ask(f"stopping the running job at its next step boundary ({len(job.processes)} processes)")
         elif job.remote:
             hosts = ", ".join(sorted({b.host for b in job.remote}))
-            say(f"stopping the job running on {hosts} at its next step boundary "
+            ask(f"stopping the job running on {hosts} at its next step boundary "
                 f"({count(len(job.remote), 'rank')}, seen by their heartbeats)")  # fmt: skip
-            job.asked = True
-            request_stop(path, STOP_FILE)
         # DeepSpeed's parser validates the new config while the old ranks finish their step.
         prepared = prepare_relaunch(decision)
         if job.processes:
@@ -554,12 +554,11 @@ def _rewrite_and_relaunch(
     run_timeout_seconds: float | None,
     say: Phase,
     on_tick: Callable[[], None] | None,
-    submit: bool = False,
-    held: list[int] | None = None,
+    submit: bool,
+    held: list[int],
 ) -> ResizeResult:
     """Steps 3-5 of a resize, under the run's lock. `held`: the signals a person sent meanwhile
     (`signals_held`); one sent before the new job starts keeps it from starting."""
-    held = [] if held is None else held
     path = decision.run_dir
     latest = newest_complete_checkpoint(path)
     resume_step = latest.step if latest is not None and latest.step is not None else 0

@@ -67,6 +67,13 @@ def newest_complete_checkpoint(run_dir: Path) -> CheckpointInfo | None:
     return complete[-1] if complete else None
 
 
+def newest_checkpoint_step(run_dir: Path) -> int:
+    """The step of the newest complete checkpoint, 0 without one: where a resume starts (unless
+    that checkpoint does not load)."""
+    latest = newest_complete_checkpoint(run_dir)
+    return latest.step if latest is not None and latest.step is not None else 0
+
+
 def check_steps_beyond_trained(
     run_dir: Path, target_steps: int, more: int, *, given: bool = True, metrics: list[StepMetrics] | None = None
 ) -> None:
@@ -74,9 +81,8 @@ def check_steps_beyond_trained(
     checkpoint's step or its last logged one, whichever is later (`more`: the hint's increment).
     The run's own total (`given` False) must lie beyond its newest checkpoint only: a run whose last
     checkpoints were lost trains their steps again. `metrics`: the run's, when the caller has read them."""
-    latest = newest_complete_checkpoint(run_dir)
     metrics = read_metrics(run_dir) if metrics is None else metrics
-    checkpointed = latest.step if latest is not None and latest.step is not None else 0
+    checkpointed = newest_checkpoint_step(run_dir)
     trained = max(checkpointed, metrics[-1].step if metrics else 0) if given else checkpointed
     if target_steps <= trained:
         raise UserInputError(
