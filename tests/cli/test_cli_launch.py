@@ -441,6 +441,13 @@ def test_resume_keeps_what_was_not_passed_and_refuses_another_global_batch(tmp_p
     fewer = invoke("launch", plan, "--run-dir", run, "--resume", "--dry-run", "--steps", "4")
     assert fewer.exit_code == 2 and "--steps 4 is not beyond the 4 steps" in fewer.output
     assert json.loads((run / "job.json").read_text())["steps"] == 12
+    # A failure rate only `auto` reads, given beside the run's own interval, would change nothing.
+    mtbf = invoke("launch", plan, "--run-dir", run, "--resume", "--dry-run", "--mtbf-hours", "5")
+    assert mtbf.exit_code == 2 and "Traceback" not in mtbf.output, mtbf.output
+    assert "chooses the interval of --checkpoint-every auto, but the run's --checkpoint-every is 4" in mtbf.output
+    auto = invoke("launch", plan, "--run-dir", run, "--resume", "--dry-run", "--json", "--mtbf-hours", "5",
+                  "--checkpoint-every", "auto")  # fmt: skip
+    assert auto.exit_code == 0, auto.output
 
     bigger = write_plan(tmp_path / "bigger.json", m=8)  # B 16 instead of 8
     result = invoke("launch", bigger, "--run-dir", run, "--resume", "--engine", "slurm")

@@ -72,6 +72,10 @@ def effective_options(
         wandb_run_id=job.wandb_run_id,  # one W&B run for the whole run
         as_given={**job.as_given, **(as_given or {})},  # what this resume names anew replaces the run's
     )
+    if "mtbf_hours" in passed and options.checkpoint_every != "auto":  # changes nothing (resolve_defaults)
+        raise UserInputError(f"{given(options, 'mtbf_hours')} chooses the interval of --checkpoint-every auto, but "
+                             f"the run's --checkpoint-every is {options.checkpoint_every}",
+                             hint="add --checkpoint-every auto to change it, or leave out --mtbf-hours")
     if "recover_in_memory" not in passed and plan is not None and plan.chosen.data_parallel < 2:
         options = options.model_copy(update={"recover_in_memory": False})  # no replica left to recover from
     return options
