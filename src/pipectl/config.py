@@ -38,7 +38,7 @@ import yaml
 from pydantic import BaseModel, PrivateAttr, ValidationError
 
 from pipectl.errors import UserInputError
-from pipectl.io import input_file, parse_error, safe_load_yaml
+from pipectl.io import error_words, input_file, parse_error, safe_load_yaml
 
 OptionsT = TypeVar("OptionsT", bound=BaseModel)
 
@@ -338,7 +338,7 @@ def _refusal(
         if sub is not None and isinstance(value, dict):
             value = value.get(sub)
         where = layer.name(field, sub) if layer is not None else (field or "options")
-        message = err["msg"].removeprefix("Value error, ")
+        message = error_words(err)
         if isinstance(value, float) and value != value:  # every bound fails on NaN: say why
             value, message = "nan", "not a number"
         lines.append(f"{where}{layer.assign}{_shown(value)}: {message}" if layer is not None else f"{where}: {message}")

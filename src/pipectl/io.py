@@ -6,6 +6,7 @@ import difflib
 import hashlib
 import json
 import os
+import re
 import stat
 import tempfile
 import typing
@@ -179,12 +180,40 @@ def validation_message(
         shown = "{...}" if isinstance(value, dict) else "[...]" if isinstance(value, list) and len(repr(value)) > 80 else repr(value)
         if len(shown) > 200:
             shown = shown[:200] + "..."
-        message = err["msg"].removeprefix("Value error, ")  # a validator's own words say enough
+        message = error_words(err)
         if not err["loc"] and isinstance(value, dict):  # a check of the whole file names its values itself
             lines.append(message)
             continue
         lines.append(f"{where}: {message} (got {shown})")
     return "; ".join(lines)
+
+
+# A pattern that is one character class, repeated: said as the characters it allows.
+_CHARACTER_CLASS = re.compile(r"\^\[(?P<chars>[^\]]+)\](?P<count>\+|\{(?P<least>\d+),(?P<most>\d+)\})\$")
+
+
+def error_words(err: Mapping[str, Any]) -> str:
+    """A validation error's message in the user's words: a string that fails a character-class
+    pattern says which characters it may hold, not the regular expression.
+
+        >>> error_words({"type": "string_pattern_mismatch", "msg": "...", "ctx": {"pattern": "^[A-Za-z0-9_.-]{1,128}$"}})
+        'should be 1 to 128 letters, digits or any of _.-, without spaces'
+        >>> error_words({"type": "string_pattern_mismatch", "msg": "...", "ctx": {"pattern": "^[a-z0-9:/-]+$"}})
+        'should be one or more lower-case letters, digits or any of :/-, without spaces'
+    """
+    message = str(err["msg"]).removeprefix("Value error, ")  # a validator's own words say enough
+    found = _CHARACTER_CLASS.fullmatch(str((err.get("ctx") or {}).get("pattern", "")))
+    if err.get("type") != "string_pattern_mismatch" or found is None:
+        return message
+    chars, kinds = found["chars"], []
+    for span, kind in (("A-Za-z", "letters"), ("a-z", "lower-case letters"), ("0-9", "digits")):
+        if span in chars:
+            chars, _ = chars.replace(span, "", 1), kinds.append(kind)
+    if chars:
+        kinds.append(f"any of {chars}")
+    many = "one or more" if found["count"] == "+" else f"{found['least']} to {found['most']}"
+    allowed = ", ".join(kinds[:-1]) + f" or {kinds[-1]}" if len(kinds) > 1 else kinds[0]
+    return f"should be {many} {allowed}, without spaces"
 
 
 def _field_names_at(model: type[BaseModel] | None, loc: tuple) -> list[str]:

@@ -9,12 +9,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from typer.testing import CliRunner
 
 from pipectl.artifacts.cluster import SlurmSpec
 from pipectl.artifacts.plan import Candidate, ReplicaShare
 from pipectl.artifacts.run import ElasticRange, Engine, Precision
 from pipectl.cli.main import app
+from pipectl.cluster import load_cluster
 from pipectl.errors import UserInputError
 from pipectl.io import write_json_atomic
 from pipectl.launch import LaunchOptions, prepare_launch
@@ -286,6 +288,33 @@ def test_a_slurm_value_that_could_break_the_script_is_refused(tmp_path):
               "--partition", "gpu\n#SBATCH --uid=0"],
     )  # fmt: skip
     assert result.exit_code == 2 and "partition" in result.output and "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("flags, said", [
+    # An empty value (an unset shell variable) used to unset the cluster file's partition silently.
+    (["--partition", ""], "--partition '': should be one or more letters, digits or any of _.:,@%+=/-, without spaces"),
+    (["--account", "my project"], "--account 'my project': should be one or more letters"),
+    (["--wandb", "a b"], "--wandb 'a b': should be 1 to 128 letters, digits or any of _.-, without spaces"),
+])  # fmt: skip
+def test_a_value_of_the_wrong_characters_is_refused_in_words_not_a_pattern(tmp_path, flags, said):
+    plan = write_json_atomic(tmp_path / "plan.json", gpt3_plan())
+    result = CliRunner().invoke(
+        app, ["launch", str(plan), "--run-dir", str(tmp_path / "run"), "--engine", "slurm", "--bf16", "--dry-run", *flags],
+    )  # fmt: skip
+    assert result.exit_code == 2 and said in " ".join(result.output.split()), result.output
+    assert "pattern" not in result.output and not (tmp_path / "run").exists()
+
+
+def test_a_cluster_files_slurm_value_of_the_wrong_characters_is_refused_in_words(tmp_path):
+    cluster = tmp_path / "site.yaml"
+    cluster.write_text(yaml.safe_dump({
+        "name": "site", "node_types": [{"name": "a100", "device": "a100-80gb", "devices_per_node": 8, "nodes": 2}],
+        "slurm": {"partition": "gpu nodes"},
+    }))  # fmt: skip
+    with pytest.raises(UserInputError) as caught:
+        load_cluster(str(cluster))
+    assert "slurm.partition: should be one or more letters" in str(caught.value), caught.value
+    assert "'gpu nodes'" in str(caught.value)
 
 
 def v100_plan():
