@@ -81,6 +81,14 @@ def test_the_readme_quick_start_trains_resizes_and_resumes_from_anywhere(tmp_pat
     status = pipectl("status", "../work/runs/mine", "--json", cwd=elsewhere)
     assert succeeded(status), said(status)
     assert json.loads(status.stdout)["steps_done"] == trained + 2
+    # The run's launch.sh typed again: it says the run has finished and trains nothing (its ranks
+    # used to start, load the last checkpoint and exit 0 without a word).
+    metrics = (run / "metrics.jsonl").read_bytes()
+    again = subprocess.run(["bash", "../work/runs/mine/launch.sh"], cwd=elsewhere, capture_output=True, text=True,
+                           timeout=120)
+    assert again.returncode == 0, again.stderr
+    assert f"has trained all its {trained + 2} steps: nothing is left to train" in again.stderr, again.stderr
+    assert again.stderr.count("nothing is left to train") == 1 and (run / "metrics.jsonl").read_bytes() == metrics
     assert not list(temporary.glob("torchelastic_*"))  # caches (torchinductor_USER) are shared, not left per launch
 
 
