@@ -448,6 +448,30 @@ def test_the_resize_command_says_what_a_ctrl_c_left(tmp_path, monkeypatch, runni
     assert f"resize cancelled (Ctrl-C): {left}" in " ".join(said.output.split()), said.output
 
 
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_a_kill_or_a_closed_terminal_while_the_job_stops_withdraws_the_stop_request(tmp_path, monkeypatch, signum):
+    """A `kill` or a closed terminal while the job stops: handled as a Ctrl-C, not the end of pipectl on
+    the spot (which left the stop request, so the job stopped at its checkpoint and nothing restarted it)."""
+    from typer.testing import CliRunner
+
+    from pipectl.cli.main import app
+    from pipectl.resize import restart
+
+    run = make_run(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(restart, "prepare_relaunch", lambda _decision: os.kill(os.getpid(), signum))
+    proc = start_stand_in(run, IGNORE_STOP="1")
+    try:
+        said = CliRunner().invoke(app, ["resize", "runs/demo", "--devices", "1", "--steps", "20"])
+        assert said.exit_code == 128 + signum, said.output
+        assert f"resize cancelled ({signal.Signals(signum).name}): the stop request was withdrawn" in said.output
+        assert not (run / ckpt.STOP_FILE).exists() and proc.poll() is None  # the job trains on
+        assert read_records(run) == [] and read_run(run).job.world_size == 2
+        assert signal.getsignal(signum) is signal.SIG_DFL
+    finally:
+        proc.kill()
+
+
 def test_a_ctrl_c_held_while_a_run_not_started_here_is_rewritten_is_its_result(tmp_path, monkeypatch):
     """relaunch=False (and a Slurm run, submitted or not): the held signal is still the result, so the
     command says the run stopped instead of reporting a resize that went on (or a submitted job)."""

@@ -5,6 +5,7 @@ Also the renderables `pipectl status` uses for a run's morph history and straggl
 
 from __future__ import annotations
 
+import signal
 import time
 from pathlib import Path
 from shlex import quote
@@ -20,6 +21,7 @@ from pipectl.config import layered
 from pipectl.errors import UserInputError
 from pipectl.artifacts.run import Engine
 from pipectl.launch.prepare import read_run
+from pipectl.launch.supervise import signals_interrupt
 from pipectl.rundir.analysis import analyse
 from pipectl.rundir.status import RunStatus, run_status
 from pipectl.report.run_tables import decision_table, morph_history_table, status_table
@@ -73,14 +75,15 @@ def register(app: typer.Typer) -> None:
             console.print(decision_table(decision))
         if options.live:
             try:
-                moved = live_resize(
-                    decision,
-                    requested_unix=requested_unix,
-                    say=None if json_output else (lambda line: console.print(line, style="dim", highlight=False, markup=False)),
-                )
+                with signals_interrupt() as interrupted:  # a kill or a closed terminal too: the request withdrawn
+                    moved = live_resize(
+                        decision,
+                        requested_unix=requested_unix,
+                        say=None if json_output else (lambda line: console.print(line, style="dim", highlight=False, markup=False)),
+                    )
             except KeyboardInterrupt as stop:  # before the request or after (`ResizeInterrupted`)
                 _say_cancelled(isinstance(stop, ResizeInterrupted) and stop.asked, run_dir,
-                               grows=decision.candidate.devices > decision.from_devices)  # fmt: skip
+                               grows=decision.candidate.devices > decision.from_devices, signals=interrupted)  # fmt: skip
             except LiveUnavailable as exc:
                 if exc.running or "live" in flags.values:  # asked for by name: say why it is not
                     err_console.print(f"[yellow]cannot resize live: {exc.message}; restarting instead[/]", highlight=False)
@@ -91,17 +94,18 @@ def register(app: typer.Typer) -> None:
                 console.print(morph_history_table(read_history(decision.run_dir)))
                 return
         try:
-            result = _resize_with_progress(
-                decision,
-                requested_unix=requested_unix,
-                stop_timeout=stop_timeout,
-                timeout=timeout,
-                quiet=json_output,
-                submit=submit,
-                scancel=scancel,
-            )
+            with signals_interrupt() as interrupted:  # as the live resize's
+                result = _resize_with_progress(
+                    decision,
+                    requested_unix=requested_unix,
+                    stop_timeout=stop_timeout,
+                    timeout=timeout,
+                    quiet=json_output,
+                    submit=submit,
+                    scancel=scancel,
+                )
         except RestartInterrupted as stop:
-            _say_restart_cancelled(stop, run_dir)
+            _say_restart_cancelled(stop, run_dir, interrupted)
         if result.signals:
             _check_stopped(result, run_dir, requested_unix, json_output)
         if result.exit_code not in (None, 0):
@@ -198,27 +202,29 @@ def _resize_with_progress(
         )
 
 
-def _say_cancelled(asked: bool, run_dir: Path, *, grows: bool) -> None:
-    """Ctrl-C during a live resize: what the job does now, then exit 130 as for any Ctrl-C. Only a
-    resize to more ranks starts ranks of its own to join the job."""
+def _say_cancelled(asked: bool, run_dir: Path, *, grows: bool, signals: list[int]) -> None:
+    """Ctrl-C (or `signals`' first) during a live resize: what the job does now, then exit as
+    `_cancelled` does. Only a resize to more ranks starts ranks of its own to join the job."""
     if asked:
         what = ("the request was withdrawn; the job trains on as it was unless its ranks had taken it already "
                 f"(pipectl status {quote(str(run_dir))} shows the layout it runs)")  # fmt: skip
     else:
         joining = " (a joining rank started for it is stopped)" if grows else ""
         what = f"nothing was asked of the job{joining}: it trains on as it was"
-    _cancelled(what)
+    _cancelled(what, signals)
 
 
-def _cancelled(what: str) -> None:
-    """A resize a person cancelled: what it left, then exit 130 as for any Ctrl-C."""
-    err_console.print(f"resize cancelled (Ctrl-C): {what}", style="yellow", highlight=False, markup=False, soft_wrap=True)
-    raise typer.Exit(130)
+def _cancelled(what: str, signals: list[int]) -> None:
+    """A resize a person cancelled: what it left, then exit 128 + the signal (130 for a Ctrl-C)."""
+    signum = signals[0] if signals else signal.SIGINT
+    by = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+    err_console.print(f"resize cancelled ({by}): {what}", style="yellow", highlight=False, markup=False, soft_wrap=True)
+    raise typer.Exit(128 + signum)
 
 
-def _say_restart_cancelled(stop: RestartInterrupted, run_dir: Path) -> None:
-    """Ctrl-C while a resize by restart stopped the job, before the new one started: what became of
-    the job (`_cancelled`)."""
+def _say_restart_cancelled(stop: RestartInterrupted, run_dir: Path, signals: list[int]) -> None:
+    """Ctrl-C (or `signals`' first) while a resize by restart stopped the job, before the new one
+    started: what became of the job (`_cancelled`)."""
     if not stop.asked:
         what = "nothing was changed"
     elif not stop.stopped:
@@ -228,7 +234,7 @@ def _say_restart_cancelled(stop: RestartInterrupted, run_dir: Path) -> None:
         plan = run_dir / read_run(run_dir).job.plan_file
         what = (f"the job stopped at its checkpoint and was not started again; continue with: pipectl launch "
                 f"{quote(str(plan))} --run-dir {quote(str(run_dir))} --resume, or resize again")  # fmt: skip
-    _cancelled(what)
+    _cancelled(what, signals)
 
 
 def _print_dry_run(decision: ResizeDecision, devices: int, json_output: bool) -> None:

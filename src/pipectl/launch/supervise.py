@@ -112,6 +112,27 @@ def signals_held(held: list[int] | None = None) -> Iterator[list[int]]:
             signal.signal(signum, handler)
 
 
+@contextmanager
+def signals_interrupt() -> Iterator[list[int]]:
+    """A block that undoes what it began when a Ctrl-C interrupts it (a resize withdrawing its stop
+    request): SIGTERM and SIGHUP (a `kill`, a closed terminal) interrupt it too, as KeyboardInterrupt,
+    instead of ending the process on the spot with the undoing left undone. The list yielded gets the
+    signal that interrupted. Blocks inside may hold signals their own way (`signals_held`,
+    `run_engine`). Off the main thread nothing changes."""
+    seen: list[int] = []
+
+    def interrupt(signum: int, _frame: object) -> None:
+        seen.append(signum)
+        raise KeyboardInterrupt
+
+    originals = {s: signal.signal(s, interrupt) for s in FORWARDED_SIGNALS} if _in_main_thread() else {}
+    try:
+        yield seen
+    finally:
+        for signum, handler in originals.items():
+            signal.signal(signum, handler)
+
+
 def start_detached(
     argv: list[str], *, cwd: str | os.PathLike[str], env: dict[str, str], log: Path, pass_fds: tuple[int, ...] = ()
 ) -> subprocess.Popen:
