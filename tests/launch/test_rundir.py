@@ -168,6 +168,24 @@ def test_a_launch_refused_for_its_run_directory_leaves_the_folder_as_it_was(tmp_
     assert not (tmp_path / "missing").exists()
 
 
+@pytest.mark.parametrize("job", ['{"job": "nightly"}', "not json", None])
+def test_force_deletes_only_a_run_not_any_folder_holding_a_job_json(tmp_path, job):
+    """`--force` on a folder whose job.json is not a run's (another tool's, a profile copied there)
+    used to delete the folder whole, the user's other files with it."""
+    folder = tmp_path / "proj"
+    (folder / "data").mkdir(parents=True)
+    (folder / "notes.txt").write_text("mine")
+    if job is None:  # a pipectl file of another kind under the name
+        (folder / "job.json").write_text(tiny_plan().model_dump_json())
+    else:
+        (folder / "job.json").write_text(job)
+    before = sorted(p.name for p in folder.iterdir())
+    with pytest.raises(UserInputError, match="--force deletes a pipectl run, and .*proj is not one: .*job.json"):
+        prepare_launch(tiny_plan(), folder, LaunchOptions(steps=5, force=True))
+    assert sorted(p.name for p in folder.iterdir()) == before  # no job.lock either
+    assert (folder / "notes.txt").read_text() == "mine"
+
+
 def test_model_must_have_the_plans_layer_count(tmp_path):
     with pytest.raises(UserInputError, match="has 9 layers but the plan cuts 10"):
         prepare_launch(tiny_plan(layers=10, cuts=((0, 4), (4, 10))), tmp_path / "r", LaunchOptions())

@@ -671,7 +671,7 @@ def prepare_launch(
     # A folder that is not a run is refused before the lock is taken, which would leave its job.lock
     # among the user's files (a dry run touches nothing at all); a run is locked first, so that a
     # live job's is named by its pid. Under the lock, `prepare_run_dir` asks again.
-    if not write or not is_run_dir(path):
+    if not write or not is_run_dir(path) or options.force:  # --force: is its job.json a run's?
         check_run_dir(path, resume=options.resume, force=options.force)
     # One job per run directory: taken before anything is read for a resume or deleted by --force.
     lock = lock_run_dir(path) if write else None

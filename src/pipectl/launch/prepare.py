@@ -30,8 +30,8 @@ from pipectl.artifacts.run import (
     PLAN_FILE,
     JobSpec,
 )
-from pipectl.errors import UserInputError
-from pipectl.io import write_json_atomic
+from pipectl.errors import PipectlError, UserInputError
+from pipectl.io import load_model, write_json_atomic
 from pipectl.launch.engines import LaunchCommand, launch_script
 from pipectl.planfile import copy_plan
 from pipectl.launch.options import check_stored_options
@@ -93,6 +93,12 @@ def check_run_dir(run_dir: str | os.PathLike[str], *, resume: bool = False, forc
                 f"{path} is not empty and is not a pipectl run; refusing to write into it",
                 hint="choose another --run-dir",
             )
+        if force:  # it deletes the folder: only a run's, not any folder that holds a file of that name
+            try:
+                load_model(JobSpec, path / JOB_FILE)
+            except PipectlError as exc:
+                raise UserInputError(f"--force deletes a pipectl run, and {path} is not one: {exc.message}",
+                                     hint="choose another --run-dir, or delete the folder yourself") from None
         if not force and not resume:
             from pipectl.rundir.status import run_status
 
