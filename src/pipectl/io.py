@@ -194,14 +194,19 @@ _CHARACTER_CLASS = re.compile(r"\^\[(?P<chars>[^\]]+)\](?P<count>\+|\{(?P<least>
 
 def error_words(err: Mapping[str, Any]) -> str:
     """A validation error's message in the user's words: a string that fails a character-class
-    pattern says which characters it may hold, not the regular expression.
+    pattern says which characters it may hold, not the regular expression; an empty list that needs
+    one entry says so.
 
         >>> error_words({"type": "string_pattern_mismatch", "msg": "...", "ctx": {"pattern": "^[A-Za-z0-9_.-]{1,128}$"}})
         'should be 1 to 128 letters, digits or any of _.-, without spaces'
         >>> error_words({"type": "string_pattern_mismatch", "msg": "...", "ctx": {"pattern": "^[a-z0-9:/-]+$"}})
         'should be one or more lower-case letters, digits or any of :/-, without spaces'
+        >>> error_words({"type": "too_short", "msg": "...", "ctx": {"min_length": 1, "actual_length": 0}})
+        'is empty: name at least one'
     """
     message = str(err["msg"]).removeprefix("Value error, ")  # a validator's own words say enough
+    if err.get("type") == "too_short" and (err.get("ctx") or {}).get("actual_length") == 0:
+        return "is empty: name at least one" if err["ctx"].get("min_length") == 1 else message
     found = _CHARACTER_CLASS.fullmatch(str((err.get("ctx") or {}).get("pattern", "")))
     if err.get("type") != "string_pattern_mismatch" or found is None:
         return message

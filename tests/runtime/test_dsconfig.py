@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pipectl.artifacts.plan import Candidate, Plan, PlanRequest
-from pipectl.artifacts.run import Precision
+from pipectl.artifacts.run import Precision, TrainingSettings
 from pipectl.runtime.engines.dsconfig import DeepSpeedConfigRejected, check_pipeline_section, deepspeed_config, parse_with_deepspeed, stage_partition, validated_config
 from pipectl.errors import UserInputError
 from pipectl.schedule.ir import ScheduleKind
@@ -228,11 +228,11 @@ def test_an_overlay_is_merged_section_by_section_and_validated_by_deepspeed(tmp_
     overlay = {
         "optimizer": {"params": {"betas": [0.9, 0.95]}},
         "csv_monitor": {"enabled": True, "output_path": str(tmp_path), "job_name": "demo"},
-        "gradient_clipping": 0.3,
+        "zero_optimization": {"reduce_bucket_size": 50_000_000},
     }
     config = validated_config(make_plan(make_candidate()), overlay=overlay)
     assert config["optimizer"]["params"]["betas"] == [0.9, 0.95] and config["optimizer"]["params"]["torch_adam"]
-    assert config["csv_monitor"]["enabled"] and config["gradient_clipping"] == 0.3
+    assert config["csv_monitor"]["enabled"] and config["zero_optimization"] == {"stage": 1, "reduce_bucket_size": 50_000_000}
     with pytest.raises(DeepSpeedConfigRejected, match="not one of DeepSpeed's"):
         validated_config(make_plan(make_candidate()), overlay={"optimizer": {"type": "SuperAdam"}})
     with pytest.raises(DeepSpeedConfigRejected, match="DeepSpeed rejected the config"):
@@ -261,6 +261,32 @@ def test_an_overlay_key_deepspeed_would_ignore_or_fail_on_in_the_ranks_is_refuse
     with pytest.raises(DeepSpeedConfigRejected) as info:
         validated_config(make_plan(make_candidate()), overlay=overlay)
     assert message in info.value.message and hint in info.value.hint
+
+
+@pytest.mark.parametrize(
+    "overlay, message",
+    [
+        # Not a mapping where DeepSpeed reads one: an AttributeError traceback, or DeepSpeed's words without the key.
+        ({"optimizer": 5}, "sets optimizer to 5, where DeepSpeed reads a mapping"),
+        ({"scheduler": 5}, "sets scheduler to 5, where DeepSpeed reads a mapping"),
+        ({"optimizer": {"params": 5}}, "sets optimizer.params to 5, where DeepSpeed reads a mapping"),
+        ({"zero_optimization": [1]}, "sets zero_optimization to [1], where DeepSpeed reads a mapping"),
+        # What a launch option sets: the run would train with the overlay's value and keep the option's.
+        ({"optimizer": {"params": {"lr": 0.5}}}, "sets optimizer.params.lr, which launch's --lr sets"),
+        ({"gradient_clipping": "abc"}, "sets gradient_clipping, which launch's --gradient-clipping sets"),
+        ({"optimizer": {"params": {"weight_decay": 0.1}}}, "sets optimizer.params.weight_decay, which launch's --weight-decay"),
+    ],
+)
+def test_an_overlay_of_the_wrong_shape_or_of_an_options_key_is_refused_naming_it(overlay, message):
+    with pytest.raises(DeepSpeedConfigRejected) as info:
+        validated_config(make_plan(make_candidate()), overlay=overlay)
+    assert message in info.value.message, info.value.message
+
+
+def test_an_overlay_may_not_set_what_pipectls_own_schedule_takes_from_an_option():
+    warm = TrainingSettings(warmup_steps=2)
+    with pytest.raises(DeepSpeedConfigRejected, match="sets scheduler.params.warmup_num_steps, which launch's --warmup-steps"):
+        validated_config(make_plan(make_candidate()), training=warm, overlay={"scheduler": {"params": {"warmup_num_steps": 4}}})
 
 
 def test_every_key_of_pipectls_own_config_and_its_documented_overlays_is_read_by_deepspeed(tmp_path):

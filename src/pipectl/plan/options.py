@@ -43,6 +43,7 @@ class PlanOptions(Strict, Layered):
     )
 
     profile: Annotated[list[str], Opt("model", cli=list[Path], path=True)] = Field(
+        min_length=1,
         description="profile.json from `pipectl profile`. Repeat it with one profile per device kind of a "
         "heterogeneous cluster (measured or --derive'd on each): each kind is priced with its own; the first serves "
         "a kind without one, scaled by peak FLOP/s.",

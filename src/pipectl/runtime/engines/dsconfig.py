@@ -171,31 +171,67 @@ PLAN_OWNED_KEYS = (
 )  # fmt: skip
 
 
+# Keys a launch option writes, by the option's flag: job.json keeps the option (every resume and
+# resize writes it again, `status` and the launch's notes show it), so an overlay that set the key
+# would train with one value and record another. The scheduler's are the option's only where
+# pipectl's own schedule has them (an overlay may still give a constant-rate run a WarmupLR).
+OPTION_OWNED_KEYS = {
+    "optimizer.params.lr": "--lr", "optimizer.params.weight_decay": "--weight-decay",
+    "gradient_clipping": "--gradient-clipping", "scheduler.params.warmup_max_lr": "--lr",
+    "scheduler.params.warmup_num_steps": "--warmup-steps", "scheduler.params.total_num_steps": "--steps",
+}  # fmt: skip
+# Sections DeepSpeed reads as mappings whether or not pipectl's config has them.
+MAPPING_SECTIONS = ("optimizer", "optimizer.params", "scheduler", "scheduler.params")
+
+
 def merge_overlay(config: dict[str, Any], overlay: dict[str, Any]) -> dict[str, Any]:
     """`config` with the user's `overlay` merged in, section by section (a mapping merges into a
-    mapping, anything else replaces); an overlay that sets a key of `PLAN_OWNED_KEYS` is refused,
-    naming it.
+    mapping, anything else replaces); an overlay that sets a key of `PLAN_OWNED_KEYS` or of
+    `OPTION_OWNED_KEYS` (one pipectl's config has), or a mapping's place to anything else, is
+    refused, naming it.
 
-        >>> merge_overlay({"optimizer": {"type": "AdamW", "params": {"lr": 0.1}}}, {"optimizer": {"params": {"lr": 0.2}}})
-        {'optimizer': {'type': 'AdamW', 'params': {'lr': 0.2}}}
+        >>> merge_overlay({"optimizer": {"type": "AdamW", "params": {"lr": 0.1}}}, {"optimizer": {"params": {"eps": 1e-6}}})
+        {'optimizer': {'type': 'AdamW', 'params': {'lr': 0.1, 'eps': 1e-06}}}
     """
     for key in PLAN_OWNED_KEYS:
-        section, _, inner = key.partition(".")
-        value = overlay.get(section)
-        if (not inner and section in overlay) or (inner and isinstance(value, dict) and inner in value):
+        if _found(overlay, key):
             raise DeepSpeedConfigRejected(
                 f"the DeepSpeed config overlay sets {key}, which the plan owns",
                 hint="batch sizes, the pipeline cut, the ZeRO stage and the precision come from the plan: plan "
                 "again to change them (pipectl plan), or remove the key from the overlay",
             )
-    return _merged(config, overlay)
+    for key, flag in OPTION_OWNED_KEYS.items():
+        if _found(overlay, key) and (not key.startswith("scheduler.") or _found(config, key)):
+            raise DeepSpeedConfigRejected(
+                f"the DeepSpeed config overlay sets {key}, which launch's {flag} sets",
+                hint=f"remove it from the overlay and give {flag} (or its key in --config): the run keeps the option "
+                "in job.json, and every resume and resize writes it again",
+            )
+    return _merged(config, overlay, "")
 
 
-def _merged(base: dict[str, Any], overlay: dict[str, Any]) -> dict[str, Any]:
+def _found(config: dict[str, Any], key: str) -> bool:
+    """Whether the dotted `key` ('optimizer.params.lr') is set in `config`."""
+    *sections, last = key.split(".")
+    for section in sections:
+        config = config.get(section)
+        if not isinstance(config, dict):
+            return False
+    return last in config
+
+
+def _merged(base: dict[str, Any], overlay: dict[str, Any], where: str) -> dict[str, Any]:
     merged = dict(base)
     for key, value in overlay.items():
+        path = f"{where}{key}"
+        if not isinstance(value, dict) and (isinstance(merged.get(key), dict) or path in MAPPING_SECTIONS):
+            raise DeepSpeedConfigRejected(
+                f"the DeepSpeed config overlay sets {path} to {value!r}, where DeepSpeed reads a mapping of keys",
+                hint=f"give {path} as keys and values (DeepSpeed's config reference lists them), e.g. "
+                "optimizer: {params: {betas: [0.9, 0.95]}}",
+            )
         if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = _merged(merged[key], value)
+            merged[key] = _merged(merged[key], value, f"{path}.")
         else:
             merged[key] = value
     return merged
