@@ -231,6 +231,14 @@ def test_a_plan_value_out_of_range_is_named_where_the_file_set_it(tmp_path, text
     assert not (tmp_path / "plan.json").exists()
 
 
+def test_a_config_naming_no_profile_is_refused_in_one_line(tmp_path):
+    """`[model] profile = []` crashed the plan's check of its profiles with a traceback."""
+    (tmp_path / "job.toml").write_text('[model]\nprofile = []\n[cluster]\nname = "local"\n[training]\nglobal_batch = 16\n')
+    result = invoke("plan", "--config", tmp_path / "job.toml", "-o", tmp_path / "plan.json")
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert "job.toml [model] profile = []: is empty: name at least one" in result.output, result.output
+
+
 def test_the_printed_config_re_plans_the_same_plan_and_launch_keeps_its_global_batch(tmp_path, monkeypatch):
     """`launch --print-config` (no run directory needed) writes the plan's own keys too: `plan
     --config` from another folder makes the same request and the same choice; a file whose global
