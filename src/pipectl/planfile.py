@@ -57,8 +57,10 @@ def write_plan(
     """Write plan.json with the profile read from `profile_file` (and those of the cluster's other
     device kinds) copied beside it; returns the plan as written (with its references)."""
     path = check_output_file(path)  # before the profile copies are written beside it
+    sources = [Path(source) for source in [profile_file, *kind_profile_files]]
+    check_plan_output(path, sources)
     try:
-        refs = [_copied(Path(source), path.parent) for source in [profile_file, *kind_profile_files]]
+        refs = [_copied(source, path.parent) for source in sources]
         written = plan.model_copy(update={"profile": refs[0], "kind_profiles": refs[1:]})
         write_json_atomic(path, written)
     except OSError as exc:
@@ -67,6 +69,14 @@ def write_plan(
         beside = "" if Path(exc.filename) == path else f" (writing {exc.filename} beside it)"
         raise UserInputError(f"cannot write the plan {path}: {exc.strerror}{beside}") from None
     return written
+
+
+def check_plan_output(path: Path, profile_files: Sequence[Path]) -> None:
+    """plan.json is not to be written under the name of a profile copy it keeps beside itself: the
+    copy would be written, then the plan over it, and both lost."""
+    if path.name in {profile_copy_name(sha256_file(source)) for source in profile_files}:
+        raise UserInputError(f"-o {path} is the name of the profile copy the plan keeps beside itself",
+                             hint="name the plan otherwise, e.g. -o plan.json")
 
 
 def _copied(source: Path, folder: Path) -> ProfileRef:

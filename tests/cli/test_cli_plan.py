@@ -127,6 +127,25 @@ def test_output_that_is_an_input_or_a_runs_own_file_is_refused_and_left_alone(pr
     assert runner.invoke(app, plan_args(profile_path, run / "another-plan.json")).exit_code == 0
 
 
+def test_an_output_named_as_the_plans_profile_copy_or_its_model_config_is_refused(profile_path, tmp_path):
+    """-o profile-<sha>.json wrote the profile copy, then the plan over it (the plan and every plan
+    beside it broken); -o mine.yaml replaced the model config launch builds the model from."""
+    from pipectl.io import sha256_file
+    from pipectl.planfile import profile_copy_name
+
+    copy = tmp_path / profile_copy_name(sha256_file(profile_path))
+    result = runner.invoke(app, plan_args(profile_path, copy))
+    assert result.exit_code == 2 and "is the name of the profile copy the plan keeps beside itself" in result.output
+    assert not copy.exists()
+    model = tmp_path / "mine.yaml"
+    model.write_text("name: mine\n")
+    profiled = tmp_path / "mine-profile.json"
+    profiled.write_text(json.dumps({**json.loads(profile_path.read_text()), "model_reference": str(model)}))
+    result = runner.invoke(app, plan_args(profiled, model))
+    assert result.exit_code == 2 and f"-o {model} is the model config {profiled} was profiled from" in result.output
+    assert model.read_text() == "name: mine\n"
+
+
 def test_an_output_the_system_refuses_is_named_without_a_traceback(profile_path, tmp_path):
     result = runner.invoke(app, plan_args(profile_path, Path("/proc/pipectl-plan.json")))
     assert result.exit_code == 2 and "cannot write the plan /proc/pipectl-plan.json" in result.output

@@ -210,6 +210,14 @@ def test_export_plan_writes_a_plan_made_without_emit_or_names_what_the_framework
     done = pipectl("export-plan", "plan.json", "--to", "deepspeed", "-o", "ds", cwd=tmp_path)
     assert done.returncode == 0, said(done)
     assert (tmp_path / "ds" / "ds_config.json").is_file() and (tmp_path / "ds" / "ds_pipeline.py").is_file()
+    # Into a run directory: its own ds_config.json was replaced (`plan --emit` into one was refused).
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "job.json").write_text("{}")
+    (tmp_path / "run" / "ds_config.json").write_text("{}")
+    done = pipectl("export-plan", "plan.json", "--to", "deepspeed", "-o", "run", cwd=tmp_path)
+    assert done.returncode == 2 and "run is a run directory, and ds_config.json is the run's own" in done.stderr, said(done)
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["ds_config.json", "job.json"]
+    assert (tmp_path / "run" / "ds_config.json").read_text() == "{}"
     done = pipectl("plan", "--profile", "p.json", "--cluster", "local", "--devices", "2", "--global-batch", "8",
                    "--pipeline-parallel", "2", "--schedule", "gpipe", "-o", "gpipe.json", cwd=tmp_path)
     assert done.returncode == 0, said(done)

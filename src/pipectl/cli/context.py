@@ -65,13 +65,13 @@ def refuse_overwriting(output: Path, inputs: Mapping[str, str | os.PathLike[str]
     directory's own file (`artifacts.run.is_run_file`): writing it would replace what this
     command, or a run, reads. Checked before any work."""
     for what, source in inputs.items():
-        if source is not None and _same_file(output, Path(source)):
+        if source is not None and same_file(output, Path(source)):
             raise UserInputError(f"-o {output} is the {what} this command reads; write the result elsewhere")
     if is_run_file(output):
         raise UserInputError(f"-o {output} is a file of the run in {output.parent}; write the result elsewhere")
 
 
-def _same_file(a: Path, b: Path) -> bool:
+def same_file(a: Path, b: Path) -> bool:
     try:
         return a.exists() and b.exists() and os.path.samefile(a, b)
     except OSError:  # a name the system refuses is no file this command reads

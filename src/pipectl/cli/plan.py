@@ -18,7 +18,7 @@ from pipectl.artifacts.calibration import RunsCalibration
 from pipectl.artifacts.cluster import ClusterSpec
 from pipectl.artifacts.plan import Engine, Plan, PlanRequest, RecomputeChoice
 from pipectl.artifacts.profile import ModelProfile
-from pipectl.cli.context import JsonFlag, console, err_console, from_options, print_json, refuse_overwriting
+from pipectl.cli.context import JsonFlag, console, err_console, from_options, print_json, refuse_overwriting, same_file
 from pipectl.cli.options import ConfigOption, file_layers, passed_flags, with_options
 from pipectl.cluster import (
     calibrated_cluster, check_profiles_calibrated_alike, links_read, load_calibration_for, load_cluster, local_cluster,
@@ -31,7 +31,7 @@ from pipectl.paths import given_file
 from pipectl.plan.frameworks import framework_request
 from pipectl.plan.options import PlanOptions, plan_sections
 from pipectl.plan.search import plan
-from pipectl.planfile import check_kind_profiles, write_plan
+from pipectl.planfile import check_kind_profiles, check_plan_output, write_plan
 from pipectl.report.plan_table import plan_utilisations, plan_view
 from pipectl.schedule import ScheduleKind
 
@@ -268,6 +268,10 @@ def plan_command(
                                 "--calibration file": options.calibration})
     profiles = [load_model(ModelProfile, path) for path in profile]
     check_kind_profiles([(str(path), p) for path, p in zip(profile, profiles)])
+    check_plan_output(output, profile)
+    for path, read in zip(profile, profiles):  # not read here, but launch builds the model from it
+        if read.model_reference and same_file(output, Path(read.model_reference)):
+            raise UserInputError(f"-o {output} is the model config {path} was profiled from; write the plan elsewhere")
     cluster_spec = read_cluster = load_cluster(options.cluster)
     calibration = None
     if cluster_spec.local and options.devices is not None:

@@ -16,6 +16,7 @@ from pathlib import Path
 from pipectl.artifacts.model import ModelConfig
 from pipectl.artifacts.plan import Candidate, Framework, Plan
 from pipectl.artifacts.profile import ModelProfile
+from pipectl.artifacts.run import is_run_file
 from pipectl.cluster import plan_cluster_spec
 from pipectl.emit.common import Origin, Target, short_label
 from pipectl.emit.deepspeed import deepspeed_files
@@ -105,7 +106,12 @@ def _devices_per_node(plan: Plan) -> int:
 
 
 def write_files(folder: Path, files: dict[str, str]) -> list[Path]:
-    """Write each file under `folder` (made as needed); the paths written, in order."""
+    """Write each file under `folder` (made as needed); the paths written, in order. A run
+    directory's own file (its ds_config.json) is never replaced: refused before anything is written."""
+    own = next((name for name in files if is_run_file(folder / name)), None)
+    if own is not None:
+        raise UserInputError(f"{folder} is a run directory, and {own} is the run's own: write the files elsewhere",
+                             hint="give another folder with -o")
     written = []
     for name, text in files.items():
         path = folder / name
