@@ -314,8 +314,8 @@ def given(options: Layered, name: str) -> str:
 
 def _named(name: str, assign: str, value: Any) -> str:
     """`--steps 2`, `--tensorboard` (a switch that is on), `job.toml [training] steps = 2`."""
-    if assign == " " and value is True:
-        return name
+    if assign == " " and isinstance(value, bool) and name.startswith("--"):
+        return name if value else f"--no-{name[2:]}"  # a switch, as typed: `--tensorboard`, `--no-morph`
     return f"{name}{assign}{_shown(value, bare=assign == ' ')}"
 
 
@@ -356,6 +356,8 @@ def _shown(value: Any, *, bare: bool = False) -> str:
     value = os.fspath(value) if isinstance(value, os.PathLike) else value  # a path flag: as typed, not PosixPath(...)
     if bare and isinstance(value, (list, tuple)):  # a comma list flag: `--hosts n1,n2`
         value = ",".join(map(str, value))
+    if bare and isinstance(value, float) and value == value and float(f"{value:g}") == value:
+        value = f"{value:g}"  # `--mtbf-hours 5` as typed, not 5.0
     shown = value if bare and isinstance(value, str) else repr(value)
     return shown if len(shown) <= 120 else shown[:117] + "..."
 

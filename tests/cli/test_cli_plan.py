@@ -146,6 +146,19 @@ def test_an_output_named_as_the_plans_profile_copy_or_its_model_config_is_refuse
     assert model.read_text() == "name: mine\n"
 
 
+@pytest.mark.parametrize("flags, said", [
+    (["--objective", "cost-deadline", "--deadline-hours", "1", "--tokens", "1B", "--samples", "5"],
+     "--samples 5 and --tokens 1B both say how much to train on: give one"),
+    (["--deadline-hours", "1"], "--deadline-hours 1 is for the cost-deadline objective, but the objective is time"),
+    (["--objective", "cost", "--tokens", "1B"], "--tokens 1B is for the cost-deadline objective, but the objective is cost"),
+    (["--no-morph", "--morph-table"], "--morph-table prints the morph table, which --no-morph skips"),
+])  # fmt: skip
+def test_a_value_another_makes_meaningless_is_refused_not_ignored(profile_path, tmp_path, flags, said):
+    result = runner.invoke(app, [*plan_args(profile_path, tmp_path / "plan.json"), *flags])
+    assert result.exit_code == 2 and said in result.output, result.output
+    assert not (tmp_path / "plan.json").exists()
+
+
 def test_an_output_the_system_refuses_is_named_without_a_traceback(profile_path, tmp_path):
     result = runner.invoke(app, plan_args(profile_path, Path("/proc/pipectl-plan.json")))
     assert result.exit_code == 2 and "cannot write the plan /proc/pipectl-plan.json" in result.output

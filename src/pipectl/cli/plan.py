@@ -29,7 +29,7 @@ from pipectl.errors import UserInputError
 from pipectl.io import check_output_file, load_model
 from pipectl.paths import given_file
 from pipectl.plan.frameworks import framework_request
-from pipectl.plan.options import PlanOptions, plan_sections
+from pipectl.plan.options import PlanOptions, check_together, plan_sections
 from pipectl.plan.search import plan
 from pipectl.planfile import check_kind_profiles, check_plan_output, write_plan
 from pipectl.report.plan_table import plan_utilisations, plan_view
@@ -212,6 +212,21 @@ def _engine_and_emit_counts(options: PlanOptions, any_engine: bool) -> tuple[Eng
     return Engine.ANY if any_engine else (engine or Engine.DEEPSPEED), emit_counts
 
 
+def _read_profiles(profile: list[Path], output: Path, options: PlanOptions) -> list[ModelProfile]:
+    """The profiles, read and checked together, once `output` is known to replace nothing a plan or
+    this command needs: an input, a run's file, the plan's profile copy, the model config."""
+    check_output_file(output)
+    refuse_overwriting(output, {**{f"--profile {path}": path for path in profile}, "--cluster file": options.cluster,
+                                "--calibration file": options.calibration})
+    profiles = [load_model(ModelProfile, path) for path in profile]
+    check_kind_profiles([(str(path), p) for path, p in zip(profile, profiles)])
+    check_plan_output(output, profile)
+    for path, read in zip(profile, profiles):  # not read here, but launch builds the model from it
+        if read.model_reference and same_file(output, Path(read.model_reference)):
+            raise UserInputError(f"-o {output} is the model config {path} was profiled from; write the plan elsewhere")
+    return profiles
+
+
 def _write_plan_files(
     output: Path, made: Plan, options: PlanOptions, profile: list[Path], model: ModelProfile, emit_counts: list[int],
     read: tuple[ClusterSpec, RunsCalibration | None],
@@ -260,18 +275,11 @@ def plan_command(
 ) -> None:
     """Search t, p, d, b, v, schedule, recomputation and ZeRO stage; write plan.json."""
     options = layered(PlanOptions, [*file_layers(PlanOptions, config), passed_flags(ctx, PlanOptions)])
+    check_together(options)
     if options.emit is not None and output.suffix != ".json":
         output = output / "plan.json"  # -o DIR: plan.json and the framework's files in it
-    check_output_file(output)
     profile = [Path(path) for path in options.profile]
-    refuse_overwriting(output, {**{f"--profile {path}": path for path in profile}, "--cluster file": options.cluster,
-                                "--calibration file": options.calibration})
-    profiles = [load_model(ModelProfile, path) for path in profile]
-    check_kind_profiles([(str(path), p) for path, p in zip(profile, profiles)])
-    check_plan_output(output, profile)
-    for path, read in zip(profile, profiles):  # not read here, but launch builds the model from it
-        if read.model_reference and same_file(output, Path(read.model_reference)):
-            raise UserInputError(f"-o {output} is the model config {path} was profiled from; write the plan elsewhere")
+    profiles = _read_profiles(profile, output, options)
     cluster_spec = read_cluster = load_cluster(options.cluster)
     calibration = None
     if cluster_spec.local and options.devices is not None:

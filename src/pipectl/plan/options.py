@@ -16,7 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from pipectl.artifacts.base import Strict
 from pipectl.artifacts.plan import Engine, Framework, Objective, Plan
-from pipectl.config import Layered, Opt
+from pipectl.config import Layered, Opt, given
+from pipectl.errors import UserInputError
 from pipectl.schedule import ScheduleKind
 
 SCHEDULE_NAMES = ", ".join(kind.value for kind in ScheduleKind)
@@ -195,3 +196,23 @@ def plan_sections(plan: Plan, plan_dir: Path) -> dict[str, dict[str, Any]]:
         "plan": search,
     }
     return {name: {key: value for key, value in keys.items() if value is not None} for name, keys in sections.items()}
+
+
+def check_together(options: PlanOptions) -> None:
+    """A value another one makes meaningless is refused, not ignored (it would be believed to
+    count): the amount to train on twice, the cost-deadline objective's figures under another
+    objective, the whole morph table of a plan that computes none."""
+    if options.samples is not None and options.tokens is not None:
+        raise UserInputError(
+            f"{given(options, 'samples')} and {given(options, 'tokens')} both say how much to train on: give one"
+        )
+    if options.objective is not Objective.COST_DEADLINE:
+        for name in ("deadline_hours", "samples", "tokens"):
+            if getattr(options, name) is not None:
+                raise UserInputError(
+                    f"{given(options, name)} is for the cost-deadline objective, but the objective is "
+                    f"{options.objective.value}",
+                    hint="add --objective cost-deadline, or leave it out",
+                )
+    if options.full_morph and not options.morph:
+        raise UserInputError(f"{given(options, 'full_morph')} prints the morph table, which {given(options, 'morph')} skips")
