@@ -13,7 +13,7 @@ from pipectl.artifacts.plan import PlanRequest
 from pipectl.artifacts.profile import EngineFeatures
 from pipectl.artifacts.cluster import ClusterSpec
 from pipectl.cluster import LinkCost
-from pipectl.errors import UserInputError
+from pipectl.errors import PipectlError, UserInputError
 from pipectl.plan.costs import exposed_tensor_parallel_seconds, hardware_for, layer_seconds, tensor_parallel_communication
 from pipectl.plan.cost_table import overlapped_data_parallel_seconds, stage_costs
 from pipectl.plan.placement import tensor_parallel_link
@@ -238,6 +238,12 @@ def test_an_engine_with_uniform_stages_plans_its_even_cut_only():
         assert set(blocks) == {8 // (4 * candidate.chunks)}
     # v = 4 would need 16 blocks: only 1 and 2 chunks are planned.
     assert {c.chunks for c in result.candidates} <= {1, 2}
+    # More stages than blocks is no matter of memory: refused as what it is, named in the example.
+    with pytest.raises(PipectlError) as refused:
+        plan(profile, _cluster(2), PlanRequest(global_batch=16, devices=10, tensor_parallel=1, pipeline_parallel=10,
+                                               morph=False, workers=1, engine="any", schedule="1f1b"))
+    assert "the engine splits its blocks evenly" in refused.value.message, refused.value.message
+    assert "8 blocks over p=10 x v=1 stages" in refused.value.message and "memory" not in refused.value.message
 
 
 def test_an_engine_whose_transfers_block_is_timed_as_rendezvous():

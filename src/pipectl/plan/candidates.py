@@ -52,6 +52,7 @@ class Rejection(str, Enum):
     ZBV_MICRO_BATCHES = "zbv needs at least 2p - 1 micro-batches per replica"
     SHARDED_GRADIENTS_UNEVEN = "ZeRO-2/3 reduce after every micro-batch: replicas must run as many"
     TOO_FEW_LAYERS = "fewer layers than (virtual) stages"
+    BLOCKS_NOT_EVEN = "the engine splits its blocks evenly: fewer blocks than (virtual) stages, or not a multiple"
     DEADLINE = "misses the deadline"
     TENSOR_PARALLEL_NOT_PROFILED = "tensor-parallel degree across nodes without shard costs in the profile"
 
@@ -337,6 +338,7 @@ class ShapeBuilder:
         # Whether the engine priced splits the blocks evenly over the stages (`EngineFeatures.uniform_stages`):
         # then each pipeline has that cut only (`uniform_shape`).
         self.uniform_stages = hardware.features is not None and hardware.features.uniform_stages
+        self.blocks = sum(1 for layer in profile.layers if layer.kind == TRANSFORMER_BLOCK)
         links = hardware.links
         # The cheaper link for an activation transfer (the bound's transfer time per cut).
         self._fastest_link = links.intra if links.intra.seconds(1e6) <= links.inter.seconds(1e6) else links.inter
@@ -413,8 +415,7 @@ class ShapeBuilder:
         key = (t, b, recompute, p, v, "uniform", v_placement)
         if key not in self._shapes:
             kinds = layer_table(self.profile, b, t).kinds
-            blocks = sum(1 for kind in kinds if kind == TRANSFORMER_BLOCK)
-            cuts = None if v > 1 and blocks % (p * v) else uniform_cuts(kinds, p * v)
+            cuts = None if v > 1 and self.blocks % (p * v) else uniform_cuts(kinds, p * v)
             self._shapes[key] = (  # type: ignore[assignment]
                 None if cuts is None else self.shape_from_cuts(t, b, recompute, p, v, cuts, v_placement=v_placement)
             )

@@ -180,6 +180,11 @@ class UnitContext:
                             f"p={p} x v={v} stages > {count(builder.cuttable_layers, 'layer')}", len(ds.value),
                         )
                         continue
+                    if builder.uniform_stages and (builder.blocks < p * v or (v > 1 and builder.blocks % (p * v))):
+                        # `ShapeBuilder.uniform_shape` has no cut: not a matter of memory.
+                        rejections.add(Rejection.BLOCKS_NOT_EVEN, f"{count(builder.blocks, 'block')} over p={p} x v={v} "
+                                       "stages", len(ds.value))  # fmt: skip
+                        continue
                     demands = points.get((p, variant))
                     if demands is None:
                         demands = points[(p, variant)] = self._demands(key, ds.value)
