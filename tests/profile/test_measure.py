@@ -116,6 +116,22 @@ def test_nothing_fits_is_a_user_error(gpt_tiny):
         profile_model(gpt_tiny, [1], warmup=0, repeats=1, memory_budget_bytes=1024)
 
 
+def test_a_batch_larger_than_host_memory_is_not_made(gpt_tiny):
+    """-b 99999999 asked make_batch for the whole batch (tens of GB) before anything checked it: the
+    host allocated, or swapped, and the error blamed the model's make_batch."""
+    from dataclasses import replace
+
+    calls = []
+    make_batch = gpt_tiny.make_batch
+    gpt_tiny = replace(gpt_tiny, make_batch=lambda size, generator: calls.append(size) or make_batch(size, generator))
+    profile = profile_model(gpt_tiny, [1, 99_999_999], warmup=0, repeats=1, runtime=False)
+    assert profile.micro_batch_sizes == [1] and profile.not_fitting_micro_batch_size == 99_999_999
+    assert 99_999_999 not in calls
+    with pytest.raises(UserInputError, match="does not fit even at micro-batch size 99999999") as refused:
+        profile_model(gpt_tiny, [99_999_999], warmup=0, repeats=1, runtime=False)
+    assert "its batch alone would take" in refused.value.hint and "host memory" in refused.value.hint
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [

@@ -52,6 +52,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+import psutil
 import torch
 
 from pipectl.artifacts.profile import LayerCost, LayerProfile, ModelProfile, ProfileSource, ShardProfile
@@ -59,6 +60,7 @@ from pipectl.artifacts.run import Precision
 from pipectl.cluster import host_state
 from pipectl.errors import PipectlError, UserInputError
 from pipectl.models.base import ModelLayers
+from pipectl.plan.memory import format_gib
 from pipectl.profile.runtime_calibration import CUDA_TWO_RANK_NOTE, calibrate_runtime
 from pipectl.models.layer_facts import block_indices, check_tensor_parallel, identical_layers
 from pipectl.profile.layer_timing import (
@@ -336,7 +338,14 @@ def _profile(
     # How busy the host is, before this process adds to it, and how steady its timings are.
     load_before = host_state()
 
+    per_sample = _batch_bytes(model, seed)
     for size in sizes:
+        available = psutil.virtual_memory().available
+        if per_sample * size > available:  # before make_batch: a huge -b would allocate, then fail or swap
+            not_fitting = size
+            notes.append(f"micro-batch size {size}: its batch alone would take {format_gib(per_sample * size)} of "
+                         f"host memory, {format_gib(available)} available; stopped there")
+            break
         generator = torch.Generator().manual_seed(seed + size)
         with model_code(f"the model's make_batch({size}, generator)",
                         hint="make_batch(micro_batch_size, generator) returns (inputs, labels)"):
@@ -463,6 +472,23 @@ def device_memory_bytes(device: torch.device) -> int | None:
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
     return int(torch.cuda.get_device_properties(index).total_memory)
+
+
+def _batch_bytes(model: ModelLayers, seed: int) -> int:
+    """Bytes of one sample's inputs and labels as make_batch(1) makes them: a batch of b takes b
+    times that (no measured model keeps per-batch constants of any size)."""
+    with model_code("the model's make_batch(1, generator)",
+                    hint="make_batch(micro_batch_size, generator) returns (inputs, labels)"):
+        batch = model.make_batch(1, torch.Generator().manual_seed(seed))
+
+    def size(value: Any) -> int:
+        if isinstance(value, torch.Tensor):
+            return value.nelement() * value.element_size()
+        if isinstance(value, dict):
+            return sum(size(v) for v in value.values())
+        return sum(size(v) for v in value) if isinstance(value, (list, tuple)) else 0
+
+    return size(batch)
 
 
 def _over_budget(
