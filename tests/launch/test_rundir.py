@@ -186,6 +186,15 @@ def test_force_deletes_only_a_run_not_any_folder_holding_a_job_json(tmp_path, jo
     assert (folder / "notes.txt").read_text() == "mine"
 
 
+@pytest.mark.parametrize("write", [False, True])
+def test_a_run_directory_that_cannot_be_created_is_refused_by_a_dry_run_too(tmp_path, write):
+    """--run-dir mine.yaml/sub: a dry run said all was well, and the launch failed."""
+    (tmp_path / "mine.yaml").write_text("name: mine\n")
+    with pytest.raises(UserInputError, match=r"cannot create run directory .*mine.yaml/sub: .*mine.yaml is not a folder"):
+        prepare_launch(tiny_plan(), tmp_path / "mine.yaml" / "sub", LaunchOptions(steps=5), write=write)
+    assert (tmp_path / "mine.yaml").read_text() == "name: mine\n"
+
+
 def test_model_must_have_the_plans_layer_count(tmp_path):
     with pytest.raises(UserInputError, match="has 9 layers but the plan cuts 10"):
         prepare_launch(tiny_plan(layers=10, cuts=((0, 4), (4, 10))), tmp_path / "r", LaunchOptions())

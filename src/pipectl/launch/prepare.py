@@ -85,6 +85,11 @@ def check_run_dir(run_dir: str | os.PathLike[str], *, resume: bool = False, forc
         raise UserInputError("--resume and --force contradict each other: keep the run, or start over")
     if path.exists() and not path.is_dir():
         raise UserInputError(f"run directory {path} is a file")
+    above = next((folder for folder in path.absolute().parents if folder.exists()), None)
+    if not path.exists() and above is not None and not (above.is_dir() and os.access(above, os.W_OK | os.X_OK)):
+        # A dry run creates nothing: what would stop the launch from creating it is said now.
+        why = "is not a folder" if not above.is_dir() else "is not writable"
+        raise UserInputError(f"cannot create run directory {path}: {above} {why}", hint="choose another --run-dir")
     if path.is_dir() and any(entry.name != LOCK_FILE for entry in path.iterdir()):
         if not is_run_dir(path):
             if resume:
