@@ -98,6 +98,18 @@ def _bool_config(tmp_path: Path) -> Path:
     return path
 
 
+def _config(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    return path
+
+
+def _real_plan(tmp_path: Path) -> str:
+    from builders import write_plan
+
+    return str(write_plan(tmp_path / "real-plan.json"))
+
+
 def _plan_file(tmp_path: Path) -> Path:
     path = tmp_path / "plan.json"  # what a plan holds at the top, as far as telling kinds apart goes
     path.write_text('{"model_shape": {}, "request": {}, "chosen": {}}')
@@ -187,6 +199,19 @@ CASES = {
                                     "pipectl profile gpt-tiny --derive --device a100-80gb"),
     "derive for two devices": (lambda t: ["profile", "gpt-tiny", "--derive", "--device", "a100-80gb", "--device-kind",
                                           "h100-80gb"], "--device a100-80gb and --device-kind h100-80gb"),
+    # '' (an unset shell variable) was taken as no value (--model ''), or as '.' for a path (". is a directory").
+    "an empty option value": (lambda t: ["launch", str(_plan_file(t)), "--run-dir", "r", "--model", "", "--dry-run"],
+                              "--model '': empty; give a value, or leave it out"),
+    "an empty path": (lambda t: ["plan", "--profile", "", "--cluster", "local", "--global-batch", "4"],
+                      "--profile '': empty"),
+    "an empty argument": (lambda t: ["profile", "show", ""], "an argument '': empty"),
+    "an empty value after =": (lambda t: ["plan", "--profile", _profile(t), "--cluster=", "--global-batch", "4"],
+                               "--cluster '': empty"),
+    "a negative interval in a config file": (
+        lambda t: ["launch", _real_plan(t), "--run-dir", "r", "--dry-run", "--config", str(_config(t, "[checkpoint]\nevery = -4\n"))],
+        "job.toml [checkpoint] every = -4: not a step count"),
+    "calibrate two CSVs": (lambda t: ["calibrate", _conditions(t), _conditions(t), "-c", _conditions(t)],
+                           "is a file among 2 arguments"),
     "links bad size": (lambda t: ["profile", "links", "--message-sizes", "1KiB,lots"], "lots"),
     "links bad device": (lambda t: ["profile", "links", "--device", "fpga"], "fpga"),
 }

@@ -292,7 +292,7 @@ def test_a_slurm_value_that_could_break_the_script_is_refused(tmp_path):
 
 @pytest.mark.parametrize("flags, said", [
     # An empty value (an unset shell variable) used to unset the cluster file's partition silently.
-    (["--partition", ""], "--partition '': should be one or more letters, digits or any of _.:,@%+=/-, without spaces"),
+    (["--partition", ""], "--partition '': empty; give a value, or leave it out"),
     (["--account", "my project"], "--account 'my project': should be one or more letters"),
     (["--wandb", "a b"], "--wandb 'a b': should be 1 to 128 letters, digits or any of _.-, without spaces"),
 ])  # fmt: skip
@@ -303,6 +303,15 @@ def test_a_value_of_the_wrong_characters_is_refused_in_words_not_a_pattern(tmp_p
     )  # fmt: skip
     assert result.exit_code == 2 and said in " ".join(result.output.split()), result.output
     assert "pattern" not in result.output and not (tmp_path / "run").exists()
+
+
+def test_an_empty_slurm_value_in_a_config_file_is_refused_in_words(tmp_path):
+    plan = write_json_atomic(tmp_path / "plan.json", gpt3_plan())
+    (tmp_path / "job.toml").write_text('[slurm]\naccount = ""\n')
+    result = CliRunner().invoke(app, ["launch", str(plan), "--run-dir", str(tmp_path / "run"), "--engine", "slurm",
+                                      "--bf16", "--dry-run", "--config", str(tmp_path / "job.toml")])  # fmt: skip
+    assert result.exit_code == 2, result.output
+    assert "job.toml [slurm] account = '': should be one or more letters" in " ".join(result.output.split())
 
 
 def test_a_cluster_files_slurm_value_of_the_wrong_characters_is_refused_in_words(tmp_path):

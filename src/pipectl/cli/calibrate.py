@@ -49,6 +49,12 @@ def register(app: typer.Typer) -> None:
         if len(runs) == 1 and (runs[0].is_file() or runs[0].suffix.lower() == ".csv"):
             _calibrate_measured(runs[0], conditions, folds, output or Path("calibration.json"), json_output)
             return
+        files = [run for run in runs if run.is_file() or run.suffix.lower() == ".csv"]
+        if files:  # more than one file, or a file among run directories
+            raise UserInputError(f"{files[0]} is a file among {len(runs)} arguments: give one CSV of measured runs "
+                                 "(with --conditions), or run directories only",
+                                 hint="pipectl calibrate MEASURED.csv --conditions CONDITIONS.yaml; or pipectl calibrate "
+                                 "runs/a runs/b")  # fmt: skip
         if conditions is not None:
             raise UserInputError("--conditions goes with a CSV of measured runs, not with run directories")
         _calibrate_runs(runs, output or Path("calibrated.json"), json_output)

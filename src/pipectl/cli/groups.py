@@ -58,6 +58,10 @@ class ErrorReportingGroup(TyperGroup):
         return sorted(names, key=lambda name: WORKFLOW.index(name) if name in WORKFLOW else len(WORKFLOW))
 
     def invoke(self, ctx):  # type: ignore[override]
+        empty = empty_value(getattr(self, "given_args", []))
+        if empty is not None:  # click takes '' as a value (a Path '' is '.', the current folder)
+            self._report(f"{empty}: empty; give a value, or leave it out", None)
+            ctx.exit(2)
         try:
             return super().invoke(ctx)
         except PipectlError as exc:
@@ -205,6 +209,26 @@ def _usage_message(exc: Exception, args: list[str]) -> str:
             return f"{opt} {value!r}: not a number"
         return f"{opt} {value!r}: {exc.message.removeprefix('Value error, ')}"  # type: ignore[attr-defined]
     return message
+
+
+def empty_value(args: list[str]) -> str | None:
+    """The first empty value on a command line, as given (an unset shell variable: `--model "$M"`),
+    or None. No option or argument of pipectl's means anything by ''.
+
+        >>> empty_value(["launch", "plan.json", "--model", "", "--dry-run"]), empty_value(["plan", "--tokens="])
+        ("--model ''", "--tokens ''")
+        >>> empty_value(["profile", "show", ""]), empty_value(["plan", "-o", "p.json"])
+        ("an argument ''", None)
+    """
+    for index, arg in enumerate(args):
+        if arg == "--":
+            continue
+        if arg.startswith("--") and arg.endswith("=") and len(arg) > 3:
+            return f"{arg[:-1]} ''"
+        if arg == "":
+            before = args[index - 1] if index else ""
+            return f"{before} ''" if before.startswith("-") and before != "--" and "=" not in before else "an argument ''"
+    return None
 
 
 def _given_value(opt: str, args: list[str]) -> str | None:

@@ -346,8 +346,8 @@ class LaunchOptions(Strict, Layered):
     @field_validator("checkpoint_every", mode="before")
     @classmethod
     def _interval_parsed(cls, value: Any) -> Any:
-        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-            value = str(value)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):  # a config file's number
+            value = str(value)  # parsed as typed: -4 and 4.5 are refused in its words, not as "not a string"
         if isinstance(value, str):
             parse_checkpoint_interval(value)
             return value.strip().lower()

@@ -340,18 +340,12 @@ def _profile(
 
     per_sample = _batch_bytes(model, seed)
     for size in sizes:
-        available = psutil.virtual_memory().available
-        if per_sample * size > available:  # before make_batch: a huge -b would allocate, then fail or swap
+        too_large = _beyond_host_memory(per_sample, size)  # before make_batch: it would allocate, then fail or swap
+        if too_large is not None:
             not_fitting = size
-            notes.append(f"micro-batch size {size}: its batch alone would take {format_gib(per_sample * size)} of "
-                         f"host memory, {format_gib(available)} available; stopped there")
+            notes.append(too_large)
             break
-        generator = torch.Generator().manual_seed(seed + size)
-        with model_code(f"the model's make_batch({size}, generator)",
-                        hint="make_batch(micro_batch_size, generator) returns (inputs, labels)"):
-            inputs, labels = model.make_batch(size, generator)
-        inputs = to_device(inputs, device, dtype)
-        labels = to_device(labels, device, dtype)
+        inputs, labels = _batch(model, size, seed, device, dtype)
         try:
             runs, taken_from = untimed_pass(under_test, inputs, labels, model.loss_fn)
         except torch.cuda.OutOfMemoryError:
@@ -474,6 +468,15 @@ def device_memory_bytes(device: torch.device) -> int | None:
     return int(torch.cuda.get_device_properties(index).total_memory)
 
 
+def _batch(model: ModelLayers, size: int, seed: int, device: torch.device, dtype: torch.dtype) -> tuple[Any, Any]:
+    """The model's batch of `size` samples (its own seed per size) on `device`: (inputs, labels)."""
+    generator = torch.Generator().manual_seed(seed + size)
+    with model_code(f"the model's make_batch({size}, generator)",
+                    hint="make_batch(micro_batch_size, generator) returns (inputs, labels)"):
+        inputs, labels = model.make_batch(size, generator)
+    return to_device(inputs, device, dtype), to_device(labels, device, dtype)
+
+
 def _batch_bytes(model: ModelLayers, seed: int) -> int:
     """Bytes of one sample's inputs and labels as make_batch(1) makes them: a batch of b takes b
     times that (no measured model keeps per-batch constants of any size)."""
@@ -489,6 +492,15 @@ def _batch_bytes(model: ModelLayers, seed: int) -> int:
         return sum(size(v) for v in value) if isinstance(value, (list, tuple)) else 0
 
     return size(batch)
+
+
+def _beyond_host_memory(per_sample: int, size: int) -> str | None:
+    """Why a batch of `size` samples of `per_sample` bytes is not made, or None when the host has the memory."""
+    available = psutil.virtual_memory().available
+    if per_sample * size <= available:
+        return None
+    return (f"micro-batch size {size}: its batch alone would take {format_gib(per_sample * size)} of host memory, "
+            f"{format_gib(available)} available; stopped there")
 
 
 def _over_budget(
