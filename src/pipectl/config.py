@@ -146,6 +146,8 @@ class ConfigFile:
                     values[field.name] = dict(section)
             elif field.key in section:
                 value = section[field.key]
+                if value == "" or (isinstance(value, list) and "" in value):  # as on the command line (`cli.groups`)
+                    raise UserInputError(f"{self.where(model, field.name)} = '': empty; give a value, or leave the key out")
                 if field.path:
                     value = [self._beside(v) for v in value] if isinstance(value, list) else self._beside(value)
                 values[field.name] = value
