@@ -121,6 +121,7 @@ def test_a_path_missing_beside_the_file_is_not_taken_from_where_the_command_runs
         # '' was no value (a path's '' was '.', "is a directory"), as on the command line.
         ('[data]\nsource = ""\n', "[data] source = '': empty; give a value, or leave the key out"),
         ('[cluster]\nhosts = ["n1", ""]\n', "[cluster] hosts = '': empty"),
+        ("[data]\nsource = {}\n", "[data] source = {}: the data is named by a string"),  # it read as builtin
     ],
 )
 def test_a_bad_config_file_is_refused_naming_the_file_section_and_key(tmp_path, text, message):

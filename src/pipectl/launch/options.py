@@ -337,6 +337,8 @@ class LaunchOptions(Strict, Layered):
     def _data_parsed(cls, value: Any, info: ValidationInfo) -> Any:
         if isinstance(value, str) and (info.context or {}).get("stored") and Path(value).is_absolute():
             return DataSpec(kind=DataKind.FILE, path=value)  # a run's record: the file may be gone since
+        if isinstance(value, dict):  # a config file's table: not how a source is named (it read as 'builtin')
+            raise ValueError("the data is named by a string: builtin, synthetic, a file's path or package.module:function")
         return parse_data(value) if isinstance(value, str) else value
 
     @field_serializer("data")
