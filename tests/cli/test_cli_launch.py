@@ -458,6 +458,25 @@ def test_resume_keeps_what_was_not_passed_and_refuses_another_global_batch(tmp_p
     assert json.loads((run / "job.json").read_text())["global_batch_changes"] == ["B 8 -> 16 after step 4"]
 
 
+def test_a_stored_overlay_that_sets_an_options_key_still_resumes(tmp_path):
+    """A run launched before overlays were refused keys a launch option sets (gradient_clipping:
+    0.3 was accepted) resumes with its overlay; a new overlay setting one is refused."""
+    plan = write_plan(tmp_path / "plan.json")
+    run = tmp_path / "run"
+    assert invoke("launch", plan, "--run-dir", run, "--engine", "slurm", "--steps", "12").exit_code == 0
+    job = json.loads((run / "job.json").read_text())
+    job["ds_config_overlay"] = {"gradient_clipping": 0.3}
+    job["options"].setdefault("deepspeed", {})["overlay"] = {"gradient_clipping": 0.3}
+    (run / "job.json").write_text(json.dumps(job))
+    _commit_checkpoint(run, 4)
+    resumed = invoke("launch", plan, "--run-dir", run, "--resume", "--dry-run", "--json")
+    assert resumed.exit_code == 0, resumed.output
+    assert json.loads(resumed.output)["ds_config"]["gradient_clipping"] == 0.3
+    (tmp_path / "lr.json").write_text('{"optimizer": {"params": {"lr": 0.5}}}')
+    refused = invoke("launch", plan, "--run-dir", run, "--resume", "--dry-run", "--ds-config-overlay", tmp_path / "lr.json")
+    assert refused.exit_code == 2 and "sets optimizer.params.lr, which launch's --lr sets" in refused.output, refused.output
+
+
 def test_resume_refuses_a_plan_of_another_model_before_touching_the_run(tmp_path):
     """The run's checkpoint holds another model's tensors: refused before any rank starts, the
     run's files as they were (the ranks used to fail loading it, after job.json had been rewritten)."""

@@ -283,6 +283,14 @@ def test_an_overlay_of_the_wrong_shape_or_of_an_options_key_is_refused_naming_it
     assert message in info.value.message, info.value.message
 
 
+def test_a_runs_stored_overlay_keeps_an_options_key_it_set_before_they_were_refused():
+    """A resume or a resize merges the overlay the run stored: one written before option keys were
+    refused still merges (a new overlay with the key is refused, above)."""
+    stored = {"gradient_clipping": 0.3, "optimizer": {"params": {"lr": 0.5}}}
+    config = validated_config(make_plan(make_candidate()), overlay=stored, stored_overlay=dict(stored))
+    assert config["gradient_clipping"] == 0.3 and config["optimizer"]["params"]["lr"] == 0.5
+
+
 def test_an_overlay_may_not_set_what_pipectls_own_schedule_takes_from_an_option():
     warm = TrainingSettings(warmup_steps=2)
     with pytest.raises(DeepSpeedConfigRejected, match="sets scheduler.params.warmup_num_steps, which launch's --warmup-steps"):

@@ -635,9 +635,9 @@ def prepare_launch(
     with import_root(job.import_root):  # the model and the data resolved as the ranks will resolve them
         check_model(plan, job.model)
         check_data(plan, job.data, job.model)
-    ds_config = validated_config(
-        plan, precision=job.precision, training=job.training, total_steps=job.steps, overlay=job.ds_config_overlay
-    )
+    stored = read_run(path).job.ds_config_overlay if options.resume and is_run_dir(path) else None
+    ds_config = validated_config(plan, precision=job.precision, training=job.training, total_steps=job.steps,
+                                 overlay=job.ds_config_overlay, stored_overlay=stored)  # fmt: skip
     command = build_command(
         job,
         path,

@@ -280,6 +280,7 @@ def resized_ds_config(plan: Plan, job: JobSpec, previous: dict[str, Any]) -> dic
         training=run_training(job, previous),
         total_steps=job.steps,
         overlay=job.ds_config_overlay,
+        stored_overlay=job.ds_config_overlay,
     )
 
 

@@ -184,11 +184,11 @@ OPTION_OWNED_KEYS = {
 MAPPING_SECTIONS = ("optimizer", "optimizer.params", "scheduler", "scheduler.params")
 
 
-def merge_overlay(config: dict[str, Any], overlay: dict[str, Any]) -> dict[str, Any]:
+def merge_overlay(config: dict[str, Any], overlay: dict[str, Any], *, options_own: bool = True) -> dict[str, Any]:
     """`config` with the user's `overlay` merged in, section by section (a mapping merges into a
-    mapping, anything else replaces); an overlay that sets a key of `PLAN_OWNED_KEYS` or of
-    `OPTION_OWNED_KEYS` (one pipectl's config has), or a mapping's place to anything else, is
-    refused, naming it.
+    mapping, anything else replaces); an overlay that sets a key of `PLAN_OWNED_KEYS` or (with
+    `options_own`) of `OPTION_OWNED_KEYS` (one pipectl's config has), or a mapping's place to
+    anything else, is refused, naming it.
 
         >>> merge_overlay({"optimizer": {"type": "AdamW", "params": {"lr": 0.1}}}, {"optimizer": {"params": {"eps": 1e-6}}})
         {'optimizer': {'type': 'AdamW', 'params': {'lr': 0.1, 'eps': 1e-06}}}
@@ -201,7 +201,7 @@ def merge_overlay(config: dict[str, Any], overlay: dict[str, Any]) -> dict[str, 
                 "again to change them (pipectl plan), or remove the key from the overlay",
             )
     for key, flag in OPTION_OWNED_KEYS.items():
-        if _found(overlay, key) and (not key.startswith("scheduler.") or _found(config, key)):
+        if options_own and _found(overlay, key) and (not key.startswith("scheduler.") or _found(config, key)):
             raise DeepSpeedConfigRejected(
                 f"the DeepSpeed config overlay sets {key}, which launch's {flag} sets",
                 hint=f"remove it from the overlay and give {flag} (or its key in --config): the run keeps the option "
@@ -577,9 +577,12 @@ def validated_config(
     training: TrainingSettings | None = None,
     total_steps: int | None = None,
     overlay: dict[str, Any] | None = None,
+    stored_overlay: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The DeepSpeed config for `plan.chosen` (or `candidate`), with the user's `training` settings
-    and `overlay` (`merge_overlay`), checked by pipectl and by DeepSpeed.
+    and `overlay` (`merge_overlay`), checked by pipectl and by DeepSpeed. An overlay that is the
+    run's `stored_overlay` (a resume, a resize) may keep keys a launch option sets: a run launched
+    before they were refused still resumes and resizes.
 
     Raises `DeepSpeedConfigRejected` (a user error: exit 2) naming the offending values.
     """
@@ -600,7 +603,7 @@ def validated_config(
     )
     if uneven:  # written down where a reader of the file looks for the batch (DeepSpeed ignores it)
         config["pipeline"]["uneven_replicas"] = uneven_replicas_section(candidate, plan.global_batch)
-    config = merge_overlay(config, overlay or {})
+    config = merge_overlay(config, overlay or {}, options_own=(overlay or {}) != (stored_overlay or {}))
     check_pipeline_section(config, candidate)
     for share in (candidate.replicas or []) if uneven else []:
         parse_with_deepspeed(
