@@ -135,23 +135,34 @@ class ConfigFile:
 
     path: Path
     sections: dict[str, dict[str, Any]]
+    # A run's own options (job.json): an empty value there is one an earlier version stored for an
+    # option left unset, read as unset; a user's file is refused one (`cli.groups.empty_value`).
+    stored: bool = False
 
     def values(self, model: type[BaseModel]) -> dict[str, Any]:
         """The fields of `model` this file sets; a relative path is taken from the file's folder."""
         values: dict[str, Any] = {}
         for field in option_fields(model):
-            section = self.sections.get(field.section or "", {})
+            section = self._without_empty(model, field, self.sections.get(field.section or "", {}))
             if field.submodel is not None:
                 if section:
                     values[field.name] = dict(section)
             elif field.key in section:
                 value = section[field.key]
-                if value == "" or (isinstance(value, list) and "" in value):  # as on the command line (`cli.groups`)
-                    raise UserInputError(f"{self.where(model, field.name)} = '': empty; give a value, or leave the key out")
                 if field.path:
                     value = [self._beside(v) for v in value] if isinstance(value, list) else self._beside(value)
                 values[field.name] = value
         return values
+
+    def _without_empty(self, model: type[BaseModel], field: Any, section: dict[str, Any]) -> dict[str, Any]:
+        """`section` (the field's own key, or every key of a table field) without the empty values
+        of a stored file; in a user's file, an empty value is refused, naming it."""
+        keys = list(section) if field.submodel is not None else [field.key] if field.key in section else []
+        empty = [key for key in keys if section[key] == "" or (isinstance(section[key], list) and "" in section[key])]
+        if empty and not self.stored:
+            sub = empty[0] if field.submodel is not None else None
+            raise UserInputError(f"{self.where(model, field.name, sub)} = '': empty; give a value, or leave the key out")
+        return {key: value for key, value in section.items() if key not in empty}
 
     def _beside(self, value: Any) -> Any:
         """A relative path, taken from this file's folder: absolute. A value that names nothing
@@ -261,7 +272,7 @@ def file_layer(model: type[BaseModel], config: ConfigFile) -> Layer:
 
 def stored_layer(model: type[BaseModel], sections: dict[str, dict[str, Any]], source: str | os.PathLike[str]) -> Layer:
     """A run's stored options (job.json's `options`), read back; named as `source [section] key`."""
-    return file_layer(model, ConfigFile(Path(source), sections))
+    return file_layer(model, ConfigFile(Path(source), sections, stored=True))
 
 
 def layered(model: type[OptionsT], layers: list[Layer], *, context: dict[str, Any] | None = None, **fixed: Any) -> OptionsT:

@@ -189,7 +189,7 @@ def validation_message(
 
 
 # A pattern that is one character class, repeated: said as the characters it allows.
-_CHARACTER_CLASS = re.compile(r"\^\[(?P<chars>[^\]]+)\](?P<count>\+|\{(?P<least>\d+),(?P<most>\d+)\})\$")
+_CHARACTER_CLASS = re.compile(r"\^\[(?P<chars>[^\]]+)\](?P<count>[*+]|\{(?P<least>\d+),(?P<most>\d+)\})\$")
 
 
 def error_words(err: Mapping[str, Any]) -> str:
@@ -199,8 +199,8 @@ def error_words(err: Mapping[str, Any]) -> str:
 
         >>> error_words({"type": "string_pattern_mismatch", "msg": "...", "ctx": {"pattern": "^[A-Za-z0-9_.-]{1,128}$"}})
         'should be 1 to 128 letters, digits or any of _.-, without spaces'
-        >>> error_words({"type": "string_pattern_mismatch", "msg": "...", "ctx": {"pattern": "^[a-z0-9:/-]+$"}})
-        'should be one or more lower-case letters, digits or any of :/-, without spaces'
+        >>> error_words({"type": "string_pattern_mismatch", "msg": "...", "ctx": {"pattern": "^[a-z0-9:/-]*$"}})
+        'should hold only lower-case letters, digits or any of :/-, without spaces'
         >>> error_words({"type": "too_short", "msg": "...", "ctx": {"min_length": 1, "actual_length": 0}})
         'is empty: name at least one'
     """
@@ -216,8 +216,10 @@ def error_words(err: Mapping[str, Any]) -> str:
             chars, _ = chars.replace(span, "", 1), kinds.append(kind)
     if chars:
         kinds.append(f"any of {chars}")
-    many = "one or more" if found["count"] == "+" else f"{found['least']} to {found['most']}"
     allowed = ", ".join(kinds[:-1]) + f" or {kinds[-1]}" if len(kinds) > 1 else kinds[0]
+    if found["count"] == "*":
+        return f"should hold only {allowed}, without spaces"
+    many = "one or more" if found["count"] == "+" else f"{found['least']} to {found['most']}"
     return f"should be {many} {allowed}, without spaces"
 
 

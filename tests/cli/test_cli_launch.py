@@ -477,6 +477,22 @@ def test_a_stored_overlay_that_sets_an_options_key_still_resumes(tmp_path):
     assert refused.exit_code == 2 and "sets optimizer.params.lr, which launch's --lr sets" in refused.output, refused.output
 
 
+def test_a_run_whose_options_an_earlier_version_stored_empty_still_resumes(tmp_path):
+    """`--model ""` and `--partition ""` were taken as unset and stored as '' in job.json's options;
+    a user's file with an empty value is refused, a run's own file reads it as unset."""
+    plan = write_plan(tmp_path / "plan.json")
+    run = tmp_path / "run"
+    assert invoke("launch", plan, "--run-dir", run, "--engine", "slurm", "--steps", "12").exit_code == 0
+    job = json.loads((run / "job.json").read_text())
+    job["options"].setdefault("model", {})["reference"] = ""
+    job["options"].setdefault("slurm", {})["partition"] = ""
+    (run / "job.json").write_text(json.dumps(job))
+    _commit_checkpoint(run, 4)
+    resumed = invoke("launch", plan, "--run-dir", run, "--resume", "--dry-run")
+    assert resumed.exit_code == 0, resumed.output
+    assert invoke("status", run).exit_code == 0
+
+
 def test_resume_refuses_a_plan_of_another_model_before_touching_the_run(tmp_path):
     """The run's checkpoint holds another model's tensors: refused before any rank starts, the
     run's files as they were (the ranks used to fail loading it, after job.json had been rewritten)."""

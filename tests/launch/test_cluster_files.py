@@ -293,7 +293,7 @@ def test_a_slurm_value_that_could_break_the_script_is_refused(tmp_path):
 @pytest.mark.parametrize("flags, said", [
     # An empty value (an unset shell variable) used to unset the cluster file's partition silently.
     (["--partition", ""], "--partition '': empty; give a value, or leave it out"),
-    (["--account", "my project"], "--account 'my project': should be one or more letters"),
+    (["--account", "my project"], "--account 'my project': should hold only letters"),
     (["--wandb", "a b"], "--wandb 'a b': should be 1 to 128 letters, digits or any of _.-, without spaces"),
 ])  # fmt: skip
 def test_a_value_of_the_wrong_characters_is_refused_in_words_not_a_pattern(tmp_path, flags, said):
@@ -311,7 +311,7 @@ def test_an_empty_slurm_value_in_a_config_file_is_refused_in_words(tmp_path):
     result = CliRunner().invoke(app, ["launch", str(plan), "--run-dir", str(tmp_path / "run"), "--engine", "slurm",
                                       "--bf16", "--dry-run", "--config", str(tmp_path / "job.toml")])  # fmt: skip
     assert result.exit_code == 2, result.output
-    assert "job.toml [slurm] account = '': should be one or more letters" in " ".join(result.output.split())
+    assert "job.toml [slurm] account = '': empty; give a value, or leave the key out" in " ".join(result.output.split())
 
 
 def test_a_cluster_files_slurm_value_of_the_wrong_characters_is_refused_in_words(tmp_path):
@@ -322,7 +322,7 @@ def test_a_cluster_files_slurm_value_of_the_wrong_characters_is_refused_in_words
     }))  # fmt: skip
     with pytest.raises(UserInputError) as caught:
         load_cluster(str(cluster))
-    assert "slurm.partition: should be one or more letters" in str(caught.value), caught.value
+    assert "slurm.partition: should hold only letters" in str(caught.value), caught.value
     assert "'gpu nodes'" in str(caught.value)
 
 

@@ -19,7 +19,7 @@ MAX_PRICE_PER_DEVICE_HOUR = 1e6  # USD
 MAX_DEVICES = 2**17
 MAX_DEVICES_PER_NODE = 4096
 MAX_COMPUTE_SLOWDOWN = 1000.0
-SLURM_VALUE = r"^[A-Za-z0-9_.:,@%+=/-]+$"  # what an #SBATCH value may hold here: no spaces, quotes or '$', not empty
+SLURM_VALUE = r"^[A-Za-z0-9_.:,@%+=/-]*$"  # what an #SBATCH value may hold here: no spaces, quotes or '$'
 # sbatch --time's formats (sbatch(1)): minutes, minutes:seconds, hours:minutes:seconds, days-hours,
 # days-hours:minutes, days-hours:minutes:seconds; or no limit.
 VARIABLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
