@@ -87,3 +87,24 @@ def test_ranks_left_behind_by_their_launcher_are_ended(tmp_path):
     rank = int((tmp_path / "logs" / "engine.log").read_text().split()[0])
     assert said and f"ending 1 rank the launcher left behind: pid {rank} (" in said[0]
     assert wait_until(lambda: not psutil.pid_exists(rank) or psutil.Process(rank).status() == psutil.STATUS_ZOMBIE)
+
+
+def test_a_signal_the_process_ignores_stays_ignored_under_pipectls_handlers():
+    """`nohup pipectl resize ...` ignores SIGHUP so that the resize outlives its terminal: pipectl's
+    handlers (a resize's interruption, a held block) leave an ignored signal ignored, and put back
+    what they replaced."""
+    from pipectl.launch.supervise import signals_held, signals_interrupt
+
+    before = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        with signals_interrupt() as seen:
+            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+            assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, signal.SIG_IGN)
+            os.kill(os.getpid(), signal.SIGHUP)  # ignored: no KeyboardInterrupt
+            with signals_held() as held:
+                assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+                os.kill(os.getpid(), signal.SIGHUP)
+            assert held == [] and seen == []
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGHUP, before)

@@ -102,14 +102,11 @@ def signals_held(held: list[int] | None = None) -> Iterator[list[int]]:
     outer block's, which goes on filling) instead of raising, for the block to act on (pass it to
     `run_engine` as `held`). Off the main thread, where no handler can be set, nothing is held."""
     held = [] if held is None else held
-    originals = {}
-    if _in_main_thread():
-        originals = {s: signal.signal(s, lambda signum, _frame: held.append(signum)) for s in FORWARDED_SIGNALS}
+    originals = _handled_by(lambda signum, _frame: held.append(signum))
     try:
         yield held
     finally:
-        for signum, handler in originals.items():
-            signal.signal(signum, handler)
+        _restore(originals)
 
 
 @contextmanager
@@ -125,12 +122,25 @@ def signals_interrupt() -> Iterator[list[int]]:
         seen.append(signum)
         raise KeyboardInterrupt
 
-    originals = {s: signal.signal(s, interrupt) for s in FORWARDED_SIGNALS} if _in_main_thread() else {}
+    originals = _handled_by(interrupt)
     try:
         yield seen
     finally:
-        for signum, handler in originals.items():
-            signal.signal(signum, handler)
+        _restore(originals)
+
+
+def _handled_by(handler: Callable[[int, Any], None]) -> dict[int, Any]:
+    """`handler` set for each of `FORWARDED_SIGNALS` that the process does not ignore; the handlers
+    it replaced. One ignored stays ignored: `nohup pipectl ...` ignores SIGHUP, and the command is
+    to outlive its terminal. Off the main thread, where no handler can be set, nothing."""
+    if not _in_main_thread():
+        return {}
+    return {s: signal.signal(s, handler) for s in FORWARDED_SIGNALS if signal.getsignal(s) is not signal.SIG_IGN}
+
+
+def _restore(originals: dict[int, Any]) -> None:
+    for signum, handler in originals.items():
+        signal.signal(signum, handler)
 
 
 def start_detached(
@@ -160,8 +170,6 @@ def _supervise(
     early: list[int],
 ) -> int:
     proc = processes.launcher
-    previous = {}
-
     kill_at = []  # after a second signal: when the processes still alive get SIGKILL
 
     def forward(signum: int, _frame: object) -> None:
@@ -178,9 +186,7 @@ def _supervise(
         else:
             processes.signal(processes.alive(), signal.SIGKILL)
 
-    in_main_thread = _in_main_thread()
-    if in_main_thread:
-        previous = {s: signal.signal(s, forward) for s in FORWARDED_SIGNALS}
+    previous = _handled_by(forward)
     for signum in early:  # received while the launcher started
         forward(signum, None)
     deadline = None if timeout_seconds is None else time.monotonic() + timeout_seconds
@@ -215,8 +221,7 @@ def _supervise(
     finally:
         if proc.poll() is None:  # an exception (e.g. from on_tick): do not leave ranks behind
             processes.end(grace_seconds=30)
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+        _restore(previous)
 
 
 def _named_pid(process: psutil.Process) -> str:
