@@ -180,10 +180,21 @@ def test_force_deletes_only_a_run_not_any_folder_holding_a_job_json(tmp_path, jo
     else:
         (folder / "job.json").write_text(job)
     before = sorted(p.name for p in folder.iterdir())
-    with pytest.raises(UserInputError, match="--force deletes a pipectl run, and .*proj is not one: .*job.json"):
+    with pytest.raises(UserInputError, match="--force deletes a pipectl run, and .*proj is not one: its job.json is"):
         prepare_launch(tiny_plan(), folder, LaunchOptions(steps=5, force=True))
     assert sorted(p.name for p in folder.iterdir()) == before  # no job.lock either
     assert (folder / "notes.txt").read_text() == "mine"
+
+
+def test_force_starts_over_a_run_whose_job_json_another_version_wrote(tmp_path):
+    """A run's job.json that this version cannot validate is still a run's: --force is the way to
+    start over (it used to be refused as 'not a pipectl run')."""
+    run = tmp_path / "run"
+    prepare_launch(tiny_plan(), run, LaunchOptions(steps=5))
+    job = json.loads((run / "job.json").read_text())
+    (run / "job.json").write_text(json.dumps({**job, "steps": "many", "written_by": "a future version"}))
+    forced = prepare_launch(tiny_plan(), run, LaunchOptions(steps=5, force=True))
+    assert forced.forced_away is not None and json.loads((run / "job.json").read_text())["steps"] == 5
 
 
 @pytest.mark.parametrize("write", [False, True])

@@ -31,7 +31,7 @@ from pipectl.artifacts.run import (
     JobSpec,
 )
 from pipectl.errors import PipectlError, UserInputError
-from pipectl.io import load_model, write_json_atomic
+from pipectl.io import artifact_kind, file_kind, read_mapping, write_json_atomic
 from pipectl.launch.engines import LaunchCommand, launch_script
 from pipectl.planfile import copy_plan
 from pipectl.launch.options import check_stored_options
@@ -99,11 +99,14 @@ def check_run_dir(run_dir: str | os.PathLike[str], *, resume: bool = False, forc
                 hint="choose another --run-dir",
             )
         if force:  # it deletes the folder: only a run's, not any folder that holds a file of that name
-            try:
-                load_model(JobSpec, path / JOB_FILE)
-            except PipectlError as exc:
-                raise UserInputError(f"--force deletes a pipectl run, and {path} is not one: {exc.message}",
-                                     hint="choose another --run-dir, or delete the folder yourself") from None
+            try:  # a run's job.json by its keys (one another version wrote may not validate here)
+                is_job = artifact_kind(read_mapping(path / JOB_FILE)) == JobSpec.__name__
+            except PipectlError:
+                is_job = False
+            if not is_job:
+                what = file_kind(path / JOB_FILE) or "not a run's"
+                raise UserInputError(f"--force deletes a pipectl run, and {path} is not one: its {JOB_FILE} is {what}",
+                                     hint="choose another --run-dir, or delete the folder yourself")
         if not force and not resume:
             from pipectl.rundir.status import run_status
 
