@@ -444,10 +444,20 @@ def test_resume_keeps_what_was_not_passed_and_refuses_another_global_batch(tmp_p
     # A failure rate only `auto` reads, given beside the run's own interval, would change nothing.
     mtbf = invoke("launch", plan, "--run-dir", run, "--resume", "--dry-run", "--mtbf-hours", "5")
     assert mtbf.exit_code == 2 and "Traceback" not in mtbf.output, mtbf.output
-    assert "chooses the interval of --checkpoint-every auto, but the run's --checkpoint-every is 4" in mtbf.output
+    assert "chooses the interval of --checkpoint-every auto, but the interval is the run's --checkpoint-every 4" in mtbf.output
     auto = invoke("launch", plan, "--run-dir", run, "--resume", "--dry-run", "--json", "--mtbf-hours", "5",
                   "--checkpoint-every", "auto")  # fmt: skip
     assert auto.exit_code == 0, auto.output
+    # A run of auto with its failure rate, resumed with another interval: the rate it no longer reads goes
+    # (stored, --print-config would print it beside the interval, and that file given back was refused).
+    rated = tmp_path / "rated"
+    assert invoke("launch", plan, "--run-dir", rated, "--engine", "slurm", "--steps", "12", "--checkpoint-every", "auto",
+                  "--mtbf-hours", "5").exit_code == 0  # fmt: skip
+    _commit_checkpoint(rated, 4)
+    fixed = invoke("launch", plan, "--run-dir", rated, "--resume", "--dry-run", "--json", "--checkpoint-every", "2")
+    assert fixed.exit_code == 0 and json.loads(fixed.output)["job"]["mtbf_hours"] is None, fixed.output
+    printed = invoke("launch", plan, "--run-dir", rated, "--resume", "--print-config", "--checkpoint-every", "2")
+    assert printed.exit_code == 0 and "mtbf_hours = 5" not in printed.output, printed.output
 
     bigger = write_plan(tmp_path / "bigger.json", m=8)  # B 16 instead of 8
     result = invoke("launch", bigger, "--run-dir", run, "--resume", "--engine", "slurm")

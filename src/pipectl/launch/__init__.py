@@ -30,7 +30,7 @@ from pipectl.cluster import busier_note, host_state, load_cluster, plan_cluster_
 from pipectl.errors import PipectlError, UserInputError
 from pipectl.config import Layer, given, layered, stored_layer, to_sections
 from pipectl.io import load_model, validation_message
-from pipectl.launch.options import SCALE_MIN_LR_RATIO, LaunchOptions, read_hostfile, resolve_defaults
+from pipectl.launch.options import SCALE_MIN_LR_RATIO, LaunchOptions, read_hostfile, resolve_defaults, resumed_failure_rate
 from pipectl.runtime.engines.dsconfig import validated_config
 from pipectl.launch.engines import LaunchCommand, allocation_hosts, build_command
 from pipectl.launch.supervise import run_engine
@@ -72,10 +72,7 @@ def effective_options(
         wandb_run_id=job.wandb_run_id,  # one W&B run for the whole run
         as_given={**job.as_given, **(as_given or {})},  # what this resume names anew replaces the run's
     )
-    if "mtbf_hours" in passed and options.checkpoint_every != "auto":  # changes nothing (resolve_defaults)
-        raise UserInputError(f"{given(options, 'mtbf_hours')} chooses the interval of --checkpoint-every auto, but "
-                             f"the run's --checkpoint-every is {options.checkpoint_every}",
-                             hint="add --checkpoint-every auto to change it, or leave out --mtbf-hours")
+    options = resumed_failure_rate(options, passed)
     if "recover_in_memory" not in passed and plan is not None and plan.chosen.data_parallel < 2:
         options = options.model_copy(update={"recover_in_memory": False})  # no replica left to recover from
     return options

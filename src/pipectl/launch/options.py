@@ -438,6 +438,23 @@ def resolve_defaults(options: LaunchOptions, *, at_scale: bool, what: str) -> tu
     return options.model_copy(update=chosen), notes
 
 
+def resumed_failure_rate(options: LaunchOptions, passed: set[str]) -> LaunchOptions:
+    """A resume's `--mtbf-hours`, which only `--checkpoint-every auto` reads: given on this launch
+    (a flag or its config file) beside another interval, refused, as `resolve_defaults` refuses it
+    for a new run; the run's own, once its interval is no longer auto, dropped (kept, it would be
+    stored and printed by `--print-config` beside the interval that ignores it)."""
+    if options.mtbf_hours is None or options.checkpoint_every == "auto":
+        return options
+    if "mtbf_hours" not in passed:
+        return options.model_copy(update={"mtbf_hours": None})
+    interval = given(options, "checkpoint_every") if "checkpoint_every" in passed else (
+        f"the run's --checkpoint-every {options.checkpoint_every}")
+    raise UserInputError(
+        f"{given(options, 'mtbf_hours')} chooses the interval of --checkpoint-every auto, but the interval is {interval}",
+        hint="add --checkpoint-every auto, or leave out --mtbf-hours",
+    )
+
+
 def check_stored_options(sections: dict[str, dict[str, Any]], source: str | os.PathLike[str]) -> LaunchOptions:
     """A run's stored options (job.json's `options`) as `LaunchOptions`; a value they cannot hold
     is refused naming the file, section and key. Files they name need not exist any more."""
