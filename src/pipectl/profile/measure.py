@@ -338,7 +338,7 @@ def _profile(
     # How busy the host is, before this process adds to it, and how steady its timings are.
     load_before = host_state()
 
-    per_sample = _batch_bytes(model, seed)
+    per_sample = _batch_bytes(model, min(sizes), seed)
     for size in sizes:
         too_large = _beyond_host_memory(per_sample, size)  # before make_batch: it would allocate, then fail or swap
         if too_large is not None:
@@ -477,24 +477,24 @@ def _batch(model: ModelLayers, size: int, seed: int, device: torch.device, dtype
     return to_device(inputs, device, dtype), to_device(labels, device, dtype)
 
 
-def _batch_bytes(model: ModelLayers, seed: int) -> int:
-    """Bytes of one sample's inputs and labels as make_batch(1) makes them: a batch of b takes b
-    times that (no measured model keeps per-batch constants of any size)."""
-    with model_code("the model's make_batch(1, generator)",
+def _batch_bytes(model: ModelLayers, size: int, seed: int) -> float:
+    """Bytes of one sample's inputs and labels, from a batch of the smallest size asked for (a
+    model may make no batch of 1): a batch of b takes b times that."""
+    with model_code(f"the model's make_batch({size}, generator)",
                     hint="make_batch(micro_batch_size, generator) returns (inputs, labels)"):
-        batch = model.make_batch(1, torch.Generator().manual_seed(seed))
+        batch = model.make_batch(size, torch.Generator().manual_seed(seed + size))
 
-    def size(value: Any) -> int:
+    def nbytes(value: Any) -> int:
         if isinstance(value, torch.Tensor):
             return value.nelement() * value.element_size()
         if isinstance(value, dict):
-            return sum(size(v) for v in value.values())
-        return sum(size(v) for v in value) if isinstance(value, (list, tuple)) else 0
+            return sum(nbytes(v) for v in value.values())
+        return sum(nbytes(v) for v in value) if isinstance(value, (list, tuple)) else 0
 
-    return size(batch)
+    return nbytes(batch) / size
 
 
-def _beyond_host_memory(per_sample: int, size: int) -> str | None:
+def _beyond_host_memory(per_sample: float, size: int) -> str | None:
     """Why a batch of `size` samples of `per_sample` bytes is not made, or None when the host has the memory."""
     available = psutil.virtual_memory().available
     if per_sample * size <= available:
