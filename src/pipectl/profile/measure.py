@@ -477,12 +477,24 @@ def _batch(model: ModelLayers, size: int, seed: int, device: torch.device, dtype
     return to_device(inputs, device, dtype), to_device(labels, device, dtype)
 
 
-def _batch_bytes(model: ModelLayers, size: int, seed: int) -> float:
-    """Bytes of one sample's inputs and labels, from a batch of the smallest size asked for (a
-    model may make no batch of 1): a batch of b takes b times that."""
-    with model_code(f"the model's make_batch({size}, generator)",
-                    hint="make_batch(micro_batch_size, generator) returns (inputs, labels)"):
-        batch = model.make_batch(size, torch.Generator().manual_seed(seed + size))
+# The largest batch made only to learn a sample's bytes: a smallest size asked for beyond it is
+# what the host-memory check exists to keep from being made.
+PROBE_SAMPLES = 64
+
+
+def _batch_bytes(model: ModelLayers, smallest: int, seed: int) -> float:
+    """Bytes of one sample's inputs and labels (a batch of b takes b times that), from a batch of
+    the smallest size asked for, or of 1 when that is beyond `PROBE_SAMPLES`; 0 (nothing checked)
+    when the model makes no batch of 1."""
+    size = smallest if smallest <= PROBE_SAMPLES else 1
+    try:
+        with model_code(f"the model's make_batch({size}, generator)",
+                        hint="make_batch(micro_batch_size, generator) returns (inputs, labels)"):
+            batch = model.make_batch(size, torch.Generator().manual_seed(seed + size))
+    except PipectlError:
+        if size == smallest:
+            raise
+        return 0.0
 
     def nbytes(value: Any) -> int:
         if isinstance(value, torch.Tensor):
