@@ -56,7 +56,6 @@ from pipectl.rundir.heartbeats import TRAINING_PHASE
 from pipectl.runtime.liveness import Heartbeat, watch_supervisor
 from pipectl.runtime.monitor import StepMonitor
 from pipectl.rundir.metrics import MetricsWriter, rank_memory, reset_peak_memory
-from pipectl.rundir.run import newest_checkpoint_step
 from pipectl.rundir.live_requests import STAGED_DIR
 from pipectl.runtime.elastic.live_resize import JoinAbandoned
 from pipectl.runtime.job import TrainingJob
@@ -599,13 +598,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     files = staged if args.join and (staged / "job.json").is_file() else None
     try:
         job = TrainingJob.from_run_dir(args.run_dir, files=files)
-        if not args.join and newest_checkpoint_step(args.run_dir) >= job.steps:
-            # launch.sh run again, or a requeue after the last checkpoint: say so, start nothing.
-            if context.rank == 0:
-                print(f"pipectl worker: {args.run_dir} has trained all its {job.steps} steps: nothing is left to "
-                      f"train (to train on: pipectl launch {args.run_dir / 'plan.json'} --run-dir {args.run_dir} "
-                      "--resume --steps N)", file=sys.stderr)  # fmt: skip
-            return 0
         result = train(job, context=context, joining=args.join)
     except JoinAbandoned as exc:  # the resize ended unasked: nothing to record, the job never knew
         log.warning("%s: leaving", exc.message)
@@ -618,6 +610,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         traceback.print_exc()
         _record_failure(args.run_dir, exc, context)
         return 1
+    if not result.records and result.start_step >= job.steps and not args.join and context.rank == 0:
+        # launch.sh run again, or a requeue after the last checkpoint: resumed at the end (the newest
+        # checkpoint that loads), nothing trained; said, where it would otherwise end without a word.
+        print(f"pipectl worker: {args.run_dir} has trained all its {job.steps} steps: nothing is left to train (to "
+              f"train on: pipectl launch {args.run_dir / 'plan.json'} --run-dir {args.run_dir} --resume --steps N)",
+              file=sys.stderr)  # fmt: skip
     if result.left:
         log.warning("left the job in a live resize at step %d", result.start_step + len(result.records))
     elif result.stopped_early:
