@@ -288,7 +288,7 @@ def read_records(model_type: type[ModelT], path: str | os.PathLike[str]) -> list
     """The lines of a JSON-lines log that `model_type` validates, in order; a line that does not
     (a write cut short by a kill or a full disk) is skipped, a missing file is empty."""
     try:
-        lines = Path(path).read_text().splitlines()
+        lines = Path(path).read_text(errors="replace").splitlines()  # a stray byte: its line is skipped
     except OSError:
         return []
     records = []

@@ -214,6 +214,21 @@ def test_status_names_the_metrics_lines_it_skipped_but_not_a_torn_last_one(tmp_p
     assert payload["unreadable_metrics_lines"] == [2] and payload["steps_done"] == 3
 
 
+def test_a_stray_byte_in_a_runs_logs_skips_its_line_not_the_run(tmp_path):
+    """A byte that is no UTF-8 (a disk error, a hand edit) in metrics.jsonl or a log of lines raised
+    UnicodeDecodeError in status, resize, resume and even --force: its line is skipped now."""
+    run = make_run(tmp_path, steps_done=3)
+    for name in ("metrics.jsonl", "logs/ranks.jsonl", "logs/checkpoints.jsonl", "morphs.jsonl", "logs/resume.json"):
+        path = run / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("ab") as handle:
+            handle.write(b"\xff\xfe junk\n")
+    result = runner.invoke(app, ["status", str(run)])
+    assert result.exit_code == 0 and "Traceback" not in result.output, result.output
+    assert "1 line not a step record, skipped (line 4)" in " ".join(result.output.split())
+    assert json.loads(runner.invoke(app, ["status", str(run), "--json"]).output)["steps_done"] == 3
+
+
 def test_a_run_trained_without_any_checkpoint_is_not_told_to_resume(tmp_path):
     """Every step trained and no checkpoint written (a disk without room for one): `--resume` has
     nothing to start from, so status says to start over, not to resume."""

@@ -447,7 +447,7 @@ def read_events(run_dir: str | os.PathLike[str]) -> list[CheckpointEvent]:
     """Every recorded checkpoint outcome, oldest first (a torn last line is skipped)."""
     path = Path(run_dir) / LOGS_DIR / EVENTS_FILE
     events = []
-    for line in path.read_text().splitlines() if path.is_file() else []:
+    for line in path.read_text(errors="replace").splitlines() if path.is_file() else []:
         try:
             events.append(CheckpointEvent.model_validate_json(line))
         except ValueError:

@@ -192,11 +192,11 @@ def resume_record(run_dir: str | os.PathLike[str], name: str = RESUME_FILE) -> R
     (said in the log). `rundir.failures.read_resume` reads this start's through it."""
     path = Path(run_dir) / LOGS_DIR / name
     try:
-        return ResumeRecord.model_validate_json(path.read_text())
+        return ResumeRecord.model_validate_json(path.read_text(errors="replace"))
     except FileNotFoundError:
         return None
     except (OSError, ValueError, ValidationError) as exc:
-        log.warning("%s skipped: %s", path, exc)
+        log.warning("%s skipped: %s", path, _first_reason(exc))
         return None
 
 
@@ -220,7 +220,7 @@ def read_metrics_and_unreadable(
     path = Path(run_dir) / METRICS_FILE
     if not path.is_file():
         return [], []
-    text = path.read_text()
+    text = path.read_text(errors="replace")  # a stray byte: its line is skipped, as any line not a step
     resumed = latest_resume(run_dir) if as_resumed else None
     metrics, unreadable = _parse_metrics(text.splitlines(), last_line_whole=text.endswith("\n"), resumed=resumed)
     return with_rank_details(metrics, run_dir), unreadable

@@ -71,7 +71,7 @@ def read_records(run_dir: str | os.PathLike[str]) -> list[MorphRecord]:
     if not path.is_file():
         return []
     records = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
+    for number, line in enumerate(path.read_text(errors="replace").splitlines(), start=1):
         if not line.strip():
             continue
         try:
