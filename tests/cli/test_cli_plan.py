@@ -142,7 +142,7 @@ def test_an_output_named_as_the_plans_profile_copy_or_its_model_config_is_refuse
     profiled = tmp_path / "mine-profile.json"
     profiled.write_text(json.dumps({**json.loads(profile_path.read_text()), "model_reference": str(model)}))
     result = runner.invoke(app, plan_args(profiled, model))
-    assert result.exit_code == 2 and f"-o {model} is the model config {profiled} was profiled from" in result.output
+    assert result.exit_code == 2 and f"-o {model} is the model {profiled} was profiled from" in result.output
     assert model.read_text() == "name: mine\n"
 
 

@@ -157,7 +157,7 @@ def test_export_refuses_a_run_of_another_model_and_an_existing_directory(tmp_pat
         export_hf(tmp_path / "hf", tmp_path / "gpt2")
     with pytest.raises(UserInputError, match="has no verified checkpoint") as caught:
         export_hf(tmp_path / "hf", tmp_path / "out")
-    assert "steps none" in caught.value.hint
+    assert "it has none verified" in caught.value.hint  # not "verified checkpoints: steps none"
     assert not (tmp_path / "out").exists()
 
 

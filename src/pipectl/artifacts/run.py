@@ -72,13 +72,19 @@ RUN_OWN_PATTERN = re.compile(r"profile-[0-9a-f]{12}\.json|schedule_rank\d+\.txt"
 
 
 def is_run_file(path: str | os.PathLike[str]) -> bool:
-    """Whether `path` is one of a run directory's own files (its folder holds a job.json)."""
-    path = Path(path)
+    """Whether `path` is one of a run directory's own files: at its top (beside a job.json) by
+    name, or anywhere in a folder below it (checkpoints/, logs/, a run nested in a run)."""
+    path = Path(path).absolute()
     own = path.name in RUN_OWN_FILES or RUN_OWN_PATTERN.fullmatch(path.name) is not None
     try:
-        return own and (path.parent / JOB_FILE).is_file()
+        return (own and (path.parent / JOB_FILE).is_file()) or run_holding(path.parent) is not None
     except OSError:
         return False
+
+
+def run_holding(folder: str | os.PathLike[str]) -> Path | None:
+    """The run directory `folder` lies inside (not `folder` itself: an ancestor holding a job.json), or None."""
+    return next((above for above in Path(folder).absolute().parents if (above / JOB_FILE).is_file()), None)
 
 
 class Engine(str, Enum):

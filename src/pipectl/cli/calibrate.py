@@ -11,9 +11,12 @@ from rich import box
 from rich.markup import escape
 from rich.table import Table
 
-from pipectl.cli.context import JsonFlag, console, err_console, output_file, print_json, refuse_overwriting
-from pipectl.errors import UserInputError
-from pipectl.io import write_json_atomic
+from pipectl.cli.context import (
+    JsonFlag, console, err_console, output_file, print_json, refuse_overwriting, refuse_overwriting_model,
+)
+from pipectl.artifacts.run import JOB_FILE
+from pipectl.errors import PipectlError, UserInputError
+from pipectl.io import read_mapping, write_json_atomic
 from pipectl.artifacts.calibration import DEFAULT_FOLDS
 
 
@@ -64,6 +67,8 @@ def _calibrate_runs(runs: list[Path], output: Path, json_output: bool) -> None:
     from pipectl.profile.calibrate import calibrate  # torch-free, but the simulator: only when asked
 
     refuse_overwriting(output, {})  # a run's files: calibrate reads every one of them
+    for run in runs:  # and a run's model: its resume builds it
+        refuse_overwriting_model(output, _model_of(run), f"{run} trains")
 
     profile, report = calibrate(runs)
     write_json_atomic(output, profile)
@@ -109,6 +114,15 @@ def _calibrate_runs(runs: list[Path], output: Path, json_output: bool) -> None:
 
 def _warn(text: str) -> None:
     err_console.print(f"[yellow]warning:[/] {escape(text)}", highlight=False, soft_wrap=True)
+
+
+def _model_of(run: Path) -> str | None:
+    """The model a run directory names (job.json's `model`), or None where it names none readable."""
+    try:
+        model = read_mapping(run / JOB_FILE).get("model")
+    except PipectlError:
+        return None
+    return model if isinstance(model, str) else None
 
 
 def _calibrate_measured(csv: Path, conditions: Path | None, folds: int, output: Path, json_output: bool) -> None:

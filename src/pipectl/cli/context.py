@@ -15,9 +15,10 @@ from rich.console import Console, ConsoleDimensions
 from rich.segment import Segment
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from pipectl.artifacts.run import is_run_file
+from pipectl.artifacts.run import JOB_FILE, is_run_file, run_holding
 from pipectl.errors import UserInputError
 from pipectl.io import check_output_file
+from pipectl.paths import HF_PREFIX
 
 # Wide enough that no table of ours is ever narrowed; text is not padded to it.
 PIPED_WIDTH = 1000
@@ -68,7 +69,19 @@ def refuse_overwriting(output: Path, inputs: Mapping[str, str | os.PathLike[str]
         if source is not None and same_file(output, Path(source)):
             raise UserInputError(f"-o {output} is the {what} this command reads; write the result elsewhere")
     if is_run_file(output):
-        raise UserInputError(f"-o {output} is a file of the run in {output.parent}; write the result elsewhere")
+        run = output.parent if (output.parent / JOB_FILE).is_file() else run_holding(output.parent)
+        raise UserInputError(f"-o {output} is a file of the run in {run}; write the result elsewhere")
+
+
+def refuse_overwriting_model(output: Path, reference: str | None, what: str) -> None:
+    """`-o` is neither the model config `reference` names nor a file of its Hugging Face folder
+    (`hf:PATH`): launch builds the model from them. `what` says whose model it is."""
+    if not reference:
+        return
+    source = Path(reference.removeprefix(HF_PREFIX))
+    inside = reference.startswith(HF_PREFIX) and source.is_dir() and output.absolute().is_relative_to(source.absolute())
+    if inside or same_file(output, source):
+        raise UserInputError(f"-o {output} is {'in ' if inside else ''}the model {what}; write the result elsewhere")
 
 
 def same_file(a: Path, b: Path) -> bool:

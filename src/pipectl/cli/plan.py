@@ -18,7 +18,9 @@ from pipectl.artifacts.calibration import RunsCalibration
 from pipectl.artifacts.cluster import ClusterSpec
 from pipectl.artifacts.plan import Engine, Plan, PlanRequest, RecomputeChoice
 from pipectl.artifacts.profile import ModelProfile
-from pipectl.cli.context import JsonFlag, console, err_console, from_options, print_json, refuse_overwriting, same_file
+from pipectl.cli.context import (
+    JsonFlag, console, err_console, from_options, print_json, refuse_overwriting, refuse_overwriting_model,
+)
 from pipectl.cli.options import ConfigOption, file_layers, passed_flags, with_options
 from pipectl.cluster import (
     calibrated_cluster, check_profiles_calibrated_alike, links_read, load_calibration_for, load_cluster, local_cluster,
@@ -222,8 +224,7 @@ def _read_profiles(profile: list[Path], output: Path, options: PlanOptions) -> l
     check_kind_profiles([(str(path), p) for path, p in zip(profile, profiles)])
     check_plan_output(output, profile)
     for path, read in zip(profile, profiles):  # not read here, but launch builds the model from it
-        if read.model_reference and same_file(output, Path(read.model_reference)):
-            raise UserInputError(f"-o {output} is the model config {path} was profiled from; write the plan elsewhere")
+        refuse_overwriting_model(output, read.model_reference, f"{path} was profiled from")
     return profiles
 
 

@@ -29,6 +29,7 @@ from pipectl.artifacts.run import (
     LOGS_DIR,
     PLAN_FILE,
     JobSpec,
+    run_holding,
 )
 from pipectl.errors import PipectlError, UserInputError
 from pipectl.io import artifact_kind, file_kind, read_mapping, write_json_atomic
@@ -85,6 +86,9 @@ def check_run_dir(run_dir: str | os.PathLike[str], *, resume: bool = False, forc
         raise UserInputError("--resume and --force contradict each other: keep the run, or start over")
     if path.exists() and not path.is_dir():
         raise UserInputError(f"run directory {path} is a file")
+    inside = run_holding(path)
+    if inside is not None:  # its files would read as the outer run's, and --force of that one deletes it
+        raise UserInputError(f"run directory {path} lies inside the run in {inside}", hint="choose a folder outside it")
     above = next((folder for folder in path.absolute().parents if folder.exists()), None)
     if not path.exists() and above is not None and not (above.is_dir() and os.access(above, os.W_OK | os.X_OK)):
         # A dry run creates nothing: what would stop the launch from creating it is said now.

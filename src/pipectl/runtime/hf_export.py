@@ -14,14 +14,17 @@ their manifest before anything is written, and DIR is written whole or not at al
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
 
-from pipectl.artifacts.run import JOB_FILE, JobSpec
+from pipectl.artifacts.run import JOB_FILE, JobSpec, run_holding
 from pipectl.errors import CheckpointError, UserInputError
 from pipectl.io import load_model
 from pipectl.paths import HF_CONFIG_FILE, HF_PREFIX, hf_model_dir
+
+log = logging.getLogger(__name__)
 
 # What a Hugging Face directory holds besides config and weights, copied when present.
 COMPANION_FILES = (
@@ -83,14 +86,25 @@ def export_hf(run_dir: str | os.PathLike[str], output: str | os.PathLike[str], s
     out = Path(output)
     if out.exists():
         raise UserInputError(f"{out} exists; export writes a new directory", hint="give a path that does not exist")
+    inside = (out.parent / JOB_FILE).is_file() and out.parent or run_holding(out.parent)
+    if inside:  # a folder in a run's checkpoints/ reads as a checkpoint that never committed
+        raise UserInputError(f"{out} lies inside the run in {inside}; export writes elsewhere")
+    above = next((folder for folder in out.absolute().parents if folder.exists()), None)
+    if above is not None and not above.is_dir():
+        raise UserInputError(f"cannot create {out}: {above} is not a folder")
     verified = [info for info in list_checkpoints(run_dir, hash_files=True) if info.verified]
     chosen = [info for info in verified if step is None or info.step == step]
     if not chosen:
-        have = ", ".join(str(info.step) for info in verified) or "none"
+        have = f"verified checkpoints: steps {', '.join(str(info.step) for info in verified)}" if verified else (
+            "it has none verified: train it to a checkpoint first (pipectl status --verify names what fails)")
         raise UserInputError(
-            f"run {run_dir} has no verified checkpoint" + (f" of step {step}" if step is not None else ""),
-            hint=f"verified checkpoints: steps {have}",
+            f"run {run_dir} has no verified checkpoint" + (f" of step {step}" if step is not None else ""), hint=have,
         )
+    skipped = [info.step for info in list_checkpoints(run_dir, hash_files=False) if info.step is not None
+               and info.step > chosen[-1].step and step is None]
+    if skipped:  # the newest did not verify: said, not passed over in silence
+        log.warning("checkpoint step %s does not verify (pipectl status --verify says why): exporting step %d",
+                    skipped[-1], chosen[-1].step)
     info = chosen[-1]
     source = hf_model_dir(reference)
     state = hf_state(Path(info.path), reference)

@@ -1,0 +1,66 @@
+"""What a command writes never replaces what a run, or its model, reads: a run's files anywhere
+below its folder, the model config or Hugging Face folder it trains, a run nested in a run."""
+
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from pipectl.cli.main import app
+from pipectl.io import write_json_atomic
+from pipectl.testing.profiles import synthetic_profile
+from tests.cli.test_cli_status import make_run
+
+runner = CliRunner()
+
+
+def test_calibrate_does_not_write_over_the_runs_model_or_its_files(tmp_path):
+    """`calibrate RUN -o mine.yaml` replaced the model config the run resumes from (it then refused
+    to resume); `-o RUN/checkpoints/.../file` broke a verified checkpoint."""
+    run = make_run(tmp_path)
+    model = tmp_path / "mine.yaml"
+    model.write_text("name: mine\n")
+    job = json.loads((run / "job.json").read_text())
+    (run / "job.json").write_text(json.dumps({**job, "model": str(model)}))
+    result = runner.invoke(app, ["calibrate", str(run), "-o", str(model)])
+    assert result.exit_code == 2 and f"-o {model} is the model {run} trains" in result.output, result.output
+    assert model.read_text() == "name: mine\n"
+    inside = run / "checkpoints" / "step00000004" / "fp32.pt"
+    before = inside.read_bytes()
+    result = runner.invoke(app, ["calibrate", str(run), "-o", str(inside)])
+    assert result.exit_code == 2 and f"is a file of the run in {run}" in result.output, result.output
+    assert inside.read_bytes() == before
+
+
+def test_plan_does_not_write_into_a_runs_folders_nor_the_hf_model_it_was_profiled_from(tmp_path):
+    run = make_run(tmp_path)
+    profile = tmp_path / "p.json"
+    hf = tmp_path / "tiny-llama"
+    hf.mkdir()
+    (hf / "model.safetensors").write_bytes(b"weights")
+    write_json_atomic(profile, {**synthetic_profile(blocks=4, micro_batch_sizes=[1, 2], device="cpu").model_dump(mode="json"),
+                                "model_reference": f"hf:{hf}"})  # fmt: skip
+    args = ["plan", "--profile", str(profile), "--cluster", "local", "--global-batch", "4", "-o"]
+    result = runner.invoke(app, [*args, str(run / "logs" / "resume.json")])
+    assert result.exit_code == 2 and f"is a file of the run in {run}" in result.output, result.output
+    result = runner.invoke(app, [*args, str(hf / "model.safetensors")])
+    assert result.exit_code == 2 and f"is in the model {profile} was profiled from" in result.output, result.output
+    assert (hf / "model.safetensors").read_bytes() == b"weights"
+    assert runner.invoke(app, [*args, str(run / "another-plan.json")]).exit_code == 0  # beside a run: its own file
+
+
+def test_a_run_is_not_made_inside_a_run_nor_exported_into_one(tmp_path):
+    """A run inside a run reads as the outer one's files (and --force of that one deletes it); a
+    folder exported into a run's checkpoints/ reads as a checkpoint that never committed."""
+    run = make_run(tmp_path)
+    result = runner.invoke(app, ["launch", str(run / "plan.json"), "--run-dir", str(run / "sub"), "--dry-run"])
+    assert result.exit_code == 2 and f"lies inside the run in {run}" in result.output, result.output
+    job = json.loads((run / "job.json").read_text())  # export writes an hf: run's model
+    (run / "job.json").write_text(json.dumps({**job, "model": f"hf:{tmp_path / 'tiny-llama'}"}))
+    result = runner.invoke(app, ["export", str(run), "-o", str(run / "checkpoints" / "step00000099")])
+    assert result.exit_code == 2 and f"lies inside the run in {run}" in result.output, result.output
+    assert not (run / "sub").exists() and not (run / "checkpoints" / "step00000099").exists()
+    (tmp_path / "mine.yaml").write_text("name: mine\n")
+    result = runner.invoke(app, ["export", str(run), "-o", str(tmp_path / "mine.yaml" / "sub")])
+    assert result.exit_code == 2 and "mine.yaml is not a folder" in result.output and ".partial" not in result.output
