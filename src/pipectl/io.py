@@ -259,6 +259,8 @@ ARTIFACT_KINDS: dict[str, tuple[str, frozenset[str]]] = {
     "RankFailure": ("a rank's failure record", frozenset({"rank", "exception"})),
     "RunsCalibration": ("a calibration (pipectl calibrate MEASURED.csv)", frozenset({"uncalibrated", "terms"})),
     "RunConditions": ("a conditions file (pipectl validate --conditions)", frozenset({"devices_per_node", "vocab", "precision"})),
+    # No model of pipectl's: DeepSpeed's own file, which a run directory holds beside its plan.
+    "DeepSpeedConfig": ("a DeepSpeed config (a run's ds_config.json)", frozenset({"train_batch_size", "train_micro_batch_size_per_gpu"})),
 }
 
 

@@ -4,9 +4,11 @@ below its folder, the model config or Hugging Face folder it trains, a run neste
 from __future__ import annotations
 
 import json
+import shutil
 
 from typer.testing import CliRunner
 
+from pipectl.artifacts.run import StepMetrics
 from pipectl.cli.main import app
 from pipectl.io import write_json_atomic
 from pipectl.testing.profiles import synthetic_profile
@@ -64,3 +66,22 @@ def test_a_run_is_not_made_inside_a_run_nor_exported_into_one(tmp_path):
     (tmp_path / "mine.yaml").write_text("name: mine\n")
     result = runner.invoke(app, ["export", str(run), "-o", str(tmp_path / "mine.yaml" / "sub")])
     assert result.exit_code == 2 and "mine.yaml is not a folder" in result.output and ".partial" not in result.output
+
+
+def test_a_dry_run_refuses_what_the_command_would_refuse(tmp_path):
+    """`resize --dry-run` of a run that trained steps but wrote no checkpoint said all was well; the
+    resize itself refuses it. `status --follow` of a file waited a minute for a run to appear."""
+    from pipectl.rundir.metrics import MetricsWriter
+    from tests.cli.test_cli_resize import make_run as resizable_run
+
+    resizable = resizable_run(tmp_path / "resizable")
+    shutil.rmtree(resizable / "checkpoints")  # 3 steps trained, no checkpoint
+    writer = MetricsWriter(resizable, rank=0)
+    for step in (1, 2, 3):
+        writer.write(StepMetrics(step=step, loss=5.0, step_seconds=0.1, predicted_step_seconds=0.1,
+                                 samples_per_second=80.0, global_batch=8, world_size=2))  # fmt: skip
+    result = runner.invoke(app, ["resize", str(resizable), "--devices", "1", "--steps", "12", "--dry-run"])
+    assert result.exit_code == 2 and "wrote no checkpoint" in result.output, result.output
+    run = make_run(tmp_path, steps_done=3)
+    result = runner.invoke(app, ["status", str(run / "plan.json"), "--follow"])
+    assert result.exit_code == 2 and "is a plan" in result.output and "waiting for" not in result.output, result.output

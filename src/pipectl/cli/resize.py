@@ -63,10 +63,12 @@ def register(app: typer.Typer) -> None:
         decision = decide_resize(
             run_dir, devices, steps=steps, exclude_stragglers=options.exclude_stragglers, straggler_policy=policy
         )
+        status = run_status(decision.run_dir)
         if options.dry_run:
+            if not status.active:  # what the resize would refuse, a dry run refuses too
+                check_resumable(decision)
             _print_dry_run(decision, devices, json_output)
             return
-        status = run_status(decision.run_dir)
         if _nothing_to_move(decision, status, run_dir, json_output):
             return
         if not status.active:  # a running job may still checkpoint as it stops

@@ -15,7 +15,7 @@ from pipectl.report.run_tables import status_table
 from pipectl.artifacts.run import JOB_FILE, Engine
 from pipectl.launch.options import check_stored_options
 from pipectl.rundir.analysis import RunReport, analyse
-from pipectl.rundir.run import is_run_dir
+from pipectl.rundir.run import is_run_dir, read_run_files
 from pipectl.rundir.status import RunStatus, run_status
 from pipectl.words import count
 
@@ -91,6 +91,8 @@ def _follow(run_dir: Path) -> None:
 
     from pipectl.runtime.monitor import step_line
 
+    if run_dir.is_file():  # no run will appear there: said at once by the reader below
+        read_run_files(run_dir)
     if not is_run_dir(run_dir):
         err_console.print(f"waiting for {run_dir} to appear (up to {APPEAR_SECONDS:.0f} s)", highlight=False, soft_wrap=True)
         deadline = time.monotonic() + APPEAR_SECONDS

@@ -218,7 +218,8 @@ def morph_table(
             elif count % (product := _pinned_product(request)):
                 note = f"uses {spec.devices} of {count} devices: {count} is not a multiple of {product} (pinned {_pins(request)})"
             else:
-                why = (f"fits in memory with the global batch {evaluator.global_batch}" if request.uneven_replicas
+                why = (f"gives each replica samples of the global batch {evaluator.global_batch} and fits in memory"
+                       if request.uneven_replicas
                        else f"divides the global batch {evaluator.global_batch} and fits in memory")
                 note = f"uses {spec.devices} of {count} devices: no configuration of exactly {count} devices{_pinned(request)} {why}"
         entries.append(MorphEntry(devices=count, candidate=candidates[spec.key], note=note))
