@@ -63,12 +63,10 @@ def register(app: typer.Typer) -> None:
         decision = decide_resize(
             run_dir, devices, steps=steps, exclude_stragglers=options.exclude_stragglers, straggler_policy=policy
         )
-        status = run_status(decision.run_dir)
         if options.dry_run:
-            if not status.active:  # what the resize would refuse, a dry run refuses too
-                check_resumable(decision)
             _print_dry_run(decision, devices, json_output)
             return
+        status = run_status(decision.run_dir)
         if _nothing_to_move(decision, status, run_dir, json_output):
             return
         if not status.active:  # a running job may still checkpoint as it stops
@@ -240,7 +238,10 @@ def _say_restart_cancelled(stop: RestartInterrupted, run_dir: Path, signals: lis
 
 
 def _print_dry_run(decision: ResizeDecision, devices: int, json_output: bool) -> None:
-    """What the resize would do, as a table or JSON; nothing stopped, written or started."""
+    """What the resize would do, as a table or JSON; nothing stopped, written or started. What the
+    resize would refuse, a dry run refuses too."""
+    if not run_status(decision.run_dir).active:
+        check_resumable(decision)
     if json_output:
         print_json({
             "run_dir": str(decision.run_dir), "requested_devices": devices, "devices": decision.candidate.devices,
