@@ -483,6 +483,10 @@ def test_a_stored_overlay_that_sets_an_options_key_still_resumes(tmp_path):
     assert resumed.exit_code == 0, resumed.output
     assert json.loads(resumed.output)["ds_config"]["gradient_clipping"] == 0.3
     (tmp_path / "lr.json").write_text('{"optimizer": {"params": {"lr": 0.5}}}')
+    (tmp_path / "betas.json").write_text('{"optimizer": {"params": {"betas": [0.9, 0.95]}}}')
+    betas = invoke("launch", plan, "--run-dir", tmp_path / "new", "--dry-run", "--json", "--ds-config-overlay",
+                   tmp_path / "betas.json")  # fmt: skip
+    assert json.loads(betas.output)["job"]["training"]["betas"] == [0.9, 0.95]  # what it trains with
     refused = invoke("launch", plan, "--run-dir", run, "--resume", "--dry-run", "--ds-config-overlay", tmp_path / "lr.json")
     assert refused.exit_code == 2 and "sets optimizer.params.lr, which launch's --lr sets" in refused.output, refused.output
 

@@ -283,6 +283,17 @@ def test_an_overlay_of_the_wrong_shape_or_of_an_options_key_is_refused_naming_it
     assert message in info.value.message, info.value.message
 
 
+def test_the_betas_and_eps_an_overlay_sets_are_checked_and_recorded_as_the_runs():
+    """job.json's training settings said betas (0.9, 0.999) while the overlay trained with 0.95; a
+    betas torch's AdamW refuses failed in every rank after the start."""
+    from pipectl.runtime.engines.dsconfig import overlay_adam
+
+    assert overlay_adam({"optimizer": {"params": {"betas": [0.9, 0.95], "eps": 1e-6}}}) == {"betas": [0.9, 0.95], "eps": 1e-6}
+    assert overlay_adam({"tensorboard": {"enabled": True}}) == {} and overlay_adam({"optimizer": 5}) == {}
+    with pytest.raises(DeepSpeedConfigRejected, match=r"sets optimizer.params.betas to \[0.9, 1.5\]: AdamW betas must lie"):
+        overlay_adam({"optimizer": {"params": {"betas": [0.9, 1.5]}}})
+
+
 def test_a_runs_stored_overlay_keeps_an_options_key_it_set_before_they_were_refused():
     """A resume or a resize merges the overlay the run stored: one written before option keys were
     refused still merges (a new overlay with the key is refused, above)."""

@@ -31,7 +31,7 @@ from pipectl.errors import PipectlError, UserInputError
 from pipectl.config import Layer, given, layered, stored_layer, to_sections
 from pipectl.io import load_model, validation_message
 from pipectl.launch.options import SCALE_MIN_LR_RATIO, LaunchOptions, read_hostfile, resolve_defaults, resumed_failure_rate
-from pipectl.runtime.engines.dsconfig import validated_config
+from pipectl.runtime.engines.dsconfig import overlay_adam, validated_config
 from pipectl.launch.engines import LaunchCommand, allocation_hosts, build_command
 from pipectl.launch.supervise import run_engine
 from pipectl.launch.placement import check_cluster_runs, compute_slowdowns, node_groups, plan_accelerator, plan_kinds
@@ -591,6 +591,7 @@ def build_job(plan: Plan, name: str, options: LaunchOptions, cluster: ClusterSpe
                 lr_schedule=options.lr_schedule,
                 warmup_steps=options.warmup_steps,
                 min_lr_ratio=SCALE_MIN_LR_RATIO if scale else 0.0,
+                **overlay_adam(options.ds_config_overlay),  # the betas and eps the run trains with
             ),
             ds_config_overlay=options.ds_config_overlay,
             options=to_sections(options),

@@ -31,6 +31,8 @@ import contextlib
 import logging
 from typing import Any, Iterator
 
+from pydantic import ValidationError
+
 from pipectl.artifacts.plan import Candidate, Engine, Plan, runtime_runs_zero
 from pipectl.artifacts.run import LrSchedule, Precision, TrainingSettings
 from pipectl.errors import UserInputError
@@ -208,6 +210,26 @@ def merge_overlay(config: dict[str, Any], overlay: dict[str, Any], *, options_ow
                 "in job.json, and every resume and resize writes it again",
             )
     return _merged(config, overlay, "")
+
+
+def overlay_adam(overlay: dict[str, Any]) -> dict[str, Any]:
+    """AdamW's betas and eps as an overlay sets them (`optimizer.params`), for job.json's training
+    settings to record what the run trains with.
+
+        >>> overlay_adam({"optimizer": {"params": {"betas": [0.9, 0.95], "amsgrad": False}}})
+        {'betas': [0.9, 0.95]}
+    """
+    params = (overlay.get("optimizer") or {}).get("params") if isinstance(overlay.get("optimizer"), dict) else None
+    given = {key: params[key] for key in ("betas", "eps") if key in params} if isinstance(params, dict) else {}
+    for key, value in given.items():  # torch's AdamW would refuse it in every rank, after the start
+        try:
+            TrainingSettings(**{key: value})
+        except ValidationError as exc:
+            raise DeepSpeedConfigRejected(
+                f"the DeepSpeed config overlay sets optimizer.params.{key} to {value!r}: "
+                + exc.errors()[0]['msg'].removeprefix('Value error, ')
+            ) from None
+    return given
 
 
 def _found(config: dict[str, Any], key: str) -> bool:
