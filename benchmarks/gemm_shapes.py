@@ -28,12 +28,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import sys
 import time
 from contextlib import contextmanager
-from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,9 +39,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import pipectl.profile.compute_model as compute_model  # noqa: E402
 import pipectl.profile.layer_shapes as layer_shapes  # noqa: E402
-from memory_kernels import SHARED_RUNS, predict_both  # noqa: E402
+from memory_kernels import SHARED_RUNS, predict_both, write_readings  # noqa: E402
 from pipectl.artifacts.calibration import CalibratedTerms  # noqa: E402
-from pipectl.io import write_json_atomic  # noqa: E402
 from pipectl.measured.predict import Calibrated, Predictor  # noqa: E402
 from pipectl.measured.runs import load_conditions, read_runs  # noqa: E402
 from pipectl.measured.summary import summarise_errors  # noqa: E402
@@ -117,14 +113,7 @@ def main() -> None:
               f"{published['max_abs_error']:.1%}, mean signed {published['mean_signed_error']:+.1%}")
     if args.no_write:
         return
-    write_json_atomic(RESULTS, {
-        "command": "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/gemm_shapes.py",
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
-        "seconds": round(time.perf_counter() - started, 1),
-        "readings": results,
-    })  # fmt: skip
-    print(f"wrote {RESULTS.relative_to(ROOT)}")
+    write_readings(RESULTS, started, results)
 
 
 if __name__ == "__main__":

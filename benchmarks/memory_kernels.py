@@ -137,15 +137,21 @@ def main() -> None:
               f"mean signed {published['mean_signed_error']:+.1%}")
     if args.no_write:
         return
-    write_json_atomic(RESULTS, {
-        "command": "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/memory_kernels.py",
+    times = args.kernel_times
+    write_readings(RESULTS, started, results, kernel_times=str(times.relative_to(ROOT)) if times.is_relative_to(ROOT) else str(times))
+
+
+def write_readings(path: Path, started: float, readings: dict, **more: object) -> None:
+    """A what-if's readings, with the command that made them (the script's own), the date and machine."""
+    write_json_atomic(path, {
+        "command": f"OMP_NUM_THREADS=1 .venv/bin/python benchmarks/{Path(sys.argv[0]).name}",
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
-        "kernel_times": str(args.kernel_times.relative_to(ROOT)) if args.kernel_times.is_relative_to(ROOT) else str(args.kernel_times),
+        **more,
         "seconds": round(time.perf_counter() - started, 1),
-        "readings": results,
+        "readings": readings,
     })  # fmt: skip
-    print(f"wrote {RESULTS.relative_to(ROOT)}")
+    print(f"wrote {path.relative_to(ROOT)}")
 
 
 if __name__ == "__main__":
