@@ -141,7 +141,7 @@ def test_a_morph_entry_using_fewer_devices_says_how_many_and_why(tmp_path: Path)
     used = entry.candidate.devices
     assert used < 7  # 5 layers and B = 4 (at most 4 replicas): nothing runs on exactly 7
     out = " ".join(invoke("simulate", str(plan_path), "--devices", "7").stdout.split())
-    assert f"the plan's entry for 7 devices uses {used}: no configuration of exactly 7 devices fits" in out
+    assert f"the plan's entry for 7 devices uses {used}: no configuration of exactly 7 devices gives each replica samples" in out
     payload = json.loads(invoke("simulate", str(plan_path), "--devices", "7", "--json").stdout)
     assert payload["requested_devices"] == 7 and payload["devices"] == used
     assert payload["note"].startswith(f"the plan's entry for 7 devices uses {used}: ")
