@@ -49,10 +49,10 @@ def register(app: typer.Typer) -> None:
         write it; plan with it to predict the layouts not run. Given a CSV of runs measured on a
         cluster, fit its device, link and engine terms to them instead (`--calibration` of
         validate, profile --derive, plan and simulate)."""
-        if len(runs) == 1 and (runs[0].is_file() or runs[0].suffix.lower() == ".csv"):
+        files = [run for run in runs if run.is_file() or run.suffix.lower() == ".csv"]
+        if files == runs and len(runs) == 1:
             _calibrate_measured(runs[0], conditions, folds, output or Path("calibration.json"), json_output)
             return
-        files = [run for run in runs if run.is_file() or run.suffix.lower() == ".csv"]
         if files:  # more than one file, or a file among run directories
             raise UserInputError(f"{files[0]} is a file among {len(runs)} arguments: give one CSV of measured runs "
                                  "(with --conditions), or run directories only",

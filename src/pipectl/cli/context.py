@@ -15,7 +15,7 @@ from rich.console import Console, ConsoleDimensions
 from rich.segment import Segment
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from pipectl.artifacts.run import JOB_FILE, is_run_file, run_holding
+from pipectl.artifacts.run import is_run_file, run_holding
 from pipectl.errors import UserInputError
 from pipectl.io import check_output_file
 from pipectl.paths import HF_PREFIX
@@ -69,8 +69,7 @@ def refuse_overwriting(output: Path, inputs: Mapping[str, str | os.PathLike[str]
         if source is not None and same_file(output, Path(source)):
             raise UserInputError(f"-o {output} is the {what} this command reads; write the result elsewhere")
     if is_run_file(output):
-        run = output.parent if (output.parent / JOB_FILE).is_file() else run_holding(output.parent)
-        raise UserInputError(f"-o {output} is a file of the run in {run}; write the result elsewhere")
+        raise UserInputError(f"-o {output} is a file of the run in {run_holding(output)}; write the result elsewhere")
 
 
 def refuse_overwriting_model(output: Path, reference: str | None, what: str) -> None:

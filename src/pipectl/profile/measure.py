@@ -469,12 +469,16 @@ def device_memory_bytes(device: torch.device) -> int | None:
 
 
 def _batch(model: ModelLayers, size: int, seed: int, device: torch.device, dtype: torch.dtype) -> tuple[Any, Any]:
-    """The model's batch of `size` samples (its own seed per size) on `device`: (inputs, labels)."""
-    generator = torch.Generator().manual_seed(seed + size)
+    """The model's batch of `size` samples on `device`: (inputs, labels)."""
+    inputs, labels = _made_batch(model, size, seed)
+    return to_device(inputs, device, dtype), to_device(labels, device, dtype)
+
+
+def _made_batch(model: ModelLayers, size: int, seed: int) -> Any:
+    """The model's own make_batch of `size` samples, with its seed per size, on the host."""
     with model_code(f"the model's make_batch({size}, generator)",
                     hint="make_batch(micro_batch_size, generator) returns (inputs, labels)"):
-        inputs, labels = model.make_batch(size, generator)
-    return to_device(inputs, device, dtype), to_device(labels, device, dtype)
+        return model.make_batch(size, torch.Generator().manual_seed(seed + size))
 
 
 # The largest batch made only to learn a sample's bytes: a smallest size asked for beyond it is
@@ -488,9 +492,7 @@ def _batch_bytes(model: ModelLayers, smallest: int, seed: int) -> float:
     when the model makes no batch of 1."""
     size = smallest if smallest <= PROBE_SAMPLES else 1
     try:
-        with model_code(f"the model's make_batch({size}, generator)",
-                        hint="make_batch(micro_batch_size, generator) returns (inputs, labels)"):
-            batch = model.make_batch(size, torch.Generator().manual_seed(seed + size))
+        batch = _made_batch(model, size, seed)
     except PipectlError:
         if size == smallest:
             raise

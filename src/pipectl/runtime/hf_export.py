@@ -86,13 +86,14 @@ def export_hf(run_dir: str | os.PathLike[str], output: str | os.PathLike[str], s
     out = Path(output)
     if out.exists():
         raise UserInputError(f"{out} exists; export writes a new directory", hint="give a path that does not exist")
-    inside = (out.parent / JOB_FILE).is_file() and out.parent or run_holding(out.parent)
-    if inside:  # a folder in a run's checkpoints/ reads as a checkpoint that never committed
+    inside = run_holding(out)
+    if inside is not None:  # a folder in a run's checkpoints/ reads as a checkpoint that never committed
         raise UserInputError(f"{out} lies inside the run in {inside}; export writes elsewhere")
     above = next((folder for folder in out.absolute().parents if folder.exists()), None)
     if above is not None and not above.is_dir():
         raise UserInputError(f"cannot create {out}: {above} is not a folder")
-    verified = [info for info in list_checkpoints(run_dir, hash_files=True) if info.verified]
+    checkpoints = list_checkpoints(run_dir, hash_files=True)
+    verified = [info for info in checkpoints if info.verified]
     chosen = [info for info in verified if step is None or info.step == step]
     if not chosen:
         have = f"verified checkpoints: steps {', '.join(str(info.step) for info in verified)}" if verified else (
@@ -100,8 +101,7 @@ def export_hf(run_dir: str | os.PathLike[str], output: str | os.PathLike[str], s
         raise UserInputError(
             f"run {run_dir} has no verified checkpoint" + (f" of step {step}" if step is not None else ""), hint=have,
         )
-    skipped = [info.step for info in list_checkpoints(run_dir, hash_files=False) if info.step is not None
-               and info.step > chosen[-1].step and step is None]
+    skipped = [info.step for info in checkpoints if info.step is not None and info.step > chosen[-1].step and step is None]
     if skipped:  # the newest did not verify: said, not passed over in silence
         log.warning("checkpoint step %s does not verify (pipectl status --verify says why): exporting step %d",
                     skipped[-1], chosen[-1].step)

@@ -36,6 +36,7 @@ from pydantic import ValidationError
 from pipectl.artifacts.plan import Candidate, Engine, Plan, runtime_runs_zero
 from pipectl.artifacts.run import LrSchedule, Precision, TrainingSettings
 from pipectl.errors import UserInputError
+from pipectl.io import error_words
 from pipectl.runtime.engines.dsinit import choose_accelerator
 from pipectl.schedule import ScheduleKind, deepspeed_runnable, torch_runnable
 
@@ -226,8 +227,7 @@ def overlay_adam(overlay: dict[str, Any]) -> dict[str, Any]:
             TrainingSettings(**{key: value})
         except ValidationError as exc:
             raise DeepSpeedConfigRejected(
-                f"the DeepSpeed config overlay sets optimizer.params.{key} to {value!r}: "
-                + exc.errors()[0]['msg'].removeprefix('Value error, ')
+                f"the DeepSpeed config overlay sets optimizer.params.{key} to {value!r}: {error_words(exc.errors()[0])}"
             ) from None
     return given
 
