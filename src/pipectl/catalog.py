@@ -111,6 +111,12 @@ class DeviceSpec(Strict):
         description="Fraction of the dense peak the best-shaped GEMM reaches in a burst, measured: the most a "
         "calibration may fit `gemm_efficiency` to (default: the peak).",
     )
+    gemm_wave_quantization: float = Field(
+        default=1.0, gt=0, le=1,
+        description="The share of the modelled tile and wave quantization a GEMM pays, as an exponent on the "
+        "useful fraction of its waves: 1 as modelled (whole waves of large tiles); below 1 where the GEMM "
+        "library recovers part of it (smaller tiles, split-K, stream-K). Fitted by a calibration.",
+    )
     attention_efficiency: float | None = Field(
         default=None, gt=0, le=1, description="Fraction of the dense peak fused (flash) attention reaches."
     )

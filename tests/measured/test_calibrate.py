@@ -13,7 +13,7 @@ import pytest
 from pipectl.errors import UserInputError
 
 from pipectl.measured.calibrate import (
-    TERMS, _Problem, bounded_terms, calibrate_runs, ceilings, fit, starting_terms, terms_at,
+    RATES, TERMS, _Problem, bounded_terms, calibrate_runs, ceilings, fit, starting_terms, terms_at,
 )
 from pipectl.measured.predict import Calibrated, Predictor
 from pipectl.measured.runs import MeasuredRun, load_conditions
@@ -28,9 +28,11 @@ LAYOUTS = [  # gpus, B, b, hidden, layers, t, d, p
     (4, 32, 8, 2048, 12, 2, 1, 2), (8, 32, 4, 1024, 12, 2, 2, 2), (8, 16, 1, 2048, 12, 1, 4, 2),
     (8, 64, 8, 1024, 12, 4, 2, 1), (2, 4, 1, 2048, 12, 1, 1, 2), (4, 32, 2, 2048, 12, 1, 4, 1),
 ]
-# What the synthetic cluster is: slower GEMMs, a busier host, a slower link, an engine overhead.
+# What the synthetic cluster is: slower GEMMs whose library recovers part of the tile quantization,
+# a busier host, a slower link, an engine overhead.
 TRUTH = {
     "gemm_efficiency": 0.7,
+    "wave_quantization": 0.5,
     "memory_bandwidth_gbytes_per_second": 1700.0,
     "kernel_overhead_us": 55.0,
     "intra_node_latency_us": 6.0,
@@ -77,6 +79,8 @@ def test_the_fit_recovers_a_cluster_made_of_known_terms(conditions):
     assert np.max(np.abs(after / measured - 1)) < 0.01
     fitted = terms_at(start, x)
     assert fitted.gemm_efficiency == pytest.approx(TRUTH["gemm_efficiency"], rel=0.05)
+    # It starts at its ceiling (the model's whole waves): the fit moves it from there.
+    assert fitted.wave_quantization == pytest.approx(TRUTH["wave_quantization"], rel=0.15)
     assert fitted.kernel_overhead_us == pytest.approx(TRUTH["kernel_overhead_us"], rel=0.05)
     assert fitted.micro_batch_overhead_seconds == pytest.approx(TRUTH["micro_batch_overhead_seconds"], rel=0.2)
     # Every row ran on one node: the network between nodes is left as it was.
@@ -107,7 +111,7 @@ def test_the_fit_stops_at_what_a_device_of_the_kind_can_have(conditions):
     assert bounded_terms(conditions, start, start) == []
     # A rate that starts at 0 stays there (a multiple of 0), without a division by it.
     at_zero = start.model_copy(update={"intra_node_latency_us": 0.0})
-    assert _Problem(runs, conditions, at_zero, 1, "a100-80gb", {}).most[3] == 0.0
+    assert _Problem(runs, conditions, at_zero, 1, "a100-80gb", {}).most[RATES.index("intra_node_latency_us")] == 0.0
 
 
 def test_calibrate_reports_errors_before_after_and_cross_validated(conditions, tmp_path):
@@ -164,7 +168,7 @@ def test_calibrate_then_validate_with_it_from_a_working_directory(measured):
     assert result.returncode == 0, result.stderr
     assert "wrote cal.json" in result.stdout
     assert f"line {len(LAYOUTS) + 2}: left out, not predicted: pipeline-parallel degree 8 exceeds" in result.stderr, result.stderr
-    assert f"fitting 9 terms to {len(LAYOUTS)} rows" in result.stderr
+    assert f"fitting {len(TERMS)} terms to {len(LAYOUTS)} rows" in result.stderr
     calibration = json.loads((measured / "cal.json").read_text())
     assert calibration["rows_file"] == "runs.csv" and calibration["cross_validated"] is None
     assert calibration["rows"] == calibration["before"]["rows"] == calibration["after"]["rows"] == len(LAYOUTS)
@@ -302,3 +306,15 @@ def test_profile_refuses_a_calibration_it_cannot_use(measured, args, message):
     assert result.returncode == 2, result.stdout + result.stderr
     assert message in result.stderr and "Traceback" not in result.stderr
     assert not (measured / "p.json").exists()
+
+
+def test_a_calibration_fitted_before_the_wave_quantization_term_prices_as_it_did(conditions):
+    """A calibration.json without `wave_quantization` (written before the term) reads as the model's
+    whole waves: the device it gives prices every GEMM as before."""
+    stored = starting_terms(conditions).model_dump()
+    del stored["wave_quantization"]
+    terms = type(starting_terms(conditions)).model_validate(stored)
+    assert terms.wave_quantization == 1.0
+    from pipectl.catalog import get_device
+
+    assert terms.device_spec(get_device("a100-80gb")).gemm_wave_quantization == 1.0

@@ -26,6 +26,7 @@ from pipectl.profile.compute_model import (
     ComputeDevice,
     block_backward_kernels,
     block_forward_kernels,
+    gemm_kernel,
     phase_seconds,
     wave_efficiency,
 )
@@ -200,6 +201,24 @@ def test_large_shards_reach_sixty_to_eighty_percent_of_peak_and_small_ones_far_l
 def test_wave_quantization_matters_only_for_few_tiles():
     assert wave_efficiency(16384, 16384, 132) > 0.95
     assert wave_efficiency(256, 128, 132) < 0.02
+
+
+def test_a_calibrated_wave_quantization_share_spares_small_gemms_only():
+    """`gemm_wave_quantization` below 1 (a GEMM library recovering part of the tile loss) speeds a
+    product whose tiles leave SMs idle, and leaves one of whole waves as it was."""
+    a100 = get_device("a100-80gb")
+    modelled = ComputeDevice.of(a100, "bfloat16")
+    recovered = ComputeDevice.of(a100.model_copy(update={"gemm_wave_quantization": 0.5}), "bfloat16")
+    assert modelled.wave_quantization == 1.0 and recovered.wave_quantization == 0.5
+    # 2048 x 2048: 256 tiles of 128 x 128 on 108 SMs, 3 waves of which 2.37 are used.
+    partial = (2048, 2048, 512)
+    fill = wave_efficiency(2048, 2048, 108)
+    assert fill < 0.8
+    ratio = gemm_kernel("fc", *partial, recovered).seconds / gemm_kernel("fc", *partial, modelled).seconds
+    assert ratio == pytest.approx(fill**0.5, rel=1e-9)
+    # 108 x 8 tiles of 128 x 128 exactly: whole waves, nothing to recover.
+    whole = (108 * 128, 8 * 128, 4096)
+    assert gemm_kernel("fc", *whole, recovered).seconds == gemm_kernel("fc", *whole, modelled).seconds
 
 
 def test_devices_without_the_constants_have_no_compute_model():

@@ -6,8 +6,8 @@ take the file with `--calibration`. Every term keeps its meaning in the model, s
 predicts layouts, shapes and batch sizes the log does not hold:
 
 - the device (its catalog entry's figures: `DeviceSpec`): the fraction of the 16-bit peak large
-  GEMMs sustain, the memory bandwidth element-wise kernels reach, the host's time to issue one
-  kernel;
+  GEMMs sustain, how much of the modelled tile and wave quantization smaller GEMMs pay, the memory
+  bandwidth element-wise kernels reach, the host's time to issue one kernel;
 - the links inside a node and between nodes (as a cluster YAML's `links:` sets them): latency
   and bandwidth of point-to-point transfers and collectives alike;
 - the engine (`EngineFeatures`): its time per micro-batch and stage, and per step, beyond the
@@ -36,6 +36,11 @@ class CalibratedTerms(Strict):
     """The fitted figures, in the units of the catalog and of a cluster YAML."""
 
     gemm_efficiency: float = Field(gt=0, le=1, description="Fraction of the dense 16-bit peak a large GEMM sustains.")
+    wave_quantization: float = Field(
+        default=1.0, gt=0, le=1,
+        description="Share of the modelled tile and wave quantization a GEMM pays (an exponent on its useful wave "
+        "fraction): 1 as modelled, below 1 where the GEMM library recovers part of it.",
+    )
     memory_bandwidth_gbytes_per_second: float = Field(
         ge=MIN_GBYTES_PER_SECOND, le=MAX_GBYTES_PER_SECOND,
         description="Device memory bandwidth, GB/s, as the catalog states it (element-wise kernels reach "
@@ -61,6 +66,7 @@ class CalibratedTerms(Strict):
         """`device` with the fitted device figures (its name kept: a catalog device, calibrated)."""
         return device.model_copy(update={
             "gemm_efficiency": self.gemm_efficiency,
+            "gemm_wave_quantization": self.wave_quantization,
             "memory_bandwidth_gbytes_per_second": self.memory_bandwidth_gbytes_per_second,
             "kernel_overhead_us": self.kernel_overhead_us,
         })  # fmt: skip

@@ -4,9 +4,12 @@ The uncalibrated model prices a run from datasheets and from how the engines wor
 log of jobs says how its GPUs, links and framework really behave. The fit adjusts the terms of the
 model that the rows can tell apart (`CalibratedTerms`), never a row's own figure:
 
-- GEMM efficiency (what large products sustain), memory bandwidth (element-wise kernels: the
-  unfused attention's s x s passes, the fp32 loss), and the host's time per kernel (what small
-  shards are bound by): three device figures the kernel model (`profile.compute_model`) reads;
+- GEMM efficiency (what large products sustain), the share of the modelled tile and wave
+  quantization a product pays (the model prices whole waves of CUTLASS's large tiles; a GEMM
+  library with smaller tiles, split-K or stream-K recovers part of that loss on small products),
+  memory bandwidth (element-wise kernels: the unfused attention's s x s passes, the fp32 loss),
+  and the host's time per kernel (what small shards are bound by): four device figures the kernel
+  model (`profile.compute_model`) reads;
 - the latency and bandwidth of the link inside a node and of the network between nodes
   (tensor-parallel all-reduces, pipeline transfers, gradient reductions): the network's stay as
   they are when every row ran on one node;
@@ -15,9 +18,9 @@ model that the rows can tell apart (`CalibratedTerms`), never a row's own figure
 Each row's prediction is a full plan of its pinned layout (`measured.predict`), so the terms act
 through the same partitioner, schedule simulation and collectives as any plan. The fit minimises
 the sum of squared relative errors ((predicted - measured) / measured) by Levenberg-Marquardt
-(Marquardt 1963) on a finite-difference Jacobian: the seven rates as log multipliers of their
+(Marquardt 1963) on a finite-difference Jacobian: the eight rates as log multipliers of their
 starting figures (they stay positive, and below what a device of the kind can have: `ceilings`),
-the two overheads in milliseconds (at least 0). Each Jacobian is 9 independent predictions of every row: they run in
+the two overheads in milliseconds (at least 0). Each Jacobian is 10 independent predictions of every row: they run in
 parallel (`plan.workers.share`).
 
 k-fold cross-validation (rows dealt to folds in their file order, round robin) fits on k - 1
@@ -48,6 +51,7 @@ from pipectl.plan.workers import share
 # Fitted as log multipliers of their starting figures; then the two overheads, in milliseconds.
 RATES = (
     "gemm_efficiency",
+    "wave_quantization",
     "memory_bandwidth_gbytes_per_second",
     "kernel_overhead_us",
     "intra_node_latency_us",
@@ -88,6 +92,7 @@ def starting_terms(conditions: RunConditions) -> CalibratedTerms:
     )
     return CalibratedTerms(
         gemm_efficiency=float(device.gemm_efficiency),
+        wave_quantization=device.gemm_wave_quantization,
         memory_bandwidth_gbytes_per_second=float(device.memory_bandwidth_gbytes_per_second),
         kernel_overhead_us=float(device.kernel_overhead_us),
         intra_node_latency_us=device.intra_node_latency_us,
@@ -112,6 +117,8 @@ def ceilings(conditions: RunConditions, start: CalibratedTerms) -> dict[str, flo
     most = {name: getattr(start, name) * math.exp(MOST_LOG_MULTIPLIER) for name in RATES}
     most["gemm_efficiency"] = min(device.gemm_efficiency_best or 1.0, 1.0)
     most["memory_bandwidth_gbytes_per_second"] = float(device.memory_bandwidth_gbytes_per_second)
+    # Whole waves of the large tiles are the most a GEMM's shape can cost (`compute_model.wave_efficiency`).
+    most["wave_quantization"] = 1.0
     # In a node, the fastest figure stated for it: a link's line rate, a collective's measured bus
     # bandwidth (on a fully connected part, above one peer link's), the conditions' own.
     links = conditions.cluster_links()
@@ -143,6 +150,7 @@ def terms_at(start: CalibratedTerms, x: Sequence[float]) -> CalibratedTerms:
     """The terms at fit coordinates `x` (log multipliers of the rates, then overheads in ms)."""
     values = {name: getattr(start, name) * math.exp(value) for name, value in zip(RATES, x)}
     values["gemm_efficiency"] = min(1.0, values["gemm_efficiency"])
+    values["wave_quantization"] = min(1.0, values["wave_quantization"])
     for name, value in zip(OVERHEADS, x[len(RATES):]):
         values[name] = max(0.0, value) / 1e3
     return CalibratedTerms(**values)
@@ -194,6 +202,13 @@ def _seconds(prediction) -> float:
     return math.nan if prediction.predicted_seconds is None else prediction.predicted_seconds
 
 
+def _pressing(x: np.ndarray, gradient: np.ndarray, problem: "_Problem") -> np.ndarray:
+    """The terms at a bound whose descent direction (-gradient) points past it."""
+    low = np.concatenate([np.full(len(RATES), -MOST_LOG_MULTIPLIER), np.zeros(len(OVERHEADS))])
+    high = np.concatenate([problem.most, np.full(len(OVERHEADS), np.inf)])
+    return ((x >= high - 1e-9) & (gradient < 0)) | ((x <= low + 1e-9) & (gradient > 0))
+
+
 def _steps() -> np.ndarray:
     return np.array([RATE_STEP] * len(RATES) + [OVERHEAD_STEP_MS] * len(OVERHEADS))
 
@@ -214,21 +229,29 @@ def fit(problem: _Problem, rows: np.ndarray, measured: np.ndarray, progress: Cal
     moving = np.ones(len(TERMS), dtype=bool)
     for iteration in range(ITERATIONS):
         terms = np.flatnonzero(moving)
-        shifted = problem.predictions([x + steps[k] * np.eye(len(TERMS))[k] for k in terms])
+        # A rate at its ceiling is differenced below it: a figure past the ceiling may not be one a
+        # device can be given (a wave quantization share above 1).
+        signed = steps.copy()
+        signed[: len(RATES)] = np.where(x[: len(RATES)] + steps[: len(RATES)] > problem.most + 1e-12,
+                                        -steps[: len(RATES)], steps[: len(RATES)])  # fmt: skip
+        shifted = problem.predictions([x + signed[k] * np.eye(len(TERMS))[k] for k in terms])
         jacobian = np.zeros((len(r), len(TERMS)))
         for k, p in zip(terms, shifted):
-            jacobian[:, k] = (residuals(p) - r) / steps[k]
+            jacobian[:, k] = (residuals(p) - r) / signed[k]
         usable = np.isfinite(r) & np.all(np.isfinite(jacobian), axis=1)
         J, rr = jacobian[usable], r[usable]
         # A term no row depends on (the network between nodes, for rows of one node each) stays put,
         # and is not perturbed again.
         moving &= np.any(J != 0, axis=0)
-        normal, gradient = J[:, moving].T @ J[:, moving], J[:, moving].T @ rr
+        # A term at a bound that the descent would push past is held there for this step: solved
+        # with the others and then clipped, it would bend their step away from the best one.
+        free = moving & ~_pressing(x, J.T @ rr, problem)
+        normal, gradient = J[:, free].T @ J[:, free], J[:, free].T @ rr
         accepted = False
         for _ in range(8):  # the damping grows until a step lowers the cost
-            damped = normal + lam * np.diag(np.diag(normal)) + 1e-12 * np.eye(int(moving.sum()))
+            damped = normal + lam * np.diag(np.diag(normal)) + 1e-12 * np.eye(int(free.sum()))
             step = np.zeros(len(TERMS))
-            step[moving] = -np.linalg.solve(damped, gradient)
+            step[free] = -np.linalg.solve(damped, gradient)
             trial = _bounded(x + step, problem)
             (predicted,) = problem.predictions([trial])
             r_trial = residuals(predicted)

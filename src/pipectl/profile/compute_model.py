@@ -6,13 +6,14 @@ unfused with the b x heads x s x s scores materialised), and memory-bound elemen
 norms, GELU, residual adds, bias gradients, gradient accumulation). Each kernel's GPU time is a
 roofline (Williams et al. 2009):
 
-    gemm:        max(2mnk / (peak x gemm_efficiency x waves(m, n)), bytes / bandwidth)
+    gemm:        max(2mnk / (peak x gemm_efficiency x waves(m, n)^q), bytes / bandwidth)
     attention:   FLOPs / (peak x attention_efficiency), stretched when too few tiles fill the SMs
     element-wise: bytes / (bandwidth x MEMORY_EFFICIENCY)
 
-and the host issues one kernel every `kernel_overhead_seconds` (PyTorch's eager dispatch and the
-CUDA launch), so a phase lasts as the queue of host issues and GPU runs says (`phase_seconds`):
-small shards are launch-bound, large ones GEMM-bound, the same formula for both.
+(q = 1 unless a calibration fitted the device's `gemm_wave_quantization`), and the host issues
+one kernel every `kernel_overhead_seconds` (PyTorch's eager dispatch and the CUDA launch), so a
+phase lasts as the queue of host issues and GPU runs says (`phase_seconds`): small shards are
+launch-bound, large ones GEMM-bound, the same formula for both.
 
 The device constants (configs/devices.yaml, each with its source there): the dense 16-bit peak and
 memory bandwidth (datasheets), the streaming-multiprocessor count (datasheet), the fraction of the
@@ -83,6 +84,8 @@ class ComputeDevice:
     kernel_overhead_seconds: float
     multiprocessors: int
     bytes_per_element: int
+    # Exponent on a GEMM's useful wave fraction (`DeviceSpec.gemm_wave_quantization`): 1 as modelled.
+    wave_quantization: float = 1.0
 
     @classmethod
     def of(cls, device: DeviceSpec, dtype: str) -> ComputeDevice | None:
@@ -98,6 +101,7 @@ class ComputeDevice:
             kernel_overhead_seconds=float(device.kernel_overhead_us or 0) * 1e-6,
             multiprocessors=int(device.multiprocessors or 0),
             bytes_per_element=DTYPE_BYTES[dtype],
+            wave_quantization=device.gemm_wave_quantization,
         )
 
 
@@ -170,7 +174,8 @@ def gemm_kernel(name: str, m: int, n: int, k: int, device: ComputeDevice) -> Ker
     flops = 2.0 * m * n * k
     bytes_moved = float(device.bytes_per_element * (m * k + k * n + m * n))
     # The output tile grid is the larger dimension by the smaller one, as cuBLAS lays it out.
-    efficiency = device.gemm_efficiency * wave_efficiency(max(m, n), min(m, n), device.multiprocessors)
+    fill = wave_efficiency(max(m, n), min(m, n), device.multiprocessors) ** device.wave_quantization
+    efficiency = device.gemm_efficiency * fill
     compute = flops / (device.peak_flops_per_second * efficiency)
     return Kernel(name, flops, bytes_moved, max(compute, bytes_moved / device.memory_bytes_per_second))
 
@@ -389,7 +394,7 @@ def _batched_gemm(name: str, batch: int, m: int, n: int, k: int, device: Compute
     """`batch` independent m x n x k products in one kernel: their tiles share the waves."""
     flops = 2.0 * batch * m * n * k
     bytes_moved = float(batch * device.bytes_per_element * (m * k + k * n + m * n))
-    fill = wave_efficiency(batch * max(m, n), min(m, n), device.multiprocessors)
+    fill = wave_efficiency(batch * max(m, n), min(m, n), device.multiprocessors) ** device.wave_quantization
     compute = flops / (device.peak_flops_per_second * device.gemm_efficiency * fill)
     return Kernel(name, flops, bytes_moved, max(compute, bytes_moved / device.memory_bytes_per_second))
 

@@ -342,6 +342,12 @@ def _shapes(
     return shapes
 
 
+def _wave_words(compute: ComputeDevice) -> str:
+    """The wave quantization a calibration fitted, where it is not the model's whole waves."""
+    q = compute.wave_quantization
+    return "" if q == 1.0 else f" with {q:.3g} of the modelled wave quantization"
+
+
 def _notes(
     device: DeviceSpec,
     compute: ComputeDevice | None,
@@ -354,7 +360,7 @@ def _notes(
     notes = []
     if compute is not None:
         notes.append(
-            f"time: kernel model (GEMMs {compute.gemm_efficiency:.3g} of peak, attention "
+            f"time: kernel model (GEMMs {compute.gemm_efficiency:.3g} of peak{_wave_words(compute)}, attention "
             f"{compute.attention_efficiency:.3g}, element-wise by bandwidth, {compute.kernel_overhead_seconds * 1e6:.3g} µs/kernel)"
         )
     else:
