@@ -312,3 +312,19 @@ def test_times_in_seconds_under_the_milliseconds_header_are_pointed_out(measured
     (measured / "runs.csv").write_text("\n".join([HEADER, *ROWS]) + "\n")
     right = pipectl(measured, "validate", "runs.csv", "-c", "conditions.yaml", "--json")
     assert not any("milliseconds" in note for note in json.loads(right.stdout)["notes"])
+
+
+def test_layouts_refused_by_memory_that_fit_a_higher_zero_stage_point_at_the_conditions(measured):
+    """A 3.56 B-parameter GPT at t1 d64 ran on 80 GB A100s; under ZeRO-0 fp16 the memory model refuses
+    it (DeepSpeed's 16-bit step holds 24 bytes a parameter: 85 GB). validate still predicts its step,
+    and says that it fits under ZeRO stage 1, whose optimizer state is split over d: the conditions'
+    stage is the suspect. The same model on one GPU fits under no stage: no stage to suggest."""
+    rows = ["64,128,1,3072,32,30,2048,1,64,1,3000.0", "1,8,1,3072,32,30,2048,1,1,1,20000.0"]
+    (measured / "runs.csv").write_text("\n".join([HEADER, *rows]) + "\n")
+    result = pipectl(measured, "validate", "runs.csv", "-c", "conditions.yaml")
+    assert result.returncode == 0, result.stderr
+    assert "the memory model refuses 2 of the layouts that ran" in result.stdout
+    assert "note: 1 of the 2 layouts the memory model refuses fit under ZeRO stage 1 (first: line 2)" in result.stdout
+    rows = json.loads(pipectl(measured, "validate", "runs.csv", "-c", "conditions.yaml", "--json").stdout)["rows"]
+    assert [(r["predicted_seconds"] is not None, r["fits_with_zero_stage"]) for r in rows] == [(True, 1), (True, None)]
+    assert all(r["memory_refused"] for r in rows)

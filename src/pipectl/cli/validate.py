@@ -59,12 +59,12 @@ def register(app: typer.Typer) -> None:
                 "change nothing", hint="leave --calibration out, or give the rows of that device")
         if console.is_terminal and not json_output:
             with console.status(f"predicting {len(runs)} runs"):
-                predictions = predict_runs(runs, shared, fitted)
+                predictions = predict_runs(runs, shared, fitted, stage_hints=True)
         else:
-            predictions = predict_runs(runs, shared, fitted)
+            predictions = predict_runs(runs, shared, fitted, stage_hints=True)
         errors, groups = summarise_errors(predictions), summarise_groups(predictions)
         splits = time_split(predictions)
-        notes = _unit_notes(predictions) + _condition_notes(splits, shared)
+        notes = _unit_notes(predictions) + _condition_notes(splits, shared) + _memory_notes(predictions)
         if json_output:
             print_json({
                 "summary": errors.to_dict(),
@@ -146,6 +146,22 @@ def _condition_notes(splits, shared) -> list[str]:
     ]
 
 
+def _memory_notes(predictions) -> list[str]:
+    """Layouts that ran, refused by the memory model at the rows' ZeRO stage, that fit at a higher one."""
+    refused = [p for p in predictions if p.memory_refused]
+    fitting = [p for p in refused if p.fits_with_zero_stage is not None]
+    if not fitting:
+        return []
+    stages = sorted({p.fits_with_zero_stage for p in fitting})
+    stage = f"ZeRO stage {stages[0]}" + (" or higher" if len(stages) > 1 else "")
+    return [
+        f"{len(fitting)} of the {count(len(refused), 'layout')} the memory model refuses fit under {stage} (first: line "
+        f"{fitting[0].run.line}), which splits more of the model state over the replicas (at stage 0 each holds 24 bytes "
+        "a parameter at DeepSpeed's 16-bit optimizer step); give the conditions (or a 'zero stage' column) the stage "
+        "the runs used"
+    ]
+
+
 def _worst(predictions):
     predicted = [p for p in predictions if p.error is not None]
     worst = sorted(predicted, key=lambda p: -abs(p.error))[:WORST_ROWS]
@@ -163,6 +179,7 @@ def _row_dict(p) -> dict:
         "error": p.error,
         "peak_memory_gib": p.peak_memory_gib,
         "memory_refused": p.memory_refused,
+        "fits_with_zero_stage": p.fits_with_zero_stage,
         "problem": p.problem,
     }
 

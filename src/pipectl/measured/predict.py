@@ -15,7 +15,7 @@ a memory model wrong about a run that ran is a finding of its own, not a reason 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pydantic import ValidationError
 
@@ -54,6 +54,8 @@ class Prediction:
     peak_memory_gib: float | None = None
     memory_refused: str | None = None  # the memory model's reason, for a run that did run
     problem: str | None = None
+    # For a refused run: the lowest higher ZeRO stage under which the memory model fits it (None: none does).
+    fits_with_zero_stage: int | None = None
 
     @property
     def error(self) -> float | None:
@@ -219,9 +221,37 @@ class Predictor:
         return None, f"no candidate with {granularity.label} recomputation"
 
 
+    def fitting_zero_stage(self, run: MeasuredRun) -> int | None:
+        """The lowest ZeRO stage above the row's under which the memory model fits its layout, or None.
+
+        A layout the memory model refuses though it ran says the model or the row's conditions are
+        wrong. Under ZeRO-0 the model holds DeepSpeed's fp16 step at 24 bytes a parameter (its fp16
+        optimizer converts every gradient to fp32, then concatenates the copies into one flat fp32
+        gradient, while master weights and Adam's state are held: docs/design.md, 'Memory model'); a
+        stage that splits that state over d fitting where stage 0 does not points at the conditions.
+        """
+        stage = self.conditions.zero_stage if run.zero_stage is None else run.zero_stage
+        if run.data_parallel < 2:  # nothing to split
+            return None
+        profile, cluster, request = self.profile(run), self.cluster(run), self.request(run)
+        for higher in range(stage + 1, 4):
+            pinned, _ = self._pinned(run, profile, cluster, request.model_copy(update={"zero_stages": [higher]}))
+            if pinned is not None:
+                return higher
+        return None
+
+
 def predict_runs(
-    runs: list[MeasuredRun], conditions: RunConditions, calibration: RunsCalibration | None = None
+    runs: list[MeasuredRun], conditions: RunConditions, calibration: RunsCalibration | None = None,
+    *, stage_hints: bool = False,
 ) -> list[Prediction]:
-    """Every row's prediction, in the rows' order."""
+    """Every row's prediction, in the rows' order; with `stage_hints`, a row the memory model refuses
+    also says the lowest higher ZeRO stage it fits under (`Predictor.fitting_zero_stage`)."""
     predictor = Predictor(conditions, runs, Calibrated.of(calibration))
-    return [predictor.predict(run) for run in runs]
+    predictions = [predictor.predict(run) for run in runs]
+    if stage_hints:
+        predictions = [
+            replace(p, fits_with_zero_stage=predictor.fitting_zero_stage(p.run)) if p.memory_refused else p
+            for p in predictions
+        ]
+    return predictions
