@@ -339,7 +339,24 @@ def check_output_file(path: str | os.PathLike[str], *, what: str = "output") -> 
         raise UserInputError(f"{what} {path} is {_kind_of(mode)}; give the path of a regular file to write")
     if path.parent.exists() and not path.parent.is_dir():
         raise UserInputError(f"cannot write {what} {path}: {path.parent} is not a directory")
+    _check_writable_folder(path, what)
     return path
+
+
+def _check_writable_folder(path: Path, what: str) -> None:
+    """The nearest existing folder above `path` takes a new file (probed with an unnamed temporary
+    file, which leaves nothing behind): a read-only or pseudo filesystem is refused before the work
+    whose result would be written there, not after it."""
+    existing = path.absolute().parent
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UserInputError(f"cannot write {what} {path}: {existing} is not a directory")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as exc:
+        raise UserInputError(f"cannot write {what} {path}: {existing} does not take new files ({exc.strerror})") from None
 
 
 def _kind_of(mode: int) -> str:
