@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 import subprocess
 import sys
 from pathlib import Path
@@ -164,9 +165,11 @@ def test_calibrate_then_validate_with_it_from_a_working_directory(measured):
     # counted: it used to be dropped from the fit without a word while the counts included it.
     with open(measured / "runs.csv", "a") as rows:
         rows.write("8,32,4,1024,16,2,1024,1,1,8,120.0\n")
-    result = pipectl(measured, "calibrate", "runs.csv", "--conditions", "conditions.yaml", "--folds", "0", "-o", "cal.json")
+    # A name with brackets is printed as given (not read as markup, which named another file).
+    result = pipectl(measured, "calibrate", "runs.csv", "--conditions", "conditions.yaml", "--folds", "0", "-o", "cal[v2].json")
     assert result.returncode == 0, result.stderr
-    assert "wrote cal.json" in result.stdout
+    assert "wrote cal[v2].json" in result.stdout
+    (measured / "cal[v2].json").rename(measured / "cal.json")
     assert f"line {len(LAYOUTS) + 2}: left out, not predicted: pipeline-parallel degree 8 exceeds" in result.stderr, result.stderr
     assert f"fitting {len(TERMS)} terms to {len(LAYOUTS)} rows" in result.stderr
     calibration = json.loads((measured / "cal.json").read_text())
@@ -214,6 +217,12 @@ def test_a_fit_worse_on_the_rows_held_out_than_no_fit_says_so(measured, monkeypa
         said = " ".join(result.output.split())
         assert ("warning: fitted on some rows, the terms predict the rows held out worse than uncalibrated "
                 "(MAPE 10.0% -> 20.0%)" in said) is warned, said  # fmt: skip
+        # --json: the warning is in the JSON (and said on stderr), not dropped.
+        result = CliRunner().invoke(app, ["calibrate", "runs.csv", "-c", "conditions.yaml", "-o", "cal.json", "--json"])
+        assert result.exit_code == 0, result.output
+        warnings = json.loads(result.stdout)["warnings"]
+        assert (len(warnings) == 1 and "held out worse than uncalibrated (MAPE 10.0% -> 20.0%)" in warnings[0]) is warned
+        assert ("held out worse" in " ".join(result.stderr.split())) is warned
 
 
 @pytest.mark.parametrize(
@@ -222,6 +231,9 @@ def test_a_fit_worse_on_the_rows_held_out_than_no_fit_says_so(measured, monkeypa
         (["calibrate", "runs.csv"], "needs --conditions"),
         (["calibrate", "runs.csv", "-c", "conditions.yaml", "--folds", "9"], "--folds 9"),
         (["calibrate", ".", "-c", "conditions.yaml"], "--conditions goes with a CSV"),
+        (["calibrate", "measured", "-c", "conditions.yaml"], "measured: no such file"),
+        (["calibrate", "seconds.csv", "-c", "conditions.yaml"], "is the column 'iteration time (ms)' in milliseconds?"),
+        (["calibrate", "runs.csv", "-c", "conditions.yaml", "-o", "/proc/cal.json"], "/proc does not take new files"),
         (["calibrate", "runs.csv", "-c", "conditions.yaml", "-o", "runs.csv"], "-o runs.csv is the measured runs"),
         (["validate", "runs.csv", "-c", "conditions.yaml", "--calibration", "other.json"], "fitted to megatron-lm runs"),
         (["validate", "runs.csv", "-c", "conditions.yaml", "--calibration", "h100.json"],
@@ -236,6 +248,10 @@ def test_calibrate_refuses_in_one_line(measured, args, message):
     other.update(uncalibrated=terms, terms=terms, before=errors, after=errors)
     (measured / "other.json").write_text(json.dumps(other))
     (measured / "h100.json").write_text(json.dumps({**other, "framework": "megatron-deepspeed", "device": "h100-80gb"}))
+    # The rows' times written in seconds under the header that says milliseconds: every term would go to a bound.
+    header, *rows = (measured / "runs.csv").read_text().splitlines()
+    in_seconds = [",".join([*row.split(",")[:-1], str(float(row.split(",")[-1]) / 1e3)]) for row in rows]
+    (measured / "seconds.csv").write_text("\n".join([header, *in_seconds]) + "\n")
     result = pipectl(measured, *args)
     assert result.returncode == 2, result.stdout + result.stderr
     assert message in result.stderr and "Traceback" not in result.stderr
@@ -318,3 +334,37 @@ def test_a_calibration_fitted_before_the_wave_quantization_term_prices_as_it_did
     from pipectl.catalog import get_device
 
     assert terms.device_spec(get_device("a100-80gb")).gemm_wave_quantization == 1.0
+
+
+def test_rows_of_another_device_start_and_stop_at_that_devices_figures(conditions, tmp_path):
+    """Rows that ran on H100s (a 'device' column) under conditions that name the A100: the fit starts
+    from the H100's catalog figures and is bounded by what an H100 can have, not the A100's."""
+    from pipectl.catalog import get_device
+
+    h100 = get_device("h100-80gb")
+    start = starting_terms(conditions, "h100-80gb")
+    assert start.memory_bandwidth_gbytes_per_second == h100.memory_bandwidth_gbytes_per_second
+    assert start.gemm_efficiency == h100.gemm_efficiency
+    assert ceilings(conditions, start, "h100-80gb")["gemm_efficiency"] == min(h100.gemm_efficiency_best or 1.0, 1.0)
+    runs = [replace(run, device="h100-80gb", measured_seconds=0.2) for run in _runs()]
+    (tmp_path / "r.csv").write_text(HEADER + "\n")
+    calibration = calibrate_runs(runs, conditions, rows_file=tmp_path / "r.csv", conditions_file=tmp_path / "r.csv", folds=0)
+    assert calibration.device == "h100-80gb"
+    assert calibration.uncalibrated == start
+
+
+def test_a_pipe_is_calibrated_and_hashed_as_read(measured):
+    """`calibrate <(...) -c <(...)`: the pipes are read once; the calibration records the hashes of
+    what was read (not of the emptied pipe)."""
+    import hashlib
+    import shutil
+
+    if shutil.which("bash") is None:
+        pytest.skip("needs bash for process substitution")
+    command = f"{sys.executable} -m pipectl calibrate <(cat runs.csv) -c <(cat conditions.yaml) --folds 0 -o p.json"
+    result = subprocess.run(["bash", "-c", command], cwd=measured, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    calibration = json.loads((measured / "p.json").read_text())
+    assert calibration["conditions_sha256"] == hashlib.sha256((measured / "conditions.yaml").read_bytes()).hexdigest()
+    assert calibration["rows_sha256"] == hashlib.sha256((measured / "runs.csv").read_bytes()).hexdigest()
+    assert calibration["rows_file"].startswith("/dev/fd/")

@@ -101,6 +101,9 @@ def test_a_row_column_overrides_the_conditions(measured):
         (HEADER.replace(",iteration time (ms)", "") + "\n1,2\n", CONDITIONS, "no column 'iteration time (ms)'"),
         (HEADER + "\n" + ROWS[0].replace("2,2,2,120.0", "2,2,1,120.0") + "\n", CONDITIONS, "not the row's 8 GPUs"),
         (HEADER + "\n" + ROWS[0].replace("120.0", "fast") + "\n", CONDITIONS, "line 2: 'iteration time (ms)' is 'fast'"),
+        # A step too short to be one (its relative error would overflow to infinity in the JSON).
+        (HEADER + "\n" + ROWS[0].replace("120.0", "1e-300") + "\n", CONDITIONS,
+         "line 2: 'iteration time (ms)' is '1e-300': no training step takes under a microsecond"),
         (HEADER + "\n" + ROWS[0] + "\n", CONDITIONS + "pipeline_flush: true\n", "pipeline_flush"),
         (HEADER + "\n" + ROWS[0] + "\n", CONDITIONS.replace("fp16", "fp8"), "precision"),
         (HEADER + ",schedule\n" + ROWS[0] + ",foo\n", CONDITIONS, "line 2: schedule 'foo' is not one of 1f1b, gpipe"),

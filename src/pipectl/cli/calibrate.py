@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import tempfile
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Annotated
 
@@ -49,7 +51,10 @@ def register(app: typer.Typer) -> None:
         write it; plan with it to predict the layouts not run. Given a CSV of runs measured on a
         cluster, fit its device, link and engine terms to them instead (`--calibration` of
         validate, profile --derive, plan and simulate)."""
-        files = [run for run in runs if run.is_file() or run.suffix.lower() == ".csv"]
+        # A file, a pipe (`<(...)`) or a CSV's name: measured runs; a folder: a run directory.
+        files = [run for run in runs if (run.exists() and not run.is_dir()) or run.suffix.lower() == ".csv"]
+        if conditions is not None and len(runs) == 1 and not runs[0].exists():
+            raise UserInputError(f"{runs[0]}: no such file", hint="pipectl calibrate MEASURED.csv --conditions CONDITIONS.yaml")
         if files == runs and len(runs) == 1:
             _calibrate_measured(runs[0], conditions, folds, output or Path("calibration.json"), json_output)
             return
@@ -102,7 +107,8 @@ def _calibrate_runs(runs: list[Path], output: Path, json_output: bool) -> None:
         terms.add_row(name, f"{before:.4g}", f"{after:.4g}")
     console.print(runs_table)
     console.print(terms)
-    console.print(f"wrote {output}: plan with it (pipectl plan --profile {output} ...) to predict other layouts")
+    console.print(f"wrote {output}: plan with it (pipectl plan --profile {output} ...) to predict other layouts",
+                  markup=False, highlight=False)
     if error_after > error_before:
         # The fit matches each run's phases; a step time its phases do not add up to (a busy host,
         # a run cut short) can leave the steps themselves predicted worse than before.
@@ -110,6 +116,16 @@ def _calibrate_runs(runs: list[Path], output: Path, json_output: bool) -> None:
               f"{error_before:.1%} -> {error_after:.1%}): their measured phases do not add up to their step "
               "times, as on a busy host; run the layouts again on a quiet host, or keep planning with the "
               "profile as it was")  # fmt: skip
+
+
+def _readable_twice(path: Path, stack: ExitStack) -> Path:
+    """`path`, or where a pipe's bytes were copied (read once, they are parsed and then hashed)."""
+    if not path.exists() or path.is_file() or path.is_dir():
+        return path  # a missing path or a folder: the reader says so, naming it
+    folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="pipectl-calibrate-")))
+    copy = folder / path.name
+    copy.write_bytes(path.read_bytes())
+    return copy
 
 
 def _warn(text: str) -> None:
@@ -136,21 +152,34 @@ def _calibrate_measured(csv: Path, conditions: Path | None, folds: int, output: 
             hint="pipectl calibrate MEASURED.csv --conditions CONDITIONS.yaml -o calibration.json",
         )
     refuse_overwriting(output, {"measured runs": csv, "conditions": conditions})
-    shared = load_conditions(conditions)
-    measured = read_runs(csv)
-    say = (lambda line: None) if json_output else (lambda line: err_console.print(line, highlight=False, markup=False))
-    calibration = calibrate_runs(
-        measured, shared, rows_file=csv, conditions_file=conditions, folds=folds, workers=available_workers(),
-        progress=say,
-    )  # fmt: skip
+    with ExitStack() as stack:  # a pipe is read once: its bytes kept, so the hash is of what was read
+        rows_file, conditions_file = (_readable_twice(path, stack) for path in (csv, conditions))
+        shared = load_conditions(conditions_file)
+        measured = read_runs(rows_file)
+        say = lambda line: err_console.print(line, highlight=False, markup=False)  # noqa: E731
+        calibration = calibrate_runs(
+            measured, shared, rows_file=rows_file, conditions_file=conditions_file, folds=folds,
+            workers=available_workers(), progress=(lambda line: None) if json_output else say, notice=say,
+        )  # fmt: skip
+    calibration = calibration.model_copy(update={"rows_file": str(csv)})
     write_json_atomic(output, calibration)
+    held_out = calibration.cross_validated
+    warnings = []
+    if held_out is not None and held_out.mape > calibration.before.mape:
+        warnings.append(
+            f"fitted on some rows, the terms predict the rows held out worse than uncalibrated (MAPE "
+            f"{calibration.before.mape:.1%} -> {held_out.mape:.1%}): the rows do not tell the terms apart (too "
+            "few, or too alike in shape and layout); predictions for other layouts may be worse with it"
+        )  # fmt: skip
     if json_output:
-        print_json({"output": str(output), **calibration.model_dump(mode="json")})
+        print_json({"output": str(output), **calibration.model_dump(mode="json"), "warnings": warnings})
+        for warning in warnings:
+            _warn(warning)
         return
     terms = Table(title="terms fitted", box=box.SIMPLE, title_justify="left", caption_justify="left")
     for column in ("term", "before", "after"):
         terms.add_column(column, justify="left" if column == "term" else "right")
-    bounded = bounded_terms(shared, calibration.uncalibrated, calibration.terms)
+    bounded = bounded_terms(shared, calibration.uncalibrated, calibration.terms, calibration.device)
     for name, before in calibration.uncalibrated:
         after = getattr(calibration.terms, name)
         terms.add_row(name, f"{before:.4g}", f"{after:.4g}" + (" *" if name in bounded else ""))
@@ -172,9 +201,6 @@ def _calibrate_measured(csv: Path, conditions: Path | None, folds: int, output: 
     console.print(terms)
     console.print(errors)
     console.print(f"wrote {output}: pass it as --calibration to validate, profile --derive, plan and simulate",
-                  soft_wrap=True, highlight=False)  # fmt: skip
-    held_out = calibration.cross_validated
-    if held_out is not None and held_out.mape > calibration.before.mape:
-        _warn(f"fitted on some rows, the terms predict the rows held out worse than uncalibrated (MAPE "
-              f"{calibration.before.mape:.1%} -> {held_out.mape:.1%}): the rows do not tell the terms apart (too "
-              "few, or too alike in shape and layout); predictions for other layouts may be worse with it")  # fmt: skip
+                  soft_wrap=True, highlight=False, markup=False)  # fmt: skip
+    for warning in warnings:
+        _warn(warning)

@@ -30,4 +30,4 @@ def register(app: typer.Typer) -> None:
         if json_output:
             print_json({"output": str(path), "step": exported, "run_dir": str(run_dir)})
         else:
-            console.print(f"wrote {path}: the checkpoint of step {exported}, for transformers' from_pretrained")
+            console.print(f"wrote {path}: the checkpoint of step {exported}, for transformers' from_pretrained", markup=False)

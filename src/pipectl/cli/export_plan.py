@@ -50,7 +50,7 @@ def export_plan_command(
         print_json({"framework": to.value, "written": [str(path) for path in written]})
         return
     for path in written:
-        console.print(f"wrote {path}")
+        console.print(f"wrote {path}", markup=False)
     for note in fewer_devices_notes(plan, layouts):
         console.print(note, highlight=False, soft_wrap=True)
 

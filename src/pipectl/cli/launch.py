@@ -234,7 +234,7 @@ def _launch(
         if json_output:
             print_json({**described, "submitted": False, "hint": prepared.command.submit_hint})
         else:
-            console.print(f"wrote {prepared.run_dir}; {prepared.command.submit_hint}")
+            console.print(f"wrote {prepared.run_dir}; {prepared.command.submit_hint}", markup=False)
         return
     if prepared.busier and not json_output:
         err_console.print(prepared.busier, style="yellow", highlight=False, markup=False, soft_wrap=True)

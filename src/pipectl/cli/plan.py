@@ -350,7 +350,7 @@ def plan_command(
     console.print(
         plan_view(result, top=options.top, profile=profiles[0], every_candidate=options.include_all, full_morph=options.full_morph)
     )
-    console.print(f"wrote {', '.join(map(str, [output, *written]))}", style="dim")
+    console.print(f"wrote {', '.join(map(str, [output, *written]))}", style="dim", markup=False)
     for note in fewer_devices_notes(result, layouts):
         console.print(note, highlight=False, soft_wrap=True)
 

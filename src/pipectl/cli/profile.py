@@ -230,7 +230,7 @@ def model_command(
         print_json(profile)
     else:
         console.print(profile_view(profile, every_layer=once is False))  # --every-layer: shown so too
-    err_console.print(f"wrote {output}", highlight=False)
+    err_console.print(f"wrote {output}", highlight=False, markup=False)
 
 
 def _derivable_config(model: str):
@@ -458,7 +458,7 @@ def links_command(
     else:
         console.print(links_view(links))
         console.print("[dim]note: all ranks ran on this machine, so these are intra_node figures[/]")
-    err_console.print(f"wrote {output}", highlight=False)
+    err_console.print(f"wrote {output}", highlight=False, markup=False)
 
 
 @app.command("show")

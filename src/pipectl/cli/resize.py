@@ -121,10 +121,10 @@ def register(app: typer.Typer) -> None:
             print_json(result.to_dict())
             return
         if result.submit_hint:
-            console.print(f"wrote the new layout into {result.run_dir}; {result.submit_hint}")
+            console.print(f"wrote the new layout into {result.run_dir}; {result.submit_hint}", markup=False)
             return
         if result.submitted_job:
-            console.print(f"wrote the new layout into {result.run_dir} and submitted it as Slurm job {result.submitted_job}")
+            console.print(f"wrote the new layout into {result.run_dir} and submitted it as Slurm job {result.submitted_job}", markup=False)
             return
 
         console.print(status_table(analyse(result.run_dir, detail=False), brief=True))

@@ -80,8 +80,12 @@ def register(app: typer.Typer) -> None:
             console.print(_rows_table(shown, all_rows, sum(1 for p in predictions if p.error is not None)))
         if any(g.rows > 1 for g in groups):  # a group of one row ranks nothing
             console.print(_groups_table(groups))
-        if split:
+        if split and splits:
             console.print(_split_table(splits))
+        elif split:
+            console.print("--split: no group of rows without a pipeline (p = 1, one shape, t and b) differs enough in "
+                          "layers and micro-batches to tell a step's parts apart",
+                          soft_wrap=True, highlight=False, markup=False)  # fmt: skip
         unpredicted = [p for p in predictions if p.predicted_seconds is None]
         refused = [p for p in predictions if p.memory_refused]
         console.print(_summary_line(errors, groups, len(predictions)), soft_wrap=True, highlight=False)
@@ -112,24 +116,11 @@ def _exit_if_none_predicted(errors, measured: Path, *, where: str) -> None:
         raise UserInputError(f"no row of {measured} could be predicted", hint=where)
 
 
-# Predictions miss by tens of percent, not by a factor of 30: a median that far off is a unit.
-UNIT_SUSPECT_RATIO = 30.0
-
-
 def _unit_notes(predictions) -> list[str]:
-    """Measured times that are all a factor of ~1000 from their predictions were most likely
-    written in seconds (or microseconds) under the header that says milliseconds."""
-    import statistics
+    from pipectl.measured.summary import unit_suspicion
 
-    ratios = [p.predicted_seconds / p.run.measured_seconds for p in predictions if p.error is not None]
-    if not ratios:
-        return []
-    ratio = statistics.median(ratios)
-    if 1 / UNIT_SUSPECT_RATIO < ratio < UNIT_SUSPECT_RATIO:
-        return []
-    side = f"{ratio:.0f}x below" if ratio > 1 else f"{1 / ratio:.0f}x above"
-    return [f"the measured times are a median {side} their predictions: is the column 'iteration time (ms)' "
-            "in milliseconds?"]
+    suspicion = unit_suspicion(predictions)
+    return [] if suspicion is None else [suspicion]
 
 
 def _condition_notes(splits, shared) -> list[str]:
@@ -245,7 +236,7 @@ def _summary_line(errors, groups, total: int) -> str:
     rho = [g.spearman for g in ranked if g.spearman is not None]
     ranking = (
         f"; Spearman median {statistics.median(rho):.2f}, min {min(rho):.2f}; regret max "
-        f"{max(g.regret for g in ranked):.1%} over {len(ranked)} groups of two runs or more"
+        f"{max(g.regret for g in ranked):.1%} over {count(len(ranked), 'group')} of two runs or more"
         if rho else ""
     )
     return (

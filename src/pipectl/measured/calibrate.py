@@ -45,7 +45,7 @@ from pipectl.io import sha256_file
 from pipectl.artifacts.calibration import DEFAULT_FOLDS, CalibratedTerms, FitErrors, RunsCalibration
 from pipectl.measured.predict import Calibrated, Predictor
 from pipectl.measured.runs import MeasuredRun, RunConditions
-from pipectl.measured.summary import error_summary
+from pipectl.measured.summary import error_summary, unit_suspicion
 from pipectl.plan.workers import share
 
 # Fitted as log multipliers of their starting figures; then the two overheads, in milliseconds.
@@ -74,18 +74,19 @@ CONVERGED = 1e-4
 SMALLEST_FIT = 8  # rows: fewer cannot tell the terms apart
 
 
-def starting_terms(conditions: RunConditions) -> CalibratedTerms:
-    """Where the fit starts: the catalog's device figures and the conditions' links, as the
+def starting_terms(conditions: RunConditions, device_name: str | None = None) -> CalibratedTerms:
+    """Where the fit starts: the catalog's figures of the rows' device (`device_name`, default the
+    conditions') and the conditions' links, as the
     uncalibrated model uses them, except inside a node, where one fitted figure stands for transfers
     and collectives alike and starts at the collectives' (they carry most of its bytes; the
     uncalibrated model times the few transfers at the conditions' link figure)."""
-    device = get_device(conditions.device)
+    device = get_device(device_name or conditions.device)
     if not device.has_compute_model():
         raise UserInputError(
             f"device '{device.name}' has no kernel-model figures in the catalog (GEMM efficiency, kernel "
             "overhead, memory bandwidth, SMs): nothing to calibrate",
         )
-    links = conditions.cluster_links()
+    links = conditions.cluster_links(device.name)
     # `cluster_links` sets the collectives' figure wherever the conditions state an in-node link.
     bandwidth = links.get("intra_node_allreduce_bandwidth_gbytes_per_second") or (
         device.intra_node_allreduce_bandwidth_gbytes_per_second or device.intra_node_bandwidth_gbytes_per_second
@@ -106,14 +107,15 @@ def starting_terms(conditions: RunConditions) -> CalibratedTerms:
     )
 
 
-def ceilings(conditions: RunConditions, start: CalibratedTerms) -> dict[str, float]:
+def ceilings(conditions: RunConditions, start: CalibratedTerms, device_name: str | None = None) -> dict[str, float]:
     """The most each rate may be fitted to: 4x its starting figure, and nothing a device of the kind
     cannot have. A fitted GEMM efficiency above the best shape's measured burst (the device's
     `gemm_efficiency_best`, else the peak), a memory bandwidth above the datasheet's, a collective
     or transfer inside a node faster than the link's line rate, or across nodes faster than the
     conditions' network, would explain the rows by a GPU or a link that does not exist: the fit
-    would carry a cost the model misses on these rows into every other shape it is used for."""
-    device = get_device(conditions.device)
+    would carry a cost the model misses on these rows into every other shape it is used for.
+    `device_name`: the rows' device (default the conditions')."""
+    device = get_device(device_name or conditions.device)
     most = {name: getattr(start, name) * math.exp(MOST_LOG_MULTIPLIER) for name in RATES}
     most["gemm_efficiency"] = min(device.gemm_efficiency_best or 1.0, 1.0)
     most["memory_bandwidth_gbytes_per_second"] = float(device.memory_bandwidth_gbytes_per_second)
@@ -121,7 +123,7 @@ def ceilings(conditions: RunConditions, start: CalibratedTerms) -> dict[str, flo
     most["wave_quantization"] = 1.0
     # In a node, the fastest figure stated for it: a link's line rate, a collective's measured bus
     # bandwidth (on a fully connected part, above one peer link's), the conditions' own.
-    links = conditions.cluster_links()
+    links = conditions.cluster_links(device.name)
     most["intra_node_bandwidth_gbytes_per_second"] = min(most["intra_node_bandwidth_gbytes_per_second"], max(
         device.intra_node_bandwidth_gbytes_per_second, device.intra_node_allreduce_bandwidth_gbytes_per_second or 0.0,
         links.get("intra_node_bandwidth_gbytes_per_second") or 0.0,
@@ -132,11 +134,13 @@ def ceilings(conditions: RunConditions, start: CalibratedTerms) -> dict[str, flo
     return {name: max(value, getattr(start, name)) for name, value in most.items()}
 
 
-def bounded_terms(conditions: RunConditions, start: CalibratedTerms, fitted: CalibratedTerms) -> list[str]:
+def bounded_terms(
+    conditions: RunConditions, start: CalibratedTerms, fitted: CalibratedTerms, device_name: str | None = None
+) -> list[str]:
     """The rates a fit moved to a bound (up to its `ceilings`, or 4x below its start): the rows ask for
     more of them than a device could have, or less than it plausibly has. (A rate that starts at its
     ceiling, the datasheet's memory bandwidth, is not seen pressing on it.)"""
-    most = ceilings(conditions, start)
+    most = ceilings(conditions, start, device_name)
     return [
         name for name in RATES
         if getattr(start, name) > 0 and (
@@ -176,7 +180,7 @@ class _Problem:
     most: np.ndarray = field(init=False)  # the rates' `ceilings` as fit coordinates (log multipliers of their start)
 
     def __post_init__(self) -> None:
-        most = ceilings(self.conditions, self.start)
+        most = ceilings(self.conditions, self.start, self.device)
         # A rate that starts at 0 (no kernel overhead, no latency) stays there: a multiple of 0.
         self.most = np.array([math.log(most[name] / getattr(self.start, name)) if getattr(self.start, name) > 0 else 0.0
                               for name in RATES])  # fmt: skip
@@ -291,8 +295,10 @@ def calibrate_runs(
     folds: int | None = DEFAULT_FOLDS,
     workers: int = 1,
     progress: Callable[[str], None] = lambda line: None,
+    notice: Callable[[str], None] | None = None,
 ) -> RunsCalibration:
-    """The rows' calibration (see the module docstring); `folds` None or 0: no cross-validation."""
+    """The rows' calibration (see the module docstring); `folds` None or 0: no cross-validation.
+    `notice` hears what the fit leaves out (rows it cannot predict), `progress` by default."""
     devices = sorted({run.device or conditions.device for run in runs})
     if len(devices) > 1:
         raise UserInputError(
@@ -300,7 +306,7 @@ def calibrate_runs(
         )
     if len(runs) < SMALLEST_FIT:
         raise UserInputError(f"{count(len(runs), 'row')} cannot tell {len(TERMS)} terms apart: calibrate needs {SMALLEST_FIT} or more")
-    start = starting_terms(conditions)
+    start = starting_terms(conditions, devices[0])
     uncalibrated = Predictor(conditions, runs)  # the catalog's and the conditions' figures as they are
     predictions = [uncalibrated.predict(run) for run in runs]
     predicted = [p for p in predictions if p.predicted_seconds is not None]
@@ -311,8 +317,11 @@ def calibrate_runs(
             + (f" (line {first.run.line}: {first.problem})" if first else ""),
             hint="pipectl validate MEASURED.csv --conditions CONDITIONS.yaml says why of each row",
         )
+    suspicion = unit_suspicion(predicted)
+    if suspicion is not None:  # terms fitted to times 1000x off would each go to a bound, and mean nothing
+        raise UserInputError(suspicion, hint="pipectl validate MEASURED.csv --conditions CONDITIONS.yaml compares each row")
     for left_out in (p for p in predictions if p.predicted_seconds is None):  # fitted to the others, and said so
-        progress(f"line {left_out.run.line}: left out, not predicted: {left_out.problem}")
+        (notice or progress)(f"line {left_out.run.line}: left out, not predicted: {left_out.problem}")
     runs, predictions = [p.run for p in predicted], predicted
     # Each fold fits to the rows the others hold: as many as a fit needs, like the whole.
     allowed = [f for f in range(2, len(runs) // 2 + 1) if len(runs) - -(-len(runs) // f) >= SMALLEST_FIT]

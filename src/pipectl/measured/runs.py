@@ -248,6 +248,11 @@ def _cell(row: list[str], position: dict[str, int], header: str) -> str | None:
     return row[index].strip()
 
 
+# A step shorter than this is no measurement (one kernel launch takes longer): a unit or a typo, and
+# relative errors against it overflow.
+SHORTEST_STEP_MS = 1e-3
+
+
 def _run_of(row: list[str], position: dict[str, int], line: int, source: str) -> MeasuredRun:
     where = f"{source} line {line}"
     values: dict[str, object] = {}
@@ -256,7 +261,11 @@ def _run_of(row: list[str], position: dict[str, int], line: int, source: str) ->
         if text is None:
             raise UserInputError(f"{where}: no value in column '{header}'")
         if field == "iteration_ms":
-            values["measured_seconds"] = _positive_number(text, header, where) / 1e3
+            milliseconds = _positive_number(text, header, where)
+            if milliseconds < SHORTEST_STEP_MS:
+                raise UserInputError(f"{where}: '{header}' is {text!r}: no training step takes under a microsecond",
+                                     hint="the column holds milliseconds per iteration")
+            values["measured_seconds"] = milliseconds / 1e3
         else:
             values[field] = _positive_integer(text, header, where)
     optional = {field: _cell(row, position, header) for field, header in OPTIONAL_COLUMNS.items()}

@@ -267,3 +267,20 @@ def split_optimizer_evidence(splits: Sequence[TimeSplit], stated_zero_stage: int
             return (f"{split.key}: {shares[fewest] * 1e3:.2f} ms at d = {fewest}, "
                     f"{shares[most] * 1e3:.2f} ms at d = {most}")  # fmt: skip
     return None
+
+
+# Predictions miss by tens of percent, not by a factor of 30: a median that far off is a unit.
+UNIT_SUSPECT_RATIO = 30.0
+
+
+def unit_suspicion(predictions: Sequence[Prediction]) -> str | None:
+    """What to ask when the measured times are all a factor of ~1000 from their predictions (most
+    likely written in seconds, or microseconds, under the header that says milliseconds); None else."""
+    ratios = [p.predicted_seconds / p.run.measured_seconds for p in predictions if p.error is not None]
+    if not ratios:
+        return None
+    ratio = statistics.median(ratios)
+    if 1 / UNIT_SUSPECT_RATIO < ratio < UNIT_SUSPECT_RATIO:
+        return None
+    side = f"{ratio:.0f}x below" if ratio > 1 else f"{1 / ratio:.0f}x above"
+    return f"the measured times are a median {side} their predictions: is the column 'iteration time (ms)' in milliseconds?"
