@@ -118,6 +118,14 @@ def test_a_row_column_overrides_the_conditions(measured):
          "the key 'precision' is written twice"),
         (HEADER + "\n" + ROWS[0] + "\n", CONDITIONS.replace("vocab:", "vocab_size:"), "vocab_size: unknown key; did you mean vocab?"),
         (HEADER + "\n" + ROWS[0] + "\n", "sorce: x\n" + CONDITIONS, "sorce: unknown key; did you mean source?"),
+        # YAML's booleans are no numbers, and a figure beyond what a model or cluster holds names the
+        # conditions' field, not a row of the CSV.
+        (HEADER + "\n" + ROWS[0] + "\n", CONDITIONS.replace("vocab: 50257", "vocab: true"),
+         "conditions.yaml: vocab: Input should be a valid integer (got True)"),
+        (HEADER + "\n" + ROWS[0] + "\n", CONDITIONS.replace("devices_per_node: 8", "devices_per_node: 100000000"),
+         "conditions.yaml: devices_per_node: Input should be less than or equal to 4096"),
+        (HEADER + "\n" + ROWS[0] + "\n", CONDITIONS.replace("intra_node_gbytes_per_second: 150", "intra_node_gbytes_per_second: .inf"),
+         "conditions.yaml: links.intra_node_gbytes_per_second: Input should be less than or equal to"),
         # Another pipectl file in its place is named as what it is, not as 14 missing and unknown keys.
         (HEADER + "\n" + ROWS[0] + "\n", '{"schema_version": 1, "uncalibrated": {}, "terms": {}}',
          "conditions.yaml is a calibration (pipectl calibrate MEASURED.csv), not a conditions file"),

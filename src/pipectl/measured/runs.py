@@ -37,6 +37,8 @@ from typing import IO, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from pipectl.artifacts.calibration import RunsCalibration
+from pipectl.artifacts.cluster import MAX_DEVICES_PER_NODE, MAX_GBYTES_PER_SECOND, MIN_GBYTES_PER_SECOND
+from pipectl.artifacts.model import MAX_WIDTH
 from pipectl.catalog import get_device
 from pipectl.errors import UserInputError
 from pipectl.io import input_file, load_model
@@ -70,23 +72,26 @@ FRAMEWORKS = ("megatron-deepspeed", "megatron-lm", "deepspeed", "pipectl")
 
 
 class _Closed(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # Strict: YAML's `true` is no vocabulary of 1, nor its "8" eight GPUs a node.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class ConditionLinks(_Closed):
     """The links every row's nodes had (None: the catalog's figures for the device)."""
 
     intra_node_gbytes_per_second: float | None = Field(
-        default=None, gt=0, description="GPU to GPU in a node, GB/s: the pipeline's transfers inside a node."
+        default=None, ge=MIN_GBYTES_PER_SECOND, le=MAX_GBYTES_PER_SECOND,
+        description="GPU to GPU in a node, GB/s: the pipeline's transfers inside a node.",
     )
     intra_node_allreduce_gbytes_per_second: float | None = Field(
-        default=None, gt=0,
+        default=None, ge=MIN_GBYTES_PER_SECOND, le=MAX_GBYTES_PER_SECOND,
         description="NCCL's bus bandwidth of a collective inside a node, GB/s (tensor-parallel all-reduces, "
         "gradient reductions within a node). Default: the catalog's measured figure for the row's device, else "
         "intra_node_gbytes_per_second.",
     )
     inter_node_gbits_per_second_per_node: float | None = Field(
-        default=None, gt=0, description="A node's network bandwidth, Gb/s (all its GPUs together)."
+        default=None, ge=8 * MIN_GBYTES_PER_SECOND, le=8 * MAX_GBYTES_PER_SECOND,
+        description="A node's network bandwidth, Gb/s (all its GPUs together).",
     )
 
 
@@ -96,7 +101,7 @@ class RunConditions(_Closed):
 
     source: str | None = Field(default=None, description="Where the runs were measured: a paper, a cluster, a log.")
     device: str = Field(description="Catalog name of the GPUs (pipectl's configs/devices.yaml).")
-    devices_per_node: int = Field(gt=0, description="GPUs per node.")
+    devices_per_node: int = Field(gt=0, le=MAX_DEVICES_PER_NODE, description="GPUs per node.")
     links: ConditionLinks = Field(default_factory=ConditionLinks)
     framework: Literal["megatron-deepspeed", "megatron-lm", "deepspeed", "pipectl"] = Field(
         description="The training framework that ran the rows."
@@ -109,7 +114,7 @@ class RunConditions(_Closed):
         default=False, description="Whether the data-parallel all-reduce overlapped the last backward."
     )
     attention: Literal["flash", "unfused"] = Field(default="flash", description="The attention kernel.")
-    vocab: int = Field(gt=0, description="Vocabulary size.")
+    vocab: int = Field(gt=0, le=MAX_WIDTH, description="Vocabulary size.")
     tied_embeddings: bool = Field(default=True, description="Whether the head reuses the token embedding.")
     vocab_parallel: bool = Field(
         default=False, description="Whether embedding, logits and loss are split by vocabulary over t (Megatron)."
