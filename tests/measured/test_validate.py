@@ -118,6 +118,11 @@ def test_a_row_column_overrides_the_conditions(measured):
          "the key 'precision' is written twice"),
         (HEADER + "\n" + ROWS[0] + "\n", CONDITIONS.replace("vocab:", "vocab_size:"), "vocab_size: unknown key; did you mean vocab?"),
         (HEADER + "\n" + ROWS[0] + "\n", "sorce: x\n" + CONDITIONS, "sorce: unknown key; did you mean source?"),
+        # A file that is not comma-separated, or whose first line is no header, says so (not 11 missing columns).
+        (HEADER.replace(",", ";") + "\n" + ROWS[0].replace(",", ";") + "\n", CONDITIONS,
+         "runs.csv line 1 is not the header of measured runs: its columns are separated by ';', not commas"),
+        ("# runs of May\n" + HEADER + "\n" + ROWS[0] + "\n", CONDITIONS,
+         "runs.csv line 1 is not the header of measured runs: it names none of their columns"),
         # YAML's booleans are no numbers, and a figure beyond what a model or cluster holds names the
         # conditions' field, not a row of the CSV.
         (HEADER + "\n" + ROWS[0] + "\n", CONDITIONS.replace("vocab: 50257", "vocab: true"),
@@ -339,3 +344,11 @@ def test_layouts_refused_by_memory_that_fit_a_higher_zero_stage_point_at_the_con
     rows = json.loads(pipectl(measured, "validate", "runs.csv", "-c", "conditions.yaml", "--json").stdout)["rows"]
     assert [(r["predicted_seconds"] is not None, r["fits_with_zero_stage"]) for r in rows] == [(True, 1), (True, None)]
     assert all(r["memory_refused"] for r in rows)
+
+
+def test_blank_lines_before_the_header_and_a_device_in_capitals_are_read(measured):
+    (measured / "runs.csv").write_text("\n\n" + "\n".join([HEADER, *ROWS]) + "\n")
+    (measured / "conditions.yaml").write_text(CONDITIONS.replace("a100-80gb", "A100-80GB"))
+    result = pipectl(measured, "validate", "runs.csv", "-c", "conditions.yaml", "--json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["summary"]["rows"] == len(ROWS)

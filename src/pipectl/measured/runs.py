@@ -156,10 +156,10 @@ def load_conditions(path: str | os.PathLike[str]) -> RunConditions:
     know, is one error naming it."""
     conditions = load_model(RunConditions, path)
     try:
-        get_device(conditions.device)
+        device = get_device(conditions.device.lower())  # as a row's 'device' column is read
     except UserInputError as exc:
         raise UserInputError(f"{path}: device: {exc.message}", hint=exc.hint) from None
-    return conditions
+    return conditions.model_copy(update={"device": device.name})
 
 
 @dataclass(frozen=True)
@@ -216,6 +216,8 @@ def _normal(header: str) -> str:
 def parse_runs(handle: IO[str], *, source: str) -> list[MeasuredRun]:
     reader = csv.reader(handle)
     header = next(reader, None)
+    while header is not None and not any(cell.strip() for cell in header):  # blank lines before the header
+        header = next(reader, None)
     if header is None:
         raise UserInputError(f"{source} is empty: no header row")
     names = [_normal(name) for name in header]
@@ -224,6 +226,13 @@ def parse_runs(handle: IO[str], *, source: str) -> list[MeasuredRun]:
     if repeated:
         raise UserInputError(f"{source} has two columns named {', '.join(repr(r) for r in repeated)}")
     missing = [name for name in REQUIRED_COLUMNS.values() if name not in position]
+    if len(missing) == len(REQUIRED_COLUMNS):  # not a column of ours: not this file's header
+        separator = next((c for c in ";\t|" if len(header) == 1 and c in header[0]), None)
+        raise UserInputError(
+            f"{source} line {reader.line_num} is not the header of measured runs: "
+            + (f"its columns are separated by {separator!r}, not commas" if separator else "it names none of their columns"),
+            hint="the first line names the columns, comma-separated: " + ", ".join(REQUIRED_COLUMNS.values()),
+        )
     if missing:
         raise UserInputError(
             f"{source} has no column {', '.join(repr(m) for m in missing)}",
