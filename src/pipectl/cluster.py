@@ -294,10 +294,17 @@ def plan_cluster_file(plan: Plan) -> ClusterSpec:
         cluster = _with_links_copies(with_links_read(plan.cluster_copy), plan.links_copies)  # links files as they stand
     else:
         cluster = load_cluster(plan_cluster_source(plan), links_copies=plan.links_copies)
-    if plan.calibration_file is not None:
-        gone = plan.calibration_copy is not None and not Path(plan.calibration_file).is_file()
-        cluster = calibrated_cluster(cluster, plan.calibration_copy if gone else load_model(RunsCalibration, plan.calibration_file))
-    return cluster
+    calibration = plan_calibration(plan)
+    return cluster if calibration is None else calibrated_cluster(cluster, calibration)
+
+
+def plan_calibration(plan: Plan) -> RunsCalibration | None:
+    """The calibration a plan was planned with (`plan --calibration`): its file where it still is,
+    else the copy the plan keeps of it; None without one."""
+    if plan.calibration_file is None:
+        return None
+    gone = plan.calibration_copy is not None and not Path(plan.calibration_file).is_file()
+    return plan.calibration_copy if gone else load_model(RunsCalibration, plan.calibration_file)
 
 
 def plan_files_changed(plan: Plan) -> list[str]:

@@ -270,7 +270,7 @@ def test_a_calibration_prices_a_derived_profile_a_plan_and_its_simulation(measur
                       "-o", "calibrated.json", "--json")  # fmt: skip
     assert derived.returncode == 0, derived.stderr
     profile = json.loads((measured / "calibrated.json").read_text())
-    assert "device figures calibrated by cal.json" in profile["notes"][-1]
+    assert "device figures calibrated by cal.json" in profile["notes"][-1] and "wave quantization" in profile["notes"][-1]
     plain = json.loads((measured / "plain.json").read_text())
     forward = lambda p: p["layers"][1]["costs"][0]["forward_seconds"]  # noqa: E731
     assert forward(profile) != forward(plain)  # the fitted kernel figures, not the catalog's
@@ -294,6 +294,12 @@ def test_a_calibration_prices_a_derived_profile_a_plan_and_its_simulation(measur
     step = json.loads(simulated.stdout)["step_seconds"]
     assert step == pytest.approx(plan["chosen"]["predicted_step_seconds"], rel=1e-6)
     assert "note" not in json.loads(simulated.stdout)
+    # Its own cluster named again: still with the calibration it was planned with.
+    named = pipectl(elsewhere, "simulate", "../plan.json", "--cluster", "a100-8x8", "--json")
+    assert named.returncode == 0 and json.loads(named.stdout)["step_seconds"] == pytest.approx(step, rel=1e-9), named.stderr
+    # A profile derived without the calibration, priced with the plan's calibrated links: refused, as plan refuses it.
+    mixed = pipectl(elsewhere, "simulate", "../plan.json", "--profile", "../plain.json")
+    assert mixed.returncode == 2 and "derived for a100-80gb with the catalog's figures" in mixed.stderr, mixed.stderr
     (measured / "cal.json").rename(measured / "cal.json.bak")  # gone: the plan's copy prices it the same
     simulated = pipectl(elsewhere, "simulate", "../plan.json", "--json")
     assert simulated.returncode == 0, simulated.stderr
@@ -314,26 +320,49 @@ def test_a_calibration_prices_a_derived_profile_a_plan_and_its_simulation(measur
          "cal.json calibrates a100-80gb, not h100-80gb"),
         (["profile", "gpt-tiny", "--derive", "--device", "a100-80gb", "--calibration", "runs.csv", "-o", "p.json"],
          "runs.csv"),
+        # A device without kernel-model figures: the calibration's would replace nothing the derivation reads.
+        (["profile", "gpt-tiny", "--derive", "--device", "t4", "--calibration", "t4.json", "-o", "p.json"],
+         "t4.json calibrates t4, which has no kernel-model figures"),
+        # A hand-edited term no fit can reach: refused naming it, not a traceback later in plan.
+        (["profile", "gpt-tiny", "--derive", "--device", "a100-80gb", "--calibration", "slow.json", "-o", "p.json"],
+         "gemm_efficiency"),
     ],
 )
 def test_profile_refuses_a_calibration_it_cannot_use(measured, args, message):
     assert pipectl(measured, "calibrate", "runs.csv", "-c", "conditions.yaml", "--folds", "0", "-o", "cal.json").returncode == 0
+    calibration = json.loads((measured / "cal.json").read_text())
+    (measured / "t4.json").write_text(json.dumps({**calibration, "device": "t4"}))
+    slow = {**calibration, "terms": {**calibration["terms"], "gemm_efficiency": 1e-9}}
+    (measured / "slow.json").write_text(json.dumps(slow))
     result = pipectl(measured, *args)
     assert result.returncode == 2, result.stdout + result.stderr
     assert message in result.stderr and "Traceback" not in result.stderr
     assert not (measured / "p.json").exists()
 
 
-def test_a_calibration_fitted_before_the_wave_quantization_term_prices_as_it_did(conditions):
-    """A calibration.json without `wave_quantization` (written before the term) reads as the model's
-    whole waves: the device it gives prices every GEMM as before."""
-    stored = starting_terms(conditions).model_dump()
-    del stored["wave_quantization"]
-    terms = type(starting_terms(conditions)).model_validate(stored)
-    assert terms.wave_quantization == 1.0
+def test_a_calibration_fitted_before_the_wave_quantization_term_prices_as_it_did(conditions, tmp_path):
+    """A calibration.json without `wave_quantization` (written before the term) loads, reads as the
+    model's whole waves, and derives the same profile as its terms with the share set to 1."""
     from pipectl.catalog import get_device
+    from pipectl.measured.runs import load_calibration
+    from pipectl.models.registry import load_model_config
+    from pipectl.profile.derive import derive_profile
 
-    assert terms.device_spec(get_device("a100-80gb")).gemm_wave_quantization == 1.0
+    terms = starting_terms(conditions).model_copy(update={"gemm_efficiency": 0.7, "kernel_overhead_us": 55.0})
+    old = terms.model_dump()
+    del old["wave_quantization"]
+    errors = {"rows": 12, "median_abs_error": 0.1, "mape": 0.1, "max_abs_error": 0.2, "signed_median_error": 0.0}
+    (tmp_path / "old.json").write_text(json.dumps({
+        "schema_version": 1, "device": "a100-80gb", "framework": "megatron-deepspeed", "rows_file": "runs.csv",
+        "rows_sha256": "0" * 64, "conditions_sha256": "0" * 64, "rows": 12, "uncalibrated": old, "terms": old,
+        "before": errors, "after": errors}))  # fmt: skip
+    loaded = load_calibration(tmp_path / "old.json", conditions)
+    assert loaded.terms.wave_quantization == 1.0
+    a100, config = get_device("a100-80gb"), load_model_config("gpt-small")  # gpt-tiny's GEMMs wait on the host
+    derived = derive_profile(config, loaded.terms.device_spec(a100), [1, 4])
+    explicit = derive_profile(config, terms.model_copy(update={"wave_quantization": 1.0}).device_spec(a100), [1, 4])
+    recovered = derive_profile(config, terms.model_copy(update={"wave_quantization": 0.5}).device_spec(a100), [1, 4])
+    assert derived.layers == explicit.layers != recovered.layers
 
 
 def test_rows_of_another_device_start_and_stop_at_that_devices_figures(conditions, tmp_path):

@@ -150,8 +150,8 @@ def model_command(
         Optional[Path],
         typer.Option(
             "--calibration",
-            help="With --derive: a calibration of the device (pipectl calibrate MEASURED.csv) whose GEMM efficiency, "
-            "memory bandwidth and kernel overhead replace the catalog's.",
+            help="With --derive: a calibration of the device (pipectl calibrate MEASURED.csv) whose GEMM efficiency "
+            "and wave quantization, memory bandwidth and kernel overhead replace the catalog's.",
         ),
     ] = None,
     warmup: Annotated[int, typer.Option(help="Discarded runs per layer and size.")] = 2,
@@ -270,6 +270,9 @@ def _derive(model: str, kind: str, sizes: list[int], dtype: str | None, attentio
                 f"{calibration_file} calibrates {calibration.device}, not {device.name}",
                 hint=f"derive for --device {calibration.device}, or calibrate with runs on {device.name}",
             )
+        if not device.has_compute_model():  # the figures would replace nothing the derivation reads
+            raise UserInputError(f"{calibration_file} calibrates {device.name}, which has no kernel-model figures in "
+                                 "the catalog: nothing of it would apply")  # fmt: skip
         device = calibration.terms.device_spec(device)
         note = calibration.device_note(calibration_file)
     if dtype not in (None, "float32", "bfloat16", "float16"):

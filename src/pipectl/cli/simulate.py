@@ -26,7 +26,7 @@ from pipectl.artifacts.plan import Plan
 from pipectl.artifacts.profile import ModelProfile
 from pipectl.cli.context import JsonFlag, console, output_file, print_json
 from pipectl.cluster import (
-    calibrated_cluster, load_calibration_for, load_cluster, plan_cluster_spec, plan_files_changed,
+    calibrated_cluster, load_calibration_for, load_cluster, plan_calibration, plan_cluster_spec, plan_files_changed,
 )
 from pipectl.errors import ScheduleError, UserInputError
 from pipectl.io import load_model
@@ -81,6 +81,12 @@ def _from_plan(
     if cluster_name is None:
         for path in plan_files_changed(plan):
             note = (note + "; " if note else "") + f"{path} changed since planning: priced as it is now"
+    own = plan_calibration(plan) if calibration is None else None
+    if own is not None and own.device in cluster.device_kinds:
+        if cluster_name:  # another cluster, with the calibration the plan was made with
+            cluster = calibrated_cluster(cluster, own)
+        if profile_path is not None and Path(plan.calibration_file).is_file():  # one view of the GPU, as plan's
+            load_calibration_for(plan.calibration_file, [(str(profile_path), profile)], cluster)
     if calibration is not None:  # the plan's own calibration, if any, is in its cluster already
         named = [(str(profile_path or "the plan's profile"), profile), *((f"the plan's {p.device} profile", p) for p in kind_profiles)]
         cluster = calibrated_cluster(cluster, load_calibration_for(calibration, named, cluster))

@@ -64,7 +64,8 @@ def register(app: typer.Typer) -> None:
             predictions = predict_runs(runs, shared, fitted, stage_hints=True)
         errors, groups = summarise_errors(predictions), summarise_groups(predictions)
         splits = time_split(predictions)
-        notes = _unit_notes(predictions) + _condition_notes(splits, shared) + _memory_notes(predictions)
+        notes = (_calibration_notes(calibration, fitted, measured) + _unit_notes(predictions)
+                 + _condition_notes(splits, shared) + _memory_notes(predictions))  # fmt: skip
         if json_output:
             print_json({
                 "summary": errors.to_dict(),
@@ -116,6 +117,21 @@ def _exit_if_none_predicted(errors, measured: Path, *, where: str) -> None:
         raise UserInputError(f"no row of {measured} could be predicted", hint=where)
 
 
+def _calibration_notes(path: Path | None, fitted, measured: Path) -> list[str]:
+    """Which calibration priced the rows, and whether they are the rows it was fitted to (in-sample
+    errors say less than those on rows the fit has not seen)."""
+    if fitted is None:
+        return []
+    from pipectl.io import sha256_file
+
+    same = measured.is_file() and sha256_file(measured) == fitted.rows_sha256
+    return [
+        f"priced with the {fitted.device} terms of {path} (fitted to {count(fitted.rows, 'row')})"
+        + (": these rows are the ones it was fitted to, so their errors are in-sample (calibrate's cross-validated "
+           "error is the one to expect on other runs)" if same else "")
+    ]
+
+
 def _unit_notes(predictions) -> list[str]:
     from pipectl.measured.summary import unit_suspicion
 
@@ -145,8 +161,10 @@ def _memory_notes(predictions) -> list[str]:
         return []
     stages = sorted({p.fits_with_zero_stage for p in fitting})
     stage = f"ZeRO stage {stages[0]}" + (" or higher" if len(stages) > 1 else "")
+    fits = "fits" if len(fitting) == 1 else "fit"
+    share = f"{len(fitting)} of the {count(len(refused), 'layout')}" if len(refused) > 1 else "the layout"
     return [
-        f"{len(fitting)} of the {count(len(refused), 'layout')} the memory model refuses fit under {stage} (first: line "
+        f"{share} the memory model refuses {fits} under {stage} ({'line' if len(fitting) == 1 else 'first: line'} "
         f"{fitting[0].run.line}), which splits more of the model state over the replicas (at stage 0 each holds 24 bytes "
         "a parameter at DeepSpeed's 16-bit optimizer step); give the conditions (or a 'zero stage' column) the stage "
         "the runs used"
