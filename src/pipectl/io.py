@@ -339,7 +339,8 @@ def check_output_file(path: str | os.PathLike[str], *, what: str = "output") -> 
         raise UserInputError(f"{what} {path} is {_kind_of(mode)}; give the path of a regular file to write")
     if path.parent.exists() and not path.parent.is_dir():
         raise UserInputError(f"cannot write {what} {path}: {path.parent} is not a directory")
-    _check_writable_folder(path, what)
+    if mode is None or not os.access(path, os.W_OK):  # a writable file stays writable in place (a plot's savefig)
+        _check_writable_folder(path, what)
     return path
 
 

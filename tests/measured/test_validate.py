@@ -126,11 +126,14 @@ def test_a_row_column_overrides_the_conditions(measured):
         # YAML's booleans are no numbers, and a figure beyond what a model or cluster holds names the
         # conditions' field, not a row of the CSV.
         (HEADER + "\n" + ROWS[0] + "\n", CONDITIONS.replace("vocab: 50257", "vocab: true"),
-         "conditions.yaml: vocab: Input should be a valid integer (got True)"),
+         "conditions.yaml: vocab: true is a boolean, not a number"),
         (HEADER + "\n" + ROWS[0] + "\n", CONDITIONS.replace("devices_per_node: 8", "devices_per_node: 100000000"),
          "conditions.yaml: devices_per_node: Input should be less than or equal to 4096"),
         (HEADER + "\n" + ROWS[0] + "\n", CONDITIONS.replace("intra_node_gbytes_per_second: 150", "intra_node_gbytes_per_second: .inf"),
-         "conditions.yaml: links.intra_node_gbytes_per_second: Input should be less than or equal to"),
+         "conditions.yaml: links.intra_node_gbytes_per_second: Input should be a finite number"),
+        (HEADER + "\n" + ROWS[0] + "\n",
+         CONDITIONS.replace("inter_node_gbits_per_second_per_node: 800", "inter_node_gbits_per_second_per_node: 1.0e-5"),
+         "conditions.yaml: links.inter_node_gbits_per_second_per_node 1e-05 over 8 GPUs a node is 1.56e-07 GB/s a GPU"),
         # Another pipectl file in its place is named as what it is, not as 14 missing and unknown keys.
         (HEADER + "\n" + ROWS[0] + "\n", '{"schema_version": 1, "uncalibrated": {}, "terms": {}}',
          "conditions.yaml is a calibration (pipectl calibrate MEASURED.csv), not a conditions file"),
@@ -340,15 +343,17 @@ def test_layouts_refused_by_memory_that_fit_a_higher_zero_stage_point_at_the_con
     result = pipectl(measured, "validate", "runs.csv", "-c", "conditions.yaml")
     assert result.returncode == 0, result.stderr
     assert "the memory model refuses 2 of the layouts that ran" in result.stdout
-    assert "note: 1 of the 2 layouts the memory model refuses fit under ZeRO stage 1 (first: line 2)" in result.stdout
+    assert "note: 1 of the 2 layouts the memory model refuses fits under ZeRO stage 1 (line 2)" in result.stdout
     rows = json.loads(pipectl(measured, "validate", "runs.csv", "-c", "conditions.yaml", "--json").stdout)["rows"]
     assert [(r["predicted_seconds"] is not None, r["fits_with_zero_stage"]) for r in rows] == [(True, 1), (True, None)]
     assert all(r["memory_refused"] for r in rows)
 
 
-def test_blank_lines_before_the_header_and_a_device_in_capitals_are_read(measured):
+def test_blank_lines_before_the_header_a_device_in_capitals_and_yaml_numbers_are_read(measured):
     (measured / "runs.csv").write_text("\n\n" + "\n".join([HEADER, *ROWS]) + "\n")
-    (measured / "conditions.yaml").write_text(CONDITIONS.replace("a100-80gb", "A100-80GB"))
+    # `1e-1` is a string to YAML 1.1 and `8.0` a float: both numbers a user means.
+    (measured / "conditions.yaml").write_text(CONDITIONS.replace("a100-80gb", "A100-80GB").replace(
+        "dropout: 0.1", "dropout: 1e-1").replace("devices_per_node: 8", "devices_per_node: 8.0"))
     result = pipectl(measured, "validate", "runs.csv", "-c", "conditions.yaml", "--json")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["summary"]["rows"] == len(ROWS)

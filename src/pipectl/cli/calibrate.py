@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
+import stat
 import tempfile
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Annotated
 
@@ -18,7 +19,7 @@ from pipectl.cli.context import (
 )
 from pipectl.artifacts.run import JOB_FILE
 from pipectl.errors import PipectlError, UserInputError
-from pipectl.io import read_mapping, write_json_atomic
+from pipectl.io import MAX_MAPPING_BYTES, read_mapping, write_json_atomic
 from pipectl.artifacts.calibration import DEFAULT_FOLDS
 
 
@@ -119,13 +120,37 @@ def _calibrate_runs(runs: list[Path], output: Path, json_output: bool) -> None:
 
 
 def _readable_twice(path: Path, stack: ExitStack) -> Path:
-    """`path`, or where a pipe's bytes were copied (read once, they are parsed and then hashed)."""
-    if not path.exists() or path.is_file() or path.is_dir():
-        return path  # a missing path or a folder: the reader says so, naming it
+    """`path`, or where a pipe's bytes were copied (read once, they are parsed and then hashed). Only
+    a FIFO is copied, and at most `MAX_MAPPING_BYTES` of it: anything else goes to the readers, which
+    refuse a device or a socket by name."""
+    try:
+        fifo = stat.S_ISFIFO(path.stat().st_mode)
+    except OSError:
+        fifo = False
+    if not fifo:
+        return path
     folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="pipectl-calibrate-")))
     copy = folder / path.name
-    copy.write_bytes(path.read_bytes())
+    with open(path, "rb") as pipe:
+        data = pipe.read(MAX_MAPPING_BYTES + 1)
+    if len(data) > MAX_MAPPING_BYTES:
+        raise UserInputError(f"{path} holds more than {MAX_MAPPING_BYTES // 2**20} MiB: not a file of measured runs")
+    copy.write_bytes(data)
     return copy
+
+
+@contextmanager
+def _named_as_given(copies: dict[Path, Path]):
+    """Errors about a pipe's copy name the pipe the user gave."""
+    try:
+        yield
+    except UserInputError as error:
+        message = error.message
+        for copy, given in copies.items():
+            message = message.replace(str(copy), str(given))
+        if message == error.message:
+            raise
+        raise UserInputError(message, hint=error.hint) from None
 
 
 def _warn(text: str) -> None:
@@ -154,8 +179,9 @@ def _calibrate_measured(csv: Path, conditions: Path | None, folds: int, output: 
     refuse_overwriting(output, {"measured runs": csv, "conditions": conditions})
     with ExitStack() as stack:  # a pipe is read once: its bytes kept, so the hash is of what was read
         rows_file, conditions_file = (_readable_twice(path, stack) for path in (csv, conditions))
-        shared = load_conditions(conditions_file)
-        measured = read_runs(rows_file)
+        with _named_as_given({rows_file: csv, conditions_file: conditions}):
+            shared = load_conditions(conditions_file)
+            measured = read_runs(rows_file)
         say = lambda line: err_console.print(line, highlight=False, markup=False)  # noqa: E731
         calibration = calibrate_runs(
             measured, shared, rows_file=rows_file, conditions_file=conditions_file, folds=folds,

@@ -34,8 +34,9 @@ import os
 from dataclasses import dataclass
 from typing import IO, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field, model_validator
 
+from pipectl.artifacts.base import Strict
 from pipectl.artifacts.calibration import RunsCalibration
 from pipectl.artifacts.cluster import MAX_DEVICES_PER_NODE, MAX_GBYTES_PER_SECOND, MIN_GBYTES_PER_SECOND
 from pipectl.artifacts.model import MAX_WIDTH
@@ -71,9 +72,9 @@ SCHEDULE_VALUES = ("1f1b", "gpipe")
 FRAMEWORKS = ("megatron-deepspeed", "megatron-lm", "deepspeed", "pipectl")
 
 
-class _Closed(BaseModel):
-    # Strict: YAML's `true` is no vocabulary of 1, nor its "8" eight GPUs a node.
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+class _Closed(Strict):
+    # As every pipectl file: YAML's `true` is no vocabulary of 1, nor `.inf` a link's rate.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class ConditionLinks(_Closed):
@@ -123,6 +124,17 @@ class RunConditions(_Closed):
     precision: Literal["fp16", "bf16", "fp32"] = Field(description="Training precision.")
     zero_stage: int = Field(default=0, ge=0, le=3, description="ZeRO stage.")
 
+    @model_validator(mode="after")
+    def _network_per_gpu_is_a_rate(self) -> "RunConditions":
+        """A node's network shared by its GPUs is each one's share: that share must be a link's rate."""
+        network = self.links.inter_node_gbits_per_second_per_node
+        if network is not None and network / 8 / self.devices_per_node < MIN_GBYTES_PER_SECOND:
+            raise ValueError(
+                f"links.inter_node_gbits_per_second_per_node {network:g} over {self.devices_per_node} GPUs a node is "
+                f"{network / 8 / self.devices_per_node:.3g} GB/s a GPU, under {MIN_GBYTES_PER_SECOND:g}"
+            )
+        return self
+
     def cluster_links(self, device: str | None = None) -> dict[str, float]:
         """The links the conditions state, as a cluster YAML's node type states them (GB/s; the
         network as a GPU's share of its node's); those they leave out are the catalog's.
@@ -151,12 +163,22 @@ class RunConditions(_Closed):
         return links
 
 
+def _device_named(name: str):
+    """The catalog's device of `name`, in the catalog's own case or in lower case (`A100-80GB`)."""
+    try:
+        return get_device(name)
+    except UserInputError:
+        if name.lower() == name:
+            raise
+        return get_device(name.lower())
+
+
 def load_conditions(path: str | os.PathLike[str]) -> RunConditions:
     """The conditions file, checked: a wrong or unknown field, or a device the catalog does not
     know, is one error naming it."""
     conditions = load_model(RunConditions, path)
     try:
-        device = get_device(conditions.device.lower())  # as a row's 'device' column is read
+        device = _device_named(conditions.device)
     except UserInputError as exc:
         raise UserInputError(f"{path}: device: {exc.message}", hint=exc.hint) from None
     return conditions.model_copy(update={"device": device.name})
@@ -302,7 +324,7 @@ def _run_of(row: list[str], position: dict[str, int], line: int, source: str) ->
         values["schedule"] = schedule
     if optional["device"] is not None:
         try:
-            values["device"] = get_device(optional["device"].lower()).name
+            values["device"] = _device_named(optional["device"]).name
         except UserInputError as exc:
             raise UserInputError(f"{where}: device: {exc.message}", hint=exc.hint) from None
     run = MeasuredRun(line=line, **values)  # type: ignore[arg-type]
