@@ -67,6 +67,16 @@ OVERHEAD_STEP_MS = 0.5
 # A rate moves at most this far from its starting figure (x 4 either way): beyond it the model
 # would explain the rows with a figure no device has; the fit stops there and the table shows it.
 MOST_LOG_MULTIPLIER = math.log(4.0)
+# The wave quantization share is an exponent, not a rate: any share down to none is a GEMM library
+# some device has (stream-K leaves no partial wave), so it may go down to this floor, not only 4x.
+LEAST_WAVE_QUANTIZATION = 0.01
+
+
+def _least_log_multiplier(name: str, start: CalibratedTerms) -> float:
+    """How far below its starting figure a rate may be fitted, as a log multiplier (<= 0)."""
+    if name == "wave_quantization" and start.wave_quantization > LEAST_WAVE_QUANTIZATION:
+        return math.log(LEAST_WAVE_QUANTIZATION / start.wave_quantization)
+    return -MOST_LOG_MULTIPLIER
 ITERATIONS = 6
 LAMBDA_START = 1e-2
 # Stop when an iteration improves the sum of squares by less than this fraction.
@@ -145,7 +155,7 @@ def bounded_terms(
         name for name in RATES
         if getattr(start, name) > 0 and (
             getattr(start, name) < getattr(fitted, name) >= most[name] * (1 - 1e-6)
-            or getattr(fitted, name) <= getattr(start, name) * math.exp(-MOST_LOG_MULTIPLIER) * (1 + 1e-6)
+            or getattr(fitted, name) <= getattr(start, name) * math.exp(_least_log_multiplier(name, start)) * (1 + 1e-6)
         )
     ]  # fmt: skip
 
@@ -162,7 +172,7 @@ def terms_at(start: CalibratedTerms, x: Sequence[float]) -> CalibratedTerms:
 
 def _bounded(x: np.ndarray, problem: "_Problem") -> np.ndarray:
     x = x.copy()
-    x[: len(RATES)] = np.clip(x[: len(RATES)], -MOST_LOG_MULTIPLIER, problem.most)
+    x[: len(RATES)] = np.clip(x[: len(RATES)], problem.least, problem.most)
     x[len(RATES):] = np.maximum(x[len(RATES):], 0.0)
     return x
 
@@ -178,12 +188,14 @@ class _Problem:
     device: str
     cache: dict[tuple[float, ...], np.ndarray]
     most: np.ndarray = field(init=False)  # the rates' `ceilings` as fit coordinates (log multipliers of their start)
+    least: np.ndarray = field(init=False)  # and their floors
 
     def __post_init__(self) -> None:
         most = ceilings(self.conditions, self.start, self.device)
         # A rate that starts at 0 (no kernel overhead, no latency) stays there: a multiple of 0.
         self.most = np.array([math.log(most[name] / getattr(self.start, name)) if getattr(self.start, name) > 0 else 0.0
                               for name in RATES])  # fmt: skip
+        self.least = np.array([_least_log_multiplier(name, self.start) for name in RATES])
 
     def predict(self, x: Sequence[float]) -> np.ndarray:
         """Predicted seconds of every row at `x` (NaN where a row cannot be predicted)."""
@@ -208,7 +220,7 @@ def _seconds(prediction) -> float:
 
 def _pressing(x: np.ndarray, gradient: np.ndarray, problem: "_Problem") -> np.ndarray:
     """The terms at a bound whose descent direction (-gradient) points past it."""
-    low = np.concatenate([np.full(len(RATES), -MOST_LOG_MULTIPLIER), np.zeros(len(OVERHEADS))])
+    low = np.concatenate([problem.least, np.zeros(len(OVERHEADS))])
     high = np.concatenate([problem.most, np.full(len(OVERHEADS), np.inf)])
     return ((x >= high - 1e-9) & (gradient < 0)) | ((x <= low + 1e-9) & (gradient > 0))
 
