@@ -163,3 +163,19 @@ def test_steps_of_another_layout_between_are_not_counted_and_the_title_says_so(t
     console = Console(width=100, record=True, file=io.StringIO())
     console.print(phase_table(comparison))
     assert "(medians over steps 2-7)" in console.export_text()
+
+
+def test_a_calibration_or_cluster_edited_since_planning_is_said_under_the_table(tmp_path):
+    """Where the plan's cluster or calibration file changed since planning, the predictions price it as
+    it is now; the table says so, as `simulate` does (a calibration replaced under a run moved its
+    waits from 4 to 935 ms without a word)."""
+    from dataclasses import replace
+
+    steps = [[(0.01, 0.02, 0.03, 0.004, 0.001, 0.0)] * 2] * 3
+    comparison, _ = phase_comparison(run_status(tmp_path, steps, step_seconds=0.1))
+    assert comparison.changed == () and "changed since planning" not in str(phase_table(comparison).caption)
+    edited = replace(comparison, changed=("/data/cal[v2].json",))
+    console = Console(width=200, record=True, file=io.StringIO())
+    console.print(phase_table(edited))
+    assert "predicted with /data/cal[v2].json as it is now: it changed since planning" in " ".join(console.export_text().split())
+    assert edited.to_dict()["files_changed_since_planning"] == ["/data/cal[v2].json"]

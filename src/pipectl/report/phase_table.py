@@ -5,6 +5,7 @@ the table of `rundir.analysis.PhaseComparison`, with the phase furthest from its
 from __future__ import annotations
 
 from rich import box
+from rich.markup import escape
 from rich.table import Table
 
 from pipectl.plan.phases import CHECKPOINT_COPY, PHASES
@@ -72,5 +73,6 @@ def phase_table(comparison: PhaseComparison) -> Table:
         "waits: sends and receives, waiting for peers included (bubble and transfers); reduce: the tied and "
         f"data-parallel gradient reductions at the end of the step; {checkpoint}other: measured time no phase covers; "
         "furthest off: the phase furthest from its prediction"
+        + "".join(f"; predicted with {escape(path)} as it is now: it changed since planning" for path in comparison.changed)
     )
     return table

@@ -21,7 +21,7 @@ from pipectl.artifacts.layout import layout_label
 from pipectl.artifacts.morph import MorphRecord
 from pipectl.artifacts.profile import ModelProfile
 from pipectl.artifacts.run import RankFailure
-from pipectl.cluster import busier_note, plan_cluster_spec
+from pipectl.cluster import busier_note, plan_cluster_spec, plan_files_changed
 from pipectl.errors import PipectlError
 from pipectl.plan.flops import PRECISION_DTYPE, Utilisation, plan_layer_flops, utilisation
 from pipectl.plan.phases import CHECKPOINT_COPY, PHASES, measured_phases, simulated_phases
@@ -83,12 +83,15 @@ class PhaseComparison:
     steps: tuple[int, int]  # the first and last step measured
     layout: str
     count: int = 0  # the steps measured: fewer than the range holds when another layout ran between
+    # The plan's cluster or calibration files edited since planning: the prediction prices them as they are now.
+    changed: tuple[str, ...] = ()
 
     def to_dict(self) -> dict:
         return {
             "layout": self.layout,
             "steps": list(self.steps),
             "steps_counted": self.count,
+            "files_changed_since_planning": list(self.changed),
             "stages": [
                 {
                     "stage": s.stage,
@@ -219,4 +222,4 @@ def phase_comparison(status: RunStatus, profile: ModelProfile | None = None) -> 
         for stage, (phases, unaccounted) in measured.stages.items()
         if stage < len(predicted)
     ]
-    return PhaseComparison(stages, measured.steps, label, measured.count), None
+    return PhaseComparison(stages, measured.steps, label, measured.count, tuple(plan_files_changed(status.plan))), None
