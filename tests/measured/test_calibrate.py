@@ -283,8 +283,9 @@ def test_a_calibration_prices_a_derived_profile_a_plan_and_its_simulation(measur
                                "64", "--calibration", "cal.json", "-o", "plan.json")  # fmt: skip
     assert elsewhere_device.returncode == 2 and "cluster 'local' has no a100-80gb" in elsewhere_device.stderr
     planned = pipectl(measured, "plan", "--profile", "calibrated.json", "--cluster", "a100-8x8", "--global-batch", "64",
-                      "--calibration", "cal.json", "-o", "plan.json", "--json")  # fmt: skip
+                      "--calibration", "cal.json", "-o", "plan.json")  # fmt: skip
     assert planned.returncode == 0, planned.stderr
+    assert f"priced with the a100-80gb links of cal.json (fitted to {len(LAYOUTS)} megatron-deepspeed runs)" in planned.stdout
     plan = json.loads((measured / "plan.json").read_text())
     assert plan["calibration_file"] == str(measured / "cal.json")
     elsewhere = measured / "elsewhere"

@@ -351,6 +351,10 @@ def plan_command(
         plan_view(result, top=options.top, profile=profiles[0], every_candidate=options.include_all, full_morph=options.full_morph)
     )
     console.print(f"wrote {', '.join(map(str, [output, *written]))}", style="dim", markup=False)
+    if calibration is not None:  # the figures are a cluster's fit, not the catalog's: say whose
+        console.print(f"priced with the {calibration.device} links of {options.calibration} (fitted to "
+                      f"{calibration.rows} {calibration.framework} runs)", style="dim", markup=False, highlight=False,
+                      soft_wrap=True)
     for note in fewer_devices_notes(result, layouts):
         console.print(note, highlight=False, soft_wrap=True)
 
