@@ -347,3 +347,11 @@ def test_a_deadline_no_candidate_meets_is_said_with_the_steps_it_needs_readably(
                           morph=False)  # fmt: skip
     notes = plan(profile, load_cluster("a100-8x8"), request).notes
     assert any(note.startswith("no candidate finishes 12,345 steps within 0.001 h") for note in notes), notes
+
+
+def test_a_step_no_real_device_runs_is_one_error_not_a_traceback():
+    """Layer times of a device far off (a hand-edited catalog or calibration: a GEMM at 1e-9 of peak)
+    put a step beyond what a plan may hold (1e9 s); that is said, naming the device, as input to fix."""
+    profile = synthetic_profile(blocks=24, micro_batch_sizes=[1], block_forward_seconds=4e8)
+    with pytest.raises(UserInputError, match=r"predicted at .* s, beyond 1e\+09 s: the figures of a100-80gb"):
+        plan(profile, load_cluster("a100-8x8"), PlanRequest(global_batch=8, morph=False))

@@ -29,6 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from pipectl.artifacts.base import MAX_SECONDS
+from pipectl.errors import UserInputError
 from pipectl.artifacts.plan import Candidate, Engine, Framework, Recompute, ReplicaShare, replica_shares, runtime_runs_zero
 from pipectl.plan.candidates import Spec
 from pipectl.plan.costs import Hardware, host_compute_slowdown
@@ -231,6 +233,12 @@ class Evaluator:
         """The full record: one more simulation for the bubble and the exposed communication."""
         timeline = self.summary(spec)
         step = timeline.step_seconds
+        if step > MAX_SECONDS:  # no layout of a real device: a figure far off (a hand-edited catalog or calibration)
+            raise UserInputError(
+                f"the step of {spec.devices} devices' best layout is predicted at {step:.3g} s, beyond {MAX_SECONDS:.0e} s: "
+                f"the figures of {self.hardware.kind} or its links cannot be a real device's",
+                hint="check the catalog's GEMM efficiency and the cluster's or calibration's link figures",
+            )
         shape = spec.shape
         table = shape.table
         per_micro_batch = table.total_forward_flops() * (4 if spec.recompute else 3)
