@@ -70,13 +70,6 @@ MOST_LOG_MULTIPLIER = math.log(4.0)
 # The wave quantization share is an exponent, not a rate: any share down to none is a GEMM library
 # some device has (stream-K leaves no partial wave), so it may go down to this floor, not only 4x.
 LEAST_WAVE_QUANTIZATION = 0.01
-
-
-def _least_log_multiplier(name: str, start: CalibratedTerms) -> float:
-    """How far below its starting figure a rate may be fitted, as a log multiplier (<= 0)."""
-    if name == "wave_quantization" and start.wave_quantization > LEAST_WAVE_QUANTIZATION:
-        return math.log(LEAST_WAVE_QUANTIZATION / start.wave_quantization)
-    return -MOST_LOG_MULTIPLIER
 ITERATIONS = 6
 LAMBDA_START = 1e-2
 # Stop when an iteration improves the sum of squares by less than this fraction.
@@ -86,10 +79,10 @@ SMALLEST_FIT = 8  # rows: fewer cannot tell the terms apart
 
 def starting_terms(conditions: RunConditions, device_name: str | None = None) -> CalibratedTerms:
     """Where the fit starts: the catalog's figures of the rows' device (`device_name`, default the
-    conditions') and the conditions' links, as the
-    uncalibrated model uses them, except inside a node, where one fitted figure stands for transfers
-    and collectives alike and starts at the collectives' (they carry most of its bytes; the
-    uncalibrated model times the few transfers at the conditions' link figure)."""
+    conditions') and the conditions' links, as the uncalibrated model uses them, except inside a
+    node, where one fitted figure stands for transfers and collectives alike and starts at the
+    collectives' (they carry most of its bytes; the uncalibrated model times the few transfers at
+    the conditions' link figure)."""
     device = get_device(device_name or conditions.device)
     if not device.has_compute_model():
         raise UserInputError(
@@ -147,7 +140,7 @@ def ceilings(conditions: RunConditions, start: CalibratedTerms, device_name: str
 def bounded_terms(
     conditions: RunConditions, start: CalibratedTerms, fitted: CalibratedTerms, device_name: str | None = None
 ) -> list[str]:
-    """The rates a fit moved to a bound (up to its `ceilings`, or 4x below its start): the rows ask for
+    """The rates a fit moved to a bound (up to its `ceilings`, or down to its floor, `_least_log_multiplier`): the rows ask for
     more of them than a device could have, or less than it plausibly has. (A rate that starts at its
     ceiling, the datasheet's memory bandwidth, is not seen pressing on it.)"""
     most = ceilings(conditions, start, device_name)
@@ -158,6 +151,14 @@ def bounded_terms(
             or getattr(fitted, name) <= getattr(start, name) * math.exp(_least_log_multiplier(name, start)) * (1 + 1e-6)
         )
     ]  # fmt: skip
+
+
+def _least_log_multiplier(name: str, start: CalibratedTerms) -> float:
+    """How far below its starting figure a rate may be fitted, as a log multiplier (<= 0): 4x, or
+    for the wave quantization share down to `LEAST_WAVE_QUANTIZATION`."""
+    if name == "wave_quantization" and start.wave_quantization > LEAST_WAVE_QUANTIZATION:
+        return math.log(LEAST_WAVE_QUANTIZATION / start.wave_quantization)
+    return -MOST_LOG_MULTIPLIER
 
 
 def terms_at(start: CalibratedTerms, x: Sequence[float]) -> CalibratedTerms:
@@ -171,10 +172,7 @@ def terms_at(start: CalibratedTerms, x: Sequence[float]) -> CalibratedTerms:
 
 
 def _bounded(x: np.ndarray, problem: "_Problem") -> np.ndarray:
-    x = x.copy()
-    x[: len(RATES)] = np.clip(x[: len(RATES)], problem.least, problem.most)
-    x[len(RATES):] = np.maximum(x[len(RATES):], 0.0)
-    return x
+    return np.clip(x, problem.low, problem.high)
 
 
 @dataclass
@@ -188,14 +186,18 @@ class _Problem:
     device: str
     cache: dict[tuple[float, ...], np.ndarray]
     most: np.ndarray = field(init=False)  # the rates' `ceilings` as fit coordinates (log multipliers of their start)
-    least: np.ndarray = field(init=False)  # and their floors
+    # Every term's bounds in fit coordinates: the rates' floors and ceilings, then the overheads' 0 and none.
+    low: np.ndarray = field(init=False)
+    high: np.ndarray = field(init=False)
 
     def __post_init__(self) -> None:
         most = ceilings(self.conditions, self.start, self.device)
         # A rate that starts at 0 (no kernel overhead, no latency) stays there: a multiple of 0.
         self.most = np.array([math.log(most[name] / getattr(self.start, name)) if getattr(self.start, name) > 0 else 0.0
                               for name in RATES])  # fmt: skip
-        self.least = np.array([_least_log_multiplier(name, self.start) for name in RATES])
+        least = [_least_log_multiplier(name, self.start) for name in RATES]
+        self.low = np.array([*least, *[0.0] * len(OVERHEADS)])
+        self.high = np.array([*self.most, *[np.inf] * len(OVERHEADS)])
 
     def predict(self, x: Sequence[float]) -> np.ndarray:
         """Predicted seconds of every row at `x` (NaN where a row cannot be predicted)."""
@@ -220,9 +222,7 @@ def _seconds(prediction) -> float:
 
 def _pressing(x: np.ndarray, gradient: np.ndarray, problem: "_Problem") -> np.ndarray:
     """The terms at a bound whose descent direction (-gradient) points past it."""
-    low = np.concatenate([problem.least, np.zeros(len(OVERHEADS))])
-    high = np.concatenate([problem.most, np.full(len(OVERHEADS), np.inf)])
-    return ((x >= high - 1e-9) & (gradient < 0)) | ((x <= low + 1e-9) & (gradient > 0))
+    return ((x >= problem.high - 1e-9) & (gradient < 0)) | ((x <= problem.low + 1e-9) & (gradient > 0))
 
 
 def _steps() -> np.ndarray:
@@ -247,9 +247,7 @@ def fit(problem: _Problem, rows: np.ndarray, measured: np.ndarray, progress: Cal
         terms = np.flatnonzero(moving)
         # A rate at its ceiling is differenced below it: a figure past the ceiling may not be one a
         # device can be given (a wave quantization share above 1).
-        signed = steps.copy()
-        signed[: len(RATES)] = np.where(x[: len(RATES)] + steps[: len(RATES)] > problem.most + 1e-12,
-                                        -steps[: len(RATES)], steps[: len(RATES)])  # fmt: skip
+        signed = np.where(x + steps > problem.high + 1e-12, -steps, steps)
         shifted = problem.predictions([x + signed[k] * np.eye(len(TERMS))[k] for k in terms])
         jacobian = np.zeros((len(r), len(TERMS)))
         for k, p in zip(terms, shifted):

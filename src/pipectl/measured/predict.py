@@ -220,7 +220,6 @@ class Predictor:
             return min(matching, key=lambda c: c.predicted_step_seconds), None
         return None, f"no candidate with {granularity.label} recomputation"
 
-
     def fitting_zero_stage(self, run: MeasuredRun) -> int | None:
         """The lowest ZeRO stage above the row's under which the memory model fits its layout, or None.
 

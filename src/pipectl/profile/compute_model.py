@@ -169,13 +169,18 @@ def wave_efficiency(rows: int, columns: int, multiprocessors: int) -> float:
     return best
 
 
+def _wave_fill(rows: int, columns: int, device: ComputeDevice) -> float:
+    """The share of the SMs' time a product's tiles use, as the device pays it: `wave_efficiency`
+    raised to the device's (calibrated) wave quantization share."""
+    return wave_efficiency(rows, columns, device.multiprocessors) ** device.wave_quantization
+
+
 def gemm_kernel(name: str, m: int, n: int, k: int, device: ComputeDevice) -> Kernel:
     """C[m, n] = A[m, k] B[k, n] in the device's dtype: the roofline of its FLOPs and its bytes."""
     flops = 2.0 * m * n * k
     bytes_moved = float(device.bytes_per_element * (m * k + k * n + m * n))
     # The output tile grid is the larger dimension by the smaller one, as cuBLAS lays it out.
-    fill = wave_efficiency(max(m, n), min(m, n), device.multiprocessors) ** device.wave_quantization
-    efficiency = device.gemm_efficiency * fill
+    efficiency = device.gemm_efficiency * _wave_fill(max(m, n), min(m, n), device)
     compute = flops / (device.peak_flops_per_second * efficiency)
     return Kernel(name, flops, bytes_moved, max(compute, bytes_moved / device.memory_bytes_per_second))
 
@@ -394,7 +399,7 @@ def _batched_gemm(name: str, batch: int, m: int, n: int, k: int, device: Compute
     """`batch` independent m x n x k products in one kernel: their tiles share the waves."""
     flops = 2.0 * batch * m * n * k
     bytes_moved = float(batch * device.bytes_per_element * (m * k + k * n + m * n))
-    fill = wave_efficiency(batch * max(m, n), min(m, n), device.multiprocessors) ** device.wave_quantization
+    fill = _wave_fill(batch * max(m, n), min(m, n), device)
     compute = flops / (device.peak_flops_per_second * device.gemm_efficiency * fill)
     return Kernel(name, flops, bytes_moved, max(compute, bytes_moved / device.memory_bytes_per_second))
 
