@@ -344,13 +344,18 @@ def check_output_file(path: str | os.PathLike[str], *, what: str = "output") -> 
     return path
 
 
+def nearest_existing_parent(path: str | os.PathLike[str]) -> Path | None:
+    """The nearest existing path above `path` (absolute): where creating it would start; None for a root."""
+    return next((folder for folder in Path(path).absolute().parents if folder.exists()), None)
+
+
 def _check_writable_folder(path: Path, what: str) -> None:
     """The nearest existing folder above `path` takes a new file (probed with an unnamed temporary
     file, which leaves nothing behind): a read-only or pseudo filesystem is refused before the work
     whose result would be written there, not after it."""
-    existing = path.absolute().parent
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
+    existing = nearest_existing_parent(path)
+    if existing is None:
+        return
     if not existing.is_dir():
         raise UserInputError(f"cannot write {what} {path}: {existing} is not a directory")
     try:

@@ -32,7 +32,7 @@ from pipectl.artifacts.run import (
     run_holding,
 )
 from pipectl.errors import PipectlError, UserInputError
-from pipectl.io import artifact_kind, file_kind, read_mapping, write_json_atomic
+from pipectl.io import artifact_kind, file_kind, nearest_existing_parent, read_mapping, write_json_atomic
 from pipectl.launch.engines import LaunchCommand, launch_script
 from pipectl.planfile import copy_plan
 from pipectl.launch.options import check_stored_options
@@ -89,7 +89,7 @@ def check_run_dir(run_dir: str | os.PathLike[str], *, resume: bool = False, forc
     inside = run_holding(path)
     if inside is not None:  # its files would read as the outer run's, and --force of that one deletes it
         raise UserInputError(f"run directory {path} lies inside the run in {inside}", hint="choose a folder outside it")
-    above = next((folder for folder in path.absolute().parents if folder.exists()), None)
+    above = nearest_existing_parent(path)
     if not path.exists() and above is not None and not (above.is_dir() and os.access(above, os.W_OK | os.X_OK)):
         # A dry run creates nothing: what would stop the launch from creating it is said now.
         why = "is not a folder" if not above.is_dir() else "is not writable"

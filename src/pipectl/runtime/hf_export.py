@@ -21,7 +21,7 @@ from pathlib import Path
 
 from pipectl.artifacts.run import JOB_FILE, JobSpec, run_holding
 from pipectl.errors import CheckpointError, UserInputError
-from pipectl.io import load_model
+from pipectl.io import load_model, nearest_existing_parent
 from pipectl.paths import HF_CONFIG_FILE, HF_PREFIX, hf_model_dir
 
 log = logging.getLogger(__name__)
@@ -89,7 +89,7 @@ def export_hf(run_dir: str | os.PathLike[str], output: str | os.PathLike[str], s
     inside = run_holding(out)
     if inside is not None:  # a folder in a run's checkpoints/ reads as a checkpoint that never committed
         raise UserInputError(f"{out} lies inside the run in {inside}; export writes elsewhere")
-    above = next((folder for folder in out.absolute().parents if folder.exists()), None)
+    above = nearest_existing_parent(out)
     if above is not None and not above.is_dir():
         raise UserInputError(f"cannot create {out}: {above} is not a folder")
     checkpoints = list_checkpoints(run_dir, hash_files=True)
