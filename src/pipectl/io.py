@@ -318,7 +318,33 @@ def parse_model(model_type: type[ModelT], data: dict[str, Any], *, source: str) 
         found = artifact_kind(data)
         if expected is not None and found is not None and found != model_type.__name__:
             raise ArtifactError(f"{source} is {ARTIFACT_KINDS[found][0]}, not {expected[0]}") from None
+        if expected is not None and found is None and _foreign(model_type, data, expected[1]):
+            own = sorted(expected[1])
+            strange = sorted(data.keys() - set(model_type.model_fields))
+            raise ArtifactError(
+                f"{source} is not {expected[0]}: it has no {' or '.join([', '.join(own[:-1]), own[-1]] if len(own) > 1 else own)} "
+                f"key, and {len(strange)} keys one does not have "
+                f"({', '.join(strange[:4])}{', ...' if len(strange) > 4 else ''})"
+            ) from None
         raise ArtifactError(f"{source}: {validation_message(exc, model=model_type)}") from exc
+
+
+def _foreign(model_type: type[BaseModel], data: dict[str, Any], distinctive: frozenset[str]) -> bool:
+    """Whether `data` is some other file altogether (a benchmark's JSON handed as a calibration):
+    none of the kind's own keys, and more keys the kind does not know than keys it does. A file of
+    the kind with a key misspelt stays one (its errors name the key and the likely spelling).
+
+    >>> from pipectl.artifacts.calibration import RunsCalibration
+    >>> keys = ARTIFACT_KINDS["RunsCalibration"][1]
+    >>> _foreign(RunsCalibration, {"machine": 1, "command": 2, "date": 3}, keys)
+    True
+    >>> _foreign(RunsCalibration, {"device": "a100", "framework": "x", "term": {}}, keys)
+    False
+    """
+    if distinctive & data.keys():
+        return False
+    known = len(data.keys() & set(model_type.model_fields))
+    return len(data) - known > known
 
 
 def check_output_file(path: str | os.PathLike[str], *, what: str = "output") -> Path:

@@ -109,3 +109,27 @@ def test_docstring_examples():
     import pipectl.io
 
     assert doctest.testmod(pipectl.io).failed == 0
+
+
+def test_a_file_of_no_kind_of_ours_is_said_to_be_none_in_one_line(files, tmp_path):
+    """A user hands a benchmark's JSON (or any other) as a calibration, a plan or a cluster: one line
+    saying it is not one, not a field-by-field list of everything it lacks and has."""
+    from cli_process import pipectl
+
+    other = {"machine": "2 cores", "command": "x", "date": "today", "runtime_seconds": 1.0, "steps": 24, "repeats": 2}
+    write_json_atomic(tmp_path / "results.json", other)
+    (tmp_path / "profile.json").write_bytes(files["profile"].read_bytes())
+    cases = [
+        (["simulate", "results.json"], "a plan (pipectl plan)"),
+        (["plan", "--profile", "profile.json", "--cluster", "results.json", "--global-batch", "4", "-o", "out.json"],
+         "a cluster (configs/clusters/*.yaml)"),
+        (["plan", "--profile", "profile.json", "--cluster", "local", "--global-batch", "4", "--calibration",
+          "results.json", "-o", "out.json"], "a calibration (pipectl calibrate MEASURED.csv)"),
+    ]
+    for args, kind in cases:
+        result = pipectl(*args, cwd=tmp_path)
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 2, result.stderr
+        assert len(lines) == 1 and lines[0].startswith(f"error: results.json is not {kind}: it has no "), lines
+        assert "6 keys one does not have (command, date, machine, repeats, ...)" in lines[0], lines[0]
+        assert "Traceback" not in result.stderr and not (tmp_path / "out.json").exists()
