@@ -305,6 +305,12 @@ def test_a_calibration_prices_a_derived_profile_a_plan_and_its_simulation(measur
     simulated = pipectl(elsewhere, "simulate", "../plan.json", "--json")
     assert simulated.returncode == 0, simulated.stderr
     assert json.loads(simulated.stdout)["step_seconds"] == step and "note" not in json.loads(simulated.stdout)
+    # A config printed now names the file (a re-plan reads it) and says it is gone, on stderr.
+    printed = pipectl(elsewhere, "launch", "../plan.json", "--print-config")
+    assert printed.returncode == 0 and f"calibration = \"{measured / 'cal.json'}\"" in printed.stdout, printed.stderr
+    said = " ".join(printed.stderr.split())
+    assert f"warning: [cluster] calibration {measured / 'cal.json'} is no longer there; `pipectl plan --config` of " \
+           "this file will need it back" in said, said
     # Replaced by another fit: priced as it stands, and said so (the figures differ from the plan's).
     other = json.loads((measured / "cal.json.bak").read_text())
     other["rows_file"] = "other-runs.csv"

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from rich.markup import escape
 
 from pipectl.artifacts.layout import layout_label
 from pipectl.artifacts.plan import Plan
@@ -27,7 +28,7 @@ from pipectl.launch.placement import placement_note
 from pipectl.rundir.run import check_steps_beyond_trained, is_run_dir, newest_checkpoint_step, runs_inside_hint
 from pipectl.launch.prepare import run_files
 from pipectl.cli.plan import planned_otherwise
-from pipectl.plan.options import PlanOptions, plan_sections
+from pipectl.plan.options import PlanOptions, files_gone, plan_sections
 from pipectl.rundir.analysis import analyse
 from pipectl.rundir.status import RunStatus, run_status
 from pipectl.report.run_tables import failure_report, status_table
@@ -120,6 +121,9 @@ def register(app: typer.Typer) -> None:
             for section, keys in to_sections(options).items():  # the launch's values over the plan's
                 sections.setdefault(section, {}).update(keys)
             typer.echo(render_config([LaunchOptions, PlanOptions], sections, title=PRINT_CONFIG_TITLE), nl=False)
+            for gone in files_gone(sections):  # plan.json's copies price the plan; `plan --config` reads files
+                err_console.print(f"[yellow]warning:[/] {escape(gone)} is no longer there; `pipectl plan --config` "
+                                  "of this file will need it back", highlight=False, soft_wrap=True)
             return
         check_schedule(plan.chosen)  # before anything else: a 2BW plan is another optimizer
         if options.elastic is not None and options.engine is not Engine.TORCHRUN:
