@@ -73,7 +73,9 @@ def test_plan_shows_predicted_mfu_and_hfu(profile_path, tmp_path):
     [
         (["--global-batch", "0"], "--global-batch 0: Input should be greater than 0"),
         (["--global-batch", "16", "--schedules", "1f1b,zigzag"], "unknown schedule 'zigzag'"),
-        (["--global-batch", "16", "--pipeline-parallel", "50"], "pipeline-parallel degree 50"),
+        # The layers counted as the profile has them (a user counts the blocks), and said so.
+        (["--global-batch", "16", "--pipeline-parallel", "50"], "pipeline-parallel degree 50 exceeds the model's 9 "
+         "layers (6 transformer blocks, embedding, layer_norm, lm_head): each stage needs one at least"),
         (["--global-batch", "16", "--data-parallel", "3", "--even-replicas"], "not divisible by data-parallel degree 3"),
         (["--global-batch", "16", "--data-parallel", "17"], "data-parallel degree 17 is more than"),
         (["--global-batch", "16", "--objective", "cost-deadline"], "deadline"),

@@ -71,8 +71,12 @@ def check_request(request: PlanRequest, profile: ModelProfile, hardware: Hardwar
         raise UserInputError(f"--devices {request.devices} is more than the cluster's {count(hardware.devices, kind)}")
     layers = len(profile.layers)
     if request.pipeline_parallel is not None and request.pipeline_parallel > layers:
-        raise UserInputError(
-            f"pipeline-parallel degree {request.pipeline_parallel} exceeds the model's {count(layers, 'layer')}"
+        blocks = sum(layer.kind == "transformer_block" for layer in profile.layers)
+        others = [layer.kind for layer in profile.layers if layer.kind != "transformer_block"]
+        parts = f" ({', '.join([count(blocks, 'transformer block'), *others])})" if blocks and others else ""
+        raise UserInputError(  # the blocks are what a user counts as the model's layers; a stage holds one or more
+            f"pipeline-parallel degree {request.pipeline_parallel} exceeds the model's {count(layers, 'layer')}{parts}: "
+            "each stage needs one at least"
         )
     if request.tensor_parallel is not None:
         _check_tensor_parallel(request.tensor_parallel, profile, hardware)
