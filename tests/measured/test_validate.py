@@ -112,7 +112,11 @@ def test_a_row_column_overrides_the_conditions(measured):
         (HEADER + "\n" + ROWS[0] + "\n", CONDITIONS.replace("megatron-deepspeed", "megatron_deepspeed"), "framework"),
         (HEADER + "\n" + ROWS[0].replace(",1024,16,", ",1000,16,") + "\n", CONDITIONS, "not a multiple of its 16"),
         (HEADER + ",# GPUs\n" + ROWS[0] + ",4\n", CONDITIONS, "two columns named '# gpus'"),
-        (HEADER + "\n" + ROWS[0].replace("8,32,", "8,3000000000,", 1) + "\n", CONDITIONS, "line 2: "),
+        # A cell beyond what a model or request may hold is named by its column, not by a field of pipectl's.
+        (HEADER + "\n" + ROWS[0].replace("8,32,", "8,3000000000,", 1) + "\n", CONDITIONS,
+         "runs.csv line 2: 'global batch': Input should be less than or equal to 2147483648 (got 3000000000)"),
+        (HEADER + "\n" + ROWS[0].replace(",16,12,", ",16,100000000,") + "\n", CONDITIONS,
+         "runs.csv line 2: '# layers': Input should be less than or equal to 10000 (got 100000000)"),
         (HEADER + "\n" + ROWS[0].replace("120.0", "120,5") + "\n", CONDITIONS, "line 2: 12 values, the header names 11"),
         (HEADER + "\n" + ROWS[0] + "\n", CONDITIONS.replace("precision: fp16", "precision: fp16\nprecision: bf16"),
          "the key 'precision' is written twice"),

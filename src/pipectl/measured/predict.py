@@ -27,7 +27,7 @@ from pipectl.catalog import DeviceSpec, get_device
 from pipectl.errors import PipectlError, UserInputError
 from pipectl.io import validation_message
 from pipectl.artifacts.calibration import CalibratedTerms, RunsCalibration
-from pipectl.measured.runs import MeasuredRun, RunConditions
+from pipectl.measured.runs import REQUIRED_COLUMNS, MeasuredRun, RunConditions
 from pipectl.plan.flops import PRECISION_DTYPE
 from pipectl.plan.search import plan
 from pipectl.profile.derive import derive_profile
@@ -98,6 +98,16 @@ class Calibrated:
     @classmethod
     def of(cls, calibration: RunsCalibration | None) -> Calibrated | None:
         return None if calibration is None else cls(calibration.device, calibration.terms)
+
+
+# The model's, cluster's and request's fields that a row's cells become, called by their columns
+# (a figure beyond what one may hold is the cell's, not a field the user never wrote).
+COLUMN_OF = {
+    **{field: f"'{header}'" for field, header in REQUIRED_COLUMNS.items()},
+    "micro_batch_size": f"'{REQUIRED_COLUMNS['micro_batch']}'",
+    "devices": f"'{REQUIRED_COLUMNS['gpus']}'",
+    "nodes": f"'{REQUIRED_COLUMNS['gpus']}' (as nodes)",
+}
 
 
 class Predictor:
@@ -195,7 +205,8 @@ class Predictor:
         except PipectlError as error:  # a shape or layout this version cannot plan: said on its row
             return Prediction(run, None, problem=error.message)
         except ValidationError as error:  # a figure beyond what a model, cluster or request may hold
-            raise UserInputError(f"line {run.line}: {validation_message(error)}") from None
+            where = f"{run.source} line {run.line}".lstrip()
+            raise UserInputError(f"{where}: {validation_message(error, names=COLUMN_OF)}") from None
         if pinned is None:
             return Prediction(run, None, problem=refused or "no candidate with this layout")
         return Prediction(

@@ -205,6 +205,7 @@ class MeasuredRun:
     recompute: str | None = None
     zero_stage: int | None = None
     device: str | None = None
+    source: str = ""  # the CSV as given, for messages
 
     @property
     def layout_label(self) -> str:
@@ -327,7 +328,7 @@ def _run_of(row: list[str], position: dict[str, int], line: int, source: str) ->
             values["device"] = _device_named(optional["device"]).name
         except UserInputError as exc:
             raise UserInputError(f"{where}: device: {exc.message}", hint=exc.hint) from None
-    run = MeasuredRun(line=line, **values)  # type: ignore[arg-type]
+    run = MeasuredRun(line=line, source=source, **values)  # type: ignore[arg-type]
     if run.hidden % run.heads:
         raise UserInputError(f"{where}: hidden size {run.hidden} is not a multiple of its {run.heads} attention heads")
     devices = run.tensor_parallel * run.data_parallel * run.pipeline_parallel
