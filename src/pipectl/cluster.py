@@ -248,18 +248,21 @@ def calibrated_cluster(cluster: ClusterSpec, calibration: RunsCalibration) -> Cl
 
 
 def load_calibration_for(
-    path: str | os.PathLike[str], profiles: list[tuple[str, ModelProfile]], cluster: ClusterSpec
+    path: str | os.PathLike[str], profiles: list[tuple[str, ModelProfile]], cluster: ClusterSpec,
+    *, said: str | None = None,
 ) -> RunsCalibration:
     """The calibration `plan` or `simulate --calibration` names, refused where a profile derived
     for its device was derived with the catalog's figures (or another calibration's): its links
     would then price one plan with two views of one GPU. Refused too on a cluster without its
-    device, where it would change nothing, without a word."""
+    device, where it would change nothing, without a word. `said`: how the user gave it (a config
+    file's key, the plan's own), for the messages; `--calibration PATH` by default."""
+    said = said or f"--calibration {path}"
     calibration = load_model(RunsCalibration, path)
     if calibration.device not in cluster.device_kinds:
         raise UserInputError(
-            f"--calibration {path} was fitted to {calibration.device} runs, and cluster '{cluster.name}' has no "
+            f"{said} was fitted to {calibration.device} runs, and cluster '{cluster.name}' has no "
             f"{calibration.device} (it has {', '.join(cluster.device_kinds)}): it would change nothing",
-            hint="leave --calibration out, or plan on a cluster of that device",
+            hint="leave the calibration out, or plan on a cluster of that device",
         )
     sha = sha256_file(path)
     for name, profile in profiles:
@@ -268,7 +271,7 @@ def load_calibration_for(
             raise UserInputError(
                 f"{name} was derived for {profile.device} with "
                 + ("another calibration" if profile.calibration_sha256 else "the catalog's figures")
-                + f", not with {path}",
+                + f", not with {said}",
                 hint=f"derive it with them: pipectl profile MODEL --derive --device {profile.device} --calibration {path}",
             )
     return calibration

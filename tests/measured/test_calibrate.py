@@ -282,6 +282,14 @@ def test_a_calibration_prices_a_derived_profile_a_plan_and_its_simulation(measur
     elsewhere_device = pipectl(measured, "plan", "--profile", "calibrated.json", "--cluster", "local", "--global-batch",
                                "64", "--calibration", "cal.json", "-o", "plan.json")  # fmt: skip
     assert elsewhere_device.returncode == 2 and "cluster 'local' has no a100-80gb" in elsewhere_device.stderr
+    assert "--calibration cal.json was fitted to a100-80gb runs" in elsewhere_device.stderr
+    # Given by a config file, the refusal names the file's key, not a flag the user never typed.
+    (measured / "plan.toml").write_text('[model]\nprofile = "calibrated.json"\n[cluster]\nname = "local"\n'
+                                        'calibration = "cal.json"\n[training]\nglobal_batch = 64\n')
+    configured = pipectl(measured, "plan", "--config", "plan.toml", "-o", "plan.json")
+    said = " ".join(configured.stderr.split())
+    assert configured.returncode == 2 and "--calibration" not in said, said
+    assert f"plan.toml [cluster] calibration = '{measured / 'cal.json'}' was fitted to a100-80gb runs" in said, said
     planned = pipectl(measured, "plan", "--profile", "calibrated.json", "--cluster", "a100-8x8", "--global-batch", "64",
                       "--calibration", "cal.json", "-o", "plan.json")  # fmt: skip
     assert planned.returncode == 0, planned.stderr

@@ -287,7 +287,7 @@ def plan_command(
         cluster_spec = local_cluster(options.devices, cluster_spec)
     named = [(str(path), p) for path, p in zip(profile, profiles)]
     if options.calibration is not None:
-        calibration = load_calibration_for(options.calibration, named, cluster_spec)
+        calibration = load_calibration_for(options.calibration, named, cluster_spec, said=given(options, "calibration"))
         cluster_spec = calibrated_cluster(cluster_spec, calibration)
     else:
         check_profiles_calibrated_alike(named)

@@ -86,7 +86,8 @@ def _from_plan(
         if cluster_name:  # another cluster, with the calibration the plan was made with
             cluster = calibrated_cluster(cluster, own)
         if profile_path is not None and Path(plan.calibration_file).is_file():  # one view of the GPU, as plan's
-            load_calibration_for(plan.calibration_file, [(str(profile_path), profile)], cluster)
+            load_calibration_for(plan.calibration_file, [(str(profile_path), profile)], cluster,
+                                 said=f"the plan's calibration {plan.calibration_file}")
     if calibration is not None:  # the plan's own calibration, if any, is in its cluster already
         named = [(str(profile_path or "the plan's profile"), profile), *((f"the plan's {p.device} profile", p) for p in kind_profiles)]
         cluster = calibrated_cluster(cluster, load_calibration_for(calibration, named, cluster))
