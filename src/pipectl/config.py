@@ -38,7 +38,7 @@ import yaml
 from pydantic import BaseModel, PrivateAttr, ValidationError
 
 from pipectl.errors import UserInputError
-from pipectl.io import error_words, input_file, parse_error, safe_load_yaml
+from pipectl.io import ARTIFACT_KINDS, artifact_kind, error_words, input_file, parse_error, safe_load_yaml
 
 OptionsT = TypeVar("OptionsT", bound=BaseModel)
 
@@ -150,7 +150,8 @@ class ConfigFile:
             elif field.key in section:
                 value = section[field.key]
                 if field.path:
-                    value = [self._beside(v) for v in value] if isinstance(value, list) else self._beside(value)
+                    value = [self._found(model, field, v) for v in value] if isinstance(value, list) else \
+                        self._found(model, field, value)
                 values[field.name] = value
         return values
 
@@ -163,6 +164,15 @@ class ConfigFile:
             sub = empty[0] if field.submodel is not None else None
             raise UserInputError(f"{self.where(model, field.name, sub)} = '': empty; give a value, or leave the key out")
         return {key: value for key, value in section.items() if key not in empty}
+
+    def _found(self, model: type[BaseModel], field: Any, value: Any) -> Any:
+        """`_beside(value)`; in a user's file, a path that names nothing there is refused naming the
+        key and the value as written, beside where it was looked for (every path key is an input)."""
+        found = self._beside(value)
+        if not self.stored and found != value and not Path(found).exists():
+            raise UserInputError(f"{self.where(model, field.name)} = {value!r}: no such file (looked for {found})",
+                                 hint=f"a relative path is taken from the folder of {self.path}")
+        return found
 
     def _beside(self, value: Any) -> Any:
         """A relative path, taken from this file's folder: absolute. A value that names nothing
@@ -214,6 +224,11 @@ def read_config(path: str | os.PathLike[str], models: Iterable[type[BaseModel]])
     known = known_keys(models)
     if not isinstance(data, dict):
         raise UserInputError(f"{path} must hold sections ([training], [cluster], ...), found {type(data).__name__}")
+    kind = artifact_kind(data)
+    if kind is not None:  # a model config or a profile in its place: named, not its first key misplaced
+        raise UserInputError(f"{path} is {ARTIFACT_KINDS[kind][0]}, not a config file",
+                             hint="a config file holds sections ([model], [cluster], [training], ...): "
+                                  "pipectl launch PLAN --print-config writes one")
     toml = path.suffix.lower() == ".toml"
     for section, keys in data.items():
         if not isinstance(keys, dict) and section in known:  # a section's name given a value, not its keys

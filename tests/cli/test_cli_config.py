@@ -93,14 +93,15 @@ def test_a_path_missing_beside_the_file_is_not_taken_from_where_the_command_runs
     (tmp_path / "corpus.txt").write_text("hello pipectl " * 400)  # here, not beside the file
     (tmp_path / "overlay.json").write_text('{"wall_clock_breakdown": false}')
     monkeypatch.chdir(tmp_path)
-    for text, message in [
-        ('[data]\nsource = "corpus.txt"\n', f"'{tmp_path / 'conf' / 'corpus.txt'}'"),
-        ('[deepspeed]\noverlay = "overlay.json"\n', f"file not found: {tmp_path / 'conf' / 'overlay.json'}"),
-        ('[model]\nreference = "sub/mine.yaml"\n', f"model '{tmp_path / 'conf' / 'sub' / 'mine.yaml'}'"),
+    for text, key, value, looked in [
+        ('[data]\nsource = "corpus.txt"\n', "[data] source", "corpus.txt", "corpus.txt"),
+        ('[deepspeed]\noverlay = "overlay.json"\n', "[deepspeed] overlay", "overlay.json", "overlay.json"),
+        ('[model]\nreference = "sub/mine.yaml"\n', "[model] reference", "sub/mine.yaml", "sub/mine.yaml"),
     ]:
         (tmp_path / "conf" / "job.toml").write_text(text)
         result = invoke("launch", plan, "--run-dir", "run", "--dry-run", "--config", "conf/job.toml")
-        assert result.exit_code == 2 and message in result.output, result.output
+        message = f"conf/job.toml {key} = '{value}': no such file (looked for {tmp_path / 'conf' / looked})"
+        assert result.exit_code == 2 and message in " ".join(result.output.split()), result.output
     # Names that are no paths stay names: a shipped model, a dataset function.
     (tmp_path / "conf" / "job.toml").write_text('[model]\nreference = "gpt-tiny"\n[data]\nsource = "synthetic"\n')
     assert dry_job(plan, tmp_path / "run", "--config", "conf/job.toml")["model"] == "gpt-tiny"
@@ -331,3 +332,29 @@ def test_a_config_files_other_global_batch_is_refused_with_a_re_plan_command_tha
     assert (tmp_path / "plan.json").read_bytes() == before
     taken = pipectl("launch", "plan-replanned.json", "--run-dir", "run", "--config", "job.toml", "--dry-run", cwd=tmp_path)
     assert "model 'synthetic' is neither a file nor a shipped name" in taken.stderr, said(taken)
+
+
+def test_a_config_file_is_never_replaced_nor_mistaken_and_its_missing_paths_name_the_key(tmp_path):
+    """From a working directory, as a user types it: `-o` naming the config file is refused (it was
+    replaced by plan.json); another kind of file as the config is named as what it is (not its first
+    key 'outside any section'); a relative path in the file that names nothing there names the key."""
+    from cli_process import pipectl
+
+    write_json_atomic(tmp_path / "profile.json", synthetic_profile(blocks=2, micro_batch_sizes=[1, 2], device="cpu"))
+    config = '[model]\nprofile = "profile.json"\n[cluster]\nname = "local"\ndevices = 2\n[training]\nglobal_batch = 8\n'
+    (tmp_path / "job.toml").write_text(config)
+    replaced = pipectl("plan", "--config", "job.toml", "-o", "job.toml", cwd=tmp_path)
+    assert replaced.returncode == 2, replaced.stdout + replaced.stderr
+    assert "-o job.toml is the --config file this command reads" in replaced.stderr
+    assert (tmp_path / "job.toml").read_text() == config
+
+    mistaken = pipectl("plan", "--config", "profile.json", cwd=tmp_path)
+    assert mistaken.returncode == 2 and "profile.json is a profile (pipectl profile), not a config file" in mistaken.stderr
+
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "job.toml").write_text(config.replace('"profile.json"', '"../nosuch.json"'))
+    missing = pipectl("plan", "--config", "conf/job.toml", "-o", "plan.json", cwd=tmp_path)
+    said = " ".join(missing.stderr.split())
+    assert missing.returncode == 2 and "Traceback" not in said, said
+    assert f"conf/job.toml [model] profile = '../nosuch.json': no such file (looked for {tmp_path / 'nosuch.json'})" in said
+    assert not (tmp_path / "plan.json").exists()

@@ -214,12 +214,13 @@ def _engine_and_emit_counts(options: PlanOptions, any_engine: bool) -> tuple[Eng
     return Engine.ANY if any_engine else (engine or Engine.DEEPSPEED), emit_counts
 
 
-def _read_profiles(profile: list[Path], output: Path, options: PlanOptions) -> list[ModelProfile]:
+def _read_profiles(profile: list[Path], output: Path, options: PlanOptions, config: Path | None) -> list[ModelProfile]:
     """The profiles, read and checked together, once `output` is known to replace nothing a plan or
-    this command needs: an input, a run's file, the plan's profile copy, the model config."""
+    this command needs: an input (the config file too), a run's file, the plan's profile copy, the
+    model config."""
     check_output_file(output)
     refuse_overwriting(output, {**{f"--profile {path}": path for path in profile}, "--cluster file": options.cluster,
-                                "--calibration file": options.calibration})
+                                "--calibration file": options.calibration, "--config file": config})
     profiles = [load_model(ModelProfile, path) for path in profile]
     check_kind_profiles([(str(path), p) for path, p in zip(profile, profiles)])
     check_plan_output(output, profile)
@@ -280,7 +281,7 @@ def plan_command(
     if options.emit is not None and output.suffix != ".json":
         output = output / "plan.json"  # -o DIR: plan.json and the framework's files in it
     profile = [Path(path) for path in options.profile]
-    profiles = _read_profiles(profile, output, options)
+    profiles = _read_profiles(profile, output, options, config)
     cluster_spec = read_cluster = load_cluster(options.cluster)
     calibration = None
     if cluster_spec.local and options.devices is not None:
