@@ -85,3 +85,20 @@ def test_a_dry_run_refuses_what_the_command_would_refuse(tmp_path):
     run = make_run(tmp_path, steps_done=3)
     result = runner.invoke(app, ["status", str(run / "plan.json"), "--follow"])
     assert result.exit_code == 2 and "is a plan" in result.output and "waiting for" not in result.output, result.output
+
+
+def test_an_output_ending_in_a_slash_is_a_folder_to_write_into(tmp_path):
+    """`-o plans/` wrote a file named `plans` (the path lost its slash): it is the folder, and the
+    command's file is written in it under its usual name; where that name depends on the input
+    (calibrate), a folder is refused."""
+    from cli_process import pipectl
+
+    assert pipectl("profile", "gpt-tiny", "--derive", "--device", "a100-80gb", "-o", "out/", cwd=tmp_path).returncode == 0
+    assert (tmp_path / "out" / "profile.json").is_file()
+    planned = pipectl("plan", "--profile", "out/profile.json", "--cluster", "a100-8x8", "--global-batch", "64",
+                      "--no-morph", "-o", "plans/", cwd=tmp_path)  # fmt: skip
+    assert planned.returncode == 0 and "wrote plans/plan.json" in planned.stdout, planned.stderr
+    assert (tmp_path / "plans" / "plan.json").is_file()
+    refused = pipectl("calibrate", "runs.csv", "-c", "conditions.yaml", "-o", "cal/", cwd=tmp_path)
+    assert refused.returncode == 2 and "-o 'cal/': names a folder; give the path of the file to write" in refused.stderr
+    assert not (tmp_path / "cal").exists()

@@ -15,7 +15,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from pipectl.cli.context import (
-    JsonFlag, console, err_console, output_file, print_json, refuse_overwriting, refuse_overwriting_model,
+    JsonFlag, console, err_console, into_folder, output_file, print_json, refuse_overwriting, refuse_overwriting_model,
 )
 from pipectl.artifacts.run import JOB_FILE
 from pipectl.errors import PipectlError, UserInputError
@@ -43,7 +43,8 @@ def register(app: typer.Typer) -> None:
         output: Annotated[
             Path | None,
             typer.Option("--output", "-o", help="Where to write the calibrated profile (runs; default calibrated.json) "
-                         "or the calibration (a CSV; default calibration.json).", callback=output_file),
+                         "or the calibration (a CSV; default calibration.json).", callback=output_file,
+                         parser=into_folder(None)),
         ] = None,
         json_output: JsonFlag = False,
     ) -> None:

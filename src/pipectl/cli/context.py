@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
@@ -59,6 +59,21 @@ def output_file(path: Path | None) -> Path | None:
     """Option callback: a file the command will write is absent or a regular file, checked before
     any work (`pipectl.io.check_output_file`: no directory, link, FIFO or device)."""
     return None if path is None else check_output_file(path)
+
+
+def into_folder(name: str | None) -> Callable[[str], Path]:
+    """Option parser for `-o`: a path ending in a slash names a folder, and the file is `name` in it
+    (`-o plans/` writes plans/plan.json; the slash was dropped, and a file `plans` written). Without
+    a `name` (a command whose file's name depends on its input), a folder is refused."""
+
+    def parse(value: str | Path) -> Path:  # a default is a Path already
+        if not isinstance(value, str) or not value.endswith(("/", os.sep)) or value.strip("/" + os.sep) == "":
+            return Path(value)
+        if name is None:
+            raise typer.BadParameter("names a folder; give the path of the file to write")
+        return Path(value) / name
+
+    return parse
 
 
 def refuse_overwriting(output: Path, inputs: Mapping[str, str | os.PathLike[str] | None]) -> None:

@@ -19,7 +19,7 @@ from pipectl.artifacts.cluster import ClusterSpec
 from pipectl.artifacts.plan import Engine, Plan, PlanRequest, RecomputeChoice
 from pipectl.artifacts.profile import ModelProfile
 from pipectl.cli.context import (
-    JsonFlag, console, err_console, from_options, print_json, refuse_overwriting, refuse_overwriting_model,
+    JsonFlag, console, err_console, from_options, into_folder, print_json, refuse_overwriting, refuse_overwriting_model,
 )
 from pipectl.cli.options import ConfigOption, file_layers, passed_flags, with_options
 from pipectl.cluster import (
@@ -269,6 +269,7 @@ def plan_command(
     ctx: typer.Context,
     output: Annotated[Path, typer.Option(
         "--output", "-o", help="Where to write plan.json; with --emit a folder for it and the framework's files.",
+        parser=into_folder("plan.json"),
     )] = Path("plan.json"),
     config: ConfigOption = None,
     no_recompute: Annotated[bool, typer.Option("--no-recompute", help="Never recompute activations (--recompute never).")] = False,

@@ -25,7 +25,9 @@ from pipectl.artifacts.model import ModelFamily
 from pipectl.artifacts.profile import LinksProfile, ModelProfile
 from pipectl.catalog import get_device, load_catalog
 from pipectl.cluster import usable_cores
-from pipectl.cli.context import JsonFlag, console, err_console, output_file, print_json, refuse_overwriting
+from pipectl.cli.context import (
+    JsonFlag, console, err_console, into_folder, output_file, print_json, refuse_overwriting,
+)
 from pipectl.cli.groups import DefaultCommandGroup
 from pipectl.errors import UserInputError
 from pipectl.io import load_model, parse_model, read_mapping, write_json_atomic, sha256_file
@@ -106,7 +108,8 @@ ModelArgument = Annotated[
 @app.command("model")
 def model_command(
     model: ModelArgument,
-    output: Annotated[Path, typer.Option("--output", "-o", help="Where to write profile.json.", callback=output_file)] = Path(
+    output: Annotated[Path, typer.Option("--output", "-o", help="Where to write profile.json.", callback=output_file,
+                                                  parser=into_folder("profile.json"))] = Path(
         "profile.json"
     ),
     micro_batch_sizes: Annotated[
@@ -418,7 +421,8 @@ def _load_links(path: Path):
 
 @app.command("links")
 def links_command(
-    output: Annotated[Path, typer.Option("--output", "-o", help="Where to write links.json.", callback=output_file)] = Path("links.json"),
+    output: Annotated[Path, typer.Option("--output", "-o", help="Where to write links.json.", callback=output_file,
+                                                  parser=into_folder("links.json"))] = Path("links.json"),
     ranks: Annotated[int, typer.Option("--ranks", help="Processes to start; all-reduce rings of 2..ranks.")] = 2,
     message_sizes: Annotated[
         str, typer.Option("--message-sizes", help="Comma-separated sizes (1KiB, 64KiB, 16MiB or bytes).")
