@@ -114,6 +114,14 @@ def test_simulates_a_plan_candidate(tmp_path: Path, monkeypatch):
     assert payload["predicted_step_seconds"] == 1.0
     assert payload["source"] == str(plan_path)
     assert Path(profile_path).is_file()
+    assert "recompute" not in payload and invoke("simulate", str(plan_path)).stdout.startswith("1f1b  p=2 m=4")
+    # What the layout recomputes is in the title, as the plan's table writes it (two plans of one
+    # schedule and step looked alike while their ranks' rows differed).
+    for field, word, mark in [("recompute", "stage", "1f1b+R  p=2"), ("checkpoint_layers", "layer", "1f1b+ckpt  p=2")]:
+        write_plan(plan_path, plan.model_copy(update={"chosen": candidate.model_copy(update={field: True})}),
+                   profile_file=profile_path)
+        assert json.loads(invoke("simulate", str(plan_path), "--json").stdout)["recompute"] == word
+        assert invoke("simulate", str(plan_path)).stdout.startswith(mark)
 
 
 def test_varuna_order_follows_the_given_stage_times():

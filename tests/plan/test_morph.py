@@ -81,8 +81,8 @@ def _pool(*specs):
 def test_a_tie_within_one_entry_keeps_the_smaller_job():
     from types import SimpleNamespace
 
-    larger = SimpleNamespace(devices=16, lower_bound_seconds=1.0, step=10.0)
-    smaller = SimpleNamespace(devices=12, lower_bound_seconds=2.0, step=10.0)
+    larger = SimpleNamespace(devices=16, lower_bound_seconds=1.0, step=10.0, preference=(16,))
+    smaller = SimpleNamespace(devices=12, lower_bound_seconds=2.0, step=10.0, preference=(12,))
     evaluator = SimpleNamespace(step_seconds=lambda spec: spec.step, tighter_bound_seconds=lambda spec: spec.lower_bound_seconds)
     best = fastest_per_device_count(_pool(larger, smaller), evaluator, [8, 16])
     assert best[16][1] is smaller
@@ -117,17 +117,18 @@ def test_a_count_a_pinned_degree_rules_out_names_the_pin():
     assert entry.note == "uses 2 of 3 devices: 3 is not a multiple of 2 (pinned p = 2)", entry.note
 
 
-def test_a_rounding_level_tie_keeps_the_first_found_plan():
+def test_a_rounding_level_tie_keeps_the_preferred_plan_whichever_is_found_first():
     from types import SimpleNamespace
 
     from pipectl.plan.morph_table import fastest_per_device_count
 
-    first = SimpleNamespace(devices=8, lower_bound_seconds=1.0, step=10.0)
-    tied = SimpleNamespace(devices=8, lower_bound_seconds=2.0, step=10.0 * (1 - 1e-14))
-    faster = SimpleNamespace(devices=16, lower_bound_seconds=3.0, step=9.0)
+    # `Spec.preference`: no recomputation before recomputation, on as many devices.
+    preferred = SimpleNamespace(devices=8, lower_bound_seconds=2.0, step=10.0, preference=(8, False))
+    tied = SimpleNamespace(devices=8, lower_bound_seconds=1.0, step=10.0 * (1 - 1e-14), preference=(8, True))
+    faster = SimpleNamespace(devices=16, lower_bound_seconds=3.0, step=9.0, preference=(16, False))
     evaluator = SimpleNamespace(step_seconds=lambda spec: spec.step, tighter_bound_seconds=lambda spec: spec.lower_bound_seconds)
-    best = fastest_per_device_count(_pool(tied, faster, first), evaluator, list(range(1, 17)))
-    assert best[8][1] is first
+    best = fastest_per_device_count(_pool(tied, faster, preferred), evaluator, list(range(1, 17)))
+    assert best[8][1] is preferred
     assert best[16][1] is faster
 
 

@@ -118,6 +118,10 @@ def _from_plan(
         "micro_batch_size": candidate.micro_batch_size,
         "predicted_step_seconds": candidate.predicted_step_seconds,
     }
+    recompute = "stage" if candidate.recompute else "layer" if candidate.checkpoint_layers else (
+        "selective" if candidate.selective_recompute else None)
+    if recompute is not None:  # what the layout recomputes, named in the table's title as the plan's table does
+        context["recompute"] = recompute
     if devices is not None:
         context["requested_devices"] = devices
     if schedule.kind is ScheduleKind.PIPEDREAM_2BW:
@@ -249,8 +253,9 @@ def _summary_table(schedule: Schedule, timeline: Timeline, context: dict[str, An
     in one unit for the whole table (ms below a 1 s step, else s), 4 significant digits."""
     # 2BW's table times one step with a flush; its steady state is reported under it.
     step = "flushed step" if schedule.kind is ScheduleKind.PIPEDREAM_2BW else "step"
+    mark = {"stage": "+R", "layer": "+ckpt", "selective": "+sel"}.get(context.get("recompute", ""), "")
     title = (
-        f"{schedule.kind.value}  p={schedule.pipeline_parallel} m={schedule.micro_batches} "
+        f"{schedule.kind.value}{mark}  p={schedule.pipeline_parallel} m={schedule.micro_batches} "
         f"v={schedule.chunks}  {step} {format_step(timeline.step_seconds)}"
     )
     if context.get("predicted_step_seconds") and schedule.kind is not ScheduleKind.PIPEDREAM_2BW:

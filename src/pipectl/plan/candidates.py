@@ -249,6 +249,15 @@ class Spec:
             self.selective_recompute,
         )
 
+    @property
+    def preference(self) -> tuple:
+        """Among specs of equal rank (the same step, or cost): fewer devices, then no recomputation
+        (the same step for fewer FLOPs, and a layout more engines run), then less memory; the key
+        last, so that the order never rests on which was found first. The ranking and the morph
+        table both break ties by it, so that they name one layout for one device count."""
+        recomputes = self.recompute or self.checkpoint_layers or self.selective_recompute
+        return (self.devices, recomputes, max(self.peak_memory_bytes, default=0), self.key)
+
     def describe(self, global_batch: int | None = None) -> str:
         """e.g. 't=4 p=14 d=18 b=1 m=86/85 1f1b zero=1': with `global_batch`, replicas that run
         uneven shares show both counts, as the plan table does."""

@@ -17,6 +17,7 @@ when none does, the fastest, with a note).
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 import time
 from dataclasses import dataclass, field
@@ -309,7 +310,17 @@ def _keep(heap: list[tuple], entry: tuple, keep: int, exhaustive: bool) -> None:
 
 
 def _best_first(heap: list[tuple]) -> list[tuple[tuple, Spec, float]]:
-    return sorted(((_unnegate(k), s, step) for k, _, s, step in heap), key=lambda item: item[0])
+    """The kept entries, best first; keys equal to 12 significant digits (two timelines of one step
+    summed in another order differ in the last bits) in the order of `Spec.preference`."""
+    def rounded(item: tuple) -> tuple:
+        return tuple(float(f"{x:.12g}") if isinstance(x, float) else x for x in item[0])
+
+    ranked = sorted(((_unnegate(k), s, step) for k, _, s, step in heap), key=rounded)
+    ordered = []
+    for _, tied in itertools.groupby(ranked, key=rounded):  # the preference read for ties only (memory figures)
+        group = list(tied)
+        ordered += sorted(group, key=lambda item: item[1].preference) if len(group) > 1 else group
+    return ordered
 
 
 def _negate(key: tuple) -> tuple:
@@ -385,7 +396,8 @@ def plan_homogeneous(
     candidates = _candidate_records(ranking, sharded_entries, chosen_entry[1], chosen, evaluator, devices, hardware)
     phases["records"], clock = time.perf_counter() - clock, time.perf_counter()
     morph = (
-        morph_table(enumeration.specs, evaluator, hardware.devices, request, hardware.devices_per_node)
+        morph_table(enumeration.specs, evaluator, hardware.devices, request, hardware.devices_per_node,
+                    chosen=(chosen_entry[2], chosen_entry[1]))
         if request.morph else []
     )
     phases["morph"] = time.perf_counter() - clock

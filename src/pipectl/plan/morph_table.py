@@ -127,8 +127,8 @@ def fastest_per_device_count(specs: Sequence[Spec], evaluator: Evaluator, counts
             step = evaluator.step_seconds(spec)
             count = counts[position - 1]
             held = best.get(count)
-            # A tie keeps the first found, or the one on fewer devices (a smaller job, as the table's).
-            if held is None or step < held[0] * (1 - _TIE) or (step <= held[0] * (1 + _TIE) and spec.devices < held[1].devices):
+            # A tie keeps the preferred (`Spec.preference`: fewer devices first, a smaller job, as the table's).
+            if held is None or step < held[0] * (1 - _TIE) or (step <= held[0] * (1 + _TIE) and spec.preference < held[1].preference):
                 best[count] = (step, spec)
                 known.lower(position, step)
                 lowest[position - 1] = min(lowest[position - 1], step)
@@ -188,15 +188,24 @@ def _split_count(pool: SpecPool) -> int:
 
 
 def morph_table(
-    specs: Sequence[Spec], evaluator: Evaluator, max_devices: int, request: PlanRequest, devices_per_node: int
+    specs: Sequence[Spec], evaluator: Evaluator, max_devices: int, request: PlanRequest, devices_per_node: int,
+    chosen: tuple[float, Spec] | None = None,
 ) -> list[MorphEntry]:
-    """One entry per table count (`table_counts`) from the smallest that fits up to `max_devices`."""
+    """One entry per table count (`table_counts`) from the smallest that fits up to `max_devices`;
+    where the plan's `chosen` (step, spec) ties the fastest found on as many devices, the table
+    names it: a search that prunes by bounds may leave a tie untimed, and one device count must
+    not get two answers (the plan's layout, and a resize's to that count)."""
     pool = SpecPool.of(specs)
     pool = pool.take(pool.runs_on(request.target_engine))
     counts = table_counts(request, devices_per_node, max_devices)
     best = fastest_per_device_count(pool, evaluator, counts, workers=request.workers or available_workers())
     if not best:
         return []
+    if chosen is not None and chosen[1].devices <= counts[-1]:
+        count = counts[int(np.searchsorted(counts, chosen[1].devices))]
+        held = best.get(count)
+        if held is not None and held[1].devices == chosen[1].devices and chosen[0] <= held[0] * (1 + _TIE):
+            best[count] = chosen
     exact_counts = set(pool.devices.tolist())
     entries: list[MorphEntry] = []
     candidates: dict[tuple, Candidate] = {}
