@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -908,3 +909,21 @@ def test_ranks_a_stop_ended_during_start_up_are_not_called_killed(tmp_path):
     _vanished_rank(run, 0, "start-up")
     message = job_failure(run, started, "the job exited with code 1 after 0 of 10 steps", go_on="resume").message
     assert message == "the job exited with code 1 after 0 of 10 steps"
+
+
+@pytest.mark.multiprocess
+def test_a_job_past_its_timeout_is_stopped_at_a_checkpoint_and_said_so_not_failed(tmp_path):
+    """--timeout stops the job as a stop request does (the ranks checkpoint first): that is what
+    was asked for, so no 'error:' and no pointer to a traceback, but the step it stopped at, the
+    command that continues it, and 124 (as timeout(1)): it did not finish."""
+    from cli_process import pipectl
+
+    write_plan(tmp_path / "plan.json", p=1)
+    done = pipectl("launch", "plan.json", "--run-dir", "runs/t", "--steps", "100000", "--timeout", "20", cwd=tmp_path)
+    said = " ".join(done.stdout.split())
+    assert done.returncode == 124, done.stdout + done.stderr
+    assert "error:" not in done.stderr and "traceback" not in done.stderr.lower(), done.stderr
+    assert "of 100000: it ran past its --timeout of 20 s; checkpoint written; continue with: pipectl launch plan.json " \
+           "--run-dir runs/t --resume" in said, said
+    stopped = int(re.search(r"stopped at step (\d+) of 100000", said).group(1))
+    assert stopped > 0 and (tmp_path / "runs" / "t" / "checkpoints" / f"step{stopped:08d}").is_dir()

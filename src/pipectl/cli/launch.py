@@ -22,7 +22,7 @@ from pipectl.errors import LaunchError, UserInputError
 from pipectl.io import load_model
 from pipectl.launch import PreparedLaunch, effective_options, prepare_launch, run_engine
 from pipectl.launch.engines import ENGINE_LOG
-from pipectl.launch.supervise import JobEnded
+from pipectl.launch.supervise import JobEnded, TimedOut
 from pipectl.launch.options import LaunchOptions
 from pipectl.launch.placement import placement_note
 from pipectl.rundir.run import check_steps_beyond_trained, is_run_dir, newest_checkpoint_step, runs_inside_hint
@@ -254,10 +254,7 @@ def _launch(
         exit_code = _run_with_progress(prepared, timeout, watch, quiet=json_output, since_unix=started - 1.0,
                                        signals=signals)  # fmt: skip
     except JobEnded as ended:
-        done = run_status(prepared.run_dir).steps_done
-        raise _failure(
-            prepared, started, f"pipectl ended the job after {done} of {prepared.job.steps} steps: {ended.message}", watch
-        ) from None
+        _job_ended(prepared, ended, started, watch, plan_path, run_dir, described if json_output else None)
     report = analyse(prepared.run_dir, detail=False)
     status = report.status
     resumed = read_resume(prepared.run_dir, since_unix=started - 1.0)
@@ -287,6 +284,46 @@ def _launch(
         _say_how_to_go_on(status, prepared, plan_path, run_dir)
     if interrupted:
         raise typer.Exit(128 + signals[0])
+
+
+def _job_ended(
+    prepared: PreparedLaunch, ended: JobEnded, started: float, watch: StallWatch, plan_path: Path, run_dir: Path,
+    described: dict | None,
+) -> None:
+    """pipectl ended the job: at its --timeout with every rank at a checkpoint, a stop as asked
+    (`_stopped_by_timeout`); else a failure, said with the reason and the engine's log."""
+    if isinstance(ended, TimedOut) and stopped_cleanly(
+        read_heartbeats(prepared.run_dir, since_unix=started - 1.0), prepared.job.world_size
+    ) is not None:
+        _stopped_by_timeout(prepared, plan_path, run_dir, ended, described)
+    done = run_status(prepared.run_dir).steps_done
+    raise _failure(
+        prepared, started, f"pipectl ended the job after {done} of {prepared.job.steps} steps: {ended.message}", watch
+    ) from None
+
+
+# What `timeout(1)` exits with when its command ran out of time: a script tells it from a failure.
+TIMED_OUT_EXIT = 124
+
+
+def _stopped_by_timeout(
+    prepared: PreparedLaunch, plan_path: Path, run_dir: Path, ended: TimedOut, described: dict | None
+) -> None:
+    """A job stopped at its --timeout, every rank at a checkpoint: said as a stop (what was asked),
+    with the command that continues it; exit 124 (it did not finish, and nothing failed). With
+    `described` (--json), the launch's JSON as a finished one has it, and why it stopped."""
+    report = analyse(prepared.run_dir, detail=False)
+    status = report.status
+    if described is not None:
+        print_json({**described, "exit_code": TIMED_OUT_EXIT, "timed_out": ended.message, "status": status.to_dict()})
+    else:
+        console.print(status_table(report, brief=True))
+        console.print(
+            f"stopped at step {status.steps_done} of {prepared.job.steps}: {ended.message}; checkpoint written; "
+            f"continue with: pipectl launch {quote(str(plan_path))} --run-dir {quote(str(run_dir))} --resume",
+            markup=False, highlight=False,
+        )
+    raise typer.Exit(TIMED_OUT_EXIT)
 
 
 def _metrics_bytes(run_dir: Path) -> int:

@@ -160,6 +160,11 @@ class JobEnded(LaunchError):
     """pipectl ended the job (`on_tick` gave the reason, e.g. a rank silent for too long)."""
 
 
+class TimedOut(JobEnded):
+    """The job ran past the `--timeout` it was given and was stopped as a stop request is (the
+    ranks checkpoint first): what was asked for, not a failure, when every rank stopped cleanly."""
+
+
 def _supervise(
     processes: JobProcesses,
     on_tick: Callable[[], str | None] | None,
@@ -201,7 +206,7 @@ def _supervise(
                 raise JobEnded(reason)
             if deadline is not None and time.monotonic() > deadline:
                 processes.end(grace_seconds=30)  # as a stop request: the ranks checkpoint first
-                raise JobEnded(f"it ran past its --timeout of {timeout_seconds:.0f} s")
+                raise TimedOut(f"it ran past its --timeout of {timeout_seconds:.0f} s")
             try:
                 proc.wait(timeout=tick_seconds)
             except subprocess.TimeoutExpired:
