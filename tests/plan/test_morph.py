@@ -199,3 +199,21 @@ def test_timing_ahead_in_two_processes_leaves_the_loop_nothing_to_time(monkeypat
     assert fastest_per_device_count(specs, Evaluator(hardware, 128), nodes, workers=2) == fastest_per_device_count(
         specs, Evaluator(hardware, 128), nodes
     )
+
+
+def test_more_cpu_ranks_than_cores_are_said_to_share_them():
+    """A resize of a local run to 64 ranks on a 2-core host re-planned onto 2 and said only that 2
+    were faster than any layout of 64, which read as false: the ranks would share 2 cores."""
+    from pipectl.artifacts.profile import RuntimeCosts
+
+    runtime = RuntimeCosts(
+        engine="test", forward_overhead_seconds=1e-4, backward_overhead_seconds=1e-4, step_fixed_seconds=1e-3,
+        step_seconds_per_parameter=1e-8, compute_ratios=[], calibration_parameter_count=1000,
+        busy_handoff_seconds=2e-4, alone_compute_slowdown=1.0, concurrent_compute_slowdown=2.0,
+        busy_allreduce_latency_seconds=6e-4, busy_allreduce_bandwidth_bytes_per_second=2e8,
+        concurrent_ranks=2, host_cores=2,
+    )
+    profile = synthetic_profile(blocks=4, micro_batch_sizes=[2], device="cpu").model_copy(update={"runtime": runtime})
+    entry = plan(profile, local_cluster(8), PlanRequest(global_batch=8, devices=8)).for_devices(8)
+    assert entry.candidate.devices < 8
+    assert entry.note.endswith("faster than any configuration of all 8 (8 ranks would share this host's 2 cores)"), entry.note

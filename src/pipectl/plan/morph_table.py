@@ -45,6 +45,7 @@ from pipectl.plan.candidates import Spec
 from pipectl.plan.evaluate import Evaluator
 from pipectl.plan.spec_pool import SpecPool
 from pipectl.plan.workers import available_workers, share
+from pipectl.words import count as count_words
 
 
 class PrefixMinimum:
@@ -224,6 +225,9 @@ def morph_table(
             if count in exact_counts:
                 every = "both" if count == 2 else f"all {count}"
                 note = f"uses {spec.devices} of {count} devices: faster than any configuration of {every}"
+                runtime = evaluator.hardware.runtime  # CPU ranks: more of them than cores share the cores
+                if runtime is not None and count > runtime.host_cores:
+                    note += f" ({count} ranks would share this host's {count_words(runtime.host_cores, 'core')})"
             elif count % (product := _pinned_product(request)):
                 note = f"uses {spec.devices} of {count} devices: {count} is not a multiple of {product} (pinned {_pins(request)})"
             else:
