@@ -385,3 +385,15 @@ def test_the_emitted_deepspeed_module_and_config_train_in_deepspeeds_pipeline_en
         assert rank.returncode == 0, f"{out}\n{err[-3000:]}"
     parts = json.loads((tmp_path / "ds" / "plan.json").read_text())["chosen"]["stage_layers"]
     assert f"stage 0 layers 0-{parts[0][1]}" in outputs[0][0] + outputs[1][0]
+
+
+def test_the_header_names_the_layout_once_without_pipectls_engine():
+    """A torch-engine plan's label carries ' v2 torch' for pipectl's own runs; the header added the
+    chunks again ('v2 torch v2'), and named an engine that runs none of the emitted files."""
+    from builders import gpt_tiny_candidate
+    from pipectl.artifacts.plan import Engine
+    from pipectl.emit.common import layout_words
+    from pipectl.schedule.ir import ScheduleKind
+
+    candidate = gpt_tiny_candidate(p=2).model_copy(update={"engine": Engine.TORCH, "chunks": 2, "schedule": ScheduleKind.INTERLEAVED})
+    assert layout_words(candidate) == "t1p2d1 interleaved b2 m4 v2 ZeRO-1"

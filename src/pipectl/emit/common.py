@@ -8,12 +8,12 @@ framework.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pipectl import __version__
-from pipectl.artifacts.layout import layout_label
+from pipectl.artifacts.layout import Layout, layout_label
 from pipectl.artifacts.model import ModelConfig
-from pipectl.artifacts.plan import Candidate, Framework, Plan
+from pipectl.artifacts.plan import Candidate, Engine, Framework, Plan
 from pipectl.artifacts.profile import ModelProfile
 from pipectl.plan.frameworks import space_of
 
@@ -70,9 +70,11 @@ def launch_shape(devices: int, devices_per_node: int, tensor_parallel: int) -> t
 
 
 def layout_words(candidate: Candidate) -> str:
-    """'t4p16d48 interleaved b1 m32 v4 ZeRO-1': the label, its chunks and its ZeRO stage."""
+    """'t4p16d48 interleaved b1 m32 v4 ZeRO-1': the label, its chunks and its ZeRO stage; not which
+    of pipectl's engines the plan named (the label's ' v2 torch'), which runs none of these files."""
     chunks = f" v{candidate.chunks}" if candidate.chunks > 1 else ""
-    return f"{layout_label(candidate)}{chunks} ZeRO-{candidate.zero_stage}"
+    label = replace(Layout.from_candidate(candidate), engine=Engine.DEEPSPEED).label()
+    return f"{label}{chunks} ZeRO-{candidate.zero_stage}"
 
 
 def short_label(candidate: Candidate) -> str:
