@@ -382,3 +382,25 @@ def test_launch_refuses_a_tensor_split_the_models_heads_or_dropout_do_not_allow(
     with pytest.raises(UserInputError, match=r"key/value heads \(2\) do not divide by tensor-parallel degree 4"):
         prepare_launch(plan_of(four, model=f"hf:{tmp_path / 'llama'}"), tmp_path / "run", LaunchOptions(steps=2), write=False)
     assert not (tmp_path / "run").exists()
+
+
+def test_a_hugging_face_llamas_plan_emits_its_architecture_for_megatron_and_torchtitan(tmp_path):
+    """From a working directory, `hf:llama` as a user names it: Megatron's arguments named only the
+    layer count and widths (a user following them trained a GPT-2-like model), and torchtitan's
+    header called a Llama none of its decoders."""
+    from cli_process import pipectl
+
+    (tmp_path / "llama").mkdir()
+    (tmp_path / "llama" / "config.json").write_text(llama_config(tied=False).to_json_string())
+    assert pipectl("profile", "hf:llama", "--derive", "--device", "a100-80gb", "-o", "p.json", cwd=tmp_path).returncode == 0
+    planned = pipectl("plan", "--profile", "p.json", "--cluster", "a100-8x8", "--global-batch", "32", "--pipeline-parallel",
+                      "3", "--no-morph", "--emit", "megatron", "-o", "meg/", cwd=tmp_path)  # fmt: skip
+    assert planned.returncode == 0, planned.stderr
+    args = (tmp_path / "meg" / "megatron-args.sh").read_text()
+    for flag in ("--group-query-attention --num-query-groups 2", "--ffn-hidden-size 128", "--swiglu",
+                 "--normalization RMSNorm", "--position-embedding-type rope", "--untie-embeddings-and-output-weights"):
+        assert flag in args, flag
+    (tmp_path / "elsewhere").mkdir()
+    exported = pipectl("export-plan", "../meg/plan.json", "--to", "torchtitan", "-o", "tt", cwd=tmp_path / "elsewhere")
+    assert exported.returncode == 0, exported.stderr
+    assert "none of torchtitan's decoders" not in (tmp_path / "elsewhere" / "tt" / "torchtitan.toml").read_text()

@@ -24,7 +24,7 @@ from pipectl.emit.megatron import megatron_files
 from pipectl.emit.torchtitan import torchtitan_files
 from pipectl.errors import UserInputError
 from pipectl.io import load_model
-from pipectl.paths import resolve_config
+from pipectl.paths import HF_PREFIX, resolve_config
 from pipectl.plan.frameworks import not_expressible, space_of
 from pipectl.planfile import load_plan_profile, morph_layout
 
@@ -36,8 +36,17 @@ EMITTERS: dict[Framework, Callable[[Target], dict[str, str]]] = {
 
 
 def model_config_of(plan: Plan) -> ModelConfig | None:
-    """The model's config where its reference is a shipped name or a YAML (not a factory or hf:)."""
+    """The model's config where its reference is a shipped name, a YAML or an `hf:` folder (its
+    config.json read as derived profiles read it: a Llama's GQA, SwiGLU, RMSNorm and rotary
+    positions, which the frameworks' files must name); None for a factory, or a folder gone."""
     reference = plan.model_reference or plan.model
+    if reference.startswith(HF_PREFIX):
+        from pipectl.models.hf import model_config  # transformers, read only for an hf: model
+
+        try:
+            return model_config(reference)
+        except (UserInputError, OSError, ImportError):
+            return None
     if ":" in reference:
         return None
     try:
