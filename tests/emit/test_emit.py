@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from pipectl.artifacts.plan import Framework, PlanRequest
+from pipectl.artifacts.plan import Engine, Framework, PlanRequest
 from pipectl.emit.vendored import MEGATRON_ARGUMENTS, TORCHTITAN_SECTIONS
 from pipectl.io import write_json_atomic
 from pipectl.testing.profiles import synthetic_profile
@@ -397,3 +397,37 @@ def test_the_header_names_the_layout_once_without_pipectls_engine():
 
     candidate = gpt_tiny_candidate(p=2).model_copy(update={"engine": Engine.TORCH, "chunks": 2, "schedule": ScheduleKind.INTERLEAVED})
     assert layout_words(candidate) == "t1p2d1 interleaved b2 m4 v2 ZeRO-1"
+
+
+def test_a_profile_priced_with_megatrons_overlaps_turns_them_on_and_others_say_they_lack_them():
+    """A profile derived with Megatron-Core's features prices its three overlaps, each off unless
+    asked for: the arguments ask for them; DeepSpeed's and torchtitan's files name the features
+    they lack, which the prediction counted on."""
+    from pipectl.artifacts.model import ModelConfig
+    from pipectl.artifacts.profile import EngineFeatures
+    from pipectl.catalog import get_device
+    from pipectl.cluster import load_cluster
+    from pipectl.emit.common import Origin, Target
+    from pipectl.emit.deepspeed import deepspeed_files
+    from pipectl.emit.megatron import megatron_files
+    from pipectl.emit.torchtitan import torchtitan_files
+    from pipectl.plan.search import plan
+    from pipectl.profile.derive import derive_profile
+
+    features = EngineFeatures(name="megatron-core", sequence_parallel=True, vocab_parallel=True, fused_elementwise=True,
+                              tensor_parallel_overlap=True, gradient_reduce_overlap=True, parameter_gather_overlap=True)
+    model = ModelConfig(name="gpt-2b", family="gpt", layers=8, hidden=2048, heads=16, seq_len=2048, vocab=51200,
+                        shape_only=True)  # fmt: skip
+    profile = derive_profile(model, get_device("a100-80gb"), [1, 2], "bfloat16", "flash", tensor_parallel=[2],
+                             engine=features)  # fmt: skip
+    made = plan(profile, load_cluster("a100-8x8"), PlanRequest(global_batch=64, devices=16, tensor_parallel=2,
+                                                              pipeline_parallel=2, data_parallel=4, morph=False,
+                                                              framework=Framework.MEGATRON, engine=Engine.ANY))
+    target = Target(made, made.chosen, profile, model, Origin("plan.json", "0" * 64, "profile.json", 8))
+    arguments = megatron_words(megatron_files(target)["megatron-args.sh"])
+    assert {"--tp-comm-overlap", "--overlap-grad-reduce", "--overlap-param-gather"} <= set(arguments), arguments
+    deepspeed = " ".join(deepspeed_files(target)["ds_pipeline.py"].split())
+    assert "DeepSpeed's pipeline engine has none of gradient reduce overlap, parameter gather overlap, which the " \
+           "prediction counted on" in deepspeed
+    torchtitan = " ".join(torchtitan_files(target)["torchtitan.toml"].split())
+    assert "torchtitan has none of fused elementwise, tensor parallel overlap" in torchtitan

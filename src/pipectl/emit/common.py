@@ -108,13 +108,21 @@ def header(target: Target, framework: Framework, differences: list[str], comment
     return "".join(f"{comment} {line}".rstrip() + "\n" for line in lines)
 
 
-def engine_differences(profile: ModelProfile, unpriced: list[str]) -> list[str]:
-    """The framework's kernels and overlaps: priced where the profile was derived with that
-    engine's features (`profile --derive --engine`), else named as not priced."""
+def engine_differences(profile: ModelProfile, unpriced: list[str], framework: str = "",
+                       lacks: frozenset[str] = frozenset()) -> list[str]:
+    """The framework's kernels and overlaps: priced where the profile was derived with an engine's
+    features (`EngineFeatures`, `profile.derive.derive_profile(engine=...)`), else named as not
+    priced. Features of that engine which `framework` does not have (`lacks`, by field name) are
+    named too: the prediction counted on them."""
     features = profile.engine
-    if features is not None and features.named:
-        return [f"priced with the profile's engine features ({features.name}): {', '.join(features.named)}"]
-    return [f"not priced (the profile times pipectl's own layers): {what}" for what in unpriced]
+    if features is None or not features.named:
+        return [f"not priced (the profile times pipectl's own layers): {what}" for what in unpriced]
+    notes = [f"priced with the profile's engine features ({features.name}): {', '.join(features.named)}"]
+    missing = [name.replace("_", " ") for name, value in features if value is True and name in lacks]
+    if missing:
+        notes.append(f"{framework} has none of {', '.join(missing)}, which the prediction counted on: expect a "
+                     "different step and memory")
+    return notes
 
 
 # The head of a profile of pipectl's own layers is priced with pipectl's loss (`models.transformer.

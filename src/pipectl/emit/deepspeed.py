@@ -102,9 +102,15 @@ def pipeline_module(target: Target) -> str:
     return header(target, Framework.DEEPSPEED, differences(target)) + body
 
 
+# Engine features (`EngineFeatures`) DeepSpeed's pipeline engine does not have whatever the layers
+# are: it reduces gradients after the last backward and gathers ZeRO-1's parameters after the step
+# (deepspeed/runtime/pipe/engine.py `_exec_reduce_grads`, `_exec_optimizer_step`).
+DEEPSPEED_LACKS = frozenset({"gradient_reduce_overlap", "parameter_gather_overlap"})
+
+
 def differences(target: Target) -> list[str]:
     c = target.candidate
-    notes = engine_differences(target.profile, [])
+    notes = engine_differences(target.profile, [], "DeepSpeed's pipeline engine", DEEPSPEED_LACKS)
     notes.append(
         "the prediction is for DeepSpeed's own pipeline engine (pipectl's runtime runs the same); your layers must "
         "be those of the profile, in its order, for the cut and the times to hold"

@@ -108,9 +108,26 @@ def parallel_arguments(target: Target) -> list[list[str]]:
         arguments.append(["--recompute-granularity", "selective", "--recompute-modules", "core_attn"])
     if c.zero_stage == 1 and c.data_parallel > 1:
         arguments.append(["--use-distributed-optimizer"])
+    arguments += overlap_arguments(target)
     precision = {"bfloat16": "--bf16", "float16": "--fp16"}.get(profile.dtype)
     if precision:
         arguments.append([precision])
+    return arguments
+
+
+def overlap_arguments(target: Target) -> list[list[str]]:
+    """The overlaps a profile derived with Megatron's features priced, turned on: each is off by
+    default (store_true in megatron/training/arguments.py), and the step would be longer without."""
+    c, features = target.candidate, target.profile.engine
+    if features is None:
+        return []
+    arguments = []
+    if features.tensor_parallel_overlap and c.tensor_parallel > 1:
+        arguments.append(["--tp-comm-overlap"])
+    if features.gradient_reduce_overlap and c.data_parallel > 1:
+        arguments.append(["--overlap-grad-reduce"])
+    if features.parameter_gather_overlap and c.data_parallel > 1 and c.zero_stage == 1:
+        arguments.append(["--overlap-param-gather"])
     return arguments
 
 
@@ -183,13 +200,18 @@ def _letters(stage: str) -> str:
     return ("E" if stage.startswith("E") else "") + body + ("L" if stage.endswith("L") else "")
 
 
+# Engine features (`EngineFeatures`) Megatron-LM's own training loop does not have: DeepSpeed's
+# blocking pipeline transfers and Megatron-DeepSpeed's layer.
+MEGATRON_LACKS = frozenset({"blocking_p2p", "megatron_deepspeed_layer"})
+
+
 def differences(target: Target) -> list[str]:
     c, profile = target.candidate, target.profile
     unpriced = ["fused kernels (Transformer Engine or Apex where installed): a shorter step"]
     if c.tensor_parallel > 1:
         unpriced += ["sequence parallelism: norms and dropouts keep 1/t of their activations, less memory",
                      "the vocabulary-parallel embedding and head: 1/t of their time and memory per tensor rank"]
-    notes = engine_differences(profile, unpriced)
+    notes = engine_differences(profile, unpriced, "Megatron-LM", MEGATRON_LACKS)
     if profile_is_pipectls(target):  # a profile derived with an engine's features prices an fp32 loss
         notes.append("not priced: " + FP32_LOSS.format(who="vocabulary-parallel, keeping its softmax"))
     features = profile.engine

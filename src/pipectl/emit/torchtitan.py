@@ -100,12 +100,19 @@ def _toml(value: object) -> str:
     return json.dumps(value)
 
 
+# Engine features (`EngineFeatures`) torchtitan's Llama-family trainer does not have: no dropout,
+# no gradient-accumulation fusion, eager element-wise kernels (torch.compile off, as its notes ask),
+# no asynchronous tensor parallelism (off), no blocking pipeline transfers, no Megatron layer.
+TORCHTITAN_LACKS = frozenset({"dropout", "gradient_accumulation_fusion", "fused_elementwise", "tensor_parallel_overlap",
+                              "blocking_p2p", "megatron_deepspeed_layer"})
+
+
 def differences(target: Target) -> list[str]:
     c, profile = target.candidate, target.profile
     unpriced = []
     if c.tensor_parallel > 1:
         unpriced += ["sequence and loss parallelism, which torchtitan's tensor parallelism always has: less memory"]
-    notes = engine_differences(profile, unpriced)
+    notes = engine_differences(profile, unpriced, "torchtitan", TORCHTITAN_LACKS)
     if c.pipeline_parallel > 1 and c.data_parallel > 1 and c.tensor_parallel < target.origin.devices_per_node:
         notes.append(
             "torchtitan numbers ranks pipeline-outermost (a node holds replicas of one stage); pipectl priced a "
