@@ -431,3 +431,15 @@ def test_a_profile_priced_with_megatrons_overlaps_turns_them_on_and_others_say_t
            "prediction counted on" in deepspeed
     torchtitan = " ".join(torchtitan_files(target)["torchtitan.toml"].split())
     assert "torchtitan has none of fused elementwise, tensor parallel overlap" in torchtitan
+
+
+def test_deepspeeds_bf16_optimizer_under_a_pipeline_is_named_for_a_zero_0_plan(tmp_path):
+    """DeepSpeed runs bf16 under a pipeline without ZeRO with its BF16_Optimizer, which partitions
+    the fp32 state as ZeRO-1 does: a ZeRO-0 plan's file says so."""
+    write_json_atomic(tmp_path / "p.json", synthetic_profile(blocks=4, micro_batch_sizes=[1, 2]))
+    done = pipectl("plan", "--profile", "p.json", "--cluster", "a100-8x8", "--global-batch", "32", "--pipeline-parallel",
+                   "2", "--data-parallel", "2", "--zero-stages", "0", "--no-morph", "--emit", "deepspeed", "-o", "ds",
+                   cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 0, said(done)
+    header = " ".join((tmp_path / "ds" / "ds_pipeline.py").read_text().split())
+    assert "bf16 under a pipeline runs DeepSpeed's BF16_Optimizer whatever stage 0 says" in header

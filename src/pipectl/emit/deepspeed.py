@@ -121,4 +121,10 @@ def differences(target: Target) -> list[str]:
     if c.tensor_parallel > 1:
         notes.append(f"tensor parallelism t = {c.tensor_parallel}: priced as pipectl's split blocks; your layers "
                      "must split themselves over the topology's model axis")
+    if target.profile.dtype == "bfloat16" and c.zero_stage == 0 and c.pipeline_parallel > 1 and c.data_parallel > 1:
+        # deepspeed/runtime/engine.py `_do_optimizer_sanity_check`: bf16 under a pipeline without ZeRO
+        # returns BFLOAT16 (runtime/bf16_optimizer.py), which partitions its fp32 state.
+        notes.append("bf16 under a pipeline runs DeepSpeed's BF16_Optimizer whatever stage 0 says: it splits the fp32 "
+                     "master weights and Adam's state over the data-parallel ranks (less memory than priced) and "
+                     "all-gathers the parameters after each step (not priced)")
     return notes
