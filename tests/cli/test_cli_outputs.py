@@ -102,3 +102,24 @@ def test_an_output_ending_in_a_slash_is_a_folder_to_write_into(tmp_path):
     refused = pipectl("calibrate", "runs.csv", "-c", "conditions.yaml", "-o", "cal/", cwd=tmp_path)
     assert refused.returncode == 2 and "-o 'cal/': names a folder; give the path of the file to write" in refused.stderr
     assert not (tmp_path / "cal").exists()
+
+
+def test_an_output_that_is_a_pipectl_file_of_another_kind_is_not_replaced(tmp_path):
+    """`profile links -o profile.json` replaced a measured profile (minutes of measuring) with links,
+    without a word; a file of the kind the command writes is still replaced, as a command run again."""
+    from cli_process import pipectl
+
+    assert pipectl("profile", "gpt-tiny", "--derive", "--device", "a100-80gb", "-o", "profile.json", cwd=tmp_path).returncode == 0
+    assert pipectl("profile", "gpt-tiny", "--derive", "--device", "a100-80gb", "-o", "other.json", cwd=tmp_path).returncode == 0
+    kept = (tmp_path / "profile.json").read_bytes()
+    for args, writes in [
+        (["profile", "links", "-o", "profile.json"], "a links calibration (pipectl profile links)"),
+        (["plan", "--profile", "other.json", "--cluster", "a100-8x8", "--global-batch", "64", "-o", "profile.json"],
+         "a plan (pipectl plan)"),
+    ]:
+        done = pipectl(*args, cwd=tmp_path)
+        assert done.returncode == 2, done.stdout + done.stderr
+        assert f"-o profile.json is a profile (pipectl profile), and this writes {writes}" in done.stderr, done.stderr
+        assert (tmp_path / "profile.json").read_bytes() == kept
+    again = pipectl("profile", "gpt-tiny", "--derive", "--device", "h100-80gb", "-o", "profile.json", cwd=tmp_path)
+    assert again.returncode == 0 and (tmp_path / "profile.json").read_bytes() != kept, again.stderr

@@ -73,7 +73,7 @@ def register(app: typer.Typer) -> None:
 def _calibrate_runs(runs: list[Path], output: Path, json_output: bool) -> None:
     from pipectl.profile.calibrate import calibrate  # torch-free, but the simulator: only when asked
 
-    refuse_overwriting(output, {})  # a run's files: calibrate reads every one of them
+    refuse_overwriting(output, {}, writes="ModelProfile")  # a run's files: calibrate reads every one of them
     for run in runs:  # and a run's model: its resume builds it
         refuse_overwriting_model(output, _model_of(run), f"{run} trains")
 
@@ -177,7 +177,7 @@ def _calibrate_measured(csv: Path, conditions: Path | None, folds: int, output: 
             f"{csv} is a file: calibrating to measured runs needs --conditions CONDITIONS.yaml",
             hint="pipectl calibrate MEASURED.csv --conditions CONDITIONS.yaml -o calibration.json",
         )
-    refuse_overwriting(output, {"measured runs": csv, "conditions": conditions})
+    refuse_overwriting(output, {"measured runs": csv, "conditions": conditions}, writes="RunsCalibration")
     with ExitStack() as stack:  # a pipe is read once: its bytes kept, so the hash is of what was read
         rows_file, conditions_file = (_readable_twice(path, stack) for path in (csv, conditions))
         with _named_as_given({rows_file: csv, conditions_file: conditions}):

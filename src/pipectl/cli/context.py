@@ -16,8 +16,8 @@ from rich.segment import Segment
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from pipectl.artifacts.run import is_run_file, run_holding
-from pipectl.errors import UserInputError
-from pipectl.io import check_output_file
+from pipectl.errors import PipectlError, UserInputError
+from pipectl.io import ARTIFACT_KINDS, artifact_kind, check_output_file, read_mapping
 from pipectl.paths import HF_PREFIX
 
 # Wide enough that no table of ours is ever narrowed; text is not padded to it.
@@ -76,15 +76,28 @@ def into_folder(name: str | None) -> Callable[[str], Path]:
     return parse
 
 
-def refuse_overwriting(output: Path, inputs: Mapping[str, str | os.PathLike[str] | None]) -> None:
+def refuse_overwriting(
+    output: Path, inputs: Mapping[str, str | os.PathLike[str] | None], writes: str | None = None
+) -> None:
     """`-o` names neither a file this command reads (`inputs`, by what each is) nor a run
     directory's own file (`artifacts.run.is_run_file`): writing it would replace what this
-    command, or a run, reads. Checked before any work."""
+    command, or a run, reads. Nor, where the command says what it `writes` (an `ARTIFACT_KINDS`
+    key), a pipectl file of another kind (`profile links -o profile.json` replaced a measured
+    profile): a file of the same kind is replaced, as a command run again would. Checked before
+    any work."""
     for what, source in inputs.items():
         if source is not None and same_file(output, Path(source)):
             raise UserInputError(f"-o {output} is the {what} this command reads; write the result elsewhere")
     if is_run_file(output):
         raise UserInputError(f"-o {output} is a file of the run in {run_holding(output)}; write the result elsewhere")
+    if writes is not None and output.is_file():
+        try:
+            found = artifact_kind(read_mapping(output))
+        except PipectlError:  # not a file of ours (or not readable as one): replaced as before
+            found = None
+        if found is not None and found != writes:
+            raise UserInputError(f"-o {output} is {ARTIFACT_KINDS[found][0]}, and this writes {ARTIFACT_KINDS[writes][0]}",
+                                 hint="give another path, or remove that file first")
 
 
 def refuse_overwriting_model(output: Path, reference: str | None, what: str) -> None:

@@ -220,7 +220,7 @@ def _read_profiles(profile: list[Path], output: Path, options: PlanOptions, conf
     model config."""
     check_output_file(output)
     refuse_overwriting(output, {**{f"--profile {path}": path for path in profile}, "--cluster file": options.cluster,
-                                "--calibration file": options.calibration, "--config file": config})
+                                "--calibration file": options.calibration, "--config file": config}, writes="Plan")
     profiles = [load_model(ModelProfile, path) for path in profile]
     check_kind_profiles([(str(path), p) for path, p in zip(profile, profiles)])
     check_plan_output(output, profile)

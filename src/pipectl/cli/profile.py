@@ -196,7 +196,8 @@ def model_command(
     as_json: JsonFlag = False,
 ) -> None:
     """Profile MODEL layer by layer (measured here, or derived with --derive) and write profile.json."""
-    refuse_overwriting(output, {"model config": model, "--links file": links, "--calibration file": calibration})
+    refuse_overwriting(output, {"model config": model, "--links file": links, "--calibration file": calibration},
+                       writes="ModelProfile")
     sizes = parse_micro_batch_sizes(micro_batch_sizes)
     degrees = parse_tensor_parallel(tensor_parallel) if tensor_parallel is not None else None
     links_profile = _load_links(links) if links is not None else None
@@ -437,7 +438,7 @@ def links_command(
     as_json: JsonFlag = False,
 ) -> None:
     """Calibrate point-to-point and all-reduce costs between real processes and write links.json."""
-    refuse_overwriting(output, {})
+    refuse_overwriting(output, {}, writes="LinksProfile")
     if device not in _MEASURE_DEVICES:
         raise UserInputError(f"unknown device '{device}' for link calibration", hint="use cpu or cuda")
     if ranks < 2:
