@@ -96,6 +96,22 @@ def test_an_elastic_relaunch_on_another_layout_is_recorded_once(tmp_path):
     assert len(read_records(tmp_path)) == 1
 
 
+def test_a_person_resuming_with_another_plan_is_recorded_as_that_and_timed_from_the_launch(tmp_path):
+    """`launch --resume` with another layout's plan, minutes after the run finished: recorded as
+    an elastic restart whose downtime was the time between the two launches, with steps 'trained
+    again' that were not."""
+    writer = MetricsWriter(tmp_path, rank=0)
+    writer.write(metrics(16, 1016.0, "t1p1d1 1f1b b8 m2"))
+    kwargs = dict(to_layout="t1p2d1 1f1b b8 m2", to_devices=2, global_batch=16, resume_step=16, target_steps=20)
+    record = record_layout_change(tmp_path, now_unix=1250.0, elastic_restart=False, **kwargs)
+    assert record.trigger.value == "resume" and record.plan_source == "chosen"
+    assert record.requested_unix == record.relaunched_unix == 1250.0
+    assert record.notes == ["launched again with --resume and a plan of another layout: 1 -> 2 ranks"]
+    writer.write(metrics(17, 1254.0, "t1p2d1 1f1b b8 m2"))
+    (stored,) = read_history(tmp_path)
+    assert stored.downtime_seconds == pytest.approx(4.0)  # this launch's start -> its first step
+
+
 def test_an_uneven_layout_labelled_before_shares_were_counted_is_the_same_layout(tmp_path):
     """metrics.jsonl of a run trained before labels counted uneven shares ('1x6+1x5+1x5'): a restart
     on that layout (now 'b1 m6+5*2') is no morph, and its steps are the layout's."""

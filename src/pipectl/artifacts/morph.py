@@ -32,6 +32,7 @@ class MorphTrigger(str, Enum):
     RESIZE = "resize"  # `pipectl resize` (a user or a scheduler)
     ELASTIC = "elastic"  # the elastic engine re-formed the group with another world size
     FAILURE = "failure"  # a data-parallel replica was lost; the survivors took over in memory
+    RESUME = "resume"  # `pipectl launch --resume` with a plan of another layout (the user's choice)
 
 
 class MorphRecord(Artifact):

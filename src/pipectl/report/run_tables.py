@@ -378,10 +378,11 @@ def _seconds(value: float | None) -> str:
 
 def _morph_path(record: MorphRecord) -> str:
     """restart or live (a resize), elastic (a restart the launcher made: its note says so, from
-    `rundir.morph_history.record_layout_change`), or live (failure)."""
+    `rundir.morph_history.record_layout_change`), resume (a launch --resume with another plan), or
+    live (failure)."""
     if record.trigger is MorphTrigger.RESIZE:
         return record.path
-    if record.trigger is MorphTrigger.ELASTIC:
+    if record.trigger in (MorphTrigger.ELASTIC, MorphTrigger.RESUME):
         return record.trigger.value
     return f"{record.path} ({record.trigger.value})"
 

@@ -136,13 +136,17 @@ def record_layout_change(
     resume_step: int,
     target_steps: int,
     now_unix: float | None = None,
+    elastic_restart: bool = True,
 ) -> MorphRecord | None:
-    """For rank 0 of a (re)started job, after loading its checkpoint: record an elastic morph.
+    """For rank 0 of a (re)started job, after loading its checkpoint: record a morph no resize did.
 
     When the last step in metrics.jsonl ran on another layout and no resize already recorded this
-    relaunch, the group was re-formed by the elastic engine (a node left or joined). The record's
-    downtime then runs from the last step completed on the old layout to the first on the new one
-    (failure detection, re-rendezvous, restart, checkpoint load). Returns the record, or None.
+    relaunch, either the elastic engine re-formed the group (`elastic_restart`: a node left or
+    joined), and the downtime runs from the last step completed on the old layout to the first on
+    the new one (failure detection, re-rendezvous, restart, checkpoint load); or a person launched
+    the run again with `--resume` and a plan of another layout, which is recorded as that, timed
+    from this start (the time between the two launches was nobody's downtime). Returns the record,
+    or None.
     """
     metrics = read_metrics(run_dir, as_resumed=False)  # this start's resume record is written: the old steps count
     last = newest_step(metrics)
@@ -153,6 +157,19 @@ def record_layout_change(
     records = read_records(run_dir)
     if records and records[-1].to_layout == to_layout and (records[-1].relaunched_unix or 0) >= last.time_unix:
         return None  # `pipectl resize` relaunched it and recorded it already
+    now = time.time() if now_unix is None else now_unix
+    if not elastic_restart:
+        again = f"; steps after {resume_step} are trained again" if resume_step < last.step else ""
+        record = MorphRecord(
+            trigger=MorphTrigger.RESUME, requested_unix=now, requested_devices=to_devices, from_devices=last.world_size,
+            from_layout=last.layout, to_devices=to_devices, to_layout=to_layout, global_batch=global_batch,
+            resume_step=resume_step, target_steps=target_steps, stopped_running_job=False, relaunched_unix=now,
+            plan_source="chosen",
+            notes=[f"launched again with --resume and a plan of another layout: {last.world_size} -> {to_devices} "
+                   f"ranks{again}"],
+        )
+        append_record(run_dir, record)
+        return record
     record = MorphRecord(
         trigger=MorphTrigger.ELASTIC,
         requested_unix=last.time_unix,
@@ -165,7 +182,7 @@ def record_layout_change(
         resume_step=resume_step,
         target_steps=target_steps,
         stopped_running_job=False,
-        relaunched_unix=time.time() if now_unix is None else now_unix,
+        relaunched_unix=now,
         plan_source="morph-table",
         notes=[
             f"elastic restart: {last.world_size} -> {to_devices} ranks; downtime counted from the last "

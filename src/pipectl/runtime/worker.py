@@ -337,7 +337,8 @@ class _Session:
                     time_unix=time.time(),
                 ),
             )
-            # An elastic engine may have re-formed the group on another layout: record the morph.
+            # An elastic engine may have re-formed the group on another layout, or a person resumed
+            # with another plan (the launcher's first start: torchrun counts its restarts): recorded.
             record_layout_change(
                 job.run_dir,
                 to_layout=layout.label(),
@@ -345,6 +346,7 @@ class _Session:
                 global_batch=layout.global_batch,
                 resume_step=self.step,
                 target_steps=job.steps,
+                elastic_restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0,
             )
 
     def _start_checkpointer(self) -> None:
