@@ -93,3 +93,32 @@ def test_more_ranks_than_the_layout_without_a_live_shrink_are_a_move_under_way(t
         for rank in ranks:
             rank.kill()
             rank.wait()
+
+
+def test_a_job_that_ends_before_taking_the_request_leaves_nothing_staged_and_says_how_to_go_on(tmp_path):
+    """A live resize racing the end of the job: the request was never taken, yet the new layout's
+    files stayed staged in RUN/live/next, and the hint said 'resize again' where a finished run
+    needs --steps to train on."""
+    from pipectl.artifacts.layout import layout_label
+    from pipectl.artifacts.run import StepMetrics
+    from pipectl.errors import LaunchError
+    from pipectl.io import write_json_atomic
+    from pipectl.resize.live import _wait_record, live_request
+    from pipectl.resize.restart import prepare_relaunch
+    from pipectl.rundir.live_requests import STAGED_DIR, request_path
+    from pipectl.rundir.metrics import MetricsWriter
+
+    plan = plan_of(candidate(2, 1), global_batch=8, morph_table=[MorphEntry(devices=1, candidate=candidate(1, 1))])
+    run = prepare_launch(plan, tmp_path / "run", LaunchOptions(steps=4, seed=0)).run_dir
+    writer = MetricsWriter(run, rank=0)
+    for step in range(1, 5):  # finished: no rank of it runs any more
+        writer.write(StepMetrics(step=step, loss=5.0, step_seconds=0.05, predicted_step_seconds=0.05, samples_per_second=160,
+                                 global_batch=8, world_size=2, layout=layout_label(candidate(2, 1))))  # fmt: skip
+    decision = decide_resize(run, 1, steps=8)
+    request = live_request(decision, prepare_relaunch(decision), requested_unix=1.0)
+    (run / STAGED_DIR).mkdir(parents=True)
+    write_json_atomic(request_path(run), request)
+    with pytest.raises(LaunchError, match=r"the job ended before the live resize completed \(the request was not taken\)") as raised:
+        _wait_record(run, request, [], timeout_seconds=5)
+    assert raised.value.hint.startswith("the run trained all its 4 steps: to train on, resize with --steps TOTAL")
+    assert not request_path(run).exists() and not (run / STAGED_DIR).exists()

@@ -52,6 +52,7 @@ from pipectl.rundir.checkpoints import STOP_FILE
 from pipectl.runtime.engines.dsconfig import check_candidate
 from pipectl.runtime.engines.dsinit import free_port
 from pipectl.rundir.morph_history import read_records
+from pipectl.rundir.status import run_status
 from pipectl.rundir.live_requests import JOIN_DIR, RESIZE_PID_VARIABLE, STAGED_DIR, ready_path, request_path
 from pipectl.rundir.heartbeats import SUPERVISOR_VARIABLE, pid_alive
 from pipectl.words import count
@@ -338,9 +339,15 @@ def _wait_record(
                 return record
         taken = not request_path(path).exists()  # the ranks remove the request as they take it
         if not any(p.pid not in joining for p in find_run_ranks(path)):
+            if not taken:  # no rank can take it now: nothing of the move stays behind
+                request_path(path).unlink(missing_ok=True)
+                shutil.rmtree(path / STAGED_DIR, ignore_errors=True)
+            status = run_status(path)
+            again = (f"the run trained all its {status.steps_done} steps: to train on, resize with --steps TOTAL"
+                     if status.trained else "resize again (a stopped run is resized by a restart)")
             raise LaunchError(
                 "the job ended before the live resize completed" + ("" if taken else " (the request was not taken)"),
-                hint=f"see {path / LOGS_DIR}; resize again (a stopped run is resized by a restart)",
+                hint=f"{again}; see {path / LOGS_DIR}",
             )
         if (path / STOP_FILE).exists() and not taken:
             raise LaunchError("the job is stopping; the live resize was withdrawn")
