@@ -28,6 +28,14 @@ def test_validation_error_names_field_and_value(tmp_path):
         load_model(ModelConfig, path)
 
 
+def test_a_missing_key_is_said_without_the_whole_file_as_its_value(tmp_path):
+    path = tmp_path / "m.yaml"
+    path.write_text("name: x\nfamily: gpt\nlayers: 2\n")
+    with pytest.raises(ArtifactError) as raised:
+        load_model(ModelConfig, path)
+    assert raised.value.message.endswith("hidden: Field required"), raised.value.message
+
+
 def test_unknown_field_is_rejected_not_dropped(tmp_path):
     path = tmp_path / "m.yaml"
     path.write_text("name: x\nfamily: gpt\nlayers: 2\nhidden: 64\nhiden: 32\n")

@@ -184,6 +184,9 @@ def validation_message(
         if not err["loc"] and isinstance(value, dict):  # a check of the whole file names its values itself
             lines.append(message)
             continue
+        if err["type"] == "missing":  # the input is the mapping the key is missing from: no news
+            lines.append(f"{where}: {message}")
+            continue
         lines.append(f"{where}: {message} (got {shown})")
     return "; ".join(lines)
 

@@ -133,3 +133,15 @@ def test_a_file_of_no_kind_of_ours_is_said_to_be_none_in_one_line(files, tmp_pat
         assert len(lines) == 1 and lines[0].startswith(f"error: results.json is not {kind}: it has no "), lines
         assert "6 keys one does not have (command, date, machine, repeats, ...)" in lines[0], lines[0]
         assert "Traceback" not in result.stderr and not (tmp_path / "out.json").exists()
+
+
+def test_a_file_given_for_a_run_directory_is_named_by_export_and_calibrate(files, tmp_path):
+    """export and calibrate said 'no run directory at plan.json (it holds no job.json)' of a plan,
+    where status and resize name it for what it is."""
+    from cli_process import pipectl
+
+    exported = pipectl("export", "plan.json", "-o", "hf", cwd=tmp_path)
+    assert exported.returncode == 2 and "plan.json is a plan (pipectl plan), not a run directory" in exported.stderr
+    calibrated = pipectl("calibrate", "plan.json", "-o", "c.json", cwd=tmp_path)
+    assert calibrated.returncode == 2, calibrated.stderr
+    assert "plan.json is a plan (pipectl plan), neither a run directory nor a CSV of measured runs" in calibrated.stderr

@@ -19,7 +19,7 @@ from pipectl.cli.context import (
 )
 from pipectl.artifacts.run import JOB_FILE
 from pipectl.errors import PipectlError, UserInputError
-from pipectl.io import MAX_MAPPING_BYTES, read_mapping, write_json_atomic
+from pipectl.io import MAX_MAPPING_BYTES, file_kind, read_mapping, write_json_atomic
 from pipectl.artifacts.calibration import DEFAULT_FOLDS
 
 
@@ -172,6 +172,10 @@ def _calibrate_measured(csv: Path, conditions: Path | None, folds: int, output: 
     from pipectl.measured.runs import load_conditions, read_runs
     from pipectl.plan.workers import available_workers
 
+    kind = file_kind(csv) if csv.is_file() else None  # (a pipe is read once: by the fit)
+    if kind is not None:  # a plan, a profile, ...: neither measured runs nor a run directory
+        raise UserInputError(f"{csv} is {kind}, neither a run directory nor a CSV of measured runs",
+                             hint="pipectl calibrate runs/NAME ... or pipectl calibrate MEASURED.csv --conditions C.yaml")
     if conditions is None:
         raise UserInputError(
             f"{csv} is a file: calibrating to measured runs needs --conditions CONDITIONS.yaml",

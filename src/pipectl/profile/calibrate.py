@@ -50,6 +50,7 @@ from pipectl.plan.layer_table import layer_table
 from pipectl.plan.phases import MeasuredPhases, measured_phases, simulated_phases
 from pipectl.planfile import load_plan_profile
 from pipectl.rundir.metrics import read_metrics
+from pipectl.rundir.run import check_run_given
 from pipectl.words import count
 
 GOLDEN = (math.sqrt(5) - 1) / 2
@@ -93,9 +94,7 @@ class CalibrationReport:
 
 def observe(run_dir: str | Path) -> tuple[Observation, ModelProfile]:
     """A run's layout and measured phases, and the profile its plan was made from."""
-    run = Path(run_dir)
-    if not (run / JOB_FILE).is_file():
-        raise UserInputError(f"no run directory at {run} (it holds no {JOB_FILE})")
+    run = check_run_given(run_dir)
     job = load_model(JobSpec, run / JOB_FILE)
     plan = load_model(Plan, run / job.plan_file)
     profile = load_plan_profile(run / job.plan_file, plan)

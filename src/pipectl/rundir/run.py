@@ -94,6 +94,17 @@ def check_steps_beyond_trained(
 
 def read_run_files(run_dir: str | os.PathLike[str]) -> RunFiles:
     """job.json + plan.json + ds_config.json of a run, validated (errors name the file)."""
+    path = check_run_given(run_dir)
+    job = load_model(JobSpec, path / JOB_FILE)
+    plan = load_model(Plan, path / job.plan_file)
+    ds_config = read_mapping(path / job.ds_config_file)
+    return RunFiles(path, job, plan, ds_config)
+
+
+def check_run_given(run_dir: str | os.PathLike[str]) -> Path:
+    """`run_dir` as a command was given it, refused unless it is a run directory: a file given in
+    its place is named for what it is ("plan.json is a plan (pipectl plan), not a run directory"),
+    a folder without job.json points at the runs inside it."""
     path = Path(run_dir)
     if path.is_file():
         raise UserInputError(f"{path} is {file_kind(path) or 'a file'}, not a run directory",
@@ -107,10 +118,7 @@ def read_run_files(run_dir: str | os.PathLike[str]) -> RunFiles:
     if not is_run_dir(path):
         raise UserInputError(f"{path} is not a pipectl run (no {JOB_FILE})",
                              hint=runs_inside_hint(path) or "start one with pipectl launch")
-    job = load_model(JobSpec, path / JOB_FILE)
-    plan = load_model(Plan, path / job.plan_file)
-    ds_config = read_mapping(path / job.ds_config_file)
-    return RunFiles(path, job, plan, ds_config)
+    return path
 
 
 def schedule_files(run_dir: Path) -> dict[int, Path]:

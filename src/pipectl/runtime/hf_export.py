@@ -21,6 +21,7 @@ from pathlib import Path
 
 from pipectl.artifacts.run import JOB_FILE, JobSpec, run_holding
 from pipectl.errors import CheckpointError, UserInputError
+from pipectl.rundir.run import check_run_given
 from pipectl.io import load_model, nearest_existing_parent
 from pipectl.paths import HF_CONFIG_FILE, HF_PREFIX, hf_model_dir
 
@@ -74,9 +75,7 @@ def export_hf(run_dir: str | os.PathLike[str], output: str | os.PathLike[str], s
 
     from pipectl.rundir.checkpoints import list_checkpoints
 
-    job_file = Path(run_dir) / JOB_FILE
-    if not job_file.is_file():
-        raise UserInputError(f"no run directory at {run_dir} (it holds no {JOB_FILE})")
+    job_file = check_run_given(run_dir) / JOB_FILE
     reference = load_model(JobSpec, job_file).model
     if not reference.startswith(HF_PREFIX):
         raise UserInputError(
