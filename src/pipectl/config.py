@@ -199,6 +199,14 @@ class ConfigFile:
         return f"{self.path} [{field.section}] {sub or field.key}"
 
 
+def _reads_as_toml(text: str) -> bool:
+    try:
+        tomllib.loads(text)
+    except tomllib.TOMLDecodeError:
+        return False
+    return True
+
+
 def _is_reference(value: str) -> bool:
     """`package.module:function` or `hf:NAME`: what a model or data field names besides files."""
     return ":" in value
@@ -219,7 +227,10 @@ def read_config(path: str | os.PathLike[str], models: Iterable[type[BaseModel]])
         data = tomllib.loads(text) if path.suffix.lower() == ".toml" else safe_load_yaml(text)
     except (tomllib.TOMLDecodeError, yaml.YAMLError) as exc:
         kind = "TOML" if path.suffix.lower() == ".toml" else "YAML"
-        raise UserInputError(f"{path} is not valid {kind}: {parse_error(exc)}") from None
+        hint = None
+        if kind == "YAML" and _reads_as_toml(text):  # `launch --print-config > job.yaml` writes TOML
+            hint = f"it reads as TOML (what launch --print-config writes): name it {path.with_suffix('.toml').name}"
+        raise UserInputError(f"{path} is not valid {kind}: {parse_error(exc)}", hint=hint) from None
     data = {} if data is None else data
     known = known_keys(models)
     if not isinstance(data, dict):

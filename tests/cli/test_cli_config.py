@@ -358,3 +358,17 @@ def test_a_config_file_is_never_replaced_nor_mistaken_and_its_missing_paths_name
     assert missing.returncode == 2 and "Traceback" not in said, said
     assert f"conf/job.toml [model] profile = '../nosuch.json': no such file (looked for {tmp_path / 'nosuch.json'})" in said
     assert not (tmp_path / "plan.json").exists()
+
+
+def test_a_printed_config_saved_as_yaml_is_said_to_be_toml(tmp_path):
+    """`launch --print-config > job.yaml` writes TOML under a YAML name: read back, the YAML error
+    alone left the user guessing."""
+    from cli_process import pipectl
+
+    write_plan(tmp_path / "plan.json")
+    printed = pipectl("launch", "plan.json", "--print-config", cwd=tmp_path)
+    assert printed.returncode == 0, printed.stderr
+    (tmp_path / "job.yaml").write_text(printed.stdout)
+    read = pipectl("plan", "--config", "job.yaml", cwd=tmp_path)
+    assert read.returncode == 2 and "job.yaml is not valid YAML" in read.stderr, read.stderr
+    assert "hint: it reads as TOML (what launch --print-config writes): name it job.toml" in read.stderr
