@@ -412,3 +412,17 @@ def test_a_pipe_is_calibrated_and_hashed_as_read(measured):
     assert calibration["conditions_sha256"] == hashlib.sha256((measured / "conditions.yaml").read_bytes()).hexdigest()
     assert calibration["rows_sha256"] == hashlib.sha256((measured / "runs.csv").read_bytes()).hexdigest()
     assert calibration["rows_file"].startswith("/dev/fd/")
+
+
+def test_too_few_rows_and_fewer_rows_than_terms_are_said_as_they_are(measured):
+    """5 rows were refused as unable to 'tell 10 terms apart', then 9 rows fitted the 10 terms: the
+    refusal says how many rows a fit needs, and a fit of fewer rows than terms says what it does."""
+    lines = (measured / "runs.csv").read_text().splitlines()
+    (measured / "five.csv").write_text("\n".join(lines[:6]) + "\n")
+    (measured / "nine.csv").write_text("\n".join(lines[:10]) + "\n")
+    five = pipectl(measured, "calibrate", "five.csv", "-c", "conditions.yaml", "--folds", "0", "-o", "five.json")
+    assert five.returncode == 2 and "calibrate needs 8 rows or more to fit to, not 5" in five.stderr, five.stderr
+    nine = pipectl(measured, "calibrate", "nine.csv", "-c", "conditions.yaml", "--folds", "0", "-o", "nine.json")
+    assert nine.returncode == 0, nine.stderr
+    assert f"fitting {len(TERMS)} terms to 9 rows (fewer rows than terms: those the rows cannot tell apart stay near " \
+           "the device's figures)" in " ".join(nine.stderr.split())

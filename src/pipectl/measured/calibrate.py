@@ -40,7 +40,6 @@ import numpy as np
 
 from pipectl.catalog import get_device
 from pipectl.errors import UserInputError
-from pipectl.words import count
 from pipectl.io import sha256_file
 from pipectl.artifacts.calibration import DEFAULT_FOLDS, CalibratedTerms, FitErrors, RunsCalibration
 from pipectl.measured.predict import Calibrated, Predictor
@@ -74,7 +73,7 @@ ITERATIONS = 6
 LAMBDA_START = 1e-2
 # Stop when an iteration improves the sum of squares by less than this fraction.
 CONVERGED = 1e-4
-SMALLEST_FIT = 8  # rows: fewer cannot tell the terms apart
+SMALLEST_FIT = 8  # rows: fewer say too little of a cluster to fit to (each fold of cross-validation too)
 
 
 def starting_terms(conditions: RunConditions, device_name: str | None = None) -> CalibratedTerms:
@@ -315,7 +314,7 @@ def calibrate_runs(
             f"the rows ran on {len(devices)} devices ({', '.join(devices)}): calibrate one device's rows at a time"
         )
     if len(runs) < SMALLEST_FIT:
-        raise UserInputError(f"{count(len(runs), 'row')} cannot tell {len(TERMS)} terms apart: calibrate needs {SMALLEST_FIT} or more")
+        raise UserInputError(f"calibrate needs {SMALLEST_FIT} rows or more to fit to, not {len(runs)}")
     start = starting_terms(conditions, devices[0])
     uncalibrated = Predictor(conditions, runs)  # the catalog's and the conditions' figures as they are
     predictions = [uncalibrated.predict(run) for run in runs]
@@ -346,7 +345,11 @@ def calibrate_runs(
     problem = _Problem(runs, conditions, start, workers, devices[0], {})
     measured = np.array([run.measured_seconds for run in runs])
     everything = np.arange(len(runs))
-    progress(f"fitting {len(TERMS)} terms to {len(runs)} rows")
+    # Fewer rows than terms: the fit is damped and bounded, so the terms the rows cannot tell apart
+    # stay near their starting figures; said, not refused (a small job log is still worth fitting).
+    fewer = " (fewer rows than terms: those the rows cannot tell apart stay near the device's figures)" \
+        if len(runs) < len(TERMS) else ""
+    progress(f"fitting {len(TERMS)} terms to {len(runs)} rows{fewer}")
     x = fit(problem, everything, measured, progress)
     (after,) = problem.predictions([x])
     cross_validated = None
