@@ -28,6 +28,11 @@ def test_calibrate_does_not_write_over_the_runs_model_or_its_files(tmp_path):
     result = runner.invoke(app, ["calibrate", str(run), "-o", str(model)])
     assert result.exit_code == 2 and f"-o {model} is the model {run} trains" in result.output, result.output
     assert model.read_text() == "name: mine\n"
+    # The run is named without the '..' of the path given (`elsewhere/../run/...`).
+    (tmp_path / "elsewhere").mkdir()
+    inside = tmp_path / "elsewhere" / ".." / "run" / "logs" / "x.json"
+    result = runner.invoke(app, ["calibrate", str(run), "-o", str(inside)])
+    assert result.exit_code == 2 and f"is a file of the run in {run}; write" in " ".join(result.output.split()), result.output
     inside = run / "checkpoints" / "step00000004" / "fp32.pt"
     before = inside.read_bytes()
     result = runner.invoke(app, ["calibrate", str(run), "-o", str(inside)])

@@ -83,8 +83,9 @@ def is_run_file(path: str | os.PathLike[str]) -> bool:
 
 
 def run_holding(folder: str | os.PathLike[str]) -> Path | None:
-    """The run directory `folder` lies inside (not `folder` itself: an ancestor holding a job.json), or None."""
-    return next((above for above in Path(folder).absolute().parents if (above / JOB_FILE).is_file()), None)
+    """The run directory `folder` lies inside (not `folder` itself: an ancestor holding a job.json), or None;
+    without `..` (it is printed: `cfg/../qs/runs/mine` is `qs/runs/mine`)."""
+    return next((above for above in Path(os.path.abspath(folder)).parents if (above / JOB_FILE).is_file()), None)
 
 
 class Engine(str, Enum):
