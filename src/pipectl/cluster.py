@@ -196,7 +196,7 @@ def busier_note(profiled: HostState | None, now: HostState | None) -> str | None
 
         >>> quiet, busy = HostState(cores=2, load_average=0.2), HostState(cores=2, load_average=4.6)
         >>> busier_note(quiet, busy)
-        'the host is 2.3x busier than when profiled (load 4.6 on 2 cores: 2.3 runnable tasks a core, was 0.2: 1): predictions assume the profiled host; re-profile, or fit the profile to runs with pipectl calibrate'
+        'the host is 2.3x busier than when profiled: 2.3 runnable tasks a core now (load 4.6 on 2 cores), 1 then (load 0.2); predictions assume the profiled host; re-profile, or fit the profile to runs with pipectl calibrate'
         >>> busier_note(quiet, quiet) is None
         True
     """
@@ -208,9 +208,10 @@ def busier_note(profiled: HostState | None, now: HostState | None) -> str | None
     words = f"{ratio:.1f}x busier" if ratio > 1 else f"{1 / ratio:.1f}x quieter"
     return (
         # The ratio is of tasks per core (at least one: a task alone has its core), shown beside each load.
-        f"the host is {words} than when profiled (load {now.load_average:g} on {count(now.cores, 'core')}: "
-        f"{now.contention:.2g} runnable tasks a core, was {profiled.load_average:g}: {profiled.contention:.2g}): "
-        "predictions assume the profiled host; re-profile, or fit the profile to runs with pipectl calibrate"
+        f"the host is {words} than when profiled: {now.contention:.2g} runnable tasks a core now (load "
+        f"{now.load_average:g} on {count(now.cores, 'core')}), {profiled.contention:.2g} then (load "
+        f"{profiled.load_average:g}); predictions assume the profiled host; re-profile, or fit the profile to runs "
+        "with pipectl calibrate"
     )
 
 

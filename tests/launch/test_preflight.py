@@ -136,7 +136,8 @@ def test_a_host_much_busier_than_when_profiled_is_named_before_the_job_starts(tm
     assert prepare_launch(plan, tmp_path / "run", LaunchOptions(), plan_dir=tmp_path, write=False).busier is None
     monkeypatch.setattr(pipectl.launch, "host_state", lambda: HostState(cores=2, load_average=6.0))
     busier = prepare_launch(plan, tmp_path / "run", LaunchOptions(), plan_dir=tmp_path, write=False).busier
-    assert busier.startswith("the host is 3.0x busier than when profiled (load 6 on 2 cores: 3 runnable tasks a core, was 0.3: 1)")
+    assert busier.startswith("the host is 3.0x busier than when profiled: 3 runnable tasks a core now (load 6 on 2 cores), "
+                             "1 then (load 0.3)")
     assert "re-profile" in busier
 
 
