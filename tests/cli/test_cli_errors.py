@@ -213,6 +213,8 @@ CASES = {
     "calibrate two CSVs": (lambda t: ["calibrate", _conditions(t), _conditions(t), "-c", _conditions(t)],
                            "is a file among 2 arguments"),
     "links bad size": (lambda t: ["profile", "links", "--message-sizes", "1KiB,lots"], "lots"),
+    # One size: refused before the processes start (a latency and a bandwidth are fitted to the sizes).
+    "links one size": (lambda t: ["profile", "links", "--message-sizes", "1KB"], "--message-sizes '1KB' names one size"),
     "links bad device": (lambda t: ["profile", "links", "--device", "fpga"], "fpga"),
 }
 

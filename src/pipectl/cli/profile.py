@@ -92,6 +92,9 @@ def parse_message_sizes(text: str) -> list[int]:
             )
         unit = match.group(2).lower() if match.group(2) else None
         sizes.append(int(match.group(1)) * _SIZE_UNITS[unit])
+    if len(set(sizes)) < 2:  # a latency and a bandwidth are fitted to them: one size tells them apart from nothing
+        raise UserInputError(f"--message-sizes '{text}' names one size; the fit of latency and bandwidth needs 2 or more",
+                             hint="e.g. 1KiB,64KiB,1MiB")
     return sorted(set(sizes))
 
 
