@@ -128,6 +128,16 @@ def test_window_covers_only_the_newest_layout():
     assert find_stragglers(before).straggler_ranks == [0]
 
 
+def test_a_layout_moved_away_from_and_back_to_counts_from_its_return():
+    """Steps 1-10 on a layout, 11-15 on another, 16-20 on the first again: the window is 16-20 (it
+    was titled 'steps 1-20', pooling a placement of the ranks that no longer runs)."""
+    first = noisy_steps(10, 0.1, P2D2, slow=0, factor=3.0)  # rank 0 slow there
+    other = [step(s, [0.1, 0.1], [0, 0], layout="t1p1d2 1f1b b2 m4") for s in range(11, 16)]
+    back = [step(s, [0.1, 0.1, 0.1, 0.1], P2D2) for s in range(16, 21)]
+    assert [m.step for m in recent_window(first + other + back, 10)] == list(range(16, 21))
+    assert find_stragglers(first + other + back).straggler_ranks == []
+
+
 def test_too_few_steps_give_no_verdict():
     report = find_stragglers(noisy_steps(2, 0.1, P2D2, slow=1, factor=5.0))
     assert report.straggler_ranks == [] and "2 step(s)" in report.reason

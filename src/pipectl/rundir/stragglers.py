@@ -109,13 +109,22 @@ class StragglerReport:
 
 
 def recent_window(metrics: Sequence[StepMetrics], window_steps: int) -> list[StepMetrics]:
-    """The last `window_steps` steps that ran on the newest layout and carry heartbeats."""
+    """The last `window_steps` steps that ran on the newest layout since the job last moved to it,
+    and carry heartbeats (an earlier span of the same layout, before a move away and back, is
+    another placement of its ranks: not pooled with this one)."""
     with_heartbeats = [m for m in metrics if m.ranks]
     if not with_heartbeats:
         return []
     newest = with_heartbeats[-1]
-    same = [m for m in with_heartbeats if m.layout == newest.layout and m.world_size == newest.world_size]
-    return same[-window_steps:]
+    span: list[StepMetrics] = []
+    for m in reversed(metrics):
+        if m.layout != newest.layout or m.world_size != newest.world_size:
+            if span:
+                break
+            continue
+        if m.ranks:
+            span.append(m)
+    return span[::-1][-window_steps:]
 
 
 def _modified_z(value: float, values: Sequence[float]) -> float:
