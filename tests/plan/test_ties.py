@@ -19,15 +19,22 @@ def _layout(candidate) -> tuple:
             candidate.chunks, candidate.zero_stage, tuple(map(tuple, candidate.stage_layers)))
 
 
+@pytest.mark.parametrize("top", [1, None])  # the kept few (pruned by bounds) or every candidate
 @pytest.mark.parametrize("blocks, vocab, recomputing_ties", [
     (2, 200_000, True),  # a large head on the last stage sets the step: recomputing the first costs nothing
     (4, 256, True),  # GPipe a last bit faster than 1F1B (the same step summed in another order): the plan chose
     # GPipe, its table 1F1B
 ])
-def test_a_tie_goes_to_no_recomputation_then_less_memory_in_the_plan_and_its_morph_table(blocks, vocab, recomputing_ties):
+def test_a_tie_goes_to_no_recomputation_then_less_memory_in_the_plan_and_its_morph_table(blocks, vocab, recomputing_ties,
+                                                                                        top):
     profile = synthetic_profile(blocks=blocks, micro_batch_sizes=[8], device="cpu", vocab=vocab)
-    made = plan(profile, local_cluster(2, load_cluster("local")),
-                PlanRequest(global_batch=16, devices=2, pipeline_parallel=2, include_all=True))
+    request = PlanRequest(global_batch=16, devices=2, pipeline_parallel=2, workers=1,
+                          **({"top": top} if top else {"include_all": True}))
+    made = plan(profile, local_cluster(2, load_cluster("local")), request)
+    if top:  # which layout won is the same with one kept as with all (`--top 1` chose GPipe, `--all` 1F1B)
+        every = plan(profile, local_cluster(2, load_cluster("local")), request.model_copy(update={"include_all": True}))
+        assert _layout(made.chosen) == _layout(every.chosen)
+        return
     best = made.chosen.predicted_step_seconds
     tied = [c for c in made.candidates if abs(c.predicted_step_seconds - best) <= 1e-12 * best]  # as the table ties
     assert len(tied) > 1 and any(c.recompute for c in tied) is recomputing_ties, [_layout(c) for c in tied]

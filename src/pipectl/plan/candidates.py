@@ -161,6 +161,13 @@ def engines_running(shape: Shape, variant: ScheduleVariant, zero_stage: int, dat
     )
 
 
+def tied(seconds: float) -> float:
+    """A figure (a step, a cost) as ranking compares it: to 12 significant digits, so that two
+    timelines of one step summed in another order (differing in the last bits) tie, and a tie goes
+    to `Spec.preference`. The ranking and the morph table both compare so."""
+    return float(f"{seconds:.12g}")
+
+
 @dataclass(frozen=True)
 class Spec:
     """A candidate before simulation; its per-rank figures are row `row` of `figures`."""
@@ -250,7 +257,7 @@ class Spec:
         )
 
     @property
-    def preference(self) -> tuple:
+    def preference(self) -> tuple:  # (the ties it breaks: `tied`)
         """Among specs of equal rank (the same step, or cost): fewer devices, then no recomputation
         (the same step for fewer FLOPs, and a layout more engines run), then less memory; the key
         last, so that the order never rests on which was found first. The ranking and the morph

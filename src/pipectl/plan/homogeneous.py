@@ -17,7 +17,6 @@ when none does, the fastest, with a note).
 from __future__ import annotations
 
 import heapq
-import itertools
 import math
 import time
 from dataclasses import dataclass, field
@@ -28,7 +27,7 @@ import numpy as np
 from pipectl.artifacts.plan import Candidate, Engine, ModelShape, Objective, Plan, PlanRequest, runtime_runs_zero
 from pipectl.artifacts.profile import ModelProfile
 from pipectl.errors import InfeasibleError, UserInputError
-from pipectl.plan.candidates import Rejection, Rejections, Spec
+from pipectl.plan.candidates import Rejection, Rejections, Spec, tied
 from pipectl.plan.costs import Hardware
 from pipectl.plan.placement import tensor_parallel_placeable
 from pipectl.plan.evaluate import Evaluator
@@ -280,55 +279,58 @@ def rank(specs: Sequence[Spec], goal: Goal, evaluator: Evaluator, *, keep: int, 
         runs = (pool.runs_on(Engine.DEEPSPEED) | pool.runs_on(Engine.TORCH)).tolist()
     else:
         runs = pool.runs_on(engine).tolist()
-    heap: list[tuple] = []  # max-heap of the kept keys (negated), with a tie-breaking counter
-    runnable: list[tuple] = []  # the same for the specs `engine` runs
+    heap: list[_Worst] = []  # the kept entries, the worst on top (a max-heap by rank)
+    runnable: list[_Worst] = []  # the same for the specs `engine` runs
     simulated = 0
-    for index, position in enumerate(goal.bound_order(pool).tolist()):
+    for position in goal.bound_order(pool).tolist():
         spec = pool[position]
-        bound = goal.bound_key(spec)
-        if not exhaustive and len(heap) >= keep and bound >= _unnegate(heap[0][0]):
-            if len(runnable) >= keep and bound >= _unnegate(runnable[0][0]):
+        bound = _tied_key(goal.bound_key(spec))
+        # Pruned only beyond the worst kept: a spec that may tie it is timed, and the tie decided
+        # by preference, not by which was found first (`--top 1` chose otherwise than `--top 10`).
+        if not exhaustive and len(heap) >= keep and bound > heap[0].key:
+            if len(runnable) >= keep and bound > runnable[0].key:
                 break
             if not runs[position]:
                 continue  # it can enter neither the top k nor the runnable top k: not timed
         step = evaluator.step_seconds(spec)
         simulated += 1
-        key = goal.key(spec, step)
-        entry = (_negate(key), index, spec, step)
+        entry = _Worst(_tied_key(goal.key(spec, step)), spec, step)
         _keep(heap, entry, keep, exhaustive)
         if runs[position]:
             _keep(runnable, entry, keep, exhaustive)
     return Ranking(_best_first(heap), _best_first(runnable), simulated)
 
 
-def _keep(heap: list[tuple], entry: tuple, keep: int, exhaustive: bool) -> None:
+def _tied_key(key: tuple) -> tuple:
+    return tuple(tied(x) if isinstance(x, float) else x for x in key)
+
+
+class _Worst:
+    """A ranked entry ordered worst first (for a max-heap on heapq's min-heap): by its key (each
+    figure `tied`), then by `Spec.preference`, read only for equal keys (it reads memory figures)."""
+
+    __slots__ = ("key", "spec", "step")
+
+    def __init__(self, key: tuple, spec: Spec, step: float) -> None:
+        self.key, self.spec, self.step = key, spec, step
+
+    def __lt__(self, other: "_Worst") -> bool:  # self ranks below other
+        if self.key != other.key:
+            return self.key > other.key
+        return self.spec.preference > other.spec.preference
+
+
+def _keep(heap: list[_Worst], entry: _Worst, keep: int, exhaustive: bool) -> None:
     """Put `entry` into the max-heap of the `keep` best (all of them when `exhaustive`)."""
     if exhaustive or len(heap) < keep:
         heapq.heappush(heap, entry)
-    elif _unnegate(entry[0]) < _unnegate(heap[0][0]):
+    elif heap[0] < entry:  # the worst kept ranks below it
         heapq.heapreplace(heap, entry)
 
 
-def _best_first(heap: list[tuple]) -> list[tuple[tuple, Spec, float]]:
-    """The kept entries, best first; keys equal to 12 significant digits (two timelines of one step
-    summed in another order differ in the last bits) in the order of `Spec.preference`."""
-    def rounded(item: tuple) -> tuple:
-        return tuple(float(f"{x:.12g}") if isinstance(x, float) else x for x in item[0])
-
-    ranked = sorted(((_unnegate(k), s, step) for k, _, s, step in heap), key=rounded)
-    ordered = []
-    for _, tied in itertools.groupby(ranked, key=rounded):  # the preference read for ties only (memory figures)
-        group = list(tied)
-        ordered += sorted(group, key=lambda item: item[1].preference) if len(group) > 1 else group
-    return ordered
-
-
-def _negate(key: tuple) -> tuple:
-    return tuple(-x for x in key)
-
-
-def _unnegate(key: tuple) -> tuple:
-    return tuple(-x for x in key)
+def _best_first(heap: list[_Worst]) -> list[tuple[tuple, Spec, float]]:
+    """The kept entries, best first."""
+    return [(entry.key, entry.spec, entry.step) for entry in sorted(heap, reverse=True)]
 
 
 # --- the plan ------------------------------------------------------------------------------------

@@ -41,7 +41,7 @@ from typing import Sequence
 import numpy as np
 
 from pipectl.artifacts.plan import Candidate, MorphEntry, PlanRequest
-from pipectl.plan.candidates import Spec
+from pipectl.plan.candidates import Spec, tied
 from pipectl.plan.evaluate import Evaluator
 from pipectl.plan.spec_pool import SpecPool
 from pipectl.plan.workers import available_workers, share
@@ -77,7 +77,6 @@ class PrefixMinimum:
         return best
 
 
-_TIE = 1e-12  # relative: step times closer than this are equal
 
 
 def table_counts(request: PlanRequest, devices_per_node: int, max_devices: int) -> list[int]:
@@ -129,7 +128,9 @@ def fastest_per_device_count(specs: Sequence[Spec], evaluator: Evaluator, counts
             count = counts[position - 1]
             held = best.get(count)
             # A tie keeps the preferred (`Spec.preference`: fewer devices first, a smaller job, as the table's).
-            if held is None or step < held[0] * (1 - _TIE) or (step <= held[0] * (1 + _TIE) and spec.preference < held[1].preference):
+            if held is None or tied(step) < tied(held[0]) or (
+                tied(step) == tied(held[0]) and spec.preference < held[1].preference
+            ):
                 best[count] = (step, spec)
                 known.lower(position, step)
                 lowest[position - 1] = min(lowest[position - 1], step)
@@ -205,7 +206,7 @@ def morph_table(
     if chosen is not None and chosen[1].devices <= counts[-1]:
         count = counts[int(np.searchsorted(counts, chosen[1].devices))]
         held = best.get(count)
-        if held is not None and held[1].devices == chosen[1].devices and chosen[0] <= held[0] * (1 + _TIE):
+        if held is not None and held[1].devices == chosen[1].devices and tied(chosen[0]) <= tied(held[0]):
             best[count] = chosen
     exact_counts = set(pool.devices.tolist())
     entries: list[MorphEntry] = []
@@ -215,7 +216,7 @@ def morph_table(
     for count in counts[counts.index(first):]:
         # More devices only when faster beyond rounding: the step times come from different
         # evaluation orders (waves, skipped cycles), and a tie must keep the smaller job.
-        if count in best and best[count][0] < running[0] * (1 - _TIE):
+        if count in best and tied(best[count][0]) < tied(running[0]):
             running = best[count]
         spec = running[1]
         if spec.key not in candidates:
