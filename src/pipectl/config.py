@@ -169,7 +169,7 @@ class ConfigFile:
         """`_beside(value)`; in a user's file, a path that names nothing there is refused naming the
         key and the value as written, beside where it was looked for (every path key is an input)."""
         found = self._beside(value)
-        if not self.stored and found != value and not Path(found).exists():
+        if not self.stored and found != value and not Path(found).exists() and _looks_like_path(value):
             raise UserInputError(f"{self.where(model, field.name)} = {value!r}: no such file (looked for {found})",
                                  hint=f"a relative path is taken from the folder of {self.path}")
         return found
@@ -236,7 +236,10 @@ def read_config(path: str | os.PathLike[str], models: Iterable[type[BaseModel]])
     if not isinstance(data, dict):
         raise UserInputError(f"{path} must hold sections ([training], [cluster], ...), found {type(data).__name__}")
     kind = artifact_kind(data)
-    if kind is not None:  # a model config or a profile in its place: named, not its first key misplaced
+    config_keys = set(known).union(*known.values())
+    if kind is not None and not ARTIFACT_KINDS[kind][1] <= config_keys:
+        # Another file in its place (a model config, a profile, a plan), named; not a config file whose
+        # key slipped above its section (`devices = 4`: the keys a device catalog is told by).
         raise UserInputError(f"{path} is {ARTIFACT_KINDS[kind][0]}, not a config file",
                              hint="a config file holds sections ([model], [cluster], [training], ...): "
                                   "pipectl launch PLAN --print-config writes one")

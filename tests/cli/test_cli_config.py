@@ -350,8 +350,17 @@ def test_a_config_file_is_never_replaced_nor_mistaken_and_its_missing_paths_name
 
     mistaken = pipectl("plan", "--config", "profile.json", cwd=tmp_path)
     assert mistaken.returncode == 2 and "profile.json is a profile (pipectl profile), not a config file" in mistaken.stderr
-
+    # A config whose key slipped above its section is still one (`devices` also tells a device catalog).
+    (tmp_path / "top.toml").write_text("devices = 4\n[training]\nglobal_batch = 8\n")
+    slipped = pipectl("plan", "--config", "top.toml", cwd=tmp_path)
+    assert slipped.returncode == 2 and "top.toml: devices = 4 is outside any section" in slipped.stderr, slipped.stderr
+    # A bare name stays a name even where the working directory holds a folder of that name.
+    (tmp_path / "local").mkdir()
     (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "named.toml").write_text(config.replace('"profile.json"', '"../profile.json"'))
+    named = pipectl("plan", "--config", "conf/named.toml", "-o", "named.json", cwd=tmp_path)
+    assert "no such file" not in named.stderr, named.stderr
+
     (tmp_path / "conf" / "job.toml").write_text(config.replace('"profile.json"', '"../nosuch.json"'))
     missing = pipectl("plan", "--config", "conf/job.toml", "-o", "plan.json", cwd=tmp_path)
     said = " ".join(missing.stderr.split())
