@@ -84,7 +84,8 @@ def test_an_elastic_relaunch_on_another_layout_is_recorded_once(tmp_path):
     # As rank 0 does it: its resume record first (steps past 10 are abandoned for the run's readers),
     # then the morph, whose downtime still runs from the last step trained on the old layout.
     write_resume(tmp_path, ResumeRecord(step=10, tag="step00000010", time_unix=1019.0))
-    record = record_layout_change(tmp_path, now_unix=1020.0, **kwargs)
+    # The launcher started before the old layout's last step: the group was re-formed within it.
+    record = record_layout_change(tmp_path, now_unix=1020.0, launched_unix=1000.0, **kwargs)
     assert record.trigger.value == "elastic" and record.from_layout == "t1p2d1 1f1b b2 m4"
     assert record.requested_unix == 1012.0 and record.relaunched_unix == 1020.0
     assert "steps after 10 are trained again" in record.notes[0]
@@ -103,7 +104,7 @@ def test_a_person_resuming_with_another_plan_is_recorded_as_that_and_timed_from_
     writer = MetricsWriter(tmp_path, rank=0)
     writer.write(metrics(16, 1016.0, "t1p1d1 1f1b b8 m2"))
     kwargs = dict(to_layout="t1p2d1 1f1b b8 m2", to_devices=2, global_batch=16, resume_step=16, target_steps=20)
-    record = record_layout_change(tmp_path, now_unix=1250.0, elastic_restart=False, **kwargs)
+    record = record_layout_change(tmp_path, now_unix=1250.0, launched_unix=1240.0, **kwargs)
     assert record.trigger.value == "resume" and record.plan_source == "chosen"
     assert record.requested_unix == record.relaunched_unix == 1250.0
     assert record.notes == ["launched again with --resume and a plan of another layout: 1 -> 2 ranks"]
@@ -132,3 +133,15 @@ def test_a_relaunch_already_recorded_by_resize_is_not_recorded_again(tmp_path):
     assert record_layout_change(
         tmp_path / "empty", to_layout="x", to_devices=1, global_batch=8, resume_step=0, target_steps=1
     ) is None
+
+
+def test_a_rank_knows_when_its_launcher_started():
+    """What tells an elastic re-formation (within one launch) from a resume (a new launch)."""
+    import os
+    import time
+
+    import psutil
+
+    from pipectl.runtime.worker import _launcher_started_unix
+
+    assert _launcher_started_unix() == psutil.Process(os.getppid()).create_time() <= time.time()

@@ -136,17 +136,18 @@ def record_layout_change(
     resume_step: int,
     target_steps: int,
     now_unix: float | None = None,
-    elastic_restart: bool = True,
+    launched_unix: float | None = None,
 ) -> MorphRecord | None:
     """For rank 0 of a (re)started job, after loading its checkpoint: record a morph no resize did.
 
     When the last step in metrics.jsonl ran on another layout and no resize already recorded this
-    relaunch, either the elastic engine re-formed the group (`elastic_restart`: a node left or
+    relaunch, either the elastic engine re-formed the group within this launch (the old layout's
+    last step came after `launched_unix`, when this start's launcher started: a node left or
     joined), and the downtime runs from the last step completed on the old layout to the first on
     the new one (failure detection, re-rendezvous, restart, checkpoint load); or a person launched
-    the run again with `--resume` and a plan of another layout, which is recorded as that, timed
-    from this start (the time between the two launches was nobody's downtime). Returns the record,
-    or None.
+    the run again with `--resume` and a plan of another layout (its last step came before this
+    launch), which is recorded as that, timed from this start (the time between the two launches
+    was nobody's downtime). Without `launched_unix`: elastic. Returns the record, or None.
     """
     metrics = read_metrics(run_dir, as_resumed=False)  # this start's resume record is written: the old steps count
     last = newest_step(metrics)
@@ -158,7 +159,7 @@ def record_layout_change(
     if records and records[-1].to_layout == to_layout and (records[-1].relaunched_unix or 0) >= last.time_unix:
         return None  # `pipectl resize` relaunched it and recorded it already
     now = time.time() if now_unix is None else now_unix
-    if not elastic_restart:
+    if launched_unix is not None and last.time_unix < launched_unix:
         again = f"; steps after {resume_step} are trained again" if resume_step < last.step else ""
         record = MorphRecord(
             trigger=MorphTrigger.RESUME, requested_unix=now, requested_devices=to_devices, from_devices=last.world_size,

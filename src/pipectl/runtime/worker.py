@@ -65,6 +65,17 @@ from pipectl.runtime.step_metrics import StepRecord, grad_norm_of, learning_rate
 log = logging.getLogger(__name__)
 
 
+def _launcher_started_unix() -> float | None:
+    """When the process that started this rank (torchrun's agent, DeepSpeed's launcher) started:
+    an elastic agent outlives its workers' restarts, a new launch starts a new one. None if unknown."""
+    try:
+        import psutil
+
+        return psutil.Process(os.getppid()).create_time()
+    except Exception:  # noqa: BLE001 - a parent gone or unreadable: unknown, as without it
+        return None
+
+
 @dataclass
 class TrainResult:
     """A rank's view of a training run."""
@@ -337,8 +348,8 @@ class _Session:
                     time_unix=time.time(),
                 ),
             )
-            # An elastic engine may have re-formed the group on another layout, or a person resumed
-            # with another plan (the launcher's first start: torchrun counts its restarts): recorded.
+            # An elastic engine may have re-formed the group on another layout (within this launch),
+            # or a person resumed with another plan: recorded, told apart by when the launcher started.
             record_layout_change(
                 job.run_dir,
                 to_layout=layout.label(),
@@ -346,7 +357,7 @@ class _Session:
                 global_batch=layout.global_batch,
                 resume_step=self.step,
                 target_steps=job.steps,
-                elastic_restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0,
+                launched_unix=_launcher_started_unix(),
             )
 
     def _start_checkpointer(self) -> None:
