@@ -167,3 +167,23 @@ def test_an_unknown_key_at_any_depth_is_named_with_its_likely_spelling():
         with pytest.raises(ArtifactError) as caught:
             parse_model(ClusterSpec, {"schema_version": 1, **data}, source="c.yaml")
         assert caught.value.message == f"c.yaml: {said}"
+
+
+def test_a_yaml_value_that_is_no_date_is_an_error_naming_the_file(tmp_path):
+    """`when: 2024-13-01` reads as a date that is none: PyYAML raised a ValueError (a traceback)."""
+    path = tmp_path / "m.yaml"
+    path.write_text("name: x\nwhen: 2024-13-01\n")
+    with pytest.raises(ArtifactError, match=r"m.yaml holds a value YAML cannot read: month must be in 1..12"):
+        read_mapping(path)
+
+
+def test_the_run_a_path_lies_in_is_found_through_a_link_and_named_without_dots(tmp_path):
+    from pipectl.artifacts.run import JOB_FILE, run_holding
+
+    run = tmp_path / "data" / "r1"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / JOB_FILE).write_text("{}")
+    (tmp_path / "link").symlink_to(run / "checkpoints")
+    assert run_holding(tmp_path / "link" / ".." / "logs" / "x.json") is not None  # where the write would land: r1
+    (tmp_path / "cfg").mkdir()
+    assert run_holding(tmp_path / "cfg" / ".." / "data" / "r1" / "logs" / "x.json") == run

@@ -116,6 +116,10 @@ def read_mapping(path: str | os.PathLike[str]) -> dict[str, Any]:
         data = json.loads(text) if path.suffix == ".json" else safe_load_yaml(text)
     except (yaml.YAMLError, json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ArtifactError(f"{path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {parse_error(exc)}") from None
+    except ValueError as exc:  # a value YAML reads as a date or number that is none (`when: 2024-13-01`)
+        raise ArtifactError(f"{path} holds a value YAML cannot read: {exc}") from None
+    except OSError as exc:  # unreadable (permissions), a folder behind the name
+        raise ArtifactError(f"cannot read {path}: {exc.strerror or exc}") from None
     except RecursionError:
         raise ArtifactError(f"{path} is nested too deeply to be one of pipectl's files") from None
     if data is None:

@@ -83,9 +83,11 @@ def is_run_file(path: str | os.PathLike[str]) -> bool:
 
 
 def run_holding(folder: str | os.PathLike[str]) -> Path | None:
-    """The run directory `folder` lies inside (not `folder` itself: an ancestor holding a job.json), or None;
-    without `..` (it is printed: `cfg/../qs/runs/mine` is `qs/runs/mine`)."""
-    return next((above for above in Path(os.path.abspath(folder)).parents if (above / JOB_FILE).is_file()), None)
+    """The run directory `folder` lies inside (not `folder` itself: an ancestor holding a job.json), or None.
+    Walked up from the path as given (a `..` after a link leads where the link's target does), and
+    returned without the `..` it passed (`cfg/../qs/runs/mine` is named `qs/runs/mine`)."""
+    above = next((above for above in Path(folder).absolute().parents if (above / JOB_FILE).is_file()), None)
+    return None if above is None else Path(os.path.normpath(above))
 
 
 class Engine(str, Enum):

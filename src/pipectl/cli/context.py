@@ -82,7 +82,7 @@ def refuse_overwriting(
     """`-o` names neither a file this command reads (`inputs`, by what each is) nor a run
     directory's own file (`artifacts.run.is_run_file`): writing it would replace what this
     command, or a run, reads. Nor, where the command says what it `writes` (an `ARTIFACT_KINDS`
-    key), a pipectl file of another kind (`profile links -o profile.json` replaced a measured
+    key), a pipectl file (.json, .yaml) of another kind (`profile links -o profile.json` replaced a measured
     profile): a file of the same kind is replaced, as a command run again would. Checked before
     any work."""
     for what, source in inputs.items():
@@ -90,7 +90,7 @@ def refuse_overwriting(
             raise UserInputError(f"-o {output} is the {what} this command reads; write the result elsewhere")
     if is_run_file(output):
         raise UserInputError(f"-o {output} is a file of the run in {run_holding(output)}; write the result elsewhere")
-    if writes is not None and output.is_file():
+    if writes is not None and output.is_file() and output.suffix.lower() in (".json", ".yaml", ".yml"):
         try:
             found = artifact_kind(read_mapping(output))
         except PipectlError:  # not a file of ours (or not readable as one): replaced as before
