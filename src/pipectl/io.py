@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from pipectl.errors import ArtifactError, PipectlError, UserInputError
+from pipectl.words import count
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
@@ -330,7 +331,7 @@ def parse_model(model_type: type[ModelT], data: dict[str, Any], *, source: str) 
             strange = sorted(data.keys() - set(model_type.model_fields))
             raise ArtifactError(
                 f"{source} is not {expected[0]}: it has no {' or '.join([', '.join(own[:-1]), own[-1]] if len(own) > 1 else own)} "
-                f"key, and {len(strange)} keys one does not have "
+                f"key, and {count(len(strange), 'key')} one does not have "
                 f"({', '.join(strange[:4])}{', ...' if len(strange) > 4 else ''})"
             ) from None
         raise ArtifactError(f"{source}: {validation_message(exc, model=model_type)}") from exc

@@ -84,7 +84,7 @@ def register(app: typer.Typer) -> None:
             bool, typer.Option("--dry-run", help="Validate and print the config and command; write and run nothing.")
         ] = False,
         timeout: Annotated[
-            Optional[float], typer.Option(min=1.0, help="Stop the job after this many seconds.")
+            Optional[float], typer.Option(min=1.0, help="Stop the job after this many seconds, at a checkpoint; exit 124 (as timeout does).")
         ] = None,
         json_output: JsonFlag = False,
     ) -> None:
@@ -292,7 +292,7 @@ def _job_ended(
 ) -> None:
     """pipectl ended the job: at its --timeout with every rank at a checkpoint, a stop as asked
     (`_stopped_by_timeout`); else a failure, said with the reason and the engine's log."""
-    if isinstance(ended, TimedOut) and stopped_cleanly(
+    if isinstance(ended, TimedOut) and not run_status(prepared.run_dir).finished and stopped_cleanly(
         read_heartbeats(prepared.run_dir, since_unix=started - 1.0), prepared.job.world_size
     ) is not None:
         _stopped_by_timeout(prepared, plan_path, run_dir, ended, described)
@@ -318,12 +318,18 @@ def _stopped_by_timeout(
         print_json({**described, "exit_code": TIMED_OUT_EXIT, "timed_out": ended.message, "status": status.to_dict()})
     else:
         console.print(status_table(report, brief=True))
-        console.print(
-            f"stopped at step {status.steps_done} of {prepared.job.steps}: {ended.message}; checkpoint written; "
-            f"continue with: pipectl launch {quote(str(plan_path))} --run-dir {quote(str(run_dir))} --resume",
-            markup=False, highlight=False,
-        )
+        console.print(f"stopped at step {status.steps_done} of {prepared.job.steps}: {ended.message}; checkpoint "
+                      f"written; continue with: {_continue_command(status, prepared, plan_path, run_dir)}",
+                      markup=False, highlight=False)  # fmt: skip
     raise typer.Exit(TIMED_OUT_EXIT)
+
+
+def _continue_command(status: RunStatus, prepared: PreparedLaunch, plan_path: Path, run_dir: Path) -> str:
+    """The launch that continues a stopped run: with the run's own plan where a live resize moved it
+    while it trained (the plan launched would move it back)."""
+    moved = layout_label(status.plan.chosen) != layout_label(prepared.plan.chosen)
+    plan = run_dir / status.job.plan_file if moved else plan_path
+    return f"pipectl launch {quote(str(plan))} --run-dir {quote(str(run_dir))} --resume"
 
 
 def _metrics_bytes(run_dir: Path) -> int:
@@ -346,11 +352,9 @@ def _say_how_to_go_on(status: RunStatus, prepared: PreparedLaunch, plan_path: Pa
         console.print(f"stopped at step {status.steps_done} for pipectl resize, which starts the job again in its new "
                       f"layout; follow it with: pipectl status {quote(str(run_dir))} --follow")  # fmt: skip
     elif status.stopped is not None:  # not a run that trained every step short of its checkpoints: the table says
-        moved = layout_label(status.plan.chosen) != layout_label(prepared.plan.chosen)
-        plan = run_dir / status.job.plan_file if moved else plan_path
         console.print(
             f"stopped at step {status.steps_done} of {prepared.job.steps} (signal or stop request), "
-            f"checkpoint written; continue with: pipectl launch {quote(str(plan))} --run-dir {quote(str(run_dir))} --resume"
+            f"checkpoint written; continue with: {_continue_command(status, prepared, plan_path, run_dir)}"
         )
 
 

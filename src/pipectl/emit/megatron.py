@@ -122,12 +122,14 @@ def overlap_arguments(target: Target) -> list[list[str]]:
     if features is None:
         return []
     arguments = []
-    if features.tensor_parallel_overlap and c.tensor_parallel > 1:
+    # (priced inside a node only: `plan.costs` gives a tensor group across nodes no overlap)
+    if features.tensor_parallel_overlap and 1 < c.tensor_parallel <= target.origin.devices_per_node:
         arguments.append(["--tp-comm-overlap"])
     if features.gradient_reduce_overlap and c.data_parallel > 1:
         arguments.append(["--overlap-grad-reduce"])
-    if features.parameter_gather_overlap and c.data_parallel > 1 and c.zero_stage == 1:
-        arguments.append(["--overlap-param-gather"])
+        # Megatron takes the gather's overlap only with the reduce's, and so does the pricing.
+        if features.parameter_gather_overlap and c.zero_stage == 1:
+            arguments.append(["--overlap-param-gather"])
     return arguments
 
 
