@@ -89,6 +89,7 @@ def test_the_time_limits_signal_requeues_the_job_and_it_resumes_with_the_same_lo
     (stopped, finished) = read_requeues(run)
     assert stopped.outcome is RequeueOutcome.REQUEUED and stopped.exit_code == 0 and stopped.restart_count == 0
     assert "with checkpoint step" in stopped.ended and stopped.checkpoint_step == stopped.steps_done < STEPS
+    assert stopped.ended.endswith("(time limit in 120 s (Slurm USR1))"), stopped.ended  # its own words, not a resize's
     assert finished.outcome is RequeueOutcome.FINISHED and finished.restart_count == 1 and finished.steps_done == STEPS
     assert f"requeued: it resumes from checkpoint step {stopped.checkpoint_step}" in output
 

@@ -30,6 +30,7 @@ from pipectl.artifacts.cluster import SlurmSpec
 from pipectl.artifacts.run import JOB_FILE, LOGS_DIR, REQUEUE_FILE, RequeueOutcome, RequeueRecord
 from pipectl.errors import PipectlError
 from pipectl.launch.options import check_stored_options
+from pipectl.rundir.checkpoints import RESIZE_STOP
 from pipectl.rundir.status import run_status
 from pipectl.words import count
 
@@ -69,8 +70,13 @@ def decide(run_dir: str | os.PathLike[str], exit_code: int, limit: int, *, now: 
         ended = f"trained all {status.job.steps} steps"
         return RequeueRecord(**record, ended=ended, outcome=RequeueOutcome.FINISHED)
     stopped = status.stopped
+    if stopped is not None and stopped[1] == RESIZE_STOP:  # `pipectl resize` starts it again, as another job
+        ended = f"stopped after step {done} with checkpoint step {stopped[0]} for pipectl resize"
+        return RequeueRecord(**record, ended=ended, outcome=RequeueOutcome.STOPPED,
+                             reason="pipectl resize starts the run again in its new layout")
     if stopped is not None:
-        ended = f"stopped after step {done} with checkpoint step {stopped[0]} (the time limit's signal or a pre-emption)"
+        why = stopped[1] if stopped[1] and stopped[1] != "another rank" else "the time limit's signal or a pre-emption"
+        ended = f"stopped after step {done} with checkpoint step {stopped[0]} ({why})"
     else:
         ended = f"failed (srun exit {exit_code}) after step {done}; newest checkpoint step {checkpoint}"
     stalled = without_progress(status.requeues, checkpoint)

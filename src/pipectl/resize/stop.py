@@ -32,6 +32,7 @@ from pipectl.errors import LaunchError
 from pipectl.rundir.processes import RunProcess, find_run_processes, is_alive
 from pipectl.rundir.lock import lock_holder
 from pipectl.rundir.heartbeats import live_ranks, pid_alive, read_heartbeats
+from pipectl.rundir.checkpoints import RESIZE_STOP
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,7 @@ class StopOutcome:
 def request_stop(run_dir: str | os.PathLike[str], stop_file: str) -> Path:
     """Create RUN/<stop_file>: the ranks stop at their next step boundary, after a checkpoint."""
     stop_path = Path(run_dir) / stop_file
-    stop_path.write_text(f"requested at {time.time():.3f} by pid {os.getpid()}\n")
+    stop_path.write_text(f"{RESIZE_STOP}: requested at {time.time():.3f} by pid {os.getpid()}\n")
     return stop_path
 
 

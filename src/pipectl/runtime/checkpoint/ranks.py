@@ -38,6 +38,20 @@ log = logging.getLogger(__name__)
 # --------------------------------------------------------------------------- collective helpers
 
 
+def stop_file_reason(path: Path) -> str:
+    """Why RUN/stop_requested asks the ranks to stop, from its first line: `pipectl resize` writes
+    `RESIZE_STOP` (an earlier version, 'requested at ...'); a Slurm job's time-limit trap its own
+    words ('time limit in 120 s (Slurm USR1)'), which the requeue step tells from a resize's."""
+    try:
+        first = path.read_text(errors="replace").strip().splitlines()[:1]
+    except OSError:  # removed between the check and the read: a resize's, as any other
+        first = []
+    text = first[0].strip() if first else ""
+    if not text or text.startswith(RESIZE_STOP) or text.startswith("requested at"):
+        return RESIZE_STOP
+    return text[:200]
+
+
 def unloadable_problem(info: CheckpointInfo) -> str | None:
     """Why a verified checkpoint cannot be read back, or None when it can.
 
@@ -298,7 +312,7 @@ def step_boundary(
     import torch.distributed as dist
 
     if run_dir is not None and (Path(run_dir) / STOP_FILE).exists():
-        flag.set(RESIZE_STOP)
+        flag.set(stop_file_reason(Path(run_dir) / STOP_FILE))
     votes = torch.tensor(
         [1.0 if flag.is_set() else 0.0, 1.0 if checkpoint_due else 0.0, float(resize), 1.0 if preparing else 0.0]
     )
