@@ -474,7 +474,7 @@ def _slurm_header(job: JobSpec, run_dir: Path, gpus: bool, signal_seconds: int, 
         "#!/bin/bash",
         f"# Written by pipectl launch for run {job.name}: {count(job.world_size, 'rank')}, {count(job.nodes, 'node')} x "
         f"{ranks}, {job.precision.value}. Submit: sbatch {run_dir / SBATCH_FILE}",
-        f"# It requeues itself {signal_seconds} s before its time limit and after a failure that made progress "
+        f"# It requeues itself {signal_seconds} s before its time limit and after a failure "
         f"(at most {count(requeue_limit, 'time')} in a row without a newer checkpoint): {log}"
         if requeue_limit
         else f"# It checkpoints and stops {signal_seconds} s before its time limit and does not requeue itself "

@@ -78,7 +78,8 @@ def decide(run_dir: str | os.PathLike[str], exit_code: int, limit: int, *, now: 
         why = stopped[1] if stopped[1] and stopped[1] != "another rank" else "the time limit's signal or a pre-emption"
         ended = f"stopped after step {done} with checkpoint step {stopped[0]} ({why})"
     else:
-        ended = f"failed (srun exit {exit_code}) after step {done}; newest checkpoint step {checkpoint}"
+        newest = f"newest checkpoint step {checkpoint}" if checkpoint else "no checkpoint yet"
+        ended = f"failed (srun exit {exit_code}) after step {done}; {newest}"
     stalled = without_progress(status.requeues, checkpoint)
     if limit == 0:
         reason = "requeue_limit is 0: the job does not requeue itself"
