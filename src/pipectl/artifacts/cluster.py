@@ -150,7 +150,7 @@ class SlurmSpec(Strict):
         default=None,
         pattern=SLURM_VALUE,
         description="The Python on the compute nodes with pipectl installed (default: 'python' from the set-up "
-        "lines, or without them the one running launch).",
+        "lines or in the container, or without either the one running launch).",
     )
     setup: list[str] | None = Field(
         default=None,

@@ -50,7 +50,7 @@ from pipectl.artifacts.run import (
 )
 from pipectl.errors import LaunchError, UserInputError
 from pipectl.rundir.processes import WORKER_MODULE
-from pipectl.paths import MODEL_PATH_VARIABLE
+from pipectl.paths import HF_PREFIX, MODEL_PATH_VARIABLE
 from pipectl.rundir.checkpoints import STOP_FILE
 from pipectl.runtime.engines.dsinit import cuda_available
 from pipectl.words import count
@@ -294,7 +294,8 @@ def slurm_script(
     (`launch.placement`). c10d's rendezvous would number the nodes by host name instead.
     """
     slurm = slurm or SlurmSpec()
-    python = slurm.python or ("python" if slurm.setup else python)
+    # Inside a container the login node's venv is not there: its own `python`, as after set-up lines.
+    python = slurm.python or ("python" if slurm.setup or slurm.container_image else python)
     groups = job.node_groups
     if any(c.isspace() for c in str(run_dir)):
         raise UserInputError(
@@ -366,7 +367,7 @@ def slurm_script(
                          python, "-m", REQUEUE_MODULE, "--run-dir", str(run_dir), "--limit", str(requeue_limit)])  # fmt: skip
     stop_file = shlex.quote(str(run_dir / STOP_FILE))
     lines = [
-        *_slurm_header(job, run_dir, gpus, signal_seconds, requeue_limit),
+        *_slurm_header(job, run_dir, gpus, signal_seconds, requeue_limit, slurm),
         f"#SBATCH --job-name={job.name}",
         f"#SBATCH --output={run_dir / LOGS_DIR}/slurm-%j.out",
         "#SBATCH --open-mode=append",
@@ -424,6 +425,17 @@ def _slurm_rank_environment(job: JobSpec, slurm: SlurmSpec, gpus: bool) -> dict[
     return env
 
 
+def unmounted_files(job: JobSpec, slurm: SlurmSpec, run_dir: Path) -> list[str]:
+    """The job's model and data files a container would not see: outside the run directory and
+    every host side of `container_mounts`; [] without a container."""
+    if not slurm.container_image:
+        return []
+    mounted = [run_dir, *(Path(mount.split(":", 1)[0]) for mount in slurm.container_mounts or [])]
+    files = [job.model.removeprefix(HF_PREFIX) if Path(job.model.removeprefix(HF_PREFIX)).is_absolute() else None,
+             job.data.path]
+    return [f for f in files if f and not any(Path(f).is_relative_to(folder) for folder in mounted)]
+
+
 def _container_options(slurm: SlurmSpec, run_dir: Path) -> list[str]:
     """srun's options that run a step in the cluster file's container, the run directory mounted; [] without one."""
     if not slurm.container_image:
@@ -466,7 +478,9 @@ def _slurm_setup(slurm: SlurmSpec, python: str) -> list[str]:
     return [f"# TODO set-up unset (slurm.setup: module loads, a venv or conda activation): the nodes run {python}"]
 
 
-def _slurm_header(job: JobSpec, run_dir: Path, gpus: bool, signal_seconds: int, requeue_limit: int) -> list[str]:
+def _slurm_header(
+    job: JobSpec, run_dir: Path, gpus: bool, signal_seconds: int, requeue_limit: int, slurm: SlurmSpec
+) -> list[str]:
     """The script's first lines: what it runs, how to submit it, and what it does at its time limit."""
     log = run_dir / LOGS_DIR / REQUEUE_FILE
     ranks = count(job.ranks_per_node, "GPU rank" if gpus else "CPU rank")
@@ -479,6 +493,8 @@ def _slurm_header(job: JobSpec, run_dir: Path, gpus: bool, signal_seconds: int, 
         if requeue_limit
         else f"# It checkpoints and stops {signal_seconds} s before its time limit and does not requeue itself "
         f"(slurm requeue_limit 0): {log}",
+        *(f"# TODO {path} is outside the container's mounts (the run directory, slurm.container_mounts): "
+          "mount its folder" for path in unmounted_files(job, slurm, run_dir)),
     ]
 
 
