@@ -47,3 +47,30 @@ def test_a_stop_for_a_resize_ends_the_job_and_a_time_limits_requeues_it(tmp_path
 def test_the_stop_file_says_who_asked(tmp_path, text, reason):
     (tmp_path / STOP_FILE).write_text(text)
     assert stop_file_reason(tmp_path / STOP_FILE) == reason
+
+
+def test_the_requeue_row_counts_only_requeues_that_happened():
+    """'finished after being requeued 0 times', 'requeued 3 times, then not again: requeued 3 times
+    in a row ...': said as what happened, once."""
+    import tempfile
+
+    from pipectl.artifacts.run import RequeueRecord
+    from pipectl.launch.requeue import record
+    from pipectl.report.run_tables import requeue_text
+    from pipectl.rundir.status import run_status
+
+    def entry(outcome, reason=""):
+        return RequeueRecord(time_unix=0, exit_code=1, steps_done=0, checkpoint_step=0, ended="failed",
+                             outcome=outcome, reason=reason)
+
+    with tempfile.TemporaryDirectory() as folder:
+        run = make_run(Path(folder))
+        record(run, entry(RequeueOutcome.FINISHED))
+        assert requeue_text(run_status(run)).plain == "finished"
+    with tempfile.TemporaryDirectory() as folder:
+        run = make_run(Path(folder))
+        for _ in range(3):
+            record(run, entry(RequeueOutcome.REQUEUED))
+        record(run, entry(RequeueOutcome.STOPPED, "requeued 3 times in a row without getting past checkpoint step 0: not again"))
+        assert requeue_text(run_status(run)).plain == (
+            "not requeued again: requeued 3 times in a row without getting past checkpoint step 0: not again")

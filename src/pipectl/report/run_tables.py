@@ -74,7 +74,11 @@ def requeue_text(status: RunStatus) -> Text:
     if last.outcome is RequeueOutcome.REQUEUED:
         return Text(f"requeued {times}: the last start {last.ended}; it resumes from checkpoint step {last.checkpoint_step}")
     if last.outcome is RequeueOutcome.FINISHED:
-        return Text(f"finished after being requeued {times}")
+        return Text(f"finished after being requeued {times}" if status.requeue_count else "finished")
+    if not status.requeue_count:
+        return Text(f"not requeued: {last.reason}", style="yellow")
+    if last.reason.startswith("requeued "):  # the reason counts the requeues itself
+        return Text(f"not requeued again: {last.reason}", style="yellow")
     return Text(f"requeued {times}, then not again: {last.reason}", style="yellow")
 
 

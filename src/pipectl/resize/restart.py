@@ -160,7 +160,7 @@ def decide_resize(
     nodes = resized_nodes(job, choice.candidate, run_cluster(files.plan, job) if job.engine is Engine.SLURM else None)
     if nodes != job.nodes and job.engine is Engine.SLURM:
         per_node = choice.candidate.devices // nodes
-        notes.append(f"the Slurm job is written anew for {nodes} nodes x {per_node} ranks "
+        notes.append(f"the Slurm job is written anew for {count(nodes, 'node')} x {count(per_node, 'rank')} "
                      f"(was {job.nodes} x {job.ranks_per_node})")  # fmt: skip
     check_steps_beyond_trained(files.path, target_steps, job.steps, given=steps is not None, metrics=metrics)
     last = newest_step(metrics)
@@ -600,8 +600,7 @@ def _rewrite_and_relaunch(
     if not relaunch or not prepared.command.runnable_here:
         append_record(path, record)
         if relaunch and submit and prepared.job.engine is Engine.SLURM:
-            result.submitted_job = submit_slurm(path)
-            say(f"submitted Slurm job {result.submitted_job}")
+            result.submitted_job = submit_slurm(path)  # said once, by the caller
         else:
             result.submit_hint = prepared.command.submit_hint
         return result
