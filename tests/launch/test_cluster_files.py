@@ -149,6 +149,20 @@ def test_fewer_nodes_than_the_ranks_need_are_refused_by_the_value_given(monkeypa
         assert caught.value.hint.startswith("give 8 ")
 
 
+def test_a_hostfile_of_fewer_nodes_than_the_ranks_need_is_refused_as_hosts_are(monkeypatch, tmp_path):
+    """A hostfile's slots were checked against the ranks per node, but not the node's devices: one
+    node of slots=64 for 64 ranks on 8-GPU nodes passed."""
+    hostfile = tmp_path / "hosts.txt"
+    hostfile.write_text("n1 slots=64\n")
+    monkeypatch.chdir("/")
+    plan = gpt3_plan(devices=64, t=8, p=8, d=1, cluster="a100-8x8")
+    with pytest.raises(UserInputError) as caught:
+        prepare_launch(plan, RUN, LaunchOptions(engine=Engine.DEEPSPEED, hostfile=str(hostfile), precision=Precision.BF16,
+                                                **AT_SCALE), write=False)  # fmt: skip
+    assert caught.value.message == (f"--hostfile {hostfile}: 64 of the plan's 64 ranks on each node, but each a100-80gb "
+                                    "node of cluster 'a100-8x8' holds 8")
+
+
 def test_a_local_launch_of_more_gpus_than_a_node_holds_is_refused_even_as_a_dry_run(monkeypatch):
     # Engine local starts every rank on this one machine: 64 A100 ranks on a cluster of 8-GPU nodes
     # cannot run there, which a dry run (it skips the checks of this host's GPUs) also says.
@@ -494,8 +508,8 @@ def test_a_hostfile_in_deepspeeds_format_names_the_nodes_and_the_head(monkeypatc
         argv = prepared.command.argv
         if engine is Engine.TORCHRUN:
             assert argv[argv.index("--rdzv_endpoint") + 1] == f"node000:{prepared.job.master_port}"
-    (tmp_path / "hosts").write_text("node1 slots=4\nnode2 slots=8\n")
-    with pytest.raises(UserInputError, match="gives node1 slots=4; the plan runs 32 ranks on each node"):
+    (tmp_path / "hosts").write_text("node1 slots=4\n" + "".join(f"node{i:03d} slots=8\n" for i in range(7)))
+    with pytest.raises(UserInputError, match="gives node1 slots=4; the plan runs 8 ranks on each node"):
         prepare_launch(plan, RUN, LaunchOptions(engine=Engine.TORCHRUN, hostfile="hosts", precision=Precision.BF16, **AT_SCALE), write=False)
     (tmp_path / "hosts").write_text("node1 8\n")
     with pytest.raises(ValueError, match="line 1 is not 'host slots=N'"):

@@ -353,8 +353,9 @@ def job_nodes(plan: Plan, options: LaunchOptions, cluster: ClusterSpec | None, g
         nodes = -(-devices // max(per_node))
     if devices % nodes:
         raise UserInputError(f"the plan's {count(devices, 'rank')} cannot be split evenly over {count(nodes, 'node')}")
-    # A hostfile's slots are checked apart; local CPU ranks are as many as asked, GPUs as a node holds.
-    fewer = not options.hostfile and (options.engine is not Engine.LOCAL or plan_accelerator(plan, cluster) == "cuda")
+    # Local CPU ranks are as many as asked, GPUs as a node holds (a hostfile's slots too: they are
+    # checked against the ranks per node apart, `check_hostfile_slots`).
+    fewer = options.engine is not Engine.LOCAL or plan_accelerator(plan, cluster) == "cuda"
     if fewer and per_node and devices // nodes > max(per_node):
         # More ranks than a node has devices: every node would start that many processes on its
         # GPUs (a hostfile of 'slots=1512', torchrun's --nproc_per_node 1512).
@@ -365,7 +366,7 @@ def job_nodes(plan: Plan, options: LaunchOptions, cluster: ClusterSpec | None, g
                 f"engine local starts the plan's {count(devices, 'rank')} on this one node, {held}",
                 hint=f"launch on {needed} nodes with --engine slurm or torchrun (--dry-run shows their files)",
             )
-        name = "hosts" if options.hosts else "elastic" if options.elastic else "nodes"
+        name = "hostfile" if options.hostfile else "hosts" if options.hosts else "elastic" if options.elastic else "nodes"
         raise UserInputError(
             f"{given(options, name)}: {devices // nodes} of the plan's {count(devices, 'rank')} on each node, {held}",
             hint=f"give {needed} {'hosts' if options.hosts else 'nodes'}"
