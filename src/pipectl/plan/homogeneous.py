@@ -28,7 +28,7 @@ from pipectl.artifacts.plan import Candidate, Engine, ModelShape, Objective, Pla
 from pipectl.artifacts.profile import ModelProfile
 from pipectl.errors import InfeasibleError, UserInputError
 from pipectl.plan.candidates import Rejection, Rejections, Spec, tied
-from pipectl.plan.costs import Hardware
+from pipectl.plan.costs import TRANSFORMER_BLOCK, Hardware
 from pipectl.plan.placement import tensor_parallel_placeable
 from pipectl.plan.evaluate import Evaluator
 from pipectl.plan.frameworks import check_framework_request
@@ -71,8 +71,8 @@ def check_request(request: PlanRequest, profile: ModelProfile, hardware: Hardwar
         raise UserInputError(f"--devices {request.devices} is more than the cluster's {count(hardware.devices, kind)}")
     layers = len(profile.layers)
     if request.pipeline_parallel is not None and request.pipeline_parallel > layers:
-        blocks = sum(layer.kind == "transformer_block" for layer in profile.layers)
-        others = [layer.kind for layer in profile.layers if layer.kind != "transformer_block"]
+        blocks = sum(layer.kind == TRANSFORMER_BLOCK for layer in profile.layers)
+        others = [layer.kind for layer in profile.layers if layer.kind != TRANSFORMER_BLOCK]
         parts = f" ({', '.join([count(blocks, 'transformer block'), *others])})" if blocks and others else ""
         raise UserInputError(  # the blocks are what a user counts as the model's layers; a stage holds one or more
             f"pipeline-parallel degree {request.pipeline_parallel} exceeds the model's {count(layers, 'layer')}{parts}: "
