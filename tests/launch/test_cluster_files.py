@@ -514,3 +514,21 @@ def test_a_hostfile_in_deepspeeds_format_names_the_nodes_and_the_head(monkeypatc
     (tmp_path / "hosts").write_text("node1 8\n")
     with pytest.raises(ValueError, match="line 1 is not 'host slots=N'"):
         LaunchOptions(hostfile="hosts")
+
+
+def test_nodes_named_twice_or_for_a_slurm_job_are_refused(monkeypatch, tmp_path):
+    """`--engine slurm --hosts a,b` changed nothing and said nothing; `--hostfile F --hosts a,b` used
+    the hosts and dropped the file."""
+    hostfile = tmp_path / "hosts.txt"
+    hostfile.write_text("".join(f"n{i} slots=8\n" for i in range(8)))
+    monkeypatch.chdir("/")
+    plan = gpt3_plan(devices=64, t=8, p=8, d=1, cluster="a100-8x8")
+    hosts = [f"n{i}" for i in range(8)]
+    for options, message in [
+        (dict(engine=Engine.SLURM, hosts=hosts), "--hosts n0,n1,n2,n3,n4,n5,n6,n7: a Slurm job runs on the nodes Slurm allocates"),
+        (dict(engine=Engine.SLURM, hostfile=str(hostfile)), f"--hostfile {hostfile}: a Slurm job runs on the nodes"),
+        (dict(engine=Engine.DEEPSPEED, hosts=hosts, hostfile=str(hostfile)), f"--hostfile {hostfile} both name the nodes"),
+    ]:
+        with pytest.raises(UserInputError) as caught:
+            prepare_launch(plan, RUN, LaunchOptions(precision=Precision.BF16, **AT_SCALE, **options), write=False)
+        assert message in caught.value.message, caught.value.message

@@ -408,6 +408,18 @@ def node_hosts(options: LaunchOptions) -> list[str] | None:
     return allocation_hosts() or None
 
 
+def check_named_nodes(options: LaunchOptions) -> None:
+    """Nodes named twice (--hosts and --hostfile), or for a Slurm job (whose nodes Slurm gives it),
+    are refused: one of them was dropped without a word."""
+    if options.hosts and options.hostfile:
+        raise UserInputError(f"{given(options, 'hosts')} and {given(options, 'hostfile')} both name the nodes",
+                             hint="give one of them")
+    if options.engine is Engine.SLURM and (options.hosts or options.hostfile):
+        raise UserInputError(f"{given(options, 'hosts' if options.hosts else 'hostfile')}: a Slurm job runs on the "
+                             "nodes Slurm allocates it, not on named ones",
+                             hint="leave it out (--nodes N sets how many), or launch with --engine torchrun or deepspeed")
+
+
 def check_hostfile_slots(options: LaunchOptions, ranks_per_node: int) -> None:
     """Every node of `--hostfile` has the job's ranks per node as its slots."""
     if not options.hostfile:
@@ -624,6 +636,7 @@ def prepare_launch(
     named = given(options, "precision")
     precision = planned_precision(profile_dtype, options.precision, named, torch_engine=plan.chosen.engine is PlanEngine.TORCH)
     options = options.model_copy(update={"precision": precision})
+    check_named_nodes(options)
     if options.engine in (Engine.DEEPSPEED, Engine.TORCHRUN):
         options = options.model_copy(update={"hosts": node_hosts(options)})
     cluster = plan_cluster(plan, options.cluster)
