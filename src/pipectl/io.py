@@ -446,16 +446,27 @@ def write_json_atomic(path: str | os.PathLike[str], payload: BaseModel | dict[st
 
     `path` must be absent or a regular file (`check_output_file`); the file gets the user's umask.
     """
+    text = payload.model_dump_json(indent=2) if isinstance(payload, BaseModel) else json.dumps(payload, indent=2)
+    return write_text_atomic(path, text + "\n")
+
+
+def write_text_atomic(path: str | os.PathLike[str], text: str, *, executable: bool = False) -> Path:
+    """Write `text` to a uniquely named sibling of `path`, fsync, then rename over it: a reader (a
+    batch shell still reading the old launch.sh, a rank reading `latest`) sees the old file or the
+    new one, never half of one. `path` must be absent or a regular file; it gets the user's umask,
+    and with `executable` is executable by whoever may read it (umask 077: 0700, not 0711)."""
     path = check_output_file(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError):
         raise UserInputError(f"cannot write {path}: a part of {path.parent} is not a directory") from None
-    text = payload.model_dump_json(indent=2) if isinstance(payload, BaseModel) else json.dumps(payload, indent=2)
     fd, tmp = temporary_file(path.parent, path.name)
     try:
+        if executable:
+            mode = os.fstat(fd).st_mode & 0o777
+            os.fchmod(fd, mode | (mode & 0o444) >> 2)
         with os.fdopen(fd, "w") as handle:
-            handle.write(text + "\n")
+            handle.write(text)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)

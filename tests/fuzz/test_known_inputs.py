@@ -3,6 +3,7 @@ field and the value, before anything is allocated, written or started."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import stat
@@ -253,6 +254,31 @@ def test_checkpoint_files_and_launch_sh_keep_the_umask(tmp_path, umask):
     assert stat.S_IMODE((tmp_path / "rank-00000.safetensors").stat().st_mode) == 0o666 & ~umask
     assert stat.S_IMODE((tmp_path / "run" / "launch.sh").stat().st_mode) == 0o777 & ~umask
 
+
+
+def test_rewritten_run_files_leave_a_reader_the_old_script(tmp_path):
+    """A resize by restart rewrites launch.sh while the old Slurm job's batch shell may still be
+    reading it (bash reads a script as it runs it, by offset): rewritten in place, that shell read
+    the new script from the old offset and failed on a syntax error. The rewrite is a new file
+    renamed over the old; a reader keeps the old bytes, and the new script is executable at once."""
+    from builders import plan_of, gpt_tiny_candidate, shard_model, write_shard_layout
+    from pipectl.launch import prepare_launch
+    from pipectl.launch.options import LaunchOptions
+    from pipectl.launch.prepare import write_run_files
+
+    write_shard_layout(tmp_path, shard_model(), t=1, d=1)
+    prepared = prepare_launch(plan_of(gpt_tiny_candidate(1, 1)), tmp_path / "run", LaunchOptions())
+    prepared.lock.release()
+    script = tmp_path / "run" / "launch.sh"
+    old = script.read_bytes()
+    with script.open("rb") as reader:
+        head = reader.read(10)
+        command = dataclasses.replace(prepared.command, argv=[*prepared.command.argv, "--another-layout"])
+        write_run_files(prepared.run_dir, plan=prepared.plan, job=prepared.job, ds_config=prepared.ds_config,
+                        command=command)
+        assert head + reader.read() == old
+    assert script.read_bytes() != old and os.access(script, os.X_OK)
+    assert not list(script.parent.glob(".*.tmp"))
 
 # --- model references -----------------------------------------------------------------------------------
 

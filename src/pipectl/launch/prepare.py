@@ -32,7 +32,7 @@ from pipectl.artifacts.run import (
     run_holding,
 )
 from pipectl.errors import PipectlError, UserInputError
-from pipectl.io import artifact_kind, file_kind, nearest_existing_parent, read_mapping, write_json_atomic
+from pipectl.io import artifact_kind, file_kind, nearest_existing_parent, read_mapping, write_json_atomic, write_text_atomic
 from pipectl.launch.engines import LaunchCommand, launch_script
 from pipectl.planfile import copy_plan
 from pipectl.launch.options import check_stored_options
@@ -160,12 +160,9 @@ def write_run_files(
     ]
     texts = run_files(plan, job, ds_config, command, run_dir)
     for name in [LAUNCH_SCRIPT, *command.files]:
-        target = run_dir / name
-        target.write_text(texts[name])
-        written.append(target)
-    script = run_dir / LAUNCH_SCRIPT
-    mode = script.stat().st_mode
-    script.chmod(mode | (mode & 0o444) >> 2)  # executable by whoever may read it (umask 077: 0700, not 0711)
+        # Atomically: a resize by restart rewrites them while the old job's batch shell may
+        # still be reading launch.sh (bash reads a script as it runs it).
+        written.append(write_text_atomic(run_dir / name, texts[name], executable=name == LAUNCH_SCRIPT))
     return written
 
 

@@ -37,7 +37,6 @@ import json
 import logging
 import os
 import re
-import secrets
 import shutil
 import time
 from dataclasses import dataclass
@@ -46,7 +45,7 @@ from typing import Any, Callable, Iterable
 
 from pipectl.artifacts.run import CHECKPOINTS_DIR, LOGS_DIR, MANIFEST_FILE, CheckpointEvent, CheckpointManifest, rank_file_name
 from pipectl.errors import CheckpointError
-from pipectl.io import load_model, sha256_file, write_json_atomic
+from pipectl.io import load_model, sha256_file, write_json_atomic, write_text_atomic
 from pipectl.rundir.heartbeats import pid_alive
 
 # Torch-free: `pipectl status` and `resize` list and verify checkpoints without it (what needs
@@ -277,22 +276,6 @@ def commit_tag(root: Path, staged: Path, tag: str, manifest: CheckpointManifest)
     os.replace(staged, final)
     write_text_atomic(root / LATEST_FILE, tag)
     return final
-
-
-def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
-    """Write `text` to a sibling named uniquely for this writer, fsync, rename over `path`."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    try:
-        with tmp.open("w") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return path
 
 
 def staging_leftovers(run_dir: str | os.PathLike[str]) -> list[Path]:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import secrets
 import time
 from pathlib import Path
 from typing import Sequence
@@ -32,7 +31,7 @@ from pydantic import ValidationError
 
 from pipectl.artifacts.morph import MORPHS_FILE, MorphRecord, MorphTrigger
 from pipectl.artifacts.run import StepMetrics
-from pipectl.io import validation_message
+from pipectl.io import validation_message, write_text_atomic
 from pipectl.rundir.metrics import newest_step, read_metrics
 
 log = logging.getLogger(__name__)
@@ -55,14 +54,7 @@ def append_record(run_dir: str | os.PathLike[str], record: MorphRecord) -> Path:
 
 def write_history(run_dir: str | os.PathLike[str], records: Sequence[MorphRecord]) -> Path:
     """Replace RUN/morphs.jsonl atomically (write a sibling, fsync, rename)."""
-    path = history_path(run_dir)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")  # unique per writer
-    with tmp.open("w") as handle:
-        handle.writelines(record.model_dump_json() + "\n" for record in records)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-    return path
+    return write_text_atomic(history_path(run_dir), "".join(record.model_dump_json() + "\n" for record in records))
 
 
 def read_records(run_dir: str | os.PathLike[str]) -> list[MorphRecord]:
