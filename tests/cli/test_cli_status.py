@@ -343,7 +343,24 @@ def test_a_fresh_heartbeat_of_a_rank_whose_process_ended_is_not_a_rank_up(tmp_pa
         state=RankState.RUNNING, started_unix=now - 5, beat_unix=now, progress_unix=now,
     ))  # fmt: skip
     shown = " ".join(runner.invoke(app, ["status", str(run)], env={"COLUMNS": "200"}).output.split())
-    assert "the ranks are up" not in shown and "not started" in shown, shown
+    assert "the ranks are up" not in shown and "interrupted: no rank is running, and no checkpoint" in shown, shown
+
+
+def test_a_run_that_failed_before_its_first_step_reads_interrupted(tmp_path):
+    """Every start failed before step 1 (a Slurm job requeued until its limit, a model that will
+    not build): status said "not started" (--json "not-started") and hid the failure records that
+    said why."""
+    from pipectl.artifacts.run import RankFailure
+    from pipectl.rundir.failures import write_failure
+
+    run = make_run(tmp_path, steps_done=0)
+    assert json.loads(runner.invoke(app, ["status", str(run), "--json"]).output)["state"] == "not-started"
+    write_failure(run, RankFailure(rank=1, stage=1, step=None, phase="start-up", exception="ImportError",
+                                   message="No module named 'mymodel'"))  # fmt: skip
+    shown = " ".join(runner.invoke(app, ["status", str(run)], env={"COLUMNS": "200"}).output.split())
+    assert "interrupted: no rank is running, and no checkpoint to resume from" in shown, shown
+    assert "failure rank 1 (stage 1) failed during start-up" in shown, shown
+    assert json.loads(runner.invoke(app, ["status", str(run), "--json"]).output)["state"] == "interrupted"
 
 
 def test_follow_waits_for_a_run_that_a_launch_is_about_to_write(tmp_path):

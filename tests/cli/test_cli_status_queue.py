@@ -1,9 +1,10 @@
 """`pipectl status` of a Slurm run whose job waits in the queue says so; `--follow` waits, instead
 of ending at once on a run that has not started. squeue is a stand-in on PATH that holds the job
-PENDING for its first two answers, then lists nothing (the job gone)."""
+PENDING for its first three answers, then lists nothing (the job gone)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -20,7 +21,7 @@ asked = Path(__file__).with_name("asked")
 count = int(asked.read_text()) if asked.exists() else 0
 asked.write_text(str(count + 1))
 assert "--name" in sys.argv and sys.argv[sys.argv.index("--name") + 1] == "job", sys.argv
-if count < 2:
+if count < 3:
     print("4242 PENDING")
 """
 
@@ -45,11 +46,15 @@ def test_status_says_and_follow_waits_while_the_slurm_job_is_queued(tmp_path):
     assert shown.returncode == 0, shown.stdout + shown.stderr
     assert "not started" in shown.stdout
     assert "Slurm job 4242 (job) is pending: waiting for its ranks" in shown.stderr, shown.stderr
+    as_json = _cli(tmp_path, "status", "runs/job", "--json", env=env)
+    assert as_json.returncode == 0, as_json.stdout + as_json.stderr
+    said = json.loads(as_json.stdout)
+    assert said["slurm_queue"] == {"job_id": "4242", "state": "PENDING"} and said["state"] == "not-started", said
 
     started = time.monotonic()
     followed = _cli(tmp_path, "status", "runs/job", "--follow", env=env)
     assert followed.returncode == 0, followed.stdout + followed.stderr
     assert "Slurm job 4242 (job) is pending: waiting for its ranks" in followed.stderr, followed.stderr
-    assert (bin_dir / "asked").read_text() == "3"  # asked again after waiting, then the job was gone
+    assert (bin_dir / "asked").read_text() == "4"  # asked again after waiting, then the job was gone
     assert time.monotonic() - started >= 10  # QUEUE_POLL_SECONDS
     assert "not started" in followed.stdout

@@ -52,6 +52,8 @@ def register(app: typer.Typer) -> None:
         if json_output:
             payload = report.to_dict()
             payload["plot"] = str(plot_path) if plot_path else None
+            queued = _queued(status)  # what the table's line under it says: the job Slurm still holds
+            payload["slurm_queue"] = None if queued is None else {"job_id": queued[0], "state": queued[1]}
             print_json(payload)
             _exit_if_damaged(status, verify)
             return

@@ -101,7 +101,10 @@ def _run_state(status: RunStatus) -> str:
             return "stopped; metrics.jsonl holds no step (deleted?): the count is the last checkpoint's"
         if status.ranks_beating:
             return "starting: the ranks are up, the first step is not done yet"
-        return "starting: the launch is preparing the ranks" if status.launching else "not started"
+        if status.launching:
+            return "starting: the launch is preparing the ranks"
+        if not status.ever_started:
+            return "not started"
     if status.active:
         return "in progress"
     # Ended without stopping at a checkpoint (killed, failed): it resumes from its newest one.

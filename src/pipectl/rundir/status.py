@@ -26,6 +26,7 @@ from pipectl.plan.phases import steady_steps
 from pipectl.rundir.heartbeats import ENDED, live_ranks, pid_alive, process_state, current_heartbeats, stopped_cleanly
 from pipectl.rundir.checkpoints import list_checkpoints, read_events, staging_leftovers
 from pipectl.rundir.metrics import PredictionSummary, prediction_summary, read_metrics_and_unreadable
+from pipectl.rundir.failures import read_failures
 from pipectl.rundir.run import read_requeues, read_run_files
 from pipectl.rundir.lock import lock_holder
 
@@ -59,6 +60,7 @@ class RunStatus:
     heartbeats: dict[int, RankHeartbeat] = field(default_factory=dict)  # each rank's last, by rank
     requeues: list[RequeueRecord] = field(default_factory=list)  # logs/requeues.jsonl: a Slurm job's starts
     launching: bool = False  # a live `pipectl launch` (or resize) holds the run's lock
+    failures_recorded: bool = False  # logs/ holds a rank's failure record (`rundir.failures`)
     read_unix: float = 0.0  # when this was read: heartbeats are fresh against it
 
     @property
@@ -75,6 +77,12 @@ class RunStatus:
     def active(self) -> bool:
         """The job runs or starts: its ranks beat, or its launch is alive."""
         return self.ranks_beating or self.launching
+
+    @property
+    def ever_started(self) -> bool:
+        """Some rank of the job started (it beat, or failed), or Slurm started its job: a run that
+        failed before its first step is interrupted, not one that never started."""
+        return bool(self.heartbeats or self.requeues or self.failures_recorded)
 
     @property
     def requeue_count(self) -> int:
@@ -140,7 +148,7 @@ class RunStatus:
         if self.stopped is not None:
             return "stopped"
         if not self.metrics and not self.steps_done:
-            return "starting" if self.active else "not-started"
+            return "starting" if self.active else "interrupted" if self.ever_started else "not-started"
         return "running" if self.active else "interrupted"
 
     def to_dict(self) -> dict[str, Any]:
@@ -214,6 +222,7 @@ def run_status(run_dir: str | os.PathLike[str], *, verify_hashes: bool = False) 
         unreadable_metrics_lines=unreadable,
         heartbeats=current_heartbeats(files.path, files.job.world_size),
         requeues=read_requeues(files.path),
+        failures_recorded=bool(read_failures(files.path)),
         launching=any(pid != os.getpid() and pid_alive(pid) for pid in lock_holder(files.path)),
         read_unix=time.time(),
     )
