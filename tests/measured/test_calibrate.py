@@ -148,16 +148,28 @@ def pipectl(cwd, *args):
     return subprocess.run([sys.executable, "-m", "pipectl", *args], cwd=cwd, capture_output=True, text=True, timeout=600)
 
 
-@pytest.fixture()
-def measured(tmp_path, conditions):
+def _write_measured(folder: Path, conditions) -> Path:
     seconds = _truth_seconds(conditions)
     lines = [HEADER] + [
         f"{g},{B},{b},{h},16,{layers},1024,{t},{d},{p},{s * 1e3:.4f}"
         for (g, B, b, h, layers, t, d, p), s in zip(LAYOUTS, seconds)
     ]
-    (tmp_path / "runs.csv").write_text("\n".join(lines) + "\n")
-    (tmp_path / "conditions.yaml").write_text(CONDITIONS)
-    return tmp_path
+    (folder / "runs.csv").write_text("\n".join(lines) + "\n")
+    (folder / "conditions.yaml").write_text(CONDITIONS)
+    return folder
+
+
+@pytest.fixture()
+def measured(tmp_path, conditions):
+    return _write_measured(tmp_path, conditions)
+
+
+@pytest.fixture(scope="module")
+def fitted(tmp_path_factory, conditions) -> dict:
+    """One calibration fitted by the CLI, for the tests that only hand one on (a fit is seconds)."""
+    folder = _write_measured(tmp_path_factory.mktemp("fitted"), conditions)
+    assert pipectl(folder, "calibrate", "runs.csv", "-c", "conditions.yaml", "--folds", "0", "-o", "cal.json").returncode == 0
+    return json.loads((folder / "cal.json").read_text())
 
 
 def test_calibrate_then_validate_with_it_from_a_working_directory(measured):
@@ -343,9 +355,9 @@ def test_a_calibration_prices_a_derived_profile_a_plan_and_its_simulation(measur
          "gemm_efficiency"),
     ],
 )
-def test_profile_refuses_a_calibration_it_cannot_use(measured, args, message):
-    assert pipectl(measured, "calibrate", "runs.csv", "-c", "conditions.yaml", "--folds", "0", "-o", "cal.json").returncode == 0
-    calibration = json.loads((measured / "cal.json").read_text())
+def test_profile_refuses_a_calibration_it_cannot_use(measured, fitted, args, message):
+    calibration = fitted
+    (measured / "cal.json").write_text(json.dumps(calibration))
     (measured / "t4.json").write_text(json.dumps({**calibration, "device": "t4"}))
     slow = {**calibration, "terms": {**calibration["terms"], "gemm_efficiency": 1e-9}}
     (measured / "slow.json").write_text(json.dumps(slow))
