@@ -82,6 +82,9 @@ class Strict(BaseModel):
     @field_validator("*", mode="before")
     @classmethod
     def _numbers_are_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        kind = type(value)
+        if kind is float or kind is str or value is None or (kind is int and -INT64_MAX - 1 <= value <= INT64_MAX):
+            return value  # nothing `_misplaced_number` objects to: only bools, big ints and containers need the walk
         field = cls.model_fields.get(info.field_name or "")
         if field is not None and (reason := _misplaced_number(field.annotation, value)):
             raise ValueError(reason)

@@ -53,6 +53,7 @@ stay whole on every rank). Embeddings, final norm and head are replicated and ha
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 from dataclasses import replace
 
 from pydantic import ValidationError
@@ -291,6 +292,25 @@ def _derive(
     compute = ComputeDevice.of(device, dtype)
     bytes_per_element = DTYPE_BYTES[dtype]
 
+    # Layers that share a work function (a model's blocks) are priced once: the kernel model is
+    # pure, and pricing 96 alike blocks 96 times was most of a derivation (and of a calibration's fit).
+    priced: dict[tuple, Any] = {}
+
+    def once(key: tuple, price: Callable[[], Any]) -> Any:
+        if key not in priced:
+            priced[key] = price()
+        return priced[key]
+
+    def costs(shape: LayerShape) -> list[LayerCost]:
+        key = ("layer", id(shape.work), shape.parameter_count, shape.forward_flops_per_sample, shape.output_elements_per_sample)
+        return once(key, lambda: [_layer_cost(shape, b, device, dtype, compute) for b in sizes])
+
+    def shard(shape: LayerShape, t: int) -> ShardProfile:
+        parameters, work = shape.shards[t]
+        key = ("shard", id(work), t, parameters, shape.forward_flops_per_sample, shape.output_elements_per_sample,
+               shape.shard_output_divided)
+        return once(key, lambda: _shard_profile(shape, t, sizes, device, dtype, compute))
+
     layers = [
         LayerProfile(
             index=index,
@@ -300,8 +320,8 @@ def _derive(
             parameter_bytes=shape.parameter_count * bytes_per_element,
             shared_group=shape.shared_group,
             shared_parameter_count=shape.shared_parameter_count,
-            costs=[_layer_cost(shape, b, device, dtype, compute) for b in sizes],
-            shards=[_shard_profile(shape, t, sizes, device, dtype, compute) for t in sorted(shape.shards)],
+            costs=costs(shape),
+            shards=[shard(shape, t) for t in sorted(shape.shards)],
         )
         for index, shape in enumerate(shapes)
     ]

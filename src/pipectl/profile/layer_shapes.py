@@ -319,6 +319,8 @@ def transformer_shapes(config: ModelConfig, attention: Attention, engine: Engine
         )
     ]
     block_params = config.block_parameters()
+    # One work function for every block: the blocks are alike, and `derive` prices each work once.
+    block_work = lambda b, d: _block_work(_block_shape(config, attention, b, 1, engine), d, _selective_blocks(config, engine))
     for i in range(config.layers):
         shapes.append(
             LayerShape(
@@ -329,8 +331,7 @@ def transformer_shapes(config: ModelConfig, attention: Attention, engine: Engine
                 shared_parameter_count=0,
                 forward_flops_per_sample=block_matmul_flops(config),
                 output_elements_per_sample=s * h,
-                work=lambda b, d: _block_work(_block_shape(config, attention, b, 1, engine), d,
-                                              _selective_blocks(config, engine)),
+                work=block_work,
             )
         )
     shapes.append(
