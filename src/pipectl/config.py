@@ -430,6 +430,25 @@ def to_sections(options: BaseModel) -> dict[str, dict[str, Any]]:
     return sections
 
 
+def files_gone(sections: dict[str, dict[str, Any]], models: Iterable[type[BaseModel]]) -> list[tuple[str, type[BaseModel]]]:
+    """The files that `sections` names (under a key of `models` marked `Opt(path=True)`) and that are
+    no longer there: ("[section] key path", the options model reading it). A printed config keeps
+    a plan's and a run's paths absolute; a later `plan --config` or `launch --config` of it reads
+    them and fails, naming the first gone. Values that name no absolute path (a model reference,
+    `synthetic`) are not files."""
+    gone, seen = [], set()
+    for model in models:
+        for field in option_fields(model):
+            if not field.path or field.section is None or (field.section, field.key) in seen:
+                continue
+            seen.add((field.section, field.key))
+            value = sections.get(field.section, {}).get(field.key)
+            for path in value if isinstance(value, list) else [value]:
+                if isinstance(path, str) and Path(path).is_absolute() and not Path(path).exists():
+                    gone.append((f"[{field.section}] {field.key} {path}", model))
+    return gone
+
+
 def render_config(
     models: type[BaseModel] | Iterable[type[BaseModel]], sections: dict[str, dict[str, Any]], *, title: str
 ) -> str:

@@ -381,3 +381,25 @@ def test_a_printed_config_saved_as_yaml_is_said_to_be_toml(tmp_path):
     read = pipectl("plan", "--config", "job.yaml", cwd=tmp_path)
     assert read.returncode == 2 and "job.yaml is not valid YAML" in read.stderr, read.stderr
     assert "hint: it reads as TOML (what launch --print-config writes): name it job.toml" in read.stderr
+
+
+def test_every_path_key_a_printed_config_names_is_checked_for_being_gone(tmp_path):
+    """`launch --print-config` warned of three hard-coded keys; every key that may name a file does
+    now, each with the command that will read it (a model reference or `synthetic` is no file)."""
+    from pipectl.config import files_gone
+
+    there = tmp_path / "there.csv"
+    there.write_text("x\n")
+    sections = {
+        "model": {"profile": [str(tmp_path / "gone-profile.json")], "reference": "mypkg.models:build"},
+        "cluster": {"name": "a100-8x8", "calibration": str(there), "hostfile": str(tmp_path / "gone-hosts")},
+        "data": {"source": str(tmp_path / "gone-data.bin")},
+        "deepspeed": {"overlay": str(tmp_path / "gone-overlay.json")},
+    }
+    gone = {text: model for text, model in files_gone(sections, [PlanOptions, LaunchOptions])}
+    assert gone == {
+        f"[model] profile {tmp_path / 'gone-profile.json'}": PlanOptions,
+        f"[cluster] hostfile {tmp_path / 'gone-hosts'}": LaunchOptions,
+        f"[data] source {tmp_path / 'gone-data.bin'}": LaunchOptions,
+        f"[deepspeed] overlay {tmp_path / 'gone-overlay.json'}": LaunchOptions,
+    }, gone

@@ -17,7 +17,7 @@ from pipectl.artifacts.plan import Plan
 from pipectl.artifacts.run import JOB_FILE, LOGS_DIR, METRICS_FILE, CheckpointOutcome, DataKind, Engine, Precision
 from pipectl.cli.context import JsonFlag, console, err_console, print_json, training_progress
 from pipectl.cli.options import ConfigOption, file_layers, passed_flags, with_options
-from pipectl.config import option_fields, render_config, to_sections, toml_value
+from pipectl.config import files_gone, option_fields, render_config, to_sections, toml_value
 from pipectl.errors import LaunchError, UserInputError
 from pipectl.io import load_model
 from pipectl.launch import PreparedLaunch, effective_options, prepare_launch, run_engine
@@ -28,7 +28,7 @@ from pipectl.launch.placement import placement_note
 from pipectl.rundir.run import check_steps_beyond_trained, is_run_dir, newest_checkpoint_step, runs_inside_hint
 from pipectl.launch.prepare import run_files
 from pipectl.cli.plan import planned_otherwise
-from pipectl.plan.options import PlanOptions, files_gone, plan_sections
+from pipectl.plan.options import PlanOptions, plan_sections
 from pipectl.rundir.analysis import analyse
 from pipectl.rundir.status import RunStatus, run_status
 from pipectl.report.run_tables import failure_report, status_table
@@ -121,8 +121,9 @@ def register(app: typer.Typer) -> None:
             for section, keys in to_sections(options).items():  # the launch's values over the plan's
                 sections.setdefault(section, {}).update(keys)
             typer.echo(render_config([LaunchOptions, PlanOptions], sections, title=PRINT_CONFIG_TITLE), nl=False)
-            for gone in files_gone(sections):  # plan.json's copies price the plan; `plan --config` reads files
-                err_console.print(f"[yellow]warning:[/] {escape(gone)} is no longer there; `pipectl plan --config` "
+            for gone, reader in files_gone(sections, [PlanOptions, LaunchOptions]):  # plan.json's copies price the plan
+                command = "plan" if reader is PlanOptions else "launch"
+                err_console.print(f"[yellow]warning:[/] {escape(gone)} is no longer there; `pipectl {command} --config` "
                                   "of this file will need it back", highlight=False, soft_wrap=True)
             return
         check_schedule(plan.chosen)  # before anything else: a 2BW plan is another optimizer

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field, field_validator
 
 from pipectl.artifacts.base import Strict
 from pipectl.artifacts.plan import Engine, Framework, Objective, Plan
@@ -196,23 +196,6 @@ def plan_sections(plan: Plan, plan_dir: Path) -> dict[str, dict[str, Any]]:
         "plan": search,
     }
     return {name: {key: value for key, value in keys.items() if value is not None} for name, keys in sections.items()}
-
-
-def files_gone(sections: dict[str, dict[str, Any]]) -> list[str]:
-    """The files that `plan_sections` names and that are no longer there, as "[section] key path":
-    plan.json keeps copies of its cluster and calibration, which price it wherever it goes, but a
-    re-plan from the printed keys reads the files themselves (and fails, naming the first gone)."""
-    named = {
-        ("model", "profile"): sections.get("model", {}).get("profile"),
-        ("cluster", "name"): sections.get("cluster", {}).get("name"),
-        ("cluster", "calibration"): sections.get("cluster", {}).get("calibration"),
-    }
-    gone = []
-    for (section, key), value in named.items():
-        for path in value if isinstance(value, list) else [value]:
-            if isinstance(path, str) and Path(path).is_absolute() and not Path(path).exists():
-                gone.append(f"[{section}] {key} {path}")
-    return gone
 
 
 def check_together(options: PlanOptions) -> None:
