@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import AfterValidator
 
@@ -93,7 +93,7 @@ class Layout:
         """e.g. 't1p2d1 1f1b b2 m4' (metrics lines carry it); a torch-engine layout adds its chunks
         and engine: 't1p2d1 interleaved b2 m4 v2 torch'."""
         torch = (f" v{self.chunks}" if self.chunks > 1 else "") + " torch" if self.engine is Engine.TORCH else ""
-        recompute = " +R" if self.recompute else " +ckpt" if self.checkpoint_layers else " +sel" if self.selective_recompute else ""
+        recompute = f" {mark}" if (mark := recompute_mark(self)) else ""
         if self.replica_shares:
             return (f"t{self.tensor_parallel}p{self.pipeline_parallel}d{self.data_parallel} {self.schedule.value}"
                     f"{recompute} {_shares_label(self.replica_shares)}{torch}")  # fmt: skip
@@ -101,6 +101,25 @@ class Layout:
             f"t{self.tensor_parallel}p{self.pipeline_parallel}d{self.data_parallel} "
             f"{self.schedule.value}{recompute} b{self.micro_batch_size} m{self.micro_batches}{torch}"
         )
+
+
+# What a layout recomputes, as one word (simulate's JSON) and as its mark in labels and tables.
+RECOMPUTE_MARKS = {"stage": "+R", "layer": "+ckpt", "selective": "+sel"}
+
+
+def recomputed(layout: Any) -> str | None:
+    """'stage' (whole-stage recompute), 'layer' (per-layer checkpointing), 'selective' (the
+    attention cores) or None, of anything with a layout's three flags (a `Layout`, a `Candidate`)."""
+    if layout.recompute:
+        return "stage"
+    if layout.checkpoint_layers:
+        return "layer"
+    return "selective" if layout.selective_recompute else None
+
+
+def recompute_mark(layout: Any) -> str:
+    """'+R', '+ckpt', '+sel' or '' (`recomputed`)."""
+    return RECOMPUTE_MARKS.get(recomputed(layout) or "", "")
 
 
 def _shares_label(shares: tuple[tuple[int, int], ...]) -> str:

@@ -22,6 +22,7 @@ from rich import box
 from rich.table import Table
 from rich.text import Text
 
+from pipectl.artifacts.layout import RECOMPUTE_MARKS, recomputed
 from pipectl.artifacts.plan import Plan
 from pipectl.artifacts.profile import ModelProfile
 from pipectl.cli.context import JsonFlag, console, output_file, print_json
@@ -118,8 +119,7 @@ def _from_plan(
         "micro_batch_size": candidate.micro_batch_size,
         "predicted_step_seconds": candidate.predicted_step_seconds,
     }
-    recompute = "stage" if candidate.recompute else "layer" if candidate.checkpoint_layers else (
-        "selective" if candidate.selective_recompute else None)
+    recompute = recomputed(candidate)
     if recompute is not None:  # what the layout recomputes, named in the table's title as the plan's table does
         context["recompute"] = recompute
     if devices is not None:
@@ -253,7 +253,7 @@ def _summary_table(schedule: Schedule, timeline: Timeline, context: dict[str, An
     in one unit for the whole table (ms below a 1 s step, else s), 4 significant digits."""
     # 2BW's table times one step with a flush; its steady state is reported under it.
     step = "flushed step" if schedule.kind is ScheduleKind.PIPEDREAM_2BW else "step"
-    mark = {"stage": "+R", "layer": "+ckpt", "selective": "+sel"}.get(context.get("recompute", ""), "")
+    mark = RECOMPUTE_MARKS.get(context.get("recompute", ""), "")
     title = (
         f"{schedule.kind.value}{mark}  p={schedule.pipeline_parallel} m={schedule.micro_batches} "
         f"v={schedule.chunks}  {step} {format_step(timeline.step_seconds)}"

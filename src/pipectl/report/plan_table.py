@@ -12,6 +12,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from pipectl.artifacts.layout import recompute_mark
 from pipectl.artifacts.plan import Candidate, Engine, MorphEntry, Plan, ReplicaShare, runtime_runs_zero
 from pipectl.artifacts.profile import ModelProfile
 from pipectl.plan.flops import Utilisation, plan_layer_flops, utilisation
@@ -107,12 +108,6 @@ def hardware_extras(u: Utilisation) -> str:
     return f" ({', '.join(extras)})" if extras else ""
 
 
-def _recompute_mark(c: Candidate) -> str:
-    """'+R' (whole-stage recompute), '+ckpt' (per-layer checkpointing), '+sel' (selective
-    recomputation of the attention cores) or ''."""
-    return "+R" if c.recompute else "+ckpt" if c.checkpoint_layers else "+sel" if c.selective_recompute else ""
-
-
 def _recompute_words(c: Candidate) -> str:
     """' recompute', ' checkpoint-layers', ' selective-recompute' or '' for the chosen plan's line."""
     if c.selective_recompute:
@@ -147,7 +142,7 @@ def candidates_table(
     columns: list[tuple[str, str, object]] = [
         ("t·p·d", "left", lambda c: f"{c.tensor_parallel}·{c.pipeline_parallel}·{c.data_parallel}"),
         ("b×m", "left", _batch_label),
-        ("schedule", "left", lambda c: _schedule_label(c) + _recompute_mark(c)
+        ("schedule", "left", lambda c: _schedule_label(c) + recompute_mark(c)
          + ("" if c.deepspeed_runnable or not mark_unrunnable else "*") + _steady(c)),
     ]
     if mark_unrunnable and any(c.engine is not None and c.engine is not Engine.DEEPSPEED for c in candidates):

@@ -153,34 +153,17 @@ def record_layout_change(
     now = time.time() if now_unix is None else now_unix
     if launched_unix is not None and last.time_unix < launched_unix:
         again = f"; steps after {resume_step} are trained again" if resume_step < last.step else ""
-        record = MorphRecord(
-            trigger=MorphTrigger.RESUME, requested_unix=now, requested_devices=to_devices, from_devices=last.world_size,
-            from_layout=last.layout, to_devices=to_devices, to_layout=to_layout, global_batch=global_batch,
-            resume_step=resume_step, target_steps=target_steps, stopped_running_job=False, relaunched_unix=now,
-            plan_source="chosen",
-            notes=[f"launched again with --resume and a plan of another layout: {last.world_size} -> {to_devices} "
-                   f"ranks{again}"],
-        )
-        append_record(run_dir, record)
-        return record
+        trigger, requested, source = MorphTrigger.RESUME, now, "chosen"
+        note = f"launched again with --resume and a plan of another layout: {last.world_size} -> {to_devices} ranks{again}"
+    else:
+        trigger, requested, source = MorphTrigger.ELASTIC, last.time_unix, "morph-table"
+        note = (f"elastic restart: {last.world_size} -> {to_devices} ranks; downtime counted from the last step on "
+                f"the old layout (step {last.step}); steps after {resume_step} are trained again")
     record = MorphRecord(
-        trigger=MorphTrigger.ELASTIC,
-        requested_unix=last.time_unix,
-        requested_devices=to_devices,
-        from_devices=last.world_size,
-        from_layout=last.layout,
-        to_devices=to_devices,
-        to_layout=to_layout,
-        global_batch=global_batch,
-        resume_step=resume_step,
-        target_steps=target_steps,
-        stopped_running_job=False,
-        relaunched_unix=now,
-        plan_source="morph-table",
-        notes=[
-            f"elastic restart: {last.world_size} -> {to_devices} ranks; downtime counted from the last "
-            f"step on the old layout (step {last.step}); steps after {resume_step} are trained again"
-        ],
-    )
+        trigger=trigger, requested_unix=requested, requested_devices=to_devices, from_devices=last.world_size,
+        from_layout=last.layout, to_devices=to_devices, to_layout=to_layout, global_batch=global_batch,
+        resume_step=resume_step, target_steps=target_steps, stopped_running_job=False, relaunched_unix=now,
+        plan_source=source, notes=[note],
+    )  # fmt: skip
     append_record(run_dir, record)
     return record

@@ -38,44 +38,6 @@ log = logging.getLogger(__name__)
 # --------------------------------------------------------------------------- collective helpers
 
 
-def stop_file_reason(path: Path) -> str:
-    """Why RUN/stop_requested asks the ranks to stop, from its first line: `pipectl resize` writes
-    `RESIZE_STOP` (an earlier version, 'requested at ...'); a Slurm job's time-limit trap its own
-    words ('time limit in 120 s (Slurm USR1)'), which the requeue step tells from a resize's."""
-    try:
-        first = path.read_text(errors="replace").strip().splitlines()[:1]
-    except OSError:  # removed between the check and the read: a resize's, as any other
-        first = []
-    text = first[0].strip() if first else ""
-    if not text or text.startswith(RESIZE_STOP) or text.startswith("requested at"):
-        return RESIZE_STOP
-    return text[:200]
-
-
-def unloadable_problem(info: CheckpointInfo) -> str | None:
-    """Why a verified checkpoint cannot be read back, or None when it can.
-
-    A file can match its manifest and still not load: one rewritten with its hash recomputed, or a
-    checkpoint in a format this version does not read. Every rank file's header is parsed and its
-    tensor table checked against the file's size (memory-mapped: the tensor bytes are not read).
-    Needs torch (the shard reader).
-    """
-    from pipectl.runtime.checkpoint.shards import ShardReader
-
-    if info.manifest is None:
-        return f"{info.path}: no manifest to say which files it holds"
-    if info.manifest.format != SHARDS_FORMAT:
-        return (
-            f"{info.path}: written in the {info.manifest.format} format of an earlier pipectl; this version "
-            f"reads its own {SHARDS_FORMAT} files"
-        )
-    try:
-        ShardReader(info.path, info.manifest.files)
-    except CheckpointError as exc:
-        return exc.message
-    return None
-
-
 def rank_and_world() -> tuple[int, int]:
     import torch.distributed as dist
 
@@ -104,6 +66,9 @@ def all_gather_from_ranks(value: Any) -> list[Any]:
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, value)
     return gathered
+
+
+# --------------------------------------------------------------------------- a save that failed
 
 
 _SAVE_HINT = "free space or fix the folder's permissions, then continue with pipectl launch --resume"
@@ -175,6 +140,30 @@ def save_failure_message(exc: BaseException, run_dir: str | os.PathLike[str], st
 
 
 # --------------------------------------------------------------------------- load
+
+
+def unloadable_problem(info: CheckpointInfo) -> str | None:
+    """Why a verified checkpoint cannot be read back, or None when it can.
+
+    A file can match its manifest and still not load: one rewritten with its hash recomputed, or a
+    checkpoint in a format this version does not read. Every rank file's header is parsed and its
+    tensor table checked against the file's size (memory-mapped: the tensor bytes are not read).
+    Needs torch (the shard reader).
+    """
+    from pipectl.runtime.checkpoint.shards import ShardReader
+
+    if info.manifest is None:
+        return f"{info.path}: no manifest to say which files it holds"
+    if info.manifest.format != SHARDS_FORMAT:
+        return (
+            f"{info.path}: written in the {info.manifest.format} format of an earlier pipectl; this version "
+            f"reads its own {SHARDS_FORMAT} files"
+        )
+    try:
+        ShardReader(info.path, info.manifest.files)
+    except CheckpointError as exc:
+        return exc.message
+    return None
 
 
 @dataclass
@@ -251,6 +240,20 @@ def load_latest(
 
 
 # --------------------------------------------------------------------------- stopping
+
+
+def stop_file_reason(path: Path) -> str:
+    """Why RUN/stop_requested asks the ranks to stop, from its first line: `pipectl resize` writes
+    `RESIZE_STOP` (an earlier version, 'requested at ...'); a Slurm job's time-limit trap its own
+    words ('time limit in 120 s (Slurm USR1)'), which the requeue step tells from a resize's."""
+    try:
+        first = path.read_text(errors="replace").strip().splitlines()[:1]
+    except OSError:  # removed between the check and the read: a resize's, as any other
+        first = []
+    text = first[0].strip() if first else ""
+    if not text or text.startswith(RESIZE_STOP) or text.startswith("requested at"):
+        return RESIZE_STOP
+    return text[:200]
 
 
 class StopFlag:
