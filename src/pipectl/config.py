@@ -450,11 +450,17 @@ def files_gone(sections: dict[str, dict[str, Any]], models: Iterable[type[BaseMo
 
 
 def render_config(
-    models: type[BaseModel] | Iterable[type[BaseModel]], sections: dict[str, dict[str, Any]], *, title: str
+    models: type[BaseModel] | Iterable[type[BaseModel]],
+    sections: dict[str, dict[str, Any]],
+    *,
+    title: str,
+    inherited: dict[str, dict[str, tuple[Any, str]]] | None = None,
 ) -> str:
     """`sections` as a TOML file with each key's description above it; a key without a value is
     written commented out, so that every option of `models` appears once, where it goes (a key two
-    models read, under the first one's description)."""
+    models read, under the first one's description). `inherited`: values an unset key takes from
+    elsewhere (a cluster file's Slurm section), as (value, where from): shown in its comment."""
+    inherited = inherited or {}
     lines = [f"# {line}" for line in title.splitlines()]
     by_section: dict[str, list[tuple[str, str, Any]]] = {}
     seen: set[tuple[str, str]] = set()
@@ -477,7 +483,13 @@ def render_config(
         lines += ["", f"[{section}]"]
         for key, description, value in entries:
             lines += textwrap.wrap(description, width=98, initial_indent="# ", subsequent_indent="# ")
-            lines.append(f"# {key} =" if value is None else f"{_toml_key(key)} = {toml_value(value)}")
+            if value is not None:
+                lines.append(f"{_toml_key(key)} = {toml_value(value)}")
+            elif key in inherited.get(section, {}):
+                given, source = inherited[section][key]
+                lines.append(f"# {_toml_key(key)} = {toml_value(given)}  ({source}; set here to override)")
+            else:
+                lines.append(f"# {key} =")
     return "\n".join(lines) + "\n"
 
 

@@ -403,3 +403,25 @@ def test_every_path_key_a_printed_config_names_is_checked_for_being_gone(tmp_pat
         f"[data] source {tmp_path / 'gone-data.bin'}": LaunchOptions,
         f"[deepspeed] overlay {tmp_path / 'gone-overlay.json'}": LaunchOptions,
     }, gone
+
+
+def test_a_printed_config_shows_the_cluster_files_slurm_values_it_takes(tmp_path, monkeypatch):
+    """The cluster file's `slurm:` values (and a node type's partition over them) were printed as
+    `# partition =`, as if unset, though the job script takes them: each now shows its value and
+    where it comes from, commented, and a key given to launch is written as set."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "cl.yaml").write_text(
+        "name: mycl\nnode_types:\n  - name: cpu-nodes\n    device: cpu\n    devices_per_node: 2\n    nodes: 2\n"
+        "    slurm:\n      partition: cpu-part\nslurm:\n  partition: gpu\n  account: proj1\n  time: '12:00:00'\n")
+    write_json_atomic(tmp_path / "profile.json", synthetic_profile(blocks=6, micro_batch_sizes=[1, 2], device="cpu"))
+    made = invoke("plan", "--profile", "profile.json", "--cluster", "cl.yaml", "--devices", "2", "--global-batch", "8",
+                  "-o", "plan.json")  # fmt: skip
+    assert made.exit_code == 0, made.output
+    printed = invoke("launch", "plan.json", "--engine", "slurm", "--account", "mine", "--print-config")
+    assert printed.exit_code == 0, printed.output
+    slurm = printed.output.split("[slurm]\n")[1].split("\n[")[0]
+    assert "# partition = \"cpu-part\"  (cluster mycl's; set here to override)" in slurm, slurm
+    assert "# time = \"12:00:00\"  (cluster mycl's; set here to override)" in slurm, slurm
+    assert "\naccount = \"mine\"" in slurm and "proj1" not in slurm, slurm
+    assert "# qos =\n" in slurm, slurm
+    assert tomllib.loads(printed.output)["slurm"] == {"account": "mine"}

@@ -13,6 +13,7 @@ import typer
 from rich.markup import escape
 
 from pipectl.artifacts.layout import layout_label
+from pipectl.artifacts.cluster import SlurmSpec
 from pipectl.artifacts.plan import Plan
 from pipectl.artifacts.run import JOB_FILE, LOGS_DIR, METRICS_FILE, CheckpointOutcome, DataKind, Engine, Precision
 from pipectl.cli.context import JsonFlag, console, err_console, print_json, training_progress
@@ -20,7 +21,7 @@ from pipectl.cli.options import ConfigOption, file_layers, passed_flags, with_op
 from pipectl.config import files_gone, option_fields, render_config, to_sections, toml_value
 from pipectl.errors import LaunchError, UserInputError
 from pipectl.io import load_model
-from pipectl.launch import PreparedLaunch, effective_options, prepare_launch, run_engine
+from pipectl.launch import PreparedLaunch, effective_options, job_node_type, plan_cluster, prepare_launch, run_engine, slurm_settings
 from pipectl.launch.engines import ENGINE_LOG
 from pipectl.launch.supervise import JobEnded, TimedOut
 from pipectl.launch.options import LaunchOptions
@@ -117,14 +118,7 @@ def register(app: typer.Typer) -> None:
             # The plan's own cluster (a printed config names it for `plan`): the default, kept as such.
             options = options.model_copy(update={"cluster": None})
         if print_config:
-            sections = plan_sections(plan, plan_path.parent)
-            for section, keys in to_sections(options).items():  # the launch's values over the plan's
-                sections.setdefault(section, {}).update(keys)
-            typer.echo(render_config([LaunchOptions, PlanOptions], sections, title=PRINT_CONFIG_TITLE), nl=False)
-            for gone, reader in files_gone(sections, [PlanOptions, LaunchOptions]):  # plan.json's copies price the plan
-                command = "plan" if reader is PlanOptions else "launch"
-                err_console.print(f"[yellow]warning:[/] {escape(gone)} is no longer there; `pipectl {command} --config` "
-                                  "of this file will need it back", highlight=False, soft_wrap=True)
+            _print_config(plan, plan_path, options)
             return
         check_schedule(plan.chosen)  # before anything else: a 2BW plan is another optimizer
         if options.elastic is not None and options.engine is not Engine.TORCHRUN:
@@ -199,6 +193,26 @@ def _say_before_starting(prepared: PreparedLaunch, dry_run: bool) -> None:
                           "to train: the learning rate stays below its peak", highlight=False, markup=False)
     if prepared.job.node_groups:
         console.print(placement_note(prepared.job.node_groups, prepared.hosts), soft_wrap=True, highlight=False, markup=False)
+
+
+
+def _print_config(plan: Plan, plan_path: Path, options: LaunchOptions) -> None:
+    """The effective options as a config file (the launch's values over the plan's); the cluster
+    file's Slurm values, which a launch of it takes, in the comments of the keys they fill."""
+    sections = plan_sections(plan, plan_path.parent)
+    for section, keys in to_sections(options).items():
+        sections.setdefault(section, {}).update(keys)
+    cluster = plan_cluster(plan, options.cluster)
+    inherited = {}
+    if cluster is not None:
+        slurm = slurm_settings(cluster, SlurmSpec(), job_node_type(plan, cluster))
+        inherited["slurm"] = {key: (value, f"cluster {cluster.name}'s") for key, value in slurm.model_dump().items()
+                              if value is not None and value != SlurmSpec.model_fields[key].default}
+    typer.echo(render_config([LaunchOptions, PlanOptions], sections, title=PRINT_CONFIG_TITLE, inherited=inherited), nl=False)
+    for gone, reader in files_gone(sections, [PlanOptions, LaunchOptions]):  # plan.json's copies price the plan
+        command = "plan" if reader is PlanOptions else "launch"
+        err_console.print(f"[yellow]warning:[/] {escape(gone)} is no longer there; `pipectl {command} --config` "
+                          "of this file will need it back", highlight=False, soft_wrap=True)
 
 
 def _launch(
