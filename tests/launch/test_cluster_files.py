@@ -532,3 +532,21 @@ def test_nodes_named_twice_or_for_a_slurm_job_are_refused(monkeypatch, tmp_path)
         with pytest.raises(UserInputError) as caught:
             prepare_launch(plan, RUN, LaunchOptions(precision=Precision.BF16, **AT_SCALE, **options), write=False)
         assert message in caught.value.message, caught.value.message
+
+
+def test_a_multinode_deepspeed_run_directory_pdsh_cannot_quote_is_refused(monkeypatch, tmp_path):
+    """DeepSpeed's pdsh runner runs `cd RUN_DIR; PYTHON ...` on each node unquoted: a run directory
+    with a blank was accepted and broke in every node's shell. One node (no pdsh) and torchrun
+    take it."""
+    monkeypatch.chdir("/")
+    plan = gpt3_plan(devices=64, t=8, p=8, d=1, cluster="a100-8x8")
+    hosts = [f"n{i}" for i in range(8)]
+    blank = Path("/my runs/gpt3")
+    with pytest.raises(UserInputError) as caught:
+        prepare_launch(plan, blank, LaunchOptions(engine=Engine.DEEPSPEED, hosts=hosts, precision=Precision.BF16,
+                                                  **AT_SCALE), write=False)  # fmt: skip
+    assert "--run-dir /my runs/gpt3: DeepSpeed's multi-node launcher (pdsh) runs it on each node" in caught.value.message
+    assert "--engine torchrun or slurm" in caught.value.hint
+    torchrun = prepare_launch(plan, blank, LaunchOptions(engine=Engine.TORCHRUN, hosts=hosts, precision=Precision.BF16,
+                                                         **AT_SCALE), write=False)  # fmt: skip
+    assert torchrun.job.nodes == 8

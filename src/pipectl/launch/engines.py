@@ -30,6 +30,7 @@ quoted for a shell, so a run can be restarted by hand.
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -230,6 +231,8 @@ def deepspeed_command(
         )
     if len(hosts) != job.nodes:
         raise UserInputError(f"{count(len(hosts), 'host')} given ({', '.join(hosts)}) for a job on {count(job.nodes, 'node')}")
+    if job.nodes > 1:
+        check_pdsh_words(run_dir, python)
     argv = [
         python, "-m", "deepspeed.launcher.runner",
         "--hostfile", str(run_dir / HOSTFILE),
@@ -250,6 +253,25 @@ def deepspeed_command(
             DEEPSPEED_ENV_FILE: "".join(f"{key}={value}\n" for key, value in sorted(env.items())),
         },
     )
+
+
+# What DeepSpeed's pdsh runner writes into the line each node's shell runs without quoting it (the
+# folder it runs in, after `cd`, and the Python): anything but these characters breaks that line
+# there. Its own quoting of exported values uses the same set (`MultiNodeRunner.add_export`).
+_PDSH_SAFE = re.compile(r"[\w@%+=:,./-]+")
+
+
+def check_pdsh_words(run_dir: Path, python: str) -> None:
+    """A multi-node DeepSpeed launch runs `cd RUN_DIR; PYTHON -u -m deepspeed.launcher.launch ...`
+    on every node through pdsh, unquoted (`PDSHRunner.get_cmd`): a blank or a shell character in
+    either is refused here, before anything is written, not found in a node's shell."""
+    for name, value in (("--run-dir", str(Path(run_dir).resolve())), ("the Python", python)):
+        if not _PDSH_SAFE.fullmatch(value):
+            raise UserInputError(
+                f"{name} {value}: DeepSpeed's multi-node launcher (pdsh) runs it on each node unquoted, and it holds "
+                "a blank or a shell character",
+                hint="use a path of letters, digits and ._-/ only, or launch with --engine torchrun or slurm",
+            )
 
 
 def slurm_script(
