@@ -122,6 +122,19 @@ def test_nothing_fits_is_an_infeasible_error_with_reasons():
         plan(profile, local_cluster(2), PlanRequest(global_batch=4))
 
 
+def test_why_nothing_fits_is_said_of_the_count_asked_not_of_the_morph_tables():
+    """A resize of GPT-3 to 8 devices said '1857 x fewer micro-batches than data-parallel replicas
+    (... d=193)': the reasons were counted over every count the morph table covers. They are the
+    same whether a morph table is asked for or not."""
+    profile = synthetic_profile(blocks=4, hidden=16384, seq_len=2048, vocab=1000, device="cpu", micro_batch_sizes=[1])
+    said = {}
+    for morph in (False, True):
+        with pytest.raises(InfeasibleError) as caught:
+            plan(profile, local_cluster(8), PlanRequest(global_batch=4, devices=1, morph=morph))
+        said[morph] = caught.value.message
+    assert said[True] == said[False] and "on 1 device:" in said[True], said
+
+
 @pytest.mark.parametrize(
     "request_fields, message",
     [

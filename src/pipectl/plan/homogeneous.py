@@ -373,7 +373,10 @@ def plan_homogeneous(
     pool = enumeration.specs.take(enumeration.specs.devices <= devices)
     plan_notes = [*(notes or []), *_hardware_notes(profile, hardware)]
     if not len(pool):
-        raise InfeasibleError(_nothing_fits(request, enumeration.rejections, devices))
+        rejections = enumeration.rejections
+        if max_devices > devices:  # counted up to the morph table's counts too: say why none fits these
+            rejections = enumerate_specs(profile, hardware, space, devices, workers=request.workers or available_workers()).rejections
+        raise InfeasibleError(_nothing_fits(request, rejections, devices))
     ranking = rank(
         pool, goal, evaluator, keep=request.top, exhaustive=request.include_all, engine=engine
     )
