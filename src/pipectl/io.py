@@ -450,14 +450,16 @@ def write_json_atomic(path: str | os.PathLike[str], payload: BaseModel | dict[st
     return write_text_atomic(path, text + "\n")
 
 
-def write_text_atomic(path: str | os.PathLike[str], text: str, *, executable: bool = False) -> Path:
+def write_text_atomic(path: str | os.PathLike[str], text: str, *, executable: bool = False, create_parent: bool = True) -> Path:
     """Write `text` to a uniquely named sibling of `path`, fsync, then rename over it: a reader (a
     batch shell still reading the old launch.sh, a rank reading `latest`) sees the old file or the
     new one, never half of one. `path` must be absent or a regular file; it gets the user's umask,
-    and with `executable` is executable by whoever may read it (umask 077: 0700, not 0711)."""
+    and with `executable` is executable by whoever may read it (umask 077: 0700, not 0711). Without
+    `create_parent`, a folder gone meanwhile stays gone (an OSError), not made again for one file."""
     path = check_output_file(path)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        if create_parent:
+            path.parent.mkdir(parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError):
         raise UserInputError(f"cannot write {path}: a part of {path.parent} is not a directory") from None
     fd, tmp = temporary_file(path.parent, path.name)

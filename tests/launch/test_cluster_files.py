@@ -4,6 +4,7 @@ the Slurm section of a cluster file, and refusals. No processes."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -550,3 +551,34 @@ def test_a_multinode_deepspeed_run_directory_pdsh_cannot_quote_is_refused(monkey
     torchrun = prepare_launch(plan, blank, LaunchOptions(engine=Engine.TORCHRUN, hosts=hosts, precision=Precision.BF16,
                                                          **AT_SCALE), write=False)  # fmt: skip
     assert torchrun.job.nodes == 8
+
+
+def test_a_resume_on_nodes_named_anew_replaces_the_runs_nodes(monkeypatch, tmp_path):
+    """A run launched with --hostfile and resumed with --hosts (or with --engine slurm) kept the
+    stored file beside the new names, and was refused as naming its nodes twice with no flag to
+    unset the stored one; nodes named anew replace the run's."""
+    from pipectl.config import flag_layer
+    from pipectl.launch import effective_options
+    from pipectl.launch.nodes import check_named_nodes
+
+    hostfile = tmp_path / "hosts.txt"
+    hostfile.write_text("".join(f"n{i} slots=8\n" for i in range(8)))
+    monkeypatch.chdir(tmp_path)
+    plan = gpt3_plan(devices=64, t=8, p=8, d=1, cluster="a100-8x8")
+    # Written as a Slurm job (this host has no GPU to write a torchrun one), then given the hostfile a
+    # torchrun launch on the cluster stores.
+    prepared = prepare_launch(plan, tmp_path / "run", LaunchOptions(engine=Engine.SLURM, precision=Precision.BF16,
+                                                                    **AT_SCALE))  # fmt: skip
+    prepared.lock.release()
+    job = json.loads((tmp_path / "run" / "job.json").read_text())
+    job["options"].setdefault("cluster", {})["hostfile"] = str(hostfile)
+    job["options"]["cluster"]["engine"] = "torchrun"
+    (tmp_path / "run" / "job.json").write_text(json.dumps(job))
+    hosts = [f"m{i}" for i in range(8)]
+    moved = effective_options(tmp_path / "run", [flag_layer(LaunchOptions, {"resume": True, "hosts": hosts})], plan)
+    assert (moved.hosts, moved.hostfile) == (hosts, None)
+    check_named_nodes(moved)  # not named twice
+    slurm = effective_options(tmp_path / "run", [flag_layer(LaunchOptions, {"resume": True, "engine": Engine.SLURM})], plan)
+    assert (slurm.hosts, slurm.hostfile) == (None, None)
+    kept = effective_options(tmp_path / "run", [flag_layer(LaunchOptions, {"resume": True})], plan)
+    assert kept.hostfile == str(hostfile)

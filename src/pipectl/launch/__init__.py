@@ -28,7 +28,7 @@ from pipectl.artifacts.profile import ModelProfile
 from pipectl.artifacts.run import JOB_FILE, DataKind, DataSpec, Engine, JobSpec, NodeGroup, Precision, TrainingSettings
 from pipectl.cluster import busier_note, host_state, load_cluster, plan_cluster_spec
 from pipectl.errors import PipectlError, UserInputError
-from pipectl.config import Layer, given, layered, stored_layer, to_sections
+from pipectl.config import Layer, given, layered, option_fields, stored_layer, to_sections
 from pipectl.io import load_model, validation_message
 from pipectl.launch.options import SCALE_MIN_LR_RATIO, LaunchOptions, resolve_defaults, resumed_failure_rate
 from pipectl.runtime.engines.dsconfig import overlay_adam, validated_config
@@ -49,6 +49,10 @@ from pipectl.words import count
 __all__ = ["LaunchOptions", "PreparedLaunch", "build_job", "effective_options", "prepare_launch", "run_engine"]
 
 
+# Where the options naming the job's nodes are stored (job.json's `options`): field -> (section, key).
+NODE_NAMES = {f.name: (f.section, f.key) for f in option_fields(LaunchOptions) if f.name in ("hosts", "hostfile")}
+
+
 def effective_options(
     run_dir: str | os.PathLike[str], layers: list[Layer], plan: Plan | None = None, *, as_given: dict[str, str] | None = None
 ) -> LaunchOptions:
@@ -64,6 +68,12 @@ def effective_options(
     files = read_run(path)
     job = files.job
     stored = job.options or legacy_options(job, files.ds_config)
+    engine = next((layer.values["engine"] for layer in reversed(layers) if "engine" in layer.values), None)
+    if passed & set(NODE_NAMES) or engine in (Engine.SLURM, Engine.SLURM.value):
+        # Nodes named anew, or a Slurm job (whose nodes Slurm gives it), replace the nodes the run
+        # named: kept, they would be named twice (`nodes.check_named_nodes`), and no flag unsets them.
+        stored = {section: {key: value for key, value in keys.items() if (section, key) not in NODE_NAMES.values()}
+                  for section, keys in stored.items()}
     options = layered(
         LaunchOptions,
         # What the run was given, over what it chose by default then: a resume keeps both.

@@ -212,7 +212,7 @@ def mark_rejected(run_dir: str | os.PathLike[str], passed_over: dict[str, str]) 
     for tag, message in passed_over.items():
         path = checkpoints_dir(run_dir) / tag
         if path.is_dir() and not path.is_symlink() and not (path / REJECTED_FILE).exists():
-            write_text_atomic(path / REJECTED_FILE, message + "\n")
+            write_text_atomic(path / REJECTED_FILE, message + "\n", create_parent=False)  # a tag removed meanwhile stays gone
 
 
 def has_checkpoint(run_dir: str | os.PathLike[str]) -> bool:
