@@ -116,6 +116,22 @@ def test_a_clusters_own_collective_figure_replaces_only_the_collectives():
     assert alone.sources["allreduce_intra_bandwidth"] == both.sources["intra_bandwidth"]
 
 
+def test_a_measured_collective_figure_across_nodes_replaces_only_the_collectives():
+    """A cluster's NCCL all-reduce across nodes (busbw over whole nodes / devices a node) prices the
+    gradient reductions; transfers between nodes keep the link's rate."""
+    def links(**own):
+        node_type = {"name": "nodes", "device": "v100-32gb", "devices_per_node": 4, "nodes": 16, "links": own}
+        return resolve_links(ClusterSpec(name="c", node_types=[node_type]), "nodes")
+
+    measured = links(inter_node_bandwidth_gbytes_per_second=12.5, inter_node_allreduce_bandwidth_gbytes_per_second=1.72)
+    assert (measured.inter_bandwidth_bytes_per_second, measured.allreduce_inter_bandwidth_bytes_per_second) == (
+        12.5e9, 1.72e9)
+    assert measured.sources["allreduce_inter_bandwidth"] == measured.sources["inter_bandwidth"]
+    shared = ClusterSpec(name="c", node_types=[{"name": "n", "device": "v100-32gb", "devices_per_node": 4, "nodes": 2}],
+                         inter_node_links={"inter_node_allreduce_bandwidth_gbytes_per_second": 2.0})
+    assert resolve_links(shared, "n").allreduce_inter_bandwidth_bytes_per_second == 2e9
+
+
 def test_yaml_path_by_file(tmp_path):
     path = tmp_path / "mine.yaml"
     path.write_text((configs_dir() / "clusters" / "v100-4vm.yaml").read_text())

@@ -429,6 +429,10 @@ def _fit(links_files: list[LinksProfile | None], link_class: LinkClass) -> LinkC
     return None
 
 
+def _first(values: list[float | None]) -> float | None:
+    return next((value for value in values if value is not None), None)
+
+
 def _pick(
     name: str,
     overrides: list[float | None],
@@ -468,8 +472,9 @@ def resolve_links(cluster: ClusterSpec, node_type: NodeType | str) -> ResolvedLi
     """The link costs of one node type: cluster YAML override > links.json > catalog.
 
     A figure set in the YAML replaces both the p2p and the all-reduce figure of that link class,
-    except that `intra_node_allreduce_bandwidth_gbytes_per_second` replaces the all-reduce figure
-    inside a node whatever the rest; a links.json supplies its p2p fit, its all-reduce fit and its
+    except that `intra_node_allreduce_bandwidth_gbytes_per_second` and
+    `inter_node_allreduce_bandwidth_gbytes_per_second` replace the all-reduce figure of their class
+    whatever the rest; a links.json supplies its p2p fit, its all-reduce fit and its
     measured jitter.
     """
     if isinstance(node_type, str):
@@ -517,6 +522,9 @@ def resolve_links(cluster: ClusterSpec, node_type: NodeType | str) -> ResolvedLi
         device.inter_node_bandwidth_gbytes_per_second,
         _gigabytes_to_bytes,
         sources,
+        allreduce_override=_first(
+            [own.inter_node_allreduce_bandwidth_gbytes_per_second, shared.inter_node_allreduce_bandwidth_gbytes_per_second]
+        ),
     )
     return ResolvedLinks(
         node_type=node_type.name,

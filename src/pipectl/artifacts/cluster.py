@@ -65,6 +65,13 @@ class LinkSpec(Strict):
     inter_node_bandwidth_gbytes_per_second: float | None = Field(
         default=None, ge=MIN_GBYTES_PER_SECOND, le=MAX_GBYTES_PER_SECOND
     )
+    inter_node_allreduce_bandwidth_gbytes_per_second: float | None = Field(
+        default=None, ge=MIN_GBYTES_PER_SECOND, le=MAX_GBYTES_PER_SECOND,
+        description="NCCL's bus bandwidth of a collective across nodes, GB/s per device, while every device of "
+        "the node takes part in one: a measured all-reduce over whole nodes (nccl-tests' or all_reduce_bench's "
+        "busbw) divided by the devices per node. Default: the link's figure above (which then prices transfers "
+        "only), else a links_file's all-reduce fit, else the catalog's.",
+    )
     inter_node_latency_us: float | None = Field(default=None, ge=0, le=MAX_LATENCY_US)
     links_file: str | None = Field(
         default=None, description="Path to a links.json from `pipectl profile links` (relative to the YAML)."
