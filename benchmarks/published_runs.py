@@ -127,7 +127,7 @@ CONSTANTS_PROVENANCE = {
     "engine features (published_runs.yaml `engine`)": (
         "NOT constants and not tuned: what each run's engine did (vocabulary-parallel embedding and head, sequence "
         "parallelism, fused kernels, dropout, the even split of the blocks, tensor-parallel and data-parallel overlap, "
-        "gradients reduced in fp32, DeepSpeed's synchronous pipeline transfers), each read in the engine's code or scripts at the row's commit "
+        "gradients reduced in fp32, DeepSpeed's synchronous pipeline transfers, its BF16_Optimizer's whole all-reduce, blocking launches), each read in the engine's code or scripts at the row's commit "
         "(the row's `engine.source`), except llama3-*: Meta's engine is not public, its features are ASSUMED from "
         "the paper's description (a pipeline balanced for a vocabulary-split output layer, FSDP-style overlapped "
         "data parallelism; gradients reduce-scattered in fp32, the paper's §3.3.2) and from the tensor-parallel "

@@ -262,3 +262,43 @@ def test_an_engine_whose_transfers_block_is_timed_as_rendezvous():
     assert slow.predicted_step_seconds > fast.predicted_step_seconds
     _, step = simulated_phases(slow, blocking, cluster)
     assert step == pytest.approx(slow.predicted_step_seconds, rel=1e-9)
+
+
+def test_an_engine_that_all_reduces_before_its_sharded_step_pays_the_whole_ring_and_the_gather():
+    """DeepSpeed's BF16_Optimizer (bf16 at stage 0 under the pipeline engine) all-reduces the
+    gradients, then all-gathers each replica's updated shard: a full ring of gradients plus half a
+    ring of parameters, where ZeRO-1's reduce-scatter is half a ring."""
+    profile = derive_profile(GPT, "h100-80gb", [1])
+    cut = [(0, len(profile.layers))]
+    hardware = hardware_for(_cluster(), profile)
+    d = 32
+    ring = hardware.links.allreduce_inter
+    held = sum(layer.parameter_count for layer in profile.layers)
+    whole = replace(hardware, features=EngineFeatures(name="deepspeed bf16", gradients_all_reduced=True))
+    costs = {
+        name: stage_costs(profile, chosen, cut, micro_batch_size=1, tensor_parallel=1, data_parallel=d, zero_stage=1)
+        for name, chosen in (("scatter", hardware), ("all-reduce", whole))
+    }
+    half_ring = ring.ring_allreduce_seconds(held * 2, d) / 2
+    assert costs["scatter"].allreduce_seconds[0] == pytest.approx(2 * half_ring)
+    assert costs["all-reduce"].allreduce_seconds[0] == pytest.approx(3 * half_ring)
+    assert costs["all-reduce"].forward_seconds == costs["scatter"].forward_seconds
+
+
+def test_blocking_launches_add_the_hosts_time_to_every_kernel():
+    """CUDA_LAUNCH_BLOCKING=1: the host issues no kernel before the previous one ended, so a phase
+    lasts its kernels' time plus one issue each, where it otherwise hides the issues behind the GPU."""
+    from pipectl.profile.compute_model import ComputeDevice, Kernel, phase_seconds
+
+    device = ComputeDevice("x", 1e12, 1e12, 1.0, 1.0, 1e-5, 1, 2)
+    kernels = [Kernel("a", 0, 0, 1e-3)] * 3
+    assert phase_seconds(kernels, device) == pytest.approx(1e-5 + 3e-3)
+    assert phase_seconds(kernels, replace(device, launch_blocking=True)) == pytest.approx(3 * (1e-5 + 1e-3))
+    plain = derive_profile(GPT, "h100-80gb", [1])
+    blocking = derive_profile(GPT, "h100-80gb", [1], engine=EngineFeatures(name="e", launch_blocking=True))
+    for layer, slower in zip(plain.layers, blocking.layers):  # the embedding's forward is one kernel
+        assert slower.costs[0].forward_seconds >= layer.costs[0].forward_seconds
+        assert slower.costs[0].backward_seconds > layer.costs[0].backward_seconds
+    block, slower_block = plain.layers[1].costs[0], blocking.layers[1].costs[0]
+    assert slower_block.forward_seconds > block.forward_seconds
+    assert not EngineFeatures(name="e", launch_blocking=True).runnable_by_pipectl

@@ -425,6 +425,22 @@ class EngineFeatures(Strict):
         "(`plan.simulate`), not as edge delays beside the compute. A property of the engine pipectl's "
         "DeepSpeed runtime shares, so it does not make a plan unrunnable.",
     )
+    launch_blocking: bool = Field(
+        default=False,
+        exclude_if=lambda value: not value,
+        description="Every CUDA launch waits for its kernel to end (CUDA_LAUNCH_BLOCKING=1, which BigScience's "
+        "BLOOM run set against hangs: train/tr11-176B-ml/tr11-176B-ml.slurm): the host's per-kernel time adds to "
+        "each kernel's instead of running ahead of the GPU (`compute_model.phase_seconds`).",
+    )
+    gradients_all_reduced: bool = Field(
+        default=False,
+        exclude_if=lambda value: not value,
+        description="The sharded optimizer's gradients all-reduced whole, not reduce-scattered: DeepSpeed's "
+        "BF16_Optimizer under its pipeline engine (bf16 at ZeRO stage 0: deepspeed/runtime/pipe/engine.py "
+        "_bf16_reduce_grads, buffered_allreduce_fallback, in the training dtype: engine.communication_data_type) "
+        "all-reduces every gradient, then each replica updates its shard and all-gathers the parameters "
+        "(bf16_optimizer.py step, all_gather_dp_groups): a full ring plus the all-gather's half.",
+    )
     megatron_deepspeed_layer: bool = Field(
         default=False,
         exclude_if=lambda value: not value,
@@ -469,7 +485,8 @@ class EngineFeatures(Strict):
         return not (self.sequence_parallel or self.vocab_parallel or self.fused_elementwise or self.dropout
                     or self.gradient_accumulation_fusion
                     or self.tensor_parallel_overlap or self.gradient_reduce_overlap or self.parameter_gather_overlap
-                    or self.gradients_reduced_in_fp32 or self.megatron_deepspeed_layer)
+                    or self.gradients_reduced_in_fp32 or self.megatron_deepspeed_layer or self.launch_blocking
+                    or self.gradients_all_reduced)
 
 
 class ModelProfile(Artifact):

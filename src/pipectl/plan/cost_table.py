@@ -203,15 +203,17 @@ def data_parallel_seconds(
         handoff = collective_handoff_seconds(hardware, d, inside)
         gradient_seconds = ring.ring_allreduce_seconds(held * gradient, d)
         # ZeRO-1 (the distributed optimizer): the gradients' reduce-scatter, half the ring, then the
-        # updated parameters' all-gather, half a ring of their bytes; ZeRO-0: the all-reduce.
+        # updated parameters' all-gather, half a ring of their bytes; ZeRO-0: the all-reduce. An
+        # engine that all-reduces before its sharded step (`gradients_all_reduced`) pays both.
         sharded = zero_stage >= 1
-        reduce_seconds = gradient_seconds / 2 if sharded else gradient_seconds
+        features = hardware.features
+        scattered = sharded and not (features is not None and features.gradients_all_reduced)
+        reduce_seconds = gradient_seconds / 2 if scattered else gradient_seconds
         gather_seconds = ring.ring_allreduce_seconds(held * element_bytes, d) / 2
         seconds = reduce_seconds + (gather_seconds if sharded else 0.0) + handoff
-        features = hardware.features
         if runtime is None and features is not None and features.gradient_reduce_overlap and d > 1:
             bucket = min(held, max(features.bucket_parameters, MEGATRON_BUCKET_PARAMETERS_PER_REPLICA * d))
-            bucket_seconds = ring.ring_allreduce_seconds(bucket * gradient, d) / (2 if sharded else 1)
+            bucket_seconds = ring.ring_allreduce_seconds(bucket * gradient, d) / (2 if scattered else 1)
             seconds = handoff + overlapped_data_parallel_seconds(
                 reduce_seconds,
                 gather_seconds if sharded else 0.0,

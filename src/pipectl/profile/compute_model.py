@@ -86,6 +86,8 @@ class ComputeDevice:
     bytes_per_element: int
     # Exponent on a GEMM's useful wave fraction (`DeviceSpec.gemm_wave_quantization`): 1 as modelled.
     wave_quantization: float = 1.0
+    # Every launch waits for its kernel to end (CUDA_LAUNCH_BLOCKING=1; `EngineFeatures.launch_blocking`).
+    launch_blocking: bool = False
 
     @classmethod
     def of(cls, device: DeviceSpec, dtype: str) -> ComputeDevice | None:
@@ -123,8 +125,9 @@ def phase_seconds(kernels: Sequence[Kernel], device: ComputeDevice) -> float:
 
     The host issues kernel i at (i+1) x overhead; the GPU runs it once issued and once the previous
     one ended (one stream). Launch-bound phases last n x overhead, GPU-bound ones the sum of the
-    kernels (plus one overhead). A blocking copy (`Kernel.blocks_host`) is issued only once the GPU
-    has caught up, and the host's issues count on from there:
+    kernels (plus one overhead). A blocking copy (`Kernel.blocks_host`), and every kernel where each
+    launch blocks (`ComputeDevice.launch_blocking`), is issued only once the GPU has caught up, and
+    the host's issues count on from there:
 
         >>> d = ComputeDevice("x", 1e12, 1e12, 1.0, 1.0, 1e-5, 1, 2)
         >>> round(phase_seconds([Kernel("a", 0, 0, 1e-6)] * 3, d) * 1e6, 1)   # 3 x 10 µs + 1 µs
@@ -137,7 +140,7 @@ def phase_seconds(kernels: Sequence[Kernel], device: ComputeDevice) -> float:
     """
     issued = gpu_free = 0.0
     for kernel in kernels:
-        if kernel.blocks_host:
+        if kernel.blocks_host or device.launch_blocking:
             issued = max(issued, gpu_free)
         issued += device.kernel_overhead_seconds
         gpu_free = max(gpu_free, issued) + kernel.seconds

@@ -290,6 +290,8 @@ def _derive(
     transformer = config.family in (ModelFamily.GPT, ModelFamily.BERT)
     shapes = _shapes(config, attention, _check_tensor_parallel(tensor_parallel), engine)
     compute = ComputeDevice.of(device, dtype)
+    if compute is not None and engine is not None and engine.launch_blocking:
+        compute = replace(compute, launch_blocking=True)
     bytes_per_element = DTYPE_BYTES[dtype]
 
     # Layers that share a work function (a model's blocks) are priced once: the kernel model is
