@@ -179,8 +179,9 @@ class ConfigFile:
         there stays as it is only if it is no path at all (a shipped name, `package.module:function`,
         `hf:NAME`): a path, or a name that is a file in the current directory, is the file's
         folder's even when missing there, so that the error names where it was looked for, and a
-        file of the same name where the command happens to run is never taken instead. `~` is the
-        home folder, as a shell would have it on the command line."""
+        file of the same name where the command happens to run is never taken instead. A folder
+        named as a shipped name (a run directory called `local`) leaves the name a name: every
+        path key names a file. `~` is the home folder, as a shell would have it on the command line."""
         if isinstance(value, str) and value.startswith("~"):
             try:
                 value = str(Path(value).expanduser())
@@ -189,7 +190,7 @@ class ConfigFile:
         if not isinstance(value, str) or not value or Path(value).is_absolute():
             return value
         beside = (self.path.parent / value).resolve()
-        if beside.exists() or Path(value).exists() or (not _is_reference(value) and _looks_like_path(value)):
+        if beside.is_file() or Path(value).is_file() or (not _is_reference(value) and _looks_like_path(value)):
             return str(beside)
         return value
 

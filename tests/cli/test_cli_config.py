@@ -425,3 +425,18 @@ def test_a_printed_config_shows_the_cluster_files_slurm_values_it_takes(tmp_path
     assert "\naccount = \"mine\"" in slurm and "proj1" not in slurm, slurm
     assert "# qos =\n" in slurm, slurm
     assert tomllib.loads(printed.output)["slurm"] == {"account": "mine"}
+
+
+def test_a_shipped_name_stays_a_name_beside_a_folder_of_that_name(tmp_path):
+    """`[cluster] name = "local"` where the working directory (the config's folder) holds a folder
+    `local/` (a run directory, say) names the shipped cluster: only a file of that name is a path."""
+    from cli_process import pipectl
+
+    write_json_atomic(tmp_path / "profile.json", synthetic_profile(blocks=2, micro_batch_sizes=[1, 2], device="cpu"))
+    (tmp_path / "local").mkdir()
+    (tmp_path / "job.toml").write_text(
+        '[model]\nprofile = "profile.json"\n[cluster]\nname = "local"\ndevices = 2\n[training]\nglobal_batch = 8\n'
+    )
+    planned = pipectl("plan", "--config", "job.toml", "-o", "plan.json", cwd=tmp_path)
+    assert planned.returncode == 0, planned.stdout + planned.stderr
+    assert json.loads((tmp_path / "plan.json").read_text())["cluster"] == "local"
