@@ -8,9 +8,15 @@ which broke the engine calibration's children on an H100 host. Tests of the CUDA
 
 The suite runs in two pytest-xdist workers (`scripts/test.sh`), a test file per worker. A worker
 sets COLUMNS=80 and LINES=24 for itself, while pipectl reads COLUMNS as the width a user asked for;
-they are dropped here, before any console exists, so a worker sees what one pytest process sees."""
+they are dropped here, before any console exists, so a worker sees what one pytest process sees.
+
+A suite started in the background (`... &` from a script, or under nohup) inherits SIGINT, and
+under nohup SIGHUP, ignored, and every pipectl a test starts would inherit that too (an ignored
+signal stays ignored across exec): the tests of Ctrl-C and of a closed terminal need the defaults a
+terminal gives, so they are restored here, in every worker, before any child starts."""
 
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -22,6 +28,10 @@ if not GPU_RUN:
 if "PYTEST_XDIST_WORKER" in os.environ:
     for name in ("COLUMNS", "LINES"):
         os.environ.pop(name, None)
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN:
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 
 def pytest_collection_modifyitems(config, items):
