@@ -93,13 +93,15 @@ def _catalog_links(device: str):
 
 def test_collectives_inside_a_node_run_at_the_catalogs_measured_bus_bandwidth():
     """Without a cluster figure, point-to-point transfers take the link's datasheet rate and
-    collectives the NCCL bus bandwidth the catalog records (A100: ~230 of 300 GB/s, H100 370 of 450);
-    a device without that figure prices both at the link's rate."""
+    collectives the NCCL bus bandwidth the catalog records (A100: ~230 of 300 GB/s, H100 370 of 450,
+    and 47 of 50 between H100 nodes); a device without that figure prices both at the link's rate."""
     a100, h100, v100 = _catalog_links("a100-80gb"), _catalog_links("h100-80gb"), _catalog_links("v100-32gb")
     assert (a100.intra_bandwidth_bytes_per_second, a100.allreduce_intra_bandwidth_bytes_per_second) == (300e9, 230e9)
     assert (h100.intra_bandwidth_bytes_per_second, h100.allreduce_intra_bandwidth_bytes_per_second) == (450e9, 370e9)
     assert v100.allreduce_intra_bandwidth_bytes_per_second == v100.intra_bandwidth_bytes_per_second == 150e9
     assert a100.allreduce_inter_bandwidth_bytes_per_second == a100.inter_bandwidth_bytes_per_second == 25e9
+    # Between nodes too where the catalog has NCCL's figure: NDR's 46-48 of the NIC's 50 GB/s.
+    assert (h100.inter_bandwidth_bytes_per_second, h100.allreduce_inter_bandwidth_bytes_per_second) == (50e9, 47e9)
 
 
 def test_a_clusters_own_collective_figure_replaces_only_the_collectives():

@@ -94,6 +94,12 @@ class DeviceSpec(Strict):
     inter_node_bandwidth_gbytes_per_second: float = Field(
         ge=MIN_GBYTES_PER_SECOND, le=MAX_GBYTES_PER_SECOND, description="Per-device share of the node's network bandwidth (InfiniBand, Ethernet), GB/s."
     )
+    inter_node_allreduce_bandwidth_gbytes_per_second: float | None = Field(
+        default=None, ge=MIN_GBYTES_PER_SECOND, le=MAX_GBYTES_PER_SECOND,
+        description="The bus bandwidth NCCL's ring all-reduce reaches per device across nodes (per NIC where each "
+        "device has its own), GB/s: the catalog's figure for collectives between nodes; None: the per-device share "
+        "above. Point-to-point transfers keep that share.",
+    )
     inter_node_latency_us: float = Field(ge=0, le=MAX_LATENCY_US, description="Point-to-point latency across nodes, µs.")
     efficiency_by_micro_batch: list[tuple[int, float]] = Field(
         min_length=1,

@@ -522,6 +522,7 @@ def resolve_links(cluster: ClusterSpec, node_type: NodeType | str) -> ResolvedLi
         device.inter_node_bandwidth_gbytes_per_second,
         _gigabytes_to_bytes,
         sources,
+        catalog_allreduce=device.inter_node_allreduce_bandwidth_gbytes_per_second,
         allreduce_override=_first(
             [own.inter_node_allreduce_bandwidth_gbytes_per_second, shared.inter_node_allreduce_bandwidth_gbytes_per_second]
         ),
